@@ -1,0 +1,14 @@
+//! phub-proto: what every side of phub agrees on.
+//!
+//! Layer: pure. No I/O, no clock, no `unsafe`. Holds the wire header views
+//! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]) and the
+//! chunk layout ([`layout`]). Parsing received bytes never panics and never
+//! allocates.
+#![forbid(unsafe_code)]
+
+mod dtype;
+pub mod layout;
+pub mod spec;
+pub mod wire;
+
+pub use dtype::Dtype;

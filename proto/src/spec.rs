@@ -1,0 +1,447 @@
+//! Job specs: what a tenant asks the appliance to run, in TOML or JSON.
+//!
+//! ```toml
+//! name = "resnet50"
+//! workers = 4
+//! dtype = "f32"          # f32 | bf16 | f16 on the wire; f32 accumulation
+//! chunk_bytes = 8192     # payload bytes per packet; multiple of 64, <= 8832
+//!
+//! [optimizer]
+//! kind = "sgd"           # sum | mean | sgd | momentum | nesterov | adam | adamw
+//! lr = 0.1
+//!
+//! [consistency]
+//! mode = "sync"
+//!
+//! [[keys]]
+//! name = "conv1.weight"
+//! elements = 9408
+//! ```
+//!
+//! [`JobSpec::validate`] names the bad field, its value and what is accepted.
+
+use serde::{Deserialize, Serialize};
+
+use crate::wire::MAX_PAYLOAD;
+use crate::Dtype;
+
+/// Most workers a job may have (ranks fit the header's `u16`, bitmaps 256 bits).
+pub const MAX_WORKERS: u32 = 256;
+/// Most keys one job may declare.
+pub const MAX_KEYS: usize = 1 << 20;
+/// Most elements one key may hold (2^32 - 1, so chunk indices fit `u32`).
+pub const MAX_KEY_ELEMENTS: u64 = u32::MAX as u64;
+/// Smallest chunk in bytes.
+pub const MIN_CHUNK_BYTES: u32 = 64;
+/// Largest chunk in bytes: what fits a 9000-byte jumbo frame, a multiple of 64.
+pub const MAX_CHUNK_BYTES: u32 = MAX_PAYLOAD as u32;
+/// Default chunk size in bytes.
+pub const DEFAULT_CHUNK_BYTES: u32 = 8192;
+
+/// A job as a tenant submits it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JobSpec {
+    /// Human name, 1..=128 characters.
+    pub name: String,
+    /// Number of workers W, 1..=256. Every round waits for all of them.
+    pub workers: u32,
+    /// Element type on the wire.
+    #[serde(default = "default_dtype")]
+    pub dtype: Dtype,
+    /// Payload bytes per chunk (one packet).
+    #[serde(default = "default_chunk_bytes")]
+    pub chunk_bytes: u32,
+    /// What the appliance does with a chunk once all workers have pushed.
+    pub optimizer: Optimizer,
+    /// Consistency model.
+    #[serde(default)]
+    pub consistency: Consistency,
+    /// The tensors, in the order workers refer to them (key = index).
+    pub keys: Vec<KeySpec>,
+}
+
+fn default_dtype() -> Dtype {
+    Dtype::F32
+}
+
+fn default_chunk_bytes() -> u32 {
+    DEFAULT_CHUNK_BYTES
+}
+
+/// One tensor of a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct KeySpec {
+    /// Optional name (unique within the job when given).
+    #[serde(default)]
+    pub name: String,
+    /// Number of elements, 1..=2^32-1.
+    pub elements: u64,
+}
+
+/// The per-chunk update the appliance runs once a round is complete.
+///
+/// `g` below is the mean of the W workers' gradients (their sum over W);
+/// `t` is the round number (1 for the first update).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Optimizer {
+    /// Result = sum of the workers' pushes (all-reduce sum).
+    Sum,
+    /// Result = mean of the workers' pushes (all-reduce mean).
+    Mean,
+    /// `w -= lr * (g + wd * w)`.
+    Sgd {
+        /// Learning rate, > 0.
+        lr: f32,
+        /// L2 weight decay, >= 0.
+        #[serde(default)]
+        weight_decay: f32,
+    },
+    /// Heavy-ball momentum (MXNet `sgd_mom_update`):
+    /// `m = mu * m - lr * (g + wd * w); w += m`.
+    Momentum {
+        /// Learning rate, > 0.
+        lr: f32,
+        /// Momentum, in [0, 1).
+        #[serde(default = "default_momentum")]
+        momentum: f32,
+        /// L2 weight decay, >= 0.
+        #[serde(default)]
+        weight_decay: f32,
+    },
+    /// Nesterov momentum as PHub/MXNet's NAG defines it:
+    /// `g' = g + wd * w; m = mu * m + g'; w -= lr * (g' + mu * m)`.
+    Nesterov {
+        /// Learning rate, > 0.
+        lr: f32,
+        /// Momentum, in [0, 1).
+        #[serde(default = "default_momentum")]
+        momentum: f32,
+        /// L2 weight decay, >= 0.
+        #[serde(default)]
+        weight_decay: f32,
+    },
+    /// Adam with bias correction and L2 weight decay folded into `g`.
+    Adam {
+        /// Learning rate, > 0.
+        lr: f32,
+        /// First-moment decay, in [0, 1).
+        #[serde(default = "default_beta1")]
+        beta1: f32,
+        /// Second-moment decay, in [0, 1).
+        #[serde(default = "default_beta2")]
+        beta2: f32,
+        /// Added to the denominator, > 0.
+        #[serde(default = "default_eps")]
+        eps: f32,
+        /// L2 weight decay, >= 0.
+        #[serde(default)]
+        weight_decay: f32,
+    },
+    /// AdamW: Adam with decoupled weight decay, `w -= lr * wd * w` first.
+    Adamw {
+        /// Learning rate, > 0.
+        lr: f32,
+        /// First-moment decay, in [0, 1).
+        #[serde(default = "default_beta1")]
+        beta1: f32,
+        /// Second-moment decay, in [0, 1).
+        #[serde(default = "default_beta2")]
+        beta2: f32,
+        /// Added to the denominator, > 0.
+        #[serde(default = "default_eps")]
+        eps: f32,
+        /// Decoupled weight decay, >= 0.
+        #[serde(default = "default_adamw_decay")]
+        weight_decay: f32,
+    },
+}
+
+fn default_momentum() -> f32 {
+    0.9
+}
+fn default_beta1() -> f32 {
+    0.9
+}
+fn default_beta2() -> f32 {
+    0.999
+}
+fn default_eps() -> f32 {
+    1e-8
+}
+fn default_adamw_decay() -> f32 {
+    0.01
+}
+
+impl Optimizer {
+    /// The spec name of this optimizer.
+    pub const fn name(&self) -> &'static str {
+        match self {
+            Optimizer::Sum => "sum",
+            Optimizer::Mean => "mean",
+            Optimizer::Sgd { .. } => "sgd",
+            Optimizer::Momentum { .. } => "momentum",
+            Optimizer::Nesterov { .. } => "nesterov",
+            Optimizer::Adam { .. } => "adam",
+            Optimizer::Adamw { .. } => "adamw",
+        }
+    }
+
+    /// Whether the appliance keeps parameters (false for sum and mean, which
+    /// return the aggregate itself).
+    pub const fn keeps_params(&self) -> bool {
+        !matches!(self, Optimizer::Sum | Optimizer::Mean)
+    }
+
+    /// Per-element `f32` state buffers beyond the parameters.
+    pub const fn state_buffers(&self) -> usize {
+        match self {
+            Optimizer::Sum | Optimizer::Mean | Optimizer::Sgd { .. } => 0,
+            Optimizer::Momentum { .. } | Optimizer::Nesterov { .. } => 1,
+            Optimizer::Adam { .. } | Optimizer::Adamw { .. } => 2,
+        }
+    }
+}
+
+/// Consistency model (Li et al., OSDI 2014).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(tag = "mode", rename_all = "lowercase", deny_unknown_fields)]
+pub enum Consistency {
+    /// Bulk synchronous: a round completes when all W workers have pushed.
+    #[default]
+    Sync,
+    /// Each push is applied at once and answered to its sender alone.
+    Async,
+    /// A push of round r is applied at once and answered when every worker
+    /// has pushed round r - delay.
+    Bounded {
+        /// The bound τ on staleness, in rounds.
+        delay: u32,
+    },
+}
+
+/// What is wrong with a spec.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SpecError {
+    /// The text is not a well-formed spec (syntax, unknown field, wrong type).
+    #[error("invalid job spec: {0}")]
+    Parse(String),
+    /// A field has a value outside what is accepted.
+    #[error("invalid job spec: `{field}` = {value}: {accepted}")]
+    Field {
+        /// Dotted path of the field, e.g. `keys[3].elements`.
+        field: String,
+        /// The value given.
+        value: String,
+        /// What would be accepted.
+        accepted: String,
+    },
+}
+
+fn bad(field: impl Into<String>, value: impl std::fmt::Display, accepted: impl Into<String>) -> SpecError {
+    SpecError::Field {
+        field: field.into(),
+        value: value.to_string(),
+        accepted: accepted.into(),
+    }
+}
+
+impl JobSpec {
+    /// Parses and validates a TOML spec.
+    pub fn from_toml(text: &str) -> Result<JobSpec, SpecError> {
+        let spec: JobSpec = toml::from_str(text).map_err(|e| SpecError::Parse(e.message().to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Parses and validates a JSON spec.
+    pub fn from_json(text: &str) -> Result<JobSpec, SpecError> {
+        let spec: JobSpec = serde_json::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
+        spec.validate()?;
+        Ok(spec)
+    }
+
+    /// Elements per full chunk.
+    pub fn chunk_elems(&self) -> u32 {
+        self.chunk_bytes / self.dtype.size() as u32
+    }
+
+    /// Checks every field; the first problem found is returned.
+    pub fn validate(&self) -> Result<(), SpecError> {
+        let n = self.name.chars().count();
+        if n == 0 || n > 128 {
+            return Err(bad("name", format!("{:?}", self.name), "a name of 1 to 128 characters"));
+        }
+        if self.workers == 0 || self.workers > MAX_WORKERS {
+            return Err(bad("workers", self.workers, format!("an integer from 1 to {MAX_WORKERS}")));
+        }
+        if self.chunk_bytes < MIN_CHUNK_BYTES
+            || self.chunk_bytes > MAX_CHUNK_BYTES
+            || self.chunk_bytes % 64 != 0
+        {
+            return Err(bad(
+                "chunk_bytes",
+                self.chunk_bytes,
+                format!(
+                    "a multiple of 64 from {MIN_CHUNK_BYTES} to {MAX_CHUNK_BYTES} \
+                     (the payload of a 9000-byte jumbo frame)"
+                ),
+            ));
+        }
+        validate_optimizer(&self.optimizer)?;
+        match self.consistency {
+            Consistency::Sync => {}
+            Consistency::Async | Consistency::Bounded { .. } => {
+                return Err(bad(
+                    "consistency.mode",
+                    format!("{:?}", self.consistency).to_lowercase(),
+                    "\"sync\" (asynchronous and bounded-delay modes are not implemented yet)",
+                ));
+            }
+        }
+        if self.keys.is_empty() {
+            return Err(bad("keys", "[]", "at least one key"));
+        }
+        if self.keys.len() > MAX_KEYS {
+            return Err(bad("keys", format!("{} keys", self.keys.len()), format!("at most {MAX_KEYS} keys")));
+        }
+        let mut names = std::collections::HashSet::new();
+        for (i, k) in self.keys.iter().enumerate() {
+            if k.elements == 0 || k.elements > MAX_KEY_ELEMENTS {
+                return Err(bad(
+                    format!("keys[{i}].elements"),
+                    k.elements,
+                    format!("an integer from 1 to {MAX_KEY_ELEMENTS}"),
+                ));
+            }
+            if !k.name.is_empty() && !names.insert(k.name.as_str()) {
+                return Err(bad(format!("keys[{i}].name"), format!("{:?}", k.name), "a name no other key of the job has"));
+            }
+        }
+        Ok(())
+    }
+}
+
+fn validate_optimizer(o: &Optimizer) -> Result<(), SpecError> {
+    fn lr(v: f32) -> Result<(), SpecError> {
+        if v.is_finite() && v > 0.0 {
+            Ok(())
+        } else {
+            Err(bad("optimizer.lr", v, "a finite number > 0"))
+        }
+    }
+    fn unit(field: &str, v: f32) -> Result<(), SpecError> {
+        if (0.0..1.0).contains(&v) {
+            Ok(())
+        } else {
+            Err(bad(format!("optimizer.{field}"), v, "a number in [0, 1)"))
+        }
+    }
+    fn decay(v: f32) -> Result<(), SpecError> {
+        if v.is_finite() && v >= 0.0 {
+            Ok(())
+        } else {
+            Err(bad("optimizer.weight_decay", v, "a finite number >= 0"))
+        }
+    }
+    match *o {
+        Optimizer::Sum | Optimizer::Mean => Ok(()),
+        Optimizer::Sgd { lr: l, weight_decay } => {
+            lr(l)?;
+            decay(weight_decay)
+        }
+        Optimizer::Momentum { lr: l, momentum, weight_decay }
+        | Optimizer::Nesterov { lr: l, momentum, weight_decay } => {
+            lr(l)?;
+            unit("momentum", momentum)?;
+            decay(weight_decay)
+        }
+        Optimizer::Adam { lr: l, beta1, beta2, eps, weight_decay }
+        | Optimizer::Adamw { lr: l, beta1, beta2, eps, weight_decay } => {
+            lr(l)?;
+            unit("beta1", beta1)?;
+            unit("beta2", beta2)?;
+            if !(eps.is_finite() && eps > 0.0) {
+                return Err(bad("optimizer.eps", eps, "a finite number > 0"));
+            }
+            decay(weight_decay)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+name = "toy"
+workers = 3
+dtype = "bf16"
+chunk_bytes = 4096
+[optimizer]
+kind = "adam"
+lr = 0.001
+[[keys]]
+name = "w"
+elements = 10
+[[keys]]
+elements = 1
+"#;
+
+    #[test]
+    fn toml_and_json_agree() {
+        let t = JobSpec::from_toml(GOOD).unwrap();
+        assert_eq!(t.dtype, Dtype::Bf16);
+        assert_eq!(t.consistency, Consistency::Sync);
+        assert!(matches!(t.optimizer, Optimizer::Adam { beta1, .. } if beta1 == 0.9));
+        let j = JobSpec::from_json(&serde_json::to_string(&t).unwrap()).unwrap();
+        assert_eq!(t, j);
+        assert_eq!(t.chunk_elems(), 2048);
+    }
+
+    fn err(text: &str) -> String {
+        JobSpec::from_toml(text).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_field_value_and_what_is_accepted() {
+        let e = err(&GOOD.replace("workers = 3", "workers = 0"));
+        assert!(e.contains("`workers` = 0") && e.contains("1 to 256"), "{e}");
+        let e = err(&GOOD.replace("elements = 10", "elements = 0"));
+        assert!(e.contains("`keys[0].elements` = 0"), "{e}");
+        let e = err(&GOOD.replace("chunk_bytes = 4096", "chunk_bytes = 16384"));
+        assert!(e.contains("`chunk_bytes` = 16384") && e.contains("jumbo"), "{e}");
+        let e = err(&GOOD.replace("chunk_bytes = 4096", "chunk_bytes = 100"));
+        assert!(e.contains("multiple of 64"), "{e}");
+        let e = err(&GOOD.replace("lr = 0.001", "lr = -0.1"));
+        assert!(e.contains("`optimizer.lr` = -0.1") && e.contains("> 0"), "{e}");
+        let e = err(&GOOD.replace("kind = \"adam\"", "kind = \"lamb\""));
+        assert!(e.contains("lamb") && e.contains("adamw"), "{e}");
+        let e = err(&GOOD.replace("dtype = \"bf16\"", "dtype = \"f64\""));
+        assert!(e.contains("f64") && e.contains("bf16"), "{e}");
+        let e = err(&GOOD.replace("name = \"w\"", "name = \"w\"\ncolour = 1"));
+        assert!(e.contains("colour"), "{e}");
+        let e = err(&GOOD.replace("lr = 0.001", "lr = 0.001\nbeta1 = 1.0"));
+        assert!(e.contains("`optimizer.beta1` = 1"), "{e}");
+        let e = err(&GOOD.replace("elements = 1\n", "elements = 1\n[consistency]\nmode = \"async\"\n"));
+        assert!(e.contains("consistency.mode") && e.contains("sync"), "{e}");
+        let e = err("name = \"x\"\nworkers = 1\nkeys = []\n[optimizer]\nkind = \"sum\"\n");
+        assert!(e.contains("`keys` = []"), "{e}");
+        let e = err(&GOOD.replace("elements = 1\n", "name = \"w\"\nelements = 1\n"));
+        assert!(e.contains("`keys[1].name` = \"w\""), "{e}");
+        let e = err(&GOOD.replace("workers = 3", "workers = 3\nworkers = 4"));
+        assert!(e.contains("workers"), "{e}");
+    }
+
+    #[test]
+    fn json_errors_too() {
+        let e = JobSpec::from_json("{\"name\": \"x\"").unwrap_err();
+        assert!(matches!(e, SpecError::Parse(_)));
+        let e = JobSpec::from_json(r#"{"name":"x","workers":300,"optimizer":{"kind":"sum"},"keys":[{"elements":1}]}"#)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`workers` = 300"), "{e}");
+    }
+}
