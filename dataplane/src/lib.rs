@@ -1,0 +1,16 @@
+//! phub-dataplane: the appliance's data path.
+//!
+//! Layer: this crate's engine is pure (sans I/O): [`engine::Shard`] takes
+//! received datagrams and the caller's clock and yields what to send; it
+//! never blocks, logs or allocates per packet. The aggregation kernels
+//! ([`kernels`]) are chosen once at start-up by CPU features; the optimizer
+//! passes ([`optim`]) are fused single passes over a chunk. Packet I/O
+//! backends (kernel UDP, DPDK) sit on top and share these pieces.
+
+pub mod counters;
+pub mod engine;
+pub mod kernels;
+pub mod optim;
+
+pub use engine::{EngineError, JobInstall, Shard, Transmit, Verdict};
+pub use kernels::Kernels;

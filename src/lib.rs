@@ -1,0 +1,16 @@
+//! phub: a rack-scale parameter server appliance.
+//!
+//! This umbrella crate re-exports the layers (the wire protocol and job specs
+//! in [`proto`], the aggregation engine in [`dataplane`]) and carries the
+//! build stamp. The workspace-level integration tests live beside it in
+//! `tests/`.
+
+pub use phub_dataplane as dataplane;
+pub use phub_proto as proto;
+
+/// phub's version.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
+/// The git commit the build came from ("unknown" outside a checkout).
+pub const GIT_COMMIT: &str = env!("PHUB_GIT_COMMIT");
+/// Target features the compiler could assume (comma-separated).
+pub const TARGET_FEATURES: &str = env!("PHUB_TARGET_FEATURES");
