@@ -23,7 +23,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 const JOB: u16 = 7;
-const TOKEN: u64 = 0x5eed_0f_7e57;
+const TOKEN: u64 = 0x5eed_0f7e_57a1;
 
 #[derive(Clone, Copy)]
 struct Faults {
@@ -54,11 +54,14 @@ enum Node {
     Worker(u16),
 }
 
+/// (delivery tick, sequence, destination, sender rank, datagram).
+type InFlight = (u64, u64, Node, u16, Vec<u8>);
+
 struct Net {
     rng: ChaCha8Rng,
     faults: Faults,
     seq: u64,
-    queue: BinaryHeap<Reverse<(u64, u64, Node, u16, Vec<u8>)>>,
+    queue: BinaryHeap<Reverse<InFlight>>,
     sent: u64,
     lost: u64,
 }
@@ -238,10 +241,16 @@ fn run(case: &Case) {
         let values: Vec<f32> = if w.round == 0 {
             init[k][start as usize..(start + u64::from(count)) as usize].to_vec()
         } else {
-            (0..u64::from(count)).map(|e| grad(w.rank, k, start + e, w.round)).collect()
+            (0..u64::from(count))
+                .map(|e| grad(w.rank, k, start + e, w.round))
+                .collect()
         };
         let repr = Repr {
-            kind: if w.round == 0 { MsgType::Init } else { MsgType::Push },
+            kind: if w.round == 0 {
+                MsgType::Init
+            } else {
+                MsgType::Push
+            },
             dtype: case.dtype,
             flags: if retransmit { flags::RETRANSMIT } else { 0 },
             token: TOKEN,
@@ -261,7 +270,10 @@ fn run(case: &Case) {
     };
 
     while workers.iter().any(|w| !w.finished) {
-        assert!(now < deadline, "simulation did not finish by tick {deadline}: a hang");
+        assert!(
+            now < deadline,
+            "simulation did not finish by tick {deadline}: a hang"
+        );
         // Deliver everything due now.
         while let Some(Reverse((at, ..))) = net.queue.peek() {
             if *at > now {

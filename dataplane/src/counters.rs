@@ -16,7 +16,8 @@ impl Counter {
     /// Adds `n`. Only the owning lcore may call this.
     #[inline]
     pub fn add(&self, n: u64) {
-        self.0.store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
+        self.0
+            .store(self.0.load(Ordering::Relaxed).wrapping_add(n), Ordering::Relaxed);
     }
 
     /// Adds one. Only the owning lcore may call this.

@@ -225,7 +225,11 @@ impl Slot {
             ResultBuf::Params => {}
             ResultBuf::F32(r) => std::mem::swap(r, &mut self.acc),
             ResultBuf::Half(r) => {
-                let src = if opt.keeps_params() { &self.params } else { &self.acc };
+                let src = if opt.keeps_params() {
+                    &self.params
+                } else {
+                    &self.acc
+                };
                 kernels::encode(dtype, src, bytemuck::cast_slice_mut(r));
             }
         }
@@ -331,7 +335,12 @@ impl<A: Copy + Eq> Shard<A> {
             });
         }
         let max = (MAX_PAYLOAD / job.dtype.size()) as u32;
-        if let Some((i, s)) = job.slots.iter().enumerate().find(|(_, s)| s.elems == 0 || s.elems > max) {
+        if let Some((i, s)) = job
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.elems == 0 || s.elems > max)
+        {
             return Err(EngineError::BadSlot {
                 id: job.id,
                 slot: i as u32,
@@ -340,7 +349,11 @@ impl<A: Copy + Eq> Shard<A> {
                 dtype: job.dtype,
             });
         }
-        let slots = job.slots.iter().map(|&c| Slot::new(c, job.dtype, &job.optimizer)).collect();
+        let slots = job
+            .slots
+            .iter()
+            .map(|&c| Slot::new(c, job.dtype, &job.optimizer))
+            .collect();
         self.jobs.push(Job {
             id: job.id,
             token: job.token,
@@ -357,7 +370,8 @@ impl<A: Copy + Eq> Shard<A> {
     /// Removes a job and frees its slots; returns whether it was installed.
     /// Pending transmits for it are discarded.
     pub fn remove(&mut self, id: u16) -> bool {
-        self.pending.retain(|p| !matches!(p, Pending::Result { job, .. } if *job == id));
+        self.pending
+            .retain(|p| !matches!(p, Pending::Result { job, .. } if *job == id));
         let before = self.jobs.len();
         self.jobs.retain(|j| j.id != id);
         before != self.jobs.len()

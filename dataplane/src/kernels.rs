@@ -148,11 +148,7 @@ impl Kernels {
                     Some(Kernels {
                         kind,
                         add: [x86::avx512_add_f32, x86::avx512_add_bf16, x86::avx512_add_f16],
-                        copy: [
-                            x86::avx512_copy_f32,
-                            x86::avx512_copy_bf16,
-                            x86::avx512_copy_f16,
-                        ],
+                        copy: [x86::avx512_copy_f32, x86::avx512_copy_bf16, x86::avx512_copy_f16],
                     })
                 } else {
                     None
@@ -165,7 +161,10 @@ impl Kernels {
 
     /// Every family this CPU can run, scalar first, best last.
     pub fn available() -> Vec<Kernels> {
-        KernelKind::ALL.iter().filter_map(|&k| Kernels::for_kind(k)).collect()
+        KernelKind::ALL
+            .iter()
+            .filter_map(|&k| Kernels::for_kind(k))
+            .collect()
     }
 
     /// The instruction set of this family.
@@ -311,7 +310,11 @@ mod x86 {
                     unsafe {
                         let $p = s.add(i * $size);
                         let x: __m256 = $load;
-                        let v = if $add { _mm256_add_ps(_mm256_loadu_ps(a.add(i)), x) } else { x };
+                        let v = if $add {
+                            _mm256_add_ps(_mm256_loadu_ps(a.add(i)), x)
+                        } else {
+                            x
+                        };
                         _mm256_storeu_ps(a.add(i), v);
                     }
                     i += 8;
@@ -340,11 +343,18 @@ mod x86 {
             p.cast::<__m128i>(),
         ))))
     });
-    avx2_kernel!(avx2_copy_bf16_tf, avx2_copy_bf16, false, 2, scalar::copy_bf16, |p| {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-            p.cast::<__m128i>(),
-        ))))
-    });
+    avx2_kernel!(
+        avx2_copy_bf16_tf,
+        avx2_copy_bf16,
+        false,
+        2,
+        scalar::copy_bf16,
+        |p| {
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
+                p.cast::<__m128i>(),
+            ))))
+        }
+    );
     avx2_kernel!(avx2_add_f16_tf, avx2_add_f16, true, 2, scalar::add_f16, |p| {
         _mm256_cvtph_ps(_mm_loadu_si128(p.cast::<__m128i>()))
     });
@@ -375,7 +385,11 @@ mod x86 {
                     unsafe {
                         let $p = s.add(i * $size);
                         let x: __m512 = $load;
-                        let v = if $add { _mm512_add_ps(_mm512_loadu_ps(a.add(i)), x) } else { x };
+                        let v = if $add {
+                            _mm512_add_ps(_mm512_loadu_ps(a.add(i)), x)
+                        } else {
+                            x
+                        };
                         _mm512_storeu_ps(a.add(i), v);
                     }
                     i += 16;
@@ -412,34 +426,64 @@ mod x86 {
     }
 
     avx512_kernel!(
-        avx512_add_f32_tf, avx512_add_f32, true, 4,
+        avx512_add_f32_tf,
+        avx512_add_f32,
+        true,
+        4,
         |p| _mm512_loadu_ps(p.cast::<f32>()),
         |p, m| _mm512_maskz_loadu_ps(m as __mmask16, p.cast::<f32>())
     );
     avx512_kernel!(
-        avx512_copy_f32_tf, avx512_copy_f32, false, 4,
+        avx512_copy_f32_tf,
+        avx512_copy_f32,
+        false,
+        4,
         |p| _mm512_loadu_ps(p.cast::<f32>()),
         |p, m| _mm512_maskz_loadu_ps(m as __mmask16, p.cast::<f32>())
     );
     avx512_kernel!(
-        avx512_add_bf16_tf, avx512_add_bf16, true, 2,
+        avx512_add_bf16_tf,
+        avx512_add_bf16,
+        true,
+        2,
         |p| bf16x16(_mm256_loadu_si256(p.cast::<__m256i>())),
-        |p, m| bf16x16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, p.cast::<i16>())))
+        |p, m| bf16x16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(
+            m,
+            p.cast::<i16>()
+        )))
     );
     avx512_kernel!(
-        avx512_copy_bf16_tf, avx512_copy_bf16, false, 2,
+        avx512_copy_bf16_tf,
+        avx512_copy_bf16,
+        false,
+        2,
         |p| bf16x16(_mm256_loadu_si256(p.cast::<__m256i>())),
-        |p, m| bf16x16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, p.cast::<i16>())))
+        |p, m| bf16x16(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(
+            m,
+            p.cast::<i16>()
+        )))
     );
     avx512_kernel!(
-        avx512_add_f16_tf, avx512_add_f16, true, 2,
+        avx512_add_f16_tf,
+        avx512_add_f16,
+        true,
+        2,
         |p| _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
-        |p, m| _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, p.cast::<i16>())))
+        |p, m| _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(
+            m,
+            p.cast::<i16>()
+        )))
     );
     avx512_kernel!(
-        avx512_copy_f16_tf, avx512_copy_f16, false, 2,
+        avx512_copy_f16_tf,
+        avx512_copy_f16,
+        false,
+        2,
         |p| _mm512_cvtph_ps(_mm256_loadu_si256(p.cast::<__m256i>())),
-        |p, m| _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(m, p.cast::<i16>())))
+        |p, m| _mm512_cvtph_ps(_mm512_castsi512_si256(_mm512_maskz_loadu_epi16(
+            m,
+            p.cast::<i16>()
+        )))
     );
 
     /// 16 bf16 values -> 16 `f32`: zero-extend each to 32 bits, shift left 16.
@@ -466,7 +510,12 @@ mod tests {
     fn assert_same(got: &[f32], want: &[f32], what: &str) {
         assert_eq!(got.len(), want.len(), "{what}: length");
         for (i, (g, w)) in got.iter().zip(want).enumerate() {
-            assert!(same(*g, *w), "{what}: element {i}: got {g:e} ({:#010x}), want {w:e} ({:#010x})", g.to_bits(), w.to_bits());
+            assert!(
+                same(*g, *w),
+                "{what}: element {i}: got {g:e} ({:#010x}), want {w:e} ({:#010x})",
+                g.to_bits(),
+                w.to_bits()
+            );
         }
     }
 
@@ -476,7 +525,16 @@ mod tests {
         let vals: Vec<f32> = (0..n)
             .map(|_| {
                 if specials && rng.gen_ratio(1, 8) {
-                    let pick = [0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 1e-40, 6e-8, 1e-45];
+                    let pick = [
+                        0.0,
+                        -0.0,
+                        f32::INFINITY,
+                        f32::NEG_INFINITY,
+                        f32::NAN,
+                        1e-40,
+                        6e-8,
+                        1e-45,
+                    ];
                     pick[rng.gen_range(0..pick.len())]
                 } else {
                     rng.gen_range(-1000.0f32..1000.0)
@@ -578,7 +636,11 @@ mod tests {
         let bf16b = 0x3fc0u16.to_le_bytes();
         let f16b = 0x3e00u16.to_le_bytes();
         for k in Kernels::available() {
-            for (dtype, b) in [(Dtype::F32, &f32b[..]), (Dtype::Bf16, &bf16b[..]), (Dtype::F16, &f16b[..])] {
+            for (dtype, b) in [
+                (Dtype::F32, &f32b[..]),
+                (Dtype::Bf16, &bf16b[..]),
+                (Dtype::F16, &f16b[..]),
+            ] {
                 let src: Vec<u8> = b.iter().copied().cycle().take(b.len() * 19).collect();
                 let mut acc = vec![7.0f32; 19];
                 k.copy(dtype, &mut acc, &src);
@@ -650,7 +712,11 @@ mod tests {
             assert_eq!(u16::from_le_bytes(b), want, "bf16 of {x}");
         }
         // f16: 1 + 2^-11 ties to 1.0; 1 + 3 * 2^-11 ties to 1 + 2^-9.
-        let cases_f16 = [(1.0 + 2f32.powi(-11), 0x3c00u16), (1.0 + 3.0 * 2f32.powi(-11), 0x3c02), (65520.0, 0x7c00)];
+        let cases_f16 = [
+            (1.0 + 2f32.powi(-11), 0x3c00u16),
+            (1.0 + 3.0 * 2f32.powi(-11), 0x3c02),
+            (65520.0, 0x7c00),
+        ];
         for (x, want) in cases_f16 {
             let mut b = [0u8; 2];
             encode(Dtype::F16, &[x], &mut b);

@@ -123,7 +123,15 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     /// The textbook formulas in f64, one element at a time.
-    fn reference(opt: &Optimizer, workers: u32, t: u32, acc: f64, w: &mut f64, m: &mut f64, v: &mut f64) -> f64 {
+    fn reference(
+        opt: &Optimizer,
+        workers: u32,
+        t: u32,
+        acc: f64,
+        w: &mut f64,
+        m: &mut f64,
+        v: &mut f64,
+    ) -> f64 {
         let g0 = acc / f64::from(workers);
         match *opt {
             Optimizer::Sum => acc,
@@ -236,7 +244,17 @@ mod tests {
             for t in 1..=5u32 {
                 let mut acc: Vec<f32> = (0..n).map(|_| rng.gen_range(-3.0..3.0)).collect();
                 let expect: Vec<f64> = (0..n)
-                    .map(|i| reference(&opt, workers, t, f64::from(acc[i]), &mut rw[i], &mut rm[i], &mut rv[i]))
+                    .map(|i| {
+                        reference(
+                            &opt,
+                            workers,
+                            t,
+                            f64::from(acc[i]),
+                            &mut rw[i],
+                            &mut rm[i],
+                            &mut rv[i],
+                        )
+                    })
                     .collect();
                 let (np, n1, n2) = match opt.state_buffers() {
                     _ if !opt.keeps_params() => (0, 0, 0),

@@ -75,30 +75,54 @@ fn drain(s: &mut Shard<u32>) -> Vec<(u32, Repr, Vec<f32>)> {
 #[test]
 fn a_round_completes_once_and_reaches_every_rank() {
     let mut s = shard(2, Dtype::F32, Optimizer::Sum);
-    assert_eq!(s.handle(10, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 1), Verdict::Aggregated);
-    assert_eq!(s.handle(10, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 1), Verdict::Dropped(DropReason::Duplicate));
+    assert_eq!(
+        s.handle(10, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 1),
+        Verdict::Aggregated
+    );
+    assert_eq!(
+        s.handle(10, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 1),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
     assert!(drain(&mut s).is_empty());
-    assert_eq!(s.handle(11, &msg(MsgType::Init, 1, 0, 0, &[]), 2), Verdict::Completed);
+    assert_eq!(
+        s.handle(11, &msg(MsgType::Init, 1, 0, 0, &[]), 2),
+        Verdict::Completed
+    );
     let out = drain(&mut s);
     assert_eq!(out.len(), 2);
     for (i, (to, repr, v)) in out.iter().enumerate() {
         assert_eq!(*to, 10 + i as u32);
-        assert_eq!((repr.kind, repr.round, repr.rank, repr.token), (MsgType::Result, 0, APPLIANCE_RANK, TOKEN));
+        assert_eq!(
+            (repr.kind, repr.round, repr.rank, repr.token),
+            (MsgType::Result, 0, APPLIANCE_RANK, TOKEN)
+        );
         assert_eq!(v, &[1., 2., 3., 4.]);
     }
     // Round 1: a sum; rank 1's retransmitted INIT re-obtains round 0's result.
-    assert_eq!(s.handle(10, &msg(MsgType::Push, 0, 1, 0, &[1., 1., 1., 1.]), 3), Verdict::Aggregated);
-    assert_eq!(s.handle(11, &msg(MsgType::Init, 1, 0, 0, &[]), 3), Verdict::Resent);
+    assert_eq!(
+        s.handle(10, &msg(MsgType::Push, 0, 1, 0, &[1., 1., 1., 1.]), 3),
+        Verdict::Aggregated
+    );
+    assert_eq!(
+        s.handle(11, &msg(MsgType::Init, 1, 0, 0, &[]), 3),
+        Verdict::Resent
+    );
     let out = drain(&mut s);
     assert_eq!(out.len(), 1);
     assert_eq!((out[0].0, out[0].1.round), (11, 0));
-    assert_eq!(s.handle(11, &msg(MsgType::Push, 1, 1, 0, &[2., 2., 2., 5.]), 4), Verdict::Completed);
+    assert_eq!(
+        s.handle(11, &msg(MsgType::Push, 1, 1, 0, &[2., 2., 2., 5.]), 4),
+        Verdict::Completed
+    );
     let out = drain(&mut s);
     assert_eq!(out.len(), 2);
     assert_eq!(out[0].2, vec![3., 3., 3., 6.]);
     assert_eq!(s.result(1, 0).unwrap().0, 1);
     // A PULL gets the stored result and its round, to the asker alone.
-    assert_eq!(s.handle(12, &msg(MsgType::Pull, 1, 0, 0, &[]), 5), Verdict::Pulled);
+    assert_eq!(
+        s.handle(12, &msg(MsgType::Pull, 1, 0, 0, &[]), 5),
+        Verdict::Pulled
+    );
     let out = drain(&mut s);
     assert_eq!((out.len(), out[0].0, out[0].1.round), (1, 12, 1));
     assert_eq!(out[0].2, vec![3., 3., 3., 6.]);
@@ -115,15 +139,51 @@ fn every_refusal_is_counted_under_its_reason() {
     let refuse = |s: &mut Shard<u32>, b: &[u8], r: DropReason| {
         assert_eq!(s.handle(1, b, 0), Verdict::Dropped(r));
     };
-    refuse(&mut s, &msg(MsgType::Pull, 0, 0, 0, &[]), DropReason::NothingToPull);
-    refuse(&mut s, &msg(MsgType::Push, 0, 0, 0, &[1.; 4]), DropReason::WrongTypeForRound);
-    refuse(&mut s, &msg(MsgType::Init, 0, 1, 0, &[1.; 4]), DropReason::WrongTypeForRound);
-    refuse(&mut s, &msg(MsgType::Init, 0, 0, 0, &[1.; 3]), DropReason::CountMismatch);
-    refuse(&mut s, &msg(MsgType::Init, 1, 0, 0, &[1.; 4]), DropReason::CountMismatch);
-    refuse(&mut s, &msg(MsgType::Init, 0, 0, 2, &[1.; 4]), DropReason::SlotOutOfRange);
-    refuse(&mut s, &msg(MsgType::Init, 2, 0, 0, &[]), DropReason::RankOutOfRange);
-    refuse(&mut s, &msg(MsgType::Result, 0, 0, 0, &[1.; 4]), DropReason::NotForAppliance);
-    refuse(&mut s, &msg(MsgType::Error, 0, 0, 0, &[]), DropReason::NotForAppliance);
+    refuse(
+        &mut s,
+        &msg(MsgType::Pull, 0, 0, 0, &[]),
+        DropReason::NothingToPull,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Push, 0, 0, 0, &[1.; 4]),
+        DropReason::WrongTypeForRound,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Init, 0, 1, 0, &[1.; 4]),
+        DropReason::WrongTypeForRound,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Init, 0, 0, 0, &[1.; 3]),
+        DropReason::CountMismatch,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Init, 1, 0, 0, &[1.; 4]),
+        DropReason::CountMismatch,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Init, 0, 0, 2, &[1.; 4]),
+        DropReason::SlotOutOfRange,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Init, 2, 0, 0, &[]),
+        DropReason::RankOutOfRange,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Result, 0, 0, 0, &[1.; 4]),
+        DropReason::NotForAppliance,
+    );
+    refuse(
+        &mut s,
+        &msg(MsgType::Error, 0, 0, 0, &[]),
+        DropReason::NotForAppliance,
+    );
     let mut b = msg(MsgType::Init, 0, 0, 0, &[1.; 4]);
     b[wire::field::TOKEN].copy_from_slice(&1u64.to_le_bytes());
     refuse(&mut s, &b, DropReason::BadToken);
@@ -145,7 +205,11 @@ fn every_refusal_is_counted_under_its_reason() {
     ok(&mut s, &msg(MsgType::Push, 1, 1, 0, &[1.; 4]));
     ok(&mut s, &msg(MsgType::Push, 0, 2, 0, &[1.; 4]));
     refuse(&mut s, &msg(MsgType::Init, 1, 0, 0, &[]), DropReason::Stale);
-    refuse(&mut s, &msg(MsgType::Push, 0, 2, 0, &[1.; 4]), DropReason::Duplicate);
+    refuse(
+        &mut s,
+        &msg(MsgType::Push, 0, 2, 0, &[1.; 4]),
+        DropReason::Duplicate,
+    );
     let c = s.counters();
     for r in DropReason::ALL {
         let expect = match r {
@@ -174,16 +238,23 @@ fn only_authenticated_senders_hear_about_refusals() {
     let out = drain(&mut s);
     assert_eq!(out.len(), 1);
     let (to, repr, payload) = &out[0];
-    assert_eq!((*to, repr.kind, repr.error), (66, MsgType::Error, DropReason::CountMismatch.code()));
+    assert_eq!(
+        (*to, repr.kind, repr.error),
+        (66, MsgType::Error, DropReason::CountMismatch.code())
+    );
     assert!(payload.is_empty());
 }
 
 #[test]
 fn another_jobs_packets_never_touch_a_victim() {
-    let mut s = shard(1, Dtype::F32, Optimizer::Sgd {
-        lr: 0.5,
-        weight_decay: 0.0,
-    });
+    let mut s = shard(
+        1,
+        Dtype::F32,
+        Optimizer::Sgd {
+            lr: 0.5,
+            weight_decay: 0.0,
+        },
+    );
     s.install(JobInstall {
         id: 2,
         token: 99,
@@ -203,7 +274,10 @@ fn another_jobs_packets_never_touch_a_victim() {
     let mut b = msg(MsgType::Push, 0, 1, 0, &[9.; 4]);
     b[wire::field::TOKEN].copy_from_slice(&99u64.to_le_bytes());
     assert_eq!(s.handle(1, &b, 0), Verdict::Dropped(DropReason::BadToken));
-    assert_eq!(s.handle(1, &msg(MsgType::Push, 0, 1, 7, &[9.; 4]), 0), Verdict::Dropped(DropReason::SlotOutOfRange));
+    assert_eq!(
+        s.handle(1, &msg(MsgType::Push, 0, 1, 7, &[9.; 4]), 0),
+        Verdict::Dropped(DropReason::SlotOutOfRange)
+    );
     assert_eq!(s.params(1, 0).unwrap(), &before[..]);
     assert_eq!(s.result(1, 0).unwrap().0, 0);
     assert!(s.remove(2));
@@ -250,10 +324,30 @@ fn bad_installs_are_refused() {
         workers,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
-        slots: vec![SlotChunk { key: 0, chunk: 0, elems }],
+        slots: vec![SlotChunk {
+            key: 0,
+            chunk: 0,
+            elems,
+        }],
     };
-    assert!(s.install(job(1, 1, 4)).unwrap_err().to_string().contains("already installed"));
-    assert!(s.install(job(3, 0, 4)).unwrap_err().to_string().contains("worker count 0"));
-    assert!(s.install(job(3, 1, 0)).unwrap_err().to_string().contains("0 elements"));
-    assert!(s.install(job(3, 1, 5000)).unwrap_err().to_string().contains("1..=2208"));
+    assert!(s
+        .install(job(1, 1, 4))
+        .unwrap_err()
+        .to_string()
+        .contains("already installed"));
+    assert!(s
+        .install(job(3, 0, 4))
+        .unwrap_err()
+        .to_string()
+        .contains("worker count 0"));
+    assert!(s
+        .install(job(3, 1, 0))
+        .unwrap_err()
+        .to_string()
+        .contains("0 elements"));
+    assert!(s
+        .install(job(3, 1, 5000))
+        .unwrap_err()
+        .to_string()
+        .contains("1..=2208"));
 }

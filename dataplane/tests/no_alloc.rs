@@ -107,6 +107,11 @@ fn handling_and_draining_allocates_nothing() {
         let after = ALLOCS.load(Ordering::Relaxed);
         assert!(sent > 0);
         assert_eq!(shard.counters().rounds_completed.get(), 20);
-        assert_eq!(after, before, "{dtype}: the data path allocated {} times", after - before);
+        assert_eq!(
+            after,
+            before,
+            "{dtype}: the data path allocated {} times",
+            after - before
+        );
     }
 }

@@ -272,14 +272,22 @@ impl JobSpec {
     pub fn validate(&self) -> Result<(), SpecError> {
         let n = self.name.chars().count();
         if n == 0 || n > 128 {
-            return Err(bad("name", format!("{:?}", self.name), "a name of 1 to 128 characters"));
+            return Err(bad(
+                "name",
+                format!("{:?}", self.name),
+                "a name of 1 to 128 characters",
+            ));
         }
         if self.workers == 0 || self.workers > MAX_WORKERS {
-            return Err(bad("workers", self.workers, format!("an integer from 1 to {MAX_WORKERS}")));
+            return Err(bad(
+                "workers",
+                self.workers,
+                format!("an integer from 1 to {MAX_WORKERS}"),
+            ));
         }
         if self.chunk_bytes < MIN_CHUNK_BYTES
             || self.chunk_bytes > MAX_CHUNK_BYTES
-            || self.chunk_bytes % 64 != 0
+            || !self.chunk_bytes.is_multiple_of(64)
         {
             return Err(bad(
                 "chunk_bytes",
@@ -305,7 +313,11 @@ impl JobSpec {
             return Err(bad("keys", "[]", "at least one key"));
         }
         if self.keys.len() > MAX_KEYS {
-            return Err(bad("keys", format!("{} keys", self.keys.len()), format!("at most {MAX_KEYS} keys")));
+            return Err(bad(
+                "keys",
+                format!("{} keys", self.keys.len()),
+                format!("at most {MAX_KEYS} keys"),
+            ));
         }
         let mut names = std::collections::HashSet::new();
         for (i, k) in self.keys.iter().enumerate() {
@@ -317,7 +329,11 @@ impl JobSpec {
                 ));
             }
             if !k.name.is_empty() && !names.insert(k.name.as_str()) {
-                return Err(bad(format!("keys[{i}].name"), format!("{:?}", k.name), "a name no other key of the job has"));
+                return Err(bad(
+                    format!("keys[{i}].name"),
+                    format!("{:?}", k.name),
+                    "a name no other key of the job has",
+                ));
             }
         }
         Ok(())
@@ -352,14 +368,34 @@ fn validate_optimizer(o: &Optimizer) -> Result<(), SpecError> {
             lr(l)?;
             decay(weight_decay)
         }
-        Optimizer::Momentum { lr: l, momentum, weight_decay }
-        | Optimizer::Nesterov { lr: l, momentum, weight_decay } => {
+        Optimizer::Momentum {
+            lr: l,
+            momentum,
+            weight_decay,
+        }
+        | Optimizer::Nesterov {
+            lr: l,
+            momentum,
+            weight_decay,
+        } => {
             lr(l)?;
             unit("momentum", momentum)?;
             decay(weight_decay)
         }
-        Optimizer::Adam { lr: l, beta1, beta2, eps, weight_decay }
-        | Optimizer::Adamw { lr: l, beta1, beta2, eps, weight_decay } => {
+        Optimizer::Adam {
+            lr: l,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        }
+        | Optimizer::Adamw {
+            lr: l,
+            beta1,
+            beta2,
+            eps,
+            weight_decay,
+        } => {
             lr(l)?;
             unit("beta1", beta1)?;
             unit("beta2", beta2)?;
@@ -425,7 +461,10 @@ elements = 1
         assert!(e.contains("colour"), "{e}");
         let e = err(&GOOD.replace("lr = 0.001", "lr = 0.001\nbeta1 = 1.0"));
         assert!(e.contains("`optimizer.beta1` = 1"), "{e}");
-        let e = err(&GOOD.replace("elements = 1\n", "elements = 1\n[consistency]\nmode = \"async\"\n"));
+        let e = err(&GOOD.replace(
+            "elements = 1\n",
+            "elements = 1\n[consistency]\nmode = \"async\"\n",
+        ));
         assert!(e.contains("consistency.mode") && e.contains("sync"), "{e}");
         let e = err("name = \"x\"\nworkers = 1\nkeys = []\n[optimizer]\nkind = \"sum\"\n");
         assert!(e.contains("`keys` = []"), "{e}");
@@ -439,9 +478,11 @@ elements = 1
     fn json_errors_too() {
         let e = JobSpec::from_json("{\"name\": \"x\"").unwrap_err();
         assert!(matches!(e, SpecError::Parse(_)));
-        let e = JobSpec::from_json(r#"{"name":"x","workers":300,"optimizer":{"kind":"sum"},"keys":[{"elements":1}]}"#)
-            .unwrap_err()
-            .to_string();
+        let e = JobSpec::from_json(
+            r#"{"name":"x","workers":300,"optimizer":{"kind":"sum"},"keys":[{"elements":1}]}"#,
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("`workers` = 300"), "{e}");
     }
 }

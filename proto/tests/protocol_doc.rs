@@ -1,0 +1,232 @@
+//! Checks `PROTOCOL.md` against the code it documents: the header field table
+//! (offsets and sizes from [`phub_proto::wire::field`]), the message-type,
+//! dtype and drop-reason tables (every code listed, none extra), the size
+//! constants, and the hex example (byte for byte what [`Repr::to_bytes`]
+//! emits for the values the example states).
+
+use std::ops::Range;
+
+use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
+use phub_proto::Dtype;
+
+fn doc() -> String {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../PROTOCOL.md");
+    std::fs::read_to_string(path).unwrap_or_else(|e| panic!("reading {path}: {e}"))
+}
+
+/// Splits a markdown table row into trimmed cells, backticks removed.
+fn cells(line: &str) -> Vec<String> {
+    let inner = line.trim().trim_start_matches('|').trim_end_matches('|');
+    inner.split('|').map(|c| c.trim().replace('`', "")).collect()
+}
+
+/// The body rows of the one table whose header row is exactly `header`.
+fn table(doc: &str, header: &str) -> Vec<Vec<String>> {
+    let lines: Vec<&str> = doc.lines().collect();
+    let starts: Vec<usize> = (0..lines.len()).filter(|&i| lines[i].trim() == header).collect();
+    assert_eq!(
+        starts.len(),
+        1,
+        "PROTOCOL.md must have exactly one table headed `{header}`"
+    );
+    let start = starts[0];
+    let sep = lines.get(start + 1).map(|l| l.trim()).unwrap_or("");
+    assert!(
+        sep.starts_with('|') && sep.chars().all(|c| matches!(c, '|' | '-' | ':' | ' ')),
+        "table `{header}` lacks its separator row"
+    );
+    let width = cells(header).len();
+    let rows: Vec<Vec<String>> = lines[start + 2..]
+        .iter()
+        .take_while(|l| l.trim_start().starts_with('|'))
+        .map(|l| cells(l))
+        .collect();
+    for r in &rows {
+        assert_eq!(
+            r.len(),
+            width,
+            "row {r:?} of table `{header}` has the wrong number of cells"
+        );
+    }
+    assert!(!rows.is_empty(), "table `{header}` is empty");
+    rows
+}
+
+fn num(s: &str) -> usize {
+    s.parse()
+        .unwrap_or_else(|_| panic!("`{s}` is not a decimal number"))
+}
+
+#[test]
+fn field_table_matches_wire_field() {
+    let one = |at: usize| at..at + 1;
+    let expected: [(&str, Range<usize>, &str); 15] = [
+        ("magic", field::MAGIC, "u32"),
+        ("version", one(field::VERSION), "u8"),
+        ("type", one(field::TYPE), "u8"),
+        ("dtype", one(field::DTYPE), "u8"),
+        ("flags", one(field::FLAGS), "u8"),
+        ("token", field::TOKEN, "u64"),
+        ("job", field::JOB, "u16"),
+        ("rank", field::RANK, "u16"),
+        ("count", field::COUNT, "u16"),
+        ("error", field::ERROR, "u16"),
+        ("round", field::ROUND, "u32"),
+        ("slot", field::SLOT, "u32"),
+        ("key", field::KEY, "u32"),
+        ("chunk", field::CHUNK, "u32"),
+        ("reserved", field::RESERVED, "u8[46]"),
+    ];
+    let rows = table(&doc(), "| offset | size | field | type | meaning |");
+    let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();
+    let want: Vec<&str> = expected.iter().map(|e| e.0).collect();
+    assert_eq!(names, want, "field rows, in offset order");
+    for (row, (name, range, ty)) in rows.iter().zip(&expected) {
+        assert_eq!(num(&row[0]), range.start, "offset of `{name}`");
+        assert_eq!(num(&row[1]), range.len(), "size of `{name}`");
+        assert_eq!(row[3], *ty, "type of `{name}`");
+        assert!(!row[4].is_empty(), "`{name}` has no meaning");
+    }
+    // The fields tile the header with no gap or overlap.
+    let mut at = 0;
+    for (_, range, _) in &expected {
+        assert_eq!(range.start, at);
+        at = range.end;
+    }
+    assert_eq!(at, wire::HEADER_LEN);
+    assert_eq!(field::PAYLOAD, wire::HEADER_LEN);
+}
+
+#[test]
+fn constants_are_stated() {
+    let d = doc();
+    assert_eq!(wire::HEADER_LEN, 86);
+    assert!(d.contains(&format!("**{}-byte header**", wire::HEADER_LEN)));
+    assert!(d.contains(&format!("**Largest payload: {} bytes**", wire::MAX_PAYLOAD)));
+    assert!(d.contains(&format!("{:#x}", wire::MAGIC)), "magic as hex");
+    assert!(d.contains(&format!("# phub wire protocol, version {}", wire::VERSION)));
+    assert!(d.contains(&format!("rank = {:#06x}", wire::APPLIANCE_RANK)));
+    let per = |t: Dtype| wire::MAX_PAYLOAD / t.size();
+    assert!(d.contains(&format!(
+        "at most {} `f32` or {} `bf16`/`f16`",
+        per(Dtype::F32),
+        per(Dtype::Bf16)
+    )));
+    let flags = table(&d, "| bit | name | meaning |");
+    assert_eq!(flags.len(), 1);
+    assert!(flags[0][0].contains(&format!("{:#04x}", wire::flags::RETRANSMIT)));
+    assert_eq!(flags[0][1], "RETRANSMIT");
+}
+
+#[test]
+fn message_types_match() {
+    let rows = table(&doc(), "| code | type | direction | payload |");
+    let listed: Vec<(u8, String)> = rows.iter().map(|r| (num(&r[0]) as u8, r[1].clone())).collect();
+    let want: Vec<(u8, String)> = MsgType::ALL
+        .iter()
+        .map(|t| (t.code(), t.name().to_string()))
+        .collect();
+    assert_eq!(listed, want);
+    for r in &rows {
+        let t = MsgType::from_code(num(&r[0]) as u8).unwrap();
+        let from_worker = matches!(t, MsgType::Init | MsgType::Push | MsgType::Pull);
+        let dir = if from_worker {
+            "worker → appliance"
+        } else {
+            "appliance → worker"
+        };
+        assert_eq!(r[2], dir, "direction of {}", t.name());
+    }
+}
+
+#[test]
+fn dtypes_match() {
+    let rows = table(&doc(), "| code | dtype | size | encoding |");
+    let listed: Vec<(usize, String, usize)> = rows
+        .iter()
+        .map(|r| (num(&r[0]), r[1].clone(), num(&r[2])))
+        .collect();
+    let want: Vec<(usize, String, usize)> = Dtype::ALL
+        .iter()
+        .map(|t| (usize::from(t.code()), t.name().to_string(), t.size()))
+        .collect();
+    assert_eq!(listed, want);
+}
+
+#[test]
+fn drop_reasons_match() {
+    let rows = table(&doc(), "| code | name | meaning | ERROR sent |");
+    let listed: Vec<(u16, String)> = rows.iter().map(|r| (num(&r[0]) as u16, r[1].clone())).collect();
+    let want: Vec<(u16, String)> = DropReason::ALL
+        .iter()
+        .map(|r| (r.code(), r.name().to_string()))
+        .collect();
+    assert_eq!(listed, want, "every reason, in code order, none extra");
+    // The reasons that answer with an ERROR are exactly those the text names.
+    let actionable = [
+        DropReason::DtypeMismatch,
+        DropReason::SlotOutOfRange,
+        DropReason::ChunkMismatch,
+        DropReason::CountMismatch,
+        DropReason::WrongTypeForRound,
+        DropReason::Ahead,
+    ];
+    for r in &rows {
+        let reason = DropReason::from_code(num(&r[0]) as u16).unwrap();
+        let yes = actionable.contains(&reason);
+        assert_eq!(r[3], if yes { "yes" } else { "no" }, "ERROR sent for {reason}");
+        assert!(!r[2].is_empty(), "{reason} has no meaning");
+    }
+}
+
+#[test]
+fn hex_example_is_what_repr_emits() {
+    let d = doc();
+    let blocks: Vec<&str> = d
+        .split("```hex\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(blocks.len(), 1, "exactly one ```hex block");
+    let mut bytes = Vec::new();
+    for line in blocks[0].lines() {
+        let pairs: Vec<&str> = line.split(' ').collect();
+        assert!(pairs.len() <= 16, "more than 16 bytes on `{line}`");
+        for p in pairs {
+            assert!(
+                p.len() == 2
+                    && p.bytes()
+                        .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+                "`{p}` is not a lowercase hex byte"
+            );
+            bytes.push(u8::from_str_radix(p, 16).unwrap());
+        }
+    }
+    // The values the example's text states.
+    let repr = Repr {
+        kind: MsgType::Push,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: 0x0123_4567_89ab_cdef,
+        job: 1,
+        rank: 2,
+        count: 2048,
+        error: 0,
+        round: 5,
+        slot: 3,
+        key: 0,
+        chunk: 7,
+    };
+    assert!(d.contains(
+        "A PUSH from rank 2 of job 1 (token 0x0123456789abcdef) for round 5, slot 3,\n\
+         key 0, chunk 7, with 2048 `f32` elements (flags 0, error 0)."
+    ));
+    assert_eq!(bytes, repr.to_bytes().to_vec());
+    // And it parses back to the same values once the payload is attached.
+    let mut datagram = bytes.clone();
+    datagram.resize(wire::HEADER_LEN + repr.payload_len(), 0);
+    let (back, payload) = wire::parse(&datagram).unwrap();
+    assert_eq!(back, repr);
+    assert_eq!(payload.len(), 8192);
+    assert!(d.contains(&format!("= {} bytes", datagram.len())));
+}
