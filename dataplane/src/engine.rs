@@ -490,7 +490,7 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
             Err(r) => {
-                if notify(r) {
+                if r.notifies_sender() {
                     self.counters.errors_sent.inc();
                     let mut e = repr;
                     e.kind = MsgType::Error;
@@ -534,6 +534,10 @@ impl<A: Copy + Eq> Shard<A> {
         }
         if (repr.kind == MsgType::Init) != (repr.round == 0) {
             return Err(DropReason::WrongTypeForRound);
+        }
+        if repr.round == NO_ROUND {
+            // The largest round a slot can complete is NO_ROUND - 1.
+            return Err(DropReason::Ahead);
         }
         let current = slot.in_progress();
         if slot.completed != NO_ROUND && repr.round == slot.completed {
@@ -630,19 +634,4 @@ enum Step {
     Open,
     Closed,
     Resend,
-}
-
-/// Refusals a token-authenticated worker is told about: the ones that mean
-/// its view of the job is wrong. Duplicates and stale rounds are normal under
-/// loss and are only counted.
-fn notify(r: DropReason) -> bool {
-    matches!(
-        r,
-        DropReason::SlotOutOfRange
-            | DropReason::ChunkMismatch
-            | DropReason::CountMismatch
-            | DropReason::DtypeMismatch
-            | DropReason::WrongTypeForRound
-            | DropReason::Ahead
-    )
 }

@@ -26,7 +26,48 @@ pub struct ChunkBufs<'a> {
 ///
 /// For [`Optimizer::Sum`] and [`Optimizer::Mean`] the result is left in
 /// `acc`; for the others in `params`.
+///
+/// The same code is compiled for AVX-512 and AVX2 and the widest the CPU has
+/// is used (the detection result is cached by std). Without fused
+/// multiply-add contraction, which Rust never does on its own, every version
+/// computes bit-identical results.
 pub fn step(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F, checked on the line above.
+            return unsafe { step_avx512(opt, workers, t, b) };
+        }
+        if std::arch::is_x86_feature_detected!("avx2") {
+            // SAFETY: the CPU has AVX2, checked on the line above.
+            return unsafe { step_avx2(opt, workers, t, b) };
+        }
+    }
+    step_impl(opt, workers, t, b)
+}
+
+/// [`step`] compiled for AVX-512.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn step_avx512(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
+    step_impl(opt, workers, t, b)
+}
+
+/// [`step`] compiled for AVX2.
+///
+/// # Safety
+/// The CPU must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn step_avx2(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
+    step_impl(opt, workers, t, b)
+}
+
+#[inline(always)]
+fn step_impl(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
     let inv_w = 1.0f32 / workers as f32;
     match *opt {
         Optimizer::Sum => {}
@@ -83,7 +124,7 @@ pub fn step(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
 /// Adam with L2 decay `wd` folded into the gradient and decoupled decay
 /// `decoupled` (= lr * weight_decay for AdamW) applied to the weights first.
 #[allow(clippy::too_many_arguments)]
-#[inline]
+#[inline(always)]
 fn adam(
     b: ChunkBufs<'_>,
     inv_w: f32,

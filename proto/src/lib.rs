@@ -6,6 +6,7 @@
 //! allocates.
 #![forbid(unsafe_code)]
 
+pub mod api;
 mod dtype;
 pub mod layout;
 pub mod spec;

@@ -59,7 +59,7 @@ pub const HEADER_LEN: usize = field::PAYLOAD;
 pub const MAGIC: u32 = u32::from_le_bytes(*b"PHUB");
 /// The protocol version this code speaks.
 pub const VERSION: u8 = 1;
-/// Rank carried in messages the appliance sends.
+/// Rank carried in RESULT messages (ERROR echoes the refused message's rank).
 pub const APPLIANCE_RANK: u16 = 0xffff;
 /// Largest payload in bytes: a 9000-byte jumbo frame less IPv4 (20), UDP (8)
 /// and the phub header, rounded down to a multiple of 64.
@@ -219,6 +219,22 @@ drop_reasons! {
 }
 
 impl DropReason {
+    /// Whether the appliance tells a token-authenticated sender about this
+    /// refusal with an ERROR message: the reasons that mean the worker's view
+    /// of the job is wrong. Duplicates and stale rounds are normal under loss
+    /// and are only counted; unauthenticated packets are never answered.
+    pub const fn notifies_sender(self) -> bool {
+        matches!(
+            self,
+            DropReason::SlotOutOfRange
+                | DropReason::ChunkMismatch
+                | DropReason::CountMismatch
+                | DropReason::DtypeMismatch
+                | DropReason::WrongTypeForRound
+                | DropReason::Ahead
+        )
+    }
+
     /// Number of reasons; counters are indexed by `code()`, so arrays of
     /// counters have `COUNT + 1` entries (code 0 is unused).
     pub const COUNT: usize = DropReason::ALL.len();

@@ -162,18 +162,10 @@ fn drop_reasons_match() {
         .map(|r| (r.code(), r.name().to_string()))
         .collect();
     assert_eq!(listed, want, "every reason, in code order, none extra");
-    // The reasons that answer with an ERROR are exactly those the text names.
-    let actionable = [
-        DropReason::DtypeMismatch,
-        DropReason::SlotOutOfRange,
-        DropReason::ChunkMismatch,
-        DropReason::CountMismatch,
-        DropReason::WrongTypeForRound,
-        DropReason::Ahead,
-    ];
+    // The reasons that answer with an ERROR are exactly those the engine uses.
     for r in &rows {
         let reason = DropReason::from_code(num(&r[0]) as u16).unwrap();
-        let yes = actionable.contains(&reason);
+        let yes = reason.notifies_sender();
         assert_eq!(r[3], if yes { "yes" } else { "no" }, "ERROR sent for {reason}");
         assert!(!r[2].is_empty(), "{reason} has no meaning");
     }

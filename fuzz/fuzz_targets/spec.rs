@@ -1,0 +1,34 @@
+//! Fuzz target: arbitrary UTF-8 through `JobSpec::from_toml` and
+//! `JobSpec::from_json`.
+//!
+//! Neither may panic. A spec either accepts must validate, survive a JSON
+//! round trip unchanged, and give chunk sizes within the wire's limits.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use phub_proto::layout::job_bytes;
+use phub_proto::spec::JobSpec;
+use phub_proto::wire::MAX_PAYLOAD;
+
+fn check(spec: &JobSpec) {
+    spec.validate().expect("an accepted spec validates");
+    let json = serde_json::to_string(spec).expect("a spec serializes");
+    let back = JobSpec::from_json(&json).expect("a serialized spec parses");
+    assert_eq!(&back, spec);
+    let elems = spec.chunk_elems() as usize;
+    assert!(elems >= 1 && elems * spec.dtype.size() <= MAX_PAYLOAD);
+    assert!(elems <= usize::from(u16::MAX), "a chunk's count fits the header");
+    let _ = job_bytes(spec);
+}
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(spec) = JobSpec::from_toml(text) {
+        check(&spec);
+    }
+    if let Ok(spec) = JobSpec::from_json(text) {
+        check(&spec);
+    }
+});

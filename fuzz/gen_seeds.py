@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""Writes the committed seed corpora under fuzz/seeds/ from PROTOCOL.md's format.
+
+seeds/parse: a few well-formed datagrams of every message type and dtype
+(small payloads), plus a truncated one. seeds/spec: job specs in TOML and JSON.
+Run from anywhere; it rewrites the seed files in place.
+"""
+import json
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAGIC = int.from_bytes(b"PHUB", "little")
+INIT, PUSH, PULL, RESULT, ERROR = 1, 2, 3, 4, 5
+F32, BF16, F16 = 0, 1, 2
+SIZE = {F32: 4, BF16: 2, F16: 2}
+
+
+def header(kind, dtype, flags, token, job, rank, count, error, rnd, slot, key, chunk):
+    h = struct.pack("<IBBBBQHHHHIIII", MAGIC, 1, kind, dtype, flags, token, job, rank,
+                    count, error, rnd, slot, key, chunk)
+    h += bytes(46)
+    assert len(h) == 86
+    return h
+
+
+def msg(kind, dtype, count, rank=0, rnd=0, flags=0, error=0, slot=3, key=1, chunk=2):
+    payload = bytes((i * 7 + 1) & 0xFF for i in range(count * SIZE[dtype]))
+    return header(kind, dtype, flags, 0x0123456789ABCDEF, 1, rank, count, error,
+                  rnd, slot, key, chunk) + payload
+
+
+PARSE = {
+    "init_rank0_f32": msg(INIT, F32, 16),
+    "init_rank1_empty": msg(INIT, F32, 0, rank=1),
+    "push_f32": msg(PUSH, F32, 16, rank=2, rnd=5),
+    "push_bf16_retransmit": msg(PUSH, BF16, 32, rank=1, rnd=1, flags=1),
+    "push_f16": msg(PUSH, F16, 8, rank=3, rnd=2),
+    "pull": msg(PULL, BF16, 0, rank=1, rnd=0xFFFFFFFF),
+    "result_f16": msg(RESULT, F16, 8, rank=0xFFFF, rnd=9),
+    "error_ahead": msg(ERROR, F32, 0, rank=2, rnd=7, error=19),
+    "truncated": msg(PUSH, F32, 0)[:40],
+}
+
+TOML = '''name = "toy"
+workers = 3
+dtype = "bf16"
+chunk_bytes = 4096
+[optimizer]
+kind = "adam"
+lr = 0.001
+[consistency]
+mode = "sync"
+[[keys]]
+name = "w"
+elements = 10
+[[keys]]
+elements = 1
+'''
+
+JSON = [
+    {"name": "sgd", "workers": 4, "dtype": "f32", "chunk_bytes": 8192,
+     "optimizer": {"kind": "sgd", "lr": 0.1, "weight_decay": 0.0001},
+     "keys": [{"name": "conv1.weight", "elements": 9408}, {"elements": 64}]},
+    {"name": "mom", "workers": 2, "dtype": "f16", "chunk_bytes": 1024,
+     "optimizer": {"kind": "nesterov", "lr": 0.01, "momentum": 0.9},
+     "consistency": {"mode": "bounded", "delay": 2},
+     "keys": [{"elements": 4294967295}]},
+    {"name": "sum", "workers": 256, "optimizer": {"kind": "sum"},
+     "keys": [{"elements": 1}]},
+]
+
+
+def write(d, name, data):
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data)
+
+
+def main():
+    for name, data in PARSE.items():
+        write(os.path.join(HERE, "seeds", "parse"), name + ".bin", data)
+    spec = os.path.join(HERE, "seeds", "spec")
+    write(spec, "adam.toml", TOML.encode())
+    write(spec, "adamw.toml", TOML.replace('"adam"', '"adamw"\nweight_decay = 0.01')
+          .replace('"bf16"', '"f32"').encode())
+    write(spec, "momentum.toml", TOML.replace('kind = "adam"', 'kind = "momentum"\nmomentum = 0.5')
+          .replace("chunk_bytes = 4096", "chunk_bytes = 8832").encode())
+    for i, j in enumerate(JSON):
+        write(spec, "spec%d.json" % i, json.dumps(j, indent=1).encode())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+//! JSON bodies of the HTTP APIs: phub-control's (for phubctl and workers)
+//! and phub-dataplane's management API (for phub-control). Shared here so
+//! every side serialises the same types.
+//!
+//! Tokens travel as 16 lower-case hex digits (a JSON number cannot carry 64
+//! bits exactly in every language).
+//!
+//! phub-control, default `127.0.0.1:7700`:
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `POST /v1/jobs` | spec, TOML or JSON | [`AdmitResponse`] (201) |
+//! | `GET /v1/jobs` | | `Vec<`[`JobSummary`]`>` |
+//! | `GET /v1/jobs/{id}` | | [`JobDetail`] |
+//! | `DELETE /v1/jobs/{id}` | | [`JobSummary`] of the evicted job |
+//! | `GET /v1/jobs/{id}/map` | | [`JobMap`] |
+//! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
+//! | `GET /v1/stats` | | [`Stats`] |
+//! | `GET /metrics` | | Prometheus text format |
+//!
+//! phub-dataplane management, default `127.0.0.1:7800`:
+//!
+//! | method and path | body | answer |
+//! | --- | --- | --- |
+//! | `GET /v1/info` | | [`DataplaneInfo`] |
+//! | `PUT /v1/jobs/{id}` | [`InstallJob`] | [`InstalledJob`] (201) |
+//! | `DELETE /v1/jobs/{id}` | | 204 |
+//! | `GET /v1/jobs` | | `Vec<`[`InstalledJob`]`>` |
+//! | `GET /v1/stats` | | [`DataplaneStats`] |
+//!
+//! Every error answer (4xx, 5xx) is an [`ApiError`] with a message that names
+//! the problem.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::{Layout, Place};
+use crate::spec::JobSpec;
+
+/// Serde for `u64` tokens as 16 hex digits.
+pub mod hex_u64 {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    /// Writes `v` as 16 lower-case hex digits.
+    pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&format!("{v:016x}"))
+    }
+
+    /// Reads 1 to 16 hex digits.
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        let s = String::deserialize(d)?;
+        let t = s.strip_prefix("0x").unwrap_or(&s);
+        if t.is_empty() || t.len() > 16 {
+            return Err(serde::de::Error::custom(format!(
+                "token {s:?}: expected 1 to 16 hex digits"
+            )));
+        }
+        u64::from_str_radix(t, 16)
+            .map_err(|_| serde::de::Error::custom(format!("token {s:?}: expected 1 to 16 hex digits")))
+    }
+}
+
+/// Body of every error answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApiError {
+    /// What went wrong, naming the field, value or object at fault.
+    pub error: String,
+}
+
+/// Answer to a successful admission.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdmitResponse {
+    /// The job's id.
+    pub id: u16,
+    /// The job's secret token: workers present it to join, every packet carries it.
+    #[serde(with = "hex_u64")]
+    pub token: u64,
+    /// Number of chunks.
+    pub chunks: u64,
+    /// Slot memory the job holds on the appliance, in bytes.
+    pub memory_bytes: u64,
+    /// Lcores the job's chunks are spread over.
+    pub lcores: Vec<u16>,
+}
+
+/// One line of `phubctl job list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobSummary {
+    /// Job id.
+    pub id: u16,
+    /// Job name from the spec.
+    pub name: String,
+    /// Worker count W.
+    pub workers: u32,
+    /// Ranks that have joined.
+    pub joined: Vec<u16>,
+    /// Number of keys.
+    pub keys: usize,
+    /// Number of chunks.
+    pub chunks: u64,
+    /// Element type on the wire.
+    pub dtype: String,
+    /// Optimizer name.
+    pub optimizer: String,
+    /// Slot memory in bytes.
+    pub memory_bytes: u64,
+    /// Whether the dataplane has the job installed right now.
+    pub installed: bool,
+}
+
+/// What phub-control knows of one rank of a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RankStatus {
+    /// The rank.
+    pub rank: u16,
+    /// Whether it has joined through control.
+    pub joined: bool,
+    /// Milliseconds since the dataplane last heard from it, if ever.
+    pub silent_ms: Option<u64>,
+}
+
+/// `phubctl job show`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JobDetail {
+    /// The summary line.
+    pub summary: JobSummary,
+    /// The spec as admitted.
+    pub spec: JobSpec,
+    /// Per rank: joined, and how long silent.
+    pub ranks: Vec<RankStatus>,
+    /// Rounds completed over all the job's chunks.
+    pub rounds_completed: u64,
+    /// Lowest and highest last-completed round over the job's chunks.
+    pub round_range: Option<(u32, u32)>,
+}
+
+/// `phubctl map show`: where each chunk lives.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobMap {
+    /// Job id.
+    pub id: u16,
+    /// Elements per full chunk.
+    pub chunk_elems: u32,
+    /// Per lcore used by the job.
+    pub lcores: Vec<LcoreShare>,
+    /// Per key.
+    pub keys: Vec<KeyMap>,
+}
+
+/// One lcore's share of a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LcoreShare {
+    /// Lcore index.
+    pub lcore: u16,
+    /// UDP port workers send its chunks to.
+    pub port: u16,
+    /// Number of the job's slots on it.
+    pub slots: u32,
+    /// Slot memory in bytes.
+    pub bytes: u64,
+}
+
+/// One key's chunks.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyMap {
+    /// Key index.
+    pub key: u32,
+    /// Key name (may be empty).
+    pub name: String,
+    /// Elements.
+    pub elements: u64,
+    /// Place of each chunk.
+    pub chunks: Vec<Place>,
+}
+
+/// A worker asks to join a job.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRequest {
+    /// The job's token.
+    #[serde(with = "hex_u64")]
+    pub token: u64,
+    /// The worker's rank, below W.
+    pub rank: u16,
+}
+
+/// Where the dataplane takes data packets.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataAddr {
+    /// IP address workers send to.
+    pub host: String,
+    /// Lcore i listens on UDP port `base_port + i`.
+    pub base_port: u16,
+}
+
+/// What a joined worker needs to push and pull.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct JoinResponse {
+    /// Job id.
+    pub job: u16,
+    /// The worker's rank.
+    pub rank: u16,
+    /// The spec as admitted.
+    pub spec: JobSpec,
+    /// Where each chunk lives.
+    pub layout: Layout,
+    /// Where to send.
+    pub dataplane: DataAddr,
+}
+
+/// `GET /v1/stats` on control.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Stats {
+    /// The dataplane's counters, or `None` when it cannot be reached.
+    pub dataplane: Option<DataplaneStats>,
+    /// Why the dataplane could not be reached.
+    pub dataplane_error: Option<String>,
+    /// Per admitted job.
+    pub jobs: Vec<JobSummary>,
+}
+
+/// One lcore of the dataplane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LcoreInfo {
+    /// Lcore (queue) index.
+    pub lcore: u16,
+    /// CPU it is pinned to, if pinned.
+    pub cpu: Option<usize>,
+    /// NUMA node of that CPU, when known.
+    pub numa_node: Option<u32>,
+}
+
+/// `GET /v1/info` on the dataplane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataplaneInfo {
+    /// `udp` or `dpdk`.
+    pub backend: String,
+    /// Where workers send.
+    pub data: DataAddr,
+    /// The lcores.
+    pub lcores: Vec<LcoreInfo>,
+    /// NUMA node of the NIC, when known.
+    pub nic_numa_node: Option<u32>,
+    /// Slot memory the dataplane may hold, in bytes.
+    pub memory_budget_bytes: u64,
+    /// Slot memory installed jobs hold, in bytes.
+    pub memory_used_bytes: u64,
+    /// Aggregation kernel family in use.
+    pub kernels: String,
+    /// phub version and commit.
+    pub version: String,
+}
+
+/// `PUT /v1/jobs/{id}` on the dataplane.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct InstallJob {
+    /// Job id.
+    pub id: u16,
+    /// Job token.
+    #[serde(with = "hex_u64")]
+    pub token: u64,
+    /// The spec.
+    pub spec: JobSpec,
+    /// The layout; `layout.lcores.len()` must equal the dataplane's lcores.
+    pub layout: Layout,
+}
+
+/// A job as the dataplane holds it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InstalledJob {
+    /// Job id.
+    pub id: u16,
+    /// Slot memory in bytes.
+    pub memory_bytes: u64,
+}
+
+/// Counters of one lcore.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct LcoreStats {
+    /// Lcore index.
+    pub lcore: u16,
+    /// Datagrams received.
+    pub rx_packets: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Datagrams sent.
+    pub tx_packets: u64,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Contributions aggregated.
+    pub pushes_aggregated: u64,
+    /// Rounds completed.
+    pub rounds_completed: u64,
+    /// Results sent (per destination).
+    pub results_sent: u64,
+    /// Stored results sent again.
+    pub results_resent: u64,
+    /// PULLs answered.
+    pub pulls_answered: u64,
+    /// ERROR messages sent.
+    pub errors_sent: u64,
+    /// Packets for another lcore.
+    pub misrouted: u64,
+    /// Busy poll-loop iterations.
+    pub busy_loops: u64,
+    /// Idle poll-loop iterations.
+    pub idle_loops: u64,
+    /// Drops by reason name (only reasons with a non-zero count).
+    pub drops: BTreeMap<String, u64>,
+}
+
+/// One job as the dataplane sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobLive {
+    /// Job id.
+    pub id: u16,
+    /// Contributions aggregated, over all lcores.
+    pub pushes: u64,
+    /// Rounds completed, over all chunks.
+    pub rounds_completed: u64,
+    /// Lowest and highest last-completed round over the job's chunks.
+    pub round_range: Option<(u32, u32)>,
+    /// Per rank, milliseconds since last heard from on any lcore.
+    pub silent_ms: Vec<Option<u64>>,
+}
+
+/// `GET /v1/stats` on the dataplane.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataplaneStats {
+    /// `udp` or `dpdk`.
+    pub backend: String,
+    /// Per lcore.
+    pub lcores: Vec<LcoreStats>,
+    /// Per installed job.
+    pub jobs: Vec<JobLive>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tokens_travel_as_hex() {
+        let j = JoinRequest {
+            token: 0x0123_4567_89ab_cdef,
+            rank: 2,
+        };
+        let s = serde_json::to_string(&j).unwrap();
+        assert_eq!(s, r#"{"token":"0123456789abcdef","rank":2}"#);
+        assert_eq!(serde_json::from_str::<JoinRequest>(&s).unwrap(), j);
+        let e = serde_json::from_str::<JoinRequest>(r#"{"token":"xyz","rank":2}"#).unwrap_err();
+        assert!(e.to_string().contains("hex digits"), "{e}");
+    }
+}
