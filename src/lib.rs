@@ -14,3 +14,8 @@ pub const VERSION: &str = env!("CARGO_PKG_VERSION");
 pub const GIT_COMMIT: &str = env!("PHUB_GIT_COMMIT");
 /// Target features the compiler could assume (comma-separated).
 pub const TARGET_FEATURES: &str = env!("PHUB_TARGET_FEATURES");
+
+/// One line naming this build: version, commit and compile-time features.
+pub fn build_info() -> String {
+    format!("phub {VERSION} (commit {GIT_COMMIT})")
+}

@@ -251,6 +251,25 @@ struct Job<A> {
     endpoints: Vec<Option<A>>,
     /// When each rank was last heard from (caller's clock), 0 if never.
     last_seen: Vec<u64>,
+    /// Contributions aggregated on this lcore.
+    pushes: u64,
+    /// Rounds completed on this lcore, over all slots.
+    rounds: u64,
+}
+
+/// One job as one lcore sees it (for stats; computed on request).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobShardStats {
+    /// Job id.
+    pub id: u16,
+    /// Contributions aggregated.
+    pub pushes: u64,
+    /// Rounds completed over all slots.
+    pub rounds_completed: u64,
+    /// Lowest and highest last-completed round over the slots that have one.
+    pub round_range: Option<(u32, u32)>,
+    /// When each rank was last heard from (caller's clock; 0 if never).
+    pub last_seen: Vec<u64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -363,6 +382,8 @@ impl<A: Copy + Eq> Shard<A> {
             slots,
             endpoints: vec![None; usize::from(job.workers)],
             last_seen: vec![0; usize::from(job.workers)],
+            pushes: 0,
+            rounds: 0,
         });
         Ok(())
     }
@@ -420,6 +441,26 @@ impl<A: Copy + Eq> Shard<A> {
         j.optimizer.keeps_params().then_some(&s.params[..])
     }
 
+    /// Stats of every installed job. Allocates; call between bursts.
+    pub fn job_stats(&self) -> Vec<JobShardStats> {
+        self.jobs
+            .iter()
+            .map(|j| {
+                let done = j.slots.iter().map(|s| s.completed).filter(|&r| r != NO_ROUND);
+                let round_range = done.fold(None, |acc: Option<(u32, u32)>, r| {
+                    Some(acc.map_or((r, r), |(lo, hi)| (lo.min(r), hi.max(r))))
+                });
+                JobShardStats {
+                    id: j.id,
+                    pushes: j.pushes,
+                    rounds_completed: j.rounds,
+                    round_range,
+                    last_seen: j.last_seen.clone(),
+                }
+            })
+            .collect()
+    }
+
     fn job(&self, id: u16) -> Option<&Job<A>> {
         self.jobs.iter().find(|j| j.id == id)
     }
@@ -460,10 +501,13 @@ impl<A: Copy + Eq> Shard<A> {
         job.last_seen[rank] = now;
         match Self::apply(&self.kernels, job, &repr, payload) {
             Ok(Step::Open) => {
+                job.pushes += 1;
                 self.counters.pushes_aggregated.inc();
                 Verdict::Aggregated
             }
             Ok(Step::Closed) => {
+                job.pushes += 1;
+                job.rounds += 1;
                 self.counters.pushes_aggregated.inc();
                 self.counters.rounds_completed.inc();
                 self.counters.results_sent.add(u64::from(job.workers));

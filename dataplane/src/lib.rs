@@ -7,10 +7,14 @@
 //! passes ([`optim`]) are fused single passes over a chunk. Packet I/O
 //! backends (kernel UDP, DPDK) sit on top and share these pieces.
 
+pub mod app;
+pub mod backend;
 pub mod counters;
 pub mod engine;
 pub mod kernels;
+pub mod lcore;
+pub mod mgmt;
 pub mod optim;
 
-pub use engine::{EngineError, JobInstall, Shard, Transmit, Verdict};
+pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Transmit, Verdict};
 pub use kernels::Kernels;

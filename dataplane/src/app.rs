@@ -1,0 +1,274 @@
+//! The `phub-dataplane` program: parses the command line, starts one pinned
+//! thread per queue (lcore) with its engine shard and backend queue, starts
+//! the management thread, and runs until SIGINT or SIGTERM.
+
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::process::ExitCode;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use crossbeam_channel::bounded;
+use phub_proto::api::{DataAddr, DataplaneInfo, LcoreInfo};
+
+use crate::backend::udp::UdpQueue;
+use crate::engine::Shard;
+use crate::kernels::Kernels;
+use crate::lcore::{self, Clock, LoopOptions};
+use crate::mgmt::{self, LcoreHandle, Manager};
+
+/// Packet I/O backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Kernel UDP sockets: runs anywhere.
+    Udp,
+    /// DPDK poll-mode driver (not built yet).
+    Dpdk,
+}
+
+/// phub-dataplane: aggregates gradient chunks and runs the optimizer.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "phub-dataplane", version)]
+pub struct Config {
+    /// Packet I/O backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Udp)]
+    pub backend: BackendKind,
+    /// IPv4 address the data queues listen on (what workers send to).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: Ipv4Addr,
+    /// UDP port of queue 0; queue i listens on base + i (0: any free ports).
+    #[arg(long, default_value_t = 7900)]
+    pub base_port: u16,
+    /// Number of queues, each with its own lcore thread (default: one per CPU).
+    #[arg(long)]
+    pub lcores: Option<usize>,
+    /// Address of the management API (for phub-control).
+    #[arg(long, default_value = "127.0.0.1:7800")]
+    pub mgmt: SocketAddr,
+    /// Slot memory the dataplane may hold, e.g. 1GiB, 512MiB or bytes.
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pub memory_budget: u64,
+    /// Spin on empty queues instead of waiting in the kernel.
+    #[arg(long)]
+    pub busy_poll: bool,
+    /// Do not pin lcore threads to CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Socket buffer size per queue, bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub socket_buffer: usize,
+    /// Build stamp reported by the management API (set by the binary).
+    #[arg(skip = String::from("phub"))]
+    pub build: String,
+}
+
+/// Parses `123`, `64KiB`, `512MiB`, `1GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number of bytes like 1GiB or 512MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        u => {
+            return Err(format!(
+                "{s:?}: unknown unit {u:?}; accepted: B, KiB, MiB, GiB, KB, MB, GB"
+            ))
+        }
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?}: too large"))
+}
+
+/// A running dataplane.
+pub struct Appliance {
+    manager: Arc<Manager>,
+    server: Arc<tiny_http::Server>,
+    mgmt_thread: Option<JoinHandle<()>>,
+    stop: Arc<AtomicBool>,
+    mgmt_addr: SocketAddr,
+    data: SocketAddrV4,
+}
+
+impl std::fmt::Debug for Appliance {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Appliance")
+            .field("mgmt_addr", &self.mgmt_addr)
+            .field("data", &self.data)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Appliance {
+    /// Starts the lcores and the management API.
+    pub fn start(cfg: &Config) -> Result<Appliance> {
+        if cfg.backend == BackendKind::Dpdk {
+            bail!("--backend dpdk: this build has no DPDK backend yet; use --backend udp");
+        }
+        let cores = core_affinity::get_core_ids().unwrap_or_default();
+        let n = cfg.lcores.unwrap_or(cores.len().max(1));
+        if n == 0 || n > 256 {
+            bail!("--lcores {n}: expected 1 to 256");
+        }
+        let kernels = Kernels::best();
+        let clock = Clock::start();
+        let stop = Arc::new(AtomicBool::new(false));
+        // Bind every queue first, so a port clash fails before anything runs.
+        let mut queues = Vec::with_capacity(n);
+        let mut base = cfg.base_port;
+        for i in 0..n {
+            let port = if cfg.base_port == 0 && i > 0 {
+                base + i as u16
+            } else {
+                cfg.base_port.wrapping_add(i as u16)
+            };
+            let addr = SocketAddrV4::new(cfg.host, if cfg.base_port == 0 && i == 0 { 0 } else { port });
+            let q = UdpQueue::bind(addr, cfg.socket_buffer)
+                .with_context(|| format!("binding queue {i} to {addr}"))?;
+            if cfg.base_port == 0 && i == 0 {
+                base = q.local_addr()?.port();
+            }
+            queues.push(q);
+        }
+        let data = SocketAddrV4::new(cfg.host, base);
+        let opts = LoopOptions {
+            busy_poll: cfg.busy_poll,
+            ..LoopOptions::default()
+        };
+        let mut handles = Vec::with_capacity(n);
+        let mut infos = Vec::with_capacity(n);
+        for (i, q) in queues.into_iter().enumerate() {
+            let shard = Shard::new(i as u16, kernels);
+            let counters = Arc::clone(shard.counters());
+            let (tx, rx) = bounded(64);
+            let core = (!cfg.no_pin && !cores.is_empty()).then(|| cores[i % cores.len()]);
+            let stop = Arc::clone(&stop);
+            let thread = std::thread::Builder::new()
+                .name(format!("phub-lcore-{i}"))
+                .spawn(move || {
+                    if let Some(c) = core {
+                        core_affinity::set_for_current(c);
+                    }
+                    lcore::run(q, shard, rx, stop, clock, opts)
+                })
+                .context("spawning an lcore thread")?;
+            handles.push(LcoreHandle {
+                commands: tx,
+                counters,
+                thread: Some(thread),
+            });
+            infos.push(LcoreInfo {
+                lcore: i as u16,
+                cpu: core.map(|c| c.id),
+                numa_node: None,
+            });
+        }
+        let info = DataplaneInfo {
+            backend: "udp".into(),
+            data: DataAddr {
+                host: cfg.host.to_string(),
+                base_port: base,
+            },
+            lcores: infos,
+            nic_numa_node: None,
+            memory_budget_bytes: cfg.memory_budget,
+            memory_used_bytes: 0,
+            kernels: kernels.kind().name().into(),
+            version: cfg.build.clone(),
+        };
+        let manager = Arc::new(Manager::new(info, handles, clock));
+        let server = tiny_http::Server::http(cfg.mgmt)
+            .map_err(|e| anyhow::anyhow!("binding the management API to {}: {e}", cfg.mgmt))?;
+        let server = Arc::new(server);
+        let mgmt_addr = server
+            .server_addr()
+            .to_ip()
+            .context("the management API is not on an IP address")?;
+        let mgmt_thread = {
+            let (s, m, st) = (Arc::clone(&server), Arc::clone(&manager), Arc::clone(&stop));
+            std::thread::Builder::new()
+                .name("phub-mgmt".into())
+                .spawn(move || mgmt::serve(s, m, st))
+                .context("spawning the management thread")?
+        };
+        log::info!(
+            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, management API on {mgmt_addr}",
+            n,
+            cfg.host,
+            base,
+            base as usize + n - 1,
+            kernels.kind().name()
+        );
+        Ok(Appliance {
+            manager,
+            server,
+            mgmt_thread: Some(mgmt_thread),
+            stop,
+            mgmt_addr,
+            data,
+        })
+    }
+
+    /// Where the management API listens.
+    pub fn mgmt_addr(&self) -> SocketAddr {
+        self.mgmt_addr
+    }
+
+    /// Where queue 0 listens (queue i is on the next ports).
+    pub fn data_addr(&self) -> SocketAddrV4 {
+        self.data
+    }
+
+    /// The management state (for in-process use and tests).
+    pub fn manager(&self) -> &Manager {
+        &self.manager
+    }
+
+    /// Stops the management API and the lcores, and waits for them.
+    pub fn shutdown(mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.server.unblock();
+        if let Some(t) = self.mgmt_thread.take() {
+            let _ = t.join();
+        }
+        match Arc::get_mut(&mut self.manager) {
+            Some(m) => m.join_lcores(&self.stop),
+            None => log::warn!("management state still shared at shutdown; lcores stop on their own"),
+        }
+    }
+}
+
+/// `phub-dataplane`'s entry point; `build` is the build stamp to report.
+pub fn main(build: &str) -> ExitCode {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
+    let mut cfg = Config::parse();
+    cfg.build = build.to_string();
+    let app = match Appliance::start(&cfg) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("phub-dataplane: {e:#}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let (tx, rx) = bounded(1);
+    if let Err(e) = ctrlc::set_handler(move || {
+        let _ = tx.try_send(());
+    }) {
+        eprintln!("phub-dataplane: cannot install the signal handler: {e}");
+        app.shutdown();
+        return ExitCode::FAILURE;
+    }
+    let _ = rx.recv();
+    log::info!("phub-dataplane: shutting down");
+    app.shutdown();
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,118 @@
+//! The poll loop every lcore runs, whatever its backend: apply management
+//! commands between bursts, receive a burst, hand each datagram to the
+//! engine shard, send what the shard queued, repeat.
+//!
+//! The loop never allocates, locks or logs per packet. When idle it either
+//! spins (busy polling, for an appliance whose lcores own their cores) or
+//! waits in the backend for up to `idle_wait`, so a small shared machine
+//! stays usable.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::backend::PacketIo;
+use crate::engine::{EngineError, JobInstall, JobShardStats, Shard};
+
+/// A management request for one lcore, answered on its reply channel.
+#[derive(Debug)]
+pub enum Command {
+    /// Install a job's slots; answers the slot memory allocated.
+    Install(JobInstall, Sender<Result<u64, EngineError>>),
+    /// Remove a job; answers whether it was installed.
+    Remove(u16, Sender<bool>),
+    /// Report every installed job's stats.
+    JobStats(Sender<Vec<JobShardStats>>),
+}
+
+/// How an lcore waits when there is nothing to do.
+#[derive(Debug, Clone, Copy)]
+pub struct LoopOptions {
+    /// Spin without ever waiting in the kernel.
+    pub busy_poll: bool,
+    /// Longest wait in the backend when idle (also how quickly management
+    /// commands and shutdown are noticed).
+    pub idle_wait: Duration,
+}
+
+impl Default for LoopOptions {
+    fn default() -> LoopOptions {
+        LoopOptions {
+            busy_poll: false,
+            idle_wait: Duration::from_millis(20),
+        }
+    }
+}
+
+/// The clock the engine sees: nanoseconds since the dataplane started.
+#[derive(Debug, Clone, Copy)]
+pub struct Clock(Instant);
+
+impl Clock {
+    /// A clock starting now.
+    pub fn start() -> Clock {
+        Clock(Instant::now())
+    }
+
+    /// Nanoseconds since start (at least 1, so 0 can mean "never").
+    pub fn now(&self) -> u64 {
+        (self.0.elapsed().as_nanos() as u64).max(1)
+    }
+}
+
+/// Runs one lcore until `stop` is set. Returns the last I/O error, if the
+/// backend failed in a way the loop cannot continue from.
+pub fn run<Io: PacketIo>(
+    mut io: Io,
+    mut shard: Shard<Io::Addr>,
+    commands: Receiver<Command>,
+    stop: Arc<AtomicBool>,
+    clock: Clock,
+    opts: LoopOptions,
+) -> std::io::Result<()> {
+    let counters = Arc::clone(shard.counters());
+    let wait = (!opts.busy_poll).then_some(opts.idle_wait);
+    while !stop.load(Ordering::Relaxed) {
+        while let Ok(cmd) = commands.try_recv() {
+            apply(&mut shard, cmd);
+        }
+        let now = clock.now();
+        let n = io.rx_burst(wait, &mut |from, datagram| {
+            shard.handle(from, datagram, now);
+        })?;
+        if shard.has_transmits() {
+            let r = io.tx_burst(&shard, &counters);
+            shard.clear_transmits();
+            if let Err(e) = r {
+                log::warn!("lcore {}: send failed: {e}", shard.lcore());
+            }
+        }
+        if n == 0 {
+            counters.idle_loops.inc();
+        } else {
+            counters.busy_loops.inc();
+        }
+    }
+    Ok(())
+}
+
+fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command) {
+    // A dropped reply channel only means the requester gave up waiting.
+    match cmd {
+        Command::Install(job, reply) => {
+            let id = job.id;
+            let r = shard
+                .install(job)
+                .map(|()| shard.job_memory_bytes(id).unwrap_or(0));
+            let _ = reply.send(r);
+        }
+        Command::Remove(id, reply) => {
+            let _ = reply.send(shard.remove(id));
+        }
+        Command::JobStats(reply) => {
+            let _ = reply.send(shard.job_stats());
+        }
+    }
+}

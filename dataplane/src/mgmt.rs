@@ -1,0 +1,368 @@
+//! The management side of a running dataplane: the lcore threads' command
+//! queues, the installed-job registry, and the HTTP/JSON management API that
+//! phub-control talks to (routes in `phub_proto::api`).
+//!
+//! Runs on its own thread, never on a data core. It reaches lcores only
+//! through their bounded command queues and waits for each to acknowledge.
+
+use std::collections::BTreeMap;
+use std::io::Read;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{bounded, Sender};
+use phub_proto::api::{
+    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreStats,
+};
+use phub_proto::layout::slot_bytes;
+use phub_proto::wire::DropReason;
+
+use crate::counters::ShardCounters;
+use crate::engine::JobInstall;
+use crate::lcore::{Clock, Command};
+
+/// How long the management thread waits for an lcore to acknowledge.
+const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest management request body.
+const MAX_BODY: u64 = 256 << 20;
+
+/// One running lcore, as the management side sees it.
+#[derive(Debug)]
+pub struct LcoreHandle {
+    /// Its command queue.
+    pub commands: Sender<Command>,
+    /// Its counters.
+    pub counters: Arc<ShardCounters>,
+    /// Its thread.
+    pub thread: Option<JoinHandle<std::io::Result<()>>>,
+}
+
+/// A management request's failure: an HTTP status and a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MgmtError {
+    /// HTTP status.
+    pub status: u16,
+    /// What went wrong.
+    pub message: String,
+}
+
+fn err(status: u16, message: impl Into<String>) -> MgmtError {
+    MgmtError {
+        status,
+        message: message.into(),
+    }
+}
+
+/// The management state of a running dataplane.
+#[derive(Debug)]
+pub struct Manager {
+    info: DataplaneInfo,
+    lcores: Vec<LcoreHandle>,
+    jobs: Mutex<BTreeMap<u16, InstalledJob>>,
+    clock: Clock,
+}
+
+impl Manager {
+    /// Wraps running lcores. `info.memory_used_bytes` is kept up to date.
+    pub fn new(info: DataplaneInfo, lcores: Vec<LcoreHandle>, clock: Clock) -> Manager {
+        Manager {
+            info,
+            lcores,
+            jobs: Mutex::new(BTreeMap::new()),
+            clock,
+        }
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, InstalledJob>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `GET /v1/info`.
+    pub fn info(&self) -> DataplaneInfo {
+        let mut i = self.info.clone();
+        i.memory_used_bytes = self.jobs().values().map(|j| j.memory_bytes).sum();
+        i
+    }
+
+    /// `GET /v1/jobs`.
+    pub fn list(&self) -> Vec<InstalledJob> {
+        self.jobs().values().cloned().collect()
+    }
+
+    /// `PUT /v1/jobs/{id}`: installs on every lcore or on none.
+    pub fn install(&self, id: u16, req: InstallJob) -> Result<InstalledJob, MgmtError> {
+        if req.id != id {
+            return Err(err(
+                400,
+                format!("job id {} in the body does not match {id} in the path", req.id),
+            ));
+        }
+        req.spec.validate().map_err(|e| err(400, e.to_string()))?;
+        let n = self.lcores.len();
+        if req.layout.lcores.len() != n {
+            return Err(err(
+                400,
+                format!(
+                    "layout covers {} lcores; this dataplane has {n}",
+                    req.layout.lcores.len()
+                ),
+            ));
+        }
+        let need: u64 = req
+            .layout
+            .lcores
+            .iter()
+            .flatten()
+            .map(|s| slot_bytes(req.spec.dtype, &req.spec.optimizer, s.elems))
+            .sum();
+        let mut jobs = self.jobs();
+        if jobs.contains_key(&id) {
+            return Err(err(409, format!("job {id} is already installed")));
+        }
+        let used: u64 = jobs.values().map(|j| j.memory_bytes).sum();
+        if used + need > self.info.memory_budget_bytes {
+            return Err(err(
+                507,
+                format!(
+                    "job {id} needs {need} bytes of slot memory; {} of {} are free",
+                    self.info.memory_budget_bytes.saturating_sub(used),
+                    self.info.memory_budget_bytes
+                ),
+            ));
+        }
+        let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
+        let mut done = Vec::new();
+        let mut total = 0;
+        for (i, l) in self.lcores.iter().enumerate() {
+            let (tx, rx) = bounded(1);
+            let job = JobInstall {
+                id,
+                token: req.token,
+                workers,
+                dtype: req.spec.dtype,
+                optimizer: req.spec.optimizer,
+                slots: req.layout.lcores[i].clone(),
+            };
+            let answer = l
+                .commands
+                .send_timeout(Command::Install(job, tx), ACK_TIMEOUT)
+                .map_err(|_| format!("lcore {i} did not take the command"))
+                .and_then(|()| {
+                    rx.recv_timeout(ACK_TIMEOUT)
+                        .map_err(|_| format!("lcore {i} did not answer"))
+                })
+                .and_then(|r| r.map_err(|e| format!("lcore {i}: {e}")));
+            match answer {
+                Ok(bytes) => {
+                    total += bytes;
+                    done.push(i);
+                }
+                Err(message) => {
+                    for &j in &done {
+                        self.remove_on(j, id);
+                    }
+                    return Err(err(500, format!("job {id} not installed: {message}")));
+                }
+            }
+        }
+        let job = InstalledJob {
+            id,
+            memory_bytes: total,
+        };
+        jobs.insert(id, job.clone());
+        log::info!(
+            "installed job {id}: {} chunks, {total} bytes of slot memory",
+            req.layout.chunk_count()
+        );
+        Ok(job)
+    }
+
+    fn remove_on(&self, lcore: usize, id: u16) -> bool {
+        let (tx, rx) = bounded(1);
+        self.lcores[lcore]
+            .commands
+            .send_timeout(Command::Remove(id, tx), ACK_TIMEOUT)
+            .is_ok()
+            && rx.recv_timeout(ACK_TIMEOUT).unwrap_or(false)
+    }
+
+    /// `DELETE /v1/jobs/{id}`.
+    pub fn remove(&self, id: u16) -> Result<(), MgmtError> {
+        let mut jobs = self.jobs();
+        if jobs.remove(&id).is_none() {
+            return Err(err(404, format!("job {id} is not installed")));
+        }
+        for i in 0..self.lcores.len() {
+            self.remove_on(i, id);
+        }
+        log::info!("removed job {id}");
+        Ok(())
+    }
+
+    /// `GET /v1/stats`.
+    pub fn stats(&self) -> DataplaneStats {
+        let lcores = self
+            .lcores
+            .iter()
+            .enumerate()
+            .map(|(i, l)| lcore_stats(i as u16, &l.counters))
+            .collect();
+        let now = self.clock.now();
+        let mut jobs: BTreeMap<u16, (JobLive, Vec<u64>)> = BTreeMap::new();
+        for l in &self.lcores {
+            let (tx, rx) = bounded(1);
+            if l.commands
+                .send_timeout(Command::JobStats(tx), ACK_TIMEOUT)
+                .is_err()
+            {
+                continue;
+            }
+            let Ok(list) = rx.recv_timeout(ACK_TIMEOUT) else {
+                continue;
+            };
+            for s in list {
+                let e = jobs.entry(s.id).or_insert_with(|| {
+                    (
+                        JobLive {
+                            id: s.id,
+                            pushes: 0,
+                            rounds_completed: 0,
+                            round_range: None,
+                            silent_ms: Vec::new(),
+                        },
+                        vec![0; s.last_seen.len()],
+                    )
+                });
+                e.0.pushes += s.pushes;
+                e.0.rounds_completed += s.rounds_completed;
+                if let Some((lo, hi)) = s.round_range {
+                    e.0.round_range = Some(e.0.round_range.map_or((lo, hi), |(a, b)| (a.min(lo), b.max(hi))));
+                }
+                for (m, t) in e.1.iter_mut().zip(&s.last_seen) {
+                    *m = (*m).max(*t);
+                }
+            }
+        }
+        DataplaneStats {
+            backend: self.info.backend.clone(),
+            lcores,
+            jobs: jobs
+                .into_values()
+                .map(|(mut j, seen)| {
+                    j.silent_ms = seen
+                        .iter()
+                        .map(|&t| (t != 0).then(|| now.saturating_sub(t) / 1_000_000))
+                        .collect();
+                    j
+                })
+                .collect(),
+        }
+    }
+
+    /// Number of lcores.
+    pub fn lcore_count(&self) -> usize {
+        self.lcores.len()
+    }
+
+    /// Tells every lcore to stop (through `stop`) and joins them.
+    pub fn join_lcores(&mut self, stop: &AtomicBool) {
+        stop.store(true, Ordering::Relaxed);
+        for (i, l) in self.lcores.iter_mut().enumerate() {
+            if let Some(t) = l.thread.take() {
+                match t.join() {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => log::error!("lcore {i} stopped on an I/O error: {e}"),
+                    Err(_) => log::error!("lcore {i} panicked"),
+                }
+            }
+        }
+    }
+}
+
+/// A snapshot of one lcore's counters.
+pub fn lcore_stats(lcore: u16, c: &ShardCounters) -> LcoreStats {
+    LcoreStats {
+        lcore,
+        rx_packets: c.rx_packets.get(),
+        rx_bytes: c.rx_bytes.get(),
+        tx_packets: c.tx_packets.get(),
+        tx_bytes: c.tx_bytes.get(),
+        pushes_aggregated: c.pushes_aggregated.get(),
+        rounds_completed: c.rounds_completed.get(),
+        results_sent: c.results_sent.get(),
+        results_resent: c.results_resent.get(),
+        pulls_answered: c.pulls_answered.get(),
+        errors_sent: c.errors_sent.get(),
+        misrouted: c.misrouted.get(),
+        busy_loops: c.busy_loops.get(),
+        idle_loops: c.idle_loops.get(),
+        drops: DropReason::ALL
+            .iter()
+            .map(|r| (r.name().to_string(), c.drops_of(*r)))
+            .filter(|(_, n)| *n > 0)
+            .collect(),
+    }
+}
+
+fn respond(req: tiny_http::Request, status: u16, body: String) {
+    let header = tiny_http::Header::from_bytes("Content-Type", "application/json").expect("static header");
+    let _ = req.respond(
+        tiny_http::Response::from_string(body)
+            .with_status_code(status)
+            .with_header(header),
+    );
+}
+
+fn json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_else(|e| format!("{{\"error\":\"serialising the answer: {e}\"}}"))
+}
+
+fn error_body(message: String) -> String {
+    json(&ApiError { error: message })
+}
+
+/// Serves the management API on `server` until `stop` is set and the server
+/// is unblocked.
+pub fn serve(server: Arc<tiny_http::Server>, mgr: Arc<Manager>, stop: Arc<AtomicBool>) {
+    for mut req in server.incoming_requests() {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let method = req.method().clone();
+        let url = req.url().split('?').next().unwrap_or("").to_string();
+        let parts: Vec<&str> = url.trim_matches('/').split('/').collect();
+        let mut body = String::new();
+        if req.as_reader().take(MAX_BODY).read_to_string(&mut body).is_err() {
+            respond(req, 400, error_body("request body is not UTF-8 text".into()));
+            continue;
+        }
+        use tiny_http::Method::{Delete, Get, Put};
+        let result: Result<(u16, String), MgmtError> = match (&method, parts.as_slice()) {
+            (Get, ["v1", "info"]) => Ok((200, json(&mgr.info()))),
+            (Get, ["v1", "jobs"]) => Ok((200, json(&mgr.list()))),
+            (Get, ["v1", "stats"]) => Ok((200, json(&mgr.stats()))),
+            (Put, ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
+                let r: InstallJob = serde_json::from_str(&body)
+                    .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
+                mgr.install(id, r).map(|j| (201, json(&j)))
+            }),
+            (Delete, ["v1", "jobs", id]) => {
+                parse_id(id).and_then(|id| mgr.remove(id).map(|()| (204, String::new())))
+            }
+            _ => Err(err(404, format!("no route for {method} {url}"))),
+        };
+        match result {
+            Ok((status, body)) => respond(req, status, body),
+            Err(e) => respond(req, e.status, error_body(e.message)),
+        }
+    }
+}
+
+fn parse_id(s: &str) -> Result<u16, MgmtError> {
+    s.parse::<u16>()
+        .ok()
+        .filter(|&id| id != 0)
+        .ok_or_else(|| err(400, format!("job id {s:?}: expected an integer from 1 to 65535")))
+}

@@ -1,0 +1,137 @@
+//! The kernel-UDP backend end to end on loopback: a real dataplane with two
+//! queues, a job installed through the management state, workers on UDP
+//! sockets, every result checked; and a flood of garbage counted as drops.
+
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use phub_dataplane::app::{Appliance, BackendKind, Config};
+use phub_dataplane::kernels;
+use phub_proto::api::InstallJob;
+use phub_proto::layout::layout;
+use phub_proto::spec::JobSpec;
+use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::Dtype;
+
+fn config() -> Config {
+    Config {
+        backend: BackendKind::Udp,
+        host: "127.0.0.1".parse().unwrap(),
+        base_port: 0,
+        lcores: Some(2),
+        mgmt: "127.0.0.1:0".parse().unwrap(),
+        memory_budget: 64 << 20,
+        busy_poll: false,
+        no_pin: true,
+        socket_buffer: 4 << 20,
+        build: "test".into(),
+    }
+}
+
+#[test]
+fn three_workers_sum_over_udp_and_garbage_is_counted() {
+    let app = Appliance::start(&config()).unwrap();
+    let spec = JobSpec::from_toml(
+        "name = \"t\"\nworkers = 3\nchunk_bytes = 256\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 150\n",
+    )
+    .unwrap();
+    let mut load = vec![0; 2];
+    let lay = layout(&spec, &mut load);
+    app.manager()
+        .install(
+            4,
+            InstallJob {
+                id: 4,
+                token: 77,
+                spec: spec.clone(),
+                layout: lay.clone(),
+            },
+        )
+        .unwrap();
+    let err = app
+        .manager()
+        .install(
+            4,
+            InstallJob {
+                id: 4,
+                token: 77,
+                spec,
+                layout: lay.clone(),
+            },
+        )
+        .unwrap_err();
+    assert_eq!(err.status, 409);
+    let base = app.data_addr();
+    let socks: Vec<UdpSocket> = (0..3)
+        .map(|_| {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s
+        })
+        .collect();
+    let garbage = UdpSocket::bind("127.0.0.1:0").unwrap();
+    for round in 0..4u32 {
+        for (c, place) in lay.keys[0].iter().enumerate() {
+            let elems = lay.chunk_len(150, c as u32) as usize;
+            for (rank, s) in socks.iter().enumerate() {
+                let carries = round > 0 || rank == 0;
+                let vals: Vec<f32> = (0..if carries { elems } else { 0 })
+                    .map(|e| (rank * 10 + e + round as usize) as f32)
+                    .collect();
+                let repr = Repr {
+                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
+                    dtype: Dtype::F32,
+                    flags: 0,
+                    token: 77,
+                    job: 4,
+                    rank: rank as u16,
+                    count: vals.len() as u16,
+                    error: 0,
+                    round,
+                    slot: place.slot,
+                    key: 0,
+                    chunk: c as u32,
+                };
+                let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
+                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+                kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
+                let to = std::net::SocketAddrV4::new(*base.ip(), base.port() + place.lcore);
+                s.send_to(&b, to).unwrap();
+                garbage.send_to(&b[..b.len() / 2], to).unwrap();
+            }
+            for s in &socks {
+                let mut buf = [0u8; 9000];
+                let n = s.recv(&mut buf).unwrap();
+                let (repr, payload) = wire::parse(&buf[..n]).unwrap();
+                assert_eq!(
+                    (repr.kind, repr.round, repr.chunk),
+                    (MsgType::Result, round, c as u32)
+                );
+                let mut got = vec![0f32; elems];
+                kernels::decode(Dtype::F32, payload, &mut got);
+                for (e, g) in got.iter().enumerate() {
+                    let want = if round == 0 {
+                        e as f32
+                    } else {
+                        (30 + 3 * e + 3 * round as usize) as f32
+                    };
+                    assert_eq!(*g, want, "round {round} chunk {c} elem {e}");
+                }
+            }
+        }
+    }
+    // Counters show the traffic and the garbage, by reason.
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = app.manager().stats();
+    let truncated: u64 = stats.lcores.iter().map(|l| l.drops.values().sum::<u64>()).sum();
+    let rounds: u64 = stats.lcores.iter().map(|l| l.rounds_completed).sum();
+    assert_eq!(rounds, 4 * lay.chunk_count() as u64);
+    assert_eq!(truncated, 4 * 3 * lay.chunk_count() as u64);
+    assert_eq!(stats.jobs.len(), 1);
+    assert_eq!(stats.jobs[0].round_range, Some((3, 3)));
+    assert!(stats.jobs[0].silent_ms.iter().all(Option::is_some));
+    app.manager().remove(4).unwrap();
+    assert_eq!(app.manager().remove(4).unwrap_err().status, 404);
+    assert_eq!(app.manager().info().memory_used_bytes, 0);
+    app.shutdown();
+}
