@@ -11,11 +11,12 @@ setup:
 build: setup
 	$(CARGO) build --workspace --all-targets
 
+# Starts phub-dataplane (kernel UDP on loopback) and phub-control, admits a
+# job and trains an MLP with DEMO_WORKERS worker processes; see README.
+DEMO_WORKERS ?= 3
 demo: setup
-	@echo "phub demo: the end-to-end demo (phub-control + phub-dataplane + W worker"
-	@echo "processes training a small model on loopback) arrives with the end-to-end"
-	@echo "issue. Until then this runs what exists: the aggregation-kernel benchmark."
-	$(CARGO) run --release -p phub-tools --bin phub-bench -- kernels --out-mib 64 --reps 3
+	$(CARGO) build --release -p phub --bins
+	./target/release/phub-demo --workers $(DEMO_WORKERS)
 
 lint: setup
 	$(CARGO) fmt --all -- --check

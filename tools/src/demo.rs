@@ -1,0 +1,566 @@
+//! `phub-demo`: the main job, out of the box.
+//!
+//! Starts phub-dataplane (kernel UDP on loopback) and phub-control as
+//! separate processes, admits a job, and trains a real small model (an MLP
+//! on a generated, seeded classification set) with W worker processes that
+//! push gradients and receive new parameters from the appliance's
+//! server-side SGD. Shows a progress bar, the loss and accuracy per epoch
+//! and the exchange throughput, checks the result against one process
+//! averaging the same W gradients, then shuts everything down.
+
+use std::io::{BufRead, BufReader};
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitCode, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use indicatif::{ProgressBar, ProgressStyle};
+use phub_proto::api::{AdmitResponse, ApiError, Stats};
+use phub_worker::Worker;
+use serde::{Deserialize, Serialize};
+
+use crate::model::{batch_indices, reference_sgd, steps_per_epoch, Dataset, Mlp};
+
+/// phub-demo: train a small model through a local phub appliance.
+#[derive(Debug, Parser)]
+#[command(name = "phub-demo", version)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Cmd>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// One worker process (started by the demo itself).
+    Worker(WorkerArgs),
+}
+
+/// The model and training set-up, shared by the demo and its workers.
+#[derive(Debug, Clone, Args, Serialize, Deserialize)]
+pub struct TrainArgs {
+    /// Input features.
+    #[arg(long, default_value_t = 64)]
+    pub dim: usize,
+    /// Hidden units.
+    #[arg(long, default_value_t = 256)]
+    pub hidden: usize,
+    /// Classes.
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// Samples in the generated data set.
+    #[arg(long, default_value_t = 16384)]
+    pub samples: usize,
+    /// Samples per worker per step.
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
+    /// Learning rate of the appliance's SGD.
+    #[arg(long, default_value_t = 0.1)]
+    pub lr: f32,
+    /// Epochs.
+    #[arg(long, default_value_t = 4)]
+    pub epochs: usize,
+    /// Seed of the data and the initial parameters.
+    #[arg(long, default_value_t = 42)]
+    pub seed: u64,
+}
+
+impl TrainArgs {
+    /// The model's shape.
+    pub fn mlp(&self) -> Mlp {
+        Mlp {
+            dim: self.dim,
+            hidden: self.hidden,
+            classes: self.classes,
+        }
+    }
+
+    /// The data set every worker generates identically.
+    pub fn data(&self) -> Dataset {
+        Dataset::generate(self.seed, self.samples, self.dim, self.classes)
+    }
+
+    /// The job spec for `workers` workers.
+    pub fn spec_toml(&self, workers: usize) -> String {
+        let mlp = self.mlp();
+        let mut s = format!(
+            "name = \"demo-mlp\"\nworkers = {workers}\ndtype = \"f32\"\nchunk_bytes = 8192\n\n\
+             [optimizer]\nkind = \"sgd\"\nlr = {}\n",
+            self.lr
+        );
+        for (name, n) in mlp.names().iter().zip(mlp.sizes()) {
+            s += &format!("\n[[keys]]\nname = \"{name}\"\nelements = {n}\n");
+        }
+        s
+    }
+}
+
+#[derive(Debug, Args)]
+struct RunArgs {
+    /// Worker processes.
+    #[arg(long, default_value_t = 3)]
+    workers: usize,
+    /// Queues (lcore threads) of the dataplane.
+    #[arg(long, default_value_t = 2)]
+    lcores: usize,
+    /// Where phub-control and phub-dataplane are (default: beside this program).
+    #[arg(long)]
+    bin_dir: Option<PathBuf>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+#[derive(Debug, Args)]
+struct WorkerArgs {
+    #[arg(long)]
+    control: String,
+    #[arg(long)]
+    job: u16,
+    /// Token, hex.
+    #[arg(long)]
+    token: String,
+    #[arg(long)]
+    rank: u16,
+    /// Where rank 0 writes its final parameters.
+    #[arg(long)]
+    params_out: Option<PathBuf>,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// One line a worker prints on stdout for the demo to show.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Report {
+    /// Rank.
+    pub rank: u16,
+    /// Steps done.
+    pub step: usize,
+    /// Epoch just finished, when this report closes one.
+    pub epoch: Option<usize>,
+    /// Loss over the whole data set (rank 0, at epoch ends).
+    pub loss: Option<f32>,
+    /// Accuracy over the whole data set (rank 0, at epoch ends).
+    pub accuracy: Option<f32>,
+    /// Seconds spent in push_pull/wait so far.
+    pub exchange_secs: f64,
+    /// UDP payload bytes sent plus received so far.
+    pub exchange_bytes: u64,
+    /// Retransmissions so far.
+    pub retransmits: u64,
+    /// Whether training is over.
+    pub done: bool,
+}
+
+/// Trains as one worker of the job; `report` gets a line per step.
+pub fn train_worker(w: &Worker, t: &TrainArgs, mut report: impl FnMut(Report)) -> Result<Vec<Vec<f32>>> {
+    let mlp = t.mlp();
+    let data = t.data();
+    let workers = w.workers() as usize;
+    let rank = w.rank();
+    let mut params = mlp.init(t.seed);
+    {
+        let handles = params
+            .iter_mut()
+            .enumerate()
+            .map(|(k, p)| w.init(k as u32, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        for h in handles {
+            w.wait(h)?;
+        }
+    }
+    let per_epoch = steps_per_epoch(data.len(), workers, t.batch);
+    let mut exchange = Duration::ZERO;
+    for step in 0..t.epochs * per_epoch {
+        let idx = batch_indices(data.len(), usize::from(rank), workers, t.batch, step);
+        let (_, grads) = mlp.grad(&params, &data, &idx);
+        let start = Instant::now();
+        let handles = params
+            .iter_mut()
+            .zip(&grads)
+            .enumerate()
+            .map(|(k, (p, g))| w.push_pull(k as u32, g, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        for h in handles {
+            w.wait(h)?;
+        }
+        exchange += start.elapsed();
+        let end_of_epoch = (step + 1) % per_epoch == 0;
+        let (loss, accuracy) = if end_of_epoch && rank == 0 {
+            let (l, a) = mlp.evaluate(&params, &data);
+            (Some(l), Some(a))
+        } else {
+            (None, None)
+        };
+        let s = w.stats();
+        report(Report {
+            rank,
+            step: step + 1,
+            epoch: end_of_epoch.then_some((step + 1) / per_epoch),
+            loss,
+            accuracy,
+            exchange_secs: exchange.as_secs_f64(),
+            exchange_bytes: s.bytes_sent + s.bytes_received,
+            retransmits: s.retransmits,
+            done: step + 1 == t.epochs * per_epoch,
+        });
+    }
+    Ok(params)
+}
+
+fn worker_main(a: WorkerArgs) -> Result<()> {
+    let token = u64::from_str_radix(a.token.trim_start_matches("0x"), 16)
+        .map_err(|_| anyhow!("--token {:?}: expected hex digits", a.token))?;
+    let w = Worker::join(&a.control, a.job, token, a.rank)?;
+    let params = train_worker(&w, &a.train, |r| {
+        println!("{}", serde_json::to_string(&r).unwrap_or_default());
+    })?;
+    if let Some(path) = a.params_out {
+        let flat: Vec<u8> = params.iter().flatten().flat_map(|v| v.to_le_bytes()).collect();
+        std::fs::write(&path, flat).with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// A child process that is stopped with SIGTERM (then SIGKILL) when dropped.
+struct Daemon {
+    name: &'static str,
+    child: Child,
+}
+
+impl Daemon {
+    fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        // Ask politely first: both daemons shut down cleanly on SIGTERM.
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.child.id().to_string()])
+            .status();
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("phub-demo: {} did not stop on SIGTERM; killing it", self.name);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn wait_http(url: &str, what: &str, child: &mut Child, log: &Path) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        if ureq::get(url).timeout(Duration::from_millis(500)).call().is_ok() {
+            return Ok(());
+        }
+        if let Ok(Some(status)) = child.try_wait() {
+            let tail = std::fs::read_to_string(log).unwrap_or_default();
+            bail!("{what} exited ({status}) before it answered; its log:\n{tail}");
+        }
+        if t.elapsed() > Duration::from_secs(15) {
+            bail!(
+                "{what} did not answer at {url} within 15 s (log: {})",
+                log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<Child> {
+    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    Command::new(bin)
+        .args(args)
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))
+}
+
+fn run_main(a: RunArgs) -> Result<()> {
+    let bin_dir = match a.bin_dir {
+        Some(d) => d,
+        None => std::env::current_exe()?
+            .parent()
+            .context("this program has no directory")?
+            .to_path_buf(),
+    };
+    let bin = |name: &str| -> Result<PathBuf> {
+        let p = bin_dir.join(name);
+        if p.exists() {
+            Ok(p)
+        } else {
+            bail!(
+                "{} not found: build it with `cargo build --release --bins`",
+                p.display()
+            )
+        }
+    };
+    let (dataplane_bin, control_bin) = (bin("phub-dataplane")?, bin("phub-control")?);
+    if a.workers == 0 || a.workers > 64 {
+        bail!("--workers {}: the demo runs 1 to 64 worker processes", a.workers);
+    }
+    let dir = std::env::temp_dir().join(format!("phub-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let (mgmt, ctl) = (free_port()?, free_port()?);
+    let mgmt_url = format!("http://127.0.0.1:{mgmt}");
+    let control_url = format!("http://127.0.0.1:{ctl}");
+    let t = &a.train;
+    let mlp = t.mlp();
+    let params: usize = mlp.sizes().iter().sum();
+    println!(
+        "phub demo: an MLP ({} -> {} -> {}, {} parameters in 4 tensors) on {} generated samples, \
+         {} worker processes, SGD on the appliance (lr {}), {} epochs",
+        t.dim, t.hidden, t.classes, params, t.samples, a.workers, t.lr, t.epochs
+    );
+    println!("  logs and state in {}", dir.display());
+
+    let dp_log = dir.join("phub-dataplane.log");
+    let mut dataplane = Daemon {
+        name: "phub-dataplane",
+        child: spawn(
+            &dataplane_bin,
+            &[
+                "--backend".into(),
+                "udp".into(),
+                "--base-port".into(),
+                "0".into(),
+                "--lcores".into(),
+                a.lcores.to_string(),
+                "--mgmt".into(),
+                format!("127.0.0.1:{mgmt}"),
+                "--memory-budget".into(),
+                "256MiB".into(),
+            ],
+            &dp_log,
+        )?,
+    };
+    wait_http(
+        &format!("{mgmt_url}/v1/info"),
+        "phub-dataplane",
+        &mut dataplane.child,
+        &dp_log,
+    )?;
+    println!(
+        "  phub-dataplane up: {} udp queues, management API {mgmt_url}",
+        a.lcores
+    );
+    let ctl_log = dir.join("phub-control.log");
+    let mut control = Daemon {
+        name: "phub-control",
+        child: spawn(
+            &control_bin,
+            &[
+                "--listen".into(),
+                format!("127.0.0.1:{ctl}"),
+                "--dataplane".into(),
+                mgmt_url.clone(),
+                "--state".into(),
+                dir.join("control-state.json").display().to_string(),
+            ],
+            &ctl_log,
+        )?,
+    };
+    wait_http(
+        &format!("{control_url}/v1/jobs"),
+        "phub-control",
+        &mut control.child,
+        &ctl_log,
+    )?;
+    println!("  phub-control up: {control_url}");
+
+    let admit: AdmitResponse =
+        match ureq::post(&format!("{control_url}/v1/jobs")).send_string(&t.spec_toml(a.workers)) {
+            Ok(r) => r.into_json()?,
+            Err(ureq::Error::Status(code, r)) => {
+                let e: ApiError = r.into_json().unwrap_or(ApiError {
+                    error: format!("HTTP {code}"),
+                });
+                bail!("admission refused: {}", e.error);
+            }
+            Err(e) => bail!("admission: {e}"),
+        };
+    println!(
+        "  job {} admitted: {} chunks over lcores {:?}, {} KiB of slot memory",
+        admit.id,
+        admit.chunks,
+        admit.lcores,
+        admit.memory_bytes / 1024
+    );
+
+    let me = std::env::current_exe()?;
+    let params_out = dir.join("params-rank0.bin");
+    let mut children = Vec::new();
+    for rank in 0..a.workers {
+        let mut args = vec![
+            "worker".to_string(),
+            "--control".into(),
+            control_url.clone(),
+            "--job".into(),
+            admit.id.to_string(),
+            "--token".into(),
+            format!("{:016x}", admit.token),
+            "--rank".into(),
+            rank.to_string(),
+        ];
+        if rank == 0 {
+            args.extend(["--params-out".into(), params_out.display().to_string()]);
+        }
+        for (k, v) in [
+            ("dim", t.dim.to_string()),
+            ("hidden", t.hidden.to_string()),
+            ("classes", t.classes.to_string()),
+            ("samples", t.samples.to_string()),
+            ("batch", t.batch.to_string()),
+            ("lr", t.lr.to_string()),
+            ("epochs", t.epochs.to_string()),
+            ("seed", t.seed.to_string()),
+        ] {
+            args.push(format!("--{k}"));
+            args.push(v);
+        }
+        let child = Command::new(&me)
+            .args(&args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .context("starting a worker process")?;
+        children.push(child);
+    }
+    let total = (t.epochs * steps_per_epoch(t.samples, a.workers, t.batch)) as u64;
+    let bar = ProgressBar::new(total).with_style(
+        ProgressStyle::with_template("  [{bar:40}] step {pos}/{len} {msg}")
+            .unwrap_or_else(|_| ProgressStyle::default_bar())
+            .progress_chars("=> "),
+    );
+    let started = Instant::now();
+    let mut last: Option<Report> = None;
+    let mut first_loss = None;
+    let mut last_loss = None;
+    let stdout = children[0].stdout.take().context("worker 0 has no stdout")?;
+    for line in BufReader::new(stdout).lines() {
+        let line = line?;
+        let Ok(r) = serde_json::from_str::<Report>(&line) else {
+            println!("{line}");
+            continue;
+        };
+        bar.set_position(r.step as u64);
+        let gbps = r.exchange_bytes as f64 / r.exchange_secs.max(1e-9) / 1e9;
+        bar.set_message(format!("exchange {:.3} GB/s per worker", gbps));
+        if let (Some(e), Some(l), Some(acc)) = (r.epoch, r.loss, r.accuracy) {
+            first_loss.get_or_insert(l);
+            last_loss = Some(l);
+            let line = format!(
+                "  epoch {e}: loss {l:.4}, accuracy {:.1}%, exchange {:.3} GB/s per worker, {} retransmits",
+                acc * 100.0,
+                gbps,
+                r.retransmits
+            );
+            if bar.is_hidden() {
+                println!("{line}");
+            } else {
+                bar.println(line);
+            }
+        }
+        last = Some(r);
+    }
+    bar.finish_and_clear();
+    let mut failed = Vec::new();
+    for (rank, mut c) in children.into_iter().enumerate() {
+        // Drain the other workers' reports so they never block on a full pipe.
+        if let Some(out) = c.stdout.take() {
+            for _ in BufReader::new(out).lines() {}
+        }
+        let status = c.wait()?;
+        if !status.success() {
+            failed.push(format!("worker {rank} exited with {status}"));
+        }
+    }
+    if !failed.is_empty() {
+        bail!("{}", failed.join("; "));
+    }
+    let last = last.context("worker 0 reported nothing")?;
+    let wall = started.elapsed().as_secs_f64();
+    if let (Some(first), Some(final_loss)) = (first_loss, last_loss) {
+        println!("  loss fell from {first:.4} after epoch 1 to {final_loss:.4}");
+    }
+    println!(
+        "  trained {} steps in {wall:.1} s; rank 0 spent {:.2} s exchanging {:.1} MB ({:.3} GB/s)",
+        last.step,
+        last.exchange_secs,
+        last.exchange_bytes as f64 / 1e6,
+        last.exchange_bytes as f64 / last.exchange_secs.max(1e-9) / 1e9
+    );
+
+    // Check: one process averaging the same W gradients ends where we did.
+    let got = std::fs::read(&params_out).context("reading rank 0's parameters")?;
+    let got: Vec<f32> = got
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    let reference = reference_sgd(&mlp, &t.data(), t.seed, a.workers, t.batch, t.lr, last.step);
+    let (ref_loss, _) = mlp.evaluate(&reference, &t.data());
+    let want: Vec<f32> = reference.into_iter().flatten().collect();
+    let max_diff = got
+        .iter()
+        .zip(&want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max);
+    println!(
+        "  single-process SGD averaging the same {} gradients: loss {ref_loss:.4}; max |difference| \
+         from the appliance's parameters {max_diff:.2e} over {} parameters",
+        a.workers,
+        got.len()
+    );
+    if let Ok(r) = ureq::get(&format!("{control_url}/v1/stats")).call() {
+        if let Ok(s) = r.into_json::<Stats>() {
+            if let Some(d) = s.dataplane {
+                let rx: u64 = d.lcores.iter().map(|l| l.rx_packets).sum();
+                let tx: u64 = d.lcores.iter().map(|l| l.tx_packets).sum();
+                let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
+                let resent: u64 = d.lcores.iter().map(|l| l.results_resent).sum();
+                println!("  appliance: {rx} packets in, {tx} out, {resent} results resent, {drops} dropped");
+            }
+        }
+    }
+    let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id)).call();
+    control.stop();
+    dataplane.stop();
+    println!("  job evicted, phub-control and phub-dataplane stopped");
+    let _ = std::fs::remove_dir_all(&dir);
+    if got.len() != want.len() || max_diff > 1e-3 {
+        bail!("the appliance's parameters differ from the single-process reference by {max_diff}");
+    }
+    Ok(())
+}
+
+/// `phub-demo`'s entry point.
+pub fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let r = match cli.command {
+        Some(Cmd::Worker(w)) => worker_main(w),
+        None => run_main(cli.run),
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("phub-demo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
