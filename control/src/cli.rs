@@ -1,0 +1,787 @@
+//! phubctl: the operator's CLI over phub-control's HTTP API.
+//!
+//! Every command prints a human rendering (aligned tables, binary byte
+//! sizes) or, with `--json`, the answer's JSON pretty-printed. Errors from
+//! control are printed as `phubctl: <message>` with exit code 1. The
+//! renderers are pure functions of the API types.
+
+use std::io::Read;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, Stats};
+use phub_proto::spec::JobSpec;
+use serde::de::DeserializeOwned;
+use serde::Serialize;
+
+use crate::format::{human_bytes, human_ms, table, Align};
+
+/// Control's address when neither `--control` nor `PHUB_CONTROL` is given.
+pub const DEFAULT_CONTROL: &str = "http://127.0.0.1:7700";
+
+/// phubctl: operate a phub appliance through phub-control.
+#[derive(Debug, Parser)]
+#[command(name = "phubctl", version)]
+struct Args {
+    /// Base URL of phub-control [default: $PHUB_CONTROL, else http://127.0.0.1:7700]
+    #[arg(long, global = true, value_name = "URL")]
+    control: Option<String>,
+    /// Print control's answer as JSON.
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Admit, list, show and evict jobs.
+    Job {
+        #[command(subcommand)]
+        cmd: JobCmd,
+    },
+    /// Where a job's chunks live.
+    Map {
+        #[command(subcommand)]
+        cmd: MapCmd,
+    },
+    /// Dataplane counters and jobs.
+    Stats {
+        /// Repeat every SECS seconds (default 1), clearing the screen.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
+        watch: Option<f64>,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum JobCmd {
+    /// Admit a job from a spec file (TOML or JSON; `-` reads stdin).
+    Admit {
+        /// The spec file.
+        spec: String,
+    },
+    /// List admitted jobs.
+    List,
+    /// Show one job, with its ranks.
+    Show {
+        /// Job id.
+        id: u16,
+    },
+    /// Evict a job: the dataplane drops it and control forgets it.
+    Evict {
+        /// Job id.
+        id: u16,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum MapCmd {
+    /// Show a job's lcores, ports and chunk places.
+    Show {
+        /// Job id.
+        id: u16,
+    },
+}
+
+/// Why a command failed.
+#[derive(Debug, thiserror::Error)]
+enum CliError {
+    /// Control answered with an error.
+    #[error("{0}")]
+    Api(String),
+    /// Control did not answer.
+    #[error("cannot reach phub-control at {url}: {reason}")]
+    Unreachable {
+        /// Control's base URL.
+        url: String,
+        /// What the transport said.
+        reason: String,
+    },
+    /// A local problem (reading the spec, bad arguments).
+    #[error("{0}")]
+    Local(String),
+    /// Control's answer is not what the API defines.
+    #[error("unexpected answer from phub-control: {0}")]
+    BadAnswer(String),
+}
+
+/// Entry point of the `phubctl` binary.
+pub fn main() -> ExitCode {
+    let args = Args::parse();
+    let url = args
+        .control
+        .clone()
+        .or_else(|| std::env::var("PHUB_CONTROL").ok().filter(|s| !s.is_empty()))
+        .unwrap_or_else(|| DEFAULT_CONTROL.to_string());
+    let ctl = Ctl::new(&url);
+    match run(&ctl, &args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("phubctl: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
+    let json = args.json;
+    match &args.cmd {
+        Cmd::Job { cmd } => match cmd {
+            JobCmd::Admit { spec } => {
+                let text = read_spec(spec)?;
+                let is_json = text.trim_start().starts_with('{');
+                let raw = ctl.call("POST", "/v1/jobs", Some((&text, is_json)))?;
+                show(json, &raw, |r: AdmitResponse| {
+                    let workers = if is_json {
+                        JobSpec::from_json(&text)
+                    } else {
+                        JobSpec::from_toml(&text)
+                    }
+                    .ok()
+                    .map(|s| s.workers);
+                    render_admit(&r, &ctl.base, workers)
+                })
+            }
+            JobCmd::List => {
+                let raw = ctl.call("GET", "/v1/jobs", None)?;
+                show(json, &raw, |r: Vec<JobSummary>| render_list(&r))
+            }
+            JobCmd::Show { id } => {
+                let raw = ctl.call("GET", &format!("/v1/jobs/{id}"), None)?;
+                show(json, &raw, |r: JobDetail| render_show(&r))
+            }
+            JobCmd::Evict { id } => {
+                let raw = ctl.call("DELETE", &format!("/v1/jobs/{id}"), None)?;
+                show(json, &raw, |r: JobSummary| {
+                    format!(
+                        "evicted job {} {:?} ({} freed)\n",
+                        r.id,
+                        r.name,
+                        human_bytes(r.memory_bytes)
+                    )
+                })
+            }
+        },
+        Cmd::Map {
+            cmd: MapCmd::Show { id },
+        } => {
+            let raw = ctl.call("GET", &format!("/v1/jobs/{id}/map"), None)?;
+            show(json, &raw, |r: JobMap| render_map(&r))
+        }
+        Cmd::Stats { watch: None } => {
+            let raw = ctl.call("GET", "/v1/stats", None)?;
+            show(json, &raw, |r: Stats| render_stats(&r))
+        }
+        Cmd::Stats { watch: Some(secs) } => {
+            if !(secs.is_finite() && *secs > 0.0) {
+                return Err(CliError::Local(format!(
+                    "--watch {secs}: expected a number of seconds > 0"
+                )));
+            }
+            let every = Duration::from_secs_f64(*secs);
+            loop {
+                let text = ctl
+                    .call("GET", "/v1/stats", None)
+                    .and_then(|raw| render(json, &raw, |r: Stats| render_stats(&r)));
+                print!("\x1b[2J\x1b[H");
+                println!("phubctl stats, every {secs} s, from {}\n", ctl.base);
+                match text {
+                    Ok(t) => print!("{t}"),
+                    Err(e) => println!("phubctl: {e}"),
+                }
+                std::thread::sleep(every);
+            }
+        }
+    }
+}
+
+fn read_spec(path: &str) -> Result<String, CliError> {
+    if path == "-" {
+        let mut s = String::new();
+        std::io::stdin()
+            .read_to_string(&mut s)
+            .map_err(|e| CliError::Local(format!("cannot read the spec from stdin: {e}")))?;
+        Ok(s)
+    } else {
+        std::fs::read_to_string(path)
+            .map_err(|e| CliError::Local(format!("cannot read spec file {path}: {e}")))
+    }
+}
+
+fn render<T: DeserializeOwned + Serialize>(
+    json: bool,
+    raw: &str,
+    f: impl FnOnce(T) -> String,
+) -> Result<String, CliError> {
+    let v: T = serde_json::from_str(raw).map_err(|e| CliError::BadAnswer(e.to_string()))?;
+    if json {
+        // Through the typed answer, so fields keep the API's order.
+        let mut s = serde_json::to_string_pretty(&v).expect("API types serialise");
+        s.push('\n');
+        Ok(s)
+    } else {
+        Ok(f(v))
+    }
+}
+
+fn show<T: DeserializeOwned + Serialize>(
+    json: bool,
+    raw: &str,
+    f: impl FnOnce(T) -> String,
+) -> Result<(), CliError> {
+    print!("{}", render(json, raw, f)?);
+    Ok(())
+}
+
+/// A connection to control.
+struct Ctl {
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Ctl {
+    fn new(base: &str) -> Ctl {
+        Ctl {
+            base: base.trim_end_matches('/').to_string(),
+            agent: ureq::AgentBuilder::new()
+                .timeout_connect(Duration::from_secs(3))
+                .timeout(Duration::from_secs(30))
+                .build(),
+        }
+    }
+
+    /// Sends a request; the answer's body on success.
+    fn call(&self, method: &str, path: &str, body: Option<(&str, bool)>) -> Result<String, CliError> {
+        let url = format!("{}{path}", self.base);
+        let req = self.agent.request(method, &url);
+        let res = match body {
+            Some((text, is_json)) => req
+                .set(
+                    "Content-Type",
+                    if is_json {
+                        "application/json"
+                    } else {
+                        "application/toml"
+                    },
+                )
+                .send_string(text),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) => r
+                .into_string()
+                .map_err(|e| CliError::BadAnswer(format!("reading the answer: {e}"))),
+            Err(ureq::Error::Status(code, r)) => {
+                let body = r.into_string().unwrap_or_default();
+                Err(CliError::Api(match serde_json::from_str::<ApiError>(&body) {
+                    Ok(e) => e.error,
+                    Err(_) => format!("HTTP {code} from {url}: {}", body.trim()),
+                }))
+            }
+            Err(ureq::Error::Transport(t)) => {
+                let text = t.to_string();
+                Err(CliError::Unreachable {
+                    url: self.base.clone(),
+                    reason: text
+                        .strip_prefix(&format!("{url}: "))
+                        .unwrap_or(&text)
+                        .to_string(),
+                })
+            }
+        }
+    }
+}
+
+/// Lcore indices as compact ranges: `0-3,6`.
+pub fn lcore_ranges(lcores: &[u16]) -> String {
+    let mut parts = Vec::new();
+    let mut i = 0;
+    while i < lcores.len() {
+        let mut j = i;
+        while j + 1 < lcores.len() && lcores[j + 1] == lcores[j] + 1 {
+            j += 1;
+        }
+        parts.push(if i == j {
+            lcores[i].to_string()
+        } else {
+            format!("{}-{}", lcores[i], lcores[j])
+        });
+        i = j + 1;
+    }
+    if parts.is_empty() {
+        "none".into()
+    } else {
+        parts.join(",")
+    }
+}
+
+/// `job admit`: id, token and how workers join (`workers` from the spec, if known).
+pub fn render_admit(r: &AdmitResponse, control: &str, workers: Option<u32>) -> String {
+    let ranks = match workers {
+        Some(w) if w > 0 => format!(" for R in 0..={}", w - 1),
+        _ => String::new(),
+    };
+    format!(
+        "admitted job {id}: {chunks} chunks, {mem} on lcores {lcores}\n\
+         id     {id}\n\
+         token  {token:016x}\n\
+         workers join with: POST {control}/v1/jobs/{id}/join {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
+        id = r.id,
+        chunks = r.chunks,
+        mem = human_bytes(r.memory_bytes),
+        lcores = lcore_ranges(&r.lcores),
+        token = r.token,
+    )
+}
+
+fn yes(b: bool) -> String {
+    if b { "yes" } else { "no" }.to_string()
+}
+
+/// `job list`.
+pub fn render_list(jobs: &[JobSummary]) -> String {
+    if jobs.is_empty() {
+        return "no jobs admitted\n".into();
+    }
+    let rows: Vec<Vec<String>> = jobs
+        .iter()
+        .map(|j| {
+            vec![
+                j.id.to_string(),
+                j.name.clone(),
+                j.workers.to_string(),
+                j.joined.len().to_string(),
+                j.keys.to_string(),
+                j.chunks.to_string(),
+                j.dtype.clone(),
+                j.optimizer.clone(),
+                human_bytes(j.memory_bytes),
+                yes(j.installed),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("ID", Align::Right),
+            ("NAME", Align::Left),
+            ("WORKERS", Align::Right),
+            ("JOINED", Align::Right),
+            ("KEYS", Align::Right),
+            ("CHUNKS", Align::Right),
+            ("DTYPE", Align::Left),
+            ("OPTIMIZER", Align::Left),
+            ("MEMORY", Align::Right),
+            ("INSTALLED", Align::Left),
+        ],
+        &rows,
+    )
+}
+
+/// `job show`.
+pub fn render_show(d: &JobDetail) -> String {
+    let s = &d.summary;
+    let mut out = format!(
+        "job {} {:?}: {} workers ({} joined), {} keys, {} chunks of {} elements\n\
+         dtype {}, optimizer {}, memory {}, installed {}\n",
+        s.id,
+        s.name,
+        s.workers,
+        s.joined.len(),
+        s.keys,
+        s.chunks,
+        d.spec.chunk_elems(),
+        s.dtype,
+        s.optimizer,
+        human_bytes(s.memory_bytes),
+        yes(s.installed),
+    );
+    out.push_str(&format!("rounds completed {}", d.rounds_completed));
+    if let Some((lo, hi)) = d.round_range {
+        out.push_str(&format!(", last completed round {lo}..={hi} over its chunks"));
+    }
+    out.push_str("\n\n");
+    let rows: Vec<Vec<String>> = d
+        .ranks
+        .iter()
+        .map(|r| {
+            vec![
+                r.rank.to_string(),
+                yes(r.joined),
+                match r.silent_ms {
+                    Some(ms) => format!("silent for {}", human_ms(ms)),
+                    None => "never heard from".into(),
+                },
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            ("RANK", Align::Right),
+            ("JOINED", Align::Left),
+            ("DATAPLANE", Align::Left),
+        ],
+        &rows,
+    ));
+    out
+}
+
+/// `map show`.
+pub fn render_map(m: &JobMap) -> String {
+    const SHOWN: usize = 6;
+    let chunks: usize = m.keys.iter().map(|k| k.chunks.len()).sum();
+    let mut out = format!(
+        "job {}: {} chunks of up to {} elements over {} lcores\n\n",
+        m.id,
+        chunks,
+        m.chunk_elems,
+        m.lcores.len()
+    );
+    let rows: Vec<Vec<String>> = m
+        .lcores
+        .iter()
+        .map(|l| {
+            vec![
+                l.lcore.to_string(),
+                l.port.to_string(),
+                l.slots.to_string(),
+                human_bytes(l.bytes),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            ("LCORE", Align::Right),
+            ("PORT", Align::Right),
+            ("SLOTS", Align::Right),
+            ("MEMORY", Align::Right),
+        ],
+        &rows,
+    ));
+    out.push('\n');
+    let rows: Vec<Vec<String>> = m
+        .keys
+        .iter()
+        .map(|k| {
+            let mut places: Vec<String> = k
+                .chunks
+                .iter()
+                .take(SHOWN)
+                .map(|p| format!("{}:{}", p.lcore, p.slot))
+                .collect();
+            if k.chunks.len() > SHOWN {
+                places.push(format!("… (+{})", k.chunks.len() - SHOWN));
+            }
+            vec![
+                k.key.to_string(),
+                k.name.clone(),
+                k.elements.to_string(),
+                k.chunks.len().to_string(),
+                places.join(" "),
+            ]
+        })
+        .collect();
+    out.push_str(&table(
+        &[
+            ("KEY", Align::Right),
+            ("NAME", Align::Left),
+            ("ELEMENTS", Align::Right),
+            ("CHUNKS", Align::Right),
+            ("PLACES (LCORE:SLOT)", Align::Left),
+        ],
+        &rows,
+    ));
+    out
+}
+
+fn mb(bytes: u64) -> String {
+    format!("{:.1}", bytes as f64 / 1e6)
+}
+
+/// `stats`: per-lcore counters, drops by reason, and one line per job.
+pub fn render_stats(s: &Stats) -> String {
+    let mut out = String::new();
+    match (&s.dataplane, &s.dataplane_error) {
+        (Some(dp), _) => {
+            out.push_str(&format!(
+                "dataplane: {} backend, {} lcores\n\n",
+                dp.backend,
+                dp.lcores.len()
+            ));
+            let mut rows = Vec::new();
+            let mut total = phub_proto::api::LcoreStats::default();
+            for l in &dp.lcores {
+                rows.push(lcore_row(l.lcore.to_string(), l));
+                total.rx_packets += l.rx_packets;
+                total.rx_bytes += l.rx_bytes;
+                total.tx_packets += l.tx_packets;
+                total.tx_bytes += l.tx_bytes;
+                total.pushes_aggregated += l.pushes_aggregated;
+                total.rounds_completed += l.rounds_completed;
+                total.results_sent += l.results_sent;
+                total.results_resent += l.results_resent;
+                total.misrouted += l.misrouted;
+                total.busy_loops += l.busy_loops;
+                total.idle_loops += l.idle_loops;
+                for (r, n) in &l.drops {
+                    *total.drops.entry(r.clone()).or_default() += n;
+                }
+            }
+            if dp.lcores.len() > 1 {
+                rows.push(lcore_row("all".into(), &total));
+            }
+            let n = Align::Right;
+            out.push_str(&table(
+                &[
+                    ("LCORE", n),
+                    ("RX PKTS", n),
+                    ("RX MB", n),
+                    ("TX PKTS", n),
+                    ("TX MB", n),
+                    ("PUSHES", n),
+                    ("ROUNDS", n),
+                    ("RESULTS", n),
+                    ("RESENT", n),
+                    ("DROPS", n),
+                    ("MISROUTED", n),
+                    ("BUSY%", n),
+                ],
+                &rows,
+            ));
+            let drops: Vec<Vec<String>> = dp
+                .lcores
+                .iter()
+                .flat_map(|l| {
+                    l.drops
+                        .iter()
+                        .filter(|(_, &c)| c > 0)
+                        .map(move |(r, c)| vec![r.clone(), l.lcore.to_string(), c.to_string()])
+                })
+                .collect();
+            if !drops.is_empty() {
+                out.push_str("\ndrops by reason\n");
+                out.push_str(&table(
+                    &[
+                        ("REASON", Align::Left),
+                        ("LCORE", Align::Right),
+                        ("DROPS", Align::Right),
+                    ],
+                    &drops,
+                ));
+            }
+        }
+        (None, err) => {
+            out.push_str(&format!(
+                "dataplane: unreachable: {}\n",
+                err.as_deref().unwrap_or("no answer")
+            ));
+        }
+    }
+    out.push('\n');
+    if s.jobs.is_empty() {
+        out.push_str("no jobs admitted\n");
+    }
+    for j in &s.jobs {
+        let live = s
+            .dataplane
+            .as_ref()
+            .and_then(|d| d.jobs.iter().find(|l| l.id == j.id));
+        out.push_str(&format!(
+            "job {} {:?}: {}/{} joined, {}, {}",
+            j.id,
+            j.name,
+            j.joined.len(),
+            j.workers,
+            if j.installed { "installed" } else { "NOT installed" },
+            human_bytes(j.memory_bytes)
+        ));
+        if let Some(l) = live {
+            out.push_str(&format!(", {} pushes, {} rounds", l.pushes, l.rounds_completed));
+            if let Some((lo, hi)) = l.round_range {
+                out.push_str(&format!(" (chunks at round {lo}..={hi})"));
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
+fn lcore_row(name: String, l: &phub_proto::api::LcoreStats) -> Vec<String> {
+    let loops = l.busy_loops + l.idle_loops;
+    let busy = if loops == 0 {
+        "-".to_string()
+    } else {
+        format!("{:.1}", l.busy_loops as f64 * 100.0 / loops as f64)
+    };
+    vec![
+        name,
+        l.rx_packets.to_string(),
+        mb(l.rx_bytes),
+        l.tx_packets.to_string(),
+        mb(l.tx_bytes),
+        l.pushes_aggregated.to_string(),
+        l.rounds_completed.to_string(),
+        l.results_sent.to_string(),
+        l.results_resent.to_string(),
+        l.drops.values().sum::<u64>().to_string(),
+        l.misrouted.to_string(),
+        busy,
+    ]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use phub_proto::api::{DataplaneStats, JobLive, LcoreStats, RankStatus};
+
+    fn summary(id: u16, name: &str, mem: u64) -> JobSummary {
+        JobSummary {
+            id,
+            name: name.into(),
+            workers: 4,
+            joined: vec![0, 2],
+            keys: 3,
+            chunks: 120,
+            dtype: "f32".into(),
+            optimizer: "sgd".into(),
+            memory_bytes: mem,
+            installed: true,
+        }
+    }
+
+    #[test]
+    fn list_is_an_aligned_table() {
+        let t = render_list(&[summary(1, "resnet50", 13 << 20), summary(12, "bert", 512)]);
+        assert_eq!(
+            t,
+            "ID  NAME      WORKERS  JOINED  KEYS  CHUNKS  DTYPE  OPTIMIZER    MEMORY  INSTALLED\n\
+             \x201  resnet50        4       2     3     120  f32    sgd        13.0 MiB  yes\n\
+             12  bert            4       2     3     120  f32    sgd           512 B  yes\n"
+        );
+        assert_eq!(render_list(&[]), "no jobs admitted\n");
+    }
+
+    #[test]
+    fn admit_prints_id_token_and_join_hint() {
+        let r = AdmitResponse {
+            id: 3,
+            token: 0xab,
+            chunks: 10,
+            memory_bytes: 2048,
+            lcores: vec![0, 1, 2, 5],
+        };
+        let t = render_admit(&r, "http://h:1", Some(4));
+        assert!(
+            t.contains("admitted job 3: 10 chunks, 2.0 KiB on lcores 0-2,5"),
+            "{t}"
+        );
+        assert!(t.contains("token  00000000000000ab"), "{t}");
+        assert!(
+            t.contains("POST http://h:1/v1/jobs/3/join {\"token\": \"00000000000000ab\", \"rank\": R} for R in 0..=3"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn show_has_rank_lines() {
+        let spec = JobSpec::from_toml(
+            "name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 9\n",
+        )
+        .unwrap();
+        let d = JobDetail {
+            summary: summary(1, "x", 100),
+            spec,
+            ranks: vec![
+                RankStatus {
+                    rank: 0,
+                    joined: true,
+                    silent_ms: Some(1500),
+                },
+                RankStatus {
+                    rank: 1,
+                    joined: false,
+                    silent_ms: None,
+                },
+            ],
+            rounds_completed: 7,
+            round_range: Some((3, 4)),
+        };
+        let t = render_show(&d);
+        assert!(
+            t.contains(
+                "RANK  JOINED  DATAPLANE\n   0  yes     silent for 1.5 s\n   1  no      never heard from\n"
+            ),
+            "{t}"
+        );
+        assert!(
+            t.contains("rounds completed 7, last completed round 3..=4"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn stats_tables() {
+        let s = Stats {
+            dataplane: Some(DataplaneStats {
+                backend: "udp".into(),
+                lcores: vec![
+                    LcoreStats {
+                        lcore: 0,
+                        rx_packets: 1000,
+                        rx_bytes: 8_500_000,
+                        busy_loops: 1,
+                        idle_loops: 3,
+                        drops: [("bad_token".to_string(), 2)].into(),
+                        ..Default::default()
+                    },
+                    LcoreStats {
+                        lcore: 1,
+                        ..Default::default()
+                    },
+                ],
+                jobs: vec![JobLive {
+                    id: 1,
+                    pushes: 5,
+                    rounds_completed: 2,
+                    round_range: Some((1, 2)),
+                    silent_ms: vec![],
+                }],
+            }),
+            dataplane_error: None,
+            jobs: vec![summary(1, "a", 1024)],
+        };
+        let t = render_stats(&s);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[2].starts_with("LCORE  RX PKTS  RX MB"), "{t}");
+        assert!(lines[3].starts_with("    0     1000    8.5"), "{t}");
+        assert!(lines[3].ends_with("2          0   25.0"), "{t}");
+        assert!(lines[4].ends_with("-"), "{t}");
+        assert!(lines[5].starts_with("  all     1000"), "{t}");
+        assert!(
+            t.contains("REASON     LCORE  DROPS\nbad_token      0      2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "job 1 \"a\": 2/4 joined, installed, 1.0 KiB, 5 pushes, 2 rounds (chunks at round 1..=2)"
+            ),
+            "{t}"
+        );
+        let down = render_stats(&Stats {
+            dataplane: None,
+            dataplane_error: Some("cannot reach the dataplane".into()),
+            jobs: vec![],
+        });
+        assert!(
+            down.starts_with("dataplane: unreachable: cannot reach the dataplane\n"),
+            "{down}"
+        );
+    }
+
+    #[test]
+    fn ranges() {
+        assert_eq!(lcore_ranges(&[]), "none");
+        assert_eq!(lcore_ranges(&[2]), "2");
+        assert_eq!(lcore_ranges(&[0, 1, 2, 3, 6, 8, 9]), "0-3,6,8-9");
+    }
+}

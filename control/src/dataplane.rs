@@ -1,0 +1,154 @@
+//! Client of the dataplane's management API (see `phub_proto::api`).
+
+use std::time::Duration;
+
+use phub_proto::api::{ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob};
+use serde::de::DeserializeOwned;
+
+/// What went wrong talking to the dataplane.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum DataplaneError {
+    /// No answer: connection refused, reset, timed out.
+    #[error("cannot reach the dataplane at {base}: {reason}")]
+    Unreachable {
+        /// The management base URL.
+        base: String,
+        /// What the transport said.
+        reason: String,
+    },
+    /// An error answer (4xx or 5xx).
+    #[error("the dataplane refused {what}: {message} (HTTP {status})")]
+    Refused {
+        /// The request, e.g. `PUT /v1/jobs/3`.
+        what: String,
+        /// The status code.
+        status: u16,
+        /// Its `ApiError` message, or the body.
+        message: String,
+    },
+    /// An answer that is not what the API defines.
+    #[error("the dataplane's answer to {what} is not understood: {reason}")]
+    BadAnswer {
+        /// The request.
+        what: String,
+        /// What is wrong with it.
+        reason: String,
+    },
+}
+
+impl DataplaneError {
+    /// Whether the dataplane could not be reached at all.
+    pub(crate) fn is_unreachable(&self) -> bool {
+        matches!(self, DataplaneError::Unreachable { .. })
+    }
+}
+
+/// A blocking client; cheap to clone.
+#[derive(Debug, Clone)]
+pub(crate) struct Client {
+    base: String,
+    agent: ureq::Agent,
+}
+
+impl Client {
+    /// A client for the management API at `base` (e.g. `http://127.0.0.1:7800`).
+    pub(crate) fn new(base: &str) -> Client {
+        // No pooled connections: calls are rare, and a fresh connection
+        // notices at once that a dataplane went away (a pooled one can hang
+        // on a half-dead peer until the timeout).
+        let agent = ureq::AgentBuilder::new()
+            .max_idle_connections(0)
+            .timeout_connect(Duration::from_secs(2))
+            .timeout(Duration::from_secs(10))
+            .build();
+        Client {
+            base: base.trim_end_matches('/').to_string(),
+            agent,
+        }
+    }
+
+    /// The base URL.
+    pub(crate) fn base(&self) -> &str {
+        &self.base
+    }
+
+    fn call(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<&InstallJob>,
+    ) -> Result<ureq::Response, DataplaneError> {
+        let url = format!("{}{path}", self.base);
+        let req = self.agent.request(method, &url);
+        let res = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match res {
+            Ok(r) => Ok(r),
+            Err(ureq::Error::Status(status, r)) => {
+                let body = r.into_string().unwrap_or_default();
+                let message = match serde_json::from_str::<ApiError>(&body) {
+                    Ok(e) => e.error,
+                    Err(_) if body.trim().is_empty() => "no message".to_string(),
+                    Err(_) => body.trim().chars().take(500).collect(),
+                };
+                Err(DataplaneError::Refused {
+                    what: format!("{method} {path}"),
+                    status,
+                    message,
+                })
+            }
+            Err(ureq::Error::Transport(t)) => {
+                let text = t.to_string();
+                let reason = text
+                    .strip_prefix(&format!("{url}: "))
+                    .unwrap_or(&text)
+                    .to_string();
+                Err(DataplaneError::Unreachable {
+                    base: self.base.clone(),
+                    reason,
+                })
+            }
+        }
+    }
+
+    fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, DataplaneError> {
+        self.call("GET", path, None)?
+            .into_json()
+            .map_err(|e| DataplaneError::BadAnswer {
+                what: format!("GET {path}"),
+                reason: e.to_string(),
+            })
+    }
+
+    /// `GET /v1/info`.
+    pub(crate) fn info(&self) -> Result<DataplaneInfo, DataplaneError> {
+        self.get("/v1/info")
+    }
+
+    /// `GET /v1/jobs`.
+    pub(crate) fn jobs(&self) -> Result<Vec<InstalledJob>, DataplaneError> {
+        self.get("/v1/jobs")
+    }
+
+    /// `GET /v1/stats`.
+    pub(crate) fn stats(&self) -> Result<DataplaneStats, DataplaneError> {
+        self.get("/v1/stats")
+    }
+
+    /// `PUT /v1/jobs/{id}`; any 2xx (the API says 201) means installed.
+    pub(crate) fn install(&self, job: &InstallJob) -> Result<(), DataplaneError> {
+        self.call("PUT", &format!("/v1/jobs/{}", job.id), Some(job))
+            .map(drop)
+    }
+
+    /// `DELETE /v1/jobs/{id}`; `Ok(false)` when the dataplane did not have it (404).
+    pub(crate) fn remove(&self, id: u16) -> Result<bool, DataplaneError> {
+        match self.call("DELETE", &format!("/v1/jobs/{id}"), None) {
+            Ok(_) => Ok(true),
+            Err(DataplaneError::Refused { status: 404, .. }) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}

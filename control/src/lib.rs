@@ -1,0 +1,30 @@
+//! phub-control: the appliance's control process and its operator CLI.
+//!
+//! Layer: control. Blocking threads and HTTP (tiny_http as server, ureq as
+//! client); nothing here touches the data path, which keeps running while
+//! control is down or restarting.
+//!
+//! - [`daemon`]: the `phub-control` daemon. It admits jobs (validation,
+//!   capacity, chunk placement balanced over every admitted job and kept on
+//!   the NIC's NUMA node), installs them on the dataplane through its
+//!   management API, answers workers that join, keeps its jobs in a state
+//!   file written atomically after every change, reinstalls jobs a restarted
+//!   dataplane lost, and serves status and Prometheus metrics.
+//! - [`cli`]: `phubctl`, the operator's CLI over the daemon's API.
+//! - [`admission`]: the pure part of admission (lcore choice, loads,
+//!   capacity, placement), unit-tested without I/O.
+//! - [`format`]: human byte sizes and aligned tables, pure.
+//! - [`metrics`]: the Prometheus text rendering, pure.
+//!
+//! Invariants: a job is recorded only once the dataplane has installed it,
+//! and never half-installed; job ids and tokens never change once given;
+//! control never removes a job on its own.
+#![forbid(unsafe_code)]
+
+pub mod admission;
+pub mod cli;
+pub mod daemon;
+mod dataplane;
+pub mod format;
+pub mod metrics;
+mod state;

@@ -1,0 +1,267 @@
+//! `GET /metrics`: Prometheus text exposition format 0.0.4, rendered from
+//! the dataplane's counters and control's jobs. Pure.
+
+use std::fmt::Write;
+
+use phub_proto::api::{DataplaneStats, JobSummary};
+
+/// The content type of [`render`]'s output.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
+
+/// Escapes a label value: backslash, double quote and newline.
+pub fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c => out.push(c),
+        }
+    }
+    out
+}
+
+fn help_of(field: &str) -> String {
+    let known = match field {
+        "rx_packets" => "Datagrams received",
+        "rx_bytes" => "Bytes received",
+        "tx_packets" => "Datagrams sent",
+        "tx_bytes" => "Bytes sent",
+        "pushes_aggregated" => "Contributions aggregated",
+        "rounds_completed" => "Rounds completed",
+        "results_sent" => "Results sent (per destination)",
+        "results_resent" => "Stored results sent again",
+        "pulls_answered" => "PULLs answered",
+        "errors_sent" => "ERROR messages sent",
+        "misrouted" => "Packets that reached another lcore than their owner",
+        "busy_loops" => "Poll-loop iterations that found packets",
+        "idle_loops" => "Poll-loop iterations that found none",
+        _ => return format!("Dataplane lcore counter {field}"),
+    };
+    format!("{known}, per lcore")
+}
+
+struct Out(String);
+
+impl Out {
+    fn family(&mut self, name: &str, kind: &str, help: &str) {
+        let help = help.replace('\\', "\\\\").replace('\n', "\\n");
+        let _ = writeln!(self.0, "# HELP {name} {help}");
+        let _ = writeln!(self.0, "# TYPE {name} {kind}");
+    }
+
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
+        self.0.push_str(name);
+        if !labels.is_empty() {
+            self.0.push('{');
+            for (i, (k, v)) in labels.iter().enumerate() {
+                if i > 0 {
+                    self.0.push(',');
+                }
+                let _ = write!(self.0, "{k}=\"{}\"", escape_label(v));
+            }
+            self.0.push('}');
+        }
+        let _ = writeln!(self.0, " {value}");
+    }
+}
+
+/// Renders every metric: `phub_dataplane_up`, one counter family
+/// `phub_lcore_<field>_total{lcore}` per numeric field of
+/// [`phub_proto::api::LcoreStats`], `phub_lcore_drops_total{lcore,reason}`,
+/// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
+/// `phub_job_installed`, `phub_job_memory_bytes` and, when the dataplane
+/// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`.
+pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String {
+    let mut o = Out(String::new());
+    o.family(
+        "phub_dataplane_up",
+        "gauge",
+        "Whether phub-control could read the dataplane's counters (1) or not (0)",
+    );
+    o.sample("phub_dataplane_up", &[], u64::from(dataplane.is_some()));
+
+    if let Some(dp) = dataplane {
+        // Every numeric field of LcoreStats, so new counters show up here
+        // without a change.
+        let rows: Vec<(String, serde_json::Map<String, serde_json::Value>)> = dp
+            .lcores
+            .iter()
+            .filter_map(|l| match serde_json::to_value(l) {
+                Ok(serde_json::Value::Object(m)) => Some((l.lcore.to_string(), m)),
+                _ => None,
+            })
+            .collect();
+        let mut fields: Vec<&str> = rows
+            .iter()
+            .flat_map(|(_, m)| m.iter())
+            .filter(|(k, v)| k.as_str() != "lcore" && v.is_u64())
+            .map(|(k, _)| k.as_str())
+            .collect();
+        fields.sort_unstable();
+        fields.dedup();
+        for field in fields {
+            let name = format!("phub_lcore_{field}_total");
+            o.family(&name, "counter", &help_of(field));
+            for (lcore, m) in &rows {
+                if let Some(v) = m.get(field).and_then(serde_json::Value::as_u64) {
+                    o.sample(&name, &[("lcore", lcore)], v);
+                }
+            }
+        }
+        o.family(
+            "phub_lcore_drops_total",
+            "counter",
+            "Packets dropped, per lcore and reason",
+        );
+        for l in &dp.lcores {
+            let lcore = l.lcore.to_string();
+            for (reason, &n) in &l.drops {
+                o.sample(
+                    "phub_lcore_drops_total",
+                    &[("lcore", &lcore), ("reason", reason)],
+                    n,
+                );
+            }
+        }
+    }
+
+    o.family("phub_jobs", "gauge", "Jobs admitted by phub-control");
+    o.sample("phub_jobs", &[], jobs.len() as u64);
+    let ids: Vec<String> = jobs.iter().map(|j| j.id.to_string()).collect();
+    o.family("phub_job_workers", "gauge", "Worker count W of the job");
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample(
+            "phub_job_workers",
+            &[("job", id), ("name", &j.name)],
+            u64::from(j.workers),
+        );
+    }
+    o.family(
+        "phub_job_workers_joined",
+        "gauge",
+        "Ranks of the job that have joined through phub-control",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample(
+            "phub_job_workers_joined",
+            &[("job", id), ("name", &j.name)],
+            j.joined.len() as u64,
+        );
+    }
+    o.family(
+        "phub_job_installed",
+        "gauge",
+        "Whether the dataplane has the job installed (1) or not (0)",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_installed", &[("job", id)], u64::from(j.installed));
+    }
+    o.family(
+        "phub_job_memory_bytes",
+        "gauge",
+        "Slot memory the job holds, in bytes",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_memory_bytes", &[("job", id)], j.memory_bytes);
+    }
+    if let Some(dp) = dataplane {
+        let live: Vec<_> = jobs
+            .iter()
+            .zip(&ids)
+            .filter_map(|(j, id)| dp.jobs.iter().find(|l| l.id == j.id).map(|l| (id, l)))
+            .collect();
+        o.family(
+            "phub_job_pushes_total",
+            "counter",
+            "Contributions aggregated for the job, over all lcores",
+        );
+        for (id, l) in &live {
+            o.sample("phub_job_pushes_total", &[("job", id)], l.pushes);
+        }
+        o.family(
+            "phub_job_rounds_completed_total",
+            "counter",
+            "Rounds completed for the job, over all its chunks",
+        );
+        for (id, l) in &live {
+            o.sample(
+                "phub_job_rounds_completed_total",
+                &[("job", id)],
+                l.rounds_completed,
+            );
+        }
+    }
+    o.0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use phub_proto::api::{JobLive, LcoreStats};
+
+    #[test]
+    fn labels_are_escaped() {
+        assert_eq!(escape_label(r#"a"b\c"#), r#"a\"b\\c"#);
+        assert_eq!(escape_label("x\ny"), "x\\ny");
+    }
+
+    #[test]
+    fn renders_every_family() {
+        let dp = DataplaneStats {
+            backend: "udp".into(),
+            lcores: vec![
+                LcoreStats {
+                    lcore: 0,
+                    rx_packets: 10,
+                    drops: [("bad_token".to_string(), 3)].into(),
+                    ..Default::default()
+                },
+                LcoreStats {
+                    lcore: 1,
+                    tx_bytes: 99,
+                    ..Default::default()
+                },
+            ],
+            jobs: vec![JobLive {
+                id: 1,
+                pushes: 40,
+                rounds_completed: 5,
+                round_range: Some((4, 5)),
+                silent_ms: vec![Some(1), None],
+            }],
+        };
+        let jobs = vec![JobSummary {
+            id: 1,
+            name: "my \"net\"".into(),
+            workers: 2,
+            joined: vec![0],
+            keys: 1,
+            chunks: 3,
+            dtype: "f32".into(),
+            optimizer: "sum".into(),
+            memory_bytes: 4096,
+            installed: true,
+        }];
+        let text = render(Some(&dp), &jobs);
+        for line in [
+            "phub_dataplane_up 1",
+            "# TYPE phub_lcore_rx_packets_total counter",
+            "phub_lcore_rx_packets_total{lcore=\"0\"} 10",
+            "phub_lcore_rx_packets_total{lcore=\"1\"} 0",
+            "phub_lcore_tx_bytes_total{lcore=\"1\"} 99",
+            "phub_lcore_idle_loops_total{lcore=\"0\"} 0",
+            "phub_lcore_drops_total{lcore=\"0\",reason=\"bad_token\"} 3",
+            "phub_jobs 1",
+            "phub_job_workers_joined{job=\"1\",name=\"my \\\"net\\\"\"} 1",
+            "phub_job_rounds_completed_total{job=\"1\"} 5",
+            "phub_job_memory_bytes{job=\"1\"} 4096",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("phub_lcore_lcore"));
+        let down = render(None, &jobs);
+        assert!(down.contains("phub_dataplane_up 0\n") && !down.contains("phub_lcore_"));
+    }
+}

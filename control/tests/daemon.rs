@@ -1,0 +1,431 @@
+//! phub-control end to end: a real `Daemon` on 127.0.0.1:0 against a fake
+//! dataplane management API, driven over HTTP.
+
+mod fake;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fake::{Fake, FakeConfig, BASE_PORT};
+use phub_control::admission::bytes_per_lcore;
+use phub_control::daemon::{Config, Daemon};
+use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
+use phub_proto::layout::slot_bytes;
+use phub_proto::spec::JobSpec;
+
+const SPEC: &str = r#"
+name = "toy"
+workers = 4
+chunk_bytes = 1024
+[optimizer]
+kind = "sum"
+[[keys]]
+name = "a"
+elements = 1000
+[[keys]]
+name = "b"
+elements = 5000
+[[keys]]
+elements = 300
+"#;
+
+fn spec_json(name: &str, workers: u32, elements: u64) -> String {
+    format!(
+        r#"{{"name": "{name}", "workers": {workers}, "chunk_bytes": 1024,
+            "optimizer": {{"kind": "sgd", "lr": 0.1}}, "keys": [{{"elements": {elements}}}]}}"#
+    )
+}
+
+fn temp_state(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phub-control-test-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("state.json")
+}
+
+fn daemon(dataplane: &str, state: &Path) -> Daemon {
+    Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: dataplane.to_string(),
+        state: state.to_path_buf(),
+        reconcile_interval: Duration::from_millis(100),
+    })
+    .unwrap()
+}
+
+/// Sends a request; (status, body).
+fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let url = format!("http://{}{path}", d.addr());
+    let req = ureq::request(method, &url);
+    let res = match body {
+        Some(b) => req.send_string(b),
+        None => req.call(),
+    };
+    match res {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+        Err(e) => panic!("{method} {url}: {e}"),
+    }
+}
+
+fn ok<T: serde::de::DeserializeOwned>(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> T {
+    let (s, text) = call(d, method, path, body);
+    assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// Expects an error status; returns its message.
+fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) -> String {
+    let (s, text) = call(d, method, path, body);
+    assert_eq!(s, status, "{method} {path}: {text}");
+    serde_json::from_str::<ApiError>(&text)
+        .unwrap_or_else(|e| panic!("not an ApiError ({e}): {text}"))
+        .error
+}
+
+fn list(d: &Daemon) -> Vec<JobSummary> {
+    ok(d, "GET", "/v1/jobs", None)
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn admit_toml_and_json_then_list_show_map() {
+    let fake = Fake::start(FakeConfig::lcores(4));
+    let state = temp_state("admit");
+    let d = daemon(&fake.url(), &state);
+
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    assert_eq!(a.id, 1);
+    assert_ne!(a.token, 0);
+    assert_eq!(a.chunks, 4 + 20 + 2);
+    assert_eq!(a.lcores, vec![0, 1, 2, 3]);
+    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("js", 2, 2560)));
+    assert_eq!(b.id, 2);
+    assert_eq!(b.chunks, 10);
+
+    // The fake has both, each over every lcore, and bytes are balanced
+    // across the two jobs together.
+    let jobs = fake.jobs();
+    assert_eq!(jobs.len(), 2);
+    assert_eq!(jobs[&1].token, a.token);
+    assert_eq!(jobs[&2].token, b.token);
+    let mut total = vec![0u64; 4];
+    let mut biggest = 0;
+    for j in jobs.values() {
+        assert_eq!(j.layout.lcores.len(), 4);
+        assert!(
+            j.layout.lcores.iter().all(|s| !s.is_empty()),
+            "job {} skips an lcore",
+            j.id
+        );
+        for (t, b) in total.iter_mut().zip(bytes_per_lcore(&j.spec, &j.layout)) {
+            *t += b;
+        }
+        biggest = biggest.max(slot_bytes(j.spec.dtype, &j.spec.optimizer, j.spec.chunk_elems()));
+    }
+    let (lo, hi) = (total.iter().min().unwrap(), total.iter().max().unwrap());
+    assert!(hi - lo <= biggest, "unbalanced: {total:?}");
+
+    let l = list(&d);
+    assert_eq!(l.iter().map(|j| j.id).collect::<Vec<_>>(), vec![1, 2]);
+    assert_eq!(l[0].name, "toy");
+    assert_eq!(l[0].keys, 3);
+    assert_eq!(l[0].optimizer, "sum");
+    assert_eq!(l[1].optimizer, "sgd");
+    assert!(l.iter().all(|j| j.installed));
+
+    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    assert_eq!(show.summary, l[0]);
+    assert_eq!(show.spec, JobSpec::from_toml(SPEC).unwrap());
+    assert_eq!(show.ranks.len(), 4);
+    assert_eq!(show.ranks[0].silent_ms, Some(250));
+    assert_eq!(show.ranks[1].silent_ms, None);
+    assert_eq!(show.rounds_completed, 42);
+    assert_eq!(show.round_range, Some((3, 5)));
+
+    let map: JobMap = ok(&d, "GET", "/v1/jobs/1/map", None);
+    assert_eq!(map.chunk_elems, 256);
+    assert_eq!(map.lcores.len(), 4);
+    for (i, l) in map.lcores.iter().enumerate() {
+        assert_eq!((l.lcore, l.port), (i as u16, BASE_PORT + i as u16));
+    }
+    assert_eq!(map.lcores.iter().map(|l| l.slots).sum::<u32>(), 26);
+    assert_eq!(map.keys[1].name, "b");
+    assert_eq!(map.keys[1].elements, 5000);
+    assert_eq!(map.keys[1].chunks, jobs[&1].layout.keys[1]);
+
+    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    assert!(stats.dataplane.is_some() && stats.dataplane_error.is_none());
+    assert_eq!(stats.jobs.len(), 2);
+    d.shutdown();
+}
+
+#[test]
+fn bad_requests_are_named() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("bad");
+    let d = daemon(&fake.url(), &state);
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&SPEC.replace("workers = 4", "workers = 0")),
+        400,
+    );
+    assert!(e.contains("`workers` = 0") && e.contains("1 to 256"), "{e}");
+    let e = err(&d, "POST", "/v1/jobs", Some("{\"name\": 1"), 400);
+    assert!(e.contains("invalid job spec"), "{e}");
+    let e = err(&d, "GET", "/v1/jobs/abc", None, 400);
+    assert!(e.contains("\"abc\"") && e.contains("1 to 65535"), "{e}");
+    let e = err(&d, "GET", "/v1/jobs/0", None, 400);
+    assert!(e.contains("\"0\""), "{e}");
+    let e = err(&d, "GET", "/v1/nothing", None, 404);
+    assert!(e.contains("no route for GET /v1/nothing"), "{e}");
+    let e = err(&d, "PATCH", "/v1/jobs", None, 405);
+    assert!(e.contains("GET, POST"), "{e}");
+    let e = err(&d, "GET", "/v1/jobs/9", None, 404);
+    assert_eq!(e, "job 9 is not admitted");
+    let e = err(&d, "GET", "/v1/jobs/9/map", None, 404);
+    assert_eq!(e, "job 9 is not admitted");
+    let e = err(&d, "DELETE", "/v1/jobs/9", None, 404);
+    assert_eq!(e, "job 9 is not admitted");
+    let big = "#".repeat(phub_control::daemon::MAX_BODY_BYTES + 1);
+    let e = err(&d, "POST", "/v1/jobs", Some(&big), 413);
+    assert!(e.contains("larger than the limit"), "{e}");
+    assert!(fake.jobs().is_empty());
+    assert!(list(&d).is_empty());
+    assert!(!state.exists(), "nothing admitted, nothing written");
+}
+
+#[test]
+fn over_budget_is_refused_and_nothing_installed() {
+    let fake = Fake::start(FakeConfig {
+        budget: 20_000,
+        ..FakeConfig::lcores(2)
+    });
+    let state = temp_state("budget");
+    let d = daemon(&fake.url(), &state);
+    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 507);
+    assert!(
+        e.starts_with("job needs 49.2 KiB of slot memory; the dataplane has 19.5 KiB free of 19.5 KiB"),
+        "{e}"
+    );
+    assert!(fake.jobs().is_empty());
+    assert!(list(&d).is_empty());
+    // A job that fits still goes in.
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("small", 1, 256)));
+    assert_eq!(fake.jobs().len(), 1);
+}
+
+#[test]
+fn dataplane_down_or_refusing_records_nothing() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    };
+    let state = temp_state("down");
+    let d = daemon(&format!("http://127.0.0.1:{port}"), &state);
+    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 502);
+    assert!(
+        e.contains("cannot reach the dataplane at http://127.0.0.1:"),
+        "{e}"
+    );
+    assert!(list(&d).is_empty());
+    assert!(!state.exists());
+    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    assert!(stats.dataplane.is_none());
+    assert!(stats
+        .dataplane_error
+        .unwrap()
+        .contains("cannot reach the dataplane"));
+    d.shutdown();
+
+    let fake = Fake::start(FakeConfig::lcores(2));
+    fake.state.lock().unwrap().refuse = Some("ring allocation failed".into());
+    let d = daemon(&fake.url(), &state);
+    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 502);
+    assert!(
+        e.contains("ring allocation failed") && e.contains("PUT /v1/jobs/1"),
+        "{e}"
+    );
+    assert!(list(&d).is_empty());
+    assert!(fake.jobs().is_empty());
+}
+
+#[test]
+fn join_checks_job_token_and_rank() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("join");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let join = |token: u64, rank: u16| format!("{{\"token\": \"{token:016x}\", \"rank\": {rank}}}");
+
+    let j: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 2)));
+    assert_eq!((j.job, j.rank), (1, 2));
+    assert_eq!(j.spec.name, "toy");
+    assert_eq!(j.layout, fake.jobs()[&1].layout);
+    assert_eq!(
+        (j.dataplane.host.as_str(), j.dataplane.base_port),
+        ("127.0.0.1", BASE_PORT)
+    );
+
+    let e = err(&d, "POST", "/v1/jobs/7/join", Some(&join(a.token, 0)), 404);
+    assert_eq!(e, "job 7 is not admitted");
+    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token ^ 1, 0)), 403);
+    assert_eq!(e, "wrong token for job 1");
+    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 5)), 400);
+    assert_eq!(e, "rank 5 is outside 0..=3 for job 1 (workers = 4)");
+    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 2)), 409);
+    assert_eq!(e, "rank 2 has already joined job 1");
+    let e = err(&d, "POST", "/v1/jobs/1/join", Some("{\"rank\": 1}"), 400);
+    assert!(e.contains("invalid join request") && e.contains("token"), "{e}");
+
+    let l = list(&d);
+    assert_eq!(l[0].joined, vec![2]);
+    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    assert!(show.ranks[2].joined && !show.ranks[0].joined);
+}
+
+#[test]
+fn evict_removes_from_both() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("evict");
+    let d = daemon(&fake.url(), &state);
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 1, 10)));
+    let gone: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    assert_eq!((gone.id, gone.name.as_str(), gone.installed), (1, "toy", false));
+    assert_eq!(fake.jobs().keys().copied().collect::<Vec<_>>(), vec![b.id]);
+    assert_eq!(list(&d).iter().map(|j| j.id).collect::<Vec<_>>(), vec![b.id]);
+    err(&d, "DELETE", "/v1/jobs/1", None, 404);
+    // The smallest free id is reused.
+    let c: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    assert_eq!(c.id, 1);
+    // A job the dataplane already lost is still evicted.
+    fake.state.lock().unwrap().jobs.remove(&b.id);
+    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", b.id), None);
+    assert_eq!(list(&d).len(), 1);
+}
+
+#[test]
+fn restart_keeps_jobs_and_joined_ranks() {
+    let fake = Fake::start(FakeConfig::lcores(3));
+    let state = temp_state("restart");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let join = format!("{{\"token\": \"{:016x}\", \"rank\": 1}}", a.token);
+    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join));
+    let before = list(&d);
+    d.shutdown();
+
+    let d = daemon(&fake.url(), &state);
+    assert_eq!(list(&d), before);
+    assert_eq!(list(&d)[0].joined, vec![1]);
+    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join), 409);
+    assert_eq!(e, "rank 1 has already joined job 1");
+    // The dataplane kept the job; control did not reinstall or remove it.
+    assert_eq!(fake.jobs()[&1].token, a.token);
+    assert!(!fake
+        .state
+        .lock()
+        .unwrap()
+        .log
+        .iter()
+        .any(|l| l.starts_with("DELETE")));
+    d.shutdown();
+
+    std::fs::write(&state, "{\"jobs\": [}").unwrap();
+    let e = Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: fake.url(),
+        state: state.clone(),
+        reconcile_interval: Duration::from_millis(100),
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&state.display().to_string()) && e.contains("corrupt"),
+        "{e}"
+    );
+}
+
+#[test]
+fn reconcile_reinstalls_what_a_restarted_dataplane_lost() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("reconcile");
+    let d = daemon(&fake.url(), &state);
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 2, 1000)));
+    let before = fake.jobs();
+    fake.forget_all();
+    wait_for("reinstallation", || fake.jobs().len() == 2);
+    assert_eq!(fake.jobs(), before, "same ids, tokens, specs and layouts");
+}
+
+#[test]
+fn numa_keeps_jobs_on_the_nics_node() {
+    let fake = Fake::start(FakeConfig {
+        numa: vec![Some(0), Some(0), Some(1), Some(1)],
+        nic: Some(1),
+        budget: 1 << 30,
+    });
+    let state = temp_state("numa");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    assert_eq!(a.lcores, vec![2, 3]);
+    let job = &fake.jobs()[&1];
+    assert_eq!(job.layout.lcores.len(), 4);
+    assert!(job.layout.lcores[0].is_empty() && job.layout.lcores[1].is_empty());
+    assert!(job.layout.keys.iter().flatten().all(|p| p.lcore >= 2));
+    let map: JobMap = ok(&d, "GET", "/v1/jobs/1/map", None);
+    assert_eq!(
+        map.lcores.iter().map(|l| (l.lcore, l.port)).collect::<Vec<_>>(),
+        vec![(2, BASE_PORT + 2), (3, BASE_PORT + 3)]
+    );
+}
+
+#[test]
+fn metrics_in_prometheus_text_format() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("metrics");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let join = format!("{{\"token\": \"{:016x}\", \"rank\": 0}}", a.token);
+    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join));
+    let r = ureq::get(&format!("http://{}/metrics", d.addr())).call().unwrap();
+    assert_eq!(r.header("Content-Type"), Some("text/plain; version=0.0.4"));
+    let text = r.into_string().unwrap();
+    for line in [
+        "# TYPE phub_dataplane_up gauge",
+        "phub_dataplane_up 1",
+        "# TYPE phub_lcore_rx_packets_total counter",
+        "phub_lcore_rx_packets_total{lcore=\"1\"} 101",
+        "phub_lcore_drops_total{lcore=\"0\",reason=\"bad_token\"} 7",
+        "phub_jobs 1",
+        "phub_job_workers_joined{job=\"1\",name=\"toy\"} 1",
+        "phub_job_rounds_completed_total{job=\"1\"} 42",
+        &format!("phub_job_memory_bytes{{job=\"1\"}} {}", a.memory_bytes),
+    ] {
+        assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+    }
+    drop(fake);
+    let text = ureq::get(&format!("http://{}/metrics", d.addr()))
+        .call()
+        .unwrap()
+        .into_string()
+        .unwrap();
+    assert!(
+        text.contains("phub_dataplane_up 0\n") && text.contains("phub_jobs 1\n"),
+        "{text}"
+    );
+}

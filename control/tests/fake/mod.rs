@@ -1,0 +1,243 @@
+//! A fake dataplane management API for tests: tiny_http on 127.0.0.1:0 in a
+//! thread, jobs in memory, configurable lcores, NUMA nodes and memory budget.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use phub_proto::api::{
+    ApiError, DataAddr, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreInfo,
+    LcoreStats,
+};
+use phub_proto::layout::job_bytes;
+use serde::Serialize;
+
+/// What the fake looks like.
+#[derive(Debug, Clone)]
+pub(crate) struct FakeConfig {
+    /// NUMA node of each lcore.
+    pub(crate) numa: Vec<Option<u32>>,
+    /// NUMA node of the NIC.
+    pub(crate) nic: Option<u32>,
+    /// Slot memory budget.
+    pub(crate) budget: u64,
+}
+
+impl FakeConfig {
+    /// `n` lcores, no NUMA information, 1 GiB.
+    pub(crate) fn lcores(n: usize) -> FakeConfig {
+        FakeConfig {
+            numa: vec![None; n],
+            nic: None,
+            budget: 1 << 30,
+        }
+    }
+}
+
+/// The fake's state, open to the test.
+#[derive(Debug, Default)]
+pub(crate) struct FakeState {
+    /// Installed jobs.
+    pub(crate) jobs: BTreeMap<u16, InstallJob>,
+    /// When set, every PUT is refused with this message (HTTP 500).
+    pub(crate) refuse: Option<String>,
+    /// Requests seen, as `METHOD PATH`.
+    pub(crate) log: Vec<String>,
+}
+
+/// A running fake.
+pub(crate) struct Fake {
+    /// Its address.
+    pub(crate) addr: SocketAddr,
+    /// Its state.
+    pub(crate) state: Arc<Mutex<FakeState>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// Base port of the fake's data address.
+pub(crate) const BASE_PORT: u16 = 9100;
+
+impl Fake {
+    /// Starts a fake.
+    pub(crate) fn start(config: FakeConfig) -> Fake {
+        let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+        let addr = server.server_addr().to_ip().unwrap();
+        let state = Arc::new(Mutex::new(FakeState::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, sp) = (state.clone(), stop.clone());
+        let thread = std::thread::spawn(move || {
+            while !sp.load(Ordering::Relaxed) {
+                if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(20)) {
+                    handle(&config, &st, req);
+                }
+            }
+        });
+        Fake {
+            addr,
+            state,
+            stop,
+            thread: Some(thread),
+        }
+    }
+
+    /// Base URL for `--dataplane`.
+    pub(crate) fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Installed jobs, cloned.
+    pub(crate) fn jobs(&self) -> BTreeMap<u16, InstallJob> {
+        self.state.lock().unwrap().jobs.clone()
+    }
+
+    /// Forgets every job, as a restarted dataplane would.
+    pub(crate) fn forget_all(&self) {
+        self.state.lock().unwrap().jobs.clear();
+    }
+}
+
+impl Drop for Fake {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn json<T: Serialize>(req: tiny_http::Request, status: u16, body: &T) {
+    let resp = tiny_http::Response::from_string(serde_json::to_string(body).unwrap())
+        .with_status_code(status)
+        .with_header(tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap());
+    let _ = req.respond(resp);
+}
+
+fn error(req: tiny_http::Request, status: u16, msg: &str) {
+    json(req, status, &ApiError { error: msg.into() });
+}
+
+fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Request) {
+    let method = req.method().as_str().to_string();
+    let path = req.url().to_string();
+    let mut body = String::new();
+    let _ = req.as_reader().read_to_string(&mut body);
+    let mut st = state.lock().unwrap();
+    st.log.push(format!("{method} {path}"));
+    let used: u64 = st.jobs.values().map(|j| job_bytes(&j.spec)).sum();
+    let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (method.as_str(), segs.as_slice()) {
+        ("GET", ["v1", "info"]) => json(
+            req,
+            200,
+            &DataplaneInfo {
+                backend: "fake".into(),
+                data: DataAddr {
+                    host: "127.0.0.1".into(),
+                    base_port: BASE_PORT,
+                },
+                lcores: config
+                    .numa
+                    .iter()
+                    .enumerate()
+                    .map(|(i, &n)| LcoreInfo {
+                        lcore: i as u16,
+                        cpu: Some(i),
+                        numa_node: n,
+                    })
+                    .collect(),
+                nic_numa_node: config.nic,
+                memory_budget_bytes: config.budget,
+                memory_used_bytes: used,
+                kernels: "scalar".into(),
+                version: "fake".into(),
+            },
+        ),
+        ("GET", ["v1", "jobs"]) => {
+            let list: Vec<InstalledJob> = st
+                .jobs
+                .values()
+                .map(|j| InstalledJob {
+                    id: j.id,
+                    memory_bytes: job_bytes(&j.spec),
+                })
+                .collect();
+            json(req, 200, &list)
+        }
+        ("PUT", ["v1", "jobs", id]) => {
+            let id: u16 = id.parse().unwrap();
+            if let Some(m) = st.refuse.clone() {
+                return error(req, 500, &m);
+            }
+            let job: InstallJob = match serde_json::from_str(&body) {
+                Ok(j) => j,
+                Err(e) => return error(req, 400, &format!("bad InstallJob: {e}")),
+            };
+            if job.id != id || job.layout.lcores.len() != config.numa.len() {
+                return error(req, 400, "id or lcore count mismatch");
+            }
+            if st.jobs.contains_key(&id) {
+                return error(req, 409, &format!("job {id} is already installed"));
+            }
+            let need = job_bytes(&job.spec);
+            if used + need > config.budget {
+                return error(req, 507, "over budget");
+            }
+            st.jobs.insert(id, job);
+            json(
+                req,
+                201,
+                &InstalledJob {
+                    id,
+                    memory_bytes: need,
+                },
+            )
+        }
+        ("DELETE", ["v1", "jobs", id]) => {
+            let id: u16 = id.parse().unwrap();
+            if st.jobs.remove(&id).is_some() {
+                let _ = req.respond(tiny_http::Response::empty(204));
+            } else {
+                error(req, 404, &format!("job {id} is not installed"))
+            }
+        }
+        ("GET", ["v1", "stats"]) => {
+            let lcores = (0..config.numa.len())
+                .map(|i| LcoreStats {
+                    lcore: i as u16,
+                    rx_packets: 100 + i as u64,
+                    drops: if i == 0 {
+                        [("bad_token".to_string(), 7)].into()
+                    } else {
+                        BTreeMap::new()
+                    },
+                    ..Default::default()
+                })
+                .collect();
+            let jobs = st
+                .jobs
+                .values()
+                .map(|j| JobLive {
+                    id: j.id,
+                    pushes: 10,
+                    rounds_completed: 42,
+                    round_range: Some((3, 5)),
+                    silent_ms: (0..j.spec.workers).map(|r| (r == 0).then_some(250)).collect(),
+                })
+                .collect();
+            json(
+                req,
+                200,
+                &DataplaneStats {
+                    backend: "fake".into(),
+                    lcores,
+                    jobs,
+                },
+            )
+        }
+        _ => error(req, 404, "no such route"),
+    }
+}

@@ -1,0 +1,164 @@
+//! A whole appliance on loopback for integration tests: phub-dataplane and
+//! phub-control as real processes on free ports, stopped when dropped.
+#![allow(dead_code, unreachable_pub)]
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use phub::proto::api::{AdmitResponse, ApiError};
+
+pub struct Rack {
+    pub dataplane: Child,
+    pub control: Option<Child>,
+    pub mgmt_url: String,
+    pub control_url: String,
+    control_port: u16,
+    pub dir: PathBuf,
+}
+
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_http(url: &str, child: &mut Child, what: &str) {
+    let t = Instant::now();
+    while ureq::get(url).timeout(Duration::from_millis(300)).call().is_err() {
+        if let Ok(Some(s)) = child.try_wait() {
+            panic!("{what} exited early: {s}");
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "{what} did not come up at {url}"
+        );
+        std::thread::sleep(Duration::from_millis(30));
+    }
+}
+
+fn term(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(5) {
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+impl Rack {
+    pub fn start(lcores: usize, budget: &str) -> Rack {
+        let dir = std::env::temp_dir().join(format!("phub-test-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mgmt = free_port();
+        let mut dataplane = Command::new(env!("CARGO_BIN_EXE_phub-dataplane"))
+            .args(["--base-port", "0", "--lcores", &lcores.to_string(), "--no-pin"])
+            .args(["--mgmt", &format!("127.0.0.1:{mgmt}"), "--memory-budget", budget])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mgmt_url = format!("http://127.0.0.1:{mgmt}");
+        wait_http(&format!("{mgmt_url}/v1/info"), &mut dataplane, "phub-dataplane");
+        let mut rack = Rack {
+            dataplane,
+            control: None,
+            mgmt_url,
+            control_url: String::new(),
+            control_port: free_port(),
+            dir,
+        };
+        rack.control_url = format!("http://127.0.0.1:{}", rack.control_port);
+        rack.start_control();
+        rack
+    }
+
+    pub fn start_control(&mut self) {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_phub-control"))
+            .args(["--listen", &format!("127.0.0.1:{}", self.control_port)])
+            .args(["--dataplane", &self.mgmt_url, "--reconcile-ms", "200"])
+            .arg("--state")
+            .arg(self.dir.join("state.json"))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        wait_http(&format!("{}/v1/jobs", self.control_url), &mut c, "phub-control");
+        self.control = Some(c);
+    }
+
+    /// Kills phub-control outright (SIGKILL), as a crash would.
+    pub fn kill_control(&mut self) {
+        if let Some(mut c) = self.control.take() {
+            c.kill().unwrap();
+            c.wait().unwrap();
+        }
+    }
+
+    pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+        match ureq::post(&format!("{}/v1/jobs", self.control_url)).send_string(spec) {
+            Ok(r) => Ok(r.into_json().unwrap()),
+            Err(ureq::Error::Status(code, r)) => Err((code, r.into_json::<ApiError>().unwrap().error)),
+            Err(e) => panic!("admission: {e}"),
+        }
+    }
+
+    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        ureq::get(&format!("{}{path}", self.control_url))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap()
+    }
+
+    pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .args(["--control", &self.control_url])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+impl Drop for Rack {
+    fn drop(&mut self) {
+        if let Some(c) = self.control.as_mut() {
+            term(c);
+        }
+        term(&mut self.dataplane);
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Small-integer gradient: sums are exact in f32 in any order.
+pub fn grad(rank: u16, key: u32, elem: usize, round: u32) -> f32 {
+    ((elem as u32 % 7) * (u32::from(rank) + 1) + round % 5 + key % 3) as f32 - 6.0
+}
+
+/// Element `elem` of key `key` as every worker must see it after `round`
+/// of a sum job where rank 0 initialised it with `init(key, elem)`.
+pub fn expected_sum(workers: u16, key: u32, elem: usize, round: u32) -> f32 {
+    if round == 0 {
+        init(key, elem)
+    } else {
+        (0..workers).map(|r| grad(r, key, elem, round)).sum()
+    }
+}
+
+pub fn init(key: u32, elem: usize) -> f32 {
+    (elem % 1000) as f32 * 0.5 + key as f32
+}

@@ -1,0 +1,322 @@
+//! The whole appliance on loopback: phub-dataplane and phub-control as real
+//! processes, workers on the phub-worker library, phubctl as the operator.
+
+mod common;
+
+use std::net::UdpSocket;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{expected_sum, grad, init, Rack};
+use phub::proto::api::{JobDetail, JobSummary, Stats};
+use phub_worker::Worker;
+
+fn sum_spec(name: &str, workers: u16, keys: &[u64]) -> String {
+    let mut s = format!("name = \"{name}\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
+    for k in keys {
+        s += &format!("[[keys]]\nelements = {k}\n");
+    }
+    s
+}
+
+/// Runs `workers` worker threads through `rounds` rounds of a sum job,
+/// checking every element of every result.
+fn train_sum(rack: &Rack, job: u16, token: u64, workers: u16, keys: &[u64], rounds: u32) {
+    std::thread::scope(|s| {
+        for rank in 0..workers {
+            let url = rack.control_url.clone();
+            s.spawn(move || {
+                let w = Worker::join(&url, job, token, rank).unwrap();
+                let mut params: Vec<Vec<f32>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| {
+                        (0..n as usize)
+                            .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
+                            .collect()
+                    })
+                    .collect();
+                let hs: Vec<_> = params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| w.init(k as u32, p).unwrap())
+                    .collect();
+                for h in hs {
+                    w.wait(h).unwrap();
+                }
+                for (k, p) in params.iter().enumerate() {
+                    assert!(
+                        p.iter().enumerate().all(|(e, v)| *v == init(k as u32, e)),
+                        "rank {rank}: broadcast of key {k}"
+                    );
+                }
+                for round in 1..=rounds {
+                    let grads: Vec<Vec<f32>> = keys
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
+                        .collect();
+                    // Every key in flight at once.
+                    let hs: Vec<_> = params
+                        .iter_mut()
+                        .zip(&grads)
+                        .enumerate()
+                        .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+                        .collect();
+                    for h in hs {
+                        w.wait(h).unwrap();
+                    }
+                    for (k, p) in params.iter().enumerate() {
+                        for (e, v) in p.iter().enumerate() {
+                            assert_eq!(
+                                *v,
+                                expected_sum(workers, k as u32, e, round),
+                                "rank {rank} round {round} key {k} elem {e}"
+                            );
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+#[test]
+fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
+    let rack = Rack::start(2, "1GiB");
+    let keys = [10_000_000u64, 1, 4097];
+    let job = rack.admit(&sum_spec("big", 3, &keys)).unwrap();
+    // A flood of random and truncated datagrams at every data port while training.
+    let stop = Arc::new(AtomicBool::new(false));
+    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let flood = {
+        let stop = Arc::clone(&stop);
+        let base = info.data.base_port;
+        let n = info.lcores.len() as u16;
+        std::thread::spawn(move || {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let mut x = 0x1234_5678_9abc_def0u64;
+            let mut sent = 0u64;
+            let mut buf = [0u8; 1200];
+            let mut valid_header = phub::proto::wire::Repr {
+                kind: phub::proto::wire::MsgType::Push,
+                dtype: phub::proto::Dtype::F32,
+                flags: 0,
+                token: 0,
+                job: 1,
+                rank: 0,
+                count: 0,
+                error: 0,
+                round: 1,
+                slot: 0,
+                key: 0,
+                chunk: 0,
+            };
+            while !stop.load(Ordering::Relaxed) {
+                for b in buf.iter_mut() {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    *b = x as u8;
+                }
+                let len = (x % 1200) as usize;
+                let to = ("127.0.0.1", base + (sent % u64::from(n)) as u16);
+                match sent % 3 {
+                    0 => s.send_to(&buf[..len], to).unwrap(),
+                    1 => s.send_to(&buf[..len.min(40)], to).unwrap(),
+                    _ => {
+                        // A well-formed header with a guessed token.
+                        valid_header.token = x;
+                        s.send_to(&valid_header.to_bytes(), to).unwrap()
+                    }
+                };
+                sent += 1;
+                if sent % 64 == 0 {
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            sent
+        })
+    };
+    train_sum(&rack, job.id, job.token, 3, &keys, 20);
+    stop.store(true, Ordering::Relaxed);
+    let flooded = flood.join().unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let stats: Stats = rack.get("/v1/stats");
+    let d = stats.dataplane.expect("dataplane stats");
+    let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
+    let bad_token: u64 = d.lcores.iter().filter_map(|l| l.drops.get("bad_token")).sum();
+    assert!(flooded > 100, "the flood sent {flooded}");
+    assert!(
+        drops >= flooded,
+        "{drops} drops counted for {flooded} bad datagrams"
+    );
+    assert!(bad_token > 0, "no bad_token drops among {:?}", d.lcores[0].drops);
+    let (ok, out, _) = rack.phubctl(&["stats"]);
+    assert!(ok && out.contains("bad_token"), "{out}");
+}
+
+#[test]
+fn two_jobs_at_once_neither_disturbs_the_other() {
+    let rack = Rack::start(2, "256MiB");
+    let a = rack.admit(&sum_spec("a", 2, &[5000, 3])).unwrap();
+    let b = rack.admit(&sum_spec("b", 3, &[7000])).unwrap();
+    assert_ne!(a.id, b.id);
+    std::thread::scope(|s| {
+        s.spawn(|| train_sum(&rack, a.id, a.token, 2, &[5000, 3], 10));
+        s.spawn(|| train_sum(&rack, b.id, b.token, 3, &[7000], 10));
+    });
+    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    assert_eq!(jobs.len(), 2);
+    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", b.id));
+    assert_eq!(show.round_range, Some((10, 10)));
+    assert!(show.ranks.iter().all(|r| r.joined && r.silent_ms.is_some()));
+}
+
+#[test]
+fn bad_specs_and_bad_joins_are_refused_with_their_reason() {
+    let rack = Rack::start(1, "1MiB");
+    let (code, msg) = rack.admit(&sum_spec("x", 0, &[10])).unwrap_err();
+    assert_eq!(code, 400);
+    assert!(msg.contains("`workers` = 0"), "{msg}");
+    let (code, msg) = rack
+        .admit("name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"lamb\"\n[[keys]]\nelements = 1\n")
+        .unwrap_err();
+    assert_eq!(code, 400);
+    assert!(msg.contains("lamb"), "{msg}");
+    let (code, msg) = rack.admit(&sum_spec("huge", 2, &[10_000_000])).unwrap_err();
+    assert!(code >= 400 && msg.contains("memory"), "{code} {msg}");
+    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    assert!(jobs.is_empty(), "a refused job was recorded: {jobs:?}");
+    let job = rack.admit(&sum_spec("ok", 2, &[10])).unwrap();
+    let e = Worker::join(&rack.control_url, job.id, job.token ^ 1, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("token"), "{e}");
+    let e = Worker::join(&rack.control_url, job.id + 1, job.token, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("not admitted") || e.contains("unknown"), "{e}");
+    let e = Worker::join(&rack.control_url, job.id, job.token, 2)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("rank 2"), "{e}");
+    let _w = Worker::join(&rack.control_url, job.id, job.token, 1).unwrap();
+    let e = Worker::join(&rack.control_url, job.id, job.token, 1)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("already joined"), "{e}");
+    // phubctl prints control's message and fails.
+    let spec = rack.dir.join("bad.toml");
+    std::fs::write(&spec, sum_spec("x", 300, &[1])).unwrap();
+    let (ok, _, err) = rack.phubctl(&["job", "admit", spec.to_str().unwrap()]);
+    assert!(!ok && err.contains("`workers` = 300"), "{err}");
+    let (ok, out, _) = rack.phubctl(&["job", "list"]);
+    assert!(ok && out.contains("ok"), "{out}");
+    let (ok, out, _) = rack.phubctl(&["map", "show", &job.id.to_string(), "--json"]);
+    assert!(ok && out.contains("chunk_elems"), "{out}");
+    let (ok, _, _) = rack.phubctl(&["job", "evict", &job.id.to_string()]);
+    assert!(ok);
+    let (ok, _, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
+    assert!(!ok && err.contains("not admitted"), "{err}");
+}
+
+#[test]
+fn control_killed_and_restarted_mid_training() {
+    let mut rack = Rack::start(2, "256MiB");
+    let keys = [300_000u64, 10];
+    let job = rack.admit(&sum_spec("survivor", 2, &keys)).unwrap();
+    let url = rack.control_url.clone();
+    // Workers join, then control dies while they train: the data path does
+    // not need it.
+    let workers: Vec<Worker> = (0..2)
+        .map(|r| Worker::join(&url, job.id, job.token, r).unwrap())
+        .collect();
+    rack.kill_control();
+    std::thread::scope(|s| {
+        for (rank, w) in workers.iter().enumerate() {
+            let rank = rank as u16;
+            s.spawn(move || {
+                let mut params: Vec<Vec<f32>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| (0..n as usize).map(|e| init(k as u32, e)).collect())
+                    .collect();
+                for (k, p) in params.iter_mut().enumerate() {
+                    w.wait(w.init(k as u32, p).unwrap()).unwrap();
+                }
+                for round in 1..=15 {
+                    for (k, p) in params.iter_mut().enumerate() {
+                        let g: Vec<f32> = (0..p.len()).map(|e| grad(rank, k as u32, e, round)).collect();
+                        w.wait(w.push_pull(k as u32, &g, p).unwrap()).unwrap();
+                        assert!(p
+                            .iter()
+                            .enumerate()
+                            .all(|(e, v)| *v == expected_sum(2, k as u32, e, round)));
+                    }
+                }
+            });
+        }
+        // Restart control halfway through, from its state file.
+        std::thread::sleep(Duration::from_millis(300));
+        rack.start_control();
+    });
+    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
+    assert_eq!(show.summary.joined, vec![0, 1]);
+    assert_eq!(show.round_range, Some((15, 15)));
+}
+
+#[test]
+fn synchronous_sgd_on_the_appliance_equals_one_process_averaging_gradients() {
+    use phub_tools::demo::{train_worker, TrainArgs};
+    use phub_tools::model::reference_sgd;
+    let rack = Rack::start(2, "256MiB");
+    let t = TrainArgs {
+        dim: 16,
+        hidden: 32,
+        classes: 4,
+        samples: 1536,
+        batch: 16,
+        lr: 0.2,
+        epochs: 2,
+        seed: 9,
+    };
+    let workers = 3;
+    let job = rack.admit(&t.spec_toml(workers)).unwrap();
+    let results: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..workers as u16)
+            .map(|rank| {
+                let (url, t) = (rack.control_url.clone(), t.clone());
+                s.spawn(move || {
+                    let w = Worker::join(&url, job.id, job.token, rank).unwrap();
+                    train_worker(&w, &t, |_| {}).unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let steps = t.epochs * phub_tools::model::steps_per_epoch(t.samples, workers, t.batch);
+    let want = reference_sgd(&t.mlp(), &t.data(), t.seed, workers, t.batch, t.lr, steps);
+    for (rank, got) in results.iter().enumerate() {
+        assert_eq!(
+            got, &results[0],
+            "rank {rank} ended with other parameters than rank 0"
+        );
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            for (e, (a, b)) in g.iter().zip(w).enumerate() {
+                assert!(
+                    (a - b).abs() <= 1e-4 * b.abs().max(1.0),
+                    "key {k} elem {e}: appliance {a}, reference {b}"
+                );
+            }
+        }
+    }
+    let (l0, _) = t.mlp().evaluate(&t.mlp().init(t.seed), &t.data());
+    let (l1, _) = t.mlp().evaluate(&results[0], &t.data());
+    assert!(l1 < l0, "loss did not fall: {l0} -> {l1}");
+}
