@@ -1,0 +1,133 @@
+//! The worker's one error type.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+/// Everything a [`Worker`](crate::Worker) call can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    /// phub-control answered the join with an error (the job does not exist,
+    /// the token is wrong, the rank is taken or out of range...). `message`
+    /// is control's own explanation, verbatim.
+    #[error("joining at {url} failed (HTTP {status}): {message}")]
+    Join {
+        /// The join URL.
+        url: String,
+        /// HTTP status code of the answer.
+        status: u16,
+        /// Control's error message.
+        message: String,
+    },
+    /// phub-control could not be reached, or its answer could not be read.
+    #[error("HTTP request to {url} failed: {message}")]
+    Http {
+        /// The URL asked.
+        url: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// The join response does not describe a usable job (inconsistent layout,
+    /// unresolvable dataplane host, rank out of range...).
+    #[error("unusable join response: {message}")]
+    BadJoin {
+        /// What is inconsistent.
+        message: String,
+    },
+    /// A socket operation failed.
+    #[error("{context}: {source}")]
+    Io {
+        /// What was being done.
+        context: String,
+        /// The operating system's error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A slice passed for a key does not have the key's element count.
+    #[error("key {key} has {expected} elements but the slice has {got}")]
+    Length {
+        /// The key.
+        key: u32,
+        /// Elements of the key.
+        expected: u64,
+        /// Length of the slice given.
+        got: usize,
+    },
+    /// The key is not one of the job's keys.
+    #[error("key {key} does not exist: the job has {keys} keys (0..{keys})")]
+    UnknownKey {
+        /// The key asked for.
+        key: u32,
+        /// Number of keys of the job.
+        keys: usize,
+    },
+    /// A request for this key is still in flight: wait for it first.
+    #[error("key {key} already has a request in flight; wait for it before starting another")]
+    Busy {
+        /// The key.
+        key: u32,
+    },
+    /// The call does not fit where the key stands: `push_pull` before the
+    /// key was initialised (with `init` or `pull`), `init` after it has
+    /// advanced past round 0, or a round number that would overflow.
+    #[error("key {key}: {message}")]
+    Sequence {
+        /// The key.
+        key: u32,
+        /// What is out of order and what to do instead.
+        message: String,
+    },
+    /// The appliance refused one of the request's chunks with an ERROR
+    /// message. Retrying the same request will not help.
+    #[error("appliance refused key {key} chunk {chunk} round {round}: {reason}{hint}")]
+    Refused {
+        /// The key.
+        key: u32,
+        /// The chunk index within the key.
+        chunk: u32,
+        /// The round of the refused message.
+        round: u32,
+        /// The drop reason's name (`count_mismatch`, `ahead`, ...).
+        reason: String,
+        /// A hint on the likely cause (may be empty).
+        hint: String,
+    },
+    /// No result at all came back for `waited` while the request was
+    /// outstanding: the appliance (at `addrs`) stopped answering, or the
+    /// other workers of the job stopped pushing.
+    #[error(
+        "key {key} round {round}: no result from the appliance at {} for {} ms \
+         ({missing} of {chunks} chunks missing); the appliance or another worker of the job stopped answering",
+        fmt_addrs(.addrs), .waited.as_millis()
+    )]
+    Timeout {
+        /// The key.
+        key: u32,
+        /// The round waited for (for a pull, 0).
+        round: u32,
+        /// The appliance ports the missing chunks were sent to.
+        addrs: Vec<SocketAddr>,
+        /// How long no result at all had arrived.
+        waited: Duration,
+        /// Chunks of the request without a result.
+        missing: usize,
+        /// Chunks of the request.
+        chunks: usize,
+    },
+    /// The worker is shutting down (or its I/O thread died).
+    #[error("the worker's I/O thread has stopped")]
+    Closed,
+}
+
+fn fmt_addrs(addrs: &[SocketAddr]) -> String {
+    let mut s = String::new();
+    for (i, a) in addrs.iter().enumerate() {
+        if i > 0 {
+            s.push_str(", ");
+        }
+        s.push_str(&a.to_string());
+    }
+    if s.is_empty() {
+        s.push_str("(no address)");
+    }
+    s
+}

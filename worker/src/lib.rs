@@ -1,0 +1,625 @@
+//! phub-worker: the library a training process links to exchange tensors
+//! with a phub appliance.
+//!
+//! Layer: client library, with I/O. A [`Worker`] joins a job through
+//! phub-control's HTTP API ([`Worker::join`]), learns where every chunk of
+//! every key lives, and then exchanges keys (tensors of `f32`) with the
+//! dataplane over UDP: [`Worker::init`] for the initial broadcast (round 0),
+//! [`Worker::push_pull`] for each later round, [`Worker::pull`] to catch up
+//! after a rejoin. Calls return a [`Handle`] at once; [`Worker::wait`] blocks
+//! until the key's result is in, so several keys can be in flight together.
+//!
+//! Invariants (the worker's side of PROTOCOL.md §6):
+//! - At most one request per key is in flight, and a key's round r+1 is sent
+//!   only once this worker holds the result of round r.
+//! - At most [`WorkerConfig::window`] chunks are outstanding (sent without a
+//!   result) across all keys; a late chunk is retransmitted unchanged but for
+//!   the RETRANSMIT flag, after a timeout adapted to the measured round trip.
+//! - Every request ends: with its result, with the appliance's refusal, or
+//!   with [`WorkerError::Timeout`] once no result at all has come back for
+//!   [`WorkerConfig::timeout`]. Nothing hangs.
+//! - Only RESULTs carrying this job's id and token, for the round and chunk
+//!   waited for, are accepted.
+//!
+//! ```no_run
+//! use phub_worker::Worker;
+//!
+//! # fn main() -> Result<(), phub_worker::WorkerError> {
+//! let w = Worker::join("http://127.0.0.1:7700", 1, 0x0123_4567_89ab_cdef, 0)?;
+//! let n = w.key_len(0).unwrap() as usize;
+//! let mut params = vec![0.5f32; n];
+//! w.wait(w.init(0, &mut params)?)?; // every rank now holds rank 0's values
+//! let grad = vec![0.1f32; n];
+//! let h = w.push_pull(0, &grad, &mut params)?; // round 1; other keys may go too
+//! w.wait(h)?; // params = the new parameters
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! All ranks must start requests for their keys in the same order (as a
+//! training loop does): with a bounded window, two ranks that each fill their
+//! window with a different key would wait on each other until the timeout.
+
+mod codec;
+mod error;
+mod io;
+mod stats;
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crossbeam_channel::{Receiver, Sender};
+use phub_proto::api::{ApiError, JoinRequest};
+use phub_proto::layout::{chunks_of, Layout};
+use phub_proto::spec::JobSpec;
+use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
+
+pub use error::WorkerError;
+pub use phub_proto::api::JoinResponse;
+pub use stats::WorkerStats;
+
+use io::{ChunkMsg, Command, Completion, JobInfo, KeyState, Keys, Kind, Request};
+
+/// Tuning of a [`Worker`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerConfig {
+    /// Most chunks outstanding (sent, no result yet) across all keys.
+    /// Default 64. Keep W workers' windows within an lcore's receive ring.
+    pub window: usize,
+    /// A request fails with [`WorkerError::Timeout`] once no result at all
+    /// has arrived for this long while requests are outstanding. Default 30 s.
+    pub timeout: Duration,
+    /// Lower bound of the retransmission timeout. Default 2 ms.
+    pub min_rto: Duration,
+    /// Upper bound of the retransmission timeout, also after doubling.
+    /// Default 1 s.
+    pub max_rto: Duration,
+    /// Retransmission timeout before the first round-trip sample. Default 50 ms.
+    pub initial_rto: Duration,
+}
+
+impl Default for WorkerConfig {
+    fn default() -> WorkerConfig {
+        WorkerConfig {
+            window: 64,
+            timeout: Duration::from_secs(30),
+            min_rto: Duration::from_millis(2),
+            max_rto: Duration::from_secs(1),
+            initial_rto: Duration::from_millis(50),
+        }
+    }
+}
+
+/// A request in flight; give it to [`Worker::wait`] to get its result.
+///
+/// Dropping a handle without waiting abandons the result, not the request:
+/// the exchange still completes in the background and the key becomes free.
+#[must_use = "the result is only written by Worker::wait"]
+pub struct Handle<'a> {
+    key: u32,
+    round: u32,
+    done: Receiver<Completion>,
+    out: &'a mut [f32],
+}
+
+impl std::fmt::Debug for Handle<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Handle")
+            .field("key", &self.key)
+            .field("round", &self.round)
+            .field("elements", &self.out.len())
+            .finish()
+    }
+}
+
+impl Handle<'_> {
+    /// The key this request exchanges.
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round this request completes (0 for `init`).
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+}
+
+/// A joined worker: one rank of one job.
+///
+/// `Send + Sync`; every method takes `&self`, so threads may share it. One
+/// background thread owns the UDP socket; dropping the worker stops it and
+/// fails requests still in flight with [`WorkerError::Closed`].
+#[derive(Debug)]
+pub struct Worker {
+    job: u16,
+    token: u64,
+    rank: u16,
+    spec: JobSpec,
+    layout: Layout,
+    /// Per lcore, where its chunks go.
+    lcores: Vec<SocketAddr>,
+    keys: Keys,
+    cmds: Sender<Command>,
+    /// A handle on the socket, to wake the I/O thread with an empty datagram.
+    waker: UdpSocket,
+    local: SocketAddr,
+    stats: Arc<stats::Counters>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    /// Joins `job` as `rank` through phub-control at `control_url` (e.g.
+    /// `http://127.0.0.1:7700`), with the default [`WorkerConfig`].
+    pub fn join(control_url: &str, job: u16, token: u64, rank: u16) -> Result<Worker, WorkerError> {
+        Worker::join_with(control_url, job, token, rank, WorkerConfig::default())
+    }
+
+    /// Joins `job` as `rank` through phub-control at `control_url`.
+    ///
+    /// A refusal by control (wrong token, unknown job, rank out of range...)
+    /// is a [`WorkerError::Join`] carrying control's message verbatim.
+    pub fn join_with(
+        control_url: &str,
+        job: u16,
+        token: u64,
+        rank: u16,
+        config: WorkerConfig,
+    ) -> Result<Worker, WorkerError> {
+        let url = format!("{}/v1/jobs/{job}/join", control_url.trim_end_matches('/'));
+        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(10)).build();
+        let answer = agent.post(&url).send_json(JoinRequest { token, rank });
+        let join: JoinResponse = match answer {
+            Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
+                url: url.clone(),
+                message: format!("reading the join response: {e}"),
+            })?,
+            Err(ureq::Error::Status(status, resp)) => {
+                let body = resp.into_string().unwrap_or_default();
+                let message = match serde_json::from_str::<ApiError>(&body) {
+                    Ok(e) => e.error,
+                    Err(_) if body.trim().is_empty() => "(no error message in the answer)".to_string(),
+                    Err(_) => body.trim().to_string(),
+                };
+                return Err(WorkerError::Join { url, status, message });
+            }
+            Err(e) => {
+                return Err(WorkerError::Http {
+                    url,
+                    message: e.to_string(),
+                })
+            }
+        };
+        if join.job != job || join.rank != rank {
+            return Err(WorkerError::BadJoin {
+                message: format!(
+                    "asked to join job {job} as rank {rank}, control answered for job {} rank {}",
+                    join.job, join.rank
+                ),
+            });
+        }
+        Worker::from_join(join, token, config)
+    }
+
+    /// Builds a worker from an already obtained [`JoinResponse`] (for tests
+    /// and embedding): checks it, binds a UDP socket and starts the I/O
+    /// thread.
+    pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
+        let lcores = check_join(&join)?;
+        let bind: SocketAddr = match lcores[0].ip() {
+            IpAddr::V4(a) if a.is_loopback() => (Ipv4Addr::LOCALHOST, 0).into(),
+            IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+            IpAddr::V6(a) if a.is_loopback() => (Ipv6Addr::LOCALHOST, 0).into(),
+            IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+        };
+        let io_err = |context: String| move |source| WorkerError::Io { context, source };
+        let socket = UdpSocket::bind(bind).map_err(io_err(format!("binding a UDP socket on {bind}")))?;
+        let mut local = socket
+            .local_addr()
+            .map_err(io_err("reading the UDP socket's address".into()))?;
+        if local.ip().is_unspecified() {
+            // Wake-ups go to ourselves through loopback.
+            local.set_ip(match local.ip() {
+                IpAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                IpAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let waker = socket
+            .try_clone()
+            .map_err(io_err("cloning the UDP socket".into()))?;
+        let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
+        let stats = Arc::new(stats::Counters::default());
+        let (cmds, cmd_rx) = crossbeam_channel::unbounded();
+        let info = JobInfo {
+            job: join.job,
+            token,
+            rank: join.rank,
+            dtype: join.spec.dtype,
+        };
+        let thread = io::IoThread::new(
+            socket,
+            local,
+            info,
+            &config,
+            cmd_rx,
+            Arc::clone(&keys),
+            Arc::clone(&stats),
+        );
+        let thread = std::thread::Builder::new()
+            .name(format!("phub-worker-{}-{}", join.job, join.rank))
+            .spawn(move || thread.run())
+            .map_err(io_err("starting the worker's I/O thread".into()))?;
+        log::info!(
+            "phub-worker: job {} rank {} of {} joined; {} keys, {} chunks, dataplane {}, socket {local}",
+            join.job,
+            join.rank,
+            join.spec.workers,
+            join.spec.keys.len(),
+            join.layout.chunk_count(),
+            lcores[0],
+        );
+        Ok(Worker {
+            job: join.job,
+            token,
+            rank: join.rank,
+            spec: join.spec,
+            layout: join.layout,
+            lcores,
+            keys,
+            cmds,
+            waker,
+            local,
+            stats,
+            thread: Some(thread),
+        })
+    }
+
+    /// This worker's rank.
+    pub fn rank(&self) -> u16 {
+        self.rank
+    }
+
+    /// The job's id.
+    pub fn job(&self) -> u16 {
+        self.job
+    }
+
+    /// The job's worker count W.
+    pub fn workers(&self) -> u32 {
+        self.spec.workers
+    }
+
+    /// The job's spec as admitted.
+    pub fn spec(&self) -> &JobSpec {
+        &self.spec
+    }
+
+    /// The job's chunk layout.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Elements of `key`, or `None` if the job has no such key.
+    pub fn key_len(&self, key: u32) -> Option<u64> {
+        self.spec.keys.get(key as usize).map(|k| k.elements)
+    }
+
+    /// The last round whose result this worker holds for `key` (`None`
+    /// before `init` or `pull` completed, or for an unknown key).
+    pub fn key_round(&self, key: u32) -> Option<u32> {
+        self.lock_keys().get(key as usize).and_then(|k| k.round)
+    }
+
+    /// The local address of the worker's UDP socket.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local
+    }
+
+    /// A snapshot of the worker's counters.
+    pub fn stats(&self) -> WorkerStats {
+        self.stats.snapshot()
+    }
+
+    /// Round 0 for `key`: rank 0's `params` become everyone's initial values.
+    /// Every rank must call it (other ranks' `params` are not sent); after
+    /// [`Worker::wait`], `params` holds the broadcast values on every rank.
+    pub fn init<'a>(&'a self, key: u32, params: &'a mut [f32]) -> Result<Handle<'a>, WorkerError> {
+        let elements = self.check_len(key, params.len())?;
+        self.claim(key, |k| match k.round {
+            Some(r) if r > 0 => Err(format!(
+                "init is round 0 but this worker already holds round {r}; use push_pull (or pull to catch up)"
+            )),
+            _ => Ok(0),
+        })?;
+        let payload = (self.rank == 0).then_some(&params[..]);
+        let chunks = self.messages(key, elements, MsgType::Init, 0, payload);
+        self.submit(key, 0, Kind::Init, elements, chunks, params)
+    }
+
+    /// The next round for `key`: pushes `grad` (copied at once, so the caller
+    /// may reuse it) and, after [`Worker::wait`], `out` holds the round's
+    /// result: the new parameters, or the sum or mean with a `sum`/`mean` job.
+    pub fn push_pull<'a>(
+        &'a self,
+        key: u32,
+        grad: &[f32],
+        out: &'a mut [f32],
+    ) -> Result<Handle<'a>, WorkerError> {
+        let elements = self.check_len(key, grad.len())?;
+        self.check_len(key, out.len())?;
+        let round = self.claim(key, |k| match k.round {
+            None => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
+            Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
+            Some(r) => Ok(r + 1),
+        })?;
+        let chunks = self.messages(key, elements, MsgType::Push, round, Some(grad));
+        self.submit(key, round, Kind::Push, elements, chunks, out)
+    }
+
+    /// Waits for a request's result and writes it into the slice the
+    /// request was started with.
+    pub fn wait(&self, h: Handle<'_>) -> Result<(), WorkerError> {
+        match h.done.recv() {
+            Ok(Ok(done)) => {
+                h.out.copy_from_slice(&done.values);
+                Ok(())
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(WorkerError::Closed),
+        }
+    }
+
+    /// Fetches the last completed result of every chunk of `key` into `out`
+    /// and returns its round (for a worker that rejoins a running job).
+    /// Blocks until done.
+    ///
+    /// If the chunks stand at different rounds (this worker left in the
+    /// middle of a round), the lowest is returned and becomes the key's
+    /// round: the next `push_pull` completes the round the other ranks are
+    /// waiting for. A key that never completed round 0 has nothing to pull,
+    /// and the call ends in [`WorkerError::Timeout`].
+    pub fn pull(&self, key: u32, out: &mut [f32]) -> Result<u32, WorkerError> {
+        let elements = self.check_len(key, out.len())?;
+        self.claim(key, |_| Ok(0))?;
+        let chunks = self.messages(key, elements, MsgType::Pull, 0, None);
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send_request(Request {
+            key,
+            round: 0,
+            kind: Kind::Pull,
+            elements,
+            chunks,
+            done: tx,
+        })?;
+        match rx.recv() {
+            Ok(Ok(done)) => {
+                out.copy_from_slice(&done.values);
+                Ok(done.round)
+            }
+            Ok(Err(e)) => Err(e),
+            Err(_) => Err(WorkerError::Closed),
+        }
+    }
+
+    fn lock_keys(&self) -> std::sync::MutexGuard<'_, Vec<KeyState>> {
+        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The key's element count, checked against a slice length.
+    fn check_len(&self, key: u32, got: usize) -> Result<usize, WorkerError> {
+        let expected = self.key_len(key).ok_or(WorkerError::UnknownKey {
+            key,
+            keys: self.spec.keys.len(),
+        })?;
+        if expected != got as u64 {
+            return Err(WorkerError::Length { key, expected, got });
+        }
+        Ok(got)
+    }
+
+    /// Marks `key` busy if it is free and `round` accepts its state.
+    fn claim(
+        &self,
+        key: u32,
+        round: impl FnOnce(&KeyState) -> Result<u32, String>,
+    ) -> Result<u32, WorkerError> {
+        let mut keys = self.lock_keys();
+        let k = &mut keys[key as usize];
+        if k.busy {
+            return Err(WorkerError::Busy { key });
+        }
+        let r = round(k).map_err(|message| WorkerError::Sequence { key, message })?;
+        k.busy = true;
+        Ok(r)
+    }
+
+    fn release(&self, key: u32) {
+        self.lock_keys()[key as usize].busy = false;
+    }
+
+    /// Encodes one datagram per chunk of `key`.
+    fn messages(
+        &self,
+        key: u32,
+        elements: usize,
+        kind: MsgType,
+        round: u32,
+        payload: Option<&[f32]>,
+    ) -> Vec<ChunkMsg> {
+        let dtype = self.spec.dtype;
+        let ce = self.layout.chunk_elems as usize;
+        self.layout.keys[key as usize]
+            .iter()
+            .enumerate()
+            .map(|(c, place)| {
+                let len = self.layout.chunk_len(elements as u64, c as u32);
+                let offset = c * ce;
+                let values = payload.map(|p| &p[offset..offset + len as usize]);
+                let count = values.map_or(0, <[f32]>::len);
+                let mut datagram = vec![0u8; HEADER_LEN + count * dtype.size()];
+                let repr = Repr {
+                    kind,
+                    dtype,
+                    flags: 0,
+                    token: self.token,
+                    job: self.job,
+                    rank: self.rank,
+                    count: count as u16,
+                    error: 0,
+                    round,
+                    slot: place.slot,
+                    key,
+                    chunk: c as u32,
+                };
+                let mut h = Header::new_unchecked(&mut datagram[..]);
+                repr.emit(&mut h);
+                if let Some(v) = values {
+                    codec::encode(dtype, v, h.payload_mut());
+                }
+                ChunkMsg {
+                    chunk: c as u32,
+                    slot: place.slot,
+                    offset,
+                    len,
+                    to: self.lcores[usize::from(place.lcore)],
+                    datagram,
+                }
+            })
+            .collect()
+    }
+
+    fn submit<'a>(
+        &'a self,
+        key: u32,
+        round: u32,
+        kind: Kind,
+        elements: usize,
+        chunks: Vec<ChunkMsg>,
+        out: &'a mut [f32],
+    ) -> Result<Handle<'a>, WorkerError> {
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        self.send_request(Request {
+            key,
+            round,
+            kind,
+            elements,
+            chunks,
+            done: tx,
+        })?;
+        Ok(Handle {
+            key,
+            round,
+            done: rx,
+            out,
+        })
+    }
+
+    /// Hands a request to the I/O thread (the key is already claimed).
+    fn send_request(&self, r: Request) -> Result<(), WorkerError> {
+        let key = r.key;
+        if self.cmds.send(Command::Submit(r)).is_err() {
+            self.release(key);
+            return Err(WorkerError::Closed);
+        }
+        self.wake();
+        Ok(())
+    }
+
+    /// Interrupts the I/O thread's blocking receive.
+    fn wake(&self) {
+        if let Err(e) = self.waker.send_to(&[], self.local) {
+            // The thread still notices within its read timeout.
+            log::debug!("phub-worker: waking the I/O thread: {e}");
+        }
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.cmds.send(Command::Shutdown);
+        self.wake();
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                log::error!("phub-worker: the I/O thread panicked");
+            }
+        }
+    }
+}
+
+/// Checks a join response and resolves each lcore's address.
+fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
+    fn bad<T>(message: String) -> Result<T, WorkerError> {
+        Err(WorkerError::BadJoin { message })
+    }
+    let (spec, layout) = (&join.spec, &join.layout);
+    if u32::from(join.rank) >= spec.workers {
+        return bad(format!(
+            "rank {} is not below the worker count {}",
+            join.rank, spec.workers
+        ));
+    }
+    let ce = layout.chunk_elems;
+    let max = (MAX_PAYLOAD / spec.dtype.size()) as u32;
+    if ce == 0 || ce > max {
+        return bad(format!(
+            "layout.chunk_elems = {ce}; accepted: 1..={max} for {}",
+            spec.dtype
+        ));
+    }
+    if layout.keys.len() != spec.keys.len() {
+        return bad(format!(
+            "the layout places {} keys but the spec has {}",
+            layout.keys.len(),
+            spec.keys.len()
+        ));
+    }
+    let nlcores = layout
+        .keys
+        .iter()
+        .flatten()
+        .map(|p| usize::from(p.lcore) + 1)
+        .max()
+        .unwrap_or(1)
+        .max(layout.lcore_count());
+    for (k, (places, ks)) in layout.keys.iter().zip(&spec.keys).enumerate() {
+        let want = chunks_of(ks.elements, ce);
+        if places.len() as u64 != want || ks.elements == 0 || ks.elements > usize::MAX as u64 {
+            return bad(format!(
+                "key {k} has {} elements, which is {want} chunks of {ce}, but the layout places {}",
+                ks.elements,
+                places.len()
+            ));
+        }
+    }
+    let host = join.dataplane.host.trim_start_matches('[').trim_end_matches(']');
+    let ip: IpAddr = match host.parse() {
+        Ok(ip) => ip,
+        Err(_) => {
+            let found = (host, join.dataplane.base_port)
+                .to_socket_addrs()
+                .map_err(|e| WorkerError::BadJoin {
+                    message: format!("dataplane host {:?} does not resolve: {e}", join.dataplane.host),
+                })?
+                .collect::<Vec<_>>();
+            match found.iter().find(|a| a.is_ipv4()).or(found.first()) {
+                Some(a) => a.ip(),
+                None => {
+                    return bad(format!(
+                        "dataplane host {:?} resolves to no address",
+                        join.dataplane.host
+                    ))
+                }
+            }
+        }
+    };
+    (0..nlcores)
+        .map(|i| match join.dataplane.base_port.checked_add(i as u16) {
+            Some(port) if port != 0 && i <= usize::from(u16::MAX) => Ok(SocketAddr::new(ip, port)),
+            _ => bad(format!(
+                "dataplane base port {} + lcore {i} is not a valid UDP port",
+                join.dataplane.base_port
+            )),
+        })
+        .collect()
+}

@@ -1,0 +1,569 @@
+//! phub-worker against a fake appliance: the dataplane's engine behind
+//! kernel UDP sockets on 127.0.0.1, with seeded packet loss, and a fake
+//! control answering the join route.
+
+use std::net::{SocketAddr, UdpSocket};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use phub_dataplane::{JobInstall, Kernels, Shard};
+use phub_proto::api::{DataAddr, JoinRequest, JoinResponse};
+use phub_proto::layout::{layout, Layout};
+use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use phub_proto::Dtype;
+use phub_worker::{Worker, WorkerConfig, WorkerError};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const JOB: u16 = 7;
+const TOKEN: u64 = 0x5eed_cafe_f00d_0001;
+
+/// The appliance side: one thread per lcore, each a [`Shard`] behind a UDP
+/// socket on `127.0.0.1:base + i`, dropping each received and each sent
+/// packet with the given probabilities.
+struct FakeAppliance {
+    base_port: u16,
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl FakeAppliance {
+    fn start(spec: &JobSpec, layout: &Layout, loss: f64, seed: u64) -> FakeAppliance {
+        let sockets = bind_consecutive(layout.lcore_count());
+        let base_port = sockets[0].local_addr().unwrap().port();
+        let stop = Arc::new(AtomicBool::new(false));
+        let start = Instant::now();
+        let threads = sockets
+            .into_iter()
+            .enumerate()
+            .map(|(i, sock)| {
+                let mut shard: Shard<SocketAddr> = Shard::new(i as u16, Kernels::best());
+                shard
+                    .install(JobInstall {
+                        id: JOB,
+                        token: TOKEN,
+                        workers: spec.workers as u16,
+                        dtype: spec.dtype,
+                        optimizer: spec.optimizer,
+                        slots: layout.lcores[i].clone(),
+                    })
+                    .unwrap();
+                let stop = Arc::clone(&stop);
+                let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+                std::thread::spawn(move || {
+                    sock.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+                    let mut buf = vec![0u8; 65536];
+                    let mut pkt = Vec::with_capacity(9000);
+                    while !stop.load(Ordering::Relaxed) {
+                        let Ok((n, from)) = sock.recv_from(&mut buf) else {
+                            continue;
+                        };
+                        if loss > 0.0 && rng.gen_bool(loss) {
+                            continue;
+                        }
+                        shard.handle(from, &buf[..n], start.elapsed().as_nanos() as u64);
+                        for t in shard.transmits() {
+                            pkt.clear();
+                            pkt.extend_from_slice(&t.header);
+                            pkt.extend_from_slice(t.payload);
+                            for to in t.to {
+                                if loss > 0.0 && rng.gen_bool(loss) {
+                                    continue;
+                                }
+                                let _ = sock.send_to(&pkt, to);
+                            }
+                        }
+                        shard.clear_transmits();
+                    }
+                })
+            })
+            .collect();
+        FakeAppliance {
+            base_port,
+            stop,
+            threads,
+        }
+    }
+}
+
+impl Drop for FakeAppliance {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// `n` UDP sockets on consecutive ports of 127.0.0.1.
+fn bind_consecutive(n: usize) -> Vec<UdpSocket> {
+    let mut rng = StdRng::from_entropy();
+    'retry: for _ in 0..200 {
+        let base: u16 = rng.gen_range(20_000..60_000);
+        let mut socks = Vec::with_capacity(n);
+        for i in 0..n {
+            match UdpSocket::bind(("127.0.0.1", base + i as u16)) {
+                Ok(s) => socks.push(s),
+                Err(_) => continue 'retry,
+            }
+        }
+        return socks;
+    }
+    panic!("no {n} consecutive free UDP ports on 127.0.0.1");
+}
+
+fn spec(workers: u32, keys: &[u64], dtype: Dtype, optimizer: Optimizer) -> JobSpec {
+    JobSpec {
+        name: "worker-test".into(),
+        workers,
+        dtype,
+        chunk_bytes: 8192,
+        optimizer,
+        consistency: Consistency::Sync,
+        keys: keys
+            .iter()
+            .map(|&e| KeySpec {
+                name: String::new(),
+                elements: e,
+            })
+            .collect(),
+    }
+}
+
+fn join_response(spec: &JobSpec, layout: &Layout, rank: u16, base_port: u16) -> JoinResponse {
+    JoinResponse {
+        job: JOB,
+        rank,
+        spec: spec.clone(),
+        layout: layout.clone(),
+        dataplane: DataAddr {
+            host: "127.0.0.1".into(),
+            base_port,
+        },
+    }
+}
+
+fn quick() -> WorkerConfig {
+    WorkerConfig {
+        timeout: Duration::from_secs(10),
+        ..WorkerConfig::default()
+    }
+}
+
+/// What a value looks like after a trip through the wire dtype.
+fn wire(dtype: Dtype, x: f32) -> f32 {
+    match dtype {
+        Dtype::F32 => x,
+        Dtype::Bf16 => half::bf16::from_f32(x).to_f32(),
+        Dtype::F16 => half::f16::from_f32(x).to_f32(),
+    }
+}
+
+fn init_value(k: usize, i: usize) -> f32 {
+    ((i * 7 + k) % 13) as f32 - 6.0
+}
+
+fn grad(rank: u16, round: u32, k: usize, i: usize) -> f32 {
+    (((i + k) % 5) as f32) * f32::from(rank + 1) - round as f32
+}
+
+/// The expected result of every round, computed the way the appliance does.
+fn reference(spec: &JobSpec, key: usize, rounds: u32) -> Vec<Vec<f32>> {
+    let n = spec.keys[key].elements as usize;
+    let d = spec.dtype;
+    let inv_w = 1.0f32 / spec.workers as f32;
+    let mut w: Vec<f32> = (0..n).map(|i| wire(d, init_value(key, i))).collect();
+    let mut out = vec![w.clone()];
+    for r in 1..=rounds {
+        let sum: Vec<f32> = (0..n)
+            .map(|i| {
+                (0..spec.workers as u16)
+                    .map(|rk| wire(d, grad(rk, r, key, i)))
+                    .sum()
+            })
+            .collect();
+        let res: Vec<f32> = match spec.optimizer {
+            Optimizer::Sum => sum,
+            Optimizer::Mean => sum.iter().map(|s| s * inv_w).collect(),
+            Optimizer::Sgd { lr, weight_decay } => {
+                for (w, a) in w.iter_mut().zip(&sum) {
+                    let g = *a * inv_w + weight_decay * *w;
+                    *w -= lr * g;
+                }
+                w.clone()
+            }
+            o => panic!("no reference for {}", o.name()),
+        };
+        out.push(res.iter().map(|&x| wire(d, x)).collect());
+    }
+    out
+}
+
+/// W workers (threads) run `rounds` rounds on every key at once and check
+/// every result; returns the workers' summed stats.
+fn run_job(spec: &JobSpec, lcores: usize, rounds: u32, loss: f64) -> phub_worker::WorkerStats {
+    let layout = layout(spec, &mut vec![0; lcores]);
+    let app = FakeAppliance::start(spec, &layout, loss, 42);
+    let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
+    let refs = Arc::new(refs);
+    let threads: Vec<_> = (0..spec.workers as u16)
+        .map(|rank| {
+            let join = join_response(spec, &layout, rank, app.base_port);
+            let refs = Arc::clone(&refs);
+            std::thread::spawn(move || {
+                let w = Worker::from_join(join, TOKEN, quick()).unwrap();
+                let nkeys = w.spec().keys.len();
+                let lens: Vec<usize> = (0..nkeys as u32)
+                    .map(|k| w.key_len(k).unwrap() as usize)
+                    .collect();
+                // Round 0: only rank 0's values count.
+                let mut params: Vec<Vec<f32>> = lens
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| {
+                        (0..n)
+                            .map(|i| if rank == 0 { init_value(k, i) } else { -99.0 })
+                            .collect()
+                    })
+                    .collect();
+                let handles: Vec<_> = params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| w.init(k as u32, p).unwrap())
+                    .collect();
+                for h in handles {
+                    w.wait(h).unwrap();
+                }
+                for (k, p) in params.iter().enumerate() {
+                    assert!(p == &refs[k][0], "rank {rank} key {k}: init broadcast differs");
+                }
+                let mut outs: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+                for r in 1..=rounds {
+                    let grads: Vec<Vec<f32>> = lens
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| (0..n).map(|i| grad(rank, r, k, i)).collect())
+                        .collect();
+                    // All keys in flight at once, waited for in reverse order.
+                    let mut handles: Vec<_> = outs
+                        .iter_mut()
+                        .enumerate()
+                        .map(|(k, o)| w.push_pull(k as u32, &grads[k], o).unwrap())
+                        .collect();
+                    while let Some(h) = handles.pop() {
+                        assert_eq!(h.round(), r);
+                        w.wait(h).unwrap();
+                    }
+                    for (k, o) in outs.iter().enumerate() {
+                        if o != &refs[k][r as usize] {
+                            let i = (0..o.len()).find(|&i| o[i] != refs[k][r as usize][i]).unwrap();
+                            panic!(
+                                "rank {rank} key {k} round {r}: element {i} is {} but should be {}",
+                                o[i], refs[k][r as usize][i]
+                            );
+                        }
+                    }
+                    assert_eq!(w.key_round(0), Some(r));
+                }
+                w.stats()
+            })
+        })
+        .collect();
+    let mut total = phub_worker::WorkerStats::default();
+    for t in threads {
+        let s = t.join().unwrap();
+        total.chunks_sent += s.chunks_sent;
+        total.retransmits += s.retransmits;
+        total.results_accepted += s.results_accepted;
+        total.results_ignored += s.results_ignored;
+        total.errors += s.errors;
+        total.timeouts += s.timeouts;
+        total.bytes_sent += s.bytes_sent;
+        total.bytes_received += s.bytes_received;
+    }
+    drop(app);
+    total
+}
+
+const KEYS: [u64; 3] = [1, 5000, 100_000];
+
+fn sgd() -> Optimizer {
+    Optimizer::Sgd {
+        lr: 0.25,
+        weight_decay: 0.125,
+    }
+}
+
+#[test]
+fn sum_three_workers_ten_rounds() {
+    let s = run_job(&spec(3, &KEYS, Dtype::F32, Optimizer::Sum), 3, 10, 0.0);
+    // 3 workers x 11 rounds x (1 + 3 + 49) chunks.
+    assert_eq!(s.results_accepted, 3 * 11 * 53);
+    assert_eq!(s.errors, 0);
+    assert!(s.bytes_sent > 3 * 10 * 105_001 * 4 && s.bytes_received > 3 * 11 * 105_001 * 4);
+}
+
+#[test]
+fn sgd_three_workers_ten_rounds() {
+    let s = run_job(&spec(3, &KEYS, Dtype::F32, sgd()), 2, 10, 0.0);
+    assert_eq!(s.results_accepted, 3 * 11 * 53);
+}
+
+#[test]
+fn sum_and_sgd_exact_under_ten_percent_loss() {
+    for opt in [Optimizer::Sum, sgd()] {
+        let s = run_job(&spec(3, &KEYS, Dtype::F32, opt), 3, 10, 0.10);
+        eprintln!("{}: {s:?}", opt.name());
+        assert!(s.retransmits > 0, "{}: {s:?}", opt.name());
+        assert_eq!(s.timeouts, 0);
+    }
+}
+
+#[test]
+fn bf16_mean_and_sgd() {
+    run_job(&spec(3, &KEYS, Dtype::Bf16, Optimizer::Mean), 2, 5, 0.0);
+    run_job(&spec(3, &KEYS, Dtype::Bf16, sgd()), 2, 5, 0.05);
+    run_job(&spec(2, &[3000], Dtype::F16, sgd()), 1, 3, 0.0);
+}
+
+/// A worker alone in a job of two: its pushes never complete.
+fn lonely_worker(timeout: Duration) -> (FakeAppliance, Worker) {
+    let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&s, &mut [0, 0]);
+    let app = FakeAppliance::start(&s, &l, 0.0, 1);
+    let cfg = WorkerConfig {
+        timeout,
+        ..WorkerConfig::default()
+    };
+    let w = Worker::from_join(join_response(&s, &l, 0, app.base_port), TOKEN, cfg).unwrap();
+    (app, w)
+}
+
+#[test]
+fn misuse_is_refused_locally() {
+    let (_app, w) = lonely_worker(Duration::from_millis(300));
+    let mut small = vec![0f32; 9];
+    let mut p = vec![0f32; 10];
+    match w.init(0, &mut small) {
+        Err(WorkerError::Length {
+            key: 0,
+            expected: 10,
+            got: 9,
+        }) => {}
+        other => panic!("{other:?}"),
+    }
+    match w.init(2, &mut p) {
+        Err(e @ WorkerError::UnknownKey { key: 2, keys: 2 }) => {
+            assert!(e.to_string().contains("key 2 does not exist"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    let g = vec![1f32; 10];
+    match w.push_pull(0, &g, &mut p) {
+        Err(e @ WorkerError::Sequence { key: 0, .. }) => assert!(e.to_string().contains("init"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    let mut p2 = vec![0f32; 10];
+    let h = w.init(0, &mut p).unwrap();
+    match w.init(0, &mut p2) {
+        Err(e @ WorkerError::Busy { key: 0 }) => assert!(e.to_string().contains("in flight"), "{e}"),
+        other => panic!("{other:?}"),
+    }
+    // Rank 1 never comes: the request times out, then the key is free again.
+    let t = Instant::now();
+    match w.wait(h) {
+        Err(WorkerError::Timeout { key: 0, round: 0, .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert!(w.stats().retransmits > 0);
+    let h = w.init(0, &mut p2).unwrap();
+    drop(h);
+}
+
+#[test]
+fn silent_appliance_times_out_naming_it() {
+    // Sockets that are bound but never read: nothing ever answers.
+    let socks = bind_consecutive(2);
+    let base = socks[0].local_addr().unwrap().port();
+    let s = spec(1, &[10_000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&s, &mut [0, 0]);
+    let cfg = WorkerConfig {
+        timeout: Duration::from_millis(300),
+        ..WorkerConfig::default()
+    };
+    let w = Worker::from_join(join_response(&s, &l, 0, base), TOKEN, cfg).unwrap();
+    let mut p = vec![1f32; 10_000];
+    let t = Instant::now();
+    let err = w.wait(w.init(0, &mut p).unwrap()).unwrap_err();
+    let took = t.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    let msg = err.to_string();
+    assert!(
+        matches!(
+            err,
+            WorkerError::Timeout {
+                missing: 5,
+                chunks: 5,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    assert!(msg.contains(&format!("127.0.0.1:{base}")), "{msg}");
+    assert!(msg.contains(&format!("127.0.0.1:{}", base + 1)), "{msg}");
+    assert!(msg.contains(" ms"), "{msg}");
+    assert_eq!(w.stats().timeouts, 1);
+    drop(socks);
+}
+
+#[test]
+fn appliance_errors_fail_the_request_with_the_reason() {
+    // The appliance holds a key of 5000 elements; this worker believes it has
+    // 4000, so its last chunk's count is wrong.
+    let real = spec(1, &[5000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&real, &mut [0]);
+    let app = FakeAppliance::start(&real, &l, 0.0, 3);
+    let mut wrong = real.clone();
+    wrong.keys[0].elements = 4000;
+    let mut wl = l.clone();
+    wl.keys[0].truncate(2);
+    let w = Worker::from_join(join_response(&wrong, &wl, 0, app.base_port), TOKEN, quick()).unwrap();
+    let mut p = vec![1f32; 4000];
+    let err = w.wait(w.init(0, &mut p).unwrap()).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.starts_with("appliance refused key 0 chunk 1 round 0: count_mismatch"),
+        "{msg}"
+    );
+    assert_eq!(w.stats().errors, 1);
+}
+
+#[test]
+fn rejoined_worker_pulls_and_continues() {
+    let s = spec(2, &[3000], Dtype::F32, sgd());
+    let l = layout(&s, &mut [0, 0]);
+    let app = FakeAppliance::start(&s, &l, 0.0, 9);
+    let w0 = Worker::from_join(join_response(&s, &l, 0, app.base_port), TOKEN, quick()).unwrap();
+    let w1 = Worker::from_join(join_response(&s, &l, 1, app.base_port), TOKEN, quick()).unwrap();
+    let refs = reference(&s, 0, 3);
+    let mut p0: Vec<f32> = (0..3000).map(|i| init_value(0, i)).collect();
+    let mut p1 = vec![0f32; 3000];
+    let (h0, h1) = (w0.init(0, &mut p0).unwrap(), w1.init(0, &mut p1).unwrap());
+    w0.wait(h0).unwrap();
+    w1.wait(h1).unwrap();
+    let mut o0 = vec![0f32; 3000];
+    let mut o1 = vec![0f32; 3000];
+    for r in 1..=2 {
+        let g0: Vec<f32> = (0..3000).map(|i| grad(0, r, 0, i)).collect();
+        let g1: Vec<f32> = (0..3000).map(|i| grad(1, r, 0, i)).collect();
+        let (h0, h1) = (
+            w0.push_pull(0, &g0, &mut o0).unwrap(),
+            w1.push_pull(0, &g1, &mut o1).unwrap(),
+        );
+        w0.wait(h0).unwrap();
+        w1.wait(h1).unwrap();
+    }
+    assert_eq!(o1, refs[2]);
+    // Rank 1 restarts: a new socket, no state.
+    drop(w1);
+    let w1 = Worker::from_join(join_response(&s, &l, 1, app.base_port), TOKEN, quick()).unwrap();
+    let mut pulled = vec![0f32; 3000];
+    assert_eq!(w1.pull(0, &mut pulled).unwrap(), 2);
+    assert_eq!(pulled, refs[2]);
+    assert_eq!(w1.key_round(0), Some(2));
+    let g0: Vec<f32> = (0..3000).map(|i| grad(0, 3, 0, i)).collect();
+    let g1: Vec<f32> = (0..3000).map(|i| grad(1, 3, 0, i)).collect();
+    let (h0, h1) = (
+        w0.push_pull(0, &g0, &mut o0).unwrap(),
+        w1.push_pull(0, &g1, &mut o1).unwrap(),
+    );
+    w0.wait(h0).unwrap();
+    w1.wait(h1).unwrap();
+    assert_eq!(o0, refs[3]);
+    assert_eq!(o1, refs[3]);
+}
+
+/// A fake phub-control answering `POST /v1/jobs/7/join`.
+fn fake_control(answer: JoinResponse) -> (String, JoinHandle<()>) {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+    let t = std::thread::spawn(move || {
+        for _ in 0..2 {
+            let Ok(Some(mut req)) = server.recv_timeout(Duration::from_secs(5)) else {
+                return;
+            };
+            let mut body = String::new();
+            req.as_reader().read_to_string(&mut body).unwrap();
+            let json = tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap();
+            let (status, text) = match (req.method(), req.url()) {
+                (tiny_http::Method::Post, "/v1/jobs/7/join") => {
+                    let j: JoinRequest = serde_json::from_str(&body).unwrap();
+                    if j.token == TOKEN {
+                        let mut a = answer.clone();
+                        a.rank = j.rank;
+                        (200, serde_json::to_string(&a).unwrap())
+                    } else {
+                        (403, r#"{"error":"job 7: wrong token"}"#.to_string())
+                    }
+                }
+                _ => (404, r#"{"error":"no such route"}"#.to_string()),
+            };
+            let resp = tiny_http::Response::from_string(text)
+                .with_status_code(status)
+                .with_header(json);
+            req.respond(resp).unwrap();
+        }
+    });
+    (url, t)
+}
+
+#[test]
+fn join_through_control() {
+    let s = spec(2, &[10, 20_000], Dtype::Bf16, Optimizer::Sum);
+    let l = layout(&s, &mut [0, 0]);
+    let (url, t) = fake_control(join_response(&s, &l, 0, 40_000));
+    let w = Worker::join(&url, JOB, TOKEN, 1).unwrap();
+    assert_eq!((w.rank(), w.workers(), w.job()), (1, 2, JOB));
+    assert_eq!(w.key_len(1), Some(20_000));
+    assert_eq!(w.key_len(2), None);
+    assert_eq!(w.spec().dtype, Dtype::Bf16);
+    match Worker::join(&format!("{url}/"), JOB, TOKEN ^ 1, 1) {
+        Err(e @ WorkerError::Join { status: 403, .. }) => {
+            assert!(e.to_string().ends_with("job 7: wrong token"), "{e}")
+        }
+        other => panic!("{other:?}"),
+    }
+    t.join().unwrap();
+    // Nobody listens any more.
+    match Worker::join(&url, JOB, TOKEN, 1) {
+        Err(WorkerError::Http { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn bad_join_responses_are_refused() {
+    let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&s, &mut [0, 0]);
+    let mut j = join_response(&s, &l, 2, 40_000);
+    let e = Worker::from_join(j.clone(), TOKEN, quick()).unwrap_err();
+    assert!(
+        e.to_string().contains("rank 2 is not below the worker count 2"),
+        "{e}"
+    );
+    j.rank = 0;
+    j.layout.keys[1].pop();
+    let e = Worker::from_join(j, TOKEN, quick()).unwrap_err();
+    assert!(e.to_string().contains("key 1 has 5000 elements"), "{e}");
+}
+
+fn _assert_send_sync() {
+    fn is<T: Send + Sync>() {}
+    is::<Worker>();
+}
