@@ -136,7 +136,7 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
                     }
                 };
                 sent += 1;
-                if sent % 64 == 0 {
+                if sent.is_multiple_of(64) {
                     std::thread::sleep(Duration::from_micros(200));
                 }
             }
