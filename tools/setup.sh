@@ -7,7 +7,8 @@ set -euo pipefail
 
 # System packages each part needs. The engine, protocol and tools are pure
 # Rust; later parts (the DPDK backend, hwloc) add their -dev packages here.
-PACKAGES=(pkg-config)
+# libhwloc-dev: NUMA topology (hwlocality); libudev-dev: hwloc links it.
+PACKAGES=(pkg-config libhwloc-dev libudev-dev)
 
 need=()
 for p in "${PACKAGES[@]}"; do

@@ -18,6 +18,7 @@ use crate::engine::Shard;
 use crate::kernels::Kernels;
 use crate::lcore::{self, Clock, LoopOptions};
 use crate::mgmt::{self, LcoreHandle, Manager};
+use crate::topology::Topology;
 
 /// Packet I/O backend.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -120,6 +121,7 @@ impl Appliance {
             bail!("--lcores {n}: expected 1 to 256");
         }
         let kernels = Kernels::best();
+        let topology = Topology::detect();
         let clock = Clock::start();
         let stop = Arc::new(AtomicBool::new(false));
         // Bind every queue first, so a port clash fails before anything runs.
@@ -169,7 +171,7 @@ impl Appliance {
             infos.push(LcoreInfo {
                 lcore: i as u16,
                 cpu: core.map(|c| c.id),
-                numa_node: None,
+                numa_node: core.and_then(|c| topology.cpu_node(c.id)),
             });
         }
         let info = DataplaneInfo {
@@ -179,7 +181,7 @@ impl Appliance {
                 base_port: base,
             },
             lcores: infos,
-            nic_numa_node: None,
+            nic_numa_node: topology.nic_node(cfg.host),
             memory_budget_bytes: cfg.memory_budget,
             memory_used_bytes: 0,
             kernels: kernels.kind().name().into(),

@@ -15,6 +15,7 @@ pub mod kernels;
 pub mod lcore;
 pub mod mgmt;
 pub mod optim;
+pub mod topology;
 
 pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Transmit, Verdict};
 pub use kernels::Kernels;
