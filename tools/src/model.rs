@@ -50,7 +50,7 @@ impl Dataset {
     /// `n` samples of `dim` features in `classes` overlapping Gaussian clusters.
     pub fn generate(seed: u64, n: usize, dim: usize, classes: usize) -> Dataset {
         let mut rng = Rng::new(seed);
-        let centers: Vec<f32> = (0..classes * dim).map(|_| rng.normal() * 0.15).collect();
+        let centers: Vec<f32> = (0..classes * dim).map(|_| rng.normal() * 0.3).collect();
         let mut x = Vec::with_capacity(n * dim);
         let mut y = Vec::with_capacity(n);
         for i in 0..n {
