@@ -1,0 +1,419 @@
+//! The DPDK backend: one [`DpdkQueue`] (an RX/TX queue pair of a DPDK port)
+//! per lcore, driven by the same poll loop as every backend
+//! ([`crate::lcore::run`]), launched on an EAL lcore.
+//!
+//! RX: a burst of mbufs into a preallocated batch; each frame is parsed
+//! ([`frame::parse`]: Ethernet, ARP, IPv4, UDP) and its UDP payload is handed
+//! to the engine as a slice over the mbuf's data, in place: gradient bytes
+//! are never copied. ARP requests for the appliance's address are answered
+//! in place with the port's (or a configured) MAC. A datagram for another
+//! lcore's UDP port (the NIC steered it wrong, or cannot steer) is handed to
+//! its owner through that lcore's hand-off ring, as an mbuf pointer, and
+//! counted as `misrouted` here. Everything else is dropped and counted by
+//! [`NetDrop`] reason.
+//!
+//! TX: a result goes to W workers without copying the payload W times: it
+//! is copied once from slot memory into a payload mbuf (so no mbuf in
+//! flight ever points at slot memory the engine may overwrite), and each
+//! destination gets a small header mbuf (Ethernet + IPv4 + UDP + phub
+//! header, 128 bytes) chained to an indirect mbuf attached to that payload
+//! (refcounted: the payload is freed when the last copy has left, whoever
+//! holds it). Devices that cannot send chains get one copied frame per
+//! destination. Frames are queued and sent in bursts; what the queue does
+//! not take is retried on every poll and dropped (counted) if the queue
+//! stays full for [`TX_STALL`].
+//!
+//! Idle backoff (an option, for tests and small machines): after a run of
+//! empty polls the lcore pauses, then sleeps briefly between polls. Off, the
+//! lcore spins and owns its core, as on an appliance.
+
+pub mod frame;
+pub mod start;
+
+use std::io;
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use phub_ffi::{mbuf, Eal, Mbuf, Mempool, Ring, RxQueue, TxQueue};
+use phub_proto::wire::HEADER_LEN;
+
+pub use frame::PeerAddr;
+use frame::{Frame, ParseOptions, L2_L4_LEN};
+
+use super::PacketIo;
+use crate::counters::{NetDrop, ShardCounters};
+use crate::engine::Shard;
+
+/// Frames per RX burst.
+pub const RX_BURST: usize = 32;
+/// Frames sent per TX burst call (a flush also happens at the end of each
+/// `tx_burst`).
+pub const TX_BURST: usize = 32;
+/// Most frames waiting for the TX queue; beyond this, results are dropped.
+pub const TX_PENDING_MAX: usize = 4096;
+/// How long frames may wait for a full TX queue before they are dropped.
+pub const TX_STALL: Duration = Duration::from_millis(100);
+/// Slots in each lcore's hand-off ring.
+pub const HANDOFF_RING: u32 = 1024;
+/// Empty polls before the idle backoff sleeps (it pauses before that).
+const BACKOFF_SPINS: u32 = 1000;
+/// Longest sleep of the idle backoff.
+const BACKOFF_SLEEP: Duration = Duration::from_micros(200);
+/// Bytes of a header mbuf's frame: Ethernet + IPv4 + UDP + phub header.
+pub const FRAME_HEADER: usize = L2_L4_LEN + HEADER_LEN;
+const _: () = assert!(FRAME_HEADER == 128);
+
+/// Who the appliance is on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    /// Its IPv4 address.
+    pub ip: Ipv4Addr,
+    /// The MAC it answers ARP with and sends from.
+    pub mac: [u8; 6],
+    /// UDP port of lcore 0; lcore i serves base + i.
+    pub base_port: u16,
+}
+
+/// The pools results are built from, shared by all lcores.
+#[derive(Debug, Clone)]
+pub struct TxPools {
+    /// Header mbufs (at least [`FRAME_HEADER`] bytes of data room).
+    pub header: Mempool,
+    /// Indirect mbufs (no data room needed).
+    pub indirect: Mempool,
+    /// Payload mbufs (a whole frame, for devices without chains).
+    pub payload: Mempool,
+}
+
+impl TxPools {
+    /// Creates the three pools with `n` mbufs each (payload: `n / 4`), on
+    /// NUMA `socket`.
+    pub fn create(eal: Eal, n: u32, socket: Option<u32>) -> phub_ffi::Result<TxPools> {
+        let head = phub_ffi::PKTMBUF_HEADROOM;
+        Ok(TxPools {
+            header: Mempool::pktmbuf(eal, "txhdr", n, 256, 256 + head, socket)?,
+            indirect: Mempool::pktmbuf(eal, "txind", n, 256, 0, socket)?,
+            payload: Mempool::pktmbuf(eal, "txpay", (n / 4).max(512), 128, 9216 + head, socket)?,
+        })
+    }
+}
+
+/// Creates one hand-off ring per lcore.
+pub fn handoff_rings(eal: Eal, lcores: usize, socket: Option<u32>) -> phub_ffi::Result<Vec<Ring>> {
+    (0..lcores)
+        .map(|_| Ring::create(eal, "handoff", HANDOFF_RING, socket))
+        .collect()
+}
+
+/// Per-queue settings.
+#[derive(Debug, Clone, Copy)]
+pub struct QueueOptions {
+    /// Check IPv4 header checksums in software (the NIC does not).
+    pub check_ip_checksum: bool,
+    /// Drop frames the NIC flagged with a bad IPv4 or UDP checksum.
+    pub nic_checksums: bool,
+    /// Send results as header + shared payload chains (the port takes
+    /// multi-segment frames).
+    pub chains: bool,
+    /// Idle backoff (pause, then short sleeps) when polls come back empty.
+    pub idle_backoff: bool,
+}
+
+/// One lcore's RX/TX queue pair on a DPDK port.
+pub struct DpdkQueue {
+    lcore: u16,
+    rx: RxQueue,
+    tx: TxQueue,
+    me: Identity,
+    parse: ParseOptions,
+    opts: QueueOptions,
+    handoff_in: Ring,
+    handoff_out: Arc<[Ring]>,
+    pools: TxPools,
+    counters: Arc<ShardCounters>,
+    batch: Vec<Option<Mbuf>>,
+    tx_pending: Vec<Mbuf>,
+    stuck_since: Option<Instant>,
+    empty_polls: u32,
+    ol_masks: OlMasks,
+}
+
+impl std::fmt::Debug for DpdkQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DpdkQueue")
+            .field("lcore", &self.lcore)
+            .field("rx", &self.rx)
+            .field("tx", &self.tx)
+            .field("me", &self.me)
+            .field("opts", &self.opts)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct OlMasks {
+    ip_mask: u64,
+    ip_bad: u64,
+    l4_mask: u64,
+    l4_bad: u64,
+}
+
+impl DpdkQueue {
+    /// A queue for `lcore`, whose hand-off ring is `handoff[lcore]`;
+    /// `counters` are its shard's.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        lcore: u16,
+        rx: RxQueue,
+        tx: TxQueue,
+        me: Identity,
+        handoff: Arc<[Ring]>,
+        pools: TxPools,
+        counters: Arc<ShardCounters>,
+        opts: QueueOptions,
+    ) -> DpdkQueue {
+        let (ip_mask, ip_bad, l4_mask, l4_bad) = phub_ffi::port::rx_checksum_flags();
+        DpdkQueue {
+            lcore,
+            rx,
+            tx,
+            me,
+            parse: ParseOptions {
+                ip: me.ip,
+                check_ip_checksum: opts.check_ip_checksum,
+            },
+            opts,
+            handoff_in: handoff[usize::from(lcore)].clone(),
+            handoff_out: handoff,
+            pools,
+            counters,
+            batch: (0..RX_BURST).map(|_| None).collect(),
+            tx_pending: Vec::with_capacity(TX_PENDING_MAX),
+            stuck_since: None,
+            empty_polls: 0,
+            ol_masks: OlMasks {
+                ip_mask,
+                ip_bad,
+                l4_mask,
+                l4_bad,
+            },
+        }
+    }
+
+    /// Handles one received frame (from the hand-off ring when
+    /// `handed_over`).
+    fn process(&mut self, m: Mbuf, handed_over: bool, f: &mut dyn FnMut(PeerAddr, &[u8])) {
+        if m.nb_segs() != 1 {
+            self.counters.count_net_drop(NetDrop::Scattered);
+            return;
+        }
+        match frame::parse(m.data(), &self.parse) {
+            Ok(Frame::Udp {
+                from,
+                dst_port,
+                payload,
+            }) => {
+                if self.opts.nic_checksums {
+                    let fl = m.ol_flags();
+                    let o = self.ol_masks;
+                    if fl & o.ip_mask == o.ip_bad {
+                        self.counters.count_net_drop(NetDrop::BadIpChecksum);
+                        return;
+                    }
+                    if fl & o.l4_mask == o.l4_bad {
+                        self.counters.count_net_drop(NetDrop::BadUdpChecksum);
+                        return;
+                    }
+                }
+                let owner = usize::from(dst_port.wrapping_sub(self.me.base_port));
+                if owner == usize::from(self.lcore) {
+                    f(from, &m.data()[payload]);
+                } else if owner < self.handoff_out.len() && !handed_over {
+                    self.counters.misrouted.inc();
+                    if let Err(m) = self.handoff_out[owner].enqueue(m) {
+                        self.counters.count_net_drop(NetDrop::HandoffFull);
+                        drop(m);
+                    }
+                } else {
+                    self.counters.count_net_drop(NetDrop::WrongPort);
+                }
+            }
+            Ok(Frame::ArpRequest) => {
+                let mut m = m;
+                if let Some(d) = m.data_mut() {
+                    frame::arp_reply_in_place(d, self.me.mac, self.me.ip);
+                    self.counters.arp_replies.inc();
+                    self.queue_tx(m);
+                }
+            }
+            Err(r) => self.counters.count_net_drop(r),
+        }
+    }
+
+    fn queue_tx(&mut self, m: Mbuf) {
+        if self.tx_pending.len() >= TX_PENDING_MAX {
+            self.counters.count_net_drop(NetDrop::TxDropped);
+            return;
+        }
+        self.tx_pending.push(m);
+        if self.tx_pending.len() >= TX_BURST {
+            self.flush();
+        }
+    }
+
+    /// Sends what is pending; what the queue does not take waits for the
+    /// next poll, and is dropped once the queue has been full for
+    /// [`TX_STALL`].
+    fn flush(&mut self) {
+        while !self.tx_pending.is_empty() {
+            if self.tx.tx_burst(&mut self.tx_pending) == 0 {
+                break;
+            }
+        }
+        if self.tx_pending.is_empty() {
+            self.stuck_since = None;
+            return;
+        }
+        let now = Instant::now();
+        match self.stuck_since {
+            None => self.stuck_since = Some(now),
+            Some(t) if now.duration_since(t) > TX_STALL => {
+                self.counters.net_drops[NetDrop::TxDropped as usize].add(self.tx_pending.len() as u64);
+                mbuf::free_bulk(&mut self.tx_pending);
+                self.stuck_since = None;
+            }
+            Some(_) => {}
+        }
+    }
+
+    /// One result frame for `to`: the 128-byte header in a header mbuf,
+    /// then the shared payload (indirect), or a whole copied frame.
+    fn result_frame(
+        &self,
+        header: &[u8; HEADER_LEN],
+        payload: Option<&Mbuf>,
+        bytes: &[u8],
+        to: &PeerAddr,
+    ) -> Option<Mbuf> {
+        let src_port = self.me.base_port.wrapping_add(self.lcore);
+        let udp = HEADER_LEN + bytes.len();
+        let whole = payload.is_none() && !bytes.is_empty();
+        let pool = if whole {
+            &self.pools.payload
+        } else {
+            &self.pools.header
+        };
+        let mut h = pool.alloc()?;
+        {
+            let d = h.append(FRAME_HEADER)?;
+            let (l2, ph) = d.split_at_mut(L2_L4_LEN);
+            let l2: &mut [u8; L2_L4_LEN] = l2.try_into().ok()?;
+            frame::write_udp_headers(l2, self.me.mac, self.me.ip, src_port, to, udp);
+            ph.copy_from_slice(header);
+        }
+        if whole {
+            return h.extend_from_slice(bytes).then_some(h);
+        }
+        match payload {
+            None => Some(h),
+            Some(p) => {
+                let i = Mbuf::indirect(&self.pools.indirect, p)?;
+                h.chain(i).ok()
+            }
+        }
+    }
+
+    fn backoff(&mut self, wait: Option<Duration>) {
+        let Some(w) = wait else { return };
+        if !self.opts.idle_backoff {
+            return;
+        }
+        self.empty_polls = self.empty_polls.saturating_add(1);
+        if self.empty_polls < BACKOFF_SPINS {
+            std::hint::spin_loop();
+        } else {
+            std::thread::sleep(w.min(BACKOFF_SLEEP));
+        }
+    }
+}
+
+impl PacketIo for DpdkQueue {
+    type Addr = PeerAddr;
+
+    fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(PeerAddr, &[u8])) -> io::Result<usize> {
+        if !self.tx_pending.is_empty() {
+            self.flush();
+        }
+        let mut total = 0;
+        // Packets other lcores received for us first, then our queue.
+        let n = self.handoff_in.dequeue_burst(&mut self.batch);
+        for i in 0..n {
+            if let Some(m) = self.batch[i].take() {
+                self.process(m, true, f);
+            }
+        }
+        total += n;
+        let n = self.rx.rx_burst(&mut self.batch);
+        for i in 0..n {
+            if let Some(m) = self.batch[i].take() {
+                self.process(m, false, f);
+            }
+        }
+        total += n;
+        if total == 0 {
+            self.backoff(wait);
+        } else {
+            self.empty_polls = 0;
+        }
+        if !self.tx_pending.is_empty() {
+            self.flush();
+        }
+        Ok(total)
+    }
+
+    fn tx_burst(&mut self, shard: &Shard<PeerAddr>, counters: &ShardCounters) -> io::Result<()> {
+        for t in shard.transmits() {
+            let bytes = (HEADER_LEN + t.payload.len()) as u64;
+            // Copy the result out of slot memory once; every destination
+            // shares it through an indirect mbuf.
+            let shared = if self.opts.chains && !t.payload.is_empty() {
+                let copied = self
+                    .pools
+                    .payload
+                    .alloc()
+                    .and_then(|mut p| p.extend_from_slice(t.payload).then_some(p));
+                match copied {
+                    Some(p) => Some(p),
+                    None => {
+                        for _ in t.to {
+                            self.counters.count_net_drop(NetDrop::TxDropped);
+                        }
+                        continue;
+                    }
+                }
+            } else {
+                None
+            };
+            for to in t.to {
+                match self.result_frame(&t.header, shared.as_ref(), t.payload, &to) {
+                    Some(m) => {
+                        counters.tx_packets.inc();
+                        counters.tx_bytes.add(bytes);
+                        self.queue_tx(m);
+                    }
+                    None => self.counters.count_net_drop(NetDrop::TxDropped),
+                }
+            }
+        }
+        self.flush();
+        Ok(())
+    }
+}
+
+impl Drop for DpdkQueue {
+    fn drop(&mut self) {
+        // Give what is still pending one last chance, then free it (Vec drop).
+        self.flush();
+    }
+}

@@ -1,0 +1,365 @@
+//! Ethernet/ARP/IPv4/UDP framing for the DPDK backend: pure functions over
+//! byte slices (the same code runs over a test's array and an mbuf's data).
+//!
+//! Received frames are classified by [`parse`] into a UDP datagram for the
+//! appliance, an ARP request to answer, or a [`NetDrop`] reason, without
+//! panicking or allocating. Sent frames get their headers from
+//! [`write_udp_headers`]; the IPv4 checksum is computed here (20 bytes),
+//! the UDP checksum is left 0 (allowed for IPv4).
+
+use std::net::Ipv4Addr;
+use std::ops::Range;
+
+use crate::counters::NetDrop;
+
+/// Ethernet header length (no VLAN tag).
+pub const ETH_LEN: usize = 14;
+/// IPv4 header length without options.
+pub const IPV4_LEN: usize = 20;
+/// UDP header length.
+pub const UDP_LEN: usize = 8;
+/// Ethernet + IPv4 + UDP: where the UDP payload starts in frames we send.
+pub const L2_L4_LEN: usize = ETH_LEN + IPV4_LEN + UDP_LEN;
+
+const ETHERTYPE_IPV4: u16 = 0x0800;
+const ETHERTYPE_ARP: u16 = 0x0806;
+const IPPROTO_UDP: u8 = 17;
+
+/// A peer as the DPDK backend knows it: where its frames came from, and so
+/// where its results go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerAddr {
+    /// Its Ethernet address.
+    pub mac: [u8; 6],
+    /// Its IPv4 address.
+    pub ip: Ipv4Addr,
+    /// Its UDP port.
+    pub port: u16,
+}
+
+/// What a received frame is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Frame {
+    /// A UDP datagram for the appliance's address.
+    Udp {
+        /// The sender.
+        from: PeerAddr,
+        /// Destination UDP port.
+        dst_port: u16,
+        /// The UDP payload's bytes within the frame.
+        payload: Range<usize>,
+    },
+    /// An ARP request for the appliance's address.
+    ArpRequest,
+}
+
+fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+
+/// The Internet checksum of `data` (even length assumed by callers here:
+/// IPv4 headers).
+pub fn ip_checksum(data: &[u8]) -> u16 {
+    let mut sum: u32 = 0;
+    for c in data.chunks(2) {
+        let w = if c.len() == 2 {
+            u16::from_be_bytes([c[0], c[1]])
+        } else {
+            u16::from_be_bytes([c[0], 0])
+        };
+        sum += u32::from(w);
+    }
+    while sum >> 16 != 0 {
+        sum = (sum & 0xffff) + (sum >> 16);
+    }
+    !(sum as u16)
+}
+
+/// Options for [`parse`].
+#[derive(Debug, Clone, Copy)]
+pub struct ParseOptions {
+    /// The appliance's IPv4 address.
+    pub ip: Ipv4Addr,
+    /// Verify the IPv4 header checksum in software (false when the NIC
+    /// checked it).
+    pub check_ip_checksum: bool,
+}
+
+/// Classifies a received frame.
+pub fn parse(f: &[u8], opts: &ParseOptions) -> Result<Frame, NetDrop> {
+    if f.len() < ETH_LEN {
+        return Err(NetDrop::NotIpv4);
+    }
+    match be16(f, 12) {
+        ETHERTYPE_IPV4 => {}
+        ETHERTYPE_ARP => return parse_arp(f, opts.ip),
+        _ => return Err(NetDrop::NotIpv4),
+    }
+    let ip = &f[ETH_LEN..];
+    if ip.len() < IPV4_LEN || ip[0] >> 4 != 4 {
+        return Err(NetDrop::BadIpHeader);
+    }
+    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let total = usize::from(be16(ip, 2));
+    if ihl < IPV4_LEN || total < ihl || total > ip.len() {
+        return Err(NetDrop::BadIpHeader);
+    }
+    if opts.check_ip_checksum && ip_checksum(&ip[..ihl]) != 0 {
+        return Err(NetDrop::BadIpChecksum);
+    }
+    // More-fragments flag or a fragment offset.
+    if be16(ip, 6) & 0x3fff != 0 {
+        return Err(NetDrop::IpFragment);
+    }
+    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
+    if dst != opts.ip {
+        return Err(NetDrop::NotOurAddress);
+    }
+    if ip[9] != IPPROTO_UDP {
+        return Err(NetDrop::NotUdp);
+    }
+    let udp = &ip[ihl..total];
+    if udp.len() < UDP_LEN {
+        return Err(NetDrop::BadUdpLength);
+    }
+    let ulen = usize::from(be16(udp, 4));
+    if ulen < UDP_LEN || ulen > udp.len() {
+        return Err(NetDrop::BadUdpLength);
+    }
+    let start = ETH_LEN + ihl + UDP_LEN;
+    Ok(Frame::Udp {
+        from: PeerAddr {
+            mac: [f[6], f[7], f[8], f[9], f[10], f[11]],
+            ip: Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
+            port: be16(udp, 0),
+        },
+        dst_port: be16(udp, 2),
+        payload: start..start + ulen - UDP_LEN,
+    })
+}
+
+/// ARP over Ethernet for IPv4: header at 14, 28 bytes.
+const ARP_LEN: usize = 28;
+
+fn parse_arp(f: &[u8], ip: Ipv4Addr) -> Result<Frame, NetDrop> {
+    let a = &f[ETH_LEN..];
+    if a.len() < ARP_LEN
+        || be16(a, 0) != 1
+        || be16(a, 2) != ETHERTYPE_IPV4
+        || a[4] != 6
+        || a[5] != 4
+        || be16(a, 6) != 1
+        || a[24..28] != ip.octets()
+    {
+        return Err(NetDrop::ArpNotForUs);
+    }
+    Ok(Frame::ArpRequest)
+}
+
+/// Turns an ARP request for `ip` (checked by [`parse`]) into the reply
+/// from `mac`, in place.
+pub fn arp_reply_in_place(f: &mut [u8], mac: [u8; 6], ip: Ipv4Addr) {
+    if f.len() < ETH_LEN + ARP_LEN {
+        return;
+    }
+    let requester_mac: [u8; 6] = f[6..12].try_into().unwrap_or([0; 6]);
+    f[0..6].copy_from_slice(&requester_mac);
+    f[6..12].copy_from_slice(&mac);
+    let a = &mut f[ETH_LEN..ETH_LEN + ARP_LEN];
+    a[6..8].copy_from_slice(&2u16.to_be_bytes());
+    let sha: [u8; 6] = a[8..14].try_into().unwrap_or([0; 6]);
+    let spa: [u8; 4] = a[14..18].try_into().unwrap_or([0; 4]);
+    a[18..24].copy_from_slice(&sha);
+    a[24..28].copy_from_slice(&spa);
+    a[8..14].copy_from_slice(&mac);
+    a[14..18].copy_from_slice(&ip.octets());
+}
+
+/// Writes Ethernet, IPv4 and UDP headers for a datagram of `udp_payload`
+/// bytes into `out[..L2_L4_LEN]`.
+pub fn write_udp_headers(
+    out: &mut [u8; L2_L4_LEN],
+    src_mac: [u8; 6],
+    src_ip: Ipv4Addr,
+    src_port: u16,
+    to: &PeerAddr,
+    udp_payload: usize,
+) {
+    out[0..6].copy_from_slice(&to.mac);
+    out[6..12].copy_from_slice(&src_mac);
+    out[12..14].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
+    let total = (IPV4_LEN + UDP_LEN + udp_payload) as u16;
+    let ip = &mut out[ETH_LEN..ETH_LEN + IPV4_LEN];
+    ip[0] = 0x45;
+    ip[1] = 0;
+    ip[2..4].copy_from_slice(&total.to_be_bytes());
+    ip[4..6].copy_from_slice(&0u16.to_be_bytes());
+    // Don't fragment.
+    ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes());
+    ip[8] = 64;
+    ip[9] = IPPROTO_UDP;
+    ip[10..12].copy_from_slice(&[0, 0]);
+    ip[12..16].copy_from_slice(&src_ip.octets());
+    ip[16..20].copy_from_slice(&to.ip.octets());
+    let c = ip_checksum(ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let udp = &mut out[ETH_LEN + IPV4_LEN..];
+    udp[0..2].copy_from_slice(&src_port.to_be_bytes());
+    udp[2..4].copy_from_slice(&to.port.to_be_bytes());
+    udp[4..6].copy_from_slice(&((UDP_LEN + udp_payload) as u16).to_be_bytes());
+    udp[6..8].copy_from_slice(&[0, 0]);
+}
+
+/// A whole UDP frame (headers + payload), for tests and generators.
+pub fn udp_frame(from: &PeerAddr, to_mac: [u8; 6], to_ip: Ipv4Addr, to_port: u16, payload: &[u8]) -> Vec<u8> {
+    let mut h = [0u8; L2_L4_LEN];
+    let back = PeerAddr {
+        mac: to_mac,
+        ip: to_ip,
+        port: to_port,
+    };
+    write_udp_headers(&mut h, from.mac, from.ip, from.port, &back, payload.len());
+    let mut v = h.to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+/// An ARP request from `from` asking who has `target`.
+pub fn arp_request(from: &PeerAddr, target: Ipv4Addr) -> Vec<u8> {
+    let mut f = vec![0u8; ETH_LEN + ARP_LEN];
+    f[0..6].copy_from_slice(&[0xff; 6]);
+    f[6..12].copy_from_slice(&from.mac);
+    f[12..14].copy_from_slice(&ETHERTYPE_ARP.to_be_bytes());
+    let a = &mut f[ETH_LEN..];
+    a[0..2].copy_from_slice(&1u16.to_be_bytes());
+    a[2..4].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
+    a[4] = 6;
+    a[5] = 4;
+    a[6..8].copy_from_slice(&1u16.to_be_bytes());
+    a[8..14].copy_from_slice(&from.mac);
+    a[14..18].copy_from_slice(&from.ip.octets());
+    a[24..28].copy_from_slice(&target.octets());
+    f
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Ipv4Addr = Ipv4Addr::new(10, 9, 0, 1);
+    const MAC: [u8; 6] = [2, 0, 0, 0, 0, 1];
+
+    fn peer() -> PeerAddr {
+        PeerAddr {
+            mac: [2, 0, 0, 0, 0, 9],
+            ip: Ipv4Addr::new(10, 9, 0, 2),
+            port: 40000,
+        }
+    }
+
+    fn opts() -> ParseOptions {
+        ParseOptions {
+            ip: US,
+            check_ip_checksum: true,
+        }
+    }
+
+    #[test]
+    fn a_frame_we_write_parses_back_with_the_payload_at_128() {
+        let payload = [7u8; 86 + 64];
+        let f = udp_frame(&peer(), MAC, US, 7900, &payload);
+        match parse(&f, &opts()).unwrap() {
+            Frame::Udp {
+                from,
+                dst_port,
+                payload: r,
+            } => {
+                assert_eq!(from, peer());
+                assert_eq!(dst_port, 7900);
+                assert_eq!(r, 42..42 + payload.len());
+                assert_eq!(r.start + 86, 128);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Ethernet padding after the datagram is ignored.
+        let mut padded = udp_frame(&peer(), MAC, US, 7900, &[1, 2]);
+        padded.resize(60, 0);
+        assert!(matches!(parse(&padded, &opts()), Ok(Frame::Udp { payload, .. }) if payload == (42..44)));
+    }
+
+    #[test]
+    fn malformed_frames_are_classified() {
+        let good = udp_frame(&peer(), MAC, US, 7900, &[0u8; 100]);
+        let p = |f: &[u8]| parse(f, &opts());
+        assert_eq!(p(&good[..10]), Err(NetDrop::NotIpv4));
+        let mut v = good.clone();
+        v[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+        assert_eq!(p(&v), Err(NetDrop::NotIpv4));
+        let mut v = good.clone();
+        v[14] = 0x65;
+        assert_eq!(p(&v), Err(NetDrop::BadIpHeader));
+        assert_eq!(p(&good[..30]), Err(NetDrop::BadIpHeader));
+        let mut v = good.clone();
+        v[24] ^= 0xff;
+        assert_eq!(p(&v), Err(NetDrop::BadIpChecksum));
+        let mut v = good.clone();
+        v[20] |= 0x20; // more fragments
+        let c = ip_checksum(&{
+            let mut h = v[14..34].to_vec();
+            h[10] = 0;
+            h[11] = 0;
+            h
+        });
+        v[24..26].copy_from_slice(&c.to_be_bytes());
+        assert_eq!(p(&v), Err(NetDrop::IpFragment));
+        let other = parse(
+            &good,
+            &ParseOptions {
+                ip: Ipv4Addr::new(10, 9, 0, 3),
+                ..opts()
+            },
+        );
+        assert_eq!(other, Err(NetDrop::NotOurAddress));
+        let mut v = good.clone();
+        v[23] = 6;
+        let mut h = v[14..34].to_vec();
+        h[10] = 0;
+        h[11] = 0;
+        v[24..26].copy_from_slice(&ip_checksum(&h).to_be_bytes());
+        assert_eq!(p(&v), Err(NetDrop::NotUdp));
+        let mut v = good.clone();
+        v[38..40].copy_from_slice(&500u16.to_be_bytes());
+        assert_eq!(p(&v), Err(NetDrop::BadUdpLength));
+        let mut v = good;
+        v[38..40].copy_from_slice(&3u16.to_be_bytes());
+        assert_eq!(p(&v), Err(NetDrop::BadUdpLength));
+    }
+
+    #[test]
+    fn arp_requests_for_us_are_answered_in_place() {
+        let mut f = arp_request(&peer(), US);
+        assert_eq!(parse(&f, &opts()), Ok(Frame::ArpRequest));
+        arp_reply_in_place(&mut f, MAC, US);
+        assert_eq!(&f[0..6], &peer().mac);
+        assert_eq!(&f[6..12], &MAC);
+        assert_eq!(be16(&f, 20), 2);
+        assert_eq!(&f[22..28], &MAC);
+        assert_eq!(&f[28..32], &US.octets());
+        assert_eq!(&f[32..38], &peer().mac);
+        assert_eq!(&f[38..42], &peer().ip.octets());
+        let other = arp_request(&peer(), Ipv4Addr::new(10, 9, 0, 7));
+        assert_eq!(parse(&other, &opts()), Err(NetDrop::ArpNotForUs));
+        assert_eq!(
+            parse(&f, &opts()),
+            Err(NetDrop::ArpNotForUs),
+            "a reply is not a request"
+        );
+    }
+
+    #[test]
+    fn checksum_of_a_written_header_verifies() {
+        let f = udp_frame(&peer(), MAC, US, 7900, &[0u8; 8000]);
+        assert_eq!(ip_checksum(&f[14..34]), 0);
+        assert_eq!(be16(&f, 16), 20 + 8 + 8000);
+    }
+}

@@ -1,0 +1,400 @@
+//! Starting the DPDK dataplane: EAL (arguments passed through, lcores
+//! mapped so the management thread stays off the data cores), the port and
+//! its pools on the port's NUMA socket, rte_flow steering where the device
+//! has it, hand-off rings, and one [`DpdkQueue`] per lcore running
+//! [`crate::lcore::run`] on an EAL worker lcore. [`Runtime::stop`] waits
+//! for the lcores; the port stops and closes when its last handle goes.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::Arc;
+
+use anyhow::{bail, Context, Result};
+use crossbeam_channel::bounded;
+use phub_ffi::lcore::{self as eal_lcore, Launched};
+use phub_ffi::{Eal, Mempool, Port, PortBuilder, Ring};
+use phub_proto::api::{LcoreInfo, PortStats};
+
+use super::{handoff_rings, DpdkQueue, Identity, QueueOptions, TxPools, HANDOFF_RING, RX_BURST};
+use crate::app::{Config, DpdkOptions};
+use crate::engine::Shard;
+use crate::kernels::Kernels;
+use crate::lcore::{self, Clock, LoopOptions};
+use crate::mgmt::LcoreHandle;
+
+/// What a started DPDK dataplane hands to the appliance.
+pub struct Started {
+    /// The lcores, for the management side.
+    pub lcores: Vec<LcoreHandle>,
+    /// What `/v1/info` says about them.
+    pub infos: Vec<LcoreInfo>,
+    /// UDP port of lcore 0.
+    pub base_port: u16,
+    /// NUMA socket of the port.
+    pub socket: Option<u32>,
+    /// What stops it.
+    pub runtime: Runtime,
+}
+
+impl std::fmt::Debug for Started {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Started")
+            .field("infos", &self.infos)
+            .field("base_port", &self.base_port)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The running lcores and the port.
+#[derive(Debug)]
+pub struct Runtime {
+    // Field order is drop order: lcores are waited for in stop(); the port
+    // closes after them.
+    launched: Vec<Launched>,
+    port: Port,
+}
+
+impl Runtime {
+    /// The port.
+    pub fn port(&self) -> &Port {
+        &self.port
+    }
+
+    /// Waits for every lcore (the caller has set the stop flag), then lets
+    /// the port go (it stops and closes once no other handle holds it).
+    pub fn stop(self) {
+        for l in self.launched {
+            let lc = l.lcore();
+            let rc = l.wait();
+            if rc != 0 {
+                log::error!("lcore {lc} ended with status {rc}");
+            }
+        }
+        drop(self.port);
+    }
+}
+
+/// A reader of the port's own counters, for the management API.
+pub fn port_stats_reader(port: &Port) -> impl Fn() -> Option<PortStats> + Send + Sync + 'static {
+    let port = port.clone();
+    move || {
+        port.stats().ok().map(|s| PortStats {
+            ipackets: s.ipackets,
+            opackets: s.opackets,
+            ibytes: s.ibytes,
+            obytes: s.obytes,
+            imissed: s.imissed,
+            ierrors: s.ierrors,
+            oerrors: s.oerrors,
+            rx_nombuf: s.rx_nombuf,
+        })
+    }
+}
+
+/// EAL options that give the lcore map.
+const LCORE_OPTS: &[&str] = &["-l", "-c", "--lcores"];
+
+/// The EAL arguments the operator gave (`--eal`, then each `--eal-arg`).
+fn user_args(d: &DpdkOptions) -> Vec<String> {
+    let mut args: Vec<String> = d
+        .eal
+        .as_deref()
+        .unwrap_or("")
+        .split_whitespace()
+        .map(str::to_string)
+        .collect();
+    args.extend(d.eal_arg.iter().cloned());
+    args
+}
+
+fn has_any(args: &[String], names: &[&str]) -> bool {
+    args.iter()
+        .any(|a| names.iter().any(|n| a == n || a.starts_with(&format!("{n}="))))
+}
+
+/// The EAL arguments: the operator's, plus an lcore map when they give
+/// none (main lcore 0 on the CPUs the data lcores do not use, data lcore
+/// i on CPU i-1; all floating over every CPU when there are too few CPUs or
+/// with `no_pin`) and `--in-memory` when hugepages are in use without it
+/// (so no hugepage file outlives the process).
+pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[usize]) -> Vec<String> {
+    let mut args = user_args(d);
+    if !has_any(&args, LCORE_OPTS) {
+        let n = lcores.unwrap_or(cpus.len().saturating_sub(1).max(1));
+        let all = if cpus.is_empty() {
+            "0".to_string()
+        } else {
+            cpus.iter().map(usize::to_string).collect::<Vec<_>>().join(",")
+        };
+        let map = if no_pin || cpus.len() <= n {
+            format!("(0-{n})@({all})")
+        } else {
+            let rest: Vec<String> = cpus[n..].iter().map(usize::to_string).collect();
+            let mut m = format!("0@({})", rest.join(","));
+            for (i, c) in cpus[..n].iter().enumerate() {
+                m += &format!(",{}@{c}", i + 1);
+            }
+            m
+        };
+        args.push("--lcores".into());
+        args.push(map);
+    }
+    if !has_any(&args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
+        args.push("--in-memory".into());
+    }
+    args
+}
+
+fn parse_mac(s: &str) -> Result<[u8; 6]> {
+    let parts: Vec<&str> = s.split([':', '-']).collect();
+    let bad = || anyhow::anyhow!("--mac {s:?}: expected six hex bytes like 02:00:00:00:00:01");
+    if parts.len() != 6 {
+        return Err(bad());
+    }
+    let mut mac = [0u8; 6];
+    for (m, p) in mac.iter_mut().zip(parts) {
+        *m = u8::from_str_radix(p, 16).map_err(|_| bad())?;
+    }
+    Ok(mac)
+}
+
+fn resolve_port(eal: Eal, port: &str) -> Result<u16> {
+    let p = if port.is_empty() { "0" } else { port };
+    if let Ok(id) = p.parse::<u16>() {
+        return Ok(id);
+    }
+    eal.port_by_name(p).with_context(|| {
+        format!(
+            "--port {p:?}: no port by that name; the EAL found {} port(s) (ids 0..)",
+            eal.port_count()
+        )
+    })
+}
+
+/// Starts the DPDK dataplane described by `cfg`.
+pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool>) -> Result<Started> {
+    let d = &cfg.dpdk;
+    let cpus: Vec<usize> = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    let args = eal_args(d, cfg.lcores, cfg.no_pin, &cpus);
+    let eal = phub_ffi::eal::init(&args).context("starting the DPDK EAL")?;
+    let workers = eal.worker_lcores();
+    let n = cfg.lcores.unwrap_or(workers.len());
+    if n == 0 || n > 256 {
+        bail!("--lcores {n}: expected 1 to 256 (the EAL has worker lcores {workers:?})");
+    }
+    if workers.len() < n {
+        bail!(
+            "--lcores {n}: the EAL has only {} worker lcore(s) {workers:?}; give EAL --lcores/-l with {} lcores (the main one runs management)",
+            workers.len(),
+            n + 1
+        );
+    }
+    let workers = &workers[..n];
+    let port_id = resolve_port(eal, &d.port)?;
+    let info = phub_ffi::port::info(eal, port_id).context("the DPDK port")?;
+    let socket = info.socket;
+    for &l in workers {
+        let s = eal.lcore_socket(l);
+        if let Some(ps) = socket {
+            if s != ps {
+                log::warn!(
+                    "lcore {l} is on NUMA socket {s}, port {port_id} ({}) on socket {ps}: every packet crosses sockets",
+                    info.name
+                );
+            }
+        }
+    }
+    let n16 = n as u16;
+    let base = if cfg.base_port == 0 { 7900 } else { cfg.base_port };
+    let mbufs = if d.mbufs > 0 {
+        d.mbufs
+    } else {
+        (n as u32) * (u32::from(d.rx_desc) + RX_BURST as u32 + HANDOFF_RING) + 1024
+    };
+    let rx_pool = Mempool::pktmbuf(eal, "rx", mbufs, 256, d.mbuf_size, socket).with_context(|| {
+        format!(
+            "the RX pool ({mbufs} mbufs of {} bytes; --mbufs, --mbuf-size)",
+            d.mbuf_size
+        )
+    })?;
+    let tx_n = d.tx_mbufs.max(1024);
+    let pools = TxPools::create(eal, tx_n, socket).context("the TX pools (--tx-mbufs)")?;
+    let mac_override = d.mac.as_deref().map(parse_mac).transpose()?;
+    let (port, rxq, txq) = PortBuilder::new(eal, port_id)
+        .queues(n16)
+        .descriptors(d.rx_desc, d.tx_desc)
+        .mtu(d.mtu)
+        .rx_pool(rx_pool)
+        .keep_pool(pools.header.clone())
+        .keep_pool(pools.indirect.clone())
+        .keep_pool(pools.payload.clone())
+        .promiscuous(mac_override.is_some())
+        .build()
+        .with_context(|| format!("setting up port {port_id} ({})", info.name))?;
+    // Steering: one rte_flow rule per lcore where the device has rte_flow;
+    // otherwise packets on the wrong queue are handed over.
+    if n > 1 {
+        for i in 0..n16 {
+            if let Err(e) = port.steer_udp_dst(base.wrapping_add(i), i) {
+                log::info!(
+                    "port {port_id} ({}): no rte_flow steering ({e}); datagrams on the wrong queue are handed to their lcore and counted as misrouted",
+                    info.driver
+                );
+                break;
+            }
+        }
+    }
+    let handoff: Arc<[Ring]> = handoff_rings(eal, n, socket)?.into();
+    let offl = port.offloads();
+    let qopts = QueueOptions {
+        check_ip_checksum: !offl.rx_ipv4_cksum,
+        nic_checksums: offl.rx_ipv4_cksum || offl.rx_udp_cksum,
+        // The ring PMD passes mbufs through as they are, chains included.
+        chains: offl.tx_multi_segs || info.driver == "net_ring",
+        idle_backoff: d.idle_backoff,
+    };
+    if !qopts.chains {
+        log::warn!(
+            "port {port_id} ({}) cannot send multi-segment frames: each result is copied once per destination",
+            info.driver
+        );
+    }
+    let me = Identity {
+        ip: cfg.host,
+        mac: mac_override.unwrap_or(info.mac),
+        base_port: base,
+    };
+    let opts = LoopOptions {
+        busy_poll: !d.idle_backoff,
+        ..LoopOptions::default()
+    };
+    // Whether phub made the lcore map and pinned data lcore i to cpus[i-1].
+    let pinned =
+        !has_any(&user_args(d), LCORE_OPTS) && !cfg.no_pin && cpus.len() > n && !phub_ffi_reused(&args);
+    let mut lcores = Vec::with_capacity(n);
+    let mut infos = Vec::with_capacity(n);
+    let mut launched = Vec::with_capacity(n);
+    for (i, (rx, tx)) in rxq.into_iter().zip(txq).enumerate() {
+        let shard = Shard::new(i as u16, kernels);
+        let counters = Arc::clone(shard.counters());
+        let q = DpdkQueue::new(
+            i as u16,
+            rx,
+            tx,
+            me,
+            Arc::clone(&handoff),
+            pools.clone(),
+            Arc::clone(&counters),
+            qopts,
+        );
+        let (ctx, crx) = bounded(64);
+        let stop2 = Arc::clone(stop);
+        let l = workers[i];
+        let job = move || match lcore::run(q, shard, crx, stop2, clock, opts) {
+            Ok(()) => 0,
+            Err(e) => {
+                log::error!("lcore {i}: {e}");
+                -1
+            }
+        };
+        match eal_lcore::launch(eal, l, job) {
+            Ok(h) => launched.push(h),
+            Err(e) => {
+                stop.store(true, std::sync::atomic::Ordering::Relaxed);
+                for h in launched {
+                    let _ = h.wait();
+                }
+                return Err(e).context(format!("launching lcore {i} on EAL lcore {l}"));
+            }
+        }
+        lcores.push(LcoreHandle {
+            commands: ctx,
+            counters,
+            thread: None,
+        });
+        infos.push(LcoreInfo {
+            lcore: i as u16,
+            cpu: if pinned {
+                cpus.get((l as usize).wrapping_sub(1)).copied()
+            } else {
+                None
+            },
+            numa_node: Some(eal.lcore_socket(l)),
+        });
+    }
+    log::info!(
+        "phub-dataplane: DPDK port {port_id} ({}, {}), {n} lcore(s) on EAL lcores {workers:?}, {}:{}..{}, MAC {}",
+        info.name,
+        info.driver,
+        cfg.host,
+        base,
+        base as usize + n - 1,
+        me.mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
+    );
+    Ok(Started {
+        lcores,
+        infos,
+        base_port: base,
+        socket,
+        runtime: Runtime { launched, port },
+    })
+}
+
+/// Whether the EAL in force was started by someone else with other
+/// arguments (an in-process test): its lcore map is not ours then.
+fn phub_ffi_reused(args: &[String]) -> bool {
+    phub_ffi::eal::args().is_some_and(|a| a != args)
+}
+
+/// Releases the EAL at the end of the process (no hugepage file or runtime
+/// directory stays behind). Call after the appliance has shut down.
+pub fn cleanup_eal() {
+    if phub_ffi::eal::get().is_none() {
+        return;
+    }
+    // SAFETY: called by the binary after Appliance::shutdown: the lcores
+    // have returned and every port, queue, pool, ring and mbuf has been
+    // dropped; nothing uses DPDK afterwards.
+    if let Err(e) = unsafe { phub_ffi::eal::cleanup() } {
+        log::warn!("DPDK EAL cleanup: {e}");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts(eal: &str) -> DpdkOptions {
+        DpdkOptions {
+            eal: Some(eal.into()),
+            ..DpdkOptions::default()
+        }
+    }
+
+    #[test]
+    fn the_lcore_map_keeps_management_off_the_data_cores() {
+        let a = eal_args(&opts("--no-pci"), Some(2), false, &[0, 1, 2, 3]);
+        assert_eq!(a, ["--no-pci", "--lcores", "0@(2,3),1@0,2@1", "--in-memory"]);
+        // Too few CPUs, or no pinning: every lcore floats.
+        let a = eal_args(&opts("--no-huge -m 512"), Some(2), false, &[0, 1]);
+        assert_eq!(a, ["--no-huge", "-m", "512", "--lcores", "(0-2)@(0,1)"]);
+        let a = eal_args(&opts(""), Some(1), true, &[0, 1, 2]);
+        assert_eq!(a, ["--lcores", "(0-1)@(0,1,2)", "--in-memory"]);
+        // The operator's map and memory options stay as given.
+        let mut o = opts("-l 0-2 --in-memory");
+        o.eal_arg = vec!["--vdev=net_af_packet0,iface=a b".into()];
+        let a = eal_args(&o, Some(2), false, &[0, 1, 2, 3]);
+        assert_eq!(a, ["-l", "0-2", "--in-memory", "--vdev=net_af_packet0,iface=a b"]);
+    }
+
+    #[test]
+    fn macs_parse_or_say_what_is_expected() {
+        assert_eq!(parse_mac("02:00:0a:ff:00:01").unwrap(), [2, 0, 10, 255, 0, 1]);
+        assert_eq!(parse_mac("02-00-0a-ff-00-01").unwrap(), [2, 0, 10, 255, 0, 1]);
+        let e = parse_mac("02:00").unwrap_err().to_string();
+        assert!(e.contains("six hex bytes"), "{e}");
+    }
+}

@@ -1,0 +1,253 @@
+//! Packet buffers.
+//!
+//! [`Mbuf`] owns one reference to an `rte_mbuf` (and the segments chained
+//! behind it); dropping it frees that reference. It is
+//! `#[repr(transparent)]` over `NonNull<rte_mbuf>`, so `Option<Mbuf>` has
+//! the layout of a nullable `*mut rte_mbuf` and a `&mut [Option<Mbuf>]` is
+//! what `rte_eth_rx_burst` fills.
+//!
+//! Data may be shared: an indirect mbuf ([`Mbuf::indirect`]) points at
+//! another mbuf's data and holds a reference on it. Shared data is never
+//! handed out mutably ([`Mbuf::data_mut`] checks).
+
+use std::ptr::NonNull;
+
+use crate::mempool::Mempool;
+use crate::sys;
+
+/// `addr_of!((*m).field)` for a raw mbuf pointer.
+macro_rules! unsafe_field {
+    ($m:expr, $f:ident) => {
+        // SAFETY: callers pass a valid mbuf pointer (see Mbuf::field).
+        unsafe { std::ptr::addr_of!((*$m).$f) }
+    };
+}
+
+/// One owned reference to a packet buffer (a chain of segments).
+#[repr(transparent)]
+pub struct Mbuf(NonNull<sys::rte_mbuf>);
+
+// SAFETY: an mbuf reference may move between threads (that is what rings
+// and TX queues do); DPDK's refcounts are atomic.
+unsafe impl Send for Mbuf {}
+
+const _: () = assert!(std::mem::size_of::<Option<Mbuf>>() == std::mem::size_of::<*mut sys::rte_mbuf>());
+
+impl std::fmt::Debug for Mbuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Mbuf")
+            .field("pkt_len", &self.pkt_len())
+            .field("segs", &self.segments())
+            .finish()
+    }
+}
+
+impl Drop for Mbuf {
+    fn drop(&mut self) {
+        // SAFETY: self owns one reference to a valid mbuf chain.
+        unsafe { sys::phub_pktmbuf_free(self.0.as_ptr()) }
+    }
+}
+
+impl Mbuf {
+    /// Takes ownership of a raw mbuf reference.
+    ///
+    /// # Safety
+    ///
+    /// `p` is a valid mbuf whose reference the caller owns and gives up.
+    pub(crate) unsafe fn from_raw(p: NonNull<sys::rte_mbuf>) -> Mbuf {
+        Mbuf(p)
+    }
+
+    /// Gives up ownership, returning the raw pointer.
+    pub(crate) fn into_raw(self) -> NonNull<sys::rte_mbuf> {
+        let p = self.0;
+        std::mem::forget(self);
+        p
+    }
+
+    pub(crate) fn as_ptr(&self) -> *mut sys::rte_mbuf {
+        self.0.as_ptr()
+    }
+
+    /// Reads a header field. Goes through the raw pointer (no reference to
+    /// the whole header is made), since DPDK updates the refcount field of
+    /// a shared mbuf atomically from other threads.
+    fn field<T: Copy>(&self, f: impl FnOnce(*const sys::rte_mbuf) -> *const T) -> T {
+        // SAFETY: self owns a reference, so the header is valid; the fields
+        // read this way (lengths, offsets, links, flags) are only written by
+        // the owner of the chain, which is us.
+        unsafe { f(self.0.as_ptr()).read() }
+    }
+
+    /// Allocates an indirect mbuf from `pool` that shares `direct`'s data
+    /// (first segment) and holds a reference on it, so the data lives until
+    /// every sharer is freed. `None` when `pool` is empty.
+    pub fn indirect(pool: &Mempool, direct: &Mbuf) -> Option<Mbuf> {
+        let mi = pool.alloc()?;
+        // SAFETY: mi is freshly allocated (direct, refcnt 1, no data);
+        // direct is a valid mbuf; attach takes a reference on direct's
+        // buffer (on its direct owner if direct is itself indirect).
+        unsafe { sys::phub_pktmbuf_attach(mi.as_ptr(), direct.as_ptr()) };
+        Some(mi)
+    }
+
+    /// Appends `tail`'s chain to this one. Fails (giving both back) when
+    /// the chain would exceed DPDK's segment limit.
+    pub fn chain(self, tail: Mbuf) -> Result<Mbuf, (Mbuf, Mbuf)> {
+        // SAFETY: both are valid chains we own; on success head takes
+        // ownership of tail's chain.
+        let rc = unsafe { sys::phub_pktmbuf_chain(self.as_ptr(), tail.as_ptr()) };
+        if rc == 0 {
+            std::mem::forget(tail);
+            Ok(self)
+        } else {
+            Err((self, tail))
+        }
+    }
+
+    /// Total length of the chain's data.
+    pub fn pkt_len(&self) -> u32 {
+        self.field(|m| unsafe_field!(m, pkt_len))
+    }
+
+    /// Number of segments.
+    pub fn nb_segs(&self) -> u16 {
+        self.field(|m| unsafe_field!(m, nb_segs))
+    }
+
+    /// The port that received it.
+    pub fn port(&self) -> u16 {
+        self.field(|m| unsafe_field!(m, port))
+    }
+
+    /// Offload flags (RX checksum status and the like).
+    pub fn ol_flags(&self) -> u64 {
+        self.field(|m| unsafe_field!(m, ol_flags))
+    }
+
+    /// References to this mbuf's buffer (1 unless shared).
+    pub fn refcnt(&self) -> u16 {
+        // SAFETY: valid mbuf.
+        unsafe { sys::phub_mbuf_refcnt_read(self.as_ptr()) }
+    }
+
+    /// Whether this mbuf owns its buffer (not indirect or external).
+    pub fn is_direct(&self) -> bool {
+        // SAFETY: valid mbuf.
+        unsafe { sys::phub_mbuf_is_direct(self.as_ptr()) != 0 }
+    }
+
+    /// The first segment's data.
+    pub fn data(&self) -> &[u8] {
+        // SAFETY: self's first segment is valid while self lives.
+        unsafe { seg_data(self.as_ptr()) }
+    }
+
+    /// The first segment's data, writable: `None` when the buffer is shared
+    /// (refcount above 1, or indirect), since others read it.
+    pub fn data_mut(&mut self) -> Option<&mut [u8]> {
+        if self.refcnt() != 1 || !self.is_direct() {
+            return None;
+        }
+        let d = self.data();
+        let (p, len) = (d.as_ptr() as *mut u8, d.len());
+        // SAFETY: the buffer is ours alone (checked above) and &mut self
+        // keeps every other access out for the slice's lifetime.
+        Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
+    }
+
+    /// Every segment's data, in order.
+    pub fn segments(&self) -> Vec<&[u8]> {
+        let mut out = Vec::with_capacity(usize::from(self.nb_segs()));
+        let mut p: *const sys::rte_mbuf = self.as_ptr();
+        while !p.is_null() {
+            // SAFETY: p is self's first segment or a `next` link of the
+            // chain self owns; each is valid while self lives.
+            unsafe {
+                out.push(seg_data(p));
+                p = std::ptr::addr_of!((*p).next).read();
+            }
+        }
+        out
+    }
+
+    /// The chain's data, copied into one vector (tests, diagnostics).
+    pub fn to_vec(&self) -> Vec<u8> {
+        self.segments().concat()
+    }
+
+    /// Room left after the last segment's data.
+    pub fn tailroom(&self) -> usize {
+        let mut p = self.as_ptr();
+        // SAFETY: walks the owned chain to its last segment.
+        unsafe {
+            while !std::ptr::addr_of!((*p).next).read().is_null() {
+                p = std::ptr::addr_of!((*p).next).read();
+            }
+            usize::from(sys::phub_pktmbuf_tailroom(p))
+        }
+    }
+
+    /// Grows the data by `len` bytes at the end of the last segment and
+    /// returns them for writing; `None` if there is not enough tailroom or
+    /// the buffer is shared.
+    pub fn append(&mut self, len: usize) -> Option<&mut [u8]> {
+        if self.refcnt() != 1 || !self.is_direct() || self.nb_segs() != 1 {
+            return None;
+        }
+        let len16 = u16::try_from(len).ok()?;
+        // SAFETY: valid single-segment mbuf we own exclusively; append
+        // checks the tailroom and returns NULL when it is short.
+        let p = unsafe { sys::phub_pktmbuf_append(self.as_ptr(), len16) };
+        if p.is_null() {
+            return None;
+        }
+        // SAFETY: append returned the start of `len` bytes just added to
+        // our exclusively owned buffer.
+        Some(unsafe { std::slice::from_raw_parts_mut(p.cast::<u8>(), len) })
+    }
+
+    /// Appends a copy of `bytes`; false (and nothing appended) when it does
+    /// not fit.
+    pub fn extend_from_slice(&mut self, bytes: &[u8]) -> bool {
+        match self.append(bytes.len()) {
+            Some(d) => {
+                d.copy_from_slice(bytes);
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+/// One segment's data.
+///
+/// # Safety
+///
+/// `m` is a valid mbuf that stays valid (and whose data is not written) for
+/// the returned lifetime.
+unsafe fn seg_data<'a>(m: *const sys::rte_mbuf) -> &'a [u8] {
+    // SAFETY: per the contract; buf_addr + data_off .. + data_len lies
+    // inside the segment's buffer.
+    unsafe {
+        let addr = std::ptr::addr_of!((*m).buf_addr).read() as *const u8;
+        let off = std::ptr::addr_of!((*m).data_off).read();
+        let len = std::ptr::addr_of!((*m).data_len).read();
+        std::slice::from_raw_parts(addr.add(usize::from(off)), usize::from(len))
+    }
+}
+
+/// Frees every mbuf in `v` at once (one bulk call).
+pub fn free_bulk(v: &mut Vec<Mbuf>) {
+    if v.is_empty() {
+        return;
+    }
+    // SAFETY: Mbuf is repr(transparent) over a non-null mbuf pointer, so the
+    // vector's buffer is an array of v.len() owned mbuf pointers; after the
+    // call they are freed, so the vector forgets them without dropping.
+    unsafe {
+        sys::rte_pktmbuf_free_bulk(v.as_mut_ptr().cast::<*mut sys::rte_mbuf>(), v.len() as u32);
+        v.set_len(0);
+    }
+}

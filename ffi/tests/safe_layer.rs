@@ -1,0 +1,183 @@
+//! The safe layer against a real EAL with virtual devices (no hugepages, no
+//! PCI): one EAL for this test binary, shared by its tests through the
+//! init-once guard.
+
+use std::sync::Once;
+
+use phub_ffi::{eal, lcore, Eal, Mbuf, Mempool, PortBuilder, Ring};
+
+/// The EAL of this test binary, or `None` (with the reason printed) where
+/// DPDK cannot start here.
+fn eal() -> Option<Eal> {
+    static PRINT: Once = Once::new();
+    let prefix = format!("phub-ffi-test-{}", std::process::id());
+    let args = [
+        "--no-huge",
+        "-m",
+        "256",
+        "--no-pci",
+        "--no-shconf",
+        "--no-telemetry",
+        "--file-prefix",
+        prefix.as_str(),
+        "--lcores",
+        "(0-2)@(0)",
+        "--log-level",
+        "warning",
+        "--vdev",
+        "net_null0",
+    ];
+    match eal::init(&args) {
+        Ok(e) => Some(e),
+        Err(e) => {
+            PRINT.call_once(|| println!("SKIPPED: DPDK EAL cannot start here: {e}"));
+            None
+        }
+    }
+}
+
+fn pool(eal: Eal, n: u32, room: u16) -> Mempool {
+    Mempool::pktmbuf(eal, "t", n, 32, room, None).unwrap()
+}
+
+#[test]
+fn init_twice_returns_the_same_eal() {
+    let Some(e) = eal() else { return };
+    let again = eal::init(&["--other"]).expect("second init reuses the first");
+    assert_eq!(e.main_lcore(), again.main_lcore());
+    assert!(eal::get().is_some());
+    assert_eq!(e.worker_lcores(), vec![1, 2]);
+}
+
+#[test]
+fn mbufs_append_chain_share_and_free() {
+    let Some(e) = eal() else { return };
+    let p = pool(e, 64, 2048 + phub_ffi::PKTMBUF_HEADROOM);
+    let ind = pool(e, 64, 0);
+    assert_eq!(p.in_use(), 0);
+    let mut a = p.alloc().unwrap();
+    assert!(a.extend_from_slice(b"header"));
+    assert_eq!(a.data(), b"header");
+    assert!(a.tailroom() >= 2000);
+    let mut payload = p.alloc().unwrap();
+    payload.append(5).unwrap().copy_from_slice(b"12345");
+    assert!(!payload.extend_from_slice(&[0u8; 4096]), "does not fit");
+    // Two indirect views of one payload: refcounted, read-only.
+    let i1 = Mbuf::indirect(&ind, &payload).unwrap();
+    let i2 = Mbuf::indirect(&ind, &payload).unwrap();
+    assert_eq!(payload.refcnt(), 3);
+    assert!(payload.data_mut().is_none(), "shared data is not writable");
+    assert!(!i1.is_direct());
+    assert_eq!(i2.data(), b"12345");
+    let chain = a.chain(i1).unwrap();
+    assert_eq!(chain.nb_segs(), 2);
+    assert_eq!(chain.pkt_len(), 11);
+    assert_eq!(chain.to_vec(), b"header12345");
+    drop(payload);
+    assert_eq!(i2.data(), b"12345", "the payload lives while shared");
+    drop(chain);
+    drop(i2);
+    assert_eq!(p.in_use(), 0);
+    assert_eq!(ind.in_use(), 0);
+    let mut batch: [Option<Mbuf>; 8] = Default::default();
+    assert!(p.alloc_bulk(&mut batch));
+    assert_eq!(p.in_use(), 8);
+    let mut v: Vec<Mbuf> = batch.iter_mut().map(|s| s.take().unwrap()).collect();
+    phub_ffi::mbuf::free_bulk(&mut v);
+    assert!(v.is_empty());
+    assert_eq!(p.in_use(), 0);
+}
+
+#[test]
+fn rings_pass_mbufs_and_free_leftovers() {
+    let Some(e) = eal() else { return };
+    let p = pool(e, 64, 256);
+    let r = Ring::create(e, "t", 16, None).unwrap();
+    assert!(Ring::create(e, "t", 15, None).is_err());
+    let mut v: Vec<Mbuf> = (0..20).map(|_| p.alloc().unwrap()).collect();
+    assert_eq!(r.enqueue_burst(&mut v), 15, "a ring of 16 holds 15");
+    assert_eq!(v.len(), 5);
+    let extra = v.pop().unwrap();
+    assert!(r.enqueue(extra).is_err());
+    let mut out: [Option<Mbuf>; 4] = Default::default();
+    assert_eq!(r.dequeue_burst(&mut out), 4);
+    assert!(out.iter().all(Option::is_some));
+    drop(out);
+    drop(v);
+    assert_eq!(p.in_use(), 11);
+    drop(r);
+    assert_eq!(p.in_use(), 0, "a dropped ring frees what it held");
+}
+
+#[test]
+fn a_port_of_rings_moves_frames_on_chosen_queues() {
+    let Some(e) = eal() else { return };
+    let rx: Vec<Ring> = (0..2).map(|_| Ring::create(e, "rx", 64, None).unwrap()).collect();
+    let tx: Vec<Ring> = (0..2).map(|_| Ring::create(e, "tx", 64, None).unwrap()).collect();
+    let id = e.port_from_rings("net_ring_fft", &rx, &tx, 0).unwrap();
+    let p = pool(e, 512, 2048 + phub_ffi::PKTMBUF_HEADROOM);
+    let (port, mut rxq, mut txq) = PortBuilder::new(e, id)
+        .queues(2)
+        .descriptors(128, 128)
+        .rx_pool(p.clone())
+        .build()
+        .unwrap();
+    assert_eq!((rxq.len(), txq.len()), (2, 2));
+    assert_eq!(port.info().driver, "net_ring");
+    // Inject into RX queue 1 only.
+    let mut m = p.alloc().unwrap();
+    assert!(m.extend_from_slice(b"to queue one"));
+    rx[1].enqueue(m).unwrap();
+    let mut out: [Option<Mbuf>; 8] = Default::default();
+    assert_eq!(rxq[0].rx_burst(&mut out), 0);
+    assert_eq!(rxq[1].rx_burst(&mut out), 1);
+    assert_eq!(out[0].as_ref().unwrap().data(), b"to queue one");
+    // Send it back out on TX queue 0.
+    let mut v = vec![out[0].take().unwrap()];
+    assert_eq!(txq[0].tx_burst(&mut v), 1);
+    assert!(v.is_empty());
+    let mut got: [Option<Mbuf>; 8] = Default::default();
+    assert_eq!(tx[0].dequeue_burst(&mut got), 1);
+    assert_eq!(got[0].as_ref().unwrap().data(), b"to queue one");
+    assert!(tx[1].is_empty());
+    let s = port.stats().unwrap();
+    assert_eq!((s.ipackets, s.opackets), (1, 1));
+    assert!(port.steer_udp_dst(7900, 1).is_err(), "net_ring has no rte_flow");
+    drop(got);
+    drop((port, rxq, txq));
+}
+
+#[test]
+fn null_port_and_builder_errors() {
+    let Some(e) = eal() else { return };
+    let id = e.port_by_name("net_null0").expect("the --vdev port");
+    let info = phub_ffi::port::info(e, id).unwrap();
+    assert_eq!(info.driver, "net_null");
+    let p = pool(e, 2048, 2048 + phub_ffi::PKTMBUF_HEADROOM);
+    let err = PortBuilder::new(e, id)
+        .queues(2000)
+        .rx_pool(p.clone())
+        .build()
+        .unwrap_err();
+    assert!(err.to_string().contains("queue pairs asked"), "{err}");
+    let err = PortBuilder::new(e, 999).rx_pool(p.clone()).build().unwrap_err();
+    assert!(err.to_string().contains("no such port"), "{err}");
+    let (port, mut rxq, _txq) = PortBuilder::new(e, id).rx_pool(p.clone()).build().unwrap();
+    let mut out: [Option<Mbuf>; 32] = Default::default();
+    assert!(rxq[0].rx_burst(&mut out) > 0, "net_null always has packets");
+    drop(out);
+    drop(rxq);
+    let _ = port.stats().unwrap();
+}
+
+#[test]
+fn launch_runs_on_a_worker_lcore_and_returns_its_value() {
+    let Some(e) = eal() else { return };
+    let w = e.worker_lcores()[0];
+    let l = lcore::launch(e, w, move || lcore::current().map_or(-1, |c| c as i32 * 10 + 7)).unwrap();
+    assert_eq!(l.wait(), w as i32 * 10 + 7);
+    let err = lcore::launch(e, e.main_lcore(), || 0).unwrap_err();
+    assert!(err.to_string().contains("not a worker lcore"), "{err}");
+    let l = lcore::launch(e, w, || panic!("boom")).unwrap();
+    assert_eq!(l.wait(), -1, "a panic becomes -1, not an abort");
+}

@@ -1,0 +1,153 @@
+//! Workloads the suites drive: sum jobs trained by real workers (the
+//! phub-worker library) with every element checked, and floods of bad input.
+
+use std::net::UdpSocket;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use phub_proto::api::AdmitResponse;
+use phub_worker::Worker;
+
+/// A sum job's spec with these keys.
+pub fn sum_spec(name: &str, workers: u16, chunk_bytes: Option<u32>, keys: &[u64]) -> String {
+    let mut s = format!("name = \"{name}\"\nworkers = {workers}\n");
+    if let Some(c) = chunk_bytes {
+        s += &format!("chunk_bytes = {c}\n");
+    }
+    s += "[optimizer]\nkind = \"sum\"\n";
+    for k in keys {
+        s += &format!("[[keys]]\nelements = {k}\n");
+    }
+    s
+}
+
+/// Small-integer gradient: sums are exact in f32 in any order.
+pub fn grad(rank: u16, key: u32, elem: usize, round: u32) -> f32 {
+    ((elem as u32 % 7) * (u32::from(rank) + 1) + round % 5 + key % 3) as f32 - 6.0
+}
+
+/// Rank 0's initial value of an element.
+pub fn init(key: u32, elem: usize) -> f32 {
+    (elem % 1000) as f32 * 0.5 + key as f32
+}
+
+/// An element after `round` of a sum job.
+pub fn expected(workers: u16, key: u32, elem: usize, round: u32) -> f32 {
+    if round == 0 {
+        init(key, elem)
+    } else {
+        (0..workers).map(|r| grad(r, key, elem, round)).sum()
+    }
+}
+
+/// Admits a job through phub-control, with the operator token when control
+/// has one.
+pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitResponse {
+    let mut req = ureq::post(&format!("{url}/v1/jobs"));
+    if let Some(t) = operator_token {
+        req = req.set("Authorization", &format!("Bearer {t}"));
+    }
+    req.send_string(spec).unwrap().into_json().unwrap()
+}
+
+/// Runs `workers` worker threads through `rounds` rounds of a sum job
+/// over `keys`, checking every element of every result exactly.
+pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds: u32) {
+    std::thread::scope(|s| {
+        for rank in 0..workers {
+            s.spawn(move || {
+                let w = Worker::join(url, job.id, job.token, rank).unwrap();
+                let mut params: Vec<Vec<f32>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &n)| {
+                        (0..n as usize)
+                            .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
+                            .collect()
+                    })
+                    .collect();
+                let hs: Vec<_> = params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| w.init(k as u32, p).unwrap())
+                    .collect();
+                for h in hs {
+                    w.wait(h).unwrap();
+                }
+                for round in 0..=rounds {
+                    if round > 0 {
+                        let grads: Vec<Vec<f32>> = keys
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
+                            .collect();
+                        let hs: Vec<_> = params
+                            .iter_mut()
+                            .zip(&grads)
+                            .enumerate()
+                            .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+                            .collect();
+                        for h in hs {
+                            w.wait(h).unwrap();
+                        }
+                    }
+                    for (k, p) in params.iter().enumerate() {
+                        for (e, v) in p.iter().enumerate() {
+                            assert_eq!(
+                                *v,
+                                expected(workers, k as u32, e, round),
+                                "rank {rank} round {round} key {k} elem {e}"
+                            );
+                        }
+                    }
+                }
+            });
+        }
+    });
+}
+
+/// Random, truncated and wrong-token datagrams at every data port of the
+/// appliance at `ip` until `stop`; returns how many were sent.
+pub fn flood(stop: &AtomicBool, ip: &str, base_port: u16, lcores: u16) -> u64 {
+    let s = UdpSocket::bind("0.0.0.0:0").unwrap();
+    let mut x = 0x1234_5678_9abc_def0u64;
+    let mut sent = 0u64;
+    let mut buf = [0u8; 1200];
+    let mut h = phub_proto::wire::Repr {
+        kind: phub_proto::wire::MsgType::Push,
+        dtype: phub_proto::Dtype::F32,
+        flags: 0,
+        token: 0,
+        job: 1,
+        rank: 0,
+        count: 0,
+        error: 0,
+        round: 1,
+        slot: 0,
+        key: 0,
+        chunk: 0,
+    };
+    while !stop.load(Ordering::Relaxed) {
+        for b in buf.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        let len = (x % 1200) as usize;
+        let to = (ip, base_port + (sent % u64::from(lcores)) as u16);
+        match sent % 3 {
+            0 => s.send_to(&buf[..len], to).unwrap(),
+            1 => s.send_to(&buf[..len.min(40)], to).unwrap(),
+            _ => {
+                h.token = x;
+                s.send_to(&h.to_bytes(), to).unwrap()
+            }
+        };
+        sent += 1;
+        if sent.is_multiple_of(32) {
+            std::thread::sleep(Duration::from_micros(500));
+        }
+    }
+    sent
+}
