@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""One training step's gradient exchange for a ResNet-50-sized model, W workers:
+phub (DDP comm hook) against gloo all-reduce, on this machine, in the same run.
+
+Every worker process holds three copies of a model whose parameters have
+ResNet-50's tensor sizes (torchvision's resnet50: 161 tensors, 25,557,032
+floats, computed below from the architecture as tools/src/profiles.rs does),
+each wrapped in DistributedDataParallel (25 MB buckets, gloo process group):
+
+- ``no exchange``: a comm hook that returns the bucket at once (what the
+  backward pass costs without any communication: the baseline);
+- ``gloo``: DDP's default hook, all-reduce over gloo;
+- ``phub``: phub.torch's comm hook through a local appliance (a ``mean`` job
+  with one key per tensor).
+
+The model's forward is ``sum(p.sum())``, so backward only fills the gradients
+and the step is dominated by the exchange. Each trial runs the three
+back to back (a barrier before each); the figures are medians over trials.
+``exchange`` is the step minus the no-exchange baseline. It also times the
+bare exchange without DDP: ``dist.all_reduce`` over the same 25 MB buckets
+against ``push_pull`` of every key then ``wait``.
+
+    python python/bench/bench_exchange.py --workers 2 --trials 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import phub
+import phub.torch
+from phub.local import LocalAppliance
+
+
+def resnet50_sizes() -> list[tuple[str, int]]:
+    """torchvision resnet50's trainable tensors, in parameters() order."""
+    t: list[tuple[str, int]] = [("conv1.weight", 64 * 3 * 7 * 7), ("bn1.weight", 64), ("bn1.bias", 64)]
+    inplanes = 64
+    for stage, (planes, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)], start=1):
+        for b in range(blocks):
+            p = f"layer{stage}.{b}"
+            t += [(f"{p}.conv1.weight", planes * inplanes), (f"{p}.bn1.weight", planes), (f"{p}.bn1.bias", planes),
+                  (f"{p}.conv2.weight", planes * planes * 9), (f"{p}.bn2.weight", planes), (f"{p}.bn2.bias", planes),
+                  (f"{p}.conv3.weight", planes * 4 * planes), (f"{p}.bn3.weight", planes * 4),
+                  (f"{p}.bn3.bias", planes * 4)]
+            if b == 0:
+                t += [(f"{p}.downsample.0.weight", planes * 4 * inplanes), (f"{p}.downsample.1.weight", planes * 4),
+                      (f"{p}.downsample.1.bias", planes * 4)]
+            inplanes = planes * 4
+    t += [("fc.weight", 1000 * 2048), ("fc.bias", 1000)]
+    return t
+
+
+def profile_sizes(name: str) -> list[tuple[str, int]]:
+    if name in ("resnet50", "resnet-50"):
+        sizes = resnet50_sizes()
+        assert len(sizes) == 161 and sum(n for _, n in sizes) == 25_557_032
+        return sizes
+    if name.startswith("uniform:"):
+        _, k, n = name.split(":")
+        return [(f"t{i}", int(float(n))) for i in range(int(k))]
+    raise SystemExit(f"--profile {name!r}: resnet50 or uniform:K:N")
+
+
+class Bag(nn.Module):
+    """Parameters of the given sizes; forward = x * sum of every element."""
+
+    def __init__(self, sizes: list[tuple[str, int]]) -> None:
+        super().__init__()
+        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(n)) for _, n in sizes])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.stack([p.sum() for p in self.ps]).sum()
+
+
+def no_exchange_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=a.workers)
+    sizes = profile_sizes(a.profile)
+    w = phub.Worker.join(control_url, job, token, rank, window=a.window)
+    models = {name: nn.parallel.DistributedDataParallel(Bag(sizes), bucket_cap_mb=a.bucket_mb)
+              for name in ("no exchange", "gloo", "phub")}
+    models["no exchange"].register_comm_hook(None, no_exchange_hook)
+    phub.torch.register_comm_hook(models["phub"], w)
+    x = torch.ones(1)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    # The bare exchange: the same buckets, without DDP.
+    total = sum(n for _, n in sizes)
+    cap = int(a.bucket_mb * 2**20 / 4)
+    bounds = list(range(0, total, cap)) + [total]
+    flat = torch.ones(total)
+    buckets = [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+    # Keys are initialised (round 0) by the hook's state; the bare rounds
+    # continue them, in the same order on every rank.
+    grads = [np.ones(n, np.float32) for _, n in sizes]
+    times["bare gloo"], times["bare phub"] = [], []
+    for trial in range(a.warmup + a.trials):
+        for name, m in models.items():
+            m.zero_grad()  # as a training step does, outside the timed part
+            dist.barrier()
+            t = time.perf_counter()
+            m(x).backward()
+            dt = time.perf_counter() - t
+            if trial >= a.warmup:
+                times[name].append(dt)
+        dist.barrier()
+        t = time.perf_counter()
+        works = [dist.all_reduce(b, async_op=True) for b in buckets]
+        for wk in works:
+            wk.wait()
+        dt = time.perf_counter() - t
+        if trial >= a.warmup:
+            times["bare gloo"].append(dt)
+        dist.barrier()
+        t = time.perf_counter()
+        hs = [w.push_pull(k, g) for k, g in enumerate(grads)]
+        for h in hs:
+            h.wait()
+        dt = time.perf_counter() - t
+        if trial >= a.warmup:
+            times["bare phub"].append(dt)
+    # The exchanges must have been right: every gradient is 1 on every rank,
+    # so the mean is 1.
+    for name in ("gloo", "phub"):  # 1.0 is exact in bf16 and f16 too
+        for p in models[name].module.ps:
+            assert torch.all(p.grad == 1.0), f"{name}: wrong averaged gradient"
+    if rank == 0:
+        s = w.stats()
+        np.save(out, np.array([times[k] for k in times], dtype=np.float64))
+        with open(out + ".txt", "w") as f:
+            f.write(f"{s['retransmits']} {s['chunks_sent']}\n")
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="phub comm hook against gloo all-reduce, one step's exchange")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--profile", default="resnet50", help="resnet50 (default) or uniform:K:N")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lcores", type=int, default=2, help="dataplane queues")
+    ap.add_argument("--window", type=int, default=64, help="phub worker window (chunks in flight)")
+    ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    ap.add_argument("--busy-poll", action="store_true", help="dataplane lcores spin")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
+                    help="phub's wire type (bf16/f16 halve the bytes but round the gradients; gloo stays f32)")
+    ap.add_argument("--chunk-bytes", type=int, default=None, help="phub chunk (packet payload) size, <= 8832")
+    a = ap.parse_args()
+    import multiprocessing as mp
+
+    sizes = profile_sizes(a.profile)
+    total = sum(n for _, n in sizes)
+    print(f"phub vs gloo: one step's gradient exchange, {a.profile} ({len(sizes)} tensors, {total:,} floats, "
+          f"{4 * total / 1e6:.1f} MB), W={a.workers} processes on this machine ({os.cpu_count()} CPUs), "
+          f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window}, "
+          f"{a.lcores} dataplane lcores, "
+          f"torch {torch.__version__}", flush=True)
+    with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll) as app:
+        spec = phub.admin.job_spec("bench", a.workers, sizes, optimizer="mean", dtype=a.dtype,
+                                   chunk_bytes=a.chunk_bytes)
+        job, token = app.admit(spec)
+        with tempfile.TemporaryDirectory(prefix="phub-bench-") as tmp:
+            out = str(Path(tmp) / "times.npy")
+            ctx = mp.get_context("spawn")
+            port = free_port()
+            procs = [ctx.Process(target=worker, args=(r, a, app.control_url, job, token, port, out))
+                     for r in range(a.workers)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            if any(p.exitcode != 0 for p in procs):
+                raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+            times = np.load(out)
+            retx, sent = Path(out + ".txt").read_text().split()
+    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]
+    med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
+    lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
+    print(f"{'':28}{'median ms':>10}{'min ms':>10}")
+    for n in names:
+        print(f"  {n:26}{med[n]:10.1f}{lo[n]:10.1f}")
+    base = med["no exchange"]
+    eg, ep = med["gloo"] - base, med["phub"] - base
+    mb = 4 * total / 1e6
+    print(f"DDP step (backward + exchange): gloo {med['gloo']:.1f} ms, phub {med['phub']:.1f} ms: "
+          f"phub/gloo = {med['phub'] / med['gloo']:.2f}")
+    print(f"exchange alone (step - {base:.1f} ms baseline): gloo {eg:.1f} ms ({mb / eg * 1000 / 1000:.2f} GB/s), "
+          f"phub {ep:.1f} ms ({mb / ep * 1000 / 1000:.2f} GB/s): gloo/phub speedup = {eg / ep:.2f}x")
+    print(f"bare exchange (no DDP): gloo all_reduce {med['bare gloo']:.1f} ms, phub push_pull {med['bare phub']:.1f} ms: "
+          f"gloo/phub speedup = {med['bare gloo'] / med['bare phub']:.2f}x")
+    print(f"phub rank 0: {retx} retransmits of {sent} chunks sent")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""phub: the Python client of the phub parameter-server appliance.
+
+A training process joins a job admitted on phub-control and exchanges the
+job's keys (tensors) with the appliance::
+
+    import numpy as np
+    import phub
+
+    w = phub.Worker.join("http://127.0.0.1:7700", job, token, rank)
+    params = np.zeros(w.key_len(0), dtype=np.float32)
+    w.init(0, params).wait()              # round 0: everyone gets rank 0's values
+    h = w.push_pull(0, grad, params)      # non-blocking; several keys can be in flight
+    h.wait()                              # params now holds the appliance's result
+
+Modules:
+
+- :mod:`phub.admin`: admit, list and evict jobs through phub-control's HTTP API.
+- :mod:`phub.local`: start a local appliance (phub-dataplane + phub-control)
+  for examples and tests.
+- :mod:`phub.torch`: a DistributedDataParallel communication hook, a
+  DistributedOptimizer for optimizers running on the appliance, and
+  broadcast_parameters (needs torch).
+
+Errors are :class:`PhubError` (a ``RuntimeError``) or one of its subclasses,
+with the library's message.
+"""
+
+from ._native import (
+    ClosedError,
+    Handle,
+    JoinError,
+    PhubError,
+    PhubTimeoutError,
+    RefusedError,
+    UsageError,
+    Worker,
+    __version__,
+)
+
+from . import admin, local  # standard library only; phub.torch is imported on demand
+
+__all__ = [
+    "ClosedError",
+    "Handle",
+    "JoinError",
+    "PhubError",
+    "PhubTimeoutError",
+    "RefusedError",
+    "UsageError",
+    "Worker",
+    "__version__",
+    "admin",
+    "local",
+]

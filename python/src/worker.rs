@@ -1,0 +1,526 @@
+//! `phub.Worker` and `phub.Handle`: phub-worker's `Worker` and `Handle` for
+//! Python.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use phub_proto::Dtype;
+use phub_worker::WorkerConfig;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+
+use crate::buffer::{Array, Elem, Scratch};
+use crate::errors::{to_py, usage};
+
+/// One rank of a phub job: joins through phub-control, then exchanges the
+/// job's keys (tensors) with the appliance over UDP.
+///
+/// Create it with :meth:`Worker.join`. Every method may be called from any
+/// thread. Arrays are NumPy arrays or any object with the buffer protocol:
+/// C-contiguous ``float32`` for every job; ``float16`` (or its bits as
+/// ``int16``/``uint16``) for ``f16`` jobs; bfloat16 bits as
+/// ``int16``/``uint16`` for ``bf16`` jobs. 16-bit arrays are converted
+/// through one ``float32`` scratch buffer; ``float32`` arrays are read and
+/// written in place.
+#[pyclass(module = "phub", name = "Worker", frozen)]
+pub(crate) struct Worker {
+    inner: Arc<phub_worker::Worker>,
+    inflight: Inflight,
+}
+
+/// The byte ranges of the output arrays of this worker's requests in flight,
+/// with their keys. A new request's output (and gradient) may not overlap
+/// them: two pending results writing the same memory, or a gradient read
+/// from memory a result is pending for, is a caller's mistake, refused
+/// (it would also alias a `&mut` in Rust).
+type Inflight = Arc<Mutex<Vec<(usize, usize, u32)>>>;
+
+/// One entry of [`Inflight`], removed when dropped.
+struct Claim {
+    inflight: Inflight,
+    range: (usize, usize),
+}
+
+impl Drop for Claim {
+    fn drop(&mut self) {
+        let mut v = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = v.iter().position(|&(s, e, _)| (s, e) == self.range) {
+            v.swap_remove(i);
+        }
+    }
+}
+
+/// What a pending request writes its result into.
+enum Sink {
+    /// The caller's aligned `float32` array, in place.
+    Direct,
+    /// `scratch`, converted into the caller's array by `wait`.
+    Convert(Scratch),
+}
+
+/// A request in flight and everything its `phub_worker::Handle` borrows.
+struct Pending {
+    // Field order is drop order: `handle` borrows from `sink` (its scratch),
+    // from `out` (the caller's memory, kept in place by the export) and from
+    // `worker`, so it is dropped first.
+    handle: phub_worker::Handle<'static>,
+    sink: Sink,
+    out: Array,
+    out_obj: Py<PyAny>,
+    claim: Claim,
+    worker: Arc<phub_worker::Worker>,
+}
+
+/// A request in flight (``init`` or ``push_pull``).
+///
+/// :meth:`wait` blocks, with the GIL released, until the result is in, then
+/// writes it into the output array and returns that array. The handle keeps
+/// the output array alive (and unresizable) until then: do not read or write
+/// it before ``wait`` returns. Dropping a handle without waiting abandons the
+/// result (the output array is left as it was); the exchange itself still
+/// completes in the background and the key becomes free.
+#[pyclass(module = "phub", name = "Handle", frozen)]
+pub(crate) struct Handle {
+    key: u32,
+    round: u32,
+    pending: Mutex<Option<Pending>>,
+}
+
+fn seconds(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
+    v.map(|s| {
+        Duration::try_from_secs_f64(s)
+            .map_err(|_| usage(format!("`{name}` = {s}: a finite number of seconds >= 0")))
+    })
+    .transpose()
+}
+
+fn parse_token(token: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(s) = token.cast::<PyString>() {
+        let s = s.to_string();
+        let t = s.trim().trim_start_matches("0x");
+        if t.is_empty() || t.len() > 16 {
+            return Err(usage(format!("token {s:?}: expected 1 to 16 hex digits")));
+        }
+        return u64::from_str_radix(t, 16)
+            .map_err(|_| usage(format!("token {s:?}: expected 1 to 16 hex digits")));
+    }
+    token
+        .extract::<u64>()
+        .map_err(|_| usage("token: expected a hex string (as admission returns it) or an int in 0..2**64"))
+}
+
+impl Worker {
+    fn dtype(&self) -> Dtype {
+        self.inner.spec().dtype
+    }
+
+    /// Checks that `key` exists and `a` has its element count.
+    fn check(&self, key: u32, a: &Array, what: &str) -> PyResult<()> {
+        let keys = self.inner.spec().keys.len();
+        let expected = self.inner.key_len(key).ok_or_else(|| {
+            usage(format!(
+                "key {key} does not exist: the job has {keys} keys (0..{keys})"
+            ))
+        })?;
+        if expected != a.len() as u64 {
+            return Err(usage(format!(
+                "key {key} has {expected} elements but `{what}` has {}",
+                a.len()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Registers `out` as the output of a request of `key` in flight, if
+    /// neither it nor `grad` overlaps the output of one already in flight.
+    fn claim(&self, key: u32, out: &Array, grad: Option<&Array>) -> PyResult<Claim> {
+        let range = out.byte_range();
+        let mut v = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
+        let hit = |r: (usize, usize)| v.iter().find(|&&(s, e, _)| s < r.1 && r.0 < e).map(|x| x.2);
+        for (what, r) in [("out", Some(range)), ("grad", grad.map(Array::byte_range))] {
+            if let Some(k) = r.and_then(hit) {
+                return Err(usage(format!(
+                    "key {key}: `{what}` overlaps the output array of key {k}'s request, still in \
+                     flight; wait for that handle first, or use separate arrays"
+                )));
+            }
+        }
+        v.push((range.0, range.1, key));
+        Ok(Claim {
+            inflight: Arc::clone(&self.inflight),
+            range,
+        })
+    }
+
+    /// Where the result for `out` goes: in place, or a scratch buffer
+    /// (holding `initial`, or zeros).
+    fn sink(out: &Array, initial: impl FnOnce() -> Vec<f32>) -> Sink {
+        match out.f32_ptr() {
+            Some(_) => Sink::Direct,
+            None => Sink::Convert(Scratch::new(initial())),
+        }
+    }
+
+    /// The slice the result is written into.
+    ///
+    /// # Safety
+    /// The slice must be dropped before `sink` and `out`, and nothing else may
+    /// hold a reference into that memory while it is in use.
+    unsafe fn out_slice(sink: &Sink, out: &Array) -> &'static mut [f32] {
+        match (sink, out.f32_ptr()) {
+            // SAFETY: the export keeps `out.len()` aligned f32s in place while
+            // `out` lives; exclusivity is the caller's contract.
+            (Sink::Direct, Some(p)) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), out.len()) },
+            // SAFETY: lifetime and exclusivity are the caller's contract.
+            (Sink::Convert(s), _) => unsafe { s.slice_mut() },
+            (Sink::Direct, None) => unreachable!("Sink::Direct is chosen only for an in-place f32 array"),
+        }
+    }
+
+    /// A `'static` view of the worker for a handle that also holds an `Arc`
+    /// of it.
+    ///
+    /// # Safety
+    /// The returned reference must be dropped before the `Arc` clone that
+    /// the caller keeps beside it.
+    unsafe fn static_worker(&self) -> &'static phub_worker::Worker {
+        // SAFETY: the pointee lives as long as any Arc; the caller keeps one
+        // for longer than the reference.
+        unsafe { &*Arc::as_ptr(&self.inner) }
+    }
+}
+
+#[pymethods]
+impl Worker {
+    /// Joins job ``job`` as ``rank`` through phub-control at ``control_url``
+    /// (e.g. ``"http://127.0.0.1:7700"``), with the ``token`` admission
+    /// returned (16 hex digits, or an int).
+    ///
+    /// Keyword arguments tune the worker: ``window`` (chunks outstanding
+    /// across all keys, default 64), ``timeout`` (seconds without any result
+    /// before a request fails, default 30), ``min_rto``, ``max_rto``,
+    /// ``initial_rto`` (retransmission timeout bounds and start, seconds).
+    ///
+    /// Raises :class:`JoinError` with phub-control's message when refused.
+    #[staticmethod]
+    #[pyo3(signature = (control_url, job, token, rank, *, window=None, timeout=None, min_rto=None, max_rto=None, initial_rto=None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments
+    fn join(
+        py: Python<'_>,
+        control_url: &str,
+        job: u16,
+        token: &Bound<'_, PyAny>,
+        rank: u16,
+        window: Option<usize>,
+        timeout: Option<f64>,
+        min_rto: Option<f64>,
+        max_rto: Option<f64>,
+        initial_rto: Option<f64>,
+    ) -> PyResult<Worker> {
+        let token = parse_token(token)?;
+        let mut config = WorkerConfig::default();
+        if let Some(w) = window {
+            if w == 0 {
+                return Err(usage("`window` = 0: at least 1 chunk"));
+            }
+            config.window = w;
+        }
+        config.timeout = seconds("timeout", timeout)?.unwrap_or(config.timeout);
+        config.min_rto = seconds("min_rto", min_rto)?.unwrap_or(config.min_rto);
+        config.max_rto = seconds("max_rto", max_rto)?.unwrap_or(config.max_rto);
+        config.initial_rto = seconds("initial_rto", initial_rto)?.unwrap_or(config.initial_rto);
+        let w = py
+            .detach(|| phub_worker::Worker::join_with(control_url, job, token, rank, config))
+            .map_err(to_py)?;
+        Ok(Worker {
+            inner: Arc::new(w),
+            inflight: Inflight::default(),
+        })
+    }
+
+    /// This worker's rank.
+    #[getter]
+    fn rank(&self) -> u16 {
+        self.inner.rank()
+    }
+
+    /// The job's id.
+    #[getter]
+    fn job(&self) -> u16 {
+        self.inner.job()
+    }
+
+    /// The job's worker count W.
+    #[getter]
+    fn workers(&self) -> u32 {
+        self.inner.workers()
+    }
+
+    /// The number of keys of the job (keys are ``0 .. keys``).
+    #[getter]
+    fn keys(&self) -> usize {
+        self.inner.spec().keys.len()
+    }
+
+    /// The job's element type on the wire: ``"f32"``, ``"bf16"`` or ``"f16"``.
+    #[getter]
+    fn dtype_name(&self) -> String {
+        self.dtype().to_string()
+    }
+
+    /// The optimizer the appliance runs: ``"sum"``, ``"mean"``, ``"sgd"``,
+    /// ``"momentum"``, ``"nesterov"``, ``"adam"`` or ``"adamw"``.
+    #[getter]
+    fn optimizer(&self) -> &'static str {
+        self.inner.spec().optimizer.name()
+    }
+
+    /// The local address of the worker's UDP socket, ``"host:port"``.
+    #[getter]
+    fn local_addr(&self) -> String {
+        self.inner.local_addr().to_string()
+    }
+
+    /// The job's spec as admitted, as a dict (the JSON form of the spec).
+    fn spec<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let text = serde_json::to_string(self.inner.spec())
+            .map_err(|e| crate::errors::PhubError::new_err(format!("serialising the spec: {e}")))?;
+        py.import("json")?.call_method1("loads", (text,))
+    }
+
+    /// Elements of ``key``, or ``None`` if the job has no such key.
+    fn key_len(&self, key: u32) -> Option<u64> {
+        self.inner.key_len(key)
+    }
+
+    /// The last round whose result this worker holds for ``key`` (``None``
+    /// before ``init`` or ``pull`` completed, or for an unknown key).
+    fn key_round(&self, key: u32) -> Option<u32> {
+        self.inner.key_round(key)
+    }
+
+    /// A snapshot of the worker's counters, as a dict: ``chunks_sent``,
+    /// ``retransmits``, ``results_accepted``, ``results_ignored``,
+    /// ``foreign_dropped``, ``errors``, ``timeouts``, ``srtt_us``,
+    /// ``rto_us``, ``bytes_sent``, ``bytes_received``.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = self.inner.stats();
+        let d = PyDict::new(py);
+        for (k, v) in [
+            ("chunks_sent", s.chunks_sent),
+            ("retransmits", s.retransmits),
+            ("results_accepted", s.results_accepted),
+            ("results_ignored", s.results_ignored),
+            ("foreign_dropped", s.foreign_dropped),
+            ("errors", s.errors),
+            ("timeouts", s.timeouts),
+            ("srtt_us", s.srtt_us),
+            ("rto_us", s.rto_us),
+            ("bytes_sent", s.bytes_sent),
+            ("bytes_received", s.bytes_received),
+        ] {
+            d.set_item(k, v)?;
+        }
+        Ok(d)
+    }
+
+    /// Round 0 of ``key``: rank 0's ``array`` becomes everyone's initial
+    /// value. Every rank calls it; after :meth:`Handle.wait`, ``array`` holds
+    /// rank 0's values on every rank. Non-blocking: returns a :class:`Handle`.
+    fn init(&self, py: Python<'_>, key: u32, array: &Bound<'_, PyAny>) -> PyResult<Handle> {
+        let out = Array::get(array, self.dtype(), "array", true)?;
+        self.check(key, &out, "array")?;
+        let claim = self.claim(key, &out, None)?;
+        // Rank 0's values are sent from the slice itself, so a scratch starts
+        // with them.
+        let sink = Worker::sink(&out, || out.to_f32_vec());
+        // SAFETY: the slice goes into `Pending::handle`, dropped before
+        // `sink` and `out` (field order); nothing else references the memory
+        // from Rust, and the Python side is told not to touch it until wait.
+        let params = unsafe { Worker::out_slice(&sink, &out) };
+        // SAFETY: `Pending` keeps `self.inner` cloned and drops it after
+        // `handle` (field order).
+        let w = unsafe { self.static_worker() };
+        let handle = py.detach(|| w.init(key, params)).map_err(to_py)?;
+        Ok(Handle::new(handle, sink, out, array, claim, &self.inner))
+    }
+
+    /// The next round of ``key``: pushes ``grad`` (read at once, so it may be
+    /// reused as soon as this returns) and returns a :class:`Handle`; after
+    /// its ``wait``, ``out`` holds the round's result: the new parameters,
+    /// or the sum or mean of the workers' pushes for a ``sum``/``mean`` job.
+    /// ``out`` defaults to ``grad`` (in place). All ranks must start their
+    /// keys in the same order.
+    #[pyo3(signature = (key, grad, out=None))]
+    fn push_pull(
+        &self,
+        py: Python<'_>,
+        key: u32,
+        grad: &Bound<'_, PyAny>,
+        out: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Handle> {
+        let dtype = self.dtype();
+        let out_obj = out.unwrap_or(grad);
+        let g = Array::get(grad, dtype, "grad", false)?;
+        self.check(key, &g, "grad")?;
+        let o = Array::get(out_obj, dtype, "out", true)?;
+        self.check(key, &o, "out")?;
+        let claim = self.claim(key, &o, Some(&g))?;
+        let sink = Worker::sink(&o, || vec![0.0; o.len()]);
+        // The gradient is read in place unless it must be converted, or it
+        // shares memory with an in-place output (a `&[f32]` and a `&mut
+        // [f32]` over the same memory may not coexist): then it is copied.
+        let in_place = matches!(sink, Sink::Direct) && g.overlaps(&o);
+        let copied: Option<Vec<f32>> = match g.f32_ptr() {
+            Some(_) if !in_place => None,
+            _ => Some(g.to_f32_vec()),
+        };
+        let grad_slice: &[f32] = match (&copied, g.f32_ptr()) {
+            (Some(v), _) => v,
+            // SAFETY: the export `g` keeps `g.len()` aligned f32s in place for
+            // this call, and they do not overlap the output slice.
+            (None, Some(p)) => unsafe { std::slice::from_raw_parts(p.as_ptr(), g.len()) },
+            (None, None) => unreachable!("copied is None only for an in-place f32 array"),
+        };
+        // SAFETY: as in `init`.
+        let out_slice = unsafe { Worker::out_slice(&sink, &o) };
+        // SAFETY: as in `init`.
+        let w = unsafe { self.static_worker() };
+        let handle = py
+            .detach(|| w.push_pull(key, grad_slice, out_slice))
+            .map_err(to_py)?;
+        drop(g);
+        Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner))
+    }
+
+    /// Waits for ``handle`` (same as ``handle.wait()``) and returns its
+    /// output array.
+    fn wait(&self, py: Python<'_>, handle: &Handle) -> PyResult<Py<PyAny>> {
+        handle.wait(py)
+    }
+
+    /// Fetches the last completed result of every chunk of ``key`` into
+    /// ``out`` and returns its round (for a worker that rejoins a running
+    /// job). Blocks, with the GIL released.
+    fn pull(&self, py: Python<'_>, key: u32, out: &Bound<'_, PyAny>) -> PyResult<u32> {
+        let o = Array::get(out, self.dtype(), "out", true)?;
+        self.check(key, &o, "out")?;
+        let _claim = self.claim(key, &o, None)?;
+        let sink = Worker::sink(&o, || vec![0.0; o.len()]);
+        // SAFETY: the slice lives only for the blocking call below, while
+        // `sink` and `o` are alive; nothing else references the memory.
+        let out_slice = unsafe { Worker::out_slice(&sink, &o) };
+        let w = &*self.inner;
+        let round = py.detach(|| w.pull(key, out_slice)).map_err(to_py)?;
+        if let Sink::Convert(s) = &sink {
+            // SAFETY: `out_slice` is no longer used.
+            o.write_from(unsafe { s.values() });
+        }
+        Ok(round)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "phub.Worker(job={}, rank={}, workers={}, keys={}, dtype='{}', optimizer='{}')",
+            self.inner.job(),
+            self.inner.rank(),
+            self.inner.workers(),
+            self.inner.spec().keys.len(),
+            self.dtype(),
+            self.inner.spec().optimizer.name()
+        )
+    }
+}
+
+impl Handle {
+    fn new(
+        handle: phub_worker::Handle<'static>,
+        sink: Sink,
+        out: Array,
+        out_obj: &Bound<'_, PyAny>,
+        claim: Claim,
+        worker: &Arc<phub_worker::Worker>,
+    ) -> Handle {
+        Handle {
+            key: handle.key(),
+            round: handle.round(),
+            pending: Mutex::new(Some(Pending {
+                handle,
+                sink,
+                out,
+                out_obj: out_obj.clone().unbind(),
+                claim,
+                worker: Arc::clone(worker),
+            })),
+        }
+    }
+}
+
+#[pymethods]
+impl Handle {
+    /// Blocks, with the GIL released, until the result is in; writes it
+    /// into the output array and returns that array. Raises a
+    /// :class:`PhubError` subclass on failure, :class:`UsageError` if the
+    /// handle was already waited.
+    fn wait(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                usage(format!(
+                    "the handle of key {} round {} was already waited",
+                    self.key, self.round
+                ))
+            })?;
+        let Pending {
+            handle,
+            sink,
+            out,
+            out_obj,
+            claim,
+            worker,
+        } = pending;
+        py.detach(|| worker.wait(handle)).map_err(to_py)?;
+        if let Sink::Convert(s) = &sink {
+            // SAFETY: the handle, and with it the slice into `s`, is gone.
+            out.write_from(unsafe { s.values() });
+        }
+        debug_assert!(matches!(sink, Sink::Convert(_)) || out.elem() == Elem::F32);
+        // The output is written: another request may use its memory now.
+        drop(claim);
+        Ok(out_obj)
+    }
+
+    /// The key this request exchanges.
+    #[getter]
+    fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round this request completes (0 for ``init``).
+    #[getter]
+    fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Whether the handle still waits to be waited (``False`` after
+    /// :meth:`wait`, whatever its outcome).
+    #[getter]
+    fn pending(&self) -> bool {
+        self.pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_some()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "phub.Handle(key={}, round={}, pending={})",
+            self.key,
+            self.round,
+            if self.pending() { "True" } else { "False" }
+        )
+    }
+}

@@ -1,0 +1,51 @@
+"""Shared fixtures: one local appliance (phub-dataplane + phub-control) per test session.
+
+The binaries come from $PHUB_BIN_DIR or target/release (`make test-python`
+builds them and sets it).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import pytest
+
+import phub
+from phub import admin
+from phub.local import LocalAppliance
+
+
+@pytest.fixture(scope="session")
+def appliance() -> Iterator[LocalAppliance]:
+    with LocalAppliance(lcores=2, memory_budget="1GiB") as app:
+        yield app
+
+
+_names = itertools.count()
+
+
+@pytest.fixture
+def job(appliance: LocalAppliance) -> Callable[..., tuple[int, str]]:
+    """Admits a job: job(keys, workers=2, optimizer="sum", dtype="f32") -> (id, token)."""
+
+    def admit(keys: list[Any], workers: int = 2, optimizer: Any = "sum", dtype: str = "f32",
+              chunk_bytes: int | None = None) -> tuple[int, str]:
+        spec = admin.job_spec(f"pytest-{next(_names)}", workers, keys, optimizer=optimizer, dtype=dtype,
+                              chunk_bytes=chunk_bytes)
+        return appliance.admit(spec)
+
+    return admit
+
+
+@pytest.fixture
+def workers(appliance: LocalAppliance, job: Callable[..., tuple[int, str]]) -> Callable[..., list[phub.Worker]]:
+    """Admits a job and joins all its ranks in this process: workers(keys, W=2, ...) -> [Worker]."""
+
+    def make(keys: list[Any], w: int = 2, **kw: Any) -> list[phub.Worker]:
+        timeout = kw.pop("timeout", None)
+        jid, token = job(keys, workers=w, **kw)
+        extra = {} if timeout is None else {"timeout": timeout}
+        return [phub.Worker.join(appliance.control_url, jid, token, r, **extra) for r in range(w)]
+
+    return make

@@ -1,0 +1,398 @@
+"""phub.Worker against a local appliance, NumPy only (no torch): `make test-python`."""
+
+from __future__ import annotations
+
+import array
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+import pytest
+
+import phub
+from phub import admin
+
+Workers = Callable[..., list[phub.Worker]]
+
+
+def init_all(ws: list[phub.Worker], key: int, arrays: list[np.ndarray]) -> None:
+    hs = [w.init(key, a) for w, a in zip(ws, arrays)]
+    for h in hs:
+        h.wait()
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """bfloat16 bits of float32 values (exact for values bf16 represents)."""
+    return (np.ascontiguousarray(x, np.float32).view(np.uint32) >> 16).astype(np.uint16)
+
+
+def from_bf16_bits(b: np.ndarray) -> np.ndarray:
+    return (b.astype(np.uint32) << 16).view(np.float32)
+
+
+# -- exchange ---------------------------------------------------------------
+
+def test_init_broadcasts_rank0_values(workers: Workers) -> None:
+    ws = workers([("w", 5000)], 3)
+    arrays = [np.full(5000, r + 1, np.float32) for r in range(3)]
+    arrays[0][:] = np.arange(5000)
+    hs = [w.init(0, a) for w, a in zip(ws, arrays)]
+    for h, a in zip(hs, arrays):
+        assert h.round == 0 and h.key == 0 and h.pending
+        assert h.wait() is a  # the output array itself, written in place
+        assert not h.pending
+    for a in arrays:
+        np.testing.assert_array_equal(a, np.arange(5000, dtype=np.float32))
+    assert all(w.key_round(0) == 0 for w in ws)
+
+
+def test_push_pull_sums_exactly_over_rounds_and_keys(workers: Workers) -> None:
+    # Key sizes: one element, one full chunk (2048 f32), a partial last chunk, several chunks.
+    sizes = [1, 2048, 2049, 50_000]
+    ws = workers(sizes, 3)
+    for k, n in enumerate(sizes):
+        init_all(ws, k, [np.zeros(n, np.float32) for _ in ws])
+    rng = np.random.default_rng(7)
+    for rnd in range(1, 6):
+        grads = [[rng.integers(-1000, 1000, n).astype(np.float32) for n in sizes] for _ in ws]
+        outs = [[np.empty(n, np.float32) for n in sizes] for _ in ws]
+        handles = [[w.push_pull(k, grads[r][k], outs[r][k]) for k in range(len(sizes))] for r, w in enumerate(ws)]
+        for r, hs in enumerate(handles):
+            for k, h in enumerate(hs):
+                assert h.round == rnd
+                assert h.wait() is outs[r][k]
+        for k in range(len(sizes)):
+            want = sum(grads[r][k] for r in range(len(ws)))
+            for r in range(len(ws)):
+                np.testing.assert_array_equal(outs[r][k], want)  # exact: integers in f32
+
+
+def test_push_pull_in_place_by_default(workers: Workers) -> None:
+    w0, w1 = workers([1000])
+    init_all([w0, w1], 0, [np.zeros(1000, np.float32)] * 2)
+    g0 = np.arange(1000, dtype=np.float32)
+    g1 = np.ones(1000, np.float32)
+    h0, h1 = w0.push_pull(0, g0), w1.push_pull(0, g1)
+    assert h0.wait() is g0 and w1.wait(h1) is g1
+    np.testing.assert_array_equal(g0, np.arange(1000) + 1)
+    np.testing.assert_array_equal(g1, g0)
+
+
+def test_mean_job(workers: Workers) -> None:
+    ws = workers([3000], 4, optimizer="mean")
+    init_all(ws, 0, [np.zeros(3000, np.float32) for _ in ws])
+    grads = [np.full(3000, 2.0 * r, np.float32) for r in range(4)]
+    hs = [w.push_pull(0, g) for w, g in zip(ws, grads)]
+    for h in hs:
+        h.wait()
+    for g in grads:
+        np.testing.assert_allclose(g, 3.0)  # (0 + 2 + 4 + 6) / 4
+
+
+def test_server_side_sgd(workers: Workers) -> None:
+    ws = workers([4096], 2, optimizer={"kind": "sgd", "lr": 0.5})
+    p = [np.linspace(-1, 1, 4096, dtype=np.float32), np.zeros(4096, np.float32)]
+    start = p[0].copy()
+    init_all(ws, 0, p)
+    np.testing.assert_array_equal(p[1], start)
+    g = [np.full(4096, 1.0, np.float32), np.full(4096, 3.0, np.float32)]
+    hs = [w.push_pull(0, gi, pi) for w, gi, pi in zip(ws, g, p)]
+    for h in hs:
+        h.wait()
+    for pi in p:
+        np.testing.assert_allclose(pi, start - 0.5 * 2.0, rtol=0, atol=1e-6)
+
+
+def test_other_buffer_protocol_objects(workers: Workers) -> None:
+    w0, w1 = workers([16])
+    a0 = array.array("f", range(16))
+    a1 = bytearray(64)  # 16 float32 zeros, as raw bytes: cast through a memoryview
+    m1 = memoryview(a1).cast("f")
+    init_all([w0, w1], 0, [a0, m1])  # type: ignore[list-item]
+    assert list(m1) == list(range(16))
+    h0 = w0.push_pull(0, array.array("f", [1.0] * 16), a0)
+    h1 = w1.push_pull(0, memoryview(bytearray(np.full(16, 2.0, np.float32).tobytes())).cast("f"), m1)
+    h0.wait(), h1.wait()
+    assert list(a0) == [3.0] * 16 and list(m1) == [3.0] * 16
+
+
+def test_unaligned_float32_goes_through_scratch(workers: Workers) -> None:
+    w0, w1 = workers([100])
+    raw = bytearray(401)
+    unaligned = np.frombuffer(raw, dtype=np.float32, offset=1, count=100)
+    assert unaligned.ctypes.data % 4 != 0
+    init_all([w0, w1], 0, [np.zeros(100, np.float32), np.zeros(100, np.float32)])
+    unaligned[:] = 5.0
+    h0 = w0.push_pull(0, unaligned)  # in place, unaligned: read by copy, written back on wait
+    h1 = w1.push_pull(0, np.ones(100, np.float32))
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(unaligned, 6.0)
+
+
+def test_float16_job(workers: Workers) -> None:
+    w0, w1 = workers([3000], dtype="f16")
+    p0 = np.zeros(3000, np.float16)
+    p1 = np.zeros(3000, np.float32)  # float32 works with every job
+    init_all([w0, w1], 0, [p0, p1])
+    g0 = (np.arange(3000) % 100).astype(np.float16)
+    g1 = np.full(3000, 0.5, np.float32)
+    h0, h1 = w0.push_pull(0, g0, p0), w1.push_pull(0, g1, p1)
+    h0.wait(), h1.wait()
+    want = (np.arange(3000) % 100 + 0.5).astype(np.float32)
+    np.testing.assert_array_equal(p0.astype(np.float32), want)
+    np.testing.assert_array_equal(p1, want)
+    with pytest.raises(phub.UsageError, match="float64"):
+        w0.push_pull(0, np.zeros(3000, np.float64))
+
+
+def test_bfloat16_job_takes_bits_as_int16(workers: Workers) -> None:
+    w0, w1 = workers([1000], dtype="bf16")
+    init_all([w0, w1], 0, [np.zeros(1000, np.uint16), np.zeros(1000, np.int16)])
+    v0 = (np.arange(1000) % 64).astype(np.float32)
+    b0 = bf16_bits(v0)
+    b1 = bf16_bits(np.full(1000, 0.25, np.float32)).view(np.int16)
+    h0, h1 = w0.push_pull(0, b0), w1.push_pull(0, b1)
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(from_bf16_bits(b0), v0 + 0.25)
+    np.testing.assert_array_equal(from_bf16_bits(b1.view(np.uint16)), v0 + 0.25)
+    # float16 is not bfloat16: refused, with what is accepted.
+    with pytest.raises(phub.UsageError, match="bfloat16 bits"):
+        w0.push_pull(0, np.zeros(1000, np.float16))
+
+
+def test_pull_returns_the_last_result(workers: Workers) -> None:
+    w0, w1 = workers([500])
+    init_all([w0, w1], 0, [np.zeros(500, np.float32)] * 2)
+    for _ in range(3):
+        hs = [w.push_pull(0, np.full(500, 1.5, np.float32), np.empty(500, np.float32)) for w in (w0, w1)]
+        for h in hs:
+            h.wait()
+    out = np.zeros(500, np.float32)
+    assert w0.pull(0, out) == 3
+    np.testing.assert_array_equal(out, 3.0)
+
+
+def test_properties_spec_and_stats(workers: Workers) -> None:
+    w0, w1 = workers([("a", 10), ("b", 20)], optimizer={"kind": "momentum", "lr": 0.1})
+    assert (w0.rank, w1.rank, w0.workers, w0.keys) == (0, 1, 2, 2)
+    assert w0.dtype_name == "f32" and w0.optimizer == "momentum"
+    assert w0.key_len(1) == 20 and w0.key_len(2) is None and w0.key_round(0) is None
+    spec = w0.spec()
+    assert spec["keys"][1] == {"name": "b", "elements": 20}
+    assert spec["optimizer"]["kind"] == "momentum"
+    assert "job=" in repr(w0) and ":" in w0.local_addr
+    init_all([w0, w1], 0, [np.zeros(10, np.float32)] * 2)
+    s = w0.stats()
+    assert s["chunks_sent"] >= 1 and s["results_accepted"] >= 1 and s["timeouts"] == 0
+
+
+# -- concurrency --------------------------------------------------------------
+
+def test_wait_releases_the_gil(workers: Workers) -> None:
+    """A Python thread runs while another is blocked in wait()."""
+    w0, w1 = workers([10_000], timeout=5.0)
+    init_all([w0, w1], 0, [np.zeros(10_000, np.float32)] * 2)
+    g0 = np.full(10_000, 1.0, np.float32)
+    h0 = w0.push_pull(0, g0)
+    done: dict[str, Any] = {}
+
+    def waiter() -> None:
+        try:
+            done["out"] = h0.wait()  # blocks until rank 1 pushes, below
+        except BaseException as e:  # pragma: no cover - reported by the asserts
+            done["error"] = e
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    spins = 0
+    deadline = time.monotonic() + 0.3
+    while time.monotonic() < deadline:
+        spins += 1
+    # Had wait() held the GIL, this thread could not have spun until rank 0's
+    # request timed out (5 s), and the waiter would have failed.
+    assert t.is_alive(), done
+    assert spins > 10_000
+    w1.push_pull(0, np.full(10_000, 2.0, np.float32)).wait()
+    t.join(10)
+    assert not t.is_alive() and "error" not in done, done
+    np.testing.assert_array_equal(done["out"], 3.0)
+
+
+def test_keys_move_while_python_works(workers: Workers) -> None:
+    """Several keys in flight complete in the background while Python computes,
+    before anyone calls wait()."""
+    sizes = [200_000] * 4 + [1000] * 8
+    w0, w1 = workers(sizes)
+    for k, n in enumerate(sizes):
+        init_all([w0, w1], k, [np.zeros(n, np.float32)] * 2)
+    before = w0.stats()["results_accepted"]
+    grads = [[np.full(n, float(r + 1), np.float32) for n in sizes] for r in range(2)]
+    handles = [[w.push_pull(k, grads[r][k]) for k in range(len(sizes))] for r, w in enumerate((w0, w1))]
+    chunks = sum(-(-n // 2048) for n in sizes)
+    # Python works (a pure-Python loop holding the GIL between bytecodes)...
+    acc, deadline = 0, time.monotonic() + 10
+    while w0.stats()["results_accepted"] - before < chunks and time.monotonic() < deadline:
+        acc += sum(range(1000))
+    # ... and every chunk's result arrived meanwhile.
+    assert w0.stats()["results_accepted"] - before == chunks
+    assert acc > 0
+    for hs in handles:
+        for h in hs:
+            h.wait()
+    for r in range(2):
+        for g in grads[r]:
+            np.testing.assert_array_equal(g, 3.0)
+
+
+def test_threads_share_a_worker(workers: Workers) -> None:
+    sizes = [5000] * 6
+    w0, w1 = workers(sizes)
+    for k in range(6):
+        init_all([w0, w1], k, [np.zeros(5000, np.float32)] * 2)
+    outs = {r: [np.zeros(5000, np.float32) for _ in sizes] for r in range(2)}
+
+    def run(w: phub.Worker) -> None:
+        # Same key order on both ranks; the GIL is released in wait.
+        hs = [w.push_pull(k, np.full(5000, k, np.float32), outs[w.rank][k]) for k in range(6)]
+        for h in hs:
+            h.wait()
+
+    ts = [threading.Thread(target=run, args=(w,)) for w in (w0, w1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    for r in range(2):
+        for k in range(6):
+            np.testing.assert_array_equal(outs[r][k], 2.0 * k)
+
+
+# -- errors -----------------------------------------------------------------
+
+def test_join_errors_carry_controls_message(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:
+    jid, token = job([10])
+    with pytest.raises(phub.JoinError, match="wrong token"):
+        phub.Worker.join(appliance.control_url, jid, "0000000000000001", 0)
+    with pytest.raises(phub.JoinError, match="rank"):
+        phub.Worker.join(appliance.control_url, jid, token, 7)
+    with pytest.raises(phub.JoinError, match="HTTP 404"):
+        phub.Worker.join(appliance.control_url, 999, token, 0)
+    with pytest.raises(phub.JoinError):
+        phub.Worker.join("http://127.0.0.1:1", jid, token, 0)
+    with pytest.raises(phub.UsageError, match="hex digits"):
+        phub.Worker.join(appliance.control_url, jid, "xyz", 0)
+    with pytest.raises(phub.UsageError, match="window"):
+        phub.Worker.join(appliance.control_url, jid, token, 0, window=0)
+    # Every phub error is a RuntimeError.
+    assert issubclass(phub.JoinError, phub.PhubError) and issubclass(phub.PhubError, RuntimeError)
+    # The token as an int works too.
+    w = phub.Worker.join(appliance.control_url, jid, int(token, 16), 0)
+    assert w.rank == 0
+
+
+def test_usage_errors(workers: Workers) -> None:
+    w0, w1 = workers([100, 200])
+    with pytest.raises(phub.UsageError, match="init"):
+        w0.push_pull(0, np.zeros(100, np.float32))
+    with pytest.raises(phub.UsageError, match="key 5 does not exist"):
+        w0.init(5, np.zeros(100, np.float32))
+    with pytest.raises(phub.UsageError, match="key 0 has 100 elements but `array` has 99"):
+        w0.init(0, np.zeros(99, np.float32))
+    with pytest.raises(phub.UsageError, match="read-only"):
+        ro = np.zeros(100, np.float32)
+        ro.flags.writeable = False
+        w0.init(0, ro)
+    with pytest.raises(phub.UsageError, match="C-contiguous"):
+        w0.init(0, np.zeros(200, np.float32)[::2])
+    with pytest.raises(phub.UsageError, match="buffer"):
+        w0.init(0, [0.0] * 100)  # type: ignore[arg-type]
+    with pytest.raises(phub.UsageError, match="float64"):
+        w0.init(0, np.zeros(100, np.float64))
+    shared = np.zeros(300, np.float32)
+    h0 = w0.init(0, shared[:100])
+    with pytest.raises(phub.UsageError, match="in flight"):
+        w0.init(0, np.zeros(100, np.float32))
+    # Outputs of requests in flight may not overlap (nor may a gradient read
+    # from one).
+    with pytest.raises(phub.UsageError, match="`out` overlaps the output array of key 0"):
+        w0.init(1, shared[50:250])
+    with pytest.raises(phub.UsageError, match="`grad` overlaps"):
+        w0.push_pull(1, shared[:200], np.zeros(200, np.float32))
+    w1.init(0, np.zeros(100, np.float32)).wait()
+    h0.wait()
+    with pytest.raises(phub.UsageError, match="already waited"):
+        h0.wait()
+    with pytest.raises(phub.UsageError, match="`out` has 3"):
+        w0.push_pull(0, np.zeros(100, np.float32), np.zeros(3, np.float32))
+
+
+def test_timeout_when_a_rank_never_pushes(workers: Workers) -> None:
+    w0, w1 = workers([100], timeout=0.5)
+    init_all([w0, w1], 0, [np.zeros(100, np.float32)] * 2)
+    h = w0.push_pull(0, np.ones(100, np.float32))
+    t = time.monotonic()
+    with pytest.raises(phub.PhubTimeoutError, match="no result from the appliance"):
+        h.wait()
+    assert time.monotonic() - t < 5
+
+
+def test_dropping_a_handle_frees_the_key(workers: Workers) -> None:
+    w0, w1 = workers([100])
+    init_all([w0, w1], 0, [np.zeros(100, np.float32)] * 2)
+    out = np.full(100, -1.0, np.float32)
+    h = w0.push_pull(0, np.ones(100, np.float32), out)
+    w1.push_pull(0, np.ones(100, np.float32)).wait()
+    del h  # abandoned: out is left as it was
+    deadline = time.monotonic() + 5
+    while w0.key_round(0) != 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert w0.key_round(0) == 1
+    np.testing.assert_array_equal(out, -1.0)
+    hs = [w.push_pull(0, np.ones(100, np.float32)) for w in (w0, w1)]
+    for h in hs:
+        assert h.round == 2
+        np.testing.assert_array_equal(h.wait(), 2.0)
+
+
+def test_admission_errors(appliance: Any) -> None:
+    op = appliance.operator_token
+    bad = admin.job_spec("bad", 2, [10], optimizer={"kind": "sgd", "lr": -0.1})
+    with pytest.raises(admin.AdminError, match="optimizer.lr") as e:
+        admin.admit(appliance.control_url, bad, operator_token=op)
+    assert e.value.status == 400 and isinstance(e.value, phub.PhubError)
+    # TOML text works as well as a dict.
+    jid, token = admin.admit(
+        appliance.control_url,
+        'name = "toml"\nworkers = 1\n[optimizer]\nkind = "sum"\n[[keys]]\nelements = 4\n',
+        operator_token=op,
+    )
+    assert len(token) == 16 and any(j["id"] == jid for j in admin.jobs(appliance.control_url))
+    assert admin.job(appliance.control_url, jid)["spec"]["name"] == "toml"
+    assert appliance.evict(jid)["id"] == jid
+    if op is not None:  # a phub-control with operator authentication
+        with pytest.raises(admin.AdminError, match="operator token") as e:
+            admin.admit(appliance.control_url, bad, operator_token="wrong")
+        assert e.value.status == 403
+
+
+# -- typing -----------------------------------------------------------------
+
+def test_stub_matches_the_module() -> None:
+    """python/phub/_native.pyi declares exactly what the extension module has."""
+    import ast
+    from pathlib import Path
+
+    import phub._native as native
+
+    stub = ast.parse((Path(phub.__file__).parent / "_native.pyi").read_text())
+    assert (Path(phub.__file__).parent / "py.typed").exists()
+    classes = {n.name: n for n in stub.body if isinstance(n, ast.ClassDef)}
+    public = {n for n in dir(native) if not n.startswith("_")}
+    assert public == set(classes), public ^ set(classes)
+    for name in ("Worker", "Handle"):
+        declared = {f.name for f in classes[name].body if isinstance(f, ast.FunctionDef)}
+        actual = {n for n in dir(getattr(native, name)) if not n.startswith("_")}
+        assert declared == actual, (name, declared ^ actual)
+        for n in actual:
+            assert getattr(getattr(native, name), n).__doc__, f"{name}.{n} has no docstring"

@@ -1,0 +1,144 @@
+"""phub.torch against what users would use instead (`make test-torch`).
+
+- W=2 worker processes training the digits CNN through DDP with phub's comm
+  hook (mean and sum jobs) end with the same parameters as DDP over gloo and
+  as one process on the concatenated batches.
+- With the optimizer on the appliance (DistributedOptimizer): the same as
+  torch.optim on one process with the averaged gradients, for SGD,
+  momentum, Nesterov, Adam and AdamW.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import phub
+import phub.torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+import train_digits as td  # noqa: E402
+
+W = 2
+STEPS = 40
+
+
+def cfg(**kw: Any) -> td.Config:
+    return td.Config(steps=STEPS, quiet=True, **kw)
+
+
+@pytest.fixture(scope="module")
+def initial() -> np.ndarray:
+    return td.flat_params(td.make_model(td.Config().seed))
+
+
+@pytest.fixture(scope="module")
+def gloo() -> np.ndarray:
+    return td.run("gloo", W, cfg())
+
+
+@pytest.fixture(scope="module")
+def single() -> np.ndarray:
+    return td.train_single(cfg(), W)
+
+
+def close(a: np.ndarray, b: np.ndarray, moved: float, rel: float) -> None:
+    """a and b agree to `rel` of how far training moved the parameters."""
+    diff = float(np.max(np.abs(a - b)))
+    assert diff <= rel * moved, f"max |difference| {diff:.3g} > {rel} x {moved:.3g} (parameter movement)"
+
+
+@pytest.mark.parametrize("mode", ["ddp", "ddp-sum"])
+def test_ddp_comm_hook_matches_gloo_and_one_process(appliance: Any, mode: str, initial: np.ndarray,
+                                                      gloo: np.ndarray, single: np.ndarray) -> None:
+    got = td.run(mode, W, cfg(), appliance)
+    moved = float(np.max(np.abs(gloo - initial)))
+    assert moved > 0.05, "training did not move the parameters"
+    # Against gloo all-reducing the same gradients: summing two numbers is
+    # exact in either order and halving is exact, so expect float agreement.
+    np.testing.assert_allclose(got, gloo, rtol=1e-5, atol=1e-6)
+    # Against one process on the concatenated batches (a 64-sample mean
+    # rounds differently from the mean of two 32-sample means).
+    np.testing.assert_allclose(got, single, rtol=1e-3, atol=1e-4)
+    close(got, single, moved, 1e-3)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "momentum", "nesterov", "adam", "adamw"])
+def test_optimizer_on_the_appliance_matches_torch_optim(appliance: Any, opt: str, initial: np.ndarray) -> None:
+    adam = opt.startswith("adam")
+    # Adam's update is scale-free: on near-zero gradients (dead ReLU units)
+    # ulp-level differences in the update arithmetic (the appliance computes
+    # the bias corrections in f32, torch in f64) grow chaotically, from
+    # ~1e-5 after 10 steps to ~lr after 40 on a few elements; so Adam is
+    # compared after 10 steps.
+    c = td.Config(steps=10 if adam else STEPS, quiet=True, optimizer=opt, lr=0.005 if adam else 0.05)
+    got = td.run("server", W, c, appliance)
+    # torch.optim on one process with the W workers' averaged gradients.
+    want = td.train_single(c, W, averaged=True)
+    moved = float(np.max(np.abs(want - initial)))
+    assert moved > 0.01, "training did not move the parameters"
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    close(got, want, moved, 1e-3)
+
+
+def test_broadcast_parameters_gives_rank0_values(workers: Any) -> None:
+    models = [td.make_model(1), td.make_model(2)]
+    spec_keys = [p.numel() for p in models[0].parameters()]
+    ws = workers(spec_keys, W, optimizer="mean")
+    ts = [threading.Thread(target=phub.torch.broadcast_parameters, args=(w, m)) for w, m in zip(ws, models)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(30)
+    np.testing.assert_array_equal(td.flat_params(models[1]), td.flat_params(td.make_model(1)))
+
+
+def test_bfloat16_tensors(workers: Any) -> None:
+    ws = workers([1000], W, dtype="bf16")
+    ts = [torch.zeros(1000, dtype=torch.bfloat16) for _ in ws]
+    for h in [w.init(0, phub.torch.to_numpy(t)) for w, t in zip(ws, ts)]:
+        h.wait()
+    gs = [torch.arange(1000, dtype=torch.float32).remainder(64).to(torch.bfloat16), torch.full((1000,), 0.5).bfloat16()]
+    for h in [w.push_pull(0, phub.torch.to_numpy(g)) for w, g in zip(ws, gs)]:
+        h.wait()
+    want = torch.arange(1000, dtype=torch.float32).remainder(64) + 0.5
+    for g in gs:
+        assert torch.equal(g.float(), want)
+
+
+def test_optimizer_spec_translation() -> None:
+    p = [torch.nn.Parameter(torch.zeros(3))]
+    assert phub.torch.optimizer_spec(torch.optim.SGD(p, lr=0.1)) == {"kind": "sgd", "lr": 0.1, "weight_decay": 0.0}
+    assert phub.torch.optimizer_spec(torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True))["kind"] == "nesterov"
+    s = phub.torch.optimizer_spec(torch.optim.AdamW(p, lr=1e-3, betas=(0.8, 0.99), weight_decay=0.1))
+    assert s == {"kind": "adamw", "lr": 1e-3, "beta1": 0.8, "beta2": 0.99, "eps": 1e-8, "weight_decay": 0.1}
+    with pytest.raises(phub.UsageError, match="dampening"):
+        phub.torch.optimizer_spec(torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1))
+    with pytest.raises(phub.UsageError, match="amsgrad"):
+        phub.torch.optimizer_spec(torch.optim.Adam(p, amsgrad=True))
+    with pytest.raises(phub.UsageError, match="RMSprop"):
+        phub.torch.optimizer_spec(torch.optim.RMSprop(p))
+    spec = phub.torch.job_spec(td.make_model(0), 4, optimizer=torch.optim.SGD(p, lr=0.1))
+    assert spec["workers"] == 4 and [k["name"] for k in spec["keys"]][:2] == ["conv1.weight", "conv1.bias"]
+    assert sum(k["elements"] for k in spec["keys"]) == sum(q.numel() for q in td.make_model(0).parameters())
+
+
+def test_hook_and_optimizer_refuse_the_wrong_job(workers: Any) -> None:
+    model = td.make_model(0)
+    keys = [p.numel() for p in model.parameters()]
+    (w,) = workers(keys, 1, optimizer={"kind": "sgd", "lr": 0.1})
+    with pytest.raises(phub.UsageError, match="sum or mean"):
+        phub.torch.CommHookState(w, model)
+    (m,) = workers(keys, 1, optimizer="mean")
+    with pytest.raises(phub.UsageError, match="DDP comm hook"):
+        phub.torch.DistributedOptimizer(model.parameters(), m)
+    with pytest.raises(phub.UsageError, match="keys"):
+        phub.torch.DistributedOptimizer(torch.nn.Linear(2, 2).parameters(), w)
+    with pytest.raises(phub.UsageError, match="lr"):
+        phub.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), w)
