@@ -7,6 +7,8 @@ use phub_proto::Dtype;
 pub(crate) fn encode(dtype: Dtype, src: &[f32], dst: &mut [u8]) {
     debug_assert_eq!(src.len() * dtype.size(), dst.len());
     match dtype {
+        // Little-endian f32 is the wire format: a plain copy.
+        Dtype::F32 if cfg!(target_endian = "little") => dst.copy_from_slice(bytemuck::cast_slice(src)),
         Dtype::F32 => {
             for (x, d) in src.iter().zip(dst.chunks_exact_mut(4)) {
                 d.copy_from_slice(&x.to_le_bytes());
@@ -29,6 +31,10 @@ pub(crate) fn encode(dtype: Dtype, src: &[f32], dst: &mut [u8]) {
 pub(crate) fn decode(dtype: Dtype, src: &[u8], dst: &mut [f32]) {
     debug_assert_eq!(dst.len() * dtype.size(), src.len());
     match dtype {
+        // The payload need not be 4-byte aligned: copy into the f32s' bytes.
+        Dtype::F32 if cfg!(target_endian = "little") => {
+            bytemuck::cast_slice_mut::<f32, u8>(dst).copy_from_slice(src)
+        }
         Dtype::F32 => {
             for (d, b) in dst.iter_mut().zip(src.chunks_exact(4)) {
                 *d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);

@@ -43,6 +43,7 @@
 mod codec;
 mod error;
 mod io;
+pub mod net;
 mod stats;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -60,13 +61,16 @@ pub use error::WorkerError;
 pub use phub_proto::api::JoinResponse;
 pub use stats::WorkerStats;
 
-use io::{ChunkMsg, Command, Completion, JobInfo, KeyState, Keys, Kind, Request};
+use io::{
+    ChunkMsg, Command, Completion, JobInfo, KeyState, Keys, Kind, RawBytes, RawF32s, Request, Sink, Tx,
+};
 
 /// Tuning of a [`Worker`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct WorkerConfig {
-    /// Most chunks outstanding (sent, no result yet) across all keys.
-    /// Default 64. Keep W workers' windows within an lcore's receive ring.
+    /// Most chunks outstanding (sent, no result yet) across all keys; 0
+    /// (the default) picks it from the job, see [`auto_window`]. Keep W
+    /// workers' windows within an lcore's receive buffer.
     pub window: usize,
     /// A request fails with [`WorkerError::Timeout`] once no result at all
     /// has arrived for this long while requests are outstanding. Default 30 s.
@@ -78,18 +82,72 @@ pub struct WorkerConfig {
     pub max_rto: Duration,
     /// Retransmission timeout before the first round-trip sample. Default 50 ms.
     pub initial_rto: Duration,
+    /// Send same-size datagrams to one lcore as UDP GSO trains
+    /// (`UDP_SEGMENT`). Default on; falls back by itself where the kernel
+    /// refuses.
+    pub gso: bool,
+    /// Receive GRO trains (`UDP_GRO`). Default on.
+    pub gro: bool,
+    /// Receive and send buffer asked for the socket, bytes (forced beyond
+    /// `net.core.rmem_max` where the process may). Default 32 MiB.
+    pub socket_buffer: usize,
 }
 
 impl Default for WorkerConfig {
     fn default() -> WorkerConfig {
         WorkerConfig {
-            window: 64,
+            window: 0,
             timeout: Duration::from_secs(30),
             min_rto: Duration::from_millis(2),
             max_rto: Duration::from_secs(1),
             initial_rto: Duration::from_millis(50),
+            gso: true,
+            gro: true,
+            socket_buffer: 32 << 20,
         }
     }
+}
+
+/// Receive buffer assumed for each dataplane lcore's socket: phub-dataplane's
+/// default `--socket-buffer` (32 MiB, forced beyond rmem_max when it runs
+/// as root). A dataplane run with smaller buffers needs a smaller
+/// [`WorkerConfig::window`].
+pub const ASSUMED_LCORE_RCVBUF: usize = 32 << 20;
+
+/// Bytes in flight per lcore that [`auto_window`] aims at: about one
+/// core's L2 cache, so that a chunk is still in cache when the lcore reads
+/// it and when its result comes back. Far more than a rack's
+/// bandwidth-delay product (100 Gb/s x 50 us = 625 kB).
+pub const IN_FLIGHT_PER_LCORE: usize = 1 << 20;
+
+/// The window [`WorkerConfig::window`] = 0 stands for, from the job's shape.
+///
+/// Two bounds, the smaller wins:
+///
+/// - **Incast**, a hard bound: every chunk a worker has outstanding may sit
+///   in an lcore's receive buffer at the same time as the other W - 1
+///   workers' chunks. The layout spreads chunks evenly over the job's L
+///   lcores, so each lcore holds about `W * window / L` of them, and the
+///   kernel charges each with its overhead (the skb's truesize: up to
+///   twice the datagram on loopback, close to 1x for a GRO train; 2x is
+///   assumed). Hence `window <= L * ASSUMED_LCORE_RCVBUF / (W * 2 *
+///   datagram)`; likewise the results of the window come back to this
+///   worker's own socket: `window <= own_rcvbuf / (2 * datagram)`.
+/// - **Cache**, a soft bound: `window <= L * IN_FLIGHT_PER_LCORE / (W *
+///   datagram)`. Past it, chunks fall out of cache between the copies of
+///   their journey and every copy goes to DRAM: on the 2-core development
+///   VM, ResNet-50 with W = 2 cost the dataplane 60 ms of CPU per round
+///   with a window of 64 and 92 ms with 1024 (BENCHMARKS.md).
+///
+/// Never more than the job's chunks, never fewer than 16. For 8 KiB chunks
+/// on one lcore: 126 for W = 1, 63 for W = 2, 16 from W = 8 on.
+pub fn auto_window(workers: u32, lcores: usize, chunks: usize, datagram: usize, own_rcvbuf: usize) -> usize {
+    let d = datagram.max(64);
+    let (w, l) = (workers.max(1) as usize, lcores.max(1));
+    let incast = l * ASSUMED_LCORE_RCVBUF / (w * 2 * d);
+    let own = own_rcvbuf / (2 * d);
+    let cache = l * IN_FLIGHT_PER_LCORE / (w * d);
+    incast.min(own).min(cache).min(chunks).max(16)
 }
 
 /// A request in flight; give it to [`Worker::wait`] to get its result.
@@ -126,6 +184,57 @@ impl Handle<'_> {
     }
 }
 
+/// Requests whose buffers are lent to the I/O thread rather than copied;
+/// see [`Worker::exchange`].
+///
+/// `'b` is the lifetime of the lent buffers: it outlives the whole
+/// `exchange` call, which does not return before every request started
+/// here has ended, so the I/O thread never touches a buffer after it is
+/// released. `'b` is invariant (as `std::thread::scope`'s `'env`), so
+/// buffers with a shorter life cannot be passed in.
+pub struct Exchange<'x, 'b> {
+    worker: &'x Worker,
+    waiting: std::cell::RefCell<Vec<(u32, Receiver<Completion>)>>,
+    _lent: std::marker::PhantomData<fn(&'b ()) -> &'b ()>,
+}
+
+impl std::fmt::Debug for Exchange<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exchange")
+            .field("requests", &self.waiting.borrow().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'b> Exchange<'_, 'b> {
+    /// The next round for `key`, like [`Worker::push_pull`], but `grad` is
+    /// read and `out` written in place by the I/O thread: neither may be
+    /// touched until [`Worker::exchange`] returns (the borrows enforce it).
+    /// Returns at once; the exchange waits for the result.
+    pub fn push_pull(&self, key: u32, grad: &'b [f32], out: &'b mut [f32]) -> Result<(), WorkerError> {
+        let rx = self.worker.push_pull_lent(key, grad, out)?;
+        self.waiting.borrow_mut().push((key, rx));
+        Ok(())
+    }
+
+    /// Waits for every request started here; the first error, if any.
+    fn wait_all(&self) -> Result<(), WorkerError> {
+        let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
+        let mut first = Ok(());
+        for (_, rx) in waiting {
+            let r = match rx.recv() {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e),
+                Err(_) => Err(WorkerError::Closed),
+            };
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
 /// A joined worker: one rank of one job.
 ///
 /// `Send + Sync`; every method takes `&self`, so threads may share it. One
@@ -145,6 +254,10 @@ pub struct Worker {
     /// A handle on the socket, to wake the I/O thread with an empty datagram.
     waker: UdpSocket,
     local: SocketAddr,
+    /// The I/O thread waits in the kernel (see `send_request`).
+    sleeping: Arc<std::sync::atomic::AtomicBool>,
+    window: usize,
+    socket_info: net::SocketInfo,
     stats: Arc<stats::Counters>,
     thread: Option<JoinHandle<()>>,
 }
@@ -167,9 +280,34 @@ impl Worker {
         rank: u16,
         config: WorkerConfig,
     ) -> Result<Worker, WorkerError> {
+        Worker::join_as(control_url, job, token, rank, false, config)
+    }
+
+    /// Takes the place of `rank` in `job` after this worker's process was
+    /// restarted: control accepts a rank that already joined. Follow it with
+    /// [`Worker::pull`] on every key to catch up with the job's parameters
+    /// and rounds, then carry on with `push_pull`.
+    pub fn rejoin(
+        control_url: &str,
+        job: u16,
+        token: u64,
+        rank: u16,
+        config: WorkerConfig,
+    ) -> Result<Worker, WorkerError> {
+        Worker::join_as(control_url, job, token, rank, true, config)
+    }
+
+    fn join_as(
+        control_url: &str,
+        job: u16,
+        token: u64,
+        rank: u16,
+        rejoin: bool,
+        config: WorkerConfig,
+    ) -> Result<Worker, WorkerError> {
         let url = format!("{}/v1/jobs/{job}/join", control_url.trim_end_matches('/'));
         let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(10)).build();
-        let answer = agent.post(&url).send_json(JoinRequest { token, rank });
+        let answer = agent.post(&url).send_json(JoinRequest { token, rank, rejoin });
         let join: JoinResponse = match answer {
             Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
                 url: url.clone(),
@@ -215,7 +353,21 @@ impl Worker {
         };
         let io_err = |context: String| move |source| WorkerError::Io { context, source };
         let socket = UdpSocket::bind(bind).map_err(io_err(format!("binding a UDP socket on {bind}")))?;
+        let waker = socket
+            .try_clone()
+            .map_err(io_err("cloning the UDP socket".into()))?;
+        let socket = net::BatchSocket::new(
+            socket,
+            net::SocketOptions {
+                gso: config.gso,
+                gro: config.gro,
+                buffer_bytes: config.socket_buffer,
+            },
+        )
+        .map_err(io_err("setting the UDP socket up".into()))?;
+        let socket_info = socket.info();
         let mut local = socket
+            .socket()
             .local_addr()
             .map_err(io_err("reading the UDP socket's address".into()))?;
         if local.ip().is_unspecified() {
@@ -225,12 +377,21 @@ impl Worker {
                 IpAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
             });
         }
-        let waker = socket
-            .try_clone()
-            .map_err(io_err("cloning the UDP socket".into()))?;
+        let datagram = HEADER_LEN + join.spec.chunk_bytes as usize;
+        let window = match config.window {
+            0 => auto_window(
+                join.spec.workers,
+                join.layout.lcore_count().max(1),
+                join.layout.chunk_count(),
+                datagram,
+                socket_info.rcvbuf,
+            ),
+            w => w,
+        };
         let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
         let stats = Arc::new(stats::Counters::default());
         let (cmds, cmd_rx) = crossbeam_channel::unbounded();
+        let sleeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let info = JobInfo {
             job: join.job,
             token,
@@ -241,7 +402,9 @@ impl Worker {
             socket,
             local,
             info,
+            window,
             &config,
+            Arc::clone(&sleeping),
             cmd_rx,
             Arc::clone(&keys),
             Arc::clone(&stats),
@@ -251,13 +414,17 @@ impl Worker {
             .spawn(move || thread.run())
             .map_err(io_err("starting the worker's I/O thread".into()))?;
         log::info!(
-            "phub-worker: job {} rank {} of {} joined; {} keys, {} chunks, dataplane {}, socket {local}",
+            "phub-worker: job {} rank {} of {} joined; {} keys, {} chunks, dataplane {}, socket {local} \
+             (window {window}, gso {}, gro {}, rcvbuf {})",
             join.job,
             join.rank,
             join.spec.workers,
             join.spec.keys.len(),
             join.layout.chunk_count(),
             lcores[0],
+            socket_info.gso,
+            socket_info.gro,
+            socket_info.rcvbuf,
         );
         Ok(Worker {
             job: join.job,
@@ -270,6 +437,9 @@ impl Worker {
             cmds,
             waker,
             local,
+            sleeping,
+            window,
+            socket_info,
             stats,
             thread: Some(thread),
         })
@@ -316,6 +486,16 @@ impl Worker {
         self.local
     }
 
+    /// The window in use: most chunks outstanding at once.
+    pub fn window(&self) -> usize {
+        self.window
+    }
+
+    /// What the UDP socket got (GSO, GRO, buffer sizes).
+    pub fn socket_info(&self) -> net::SocketInfo {
+        self.socket_info
+    }
+
     /// A snapshot of the worker's counters.
     pub fn stats(&self) -> WorkerStats {
         self.stats.snapshot()
@@ -333,8 +513,8 @@ impl Worker {
             _ => Ok(0),
         })?;
         let payload = (self.rank == 0).then_some(&params[..]);
-        let chunks = self.messages(key, elements, MsgType::Init, 0, payload);
-        self.submit(key, 0, Kind::Init, elements, chunks, params)
+        let (chunks, tx) = self.messages(key, elements, MsgType::Init, 0, payload);
+        self.submit(key, 0, Kind::Init, elements, chunks, tx, params)
     }
 
     /// The next round for `key`: pushes `grad` (copied at once, so the caller
@@ -353,8 +533,8 @@ impl Worker {
             Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
             Some(r) => Ok(r + 1),
         })?;
-        let chunks = self.messages(key, elements, MsgType::Push, round, Some(grad));
-        self.submit(key, round, Kind::Push, elements, chunks, out)
+        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(grad));
+        self.submit(key, round, Kind::Push, elements, chunks, tx, out)
     }
 
     /// Waits for a request's result and writes it into the slice the
@@ -363,6 +543,7 @@ impl Worker {
         match h.done.recv() {
             Ok(Ok(done)) => {
                 h.out.copy_from_slice(&done.values);
+                self.keep_values(done.key, done.values);
                 Ok(())
             }
             Ok(Err(e)) => Err(e),
@@ -382,19 +563,21 @@ impl Worker {
     pub fn pull(&self, key: u32, out: &mut [f32]) -> Result<u32, WorkerError> {
         let elements = self.check_len(key, out.len())?;
         self.claim(key, |_| Ok(0))?;
-        let chunks = self.messages(key, elements, MsgType::Pull, 0, None);
+        let (chunks, buf) = self.messages(key, elements, MsgType::Pull, 0, None);
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {
             key,
             round: 0,
             kind: Kind::Pull,
-            elements,
             chunks,
+            tx: Tx::Owned(buf),
+            values: Sink::Owned(self.take_values(key, elements)),
             done: tx,
         })?;
         match rx.recv() {
             Ok(Ok(done)) => {
                 out.copy_from_slice(&done.values);
+                self.keep_values(done.key, done.values);
                 Ok(done.round)
             }
             Ok(Err(e)) => Err(e),
@@ -438,7 +621,25 @@ impl Worker {
         self.lock_keys()[key as usize].busy = false;
     }
 
-    /// Encodes one datagram per chunk of `key`.
+    /// The key's spare result buffer, sized for `elements` (its contents
+    /// do not matter: every element is overwritten by a result).
+    fn take_values(&self, key: u32, elements: usize) -> Vec<f32> {
+        let mut v = std::mem::take(&mut self.lock_keys()[key as usize].values_spare);
+        if v.len() != elements {
+            v = vec![0f32; elements];
+        }
+        v
+    }
+
+    /// Keeps a result buffer for the key's next request.
+    fn keep_values(&self, key: u32, values: Vec<f32>) {
+        if let Some(k) = self.lock_keys().get_mut(key as usize) {
+            k.values_spare = values;
+        }
+    }
+
+    /// Encodes one datagram per chunk of `key`, all into one buffer (the
+    /// key's buffer from its previous request when it has the right size).
     fn messages(
         &self,
         key: u32,
@@ -446,10 +647,26 @@ impl Worker {
         kind: MsgType,
         round: u32,
         payload: Option<&[f32]>,
-    ) -> Vec<ChunkMsg> {
+    ) -> (Vec<ChunkMsg>, Vec<u8>) {
         let dtype = self.spec.dtype;
         let ce = self.layout.chunk_elems as usize;
-        self.layout.keys[key as usize]
+        let places = &self.layout.keys[key as usize];
+        let total: usize = (0..places.len())
+            .map(|c| {
+                let count = if payload.is_some() {
+                    self.layout.chunk_len(elements as u64, c as u32) as usize
+                } else {
+                    0
+                };
+                HEADER_LEN + count * dtype.size()
+            })
+            .sum();
+        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
+        if buf.len() != total {
+            buf = vec![0u8; total];
+        }
+        let mut start = 0;
+        let chunks = places
             .iter()
             .enumerate()
             .map(|(c, place)| {
@@ -457,7 +674,8 @@ impl Worker {
                 let offset = c * ce;
                 let values = payload.map(|p| &p[offset..offset + len as usize]);
                 let count = values.map_or(0, <[f32]>::len);
-                let mut datagram = vec![0u8; HEADER_LEN + count * dtype.size()];
+                let bytes = HEADER_LEN + count * dtype.size();
+                let datagram = &mut buf[start..start + bytes];
                 let repr = Repr {
                     kind,
                     dtype,
@@ -472,23 +690,168 @@ impl Worker {
                     key,
                     chunk: c as u32,
                 };
-                let mut h = Header::new_unchecked(&mut datagram[..]);
+                let mut h = Header::new_unchecked(datagram);
                 repr.emit(&mut h);
                 if let Some(v) = values {
                     codec::encode(dtype, v, h.payload_mut());
                 }
-                ChunkMsg {
+                let m = ChunkMsg {
                     chunk: c as u32,
                     slot: place.slot,
                     offset,
                     len,
                     to: self.lcores[usize::from(place.lcore)],
-                    datagram,
-                }
+                    lcore: place.lcore,
+                    start,
+                    bytes,
+                };
+                start += bytes;
+                m
             })
-            .collect()
+            .collect();
+        (chunks, buf)
     }
 
+    /// The headers of a PUSH of every chunk of `key` (HEADER_LEN bytes each,
+    /// chunk c's at c * HEADER_LEN), for payloads sent from the caller's
+    /// own `f32`s (little-endian f32 jobs only).
+    fn push_headers(&self, key: u32, elements: usize, round: u32) -> (Vec<ChunkMsg>, Vec<u8>) {
+        let ce = self.layout.chunk_elems as usize;
+        let places = &self.layout.keys[key as usize];
+        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
+        if buf.len() != places.len() * HEADER_LEN {
+            buf = vec![0u8; places.len() * HEADER_LEN];
+        }
+        let chunks = places
+            .iter()
+            .enumerate()
+            .map(|(c, place)| {
+                let len = self.layout.chunk_len(elements as u64, c as u32);
+                let start = c * HEADER_LEN;
+                let repr = Repr {
+                    kind: MsgType::Push,
+                    dtype: self.spec.dtype,
+                    flags: 0,
+                    token: self.token,
+                    job: self.job,
+                    rank: self.rank,
+                    count: len as u16,
+                    error: 0,
+                    round,
+                    slot: place.slot,
+                    key,
+                    chunk: c as u32,
+                };
+                repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
+                ChunkMsg {
+                    chunk: c as u32,
+                    slot: place.slot,
+                    offset: c * ce,
+                    len,
+                    to: self.lcores[usize::from(place.lcore)],
+                    lcore: place.lcore,
+                    start,
+                    bytes: HEADER_LEN + len as usize * 4,
+                }
+            })
+            .collect();
+        (chunks, buf)
+    }
+
+    /// Starts every chunk of a round for `key` with the caller's buffers
+    /// lent, not copied (see [`Exchange`]): the result is written into
+    /// `out` in place, and with an `f32` job the datagrams' payloads are
+    /// `grad` itself (other dtypes are encoded into datagrams first).
+    fn push_pull_lent(
+        &self,
+        key: u32,
+        grad: &[f32],
+        out: &mut [f32],
+    ) -> Result<Receiver<Completion>, WorkerError> {
+        let elements = self.check_len(key, grad.len())?;
+        self.check_len(key, out.len())?;
+        let round = self.claim(key, |k| match k.round {
+            None => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
+            Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
+            Some(r) => Ok(r + 1),
+        })?;
+        let (chunks, tx) = if self.spec.dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") {
+            let (chunks, headers) = self.push_headers(key, elements, round);
+            let payload = RawBytes {
+                ptr: grad.as_ptr().cast(),
+                len: std::mem::size_of_val(grad),
+            };
+            (chunks, Tx::Borrowed { headers, payload })
+        } else {
+            let (chunks, buf) = self.messages(key, elements, MsgType::Push, round, Some(grad));
+            (chunks, Tx::Owned(buf))
+        };
+        let (done, rx) = crossbeam_channel::bounded(1);
+        self.send_request(Request {
+            key,
+            round,
+            kind: Kind::Push,
+            chunks,
+            tx,
+            values: Sink::Borrowed(RawF32s {
+                ptr: out.as_mut_ptr(),
+                len: out.len(),
+            }),
+            done,
+        })?;
+        Ok(rx)
+    }
+
+    /// Runs `f` with an [`Exchange`]: every `push_pull` started on it lends
+    /// its gradient and output buffers to the I/O thread instead of copying
+    /// them, and `exchange` returns only once every one of them has ended
+    /// (also when `f` panics), with the first error if any failed.
+    ///
+    /// This saves the copies [`Worker::push_pull`] and [`Worker::wait`] make
+    /// of every byte: results are written straight into the caller's output
+    /// (not into a buffer then copied), and with an `f32` job datagrams go
+    /// out as a header plus the caller's gradient (not encoded into a
+    /// buffer first). Other dtypes are still encoded.
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), phub_worker::WorkerError> {
+    /// # let w = phub_worker::Worker::join("http://127.0.0.1:7700", 1, 7, 0)?;
+    /// # let (grads, mut params): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (vec![], vec![]);
+    /// w.exchange(|x| {
+    ///     for (k, (g, p)) in grads.iter().zip(params.iter_mut()).enumerate() {
+    ///         x.push_pull(k as u32, g, p)?;
+    ///     }
+    ///     Ok::<(), phub_worker::WorkerError>(())
+    /// })??;
+    /// // params now hold the round's results.
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn exchange<'b, R>(
+        &self,
+        f: impl for<'x> FnOnce(&'x Exchange<'x, 'b>) -> R,
+    ) -> Result<R, WorkerError> {
+        let x = Exchange {
+            worker: self,
+            waiting: std::cell::RefCell::new(Vec::new()),
+            _lent: std::marker::PhantomData,
+        };
+        // Waits for every lent request if `f` unwinds: the buffers must not
+        // be released while the I/O thread may still use them.
+        struct Guard<'g, 'x, 'b>(&'g Exchange<'x, 'b>);
+        impl Drop for Guard<'_, '_, '_> {
+            fn drop(&mut self) {
+                let _ = self.0.wait_all();
+            }
+        }
+        let guard = Guard(&x);
+        let r = f(&x);
+        let ended = x.wait_all();
+        drop(guard);
+        ended.map(|()| r)
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn submit<'a>(
         &'a self,
         key: u32,
@@ -496,16 +859,18 @@ impl Worker {
         kind: Kind,
         elements: usize,
         chunks: Vec<ChunkMsg>,
+        tx: Vec<u8>,
         out: &'a mut [f32],
     ) -> Result<Handle<'a>, WorkerError> {
-        let (tx, rx) = crossbeam_channel::bounded(1);
+        let (done, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {
             key,
             round,
             kind,
-            elements,
             chunks,
-            done: tx,
+            tx: Tx::Owned(tx),
+            values: Sink::Owned(self.take_values(key, elements)),
+            done,
         })?;
         Ok(Handle {
             key,
@@ -522,7 +887,12 @@ impl Worker {
             self.release(key);
             return Err(WorkerError::Closed);
         }
-        self.wake();
+        // The I/O thread checks the channel before it waits; it only needs
+        // a wake-up datagram when it may already be waiting.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.sleeping.load(std::sync::atomic::Ordering::SeqCst) {
+            self.wake();
+        }
         Ok(())
     }
 
@@ -622,4 +992,23 @@ fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
             )),
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_window_takes_the_smallest_bound() {
+        let d = HEADER_LEN + 8192;
+        // Cache bound: 1 MiB per lcore over W.
+        assert_eq!(auto_window(1, 1, 100_000, d, 64 << 20), (1 << 20) / d);
+        assert_eq!(auto_window(2, 1, 100_000, d, 64 << 20), (1 << 20) / (2 * d));
+        assert_eq!(auto_window(2, 4, 100_000, d, 64 << 20), (4 << 20) / (2 * d));
+        // Never beyond the job's chunks, never below 16.
+        assert_eq!(auto_window(1, 1, 40, d, 64 << 20), 40);
+        assert_eq!(auto_window(64, 1, 100_000, d, 64 << 20), 16);
+        // A small own receive buffer bounds it (an unprivileged process).
+        assert_eq!(auto_window(1, 8, 100_000, d, 416 << 10), (416 << 10) / (2 * d));
+    }
 }

@@ -9,8 +9,11 @@ use serde::{Deserialize, Serialize};
 pub struct WorkerStats {
     /// Chunk messages (INIT, PUSH, PULL) sent for the first time.
     pub chunks_sent: u64,
-    /// Chunk messages sent again after their retransmission timeout.
+    /// Chunk messages sent again: after their retransmission timeout, or
+    /// at once when later chunks' results overtook them (fast).
     pub retransmits: u64,
+    /// The part of `retransmits` sent by fast retransmission.
+    pub fast_retransmits: u64,
     /// RESULTs accepted for an outstanding chunk.
     pub results_accepted: u64,
     /// RESULTs of this job ignored: duplicates, or for a round or chunk not
@@ -38,6 +41,7 @@ pub struct WorkerStats {
 pub(crate) struct Counters {
     pub(crate) chunks_sent: AtomicU64,
     pub(crate) retransmits: AtomicU64,
+    pub(crate) fast_retransmits: AtomicU64,
     pub(crate) results_accepted: AtomicU64,
     pub(crate) results_ignored: AtomicU64,
     pub(crate) foreign_dropped: AtomicU64,
@@ -60,6 +64,7 @@ impl Counters {
         WorkerStats {
             chunks_sent: r(&self.chunks_sent),
             retransmits: r(&self.retransmits),
+            fast_retransmits: r(&self.fast_retransmits),
             results_accepted: r(&self.results_accepted),
             results_ignored: r(&self.results_ignored),
             foreign_dropped: r(&self.foreign_dropped),

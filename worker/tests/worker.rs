@@ -116,6 +116,7 @@ fn bind_consecutive(n: usize) -> Vec<UdpSocket> {
 
 fn spec(workers: u32, keys: &[u64], dtype: Dtype, optimizer: Optimizer) -> JobSpec {
     JobSpec {
+        checkpoint_interval_s: None,
         name: "worker-test".into(),
         workers,
         dtype,
@@ -204,6 +205,18 @@ fn reference(spec: &JobSpec, key: usize, rounds: u32) -> Vec<Vec<f32>> {
 /// W workers (threads) run `rounds` rounds on every key at once and check
 /// every result; returns the workers' summed stats.
 fn run_job(spec: &JobSpec, lcores: usize, rounds: u32, loss: f64) -> phub_worker::WorkerStats {
+    run_job_with(spec, lcores, rounds, loss, false)
+}
+
+/// As [`run_job`]; with `exchange`, every round goes through
+/// `Worker::exchange` (buffers lent, not copied) instead of handles.
+fn run_job_with(
+    spec: &JobSpec,
+    lcores: usize,
+    rounds: u32,
+    loss: f64,
+    exchange: bool,
+) -> phub_worker::WorkerStats {
     let layout = layout(spec, &mut vec![0; lcores]);
     let app = FakeAppliance::start(spec, &layout, loss, 42);
     let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
@@ -246,15 +259,24 @@ fn run_job(spec: &JobSpec, lcores: usize, rounds: u32, loss: f64) -> phub_worker
                         .enumerate()
                         .map(|(k, &n)| (0..n).map(|i| grad(rank, r, k, i)).collect())
                         .collect();
-                    // All keys in flight at once, waited for in reverse order.
-                    let mut handles: Vec<_> = outs
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(k, o)| w.push_pull(k as u32, &grads[k], o).unwrap())
-                        .collect();
-                    while let Some(h) = handles.pop() {
-                        assert_eq!(h.round(), r);
-                        w.wait(h).unwrap();
+                    if exchange {
+                        w.exchange(|x| {
+                            for (k, o) in outs.iter_mut().enumerate() {
+                                x.push_pull(k as u32, &grads[k], o).unwrap();
+                            }
+                        })
+                        .unwrap();
+                    } else {
+                        // All keys in flight at once, waited for in reverse order.
+                        let mut handles: Vec<_> = outs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(k, o)| w.push_pull(k as u32, &grads[k], o).unwrap())
+                            .collect();
+                        while let Some(h) = handles.pop() {
+                            assert_eq!(h.round(), r);
+                            w.wait(h).unwrap();
+                        }
                     }
                     for (k, o) in outs.iter().enumerate() {
                         if o != &refs[k][r as usize] {
@@ -329,6 +351,54 @@ fn bf16_mean_and_sgd() {
 }
 
 /// A worker alone in a job of two: its pushes never complete.
+#[test]
+fn exchange_lends_buffers_exactly_under_loss() {
+    // f32: payloads sent from the caller's gradient, results written in place.
+    let s = run_job_with(&spec(3, &KEYS, Dtype::F32, Optimizer::Sum), 3, 6, 0.0, true);
+    assert_eq!(s.results_accepted, 3 * 7 * 53);
+    let s = run_job_with(&spec(3, &KEYS, Dtype::F32, sgd()), 2, 6, 0.10, true);
+    assert!(s.retransmits > 0 && s.timeouts == 0, "{s:?}");
+    // bf16: encoded, results still written in place.
+    run_job_with(&spec(2, &KEYS, Dtype::Bf16, Optimizer::Mean), 2, 4, 0.05, true);
+}
+
+#[test]
+fn exchange_reports_errors_and_waits_on_panic() {
+    let spec = spec(1, &[5000, 10], Dtype::F32, Optimizer::Sum);
+    let layout = layout(&spec, &mut [0]);
+    let app = FakeAppliance::start(&spec, &layout, 0.0, 7);
+    let w = Worker::from_join(join_response(&spec, &layout, 0, app.base_port), TOKEN, quick()).unwrap();
+    let mut p0 = vec![1.0f32; 5000];
+    let mut p1 = vec![2.0f32; 10];
+    w.wait(w.init(0, &mut p0).unwrap()).unwrap();
+    w.wait(w.init(1, &mut p1).unwrap()).unwrap();
+    let g0 = vec![3.0f32; 5000];
+    let short = vec![0.0f32; 9];
+    // A bad request fails at once; the good one still completes before
+    // exchange returns.
+    let r = w.exchange(|x| {
+        x.push_pull(0, &g0, &mut p0)?;
+        x.push_pull(1, &short, &mut p1)
+    });
+    assert!(matches!(r, Ok(Err(WorkerError::Length { key: 1, .. }))), "{r:?}");
+    assert!(p0.iter().all(|&v| v == 3.0));
+    assert_eq!(w.key_round(0), Some(1));
+    // A panic inside the closure: exchange waits for the lent buffers
+    // before unwinding further, and the worker stays usable.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        w.exchange(|x| {
+            x.push_pull(0, &g0, &mut p0).unwrap();
+            panic!("training step failed");
+        })
+    }));
+    assert!(caught.is_err());
+    assert_eq!(w.key_round(0), Some(2));
+    assert!(p0.iter().all(|&v| v == 3.0));
+    let g1 = vec![0.5f32; 10];
+    w.exchange(|x| x.push_pull(1, &g1, &mut p1)).unwrap().unwrap();
+    assert!(p1.iter().all(|&v| v == 0.5));
+}
+
 fn lonely_worker(timeout: Duration) -> (FakeAppliance, Worker) {
     let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
     let l = layout(&s, &mut [0, 0]);

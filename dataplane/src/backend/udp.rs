@@ -1,62 +1,126 @@
 //! The kernel-UDP backend: one UDP socket per lcore on port base + lcore,
-//! batched with `recvmmsg`/`sendmmsg`.
+//! batched with `recvmmsg`/`sendmmsg`, with UDP GRO on receive and UDP GSO
+//! on send.
 //!
-//! Receive buffers place each datagram at offset 42 of a 64-byte aligned
-//! block, so its payload (after the 86-byte header) starts 64-byte aligned,
-//! as it does in an Ethernet frame on the DPDK backend. Results go out as
-//! two iovecs per message, the header and the payload in slot memory: W
-//! destinations share one payload and nothing is copied per destination.
+//! Receive: the socket has `UDP_GRO` on, so a train of same-size datagrams
+//! from one sender (a worker's GSO send) arrives as one message with its
+//! segment size in a control message. Each message gets a 64 KiB slot;
+//! [`PacketIo::rx_burst`] hands the engine one datagram at a time, cutting
+//! trains at their segment size, and never more than
+//! [`MAX_BURST`](crate::engine::MAX_BURST) datagrams per call (what is left
+//! of a `recvmmsg` batch is delivered by the next call, before any new
+//! receive), so the engine's transmit queue never grows. Each slot starts
+//! at offset 42 of a 64-byte aligned block, so the payload of a message's
+//! first datagram (after the 86-byte header) starts 64-byte aligned, as it
+//! does in an Ethernet frame on the DPDK backend; later datagrams of a train
+//! follow at the segment size (the kernels read with unaligned loads).
+//!
+//! Send: results go out as a header iovec and a payload iovec in slot
+//! memory, so W destinations share one payload and nothing is copied per
+//! destination. Consecutive results to the same destination whose datagrams
+//! have the same size (the last one may be shorter) go out as one GSO train
+//! (`UDP_SEGMENT`, at most 64 datagrams and 65507 bytes): one trip through
+//! the stack instead of one per datagram. A kernel or device that refuses
+//! GSO turns it off for the queue. `PHUB_UDP_GSO=0` and `PHUB_UDP_GRO=0` in
+//! the environment turn either off (to measure what they bring).
+//!
+//! Nothing here allocates after [`UdpQueue::bind`]: the scratch arrays have
+//! fixed capacities and a batch is flushed before one would be exceeded.
 
 use std::io;
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::time::Duration;
 
-use phub_proto::wire::{HEADER_LEN, MAX_PAYLOAD};
+use phub_proto::wire::HEADER_LEN;
 
 use super::PacketIo;
 use crate::counters::ShardCounters;
-use crate::engine::Shard;
+use crate::engine::{Shard, MAX_BURST};
 
-/// Datagrams per `recvmmsg` call.
+/// Messages (datagrams, or GRO trains of datagrams) per `recvmmsg` call.
 pub const RX_BURST: usize = 64;
-/// Messages per `sendmmsg` call.
-const TX_BATCH: usize = 256;
-/// Bytes reserved per received datagram (more than the largest valid one,
-/// so oversized datagrams are seen as such rather than cut to size).
-const RX_STRIDE: usize = 9216 + 64;
-/// Where a datagram starts inside its 64-byte aligned block.
+/// Bytes of one receive slot: the largest UDP payload (a GRO train) fits.
+const RX_SLOT: usize = 65536;
+/// Receive slots are this far apart (64-byte multiple, room for the offset).
+const RX_STRIDE: usize = RX_SLOT + 64;
+/// Where a slot starts inside its 64-byte aligned block.
 const RX_OFFSET: usize = (64 - HEADER_LEN % 64) % 64;
+/// Datagrams (one per destination) per flush: headers, iovecs and
+/// messages are sized for it.
+const TX_DATAGRAMS: usize = 4096;
+/// Most datagrams in one GSO train (UDP_MAX_SEGMENTS on older kernels).
+const MAX_SEGMENTS: usize = 64;
+/// Most UDP payload bytes one train may carry (IPv4: 65535 - 20 - 8).
+const MAX_TRAIN_BYTES: usize = 65507;
+
+// Linux values (linux/udp.h).
+const SOL_UDP: libc::c_int = 17;
+const UDP_SEGMENT: libc::c_int = 103;
+const UDP_GRO: libc::c_int = 104;
 
 const _: () = assert!((RX_OFFSET + HEADER_LEN).is_multiple_of(64));
-const _: () = assert!(RX_STRIDE.is_multiple_of(64) && RX_OFFSET + HEADER_LEN + MAX_PAYLOAD < RX_STRIDE);
+const _: () = assert!(RX_STRIDE.is_multiple_of(64) && RX_OFFSET + RX_SLOT <= RX_STRIDE);
+
+/// Room for one control message carrying an int, aligned as the kernel wants.
+#[derive(Clone, Copy)]
+#[repr(C, align(8))]
+struct Cmsg([u8; 32]);
+
+const _: () = assert!(std::mem::size_of::<libc::cmsghdr>() + 4 <= 32);
+
+/// One datagram to send in the current flush: destination, transmit.
+#[derive(Clone, Copy)]
+struct Out {
+    /// Destination as a sort key (address and port), then the transmit.
+    key: (u32, u16, u32),
+    /// Index into `tx_addrs`.
+    addr: u32,
+}
 
 /// A UDP queue.
 pub struct UdpQueue {
     sock: UdpSocket,
-    /// `RX_BURST` receive blocks of `RX_STRIDE` bytes, starting at `rx_base`.
+    gso: bool,
+    gro: bool,
+    /// `RX_BURST` receive slots of `RX_SLOT` bytes, `RX_STRIDE` apart from `rx_base`.
     rx_mem: Vec<u8>,
     rx_base: usize,
     rx_addrs: Vec<libc::sockaddr_in>,
     rx_iov: Vec<libc::iovec>,
+    rx_cmsg: Vec<Cmsg>,
     rx_hdrs: Vec<libc::mmsghdr>,
+    /// Messages of the last `recvmmsg` not yet delivered: `rx_next..rx_count`,
+    /// the first of them from byte `rx_pos` on.
+    rx_count: usize,
+    rx_next: usize,
+    rx_pos: usize,
+    /// Per transmit of the current flush: its header (the iovecs point here,
+    /// so this never reallocates: capacity TX_DATAGRAMS, flushed when full).
     tx_headers: Vec<[u8; HEADER_LEN]>,
-    tx_iov: Vec<[libc::iovec; 2]>,
+    /// Per transmit: its payload (pointer, length) in slot memory.
+    tx_payloads: Vec<(*const u8, usize)>,
     tx_addrs: Vec<libc::sockaddr_in>,
-    tx_msgs: Vec<(usize, usize)>,
+    tx_out: Vec<Out>,
+    tx_iov: Vec<libc::iovec>,
+    tx_cmsg: Vec<Cmsg>,
     tx_hdrs: Vec<libc::mmsghdr>,
+    /// Per message: datagrams in it.
+    tx_segs: Vec<u32>,
 }
 
-// SAFETY: the raw pointers inside the iovec/mmsghdr scratch arrays are only
-// ever set and used within one call on the owning thread; between calls they
-// dangle harmlessly and are rewritten before use. Moving the queue to its
-// lcore thread is therefore sound.
+// SAFETY: the raw pointers inside the iovec/mmsghdr scratch arrays and
+// `tx_payloads` are only set and used within one call on the owning thread;
+// between calls they dangle harmlessly and are rewritten before use. Moving
+// the queue to its lcore thread is therefore sound.
 unsafe impl Send for UdpQueue {}
 
 impl std::fmt::Debug for UdpQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("UdpQueue")
             .field("sock", &self.sock)
+            .field("gso", &self.gso)
+            .field("gro", &self.gro)
             .finish_non_exhaustive()
     }
 }
@@ -76,42 +140,36 @@ fn from_sockaddr(s: &libc::sockaddr_in) -> SocketAddrV4 {
     SocketAddrV4::new(s.sin_addr.s_addr.to_ne_bytes().into(), u16::from_be(s.sin_port))
 }
 
-fn set_buf(fd: i32, force: libc::c_int, plain: libc::c_int, bytes: libc::c_int) {
-    let v = bytes;
+fn setsockopt_int(fd: i32, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> bool {
     let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
     // SAFETY: `fd` is an open socket; the option value points to a live c_int
-    // of the stated length. Failure (no privilege) is tolerated.
-    let ok = unsafe {
-        libc::setsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            force,
-            (&v as *const libc::c_int).cast(),
-            len,
-        )
-    };
-    if ok != 0 {
-        // SAFETY: as above.
-        unsafe {
-            libc::setsockopt(
-                fd,
-                libc::SOL_SOCKET,
-                plain,
-                (&v as *const libc::c_int).cast(),
-                len,
-            )
-        };
+    // of the stated length.
+    unsafe { libc::setsockopt(fd, level, name, (&v as *const libc::c_int).cast(), len) == 0 }
+}
+
+fn set_buf(fd: i32, force: libc::c_int, plain: libc::c_int, bytes: libc::c_int) {
+    // Forcing works as root (CAP_NET_ADMIN) and may exceed rmem_max/wmem_max;
+    // otherwise the kernel caps the plain option. Failure is tolerated.
+    if !setsockopt_int(fd, libc::SOL_SOCKET, force, bytes) {
+        setsockopt_int(fd, libc::SOL_SOCKET, plain, bytes);
     }
 }
 
+fn env_off(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false" | "no"))
+}
+
 impl UdpQueue {
-    /// Binds `addr` (IPv4) with large socket buffers.
+    /// Binds `addr` (IPv4) with large socket buffers, GRO on (unless
+    /// `PHUB_UDP_GRO=0`) and GSO sends (unless `PHUB_UDP_GSO=0`).
     pub fn bind(addr: SocketAddrV4, buffer_bytes: usize) -> io::Result<UdpQueue> {
         let sock = UdpSocket::bind(addr)?;
         let fd = sock.as_raw_fd();
-        let b = buffer_bytes.min(i32::MAX as usize) as libc::c_int;
+        let b = buffer_bytes.min(i32::MAX as usize / 2) as libc::c_int;
         set_buf(fd, libc::SO_RCVBUFFORCE, libc::SO_RCVBUF, b);
         set_buf(fd, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF, b);
+        let gro = !env_off("PHUB_UDP_GRO") && setsockopt_int(fd, SOL_UDP, UDP_GRO, 1);
+        let gso = !env_off("PHUB_UDP_GSO");
         let rx_mem = vec![0u8; RX_BURST * RX_STRIDE + 64];
         let misalign = rx_mem.as_ptr() as usize % 64;
         let rx_base = (64 - misalign) % 64 + RX_OFFSET;
@@ -125,22 +183,36 @@ impl UdpQueue {
         };
         Ok(UdpQueue {
             sock,
+            gso,
+            gro,
             rx_mem,
             rx_base,
             rx_addrs: vec![zeroed_addr; RX_BURST],
             rx_iov: vec![null_iov; RX_BURST],
+            rx_cmsg: vec![Cmsg([0; 32]); RX_BURST],
             rx_hdrs: vec![zeroed_hdr; RX_BURST],
-            tx_headers: Vec::with_capacity(TX_BATCH),
-            tx_iov: Vec::with_capacity(TX_BATCH),
-            tx_addrs: Vec::with_capacity(TX_BATCH),
-            tx_msgs: Vec::with_capacity(TX_BATCH),
-            tx_hdrs: vec![zeroed_hdr; TX_BATCH],
+            rx_count: 0,
+            rx_next: 0,
+            rx_pos: 0,
+            tx_headers: Vec::with_capacity(TX_DATAGRAMS),
+            tx_payloads: Vec::with_capacity(TX_DATAGRAMS),
+            tx_addrs: Vec::with_capacity(TX_DATAGRAMS),
+            tx_out: Vec::with_capacity(TX_DATAGRAMS),
+            tx_iov: Vec::with_capacity(2 * TX_DATAGRAMS),
+            tx_cmsg: vec![Cmsg([0; 32]); TX_DATAGRAMS],
+            tx_hdrs: vec![zeroed_hdr; TX_DATAGRAMS],
+            tx_segs: Vec::with_capacity(TX_DATAGRAMS),
         })
     }
 
     /// The bound address.
     pub fn local_addr(&self) -> io::Result<SocketAddr> {
         self.sock.local_addr()
+    }
+
+    /// Whether GRO receives and GSO sends are on.
+    pub fn offloads(&self) -> (bool, bool) {
+        (self.gro, self.gso)
     }
 
     fn wait_readable(&self, wait: Duration) -> io::Result<bool> {
@@ -167,24 +239,30 @@ impl UdpQueue {
         let base = self.rx_mem.as_mut_ptr();
         for i in 0..RX_BURST {
             self.rx_iov[i] = libc::iovec {
-                // SAFETY: rx_base + i * RX_STRIDE + RX_STRIDE - RX_OFFSET <= rx_mem.len()
-                // because rx_mem has RX_BURST * RX_STRIDE + 64 bytes and rx_base < 64 + RX_OFFSET.
+                // SAFETY: rx_base + i * RX_STRIDE + RX_SLOT <= rx_mem.len()
+                // because rx_mem has RX_BURST * RX_STRIDE + 64 bytes,
+                // rx_base < 64 + RX_OFFSET and RX_OFFSET + RX_SLOT <= RX_STRIDE.
                 iov_base: unsafe { base.add(self.rx_base + i * RX_STRIDE) }.cast(),
-                iov_len: RX_STRIDE - RX_OFFSET - 64,
+                iov_len: RX_SLOT,
             };
             let h = &mut self.rx_hdrs[i];
             h.msg_hdr.msg_name = (&mut self.rx_addrs[i] as *mut libc::sockaddr_in).cast();
             h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
             h.msg_hdr.msg_iov = &mut self.rx_iov[i];
             h.msg_hdr.msg_iovlen = 1;
-            h.msg_hdr.msg_control = std::ptr::null_mut();
-            h.msg_hdr.msg_controllen = 0;
+            h.msg_hdr.msg_control = self.rx_cmsg[i].0.as_mut_ptr().cast();
+            h.msg_hdr.msg_controllen = if self.gro {
+                std::mem::size_of::<Cmsg>() as _
+            } else {
+                0
+            };
             h.msg_hdr.msg_flags = 0;
             h.msg_len = 0;
         }
-        // SAFETY: rx_hdrs holds RX_BURST initialised headers whose name and
-        // iovec pointers point into this queue's own live buffers (set just
-        // above); the kernel writes at most iov_len bytes per message.
+        // SAFETY: rx_hdrs holds RX_BURST initialised headers whose name,
+        // iovec and control pointers point into this queue's own live
+        // buffers (set just above); the kernel writes at most the stated
+        // lengths into each.
         let n = unsafe {
             libc::recvmmsg(
                 self.sock.as_raw_fd(),
@@ -204,53 +282,190 @@ impl UdpQueue {
         Ok(n as usize)
     }
 
+    /// The GRO segment size of received message `i` (0: not a train).
+    fn segment(&self, i: usize) -> usize {
+        let h = &self.rx_hdrs[i].msg_hdr;
+        if h.msg_controllen == 0 {
+            return 0;
+        }
+        // SAFETY: `h` was filled by recvmmsg; its control buffer is ours and
+        // msg_controllen (set by the kernel, at most the buffer's size)
+        // bounds what CMSG_FIRSTHDR and CMSG_NXTHDR walk.
+        unsafe {
+            let mut cm = libc::CMSG_FIRSTHDR(h);
+            while !cm.is_null() {
+                if (*cm).cmsg_level == SOL_UDP && (*cm).cmsg_type == UDP_GRO {
+                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(cm).cast::<libc::c_int>());
+                    return usize::try_from(v).unwrap_or(0);
+                }
+                cm = libc::CMSG_NXTHDR(h, cm);
+            }
+        }
+        0
+    }
+
+    /// Delivers at most `budget` datagrams of the received messages not yet
+    /// delivered; returns how many.
+    fn deliver(&mut self, budget: usize, f: &mut dyn FnMut(SocketAddrV4, &[u8])) -> usize {
+        let mut n = 0;
+        while self.rx_next < self.rx_count && n < budget {
+            let i = self.rx_next;
+            let len = self.rx_hdrs[i].msg_len as usize;
+            let seg = match self.segment(i) {
+                0 => len.max(1),
+                s => s,
+            };
+            let from = from_sockaddr(&self.rx_addrs[i]);
+            let start = self.rx_base + i * RX_STRIDE;
+            let msg = &self.rx_mem[start..start + len];
+            while self.rx_pos < len.max(1) && n < budget {
+                let end = (self.rx_pos + seg).min(len);
+                f(from, &msg[self.rx_pos..end]);
+                self.rx_pos = end.max(self.rx_pos + 1);
+                n += 1;
+            }
+            if self.rx_pos >= len.max(1) {
+                self.rx_next += 1;
+                self.rx_pos = 0;
+            }
+        }
+        n
+    }
+
+    /// Builds the messages (GSO trains where possible) for `tx_out` and
+    /// sends them.
     fn flush_tx(&mut self, counters: &ShardCounters) -> io::Result<()> {
-        let n = self.tx_msgs.len();
-        for (m, &(t, a)) in self.tx_msgs.iter().enumerate() {
-            let h = &mut self.tx_hdrs[m];
-            h.msg_hdr.msg_name = (&mut self.tx_addrs[a] as *mut libc::sockaddr_in).cast();
-            h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            h.msg_hdr.msg_iov = self.tx_iov[t].as_mut_ptr();
-            h.msg_hdr.msg_iovlen = if self.tx_iov[t][1].iov_len == 0 { 1 } else { 2 };
-            h.msg_hdr.msg_control = std::ptr::null_mut();
-            h.msg_hdr.msg_controllen = 0;
-            h.msg_hdr.msg_flags = 0;
-            h.msg_len = 0;
+        if self.tx_out.is_empty() {
+            self.clear_tx();
+            return Ok(());
+        }
+        // Destination first, then transmit order: each destination's
+        // datagrams stay in the order the engine queued them.
+        self.tx_out.sort_unstable_by_key(|o| o.key);
+        self.tx_iov.clear();
+        self.tx_segs.clear();
+        let mut m = 0;
+        let mut i = 0;
+        while i < self.tx_out.len() {
+            let first = self.tx_out[i];
+            let t0 = first.key.2 as usize;
+            let seg = HEADER_LEN + self.tx_payloads[t0].1;
+            let mut n = 1;
+            let mut bytes = seg;
+            // ERROR messages (no payload) always travel alone.
+            if self.gso && self.tx_payloads[t0].1 > 0 {
+                while i + n < self.tx_out.len() && n < MAX_SEGMENTS {
+                    let o = self.tx_out[i + n];
+                    let len = HEADER_LEN + self.tx_payloads[o.key.2 as usize].1;
+                    if (o.key.0, o.key.1) != (first.key.0, first.key.1)
+                        || len > seg
+                        || len == HEADER_LEN
+                        || bytes + len > MAX_TRAIN_BYTES
+                    {
+                        break;
+                    }
+                    bytes += len;
+                    n += 1;
+                    if len < seg {
+                        break; // a shorter datagram ends the train
+                    }
+                }
+            }
+            let iov_start = self.tx_iov.len();
+            for o in &self.tx_out[i..i + n] {
+                let t = o.key.2 as usize;
+                self.tx_iov.push(libc::iovec {
+                    iov_base: self.tx_headers[t].as_ptr() as *mut libc::c_void,
+                    iov_len: HEADER_LEN,
+                });
+                let (p, len) = self.tx_payloads[t];
+                if len > 0 {
+                    self.tx_iov.push(libc::iovec {
+                        iov_base: p as *mut libc::c_void,
+                        iov_len: len,
+                    });
+                }
+            }
+            let h = &mut self.tx_hdrs[m].msg_hdr;
+            h.msg_name = (&mut self.tx_addrs[first.addr as usize] as *mut libc::sockaddr_in).cast();
+            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            // SAFETY: iov_start <= tx_iov.len(), which never exceeds its
+            // capacity (2 per datagram, TX_DATAGRAMS datagrams), so the
+            // pointer stays inside the allocation, which does not move.
+            h.msg_iov = unsafe { self.tx_iov.as_mut_ptr().add(iov_start) };
+            h.msg_iovlen = (self.tx_iov.len() - iov_start) as _;
+            h.msg_flags = 0;
+            if n > 1 {
+                let c = &mut self.tx_cmsg[m];
+                h.msg_control = c.0.as_mut_ptr().cast();
+                // SAFETY: CMSG_SPACE only computes a size.
+                h.msg_controllen = unsafe { libc::CMSG_SPACE(2) } as _;
+                // SAFETY: msg_control points to 32 writable, 8-aligned bytes,
+                // at least CMSG_SPACE(2); CMSG_FIRSTHDR returns their start
+                // and CMSG_DATA a pointer with 2 bytes room after it.
+                // UDP_SEGMENT takes a u16 with cmsg_len exactly CMSG_LEN(2).
+                unsafe {
+                    let cm = libc::CMSG_FIRSTHDR(h);
+                    (*cm).cmsg_level = SOL_UDP;
+                    (*cm).cmsg_type = UDP_SEGMENT;
+                    (*cm).cmsg_len = libc::CMSG_LEN(2) as _;
+                    std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<u16>(), seg as u16);
+                }
+            } else {
+                h.msg_control = std::ptr::null_mut();
+                h.msg_controllen = 0;
+            }
+            self.tx_hdrs[m].msg_len = 0;
+            self.tx_segs.push(n as u32);
+            m += 1;
+            i += n;
         }
         let mut sent = 0;
-        while sent < n {
-            // SAFETY: tx_hdrs[sent..n] are initialised above; their name and
-            // iovec pointers point into tx_addrs/tx_iov (not resized since)
-            // and the iovecs into tx_headers and the shard's slot memory,
-            // which the caller keeps borrowed for the whole of tx_burst.
+        while sent < m {
+            // SAFETY: tx_hdrs[sent..m] are initialised above; their name,
+            // iovec and control pointers point into tx_addrs, tx_iov and
+            // tx_cmsg (not resized since), and the iovecs into tx_headers
+            // and the shard's slot memory, which the caller keeps borrowed
+            // for the whole of tx_burst.
             let r = unsafe {
                 libc::sendmmsg(
                     self.sock.as_raw_fd(),
                     self.tx_hdrs.as_mut_ptr().add(sent),
-                    (n - sent) as libc::c_uint,
+                    (m - sent) as libc::c_uint,
                     0,
                 )
             };
             if r < 0 {
                 let e = io::Error::last_os_error();
-                if e.kind() == io::ErrorKind::Interrupted {
-                    continue;
+                match e.raw_os_error() {
+                    Some(libc::EINTR) => continue,
+                    // The kernel refuses GSO here: turn it off for good and
+                    // send the rest of this flush one datagram per message.
+                    Some(libc::EIO) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
+                        if self.gso && self.tx_segs[sent] > 1 =>
+                    {
+                        log::warn!("udp queue: the kernel refuses UDP GSO ({e}); sending without it");
+                        self.gso = false;
+                        let done: usize = self.tx_segs[..sent].iter().map(|&s| s as usize).sum();
+                        self.tx_out.drain(..done);
+                        return self.flush_tx(counters);
+                    }
+                    // A destination that refuses (ICMP unreachable reported
+                    // on this socket) must not stall the others: skip one
+                    // message.
+                    Some(libc::ECONNREFUSED) | Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
+                        sent += 1;
+                        continue;
+                    }
+                    _ => {
+                        self.clear_tx();
+                        return Err(e);
+                    }
                 }
-                // A destination that refuses (ICMP unreachable reported on
-                // this socket) must not stall the others: skip one message.
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::ECONNREFUSED) | Some(libc::EHOSTUNREACH)
-                ) {
-                    sent += 1;
-                    continue;
-                }
-                self.clear_tx();
-                return Err(e);
             }
-            for h in &self.tx_hdrs[sent..sent + r as usize] {
-                counters.tx_packets.inc();
-                counters.tx_bytes.add(u64::from(h.msg_len));
+            for k in sent..sent + r as usize {
+                counters.tx_packets.add(u64::from(self.tx_segs[k]));
+                counters.tx_bytes.add(u64::from(self.tx_hdrs[k].msg_len));
             }
             sent += r as usize;
         }
@@ -260,9 +475,11 @@ impl UdpQueue {
 
     fn clear_tx(&mut self) {
         self.tx_headers.clear();
-        self.tx_iov.clear();
+        self.tx_payloads.clear();
         self.tx_addrs.clear();
-        self.tx_msgs.clear();
+        self.tx_out.clear();
+        self.tx_iov.clear();
+        self.tx_segs.clear();
     }
 }
 
@@ -274,67 +491,194 @@ impl PacketIo for UdpQueue {
         wait: Option<Duration>,
         f: &mut dyn FnMut(SocketAddrV4, &[u8]),
     ) -> io::Result<usize> {
-        let mut n = self.recv_batch()?;
-        if n == 0 {
-            if let Some(w) = wait {
-                if self.wait_readable(w)? {
-                    n = self.recv_batch()?;
+        if self.rx_next >= self.rx_count {
+            self.rx_count = 0;
+            self.rx_next = 0;
+            self.rx_pos = 0;
+            let mut m = self.recv_batch()?;
+            if m == 0 {
+                if let Some(w) = wait {
+                    if self.wait_readable(w)? {
+                        m = self.recv_batch()?;
+                    }
                 }
             }
+            self.rx_count = m;
         }
-        for i in 0..n {
-            let len = self.rx_hdrs[i].msg_len as usize;
-            let start = self.rx_base + i * RX_STRIDE;
-            let from = from_sockaddr(&self.rx_addrs[i]);
-            f(from, &self.rx_mem[start..start + len]);
-        }
-        Ok(n)
+        Ok(self.deliver(MAX_BURST, f))
     }
 
     fn tx_burst(&mut self, shard: &Shard<SocketAddrV4>, counters: &ShardCounters) -> io::Result<()> {
         for t in shard.transmits() {
-            if self.tx_headers.len() == TX_BATCH {
+            if self.tx_headers.len() == TX_DATAGRAMS {
                 self.flush_tx(counters)?;
             }
             let ti = self.tx_headers.len();
             self.tx_headers.push(t.header);
-            let hdr_ptr = self.tx_headers[ti].as_ptr();
-            self.tx_iov.push([
-                libc::iovec {
-                    iov_base: hdr_ptr as *mut libc::c_void,
-                    iov_len: HEADER_LEN,
-                },
-                libc::iovec {
-                    iov_base: t.payload.as_ptr() as *mut libc::c_void,
-                    iov_len: t.payload.len(),
-                },
-            ]);
+            self.tx_payloads.push((t.payload.as_ptr(), t.payload.len()));
             for to in t.to {
-                if self.tx_msgs.len() == TX_BATCH {
-                    // tx_headers/tx_iov hold this transmit already; flushing
-                    // clears them, so re-add it for its remaining destinations.
-                    let (h, iov) = (self.tx_headers[ti], self.tx_iov[ti]);
+                if self.tx_out.len() == TX_DATAGRAMS {
+                    // Flushing clears the transmit table too: keep this
+                    // transmit for its remaining destinations.
+                    let (h, p) = (self.tx_headers[ti], self.tx_payloads[ti]);
                     self.flush_tx(counters)?;
                     self.tx_headers.push(h);
-                    let hp = self.tx_headers[0].as_ptr();
-                    self.tx_iov.push([
-                        libc::iovec {
-                            iov_base: hp as *mut libc::c_void,
-                            iov_len: HEADER_LEN,
-                        },
-                        iov[1],
-                    ]);
+                    self.tx_payloads.push(p);
                 }
                 let t_idx = self.tx_headers.len() - 1;
                 self.tx_addrs.push(to_sockaddr(to));
-                self.tx_msgs.push((t_idx, self.tx_addrs.len() - 1));
+                self.tx_out.push(Out {
+                    key: (u32::from(*to.ip()), to.port(), t_idx as u32),
+                    addr: (self.tx_addrs.len() - 1) as u32,
+                });
             }
         }
-        if !self.tx_msgs.is_empty() {
-            self.flush_tx(counters)?;
-        } else {
-            self.clear_tx();
+        self.flush_tx(counters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::JobInstall;
+    use crate::kernels::Kernels;
+    use phub_proto::layout::SlotChunk;
+    use phub_proto::spec::Optimizer;
+    use phub_proto::wire::{self, MsgType, Repr};
+    use phub_proto::Dtype;
+
+    fn queue() -> (UdpQueue, SocketAddrV4) {
+        let q = UdpQueue::bind(SocketAddrV4::new([127, 0, 0, 1].into(), 0), 4 << 20).unwrap();
+        let SocketAddr::V4(a) = q.local_addr().unwrap() else {
+            unreachable!()
+        };
+        (q, a)
+    }
+
+    /// Sends `bytes` as one GSO train of `seg`-byte datagrams.
+    fn send_train(s: &UdpSocket, to: SocketAddrV4, bytes: &[u8], seg: u16) {
+        assert!(setsockopt_int(
+            s.as_raw_fd(),
+            SOL_UDP,
+            UDP_SEGMENT,
+            libc::c_int::from(seg)
+        ));
+        assert_eq!(s.send_to(bytes, to).unwrap(), bytes.len());
+        assert!(setsockopt_int(s.as_raw_fd(), SOL_UDP, UDP_SEGMENT, 0));
+    }
+
+    #[test]
+    fn gro_trains_arrive_one_datagram_at_a_time_at_most_max_burst_per_call() {
+        let (mut q, to) = queue();
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        // 10 trains of 60 datagrams of 100 bytes; datagram i starts with i.
+        for t in 0..10u16 {
+            let train: Vec<u8> = (0..60u16)
+                .flat_map(|k| {
+                    let i = t * 60 + k;
+                    let mut d = vec![0u8; 100];
+                    d[..2].copy_from_slice(&i.to_le_bytes());
+                    d
+                })
+                .collect();
+            send_train(&c, to, &train, 100);
         }
-        Ok(())
+        let mut got: Vec<u16> = Vec::new();
+        let mut calls = Vec::new();
+        while got.len() < 600 {
+            let n = q
+                .rx_burst(Some(Duration::from_millis(500)), &mut |from, d| {
+                    assert_eq!(
+                        from,
+                        SocketAddrV4::new([127, 0, 0, 1].into(), c.local_addr().unwrap().port())
+                    );
+                    assert_eq!(d.len(), 100);
+                    got.push(u16::from_le_bytes([d[0], d[1]]));
+                })
+                .unwrap();
+            assert!(n > 0 && n <= MAX_BURST, "{n}");
+            calls.push(n);
+        }
+        assert_eq!(got, (0..600).collect::<Vec<u16>>(), "in order, none lost");
+        if q.gro {
+            // Trains came whole: the first call stopped at the engine's cap.
+            assert_eq!(calls[0], MAX_BURST, "{calls:?}");
+        }
+    }
+
+    #[test]
+    fn results_to_one_worker_go_out_as_trains_and_arrive_whole() {
+        let (mut q, to) = queue();
+        let mut shard: Shard<SocketAddrV4> = Shard::new(0, Kernels::best());
+        const CHUNKS: u32 = 20;
+        const ELEMS: u32 = 64;
+        shard
+            .install(JobInstall {
+                id: 9,
+                token: 99,
+                workers: 1,
+                dtype: Dtype::F32,
+                optimizer: Optimizer::Sum,
+                slots: (0..CHUNKS)
+                    .map(|c| SlotChunk {
+                        key: 0,
+                        chunk: c,
+                        elems: if c == CHUNKS - 1 { ELEMS / 2 } else { ELEMS },
+                    })
+                    .collect(),
+            })
+            .unwrap();
+        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
+        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        for round in 0..2u32 {
+            for slot in 0..CHUNKS {
+                let n = if slot == CHUNKS - 1 { ELEMS / 2 } else { ELEMS } as usize;
+                let vals: Vec<f32> = (0..n)
+                    .map(|e| (slot as usize * 1000 + e) as f32 + round as f32)
+                    .collect();
+                let repr = Repr {
+                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
+                    dtype: Dtype::F32,
+                    flags: 0,
+                    token: 99,
+                    job: 9,
+                    rank: 0,
+                    count: n as u16,
+                    error: 0,
+                    round,
+                    slot,
+                    key: 0,
+                    chunk: slot,
+                };
+                let mut b = vec![0u8; HEADER_LEN + 4 * n];
+                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+                crate::kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
+                c.send_to(&b, to).unwrap();
+            }
+            let mut handled = 0;
+            while handled < CHUNKS as usize {
+                handled += q
+                    .rx_burst(Some(Duration::from_millis(500)), &mut |from, d| {
+                        shard.handle(from, d, 1);
+                    })
+                    .unwrap();
+            }
+            let counters = std::sync::Arc::clone(shard.counters());
+            let before = counters.tx_packets.get();
+            q.tx_burst(&shard, &counters).unwrap();
+            shard.clear_transmits();
+            assert_eq!(counters.tx_packets.get() - before, u64::from(CHUNKS));
+            // A plain socket gets the train cut back into datagrams, in order.
+            for slot in 0..CHUNKS {
+                let mut buf = [0u8; 2048];
+                let len = c.recv(&mut buf).unwrap();
+                let (r, payload) = wire::parse(&buf[..len]).unwrap();
+                assert_eq!((r.kind, r.round, r.slot), (MsgType::Result, round, slot));
+                let n = if slot == CHUNKS - 1 { ELEMS / 2 } else { ELEMS } as usize;
+                assert_eq!(payload.len(), 4 * n);
+                let first = f32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
+                assert_eq!(first, (slot as usize * 1000) as f32 + round as f32);
+            }
+        }
     }
 }

@@ -6,6 +6,10 @@
 //! over the same bytes in the same run: a read-only streaming pass and a
 //! memcpy. See BENCHMARKS.md for how to read the figures.
 //!
+//! `phub-bench run` measures a whole appliance end to end: W emulated
+//! workers exchange a real model's tensors (ResNet-50, VGG-16, BERT-large
+//! or synthetic) every round; see `phub_tools::bench`.
+//!
 //! Adding a measurement: write a function that builds a [`Case`] (a name, a
 //! dtype, the input bytes per pass and a closure running one pass; see
 //! [`tall_case`]), push it into the `cases` of [`kernel_records`] so it is
@@ -22,7 +26,9 @@ use phub_dataplane::kernels::Kernels;
 use phub_dataplane::optim::{self, ChunkBufs};
 use phub_proto::spec::Optimizer;
 use phub_proto::Dtype;
+use phub_tools::bench::{local, run};
 use phub_tools::membw::ReadPass;
+use phub_tools::sys::Machine;
 use serde::Serialize;
 
 /// Workers per chunk in the tall aggregation.
@@ -45,6 +51,24 @@ struct Cli {
 enum Command {
     /// Aggregation kernels (every family x every dtype) vs read-only pass and memcpy, one core.
     Kernels(KernelsArgs),
+    /// W emulated workers exchange a model with an appliance: round time, goodput, efficiency.
+    Run(run::RunArgs),
+    /// One emulated worker process (started by `run --procs`).
+    #[command(hide = true)]
+    BenchWorker {
+        /// The worker's plan, JSON.
+        #[arg(long)]
+        plan: String,
+    },
+    /// phub-dataplane's program, same flags (started by `run --local`).
+    #[command(hide = true, disable_help_flag = true)]
+    ServeDataplane {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// phub-control's program (started by `run --local`).
+    #[command(hide = true)]
+    ServeControl(local::ControlArgs),
 }
 
 #[derive(Args, Debug, Serialize)]
@@ -439,37 +463,6 @@ struct Meta<'a> {
     chunk_bytes: usize,
 }
 
-#[derive(Debug, Serialize)]
-struct Machine {
-    cpu_model: String,
-    logical_cpus: usize,
-    available_parallelism: usize,
-    os: &'static str,
-    arch: &'static str,
-}
-
-impl Machine {
-    fn detect() -> Machine {
-        let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-        let cpu_model = cpuinfo
-            .lines()
-            .find_map(|l| {
-                l.strip_prefix("model name")
-                    .and_then(|r| r.split_once(':'))
-                    .map(|(_, v)| v.trim().to_string())
-            })
-            .unwrap_or_else(|| "unknown".to_string());
-        let logical_cpus = cpuinfo.lines().filter(|l| l.starts_with("processor")).count();
-        Machine {
-            cpu_model,
-            logical_cpus,
-            available_parallelism: std::thread::available_parallelism().map_or(0, |n| n.get()),
-            os: std::env::consts::OS,
-            arch: std::env::consts::ARCH,
-        }
-    }
-}
-
 fn compile_target_features() -> Vec<&'static str> {
     let mut v = Vec::new();
     macro_rules! check {
@@ -564,5 +557,9 @@ fn main() -> Result<()> {
     let cli = Cli::parse();
     match &cli.command {
         Command::Kernels(args) => kernels_cmd(args),
+        Command::Run(args) => run::run(args),
+        Command::BenchWorker { plan } => run::worker_process(plan),
+        Command::ServeDataplane { args } => local::serve_dataplane(args),
+        Command::ServeControl(args) => local::serve_control(args),
     }
 }

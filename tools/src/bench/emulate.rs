@@ -1,0 +1,334 @@
+//! One emulated training worker: joins the job, initialises every key
+//! (round 0), then each round pushes the whole model's gradients in layer
+//! order with `push_pull` on every key, all keys in flight at once as a
+//! training step would have them, and waits for every result.
+//!
+//! Gradients are small integers, so sums are exact in f32 in any order and
+//! `--verify` checks every element of every result against the closed form
+//! of the sum over ranks: element e of key k gets
+//! `p(k, e) * (rank + 1) + round % 5 - 8` from each rank, where
+//! `p(k, e) = (31 e + 17 k) mod 13`; the sum over W ranks is
+//! `p * W (W + 1) / 2 + W (round % 5 - 8)`. Consecutive rounds differ, so a
+//! stale result fails, and a chunk placed at the wrong offset or key fails
+//! too (the pattern's period, 13, divides no chunk size).
+
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use phub_worker::{Worker, WorkerConfig, WorkerStats};
+use serde::{Deserialize, Serialize};
+
+use crate::profiles::Profile;
+use crate::sys::cpu_seconds;
+
+/// What one worker does.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Plan {
+    /// phub-control's URL.
+    pub control_url: String,
+    /// Job id.
+    pub job: u16,
+    /// Job token.
+    pub token: u64,
+    /// This worker's rank.
+    pub rank: u16,
+    /// Model name (a [`crate::profiles`] name).
+    pub model: String,
+    /// Untimed rounds before the timed ones.
+    pub warmup: u32,
+    /// Timed rounds.
+    pub rounds: u32,
+    /// Check every result.
+    pub verify: bool,
+    /// Window override (chunks); `None`: the worker library's default.
+    pub window: Option<usize>,
+    /// Use `Worker::exchange` (buffers lent) rather than handles (copies).
+    pub exchange: bool,
+    /// UDP GSO sends.
+    pub gso: bool,
+    /// UDP GRO receives.
+    pub gro: bool,
+}
+
+/// Progress reported while running.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub enum Event {
+    /// Joined and initialised; warm-up done; waiting for the start signal.
+    Ready,
+    /// A round finished (warm-up rounds included, `timed` says which).
+    Round {
+        /// Round number (1-based; warm-up rounds come first).
+        round: u32,
+        /// Whether this round is one of the timed ones.
+        timed: bool,
+        /// Milliseconds from the first push_pull to the last result.
+        ms: f64,
+    },
+}
+
+/// What one worker measured.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Outcome {
+    /// Rank.
+    pub rank: u16,
+    /// Exchange time of each timed round, ms.
+    pub round_ms: Vec<f64>,
+    /// Seconds from the start signal to the end of the last timed round.
+    pub timed_secs: f64,
+    /// `Some(true)` if every checked element was exact, `None` when not asked.
+    pub verified: Option<bool>,
+    /// Elements that differed from the reference.
+    pub mismatches: u64,
+    /// The first difference, described.
+    pub first_mismatch: Option<String>,
+    /// The worker library's counters at the end.
+    pub stats: WorkerStats,
+    /// The window the worker used (chunks).
+    pub window: usize,
+    /// CPU seconds of this process over the timed rounds (meaningful when
+    /// the worker is a process of its own).
+    pub cpu_s: Option<f64>,
+}
+
+/// The pattern p(k, e) for e in 0..n, written into `out` by `f(p)`.
+fn fill(key: u32, out: &mut [f32], f: impl Fn(u32) -> f32) {
+    let mut p = (17 * (key % 13)) % 13;
+    for x in out.iter_mut() {
+        *x = f(p);
+        p += 31 % 13;
+        if p >= 13 {
+            p -= 13;
+        }
+    }
+}
+
+/// Rank 0's initial value of element e of key k.
+fn init_value(key: u32, p: u32) -> f32 {
+    (p + key % 7) as f32
+}
+
+fn round_term(round: u32) -> f32 {
+    (round % 5) as f32 - 8.0
+}
+
+/// Counts differences of `got` from `want(p)`; remembers the first.
+fn check(
+    key: u32,
+    round: u32,
+    got: &[f32],
+    want: impl Fn(u32) -> f32,
+    mismatches: &mut u64,
+    first: &mut Option<String>,
+) {
+    let mut p = (17 * (key % 13)) % 13;
+    for (e, &g) in got.iter().enumerate() {
+        let w = want(p);
+        if g != w {
+            *mismatches += 1;
+            if first.is_none() {
+                *first = Some(format!(
+                    "round {round}, key {key}, element {e}: got {g}, expected {w}"
+                ));
+            }
+        }
+        p += 31 % 13;
+        if p >= 13 {
+            p -= 13;
+        }
+    }
+}
+
+/// Runs `plan`: join, init, warm-up, [`Event::Ready`], `go()` (blocks until
+/// every worker is ready; `false` aborts), timed rounds.
+pub fn run(
+    plan: &Plan,
+    profile: &Profile,
+    mut on_event: impl FnMut(Event),
+    go: impl FnOnce() -> bool,
+) -> Result<Outcome> {
+    let mut config = WorkerConfig {
+        gso: plan.gso,
+        gro: plan.gro,
+        ..WorkerConfig::default()
+    };
+    if let Some(w) = plan.window {
+        config.window = w;
+    }
+    let w = Worker::join_with(&plan.control_url, plan.job, plan.token, plan.rank, config)
+        .with_context(|| format!("rank {} joining job {}", plan.rank, plan.job))?;
+    let window = w.window();
+    let workers = w.workers();
+    let mut params: Vec<Vec<f32>> = profile
+        .tensors
+        .iter()
+        .enumerate()
+        .map(|(k, t)| {
+            let mut v = vec![0f32; t.elements as usize];
+            fill(k as u32, &mut v, |p| init_value(k as u32, p));
+            v
+        })
+        .collect();
+    let (mut mismatches, mut first) = (0u64, None);
+    {
+        let hs = params
+            .iter_mut()
+            .enumerate()
+            .map(|(k, p)| w.init(k as u32, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        for h in hs {
+            w.wait(h)?;
+        }
+    }
+    if plan.verify {
+        for (k, p) in params.iter().enumerate() {
+            let k = k as u32;
+            check(k, 0, p, |p| init_value(k, p), &mut mismatches, &mut first);
+        }
+    }
+    let factor = (plan.rank as f32) + 1.0;
+    let mut grads: Vec<Vec<f32>> = params.iter().map(|p| vec![0f32; p.len()]).collect();
+    let fill_grads = |grads: &mut Vec<Vec<f32>>, round: u32| {
+        for (k, g) in grads.iter_mut().enumerate() {
+            fill(k as u32, g, |p| p as f32 * factor + round_term(round));
+        }
+    };
+    fill_grads(&mut grads, 1);
+    let sum_w = (workers * (workers + 1) / 2) as f32;
+    let total = plan.warmup + plan.rounds;
+    let mut round_ms = Vec::with_capacity(plan.rounds as usize);
+    let mut go = Some(go);
+    let mut timed_start = Instant::now();
+    let mut cpu0 = None;
+    let mut start = |on_event: &mut dyn FnMut(Event)| -> Result<()> {
+        on_event(Event::Ready);
+        if let Some(g) = go.take() {
+            if !g() {
+                bail!("rank {}: aborted before the timed rounds", plan.rank);
+            }
+        }
+        Ok(())
+    };
+    for round in 1..=total {
+        let timed = round > plan.warmup;
+        if timed && round == plan.warmup + 1 {
+            start(&mut on_event)?;
+            cpu0 = cpu_seconds(std::process::id());
+            timed_start = Instant::now();
+        }
+        if plan.verify && round > 1 {
+            fill_grads(&mut grads, round);
+        }
+        let t = Instant::now();
+        if plan.exchange {
+            w.exchange(|x| {
+                for (k, (p, g)) in params.iter_mut().zip(&grads).enumerate() {
+                    x.push_pull(k as u32, g, p)?;
+                }
+                Ok::<(), phub_worker::WorkerError>(())
+            })
+            .and_then(|r| r)
+            .with_context(|| format!("rank {} round {round}: exchange", plan.rank))?;
+        } else {
+            let hs = params
+                .iter_mut()
+                .zip(&grads)
+                .enumerate()
+                .map(|(k, (p, g))| w.push_pull(k as u32, g, p))
+                .collect::<Result<Vec<_>, _>>()
+                .with_context(|| format!("rank {} round {round}: push_pull", plan.rank))?;
+            for h in hs {
+                let key = h.key();
+                w.wait(h)
+                    .with_context(|| format!("rank {} round {round} key {key}", plan.rank))?;
+            }
+        }
+        let ms = t.elapsed().as_secs_f64() * 1e3;
+        if timed {
+            round_ms.push(ms);
+        }
+        if plan.verify {
+            let c = workers as f32 * round_term(round);
+            for (k, p) in params.iter().enumerate() {
+                check(
+                    k as u32,
+                    round,
+                    p,
+                    |p| p as f32 * sum_w + c,
+                    &mut mismatches,
+                    &mut first,
+                );
+            }
+        }
+        on_event(Event::Round { round, timed, ms });
+    }
+    if plan.rounds == 0 {
+        // No timed rounds: still take part in the start barrier.
+        start(&mut on_event)?;
+        cpu0 = cpu_seconds(std::process::id());
+        timed_start = Instant::now();
+    }
+    let timed_secs = timed_start.elapsed().as_secs_f64();
+    let cpu_s = cpu0.zip(cpu_seconds(std::process::id())).map(|(a, b)| b - a);
+    let stats = w.stats();
+    drop(w);
+    Ok(Outcome {
+        rank: plan.rank,
+        round_ms,
+        timed_secs,
+        verified: plan.verify.then_some(mismatches == 0),
+        mismatches,
+        first_mismatch: first,
+        stats,
+        window,
+        cpu_s,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pattern_and_closed_form_sum() {
+        let mut a = vec![0f32; 40];
+        fill(3, &mut a, |p| p as f32);
+        for (e, x) in a.iter().enumerate() {
+            assert_eq!(*x as usize, (31 * e + 17 * 3) % 13);
+        }
+        // Sum over ranks of p (r + 1) + c equals p W (W + 1) / 2 + W c.
+        let (w, round) = (4u32, 7u32);
+        let mut want = vec![0f32; 40];
+        let sum_w = (w * (w + 1) / 2) as f32;
+        fill(3, &mut want, |p| p as f32 * sum_w + w as f32 * round_term(round));
+        let mut got = vec![0f32; 40];
+        for r in 0..w {
+            let mut g = vec![0f32; 40];
+            fill(3, &mut g, |p| p as f32 * (r as f32 + 1.0) + round_term(round));
+            for (s, x) in got.iter_mut().zip(&g) {
+                *s += x;
+            }
+        }
+        assert_eq!(got, want);
+        let (mut n, mut first) = (0, None);
+        check(
+            3,
+            round,
+            &got,
+            |p| p as f32 * sum_w + w as f32 * round_term(round),
+            &mut n,
+            &mut first,
+        );
+        assert_eq!(n, 0);
+        got[5] += 1.0;
+        check(
+            3,
+            round,
+            &got,
+            |p| p as f32 * sum_w + w as f32 * round_term(round),
+            &mut n,
+            &mut first,
+        );
+        assert_eq!(n, 1);
+        assert!(first.unwrap().contains("element 5"));
+    }
+}

@@ -1,0 +1,354 @@
+//! A local appliance for `phub-bench run --local`: phub-dataplane and
+//! phub-control as child processes on free ports, so that their CPU time can
+//! be read from `/proc/PID/stat`, stopped (SIGTERM, then SIGKILL) on drop.
+//!
+//! By default both are this program itself, re-executed with the hidden
+//! `serve-dataplane` / `serve-control` subcommands: they run the very same
+//! library code as the `phub-dataplane` and `phub-control` binaries
+//! (`phub_dataplane::app::Appliance`, `phub_control::daemon::Daemon`), built
+//! in the same build as the benchmark, so a stale binary in `target/` can
+//! never be measured by mistake. `--bin-dir DIR` runs the real binaries
+//! from DIR instead.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use phub_proto::api::{AdmitResponse, ApiError};
+
+/// A child process stopped with SIGTERM (then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Proc {
+    name: &'static str,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Proc {
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Stops the process: SIGTERM, up to 5 s, then SIGKILL.
+    pub fn stop(&mut self) {
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        // SAFETY: kill(2) on our own child's pid; no memory is involved.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(5) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        eprintln!("phub-bench: {} did not stop on SIGTERM; killing it", self.name);
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    fn check_alive(&mut self) -> Result<()> {
+        if let Ok(Some(status)) = self.child.try_wait() {
+            let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
+            bail!("{} exited ({status}); its log:\n{tail}", self.name);
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// How to start the local appliance.
+#[derive(Debug, Clone)]
+pub struct LocalOptions {
+    /// Dataplane queues (lcores).
+    pub lcores: usize,
+    /// `udp` or `dpdk`.
+    pub backend: String,
+    /// Slot memory budget, bytes.
+    pub memory_budget: u64,
+    /// Run the real binaries from this directory instead of re-executing
+    /// this program.
+    pub bin_dir: Option<PathBuf>,
+    /// Spin instead of waiting in the kernel when idle.
+    pub busy_poll: bool,
+    /// Do not pin lcore threads.
+    pub no_pin: bool,
+    /// Socket buffer per dataplane queue, bytes (None: the dataplane's default).
+    pub socket_buffer: Option<usize>,
+    /// Environment for the dataplane (e.g. `PHUB_UDP_GSO=0`).
+    pub env: Vec<(String, String)>,
+    /// More phub-dataplane arguments, as given.
+    pub extra_args: Vec<String>,
+}
+
+/// A running local appliance.
+#[derive(Debug)]
+pub struct Local {
+    /// Control's base URL.
+    pub control_url: String,
+    /// The dataplane's management URL.
+    pub mgmt_url: String,
+    /// The dataplane process.
+    pub dataplane: Proc,
+    /// The control process.
+    pub control: Proc,
+    dir: PathBuf,
+}
+
+fn free_port() -> Result<u16> {
+    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+}
+
+fn wait_http(url: &str, p: &mut Proc) -> Result<()> {
+    let t = Instant::now();
+    loop {
+        if ureq::get(url).timeout(Duration::from_millis(500)).call().is_ok() {
+            return Ok(());
+        }
+        p.check_alive()?;
+        if t.elapsed() > Duration::from_secs(20) {
+            bail!(
+                "{} did not answer at {url} within 20 s (log: {})",
+                p.name,
+                p.log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn spawn(
+    name: &'static str,
+    program: &Path,
+    args: &[String],
+    env: &[(String, String)],
+    log: &Path,
+) -> Result<Proc> {
+    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
+    let child = Command::new(program)
+        .args(args)
+        .envs(env.iter().map(|(k, v)| (k, v)))
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .with_context(|| format!("starting {}", program.display()))?;
+    Ok(Proc {
+        name,
+        child,
+        log: log.to_path_buf(),
+    })
+}
+
+impl Local {
+    /// Starts phub-dataplane, waits for its management API, starts
+    /// phub-control and waits for its API.
+    pub fn start(o: &LocalOptions) -> Result<Local> {
+        let me = std::env::current_exe().context("finding this program")?;
+        let (dp_prog, dp_pre, ctl_prog, ctl_pre): (PathBuf, Vec<String>, PathBuf, Vec<String>) =
+            match &o.bin_dir {
+                None => (
+                    me.clone(),
+                    vec!["serve-dataplane".into()],
+                    me,
+                    vec!["serve-control".into()],
+                ),
+                Some(d) => {
+                    let (dp, ctl) = (d.join("phub-dataplane"), d.join("phub-control"));
+                    for p in [&dp, &ctl] {
+                        if !p.exists() {
+                            bail!(
+                                "{} not found (build it with `cargo build --release --bins`)",
+                                p.display()
+                            );
+                        }
+                    }
+                    (dp, vec![], ctl, vec![])
+                }
+            };
+        let dir = std::env::temp_dir().join(format!("phub-bench-{}-{}", std::process::id(), free_port()?));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let (mgmt, ctl) = (free_port()?, free_port()?);
+        let mgmt_url = format!("http://127.0.0.1:{mgmt}");
+        let control_url = format!("http://127.0.0.1:{ctl}");
+        let mut args = dp_pre;
+        args.extend([
+            "--backend".into(),
+            o.backend.clone(),
+            "--base-port".into(),
+            "0".into(),
+            "--lcores".into(),
+            o.lcores.to_string(),
+            "--mgmt".into(),
+            format!("127.0.0.1:{mgmt}"),
+            "--memory-budget".into(),
+            o.memory_budget.to_string(),
+        ]);
+        if o.busy_poll {
+            args.push("--busy-poll".into());
+        }
+        if o.no_pin {
+            args.push("--no-pin".into());
+        }
+        if let Some(b) = o.socket_buffer {
+            args.extend(["--socket-buffer".into(), b.to_string()]);
+        }
+        args.extend(o.extra_args.iter().cloned());
+        let mut dataplane = spawn(
+            "phub-dataplane",
+            &dp_prog,
+            &args,
+            &o.env,
+            &dir.join("phub-dataplane.log"),
+        )?;
+        wait_http(&format!("{mgmt_url}/v1/info"), &mut dataplane)?;
+        let mut args = ctl_pre;
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{ctl}"),
+            "--dataplane".into(),
+            mgmt_url.clone(),
+            "--state".into(),
+            dir.join("control-state.json").display().to_string(),
+        ]);
+        let mut control = spawn(
+            "phub-control",
+            &ctl_prog,
+            &args,
+            &[],
+            &dir.join("phub-control.log"),
+        )?;
+        wait_http(&format!("{control_url}/v1/jobs"), &mut control)?;
+        Ok(Local {
+            control_url,
+            mgmt_url,
+            dataplane,
+            control,
+            dir,
+        })
+    }
+
+    /// The operator token the phub-control this program started wrote
+    /// beside its state file.
+    pub fn operator_token(&self) -> Result<String> {
+        let path = self.dir.join("control-state.json.operator-token");
+        Ok(std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?
+            .trim()
+            .to_string())
+    }
+
+    /// Stops both processes and removes the scratch directory.
+    pub fn stop(mut self) {
+        self.control.stop();
+        self.dataplane.stop();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The operator token for a phub-control this program did not start:
+/// `$PHUB_OPERATOR_TOKEN`, if set.
+pub fn env_operator_token() -> Option<String> {
+    std::env::var("PHUB_OPERATOR_TOKEN")
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+}
+
+fn authorized(req: ureq::Request, token: Option<&str>) -> ureq::Request {
+    match token {
+        Some(t) => req.set("Authorization", &format!("Bearer {t}")),
+        None => req,
+    }
+}
+
+/// Admits a job (JSON spec) through phub-control, with the operator token.
+pub fn admit(control_url: &str, spec: &serde_json::Value, token: Option<&str>) -> Result<AdmitResponse> {
+    let url = format!("{}/v1/jobs", control_url.trim_end_matches('/'));
+    match authorized(ureq::post(&url), token)
+        .timeout(Duration::from_secs(120))
+        .send_string(&spec.to_string())
+    {
+        Ok(r) => Ok(r.into_json()?),
+        Err(ureq::Error::Status(code, r)) => {
+            let body = r.into_string().unwrap_or_default();
+            let msg = serde_json::from_str::<ApiError>(&body).map_or(body, |e| e.error);
+            bail!("admission refused (HTTP {code}): {msg}")
+        }
+        Err(e) => bail!("admission at {url}: {e}"),
+    }
+}
+
+/// Evicts a job; errors are ignored (the run is over either way).
+pub fn evict(control_url: &str, job: u16, token: Option<&str>) {
+    let url = format!("{}/v1/jobs/{job}", control_url.trim_end_matches('/'));
+    let _ = authorized(ureq::delete(&url), token)
+        .timeout(Duration::from_secs(30))
+        .call();
+}
+
+/// `phub-bench serve-dataplane ARGS`: phub-dataplane's program (same flags).
+pub fn serve_dataplane(args: &[String]) -> Result<()> {
+    use clap::Parser;
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).try_init();
+    let mut cfg = phub_dataplane::app::Config::try_parse_from(
+        std::iter::once("phub-dataplane".to_string()).chain(args.iter().cloned()),
+    )
+    .map_err(|e| anyhow::anyhow!("{e}"))?;
+    cfg.build = format!("phub-bench {}", env!("CARGO_PKG_VERSION"));
+    let app = phub_dataplane::app::Appliance::start(&cfg)?;
+    wait_for_signal()?;
+    app.shutdown();
+    Ok(())
+}
+
+/// `phub-bench serve-control ARGS`: phub-control's program.
+pub fn serve_control(args: &ControlArgs) -> Result<()> {
+    let _ = env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).try_init();
+    let d = phub_control::daemon::Daemon::start(phub_control::daemon::Config {
+        listen: args.listen,
+        dataplane: args.dataplane.clone(),
+        state: args.state.clone(),
+        reconcile_interval: Duration::from_millis(args.reconcile_ms),
+        operator_token: None,
+    })?;
+    wait_for_signal()?;
+    d.shutdown();
+    Ok(())
+}
+
+/// phub-control's flags, for `serve-control`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct ControlArgs {
+    /// Address the HTTP API listens on.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    pub listen: std::net::SocketAddr,
+    /// Base URL of the dataplane's management API.
+    #[arg(long, default_value = "http://127.0.0.1:7800")]
+    pub dataplane: String,
+    /// The state file.
+    #[arg(long, default_value = "phub-control.state.json")]
+    pub state: PathBuf,
+    /// Milliseconds between reconciliations with the dataplane.
+    #[arg(long, default_value_t = 2000)]
+    pub reconcile_ms: u64,
+}
+
+fn wait_for_signal() -> Result<()> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    ctrlc::set_handler(move || {
+        let _ = tx.send(());
+    })
+    .context("installing the SIGINT/SIGTERM handler")?;
+    let _ = rx.recv();
+    Ok(())
+}

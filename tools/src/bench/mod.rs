@@ -1,0 +1,15 @@
+//! `phub-bench run`: end-to-end figures of a whole appliance with emulated
+//! workers.
+//!
+//! - [`run`]: the command (options, coordination, figures, JSON, table).
+//! - [`emulate`]: one emulated worker (thread or process).
+//! - [`local`]: the local appliance (`--local`) as child processes.
+//! - [`ceiling`]: the same-run loopback ceilings the efficiency is stated
+//!   against.
+//! - [`plot`]: the sweep's SVG plot.
+
+pub mod ceiling;
+pub mod emulate;
+pub mod local;
+pub mod plot;
+pub mod run;

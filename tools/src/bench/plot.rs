@@ -1,0 +1,367 @@
+//! The sweep plot: round time and goodput against the swept variable, as a
+//! self-contained SVG written by hand (no plotting crate, no fonts needed
+//! to write it; viewers use their own sans-serif). `.png` goes through
+//! ImageMagick's `convert` when it is installed.
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+
+use super::run::{RunResult, Sweep};
+
+/// One series of points.
+struct Series<'a> {
+    name: &'a str,
+    color: &'a str,
+    dashed: bool,
+    points: Vec<(f64, f64)>,
+}
+
+/// "Nice" tick values covering [lo, hi].
+fn ticks(lo: f64, hi: f64) -> Vec<f64> {
+    let span = (hi - lo).max(1e-12);
+    let raw = span / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| span / s <= 6.0)
+        .unwrap_or(10.0 * mag);
+    let mut t = (lo / step).floor() * step;
+    let mut v = Vec::new();
+    while t <= hi + step * 1e-9 {
+        v.push(t);
+        t += step;
+    }
+    v
+}
+
+fn fmt_num(x: f64) -> String {
+    if x == 0.0 {
+        "0".into()
+    } else if x.abs() >= 100.0 || x.fract() == 0.0 {
+        format!("{x:.0}")
+    } else if x.abs() >= 1.0 {
+        format!("{x:.1}")
+    } else {
+        format!("{x:.2}")
+    }
+}
+
+/// Draws one panel at (x0, y0) of size (w, h).
+#[allow(clippy::too_many_arguments)]
+fn panel(
+    svg: &mut String,
+    x0: f64,
+    y0: f64,
+    w: f64,
+    h: f64,
+    title: &str,
+    xlabel: &str,
+    ylabel: &str,
+    series: &[Series<'_>],
+) {
+    let pts = series.iter().flat_map(|s| s.points.iter());
+    let (mut xmin, mut xmax, mut ymax) = (f64::INFINITY, f64::NEG_INFINITY, 0f64);
+    for &(x, y) in pts {
+        xmin = xmin.min(x);
+        xmax = xmax.max(x);
+        ymax = ymax.max(y);
+    }
+    if !xmin.is_finite() {
+        return;
+    }
+    if xmax == xmin {
+        xmin -= 1.0;
+        xmax += 1.0;
+    }
+    let xt = ticks(xmin, xmax);
+    let yt = ticks(0.0, ymax.max(1e-9) * 1.05);
+    let (xlo, xhi) = (xt[0].min(xmin), xt.last().copied().unwrap_or(xmax).max(xmax));
+    let yhi = yt.last().copied().unwrap_or(ymax).max(ymax);
+    let (pl, pr, pt, pb) = (60.0, 15.0, 30.0, 45.0);
+    let (iw, ih) = (w - pl - pr, h - pt - pb);
+    let sx = |x: f64| x0 + pl + (x - xlo) / (xhi - xlo).max(1e-12) * iw;
+    let sy = |y: f64| y0 + pt + ih - y / yhi.max(1e-12) * ih;
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" font-size="14" text-anchor="middle" font-weight="bold">{title}</text>"#,
+        x0 + pl + iw / 2.0,
+        y0 + 18.0
+    );
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{:.1}" y="{:.1}" width="{iw:.1}" height="{ih:.1}" fill="none" stroke="#444"/>"##,
+        x0 + pl,
+        y0 + pt
+    );
+    for &t in &yt {
+        let y = sy(t);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#ddd"/><text x="{:.1}" y="{:.1}" font-size="11" text-anchor="end">{}</text>"##,
+            x0 + pl,
+            x0 + pl + iw,
+            x0 + pl - 5.0,
+            y + 4.0,
+            fmt_num(t)
+        );
+    }
+    for &t in &xt {
+        if t < xlo - 1e-9 || t > xhi + 1e-9 {
+            continue;
+        }
+        let x = sx(t);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#ddd"/><text x="{x:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"##,
+            y0 + pt,
+            y0 + pt + ih,
+            y0 + pt + ih + 15.0,
+            fmt_num(t)
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">{xlabel}</text>"#,
+        x0 + pl + iw / 2.0,
+        y0 + h - 8.0
+    );
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle" transform="rotate(-90 {:.1} {:.1})">{ylabel}</text>"#,
+        x0 + 16.0,
+        y0 + pt + ih / 2.0,
+        x0 + 16.0,
+        y0 + pt + ih / 2.0
+    );
+    for (i, s) in series.iter().enumerate() {
+        let path: Vec<String> = s
+            .points
+            .iter()
+            .map(|&(x, y)| format!("{:.1},{:.1}", sx(x), sy(y)))
+            .collect();
+        let dash = if s.dashed {
+            r#" stroke-dasharray="5,4""#
+        } else {
+            ""
+        };
+        let _ = writeln!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="2"{dash}/>"#,
+            path.join(" "),
+            s.color
+        );
+        for &(x, y) in &s.points {
+            let _ = writeln!(
+                svg,
+                r#"<circle cx="{:.1}" cy="{:.1}" r="3" fill="{}"/>"#,
+                sx(x),
+                sy(y),
+                s.color
+            );
+        }
+        let ly = y0 + pt + 14.0 + i as f64 * 15.0;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{:.1}" y1="{ly:.1}" x2="{:.1}" y2="{ly:.1}" stroke="{}" stroke-width="2"{dash}/><text x="{:.1}" y="{:.1}" font-size="11">{}</text>"#,
+            x0 + pl + 8.0,
+            x0 + pl + 28.0,
+            s.color,
+            x0 + pl + 33.0,
+            ly + 4.0,
+            s.name
+        );
+    }
+}
+
+/// The x value of a point and the axis label.
+fn x_of(sweep: &Sweep, r: &RunResult) -> f64 {
+    match sweep.variable.as_str() {
+        "workers" => r.workers as f64,
+        "chunk" => f64::from(r.chunk_bytes),
+        "lcores" => r.lcores as f64,
+        "window" => r.window as f64,
+        _ => r.model_bytes as f64 / 1e6,
+    }
+}
+
+fn x_label(sweep: &Sweep) -> &'static str {
+    match sweep.variable.as_str() {
+        "workers" => "workers W",
+        "chunk" => "chunk payload (bytes)",
+        "lcores" => "dataplane lcores L",
+        "window" => "worker window (chunks)",
+        _ => "model size (MB per worker per round)",
+    }
+}
+
+/// The SVG text of the plot.
+pub fn svg(sweep: &Sweep, points: &[RunResult]) -> String {
+    let (w, h) = (1000.0, 420.0);
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" viewBox="0 0 {w} {h}" font-family="sans-serif">"#
+    );
+    let _ = writeln!(s, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let first = points.first();
+    let caption = first.map_or(String::new(), |r| {
+        format!(
+            "phub-bench run: {} W={} L={} chunk={} B, backend {} (median of {} rounds; p99 dashed)",
+            if sweep.variable == "model" {
+                "models"
+            } else {
+                &r.model
+            },
+            if sweep.variable == "workers" {
+                "*".into()
+            } else {
+                r.workers.to_string()
+            },
+            if sweep.variable == "lcores" {
+                "*".into()
+            } else {
+                r.lcores.to_string()
+            },
+            if sweep.variable == "chunk" {
+                "*".into()
+            } else {
+                r.chunk_bytes.to_string()
+            },
+            r.backend,
+            r.rounds
+        )
+    });
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle" fill="#333">{caption}</text>"##,
+        w / 2.0,
+        h - 4.0
+    );
+    let pts = |f: &dyn Fn(&RunResult) -> Option<f64>| -> Vec<(f64, f64)> {
+        points
+            .iter()
+            .filter_map(|r| f(r).filter(|v| v.is_finite()).map(|v| (x_of(sweep, r), v)))
+            .collect()
+    };
+    let mut left = vec![
+        Series {
+            name: "phub median",
+            color: "#1f77b4",
+            dashed: false,
+            points: pts(&|r| Some(r.round_ms_median)),
+        },
+        Series {
+            name: "phub p99",
+            color: "#1f77b4",
+            dashed: true,
+            points: pts(&|r| Some(r.round_ms_p99)),
+        },
+    ];
+    let bound = pts(&|r| r.bound_round_ms);
+    if !bound.is_empty() {
+        left.push(Series {
+            name: "UDP echo ceiling (same run)",
+            color: "#2ca02c",
+            dashed: false,
+            points: bound,
+        });
+    }
+    let tcp = pts(&|r| r.ceilings.as_ref().map(|c| c.tcp_echo_round_ms));
+    if !tcp.is_empty() {
+        left.push(Series {
+            name: "TCP echo (same run)",
+            color: "#ff7f0e",
+            dashed: true,
+            points: tcp,
+        });
+    }
+    panel(
+        &mut s,
+        0.0,
+        0.0,
+        w / 2.0,
+        h - 20.0,
+        "round time",
+        x_label(sweep),
+        "ms per round",
+        &left,
+    );
+    let mut right = vec![Series {
+        name: "goodput per worker",
+        color: "#1f77b4",
+        dashed: false,
+        points: pts(&|r| Some(r.goodput_gbps)),
+    }];
+    let inb = pts(&|r| r.appliance_gbps_in);
+    if !inb.is_empty() {
+        right.push(Series {
+            name: "appliance in",
+            color: "#9467bd",
+            dashed: true,
+            points: inb,
+        });
+    }
+    panel(
+        &mut s,
+        w / 2.0,
+        0.0,
+        w / 2.0,
+        h - 20.0,
+        "throughput",
+        x_label(sweep),
+        "GB/s",
+        &right,
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
+/// Writes the plot to `path` (.svg, or .png through ImageMagick).
+pub fn write(path: &Path, sweep: &Sweep, points: &[RunResult]) -> Result<()> {
+    let text = svg(sweep, points);
+    let ext = path
+        .extension()
+        .and_then(|e| e.to_str())
+        .unwrap_or("")
+        .to_ascii_lowercase();
+    match ext.as_str() {
+        "svg" => std::fs::write(path, text).with_context(|| format!("writing {}", path.display())),
+        "png" => {
+            let tmp = path.with_extension("svg.tmp");
+            std::fs::write(&tmp, &text).with_context(|| format!("writing {}", tmp.display()))?;
+            let r = std::process::Command::new("convert")
+                .arg(format!("svg:{}", tmp.display()))
+                .arg(path)
+                .status();
+            let _ = std::fs::remove_file(&tmp);
+            match r {
+                Ok(s) if s.success() => Ok(()),
+                Ok(s) => bail!(
+                    "ImageMagick's convert failed ({s}) making {}; ask for .svg",
+                    path.display()
+                ),
+                Err(e) => bail!(
+                    "--plot {}: PNG needs ImageMagick's `convert` ({e}); ask for .svg",
+                    path.display()
+                ),
+            }
+        }
+        _ => bail!("--plot {}: expected a .svg or .png file name", path.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ticks_are_nice_and_cover() {
+        assert_eq!(ticks(0.0, 10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+        let t = ticks(1.0, 8.0);
+        assert!(t[0] <= 1.0 && *t.last().unwrap() >= 8.0 - 1e-9);
+        assert!(ticks(0.0, 0.37).len() <= 7);
+    }
+}

@@ -1,0 +1,989 @@
+//! `phub-bench run`: W emulated workers exchange a model with an appliance
+//! for R timed rounds; per-round statistics, appliance throughput and CPU,
+//! efficiency against a ceiling measured in the same run, JSON, table,
+//! sweeps and plots.
+
+use std::io::{BufRead, BufReader, Write};
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::sync::{mpsc, Arc, Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::{bail, ensure, Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+
+use super::ceiling::{self, Ceilings};
+use super::emulate::{self, Event, Outcome, Plan};
+use super::local::{self, Local, LocalOptions};
+use super::plot;
+use crate::profiles::{self, Profile};
+use crate::stats::summarize;
+use crate::sys::{self, Machine};
+
+/// Packet I/O backend of a local appliance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Backend {
+    /// Kernel UDP sockets.
+    Udp,
+    /// DPDK (only where the dataplane was built with it).
+    Dpdk,
+}
+
+impl Backend {
+    fn name(self) -> &'static str {
+        match self {
+            Backend::Udp => "udp",
+            Backend::Dpdk => "dpdk",
+        }
+    }
+}
+
+/// How the emulated workers call the worker library.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Api {
+    /// `Worker::exchange`: every key's push_pull in one exchange, buffers lent.
+    Exchange,
+    /// `Worker::push_pull` on every key, then `Worker::wait` on every handle.
+    Handles,
+}
+
+/// What `--sweep` varies.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Sweep {
+    /// `workers`, `chunk`, `lcores` or `model`.
+    pub variable: String,
+    /// The values, as given.
+    pub values: Vec<String>,
+}
+
+/// Parses `workers=1,2,4`, `chunk=1024,8192`, `lcores=1,2` or `model=a,b`.
+pub fn parse_sweep(s: &str) -> Result<Sweep, String> {
+    let (var, list) = s.split_once('=').ok_or_else(|| {
+        format!("{s:?}: expected VARIABLE=V1,V2,... (workers, chunk, lcores, window or model)")
+    })?;
+    let variable = match var.trim() {
+        "workers" | "w" => "workers",
+        "chunk" | "chunk-bytes" | "chunk_bytes" => "chunk",
+        "lcores" => "lcores",
+        "model" => "model",
+        "window" => "window",
+        v => {
+            return Err(format!(
+                "--sweep {v:?}: accepted variables: workers, chunk, lcores, window, model"
+            ))
+        }
+    };
+    let values: Vec<String> = list
+        .split(',')
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .collect();
+    if values.is_empty() {
+        return Err(format!("--sweep {s:?}: no values"));
+    }
+    if variable != "model" {
+        for v in &values {
+            if v.parse::<u64>().map_or(true, |n| n == 0) {
+                return Err(format!("--sweep {variable}={v}: expected positive integers"));
+            }
+        }
+    }
+    Ok(Sweep {
+        variable: variable.to_string(),
+        values,
+    })
+}
+
+/// `phub-bench run` options.
+#[derive(Debug, Clone, clap::Args, Serialize)]
+pub struct RunArgs {
+    /// Start phub-dataplane and phub-control here (the default without --control).
+    #[arg(long, conflicts_with = "control")]
+    pub local: bool,
+    /// Packet I/O backend of the local dataplane.
+    #[arg(long, value_enum, default_value_t = Backend::Udp)]
+    pub backend: Backend,
+    /// Use a running appliance through phub-control at URL.
+    #[arg(long, value_name = "URL")]
+    pub control: Option<String>,
+    /// Model: resnet50, vgg16, bert-large, synthetic:N or uniform:K:N.
+    #[arg(long)]
+    pub model: String,
+    /// Emulated workers W.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Timed rounds per worker.
+    #[arg(long, default_value_t = 10)]
+    pub rounds: u32,
+    /// Untimed rounds before them.
+    #[arg(long, default_value_t = 2)]
+    pub warmup: u32,
+    /// Check every result exactly (sum mode, small-integer gradients).
+    #[arg(long)]
+    pub verify: bool,
+    /// Write the results as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+    /// One process per worker instead of one thread.
+    #[arg(long)]
+    pub procs: bool,
+    /// Dataplane queues (lcore threads) of the local appliance.
+    #[arg(long, default_value_t = 1)]
+    pub lcores: usize,
+    /// Payload bytes per chunk (multiple of 64, at most 8832).
+    #[arg(long, default_value_t = 8192)]
+    pub chunk_bytes: u32,
+    /// Worker window in chunks (default: the worker library's own choice).
+    #[arg(long)]
+    pub window: Option<usize>,
+    /// Repeat the run for each value: workers=1,2,4 | chunk=1024,8192 | lcores=1,2 | window=64,256 | model=A,B.
+    #[arg(long, value_parser = parse_sweep)]
+    pub sweep: Option<Sweep>,
+    /// Plot round time and goodput against the swept variable (.svg; .png through ImageMagick).
+    #[arg(long, value_name = "FILE", requires = "sweep")]
+    pub plot: Option<PathBuf>,
+    /// Run phub-dataplane and phub-control from DIR instead of this program.
+    #[arg(long, value_name = "DIR")]
+    pub bin_dir: Option<PathBuf>,
+    /// Skip the same-run loopback ceilings (efficiency is then null).
+    #[arg(long)]
+    pub no_ceiling: bool,
+    /// Rounds of each ceiling measurement (the median is used).
+    #[arg(long, default_value_t = 3)]
+    pub ceiling_rounds: u32,
+    /// Local dataplane: spin on empty queues.
+    #[arg(long)]
+    pub busy_poll: bool,
+    /// Local dataplane: do not pin lcore threads to CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Local dataplane: socket buffer per queue, bytes.
+    #[arg(long)]
+    pub socket_buffer: Option<usize>,
+    /// Local dataplane: one more argument for phub-dataplane, as is
+    /// (repeatable; e.g. `--dataplane-arg=--eal-arg=--no-huge` with `--backend dpdk`).
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true)]
+    pub dataplane_arg: Vec<String>,
+    /// Hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+    /// How workers call the library: `exchange` lends the gradient and output
+    /// buffers (Worker::exchange), `handles` copies them (push_pull + wait).
+    #[arg(long, value_enum, default_value_t = Api::Exchange)]
+    pub api: Api,
+    /// Turn UDP GSO sends off in the workers, the local dataplane and the ceiling.
+    #[arg(long)]
+    pub no_gso: bool,
+    /// Turn UDP GRO receives off in the workers, the local dataplane and the ceiling.
+    #[arg(long)]
+    pub no_gro: bool,
+}
+
+/// One run's figures (one point of a sweep).
+#[derive(Debug, Clone, Serialize)]
+pub struct RunResult {
+    /// Model name.
+    pub model: String,
+    /// Parameters.
+    pub model_elements: u64,
+    /// Bytes per worker per round (f32).
+    pub model_bytes: u64,
+    /// Tensors (keys).
+    pub tensors: usize,
+    /// W.
+    pub workers: usize,
+    /// `udp` or `dpdk` (what the dataplane reports; the asked one with --local).
+    pub backend: String,
+    /// Dataplane lcores (queues).
+    pub lcores: usize,
+    /// Payload bytes per chunk.
+    pub chunk_bytes: u32,
+    /// Chunks per worker per round.
+    pub chunks: u64,
+    /// Timed rounds.
+    pub rounds: u32,
+    /// Warm-up rounds.
+    pub warmup: u32,
+    /// Workers were processes (else threads).
+    pub procs: bool,
+    /// `exchange` or `handles`.
+    pub api: Api,
+    /// Median exchange time of a round (all workers' rounds), ms.
+    pub round_ms_median: f64,
+    /// 99th percentile (nearest rank), ms.
+    pub round_ms_p99: f64,
+    /// Fastest round, ms.
+    pub round_ms_min: f64,
+    /// Mean round, ms.
+    pub round_ms_mean: f64,
+    /// Slowest round, ms.
+    pub round_ms_max: f64,
+    /// Model bytes per second per worker at the median round, GB/s.
+    pub goodput_gbps: f64,
+    /// Bytes the appliance received per second over the timed rounds, GB/s.
+    pub appliance_gbps_in: Option<f64>,
+    /// Bytes the appliance sent per second over the timed rounds, GB/s.
+    pub appliance_gbps_out: Option<f64>,
+    /// bound round time / median round time (1.0 = as fast as the bound).
+    pub efficiency: Option<f64>,
+    /// What `efficiency` is measured against.
+    pub efficiency_bound: String,
+    /// The bound's round time, ms.
+    pub bound_round_ms: Option<f64>,
+    /// The same-run ceilings.
+    pub ceilings: Option<Ceilings>,
+    /// Wall time of the timed phase (all workers), s.
+    pub timed_secs: f64,
+    /// CPU seconds of the dataplane process over the timed rounds.
+    pub appliance_cpu_s: Option<f64>,
+    /// CPU seconds of the dataplane per GB (1e9 bytes) it received.
+    pub appliance_cpu_s_per_gb: Option<f64>,
+    /// CPU seconds of the workers over the timed rounds (all of them).
+    pub workers_cpu_s: Option<f64>,
+    /// Dataplane CPU per timed round, ms.
+    pub appliance_cpu_ms_per_round: Option<f64>,
+    /// Workers' CPU per timed round (all workers), ms.
+    pub workers_cpu_ms_per_round: Option<f64>,
+    /// CPU seconds per thread name over the timed rounds: the dataplane's
+    /// threads (`dp:` prefix) and, with worker threads, this process's.
+    pub thread_cpu_s: std::collections::BTreeMap<String, f64>,
+    /// true / false when --verify, null otherwise.
+    pub verified: Option<bool>,
+    /// Elements that differed, all workers.
+    pub mismatches: u64,
+    /// The first difference.
+    pub first_mismatch: Option<String>,
+    /// Worker window, chunks.
+    pub window: usize,
+    /// Retransmissions, all workers, warm-up included.
+    pub retransmits: u64,
+    /// The part of `retransmits` that were fast retransmissions.
+    pub fast_retransmits: u64,
+    /// Chunks sent for the first time, all workers, warm-up included.
+    pub chunks_sent: u64,
+    /// RESULTs ignored (duplicates), all workers, warm-up included.
+    pub results_ignored: u64,
+    /// Dataplane counters over the timed rounds.
+    pub appliance: Option<Counters>,
+    /// Every timed round of every worker, ms (`[rank][round]`).
+    pub round_ms: Vec<Vec<f64>>,
+}
+
+/// Dataplane counter deltas.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct Counters {
+    /// Datagrams received.
+    pub rx_packets: u64,
+    /// Bytes received.
+    pub rx_bytes: u64,
+    /// Datagrams sent.
+    pub tx_packets: u64,
+    /// Bytes sent.
+    pub tx_bytes: u64,
+    /// Stored results sent again.
+    pub results_resent: u64,
+    /// Drops, all reasons.
+    pub drops: u64,
+    /// Drops by reason.
+    pub drops_by_reason: std::collections::BTreeMap<String, u64>,
+}
+
+fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
+    let url = format!("{}/v1/stats", control_url.trim_end_matches('/'));
+    let v: serde_json::Value = ureq::get(&url)
+        .timeout(Duration::from_secs(10))
+        .call()
+        .ok()?
+        .into_json()
+        .ok()?;
+    let dp = v.get("dataplane")?;
+    let backend = dp.get("backend")?.as_str()?.to_string();
+    let mut c = Counters::default();
+    for l in dp.get("lcores")?.as_array()? {
+        let g = |k: &str| l.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
+        c.rx_packets += g("rx_packets");
+        c.rx_bytes += g("rx_bytes");
+        c.tx_packets += g("tx_packets");
+        c.tx_bytes += g("tx_bytes");
+        c.results_resent += g("results_resent");
+        if let Some(m) = l.get("drops").and_then(serde_json::Value::as_object) {
+            for (k, v) in m {
+                let v = v.as_u64().unwrap_or(0);
+                c.drops += v;
+                *c.drops_by_reason.entry(k.clone()).or_insert(0) += v;
+            }
+        }
+    }
+    Some((backend, c))
+}
+
+impl Counters {
+    fn delta(&self, before: &Counters) -> Counters {
+        Counters {
+            rx_packets: self.rx_packets.saturating_sub(before.rx_packets),
+            rx_bytes: self.rx_bytes.saturating_sub(before.rx_bytes),
+            tx_packets: self.tx_packets.saturating_sub(before.tx_packets),
+            tx_bytes: self.tx_bytes.saturating_sub(before.tx_bytes),
+            results_resent: self.results_resent.saturating_sub(before.results_resent),
+            drops: self.drops.saturating_sub(before.drops),
+            drops_by_reason: self
+                .drops_by_reason
+                .iter()
+                .map(|(k, v)| {
+                    (
+                        k.clone(),
+                        v.saturating_sub(before.drops_by_reason.get(k).copied().unwrap_or(0)),
+                    )
+                })
+                .filter(|(_, v)| *v > 0)
+                .collect(),
+        }
+    }
+}
+
+/// A message from a worker (thread or process) to the coordinator.
+enum Msg {
+    Event(Event),
+    Done(Outcome),
+    Failed(u16, String),
+}
+
+/// The start gate after warm-up: `Some(true)` go, `Some(false)` abort.
+type Gate = Arc<(Mutex<Option<bool>>, Condvar)>;
+
+fn gate_wait(g: &Gate) -> bool {
+    let (m, c) = &**g;
+    let mut v = m.lock().unwrap_or_else(|e| e.into_inner());
+    while v.is_none() {
+        v = c.wait(v).unwrap_or_else(|e| e.into_inner());
+    }
+    v.unwrap_or(false)
+}
+
+fn gate_open(g: &Gate, go: bool) {
+    let (m, c) = &**g;
+    *m.lock().unwrap_or_else(|e| e.into_inner()) = Some(go);
+    c.notify_all();
+}
+
+/// `phub-bench bench-worker --plan JSON`: one worker process. Prints one
+/// JSON line per event; after `Ready` waits for a `go` line on stdin.
+pub fn worker_process(plan_json: &str) -> Result<()> {
+    #[derive(Serialize)]
+    enum Line<'a> {
+        Event(&'a Event),
+        Done(&'a Outcome),
+        Failed(String),
+    }
+    let plan: Plan = serde_json::from_str(plan_json).context("parsing --plan")?;
+    let profile = profiles::load(&plan.model)?;
+    let out = std::io::stdout();
+    let emit = |l: Line<'_>| {
+        let mut o = out.lock();
+        let _ = writeln!(o, "{}", serde_json::to_string(&l).unwrap_or_default());
+        let _ = o.flush();
+    };
+    let r = emulate::run(
+        &plan,
+        &profile,
+        |e| emit(Line::Event(&e)),
+        || {
+            let mut line = String::new();
+            let _ = std::io::stdin().read_line(&mut line);
+            line.trim() == "go"
+        },
+    );
+    match r {
+        Ok(o) => emit(Line::Done(&o)),
+        Err(e) => {
+            emit(Line::Failed(format!("{e:#}")));
+            std::process::exit(1);
+        }
+    }
+    Ok(())
+}
+
+#[derive(serde::Deserialize)]
+enum ChildLine {
+    Event(Event),
+    Done(Outcome),
+    Failed(String),
+}
+
+/// Runs one point: ceiling, appliance, job, workers.
+fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
+    ensure!(
+        a.workers >= 1 && a.workers <= 256,
+        "--workers {}: expected 1 to 256",
+        a.workers
+    );
+    ensure!(
+        a.lcores >= 1 && a.lcores <= 256,
+        "--lcores {}: expected 1 to 256",
+        a.lcores
+    );
+    let spec = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
+    let parsed =
+        phub_proto::spec::JobSpec::from_json(&spec.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let chunk_elems = u64::from(parsed.chunk_elems());
+    let chunks: u64 = profile
+        .tensors
+        .iter()
+        .map(|t| t.elements.div_ceil(chunk_elems))
+        .sum();
+    let ceilings = if a.no_ceiling {
+        None
+    } else {
+        let c = ceiling::measure(&ceiling::Setup {
+            workers: a.workers,
+            lcores: a.lcores,
+            profile_bytes: profile.bytes_f32(),
+            chunk_bytes: a.chunk_bytes as usize,
+            rounds: a.ceiling_rounds.max(1),
+            window: a.window,
+            chunks,
+            gso: !a.no_gso,
+            gro: !a.no_gro,
+        })?;
+        Some(c)
+    };
+    let mut local = None;
+    let control_url = match &a.control {
+        Some(u) => u.trim_end_matches('/').to_string(),
+        None => {
+            let budget = phub_proto::layout::job_bytes(&parsed) + (64 << 20);
+            let l = Local::start(&LocalOptions {
+                lcores: a.lcores,
+                backend: a.backend.name().to_string(),
+                memory_budget: budget,
+                bin_dir: a.bin_dir.clone(),
+                busy_poll: a.busy_poll,
+                no_pin: a.no_pin,
+                socket_buffer: a.socket_buffer,
+                extra_args: a.dataplane_arg.clone(),
+                env: [("PHUB_UDP_GSO", a.no_gso), ("PHUB_UDP_GRO", a.no_gro)]
+                    .into_iter()
+                    .filter(|(_, off)| *off)
+                    .map(|(k, _)| (k.to_string(), "0".to_string()))
+                    .collect(),
+            })?;
+            let u = l.control_url.clone();
+            local = Some(l);
+            u
+        }
+    };
+    let token = match &local {
+        Some(l) => Some(l.operator_token()?),
+        None => local::env_operator_token(),
+    };
+    let admitted = local::admit(&control_url, &spec, token.as_deref())?;
+    let r = drive(
+        a,
+        profile,
+        &control_url,
+        &admitted,
+        local.as_ref(),
+        chunks,
+        ceilings,
+    );
+    local::evict(&control_url, admitted.id, token.as_deref());
+    if let Some(l) = local {
+        l.stop();
+    }
+    r
+}
+
+/// Starts the workers, runs the rounds, collects the figures.
+fn drive(
+    a: &RunArgs,
+    profile: &Profile,
+    control_url: &str,
+    admitted: &phub_proto::api::AdmitResponse,
+    local: Option<&Local>,
+    chunks: u64,
+    ceilings: Option<Ceilings>,
+) -> Result<RunResult> {
+    let w = a.workers;
+    let total_rounds = u64::from(a.warmup + a.rounds) * w as u64;
+    let bar = if a.quiet {
+        ProgressBar::hidden()
+    } else {
+        ProgressBar::new(total_rounds).with_style(
+            ProgressStyle::with_template("  [{bar:40}] {pos}/{len} worker-rounds {msg}")
+                .unwrap_or_else(|_| ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        )
+    };
+    bar.set_message("joining");
+    let (tx, rx) = mpsc::channel::<Msg>();
+    let gate: Gate = Arc::new((Mutex::new(None), Condvar::new()));
+    let plans: Vec<Plan> = (0..w)
+        .map(|rank| Plan {
+            control_url: control_url.to_string(),
+            job: admitted.id,
+            token: admitted.token,
+            rank: rank as u16,
+            model: profile.name.clone(),
+            warmup: a.warmup,
+            rounds: a.rounds,
+            verify: a.verify,
+            window: a.window,
+            exchange: a.api == Api::Exchange,
+            gso: !a.no_gso,
+            gro: !a.no_gro,
+        })
+        .collect();
+    let mut threads = Vec::new();
+    let mut children = Vec::new();
+    if a.procs {
+        let me = std::env::current_exe()?;
+        for plan in &plans {
+            let mut child = Command::new(&me)
+                .args(["bench-worker", "--plan", &serde_json::to_string(plan)?])
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .context("starting a worker process")?;
+            let out = child.stdout.take().context("worker stdout")?;
+            let (tx, rank) = (tx.clone(), plan.rank);
+            threads.push(std::thread::spawn(move || {
+                let mut finished = false;
+                for line in BufReader::new(out).lines() {
+                    let Ok(line) = line else { break };
+                    let msg = match serde_json::from_str::<ChildLine>(&line) {
+                        Ok(ChildLine::Event(e)) => Msg::Event(e),
+                        Ok(ChildLine::Done(o)) => {
+                            finished = true;
+                            Msg::Done(o)
+                        }
+                        Ok(ChildLine::Failed(m)) => {
+                            finished = true;
+                            Msg::Failed(rank, m)
+                        }
+                        Err(_) => continue,
+                    };
+                    let _ = tx.send(msg);
+                }
+                if !finished {
+                    let _ = tx.send(Msg::Failed(
+                        rank,
+                        "the worker process ended without a result".into(),
+                    ));
+                }
+            }));
+            children.push(child);
+        }
+    } else {
+        for plan in plans {
+            let (tx, gate) = (tx.clone(), Arc::clone(&gate));
+            let profile = profile.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name(format!("bench-worker-{}", plan.rank))
+                    .spawn(move || {
+                        let rank = plan.rank;
+                        let tx2 = tx.clone();
+                        let r = emulate::run(
+                            &plan,
+                            &profile,
+                            |e| {
+                                let _ = tx2.send(Msg::Event(e));
+                            },
+                            || gate_wait(&gate),
+                        );
+                        let _ = tx.send(match r {
+                            Ok(o) => Msg::Done(o),
+                            Err(e) => Msg::Failed(rank, format!("{e:#}")),
+                        });
+                    })
+                    .context("starting a worker thread")?,
+            );
+        }
+    }
+    drop(tx);
+    let dp_pid = local.map(|l| l.dataplane.pid());
+    let mut ready = 0;
+    let mut outcomes: Vec<Outcome> = Vec::new();
+    let mut failure: Option<String> = None;
+    let mut before = None;
+    let mut started = Instant::now();
+    let mut cpu0 = (None, None);
+    let mut threads0 = (Default::default(), Default::default());
+    let mut timed_secs = 0.0;
+    while outcomes.len() + usize::from(failure.is_some()) < w {
+        let Ok(msg) = rx.recv() else { break };
+        match msg {
+            Msg::Event(Event::Ready) => {
+                ready += 1;
+                if ready == w {
+                    bar.set_message("timed rounds");
+                    before = dataplane_counters(control_url);
+                    cpu0 = (dp_pid.and_then(sys::cpu_seconds), workers_cpu(a.procs, &children));
+                    threads0 = (
+                        dp_pid.map(sys::thread_cpu_seconds).unwrap_or_default(),
+                        sys::thread_cpu_seconds(std::process::id()),
+                    );
+                    started = Instant::now();
+                    if a.procs {
+                        for c in &mut children {
+                            if let Some(s) = c.stdin.as_mut() {
+                                let _ = writeln!(s, "go");
+                                let _ = s.flush();
+                            }
+                        }
+                    } else {
+                        gate_open(&gate, true);
+                    }
+                }
+            }
+            Msg::Event(Event::Round { round, timed, ms }) => {
+                bar.inc(1);
+                let phase = if timed { "timed" } else { "warm-up" };
+                bar.set_message(format!("{phase} round {round}: {ms:.1} ms"));
+            }
+            Msg::Done(o) => {
+                outcomes.push(o);
+                if outcomes.len() == w {
+                    timed_secs = started.elapsed().as_secs_f64();
+                }
+            }
+            Msg::Failed(rank, m) => {
+                failure = Some(format!("worker {rank}: {m}"));
+                gate_open(&gate, false);
+                for c in &mut children {
+                    let _ = c.kill();
+                }
+                break;
+            }
+        }
+    }
+    let cpu1 = (
+        dp_pid.and_then(sys::cpu_seconds),
+        if a.procs {
+            None
+        } else {
+            workers_cpu(false, &children)
+        },
+    );
+    let threads1 = (
+        dp_pid.map(sys::thread_cpu_seconds).unwrap_or_default(),
+        sys::thread_cpu_seconds(std::process::id()),
+    );
+    let after = dataplane_counters(control_url);
+    bar.finish_and_clear();
+    for c in &mut children {
+        if let Some(s) = c.stdin.take() {
+            drop(s);
+        }
+        let _ = c.wait();
+    }
+    for t in threads {
+        let _ = t.join();
+    }
+    if let Some(f) = failure {
+        bail!("{f}");
+    }
+    ensure!(
+        outcomes.len() == w,
+        "only {} of {w} workers reported",
+        outcomes.len()
+    );
+    outcomes.sort_by_key(|o| o.rank);
+    let all: Vec<f64> = outcomes.iter().flat_map(|o| o.round_ms.iter().copied()).collect();
+    let s = summarize(&all);
+    let model_bytes = profile.bytes_f32();
+    let (backend, counters) = match (&before, &after) {
+        (Some((b, x)), Some((_, y))) => (b.clone(), Some(y.delta(x))),
+        _ => (a.backend.name().to_string(), None),
+    };
+    let gb = |bytes: u64| bytes as f64 / 1e9;
+    let appliance_cpu_s = cpu0.0.zip(cpu1.0).map(|(x, y)| y - x);
+    let workers_cpu_s = if a.procs {
+        let v: Vec<f64> = outcomes.iter().filter_map(|o| o.cpu_s).collect();
+        (v.len() == w).then(|| v.iter().sum())
+    } else {
+        cpu0.1.zip(cpu1.1).map(|(x, y)| y - x)
+    };
+    let mut thread_cpu_s: std::collections::BTreeMap<String, f64> = sys::cpu_delta(&threads0.0, &threads1.0)
+        .into_iter()
+        .map(|(k, v)| (format!("dp:{k}"), v))
+        .collect();
+    if !a.procs {
+        thread_cpu_s.extend(sys::cpu_delta(&threads0.1, &threads1.1));
+    }
+    let rounds_f = f64::from(a.rounds.max(1));
+    let verified = if a.verify {
+        Some(outcomes.iter().all(|o| o.verified == Some(true)))
+    } else {
+        None
+    };
+    let (bound_round_ms, efficiency_bound) = match &ceilings {
+        Some(c) => (Some(c.udp_echo_round_ms), c.describe_bound()),
+        None => (None, "none (--no-ceiling)".to_string()),
+    };
+    Ok(RunResult {
+        model: profile.name.clone(),
+        model_elements: profile.elements(),
+        model_bytes,
+        tensors: profile.len(),
+        workers: w,
+        backend,
+        lcores: a.lcores,
+        chunk_bytes: a.chunk_bytes,
+        chunks,
+        rounds: a.rounds,
+        warmup: a.warmup,
+        procs: a.procs,
+        api: a.api,
+        round_ms_median: s.median,
+        round_ms_p99: s.p99,
+        round_ms_min: s.min,
+        round_ms_mean: s.mean,
+        round_ms_max: s.max,
+        goodput_gbps: gb(model_bytes) / (s.median / 1e3),
+        appliance_gbps_in: counters.as_ref().map(|c| gb(c.rx_bytes) / timed_secs),
+        appliance_gbps_out: counters.as_ref().map(|c| gb(c.tx_bytes) / timed_secs),
+        efficiency: bound_round_ms.map(|b| b / s.median),
+        efficiency_bound,
+        bound_round_ms,
+        ceilings,
+        timed_secs,
+        appliance_cpu_s,
+        appliance_cpu_s_per_gb: match (appliance_cpu_s, &counters) {
+            (Some(cpu), Some(c)) if c.rx_bytes > 0 => Some(cpu / gb(c.rx_bytes)),
+            _ => None,
+        },
+        workers_cpu_s,
+        appliance_cpu_ms_per_round: appliance_cpu_s.map(|c| c * 1e3 / rounds_f),
+        workers_cpu_ms_per_round: workers_cpu_s.map(|c| c * 1e3 / rounds_f),
+        thread_cpu_s,
+        verified,
+        mismatches: outcomes.iter().map(|o| o.mismatches).sum(),
+        first_mismatch: outcomes.iter().find_map(|o| o.first_mismatch.clone()),
+        window: outcomes.first().map_or(0, |o| o.window),
+        retransmits: outcomes.iter().map(|o| o.stats.retransmits).sum(),
+        fast_retransmits: outcomes.iter().map(|o| o.stats.fast_retransmits).sum(),
+        chunks_sent: outcomes.iter().map(|o| o.stats.chunks_sent).sum(),
+        results_ignored: outcomes.iter().map(|o| o.stats.results_ignored).sum(),
+        appliance: counters,
+        round_ms: outcomes.iter().map(|o| o.round_ms.clone()).collect(),
+    })
+}
+
+/// CPU seconds of the worker threads' process (threads mode only).
+fn workers_cpu(procs: bool, _children: &[std::process::Child]) -> Option<f64> {
+    if procs {
+        None
+    } else {
+        sys::cpu_seconds(std::process::id())
+    }
+}
+
+/// The run's context for the JSON report.
+#[derive(Debug, Serialize)]
+struct RunContext<'a> {
+    tool: &'static str,
+    machine: Machine,
+    commit: String,
+    date_unix_s: u64,
+    arguments: &'a RunArgs,
+    argv: Vec<String>,
+    units: serde_json::Value,
+}
+
+fn context(a: &RunArgs) -> RunContext<'_> {
+    RunContext {
+        tool: "phub-bench run",
+        machine: Machine::detect(),
+        commit: sys::commit(),
+        date_unix_s: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        arguments: a,
+        argv: std::env::args().collect(),
+        units: serde_json::json!({
+            "*_gbps": "GB/s = 1e9 bytes per second",
+            "*_ms": "milliseconds",
+            "goodput_gbps": "model bytes (f32) per second per worker, at the median round",
+            "appliance_gbps_in/out": "UDP payload bytes the dataplane received/sent per second over the timed rounds",
+            "efficiency": "bound_round_ms / round_ms_median",
+            "appliance_cpu_s_per_gb": "dataplane CPU seconds (user + system) per 1e9 bytes received",
+        }),
+    }
+}
+
+fn print_table(points: &[RunResult]) {
+    let opt = |x: Option<f64>, p: usize| x.map_or("-".to_string(), |v| format!("{v:.p$}"));
+    println!(
+        "{:<18} {:>3} {:>3} {:>6} {:>5} {:>9} {:>9} {:>8} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
+        "model",
+        "W",
+        "L",
+        "chunk",
+        "win",
+        "median ms",
+        "p99 ms",
+        "GB/s/w",
+        "in GB/s",
+        "out GB/s",
+        "bound ms",
+        "eff",
+        "cpu s/GB",
+        "dp cpu",
+        "wk cpu",
+        "rexmit",
+        "verified"
+    );
+    for r in points {
+        println!(
+            "{:<18} {:>3} {:>3} {:>6} {:>5} {:>9.1} {:>9.1} {:>8.3} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
+            r.model,
+            r.workers,
+            r.lcores,
+            r.chunk_bytes,
+            r.window,
+            r.round_ms_median,
+            r.round_ms_p99,
+            r.goodput_gbps,
+            opt(r.appliance_gbps_in, 3),
+            opt(r.appliance_gbps_out, 3),
+            opt(r.bound_round_ms, 1),
+            opt(r.efficiency, 2),
+            opt(r.appliance_cpu_s_per_gb, 2),
+            opt(r.appliance_cpu_ms_per_round, 1),
+            opt(r.workers_cpu_ms_per_round, 1),
+            r.retransmits,
+            r.verified.map_or("-".to_string(), |v| v.to_string()),
+        );
+    }
+    if let Some(r) = points.first() {
+        println!("bound: {}", r.efficiency_bound);
+        if let Some(c) = &r.ceilings {
+            println!(
+                "same-run ceilings for the first row: UDP echo {:.1} ms/round ({}), TCP echo {:.1} ms/round",
+                c.udp_echo_round_ms, c.udp_setup, c.tcp_echo_round_ms
+            );
+        }
+        println!(
+            "GB/s = 1e9 bytes/s; goodput = model bytes per worker / median round; in/out = dataplane counters / timed wall time;"
+        );
+        println!("dp cpu / wk cpu = CPU ms per timed round of the dataplane process / of all workers");
+    }
+}
+
+/// `phub-bench run`.
+pub fn run(a: &RunArgs) -> Result<()> {
+    if a.backend == Backend::Dpdk && a.control.is_none() {
+        eprintln!("phub-bench: --backend dpdk: the dataplane decides whether it was built with DPDK");
+    }
+    let points: Vec<(String, RunArgs)> = match &a.sweep {
+        None => vec![(a.model.clone(), a.clone())],
+        Some(s) => {
+            if a.control.is_some() && s.variable == "lcores" {
+                bail!("--sweep lcores needs --local (a running appliance's lcores are fixed)");
+            }
+            s.values
+                .iter()
+                .map(|v| {
+                    let mut p = a.clone();
+                    match s.variable.as_str() {
+                        "workers" => p.workers = v.parse().unwrap_or(1),
+                        "chunk" => p.chunk_bytes = v.parse().unwrap_or(8192),
+                        "lcores" => p.lcores = v.parse().unwrap_or(1),
+                        "window" => p.window = v.parse().ok(),
+                        _ => p.model = v.clone(),
+                    }
+                    (format!("{}={v}", s.variable), p)
+                })
+                .collect()
+        }
+    };
+    let mut results = Vec::new();
+    for (label, p) in &points {
+        let profile = profiles::load(&p.model)?;
+        eprintln!(
+            "phub-bench run: {label}: {} ({} tensors, {:.2} M parameters, {:.1} MB), W={} {}, L={}, chunk {} B, {} warm-up + {} timed rounds",
+            profile.name,
+            profile.len(),
+            profile.elements() as f64 / 1e6,
+            profile.bytes_f32() as f64 / 1e6,
+            p.workers,
+            if p.procs { "processes" } else { "threads" },
+            p.lcores,
+            p.chunk_bytes,
+            p.warmup,
+            p.rounds
+        );
+        let r = run_point(p, &profile, label).with_context(|| format!("run {label}"))?;
+        eprintln!(
+            "  median {:.1} ms, p99 {:.1} ms, goodput {:.3} GB/s per worker{}",
+            r.round_ms_median,
+            r.round_ms_p99,
+            r.goodput_gbps,
+            r.efficiency
+                .map_or(String::new(), |e| format!(", efficiency {e:.2} of the bound"))
+        );
+        results.push(r);
+    }
+    print_table(&results);
+    if let Some(path) = &a.json {
+        let ctx = context(a);
+        let mut json = if a.sweep.is_some() {
+            serde_json::json!({ "sweep": a.sweep, "points": results })
+        } else {
+            serde_json::to_value(&results[0])?
+        };
+        if let Some(o) = json.as_object_mut() {
+            for (k, v) in serde_json::to_value(&ctx)?.as_object().into_iter().flatten() {
+                o.insert(k.clone(), v.clone());
+            }
+        }
+        let text = serde_json::to_string_pretty(&json)?;
+        std::fs::write(path, text + "\n").with_context(|| format!("writing {}", path.display()))?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let (Some(path), Some(s)) = (&a.plot, &a.sweep) {
+        plot::write(path, s, &results)?;
+        eprintln!("wrote {}", path.display());
+    }
+    if let Some(false) = results
+        .iter()
+        .map(|r| r.verified)
+        .fold(None, |acc, v| match (acc, v) {
+            (Some(false), _) | (_, Some(false)) => Some(false),
+            (_, Some(true)) => Some(true),
+            (x, None) => x,
+        })
+    {
+        let m = results
+            .iter()
+            .find_map(|r| r.first_mismatch.clone())
+            .unwrap_or_default();
+        bail!("verification failed: {m}");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sweeps_parse() {
+        let s = parse_sweep("workers=1,2,4").unwrap();
+        assert_eq!((s.variable.as_str(), s.values.len()), ("workers", 3));
+        assert_eq!(parse_sweep("chunk=1024, 8192").unwrap().values, ["1024", "8192"]);
+        assert_eq!(
+            parse_sweep("model=resnet50,synthetic:10").unwrap().values.len(),
+            2
+        );
+        assert!(parse_sweep("workers").unwrap_err().contains("VARIABLE"));
+        assert!(parse_sweep("speed=1").unwrap_err().contains("accepted"));
+        assert!(parse_sweep("workers=0").is_err());
+        assert!(parse_sweep("workers=").is_err());
+    }
+}
