@@ -181,6 +181,25 @@ fn two_jobs_at_once_neither_disturbs_the_other() {
 #[test]
 fn bad_specs_and_bad_joins_are_refused_with_their_reason() {
     let rack = Rack::start(1, "1MiB");
+    // Admission needs the operator token, kept in an owner-only file.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(rack.dir.join("state.json.operator-token"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+    let url = format!("{}/v1/jobs", rack.control_url);
+    match ureq::post(&url).send_string(&sum_spec("x", 1, &[10])) {
+        Err(ureq::Error::Status(401, r)) => {
+            let e: phub::proto::api::ApiError = r.into_json().unwrap();
+            assert!(e.error.contains("operator token"), "{}", e.error);
+        }
+        other => panic!("admission without the operator token: {other:?}"),
+    }
+    let wrong = ureq::post(&url)
+        .set("Authorization", "Bearer 0000000000000000")
+        .send_string(&sum_spec("x", 1, &[10]));
+    assert!(matches!(wrong, Err(ureq::Error::Status(403, _))), "{wrong:?}");
     let (code, msg) = rack.admit(&sum_spec("x", 0, &[10])).unwrap_err();
     assert_eq!(code, 400);
     assert!(msg.contains("`workers` = 0"), "{msg}");

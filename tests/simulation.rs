@@ -160,6 +160,7 @@ struct Worker {
 
 fn run(case: &Case) {
     let spec = JobSpec {
+        checkpoint_interval_s: None,
         name: "sim".into(),
         workers: u32::from(case.workers),
         dtype: case.dtype,

@@ -17,6 +17,16 @@ case "$secs" in
     '' | *[!0-9]*) echo "usage: $0 [SECONDS]" >&2; exit 2 ;;
 esac
 
+# cargo-fuzz needs nightly features: the nightly toolchain where rustup has
+# one, else the stable compiler with RUSTC_BOOTSTRAP (same flags).
+if rustup toolchain list 2>/dev/null | grep -q '^nightly'; then
+    fuzz=(cargo +nightly fuzz)
+else
+    echo "fuzz.sh: no nightly toolchain; using stable with RUSTC_BOOTSTRAP=1" >&2
+    export RUSTC_BOOTSTRAP=1
+    fuzz=(cargo fuzz)
+fi
+
 if ! cargo fuzz --version >/dev/null 2>&1; then
     echo "fuzz.sh: installing cargo-fuzz" >&2
     cargo install cargo-fuzz --locked
@@ -29,7 +39,7 @@ for t in "${targets[@]}"; do
     seeds="$root/fuzz/seeds/$t"
     mkdir -p "$corpus"
     echo "=== fuzz target $t: ${secs}s ===" >&2
-    if ! cargo +nightly fuzz run --fuzz-dir "$root/fuzz" "$t" "$corpus" "$seeds" -- \
+    if ! "${fuzz[@]}" run --fuzz-dir "$root/fuzz" "$t" "$corpus" "$seeds" -- \
         -max_total_time="$secs" -timeout=10 -print_final_stats=1; then
         failed+=("$t")
     fi

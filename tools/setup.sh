@@ -8,7 +8,13 @@ set -euo pipefail
 # System packages each part needs. The engine, protocol and tools are pure
 # Rust; later parts (the DPDK backend, hwloc) add their -dev packages here.
 # libhwloc-dev: NUMA topology (hwlocality); libudev-dev: hwloc links it.
-PACKAGES=(pkg-config libhwloc-dev libudev-dev)
+# libdpdk-dev: the DPDK backend (phub-ffi links it; DPDK >= 22.11);
+# libclang-dev: bindgen, which generates phub-ffi's bindings; iproute2: the
+# DPDK tests' network namespaces and veth pairs.
+# python3, python3-venv, python3-dev: the Python package (python/): PyO3's
+# build script needs an interpreter, `cargo build` of its cdylib links
+# libpython, and the Python tests run in a venv.
+PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev libclang-dev iproute2 python3 python3-venv python3-dev)
 
 need=()
 for p in "${PACKAGES[@]}"; do

@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, Stats};
+use phub_proto::api::{AdmitResponse, ApiError, CheckpointInfo, JobDetail, JobMap, JobSummary, Stats};
 use phub_proto::spec::JobSpec;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -30,6 +30,11 @@ struct Args {
     /// Print control's answer as JSON.
     #[arg(long, global = true)]
     json: bool,
+    /// File holding the operator token that admission, eviction and
+    /// checkpoints need [default: $PHUB_OPERATOR_TOKEN (the token itself),
+    /// else ./phub-control.state.json.operator-token when it exists]
+    #[arg(long, global = true, value_name = "FILE")]
+    operator_token_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -70,6 +75,12 @@ enum JobCmd {
     },
     /// Evict a job: the dataplane drops it and control forgets it.
     Evict {
+        /// Job id.
+        id: u16,
+    },
+    /// Save the job's parameters and optimizer state now; after a dataplane
+    /// restart control reinstalls the job from its last checkpoint.
+    Checkpoint {
         /// Job id.
         id: u16,
     },
@@ -114,7 +125,14 @@ pub fn main() -> ExitCode {
         .clone()
         .or_else(|| std::env::var("PHUB_CONTROL").ok().filter(|s| !s.is_empty()))
         .unwrap_or_else(|| DEFAULT_CONTROL.to_string());
-    let ctl = Ctl::new(&url);
+    let token = match operator_token(args.operator_token_file.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("phubctl: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let ctl = Ctl::new(&url, token);
     match run(&ctl, &args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -122,6 +140,31 @@ pub fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The operator token: from `--operator-token-file`, `$PHUB_OPERATOR_TOKEN`,
+/// or the default file beside the default state file; None when none is set
+/// (read-only commands need none; control says so when one is needed).
+fn operator_token(file: Option<&std::path::Path>) -> Result<Option<String>, String> {
+    let read = |p: &std::path::Path| {
+        std::fs::read_to_string(p)
+            .map(|t| t.trim().to_string())
+            .map_err(|e| format!("cannot read the operator token file {}: {e}", p.display()))
+    };
+    if let Some(f) = file {
+        return read(f).map(Some);
+    }
+    if let Some(t) = std::env::var("PHUB_OPERATOR_TOKEN")
+        .ok()
+        .filter(|t| !t.trim().is_empty())
+    {
+        return Ok(Some(t.trim().to_string()));
+    }
+    let default = std::path::Path::new("phub-control.state.json.operator-token");
+    if default.exists() {
+        return read(default).map(Some);
+    }
+    Ok(None)
 }
 
 fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
@@ -150,6 +193,22 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
             JobCmd::Show { id } => {
                 let raw = ctl.call("GET", &format!("/v1/jobs/{id}"), None)?;
                 show(json, &raw, |r: JobDetail| render_show(&r))
+            }
+            JobCmd::Checkpoint { id } => {
+                let raw = ctl.call("POST", &format!("/v1/jobs/{id}/checkpoint"), None)?;
+                show(json, &raw, |c: CheckpointInfo| {
+                    let rounds = match c.round_range {
+                        Some((lo, hi)) if lo == hi => format!("round {lo}"),
+                        Some((lo, hi)) => format!("rounds {lo}..={hi}"),
+                        None => "no completed round yet".into(),
+                    };
+                    format!(
+                        "checkpoint of job {}: {rounds}, {} in {}\n",
+                        c.id,
+                        human_bytes(c.bytes),
+                        c.file
+                    )
+                })
             }
             JobCmd::Evict { id } => {
                 let raw = ctl.call("DELETE", &format!("/v1/jobs/{id}"), None)?;
@@ -238,11 +297,13 @@ fn show<T: DeserializeOwned + Serialize>(
 struct Ctl {
     base: String,
     agent: ureq::Agent,
+    operator_token: Option<String>,
 }
 
 impl Ctl {
-    fn new(base: &str) -> Ctl {
+    fn new(base: &str, operator_token: Option<String>) -> Ctl {
         Ctl {
+            operator_token,
             base: base.trim_end_matches('/').to_string(),
             agent: ureq::AgentBuilder::new()
                 .timeout_connect(Duration::from_secs(3))
@@ -254,7 +315,10 @@ impl Ctl {
     /// Sends a request; the answer's body on success.
     fn call(&self, method: &str, path: &str, body: Option<(&str, bool)>) -> Result<String, CliError> {
         let url = format!("{}{path}", self.base);
-        let req = self.agent.request(method, &url);
+        let mut req = self.agent.request(method, &url);
+        if let Some(t) = &self.operator_token {
+            req = req.set("Authorization", &format!("Bearer {t}"));
+        }
         let res = match body {
             Some((text, is_json)) => req
                 .set(
@@ -399,6 +463,13 @@ pub fn render_show(d: &JobDetail) -> String {
     out.push_str(&format!("rounds completed {}", d.rounds_completed));
     if let Some((lo, hi)) = d.round_range {
         out.push_str(&format!(", last completed round {lo}..={hi} over its chunks"));
+    }
+    if let Some(c) = &d.checkpoint {
+        match c.round_range {
+            Some((lo, hi)) => out.push_str(&format!("\nlast checkpoint: rounds {lo}..={hi}")),
+            None => out.push_str("\nlast checkpoint: before round 0 completed"),
+        }
+        out.push_str(&format!(", {} ({})", human_bytes(c.bytes), c.file));
     }
     out.push_str("\n\n");
     let rows: Vec<Vec<String>> = d
@@ -705,6 +776,7 @@ mod tests {
             ],
             rounds_completed: 7,
             round_range: Some((3, 4)),
+            checkpoint: None,
         };
         let t = render_show(&d);
         assert!(
@@ -723,6 +795,7 @@ mod tests {
     fn stats_tables() {
         let s = Stats {
             dataplane: Some(DataplaneStats {
+                port: None,
                 backend: "udp".into(),
                 lcores: vec![
                     LcoreStats {

@@ -22,9 +22,10 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
-    AdmitResponse, ApiError, DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobMap, JobSummary,
-    JoinRequest, JoinResponse, KeyMap, LcoreShare, RankStatus, Stats,
+    AdmitResponse, ApiError, CheckpointInfo, DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobMap,
+    JobSummary, JoinRequest, JoinResponse, KeyMap, LcoreShare, RankStatus, Stats,
 };
+use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::job_bytes;
 use phub_proto::spec::{JobSpec, SpecError};
 use serde::Serialize;
@@ -52,6 +53,10 @@ pub struct Config {
     pub state: PathBuf,
     /// How often the dataplane's jobs are compared with the admitted ones.
     pub reconcile_interval: Duration,
+    /// The operator token file (default: the state file's path with
+    /// `.operator-token` appended). Created with a random token, readable by
+    /// its owner only, when missing.
+    pub operator_token: Option<PathBuf>,
 }
 
 impl Default for Config {
@@ -61,7 +66,58 @@ impl Default for Config {
             dataplane: "http://127.0.0.1:7800".into(),
             state: PathBuf::from("phub-control.state.json"),
             reconcile_interval: Duration::from_secs(2),
+            operator_token: None,
         }
+    }
+}
+
+impl Config {
+    /// Where the operator token lives.
+    pub fn operator_token_path(&self) -> PathBuf {
+        self.operator_token
+            .clone()
+            .unwrap_or_else(|| default_token_path(&self.state))
+    }
+}
+
+/// The operator token file that goes with a state file.
+pub fn default_token_path(state: &std::path::Path) -> PathBuf {
+    let mut name = state.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(".operator-token");
+    state.with_file_name(name)
+}
+
+/// Reads the operator token, or creates the file with a new random one
+/// (mode 0600, created exclusively so a racing start cannot clobber it).
+fn load_or_create_token(path: &std::path::Path) -> anyhow::Result<String> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    match std::fs::read_to_string(path) {
+        Ok(t) => {
+            let t = t.trim().to_string();
+            anyhow::ensure!(
+                t.len() >= 16 && t.chars().all(|c| c.is_ascii_graphic()),
+                "the operator token in {} must be at least 16 printable characters",
+                path.display()
+            );
+            Ok(t)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let token: String = (0..4).map(|_| format!("{:08x}", rand::random::<u32>())).collect();
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(path)
+                .with_context(|| format!("creating the operator token file {}", path.display()))?;
+            f.write_all(token.as_bytes())
+                .and_then(|()| f.write_all(b"\n"))
+                .and_then(|()| f.sync_all())
+                .with_context(|| format!("writing {}", path.display()))?;
+            log::info!("generated the operator token in {} (owner-only)", path.display());
+            Ok(token)
+        }
+        Err(e) => Err(e).with_context(|| format!("reading the operator token file {}", path.display())),
     }
 }
 
@@ -81,6 +137,10 @@ struct Args {
     /// Milliseconds between reconciliations with the dataplane.
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     reconcile_ms: u64,
+    /// Operator token file (admission, eviction and checkpoints need the
+    /// token); default: the state file's path + `.operator-token`.
+    #[arg(long)]
+    operator_token_file: Option<PathBuf>,
 }
 
 /// Entry point of the `phub-control` binary: parses flags, runs until
@@ -93,6 +153,7 @@ pub fn main() -> ExitCode {
         dataplane: args.dataplane,
         state: args.state,
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
+        operator_token: args.operator_token_file,
     };
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,
@@ -118,13 +179,22 @@ fn run(config: Config) -> anyhow::Result<()> {
 }
 
 /// A running daemon: HTTP threads and the reconcile thread.
-#[derive(Debug)]
 pub struct Daemon {
+    operator_token: String,
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     // Dropping the sender wakes the reconcile thread, which then exits.
     reconcile_wake: Option<mpsc::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for Daemon {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the operator token.
+        f.debug_struct("Daemon")
+            .field("addr", &self.addr)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Daemon {
@@ -133,6 +203,8 @@ impl Daemon {
     /// reconciliation with the dataplane runs at once, in the background.
     pub fn start(config: Config) -> anyhow::Result<Daemon> {
         let loaded = state::load(&config.state)?.unwrap_or_default();
+        let token_path = config.operator_token_path();
+        let operator_token = load_or_create_token(&token_path)?;
         let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
         let server = tiny_http::Server::http(config.listen)
             .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
@@ -151,7 +223,13 @@ impl Daemon {
             dp: Client::new(&config.dataplane),
             state_path: config.state.clone(),
             interval: config.reconcile_interval,
-            inner: Mutex::new(Inner { jobs, info: None }),
+            operator_token,
+            token_path: token_path.clone(),
+            inner: Mutex::new(Inner {
+                checkpoints: load_checkpoints(&config.state, &jobs),
+                jobs,
+                info: None,
+            }),
             ops: Mutex::new(()),
         });
         let stop = Arc::new(AtomicBool::new(false));
@@ -174,6 +252,7 @@ impl Daemon {
                     let mut log = ReconcileLog::default();
                     loop {
                         rs.reconcile(&mut log);
+                        rs.periodic_checkpoints();
                         match sleep.recv_timeout(rs.interval) {
                             Err(mpsc::RecvTimeoutError::Timeout) => {}
                             _ => break,
@@ -183,6 +262,7 @@ impl Daemon {
                 .context("cannot start the reconcile thread")?,
         );
         Ok(Daemon {
+            operator_token: shared.operator_token.clone(),
             addr,
             stop,
             reconcile_wake: Some(wake),
@@ -193,6 +273,11 @@ impl Daemon {
     /// The address the API is bound to.
     pub fn addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// The operator token (for in-process users such as tests and tools).
+    pub fn operator_token(&self) -> &str {
+        &self.operator_token
     }
 
     /// Stops the threads and waits for them; requests in progress finish.
@@ -234,6 +319,9 @@ enum RequestError {
     /// Malformed body, bad id, invalid spec: 400.
     #[error("{0}")]
     BadRequest(String),
+    /// No operator token: 401.
+    #[error("{0}")]
+    Unauthorized(String),
     /// Wrong token: 403.
     #[error("{0}")]
     Forbidden(String),
@@ -271,6 +359,7 @@ impl RequestError {
     fn status(&self) -> u16 {
         match self {
             RequestError::BadRequest(_) => 400,
+            RequestError::Unauthorized(_) => 401,
             RequestError::Forbidden(_) => 403,
             RequestError::NotFound(_) => 404,
             RequestError::Method { .. } => 405,
@@ -315,6 +404,8 @@ struct Inner {
     jobs: BTreeMap<u16, StoredJob>,
     /// The dataplane's last answer to `GET /v1/info`.
     info: Option<DataplaneInfo>,
+    /// Each job's last checkpoint (its file is beside the state file).
+    checkpoints: BTreeMap<u16, CheckpointInfo>,
 }
 
 /// What the reconcile thread remembers to log each problem once.
@@ -324,14 +415,26 @@ struct ReconcileLog {
     failed: BTreeSet<u16>,
 }
 
-#[derive(Debug)]
 struct Shared {
     dp: Client,
+    /// Admission, eviction and checkpoints need it (`Authorization: Bearer`).
+    operator_token: String,
+    token_path: PathBuf,
     state_path: PathBuf,
     interval: Duration,
     inner: Mutex<Inner>,
     /// Held across every call that changes the dataplane's set of jobs.
     ops: Mutex<()>,
+}
+
+impl std::fmt::Debug for Shared {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the operator token.
+        f.debug_struct("Shared")
+            .field("dp", &self.dp)
+            .field("state_path", &self.state_path)
+            .finish_non_exhaustive()
+    }
 }
 
 fn summary(job: &StoredJob, installed: bool) -> JobSummary {
@@ -414,6 +517,15 @@ impl Shared {
             path: path.to_string(),
             allowed,
         };
+        let needs_operator = matches!(
+            (method, segs.as_slice()),
+            ("POST", ["v1", "jobs"])
+                | ("DELETE", ["v1", "jobs", _])
+                | ("POST", ["v1", "jobs", _, "checkpoint"])
+        );
+        if needs_operator {
+            self.check_operator(req)?;
+        }
         match segs.as_slice() {
             ["v1", "jobs"] => match method {
                 "GET" => Ok(Reply::json(200, &self.list())),
@@ -427,6 +539,10 @@ impl Shared {
                 "GET" => Ok(Reply::json(200, &self.show(parse_id(id)?)?)),
                 "DELETE" => Ok(Reply::json(200, &self.evict(parse_id(id)?)?)),
                 _ => Err(wrong("GET, DELETE")),
+            },
+            ["v1", "jobs", id, "checkpoint"] => match method {
+                "POST" => Ok(Reply::json(200, &self.checkpoint(parse_id(id)?)?)),
+                _ => Err(wrong("POST")),
             },
             ["v1", "jobs", id, "map"] => match method {
                 "GET" => Ok(Reply::json(200, &self.map(parse_id(id)?)?)),
@@ -456,6 +572,33 @@ impl Shared {
                 "no route for {method} {path}; see the route table in phub_proto::api"
             ))),
         }
+    }
+
+    /// Checks the `Authorization: Bearer` header against the operator token.
+    fn check_operator(&self, req: &tiny_http::Request) -> Result<(), RequestError> {
+        let given = req
+            .headers()
+            .iter()
+            .find(|h| h.field.equiv("Authorization"))
+            .map(|h| h.value.as_str().trim().to_string());
+        let Some(given) = given else {
+            return Err(RequestError::Unauthorized(format!(
+                "this request needs the operator token: send `Authorization: Bearer <token>`; \
+                 phub-control keeps it in {} (readable by its owner only)",
+                self.token_path.display()
+            )));
+        };
+        let token = given.strip_prefix("Bearer ").unwrap_or(&given).trim();
+        // Compare without an early exit, so timing says nothing of the token.
+        let (a, b) = (token.as_bytes(), self.operator_token.as_bytes());
+        let diff = a
+            .iter()
+            .zip(b)
+            .fold(a.len() ^ b.len(), |d, (x, y)| d | usize::from(x ^ y));
+        if diff != 0 {
+            return Err(RequestError::Forbidden("wrong operator token".into()));
+        }
+        Ok(())
     }
 
     /// The cached dataplane info, or a fresh one.
@@ -560,9 +703,9 @@ impl Shared {
                 w - 1
             )));
         }
-        if job.joined.contains(&req.rank) {
+        if job.joined.contains(&req.rank) && !req.rejoin {
             return Err(RequestError::Conflict(format!(
-                "rank {} has already joined job {id}",
+                "rank {} has already joined job {id} (a restarted worker rejoins with \"rejoin\": true)",
                 req.rank
             )));
         }
@@ -596,7 +739,8 @@ impl Shared {
             log::error!("rank {} could not join job {id}: {e}", req.rank);
             return Err(RequestError::State(format!("{e}; the rank has not joined")));
         }
-        log::info!("rank {} joined job {id} ({:?})", req.rank, answer.spec.name);
+        let how = if req.rejoin { "rejoined" } else { "joined" };
+        log::info!("rank {} {how} job {id} ({:?})", req.rank, answer.spec.name);
         Ok(answer)
     }
 
@@ -637,6 +781,7 @@ impl Shared {
             ranks,
             rounds_completed: live.map_or(0, |l| l.rounds_completed),
             round_range: live.and_then(|l| l.round_range),
+            checkpoint: inner.checkpoints.get(&id).cloned(),
         })
     }
 
@@ -651,6 +796,15 @@ impl Shared {
         }
         let mut inner = self.lock();
         let job = inner.jobs.remove(&id).ok_or_else(|| not_admitted(id))?;
+        if inner.checkpoints.remove(&id).is_some() {
+            let path = checkpoint_path(&self.state_path, id);
+            if let Err(e) = std::fs::remove_file(&path) {
+                log::warn!(
+                    "job {id} evicted, but its checkpoint {} stays: {e}",
+                    path.display()
+                );
+            }
+        }
         if let Err(e) = self.persist(&inner) {
             // The dataplane no longer has it; the reconcile loop would put it
             // back if it stayed here, so it is forgotten all the same.
@@ -733,6 +887,68 @@ impl Shared {
         metrics::render(stats.as_ref(), &jobs)
     }
 
+    /// Takes a checkpoint of `id` from the dataplane and keeps it (atomically
+    /// replacing the previous one) beside the state file.
+    fn checkpoint(&self, id: u16) -> Result<CheckpointInfo, RequestError> {
+        if !self.lock().jobs.contains_key(&id) {
+            return Err(not_admitted(id));
+        }
+        let bytes = self.dp.checkpoint(id)?;
+        let ckpt = Checkpoint::decode(&bytes).map_err(|e| {
+            RequestError::State(format!(
+                "the dataplane's checkpoint of job {id} is unreadable: {e}"
+            ))
+        })?;
+        let path = checkpoint_path(&self.state_path, id);
+        state::write_atomic(&path, &bytes).map_err(|e| RequestError::State(e.to_string()))?;
+        let info = CheckpointInfo {
+            id,
+            round_range: ckpt.round_range(),
+            bytes: bytes.len() as u64,
+            taken_unix_ms: unix_ms(),
+            file: path.display().to_string(),
+        };
+        let mut inner = self.lock();
+        if inner.jobs.contains_key(&id) {
+            inner.checkpoints.insert(id, info.clone());
+        } else {
+            // Evicted meanwhile: the file must not outlive the job.
+            let _ = std::fs::remove_file(&path);
+            return Err(not_admitted(id));
+        }
+        log::info!(
+            "checkpoint of job {id}: rounds {:?}, {} bytes",
+            info.round_range,
+            info.bytes
+        );
+        Ok(info)
+    }
+
+    /// Checkpoints every job whose spec asks for it and whose last
+    /// checkpoint is older than its interval.
+    fn periodic_checkpoints(&self) {
+        let now = unix_ms();
+        let due: Vec<u16> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .values()
+                .filter(|j| {
+                    j.spec.checkpoint_interval_s.is_some_and(|s| {
+                        let last = inner.checkpoints.get(&j.id).map_or(0, |c| c.taken_unix_ms);
+                        now.saturating_sub(last) >= u64::from(s) * 1000
+                    })
+                })
+                .map(|j| j.id)
+                .collect()
+        };
+        for id in due {
+            if let Err(e) = self.checkpoint(id) {
+                log::warn!("periodic checkpoint of job {id}: {e}");
+            }
+        }
+    }
+
     /// Reinstalls every admitted job the dataplane lacks.
     fn reconcile(&self, log: &mut ReconcileLog) {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
@@ -773,13 +989,37 @@ impl Shared {
             self.lock().info = Some(info);
         }
         for job in missing {
-            match self.dp.install(&job) {
-                Ok(()) => {
-                    log::info!(
-                        "reinstalled job {} ({:?}), which the dataplane had lost",
+            let path = checkpoint_path(&self.state_path, job.id);
+            let saved = self.lock().checkpoints.get(&job.id).cloned();
+            let result = match saved.as_ref().map(|_| std::fs::read(&path)) {
+                Some(Ok(bytes)) => self.dp.restore(job.id, &bytes),
+                Some(Err(e)) => {
+                    log::error!(
+                        "job {}: cannot read its checkpoint {}: {e}",
                         job.id,
-                        job.spec.name
+                        path.display()
                     );
+                    self.dp.install(&job)
+                }
+                None => self.dp.install(&job),
+            };
+            match result {
+                Ok(()) => {
+                    match saved {
+                        Some(c) => log::info!(
+                            "reinstalled job {} ({:?}), which the dataplane had lost, from its checkpoint \
+                             (rounds {:?})",
+                            job.id,
+                            job.spec.name,
+                            c.round_range
+                        ),
+                        None => log::info!(
+                            "reinstalled job {} ({:?}), which the dataplane had lost (no checkpoint: \
+                             its parameters start over)",
+                            job.id,
+                            job.spec.name
+                        ),
+                    }
                     log.failed.remove(&job.id);
                 }
                 Err(e) => {
@@ -790,4 +1030,50 @@ impl Shared {
             }
         }
     }
+}
+
+/// Where control keeps job `id`'s checkpoint: beside the state file.
+fn checkpoint_path(state: &std::path::Path, id: u16) -> PathBuf {
+    let mut name = state.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(format!(".job-{id}.ckpt"));
+    state.with_file_name(name)
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The checkpoints found beside the state file for the admitted jobs.
+fn load_checkpoints(
+    state: &std::path::Path,
+    jobs: &BTreeMap<u16, StoredJob>,
+) -> BTreeMap<u16, CheckpointInfo> {
+    let mut out = BTreeMap::new();
+    for &id in jobs.keys() {
+        let path = checkpoint_path(state, id);
+        let Ok(bytes) = std::fs::read(&path) else { continue };
+        match Checkpoint::decode(&bytes) {
+            Ok(c) => {
+                let taken = std::fs::metadata(&path)
+                    .and_then(|m| m.modified())
+                    .ok()
+                    .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+                    .map_or(0, |d| d.as_millis() as u64);
+                out.insert(
+                    id,
+                    CheckpointInfo {
+                        id,
+                        round_range: c.round_range(),
+                        bytes: bytes.len() as u64,
+                        taken_unix_ms: taken,
+                        file: path.display().to_string(),
+                    },
+                );
+            }
+            Err(e) => log::error!("ignoring the checkpoint {} of job {id}: {e}", path.display()),
+        }
+    }
+    out
 }

@@ -1,5 +1,6 @@
 //! Client of the dataplane's management API (see `phub_proto::api`).
 
+use std::io::Read;
 use std::time::Duration;
 
 use phub_proto::api::{ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob};
@@ -72,17 +73,13 @@ impl Client {
         &self.base
     }
 
-    fn call(
-        &self,
-        method: &str,
-        path: &str,
-        body: Option<&InstallJob>,
-    ) -> Result<ureq::Response, DataplaneError> {
+    fn call(&self, method: &str, path: &str, body: Body<'_>) -> Result<ureq::Response, DataplaneError> {
         let url = format!("{}{path}", self.base);
         let req = self.agent.request(method, &url);
         let res = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
+            Body::Json(b) => req.send_json(b),
+            Body::Bytes(b) => req.set("Content-Type", "application/octet-stream").send_bytes(b),
+            Body::None => req.call(),
         };
         match res {
             Ok(r) => Ok(r),
@@ -114,7 +111,7 @@ impl Client {
     }
 
     fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, DataplaneError> {
-        self.call("GET", path, None)?
+        self.call("GET", path, Body::None)?
             .into_json()
             .map_err(|e| DataplaneError::BadAnswer {
                 what: format!("GET {path}"),
@@ -139,16 +136,43 @@ impl Client {
 
     /// `PUT /v1/jobs/{id}`; any 2xx (the API says 201) means installed.
     pub(crate) fn install(&self, job: &InstallJob) -> Result<(), DataplaneError> {
-        self.call("PUT", &format!("/v1/jobs/{}", job.id), Some(job))
+        self.call("PUT", &format!("/v1/jobs/{}", job.id), Body::Json(job))
             .map(drop)
     }
 
     /// `DELETE /v1/jobs/{id}`; `Ok(false)` when the dataplane did not have it (404).
     pub(crate) fn remove(&self, id: u16) -> Result<bool, DataplaneError> {
-        match self.call("DELETE", &format!("/v1/jobs/{id}"), None) {
+        match self.call("DELETE", &format!("/v1/jobs/{id}"), Body::None) {
             Ok(_) => Ok(true),
             Err(DataplaneError::Refused { status: 404, .. }) => Ok(false),
             Err(e) => Err(e),
         }
     }
+
+    /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file.
+    pub(crate) fn checkpoint(&self, id: u16) -> Result<Vec<u8>, DataplaneError> {
+        let what = format!("GET /v1/jobs/{id}/checkpoint");
+        let r = self.call("GET", &format!("/v1/jobs/{id}/checkpoint"), Body::None)?;
+        let mut bytes = Vec::new();
+        r.into_reader()
+            .read_to_end(&mut bytes)
+            .map_err(|e| DataplaneError::BadAnswer {
+                what,
+                reason: e.to_string(),
+            })?;
+        Ok(bytes)
+    }
+
+    /// `PUT /v1/jobs/{id}` with a checkpoint file: installs the job restored.
+    pub(crate) fn restore(&self, id: u16, ckpt: &[u8]) -> Result<(), DataplaneError> {
+        self.call("PUT", &format!("/v1/jobs/{id}"), Body::Bytes(ckpt))
+            .map(drop)
+    }
+}
+
+/// A request body.
+enum Body<'a> {
+    None,
+    Json(&'a InstallJob),
+    Bytes(&'a [u8]),
 }

@@ -210,6 +210,7 @@ mod tests {
     #[test]
     fn renders_every_family() {
         let dp = DataplaneStats {
+            port: None,
             backend: "udp".into(),
             lcores: vec![
                 LcoreStats {

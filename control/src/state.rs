@@ -118,6 +118,14 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
 /// Writes the state of `jobs` to `path` atomically: `path.tmp` is written and synced,
 /// renamed over `path`, and the directory is synced.
 pub(crate) fn save(path: &Path, jobs: &[&StoredJob]) -> Result<(), StateError> {
+    let mut text = serde_json::to_vec_pretty(&StateRef { jobs }).expect("state serialises");
+    text.push(b'\n');
+    write_atomic(path, &text)
+}
+
+/// Replaces `path` with `bytes` atomically: a temporary file beside it,
+/// written and synced, renamed over it, and the directory synced.
+pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".tmp");
     let tmp = PathBuf::from(tmp);
@@ -125,10 +133,8 @@ pub(crate) fn save(path: &Path, jobs: &[&StoredJob]) -> Result<(), StateError> {
         let p = p.to_owned();
         move |source| StateError::Write { path: p, source }
     };
-    let text = serde_json::to_vec_pretty(&StateRef { jobs }).expect("state serialises");
     let mut f = fs::File::create(&tmp).map_err(write(&tmp))?;
-    f.write_all(&text).map_err(write(&tmp))?;
-    f.write_all(b"\n").map_err(write(&tmp))?;
+    f.write_all(bytes).map_err(write(&tmp))?;
     f.sync_all().map_err(write(&tmp))?;
     drop(f);
     fs::rename(&tmp, path).map_err(write(path))?;

@@ -49,14 +49,20 @@ fn daemon(dataplane: &str, state: &Path) -> Daemon {
         dataplane: dataplane.to_string(),
         state: state.to_path_buf(),
         reconcile_interval: Duration::from_millis(100),
+        operator_token: None,
     })
     .unwrap()
+}
+
+/// The operator token the daemon generated beside its state file.
+fn operator_token(d: &Daemon) -> String {
+    d.operator_token().to_string()
 }
 
 /// Sends a request; (status, body).
 fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
     let url = format!("http://{}{path}", d.addr());
-    let req = ureq::request(method, &url);
+    let req = ureq::request(method, &url).set("Authorization", &format!("Bearer {}", operator_token(d)));
     let res = match body {
         Some(b) => req.send_string(b),
         None => req.call(),
@@ -286,7 +292,10 @@ fn join_checks_job_token_and_rank() {
     let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 5)), 400);
     assert_eq!(e, "rank 5 is outside 0..=3 for job 1 (workers = 4)");
     let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 2)), 409);
-    assert_eq!(e, "rank 2 has already joined job 1");
+    assert_eq!(
+        e,
+        "rank 2 has already joined job 1 (a restarted worker rejoins with \"rejoin\": true)"
+    );
     let e = err(&d, "POST", "/v1/jobs/1/join", Some("{\"rank\": 1}"), 400);
     assert!(e.contains("invalid join request") && e.contains("token"), "{e}");
 
@@ -332,7 +341,10 @@ fn restart_keeps_jobs_and_joined_ranks() {
     assert_eq!(list(&d), before);
     assert_eq!(list(&d)[0].joined, vec![1]);
     let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join), 409);
-    assert_eq!(e, "rank 1 has already joined job 1");
+    assert_eq!(
+        e,
+        "rank 1 has already joined job 1 (a restarted worker rejoins with \"rejoin\": true)"
+    );
     // The dataplane kept the job; control did not reinstall or remove it.
     assert_eq!(fake.jobs()[&1].token, a.token);
     assert!(!fake
@@ -350,6 +362,7 @@ fn restart_keeps_jobs_and_joined_ranks() {
         dataplane: fake.url(),
         state: state.clone(),
         reconcile_interval: Duration::from_millis(100),
+        operator_token: None,
     })
     .unwrap_err()
     .to_string();

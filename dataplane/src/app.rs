@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use anyhow::{bail, Context, Result};
-use clap::{Parser, ValueEnum};
+use clap::{Args, Parser, ValueEnum};
 use crossbeam_channel::bounded;
 use phub_proto::api::{DataAddr, DataplaneInfo, LcoreInfo};
 
@@ -25,7 +25,8 @@ use crate::topology::Topology;
 pub enum BackendKind {
     /// Kernel UDP sockets: runs anywhere.
     Udp,
-    /// DPDK poll-mode driver (not built yet).
+    /// DPDK poll-mode driver: the port and lcores given by `--eal` and
+    /// `--port` (needs the build's `dpdk` feature, on by default).
     Dpdk,
 }
 
@@ -54,6 +55,10 @@ pub struct Config {
     /// Spin on empty queues instead of waiting in the kernel.
     #[arg(long)]
     pub busy_poll: bool,
+    /// Inject faults on every queue, both directions (tests and soaks), e.g.
+    /// `loss=0.05,dup=0.01,reorder=0.01,seed=7`. Off by default.
+    #[arg(long, value_name = "FAULTS")]
+    pub inject: Option<phub_proto::fault::FaultSpec>,
     /// Do not pin lcore threads to CPUs.
     #[arg(long)]
     pub no_pin: bool,
@@ -63,6 +68,68 @@ pub struct Config {
     /// Build stamp reported by the management API (set by the binary).
     #[arg(skip = String::from("phub"))]
     pub build: String,
+    /// DPDK backend options.
+    #[command(flatten)]
+    pub dpdk: DpdkOptions,
+}
+
+/// Options of the DPDK backend (`--backend dpdk`).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct DpdkOptions {
+    /// EAL arguments, split on whitespace, e.g. "--no-pci --vdev=net_af_packet0,iface=veth1 --no-huge -m 512".
+    /// Without -l/--lcores, phub maps lcore 0 (management) and one data lcore per queue;
+    /// without --no-huge/--in-memory/--huge-unlink it adds --in-memory.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARGS")]
+    pub eal: Option<String>,
+    /// One more EAL argument, kept whole (repeatable).
+    #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
+    pub eal_arg: Vec<String>,
+    /// The DPDK port: an id or a device name (e.g. net_af_packet0).
+    #[arg(long, default_value = "0")]
+    pub port: String,
+    /// MAC address to answer ARP with and send from (default: the port's).
+    #[arg(long)]
+    pub mac: Option<String>,
+    /// MTU to configure (clamped to what the device takes).
+    #[arg(long, default_value_t = 9000)]
+    pub mtu: u16,
+    /// RX descriptors per queue (clamped to the device).
+    #[arg(long, default_value_t = 1024)]
+    pub rx_desc: u16,
+    /// TX descriptors per queue (clamped to the device).
+    #[arg(long, default_value_t = 1024)]
+    pub tx_desc: u16,
+    /// RX mbufs (0: enough for every queue's descriptors and hand-off ring).
+    #[arg(long, default_value_t = 0)]
+    pub mbufs: u32,
+    /// Buffer bytes per RX mbuf, 128 of headroom included (af_packet needs its framesz + 96).
+    #[arg(long, default_value_t = 16384 + 128)]
+    pub mbuf_size: u16,
+    /// Header and indirect mbufs for results (payload mbufs: a quarter).
+    #[arg(long, default_value_t = 16384)]
+    pub tx_mbufs: u32,
+    /// Idle backoff: pause, then sleep briefly after a run of empty polls
+    /// (for tests and small machines; an appliance's lcores spin).
+    #[arg(long)]
+    pub idle_backoff: bool,
+}
+
+impl Default for DpdkOptions {
+    fn default() -> DpdkOptions {
+        DpdkOptions {
+            eal: None,
+            eal_arg: Vec::new(),
+            port: "0".into(),
+            mac: None,
+            mtu: 9000,
+            rx_desc: 1024,
+            tx_desc: 1024,
+            mbufs: 0,
+            mbuf_size: 16384 + 128,
+            tx_mbufs: 16384,
+            idle_backoff: false,
+        }
+    }
 }
 
 /// Parses `123`, `64KiB`, `512MiB`, `1GiB` (also KB/MB/GB as powers of 1000).
@@ -98,6 +165,8 @@ pub struct Appliance {
     stop: Arc<AtomicBool>,
     mgmt_addr: SocketAddr,
     data: SocketAddrV4,
+    #[cfg(feature = "dpdk")]
+    dpdk: Option<crate::backend::dpdk::start::Runtime>,
 }
 
 impl std::fmt::Debug for Appliance {
@@ -113,7 +182,7 @@ impl Appliance {
     /// Starts the lcores and the management API.
     pub fn start(cfg: &Config) -> Result<Appliance> {
         if cfg.backend == BackendKind::Dpdk {
-            bail!("--backend dpdk: this build has no DPDK backend yet; use --backend udp");
+            return Appliance::start_dpdk(cfg);
         }
         let cores = core_affinity::get_core_ids().unwrap_or_default();
         let n = cfg.lcores.unwrap_or(cores.len().max(1));
@@ -144,8 +213,12 @@ impl Appliance {
         let data = SocketAddrV4::new(cfg.host, base);
         let opts = LoopOptions {
             busy_poll: cfg.busy_poll,
+            faults: cfg.inject,
             ..LoopOptions::default()
         };
+        if let Some(f) = cfg.inject {
+            log::warn!("injecting faults on every queue, both directions: {f}");
+        }
         let mut handles = Vec::with_capacity(n);
         let mut infos = Vec::with_capacity(n);
         for (i, q) in queues.into_iter().enumerate() {
@@ -188,6 +261,26 @@ impl Appliance {
             version: cfg.build.clone(),
         };
         let manager = Arc::new(Manager::new(info, handles, clock));
+        let app = Appliance::serve(cfg, manager, stop, data)?;
+        log::info!(
+            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, management API on {}",
+            n,
+            cfg.host,
+            base,
+            base as usize + n - 1,
+            kernels.kind().name(),
+            app.mgmt_addr
+        );
+        Ok(app)
+    }
+
+    /// Starts the management API over running lcores.
+    fn serve(
+        cfg: &Config,
+        manager: Arc<Manager>,
+        stop: Arc<AtomicBool>,
+        data: SocketAddrV4,
+    ) -> Result<Appliance> {
         let server = tiny_http::Server::http(cfg.mgmt)
             .map_err(|e| anyhow::anyhow!("binding the management API to {}: {e}", cfg.mgmt))?;
         let server = Arc::new(server);
@@ -202,14 +295,6 @@ impl Appliance {
                 .spawn(move || mgmt::serve(s, m, st))
                 .context("spawning the management thread")?
         };
-        log::info!(
-            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, management API on {mgmt_addr}",
-            n,
-            cfg.host,
-            base,
-            base as usize + n - 1,
-            kernels.kind().name()
-        );
         Ok(Appliance {
             manager,
             server,
@@ -217,7 +302,56 @@ impl Appliance {
             stop,
             mgmt_addr,
             data,
+            #[cfg(feature = "dpdk")]
+            dpdk: None,
         })
+    }
+
+    /// `--backend dpdk`: the EAL, the port, one EAL lcore per queue running
+    /// the shared poll loop, and the same management API.
+    #[cfg(feature = "dpdk")]
+    fn start_dpdk(cfg: &Config) -> Result<Appliance> {
+        use crate::backend::dpdk::start;
+        let kernels = Kernels::best();
+        let topology = Topology::detect();
+        let clock = Clock::start();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = start::start(cfg, kernels, clock, &stop)?;
+        let data = SocketAddrV4::new(cfg.host, s.base_port);
+        let info = DataplaneInfo {
+            backend: "dpdk".into(),
+            data: DataAddr {
+                host: cfg.host.to_string(),
+                base_port: s.base_port,
+            },
+            lcores: s.infos,
+            nic_numa_node: s.socket.or_else(|| topology.nic_node(cfg.host)),
+            memory_budget_bytes: cfg.memory_budget,
+            memory_used_bytes: 0,
+            kernels: kernels.kind().name().into(),
+            version: cfg.build.clone(),
+        };
+        let reader = start::port_stats_reader(s.runtime.port());
+        let manager = Manager::new(info, s.lcores, clock)
+            .with_port_stats(crate::mgmt::PortStatsReader(Box::new(reader)));
+        let runtime = s.runtime;
+        match Appliance::serve(cfg, Arc::new(manager), Arc::clone(&stop), data) {
+            Ok(mut app) => {
+                log::info!("phub-dataplane: management API on {}", app.mgmt_addr);
+                app.dpdk = Some(runtime);
+                Ok(app)
+            }
+            Err(e) => {
+                stop.store(true, Ordering::Relaxed);
+                runtime.stop();
+                Err(e)
+            }
+        }
+    }
+
+    #[cfg(not(feature = "dpdk"))]
+    fn start_dpdk(_cfg: &Config) -> Result<Appliance> {
+        bail!("--backend dpdk: this build has no DPDK backend (built without the `dpdk` feature); use --backend udp")
     }
 
     /// Where the management API listens.
@@ -246,6 +380,10 @@ impl Appliance {
             Some(m) => m.join_lcores(&self.stop),
             None => log::warn!("management state still shared at shutdown; lcores stop on their own"),
         }
+        #[cfg(feature = "dpdk")]
+        if let Some(rt) = self.dpdk.take() {
+            rt.stop();
+        }
     }
 }
 
@@ -258,6 +396,8 @@ pub fn main(build: &str) -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             eprintln!("phub-dataplane: {e:#}");
+            #[cfg(feature = "dpdk")]
+            crate::backend::dpdk::start::cleanup_eal();
             return ExitCode::FAILURE;
         }
     };
@@ -272,5 +412,10 @@ pub fn main(build: &str) -> ExitCode {
     let _ = rx.recv();
     log::info!("phub-dataplane: shutting down");
     app.shutdown();
+    #[cfg(feature = "dpdk")]
+    if cfg.backend == BackendKind::Dpdk {
+        crate::backend::dpdk::start::cleanup_eal();
+        log::info!("phub-dataplane: DPDK EAL released");
+    }
     ExitCode::SUCCESS
 }

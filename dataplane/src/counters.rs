@@ -66,6 +66,91 @@ pub struct ShardCounters {
     pub idle_loops: Counter,
     /// Drops, indexed by [`DropReason::code`].
     pub drops: [Counter; DropReason::COUNT + 1],
+    /// Frames dropped before the engine (DPDK backend), indexed by
+    /// [`NetDrop`] as `usize`.
+    pub net_drops: [Counter; NetDrop::ALL.len()],
+    /// ARP requests for the appliance's address answered (DPDK backend).
+    pub arp_replies: Counter,
+    /// Packets the fault injector dropped (received or sent; tests only).
+    pub injected_drops: Counter,
+    /// Packets the fault injector duplicated (tests only).
+    pub injected_dups: Counter,
+    /// Received packets the fault injector held back (tests only).
+    pub injected_reorders: Counter,
+}
+
+/// Why a frame was dropped before it reached the engine: the Ethernet,
+/// ARP, IPv4 and UDP checks of a backend that sees whole frames (DPDK), and
+/// results it could not send. Names do not overlap [`DropReason`]'s, so both
+/// share one "drops by reason" table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum NetDrop {
+    /// Shorter than an Ethernet header, or an EtherType other than IPv4/ARP.
+    NotIpv4,
+    /// ARP that is not a request for the appliance's address.
+    ArpNotForUs,
+    /// IPv4 header malformed (version, header or total length).
+    BadIpHeader,
+    /// IPv4 header checksum wrong.
+    BadIpChecksum,
+    /// An IPv4 fragment (phub messages always fit one frame).
+    IpFragment,
+    /// IPv4 destination is not the appliance's address.
+    NotOurAddress,
+    /// IPv4 payload other than UDP.
+    NotUdp,
+    /// UDP length field inconsistent with the IPv4 length.
+    BadUdpLength,
+    /// UDP checksum wrong (as checked by the NIC, where it can).
+    BadUdpChecksum,
+    /// UDP destination port served by no lcore of this appliance.
+    WrongPort,
+    /// A frame spread over several buffers (larger than an RX mbuf).
+    Scattered,
+    /// A packet for another lcore that could not be handed over (its ring
+    /// was full).
+    HandoffFull,
+    /// A result that could not be sent (no buffer, or the TX queue stayed
+    /// full).
+    TxDropped,
+}
+
+impl NetDrop {
+    /// Every reason, in index order.
+    pub const ALL: [NetDrop; 13] = [
+        NetDrop::NotIpv4,
+        NetDrop::ArpNotForUs,
+        NetDrop::BadIpHeader,
+        NetDrop::BadIpChecksum,
+        NetDrop::IpFragment,
+        NetDrop::NotOurAddress,
+        NetDrop::NotUdp,
+        NetDrop::BadUdpLength,
+        NetDrop::BadUdpChecksum,
+        NetDrop::WrongPort,
+        NetDrop::Scattered,
+        NetDrop::HandoffFull,
+        NetDrop::TxDropped,
+    ];
+
+    /// Stable snake_case name, used in stats and metrics.
+    pub const fn name(self) -> &'static str {
+        match self {
+            NetDrop::NotIpv4 => "not_ipv4",
+            NetDrop::ArpNotForUs => "arp_not_for_us",
+            NetDrop::BadIpHeader => "bad_ip_header",
+            NetDrop::BadIpChecksum => "bad_ip_checksum",
+            NetDrop::IpFragment => "ip_fragment",
+            NetDrop::NotOurAddress => "not_our_address",
+            NetDrop::NotUdp => "not_udp",
+            NetDrop::BadUdpLength => "bad_udp_length",
+            NetDrop::BadUdpChecksum => "bad_udp_checksum",
+            NetDrop::WrongPort => "wrong_port",
+            NetDrop::Scattered => "scattered",
+            NetDrop::HandoffFull => "handoff_full",
+            NetDrop::TxDropped => "tx_dropped",
+        }
+    }
 }
 
 impl ShardCounters {
@@ -86,5 +171,16 @@ impl ShardCounters {
     /// All drops.
     pub fn drops_total(&self) -> u64 {
         self.drops.iter().map(Counter::get).sum()
+    }
+
+    /// Counts a frame dropped before the engine.
+    #[inline]
+    pub fn count_net_drop(&self, r: NetDrop) {
+        self.net_drops[r as usize].inc();
+    }
+
+    /// Frames dropped before the engine under `r`.
+    pub fn net_drops_of(&self, r: NetDrop) -> u64 {
+        self.net_drops[r as usize].get()
     }
 }

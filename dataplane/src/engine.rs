@@ -21,6 +21,8 @@
 
 use std::sync::Arc;
 
+use phub_proto::checkpoint::SlotState;
+use phub_proto::fault::{Fate, Faults};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN, MAX_PAYLOAD};
@@ -64,6 +66,14 @@ pub enum EngineError {
         id: u16,
         /// Worker count given.
         workers: u16,
+    },
+    /// A checkpoint could not be restored into the job.
+    #[error("job {id}: cannot restore the checkpoint: {reason}")]
+    Restore {
+        /// Job id.
+        id: u16,
+        /// What did not fit.
+        reason: String,
     },
     /// A slot's element count is zero or does not fit a packet.
     #[error("job {id}: slot {slot} has {elems} elements; accepted: 1..={max} for {dtype}")]
@@ -294,19 +304,46 @@ pub struct Transmit<'a, A> {
 }
 
 /// The destinations of a [`Transmit`]: every known rank's endpoint, or one.
+/// With fault injection on (tests), some are skipped or repeated.
 #[derive(Debug, Clone)]
 pub struct Destinations<'a, A> {
     all: std::slice::Iter<'a, Option<A>>,
     one: Option<A>,
+    faults: Option<(&'a Faults, &'a ShardCounters)>,
+    again: Option<A>,
+}
+
+impl<A: Copy> Destinations<'_, A> {
+    fn next_plain(&mut self) -> Option<A> {
+        if let Some(a) = self.one.take() {
+            return Some(a);
+        }
+        self.all.by_ref().flatten().next().copied()
+    }
 }
 
 impl<A: Copy> Iterator for Destinations<'_, A> {
     type Item = A;
     fn next(&mut self) -> Option<A> {
-        if let Some(a) = self.one.take() {
+        if let Some(a) = self.again.take() {
             return Some(a);
         }
-        self.all.by_ref().flatten().next().copied()
+        let Some((faults, counters)) = self.faults else {
+            return self.next_plain();
+        };
+        loop {
+            let a = self.next_plain()?;
+            match faults.fate() {
+                Fate::Drop => counters.injected_drops.inc(),
+                Fate::Duplicate => {
+                    counters.injected_dups.inc();
+                    self.again = Some(a);
+                    return Some(a);
+                }
+                // Sends cannot be held back here; the network reorders.
+                Fate::Deliver | Fate::Reorder => return Some(a),
+            }
+        }
     }
 }
 
@@ -318,6 +355,7 @@ pub struct Shard<A> {
     jobs: Vec<Job<A>>,
     pending: Vec<Pending<A>>,
     counters: Arc<ShardCounters>,
+    tx_faults: Option<Faults>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -329,7 +367,14 @@ impl<A: Copy + Eq> Shard<A> {
             jobs: Vec::new(),
             pending: Vec::with_capacity(MAX_BURST),
             counters: Arc::new(ShardCounters::default()),
+            tx_faults: None,
         }
+    }
+
+    /// Turns fault injection on the results this shard sends on (tests and
+    /// soaks) or off. Off by default; costs one branch per destination off.
+    pub fn set_tx_faults(&mut self, faults: Option<Faults>) {
+        self.tx_faults = faults;
     }
 
     /// The lcore this shard serves.
@@ -439,6 +484,79 @@ impl<A: Copy + Eq> Shard<A> {
         let j = self.job(id)?;
         let s = j.slots.get(slot as usize)?;
         j.optimizer.keeps_params().then_some(&s.params[..])
+    }
+
+    /// The durable state of every slot of a job (completed round,
+    /// parameters, optimizer state, stored result), for a checkpoint. The
+    /// round in progress is not saved: its contributors never got a result
+    /// and will push again. Allocates; call between bursts.
+    pub fn snapshot(&self, id: u16) -> Option<Vec<SlotState>> {
+        let j = self.job(id)?;
+        Some(
+            j.slots
+                .iter()
+                .map(|s| SlotState {
+                    completed: (s.completed != NO_ROUND).then_some(s.completed),
+                    params: s.params.to_vec(),
+                    s1: s.s1.to_vec(),
+                    s2: s.s2.to_vec(),
+                    result: match &s.result {
+                        ResultBuf::Params => Vec::new(),
+                        _ => s.result_bytes().to_vec(),
+                    },
+                })
+                .collect(),
+        )
+    }
+
+    /// Puts slots back in the state a [`Shard::snapshot`] saved. Every
+    /// length is checked before anything changes.
+    pub fn restore(&mut self, id: u16, state: &[SlotState]) -> Result<(), EngineError> {
+        let j = self
+            .jobs
+            .iter_mut()
+            .find(|j| j.id == id)
+            .ok_or(EngineError::Restore {
+                id,
+                reason: "the job is not installed".into(),
+            })?;
+        if state.len() != j.slots.len() {
+            return Err(EngineError::Restore {
+                id,
+                reason: format!("{} slots saved, {} installed", state.len(), j.slots.len()),
+            });
+        }
+        for (i, (slot, st)) in j.slots.iter().zip(state).enumerate() {
+            let result_len = match &slot.result {
+                ResultBuf::Params => 0,
+                _ => slot.result_bytes().len(),
+            };
+            if st.params.len() != slot.params.len()
+                || st.s1.len() != slot.s1.len()
+                || st.s2.len() != slot.s2.len()
+                || st.result.len() != result_len
+                || st.completed == Some(NO_ROUND)
+            {
+                return Err(EngineError::Restore {
+                    id,
+                    reason: format!("slot {i}: saved buffers do not fit the installed chunk"),
+                });
+            }
+        }
+        for (slot, st) in j.slots.iter_mut().zip(state) {
+            slot.completed = st.completed.unwrap_or(NO_ROUND);
+            slot.contributed = RankSet::default();
+            slot.ncontrib = 0;
+            slot.params.copy_from_slice(&st.params);
+            slot.s1.copy_from_slice(&st.s1);
+            slot.s2.copy_from_slice(&st.s2);
+            match &mut slot.result {
+                ResultBuf::Params => {}
+                ResultBuf::F32(r) => bytemuck::cast_slice_mut(r).copy_from_slice(&st.result),
+                ResultBuf::Half(r) => bytemuck::cast_slice_mut(r).copy_from_slice(&st.result),
+            }
+        }
+        Ok(())
     }
 
     /// Stats of every installed job. Allocates; call between bursts.
@@ -636,14 +754,19 @@ impl<A: Copy + Eq> Shard<A> {
                     key: s.key,
                     chunk: s.chunk,
                 };
+                let faults = self.tx_faults.as_ref().map(|f| (f, &*self.counters));
                 let to = match to {
                     None => Destinations {
                         all: j.endpoints.iter(),
                         one: None,
+                        faults,
+                        again: None,
                     },
                     Some(r) => Destinations {
                         all: [].iter(),
                         one: j.endpoints.get(usize::from(r)).copied().flatten(),
+                        faults,
+                        again: None,
                     },
                 };
                 Some(Transmit {
@@ -658,6 +781,8 @@ impl<A: Copy + Eq> Shard<A> {
                 to: Destinations {
                     all: [].iter(),
                     one: Some(to),
+                    faults: self.tx_faults.as_ref().map(|f| (f, &*self.counters)),
+                    again: None,
                 },
             }),
         })

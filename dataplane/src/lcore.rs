@@ -14,13 +14,24 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use crate::backend::PacketIo;
+use phub_proto::checkpoint::SlotState;
+use phub_proto::fault::{Fate, FaultSpec, Faults};
+
 use crate::engine::{EngineError, JobInstall, JobShardStats, Shard};
 
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
 pub enum Command {
-    /// Install a job's slots; answers the slot memory allocated.
-    Install(JobInstall, Sender<Result<u64, EngineError>>),
+    /// Install a job's slots, restored from saved state when given (both in
+    /// one step, so no packet sees the job half restored); answers the slot
+    /// memory allocated.
+    Install(
+        JobInstall,
+        Option<Vec<SlotState>>,
+        Sender<Result<u64, EngineError>>,
+    ),
+    /// Save a job's slots (None when the job is not installed here).
+    Snapshot(u16, Sender<Option<Vec<SlotState>>>),
     /// Remove a job; answers whether it was installed.
     Remove(u16, Sender<bool>),
     /// Report every installed job's stats.
@@ -30,6 +41,9 @@ pub enum Command {
 /// How an lcore waits when there is nothing to do.
 #[derive(Debug, Clone, Copy)]
 pub struct LoopOptions {
+    /// Inject faults on received and sent packets (tests and soaks; off by
+    /// default).
+    pub faults: Option<FaultSpec>,
     /// Spin without ever waiting in the kernel.
     pub busy_poll: bool,
     /// Longest wait in the backend when idle (also how quickly management
@@ -40,6 +54,7 @@ pub struct LoopOptions {
 impl Default for LoopOptions {
     fn default() -> LoopOptions {
         LoopOptions {
+            faults: None,
             busy_poll: false,
             idle_wait: Duration::from_millis(20),
         }
@@ -74,14 +89,40 @@ pub fn run<Io: PacketIo>(
 ) -> std::io::Result<()> {
     let counters = Arc::clone(shard.counters());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
+    let lcore = u64::from(shard.lcore());
+    let rx_faults = opts.faults.map(|f| Faults::new(f, 2 * lcore));
+    shard.set_tx_faults(opts.faults.map(|f| Faults::new(f, 2 * lcore + 1)));
+    // Datagrams the injector held back, delivered after the next burst.
+    let mut held: Vec<(Io::Addr, Vec<u8>)> = Vec::new();
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd);
         }
         let now = clock.now();
-        let n = io.rx_burst(wait, &mut |from, datagram| {
-            shard.handle(from, datagram, now);
-        })?;
+        let released = std::mem::take(&mut held);
+        let n = match &rx_faults {
+            None => io.rx_burst(wait, &mut |from, datagram| {
+                shard.handle(from, datagram, now);
+            })?,
+            Some(faults) => io.rx_burst(wait, &mut |from, datagram| match faults.fate() {
+                Fate::Deliver => {
+                    shard.handle(from, datagram, now);
+                }
+                Fate::Drop => counters.injected_drops.inc(),
+                Fate::Duplicate => {
+                    counters.injected_dups.inc();
+                    shard.handle(from, datagram, now);
+                    shard.handle(from, datagram, now);
+                }
+                Fate::Reorder => {
+                    counters.injected_reorders.inc();
+                    held.push((from, datagram.to_vec()));
+                }
+            })?,
+        };
+        for (from, datagram) in &released {
+            shard.handle(*from, datagram, now);
+        }
         if shard.has_transmits() {
             let r = io.tx_burst(&shard, &counters);
             shard.clear_transmits();
@@ -101,12 +142,19 @@ pub fn run<Io: PacketIo>(
 fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
-        Command::Install(job, reply) => {
+        Command::Install(job, restore, reply) => {
             let id = job.id;
-            let r = shard
-                .install(job)
-                .map(|()| shard.job_memory_bytes(id).unwrap_or(0));
-            let _ = reply.send(r);
+            let mut r = shard.install(job);
+            if let (Ok(()), Some(state)) = (&r, restore) {
+                r = shard.restore(id, &state);
+                if r.is_err() {
+                    shard.remove(id);
+                }
+            }
+            let _ = reply.send(r.map(|()| shard.job_memory_bytes(id).unwrap_or(0)));
+        }
+        Command::Snapshot(id, reply) => {
+            let _ = reply.send(shard.snapshot(id));
         }
         Command::Remove(id, reply) => {
             let _ = reply.send(shard.remove(id));

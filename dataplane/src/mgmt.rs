@@ -14,12 +14,13 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use phub_proto::api::{
-    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreStats,
+    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreStats, PortStats,
 };
+use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::slot_bytes;
 use phub_proto::wire::DropReason;
 
-use crate::counters::ShardCounters;
+use crate::counters::{NetDrop, ShardCounters};
 use crate::engine::JobInstall;
 use crate::lcore::{Clock, Command};
 
@@ -60,8 +61,18 @@ fn err(status: u16, message: impl Into<String>) -> MgmtError {
 pub struct Manager {
     info: DataplaneInfo,
     lcores: Vec<LcoreHandle>,
-    jobs: Mutex<BTreeMap<u16, InstalledJob>>,
+    jobs: Mutex<BTreeMap<u16, (InstalledJob, InstallJob)>>,
     clock: Clock,
+    port_stats: Option<PortStatsReader>,
+}
+
+/// Reads a DPDK port's own counters for `/v1/stats` (DPDK backend).
+pub struct PortStatsReader(pub Box<dyn Fn() -> Option<PortStats> + Send + Sync>);
+
+impl std::fmt::Debug for PortStatsReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("PortStatsReader")
+    }
 }
 
 impl Manager {
@@ -72,27 +83,74 @@ impl Manager {
             lcores,
             jobs: Mutex::new(BTreeMap::new()),
             clock,
+            port_stats: None,
         }
     }
 
-    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, InstalledJob>> {
+    /// Reports a DPDK port's counters beside the lcores' in `/v1/stats`.
+    pub fn with_port_stats(mut self, reader: PortStatsReader) -> Manager {
+        self.port_stats = Some(reader);
+        self
+    }
+
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, (InstalledJob, InstallJob)>> {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// `GET /v1/info`.
     pub fn info(&self) -> DataplaneInfo {
         let mut i = self.info.clone();
-        i.memory_used_bytes = self.jobs().values().map(|j| j.memory_bytes).sum();
+        i.memory_used_bytes = self.jobs().values().map(|j| j.0.memory_bytes).sum();
         i
     }
 
     /// `GET /v1/jobs`.
     pub fn list(&self) -> Vec<InstalledJob> {
-        self.jobs().values().cloned().collect()
+        self.jobs().values().map(|j| j.0.clone()).collect()
     }
 
     /// `PUT /v1/jobs/{id}`: installs on every lcore or on none.
     pub fn install(&self, id: u16, req: InstallJob) -> Result<InstalledJob, MgmtError> {
+        self.install_with(id, req, None)
+    }
+
+    /// `PUT /v1/jobs/{id}` with a checkpoint body: installs the job it
+    /// describes with every slot restored, on every lcore or on none.
+    pub fn restore(&self, id: u16, ckpt: Checkpoint) -> Result<InstalledJob, MgmtError> {
+        let Checkpoint { job, lcores } = ckpt;
+        let r = self.install_with(id, job, Some(lcores))?;
+        log::info!("job {id} restored from a checkpoint");
+        Ok(r)
+    }
+
+    /// `GET /v1/jobs/{id}/checkpoint`: every lcore's saved slots.
+    pub fn checkpoint(&self, id: u16) -> Result<Checkpoint, MgmtError> {
+        let job = self
+            .jobs()
+            .get(&id)
+            .map(|j| j.1.clone())
+            .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
+        let mut lcores = Vec::with_capacity(self.lcores.len());
+        for (i, l) in self.lcores.iter().enumerate() {
+            let (tx, rx) = bounded(1);
+            let state = l
+                .commands
+                .send_timeout(Command::Snapshot(id, tx), ACK_TIMEOUT)
+                .ok()
+                .and_then(|()| rx.recv_timeout(ACK_TIMEOUT).ok())
+                .ok_or_else(|| err(500, format!("lcore {i} did not answer the checkpoint request")))?
+                .ok_or_else(|| err(404, format!("job {id} is not installed on lcore {i}")))?;
+            lcores.push(state);
+        }
+        Ok(Checkpoint { job, lcores })
+    }
+
+    fn install_with(
+        &self,
+        id: u16,
+        req: InstallJob,
+        mut restore: Option<Vec<Vec<SlotState>>>,
+    ) -> Result<InstalledJob, MgmtError> {
         if req.id != id {
             return Err(err(
                 400,
@@ -121,7 +179,7 @@ impl Manager {
         if jobs.contains_key(&id) {
             return Err(err(409, format!("job {id} is already installed")));
         }
-        let used: u64 = jobs.values().map(|j| j.memory_bytes).sum();
+        let used: u64 = jobs.values().map(|j| j.0.memory_bytes).sum();
         if used + need > self.info.memory_budget_bytes {
             return Err(err(
                 507,
@@ -145,9 +203,10 @@ impl Manager {
                 optimizer: req.spec.optimizer,
                 slots: req.layout.lcores[i].clone(),
             };
+            let state = restore.as_mut().map(|r| std::mem::take(&mut r[i]));
             let answer = l
                 .commands
-                .send_timeout(Command::Install(job, tx), ACK_TIMEOUT)
+                .send_timeout(Command::Install(job, state, tx), ACK_TIMEOUT)
                 .map_err(|_| format!("lcore {i} did not take the command"))
                 .and_then(|()| {
                     rx.recv_timeout(ACK_TIMEOUT)
@@ -171,11 +230,11 @@ impl Manager {
             id,
             memory_bytes: total,
         };
-        jobs.insert(id, job.clone());
         log::info!(
             "installed job {id}: {} chunks, {total} bytes of slot memory",
             req.layout.chunk_count()
         );
+        jobs.insert(id, (job.clone(), req));
         Ok(job)
     }
 
@@ -247,6 +306,7 @@ impl Manager {
         }
         DataplaneStats {
             backend: self.info.backend.clone(),
+            port: self.port_stats.as_ref().and_then(|r| (r.0)()),
             lcores,
             jobs: jobs
                 .into_values()
@@ -301,8 +361,17 @@ pub fn lcore_stats(lcore: u16, c: &ShardCounters) -> LcoreStats {
         drops: DropReason::ALL
             .iter()
             .map(|r| (r.name().to_string(), c.drops_of(*r)))
+            .chain(
+                NetDrop::ALL
+                    .iter()
+                    .map(|r| (r.name().to_string(), c.net_drops_of(*r))),
+            )
             .filter(|(_, n)| *n > 0)
             .collect(),
+        arp_replies: c.arp_replies.get(),
+        injected_drops: c.injected_drops.get(),
+        injected_dups: c.injected_dups.get(),
+        injected_reorders: c.injected_reorders.get(),
     }
 }
 
@@ -333,18 +402,33 @@ pub fn serve(server: Arc<tiny_http::Server>, mgr: Arc<Manager>, stop: Arc<Atomic
         let method = req.method().clone();
         let url = req.url().split('?').next().unwrap_or("").to_string();
         let parts: Vec<&str> = url.trim_matches('/').split('/').collect();
-        let mut body = String::new();
-        if req.as_reader().take(MAX_BODY).read_to_string(&mut body).is_err() {
-            respond(req, 400, error_body("request body is not UTF-8 text".into()));
+        use tiny_http::Method::{Delete, Get, Put};
+        let mut body = Vec::new();
+        if let Err(e) = req.as_reader().take(MAX_BODY).read_to_end(&mut body) {
+            respond(req, 400, error_body(format!("reading the request body: {e}")));
             continue;
         }
-        use tiny_http::Method::{Delete, Get, Put};
+        if let (Get, ["v1", "jobs", id, "checkpoint"]) = (&method, parts.as_slice()) {
+            match parse_id(id).and_then(|id| mgr.checkpoint(id)) {
+                Ok(c) => {
+                    let header = tiny_http::Header::from_bytes("Content-Type", "application/octet-stream")
+                        .expect("static header");
+                    let _ = req.respond(tiny_http::Response::from_data(c.encode()).with_header(header));
+                }
+                Err(e) => respond(req, e.status, error_body(e.message)),
+            }
+            continue;
+        }
         let result: Result<(u16, String), MgmtError> = match (&method, parts.as_slice()) {
             (Get, ["v1", "info"]) => Ok((200, json(&mgr.info()))),
             (Get, ["v1", "jobs"]) => Ok((200, json(&mgr.list()))),
             (Get, ["v1", "stats"]) => Ok((200, json(&mgr.stats()))),
+            (Put, ["v1", "jobs", id]) if body.starts_with(CKPT_MAGIC) => parse_id(id).and_then(|id| {
+                let c = Checkpoint::decode(&body).map_err(|e| err(400, format!("job {id}: {e}")))?;
+                mgr.restore(id, c).map(|j| (201, json(&j)))
+            }),
             (Put, ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
-                let r: InstallJob = serde_json::from_str(&body)
+                let r: InstallJob = serde_json::from_slice(&body)
                     .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
                 mgr.install(id, r).map(|j| (201, json(&j)))
             }),

@@ -22,9 +22,11 @@ fn config() -> Config {
         mgmt: "127.0.0.1:0".parse().unwrap(),
         memory_budget: 64 << 20,
         busy_poll: false,
+        inject: None,
         no_pin: true,
         socket_buffer: 4 << 20,
         build: "test".into(),
+        dpdk: Default::default(),
     }
 }
 

@@ -13,6 +13,7 @@
 //! | `GET /v1/jobs` | | `Vec<`[`JobSummary`]`>` |
 //! | `GET /v1/jobs/{id}` | | [`JobDetail`] |
 //! | `DELETE /v1/jobs/{id}` | | [`JobSummary`] of the evicted job |
+//! | `POST /v1/jobs/{id}/checkpoint` | | [`CheckpointInfo`] |
 //! | `GET /v1/jobs/{id}/map` | | [`JobMap`] |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
 //! | `GET /v1/stats` | | [`Stats`] |
@@ -23,7 +24,8 @@
 //! | method and path | body | answer |
 //! | --- | --- | --- |
 //! | `GET /v1/info` | | [`DataplaneInfo`] |
-//! | `PUT /v1/jobs/{id}` | [`InstallJob`] | [`InstalledJob`] (201) |
+//! | `PUT /v1/jobs/{id}` | [`InstallJob`], or a checkpoint file ([`crate::checkpoint`]) to install it restored | [`InstalledJob`] (201) |
+//! | `GET /v1/jobs/{id}/checkpoint` | | a checkpoint file (`application/octet-stream`) |
 //! | `DELETE /v1/jobs/{id}` | | 204 |
 //! | `GET /v1/jobs` | | `Vec<`[`InstalledJob`]`>` |
 //! | `GET /v1/stats` | | [`DataplaneStats`] |
@@ -133,6 +135,24 @@ pub struct JobDetail {
     pub rounds_completed: u64,
     /// Lowest and highest last-completed round over the job's chunks.
     pub round_range: Option<(u32, u32)>,
+    /// The job's last checkpoint, if it has one.
+    #[serde(default)]
+    pub checkpoint: Option<CheckpointInfo>,
+}
+
+/// A saved checkpoint (`POST /v1/jobs/{id}/checkpoint` on control).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    /// Job id.
+    pub id: u16,
+    /// Lowest and highest completed round saved, over the job's chunks.
+    pub round_range: Option<(u32, u32)>,
+    /// Size of the checkpoint file in bytes.
+    pub bytes: u64,
+    /// When it was taken, milliseconds since the Unix epoch.
+    pub taken_unix_ms: u64,
+    /// Where control keeps it.
+    pub file: String,
 }
 
 /// `phubctl map show`: where each chunk lives.
@@ -183,6 +203,9 @@ pub struct JoinRequest {
     pub token: u64,
     /// The worker's rank, below W.
     pub rank: u16,
+    /// Take the place of a rank that already joined (a restarted worker).
+    #[serde(default)]
+    pub rejoin: bool,
 }
 
 /// Where the dataplane takes data packets.
@@ -308,6 +331,18 @@ pub struct LcoreStats {
     pub idle_loops: u64,
     /// Drops by reason name (only reasons with a non-zero count).
     pub drops: BTreeMap<String, u64>,
+    /// ARP requests answered (DPDK backend).
+    #[serde(default)]
+    pub arp_replies: u64,
+    /// Packets the fault injector dropped (only with `--inject`).
+    #[serde(default)]
+    pub injected_drops: u64,
+    /// Packets the fault injector duplicated (only with `--inject`).
+    #[serde(default)]
+    pub injected_dups: u64,
+    /// Received packets the fault injector reordered (only with `--inject`).
+    #[serde(default)]
+    pub injected_reorders: u64,
 }
 
 /// One job as the dataplane sees it.
@@ -334,6 +369,30 @@ pub struct DataplaneStats {
     pub lcores: Vec<LcoreStats>,
     /// Per installed job.
     pub jobs: Vec<JobLive>,
+    /// The DPDK port's own counters (DPDK backend only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub port: Option<PortStats>,
+}
+
+/// A DPDK port's own counters (`rte_eth_stats`), beside phub's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct PortStats {
+    /// Packets received.
+    pub ipackets: u64,
+    /// Packets sent.
+    pub opackets: u64,
+    /// Bytes received.
+    pub ibytes: u64,
+    /// Bytes sent.
+    pub obytes: u64,
+    /// Packets the NIC dropped because RX queues were full.
+    pub imissed: u64,
+    /// Receive errors.
+    pub ierrors: u64,
+    /// Transmit errors.
+    pub oerrors: u64,
+    /// RX mbuf allocation failures.
+    pub rx_nombuf: u64,
 }
 
 #[cfg(test)]
@@ -345,9 +404,12 @@ mod tests {
         let j = JoinRequest {
             token: 0x0123_4567_89ab_cdef,
             rank: 2,
+            rejoin: false,
         };
         let s = serde_json::to_string(&j).unwrap();
-        assert_eq!(s, r#"{"token":"0123456789abcdef","rank":2}"#);
+        assert_eq!(s, r#"{"token":"0123456789abcdef","rank":2,"rejoin":false}"#);
+        let old: JoinRequest = serde_json::from_str(r#"{"token":"0123456789abcdef","rank":2}"#).unwrap();
+        assert_eq!(old, j);
         assert_eq!(serde_json::from_str::<JoinRequest>(&s).unwrap(), j);
         let e = serde_json::from_str::<JoinRequest>(r#"{"token":"xyz","rank":2}"#).unwrap_err();
         assert!(e.to_string().contains("hex digits"), "{e}");

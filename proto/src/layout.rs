@@ -153,6 +153,7 @@ mod tests {
 
     fn spec(keys: &[u64], dtype: Dtype, chunk_bytes: u32) -> JobSpec {
         JobSpec {
+            checkpoint_interval_s: None,
             name: "t".into(),
             workers: 2,
             dtype,

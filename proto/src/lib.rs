@@ -7,7 +7,9 @@
 #![forbid(unsafe_code)]
 
 pub mod api;
+pub mod checkpoint;
 mod dtype;
+pub mod fault;
 pub mod layout;
 pub mod spec;
 pub mod wire;

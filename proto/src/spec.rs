@@ -59,6 +59,9 @@ pub struct JobSpec {
     pub consistency: Consistency,
     /// The tensors, in the order workers refer to them (key = index).
     pub keys: Vec<KeySpec>,
+    /// Seconds between automatic checkpoints (none when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint_interval_s: Option<u32>,
 }
 
 fn default_dtype() -> Dtype {
@@ -308,6 +311,13 @@ impl JobSpec {
                     "\"sync\" (asynchronous and bounded-delay modes are not implemented yet)",
                 ));
             }
+        }
+        if self.checkpoint_interval_s == Some(0) {
+            return Err(bad(
+                "checkpoint_interval_s",
+                0,
+                "a number of seconds >= 1, or no such field",
+            ));
         }
         if self.keys.is_empty() {
             return Err(bad("keys", "[]", "at least one key"));

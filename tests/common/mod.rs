@@ -10,12 +10,32 @@ use std::time::{Duration, Instant};
 use phub::proto::api::{AdmitResponse, ApiError};
 
 pub struct Rack {
-    pub dataplane: Child,
+    pub dataplane: Option<Child>,
     pub control: Option<Child>,
     pub mgmt_url: String,
     pub control_url: String,
     control_port: u16,
+    dataplane_args: Vec<String>,
     pub dir: PathBuf,
+}
+
+/// A base port with `n` consecutive free UDP ports on 127.0.0.1.
+pub fn free_udp_ports(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = std::net::UdpSocket::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        if base > 65535 - n {
+            continue;
+        }
+        let ok = (0..n).all(|i| std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok());
+        if ok {
+            return base;
+        }
+    }
+    panic!("no {n} consecutive free UDP ports");
 }
 
 pub fn free_port() -> u16 {
@@ -57,29 +77,60 @@ fn term(child: &mut Child) {
 
 impl Rack {
     pub fn start(lcores: usize, budget: &str) -> Rack {
+        Rack::start_with(lcores, budget, &[])
+    }
+
+    /// Like [`Rack::start`], with extra phub-dataplane arguments.
+    pub fn start_with(lcores: usize, budget: &str, extra: &[&str]) -> Rack {
         let dir = std::env::temp_dir().join(format!("phub-test-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let mgmt = free_port();
-        let mut dataplane = Command::new(env!("CARGO_BIN_EXE_phub-dataplane"))
-            .args(["--base-port", "0", "--lcores", &lcores.to_string(), "--no-pin"])
-            .args(["--mgmt", &format!("127.0.0.1:{mgmt}"), "--memory-budget", budget])
+        let base = free_udp_ports(lcores as u16);
+        let mut dataplane_args = vec![
+            "--base-port".to_string(),
+            base.to_string(),
+            "--lcores".into(),
+            lcores.to_string(),
+            "--no-pin".into(),
+            "--mgmt".into(),
+            format!("127.0.0.1:{mgmt}"),
+            "--memory-budget".into(),
+            budget.into(),
+        ];
+        dataplane_args.extend(extra.iter().map(|a| a.to_string()));
+        let mut rack = Rack {
+            dataplane: None,
+            control: None,
+            mgmt_url: format!("http://127.0.0.1:{mgmt}"),
+            control_url: String::new(),
+            control_port: free_port(),
+            dataplane_args,
+            dir,
+        };
+        rack.start_dataplane();
+        rack.control_url = format!("http://127.0.0.1:{}", rack.control_port);
+        rack.start_control();
+        rack
+    }
+
+    /// Starts phub-dataplane (again), on the same ports.
+    pub fn start_dataplane(&mut self) {
+        let mut dp = Command::new(env!("CARGO_BIN_EXE_phub-dataplane"))
+            .args(&self.dataplane_args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let mgmt_url = format!("http://127.0.0.1:{mgmt}");
-        wait_http(&format!("{mgmt_url}/v1/info"), &mut dataplane, "phub-dataplane");
-        let mut rack = Rack {
-            dataplane,
-            control: None,
-            mgmt_url,
-            control_url: String::new(),
-            control_port: free_port(),
-            dir,
-        };
-        rack.control_url = format!("http://127.0.0.1:{}", rack.control_port);
-        rack.start_control();
-        rack
+        wait_http(&format!("{}/v1/info", self.mgmt_url), &mut dp, "phub-dataplane");
+        self.dataplane = Some(dp);
+    }
+
+    /// Kills phub-dataplane outright (SIGKILL), as a crash would.
+    pub fn kill_dataplane(&mut self) {
+        if let Some(mut d) = self.dataplane.take() {
+            d.kill().unwrap();
+            d.wait().unwrap();
+        }
     }
 
     pub fn start_control(&mut self) {
@@ -104,12 +155,34 @@ impl Rack {
         }
     }
 
+    /// The operator token phub-control generated beside its state file.
+    pub fn operator_token(&self) -> String {
+        std::fs::read_to_string(self.dir.join("state.json.operator-token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    fn bearer(&self) -> String {
+        format!("Bearer {}", self.operator_token())
+    }
+
     pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-        match ureq::post(&format!("{}/v1/jobs", self.control_url)).send_string(spec) {
+        let req = ureq::post(&format!("{}/v1/jobs", self.control_url)).set("Authorization", &self.bearer());
+        match req.send_string(spec) {
             Ok(r) => Ok(r.into_json().unwrap()),
             Err(ureq::Error::Status(code, r)) => Err((code, r.into_json::<ApiError>().unwrap().error)),
             Err(e) => panic!("admission: {e}"),
         }
+    }
+
+    pub fn post<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        ureq::post(&format!("{}{path}", self.control_url))
+            .set("Authorization", &self.bearer())
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap()
     }
 
     pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
@@ -122,6 +195,7 @@ impl Rack {
 
     pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
         let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .env("PHUB_OPERATOR_TOKEN", self.operator_token())
             .args(["--control", &self.control_url])
             .args(args)
             .output()
@@ -139,7 +213,9 @@ impl Drop for Rack {
         if let Some(c) = self.control.as_mut() {
             term(c);
         }
-        term(&mut self.dataplane);
+        if let Some(d) = self.dataplane.as_mut() {
+            term(d);
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

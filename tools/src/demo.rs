@@ -387,17 +387,24 @@ fn run_main(a: RunArgs) -> Result<()> {
     )?;
     println!("  phub-control up: {control_url}");
 
-    let admit: AdmitResponse =
-        match ureq::post(&format!("{control_url}/v1/jobs")).send_string(&t.spec_toml(a.workers)) {
-            Ok(r) => r.into_json()?,
-            Err(ureq::Error::Status(code, r)) => {
-                let e: ApiError = r.into_json().unwrap_or(ApiError {
-                    error: format!("HTTP {code}"),
-                });
-                bail!("admission refused: {}", e.error);
-            }
-            Err(e) => bail!("admission: {e}"),
-        };
+    // phub-control wrote its operator token beside its state file.
+    let token_file = dir.join("control-state.json.operator-token");
+    let operator = std::fs::read_to_string(&token_file)
+        .with_context(|| format!("reading the operator token {}", token_file.display()))?;
+    let operator = format!("Bearer {}", operator.trim());
+    let admit: AdmitResponse = match ureq::post(&format!("{control_url}/v1/jobs"))
+        .set("Authorization", &operator)
+        .send_string(&t.spec_toml(a.workers))
+    {
+        Ok(r) => r.into_json()?,
+        Err(ureq::Error::Status(code, r)) => {
+            let e: ApiError = r.into_json().unwrap_or(ApiError {
+                error: format!("HTTP {code}"),
+            });
+            bail!("admission refused: {}", e.error);
+        }
+        Err(e) => bail!("admission: {e}"),
+    };
     println!(
         "  job {} admitted: {} chunks over lcores {:?}, {} KiB of slot memory",
         admit.id,
@@ -551,7 +558,9 @@ fn run_main(a: RunArgs) -> Result<()> {
             }
         }
     }
-    let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id)).call();
+    let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
+        .set("Authorization", &operator)
+        .call();
     control.stop();
     dataplane.stop();
     println!("  job evicted, phub-control and phub-dataplane stopped");

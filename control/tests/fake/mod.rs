@@ -232,6 +232,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 req,
                 200,
                 &DataplaneStats {
+                    port: None,
                     backend: "fake".into(),
                     lcores,
                     jobs,

@@ -8,6 +8,8 @@ use std::time::Duration;
 use crate::counters::ShardCounters;
 use crate::engine::Shard;
 
+#[cfg(feature = "dpdk")]
+pub mod dpdk;
 pub mod udp;
 
 /// One RX/TX queue pair, owned by one lcore.

@@ -1,0 +1,280 @@
+//! Checkpoint files: a job's parameters, optimizer state and stored results,
+//! self-contained so a restarted dataplane can reinstall the job from one.
+//!
+//! Layout (all integers little-endian):
+//!
+//! | bytes | what |
+//! | --- | --- |
+//! | 8 | magic `PHUBCKPT` |
+//! | 4 | format version (1) |
+//! | 4 | length J of the JSON that follows |
+//! | J | [`InstallJob`] as JSON: id, token, spec, layout |
+//! | 4 | number of lcores L (must equal the layout's) |
+//! | per lcore: 4 | number of slots S (must equal the layout's for that lcore) |
+//! | per slot: 4 | last completed round, `0xffffffff` for none |
+//! | per slot: 4 x 4 | lengths (in elements) of params, state 1, state 2 (f32) and of the stored result (wire elements, u16 or f32 by dtype size) |
+//! | per slot | the four arrays, little-endian |
+//! | 4 | CRC-32 (IEEE) of every byte before it |
+//!
+//! Decoding checks every length against the layout and the checksum, so a
+//! truncated or corrupted file is refused with a reason, never half-loaded.
+
+use crate::api::InstallJob;
+
+/// First bytes of every checkpoint file.
+pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
+/// Format version this code writes and reads.
+pub const VERSION: u32 = 1;
+
+/// One slot's durable state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotState {
+    /// Last completed round, if any.
+    pub completed: Option<u32>,
+    /// Parameters (empty for sum/mean jobs).
+    pub params: Vec<f32>,
+    /// First optimizer state buffer (momentum or Adam's m), possibly empty.
+    pub s1: Vec<f32>,
+    /// Second optimizer state buffer (Adam's v), possibly empty.
+    pub s2: Vec<f32>,
+    /// The stored result in wire bytes (empty when the parameters are it).
+    pub result: Vec<u8>,
+}
+
+/// A whole job's checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Checkpoint {
+    /// What to install: id, token, spec, layout.
+    pub job: InstallJob,
+    /// Per lcore, per slot in slot order.
+    pub lcores: Vec<Vec<SlotState>>,
+}
+
+/// Why a checkpoint could not be read.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum CheckpointError {
+    /// The file ends before the data it announces.
+    #[error("checkpoint is truncated at byte {0}")]
+    Truncated(usize),
+    /// Not a phub checkpoint, or another format version.
+    #[error("not a phub checkpoint of format version {VERSION}")]
+    BadMagic,
+    /// The checksum does not match.
+    #[error("checkpoint checksum mismatch (file corrupted)")]
+    BadChecksum,
+    /// The embedded job is not valid JSON or not a valid job.
+    #[error("checkpoint's job description: {0}")]
+    BadJob(String),
+    /// Slot counts or lengths disagree with the layout.
+    #[error("checkpoint does not match its layout: {0}")]
+    Mismatch(String),
+}
+
+impl Checkpoint {
+    /// Lowest and highest completed round over the slots that have one.
+    pub fn round_range(&self) -> Option<(u32, u32)> {
+        self.lcores
+            .iter()
+            .flatten()
+            .filter_map(|s| s.completed)
+            .fold(None, |acc, r| {
+                Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
+            })
+    }
+
+    /// Serialises the checkpoint.
+    pub fn encode(&self) -> Vec<u8> {
+        let json = serde_json::to_vec(&self.job).expect("InstallJob serialises");
+        let mut out = Vec::with_capacity(64 + json.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&VERSION.to_le_bytes());
+        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        out.extend_from_slice(&json);
+        out.extend_from_slice(&(self.lcores.len() as u32).to_le_bytes());
+        for slots in &self.lcores {
+            out.extend_from_slice(&(slots.len() as u32).to_le_bytes());
+            for s in slots {
+                out.extend_from_slice(&s.completed.unwrap_or(u32::MAX).to_le_bytes());
+                let rlen = s.result.len() / self.job.spec.dtype.size();
+                for n in [s.params.len(), s.s1.len(), s.s2.len(), rlen] {
+                    out.extend_from_slice(&(n as u32).to_le_bytes());
+                }
+                for v in s.params.iter().chain(&s.s1).chain(&s.s2) {
+                    out.extend_from_slice(&v.to_le_bytes());
+                }
+                out.extend_from_slice(&s.result);
+            }
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        out
+    }
+
+    /// Reads and checks a checkpoint.
+    pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
+        if bytes.len() < 12 || &bytes[..8] != MAGIC {
+            return Err(CheckpointError::BadMagic);
+        }
+        let (body, crc) = bytes.split_at(bytes.len() - 4);
+        let mut r = Reader { b: body, at: 8 };
+        if r.u32()? != VERSION {
+            return Err(CheckpointError::BadMagic);
+        }
+        if crc32fast::hash(body) != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
+            return Err(CheckpointError::BadChecksum);
+        }
+        let jlen = r.u32()? as usize;
+        let job: InstallJob =
+            serde_json::from_slice(r.take(jlen)?).map_err(|e| CheckpointError::BadJob(e.to_string()))?;
+        job.spec
+            .validate()
+            .map_err(|e| CheckpointError::BadJob(e.to_string()))?;
+        let opt = &job.spec.optimizer;
+        let dsize = job.spec.dtype.size();
+        let nl = r.u32()? as usize;
+        if nl != job.layout.lcores.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "{nl} lcores, layout has {}",
+                job.layout.lcores.len()
+            )));
+        }
+        let mut lcores = Vec::with_capacity(nl);
+        for (l, layout_slots) in job.layout.lcores.iter().enumerate() {
+            let ns = r.u32()? as usize;
+            if ns != layout_slots.len() {
+                return Err(CheckpointError::Mismatch(format!(
+                    "lcore {l}: {ns} slots, layout has {}",
+                    layout_slots.len()
+                )));
+            }
+            let mut slots = Vec::with_capacity(ns);
+            for (i, sc) in layout_slots.iter().enumerate() {
+                let completed = match r.u32()? {
+                    u32::MAX => None,
+                    c => Some(c),
+                };
+                let lens = [r.u32()?, r.u32()?, r.u32()?, r.u32()?].map(|n| n as usize);
+                let e = sc.elems as usize;
+                let want = [
+                    if opt.keeps_params() { e } else { 0 },
+                    if opt.state_buffers() >= 1 { e } else { 0 },
+                    if opt.state_buffers() >= 2 { e } else { 0 },
+                    lens[3],
+                ];
+                if lens[..3] != want[..3] || (lens[3] != 0 && lens[3] != e) {
+                    return Err(CheckpointError::Mismatch(format!(
+                        "lcore {l} slot {i}: array lengths {lens:?} do not fit a chunk of {e} elements"
+                    )));
+                }
+                let mut f = |n: usize| -> Result<Vec<f32>, CheckpointError> {
+                    Ok(r.take(4 * n)?
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect())
+                };
+                let (params, s1, s2) = (f(lens[0])?, f(lens[1])?, f(lens[2])?);
+                let result = r.take(lens[3] * dsize)?.to_vec();
+                slots.push(SlotState {
+                    completed,
+                    params,
+                    s1,
+                    s2,
+                    result,
+                });
+            }
+            lcores.push(slots);
+        }
+        if r.at != body.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "{} bytes left over",
+                body.len() - r.at
+            )));
+        }
+        Ok(Checkpoint { job, lcores })
+    }
+}
+
+struct Reader<'a> {
+    b: &'a [u8],
+    at: usize,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], CheckpointError> {
+        let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
+        let end = end.ok_or(CheckpointError::Truncated(self.at))?;
+        let s = &self.b[self.at..end];
+        self.at = end;
+        Ok(s)
+    }
+    fn u32(&mut self) -> Result<u32, CheckpointError> {
+        let s = self.take(4)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::layout;
+    use crate::spec::JobSpec;
+
+    fn sample() -> Checkpoint {
+        let spec = JobSpec::from_toml(
+            "name = \"c\"\nworkers = 2\ndtype = \"bf16\"\nchunk_bytes = 128\n[optimizer]\nkind = \"adam\"\nlr = 0.1\n[[keys]]\nelements = 100\n",
+        )
+        .unwrap();
+        let mut load = vec![0; 2];
+        let layout = layout(&spec, &mut load);
+        let lcores = layout
+            .lcores
+            .iter()
+            .map(|slots| {
+                slots
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let e = s.elems as usize;
+                        SlotState {
+                            completed: (i % 2 == 0).then_some(7),
+                            params: (0..e).map(|x| x as f32).collect(),
+                            s1: vec![0.5; e],
+                            s2: vec![0.25; e],
+                            result: vec![3; 2 * e],
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        Checkpoint {
+            job: InstallJob {
+                id: 3,
+                token: 99,
+                spec,
+                layout,
+            },
+            lcores,
+        }
+    }
+
+    #[test]
+    fn round_trips_and_refuses_damage() {
+        let c = sample();
+        let bytes = c.encode();
+        assert_eq!(Checkpoint::decode(&bytes).unwrap(), c);
+        assert_eq!(c.round_range(), Some((7, 7)));
+        for cut in [0, 7, 12, 40, bytes.len() - 5, bytes.len() - 1] {
+            assert!(Checkpoint::decode(&bytes[..cut]).is_err(), "cut at {cut}");
+        }
+        let mut bad = bytes.clone();
+        bad[100] ^= 1;
+        assert_eq!(
+            Checkpoint::decode(&bad).unwrap_err(),
+            CheckpointError::BadChecksum
+        );
+        let mut other = c.clone();
+        other.lcores[0][0].s2.clear();
+        let e = Checkpoint::decode(&other.encode()).unwrap_err();
+        assert!(matches!(e, CheckpointError::Mismatch(_)), "{e}");
+    }
+}

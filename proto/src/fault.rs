@@ -1,0 +1,171 @@
+//! Seeded fault injection for tests and soaks: decides, packet by packet,
+//! whether a datagram is delivered, lost, duplicated or held back
+//! (reordered). The same description is used by the dataplane's backends
+//! and the worker library's transport; both are off unless configured.
+//!
+//! Written `loss=0.05,dup=0.01,reorder=0.01,seed=7` (any subset; rates in
+//! [0, 1), their sum below 1).
+
+use std::cell::Cell;
+use std::str::FromStr;
+
+/// What happens to one packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fate {
+    /// Passes unchanged.
+    Deliver,
+    /// Is lost.
+    Drop,
+    /// Arrives twice.
+    Duplicate,
+    /// Is held back and arrives after later packets.
+    Reorder,
+}
+
+/// Rates of each fault and the seed.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct FaultSpec {
+    /// Probability a packet is lost.
+    pub loss: f64,
+    /// Probability a packet is duplicated.
+    pub dup: f64,
+    /// Probability a packet is reordered.
+    pub reorder: f64,
+    /// Seed of the generator.
+    pub seed: u64,
+}
+
+impl FromStr for FaultSpec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<FaultSpec, String> {
+        let mut f = FaultSpec::default();
+        for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("fault {part:?}: expected NAME=VALUE (loss, dup, reorder, seed)"))?;
+            let rate = || -> Result<f64, String> {
+                let x: f64 = v
+                    .parse()
+                    .map_err(|_| format!("fault {k}={v}: expected a number in [0, 1)"))?;
+                if (0.0..1.0).contains(&x) {
+                    Ok(x)
+                } else {
+                    Err(format!("fault {k}={v}: expected a number in [0, 1)"))
+                }
+            };
+            match k {
+                "loss" => f.loss = rate()?,
+                "dup" => f.dup = rate()?,
+                "reorder" => f.reorder = rate()?,
+                "seed" => {
+                    f.seed = v
+                        .parse()
+                        .map_err(|_| format!("fault seed={v}: expected an integer"))?
+                }
+                _ => {
+                    return Err(format!(
+                        "fault {k:?}: unknown; accepted: loss, dup, reorder, seed"
+                    ))
+                }
+            }
+        }
+        if f.loss + f.dup + f.reorder >= 1.0 {
+            return Err(format!("faults {s:?}: loss + dup + reorder must stay below 1"));
+        }
+        Ok(f)
+    }
+}
+
+impl std::fmt::Display for FaultSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "loss={},dup={},reorder={},seed={}",
+            self.loss, self.dup, self.reorder, self.seed
+        )
+    }
+}
+
+/// A seeded decider. Single-threaded (interior mutability, so it can be
+/// consulted through a shared reference on one thread).
+#[derive(Debug, Clone)]
+pub struct Faults {
+    spec: FaultSpec,
+    state: Cell<u64>,
+}
+
+impl Faults {
+    /// A decider for `spec`, perturbed by `stream` so that several users of
+    /// one spec (lcores, directions) draw different sequences.
+    pub fn new(spec: FaultSpec, stream: u64) -> Faults {
+        Faults {
+            spec,
+            state: Cell::new(spec.seed ^ stream.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ 0x5eed),
+        }
+    }
+
+    /// The spec.
+    pub fn spec(&self) -> FaultSpec {
+        self.spec
+    }
+
+    fn uniform(&self) -> f64 {
+        // SplitMix64.
+        let s = self.state.get().wrapping_add(0x9e37_79b9_7f4a_7c15);
+        self.state.set(s);
+        let mut z = s;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    /// The fate of the next packet.
+    pub fn fate(&self) -> Fate {
+        let u = self.uniform();
+        let s = &self.spec;
+        if u < s.loss {
+            Fate::Drop
+        } else if u < s.loss + s.dup {
+            Fate::Duplicate
+        } else if u < s.loss + s.dup + s.reorder {
+            Fate::Reorder
+        } else {
+            Fate::Deliver
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_and_draws_at_the_asked_rates() {
+        let spec: FaultSpec = "loss=0.2, dup=0.1,reorder=0.05,seed=3".parse().unwrap();
+        assert_eq!(spec.seed, 3);
+        let f = Faults::new(spec, 1);
+        let n = 100_000;
+        let mut counts = [0usize; 4];
+        for _ in 0..n {
+            counts[match f.fate() {
+                Fate::Deliver => 0,
+                Fate::Drop => 1,
+                Fate::Duplicate => 2,
+                Fate::Reorder => 3,
+            }] += 1;
+        }
+        let rate = |i: usize| counts[i] as f64 / n as f64;
+        assert!(
+            (rate(1) - 0.2).abs() < 0.01 && (rate(2) - 0.1).abs() < 0.01 && (rate(3) - 0.05).abs() < 0.01
+        );
+        // Same seed and stream, same sequence.
+        let (a, b) = (Faults::new(spec, 9), Faults::new(spec, 9));
+        assert!((0..100).all(|_| a.fate() == b.fate()));
+        for bad in ["loss=1.5", "loss", "colour=0.1", "loss=0.6,dup=0.5", "seed=x"] {
+            assert!(bad.parse::<FaultSpec>().is_err(), "{bad}");
+        }
+        assert_eq!("".parse::<FaultSpec>().unwrap(), FaultSpec::default());
+    }
+}

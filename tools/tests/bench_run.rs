@@ -1,0 +1,143 @@
+//! `phub-bench run` end to end: a local appliance (phub-dataplane and
+//! phub-control as child processes), emulated workers, verification of every
+//! result, the JSON report; `--procs`; a sweep with its plot. No timed
+//! assertions: figures are only checked to be present and sane.
+
+use std::path::PathBuf;
+use std::process::Command;
+
+use serde_json::Value;
+
+fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phub-bench-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join(name)
+}
+
+fn bench(args: &[&str]) -> (bool, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
+        .args(args)
+        .output()
+        .expect("running phub-bench");
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), text)
+}
+
+fn num(v: &Value, k: &str) -> f64 {
+    v[k].as_f64()
+        .unwrap_or_else(|| panic!("{k} is not a number: {}", v[k]))
+}
+
+#[test]
+fn local_run_verifies_and_writes_the_json() {
+    let json = scratch("run.json");
+    let (ok, out) = bench(&[
+        "run",
+        "--local",
+        "--model",
+        "synthetic:100000",
+        "--workers",
+        "2",
+        "--rounds",
+        "3",
+        "--verify",
+        "--json",
+        json.to_str().unwrap(),
+        "--ceiling-rounds",
+        "1",
+        "--quiet",
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains("median ms"), "the table is printed: {out}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["model"], "synthetic:100000");
+    assert_eq!(v["workers"], 2);
+    assert_eq!(v["backend"], "udp");
+    assert_eq!(v["rounds"], 3);
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["mismatches"], 0);
+    assert_eq!(v["model_bytes"], 400_000);
+    for k in [
+        "round_ms_median",
+        "round_ms_p99",
+        "goodput_gbps",
+        "appliance_gbps_in",
+        "appliance_gbps_out",
+        "efficiency",
+    ] {
+        assert!(num(&v, k) > 0.0, "{k} = {}", v[k]);
+    }
+    assert!(num(&v, "round_ms_p99") >= num(&v, "round_ms_median"));
+    assert!(v["efficiency_bound"].as_str().unwrap().contains("UDP echo"));
+    // Two workers, three timed rounds each.
+    assert_eq!(v["round_ms"].as_array().unwrap().len(), 2);
+    assert!(v["round_ms"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|r| r.as_array().unwrap().len() == 3));
+    // The appliance saw both workers' pushes of the timed rounds.
+    assert!(v["appliance"]["rx_bytes"].as_u64().unwrap() >= 2 * 3 * 400_000);
+    assert!(v["machine"]["cpu_model"].is_string());
+    assert!(v["machine"]["logical_cpus"].as_u64().unwrap() >= 1);
+    assert!(v["commit"].is_string());
+    assert_eq!(v["arguments"]["workers"], 2);
+    assert!(v["argv"].as_array().unwrap().iter().any(|a| a == "--verify"));
+    let _ = std::fs::remove_file(&json);
+}
+
+#[test]
+fn worker_processes_and_a_sweep_with_its_plot() {
+    let json = scratch("sweep.json");
+    let svg = scratch("sweep.svg");
+    let (ok, out) = bench(&[
+        "run",
+        "--local",
+        "--model",
+        "uniform:3:20000",
+        "--procs",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--verify",
+        "--no-ceiling",
+        "--sweep",
+        "workers=1,2",
+        "--json",
+        json.to_str().unwrap(),
+        "--plot",
+        svg.to_str().unwrap(),
+        "--quiet",
+    ]);
+    assert!(ok, "{out}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["sweep"]["variable"], "workers");
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    for (p, w) in points.iter().zip([1, 2]) {
+        assert_eq!(p["workers"], w);
+        assert_eq!(p["procs"], true);
+        assert_eq!(p["verified"], true);
+        assert_eq!(p["tensors"], 3);
+        assert!(p["efficiency"].is_null(), "no ceiling asked for");
+    }
+    let plot = std::fs::read_to_string(&svg).unwrap();
+    assert!(plot.starts_with("<svg") && plot.contains("polyline") && plot.contains("workers W"));
+    let _ = std::fs::remove_file(&json);
+    let _ = std::fs::remove_file(&svg);
+}
+
+#[test]
+fn bad_arguments_say_what_is_accepted() {
+    let (ok, out) = bench(&["run", "--model", "resnet-51", "--rounds", "1"]);
+    assert!(!ok);
+    assert!(out.contains("resnet50, vgg16, bert-large"), "{out}");
+    let (ok, out) = bench(&["run", "--model", "synthetic:10", "--sweep", "speed=1,2"]);
+    assert!(!ok);
+    assert!(out.contains("accepted variables"), "{out}");
+}
