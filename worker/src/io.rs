@@ -7,11 +7,15 @@
 //! (first come, first sent), sends each refill of the window as one batch
 //! ([`crate::net`]: `sendmmsg`, GSO trains per destination), receives in
 //! batches (`recvmmsg`, GRO trains split per datagram), retransmits a chunk
-//! whose RESULT is late (RFC 6298 timeout, Karn's rule, per-chunk
-//! doubling), writes accepted results into the request's buffer and
-//! completes the request when all its chunks are in. Every request ends: with its result, with the appliance's
-//! refusal, with a timeout after `timeout` without any accepted result, or
-//! with [`WorkerError::Closed`] when the worker is dropped.
+//! whose RESULT is late (fast retransmission when later chunks' results
+//! overtake it; otherwise a loss timer from the smallest round trip, run
+//! only while no result comes in, with probes that back off; Karn's rule
+//! for samples), writes accepted results into the request's buffer (or the
+//! caller's, lent by an [`Exchange`](crate::Exchange)) and completes the
+//! request when all its chunks are in. Every request ends: with its result,
+//! with the appliance's refusal, with a timeout after `timeout` without any
+//! accepted result, or with [`WorkerError::Closed`] when the worker is
+//! dropped.
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};

@@ -8,13 +8,20 @@
 //! [`Worker::push_pull`] for each later round, [`Worker::pull`] to catch up
 //! after a rejoin. Calls return a [`Handle`] at once; [`Worker::wait`] blocks
 //! until the key's result is in, so several keys can be in flight together.
+//! [`Worker::exchange`] runs a whole step's `push_pull`s with the caller's
+//! buffers lent to the library instead of copied (the fast path).
+//!
+//! I/O: one thread per worker, batched system calls with UDP GSO/GRO
+//! ([`net`]), a window sized from the job ([`auto_window`]).
 //!
 //! Invariants (the worker's side of PROTOCOL.md §6):
 //! - At most one request per key is in flight, and a key's round r+1 is sent
 //!   only once this worker holds the result of round r.
 //! - At most [`WorkerConfig::window`] chunks are outstanding (sent without a
 //!   result) across all keys; a late chunk is retransmitted unchanged but for
-//!   the RETRANSMIT flag, after a timeout adapted to the measured round trip.
+//!   the RETRANSMIT flag: at once when results of chunks sent after it to
+//!   the same lcore are in (fast retransmission), or after a loss timer
+//!   adapted to the measured round trip once no result comes in at all.
 //! - Every request ends: with its result, with the appliance's refusal, or
 //!   with [`WorkerError::Timeout`] once no result at all has come back for
 //!   [`WorkerConfig::timeout`]. Nothing hangs.

@@ -76,7 +76,18 @@ fn panel(
         xmin -= 1.0;
         xmax += 1.0;
     }
-    let xt = ticks(xmin, xmax);
+    let integral = series
+        .iter()
+        .flat_map(|s| s.points.iter())
+        .all(|p| p.0.fract() == 0.0);
+    let mut xt = ticks(xmin, xmax);
+    if integral {
+        // Workers and lcores come in whole numbers: no 1.5 tick.
+        xt.retain(|t| t.fract() == 0.0);
+        if xt.len() < 2 {
+            xt = vec![xmin.floor(), xmax.ceil()];
+        }
+    }
     let yt = ticks(0.0, ymax.max(1e-9) * 1.05);
     let (xlo, xhi) = (xt[0].min(xmin), xt.last().copied().unwrap_or(xmax).max(xmax));
     let yhi = yt.last().copied().unwrap_or(ymax).max(ymax);

@@ -197,7 +197,7 @@ pub struct RunResult {
     pub workers: usize,
     /// `udp` or `dpdk` (what the dataplane reports; the asked one with --local).
     pub backend: String,
-    /// Dataplane lcores (queues).
+    /// Dataplane lcores holding the job's chunks.
     pub lcores: usize,
     /// Payload bytes per chunk.
     pub chunk_bytes: u32,
@@ -732,7 +732,7 @@ fn drive(
         tensors: profile.len(),
         workers: w,
         backend,
-        lcores: a.lcores,
+        lcores: admitted.lcores.len().max(1),
         chunk_bytes: a.chunk_bytes,
         chunks,
         rounds: a.rounds,
