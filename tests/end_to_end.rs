@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{expected_sum, grad, init, Rack};
+use common::{expected_sum, grad, init, train, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
 use phub_worker::Worker;
 
@@ -18,68 +18,6 @@ fn sum_spec(name: &str, workers: u16, keys: &[u64]) -> String {
         s += &format!("[[keys]]\nelements = {k}\n");
     }
     s
-}
-
-/// Runs `workers` worker threads through `rounds` rounds of a sum job,
-/// checking every element of every result.
-fn train_sum(rack: &Rack, job: u16, token: u64, workers: u16, keys: &[u64], rounds: u32) {
-    std::thread::scope(|s| {
-        for rank in 0..workers {
-            let url = rack.control_url.clone();
-            s.spawn(move || {
-                let w = Worker::join(&url, job, token, rank).unwrap();
-                let mut params: Vec<Vec<f32>> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &n)| {
-                        (0..n as usize)
-                            .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
-                            .collect()
-                    })
-                    .collect();
-                let hs: Vec<_> = params
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(k, p)| w.init(k as u32, p).unwrap())
-                    .collect();
-                for h in hs {
-                    w.wait(h).unwrap();
-                }
-                for (k, p) in params.iter().enumerate() {
-                    assert!(
-                        p.iter().enumerate().all(|(e, v)| *v == init(k as u32, e)),
-                        "rank {rank}: broadcast of key {k}"
-                    );
-                }
-                for round in 1..=rounds {
-                    let grads: Vec<Vec<f32>> = keys
-                        .iter()
-                        .enumerate()
-                        .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
-                        .collect();
-                    // Every key in flight at once.
-                    let hs: Vec<_> = params
-                        .iter_mut()
-                        .zip(&grads)
-                        .enumerate()
-                        .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                        .collect();
-                    for h in hs {
-                        w.wait(h).unwrap();
-                    }
-                    for (k, p) in params.iter().enumerate() {
-                        for (e, v) in p.iter().enumerate() {
-                            assert_eq!(
-                                *v,
-                                expected_sum(workers, k as u32, e, round),
-                                "rank {rank} round {round} key {k} elem {e}"
-                            );
-                        }
-                    }
-                }
-            });
-        }
-    });
 }
 
 #[test]
@@ -143,7 +81,7 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
             sent
         })
     };
-    train_sum(&rack, job.id, job.token, 3, &keys, 20);
+    train(&rack.control_url, &job, 3, &keys, 20);
     stop.store(true, Ordering::Relaxed);
     let flooded = flood.join().unwrap();
     std::thread::sleep(Duration::from_millis(300));
@@ -168,8 +106,8 @@ fn two_jobs_at_once_neither_disturbs_the_other() {
     let b = rack.admit(&sum_spec("b", 3, &[7000])).unwrap();
     assert_ne!(a.id, b.id);
     std::thread::scope(|s| {
-        s.spawn(|| train_sum(&rack, a.id, a.token, 2, &[5000, 3], 10));
-        s.spawn(|| train_sum(&rack, b.id, b.token, 3, &[7000], 10));
+        s.spawn(|| train(&rack.control_url, &a, 2, &[5000, 3], 10));
+        s.spawn(|| train(&rack.control_url, &b, 3, &[7000], 10));
     });
     let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
     assert_eq!(jobs.len(), 2);

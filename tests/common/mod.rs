@@ -1,6 +1,6 @@
 //! A whole appliance on loopback for integration tests: phub-dataplane and
 //! phub-control as real processes on free ports, stopped when dropped.
-#![allow(dead_code, unreachable_pub)]
+#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::net::TcpListener;
 use std::path::PathBuf;
@@ -220,21 +220,7 @@ impl Drop for Rack {
     }
 }
 
-/// Small-integer gradient: sums are exact in f32 in any order.
-pub fn grad(rank: u16, key: u32, elem: usize, round: u32) -> f32 {
-    ((elem as u32 % 7) * (u32::from(rank) + 1) + round % 5 + key % 3) as f32 - 6.0
-}
-
-/// Element `elem` of key `key` as every worker must see it after `round`
-/// of a sum job where rank 0 initialised it with `init(key, elem)`.
-pub fn expected_sum(workers: u16, key: u32, elem: usize, round: u32) -> f32 {
-    if round == 0 {
-        init(key, elem)
-    } else {
-        (0..workers).map(|r| grad(r, key, elem, round)).sum()
-    }
-}
-
-pub fn init(key: u32, elem: usize) -> f32 {
-    (elem % 1000) as f32 * 0.5 + key as f32
-}
+// The workload every suite shares (small-integer gradients whose sums are
+// exact in any order, rank 0's initial values, the expected sums) lives in
+// phub-hwtests, which runs the same scenarios on a rack.
+pub use phub_hwtests::workload::{expected as expected_sum, grad, init, train};
