@@ -3,12 +3,11 @@
 
 mod common;
 
-use std::net::UdpSocket;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{expected_sum, grad, init, train, Rack};
+use common::{expected_sum, flood, grad, init, train, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
 use phub_worker::Worker;
 
@@ -34,52 +33,8 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
         .unwrap();
     let flood = {
         let stop = Arc::clone(&stop);
-        let base = info.data.base_port;
-        let n = info.lcores.len() as u16;
-        std::thread::spawn(move || {
-            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
-            let mut x = 0x1234_5678_9abc_def0u64;
-            let mut sent = 0u64;
-            let mut buf = [0u8; 1200];
-            let mut valid_header = phub::proto::wire::Repr {
-                kind: phub::proto::wire::MsgType::Push,
-                dtype: phub::proto::Dtype::F32,
-                flags: 0,
-                token: 0,
-                job: 1,
-                rank: 0,
-                count: 0,
-                error: 0,
-                round: 1,
-                slot: 0,
-                key: 0,
-                chunk: 0,
-            };
-            while !stop.load(Ordering::Relaxed) {
-                for b in buf.iter_mut() {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    *b = x as u8;
-                }
-                let len = (x % 1200) as usize;
-                let to = ("127.0.0.1", base + (sent % u64::from(n)) as u16);
-                match sent % 3 {
-                    0 => s.send_to(&buf[..len], to).unwrap(),
-                    1 => s.send_to(&buf[..len.min(40)], to).unwrap(),
-                    _ => {
-                        // A well-formed header with a guessed token.
-                        valid_header.token = x;
-                        s.send_to(&valid_header.to_bytes(), to).unwrap()
-                    }
-                };
-                sent += 1;
-                if sent.is_multiple_of(64) {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            }
-            sent
-        })
+        let (base, n) = (info.data.base_port, info.lcores.len() as u16);
+        std::thread::spawn(move || flood(&stop, "127.0.0.1", base, n))
     };
     train(&rack.control_url, &job, 3, &keys, 20);
     stop.store(true, Ordering::Relaxed);
