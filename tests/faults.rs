@@ -1,6 +1,7 @@
 //! Faults on the whole appliance: a dataplane crash recovered from a
 //! checkpoint, a worker killed mid-round that rejoins, and the other job
-//! going on meanwhile.
+//! going on meanwhile; loss, duplication and reordering injected in the
+//! dataplane and in the workers.
 
 mod common;
 
@@ -9,7 +10,7 @@ use std::time::Duration;
 
 use common::{grad, Rack};
 use phub::proto::api::{CheckpointInfo, JobDetail};
-use phub_worker::{Worker, WorkerConfig, WorkerError};
+use phub_worker::{FaultSpec, Worker, WorkerConfig, WorkerError, WorkerStats};
 
 fn config() -> WorkerConfig {
     WorkerConfig {
@@ -273,24 +274,45 @@ fn a_killed_worker_stalls_only_its_job_and_rejoins() {
     assert_eq!(show.round_range, Some((10, 10)));
 }
 
+/// What [`train_through_faults`] ends with.
+struct Trained {
+    /// Rank 0's final parameters (rank 1's are checked equal).
+    params: Vec<Vec<f32>>,
+    /// The appliance's stats (`GET /v1/stats`).
+    stats: phub::proto::api::Stats,
+    /// `phubctl stats`.
+    phubctl: String,
+    /// Both workers' counters, summed.
+    workers: WorkerStats,
+}
+
 /// Trains `rounds` of an SGD job with 2 workers through a dataplane that
-/// loses, duplicates and reorders packets in both directions; returns the
-/// final parameters of rank 0 and the appliance's stats.
-fn train_through_faults(faults: &str, rounds: u32) -> (Vec<Vec<f32>>, phub::proto::api::Stats) {
-    let rack = Rack::start_with(2, "256MiB", &["--inject", faults]);
-    let keys = [20_000u64, 3];
+/// loses, duplicates and reorders packets in both directions at
+/// `dataplane_faults`, the workers injecting `worker_faults` on what they
+/// send and receive.
+fn train_through_faults(
+    dataplane_faults: &str,
+    worker_faults: Option<FaultSpec>,
+    keys: [u64; 2],
+    rounds: u32,
+) -> Trained {
+    let rack = Rack::start_with(2, "256MiB", &["--inject", dataplane_faults]);
     let spec = format!(
         "name = \"lossy\"\nworkers = 2\n[optimizer]\nkind = \"sgd\"\nlr = {LR}\n\
          [[keys]]\nelements = {}\n[[keys]]\nelements = {}\n",
         keys[0], keys[1]
     );
     let job = rack.admit(&spec).unwrap();
-    let finals: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+    let config = WorkerConfig {
+        inject: worker_faults,
+        ..config()
+    };
+    let finals: Vec<(Vec<Vec<f32>>, WorkerStats)> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..2u16)
             .map(|rank| {
-                let url = rack.control_url.clone();
+                let (url, config) = (rack.control_url.clone(), config.clone());
                 s.spawn(move || {
-                    let w = Worker::join_with(&url, job.id, job.token, rank, config()).unwrap();
+                    let w = Worker::join_with(&url, job.id, job.token, rank, config).unwrap();
                     let mut params: Vec<Vec<f32>> = keys
                         .iter()
                         .enumerate()
@@ -315,17 +337,41 @@ fn train_through_faults(faults: &str, rounds: u32) -> (Vec<Vec<f32>>, phub::prot
                             w.wait(h).unwrap();
                         }
                     }
-                    params
+                    (params, w.stats())
                 })
             })
             .collect();
         hs.into_iter().map(|h| h.join().unwrap()).collect()
     });
     assert_eq!(
-        finals[0], finals[1],
+        finals[0].0, finals[1].0,
         "the two ranks ended with different parameters"
     );
-    (finals.into_iter().next().unwrap(), rack.get("/v1/stats"))
+    let (ok, phubctl, err) = rack.phubctl(&["stats"]);
+    assert!(ok, "phubctl stats: {err}");
+    let mut workers = finals[0].1;
+    let o = finals[1].1;
+    workers.retransmits += o.retransmits;
+    workers.results_ignored += o.results_ignored;
+    workers.injected_drops += o.injected_drops;
+    workers.injected_dups += o.injected_dups;
+    workers.injected_reorders += o.injected_reorders;
+    workers.timeouts += o.timeouts;
+    Trained {
+        params: finals.into_iter().next().unwrap().0,
+        stats: rack.get("/v1/stats"),
+        phubctl,
+        workers,
+    }
+}
+
+/// The appliance's injected losses, resent results and duplicate drops.
+fn appliance_counts(stats: &phub::proto::api::Stats) -> (u64, u64, u64) {
+    let d = stats.dataplane.as_ref().unwrap();
+    let injected: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
+    let resent: u64 = d.lcores.iter().map(|l| l.results_resent).sum();
+    let dups: u64 = d.lcores.iter().filter_map(|l| l.drops.get("duplicate")).sum();
+    (injected, resent, dups)
 }
 
 #[test]
@@ -337,18 +383,81 @@ fn loss_duplication_and_reordering_leave_the_result_exact() {
         .collect();
     for (i, loss) in ["0.01", "0.05", "0.2"].iter().enumerate() {
         let faults = format!("loss={loss},dup=0.02,reorder=0.02,seed={i}");
-        let (got, stats) = train_through_faults(&faults, ROUNDS);
+        let t = train_through_faults(&faults, None, keys, ROUNDS);
         assert_eq!(
-            got, want,
+            t.params, want,
             "{faults}: parameters differ from the loss-free computation"
         );
-        let d = stats.dataplane.unwrap();
-        let injected: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
-        let resent: u64 = d.lcores.iter().map(|l| l.results_resent).sum();
-        let dups: u64 = d.lcores.iter().filter_map(|l| l.drops.get("duplicate")).sum();
+        let (injected, resent, dups) = appliance_counts(&t.stats);
         assert!(
             injected > 0 && resent > 0 && dups > 0,
             "{faults}: {injected} lost, {resent} resent, {dups} duplicates"
         );
+        assert_eq!(
+            t.workers.injected_drops, 0,
+            "the workers inject nothing unless asked"
+        );
     }
+}
+
+/// Loss in the workers' transport as well as in the dataplane: every
+/// datagram is exposed to the loss rate twice on its way (once leaving,
+/// once arriving), and training still ends exactly where the loss-free
+/// computation does.
+#[test]
+fn faults_on_both_sides_leave_the_result_exact() {
+    const ROUNDS: u32 = 5;
+    let keys = [12_000u64, 3];
+    let want: Vec<Vec<f32>> = (0..2)
+        .map(|k| sgd_reference(2, k as u32, &init_values(k as u32, keys[k]), ROUNDS))
+        .collect();
+    // Counters over the three runs: at 1% loss a run this small may lose
+    // nothing on one side.
+    let mut workers = WorkerStats::default();
+    let (mut injected, mut resent, mut dups) = (0, 0, 0);
+    for (i, loss) in ["0.01", "0.05", "0.2"].iter().enumerate() {
+        let dataplane = format!("loss={loss},dup=0.02,reorder=0.02,seed={i}");
+        let worker: FaultSpec = format!("loss={loss},dup=0.02,reorder=0.02,seed={}", 10 + i)
+            .parse()
+            .unwrap();
+        let t = train_through_faults(&dataplane, Some(worker), keys, ROUNDS);
+        assert_eq!(
+            t.params, want,
+            "dataplane {dataplane}, workers {worker}: parameters differ from the loss-free computation"
+        );
+        assert_eq!(t.workers.timeouts, 0);
+        workers.injected_drops += t.workers.injected_drops;
+        workers.injected_dups += t.workers.injected_dups;
+        workers.injected_reorders += t.workers.injected_reorders;
+        workers.retransmits += t.workers.retransmits;
+        let (i, r, d) = appliance_counts(&t.stats);
+        eprintln!(
+            "loss {loss} on both sides: dataplane {i} lost, {r} results resent, {d} duplicate drops; \
+             workers {} lost, {} duplicated, {} reordered, {} retransmits",
+            t.workers.injected_drops,
+            t.workers.injected_dups,
+            t.workers.injected_reorders,
+            t.workers.retransmits
+        );
+        (injected, resent, dups) = (injected + i, resent + r, dups + d);
+        if *loss == "0.2" {
+            // phubctl shows the resent results and the duplicate drops.
+            assert!(
+                r > 0 && d > 0 && t.phubctl.contains("RESENT") && t.phubctl.contains("duplicate"),
+                "{}",
+                t.phubctl
+            );
+        }
+    }
+    assert!(
+        workers.injected_drops > 0
+            && workers.injected_dups > 0
+            && workers.injected_reorders > 0
+            && workers.retransmits > 0,
+        "workers: {workers:?}"
+    );
+    assert!(
+        injected > 0 && resent > 0 && dups > 0,
+        "dataplane: {injected} lost, {resent} resent, {dups} duplicates"
+    );
 }

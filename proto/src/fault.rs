@@ -168,4 +168,18 @@ mod tests {
         }
         assert_eq!("".parse::<FaultSpec>().unwrap(), FaultSpec::default());
     }
+
+    #[test]
+    fn display_parses_back_to_the_same_spec() {
+        // The worker's and phub-bench's configurations travel as this text.
+        for text in [
+            "loss=0.05,dup=0.01,reorder=0.01,seed=3",
+            "loss=0.2",
+            "seed=18446744073709551615",
+            "",
+        ] {
+            let spec: FaultSpec = text.parse().unwrap();
+            assert_eq!(spec.to_string().parse::<FaultSpec>().unwrap(), spec, "{text}");
+        }
+    }
 }

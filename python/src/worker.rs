@@ -197,9 +197,16 @@ impl Worker {
     /// returned (16 hex digits, or an int).
     ///
     /// Keyword arguments tune the worker: ``window`` (chunks outstanding
-    /// across all keys, default 64), ``timeout`` (seconds without any result
-    /// before a request fails, default 30), ``min_rto``, ``max_rto``,
-    /// ``initial_rto`` (retransmission timeout bounds and start, seconds).
+    /// across all keys; by default picked from the job: its workers, lcores
+    /// and chunks and the socket's receive buffer, as phub-worker's
+    /// ``auto_window`` does),
+    /// ``timeout`` (seconds without any result before a request fails,
+    /// default 30), ``min_rto``, ``max_rto``, ``initial_rto``
+    /// (retransmission timeout bounds and start, seconds).
+    ///
+    /// For tests, ``PHUB_WORKER_INJECT=loss=0.05,dup=0.01,reorder=0.01,seed=3``
+    /// in the environment makes the worker lose, duplicate and reorder its
+    /// datagrams (see :meth:`stats`, ``injected_*``).
     ///
     /// Raises :class:`JoinError` with phub-control's message when refused.
     #[staticmethod]
@@ -302,7 +309,10 @@ impl Worker {
     /// A snapshot of the worker's counters, as a dict: ``chunks_sent``,
     /// ``retransmits``, ``results_accepted``, ``results_ignored``,
     /// ``foreign_dropped``, ``errors``, ``timeouts``, ``srtt_us``,
-    /// ``rto_us``, ``bytes_sent``, ``bytes_received``.
+    /// ``rto_us``, ``bytes_sent``, ``bytes_received``, and the datagrams
+    /// fault injection lost, duplicated and reordered (``injected_drops``,
+    /// ``injected_dups``, ``injected_reorders``; 0 unless
+    /// ``PHUB_WORKER_INJECT`` is set).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -318,6 +328,9 @@ impl Worker {
             ("rto_us", s.rto_us),
             ("bytes_sent", s.bytes_sent),
             ("bytes_received", s.bytes_received),
+            ("injected_drops", s.injected_drops),
+            ("injected_dups", s.injected_dups),
+            ("injected_reorders", s.injected_reorders),
         ] {
             d.set_item(k, v)?;
         }

@@ -33,6 +33,13 @@ pub enum WorkerError {
         /// What is inconsistent.
         message: String,
     },
+    /// The worker's configuration (or an environment variable standing in
+    /// for it) is not usable.
+    #[error("worker configuration: {message}")]
+    Config {
+        /// What is wrong, naming the setting and what is accepted.
+        message: String,
+    },
     /// A socket operation failed.
     #[error("{context}: {source}")]
     Io {

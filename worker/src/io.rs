@@ -15,7 +15,8 @@
 //! request when all its chunks are in. Every request ends: with its result,
 //! with the appliance's refusal, with a timeout after `timeout` without any
 //! accepted result, or with [`WorkerError::Closed`] when the worker is
-//! dropped.
+//! dropped. With [`crate::inject`] on, every datagram sent and received
+//! first gets a fate (lost, duplicated, held back).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -30,6 +31,7 @@ use phub_proto::Dtype;
 
 use crate::codec;
 use crate::error::WorkerError;
+use crate::inject::Injector;
 use crate::net::{BatchSocket, Datagram};
 use crate::stats::{add, Counters};
 use crate::WorkerConfig;
@@ -449,6 +451,8 @@ pub(crate) struct IoThread {
     sent_order: Vec<VecDeque<(u64, (u32, u32))>>,
     /// Chunks to send in the current batch: (request id, chunk).
     batch: Vec<(u64, ChunkMsg)>,
+    /// The fault injector, when configured (tests and soaks).
+    inject: Option<Injector>,
 }
 
 impl IoThread {
@@ -463,6 +467,7 @@ impl IoThread {
         cmds: Receiver<Command>,
         keys: Keys,
         stats: Arc<Counters>,
+        inject: Option<Injector>,
     ) -> IoThread {
         let rto = Rto::new(config);
         stats
@@ -493,6 +498,7 @@ impl IoThread {
             acked_seq: Vec::new(),
             sent_order: Vec::new(),
             batch: Vec::new(),
+            inject,
         }
     }
 
@@ -523,10 +529,15 @@ impl IoThread {
                 self.last_scan = now;
                 self.retransmit(&mut socket, now);
             }
+            if let Some(inj) = self.inject.as_mut() {
+                let stats = &self.stats;
+                inj.release(|d| send_counted(&mut socket, stats, d));
+            }
             if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
                 self.time_out(now);
             }
-            let wait = if self.busy() { TICK } else { IDLE };
+            let holds = self.inject.as_ref().is_some_and(Injector::holds_sends);
+            let wait = if self.busy() || holds { TICK } else { IDLE };
             let own = self.own;
             let mut n = match self.receive(&mut socket) {
                 Ok(n) => n,
@@ -557,13 +568,25 @@ impl IoThread {
     /// returns how many there were.
     fn receive(&mut self, socket: &mut BatchSocket) -> std::io::Result<usize> {
         let own = self.own;
-        socket.recv(None, &mut |from, d| {
+        // With injection, what was held back is handled after this batch.
+        let held = self.inject.as_mut().map_or_else(Vec::new, Injector::take_held);
+        let n = socket.recv(None, &mut |from, d| {
             if d.is_empty() || from == own {
                 return; // a wake-up from the API side
             }
             add(&self.stats.bytes_received, d.len() as u64);
-            self.on_datagram(d, Instant::now());
-        })
+            let copies = match self.inject.as_mut() {
+                None => 1,
+                Some(inj) => inj.incoming(from, d),
+            };
+            for _ in 0..copies {
+                self.on_datagram(d, Instant::now());
+            }
+        })?;
+        for h in &held {
+            self.on_datagram(&h.bytes, Instant::now());
+        }
+        Ok(n + held.len())
     }
 
     fn submit(&mut self, r: Request) {
@@ -612,19 +635,13 @@ impl IoThread {
                 })
             })
             .collect();
-        let bytes: u64 = dgrams.iter().map(|d| (d.head.len() + d.body.len()) as u64).sum();
-        match socket.send(&dgrams) {
-            Ok(n) if n == dgrams.len() => add(&self.stats.bytes_sent, bytes),
-            Ok(n) => {
-                log::debug!("phub-worker: the kernel took {n} of {} datagrams", dgrams.len());
-                add(
-                    &self.stats.bytes_sent,
-                    bytes * n as u64 / dgrams.len().max(1) as u64,
-                );
+        match self.inject.as_mut() {
+            None => send_counted(socket, &self.stats, &dgrams),
+            Some(inj) => {
+                let mut out = Vec::with_capacity(dgrams.len());
+                inj.outgoing(&dgrams, &mut out);
+                send_counted(socket, &self.stats, &out);
             }
-            // A failed send is a lost packet: the chunk stays outstanding and
-            // is retransmitted; a persistent failure ends in a timeout.
-            Err(e) => log::debug!("phub-worker: sending: {e}"),
         }
         self.batch.clear();
     }
@@ -970,6 +987,24 @@ impl IoThread {
             add(&self.stats.timeouts, 1);
             self.fail(id, err);
         }
+    }
+}
+
+/// Sends `dgrams` in one batch and counts the bytes the kernel took.
+fn send_counted(socket: &mut BatchSocket, stats: &Counters, dgrams: &[Datagram<'_>]) {
+    if dgrams.is_empty() {
+        return;
+    }
+    let bytes: u64 = dgrams.iter().map(|d| d.len() as u64).sum();
+    match socket.send(dgrams) {
+        Ok(n) if n == dgrams.len() => add(&stats.bytes_sent, bytes),
+        Ok(n) => {
+            log::debug!("phub-worker: the kernel took {n} of {} datagrams", dgrams.len());
+            add(&stats.bytes_sent, bytes * n as u64 / dgrams.len() as u64);
+        }
+        // A failed send is a lost packet: the chunk stays outstanding and
+        // is retransmitted; a persistent failure ends in a timeout.
+        Err(e) => log::debug!("phub-worker: sending: {e}"),
     }
 }
 

@@ -12,7 +12,10 @@
 //! buffers lent to the library instead of copied (the fast path).
 //!
 //! I/O: one thread per worker, batched system calls with UDP GSO/GRO
-//! ([`net`]), a window sized from the job ([`auto_window`]).
+//! ([`net`]), a window sized from the job ([`auto_window`]). For tests and
+//! soaks, a seeded fault injector can lose, duplicate and reorder the
+//! worker's datagrams in both directions ([`WorkerConfig::inject`]; off by
+//! default).
 //!
 //! Invariants (the worker's side of PROTOCOL.md §6):
 //! - At most one request per key is in flight, and a key's round r+1 is sent
@@ -49,6 +52,7 @@
 
 mod codec;
 mod error;
+mod inject;
 mod io;
 pub mod net;
 mod stats;
@@ -65,7 +69,9 @@ use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
 
 pub use error::WorkerError;
+pub use inject::INJECT_ENV;
 pub use phub_proto::api::JoinResponse;
+pub use phub_proto::fault::FaultSpec;
 pub use stats::WorkerStats;
 
 use io::{
@@ -73,7 +79,7 @@ use io::{
 };
 
 /// Tuning of a [`Worker`].
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
     /// Most chunks outstanding (sent, no result yet) across all keys; 0
     /// (the default) picks it from the job, see [`auto_window`]. Keep W
@@ -98,6 +104,17 @@ pub struct WorkerConfig {
     /// Receive and send buffer asked for the socket, bytes (forced beyond
     /// `net.core.rmem_max` where the process may). Default 32 MiB.
     pub socket_buffer: usize,
+    /// Fault injection for tests and soaks: every datagram this worker
+    /// sends and every one it receives is lost, duplicated or held back
+    /// behind later ones at the spec's rates, drawn per datagram (GSO
+    /// trains are formed after, GRO trains split before) from generators
+    /// seeded with the spec's seed, the job and the rank. Counted in
+    /// [`WorkerStats`]' `injected_*`. Default `None` (off: one branch on
+    /// the `Option` per batch sent and per datagram received); when
+    /// `None`, the environment variable [`INJECT_ENV`]
+    /// (`PHUB_WORKER_INJECT=loss=0.05,dup=0.01,reorder=0.01,seed=3`) turns
+    /// it on.
+    pub inject: Option<FaultSpec>,
 }
 
 impl Default for WorkerConfig {
@@ -111,6 +128,7 @@ impl Default for WorkerConfig {
             gso: true,
             gro: true,
             socket_buffer: 32 << 20,
+            inject: None,
         }
     }
 }
@@ -405,6 +423,19 @@ impl Worker {
             rank: join.rank,
             dtype: join.spec.dtype,
         };
+        let inject = match config.inject {
+            Some(spec) => Some(spec),
+            None => inject_from_env()?,
+        };
+        if let Some(spec) = inject {
+            log::warn!(
+                "phub-worker: job {} rank {}: injecting faults on every datagram, both directions: {spec}",
+                join.job,
+                join.rank
+            );
+        }
+        let injector =
+            inject.map(|spec| inject::Injector::new(spec, join.job, join.rank, Arc::clone(&stats)));
         let thread = io::IoThread::new(
             socket,
             local,
@@ -415,6 +446,7 @@ impl Worker {
             cmd_rx,
             Arc::clone(&keys),
             Arc::clone(&stats),
+            injector,
         );
         let thread = std::thread::Builder::new()
             .name(format!("phub-worker-{}-{}", join.job, join.rank))
@@ -924,6 +956,21 @@ impl Drop for Worker {
     }
 }
 
+/// The fault spec in [`INJECT_ENV`], if it is set and not empty.
+fn inject_from_env() -> Result<Option<FaultSpec>, WorkerError> {
+    inject_from(std::env::var(INJECT_ENV).ok().as_deref())
+}
+
+/// The fault spec `value` of [`INJECT_ENV`] describes.
+fn inject_from(value: Option<&str>) -> Result<Option<FaultSpec>, WorkerError> {
+    match value {
+        Some(v) if !v.trim().is_empty() => v.parse().map(Some).map_err(|e: String| WorkerError::Config {
+            message: format!("{INJECT_ENV}={v:?}: {e}"),
+        }),
+        _ => Ok(None),
+    }
+}
+
 /// Checks a join response and resolves each lcore's address.
 fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
     fn bad<T>(message: String) -> Result<T, WorkerError> {
@@ -1017,5 +1064,21 @@ mod tests {
         assert_eq!(auto_window(64, 1, 100_000, d, 64 << 20), 16);
         // A small own receive buffer bounds it (an unprivileged process).
         assert_eq!(auto_window(1, 8, 100_000, d, 416 << 10), (416 << 10) / (2 * d));
+    }
+
+    #[test]
+    fn the_injection_variable_is_parsed_and_named_when_wrong() {
+        assert_eq!(inject_from(None).unwrap(), None);
+        assert_eq!(inject_from(Some(" ")).unwrap(), None);
+        let spec = inject_from(Some("loss=0.05,dup=0.01,seed=3")).unwrap().unwrap();
+        assert_eq!(
+            (spec.loss, spec.dup, spec.reorder, spec.seed),
+            (0.05, 0.01, 0.0, 3)
+        );
+        let e = inject_from(Some("loss=2")).unwrap_err().to_string();
+        assert!(
+            e.contains("PHUB_WORKER_INJECT") && e.contains("loss=2") && e.contains("[0, 1)"),
+            "{e}"
+        );
     }
 }

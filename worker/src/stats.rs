@@ -34,6 +34,17 @@ pub struct WorkerStats {
     pub bytes_sent: u64,
     /// UDP payload bytes received.
     pub bytes_received: u64,
+    /// Datagrams the fault injector ([`WorkerConfig::inject`](crate::WorkerConfig::inject))
+    /// dropped, sent and received together; 0 with injection off.
+    #[serde(default)]
+    pub injected_drops: u64,
+    /// Datagrams the fault injector duplicated, both directions.
+    #[serde(default)]
+    pub injected_dups: u64,
+    /// Datagrams the fault injector held back behind later ones, both
+    /// directions.
+    #[serde(default)]
+    pub injected_reorders: u64,
 }
 
 /// The live counters: one writer (the I/O thread), relaxed readers.
@@ -51,6 +62,9 @@ pub(crate) struct Counters {
     pub(crate) rto_us: AtomicU64,
     pub(crate) bytes_sent: AtomicU64,
     pub(crate) bytes_received: AtomicU64,
+    pub(crate) injected_drops: AtomicU64,
+    pub(crate) injected_dups: AtomicU64,
+    pub(crate) injected_reorders: AtomicU64,
 }
 
 /// Adds `n` to a counter.
@@ -74,6 +88,9 @@ impl Counters {
             rto_us: r(&self.rto_us),
             bytes_sent: r(&self.bytes_sent),
             bytes_received: r(&self.bytes_received),
+            injected_drops: r(&self.injected_drops),
+            injected_dups: r(&self.injected_dups),
+            injected_reorders: r(&self.injected_reorders),
         }
     }
 }

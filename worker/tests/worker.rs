@@ -217,6 +217,18 @@ fn run_job_with(
     loss: f64,
     exchange: bool,
 ) -> phub_worker::WorkerStats {
+    run_job_config(spec, lcores, rounds, loss, exchange, quick())
+}
+
+/// As [`run_job_with`], every worker with `config`.
+fn run_job_config(
+    spec: &JobSpec,
+    lcores: usize,
+    rounds: u32,
+    loss: f64,
+    exchange: bool,
+    config: WorkerConfig,
+) -> phub_worker::WorkerStats {
     let layout = layout(spec, &mut vec![0; lcores]);
     let app = FakeAppliance::start(spec, &layout, loss, 42);
     let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
@@ -224,9 +236,9 @@ fn run_job_with(
     let threads: Vec<_> = (0..spec.workers as u16)
         .map(|rank| {
             let join = join_response(spec, &layout, rank, app.base_port);
-            let refs = Arc::clone(&refs);
+            let (refs, config) = (Arc::clone(&refs), config.clone());
             std::thread::spawn(move || {
-                let w = Worker::from_join(join, TOKEN, quick()).unwrap();
+                let w = Worker::from_join(join, TOKEN, config).unwrap();
                 let nkeys = w.spec().keys.len();
                 let lens: Vec<usize> = (0..nkeys as u32)
                     .map(|k| w.key_len(k).unwrap() as usize)
@@ -304,6 +316,9 @@ fn run_job_with(
         total.timeouts += s.timeouts;
         total.bytes_sent += s.bytes_sent;
         total.bytes_received += s.bytes_received;
+        total.injected_drops += s.injected_drops;
+        total.injected_dups += s.injected_dups;
+        total.injected_reorders += s.injected_reorders;
     }
     drop(app);
     total
@@ -341,6 +356,38 @@ fn sum_and_sgd_exact_under_ten_percent_loss() {
         assert!(s.retransmits > 0, "{}: {s:?}", opt.name());
         assert_eq!(s.timeouts, 0);
     }
+}
+
+/// Injection in the workers alone (the fake appliance loses nothing):
+/// every datagram of every worker is lost, duplicated or held back at the
+/// spec's rates, with GSO and GRO on, and the results stay exact.
+#[test]
+fn worker_side_injection_leaves_results_exact() {
+    for (exchange, spec_text) in [
+        (false, "loss=0.05,dup=0.02,reorder=0.02,seed=1"),
+        (true, "loss=0.2,dup=0.05,reorder=0.05,seed=2"),
+    ] {
+        let config = WorkerConfig {
+            inject: Some(spec_text.parse().unwrap()),
+            ..quick()
+        };
+        let s = run_job_config(&spec(3, &KEYS, Dtype::F32, sgd()), 2, 4, 0.0, exchange, config);
+        eprintln!("{spec_text}: {s:?}");
+        assert!(
+            s.injected_drops > 0 && s.injected_dups > 0 && s.injected_reorders > 0,
+            "{spec_text}: {s:?}"
+        );
+        assert!(s.retransmits > 0 && s.timeouts == 0, "{spec_text}: {s:?}");
+        // Every accepted result was waited for once; duplicates are ignored.
+        assert_eq!(s.results_accepted, 3 * 5 * 53, "{spec_text}");
+        assert!(s.results_ignored > 0, "{spec_text}: {s:?}");
+    }
+    // Off: nothing injected.
+    let s = run_job(&spec(2, &[5000], Dtype::F32, Optimizer::Sum), 1, 2, 0.0);
+    assert_eq!(
+        (s.injected_drops, s.injected_dups, s.injected_reorders),
+        (0, 0, 0)
+    );
 }
 
 #[test]
