@@ -134,7 +134,10 @@ fn bindings(cflags: &[&str]) -> Result<bindgen::Bindings, bindgen::BindgenError>
         "rte_ring_create",
         "rte_ring_free",
         "rte_malloc_socket",
+        "rte_zmalloc_socket",
         "rte_free",
+        "rte_malloc_get_socket_stats",
+        "rte_eal_has_hugepages",
         // The shim.
         "phub_.*",
     ];
@@ -147,6 +150,7 @@ fn bindings(cflags: &[&str]) -> Result<bindgen::Bindings, bindgen::BindgenError>
         "rte_eth_stats",
         "rte_ether_addr",
         "rte_flow_error",
+        "rte_malloc_socket_stats",
     ];
     let vars = [
         "RTE_MAX_LCORE",

@@ -202,6 +202,7 @@ mod tests {
             nic_numa_node: nic,
             memory_budget_bytes: budget,
             memory_used_bytes: used,
+            slot_memory: "Rust heap".into(),
             kernels: "scalar".into(),
             version: "test".into(),
         }

@@ -592,6 +592,7 @@ pub fn render_stats(s: &Stats) -> String {
                 total.results_sent += l.results_sent;
                 total.results_resent += l.results_resent;
                 total.misrouted += l.misrouted;
+                total.arp_replies += l.arp_replies;
                 total.busy_loops += l.busy_loops;
                 total.idle_loops += l.idle_loops;
                 for (r, n) in &l.drops {
@@ -615,10 +616,12 @@ pub fn render_stats(s: &Stats) -> String {
                     ("RESENT", n),
                     ("DROPS", n),
                     ("MISROUTED", n),
+                    ("ARP", n),
                     ("BUSY%", n),
                 ],
                 &rows,
             ));
+            out.push_str(&render_port(&dp.backend, dp.port.as_ref(), &total));
             let drops: Vec<Vec<String>> = dp
                 .lcores
                 .iter()
@@ -696,14 +699,76 @@ fn lcore_row(name: String, l: &phub_proto::api::LcoreStats) -> Vec<String> {
         l.results_resent.to_string(),
         l.drops.values().sum::<u64>().to_string(),
         l.misrouted.to_string(),
+        l.arp_replies.to_string(),
         busy,
     ]
+}
+
+/// The port's own counters (DPDK's `rte_eth_stats`) beside phub's totals
+/// over every lcore; `-` where a side has no such counter (the kernel-UDP
+/// backend has no port counters at all).
+fn render_port(
+    backend: &str,
+    port: Option<&phub_proto::api::PortStats>,
+    phub: &phub_proto::api::LcoreStats,
+) -> String {
+    let dash = || "-".to_string();
+    let port_row = match port {
+        Some(p) => vec![
+            "port".to_string(),
+            p.ipackets.to_string(),
+            mb(p.ibytes),
+            p.opackets.to_string(),
+            mb(p.obytes),
+            p.imissed.to_string(),
+            p.ierrors.to_string(),
+            p.oerrors.to_string(),
+            p.rx_nombuf.to_string(),
+        ],
+        None => std::iter::once("port".to_string())
+            .chain(std::iter::repeat_with(dash).take(8))
+            .collect(),
+    };
+    let phub_row = vec![
+        "phub".to_string(),
+        phub.rx_packets.to_string(),
+        mb(phub.rx_bytes),
+        phub.tx_packets.to_string(),
+        mb(phub.tx_bytes),
+        dash(),
+        dash(),
+        dash(),
+        dash(),
+    ];
+    let n = Align::Right;
+    format!(
+        "\nport counters beside phub's (all lcores){}\n{}",
+        if port.is_none() {
+            format!(": none from the {backend} backend")
+        } else {
+            String::new()
+        },
+        table(
+            &[
+                ("", Align::Left),
+                ("RX PKTS", n),
+                ("RX MB", n),
+                ("TX PKTS", n),
+                ("TX MB", n),
+                ("IMISSED", n),
+                ("IERRORS", n),
+                ("OERRORS", n),
+                ("RX NOMBUF", n),
+            ],
+            &[port_row, phub_row],
+        )
+    )
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use phub_proto::api::{DataplaneStats, JobLive, LcoreStats, RankStatus};
+    use phub_proto::api::{DataplaneStats, JobLive, LcoreStats, PortStats, RankStatus};
 
     fn summary(id: u16, name: &str, mem: u64) -> JobSummary {
         JobSummary {
@@ -826,12 +891,23 @@ mod tests {
         let t = render_stats(&s);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[2].starts_with("LCORE  RX PKTS  RX MB"), "{t}");
+        assert!(lines[2].ends_with("DROPS  MISROUTED  ARP  BUSY%"), "{t}");
         assert!(lines[3].starts_with("    0     1000    8.5"), "{t}");
-        assert!(lines[3].ends_with("2          0   25.0"), "{t}");
+        assert!(lines[3].ends_with("2          0    0   25.0"), "{t}");
         assert!(lines[4].ends_with("-"), "{t}");
         assert!(lines[5].starts_with("  all     1000"), "{t}");
         assert!(
             t.contains("REASON     LCORE  DROPS\nbad_token      0      2\n"),
+            "{t}"
+        );
+        // The kernel-UDP backend has no port: the same section, all dashes.
+        assert!(
+            t.contains(
+                "port counters beside phub's (all lcores): none from the udp backend\n\
+                 \x20     RX PKTS  RX MB  TX PKTS  TX MB  IMISSED  IERRORS  OERRORS  RX NOMBUF\n\
+                 port        -      -        -      -        -        -        -          -\n\
+                 phub     1000    8.5        0    0.0        -        -        -          -\n"
+            ),
             "{t}"
         );
         assert!(
@@ -848,6 +924,67 @@ mod tests {
         assert!(
             down.starts_with("dataplane: unreachable: cannot reach the dataplane\n"),
             "{down}"
+        );
+    }
+
+    #[test]
+    fn dpdk_stats_show_the_port_beside_phub_and_misrouted_and_arp_per_lcore() {
+        let lcore = |i: u16, misrouted: u64, arp: u64| LcoreStats {
+            lcore: i,
+            rx_packets: 500,
+            rx_bytes: 4_000_000,
+            tx_packets: 1500,
+            tx_bytes: 12_000_000,
+            misrouted,
+            arp_replies: arp,
+            ..Default::default()
+        };
+        let s = Stats {
+            dataplane: Some(DataplaneStats {
+                backend: "dpdk".into(),
+                port: Some(PortStats {
+                    ipackets: 1012,
+                    opackets: 3001,
+                    ibytes: 8_100_000,
+                    obytes: 24_000_000,
+                    imissed: 7,
+                    ierrors: 1,
+                    oerrors: 2,
+                    rx_nombuf: 3,
+                }),
+                lcores: vec![lcore(0, 4, 1), lcore(1, 9, 0)],
+                jobs: vec![],
+            }),
+            dataplane_error: None,
+            jobs: vec![],
+        };
+        let t = render_stats(&s);
+        assert!(t.starts_with("dataplane: dpdk backend, 2 lcores\n"), "{t}");
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[3].ends_with("0          4    1      -"), "{t}");
+        assert!(lines[4].ends_with("0          9    0      -"), "{t}");
+        assert!(
+            lines[5].starts_with("  all     1000    8.0     3000   24.0"),
+            "{t}"
+        );
+        assert!(lines[5].ends_with("0         13    1      -"), "{t}");
+        assert!(
+            t.contains(
+                "port counters beside phub's (all lcores)\n\
+                 \x20     RX PKTS  RX MB  TX PKTS  TX MB  IMISSED  IERRORS  OERRORS  RX NOMBUF\n\
+                 port     1012    8.1     3001   24.0        7        1        2          3\n\
+                 phub     1000    8.0     3000   24.0        -        -        -          -\n"
+            ),
+            "{t}"
+        );
+        // The JSON form carries the port counters as the API has them.
+        let json = render(true, &serde_json::to_string(&s).unwrap(), |_: Stats| {
+            String::new()
+        })
+        .unwrap();
+        assert!(
+            json.contains("\"rx_nombuf\": 3") && json.contains("\"arp_replies\": 1"),
+            "{json}"
         );
     }
 

@@ -18,6 +18,7 @@ use crate::engine::Shard;
 use crate::kernels::Kernels;
 use crate::lcore::{self, Clock, LoopOptions};
 use crate::mgmt::{self, LcoreHandle, Manager};
+use crate::slotmem::{RustHeap, SlotAllocator};
 use crate::topology::Topology;
 
 /// Packet I/O backend.
@@ -257,18 +258,21 @@ impl Appliance {
             nic_numa_node: topology.nic_node(cfg.host),
             memory_budget_bytes: cfg.memory_budget,
             memory_used_bytes: 0,
+            slot_memory: RustHeap.describe(),
             kernels: kernels.kind().name().into(),
             version: cfg.build.clone(),
         };
         let manager = Arc::new(Manager::new(info, handles, clock));
         let app = Appliance::serve(cfg, manager, stop, data)?;
         log::info!(
-            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, management API on {}",
+            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, slot memory: {} (budget {} bytes), management API on {}",
             n,
             cfg.host,
             base,
             base as usize + n - 1,
             kernels.kind().name(),
+            RustHeap.describe(),
+            cfg.memory_budget,
             app.mgmt_addr
         );
         Ok(app)
@@ -318,6 +322,7 @@ impl Appliance {
         let stop = Arc::new(AtomicBool::new(false));
         let s = start::start(cfg, kernels, clock, &stop)?;
         let data = SocketAddrV4::new(cfg.host, s.base_port);
+        let budget = start::memory_budget(cfg.memory_budget, &s.slot_memory);
         let info = DataplaneInfo {
             backend: "dpdk".into(),
             data: DataAddr {
@@ -326,8 +331,9 @@ impl Appliance {
             },
             lcores: s.infos,
             nic_numa_node: s.socket.or_else(|| topology.nic_node(cfg.host)),
-            memory_budget_bytes: cfg.memory_budget,
+            memory_budget_bytes: budget,
             memory_used_bytes: 0,
+            slot_memory: s.slot_memory.describe(),
             kernels: kernels.kind().name().into(),
             version: cfg.build.clone(),
         };
@@ -335,9 +341,14 @@ impl Appliance {
         let manager = Manager::new(info, s.lcores, clock)
             .with_port_stats(crate::mgmt::PortStatsReader(Box::new(reader)));
         let runtime = s.runtime;
+        let s_mem = s.slot_memory.describe();
         match Appliance::serve(cfg, Arc::new(manager), Arc::clone(&stop), data) {
             Ok(mut app) => {
-                log::info!("phub-dataplane: management API on {}", app.mgmt_addr);
+                log::info!(
+                    "phub-dataplane: slot memory: {} (budget {budget} bytes), management API on {}",
+                    s_mem,
+                    app.mgmt_addr
+                );
                 app.dpdk = Some(runtime);
                 Ok(app)
             }

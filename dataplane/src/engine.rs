@@ -7,7 +7,14 @@
 //! headers with borrowed payloads and destination lists, which the backend
 //! sends and then clears with [`Shard::clear_transmits`].
 //!
+//! Slot memory comes from a [`SlotAllocator`] the backend chooses (Rust's
+//! heap by default, DPDK's heap on the port's NUMA socket for the DPDK
+//! backend): one zeroed, 64-byte aligned block per slot, allocated at
+//! install and never per packet.
+//!
 //! Invariants:
+//! - An install is whole or refused: when the allocator runs out, every
+//!   block it gave is freed and no part of the job is installed.
 //! - `handle` never panics, never blocks, and does not allocate as long as the
 //!   backend drains transmits at least every [`MAX_BURST`] packets.
 //! - A contribution is added at most once per (slot, round, rank): the
@@ -31,6 +38,7 @@ use phub_proto::Dtype;
 use crate::counters::ShardCounters;
 use crate::kernels::{self, Kernels};
 use crate::optim::{self, ChunkBufs};
+use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock, LINE_BYTES, LINE_F32};
 
 /// Most packets a backend may hand to [`Shard::handle`] between two drains
 /// of [`Shard::transmits`] without the transmit queue allocating.
@@ -73,6 +81,21 @@ pub enum EngineError {
         /// Job id.
         id: u16,
         /// What did not fit.
+        reason: String,
+    },
+    /// The slot memory allocator had no room for the job's slots; nothing
+    /// of the job is installed on this lcore.
+    #[error("job {id}: {bytes} bytes of slot memory for {slots} slots do not fit ({from}): {reason}")]
+    SlotMemory {
+        /// Job id.
+        id: u16,
+        /// Bytes the job's slots need on this lcore (line padding included).
+        bytes: u64,
+        /// The job's slots on this lcore.
+        slots: usize,
+        /// Where slot memory comes from ([`SlotAllocator::describe`]).
+        from: String,
+        /// What the allocator said.
         reason: String,
     },
     /// A slot's element count is zero or does not fit a packet.
@@ -122,14 +145,154 @@ impl RankSet {
 }
 
 /// Where the stored result lives.
-#[derive(Debug)]
-enum ResultBuf {
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ResultKind {
     /// f32 on the wire with a server-side optimizer: the parameters are it.
     Params,
-    /// f32 sum/mean: swapped with the accumulator at completion.
-    F32(Box<[f32]>),
+    /// f32 sum/mean: trades places with the accumulator at completion.
+    F32,
     /// bf16/f16: the result encoded for the wire.
-    Half(Box<[u16]>),
+    Half,
+}
+
+/// Regions of a slot's block, in block order.
+const A: usize = 0;
+const B: usize = 1;
+const PARAMS: usize = 2;
+const S1: usize = 3;
+const S2: usize = 4;
+const HALF: usize = 5;
+
+fn padded(len: usize) -> usize {
+    len.next_multiple_of(LINE_F32)
+}
+
+/// Takes the next `pad` elements off `rest` and returns the first `used`.
+fn cut<'a>(rest: &mut &'a mut [f32], used: usize, pad: usize) -> &'a mut [f32] {
+    let (head, tail) = std::mem::take(rest).split_at_mut(pad);
+    *rest = tail;
+    &mut head[..used]
+}
+
+/// A slot's buffers, carved from one block of slot memory. Regions in block
+/// order, each starting on a 64-byte line: A and B (the accumulator and,
+/// for f32 sum/mean, the stored result, which trade places at completion),
+/// the parameters, the two optimizer states, and the bf16/f16 result (as
+/// `u16`s). Absent regions are empty.
+#[derive(Debug)]
+struct SlotMem {
+    block: Box<dyn SlotBlock>,
+    /// Elements per buffer.
+    n: usize,
+    /// Elements used in each region (0: absent).
+    used: [usize; 6],
+    /// Whether the accumulator is region A (else B).
+    acc_in_a: bool,
+}
+
+/// Mutable views of a slot's buffers.
+struct Bufs<'a> {
+    acc: &'a mut [f32],
+    params: &'a mut [f32],
+    s1: &'a mut [f32],
+    s2: &'a mut [f32],
+    half: &'a mut [u16],
+}
+
+impl SlotMem {
+    /// Elements of each region for a chunk of `n` elements.
+    fn regions(n: usize, result: ResultKind, opt: &Optimizer) -> [usize; 6] {
+        let keeps = opt.keeps_params();
+        let states = opt.state_buffers();
+        [
+            n,
+            if result == ResultKind::F32 { n } else { 0 },
+            if keeps { n } else { 0 },
+            if states >= 1 { n } else { 0 },
+            if states >= 2 { n } else { 0 },
+            if result == ResultKind::Half {
+                n.div_ceil(2)
+            } else {
+                0
+            },
+        ]
+    }
+
+    /// Elements of the whole block.
+    fn block_len(used: &[usize; 6]) -> usize {
+        used.iter().map(|&u| padded(u)).sum()
+    }
+
+    fn new(n: usize, used: [usize; 6], mem: &dyn SlotAllocator) -> Result<SlotMem, String> {
+        let len = Self::block_len(&used);
+        let block = mem.zeroed(len)?;
+        let got = block.as_slice();
+        if got.len() != len || !(got.as_ptr() as usize).is_multiple_of(LINE_BYTES) {
+            return Err(format!(
+                "{} gave {} elements at {:p}; asked for {len} on a {LINE_BYTES}-byte boundary",
+                mem.describe(),
+                got.len(),
+                got.as_ptr()
+            ));
+        }
+        Ok(SlotMem {
+            block,
+            n,
+            used,
+            acc_in_a: true,
+        })
+    }
+
+    /// Every region, read-only.
+    fn all(&self) -> [&[f32]; 6] {
+        let mut rest = self.block.as_slice();
+        self.used.map(|u| {
+            let (head, tail) = rest.split_at(padded(u));
+            rest = tail;
+            &head[..u]
+        })
+    }
+
+    /// Every region, mutably.
+    fn all_mut(&mut self) -> [&mut [f32]; 6] {
+        let used = self.used;
+        let mut rest = self.block.as_mut_slice();
+        used.map(|u| cut(&mut rest, u, padded(u)))
+    }
+
+    fn bufs(&mut self) -> Bufs<'_> {
+        let n = self.n;
+        let acc_in_a = self.acc_in_a;
+        let half_len = if self.used[HALF] == 0 { 0 } else { n };
+        let [a, b, params, s1, s2, half] = self.all_mut();
+        Bufs {
+            acc: if acc_in_a { a } else { b },
+            params,
+            s1,
+            s2,
+            half: &mut bytemuck::cast_slice_mut(half)[..half_len],
+        }
+    }
+
+    fn acc_mut(&mut self) -> &mut [f32] {
+        let off = if self.acc_in_a { 0 } else { padded(self.used[A]) };
+        let n = self.n;
+        &mut self.block.as_mut_slice()[off..off + n]
+    }
+
+    fn params(&self) -> &[f32] {
+        self.all()[PARAMS]
+    }
+
+    /// The f32 result (sum/mean): whichever of A and B is not the
+    /// accumulator.
+    fn f32_result(&self) -> &[f32] {
+        self.all()[if self.acc_in_a { B } else { A }]
+    }
+
+    fn half_bytes(&self) -> &[u8] {
+        &bytemuck::cast_slice(self.all()[HALF])[..2 * self.n]
+    }
 }
 
 #[derive(Debug)]
@@ -141,37 +304,38 @@ struct Slot {
     completed: u32,
     contributed: RankSet,
     ncontrib: u16,
-    acc: Box<[f32]>,
-    params: Box<[f32]>,
-    s1: Box<[f32]>,
-    s2: Box<[f32]>,
-    result: ResultBuf,
+    result: ResultKind,
+    mem: SlotMem,
 }
 
 impl Slot {
-    fn new(c: SlotChunk, dtype: Dtype, opt: &Optimizer) -> Slot {
+    fn result_kind(dtype: Dtype, opt: &Optimizer) -> ResultKind {
+        match (dtype, opt.keeps_params()) {
+            (Dtype::F32, true) => ResultKind::Params,
+            (Dtype::F32, false) => ResultKind::F32,
+            _ => ResultKind::Half,
+        }
+    }
+
+    /// Bytes of the block a slot of this chunk takes (padding included).
+    fn block_bytes(c: &SlotChunk, dtype: Dtype, opt: &Optimizer) -> u64 {
+        let used = SlotMem::regions(c.elems as usize, Self::result_kind(dtype, opt), opt);
+        4 * SlotMem::block_len(&used) as u64
+    }
+
+    fn new(c: SlotChunk, dtype: Dtype, opt: &Optimizer, mem: &dyn SlotAllocator) -> Result<Slot, String> {
         let n = c.elems as usize;
-        let zeros = |len: usize| vec![0f32; len].into_boxed_slice();
-        let keeps = opt.keeps_params();
-        let result = match (dtype, keeps) {
-            (Dtype::F32, true) => ResultBuf::Params,
-            (Dtype::F32, false) => ResultBuf::F32(zeros(n)),
-            _ => ResultBuf::Half(vec![0u16; n].into_boxed_slice()),
-        };
-        let states = opt.state_buffers();
-        Slot {
+        let result = Self::result_kind(dtype, opt);
+        Ok(Slot {
             key: c.key,
             chunk: c.chunk,
             elems: c.elems,
             completed: NO_ROUND,
             contributed: RankSet::default(),
             ncontrib: 0,
-            acc: zeros(n),
-            params: zeros(if keeps { n } else { 0 }),
-            s1: zeros(if states >= 1 { n } else { 0 }),
-            s2: zeros(if states >= 2 { n } else { 0 }),
             result,
-        }
+            mem: SlotMem::new(n, SlotMem::regions(n, result, opt), mem)?,
+        })
     }
 
     fn in_progress(&self) -> u32 {
@@ -179,19 +343,22 @@ impl Slot {
     }
 
     fn result_bytes(&self) -> &[u8] {
-        match &self.result {
-            ResultBuf::Params => bytemuck::cast_slice(&self.params),
-            ResultBuf::F32(r) => bytemuck::cast_slice(r),
-            ResultBuf::Half(r) => bytemuck::cast_slice(r),
+        match self.result {
+            ResultKind::Params => bytemuck::cast_slice(self.mem.params()),
+            ResultKind::F32 => bytemuck::cast_slice(self.mem.f32_result()),
+            ResultKind::Half => self.mem.half_bytes(),
         }
     }
 
+    /// Bytes of the slot's buffers (what [`phub_proto::layout::slot_bytes`]
+    /// counts; the block adds line padding).
     fn memory_bytes(&self) -> u64 {
-        let f = self.acc.len() + self.params.len() + self.s1.len() + self.s2.len();
-        let r = match &self.result {
-            ResultBuf::Params => 0,
-            ResultBuf::F32(r) => 4 * r.len(),
-            ResultBuf::Half(r) => 2 * r.len(),
+        let u = &self.mem.used;
+        let f = u[A] + u[PARAMS] + u[S1] + u[S2];
+        let r = match self.result {
+            ResultKind::Params => 0,
+            ResultKind::F32 => 4 * self.mem.n,
+            ResultKind::Half => 2 * self.mem.n,
         };
         (4 * f + r) as u64
     }
@@ -200,21 +367,22 @@ impl Slot {
     /// takes rank 0's payload as the initial value) and stores the result.
     fn complete(&mut self, dtype: Dtype, opt: &Optimizer, workers: u16) {
         let round = self.in_progress();
+        let b = self.mem.bufs();
         if opt.keeps_params() {
             if round == 0 {
-                self.params.copy_from_slice(&self.acc);
-                self.s1.fill(0.0);
-                self.s2.fill(0.0);
+                b.params.copy_from_slice(b.acc);
+                b.s1.fill(0.0);
+                b.s2.fill(0.0);
             } else {
                 optim::step(
                     opt,
                     u32::from(workers),
                     round,
                     ChunkBufs {
-                        acc: &mut self.acc,
-                        params: &mut self.params,
-                        s1: &mut self.s1,
-                        s2: &mut self.s2,
+                        acc: b.acc,
+                        params: b.params,
+                        s1: b.s1,
+                        s2: b.s2,
                     },
                 );
             }
@@ -224,24 +392,22 @@ impl Slot {
                 u32::from(workers),
                 round,
                 ChunkBufs {
-                    acc: &mut self.acc,
+                    acc: b.acc,
                     params: &mut [],
                     s1: &mut [],
                     s2: &mut [],
                 },
             );
         }
-        match &mut self.result {
-            ResultBuf::Params => {}
-            ResultBuf::F32(r) => std::mem::swap(r, &mut self.acc),
-            ResultBuf::Half(r) => {
-                let src = if opt.keeps_params() {
-                    &self.params
-                } else {
-                    &self.acc
-                };
-                kernels::encode(dtype, src, bytemuck::cast_slice_mut(r));
+        match self.result {
+            ResultKind::Params => {}
+            ResultKind::Half => {
+                let src = if opt.keeps_params() { &*b.params } else { &*b.acc };
+                kernels::encode(dtype, src, bytemuck::cast_slice_mut(b.half));
             }
+            // The accumulator becomes the result; the old result's buffer
+            // is overwritten by the next round's first contribution.
+            ResultKind::F32 => self.mem.acc_in_a = !self.mem.acc_in_a,
         }
         self.completed = round;
         self.contributed = RankSet::default();
@@ -356,11 +522,19 @@ pub struct Shard<A> {
     pending: Vec<Pending<A>>,
     counters: Arc<ShardCounters>,
     tx_faults: Option<Faults>,
+    mem: Arc<dyn SlotAllocator>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
-    /// An empty shard for `lcore`, aggregating with `kernels`.
+    /// An empty shard for `lcore`, aggregating with `kernels`, its slot
+    /// memory from Rust's allocator.
     pub fn new(lcore: u16, kernels: Kernels) -> Shard<A> {
+        Shard::with_slot_memory(lcore, kernels, Arc::new(RustHeap))
+    }
+
+    /// An empty shard whose slot memory comes from `mem` (the DPDK backend
+    /// gives DPDK's heap on the port's NUMA socket).
+    pub fn with_slot_memory(lcore: u16, kernels: Kernels, mem: Arc<dyn SlotAllocator>) -> Shard<A> {
         Shard {
             lcore,
             kernels,
@@ -368,7 +542,13 @@ impl<A: Copy + Eq> Shard<A> {
             pending: Vec::with_capacity(MAX_BURST),
             counters: Arc::new(ShardCounters::default()),
             tx_faults: None,
+            mem,
         }
+    }
+
+    /// Where this shard's slot memory comes from.
+    pub fn slot_memory(&self) -> &dyn SlotAllocator {
+        &*self.mem
     }
 
     /// Turns fault injection on the results this shard sends on (tests and
@@ -387,7 +567,9 @@ impl<A: Copy + Eq> Shard<A> {
         &self.counters
     }
 
-    /// Installs a job's slots on this lcore. Allocates; call between bursts.
+    /// Installs a job's slots on this lcore, or nothing of it: when the slot
+    /// memory allocator runs out, what was allocated is freed and the job is
+    /// refused ([`EngineError::SlotMemory`]). Allocates; call between bursts.
     pub fn install(&mut self, job: JobInstall) -> Result<(), EngineError> {
         if self.jobs.iter().any(|j| j.id == job.id) {
             return Err(EngineError::JobExists(job.id));
@@ -413,11 +595,27 @@ impl<A: Copy + Eq> Shard<A> {
                 dtype: job.dtype,
             });
         }
-        let slots = job
-            .slots
-            .iter()
-            .map(|&c| Slot::new(c, job.dtype, &job.optimizer))
-            .collect();
+        let mut slots = Vec::with_capacity(job.slots.len());
+        for &c in &job.slots {
+            match Slot::new(c, job.dtype, &job.optimizer, &*self.mem) {
+                Ok(s) => slots.push(s),
+                Err(reason) => {
+                    // `slots` is dropped here: every block allocated so far
+                    // goes back to the allocator.
+                    return Err(EngineError::SlotMemory {
+                        id: job.id,
+                        bytes: job
+                            .slots
+                            .iter()
+                            .map(|c| Slot::block_bytes(c, job.dtype, &job.optimizer))
+                            .sum(),
+                        slots: job.slots.len(),
+                        from: self.mem.describe(),
+                        reason,
+                    });
+                }
+            }
+        }
         self.jobs.push(Job {
             id: job.id,
             token: job.token,
@@ -483,7 +681,7 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn params(&self, id: u16, slot: u32) -> Option<&[f32]> {
         let j = self.job(id)?;
         let s = j.slots.get(slot as usize)?;
-        j.optimizer.keeps_params().then_some(&s.params[..])
+        j.optimizer.keeps_params().then(|| s.mem.params())
     }
 
     /// The durable state of every slot of a job (completed round,
@@ -495,15 +693,18 @@ impl<A: Copy + Eq> Shard<A> {
         Some(
             j.slots
                 .iter()
-                .map(|s| SlotState {
-                    completed: (s.completed != NO_ROUND).then_some(s.completed),
-                    params: s.params.to_vec(),
-                    s1: s.s1.to_vec(),
-                    s2: s.s2.to_vec(),
-                    result: match &s.result {
-                        ResultBuf::Params => Vec::new(),
-                        _ => s.result_bytes().to_vec(),
-                    },
+                .map(|s| {
+                    let r = s.mem.all();
+                    SlotState {
+                        completed: (s.completed != NO_ROUND).then_some(s.completed),
+                        params: r[PARAMS].to_vec(),
+                        s1: r[S1].to_vec(),
+                        s2: r[S2].to_vec(),
+                        result: match s.result {
+                            ResultKind::Params => Vec::new(),
+                            _ => s.result_bytes().to_vec(),
+                        },
+                    }
                 })
                 .collect(),
         )
@@ -527,13 +728,14 @@ impl<A: Copy + Eq> Shard<A> {
             });
         }
         for (i, (slot, st)) in j.slots.iter().zip(state).enumerate() {
-            let result_len = match &slot.result {
-                ResultBuf::Params => 0,
+            let result_len = match slot.result {
+                ResultKind::Params => 0,
                 _ => slot.result_bytes().len(),
             };
-            if st.params.len() != slot.params.len()
-                || st.s1.len() != slot.s1.len()
-                || st.s2.len() != slot.s2.len()
+            let used = &slot.mem.used;
+            if st.params.len() != used[PARAMS]
+                || st.s1.len() != used[S1]
+                || st.s2.len() != used[S2]
                 || st.result.len() != result_len
                 || st.completed == Some(NO_ROUND)
             {
@@ -547,13 +749,20 @@ impl<A: Copy + Eq> Shard<A> {
             slot.completed = st.completed.unwrap_or(NO_ROUND);
             slot.contributed = RankSet::default();
             slot.ncontrib = 0;
-            slot.params.copy_from_slice(&st.params);
-            slot.s1.copy_from_slice(&st.s1);
-            slot.s2.copy_from_slice(&st.s2);
-            match &mut slot.result {
-                ResultBuf::Params => {}
-                ResultBuf::F32(r) => bytemuck::cast_slice_mut(r).copy_from_slice(&st.result),
-                ResultBuf::Half(r) => bytemuck::cast_slice_mut(r).copy_from_slice(&st.result),
+            let kind = slot.result;
+            let acc_in_a = slot.mem.acc_in_a;
+            let b = slot.mem.bufs();
+            b.params.copy_from_slice(&st.params);
+            b.s1.copy_from_slice(&st.s1);
+            b.s2.copy_from_slice(&st.s2);
+            match kind {
+                ResultKind::Params => {}
+                ResultKind::Half => bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result),
+                ResultKind::F32 => {
+                    let [a, b, ..] = slot.mem.all_mut();
+                    let r = if acc_in_a { b } else { a };
+                    bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
+                }
             }
         }
         Ok(())
@@ -719,9 +928,9 @@ impl<A: Copy + Eq> Shard<A> {
         }
         if carries {
             if slot.ncontrib == 0 || repr.kind == MsgType::Init {
-                k.copy(job.dtype, &mut slot.acc, payload);
+                k.copy(job.dtype, slot.mem.acc_mut(), payload);
             } else {
-                k.add(job.dtype, &mut slot.acc, payload);
+                k.add(job.dtype, slot.mem.acc_mut(), payload);
             }
         }
         slot.contributed.insert(repr.rank);
@@ -803,4 +1012,208 @@ enum Step {
     Open,
     Closed,
     Resend,
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// Rust-heap blocks, at most `left` of them, counting the live ones.
+    #[derive(Debug)]
+    struct Limited {
+        left: AtomicUsize,
+        live: Arc<AtomicUsize>,
+    }
+
+    #[derive(Debug)]
+    struct Counted(Box<dyn SlotBlock>, Arc<AtomicUsize>);
+
+    impl SlotBlock for Counted {
+        fn as_slice(&self) -> &[f32] {
+            self.0.as_slice()
+        }
+        fn as_mut_slice(&mut self) -> &mut [f32] {
+            self.0.as_mut_slice()
+        }
+    }
+
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.1.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    impl SlotAllocator for Limited {
+        fn zeroed(&self, len: usize) -> Result<Box<dyn SlotBlock>, String> {
+            if self
+                .left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |l| l.checked_sub(1))
+                .is_err()
+            {
+                return Err(format!("no room for {} bytes", 4 * len));
+            }
+            self.live.fetch_add(1, Ordering::Relaxed);
+            Ok(Box::new(Counted(RustHeap.zeroed(len)?, Arc::clone(&self.live))))
+        }
+        fn describe(&self) -> String {
+            "test heap".into()
+        }
+    }
+
+    fn job(id: u16, dtype: Dtype, optimizer: Optimizer, slots: u32, elems: u32) -> JobInstall {
+        JobInstall {
+            id,
+            token: 7,
+            workers: 2,
+            dtype,
+            optimizer,
+            slots: (0..slots)
+                .map(|chunk| SlotChunk { key: 0, chunk, elems })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn an_install_the_allocator_cannot_hold_is_refused_whole() {
+        let live = Arc::new(AtomicUsize::new(0));
+        let mem = Arc::new(Limited {
+            left: AtomicUsize::new(3),
+            live: Arc::clone(&live),
+        });
+        let mut s: Shard<u32> = Shard::with_slot_memory(0, Kernels::best(), mem.clone());
+        let opt = Optimizer::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let e = s.install(job(4, Dtype::Bf16, opt, 5, 100)).unwrap_err();
+        // Per slot: acc, params, s1, s2 of 100 f32 (each padded to 112) and
+        // 100 bf16 (50 f32, padded to 64).
+        let per_slot = 4 * (4 * 112 + 64);
+        assert_eq!(
+            e,
+            EngineError::SlotMemory {
+                id: 4,
+                bytes: 5 * per_slot,
+                slots: 5,
+                from: "test heap".into(),
+                reason: "no room for 2048 bytes".into(),
+            }
+        );
+        assert!(
+            e.to_string()
+                .contains("10240 bytes of slot memory for 5 slots do not fit (test heap)"),
+            "{e}"
+        );
+        assert_eq!(
+            live.load(Ordering::Relaxed),
+            0,
+            "the three blocks given were freed"
+        );
+        assert_eq!(s.job_ids().count(), 0, "nothing of the job is installed");
+        mem.left.store(5, Ordering::Relaxed);
+        s.install(job(4, Dtype::Bf16, opt, 5, 100)).unwrap();
+        assert_eq!(live.load(Ordering::Relaxed), 5, "one block per slot");
+        assert_eq!(s.slot_memory().describe(), "test heap");
+        assert!(s.remove(4));
+        assert_eq!(live.load(Ordering::Relaxed), 0);
+    }
+
+    fn push(dtype: Dtype, rank: u16, round: u32, slot: u32, vals: &[f32]) -> Vec<u8> {
+        let carries = round > 0 || rank == 0;
+        let n = if carries { vals.len() } else { 0 };
+        let repr = Repr {
+            kind: if round == 0 { MsgType::Init } else { MsgType::Push },
+            dtype,
+            flags: 0,
+            token: 7,
+            job: 1,
+            rank,
+            count: n as u16,
+            error: 0,
+            round,
+            slot,
+            key: 0,
+            chunk: slot,
+        };
+        let mut b = vec![0u8; HEADER_LEN + n * dtype.size()];
+        repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+        kernels::encode(dtype, &vals[..n], &mut b[HEADER_LEN..]);
+        b
+    }
+
+    fn rounds(s: &mut Shard<u32>, dtype: Dtype, from: u32, to: u32) {
+        for round in from..to {
+            for slot in 0..2 {
+                for rank in 0..2u16 {
+                    let vals: Vec<f32> = (0..37)
+                        .map(|e| (e as f32 * 0.25 - 3.0) * f32::from(rank + 1) + round as f32)
+                        .collect();
+                    let v = s.handle(u32::from(rank), &push(dtype, rank, round, slot, &vals), 1);
+                    assert!(!matches!(v, Verdict::Dropped(_)), "{v:?}");
+                }
+            }
+            s.clear_transmits();
+        }
+    }
+
+    #[test]
+    fn a_snapshot_restores_every_result_kind_exactly() {
+        let adam = Optimizer::Adam {
+            lr: 0.01,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        let cases = [
+            (Dtype::F32, Optimizer::Sum),
+            (Dtype::F32, adam),
+            (Dtype::Bf16, Optimizer::Mean),
+            (Dtype::F16, adam),
+        ];
+        for (dtype, opt) in cases {
+            // Odd and even round counts: the f32 result and accumulator
+            // have traded places an odd or even number of times.
+            for done in [3, 4] {
+                let mut a: Shard<u32> = Shard::new(0, Kernels::best());
+                a.install(job(1, dtype, opt, 2, 37)).unwrap();
+                rounds(&mut a, dtype, 0, done);
+                let saved = a.snapshot(1).unwrap();
+                let mut b: Shard<u32> = Shard::new(0, Kernels::best());
+                b.install(job(1, dtype, opt, 2, 37)).unwrap();
+                b.restore(1, &saved).unwrap();
+                for slot in 0..2 {
+                    assert_eq!(
+                        a.result(1, slot),
+                        b.result(1, slot),
+                        "{dtype:?} {opt:?} slot {slot}"
+                    );
+                    assert_eq!(a.params(1, slot), b.params(1, slot));
+                }
+                assert_eq!(b.snapshot(1).unwrap(), saved);
+                // The restored shard goes on exactly as the original does.
+                rounds(&mut a, dtype, done, done + 2);
+                rounds(&mut b, dtype, done, done + 2);
+                for slot in 0..2 {
+                    let (r, bytes) = b.result(1, slot).unwrap();
+                    assert_eq!(r, done + 1);
+                    assert_eq!(bytes.len(), 37 * dtype.size());
+                    assert_eq!(
+                        a.result(1, slot),
+                        b.result(1, slot),
+                        "{dtype:?} {opt:?} slot {slot}"
+                    );
+                }
+                assert_eq!(
+                    a.job_memory_bytes(1),
+                    Some(2 * phub_proto::layout::slot_bytes(dtype, &opt, 37))
+                );
+            }
+        }
+    }
 }

@@ -15,7 +15,9 @@ pub mod kernels;
 pub mod lcore;
 pub mod mgmt;
 pub mod optim;
+pub mod slotmem;
 pub mod topology;
 
 pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Transmit, Verdict};
 pub use kernels::Kernels;
+pub use slotmem::{RustHeap, SlotAllocator, SlotBlock};

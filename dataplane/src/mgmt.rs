@@ -21,7 +21,7 @@ use phub_proto::layout::slot_bytes;
 use phub_proto::wire::DropReason;
 
 use crate::counters::{NetDrop, ShardCounters};
-use crate::engine::JobInstall;
+use crate::engine::{EngineError, JobInstall};
 use crate::lcore::{Clock, Command};
 
 /// How long the management thread waits for an lcore to acknowledge.
@@ -204,25 +204,36 @@ impl Manager {
                 slots: req.layout.lcores[i].clone(),
             };
             let state = restore.as_mut().map(|r| std::mem::take(&mut r[i]));
+            // Slot memory that runs out is the budget's 507; anything else
+            // is the dataplane's fault.
             let answer = l
                 .commands
                 .send_timeout(Command::Install(job, state, tx), ACK_TIMEOUT)
-                .map_err(|_| format!("lcore {i} did not take the command"))
+                .map_err(|_| (500, format!("lcore {i} did not take the command")))
                 .and_then(|()| {
                     rx.recv_timeout(ACK_TIMEOUT)
-                        .map_err(|_| format!("lcore {i} did not answer"))
+                        .map_err(|_| (500, format!("lcore {i} did not answer")))
                 })
-                .and_then(|r| r.map_err(|e| format!("lcore {i}: {e}")));
+                .and_then(|r| {
+                    r.map_err(|e| {
+                        let status = if matches!(e, EngineError::SlotMemory { .. }) {
+                            507
+                        } else {
+                            500
+                        };
+                        (status, format!("lcore {i}: {e}"))
+                    })
+                });
             match answer {
                 Ok(bytes) => {
                     total += bytes;
                     done.push(i);
                 }
-                Err(message) => {
+                Err((status, message)) => {
                     for &j in &done {
                         self.remove_on(j, id);
                     }
-                    return Err(err(500, format!("job {id} not installed: {message}")));
+                    return Err(err(status, format!("job {id} not installed: {message}")));
                 }
             }
         }

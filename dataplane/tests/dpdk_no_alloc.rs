@@ -12,7 +12,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
-use phub_dataplane::backend::dpdk::{handoff_rings, DpdkQueue, Identity, QueueOptions, TxPools};
+use phub_dataplane::backend::dpdk::{
+    handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools,
+};
 use phub_dataplane::backend::PacketIo;
 use phub_dataplane::kernels::{self, Kernels};
 use phub_dataplane::{JobInstall, Shard};
@@ -93,7 +95,9 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
         .descriptors(128, 128)
         .build()
         .unwrap();
-    let mut shard: Shard<PeerAddr> = Shard::new(0, Kernels::best());
+    // Slot memory from DPDK's heap, as the DPDK backend has it.
+    let mem = Arc::new(DpdkSlotMemory::new(eal, None));
+    let mut shard: Shard<PeerAddr> = Shard::with_slot_memory(0, Kernels::best(), mem);
     shard
         .install(JobInstall {
             id: 3,

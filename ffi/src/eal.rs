@@ -200,6 +200,13 @@ impl Eal {
         unsafe { sys::rte_lcore_to_socket_id(lcore) }
     }
 
+    /// Whether the EAL runs on hugepages (false with `--no-huge`: its heap
+    /// is then the fixed `-m` area of normal memory).
+    pub fn has_hugepages(self) -> bool {
+        // SAFETY: the EAL is up.
+        unsafe { sys::rte_eal_has_hugepages() != 0 }
+    }
+
     /// Number of ports the EAL found (PCI devices and `--vdev`s).
     pub fn port_count(self) -> u16 {
         // SAFETY: the EAL is up.

@@ -29,6 +29,18 @@ pub enum Error {
         /// DPDK's text for it.
         reason: String,
     },
+    /// DPDK's heap has no room for an allocation.
+    #[error("the DPDK heap on {} has no room for {bytes} bytes{}", socket_name(*.socket), heap_state(*.free, *.largest_free))]
+    NoMemory {
+        /// Bytes asked for.
+        bytes: usize,
+        /// NUMA socket asked for (`None`: any).
+        socket: Option<u32>,
+        /// Free bytes on that socket's heap, when known.
+        free: Option<u64>,
+        /// The largest free block on that socket's heap, when known.
+        largest_free: Option<u64>,
+    },
     /// A request the device or the EAL cannot satisfy, with what would be
     /// accepted.
     #[error("{0}")]
@@ -50,6 +62,18 @@ impl Error {
             code,
             reason: strerror(code),
         }
+    }
+}
+
+fn socket_name(s: Option<u32>) -> String {
+    s.map_or_else(|| "any socket".into(), |s| format!("socket {s}"))
+}
+
+fn heap_state(free: Option<u64>, largest: Option<u64>) -> String {
+    match (free, largest) {
+        (Some(f), Some(l)) => format!(" ({f} bytes free, the largest free block {l} bytes)"),
+        (Some(f), None) => format!(" ({f} bytes free)"),
+        _ => String::new(),
     }
 }
 

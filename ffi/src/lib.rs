@@ -14,6 +14,8 @@
 //!   jumbo, the offloads the device has, NUMA socket), rx/tx queue handles
 //!   handed out once and moved into their lcore, port stats, rte_flow.
 //! - [`ring`]: rte_rings of mbufs (hand-off between lcores, test ports).
+//! - [`malloc`]: zeroed, aligned slices from DPDK's heap on a NUMA socket
+//!   (slot memory), and the heap's counters.
 //! - [`lcore`]: launching closures on EAL worker lcores.
 //!
 //! Invariants: every DPDK resource has one owner whose Drop releases it in a
@@ -39,6 +41,7 @@ mod sys {
 pub mod eal;
 mod error;
 pub mod lcore;
+pub mod malloc;
 pub mod mbuf;
 pub mod mempool;
 pub mod port;
@@ -46,6 +49,7 @@ pub mod ring;
 
 pub use eal::Eal;
 pub use error::Error;
+pub use malloc::{HeapSlice, HeapStats};
 pub use mbuf::Mbuf;
 pub use mempool::Mempool;
 pub use port::{Port, PortBuilder, PortInfo, PortStats, RxQueue, TxQueue};

@@ -181,3 +181,38 @@ fn launch_runs_on_a_worker_lcore_and_returns_its_value() {
     let l = lcore::launch(e, w, || panic!("boom")).unwrap();
     assert_eq!(l.wait(), -1, "a panic becomes -1, not an abort");
 }
+
+#[test]
+fn heap_slices_are_zeroed_aligned_and_refused_cleanly_when_too_large() {
+    let Some(e) = eal() else { return };
+    let before = phub_ffi::malloc::heap_stats(e, 0).unwrap();
+    assert!(before.total_bytes > 0 && before.free_bytes <= before.total_bytes);
+    let mut s = phub_ffi::HeapSlice::<f32>::zeroed(e, 1000, 64, Some(0)).unwrap();
+    assert_eq!((s.len(), s.bytes(), s.socket()), (1000, 4000, Some(0)));
+    assert_eq!(s.as_ptr() as usize % 64, 0, "64-byte aligned");
+    assert!(s.iter().all(|&x| x == 0.0), "zeroed");
+    s.as_mut_slice()[999] = 2.5;
+    assert_eq!(s[999], 2.5);
+    let any = phub_ffi::HeapSlice::<u16>::zeroed(e, 3, 4096, None).unwrap();
+    assert_eq!(any.as_ptr() as usize % 4096, 0);
+    let empty = phub_ffi::HeapSlice::<u8>::zeroed(e, 0, 64, Some(0)).unwrap();
+    assert!(empty.is_empty());
+    drop((s, any, empty));
+    // More than the whole --no-huge heap (-m 256): refused, naming the
+    // bytes, the socket and what is free.
+    let big = 512usize << 20;
+    let err = phub_ffi::HeapSlice::<u8>::zeroed(e, big, 64, Some(0)).unwrap_err();
+    let text = err.to_string();
+    assert!(
+        matches!(err, phub_ffi::Error::NoMemory { bytes, socket: Some(0), free: Some(_), .. } if bytes == big),
+        "{err:?}"
+    );
+    assert!(
+        text.contains("socket 0") && text.contains(&big.to_string()),
+        "{text}"
+    );
+    assert!(
+        phub_ffi::HeapSlice::<u8>::zeroed(e, 8, 3, None).is_err(),
+        "alignment 3 refused"
+    );
+}

@@ -269,6 +269,10 @@ pub struct DataplaneInfo {
     pub memory_budget_bytes: u64,
     /// Slot memory installed jobs hold, in bytes.
     pub memory_used_bytes: u64,
+    /// Where slot memory comes from, e.g. `Rust heap` or `DPDK heap,
+    /// socket 0, hugepages: no` (empty from a dataplane that does not say).
+    #[serde(default)]
+    pub slot_memory: String,
     /// Aggregation kernel family in use.
     pub kernels: String,
     /// phub version and commit.

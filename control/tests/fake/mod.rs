@@ -152,6 +152,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 nic_numa_node: config.nic,
                 memory_budget_bytes: config.budget,
                 memory_used_bytes: used,
+                slot_memory: "Rust heap".into(),
                 kernels: "scalar".into(),
                 version: "fake".into(),
             },

@@ -23,6 +23,10 @@
 //! not take is retried on every poll and dropped (counted) if the queue
 //! stays full for [`TX_STALL`].
 //!
+//! Slot memory ([`DpdkSlotMemory`]) comes from DPDK's heap on the port's
+//! NUMA socket: hugepages when the EAL has them, the `-m` area with
+//! `--no-huge`.
+//!
 //! Idle backoff (an option, for tests and small machines): after a run of
 //! empty polls the lcore pauses, then sleeps briefly between polls. Off, the
 //! lcore spins and owns its core, as on an appliance.
@@ -35,7 +39,7 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_ffi::{mbuf, Eal, Mbuf, Mempool, Ring, RxQueue, TxQueue};
+use phub_ffi::{mbuf, Eal, HeapSlice, Mbuf, Mempool, Ring, RxQueue, TxQueue};
 use phub_proto::wire::HEADER_LEN;
 
 pub use frame::PeerAddr;
@@ -44,6 +48,7 @@ use frame::{Frame, ParseOptions, L2_L4_LEN};
 use super::PacketIo;
 use crate::counters::{NetDrop, ShardCounters};
 use crate::engine::Shard;
+use crate::slotmem::{SlotAllocator, SlotBlock, LINE_BYTES};
 
 /// Frames per RX burst.
 pub const RX_BURST: usize = 32;
@@ -96,6 +101,74 @@ impl TxPools {
             indirect: Mempool::pktmbuf(eal, "txind", n, 256, 0, socket)?,
             payload: Mempool::pktmbuf(eal, "txpay", (n / 4).max(512), 128, 9216 + head, socket)?,
         })
+    }
+}
+
+/// Slot memory from DPDK's heap (`rte_zmalloc_socket`) on one NUMA socket.
+#[derive(Debug, Clone, Copy)]
+pub struct DpdkSlotMemory {
+    eal: Eal,
+    socket: Option<u32>,
+    hugepages: bool,
+}
+
+impl DpdkSlotMemory {
+    /// Slot memory on `socket`: the port's (`rte_eth_dev_socket_id`), or
+    /// `None` when that is unknown: any socket then, the allocating lcore's
+    /// own first.
+    pub fn new(eal: Eal, socket: Option<u32>) -> DpdkSlotMemory {
+        DpdkSlotMemory {
+            eal,
+            socket,
+            hugepages: eal.has_hugepages(),
+        }
+    }
+
+    /// The socket asked for.
+    pub fn socket(&self) -> Option<u32> {
+        self.socket
+    }
+
+    /// What of the heap slot memory can use, in bytes, when that is fixed:
+    /// with `--no-huge` the heap is the `-m` area and nothing grows it, so
+    /// this is what is free in it now (`None` with hugepages, whose heap
+    /// grows on demand, or when the heap cannot be read).
+    pub fn fixed_heap_free(&self) -> Option<u64> {
+        if self.hugepages {
+            return None;
+        }
+        let socket = self.socket.unwrap_or(0);
+        phub_ffi::malloc::heap_stats(self.eal, socket)
+            .ok()
+            .map(|s| s.free_bytes)
+    }
+}
+
+impl SlotBlock for HeapSlice<f32> {
+    fn as_slice(&self) -> &[f32] {
+        HeapSlice::as_slice(self)
+    }
+    fn as_mut_slice(&mut self) -> &mut [f32] {
+        HeapSlice::as_mut_slice(self)
+    }
+}
+
+impl SlotAllocator for DpdkSlotMemory {
+    fn zeroed(&self, len: usize) -> Result<Box<dyn SlotBlock>, String> {
+        HeapSlice::<f32>::zeroed(self.eal, len, LINE_BYTES, self.socket)
+            .map(|s| Box::new(s) as Box<dyn SlotBlock>)
+            .map_err(|e| e.to_string())
+    }
+
+    fn describe(&self) -> String {
+        let socket = match self.socket {
+            Some(s) => format!("socket {s}"),
+            None => "any socket (the port's is unknown; each lcore's own first)".into(),
+        };
+        format!(
+            "DPDK heap, {socket}, hugepages: {}",
+            if self.hugepages { "yes" } else { "no" }
+        )
     }
 }
 

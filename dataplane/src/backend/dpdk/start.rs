@@ -14,7 +14,9 @@ use phub_ffi::lcore::{self as eal_lcore, Launched};
 use phub_ffi::{Eal, Mempool, Port, PortBuilder, Ring};
 use phub_proto::api::{LcoreInfo, PortStats};
 
-use super::{handoff_rings, DpdkQueue, Identity, QueueOptions, TxPools, HANDOFF_RING, RX_BURST};
+use super::{
+    handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools, HANDOFF_RING, RX_BURST,
+};
 use crate::app::{Config, DpdkOptions};
 use crate::engine::Shard;
 use crate::kernels::Kernels;
@@ -31,6 +33,8 @@ pub struct Started {
     pub base_port: u16,
     /// NUMA socket of the port.
     pub socket: Option<u32>,
+    /// Where slot memory comes from.
+    pub slot_memory: Arc<DpdkSlotMemory>,
     /// What stops it.
     pub runtime: Runtime,
 }
@@ -87,6 +91,35 @@ pub fn port_stats_reader(port: &Port) -> impl Fn() -> Option<PortStats> + Send +
             oerrors: s.oerrors,
             rx_nombuf: s.rx_nombuf,
         })
+    }
+}
+
+/// Share of the free heap kept back from the slot-memory budget when the
+/// heap is fixed (`--no-huge`): the allocator's per-block header (64 bytes)
+/// and each buffer's padding to a 64-byte line, about 3% for 1 KiB chunks
+/// and less for larger ones.
+const HEAP_RESERVE_DIV: u64 = 16;
+
+/// The slot-memory budget the dataplane reports and admits against: the
+/// operator's `--memory-budget`, but no more than DPDK's heap can give when
+/// that is fixed (`--no-huge`: the `-m` area less the pools, less
+/// 1/[`HEAP_RESERVE_DIV`] for allocator overhead). With hugepages the heap
+/// grows on demand and the budget stands; an install the heap cannot hold
+/// is refused whole either way.
+pub fn memory_budget(configured: u64, mem: &DpdkSlotMemory) -> u64 {
+    let Some(free) = mem.fixed_heap_free() else {
+        return configured;
+    };
+    let usable = free - free / HEAP_RESERVE_DIV;
+    if usable < configured {
+        log::warn!(
+            "--memory-budget {configured} bytes: DPDK's heap is fixed (--no-huge) with {free} bytes free on socket {} after the pools; \
+             the budget is {usable} bytes (raise EAL -m for more)",
+            mem.socket().unwrap_or(0)
+        );
+        usable
+    } else {
+        configured
     }
 }
 
@@ -269,16 +302,21 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
     };
     let opts = LoopOptions {
         busy_poll: !d.idle_backoff,
+        faults: cfg.inject,
         ..LoopOptions::default()
     };
+    if let Some(f) = cfg.inject {
+        log::warn!("injecting faults on every lcore, both directions: {f}");
+    }
     // Whether phub made the lcore map and pinned data lcore i to cpus[i-1].
     let pinned =
         !has_any(&user_args(d), LCORE_OPTS) && !cfg.no_pin && cpus.len() > n && !phub_ffi_reused(&args);
+    let slot_memory = Arc::new(DpdkSlotMemory::new(eal, socket));
     let mut lcores = Vec::with_capacity(n);
     let mut infos = Vec::with_capacity(n);
     let mut launched = Vec::with_capacity(n);
     for (i, (rx, tx)) in rxq.into_iter().zip(txq).enumerate() {
-        let shard = Shard::new(i as u16, kernels);
+        let shard = Shard::with_slot_memory(i as u16, kernels, slot_memory.clone());
         let counters = Arc::clone(shard.counters());
         let q = DpdkQueue::new(
             i as u16,
@@ -339,6 +377,7 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         infos,
         base_port: base,
         socket,
+        slot_memory,
         runtime: Runtime { launched, port },
     })
 }
