@@ -1,7 +1,8 @@
 //! A million malformed, truncated, oversized, wrong-version, wrong-token,
 //! wrong-job and out-of-range-slot datagrams at a running appliance during
 //! training: it keeps serving, training finishes exactly, every drop is
-//! counted under its reason, and its memory stays flat.
+//! counted under its reason, and its memory stays flat. And another
+//! tenant's forged datagrams never change a victim job's parameters.
 
 mod common;
 
@@ -216,4 +217,19 @@ fn a_million_bad_datagrams_during_training() {
         rss_after < rss_before + 16 * 1024,
         "memory grew from {rss_before} KiB to {rss_after} KiB"
     );
+}
+
+/// Another tenant's forged datagrams (the victim's job id with wrong tokens,
+/// its own token with slots outside its job) never change the victim's
+/// parameters: the shared scenario, on kernel UDP (tests/dpdk_faults.rs runs
+/// it on DPDK).
+#[test]
+fn another_tenant_never_changes_a_victims_parameters() {
+    let rack = Rack::start(2, "256MiB");
+    phub_hwtests::scenarios::tenant_isolation(&phub_hwtests::scenarios::Appliance {
+        control_url: rack.control_url.clone(),
+        mgmt_url: rack.mgmt_url.clone(),
+        operator_token: Some(rack.operator_token()),
+        enter: &|| {},
+    });
 }

@@ -8,6 +8,8 @@
 //! namespace, a veth pair, phub-dataplane on DPDK's af_packet driver,
 //! phub-control, workers over kernel UDP) and runs the suite on it. Without
 //! PHUB_RACK every test prints that it needs a rack file and skips.
+//! [`scenarios`] holds the fault scenarios the workspace's tests run on both
+//! backends (kernel UDP on loopback, DPDK on the virtual rack).
 //!
 //! Layer: test support only (spawns the real binaries, which must be built:
 //! `cargo build --bins`, as `cargo test --workspace` does).
@@ -15,6 +17,7 @@
 use std::path::PathBuf;
 
 pub mod rack;
+pub mod scenarios;
 pub mod virt;
 pub mod workload;
 

@@ -64,12 +64,19 @@ impl Netns {
     /// Moves the calling thread into the namespace (threads it starts
     /// afterwards are in it too).
     pub fn enter(&self) {
-        let f = std::fs::File::open(format!("/var/run/netns/{}", self.name)).expect("the namespace's file");
-        // SAFETY: a valid namespace fd; setns(CLONE_NEWNET) changes only the
-        // calling thread's network namespace.
-        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
+        enter_netns(&self.name);
     }
+}
+
+/// Moves the calling thread into the network namespace `name` (threads and
+/// processes it starts afterwards are in it too). For code that cannot
+/// borrow the [`Netns`] (a closure beside a `&mut` [`VirtualRack`]).
+pub fn enter_netns(name: &str) {
+    let f = std::fs::File::open(format!("/var/run/netns/{name}")).expect("the namespace's file");
+    // SAFETY: a valid namespace fd; setns(CLONE_NEWNET) changes only the
+    // calling thread's network namespace.
+    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    assert_eq!(rc, 0, "setns: {}", std::io::Error::last_os_error());
 }
 
 impl Drop for Netns {
@@ -133,6 +140,10 @@ pub struct VirtualRack {
     pub log: PathBuf,
     /// Data lcores (queues).
     pub lcores: usize,
+    /// phub-dataplane's whole command line, for [`VirtualRack::start_dataplane`].
+    dataplane_args: Vec<String>,
+    /// Whether net_af_packet sends through dpv1's qdisc (`qdisc_bypass=0`).
+    tx_qdisc: bool,
     /// The namespace everything lives in.
     pub ns: Netns,
 }
@@ -144,6 +155,20 @@ impl VirtualRack {
     /// be set up but does not come up is a failure (panics with the
     /// dataplane's log).
     pub fn start(tag: &str, lcores: usize, dataplane: &str, control: &str) -> Result<VirtualRack, String> {
+        VirtualRack::start_with(tag, lcores, false, dataplane, control)
+    }
+
+    /// [`VirtualRack::start`], and with `tx_qdisc` the dataplane's port sends
+    /// through dpv1's qdisc (net_af_packet's `qdisc_bypass=0`; DPDK's
+    /// default bypasses it, whatever its guide says), so that a qdisc there
+    /// ([`VirtualRack::netem`]) sees the appliance's packets too.
+    pub fn start_with(
+        tag: &str,
+        lcores: usize,
+        tx_qdisc: bool,
+        dataplane: &str,
+        control: &str,
+    ) -> Result<VirtualRack, String> {
         if let Some(why) = unavailable() {
             return Err(why);
         }
@@ -171,35 +196,43 @@ impl VirtualRack {
             dir,
             log,
             lcores,
+            dataplane_args: Vec::new(),
+            tx_qdisc,
             ns,
         };
         let eal = format!(
-            "--no-pci --vdev=net_af_packet0,iface=dpv1,blocksz=16384,framesz=16384,framecnt=4096,qpairs={lcores} \
+            "--no-pci --vdev=net_af_packet0,iface=dpv1,blocksz=16384,framesz=16384,framecnt=4096,qpairs={lcores}{} \
              --no-huge -m 512 --no-shconf --file-prefix {} --log-level=warning",
+            if tx_qdisc { ",qdisc_bypass=0" } else { "" },
             rack.ns.name
         );
+        rack.dataplane_args = [
+            "--backend",
+            "dpdk",
+            "--host",
+            APPLIANCE_IP,
+            "--base-port",
+            &BASE_PORT.to_string(),
+            "--lcores",
+            &lcores.to_string(),
+            "--no-pin",
+            "--idle-backoff",
+            "--mgmt",
+            MGMT,
+            "--memory-budget",
+            "1GiB",
+            "--eal",
+            &eal,
+        ]
+        .into_iter()
+        .map(String::from)
+        .chain(dataplane.split_whitespace().map(String::from))
+        .collect();
         let logf = std::fs::File::create(&rack.log).map_err(|e| e.to_string())?;
         let mut dp = rack
             .ns
             .command(&dp_bin)
-            .args([
-                "--backend",
-                "dpdk",
-                "--host",
-                APPLIANCE_IP,
-                "--base-port",
-                &BASE_PORT.to_string(),
-            ])
-            .args([
-                "--lcores",
-                &lcores.to_string(),
-                "--no-pin",
-                "--idle-backoff",
-                "--mgmt",
-                MGMT,
-            ])
-            .args(["--memory-budget", "1GiB", "--eal", &eal])
-            .args(dataplane.split_whitespace())
+            .args(&rack.dataplane_args)
             .stdout(Stdio::null())
             .stderr(logf)
             .spawn()
@@ -327,6 +360,106 @@ impl VirtualRack {
         self.dataplane = None;
         (ok, std::fs::read_to_string(&self.log).unwrap_or_default())
     }
+
+    /// Kills the dataplane outright (SIGKILL), as a crash would: no EAL
+    /// cleanup, no port close. With `--no-huge --no-shconf` it leaves no
+    /// hugepage files and no shared config behind, so
+    /// [`VirtualRack::start_dataplane`] can reuse the file prefix.
+    pub fn kill_dataplane(&mut self) {
+        if let Some(mut d) = self.dataplane.take() {
+            d.kill().expect("SIGKILL to phub-dataplane");
+            d.wait().expect("reaping phub-dataplane");
+        }
+    }
+
+    /// Starts phub-dataplane again with the arguments of the first start
+    /// (same port, EAL file prefix, lcores and options), its log appended to
+    /// [`VirtualRack::log`]; returns once its management API answers.
+    /// Panics, with the log, if it does not come up.
+    pub fn start_dataplane(&mut self) {
+        assert!(self.dataplane.is_none(), "phub-dataplane is still running");
+        let bin = crate::bin("phub-dataplane").expect("phub-dataplane was built for the first start");
+        let logf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&self.log)
+            .expect("the dataplane's log");
+        let mut dp = self
+            .ns
+            .command(bin)
+            .args(&self.dataplane_args)
+            .stdout(Stdio::null())
+            .stderr(logf)
+            .spawn()
+            .expect("spawning phub-dataplane");
+        let url = format!("{}/v1/info", self.mgmt_url());
+        let up = std::thread::scope(|s| {
+            s.spawn(|| {
+                self.ns.enter();
+                wait_http(&url, &mut dp, "phub-dataplane (restarted)");
+            })
+            .join()
+        });
+        if up.is_err() {
+            let _ = dp.kill();
+            let _ = dp.wait();
+            panic!(
+                "phub-dataplane did not come back; its log:\n{}",
+                std::fs::read_to_string(&self.log).unwrap_or_default()
+            );
+        }
+        self.dataplane = Some(dp);
+    }
+
+    /// Puts a netem qdisc with `params` (e.g. `loss 5% duplicate 1% reorder
+    /// 25% delay 1ms`) on dpv0, the workers' side, so it acts on what the
+    /// workers send; on a rack started with `tx_qdisc`
+    /// ([`VirtualRack::start_with`]) also on dpv1, so it acts on what the
+    /// appliance sends. `Err` says why it cannot: no `tc`, or a kernel
+    /// without sch_netem ("Specified qdisc kind is unknown").
+    pub fn netem(&self, params: &str) -> Result<(), String> {
+        let devs: &[&str] = if self.tx_qdisc {
+            &["dpv0", "dpv1"]
+        } else {
+            &["dpv0"]
+        };
+        for dev in devs {
+            self.qdisc(dev, &format!("netem {params}"))?;
+        }
+        Ok(())
+    }
+
+    /// `tc qdisc replace dev DEV root QDISC...` in the namespace.
+    pub fn qdisc(&self, dev: &str, qdisc: &str) -> Result<(), String> {
+        run(self
+            .ns
+            .command("tc")
+            .args(["qdisc", "replace", "dev", dev, "root"])
+            .args(qdisc.split_whitespace()))
+    }
+
+    /// Packets dpv1's root qdisc has sent (`tc -s qdisc show dev dpv1`),
+    /// to tell whether the appliance's transmissions pass the qdisc.
+    pub fn tx_qdisc_packets(&self) -> Result<u64, String> {
+        let out = self
+            .ns
+            .command("tc")
+            .args(["-s", "qdisc", "show", "dev", "dpv1"])
+            .output()
+            .map_err(|e| format!("tc: {e}"))?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        text.split_whitespace()
+            .skip_while(|w| *w != "Sent")
+            .nth(3)
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| format!("no `Sent N bytes M pkt` in tc's answer: {text}"))
+    }
+
+    /// A closure that moves the calling thread into the rack's namespace,
+    /// usable while the rack itself is borrowed mutably elsewhere.
+    pub fn enterer(&self) -> impl Fn() + Send + Sync + 'static {
+        let name = self.ns.name.clone();
+        move || enter_netns(&name)
+    }
 }
 
 impl Drop for VirtualRack {
@@ -338,5 +471,71 @@ impl Drop for VirtualRack {
             term(d);
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The workers' end of the veth pair (holds [`WORKER_IP`]).
+pub const WORKER_IF: &str = "dpv0";
+/// The appliance's end of the veth pair (DPDK's af_packet driver reads it).
+pub const APPLIANCE_IF: &str = "dpv1";
+
+/// Builds the virtual rack's link inside `ns`: loopback up, the veth pair
+/// [`WORKER_IF`]/[`APPLIANCE_IF`] at MTU 9000 with IPv6 off, [`WORKER_IP`]
+/// on the workers' end, and GSO trains cut into single datagrams on that
+/// end (veth passes a GSO super-packet whole and af_packet would truncate
+/// it to its frame size). Shared by the tests' rack and phub's tools
+/// (phub-demo, `phub-bench run --local --backend dpdk`).
+pub fn veth_link(ns: &Netns) -> Result<(), String> {
+    ns.ip(&["link", "set", "lo", "up"])?;
+    ns.ip(&[
+        "link",
+        "add",
+        WORKER_IF,
+        "type",
+        "veth",
+        "peer",
+        "name",
+        APPLIANCE_IF,
+    ])?;
+    for d in [WORKER_IF, APPLIANCE_IF] {
+        let _ = run(ns
+            .command("sysctl")
+            .args(["-qw", &format!("net.ipv6.conf.{d}.disable_ipv6=1")]));
+        ns.ip(&["link", "set", d, "mtu", "9000", "up"])?;
+    }
+    ns.ip(&["addr", "add", &format!("{WORKER_IP}/24"), "dev", WORKER_IF])?;
+    ns.ip(&["link", "set", WORKER_IF, "gso_max_segs", "1"])
+}
+
+/// EAL arguments for DPDK's af_packet driver on [`APPLIANCE_IF`] with
+/// `qpairs` queue pairs (8 KiB chunks need `framesz=16384`), without
+/// hugepages, for a process inside `ns`; `prefix` keeps its runtime files
+/// apart from another DPDK process's.
+pub fn af_packet_eal(qpairs: usize, prefix: &str) -> String {
+    format!(
+        "--no-pci --vdev=net_af_packet0,iface={APPLIANCE_IF},blocksz=16384,framesz=16384,framecnt=4096,\
+         qpairs={qpairs} --no-huge -m 512 --no-shconf --file-prefix {prefix} --log-level=warning"
+    )
+}
+
+impl Netns {
+    /// Moves the calling thread into the namespace, as [`Netns::enter`],
+    /// but says why it could not instead of panicking.
+    pub fn try_enter(&self) -> Result<(), String> {
+        let path = format!("/var/run/netns/{}", self.name);
+        let f = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+        // SAFETY: a valid namespace fd, open for the duration of the call;
+        // setns(CLONE_NEWNET) changes only the calling thread's network
+        // namespace.
+        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(format!(
+                "setns into {}: {}",
+                self.name,
+                std::io::Error::last_os_error()
+            ))
+        }
     }
 }

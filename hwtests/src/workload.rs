@@ -40,6 +40,39 @@ pub fn expected(workers: u16, key: u32, elem: usize, round: u32) -> f32 {
     }
 }
 
+/// An SGD job's spec (learning rate [`SGD_LR`]) with these keys.
+pub fn sgd_spec(name: &str, workers: u16, keys: &[u64]) -> String {
+    let mut s =
+        format!("name = \"{name}\"\nworkers = {workers}\n[optimizer]\nkind = \"sgd\"\nlr = {SGD_LR}\n");
+    for k in keys {
+        s += &format!("[[keys]]\nelements = {k}\n");
+    }
+    s
+}
+
+/// The learning rate of [`sgd_spec`]: a power of two, so `lr * mean` is
+/// exact.
+pub const SGD_LR: f32 = 0.125;
+
+/// Rank 0's initial values of a key of `n` elements.
+pub fn init_values(key: u32, n: u64) -> Vec<f32> {
+    (0..n as usize).map(|e| init(key, e)).collect()
+}
+
+/// What SGD on the appliance makes of `rounds` rounds of [`grad`] from
+/// `workers` ranks (mean gradient, summed in any order exactly), starting
+/// from `init`: the reference a run with faults must equal bit for bit.
+pub fn sgd_reference(workers: u16, key: u32, init: &[f32], rounds: u32) -> Vec<f32> {
+    let mut w = init.to_vec();
+    for r in 1..=rounds {
+        for (e, v) in w.iter_mut().enumerate() {
+            let sum: f32 = (0..workers).map(|rank| grad(rank, key, e, r)).sum();
+            *v -= SGD_LR * (sum * (1.0 / f32::from(workers)));
+        }
+    }
+    w
+}
+
 /// Admits a job through phub-control, with the operator token when control
 /// has one.
 pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitResponse {
