@@ -6,13 +6,13 @@
 
 mod common;
 
-use std::net::UdpSocket;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{expected_sum, grad, init, Rack};
+use common::{flood, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
-use phub_worker::{Worker, WorkerConfig};
+use phub_hwtests::workload::{sum_spec, train_rank};
+use phub_worker::WorkerConfig;
 
 fn rss_kib(pid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
@@ -36,16 +36,9 @@ fn soak() {
         &["--inject", "loss=0.05,dup=0.01,reorder=0.01,seed=11"],
     );
     let keys = [200_000u64, 1000, 1];
-    let spec = |name: &str| {
-        let mut s = format!("name = \"{name}\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n");
-        for k in keys {
-            s += &format!("[[keys]]\nelements = {k}\n");
-        }
-        s
-    };
     let jobs = [
-        rack.admit(&spec("soak-a")).unwrap(),
-        rack.admit(&spec("soak-b")).unwrap(),
+        rack.admit(&sum_spec("soak-a", 2, None, &keys)).unwrap(),
+        rack.admit(&sum_spec("soak-b", 2, None, &keys)).unwrap(),
     ];
     let info: DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
         .call()
@@ -58,83 +51,43 @@ fn soak() {
     let rounds = AtomicU64::new(0);
     let retransmits = AtomicU64::new(0);
     let flooded = AtomicU64::new(0);
+    let stop_at = [AtomicU32::new(u32::MAX), AtomicU32::new(u32::MAX)];
     let end = Instant::now() + Duration::from_secs(secs);
     let mut rss_after_warmup = 0;
     std::thread::scope(|s| {
-        // The flood: random bytes and wrong-token headers at every port.
+        // The flood: random, truncated and wrong-token datagrams at every port.
         s.spawn(|| {
-            let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-            let mut x = 0x9e37_79b9_7f4a_7c15u64;
-            let mut buf = [0u8; 1500];
-            while !stop.load(Ordering::Relaxed) {
-                for b in buf.iter_mut() {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    *b = x as u8;
-                }
-                if x.is_multiple_of(2) {
-                    buf[..4].copy_from_slice(b"PHUB");
-                    buf[4] = 1;
-                    buf[5] = 2;
-                }
-                let port = info.data.base_port + (x % info.lcores.len() as u64) as u16;
-                let _ = sock.send_to(&buf[..(x % 1500) as usize], ("127.0.0.1", port));
-                flooded.fetch_add(1, Ordering::Relaxed);
-                if x.is_multiple_of(32) {
-                    std::thread::sleep(Duration::from_micros(500));
-                }
-            }
+            let n = flood(&stop, "127.0.0.1", info.data.base_port, info.lcores.len() as u16);
+            flooded.store(n, Ordering::Relaxed);
         });
-        for job in &jobs {
+        for (job, stop_at) in jobs.iter().zip(&stop_at) {
+            // The round both ranks stop after: the first rank that sees the
+            // stop flag after a multiple of 50 rounds sets it 50 rounds on,
+            // which the other (at most one round apart) reaches later.
             for rank in 0..2u16 {
                 let (url, stop, rounds, retransmits) =
-                    (rack.control_url.clone(), &stop, &rounds, &retransmits);
+                    (rack.control_url.as_str(), &stop, &rounds, &retransmits);
                 s.spawn(move || {
                     let cfg = WorkerConfig {
                         timeout: Duration::from_secs(30),
                         ..WorkerConfig::default()
                     };
-                    let w = Worker::join_with(&url, job.id, job.token, rank, cfg).unwrap();
-                    let mut params: Vec<Vec<f32>> = keys
-                        .iter()
-                        .enumerate()
-                        .map(|(k, &n)| (0..n as usize).map(|e| init(k as u32, e)).collect())
-                        .collect();
-                    for (k, p) in params.iter_mut().enumerate() {
-                        w.wait(w.init(k as u32, p).unwrap()).unwrap();
+                    let (done, stats) = train_rank(url, job.id, job.token, rank, 2, &keys, cfg, |next| {
+                        let done = next - 1;
+                        if done.is_multiple_of(50) && stop.load(Ordering::SeqCst) {
+                            let _ = stop_at.compare_exchange(
+                                u32::MAX,
+                                done + 50,
+                                Ordering::SeqCst,
+                                Ordering::SeqCst,
+                            );
+                        }
+                        done < stop_at.load(Ordering::SeqCst)
+                    });
+                    if rank == 0 {
+                        rounds.fetch_add(u64::from(done), Ordering::Relaxed);
                     }
-                    let mut r = 0;
-                    while Instant::now() < end {
-                        r += 1;
-                        let grads: Vec<Vec<f32>> = params
-                            .iter()
-                            .enumerate()
-                            .map(|(k, p)| (0..p.len()).map(|e| grad(rank, k as u32, e, r)).collect())
-                            .collect();
-                        let hs: Vec<_> = params
-                            .iter_mut()
-                            .zip(&grads)
-                            .enumerate()
-                            .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                            .collect();
-                        for h in hs {
-                            w.wait(h).unwrap();
-                        }
-                        for (k, p) in params.iter().enumerate() {
-                            for (e, v) in p.iter().enumerate() {
-                                assert_eq!(*v, expected_sum(2, k as u32, e, r), "job {} round {r}", job.id);
-                            }
-                        }
-                        if rank == 0 {
-                            rounds.fetch_add(1, Ordering::Relaxed);
-                        }
-                        // Both ranks must leave in the same round.
-                        if r.is_multiple_of(50) && stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                    retransmits.fetch_add(w.stats().retransmits, Ordering::Relaxed);
+                    retransmits.fetch_add(stats.retransmits, Ordering::Relaxed);
                 });
             }
         }

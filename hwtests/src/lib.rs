@@ -7,7 +7,12 @@
 //! the same topology on this machine ([`virt::VirtualRack`]: a network
 //! namespace, a veth pair, phub-dataplane on DPDK's af_packet driver,
 //! phub-control, workers over kernel UDP) and runs the suite on it. Without
-//! PHUB_RACK every test prints that it needs a rack file and skips.
+//! PHUB_RACK every test prints that it needs a rack file and skips. On
+//! either rack the suite ([`running::Rack`]) starts the worker side as
+//! `phub-rack-agent` processes ([`agent`]) through one [`launch::Launcher`]:
+//! ssh to the rack file's worker hosts, or `ip netns exec` into the virtual
+//! rack's namespace; on a lab rack it starts the appliance here
+//! ([`lab::LabRack`]).
 //! [`scenarios`] holds the fault scenarios the workspace's tests run on both
 //! backends (kernel UDP on loopback, DPDK on the virtual rack).
 //!
@@ -16,7 +21,11 @@
 
 use std::path::PathBuf;
 
+pub mod agent;
+pub mod lab;
+pub mod launch;
 pub mod rack;
+pub mod running;
 pub mod scenarios;
 pub mod virt;
 pub mod workload;

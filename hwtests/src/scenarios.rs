@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use phub_proto::api::{AdmitResponse, DataplaneStats, JobDetail, JobMap, JoinRequest, JoinResponse};
 use phub_proto::wire::{MsgType, Repr};
 use phub_proto::Dtype;
-use phub_worker::{Worker, WorkerConfig, WorkerError};
+use phub_worker::{FaultSpec, Worker, WorkerConfig, WorkerError, WorkerStats};
 
 use crate::workload::{admit, expected, grad, init_values, sgd_reference, sgd_spec, sum_spec, train};
 
@@ -71,14 +71,19 @@ impl Appliance<'_> {
             .unwrap_or_else(|e| panic!("GET {url}: {e}"))
     }
 
-    /// The dataplane's counters from its management API.
-    pub fn dataplane_stats(&self) -> DataplaneStats {
-        let url = format!("{}/v1/stats", self.mgmt_url);
+    /// `GET` on the dataplane's management API.
+    pub fn mgmt_get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        let url = format!("{}{path}", self.mgmt_url);
         ureq::get(&url)
             .call()
             .unwrap_or_else(|e| panic!("GET {url}: {e}"))
             .into_json()
             .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+    }
+
+    /// The dataplane's counters from its management API.
+    pub fn dataplane_stats(&self) -> DataplaneStats {
+        self.mgmt_get("/v1/stats")
     }
 
     /// Runs phubctl against control; returns (success, stdout, stderr).
@@ -135,23 +140,32 @@ fn join_and_init(
     (w, params)
 }
 
-/// One round of every key, all keys in flight at once.
+/// One round of every key, all keys in flight at once. On a failure every
+/// request already in flight is still waited for (its key stays busy until
+/// then, and a resync must pull it), and the first error is returned.
 fn sgd_round(w: &Worker, rank: u16, params: &mut [Vec<f32>], round: u32) -> Result<(), WorkerError> {
     let grads: Vec<Vec<f32>> = params
         .iter()
         .enumerate()
         .map(|(k, p)| (0..p.len()).map(|e| grad(rank, k as u32, e, round)).collect())
         .collect();
-    let hs = params
-        .iter_mut()
-        .zip(&grads)
-        .enumerate()
-        .map(|(k, (p, g))| w.push_pull(k as u32, g, p))
-        .collect::<Result<Vec<_>, _>>()?;
-    for h in hs {
-        w.wait(h)?;
+    let mut first = None;
+    let mut hs = Vec::with_capacity(params.len());
+    for (k, (p, g)) in params.iter_mut().zip(&grads).enumerate() {
+        match w.push_pull(k as u32, g, p) {
+            Ok(h) => hs.push(h),
+            Err(e) => {
+                first = Some(e);
+                break;
+            }
+        }
     }
-    Ok(())
+    for h in hs {
+        if let Err(e) = w.wait(h) {
+            first.get_or_insert(e);
+        }
+    }
+    first.map_or(Ok(()), Err)
 }
 
 /// Trains `rounds` rounds of an SGD job with 2 workers over `keys` through
@@ -166,19 +180,66 @@ pub fn sgd_exact_through_faults(
     keys: &[u64],
     rounds: u32,
 ) -> (DataplaneStats, String) {
+    let run = sgd_through_faults(app, label, keys, rounds, None);
+    (run.dataplane, run.phubctl)
+}
+
+/// What [`sgd_through_faults`] ends with.
+#[derive(Debug)]
+pub struct FaultRun {
+    /// The dataplane's counters afterwards.
+    pub dataplane: DataplaneStats,
+    /// `phubctl stats` afterwards.
+    pub phubctl: String,
+    /// Both workers' counters, summed ([`add_worker_counts`]).
+    pub workers: WorkerStats,
+}
+
+/// Adds `b`'s event counters (not its RTT estimates) to `a`.
+pub fn add_worker_counts(a: &mut WorkerStats, b: &WorkerStats) {
+    a.chunks_sent += b.chunks_sent;
+    a.retransmits += b.retransmits;
+    a.fast_retransmits += b.fast_retransmits;
+    a.results_accepted += b.results_accepted;
+    a.results_ignored += b.results_ignored;
+    a.foreign_dropped += b.foreign_dropped;
+    a.errors += b.errors;
+    a.timeouts += b.timeouts;
+    a.bytes_sent += b.bytes_sent;
+    a.bytes_received += b.bytes_received;
+    a.injected_drops += b.injected_drops;
+    a.injected_dups += b.injected_dups;
+    a.injected_reorders += b.injected_reorders;
+}
+
+/// [`sgd_exact_through_faults`], the workers injecting `worker_faults` on
+/// what they send and receive (`None`: the worker's default, no
+/// injection); also returns the workers' counters.
+pub fn sgd_through_faults(
+    app: &Appliance,
+    label: &str,
+    keys: &[u64],
+    rounds: u32,
+    worker_faults: Option<FaultSpec>,
+) -> FaultRun {
     app.run(|| {
         let job = app.admit(&sgd_spec("lossy", 2, keys));
         let job = &job;
-        let finals: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
+        let cfg = WorkerConfig {
+            inject: worker_faults,
+            ..patient(20)
+        };
+        let finals: Vec<(Vec<Vec<f32>>, WorkerStats)> = std::thread::scope(|s| {
             let hs: Vec<_> = (0..2u16)
                 .map(|rank| {
+                    let cfg = cfg.clone();
                     s.spawn(move || {
-                        let (w, mut params) = join_and_init(&app.control_url, job, rank, keys, patient(20));
+                        let (w, mut params) = join_and_init(&app.control_url, job, rank, keys, cfg);
                         for r in 1..=rounds {
                             sgd_round(&w, rank, &mut params, r)
                                 .unwrap_or_else(|e| panic!("{label}: rank {rank} round {r}: {e}"));
                         }
-                        params
+                        (params, w.stats())
                     })
                 })
                 .collect();
@@ -186,16 +247,24 @@ pub fn sgd_exact_through_faults(
         });
         for (k, &n) in keys.iter().enumerate() {
             let want = sgd_reference(2, k as u32, &init_values(k as u32, n), rounds);
-            for (rank, f) in finals.iter().enumerate() {
+            for (rank, (f, _)) in finals.iter().enumerate() {
                 assert!(
                     f[k] == want,
                     "{label}: rank {rank} key {k}: parameters differ from the loss-free computation"
                 );
             }
         }
-        let (ok, out, err) = app.phubctl(&["stats"]);
+        let mut workers = WorkerStats::default();
+        for (_, s) in &finals {
+            add_worker_counts(&mut workers, s);
+        }
+        let (ok, phubctl, err) = app.phubctl(&["stats"]);
         assert!(ok, "{label}: phubctl stats: {err}");
-        (app.dataplane_stats(), out)
+        FaultRun {
+            dataplane: app.dataplane_stats(),
+            phubctl,
+            workers,
+        }
     })
 }
 

@@ -97,7 +97,7 @@ pub fn unavailable() -> Option<String> {
     None
 }
 
-fn wait_http(url: &str, child: &mut Child, what: &str) {
+pub(crate) fn wait_http(url: &str, child: &mut Child, what: &str) {
     let t = Instant::now();
     while ureq::get(url).timeout(Duration::from_millis(300)).call().is_err() {
         if let Ok(Some(s)) = child.try_wait() {
@@ -111,7 +111,7 @@ fn wait_http(url: &str, child: &mut Child, what: &str) {
     }
 }
 
-fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
+pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
     // SAFETY: signals our own child.
     unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
     let t = Instant::now();

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use phub_proto::api::AdmitResponse;
-use phub_worker::Worker;
+use phub_worker::{Worker, WorkerConfig, WorkerStats};
 
 /// A sum job's spec with these keys.
 pub fn sum_spec(name: &str, workers: u16, chunk_bytes: Option<u32>, keys: &[u64]) -> String {
@@ -89,54 +89,83 @@ pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds:
     std::thread::scope(|s| {
         for rank in 0..workers {
             s.spawn(move || {
-                let w = Worker::join(url, job.id, job.token, rank).unwrap();
-                let mut params: Vec<Vec<f32>> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &n)| {
-                        (0..n as usize)
-                            .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
-                            .collect()
-                    })
-                    .collect();
-                let hs: Vec<_> = params
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(k, p)| w.init(k as u32, p).unwrap())
-                    .collect();
-                for h in hs {
-                    w.wait(h).unwrap();
-                }
-                for round in 0..=rounds {
-                    if round > 0 {
-                        let grads: Vec<Vec<f32>> = keys
-                            .iter()
-                            .enumerate()
-                            .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
-                            .collect();
-                        let hs: Vec<_> = params
-                            .iter_mut()
-                            .zip(&grads)
-                            .enumerate()
-                            .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                            .collect();
-                        for h in hs {
-                            w.wait(h).unwrap();
-                        }
-                    }
-                    for (k, p) in params.iter().enumerate() {
-                        for (e, v) in p.iter().enumerate() {
-                            assert_eq!(
-                                *v,
-                                expected(workers, k as u32, e, round),
-                                "rank {rank} round {round} key {k} elem {e}"
-                            );
-                        }
-                    }
-                }
+                let cfg = WorkerConfig::default();
+                train_rank(url, job.id, job.token, rank, workers, keys, cfg, |r| r <= rounds)
             });
         }
     });
+}
+
+/// One rank of a sum job of `workers` ranks over `keys`: joins, sends its
+/// initial values (rank 0's from [`init`]; the others' are overwritten by
+/// them) and checks they came back as rank 0's, then trains round after
+/// round while `more(round)` says so, checking every element of every
+/// result exactly (panics, naming rank, round, key and element, on the
+/// first wrong one). Every rank must stop at the same round. Returns the
+/// rounds done and the worker's counters.
+#[allow(clippy::too_many_arguments)]
+pub fn train_rank(
+    url: &str,
+    job: u16,
+    token: u64,
+    rank: u16,
+    workers: u16,
+    keys: &[u64],
+    cfg: WorkerConfig,
+    mut more: impl FnMut(u32) -> bool,
+) -> (u32, WorkerStats) {
+    let w = Worker::join_with(url, job, token, rank, cfg)
+        .unwrap_or_else(|e| panic!("rank {rank} joining job {job} at {url}: {e}"));
+    let mut params: Vec<Vec<f32>> = keys
+        .iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            (0..n as usize)
+                .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
+                .collect()
+        })
+        .collect();
+    let hs: Vec<_> = params
+        .iter_mut()
+        .enumerate()
+        .map(|(k, p)| w.init(k as u32, p).unwrap())
+        .collect();
+    for h in hs {
+        w.wait(h).unwrap();
+    }
+    let mut round = 0;
+    loop {
+        if round > 0 {
+            let grads: Vec<Vec<f32>> = keys
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
+                .collect();
+            let hs: Vec<_> = params
+                .iter_mut()
+                .zip(&grads)
+                .enumerate()
+                .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+                .collect();
+            for h in hs {
+                w.wait(h)
+                    .unwrap_or_else(|e| panic!("rank {rank} round {round} of job {job}: {e}"));
+            }
+        }
+        for (k, p) in params.iter().enumerate() {
+            for (e, v) in p.iter().enumerate() {
+                assert_eq!(
+                    *v,
+                    expected(workers, k as u32, e, round),
+                    "job {job} rank {rank} round {round} key {k} elem {e}"
+                );
+            }
+        }
+        if !more(round + 1) {
+            return (round, w.stats());
+        }
+        round += 1;
+    }
 }
 
 /// Random, truncated and wrong-token datagrams at every data port of the
