@@ -5,7 +5,8 @@
 //! `phub_hwtests::scenarios`, shared with the kernel-UDP tests: loss,
 //! duplication and reordering injected per lcore queue in both directions
 //! (`--inject`) and by a netem qdisc on the veth; a dataplane killed with
-//! SIGKILL and restored from a checkpoint; a killed worker that stalls only
+//! SIGKILL and restored from a checkpoint; phub-control killed and restarted
+//! while workers train; a killed worker that stalls only
 //! its own job and rejoins; another tenant's forged datagrams. Skips
 //! (printing why) where it cannot run: without root.
 
@@ -145,6 +146,19 @@ fn dpdk_dataplane_killed_and_restored_from_a_checkpoint() {
         !Path::new("/var/run/dpdk").join(&prefix).exists(),
         "EAL runtime files left behind by the restarted dataplane"
     );
+}
+
+#[test]
+fn dpdk_control_killed_and_restarted_mid_training() {
+    let Some(rack) = rack("ctlkill", false, "") else {
+        return;
+    };
+    let enter = rack.enterer();
+    let app = appliance(&rack, &enter);
+    let rack = Mutex::new(rack);
+    let kill = || rack.lock().unwrap().kill_control();
+    let start = || rack.lock().unwrap().start_control();
+    scenarios::control_killed_mid_training(&app, &kill, &start);
 }
 
 #[test]

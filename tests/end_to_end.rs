@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{expected_sum, flood, grad, init, train, Rack};
+use common::{flood, train, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
 use phub_worker::Worker;
 
@@ -136,51 +136,6 @@ fn bad_specs_and_bad_joins_are_refused_with_their_reason() {
     assert!(ok);
     let (ok, _, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
     assert!(!ok && err.contains("not admitted"), "{err}");
-}
-
-#[test]
-fn control_killed_and_restarted_mid_training() {
-    let mut rack = Rack::start(2, "256MiB");
-    let keys = [300_000u64, 10];
-    let job = rack.admit(&sum_spec("survivor", 2, &keys)).unwrap();
-    let url = rack.control_url.clone();
-    // Workers join, then control dies while they train: the data path does
-    // not need it.
-    let workers: Vec<Worker> = (0..2)
-        .map(|r| Worker::join(&url, job.id, job.token, r).unwrap())
-        .collect();
-    rack.kill_control();
-    std::thread::scope(|s| {
-        for (rank, w) in workers.iter().enumerate() {
-            let rank = rank as u16;
-            s.spawn(move || {
-                let mut params: Vec<Vec<f32>> = keys
-                    .iter()
-                    .enumerate()
-                    .map(|(k, &n)| (0..n as usize).map(|e| init(k as u32, e)).collect())
-                    .collect();
-                for (k, p) in params.iter_mut().enumerate() {
-                    w.wait(w.init(k as u32, p).unwrap()).unwrap();
-                }
-                for round in 1..=15 {
-                    for (k, p) in params.iter_mut().enumerate() {
-                        let g: Vec<f32> = (0..p.len()).map(|e| grad(rank, k as u32, e, round)).collect();
-                        w.wait(w.push_pull(k as u32, &g, p).unwrap()).unwrap();
-                        assert!(p
-                            .iter()
-                            .enumerate()
-                            .all(|(e, v)| *v == expected_sum(2, k as u32, e, round)));
-                    }
-                }
-            });
-        }
-        // Restart control halfway through, from its state file.
-        std::thread::sleep(Duration::from_millis(300));
-        rack.start_control();
-    });
-    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
-    assert_eq!(show.summary.joined, vec![0, 1]);
-    assert_eq!(show.round_range, Some((15, 15)));
 }
 
 #[test]

@@ -1,5 +1,6 @@
 //! Faults on the whole appliance (kernel UDP on loopback): a dataplane crash
-//! recovered from a checkpoint, a worker killed mid-round that rejoins, and
+//! recovered from a checkpoint, phub-control killed and restarted while
+//! workers train, a worker killed mid-round that rejoins, and
 //! the other job going on meanwhile; loss, duplication and reordering
 //! injected in the dataplane and in the workers. The scenario bodies are
 //! `phub_hwtests::scenarios`, which `tests/dpdk_faults.rs` runs on the DPDK
@@ -38,6 +39,16 @@ fn dataplane_killed_and_restored_from_a_checkpoint() {
     let kill = || rack.lock().unwrap().kill_dataplane();
     let start = || rack.lock().unwrap().start_dataplane();
     scenarios::checkpoint_and_restore(&app, &kill, &start);
+}
+
+#[test]
+fn control_killed_and_restarted_mid_training() {
+    let rack = Rack::start(2, "256MiB");
+    let app = appliance(&rack, &nowhere);
+    let rack = Mutex::new(rack);
+    let kill = || rack.lock().unwrap().kill_control();
+    let start = || rack.lock().unwrap().start_control();
+    scenarios::control_killed_mid_training(&app, &kill, &start);
 }
 
 #[test]

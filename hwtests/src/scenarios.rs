@@ -396,6 +396,44 @@ pub fn checkpoint_and_restore(app: &Appliance, kill: &(dyn Fn() + Sync), start: 
     });
 }
 
+/// Two workers of a sum job join; phub-control is then killed (SIGKILL),
+/// and while the workers train 15 rounds on the data path alone it is
+/// started again from its state file: every result is exact, and the
+/// restarted control knows the job, both ranks and the round they reached.
+pub fn control_killed_mid_training(app: &Appliance, kill: &(dyn Fn() + Sync), start: &(dyn Fn() + Sync)) {
+    const ROUNDS: u32 = 15;
+    let keys = [300_000u64, 10];
+    app.run(|| {
+        let job = app.admit(&sum_spec("survivor", 2, None, &keys));
+        let workers: Vec<Worker> = (0..2u16)
+            .map(|rank| Worker::join_with(&app.control_url, job.id, job.token, rank, patient(20)).unwrap())
+            .collect();
+        kill();
+        std::thread::scope(|s| {
+            for (rank, w) in workers.iter().enumerate() {
+                s.spawn(move || {
+                    let mut params: Vec<Vec<f32>> = keys
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| init_values(k as u32, n))
+                        .collect();
+                    for (k, p) in params.iter_mut().enumerate() {
+                        w.wait(w.init(k as u32, p).unwrap()).unwrap();
+                    }
+                    sum_rounds(w, rank as u16, &mut params, 1, ROUNDS, 2);
+                });
+            }
+            // Control comes back while they train (threads started here
+            // share this thread's network namespace).
+            std::thread::sleep(Duration::from_millis(300));
+            start();
+        });
+        let show: JobDetail = app.get(&format!("/v1/jobs/{}", job.id));
+        assert_eq!(show.summary.joined, vec![0, 1]);
+        assert_eq!(show.round_range, Some((ROUNDS, ROUNDS)));
+    });
+}
+
 /// Sum rounds `from..=to` of every key, each result checked exactly.
 fn sum_rounds(w: &Worker, rank: u16, params: &mut [Vec<f32>], from: u32, to: u32, workers: u16) {
     for r in from..=to {

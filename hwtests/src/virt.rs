@@ -142,6 +142,7 @@ pub struct VirtualRack {
     pub lcores: usize,
     /// phub-dataplane's whole command line, for [`VirtualRack::start_dataplane`].
     dataplane_args: Vec<String>,
+    control_args: Vec<String>,
     /// Whether net_af_packet sends through dpv1's qdisc (`qdisc_bypass=0`).
     tx_qdisc: bool,
     /// The namespace everything lives in.
@@ -197,6 +198,7 @@ impl VirtualRack {
             log,
             lcores,
             dataplane_args: Vec::new(),
+            control_args: control.split_whitespace().map(String::from).collect(),
             tx_qdisc,
             ns,
         };
@@ -237,24 +239,7 @@ impl VirtualRack {
             .stderr(logf)
             .spawn()
             .map_err(|e| e.to_string())?;
-        let mut ctl = rack
-            .ns
-            .command(&ctl_bin)
-            .args([
-                "--listen",
-                CONTROL,
-                "--dataplane",
-                &format!("http://{MGMT}"),
-                "--reconcile-ms",
-                "200",
-            ])
-            .arg("--state")
-            .arg(rack.dir.join("state.json"))
-            .args(control.split_whitespace())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| e.to_string())?;
+        let mut ctl = rack.spawn_control(&ctl_bin)?;
         // HTTP checks run from a thread inside the namespace.
         let (dp, ctl) = std::thread::scope(|s| {
             let ns = &rack.ns;
@@ -408,6 +393,57 @@ impl VirtualRack {
             );
         }
         self.dataplane = Some(dp);
+    }
+
+    /// Starts phub-control inside the namespace with the rack's arguments
+    /// and state file (it does not wait for its API).
+    fn spawn_control(&self, bin: &std::path::Path) -> Result<Child, String> {
+        self.ns
+            .command(bin)
+            .args([
+                "--listen",
+                CONTROL,
+                "--dataplane",
+                &format!("http://{MGMT}"),
+                "--reconcile-ms",
+                "200",
+            ])
+            .arg("--state")
+            .arg(self.dir.join("state.json"))
+            .args(&self.control_args)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| e.to_string())
+    }
+
+    /// Kills phub-control outright (SIGKILL), as a crash would.
+    pub fn kill_control(&mut self) {
+        if let Some(mut c) = self.control.take() {
+            c.kill().expect("SIGKILL to phub-control");
+            c.wait().expect("reaping phub-control");
+        }
+    }
+
+    /// Starts phub-control again from its state file, with the arguments of
+    /// the first start; returns once its API answers.
+    pub fn start_control(&mut self) {
+        assert!(self.control.is_none(), "phub-control is still running");
+        let bin = crate::bin("phub-control").expect("phub-control was built for the first start");
+        let mut ctl = self.spawn_control(&bin).expect("spawning phub-control");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                self.ns.enter();
+                wait_http(
+                    &format!("http://{CONTROL}/v1/jobs"),
+                    &mut ctl,
+                    "phub-control (restarted)",
+                );
+            })
+            .join()
+        })
+        .unwrap_or_else(|p| std::panic::resume_unwind(p));
+        self.control = Some(ctl);
     }
 
     /// Puts a netem qdisc with `params` (e.g. `loss 5% duplicate 1% reorder
