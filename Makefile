@@ -12,12 +12,16 @@ setup:
 build: setup
 	$(CARGO) build --workspace --all-targets
 
-# Starts phub-dataplane (kernel UDP on loopback) and phub-control, admits a
-# job and trains an MLP with DEMO_WORKERS worker processes; see README.
+# Starts phub-dataplane and phub-control, admits a job and trains an MLP
+# with DEMO_WORKERS worker processes; see README. As root the dataplane runs
+# on DPDK (net_af_packet over a veth pair in a network namespace the demo
+# makes and removes), otherwise on kernel UDP on loopback; the demo says
+# which and why. DEMO_BACKEND=udp or DEMO_BACKEND=dpdk forces one.
 DEMO_WORKERS ?= 3
+DEMO_BACKEND ?= auto
 demo: setup
 	$(CARGO) build --release -p phub --bins
-	./target/release/phub-demo --workers $(DEMO_WORKERS)
+	./target/release/phub-demo --workers $(DEMO_WORKERS) --backend $(DEMO_BACKEND)
 
 lint: setup
 	$(CARGO) fmt --all -- --check

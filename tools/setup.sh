@@ -10,11 +10,13 @@ set -euo pipefail
 # libhwloc-dev: NUMA topology (hwlocality); libudev-dev: hwloc links it.
 # libdpdk-dev: the DPDK backend (phub-ffi links it; DPDK >= 22.11);
 # libclang-dev: bindgen, which generates phub-ffi's bindings; iproute2: the
-# DPDK tests' network namespaces and veth pairs.
+# DPDK tests' network namespaces and veth pairs; dpdk-dev: dpdk-testpmd,
+# which `phub-bench run --local --backend dpdk` measures the veth ceiling with.
 # python3, python3-venv, python3-dev: the Python package (python/): PyO3's
 # build script needs an interpreter, `cargo build` of its cdylib links
 # libpython, and the Python tests run in a venv.
-PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev libclang-dev iproute2 python3 python3-venv python3-dev)
+# fonts-dejavu-core: the labels of phub-bench's PNG plots (--plot F.png).
+PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev dpdk-dev libclang-dev iproute2 python3 python3-venv python3-dev fonts-dejavu-core)
 
 need=()
 for p in "${PACKAGES[@]}"; do

@@ -13,72 +13,19 @@
 //! `cargo run --release -p phub-dataplane --example dpdk_ring_bench -- [chunk_bytes] [seconds] [slots]`
 //! Needs 2 cores (generator on lcore 0, dataplane on lcore 1).
 
-use std::net::Ipv4Addr;
+mod common;
+
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
+use common::{Generator, BASE_PORT, US, W};
+use phub_dataplane::backend::dpdk::frame::PeerAddr;
 use phub_dataplane::backend::dpdk::{handoff_rings, DpdkQueue, Identity, QueueOptions, TxPools};
-use phub_dataplane::kernels::{self, Kernels};
+use phub_dataplane::kernels::Kernels;
 use phub_dataplane::lcore::{self, Clock, LoopOptions};
-use phub_dataplane::{JobInstall, Shard};
+use phub_dataplane::Shard;
 use phub_ffi::{Mbuf, Mempool, PortBuilder, Ring};
-use phub_proto::layout::SlotChunk;
-use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, field, MsgType, Repr, HEADER_LEN};
-use phub_proto::Dtype;
-
-const W: u16 = 8;
-const US: Ipv4Addr = Ipv4Addr::new(10, 79, 0, 1);
-/// Where the phub header's round field sits in a frame.
-const ROUND_AT: usize = 42 + field::ROUND.start;
-
-fn job(elems: u32, slots: usize) -> JobInstall {
-    JobInstall {
-        id: 1,
-        token: 7,
-        workers: W,
-        dtype: Dtype::F32,
-        optimizer: Optimizer::Sum,
-        slots: (0..slots as u32)
-            .map(|s| SlotChunk {
-                key: 0,
-                chunk: s,
-                elems,
-            })
-            .collect(),
-    }
-}
-
-fn from(rank: u16) -> PeerAddr {
-    PeerAddr {
-        mac: [2, 0, 0, 0, 9, rank as u8],
-        ip: Ipv4Addr::new(10, 79, 0, 10 + rank as u8),
-        port: 40000,
-    }
-}
-
-fn push(slot: usize, rank: u16, round: u32, vals: &[f32]) -> Vec<u8> {
-    let repr = Repr {
-        kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-        dtype: Dtype::F32,
-        flags: 0,
-        token: 7,
-        job: 1,
-        rank,
-        count: vals.len() as u16,
-        error: 0,
-        round,
-        slot: slot as u32,
-        key: 0,
-        chunk: slot as u32,
-    };
-    let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
-    frame::udp_frame(&from(rank), [2, 0, 0, 0, 0, 1], US, 7900, &b)
-}
 
 fn main() {
     let args: Vec<String> = std::env::args().collect();
@@ -129,7 +76,7 @@ fn main() {
         .build()
         .unwrap();
     let mut shard: Shard<PeerAddr> = Shard::new(0, Kernels::best());
-    shard.install(job(elems as u32, S)).unwrap();
+    shard.install(common::job(elems as u32, S)).unwrap();
     let counters = Arc::clone(shard.counters());
     let q = DpdkQueue::new(
         0,
@@ -138,7 +85,7 @@ fn main() {
         Identity {
             ip: US,
             mac: [2, 0, 0, 0, 0, 1],
-            base_port: 7900,
+            base_port: BASE_PORT,
         },
         handoff_rings(eal, 1, None).unwrap().into(),
         pools,
@@ -163,7 +110,7 @@ fn main() {
     })
     .expect("launch");
 
-    let vals: Vec<f32> = (0..elems).map(|e| (e % 13) as f32).collect();
+    let vals = common::values(elems);
     let drain = std::cell::RefCell::new((0..256).map(|_| None).collect::<Vec<Option<Mbuf>>>());
     // Frees what the dataplane sent (the results).
     let drain_tx = |tx: &Ring| {
@@ -179,66 +126,37 @@ fn main() {
         }
     };
     // Round 0 (INIT) by copy.
-    for s in 0..S {
-        for rank in 0..W {
-            let v = if rank == 0 { &vals[..] } else { &[][..] };
-            let mut m = frames.alloc().unwrap();
-            assert!(m.extend_from_slice(&push(s, rank, 0, v)));
-            let mut m = Some(m);
-            while let Some(x) = m.take() {
-                if let Err(x) = rx.enqueue(x) {
-                    m = Some(x);
-                    drain_tx(&tx);
-                }
+    for f in common::init_frames(S, &vals) {
+        let mut m = frames.alloc().unwrap();
+        assert!(m.extend_from_slice(&f));
+        let mut m = Some(m);
+        while let Some(x) = m.take() {
+            if let Err(x) = rx.enqueue(x) {
+                m = Some(x);
+                drain_tx(&tx);
             }
         }
     }
-    // Templates for rounds >= 1.
-    let mut templates: Vec<Mbuf> = (0..S)
-        .flat_map(|s| (0..W).map(move |r| (s, r)))
-        .map(|(s, r)| {
-            let mut m = frames.alloc().unwrap();
-            assert!(m.extend_from_slice(&push(s, r, 1, &vals)));
-            m
-        })
-        .collect();
+    let mut generator = Generator::new(&frames, ind, S, &vals);
     while counters.rounds_completed.get() < S as u64 {
         drain_tx(&tx);
     }
     let base_pushes = counters.pushes_aggregated.get();
     let t = Instant::now();
-    let mut round = 1u32;
-    let mut waits = 0u64;
-    let mut batch: Vec<Mbuf> = Vec::with_capacity(32);
-    let flush = |batch: &mut Vec<Mbuf>, tx: &Ring| {
+    // Hands a batch to the ring (all of it), draining results meanwhile.
+    let mut send = |batch: &mut Vec<Mbuf>| {
         while !batch.is_empty() {
             if rx.enqueue_burst(batch) == 0 {
-                drain_tx(tx);
-            }
-        }
-    };
-    while t.elapsed().as_secs_f64() < secs {
-        for tm in templates.iter_mut() {
-            let d = loop {
-                match tm.data_mut() {
-                    Some(d) => break d,
-                    None => {
-                        waits += 1;
-                        flush(&mut batch, &tx);
-                        drain_tx(&tx);
-                    }
-                }
-            };
-            d[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
-            batch.push(Mbuf::indirect(&ind, tm).expect("indirect mbufs"));
-            if batch.len() == 32 {
-                flush(&mut batch, &tx);
                 drain_tx(&tx);
             }
         }
-        round += 1;
+        drain_tx(&tx);
+    };
+    while t.elapsed().as_secs_f64() < secs {
+        generator.round(&mut send);
     }
-    flush(&mut batch, &tx);
+    generator.flush(&mut send);
+    let waits = generator.waits;
     // Let the lcore finish what is queued.
     while !rx.is_empty() {
         drain_tx(&tx);
@@ -256,39 +174,12 @@ fn main() {
     let dp_gbs = dp_pps * chunk as f64 / 1e9;
 
     // Kernel-only: the same pushes handed to a Shard from memory.
-    let mut k: Shard<PeerAddr> = Shard::new(0, Kernels::best());
-    k.install(job(elems as u32, S)).unwrap();
-    let init: Vec<Vec<u8>> = (0..S)
-        .flat_map(|s| (0..W).map(move |r| (s, r)))
-        .map(|(s, r)| push(s, r, 0, if r == 0 { &vals[..] } else { &[][..] }))
-        .collect();
-    for f in &init {
-        k.handle(from(0), &f[42..], 1);
-    }
-    k.clear_transmits();
-    let mut tmpl: Vec<Vec<u8>> = (0..S)
-        .flat_map(|s| (0..W).map(move |r| (s, r)))
-        .map(|(s, r)| push(s, r, 1, &vals))
-        .collect();
-    let t = Instant::now();
-    let mut kp = 0u64;
-    let mut round = 1u32;
-    while t.elapsed().as_secs_f64() < secs {
-        for (i, f) in tmpl.iter_mut().enumerate() {
-            f[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
-            k.handle(from((i % usize::from(W)) as u16), &f[42..], 1);
-            kp += 1;
-            if i % usize::from(W) == usize::from(W) - 1 {
-                k.clear_transmits();
-            }
-        }
-        round += 1;
-    }
-    let kel = t.elapsed().as_secs_f64();
+    let (kp, kel) = common::kernel_only(chunk, S, secs);
     let k_gbs = kp as f64 * chunk as f64 / kel / 1e9;
     let ps = port.stats().unwrap_or_default();
     println!(
-        "chunk {chunk} B, W {W}, {S} slots, 1 lcore, kernels {}",
+        "chunk {chunk} B, W {W}, {S} slots ({} pushes a round), 1 lcore, kernels {}",
+        generator.per_round(),
         Kernels::best().kind().name()
     );
     println!(
@@ -304,5 +195,5 @@ fn main() {
         k_gbs,
         dp_gbs / k_gbs
     );
-    drop(templates);
+    drop(generator);
 }

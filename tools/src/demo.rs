@@ -1,22 +1,33 @@
 //! `phub-demo`: the main job, out of the box.
 //!
-//! Starts phub-dataplane (kernel UDP on loopback) and phub-control as
-//! separate processes, admits a job, and trains a real small model (an MLP
-//! on a generated, seeded classification set) with W worker processes that
-//! push gradients and receive new parameters from the appliance's
-//! server-side SGD. Shows a progress bar, the loss and accuracy per epoch
-//! and the exchange throughput, checks the result against one process
-//! averaging the same W gradients, then shuts everything down.
+//! Starts phub-dataplane and phub-control as separate processes, admits a
+//! job, and trains a real small model (an MLP on a generated, seeded
+//! classification set) with W worker processes that push gradients and
+//! receive new parameters from the appliance's server-side SGD. Shows a
+//! progress bar, the loss and accuracy per epoch and the exchange
+//! throughput, checks the result against one process averaging the same W
+//! gradients, then shuts everything down.
+//!
+//! The backend (`--backend auto|dpdk|udp`): as root, with a phub-dataplane
+//! built with DPDK, the dataplane runs on DPDK's af_packet driver over a
+//! veth pair in a private network namespace (the virtual rack's network,
+//! [`phub_hwtests::virt`]), with phub-control and the workers inside the
+//! namespace too; the namespace goes at the end, on failure and on Ctrl-C.
+//! Otherwise the dataplane runs on kernel UDP on loopback. The demo says
+//! which, and why, on one line.
 
 use std::io::{BufRead, BufReader};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use phub_hwtests::virt::{self, Netns};
 use phub_proto::api::{AdmitResponse, ApiError, Stats};
 use phub_worker::Worker;
 use serde::{Deserialize, Serialize};
@@ -98,8 +109,24 @@ impl TrainArgs {
     }
 }
 
+/// Which packet I/O the demo's dataplane uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum BackendChoice {
+    /// DPDK where it can run (root, a DPDK build, a namespace and a veth
+    /// pair could be made), else kernel UDP on loopback.
+    Auto,
+    /// DPDK's af_packet driver on a veth pair in a private network
+    /// namespace (needs root).
+    Dpdk,
+    /// Kernel UDP sockets on loopback (runs anywhere).
+    Udp,
+}
+
 #[derive(Debug, Args)]
 struct RunArgs {
+    /// Packet I/O of the dataplane: auto (DPDK when possible), dpdk or udp.
+    #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
+    backend: BackendChoice,
     /// Worker processes.
     #[arg(long, default_value_t = 3)]
     workers: usize,
@@ -227,6 +254,53 @@ fn worker_main(a: WorkerArgs) -> Result<()> {
     Ok(())
 }
 
+/// What Ctrl-C (SIGINT) or SIGTERM reaches: the processes the demo started,
+/// which it stops so that the run unwinds through its normal clean-up
+/// (daemons stopped, namespace removed).
+struct Interrupt {
+    flag: AtomicBool,
+    pids: Mutex<Vec<u32>>,
+}
+
+static INTERRUPT: Interrupt = Interrupt {
+    flag: AtomicBool::new(false),
+    pids: Mutex::new(Vec::new()),
+};
+
+impl Interrupt {
+    /// Installs the handler (once per process).
+    fn install() -> Result<()> {
+        ctrlc::set_handler(|| {
+            if !INTERRUPT.flag.swap(true, Ordering::SeqCst) {
+                eprintln!("phub-demo: interrupted; stopping the processes and cleaning up");
+            }
+            for &pid in INTERRUPT.pids.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+                // SAFETY: kill(2) on a child this process started and has
+                // not reaped yet (pids leave the list before they are
+                // waited for); no memory is involved.
+                unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) };
+            }
+        })
+        .context("installing the Ctrl-C handler")
+    }
+
+    fn interrupted() -> bool {
+        INTERRUPT.flag.load(Ordering::SeqCst)
+    }
+
+    fn track(pid: u32) {
+        INTERRUPT.pids.lock().unwrap_or_else(|e| e.into_inner()).push(pid);
+    }
+
+    fn untrack(pid: u32) {
+        INTERRUPT
+            .pids
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|&p| p != pid);
+    }
+}
+
 /// A child process that is stopped with SIGTERM (then SIGKILL) when dropped.
 struct Daemon {
     name: &'static str,
@@ -234,14 +308,19 @@ struct Daemon {
 }
 
 impl Daemon {
+    fn new(name: &'static str, child: Child) -> Daemon {
+        Interrupt::track(child.id());
+        Daemon { name, child }
+    }
+
     fn stop(&mut self) {
+        Interrupt::untrack(self.child.id());
         if let Ok(Some(_)) = self.child.try_wait() {
             return;
         }
         // Ask politely first: both daemons shut down cleanly on SIGTERM.
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
+        // SAFETY: kill(2) on our own, not yet reaped child; no memory is involved.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
         let t = Instant::now();
         while t.elapsed() < Duration::from_secs(5) {
             if let Ok(Some(_)) = self.child.try_wait() {
@@ -265,19 +344,23 @@ fn free_port() -> Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-fn wait_http(url: &str, what: &str, child: &mut Child, log: &Path) -> Result<()> {
+fn wait_http(url: &str, what: &str, child: &mut Child, log: &Path, limit: Duration) -> Result<()> {
     let t = Instant::now();
     loop {
         if ureq::get(url).timeout(Duration::from_millis(500)).call().is_ok() {
             return Ok(());
         }
+        if Interrupt::interrupted() {
+            bail!("interrupted while waiting for {what}");
+        }
         if let Ok(Some(status)) = child.try_wait() {
             let tail = std::fs::read_to_string(log).unwrap_or_default();
             bail!("{what} exited ({status}) before it answered; its log:\n{tail}");
         }
-        if t.elapsed() > Duration::from_secs(15) {
+        if t.elapsed() > limit {
             bail!(
-                "{what} did not answer at {url} within 15 s (log: {})",
+                "{what} did not answer at {url} within {} s (log: {})",
+                limit.as_secs(),
                 log.display()
             );
         }
@@ -289,15 +372,210 @@ fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<Child> {
     let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
     Command::new(bin)
         .args(args)
+        .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out)
         .spawn()
         .with_context(|| format!("starting {}", bin.display()))
 }
 
+/// Whether `bin` (phub-dataplane) holds DPDK's EAL: a build with the
+/// `dpdk` feature links it (dynamically, as Debian's DPDK is, or
+/// statically) and names `rte_eal_init`; a build without it has no DPDK
+/// symbol at all.
+fn built_with_dpdk(bin: &Path) -> Result<bool> {
+    let bytes = std::fs::read(bin).with_context(|| format!("reading {}", bin.display()))?;
+    let needle = b"rte_eal_init";
+    Ok(bytes.windows(needle.len()).any(|w| w == needle))
+}
+
+/// The packet I/O the demo runs on, and where.
+enum Net {
+    /// Kernel UDP on loopback.
+    Loopback,
+    /// DPDK (net_af_packet) on the appliance's end of a veth pair inside
+    /// this namespace; the demo's processes run there too.
+    Veth(Netns),
+}
+
+/// Picks the backend as `--backend` asks, and says why on one line. With
+/// `auto`, anything that rules DPDK out falls back to kernel UDP; with
+/// `dpdk`, it is an error.
+fn choose_backend(choice: BackendChoice, dataplane_bin: &Path) -> Result<Net> {
+    if choice == BackendChoice::Udp {
+        println!("backend: kernel UDP on loopback (--backend udp)");
+        return Ok(Net::Loopback);
+    }
+    let ruled_out = (|| -> Result<Option<String>> {
+        // SAFETY: geteuid(2) has no preconditions and touches no memory.
+        if unsafe { libc::geteuid() } != 0 {
+            return Ok(Some(
+                "not root (DPDK needs root for the namespace and the veth pair)".into(),
+            ));
+        }
+        if let Some(why) = virt::unavailable() {
+            return Ok(Some(why));
+        }
+        if !built_with_dpdk(dataplane_bin)? {
+            return Ok(Some(format!(
+                "{} was built without DPDK (phub-dataplane's `dpdk` feature)",
+                dataplane_bin.display()
+            )));
+        }
+        Ok(None)
+    })()?;
+    let made = match ruled_out {
+        None => Netns::create("demo")
+            .and_then(|ns| virt::veth_link(&ns).map(|()| ns))
+            .map_err(|e| format!("could not make the namespace and the veth pair: {e}")),
+        Some(why) => Err(why),
+    };
+    match (made, choice) {
+        (Ok(ns), _) => {
+            println!(
+                "backend: DPDK (net_af_packet over a veth pair in namespace {}; workers use kernel UDP on the \
+                 other end)",
+                ns.name
+            );
+            Ok(Net::Veth(ns))
+        }
+        (Err(why), BackendChoice::Dpdk) => bail!("--backend dpdk: {why}"),
+        (Err(why), _) => {
+            println!("backend: kernel UDP on loopback: {why}");
+            Ok(Net::Loopback)
+        }
+    }
+}
+
+/// Runs `f` on a thread inside `ns`: the processes it starts and the
+/// addresses it reaches are the namespace's.
+fn inside<T: Send>(ns: &Netns, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            ns.try_enter().map_err(|e| anyhow!("{e}"))?;
+            f()
+        })
+        .join()
+        .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    })
+}
+
+/// The dataplane and control of one run, and where to reach them.
+struct Appliance {
+    // Field order is drop order: control stops before the dataplane.
+    control: Daemon,
+    dataplane: Daemon,
+    control_url: String,
+    dir: PathBuf,
+    backend: &'static str,
+}
+
+/// Starts phub-dataplane on `net` and phub-control, each logging into `dir`.
+/// `Err` from the dataplane's start is the first element: the caller may
+/// fall back to the other backend.
+fn start_appliance(
+    a: &RunArgs,
+    net: &Net,
+    dataplane_bin: &Path,
+    control_bin: &Path,
+    dir: &Path,
+) -> Result<Appliance, (bool, anyhow::Error)> {
+    let dataplane_failed = |e: anyhow::Error| (true, e);
+    let other = |e: anyhow::Error| (false, e);
+    let (mgmt, ctl) = (free_port().map_err(other)?, free_port().map_err(other)?);
+    let mgmt_url = format!("http://127.0.0.1:{mgmt}");
+    let control_url = format!("http://127.0.0.1:{ctl}");
+    let mut args: Vec<String> = vec![
+        "--lcores".into(),
+        a.lcores.to_string(),
+        "--mgmt".into(),
+        format!("127.0.0.1:{mgmt}"),
+        "--memory-budget".into(),
+        "256MiB".into(),
+    ];
+    let (backend, what, limit) = match net {
+        Net::Loopback => {
+            args.extend(["--backend".into(), "udp".into(), "--base-port".into(), "0".into()]);
+            ("udp", "kernel UDP queues on loopback", Duration::from_secs(15))
+        }
+        Net::Veth(ns) => {
+            args.extend(
+                [
+                    "--backend",
+                    "dpdk",
+                    "--host",
+                    virt::APPLIANCE_IP,
+                    "--base-port",
+                    "7900",
+                    "--no-pin",
+                    "--idle-backoff",
+                ]
+                .map(String::from),
+            );
+            args.extend(["--eal".into(), virt::af_packet_eal(a.lcores, &ns.name)]);
+            // The EAL and the af_packet port take a few seconds.
+            (
+                "dpdk",
+                "DPDK queues (net_af_packet on dpv1, idle backoff on)",
+                Duration::from_secs(45),
+            )
+        }
+    };
+    let dp_log = dir.join("phub-dataplane.log");
+    let mut dataplane = Daemon::new(
+        "phub-dataplane",
+        spawn(dataplane_bin, &args, &dp_log).map_err(dataplane_failed)?,
+    );
+    wait_http(
+        &format!("{mgmt_url}/v1/info"),
+        "phub-dataplane",
+        &mut dataplane.child,
+        &dp_log,
+        limit,
+    )
+    .map_err(dataplane_failed)?;
+    println!(
+        "  phub-dataplane up: {} {what}, management API {mgmt_url}",
+        a.lcores
+    );
+    let ctl_log = dir.join("phub-control.log");
+    let mut control = Daemon::new(
+        "phub-control",
+        spawn(
+            control_bin,
+            &[
+                "--listen".into(),
+                format!("127.0.0.1:{ctl}"),
+                "--dataplane".into(),
+                mgmt_url.clone(),
+                "--state".into(),
+                dir.join("control-state.json").display().to_string(),
+            ],
+            &ctl_log,
+        )
+        .map_err(other)?,
+    );
+    wait_http(
+        &format!("{control_url}/v1/jobs"),
+        "phub-control",
+        &mut control.child,
+        &ctl_log,
+        Duration::from_secs(15),
+    )
+    .map_err(other)?;
+    println!("  phub-control up: {control_url}");
+    Ok(Appliance {
+        control,
+        dataplane,
+        control_url,
+        dir: dir.to_path_buf(),
+        backend,
+    })
+}
+
 fn run_main(a: RunArgs) -> Result<()> {
-    let bin_dir = match a.bin_dir {
-        Some(d) => d,
+    let bin_dir = match &a.bin_dir {
+        Some(d) => d.clone(),
         None => std::env::current_exe()?
             .parent()
             .context("this program has no directory")?
@@ -318,11 +596,10 @@ fn run_main(a: RunArgs) -> Result<()> {
     if a.workers == 0 || a.workers > 64 {
         bail!("--workers {}: the demo runs 1 to 64 worker processes", a.workers);
     }
-    let dir = std::env::temp_dir().join(format!("phub-demo-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    let (mgmt, ctl) = (free_port()?, free_port()?);
-    let mgmt_url = format!("http://127.0.0.1:{mgmt}");
-    let control_url = format!("http://127.0.0.1:{ctl}");
+    if a.lcores == 0 || a.lcores > 16 {
+        bail!("--lcores {}: the demo runs 1 to 16 dataplane queues", a.lcores);
+    }
+    Interrupt::install()?;
     let t = &a.train;
     let mlp = t.mlp();
     let params: usize = mlp.sizes().iter().sum();
@@ -331,62 +608,55 @@ fn run_main(a: RunArgs) -> Result<()> {
          {} worker processes, SGD on the appliance (lr {}), {} epochs",
         t.dim, t.hidden, t.classes, params, t.samples, a.workers, t.lr, t.epochs
     );
+    let net = choose_backend(a.backend, &dataplane_bin)?;
+    let dir = std::env::temp_dir().join(format!("phub-demo-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
     println!("  logs and state in {}", dir.display());
-
-    let dp_log = dir.join("phub-dataplane.log");
-    let mut dataplane = Daemon {
-        name: "phub-dataplane",
-        child: spawn(
-            &dataplane_bin,
-            &[
-                "--backend".into(),
-                "udp".into(),
-                "--base-port".into(),
-                "0".into(),
-                "--lcores".into(),
-                a.lcores.to_string(),
-                "--mgmt".into(),
-                format!("127.0.0.1:{mgmt}"),
-                "--memory-budget".into(),
-                "256MiB".into(),
-            ],
-            &dp_log,
-        )?,
+    let start = |net: &Net| start_appliance(&a, net, &dataplane_bin, &control_bin, &dir);
+    let r = match &net {
+        Net::Loopback => match start(&net) {
+            Ok(app) => train(&a, app),
+            Err((_, e)) => Err(e),
+        },
+        Net::Veth(ns) => {
+            let on_dpdk = inside(ns, || match start(&net) {
+                Ok(app) => Ok(Some(train(&a, app))),
+                Err((true, e)) if a.backend == BackendChoice::Auto && !Interrupt::interrupted() => {
+                    println!("backend: kernel UDP on loopback: the DPDK dataplane did not come up: {e:#}");
+                    Ok(None)
+                }
+                Err((_, e)) => Err(e),
+            });
+            match on_dpdk {
+                Ok(Some(r)) => r,
+                Ok(None) => match start(&Net::Loopback) {
+                    Ok(app) => train(&a, app),
+                    Err((_, e)) => Err(e),
+                },
+                Err(e) => Err(e),
+            }
+        }
     };
-    wait_http(
-        &format!("{mgmt_url}/v1/info"),
-        "phub-dataplane",
-        &mut dataplane.child,
-        &dp_log,
-    )?;
-    println!(
-        "  phub-dataplane up: {} udp queues, management API {mgmt_url}",
-        a.lcores
-    );
-    let ctl_log = dir.join("phub-control.log");
-    let mut control = Daemon {
-        name: "phub-control",
-        child: spawn(
-            &control_bin,
-            &[
-                "--listen".into(),
-                format!("127.0.0.1:{ctl}"),
-                "--dataplane".into(),
-                mgmt_url.clone(),
-                "--state".into(),
-                dir.join("control-state.json").display().to_string(),
-            ],
-            &ctl_log,
-        )?,
-    };
-    wait_http(
-        &format!("{control_url}/v1/jobs"),
-        "phub-control",
-        &mut control.child,
-        &ctl_log,
-    )?;
-    println!("  phub-control up: {control_url}");
+    if let Net::Veth(ns) = &net {
+        // Dropping it removes the namespace (and the veth pair with it).
+        println!("  namespace {} removed", ns.name);
+    }
+    drop(net);
+    if r.is_ok() {
+        let _ = std::fs::remove_dir_all(&dir);
+    } else {
+        eprintln!("phub-demo: logs kept in {}", dir.display());
+    }
+    r
+}
 
+/// Admits the job on `app`, trains with the worker processes, checks the
+/// result against one process and stops the appliance.
+fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
+    let t = &a.train;
+    let mlp = t.mlp();
+    let control_url = app.control_url.clone();
+    let dir = app.dir.clone();
     // phub-control wrote its operator token beside its state file.
     let token_file = dir.join("control-state.json.operator-token");
     let operator = std::fs::read_to_string(&token_file)
@@ -446,10 +716,12 @@ fn run_main(a: RunArgs) -> Result<()> {
         }
         let child = Command::new(&me)
             .args(&args)
+            .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .context("starting a worker process")?;
+        Interrupt::track(child.id());
         children.push(child);
     }
     let total = (t.epochs * steps_per_epoch(t.samples, a.workers, t.batch)) as u64;
@@ -499,13 +771,19 @@ fn run_main(a: RunArgs) -> Result<()> {
     bar.finish_and_clear();
     let mut failed = Vec::new();
     for (rank, mut c) in children.into_iter().enumerate() {
-        let status = c.wait()?;
-        if !status.success() {
-            failed.push(format!("worker {rank} exited with {status}"));
+        let status = c.wait();
+        Interrupt::untrack(c.id());
+        match status {
+            Ok(s) if s.success() => {}
+            Ok(s) => failed.push(format!("worker {rank} exited with {s}")),
+            Err(e) => failed.push(format!("worker {rank}: {e}")),
         }
     }
     for d in drains {
         let _ = d.join();
+    }
+    if Interrupt::interrupted() {
+        bail!("interrupted");
     }
     if !failed.is_empty() {
         bail!("{}", failed.join("; "));
@@ -554,20 +832,30 @@ fn run_main(a: RunArgs) -> Result<()> {
                 let tx: u64 = d.lcores.iter().map(|l| l.tx_packets).sum();
                 let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
                 let resent: u64 = d.lcores.iter().map(|l| l.results_resent).sum();
-                println!("  appliance: {rx} packets in, {tx} out, {resent} results resent, {drops} dropped");
+                println!(
+                    "  appliance ({}): {rx} packets in, {tx} out, {resent} results resent, {drops} dropped",
+                    app.backend
+                );
             }
         }
     }
     let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
         .set("Authorization", &operator)
         .call();
-    control.stop();
-    dataplane.stop();
+    app.control.stop();
+    app.dataplane.stop();
     println!("  job evicted, phub-control and phub-dataplane stopped");
-    let _ = std::fs::remove_dir_all(&dir);
     if got.len() != want.len() || max_diff > 1e-2 * scale {
         bail!("the appliance's parameters differ from the single-process reference by {max_diff}");
     }
+    println!(
+        "  result check passed on the {} backend",
+        if app.backend == "dpdk" {
+            "DPDK"
+        } else {
+            "kernel UDP"
+        }
+    );
     Ok(())
 }
 

@@ -91,6 +91,47 @@ fn local_run_verifies_and_writes_the_json() {
 }
 
 #[test]
+fn injected_faults_still_verify_and_are_reported() {
+    let json = scratch("inject.json");
+    let spec = "loss=0.05,dup=0.01,reorder=0.01,seed=3";
+    let (ok, out) = bench(&[
+        "run",
+        "--local",
+        "--model",
+        "synthetic:100000",
+        "--workers",
+        "2",
+        "--rounds",
+        "3",
+        "--inject",
+        spec,
+        "--verify",
+        "--json",
+        json.to_str().unwrap(),
+        "--no-ceiling",
+        "--quiet",
+    ]);
+    assert!(ok, "{out}");
+    assert!(out.contains(&format!("faults injected ({spec})")), "{out}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["verified"], true, "{v}");
+    assert_eq!(v["mismatches"], 0);
+    assert_eq!(v["inject"], spec);
+    assert_eq!(v["arguments"]["inject"], spec);
+    // The workers lost, duplicated and reordered datagrams, and recovered.
+    let w = &v["worker_injected"];
+    assert!(
+        w["drops"].as_u64().unwrap() > 0 && w["dups"].as_u64().unwrap() > 0,
+        "{w}"
+    );
+    assert!(v["retransmits"].as_u64().unwrap() > 0, "{v}");
+    // So did the local dataplane (its counters cover the timed rounds).
+    let d = &v["appliance"]["injected"];
+    assert!(d["drops"].as_u64().unwrap() > 0, "{}", v["appliance"]);
+    let _ = std::fs::remove_file(&json);
+}
+
+#[test]
 fn worker_processes_and_a_sweep_with_its_plot() {
     let json = scratch("sweep.json");
     let svg = scratch("sweep.svg");

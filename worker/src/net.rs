@@ -19,29 +19,24 @@
 //! `recvmmsg` and calls its callback once per datagram, splitting trains by
 //! their segment size. Where the kernel refuses GSO (an old kernel, a device
 //! without it) the socket falls back to one datagram per message by itself.
+//!
+//! The system-call helpers (GSO control messages, GRO segment sizes, train
+//! cutting, buffer sizing, the `recvmmsg`/`sendmmsg` calls) are phub-net's,
+//! shared with the dataplane's kernel-UDP backend.
 
 use std::io;
-use std::net::{SocketAddr, SocketAddrV4, SocketAddrV6, UdpSocket};
-use std::os::fd::AsRawFd;
+use std::net::{SocketAddr, SocketAddrV6, UdpSocket};
 use std::time::Duration;
+
+pub use phub_net::set_buffers;
+use phub_net::CmsgBuf;
 
 /// Messages per `recvmmsg` call.
 pub const RX_SLOTS: usize = 32;
 /// Bytes per receive slot: the largest UDP payload (a GRO train).
 const RX_SLOT_BYTES: usize = 65536;
-/// Most segments in one GSO train (the kernel's UDP_MAX_SEGMENTS is 64 on
-/// older kernels).
-const MAX_SEGMENTS: usize = 64;
-/// Most bytes in one UDP datagram over IPv4 (65535 - 20 - 8); also what a
-/// GSO train may carry.
-const MAX_TRAIN_BYTES: usize = 65507;
 /// Messages per `sendmmsg` call (the kernel's UIO_MAXIOV caps it at 1024).
 const TX_BATCH: usize = 256;
-
-// Linux values (linux/udp.h); the libc crate does not export them everywhere.
-const SOL_UDP: libc::c_int = 17;
-const UDP_SEGMENT: libc::c_int = 103;
-const UDP_GRO: libc::c_int = 104;
 
 /// How to set a socket up.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,14 +113,7 @@ impl RawAddr {
         match a {
             SocketAddr::V4(a) => (
                 RawAddr {
-                    v4: libc::sockaddr_in {
-                        sin_family: libc::AF_INET as libc::sa_family_t,
-                        sin_port: a.port().to_be(),
-                        sin_addr: libc::in_addr {
-                            s_addr: u32::from_ne_bytes(a.ip().octets()),
-                        },
-                        sin_zero: [0; 8],
-                    },
+                    v4: phub_net::sockaddr_in(a),
                 },
                 std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
             ),
@@ -160,10 +148,7 @@ impl RawAddr {
             libc::AF_INET => {
                 // SAFETY: the family says the kernel wrote a sockaddr_in.
                 let a = unsafe { self.v4 };
-                Some(SocketAddr::V4(SocketAddrV4::new(
-                    a.sin_addr.s_addr.to_ne_bytes().into(),
-                    u16::from_be(a.sin_port),
-                )))
+                Some(SocketAddr::V4(phub_net::socket_addr_v4(&a)))
             }
             libc::AF_INET6 => {
                 // SAFETY: the family says the kernel wrote a sockaddr_in6.
@@ -180,14 +165,6 @@ impl RawAddr {
     }
 }
 
-/// Room for one `cmsghdr` carrying one `int` (UDP_SEGMENT / UDP_GRO), with
-/// the alignment the kernel expects.
-#[derive(Clone, Copy)]
-#[repr(C, align(8))]
-struct Cmsg([u8; 32]);
-
-const _: () = assert!(std::mem::size_of::<libc::cmsghdr>() + 4 <= 32);
-
 /// A UDP socket with batched, segmentation-offloaded I/O.
 pub struct BatchSocket {
     sock: UdpSocket,
@@ -195,7 +172,7 @@ pub struct BatchSocket {
     rx_mem: Vec<u8>,
     rx_addrs: Vec<RawAddr>,
     rx_iov: Vec<libc::iovec>,
-    rx_cmsg: Vec<Cmsg>,
+    rx_cmsg: Vec<CmsgBuf>,
     rx_hdrs: Vec<libc::mmsghdr>,
 }
 
@@ -214,63 +191,18 @@ impl std::fmt::Debug for BatchSocket {
     }
 }
 
-fn setsockopt_int(fd: i32, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> io::Result<()> {
-    // SAFETY: `fd` is an open socket; the value points to a live c_int of
-    // the stated length for the duration of the call.
-    let r = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            name,
-            (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
-    if r == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
-    }
-}
-
-fn getsockopt_int(fd: i32, level: libc::c_int, name: libc::c_int) -> usize {
-    let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `v` and `len` are live for the call and `len` states v's size.
-    let r = unsafe { libc::getsockopt(fd, level, name, (&mut v as *mut libc::c_int).cast(), &mut len) };
-    if r == 0 {
-        v.max(0) as usize
-    } else {
-        0
-    }
-}
-
-/// Asks for `bytes` of receive and send buffer: the forcing options first
-/// (root or CAP_NET_ADMIN), the capped ones otherwise.
-pub fn set_buffers(sock: &UdpSocket, bytes: usize) {
-    let fd = sock.as_raw_fd();
-    let b = bytes.min(i32::MAX as usize / 2) as libc::c_int;
-    for (force, plain) in [
-        (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
-        (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
-    ] {
-        if setsockopt_int(fd, libc::SOL_SOCKET, force, b).is_err() {
-            let _ = setsockopt_int(fd, libc::SOL_SOCKET, plain, b);
-        }
-    }
-}
-
 impl BatchSocket {
     /// Wraps a bound socket and applies `opts`.
     pub fn new(sock: UdpSocket, opts: SocketOptions) -> io::Result<BatchSocket> {
-        let fd = sock.as_raw_fd();
         set_buffers(&sock, opts.buffer_bytes);
-        let gro = opts.gro && setsockopt_int(fd, SOL_UDP, UDP_GRO, 1).is_ok();
+        let gro = opts.gro && phub_net::enable_gro(&sock);
+        let buf =
+            |name| phub_net::getsockopt_int(&sock, libc::SOL_SOCKET, name).map_or(0, |v| v.max(0) as usize);
         let info = SocketInfo {
             gso: opts.gso,
             gro,
-            rcvbuf: getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUF),
-            sndbuf: getsockopt_int(fd, libc::SOL_SOCKET, libc::SO_SNDBUF),
+            rcvbuf: buf(libc::SO_RCVBUF),
+            sndbuf: buf(libc::SO_SNDBUF),
         };
         let null_iov = libc::iovec {
             iov_base: std::ptr::null_mut(),
@@ -284,7 +216,7 @@ impl BatchSocket {
             rx_mem: vec![0u8; RX_SLOTS * RX_SLOT_BYTES],
             rx_addrs: vec![RawAddr::zeroed(); RX_SLOTS],
             rx_iov: vec![null_iov; RX_SLOTS],
-            rx_cmsg: vec![Cmsg([0; 32]); RX_SLOTS],
+            rx_cmsg: vec![CmsgBuf::new(); RX_SLOTS],
             rx_hdrs: vec![zeroed_hdr; RX_SLOTS],
         })
     }
@@ -302,24 +234,9 @@ impl BatchSocket {
     /// Waits until the socket is readable or `wait` has passed; returns
     /// whether it is readable.
     pub fn wait_readable(&self, wait: Duration) -> io::Result<bool> {
-        let mut p = libc::pollfd {
-            fd: self.sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
         // Round up, so a sub-millisecond wait still waits.
         let ms = wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: `p` is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(e)
-            };
-        }
-        Ok(n > 0)
+        phub_net::poll_readable(&self.sock, ms)
     }
 
     /// Sends every datagram of `dgrams` (GSO trains where allowed); returns
@@ -340,22 +257,14 @@ impl BatchSocket {
         while i < order.len() {
             let first = &dgrams[order[i] as usize];
             let seg = first.len();
-            let mut n = 1;
-            let mut bytes = seg;
-            if self.info.gso && seg > 0 {
-                while i + n < order.len() && n < MAX_SEGMENTS {
-                    let d = &dgrams[order[i + n] as usize];
-                    if d.to != first.to || d.len() > seg || d.is_empty() || bytes + d.len() > MAX_TRAIN_BYTES
-                    {
-                        break;
-                    }
-                    bytes += d.len();
-                    n += 1;
-                    if d.len() < seg {
-                        break; // a shorter segment ends the train
-                    }
-                }
-            }
+            let n = if self.info.gso && seg > 0 {
+                phub_net::train_len(seg, |k| {
+                    let d = dgrams[*order.get(i + k)? as usize];
+                    (d.to == first.to).then_some(d.len())
+                })
+            } else {
+                1
+            };
             trains.push((i, n, seg));
             i += n;
         }
@@ -375,7 +284,7 @@ impl BatchSocket {
         let n_iov: usize = 2 * trains.iter().map(|t| t.1).sum::<usize>();
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(n_iov);
         let mut addrs: Vec<(RawAddr, libc::socklen_t)> = Vec::with_capacity(trains.len());
-        let mut cmsgs: Vec<Cmsg> = vec![Cmsg([0; 32]); trains.len()];
+        let mut cmsgs: Vec<CmsgBuf> = vec![CmsgBuf::new(); trains.len()];
         let mut iov_per_train: Vec<usize> = Vec::with_capacity(trains.len());
         for &(first, n, _) in trains {
             addrs.push(RawAddr::new(dgrams[order[first] as usize].to));
@@ -407,22 +316,7 @@ impl BatchSocket {
             h.msg_iovlen = k as _;
             at += k;
             if n > 1 {
-                let c = &mut cmsgs[m];
-                h.msg_control = c.0.as_mut_ptr().cast();
-                // SAFETY: CMSG_SPACE only computes a size.
-                h.msg_controllen = unsafe { libc::CMSG_SPACE(2) } as _;
-                // SAFETY: msg_control points to 32 writable, 8-aligned bytes,
-                // at least CMSG_SPACE(2); CMSG_FIRSTHDR returns its start and
-                // CMSG_DATA a pointer 2 bytes past which still fit inside it.
-                // UDP_SEGMENT's value is a u16 and its cmsg_len must be
-                // exactly CMSG_LEN(2) (the kernel checks).
-                unsafe {
-                    let cm = libc::CMSG_FIRSTHDR(h);
-                    (*cm).cmsg_level = SOL_UDP;
-                    (*cm).cmsg_type = UDP_SEGMENT;
-                    (*cm).cmsg_len = libc::CMSG_LEN(2) as _;
-                    std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<u16>(), seg as u16);
-                }
+                phub_net::set_gso_segment(h, &mut cmsgs[m], seg as u16);
             }
         }
         let mut done = 0; // messages
@@ -432,46 +326,34 @@ impl BatchSocket {
             // and control pointers point into `addrs`, `iov` and `cmsgs`,
             // which are not touched until the call returns, and the iovecs
             // into the caller's datagrams, borrowed for this whole call.
-            let r = unsafe {
-                libc::sendmmsg(
-                    self.sock.as_raw_fd(),
-                    hdrs.as_mut_ptr().add(done),
-                    (hdrs.len() - done) as libc::c_uint,
-                    0,
-                )
-            };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR) => continue,
-                    // The kernel or the device refuses GSO: fall back to one
-                    // datagram per message from now on and resend this train.
-                    Some(libc::EIO) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
-                        if self.info.gso && trains[done].1 > 1 =>
-                    {
-                        self.info.gso = false;
-                        let (first, n, _) = trains[done];
-                        let rest: Vec<Datagram<'_>> =
-                            (first..first + n).map(|k| dgrams[order[k] as usize]).collect();
-                        sent += self.send(&rest)?;
-                        done += 1;
+            match unsafe { phub_net::send_mmsg(&self.sock, &mut hdrs[done..]) } {
+                Ok(r) => {
+                    for &(_, n, _) in &trains[done..done + r] {
+                        sent += n;
                     }
-                    // One destination refusing (ICMP unreachable reported on
-                    // this socket), or one bad message: skip it, it counts
-                    // as lost.
-                    Some(libc::ECONNREFUSED)
-                    | Some(libc::EHOSTUNREACH)
-                    | Some(libc::ENETUNREACH)
-                    | Some(libc::EMSGSIZE)
-                    | Some(libc::EINVAL) => done += 1,
-                    _ => return if sent > 0 { Ok(sent) } else { Err(e) },
+                    done += r;
                 }
-                continue;
+                // The kernel or the device refuses GSO: fall back to one
+                // datagram per message from now on and resend this train.
+                Err(e) if phub_net::is_gso_refused(&e) && self.info.gso && trains[done].1 > 1 => {
+                    self.info.gso = false;
+                    let (first, n, _) = trains[done];
+                    let rest: Vec<Datagram<'_>> =
+                        (first..first + n).map(|k| dgrams[order[k] as usize]).collect();
+                    sent += self.send(&rest)?;
+                    done += 1;
+                }
+                // One destination refusing (ICMP unreachable reported on
+                // this socket), or one bad message: skip it, it counts as
+                // lost.
+                Err(e)
+                    if phub_net::is_unreachable(&e)
+                        || matches!(e.raw_os_error(), Some(libc::EMSGSIZE) | Some(libc::EINVAL)) =>
+                {
+                    done += 1
+                }
+                Err(e) => return if sent > 0 { Ok(sent) } else { Err(e) },
             }
-            for &(_, n, _) in &trains[done..done + r as usize] {
-                sent += n;
-            }
-            done += r as usize;
         }
         Ok(sent)
     }
@@ -499,11 +381,7 @@ impl BatchSocket {
             let Some(from) = self.rx_addrs[i].get() else {
                 continue;
             };
-            let seg = if h.msg_hdr.msg_controllen > 0 {
-                gro_segment(&h.msg_hdr)
-            } else {
-                None
-            };
+            let seg = self.rx_cmsg[i].gro_segment(&h.msg_hdr);
             let data = &self.rx_mem[i * RX_SLOT_BYTES..i * RX_SLOT_BYTES + len];
             match seg {
                 Some(s) if s > 0 && s < len => {
@@ -540,13 +418,15 @@ impl BatchSocket {
         }
         // SAFETY: all-zero is a valid mmsghdr.
         let mut hdrs: Vec<libc::mmsghdr> = vec![unsafe { std::mem::zeroed() }; m];
-        let mut iov: Vec<libc::iovec> = Vec::with_capacity(m * MAX_SEGMENTS);
-        let mut cmsgs = vec![Cmsg([0; 32]); m];
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(m * phub_net::MAX_SEGMENTS);
+        let mut cmsgs = vec![CmsgBuf::new(); m];
         let mut datagrams = 0;
         let mut out = 0;
         for i in 0..m {
             let len = self.rx_hdrs[i].msg_len as usize;
-            let seg = gro_segment(&self.rx_hdrs[i].msg_hdr).filter(|&s| s > 0 && s < len);
+            let seg = self.rx_cmsg[i]
+                .gro_segment(&self.rx_hdrs[i].msg_hdr)
+                .filter(|&s| s > 0 && s < len);
             let base = i * RX_SLOT_BYTES;
             let n = seg.map_or(1, |s| len.div_ceil(s));
             datagrams += n;
@@ -558,9 +438,11 @@ impl BatchSocket {
             };
             for (at, l, s) in pieces {
                 if out == hdrs.len() {
+                    // Only without GSO (one message per datagram), when no
+                    // header points into `cmsgs` yet: growing it is safe.
                     // SAFETY: all-zero is a valid mmsghdr.
                     hdrs.push(unsafe { std::mem::zeroed() });
-                    cmsgs.push(Cmsg([0; 32]));
+                    cmsgs.push(CmsgBuf::new());
                 }
                 iov.push(libc::iovec {
                     // SAFETY: at + l <= the received bytes of slot i, inside rx_mem.
@@ -572,19 +454,7 @@ impl BatchSocket {
                 h.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
                 h.msg_iovlen = 1;
                 if let Some(s) = s {
-                    let c = &mut cmsgs[out];
-                    h.msg_control = c.0.as_mut_ptr().cast();
-                    // SAFETY: CMSG_SPACE only computes a size.
-                    h.msg_controllen = unsafe { libc::CMSG_SPACE(2) } as _;
-                    // SAFETY: as in send_trains: 32 aligned bytes, room for
-                    // one cmsghdr and a u16.
-                    unsafe {
-                        let cm = libc::CMSG_FIRSTHDR(h);
-                        (*cm).cmsg_level = SOL_UDP;
-                        (*cm).cmsg_type = UDP_SEGMENT;
-                        (*cm).cmsg_len = libc::CMSG_LEN(2) as _;
-                        std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<u16>(), s as u16);
-                    }
+                    phub_net::set_gso_segment(h, &mut cmsgs[out], s as u16);
                 }
                 out += 1;
             }
@@ -599,88 +469,50 @@ impl BatchSocket {
             // SAFETY: hdrs[done..out] are initialised above; their pointers
             // point into rx_addrs, iov, cmsgs and rx_mem, all live and
             // untouched until the call returns.
-            let r = unsafe {
-                libc::sendmmsg(
-                    self.sock.as_raw_fd(),
-                    hdrs.as_mut_ptr().add(done),
-                    (out - done) as libc::c_uint,
-                    0,
-                )
-            };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                if e.raw_os_error() == Some(libc::EINTR) {
-                    continue;
-                }
-                done += 1; // drop the message; the client resends
-                continue;
+            match unsafe { phub_net::send_mmsg(&self.sock, &mut hdrs[done..out]) } {
+                Ok(r) => done += r,
+                Err(_) => done += 1, // drop the message; the client resends
             }
-            done += r as usize;
         }
         Ok(datagrams)
     }
 
     fn recv_batch(&mut self) -> io::Result<usize> {
-        let base = self.rx_mem.as_mut_ptr();
-        for i in 0..RX_SLOTS {
-            self.rx_iov[i] = libc::iovec {
-                // SAFETY: slot i is rx_mem[i * RX_SLOT_BYTES..(i + 1) * RX_SLOT_BYTES],
-                // inside the allocation of RX_SLOTS * RX_SLOT_BYTES bytes.
-                iov_base: unsafe { base.add(i * RX_SLOT_BYTES) }.cast(),
+        let gro = self.info.gro;
+        for (i, (iov, chunk)) in self
+            .rx_iov
+            .iter_mut()
+            .zip(self.rx_mem.chunks_mut(RX_SLOT_BYTES))
+            .enumerate()
+        {
+            *iov = libc::iovec {
+                iov_base: chunk.as_mut_ptr().cast(),
                 iov_len: RX_SLOT_BYTES,
             };
-            let h = &mut self.rx_hdrs[i];
-            h.msg_hdr.msg_name = (&mut self.rx_addrs[i] as *mut RawAddr).cast();
-            h.msg_hdr.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
-            h.msg_hdr.msg_iov = &mut self.rx_iov[i];
-            h.msg_hdr.msg_iovlen = 1;
-            h.msg_hdr.msg_control = self.rx_cmsg[i].0.as_mut_ptr().cast();
-            h.msg_hdr.msg_controllen = if self.info.gro { 32 } else { 0 };
-            h.msg_hdr.msg_flags = 0;
-            h.msg_len = 0;
+            phub_net::set_rx_header(
+                &mut self.rx_hdrs[i],
+                &mut self.rx_addrs[i],
+                iov,
+                &mut self.rx_cmsg[i],
+                gro,
+            );
         }
-        // SAFETY: rx_hdrs holds RX_SLOTS initialised headers whose name,
-        // iovec and control pointers point into this socket's own live
-        // buffers (set just above) of the stated lengths.
-        let n = unsafe {
-            libc::recvmmsg(
-                self.sock.as_raw_fd(),
-                self.rx_hdrs.as_mut_ptr(),
-                RX_SLOTS as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::WouldBlock
-                | io::ErrorKind::Interrupted
-                | io::ErrorKind::ConnectionRefused
-                | io::ErrorKind::ConnectionReset => Ok(0),
-                _ => Err(e),
-            };
-        }
-        Ok(n as usize)
-    }
-}
-
-/// The GRO segment size of a received message, if it carries one.
-fn gro_segment(h: &libc::msghdr) -> Option<usize> {
-    // SAFETY: `h` was filled by recvmmsg; its control buffer is ours, and
-    // msg_controllen (set by the kernel) bounds what CMSG_FIRSTHDR and
-    // CMSG_NXTHDR walk.
-    unsafe {
-        let mut cm = libc::CMSG_FIRSTHDR(h);
-        while !cm.is_null() {
-            if (*cm).cmsg_level == SOL_UDP && (*cm).cmsg_type == UDP_GRO {
-                let v = std::ptr::read_unaligned(libc::CMSG_DATA(cm).cast::<libc::c_int>());
-                return usize::try_from(v).ok();
+        // SAFETY: set_rx_header pointed all RX_SLOTS headers at this socket's
+        // own live buffers (addresses: plain C structs; slots of
+        // RX_SLOT_BYTES in rx_mem; control buffers), untouched until the
+        // call returns.
+        match unsafe { phub_net::recv_mmsg(&self.sock, &mut self.rx_hdrs) } {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionReset
+                ) =>
+            {
+                Ok(0)
             }
-            cm = libc::CMSG_NXTHDR(h, cm);
+            r => r,
         }
     }
-    None
 }
 
 #[cfg(test)]

@@ -26,12 +26,16 @@
 //!
 //! Nothing here allocates after [`UdpQueue::bind`]: the scratch arrays have
 //! fixed capacities and a batch is flushed before one would be exceeded.
+//!
+//! The system-call helpers (GSO control messages, GRO segment sizes, train
+//! cutting, buffer sizing, the `recvmmsg`/`sendmmsg` calls) are phub-net's,
+//! shared with the worker's socket.
 
 use std::io;
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
-use std::os::fd::AsRawFd;
 use std::time::Duration;
 
+use phub_net::CmsgBuf;
 use phub_proto::wire::HEADER_LEN;
 
 use super::PacketIo;
@@ -49,25 +53,9 @@ const RX_OFFSET: usize = (64 - HEADER_LEN % 64) % 64;
 /// Datagrams (one per destination) per flush: headers, iovecs and
 /// messages are sized for it.
 const TX_DATAGRAMS: usize = 4096;
-/// Most datagrams in one GSO train (UDP_MAX_SEGMENTS on older kernels).
-const MAX_SEGMENTS: usize = 64;
-/// Most UDP payload bytes one train may carry (IPv4: 65535 - 20 - 8).
-const MAX_TRAIN_BYTES: usize = 65507;
-
-// Linux values (linux/udp.h).
-const SOL_UDP: libc::c_int = 17;
-const UDP_SEGMENT: libc::c_int = 103;
-const UDP_GRO: libc::c_int = 104;
 
 const _: () = assert!((RX_OFFSET + HEADER_LEN).is_multiple_of(64));
 const _: () = assert!(RX_STRIDE.is_multiple_of(64) && RX_OFFSET + RX_SLOT <= RX_STRIDE);
-
-/// Room for one control message carrying an int, aligned as the kernel wants.
-#[derive(Clone, Copy)]
-#[repr(C, align(8))]
-struct Cmsg([u8; 32]);
-
-const _: () = assert!(std::mem::size_of::<libc::cmsghdr>() + 4 <= 32);
 
 /// One datagram to send in the current flush: destination, transmit.
 #[derive(Clone, Copy)]
@@ -88,7 +76,7 @@ pub struct UdpQueue {
     rx_base: usize,
     rx_addrs: Vec<libc::sockaddr_in>,
     rx_iov: Vec<libc::iovec>,
-    rx_cmsg: Vec<Cmsg>,
+    rx_cmsg: Vec<CmsgBuf>,
     rx_hdrs: Vec<libc::mmsghdr>,
     /// Messages of the last `recvmmsg` not yet delivered: `rx_next..rx_count`,
     /// the first of them from byte `rx_pos` on.
@@ -103,7 +91,7 @@ pub struct UdpQueue {
     tx_addrs: Vec<libc::sockaddr_in>,
     tx_out: Vec<Out>,
     tx_iov: Vec<libc::iovec>,
-    tx_cmsg: Vec<Cmsg>,
+    tx_cmsg: Vec<CmsgBuf>,
     tx_hdrs: Vec<libc::mmsghdr>,
     /// Per message: datagrams in it.
     tx_segs: Vec<u32>,
@@ -125,36 +113,6 @@ impl std::fmt::Debug for UdpQueue {
     }
 }
 
-fn to_sockaddr(a: SocketAddrV4) -> libc::sockaddr_in {
-    libc::sockaddr_in {
-        sin_family: libc::AF_INET as libc::sa_family_t,
-        sin_port: a.port().to_be(),
-        sin_addr: libc::in_addr {
-            s_addr: u32::from_ne_bytes(a.ip().octets()),
-        },
-        sin_zero: [0; 8],
-    }
-}
-
-fn from_sockaddr(s: &libc::sockaddr_in) -> SocketAddrV4 {
-    SocketAddrV4::new(s.sin_addr.s_addr.to_ne_bytes().into(), u16::from_be(s.sin_port))
-}
-
-fn setsockopt_int(fd: i32, level: libc::c_int, name: libc::c_int, v: libc::c_int) -> bool {
-    let len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
-    // SAFETY: `fd` is an open socket; the option value points to a live c_int
-    // of the stated length.
-    unsafe { libc::setsockopt(fd, level, name, (&v as *const libc::c_int).cast(), len) == 0 }
-}
-
-fn set_buf(fd: i32, force: libc::c_int, plain: libc::c_int, bytes: libc::c_int) {
-    // Forcing works as root (CAP_NET_ADMIN) and may exceed rmem_max/wmem_max;
-    // otherwise the kernel caps the plain option. Failure is tolerated.
-    if !setsockopt_int(fd, libc::SOL_SOCKET, force, bytes) {
-        setsockopt_int(fd, libc::SOL_SOCKET, plain, bytes);
-    }
-}
-
 fn env_off(name: &str) -> bool {
     std::env::var(name).is_ok_and(|v| matches!(v.trim(), "0" | "off" | "false" | "no"))
 }
@@ -164,11 +122,11 @@ impl UdpQueue {
     /// `PHUB_UDP_GRO=0`) and GSO sends (unless `PHUB_UDP_GSO=0`).
     pub fn bind(addr: SocketAddrV4, buffer_bytes: usize) -> io::Result<UdpQueue> {
         let sock = UdpSocket::bind(addr)?;
-        let fd = sock.as_raw_fd();
-        let b = buffer_bytes.min(i32::MAX as usize / 2) as libc::c_int;
-        set_buf(fd, libc::SO_RCVBUFFORCE, libc::SO_RCVBUF, b);
-        set_buf(fd, libc::SO_SNDBUFFORCE, libc::SO_SNDBUF, b);
-        let gro = !env_off("PHUB_UDP_GRO") && setsockopt_int(fd, SOL_UDP, UDP_GRO, 1);
+        // Forcing works as root (CAP_NET_ADMIN) and may exceed
+        // rmem_max/wmem_max; otherwise the kernel caps the plain option.
+        // Failure is tolerated.
+        phub_net::set_buffers(&sock, buffer_bytes);
+        let gro = !env_off("PHUB_UDP_GRO") && phub_net::enable_gro(&sock);
         let gso = !env_off("PHUB_UDP_GSO");
         let rx_mem = vec![0u8; RX_BURST * RX_STRIDE + 64];
         let misalign = rx_mem.as_ptr() as usize % 64;
@@ -189,7 +147,7 @@ impl UdpQueue {
             rx_base,
             rx_addrs: vec![zeroed_addr; RX_BURST],
             rx_iov: vec![null_iov; RX_BURST],
-            rx_cmsg: vec![Cmsg([0; 32]); RX_BURST],
+            rx_cmsg: vec![CmsgBuf::new(); RX_BURST],
             rx_hdrs: vec![zeroed_hdr; RX_BURST],
             rx_count: 0,
             rx_next: 0,
@@ -199,7 +157,7 @@ impl UdpQueue {
             tx_addrs: Vec::with_capacity(TX_DATAGRAMS),
             tx_out: Vec::with_capacity(TX_DATAGRAMS),
             tx_iov: Vec::with_capacity(2 * TX_DATAGRAMS),
-            tx_cmsg: vec![Cmsg([0; 32]); TX_DATAGRAMS],
+            tx_cmsg: vec![CmsgBuf::new(); TX_DATAGRAMS],
             tx_hdrs: vec![zeroed_hdr; TX_DATAGRAMS],
             tx_segs: Vec::with_capacity(TX_DATAGRAMS),
         })
@@ -216,23 +174,8 @@ impl UdpQueue {
     }
 
     fn wait_readable(&self, wait: Duration) -> io::Result<bool> {
-        let mut p = libc::pollfd {
-            fd: self.sock.as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
         let ms = wait.as_millis().min(i32::MAX as u128) as libc::c_int;
-        // SAFETY: `p` is one valid pollfd for the duration of the call.
-        let n = unsafe { libc::poll(&mut p, 1, ms) };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted {
-                Ok(false)
-            } else {
-                Err(e)
-            };
-        }
-        Ok(n > 0)
+        phub_net::poll_readable(&self.sock, ms)
     }
 
     fn recv_batch(&mut self) -> io::Result<usize> {
@@ -245,63 +188,24 @@ impl UdpQueue {
                 iov_base: unsafe { base.add(self.rx_base + i * RX_STRIDE) }.cast(),
                 iov_len: RX_SLOT,
             };
-            let h = &mut self.rx_hdrs[i];
-            h.msg_hdr.msg_name = (&mut self.rx_addrs[i] as *mut libc::sockaddr_in).cast();
-            h.msg_hdr.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            h.msg_hdr.msg_iov = &mut self.rx_iov[i];
-            h.msg_hdr.msg_iovlen = 1;
-            h.msg_hdr.msg_control = self.rx_cmsg[i].0.as_mut_ptr().cast();
-            h.msg_hdr.msg_controllen = if self.gro {
-                std::mem::size_of::<Cmsg>() as _
-            } else {
-                0
-            };
-            h.msg_hdr.msg_flags = 0;
-            h.msg_len = 0;
+            phub_net::set_rx_header(
+                &mut self.rx_hdrs[i],
+                &mut self.rx_addrs[i],
+                &mut self.rx_iov[i],
+                &mut self.rx_cmsg[i],
+                self.gro,
+            );
         }
-        // SAFETY: rx_hdrs holds RX_BURST initialised headers whose name,
-        // iovec and control pointers point into this queue's own live
-        // buffers (set just above); the kernel writes at most the stated
-        // lengths into each.
-        let n = unsafe {
-            libc::recvmmsg(
-                self.sock.as_raw_fd(),
-                self.rx_hdrs.as_mut_ptr(),
-                RX_BURST as libc::c_uint,
-                libc::MSG_DONTWAIT,
-                std::ptr::null_mut(),
-            )
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return match e.kind() {
-                io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(0),
-                _ => Err(e),
-            };
-        }
-        Ok(n as usize)
+        // SAFETY: set_rx_header pointed all RX_BURST headers at this queue's
+        // own live buffers (sockaddr_in addresses, RX_SLOT-byte slots in
+        // rx_mem, control buffers), untouched until the call returns; the
+        // kernel writes at most the stated lengths into each.
+        unsafe { phub_net::recv_mmsg(&self.sock, &mut self.rx_hdrs) }
     }
 
     /// The GRO segment size of received message `i` (0: not a train).
     fn segment(&self, i: usize) -> usize {
-        let h = &self.rx_hdrs[i].msg_hdr;
-        if h.msg_controllen == 0 {
-            return 0;
-        }
-        // SAFETY: `h` was filled by recvmmsg; its control buffer is ours and
-        // msg_controllen (set by the kernel, at most the buffer's size)
-        // bounds what CMSG_FIRSTHDR and CMSG_NXTHDR walk.
-        unsafe {
-            let mut cm = libc::CMSG_FIRSTHDR(h);
-            while !cm.is_null() {
-                if (*cm).cmsg_level == SOL_UDP && (*cm).cmsg_type == UDP_GRO {
-                    let v = std::ptr::read_unaligned(libc::CMSG_DATA(cm).cast::<libc::c_int>());
-                    return usize::try_from(v).unwrap_or(0);
-                }
-                cm = libc::CMSG_NXTHDR(h, cm);
-            }
-        }
-        0
+        self.rx_cmsg[i].gro_segment(&self.rx_hdrs[i].msg_hdr).unwrap_or(0)
     }
 
     /// Delivers at most `budget` datagrams of the received messages not yet
@@ -315,7 +219,7 @@ impl UdpQueue {
                 0 => len.max(1),
                 s => s,
             };
-            let from = from_sockaddr(&self.rx_addrs[i]);
+            let from = phub_net::socket_addr_v4(&self.rx_addrs[i]);
             let start = self.rx_base + i * RX_STRIDE;
             let msg = &self.rx_mem[start..start + len];
             while self.rx_pos < len.max(1) && n < budget {
@@ -350,27 +254,18 @@ impl UdpQueue {
             let first = self.tx_out[i];
             let t0 = first.key.2 as usize;
             let seg = HEADER_LEN + self.tx_payloads[t0].1;
-            let mut n = 1;
-            let mut bytes = seg;
             // ERROR messages (no payload) always travel alone.
-            if self.gso && self.tx_payloads[t0].1 > 0 {
-                while i + n < self.tx_out.len() && n < MAX_SEGMENTS {
-                    let o = self.tx_out[i + n];
-                    let len = HEADER_LEN + self.tx_payloads[o.key.2 as usize].1;
-                    if (o.key.0, o.key.1) != (first.key.0, first.key.1)
-                        || len > seg
-                        || len == HEADER_LEN
-                        || bytes + len > MAX_TRAIN_BYTES
-                    {
-                        break;
-                    }
-                    bytes += len;
-                    n += 1;
-                    if len < seg {
-                        break; // a shorter datagram ends the train
-                    }
-                }
-            }
+            let n = if self.gso && self.tx_payloads[t0].1 > 0 {
+                let (out, payloads) = (&self.tx_out, &self.tx_payloads);
+                phub_net::train_len(seg, |k| {
+                    let o = out.get(i + k)?;
+                    let payload = payloads[o.key.2 as usize].1;
+                    ((o.key.0, o.key.1) == (first.key.0, first.key.1) && payload > 0)
+                        .then_some(HEADER_LEN + payload)
+                })
+            } else {
+                1
+            };
             let iov_start = self.tx_iov.len();
             for o in &self.tx_out[i..i + n] {
                 let t = o.key.2 as usize;
@@ -396,21 +291,7 @@ impl UdpQueue {
             h.msg_iovlen = (self.tx_iov.len() - iov_start) as _;
             h.msg_flags = 0;
             if n > 1 {
-                let c = &mut self.tx_cmsg[m];
-                h.msg_control = c.0.as_mut_ptr().cast();
-                // SAFETY: CMSG_SPACE only computes a size.
-                h.msg_controllen = unsafe { libc::CMSG_SPACE(2) } as _;
-                // SAFETY: msg_control points to 32 writable, 8-aligned bytes,
-                // at least CMSG_SPACE(2); CMSG_FIRSTHDR returns their start
-                // and CMSG_DATA a pointer with 2 bytes room after it.
-                // UDP_SEGMENT takes a u16 with cmsg_len exactly CMSG_LEN(2).
-                unsafe {
-                    let cm = libc::CMSG_FIRSTHDR(h);
-                    (*cm).cmsg_level = SOL_UDP;
-                    (*cm).cmsg_type = UDP_SEGMENT;
-                    (*cm).cmsg_len = libc::CMSG_LEN(2) as _;
-                    std::ptr::write_unaligned(libc::CMSG_DATA(cm).cast::<u16>(), seg as u16);
-                }
+                phub_net::set_gso_segment(h, &mut self.tx_cmsg[m], seg as u16);
             } else {
                 h.msg_control = std::ptr::null_mut();
                 h.msg_controllen = 0;
@@ -427,47 +308,31 @@ impl UdpQueue {
             // tx_cmsg (not resized since), and the iovecs into tx_headers
             // and the shard's slot memory, which the caller keeps borrowed
             // for the whole of tx_burst.
-            let r = unsafe {
-                libc::sendmmsg(
-                    self.sock.as_raw_fd(),
-                    self.tx_hdrs.as_mut_ptr().add(sent),
-                    (m - sent) as libc::c_uint,
-                    0,
-                )
-            };
-            if r < 0 {
-                let e = io::Error::last_os_error();
-                match e.raw_os_error() {
-                    Some(libc::EINTR) => continue,
-                    // The kernel refuses GSO here: turn it off for good and
-                    // send the rest of this flush one datagram per message.
-                    Some(libc::EIO) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP)
-                        if self.gso && self.tx_segs[sent] > 1 =>
-                    {
-                        log::warn!("udp queue: the kernel refuses UDP GSO ({e}); sending without it");
-                        self.gso = false;
-                        let done: usize = self.tx_segs[..sent].iter().map(|&s| s as usize).sum();
-                        self.tx_out.drain(..done);
-                        return self.flush_tx(counters);
+            match unsafe { phub_net::send_mmsg(&self.sock, &mut self.tx_hdrs[sent..m]) } {
+                Ok(r) => {
+                    for k in sent..sent + r {
+                        counters.tx_packets.add(u64::from(self.tx_segs[k]));
+                        counters.tx_bytes.add(u64::from(self.tx_hdrs[k].msg_len));
                     }
-                    // A destination that refuses (ICMP unreachable reported
-                    // on this socket) must not stall the others: skip one
-                    // message.
-                    Some(libc::ECONNREFUSED) | Some(libc::EHOSTUNREACH) | Some(libc::ENETUNREACH) => {
-                        sent += 1;
-                        continue;
-                    }
-                    _ => {
-                        self.clear_tx();
-                        return Err(e);
-                    }
+                    sent += r;
+                }
+                // The kernel refuses GSO here: turn it off for good and send
+                // the rest of this flush one datagram per message.
+                Err(e) if phub_net::is_gso_refused(&e) && self.gso && self.tx_segs[sent] > 1 => {
+                    log::warn!("udp queue: the kernel refuses UDP GSO ({e}); sending without it");
+                    self.gso = false;
+                    let done: usize = self.tx_segs[..sent].iter().map(|&s| s as usize).sum();
+                    self.tx_out.drain(..done);
+                    return self.flush_tx(counters);
+                }
+                // A destination that refuses (ICMP unreachable reported on
+                // this socket) must not stall the others: skip one message.
+                Err(e) if phub_net::is_unreachable(&e) => sent += 1,
+                Err(e) => {
+                    self.clear_tx();
+                    return Err(e);
                 }
             }
-            for k in sent..sent + r as usize {
-                counters.tx_packets.add(u64::from(self.tx_segs[k]));
-                counters.tx_bytes.add(u64::from(self.tx_hdrs[k].msg_len));
-            }
-            sent += r as usize;
         }
         self.clear_tx();
         Ok(())
@@ -526,7 +391,7 @@ impl PacketIo for UdpQueue {
                     self.tx_payloads.push(p);
                 }
                 let t_idx = self.tx_headers.len() - 1;
-                self.tx_addrs.push(to_sockaddr(to));
+                self.tx_addrs.push(phub_net::sockaddr_in(to));
                 self.tx_out.push(Out {
                     key: (u32::from(*to.ip()), to.port(), t_idx as u32),
                     addr: (self.tx_addrs.len() - 1) as u32,
@@ -557,14 +422,10 @@ mod tests {
 
     /// Sends `bytes` as one GSO train of `seg`-byte datagrams.
     fn send_train(s: &UdpSocket, to: SocketAddrV4, bytes: &[u8], seg: u16) {
-        assert!(setsockopt_int(
-            s.as_raw_fd(),
-            SOL_UDP,
-            UDP_SEGMENT,
-            libc::c_int::from(seg)
-        ));
+        use phub_net::{setsockopt_int, SOL_UDP, UDP_SEGMENT};
+        setsockopt_int(s, SOL_UDP, UDP_SEGMENT, libc::c_int::from(seg)).unwrap();
         assert_eq!(s.send_to(bytes, to).unwrap(), bytes.len());
-        assert!(setsockopt_int(s.as_raw_fd(), SOL_UDP, UDP_SEGMENT, 0));
+        setsockopt_int(s, SOL_UDP, UDP_SEGMENT, 0).unwrap();
     }
 
     #[test]

@@ -21,9 +21,15 @@
 //!   an echo thread, write the model's bytes and read them back
 //!   concurrently: the transport ps-lite uses (ZMQ over TCP), without its
 //!   framing.
+//! - **veth into DPDK** (`--backend dpdk`, [`veth_testpmd`]): the virtual
+//!   rack's path itself, kernel UDP senders over a veth pair into
+//!   `dpdk-testpmd --forward-mode=rxonly` on the same af_packet port the
+//!   dataplane used, with the same senders (threads, sockets, datagrams);
+//!   phub's efficiency there is its gradient ingress over that ceiling.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
@@ -340,4 +346,364 @@ fn tcp_echo(s: &Setup) -> Result<Vec<f64>> {
         Some(e) => Err(e),
         None => Ok(all),
     }
+}
+
+/// What the veth ceiling sends: the run's senders and the model's datagrams.
+#[derive(Debug, Clone)]
+pub struct VethSetup {
+    /// Sender threads (the run's W), one socket each, set up as a worker's.
+    pub workers: usize,
+    /// testpmd's queues and forwarding lcores (the run's L).
+    pub lcores: usize,
+    /// UDP payload bytes of each datagram of one pass over the model (a
+    /// header plus each chunk's payload, in the workers' order).
+    pub datagrams: Vec<usize>,
+    /// Seconds of sending.
+    pub secs: f64,
+    /// UDP GSO sends, as the run's workers.
+    pub gso: bool,
+    /// testpmd's lcores are pinned as the dataplane's are (`false`: floating).
+    pub pin: bool,
+    /// The namespace the caller's thread is in (names testpmd's EAL files).
+    pub ns: String,
+}
+
+/// The virtual rack's ceiling: the same senders into `dpdk-testpmd
+/// --forward-mode=rxonly` on the same af_packet port, same run.
+#[derive(Debug, Clone, Serialize)]
+pub struct VethCeiling {
+    /// UDP payload bytes testpmd received per second while the senders ran, GB/s.
+    pub payload_gbps: f64,
+    /// Frames testpmd received.
+    pub rx_packets: u64,
+    /// Frame bytes testpmd received (Ethernet, IPv4 and UDP headers included).
+    pub rx_bytes: u64,
+    /// Datagrams the senders handed to the kernel.
+    pub sent_datagrams: u64,
+    /// Seconds the senders ran.
+    pub secs: f64,
+    /// How the senders were set up.
+    pub senders: String,
+    /// testpmd's command line.
+    pub testpmd: String,
+}
+
+/// Ethernet + IPv4 + UDP header bytes of each frame testpmd counts.
+const FRAME_OVERHEAD: u64 = 14 + 20 + 8;
+
+/// `dpdk-testpmd` on `PATH`.
+fn find_testpmd() -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join("dpdk-testpmd"))
+            .find(|p| p.is_file())
+    })
+}
+
+/// What the reader of testpmd's output has seen.
+#[derive(Debug, Default)]
+struct TestpmdSeen {
+    /// Its port's MAC (`Port 0: XX:...`).
+    mac: Option<String>,
+    /// Forwarding started.
+    forwarding: bool,
+    /// NIC statistics blocks seen, and the last one's (RX-packets, RX-bytes).
+    blocks: u64,
+    last: (u64, u64),
+    /// The output's tail, for errors.
+    tail: std::collections::VecDeque<String>,
+    /// Its stdout closed.
+    ended: bool,
+}
+
+type Shared = Arc<(std::sync::Mutex<TestpmdSeen>, std::sync::Condvar)>;
+
+/// Reads testpmd's stdout line by line (it runs under `stdbuf -oL`, so
+/// lines come as printed).
+fn read_testpmd(out: impl Read, seen: Shared) {
+    use std::io::BufRead;
+    let num_after = |line: &str, key: &str| -> Option<u64> {
+        let rest = &line[line.find(key)? + key.len()..];
+        rest.split_whitespace().next()?.parse().ok()
+    };
+    for line in std::io::BufReader::new(out).lines() {
+        let Ok(line) = line else { break };
+        let (m, c) = &*seen;
+        let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+        let t = line.trim();
+        if let Some(mac) = t.strip_prefix("Port 0: ") {
+            if mac.len() == 17 && mac.bytes().filter(|&b| b == b':').count() == 5 {
+                s.mac = Some(mac.to_ascii_lowercase());
+            }
+        }
+        if t.contains("start packet forwarding") {
+            s.forwarding = true;
+        }
+        // The periodic NIC statistics: "RX-packets: N RX-missed: N RX-bytes: N".
+        if t.starts_with("RX-packets:") && t.contains("RX-bytes:") {
+            if let (Some(p), Some(b)) = (num_after(t, "RX-packets:"), num_after(t, "RX-bytes:")) {
+                s.last = (p, b);
+                s.blocks += 1;
+            }
+        }
+        s.tail.push_back(line);
+        if s.tail.len() > 40 {
+            s.tail.pop_front();
+        }
+        c.notify_all();
+    }
+    let (m, c) = &*seen;
+    m.lock().unwrap_or_else(|e| e.into_inner()).ended = true;
+    c.notify_all();
+}
+
+/// testpmd, stopped (SIGINT, then SIGKILL) when dropped.
+struct Testpmd {
+    child: std::process::Child,
+    seen: Shared,
+    stderr: std::path::PathBuf,
+}
+
+impl Testpmd {
+    /// Waits until `done(seen)` holds; `Err` when testpmd ends first or
+    /// `limit` passes.
+    fn wait_for(&self, what: &str, limit: Duration, done: impl Fn(&TestpmdSeen) -> bool) -> Result<()> {
+        let (m, c) = &*self.seen;
+        let t = Instant::now();
+        let mut s = m.lock().unwrap_or_else(|e| e.into_inner());
+        while !done(&s) {
+            if s.ended || t.elapsed() > limit {
+                let why = if s.ended { "it exited" } else { "timed out" };
+                let tail: Vec<&str> = s.tail.iter().map(String::as_str).collect();
+                let err = std::fs::read_to_string(&self.stderr).unwrap_or_default();
+                anyhow::bail!(
+                    "dpdk-testpmd: waiting for {what}: {why}; its output ends:\n{}\n{}",
+                    tail.join("\n"),
+                    err.trim()
+                );
+            }
+            s = c
+                .wait_timeout(s, Duration::from_millis(100))
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        Ok(())
+    }
+
+    fn seen<T>(&self, f: impl FnOnce(&TestpmdSeen) -> T) -> T {
+        f(&self.seen.0.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+}
+
+impl Drop for Testpmd {
+    fn drop(&mut self) {
+        // With --stats-period testpmd ignores its stdin and leaves on
+        // SIGINT, closing its port first.
+        // SAFETY: kill(2) on our own, not yet reaped child; no memory is involved.
+        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGINT) };
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(10) {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                let _ = std::fs::remove_file(&self.stderr);
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_file(&self.stderr);
+    }
+}
+
+/// Measures the veth path's ceiling. The caller's thread is inside the
+/// namespace holding the virtual rack's link, and nothing else holds the
+/// af_packet port (the dataplane is stopped).
+///
+/// testpmd runs `--forward-mode=rxonly` on the af_packet port the dataplane
+/// used (same EAL device arguments, its lcores pinned as the dataplane's),
+/// printing its port counters every second. Once it forwards, the appliance
+/// address gets a static ARP entry for testpmd's MAC (the port's, as the
+/// dataplane answers ARP with), then W sender threads, each with a socket
+/// set up as a worker's (`phub_worker::net`, GSO trains, the workers'
+/// buffers), send the model's datagrams over and over, chunk i to queue i
+/// mod L, for `secs`. The ceiling is the UDP payload bytes testpmd received
+/// (its RX bytes less 42 header bytes per frame) between the counters
+/// printed before the senders started and the ones printed after they
+/// stopped, over the senders' time.
+pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
+    use phub_hwtests::virt;
+    let bin = find_testpmd().context(
+        "dpdk-testpmd is not installed (Debian: apt-get install dpdk-dev; tools/setup.sh installs it)",
+    )?;
+    let lcores = s.lcores.max(1);
+    let cpus: Vec<usize> = core_affinity::get_core_ids()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    let eal = phub_dataplane::backend::dpdk::start::eal_args(
+        &phub_dataplane::app::DpdkOptions {
+            eal: Some(virt::af_packet_eal(lcores, &format!("{}-testpmd", s.ns))),
+            ..Default::default()
+        },
+        Some(lcores),
+        !s.pin,
+        &cpus,
+    );
+    let mut args = eal;
+    args.push("--".into());
+    args.extend([
+        "--forward-mode=rxonly".to_string(),
+        "--stats-period=1".into(),
+        format!("--rxq={lcores}"),
+        format!("--txq={lcores}"),
+        format!("--nb-cores={lcores}"),
+        "--mbuf-size=16512".into(),
+        "--total-num-mbufs=8192".into(),
+    ]);
+    let stderr = std::env::temp_dir().join(format!("{}-testpmd.err", s.ns));
+    let err = std::fs::File::create(&stderr).with_context(|| format!("creating {}", stderr.display()))?;
+    let mut cmd = if Command::new("stdbuf").arg("--version").output().is_ok() {
+        let mut c = Command::new("stdbuf");
+        c.arg("-oL").arg(&bin);
+        c
+    } else {
+        Command::new(&bin)
+    };
+    let testpmd_line = format!("{} {}", bin.display(), args.join(" "));
+    let mut child = cmd
+        .args(&args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(err)
+        .spawn()
+        .with_context(|| format!("starting {}", bin.display()))?;
+    let out = child.stdout.take().context("testpmd's stdout")?;
+    let seen: Shared = Arc::default();
+    let reader = {
+        let seen = Arc::clone(&seen);
+        std::thread::spawn(move || read_testpmd(out, seen))
+    };
+    let tp = Testpmd { child, seen, stderr };
+    tp.wait_for("its port to forward", Duration::from_secs(60), |s| {
+        s.forwarding && s.blocks > 0
+    })?;
+    let mac = tp
+        .seen(|s| s.mac.clone())
+        .context("dpdk-testpmd did not print its port's MAC")?;
+    // Starting the port bounced the interface, which flushed the neighbour
+    // table: the senders' kernel learns testpmd's MAC only now.
+    let out = Command::new("ip")
+        .args(["neigh", "replace", virt::APPLIANCE_IP, "lladdr", &mac])
+        .args(["dev", virt::WORKER_IF, "nud", "permanent"])
+        .output()
+        .context("running ip neigh")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "ip neigh replace {} lladdr {mac}: {}",
+        virt::APPLIANCE_IP,
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    let b0 = tp.seen(|s| s.blocks);
+    tp.wait_for("its counters", Duration::from_secs(10), |s| s.blocks > b0)?;
+    let (p0, bytes0) = tp.seen(|s| s.last);
+    let (secs, sent, senders) = blast(s)?;
+    // Two more printouts: the second was surely printed after the last frame.
+    let b1 = tp.seen(|s| s.blocks);
+    tp.wait_for("its counters", Duration::from_secs(10), |s| s.blocks >= b1 + 2)?;
+    let (p1, bytes1) = tp.seen(|s| s.last);
+    drop(tp);
+    let _ = reader.join();
+    let (rx_packets, rx_bytes) = (p1.saturating_sub(p0), bytes1.saturating_sub(bytes0));
+    let payload = rx_bytes.saturating_sub(FRAME_OVERHEAD * rx_packets);
+    Ok(VethCeiling {
+        payload_gbps: payload as f64 / secs.max(1e-9) / 1e9,
+        rx_packets,
+        rx_bytes,
+        sent_datagrams: sent,
+        secs,
+        senders,
+        testpmd: testpmd_line,
+    })
+}
+
+/// The senders: W threads, each sending the model's datagrams over and over
+/// for `s.secs`. Returns (seconds, datagrams sent, description).
+fn blast(s: &VethSetup) -> Result<(f64, u64, String)> {
+    use phub_hwtests::virt;
+    let opts = SocketOptions {
+        gso: s.gso,
+        gro: false,
+        buffer_bytes: WorkerConfig::default().socket_buffer,
+    };
+    let lcores = s.lcores.max(1);
+    let to: Vec<SocketAddr> = (0..lcores)
+        .map(|i| {
+            format!("{}:{}", virt::APPLIANCE_IP, virt::BASE_PORT as usize + i)
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        })
+        .collect::<Result<_>>()?;
+    let largest = s.datagrams.iter().copied().max().unwrap_or(HEADER_LEN);
+    anyhow::ensure!(!s.datagrams.is_empty(), "the model has no datagrams");
+    let barrier = Arc::new(Barrier::new(s.workers + 1));
+    let deadline = Duration::from_secs_f64(s.secs);
+    let mut threads = Vec::new();
+    let mut gso_on = false;
+    for _ in 0..s.workers {
+        let sock = BatchSocket::new(UdpSocket::bind("0.0.0.0:0")?, opts)?;
+        gso_on = sock.info().gso;
+        let (barrier, to, sizes) = (Arc::clone(&barrier), to.clone(), s.datagrams.clone());
+        threads.push(std::thread::spawn(move || -> Result<u64> {
+            let mut sock = sock;
+            let buf: Vec<u8> = (0..largest).map(|i| i as u8).collect();
+            let mut sent = 0u64;
+            barrier.wait();
+            let t = Instant::now();
+            'outer: loop {
+                // One pass over the model in batches of 64 datagrams, as a
+                // worker's window hands them to the kernel.
+                for (b, batch) in sizes.chunks(64).enumerate() {
+                    let dg: Vec<Datagram<'_>> = batch
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &len)| Datagram {
+                            to: to[(b * 64 + i) % to.len()],
+                            head: &buf[..len],
+                            body: &[],
+                        })
+                        .collect();
+                    sent += sock.send(&dg)? as u64;
+                    if t.elapsed() >= deadline {
+                        break 'outer;
+                    }
+                }
+            }
+            Ok(sent)
+        }));
+    }
+    barrier.wait();
+    let t = Instant::now();
+    let mut sent = 0;
+    let mut failure = None;
+    for th in threads {
+        match th.join() {
+            Ok(Ok(n)) => sent += n,
+            Ok(Err(e)) => failure = Some(e),
+            Err(_) => failure = Some(anyhow::anyhow!("a veth ceiling sender panicked")),
+        }
+    }
+    let secs = t.elapsed().as_secs_f64();
+    if let Some(e) = failure {
+        return Err(e.context("sending to dpdk-testpmd"));
+    }
+    let senders = format!(
+        "{} sender thread(s), one socket each as a worker's (GSO {}, {} B socket buffers), the model's \
+         {} datagrams of up to {largest} B per pass, chunk i to queue i mod {lcores}, for {secs:.1} s",
+        s.workers,
+        if gso_on { "on" } else { "off" },
+        opts.buffer_bytes,
+        s.datagrams.len()
+    );
+    Ok((secs, sent, senders))
 }

@@ -48,6 +48,10 @@ pub struct Plan {
     pub gso: bool,
     /// UDP GRO receives.
     pub gro: bool,
+    /// Fault injection in the worker's transport (a
+    /// [`phub_worker::FaultSpec`], e.g. `loss=0.05,seed=3`); `None`: off.
+    #[serde(default)]
+    pub inject: Option<String>,
 }
 
 /// Progress reported while running.
@@ -153,6 +157,12 @@ pub fn run(
     };
     if let Some(w) = plan.window {
         config.window = w;
+    }
+    if let Some(spec) = &plan.inject {
+        let spec: phub_worker::FaultSpec = spec
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("rank {}: --inject {spec:?}: {e}", plan.rank))?;
+        config.inject = Some(spec);
     }
     let w = Worker::join_with(&plan.control_url, plan.job, plan.token, plan.rank, config)
         .with_context(|| format!("rank {} joining job {}", plan.rank, plan.job))?;

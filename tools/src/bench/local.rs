@@ -9,6 +9,10 @@
 //! in the same build as the benchmark, so a stale binary in `target/` can
 //! never be measured by mistake. `--bin-dir DIR` runs the real binaries
 //! from DIR instead.
+//!
+//! With `--backend dpdk` the appliance runs on the virtual rack's network
+//! ([`VethNet`]): the dataplane on DPDK's af_packet driver over a veth pair
+//! in a private namespace, control and the workers inside it too.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -16,6 +20,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
+use phub_hwtests::virt::{self, Netns};
 use phub_proto::api::{AdmitResponse, ApiError};
 
 /// A child process stopped with SIGTERM (then SIGKILL) when dropped.
@@ -88,6 +93,47 @@ pub struct LocalOptions {
     pub env: Vec<(String, String)>,
     /// More phub-dataplane arguments, as given.
     pub extra_args: Vec<String>,
+    /// With `backend` `dpdk`: the virtual rack's namespace ([`VethNet`]),
+    /// which the calling thread is inside; the dataplane runs DPDK's
+    /// af_packet driver on its veth pair at [`virt::APPLIANCE_IP`].
+    pub veth: Option<String>,
+}
+
+/// The virtual rack's network for `run --local --backend dpdk`: a private
+/// network namespace holding a veth pair (the tests' set-up,
+/// [`phub_hwtests::virt::veth_link`]); the dataplane runs DPDK's af_packet
+/// driver on one end, the emulated workers use kernel UDP on the other.
+/// The namespace is removed when this is dropped.
+#[derive(Debug)]
+pub struct VethNet {
+    /// The namespace.
+    pub ns: Netns,
+}
+
+impl VethNet {
+    /// Creates `phub-bench-PID` with the veth pair in it; says why not
+    /// (not root, no `ip`, no namespaces).
+    pub fn create() -> Result<VethNet> {
+        if let Some(why) = virt::unavailable() {
+            bail!("--backend dpdk with --local runs on a virtual rack, which {why}");
+        }
+        let ns = Netns::create("bench").map_err(|e| anyhow::anyhow!("creating the namespace: {e}"))?;
+        virt::veth_link(&ns).map_err(|e| anyhow::anyhow!("setting up the veth pair in {}: {e}", ns.name))?;
+        Ok(VethNet { ns })
+    }
+
+    /// Runs `f` on a thread inside the namespace: the processes and threads
+    /// it starts, and the addresses it reaches, are the namespace's.
+    pub fn inside<T: Send>(&self, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                self.ns.try_enter().map_err(|e| anyhow::anyhow!("{e}"))?;
+                f()
+            })
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+        })
+    }
 }
 
 /// A running local appliance.
@@ -181,11 +227,20 @@ impl Local {
         let mgmt_url = format!("http://127.0.0.1:{mgmt}");
         let control_url = format!("http://127.0.0.1:{ctl}");
         let mut args = dp_pre;
+        match (&o.veth, o.backend.as_str()) {
+            (Some(ns), "dpdk") => args.extend([
+                "--host".into(),
+                virt::APPLIANCE_IP.into(),
+                "--base-port".into(),
+                virt::BASE_PORT.to_string(),
+                "--eal".into(),
+                virt::af_packet_eal(o.lcores, ns),
+            ]),
+            _ => args.extend(["--base-port".into(), "0".into()]),
+        }
         args.extend([
             "--backend".into(),
             o.backend.clone(),
-            "--base-port".into(),
-            "0".into(),
             "--lcores".into(),
             o.lcores.to_string(),
             "--mgmt".into(),

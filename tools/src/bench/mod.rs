@@ -6,7 +6,7 @@
 //! - [`local`]: the local appliance (`--local`) as child processes.
 //! - [`ceiling`]: the same-run loopback ceilings the efficiency is stated
 //!   against.
-//! - [`plot`]: the sweep's SVG plot.
+//! - [`plot`]: the sweep's plot (SVG, or PNG rendered from it).
 
 pub mod ceiling;
 pub mod emulate;

@@ -13,7 +13,7 @@ use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::ceiling::{self, Ceilings};
+use super::ceiling::{self, Ceilings, VethCeiling};
 use super::emulate::{self, Event, Outcome, Plan};
 use super::local::{self, Local, LocalOptions};
 use super::plot;
@@ -97,6 +97,12 @@ pub fn parse_sweep(s: &str) -> Result<Sweep, String> {
     })
 }
 
+/// Checks a `--inject` fault spec and writes it out in full.
+pub fn parse_inject(s: &str) -> Result<String, String> {
+    let spec: phub_worker::FaultSpec = s.parse()?;
+    Ok(spec.to_string())
+}
+
 /// `phub-bench run` options.
 #[derive(Debug, Clone, clap::Args, Serialize)]
 pub struct RunArgs {
@@ -142,7 +148,7 @@ pub struct RunArgs {
     /// Repeat the run for each value: workers=1,2,4 | chunk=1024,8192 | lcores=1,2 | window=64,256 | model=A,B.
     #[arg(long, value_parser = parse_sweep)]
     pub sweep: Option<Sweep>,
-    /// Plot round time and goodput against the swept variable (.svg; .png through ImageMagick).
+    /// Plot round time and goodput against the swept variable (.svg, or .png rendered with resvg).
     #[arg(long, value_name = "FILE", requires = "sweep")]
     pub plot: Option<PathBuf>,
     /// Run phub-dataplane and phub-control from DIR instead of this program.
@@ -154,6 +160,9 @@ pub struct RunArgs {
     /// Rounds of each ceiling measurement (the median is used).
     #[arg(long, default_value_t = 3)]
     pub ceiling_rounds: u32,
+    /// Seconds the veth ceiling's senders run (`--local --backend dpdk`).
+    #[arg(long, default_value_t = 3.0)]
+    pub ceiling_secs: f64,
     /// Local dataplane: spin on empty queues.
     #[arg(long)]
     pub busy_poll: bool,
@@ -180,6 +189,11 @@ pub struct RunArgs {
     /// Turn UDP GRO receives off in the workers, the local dataplane and the ceiling.
     #[arg(long)]
     pub no_gro: bool,
+    /// Inject faults: every emulated worker loses, duplicates and reorders
+    /// what it sends and receives at these rates, and with --local so does
+    /// the dataplane (both directions); e.g. `loss=0.05,dup=0.01,reorder=0.01,seed=3`.
+    #[arg(long, value_name = "SPEC", value_parser = parse_inject)]
+    pub inject: Option<String>,
 }
 
 /// One run's figures (one point of a sweep).
@@ -235,6 +249,10 @@ pub struct RunResult {
     pub bound_round_ms: Option<f64>,
     /// The same-run ceilings.
     pub ceilings: Option<Ceilings>,
+    /// `--local --backend dpdk`: the veth path's ceiling (dpdk-testpmd
+    /// rxonly, same senders, same run); `efficiency` is
+    /// `appliance_gbps_in` over its `payload_gbps`.
+    pub veth_ceiling: Option<VethCeiling>,
     /// Wall time of the timed phase (all workers), s.
     pub timed_secs: f64,
     /// CPU seconds of the dataplane process over the timed rounds.
@@ -258,6 +276,10 @@ pub struct RunResult {
     pub first_mismatch: Option<String>,
     /// Worker window, chunks.
     pub window: usize,
+    /// The fault spec injected (`--inject`), in full; null when off.
+    pub inject: Option<String>,
+    /// Faults the workers injected, all workers, warm-up included.
+    pub worker_injected: Injected,
     /// Retransmissions, all workers, warm-up included.
     pub retransmits: u64,
     /// The part of `retransmits` that were fast retransmissions.
@@ -270,6 +292,27 @@ pub struct RunResult {
     pub appliance: Option<Counters>,
     /// Every timed round of every worker, ms (`[rank][round]`).
     pub round_ms: Vec<Vec<f64>>,
+}
+
+/// Datagrams a fault injector lost, duplicated and held back.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub struct Injected {
+    /// Lost.
+    pub drops: u64,
+    /// Duplicated.
+    pub dups: u64,
+    /// Held back behind later ones.
+    pub reorders: u64,
+}
+
+impl std::fmt::Display for Injected {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} lost, {} duplicated, {} reordered",
+            self.drops, self.dups, self.reorders
+        )
+    }
 }
 
 /// Dataplane counter deltas.
@@ -289,6 +332,8 @@ pub struct Counters {
     pub drops: u64,
     /// Drops by reason.
     pub drops_by_reason: std::collections::BTreeMap<String, u64>,
+    /// Faults the dataplane's injector caused (`--inject` with `--local`).
+    pub injected: Injected,
 }
 
 fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
@@ -309,6 +354,9 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
         c.tx_packets += g("tx_packets");
         c.tx_bytes += g("tx_bytes");
         c.results_resent += g("results_resent");
+        c.injected.drops += g("injected_drops");
+        c.injected.dups += g("injected_dups");
+        c.injected.reorders += g("injected_reorders");
         if let Some(m) = l.get("drops").and_then(serde_json::Value::as_object) {
             for (k, v) in m {
                 let v = v.as_u64().unwrap_or(0);
@@ -340,6 +388,11 @@ impl Counters {
                 })
                 .filter(|(_, v)| *v > 0)
                 .collect(),
+            injected: Injected {
+                drops: self.injected.drops.saturating_sub(before.injected.drops),
+                dups: self.injected.dups.saturating_sub(before.injected.dups),
+                reorders: self.injected.reorders.saturating_sub(before.injected.reorders),
+            },
         }
     }
 }
@@ -413,8 +466,19 @@ enum ChildLine {
     Failed(String),
 }
 
-/// Runs one point: ceiling, appliance, job, workers.
+/// Runs one point: ceiling, appliance, job, workers. `--local --backend
+/// dpdk` runs all of it inside the virtual rack's namespace.
 fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
+    if a.backend == Backend::Dpdk && a.control.is_none() {
+        let net = local::VethNet::create()?;
+        return net.inside(|| run_point_here(a, profile, label, Some(&net.ns.name)));
+    }
+    run_point_here(a, profile, label, None)
+}
+
+/// One point, on the calling thread's network (`veth`: the virtual rack's
+/// namespace, which that thread is inside).
+fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str>) -> Result<RunResult> {
     ensure!(
         a.workers >= 1 && a.workers <= 256,
         "--workers {}: expected 1 to 256",
@@ -434,7 +498,8 @@ fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
         .iter()
         .map(|t| t.elements.div_ceil(chunk_elems))
         .sum();
-    let ceilings = if a.no_ceiling {
+    // On the virtual rack the bound is the veth path's, measured after the run.
+    let ceilings = if a.no_ceiling || veth.is_some() {
         None
     } else {
         let c = ceiling::measure(&ceiling::Setup {
@@ -455,6 +520,10 @@ fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
         Some(u) => u.trim_end_matches('/').to_string(),
         None => {
             let budget = phub_proto::layout::job_bytes(&parsed) + (64 << 20);
+            let mut extra_args = a.dataplane_arg.clone();
+            if let Some(spec) = &a.inject {
+                extra_args.extend(["--inject".to_string(), spec.clone()]);
+            }
             let l = Local::start(&LocalOptions {
                 lcores: a.lcores,
                 backend: a.backend.name().to_string(),
@@ -463,7 +532,8 @@ fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
                 busy_poll: a.busy_poll,
                 no_pin: a.no_pin,
                 socket_buffer: a.socket_buffer,
-                extra_args: a.dataplane_arg.clone(),
+                veth: veth.map(str::to_string),
+                extra_args,
                 env: [("PHUB_UDP_GSO", a.no_gso), ("PHUB_UDP_GRO", a.no_gro)]
                     .into_iter()
                     .filter(|(_, off)| *off)
@@ -492,6 +562,56 @@ fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
     local::evict(&control_url, admitted.id, token.as_deref());
     if let Some(l) = local {
         l.stop();
+    }
+    match (r, veth) {
+        (Ok(r), Some(ns)) if !a.no_ceiling => Ok(with_veth_ceiling(a, profile, chunk_elems, r, ns)),
+        (r, _) => r,
+    }
+}
+
+/// `--local --backend dpdk`: the veth path's ceiling, measured now (the
+/// dataplane has stopped) on the same port with the same senders, and the
+/// efficiency as phub's gradient ingress over it. A ceiling that cannot be
+/// measured leaves the efficiency null and says why.
+fn with_veth_ceiling(
+    a: &RunArgs,
+    profile: &Profile,
+    chunk_elems: u64,
+    mut r: RunResult,
+    ns: &str,
+) -> RunResult {
+    let datagrams = profile
+        .tensors
+        .iter()
+        .flat_map(|t| {
+            (0..t.elements.div_ceil(chunk_elems)).map(move |c| {
+                let elems = (t.elements - c * chunk_elems).min(chunk_elems);
+                phub_proto::wire::HEADER_LEN + elems as usize * 4
+            })
+        })
+        .collect();
+    let setup = ceiling::VethSetup {
+        workers: a.workers,
+        lcores: a.lcores,
+        datagrams,
+        secs: a.ceiling_secs,
+        gso: !a.no_gso,
+        pin: !a.no_pin,
+        ns: ns.to_string(),
+    };
+    match ceiling::veth_testpmd(&setup) {
+        Ok(c) => {
+            r.efficiency = r
+                .appliance_gbps_in
+                .filter(|_| c.payload_gbps > 0.0)
+                .map(|g| g / c.payload_gbps);
+            r.efficiency_bound = "veth -> dpdk-testpmd rxonly, same senders, same run".into();
+            r.veth_ceiling = Some(c);
+        }
+        Err(e) => {
+            eprintln!("phub-bench: no veth ceiling: {e:#}");
+            r.efficiency_bound = format!("none: the veth ceiling could not be measured: {e:#}");
+        }
     }
     r
 }
@@ -534,6 +654,7 @@ fn drive(
             exchange: a.api == Api::Exchange,
             gso: !a.no_gso,
             gro: !a.no_gro,
+            inject: a.inject.clone(),
         })
         .collect();
     let mut threads = Vec::new();
@@ -751,6 +872,7 @@ fn drive(
         efficiency_bound,
         bound_round_ms,
         ceilings,
+        veth_ceiling: None,
         timed_secs,
         appliance_cpu_s,
         appliance_cpu_s_per_gb: match (appliance_cpu_s, &counters) {
@@ -765,6 +887,12 @@ fn drive(
         mismatches: outcomes.iter().map(|o| o.mismatches).sum(),
         first_mismatch: outcomes.iter().find_map(|o| o.first_mismatch.clone()),
         window: outcomes.first().map_or(0, |o| o.window),
+        inject: a.inject.clone(),
+        worker_injected: Injected {
+            drops: outcomes.iter().map(|o| o.stats.injected_drops).sum(),
+            dups: outcomes.iter().map(|o| o.stats.injected_dups).sum(),
+            reorders: outcomes.iter().map(|o| o.stats.injected_reorders).sum(),
+        },
         retransmits: outcomes.iter().map(|o| o.stats.retransmits).sum(),
         fast_retransmits: outcomes.iter().map(|o| o.stats.fast_retransmits).sum(),
         chunks_sent: outcomes.iter().map(|o| o.stats.chunks_sent).sum(),
@@ -810,7 +938,7 @@ fn context(a: &RunArgs) -> RunContext<'_> {
             "*_ms": "milliseconds",
             "goodput_gbps": "model bytes (f32) per second per worker, at the median round",
             "appliance_gbps_in/out": "UDP payload bytes the dataplane received/sent per second over the timed rounds",
-            "efficiency": "bound_round_ms / round_ms_median",
+            "efficiency": "bound_round_ms / round_ms_median; with --local --backend dpdk: appliance_gbps_in / veth_ceiling.payload_gbps",
             "appliance_cpu_s_per_gb": "dataplane CPU seconds (user + system) per 1e9 bytes received",
         }),
     }
@@ -862,6 +990,12 @@ fn print_table(points: &[RunResult]) {
     }
     if let Some(r) = points.first() {
         println!("bound: {}", r.efficiency_bound);
+        if let Some(c) = &r.veth_ceiling {
+            println!(
+                "same-run veth ceiling for the first row: {:.3} GB/s of UDP payload into dpdk-testpmd rxonly ({})",
+                c.payload_gbps, c.senders
+            );
+        }
         if let Some(c) = &r.ceilings {
             println!(
                 "same-run ceilings for the first row: UDP echo {:.1} ms/round ({}), TCP echo {:.1} ms/round",
@@ -873,12 +1007,49 @@ fn print_table(points: &[RunResult]) {
         );
         println!("dp cpu / wk cpu = CPU ms per timed round of the dataplane process / of all workers");
     }
+    for r in points.iter().filter(|r| r.inject.is_some()) {
+        println!("{}", fault_summary(r));
+    }
+}
+
+/// What fault injection did in one run, and how the protocol recovered.
+fn fault_summary(r: &RunResult) -> String {
+    let mut s = format!(
+        "faults injected ({}), W={} {}: workers {} (all rounds); ",
+        r.inject.as_deref().unwrap_or("off"),
+        r.workers,
+        r.model,
+        r.worker_injected
+    );
+    match &r.appliance {
+        Some(c) => s.push_str(&format!(
+            "dataplane {} (timed rounds), {} results resent, {} duplicate pushes dropped; ",
+            c.injected,
+            c.results_resent,
+            c.drops_by_reason.get("duplicate").copied().unwrap_or(0)
+        )),
+        None => s.push_str("dataplane counters unavailable; "),
+    }
+    s.push_str(&format!(
+        "workers retransmitted {} chunks ({} fast) and ignored {} duplicate results",
+        r.retransmits, r.fast_retransmits, r.results_ignored
+    ));
+    s
 }
 
 /// `phub-bench run`.
 pub fn run(a: &RunArgs) -> Result<()> {
+    if let Some(path) = &a.plot {
+        plot::check(path)?; // a bad name or a missing font fails before the runs
+    }
     if a.backend == Backend::Dpdk && a.control.is_none() {
         eprintln!("phub-bench: --backend dpdk: the dataplane decides whether it was built with DPDK");
+    }
+    if let (Some(spec), Some(_)) = (&a.inject, &a.control) {
+        eprintln!(
+            "phub-bench: --inject {spec}: in the workers only (the appliance at --control was started \
+             elsewhere; give its phub-dataplane --inject for the other side)"
+        );
     }
     let points: Vec<(String, RunArgs)> = match &a.sweep {
         None => vec![(a.model.clone(), a.clone())],
@@ -985,5 +1156,17 @@ mod tests {
         assert!(parse_sweep("speed=1").unwrap_err().contains("accepted"));
         assert!(parse_sweep("workers=0").is_err());
         assert!(parse_sweep("workers=").is_err());
+    }
+
+    #[test]
+    fn inject_specs_are_checked_and_written_in_full() {
+        assert_eq!(
+            parse_inject("loss=0.05,seed=3").unwrap(),
+            "loss=0.05,dup=0,reorder=0,seed=3"
+        );
+        let full = parse_inject("loss=0.05,dup=0.01,reorder=0.01,seed=3").unwrap();
+        assert_eq!(parse_inject(&full).unwrap(), full);
+        assert!(parse_inject("loss=2").unwrap_err().contains("[0, 1)"));
+        assert!(parse_inject("jitter=1").unwrap_err().contains("accepted"));
     }
 }

@@ -52,7 +52,7 @@ enum Command {
     /// Aggregation kernels (every family x every dtype) vs read-only pass and memcpy, one core.
     Kernels(KernelsArgs),
     /// W emulated workers exchange a model with an appliance: round time, goodput, efficiency.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// One emulated worker process (started by `run --procs`).
     #[command(hide = true)]
     BenchWorker {

@@ -1,0 +1,208 @@
+//! What the DPDK dataplane benchmarks share (`dpdk_ring_bench`,
+//! `dpdk_memif_gen`): the job (W = 8 workers, `sum`, one f32 key cut into
+//! one slot per chunk), the push frames (Ethernet/IPv4/UDP + phub header +
+//! payload) from each worker, a generator that sends them round after
+//! round as indirect mbufs over per-(slot, rank) templates, and the
+//! engine's kernel-only figure (the same pushes handed to a `Shard` from
+//! memory, no packet I/O).
+
+use std::net::Ipv4Addr;
+use std::time::Instant;
+
+use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
+use phub_dataplane::kernels::{self, Kernels};
+use phub_dataplane::{JobInstall, Shard};
+use phub_ffi::{Mbuf, Mempool};
+use phub_proto::layout::SlotChunk;
+use phub_proto::spec::Optimizer;
+use phub_proto::wire::{self, field, MsgType, Repr, HEADER_LEN};
+use phub_proto::Dtype;
+
+/// Workers.
+pub(crate) const W: u16 = 8;
+/// The dataplane's address (what the pushes are sent to).
+pub(crate) const US: Ipv4Addr = Ipv4Addr::new(10, 79, 0, 1);
+/// The dataplane's UDP port (lcore 0).
+pub(crate) const BASE_PORT: u16 = 7900;
+/// Job id and token.
+pub(crate) const JOB: u16 = 1;
+pub(crate) const TOKEN: u64 = 7;
+/// Bytes in front of the phub header: Ethernet + IPv4 + UDP.
+pub(crate) const L2_L4: usize = 42;
+/// Where the phub header's round field sits in a frame.
+pub(crate) const ROUND_AT: usize = L2_L4 + field::ROUND.start;
+/// Pushes per burst.
+pub(crate) const BURST: usize = 32;
+
+/// The job as the engine installs it on its one lcore: slot `s` is chunk
+/// `s` of key 0 (what `phub_proto::layout` gives for one key on one lcore).
+pub(crate) fn job(elems: u32, slots: usize) -> JobInstall {
+    JobInstall {
+        id: JOB,
+        token: TOKEN,
+        workers: W,
+        dtype: Dtype::F32,
+        optimizer: Optimizer::Sum,
+        slots: (0..slots as u32)
+            .map(|s| SlotChunk {
+                key: 0,
+                chunk: s,
+                elems,
+            })
+            .collect(),
+    }
+}
+
+/// Worker `rank`'s address.
+pub(crate) fn from(rank: u16) -> PeerAddr {
+    PeerAddr {
+        mac: [2, 0, 0, 0, 9, rank as u8],
+        ip: Ipv4Addr::new(10, 79, 0, 10 + rank as u8),
+        port: 40000,
+    }
+}
+
+/// Worker `rank`'s frame for `slot` in `round` (round 0: INIT).
+pub(crate) fn push(slot: usize, rank: u16, round: u32, vals: &[f32]) -> Vec<u8> {
+    let repr = Repr {
+        kind: if round == 0 { MsgType::Init } else { MsgType::Push },
+        dtype: Dtype::F32,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        rank,
+        count: vals.len() as u16,
+        error: 0,
+        round,
+        slot: slot as u32,
+        key: 0,
+        chunk: slot as u32,
+    };
+    let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
+    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+    kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
+    frame::udp_frame(&from(rank), [2, 0, 0, 0, 0, 1], US, BASE_PORT, &b)
+}
+
+/// A chunk's gradient values.
+pub(crate) fn values(elems: usize) -> Vec<f32> {
+    (0..elems).map(|e| (e % 13) as f32).collect()
+}
+
+/// Every INIT frame (round 0), slot by slot, rank by rank: rank 0 carries
+/// the values, the others nothing.
+pub(crate) fn init_frames(slots: usize, vals: &[f32]) -> impl Iterator<Item = Vec<u8>> + '_ {
+    (0..slots)
+        .flat_map(|s| (0..W).map(move |r| (s, r)))
+        .map(move |(s, r)| push(s, r, 0, if r == 0 { vals } else { &[][..] }))
+}
+
+/// Sends PUSH rounds without copying gradients: each (slot, rank) has one
+/// template frame in an mbuf, and each push is an indirect mbuf attached to
+/// it. A template's round number is rewritten only once no push of it is
+/// in flight (its refcount is back to 1).
+pub(crate) struct Generator {
+    templates: Vec<Mbuf>,
+    indirect: Mempool,
+    batch: Vec<Mbuf>,
+    round: u32,
+    /// Times a template was still in flight when its next push was due.
+    pub(crate) waits: u64,
+}
+
+impl Generator {
+    /// Templates for `slots` slots from `frames` (data room for a whole
+    /// frame), pushes from `indirect`.
+    pub(crate) fn new(frames: &Mempool, indirect: Mempool, slots: usize, vals: &[f32]) -> Generator {
+        let templates = (0..slots)
+            .flat_map(|s| (0..W).map(move |r| (s, r)))
+            .map(|(s, r)| {
+                let mut m = frames.alloc().expect("an mbuf for a template frame");
+                assert!(
+                    m.extend_from_slice(&push(s, r, 1, vals)),
+                    "a template fits its mbuf"
+                );
+                m
+            })
+            .collect();
+        Generator {
+            templates,
+            indirect,
+            batch: Vec::with_capacity(BURST),
+            round: 1,
+            waits: 0,
+        }
+    }
+
+    /// Pushes sent per round.
+    pub(crate) fn per_round(&self) -> usize {
+        self.templates.len()
+    }
+
+    /// One round: every template once, in bursts of [`BURST`] handed to
+    /// `send`, which must take the whole batch (and may do other work, such
+    /// as draining what comes back). `send` is also called, with what is
+    /// batched so far (perhaps nothing), while a template is in flight.
+    pub(crate) fn round(&mut self, send: &mut impl FnMut(&mut Vec<Mbuf>)) {
+        let round = self.round;
+        for tm in self.templates.iter_mut() {
+            let d = loop {
+                match tm.data_mut() {
+                    Some(d) => break d,
+                    None => {
+                        self.waits += 1;
+                        send(&mut self.batch);
+                    }
+                }
+            };
+            d[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+            self.batch
+                .push(Mbuf::indirect(&self.indirect, tm).expect("indirect mbufs"));
+            if self.batch.len() == BURST {
+                send(&mut self.batch);
+            }
+        }
+        self.round += 1;
+    }
+
+    /// Hands over what is still batched.
+    pub(crate) fn flush(&mut self, send: &mut impl FnMut(&mut Vec<Mbuf>)) {
+        if !self.batch.is_empty() {
+            send(&mut self.batch);
+        }
+    }
+}
+
+/// The engine alone: the same pushes (W workers, `slots` slots of `chunk`
+/// bytes) handed to a `Shard` from memory for `secs` seconds, on the
+/// calling thread. Returns (pushes, seconds).
+pub(crate) fn kernel_only(chunk: usize, slots: usize, secs: f64) -> (u64, f64) {
+    let elems = chunk / 4;
+    let vals = values(elems);
+    let mut k: Shard<PeerAddr> = Shard::new(0, Kernels::best());
+    k.install(job(elems as u32, slots))
+        .expect("installing the kernel-only job");
+    for f in init_frames(slots, &vals) {
+        k.handle(from(0), &f[L2_L4..], 1);
+    }
+    k.clear_transmits();
+    let mut tmpl: Vec<Vec<u8>> = (0..slots)
+        .flat_map(|s| (0..W).map(move |r| (s, r)))
+        .map(|(s, r)| push(s, r, 1, &vals))
+        .collect();
+    let t = Instant::now();
+    let mut kp = 0u64;
+    let mut round = 1u32;
+    while t.elapsed().as_secs_f64() < secs {
+        for (i, f) in tmpl.iter_mut().enumerate() {
+            f[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+            k.handle(from((i % usize::from(W)) as u16), &f[L2_L4..], 1);
+            kp += 1;
+            if i % usize::from(W) == usize::from(W) - 1 {
+                k.clear_transmits();
+            }
+        }
+        round += 1;
+    }
+    (kp, t.elapsed().as_secs_f64())
+}

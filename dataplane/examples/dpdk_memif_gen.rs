@@ -1,0 +1,510 @@
+//! A traffic generator in its own process, attached as memif client to a
+//! memif server: `phub-dataplane --backend dpdk` (the real binary, one data
+//! lcore) or `dpdk-testpmd` (the packet I/O ceiling over the same device).
+//!
+//! It sends W = 8 workers' PUSHes for S slots, round after round, as fast
+//! as the memif ring takes them, each push an indirect mbuf over a
+//! per-(slot, rank) template frame (no gradient copy in the generator; the
+//! memif PMD itself copies frames into its shared-memory buffers), and
+//! drains and frees whatever comes back (the dataplane's results, or
+//! testpmd's forwarded frames). With the dataplane it first installs the
+//! job through the management API and sends round 0 (INIT).
+//!
+//! Figures over a timed window after a warm-up:
+//! - dataplane: pushes aggregated, rx packets and busy/idle polls from the
+//!   dataplane's own counters (`GET /v1/stats` at both ends of the window),
+//!   and the generator's count of results received (each completed round
+//!   of a slot sends one result to each of the W workers);
+//! - testpmd: frames sent and frames that came back, counted here.
+//!
+//! Then the engine's kernel-only figure (the same pushes handed to a Shard
+//! from memory, no packet I/O), in this process, on this CPU, after the I/O
+//! phase. The last line starts with `RESULT` and is what
+//! `tools/bench-dpdk-memif.sh` reads.
+//!
+//! `dpdk_memif_gen --peer dataplane|testpmd [--chunk 8192] [--seconds 3] [--slots 512] [--cpu 1] ...`
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, ValueEnum};
+use common::{Generator, JOB, TOKEN, W};
+use phub_dataplane::kernels::Kernels;
+use phub_ffi::{Mbuf, Mempool, PortBuilder, RxQueue, TxQueue};
+use phub_proto::api::{DataplaneStats, InstallJob, LcoreStats};
+use phub_proto::layout;
+use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use phub_proto::Dtype;
+
+/// What serves the memif socket.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Peer {
+    /// phub-dataplane --backend dpdk (job installed through --mgmt).
+    Dataplane,
+    /// dpdk-testpmd forwarding every frame back (io mode).
+    Testpmd,
+}
+
+/// Feeds pre-built PUSH frames into a memif server.
+#[derive(Debug, Parser)]
+#[command(name = "dpdk_memif_gen")]
+struct Args {
+    /// What serves the memif socket.
+    #[arg(long, value_enum)]
+    peer: Peer,
+    /// Gradient bytes per chunk (one frame).
+    #[arg(long, default_value_t = 8192)]
+    chunk: usize,
+    /// Length of the timed window, seconds.
+    #[arg(long, default_value_t = 3.0)]
+    seconds: f64,
+    /// Warm-up before the window, seconds.
+    #[arg(long, default_value_t = 0.5)]
+    warmup: f64,
+    /// Length of the kernel-only run, seconds (0: skip it).
+    #[arg(long, default_value_t = 3.0)]
+    kernel_seconds: f64,
+    /// Slots (chunks) of the job: W pushes per slot per round.
+    #[arg(long, default_value_t = 512)]
+    slots: usize,
+    /// The memif server's socket.
+    #[arg(long, default_value = "/run/phub-bench-memif.sock")]
+    socket: String,
+    /// memif buffer size in bytes (0: the next power of two that holds a whole frame).
+    #[arg(long, default_value_t = 0)]
+    bsize: u32,
+    /// log2 of the memif ring size.
+    #[arg(long, default_value_t = 10)]
+    rsize: u32,
+    /// The dataplane's management API.
+    #[arg(long, default_value = "127.0.0.1:7800")]
+    mgmt: SocketAddr,
+    /// The CPU this process runs on (EAL main lcore).
+    #[arg(long, default_value_t = 1)]
+    cpu: usize,
+    /// Once frames flow, make this thread SCHED_FIFO at this priority (0: stay as started).
+    /// Started whole under `chrt -f`, EAL start-up can stall for minutes on 2 CPUs.
+    #[arg(long, default_value_t = 0)]
+    rt_priority: i32,
+    /// EAL --file-prefix of this process.
+    #[arg(long, default_value = "phub-memif-gen")]
+    file_prefix: String,
+}
+
+/// memif buffer size for frames of a `chunk`-byte gradient: the next power
+/// of two holding the whole frame (Ethernet + IPv4 + UDP + phub header), so
+/// every frame is one memif descriptor and one mbuf on the far side.
+fn memif_bsize(chunk: usize) -> u32 {
+    ((phub_dataplane::backend::dpdk::FRAME_HEADER + chunk) as u32)
+        .next_power_of_two()
+        .max(2048)
+}
+
+/// Makes the calling thread SCHED_FIFO at `prio`.
+fn realtime(prio: i32) -> Result<()> {
+    let p = libc::sched_param { sched_priority: prio };
+    // SAFETY: a plain system call on the calling thread (id 0) with a valid
+    // parameter block that outlives it.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &p) };
+    if rc != 0 {
+        bail!(
+            "sched_setscheduler(SCHED_FIFO, {prio}): {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    Ok(())
+}
+
+/// One HTTP/1.1 request to the management API; returns status and body.
+fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
+    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
+        .with_context(|| format!("connecting to the management API at {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    let mut resp = String::new();
+    s.read_to_string(&mut resp)
+        .with_context(|| format!("reading the answer to {method} {path}"))?;
+    let status = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .with_context(|| format!("{method} {path}: no HTTP status in {resp:?}"))?;
+    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
+    Ok((status, body))
+}
+
+fn stats(mgmt: SocketAddr) -> Result<LcoreStats> {
+    let (status, body) = http(mgmt, "GET", "/v1/stats", "")?;
+    if status != 200 {
+        bail!("GET /v1/stats: {status} {body}");
+    }
+    let s: DataplaneStats = serde_json::from_str(&body).context("parsing /v1/stats")?;
+    if s.lcores.len() != 1 {
+        bail!(
+            "the dataplane has {} lcores; this benchmark drives one (--lcores 1)",
+            s.lcores.len()
+        );
+    }
+    Ok(s.lcores[0].clone())
+}
+
+/// The job through the management API: one f32 key of `slots` chunks,
+/// `sum`, W workers; on one lcore chunk s is slot s (checked).
+fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
+    let spec = JobSpec {
+        name: "memif-bench".into(),
+        workers: u32::from(W),
+        dtype: Dtype::F32,
+        chunk_bytes: chunk as u32,
+        optimizer: Optimizer::Sum,
+        consistency: Consistency::Sync,
+        keys: vec![KeySpec {
+            name: "g".into(),
+            elements: (slots * chunk / 4) as u64,
+        }],
+        checkpoint_interval_s: None,
+    };
+    spec.validate().context("the benchmark's job spec")?;
+    let layout = layout::layout(&spec, &mut [0]);
+    let want = common::job((chunk / 4) as u32, slots).slots;
+    if layout.lcores[0] != want {
+        bail!("the layout does not put chunk s in slot s; the frames would address the wrong slots");
+    }
+    let req = InstallJob {
+        id: JOB,
+        token: TOKEN,
+        spec,
+        layout,
+    };
+    let (status, body) = http(
+        mgmt,
+        "PUT",
+        &format!("/v1/jobs/{JOB}"),
+        &serde_json::to_string(&req)?,
+    )?;
+    if status != 201 {
+        bail!("installing job {JOB}: {status} {body}");
+    }
+    Ok(())
+}
+
+/// The memif port's queues and what went through them.
+struct Io {
+    rx: RxQueue,
+    tx: TxQueue,
+    buf: Vec<Option<Mbuf>>,
+    sent: u64,
+    received: u64,
+    /// Bursts the ring took none of.
+    full: u64,
+}
+
+impl Io {
+    /// Frees what came back.
+    fn drain(&mut self) {
+        loop {
+            let n = self.rx.rx_burst(&mut self.buf);
+            self.received += n as u64;
+            if n < self.buf.len() {
+                break;
+            }
+        }
+    }
+
+    /// Sends the whole batch, draining what comes back meanwhile. Panics
+    /// if the peer takes nothing for 5 s (it is gone).
+    fn send(&mut self, batch: &mut Vec<Mbuf>) {
+        let mut stalled: Option<Instant> = None;
+        loop {
+            let n = self.tx.tx_burst(batch);
+            self.sent += n as u64;
+            self.drain();
+            if batch.is_empty() {
+                return;
+            }
+            if n == 0 {
+                self.full += 1;
+                let t = *stalled.get_or_insert_with(Instant::now);
+                assert!(
+                    t.elapsed() < Duration::from_secs(5),
+                    "the memif peer took no frame for 5 s (gone, or not connected)"
+                );
+                // Under `chrt -f` this thread would otherwise starve the
+                // threads that share its CPU at the same priority: EAL's
+                // interrupt thread, which runs the memif handshake (here
+                // and in the server), and the dataplane's management
+                // thread. Before the link is up, wait for it.
+                if self.sent == 0 {
+                    std::thread::sleep(Duration::from_millis(1));
+                } else {
+                    std::thread::yield_now();
+                }
+            } else {
+                stalled = None;
+            }
+        }
+    }
+}
+
+/// Counts at one end of the timed window.
+struct Mark {
+    at: Instant,
+    sent: u64,
+    received: u64,
+    dp: Option<LcoreStats>,
+}
+
+fn mark(io: &Io, peer: Peer, mgmt: SocketAddr) -> Result<Mark> {
+    let (sent, received) = (io.sent, io.received);
+    let before = Instant::now();
+    let dp = match peer {
+        Peer::Dataplane => Some(stats(mgmt)?),
+        Peer::Testpmd => None,
+    };
+    // The counters were read somewhere inside the request.
+    let at = before + before.elapsed() / 2;
+    Ok(Mark {
+        at,
+        sent,
+        received,
+        dp,
+    })
+}
+
+fn main() -> Result<()> {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
+    let a = Args::parse();
+    if a.chunk % 64 != 0 || a.chunk < 64 || a.chunk > 8192 {
+        bail!("--chunk {}: expected a multiple of 64 from 64 to 8192", a.chunk);
+    }
+    let elems = a.chunk / 4;
+    let bsize = if a.bsize == 0 {
+        memif_bsize(a.chunk)
+    } else {
+        a.bsize
+    };
+    let vdev = format!(
+        "--vdev=net_memif0,role=client,socket={},socket-abstract=no,bsize={bsize},rsize={}",
+        a.socket, a.rsize
+    );
+    let lcores = format!("0@{}", a.cpu);
+    let eal_args = [
+        "--no-huge",
+        "-m",
+        "1024",
+        "--no-pci",
+        "--no-shconf",
+        "--no-telemetry",
+        "--file-prefix",
+        &a.file_prefix,
+        "--lcores",
+        &lcores,
+        "--log-level",
+        "warning",
+        &vdev,
+    ];
+    let eal = phub_ffi::eal::init(&eal_args).context("starting the generator's EAL")?;
+    let port_id = eal
+        .port_by_name("net_memif0")
+        .context("no net_memif0 port (the --vdev did not make one)")?;
+    let frame_room = (phub_dataplane::backend::dpdk::FRAME_HEADER + a.chunk) as u16 + 128;
+    let templates_n = a.slots as u32 * u32::from(W);
+    let frames = Mempool::pktmbuf(
+        eal,
+        "gfr",
+        templates_n + 1024,
+        0,
+        frame_room.max(2048 + 128),
+        None,
+    )
+    .context("the template pool")?;
+    let indirect = Mempool::pktmbuf(eal, "gind", 8192, 256, 0, None).context("the indirect pool")?;
+    let rx_pool = Mempool::pktmbuf(eal, "grx", 4096, 256, 9216 + 128, None)
+        .context("the pool for frames coming back")?;
+    let (port, mut rxq, mut txq) = PortBuilder::new(eal, port_id)
+        .rx_pool(rx_pool)
+        .descriptors(1024, 1024)
+        .mtu(9000)
+        .build()
+        .context("starting the memif client port (is the server up on the socket?)")?;
+    let mut io = Io {
+        rx: rxq.remove(0),
+        tx: txq.remove(0),
+        buf: (0..64).map(|_| None).collect(),
+        sent: 0,
+        received: 0,
+        full: 0,
+    };
+    let vals = common::values(elems);
+
+    if a.peer == Peer::Dataplane {
+        install(a.mgmt, a.chunk, a.slots)?;
+        // Round 0 (INIT) by copy; the first burst also waits for the link.
+        let mut batch = Vec::with_capacity(common::BURST);
+        for f in common::init_frames(a.slots, &vals) {
+            let mut m = frames.alloc().context("an mbuf for an INIT frame")?;
+            assert!(m.extend_from_slice(&f), "an INIT frame fits its mbuf");
+            batch.push(m);
+            if batch.len() == common::BURST {
+                io.send(&mut batch);
+            }
+        }
+        io.send(&mut batch);
+        let t = Instant::now();
+        loop {
+            io.drain();
+            let s = stats(a.mgmt)?;
+            if s.rounds_completed >= a.slots as u64 {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(10) {
+                bail!(
+                    "round 0 did not complete on every slot within 10 s: {} of {} slots; dataplane counters {s:?}",
+                    s.rounds_completed,
+                    a.slots
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+    // What an empty poll of the lcore costs, with nothing arriving: turns
+    // the window's count of empty polls into time.
+    let idle_ns = if a.peer == Peer::Dataplane {
+        let (t0, s0) = (Instant::now(), stats(a.mgmt)?);
+        std::thread::sleep(Duration::from_millis(300));
+        let (t1, s1) = (Instant::now(), stats(a.mgmt)?);
+        let polls = (s1.idle_loops - s0.idle_loops).max(1);
+        t1.duration_since(t0).as_nanos() as f64 / polls as f64
+    } else {
+        f64::NAN
+    };
+
+    let mut generator = Generator::new(&frames, indirect, a.slots, &vals);
+    let t = Instant::now();
+    let mut rt = a.rt_priority == 0;
+    while t.elapsed().as_secs_f64() < a.warmup || !rt {
+        generator.round(&mut |b| io.send(b));
+        if !rt {
+            // The first round has gone out: the link is up.
+            realtime(a.rt_priority)?;
+            rt = true;
+        }
+    }
+    let m0 = mark(&io, a.peer, a.mgmt)?;
+    while m0.at.elapsed().as_secs_f64() < a.seconds {
+        generator.round(&mut |b| io.send(b));
+    }
+    let m1 = mark(&io, a.peer, a.mgmt)?;
+    generator.flush(&mut |b| io.send(b));
+    // Let what is in flight come back.
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_millis(100) {
+        io.drain();
+    }
+    let dt = m1.at.duration_since(m0.at).as_secs_f64();
+    let chunk = a.chunk as f64;
+    let sent_pps = (m1.sent - m0.sent) as f64 / dt;
+    let back_pps = (m1.received - m0.received) as f64 / dt;
+    let ps = port.stats().unwrap_or_default();
+
+    let (k_pushes, k_secs) = if a.kernel_seconds > 0.0 {
+        common::kernel_only(a.chunk, a.slots, a.kernel_seconds)
+    } else {
+        (0, 1.0)
+    };
+    let k_pps = k_pushes as f64 / k_secs;
+    let k_gbs = k_pps * chunk / 1e9;
+    let ratio = |gbs: f64| if k_gbs > 0.0 { gbs / k_gbs } else { f64::NAN };
+
+    println!(
+        "chunk {} B, W {W}, {} slots ({} pushes a round), memif bsize {bsize} rsize {}, kernels {}",
+        a.chunk,
+        a.slots,
+        generator.per_round(),
+        a.rsize,
+        Kernels::best().kind().name()
+    );
+    println!(
+        "generator: {:.3} Mpps sent, {:.3} Mpps came back, over {dt:.2} s; tx bursts refused whole {}, template waits {}; memif client port: ipackets {} opackets {} ierrors {} oerrors {} rx_nombuf {}",
+        sent_pps / 1e6,
+        back_pps / 1e6,
+        io.full,
+        generator.waits,
+        ps.ipackets,
+        ps.opackets,
+        ps.ierrors,
+        ps.oerrors,
+        ps.rx_nombuf
+    );
+    println!(
+        "kernel-only (engine from memory, this process, after the I/O phase): {:.3} Mpps, {:.2} GB/s",
+        k_pps / 1e6,
+        k_gbs
+    );
+    match (a.peer, m0.dp, m1.dp) {
+        (Peer::Dataplane, Some(d0), Some(d1)) => {
+            let pushes = d1.pushes_aggregated - d0.pushes_aggregated;
+            let pps = pushes as f64 / dt;
+            let gbs = pps * chunk / 1e9;
+            let rounds = (m1.received - m0.received) as f64 / f64::from(W) / a.slots as f64;
+            let busy = d1.busy_loops - d0.busy_loops;
+            let idle = d1.idle_loops - d0.idle_loops;
+            // Share of the window's time the lcore spent on non-empty polls.
+            let busy_time = (1.0 - idle as f64 * idle_ns / 1e9 / dt).max(0.0);
+            let drops: u64 = d1.drops.values().sum();
+            println!(
+                "dataplane (its /v1/stats): {:.3} Mpps, {gbs:.2} GB/s gradient input ({pushes} pushes, rx {} packets, rounds completed {}), lcore polls busy {busy} idle {idle} (an empty poll costs {idle_ns:.0} ns with no traffic: about {:.0}% of the time on non-empty polls), drops since start {drops} {:?}",
+                pps / 1e6,
+                d1.rx_packets - d0.rx_packets,
+                d1.rounds_completed - d0.rounds_completed,
+                100.0 * busy_time,
+                d1.drops
+            );
+            println!(
+                "generator's count: {rounds:.1} full rounds of {} slots completed ({:.3} Mpps of results)",
+                a.slots,
+                back_pps / 1e6
+            );
+            println!("ratio dataplane / kernel-only = {:.2}", ratio(gbs));
+            println!(
+                "RESULT peer=dataplane chunk={} mpps={:.3} gbs={gbs:.2} gen_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={:.2} busy={busy_time:.2} drops={drops}",
+                a.chunk,
+                pps / 1e6,
+                back_pps / 1e6,
+                ratio(gbs)
+            );
+            let (status, body) = http(a.mgmt, "DELETE", &format!("/v1/jobs/{JOB}"), "")?;
+            if status != 204 {
+                log::warn!("removing job {JOB}: {status} {body}");
+            }
+        }
+        (Peer::Testpmd, _, _) => {
+            let gbs = back_pps * chunk / 1e9;
+            println!(
+                "testpmd io-forwarding ceiling: {:.3} Mpps forwarded back, {gbs:.2} GB/s of chunk payload",
+                back_pps / 1e6
+            );
+            println!(
+                "RESULT peer=testpmd chunk={} mpps={:.3} gbs={gbs:.2} sent_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={:.2}",
+                a.chunk,
+                back_pps / 1e6,
+                sent_pps / 1e6,
+                ratio(gbs)
+            );
+        }
+        _ => unreachable!("the dataplane marks carry its counters"),
+    }
+    drop(generator);
+    drop(io);
+    drop(port);
+    drop(frames);
+    Ok(())
+}

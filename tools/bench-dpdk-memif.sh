@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The DPDK dataplane alone over memif (BENCHMARKS.md, "DPDK dataplane alone,
+# over memif"). For each chunk size and run, three steps, one after the
+# other, with the same generator and the same frames:
+#
+#  1. phub-dataplane --backend dpdk --lcores 1 as memif server (its data lcore
+#     on CPU 0, its main/management thread on CPU 1), and the generator
+#     (dataplane/examples/dpdk_memif_gen.rs) as memif client on CPU 1: it
+#     installs the job through the management API, sends W = 8 workers'
+#     pushes round after round, and reads Mpps, GB/s and busy/idle polls
+#     from the dataplane's /v1/stats over the timed window;
+#  2. the engine's kernel-only figure, in the generator process on CPU 1
+#     right after step 1's I/O phase (same pushes, from memory);
+#  3. dpdk-testpmd --forward-mode=io as memif server on the same device
+#     settings (forwarding lcore on CPU 0), fed by the same generator: the
+#     packet I/O ceiling (the generator also prints a kernel-only figure
+#     there, not used in the table).
+#
+# The three spinning threads (the dataplane's data lcore, testpmd's
+# forwarding lcore, the generator) run under `chrt -f 10` (RT= to turn it
+# off): on this 2-vCPU VM other jobs would otherwise time-slice with them.
+# Every process starts as an ordinary one and only those threads are made
+# real-time once they are up (the servers' rte-worker-1 with chrt -p, the
+# generator by itself once its first round has gone out): started whole
+# under chrt, EAL start-up on 2 CPUs stalled for minutes (threads created
+# on a CPU where a same-priority FIFO thread spins never run). The
+# generator yields its CPU whenever the memif ring is full.
+#
+#   tools/bench-dpdk-memif.sh                      # 8 KiB and 1 KiB, 3 runs each
+#   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
+#
+# Needs root (chrt, /run), 2 CPUs, DPDK 22.11 with dpdk-testpmd (tools/setup.sh).
+# Cleans up its processes, the socket and /var/run/dpdk/<prefix> on exit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+RUNS=${RUNS:-3}
+SECS=${SECS:-3}
+SLOTS=${SLOTS:-512}
+CHUNKS=${CHUNKS:-"8192 1024"}
+RT=${RT-10}
+SOCK=${SOCK:-/run/phub-bench-memif.sock}
+MGMT=${MGMT:-127.0.0.1:7877}
+DP_PREFIX=phub-memif-dp
+TP_PREFIX=phub-memif-tp
+GEN_PREFIX=phub-memif-gen
+LOGS=$(mktemp -d /tmp/phub-memif-bench.XXXXXX)
+GEN=target/release/examples/dpdk_memif_gen
+DP=target/release/phub-dataplane
+
+if [ "${NO_BUILD:-}" = "" ]; then
+  cargo build --release -q -p phub-dataplane --example dpdk_memif_gen
+  cargo build --release -q -p phub --bin phub-dataplane
+fi
+command -v dpdk-testpmd >/dev/null || { echo "dpdk-testpmd not found (apt-get install dpdk-dev)" >&2; exit 1; }
+
+PEER_PID=""
+FIFO=""
+cleanup() {
+  if [ -n "$FIFO" ]; then
+    exec 3>&-
+    rm -f "$FIFO"
+    FIFO=""
+  fi
+  if [ -n "$PEER_PID" ] && kill -0 "$PEER_PID" 2>/dev/null; then
+    kill -INT "$PEER_PID" 2>/dev/null || true
+    for _ in $(seq 50); do kill -0 "$PEER_PID" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$PEER_PID" 2>/dev/null || true
+    wait "$PEER_PID" 2>/dev/null || true
+  fi
+  PEER_PID=""
+  rm -f "$SOCK"
+  rm -rf "/var/run/dpdk/$DP_PREFIX" "/var/run/dpdk/$TP_PREFIX" "/var/run/dpdk/$GEN_PREFIX"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# memif buffer: the next power of two holding a whole frame (128 B of headers).
+bsize() { local b=2048; while [ "$b" -lt $(($1 + 128)) ]; do b=$((b * 2)); done; echo $b; }
+# `key=value` from a RESULT line.
+field() { tr ' ' '\n' <<<"$1" | sed -n "s/^$2=//p"; }
+load() { cut -d' ' -f1 /proc/loadavg; }
+# Makes a server's data lcore thread (EAL's rte-worker-1) real-time.
+rt_lcore() { # pid
+  [ -n "$RT" ] || return 0
+  local f
+  for f in /proc/"$1"/task/*/comm; do
+    if [ "$(cat "$f" 2>/dev/null)" = rte-worker-1 ]; then
+      chrt -f -p "$RT" "$(basename "$(dirname "$f")")"
+      return 0
+    fi
+  done
+  echo "no rte-worker-1 thread in process $1" >&2
+  exit 1
+}
+
+generator() { # peer chunk log
+  taskset -c 1 "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
+    --slots "$SLOTS" --socket "$SOCK" --mgmt "$MGMT" --cpu 1 --file-prefix "$GEN_PREFIX" >"$3" 2>&1 \
+    || { echo "generator ($1, chunk $2) failed; its log, $3:" >&2; tail -20 "$3" >&2; exit 1; }
+}
+
+dataplane_step() { # chunk bsize log
+  local vdev="--vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2"
+  rm -f "$SOCK"
+  "$DP" --backend dpdk --lcores 1 --host 10.79.0.1 --base-port 7900 --mgmt "$MGMT" \
+    --memory-budget 256MiB \
+    --eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@1,1@0 $vdev" \
+    >"$3.dp" 2>&1 &
+  PEER_PID=$!
+  for _ in $(seq 100); do
+    curl -sf "http://$MGMT/v1/info" >/dev/null 2>&1 && break
+    kill -0 "$PEER_PID" 2>/dev/null || { echo "phub-dataplane exited; its log:" >&2; cat "$3.dp" >&2; exit 1; }
+    sleep 0.1
+  done
+  rt_lcore "$PEER_PID"
+  generator dataplane "$1" "$3"
+  cleanup
+}
+
+testpmd_step() { # chunk bsize log
+  local vdev="--vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2"
+  rm -f "$SOCK"
+  FIFO=$(mktemp -u /tmp/phub-memif-fifo.XXXXXX)
+  mkfifo "$FIFO"
+  # testpmd exits when its stdin closes (fd 3 below).
+  dpdk-testpmd --no-huge -m 1024 --no-pci --no-shconf --no-telemetry --file-prefix "$TP_PREFIX" \
+    --lcores=0@1,1@0 "$vdev" -- --forward-mode=io --auto-start --rxd=1024 --txd=1024 \
+    --mbuf-size=16512 --total-num-mbufs=8192 <"$FIFO" >"$3.tp" 2>&1 &
+  PEER_PID=$!
+  exec 3>"$FIFO"
+  # The memif device must be started before the client connects: a client
+  # that arrives earlier is refused ("ID 0 not found") and does not retry.
+  for _ in $(seq 200); do
+    grep -q "Press enter to exit" "$3.tp" && break
+    kill -0 "$PEER_PID" 2>/dev/null || { echo "dpdk-testpmd exited; its log:" >&2; cat "$3.tp" >&2; exit 1; }
+    sleep 0.1
+  done
+  rt_lcore "$PEER_PID"
+  generator testpmd "$1" "$3"
+  exec 3>&-
+  for _ in $(seq 50); do kill -0 "$PEER_PID" 2>/dev/null || break; sleep 0.1; done
+  cleanup
+}
+
+echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit $(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes'), logs in $LOGS"
+echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
+rows=()
+for chunk in $CHUNKS; do
+  b=$(bsize "$chunk")
+  for run in $(seq "$RUNS"); do
+    l0=$(load)
+    dataplane_step "$chunk" "$b" "$LOGS/dp-$chunk-$run.log"
+    testpmd_step "$chunk" "$b" "$LOGS/tp-$chunk-$run.log"
+    d=$(grep '^RESULT' "$LOGS/dp-$chunk-$run.log")
+    t=$(grep '^RESULT' "$LOGS/tp-$chunk-$run.log")
+    dg=$(field "$d" gbs)
+    tg=$(field "$t" gbs)
+    rows+=("$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |' \
+      "$chunk" "$run" "$(field "$d" mpps)" "$dg" "$(field "$d" gen_mpps)" "$(field "$d" kernel_gbs)" \
+      "$(field "$d" ratio)" "$(field "$d" busy)" "$(field "$t" mpps)" "$tg" \
+      "$(awk -v a="$dg" -v b="$tg" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')") load $l0")
+    echo "${rows[-1]}"
+  done
+done
+echo
+echo "| chunk B | run | dataplane Mpps | dataplane GB/s | results back Mpps | kernel-only GB/s | dataplane / kernel-only | lcore busy time (est.) | testpmd Mpps | testpmd GB/s | dataplane / testpmd |"
+echo "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+for r in "${rows[@]}"; do echo "${r% load *}"; done
