@@ -29,7 +29,9 @@ lint: setup
 
 # PHUB_RACK=virtual: hwtests/ runs its lab-rack suite on a virtual rack of
 # namespaces and veth pairs (needs root, as CI has; skips with a reason
-# without it).
+# without it). The tests run the binaries this cargo test builds
+# (target/debug), never a release build left from earlier.
+unit: export PHUB_BIN_DIR = $(CURDIR)/target/debug
 unit: setup
 	PHUB_RACK=virtual $(CARGO) test --workspace
 
