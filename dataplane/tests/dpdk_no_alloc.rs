@@ -6,9 +6,9 @@
 
 #![cfg(feature = "dpdk")]
 
-use std::alloc::{GlobalAlloc, Layout, System};
+mod common;
+
 use std::net::Ipv4Addr;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
@@ -24,32 +24,8 @@ use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call unchanged to the system allocator; the only
-// addition is a relaxed counter increment, which cannot affect soundness.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for `l`.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: `p` was allocated by `System` with layout `l` (above).
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: `p` came from `System` with layout `l`; the caller upholds
-        // `realloc`'s contract for the new size.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: common::Counting = common::Counting;
 
 const US: Ipv4Addr = Ipv4Addr::new(10, 78, 0, 1);
 const W: u16 = 4;
@@ -57,26 +33,8 @@ const N: usize = 2048;
 
 #[test]
 fn dpdk_receive_aggregate_and_send_allocates_nothing() {
-    let args = [
-        "--no-huge",
-        "-m",
-        "256",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        "phub-dpdk-noalloc-test",
-        "--lcores",
-        "0@(0-1)",
-        "--log-level",
-        "warning",
-    ];
-    let eal = match phub_ffi::eal::init(&args) {
-        Ok(e) => e,
-        Err(e) => {
-            println!("SKIPPED: the DPDK EAL cannot start here: {e}");
-            return;
-        }
+    let Some(eal) = common::test_eal("phub-dpdk-noalloc-test", 256, "0@(0-1)") else {
+        return;
     };
     let rx = Ring::create(eal, "narx", 256, None).unwrap();
     let tx = Ring::create(eal, "natx", 256, None).unwrap();
@@ -188,11 +146,11 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
         n
     };
     sent_total += round_trip(0, &mut q, &mut shard);
-    let before = ALLOCS.load(Ordering::Relaxed);
+    let before = common::allocations();
     for round in 1..=20 {
         sent_total += round_trip(round, &mut q, &mut shard);
     }
-    let after = ALLOCS.load(Ordering::Relaxed);
+    let after = common::allocations();
     assert_eq!(
         sent_total,
         21 * usize::from(W),

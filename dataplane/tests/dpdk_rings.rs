@@ -10,6 +10,8 @@
 
 #![cfg(feature = "dpdk")]
 
+mod common;
+
 use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
@@ -28,27 +30,7 @@ const BASE: u16 = 7900;
 const LCORES: usize = 2;
 
 fn eal() -> Option<Eal> {
-    let args = [
-        "--no-huge",
-        "-m",
-        "512",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        "phub-dpdk-rings-test",
-        "--lcores",
-        "(0-2)@(0-1)",
-        "--log-level",
-        "warning",
-    ];
-    match phub_ffi::eal::init(&args) {
-        Ok(e) => Some(e),
-        Err(e) => {
-            println!("SKIPPED: the DPDK EAL cannot start here: {e}");
-            None
-        }
-    }
+    common::test_eal("phub-dpdk-rings-test", 512, "(0-2)@(0-1)")
 }
 
 fn worker(rank: u16) -> PeerAddr {

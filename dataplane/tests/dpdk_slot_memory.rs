@@ -11,6 +11,8 @@
 
 #![cfg(feature = "dpdk")]
 
+mod common;
+
 use std::net::Ipv4Addr;
 use std::sync::Arc;
 
@@ -30,27 +32,7 @@ use phub_proto::Dtype;
 const OVERHEAD_PER_SLOT: u64 = 512;
 
 fn eal() -> Option<Eal> {
-    let args = [
-        "--no-huge",
-        "-m",
-        "128",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        "phub-dpdk-slotmem-test",
-        "--lcores",
-        "(0-2)@(0-1)",
-        "--log-level",
-        "warning",
-    ];
-    match phub_ffi::eal::init(&args) {
-        Ok(e) => Some(e),
-        Err(e) => {
-            println!("SKIPPED: the DPDK EAL cannot start here: {e}");
-            None
-        }
-    }
+    common::test_eal("phub-dpdk-slotmem-test", 128, "(0-2)@(0-1)")
 }
 
 fn heap(eal: Eal) -> HeapStats {

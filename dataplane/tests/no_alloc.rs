@@ -1,8 +1,7 @@
 //! The data path does not allocate: rounds of pushes, completions, resends
 //! and drops, handled and drained, leave the allocation count where it was.
 
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+mod common;
 
 use phub_dataplane::kernels::{self, Kernels};
 use phub_dataplane::{JobInstall, Shard};
@@ -11,32 +10,8 @@ use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
-struct Counting;
-
-static ALLOCS: AtomicU64 = AtomicU64::new(0);
-
-// SAFETY: forwards every call unchanged to the system allocator; the only
-// addition is a relaxed counter increment, which cannot affect soundness.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for `l`.
-        unsafe { System.alloc(l) }
-    }
-    unsafe fn dealloc(&self, p: *mut u8, l: Layout) {
-        // SAFETY: `p` was allocated by `System` with layout `l` (above).
-        unsafe { System.dealloc(p, l) }
-    }
-    unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
-        // SAFETY: `p` came from `System` with layout `l`; the caller upholds
-        // `realloc`'s contract for the new size.
-        unsafe { System.realloc(p, l, n) }
-    }
-}
-
 #[global_allocator]
-static GLOBAL: Counting = Counting;
+static GLOBAL: common::Counting = common::Counting;
 
 #[test]
 fn handling_and_draining_allocates_nothing() {
@@ -95,7 +70,7 @@ fn handling_and_draining_allocates_nothing() {
             }
             packets.push((0, vec![0u8; 10])); // truncated garbage
         }
-        let before = ALLOCS.load(Ordering::Relaxed);
+        let before = common::allocations();
         let mut sent = 0u64;
         for (rank, p) in &packets {
             shard.handle(*rank, p, 0);
@@ -104,7 +79,7 @@ fn handling_and_draining_allocates_nothing() {
             }
             shard.clear_transmits();
         }
-        let after = ALLOCS.load(Ordering::Relaxed);
+        let after = common::allocations();
         assert!(sent > 0);
         assert_eq!(shard.counters().rounds_completed.get(), 20);
         assert_eq!(
