@@ -40,7 +40,7 @@ fn appliance<'a>(rack: &VirtualRack, enter: &'a (dyn Fn() + Sync)) -> Appliance<
 #[test]
 fn dpdk_loss_duplication_and_reordering_leave_the_result_exact() {
     for (i, loss) in ["0.01", "0.05", "0.2"].iter().enumerate() {
-        let faults = format!("loss={loss},dup=0.02,reorder=0.02,seed={i}");
+        let faults = format!("loss={loss},dup=0.02,reorder=0.02,delay=0.02,delay_ms=3,seed={i}");
         let Some(rack) = rack(&format!("inject{i}"), false, &format!("--inject {faults}")) else {
             return;
         };
@@ -51,15 +51,18 @@ fn dpdk_loss_duplication_and_reordering_leave_the_result_exact() {
         let injected: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
         let dups: u64 = d.lcores.iter().map(|l| l.injected_dups).sum();
         let reorders: u64 = d.lcores.iter().map(|l| l.injected_reorders).sum();
+        let delays: u64 = d.lcores.iter().map(|l| l.injected_delays).sum();
         println!(
-            "{faults}: injected {injected} losses, {dups} duplicates, {reorders} reorders; {} results resent, \
+            "{faults}: injected {injected} losses, {dups} duplicates, {reorders} reorders, {delays} delays; \
+             {} results resent, \
              {} duplicates dropped",
             d.lcores.iter().map(|l| l.results_resent).sum::<u64>(),
             scenarios::drops(&d, "duplicate")
         );
         assert!(
-            injected > 0 && dups > 0 && reorders > 0,
-            "{faults}: the injector did nothing on DPDK: {injected} lost, {dups} duplicated, {reorders} reordered"
+            injected > 0 && dups > 0 && reorders > 0 && delays > 0,
+            "{faults}: the injector did nothing on DPDK: {injected} lost, {dups} duplicated, {reorders} reordered, \
+             {delays} delayed"
         );
         scenarios::assert_recovered(&faults, &d, &phubctl);
     }

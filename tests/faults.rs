@@ -1,8 +1,8 @@
 //! Faults on the whole appliance (kernel UDP on loopback): a dataplane crash
 //! recovered from a checkpoint, phub-control killed and restarted while
 //! workers train, a worker killed mid-round that rejoins, and
-//! the other job going on meanwhile; loss, duplication and reordering
-//! injected in the dataplane and in the workers. The scenario bodies are
+//! the other job going on meanwhile; loss, duplication, reordering and
+//! delay injected in the dataplane and in the workers. The scenario bodies are
 //! `phub_hwtests::scenarios`, which `tests/dpdk_faults.rs` runs on the DPDK
 //! backend too.
 
@@ -75,16 +75,18 @@ fn loss_duplication_and_reordering_leave_the_result_exact() {
 /// Loss in the workers' transport as well as in the dataplane: every
 /// datagram is exposed to the loss rate twice on its way (once leaving,
 /// once arriving), and training still ends exactly where the loss-free
-/// computation does.
+/// computation does. Every run also delays 2% of datagrams by 3 ms on
+/// both sides (a run this small delays only a few, or none: hence all three).
 #[test]
 fn faults_on_both_sides_leave_the_result_exact() {
     // Counters over the three runs: at 1% loss a run this small may lose
     // nothing on one side.
     let mut workers = WorkerStats::default();
-    let (mut injected, mut resent, mut dups) = (0, 0, 0);
+    let (mut injected, mut resent, mut dups, mut delays) = (0, 0, 0, 0);
     for (i, loss) in ["0.01", "0.05", "0.2"].iter().enumerate() {
-        let dataplane = format!("loss={loss},dup=0.02,reorder=0.02,seed={i}");
-        let worker: FaultSpec = format!("loss={loss},dup=0.02,reorder=0.02,seed={}", 10 + i)
+        let delay = "delay=0.02,delay_ms=3";
+        let dataplane = format!("loss={loss},dup=0.02,reorder=0.02,{delay},seed={i}");
+        let worker: FaultSpec = format!("loss={loss},dup=0.02,reorder=0.02,{delay},seed={}", 10 + i)
             .parse()
             .unwrap();
         let label = format!("dataplane {dataplane}, workers {worker}");
@@ -106,7 +108,9 @@ fn faults_on_both_sides_leave_the_result_exact() {
             t.workers.injected_reorders,
             t.workers.retransmits
         );
-        (injected, resent, dups) = (injected + i, resent + r, dups + d);
+        let dl: u64 = t.dataplane.lcores.iter().map(|l| l.injected_delays).sum();
+        eprintln!("  delayed: dataplane {dl}, workers {}", t.workers.injected_delays);
+        (injected, resent, dups, delays) = (injected + i, resent + r, dups + d, delays + dl);
         if *loss == "0.2" {
             // The dataplane and phubctl show the resent results and the
             // duplicate drops.
@@ -117,11 +121,12 @@ fn faults_on_both_sides_leave_the_result_exact() {
         workers.injected_drops > 0
             && workers.injected_dups > 0
             && workers.injected_reorders > 0
+            && workers.injected_delays > 0
             && workers.retransmits > 0,
         "workers: {workers:?}"
     );
     assert!(
-        injected > 0 && resent > 0 && dups > 0,
-        "dataplane: {injected} lost, {resent} resent, {dups} duplicates"
+        injected > 0 && resent > 0 && dups > 0 && delays > 0,
+        "dataplane: {injected} lost, {resent} resent, {dups} duplicates, {delays} delayed"
     );
 }

@@ -77,6 +77,8 @@ pub struct ShardCounters {
     pub injected_dups: Counter,
     /// Received packets the fault injector held back (tests only).
     pub injected_reorders: Counter,
+    /// Received packets the fault injector delayed (tests only).
+    pub injected_delays: Counter,
 }
 
 /// Why a frame was dropped before it reached the engine: the Ethernet,

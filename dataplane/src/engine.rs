@@ -506,8 +506,12 @@ impl<A: Copy> Iterator for Destinations<'_, A> {
                     self.again = Some(a);
                     return Some(a);
                 }
-                // Sends cannot be held back here; the network reorders.
-                Fate::Deliver | Fate::Reorder => return Some(a),
+                // Sends cannot be held back here: this iterator only names
+                // destinations while the backend sends a payload borrowed
+                // from slot memory, which nothing here may copy or keep. So
+                // a reordered or delayed send goes out now (the network
+                // reorders; received packets are held back and delayed).
+                Fate::Deliver | Fate::Reorder | Fate::Delay => return Some(a),
             }
         }
     }

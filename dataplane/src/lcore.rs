@@ -6,7 +6,12 @@
 //! spins (busy polling, for an appliance whose lcores own their cores) or
 //! waits in the backend for up to `idle_wait`, so a small shared machine
 //! stays usable.
+//!
+//! With fault injection on, a received datagram may be held back: until
+//! after the next burst (reordered) or until its hold time has passed
+//! (delayed; the wait in the backend never runs past the first one due).
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,12 +99,24 @@ pub fn run<Io: PacketIo>(
     shard.set_tx_faults(opts.faults.map(|f| Faults::new(f, 2 * lcore + 1)));
     // Datagrams the injector held back, delivered after the next burst.
     let mut held: Vec<(Io::Addr, Vec<u8>)> = Vec::new();
+    // Datagrams the injector delayed, with the clock time they are due at.
+    // One hold time for all, so arrival order is also due order.
+    let mut delayed: VecDeque<(u64, Io::Addr, Vec<u8>)> = VecDeque::new();
+    let delay_ns = opts.faults.map_or(0, |f| f.delay_time().as_nanos() as u64);
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd);
         }
         let now = clock.now();
         let released = std::mem::take(&mut held);
+        // Never wait past the first delayed datagram's time (rounded up to
+        // whole milliseconds, as the UDP backend waits).
+        let wait = match (wait, delayed.front()) {
+            (Some(w), Some(&(due, _, _))) => {
+                Some(w.min(Duration::from_millis(due.saturating_sub(now).div_ceil(1_000_000))))
+            }
+            (w, _) => w,
+        };
         let n = match &rx_faults {
             None => io.rx_burst(wait, &mut |from, datagram| {
                 shard.handle(from, datagram, now);
@@ -118,10 +135,22 @@ pub fn run<Io: PacketIo>(
                     counters.injected_reorders.inc();
                     held.push((from, datagram.to_vec()));
                 }
+                Fate::Delay => {
+                    counters.injected_delays.inc();
+                    delayed.push_back((now + delay_ns, from, datagram.to_vec()));
+                }
             })?,
         };
         for (from, datagram) in &released {
             shard.handle(*from, datagram, now);
+        }
+        if !delayed.is_empty() {
+            let now = clock.now();
+            while delayed.front().is_some_and(|d| d.0 <= now) {
+                if let Some((_, from, datagram)) = delayed.pop_front() {
+                    shard.handle(from, &datagram, now);
+                }
+            }
         }
         if shard.has_transmits() {
             let r = io.tx_burst(&shard, &counters);

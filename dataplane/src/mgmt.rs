@@ -383,6 +383,7 @@ pub fn lcore_stats(lcore: u16, c: &ShardCounters) -> LcoreStats {
         injected_drops: c.injected_drops.get(),
         injected_dups: c.injected_dups.get(),
         injected_reorders: c.injected_reorders.get(),
+        injected_delays: c.injected_delays.get(),
     }
 }
 

@@ -210,6 +210,7 @@ pub fn add_worker_counts(a: &mut WorkerStats, b: &WorkerStats) {
     a.injected_drops += b.injected_drops;
     a.injected_dups += b.injected_dups;
     a.injected_reorders += b.injected_reorders;
+    a.injected_delays += b.injected_delays;
 }
 
 /// [`sgd_exact_through_faults`], the workers injecting `worker_faults` on

@@ -347,6 +347,10 @@ pub struct LcoreStats {
     /// Received packets the fault injector reordered (only with `--inject`).
     #[serde(default)]
     pub injected_reorders: u64,
+    /// Received packets the fault injector delayed (only with `--inject`
+    /// and `delay=`).
+    #[serde(default)]
+    pub injected_delays: u64,
 }
 
 /// One job as the dataplane sees it.

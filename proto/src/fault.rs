@@ -1,10 +1,12 @@
 //! Seeded fault injection for tests and soaks: decides, packet by packet,
-//! whether a datagram is delivered, lost, duplicated or held back
-//! (reordered). The same description is used by the dataplane's backends
-//! and the worker library's transport; both are off unless configured.
+//! whether a datagram is delivered, lost, duplicated, held back for one turn
+//! of the receiver's loop (reordered) or held back for a time (delayed).
+//! The same description is used by the dataplane's backends and the worker
+//! library's transport; both are off unless configured.
 //!
-//! Written `loss=0.05,dup=0.01,reorder=0.01,seed=7` (any subset; rates in
-//! [0, 1), their sum below 1).
+//! Written `loss=0.05,dup=0.01,reorder=0.01,delay=0.01,delay_ms=3,seed=7`
+//! (any subset; rates in [0, 1), their sum below 1; `delay_ms`, the time a
+//! delayed packet is held, in 1..=1000, 2 when not given).
 
 use std::cell::Cell;
 use std::str::FromStr;
@@ -20,10 +22,17 @@ pub enum Fate {
     Duplicate,
     /// Is held back and arrives after later packets.
     Reorder,
+    /// Is held back for [`FaultSpec::delay_ms`] and arrives then.
+    Delay,
 }
 
+/// The hold time of a delayed packet when `delay_ms` is not given.
+pub const DEFAULT_DELAY_MS: u32 = 2;
+/// The longest hold time `delay_ms` accepts.
+pub const MAX_DELAY_MS: u32 = 1000;
+
 /// Rates of each fault and the seed.
-#[derive(Debug, Clone, Copy, PartialEq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub struct FaultSpec {
     /// Probability a packet is lost.
     pub loss: f64,
@@ -31,9 +40,37 @@ pub struct FaultSpec {
     pub dup: f64,
     /// Probability a packet is reordered.
     pub reorder: f64,
+    /// Probability a packet is delayed by `delay_ms`.
+    pub delay: f64,
+    /// How long a delayed packet is held, in milliseconds (1..=1000).
+    pub delay_ms: u32,
     /// Seed of the generator.
     pub seed: u64,
 }
+
+impl Default for FaultSpec {
+    /// No faults (and the default hold time for delayed packets).
+    fn default() -> FaultSpec {
+        FaultSpec {
+            loss: 0.0,
+            dup: 0.0,
+            reorder: 0.0,
+            delay: 0.0,
+            delay_ms: DEFAULT_DELAY_MS,
+            seed: 0,
+        }
+    }
+}
+
+impl FaultSpec {
+    /// How long a delayed packet is held.
+    pub fn delay_time(&self) -> std::time::Duration {
+        std::time::Duration::from_millis(u64::from(self.delay_ms))
+    }
+}
+
+/// The names a spec accepts, for error messages.
+const ACCEPTED: &str = "loss, dup, reorder, delay, delay_ms, seed";
 
 impl FromStr for FaultSpec {
     type Err = String;
@@ -43,7 +80,7 @@ impl FromStr for FaultSpec {
         for part in s.split(',').map(str::trim).filter(|p| !p.is_empty()) {
             let (k, v) = part
                 .split_once('=')
-                .ok_or_else(|| format!("fault {part:?}: expected NAME=VALUE (loss, dup, reorder, seed)"))?;
+                .ok_or_else(|| format!("fault {part:?}: expected NAME=VALUE ({ACCEPTED})"))?;
             let rate = || -> Result<f64, String> {
                 let x: f64 = v
                     .parse()
@@ -58,20 +95,28 @@ impl FromStr for FaultSpec {
                 "loss" => f.loss = rate()?,
                 "dup" => f.dup = rate()?,
                 "reorder" => f.reorder = rate()?,
+                "delay" => f.delay = rate()?,
+                "delay_ms" => {
+                    f.delay_ms = v
+                        .parse()
+                        .ok()
+                        .filter(|ms| (1..=MAX_DELAY_MS).contains(ms))
+                        .ok_or_else(|| {
+                            format!("fault delay_ms={v}: expected whole milliseconds in 1..={MAX_DELAY_MS}")
+                        })?
+                }
                 "seed" => {
                     f.seed = v
                         .parse()
                         .map_err(|_| format!("fault seed={v}: expected an integer"))?
                 }
-                _ => {
-                    return Err(format!(
-                        "fault {k:?}: unknown; accepted: loss, dup, reorder, seed"
-                    ))
-                }
+                _ => return Err(format!("fault {k:?}: unknown; accepted: {ACCEPTED}")),
             }
         }
-        if f.loss + f.dup + f.reorder >= 1.0 {
-            return Err(format!("faults {s:?}: loss + dup + reorder must stay below 1"));
+        if f.loss + f.dup + f.reorder + f.delay >= 1.0 {
+            return Err(format!(
+                "faults {s:?}: loss + dup + reorder + delay must stay below 1"
+            ));
         }
         Ok(f)
     }
@@ -79,11 +124,12 @@ impl FromStr for FaultSpec {
 
 impl std::fmt::Display for FaultSpec {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "loss={},dup={},reorder={},seed={}",
-            self.loss, self.dup, self.reorder, self.seed
-        )
+        write!(f, "loss={},dup={},reorder={}", self.loss, self.dup, self.reorder)?;
+        // Left out when off, so specs without delay read as they always did.
+        if self.delay != 0.0 || self.delay_ms != DEFAULT_DELAY_MS {
+            write!(f, ",delay={},delay_ms={}", self.delay, self.delay_ms)?;
+        }
+        write!(f, ",seed={}", self.seed)
     }
 }
 
@@ -131,6 +177,8 @@ impl Faults {
             Fate::Duplicate
         } else if u < s.loss + s.dup + s.reorder {
             Fate::Reorder
+        } else if u < s.loss + s.dup + s.reorder + s.delay {
+            Fate::Delay
         } else {
             Fate::Deliver
         }
@@ -143,29 +191,56 @@ mod tests {
 
     #[test]
     fn parses_and_draws_at_the_asked_rates() {
-        let spec: FaultSpec = "loss=0.2, dup=0.1,reorder=0.05,seed=3".parse().unwrap();
-        assert_eq!(spec.seed, 3);
+        let spec: FaultSpec = "loss=0.2, dup=0.1,reorder=0.05,delay=0.15,seed=3"
+            .parse()
+            .unwrap();
+        assert_eq!((spec.seed, spec.delay_ms), (3, DEFAULT_DELAY_MS));
         let f = Faults::new(spec, 1);
         let n = 100_000;
-        let mut counts = [0usize; 4];
+        let mut counts = [0usize; 5];
         for _ in 0..n {
             counts[match f.fate() {
                 Fate::Deliver => 0,
                 Fate::Drop => 1,
                 Fate::Duplicate => 2,
                 Fate::Reorder => 3,
+                Fate::Delay => 4,
             }] += 1;
         }
         let rate = |i: usize| counts[i] as f64 / n as f64;
-        assert!(
-            (rate(1) - 0.2).abs() < 0.01 && (rate(2) - 0.1).abs() < 0.01 && (rate(3) - 0.05).abs() < 0.01
-        );
+        for (i, want) in [(0, 0.5), (1, 0.2), (2, 0.1), (3, 0.05), (4, 0.15)] {
+            assert!(
+                (rate(i) - want).abs() < 0.01,
+                "fate {i}: rate {} (asked {want})",
+                rate(i)
+            );
+        }
         // Same seed and stream, same sequence.
         let (a, b) = (Faults::new(spec, 9), Faults::new(spec, 9));
         assert!((0..100).all(|_| a.fate() == b.fate()));
-        for bad in ["loss=1.5", "loss", "colour=0.1", "loss=0.6,dup=0.5", "seed=x"] {
+        for bad in [
+            "loss=1.5",
+            "loss",
+            "colour=0.1",
+            "loss=0.6,dup=0.5",
+            "loss=0.5,delay=0.5",
+            "delay=1",
+            "seed=x",
+            "delay_ms=x",
+        ] {
             assert!(bad.parse::<FaultSpec>().is_err(), "{bad}");
         }
+        // The hold time is named with its range when out of it.
+        for bad in ["delay_ms=0", "delay_ms=5000", "delay_ms=-1", "delay_ms=1.5"] {
+            let e = bad.parse::<FaultSpec>().unwrap_err();
+            assert!(e.contains(bad) && e.contains("1..=1000"), "{bad}: {e}");
+        }
+        let e = "jitter=1".parse::<FaultSpec>().unwrap_err();
+        assert!(e.contains("delay, delay_ms"), "{e}");
+        let spec: FaultSpec = "delay=0.1,delay_ms=1000".parse().unwrap();
+        assert_eq!((spec.delay, spec.delay_ms), (0.1, 1000));
+        assert_eq!(spec.delay_time(), std::time::Duration::from_secs(1));
+        assert_eq!("delay_ms=1".parse::<FaultSpec>().unwrap().delay_ms, 1);
         assert_eq!("".parse::<FaultSpec>().unwrap(), FaultSpec::default());
     }
 
@@ -174,6 +249,9 @@ mod tests {
         // The worker's and phub-bench's configurations travel as this text.
         for text in [
             "loss=0.05,dup=0.01,reorder=0.01,seed=3",
+            "loss=0.05,dup=0.01,reorder=0.01,delay=0.02,delay_ms=3,seed=3",
+            "delay=0.5",
+            "delay_ms=999",
             "loss=0.2",
             "seed=18446744073709551615",
             "",
@@ -181,5 +259,10 @@ mod tests {
             let spec: FaultSpec = text.parse().unwrap();
             assert_eq!(spec.to_string().parse::<FaultSpec>().unwrap(), spec, "{text}");
         }
+        // Without delay the text reads as it did before delay existed.
+        assert_eq!(
+            "loss=0.05,seed=3".parse::<FaultSpec>().unwrap().to_string(),
+            "loss=0.05,dup=0,reorder=0,seed=3"
+        );
     }
 }

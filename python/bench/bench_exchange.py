@@ -163,8 +163,9 @@ def main() -> None:
     ap.add_argument("--profile", default="resnet50", help="resnet50 (default) or uniform:K:N")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--lcores", type=int, default=2, help="dataplane queues")
-    ap.add_argument("--window", type=int, default=64, help="phub worker window (chunks in flight)")
+    ap.add_argument("--lcores", type=int, default=1, help="dataplane queues (phub-bench's default: 1)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="phub worker window, chunks in flight (default: the library picks it from the job)")
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--busy-poll", action="store_true", help="dataplane lcores spin")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
@@ -177,7 +178,7 @@ def main() -> None:
     total = sum(n for _, n in sizes)
     print(f"phub vs gloo: one step's gradient exchange, {a.profile} ({len(sizes)} tensors, {total:,} floats, "
           f"{4 * total / 1e6:.1f} MB), W={a.workers} processes on this machine ({os.cpu_count()} CPUs), "
-          f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window}, "
+          f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window or 'auto'}, "
           f"{a.lcores} dataplane lcores, "
           f"torch {torch.__version__}", flush=True)
     with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll) as app:

@@ -310,8 +310,9 @@ impl Worker {
     /// ``retransmits``, ``results_accepted``, ``results_ignored``,
     /// ``foreign_dropped``, ``errors``, ``timeouts``, ``srtt_us``,
     /// ``rto_us``, ``bytes_sent``, ``bytes_received``, and the datagrams
-    /// fault injection lost, duplicated and reordered (``injected_drops``,
-    /// ``injected_dups``, ``injected_reorders``; 0 unless
+    /// fault injection lost, duplicated, reordered and delayed
+    /// (``injected_drops``, ``injected_dups``, ``injected_reorders``,
+    /// ``injected_delays``; 0 unless
     /// ``PHUB_WORKER_INJECT`` is set).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
@@ -331,6 +332,7 @@ impl Worker {
             ("injected_drops", s.injected_drops),
             ("injected_dups", s.injected_dups),
             ("injected_reorders", s.injected_reorders),
+            ("injected_delays", s.injected_delays),
         ] {
             d.set_item(k, v)?;
         }

@@ -2,25 +2,30 @@
 //! off unless [`WorkerConfig::inject`](crate::WorkerConfig::inject) (or
 //! `PHUB_WORKER_INJECT`) asks for it, and then every datagram the I/O
 //! thread sends and every datagram it receives gets a fate from a seeded
-//! [`Faults`]: delivered, lost, duplicated, or held back and delivered after
-//! later ones (reordered).
+//! [`Faults`]: delivered, lost, duplicated, held back and delivered after
+//! later ones (reordered), or held back for the spec's `delay_ms` (delayed).
 //!
 //! Fates are drawn per datagram, before the datagrams are grouped into UDP
 //! GSO trains on the way out and after GRO trains are split on the way in
 //! ([`crate::net`] hands the I/O thread single datagrams), so GSO and GRO
 //! stay on and a train is never lost or duplicated as a whole.
 //!
-//! Held back means: a send is held for one turn of the I/O loop and goes
+//! Reordered means: a send is held for one turn of the I/O loop and goes
 //! out after what that turn sends (at most about one 1 ms tick later while
 //! requests are in flight); a receive is handled after the next batch the
-//! socket gives (likewise). This is also the delay model: `FaultSpec` has no
-//! separate delay.
+//! socket gives (likewise). Delayed means: a send goes out, and a receive is
+//! handled, at the first turn of the I/O loop once `delay_ms` has passed
+//! since it was sent or received; the loop's wait is bounded by
+//! [`Injector::next_due`] so that turn comes in time. Time is a parameter
+//! here (the I/O thread passes its clock), so the tests need no sleeps.
 //!
 //! Off, the I/O thread pays one branch on an `Option` per batch sent and
 //! per datagram received.
 
+use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use phub_proto::fault::{Fate, FaultSpec, Faults};
 
@@ -54,9 +59,33 @@ pub(crate) struct Injector {
     tx_held: Vec<Held>,
     /// Sends held back in the previous turn, sent at the end of this one.
     tx_due: Vec<Held>,
+    /// Sends delayed, with when they are due. One hold time for all, so
+    /// the order they were sent in is also the order they are due in.
+    tx_delayed: VecDeque<(Instant, Held)>,
     /// Receives held back, handled after the next batch.
     rx_held: Vec<Held>,
+    /// Receives delayed, with when they are due (in due order, likewise).
+    rx_delayed: VecDeque<(Instant, Held)>,
+    /// The hold time of a delayed datagram.
+    delay: Duration,
     stats: Arc<Counters>,
+}
+
+/// A copy of `d`'s bytes, to hold.
+fn copy(d: &Datagram<'_>) -> Held {
+    let mut bytes = Vec::with_capacity(d.len());
+    bytes.extend_from_slice(d.head);
+    bytes.extend_from_slice(d.body);
+    Held { addr: d.to, bytes }
+}
+
+/// `h` as a datagram to send.
+fn datagram(h: &Held) -> Datagram<'_> {
+    Datagram {
+        to: h.addr,
+        head: &h.bytes,
+        body: &[],
+    }
 }
 
 impl Injector {
@@ -69,15 +98,19 @@ impl Injector {
             rx: Faults::new(spec, stream | 1),
             tx_held: Vec::new(),
             tx_due: Vec::new(),
+            tx_delayed: VecDeque::new(),
             rx_held: Vec::new(),
+            rx_delayed: VecDeque::new(),
+            delay: spec.delay_time(),
             stats,
         }
     }
 
-    /// Appends to `out` what goes out now of `batch`: a lost datagram is
-    /// left out, a duplicated one appended twice, a reordered one copied
-    /// and held until the end of the next turn ([`Injector::release`]).
-    pub(crate) fn outgoing<'a>(&mut self, batch: &[Datagram<'a>], out: &mut Vec<Datagram<'a>>) {
+    /// Appends to `out` what goes out now (`now`) of `batch`: a lost
+    /// datagram is left out, a duplicated one appended twice, a reordered
+    /// one copied and held until the end of the next turn, a delayed one
+    /// copied and held until `now` + `delay_ms` ([`Injector::release`]).
+    pub(crate) fn outgoing<'a>(&mut self, batch: &[Datagram<'a>], out: &mut Vec<Datagram<'a>>, now: Instant) {
         for d in batch {
             match self.tx.fate() {
                 Fate::Deliver => out.push(*d),
@@ -89,45 +122,56 @@ impl Injector {
                 }
                 Fate::Reorder => {
                     add(&self.stats.injected_reorders, 1);
-                    let mut bytes = Vec::with_capacity(d.len());
-                    bytes.extend_from_slice(d.head);
-                    bytes.extend_from_slice(d.body);
-                    self.tx_held.push(Held { addr: d.to, bytes });
+                    self.tx_held.push(copy(d));
+                }
+                Fate::Delay => {
+                    add(&self.stats.injected_delays, 1);
+                    self.tx_delayed.push_back((now + self.delay, copy(d)));
                 }
             }
         }
     }
 
-    /// The end of a turn of the I/O loop: hands `send` the datagrams held
-    /// back in the previous turn (if any), and keeps those held in this one
-    /// for the next.
-    pub(crate) fn release(&mut self, send: impl FnOnce(&[Datagram<'_>])) {
-        if !self.tx_due.is_empty() {
-            let due: Vec<Datagram<'_>> = self
+    /// The end of a turn of the I/O loop at `now`: hands `send` the
+    /// datagrams held back in the previous turn and the delayed ones due by
+    /// `now`, in one batch (if any), and keeps those held in this turn for
+    /// the next.
+    pub(crate) fn release(&mut self, now: Instant, send: impl FnOnce(&[Datagram<'_>])) {
+        let delayed = self.tx_delayed.iter().take_while(|(due, _)| *due <= now).count();
+        if !self.tx_due.is_empty() || delayed > 0 {
+            let out: Vec<Datagram<'_>> = self
                 .tx_due
                 .iter()
-                .map(|h| Datagram {
-                    to: h.addr,
-                    head: &h.bytes,
-                    body: &[],
-                })
+                .chain(self.tx_delayed.iter().take(delayed).map(|(_, h)| h))
+                .map(datagram)
                 .collect();
-            send(&due);
+            send(&out);
             self.tx_due.clear();
+            self.tx_delayed.drain(..delayed);
         }
         std::mem::swap(&mut self.tx_due, &mut self.tx_held);
     }
 
-    /// Whether sends are held back (the I/O loop must come round again
-    /// soon to release them).
+    /// Whether reordered sends are held back (the I/O loop must come round
+    /// again soon to release them; delayed ones have [`Injector::next_due`]).
     pub(crate) fn holds_sends(&self) -> bool {
         !self.tx_due.is_empty() || !self.tx_held.is_empty()
     }
 
-    /// The fate of a received datagram, as the number of times to handle it
-    /// now: 0 (lost, or copied and held back until [`Injector::take_held`]),
-    /// 1, or 2 (duplicated).
-    pub(crate) fn incoming(&mut self, from: SocketAddr, d: &[u8]) -> usize {
+    /// When the first delayed datagram (sent or received) is due, if any:
+    /// the I/O loop must not wait past it.
+    pub(crate) fn next_due(&self) -> Option<Instant> {
+        let first = |q: &VecDeque<(Instant, Held)>| q.front().map(|(due, _)| *due);
+        match (first(&self.tx_delayed), first(&self.rx_delayed)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The fate of a datagram received at `now`, as the number of times to
+    /// handle it now: 0 (lost, or copied and held back until
+    /// [`Injector::take_held`] gives it back), 1, or 2 (duplicated).
+    pub(crate) fn incoming(&mut self, from: SocketAddr, d: &[u8], now: Instant) -> usize {
         match self.rx.fate() {
             Fate::Deliver => 1,
             Fate::Drop => {
@@ -146,13 +190,27 @@ impl Injector {
                 });
                 0
             }
+            Fate::Delay => {
+                add(&self.stats.injected_delays, 1);
+                let held = Held {
+                    addr: from,
+                    bytes: d.to_vec(),
+                };
+                self.rx_delayed.push_back((now + self.delay, held));
+                0
+            }
         }
     }
 
-    /// Takes the received datagrams held back so far: call it before a
+    /// Takes the received datagrams held back so far and the delayed ones
+    /// due by `now` (each kind in the order received): call it before a
     /// batch is received and handle them after it.
-    pub(crate) fn take_held(&mut self) -> Vec<Held> {
-        std::mem::take(&mut self.rx_held)
+    pub(crate) fn take_held(&mut self, now: Instant) -> Vec<Held> {
+        let mut out = std::mem::take(&mut self.rx_held);
+        while self.rx_delayed.front().is_some_and(|(due, _)| *due <= now) {
+            out.extend(self.rx_delayed.pop_front().map(|(_, h)| h));
+        }
+        out
     }
 }
 
@@ -164,9 +222,16 @@ mod tests {
         SocketAddr::from(([127, 0, 0, 1], port))
     }
 
+    /// Turn `i` of the I/O loop in the tests: 1 ms apart.
+    fn turn(start: Instant, i: u32) -> Instant {
+        start + Duration::from_millis(u64::from(i))
+    }
+
     /// Sends `n` numbered datagrams through `inj` in batches of `batch`,
-    /// one batch per turn; returns the numbers in the order they went out.
+    /// one batch per turn, a turn per millisecond; returns the numbers in
+    /// the order they went out.
     fn send_through(inj: &mut Injector, n: u32, batch: u32) -> Vec<u32> {
+        let start = Instant::now();
         let payloads: Vec<[u8; 4]> = (0..n).map(u32::to_le_bytes).collect();
         let mut wire = Vec::new();
         let record = |wire: &mut Vec<u32>, ds: &[Datagram<'_>]| {
@@ -176,7 +241,10 @@ mod tests {
                 wire.push(u32::from_le_bytes(b[..4].try_into().unwrap()));
             }
         };
+        let mut turns = 0;
         for chunk in payloads.chunks(batch as usize) {
+            let now = turn(start, turns);
+            turns += 1;
             // Half the datagrams split into head and body, as the I/O
             // thread's lent gradients are.
             let ds: Vec<Datagram<'_>> = chunk
@@ -188,27 +256,33 @@ mod tests {
                 })
                 .collect();
             let mut out = Vec::new();
-            inj.outgoing(&ds, &mut out);
+            inj.outgoing(&ds, &mut out, now);
             record(&mut wire, &out);
-            inj.release(|ds| record(&mut wire, ds));
+            inj.release(now, |ds| record(&mut wire, ds));
         }
-        // Two idle turns release whatever is still held.
-        inj.release(|ds| record(&mut wire, ds));
-        inj.release(|ds| record(&mut wire, ds));
-        assert!(!inj.holds_sends());
+        // Two idle turns past the longest hold release whatever is held.
+        let later = turn(start, turns + 1001);
+        inj.release(later, |ds| record(&mut wire, ds));
+        inj.release(later, |ds| record(&mut wire, ds));
+        assert!(!inj.holds_sends() && inj.next_due().is_none());
         wire
     }
 
-    /// Receives `n` numbered datagrams in batches of `batch`, the held
-    /// ones after the next batch; returns the numbers in the order handled.
+    /// Receives `n` numbered datagrams in batches of `batch`, one batch per
+    /// turn, a turn per millisecond, the held ones after the next batch (or
+    /// the first once due); returns the numbers in the order handled.
     fn receive_through(inj: &mut Injector, n: u32, batch: u32) -> Vec<u32> {
+        let start = Instant::now();
         let mut handled = Vec::new();
         let mut next = 0;
-        while next < n || !inj.rx_held.is_empty() {
-            let held = inj.take_held();
+        let mut turns = 0;
+        while next < n || !inj.rx_held.is_empty() || inj.next_due().is_some() {
+            let now = turn(start, turns);
+            turns += 1;
+            let held = inj.take_held(now);
             for i in next..(next + batch).min(n) {
                 let d = i.to_le_bytes();
-                for _ in 0..inj.incoming(addr(9000), &d) {
+                for _ in 0..inj.incoming(addr(9000), &d, now) {
                     handled.push(i);
                 }
             }
@@ -226,8 +300,10 @@ mod tests {
     }
 
     #[test]
-    fn drops_duplicates_and_reorders_at_the_asked_rates() {
-        let spec: FaultSpec = "loss=0.1,dup=0.05,reorder=0.08,seed=11".parse().unwrap();
+    fn drops_duplicates_reorders_and_delays_at_the_asked_rates() {
+        let spec: FaultSpec = "loss=0.1,dup=0.05,reorder=0.08,delay=0.04,delay_ms=3,seed=11"
+            .parse()
+            .unwrap();
         let n = 50_000;
         for direction in ["send", "receive"] {
             let stats = Arc::new(Counters::default());
@@ -238,10 +314,12 @@ mod tests {
             };
             let s = stats.snapshot();
             let (drops, dups, reorders) = (s.injected_drops, s.injected_dups, s.injected_reorders);
+            let delays = s.injected_delays;
             for (name, x, want) in [
                 ("loss", drops, 0.1),
                 ("dup", dups, 0.05),
                 ("reorder", reorders, 0.08),
+                ("delay", delays, 0.04),
             ] {
                 assert!(
                     (rate(x, n) - want).abs() < 0.01,
@@ -257,7 +335,7 @@ mod tests {
             }
             assert_eq!(counts.iter().filter(|&&c| c == 0).count() as u64, drops);
             assert_eq!(counts.iter().filter(|&&c| c == 2).count() as u64, dups);
-            // Reordered ones come after later ones.
+            // Reordered and delayed ones come after later ones.
             let mut max = 0;
             let late = got
                 .iter()
@@ -266,9 +344,10 @@ mod tests {
                     i < max
                 })
                 .count() as u64;
+            let held = reorders + delays;
             assert!(
-                late <= reorders && late >= reorders * 9 / 10,
-                "{direction}: {late} datagrams came before earlier ones, {reorders} held back"
+                late <= held && late >= held * 9 / 10,
+                "{direction}: {late} datagrams came before earlier ones, {held} held back"
             );
         }
     }
@@ -298,6 +377,77 @@ mod tests {
             let theirs: Vec<Fate> = (0..64).map(|_| f.fate()).collect();
             assert_ne!(mine, theirs, "dataplane stream {stream}");
         }
+    }
+
+    #[test]
+    fn a_delayed_datagram_waits_its_hold_time_and_no_longer() {
+        let spec: FaultSpec = "delay=0.5,delay_ms=3,seed=2".parse().unwrap();
+        let stats = Arc::new(Counters::default());
+        let mut inj = Injector::new(spec, 1, 0, Arc::clone(&stats));
+        let t0 = Instant::now();
+        let hold = Duration::from_millis(3);
+        let just_before = t0 + hold - Duration::from_nanos(1);
+        let number = |b: &[u8]| u32::from_le_bytes(b[..4].try_into().unwrap());
+
+        // Sent at t0: the delayed ones stay held until t0 + 3 ms.
+        let payloads: Vec<[u8; 4]> = (0..64u32).map(u32::to_le_bytes).collect();
+        let ds: Vec<Datagram<'_>> = payloads
+            .iter()
+            .map(|p| Datagram {
+                to: addr(9000),
+                head: p,
+                body: &[],
+            })
+            .collect();
+        let mut out = Vec::new();
+        inj.outgoing(&ds, &mut out, t0);
+        let now: Vec<u32> = out.iter().map(|d| number(d.head)).collect();
+        let delayed = stats.snapshot().injected_delays;
+        assert!(delayed > 0 && delayed < 64, "{delayed} of 64 delayed");
+        assert_eq!(now.len() as u64, 64 - delayed);
+        assert_eq!(inj.next_due(), Some(t0 + hold));
+        assert!(!inj.holds_sends(), "delayed sends are not held for one turn");
+        for at in [t0, just_before] {
+            inj.release(at, |ds| panic!("{} datagrams released early", ds.len()));
+        }
+        let mut late = Vec::new();
+        inj.release(t0 + hold, |ds| {
+            late.extend(ds.iter().map(|d| number(d.head)));
+        });
+        // Each delayed one once, in the order sent, then nothing more.
+        let mut want: Vec<u32> = (0..64).filter(|i| !now.contains(i)).collect();
+        assert_eq!(late, want);
+        assert_eq!(inj.next_due(), None);
+        inj.release(t0 + hold * 10, |ds| {
+            panic!("{} datagrams released twice", ds.len())
+        });
+
+        // Received at t0 and t0 + 1 ms: each waits its own 3 ms.
+        let t1 = t0 + Duration::from_millis(1);
+        let mut kept = Vec::new();
+        for (at, i) in (0..64u32).map(|i| (if i < 32 { t0 } else { t1 }, i)) {
+            if inj.incoming(addr(9001), &i.to_le_bytes(), at) == 0 {
+                kept.push(i);
+            }
+        }
+        assert!(!kept.is_empty() && kept.iter().any(|&i| i < 32) && kept.iter().any(|&i| i >= 32));
+        assert_eq!(inj.next_due(), Some(t0 + hold));
+        assert!(inj.take_held(just_before).is_empty(), "released before its time");
+        let first: Vec<u32> = inj
+            .take_held(t0 + hold)
+            .iter()
+            .map(|h| number(&h.bytes))
+            .collect();
+        want = kept.iter().copied().filter(|&i| i < 32).collect();
+        assert_eq!(first, want, "the ones received at t0, in order");
+        assert!(inj.take_held(t1 + hold - Duration::from_nanos(1)).is_empty());
+        let second = inj.take_held(t1 + hold);
+        assert!(second.iter().all(|h| h.addr == addr(9001)));
+        let second: Vec<u32> = second.iter().map(|h| number(&h.bytes)).collect();
+        want = kept.iter().copied().filter(|&i| i >= 32).collect();
+        assert_eq!(second, want, "the ones received at t0 + 1 ms, in order");
+        assert_eq!(inj.next_due(), None);
+        assert_eq!(stats.snapshot().injected_delays, delayed + kept.len() as u64);
     }
 
     #[test]

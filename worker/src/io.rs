@@ -16,7 +16,7 @@
 //! with the appliance's refusal, with a timeout after `timeout` without any
 //! accepted result, or with [`WorkerError::Closed`] when the worker is
 //! dropped. With [`crate::inject`] on, every datagram sent and received
-//! first gets a fate (lost, duplicated, held back).
+//! first gets a fate (lost, duplicated, held back, delayed).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -531,13 +531,18 @@ impl IoThread {
             }
             if let Some(inj) = self.inject.as_mut() {
                 let stats = &self.stats;
-                inj.release(|d| send_counted(&mut socket, stats, d));
+                inj.release(now, |d| send_counted(&mut socket, stats, d));
             }
             if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
                 self.time_out(now);
             }
             let holds = self.inject.as_ref().is_some_and(Injector::holds_sends);
-            let wait = if self.busy() || holds { TICK } else { IDLE };
+            let mut wait = if self.busy() || holds { TICK } else { IDLE };
+            // Delayed datagrams are released by the first turn after they
+            // are due: do not sleep past the first.
+            if let Some(due) = self.inject.as_ref().and_then(Injector::next_due) {
+                wait = wait.min(due.saturating_duration_since(Instant::now()));
+            }
             let own = self.own;
             let mut n = match self.receive(&mut socket) {
                 Ok(n) => n,
@@ -568,8 +573,13 @@ impl IoThread {
     /// returns how many there were.
     fn receive(&mut self, socket: &mut BatchSocket) -> std::io::Result<usize> {
         let own = self.own;
-        // With injection, what was held back is handled after this batch.
-        let held = self.inject.as_mut().map_or_else(Vec::new, Injector::take_held);
+        // With injection, what was held back (and delayed ones now due) is
+        // handled after this batch.
+        let now = Instant::now();
+        let held = self
+            .inject
+            .as_mut()
+            .map_or_else(Vec::new, |inj| inj.take_held(now));
         let n = socket.recv(None, &mut |from, d| {
             if d.is_empty() || from == own {
                 return; // a wake-up from the API side
@@ -577,7 +587,7 @@ impl IoThread {
             add(&self.stats.bytes_received, d.len() as u64);
             let copies = match self.inject.as_mut() {
                 None => 1,
-                Some(inj) => inj.incoming(from, d),
+                Some(inj) => inj.incoming(from, d, now),
             };
             for _ in 0..copies {
                 self.on_datagram(d, Instant::now());
@@ -639,7 +649,7 @@ impl IoThread {
             None => send_counted(socket, &self.stats, &dgrams),
             Some(inj) => {
                 let mut out = Vec::with_capacity(dgrams.len());
-                inj.outgoing(&dgrams, &mut out);
+                inj.outgoing(&dgrams, &mut out, Instant::now());
                 send_counted(socket, &self.stats, &out);
             }
         }

@@ -45,6 +45,10 @@ pub struct WorkerStats {
     /// directions.
     #[serde(default)]
     pub injected_reorders: u64,
+    /// Datagrams the fault injector held back for its `delay_ms`, both
+    /// directions.
+    #[serde(default)]
+    pub injected_delays: u64,
 }
 
 /// The live counters: one writer (the I/O thread), relaxed readers.
@@ -65,6 +69,7 @@ pub(crate) struct Counters {
     pub(crate) injected_drops: AtomicU64,
     pub(crate) injected_dups: AtomicU64,
     pub(crate) injected_reorders: AtomicU64,
+    pub(crate) injected_delays: AtomicU64,
 }
 
 /// Adds `n` to a counter.
@@ -91,6 +96,7 @@ impl Counters {
             injected_drops: r(&self.injected_drops),
             injected_dups: r(&self.injected_dups),
             injected_reorders: r(&self.injected_reorders),
+            injected_delays: r(&self.injected_delays),
         }
     }
 }

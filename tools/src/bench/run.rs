@@ -303,14 +303,16 @@ pub struct Injected {
     pub dups: u64,
     /// Held back behind later ones.
     pub reorders: u64,
+    /// Held back for the spec's `delay_ms`.
+    pub delays: u64,
 }
 
 impl std::fmt::Display for Injected {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "{} lost, {} duplicated, {} reordered",
-            self.drops, self.dups, self.reorders
+            "{} lost, {} duplicated, {} reordered, {} delayed",
+            self.drops, self.dups, self.reorders, self.delays
         )
     }
 }
@@ -357,6 +359,7 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
         c.injected.drops += g("injected_drops");
         c.injected.dups += g("injected_dups");
         c.injected.reorders += g("injected_reorders");
+        c.injected.delays += g("injected_delays");
         if let Some(m) = l.get("drops").and_then(serde_json::Value::as_object) {
             for (k, v) in m {
                 let v = v.as_u64().unwrap_or(0);
@@ -392,6 +395,7 @@ impl Counters {
                 drops: self.injected.drops.saturating_sub(before.injected.drops),
                 dups: self.injected.dups.saturating_sub(before.injected.dups),
                 reorders: self.injected.reorders.saturating_sub(before.injected.reorders),
+                delays: self.injected.delays.saturating_sub(before.injected.delays),
             },
         }
     }
@@ -892,6 +896,7 @@ fn drive(
             drops: outcomes.iter().map(|o| o.stats.injected_drops).sum(),
             dups: outcomes.iter().map(|o| o.stats.injected_dups).sum(),
             reorders: outcomes.iter().map(|o| o.stats.injected_reorders).sum(),
+            delays: outcomes.iter().map(|o| o.stats.injected_delays).sum(),
         },
         retransmits: outcomes.iter().map(|o| o.stats.retransmits).sum(),
         fast_retransmits: outcomes.iter().map(|o| o.stats.fast_retransmits).sum(),
