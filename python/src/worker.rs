@@ -386,6 +386,23 @@ impl Worker {
         // shares memory with an in-place output (a `&[f32]` and a `&mut
         // [f32]` over the same memory may not coexist): then it is copied.
         let in_place = matches!(sink, Sink::Direct) && g.overlaps(&o);
+        // SAFETY: as in `init`.
+        let w = unsafe { self.static_worker() };
+        if in_place && g.f32_ptr().is_some() {
+            // SAFETY: as in `init`.
+            let out_slice = unsafe { Worker::out_slice(&sink, &o) };
+            if g.f32_ptr().map(|p| p.as_ptr().cast_const()) == Some(out_slice.as_ptr())
+                && g.len() == out_slice.len()
+            {
+                // The same f32 memory in and out (the default, `out` =
+                // `grad`): the library reads the gradient once, no copy here.
+                drop(g);
+                let handle = py
+                    .detach(|| w.push_pull_in_place(key, out_slice))
+                    .map_err(to_py)?;
+                return Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner));
+            }
+        }
         let copied: Option<Vec<f32>> = match g.f32_ptr() {
             Some(_) if !in_place => None,
             _ => Some(g.to_f32_vec()),
@@ -399,8 +416,6 @@ impl Worker {
         };
         // SAFETY: as in `init`.
         let out_slice = unsafe { Worker::out_slice(&sink, &o) };
-        // SAFETY: as in `init`.
-        let w = unsafe { self.static_worker() };
         let handle = py
             .detach(|| w.push_pull(key, grad_slice, out_slice))
             .map_err(to_py)?;

@@ -567,13 +567,29 @@ impl Worker {
     ) -> Result<Handle<'a>, WorkerError> {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
-        let round = self.claim(key, |k| match k.round {
+        let round = self.claim_next_round(key)?;
+        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(grad));
+        self.submit(key, round, Kind::Push, elements, chunks, tx, out)
+    }
+
+    /// [`Worker::push_pull`] with the gradient and the result in one buffer:
+    /// pushes `buf` (copied at once) and, after [`Worker::wait`], `buf`
+    /// holds the round's result. Saves the caller a copy of the gradient
+    /// when it exchanges in place (a DDP bucket, a NumPy array).
+    pub fn push_pull_in_place<'a>(&'a self, key: u32, buf: &'a mut [f32]) -> Result<Handle<'a>, WorkerError> {
+        let elements = self.check_len(key, buf.len())?;
+        let round = self.claim_next_round(key)?;
+        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(&buf[..]));
+        self.submit(key, round, Kind::Push, elements, chunks, tx, buf)
+    }
+
+    /// Claims `key` for its next round (after init or pull).
+    fn claim_next_round(&self, key: u32) -> Result<u32, WorkerError> {
+        self.claim(key, |k| match k.round {
             None => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
             Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
             Some(r) => Ok(r + 1),
-        })?;
-        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(grad));
-        self.submit(key, round, Kind::Push, elements, chunks, tx, out)
+        })
     }
 
     /// Waits for a request's result and writes it into the slice the
@@ -809,11 +825,7 @@ impl Worker {
     ) -> Result<Receiver<Completion>, WorkerError> {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
-        let round = self.claim(key, |k| match k.round {
-            None => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
-            Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
-            Some(r) => Ok(r + 1),
-        })?;
+        let round = self.claim_next_round(key)?;
         let (chunks, tx) = if self.spec.dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") {
             let (chunks, headers) = self.push_headers(key, elements, round);
             let payload = RawBytes {

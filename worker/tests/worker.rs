@@ -279,11 +279,20 @@ fn run_job_config(
                         })
                         .unwrap();
                     } else {
-                        // All keys in flight at once, waited for in reverse order.
+                        // All keys in flight at once, waited for in reverse
+                        // order; odd ranks push in place (the gradient in the
+                        // buffer the result lands in).
                         let mut handles: Vec<_> = outs
                             .iter_mut()
                             .enumerate()
-                            .map(|(k, o)| w.push_pull(k as u32, &grads[k], o).unwrap())
+                            .map(|(k, o)| {
+                                if rank % 2 == 1 {
+                                    o.copy_from_slice(&grads[k]);
+                                    w.push_pull_in_place(k as u32, o).unwrap()
+                                } else {
+                                    w.push_pull(k as u32, &grads[k], o).unwrap()
+                                }
+                            })
                             .collect();
                         while let Some(h) = handles.pop() {
                             assert_eq!(h.round(), r);
