@@ -63,22 +63,12 @@ impl Appliance<'_> {
 
     /// `GET` on control's API.
     pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        let url = format!("{}{path}", self.control_url);
-        ureq::get(&url)
-            .call()
-            .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-            .into_json()
-            .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        get_json(&format!("{}{path}", self.control_url))
     }
 
     /// `GET` on the dataplane's management API.
     pub fn mgmt_get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        let url = format!("{}{path}", self.mgmt_url);
-        ureq::get(&url)
-            .call()
-            .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-            .into_json()
-            .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        get_json(&format!("{}{path}", self.mgmt_url))
     }
 
     /// The dataplane's counters from its management API.
@@ -104,6 +94,15 @@ impl Appliance<'_> {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     }
+}
+
+/// `GET url` as JSON; panics naming the URL.
+fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> T {
+    ureq::get(url)
+        .call()
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
+        .into_json()
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
 }
 
 /// A worker configuration that gives up after `secs` without any result.
