@@ -128,6 +128,13 @@ fn join_and_init(
     cfg: WorkerConfig,
 ) -> (Worker, Vec<Vec<f32>>) {
     let w = Worker::join_with(url, job.id, job.token, rank, cfg).unwrap();
+    let params = init_keys(&w, keys);
+    (w, params)
+}
+
+/// Round 0 of every key (`keys` holds their lengths) with
+/// [`init_values`]; returns the broadcast values.
+fn init_keys(w: &Worker, keys: &[u64]) -> Vec<Vec<f32>> {
     let mut params: Vec<Vec<f32>> = keys
         .iter()
         .enumerate()
@@ -136,7 +143,7 @@ fn join_and_init(
     for (k, p) in params.iter_mut().enumerate() {
         w.wait(w.init(k as u32, p).unwrap()).unwrap();
     }
-    (w, params)
+    params
 }
 
 /// One round of every key, all keys in flight at once. On a failure every
@@ -412,14 +419,7 @@ pub fn control_killed_mid_training(app: &Appliance, kill: &(dyn Fn() + Sync), st
         std::thread::scope(|s| {
             for (rank, w) in workers.iter().enumerate() {
                 s.spawn(move || {
-                    let mut params: Vec<Vec<f32>> = keys
-                        .iter()
-                        .enumerate()
-                        .map(|(k, &n)| init_values(k as u32, n))
-                        .collect();
-                    for (k, p) in params.iter_mut().enumerate() {
-                        w.wait(w.init(k as u32, p).unwrap()).unwrap();
-                    }
+                    let mut params = init_keys(w, &keys);
                     sum_rounds(w, rank as u16, &mut params, 1, ROUNDS, 2);
                 });
             }

@@ -111,11 +111,17 @@ pub(crate) fn wait_http(url: &str, child: &mut Child, what: &str) {
     }
 }
 
-pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
-    // SAFETY: signals our own child.
-    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+/// Stops `child`: SIGTERM, up to `grace` for it to exit, then SIGKILL.
+/// Returns its exit status, or `None` when it had to be killed (or could
+/// not be reaped).
+pub fn terminate(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
+    if let Ok(Some(s)) = child.try_wait() {
+        return Some(s);
+    }
+    // SAFETY: kill(2) on our own child, not yet reaped; no memory is involved.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
     let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(10) {
+    while t.elapsed() < grace {
         if let Ok(Some(s)) = child.try_wait() {
             return Some(s);
         }
@@ -124,6 +130,11 @@ pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// [`terminate`] with the rack's grace period (10 s).
+pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
+    terminate(child, Duration::from_secs(10))
 }
 
 /// The rack: namespace, veth pair, phub-dataplane on DPDK, phub-control.

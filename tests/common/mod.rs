@@ -61,18 +61,7 @@ fn wait_http(url: &str, child: &mut Child, what: &str) {
 }
 
 fn term(child: &mut Child) {
-    let _ = Command::new("kill")
-        .args(["-TERM", &child.id().to_string()])
-        .status();
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_secs(5) {
-        if let Ok(Some(_)) = child.try_wait() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
+    phub_hwtests::virt::terminate(child, Duration::from_secs(5));
 }
 
 impl Rack {

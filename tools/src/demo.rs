@@ -315,22 +315,10 @@ impl Daemon {
 
     fn stop(&mut self) {
         Interrupt::untrack(self.child.id());
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
-        }
         // Ask politely first: both daemons shut down cleanly on SIGTERM.
-        // SAFETY: kill(2) on our own, not yet reaped child; no memory is involved.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        if phub_hwtests::virt::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
+            eprintln!("phub-demo: {} did not stop on SIGTERM; killed it", self.name);
         }
-        eprintln!("phub-demo: {} did not stop on SIGTERM; killing it", self.name);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

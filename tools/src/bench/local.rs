@@ -39,21 +39,9 @@ impl Proc {
 
     /// Stops the process: SIGTERM, up to 5 s, then SIGKILL.
     pub fn stop(&mut self) {
-        if let Ok(Some(_)) = self.child.try_wait() {
-            return;
+        if phub_hwtests::virt::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
+            eprintln!("phub-bench: {} did not stop on SIGTERM; killed it", self.name);
         }
-        // SAFETY: kill(2) on our own child's pid; no memory is involved.
-        unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGTERM) };
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        eprintln!("phub-bench: {} did not stop on SIGTERM; killing it", self.name);
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 
     fn check_alive(&mut self) -> Result<()> {
