@@ -28,6 +28,10 @@
 #
 #   tools/bench-dpdk-memif.sh                      # 8 KiB and 1 KiB, 3 runs each
 #   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
+#   LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 NO_BUILD=1 tools/bench-dpdk-memif.sh   # on more CPUs
+#
+# The CPUs default to this 2-vCPU VM's: data lcore on 0, main lcore and
+# generator on 1. GEN, DP and COMMIT override the binaries and the commit shown.
 #
 # Needs root (chrt, /run), 2 CPUs, DPDK 22.11 with dpdk-testpmd (tools/setup.sh).
 # Cleans up its processes, the socket and /var/run/dpdk/<prefix> on exit.
@@ -45,8 +49,12 @@ DP_PREFIX=phub-memif-dp
 TP_PREFIX=phub-memif-tp
 GEN_PREFIX=phub-memif-gen
 LOGS=$(mktemp -d /tmp/phub-memif-bench.XXXXXX)
-GEN=target/release/examples/dpdk_memif_gen
-DP=target/release/phub-dataplane
+GEN=${GEN:-target/release/examples/dpdk_memif_gen}
+DP=${DP:-target/release/phub-dataplane}
+# CPUs: the servers' data lcore, their main (management) lcore, the generator.
+LCORE_CPU=${LCORE_CPU:-0}
+MAIN_CPU=${MAIN_CPU:-1}
+GEN_CPU=${GEN_CPU:-1}
 
 if [ "${NO_BUILD:-}" = "" ]; then
   cargo build --release -q -p phub-dataplane --example dpdk_memif_gen
@@ -95,8 +103,8 @@ rt_lcore() { # pid
 }
 
 generator() { # peer chunk log
-  taskset -c 1 "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
-    --slots "$SLOTS" --socket "$SOCK" --mgmt "$MGMT" --cpu 1 --file-prefix "$GEN_PREFIX" >"$3" 2>&1 \
+  taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
+    --slots "$SLOTS" --socket "$SOCK" --mgmt "$MGMT" --cpu "$GEN_CPU" --file-prefix "$GEN_PREFIX" >"$3" 2>&1 \
     || { echo "generator ($1, chunk $2) failed; its log, $3:" >&2; tail -20 "$3" >&2; exit 1; }
 }
 
@@ -105,7 +113,7 @@ dataplane_step() { # chunk bsize log
   rm -f "$SOCK"
   "$DP" --backend dpdk --lcores 1 --host 10.79.0.1 --base-port 7900 --mgmt "$MGMT" \
     --memory-budget 256MiB \
-    --eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@1,1@0 $vdev" \
+    --eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU $vdev" \
     >"$3.dp" 2>&1 &
   PEER_PID=$!
   for _ in $(seq 100); do
@@ -125,7 +133,7 @@ testpmd_step() { # chunk bsize log
   mkfifo "$FIFO"
   # testpmd exits when its stdin closes (fd 3 below).
   dpdk-testpmd --no-huge -m 1024 --no-pci --no-shconf --no-telemetry --file-prefix "$TP_PREFIX" \
-    --lcores=0@1,1@0 "$vdev" -- --forward-mode=io --auto-start --rxd=1024 --txd=1024 \
+    --lcores=0@$MAIN_CPU,1@$LCORE_CPU "$vdev" -- --forward-mode=io --auto-start --rxd=1024 --txd=1024 \
     --mbuf-size=16512 --total-num-mbufs=8192 <"$FIFO" >"$3.tp" 2>&1 &
   PEER_PID=$!
   exec 3>"$FIFO"
@@ -143,7 +151,7 @@ testpmd_step() { # chunk bsize log
   cleanup
 }
 
-echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit $(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes'), logs in $LOGS"
+echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit ${COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes')}, logs in $LOGS"
 echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
 rows=()
 for chunk in $CHUNKS; do

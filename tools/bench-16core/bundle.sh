@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Packs what tools/bench-16core/run.sh needs on a machine that has neither
+# Rust nor DPDK (the lent 16-core machine, BENCHMARKS.md "On 16 cores"):
+# stripped release binaries, dpdk-testpmd, the DPDK libraries and the few
+# poll-mode drivers phub uses (af_packet, memif, ring), every shared library
+# they load (the target installs only those it lacks), `ip`, and the Python
+# package `phub` (abi3: any CPython >= 3.11). Writes .bench16/bundle.tar.xz
+# (ignored by git: add `/.bench16/` to .git/info/exclude).
+#
+#   cargo build --release -p phub-dataplane --example dpdk_memif_gen
+#   cargo build --release -p phub-dataplane -p phub-control -p phub-tools -p phub-hwtests --bins
+#   make torch-venv        # for the phub Python package (target/torch-venv)
+#   tools/bench-16core/bundle.sh
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+OUTDIR=.bench16
+STAGE=$(mktemp -d /tmp/phub-bench16.XXXXXX)
+trap 'rm -rf "$STAGE"' EXIT
+PMDS=/usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0
+mkdir -p "$STAGE/bin" "$STAGE/lib" "$STAGE/pmds" "$STAGE/py"
+
+for b in phub-dataplane phub-control phubctl phub-bench phub-rack-agent examples/dpdk_memif_gen; do
+  strip -o "$STAGE/bin/$(basename "$b")" "target/release/$b"
+done
+cp "$(command -v dpdk-testpmd)" "$(command -v ip)" "$STAGE/bin/"
+for d in net_af_packet net_memif net_ring mempool_ring mempool_stack bus_vdev; do
+  cp -L "$PMDS/librte_$d.so.23" "$STAGE/pmds/"
+done
+# Every library the binaries and drivers load, except the C library itself.
+for f in "$STAGE"/bin/* "$STAGE"/pmds/*; do
+  ldd "$f" 2>/dev/null | awk '/=> \//{print $3}'
+done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' | while read -r l; do
+  cp -L "$l" "$STAGE/lib/"
+done
+cp -r target/torch-venv/lib/python3.11/site-packages/phub "$STAGE/py/"
+rm -rf "$STAGE/py/phub/__pycache__"
+mkdir -p "$OUTDIR"
+tar -C "$STAGE" -cJf "$OUTDIR/bundle.tar.xz" .
+ls -la "$OUTDIR/bundle.tar.xz"

@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# The benchmarks that need more than this VM's 2 vCPUs, run in one go on a
+# lent machine with 16 cores and neither Rust nor DPDK installed (BENCHMARKS.md,
+# "On 16 cores"). Unpacks .bench16/bundle.tar.xz (tools/bench-16core/bundle.sh)
+# to /opt/phub16, installs only the shared libraries the machine lacks, and
+# runs, each with its CPUs of its own where it pins:
+#
+#   1. memif: the DPDK dataplane alone, 8 KiB and 1 KiB chunks
+#      (tools/bench-dpdk-memif.sh: data lcore on CPU 2, generator on CPU 4);
+#   2. phub-bench on the virtual rack (DPDK af_packet over veth), ResNet-50,
+#      W=2 on 1 and 2 lcores and W=4 on 4, lcores spinning, efficiency against the same run's veth ceiling;
+#   3. phub-bench on loopback UDP, ResNet-50, W=1 and W=2, and sweeps of lcores
+#      (W=8) and of workers (4 lcores);
+#   4. python/bench/bench_exchange.py: phub comm hook against gloo, W=2,
+#      1 and 4 dataplane lcores
+#      (only where python3 has torch).
+#
+# Results go to $OUT (or OUT=DIR): summary.txt and results.tar.xz (the JSON
+# files and logs). STEPS="memif dpdk udp torch" picks steps.
+#
+#   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:?set OUT to a folder for the results}
+STEPS=${STEPS:-"memif dpdk udp torch"}
+ROOT=/opt/phub16
+R=$(mktemp -d /tmp/phub16-results.XXXXXX)
+SUM="$OUT/summary.txt"
+mkdir -p "$OUT"
+say() { echo "$*" | tee -a "$SUM"; }
+t0=$(date +%s)
+stamp() { say "== [$(($(date +%s) - t0)) s] $*"; }
+
+stamp "setup"
+rm -rf "$ROOT" && mkdir -p "$ROOT" && tar -C "$ROOT" -xJf .bench16/bundle.tar.xz || { say "no bundle"; exit 1; }
+# Libraries: only those the machine lacks go to /usr/local/lib.
+for l in "$ROOT"/lib/*; do
+  n=$(basename "$l")
+  ldconfig -p | grep -q "^[[:space:]]$n " || cp "$l" /usr/local/lib/
+done
+# DPDK loads its drivers from the folder built into librte_eal.
+if [ ! -d /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0 ]; then
+  mkdir -p /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0
+  cp "$ROOT"/pmds/* /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0/
+fi
+ldconfig
+export PATH="$ROOT/bin:$PATH" PHUB_BIN_DIR="$ROOT/bin"
+say "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), $(free -g | awk '/^Mem/{print $2}') GiB, kernel $(uname -r), commit ${COMMIT:-?}"
+say "libraries installed from the bundle: $(ls /usr/local/lib | grep '\.so' | tr '\n' ' ')"
+for b in phub-dataplane phub-bench dpdk-testpmd ip; do
+  ldd "$ROOT/bin/$b" | grep -q "not found" && say "MISSING for $b: $(ldd "$ROOT/bin/$b" | grep 'not found' | tr '\n' ' ')"
+done
+command -v curl chrt taskset stdbuf >/dev/null || say "missing one of curl chrt taskset stdbuf"
+
+if [[ " $STEPS " == *" memif "* ]]; then
+  stamp "memif"
+  NO_BUILD=1 GEN="$ROOT/bin/dpdk_memif_gen" DP="$ROOT/bin/phub-dataplane" COMMIT="${COMMIT:-?}" \
+    LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=3 \
+    timeout 200 tools/bench-dpdk-memif.sh >"$R/memif.log" 2>&1
+  say "memif rc=$?"; tail -8 "$R/memif.log" | tee -a "$SUM"
+fi
+
+bench() { # name args...
+  local n=$1; shift
+  timeout 120 phub-bench run --quiet --json "$R/$n.json" "$@" >"$R/$n.log" 2>&1
+  local rc=$?
+  say "-- $n (rc=$rc): phub-bench run $*"
+  tail -n 14 "$R/$n.log" | tee -a "$SUM"
+}
+
+if [[ " $STEPS " == *" dpdk "* ]]; then
+  stamp "dpdk end to end"
+  bench dpdk-w2-l1 --local --backend dpdk --busy-poll --model resnet50 --workers 2 --rounds 10 --warmup 2
+  bench dpdk-w2-l2 --local --backend dpdk --busy-poll --model resnet50 --workers 2 --rounds 10 --warmup 2 --lcores 2
+  bench dpdk-w4-l4 --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 8 --warmup 2 --lcores 4
+fi
+
+if [[ " $STEPS " == *" udp "* ]]; then
+  stamp "udp loopback"
+  bench udp-w1 --local --model resnet50 --workers 1 --rounds 10 --warmup 2
+  bench udp-w2 --local --model resnet50 --workers 2 --rounds 10 --warmup 2
+  bench udp-w8-lcores --local --model resnet50 --workers 8 --rounds 6 --warmup 1 --sweep lcores=1,2,4,8 \
+    --no-ceiling --plot "$R/udp-w8-lcores.svg"
+  bench udp-l4-workers --local --model resnet50 --lcores 4 --rounds 6 --warmup 1 --sweep workers=1,2,4,8 \
+    --no-ceiling --plot "$R/udp-l4-workers.svg"
+fi
+
+if [[ " $STEPS " == *" torch "* ]]; then
+  stamp "torch"
+  if python3 -c 'import torch' 2>/dev/null; then
+    export PYTHONPATH="$ROOT/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+    for l in 1 4; do
+      timeout 150 python3 python/bench/bench_exchange.py --workers 2 --trials 6 --lcores $l >"$R/torch-w2-l$l.log" 2>&1
+      say "torch --lcores $l rc=$?"; tail -n 12 "$R/torch-w2-l$l.log" | tee -a "$SUM"
+    done
+  else
+    say "python3 has no torch: skipped"
+  fi
+fi
+stamp "done"
+tar -C "$R" -cJf "$OUT/results.tar.xz" .
