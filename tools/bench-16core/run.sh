@@ -38,11 +38,13 @@ for l in "$ROOT"/lib/*; do
   n=$(basename "$l")
   ldconfig -p | grep -q "^[[:space:]]$n " || cp "$l" /usr/local/lib/
 done
-# DPDK loads its drivers from the folder built into librte_eal.
-if [ ! -d /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0 ]; then
-  mkdir -p /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0
-  cp "$ROOT"/pmds/* /usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0/
-fi
+# DPDK loads its drivers from the folder built into librte_eal, only files
+# named *.so or *.so.23.0 there.
+PMDDIR=/usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0
+mkdir -p "$PMDDIR"
+for f in "$ROOT"/pmds/*; do
+  [ -e "$PMDDIR/$(basename "$f" .23)" ] || cp "$f" "$PMDDIR/$(basename "$f" .23)"
+done
 ldconfig
 export PATH="$ROOT/bin:$PATH" PHUB_BIN_DIR="$ROOT/bin"
 say "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), $(free -g | awk '/^Mem/{print $2}') GiB, kernel $(uname -r), commit ${COMMIT:-?}"
