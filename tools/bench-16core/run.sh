@@ -34,16 +34,26 @@ stamp() { say "== [$(($(date +%s) - t0)) s] $*"; }
 stamp "setup"
 rm -rf "$ROOT" && mkdir -p "$ROOT" && tar -C "$ROOT" -xJf .bench16/bundle.tar.xz || { say "no bundle"; exit 1; }
 # Libraries: only those the machine lacks go to /usr/local/lib.
+# (The cache is read once: `ldconfig -p | grep -q` fails under pipefail
+# when grep leaves early.)
+ldconfig -p >"$R/ldcache"
 for l in "$ROOT"/lib/*; do
   n=$(basename "$l")
-  ldconfig -p | grep -q "^[[:space:]]$n " || cp "$l" /usr/local/lib/
+  grep -q "^[[:space:]]$n " "$R/ldcache" || cp "$l" /usr/local/lib/
 done
-# DPDK loads its drivers from the folder built into librte_eal, only files
-# named *.so or *.so.23.0 there.
+ldconfig
+ldconfig -p >"$R/ldcache"
+# DPDK loads its drivers from the folder built into librte_eal (only files
+# named *.so or *.so.23.0 there). Each entry is a link to the very file the
+# other libraries load (as Debian's are): a second copy of a bus driver
+# loaded from another path registers the bus twice.
 PMDDIR=/usr/lib/x86_64-linux-gnu/dpdk/pmds-23.0
 mkdir -p "$PMDDIR"
 for f in "$ROOT"/pmds/*; do
-  [ -e "$PMDDIR/$(basename "$f" .23)" ] || cp "$f" "$PMDDIR/$(basename "$f" .23)"
+  n=$(basename "$f")
+  t=$(awk -v n="$n" '$1 == n { print $NF; exit }' "$R/ldcache")
+  [ -n "$t" ] || { cp "$f" /usr/local/lib/; t=/usr/local/lib/$n; }
+  [ -e "$PMDDIR/${n%.23}" ] || ln -s "$t" "$PMDDIR/${n%.23}"
 done
 ldconfig
 export PATH="$ROOT/bin:$PATH" PHUB_BIN_DIR="$ROOT/bin"
@@ -53,6 +63,13 @@ for b in phub-dataplane phub-bench dpdk-testpmd ip; do
   ldd "$ROOT/bin/$b" | grep -q "not found" && say "MISSING for $b: $(ldd "$ROOT/bin/$b" | grep 'not found' | tr '\n' ' ')"
 done
 command -v curl chrt taskset stdbuf >/dev/null || say "missing one of curl chrt taskset stdbuf"
+say "drivers: $(ls -l "$PMDDIR" | awk '{print $9 $10 $11}' | tr '\n' ' ')"
+if [ -n "${DIAG:-}" ]; then
+  timeout 4 dpdk-testpmd --no-huge -m 512 --no-pci --no-shconf --file-prefix phub16-diag --log-level='*:debug' \
+    --vdev=net_memif0,role=server,socket=/run/phub16-diag.sock,socket-abstract=no -- --stats-period 1 </dev/null 2>&1 \
+    | grep -v "log level changed" | grep -iE "memif|vdev|probe|fail|error|cannot|unable" | head -40 | tee -a "$SUM"
+  rm -f /run/phub16-diag.sock
+fi
 
 if [[ " $STEPS " == *" memif "* ]]; then
   stamp "memif"
