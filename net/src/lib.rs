@@ -16,6 +16,8 @@
 //! Unsafe: the two batch calls are `unsafe fn`s (the kernel follows the raw
 //! pointers in the headers they are given); everything else is safe to call.
 
+pub mod shm;
+
 use std::io;
 use std::net::SocketAddrV4;
 use std::os::fd::{AsFd, AsRawFd};

@@ -11,6 +11,7 @@ pub mod checkpoint;
 mod dtype;
 pub mod fault;
 pub mod layout;
+pub mod shm;
 pub mod spec;
 pub mod wire;
 

@@ -74,6 +74,13 @@ const _: () = assert!(MAX_PAYLOAD.is_multiple_of(64) && 20 + 8 + HEADER_LEN + MA
 pub mod flags {
     /// The sender is retransmitting this message (statistics only).
     pub const RETRANSMIT: u8 = 0x01;
+    /// The payload is not in the datagram but in the job's shared-memory
+    /// region on the appliance's host ([`crate::shm`]): the datagram is the
+    /// header alone, `count` still says how many elements the chunk has, and
+    /// the bytes are at the slot's offset in the sender's staging region (a
+    /// PUSH or INIT) or in the lcore's result region (a RESULT). Only
+    /// workers on the appliance's host can use it.
+    pub const SHM: u8 = 0x02;
 }
 
 /// Message types.
@@ -187,7 +194,8 @@ drop_reasons! {
     UnknownDtype = 5, "unknown_dtype";
     /// `count` elements would not fit in a jumbo frame.
     CountTooLarge = 6, "count_too_large";
-    /// Payload length is not `count` times the element size.
+    /// Payload length is not `count` times the element size (or, with the
+    /// SHM flag, not zero).
     LengthMismatch = 7, "length_mismatch";
     /// RESULT or ERROR sent to the appliance, which only takes worker messages.
     NotForAppliance = 8, "not_for_appliance";
@@ -216,6 +224,8 @@ drop_reasons! {
     Ahead = 19, "ahead";
     /// A PULL for a chunk with no completed round yet.
     NothingToPull = 20, "nothing_to_pull";
+    /// The SHM flag on a job (or lcore) without shared-memory regions.
+    NoSharedMemory = 21, "no_shared_memory";
 }
 
 impl DropReason {
@@ -462,7 +472,8 @@ impl Repr {
         if bytes > MAX_PAYLOAD {
             return Err(DropReason::CountTooLarge);
         }
-        if h.payload().len() != bytes {
+        let expected = if h.flags() & flags::SHM != 0 { 0 } else { bytes };
+        if h.payload().len() != expected {
             return Err(DropReason::LengthMismatch);
         }
         Ok(Repr {
@@ -481,9 +492,25 @@ impl Repr {
         })
     }
 
-    /// Bytes of payload this header announces.
+    /// Bytes of payload this header announces (in the datagram, or in
+    /// shared memory with [`flags::SHM`]).
     pub fn payload_len(&self) -> usize {
         usize::from(self.count) * self.dtype.size()
+    }
+
+    /// Whether the payload is in shared memory ([`flags::SHM`]).
+    pub fn shm(&self) -> bool {
+        self.flags & flags::SHM != 0
+    }
+
+    /// Payload bytes in the datagram itself: [`Repr::payload_len`], or zero
+    /// with [`flags::SHM`].
+    pub fn datagram_payload_len(&self) -> usize {
+        if self.shm() {
+            0
+        } else {
+            self.payload_len()
+        }
     }
 
     /// Writes every header field (the payload is the caller's).
@@ -567,11 +594,11 @@ mod tests {
     proptest! {
         #[test]
         fn emit_then_parse_round_trips(repr in any_repr(), fill in any::<u8>()) {
-            let mut buf = vec![fill; HEADER_LEN + repr.payload_len()];
+            let mut buf = vec![fill; HEADER_LEN + repr.datagram_payload_len()];
             repr.emit(&mut Header::new_unchecked(&mut buf[..]));
             let (back, payload) = parse(&buf).unwrap();
             prop_assert_eq!(back, repr);
-            prop_assert_eq!(payload.len(), repr.payload_len());
+            prop_assert_eq!(payload.len(), repr.datagram_payload_len());
             prop_assert!(buf[field::RESERVED].iter().all(|&b| b == 0));
         }
 

@@ -113,9 +113,13 @@ fn constants_are_stated() {
         per(Dtype::Bf16)
     )));
     let flags = table(&d, "| bit | name | meaning |");
-    assert_eq!(flags.len(), 1);
+    assert_eq!(flags.len(), 2);
     assert!(flags[0][0].contains(&format!("{:#04x}", wire::flags::RETRANSMIT)));
     assert_eq!(flags[0][1], "RETRANSMIT");
+    assert!(flags[1][0].contains(&format!("{:#04x}", wire::flags::SHM)));
+    assert_eq!(flags[1][1], "SHM");
+    let (k0, k1) = phub_proto::shm::TAG_KEYS;
+    assert!(d.contains(&format!("{k0:#x}, {k1:#x}")), "shared-memory tag keys");
 }
 
 #[test]
