@@ -204,6 +204,7 @@ mod tests {
             memory_used_bytes: used,
             slot_memory: "Rust heap".into(),
             kernels: "scalar".into(),
+            shm: false,
             version: "test".into(),
         }
     }

@@ -1,6 +1,10 @@
 //! The `phub-dataplane` program: parses the command line, starts one pinned
 //! thread per queue (lcore) with its engine shard and backend queue, starts
 //! the management thread, and runs until SIGINT or SIGTERM.
+//!
+//! With `--shm` (udp backend only) every job installed gets shared-memory
+//! regions on every lcore that has slots of it ([`crate::shm`]); they are
+//! removed with the job and when the lcores stop at shutdown.
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::process::ExitCode;
@@ -66,6 +70,13 @@ pub struct Config {
     /// Socket buffer size per queue, bytes.
     #[arg(long, default_value_t = 32 << 20)]
     pub socket_buffer: usize,
+    /// Shared memory for workers on this host: every job gets, per lcore, a
+    /// staging region per rank and a result region in /dev/shm (mode 0600,
+    /// removed with the job), so such workers send headers only
+    /// (PROTOCOL.md §3.4). Workers elsewhere are unaffected. Needs the udp
+    /// backend.
+    #[arg(long)]
+    pub shm: bool,
     /// Build stamp reported by the management API (set by the binary).
     #[arg(skip = String::from("phub"))]
     pub build: String,
@@ -183,6 +194,9 @@ impl Appliance {
     /// Starts the lcores and the management API.
     pub fn start(cfg: &Config) -> Result<Appliance> {
         if cfg.backend == BackendKind::Dpdk {
+            if cfg.shm {
+                bail!("--shm needs the udp backend (workers on this host)");
+            }
             return Appliance::start_dpdk(cfg);
         }
         let cores = core_affinity::get_core_ids().unwrap_or_default();
@@ -260,12 +274,13 @@ impl Appliance {
             memory_used_bytes: 0,
             slot_memory: RustHeap.describe(),
             kernels: kernels.kind().name().into(),
+            shm: cfg.shm,
             version: cfg.build.clone(),
         };
         let manager = Arc::new(Manager::new(info, handles, clock));
         let app = Appliance::serve(cfg, manager, stop, data)?;
         log::info!(
-            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, slot memory: {} (budget {} bytes), management API on {}",
+            "phub-dataplane: {} udp queue(s) on {}:{}..{}, kernels {}, slot memory: {} (budget {} bytes), shared memory for local workers: {}, management API on {}",
             n,
             cfg.host,
             base,
@@ -273,6 +288,7 @@ impl Appliance {
             kernels.kind().name(),
             RustHeap.describe(),
             cfg.memory_budget,
+            if cfg.shm { "on (/dev/shm)" } else { "off" },
             app.mgmt_addr
         );
         Ok(app)
@@ -335,6 +351,7 @@ impl Appliance {
             memory_used_bytes: 0,
             slot_memory: s.slot_memory.describe(),
             kernels: kernels.kind().name().into(),
+            shm: false,
             version: cfg.build.clone(),
         };
         let reader = start::port_stats_reader(s.runtime.port());

@@ -58,6 +58,9 @@ pub struct ShardCounters {
     pub pulls_answered: Counter,
     /// ERROR messages queued.
     pub errors_sent: Counter,
+    /// Messages with the SHM flag from a rank of an installed job (the
+    /// token checked; their payload, if any, read from a staging region).
+    pub shm_rx: Counter,
     /// Packets that reached this lcore but belong to another.
     pub misrouted: Counter,
     /// Poll-loop iterations that found work.

@@ -25,6 +25,19 @@
 //!
 //! The round rules are DESIGN.md's "Rounds, loss and duplicates" and are
 //! written out normatively in PROTOCOL.md.
+//!
+//! Shared memory (PROTOCOL.md §3.4): a job installed with
+//! [`Shard::install_shared`] gets its [`JobRegions`] on this lcore (a
+//! staging region per rank and a result region, files in `/dev/shm`,
+//! removed with the job). A PUSH or INIT with the SHM flag is then summed
+//! straight from the sender's staging region at the slot's offset, exactly
+//! as a datagram payload would be (no copy); each completed round's result
+//! is written once into the result region; and a rank whose last
+//! authenticated message had the flag gets its RESULTs (completion, resend,
+//! PULL answer) as headers with the flag and no payload, the others as
+//! usual. A message with the flag for a job installed without regions is
+//! dropped (`no_shared_memory`). Creating the regions is I/O at install
+//! time; handling a packet only reads and writes mapped memory.
 
 use std::sync::Arc;
 
@@ -32,12 +45,13 @@ use phub_proto::checkpoint::SlotState;
 use phub_proto::fault::{Fate, Faults};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN, MAX_PAYLOAD};
+use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
 use crate::counters::ShardCounters;
 use crate::kernels::{self, Kernels};
 use crate::optim::{self, ChunkBufs};
+use crate::shm::{JobRegions, ShmSetup};
 use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock, LINE_BYTES, LINE_F32};
 
 /// Most packets a backend may hand to [`Shard::handle`] between two drains
@@ -98,6 +112,15 @@ pub enum EngineError {
         /// What the allocator said.
         reason: String,
     },
+    /// The job's shared-memory regions could not be created; nothing of the
+    /// job is installed on this lcore and no region file is left.
+    #[error("job {id}: shared-memory regions not created: {reason}")]
+    SharedMemory {
+        /// Job id.
+        id: u16,
+        /// What failed (the file and the system's answer).
+        reason: String,
+    },
     /// A slot's element count is zero or does not fit a packet.
     #[error("job {id}: slot {slot} has {elems} elements; accepted: 1..={max} for {dtype}")]
     BadSlot {
@@ -141,6 +164,12 @@ impl RankSet {
     }
     fn insert(&mut self, r: u16) {
         self.0[usize::from(r >> 6) & 3] |= 1 << (r & 63);
+    }
+    fn remove(&mut self, r: u16) {
+        self.0[usize::from(r >> 6) & 3] &= !(1 << (r & 63));
+    }
+    fn len(&self) -> u32 {
+        self.0.iter().map(|w| w.count_ones()).sum()
     }
 }
 
@@ -425,6 +454,11 @@ struct Job<A> {
     slots: Vec<Slot>,
     /// Where each rank's results go: the source of its last valid packet.
     endpoints: Vec<Option<A>>,
+    /// The job's shared-memory regions on this lcore, if it has them.
+    shm: Option<JobRegions>,
+    /// Ranks whose last authenticated message had the SHM flag: their
+    /// results go as headers alone (empty without regions).
+    shm_ranks: RankSet,
     /// When each rank was last heard from (caller's clock), 0 if never.
     last_seen: Vec<u64>,
     /// Contributions aggregated on this lcore.
@@ -458,33 +492,58 @@ enum Pending<A> {
 
 /// One message to send: a header, a payload borrowed from slot memory, and
 /// the destinations. The header is the same for every destination, so a
-/// backend sends the payload W times without copying it W times.
+/// backend sends the payload W times without copying it W times. A round's
+/// result to ranks of both kinds is two transmits: the header with the SHM
+/// flag and no payload to the ranks using shared memory, the header and
+/// payload to the others.
 #[derive(Debug)]
 pub struct Transmit<'a, A> {
     /// The phub header.
     pub header: [u8; HEADER_LEN],
-    /// The payload (empty for ERROR).
+    /// The payload (empty for ERROR and for a RESULT with the SHM flag).
     pub payload: &'a [u8],
     /// Where to send it.
     pub to: Destinations<'a, A>,
 }
 
-/// The destinations of a [`Transmit`]: every known rank's endpoint, or one.
-/// With fault injection on (tests), some are skipped or repeated.
+/// The destinations of a [`Transmit`]: every known rank's endpoint (or
+/// those of the ranks that do, or do not, use shared memory), or one. With
+/// fault injection on (tests), some are skipped or repeated.
 #[derive(Debug, Clone)]
 pub struct Destinations<'a, A> {
-    all: std::slice::Iter<'a, Option<A>>,
+    all: std::iter::Enumerate<std::slice::Iter<'a, Option<A>>>,
+    /// Only the ranks whose membership in the set is the flag.
+    only: Option<(RankSet, bool)>,
     one: Option<A>,
     faults: Option<(&'a Faults, &'a ShardCounters)>,
     again: Option<A>,
 }
 
-impl<A: Copy> Destinations<'_, A> {
+impl<'a, A: Copy> Destinations<'a, A> {
+    fn new(
+        all: &'a [Option<A>],
+        only: Option<(RankSet, bool)>,
+        one: Option<A>,
+        faults: Option<(&'a Faults, &'a ShardCounters)>,
+    ) -> Destinations<'a, A> {
+        Destinations {
+            all: all.iter().enumerate(),
+            only,
+            one,
+            faults,
+            again: None,
+        }
+    }
+
     fn next_plain(&mut self) -> Option<A> {
         if let Some(a) = self.one.take() {
             return Some(a);
         }
-        self.all.by_ref().flatten().next().copied()
+        let only = self.only;
+        self.all
+            .by_ref()
+            .filter(|(r, _)| only.is_none_or(|(set, member)| set.contains(*r as u16) == member))
+            .find_map(|(_, e)| *e)
     }
 }
 
@@ -573,8 +632,23 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// Installs a job's slots on this lcore, or nothing of it: when the slot
     /// memory allocator runs out, what was allocated is freed and the job is
-    /// refused ([`EngineError::SlotMemory`]). Allocates; call between bursts.
+    /// refused ([`EngineError::SlotMemory`]). The job has no shared-memory
+    /// regions. Allocates; call between bursts.
     pub fn install(&mut self, job: JobInstall) -> Result<(), EngineError> {
+        self.install_with(job, None)
+    }
+
+    /// Installs a job as [`Shard::install`] does and, with `shm`, creates
+    /// its shared-memory regions on this lcore (named after `shm.base_port`
+    /// and this shard's lcore index); when they cannot be created nothing of
+    /// the job is installed and no file is left
+    /// ([`EngineError::SharedMemory`]). Allocates and creates files; call
+    /// between bursts.
+    pub fn install_shared(&mut self, job: JobInstall, shm: ShmSetup) -> Result<(), EngineError> {
+        self.install_with(job, Some(shm))
+    }
+
+    fn install_with(&mut self, job: JobInstall, shm: Option<ShmSetup>) -> Result<(), EngineError> {
         if self.jobs.iter().any(|j| j.id == job.id) {
             return Err(EngineError::JobExists(job.id));
         }
@@ -620,6 +694,13 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
         }
+        let shm = match shm {
+            None => None,
+            Some(setup) => Some(
+                JobRegions::create(setup, self.lcore, &job)
+                    .map_err(|reason| EngineError::SharedMemory { id: job.id, reason })?,
+            ),
+        };
         self.jobs.push(Job {
             id: job.id,
             token: job.token,
@@ -628,6 +709,8 @@ impl<A: Copy + Eq> Shard<A> {
             optimizer: job.optimizer,
             slots,
             endpoints: vec![None; usize::from(job.workers)],
+            shm,
+            shm_ranks: RankSet::default(),
             last_seen: vec![0; usize::from(job.workers)],
             pushes: 0,
             rounds: 0,
@@ -635,8 +718,9 @@ impl<A: Copy + Eq> Shard<A> {
         Ok(())
     }
 
-    /// Removes a job and frees its slots; returns whether it was installed.
-    /// Pending transmits for it are discarded.
+    /// Removes a job, frees its slots and removes its shared-memory regions;
+    /// returns whether it was installed. Pending transmits for it are
+    /// discarded.
     pub fn remove(&mut self, id: u16) -> bool {
         self.pending
             .retain(|p| !matches!(p, Pending::Result { job, .. } if *job == id));
@@ -673,6 +757,14 @@ impl<A: Copy + Eq> Shard<A> {
     /// When each rank of a job was last heard from on this lcore.
     pub fn last_seen(&self, id: u16) -> Option<&[u64]> {
         self.job(id).map(|j| &j.last_seen[..])
+    }
+
+    /// The files of a job's shared-memory regions on this lcore (staging
+    /// regions in rank order, then the result region); `None` when the job
+    /// is not installed or has no regions.
+    pub fn shm_paths(&self, id: u16) -> Option<Vec<std::path::PathBuf>> {
+        let shm = self.job(id)?.shm.as_ref()?;
+        Some(shm.paths().map(|p| p.to_path_buf()).collect())
     }
 
     /// A slot's last completed round and its stored result (wire bytes).
@@ -715,7 +807,8 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// Puts slots back in the state a [`Shard::snapshot`] saved. Every
-    /// length is checked before anything changes.
+    /// length is checked before anything changes. A job with shared-memory
+    /// regions gets every restored result written into its result region.
     pub fn restore(&mut self, id: u16, state: &[SlotState]) -> Result<(), EngineError> {
         let j = self
             .jobs
@@ -766,6 +859,13 @@ impl<A: Copy + Eq> Shard<A> {
                     let [a, b, ..] = slot.mem.all_mut();
                     let r = if acc_in_a { b } else { a };
                     bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
+                }
+            }
+        }
+        if let Some(shm) = &j.shm {
+            for (i, slot) in j.slots.iter().enumerate() {
+                if slot.completed != NO_ROUND {
+                    shm.publish(i as u32, slot.result_bytes());
                 }
             }
         }
@@ -823,13 +923,23 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.token != job.token {
             return Verdict::Dropped(DropReason::BadToken);
         }
+        if repr.shm() && job.shm.is_none() {
+            return Verdict::Dropped(DropReason::NoSharedMemory);
+        }
         if repr.rank >= job.workers {
             return Verdict::Dropped(DropReason::RankOutOfRange);
         }
-        // Authenticated from here on: remember where this rank lives.
+        // Authenticated from here on: remember where this rank lives and
+        // how it takes its results.
         let rank = usize::from(repr.rank);
         job.endpoints[rank] = Some(from);
         job.last_seen[rank] = now;
+        if repr.shm() {
+            self.counters.shm_rx.inc();
+            job.shm_ranks.insert(repr.rank);
+        } else {
+            job.shm_ranks.remove(repr.rank);
+        }
         match Self::apply(&self.kernels, job, &repr, payload) {
             Ok(Step::Open) => {
                 job.pushes += 1;
@@ -931,6 +1041,16 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(DropReason::Duplicate);
         }
         if carries {
+            let payload = match &job.shm {
+                // The slice lives until the add below, before the round's
+                // result can be sent (JobRegions::staged). It is always
+                // inside the region: install checked that every slot fits
+                // the regions' chunk stride, and the count its slot.
+                Some(shm) if repr.shm() => shm
+                    .staged(repr.rank, repr.slot, repr.payload_len())
+                    .ok_or(DropReason::CountMismatch)?,
+                _ => payload,
+            };
             if slot.ncontrib == 0 || repr.kind == MsgType::Init {
                 k.copy(job.dtype, slot.mem.acc_mut(), payload);
             } else {
@@ -941,6 +1061,10 @@ impl<A: Copy + Eq> Shard<A> {
         slot.ncontrib += 1;
         if slot.ncontrib == job.workers {
             slot.complete(job.dtype, &job.optimizer, job.workers);
+            if let Some(shm) = &job.shm {
+                // Once per round, before any RESULT header leaves.
+                shm.publish(repr.slot, slot.result_bytes());
+            }
             Ok(Step::Closed)
         } else {
             Ok(Step::Open)
@@ -949,56 +1073,83 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// What must be sent now, in the order it was queued.
     pub fn transmits(&self) -> impl Iterator<Item = Transmit<'_, A>> + '_ {
-        self.pending.iter().filter_map(move |p| match *p {
-            Pending::Result { job, slot, to } => {
-                let j = self.job(job)?;
-                let s = j.slots.get(slot as usize)?;
-                let repr = Repr {
-                    kind: MsgType::Result,
-                    dtype: j.dtype,
-                    flags: 0,
-                    token: j.token,
-                    job: j.id,
-                    rank: APPLIANCE_RANK,
-                    count: s.elems as u16,
-                    error: 0,
-                    round: s.completed,
-                    slot,
-                    key: s.key,
-                    chunk: s.chunk,
-                };
-                let faults = self.tx_faults.as_ref().map(|f| (f, &*self.counters));
-                let to = match to {
-                    None => Destinations {
-                        all: j.endpoints.iter(),
-                        one: None,
-                        faults,
-                        again: None,
-                    },
-                    Some(r) => Destinations {
-                        all: [].iter(),
-                        one: j.endpoints.get(usize::from(r)).copied().flatten(),
-                        faults,
-                        again: None,
-                    },
-                };
-                Some(Transmit {
-                    header: repr.to_bytes(),
-                    payload: s.result_bytes(),
-                    to,
-                })
-            }
-            Pending::Error { repr, to } => Some(Transmit {
-                header: repr.to_bytes(),
-                payload: &[],
-                to: Destinations {
-                    all: [].iter(),
-                    one: Some(to),
-                    faults: self.tx_faults.as_ref().map(|f| (f, &*self.counters)),
-                    again: None,
-                },
-            }),
+        self.pending.iter().flat_map(move |p| {
+            let [a, b] = self.transmits_of(p);
+            a.into_iter().chain(b)
         })
+    }
+
+    /// The one or two transmits of a queued message: a result to ranks of
+    /// both kinds (shared memory or not) is two.
+    fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, A>>; 2] {
+        let faults = self.tx_faults.as_ref().map(|f| (f, &*self.counters));
+        let (job, slot, to) = match *p {
+            Pending::Result { job, slot, to } => (job, slot, to),
+            Pending::Error { repr, to } => {
+                let t = Transmit {
+                    header: repr.to_bytes(),
+                    payload: &[],
+                    to: Destinations::new(&[], None, Some(to), faults),
+                };
+                return [Some(t), None];
+            }
+        };
+        let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
+            return [None, None];
+        };
+        let repr = Repr {
+            kind: MsgType::Result,
+            dtype: j.dtype,
+            flags: 0,
+            token: j.token,
+            job: j.id,
+            rank: APPLIANCE_RANK,
+            count: s.elems as u16,
+            error: 0,
+            round: s.completed,
+            slot,
+            key: s.key,
+            chunk: s.chunk,
+        };
+        let plain = |to| Transmit {
+            header: repr.to_bytes(),
+            payload: s.result_bytes(),
+            to,
+        };
+        // The result is in the result region: the header says so, alone.
+        let shm = |to| Transmit {
+            header: Repr {
+                flags: flags::SHM,
+                ..repr
+            }
+            .to_bytes(),
+            payload: &[],
+            to,
+        };
+        let ranks = |only| Destinations::new(&j.endpoints, only, None, faults);
+        match to {
+            Some(r) => {
+                let one = Destinations::new(
+                    &[],
+                    None,
+                    j.endpoints.get(usize::from(r)).copied().flatten(),
+                    faults,
+                );
+                if j.shm_ranks.contains(r) {
+                    [Some(shm(one)), None]
+                } else {
+                    [Some(plain(one)), None]
+                }
+            }
+            None => match j.shm_ranks.len() {
+                0 => [Some(plain(ranks(None))), None],
+                n if n == u32::from(j.workers) => [Some(shm(ranks(None))), None],
+                _ => [
+                    Some(plain(ranks(Some((j.shm_ranks, false))))),
+                    Some(shm(ranks(Some((j.shm_ranks, true))))),
+                ],
+            },
+        }
     }
 
     /// Whether anything is waiting to be sent.

@@ -23,15 +23,18 @@ use phub_proto::checkpoint::SlotState;
 use phub_proto::fault::{Fate, FaultSpec, Faults};
 
 use crate::engine::{EngineError, JobInstall, JobShardStats, Shard};
+use crate::shm::ShmSetup;
 
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
 pub enum Command {
-    /// Install a job's slots, restored from saved state when given (both in
-    /// one step, so no packet sees the job half restored); answers the slot
-    /// memory allocated.
+    /// Install a job's slots, with its shared-memory regions when set up
+    /// for them, restored from saved state when given (all in one step, so
+    /// no packet sees the job half installed or half restored); answers the
+    /// slot memory allocated.
     Install(
         JobInstall,
+        Option<ShmSetup>,
         Option<Vec<SlotState>>,
         Sender<Result<u64, EngineError>>,
     ),
@@ -171,9 +174,12 @@ pub fn run<Io: PacketIo>(
 fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
-        Command::Install(job, restore, reply) => {
+        Command::Install(job, shm, restore, reply) => {
             let id = job.id;
-            let mut r = shard.install(job);
+            let mut r = match shm {
+                Some(setup) => shard.install_shared(job, setup),
+                None => shard.install(job),
+            };
             if let (Ok(()), Some(state)) = (&r, restore) {
                 r = shard.restore(id, &state);
                 if r.is_err() {

@@ -2,10 +2,13 @@
 //!
 //! Layer: this crate's engine is pure (sans I/O): [`engine::Shard`] takes
 //! received datagrams and the caller's clock and yields what to send; it
-//! never blocks, logs or allocates per packet. The aggregation kernels
+//! never blocks, logs or allocates per packet (installing a job with
+//! shared memory creates its region files; handling packets does no I/O). The aggregation kernels
 //! ([`kernels`]) are chosen once at start-up by CPU features; the optimizer
 //! passes ([`optim`]) are fused single passes over a chunk. Packet I/O
-//! backends (kernel UDP, DPDK) sit on top and share these pieces.
+//! backends (kernel UDP, DPDK) sit on top and share these pieces. With the
+//! kernel-UDP backend, jobs may also get shared-memory regions ([`shm`]) for
+//! workers on the same host, whose chunks then never cross a socket.
 
 pub mod app;
 pub mod backend;
@@ -15,9 +18,11 @@ pub mod kernels;
 pub mod lcore;
 pub mod mgmt;
 pub mod optim;
+pub mod shm;
 pub mod slotmem;
 pub mod topology;
 
 pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Transmit, Verdict};
 pub use kernels::Kernels;
+pub use shm::ShmSetup;
 pub use slotmem::{RustHeap, SlotAllocator, SlotBlock};

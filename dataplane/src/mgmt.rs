@@ -23,6 +23,7 @@ use phub_proto::wire::DropReason;
 use crate::counters::{NetDrop, ShardCounters};
 use crate::engine::{EngineError, JobInstall};
 use crate::lcore::{Clock, Command};
+use crate::shm::ShmSetup;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -191,6 +192,11 @@ impl Manager {
             ));
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
+        // With --shm every lcore gives the job its shared-memory regions.
+        let shm = self.info.shm.then_some(ShmSetup {
+            base_port: self.info.data.base_port,
+            chunk_elems: req.layout.chunk_elems,
+        });
         let mut done = Vec::new();
         let mut total = 0;
         for (i, l) in self.lcores.iter().enumerate() {
@@ -208,7 +214,7 @@ impl Manager {
             // is the dataplane's fault.
             let answer = l
                 .commands
-                .send_timeout(Command::Install(job, state, tx), ACK_TIMEOUT)
+                .send_timeout(Command::Install(job, shm, state, tx), ACK_TIMEOUT)
                 .map_err(|_| (500, format!("lcore {i} did not take the command")))
                 .and_then(|()| {
                     rx.recv_timeout(ACK_TIMEOUT)
@@ -367,6 +373,7 @@ pub fn lcore_stats(lcore: u16, c: &ShardCounters) -> LcoreStats {
         pulls_answered: c.pulls_answered.get(),
         errors_sent: c.errors_sent.get(),
         misrouted: c.misrouted.get(),
+        shm_rx: c.shm_rx.get(),
         busy_loops: c.busy_loops.get(),
         idle_loops: c.idle_loops.get(),
         drops: DropReason::ALL

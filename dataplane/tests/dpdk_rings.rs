@@ -69,6 +69,7 @@ impl Rig {
             inject: None,
             no_pin: true,
             socket_buffer: 0,
+            shm: false,
             build: "test".into(),
             dpdk: DpdkOptions {
                 port: id.to_string(),

@@ -156,6 +156,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         inject: None,
         no_pin: true,
         socket_buffer: 0,
+        shm: false,
         build: "test".into(),
         dpdk: DpdkOptions {
             port: id.to_string(),

@@ -198,6 +198,11 @@ fn every_refusal_is_counted_under_its_reason() {
     b[wire::field::COUNT].copy_from_slice(&8u16.to_le_bytes());
     refuse(&mut s, &b, DropReason::DtypeMismatch);
     refuse(&mut s, &b[..HEADER_LEN - 1], DropReason::Truncated);
+    // The chunk in shared memory, on a job installed without regions.
+    let mut b = msg(MsgType::Init, 0, 0, 0, &[1.; 4]);
+    b.truncate(HEADER_LEN);
+    b[wire::field::FLAGS] = wire::flags::SHM;
+    refuse(&mut s, &b, DropReason::NoSharedMemory);
     refuse(&mut s, &msg(MsgType::Push, 0, 2, 0, &[1.; 4]), DropReason::Ahead);
     ok(&mut s, &msg(MsgType::Init, 0, 0, 0, &[1.; 4]));
     ok(&mut s, &msg(MsgType::Init, 1, 0, 0, &[]));

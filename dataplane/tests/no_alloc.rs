@@ -1,13 +1,14 @@
 //! The data path does not allocate: rounds of pushes, completions, resends
-//! and drops, handled and drained, leave the allocation count where it was.
+//! and drops, handled and drained, leave the allocation count where it was;
+//! also with shared-memory regions, half the ranks pushing through them.
 
 mod common;
 
 use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{JobInstall, Shard};
+use phub_dataplane::{JobInstall, Shard, ShmSetup};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, flags, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
 #[global_allocator]
@@ -17,28 +18,36 @@ static GLOBAL: common::Counting = common::Counting;
 fn handling_and_draining_allocates_nothing() {
     const W: u16 = 4;
     const N: usize = 2048;
-    for dtype in Dtype::ALL {
+    for (dtype, shm) in Dtype::ALL.into_iter().flat_map(|d| [(d, false), (d, true)]) {
         let mut shard: Shard<u16> = Shard::new(0, Kernels::best());
-        shard
-            .install(JobInstall {
-                id: 3,
-                token: 5,
-                workers: W,
-                dtype,
-                optimizer: Optimizer::Adam {
-                    lr: 1e-3,
-                    beta1: 0.9,
-                    beta2: 0.999,
-                    eps: 1e-8,
-                    weight_decay: 0.0,
-                },
-                slots: vec![SlotChunk {
-                    key: 0,
-                    chunk: 0,
-                    elems: N as u32,
-                }],
-            })
-            .unwrap();
+        let job = JobInstall {
+            id: 3,
+            token: 5,
+            workers: W,
+            dtype,
+            optimizer: Optimizer::Adam {
+                lr: 1e-3,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            slots: vec![SlotChunk {
+                key: 0,
+                chunk: 0,
+                elems: N as u32,
+            }],
+        };
+        if shm {
+            // Regions named after this process: no other test shares them.
+            let setup = ShmSetup {
+                base_port: (20_000 + std::process::id() % 40_000) as u16,
+                chunk_elems: N as u32,
+            };
+            shard.install_shared(job, setup).unwrap();
+        } else {
+            shard.install(job).unwrap();
+        }
         // Every packet of 20 rounds, built before counting starts.
         let n = N.min(wire::MAX_PAYLOAD / dtype.size());
         assert_eq!(n, N);
@@ -48,10 +57,11 @@ fn handling_and_draining_allocates_nothing() {
             for rank in 0..W {
                 let carries = round > 0 || rank == 0;
                 let count = if carries { N } else { 0 };
+                let rank_shm = shm && rank % 2 == 0;
                 let repr = Repr {
                     kind: if round == 0 { MsgType::Init } else { MsgType::Push },
                     dtype,
-                    flags: 0,
+                    flags: if rank_shm { flags::SHM } else { 0 },
                     token: 5,
                     job: 3,
                     rank,
@@ -62,9 +72,11 @@ fn handling_and_draining_allocates_nothing() {
                     key: 0,
                     chunk: 0,
                 };
-                let mut b = vec![0u8; HEADER_LEN + count * dtype.size()];
+                let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
                 repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                kernels::encode(dtype, &values[..count], &mut b[HEADER_LEN..]);
+                if !rank_shm {
+                    kernels::encode(dtype, &values[..count], &mut b[HEADER_LEN..]);
+                }
                 packets.push((rank, b.clone()));
                 packets.push((rank, b)); // a duplicate of each, resent or dropped
             }
@@ -82,10 +94,11 @@ fn handling_and_draining_allocates_nothing() {
         let after = common::allocations();
         assert!(sent > 0);
         assert_eq!(shard.counters().rounds_completed.get(), 20);
+        assert_eq!(shard.counters().shm_rx.get() > 0, shm);
         assert_eq!(
             after,
             before,
-            "{dtype}: the data path allocated {} times",
+            "{dtype} (shm: {shm}): the data path allocated {} times",
             after - before
         );
     }

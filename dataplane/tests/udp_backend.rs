@@ -1,16 +1,19 @@
 //! The kernel-UDP backend end to end on loopback: a real dataplane with two
 //! queues, a job installed through the management state, workers on UDP
 //! sockets, every result checked; and a flood of garbage counted as drops.
+//! With `--shm`: one worker through shared memory, one in datagrams.
 
 use std::net::UdpSocket;
 use std::time::Duration;
 
 use phub_dataplane::app::{Appliance, BackendKind, Config};
 use phub_dataplane::kernels;
+use phub_net::shm::ShmRegion;
 use phub_proto::api::InstallJob;
 use phub_proto::layout::layout;
+use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::JobSpec;
-use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, flags, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
 fn config() -> Config {
@@ -25,6 +28,7 @@ fn config() -> Config {
         inject: None,
         no_pin: true,
         socket_buffer: 4 << 20,
+        shm: false,
         build: "test".into(),
         dpdk: Default::default(),
     }
@@ -135,5 +139,133 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
     app.manager().remove(4).unwrap();
     assert_eq!(app.manager().remove(4).unwrap_err().status, 404);
     assert_eq!(app.manager().info().memory_used_bytes, 0);
+    app.shutdown();
+}
+
+#[test]
+fn with_shm_a_local_worker_sends_and_gets_headers_only() {
+    use clap::Parser;
+    let cfg = Config::try_parse_from(["phub-dataplane", "--shm", "--backend", "dpdk"]).unwrap();
+    let e = Appliance::start(&cfg).unwrap_err();
+    assert!(
+        e.to_string()
+            .contains("--shm needs the udp backend (workers on this host)"),
+        "{e:#}"
+    );
+    let app = Appliance::start(&Config {
+        shm: true,
+        ..config()
+    })
+    .unwrap();
+    assert!(app.manager().info().shm);
+    let spec = JobSpec::from_toml(
+        "name = \"t\"\nworkers = 2\nchunk_bytes = 256\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 150\n",
+    )
+    .unwrap();
+    let lay = layout(&spec, &mut [0, 0]);
+    let token = 0x5111_0000_0000_0077;
+    app.manager()
+        .install(
+            5,
+            InstallJob {
+                id: 5,
+                token,
+                spec,
+                layout: lay.clone(),
+            },
+        )
+        .unwrap();
+    let base = app.data_addr();
+    // What rank 0 opens, as a worker on this host would: its staging and
+    // the result region of each lcore that has slots of the job.
+    let open = |lcore: u16, part| {
+        let len = region_len(lay.lcores[usize::from(lcore)].len(), lay.chunk_elems, Dtype::F32);
+        let p = region_path(base.port(), 5, token, lcore, part);
+        (ShmRegion::open(&p, len).unwrap(), p)
+    };
+    let staging: Vec<(ShmRegion, _)> = (0..2).map(|l| open(l, Part::Staging(0))).collect();
+    let results: Vec<(ShmRegion, _)> = (0..2).map(|l| open(l, Part::Results)).collect();
+    let socks: Vec<UdpSocket> = (0..2)
+        .map(|_| {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s
+        })
+        .collect();
+    for round in 0..3u32 {
+        for (c, place) in lay.keys[0].iter().enumerate() {
+            let elems = lay.chunk_len(150, c as u32) as usize;
+            let off = slot_offset(place.slot, lay.chunk_elems, Dtype::F32);
+            for (rank, s) in socks.iter().enumerate() {
+                let carries = round > 0 || rank == 0;
+                let vals: Vec<f32> = (0..if carries { elems } else { 0 })
+                    .map(|e| (rank * 10 + e + round as usize) as f32)
+                    .collect();
+                let shm = rank == 0;
+                let repr = Repr {
+                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
+                    dtype: Dtype::F32,
+                    flags: if shm { flags::SHM } else { 0 },
+                    token,
+                    job: 5,
+                    rank: rank as u16,
+                    count: vals.len() as u16,
+                    error: 0,
+                    round,
+                    slot: place.slot,
+                    key: 0,
+                    chunk: c as u32,
+                };
+                let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
+                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+                let mut bytes = vec![0u8; 4 * vals.len()];
+                kernels::encode(Dtype::F32, &vals, &mut bytes);
+                if shm {
+                    assert!(staging[usize::from(place.lcore)].0.write(off, &bytes));
+                } else {
+                    b[HEADER_LEN..].copy_from_slice(&bytes);
+                }
+                let to = std::net::SocketAddrV4::new(*base.ip(), base.port() + place.lcore);
+                s.send_to(&b, to).unwrap();
+            }
+            let want: Vec<f32> = (0..elems)
+                .map(|e| {
+                    if round == 0 {
+                        e as f32
+                    } else {
+                        (10 + 2 * e + 2 * round as usize) as f32
+                    }
+                })
+                .collect();
+            for (rank, s) in socks.iter().enumerate() {
+                let mut buf = [0u8; 9000];
+                let n = s.recv(&mut buf).unwrap();
+                let (repr, payload) = wire::parse(&buf[..n]).unwrap();
+                assert_eq!(
+                    (repr.kind, repr.round, repr.chunk, usize::from(repr.count)),
+                    (MsgType::Result, round, c as u32, elems)
+                );
+                let bytes = if rank == 0 {
+                    assert_eq!((repr.flags, n), (flags::SHM, HEADER_LEN), "a header alone");
+                    let mut b = vec![0u8; 4 * elems];
+                    assert!(results[usize::from(place.lcore)].0.read(off, &mut b));
+                    b
+                } else {
+                    assert_eq!(repr.flags, 0);
+                    payload.to_vec()
+                };
+                let mut got = vec![0f32; elems];
+                kernels::decode(Dtype::F32, &bytes, &mut got);
+                assert_eq!(got, want, "rank {rank} round {round} chunk {c}");
+            }
+        }
+    }
+    let stats = app.manager().stats();
+    let shm_rx: u64 = stats.lcores.iter().map(|l| l.shm_rx).sum();
+    assert_eq!(shm_rx, 3 * lay.chunk_count() as u64, "rank 0's messages");
+    app.manager().remove(5).unwrap();
+    for (_, p) in staging.iter().chain(&results) {
+        assert!(!p.exists(), "{} removed with the job", p.display());
+    }
     app.shutdown();
 }

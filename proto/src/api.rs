@@ -275,6 +275,11 @@ pub struct DataplaneInfo {
     pub slot_memory: String,
     /// Aggregation kernel family in use.
     pub kernels: String,
+    /// Whether every job gets shared-memory regions for workers on the
+    /// dataplane's host (`phub-dataplane --shm`, PROTOCOL.md §3.4); false
+    /// from a dataplane that does not say.
+    #[serde(default)]
+    pub shm: bool,
     /// phub version and commit.
     pub version: String,
 }
@@ -329,6 +334,11 @@ pub struct LcoreStats {
     pub errors_sent: u64,
     /// Packets for another lcore.
     pub misrouted: u64,
+    /// Messages with the SHM flag from a rank of the job (payload, if any,
+    /// read from shared memory); 0 from a dataplane that does not count
+    /// them.
+    #[serde(default)]
+    pub shm_rx: u64,
     /// Busy poll-loop iterations.
     pub busy_loops: u64,
     /// Idle poll-loop iterations.

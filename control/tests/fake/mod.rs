@@ -154,6 +154,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 memory_used_bytes: used,
                 slot_memory: "Rust heap".into(),
                 kernels: "scalar".into(),
+                shm: false,
                 version: "fake".into(),
             },
         ),

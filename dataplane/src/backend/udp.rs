@@ -24,6 +24,15 @@
 //! GSO turns it off for the queue. `PHUB_UDP_GSO=0` and `PHUB_UDP_GRO=0` in
 //! the environment turn either off (to measure what they bring).
 //!
+//! Shared memory (`phub-dataplane --shm`, PROTOCOL.md §3.4): for workers on
+//! this host the engine reads chunks from their staging regions and writes
+//! results into the lcore's result region ([`crate::shm`]); what crosses
+//! this socket for them is headers alone. A RESULT with the SHM flag is a
+//! header without payload; consecutive ones to the same destination go out
+//! as GSO trains of 86-byte datagrams like any other results (ERRORs, also
+//! header-only, still travel alone). The region is written before the
+//! `sendmmsg` that carries the headers.
+//!
 //! Nothing here allocates after [`UdpQueue::bind`]: the scratch arrays have
 //! fixed capacities and a batch is flushed before one would be exceeded.
 //!
@@ -36,7 +45,7 @@ use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
 use std::time::Duration;
 
 use phub_net::CmsgBuf;
-use phub_proto::wire::HEADER_LEN;
+use phub_proto::wire::{self, flags, HEADER_LEN};
 
 use super::PacketIo;
 use crate::counters::ShardCounters;
@@ -236,6 +245,13 @@ impl UdpQueue {
         n
     }
 
+    /// Whether transmit `t` may be part of a GSO train: a result, with its
+    /// payload or (SHM flag) without; not an ERROR.
+    fn trains(&self, t: usize) -> bool {
+        self.tx_payloads[t].1 > 0
+            || wire::Header::new_unchecked(&self.tx_headers[t][..]).flags() & flags::SHM != 0
+    }
+
     /// Builds the messages (GSO trains where possible) for `tx_out` and
     /// sends them.
     fn flush_tx(&mut self, counters: &ShardCounters) -> io::Result<()> {
@@ -255,13 +271,12 @@ impl UdpQueue {
             let t0 = first.key.2 as usize;
             let seg = HEADER_LEN + self.tx_payloads[t0].1;
             // ERROR messages (no payload) always travel alone.
-            let n = if self.gso && self.tx_payloads[t0].1 > 0 {
-                let (out, payloads) = (&self.tx_out, &self.tx_payloads);
+            let n = if self.gso && self.trains(t0) {
                 phub_net::train_len(seg, |k| {
-                    let o = out.get(i + k)?;
-                    let payload = payloads[o.key.2 as usize].1;
-                    ((o.key.0, o.key.1) == (first.key.0, first.key.1) && payload > 0)
-                        .then_some(HEADER_LEN + payload)
+                    let o = self.tx_out.get(i + k)?;
+                    let t = o.key.2 as usize;
+                    ((o.key.0, o.key.1) == (first.key.0, first.key.1) && self.trains(t))
+                        .then_some(HEADER_LEN + self.tx_payloads[t].1)
                 })
             } else {
                 1
@@ -469,26 +484,56 @@ mod tests {
 
     #[test]
     fn results_to_one_worker_go_out_as_trains_and_arrive_whole() {
+        results_to_one_worker(false);
+    }
+
+    #[test]
+    fn shm_results_to_one_worker_arrive_as_headers_with_the_values_in_shared_memory() {
+        results_to_one_worker(true);
+    }
+
+    /// A worker of a one-rank job pushes 20 chunks a round (through shared
+    /// memory with `shm`) and gets 20 results back in order.
+    fn results_to_one_worker(shm: bool) {
+        use crate::shm::ShmSetup;
+        use phub_net::shm::ShmRegion;
+        use phub_proto::shm::{region_len, region_path, slot_offset, Part};
         let (mut q, to) = queue();
         let mut shard: Shard<SocketAddrV4> = Shard::new(0, Kernels::best());
         const CHUNKS: u32 = 20;
         const ELEMS: u32 = 64;
-        shard
-            .install(JobInstall {
-                id: 9,
-                token: 99,
-                workers: 1,
-                dtype: Dtype::F32,
-                optimizer: Optimizer::Sum,
-                slots: (0..CHUNKS)
-                    .map(|c| SlotChunk {
-                        key: 0,
-                        chunk: c,
-                        elems: if c == CHUNKS - 1 { ELEMS / 2 } else { ELEMS },
-                    })
-                    .collect(),
-            })
-            .unwrap();
+        let job = JobInstall {
+            id: 9,
+            token: 99,
+            workers: 1,
+            dtype: Dtype::F32,
+            optimizer: Optimizer::Sum,
+            slots: (0..CHUNKS)
+                .map(|c| SlotChunk {
+                    key: 0,
+                    chunk: c,
+                    elems: if c == CHUNKS - 1 { ELEMS / 2 } else { ELEMS },
+                })
+                .collect(),
+        };
+        // Named after this queue's port: no other test shares the files.
+        let regions = if shm {
+            shard
+                .install_shared(
+                    job,
+                    ShmSetup {
+                        base_port: to.port(),
+                        chunk_elems: ELEMS,
+                    },
+                )
+                .unwrap();
+            let len = region_len(CHUNKS as usize, ELEMS, Dtype::F32);
+            let open = |part| ShmRegion::open(&region_path(to.port(), 9, 99, 0, part), len).unwrap();
+            Some((open(Part::Staging(0)), open(Part::Results)))
+        } else {
+            shard.install(job).unwrap();
+            None
+        };
         let c = UdpSocket::bind("127.0.0.1:0").unwrap();
         c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         for round in 0..2u32 {
@@ -500,7 +545,7 @@ mod tests {
                 let repr = Repr {
                     kind: if round == 0 { MsgType::Init } else { MsgType::Push },
                     dtype: Dtype::F32,
-                    flags: 0,
+                    flags: if shm { wire::flags::SHM } else { 0 },
                     token: 99,
                     job: 9,
                     rank: 0,
@@ -511,9 +556,15 @@ mod tests {
                     key: 0,
                     chunk: slot,
                 };
-                let mut b = vec![0u8; HEADER_LEN + 4 * n];
-                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                crate::kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
+                let mut bytes = vec![0u8; 4 * n];
+                crate::kernels::encode(Dtype::F32, &vals, &mut bytes);
+                let mut b = repr.to_bytes().to_vec();
+                match &regions {
+                    Some((staging, _)) => {
+                        assert!(staging.write(slot_offset(slot, ELEMS, Dtype::F32), &bytes))
+                    }
+                    None => b.extend_from_slice(&bytes),
+                }
                 c.send_to(&b, to).unwrap();
             }
             let mut handled = 0;
@@ -536,6 +587,15 @@ mod tests {
                 let (r, payload) = wire::parse(&buf[..len]).unwrap();
                 assert_eq!((r.kind, r.round, r.slot), (MsgType::Result, round, slot));
                 let n = if slot == CHUNKS - 1 { ELEMS / 2 } else { ELEMS } as usize;
+                let mut from_shm = vec![0u8; 4 * n];
+                let payload = match &regions {
+                    Some((_, results)) => {
+                        assert_eq!((r.flags, len), (wire::flags::SHM, HEADER_LEN));
+                        assert!(results.read(slot_offset(slot, ELEMS, Dtype::F32), &mut from_shm));
+                        &from_shm[..]
+                    }
+                    None => payload,
+                };
                 assert_eq!(payload.len(), 4 * n);
                 let first = f32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
                 assert_eq!(first, (slot as usize * 1000) as f32 + round as f32);

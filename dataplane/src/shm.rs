@@ -1,0 +1,161 @@
+//! A job's shared-memory regions on one lcore (PROTOCOL.md §3.4): what a
+//! kernel-UDP dataplane started with `--shm` gives each job, so that workers
+//! on its host pass chunks through `/dev/shm` and send only headers.
+//!
+//! Names, offsets and lengths are [`phub_proto::shm`]'s; the mappings are
+//! [`ShmRegion`]s, created here (mode 0600) and unlinked when the
+//! [`JobRegions`] is dropped, that is when the job is removed from the lcore
+//! or the lcore stops.
+//!
+//! Who touches what, and when (the protocol's order, §5 and §6.1):
+//! - rank `r`'s staging region is written by that rank's worker alone; the
+//!   lcore reads chunk `s` of it ([`JobRegions::staged`]) while handling a
+//!   PUSH or INIT with SHM for slot `s`, which the worker sends after writing
+//!   the chunk and before it may write it again (only once it holds that
+//!   round's result, which this lcore has not sent yet);
+//! - the result region is written by the lcore alone
+//!   ([`JobRegions::publish`]), once per completed round, before the RESULT
+//!   headers leave; a worker reads chunk `s` after receiving such a header and
+//!   before it pushes the next round, which is needed before the lcore writes
+//!   chunk `s` again.
+//!
+//! The system calls that carry the datagrams order the memory accesses
+//! between the processes.
+//!
+//! What a misbehaving worker can do: the regions are files of the
+//! dataplane's user, so only processes of that user (who can signal or trace
+//! the dataplane anyway) open them. A worker that writes its staging chunk
+//! while the lcore sums it only garbles its own contribution to that round:
+//! the lcore reads the bytes as element values and nothing else (no length,
+//! index or control decision comes from them). One that shrinks a region
+//! file makes the lcore's next read of it fault (SIGBUS).
+
+use std::path::Path;
+
+use phub_net::shm::ShmRegion;
+use phub_proto::shm::{region_len, region_path, slot_offset, Part};
+use phub_proto::Dtype;
+
+use crate::engine::JobInstall;
+
+/// How an lcore lays out and names a job's regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShmSetup {
+    /// The dataplane's base UDP port (part of every region's name).
+    pub base_port: u16,
+    /// Elements in a full chunk of the job (the layout's `chunk_elems`):
+    /// slot `s` starts at [`slot_offset`]`(s, chunk_elems, dtype)`.
+    pub chunk_elems: u32,
+}
+
+/// One job's regions on one lcore: a staging region per rank and a result
+/// region, each one chunk stride per slot of the job on this lcore. A job
+/// with no slots on the lcore has no files (a region cannot be empty), but
+/// still counts as set up for shared memory.
+#[derive(Debug)]
+pub struct JobRegions {
+    dtype: Dtype,
+    chunk_elems: u32,
+    /// Indexed by rank; empty when the job has no slots here.
+    staging: Vec<ShmRegion>,
+    /// `None` when the job has no slots here.
+    results: Option<ShmRegion>,
+}
+
+/// Creates a region, replacing a stale file of the same name: the name
+/// carries the base port of this dataplane's bound sockets, the job and a
+/// tag of its token, so such a file was left by a dataplane on this port
+/// that did not stop cleanly (a job restored from its checkpoint keeps its
+/// token).
+fn create(path: &Path, len: usize) -> Result<ShmRegion, String> {
+    match ShmRegion::create(path, len) {
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            log::warn!("replacing the stale shared-memory region {}", path.display());
+            std::fs::remove_file(path).map_err(|e| format!("removing stale {}: {e}", path.display()))?;
+            ShmRegion::create(path, len).map_err(|e| e.to_string())
+        }
+        r => r.map_err(|e| e.to_string()),
+    }
+}
+
+impl JobRegions {
+    /// Creates the regions of `job` on `lcore`, all or none (what was
+    /// created is removed again on failure). Fails when a file cannot be
+    /// created or sized, or when a slot is longer than `setup.chunk_elems`.
+    pub fn create(setup: ShmSetup, lcore: u16, job: &JobInstall) -> Result<JobRegions, String> {
+        if let Some((i, s)) = job
+            .slots
+            .iter()
+            .enumerate()
+            .find(|(_, s)| s.elems > setup.chunk_elems)
+        {
+            return Err(format!(
+                "slot {i} has {} elements, more than the chunk length {} the regions are laid out for",
+                s.elems, setup.chunk_elems
+            ));
+        }
+        let mut regions = JobRegions {
+            dtype: job.dtype,
+            chunk_elems: setup.chunk_elems,
+            staging: Vec::new(),
+            results: None,
+        };
+        if job.slots.is_empty() {
+            return Ok(regions);
+        }
+        let len = region_len(job.slots.len(), setup.chunk_elems, job.dtype);
+        let path = |part| region_path(setup.base_port, job.id, job.token, lcore, part);
+        regions.staging.reserve_exact(usize::from(job.workers));
+        for rank in 0..job.workers {
+            // On failure `regions` is dropped: the files made so far go.
+            regions.staging.push(create(&path(Part::Staging(rank)), len)?);
+        }
+        regions.results = Some(create(&path(Part::Results), len)?);
+        Ok(regions)
+    }
+
+    /// Where slot `slot`'s chunk starts in every region.
+    fn offset(&self, slot: u32) -> usize {
+        slot_offset(slot, self.chunk_elems, self.dtype)
+    }
+
+    /// The `len` bytes of `rank`'s chunk for `slot` in its staging region,
+    /// read in place; `None` when they are not all inside the region.
+    ///
+    /// Call only while handling that rank's PUSH or INIT with SHM for the
+    /// slot, and let the slice go before the RESULT for that round can be
+    /// sent: that is the window in which the protocol keeps the worker from
+    /// writing the chunk (module docs).
+    pub fn staged(&self, rank: u16, slot: u32, len: usize) -> Option<&[u8]> {
+        let region = self.staging.get(usize::from(rank))?;
+        let p = region.ptr(self.offset(slot), len)?;
+        // SAFETY: `p..p + len` lies inside the mapping (`ptr` checked it),
+        // which stays mapped while `self` is borrowed (it is unmapped only
+        // when the region is dropped); the bytes are initialised (a
+        // zero-filled file mapping) and `u8` has no alignment or validity
+        // requirement. This process never writes a staging region. The
+        // rank's worker does not write this chunk between sending the
+        // message being handled and receiving its round's result, which
+        // the caller does not let happen while the slice lives (see above);
+        // a worker breaking that rule can only change the element values
+        // read for its own contribution (module docs).
+        Some(unsafe { std::slice::from_raw_parts(p, len) })
+    }
+
+    /// Writes a completed round's result (wire bytes) for `slot` into the
+    /// result region; `false` (nothing written) when the job has no
+    /// regions here or the bytes do not fit the slot.
+    pub fn publish(&self, slot: u32, bytes: &[u8]) -> bool {
+        let stride = phub_proto::shm::chunk_stride(self.chunk_elems, self.dtype);
+        bytes.len() <= stride
+            && self
+                .results
+                .as_ref()
+                .is_some_and(|r| r.write(self.offset(slot), bytes))
+    }
+
+    /// The files, staging regions in rank order, then the result region.
+    pub fn paths(&self) -> impl Iterator<Item = &Path> + '_ {
+        self.staging.iter().chain(&self.results).map(ShmRegion::path)
+    }
+}
