@@ -62,20 +62,21 @@ pub struct JobRegions {
     results: Option<ShmRegion>,
 }
 
-/// Creates a region, replacing a stale file of the same name: the name
-/// carries the base port of this dataplane's bound sockets, the job and a
-/// tag of its token, so such a file was left by a dataplane on this port
-/// that did not stop cleanly (a job restored from its checkpoint keeps its
-/// token).
+/// Creates a region, or adopts a file of the same name left by a dataplane
+/// on this port that did not stop cleanly (the name carries the base port,
+/// the job and a tag of its token; a job restored from its checkpoint keeps
+/// its token): when the file is this user's, mode 0600 and of the right
+/// length it is kept with its contents, so workers that mapped it before
+/// the crash go on without noticing; any other file there is replaced.
 fn create(path: &Path, len: usize) -> Result<ShmRegion, String> {
-    match ShmRegion::create(path, len) {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            log::warn!("replacing the stale shared-memory region {}", path.display());
-            std::fs::remove_file(path).map_err(|e| format!("removing stale {}: {e}", path.display()))?;
-            ShmRegion::create(path, len).map_err(|e| e.to_string())
-        }
-        r => r.map_err(|e| e.to_string()),
+    let (r, adopted) = ShmRegion::create_or_adopt(path, len).map_err(|e| e.to_string())?;
+    if adopted {
+        log::warn!(
+            "adopting the shared-memory region {} left by an earlier run",
+            path.display()
+        );
     }
+    Ok(r)
 }
 
 impl JobRegions {

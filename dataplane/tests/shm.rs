@@ -427,8 +427,9 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
     assert_eq!(s.job_ids().count(), 0);
     assert!(all(id).iter().all(|p| !p.exists()), "nothing left behind");
 
-    // A stale file of the same name (a dataplane on this port that died)
-    // is replaced; dropping the shard removes the files.
+    // A stale file of the same name but another length (a dataplane on
+    // this port that died, a job of another shape) is replaced; dropping
+    // the shard removes the files.
     std::fs::write(path(id, Part::Staging(1)), b"stale").unwrap();
     s.install_shared(job(id, 3, dtype, Optimizer::Mean), setup())
         .unwrap();

@@ -75,6 +75,46 @@ impl ShmRegion {
         r
     }
 
+    /// Creates the region as [`ShmRegion::create`], or, when a file of that
+    /// name is already there, adopts it if it is this user's, mode 0600 (no
+    /// group or other bits) and exactly `len` bytes: its contents stay, so
+    /// processes that mapped it earlier keep working with the new owner (a
+    /// dataplane restarted after a crash). Any other file there is removed
+    /// and the region created afresh. Returns the region and whether it
+    /// was adopted. Either way the file is removed when the region is
+    /// dropped.
+    pub fn create_or_adopt(path: &Path, len: usize) -> io::Result<(ShmRegion, bool)> {
+        match Self::create(path, len) {
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            r => return r.map(|r| (r, false)),
+        }
+        let c = cpath(path)?;
+        // SAFETY: a NUL-terminated path; O_NOFOLLOW refuses a symbolic link.
+        let fd = unsafe { libc::open(c.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_NOFOLLOW) };
+        if fd >= 0 {
+            // SAFETY: an all-zero stat is a valid value to be overwritten.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            // SAFETY: fd is open; st is a valid out pointer; geteuid cannot fail.
+            let ours = unsafe { libc::fstat(fd, &mut st) } == 0
+                && st.st_uid == unsafe { libc::geteuid() }
+                && st.st_mode & libc::S_IFMT == libc::S_IFREG
+                && st.st_mode & 0o077 == 0
+                && st.st_size as u64 == len as u64;
+            let r = if ours {
+                Some(Self::map(fd, path, len, true))
+            } else {
+                None
+            };
+            // SAFETY: fd is ours and closed once; a mapping stays valid after.
+            unsafe { libc::close(fd) };
+            if let Some(r) = r {
+                return r.map(|r| (r, true));
+            }
+        }
+        std::fs::remove_file(path).map_err(|e| with_path(path, "removing the foreign or mis-sized", e))?;
+        Self::create(path, len).map(|r| (r, false))
+    }
+
     /// Opens and maps an existing region, which must be exactly `len` bytes.
     pub fn open(path: &Path, len: usize) -> io::Result<ShmRegion> {
         let c = cpath(path)?;
@@ -223,8 +263,20 @@ mod tests {
         assert_eq!(e.kind(), io::ErrorKind::AlreadyExists, "{e}");
         let e = ShmRegion::open(&p, 4096).unwrap_err();
         assert!(e.to_string().contains("expected 4096"), "{e}");
+        // A file left behind (a crash) is adopted with its contents when it
+        // is ours, 0600 and of the right size; otherwise replaced.
+        std::mem::forget(a);
+        let (c, adopted) = ShmRegion::create_or_adopt(&p, 8192).unwrap();
+        assert!(adopted);
+        assert!(c.read(4096, &mut got) && got == [1, 2, 3], "contents kept");
+        drop(c);
+        assert!(!p.exists(), "the adopter removes it");
+        std::fs::write(&p, b"short").unwrap();
+        let (d, adopted) = ShmRegion::create_or_adopt(&p, 8192).unwrap();
+        assert!(!adopted);
+        assert_eq!(std::fs::metadata(&p).unwrap().len(), 8192);
         drop(b);
-        drop(a);
+        drop(d);
         assert!(!p.exists());
         assert!(ShmRegion::open(&p, 8192).is_err());
     }
