@@ -20,7 +20,11 @@ back to back (a barrier before each); the figures are medians over trials.
 bare exchange without DDP: ``dist.all_reduce`` over the same 25 MB buckets
 against ``push_pull`` of every key then ``wait``.
 
-    python python/bench/bench_exchange.py --workers 2 --trials 10
+    python python/bench/bench_exchange.py --workers 2 --trials 10 [--shm]
+
+With ``--shm`` the appliance's dataplane starts with ``--shm`` and phub's
+workers (on this machine, ``shm="auto"``) pass chunks and results through
+shared memory, sending headers only.
 """
 
 from __future__ import annotations
@@ -97,6 +101,8 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     dist.init_process_group("gloo", rank=rank, world_size=a.workers)
     sizes = profile_sizes(a.profile)
     w = phub.Worker.join(control_url, job, token, rank, window=a.window)
+    if a.shm and not w.shm:  # every rank sees the same appliance: all stop here
+        raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
     models = {name: nn.parallel.DistributedDataParallel(Bag(sizes), bucket_cap_mb=a.bucket_mb)
               for name in ("no exchange", "gloo", "phub")}
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
@@ -171,6 +177,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="phub's wire type (bf16/f16 halve the bytes but round the gradients; gloo stays f32)")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="phub chunk (packet payload) size, <= 8832")
+    ap.add_argument("--shm", action="store_true",
+                    help="phub-dataplane with --shm: the workers (shm='auto') pass chunks through shared memory")
     a = ap.parse_args()
     import multiprocessing as mp
 
@@ -179,9 +187,9 @@ def main() -> None:
     print(f"phub vs gloo: one step's gradient exchange, {a.profile} ({len(sizes)} tensors, {total:,} floats, "
           f"{4 * total / 1e6:.1f} MB), W={a.workers} processes on this machine ({os.cpu_count()} CPUs), "
           f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window or 'auto'}, "
-          f"{a.lcores} dataplane lcores, "
+          f"{a.lcores} dataplane lcores, {'shared memory' if a.shm else 'datagrams'}, "
           f"torch {torch.__version__}", flush=True)
-    with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll) as app:
+    with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll, shm=a.shm) as app:
         spec = phub.admin.job_spec("bench", a.workers, sizes, optimizer="mean", dtype=a.dtype,
                                    chunk_bytes=a.chunk_bytes)
         job, token = app.admit(spec)

@@ -12,6 +12,11 @@ job's keys (tensors) with the appliance::
     h = w.push_pull(0, grad, params)      # non-blocking; several keys can be in flight
     h.wait()                              # params now holds the appliance's result
 
+On the appliance's own machine, with phub-dataplane started with ``--shm``,
+workers pass chunks and results through shared memory and send headers
+only (``Worker.join(..., shm="auto")``, the default; ``"on"`` insists,
+``"off"`` sticks to datagrams; ``worker.shm`` says which).
+
 Modules:
 
 - :mod:`phub.admin`: admit, list and evict jobs through phub-control's HTTP API.

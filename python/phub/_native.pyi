@@ -1,6 +1,6 @@
 """Type stubs of the extension module ``phub._native`` (re-exported by ``phub``)."""
 
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 import numpy as np
 from typing_extensions import Buffer  # PEP 688; collections.abc.Buffer on 3.12+
@@ -15,7 +15,8 @@ class PhubError(RuntimeError):
     """Base class of every error phub raises; the message is phub-worker's own."""
 
 class JoinError(PhubError):
-    """Joining failed: refused by phub-control, unreachable, or an unusable answer."""
+    """Joining failed: refused by phub-control, unreachable, an unusable answer, or
+    ``shm="on"`` and the appliance's shared memory cannot be used."""
 
 class UsageError(PhubError):
     """A call that does not fit: unknown key, wrong length or dtype, key busy, out of order."""
@@ -56,6 +57,7 @@ class Worker:
         min_rto: Optional[float] = None,
         max_rto: Optional[float] = None,
         initial_rto: Optional[float] = None,
+        shm: Literal["auto", "on", "off"] = "auto",
     ) -> "Worker": ...
     @property
     def rank(self) -> int: ...
@@ -69,6 +71,8 @@ class Worker:
     def dtype_name(self) -> str: ...
     @property
     def optimizer(self) -> str: ...
+    @property
+    def shm(self) -> bool: ...
     @property
     def local_addr(self) -> str: ...
     def spec(self) -> dict[str, Any]: ...

@@ -10,6 +10,10 @@ SIGKILL) on :meth:`LocalAppliance.stop` or when the ``with`` block ends::
         job, token = app.admit(spec)
         w = phub.Worker.join(app.control_url, job, token, 0)
 
+``LocalAppliance(shm=True)`` starts phub-dataplane with ``--shm``: workers
+on this machine then exchange through shared memory (headers only on the
+sockets).
+
 The binaries are looked for in ``bin_dir``, then ``$PHUB_BIN_DIR``, then
 ``target/release`` of the current folder and of the folders above it, then
 ``$PATH``. Build them with ``cargo build --release -p phub --bins``.
@@ -69,9 +73,12 @@ class LocalAppliance:
     ``lcores``: dataplane queues (threads); ``memory_budget``: slot memory
     (e.g. ``"1GiB"``); ``pin``: pin lcore threads to CPUs (off by default:
     the appliance shares the machine with its workers here);
-    ``busy_poll``: spin on empty queues; ``workdir``: where logs and the
-    state file go (a new temporary folder by default, removed on stop if
-    the appliance ended cleanly).
+    ``busy_poll``: spin on empty queues; ``shm``: start phub-dataplane with
+    ``--shm``, so that workers on this machine pass chunks and results
+    through shared memory (``/dev/shm``) and send headers only (workers
+    joining with the default ``shm="auto"`` pick it up); ``workdir``: where
+    logs and the state file go (a new temporary folder by default, removed
+    on stop if the appliance ended cleanly).
     """
 
     def __init__(
@@ -82,6 +89,7 @@ class LocalAppliance:
         memory_budget: str = "1GiB",
         pin: bool = False,
         busy_poll: bool = False,
+        shm: bool = False,
         workdir: Optional[os.PathLike[str] | str] = None,
         start_timeout: float = 15.0,
     ) -> None:
@@ -89,6 +97,7 @@ class LocalAppliance:
         self.memory_budget = memory_budget
         self.pin = pin
         self.busy_poll = busy_poll
+        self.shm = shm
         self.start_timeout = start_timeout
         self._dataplane_bin = find_binary("phub-dataplane", bin_dir)
         self._control_bin = find_binary("phub-control", bin_dir)
@@ -135,6 +144,8 @@ class LocalAppliance:
             args.append("--no-pin")
         if self.busy_poll:
             args.append("--busy-poll")
+        if self.shm:
+            args.append("--shm")
         try:
             dp = self._spawn("phub-dataplane", args)
             self._wait_http(f"{self.mgmt_url}/v1/info", "phub-dataplane", dp)

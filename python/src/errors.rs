@@ -16,7 +16,8 @@ create_exception!(
     JoinError,
     PhubError,
     "Joining failed: phub-control refused (unknown job, wrong token, rank taken \
-     or out of range), could not be reached, or answered with an unusable job."
+     or out of range), could not be reached, or answered with an unusable job; \
+     or shm=\"on\" and the appliance's shared memory cannot be used."
 );
 create_exception!(
     phub,
@@ -49,9 +50,10 @@ create_exception!(
 pub(crate) fn to_py(e: WorkerError) -> PyErr {
     let message = e.to_string();
     match e {
-        WorkerError::Join { .. } | WorkerError::Http { .. } | WorkerError::BadJoin { .. } => {
-            JoinError::new_err(message)
-        }
+        WorkerError::Join { .. }
+        | WorkerError::Http { .. }
+        | WorkerError::BadJoin { .. }
+        | WorkerError::SharedMemory { .. } => JoinError::new_err(message),
         WorkerError::Length { .. }
         | WorkerError::UnknownKey { .. }
         | WorkerError::Busy { .. }

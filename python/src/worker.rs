@@ -202,7 +202,13 @@ impl Worker {
     /// ``auto_window`` does),
     /// ``timeout`` (seconds without any result before a request fails,
     /// default 30), ``min_rto``, ``max_rto``, ``initial_rto``
-    /// (retransmission timeout bounds and start, seconds).
+    /// (retransmission timeout bounds and start, seconds), ``shm``
+    /// (``"auto"``, the default: pass chunks through shared memory when the
+    /// appliance's phub-dataplane runs on this host with ``--shm``,
+    /// datagrams otherwise; ``"on"``: shared memory or the join fails,
+    /// naming the region and why; ``"off"``: datagrams only; with
+    /// ``"auto"``, ``PHUB_WORKER_SHM=off|auto|on`` in the environment
+    /// decides instead).
     ///
     /// For tests, ``PHUB_WORKER_INJECT=loss=0.05,dup=0.01,reorder=0.01,seed=3``
     /// in the environment makes the worker lose, duplicate and reorder its
@@ -210,7 +216,7 @@ impl Worker {
     ///
     /// Raises :class:`JoinError` with phub-control's message when refused.
     #[staticmethod]
-    #[pyo3(signature = (control_url, job, token, rank, *, window=None, timeout=None, min_rto=None, max_rto=None, initial_rto=None))]
+    #[pyo3(signature = (control_url, job, token, rank, *, window=None, timeout=None, min_rto=None, max_rto=None, initial_rto=None, shm="auto"))]
     #[allow(clippy::too_many_arguments)] // the Python signature: keyword arguments
     fn join(
         py: Python<'_>,
@@ -223,6 +229,7 @@ impl Worker {
         min_rto: Option<f64>,
         max_rto: Option<f64>,
         initial_rto: Option<f64>,
+        shm: &str,
     ) -> PyResult<Worker> {
         let token = parse_token(token)?;
         let mut config = WorkerConfig::default();
@@ -236,6 +243,7 @@ impl Worker {
         config.min_rto = seconds("min_rto", min_rto)?.unwrap_or(config.min_rto);
         config.max_rto = seconds("max_rto", max_rto)?.unwrap_or(config.max_rto);
         config.initial_rto = seconds("initial_rto", initial_rto)?.unwrap_or(config.initial_rto);
+        config.shm = shm.parse().map_err(|e: String| usage(format!("`shm` = {e}")))?;
         let w = py
             .detach(|| phub_worker::Worker::join_with(control_url, job, token, rank, config))
             .map_err(to_py)?;
@@ -282,6 +290,13 @@ impl Worker {
         self.inner.spec().optimizer.name()
     }
 
+    /// Whether chunks and results go through shared memory with the
+    /// dataplane (see ``shm`` of :meth:`join`).
+    #[getter]
+    fn shm(&self) -> bool {
+        self.inner.shm()
+    }
+
     /// The local address of the worker's UDP socket, ``"host:port"``.
     #[getter]
     fn local_addr(&self) -> String {
@@ -313,7 +328,8 @@ impl Worker {
     /// fault injection lost, duplicated, reordered and delayed
     /// (``injected_drops``, ``injected_dups``, ``injected_reorders``,
     /// ``injected_delays``; 0 unless
-    /// ``PHUB_WORKER_INJECT`` is set).
+    /// ``PHUB_WORKER_INJECT`` is set), ``shm_results`` (results read from
+    /// shared memory) and ``shm`` (a bool: shared memory in use).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -333,9 +349,11 @@ impl Worker {
             ("injected_dups", s.injected_dups),
             ("injected_reorders", s.injected_reorders),
             ("injected_delays", s.injected_delays),
+            ("shm_results", s.shm_results),
         ] {
             d.set_item(k, v)?;
         }
+        d.set_item("shm", s.shm)?;
         Ok(d)
     }
 

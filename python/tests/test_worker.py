@@ -187,6 +187,39 @@ def test_properties_spec_and_stats(workers: Workers) -> None:
     assert s["chunks_sent"] >= 1 and s["results_accepted"] >= 1 and s["timeouts"] == 0
 
 
+def test_shared_memory_with_a_shm_appliance() -> None:
+    """LocalAppliance(shm=True): workers on this machine exchange through
+    /dev/shm by default ("auto"), exactly; "off" sticks to datagrams."""
+    from phub.local import LocalAppliance
+
+    with LocalAppliance(lcores=2, memory_budget="256MiB", shm=True) as app:
+        jid, token = app.admit(admin.job_spec("pytest-shm", 2, [5000, 3], optimizer="sum", dtype="f16"))
+        w0 = phub.Worker.join(app.control_url, jid, token, 0)
+        w1 = phub.Worker.join(app.control_url, jid, token, 1, shm="off")
+        assert w0.shm and not w1.shm
+        for k, n in enumerate([5000, 3]):
+            init_all([w0, w1], k, [np.zeros(n, np.float32)] * 2)
+            want = (np.arange(n) % 50).astype(np.float32) + 2.0
+            h0 = w0.push_pull(k, (np.arange(n) % 50).astype(np.float32))  # in place
+            h1 = w1.push_pull(k, np.full(n, 2.0, np.float32))
+            np.testing.assert_array_equal(h0.wait(), want)
+            np.testing.assert_array_equal(h1.wait(), want)
+        s0, s1 = w0.stats(), w1.stats()
+        assert s0["shm"] is True and s0["shm_results"] == s0["results_accepted"] > 0
+        assert s1["shm"] is False and s1["shm_results"] == 0
+
+
+def test_shm_on_without_a_shm_appliance_fails_the_join(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:
+    jid, token = job([10])
+    with pytest.raises(phub.JoinError, match="shm = on.*/dev/shm/phub-"):
+        phub.Worker.join(appliance.control_url, jid, token, 0, shm="on")
+    with pytest.raises(phub.UsageError, match="accepted: off, auto, on"):
+        phub.Worker.join(appliance.control_url, jid, token, 0, shm="sometimes")
+    # Control took rank 0's join before the worker found no shared memory:
+    # rank 0 now takes its place with rejoin, like a restarted worker.
+    assert not phub.Worker.join(appliance.control_url, jid, token, 1).shm  # auto: datagrams
+
+
 # -- concurrency --------------------------------------------------------------
 
 def test_wait_releases_the_gil(workers: Workers) -> None:

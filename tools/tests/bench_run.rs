@@ -173,6 +173,48 @@ fn worker_processes_and_a_sweep_with_its_plot() {
     let _ = std::fs::remove_file(&svg);
 }
 
+/// `--shm`: the local dataplane starts with `--shm`, the workers pass
+/// chunks through shared memory (the join fails otherwise), every result
+/// verifies, and the report says so.
+#[test]
+fn shared_memory_run_verifies_and_says_so() {
+    let json = scratch("shm.json");
+    let (ok, out) = bench(&[
+        "run",
+        "--local",
+        "--shm",
+        "--model",
+        "synthetic:100000",
+        "--workers",
+        "2",
+        "--rounds",
+        "3",
+        "--verify",
+        "--json",
+        json.to_str().unwrap(),
+        "--no-ceiling",
+        "--quiet",
+    ]);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("chunk 8192 B, shm,"),
+        "the header line says shm: {out}"
+    );
+    assert!(
+        out.contains("shm = chunks and results through shared memory"),
+        "{out}"
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert_eq!(v["shm"], true, "{v}");
+    assert_eq!(v["arguments"]["shm"], true);
+    assert_eq!(v["verified"], true, "{v}");
+    // Headers only reached the dataplane's sockets: far fewer bytes than
+    // the pushes' payloads (2 workers x 3 rounds x 400 kB).
+    let rx = v["appliance"]["rx_bytes"].as_u64().unwrap();
+    assert!(rx > 0 && rx < 2 * 3 * 400_000 / 10, "rx_bytes {rx}");
+    let _ = std::fs::remove_file(&json);
+}
+
 #[test]
 fn bad_arguments_say_what_is_accepted() {
     let (ok, out) = bench(&["run", "--model", "resnet-51", "--rounds", "1"]);
@@ -181,4 +223,10 @@ fn bad_arguments_say_what_is_accepted() {
     let (ok, out) = bench(&["run", "--model", "synthetic:10", "--sweep", "speed=1,2"]);
     assert!(!ok);
     assert!(out.contains("accepted variables"), "{out}");
+    let (ok, out) = bench(&["run", "--model", "synthetic:10", "--backend", "dpdk", "--shm"]);
+    assert!(!ok);
+    assert!(
+        out.contains("--shm with --backend dpdk") && out.contains("--backend udp"),
+        "{out}"
+    );
 }

@@ -40,6 +40,14 @@ pub enum WorkerError {
         /// What is wrong, naming the setting and what is accepted.
         message: String,
     },
+    /// [`ShmMode::On`](crate::ShmMode::On) and the shared-memory regions
+    /// cannot be used: the dataplane is not on loopback, or a region (named
+    /// in the message) does not open with the expected length.
+    #[error("shared memory (shm = on): {message}")]
+    SharedMemory {
+        /// What is wrong, naming the address or the region's path.
+        message: String,
+    },
     /// A socket operation failed.
     #[error("{context}: {source}")]
     Io {

@@ -17,6 +17,14 @@
 //! accepted result, or with [`WorkerError::Closed`] when the worker is
 //! dropped. With [`crate::inject`] on, every datagram sent and received
 //! first gets a fate (lost, duplicated, held back, delayed).
+//!
+//! With shared memory ([`crate::shm`]), a chunk's payload is copied into
+//! this rank's staging region when the chunk is first sent, and its
+//! datagrams (retransmissions too) are the header alone with the SHM flag;
+//! a RESULT with the flag is read from the lcore's result region. The
+//! requests keep their payloads (in their buffers, or the caller's lent
+//! gradient), so chunks can be written again into new regions, or sent as
+//! datagrams, when the dataplane's regions change ([`Shm`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -33,6 +41,7 @@ use crate::codec;
 use crate::error::WorkerError;
 use crate::inject::Injector;
 use crate::net::{BatchSocket, Datagram};
+use crate::shm::{RegionSpec, Regions};
 use crate::stats::{add, Counters};
 use crate::WorkerConfig;
 
@@ -124,21 +133,53 @@ impl Tx {
     }
 
     /// Chunk `m`'s datagram as head and body (the body is empty when the
-    /// head holds the whole datagram).
+    /// head holds the whole datagram). With [`flags::SHM`] in its header,
+    /// the datagram is the header alone.
     fn parts(&self, m: &ChunkMsg) -> (&[u8], &[u8]) {
+        let header = match self {
+            Tx::Owned(b) => &b[m.header_range()],
+            Tx::Borrowed { headers, .. } => &headers[m.header_range()],
+        };
+        if Header::new_unchecked(header).flags() & flags::SHM != 0 {
+            return (header, &[]);
+        }
         match self {
             Tx::Owned(b) => (&b[m.range()], &[]),
-            Tx::Borrowed { headers, payload } => {
+            Tx::Borrowed { .. } => (header, self.payload(m)),
+        }
+    }
+
+    /// Chunk `m`'s payload: its elements as wire bytes.
+    fn payload(&self, m: &ChunkMsg) -> &[u8] {
+        match self {
+            Tx::Owned(b) => &b[m.start + HEADER_LEN..m.start + m.bytes],
+            Tx::Borrowed { payload, .. } => {
                 let at = m.offset * 4;
                 let len = m.bytes - HEADER_LEN;
                 // SAFETY: the Exchange that made this request keeps the
                 // caller's gradient borrowed (shared) until the request has
                 // ended, and the chunk lies inside it (offset and length
                 // come from the key's layout, checked against its length).
-                let body = unsafe { payload.slice(at, len) };
-                (&headers[m.header_range()], body)
+                unsafe { payload.slice(at, len) }
             }
         }
+    }
+
+    /// Puts chunk `m`'s payload where the next transmission of it takes
+    /// it from: with `regions`, into the staging region at its slot and
+    /// [`flags::SHM`] set in its header (the datagram is the header alone);
+    /// otherwise (or when the slot is not in the regions) the flag cleared
+    /// and the payload in the datagram. Returns whether it went to shared
+    /// memory.
+    fn stage(&mut self, m: &ChunkMsg, regions: Option<&Regions>) -> bool {
+        let shm = regions.is_some_and(|r| {
+            let p = self.payload(m);
+            p.is_empty() || r.write_chunk(m.lcore, m.slot, p)
+        });
+        let mut h = Header::new_unchecked(&mut self.headers_mut()[m.header_range()]);
+        let f = h.flags() & !flags::SHM;
+        h.set_flags(if shm { f | flags::SHM } else { f });
+        shm
     }
 
     /// Gives the owned buffer back for reuse (an empty one for borrowed).
@@ -308,6 +349,38 @@ const IDLE: Duration = Duration::from_millis(100);
 /// after it to the same lcore is in counts as lost (TCP's duplicate-ACK
 /// threshold plays the same role).
 const REORDER: u64 = 3;
+/// How often the mapped shared-memory files are checked against their
+/// names while requests are in flight (two `stat`s per lcore; a restarted
+/// dataplane takes far longer than this to install the job again).
+const SHM_CHECK: Duration = Duration::from_millis(5);
+/// How often opening the regions is tried again while they cannot be.
+const SHM_REOPEN: Duration = Duration::from_millis(100);
+
+/// Shared memory as the I/O thread uses it.
+#[derive(Debug)]
+pub(crate) struct Shm {
+    /// How to open the regions again.
+    spec: RegionSpec,
+    /// The mapped regions; `None` while they cannot be opened (chunks go
+    /// as datagrams meanwhile).
+    regions: Option<Regions>,
+    /// When the mapped files were last checked, or opening them last tried.
+    checked: Instant,
+    /// Wire bytes of a 16-bit result on their way to being decoded.
+    scratch: Vec<u8>,
+}
+
+impl Shm {
+    /// Shared memory through `regions`, opened from `spec`.
+    pub(crate) fn new(spec: RegionSpec, regions: Regions) -> Shm {
+        Shm {
+            spec,
+            regions: Some(regions),
+            checked: Instant::now(),
+            scratch: Vec::new(),
+        }
+    }
+}
 
 /// Round-trip state: the RFC 6298 estimator (reported as `srtt_us` and
 /// `rto_us`) and the smallest round trip seen, which sets the loss timer.
@@ -453,6 +526,8 @@ pub(crate) struct IoThread {
     batch: Vec<(u64, ChunkMsg)>,
     /// The fault injector, when configured (tests and soaks).
     inject: Option<Injector>,
+    /// Shared memory, when the join chose it.
+    shm: Option<Shm>,
 }
 
 impl IoThread {
@@ -468,8 +543,10 @@ impl IoThread {
         keys: Keys,
         stats: Arc<Counters>,
         inject: Option<Injector>,
+        shm: Option<Shm>,
     ) -> IoThread {
         let rto = Rto::new(config);
+        stats.shm.store(shm.is_some(), Ordering::Relaxed);
         stats
             .rto_us
             .store(rto.rto.as_micros() as u64, std::sync::atomic::Ordering::Relaxed);
@@ -499,6 +576,7 @@ impl IoThread {
             sent_order: Vec::new(),
             batch: Vec::new(),
             inject,
+            shm,
         }
     }
 
@@ -524,6 +602,11 @@ impl IoThread {
                 }
             }
             let now = Instant::now();
+            if self.busy() {
+                // While nothing answers (the dataplane may be restarting),
+                // every send is preceded by a check.
+                self.check_shm(now, self.quiet_backoff > 0);
+            }
             self.fill_window(&mut socket, now);
             if now.saturating_duration_since(self.last_scan) >= TICK {
                 self.last_scan = now;
@@ -671,16 +754,71 @@ impl IoThread {
         seq
     }
 
+    /// With shared memory: checks that the mapped files are still the
+    /// dataplane's regions, every [`SHM_CHECK`] while requests are in
+    /// flight, and whenever `force`d: before sends while nothing answers,
+    /// on an ERROR and on the first RESULT after such a silence (a
+    /// dataplane that restarted answers from its new regions). A dataplane
+    /// that restarted (or reinstalled the job) made new files, and a chunk
+    /// left in the old staging region would never reach it: the regions are
+    /// opened again and every outstanding chunk is written into the new
+    /// staging region; while they cannot be opened, chunks go as datagrams
+    /// (tried again every [`SHM_REOPEN`], or when forced).
+    fn check_shm(&mut self, now: Instant, force: bool) {
+        let Some(shm) = self.shm.as_mut() else {
+            return;
+        };
+        let every = if shm.regions.is_some() {
+            SHM_CHECK
+        } else {
+            SHM_REOPEN
+        };
+        if !force && now.saturating_duration_since(shm.checked) < every {
+            return;
+        }
+        shm.checked = now;
+        let (job, rank) = (self.info.job, self.info.rank);
+        if let Some(r) = &shm.regions {
+            let Some(why) = r.replaced() else {
+                return;
+            };
+            log::warn!(
+                "phub-worker: job {job} rank {rank}: the dataplane's shared-memory regions changed ({why}); \
+                 opening them again, datagrams meanwhile"
+            );
+            shm.regions = None;
+        }
+        match shm.spec.open() {
+            Ok(r) => {
+                log::info!("phub-worker: job {job} rank {rank}: shared-memory regions mapped again");
+                shm.regions = Some(r);
+            }
+            Err(e) => log::debug!("phub-worker: job {job} rank {rank}: shared memory: {e}"),
+        }
+        let regions = shm.regions.as_ref();
+        self.stats.shm.store(regions.is_some(), Ordering::Relaxed);
+        for o in self.outstanding.values() {
+            if let Some(req) = self.requests.get_mut(&o.id) {
+                req.tx.stage(&o.msg, regions);
+            }
+        }
+    }
+
     fn fill_window(&mut self, socket: &mut BatchSocket, now: Instant) {
         let deadline = now + self.rto.loss(0);
         while self.outstanding.len() < self.window {
             let Some((id, msg)) = self.pending.pop_front() else {
                 break;
             };
-            let Some(req) = self.requests.get(&id) else {
+            let Some(req) = self.requests.get_mut(&id) else {
                 continue;
             };
             let key = req.key;
+            if let Some(shm) = &self.shm {
+                // The key's previous round of this chunk has its result: the
+                // lcore no longer reads the slot, and this rank may write it.
+                req.tx.stage(&msg, shm.regions.as_ref());
+            }
             self.batch.push((id, msg));
             add(&self.stats.chunks_sent, 1);
             let seq = self.sequence(msg.lcore, (key, msg.chunk));
@@ -727,8 +865,7 @@ impl IoThread {
                 };
                 if o.retries == 0 {
                     if let Some(r) = self.requests.get_mut(&o.id) {
-                        Header::new_unchecked(&mut r.tx.headers_mut()[o.msg.header_range()])
-                            .set_flags(flags::RETRANSMIT);
+                        mark_retransmit(&mut r.tx.headers_mut()[o.msg.header_range()]);
                     }
                 }
                 o.retries += 1;
@@ -802,8 +939,7 @@ impl IoThread {
             o.seq = new_seq;
             if o.retries == 0 {
                 if let Some(r) = self.requests.get_mut(&o.id) {
-                    Header::new_unchecked(&mut r.tx.headers_mut()[o.msg.header_range()])
-                        .set_flags(flags::RETRANSMIT);
+                    mark_retransmit(&mut r.tx.headers_mut()[o.msg.header_range()]);
                 }
             }
             o.retries += 1;
@@ -814,6 +950,7 @@ impl IoThread {
         if !late.is_empty() {
             self.last_resend = now;
             self.quiet_backoff += 1;
+            self.check_shm(now, true);
         }
         add(&self.stats.retransmits, late.len() as u64);
         self.send_batch(socket);
@@ -832,6 +969,17 @@ impl IoThread {
             _ => false,
         };
         if !valid {
+            add(&self.stats.foreign_dropped, 1);
+            return;
+        }
+        if repr.kind == MsgType::Error || (repr.shm() && self.quiet_backoff > 0) {
+            // Possibly the first word of a restarted dataplane: read its
+            // regions, not the old ones (and let a pull after this ERROR
+            // find them mapped).
+            self.check_shm(now, true);
+        }
+        if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
+            // A result in shared memory this worker has not mapped is malformed.
             add(&self.stats.foreign_dropped, 1);
             return;
         }
@@ -886,7 +1034,25 @@ impl IoThread {
         }
         let start = o.msg.offset;
         let end = start + o.msg.len as usize;
-        codec::decode(self.info.dtype, payload, req.values.slice_mut(start, end));
+        let dst = req.values.slice_mut(start, end);
+        match self.shm.as_mut().filter(|_| repr.shm()) {
+            None => codec::decode(self.info.dtype, payload, dst),
+            Some(shm) => {
+                // The regions are mapped (checked above). The lcore wrote
+                // this round's result before sending its RESULT, and writes
+                // the slot again only after this rank pushed the next round
+                // of the chunk.
+                let read = shm
+                    .regions
+                    .as_ref()
+                    .is_some_and(|r| r.read_result(o.msg.lcore, o.msg.slot, dst, &mut shm.scratch));
+                if !read {
+                    add(&self.stats.foreign_dropped, 1);
+                    return;
+                }
+                add(&self.stats.shm_results, 1);
+            }
+        }
         req.remaining -= 1;
         req.min_round = req.min_round.min(repr.round);
         let done = req.remaining == 0;
@@ -998,6 +1164,14 @@ impl IoThread {
             self.fail(id, err);
         }
     }
+}
+
+/// Sets the RETRANSMIT flag of a header we emitted, keeping its others
+/// (SHM).
+fn mark_retransmit(header: &mut [u8]) {
+    let mut h = Header::new_unchecked(header);
+    let f = h.flags();
+    h.set_flags(f | flags::RETRANSMIT);
 }
 
 /// Sends `dgrams` in one batch and counts the bytes the kernel took.

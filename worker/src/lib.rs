@@ -17,6 +17,11 @@
 //! worker's datagrams in both directions ([`WorkerConfig::inject`]; off by
 //! default).
 //!
+//! On the appliance's host, with a dataplane started with `--shm`, chunks
+//! and results can go through shared memory (`/dev/shm` regions the
+//! dataplane creates per job) while only headers cross the socket:
+//! [`WorkerConfig::shm`], [`ShmMode`] (automatic by default).
+//!
 //! Invariants (the worker's side of PROTOCOL.md §6):
 //! - At most one request per key is in flight, and a key's round r+1 is sent
 //!   only once this worker holds the result of round r.
@@ -55,6 +60,7 @@ mod error;
 mod inject;
 mod io;
 pub mod net;
+mod shm;
 mod stats;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
@@ -72,6 +78,7 @@ pub use error::WorkerError;
 pub use inject::INJECT_ENV;
 pub use phub_proto::api::JoinResponse;
 pub use phub_proto::fault::FaultSpec;
+pub use shm::{ShmMode, SHM_ENV};
 pub use stats::WorkerStats;
 
 use io::{
@@ -115,6 +122,21 @@ pub struct WorkerConfig {
     /// (`PHUB_WORKER_INJECT=loss=0.05,dup=0.01,reorder=0.01,seed=3`) turns
     /// it on.
     pub inject: Option<FaultSpec>,
+    /// Shared memory with a dataplane on this host (PROTOCOL.md §3.4):
+    /// chunks and results go through `/dev/shm` regions the dataplane
+    /// (started with `--shm`) created for the job, and only headers cross
+    /// the socket. [`ShmMode::Auto`] (the default) uses them when every
+    /// dataplane address is a loopback address and every region this rank
+    /// needs opens with the expected length, datagrams otherwise;
+    /// [`ShmMode::On`] fails the join when they cannot be used, naming the
+    /// region and the reason; [`ShmMode::Off`] never tries. With `Auto`, the
+    /// environment variable [`SHM_ENV`] (`PHUB_WORKER_SHM=off|auto|on`)
+    /// decides instead when set. [`Worker::shm`] and [`WorkerStats`]' `shm`
+    /// say whether the regions are in use. If the dataplane restarts and
+    /// makes new regions, the worker maps them (datagrams while there are
+    /// none). Only processes of the dataplane's user can open the regions
+    /// (mode 0600), and their names need the job's token.
+    pub shm: ShmMode,
 }
 
 impl Default for WorkerConfig {
@@ -129,6 +151,7 @@ impl Default for WorkerConfig {
             gro: true,
             socket_buffer: 32 << 20,
             inject: None,
+            shm: ShmMode::Auto,
         }
     }
 }
@@ -370,6 +393,17 @@ impl Worker {
     /// thread.
     pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
         let lcores = check_join(&join)?;
+        let mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
+        let region_spec = shm::RegionSpec::new(
+            join.dataplane.base_port,
+            join.job,
+            token,
+            join.rank,
+            &join.layout,
+            join.spec.dtype,
+        );
+        let regions = shm::decide(mode, join.job, join.rank, &lcores, || region_spec.open())?;
+        let use_shm = regions.is_some();
         let bind: SocketAddr = match lcores[0].ip() {
             IpAddr::V4(a) if a.is_loopback() => (Ipv4Addr::LOCALHOST, 0).into(),
             IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
@@ -447,6 +481,7 @@ impl Worker {
             Arc::clone(&keys),
             Arc::clone(&stats),
             injector,
+            regions.map(|r| io::Shm::new(region_spec, r)),
         );
         let thread = std::thread::Builder::new()
             .name(format!("phub-worker-{}-{}", join.job, join.rank))
@@ -454,13 +489,14 @@ impl Worker {
             .map_err(io_err("starting the worker's I/O thread".into()))?;
         log::info!(
             "phub-worker: job {} rank {} of {} joined; {} keys, {} chunks, dataplane {}, socket {local} \
-             (window {window}, gso {}, gro {}, rcvbuf {})",
+             (window {window}, shared memory {}, gso {}, gro {}, rcvbuf {})",
             join.job,
             join.rank,
             join.spec.workers,
             join.spec.keys.len(),
             join.layout.chunk_count(),
             lcores[0],
+            if use_shm { "yes" } else { "no" },
             socket_info.gso,
             socket_info.gro,
             socket_info.rcvbuf,
@@ -538,6 +574,12 @@ impl Worker {
     /// A snapshot of the worker's counters.
     pub fn stats(&self) -> WorkerStats {
         self.stats.snapshot()
+    }
+
+    /// Whether chunks and results go through shared memory with the
+    /// dataplane now (see [`WorkerConfig::shm`]).
+    pub fn shm(&self) -> bool {
+        self.stats.shm.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Round 0 for `key`: rank 0's `params` become everyone's initial values.
@@ -816,7 +858,9 @@ impl Worker {
     /// Starts every chunk of a round for `key` with the caller's buffers
     /// lent, not copied (see [`Exchange`]): the result is written into
     /// `out` in place, and with an `f32` job the datagrams' payloads are
-    /// `grad` itself (other dtypes are encoded into datagrams first).
+    /// `grad` itself (other dtypes are encoded into datagrams first; with
+    /// shared memory the I/O thread copies the payloads into the staging
+    /// regions).
     fn push_pull_lent(
         &self,
         key: u32,
@@ -862,7 +906,10 @@ impl Worker {
     /// of every byte: results are written straight into the caller's output
     /// (not into a buffer then copied), and with an `f32` job datagrams go
     /// out as a header plus the caller's gradient (not encoded into a
-    /// buffer first). Other dtypes are still encoded.
+    /// buffer first). Other dtypes are still encoded. With shared memory
+    /// ([`WorkerConfig::shm`]) an `f32` gradient is copied once, from the
+    /// caller's buffer into the staging region, and results are read from
+    /// the result region straight into the caller's output.
     ///
     /// ```no_run
     /// # fn main() -> Result<(), phub_worker::WorkerError> {

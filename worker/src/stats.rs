@@ -1,6 +1,6 @@
 //! Counters the I/O thread writes and [`Worker::stats`](crate::Worker::stats) reads.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use serde::{Deserialize, Serialize};
 
@@ -49,6 +49,14 @@ pub struct WorkerStats {
     /// directions.
     #[serde(default)]
     pub injected_delays: u64,
+    /// RESULTs whose payload was read from the dataplane's result region
+    /// (shared memory, [`WorkerConfig::shm`](crate::WorkerConfig::shm)).
+    #[serde(default)]
+    pub shm_results: u64,
+    /// Whether this worker exchanges through shared memory now (not a
+    /// counter).
+    #[serde(default)]
+    pub shm: bool,
 }
 
 /// The live counters: one writer (the I/O thread), relaxed readers.
@@ -70,6 +78,9 @@ pub(crate) struct Counters {
     pub(crate) injected_dups: AtomicU64,
     pub(crate) injected_reorders: AtomicU64,
     pub(crate) injected_delays: AtomicU64,
+    pub(crate) shm_results: AtomicU64,
+    /// Whether the regions are mapped (the I/O thread writes it).
+    pub(crate) shm: AtomicBool,
 }
 
 /// Adds `n` to a counter.
@@ -97,6 +108,8 @@ impl Counters {
             injected_dups: r(&self.injected_dups),
             injected_reorders: r(&self.injected_reorders),
             injected_delays: r(&self.injected_delays),
+            shm_results: r(&self.shm_results),
+            shm: self.shm.load(Ordering::Relaxed),
         }
     }
 }

@@ -1,19 +1,25 @@
 //! phub-worker against a fake appliance: the dataplane's engine behind
 //! kernel UDP sockets on 127.0.0.1, with seeded packet loss, and a fake
-//! control answering the join route.
+//! control answering the join route. With shared memory, the fake creates
+//! the job's regions (PROTOCOL.md §3.4) and moves payloads between them and
+//! the engine itself, so the worker's side is tested on its own.
 
+use std::collections::HashSet;
 use std::net::{SocketAddr, UdpSocket};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use phub_dataplane::{JobInstall, Kernels, Shard};
+use phub_net::shm::ShmRegion;
 use phub_proto::api::{DataAddr, JoinRequest, JoinResponse};
 use phub_proto::layout::{layout, Layout};
+use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use phub_proto::wire::{self, flags, Header, MsgType, HEADER_LEN};
 use phub_proto::Dtype;
-use phub_worker::{Worker, WorkerConfig, WorkerError};
+use phub_worker::{ShmMode, Worker, WorkerConfig, WorkerError};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -27,14 +33,115 @@ struct FakeAppliance {
     base_port: u16,
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<()>>,
+    /// With shared memory: the job's regions (per lcore), which the test
+    /// may remove and create again as a restarted dataplane would.
+    shm: Option<FakeShm>,
+}
+
+/// One lcore's regions: a staging region per rank, the result region.
+struct LcoreShm {
+    staging: Vec<ShmRegion>,
+    results: ShmRegion,
+}
+
+/// The regions of the fake appliance's one job.
+#[derive(Clone)]
+struct FakeShm {
+    regions: Arc<Mutex<Vec<Option<LcoreShm>>>>,
+    base_port: u16,
+    workers: u16,
+    slots: Vec<usize>,
+    chunk_elems: u32,
+    dtype: Dtype,
+}
+
+impl FakeShm {
+    fn path(&self, lcore: usize, part: Part) -> std::path::PathBuf {
+        region_path(self.base_port, JOB, TOKEN, lcore as u16, part)
+    }
+
+    /// Creates the regions of every lcore that holds slots (none may exist).
+    fn create(&self) {
+        let made = self
+            .slots
+            .iter()
+            .enumerate()
+            .map(|(l, &n)| {
+                let len = region_len(n, self.chunk_elems, self.dtype);
+                (n > 0).then(|| LcoreShm {
+                    staging: (0..self.workers)
+                        .map(|r| ShmRegion::create(&self.path(l, Part::Staging(r)), len).unwrap())
+                        .collect(),
+                    results: ShmRegion::create(&self.path(l, Part::Results), len).unwrap(),
+                })
+            })
+            .collect();
+        *self.regions.lock().unwrap() = made;
+    }
+
+    /// Removes every region (the files go).
+    fn remove(&self) {
+        self.regions.lock().unwrap().clear();
+    }
+
+    /// A PUSH/INIT with SHM as the engine takes it: the header without the
+    /// flag, followed by the payload read from the sender's staging region.
+    /// `None` for datagrams without the flag (and ones the engine refuses
+    /// on its own).
+    fn inline(&self, lcore: usize, d: &[u8]) -> Option<Vec<u8>> {
+        let (repr, _) = wire::parse(d).ok()?;
+        if !repr.shm() {
+            return None;
+        }
+        let mut out = d[..HEADER_LEN].to_vec();
+        Header::new_unchecked(&mut out[..]).set_flags(repr.flags & !flags::SHM);
+        let regions = self.regions.lock().unwrap();
+        let r = regions.get(lcore)?.as_ref()?;
+        let staging = r.staging.get(usize::from(repr.rank))?;
+        let mut payload = vec![0u8; repr.payload_len()];
+        if !staging.read(slot_offset(repr.slot, self.chunk_elems, self.dtype), &mut payload) {
+            return None;
+        }
+        out.extend_from_slice(&payload);
+        Some(out)
+    }
+
+    /// Writes a RESULT's payload into the result region at its slot.
+    fn write_result(&self, lcore: usize, header: &[u8], payload: &[u8]) -> bool {
+        let slot = Header::new_unchecked(header).slot();
+        let regions = self.regions.lock().unwrap();
+        let Some(Some(r)) = regions.get(lcore) else {
+            return false;
+        };
+        r.results
+            .write(slot_offset(slot, self.chunk_elems, self.dtype), payload)
+    }
 }
 
 impl FakeAppliance {
     fn start(spec: &JobSpec, layout: &Layout, loss: f64, seed: u64) -> FakeAppliance {
+        FakeAppliance::start_with(spec, layout, loss, seed, false)
+    }
+
+    /// With `shm`, the job's regions exist, and the fake answers every rank
+    /// whose last message came through shared memory the same way.
+    fn start_with(spec: &JobSpec, layout: &Layout, loss: f64, seed: u64, shm: bool) -> FakeAppliance {
         let sockets = bind_consecutive(layout.lcore_count());
         let base_port = sockets[0].local_addr().unwrap().port();
         let stop = Arc::new(AtomicBool::new(false));
         let start = Instant::now();
+        let fake_shm = shm.then(|| {
+            let f = FakeShm {
+                regions: Arc::new(Mutex::new(Vec::new())),
+                base_port,
+                workers: spec.workers as u16,
+                slots: layout.lcores.iter().map(Vec::len).collect(),
+                chunk_elems: layout.chunk_elems,
+                dtype: spec.dtype,
+            };
+            f.create();
+            f
+        });
         let threads = sockets
             .into_iter()
             .enumerate()
@@ -52,10 +159,13 @@ impl FakeAppliance {
                     .unwrap();
                 let stop = Arc::clone(&stop);
                 let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));
+                let fake_shm = fake_shm.clone();
                 std::thread::spawn(move || {
                     sock.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
                     let mut buf = vec![0u8; 65536];
                     let mut pkt = Vec::with_capacity(9000);
+                    // Peers whose last message came through shared memory.
+                    let mut shm_peers: HashSet<SocketAddr> = HashSet::new();
                     while !stop.load(Ordering::Relaxed) {
                         let Ok((n, from)) = sock.recv_from(&mut buf) else {
                             continue;
@@ -63,16 +173,43 @@ impl FakeAppliance {
                         if loss > 0.0 && rng.gen_bool(loss) {
                             continue;
                         }
-                        shard.handle(from, &buf[..n], start.elapsed().as_nanos() as u64);
+                        let now = start.elapsed().as_nanos() as u64;
+                        match fake_shm.as_ref().and_then(|f| f.inline(i, &buf[..n])) {
+                            Some(d) => {
+                                shm_peers.insert(from);
+                                shard.handle(from, &d, now);
+                            }
+                            None => {
+                                shm_peers.remove(&from);
+                                shard.handle(from, &buf[..n], now);
+                            }
+                        }
                         for t in shard.transmits() {
                             pkt.clear();
                             pkt.extend_from_slice(&t.header);
                             pkt.extend_from_slice(t.payload);
+                            let result =
+                                Header::new_unchecked(&t.header[..]).type_code() == MsgType::Result.code();
+                            let mut in_shm = None;
                             for to in t.to {
                                 if loss > 0.0 && rng.gen_bool(loss) {
                                     continue;
                                 }
-                                let _ = sock.send_to(&pkt, to);
+                                let shm = result && shm_peers.contains(&to);
+                                let shm = shm
+                                    && *in_shm.get_or_insert_with(|| {
+                                        fake_shm
+                                            .as_ref()
+                                            .is_some_and(|f| f.write_result(i, &t.header, t.payload))
+                                    });
+                                if shm {
+                                    let mut h = t.header;
+                                    let f = Header::new_unchecked(&h[..]).flags();
+                                    Header::new_unchecked(&mut h[..]).set_flags(f | flags::SHM);
+                                    let _ = sock.send_to(&h, to);
+                                } else {
+                                    let _ = sock.send_to(&pkt, to);
+                                }
                             }
                         }
                         shard.clear_transmits();
@@ -84,6 +221,7 @@ impl FakeAppliance {
             base_port,
             stop,
             threads,
+            shm: fake_shm,
         }
     }
 }
@@ -229,8 +367,23 @@ fn run_job_config(
     exchange: bool,
     config: WorkerConfig,
 ) -> phub_worker::WorkerStats {
+    run_job_on(spec, lcores, rounds, loss, exchange, config, false)
+}
+
+/// As [`run_job_config`], with the job's shared-memory regions on the
+/// fake appliance when `shm`; the summed stats' `shm` says whether every
+/// worker used them.
+fn run_job_on(
+    spec: &JobSpec,
+    lcores: usize,
+    rounds: u32,
+    loss: f64,
+    exchange: bool,
+    config: WorkerConfig,
+    shm: bool,
+) -> phub_worker::WorkerStats {
     let layout = layout(spec, &mut vec![0; lcores]);
-    let app = FakeAppliance::start(spec, &layout, loss, 42);
+    let app = FakeAppliance::start_with(spec, &layout, loss, 42, shm);
     let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
     let refs = Arc::new(refs);
     let threads: Vec<_> = (0..spec.workers as u16)
@@ -314,9 +467,15 @@ fn run_job_config(
             })
         })
         .collect();
-    let mut total = phub_worker::WorkerStats::default();
+    let mut total = phub_worker::WorkerStats {
+        shm: true,
+        ..Default::default()
+    };
     for t in threads {
         let s = t.join().unwrap();
+        total.shm &= s.shm;
+        total.shm_results += s.shm_results;
+        total.foreign_dropped += s.foreign_dropped;
         total.chunks_sent += s.chunks_sent;
         total.retransmits += s.retransmits;
         total.results_accepted += s.results_accepted;
@@ -692,4 +851,193 @@ fn bad_join_responses_are_refused() {
 fn _assert_send_sync() {
     fn is<T: Send + Sync>() {}
     is::<Worker>();
+}
+
+fn shm_on() -> WorkerConfig {
+    WorkerConfig {
+        shm: ShmMode::On,
+        ..quick()
+    }
+}
+
+/// Shared memory: every dtype, both APIs, results exact; only headers
+/// cross the sockets and every result is read from the result region.
+#[test]
+fn shared_memory_carries_every_chunk_exactly() {
+    for (dtype, opt, exchange) in [
+        (Dtype::F32, Optimizer::Sum, false),
+        (Dtype::F32, sgd(), true),
+        (Dtype::F16, Optimizer::Mean, false),
+        (Dtype::Bf16, sgd(), true),
+    ] {
+        let sp = spec(3, &KEYS, dtype, opt);
+        let s = run_job_on(&sp, 3, 4, 0.0, exchange, shm_on(), true);
+        let what = format!("{dtype} {} exchange={exchange}: {s:?}", opt.name());
+        assert!(s.shm, "{what}");
+        let chunks: u64 = KEYS.iter().map(|e| e.div_ceil(u64::from(sp.chunk_elems()))).sum();
+        assert_eq!(s.results_accepted, 3 * 5 * chunks, "{what}");
+        assert_eq!(s.shm_results, s.results_accepted, "{what}");
+        let datagrams = s.chunks_sent + s.retransmits;
+        assert_eq!(s.bytes_sent, datagrams * HEADER_LEN as u64, "{what}");
+        assert!(
+            s.bytes_received >= s.results_accepted * HEADER_LEN as u64,
+            "{what}"
+        );
+        assert!(
+            s.bytes_received < 2 * s.results_accepted * HEADER_LEN as u64,
+            "{what}"
+        );
+    }
+}
+
+/// Loss at the fake appliance and faults injected in the workers' own
+/// header datagrams: retransmissions resend headers and the staging
+/// regions still hold the round's chunks.
+#[test]
+fn shared_memory_stays_exact_under_loss_and_injection() {
+    let s = run_job_on(
+        &spec(3, &KEYS, Dtype::F32, sgd()),
+        2,
+        5,
+        0.10,
+        false,
+        shm_on(),
+        true,
+    );
+    assert!(s.shm && s.retransmits > 0 && s.timeouts == 0, "{s:?}");
+    let config = WorkerConfig {
+        inject: Some("loss=0.05,dup=0.02,reorder=0.02,seed=4".parse().unwrap()),
+        ..shm_on()
+    };
+    let s = run_job_on(
+        &spec(2, &KEYS, Dtype::F16, Optimizer::Sum),
+        2,
+        4,
+        0.0,
+        true,
+        config,
+        true,
+    );
+    assert!(s.shm && s.injected_drops > 0 && s.retransmits > 0, "{s:?}");
+    // f16: 4096 elements a chunk, 1 + 2 + 25 chunks.
+    assert_eq!(s.results_accepted, 2 * 5 * 28);
+}
+
+/// Without regions: `Auto` (the default) exchanges datagrams, `On` fails
+/// the join naming the region, `Off` never looks.
+#[test]
+fn without_regions_auto_uses_datagrams_and_on_refuses_to_join() {
+    let s = run_job(&spec(2, &[5000], Dtype::F32, Optimizer::Sum), 1, 2, 0.0);
+    assert!(!s.shm && s.shm_results == 0, "{s:?}");
+    assert!(s.bytes_sent > 2 * 2 * 5000 * 4, "{s:?}");
+    let sp = spec(1, &[5000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0]);
+    let app = FakeAppliance::start(&sp, &l, 0.0, 5);
+    let e = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap_err();
+    let want = region_path(app.base_port, JOB, TOKEN, 0, Part::Staging(0));
+    let msg = e.to_string();
+    assert!(matches!(e, WorkerError::SharedMemory { .. }), "{e:?}");
+    assert!(
+        msg.contains(&want.display().to_string()) && msg.contains("No such file") && msg.contains("--shm"),
+        "{msg}"
+    );
+    // With the regions there, Off still sends datagrams.
+    let app = FakeAppliance::start_with(&sp, &l, 0.0, 5, true);
+    let off = WorkerConfig {
+        shm: ShmMode::Off,
+        ..quick()
+    };
+    let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, off).unwrap();
+    assert!(!w.shm());
+    let mut p = vec![1f32; 5000];
+    w.wait(w.init(0, &mut p).unwrap()).unwrap();
+    assert_eq!(w.stats().shm_results, 0);
+    let auto = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, quick()).unwrap();
+    assert!(auto.shm() && auto.stats().shm);
+}
+
+/// A RESULT that says its payload is in shared memory, to a worker that
+/// has none mapped, is malformed: counted and ignored.
+#[test]
+fn a_shared_memory_result_without_regions_is_dropped() {
+    let socks = bind_consecutive(1);
+    let base = socks[0].local_addr().unwrap().port();
+    let sp = spec(1, &[100], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0]);
+    let cfg = WorkerConfig {
+        timeout: Duration::from_millis(400),
+        ..WorkerConfig::default()
+    };
+    let w = Worker::from_join(join_response(&sp, &l, 0, base), TOKEN, cfg).unwrap();
+    assert!(!w.shm());
+    let mut p = vec![1f32; 100];
+    let h = w.init(0, &mut p).unwrap();
+    socks[0].set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut buf = [0u8; 9000];
+    let (n, from) = socks[0].recv_from(&mut buf).unwrap();
+    let (push, _) = wire::parse(&buf[..n]).unwrap();
+    let result = wire::Repr {
+        kind: MsgType::Result,
+        flags: flags::SHM,
+        rank: wire::APPLIANCE_RANK,
+        ..push
+    };
+    socks[0].send_to(&result.to_bytes(), from).unwrap();
+    assert!(matches!(w.wait(h), Err(WorkerError::Timeout { .. })));
+    let s = w.stats();
+    assert!(s.foreign_dropped >= 1 && s.results_accepted == 0, "{s:?}");
+}
+
+/// The dataplane restarts (its regions go, then come back as new files
+/// under the same names): the worker sends datagrams while they are gone,
+/// maps the new ones when they are back, and every result stays exact.
+#[test]
+fn recreated_regions_are_mapped_again() {
+    let sp = spec(2, &[3000, 20_000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0, 0]);
+    let app = FakeAppliance::start_with(&sp, &l, 0.0, 11, true);
+    let fake = app.shm.clone().unwrap();
+    let ws: Vec<Worker> = (0..2)
+        .map(|r| Worker::from_join(join_response(&sp, &l, r, app.base_port), TOKEN, shm_on()).unwrap())
+        .collect();
+    let lens = [3000usize, 20_000];
+    let round = |r: u32| {
+        std::thread::scope(|s| {
+            for (rank, w) in ws.iter().enumerate() {
+                s.spawn(move || {
+                    for (k, &n) in lens.iter().enumerate() {
+                        let mut p = vec![0f32; n];
+                        if r == 0 {
+                            w.wait(w.init(k as u32, &mut p).unwrap()).unwrap();
+                            continue;
+                        }
+                        let g: Vec<f32> = (0..n).map(|i| grad(rank as u16, r, k, i)).collect();
+                        w.wait(w.push_pull(k as u32, &g, &mut p).unwrap()).unwrap();
+                        for (i, v) in p.iter().enumerate() {
+                            let want = grad(0, r, k, i) + grad(1, r, k, i);
+                            assert_eq!(*v, want, "rank {rank} round {r} key {k} element {i}");
+                        }
+                    }
+                });
+            }
+        })
+    };
+    round(0);
+    round(1);
+    let before = ws[0].stats().shm_results;
+    assert!(ws.iter().all(Worker::shm) && before > 0);
+    // Gone: the workers notice before their next sends (they check the
+    // files every 5 ms while busy) and send datagrams.
+    fake.remove();
+    std::thread::sleep(Duration::from_millis(20));
+    round(2);
+    assert!(ws.iter().all(|w| !w.shm()));
+    assert_eq!(ws[0].stats().shm_results, before);
+    // Back as new files: mapped again at the next try (every 100 ms).
+    fake.create();
+    std::thread::sleep(Duration::from_millis(150));
+    round(3);
+    round(4);
+    assert!(ws.iter().all(Worker::shm));
+    assert!(ws[0].stats().shm_results > before);
 }

@@ -15,7 +15,7 @@
 use std::time::Instant;
 
 use anyhow::{bail, Context, Result};
-use phub_worker::{Worker, WorkerConfig, WorkerStats};
+use phub_worker::{ShmMode, Worker, WorkerConfig, WorkerStats};
 use serde::{Deserialize, Serialize};
 
 use crate::profiles::Profile;
@@ -52,6 +52,11 @@ pub struct Plan {
     /// [`phub_worker::FaultSpec`], e.g. `loss=0.05,seed=3`); `None`: off.
     #[serde(default)]
     pub inject: Option<String>,
+    /// Exchange through shared memory with the dataplane on this host
+    /// ([`phub_worker::ShmMode::On`]: the join fails without it); `false`:
+    /// datagrams ([`phub_worker::ShmMode::Off`]).
+    #[serde(default)]
+    pub shm: bool,
 }
 
 /// Progress reported while running.
@@ -153,6 +158,7 @@ pub fn run(
     let mut config = WorkerConfig {
         gso: plan.gso,
         gro: plan.gro,
+        shm: if plan.shm { ShmMode::On } else { ShmMode::Off },
         ..WorkerConfig::default()
     };
     if let Some(w) = plan.window {

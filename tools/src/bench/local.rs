@@ -81,6 +81,9 @@ pub struct LocalOptions {
     pub env: Vec<(String, String)>,
     /// More phub-dataplane arguments, as given.
     pub extra_args: Vec<String>,
+    /// Shared memory for the workers on this host (`phub-dataplane --shm`;
+    /// kernel UDP only).
+    pub shm: bool,
     /// With `backend` `dpdk`: the virtual rack's namespace ([`VethNet`]),
     /// which the calling thread is inside; the dataplane runs DPDK's
     /// af_packet driver on its veth pair at [`virt::APPLIANCE_IP`].
@@ -244,6 +247,11 @@ impl Local {
         }
         if let Some(b) = o.socket_buffer {
             args.extend(["--socket-buffer".into(), b.to_string()]);
+        }
+        if o.shm {
+            // Both ways of running it take the flag: serve-dataplane parses
+            // phub-dataplane's own options.
+            args.push("--shm".into());
         }
         args.extend(o.extra_args.iter().cloned());
         let mut dataplane = spawn(

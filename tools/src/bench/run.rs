@@ -194,6 +194,12 @@ pub struct RunArgs {
     /// the dataplane (both directions); e.g. `loss=0.05,dup=0.01,reorder=0.01,seed=3`.
     #[arg(long, value_name = "SPEC", value_parser = parse_inject)]
     pub inject: Option<String>,
+    /// Workers pass chunks and results through shared memory with the
+    /// dataplane on this host, sending headers only: with --local the
+    /// dataplane starts with --shm; with --control it must run here with
+    /// --shm. Kernel UDP only (not with --backend dpdk).
+    #[arg(long)]
+    pub shm: bool,
 }
 
 /// One run's figures (one point of a sweep).
@@ -225,6 +231,9 @@ pub struct RunResult {
     pub procs: bool,
     /// `exchange` or `handles`.
     pub api: Api,
+    /// Every worker exchanged through shared memory (`--shm`); the
+    /// appliance's byte counters and GB/s then count headers only.
+    pub shm: bool,
     /// Median exchange time of a round (all workers' rounds), ms.
     pub round_ms_median: f64,
     /// 99th percentile (nearest rank), ms.
@@ -257,7 +266,8 @@ pub struct RunResult {
     pub timed_secs: f64,
     /// CPU seconds of the dataplane process over the timed rounds.
     pub appliance_cpu_s: Option<f64>,
-    /// CPU seconds of the dataplane per GB (1e9 bytes) it received.
+    /// CPU seconds of the dataplane per GB (1e9 bytes) it received (null
+    /// with `--shm`: its sockets carry headers only).
     pub appliance_cpu_s_per_gb: Option<f64>,
     /// CPU seconds of the workers over the timed rounds (all of them).
     pub workers_cpu_s: Option<f64>,
@@ -404,7 +414,7 @@ impl Counters {
 /// A message from a worker (thread or process) to the coordinator.
 enum Msg {
     Event(Event),
-    Done(Outcome),
+    Done(Box<Outcome>),
     Failed(u16, String),
 }
 
@@ -466,7 +476,7 @@ pub fn worker_process(plan_json: &str) -> Result<()> {
 #[derive(serde::Deserialize)]
 enum ChildLine {
     Event(Event),
-    Done(Outcome),
+    Done(Box<Outcome>),
     Failed(String),
 }
 
@@ -536,6 +546,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
                 busy_poll: a.busy_poll,
                 no_pin: a.no_pin,
                 socket_buffer: a.socket_buffer,
+                shm: a.shm,
                 veth: veth.map(str::to_string),
                 extra_args,
                 env: [("PHUB_UDP_GSO", a.no_gso), ("PHUB_UDP_GRO", a.no_gro)]
@@ -659,6 +670,7 @@ fn drive(
             gso: !a.no_gso,
             gro: !a.no_gro,
             inject: a.inject.clone(),
+            shm: a.shm,
         })
         .collect();
     let mut threads = Vec::new();
@@ -721,7 +733,7 @@ fn drive(
                             || gate_wait(&gate),
                         );
                         let _ = tx.send(match r {
-                            Ok(o) => Msg::Done(o),
+                            Ok(o) => Msg::Done(Box::new(o)),
                             Err(e) => Msg::Failed(rank, format!("{e:#}")),
                         });
                     })
@@ -771,7 +783,7 @@ fn drive(
                 bar.set_message(format!("{phase} round {round}: {ms:.1} ms"));
             }
             Msg::Done(o) => {
-                outcomes.push(o);
+                outcomes.push(*o);
                 if outcomes.len() == w {
                     timed_secs = started.elapsed().as_secs_f64();
                 }
@@ -846,10 +858,13 @@ fn drive(
     } else {
         None
     };
-    let (bound_round_ms, efficiency_bound) = match &ceilings {
+    let (bound_round_ms, mut efficiency_bound) = match &ceilings {
         Some(c) => (Some(c.udp_echo_round_ms), c.describe_bound()),
         None => (None, "none (--no-ceiling)".to_string()),
     };
+    if a.shm && ceilings.is_some() {
+        efficiency_bound.push_str(" (a datagram bound; the workers used shared memory)");
+    }
     Ok(RunResult {
         model: profile.name.clone(),
         model_elements: profile.elements(),
@@ -864,6 +879,7 @@ fn drive(
         warmup: a.warmup,
         procs: a.procs,
         api: a.api,
+        shm: outcomes.iter().all(|o| o.stats.shm),
         round_ms_median: s.median,
         round_ms_p99: s.p99,
         round_ms_min: s.min,
@@ -880,7 +896,8 @@ fn drive(
         timed_secs,
         appliance_cpu_s,
         appliance_cpu_s_per_gb: match (appliance_cpu_s, &counters) {
-            (Some(cpu), Some(c)) if c.rx_bytes > 0 => Some(cpu / gb(c.rx_bytes)),
+            // With shared memory the sockets carry headers only.
+            (Some(cpu), Some(c)) if c.rx_bytes > 0 && !a.shm => Some(cpu / gb(c.rx_bytes)),
             _ => None,
         },
         workers_cpu_s,
@@ -952,12 +969,13 @@ fn context(a: &RunArgs) -> RunContext<'_> {
 fn print_table(points: &[RunResult]) {
     let opt = |x: Option<f64>, p: usize| x.map_or("-".to_string(), |v| format!("{v:.p$}"));
     println!(
-        "{:<18} {:>3} {:>3} {:>6} {:>5} {:>9} {:>9} {:>8} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
+        "{:<18} {:>3} {:>3} {:>6} {:>5} {:>3} {:>9} {:>9} {:>8} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
         "model",
         "W",
         "L",
         "chunk",
         "win",
+        "shm",
         "median ms",
         "p99 ms",
         "GB/s/w",
@@ -973,12 +991,13 @@ fn print_table(points: &[RunResult]) {
     );
     for r in points {
         println!(
-            "{:<18} {:>3} {:>3} {:>6} {:>5} {:>9.1} {:>9.1} {:>8.3} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
+            "{:<18} {:>3} {:>3} {:>6} {:>5} {:>3} {:>9.1} {:>9.1} {:>8.3} {:>7} {:>7} {:>9} {:>6} {:>7} {:>7} {:>7} {:>6} {:>8}",
             r.model,
             r.workers,
             r.lcores,
             r.chunk_bytes,
             r.window,
+            if r.shm { "yes" } else { "no" },
             r.round_ms_median,
             r.round_ms_p99,
             r.goodput_gbps,
@@ -1011,6 +1030,11 @@ fn print_table(points: &[RunResult]) {
             "GB/s = 1e9 bytes/s; goodput = model bytes per worker / median round; in/out = dataplane counters / timed wall time;"
         );
         println!("dp cpu / wk cpu = CPU ms per timed round of the dataplane process / of all workers");
+        if points.iter().any(|r| r.shm) {
+            println!(
+                "shm = chunks and results through shared memory (--shm): in/out count datagram bytes, headers only; no cpu s/GB"
+            );
+        }
     }
     for r in points.iter().filter(|r| r.inject.is_some()) {
         println!("{}", fault_summary(r));
@@ -1047,6 +1071,12 @@ pub fn run(a: &RunArgs) -> Result<()> {
     if let Some(path) = &a.plot {
         plot::check(path)?; // a bad name or a missing font fails before the runs
     }
+    if a.shm && a.backend == Backend::Dpdk {
+        bail!(
+            "--shm with --backend dpdk: shared memory is for workers on the host of a kernel-UDP \
+             dataplane; use --backend udp (the default) or drop --shm"
+        );
+    }
     if a.backend == Backend::Dpdk && a.control.is_none() {
         eprintln!("phub-bench: --backend dpdk: the dataplane decides whether it was built with DPDK");
     }
@@ -1082,7 +1112,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
     for (label, p) in &points {
         let profile = profiles::load(&p.model)?;
         eprintln!(
-            "phub-bench run: {label}: {} ({} tensors, {:.2} M parameters, {:.1} MB), W={} {}, L={}, chunk {} B, {} warm-up + {} timed rounds",
+            "phub-bench run: {label}: {} ({} tensors, {:.2} M parameters, {:.1} MB), W={} {}, L={}, chunk {} B, {}{} warm-up + {} timed rounds",
             profile.name,
             profile.len(),
             profile.elements() as f64 / 1e6,
@@ -1091,6 +1121,7 @@ pub fn run(a: &RunArgs) -> Result<()> {
             if p.procs { "processes" } else { "threads" },
             p.lcores,
             p.chunk_bytes,
+            if p.shm { "shm, " } else { "" },
             p.warmup,
             p.rounds
         );
