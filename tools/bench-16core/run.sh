@@ -16,7 +16,9 @@
 #      (only where python3 has torch).
 #
 # Results go to $OUT (or OUT=DIR): summary.txt and results.tar.xz (the JSON
-# files and logs). STEPS="memif dpdk udp torch" picks steps.
+# files and logs). STEPS="memif dpdk udp torch" picks steps; "shm" and
+# "torch-shm" run the shared-memory transport (phub-bench --shm;
+# bench_exchange.py --shm at W=2 on 1 and 4 lcores and W=4 on 4).
 #
 #   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
 set -uo pipefail
@@ -102,6 +104,24 @@ if [[ " $STEPS " == *" udp "* ]]; then
     --no-ceiling --plot "$R/udp-w8-lcores.svg"
   bench udp-l4-workers --local --model resnet50 --lcores 4 --rounds 6 --warmup 1 --sweep workers=1,2,4,8 \
     --no-ceiling --plot "$R/udp-l4-workers.svg"
+fi
+
+if [[ " $STEPS " == *" shm "* ]]; then
+  stamp "udp loopback, shared memory"
+  bench shm-w2-l1 --local --shm --model resnet50 --workers 2 --rounds 10 --warmup 2 --no-ceiling
+  bench shm-w2-l4 --local --shm --model resnet50 --workers 2 --rounds 10 --warmup 2 --lcores 4 --no-ceiling
+  bench shm-w8-l4 --local --shm --model resnet50 --workers 8 --rounds 6 --warmup 1 --lcores 4 --no-ceiling
+fi
+
+if [[ " $STEPS " == *" torch-shm "* ]] && python3 -c 'import torch' 2>/dev/null; then
+  stamp "torch, shared memory"
+  export PYTHONPATH="$ROOT/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+  for wl in 2:1 2:4 4:4; do
+    w=${wl%:*} l=${wl#*:}
+    timeout 150 python3 python/bench/bench_exchange.py --workers "$w" --trials 6 --lcores "$l" --shm \
+      >"$R/torch-shm-w$w-l$l.log" 2>&1
+    say "torch --shm --workers $w --lcores $l rc=$?"; tail -n 12 "$R/torch-shm-w$w-l$l.log" | tee -a "$SUM"
+  done
 fi
 
 if [[ " $STEPS " == *" torch "* ]]; then
