@@ -593,6 +593,7 @@ pub fn render_stats(s: &Stats) -> String {
                 total.results_resent += l.results_resent;
                 total.misrouted += l.misrouted;
                 total.arp_replies += l.arp_replies;
+                total.shm_rx += l.shm_rx;
                 total.busy_loops += l.busy_loops;
                 total.idle_loops += l.idle_loops;
                 for (r, n) in &l.drops {
@@ -603,24 +604,36 @@ pub fn render_stats(s: &Stats) -> String {
                 rows.push(lcore_row("all".into(), &total));
             }
             let n = Align::Right;
-            out.push_str(&table(
-                &[
-                    ("LCORE", n),
-                    ("RX PKTS", n),
-                    ("RX MB", n),
-                    ("TX PKTS", n),
-                    ("TX MB", n),
-                    ("PUSHES", n),
-                    ("ROUNDS", n),
-                    ("RESULTS", n),
-                    ("RESENT", n),
-                    ("DROPS", n),
-                    ("MISROUTED", n),
-                    ("ARP", n),
-                    ("BUSY%", n),
-                ],
-                &rows,
-            ));
+            let mut columns = vec![
+                ("LCORE", n),
+                ("RX PKTS", n),
+                ("RX MB", n),
+                ("TX PKTS", n),
+                ("TX MB", n),
+                ("PUSHES", n),
+                ("ROUNDS", n),
+                ("RESULTS", n),
+                ("RESENT", n),
+                ("DROPS", n),
+                ("MISROUTED", n),
+                ("ARP", n),
+                ("BUSY%", n),
+            ];
+            // Messages whose payload was in shared memory (--shm): shown
+            // once there are any, so that RX MB (headers only for those)
+            // is not read as the gradient bytes.
+            if total.shm_rx > 0 {
+                columns.push(("SHM RX", n));
+                let per_lcore = dp
+                    .lcores
+                    .iter()
+                    .map(|l| l.shm_rx)
+                    .chain(std::iter::once(total.shm_rx));
+                for (row, shm) in rows.iter_mut().zip(per_lcore) {
+                    row.push(shm.to_string());
+                }
+            }
+            out.push_str(&table(&columns, &rows));
             out.push_str(&render_port(&dp.backend, dp.port.as_ref(), &total));
             let drops: Vec<Vec<String>> = dp
                 .lcores
@@ -925,6 +938,36 @@ mod tests {
             down.starts_with("dataplane: unreachable: cannot reach the dataplane\n"),
             "{down}"
         );
+    }
+
+    #[test]
+    fn shared_memory_messages_get_a_column_only_when_there_are_any() {
+        let lcore = |i: u16, shm_rx: u64| LcoreStats {
+            lcore: i,
+            rx_packets: 100,
+            shm_rx,
+            ..Default::default()
+        };
+        let stats = |lcores| Stats {
+            dataplane: Some(DataplaneStats {
+                backend: "udp".into(),
+                port: None,
+                lcores,
+                jobs: vec![],
+            }),
+            dataplane_error: None,
+            jobs: vec![],
+        };
+        let t = render_stats(&stats(vec![lcore(0, 60), lcore(1, 40)]));
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[2].ends_with("SHM RX"), "{t}");
+        assert!(lines[3].ends_with(" 60") && lines[4].ends_with(" 40"), "{t}");
+        assert!(
+            lines[5].trim_start().starts_with("all") && lines[5].ends_with(" 100"),
+            "{t}"
+        );
+        let t = render_stats(&stats(vec![lcore(0, 0), lcore(1, 0)]));
+        assert!(!t.contains("SHM RX"), "{t}");
     }
 
     #[test]

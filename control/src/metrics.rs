@@ -35,6 +35,7 @@ fn help_of(field: &str) -> String {
         "pulls_answered" => "PULLs answered",
         "errors_sent" => "ERROR messages sent",
         "misrouted" => "Packets that reached another lcore than their owner",
+        "shm_rx" => "Messages whose payload was in shared memory (--shm)",
         "busy_loops" => "Poll-loop iterations that found packets",
         "idle_loops" => "Poll-loop iterations that found none",
         _ => return format!("Dataplane lcore counter {field}"),
