@@ -18,13 +18,18 @@
 //! dropped. With [`crate::inject`] on, every datagram sent and received
 //! first gets a fate (lost, duplicated, held back, delayed).
 //!
-//! With shared memory ([`crate::shm`]), a chunk's payload is copied into
-//! this rank's staging region when the chunk is first sent, and its
-//! datagrams (retransmissions too) are the header alone with the SHM flag;
-//! a RESULT with the flag is read from the lcore's result region. The
-//! requests keep their payloads (in their buffers, or the caller's lent
-//! gradient), so chunks can be written again into new regions, or sent as
-//! datagrams, when the dataplane's regions change ([`Shm`]).
+//! With shared memory ([`crate::shm`]), a chunk's datagrams (retransmissions
+//! too) are the header alone with the SHM flag. `init` and `push_pull`
+//! requests come staged: the caller's thread wrote their payloads into the
+//! staging region ([`Tx::Staged`]), and their results are left in the
+//! result regions for `wait` to copy out ([`Sink::Direct`]), so this thread
+//! moves headers only. Other requests' payloads (their buffers, or the
+//! caller's lent gradient) are copied into the staging region when a chunk
+//! is first sent, and their RESULTs with the flag are read from the lcore's
+//! result region here. Every request can still produce its payloads (a
+//! staged one from the mapping it was staged into), so chunks can be
+//! written again into new regions, or sent as datagrams, when the
+//! dataplane's regions change ([`Shm`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -121,6 +126,22 @@ pub(crate) enum Tx {
         /// The caller's gradient, as bytes.
         payload: RawBytes,
     },
+    /// Every chunk's header at the chunk's `start` (HEADER_LEN bytes); the
+    /// payloads were written by the caller's thread into the staging
+    /// region of `regions`, the mapping current when the key was claimed
+    /// (see [`crate::Worker::push_pull`]).
+    Staged {
+        /// The headers.
+        headers: Vec<u8>,
+        /// The mapping the payloads are in.
+        regions: Arc<Regions>,
+        /// Element size of the job's wire type.
+        size: usize,
+        /// Payloads copied back from `regions` (chunk at its first element
+        /// times `size`) for chunks that go elsewhere: to another mapping
+        /// or as datagrams. Empty until one does.
+        copied: Vec<u8>,
+    },
 }
 
 impl Tx {
@@ -128,7 +149,7 @@ impl Tx {
     fn headers_mut(&mut self) -> &mut [u8] {
         match self {
             Tx::Owned(b) => b,
-            Tx::Borrowed { headers, .. } => headers,
+            Tx::Borrowed { headers, .. } | Tx::Staged { headers, .. } => headers,
         }
     }
 
@@ -138,7 +159,7 @@ impl Tx {
     fn parts(&self, m: &ChunkMsg) -> (&[u8], &[u8]) {
         let header = match self {
             Tx::Owned(b) => &b[m.header_range()],
-            Tx::Borrowed { headers, .. } => &headers[m.header_range()],
+            Tx::Borrowed { headers, .. } | Tx::Staged { headers, .. } => &headers[m.header_range()],
         };
         if Header::new_unchecked(header).flags() & flags::SHM != 0 {
             return (header, &[]);
@@ -146,7 +167,15 @@ impl Tx {
         match self {
             Tx::Owned(b) => (&b[m.range()], &[]),
             Tx::Borrowed { .. } => (header, self.payload(m)),
+            // `stage` copied the payload back before clearing the flag.
+            Tx::Staged { copied, size, .. } => (header, &copied[Tx::copied_range(m, *size)]),
         }
+    }
+
+    /// Where a staged request keeps chunk `m`'s payload once copied back.
+    fn copied_range(m: &ChunkMsg, size: usize) -> std::ops::Range<usize> {
+        let at = m.offset * size;
+        at..at + (m.bytes - HEADER_LEN)
     }
 
     /// Chunk `m`'s payload: its elements as wire bytes.
@@ -162,6 +191,7 @@ impl Tx {
                 // come from the key's layout, checked against its length).
                 unsafe { payload.slice(at, len) }
             }
+            Tx::Staged { copied, size, .. } => &copied[Tx::copied_range(m, *size)],
         }
     }
 
@@ -171,11 +201,46 @@ impl Tx {
     /// otherwise (or when the slot is not in the regions) the flag cleared
     /// and the payload in the datagram. Returns whether it went to shared
     /// memory.
-    fn stage(&mut self, m: &ChunkMsg, regions: Option<&Regions>) -> bool {
+    ///
+    /// A staged request's payload is already in its own mapping: when that
+    /// is `regions`, nothing is copied. Otherwise (the dataplane made new
+    /// regions, or there are none) the payload is first copied back from
+    /// the request's own mapping, which stays mapped with it and which
+    /// nothing else writes at that slot: only a request for the same key,
+    /// and the key is claimed until this one has ended.
+    fn stage(&mut self, m: &ChunkMsg, regions: Option<&Arc<Regions>>) -> bool {
+        if let Tx::Staged {
+            regions: own,
+            size,
+            copied,
+            ..
+        } = self
+        {
+            if regions.is_some_and(|r| Arc::ptr_eq(r, own)) {
+                return self.set_shm(m, true);
+            }
+            let range = Tx::copied_range(m, *size);
+            if copied.len() < range.end {
+                copied.resize(range.end, 0);
+            }
+            if !own.read_staged(m.lcore, m.slot, &mut copied[range]) {
+                // Cannot happen: the chunk was written at this slot.
+                log::error!(
+                    "phub-worker: chunk {} of slot {} not in its staging region",
+                    m.chunk,
+                    m.slot
+                );
+            }
+        }
         let shm = regions.is_some_and(|r| {
             let p = self.payload(m);
             p.is_empty() || r.write_chunk(m.lcore, m.slot, p)
         });
+        self.set_shm(m, shm)
+    }
+
+    /// Sets or clears [`flags::SHM`] in chunk `m`'s header; returns `shm`.
+    fn set_shm(&mut self, m: &ChunkMsg, shm: bool) -> bool {
         let mut h = Header::new_unchecked(&mut self.headers_mut()[m.header_range()]);
         let f = h.flags() & !flags::SHM;
         h.set_flags(if shm { f | flags::SHM } else { f });
@@ -186,7 +251,7 @@ impl Tx {
     fn into_spare(self) -> Vec<u8> {
         match self {
             Tx::Owned(b) => b,
-            Tx::Borrowed { headers, .. } => headers,
+            Tx::Borrowed { headers, .. } | Tx::Staged { headers, .. } => headers,
         }
     }
 }
@@ -199,12 +264,23 @@ pub(crate) enum Sink {
     /// The caller's output slice, borrowed for the whole request (see
     /// [`crate::Exchange`]).
     Borrowed(RawF32s),
+    /// Results left in the result regions of `regions` for the waiter to
+    /// copy out: chunk c's is there (at its slot) when `in_region[c]`, in
+    /// `values` otherwise (it came as a datagram, or from another mapping).
+    Direct {
+        /// A buffer of the key's length for the chunks not in `regions`.
+        values: Vec<f32>,
+        /// The mapping the request was staged into.
+        regions: Arc<Regions>,
+        /// Per chunk of the key: its result is in `regions`.
+        in_region: Vec<bool>,
+    },
 }
 
 impl Sink {
     fn slice_mut(&mut self, start: usize, end: usize) -> &mut [f32] {
         match self {
-            Sink::Owned(v) => &mut v[start..end],
+            Sink::Owned(v) | Sink::Direct { values: v, .. } => &mut v[start..end],
             // SAFETY: the Exchange that made this request keeps the
             // caller's output borrowed (exclusively) until the request has
             // ended, and only this thread writes it meanwhile; `end` is
@@ -270,6 +346,40 @@ pub(crate) struct Done {
     pub(crate) values: Vec<f32>,
     /// The round they are the result of (for a pull, the lowest over chunks).
     pub(crate) round: u32,
+    /// For a [`Sink::Direct`] request: where the results are, and the
+    /// key's claim, held until they are copied out.
+    pub(crate) direct: Option<DirectDone>,
+}
+
+/// Where a [`Sink::Direct`] request's results are.
+#[derive(Debug)]
+pub(crate) struct DirectDone {
+    /// The mapping whose result regions hold chunk c's result when
+    /// `in_region[c]`; `Done::values` holds the others.
+    pub(crate) regions: Arc<Regions>,
+    /// Per chunk of the key.
+    pub(crate) in_region: Vec<bool>,
+    /// Frees the key when dropped: after the waiter copied the results out
+    /// of the regions, or unread when the handle is dropped without a wait.
+    pub(crate) _claim: KeyClaim,
+}
+
+/// The claim on a key whose results still sit in the result regions:
+/// frees the key when dropped. Until then no new request can push the
+/// key's chunks, so the lcores cannot overwrite their results.
+#[derive(Debug)]
+pub(crate) struct KeyClaim {
+    keys: Keys,
+    key: u32,
+}
+
+impl Drop for KeyClaim {
+    fn drop(&mut self) {
+        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(k) = keys.get_mut(self.key as usize) {
+            k.busy = false;
+        }
+    }
 }
 
 /// How a request ends.
@@ -356,6 +466,10 @@ const SHM_CHECK: Duration = Duration::from_millis(5);
 /// How often opening the regions is tried again while they cannot be.
 const SHM_REOPEN: Duration = Duration::from_millis(100);
 
+/// The mapping in use, shared with the API side, which stages chunks into
+/// it; `None` while the regions cannot be opened.
+pub(crate) type CurrentRegions = Arc<Mutex<Option<Arc<Regions>>>>;
+
 /// Shared memory as the I/O thread uses it.
 #[derive(Debug)]
 pub(crate) struct Shm {
@@ -363,7 +477,9 @@ pub(crate) struct Shm {
     spec: RegionSpec,
     /// The mapped regions; `None` while they cannot be opened (chunks go
     /// as datagrams meanwhile).
-    regions: Option<Regions>,
+    regions: Option<Arc<Regions>>,
+    /// `regions`, as the API side sees it (updated with it).
+    current: CurrentRegions,
     /// When the mapped files were last checked, or opening them last tried.
     checked: Instant,
     /// Wire bytes of a 16-bit result on their way to being decoded.
@@ -371,14 +487,25 @@ pub(crate) struct Shm {
 }
 
 impl Shm {
-    /// Shared memory through `regions`, opened from `spec`.
-    pub(crate) fn new(spec: RegionSpec, regions: Regions) -> Shm {
-        Shm {
+    /// Shared memory through `regions`, opened from `spec`; `current` is
+    /// handed to the API side.
+    pub(crate) fn new(spec: RegionSpec, regions: Regions) -> (Shm, CurrentRegions) {
+        let regions = Arc::new(regions);
+        let current = Arc::new(Mutex::new(Some(Arc::clone(&regions))));
+        let shm = Shm {
             spec,
             regions: Some(regions),
+            current: Arc::clone(&current),
             checked: Instant::now(),
             scratch: Vec::new(),
-        }
+        };
+        (shm, current)
+    }
+
+    /// Replaces the mapping in use, on both sides.
+    fn set_regions(&mut self, regions: Option<Arc<Regions>>) {
+        *self.current.lock().unwrap_or_else(PoisonError::into_inner) = regions.clone();
+        self.regions = regions;
     }
 }
 
@@ -786,12 +913,12 @@ impl IoThread {
                 "phub-worker: job {job} rank {rank}: the dataplane's shared-memory regions changed ({why}); \
                  opening them again, datagrams meanwhile"
             );
-            shm.regions = None;
+            shm.set_regions(None);
         }
         match shm.spec.open() {
             Ok(r) => {
                 log::info!("phub-worker: job {job} rank {rank}: shared-memory regions mapped again");
-                shm.regions = Some(r);
+                shm.set_regions(Some(Arc::new(r)));
             }
             Err(e) => log::debug!("phub-worker: job {job} rank {rank}: shared memory: {e}"),
         }
@@ -1034,8 +1161,27 @@ impl IoThread {
         }
         let start = o.msg.offset;
         let end = start + o.msg.len as usize;
+        let shm = self.shm.as_mut().filter(|_| repr.shm());
+        let left_in_region = match (&mut req.values, &shm) {
+            (
+                Sink::Direct {
+                    regions, in_region, ..
+                },
+                Some(shm),
+            ) if shm.regions.as_ref().is_some_and(|r| Arc::ptr_eq(r, regions))
+                && regions.holds_result(o.msg.lcore, o.msg.slot, o.msg.len as usize) =>
+            {
+                // The waiter reads it from there (see `DirectDone`).
+                in_region
+                    .get_mut(o.msg.chunk as usize)
+                    .map(|c| *c = true)
+                    .is_some()
+            }
+            _ => false,
+        };
         let dst = req.values.slice_mut(start, end);
-        match self.shm.as_mut().filter(|_| repr.shm()) {
+        match shm {
+            _ if left_in_region => add(&self.stats.shm_results, 1),
             None => codec::decode(self.info.dtype, payload, dst),
             Some(shm) => {
                 // The regions are mapped (checked above). The lcore wrote
@@ -1086,15 +1232,17 @@ impl IoThread {
         }
     }
 
-    /// Frees `key` (with its new round, if any) and keeps the request's
-    /// datagram buffer for the key's next request.
-    fn set_key(&self, key: u32, round: Option<u32>, tx: Vec<u8>) {
+    /// Sets `key`'s new round, if any, frees it if `free`, and keeps the
+    /// request's datagram buffer for the key's next request.
+    fn set_key(&self, key: u32, round: Option<u32>, free: bool, tx: Vec<u8>) {
         let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(k) = keys.get_mut(key as usize) {
             if round.is_some() {
                 k.round = round;
             }
-            k.busy = false;
+            if free {
+                k.busy = false;
+            }
             k.tx_spare = tx;
         }
     }
@@ -1114,16 +1262,36 @@ impl IoThread {
                 }
             }
         };
-        self.set_key(req.key, Some(round), req.tx.into_spare());
-        let values = match req.values {
-            Sink::Owned(v) => v,
-            Sink::Borrowed(_) => Vec::new(),
+        let direct = matches!(req.values, Sink::Direct { .. });
+        // A direct request's results may still be in the result regions:
+        // the key stays claimed until the waiter copied them out.
+        self.set_key(req.key, Some(round), !direct, req.tx.into_spare());
+        let (values, direct) = match req.values {
+            Sink::Owned(v) => (v, None),
+            Sink::Borrowed(_) => (Vec::new(), None),
+            Sink::Direct {
+                values,
+                regions,
+                in_region,
+            } => (
+                values,
+                Some(DirectDone {
+                    regions,
+                    in_region,
+                    _claim: KeyClaim {
+                        keys: Arc::clone(&self.keys),
+                        key: req.key,
+                    },
+                }),
+            ),
         };
-        // The caller may have dropped its handle; the key is free either way.
+        // The caller may have dropped its handle; the key is free either way
+        // (a direct request's claim is dropped with the unread completion).
         let _ = req.done.send(Ok(Done {
             key: req.key,
             values,
             round,
+            direct,
         }));
     }
 
@@ -1133,7 +1301,7 @@ impl IoThread {
         };
         self.outstanding.retain(|_, o| o.id != id);
         self.pending.retain(|(i, _)| *i != id);
-        self.set_key(req.key, None, req.tx.into_spare());
+        self.set_key(req.key, None, true, req.tx.into_spare());
         let _ = req.done.send(Err(err));
     }
 

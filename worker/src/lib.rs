@@ -73,6 +73,7 @@ use phub_proto::api::{ApiError, JoinRequest};
 use phub_proto::layout::{chunks_of, Layout};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
+use shm::Regions;
 
 pub use error::WorkerError;
 pub use inject::INJECT_ENV;
@@ -82,7 +83,8 @@ pub use shm::{ShmMode, SHM_ENV};
 pub use stats::WorkerStats;
 
 use io::{
-    ChunkMsg, Command, Completion, JobInfo, KeyState, Keys, Kind, RawBytes, RawF32s, Request, Sink, Tx,
+    ChunkMsg, Command, Completion, CurrentRegions, DirectDone, Done, JobInfo, KeyState, Keys, Kind, RawBytes,
+    RawF32s, Request, Sink, Tx,
 };
 
 /// Tuning of a [`Worker`].
@@ -201,7 +203,8 @@ pub fn auto_window(workers: u32, lcores: usize, chunks: usize, datagram: usize, 
 /// A request in flight; give it to [`Worker::wait`] to get its result.
 ///
 /// Dropping a handle without waiting abandons the result, not the request:
-/// the exchange still completes in the background and the key becomes free.
+/// the exchange still completes in the background and the key becomes free
+/// (when the request has ended, or at once if it had).
 #[must_use = "the result is only written by Worker::wait"]
 pub struct Handle<'a> {
     key: u32,
@@ -307,6 +310,10 @@ pub struct Worker {
     window: usize,
     socket_info: net::SocketInfo,
     stats: Arc<stats::Counters>,
+    /// The shared-memory mapping in use, when the join chose shared
+    /// memory: `init` and `push_pull` stage chunks into it and `wait`
+    /// reads results from it on the caller's thread.
+    shm: Option<CurrentRegions>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -470,6 +477,13 @@ impl Worker {
         }
         let injector =
             inject.map(|spec| inject::Injector::new(spec, join.job, join.rank, Arc::clone(&stats)));
+        let (io_shm, shm) = match regions {
+            Some(r) => {
+                let (io_shm, current) = io::Shm::new(region_spec, r);
+                (Some(io_shm), Some(current))
+            }
+            None => (None, None),
+        };
         let thread = io::IoThread::new(
             socket,
             local,
@@ -481,7 +495,7 @@ impl Worker {
             Arc::clone(&keys),
             Arc::clone(&stats),
             injector,
-            regions.map(|r| io::Shm::new(region_spec, r)),
+            io_shm,
         );
         let thread = std::thread::Builder::new()
             .name(format!("phub-worker-{}-{}", join.job, join.rank))
@@ -516,6 +530,7 @@ impl Worker {
             window,
             socket_info,
             stats,
+            shm,
             thread: Some(thread),
         })
     }
@@ -594,13 +609,18 @@ impl Worker {
             _ => Ok(0),
         })?;
         let payload = (self.rank == 0).then_some(&params[..]);
-        let (chunks, tx) = self.messages(key, elements, MsgType::Init, 0, payload);
-        self.submit(key, 0, Kind::Init, elements, chunks, tx, params)
+        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Init, 0, payload);
+        self.submit(key, 0, Kind::Init, chunks, tx, values, params)
     }
 
     /// The next round for `key`: pushes `grad` (copied at once, so the caller
     /// may reuse it) and, after [`Worker::wait`], `out` holds the round's
     /// result: the new parameters, or the sum or mean with a `sum`/`mean` job.
+    ///
+    /// With shared memory ([`WorkerConfig::shm`]), `grad` is encoded here
+    /// straight into the staging region and `wait` decodes the result
+    /// straight from the result regions into `out`; the key stays busy
+    /// until then (or until the handle is dropped).
     pub fn push_pull<'a>(
         &'a self,
         key: u32,
@@ -610,8 +630,8 @@ impl Worker {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(grad));
-        self.submit(key, round, Kind::Push, elements, chunks, tx, out)
+        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Push, round, Some(grad));
+        self.submit(key, round, Kind::Push, chunks, tx, values, out)
     }
 
     /// [`Worker::push_pull`] with the gradient and the result in one buffer:
@@ -621,8 +641,8 @@ impl Worker {
     pub fn push_pull_in_place<'a>(&'a self, key: u32, buf: &'a mut [f32]) -> Result<Handle<'a>, WorkerError> {
         let elements = self.check_len(key, buf.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx) = self.messages(key, elements, MsgType::Push, round, Some(&buf[..]));
-        self.submit(key, round, Kind::Push, elements, chunks, tx, buf)
+        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Push, round, Some(&buf[..]));
+        self.submit(key, round, Kind::Push, chunks, tx, values, buf)
     }
 
     /// Claims `key` for its next round (after init or pull).
@@ -636,11 +656,23 @@ impl Worker {
 
     /// Waits for a request's result and writes it into the slice the
     /// request was started with.
+    ///
+    /// With shared memory, the results are copied (decoded for 16-bit
+    /// types) here, on the caller's thread, straight from the lcores'
+    /// result regions into that slice.
     pub fn wait(&self, h: Handle<'_>) -> Result<(), WorkerError> {
         match h.done.recv() {
-            Ok(Ok(done)) => {
-                h.out.copy_from_slice(&done.values);
-                self.keep_values(done.key, done.values);
+            Ok(Ok(Done {
+                key, values, direct, ..
+            })) => {
+                match &direct {
+                    None => h.out.copy_from_slice(&values),
+                    Some(d) => self.copy_out(key, d, &values, h.out),
+                }
+                self.keep_values(key, values);
+                // Frees the key (for a direct request), now that its results
+                // are out of the result regions.
+                drop(direct);
                 Ok(())
             }
             Ok(Err(e)) => Err(e),
@@ -732,6 +764,145 @@ impl Worker {
     fn keep_values(&self, key: u32, values: Vec<f32>) {
         if let Some(k) = self.lock_keys().get_mut(key as usize) {
             k.values_spare = values;
+        }
+    }
+
+    /// A request's chunks, datagrams and result buffer: staged into the
+    /// shared-memory mapping in use when there is one ([`Worker::staged`]),
+    /// encoded into datagrams otherwise. `key` is claimed.
+    fn prepare(
+        &self,
+        key: u32,
+        elements: usize,
+        kind: MsgType,
+        round: u32,
+        payload: Option<&[f32]>,
+    ) -> (Vec<ChunkMsg>, Tx, Sink) {
+        if let Some((chunks, headers, regions)) = self.staged(key, elements, kind, round, payload) {
+            let in_region = vec![false; chunks.len()];
+            let tx = Tx::Staged {
+                headers,
+                regions: Arc::clone(&regions),
+                size: self.spec.dtype.size(),
+                copied: Vec::new(),
+            };
+            let values = Sink::Direct {
+                values: self.take_values(key, elements),
+                regions,
+                in_region,
+            };
+            return (chunks, tx, values);
+        }
+        let (chunks, buf) = self.messages(key, elements, kind, round, payload);
+        (
+            chunks,
+            Tx::Owned(buf),
+            Sink::Owned(self.take_values(key, elements)),
+        )
+    }
+
+    /// With shared memory mapped: writes every chunk of `payload` (in the
+    /// wire type) into this rank's staging region of the mapping in use,
+    /// at the chunk's slot, and emits the headers (HEADER_LEN bytes each,
+    /// chunk c's at c * HEADER_LEN; the I/O thread sets [`flags::SHM`]
+    /// when it sends them, or copies the chunk elsewhere if the mapping
+    /// changed meanwhile). Returns the chunks, the headers and the
+    /// mapping; `None` (nothing staged that matters) without a mapping.
+    ///
+    /// `key` must be claimed: then no request of the key is in flight, so
+    /// this rank holds the result of every chunk of its previous round,
+    /// and the lcores have read (or dropped) this rank's earlier pushes of
+    /// those slots; only requests of this key write them.
+    ///
+    /// [`flags::SHM`]: phub_proto::wire::flags::SHM
+    fn staged(
+        &self,
+        key: u32,
+        elements: usize,
+        kind: MsgType,
+        round: u32,
+        payload: Option<&[f32]>,
+    ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
+        let regions = self
+            .shm
+            .as_ref()?
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()?;
+        let dtype = self.spec.dtype;
+        let ce = self.layout.chunk_elems as usize;
+        let places = &self.layout.keys[key as usize];
+        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
+        if buf.len() != places.len() * HEADER_LEN {
+            buf = vec![0u8; places.len() * HEADER_LEN];
+        }
+        let mut chunks = Vec::with_capacity(places.len());
+        for (c, place) in places.iter().enumerate() {
+            let len = self.layout.chunk_len(elements as u64, c as u32);
+            let offset = c * ce;
+            let values = payload.map(|p| &p[offset..offset + len as usize]);
+            if let Some(v) = values {
+                if !regions.write_values(place.lcore, place.slot, v) {
+                    // The regions were opened for this layout: not expected.
+                    log::warn!(
+                        "phub-worker: key {key} chunk {c}: slot {} of lcore {} is not in the shared-memory \
+                         regions; sending datagrams",
+                        place.slot,
+                        place.lcore
+                    );
+                    return None;
+                }
+            }
+            let count = values.map_or(0, <[f32]>::len);
+            let start = c * HEADER_LEN;
+            let repr = Repr {
+                kind,
+                dtype,
+                flags: 0,
+                token: self.token,
+                job: self.job,
+                rank: self.rank,
+                count: count as u16,
+                error: 0,
+                round,
+                slot: place.slot,
+                key,
+                chunk: c as u32,
+            };
+            repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
+            chunks.push(ChunkMsg {
+                chunk: c as u32,
+                slot: place.slot,
+                offset,
+                len,
+                to: self.lcores[usize::from(place.lcore)],
+                lcore: place.lcore,
+                start,
+                bytes: HEADER_LEN + count * dtype.size(),
+            });
+        }
+        Some((chunks, buf, regions))
+    }
+
+    /// Copies a direct request's results into `out`: each chunk from the
+    /// result region of its lcore in `d.regions` when it is there, from
+    /// `values` otherwise. The key is still claimed (`d._claim`), so this
+    /// rank has not pushed the next round of any of its chunks and no lcore
+    /// can have written another result into those slots.
+    fn copy_out(&self, key: u32, d: &DirectDone, values: &[f32], out: &mut [f32]) {
+        let ce = self.layout.chunk_elems as usize;
+        let mut scratch = Vec::new();
+        for (c, place) in self.layout.keys[key as usize].iter().enumerate() {
+            let start = c * ce;
+            let end = start + self.layout.chunk_len(out.len() as u64, c as u32) as usize;
+            let dst = &mut out[start..end];
+            if d.in_region[c] {
+                let read = d.regions.read_result(place.lcore, place.slot, dst, &mut scratch);
+                // The I/O thread checked the slot (`Regions::holds_result`).
+                assert!(read, "key {key} chunk {c}: result slot outside its region");
+            } else {
+                dst.copy_from_slice(&values[start..end]);
+            }
         }
     }
 
@@ -909,7 +1080,9 @@ impl Worker {
     /// buffer first). Other dtypes are still encoded. With shared memory
     /// ([`WorkerConfig::shm`]) an `f32` gradient is copied once, from the
     /// caller's buffer into the staging region, and results are read from
-    /// the result region straight into the caller's output.
+    /// the result region straight into the caller's output, by the I/O
+    /// thread (`push_pull` and `wait` make the same single copies, on the
+    /// caller's thread).
     ///
     /// ```no_run
     /// # fn main() -> Result<(), phub_worker::WorkerError> {
@@ -955,9 +1128,9 @@ impl Worker {
         key: u32,
         round: u32,
         kind: Kind,
-        elements: usize,
         chunks: Vec<ChunkMsg>,
-        tx: Vec<u8>,
+        tx: Tx,
+        values: Sink,
         out: &'a mut [f32],
     ) -> Result<Handle<'a>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
@@ -966,8 +1139,8 @@ impl Worker {
             round,
             kind,
             chunks,
-            tx: Tx::Owned(tx),
-            values: Sink::Owned(self.take_values(key, elements)),
+            tx,
+            values,
             done,
         })?;
         Ok(Handle {

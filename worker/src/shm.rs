@@ -7,8 +7,18 @@
 //! into its staging region at the slot's offset and sends the header alone
 //! with [`flags::SHM`](phub_proto::wire::flags::SHM); RESULTs with the flag
 //! carry no payload either, and the worker reads the result from the
-//! lcore's result region at the slot's offset. The I/O thread alone touches
-//! the regions (`crate::io`).
+//! lcore's result region at the slot's offset.
+//!
+//! Who touches the regions: [`Worker::init`](crate::Worker::init),
+//! [`Worker::push_pull`](crate::Worker::push_pull) and
+//! `push_pull_in_place` encode the caller's values straight into the
+//! staging region, on the caller's thread, and
+//! [`Worker::wait`](crate::Worker::wait) decodes the results straight out
+//! of the result regions into the caller's slice: one copy each way, while
+//! the I/O thread only sends and matches headers. The I/O thread itself
+//! writes chunks into a new mapping when the regions change (below), stages
+//! the lent gradients of [`Worker::exchange`](crate::Worker::exchange), and
+//! reads the results of `exchange` and `pull`.
 //!
 //! [`ShmMode`] chooses: [`ShmMode::Auto`] (the default) uses shared memory
 //! when every dataplane address is a loopback address and every region the
@@ -19,9 +29,14 @@
 //!
 //! Writers and readers stay apart by the protocol's order alone: this rank
 //! writes a chunk of round r + 1 only after it holds round r's result of
-//! that chunk (so the lcore has read round r's bytes), and reads a result
-//! only for the round it waits for, which the lcore cannot overwrite before
-//! this rank pushes the next round of that chunk.
+//! that chunk (so the lcore has read round r's bytes, or dropped them as a
+//! duplicate), and reads a result only for the round it waits for, which
+//! the lcore cannot overwrite before this rank pushes the next round of
+//! that chunk. The key's claim enforces both on the caller's side: a key
+//! is claimed (busy) from `push_pull` until its request has ended and, when
+//! its results are left in the result regions, until `wait` copied them out
+//! (or the handle was dropped unread); only a claimed key's chunks are
+//! written.
 //!
 //! A dataplane that restarts (or removes and reinstalls the job) makes new
 //! files under the same names, and a chunk written into the old mapping
@@ -29,13 +44,19 @@
 //! checks every few milliseconds that the names still lead to the mapped
 //! files ([`Regions::replaced`]); when they do not, it opens the new ones
 //! (writing its outstanding chunks into them), and sends datagrams while
-//! there are none.
+//! there are none. The API side stages into the mapping the I/O thread
+//! last opened (shared as an `Arc`); a request keeps the mapping it was
+//! staged into, so when that is no longer the I/O thread's, its chunks are
+//! copied from it into the new staging region or into datagrams, and its
+//! results that arrive through another mapping (or as datagrams) go into a
+//! buffer of the request, from which `wait` copies them.
 
 use std::net::SocketAddr;
 
 use phub_net::shm::ShmRegion;
 use phub_proto::layout::Layout;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
+use phub_proto::wire::MAX_PAYLOAD;
 use phub_proto::Dtype;
 
 use crate::codec;
@@ -261,6 +282,56 @@ impl Regions {
         r.staging
             .region
             .write(slot_offset(slot, self.chunk_elems, self.dtype), wire)
+    }
+
+    /// Encodes `values` (one chunk) into this rank's staging region of
+    /// `lcore` at `slot`'s offset, in the job's wire type; `false` (nothing
+    /// written) when they do not fit there. 16-bit types are encoded into a
+    /// buffer on the stack first (one chunk, in L1), then copied.
+    pub(crate) fn write_values(&self, lcore: u16, slot: u32, values: &[f32]) -> bool {
+        let Some(r) = self.lcore(lcore) else {
+            return false;
+        };
+        if values.len() > self.chunk_elems as usize {
+            return false;
+        }
+        let off = slot_offset(slot, self.chunk_elems, self.dtype);
+        if self.dtype == Dtype::F32 && cfg!(target_endian = "little") {
+            return r.staging.region.write(off, bytemuck::cast_slice(values));
+        }
+        let mut buf = [0u8; MAX_PAYLOAD];
+        let Some(wire) = buf.get_mut(..values.len() * self.dtype.size()) else {
+            return false;
+        };
+        codec::encode(self.dtype, values, wire);
+        r.staging.region.write(off, wire)
+    }
+
+    /// Copies back one chunk's wire bytes (`dst.len()`) from this rank's
+    /// staging region of `lcore` at `slot`'s offset; `false` (nothing read)
+    /// when the region has no such slot.
+    pub(crate) fn read_staged(&self, lcore: u16, slot: u32, dst: &mut [u8]) -> bool {
+        let Some(r) = self.lcore(lcore) else {
+            return false;
+        };
+        if dst.len() > self.chunk_elems as usize * self.dtype.size() {
+            return false;
+        }
+        r.staging
+            .region
+            .read(slot_offset(slot, self.chunk_elems, self.dtype), dst)
+    }
+
+    /// Whether the lcore's result region holds a result of `elems`
+    /// elements at `slot`.
+    pub(crate) fn holds_result(&self, lcore: u16, slot: u32, elems: usize) -> bool {
+        self.lcore(lcore).is_some_and(|r| {
+            elems <= self.chunk_elems as usize
+                && r.results.region.contains(
+                    slot_offset(slot, self.chunk_elems, self.dtype),
+                    elems * self.dtype.size(),
+                )
+        })
     }
 
     /// Decodes the result of `slot` on `lcore` (`dst.len()` elements) from

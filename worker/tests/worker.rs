@@ -1041,3 +1041,168 @@ fn recreated_regions_are_mapped_again() {
     assert!(ws.iter().all(Worker::shm));
     assert!(ws[0].stats().shm_results > before);
 }
+
+/// The regions are replaced while requests are in flight: rank 0's chunks
+/// were staged into the old mapping and consumed from it, rank 1 (idle
+/// meanwhile, its mapping stale) stages into the old mapping and its I/O
+/// thread copies the chunks into the new one, and the results (written
+/// into the new result region) reach the callers' buffers exactly; the
+/// next rounds run in the new mapping alone. f32 and f16.
+#[test]
+fn regions_replaced_mid_flight_leave_results_exact() {
+    for dtype in [Dtype::F32, Dtype::F16] {
+        let sp = spec(2, &[3000, 20_000], dtype, Optimizer::Sum);
+        let l = layout(&sp, &mut [0, 0]);
+        let app = FakeAppliance::start_with(&sp, &l, 0.0, 13, true);
+        let fake = app.shm.clone().unwrap();
+        let ws: Vec<Worker> = (0..2)
+            .map(|r| Worker::from_join(join_response(&sp, &l, r, app.base_port), TOKEN, shm_on()).unwrap())
+            .collect();
+        let lens = [3000usize, 20_000];
+        let grads = |rank: u16, r: u32| -> Vec<Vec<f32>> {
+            lens.iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n).map(|i| grad(rank, r, k, i)).collect())
+                .collect()
+        };
+        let check = |outs: &[Vec<f32>], rank: usize, r: u32| {
+            for (k, o) in outs.iter().enumerate() {
+                for (i, v) in o.iter().enumerate() {
+                    let want = wire(
+                        dtype,
+                        wire(dtype, grad(0, r, k, i)) + wire(dtype, grad(1, r, k, i)),
+                    );
+                    assert_eq!(*v, want, "{dtype} rank {rank} round {r} key {k} element {i}");
+                }
+            }
+        };
+        let mut p: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+        std::thread::scope(|s| {
+            for w in &ws {
+                s.spawn(move || {
+                    let mut p: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+                    for (k, p) in p.iter_mut().enumerate() {
+                        w.wait(w.init(k as u32, p).unwrap()).unwrap();
+                    }
+                });
+            }
+        });
+        let chunks = l.chunk_count() as u64;
+        let sent = ws[0].stats().chunks_sent;
+        // Round 1: rank 0's chunks go out of the first mapping, then the
+        // regions are replaced while they wait for rank 1's.
+        let (g0, g1) = (grads(0, 1), grads(1, 1));
+        let mut p1: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+        let handles: Vec<_> = p
+            .iter_mut()
+            .enumerate()
+            .map(|(k, o)| ws[0].push_pull(k as u32, &g0[k], o).unwrap())
+            .collect();
+        while ws[0].stats().chunks_sent < sent + chunks {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        fake.remove();
+        fake.create();
+        std::thread::sleep(Duration::from_millis(20));
+        let handles1: Vec<_> = p1
+            .iter_mut()
+            .enumerate()
+            .map(|(k, o)| ws[1].push_pull(k as u32, &g1[k], o).unwrap())
+            .collect();
+        for h in handles.into_iter().chain(handles1) {
+            ws[0].wait(h).unwrap_or_else(|e| panic!("{dtype}: {e}"));
+        }
+        check(&p, 0, 1);
+        check(&p1, 1, 1);
+        // Rounds 2 and 3 in the new mapping.
+        for r in 2..=3 {
+            std::thread::scope(|s| {
+                for (rank, w) in ws.iter().enumerate() {
+                    s.spawn(move || {
+                        let g = grads(rank as u16, r);
+                        let mut outs: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+                        let hs: Vec<_> = outs
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(k, o)| w.push_pull(k as u32, &g[k], o).unwrap())
+                            .collect();
+                        for h in hs {
+                            w.wait(h).unwrap();
+                        }
+                        check(&outs, rank, r);
+                    });
+                }
+            });
+        }
+        for w in &ws {
+            let s = w.stats();
+            assert!(w.shm() && s.timeouts == 0, "{dtype}: {s:?}");
+            // Every result of rounds 0, 2 and 3 came through shared memory.
+            assert!(s.shm_results >= 3 * chunks, "{dtype}: {s:?}");
+        }
+    }
+}
+
+/// A handle dropped without a wait frees its key (once the request has
+/// ended); until then, and until a wait copied a shared-memory result out,
+/// the key is busy. The next round's result is exact either way.
+#[test]
+fn dropped_handles_free_the_key_and_the_next_round_is_exact() {
+    let sp = spec(1, &[20_000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0, 0]);
+    let app = FakeAppliance::start_with(&sp, &l, 0.0, 17, true);
+    let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap();
+    let n = 20_000usize;
+    let mut p = vec![0f32; n];
+    w.wait(w.init(0, &mut p).unwrap()).unwrap();
+    let g = |r: u32| -> Vec<f32> { (0..n).map(|i| grad(0, r, 0, i)).collect() };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let until_round = |r: u32| {
+        while w.key_round(0) != Some(r) {
+            assert!(Instant::now() < deadline, "round {r} never completed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    // Round 1 completes while its handle is held: the result stays in the
+    // result region, and the key stays claimed until the wait.
+    let mut out = vec![0f32; n];
+    let h = w.push_pull(0, &g(1), &mut out).unwrap();
+    until_round(1);
+    let mut other = vec![0f32; n];
+    assert!(matches!(
+        w.push_pull(0, &g(2), &mut other),
+        Err(WorkerError::Busy { key: 0 })
+    ));
+    w.wait(h).unwrap();
+    assert_eq!(out, g(1));
+    // Round 2's handle is dropped after its request ended, round 3's at
+    // once; each time the key comes free and the next round is exact.
+    // `then` gets the handle of round `r`, started once the key is free.
+    let when_free = |r: u32, then: &dyn Fn(phub_worker::Handle<'_>)| -> Vec<f32> {
+        loop {
+            let mut out = vec![0f32; n];
+            match w.push_pull(0, &g(r), &mut out) {
+                Ok(h) => {
+                    then(h);
+                    return out;
+                }
+                Err(WorkerError::Busy { .. }) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(1))
+                }
+                Err(e) => panic!("round {r}: {e}"),
+            }
+        }
+    };
+    let out2 = when_free(2, &|h| {
+        until_round(2);
+        drop(h);
+    });
+    let out3 = when_free(3, &|h| drop(h));
+    let out4 = when_free(4, &|h| w.wait(h).unwrap());
+    assert_eq!(out4, g(4));
+    assert!(
+        out2.iter().chain(&out3).all(|&x| x == 0.0),
+        "no wait, nothing written"
+    );
+    assert!(w.shm() && w.stats().shm_results >= 5 * 3, "{:?}", w.stats());
+}
