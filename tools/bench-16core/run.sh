@@ -112,6 +112,8 @@ if [[ " $STEPS " == *" shm "* ]]; then
   bench shm-w2-l1 --local --shm --model resnet50 --workers 2 --rounds 10 --warmup 2 --no-ceiling
   bench shm-w2-l4 --local --shm --model resnet50 --workers 2 --rounds 10 --warmup 2 --lcores 4 --no-ceiling
   bench shm-w8-l4 --local --shm --model resnet50 --workers 8 --rounds 6 --warmup 1 --lcores 4 --no-ceiling
+  bench shm-w2-l4-handles --local --shm --model resnet50 --workers 2 --rounds 10 --warmup 2 --lcores 4 \
+    --api handles --no-ceiling
 fi
 
 if [[ " $STEPS " == *" torch-shm "* ]] && python3 -c 'import torch' 2>/dev/null; then
