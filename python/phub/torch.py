@@ -21,8 +21,10 @@ two lines::
 For each gradient bucket DDP hands the hook, :func:`comm_hook` pushes the
 slice of every parameter the bucket holds as that parameter's key (in the
 bucket's buffer, in place, no copy), and returns a ``torch.futures.Future``
-that a background thread completes with the averaged bucket once all its
-keys are back (with a ``"sum"`` job it divides by W). DDP launches buckets
+at once: one background thread pushes the bucket's keys (with shared
+memory, copying them into the appliance's staging region, with the GIL
+released), another completes the future with the averaged bucket once all
+its keys are back (with a ``"sum"`` job it divides by W). DDP launches buckets
 in the same order on every rank, which phub requires. The process group
 (gloo) is still needed by DDP itself (it broadcasts the initial module state
 and checks the ranks' parameter shapes); gradients no longer go through it.
@@ -256,6 +258,10 @@ class CommHookState:
         self.scale = 1.0 / worker.workers if worker.optimizer == "sum" else 1.0
         self._key_of = {id(p): k for k, p in enumerate(self.params)}
         self._key_of_ptr = {(p.data_ptr(), p.numel()): k for k, p in enumerate(self.params)}
+        # Buckets are pushed on one thread and waited for on another, each
+        # in submission order: the hook returns at once, and a bucket's
+        # pushes do not wait for the previous bucket's results.
+        self._pusher = _Completer(f"phub-comm-hook-push-{worker.rank}")
         self._completer = _Completer(f"phub-comm-hook-{worker.rank}")
         #: Buckets exchanged so far.
         self.buckets = 0
@@ -274,7 +280,8 @@ class CommHookState:
         return k
 
     def close(self) -> None:
-        """Stops the completion thread (after the buckets already submitted)."""
+        """Stops the push and completion threads (after the buckets already submitted)."""
+        self._pusher.close()
         self._completer.close()
 
 
@@ -287,29 +294,53 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
     try:
         lo = buf.data_ptr()
         hi = lo + buf.numel() * buf.element_size()
-        handles = []
+        keys = []
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             if not lo <= g.data_ptr() < hi:
                 raise UsageError("a bucket's gradient is not a view of its buffer; phub's hook needs DDP's layout")
-            handles.append(state.worker.push_pull(state.key_of(p), to_numpy(g)))
-    except BaseException as e:  # handles started so far complete in the background
+            keys.append((state.key_of(p), g))
+    except BaseException as e:
         fut.set_exception(e)  # type: ignore[arg-type]  # torch's stub types it as the result
         return fut
     scale = state.scale
     state.buckets += 1
 
-    def complete() -> None:
+    def push() -> None:
+        # On the pusher thread: each push_pull copies its gradient into
+        # the appliance's shared memory (or hands it to the I/O thread)
+        # with the GIL released, while autograd goes on with the next
+        # bucket.
+        handles = []
         try:
-            for h in handles:
-                h.wait()
-            if scale != 1.0:
-                buf.mul_(scale)
-            fut.set_result(buf)
+            for k, g in keys:
+                handles.append(state.worker.push_pull(k, to_numpy(g)))
         except BaseException as e:
-            fut.set_exception(e)  # type: ignore[arg-type]
+            state._completer.submit(lambda: _fail(handles, fut, e))
+            return
+        state._completer.submit(lambda: _complete(handles, buf, scale, fut))
 
-    state._completer.submit(complete)
+    state._pusher.submit(push)
     return fut
+
+
+def _complete(handles: list, buf: torch.Tensor, scale: float, fut: "torch.futures.Future[torch.Tensor]") -> None:
+    try:
+        for h in handles:
+            h.wait()
+        if scale != 1.0:
+            buf.mul_(scale)
+        fut.set_result(buf)
+    except BaseException as e:
+        fut.set_exception(e)  # type: ignore[arg-type]
+
+
+def _fail(handles: list, fut: "torch.futures.Future[torch.Tensor]", e: BaseException) -> None:
+    for h in handles:  # the pushes that did start end before the bucket is given back
+        try:
+            h.wait()
+        except BaseException:
+            pass
+    fut.set_exception(e)  # type: ignore[arg-type]
 
 
 # DDP checks a hook's annotations against the real types; this module's are

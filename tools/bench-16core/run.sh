@@ -119,7 +119,7 @@ fi
 if [[ " $STEPS " == *" torch-shm "* ]] && python3 -c 'import torch' 2>/dev/null; then
   stamp "torch, shared memory"
   export PYTHONPATH="$ROOT/py${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-  for wl in 2:1 2:4 4:4; do
+  for wl in ${TORCH_SHM_CASES:-2:1 2:4 4:4}; do  # W:L
     w=${wl%:*} l=${wl#*:}
     timeout 150 python3 python/bench/bench_exchange.py --workers "$w" --trials 6 --lcores "$l" --shm \
       >"$R/torch-shm-w$w-l$l.log" 2>&1
