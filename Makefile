@@ -101,4 +101,4 @@ demo-torch: release-bins torch-venv
 # One ResNet-50-sized gradient exchange, W=2: phub's comm-hook path against
 # gloo all-reduce (BENCHMARKS.md, "Python / PyTorch").
 bench-torch: release-bins torch-venv
-	$(TORCH_VENV)/bin/python python/bench/bench_exchange.py --workers 2
+	$(TORCH_VENV)/bin/python python/bench/bench_exchange.py --workers 2 --shm --lcores 2
