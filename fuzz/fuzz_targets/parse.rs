@@ -1,8 +1,9 @@
 //! Fuzz target: arbitrary bytes through `phub_proto::wire::parse`.
 //!
 //! Parsing must never panic. An accepted datagram must be exactly header plus
-//! the announced payload, and emitting the parsed fields must give back the
-//! received header except the reserved bytes (which are emitted as zero).
+//! the announced payload (none with the SHM flag: it is in shared memory),
+//! and emitting the parsed fields must give back the received header except
+//! the reserved bytes (which are emitted as zero).
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -11,7 +12,7 @@ use phub_proto::wire::{self, field, DropReason, Header, HEADER_LEN, MAX_PAYLOAD}
 fuzz_target!(|data: &[u8]| {
     match wire::parse(data) {
         Ok((repr, payload)) => {
-            assert_eq!(payload.len(), repr.payload_len());
+            assert_eq!(payload.len(), repr.datagram_payload_len());
             assert_eq!(data.len(), HEADER_LEN + payload.len());
             assert!(payload.len() <= MAX_PAYLOAD);
             assert_eq!(payload, &data[HEADER_LEN..]);
