@@ -855,20 +855,7 @@ impl Worker {
             }
             let count = values.map_or(0, <[f32]>::len);
             let start = c * HEADER_LEN;
-            let repr = Repr {
-                kind,
-                dtype,
-                flags: 0,
-                token: self.token,
-                job: self.job,
-                rank: self.rank,
-                count: count as u16,
-                error: 0,
-                round,
-                slot: place.slot,
-                key,
-                chunk: c as u32,
-            };
+            let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
             repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
             chunks.push(ChunkMsg {
                 chunk: c as u32,
@@ -903,6 +890,25 @@ impl Worker {
             } else {
                 dst.copy_from_slice(&values[start..end]);
             }
+        }
+    }
+
+    /// The header of chunk `chunk` of `key` in slot `slot`, from this
+    /// worker, announcing `count` elements.
+    fn chunk_repr(&self, kind: MsgType, round: u32, key: u32, chunk: usize, slot: u32, count: usize) -> Repr {
+        Repr {
+            kind,
+            dtype: self.spec.dtype,
+            flags: 0,
+            token: self.token,
+            job: self.job,
+            rank: self.rank,
+            count: count as u16,
+            error: 0,
+            round,
+            slot,
+            key,
+            chunk: chunk as u32,
         }
     }
 
@@ -944,20 +950,7 @@ impl Worker {
                 let count = values.map_or(0, <[f32]>::len);
                 let bytes = HEADER_LEN + count * dtype.size();
                 let datagram = &mut buf[start..start + bytes];
-                let repr = Repr {
-                    kind,
-                    dtype,
-                    flags: 0,
-                    token: self.token,
-                    job: self.job,
-                    rank: self.rank,
-                    count: count as u16,
-                    error: 0,
-                    round,
-                    slot: place.slot,
-                    key,
-                    chunk: c as u32,
-                };
+                let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
                 let mut h = Header::new_unchecked(datagram);
                 repr.emit(&mut h);
                 if let Some(v) = values {
@@ -996,20 +989,7 @@ impl Worker {
             .map(|(c, place)| {
                 let len = self.layout.chunk_len(elements as u64, c as u32);
                 let start = c * HEADER_LEN;
-                let repr = Repr {
-                    kind: MsgType::Push,
-                    dtype: self.spec.dtype,
-                    flags: 0,
-                    token: self.token,
-                    job: self.job,
-                    rank: self.rank,
-                    count: len as u16,
-                    error: 0,
-                    round,
-                    slot: place.slot,
-                    key,
-                    chunk: c as u32,
-                };
+                let repr = self.chunk_repr(MsgType::Push, round, key, c, place.slot, len as usize);
                 repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
                 ChunkMsg {
                     chunk: c as u32,
