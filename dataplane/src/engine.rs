@@ -38,6 +38,13 @@
 //! usual. A message with the flag for a job installed without regions is
 //! dropped (`no_shared_memory`). Creating the regions is I/O at install
 //! time; handling a packet only reads and writes mapped memory.
+//!
+//! For f32 sum/mean jobs with regions the result region is the stored
+//! result (no second buffer in slot memory): the round's last PUSH writes
+//! `accumulator + its values` (scaled for the mean) straight into it, and a
+//! round's first PUSH by shared memory is not read until the second arrives,
+//! which sums both in one pass (`Shard::apply_region`). Sums keep arrival
+//! order and rounding, so results are bit-identical to the datagram path's.
 
 use std::sync::Arc;
 
@@ -51,7 +58,7 @@ use phub_proto::Dtype;
 use crate::counters::ShardCounters;
 use crate::kernels::{self, Kernels};
 use crate::optim::{self, ChunkBufs};
-use crate::shm::{JobRegions, ShmSetup};
+use crate::shm::{JobRegions, ShmSetup, Staging};
 use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock, LINE_BYTES, LINE_F32};
 
 /// Most packets a backend may hand to [`Shard::handle`] between two drains
@@ -180,6 +187,10 @@ enum ResultKind {
     Params,
     /// f32 sum/mean: trades places with the accumulator at completion.
     F32,
+    /// f32 sum/mean of a job with shared-memory regions: the slot's chunk of
+    /// the result region is the stored result, written once per round by
+    /// the completing contribution (`Shard::apply_region`); no second buffer.
+    Region,
     /// bf16/f16: the result encoded for the wire.
     Half,
 }
@@ -205,7 +216,8 @@ fn cut<'a>(rest: &mut &'a mut [f32], used: usize, pad: usize) -> &'a mut [f32] {
 
 /// A slot's buffers, carved from one block of slot memory. Regions in block
 /// order, each starting on a 64-byte line: A and B (the accumulator and,
-/// for f32 sum/mean, the stored result, which trade places at completion),
+/// for f32 sum/mean without shared-memory regions, the stored result, which
+/// trade places at completion),
 /// the parameters, the two optimizer states, and the bf16/f16 result (as
 /// `u16`s). Absent regions are empty.
 #[derive(Debug)]
@@ -215,7 +227,8 @@ struct SlotMem {
     n: usize,
     /// Elements used in each region (0: absent).
     used: [usize; 6],
-    /// Whether the accumulator is region A (else B).
+    /// Whether the accumulator is region A (else B; always A for
+    /// [`ResultKind::Region`], which has no B).
     acc_in_a: bool,
 }
 
@@ -333,28 +346,41 @@ struct Slot {
     completed: u32,
     contributed: RankSet,
     ncontrib: u16,
+    /// [`ResultKind::Region`] only: the rank whose shared-memory PUSH was
+    /// the round's first contribution and is not summed yet; its staging
+    /// chunk stands for the accumulator until the second contribution.
+    deferred: Option<u16>,
     result: ResultKind,
     mem: SlotMem,
 }
 
 impl Slot {
-    fn result_kind(dtype: Dtype, opt: &Optimizer) -> ResultKind {
+    /// Where the result of a slot of a job with this dtype and optimizer,
+    /// with shared-memory regions or not, is stored.
+    fn result_kind(dtype: Dtype, opt: &Optimizer, shm: bool) -> ResultKind {
         match (dtype, opt.keeps_params()) {
             (Dtype::F32, true) => ResultKind::Params,
+            (Dtype::F32, false) if shm => ResultKind::Region,
             (Dtype::F32, false) => ResultKind::F32,
             _ => ResultKind::Half,
         }
     }
 
     /// Bytes of the block a slot of this chunk takes (padding included).
-    fn block_bytes(c: &SlotChunk, dtype: Dtype, opt: &Optimizer) -> u64 {
-        let used = SlotMem::regions(c.elems as usize, Self::result_kind(dtype, opt), opt);
+    fn block_bytes(c: &SlotChunk, dtype: Dtype, opt: &Optimizer, shm: bool) -> u64 {
+        let used = SlotMem::regions(c.elems as usize, Self::result_kind(dtype, opt, shm), opt);
         4 * SlotMem::block_len(&used) as u64
     }
 
-    fn new(c: SlotChunk, dtype: Dtype, opt: &Optimizer, mem: &dyn SlotAllocator) -> Result<Slot, String> {
+    fn new(
+        c: SlotChunk,
+        dtype: Dtype,
+        opt: &Optimizer,
+        shm: bool,
+        mem: &dyn SlotAllocator,
+    ) -> Result<Slot, String> {
         let n = c.elems as usize;
-        let result = Self::result_kind(dtype, opt);
+        let result = Self::result_kind(dtype, opt, shm);
         Ok(Slot {
             key: c.key,
             chunk: c.chunk,
@@ -362,6 +388,7 @@ impl Slot {
             completed: NO_ROUND,
             contributed: RankSet::default(),
             ncontrib: 0,
+            deferred: None,
             result,
             mem: SlotMem::new(n, SlotMem::regions(n, result, opt), mem)?,
         })
@@ -371,11 +398,28 @@ impl Slot {
         self.completed.wrapping_add(1)
     }
 
-    fn result_bytes(&self) -> &[u8] {
+    /// The stored result (wire bytes) of this slot, slot `index` of a job
+    /// whose regions are `shm`. For [`ResultKind::Region`] it is read from
+    /// the result region, which install made for every slot of such a job;
+    /// were it missing, the result would read as empty.
+    fn result_bytes<'a>(&'a self, index: u32, shm: Option<&'a JobRegions>) -> &'a [u8] {
         match self.result {
             ResultKind::Params => bytemuck::cast_slice(self.mem.params()),
             ResultKind::F32 => bytemuck::cast_slice(self.mem.f32_result()),
+            ResultKind::Region => shm
+                .and_then(|r| r.result(index, 4 * self.mem.n))
+                .unwrap_or_default(),
             ResultKind::Half => self.mem.half_bytes(),
+        }
+    }
+
+    /// Length in bytes of the stored result that a checkpoint keeps (none
+    /// for parameters, which it keeps apart).
+    fn saved_result_len(&self) -> usize {
+        match self.result {
+            ResultKind::Params => 0,
+            ResultKind::F32 | ResultKind::Region => 4 * self.mem.n,
+            ResultKind::Half => 2 * self.mem.n,
         }
     }
 
@@ -385,7 +429,7 @@ impl Slot {
         let u = &self.mem.used;
         let f = u[A] + u[PARAMS] + u[S1] + u[S2];
         let r = match self.result {
-            ResultKind::Params => 0,
+            ResultKind::Params | ResultKind::Region => 0,
             ResultKind::F32 => 4 * self.mem.n,
             ResultKind::Half => 2 * self.mem.n,
         };
@@ -393,7 +437,9 @@ impl Slot {
     }
 
     /// Closes the round in progress: runs the optimizer (or, for round 0,
-    /// takes rank 0's payload as the initial value) and stores the result.
+    /// takes rank 0's payload as the initial value) and stores the result;
+    /// for [`ResultKind::Region`] the result is left in the accumulator, for
+    /// the caller to publish.
     fn complete(&mut self, dtype: Dtype, opt: &Optimizer, workers: u16) {
         let round = self.in_progress();
         let b = self.mem.bufs();
@@ -437,10 +483,17 @@ impl Slot {
             // The accumulator becomes the result; the old result's buffer
             // is overwritten by the next round's first contribution.
             ResultKind::F32 => self.mem.acc_in_a = !self.mem.acc_in_a,
+            ResultKind::Region => {}
         }
-        self.completed = round;
+        self.close();
+    }
+
+    /// Marks the round in progress completed, its result stored.
+    fn close(&mut self) {
+        self.completed = self.in_progress();
         self.contributed = RankSet::default();
         self.ncontrib = 0;
+        self.deferred = None;
     }
 }
 
@@ -674,8 +727,9 @@ impl<A: Copy + Eq> Shard<A> {
             });
         }
         let mut slots = Vec::with_capacity(job.slots.len());
+        let with_shm = shm.is_some();
         for &c in &job.slots {
-            match Slot::new(c, job.dtype, &job.optimizer, &*self.mem) {
+            match Slot::new(c, job.dtype, &job.optimizer, with_shm, &*self.mem) {
                 Ok(s) => slots.push(s),
                 Err(reason) => {
                     // `slots` is dropped here: every block allocated so far
@@ -685,7 +739,7 @@ impl<A: Copy + Eq> Shard<A> {
                         bytes: job
                             .slots
                             .iter()
-                            .map(|c| Slot::block_bytes(c, job.dtype, &job.optimizer))
+                            .map(|c| Slot::block_bytes(c, job.dtype, &job.optimizer, with_shm))
                             .sum(),
                         slots: job.slots.len(),
                         from: self.mem.describe(),
@@ -769,8 +823,9 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// A slot's last completed round and its stored result (wire bytes).
     pub fn result(&self, id: u16, slot: u32) -> Option<(u32, &[u8])> {
-        let s = self.job(id)?.slots.get(slot as usize)?;
-        (s.completed != NO_ROUND).then(|| (s.completed, s.result_bytes()))
+        let j = self.job(id)?;
+        let s = j.slots.get(slot as usize)?;
+        (s.completed != NO_ROUND).then(|| (s.completed, s.result_bytes(slot, j.shm.as_ref())))
     }
 
     /// A slot's parameters (`f32`), for jobs with a server-side optimizer.
@@ -789,7 +844,8 @@ impl<A: Copy + Eq> Shard<A> {
         Some(
             j.slots
                 .iter()
-                .map(|s| {
+                .zip(0..)
+                .map(|(s, i)| {
                     let r = s.mem.all();
                     SlotState {
                         completed: (s.completed != NO_ROUND).then_some(s.completed),
@@ -798,7 +854,7 @@ impl<A: Copy + Eq> Shard<A> {
                         s2: r[S2].to_vec(),
                         result: match s.result {
                             ResultKind::Params => Vec::new(),
-                            _ => s.result_bytes().to_vec(),
+                            _ => s.result_bytes(i, j.shm.as_ref()).to_vec(),
                         },
                     }
                 })
@@ -825,10 +881,7 @@ impl<A: Copy + Eq> Shard<A> {
             });
         }
         for (i, (slot, st)) in j.slots.iter().zip(state).enumerate() {
-            let result_len = match slot.result {
-                ResultKind::Params => 0,
-                _ => slot.result_bytes().len(),
-            };
+            let result_len = slot.saved_result_len();
             let used = &slot.mem.used;
             if st.params.len() != used[PARAMS]
                 || st.s1.len() != used[S1]
@@ -842,10 +895,11 @@ impl<A: Copy + Eq> Shard<A> {
                 });
             }
         }
-        for (slot, st) in j.slots.iter_mut().zip(state) {
+        for (i, (slot, st)) in j.slots.iter_mut().zip(state).enumerate() {
             slot.completed = st.completed.unwrap_or(NO_ROUND);
             slot.contributed = RankSet::default();
             slot.ncontrib = 0;
+            slot.deferred = None;
             let kind = slot.result;
             let acc_in_a = slot.mem.acc_in_a;
             let b = slot.mem.bufs();
@@ -860,12 +914,21 @@ impl<A: Copy + Eq> Shard<A> {
                     let r = if acc_in_a { b } else { a };
                     bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
                 }
+                // The result region is where the result is stored: every
+                // slot's saved bytes go there, so that a snapshot reads
+                // them back. Between bursts: no worker holds a RESULT of
+                // this job from this lcore that it has not copied out yet.
+                ResultKind::Region => {
+                    if let Some(shm) = &mut j.shm {
+                        shm.publish(i as u32, &st.result);
+                    }
+                }
             }
         }
-        if let Some(shm) = &j.shm {
+        if let Some(shm) = &mut j.shm {
             for (i, slot) in j.slots.iter().enumerate() {
-                if slot.completed != NO_ROUND {
-                    shm.publish(i as u32, slot.result_bytes());
+                if slot.completed != NO_ROUND && slot.result != ResultKind::Region {
+                    shm.publish(i as u32, slot.result_bytes(i as u32, None));
                 }
             }
         }
@@ -1040,6 +1103,10 @@ impl<A: Copy + Eq> Shard<A> {
         if slot.contributed.contains(repr.rank) {
             return Err(DropReason::Duplicate);
         }
+        let last = slot.ncontrib + 1 == job.workers;
+        if let (ResultKind::Region, MsgType::Push, Some(shm)) = (slot.result, repr.kind, &mut job.shm) {
+            return Self::apply_region(k, job.workers, &job.optimizer, shm, slot, repr, payload);
+        }
         if carries {
             let payload = match &job.shm {
                 // The slice lives until the add below, before the round's
@@ -1059,16 +1126,114 @@ impl<A: Copy + Eq> Shard<A> {
         }
         slot.contributed.insert(repr.rank);
         slot.ncontrib += 1;
-        if slot.ncontrib == job.workers {
+        if last {
             slot.complete(job.dtype, &job.optimizer, job.workers);
-            if let Some(shm) = &job.shm {
-                // Once per round, before any RESULT header leaves.
-                shm.publish(repr.slot, slot.result_bytes());
+            if let Some(shm) = &mut job.shm {
+                // Once per round, before any RESULT header leaves. A
+                // Region slot gets here only for round 0 (INIT): its
+                // result, rank 0's initial value, is in the accumulator.
+                let bytes = match slot.result {
+                    ResultKind::Region => bytemuck::cast_slice(slot.mem.acc_mut()),
+                    _ => slot.result_bytes(repr.slot, None),
+                };
+                shm.publish(repr.slot, bytes);
             }
             Ok(Step::Closed)
         } else {
             Ok(Step::Open)
         }
+    }
+
+    /// A PUSH to a [`ResultKind::Region`] slot (f32 sum/mean of a job with
+    /// regions), with at most one pass over memory per contribution:
+    /// - a first contribution by shared memory, unless it is the last, is
+    ///   not read yet (`Slot::deferred`): the rank does not write that
+    ///   staging chunk again before it holds this round's result (§3.4),
+    ///   which needs the second contribution, where it is read;
+    /// - the second sums the deferred chunk and its own values into the
+    ///   accumulator in one pass;
+    /// - the last writes `(accumulator + its values)`, scaled for the mean,
+    ///   straight into the slot's chunk of the result region, which is the
+    ///   slot's stored result. The lcore alone writes that region; this
+    ///   chunk of it was last written when the previous round completed,
+    ///   and every rank has since pushed this round, which a rank does only
+    ///   after copying that result out (the worker's wait), so no one reads
+    ///   it now. The RESULT headers leave after this returns.
+    ///
+    /// Sums are taken in arrival order, each rounded as the plain path's
+    /// copy, adds and mean pass round them: results are bit-identical.
+    fn apply_region(
+        k: &Kernels,
+        workers: u16,
+        opt: &Optimizer,
+        shm: &mut JobRegions,
+        slot: &mut Slot,
+        repr: &Repr,
+        payload: &[u8],
+    ) -> Result<Step, DropReason> {
+        let last = slot.ncontrib + 1 == workers;
+        let len = repr.payload_len();
+        if slot.ncontrib == 0 && repr.shm() && !last {
+            slot.deferred = Some(repr.rank);
+            slot.contributed.insert(repr.rank);
+            slot.ncontrib = 1;
+            return Ok(Step::Open);
+        }
+        // The staged slices live until the kernel below, before the
+        // round's result can be sent (JobRegions::staged). They are always
+        // inside the region: install checked that every slot fits the
+        // regions' chunk stride, and the count its slot.
+        fn chunk(staging: Staging<'_>, rank: u16, slot: u32, len: usize) -> Result<&[u8], DropReason> {
+            staging.staged(rank, slot, len).ok_or(DropReason::CountMismatch)
+        }
+        let staged = |staging, rank| chunk(staging, rank, repr.slot, len);
+        let n = slot.elems as usize;
+        if last {
+            let (staging, out) = shm.result_mut(repr.slot, n).ok_or(DropReason::CountMismatch)?;
+            let src = if repr.shm() {
+                staged(staging, repr.rank)?
+            } else {
+                payload
+            };
+            // What optim::step's mean pass multiplies by, rounded apart from
+            // the addition as it is there.
+            let scale = match opt {
+                Optimizer::Mean => 1.0f32 / f32::from(workers),
+                _ => 1.0,
+            };
+            match (slot.ncontrib, slot.deferred) {
+                (0, _) => {
+                    // W = 1: the contribution alone, then the mean's pass.
+                    k.copy(Dtype::F32, out, src);
+                    let bufs = ChunkBufs {
+                        acc: out,
+                        params: &mut [],
+                        s1: &mut [],
+                        s2: &mut [],
+                    };
+                    optim::step(opt, u32::from(workers), repr.round, bufs);
+                }
+                (_, Some(first)) => k.sum_f32(out, staged(staging, first)?, src, scale),
+                (_, None) => k.sum_f32(out, bytemuck::cast_slice(slot.mem.acc_mut()), src, scale),
+            }
+            slot.close();
+            return Ok(Step::Closed);
+        }
+        let staging = shm.staging();
+        let src = if repr.shm() {
+            staged(staging, repr.rank)?
+        } else {
+            payload
+        };
+        match (slot.ncontrib, slot.deferred) {
+            (0, _) => k.copy(Dtype::F32, slot.mem.acc_mut(), src),
+            (_, Some(first)) => k.sum_f32(slot.mem.acc_mut(), staged(staging, first)?, src, 1.0),
+            (_, None) => k.add(Dtype::F32, slot.mem.acc_mut(), src),
+        }
+        slot.deferred = None;
+        slot.contributed.insert(repr.rank);
+        slot.ncontrib += 1;
+        Ok(Step::Open)
     }
 
     /// What must be sent now, in the order it was queued.
@@ -1113,7 +1278,7 @@ impl<A: Copy + Eq> Shard<A> {
         };
         let plain = |to| Transmit {
             header: repr.to_bytes(),
-            payload: s.result_bytes(),
+            payload: s.result_bytes(slot, j.shm.as_ref()),
             to,
         };
         // The result is in the result region: the header says so, alone.

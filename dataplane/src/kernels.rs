@@ -1,5 +1,6 @@
 //! Aggregation kernels: decode received gradient bytes and add them into an
-//! `f32` accumulator.
+//! `f32` accumulator, or sum two f32 sources into a third buffer in one pass
+//! ([`Kernels::sum_f32`]).
 //!
 //! Layer: pure compute, no I/O. One kernel family per instruction set
 //! ([`KernelKind`]): a scalar reference in plain Rust, AVX2 (+F16C) and
@@ -60,6 +61,10 @@ impl std::fmt::Display for KernelKind {
 /// `acc.len() * dtype.size()` (checked by the kernel itself).
 type KernelFn = fn(&mut [f32], &[u8]);
 
+/// The three-operand f32 kernel: `out`, two f32 wire-byte sources of
+/// `4 * out.len()` bytes each, and a scale (checked by the kernel itself).
+type SumFn = fn(&mut [f32], &[u8], &[u8], f32);
+
 /// A family of kernels chosen once at start-up; cheap to copy (function
 /// pointers inside).
 #[derive(Clone, Copy)]
@@ -69,6 +74,8 @@ pub struct Kernels {
     add: [KernelFn; 3],
     /// Indexed by [`slot`].
     copy: [KernelFn; 3],
+    /// `out = (a + b) * scale` over f32 wire bytes.
+    sum_f32: SumFn,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -106,6 +113,7 @@ impl Kernels {
             kind: KernelKind::Scalar,
             add: [scalar::add_f32, scalar::add_bf16, scalar::add_f16],
             copy: [scalar::copy_f32, scalar::copy_bf16, scalar::copy_f16],
+            sum_f32: scalar::sum_f32,
         }
     }
 
@@ -135,6 +143,7 @@ impl Kernels {
                         kind,
                         add: [x86::avx2_add_f32, x86::avx2_add_bf16, x86::avx2_add_f16],
                         copy: [x86::avx2_copy_f32, x86::avx2_copy_bf16, x86::avx2_copy_f16],
+                        sum_f32: x86::avx2_sum_f32,
                     })
                 } else {
                     None
@@ -149,6 +158,7 @@ impl Kernels {
                         kind,
                         add: [x86::avx512_add_f32, x86::avx512_add_bf16, x86::avx512_add_f16],
                         copy: [x86::avx512_copy_f32, x86::avx512_copy_bf16, x86::avx512_copy_f16],
+                        sum_f32: x86::avx512_sum_f32,
                     })
                 } else {
                     None
@@ -191,6 +201,23 @@ impl Kernels {
     pub fn copy(&self, dtype: Dtype, acc: &mut [f32], src: &[u8]) {
         check_len(acc.len(), src, dtype.size());
         (self.copy[slot(dtype)])(acc, src)
+    }
+
+    /// `out[i] = (a[i] + b[i]) * scale`, `a` and `b` being f32 wire bytes
+    /// (little-endian, unaligned): two contributions, or an accumulator and
+    /// the last contribution, summed into a third buffer in one pass, with
+    /// the mean's `1 / W` as `scale` (1 for a plain sum, which leaves every
+    /// value but a NaN's payload unchanged). The addition and the
+    /// multiplication are rounded separately (no fused multiply-add), as
+    /// `add` followed by the optimizer's mean pass rounds them.
+    ///
+    /// # Panics
+    /// If `a` or `b` is not `4 * out.len()` bytes long.
+    #[inline]
+    pub fn sum_f32(&self, out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        (self.sum_f32)(out, a, b, scale)
     }
 }
 
@@ -273,6 +300,14 @@ mod scalar {
     }
 
     scalar_kernels!(add_f32, copy_f32, 4, f32_at);
+
+    pub(super) fn sum_f32(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        for ((o, x), y) in out.iter_mut().zip(a.chunks_exact(4)).zip(b.chunks_exact(4)) {
+            *o = (f32_at(x) + f32_at(y)) * scale;
+        }
+    }
     scalar_kernels!(add_bf16, copy_bf16, 2, bf16_at);
     scalar_kernels!(add_f16, copy_f16, 2, f16_at);
 }
@@ -486,6 +521,83 @@ mod x86 {
         )))
     );
 
+    /// # Safety
+    /// The CPU must support AVX2, and `a.len() >= 4 * out.len()`,
+    /// `b.len() >= 4 * out.len()`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn avx2_sum_f32_tf(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        let n = out.len();
+        let main = n - n % 8;
+        let o = out.as_mut_ptr();
+        let (pa, pb) = (a.as_ptr().cast::<f32>(), b.as_ptr().cast::<f32>());
+        let k = _mm256_set1_ps(scale);
+        let mut i = 0;
+        while i < main {
+            // SAFETY: i + 8 <= n, so out[i..i + 8] is in bounds, and so are
+            // the 32 bytes at 4 * i of `a` and `b` (length contract). All
+            // loads and stores are unaligned.
+            unsafe {
+                let s = _mm256_add_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)));
+                _mm256_storeu_ps(o.add(i), _mm256_mul_ps(s, k));
+            }
+            i += 8;
+        }
+        scalar::sum_f32(&mut out[main..], &a[4 * main..4 * n], &b[4 * main..4 * n], scale);
+    }
+
+    pub(super) fn avx2_sum_f32(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        // SAFETY: lengths checked above; this wrapper is only stored in a
+        // `Kernels` after `Kernels::for_kind` detected AVX2 at runtime
+        // (module invariant).
+        unsafe { avx2_sum_f32_tf(out, a, b, scale) }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, and `a.len() >= 4 * out.len()`,
+    /// `b.len() >= 4 * out.len()`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512_sum_f32_tf(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        let n = out.len();
+        let o = out.as_mut_ptr();
+        let (pa, pb) = (a.as_ptr().cast::<f32>(), b.as_ptr().cast::<f32>());
+        let k = _mm512_set1_ps(scale);
+        let mut i = 0;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, so out[i..i + 16] is in bounds, and so are
+            // the 64 bytes at 4 * i of `a` and `b` (length contract). All
+            // loads and stores are unaligned.
+            unsafe {
+                let s = _mm512_add_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)));
+                _mm512_storeu_ps(o.add(i), _mm512_mul_ps(s, k));
+            }
+            i += 16;
+        }
+        if i < n {
+            let m = ((1u32 << (n - i)) - 1) as __mmask16;
+            // SAFETY: masked loads and stores touch only out[i..n] and the
+            // bytes 4 * i..4 * n of `a` and `b`, which are in bounds (length
+            // contract); masked-off elements are never accessed.
+            unsafe {
+                let s = _mm512_add_ps(
+                    _mm512_maskz_loadu_ps(m, pa.add(i)),
+                    _mm512_maskz_loadu_ps(m, pb.add(i)),
+                );
+                _mm512_mask_storeu_ps(o.add(i), m, _mm512_mul_ps(s, k));
+            }
+        }
+    }
+
+    pub(super) fn avx512_sum_f32(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        // SAFETY: lengths checked above; this wrapper is only stored in a
+        // `Kernels` after `Kernels::for_kind` detected AVX-512 F and BW at
+        // runtime (module invariant).
+        unsafe { avx512_sum_f32_tf(out, a, b, scale) }
+    }
+
     /// 16 bf16 values -> 16 `f32`: zero-extend each to 32 bits, shift left 16.
     #[inline]
     #[target_feature(enable = "avx512f,avx512bw")]
@@ -579,6 +691,23 @@ mod tests {
             r.add(dtype, &mut want, &b[offset..]);
         }
         assert_same(&got, &want, &format!("{what} add"));
+        if dtype == Dtype::F32 {
+            // The three-operand sum, against the scalar reference and
+            // against what copy, add and the mean's scaling give.
+            let (a, b) = (&bufs[1][offset..], &bufs[2][offset..]);
+            for scale in [1.0f32, 1.0 / 3.0, 0.25] {
+                let mut got = vec![7.0f32; n];
+                let mut want = vec![-7.0f32; n];
+                k.sum_f32(&mut got, a, b, scale);
+                r.sum_f32(&mut want, a, b, scale);
+                assert_same(&got, &want, &format!("{what} sum scale {scale}"));
+                let mut two_pass = vec![0.0f32; n];
+                r.copy(dtype, &mut two_pass, a);
+                r.add(dtype, &mut two_pass, b);
+                two_pass.iter_mut().for_each(|x| *x *= scale);
+                assert_same(&got, &two_pass, &format!("{what} sum vs copy+add scale {scale}"));
+            }
+        }
     }
 
     #[test]
@@ -624,6 +753,13 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "kernel length mismatch")]
+    fn kernels_length_mismatch_panics_sum() {
+        let mut out = [0.0f32; 5];
+        Kernels::best().sum_f32(&mut out, &[0u8; 20], &[0u8; 16], 1.0);
+    }
+
+    #[test]
+    #[should_panic(expected = "kernel length mismatch")]
     fn kernels_length_mismatch_panics_half() {
         let mut acc = [0.0f32; 17];
         Kernels::best().copy(Dtype::Bf16, &mut acc, &[0u8; 36]);
@@ -647,6 +783,17 @@ mod tests {
                 assert!(acc.iter().all(|&x| x == 1.5), "{} {dtype}", k.kind());
                 k.add(dtype, &mut acc, &src);
                 assert!(acc.iter().all(|&x| x == 3.0), "{} {dtype}", k.kind());
+                if dtype == Dtype::F32 {
+                    let three: Vec<u8> = 3.0f32
+                        .to_le_bytes()
+                        .iter()
+                        .copied()
+                        .cycle()
+                        .take(4 * 19)
+                        .collect();
+                    k.sum_f32(&mut acc, &src, &three, 0.5);
+                    assert!(acc.iter().all(|&x| x == 2.25), "{} sum_f32", k.kind());
+                }
             }
         }
     }

@@ -9,15 +9,20 @@
 //!
 //! Who touches what, and when (the protocol's order, §5 and §6.1):
 //! - rank `r`'s staging region is written by that rank's worker alone; the
-//!   lcore reads chunk `s` of it ([`JobRegions::staged`]) while handling a
-//!   PUSH or INIT with SHM for slot `s`, which the worker sends after writing
-//!   the chunk and before it may write it again (only once it holds that
-//!   round's result, which this lcore has not sent yet);
+//!   lcore reads chunk `s` of it ([`JobRegions::staged`]) after receiving a
+//!   PUSH or INIT with SHM for slot `s` and before sending that round's
+//!   result: while handling it, or (a round's first contribution to an f32
+//!   sum/mean slot, deferred) while handling the round's second
+//!   contribution. The worker sends the message after writing the chunk
+//!   and may write it again only once it holds that round's result;
 //! - the result region is written by the lcore alone
-//!   ([`JobRegions::publish`]), once per completed round, before the RESULT
+//!   ([`JobRegions::publish`], or in place through
+//!   [`JobRegions::result_mut`]), once per completed round, before the RESULT
 //!   headers leave; a worker reads chunk `s` after receiving such a header and
 //!   before it pushes the next round, which is needed before the lcore writes
-//!   chunk `s` again.
+//!   chunk `s` again. In between, the lcore reads the chunk itself
+//!   ([`JobRegions::result`]): for f32 sum/mean jobs it is the slot's stored
+//!   result, which resends and PULL answers carry.
 //!
 //! The system calls that carry the datagrams order the memory accesses
 //! between the processes.
@@ -60,6 +65,35 @@ pub struct JobRegions {
     staging: Vec<ShmRegion>,
     /// `None` when the job has no slots here.
     results: Option<ShmRegion>,
+}
+
+/// The staging regions of a job, read-only, borrowed apart from its result
+/// region (see [`JobRegions::result_mut`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Staging<'a> {
+    dtype: Dtype,
+    chunk_elems: u32,
+    /// Indexed by rank.
+    regions: &'a [ShmRegion],
+}
+
+impl<'a> Staging<'a> {
+    /// As [`JobRegions::staged`], with the same rules.
+    pub fn staged(self, rank: u16, slot: u32, len: usize) -> Option<&'a [u8]> {
+        let region = self.regions.get(usize::from(rank))?;
+        let p = region.ptr(slot_offset(slot, self.chunk_elems, self.dtype), len)?;
+        // SAFETY: `p..p + len` lies inside the mapping (`ptr` checked it),
+        // which stays mapped while the regions are borrowed (it is unmapped
+        // only when the region is dropped); the bytes are initialised (a
+        // zero-filled file mapping) and `u8` has no alignment or validity
+        // requirement. This process never writes a staging region. The
+        // rank's worker does not write this chunk between sending the
+        // message being handled and receiving its round's result, which
+        // the caller does not let happen while the slice lives (see
+        // `JobRegions::staged`); a worker breaking that rule can only change
+        // the element values read for its own contribution (module docs).
+        Some(unsafe { std::slice::from_raw_parts(p, len) })
+    }
 }
 
 /// Creates a region, or adopts a file of the same name left by a dataplane
@@ -123,30 +157,87 @@ impl JobRegions {
     /// The `len` bytes of `rank`'s chunk for `slot` in its staging region,
     /// read in place; `None` when they are not all inside the region.
     ///
-    /// Call only while handling that rank's PUSH or INIT with SHM for the
+    /// Call only after receiving that rank's PUSH or INIT with SHM for the
     /// slot, and let the slice go before the RESULT for that round can be
     /// sent: that is the window in which the protocol keeps the worker from
     /// writing the chunk (module docs).
     pub fn staged(&self, rank: u16, slot: u32, len: usize) -> Option<&[u8]> {
-        let region = self.staging.get(usize::from(rank))?;
-        let p = region.ptr(self.offset(slot), len)?;
-        // SAFETY: `p..p + len` lies inside the mapping (`ptr` checked it),
-        // which stays mapped while `self` is borrowed (it is unmapped only
-        // when the region is dropped); the bytes are initialised (a
-        // zero-filled file mapping) and `u8` has no alignment or validity
-        // requirement. This process never writes a staging region. The
-        // rank's worker does not write this chunk between sending the
-        // message being handled and receiving its round's result, which
-        // the caller does not let happen while the slice lives (see above);
-        // a worker breaking that rule can only change the element values
-        // read for its own contribution (module docs).
+        self.staging().staged(rank, slot, len)
+    }
+
+    /// The staging regions alone.
+    pub fn staging(&self) -> Staging<'_> {
+        Staging {
+            dtype: self.dtype,
+            chunk_elems: self.chunk_elems,
+            regions: &self.staging,
+        }
+    }
+
+    /// The `len` bytes of `slot`'s chunk in the result region, read in
+    /// place; `None` when the job has no regions here or the bytes do not
+    /// fit the slot's chunk.
+    pub fn result(&self, slot: u32, len: usize) -> Option<&[u8]> {
+        let p = self.result_ptr(slot, len)?;
+        // SAFETY: `p..p + len` lies inside the mapping (`result_ptr`
+        // checked it), mapped while `self` is borrowed; the bytes are
+        // initialised (a file mapping) and `u8` has no alignment or validity
+        // requirement. This process writes the result region only through
+        // `&mut self` (`publish`, `result_mut`), so not while the slice
+        // lives. Workers only read it (module docs); one that writes it
+        // anyway can only change the element values a later RESULT
+        // carries, values it could have pushed itself.
         Some(unsafe { std::slice::from_raw_parts(p, len) })
+    }
+
+    /// `slot`'s chunk of the result region as `n` `f32`s to write in place
+    /// (the wire's little-endian layout on this little-endian host),
+    /// together with the staging regions to read from meanwhile; `None`
+    /// when the job has no regions here or the chunk does not fit the
+    /// slot's stride.
+    ///
+    /// Write only while completing a round of the slot, before its RESULT
+    /// headers leave: every rank has then pushed that round, so every rank
+    /// has copied the previous round's result out of the chunk already
+    /// (module docs).
+    pub fn result_mut(&mut self, slot: u32, n: usize) -> Option<(Staging<'_>, &mut [f32])> {
+        let p = self.result_ptr(slot, n.checked_mul(4)?)?;
+        // Every chunk starts a whole number of 64-byte strides into a
+        // page-aligned mapping.
+        if !p.cast::<f32>().is_aligned() {
+            return None;
+        }
+        // SAFETY: the `4 * n` bytes at `p` lie inside the mapping
+        // (`result_ptr` checked it), which stays mapped while `self` is
+        // borrowed; `p` is aligned for `f32` (checked above) and any bit
+        // pattern is an `f32`. `&mut self` makes this the only reference
+        // into the result region in this process; the staging regions
+        // handed out with it are other mappings. No worker reads the chunk
+        // while the caller writes it (the rule above), and one that breaks
+        // the rule only reads values of its own job half written.
+        let out = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) };
+        let staging = Staging {
+            dtype: self.dtype,
+            chunk_elems: self.chunk_elems,
+            regions: &self.staging,
+        };
+        Some((staging, out))
+    }
+
+    /// The address of `slot`'s chunk in the result region, when `len` bytes
+    /// of it fit the slot's stride and the region.
+    fn result_ptr(&self, slot: u32, len: usize) -> Option<*mut u8> {
+        let stride = phub_proto::shm::chunk_stride(self.chunk_elems, self.dtype);
+        if len > stride {
+            return None;
+        }
+        self.results.as_ref()?.ptr(self.offset(slot), len)
     }
 
     /// Writes a completed round's result (wire bytes) for `slot` into the
     /// result region; `false` (nothing written) when the job has no
     /// regions here or the bytes do not fit the slot.
-    pub fn publish(&self, slot: u32, bytes: &[u8]) -> bool {
+    pub fn publish(&mut self, slot: u32, bytes: &[u8]) -> bool {
         let stride = phub_proto::shm::chunk_stride(self.chunk_elems, self.dtype);
         bytes.len() <= stride
             && self

@@ -324,9 +324,7 @@ fn a_duplicate_shm_push_is_dropped_and_a_lost_result_is_resent_as_a_header() {
     w[0].stage(1, &grad(0, 1, 1));
     let push0 = msg(id, MsgType::Push, 0, 1, 1, true, dtype);
     assert_eq!(s.handle(10, &push0, 1), Verdict::Aggregated);
-    // Rank 0 overwrites its chunk and sends again: the copy is a duplicate
-    // and the round keeps what it first read.
-    w[0].stage(1, &[1000.0; 7]);
+    // Rank 0 sends again, its chunk untouched: the copy is a duplicate.
     assert_eq!(s.handle(10, &push0, 1), Verdict::Dropped(DropReason::Duplicate));
     assert!(drain(&mut s).is_empty());
     w[1].stage(1, &grad(1, 1, 1));
@@ -507,4 +505,258 @@ fn a_restored_job_has_its_results_in_the_result_region() {
     assert!(sent
         .iter()
         .all(|(to, r, p)| *to == 7 && r.flags == flags::SHM && r.round == 1 && p.is_empty()));
+}
+
+/// Values with rounding in every sum (unlike [`grad`]), so that a sum taken
+/// in another order or rounded differently would show.
+fn rough(rank: u16, round: u32, slot: u32) -> Vec<f32> {
+    (0..ELEMS[slot as usize])
+        .map(|e| {
+            let x = e as f32 * 0.37 + f32::from(rank) * 1.13 + round as f32 * 0.71 + slot as f32;
+            x.sin() * 100.0 + 1.0 / 3.0
+        })
+        .collect()
+}
+
+/// Feeds the same f32 contributions to a plain shard (datagrams only) and
+/// to one with regions, where rank `r` sends through shared memory when
+/// `shm[r]`, the ranks arriving in `order`; after every round the region,
+/// the stored result, every RESULT payload and every header must be what
+/// the plain shard gives, bit for bit. Returns both shards.
+fn against_plain(
+    id: u16,
+    opt: Optimizer,
+    shm: &[bool],
+    order: &[u16],
+    rounds: u32,
+) -> (Shard<u32>, Shard<u32>) {
+    let dtype = Dtype::F32;
+    let w = shm.len() as u16;
+    let mut plain: Shard<u32> = Shard::new(3, Kernels::best());
+    plain.install(job(id, w, dtype, opt)).unwrap();
+    let mut s: Shard<u32> = Shard::new(3, Kernels::best());
+    s.install_shared(job(id, w, dtype, opt), setup()).unwrap();
+    let workers: Vec<Worker> = (0..w).map(|r| Worker::open(id, r, dtype)).collect();
+    let what = format!("{} shm {shm:?} order {order:?}", opt.name());
+    for round in 0..rounds {
+        let kind = if round == 0 { MsgType::Init } else { MsgType::Push };
+        for slot in 0..2 {
+            for (i, &rank) in order.iter().enumerate() {
+                let g = rough(rank, round, slot);
+                let carries = round > 0 || rank == 0;
+                let vals = Some(if carries { &g[..] } else { &[] });
+                let m = msg_with(id, kind, rank, round, slot, false, dtype, vals);
+                let want = plain.handle(u32::from(rank), &m, 1);
+                let via_shm = shm[usize::from(rank)];
+                if via_shm && carries {
+                    workers[usize::from(rank)].stage(slot, &g);
+                }
+                let m = msg_with(id, kind, rank, round, slot, via_shm, dtype, vals);
+                let got = s.handle(u32::from(rank), &m, 1);
+                assert_eq!(got, want, "{what} round {round} slot {slot} rank {rank}");
+                let last = i + 1 == order.len();
+                assert_eq!(got == Verdict::Completed, last, "{what}");
+            }
+        }
+        let want = drain(&mut plain);
+        let got = drain(&mut s);
+        assert_eq!(got.len(), want.len(), "{what} round {round}");
+        for ((to, r, p), (wto, wr, wp)) in got.iter().zip(&want) {
+            assert_eq!((to, r.slot, r.round, r.count), (wto, wr.slot, wr.round, wr.count));
+            if shm[*to as usize] {
+                assert_eq!((r.flags, p.len()), (flags::SHM, 0), "{what} to {to}");
+            } else {
+                assert_eq!((r.flags, p), (0, wp), "{what} round {round} to {to}");
+            }
+        }
+        for slot in 0..2 {
+            let want = plain.result(id, slot).unwrap();
+            assert_eq!(
+                s.result(id, slot).unwrap(),
+                want,
+                "{what} round {round} slot {slot}"
+            );
+            for wk in &workers {
+                assert_eq!(encoded(dtype, &wk.result(slot)), want.1, "{what} round {round}");
+            }
+        }
+    }
+    assert_eq!(s.counters().drops_total(), 0);
+    (plain, s)
+}
+
+#[test]
+fn f32_sum_and_mean_through_the_result_region_match_plain_datagrams_bit_for_bit() {
+    let mut id = 70;
+    for opt in [Optimizer::Sum, Optimizer::Mean] {
+        let cases: [(&[bool], &[u16]); 10] = [
+            (&[true], &[0]),
+            (&[false], &[0]),
+            (&[true, true], &[0, 1]),
+            (&[true, true], &[1, 0]),
+            (&[true, false], &[0, 1]),
+            (&[true, false], &[1, 0]),
+            (&[true, true, true], &[2, 0, 1]),
+            (&[true, false, true], &[0, 1, 2]),
+            (&[false, true, true], &[0, 1, 2]),
+            (&[false, true, false], &[2, 1, 0]),
+        ];
+        for (shm, order) in cases {
+            id += 1;
+            against_plain(id, opt, shm, order, 4);
+        }
+    }
+}
+
+#[test]
+fn a_result_that_lives_only_in_the_region_is_resent_and_pulled_after_the_next_round_began() {
+    let id = 91;
+    let dtype = Dtype::F32;
+    // Rank 0 by shared memory, rank 1 in datagrams; mean of two.
+    let (plain, mut s) = against_plain(id, Optimizer::Mean, &[true, false], &[0, 1], 3);
+    let (round, stored) = plain.result(id, 1).map(|(r, b)| (r, b.to_vec())).unwrap();
+    assert_eq!(round, 2);
+    // Round 3 begins: rank 0's contribution goes into the accumulator.
+    let w0 = Worker::open(id, 0, dtype);
+    w0.stage(1, &rough(0, 3, 1));
+    let push = msg(id, MsgType::Push, 0, 3, 1, true, dtype);
+    assert_eq!(s.handle(0, &push, 1), Verdict::Aggregated);
+    // Rank 1 lost round 2's result: its push again, and a PULL, get it.
+    let g = rough(1, 2, 1);
+    let again = msg_with(id, MsgType::Push, 1, 2, 1, false, dtype, Some(&g));
+    assert_eq!(s.handle(1, &again, 1), Verdict::Resent);
+    let pull = msg_with(id, MsgType::Pull, 1, 0, 1, false, dtype, Some(&[]));
+    assert_eq!(s.handle(1, &pull, 1), Verdict::Pulled);
+    let sent = drain(&mut s);
+    assert_eq!(sent.len(), 2);
+    for (to, r, p) in &sent {
+        assert_eq!((*to, r.round, r.flags), (1, 2, 0));
+        assert_eq!(p, &stored, "round 2's result, not round 3's partial sum");
+    }
+    assert_eq!(encoded(dtype, &w0.result(1)), stored);
+    assert_eq!(s.result(id, 1).unwrap(), (2, &stored[..]));
+}
+
+#[test]
+fn a_snapshot_of_a_job_with_its_results_in_the_region_restores_them_there() {
+    let id = 92;
+    let dtype = Dtype::F32;
+    for opt in [Optimizer::Sum, Optimizer::Mean] {
+        let (mut plain, s) = against_plain(id, opt, &[true, true, false], &[1, 2, 0], 3);
+        let saved = s.snapshot(id).unwrap();
+        assert_eq!(saved, plain.snapshot(id).unwrap(), "{}", opt.name());
+        let results: Vec<Vec<u8>> = (0..2).map(|sl| s.result(id, sl).unwrap().1.to_vec()).collect();
+        drop(s); // its files go; the restored job makes them anew.
+        let mut b: Shard<u32> = Shard::new(3, Kernels::best());
+        b.install_shared(job(id, 3, dtype, opt), setup()).unwrap();
+        b.restore(id, &saved).unwrap();
+        assert_eq!(b.snapshot(id).unwrap(), saved);
+        let w: Vec<Worker> = (0..3).map(|r| Worker::open(id, r, dtype)).collect();
+        for slot in 0..2 {
+            assert_eq!(b.result(id, slot).unwrap(), (2, &results[slot as usize][..]));
+            assert_eq!(encoded(dtype, &w[0].result(slot)), results[slot as usize]);
+        }
+        // The restored job goes on exactly as the plain one does.
+        for slot in 0..2 {
+            for rank in [0u16, 2, 1] {
+                let g = rough(rank, 3, slot);
+                let m = msg_with(id, MsgType::Push, rank, 3, slot, false, dtype, Some(&g));
+                let want = plain.handle(u32::from(rank), &m, 1);
+                if rank != 0 {
+                    w[usize::from(rank)].stage(slot, &g);
+                }
+                let m = msg_with(id, MsgType::Push, rank, 3, slot, rank != 0, dtype, Some(&g));
+                assert_eq!(b.handle(u32::from(rank), &m, 1), want);
+            }
+            assert_eq!(b.result(id, slot), plain.result(id, slot), "{}", opt.name());
+            assert_eq!(
+                encoded(dtype, &w[2].result(slot)),
+                plain.result(id, slot).unwrap().1
+            );
+        }
+        drain(&mut b);
+        drain(&mut plain);
+    }
+}
+
+#[test]
+fn a_deferred_first_contribution_is_read_once_with_the_second_and_its_duplicates_are_dropped() {
+    let id = 93;
+    let dtype = Dtype::F32;
+    for opt in [Optimizer::Sum, Optimizer::Mean] {
+        // The first contribution by shared memory (deferred), then its
+        // duplicate, then a datagram and a shared-memory one.
+        let (mut plain, mut s) = against_plain(id, opt, &[true, false, true], &[0, 1, 2], 2);
+        let w: Vec<Worker> = (0..3).map(|r| Worker::open(id, r, dtype)).collect();
+        let vals: Vec<Vec<f32>> = (0..3).map(|r| rough(r, 2, 0)).collect();
+        let push = |rank: u16, shm: bool| {
+            msg_with(
+                id,
+                MsgType::Push,
+                rank,
+                2,
+                0,
+                shm,
+                dtype,
+                Some(&vals[usize::from(rank)]),
+            )
+        };
+        for rank in 0..3u16 {
+            plain.handle(u32::from(rank), &push(rank, false), 1);
+        }
+        w[0].stage(0, &vals[0]);
+        assert_eq!(s.handle(0, &push(0, true), 1), Verdict::Aggregated);
+        assert_eq!(
+            s.handle(0, &push(0, true), 1),
+            Verdict::Dropped(DropReason::Duplicate)
+        );
+        assert_eq!(
+            s.handle(0, &push(0, false), 1),
+            Verdict::Dropped(DropReason::Duplicate)
+        );
+        assert_eq!(s.handle(1, &push(1, false), 1), Verdict::Aggregated);
+        assert_eq!(
+            s.handle(0, &push(0, true), 1),
+            Verdict::Dropped(DropReason::Duplicate)
+        );
+        w[2].stage(0, &vals[2]);
+        assert_eq!(s.handle(2, &push(2, true), 1), Verdict::Completed);
+        assert_eq!(s.result(id, 0), plain.result(id, 0), "{}", opt.name());
+        assert_eq!(s.counters().drops_of(DropReason::Duplicate), 3);
+        drain(&mut s);
+        drain(&mut plain);
+    }
+    // The deferred chunk is read when the second contribution arrives: a
+    // rank that breaks §3.4 by rewriting it before holding the round's
+    // result changes nothing but its own contribution.
+    let id = 94;
+    let mut s: Shard<u32> = Shard::new(3, Kernels::best());
+    s.install_shared(job(id, 2, dtype, Optimizer::Sum), setup())
+        .unwrap();
+    let w: Vec<Worker> = (0..2).map(|r| Worker::open(id, r, dtype)).collect();
+    for rank in 0..2u16 {
+        let g = grad(0, 0, 1);
+        let m = msg_with(
+            id,
+            MsgType::Init,
+            rank,
+            0,
+            1,
+            false,
+            dtype,
+            Some(if rank == 0 { &g } else { &[] }),
+        );
+        s.handle(u32::from(rank), &m, 1);
+    }
+    w[0].stage(1, &grad(0, 1, 1));
+    assert_eq!(
+        s.handle(0, &msg(id, MsgType::Push, 0, 1, 1, true, dtype), 1),
+        Verdict::Aggregated
+    );
+    w[0].stage(1, &[1000.0; 7]);
+    let g1 = grad(1, 1, 1);
+    let m1 = msg_with(id, MsgType::Push, 1, 1, 1, false, dtype, Some(&g1));
+    assert_eq!(s.handle(1, &m1, 1), Verdict::Completed);
+    let want: Vec<f32> = g1.iter().map(|x| x + 1000.0).collect();
+    assert_eq!(w[1].result(1), want);
 }

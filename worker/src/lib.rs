@@ -811,8 +811,13 @@ impl Worker {
     ///
     /// `key` must be claimed: then no request of the key is in flight, so
     /// this rank holds the result of every chunk of its previous round,
-    /// and the lcores have read (or dropped) this rank's earlier pushes of
-    /// those slots; only requests of this key write them.
+    /// and no lcore reads this rank's staged chunks of that round again
+    /// (an lcore may read a chunk as late as the round's second
+    /// contribution, but never after the round's result went out); only
+    /// requests of this key write them. After a failed request (timeout)
+    /// a round this rank never got the result of may still complete with
+    /// what is written now: that changes only this rank's own
+    /// contribution, which the retry sends anyway.
     ///
     /// [`flags::SHM`]: phub_proto::wire::flags::SHM
     fn staged(
