@@ -70,7 +70,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{Receiver, Sender};
 use phub_proto::api::{ApiError, JoinRequest};
-use phub_proto::layout::{chunks_of, Layout};
+use phub_proto::layout::{chunks_of, Layout, Place};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
 use shm::Regions;
@@ -837,10 +837,7 @@ impl Worker {
         let dtype = self.spec.dtype;
         let ce = self.layout.chunk_elems as usize;
         let places = &self.layout.keys[key as usize];
-        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
-        if buf.len() != places.len() * HEADER_LEN {
-            buf = vec![0u8; places.len() * HEADER_LEN];
-        }
+        let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
         let mut chunks = Vec::with_capacity(places.len());
         for (c, place) in places.iter().enumerate() {
             let len = self.layout.chunk_len(elements as u64, c as u32);
@@ -862,16 +859,7 @@ impl Worker {
             let start = c * HEADER_LEN;
             let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
             repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
-            chunks.push(ChunkMsg {
-                chunk: c as u32,
-                slot: place.slot,
-                offset,
-                len,
-                to: self.lcores[usize::from(place.lcore)],
-                lcore: place.lcore,
-                start,
-                bytes: HEADER_LEN + count * dtype.size(),
-            });
+            chunks.push(self.chunk_msg(c, place, len, start, HEADER_LEN + count * dtype.size()));
         }
         Some((chunks, buf, regions))
     }
@@ -895,6 +883,32 @@ impl Worker {
             } else {
                 dst.copy_from_slice(&values[start..end]);
             }
+        }
+    }
+
+    /// The key's buffer from its previous request, `len` bytes long (reused
+    /// when it has that length, else a new zeroed one).
+    fn tx_buffer(&self, key: u32, len: usize) -> Vec<u8> {
+        let buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
+        if buf.len() == len {
+            buf
+        } else {
+            vec![0u8; len]
+        }
+    }
+
+    /// Chunk `c` of a key, at `place`, with `len` elements; its datagram is
+    /// `bytes` long at `start` in the request's buffer.
+    fn chunk_msg(&self, c: usize, place: &Place, len: u32, start: usize, bytes: usize) -> ChunkMsg {
+        ChunkMsg {
+            chunk: c as u32,
+            slot: place.slot,
+            offset: c * self.layout.chunk_elems as usize,
+            len,
+            to: self.lcores[usize::from(place.lcore)],
+            lcore: place.lcore,
+            start,
+            bytes,
         }
     }
 
@@ -940,10 +954,7 @@ impl Worker {
                 HEADER_LEN + count * dtype.size()
             })
             .sum();
-        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
-        if buf.len() != total {
-            buf = vec![0u8; total];
-        }
+        let mut buf = self.tx_buffer(key, total);
         let mut start = 0;
         let chunks = places
             .iter()
@@ -961,16 +972,7 @@ impl Worker {
                 if let Some(v) = values {
                     codec::encode(dtype, v, h.payload_mut());
                 }
-                let m = ChunkMsg {
-                    chunk: c as u32,
-                    slot: place.slot,
-                    offset,
-                    len,
-                    to: self.lcores[usize::from(place.lcore)],
-                    lcore: place.lcore,
-                    start,
-                    bytes,
-                };
+                let m = self.chunk_msg(c, place, len, start, bytes);
                 start += bytes;
                 m
             })
@@ -982,12 +984,8 @@ impl Worker {
     /// chunk c's at c * HEADER_LEN), for payloads sent from the caller's
     /// own `f32`s (little-endian f32 jobs only).
     fn push_headers(&self, key: u32, elements: usize, round: u32) -> (Vec<ChunkMsg>, Vec<u8>) {
-        let ce = self.layout.chunk_elems as usize;
         let places = &self.layout.keys[key as usize];
-        let mut buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
-        if buf.len() != places.len() * HEADER_LEN {
-            buf = vec![0u8; places.len() * HEADER_LEN];
-        }
+        let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
         let chunks = places
             .iter()
             .enumerate()
@@ -996,16 +994,7 @@ impl Worker {
                 let start = c * HEADER_LEN;
                 let repr = self.chunk_repr(MsgType::Push, round, key, c, place.slot, len as usize);
                 repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
-                ChunkMsg {
-                    chunk: c as u32,
-                    slot: place.slot,
-                    offset: c * ce,
-                    len,
-                    to: self.lcores[usize::from(place.lcore)],
-                    lcore: place.lcore,
-                    start,
-                    bytes: HEADER_LEN + len as usize * 4,
-                }
+                self.chunk_msg(c, place, len, start, HEADER_LEN + len as usize * 4)
             })
             .collect();
         (chunks, buf)

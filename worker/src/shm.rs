@@ -289,22 +289,18 @@ impl Regions {
     /// written) when they do not fit there. 16-bit types are encoded into a
     /// buffer on the stack first (one chunk, in L1), then copied.
     pub(crate) fn write_values(&self, lcore: u16, slot: u32, values: &[f32]) -> bool {
-        let Some(r) = self.lcore(lcore) else {
-            return false;
-        };
         if values.len() > self.chunk_elems as usize {
             return false;
         }
-        let off = slot_offset(slot, self.chunk_elems, self.dtype);
         if self.dtype == Dtype::F32 && cfg!(target_endian = "little") {
-            return r.staging.region.write(off, bytemuck::cast_slice(values));
+            return self.write_chunk(lcore, slot, bytemuck::cast_slice(values));
         }
         let mut buf = [0u8; MAX_PAYLOAD];
         let Some(wire) = buf.get_mut(..values.len() * self.dtype.size()) else {
             return false;
         };
         codec::encode(self.dtype, values, wire);
-        r.staging.region.write(off, wire)
+        self.write_chunk(lcore, slot, wire)
     }
 
     /// Copies back one chunk's wire bytes (`dst.len()`) from this rank's
