@@ -144,6 +144,25 @@ pub enum EngineError {
     },
 }
 
+/// Where a contribution's elements are: for a message with SHM, in the
+/// sender's staging chunk (`staging`: the job's regions), else in the
+/// datagram's payload. A staged slice must go before the round's result
+/// can be sent (Staging::staged); it is always inside the region:
+/// install checked that every slot fits the regions' chunk stride, and
+/// the message's count its slot.
+fn contribution<'a>(
+    staging: Option<Staging<'a>>,
+    repr: &Repr,
+    payload: &'a [u8],
+) -> Result<&'a [u8], DropReason> {
+    match staging {
+        Some(s) if repr.shm() => s
+            .staged(repr.rank, repr.slot, repr.payload_len())
+            .ok_or(DropReason::CountMismatch),
+        _ => Ok(payload),
+    }
+}
+
 /// What became of one received packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -1108,16 +1127,7 @@ impl<A: Copy + Eq> Shard<A> {
             return Self::apply_region(k, job.workers, &job.optimizer, shm, slot, repr, payload);
         }
         if carries {
-            let payload = match &job.shm {
-                // The slice lives until the add below, before the round's
-                // result can be sent (JobRegions::staged). It is always
-                // inside the region: install checked that every slot fits
-                // the regions' chunk stride, and the count its slot.
-                Some(shm) if repr.shm() => shm
-                    .staged(repr.rank, repr.slot, repr.payload_len())
-                    .ok_or(DropReason::CountMismatch)?,
-                _ => payload,
-            };
+            let payload = contribution(job.shm.as_ref().map(JobRegions::staging), repr, payload)?;
             if slot.ncontrib == 0 || repr.kind == MsgType::Init {
                 k.copy(job.dtype, slot.mem.acc_mut(), payload);
             } else {
@@ -1179,22 +1189,16 @@ impl<A: Copy + Eq> Shard<A> {
             slot.ncontrib = 1;
             return Ok(Step::Open);
         }
-        // The staged slices live until the kernel below, before the
-        // round's result can be sent (JobRegions::staged). They are always
-        // inside the region: install checked that every slot fits the
-        // regions' chunk stride, and the count its slot.
-        fn chunk(staging: Staging<'_>, rank: u16, slot: u32, len: usize) -> Result<&[u8], DropReason> {
+        // The deferred first contribution's chunk, as `contribution` reads
+        // a chunk (same lifetime and bounds).
+        fn first_chunk(staging: Staging<'_>, rank: u16, slot: u32, len: usize) -> Result<&[u8], DropReason> {
             staging.staged(rank, slot, len).ok_or(DropReason::CountMismatch)
         }
-        let staged = |staging, rank| chunk(staging, rank, repr.slot, len);
+        let staged = |staging, rank| first_chunk(staging, rank, repr.slot, len);
         let n = slot.elems as usize;
         if last {
             let (staging, out) = shm.result_mut(repr.slot, n).ok_or(DropReason::CountMismatch)?;
-            let src = if repr.shm() {
-                staged(staging, repr.rank)?
-            } else {
-                payload
-            };
+            let src = contribution(Some(staging), repr, payload)?;
             // What optim::step's mean pass multiplies by, rounded apart from
             // the addition as it is there.
             let scale = match opt {
@@ -1220,11 +1224,7 @@ impl<A: Copy + Eq> Shard<A> {
             return Ok(Step::Closed);
         }
         let staging = shm.staging();
-        let src = if repr.shm() {
-            staged(staging, repr.rank)?
-        } else {
-            payload
-        };
+        let src = contribution(Some(staging), repr, payload)?;
         match (slot.ncontrib, slot.deferred) {
             (0, _) => k.copy(Dtype::F32, slot.mem.acc_mut(), src),
             (_, Some(first)) => k.sum_f32(slot.mem.acc_mut(), staged(staging, first)?, src, 1.0),

@@ -9,7 +9,7 @@
 //!
 //! Who touches what, and when (the protocol's order, §5 and §6.1):
 //! - rank `r`'s staging region is written by that rank's worker alone; the
-//!   lcore reads chunk `s` of it ([`JobRegions::staged`]) after receiving a
+//!   lcore reads chunk `s` of it ([`Staging::staged`]) after receiving a
 //!   PUSH or INIT with SHM for slot `s` and before sending that round's
 //!   result: while handling it, or (a round's first contribution to an f32
 //!   sum/mean slot, deferred) while handling the round's second
@@ -78,7 +78,13 @@ pub struct Staging<'a> {
 }
 
 impl<'a> Staging<'a> {
-    /// As [`JobRegions::staged`], with the same rules.
+    /// The `len` bytes of `rank`'s chunk for `slot` in its staging region,
+    /// read in place; `None` when they are not all inside the region.
+    ///
+    /// Call only after receiving that rank's PUSH or INIT with SHM for the
+    /// slot, and let the slice go before the RESULT for that round can be
+    /// sent: that is the window in which the protocol keeps the worker from
+    /// writing the chunk (module docs).
     pub fn staged(self, rank: u16, slot: u32, len: usize) -> Option<&'a [u8]> {
         let region = self.regions.get(usize::from(rank))?;
         let p = region.ptr(slot_offset(slot, self.chunk_elems, self.dtype), len)?;
@@ -90,7 +96,7 @@ impl<'a> Staging<'a> {
         // rank's worker does not write this chunk between sending the
         // message being handled and receiving its round's result, which
         // the caller does not let happen while the slice lives (see
-        // `JobRegions::staged`); a worker breaking that rule can only change
+        // above); a worker breaking that rule can only change
         // the element values read for its own contribution (module docs).
         Some(unsafe { std::slice::from_raw_parts(p, len) })
     }
@@ -154,17 +160,6 @@ impl JobRegions {
         slot_offset(slot, self.chunk_elems, self.dtype)
     }
 
-    /// The `len` bytes of `rank`'s chunk for `slot` in its staging region,
-    /// read in place; `None` when they are not all inside the region.
-    ///
-    /// Call only after receiving that rank's PUSH or INIT with SHM for the
-    /// slot, and let the slice go before the RESULT for that round can be
-    /// sent: that is the window in which the protocol keeps the worker from
-    /// writing the chunk (module docs).
-    pub fn staged(&self, rank: u16, slot: u32, len: usize) -> Option<&[u8]> {
-        self.staging().staged(rank, slot, len)
-    }
-
     /// The staging regions alone.
     pub fn staging(&self) -> Staging<'_> {
         Staging {
@@ -216,12 +211,7 @@ impl JobRegions {
         // while the caller writes it (the rule above), and one that breaks
         // the rule only reads values of its own job half written.
         let out = unsafe { std::slice::from_raw_parts_mut(p.cast::<f32>(), n) };
-        let staging = Staging {
-            dtype: self.dtype,
-            chunk_elems: self.chunk_elems,
-            regions: &self.staging,
-        };
-        Some((staging, out))
+        Some((self.staging(), out))
     }
 
     /// The address of `slot`'s chunk in the result region, when `len` bytes
@@ -238,8 +228,8 @@ impl JobRegions {
     /// result region; `false` (nothing written) when the job has no
     /// regions here or the bytes do not fit the slot.
     pub fn publish(&mut self, slot: u32, bytes: &[u8]) -> bool {
-        let stride = phub_proto::shm::chunk_stride(self.chunk_elems, self.dtype);
-        bytes.len() <= stride
+        // `result_ptr` checks the stride and the region's bounds.
+        self.result_ptr(slot, bytes.len()).is_some()
             && self
                 .results
                 .as_ref()
