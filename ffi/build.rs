@@ -133,6 +133,7 @@ fn bindings(cflags: &[&str]) -> Result<bindgen::Bindings, bindgen::BindgenError>
         "rte_pktmbuf_free_bulk",
         "rte_ring_create",
         "rte_ring_free",
+        "rte_ring_lookup",
         "rte_malloc_socket",
         "rte_zmalloc_socket",
         "rte_free",

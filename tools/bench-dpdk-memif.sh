@@ -26,7 +26,17 @@
 # on a CPU where a same-priority FIFO thread spins never run). The
 # generator yields its CPU whenever the memif ring is full.
 #
+# DEVICE=ring swaps memif for a port made of rings: phub-dataplane
+# --ring-port, the generator attached to its rings as a DPDK secondary
+# process (pointers pass, no copies; the nearest thing here to a NIC that
+# DMAs into mbufs). That needs hugepages: the script mounts hugetlbfs on
+# /dev/hugepages if nothing is mounted, raises vm.nr_hugepages to HUGEPAGES
+# (512 x 2 MiB) if lower, and puts both back on exit. testpmd cannot attach
+# to those rings, so step 3 is skipped (a ring moves 600+ Mpps of pointers
+# in testpmd's io mode: no ceiling at these rates).
+#
 #   tools/bench-dpdk-memif.sh                      # 8 KiB and 1 KiB, 3 runs each
+#   DEVICE=ring tools/bench-dpdk-memif.sh          # the same over a ring port
 #   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
 #   LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 NO_BUILD=1 tools/bench-dpdk-memif.sh   # on more CPUs
 #
@@ -34,7 +44,8 @@
 # generator on 1. GEN, DP and COMMIT override the binaries and the commit shown.
 #
 # Needs root (chrt, /run), 2 CPUs, DPDK 22.11 with dpdk-testpmd (tools/setup.sh).
-# Cleans up its processes, the socket and /var/run/dpdk/<prefix> on exit.
+# Cleans up its processes, the socket, /var/run/dpdk/<prefix> and (ring)
+# the dataplane's hugepage files on exit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -43,6 +54,9 @@ SECS=${SECS:-3}
 SLOTS=${SLOTS:-512}
 CHUNKS=${CHUNKS:-"8192 1024"}
 RT=${RT-10}
+DEVICE=${DEVICE:-memif}
+HUGEPAGES=${HUGEPAGES:-512}
+RING=phubbench
 SOCK=${SOCK:-/run/phub-bench-memif.sock}
 MGMT=${MGMT:-127.0.0.1:7877}
 DP_PREFIX=phub-memif-dp
@@ -60,7 +74,11 @@ if [ "${NO_BUILD:-}" = "" ]; then
   cargo build --release -q -p phub-dataplane --example dpdk_memif_gen
   cargo build --release -q -p phub --bin phub-dataplane
 fi
-command -v dpdk-testpmd >/dev/null || { echo "dpdk-testpmd not found (apt-get install dpdk-dev)" >&2; exit 1; }
+case "$DEVICE" in
+  memif) command -v dpdk-testpmd >/dev/null || { echo "dpdk-testpmd not found (apt-get install dpdk-dev)" >&2; exit 1; } ;;
+  ring) ;;
+  *) echo "DEVICE=$DEVICE: expected memif or ring" >&2; exit 2 ;;
+esac
 
 PEER_PID=""
 FIFO=""
@@ -79,8 +97,16 @@ cleanup() {
   PEER_PID=""
   rm -f "$SOCK"
   rm -rf "/var/run/dpdk/$DP_PREFIX" "/var/run/dpdk/$TP_PREFIX" "/var/run/dpdk/$GEN_PREFIX"
+  # A primary that secondaries can join keeps its hugepage files.
+  [ "$DEVICE" != ring ] || rm -f /dev/hugepages/"$DP_PREFIX"map_*
 }
-trap cleanup EXIT
+OLD_HUGEPAGES=""
+MOUNTED_HUGE=""
+restore_hugepages() {
+  [ -z "$OLD_HUGEPAGES" ] || echo "$OLD_HUGEPAGES" >/proc/sys/vm/nr_hugepages
+  [ -z "$MOUNTED_HUGE" ] || umount /dev/hugepages
+}
+trap 'cleanup; restore_hugepages' EXIT
 trap 'exit 130' INT TERM
 
 # memif buffer: the next power of two holding a whole frame (128 B of headers).
@@ -103,18 +129,19 @@ rt_lcore() { # pid
 }
 
 generator() { # peer chunk log
+  local attach=(--socket "$SOCK" --file-prefix "$GEN_PREFIX")
+  [ "$DEVICE" != ring ] || attach=(--ring "$RING" --file-prefix "$DP_PREFIX")
   taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
-    --slots "$SLOTS" --socket "$SOCK" --mgmt "$MGMT" --cpu "$GEN_CPU" --file-prefix "$GEN_PREFIX" >"$3" 2>&1 \
+    --slots "$SLOTS" --mgmt "$MGMT" --cpu "$GEN_CPU" "${attach[@]}" >"$3" 2>&1 \
     || { echo "generator ($1, chunk $2) failed; its log, $3:" >&2; tail -20 "$3" >&2; exit 1; }
 }
 
 dataplane_step() { # chunk bsize log
-  local vdev="--vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2"
+  local dev=(--eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU --vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2")
+  [ "$DEVICE" != ring ] || dev=(--ring-port "$RING" --eal "--no-pci --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU")
   rm -f "$SOCK"
   "$DP" --backend dpdk --lcores 1 --host 10.79.0.1 --base-port 7900 --mgmt "$MGMT" \
-    --memory-budget 256MiB \
-    --eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU $vdev" \
-    >"$3.dp" 2>&1 &
+    --memory-budget 256MiB "${dev[@]}" >"$3.dp" 2>&1 &
   PEER_PID=$!
   for _ in $(seq 100); do
     curl -sf "http://$MGMT/v1/info" >/dev/null 2>&1 && break
@@ -151,6 +178,18 @@ testpmd_step() { # chunk bsize log
   cleanup
 }
 
+if [ "$DEVICE" = ring ]; then
+  if ! grep -q ' /dev/hugepages hugetlbfs ' /proc/mounts; then
+    mkdir -p /dev/hugepages && mount -t hugetlbfs nodev /dev/hugepages && MOUNTED_HUGE=1
+  fi
+  now=$(cat /proc/sys/vm/nr_hugepages)
+  if [ "$now" -lt "$HUGEPAGES" ]; then
+    OLD_HUGEPAGES=$now
+    echo "$HUGEPAGES" >/proc/sys/vm/nr_hugepages
+    [ "$(cat /proc/sys/vm/nr_hugepages)" -ge "$HUGEPAGES" ] || { echo "could not get $HUGEPAGES hugepages" >&2; exit 1; }
+  fi
+fi
+echo "device: $DEVICE"
 echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit ${COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes')}, logs in $LOGS"
 echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
 rows=()
@@ -159,15 +198,19 @@ for chunk in $CHUNKS; do
   for run in $(seq "$RUNS"); do
     l0=$(load)
     dataplane_step "$chunk" "$b" "$LOGS/dp-$chunk-$run.log"
-    testpmd_step "$chunk" "$b" "$LOGS/tp-$chunk-$run.log"
     d=$(grep '^RESULT' "$LOGS/dp-$chunk-$run.log")
-    t=$(grep '^RESULT' "$LOGS/tp-$chunk-$run.log")
+    if [ "$DEVICE" = memif ]; then
+      testpmd_step "$chunk" "$b" "$LOGS/tp-$chunk-$run.log"
+      t=$(grep '^RESULT' "$LOGS/tp-$chunk-$run.log")
+    else
+      t="mpps=n/a gbs=n/a"
+    fi
     dg=$(field "$d" gbs)
     tg=$(field "$t" gbs)
     rows+=("$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |' \
       "$chunk" "$run" "$(field "$d" mpps)" "$dg" "$(field "$d" gen_mpps)" "$(field "$d" kernel_gbs)" \
       "$(field "$d" ratio)" "$(field "$d" busy)" "$(field "$t" mpps)" "$tg" \
-      "$(awk -v a="$dg" -v b="$tg" 'BEGIN { printf "%.2f", (b > 0 ? a / b : 0) }')") load $l0")
+      "$(awk -v a="$dg" -v b="$tg" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else printf "n/a" }')") load $l0")
     echo "${rows[-1]}"
   done
 done

@@ -1,6 +1,9 @@
 //! A traffic generator in its own process, attached as memif client to a
 //! memif server: `phub-dataplane --backend dpdk` (the real binary, one data
 //! lcore) or `dpdk-testpmd` (the packet I/O ceiling over the same device).
+//! With `--ring NAME` it attaches instead, as a DPDK secondary process, to
+//! the rings of `phub-dataplane --ring-port NAME` (pointers pass, nothing is
+//! copied; both need hugepages and the same `--file-prefix`).
 //!
 //! It sends W = 8 workers' PUSHes for S slots, round after round, as fast
 //! as the memif ring takes them, each push an indirect mbuf over a
@@ -17,9 +20,12 @@
 //!   of a slot sends one result to each of the W workers);
 //! - testpmd: frames sent and frames that came back, counted here.
 //!
-//! Then the engine's kernel-only figure (the same pushes handed to a Shard
-//! from memory, no packet I/O), in this process, on this CPU, after the I/O
-//! phase. The last line starts with `RESULT` and is what
+//! And the engine's kernel-only figure (the same pushes handed to a Shard
+//! from memory, no packet I/O), in this process, on this CPU, just before
+//! and just after the I/O phase (their mean is the ratio's denominator),
+//! over the generator's own template frames (the memory the dataplane
+//! reads the pushes from) with slot memory from DPDK's heap, as the
+//! dataplane's. The last line starts with `RESULT` and is what
 //! `tools/bench-dpdk-memif.sh` reads.
 //!
 //! `dpdk_memif_gen --peer dataplane|testpmd [--chunk 8192] [--seconds 3] [--slots 512] [--cpu 1] ...`
@@ -28,13 +34,16 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, ValueEnum};
 use common::{Generator, JOB, TOKEN, W};
+use phub_dataplane::backend::dpdk::DpdkSlotMemory;
 use phub_dataplane::kernels::Kernels;
-use phub_ffi::{Mbuf, Mempool, PortBuilder, RxQueue, TxQueue};
+use phub_dataplane::Shard;
+use phub_ffi::{Mbuf, Mempool, Port, PortBuilder, Ring, RxQueue, TxQueue};
 use phub_proto::api::{DataplaneStats, InstallJob, LcoreStats};
 use phub_proto::layout;
 use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
@@ -90,9 +99,17 @@ struct Args {
     /// Started whole under `chrt -f`, EAL start-up can stall for minutes on 2 CPUs.
     #[arg(long, default_value_t = 0)]
     rt_priority: i32,
-    /// EAL --file-prefix of this process.
+    /// EAL --file-prefix of this process (with --ring: the dataplane's).
     #[arg(long, default_value = "phub-memif-gen")]
     file_prefix: String,
+    /// Attach to `phub-dataplane --ring-port NAME` (as a DPDK secondary
+    /// process with the dataplane's --file-prefix) instead of memif.
+    #[arg(long, value_name = "NAME")]
+    ring: Option<String>,
+    /// EAL lcore id of this process with --ring: one the dataplane does not use
+    /// (processes of one runtime share the mempools' per-lcore caches).
+    #[arg(long, default_value_t = 8)]
+    ring_lcore: u32,
 }
 
 /// memif buffer size for frames of a `chunk`-byte gradient: the next power
@@ -196,10 +213,33 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
     Ok(())
 }
 
-/// The memif port's queues and what went through them.
+/// Where frames go and come back from.
+enum Link {
+    /// A memif port's queues.
+    Port(RxQueue, TxQueue),
+    /// The dataplane's ring port: frames to it, frames from it.
+    Rings(Ring, Ring),
+}
+
+impl Link {
+    fn rx_burst(&mut self, buf: &mut [Option<Mbuf>]) -> usize {
+        match self {
+            Link::Port(rx, _) => rx.rx_burst(buf),
+            Link::Rings(_, from) => from.dequeue_burst(buf),
+        }
+    }
+
+    fn tx_burst(&mut self, batch: &mut Vec<Mbuf>) -> usize {
+        match self {
+            Link::Port(_, tx) => tx.tx_burst(batch),
+            Link::Rings(to, _) => to.enqueue_burst(batch),
+        }
+    }
+}
+
+/// The link and what went through it.
 struct Io {
-    rx: RxQueue,
-    tx: TxQueue,
+    link: Link,
     buf: Vec<Option<Mbuf>>,
     sent: u64,
     received: u64,
@@ -211,7 +251,7 @@ impl Io {
     /// Frees what came back.
     fn drain(&mut self) {
         loop {
-            let n = self.rx.rx_burst(&mut self.buf);
+            let n = self.link.rx_burst(&mut self.buf);
             self.received += n as u64;
             if n < self.buf.len() {
                 break;
@@ -224,7 +264,7 @@ impl Io {
     fn send(&mut self, batch: &mut Vec<Mbuf>) {
         let mut stalled: Option<Instant> = None;
         loop {
-            let n = self.tx.tx_burst(batch);
+            let n = self.link.tx_burst(batch);
             self.sent += n as u64;
             self.drain();
             if batch.is_empty() {
@@ -235,7 +275,7 @@ impl Io {
                 let t = *stalled.get_or_insert_with(Instant::now);
                 assert!(
                     t.elapsed() < Duration::from_secs(5),
-                    "the memif peer took no frame for 5 s (gone, or not connected)"
+                    "the peer took no frame for 5 s (gone, or not connected)"
                 );
                 // Under `chrt -f` this thread would otherwise starve the
                 // threads that share its CPU at the same priority: EAL's
@@ -291,30 +331,45 @@ fn main() -> Result<()> {
     } else {
         a.bsize
     };
+    let lcores = format!("0@{}", a.cpu);
+    let ring_lcores = format!("{}@{}", a.ring_lcore, a.cpu);
     let vdev = format!(
         "--vdev=net_memif0,role=client,socket={},socket-abstract=no,bsize={bsize},rsize={}",
         a.socket, a.rsize
     );
-    let lcores = format!("0@{}", a.cpu);
-    let eal_args = [
-        "--no-huge",
-        "-m",
-        "1024",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        &a.file_prefix,
-        "--lcores",
-        &lcores,
-        "--log-level",
-        "warning",
-        &vdev,
-    ];
+    let eal_args: Vec<&str> = if a.ring.is_some() {
+        if a.peer != Peer::Dataplane {
+            bail!("--ring: the ring port is phub-dataplane's (--peer dataplane)");
+        }
+        vec![
+            "--proc-type=secondary",
+            "--no-pci",
+            "--no-telemetry",
+            "--file-prefix",
+            &a.file_prefix,
+            "--lcores",
+            &ring_lcores,
+            "--log-level",
+            "warning",
+        ]
+    } else {
+        vec![
+            "--no-huge",
+            "-m",
+            "1024",
+            "--no-pci",
+            "--no-shconf",
+            "--no-telemetry",
+            "--file-prefix",
+            &a.file_prefix,
+            "--lcores",
+            &lcores,
+            "--log-level",
+            "warning",
+            &vdev,
+        ]
+    };
     let eal = phub_ffi::eal::init(&eal_args).context("starting the generator's EAL")?;
-    let port_id = eal
-        .port_by_name("net_memif0")
-        .context("no net_memif0 port (the --vdev did not make one)")?;
     let frame_room = (phub_dataplane::backend::dpdk::FRAME_HEADER + a.chunk) as u16 + 128;
     let templates_n = a.slots as u32 * u32::from(W);
     let frames = Mempool::pktmbuf(
@@ -327,17 +382,33 @@ fn main() -> Result<()> {
     )
     .context("the template pool")?;
     let indirect = Mempool::pktmbuf(eal, "gind", 8192, 256, 0, None).context("the indirect pool")?;
-    let rx_pool = Mempool::pktmbuf(eal, "grx", 4096, 256, 9216 + 128, None)
-        .context("the pool for frames coming back")?;
-    let (port, mut rxq, mut txq) = PortBuilder::new(eal, port_id)
-        .rx_pool(rx_pool)
-        .descriptors(1024, 1024)
-        .mtu(9000)
-        .build()
-        .context("starting the memif client port (is the server up on the socket?)")?;
+    let (port, link): (Option<Port>, Link) = match &a.ring {
+        Some(name) => {
+            let to = Ring::lookup(eal, &format!("{name}-rx0"))?;
+            let from = Ring::lookup(eal, &format!("{name}-tx0"))?;
+            (None, Link::Rings(to, from))
+        }
+        None => {
+            let port_id = eal
+                .port_by_name("net_memif0")
+                .context("no net_memif0 port (the --vdev did not make one)")?;
+            let rx_pool = Mempool::pktmbuf(eal, "grx", 4096, 256, 9216 + 128, None)
+                .context("the pool for frames coming back")?;
+            let (port, mut rxq, mut txq) = PortBuilder::new(eal, port_id)
+                .rx_pool(rx_pool)
+                .descriptors(1024, 1024)
+                .mtu(9000)
+                .build()
+                .context("starting the memif client port (is the server up on the socket?)")?;
+            (Some(port), Link::Port(rxq.remove(0), txq.remove(0)))
+        }
+    };
+    let device = match &a.ring {
+        Some(name) => format!("ring port {name} (pointers, no copies)"),
+        None => format!("memif bsize {bsize} rsize {}", a.rsize),
+    };
     let mut io = Io {
-        rx: rxq.remove(0),
-        tx: txq.remove(0),
+        link,
         buf: (0..64).map(|_| None).collect(),
         sent: 0,
         received: 0,
@@ -388,6 +459,20 @@ fn main() -> Result<()> {
     };
 
     let mut generator = Generator::new(&frames, indirect, a.slots, &vals);
+    // Kernel-only over the same template frames and slot memory from the
+    // same DPDK heap as the dataplane's, just before and just after the I/O
+    // phase, on this CPU: what the engine alone does on this memory now.
+    let slot_mem = Arc::new(DpdkSlotMemory::new(eal, None));
+    let kernel_only = |g: &mut Generator| {
+        if a.kernel_seconds > 0.0 {
+            let k = Shard::with_slot_memory(0, Kernels::best(), slot_mem.clone());
+            let (p, secs) = g.kernel_only(a.chunk, a.kernel_seconds, k);
+            p as f64 / secs
+        } else {
+            0.0
+        }
+    };
+    let k_pps_before = kernel_only(&mut generator);
     let t = Instant::now();
     let mut rt = a.rt_priority == 0;
     while t.elapsed().as_secs_f64() < a.warmup || !rt {
@@ -413,27 +498,22 @@ fn main() -> Result<()> {
     let chunk = a.chunk as f64;
     let sent_pps = (m1.sent - m0.sent) as f64 / dt;
     let back_pps = (m1.received - m0.received) as f64 / dt;
-    let ps = port.stats().unwrap_or_default();
+    let ps = port.as_ref().and_then(|p| p.stats().ok()).unwrap_or_default();
 
-    let (k_pushes, k_secs) = if a.kernel_seconds > 0.0 {
-        common::kernel_only(a.chunk, a.slots, a.kernel_seconds)
-    } else {
-        (0, 1.0)
-    };
-    let k_pps = k_pushes as f64 / k_secs;
+    let k_pps_after = kernel_only(&mut generator);
+    let k_pps = (k_pps_before + k_pps_after) / 2.0;
     let k_gbs = k_pps * chunk / 1e9;
     let ratio = |gbs: f64| if k_gbs > 0.0 { gbs / k_gbs } else { f64::NAN };
 
     println!(
-        "chunk {} B, W {W}, {} slots ({} pushes a round), memif bsize {bsize} rsize {}, kernels {}",
+        "chunk {} B, W {W}, {} slots ({} pushes a round), {device}, kernels {}",
         a.chunk,
         a.slots,
         generator.per_round(),
-        a.rsize,
         Kernels::best().kind().name()
     );
     println!(
-        "generator: {:.3} Mpps sent, {:.3} Mpps came back, over {dt:.2} s; tx bursts refused whole {}, template waits {}; memif client port: ipackets {} opackets {} ierrors {} oerrors {} rx_nombuf {}",
+        "generator: {:.3} Mpps sent, {:.3} Mpps came back, over {dt:.2} s; tx bursts refused whole {}, template waits {}; memif client port (zeros over a ring): ipackets {} opackets {} ierrors {} oerrors {} rx_nombuf {}",
         sent_pps / 1e6,
         back_pps / 1e6,
         io.full,
@@ -445,9 +525,10 @@ fn main() -> Result<()> {
         ps.rx_nombuf
     );
     println!(
-        "kernel-only (engine from memory, this process, after the I/O phase): {:.3} Mpps, {:.2} GB/s",
+        "kernel-only (engine alone over the template frames, DPDK-heap slot memory, this process): {:.2} GB/s before the I/O phase, {:.2} GB/s after; mean {:.3} Mpps, {k_gbs:.2} GB/s",
+        k_pps_before * chunk / 1e9,
+        k_pps_after * chunk / 1e9,
         k_pps / 1e6,
-        k_gbs
     );
     match (a.peer, m0.dp, m1.dp) {
         (Peer::Dataplane, Some(d0), Some(d1)) => {

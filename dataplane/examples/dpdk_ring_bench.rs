@@ -3,7 +3,8 @@
 //! (the same DpdkQueue and poll loop as `phub-dataplane --backend dpdk`).
 //! Prints Mpps and GB/s of gradient input per lcore, and the engine's
 //! kernel-only figure (the same pushes handed to a Shard from memory, no
-//! packet I/O) from the same run, and their ratio.
+//! packet I/O, over the same template frames and slot memory from the same
+//! DPDK heap) from the same run, and their ratio.
 //!
 //! The generator does not copy gradients: each (slot, rank) has one
 //! template frame, and each push is an indirect mbuf attached to it; the
@@ -21,7 +22,9 @@ use std::time::{Duration, Instant};
 
 use common::{Generator, BASE_PORT, US, W};
 use phub_dataplane::backend::dpdk::frame::PeerAddr;
-use phub_dataplane::backend::dpdk::{handoff_rings, DpdkQueue, Identity, QueueOptions, TxPools};
+use phub_dataplane::backend::dpdk::{
+    handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools,
+};
 use phub_dataplane::kernels::Kernels;
 use phub_dataplane::lcore::{self, Clock, LoopOptions};
 use phub_dataplane::Shard;
@@ -173,8 +176,10 @@ fn main() {
     let dp_pps = pushes as f64 / el;
     let dp_gbs = dp_pps * chunk as f64 / 1e9;
 
-    // Kernel-only: the same pushes handed to a Shard from memory.
-    let (kp, kel) = common::kernel_only(chunk, S, secs);
+    // Kernel-only: the same pushes handed to a Shard from the same
+    // template frames, slot memory from the same DPDK heap.
+    let k = Shard::with_slot_memory(0, Kernels::best(), Arc::new(DpdkSlotMemory::new(eal, None)));
+    let (kp, kel) = generator.kernel_only(chunk, secs, k);
     let k_gbs = kp as f64 * chunk as f64 / kel / 1e9;
     let ps = port.stats().unwrap_or_default();
     println!(

@@ -99,6 +99,13 @@ pub struct DpdkOptions {
     /// The DPDK port: an id or a device name (e.g. net_af_packet0).
     #[arg(long, default_value = "0")]
     pub port: String,
+    /// Instead of --port, a port made of rings named NAME-rx<i> (frames in for
+    /// lcore i) and NAME-tx<i> (frames out of it), which another DPDK process
+    /// of this runtime attaches to as a secondary (same --file-prefix;
+    /// needs hugepages): a co-located packet generator, zero copies between
+    /// them. phub does not add --in-memory then.
+    #[arg(long, value_name = "NAME", conflicts_with = "port")]
+    pub ring_port: Option<String>,
     /// MAC address to answer ARP with and send from (default: the port's).
     #[arg(long)]
     pub mac: Option<String>,
@@ -132,6 +139,7 @@ impl Default for DpdkOptions {
             eal: None,
             eal_arg: Vec::new(),
             port: "0".into(),
+            ring_port: None,
             mac: None,
             mtu: 9000,
             rx_desc: 1024,

@@ -1,5 +1,5 @@
 //! The DPDK backend in process, on a port made of rings (net_ring) with two
-//! queues: the test injects crafted Ethernet frames into chosen RX queues
+//! queues (`--ring-port`, its rings found by name): the test injects crafted Ethernet frames into chosen RX queues
 //! and reads what the dataplane sends from the TX rings. Checks exact sums,
 //! duplicates not counted twice, lost results re-obtained, misrouted
 //! packets handed to their lcore, ARP answered, malformed frames dropped by
@@ -50,14 +50,9 @@ struct Rig {
 }
 
 impl Rig {
+    /// The dataplane on its own ring port (`--ring-port name`), whose
+    /// rings the test finds by name as another process would.
     fn start(eal: Eal, name: &str) -> Rig {
-        let rx: Vec<Ring> = (0..LCORES)
-            .map(|_| Ring::create(eal, "trx", 1024, None).unwrap())
-            .collect();
-        let tx: Vec<Ring> = (0..LCORES)
-            .map(|_| Ring::create(eal, "ttx", 4096, None).unwrap())
-            .collect();
-        let id = eal.port_from_rings(name, &rx, &tx, 0).unwrap();
         let cfg = Config {
             backend: BackendKind::Dpdk,
             host: APPLIANCE,
@@ -72,7 +67,7 @@ impl Rig {
             shm: false,
             build: "test".into(),
             dpdk: DpdkOptions {
-                port: id.to_string(),
+                ring_port: Some(name.into()),
                 mbufs: 4096,
                 mbuf_size: 9216 + 128,
                 tx_mbufs: 4096,
@@ -81,6 +76,12 @@ impl Rig {
             },
         };
         let app = Appliance::start(&cfg).unwrap();
+        let ring = |dir: &str, i: usize| Ring::lookup(eal, &format!("{name}-{dir}{i}")).unwrap();
+        let rx: Vec<Ring> = (0..LCORES).map(|i| ring("rx", i)).collect();
+        let tx: Vec<Ring> = (0..LCORES).map(|i| ring("tx", i)).collect();
+        let id = eal
+            .port_by_name(&format!("net_ring_{name}"))
+            .expect("the ring port");
         let mac = phub_ffi::port::info(eal, id).unwrap().mac;
         Rig {
             app: Some(app),
@@ -175,7 +176,7 @@ fn read_result(m: &Mbuf) -> (u16, Repr, Vec<f32>) {
 #[test]
 fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     let Some(eal) = eal() else { return };
-    let rig = Rig::start(eal, "net_ring_phub0");
+    let rig = Rig::start(eal, "phub0");
     let spec = JobSpec::from_toml(
         "name = \"t\"\nworkers = 3\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 1000\n",
     )

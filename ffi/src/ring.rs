@@ -14,6 +14,9 @@ use crate::{sys, Result};
 struct Inner {
     ptr: NonNull<sys::rte_ring>,
     name: String,
+    /// Made by this process (freed with the last handle), or looked up in
+    /// another DPDK process's memory (left to that process).
+    owned: bool,
 }
 
 // SAFETY: the ring is created multi-producer/multi-consumer: every
@@ -24,6 +27,9 @@ unsafe impl Sync for Inner {}
 
 impl Drop for Inner {
     fn drop(&mut self) {
+        if !self.owned {
+            return;
+        }
         // Free what is still queued, then the ring.
         let mut buf: [Option<Mbuf>; 32] = Default::default();
         loop {
@@ -72,13 +78,20 @@ impl std::fmt::Debug for Ring {
 impl Ring {
     /// A ring holding up to `count - 1` mbufs (`count` a power of two), on
     /// NUMA `socket` (`None`: any). `tag` goes into its unique name.
-    pub fn create(_eal: Eal, tag: &str, count: u32, socket: Option<u32>) -> Result<Ring> {
+    pub fn create(eal: Eal, tag: &str, count: u32, socket: Option<u32>) -> Result<Ring> {
+        Ring::create_named(eal, &crate::unique_name(tag), count, socket)
+    }
+
+    /// A ring as [`Ring::create`] makes it, under exactly `name`, which
+    /// another DPDK process of the same runtime (same `--file-prefix`, a
+    /// secondary) can find with [`Ring::lookup`]. Fails if the name is taken.
+    pub fn create_named(_eal: Eal, name: &str, count: u32, socket: Option<u32>) -> Result<Ring> {
         if !count.is_power_of_two() {
             return Err(Error::Invalid(format!(
                 "ring size {count}: expected a power of two"
             )));
         }
-        let name = crate::unique_name(tag);
+        let name = name.to_string();
         let c = CString::new(name.clone()).map_err(|_| Error::Invalid(format!("ring name {name:?}")))?;
         let socket = socket.map_or(sys::SOCKET_ID_ANY, |s| s as i32);
         // SAFETY: EAL up; name NUL-terminated (DPDK copies it); flags 0 =
@@ -86,7 +99,31 @@ impl Ring {
         let p = unsafe { sys::rte_ring_create(c.as_ptr(), count, socket, 0) };
         let ptr =
             NonNull::new(p).ok_or_else(|| Error::call(format!("rte_ring_create({name}, {count})"), 0))?;
-        Ok(Ring(Arc::new(Inner { ptr, name })))
+        Ok(Ring(Arc::new(Inner {
+            ptr,
+            name,
+            owned: true,
+        })))
+    }
+
+    /// The ring named `name` in the DPDK runtime this process belongs to
+    /// (made by another process of it, typically the primary). Dropping the
+    /// last handle leaves the ring and what it holds to its maker.
+    pub fn lookup(_eal: Eal, name: &str) -> Result<Ring> {
+        let c = CString::new(name).map_err(|_| Error::Invalid(format!("ring name {name:?}")))?;
+        // SAFETY: EAL up; name NUL-terminated; the ring, if found, lives in
+        // shared memory for as long as its maker keeps it.
+        let p = unsafe { sys::rte_ring_lookup(c.as_ptr()) };
+        let ptr = NonNull::new(p).ok_or_else(|| {
+            Error::Invalid(format!(
+                "no DPDK ring named {name:?} in this runtime (is the process that makes it up, with the same --file-prefix?)"
+            ))
+        })?;
+        Ok(Ring(Arc::new(Inner {
+            ptr,
+            name: name.to_string(),
+            owned: false,
+        })))
     }
 
     pub(crate) fn as_ptr(&self) -> *mut sys::rte_ring {

@@ -110,6 +110,35 @@ fn rings_pass_mbufs_and_free_leftovers() {
 }
 
 #[test]
+fn named_rings_are_found_by_name_and_a_found_handle_frees_nothing() {
+    let Some(e) = eal() else { return };
+    let p = pool(e, 16, 256);
+    let r = Ring::create_named(e, "phub-test-named", 16, None).unwrap();
+    let e2 = Ring::create_named(e, "phub-test-named", 16, None).unwrap_err();
+    assert!(e2.to_string().contains("phub-test-named"), "{e2}");
+    let found = Ring::lookup(e, "phub-test-named").unwrap();
+    found.enqueue(p.alloc().unwrap()).unwrap();
+    found.enqueue(p.alloc().unwrap()).unwrap();
+    assert_eq!(r.len(), 2, "one ring behind both handles");
+    drop(found);
+    assert_eq!(
+        p.in_use(),
+        2,
+        "dropping a found handle leaves the ring and its mbufs alone"
+    );
+    let mut out: [Option<Mbuf>; 1] = Default::default();
+    assert_eq!(r.dequeue_burst(&mut out), 1);
+    drop(out);
+    drop(r);
+    assert_eq!(p.in_use(), 0, "the maker's last handle frees what the ring held");
+    let missing = Ring::lookup(e, "phub-test-missing").unwrap_err();
+    assert!(
+        missing.to_string().contains("phub-test-missing") && missing.to_string().contains("--file-prefix"),
+        "{missing}"
+    );
+}
+
+#[test]
 fn a_port_of_rings_moves_frames_on_chosen_queues() {
     let Some(e) = eal() else { return };
     let rx: Vec<Ring> = (0..2).map(|_| Ring::create(e, "rx", 64, None).unwrap()).collect();

@@ -3,14 +3,14 @@
 //! one slot per chunk), the push frames (Ethernet/IPv4/UDP + phub header +
 //! payload) from each worker, a generator that sends them round after
 //! round as indirect mbufs over per-(slot, rank) templates, and the
-//! engine's kernel-only figure (the same pushes handed to a `Shard` from
-//! memory, no packet I/O).
+//! engine's kernel-only figure (the same pushes, from the same template
+//! frames, handed to a `Shard`: no packet I/O).
 
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
-use phub_dataplane::kernels::{self, Kernels};
+use phub_dataplane::kernels;
 use phub_dataplane::{JobInstall, Shard};
 use phub_ffi::{Mbuf, Mempool};
 use phub_proto::layout::SlotChunk;
@@ -165,44 +165,45 @@ impl Generator {
         self.round += 1;
     }
 
+    /// The engine alone over this generator's own template frames (the very
+    /// memory the dataplane reads pushes from), into `k`, for `secs`
+    /// seconds; no push may be in flight. Returns (pushes, seconds).
+    pub(crate) fn kernel_only(&mut self, chunk: usize, secs: f64, mut k: Shard<PeerAddr>) -> (u64, f64) {
+        let slots = self.templates.len() / usize::from(W);
+        let elems = chunk / 4;
+        let vals = values(elems);
+        k.install(job(elems as u32, slots))
+            .expect("installing the kernel-only job");
+        for f in init_frames(slots, &vals) {
+            k.handle(from(0), &f[L2_L4..], 1);
+        }
+        k.clear_transmits();
+        let mut frames: Vec<&mut [u8]> = self
+            .templates
+            .iter_mut()
+            .map(|t| t.data_mut().expect("no push of a template in flight"))
+            .collect();
+        let t = Instant::now();
+        let mut kp = 0u64;
+        let mut round = 1u32;
+        while t.elapsed().as_secs_f64() < secs {
+            for (i, f) in frames.iter_mut().enumerate() {
+                f[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+                k.handle(from((i % usize::from(W)) as u16), &f[L2_L4..], 1);
+                kp += 1;
+                if i % usize::from(W) == usize::from(W) - 1 {
+                    k.clear_transmits();
+                }
+            }
+            round += 1;
+        }
+        (kp, t.elapsed().as_secs_f64())
+    }
+
     /// Hands over what is still batched.
     pub(crate) fn flush(&mut self, send: &mut impl FnMut(&mut Vec<Mbuf>)) {
         if !self.batch.is_empty() {
             send(&mut self.batch);
         }
     }
-}
-
-/// The engine alone: the same pushes (W workers, `slots` slots of `chunk`
-/// bytes) handed to a `Shard` from memory for `secs` seconds, on the
-/// calling thread. Returns (pushes, seconds).
-pub(crate) fn kernel_only(chunk: usize, slots: usize, secs: f64) -> (u64, f64) {
-    let elems = chunk / 4;
-    let vals = values(elems);
-    let mut k: Shard<PeerAddr> = Shard::new(0, Kernels::best());
-    k.install(job(elems as u32, slots))
-        .expect("installing the kernel-only job");
-    for f in init_frames(slots, &vals) {
-        k.handle(from(0), &f[L2_L4..], 1);
-    }
-    k.clear_transmits();
-    let mut tmpl: Vec<Vec<u8>> = (0..slots)
-        .flat_map(|s| (0..W).map(move |r| (s, r)))
-        .map(|(s, r)| push(s, r, 1, &vals))
-        .collect();
-    let t = Instant::now();
-    let mut kp = 0u64;
-    let mut round = 1u32;
-    while t.elapsed().as_secs_f64() < secs {
-        for (i, f) in tmpl.iter_mut().enumerate() {
-            f[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
-            k.handle(from((i % usize::from(W)) as u16), &f[L2_L4..], 1);
-            kp += 1;
-            if i % usize::from(W) == usize::from(W) - 1 {
-                k.clear_transmits();
-            }
-        }
-        round += 1;
-    }
-    (kp, t.elapsed().as_secs_f64())
 }

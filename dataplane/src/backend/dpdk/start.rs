@@ -148,7 +148,8 @@ fn has_any(args: &[String], names: &[&str]) -> bool {
 /// none (main lcore 0 on the CPUs the data lcores do not use, data lcore
 /// i on CPU i-1; all floating over every CPU when there are too few CPUs or
 /// with `no_pin`) and `--in-memory` when hugepages are in use without it
-/// (so no hugepage file outlives the process).
+/// (so no hugepage file outlives the process), except with a ring port,
+/// whose other end is a secondary process that needs the shared runtime.
 pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[usize]) -> Vec<String> {
     let mut args = user_args(d);
     if !has_any(&args, LCORE_OPTS) {
@@ -171,7 +172,7 @@ pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[us
         args.push("--lcores".into());
         args.push(map);
     }
-    if !has_any(&args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
+    if d.ring_port.is_none() && !has_any(&args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
         args.push("--in-memory".into());
     }
     args
@@ -203,6 +204,34 @@ fn resolve_port(eal: Eal, port: &str) -> Result<u16> {
     })
 }
 
+/// Descriptors of each ring of a `--ring-port`.
+pub const RING_PORT_SIZE: u32 = 4096;
+
+/// A port made of rings `{name}-rx{i}` and `{name}-tx{i}`, one pair per
+/// lcore, for another DPDK process of this runtime to attach to.
+fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<u16> {
+    if !eal.has_hugepages() {
+        log::warn!(
+            "--ring-port {name} without hugepages (--no-huge): no other process can attach to its rings"
+        );
+    }
+    let ring = |dir: &str, i: usize| {
+        let rn = format!("{name}-{dir}{i}");
+        Ring::create_named(eal, &rn, RING_PORT_SIZE, None).with_context(|| {
+            format!("--ring-port {name}: ring {rn:?} (a name of at most 26 bytes, not taken by another port of this runtime)")
+        })
+    };
+    let rx = (0..lcores).map(|i| ring("rx", i)).collect::<Result<Vec<_>>>()?;
+    let tx = (0..lcores).map(|i| ring("tx", i)).collect::<Result<Vec<_>>>()?;
+    let id = eal
+        .port_from_rings(name, &rx, &tx, 0)
+        .with_context(|| format!("--ring-port {name}: a port from its rings"))?;
+    log::info!(
+        "ring port {name} (port {id}): a DPDK secondary process with this --file-prefix sends to lcore i through ring {name}-rx<i> and takes what it sends from {name}-tx<i>"
+    );
+    Ok(id)
+}
+
 /// Starts the DPDK dataplane described by `cfg`.
 pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool>) -> Result<Started> {
     let d = &cfg.dpdk;
@@ -226,7 +255,10 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         );
     }
     let workers = &workers[..n];
-    let port_id = resolve_port(eal, &d.port)?;
+    let port_id = match &d.ring_port {
+        Some(name) => ring_port(eal, name, n)?,
+        None => resolve_port(eal, &d.port)?,
+    };
     let info = phub_ffi::port::info(eal, port_id).context("the DPDK port")?;
     let socket = info.socket;
     for &l in workers {
@@ -427,6 +459,11 @@ mod tests {
         o.eal_arg = vec!["--vdev=net_af_packet0,iface=a b".into()];
         let a = eal_args(&o, Some(2), false, &[0, 1, 2, 3]);
         assert_eq!(a, ["-l", "0-2", "--in-memory", "--vdev=net_af_packet0,iface=a b"]);
+        // A ring port's other end is a secondary process: no --in-memory.
+        let mut o = opts("--no-pci --file-prefix gen");
+        o.ring_port = Some("pb".into());
+        let a = eal_args(&o, Some(1), true, &[0, 1]);
+        assert_eq!(a, ["--no-pci", "--file-prefix", "gen", "--lcores", "(0-1)@(0,1)"]);
     }
 
     #[test]
