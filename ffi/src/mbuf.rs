@@ -92,6 +92,19 @@ impl Mbuf {
         Some(mi)
     }
 
+    /// Makes this fresh mbuf (direct, no data, the only reference to it)
+    /// an indirect one sharing `direct`'s data, as [`Mbuf::indirect`]
+    /// does with one from a pool; gives it back unchanged otherwise.
+    pub fn attach(self, direct: &Mbuf) -> Result<Mbuf, Mbuf> {
+        if !self.is_direct() || self.refcnt() != 1 || self.pkt_len() != 0 || self.nb_segs() != 1 {
+            return Err(self);
+        }
+        // SAFETY: checked just above: a direct, empty, unshared single
+        // segment, as rte_pktmbuf_attach requires; direct is a valid mbuf.
+        unsafe { sys::phub_pktmbuf_attach(self.as_ptr(), direct.as_ptr()) };
+        Ok(self)
+    }
+
     /// Appends `tail`'s chain to this one. Fails (giving both back) when
     /// the chain would exceed DPDK's segment limit.
     pub fn chain(self, tail: Mbuf) -> Result<Mbuf, (Mbuf, Mbuf)> {

@@ -73,6 +73,19 @@ fn mbufs_append_chain_share_and_free() {
     assert_eq!(chain.nb_segs(), 2);
     assert_eq!(chain.pkt_len(), 11);
     assert_eq!(chain.to_vec(), b"header12345");
+    // A fresh mbuf attached in place: the same as an indirect one; one
+    // that holds data (or is already indirect) is given back untouched.
+    let i3 = ind.alloc().unwrap().attach(&payload).unwrap();
+    assert_eq!((i3.data(), payload.refcnt()), (&b"12345"[..], 4));
+    let i4 = ind.alloc().unwrap().attach(&i3).unwrap();
+    assert_eq!(payload.refcnt(), 5, "attached to the owner of the data");
+    let back = i4.attach(&payload).unwrap_err();
+    assert!(!back.is_direct());
+    let mut full = p.alloc().unwrap();
+    full.append(1).unwrap();
+    assert_eq!(full.attach(&payload).unwrap_err().pkt_len(), 1);
+    drop((i3, back));
+    assert_eq!(payload.refcnt(), 3);
     drop(payload);
     assert_eq!(i2.data(), b"12345", "the payload lives while shared");
     drop(chain);

@@ -18,8 +18,11 @@
 //! destination gets a small header mbuf (Ethernet + IPv4 + UDP + phub
 //! header, 128 bytes) chained to an indirect mbuf attached to that payload
 //! (refcounted: the payload is freed when the last copy has left, whoever
-//! holds it). Devices that cannot send chains get one copied frame per
-//! destination. Frames are queued and sent in bursts; what the queue does
+//! holds it). Header and indirect mbufs come from their pools 32 at a time
+//! (one bulk call resets them together, so their cache misses overlap:
+//! about a third of the lcore's time went to single allocations over a
+//! ring port at 1 KiB). Devices that cannot send chains get one copied
+//! frame per destination. Frames are queued and sent in bursts; what the queue does
 //! not take is retried on every poll and dropped (counted) if the queue
 //! stays full for [`TX_STALL`].
 //!
@@ -68,6 +71,38 @@ const BACKOFF_SLEEP: Duration = Duration::from_micros(200);
 /// Bytes of a header mbuf's frame: Ethernet + IPv4 + UDP + phub header.
 pub const FRAME_HEADER: usize = L2_L4_LEN + HEADER_LEN;
 const _: () = assert!(FRAME_HEADER == 128);
+
+/// Mbufs taken from a pool per bulk allocation for results.
+const STASH: usize = 32;
+
+/// Fresh mbufs from one pool, taken [`STASH`] at a time.
+struct Stash {
+    pool: Mempool,
+    bulk: Vec<Option<Mbuf>>,
+    next: usize,
+}
+
+impl Stash {
+    fn new(pool: Mempool) -> Stash {
+        Stash {
+            pool,
+            bulk: (0..STASH).map(|_| None).collect(),
+            next: STASH,
+        }
+    }
+
+    /// A fresh mbuf; `None` when the pool has none left.
+    fn take(&mut self) -> Option<Mbuf> {
+        if self.next == STASH {
+            if !self.pool.alloc_bulk(&mut self.bulk) {
+                return self.pool.alloc();
+            }
+            self.next = 0;
+        }
+        self.next += 1;
+        self.bulk[self.next - 1].take()
+    }
+}
 
 /// Who the appliance is on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -206,6 +241,10 @@ pub struct DpdkQueue {
     pools: TxPools,
     counters: Arc<ShardCounters>,
     batch: Vec<Option<Mbuf>>,
+    /// Header and indirect mbufs taken from their pools [`STASH`] at a time
+    /// (one bulk call resets them together, overlapping their cache misses).
+    headers: Stash,
+    indirects: Stash,
     tx_pending: Vec<Mbuf>,
     stuck_since: Option<Instant>,
     empty_polls: u32,
@@ -247,6 +286,10 @@ impl DpdkQueue {
         opts: QueueOptions,
     ) -> DpdkQueue {
         let (ip_mask, ip_bad, l4_mask, l4_bad) = phub_ffi::port::rx_checksum_flags();
+        let (headers, indirects) = (
+            Stash::new(pools.header.clone()),
+            Stash::new(pools.indirect.clone()),
+        );
         DpdkQueue {
             lcore,
             rx,
@@ -262,6 +305,8 @@ impl DpdkQueue {
             pools,
             counters,
             batch: (0..RX_BURST).map(|_| None).collect(),
+            headers,
+            indirects,
             tx_pending: Vec::with_capacity(TX_PENDING_MAX),
             stuck_since: None,
             empty_polls: 0,
@@ -363,7 +408,7 @@ impl DpdkQueue {
     /// One result frame for `to`: the 128-byte header in a header mbuf,
     /// then the shared payload (indirect), or a whole copied frame.
     fn result_frame(
-        &self,
+        &mut self,
         header: &[u8; HEADER_LEN],
         payload: Option<&Mbuf>,
         bytes: &[u8],
@@ -372,12 +417,11 @@ impl DpdkQueue {
         let src_port = self.me.base_port.wrapping_add(self.lcore);
         let udp = HEADER_LEN + bytes.len();
         let whole = payload.is_none() && !bytes.is_empty();
-        let pool = if whole {
-            &self.pools.payload
+        let mut h = if whole {
+            self.pools.payload.alloc()?
         } else {
-            &self.pools.header
+            self.headers.take()?
         };
-        let mut h = pool.alloc()?;
         {
             let d = h.append(FRAME_HEADER)?;
             let (l2, ph) = d.split_at_mut(L2_L4_LEN);
@@ -391,7 +435,7 @@ impl DpdkQueue {
         match payload {
             None => Some(h),
             Some(p) => {
-                let i = Mbuf::indirect(&self.pools.indirect, p)?;
+                let i = self.indirects.take()?.attach(p).ok()?;
                 h.chain(i).ok()
             }
         }
