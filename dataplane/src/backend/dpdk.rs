@@ -20,7 +20,7 @@
 //! (refcounted: the payload is freed when the last copy has left, whoever
 //! holds it). Header and indirect mbufs come from their pools 32 at a time
 //! (one bulk call resets them together, so their cache misses overlap:
-//! about a third of the lcore's time went to single allocations over a
+//! more than a quarter of the lcore's time went to single allocations over a
 //! ring port at 1 KiB). Devices that cannot send chains get one copied
 //! frame per destination. Frames are queued and sent in bursts; what the queue does
 //! not take is retried on every poll and dropped (counted) if the queue
