@@ -110,6 +110,11 @@ struct Args {
     /// (processes of one runtime share the mempools' per-lcore caches).
     #[arg(long, default_value_t = 8)]
     ring_lcore: u32,
+    /// With --ring: hand the results back on the port's completion ring, so
+    /// the dataplane's lcore frees them (as a NIC's TX completions would),
+    /// instead of freeing them here.
+    #[arg(long)]
+    ring_completions: bool,
 }
 
 /// memif buffer size for frames of a `chunk`-byte gradient: the next power
@@ -217,22 +222,31 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
 enum Link {
     /// A memif port's queues.
     Port(RxQueue, TxQueue),
-    /// The dataplane's ring port: frames to it, frames from it.
-    Rings(Ring, Ring),
+    /// The dataplane's ring port: frames to it, frames from it, and (with
+    /// --ring-completions) the ring that hands them back to be freed there.
+    Rings(Ring, Ring, Option<Ring>, Vec<Mbuf>),
 }
 
 impl Link {
     fn rx_burst(&mut self, buf: &mut [Option<Mbuf>]) -> usize {
         match self {
             Link::Port(rx, _) => rx.rx_burst(buf),
-            Link::Rings(_, from) => from.dequeue_burst(buf),
+            Link::Rings(_, from, done, back) => {
+                let n = from.dequeue_burst(buf);
+                if let Some(done) = done {
+                    back.extend(buf[..n].iter_mut().filter_map(Option::take));
+                    done.enqueue_burst(back);
+                    back.clear();
+                }
+                n
+            }
         }
     }
 
     fn tx_burst(&mut self, batch: &mut Vec<Mbuf>) -> usize {
         match self {
             Link::Port(_, tx) => tx.tx_burst(batch),
-            Link::Rings(to, _) => to.enqueue_burst(batch),
+            Link::Rings(to, ..) => to.enqueue_burst(batch),
         }
     }
 }
@@ -386,7 +400,12 @@ fn main() -> Result<()> {
         Some(name) => {
             let to = Ring::lookup(eal, &format!("{name}-rx0"))?;
             let from = Ring::lookup(eal, &format!("{name}-tx0"))?;
-            (None, Link::Rings(to, from))
+            let done = if a.ring_completions {
+                Some(Ring::lookup(eal, &format!("{name}-done0"))?)
+            } else {
+                None
+            };
+            (None, Link::Rings(to, from, done, Vec::with_capacity(64)))
         }
         None => {
             let port_id = eal
@@ -404,7 +423,14 @@ fn main() -> Result<()> {
         }
     };
     let device = match &a.ring {
-        Some(name) => format!("ring port {name} (pointers, no copies)"),
+        Some(name) => format!(
+            "ring port {name} (pointers, no copies; results freed {})",
+            if a.ring_completions {
+                "by the dataplane (completion ring)"
+            } else {
+                "here"
+            }
+        ),
         None => format!("memif bsize {bsize} rsize {}", a.rsize),
     };
     let mut io = Io {

@@ -100,7 +100,8 @@ pub struct DpdkOptions {
     #[arg(long, default_value = "0")]
     pub port: String,
     /// Instead of --port, a port made of rings named NAME-rx<i> (frames in for
-    /// lcore i) and NAME-tx<i> (frames out of it), which another DPDK process
+    /// lcore i) and NAME-tx<i> (frames out of it; the peer may hand them back on
+    /// NAME-done<i> to be freed by lcore i), which another DPDK process
     /// of this runtime attaches to as a secondary (same --file-prefix;
     /// needs hugepages): a co-located packet generator, zero copies between
     /// them. phub does not add --in-memory then.

@@ -1,9 +1,11 @@
 //! The DPDK backend in process, on a port made of rings (net_ring) with two
-//! queues (`--ring-port`, its rings found by name): the test injects crafted Ethernet frames into chosen RX queues
-//! and reads what the dataplane sends from the TX rings. Checks exact sums,
+//! queues (`--ring-port`, its rings found by name): the test injects
+//! crafted Ethernet frames into chosen RX queues and reads what the
+//! dataplane sends from the TX rings. Checks exact sums,
 //! duplicates not counted twice, lost results re-obtained, misrouted
 //! packets handed to their lcore, ARP answered, malformed frames dropped by
-//! reason, and the port's own counters beside phub's.
+//! reason, frames handed back on the completion ring freed, and the port's
+//! own counters beside phub's.
 //!
 //! One EAL for this test binary (`--no-huge --no-pci`); skips with a printed
 //! reason where the EAL cannot start.
@@ -293,7 +295,19 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     let (rank, r, v) = read_result(&got[0].1);
     assert_eq!((rank, r.round), (0, 3));
     assert_eq!(v[0], 39.0);
-    drop(got);
+    // Handed back on the port's completion ring (as a NIC's TX completion),
+    // a sent frame is taken and freed by the lcore that sent it.
+    let done = Ring::lookup(eal, &format!("phub0-done{}", place.lcore)).unwrap();
+    let (_, m) = got.into_iter().next().unwrap();
+    done.enqueue(m).unwrap();
+    let t = Instant::now();
+    while !done.is_empty() && t.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(
+        done.is_empty(),
+        "the lcore took the frame off its completion ring"
+    );
 
     // Malformed frames, one of each kind, and an ARP request.
     let good = to_port(push_frame(0, &repr, &vals), BASE);

@@ -237,6 +237,10 @@ pub struct DpdkQueue {
     parse: ParseOptions,
     opts: QueueOptions,
     handoff_in: Ring,
+    /// Frames the device has sent, handed back to be freed here (a ring
+    /// port's peer doing what a NIC's TX completions do).
+    completions: Option<Ring>,
+    done: Vec<Option<Mbuf>>,
     handoff_out: Arc<[Ring]>,
     pools: TxPools,
     counters: Arc<ShardCounters>,
@@ -301,6 +305,8 @@ impl DpdkQueue {
             },
             opts,
             handoff_in: handoff[usize::from(lcore)].clone(),
+            completions: None,
+            done: Vec::new(),
             handoff_out: handoff,
             pools,
             counters,
@@ -317,6 +323,16 @@ impl DpdkQueue {
                 l4_bad,
             },
         }
+    }
+
+    /// Frees, on this lcore, the frames its peer hands back through `ring`
+    /// once sent (a ring port's completion ring): the mbufs then return to
+    /// this lcore's mempool caches, as with a NIC's TX completions, instead
+    /// of the peer's.
+    pub fn with_completions(mut self, ring: Ring) -> DpdkQueue {
+        self.completions = Some(ring);
+        self.done = (0..TX_BURST).map(|_| None).collect();
+        self
     }
 
     /// Handles one received frame (from the hand-off ring when
@@ -461,6 +477,12 @@ impl PacketIo for DpdkQueue {
     fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(PeerAddr, &[u8])) -> io::Result<usize> {
         if !self.tx_pending.is_empty() {
             self.flush();
+        }
+        if let Some(c) = &self.completions {
+            while c.dequeue_burst(&mut self.done) == TX_BURST {}
+            for m in &mut self.done {
+                *m = None;
+            }
         }
         let mut total = 0;
         // Packets other lcores received for us first, then our queue.

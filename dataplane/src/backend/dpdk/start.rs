@@ -208,8 +208,10 @@ fn resolve_port(eal: Eal, port: &str) -> Result<u16> {
 pub const RING_PORT_SIZE: u32 = 4096;
 
 /// A port made of rings `{name}-rx{i}` and `{name}-tx{i}`, one pair per
-/// lcore, for another DPDK process of this runtime to attach to.
-fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<u16> {
+/// lcore, for another DPDK process of this runtime to attach to, and
+/// completion rings `{name}-done{i}` through which that process may hand
+/// back what lcore i sent, to be freed on lcore i.
+fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<(u16, Vec<Ring>)> {
     if !eal.has_hugepages() {
         log::warn!(
             "--ring-port {name} without hugepages (--no-huge): no other process can attach to its rings"
@@ -223,13 +225,14 @@ fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<u16> {
     };
     let rx = (0..lcores).map(|i| ring("rx", i)).collect::<Result<Vec<_>>>()?;
     let tx = (0..lcores).map(|i| ring("tx", i)).collect::<Result<Vec<_>>>()?;
+    let done = (0..lcores).map(|i| ring("done", i)).collect::<Result<Vec<_>>>()?;
     let id = eal
         .port_from_rings(name, &rx, &tx, 0)
         .with_context(|| format!("--ring-port {name}: a port from its rings"))?;
     log::info!(
-        "ring port {name} (port {id}): a DPDK secondary process with this --file-prefix sends to lcore i through ring {name}-rx<i> and takes what it sends from {name}-tx<i>"
+        "ring port {name} (port {id}): a DPDK secondary process with this --file-prefix sends to lcore i through ring {name}-rx<i>, takes what it sends from {name}-tx<i>, and may hand those frames back on {name}-done<i> to be freed there"
     );
-    Ok(id)
+    Ok((id, done))
 }
 
 /// Starts the DPDK dataplane described by `cfg`.
@@ -255,9 +258,9 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         );
     }
     let workers = &workers[..n];
-    let port_id = match &d.ring_port {
+    let (port_id, mut completions) = match &d.ring_port {
         Some(name) => ring_port(eal, name, n)?,
-        None => resolve_port(eal, &d.port)?,
+        None => (resolve_port(eal, &d.port)?, Vec::new()),
     };
     let info = phub_ffi::port::info(eal, port_id).context("the DPDK port")?;
     let socket = info.socket;
@@ -350,7 +353,7 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
     for (i, (rx, tx)) in rxq.into_iter().zip(txq).enumerate() {
         let shard = Shard::with_slot_memory(i as u16, kernels, slot_memory.clone());
         let counters = Arc::clone(shard.counters());
-        let q = DpdkQueue::new(
+        let mut q = DpdkQueue::new(
             i as u16,
             rx,
             tx,
@@ -360,6 +363,9 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
             Arc::clone(&counters),
             qopts,
         );
+        if !completions.is_empty() {
+            q = q.with_completions(completions.remove(0));
+        }
         let (ctx, crx) = bounded(64);
         let stop2 = Arc::clone(stop);
         let l = workers[i];
