@@ -424,6 +424,16 @@ impl Appliance {
     }
 }
 
+/// Releases what the backend holds for the whole process once the
+/// appliance has shut down (or failed to start): DPDK's EAL, with its
+/// hugepage files and runtime directory. Nothing for the kernel-UDP backend.
+pub fn release_process_resources() {
+    #[cfg(feature = "dpdk")]
+    if crate::backend::dpdk::start::cleanup_eal() {
+        log::info!("phub-dataplane: DPDK EAL released");
+    }
+}
+
 /// `phub-dataplane`'s entry point; `build` is the build stamp to report.
 pub fn main(build: &str) -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
@@ -433,8 +443,7 @@ pub fn main(build: &str) -> ExitCode {
         Ok(a) => a,
         Err(e) => {
             eprintln!("phub-dataplane: {e:#}");
-            #[cfg(feature = "dpdk")]
-            crate::backend::dpdk::start::cleanup_eal();
+            release_process_resources();
             return ExitCode::FAILURE;
         }
     };
@@ -449,10 +458,6 @@ pub fn main(build: &str) -> ExitCode {
     let _ = rx.recv();
     log::info!("phub-dataplane: shutting down");
     app.shutdown();
-    #[cfg(feature = "dpdk")]
-    if cfg.backend == BackendKind::Dpdk {
-        crate::backend::dpdk::start::cleanup_eal();
-        log::info!("phub-dataplane: DPDK EAL released");
-    }
+    release_process_resources();
     ExitCode::SUCCESS
 }

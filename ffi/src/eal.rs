@@ -122,9 +122,20 @@ pub fn get() -> Option<Eal> {
 /// running a launched function. Later calls to [`init`] fail.
 pub unsafe fn cleanup() -> Result<()> {
     let mut st = state();
-    if !matches!(&*st, State::Up(_)) {
+    let State::Up(args) = &*st else {
         return Ok(());
-    }
+    };
+    // A primary with shared config (other processes could join it) leaves
+    // its config and memory maps in the runtime directory after
+    // rte_eal_cleanup; it is leaving, and no other primary can hold the
+    // same prefix, so they go too. Otherwise the directory goes only if
+    // empty (it may be another process's).
+    let joinable = !args
+        .iter()
+        .any(|a| a == "--no-shconf" || a == "--in-memory" || a.starts_with("--proc-type=secondary"))
+        && !args
+            .windows(2)
+            .any(|w| w[0] == "--proc-type" && w[1] == "secondary");
     *st = State::Cleaned;
     let dir = runtime_dir();
     // SAFETY: the EAL is up, and the caller guarantees nothing uses it any
@@ -144,7 +155,12 @@ pub unsafe fn cleanup() -> Result<()> {
                 }
             }
         }
-        if let Err(e) = std::fs::remove_dir(&d) {
+        let removed = if joinable {
+            std::fs::remove_dir_all(&d)
+        } else {
+            std::fs::remove_dir(&d)
+        };
+        if let Err(e) = removed {
             log::debug!("EAL runtime directory {}: {e}", d.display());
         }
     }

@@ -457,11 +457,13 @@ fn read_testpmd(out: impl Read, seen: Shared) {
     c.notify_all();
 }
 
-/// testpmd, stopped (SIGINT, then SIGKILL) when dropped.
+/// testpmd, stopped (SIGINT, then SIGKILL) when dropped; its EAL runtime
+/// directory (left behind, empty, even with --no-shconf) is removed then.
 struct Testpmd {
     child: std::process::Child,
     seen: Shared,
     stderr: std::path::PathBuf,
+    runtime_dir: std::path::PathBuf,
 }
 
 impl Testpmd {
@@ -502,16 +504,20 @@ impl Drop for Testpmd {
         // SAFETY: kill(2) on our own, not yet reaped child; no memory is involved.
         unsafe { libc::kill(self.child.id() as libc::pid_t, libc::SIGINT) };
         let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(10) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                let _ = std::fs::remove_file(&self.stderr);
-                return;
+        let mut ended = false;
+        while !ended && t.elapsed() < Duration::from_secs(10) {
+            ended = matches!(self.child.try_wait(), Ok(Some(_)));
+            if !ended {
+                std::thread::sleep(Duration::from_millis(20));
             }
-            std::thread::sleep(Duration::from_millis(20));
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        if !ended {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
         let _ = std::fs::remove_file(&self.stderr);
+        // Only if empty: files there would be another process's.
+        let _ = std::fs::remove_dir(&self.runtime_dir);
     }
 }
 
@@ -584,7 +590,12 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         let seen = Arc::clone(&seen);
         std::thread::spawn(move || read_testpmd(out, seen))
     };
-    let tp = Testpmd { child, seen, stderr };
+    let tp = Testpmd {
+        child,
+        seen,
+        stderr,
+        runtime_dir: std::path::Path::new("/var/run/dpdk").join(format!("{}-testpmd", s.ns)),
+    };
     tp.wait_for("its port to forward", Duration::from_secs(60), |s| {
         s.forwarding && s.blocks > 0
     })?;

@@ -427,17 +427,64 @@ fn phub_ffi_reused(args: &[String]) -> bool {
 }
 
 /// Releases the EAL at the end of the process (no hugepage file or runtime
-/// directory stays behind). Call after the appliance has shut down.
-pub fn cleanup_eal() {
-    if phub_ffi::eal::get().is_none() {
-        return;
-    }
+/// directory stays behind). Call after the appliance has shut down. Returns
+/// whether there was an EAL to release.
+pub fn cleanup_eal() -> bool {
+    let Some(args) = phub_ffi::eal::args() else {
+        return false;
+    };
     // SAFETY: called by the binary after Appliance::shutdown: the lcores
     // have returned and every port, queue, pool, ring and mbuf has been
     // dropped; nothing uses DPDK afterwards.
     if let Err(e) = unsafe { phub_ffi::eal::cleanup() } {
         log::warn!("DPDK EAL cleanup: {e}");
     }
+    // A runtime other processes can join (a --ring-port's, on hugepages)
+    // keeps its hugepage files after EAL cleanup; this process made them
+    // and is leaving, so they go (a process still attached keeps its
+    // mappings).
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+    for f in hugepage_files(&args, &mounts) {
+        if let Err(e) = std::fs::remove_file(&f) {
+            log::warn!("hugepage file {}: {e}", f.display());
+        }
+    }
+    true
+}
+
+/// The hugepage files the EAL started with `args` leaves behind, given
+/// the system's mount table: none with `--no-huge`, `--in-memory` or
+/// `--huge-unlink`; otherwise `<dir>/<file-prefix>map_*` in `--huge-dir`
+/// or every hugetlbfs mount.
+fn hugepage_files(args: &[String], mounts: &str) -> Vec<std::path::PathBuf> {
+    if has_any(args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
+        return Vec::new();
+    }
+    let value = |name: &str| {
+        args.iter().enumerate().find_map(|(i, a)| {
+            a.strip_prefix(&format!("{name}="))
+                .map(str::to_string)
+                .or_else(|| (a == name).then(|| args.get(i + 1).cloned()).flatten())
+        })
+    };
+    let prefix = value("--file-prefix").unwrap_or_else(|| "rte".into());
+    let dirs: Vec<String> = match value("--huge-dir") {
+        Some(d) => vec![d],
+        None => mounts
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() > 2 && f[2] == "hugetlbfs").then(|| f[1].to_string())
+            })
+            .collect(),
+    };
+    let lead = format!("{prefix}map_");
+    dirs.iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|rd| rd.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&lead))
+        .map(|e| e.path())
+        .collect()
 }
 
 #[cfg(test)]
@@ -470,6 +517,41 @@ mod tests {
         o.ring_port = Some("pb".into());
         let a = eal_args(&o, Some(1), true, &[0, 1]);
         assert_eq!(a, ["--no-pci", "--file-prefix", "gen", "--lcores", "(0-1)@(0,1)"]);
+    }
+
+    #[test]
+    fn hugepage_files_left_behind_are_the_prefixs_own() {
+        let dir = std::env::temp_dir().join(format!("phub-huge-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["dpmap_0", "dpmap_12", "othermap_0", "dp_other"] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        let mounts = format!(
+            "proc /proc proc rw 0 0\nnodev {} hugetlbfs rw 0 0\n",
+            dir.display()
+        );
+        let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        let mut got = hugepage_files(&args("--no-pci --file-prefix dp"), &mounts);
+        got.sort();
+        assert_eq!(got, [dir.join("dpmap_0"), dir.join("dpmap_12")]);
+        assert_eq!(
+            hugepage_files(&args("--file-prefix=other"), &mounts),
+            [dir.join("othermap_0")]
+        );
+        let explicit = format!("--file-prefix dp --huge-dir {}", dir.display());
+        assert_eq!(
+            hugepage_files(&args(&explicit), "").len(),
+            2,
+            "--huge-dir without a mount table"
+        );
+        for kept in ["--no-huge", "--in-memory", "--huge-unlink"] {
+            assert!(hugepage_files(&args(&format!("--file-prefix dp {kept}")), &mounts).is_empty());
+        }
+        assert!(
+            hugepage_files(&args("--file-prefix dp"), "").is_empty(),
+            "no hugetlbfs mounted"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
