@@ -7,6 +7,8 @@
 #
 #   1. memif: the DPDK dataplane alone, 8 KiB and 1 KiB chunks
 #      (tools/bench-dpdk-memif.sh: data lcore on CPU 2, generator on CPU 4);
+#      "ring" (not in the default steps): the same over a ring port
+#      (DEVICE=ring: generator as DPDK secondary process, hugepages);
 #   2. phub-bench on the virtual rack (DPDK af_packet over veth), ResNet-50,
 #      W=2 on 1 and 2 lcores and W=4 on 4, lcores spinning, efficiency against the same run's veth ceiling;
 #   3. phub-bench on loopback UDP, ResNet-50, W=1 and W=2, and sweeps of lcores
@@ -80,6 +82,14 @@ if [[ " $STEPS " == *" memif "* ]]; then
     LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=3 \
     timeout 200 tools/bench-dpdk-memif.sh >"$R/memif.log" 2>&1
   say "memif rc=$?"; tail -8 "$R/memif.log" | tee -a "$SUM"
+fi
+
+if [[ " $STEPS " == *" ring "* ]]; then
+  stamp "ring"
+  RT=${RT-} NO_BUILD=1 GEN="$ROOT/bin/dpdk_memif_gen" DP="$ROOT/bin/phub-dataplane" COMMIT="${COMMIT:-?}" \
+    DEVICE=ring LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=3 \
+    timeout 200 tools/bench-dpdk-memif.sh >"$R/ring.log" 2>&1
+  say "ring rc=$?"; tail -8 "$R/ring.log" | tee -a "$SUM"
 fi
 
 bench() { # name args...
