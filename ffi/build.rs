@@ -105,6 +105,7 @@ fn bindings(cflags: &[&str]) -> Result<bindgen::Bindings, bindgen::BindgenError>
         "rte_socket_id",
         "rte_strerror",
         "rte_eal_get_runtime_dir",
+        "rte_eal_process_type",
         // Ports.
         "rte_eth_dev_count_avail",
         "rte_eth_dev_is_valid_port",

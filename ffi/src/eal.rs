@@ -130,12 +130,7 @@ pub unsafe fn cleanup() -> Result<()> {
     // rte_eal_cleanup; it is leaving, and no other primary can hold the
     // same prefix, so they go too. Otherwise the directory goes only if
     // empty (it may be another process's).
-    let joinable = !args
-        .iter()
-        .any(|a| a == "--no-shconf" || a == "--in-memory" || a.starts_with("--proc-type=secondary"))
-        && !args
-            .windows(2)
-            .any(|w| w[0] == "--proc-type" && w[1] == "secondary");
+    let joinable = Eal(()).is_primary() && !args.iter().any(|a| a == "--no-shconf" || a == "--in-memory");
     *st = State::Cleaned;
     let dir = runtime_dir();
     // SAFETY: the EAL is up, and the caller guarantees nothing uses it any
@@ -194,6 +189,14 @@ fn remove_runtime_dir() {
 }
 
 impl Eal {
+    /// Whether this process is its DPDK runtime's primary (not a secondary
+    /// attached to another process's memory).
+    pub fn is_primary(self) -> bool {
+        // SAFETY: the EAL is up (self proves it); a plain read of its
+        // configuration.
+        unsafe { sys::rte_eal_process_type() == sys::RTE_PROC_PRIMARY }
+    }
+
     /// The main lcore (the thread that initialised the EAL).
     pub fn main_lcore(self) -> u32 {
         // SAFETY: the EAL is up (self proves it).

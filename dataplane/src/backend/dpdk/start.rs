@@ -430,9 +430,10 @@ fn phub_ffi_reused(args: &[String]) -> bool {
 /// directory stays behind). Call after the appliance has shut down. Returns
 /// whether there was an EAL to release.
 pub fn cleanup_eal() -> bool {
-    let Some(args) = phub_ffi::eal::args() else {
+    let (Some(eal), Some(args)) = (phub_ffi::eal::get(), phub_ffi::eal::args()) else {
         return false;
     };
+    let primary = eal.is_primary();
     // SAFETY: called by the binary after Appliance::shutdown: the lcores
     // have returned and every port, queue, pool, ring and mbuf has been
     // dropped; nothing uses DPDK afterwards.
@@ -440,11 +441,16 @@ pub fn cleanup_eal() -> bool {
         log::warn!("DPDK EAL cleanup: {e}");
     }
     // A runtime other processes can join (a --ring-port's, on hugepages)
-    // keeps its hugepage files after EAL cleanup; this process made them
-    // and is leaving, so they go (a process still attached keeps its
-    // mappings).
+    // keeps its hugepage files after EAL cleanup; its primary made them and
+    // is leaving, so they go (a process still attached keeps its mappings).
+    // A secondary leaves them to the primary.
     let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    for f in hugepage_files(&args, &mounts) {
+    let leftovers = if primary {
+        hugepage_files(&args, &mounts)
+    } else {
+        Vec::new()
+    };
+    for f in leftovers {
         if let Err(e) = std::fs::remove_file(&f) {
             log::warn!("hugepage file {}: {e}", f.display());
         }
