@@ -367,21 +367,7 @@ fn main() -> Result<()> {
             "warning",
         ]
     } else {
-        vec![
-            "--no-huge",
-            "-m",
-            "1024",
-            "--no-pci",
-            "--no-shconf",
-            "--no-telemetry",
-            "--file-prefix",
-            &a.file_prefix,
-            "--lcores",
-            &lcores,
-            "--log-level",
-            "warning",
-            &vdev,
-        ]
+        common::eal_no_huge(&a.file_prefix, &lcores, &[&vdev])
     };
     let eal = phub_ffi::eal::init(&eal_args).context("starting the generator's EAL")?;
     let frame_room = (phub_dataplane::backend::dpdk::FRAME_HEADER + a.chunk) as u16 + 128;

@@ -37,21 +37,7 @@ fn main() {
     #[allow(non_snake_case)]
     let S: usize = args.get(3).and_then(|a| a.parse().ok()).unwrap_or(512);
     let elems = chunk / 4;
-    let eal = phub_ffi::eal::init(&[
-        "--no-huge",
-        "-m",
-        "1024",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        "phub-ring-bench",
-        "--lcores",
-        "0@0,1@1",
-        "--log-level",
-        "warning",
-    ])
-    .expect("EAL");
+    let eal = phub_ffi::eal::init(&common::eal_no_huge("phub-ring-bench", "0@0,1@1", &[])).expect("EAL");
     let rx = Ring::create(eal, "brx", 4096, None).unwrap();
     let tx = Ring::create(eal, "btx", 4096, None).unwrap();
     let id = eal

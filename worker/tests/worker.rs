@@ -6,7 +6,7 @@
 
 use std::collections::HashSet;
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -48,6 +48,8 @@ struct LcoreShm {
 #[derive(Clone)]
 struct FakeShm {
     regions: Arc<Mutex<Vec<Option<LcoreShm>>>>,
+    /// Chunks read from staging regions so far.
+    staged_reads: Arc<AtomicU64>,
     base_port: u16,
     workers: u16,
     slots: Vec<usize>,
@@ -102,6 +104,7 @@ impl FakeShm {
         if !staging.read(slot_offset(repr.slot, self.chunk_elems, self.dtype), &mut payload) {
             return None;
         }
+        self.staged_reads.fetch_add(1, Ordering::Relaxed);
         out.extend_from_slice(&payload);
         Some(out)
     }
@@ -133,6 +136,7 @@ impl FakeAppliance {
         let fake_shm = shm.then(|| {
             let f = FakeShm {
                 regions: Arc::new(Mutex::new(Vec::new())),
+                staged_reads: Arc::new(AtomicU64::new(0)),
                 base_port,
                 workers: spec.workers as u16,
                 slots: layout.lcores.iter().map(Vec::len).collect(),
@@ -1088,9 +1092,10 @@ fn regions_replaced_mid_flight_leave_results_exact() {
             }
         });
         let chunks = l.chunk_count() as u64;
-        let sent = ws[0].stats().chunks_sent;
-        // Round 1: rank 0's chunks go out of the first mapping, then the
-        // regions are replaced while they wait for rank 1's.
+        let read = fake.staged_reads.load(Ordering::Relaxed);
+        // Round 1: rank 0's chunks go out of the first mapping and are read
+        // from it, then the regions are replaced while they wait for rank
+        // 1's.
         let (g0, g1) = (grads(0, 1), grads(1, 1));
         let mut p1: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
         let handles: Vec<_> = p
@@ -1098,7 +1103,7 @@ fn regions_replaced_mid_flight_leave_results_exact() {
             .enumerate()
             .map(|(k, o)| ws[0].push_pull(k as u32, &g0[k], o).unwrap())
             .collect();
-        while ws[0].stats().chunks_sent < sent + chunks {
+        while fake.staged_reads.load(Ordering::Relaxed) < read + chunks {
             std::thread::sleep(Duration::from_millis(1));
         }
         fake.remove();

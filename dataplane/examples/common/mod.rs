@@ -34,6 +34,27 @@ pub(crate) const ROUND_AT: usize = L2_L4 + field::ROUND.start;
 /// Pushes per burst.
 pub(crate) const BURST: usize = 32;
 
+/// EAL arguments of a benchmark process of its own (no hugepages, no PCI,
+/// no shared config or telemetry, warnings only), plus `extra`.
+pub(crate) fn eal_no_huge<'a>(prefix: &'a str, lcores: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut v = vec![
+        "--no-huge",
+        "-m",
+        "1024",
+        "--no-pci",
+        "--no-shconf",
+        "--no-telemetry",
+        "--file-prefix",
+        prefix,
+        "--lcores",
+        lcores,
+        "--log-level",
+        "warning",
+    ];
+    v.extend_from_slice(extra);
+    v
+}
+
 /// The job as the engine installs it on its one lcore: slot `s` is chunk
 /// `s` of key 0 (what `phub_proto::layout` gives for one key on one lcore).
 pub(crate) fn job(elems: u32, slots: usize) -> JobInstall {
