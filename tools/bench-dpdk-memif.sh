@@ -31,7 +31,10 @@
 # process (pointers pass, no copies; the nearest thing here to a NIC that
 # DMAs into mbufs), and hands each result back on the port's completion
 # ring so the dataplane's lcore frees it, as a NIC's TX completions would
-# (COMPLETIONS=0: the generator frees them). That needs hugepages: the script mounts hugetlbfs on
+# (COMPLETIONS=0: the generator frees them), and sends each template mbuf
+# itself, references reserved in advance, pacing by results, so it writes
+# no mbuf cache line per push, as a NIC writes only frames and descriptors
+# (DIRECT=0: an indirect mbuf per push). That needs hugepages: the script mounts hugetlbfs on
 # /dev/hugepages if nothing is mounted, raises vm.nr_hugepages to HUGEPAGES
 # (512 x 2 MiB) if lower, and puts both back on exit. testpmd cannot attach
 # to those rings, so step 3 is skipped (a ring moves 600+ Mpps of pointers
@@ -60,6 +63,7 @@ DEVICE=${DEVICE:-memif}
 HUGEPAGES=${HUGEPAGES:-512}
 RING=phubbench
 COMPLETIONS=${COMPLETIONS:-1}
+DIRECT=${DIRECT:-1}
 SOCK=${SOCK:-/run/phub-bench-memif.sock}
 MGMT=${MGMT:-127.0.0.1:7877}
 DP_PREFIX=phub-memif-dp
@@ -135,6 +139,7 @@ generator() { # peer chunk log
   local attach=(--socket "$SOCK" --file-prefix "$GEN_PREFIX")
   [ "$DEVICE" != ring ] || attach=(--ring "$RING" --file-prefix "$DP_PREFIX")
   [ "$DEVICE" != ring ] || [ "$COMPLETIONS" = 0 ] || attach+=(--ring-completions)
+  [ "$DEVICE" != ring ] || [ "$DIRECT" = 0 ] || attach+=(--ring-direct)
   taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
     --slots "$SLOTS" --mgmt "$MGMT" --cpu "$GEN_CPU" "${attach[@]}" >"$3" 2>&1 \
     || { echo "generator ($1, chunk $2) failed; its log, $3:" >&2; tail -20 "$3" >&2; exit 1; }
@@ -193,7 +198,7 @@ if [ "$DEVICE" = ring ]; then
     [ "$(cat /proc/sys/vm/nr_hugepages)" -ge "$HUGEPAGES" ] || { echo "could not get $HUGEPAGES hugepages" >&2; exit 1; }
   fi
 fi
-echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')"
+echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')$([ "$DEVICE" = ring ] && [ "$DIRECT" != 0 ] && echo ', pushes are the template mbufs')"
 echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit ${COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes')}, logs in $LOGS"
 echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
 rows=()

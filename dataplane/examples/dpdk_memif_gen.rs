@@ -32,8 +32,10 @@
 
 mod common;
 
+use std::cell::Cell;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -115,6 +117,11 @@ struct Args {
     /// instead of freeing them here.
     #[arg(long)]
     ring_completions: bool,
+    /// With --ring: send each template mbuf itself (references reserved in
+    /// advance) instead of an indirect mbuf per push, pacing by results: no
+    /// mbuf cache line written per push, as with a NIC.
+    #[arg(long)]
+    ring_direct: bool,
 }
 
 /// memif buffer size for frames of a `chunk`-byte gradient: the next power
@@ -257,6 +264,8 @@ struct Io {
     buf: Vec<Option<Mbuf>>,
     sent: u64,
     received: u64,
+    /// `received`, for pacing by results.
+    received_shared: Rc<Cell<u64>>,
     /// Bursts the ring took none of.
     full: u64,
 }
@@ -267,6 +276,7 @@ impl Io {
         loop {
             let n = self.link.rx_burst(&mut self.buf);
             self.received += n as u64;
+            self.received_shared.set(self.received);
             if n < self.buf.len() {
                 break;
             }
@@ -410,7 +420,12 @@ fn main() -> Result<()> {
     };
     let device = match &a.ring {
         Some(name) => format!(
-            "ring port {name} (pointers, no copies; results freed {})",
+            "ring port {name} (pointers, no copies; pushes are {}; results freed {})",
+            if a.ring_direct {
+                "the template mbufs"
+            } else {
+                "indirect mbufs"
+            },
             if a.ring_completions {
                 "by the dataplane (completion ring)"
             } else {
@@ -424,6 +439,7 @@ fn main() -> Result<()> {
         buf: (0..64).map(|_| None).collect(),
         sent: 0,
         received: 0,
+        received_shared: Rc::new(Cell::new(0)),
         full: 0,
     };
     let vals = common::values(elems);
@@ -471,6 +487,15 @@ fn main() -> Result<()> {
     };
 
     let mut generator = Generator::new(&frames, indirect, a.slots, &vals);
+    if a.ring_direct && a.ring.is_none() {
+        bail!("--ring-direct needs --ring");
+    }
+    // Slot-rounds completed since the generator's first round (W results
+    // each, in order), past round 0's (whose last results may still be on
+    // their way).
+    let (got, base) = (Rc::clone(&io.received_shared), a.slots as u64 * u64::from(W));
+    let done = move || got.get().saturating_sub(base) / u64::from(W);
+    let direct = a.ring_direct;
     // Kernel-only over the same template frames and slot memory from the
     // same DPDK heap as the dataplane's, just before and just after the I/O
     // phase, on this CPU: what the engine alone does on this memory now.
@@ -488,7 +513,11 @@ fn main() -> Result<()> {
     let t = Instant::now();
     let mut rt = a.rt_priority == 0;
     while t.elapsed().as_secs_f64() < a.warmup || !rt {
-        generator.round(&mut |b| io.send(b));
+        if direct {
+            generator.round_direct(&mut |b| io.send(b), &done);
+        } else {
+            generator.round(&mut |b| io.send(b));
+        }
         if !rt {
             // The first round has gone out: the link is up.
             realtime(a.rt_priority)?;
@@ -497,7 +526,11 @@ fn main() -> Result<()> {
     }
     let m0 = mark(&io, a.peer, a.mgmt)?;
     while m0.at.elapsed().as_secs_f64() < a.seconds {
-        generator.round(&mut |b| io.send(b));
+        if direct {
+            generator.round_direct(&mut |b| io.send(b), &done);
+        } else {
+            generator.round(&mut |b| io.send(b));
+        }
     }
     let m1 = mark(&io, a.peer, a.mgmt)?;
     generator.flush(&mut |b| io.send(b));

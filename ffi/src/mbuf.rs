@@ -170,6 +170,39 @@ impl Mbuf {
         Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
     }
 
+    /// The first segment's data, writable while other references to the
+    /// buffer exist (see [`Mbuf::reserve`]).
+    ///
+    /// # Safety
+    ///
+    /// The mbuf is direct, and no holder of another reference to it reads
+    /// or writes its data while the returned slice lives.
+    pub unsafe fn data_mut_unchecked(&mut self) -> &mut [u8] {
+        let d = self.data();
+        let (p, len) = (d.as_ptr() as *mut u8, d.len());
+        // SAFETY: the caller guarantees no one else touches the data while
+        // the slice lives; &mut self keeps this handle's other accessors out.
+        unsafe { std::slice::from_raw_parts_mut(p, len) }
+    }
+
+    /// Takes `n` more references to this direct mbuf with one refcount
+    /// update; [`Shares::take`] hands them out one by one as owning handles
+    /// without touching the refcount again, and what is not taken is given
+    /// back when the `Shares` is dropped. `None` for an indirect mbuf, for
+    /// `n` above `i16::MAX`, or when the refcount would pass `u16::MAX`.
+    pub fn reserve(&self, n: u16) -> Option<Shares> {
+        if !self.is_direct()
+            || n > i16::MAX as u16
+            || u32::from(self.refcnt()) + u32::from(n) > u32::from(u16::MAX)
+        {
+            return None;
+        }
+        // SAFETY: a valid direct mbuf we hold a reference to; the n new
+        // references are owned by the Shares returned.
+        unsafe { sys::phub_mbuf_refcnt_update(self.as_ptr(), n as i16) };
+        Some(Shares { m: self.0, left: n })
+    }
+
     /// Every segment's data, in order.
     pub fn segments(&self) -> Vec<&[u8]> {
         let mut out = Vec::with_capacity(usize::from(self.nb_segs()));
@@ -262,5 +295,51 @@ pub fn free_bulk(v: &mut Vec<Mbuf>) {
     unsafe {
         sys::rte_pktmbuf_free_bulk(v.as_mut_ptr().cast::<*mut sys::rte_mbuf>(), v.len() as u32);
         v.set_len(0);
+    }
+}
+
+/// References to one mbuf taken in advance ([`Mbuf::reserve`]).
+#[derive(Debug)]
+pub struct Shares {
+    m: NonNull<sys::rte_mbuf>,
+    left: u16,
+}
+
+// SAFETY: the references are plain counts on an mbuf in DPDK memory; the
+// refcount is updated atomically, from any thread.
+unsafe impl Send for Shares {}
+
+impl Shares {
+    /// One of the reserved references, as an owning handle; `None` once
+    /// all are taken.
+    pub fn take(&mut self) -> Option<Mbuf> {
+        if self.left == 0 {
+            return None;
+        }
+        self.left -= 1;
+        // SAFETY: one reference reserved by Mbuf::reserve moves into the
+        // handle; the mbuf lives at least as long as that reference.
+        Some(unsafe { Mbuf::from_raw(self.m) })
+    }
+
+    /// References not taken yet.
+    pub fn left(&self) -> u16 {
+        self.left
+    }
+}
+
+impl Drop for Shares {
+    fn drop(&mut self) {
+        if self.left > 1 {
+            // SAFETY: gives back all but one of the references still
+            // reserved; the one kept holds the mbuf alive.
+            unsafe { sys::phub_mbuf_refcnt_update(self.m.as_ptr(), -((self.left - 1) as i16)) };
+        }
+        if self.left > 0 {
+            // The last one is freed as any handle is: back to its pool if
+            // it was the mbuf's last reference.
+            self.left = 1;
+            drop(self.take());
+        }
     }
 }

@@ -86,6 +86,30 @@ fn mbufs_append_chain_share_and_free() {
     assert_eq!(full.attach(&payload).unwrap_err().pkt_len(), 1);
     drop((i3, back));
     assert_eq!(payload.refcnt(), 3);
+    // References reserved at once, handed out as handles, the rest given
+    // back; the buffer returns to its pool with its last reference.
+    let mut shares = payload.reserve(10).unwrap();
+    assert_eq!(payload.refcnt(), 13);
+    let h = shares.take().unwrap();
+    assert_eq!((h.data(), shares.left()), (&b"12345"[..], 9));
+    assert!(i2.reserve(1).is_none(), "not for an indirect mbuf");
+    drop(h);
+    assert_eq!(payload.refcnt(), 12, "a taken handle frees its reference");
+    drop(shares);
+    assert_eq!(payload.refcnt(), 3);
+    let lone = p.alloc().unwrap();
+    let mut s2 = lone.reserve(2).unwrap();
+    let kept = s2.take().unwrap();
+    drop(lone);
+    drop(s2);
+    assert_eq!(kept.refcnt(), 1);
+    let before = p.in_use();
+    drop(kept);
+    assert_eq!(
+        p.in_use(),
+        before - 1,
+        "freed to the pool with the last reference"
+    );
     drop(payload);
     assert_eq!(i2.data(), b"12345", "the payload lives while shared");
     drop(chain);

@@ -12,6 +12,7 @@ use std::time::Instant;
 use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
 use phub_dataplane::kernels;
 use phub_dataplane::{JobInstall, Shard};
+use phub_ffi::mbuf::Shares;
 use phub_ffi::{Mbuf, Mempool};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
@@ -124,6 +125,9 @@ pub(crate) fn init_frames(slots: usize, vals: &[f32]) -> impl Iterator<Item = Ve
 /// in flight (its refcount is back to 1).
 pub(crate) struct Generator {
     templates: Vec<Mbuf>,
+    /// [`Generator::round_direct`]: references to each template taken in
+    /// advance.
+    shares: Vec<Option<Shares>>,
     indirect: Mempool,
     batch: Vec<Mbuf>,
     round: u32,
@@ -147,6 +151,7 @@ impl Generator {
             })
             .collect();
         Generator {
+            shares: Vec::new(),
             templates,
             indirect,
             batch: Vec::with_capacity(BURST),
@@ -190,6 +195,8 @@ impl Generator {
     /// memory the dataplane reads pushes from), into `k`, for `secs`
     /// seconds; no push may be in flight. Returns (pushes, seconds).
     pub(crate) fn kernel_only(&mut self, chunk: usize, secs: f64, mut k: Shard<PeerAddr>) -> (u64, f64) {
+        // References reserved for round_direct go back first.
+        self.shares.clear();
         let slots = self.templates.len() / usize::from(W);
         let elems = chunk / 4;
         let vals = values(elems);
@@ -219,6 +226,48 @@ impl Generator {
             round += 1;
         }
         (kp, t.elapsed().as_secs_f64())
+    }
+
+    /// One round as [`Generator::round`], but each push is the template
+    /// mbuf itself (a reference reserved in advance, many at a time, so no
+    /// mbuf cache line is written per push: only the frame's round field,
+    /// as a NIC writes only frames and descriptors). A template is
+    /// rewritten only once its previous push's slot-round is `done` (slot-
+    /// rounds completed since the first round, from the results: the
+    /// receiver frees a push before it answers its slot), since the
+    /// refcount no longer says.
+    #[allow(dead_code)] // dpdk_memif_gen's; dpdk_ring_bench keeps indirect pushes
+    pub(crate) fn round_direct(&mut self, send: &mut impl FnMut(&mut Vec<Mbuf>), done: &dyn Fn() -> u64) {
+        const RESERVE: u16 = 4096;
+        let round = self.round;
+        let slots = (self.templates.len() / usize::from(W)) as u64;
+        if self.shares.is_empty() {
+            self.shares = (0..self.templates.len()).map(|_| None).collect();
+        }
+        for (i, tm) in self.templates.iter_mut().enumerate() {
+            if round >= 2 {
+                let need = u64::from(round - 2) * slots + (i / usize::from(W)) as u64 + 1;
+                while done() < need {
+                    self.waits += 1;
+                    send(&mut self.batch);
+                }
+            }
+            // SAFETY: the template is direct, and its previous push (the
+            // only other reader) was freed before its slot's results came
+            // back, which `done` has counted.
+            let d = unsafe { tm.data_mut_unchecked() };
+            d[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+            let sh = &mut self.shares[i];
+            if sh.as_ref().is_none_or(|s| s.left() == 0) {
+                *sh = Some(tm.reserve(RESERVE).expect("template references"));
+            }
+            let push = sh.as_mut().and_then(Shares::take).expect("a reserved reference");
+            self.batch.push(push);
+            if self.batch.len() == BURST {
+                send(&mut self.batch);
+            }
+        }
+        self.round += 1;
     }
 
     /// Hands over what is still batched.
