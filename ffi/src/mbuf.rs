@@ -170,21 +170,6 @@ impl Mbuf {
         Some(unsafe { std::slice::from_raw_parts_mut(p, len) })
     }
 
-    /// The first segment's data, writable while other references to the
-    /// buffer exist (see [`Mbuf::reserve`]).
-    ///
-    /// # Safety
-    ///
-    /// The mbuf is direct, and no holder of another reference to it reads
-    /// or writes its data while the returned slice lives.
-    pub unsafe fn data_mut_unchecked(&mut self) -> &mut [u8] {
-        let d = self.data();
-        let (p, len) = (d.as_ptr() as *mut u8, d.len());
-        // SAFETY: the caller guarantees no one else touches the data while
-        // the slice lives; &mut self keeps this handle's other accessors out.
-        unsafe { std::slice::from_raw_parts_mut(p, len) }
-    }
-
     /// Takes `n` more references to this direct mbuf with one refcount
     /// update; [`Shares::take`] hands them out one by one as owning handles
     /// without touching the refcount again, and what is not taken is given

@@ -128,6 +128,9 @@ pub(crate) struct Generator {
     /// [`Generator::round_direct`]: references to each template taken in
     /// advance.
     shares: Vec<Option<Shares>>,
+    /// Where each template's round field is, so that rewriting it reads no
+    /// mbuf field (a cache line the receiver writes when it frees a push).
+    round_fields: Vec<std::ptr::NonNull<[u8; 4]>>,
     indirect: Mempool,
     batch: Vec<Mbuf>,
     round: u32,
@@ -139,7 +142,7 @@ impl Generator {
     /// Templates for `slots` slots from `frames` (data room for a whole
     /// frame), pushes from `indirect`.
     pub(crate) fn new(frames: &Mempool, indirect: Mempool, slots: usize, vals: &[f32]) -> Generator {
-        let templates = (0..slots)
+        let mut templates = (0..slots)
             .flat_map(|s| (0..W).map(move |r| (s, r)))
             .map(|(s, r)| {
                 let mut m = frames.alloc().expect("an mbuf for a template frame");
@@ -149,9 +152,18 @@ impl Generator {
                 );
                 m
             })
+            .collect::<Vec<Mbuf>>();
+        let round_fields = templates
+            .iter_mut()
+            .map(|m| {
+                let d = m.data_mut().expect("a fresh template is ours alone");
+                std::ptr::NonNull::from(&mut d[ROUND_AT..ROUND_AT + 4])
+                    .cast::<[u8; 4]>()
+            })
             .collect();
         Generator {
             shares: Vec::new(),
+            round_fields,
             templates,
             indirect,
             batch: Vec::with_capacity(BURST),
@@ -252,11 +264,11 @@ impl Generator {
                     send(&mut self.batch);
                 }
             }
-            // SAFETY: the template is direct, and its previous push (the
-            // only other reader) was freed before its slot's results came
-            // back, which `done` has counted.
-            let d = unsafe { tm.data_mut_unchecked() };
-            d[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+            // SAFETY: the pointer is into this template's frame, which
+            // lives (and does not move) as long as self.templates; the
+            // template's previous push (the only other reader) was freed
+            // before its slot's results came back, which `done` counted.
+            unsafe { self.round_fields[i].as_ptr().write_unaligned(round.to_le_bytes()) };
             let sh = &mut self.shares[i];
             if sh.as_ref().is_none_or(|s| s.left() == 0) {
                 *sh = Some(tm.reserve(RESERVE).expect("template references"));
