@@ -34,7 +34,12 @@
 # (COMPLETIONS=0: the generator frees them), and sends each template mbuf
 # itself, references reserved in advance, pacing by results, so it writes
 # no mbuf cache line per push, as a NIC writes only frames and descriptors
-# (DIRECT=0: an indirect mbuf per push). That needs hugepages: the script mounts hugetlbfs on
+# (DIRECT=0: an indirect mbuf per push). Over the ring the kernel-only
+# runs on the data lcore's own CPU (the dataplane runs with --idle-backoff,
+# so its idle lcore sleeps then; saturated in the window, it never backs
+# off there): both sides of the ratio on one CPU. (The lcore busy-time
+# estimate assumes a spinning lcore, so it shows n/a there.) That needs
+# hugepages: the script mounts hugetlbfs on
 # /dev/hugepages if nothing is mounted, raises vm.nr_hugepages to HUGEPAGES
 # (512 x 2 MiB) if lower, and puts both back on exit. testpmd cannot attach
 # to those rings, so step 3 is skipped (a ring moves 600+ Mpps of pointers
@@ -56,6 +61,9 @@ cd "$(dirname "$0")/.."
 
 RUNS=${RUNS:-3}
 SECS=${SECS:-3}
+# Timed windows per run, each followed by a kernel-only run of SECS (the
+# ratio is the median over windows, each to the kernel-only runs beside it).
+PAIRS=${PAIRS:-1}
 SLOTS=${SLOTS:-512}
 CHUNKS=${CHUNKS:-"8192 1024"}
 RT=${RT-10}
@@ -140,14 +148,15 @@ generator() { # peer chunk log
   [ "$DEVICE" != ring ] || attach=(--ring "$RING" --file-prefix "$DP_PREFIX")
   [ "$DEVICE" != ring ] || [ "$COMPLETIONS" = 0 ] || attach+=(--ring-completions)
   [ "$DEVICE" != ring ] || [ "$DIRECT" = 0 ] || attach+=(--ring-direct)
-  taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --rt-priority "${RT:-0}" \
+  [ "$DEVICE" != ring ] || attach+=(--kernel-cpu "$LCORE_CPU")
+  taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --pairs "$PAIRS" --rt-priority "${RT:-0}" \
     --slots "$SLOTS" --mgmt "$MGMT" --cpu "$GEN_CPU" "${attach[@]}" >"$3" 2>&1 \
     || { echo "generator ($1, chunk $2) failed; its log, $3:" >&2; tail -20 "$3" >&2; exit 1; }
 }
 
 dataplane_step() { # chunk bsize log
   local dev=(--eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU --vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2")
-  [ "$DEVICE" != ring ] || dev=(--ring-port "$RING" --eal "--no-pci --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU")
+  [ "$DEVICE" != ring ] || dev=(--ring-port "$RING" --idle-backoff --eal "--no-pci --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU")
   rm -f "$SOCK"
   "$DP" --backend dpdk --lcores 1 --host 10.79.0.1 --base-port 7900 --mgmt "$MGMT" \
     --memory-budget 256MiB "${dev[@]}" >"$3.dp" 2>&1 &
@@ -218,7 +227,7 @@ for chunk in $CHUNKS; do
     tg=$(field "$t" gbs)
     rows+=("$(printf '| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |' \
       "$chunk" "$run" "$(field "$d" mpps)" "$dg" "$(field "$d" gen_mpps)" "$(field "$d" kernel_gbs)" \
-      "$(field "$d" ratio)" "$(field "$d" busy)" "$(field "$t" mpps)" "$tg" \
+      "$(field "$d" ratio)" "$([ "$DEVICE" = ring ] && echo "n/a" || field "$d" busy)" "$(field "$t" mpps)" "$tg" \
       "$(awk -v a="$dg" -v b="$tg" 'BEGIN { if (b + 0 > 0) printf "%.2f", a / b; else printf "n/a" }')") load $l0")
     echo "${rows[-1]}"
   done

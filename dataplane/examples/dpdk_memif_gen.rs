@@ -21,11 +21,12 @@
 //! - testpmd: frames sent and frames that came back, counted here.
 //!
 //! And the engine's kernel-only figure (the same pushes handed to a Shard
-//! from memory, no packet I/O), in this process, on this CPU, just before
-//! and just after the I/O phase (their mean is the ratio's denominator),
-//! over the generator's own template frames (the memory the dataplane
-//! reads the pushes from) with slot memory from DPDK's heap, as the
-//! dataplane's. The last line starts with `RESULT` and is what
+//! from memory, no packet I/O), in this process, on --kernel-cpu, before
+//! and after each timed window (`--pairs` windows; each window's ratio is
+//! to the mean of the kernel-only runs beside it, and the median ratio is
+//! reported), over the generator's own template frames (the memory the
+//! dataplane reads the pushes from) with slot memory from DPDK's heap, as
+//! the dataplane's. The last line starts with `RESULT` and is what
 //! `tools/bench-dpdk-memif.sh` reads.
 //!
 //! `dpdk_memif_gen --peer dataplane|testpmd [--chunk 8192] [--seconds 3] [--slots 512] [--cpu 1] ...`
@@ -70,7 +71,12 @@ struct Args {
     /// Gradient bytes per chunk (one frame).
     #[arg(long, default_value_t = 8192)]
     chunk: usize,
-    /// Length of the timed window, seconds.
+    /// Timed windows, each followed by a kernel-only run (one also runs
+    /// before the first): each window's ratio is to the kernel-only runs
+    /// beside it, and the median is reported.
+    #[arg(long, default_value_t = 1)]
+    pairs: usize,
+    /// Length of each timed window, seconds.
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
     /// Warm-up before the window, seconds.
@@ -97,6 +103,11 @@ struct Args {
     /// The CPU this process runs on (EAL main lcore).
     #[arg(long, default_value_t = 1)]
     cpu: usize,
+    /// The CPU the kernel-only runs on (default: --cpu). The data lcore's,
+    /// with the dataplane started with --idle-backoff, so that both sides
+    /// of the ratio run on the same CPU.
+    #[arg(long)]
+    kernel_cpu: Option<usize>,
     /// Once frames flow, make this thread SCHED_FIFO at this priority (0: stay as started).
     /// Started whole under `chrt -f`, EAL start-up can stall for minutes on 2 CPUs.
     #[arg(long, default_value_t = 0)]
@@ -131,6 +142,25 @@ fn memif_bsize(chunk: usize) -> u32 {
     ((phub_dataplane::backend::dpdk::FRAME_HEADER + chunk) as u32)
         .next_power_of_two()
         .max(2048)
+}
+
+/// Moves the calling thread to CPU `cpu`.
+fn pin(cpu: usize) -> Result<()> {
+    if cpu >= 8 * std::mem::size_of::<libc::cpu_set_t>() {
+        bail!("CPU {cpu}: out of range");
+    }
+    // SAFETY: cpu_set_t is plain data and all zeroes is the empty set;
+    // CPU_SET writes inside it (cpu checked against its size above); the
+    // system call reads the set, which outlives it.
+    let rc = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set)
+    };
+    if rc != 0 {
+        bail!("moving to CPU {cpu}: {}", std::io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Makes the calling thread SCHED_FIFO at `prio`.
@@ -498,57 +528,87 @@ fn main() -> Result<()> {
     let direct = a.ring_direct;
     // Kernel-only over the same template frames and slot memory from the
     // same DPDK heap as the dataplane's, just before and just after the I/O
-    // phase, on this CPU: what the engine alone does on this memory now.
+    // phase, on --kernel-cpu (the data lcore's, whose idle lcore then
+    // sleeps, with --idle-backoff): what the engine alone does on this
+    // memory and this CPU now.
     let slot_mem = Arc::new(DpdkSlotMemory::new(eal, None));
-    let kernel_only = |g: &mut Generator| {
-        if a.kernel_seconds > 0.0 {
-            let k = Shard::with_slot_memory(0, Kernels::best(), slot_mem.clone());
-            let (p, secs) = g.kernel_only(a.chunk, a.kernel_seconds, k);
-            p as f64 / secs
-        } else {
-            0.0
+    let kernel_cpu = a.kernel_cpu.unwrap_or(a.cpu);
+    let kernel_only = |g: &mut Generator| -> Result<f64> {
+        if a.kernel_seconds <= 0.0 {
+            return Ok(0.0);
         }
+        pin(kernel_cpu)?;
+        let k = Shard::with_slot_memory(0, Kernels::best(), slot_mem.clone());
+        let (p, secs) = g.kernel_only(a.chunk, a.kernel_seconds, k);
+        pin(a.cpu)?;
+        Ok(p as f64 / secs)
     };
-    let k_pps_before = kernel_only(&mut generator);
+    // Kernel-only, then windows of I/O each followed by kernel-only again:
+    // every window's ratio is to the mean of the kernel-only runs on
+    // either side of it, so slow drifts of the machine cancel.
+    let mut k_pps = vec![kernel_only(&mut generator)?];
     let t = Instant::now();
     let mut rt = a.rt_priority == 0;
-    while t.elapsed().as_secs_f64() < a.warmup || !rt {
+    let round = |g: &mut Generator, io: &mut Io| {
         if direct {
-            generator.round_direct(&mut |b| io.send(b), &done);
+            g.round_direct(&mut |b| io.send(b), &done);
         } else {
-            generator.round(&mut |b| io.send(b));
+            g.round(&mut |b| io.send(b));
         }
+    };
+    while t.elapsed().as_secs_f64() < a.warmup || !rt {
+        round(&mut generator, &mut io);
         if !rt {
             // The first round has gone out: the link is up.
             realtime(a.rt_priority)?;
             rt = true;
         }
     }
-    let m0 = mark(&io, a.peer, a.mgmt)?;
-    while m0.at.elapsed().as_secs_f64() < a.seconds {
-        if direct {
-            generator.round_direct(&mut |b| io.send(b), &done);
-        } else {
-            generator.round(&mut |b| io.send(b));
+    let mut windows = Vec::with_capacity(a.pairs);
+    for _ in 0..a.pairs.max(1) {
+        let m0 = mark(&io, a.peer, a.mgmt)?;
+        while m0.at.elapsed().as_secs_f64() < a.seconds {
+            round(&mut generator, &mut io);
         }
+        let m1 = mark(&io, a.peer, a.mgmt)?;
+        generator.flush(&mut |b| io.send(b));
+        // Let what is in flight come back.
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(100) {
+            io.drain();
+        }
+        windows.push((m0, m1));
+        k_pps.push(kernel_only(&mut generator)?);
     }
-    let m1 = mark(&io, a.peer, a.mgmt)?;
-    generator.flush(&mut |b| io.send(b));
-    // Let what is in flight come back.
-    let t = Instant::now();
-    while t.elapsed() < Duration::from_millis(100) {
-        io.drain();
-    }
-    let dt = m1.at.duration_since(m0.at).as_secs_f64();
     let chunk = a.chunk as f64;
-    let sent_pps = (m1.sent - m0.sent) as f64 / dt;
-    let back_pps = (m1.received - m0.received) as f64 / dt;
+    let dt: f64 = windows
+        .iter()
+        .map(|(m0, m1)| m1.at.duration_since(m0.at).as_secs_f64())
+        .sum();
+    let sum = |f: &dyn Fn(&Mark, &Mark) -> u64| windows.iter().map(|(m0, m1)| f(m0, m1)).sum::<u64>();
+    let sent_pps = sum(&|m0, m1| m1.sent - m0.sent) as f64 / dt;
+    let received = sum(&|m0, m1| m1.received - m0.received);
+    let back_pps = received as f64 / dt;
     let ps = port.as_ref().and_then(|p| p.stats().ok()).unwrap_or_default();
-
-    let k_pps_after = kernel_only(&mut generator);
-    let k_pps = (k_pps_before + k_pps_after) / 2.0;
-    let k_gbs = k_pps * chunk / 1e9;
-    let ratio = |gbs: f64| if k_gbs > 0.0 { gbs / k_gbs } else { f64::NAN };
+    let k_mean = k_pps.iter().sum::<f64>() / k_pps.len() as f64;
+    let k_gbs = k_mean * chunk / 1e9;
+    // Each window's rate over the kernel-only runs beside it, and their median.
+    let ratios = |rate: &dyn Fn(&Mark, &Mark) -> f64| -> (f64, f64, f64) {
+        let mut r: Vec<f64> = windows
+            .iter()
+            .enumerate()
+            .map(|(i, (m0, m1))| {
+                let k = (k_pps[i] + k_pps[i + 1]) / 2.0;
+                if k > 0.0 {
+                    rate(m0, m1) / k
+                } else {
+                    f64::NAN
+                }
+            })
+            .collect();
+        r.sort_by(f64::total_cmp);
+        (r[r.len() / 2], r[0], r[r.len() - 1])
+    };
 
     println!(
         "chunk {} B, W {W}, {} slots ({} pushes a round), {device}, kernels {}",
@@ -558,9 +618,11 @@ fn main() -> Result<()> {
         Kernels::best().kind().name()
     );
     println!(
-        "generator: {:.3} Mpps sent, {:.3} Mpps came back, over {dt:.2} s; tx bursts refused whole {}, template waits {}; memif client port (zeros over a ring): ipackets {} opackets {} ierrors {} oerrors {} rx_nombuf {}",
+        "generator: {:.3} Mpps sent, {:.3} Mpps came back, over {} window(s) of {:.2} s in all; tx bursts refused whole {}, template waits {}; memif client port (zeros over a ring): ipackets {} opackets {} ierrors {} oerrors {} rx_nombuf {}",
         sent_pps / 1e6,
         back_pps / 1e6,
+        windows.len(),
+        dt,
         io.full,
         generator.waits,
         ps.ipackets,
@@ -570,42 +632,60 @@ fn main() -> Result<()> {
         ps.rx_nombuf
     );
     println!(
-        "kernel-only (engine alone over the template frames, DPDK-heap slot memory, this process): {:.2} GB/s before the I/O phase, {:.2} GB/s after; mean {:.3} Mpps, {k_gbs:.2} GB/s",
-        k_pps_before * chunk / 1e9,
-        k_pps_after * chunk / 1e9,
-        k_pps / 1e6,
+        "kernel-only (engine alone over the template frames, DPDK-heap slot memory, this process, CPU {kernel_cpu}): {} GB/s; mean {:.3} Mpps, {k_gbs:.2} GB/s",
+        k_pps
+            .iter()
+            .map(|k| format!("{:.2}", k * chunk / 1e9))
+            .collect::<Vec<_>>()
+            .join(", "),
+        k_mean / 1e6,
     );
-    match (a.peer, m0.dp, m1.dp) {
-        (Peer::Dataplane, Some(d0), Some(d1)) => {
-            let pushes = d1.pushes_aggregated - d0.pushes_aggregated;
+    let (m0, m1) = (&windows[0].0, &windows[windows.len() - 1].1);
+    match (a.peer, &m0.dp, &m1.dp) {
+        (Peer::Dataplane, Some(_), Some(last)) => {
+            let dp = |f: fn(&LcoreStats) -> u64| {
+                sum(&|m0, m1| match (&m0.dp, &m1.dp) {
+                    (Some(d0), Some(d1)) => f(d1) - f(d0),
+                    _ => 0,
+                })
+            };
+            let pushes = dp(|d| d.pushes_aggregated);
             let pps = pushes as f64 / dt;
             let gbs = pps * chunk / 1e9;
-            let rounds = (m1.received - m0.received) as f64 / f64::from(W) / a.slots as f64;
-            let busy = d1.busy_loops - d0.busy_loops;
-            let idle = d1.idle_loops - d0.idle_loops;
-            // Share of the window's time the lcore spent on non-empty polls.
+            let rounds = received as f64 / f64::from(W) / a.slots as f64;
+            let (busy, idle) = (dp(|d| d.busy_loops), dp(|d| d.idle_loops));
+            // Share of the windows' time the lcore spent on non-empty polls.
             let busy_time = (1.0 - idle as f64 * idle_ns / 1e9 / dt).max(0.0);
-            let drops: u64 = d1.drops.values().sum();
+            let drops: u64 = last.drops.values().sum();
+            let (ratio, lo, hi) = ratios(&|m0, m1| match (&m0.dp, &m1.dp) {
+                (Some(d0), Some(d1)) => {
+                    (d1.pushes_aggregated - d0.pushes_aggregated) as f64
+                        / m1.at.duration_since(m0.at).as_secs_f64()
+                }
+                _ => f64::NAN,
+            });
             println!(
                 "dataplane (its /v1/stats): {:.3} Mpps, {gbs:.2} GB/s gradient input ({pushes} pushes, rx {} packets, rounds completed {}), lcore polls busy {busy} idle {idle} (an empty poll costs {idle_ns:.0} ns with no traffic: about {:.0}% of the time on non-empty polls), drops since start {drops} {:?}",
                 pps / 1e6,
-                d1.rx_packets - d0.rx_packets,
-                d1.rounds_completed - d0.rounds_completed,
+                dp(|d| d.rx_packets),
+                dp(|d| d.rounds_completed),
                 100.0 * busy_time,
-                d1.drops
+                last.drops
             );
             println!(
                 "generator's count: {rounds:.1} full rounds of {} slots completed ({:.3} Mpps of results)",
                 a.slots,
                 back_pps / 1e6
             );
-            println!("ratio dataplane / kernel-only = {:.2}", ratio(gbs));
             println!(
-                "RESULT peer=dataplane chunk={} mpps={:.3} gbs={gbs:.2} gen_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={:.2} busy={busy_time:.2} drops={drops}",
+                "ratio dataplane / kernel-only = {ratio:.2} (median of {} windows, each over the kernel-only runs beside it; {lo:.2} to {hi:.2})",
+                windows.len()
+            );
+            println!(
+                "RESULT peer=dataplane chunk={} mpps={:.3} gbs={gbs:.2} gen_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={ratio:.2} ratio_min={lo:.2} ratio_max={hi:.2} busy={busy_time:.2} drops={drops}",
                 a.chunk,
                 pps / 1e6,
                 back_pps / 1e6,
-                ratio(gbs)
             );
             let (status, body) = http(a.mgmt, "DELETE", &format!("/v1/jobs/{JOB}"), "")?;
             if status != 204 {
@@ -614,16 +694,18 @@ fn main() -> Result<()> {
         }
         (Peer::Testpmd, _, _) => {
             let gbs = back_pps * chunk / 1e9;
+            let (ratio, _, _) = ratios(&|m0, m1| {
+                (m1.received - m0.received) as f64 / m1.at.duration_since(m0.at).as_secs_f64()
+            });
             println!(
                 "testpmd io-forwarding ceiling: {:.3} Mpps forwarded back, {gbs:.2} GB/s of chunk payload",
                 back_pps / 1e6
             );
             println!(
-                "RESULT peer=testpmd chunk={} mpps={:.3} gbs={gbs:.2} sent_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={:.2}",
+                "RESULT peer=testpmd chunk={} mpps={:.3} gbs={gbs:.2} sent_mpps={:.3} kernel_gbs={k_gbs:.2} ratio={ratio:.2}",
                 a.chunk,
                 back_pps / 1e6,
                 sent_pps / 1e6,
-                ratio(gbs)
             );
         }
         _ => unreachable!("the dataplane marks carry its counters"),

@@ -157,8 +157,7 @@ impl Generator {
             .iter_mut()
             .map(|m| {
                 let d = m.data_mut().expect("a fresh template is ours alone");
-                std::ptr::NonNull::from(&mut d[ROUND_AT..ROUND_AT + 4])
-                    .cast::<[u8; 4]>()
+                std::ptr::NonNull::from(&mut d[ROUND_AT..ROUND_AT + 4]).cast::<[u8; 4]>()
             })
             .collect();
         Generator {
