@@ -104,7 +104,7 @@ pub struct DpdkOptions {
     /// NAME-done<i> to be freed by lcore i), which another DPDK process
     /// of this runtime attaches to as a secondary (same --file-prefix;
     /// needs hugepages): a co-located packet generator, zero copies between
-    /// them. phub does not add --in-memory then.
+    /// them. NAME: 1 to 19 bytes. phub does not add --in-memory then.
     #[arg(long, value_name = "NAME", conflicts_with = "port")]
     pub ring_port: Option<String>,
     /// MAC address to answer ARP with and send from (default: the port's).

@@ -207,11 +207,37 @@ fn resolve_port(eal: Eal, port: &str) -> Result<u16> {
 /// Descriptors of each ring of a `--ring-port`.
 pub const RING_PORT_SIZE: u32 = 4096;
 
+/// Longest name DPDK gives a ring (`RTE_RING_NAMESIZE` - 1: memzone names
+/// have 31 bytes, 3 of them the ring prefix), and, as found, the longest
+/// device name the ring PMD takes.
+const RING_NAME_MAX: usize = 28;
+
+/// Refuses a `--ring-port` name from which DPDK would make a name too long.
+fn check_ring_port_name(name: &str, lcores: usize) -> Result<()> {
+    // The names DPDK makes from it: the rings', and the ring PMD's device
+    // (`net_ring_NAME`), each at most RING_NAME_MAX bytes.
+    let longest = [
+        format!("{name}-done{}", lcores.saturating_sub(1)),
+        format!("net_ring_{name}"),
+    ]
+    .into_iter()
+    .max_by_key(String::len)
+    .unwrap_or_default();
+    if name.is_empty() || longest.len() > RING_NAME_MAX {
+        bail!(
+            "--ring-port {name:?}: expected a name of 1 to {} bytes with {lcores} lcore(s) (DPDK names {longest:?} after it, and takes at most {RING_NAME_MAX})",
+            RING_NAME_MAX + name.len() - longest.len()
+        );
+    }
+    Ok(())
+}
+
 /// A port made of rings `{name}-rx{i}` and `{name}-tx{i}`, one pair per
 /// lcore, for another DPDK process of this runtime to attach to, and
 /// completion rings `{name}-done{i}` through which that process may hand
 /// back what lcore i sent, to be freed on lcore i.
 fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<(u16, Vec<Ring>)> {
+    check_ring_port_name(name, lcores)?;
     if !eal.has_hugepages() {
         log::warn!(
             "--ring-port {name} without hugepages (--no-huge): no other process can attach to its rings"
@@ -220,7 +246,7 @@ fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<(u16, Vec<Ring>)> {
     let ring = |dir: &str, i: usize| {
         let rn = format!("{name}-{dir}{i}");
         Ring::create_named(eal, &rn, RING_PORT_SIZE, None).with_context(|| {
-            format!("--ring-port {name}: ring {rn:?} (a name of at most 26 bytes, not taken by another port of this runtime)")
+            format!("--ring-port {name}: ring {rn:?} (a name not taken by another port of this runtime)")
         })
     };
     let rx = (0..lcores).map(|i| ring("rx", i)).collect::<Result<Vec<_>>>()?;
@@ -558,6 +584,17 @@ mod tests {
             "no hugetlbfs mounted"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn ring_port_names_fit_what_dpdk_makes_of_them() {
+        assert!(check_ring_port_name("phubbench", 1).is_ok());
+        assert!(check_ring_port_name(&"a".repeat(19), 1).is_ok());
+        let e = check_ring_port_name(&"a".repeat(20), 1).unwrap_err().to_string();
+        assert!(e.contains("1 to 19 bytes") && e.contains("net_ring_"), "{e}");
+        // The rings' names ("NAME-done255") stay shorter than the device's.
+        assert!(check_ring_port_name(&"a".repeat(19), 256).is_ok());
+        assert!(check_ring_port_name("", 1).is_err());
     }
 
     #[test]
