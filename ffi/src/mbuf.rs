@@ -173,10 +173,13 @@ impl Mbuf {
     /// Takes `n` more references to this direct mbuf with one refcount
     /// update; [`Shares::take`] hands them out one by one as owning handles
     /// without touching the refcount again, and what is not taken is given
-    /// back when the `Shares` is dropped. `None` for an indirect mbuf, for
-    /// `n` above `i16::MAX`, or when the refcount would pass `u16::MAX`.
+    /// back when the `Shares` is dropped. `None` for an indirect mbuf or a
+    /// chain (freeing a handle frees every segment's reference, and only
+    /// the first one's count is raised here), for `n` above `i16::MAX`, or
+    /// when the refcount would pass `u16::MAX`.
     pub fn reserve(&self, n: u16) -> Option<Shares> {
         if !self.is_direct()
+            || self.nb_segs() != 1
             || n > i16::MAX as u16
             || u32::from(self.refcnt()) + u32::from(n) > u32::from(u16::MAX)
         {

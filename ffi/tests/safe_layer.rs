@@ -93,6 +93,11 @@ fn mbufs_append_chain_share_and_free() {
     let h = shares.take().unwrap();
     assert_eq!((h.data(), shares.left()), (&b"12345"[..], 9));
     assert!(i2.reserve(1).is_none(), "not for an indirect mbuf");
+    let mut head = p.alloc().unwrap();
+    head.append(1).unwrap();
+    let chain = head.chain(p.alloc().unwrap()).unwrap();
+    assert!(chain.reserve(1).is_none(), "not for a chain");
+    drop(chain);
     drop(h);
     assert_eq!(payload.refcnt(), 12, "a taken handle frees its reference");
     drop(shares);
