@@ -95,9 +95,9 @@ fn mbufs_append_chain_share_and_free() {
     assert!(i2.reserve(1).is_none(), "not for an indirect mbuf");
     let mut head = p.alloc().unwrap();
     head.append(1).unwrap();
-    let chain = head.chain(p.alloc().unwrap()).unwrap();
-    assert!(chain.reserve(1).is_none(), "not for a chain");
-    drop(chain);
+    let segs = head.chain(p.alloc().unwrap()).unwrap();
+    assert!(segs.reserve(1).is_none(), "not for a chain");
+    drop(segs);
     drop(h);
     assert_eq!(payload.refcnt(), 12, "a taken handle frees its reference");
     drop(shares);
