@@ -112,7 +112,8 @@ cleanup() {
   PEER_PID=""
   rm -f "$SOCK"
   rm -rf "/var/run/dpdk/$DP_PREFIX" "/var/run/dpdk/$TP_PREFIX" "/var/run/dpdk/$GEN_PREFIX"
-  # A primary that secondaries can join keeps its hugepage files.
+  # The dataplane removes its hugepage files when it exits; not when it
+  # had to be killed.
   [ "$DEVICE" != ring ] || rm -f /dev/hugepages/"$DP_PREFIX"map_*
 }
 OLD_HUGEPAGES=""

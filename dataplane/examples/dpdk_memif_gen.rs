@@ -293,9 +293,8 @@ struct Io {
     link: Link,
     buf: Vec<Option<Mbuf>>,
     sent: u64,
-    received: u64,
-    /// `received`, for pacing by results.
-    received_shared: Rc<Cell<u64>>,
+    /// Frames that came back (shared: results pace --ring-direct).
+    received: Rc<Cell<u64>>,
     /// Bursts the ring took none of.
     full: u64,
 }
@@ -305,8 +304,7 @@ impl Io {
     fn drain(&mut self) {
         loop {
             let n = self.link.rx_burst(&mut self.buf);
-            self.received += n as u64;
-            self.received_shared.set(self.received);
+            self.received.set(self.received.get() + n as u64);
             if n < self.buf.len() {
                 break;
             }
@@ -357,7 +355,7 @@ struct Mark {
 }
 
 fn mark(io: &Io, peer: Peer, mgmt: SocketAddr) -> Result<Mark> {
-    let (sent, received) = (io.sent, io.received);
+    let (sent, received) = (io.sent, io.received.get());
     let before = Instant::now();
     let dp = match peer {
         Peer::Dataplane => Some(stats(mgmt)?),
@@ -468,8 +466,7 @@ fn main() -> Result<()> {
         link,
         buf: (0..64).map(|_| None).collect(),
         sent: 0,
-        received: 0,
-        received_shared: Rc::new(Cell::new(0)),
+        received: Rc::new(Cell::new(0)),
         full: 0,
     };
     let vals = common::values(elems);
@@ -523,7 +520,7 @@ fn main() -> Result<()> {
     // Slot-rounds completed since the generator's first round (W results
     // each, in order), past round 0's (whose last results may still be on
     // their way).
-    let (got, base) = (Rc::clone(&io.received_shared), a.slots as u64 * u64::from(W));
+    let (got, base) = (Rc::clone(&io.received), a.slots as u64 * u64::from(W));
     let done = move || got.get().saturating_sub(base) / u64::from(W);
     let direct = a.ring_direct;
     // Kernel-only over the same template frames and slot memory from the

@@ -434,30 +434,39 @@ pub fn release_process_resources() {
     }
 }
 
+/// Runs the appliance `cfg` describes until SIGINT or SIGTERM, shuts it
+/// down, and releases the process's backend resources
+/// ([`release_process_resources`]) on every path, failures included.
+pub fn serve(cfg: &Config) -> Result<()> {
+    let run = || -> Result<()> {
+        let app = Appliance::start(cfg)?;
+        let (tx, rx) = bounded(1);
+        let handler = ctrlc::set_handler(move || {
+            let _ = tx.try_send(());
+        })
+        .context("installing the SIGINT/SIGTERM handler");
+        if handler.is_ok() {
+            let _ = rx.recv();
+            log::info!("phub-dataplane: shutting down");
+        }
+        app.shutdown();
+        handler
+    };
+    let r = run();
+    release_process_resources();
+    r
+}
+
 /// `phub-dataplane`'s entry point; `build` is the build stamp to report.
 pub fn main(build: &str) -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let mut cfg = Config::parse();
     cfg.build = build.to_string();
-    let app = match Appliance::start(&cfg) {
-        Ok(a) => a,
+    match serve(&cfg) {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("phub-dataplane: {e:#}");
-            release_process_resources();
-            return ExitCode::FAILURE;
+            ExitCode::FAILURE
         }
-    };
-    let (tx, rx) = bounded(1);
-    if let Err(e) = ctrlc::set_handler(move || {
-        let _ = tx.try_send(());
-    }) {
-        eprintln!("phub-dataplane: cannot install the signal handler: {e}");
-        app.shutdown();
-        return ExitCode::FAILURE;
     }
-    let _ = rx.recv();
-    log::info!("phub-dataplane: shutting down");
-    app.shutdown();
-    release_process_resources();
-    ExitCode::SUCCESS
 }

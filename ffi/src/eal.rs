@@ -33,6 +33,20 @@ static RING_PORT_RINGS: Mutex<Vec<Ring>> = Mutex::new(Vec::new());
 #[derive(Debug, Clone, Copy)]
 pub struct Eal(());
 
+/// EAL options under which the EAL writes nothing in its runtime directory
+/// (no other process can join it).
+const NO_SHARED_CONFIG: &[&str] = &["--no-shconf", "--in-memory"];
+
+/// EAL options under which no hugepage file outlives the process.
+pub const NO_HUGEPAGE_FILES: &[&str] = &["--no-huge", "--in-memory", "--huge-unlink"];
+
+/// Whether `args` (EAL arguments) hold any of the options `names`, alone
+/// or as `name=value`.
+pub fn has_option(args: &[String], names: &[&str]) -> bool {
+    args.iter()
+        .any(|a| names.iter().any(|n| a == n || a.starts_with(&format!("{n}="))))
+}
+
 fn state() -> std::sync::MutexGuard<'static, State> {
     STATE.lock().unwrap_or_else(|p| p.into_inner())
 }
@@ -92,7 +106,7 @@ pub fn init<S: AsRef<str>>(args: &[S]) -> Result<Eal> {
     // Without shared config (--no-shconf, --in-memory) EAL writes nothing in
     // its runtime directory: remove it now so none is left behind, even if
     // the process never gets to cleanup().
-    if args.iter().any(|a| a == "--no-shconf" || a == "--in-memory") {
+    if has_option(&args, NO_SHARED_CONFIG) {
         remove_runtime_dir();
     }
     *st = State::Up(args);
@@ -115,6 +129,14 @@ pub fn get() -> Option<Eal> {
 /// Releases the EAL's resources (hugepage files, shared config, driver
 /// state). Does nothing when the EAL was never initialised.
 ///
+/// A primary whose runtime other processes could join (shared config, no
+/// `--in-memory`) leaves its config and memory maps in the runtime
+/// directory, and (with hugepages, without `--huge-unlink`) its hugepage
+/// files, after rte_eal_cleanup; it is leaving, and no other primary can
+/// hold the same prefix, so they go too (a secondary still attached keeps
+/// its mappings). Otherwise the directory goes only if empty (it may be
+/// another process's), and a secondary leaves the files to its primary.
+///
 /// # Safety
 ///
 /// No DPDK object of this process may be used during or after the call:
@@ -125,12 +147,14 @@ pub unsafe fn cleanup() -> Result<()> {
     let State::Up(args) = &*st else {
         return Ok(());
     };
-    // A primary with shared config (other processes could join it) leaves
-    // its config and memory maps in the runtime directory after
-    // rte_eal_cleanup; it is leaving, and no other primary can hold the
-    // same prefix, so they go too. Otherwise the directory goes only if
-    // empty (it may be another process's).
-    let joinable = Eal(()).is_primary() && !args.iter().any(|a| a == "--no-shconf" || a == "--in-memory");
+    let primary = Eal(()).is_primary();
+    let joinable = primary && !has_option(args, NO_SHARED_CONFIG);
+    let leftovers = if primary {
+        let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
+        hugepage_files(args, &mounts)
+    } else {
+        Vec::new()
+    };
     *st = State::Cleaned;
     let dir = runtime_dir();
     // SAFETY: the EAL is up, and the caller guarantees nothing uses it any
@@ -159,10 +183,49 @@ pub unsafe fn cleanup() -> Result<()> {
             log::debug!("EAL runtime directory {}: {e}", d.display());
         }
     }
+    for f in leftovers {
+        if let Err(e) = std::fs::remove_file(&f) {
+            log::warn!("hugepage file {}: {e}", f.display());
+        }
+    }
     if rc < 0 {
         return Err(Error::call("rte_eal_cleanup", rc));
     }
     Ok(())
+}
+
+/// The hugepage files the EAL started with `args` leaves behind, given the
+/// system's mount table: none under [`NO_HUGEPAGE_FILES`]; otherwise
+/// `<dir>/<file-prefix>map_*` in `--huge-dir` or every hugetlbfs mount.
+fn hugepage_files(args: &[String], mounts: &str) -> Vec<std::path::PathBuf> {
+    if has_option(args, NO_HUGEPAGE_FILES) {
+        return Vec::new();
+    }
+    let value = |name: &str| {
+        args.iter().enumerate().find_map(|(i, a)| {
+            a.strip_prefix(&format!("{name}="))
+                .map(str::to_string)
+                .or_else(|| (a == name).then(|| args.get(i + 1).cloned()).flatten())
+        })
+    };
+    let prefix = value("--file-prefix").unwrap_or_else(|| "rte".into());
+    let dirs: Vec<String> = match value("--huge-dir") {
+        Some(d) => vec![d],
+        None => mounts
+            .lines()
+            .filter_map(|l| {
+                let f: Vec<&str> = l.split_whitespace().collect();
+                (f.len() > 2 && f[2] == "hugetlbfs").then(|| f[1].to_string())
+            })
+            .collect(),
+    };
+    let lead = format!("{prefix}map_");
+    dirs.iter()
+        .filter_map(|d| std::fs::read_dir(d).ok())
+        .flat_map(|rd| rd.flatten())
+        .filter(|e| e.file_name().to_string_lossy().starts_with(&lead))
+        .map(|e| e.path())
+        .collect()
 }
 
 /// The EAL's runtime directory (`/var/run/dpdk/<file-prefix>` as root).
@@ -274,5 +337,45 @@ impl Eal {
         keep.extend(rx.iter().cloned());
         keep.extend(tx.iter().cloned());
         Ok(rc as u16)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hugepage_files_left_behind_are_the_prefixs_own() {
+        let dir = std::env::temp_dir().join(format!("phub-huge-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for f in ["dpmap_0", "dpmap_12", "othermap_0", "dp_other"] {
+            std::fs::write(dir.join(f), b"").unwrap();
+        }
+        let mounts = format!(
+            "proc /proc proc rw 0 0\nnodev {} hugetlbfs rw 0 0\n",
+            dir.display()
+        );
+        let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
+        let mut got = hugepage_files(&args("--no-pci --file-prefix dp"), &mounts);
+        got.sort();
+        assert_eq!(got, [dir.join("dpmap_0"), dir.join("dpmap_12")]);
+        assert_eq!(
+            hugepage_files(&args("--file-prefix=other"), &mounts),
+            [dir.join("othermap_0")]
+        );
+        let explicit = format!("--file-prefix dp --huge-dir {}", dir.display());
+        assert_eq!(
+            hugepage_files(&args(&explicit), "").len(),
+            2,
+            "--huge-dir without a mount table"
+        );
+        for kept in ["--no-huge", "--in-memory", "--huge-unlink"] {
+            assert!(hugepage_files(&args(&format!("--file-prefix dp {kept}")), &mounts).is_empty());
+        }
+        assert!(
+            hugepage_files(&args("--file-prefix dp"), "").is_empty(),
+            "no hugetlbfs mounted"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -75,22 +75,21 @@ if [ -n "${DIAG:-}" ]; then
   rm -f /run/phub16-diag.sock
 fi
 
-if [[ " $STEPS " == *" memif "* ]]; then
-  stamp "memif"
-  # RT empty: the lent machine refuses SCHED_FIFO (chrt: Operation not permitted).
+# memif, and the ring port with paired windows (the figures of record's
+# method, BENCHMARKS.md); RT empty: the lent machine refuses SCHED_FIFO
+# (chrt: Operation not permitted).
+for dev in memif ring; do
+  [[ " $STEPS " == *" $dev "* ]] || continue
+  stamp "$dev"
+  case $dev in
+    memif) secs=3 pairs=1 ;;
+    ring) secs=1 pairs=${RING_PAIRS:-10} ;;
+  esac
   RT=${RT-} NO_BUILD=1 GEN="$ROOT/bin/dpdk_memif_gen" DP="$ROOT/bin/phub-dataplane" COMMIT="${COMMIT:-?}" \
-    LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=3 \
-    timeout 200 tools/bench-dpdk-memif.sh >"$R/memif.log" 2>&1
-  say "memif rc=$?"; tail -8 "$R/memif.log" | tee -a "$SUM"
-fi
-
-if [[ " $STEPS " == *" ring "* ]]; then
-  stamp "ring"
-  RT=${RT-} NO_BUILD=1 GEN="$ROOT/bin/dpdk_memif_gen" DP="$ROOT/bin/phub-dataplane" COMMIT="${COMMIT:-?}" \
-    DEVICE=ring LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=3 \
-    timeout 200 tools/bench-dpdk-memif.sh >"$R/ring.log" 2>&1
-  say "ring rc=$?"; tail -8 "$R/ring.log" | tee -a "$SUM"
-fi
+    DEVICE=$dev LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=$secs PAIRS=$pairs \
+    timeout 200 tools/bench-dpdk-memif.sh >"$R/$dev.log" 2>&1
+  say "$dev rc=$?"; tail -8 "$R/$dev.log" | tee -a "$SUM"
+done
 
 bench() { # name args...
   local n=$1; shift

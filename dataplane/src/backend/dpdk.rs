@@ -240,7 +240,6 @@ pub struct DpdkQueue {
     /// Frames the device has sent, handed back to be freed here (a ring
     /// port's peer doing what a NIC's TX completions do).
     completions: Option<Ring>,
-    done: Vec<Option<Mbuf>>,
     handoff_out: Arc<[Ring]>,
     pools: TxPools,
     counters: Arc<ShardCounters>,
@@ -306,7 +305,6 @@ impl DpdkQueue {
             opts,
             handoff_in: handoff[usize::from(lcore)].clone(),
             completions: None,
-            done: Vec::new(),
             handoff_out: handoff,
             pools,
             counters,
@@ -331,7 +329,6 @@ impl DpdkQueue {
     /// of the peer's.
     pub fn with_completions(mut self, ring: Ring) -> DpdkQueue {
         self.completions = Some(ring);
-        self.done = (0..TX_BURST).map(|_| None).collect();
         self
     }
 
@@ -478,11 +475,10 @@ impl PacketIo for DpdkQueue {
         if !self.tx_pending.is_empty() {
             self.flush();
         }
+        // Each dequeue into the batch drops (frees) what the previous one
+        // left there; the hand-off dequeue below drops the last of these.
         if let Some(c) = &self.completions {
-            while c.dequeue_burst(&mut self.done) == TX_BURST {}
-            for m in &mut self.done {
-                *m = None;
-            }
+            while c.dequeue_burst(&mut self.batch) == RX_BURST {}
         }
         let mut total = 0;
         // Packets other lcores received for us first, then our queue.

@@ -542,6 +542,8 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         "dpdk-testpmd is not installed (Debian: apt-get install dpdk-dev; tools/setup.sh installs it)",
     )?;
     let lcores = s.lcores.max(1);
+    // testpmd's EAL --file-prefix, and so its runtime directory's name.
+    let prefix = format!("{}-testpmd", s.ns);
     let cpus: Vec<usize> = core_affinity::get_core_ids()
         .unwrap_or_default()
         .into_iter()
@@ -549,7 +551,7 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         .collect();
     let eal = phub_dataplane::backend::dpdk::start::eal_args(
         &phub_dataplane::app::DpdkOptions {
-            eal: Some(virt::af_packet_eal(lcores, &format!("{}-testpmd", s.ns))),
+            eal: Some(virt::af_packet_eal(lcores, &prefix)),
             ..Default::default()
         },
         Some(lcores),
@@ -567,7 +569,7 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         "--mbuf-size=16512".into(),
         "--total-num-mbufs=8192".into(),
     ]);
-    let stderr = std::env::temp_dir().join(format!("{}-testpmd.err", s.ns));
+    let stderr = std::env::temp_dir().join(format!("{prefix}.err"));
     let err = std::fs::File::create(&stderr).with_context(|| format!("creating {}", stderr.display()))?;
     let mut cmd = if Command::new("stdbuf").arg("--version").output().is_ok() {
         let mut c = Command::new("stdbuf");
@@ -594,7 +596,7 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         child,
         seen,
         stderr,
-        runtime_dir: std::path::Path::new("/var/run/dpdk").join(format!("{}-testpmd", s.ns)),
+        runtime_dir: std::path::Path::new("/var/run/dpdk").join(&prefix),
     };
     tp.wait_for("its port to forward", Duration::from_secs(60), |s| {
         s.forwarding && s.blocks > 0

@@ -356,17 +356,7 @@ pub fn serve_dataplane(args: &[String]) -> Result<()> {
     )
     .map_err(|e| anyhow::anyhow!("{e}"))?;
     cfg.build = format!("phub-bench {}", env!("CARGO_PKG_VERSION"));
-    let app = match phub_dataplane::app::Appliance::start(&cfg) {
-        Ok(a) => a,
-        Err(e) => {
-            phub_dataplane::app::release_process_resources();
-            return Err(e);
-        }
-    };
-    let waited = wait_for_signal();
-    app.shutdown();
-    phub_dataplane::app::release_process_resources();
-    waited
+    phub_dataplane::app::serve(&cfg)
 }
 
 /// `phub-bench serve-control ARGS`: phub-control's program.

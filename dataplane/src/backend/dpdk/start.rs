@@ -10,6 +10,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
 use crossbeam_channel::bounded;
+use phub_ffi::eal::{has_option, NO_HUGEPAGE_FILES};
 use phub_ffi::lcore::{self as eal_lcore, Launched};
 use phub_ffi::{Eal, Mempool, Port, PortBuilder, Ring};
 use phub_proto::api::{LcoreInfo, PortStats};
@@ -139,11 +140,6 @@ fn user_args(d: &DpdkOptions) -> Vec<String> {
     args
 }
 
-fn has_any(args: &[String], names: &[&str]) -> bool {
-    args.iter()
-        .any(|a| names.iter().any(|n| a == n || a.starts_with(&format!("{n}="))))
-}
-
 /// The EAL arguments: the operator's, plus an lcore map when they give
 /// none (main lcore 0 on the CPUs the data lcores do not use, data lcore
 /// i on CPU i-1; all floating over every CPU when there are too few CPUs or
@@ -152,7 +148,7 @@ fn has_any(args: &[String], names: &[&str]) -> bool {
 /// whose other end is a secondary process that needs the shared runtime.
 pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[usize]) -> Vec<String> {
     let mut args = user_args(d);
-    if !has_any(&args, LCORE_OPTS) {
+    if !has_option(&args, LCORE_OPTS) {
         let n = lcores.unwrap_or(cpus.len().saturating_sub(1).max(1));
         let all = if cpus.is_empty() {
             "0".to_string()
@@ -172,7 +168,7 @@ pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[us
         args.push("--lcores".into());
         args.push(map);
     }
-    if d.ring_port.is_none() && !has_any(&args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
+    if d.ring_port.is_none() && !has_option(&args, NO_HUGEPAGE_FILES) {
         args.push("--in-memory".into());
     }
     args
@@ -284,10 +280,11 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         );
     }
     let workers = &workers[..n];
-    let (port_id, mut completions) = match &d.ring_port {
+    let (port_id, completions) = match &d.ring_port {
         Some(name) => ring_port(eal, name, n)?,
         None => (resolve_port(eal, &d.port)?, Vec::new()),
     };
+    let mut completions = completions.into_iter();
     let info = phub_ffi::port::info(eal, port_id).context("the DPDK port")?;
     let socket = info.socket;
     for &l in workers {
@@ -371,7 +368,7 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
     }
     // Whether phub made the lcore map and pinned data lcore i to cpus[i-1].
     let pinned =
-        !has_any(&user_args(d), LCORE_OPTS) && !cfg.no_pin && cpus.len() > n && !phub_ffi_reused(&args);
+        !has_option(&user_args(d), LCORE_OPTS) && !cfg.no_pin && cpus.len() > n && !phub_ffi_reused(&args);
     let slot_memory = Arc::new(DpdkSlotMemory::new(eal, socket));
     let mut lcores = Vec::with_capacity(n);
     let mut infos = Vec::with_capacity(n);
@@ -389,8 +386,8 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
             Arc::clone(&counters),
             qopts,
         );
-        if !completions.is_empty() {
-            q = q.with_completions(completions.remove(0));
+        if let Some(c) = completions.next() {
+            q = q.with_completions(c);
         }
         let (ctx, crx) = bounded(64);
         let stop2 = Arc::clone(stop);
@@ -456,67 +453,16 @@ fn phub_ffi_reused(args: &[String]) -> bool {
 /// directory stays behind). Call after the appliance has shut down. Returns
 /// whether there was an EAL to release.
 pub fn cleanup_eal() -> bool {
-    let (Some(eal), Some(args)) = (phub_ffi::eal::get(), phub_ffi::eal::args()) else {
+    if phub_ffi::eal::get().is_none() {
         return false;
-    };
-    let primary = eal.is_primary();
+    }
     // SAFETY: called by the binary after Appliance::shutdown: the lcores
     // have returned and every port, queue, pool, ring and mbuf has been
     // dropped; nothing uses DPDK afterwards.
     if let Err(e) = unsafe { phub_ffi::eal::cleanup() } {
         log::warn!("DPDK EAL cleanup: {e}");
     }
-    // A runtime other processes can join (a --ring-port's, on hugepages)
-    // keeps its hugepage files after EAL cleanup; its primary made them and
-    // is leaving, so they go (a process still attached keeps its mappings).
-    // A secondary leaves them to the primary.
-    let mounts = std::fs::read_to_string("/proc/mounts").unwrap_or_default();
-    let leftovers = if primary {
-        hugepage_files(&args, &mounts)
-    } else {
-        Vec::new()
-    };
-    for f in leftovers {
-        if let Err(e) = std::fs::remove_file(&f) {
-            log::warn!("hugepage file {}: {e}", f.display());
-        }
-    }
     true
-}
-
-/// The hugepage files the EAL started with `args` leaves behind, given
-/// the system's mount table: none with `--no-huge`, `--in-memory` or
-/// `--huge-unlink`; otherwise `<dir>/<file-prefix>map_*` in `--huge-dir`
-/// or every hugetlbfs mount.
-fn hugepage_files(args: &[String], mounts: &str) -> Vec<std::path::PathBuf> {
-    if has_any(args, &["--no-huge", "--in-memory", "--huge-unlink"]) {
-        return Vec::new();
-    }
-    let value = |name: &str| {
-        args.iter().enumerate().find_map(|(i, a)| {
-            a.strip_prefix(&format!("{name}="))
-                .map(str::to_string)
-                .or_else(|| (a == name).then(|| args.get(i + 1).cloned()).flatten())
-        })
-    };
-    let prefix = value("--file-prefix").unwrap_or_else(|| "rte".into());
-    let dirs: Vec<String> = match value("--huge-dir") {
-        Some(d) => vec![d],
-        None => mounts
-            .lines()
-            .filter_map(|l| {
-                let f: Vec<&str> = l.split_whitespace().collect();
-                (f.len() > 2 && f[2] == "hugetlbfs").then(|| f[1].to_string())
-            })
-            .collect(),
-    };
-    let lead = format!("{prefix}map_");
-    dirs.iter()
-        .filter_map(|d| std::fs::read_dir(d).ok())
-        .flat_map(|rd| rd.flatten())
-        .filter(|e| e.file_name().to_string_lossy().starts_with(&lead))
-        .map(|e| e.path())
-        .collect()
 }
 
 #[cfg(test)]
@@ -549,41 +495,6 @@ mod tests {
         o.ring_port = Some("pb".into());
         let a = eal_args(&o, Some(1), true, &[0, 1]);
         assert_eq!(a, ["--no-pci", "--file-prefix", "gen", "--lcores", "(0-1)@(0,1)"]);
-    }
-
-    #[test]
-    fn hugepage_files_left_behind_are_the_prefixs_own() {
-        let dir = std::env::temp_dir().join(format!("phub-huge-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        for f in ["dpmap_0", "dpmap_12", "othermap_0", "dp_other"] {
-            std::fs::write(dir.join(f), b"").unwrap();
-        }
-        let mounts = format!(
-            "proc /proc proc rw 0 0\nnodev {} hugetlbfs rw 0 0\n",
-            dir.display()
-        );
-        let args = |s: &str| s.split_whitespace().map(str::to_string).collect::<Vec<_>>();
-        let mut got = hugepage_files(&args("--no-pci --file-prefix dp"), &mounts);
-        got.sort();
-        assert_eq!(got, [dir.join("dpmap_0"), dir.join("dpmap_12")]);
-        assert_eq!(
-            hugepage_files(&args("--file-prefix=other"), &mounts),
-            [dir.join("othermap_0")]
-        );
-        let explicit = format!("--file-prefix dp --huge-dir {}", dir.display());
-        assert_eq!(
-            hugepage_files(&args(&explicit), "").len(),
-            2,
-            "--huge-dir without a mount table"
-        );
-        for kept in ["--no-huge", "--in-memory", "--huge-unlink"] {
-            assert!(hugepage_files(&args(&format!("--file-prefix dp {kept}")), &mounts).is_empty());
-        }
-        assert!(
-            hugepage_files(&args("--file-prefix dp"), "").is_empty(),
-            "no hugetlbfs mounted"
-        );
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
