@@ -835,14 +835,11 @@ impl Worker {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()?;
         let dtype = self.spec.dtype;
-        let ce = self.layout.chunk_elems as usize;
         let places = &self.layout.keys[key as usize];
         let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
         let mut chunks = Vec::with_capacity(places.len());
         for (c, place) in places.iter().enumerate() {
-            let len = self.layout.chunk_len(elements as u64, c as u32);
-            let offset = c * ce;
-            let values = payload.map(|p| &p[offset..offset + len as usize]);
+            let (len, values) = self.chunk_values(payload, elements, c);
             if let Some(v) = values {
                 if !regions.write_values(place.lcore, place.slot, v) {
                     // The regions were opened for this layout: not expected.
@@ -884,6 +881,19 @@ impl Worker {
                 dst.copy_from_slice(&values[start..end]);
             }
         }
+    }
+
+    /// Chunk `c` of a key of `elements` elements: its length, and its values
+    /// in `payload` (none for a request that carries no values).
+    fn chunk_values<'p>(
+        &self,
+        payload: Option<&'p [f32]>,
+        elements: usize,
+        c: usize,
+    ) -> (u32, Option<&'p [f32]>) {
+        let len = self.layout.chunk_len(elements as u64, c as u32);
+        let offset = c * self.layout.chunk_elems as usize;
+        (len, payload.map(|p| &p[offset..offset + len as usize]))
     }
 
     /// The key's buffer from its previous request, `len` bytes long (reused
@@ -942,15 +952,10 @@ impl Worker {
         payload: Option<&[f32]>,
     ) -> (Vec<ChunkMsg>, Vec<u8>) {
         let dtype = self.spec.dtype;
-        let ce = self.layout.chunk_elems as usize;
         let places = &self.layout.keys[key as usize];
         let total: usize = (0..places.len())
             .map(|c| {
-                let count = if payload.is_some() {
-                    self.layout.chunk_len(elements as u64, c as u32) as usize
-                } else {
-                    0
-                };
+                let count = self.chunk_values(payload, elements, c).1.map_or(0, <[f32]>::len);
                 HEADER_LEN + count * dtype.size()
             })
             .sum();
@@ -960,9 +965,7 @@ impl Worker {
             .iter()
             .enumerate()
             .map(|(c, place)| {
-                let len = self.layout.chunk_len(elements as u64, c as u32);
-                let offset = c * ce;
-                let values = payload.map(|p| &p[offset..offset + len as usize]);
+                let (len, values) = self.chunk_values(payload, elements, c);
                 let count = values.map_or(0, <[f32]>::len);
                 let bytes = HEADER_LEN + count * dtype.size();
                 let datagram = &mut buf[start..start + bytes];
