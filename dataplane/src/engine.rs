@@ -1202,7 +1202,7 @@ impl<A: Copy + Eq> Shard<A> {
             // What optim::step's mean pass multiplies by, rounded apart from
             // the addition as it is there.
             let scale = match opt {
-                Optimizer::Mean => 1.0f32 / f32::from(workers),
+                Optimizer::Mean => optim::inv_workers(u32::from(workers)),
                 _ => 1.0,
             };
             match (slot.ncontrib, slot.deferred) {

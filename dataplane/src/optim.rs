@@ -66,9 +66,17 @@ unsafe fn step_avx2(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
     step_impl(opt, workers, t, b)
 }
 
+/// What [`step`] multiplies a sum of `workers` contributions by to average
+/// it (the mean's result, and every optimizer's gradient): 1 / W, rounded
+/// once. Paths that fuse the averaging into another pass use it too, so
+/// their results stay bit-identical.
+pub(crate) fn inv_workers(workers: u32) -> f32 {
+    1.0 / workers as f32
+}
+
 #[inline(always)]
 fn step_impl(opt: &Optimizer, workers: u32, t: u32, b: ChunkBufs<'_>) {
-    let inv_w = 1.0f32 / workers as f32;
+    let inv_w = inv_workers(workers);
     match *opt {
         Optimizer::Sum => {}
         Optimizer::Mean => {
