@@ -269,19 +269,20 @@ impl Regions {
         self.lcores.get(usize::from(lcore)).and_then(Option::as_ref)
     }
 
+    /// This rank's staging region of `lcore` and the offset of `slot`'s
+    /// chunk in it, when `len` wire bytes fit a chunk.
+    fn staging_at(&self, lcore: u16, slot: u32, len: usize) -> Option<(&ShmRegion, usize)> {
+        let r = self.lcore(lcore)?;
+        (len <= self.chunk_elems as usize * self.dtype.size())
+            .then(|| (&r.staging.region, slot_offset(slot, self.chunk_elems, self.dtype)))
+    }
+
     /// Copies one chunk's wire bytes into this rank's staging region of
     /// `lcore` at `slot`'s offset; `false` (nothing written) when they do
     /// not fit there.
     pub(crate) fn write_chunk(&self, lcore: u16, slot: u32, wire: &[u8]) -> bool {
-        let Some(r) = self.lcore(lcore) else {
-            return false;
-        };
-        if wire.len() > self.chunk_elems as usize * self.dtype.size() {
-            return false;
-        }
-        r.staging
-            .region
-            .write(slot_offset(slot, self.chunk_elems, self.dtype), wire)
+        self.staging_at(lcore, slot, wire.len())
+            .is_some_and(|(region, at)| region.write(at, wire))
     }
 
     /// Encodes `values` (one chunk) into this rank's staging region of
@@ -307,15 +308,8 @@ impl Regions {
     /// staging region of `lcore` at `slot`'s offset; `false` (nothing read)
     /// when the region has no such slot.
     pub(crate) fn read_staged(&self, lcore: u16, slot: u32, dst: &mut [u8]) -> bool {
-        let Some(r) = self.lcore(lcore) else {
-            return false;
-        };
-        if dst.len() > self.chunk_elems as usize * self.dtype.size() {
-            return false;
-        }
-        r.staging
-            .region
-            .read(slot_offset(slot, self.chunk_elems, self.dtype), dst)
+        self.staging_at(lcore, slot, dst.len())
+            .is_some_and(|(region, at)| region.read(at, dst))
     }
 
     /// Whether the lcore's result region holds a result of `elems`
