@@ -72,6 +72,9 @@ const BACKOFF_SLEEP: Duration = Duration::from_micros(200);
 pub const FRAME_HEADER: usize = L2_L4_LEN + HEADER_LEN;
 const _: () = assert!(FRAME_HEADER == 128);
 
+/// How many frames ahead of the one handled a burst's headers are
+/// prefetched.
+const PREFETCH: usize = 4;
 /// Mbufs taken from a pool per bulk allocation for results.
 const STASH: usize = 32;
 
@@ -248,6 +251,11 @@ pub struct DpdkQueue {
     /// (one bulk call resets them together, overlapping their cache misses).
     headers: Stash,
     indirects: Stash,
+    /// Payload mbufs for the one copy of each result, likewise.
+    payloads: Stash,
+    /// Received (and completed) frames done with in this poll, freed
+    /// together by one bulk call at its end.
+    rx_done: Vec<Mbuf>,
     tx_pending: Vec<Mbuf>,
     stuck_since: Option<Instant>,
     empty_polls: u32,
@@ -289,9 +297,10 @@ impl DpdkQueue {
         opts: QueueOptions,
     ) -> DpdkQueue {
         let (ip_mask, ip_bad, l4_mask, l4_bad) = phub_ffi::port::rx_checksum_flags();
-        let (headers, indirects) = (
+        let (headers, indirects, payloads) = (
             Stash::new(pools.header.clone()),
             Stash::new(pools.indirect.clone()),
+            Stash::new(pools.payload.clone()),
         );
         DpdkQueue {
             lcore,
@@ -311,6 +320,8 @@ impl DpdkQueue {
             batch: (0..RX_BURST).map(|_| None).collect(),
             headers,
             indirects,
+            payloads,
+            rx_done: Vec::with_capacity(2 * RX_BURST),
             tx_pending: Vec::with_capacity(TX_PENDING_MAX),
             stuck_since: None,
             empty_polls: 0,
@@ -360,6 +371,7 @@ impl DpdkQueue {
                 let owner = usize::from(dst_port.wrapping_sub(self.me.base_port));
                 if owner == usize::from(self.lcore) {
                     f(from, &m.data()[payload]);
+                    self.rx_done.push(m);
                 } else if owner < self.handoff_out.len() && !handed_over {
                     self.counters.misrouted.inc();
                     if let Err(m) = self.handoff_out[owner].enqueue(m) {
@@ -475,10 +487,18 @@ impl PacketIo for DpdkQueue {
         if !self.tx_pending.is_empty() {
             self.flush();
         }
-        // Each dequeue into the batch drops (frees) what the previous one
-        // left there; the hand-off dequeue below drops the last of these.
+        // Frames handed back once sent, then frames handled, are freed in
+        // bulk (single frees were 4% of a busy lcore over a ring port).
         if let Some(c) = &self.completions {
-            while c.dequeue_burst(&mut self.batch) == RX_BURST {}
+            loop {
+                let n = c.dequeue_burst(&mut self.batch);
+                self.rx_done
+                    .extend(self.batch[..n].iter_mut().filter_map(Option::take));
+                mbuf::free_bulk(&mut self.rx_done);
+                if n < RX_BURST {
+                    break;
+                }
+            }
         }
         let mut total = 0;
         // Packets other lcores received for us first, then our queue.
@@ -490,12 +510,22 @@ impl PacketIo for DpdkQueue {
         }
         total += n;
         let n = self.rx.rx_burst(&mut self.batch);
+        // The burst's mbufs, then each frame's headers PREFETCH frames
+        // ahead of its turn, are asked for before they are read (their
+        // first touches missed the cache: 5% of a busy lcore).
+        for m in self.batch[..n].iter().flatten() {
+            m.prefetch_header();
+        }
         for i in 0..n {
+            if let Some(Some(ahead)) = self.batch.get(i + PREFETCH).filter(|_| i + PREFETCH < n) {
+                ahead.prefetch(2);
+            }
             if let Some(m) = self.batch[i].take() {
                 self.process(m, false, f);
             }
         }
         total += n;
+        mbuf::free_bulk(&mut self.rx_done);
         if total == 0 {
             self.backoff(wait);
         } else {
@@ -514,9 +544,8 @@ impl PacketIo for DpdkQueue {
             // shares it through an indirect mbuf.
             let shared = if self.opts.chains && !t.payload.is_empty() {
                 let copied = self
-                    .pools
-                    .payload
-                    .alloc()
+                    .payloads
+                    .take()
                     .and_then(|mut p| p.extend_from_slice(t.payload).then_some(p));
                 match copied {
                     Some(p) => Some(p),

@@ -57,17 +57,17 @@ fn be16(b: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([b[at], b[at + 1]])
 }
 
-/// The Internet checksum of `data` (even length assumed by callers here:
-/// IPv4 headers).
+/// The Internet checksum (RFC 1071) of `data`: IPv4 headers here. Summed
+/// four bytes at a time (one's-complement sums fold 32-bit words as well as
+/// 16-bit ones); an odd last byte is padded with zero.
 pub fn ip_checksum(data: &[u8]) -> u16 {
-    let mut sum: u32 = 0;
-    for c in data.chunks(2) {
-        let w = if c.len() == 2 {
-            u16::from_be_bytes([c[0], c[1]])
-        } else {
-            u16::from_be_bytes([c[0], 0])
-        };
-        sum += u32::from(w);
+    let mut sum: u64 = 0;
+    let mut words = data.chunks_exact(4);
+    for w in &mut words {
+        sum += u64::from(u32::from_be_bytes([w[0], w[1], w[2], w[3]]));
+    }
+    for c in words.remainder().chunks(2) {
+        sum += u64::from(u16::from_be_bytes([c[0], c.get(1).copied().unwrap_or(0)]));
     }
     while sum >> 16 != 0 {
         sum = (sum & 0xffff) + (sum >> 16);
@@ -353,6 +353,41 @@ mod tests {
             parse(&f, &opts()),
             Err(NetDrop::ArpNotForUs),
             "a reply is not a request"
+        );
+    }
+
+    #[test]
+    fn checksum_matches_the_sum_of_16_bit_words() {
+        // RFC 1071's definition, one 16-bit word at a time, against the
+        // four-byte sums, over every length up to 64 (odd ones padded).
+        fn reference(d: &[u8]) -> u16 {
+            let mut s: u32 = 0;
+            for c in d.chunks(2) {
+                s += u32::from(u16::from_be_bytes([c[0], c.get(1).copied().unwrap_or(0)]));
+            }
+            while s >> 16 != 0 {
+                s = (s & 0xffff) + (s >> 16);
+            }
+            !(s as u16)
+        }
+        let mut x: u32 = 0x9e37_79b9;
+        for len in 0..=64 {
+            for fill in [None, Some(0xffu8), Some(0)] {
+                let d: Vec<u8> = (0..len)
+                    .map(|_| {
+                        x ^= x << 13;
+                        x ^= x >> 17;
+                        x ^= x << 5;
+                        fill.unwrap_or(x as u8)
+                    })
+                    .collect();
+                assert_eq!(ip_checksum(&d), reference(&d), "len {len}, {d:?}");
+            }
+        }
+        // RFC 1071's worked example: words 0001 f203 f4f5 f6f7 sum to ddf2.
+        assert_eq!(
+            ip_checksum(&[0x00, 0x01, 0xf2, 0x03, 0xf4, 0xf5, 0xf6, 0xf7]),
+            !0xddf2
         );
     }
 
