@@ -162,6 +162,8 @@ fn bindings(cflags: &[&str]) -> Result<bindgen::Bindings, bindgen::BindgenError>
         "SOCKET_ID_ANY",
         "RING_F_.*",
         "RTE_ETHDEV_QUEUE_STAT_CNTRS",
+        "RTE_MBUF_F_INDIRECT",
+        "RTE_MBUF_F_EXTERNAL",
     ];
     let mut b = bindgen::Builder::default()
         .header("wrapper.h")

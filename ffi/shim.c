@@ -33,11 +33,7 @@ void *phub_mtod(struct rte_mbuf *m) { return rte_pktmbuf_mtod(m, void *); }
 char *phub_pktmbuf_append(struct rte_mbuf *m, uint16_t len) { return rte_pktmbuf_append(m, len); }
 void phub_pktmbuf_attach(struct rte_mbuf *mi, struct rte_mbuf *m) { rte_pktmbuf_attach(mi, m); }
 int phub_pktmbuf_chain(struct rte_mbuf *head, struct rte_mbuf *tail) { return rte_pktmbuf_chain(head, tail); }
-/* Acquire: a reader that sees the count drop to 1 also sees every access
- * the releasing owners made to the data before they let go. */
-uint16_t phub_mbuf_refcnt_read(const struct rte_mbuf *m) { return __atomic_load_n(&m->refcnt, __ATOMIC_ACQUIRE); }
 uint16_t phub_mbuf_refcnt_update(struct rte_mbuf *m, int16_t v) { return rte_mbuf_refcnt_update(m, v); }
-int phub_mbuf_is_direct(const struct rte_mbuf *m) { return RTE_MBUF_DIRECT(m) ? 1 : 0; }
 uint16_t phub_pktmbuf_tailroom(const struct rte_mbuf *m) { return rte_pktmbuf_tailroom(m); }
 uint16_t phub_pktmbuf_data_room_size(struct rte_mempool *mp) { return rte_pktmbuf_data_room_size(mp); }
 

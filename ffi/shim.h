@@ -20,9 +20,7 @@ void *phub_mtod(struct rte_mbuf *m);
 char *phub_pktmbuf_append(struct rte_mbuf *m, uint16_t len);
 void phub_pktmbuf_attach(struct rte_mbuf *mi, struct rte_mbuf *m);
 int phub_pktmbuf_chain(struct rte_mbuf *head, struct rte_mbuf *tail);
-uint16_t phub_mbuf_refcnt_read(const struct rte_mbuf *m);
 uint16_t phub_mbuf_refcnt_update(struct rte_mbuf *m, int16_t v);
-int phub_mbuf_is_direct(const struct rte_mbuf *m);
 uint16_t phub_pktmbuf_tailroom(const struct rte_mbuf *m);
 uint16_t phub_pktmbuf_data_room_size(struct rte_mempool *mp);
 

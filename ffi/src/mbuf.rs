@@ -11,6 +11,7 @@
 //! handed out mutably ([`Mbuf::data_mut`] checks).
 
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU16, Ordering};
 
 use crate::mempool::Mempool;
 use crate::sys;
@@ -141,14 +142,19 @@ impl Mbuf {
 
     /// References to this mbuf's buffer (1 unless shared).
     pub fn refcnt(&self) -> u16 {
-        // SAFETY: valid mbuf.
-        unsafe { sys::phub_mbuf_refcnt_read(self.as_ptr()) }
+        // Read here rather than through a C call (the fast path asks for it
+        // per result frame). Acquire: a reader that sees the count drop to 1
+        // also sees every access the releasing owners made to the data
+        // before they let go.
+        // SAFETY: valid mbuf; its refcnt is an aligned u16 that DPDK only
+        // ever updates atomically, as the atomic view here reads it.
+        unsafe { AtomicU16::from_ptr(std::ptr::addr_of_mut!((*self.as_ptr()).refcnt)).load(Ordering::Acquire) }
     }
 
     /// Whether this mbuf owns its buffer (not indirect or external).
     pub fn is_direct(&self) -> bool {
-        // SAFETY: valid mbuf.
-        unsafe { sys::phub_mbuf_is_direct(self.as_ptr()) != 0 }
+        // RTE_MBUF_DIRECT, read here rather than through a C call.
+        self.ol_flags() & (sys::RTE_MBUF_F_INDIRECT | sys::RTE_MBUF_F_EXTERNAL) == 0
     }
 
     /// The first segment's data.
