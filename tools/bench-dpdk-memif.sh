@@ -47,6 +47,7 @@
 #
 #   tools/bench-dpdk-memif.sh                      # 8 KiB and 1 KiB, 3 runs each
 #   DEVICE=ring tools/bench-dpdk-memif.sh          # the same over a ring port
+#   DEVICE=ring CHECKSUMS=1 tools/bench-dpdk-memif.sh   # pushes with UDP checksums (verified in software)
 #   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
 #   LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 NO_BUILD=1 tools/bench-dpdk-memif.sh   # on more CPUs
 #
@@ -72,6 +73,9 @@ HUGEPAGES=${HUGEPAGES:-512}
 RING=phubbench
 COMPLETIONS=${COMPLETIONS:-1}
 DIRECT=${DIRECT:-1}
+# CHECKSUMS=1: pushes carry UDP checksums, which the dataplane verifies in
+# software (neither a ring port nor memif checks them): what that costs.
+CHECKSUMS=${CHECKSUMS:-0}
 SOCK=${SOCK:-/run/phub-bench-memif.sock}
 MGMT=${MGMT:-127.0.0.1:7877}
 DP_PREFIX=phub-memif-dp
@@ -149,6 +153,7 @@ generator() { # peer chunk log
   [ "$DEVICE" != ring ] || attach=(--ring "$RING" --file-prefix "$DP_PREFIX")
   [ "$DEVICE" != ring ] || [ "$COMPLETIONS" = 0 ] || attach+=(--ring-completions)
   [ "$DEVICE" != ring ] || [ "$DIRECT" = 0 ] || attach+=(--ring-direct)
+  [ "$CHECKSUMS" = 0 ] || attach+=(--udp-checksums)
   [ "$DEVICE" != ring ] || attach+=(--kernel-cpu "$LCORE_CPU")
   taskset -c "$GEN_CPU" "$GEN" --peer "$1" --chunk "$2" --seconds "$SECS" --kernel-seconds "$SECS" --pairs "$PAIRS" --rt-priority "${RT:-0}" \
     --slots "$SLOTS" --mgmt "$MGMT" --cpu "$GEN_CPU" "${attach[@]}" >"$3" 2>&1 \
@@ -208,7 +213,7 @@ if [ "$DEVICE" = ring ]; then
     [ "$(cat /proc/sys/vm/nr_hugepages)" -ge "$HUGEPAGES" ] || { echo "could not get $HUGEPAGES hugepages" >&2; exit 1; }
   fi
 fi
-echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')$([ "$DEVICE" = ring ] && [ "$DIRECT" != 0 ] && echo ', pushes are the template mbufs')"
+echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')$([ "$DEVICE" = ring ] && [ "$DIRECT" != 0 ] && echo ', pushes are the template mbufs')$([ "$CHECKSUMS" != 0 ] && echo ', pushes carry UDP checksums (verified in software)')"
 echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit ${COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes')}, logs in $LOGS"
 echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
 rows=()

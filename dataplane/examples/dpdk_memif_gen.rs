@@ -128,6 +128,12 @@ struct Args {
     /// instead of freeing them here.
     #[arg(long)]
     ring_completions: bool,
+    /// Pushes carry UDP checksums (kept right as rounds are rewritten),
+    /// for a dataplane that verifies them in software (a ring port or
+    /// memif: devices that do not): what that costs. Without it pushes
+    /// carry none (0), as with a NIC that checks them.
+    #[arg(long)]
+    udp_checksums: bool,
     /// With --ring: send each template mbuf itself (references reserved in
     /// advance) instead of an indirect mbuf per push, pacing by results: no
     /// mbuf cache line written per push, as with a NIC.
@@ -513,7 +519,7 @@ fn main() -> Result<()> {
         f64::NAN
     };
 
-    let mut generator = Generator::new(&frames, indirect, a.slots, &vals);
+    let mut generator = Generator::new(&frames, indirect, a.slots, &vals, a.udp_checksums);
     if a.ring_direct && a.ring.is_none() {
         bail!("--ring-direct needs --ring");
     }

@@ -81,6 +81,7 @@ fn main() {
         Arc::clone(&counters),
         QueueOptions {
             check_ip_checksum: true,
+            check_udp_checksum: true,
             nic_checksums: false,
             chains: true,
             idle_backoff: false,
@@ -126,7 +127,7 @@ fn main() {
             }
         }
     }
-    let mut generator = Generator::new(&frames, ind, S, &vals);
+    let mut generator = Generator::new(&frames, ind, S, &vals, false);
     while counters.rounds_completed.get() < S as u64 {
         drain_tx(&tx);
     }

@@ -85,6 +85,7 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
         Arc::clone(&counters),
         QueueOptions {
             check_ip_checksum: true,
+            check_udp_checksum: true,
             nic_checksums: false,
             chains: true,
             idle_backoff: false,

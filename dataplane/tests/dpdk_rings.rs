@@ -142,13 +142,32 @@ fn push_frame(rank: u16, repr: &Repr, vals: &[f32]) -> Vec<u8> {
     let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
     repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
     kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
-    frame::udp_frame(&worker(rank), [2, 0, 0, 0, 0, 1], APPLIANCE, BASE, &b)
+    with_udp_checksum(frame::udp_frame(
+        &worker(rank),
+        [2, 0, 0, 0, 0, 1],
+        APPLIANCE,
+        BASE,
+        &b,
+    ))
+}
+
+/// Fills in a frame's UDP checksum, as a kernel sender on a NIC does (a
+/// ring port checks none, so the dataplane verifies them in software).
+fn with_udp_checksum(mut f: Vec<u8>) -> Vec<u8> {
+    let (src, dst) = (
+        Ipv4Addr::new(f[26], f[27], f[28], f[29]),
+        Ipv4Addr::new(f[30], f[31], f[32], f[33]),
+    );
+    f[40..42].copy_from_slice(&[0, 0]);
+    let c = frame::udp_checksum(src, dst, &f[34..]);
+    f[40..42].copy_from_slice(&c.to_be_bytes());
+    f
 }
 
 /// Rewrites the UDP destination port of a frame built by push_frame.
 fn to_port(mut f: Vec<u8>, port: u16) -> Vec<u8> {
     f[36..38].copy_from_slice(&port.to_be_bytes());
-    f
+    with_udp_checksum(f)
 }
 
 /// A result frame: (worker it went to, header, payload as f32).
@@ -161,6 +180,7 @@ fn read_result(m: &Mbuf) -> (u16, Repr, Vec<f32>) {
         &ParseOptions {
             ip: dst_ip,
             check_ip_checksum: true,
+            check_udp_checksum: true,
         },
     )
     .expect("a well-formed frame");
@@ -327,6 +347,10 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     );
     let mut bad_magic = good.clone();
     bad_magic[42] = b'X';
+    let bad_magic = with_udp_checksum(bad_magic);
+    // A bit flipped on the way: the UDP checksum no longer verifies.
+    let mut flipped = good.clone();
+    flipped[200] ^= 0x10;
     for f in [
         &not_ip,
         &bad_sum,
@@ -334,6 +358,7 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
         &short_udp,
         &other_host,
         &bad_magic,
+        &flipped,
         &good[..20].to_vec(),
     ] {
         rig.inject(0, f);
@@ -360,6 +385,7 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
         "bad_udp_length",
         "not_our_address",
         "bad_magic",
+        "bad_udp_checksum",
         "bad_ip_header",
         "arp_not_for_us",
     ] {

@@ -148,7 +148,9 @@ impl Mbuf {
         // before they let go.
         // SAFETY: valid mbuf; its refcnt is an aligned u16 that DPDK only
         // ever updates atomically, as the atomic view here reads it.
-        unsafe { AtomicU16::from_ptr(std::ptr::addr_of_mut!((*self.as_ptr()).refcnt)).load(Ordering::Acquire) }
+        unsafe {
+            AtomicU16::from_ptr(std::ptr::addr_of_mut!((*self.as_ptr()).refcnt)).load(Ordering::Acquire)
+        }
     }
 
     /// Whether this mbuf owns its buffer (not indirect or external).

@@ -128,9 +128,10 @@ pub(crate) struct Generator {
     /// [`Generator::round_direct`]: references to each template taken in
     /// advance.
     shares: Vec<Option<Shares>>,
-    /// Where each template's round field is, so that rewriting it reads no
-    /// mbuf field (a cache line the receiver writes when it frees a push).
-    round_fields: Vec<std::ptr::NonNull<[u8; 4]>>,
+    /// Where each template's round field (and UDP checksum, when it has
+    /// one) is, so that rewriting it reads no mbuf field (a cache line the
+    /// receiver writes when it frees a push).
+    round_fields: Vec<RoundField>,
     indirect: Mempool,
     batch: Vec<Mbuf>,
     round: u32,
@@ -138,18 +139,68 @@ pub(crate) struct Generator {
     pub(crate) waits: u64,
 }
 
+/// A template's round field and, if it carries one, its UDP checksum.
+struct RoundField {
+    round: std::ptr::NonNull<[u8; 4]>,
+    sum: Option<std::ptr::NonNull<[u8; 2]>>,
+}
+
+/// Where a frame's UDP checksum field is.
+const UDP_SUM_AT: usize = frame::ETH_LEN + frame::IPV4_LEN + 6;
+
+impl RoundField {
+    /// Writes `round` into the template's round field and, if the frame
+    /// carries a UDP checksum, updates it for the two 16-bit words that
+    /// changed (RFC 1624: HC' = ~(~HC + ~m + m')), so that it still
+    /// verifies; the round field starts at an even offset of the datagram.
+    ///
+    /// # Safety
+    ///
+    /// The template's frame is alive and nobody else reads or writes it
+    /// meanwhile (no push of it is in flight).
+    unsafe fn set(&self, round: u32) {
+        // SAFETY: per the contract; both fields are byte arrays (align 1)
+        // inside the template's frame.
+        let (at, sum) = unsafe { (&mut *self.round.as_ptr(), self.sum.map(|p| &mut *p.as_ptr())) };
+        let new = round.to_le_bytes();
+        if let Some(sum) = sum {
+            let word = |b: &[u8; 4], i: usize| u32::from(u16::from_be_bytes([b[i], b[i + 1]]));
+            let mut x = u32::from(!u16::from_be_bytes(*sum));
+            for i in [0, 2] {
+                x += (!word(at, i) & 0xffff) + word(&new, i);
+            }
+            while x >> 16 != 0 {
+                x = (x & 0xffff) + (x >> 16);
+            }
+            let c = !(x as u16);
+            *sum = (if c == 0 { 0xffff } else { c }).to_be_bytes();
+        }
+        *at = new;
+    }
+}
+
 impl Generator {
     /// Templates for `slots` slots from `frames` (data room for a whole
-    /// frame), pushes from `indirect`.
-    pub(crate) fn new(frames: &Mempool, indirect: Mempool, slots: usize, vals: &[f32]) -> Generator {
+    /// frame), pushes from `indirect`; with `udp_checksums` each carries a
+    /// UDP checksum (0 otherwise: none), kept right as rounds are
+    /// rewritten, for a receiver that verifies them in software.
+    pub(crate) fn new(
+        frames: &Mempool,
+        indirect: Mempool,
+        slots: usize,
+        vals: &[f32],
+        udp_checksums: bool,
+    ) -> Generator {
         let mut templates = (0..slots)
             .flat_map(|s| (0..W).map(move |r| (s, r)))
             .map(|(s, r)| {
+                let mut f = push(s, r, 1, vals);
+                if udp_checksums {
+                    let c = frame::udp_checksum(from(r).ip, US, &f[frame::ETH_LEN + frame::IPV4_LEN..]);
+                    f[UDP_SUM_AT..UDP_SUM_AT + 2].copy_from_slice(&c.to_be_bytes());
+                }
                 let mut m = frames.alloc().expect("an mbuf for a template frame");
-                assert!(
-                    m.extend_from_slice(&push(s, r, 1, vals)),
-                    "a template fits its mbuf"
-                );
+                assert!(m.extend_from_slice(&f), "a template fits its mbuf");
                 m
             })
             .collect::<Vec<Mbuf>>();
@@ -157,7 +208,12 @@ impl Generator {
             .iter_mut()
             .map(|m| {
                 let d = m.data_mut().expect("a fresh template is ours alone");
-                std::ptr::NonNull::from(&mut d[ROUND_AT..ROUND_AT + 4]).cast::<[u8; 4]>()
+                RoundField {
+                    round: std::ptr::NonNull::from(&mut d[ROUND_AT..ROUND_AT + 4]).cast::<[u8; 4]>(),
+                    sum: udp_checksums.then(|| {
+                        std::ptr::NonNull::from(&mut d[UDP_SUM_AT..UDP_SUM_AT + 2]).cast::<[u8; 2]>()
+                    }),
+                }
             })
             .collect();
         Generator {
@@ -182,17 +238,14 @@ impl Generator {
     /// batched so far (perhaps nothing), while a template is in flight.
     pub(crate) fn round(&mut self, send: &mut impl FnMut(&mut Vec<Mbuf>)) {
         let round = self.round;
-        for tm in self.templates.iter_mut() {
-            let d = loop {
-                match tm.data_mut() {
-                    Some(d) => break d,
-                    None => {
-                        self.waits += 1;
-                        send(&mut self.batch);
-                    }
-                }
-            };
-            d[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+        for (tm, field) in self.templates.iter_mut().zip(&self.round_fields) {
+            while tm.data_mut().is_none() {
+                self.waits += 1;
+                send(&mut self.batch);
+            }
+            // SAFETY: the template is ours alone (refcount 1, just checked)
+            // and lives as long as self.templates.
+            unsafe { field.set(round) };
             self.batch
                 .push(Mbuf::indirect(&self.indirect, tm).expect("indirect mbufs"));
             if self.batch.len() == BURST {
@@ -217,17 +270,30 @@ impl Generator {
             k.handle(from(0), &f[L2_L4..], 1);
         }
         k.clear_transmits();
-        let mut frames: Vec<&mut [u8]> = self
+        // Each frame's address and length, found once (reading them from
+        // the mbuf per push would add a cache line the dataplane's pushes
+        // do not cost the engine).
+        let frames: Vec<(std::ptr::NonNull<u8>, usize)> = self
             .templates
             .iter_mut()
-            .map(|t| t.data_mut().expect("no push of a template in flight"))
+            .map(|t| {
+                let d = t.data_mut().expect("no push of a template in flight");
+                (std::ptr::NonNull::from(&mut d[0]), d.len())
+            })
             .collect();
         let t = Instant::now();
         let mut kp = 0u64;
         let mut round = 1u32;
         while t.elapsed().as_secs_f64() < secs {
-            for (i, f) in frames.iter_mut().enumerate() {
-                f[ROUND_AT..ROUND_AT + 4].copy_from_slice(&round.to_le_bytes());
+            for (i, &(p, len)) in frames.iter().enumerate() {
+                // SAFETY: no push of any template is in flight (checked
+                // above; none is sent until this returns), so the frames are
+                // ours alone, alive as long as self.templates; the field is
+                // written before the frame is read, never while.
+                let f = unsafe {
+                    self.round_fields[i].set(round);
+                    std::slice::from_raw_parts(p.as_ptr(), len)
+                };
                 k.handle(from((i % usize::from(W)) as u16), &f[L2_L4..], 1);
                 kp += 1;
                 if i % usize::from(W) == usize::from(W) - 1 {
@@ -267,7 +333,7 @@ impl Generator {
             // lives (and does not move) as long as self.templates; the
             // template's previous push (the only other reader) was freed
             // before its slot's results came back, which `done` counted.
-            unsafe { self.round_fields[i].as_ptr().write_unaligned(round.to_le_bytes()) };
+            unsafe { self.round_fields[i].set(round) };
             let sh = &mut self.shares[i];
             if sh.as_ref().is_none_or(|s| s.left() == 0) {
                 *sh = Some(tm.reserve(RESERVE).expect("template references"));

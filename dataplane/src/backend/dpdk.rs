@@ -225,6 +225,9 @@ pub fn handoff_rings(eal: Eal, lcores: usize, socket: Option<u32>) -> phub_ffi::
 pub struct QueueOptions {
     /// Check IPv4 header checksums in software (the NIC does not).
     pub check_ip_checksum: bool,
+    /// Check UDP checksums in software (the NIC does not; see
+    /// [`frame`]'s documentation for what passes unverified).
+    pub check_udp_checksum: bool,
     /// Drop frames the NIC flagged with a bad IPv4 or UDP checksum.
     pub nic_checksums: bool,
     /// Send results as header + shared payload chains (the port takes
@@ -313,6 +316,7 @@ impl DpdkQueue {
             parse: ParseOptions {
                 ip: me.ip,
                 check_ip_checksum: opts.check_ip_checksum,
+                check_udp_checksum: opts.check_udp_checksum,
             },
             opts,
             handoff_in: handoff[usize::from(lcore)].clone(),

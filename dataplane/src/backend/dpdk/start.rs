@@ -342,6 +342,7 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
     let offl = port.offloads();
     let qopts = QueueOptions {
         check_ip_checksum: !offl.rx_ipv4_cksum,
+        check_udp_checksum: !offl.rx_udp_cksum,
         nic_checksums: offl.rx_ipv4_cksum || offl.rx_udp_cksum,
         // The ring PMD passes mbufs through as they are, chains included.
         chains: offl.tx_multi_segs || info.driver == "net_ring",
