@@ -47,6 +47,7 @@
 #
 #   tools/bench-dpdk-memif.sh                      # 8 KiB and 1 KiB, 3 runs each
 #   DEVICE=ring tools/bench-dpdk-memif.sh          # the same over a ring port
+#   DEVICE=ring RUNS=3 PAIRS=40 SECS=0.25 CHUNKS=8192 tools/bench-dpdk-memif.sh   # the steadiest ratio
 #   DEVICE=ring CHECKSUMS=1 tools/bench-dpdk-memif.sh   # pushes with UDP checksums (verified in software)
 #   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
 #   LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 NO_BUILD=1 tools/bench-dpdk-memif.sh   # on more CPUs

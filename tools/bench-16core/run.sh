@@ -83,7 +83,7 @@ for dev in memif ring; do
   stamp "$dev"
   case $dev in
     memif) secs=3 pairs=1 ;;
-    ring) secs=1 pairs=${RING_PAIRS:-10} ;;
+    ring) secs=0.25 pairs=${RING_PAIRS:-40} ;;
   esac
   RT=${RT-} NO_BUILD=1 GEN="$ROOT/bin/dpdk_memif_gen" DP="$ROOT/bin/phub-dataplane" COMMIT="${COMMIT:-?}" \
     DEVICE=$dev LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 RUNS=${MEMIF_RUNS:-2} SECS=$secs PAIRS=$pairs \
