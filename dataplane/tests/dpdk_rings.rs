@@ -183,10 +183,11 @@ fn read_result(m: &Mbuf) -> (u16, Repr, Vec<f32>) {
             check_udp_checksum: true,
         },
     )
-    .expect("a well-formed frame");
+    .expect("a well-formed frame, its UDP checksum verified");
     let Frame::Udp { from, payload, .. } = parsed else {
         panic!("not UDP")
     };
+    assert_ne!(&bytes[40..42], &[0, 0], "results carry a UDP checksum");
     assert_eq!(from.ip, APPLIANCE);
     assert_eq!(&bytes[0..6], &worker(rank).mac, "sent to the worker's MAC");
     let (repr, p) = wire::parse(&bytes[payload]).unwrap();

@@ -5,7 +5,9 @@
 //! appliance, an ARP request to answer, or a [`NetDrop`] reason, without
 //! panicking or allocating. Sent frames get their headers from
 //! [`write_udp_headers`]; the IPv4 checksum is computed here (20 bytes),
-//! the UDP checksum is left 0 (allowed for IPv4).
+//! and the UDP checksum by [`set_udp_checksum`] from the payload's sum,
+//! which the caller takes once per result ([`payload_sum`]) however many
+//! destinations share it.
 //!
 //! Received UDP checksums are verified here when asked
 //! ([`ParseOptions::check_udp_checksum`]: the device does not): 0 means the
@@ -159,6 +161,39 @@ pub fn udp_checksum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
         0 => 0xffff,
         c => c,
     }
+}
+
+/// The one's-complement sum of a datagram's UDP payload given in two parts
+/// (phub header, then values), for [`set_udp_checksum`]: computed once per
+/// result and shared by every destination's frame. `head` has an even
+/// length, so `tail`'s 16-bit words stay whole.
+pub fn payload_sum(head: &[u8], tail: &[u8]) -> u16 {
+    debug_assert!(
+        head.len().is_multiple_of(2),
+        "an odd head would shift the tail's words"
+    );
+    fold(u64::from(ones_sum(head)) + u64::from(ones_sum(tail)))
+}
+
+/// Fills in the UDP checksum of the headers [`write_udp_headers`] wrote
+/// into `out`, for a payload whose one's-complement sum is `payload`
+/// ([`payload_sum`]): the pseudo-header and the UDP header are summed
+/// here, the payload is not read again.
+pub fn set_udp_checksum(out: &mut [u8; L2_L4_LEN], payload: u16) {
+    let udp = ETH_LEN + IPV4_LEN;
+    out[udp + 6..udp + 8].copy_from_slice(&[0, 0]);
+    let len = usize::from(be16(out, udp + 4));
+    let sum = pseudo_header_sum(
+        &out[ETH_LEN + 12..ETH_LEN + 16],
+        &out[ETH_LEN + 16..ETH_LEN + 20],
+        len,
+    ) + u64::from(ones_sum(&out[udp..]))
+        + u64::from(payload);
+    let c = match !fold(sum) {
+        0 => 0xffff,
+        c => c,
+    };
+    out[udp + 6..udp + 8].copy_from_slice(&c.to_be_bytes());
 }
 
 /// Whether a received UDP datagram's checksum field is acceptable: none
@@ -538,6 +573,37 @@ mod tests {
         // pseudo 17 + 8, header length 8: 33; make the port field cancel it.
         zero[0..2].copy_from_slice(&(0xffffu16 - 33).to_be_bytes());
         assert_eq!(udp_checksum(a, b, &zero), 0xffff);
+    }
+
+    #[test]
+    fn a_result_checksum_from_the_payloads_sum_verifies() {
+        // Header and values summed once, then each destination's headers:
+        // the same field as summing the whole datagram, and it verifies.
+        let head: Vec<u8> = (0..86u32).map(|i| (i * 3 + 1) as u8).collect();
+        for n in [0usize, 1, 2, 1000, 8192] {
+            let vals: Vec<u8> = (0..n as u32).map(|i| (i * 11 + 5) as u8).collect();
+            let mut payload = head.clone();
+            payload.extend_from_slice(&vals);
+            let whole = udp_frame(&peer(), MAC, US, 7000, &payload);
+            let mut h = [0u8; L2_L4_LEN];
+            h.copy_from_slice(&whole[..L2_L4_LEN]);
+            set_udp_checksum(&mut h, payload_sum(&head, &vals));
+            let field = u16::from_be_bytes([h[40], h[41]]);
+            assert_eq!(
+                field,
+                udp_checksum(peer().ip, US, &whole[ETH_LEN + IPV4_LEN..]),
+                "{n} bytes"
+            );
+            let mut f = h.to_vec();
+            f.extend_from_slice(&payload);
+            assert!(parse(&f, &opts()).is_ok(), "{n} bytes: verifies");
+            f[L2_L4_LEN + 90.min(payload.len() - 1)] ^= 4;
+            assert_eq!(
+                parse(&f, &opts()),
+                Err(NetDrop::BadUdpChecksum),
+                "{n} bytes: a flipped bit"
+            );
+        }
     }
 
     #[test]
