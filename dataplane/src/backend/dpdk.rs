@@ -239,6 +239,17 @@ pub struct QueueOptions {
     pub idle_backoff: bool,
 }
 
+/// A NIC's receive-checksum verdict from an mbuf's offload flags `fl`, for
+/// one checksum's `mask` and its `bad` value: `Some(false)` bad,
+/// `Some(true)` good (or "not right in the packet, but the data is", which
+/// DPDK flags as both bits), `None` unknown (the NIC did not check it).
+fn nic_verdict(fl: u64, mask: u64, bad: u64) -> Option<bool> {
+    match fl & mask {
+        0 => None,
+        v => Some(v != bad),
+    }
+}
+
 /// One lcore's RX/TX queue pair on a DPDK port.
 pub struct DpdkQueue {
     lcore: u16,
@@ -366,13 +377,21 @@ impl DpdkQueue {
                 payload,
             }) => {
                 if self.opts.nic_checksums {
+                    // The NIC's verdict; where it has none for a checksum
+                    // parse left to it, the check is done here.
                     let fl = m.ol_flags();
                     let o = self.ol_masks;
-                    if fl & o.ip_mask == o.ip_bad {
+                    let ip_ok = nic_verdict(fl, o.ip_mask, o.ip_bad).unwrap_or_else(|| {
+                        self.parse.check_ip_checksum || frame::ip_checksum_verifies(m.data())
+                    });
+                    if !ip_ok {
                         self.counters.count_net_drop(NetDrop::BadIpChecksum);
                         return;
                     }
-                    if fl & o.l4_mask == o.l4_bad {
+                    let udp_ok = nic_verdict(fl, o.l4_mask, o.l4_bad).unwrap_or_else(|| {
+                        self.parse.check_udp_checksum || frame::udp_checksum_verifies(m.data(), &payload)
+                    });
+                    if !udp_ok {
                         self.counters.count_net_drop(NetDrop::BadUdpChecksum);
                         return;
                     }
@@ -592,5 +611,30 @@ impl Drop for DpdkQueue {
     fn drop(&mut self) {
         // Give what is still pending one last chance, then free it (Vec drop).
         self.flush();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::nic_verdict;
+
+    #[test]
+    fn the_nics_checksum_verdicts() {
+        // DPDK's own values for both checksums: unknown 0, bad, good, none.
+        for (mask, bad) in [phub_ffi::port::rx_checksum_flags()]
+            .iter()
+            .flat_map(|&(im, ib, lm, lb)| [(im, ib), (lm, lb)])
+        {
+            assert_eq!(nic_verdict(0, mask, bad), None, "unknown");
+            assert_eq!(nic_verdict(bad, mask, bad), Some(false), "bad");
+            let good = mask & !bad;
+            assert_ne!(good, 0);
+            assert_eq!(
+                nic_verdict(good | (1 << 63), mask, bad),
+                Some(true),
+                "good, other flags ignored"
+            );
+            assert_eq!(nic_verdict(mask, mask, bad), Some(true), "none: data verified");
+        }
     }
 }

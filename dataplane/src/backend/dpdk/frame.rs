@@ -279,6 +279,22 @@ pub fn parse(f: &[u8], opts: &ParseOptions) -> Result<Frame, NetDrop> {
     })
 }
 
+/// Whether the IPv4 header checksum of a frame [`parse`] accepted verifies
+/// (for frames whose NIC checks them but left this one unchecked).
+pub fn ip_checksum_verifies(f: &[u8]) -> bool {
+    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
+    ip_checksum(&f[ETH_LEN..ETH_LEN + ihl]) == 0
+}
+
+/// Whether the UDP checksum of a frame [`parse`] accepted as
+/// [`Frame::Udp`] with `payload` is acceptable (as when
+/// [`ParseOptions::check_udp_checksum`] is set), for frames whose NIC
+/// checks them but left this one unchecked.
+pub fn udp_checksum_verifies(f: &[u8], payload: &Range<usize>) -> bool {
+    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
+    udp_checksum_ok(&f[ETH_LEN..], &f[ETH_LEN + ihl..payload.end])
+}
+
 /// ARP over Ethernet for IPv4: header at 14, 28 bytes.
 const ARP_LEN: usize = 28;
 
@@ -604,6 +620,28 @@ mod tests {
                 "{n} bytes: a flipped bit"
             );
         }
+    }
+
+    #[test]
+    fn checks_after_parse_agree_with_parse() {
+        // What a NIC left unchecked is checked as parse would have.
+        let mut f = udp_frame(&peer(), MAC, US, 7000, &[9u8; 300]);
+        let c = udp_checksum(peer().ip, US, &f[ETH_LEN + IPV4_LEN..]);
+        f[40..42].copy_from_slice(&c.to_be_bytes());
+        let trusting = ParseOptions {
+            check_ip_checksum: false,
+            check_udp_checksum: false,
+            ..opts()
+        };
+        let Ok(Frame::Udp { payload, .. }) = parse(&f, &trusting) else {
+            panic!("a UDP frame")
+        };
+        assert!(ip_checksum_verifies(&f) && udp_checksum_verifies(&f, &payload));
+        let mut bad = f.clone();
+        bad[100] ^= 1;
+        assert!(ip_checksum_verifies(&bad) && !udp_checksum_verifies(&bad, &payload));
+        bad[24] ^= 1;
+        assert!(!ip_checksum_verifies(&bad));
     }
 
     #[test]
