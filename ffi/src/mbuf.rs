@@ -169,12 +169,7 @@ impl Mbuf {
     /// address, lengths, flags, refcount) into cache without reading it: a
     /// hint only, for a burst's mbufs before their fields are read.
     pub fn prefetch_header(&self) {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: a prefetch is a hint that never faults; the address is
-        // this live mbuf's.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(self.as_ptr().cast::<i8>());
-        }
+        prefetch_line(self.as_ptr().cast::<u8>());
     }
 
     /// Asks the CPU to bring the first segment's first `lines` cache lines
@@ -183,17 +178,8 @@ impl Mbuf {
     /// own fields (see [`Mbuf::prefetch_header`]).
     pub fn prefetch(&self, lines: usize) {
         let d = self.data();
-        for off in (0..d.len().min(lines * 64)).step_by(64) {
-            #[cfg(target_arch = "x86_64")]
-            // SAFETY: a prefetch is a hint that never faults; the address
-            // lies inside this mbuf's data anyway.
-            unsafe {
-                std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                    d.as_ptr().add(off).cast::<i8>(),
-                );
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            let _ = off;
+        for line in d.chunks(64).take(lines) {
+            prefetch_line(line.as_ptr());
         }
     }
 
@@ -293,6 +279,18 @@ impl Mbuf {
             None => false,
         }
     }
+}
+
+/// Asks the CPU to bring the cache line at `p` into cache: a hint, which
+/// never faults whatever the address (a no-op off x86-64).
+fn prefetch_line(p: *const u8) {
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: a prefetch reads nothing and never faults.
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// One segment's data.

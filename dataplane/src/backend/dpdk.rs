@@ -23,11 +23,11 @@
 //! (refcounted: the payload is freed when the last copy has left, whoever
 //! holds it). Every frame carries a UDP checksum: the sum over the phub
 //! header and the payload is taken once per result, each destination adds
-//! its own pseudo-header and UDP header to it. Header and indirect mbufs come from their pools 32 at a time
-//! (one bulk call resets them together, so their cache misses overlap:
-//! more than a quarter of the lcore's time went to single allocations over a
-//! ring port at 1 KiB). Devices that cannot send chains get one copied
-//! frame per destination. Frames are queued and sent in bursts; what the queue does
+//! its own pseudo-header and UDP header to it. Header, indirect and payload
+//! mbufs come from their pools 32 at a time (one bulk call resets them
+//! together, so their cache misses overlap: more than a quarter of the
+//! lcore's time went to single allocations over a ring port at 1 KiB).
+//! Devices that cannot send chains get one copied frame per destination. Frames are queued and sent in bursts; what the queue does
 //! not take is retried on every poll and dropped (counted) if the queue
 //! stays full for [`TX_STALL`].
 //!
@@ -547,7 +547,7 @@ impl PacketIo for DpdkQueue {
             m.prefetch_header();
         }
         for i in 0..n {
-            if let Some(Some(ahead)) = self.batch.get(i + PREFETCH).filter(|_| i + PREFETCH < n) {
+            if let Some(ahead) = self.batch[..n].get(i + PREFETCH).and_then(Option::as_ref) {
                 ahead.prefetch(2);
             }
             if let Some(m) = self.batch[i].take() {

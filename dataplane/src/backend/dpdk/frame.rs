@@ -154,9 +154,17 @@ fn pseudo_header_sum(src: &[u8], dst: &[u8], udp_len: usize) -> u64 {
 pub fn udp_checksum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
     let (head, rest) = udp.split_at(udp.len().min(6));
     let body = rest.get(2..).unwrap_or_default();
-    let sum = pseudo_header_sum(&src.octets(), &dst.octets(), udp.len())
-        + u64::from(ones_sum(head))
-        + u64::from(ones_sum(body));
+    udp_field(
+        pseudo_header_sum(&src.octets(), &dst.octets(), udp.len())
+            + u64::from(ones_sum(head))
+            + u64::from(ones_sum(body)),
+    )
+}
+
+/// The UDP checksum field for a datagram whose one's-complement sum
+/// (pseudo-header, header with the field 0, payload) is `sum`: 0xffff where
+/// the checksum comes out 0, since 0 means "no checksum" (RFC 768).
+fn udp_field(sum: u64) -> u16 {
     match !fold(sum) {
         0 => 0xffff,
         c => c,
@@ -189,11 +197,7 @@ pub fn set_udp_checksum(out: &mut [u8; L2_L4_LEN], payload: u16) {
         len,
     ) + u64::from(ones_sum(&out[udp..]))
         + u64::from(payload);
-    let c = match !fold(sum) {
-        0 => 0xffff,
-        c => c,
-    };
-    out[udp + 6..udp + 8].copy_from_slice(&c.to_be_bytes());
+    out[udp + 6..udp + 8].copy_from_slice(&udp_field(sum).to_be_bytes());
 }
 
 /// Whether a received UDP datagram's checksum field is acceptable: none
@@ -207,6 +211,11 @@ fn udp_checksum_ok(ip: &[u8], udp: &[u8]) -> bool {
     }
     let pseudo = pseudo_header_sum(&ip[12..16], &ip[16..20], udp.len());
     field == fold(pseudo) || fold(pseudo + u64::from(ones_sum(udp))) == 0xffff
+}
+
+/// An IPv4 header's length in bytes, from its IHL field.
+fn ihl(ip: &[u8]) -> usize {
+    usize::from(ip[0] & 0x0f) * 4
 }
 
 /// Options for [`parse`].
@@ -237,7 +246,7 @@ pub fn parse(f: &[u8], opts: &ParseOptions) -> Result<Frame, NetDrop> {
     if ip.len() < IPV4_LEN || ip[0] >> 4 != 4 {
         return Err(NetDrop::BadIpHeader);
     }
-    let ihl = usize::from(ip[0] & 0x0f) * 4;
+    let ihl = ihl(ip);
     let total = usize::from(be16(ip, 2));
     if ihl < IPV4_LEN || total < ihl || total > ip.len() {
         return Err(NetDrop::BadIpHeader);
@@ -282,8 +291,7 @@ pub fn parse(f: &[u8], opts: &ParseOptions) -> Result<Frame, NetDrop> {
 /// Whether the IPv4 header checksum of a frame [`parse`] accepted verifies
 /// (for frames whose NIC checks them but left this one unchecked).
 pub fn ip_checksum_verifies(f: &[u8]) -> bool {
-    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
-    ip_checksum(&f[ETH_LEN..ETH_LEN + ihl]) == 0
+    ip_checksum(&f[ETH_LEN..ETH_LEN + ihl(&f[ETH_LEN..])]) == 0
 }
 
 /// Whether the UDP checksum of a frame [`parse`] accepted as
@@ -291,8 +299,7 @@ pub fn ip_checksum_verifies(f: &[u8]) -> bool {
 /// [`ParseOptions::check_udp_checksum`] is set), for frames whose NIC
 /// checks them but left this one unchecked.
 pub fn udp_checksum_verifies(f: &[u8], payload: &Range<usize>) -> bool {
-    let ihl = usize::from(f[ETH_LEN] & 0x0f) * 4;
-    udp_checksum_ok(&f[ETH_LEN..], &f[ETH_LEN + ihl..payload.end])
+    udp_checksum_ok(&f[ETH_LEN..], &f[ETH_LEN + ihl(&f[ETH_LEN..])..payload.end])
 }
 
 /// ARP over Ethernet for IPv4: header at 14, 28 bytes.
