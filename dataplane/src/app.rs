@@ -125,7 +125,8 @@ pub struct DpdkOptions {
     /// Buffer bytes per RX mbuf, 128 of headroom included (af_packet needs its framesz + 96).
     #[arg(long, default_value_t = 16384 + 128)]
     pub mbuf_size: u16,
-    /// Header and indirect mbufs for results (payload mbufs: a quarter).
+    /// Header mbufs for results, one per destination (payload mbufs, one per
+    /// result: a quarter).
     #[arg(long, default_value_t = 16384)]
     pub tx_mbufs: u32,
     /// Idle backoff: pause, then sleep briefly after a run of empty polls

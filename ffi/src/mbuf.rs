@@ -120,6 +120,38 @@ impl Mbuf {
         }
     }
 
+    /// Puts this single segment in front of `tail`, a chain that may be
+    /// shared: one reference from [`Mbuf::reserve`], say, so that many
+    /// header segments end in the same payload without an indirect mbuf
+    /// each (DPDK's multicast pattern: freeing each chain frees one
+    /// reference per segment). Only this segment's fields are written,
+    /// never `tail`'s. Fails (giving both back) unless this is a direct
+    /// single segment held by no one else, or when the chain would exceed
+    /// DPDK's segment limit.
+    pub fn chain_shared(self, tail: Mbuf) -> Result<Mbuf, (Mbuf, Mbuf)> {
+        let segs = u32::from(tail.nb_segs()) + 1;
+        let len = u64::from(self.pkt_len()) + u64::from(tail.pkt_len());
+        if self.nb_segs() != 1
+            || self.refcnt() != 1
+            || !self.is_direct()
+            || segs > u32::from(u16::MAX)
+            || len > u64::from(u32::MAX)
+        {
+            return Err((self, tail));
+        }
+        let h = self.as_ptr();
+        // SAFETY: h is a valid single segment that only we hold (checked
+        // above), so its fields are ours to write; its reference to tail's
+        // chain is the one `tail` owned, which moves into it (forgotten
+        // below), and tail's own fields are only read.
+        unsafe {
+            std::ptr::addr_of_mut!((*h).next).write(tail.into_raw().as_ptr());
+            std::ptr::addr_of_mut!((*h).nb_segs).write(segs as u16);
+            std::ptr::addr_of_mut!((*h).pkt_len).write(len as u32);
+        }
+        Ok(self)
+    }
+
     /// Total length of the chain's data.
     pub fn pkt_len(&self) -> u32 {
         self.field(|m| unsafe_field!(m, pkt_len))
@@ -215,6 +247,37 @@ impl Mbuf {
         // references are owned by the Shares returned.
         unsafe { sys::phub_mbuf_refcnt_update(self.as_ptr(), n as i16) };
         Some(Shares { m: self.0, left: n })
+    }
+
+    /// This reference and `n - 1` more as one [`Shares`], with at most one
+    /// refcount update (none for `n == 1`; `n == 0` frees this one). Gives
+    /// the mbuf back where [`Mbuf::reserve`] would refuse.
+    pub fn into_shares(self, n: u16) -> Result<Shares, Mbuf> {
+        let Some(more) = n.checked_sub(1) else {
+            drop(self);
+            return Ok(Shares {
+                m: NonNull::dangling(),
+                left: 0,
+            });
+        };
+        if more > 0 {
+            match self.reserve(more) {
+                Some(mut s) => {
+                    // The reserved references and ours, in one.
+                    s.left += 1;
+                    std::mem::forget(self);
+                    return Ok(s);
+                }
+                None => return Err(self),
+            }
+        }
+        if !self.is_direct() || self.nb_segs() != 1 {
+            return Err(self);
+        }
+        Ok(Shares {
+            m: self.into_raw(),
+            left: 1,
+        })
     }
 
     /// Every segment's data, in order.

@@ -131,6 +131,57 @@ fn mbufs_append_chain_share_and_free() {
 }
 
 #[test]
+fn header_segments_share_one_payload_segment() {
+    let Some(e) = eal() else { return };
+    let p = pool(e, 64, 2048 + phub_ffi::PKTMBUF_HEADROOM);
+    let mut payload = p.alloc().unwrap();
+    assert!(payload.extend_from_slice(b"payload"));
+    let mut shares = payload.into_shares(3).unwrap();
+    assert_eq!(shares.left(), 3);
+    let mut frames = Vec::new();
+    for name in [&b"one:"[..], b"two:", b"three:"] {
+        let mut h = p.alloc().unwrap();
+        assert!(h.extend_from_slice(name));
+        frames.push(h.chain_shared(shares.take().unwrap()).unwrap());
+    }
+    drop(shares);
+    assert_eq!(frames[0].to_vec(), b"one:payload");
+    assert_eq!((frames[2].nb_segs(), frames[2].pkt_len()), (2, 13));
+    assert_eq!(frames[1].to_vec(), b"two:payload");
+    assert_eq!(p.in_use(), 4, "three headers, one payload");
+    // Not in front of anything when this segment is shared or a chain.
+    let mut h = p.alloc().unwrap();
+    h.append(1).unwrap();
+    let other = h.reserve(1).unwrap();
+    let (h, t) = h.chain_shared(p.alloc().unwrap()).unwrap_err();
+    assert_eq!((h.nb_segs(), t.nb_segs()), (1, 1));
+    drop((h, t, other));
+    let (chain, t) = frames
+        .pop()
+        .unwrap()
+        .chain_shared(p.alloc().unwrap())
+        .unwrap_err();
+    assert_eq!(chain.nb_segs(), 2);
+    drop(t);
+    // One reference as shares: no count taken; none: freed.
+    let one = p.alloc().unwrap().into_shares(1).unwrap();
+    assert_eq!((one.left(), p.in_use()), (1, 5));
+    drop(one);
+    let none = p.alloc().unwrap().into_shares(0).unwrap();
+    assert_eq!((none.left(), p.in_use()), (0, 4));
+    let mut two = p.alloc().unwrap();
+    two.append(1).unwrap();
+    let two = two.chain(p.alloc().unwrap()).unwrap();
+    assert_eq!(two.into_shares(2).unwrap_err().nb_segs(), 2, "not a chain");
+    assert_eq!(p.in_use(), 4);
+    // Freed one by one and in bulk: the payload goes back with the last.
+    drop(chain);
+    assert_eq!(p.in_use(), 3);
+    phub_ffi::mbuf::free_bulk(&mut frames);
+    assert_eq!(p.in_use(), 0);
+}
+
+#[test]
 fn rings_pass_mbufs_and_free_leftovers() {
     let Some(e) = eal() else { return };
     let p = pool(e, 64, 256);

@@ -19,13 +19,15 @@
 //! is copied once from slot memory into a payload mbuf (so no mbuf in
 //! flight ever points at slot memory the engine may overwrite), and each
 //! destination gets a small header mbuf (Ethernet + IPv4 + UDP + phub
-//! header, 128 bytes) chained to an indirect mbuf attached to that payload
-//! (refcounted: the payload is freed when the last copy has left, whoever
-//! holds it). Every frame carries a UDP checksum: the sum over the phub
-//! header and the payload is taken once per result, each destination adds
-//! its own pseudo-header and UDP header to it. Header, indirect and payload
-//! mbufs come from their pools 32 at a time (one bulk call resets them
-//! together, so their cache misses overlap: more than a quarter of the
+//! header, 128 bytes) whose next segment is that payload mbuf itself: one
+//! reference each, taken with one refcount update, so no indirect mbuf is
+//! needed (DPDK's multicast pattern: freeing a frame frees a reference to
+//! each of its segments, and the payload goes back to its pool with the
+//! last, whoever frees it). Every frame carries a UDP checksum: the sum
+//! over the phub header and the payload is taken once per result, each
+//! destination adds its own pseudo-header and UDP header to it. Header and
+//! payload mbufs come from their pools 32 at a time (one bulk call resets
+//! them together, so their cache misses overlap: more than a quarter of the
 //! lcore's time went to single allocations over a ring port at 1 KiB).
 //! Devices that cannot send chains get one copied frame per destination. Frames are queued and sent in bursts; what the queue does
 //! not take is retried on every poll and dropped (counted) if the queue
@@ -47,6 +49,7 @@ use std::net::Ipv4Addr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use phub_ffi::mbuf::Shares;
 use phub_ffi::{mbuf, Eal, HeapSlice, Mbuf, Mempool, Ring, RxQueue, TxQueue};
 use phub_proto::wire::HEADER_LEN;
 
@@ -128,20 +131,18 @@ pub struct Identity {
 pub struct TxPools {
     /// Header mbufs (at least [`FRAME_HEADER`] bytes of data room).
     pub header: Mempool,
-    /// Indirect mbufs (no data room needed).
-    pub indirect: Mempool,
-    /// Payload mbufs (a whole frame, for devices without chains).
+    /// Payload mbufs: the one copy of a result every destination's frame
+    /// ends in (or a whole frame each, for devices without chains).
     pub payload: Mempool,
 }
 
 impl TxPools {
-    /// Creates the three pools with `n` mbufs each (payload: `n / 4`), on
+    /// Creates the two pools: `n` header mbufs, `n / 4` payload ones, on
     /// NUMA `socket`.
     pub fn create(eal: Eal, n: u32, socket: Option<u32>) -> phub_ffi::Result<TxPools> {
         let head = phub_ffi::PKTMBUF_HEADROOM;
         Ok(TxPools {
             header: Mempool::pktmbuf(eal, "txhdr", n, 256, 256 + head, socket)?,
-            indirect: Mempool::pktmbuf(eal, "txind", n, 256, 0, socket)?,
             payload: Mempool::pktmbuf(eal, "txpay", (n / 4).max(512), 128, 9216 + head, socket)?,
         })
     }
@@ -266,10 +267,9 @@ pub struct DpdkQueue {
     pools: TxPools,
     counters: Arc<ShardCounters>,
     batch: Vec<Option<Mbuf>>,
-    /// Header and indirect mbufs taken from their pools [`STASH`] at a time
-    /// (one bulk call resets them together, overlapping their cache misses).
+    /// Header mbufs taken from their pool [`STASH`] at a time (one bulk
+    /// call resets them together, overlapping their cache misses).
     headers: Stash,
-    indirects: Stash,
     /// Payload mbufs for the one copy of each result, likewise.
     payloads: Stash,
     /// Received (and completed) frames done with in this poll, freed
@@ -316,9 +316,8 @@ impl DpdkQueue {
         opts: QueueOptions,
     ) -> DpdkQueue {
         let (ip_mask, ip_bad, l4_mask, l4_bad) = phub_ffi::port::rx_checksum_flags();
-        let (headers, indirects, payloads) = (
+        let (headers, payloads) = (
             Stash::new(pools.header.clone()),
-            Stash::new(pools.indirect.clone()),
             Stash::new(pools.payload.clone()),
         );
         DpdkQueue {
@@ -339,7 +338,6 @@ impl DpdkQueue {
             counters,
             batch: (0..RX_BURST).map(|_| None).collect(),
             headers,
-            indirects,
             payloads,
             rx_done: Vec::with_capacity(2 * RX_BURST),
             tx_pending: Vec::with_capacity(TX_PENDING_MAX),
@@ -458,12 +456,13 @@ impl DpdkQueue {
         }
     }
 
-    /// One result frame for `to`: the 128-byte header in a header mbuf,
-    /// then the shared payload (indirect), or a whole copied frame.
+    /// One result frame for `to`: the 128-byte header in a header mbuf in
+    /// front of `payload` (a reference to the result's one payload mbuf),
+    /// or a whole copied frame.
     fn result_frame(
         &mut self,
         header: &[u8; HEADER_LEN],
-        payload: Option<&Mbuf>,
+        payload: Option<Mbuf>,
         bytes: &[u8],
         sum: u16,
         to: &PeerAddr,
@@ -489,10 +488,7 @@ impl DpdkQueue {
         }
         match payload {
             None => Some(h),
-            Some(p) => {
-                let i = self.indirects.take()?.attach(p).ok()?;
-                h.chain(i).ok()
-            }
+            Some(p) => h.chain_shared(p).ok(),
         }
     }
 
@@ -570,15 +566,19 @@ impl PacketIo for DpdkQueue {
     fn tx_burst(&mut self, shard: &Shard<PeerAddr>, counters: &ShardCounters) -> io::Result<()> {
         for t in shard.transmits() {
             let bytes = (HEADER_LEN + t.payload.len()) as u64;
-            // Copy the result out of slot memory once; every destination
-            // shares it through an indirect mbuf.
-            let shared = if self.opts.chains && !t.payload.is_empty() {
-                let copied = self
-                    .payloads
-                    .take()
-                    .and_then(|mut p| p.extend_from_slice(t.payload).then_some(p));
+            // Copy the result out of slot memory once, summing it for the
+            // UDP checksum on the way; every destination's header segment
+            // ends in that copy (a reference each, taken at once).
+            let mut sum = None;
+            let mut shared = if self.opts.chains && !t.payload.is_empty() {
+                let n = t.to.clone().count();
+                let copied = self.payloads.take().and_then(|mut p| {
+                    let out = p.append(t.payload.len())?;
+                    sum = Some(frame::copy_payload_sum(&t.header, t.payload, out));
+                    p.into_shares(u16::try_from(n).ok()?).ok()
+                });
                 match copied {
-                    Some(p) => Some(p),
+                    Some(shares) => Some(shares),
                     None => {
                         for _ in t.to {
                             self.counters.count_net_drop(NetDrop::TxDropped);
@@ -589,10 +589,11 @@ impl PacketIo for DpdkQueue {
             } else {
                 None
             };
-            // Its UDP checksum's payload part, once for every destination.
-            let sum = frame::payload_sum(&t.header, t.payload);
+            // The checksum's payload part, once for every destination.
+            let sum = sum.unwrap_or_else(|| frame::payload_sum(&t.header, t.payload));
             for to in t.to {
-                match self.result_frame(&t.header, shared.as_ref(), t.payload, sum, &to) {
+                let payload = shared.as_mut().and_then(Shares::take);
+                match self.result_frame(&t.header, payload, t.payload, sum, &to) {
                     Some(m) => {
                         counters.tx_packets.inc();
                         counters.tx_bytes.add(bytes);

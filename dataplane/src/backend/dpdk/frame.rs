@@ -130,6 +130,65 @@ fn ones_sum_lanes(data: &[u8]) -> u16 {
     fold(total).swap_bytes()
 }
 
+/// Copies `src` into `dst` (of the same length) and returns [`ones_sum`]
+/// of it: one pass over the bytes instead of a copy and then a sum. Large
+/// inputs take AVX2 where the CPU has it.
+fn copy_ones_sum(dst: &mut [u8], src: &[u8]) -> u16 {
+    assert_eq!(dst.len(), src.len(), "copy_ones_sum: lengths differ");
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= 256 && std::arch::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        return unsafe { copy_ones_sum_avx2(dst, src) };
+    }
+    if src.len() >= 64 {
+        return copy_ones_sum_lanes(dst, src);
+    }
+    dst.copy_from_slice(src);
+    ones_sum(src)
+}
+
+/// [`copy_ones_sum_lanes`] compiled for AVX2.
+///
+/// # Safety
+///
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn copy_ones_sum_avx2(dst: &mut [u8], src: &[u8]) -> u16 {
+    copy_ones_sum_lanes(dst, src)
+}
+
+/// [`ones_sum_lanes`] that also stores each block where it goes, right
+/// after loading it. (For 8 KiB from cache into cold memory, as a result
+/// is copied, this took 0.46–0.50 us on the development VM's EPYC against
+/// 0.65–0.78 us for the C library's copy alone, which uses a string-move
+/// instruction at that size, and 0.85–0.97 us for that copy and a sum.)
+#[inline(always)]
+fn copy_ones_sum_lanes(dst: &mut [u8], src: &[u8]) -> u16 {
+    const LANES: usize = 16;
+    const BLOCK: usize = 2 * LANES;
+    let mut total: u64 = 0;
+    for (to, piece) in dst.chunks_mut(BLOCK << 15).zip(src.chunks(BLOCK << 15)) {
+        let mut acc = [0u32; LANES];
+        let mut blocks = piece.chunks_exact(BLOCK);
+        let mut outs = to.chunks_exact_mut(BLOCK);
+        for (b, o) in (&mut blocks).zip(&mut outs) {
+            let b: &[u8; BLOCK] = b.try_into().expect("chunks_exact");
+            o.copy_from_slice(b);
+            for (j, a) in acc.iter_mut().enumerate() {
+                *a += u32::from(u16::from_le_bytes([b[2 * j], b[2 * j + 1]]));
+            }
+        }
+        total += acc.iter().map(|&a| u64::from(a)).sum::<u64>();
+        let rest = blocks.remainder();
+        outs.into_remainder().copy_from_slice(rest);
+        for c in rest.chunks(2) {
+            total += u64::from(u16::from_le_bytes([c[0], c.get(1).copied().unwrap_or(0)]));
+        }
+    }
+    fold(total).swap_bytes()
+}
+
 /// Folds a one's-complement sum to 16 bits (end-around carries).
 fn fold(mut sum: u64) -> u16 {
     while sum >> 16 != 0 {
@@ -181,6 +240,17 @@ pub fn payload_sum(head: &[u8], tail: &[u8]) -> u16 {
         "an odd head would shift the tail's words"
     );
     fold(u64::from(ones_sum(head)) + u64::from(ones_sum(tail)))
+}
+
+/// [`payload_sum`], copying `tail` into `out` (of the same length) on the
+/// way: a result's one copy into its payload mbuf and its checksum's sum
+/// in one pass.
+pub fn copy_payload_sum(head: &[u8], tail: &[u8], out: &mut [u8]) -> u16 {
+    debug_assert!(
+        head.len().is_multiple_of(2),
+        "an odd head would shift the tail's words"
+    );
+    fold(u64::from(ones_sum(head)) + u64::from(copy_ones_sum(out, tail)))
 }
 
 /// Fills in the UDP checksum of the headers [`write_udp_headers`] wrote
@@ -603,8 +673,20 @@ mod tests {
         // Header and values summed once, then each destination's headers:
         // the same field as summing the whole datagram, and it verifies.
         let head: Vec<u8> = (0..86u32).map(|i| (i * 3 + 1) as u8).collect();
-        for n in [0usize, 1, 2, 1000, 8192] {
+        for n in [0usize, 1, 2, 63, 64, 65, 255, 256, 257, 1000, 8191, 8192] {
             let vals: Vec<u8> = (0..n as u32).map(|i| (i * 11 + 5) as u8).collect();
+            // The copy that sums on the way: the same sum, the same bytes
+            // (and the portable loop the same as the AVX2 one).
+            let mut out = vec![0u8; n];
+            assert_eq!(
+                copy_payload_sum(&head, &vals, &mut out),
+                payload_sum(&head, &vals),
+                "{n} bytes"
+            );
+            assert_eq!(out, vals, "{n} bytes copied");
+            let mut out = vec![0u8; n];
+            assert_eq!(copy_ones_sum_lanes(&mut out, &vals), ones_sum(&vals), "{n} bytes");
+            assert_eq!(out, vals, "{n} bytes copied");
             let mut payload = head.clone();
             payload.extend_from_slice(&vals);
             let whole = udp_frame(&peer(), MAC, US, 7000, &payload);

@@ -320,7 +320,6 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         .mtu(d.mtu)
         .rx_pool(rx_pool)
         .keep_pool(pools.header.clone())
-        .keep_pool(pools.indirect.clone())
         .keep_pool(pools.payload.clone())
         .promiscuous(mac_override.is_some())
         .build()
