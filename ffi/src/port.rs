@@ -351,6 +351,9 @@ impl PortBuilder {
         let rx_offloads = (if offloads.rx_ipv4_cksum { rx_ip } else { 0 })
             | (if offloads.rx_udp_cksum { rx_udp } else { 0 })
             | (if offloads.rx_scatter { rx_scatter } else { 0 });
+        // Never MBUF_FAST_FREE: it lets the driver put mbufs straight back
+        // in their pool without looking at the refcount, and the frames
+        // sent here share segments (Mbuf::chain_shared).
         let tx_offloads = if offloads.tx_multi_segs { tx_segs } else { 0 };
 
         let mut conf = sys::rte_eth_conf::default();
