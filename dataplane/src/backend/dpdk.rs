@@ -23,13 +23,15 @@
 //! reference each, taken with one refcount update, so no indirect mbuf is
 //! needed (DPDK's multicast pattern: freeing a frame frees a reference to
 //! each of its segments, and the payload goes back to its pool with the
-//! last, whoever frees it). Every frame carries a UDP checksum: the sum
-//! over the phub header and the payload is taken once per result, each
-//! destination adds its own pseudo-header and UDP header to it. Header and
-//! payload mbufs come from their pools 32 at a time (one bulk call resets
-//! them together, so their cache misses overlap: more than a quarter of the
-//! lcore's time went to single allocations over a ring port at 1 KiB).
-//! Devices that cannot send chains get one copied frame per destination. Frames are queued and sent in bursts; what the queue does
+//! last, whoever frees it). Every frame carries a UDP checksum: the
+//! payload is summed as it is copied, and the headers and checksum shares
+//! all destinations have in common are worked out once per result
+//! ([`frame::ResultHeaders`]); each destination adds only its MAC, address
+//! and port. Header and payload mbufs come from their pools 32 at a time
+//! (one bulk call resets them together, so their cache misses overlap: more
+//! than a quarter of the lcore's time went to single allocations over a
+//! ring port at 1 KiB). Devices that cannot send chains get one copied
+//! frame per destination. Frames are queued and sent in bursts; what the queue does
 //! not take is retried on every poll and dropped (counted) if the queue
 //! stays full for [`TX_STALL`].
 //!
@@ -459,29 +461,27 @@ impl DpdkQueue {
     /// One result frame for `to`: the 128-byte header in a header mbuf in
     /// front of `payload` (a reference to the result's one payload mbuf),
     /// or a whole copied frame. `head` holds the phub header after
-    /// [`L2_L4_LEN`] bytes, which are filled in here for `to`.
+    /// [`L2_L4_LEN`] bytes, which are filled in here for `to` from the
+    /// result's `common` headers.
     fn result_frame(
         &mut self,
         head: &mut [u8; FRAME_HEADER],
+        common: &frame::ResultHeaders,
         payload: Option<Mbuf>,
         bytes: &[u8],
-        sum: u16,
         to: &PeerAddr,
     ) -> Option<Mbuf> {
-        let src_port = self.me.base_port.wrapping_add(self.lcore);
-        let udp = HEADER_LEN + bytes.len();
         let whole = payload.is_none() && !bytes.is_empty();
         let mut h = if whole {
             self.pools.payload.alloc()?
         } else {
             self.headers.take()?
         };
-        // Built on the stack, then copied into the mbuf: the checksums read
-        // the headers back, and read from the mbuf's cold data line they
+        // Built on the stack, then copied into the mbuf, whose data line is
+        // cold: written in place, checksums that read the headers back
         // stalled on its fill (a fifth of the lcore's time at 1 KiB).
         let l2: &mut [u8; L2_L4_LEN] = (&mut head[..L2_L4_LEN]).try_into().ok()?;
-        frame::write_udp_headers(l2, self.me.mac, self.me.ip, src_port, to, udp);
-        frame::set_udp_checksum(l2, sum);
+        common.write(l2, to);
         h.append(FRAME_HEADER)?.copy_from_slice(head);
         if whole {
             return h.extend_from_slice(bytes).then_some(h);
@@ -591,11 +591,20 @@ impl PacketIo for DpdkQueue {
             };
             // The checksum's payload part, once for every destination.
             let sum = sum.unwrap_or_else(|| frame::payload_sum(&t.header, t.payload));
+            // What every destination's headers have in common, once.
+            let src_port = self.me.base_port.wrapping_add(self.lcore);
+            let common = frame::ResultHeaders::new(
+                self.me.mac,
+                self.me.ip,
+                src_port,
+                HEADER_LEN + t.payload.len(),
+                sum,
+            );
             let mut head = [0u8; FRAME_HEADER];
             head[L2_L4_LEN..].copy_from_slice(&t.header);
             for to in t.to {
                 let payload = shared.as_mut().and_then(Shares::take);
-                match self.result_frame(&mut head, payload, t.payload, sum, &to) {
+                match self.result_frame(&mut head, &common, payload, t.payload, &to) {
                     Some(m) => {
                         counters.tx_packets.inc();
                         counters.tx_bytes.add(bytes);

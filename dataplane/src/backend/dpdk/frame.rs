@@ -4,10 +4,11 @@
 //! Received frames are classified by [`parse`] into a UDP datagram for the
 //! appliance, an ARP request to answer, or a [`NetDrop`] reason, without
 //! panicking or allocating. Sent frames get their headers from
-//! [`write_udp_headers`]; the IPv4 checksum is computed here (20 bytes),
-//! and the UDP checksum by [`set_udp_checksum`] from the payload's sum,
-//! which the caller takes once per result ([`payload_sum`]) however many
-//! destinations share it.
+//! [`write_udp_headers`] (the IPv4 checksum is computed there, 20 bytes),
+//! results' frames from [`ResultHeaders`]: the headers and both checksums'
+//! shares that all destinations have in common, with the payload's sum
+//! ([`payload_sum`]), once per result, and per destination only what is
+//! its own.
 //!
 //! Received UDP checksums are verified here when asked
 //! ([`ParseOptions::check_udp_checksum`]: the device does not): 0 means the
@@ -253,21 +254,68 @@ pub fn copy_payload_sum(head: &[u8], tail: &[u8], out: &mut [u8]) -> u16 {
     fold(u64::from(ones_sum(head)) + u64::from(copy_ones_sum(out, tail)))
 }
 
-/// Fills in the UDP checksum of the headers [`write_udp_headers`] wrote
-/// into `out`, for a payload whose one's-complement sum is `payload`
-/// ([`payload_sum`]): the pseudo-header and the UDP header are summed
-/// here, the payload is not read again.
-pub fn set_udp_checksum(out: &mut [u8; L2_L4_LEN], payload: u16) {
-    let udp = ETH_LEN + IPV4_LEN;
-    out[udp + 6..udp + 8].copy_from_slice(&[0, 0]);
-    let len = usize::from(be16(out, udp + 4));
-    let sum = pseudo_header_sum(
-        &out[ETH_LEN + 12..ETH_LEN + 16],
-        &out[ETH_LEN + 16..ETH_LEN + 20],
-        len,
-    ) + u64::from(ones_sum(&out[udp..]))
-        + u64::from(payload);
-    out[udp + 6..udp + 8].copy_from_slice(&udp_field(sum).to_be_bytes());
+/// The Ethernet, IPv4 and UDP headers of one result's frames, which differ
+/// only in where they go: everything else, and its part of both checksums,
+/// is worked out once per result ([`ResultHeaders::new`]), so each
+/// destination ([`ResultHeaders::write`]) adds only its MAC, address and
+/// port, and neither checksum reads a header back.
+#[derive(Debug, Clone, Copy)]
+pub struct ResultHeaders {
+    /// The headers with the destination's fields and both checksums 0.
+    base: [u8; L2_L4_LEN],
+    /// One's-complement sum of `base`'s IPv4 header.
+    ip: u64,
+    /// Of the UDP pseudo-header's source address, protocol and length,
+    /// `base`'s UDP header and the payload.
+    udp: u64,
+}
+
+impl ResultHeaders {
+    /// Headers from `src_mac`, `src_ip` and `src_port` for a datagram of
+    /// `udp_payload` bytes whose one's-complement sum is `payload`
+    /// ([`payload_sum`]).
+    pub fn new(
+        src_mac: [u8; 6],
+        src_ip: Ipv4Addr,
+        src_port: u16,
+        udp_payload: usize,
+        payload: u16,
+    ) -> ResultHeaders {
+        let mut base = [0u8; L2_L4_LEN];
+        let nowhere = PeerAddr {
+            mac: [0; 6],
+            ip: Ipv4Addr::UNSPECIFIED,
+            port: 0,
+        };
+        write_udp_headers(&mut base, src_mac, src_ip, src_port, &nowhere, udp_payload);
+        base[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&[0, 0]);
+        let udp = ETH_LEN + IPV4_LEN;
+        ResultHeaders {
+            base,
+            ip: u64::from(ones_sum(&base[ETH_LEN..udp])),
+            udp: u64::from(ones_sum(&src_ip.octets()))
+                + u64::from(IPPROTO_UDP)
+                + (UDP_LEN + udp_payload) as u64
+                + u64::from(ones_sum(&base[udp..]))
+                + u64::from(payload),
+        }
+    }
+
+    /// Writes the headers of the frame for `to` into `out`, checksums
+    /// filled in.
+    pub fn write(&self, out: &mut [u8; L2_L4_LEN], to: &PeerAddr) {
+        let udp = ETH_LEN + IPV4_LEN;
+        *out = self.base;
+        out[0..6].copy_from_slice(&to.mac);
+        let ip = to.ip.octets();
+        out[ETH_LEN + 16..udp].copy_from_slice(&ip);
+        out[udp + 2..udp + 4].copy_from_slice(&to.port.to_be_bytes());
+        let dst =
+            u64::from(u16::from_be_bytes([ip[0], ip[1]])) + u64::from(u16::from_be_bytes([ip[2], ip[3]]));
+        out[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&(!fold(self.ip + dst)).to_be_bytes());
+        let field = udp_field(self.udp + dst + u64::from(to.port));
+        out[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
+    }
 }
 
 /// Whether a received UDP datagram's checksum field is acceptable: none
@@ -691,8 +739,46 @@ mod tests {
             payload.extend_from_slice(&vals);
             let whole = udp_frame(&peer(), MAC, US, 7000, &payload);
             let mut h = [0u8; L2_L4_LEN];
-            h.copy_from_slice(&whole[..L2_L4_LEN]);
-            set_udp_checksum(&mut h, payload_sum(&head, &vals));
+            let me = peer();
+            let common = ResultHeaders::new(me.mac, me.ip, me.port, payload.len(), payload_sum(&head, &vals));
+            // Other destinations from the same common part: each as if
+            // written and summed whole.
+            for to in [
+                PeerAddr {
+                    mac: [2, 0, 0, 0, 0, 9],
+                    ip: Ipv4Addr::new(10, 0, 0, 9),
+                    port: 1,
+                },
+                PeerAddr {
+                    mac: [0xff; 6],
+                    ip: Ipv4Addr::new(255, 255, 255, 254),
+                    port: 65535,
+                },
+            ] {
+                common.write(&mut h, &to);
+                let w = udp_frame(&me, to.mac, to.ip, to.port, &payload);
+                assert_eq!(
+                    h[..40],
+                    w[..40],
+                    "{n} bytes: the headers write_udp_headers writes"
+                );
+                assert!(ip_checksum_verifies(&h));
+                let field = u16::from_be_bytes([h[40], h[41]]);
+                assert_eq!(
+                    field,
+                    udp_checksum(me.ip, to.ip, &w[ETH_LEN + IPV4_LEN..]),
+                    "{n} bytes"
+                );
+            }
+            common.write(
+                &mut h,
+                &PeerAddr {
+                    mac: MAC,
+                    ip: US,
+                    port: 7000,
+                },
+            );
+            assert_eq!(h[..40], whole[..40]);
             let field = u16::from_be_bytes([h[40], h[41]]);
             assert_eq!(
                 field,
