@@ -607,6 +607,15 @@ impl<'a, A: Copy> Destinations<'a, A> {
         }
     }
 
+    /// How many destinations there are before fault injection, which may
+    /// skip or repeat some: what a backend can prepare for. Counting them
+    /// does not draw the faults' fates.
+    pub fn planned(&self) -> usize {
+        let mut d = self.clone();
+        d.faults = None;
+        d.count()
+    }
+
     fn next_plain(&mut self) -> Option<A> {
         if let Some(a) = self.one.take() {
             return Some(a);
@@ -1479,6 +1488,27 @@ mod tests {
             }
             s.clear_transmits();
         }
+    }
+
+    #[test]
+    fn planned_destinations_are_counted_without_drawing_fates() {
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37)).unwrap();
+        let spec: phub_proto::fault::FaultSpec = "loss=0.5,seed=9".parse().unwrap();
+        s.set_tx_faults(Some(phub_proto::fault::Faults::new(spec, 0)));
+        // Round 0 for slot 0: its result goes to both ranks.
+        let vals = [1.0f32; 37];
+        for rank in 0..2u16 {
+            s.handle(u32::from(rank), &push(Dtype::F32, rank, 0, 0, &vals), 1);
+        }
+        let drops = || s.counters().injected_drops.get();
+        let t = s.transmits().next().expect("a result");
+        assert_eq!((t.to.planned(), t.to.planned()), (2, 2));
+        assert_eq!(drops(), 0, "counting drew no fate");
+        // The fates drawn as the destinations are walked: each one is
+        // either sent or counted as dropped, once.
+        let sent = t.to.count() as u64;
+        assert_eq!(sent + drops(), 2);
     }
 
     #[test]

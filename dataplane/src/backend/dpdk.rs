@@ -568,10 +568,11 @@ impl PacketIo for DpdkQueue {
             let bytes = (HEADER_LEN + t.payload.len()) as u64;
             // Copy the result out of slot memory once, summing it for the
             // UDP checksum on the way; every destination's header segment
-            // ends in that copy (a reference each, taken at once).
+            // ends in that copy (a reference each, taken at once; a
+            // destination that fault injection repeats gets a copied frame).
             let mut sum = None;
             let mut shared = if self.opts.chains && !t.payload.is_empty() {
-                let n = t.to.clone().count();
+                let n = t.to.planned();
                 let copied = self.payloads.take().and_then(|mut p| {
                     let out = p.append(t.payload.len())?;
                     sum = Some(frame::copy_payload_sum(&t.header, t.payload, out));
