@@ -263,6 +263,15 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
             let got = rig.collect(3, Duration::from_secs(5));
             assert_eq!(got.len(), 3, "round {round} chunk {c}: results for all 3 ranks");
             let mut ranks = Vec::new();
+            // One copy of the result for every rank: their frames' payload
+            // segments are one buffer.
+            let payloads: std::collections::BTreeSet<usize> = got
+                .iter()
+                .filter_map(|(_, m)| m.segments().get(1).map(|p| p.as_ptr() as usize))
+                .collect();
+            if round > 0 && elems > 0 {
+                assert_eq!(payloads.len(), 1, "round {round} chunk {c}: one shared payload");
+            }
             for (q, m) in &got {
                 assert_eq!(*q, usize::from(place.lcore), "sent from the owning lcore's queue");
                 if round > 0 && elems > 0 {
