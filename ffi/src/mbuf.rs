@@ -7,8 +7,10 @@
 //! what `rte_eth_rx_burst` fills.
 //!
 //! Data may be shared: an indirect mbuf ([`Mbuf::indirect`]) points at
-//! another mbuf's data and holds a reference on it. Shared data is never
-//! handed out mutably ([`Mbuf::data_mut`] checks).
+//! another mbuf's data and holds a reference on it, and one segment may end
+//! several chains, each holding a reference ([`Mbuf::into_shares`],
+//! [`Mbuf::chain_shared`]). Shared data is never handed out mutably
+//! ([`Mbuf::data_mut`] checks).
 
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU16, Ordering};
