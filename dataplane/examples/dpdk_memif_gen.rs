@@ -395,11 +395,11 @@ fn main() -> Result<()> {
         "--vdev=net_memif0,role=client,socket={},socket-abstract=no,bsize={bsize},rsize={}",
         a.socket, a.rsize
     );
-    let eal_args: Vec<&str> = if a.ring.is_some() {
+    let eal_args: Vec<String> = if a.ring.is_some() {
         if a.peer != Peer::Dataplane {
             bail!("--ring: the ring port is phub-dataplane's (--peer dataplane)");
         }
-        vec![
+        [
             "--proc-type=secondary",
             "--no-pci",
             "--no-telemetry",
@@ -410,6 +410,8 @@ fn main() -> Result<()> {
             "--log-level",
             "warning",
         ]
+        .map(String::from)
+        .to_vec()
     } else {
         common::eal_no_huge(&a.file_prefix, &lcores, &[&vdev])
     };

@@ -40,6 +40,30 @@ const NO_SHARED_CONFIG: &[&str] = &["--no-shconf", "--in-memory"];
 /// EAL options under which no hugepage file outlives the process.
 pub const NO_HUGEPAGE_FILES: &[&str] = &["--no-huge", "--in-memory", "--huge-unlink"];
 
+/// EAL arguments for a process that runs on its own, as tests and
+/// benchmarks do: no hugepages (`megabytes` of ordinary memory instead), no
+/// PCI devices, no shared configuration or telemetry, warnings only, its
+/// files under `prefix`, and `lcores` in EAL's `--lcores` syntax.
+pub fn standalone_args(prefix: &str, megabytes: u32, lcores: &str) -> Vec<String> {
+    let mb = megabytes.to_string();
+    [
+        "--no-huge",
+        "-m",
+        &mb,
+        "--no-pci",
+        "--no-shconf",
+        "--no-telemetry",
+        "--file-prefix",
+        prefix,
+        "--lcores",
+        lcores,
+        "--log-level",
+        "warning",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
 /// Whether `args` (EAL arguments) hold any of the options `names`, alone
 /// or as `name=value`.
 pub fn has_option(args: &[String], names: &[&str]) -> bool {

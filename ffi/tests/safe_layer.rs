@@ -11,22 +11,8 @@ use phub_ffi::{eal, lcore, Eal, Mbuf, Mempool, PortBuilder, Ring};
 fn eal() -> Option<Eal> {
     static PRINT: Once = Once::new();
     let prefix = format!("phub-ffi-test-{}", std::process::id());
-    let args = [
-        "--no-huge",
-        "-m",
-        "256",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        prefix.as_str(),
-        "--lcores",
-        "(0-2)@(0)",
-        "--log-level",
-        "warning",
-        "--vdev",
-        "net_null0",
-    ];
+    let mut args = eal::standalone_args(&prefix, 256, "(0-2)@(0)");
+    args.extend(["--vdev".to_string(), "net_null0".to_string()]);
     match eal::init(&args) {
         Ok(e) => Some(e),
         Err(e) => {

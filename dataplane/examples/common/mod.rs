@@ -35,24 +35,12 @@ pub(crate) const ROUND_AT: usize = L2_L4 + field::ROUND.start;
 /// Pushes per burst.
 pub(crate) const BURST: usize = 32;
 
-/// EAL arguments of a benchmark process of its own (no hugepages, no PCI,
-/// no shared config or telemetry, warnings only), plus `extra`.
-pub(crate) fn eal_no_huge<'a>(prefix: &'a str, lcores: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
-    let mut v = vec![
-        "--no-huge",
-        "-m",
-        "1024",
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        prefix,
-        "--lcores",
-        lcores,
-        "--log-level",
-        "warning",
-    ];
-    v.extend_from_slice(extra);
+/// EAL arguments of a benchmark process of its own (no hugepages, 1 GiB of
+/// ordinary memory, no PCI, no shared config or telemetry, warnings only),
+/// plus `extra`.
+pub(crate) fn eal_no_huge(prefix: &str, lcores: &str, extra: &[&str]) -> Vec<String> {
+    let mut v = phub_ffi::eal::standalone_args(prefix, 1024, lcores);
+    v.extend(extra.iter().map(|e| e.to_string()));
     v
 }
 

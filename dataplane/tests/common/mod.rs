@@ -46,21 +46,7 @@ unsafe impl GlobalAlloc for Counting {
 /// the EAL cannot start (no root, no DPDK).
 #[cfg(feature = "dpdk")]
 pub fn test_eal(prefix: &str, megabytes: u32, lcores: &str) -> Option<phub_ffi::Eal> {
-    let mb = megabytes.to_string();
-    let args = [
-        "--no-huge",
-        "-m",
-        &mb,
-        "--no-pci",
-        "--no-shconf",
-        "--no-telemetry",
-        "--file-prefix",
-        prefix,
-        "--lcores",
-        lcores,
-        "--log-level",
-        "warning",
-    ];
+    let args = phub_ffi::eal::standalone_args(prefix, megabytes, lcores);
     match phub_ffi::eal::init(&args) {
         Ok(e) => Some(e),
         Err(e) => {
