@@ -8,7 +8,7 @@
 # (ignored by git: add `/.bench16/` to .git/info/exclude).
 #
 #   cargo build --release -p phub-dataplane --example dpdk_memif_gen
-#   cargo build --release -p phub-dataplane -p phub-control -p phub-tools -p phub-hwtests --bins
+#   cargo build --release -p phub -p phub-tools -p phub-hwtests --bins
 #   make torch-venv        # for the phub Python package (target/torch-venv)
 #   tools/bench-16core/bundle.sh
 set -euo pipefail
