@@ -579,27 +579,12 @@ pub fn render_stats(s: &Stats) -> String {
                 dp.backend,
                 dp.lcores.len()
             ));
-            let mut rows = Vec::new();
-            let mut total = phub_proto::api::LcoreStats::default();
-            for l in &dp.lcores {
-                rows.push(lcore_row(l.lcore.to_string(), l));
-                total.rx_packets += l.rx_packets;
-                total.rx_bytes += l.rx_bytes;
-                total.tx_packets += l.tx_packets;
-                total.tx_bytes += l.tx_bytes;
-                total.pushes_aggregated += l.pushes_aggregated;
-                total.rounds_completed += l.rounds_completed;
-                total.results_sent += l.results_sent;
-                total.results_resent += l.results_resent;
-                total.misrouted += l.misrouted;
-                total.arp_replies += l.arp_replies;
-                total.shm_rx += l.shm_rx;
-                total.busy_loops += l.busy_loops;
-                total.idle_loops += l.idle_loops;
-                for (r, n) in &l.drops {
-                    *total.drops.entry(r.clone()).or_default() += n;
-                }
-            }
+            let total = dp.total();
+            let mut rows: Vec<_> = dp
+                .lcores
+                .iter()
+                .map(|l| lcore_row(l.lcore.to_string(), l))
+                .collect();
             if dp.lcores.len() > 1 {
                 rows.push(lcore_row("all".into(), &total));
             }

@@ -120,13 +120,7 @@ impl Rig {
     }
 
     fn drops(&self) -> std::collections::BTreeMap<String, u64> {
-        let mut all = std::collections::BTreeMap::new();
-        for l in self.app().manager().stats().lcores {
-            for (k, v) in l.drops {
-                *all.entry(k).or_default() += v;
-            }
-        }
-        all
+        self.app().manager().stats().total().drops
     }
 }
 

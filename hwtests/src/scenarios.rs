@@ -115,7 +115,7 @@ fn patient(secs: u64) -> WorkerConfig {
 
 /// A drop counter summed over the lcores.
 pub fn drops(d: &DataplaneStats, reason: &str) -> u64 {
-    d.lcores.iter().filter_map(|l| l.drops.get(reason)).sum()
+    d.total().drops.get(reason).copied().unwrap_or(0)
 }
 
 /// Joins `job` as `rank`, sends every key's initial values (rank 0's from

@@ -392,6 +392,39 @@ pub struct DataplaneStats {
     pub port: Option<PortStats>,
 }
 
+impl DataplaneStats {
+    /// Every lcore's counters added up (`lcore` 0), drops by reason
+    /// included.
+    pub fn total(&self) -> LcoreStats {
+        let mut t = LcoreStats::default();
+        for l in &self.lcores {
+            t.rx_packets += l.rx_packets;
+            t.rx_bytes += l.rx_bytes;
+            t.tx_packets += l.tx_packets;
+            t.tx_bytes += l.tx_bytes;
+            t.pushes_aggregated += l.pushes_aggregated;
+            t.rounds_completed += l.rounds_completed;
+            t.results_sent += l.results_sent;
+            t.results_resent += l.results_resent;
+            t.pulls_answered += l.pulls_answered;
+            t.errors_sent += l.errors_sent;
+            t.misrouted += l.misrouted;
+            t.shm_rx += l.shm_rx;
+            t.busy_loops += l.busy_loops;
+            t.idle_loops += l.idle_loops;
+            for (r, n) in &l.drops {
+                *t.drops.entry(r.clone()).or_default() += n;
+            }
+            t.arp_replies += l.arp_replies;
+            t.injected_drops += l.injected_drops;
+            t.injected_dups += l.injected_dups;
+            t.injected_reorders += l.injected_reorders;
+            t.injected_delays += l.injected_delays;
+        }
+        t
+    }
+}
+
 /// A DPDK port's own counters (`rte_eth_stats`), beside phub's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct PortStats {
@@ -416,6 +449,36 @@ pub struct PortStats {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_total_adds_every_lcore_and_every_drop_reason() {
+        let lcore = |i: u16, drops: &[(&str, u64)]| LcoreStats {
+            lcore: i,
+            rx_packets: 10 + u64::from(i),
+            results_resent: 1,
+            injected_dups: 2,
+            drops: drops.iter().map(|&(r, n)| (r.to_string(), n)).collect(),
+            ..LcoreStats::default()
+        };
+        let d = DataplaneStats {
+            backend: "udp".into(),
+            lcores: vec![
+                lcore(0, &[("duplicate", 3)]),
+                lcore(1, &[("duplicate", 4), ("bad_magic", 1)]),
+            ],
+            jobs: vec![],
+            port: None,
+        };
+        let t = d.total();
+        assert_eq!(
+            (t.lcore, t.rx_packets, t.results_resent, t.injected_dups),
+            (0, 21, 2, 4)
+        );
+        assert_eq!(
+            t.drops,
+            [("bad_magic".to_string(), 1), ("duplicate".to_string(), 7)].into()
+        );
+    }
 
     #[test]
     fn tokens_travel_as_hex() {

@@ -816,17 +816,12 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     if let Ok(r) = ureq::get(&format!("{control_url}/v1/stats")).call() {
         if let Ok(s) = r.into_json::<Stats>() {
             if let Some(d) = s.dataplane {
-                let rx: u64 = d.lcores.iter().map(|l| l.rx_packets).sum();
-                let tx: u64 = d.lcores.iter().map(|l| l.tx_packets).sum();
-                let mut by_reason = std::collections::BTreeMap::<&str, u64>::new();
-                for (reason, n) in d.lcores.iter().flat_map(|l| &l.drops) {
-                    *by_reason.entry(reason).or_default() += n;
-                }
-                let drops: u64 = by_reason.values().sum();
-                let mut reasons: Vec<_> = by_reason.into_iter().filter(|&(_, n)| n > 0).collect();
-                reasons.sort_by_key(|&(_, n)| std::cmp::Reverse(n));
+                let t = d.total();
+                let (rx, tx, resent) = (t.rx_packets, t.tx_packets, t.results_resent);
+                let drops: u64 = t.drops.values().sum();
+                let mut reasons: Vec<_> = t.drops.iter().filter(|&(_, &n)| n > 0).collect();
+                reasons.sort_by_key(|&(_, &n)| std::cmp::Reverse(n));
                 let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} {n}")).collect();
-                let resent: u64 = d.lcores.iter().map(|l| l.results_resent).sum();
                 println!(
                     "  appliance ({}): {rx} packets in, {tx} out, {resent} results resent, {drops} dropped{}",
                     app.backend,
