@@ -287,15 +287,12 @@ impl ResultHeaders {
             ip: Ipv4Addr::UNSPECIFIED,
             port: 0,
         };
-        write_udp_headers(&mut base, src_mac, src_ip, src_port, &nowhere, udp_payload);
-        base[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&[0, 0]);
+        write_unsummed_headers(&mut base, src_mac, src_ip, src_port, &nowhere, udp_payload);
         let udp = ETH_LEN + IPV4_LEN;
         ResultHeaders {
             base,
             ip: u64::from(ones_sum(&base[ETH_LEN..udp])),
-            udp: u64::from(ones_sum(&src_ip.octets()))
-                + u64::from(IPPROTO_UDP)
-                + (UDP_LEN + udp_payload) as u64
+            udp: pseudo_header_sum(&src_ip.octets(), &nowhere.ip.octets(), UDP_LEN + udp_payload)
                 + u64::from(ones_sum(&base[udp..]))
                 + u64::from(payload),
         }
@@ -467,6 +464,21 @@ pub fn write_udp_headers(
     to: &PeerAddr,
     udp_payload: usize,
 ) {
+    write_unsummed_headers(out, src_mac, src_ip, src_port, to, udp_payload);
+    let ip = &mut out[ETH_LEN..ETH_LEN + IPV4_LEN];
+    let c = ip_checksum(ip);
+    ip[10..12].copy_from_slice(&c.to_be_bytes());
+}
+
+/// [`write_udp_headers`] with both checksum fields left 0.
+fn write_unsummed_headers(
+    out: &mut [u8; L2_L4_LEN],
+    src_mac: [u8; 6],
+    src_ip: Ipv4Addr,
+    src_port: u16,
+    to: &PeerAddr,
+    udp_payload: usize,
+) {
     out[0..6].copy_from_slice(&to.mac);
     out[6..12].copy_from_slice(&src_mac);
     out[12..14].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
@@ -483,8 +495,6 @@ pub fn write_udp_headers(
     ip[10..12].copy_from_slice(&[0, 0]);
     ip[12..16].copy_from_slice(&src_ip.octets());
     ip[16..20].copy_from_slice(&to.ip.octets());
-    let c = ip_checksum(ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
     let udp = &mut out[ETH_LEN + IPV4_LEN..];
     udp[0..2].copy_from_slice(&src_port.to_be_bytes());
     udp[2..4].copy_from_slice(&to.port.to_be_bytes());
