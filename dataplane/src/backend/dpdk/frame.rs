@@ -232,7 +232,7 @@ fn udp_field(sum: u64) -> u16 {
 }
 
 /// The one's-complement sum of a datagram's UDP payload given in two parts
-/// (phub header, then values), for [`set_udp_checksum`]: computed once per
+/// (phub header, then values), for [`ResultHeaders::new`]: computed once per
 /// result and shared by every destination's frame. `head` has an even
 /// length, so `tail`'s 16-bit words stay whole.
 pub fn payload_sum(head: &[u8], tail: &[u8]) -> u16 {
@@ -307,8 +307,7 @@ impl ResultHeaders {
         let ip = to.ip.octets();
         out[ETH_LEN + 16..udp].copy_from_slice(&ip);
         out[udp + 2..udp + 4].copy_from_slice(&to.port.to_be_bytes());
-        let dst =
-            u64::from(u16::from_be_bytes([ip[0], ip[1]])) + u64::from(u16::from_be_bytes([ip[2], ip[3]]));
+        let dst = u64::from(ones_sum(&ip));
         out[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&(!fold(self.ip + dst)).to_be_bytes());
         let field = udp_field(self.udp + dst + u64::from(to.port));
         out[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
