@@ -138,9 +138,9 @@ const UDP_SUM_AT: usize = frame::ETH_LEN + frame::IPV4_LEN + 6;
 
 impl RoundField {
     /// Writes `round` into the template's round field and, if the frame
-    /// carries a UDP checksum, updates it for the two 16-bit words that
-    /// changed (RFC 1624: HC' = ~(~HC + ~m + m')), so that it still
-    /// verifies; the round field starts at an even offset of the datagram.
+    /// carries a UDP checksum, updates it for the bytes that changed
+    /// ([`frame::udp_checksum_update`]), so that it still verifies; the
+    /// round field starts at an even offset of the datagram.
     ///
     /// # Safety
     ///
@@ -152,16 +152,7 @@ impl RoundField {
         let (at, sum) = unsafe { (&mut *self.round.as_ptr(), self.sum.map(|p| &mut *p.as_ptr())) };
         let new = round.to_le_bytes();
         if let Some(sum) = sum {
-            let word = |b: &[u8; 4], i: usize| u32::from(u16::from_be_bytes([b[i], b[i + 1]]));
-            let mut x = u32::from(!u16::from_be_bytes(*sum));
-            for i in [0, 2] {
-                x += (!word(at, i) & 0xffff) + word(&new, i);
-            }
-            while x >> 16 != 0 {
-                x = (x & 0xffff) + (x >> 16);
-            }
-            let c = !(x as u16);
-            *sum = (if c == 0 { 0xffff } else { c }).to_be_bytes();
+            *sum = frame::udp_checksum_update(u16::from_be_bytes(*sum), at, &new).to_be_bytes();
         }
         *at = new;
     }

@@ -221,6 +221,20 @@ pub fn udp_checksum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
     )
 }
 
+/// A UDP checksum `field` updated for the bytes `old` of its datagram
+/// becoming `new` (of the same even length, at an even offset), without
+/// summing the rest again (RFC 1624: HC' = ~(~HC + ~m + m')); 0 ("no
+/// checksum") stays 0, and a result of 0 goes out as 0xffff (RFC 768).
+pub fn udp_checksum_update(field: u16, old: &[u8], new: &[u8]) -> u16 {
+    assert_eq!(old.len(), new.len(), "udp_checksum_update: lengths differ");
+    if field == 0 {
+        return 0;
+    }
+    // ~m is 0xffff - m for each word: the complement of old's sum.
+    let sum = u64::from(!field) + u64::from(!ones_sum(old)) + u64::from(ones_sum(new));
+    udp_field(sum)
+}
+
 /// The UDP checksum field for a datagram whose one's-complement sum
 /// (pseudo-header, header with the field 0, payload) is `sum`: 0xffff where
 /// the checksum comes out 0, since 0 means "no checksum" (RFC 768).
@@ -804,6 +818,25 @@ mod tests {
                 "{n} bytes: a flipped bit"
             );
         }
+    }
+
+    #[test]
+    fn an_updated_udp_checksum_equals_one_summed_again() {
+        let from = peer();
+        let mut f = udp_frame(&from, MAC, US, 7000, &[0x5au8; 300]);
+        let udp = ETH_LEN + IPV4_LEN;
+        let c = udp_checksum(from.ip, US, &f[udp..]);
+        f[udp + 6..udp + 8].copy_from_slice(&c.to_be_bytes());
+        for new in [[0u8, 0, 0, 0], [0xff; 4], [1, 2, 3, 4], [0xa5, 0x5a, 0, 0xff]] {
+            let at = udp + 8 + 20;
+            let old: [u8; 4] = f[at..at + 4].try_into().unwrap();
+            f[at..at + 4].copy_from_slice(&new);
+            let field = udp_checksum_update(be16(&f, udp + 6), &old, &new);
+            assert_eq!(field, udp_checksum(from.ip, US, &f[udp..]), "{new:?}");
+            f[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
+            assert!(parse(&f, &opts()).is_ok());
+        }
+        assert_eq!(udp_checksum_update(0, &[1, 2], &[3, 4]), 0, "none stays none");
     }
 
     #[test]
