@@ -562,6 +562,14 @@ mod tests {
         }
     }
 
+    /// A frame from [`peer`] to us, port 7000, with its UDP checksum.
+    fn checksummed(payload: &[u8]) -> Vec<u8> {
+        let mut f = udp_frame(&peer(), MAC, US, 7000, payload);
+        let c = udp_checksum(peer().ip, US, &f[ETH_LEN + IPV4_LEN..]);
+        f[40..42].copy_from_slice(&c.to_be_bytes());
+        f
+    }
+
     fn opts() -> ParseOptions {
         ParseOptions {
             ip: US,
@@ -822,17 +830,14 @@ mod tests {
 
     #[test]
     fn an_updated_udp_checksum_equals_one_summed_again() {
-        let from = peer();
-        let mut f = udp_frame(&from, MAC, US, 7000, &[0x5au8; 300]);
+        let mut f = checksummed(&[0x5au8; 300]);
         let udp = ETH_LEN + IPV4_LEN;
-        let c = udp_checksum(from.ip, US, &f[udp..]);
-        f[udp + 6..udp + 8].copy_from_slice(&c.to_be_bytes());
         for new in [[0u8, 0, 0, 0], [0xff; 4], [1, 2, 3, 4], [0xa5, 0x5a, 0, 0xff]] {
             let at = udp + 8 + 20;
             let old: [u8; 4] = f[at..at + 4].try_into().unwrap();
             f[at..at + 4].copy_from_slice(&new);
             let field = udp_checksum_update(be16(&f, udp + 6), &old, &new);
-            assert_eq!(field, udp_checksum(from.ip, US, &f[udp..]), "{new:?}");
+            assert_eq!(field, udp_checksum(peer().ip, US, &f[udp..]), "{new:?}");
             f[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
             assert!(parse(&f, &opts()).is_ok());
         }
@@ -842,9 +847,7 @@ mod tests {
     #[test]
     fn checks_after_parse_agree_with_parse() {
         // What a NIC left unchecked is checked as parse would have.
-        let mut f = udp_frame(&peer(), MAC, US, 7000, &[9u8; 300]);
-        let c = udp_checksum(peer().ip, US, &f[ETH_LEN + IPV4_LEN..]);
-        f[40..42].copy_from_slice(&c.to_be_bytes());
+        let f = checksummed(&[9u8; 300]);
         let trusting = ParseOptions {
             check_ip_checksum: false,
             check_udp_checksum: false,
