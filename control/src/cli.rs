@@ -10,7 +10,10 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use phub_proto::api::{AdmitResponse, ApiError, CheckpointInfo, JobDetail, JobMap, JobSummary, Stats};
+use phub_proto::api::{
+    AdmitResponse, ApiError, CheckpointInfo, JobDetail, JobMap, JobSummary, LcoreStats, Stats,
+};
+use phub_proto::counters::{Column, Kind};
 use phub_proto::spec::JobSpec;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -580,44 +583,17 @@ pub fn render_stats(s: &Stats) -> String {
                 dp.lcores.len()
             ));
             let total = dp.total();
-            let mut rows: Vec<_> = dp
+            let mut all: Vec<&LcoreStats> = dp.lcores.iter().collect();
+            if dp.lcores.len() > 1 {
+                all.push(&total);
+            }
+            let names: Vec<String> = dp
                 .lcores
                 .iter()
-                .map(|l| lcore_row(l.lcore.to_string(), l))
+                .map(|l| l.lcore.to_string())
+                .chain(std::iter::once("all".to_string()))
                 .collect();
-            if dp.lcores.len() > 1 {
-                rows.push(lcore_row("all".into(), &total));
-            }
-            let n = Align::Right;
-            let mut columns = vec![
-                ("LCORE", n),
-                ("RX PKTS", n),
-                ("RX MB", n),
-                ("TX PKTS", n),
-                ("TX MB", n),
-                ("PUSHES", n),
-                ("ROUNDS", n),
-                ("RESULTS", n),
-                ("RESENT", n),
-                ("DROPS", n),
-                ("MISROUTED", n),
-                ("ARP", n),
-                ("BUSY%", n),
-            ];
-            // Messages whose payload was in shared memory (--shm): shown
-            // once there are any, so that RX MB (headers only for those)
-            // is not read as the gradient bytes.
-            if total.shm_rx > 0 {
-                columns.push(("SHM RX", n));
-                let per_lcore = dp
-                    .lcores
-                    .iter()
-                    .map(|l| l.shm_rx)
-                    .chain(std::iter::once(total.shm_rx));
-                for (row, shm) in rows.iter_mut().zip(per_lcore) {
-                    row.push(shm.to_string());
-                }
-            }
+            let (columns, rows) = lcore_table(&all, &names);
             out.push_str(&table(&columns, &rows));
             out.push_str(&render_port(&dp.backend, dp.port.as_ref(), &total));
             let drops: Vec<Vec<String>> = dp
@@ -678,28 +654,70 @@ pub fn render_stats(s: &Stats) -> String {
     out
 }
 
-fn lcore_row(name: String, l: &phub_proto::api::LcoreStats) -> Vec<String> {
-    let loops = l.busy_loops + l.idle_loops;
-    let busy = if loops == 0 {
-        "-".to_string()
-    } else {
-        format!("{:.1}", l.busy_loops as f64 * 100.0 / loops as f64)
-    };
-    vec![
-        name,
-        l.rx_packets.to_string(),
-        mb(l.rx_bytes),
-        l.tx_packets.to_string(),
-        mb(l.tx_bytes),
-        l.pushes_aggregated.to_string(),
-        l.rounds_completed.to_string(),
-        l.results_sent.to_string(),
-        l.results_resent.to_string(),
-        l.drops.values().sum::<u64>().to_string(),
-        l.misrouted.to_string(),
-        l.arp_replies.to_string(),
-        busy,
-    ]
+/// A column of phubctl's lcore table that is not one counter of the table
+/// but worked out from several, and the counter it follows.
+#[derive(Clone, Copy)]
+enum Derived {
+    /// Drops, all reasons.
+    Drops,
+    /// Busy share of the poll loop's iterations.
+    Busy,
+}
+
+const DERIVED_AFTER: [(&str, Derived, &str); 2] = [
+    // After RESENT (the hidden `pulls_answered` follows it in the table).
+    ("pulls_answered", Derived::Drops, "DROPS"),
+    ("arp_replies", Derived::Busy, "BUSY%"),
+];
+
+impl Derived {
+    fn value(self, l: &LcoreStats) -> String {
+        match self {
+            Derived::Drops => l.drops.values().sum::<u64>().to_string(),
+            Derived::Busy => {
+                let loops = l.busy_loops + l.idle_loops;
+                if loops == 0 {
+                    "-".to_string()
+                } else {
+                    format!("{:.1}", l.busy_loops as f64 * 100.0 / loops as f64)
+                }
+            }
+        }
+    }
+}
+
+/// The lcore table: a row per entry of `lcores` (named by `names`), a
+/// column per counter of [`LcoreStats::COUNTERS`] that is one (`IfAny`
+/// ones only when a row's value is not zero), in table order, with the
+/// derived columns after the counters [`DERIVED_AFTER`] names.
+fn lcore_table(lcores: &[&LcoreStats], names: &[String]) -> (Vec<(&'static str, Align)>, Vec<Vec<String>>) {
+    let n = Align::Right;
+    let mut columns = vec![("LCORE", n)];
+    let mut rows: Vec<Vec<String>> = names.iter().take(lcores.len()).map(|s| vec![s.clone()]).collect();
+    for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
+        let value = |l: &LcoreStats| l.counters().nth(i).map_or(0, |(_, v)| v);
+        let heading = match def.column {
+            Column::Hidden => None,
+            Column::Always(h) => Some(h),
+            Column::IfAny(h) => lcores.iter().any(|l| value(l) > 0).then_some(h),
+        };
+        if let Some(h) = heading {
+            columns.push((h, n));
+            for (row, l) in rows.iter_mut().zip(lcores) {
+                row.push(match def.kind {
+                    Kind::Bytes => mb(value(l)),
+                    Kind::Count | Kind::Gauge => value(l).to_string(),
+                });
+            }
+        }
+        for &(_, derived, h) in DERIVED_AFTER.iter().filter(|(after, ..)| *after == def.name) {
+            columns.push((h, n));
+            for (row, l) in rows.iter_mut().zip(lcores) {
+                row.push(derived.value(l));
+            }
+        }
+    }
+    (columns, rows)
 }
 
 /// The port's own counters (DPDK's `rte_eth_stats`) beside phub's totals

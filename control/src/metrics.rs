@@ -3,7 +3,7 @@
 
 use std::fmt::Write;
 
-use phub_proto::api::{DataplaneStats, JobSummary};
+use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats};
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
@@ -20,27 +20,6 @@ pub fn escape_label(v: &str) -> String {
         }
     }
     out
-}
-
-fn help_of(field: &str) -> String {
-    let known = match field {
-        "rx_packets" => "Datagrams received",
-        "rx_bytes" => "Bytes received",
-        "tx_packets" => "Datagrams sent",
-        "tx_bytes" => "Bytes sent",
-        "pushes_aggregated" => "Contributions aggregated",
-        "rounds_completed" => "Rounds completed",
-        "results_sent" => "Results sent (per destination)",
-        "results_resent" => "Stored results sent again",
-        "pulls_answered" => "PULLs answered",
-        "errors_sent" => "ERROR messages sent",
-        "misrouted" => "Packets that reached another lcore than their owner",
-        "shm_rx" => "Messages whose payload was in shared memory (--shm)",
-        "busy_loops" => "Poll-loop iterations that found packets",
-        "idle_loops" => "Poll-loop iterations that found none",
-        _ => return format!("Dataplane lcore counter {field}"),
-    };
-    format!("{known}, per lcore")
 }
 
 struct Out(String);
@@ -69,8 +48,8 @@ impl Out {
 }
 
 /// Renders every metric: `phub_dataplane_up`, one counter family
-/// `phub_lcore_<field>_total{lcore}` per numeric field of
-/// [`phub_proto::api::LcoreStats`], `phub_lcore_drops_total{lcore,reason}`,
+/// `phub_lcore_<name>_total{lcore}` per counter of
+/// [`LcoreStats::COUNTERS`] (its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
 /// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
 /// `phub_job_installed`, `phub_job_memory_bytes` and, when the dataplane
 /// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`.
@@ -84,30 +63,16 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
     o.sample("phub_dataplane_up", &[], u64::from(dataplane.is_some()));
 
     if let Some(dp) = dataplane {
-        // Every numeric field of LcoreStats, so new counters show up here
-        // without a change.
-        let rows: Vec<(String, serde_json::Map<String, serde_json::Value>)> = dp
-            .lcores
-            .iter()
-            .filter_map(|l| match serde_json::to_value(l) {
-                Ok(serde_json::Value::Object(m)) => Some((l.lcore.to_string(), m)),
-                _ => None,
-            })
-            .collect();
-        let mut fields: Vec<&str> = rows
-            .iter()
-            .flat_map(|(_, m)| m.iter())
-            .filter(|(k, v)| k.as_str() != "lcore" && v.is_u64())
-            .map(|(k, _)| k.as_str())
-            .collect();
-        fields.sort_unstable();
-        fields.dedup();
-        for field in fields {
-            let name = format!("phub_lcore_{field}_total");
-            o.family(&name, "counter", &help_of(field));
-            for (lcore, m) in &rows {
-                if let Some(v) = m.get(field).and_then(serde_json::Value::as_u64) {
-                    o.sample(&name, &[("lcore", lcore)], v);
+        for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
+            let name = format!("phub_lcore_{}_total", def.name);
+            o.family(
+                &name,
+                def.kind.prometheus_type(),
+                &format!("{}, per lcore", def.help),
+            );
+            for l in &dp.lcores {
+                if let Some((_, v)) = l.counters().nth(i) {
+                    o.sample(&name, &[("lcore", &l.lcore.to_string())], v);
                 }
             }
         }

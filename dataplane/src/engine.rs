@@ -23,8 +23,7 @@
 //!   changes only when the next round completes, which needs a push from
 //!   every rank, which no correct rank sends before it holds that result.
 //!
-//! The round rules are DESIGN.md's "Rounds, loss and duplicates" and are
-//! written out normatively in PROTOCOL.md.
+//! The round rules are written out normatively in PROTOCOL.md §5.
 //!
 //! Shared memory (PROTOCOL.md §3.4): a job installed with
 //! [`Shard::install_shared`] gets its [`JobRegions`] on this lcore (a
@@ -49,21 +48,19 @@
 use std::sync::Arc;
 
 use phub_proto::checkpoint::SlotState;
-use phub_proto::fault::{Fate, Faults};
 use phub_proto::layout::SlotChunk;
-use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN, MAX_PAYLOAD};
+use phub_proto::spec::{Optimizer, MAX_WORKERS};
+use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
 use crate::counters::ShardCounters;
 use crate::kernels::{self, Kernels};
 use crate::optim::{self, ChunkBufs};
-use crate::shm::{JobRegions, ShmSetup, Staging};
+use crate::shm::{JobRegions, RegionsOf, ShmSetup, Staging};
 use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock, LINE_BYTES, LINE_F32};
+use crate::transmit::{Destinations, Transmit};
 
-/// Most packets a backend may hand to [`Shard::handle`] between two drains
-/// of [`Shard::transmits`] without the transmit queue allocating.
-pub const MAX_BURST: usize = 512;
+pub use crate::transmit::MAX_BURST;
 
 /// What a job looks like to one lcore.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,7 +69,7 @@ pub struct JobInstall {
     pub id: u16,
     /// The job's secret token (carried in every packet).
     pub token: u64,
-    /// Worker count W, 1..=256.
+    /// Worker count W, 1..=[`MAX_WORKERS`].
     pub workers: u16,
     /// Element type on the wire.
     pub dtype: Dtype,
@@ -88,8 +85,8 @@ pub enum EngineError {
     /// A job with this id is already installed.
     #[error("job {0} is already installed on this lcore")]
     JobExists(u16),
-    /// The worker count is outside 1..=256.
-    #[error("job {id}: worker count {workers} is outside 1..=256")]
+    /// The worker count is outside 1..=[`MAX_WORKERS`].
+    #[error("job {id}: worker count {workers} is outside 1..={max}", max = MAX_WORKERS)]
     BadWorkers {
         /// Job id.
         id: u16,
@@ -182,7 +179,7 @@ const NO_ROUND: u32 = u32::MAX;
 
 /// Which ranks contributed to the round in progress.
 #[derive(Debug, Clone, Copy, Default)]
-struct RankSet([u64; 4]);
+struct RankSet([u64; (MAX_WORKERS as usize).div_ceil(64)]);
 
 impl RankSet {
     fn contains(&self, r: u16) -> bool {
@@ -562,61 +559,32 @@ enum Pending<A> {
     Error { repr: Repr, to: A },
 }
 
-/// One message to send: a header, a payload borrowed from slot memory, and
-/// the destinations. The header is the same for every destination, so a
-/// backend sends the payload W times without copying it W times. A round's
-/// result to ranks of both kinds is two transmits: the header with the SHM
-/// flag and no payload to the ranks using shared memory, the header and
-/// payload to the others.
-#[derive(Debug)]
-pub struct Transmit<'a, A> {
-    /// The phub header.
-    pub header: [u8; HEADER_LEN],
-    /// The payload (empty for ERROR and for a RESULT with the SHM flag).
-    pub payload: &'a [u8],
-    /// Where to send it.
-    pub to: Destinations<'a, A>,
-}
-
-/// The destinations of a [`Transmit`]: every known rank's endpoint (or
-/// those of the ranks that do, or do not, use shared memory), or one. With
-/// fault injection on (tests), some are skipped or repeated.
+/// The destinations of a queued message: every known rank's endpoint (or
+/// those of the ranks that do, or do not, use shared memory), or one. A
+/// round's result to ranks of both kinds is two transmits: the header with
+/// the SHM flag and no payload to the ranks using shared memory, the header
+/// and payload to the others.
 #[derive(Debug, Clone)]
-pub struct Destinations<'a, A> {
+pub struct Ranks<'a, A> {
     all: std::iter::Enumerate<std::slice::Iter<'a, Option<A>>>,
     /// Only the ranks whose membership in the set is the flag.
     only: Option<(RankSet, bool)>,
     one: Option<A>,
-    faults: Option<(&'a Faults, &'a ShardCounters)>,
-    again: Option<A>,
 }
 
-impl<'a, A: Copy> Destinations<'a, A> {
-    fn new(
-        all: &'a [Option<A>],
-        only: Option<(RankSet, bool)>,
-        one: Option<A>,
-        faults: Option<(&'a Faults, &'a ShardCounters)>,
-    ) -> Destinations<'a, A> {
-        Destinations {
+impl<'a, A: Copy> Ranks<'a, A> {
+    fn new(all: &'a [Option<A>], only: Option<(RankSet, bool)>, one: Option<A>) -> Ranks<'a, A> {
+        Ranks {
             all: all.iter().enumerate(),
             only,
             one,
-            faults,
-            again: None,
         }
     }
+}
 
-    /// How many destinations there are before fault injection, which may
-    /// skip or repeat some: what a backend can prepare for. Counting them
-    /// does not draw the faults' fates.
-    pub fn planned(&self) -> usize {
-        let mut d = self.clone();
-        d.faults = None;
-        d.count()
-    }
-
-    fn next_plain(&mut self) -> Option<A> {
+impl<A: Copy> Iterator for Ranks<'_, A> {
+    type Item = A;
+    fn next(&mut self) -> Option<A> {
         if let Some(a) = self.one.take() {
             return Some(a);
         }
@@ -628,32 +596,9 @@ impl<'a, A: Copy> Destinations<'a, A> {
     }
 }
 
-impl<A: Copy> Iterator for Destinations<'_, A> {
-    type Item = A;
-    fn next(&mut self) -> Option<A> {
-        if let Some(a) = self.again.take() {
-            return Some(a);
-        }
-        let Some((faults, counters)) = self.faults else {
-            return self.next_plain();
-        };
-        loop {
-            let a = self.next_plain()?;
-            match faults.fate() {
-                Fate::Drop => counters.injected_drops.inc(),
-                Fate::Duplicate => {
-                    counters.injected_dups.inc();
-                    self.again = Some(a);
-                    return Some(a);
-                }
-                // Sends cannot be held back here: this iterator only names
-                // destinations while the backend sends a payload borrowed
-                // from slot memory, which nothing here may copy or keep. So
-                // a reordered or delayed send goes out now (the network
-                // reorders; received packets are held back and delayed).
-                Fate::Deliver | Fate::Reorder | Fate::Delay => return Some(a),
-            }
-        }
+impl<A: Copy> Destinations for Ranks<'_, A> {
+    fn planned(&self) -> usize {
+        self.clone().count()
     }
 }
 
@@ -665,7 +610,6 @@ pub struct Shard<A> {
     jobs: Vec<Job<A>>,
     pending: Vec<Pending<A>>,
     counters: Arc<ShardCounters>,
-    tx_faults: Option<Faults>,
     mem: Arc<dyn SlotAllocator>,
 }
 
@@ -679,13 +623,23 @@ impl<A: Copy + Eq> Shard<A> {
     /// An empty shard whose slot memory comes from `mem` (the DPDK backend
     /// gives DPDK's heap on the port's NUMA socket).
     pub fn with_slot_memory(lcore: u16, kernels: Kernels, mem: Arc<dyn SlotAllocator>) -> Shard<A> {
+        Shard::with_parts(lcore, kernels, mem, Arc::new(ShardCounters::default()))
+    }
+
+    /// An empty shard whose slot memory comes from `mem` and which counts
+    /// into `counters` (shared with its lcore's packet I/O).
+    pub fn with_parts(
+        lcore: u16,
+        kernels: Kernels,
+        mem: Arc<dyn SlotAllocator>,
+        counters: Arc<ShardCounters>,
+    ) -> Shard<A> {
         Shard {
             lcore,
             kernels,
             jobs: Vec::new(),
             pending: Vec::with_capacity(MAX_BURST),
-            counters: Arc::new(ShardCounters::default()),
-            tx_faults: None,
+            counters,
             mem,
         }
     }
@@ -693,12 +647,6 @@ impl<A: Copy + Eq> Shard<A> {
     /// Where this shard's slot memory comes from.
     pub fn slot_memory(&self) -> &dyn SlotAllocator {
         &*self.mem
-    }
-
-    /// Turns fault injection on the results this shard sends on (tests and
-    /// soaks) or off. Off by default; costs one branch per destination off.
-    pub fn set_tx_faults(&mut self, faults: Option<Faults>) {
-        self.tx_faults = faults;
     }
 
     /// The lcore this shard serves.
@@ -733,7 +681,7 @@ impl<A: Copy + Eq> Shard<A> {
         if self.jobs.iter().any(|j| j.id == job.id) {
             return Err(EngineError::JobExists(job.id));
         }
-        if job.workers == 0 || job.workers > 256 {
+        if job.workers == 0 || u32::from(job.workers) > MAX_WORKERS {
             return Err(EngineError::BadWorkers {
                 id: job.id,
                 workers: job.workers,
@@ -779,8 +727,18 @@ impl<A: Copy + Eq> Shard<A> {
         let shm = match shm {
             None => None,
             Some(setup) => Some(
-                JobRegions::create(setup, self.lcore, &job)
-                    .map_err(|reason| EngineError::SharedMemory { id: job.id, reason })?,
+                JobRegions::create(
+                    setup,
+                    self.lcore,
+                    RegionsOf {
+                        id: job.id,
+                        token: job.token,
+                        workers: job.workers,
+                        dtype: job.dtype,
+                        slots: &job.slots,
+                    },
+                )
+                .map_err(|reason| EngineError::SharedMemory { id: job.id, reason })?,
             ),
         };
         self.jobs.push(Job {
@@ -1051,7 +1009,10 @@ impl<A: Copy + Eq> Shard<A> {
                 Verdict::Completed
             }
             Ok(Step::Resend) => {
-                self.counters.results_resent.inc();
+                // The stored result to this rank alone: the answer to a
+                // PULL, or a result resent to a rank that lost it (an INIT
+                // or PUSH for the last completed round), each counted
+                // under its own counter.
                 self.counters.results_sent.inc();
                 self.pending.push(Pending::Result {
                     job: job.id,
@@ -1062,6 +1023,7 @@ impl<A: Copy + Eq> Shard<A> {
                     self.counters.pulls_answered.inc();
                     Verdict::Pulled
                 } else {
+                    self.counters.results_resent.inc();
                     Verdict::Resent
                 }
             }
@@ -1246,7 +1208,7 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// What must be sent now, in the order it was queued.
-    pub fn transmits(&self) -> impl Iterator<Item = Transmit<'_, A>> + '_ {
+    pub fn transmits(&self) -> impl Iterator<Item = Transmit<'_, Ranks<'_, A>>> + '_ {
         self.pending.iter().flat_map(move |p| {
             let [a, b] = self.transmits_of(p);
             a.into_iter().chain(b)
@@ -1255,15 +1217,14 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// The one or two transmits of a queued message: a result to ranks of
     /// both kinds (shared memory or not) is two.
-    fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, A>>; 2] {
-        let faults = self.tx_faults.as_ref().map(|f| (f, &*self.counters));
+    fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, Ranks<'_, A>>>; 2] {
         let (job, slot, to) = match *p {
             Pending::Result { job, slot, to } => (job, slot, to),
             Pending::Error { repr, to } => {
                 let t = Transmit {
                     header: repr.to_bytes(),
                     payload: &[],
-                    to: Destinations::new(&[], None, Some(to), faults),
+                    to: Ranks::new(&[], None, Some(to)),
                 };
                 return [Some(t), None];
             }
@@ -1300,15 +1261,10 @@ impl<A: Copy + Eq> Shard<A> {
             payload: &[],
             to,
         };
-        let ranks = |only| Destinations::new(&j.endpoints, only, None, faults);
+        let ranks = |only| Ranks::new(&j.endpoints, only, None);
         match to {
             Some(r) => {
-                let one = Destinations::new(
-                    &[],
-                    None,
-                    j.endpoints.get(usize::from(r)).copied().flatten(),
-                    faults,
-                );
+                let one = Ranks::new(&[], None, j.endpoints.get(usize::from(r)).copied().flatten());
                 if j.shm_ranks.contains(r) {
                     [Some(shm(one)), None]
                 } else {
@@ -1348,6 +1304,7 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+    use phub_proto::wire::HEADER_LEN;
 
     /// Rust-heap blocks, at most `left` of them, counting the live ones.
     #[derive(Debug)]
@@ -1488,27 +1445,6 @@ mod tests {
             }
             s.clear_transmits();
         }
-    }
-
-    #[test]
-    fn planned_destinations_are_counted_without_drawing_fates() {
-        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
-        s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37)).unwrap();
-        let spec: phub_proto::fault::FaultSpec = "loss=0.5,seed=9".parse().unwrap();
-        s.set_tx_faults(Some(phub_proto::fault::Faults::new(spec, 0)));
-        // Round 0 for slot 0: its result goes to both ranks.
-        let vals = [1.0f32; 37];
-        for rank in 0..2u16 {
-            s.handle(u32::from(rank), &push(Dtype::F32, rank, 0, 0, &vals), 1);
-        }
-        let drops = || s.counters().injected_drops.get();
-        let t = s.transmits().next().expect("a result");
-        assert_eq!((t.to.planned(), t.to.planned()), (2, 2));
-        assert_eq!(drops(), 0, "counting drew no fate");
-        // The fates drawn as the destinations are walked: each one is
-        // either sent or counted as dropped, once.
-        let sent = t.to.count() as u64;
-        assert_eq!(sent + drops(), 2);
     }
 
     #[test]

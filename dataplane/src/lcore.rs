@@ -7,20 +7,18 @@
 //! waits in the backend for up to `idle_wait`, so a small shared machine
 //! stays usable.
 //!
-//! With fault injection on, a received datagram may be held back: until
-//! after the next burst (reordered) or until its hold time has passed
-//! (delayed; the wait in the backend never runs past the first one due).
+//! Fault injection, when asked for, wraps the backend's queue
+//! ([`crate::inject`]); the loop does not know about it.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::backend::PacketIo;
 use phub_proto::checkpoint::SlotState;
-use phub_proto::fault::{Fate, FaultSpec, Faults};
+
+use crate::backend::PacketIo;
 
 use crate::engine::{EngineError, JobInstall, JobShardStats, Shard};
 use crate::shm::ShmSetup;
@@ -49,9 +47,6 @@ pub enum Command {
 /// How an lcore waits when there is nothing to do.
 #[derive(Debug, Clone, Copy)]
 pub struct LoopOptions {
-    /// Inject faults on received and sent packets (tests and soaks; off by
-    /// default).
-    pub faults: Option<FaultSpec>,
     /// Spin without ever waiting in the kernel.
     pub busy_poll: bool,
     /// Longest wait in the backend when idle (also how quickly management
@@ -62,7 +57,6 @@ pub struct LoopOptions {
 impl Default for LoopOptions {
     fn default() -> LoopOptions {
         LoopOptions {
-            faults: None,
             busy_poll: false,
             idle_wait: Duration::from_millis(20),
         }
@@ -97,66 +91,16 @@ pub fn run<Io: PacketIo>(
 ) -> std::io::Result<()> {
     let counters = Arc::clone(shard.counters());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
-    let lcore = u64::from(shard.lcore());
-    let rx_faults = opts.faults.map(|f| Faults::new(f, 2 * lcore));
-    shard.set_tx_faults(opts.faults.map(|f| Faults::new(f, 2 * lcore + 1)));
-    // Datagrams the injector held back, delivered after the next burst.
-    let mut held: Vec<(Io::Addr, Vec<u8>)> = Vec::new();
-    // Datagrams the injector delayed, with the clock time they are due at.
-    // One hold time for all, so arrival order is also due order.
-    let mut delayed: VecDeque<(u64, Io::Addr, Vec<u8>)> = VecDeque::new();
-    let delay_ns = opts.faults.map_or(0, |f| f.delay_time().as_nanos() as u64);
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd);
         }
         let now = clock.now();
-        let released = std::mem::take(&mut held);
-        // Never wait past the first delayed datagram's time (rounded up to
-        // whole milliseconds, as the UDP backend waits).
-        let wait = match (wait, delayed.front()) {
-            (Some(w), Some(&(due, _, _))) => {
-                Some(w.min(Duration::from_millis(due.saturating_sub(now).div_ceil(1_000_000))))
-            }
-            (w, _) => w,
-        };
-        let n = match &rx_faults {
-            None => io.rx_burst(wait, &mut |from, datagram| {
-                shard.handle(from, datagram, now);
-            })?,
-            Some(faults) => io.rx_burst(wait, &mut |from, datagram| match faults.fate() {
-                Fate::Deliver => {
-                    shard.handle(from, datagram, now);
-                }
-                Fate::Drop => counters.injected_drops.inc(),
-                Fate::Duplicate => {
-                    counters.injected_dups.inc();
-                    shard.handle(from, datagram, now);
-                    shard.handle(from, datagram, now);
-                }
-                Fate::Reorder => {
-                    counters.injected_reorders.inc();
-                    held.push((from, datagram.to_vec()));
-                }
-                Fate::Delay => {
-                    counters.injected_delays.inc();
-                    delayed.push_back((now + delay_ns, from, datagram.to_vec()));
-                }
-            })?,
-        };
-        for (from, datagram) in &released {
-            shard.handle(*from, datagram, now);
-        }
-        if !delayed.is_empty() {
-            let now = clock.now();
-            while delayed.front().is_some_and(|d| d.0 <= now) {
-                if let Some((_, from, datagram)) = delayed.pop_front() {
-                    shard.handle(from, &datagram, now);
-                }
-            }
-        }
+        let n = io.rx_burst(wait, &mut |from, datagram| {
+            shard.handle(from, datagram, now);
+        })?;
         if shard.has_transmits() {
-            let r = io.tx_burst(&shard, &counters);
+            let r = io.tx_burst(shard.transmits(), &counters);
             shard.clear_transmits();
             if let Err(e) = r {
                 log::warn!("lcore {}: send failed: {e}", shard.lcore());

@@ -12,8 +12,10 @@
 
 pub mod app;
 pub mod backend;
+pub mod config;
 pub mod counters;
 pub mod engine;
+pub mod inject;
 pub mod kernels;
 pub mod lcore;
 pub mod mgmt;
@@ -21,8 +23,10 @@ pub mod optim;
 pub mod shm;
 pub mod slotmem;
 pub mod topology;
+pub mod transmit;
 
-pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Transmit, Verdict};
+pub use engine::{EngineError, JobInstall, JobShardStats, Shard, Verdict};
 pub use kernels::Kernels;
 pub use shm::ShmSetup;
 pub use slotmem::{RustHeap, SlotAllocator, SlotBlock};
+pub use transmit::Transmit;

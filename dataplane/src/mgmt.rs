@@ -14,13 +14,12 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use phub_proto::api::{
-    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreStats, PortStats,
+    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::slot_bytes;
-use phub_proto::wire::DropReason;
 
-use crate::counters::{NetDrop, ShardCounters};
+use crate::counters::ShardCounters;
 use crate::engine::{EngineError, JobInstall};
 use crate::lcore::{Clock, Command};
 use crate::shm::ShmSetup;
@@ -283,7 +282,7 @@ impl Manager {
             .lcores
             .iter()
             .enumerate()
-            .map(|(i, l)| lcore_stats(i as u16, &l.counters))
+            .map(|(i, l)| l.counters.snapshot(i as u16))
             .collect();
         let now = self.clock.now();
         let mut jobs: BTreeMap<u16, (JobLive, Vec<u64>)> = BTreeMap::new();
@@ -355,42 +354,6 @@ impl Manager {
                 }
             }
         }
-    }
-}
-
-/// A snapshot of one lcore's counters.
-pub fn lcore_stats(lcore: u16, c: &ShardCounters) -> LcoreStats {
-    LcoreStats {
-        lcore,
-        rx_packets: c.rx_packets.get(),
-        rx_bytes: c.rx_bytes.get(),
-        tx_packets: c.tx_packets.get(),
-        tx_bytes: c.tx_bytes.get(),
-        pushes_aggregated: c.pushes_aggregated.get(),
-        rounds_completed: c.rounds_completed.get(),
-        results_sent: c.results_sent.get(),
-        results_resent: c.results_resent.get(),
-        pulls_answered: c.pulls_answered.get(),
-        errors_sent: c.errors_sent.get(),
-        misrouted: c.misrouted.get(),
-        shm_rx: c.shm_rx.get(),
-        busy_loops: c.busy_loops.get(),
-        idle_loops: c.idle_loops.get(),
-        drops: DropReason::ALL
-            .iter()
-            .map(|r| (r.name().to_string(), c.drops_of(*r)))
-            .chain(
-                NetDrop::ALL
-                    .iter()
-                    .map(|r| (r.name().to_string(), c.net_drops_of(*r))),
-            )
-            .filter(|(_, n)| *n > 0)
-            .collect(),
-        arp_replies: c.arp_replies.get(),
-        injected_drops: c.injected_drops.get(),
-        injected_dups: c.injected_dups.get(),
-        injected_reorders: c.injected_reorders.get(),
-        injected_delays: c.injected_delays.get(),
     }
 }
 

@@ -38,10 +38,24 @@
 use std::path::Path;
 
 use phub_net::shm::ShmRegion;
+use phub_proto::layout::SlotChunk;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::Dtype;
 
-use crate::engine::JobInstall;
+/// Whose regions to make: a job as one lcore holds it.
+#[derive(Debug, Clone, Copy)]
+pub struct RegionsOf<'a> {
+    /// Job id.
+    pub id: u16,
+    /// Job token (its hash names the files).
+    pub token: u64,
+    /// Worker count: one staging region per rank.
+    pub workers: u16,
+    /// Element type on the wire.
+    pub dtype: Dtype,
+    /// The job's chunks on this lcore, in slot order.
+    pub slots: &'a [SlotChunk],
+}
 
 /// How an lcore lays out and names a job's regions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -123,7 +137,7 @@ impl JobRegions {
     /// Creates the regions of `job` on `lcore`, all or none (what was
     /// created is removed again on failure). Fails when a file cannot be
     /// created or sized, or when a slot is longer than `setup.chunk_elems`.
-    pub fn create(setup: ShmSetup, lcore: u16, job: &JobInstall) -> Result<JobRegions, String> {
+    pub fn create(setup: ShmSetup, lcore: u16, job: RegionsOf<'_>) -> Result<JobRegions, String> {
         if let Some((i, s)) = job
             .slots
             .iter()

@@ -138,7 +138,7 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
             shard.handle(from, d, 1);
         })
         .unwrap();
-        q.tx_burst(shard, &counters).unwrap();
+        q.tx_burst(shard.transmits(), &counters).unwrap();
         shard.clear_transmits();
         let n = tx.dequeue_burst(&mut out);
         for m in out.iter_mut().take(n) {

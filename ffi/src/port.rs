@@ -58,26 +58,8 @@ pub struct Offloads {
     pub rss: bool,
 }
 
-/// The port's counters (`rte_eth_stats`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct PortStats {
-    /// Packets received.
-    pub ipackets: u64,
-    /// Packets sent.
-    pub opackets: u64,
-    /// Bytes received.
-    pub ibytes: u64,
-    /// Bytes sent.
-    pub obytes: u64,
-    /// Packets the device dropped because RX queues were full.
-    pub imissed: u64,
-    /// Receive errors.
-    pub ierrors: u64,
-    /// Transmit errors.
-    pub oerrors: u64,
-    /// RX mbuf allocation failures.
-    pub rx_nombuf: u64,
-}
+/// The port's counters (`rte_eth_stats`), as the management API shows them.
+pub use phub_proto::api::PortStats;
 
 fn port_name(port: u16) -> String {
     let mut buf = [0 as std::ffi::c_char; 64];

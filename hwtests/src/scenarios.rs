@@ -203,20 +203,7 @@ pub struct FaultRun {
 
 /// Adds `b`'s event counters (not its RTT estimates) to `a`.
 pub fn add_worker_counts(a: &mut WorkerStats, b: &WorkerStats) {
-    a.chunks_sent += b.chunks_sent;
-    a.retransmits += b.retransmits;
-    a.fast_retransmits += b.fast_retransmits;
-    a.results_accepted += b.results_accepted;
-    a.results_ignored += b.results_ignored;
-    a.foreign_dropped += b.foreign_dropped;
-    a.errors += b.errors;
-    a.timeouts += b.timeouts;
-    a.bytes_sent += b.bytes_sent;
-    a.bytes_received += b.bytes_received;
-    a.injected_drops += b.injected_drops;
-    a.injected_dups += b.injected_dups;
-    a.injected_reorders += b.injected_reorders;
-    a.injected_delays += b.injected_delays;
+    a.add_counters(b);
 }
 
 /// [`sgd_exact_through_faults`], the workers injecting `worker_faults` on
@@ -578,7 +565,7 @@ fn pull_bits(w: &Worker, keys: &[u64]) -> (Vec<Vec<u32>>, u32) {
     (bits, round)
 }
 
-/// Tenant isolation (DESIGN.md, "Multi-tenancy"): a victim sum job trains
+/// Tenant isolation (README, "Threat model"): a victim sum job trains
 /// 3 rounds and its parameters are pulled. Another tenant, joined to a job
 /// of its own, then sends PUSH, INIT and PULL datagrams that name the
 /// victim's job and exact slots, keys, chunks, counts and the round in

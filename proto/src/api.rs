@@ -307,60 +307,40 @@ pub struct InstalledJob {
     pub memory_bytes: u64,
 }
 
-/// Counters of one lcore.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct LcoreStats {
-    /// Lcore index.
-    pub lcore: u16,
-    /// Datagrams received.
-    pub rx_packets: u64,
-    /// Bytes received.
-    pub rx_bytes: u64,
-    /// Datagrams sent.
-    pub tx_packets: u64,
-    /// Bytes sent.
-    pub tx_bytes: u64,
-    /// Contributions aggregated.
-    pub pushes_aggregated: u64,
-    /// Rounds completed.
-    pub rounds_completed: u64,
-    /// Results sent (per destination).
-    pub results_sent: u64,
-    /// Stored results sent again.
-    pub results_resent: u64,
-    /// PULLs answered.
-    pub pulls_answered: u64,
-    /// ERROR messages sent.
-    pub errors_sent: u64,
-    /// Packets for another lcore.
-    pub misrouted: u64,
-    /// Messages with the SHM flag from a rank of the job (payload, if any,
-    /// read from shared memory); 0 from a dataplane that does not count
-    /// them.
-    #[serde(default)]
-    pub shm_rx: u64,
-    /// Busy poll-loop iterations.
-    pub busy_loops: u64,
-    /// Idle poll-loop iterations.
-    pub idle_loops: u64,
-    /// Drops by reason name (only reasons with a non-zero count).
-    pub drops: BTreeMap<String, u64>,
-    /// ARP requests answered (DPDK backend).
-    #[serde(default)]
-    pub arp_replies: u64,
-    /// Packets the fault injector dropped (only with `--inject`).
-    #[serde(default)]
-    pub injected_drops: u64,
-    /// Packets the fault injector duplicated (only with `--inject`).
-    #[serde(default)]
-    pub injected_dups: u64,
-    /// Received packets the fault injector reordered (only with `--inject`).
-    #[serde(default)]
-    pub injected_reorders: u64,
-    /// Received packets the fault injector delayed (only with `--inject`
-    /// and `delay=`).
-    #[serde(default)]
-    pub injected_delays: u64,
+crate::counter_table! {
+    /// Counters of one lcore: the snapshot the management API serves
+    /// (`GET /v1/stats`), phubctl shows and `/metrics` exports.
+    #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+    pub struct LcoreStats {
+        /// Lcore index.
+        pub lcore: u16,
+        /// Drops by reason name (only reasons with a non-zero count): the
+        /// engine's [`crate::wire::DropReason`]s and the backend's own.
+        pub drops: BTreeMap<String, u64>,
+    }
+    /// The live counters of one lcore, which only that lcore writes.
+    pub struct LcoreCounters of crate::counters::Counter;
+    counters {
+        rx_packets: Count, Always("RX PKTS"), "Datagrams received";
+        rx_bytes: Bytes, Always("RX MB"), "Bytes received (UDP payload)";
+        tx_packets: Count, Always("TX PKTS"), "Datagrams sent (one per destination)";
+        tx_bytes: Bytes, Always("TX MB"), "Bytes sent (UDP payload, per destination)";
+        pushes_aggregated: Count, Always("PUSHES"), "Contributions added to an accumulator (INIT and PUSH)";
+        rounds_completed: Count, Always("ROUNDS"), "Rounds completed (optimizer runs)";
+        results_sent: Count, Always("RESULTS"), "Results queued for sending, one per destination";
+        results_resent: Count, Always("RESENT"), "Stored results sent again to a worker that lost one";
+        pulls_answered: Count, Hidden, "PULL requests answered";
+        errors_sent: Count, Hidden, "ERROR messages queued";
+        misrouted: Count, Always("MISROUTED"), "Packets that reached this lcore but belong to another";
+        arp_replies: Count, Always("ARP"), "ARP requests for the appliance's address answered (DPDK backend)";
+        shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
+        busy_loops: Count, Hidden, "Poll-loop iterations that found work";
+        idle_loops: Count, Hidden, "Poll-loop iterations that found none";
+        injected_drops: Count, Hidden, "Packets the fault injector dropped, received or sent (only with --inject)";
+        injected_dups: Count, Hidden, "Packets the fault injector duplicated (only with --inject)";
+        injected_reorders: Count, Hidden, "Received packets the fault injector reordered (only with --inject)";
+        injected_delays: Count, Hidden, "Received packets the fault injector delayed (only with --inject and delay=)";
+    }
 }
 
 /// One job as the dataplane sees it.
@@ -398,28 +378,10 @@ impl DataplaneStats {
     pub fn total(&self) -> LcoreStats {
         let mut t = LcoreStats::default();
         for l in &self.lcores {
-            t.rx_packets += l.rx_packets;
-            t.rx_bytes += l.rx_bytes;
-            t.tx_packets += l.tx_packets;
-            t.tx_bytes += l.tx_bytes;
-            t.pushes_aggregated += l.pushes_aggregated;
-            t.rounds_completed += l.rounds_completed;
-            t.results_sent += l.results_sent;
-            t.results_resent += l.results_resent;
-            t.pulls_answered += l.pulls_answered;
-            t.errors_sent += l.errors_sent;
-            t.misrouted += l.misrouted;
-            t.shm_rx += l.shm_rx;
-            t.busy_loops += l.busy_loops;
-            t.idle_loops += l.idle_loops;
+            t.add_counters(l);
             for (r, n) in &l.drops {
                 *t.drops.entry(r.clone()).or_default() += n;
             }
-            t.arp_replies += l.arp_replies;
-            t.injected_drops += l.injected_drops;
-            t.injected_dups += l.injected_dups;
-            t.injected_reorders += l.injected_reorders;
-            t.injected_delays += l.injected_delays;
         }
         t
     }

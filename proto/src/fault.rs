@@ -1,15 +1,18 @@
 //! Seeded fault injection for tests and soaks: decides, packet by packet,
 //! whether a datagram is delivered, lost, duplicated, held back for one turn
 //! of the receiver's loop (reordered) or held back for a time (delayed).
-//! The same description is used by the dataplane's backends and the worker
-//! library's transport; both are off unless configured.
+//! The same description, decider ([`Faults`]) and hold queue ([`Injector`])
+//! are used by the dataplane's queues and the worker library's transport;
+//! both are off unless configured.
 //!
 //! Written `loss=0.05,dup=0.01,reorder=0.01,delay=0.01,delay_ms=3,seed=7`
 //! (any subset; rates in [0, 1), their sum below 1; `delay_ms`, the time a
 //! delayed packet is held, in 1..=1000, 2 when not given).
 
 use std::cell::Cell;
+use std::collections::VecDeque;
 use std::str::FromStr;
+use std::time::{Duration, Instant};
 
 /// What happens to one packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +188,92 @@ impl Faults {
     }
 }
 
+/// One direction of fault injection over a stream of datagrams, whatever
+/// carries them (a dataplane queue, a worker's socket): a seeded decider and
+/// the copies it holds back. Time is a parameter.
+///
+/// The stream goes by turns (one receive batch, or one send batch, of the
+/// caller's loop). A reordered item is held and comes out at the end of the
+/// next turn, after that turn's own items; a delayed one comes out at the
+/// end of the first turn once its hold time has passed. Every delayed item
+/// is held for the same time, so they come out in the order they went in.
+#[derive(Debug)]
+pub struct Injector<T> {
+    faults: Faults,
+    /// Reordered in this turn.
+    held: Vec<T>,
+    /// Reordered in the previous turn: out at the end of this one.
+    due: Vec<T>,
+    /// Delayed, with when each is due.
+    delayed: VecDeque<(Instant, T)>,
+    delay: Duration,
+}
+
+impl<T> Injector<T> {
+    /// An injector for `spec`, drawing from stream `stream` of it (see
+    /// [`Faults::new`]).
+    pub fn new(spec: FaultSpec, stream: u64) -> Injector<T> {
+        Injector {
+            faults: Faults::new(spec, stream),
+            held: Vec::new(),
+            due: Vec::new(),
+            delayed: VecDeque::new(),
+            delay: spec.delay_time(),
+        }
+    }
+
+    /// The decider (drawing from it moves the stream on).
+    pub fn faults(&self) -> &Faults {
+        &self.faults
+    }
+
+    /// Decides the fate of one item at `now` and returns it with how many
+    /// times to pass the item on now: 0 (lost, or held: `keep` makes the
+    /// copy that is held), 1, or 2 (duplicated).
+    pub fn admit(&mut self, now: Instant, keep: impl FnOnce() -> T) -> (Fate, usize) {
+        let fate = self.faults.fate();
+        let now_times = match fate {
+            Fate::Deliver => 1,
+            Fate::Drop => 0,
+            Fate::Duplicate => 2,
+            Fate::Reorder => {
+                self.held.push(keep());
+                0
+            }
+            Fate::Delay => {
+                self.delayed.push_back((now + self.delay, keep()));
+                0
+            }
+        };
+        (fate, now_times)
+    }
+
+    /// Ends a turn at `now`: passes `f` the items reordered in the previous
+    /// turn, then the delayed ones due by `now`, and keeps those reordered
+    /// in this turn for the end of the next.
+    pub fn end_turn(&mut self, now: Instant, mut f: impl FnMut(T)) {
+        self.due.drain(..).for_each(&mut f);
+        while self.delayed.front().is_some_and(|(due, _)| *due <= now) {
+            if let Some((_, item)) = self.delayed.pop_front() {
+                f(item);
+            }
+        }
+        std::mem::swap(&mut self.due, &mut self.held);
+    }
+
+    /// Whether reordered items are held (the caller's loop must come round
+    /// again soon to let them out; delayed ones have [`Injector::next_due`]).
+    pub fn holds(&self) -> bool {
+        !self.held.is_empty() || !self.due.is_empty()
+    }
+
+    /// When the first delayed item is due, if any: the caller's loop must
+    /// not wait past it.
+    pub fn next_due(&self) -> Option<Instant> {
+        self.delayed.front().map(|(due, _)| *due)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -264,5 +353,38 @@ mod tests {
             "loss=0.05,seed=3".parse::<FaultSpec>().unwrap().to_string(),
             "loss=0.05,dup=0,reorder=0,seed=3"
         );
+    }
+
+    #[test]
+    fn an_injector_lets_reordered_items_out_a_turn_later_and_delayed_ones_when_due() {
+        let spec: FaultSpec = "reorder=0.3,delay=0.3,delay_ms=5,seed=11".parse().unwrap();
+        let mut inj: Injector<u32> = Injector::new(spec, 0);
+        let start = Instant::now();
+        let mut out: Vec<(u32, u32)> = Vec::new(); // (item, turn it came out)
+        let mut fates = Vec::new();
+        for turn in 0..50u32 {
+            let now = start + Duration::from_millis(u64::from(turn));
+            // Items in the first 40 turns; the last 10 let out the rest.
+            for k in (0..4).filter(|_| turn < 40) {
+                let item = turn * 4 + k;
+                let (fate, n) = inj.admit(now, || item);
+                fates.push((item, turn, fate));
+                for _ in 0..n {
+                    out.push((item, turn));
+                }
+            }
+            inj.end_turn(now, |item| out.push((item, turn)));
+        }
+        assert!(!inj.holds() && inj.next_due().is_none());
+        for (item, turn, fate) in fates {
+            let got: Vec<u32> = out.iter().filter(|o| o.0 == item).map(|o| o.1).collect();
+            match fate {
+                Fate::Deliver => assert_eq!(got, [turn]),
+                Fate::Reorder => assert_eq!(got, [turn + 1], "item {item}"),
+                Fate::Delay => assert_eq!(got, [turn + 5], "item {item}"),
+                f => panic!("{f:?} not asked for"),
+            }
+        }
+        assert!(out.iter().any(|o| o.1 > 0), "some were held");
     }
 }

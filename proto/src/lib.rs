@@ -8,6 +8,7 @@
 
 pub mod api;
 pub mod checkpoint;
+pub mod counters;
 mod dtype;
 pub mod fault;
 pub mod layout;

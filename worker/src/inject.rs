@@ -15,19 +15,19 @@
 //! requests are in flight); a receive is handled after the next batch the
 //! socket gives (likewise). Delayed means: a send goes out, and a receive is
 //! handled, at the first turn of the I/O loop once `delay_ms` has passed
-//! since it was sent or received; the loop's wait is bounded by
+//! since it was sent or received (phub-proto's `fault::Injector` holds
+//! them, as it does for the dataplane); the loop's wait is bounded by
 //! [`Injector::next_due`] so that turn comes in time. Time is a parameter
 //! here (the I/O thread passes its clock), so the tests need no sleeps.
 //!
 //! Off, the I/O thread pays one branch on an `Option` per batch sent and
 //! per datagram received.
 
-use std::collections::VecDeque;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use phub_proto::fault::{Fate, FaultSpec, Faults};
+use phub_proto::fault::{self, Fate, FaultSpec};
 
 use crate::net::Datagram;
 use crate::stats::{add, Counters};
@@ -50,24 +50,12 @@ pub(crate) struct Held {
     pub(crate) bytes: Vec<u8>,
 }
 
-/// The injector of one worker: a decider per direction and what it holds.
+/// The injector of one worker: a decider per direction and what it holds
+/// (phub-proto's [`fault::Injector`], which the dataplane's queues use too).
 #[derive(Debug)]
 pub(crate) struct Injector {
-    tx: Faults,
-    rx: Faults,
-    /// Sends held back in this turn of the I/O loop.
-    tx_held: Vec<Held>,
-    /// Sends held back in the previous turn, sent at the end of this one.
-    tx_due: Vec<Held>,
-    /// Sends delayed, with when they are due. One hold time for all, so
-    /// the order they were sent in is also the order they are due in.
-    tx_delayed: VecDeque<(Instant, Held)>,
-    /// Receives held back, handled after the next batch.
-    rx_held: Vec<Held>,
-    /// Receives delayed, with when they are due (in due order, likewise).
-    rx_delayed: VecDeque<(Instant, Held)>,
-    /// The hold time of a delayed datagram.
-    delay: Duration,
+    tx: fault::Injector<Held>,
+    rx: fault::Injector<Held>,
     stats: Arc<Counters>,
 }
 
@@ -94,16 +82,21 @@ impl Injector {
     pub(crate) fn new(spec: FaultSpec, job: u16, rank: u16, stats: Arc<Counters>) -> Injector {
         let stream = WORKER_STREAMS | (u64::from(job) << 17) | (u64::from(rank) << 1);
         Injector {
-            tx: Faults::new(spec, stream),
-            rx: Faults::new(spec, stream | 1),
-            tx_held: Vec::new(),
-            tx_due: Vec::new(),
-            tx_delayed: VecDeque::new(),
-            rx_held: Vec::new(),
-            rx_delayed: VecDeque::new(),
-            delay: spec.delay_time(),
+            tx: fault::Injector::new(spec, stream),
+            rx: fault::Injector::new(spec, stream | 1),
             stats,
         }
+    }
+
+    fn count(&self, fate: Fate) {
+        let c = match fate {
+            Fate::Deliver => return,
+            Fate::Drop => &self.stats.injected_drops,
+            Fate::Duplicate => &self.stats.injected_dups,
+            Fate::Reorder => &self.stats.injected_reorders,
+            Fate::Delay => &self.stats.injected_delays,
+        };
+        add(c, 1);
     }
 
     /// Appends to `out` what goes out now (`now`) of `batch`: a lost
@@ -112,22 +105,10 @@ impl Injector {
     /// copied and held until `now` + `delay_ms` ([`Injector::release`]).
     pub(crate) fn outgoing<'a>(&mut self, batch: &[Datagram<'a>], out: &mut Vec<Datagram<'a>>, now: Instant) {
         for d in batch {
-            match self.tx.fate() {
-                Fate::Deliver => out.push(*d),
-                Fate::Drop => add(&self.stats.injected_drops, 1),
-                Fate::Duplicate => {
-                    add(&self.stats.injected_dups, 1);
-                    out.push(*d);
-                    out.push(*d);
-                }
-                Fate::Reorder => {
-                    add(&self.stats.injected_reorders, 1);
-                    self.tx_held.push(copy(d));
-                }
-                Fate::Delay => {
-                    add(&self.stats.injected_delays, 1);
-                    self.tx_delayed.push_back((now + self.delay, copy(d)));
-                }
+            let (fate, times) = self.tx.admit(now, || copy(d));
+            self.count(fate);
+            for _ in 0..times {
+                out.push(*d);
             }
         }
     }
@@ -137,32 +118,24 @@ impl Injector {
     /// `now`, in one batch (if any), and keeps those held in this turn for
     /// the next.
     pub(crate) fn release(&mut self, now: Instant, send: impl FnOnce(&[Datagram<'_>])) {
-        let delayed = self.tx_delayed.iter().take_while(|(due, _)| *due <= now).count();
-        if !self.tx_due.is_empty() || delayed > 0 {
-            let out: Vec<Datagram<'_>> = self
-                .tx_due
-                .iter()
-                .chain(self.tx_delayed.iter().take(delayed).map(|(_, h)| h))
-                .map(datagram)
-                .collect();
-            send(&out);
-            self.tx_due.clear();
-            self.tx_delayed.drain(..delayed);
+        let mut out = Vec::new();
+        self.tx.end_turn(now, |h| out.push(h));
+        if !out.is_empty() {
+            let ds: Vec<Datagram<'_>> = out.iter().map(datagram).collect();
+            send(&ds);
         }
-        std::mem::swap(&mut self.tx_due, &mut self.tx_held);
     }
 
     /// Whether reordered sends are held back (the I/O loop must come round
     /// again soon to release them; delayed ones have [`Injector::next_due`]).
     pub(crate) fn holds_sends(&self) -> bool {
-        !self.tx_due.is_empty() || !self.tx_held.is_empty()
+        self.tx.holds()
     }
 
     /// When the first delayed datagram (sent or received) is due, if any:
     /// the I/O loop must not wait past it.
     pub(crate) fn next_due(&self) -> Option<Instant> {
-        let first = |q: &VecDeque<(Instant, Held)>| q.front().map(|(due, _)| *due);
-        match (first(&self.tx_delayed), first(&self.rx_delayed)) {
+        match (self.tx.next_due(), self.rx.next_due()) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         }
@@ -170,52 +143,32 @@ impl Injector {
 
     /// The fate of a datagram received at `now`, as the number of times to
     /// handle it now: 0 (lost, or copied and held back until
-    /// [`Injector::take_held`] gives it back), 1, or 2 (duplicated).
+    /// [`Injector::released`] gives it back), 1, or 2 (duplicated).
     pub(crate) fn incoming(&mut self, from: SocketAddr, d: &[u8], now: Instant) -> usize {
-        match self.rx.fate() {
-            Fate::Deliver => 1,
-            Fate::Drop => {
-                add(&self.stats.injected_drops, 1);
-                0
-            }
-            Fate::Duplicate => {
-                add(&self.stats.injected_dups, 1);
-                2
-            }
-            Fate::Reorder => {
-                add(&self.stats.injected_reorders, 1);
-                self.rx_held.push(Held {
-                    addr: from,
-                    bytes: d.to_vec(),
-                });
-                0
-            }
-            Fate::Delay => {
-                add(&self.stats.injected_delays, 1);
-                let held = Held {
-                    addr: from,
-                    bytes: d.to_vec(),
-                };
-                self.rx_delayed.push_back((now + self.delay, held));
-                0
-            }
-        }
+        let (fate, times) = self.rx.admit(now, || Held {
+            addr: from,
+            bytes: d.to_vec(),
+        });
+        self.count(fate);
+        times
     }
 
-    /// Takes the received datagrams held back so far and the delayed ones
-    /// due by `now` (each kind in the order received): call it before a
-    /// batch is received and handle them after it.
-    pub(crate) fn take_held(&mut self, now: Instant) -> Vec<Held> {
-        let mut out = std::mem::take(&mut self.rx_held);
-        while self.rx_delayed.front().is_some_and(|(due, _)| *due <= now) {
-            out.extend(self.rx_delayed.pop_front().map(|(_, h)| h));
-        }
+    /// After a batch was received at `now`: the datagrams held back in the
+    /// batch before and the delayed ones due by `now` (each kind in the
+    /// order received), to handle after this batch's own.
+    pub(crate) fn released(&mut self, now: Instant) -> Vec<Held> {
+        let mut out = Vec::new();
+        self.rx.end_turn(now, |h| out.push(h));
         out
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
+    use phub_proto::fault::Faults;
+
     use super::*;
 
     fn addr(port: u16) -> SocketAddr {
@@ -276,10 +229,9 @@ mod tests {
         let mut handled = Vec::new();
         let mut next = 0;
         let mut turns = 0;
-        while next < n || !inj.rx_held.is_empty() || inj.next_due().is_some() {
+        while next < n || inj.rx.holds() || inj.next_due().is_some() {
             let now = turn(start, turns);
             turns += 1;
-            let held = inj.take_held(now);
             for i in next..(next + batch).min(n) {
                 let d = i.to_le_bytes();
                 for _ in 0..inj.incoming(addr(9000), &d, now) {
@@ -287,7 +239,7 @@ mod tests {
                 }
             }
             next = (next + batch).min(n);
-            for h in held {
+            for h in inj.released(now) {
                 assert_eq!(h.addr, addr(9000));
                 handled.push(u32::from_le_bytes(h.bytes[..4].try_into().unwrap()));
             }
@@ -373,7 +325,7 @@ mod tests {
         for stream in 0..8 {
             let f = Faults::new(FaultSpec { seed: 5, ..spec }, stream);
             let inj = Injector::new(FaultSpec { seed: 5, ..spec }, 1, 0, Arc::new(Counters::default()));
-            let mine: Vec<Fate> = (0..64).map(|_| inj.tx.fate()).collect();
+            let mine: Vec<Fate> = (0..64).map(|_| inj.tx.faults().fate()).collect();
             let theirs: Vec<Fate> = (0..64).map(|_| f.fate()).collect();
             assert_ne!(mine, theirs, "dataplane stream {stream}");
         }
@@ -432,16 +384,12 @@ mod tests {
         }
         assert!(!kept.is_empty() && kept.iter().any(|&i| i < 32) && kept.iter().any(|&i| i >= 32));
         assert_eq!(inj.next_due(), Some(t0 + hold));
-        assert!(inj.take_held(just_before).is_empty(), "released before its time");
-        let first: Vec<u32> = inj
-            .take_held(t0 + hold)
-            .iter()
-            .map(|h| number(&h.bytes))
-            .collect();
+        assert!(inj.released(just_before).is_empty(), "released before its time");
+        let first: Vec<u32> = inj.released(t0 + hold).iter().map(|h| number(&h.bytes)).collect();
         want = kept.iter().copied().filter(|&i| i < 32).collect();
         assert_eq!(first, want, "the ones received at t0, in order");
-        assert!(inj.take_held(t1 + hold - Duration::from_nanos(1)).is_empty());
-        let second = inj.take_held(t1 + hold);
+        assert!(inj.released(t1 + hold - Duration::from_nanos(1)).is_empty());
+        let second = inj.released(t1 + hold);
         assert!(second.iter().all(|h| h.addr == addr(9001)));
         let second: Vec<u32> = second.iter().map(|h| number(&h.bytes)).collect();
         want = kept.iter().copied().filter(|&i| i >= 32).collect();

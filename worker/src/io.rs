@@ -783,13 +783,9 @@ impl IoThread {
     /// returns how many there were.
     fn receive(&mut self, socket: &mut BatchSocket) -> std::io::Result<usize> {
         let own = self.own;
-        // With injection, what was held back (and delayed ones now due) is
-        // handled after this batch.
+        // With injection, what was held back in the batch before (and
+        // delayed ones now due) is handled after this batch.
         let now = Instant::now();
-        let held = self
-            .inject
-            .as_mut()
-            .map_or_else(Vec::new, |inj| inj.take_held(now));
         let n = socket.recv(None, &mut |from, d| {
             if d.is_empty() || from == own {
                 return; // a wake-up from the API side
@@ -803,6 +799,10 @@ impl IoThread {
                 self.on_datagram(d, Instant::now());
             }
         })?;
+        let held = self
+            .inject
+            .as_mut()
+            .map_or_else(Vec::new, |inj| inj.released(Instant::now()));
         for h in &held {
             self.on_datagram(&h.bytes, Instant::now());
         }

@@ -9,7 +9,7 @@
 //! destination in one buffer list (one trip through the stack), and a
 //! GRO-enabled socket receives such a train as one message whose segment
 //! size comes in a control message: about 5 GB/s on loopback here
-//! (see DPDK-NOTES.md, "Kernel UDP on loopback").
+//! (BENCHMARKS.md).
 //!
 //! [`BatchSocket::send`] groups the datagrams it is given by destination
 //! (keeping each destination's order), cuts each group into trains of

@@ -478,19 +478,7 @@ fn run_job_on(
     for t in threads {
         let s = t.join().unwrap();
         total.shm &= s.shm;
-        total.shm_results += s.shm_results;
-        total.foreign_dropped += s.foreign_dropped;
-        total.chunks_sent += s.chunks_sent;
-        total.retransmits += s.retransmits;
-        total.results_accepted += s.results_accepted;
-        total.results_ignored += s.results_ignored;
-        total.errors += s.errors;
-        total.timeouts += s.timeouts;
-        total.bytes_sent += s.bytes_sent;
-        total.bytes_received += s.bytes_received;
-        total.injected_drops += s.injected_drops;
-        total.injected_dups += s.injected_dups;
-        total.injected_reorders += s.injected_reorders;
+        total.add_counters(&s);
     }
     drop(app);
     total

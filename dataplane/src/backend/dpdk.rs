@@ -60,8 +60,8 @@ use frame::{Frame, ParseOptions, L2_L4_LEN};
 
 use super::PacketIo;
 use crate::counters::{NetDrop, ShardCounters};
-use crate::engine::Shard;
 use crate::slotmem::{SlotAllocator, SlotBlock, LINE_BYTES};
+use crate::transmit::{Destinations, Transmit};
 
 /// Frames per RX burst.
 pub const RX_BURST: usize = 32;
@@ -477,10 +477,8 @@ impl DpdkQueue {
         } else {
             self.headers.take()?
         };
-        // Built on the stack and copied into the mbuf in one go: its data
-        // line is cold, and reading headers back from it (as the checksums
-        // once did) stalled on the line's fill (a fifth of the lcore's time
-        // at 1 KiB).
+        // Built on the stack and copied into the mbuf in one go, so that
+        // nothing reads the mbuf's cold data line back.
         let l2: &mut [u8; L2_L4_LEN] = (&mut head[..L2_L4_LEN]).try_into().ok()?;
         common.write(l2, to);
         h.append(FRAME_HEADER)?.copy_from_slice(head);
@@ -515,7 +513,7 @@ impl PacketIo for DpdkQueue {
             self.flush();
         }
         // Frames handed back once sent, then frames handled, are freed in
-        // bulk (single frees were 4% of a busy lcore over a ring port).
+        // bulk: one call per poll, not one per frame.
         if let Some(c) = &self.completions {
             loop {
                 let n = c.dequeue_burst(&mut self.batch);
@@ -538,8 +536,8 @@ impl PacketIo for DpdkQueue {
         total += n;
         let n = self.rx.rx_burst(&mut self.batch);
         // The burst's mbufs, then each frame's headers PREFETCH frames
-        // ahead of its turn, are asked for before they are read (their
-        // first touches missed the cache: 5% of a busy lcore).
+        // ahead of its turn, are prefetched before they are read: their
+        // first touches would miss the cache (BENCHMARKS.md measures it).
         for m in self.batch[..n].iter().flatten() {
             m.prefetch_header();
         }
@@ -564,8 +562,15 @@ impl PacketIo for DpdkQueue {
         Ok(total)
     }
 
-    fn tx_burst(&mut self, shard: &Shard<PeerAddr>, counters: &ShardCounters) -> io::Result<()> {
-        for t in shard.transmits() {
+    fn tx_burst<'a, D>(
+        &mut self,
+        transmits: impl Iterator<Item = Transmit<'a, D>>,
+        counters: &ShardCounters,
+    ) -> io::Result<()>
+    where
+        D: Destinations<Item = PeerAddr>,
+    {
+        for t in transmits {
             let bytes = (HEADER_LEN + t.payload.len()) as u64;
             // Copy the result out of slot memory once, summing it for the
             // UDP checksum on the way; every destination's header segment

@@ -7,7 +7,7 @@
 //! segment size in a control message. Each message gets a 64 KiB slot;
 //! [`PacketIo::rx_burst`] hands the engine one datagram at a time, cutting
 //! trains at their segment size, and never more than
-//! [`MAX_BURST`](crate::engine::MAX_BURST) datagrams per call (what is left
+//! [`MAX_BURST`](crate::transmit::MAX_BURST) datagrams per call (what is left
 //! of a `recvmmsg` batch is delivered by the next call, before any new
 //! receive), so the engine's transmit queue never grows. Each slot starts
 //! at offset 42 of a 64-byte aligned block, so the payload of a message's
@@ -42,14 +42,20 @@
 
 use std::io;
 use std::net::{SocketAddr, SocketAddrV4, UdpSocket};
+use std::sync::Arc;
 use std::time::Duration;
 
 use phub_net::CmsgBuf;
 use phub_proto::wire::{self, flags, HEADER_LEN};
 
-use super::PacketIo;
+use phub_proto::api::LcoreInfo;
+
+use super::{LcoreStart, MakeJob, PacketIo, Started};
+use crate::config::Config;
 use crate::counters::ShardCounters;
-use crate::engine::{Shard, MAX_BURST};
+use crate::slotmem::{RustHeap, SlotAllocator};
+use crate::topology::Topology;
+use crate::transmit::{Destinations, Transmit, MAX_BURST};
 
 /// Messages (datagrams, or GRO trains of datagrams) per `recvmmsg` call.
 pub const RX_BURST: usize = 64;
@@ -388,8 +394,15 @@ impl PacketIo for UdpQueue {
         Ok(self.deliver(MAX_BURST, f))
     }
 
-    fn tx_burst(&mut self, shard: &Shard<SocketAddrV4>, counters: &ShardCounters) -> io::Result<()> {
-        for t in shard.transmits() {
+    fn tx_burst<'a, D>(
+        &mut self,
+        transmits: impl Iterator<Item = Transmit<'a, D>>,
+        counters: &ShardCounters,
+    ) -> io::Result<()>
+    where
+        D: Destinations<Item = SocketAddrV4>,
+    {
+        for t in transmits {
             if self.tx_headers.len() == TX_DATAGRAMS {
                 self.flush_tx(counters)?;
             }
@@ -417,15 +430,70 @@ impl PacketIo for UdpQueue {
     }
 }
 
+/// Starts the kernel-UDP backend: binds one socket per lcore (all of them
+/// first, so a port clash fails before anything runs), then runs each
+/// lcore's job on a thread of its own, pinned to a CPU unless `--no-pin`.
+pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<Started> {
+    use anyhow::Context;
+    let cores = core_affinity::get_core_ids().unwrap_or_default();
+    let n = cfg.lcore_count(cores.len())?;
+    let topology = Topology::detect();
+    let mut queues = Vec::with_capacity(n);
+    // --base-port 0: the kernel picks queue 0's port, the others follow.
+    let mut base = cfg.base_port;
+    for i in 0..n {
+        let port = if base == 0 { 0 } else { base.wrapping_add(i as u16) };
+        let addr = SocketAddrV4::new(cfg.host, port);
+        let q = UdpQueue::bind(addr, cfg.socket_buffer)
+            .with_context(|| format!("binding queue {i} to {addr}"))?;
+        if base == 0 {
+            base = q.local_addr()?.port();
+        }
+        queues.push(q);
+    }
+    let slot_memory: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
+    let mut threads = Vec::with_capacity(n);
+    let mut lcores = Vec::with_capacity(n);
+    for (i, io) in queues.into_iter().enumerate() {
+        let job = make_job(LcoreStart {
+            lcore: i as u16,
+            io,
+            counters: Arc::new(ShardCounters::default()),
+            slot_memory: Arc::clone(&slot_memory),
+        });
+        let core = (!cfg.no_pin && !cores.is_empty()).then(|| cores[i % cores.len()]);
+        let thread = std::thread::Builder::new()
+            .name(format!("phub-lcore-{i}"))
+            .spawn(move || {
+                if let Some(c) = core {
+                    core_affinity::set_for_current(c);
+                }
+                job()
+            })
+            .context("spawning an lcore thread")?;
+        threads.push(Some(thread));
+        lcores.push(LcoreInfo {
+            lcore: i as u16,
+            cpu: core.map(|c| c.id),
+            numa_node: core.and_then(|c| topology.cpu_node(c.id)),
+        });
+    }
+    Ok(Started {
+        backend: "udp",
+        base_port: base,
+        lcores,
+        threads,
+        nic_numa_node: topology.nic_node(cfg.host),
+        slot_memory,
+        memory_budget: cfg.memory_budget,
+        port_stats: None,
+        release: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::JobInstall;
-    use crate::kernels::Kernels;
-    use phub_proto::layout::SlotChunk;
-    use phub_proto::spec::Optimizer;
-    use phub_proto::wire::{self, MsgType, Repr};
-    use phub_proto::Dtype;
 
     fn queue() -> (UdpQueue, SocketAddrV4) {
         let q = UdpQueue::bind(SocketAddrV4::new([127, 0, 0, 1].into(), 0), 4 << 20).unwrap();
@@ -479,127 +547,6 @@ mod tests {
         if q.gro {
             // Trains came whole: the first call stopped at the engine's cap.
             assert_eq!(calls[0], MAX_BURST, "{calls:?}");
-        }
-    }
-
-    #[test]
-    fn results_to_one_worker_go_out_as_trains_and_arrive_whole() {
-        results_to_one_worker(false);
-    }
-
-    #[test]
-    fn shm_results_to_one_worker_arrive_as_headers_with_the_values_in_shared_memory() {
-        results_to_one_worker(true);
-    }
-
-    /// A worker of a one-rank job pushes 20 chunks a round (through shared
-    /// memory with `shm`) and gets 20 results back in order.
-    fn results_to_one_worker(shm: bool) {
-        use crate::shm::ShmSetup;
-        use phub_net::shm::ShmRegion;
-        use phub_proto::shm::{region_len, region_path, slot_offset, Part};
-        let (mut q, to) = queue();
-        let mut shard: Shard<SocketAddrV4> = Shard::new(0, Kernels::best());
-        const CHUNKS: u32 = 20;
-        const ELEMS: u32 = 64;
-        let job = JobInstall {
-            id: 9,
-            token: 99,
-            workers: 1,
-            dtype: Dtype::F32,
-            optimizer: Optimizer::Sum,
-            slots: (0..CHUNKS)
-                .map(|c| SlotChunk {
-                    key: 0,
-                    chunk: c,
-                    elems: if c == CHUNKS - 1 { ELEMS / 2 } else { ELEMS },
-                })
-                .collect(),
-        };
-        // Named after this queue's port: no other test shares the files.
-        let regions = if shm {
-            shard
-                .install_shared(
-                    job,
-                    ShmSetup {
-                        base_port: to.port(),
-                        chunk_elems: ELEMS,
-                    },
-                )
-                .unwrap();
-            let len = region_len(CHUNKS as usize, ELEMS, Dtype::F32);
-            let open = |part| ShmRegion::open(&region_path(to.port(), 9, 99, 0, part), len).unwrap();
-            Some((open(Part::Staging(0)), open(Part::Results)))
-        } else {
-            shard.install(job).unwrap();
-            None
-        };
-        let c = UdpSocket::bind("127.0.0.1:0").unwrap();
-        c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        for round in 0..2u32 {
-            for slot in 0..CHUNKS {
-                let n = if slot == CHUNKS - 1 { ELEMS / 2 } else { ELEMS } as usize;
-                let vals: Vec<f32> = (0..n)
-                    .map(|e| (slot as usize * 1000 + e) as f32 + round as f32)
-                    .collect();
-                let repr = Repr {
-                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                    dtype: Dtype::F32,
-                    flags: if shm { wire::flags::SHM } else { 0 },
-                    token: 99,
-                    job: 9,
-                    rank: 0,
-                    count: n as u16,
-                    error: 0,
-                    round,
-                    slot,
-                    key: 0,
-                    chunk: slot,
-                };
-                let mut bytes = vec![0u8; 4 * n];
-                crate::kernels::encode(Dtype::F32, &vals, &mut bytes);
-                let mut b = repr.to_bytes().to_vec();
-                match &regions {
-                    Some((staging, _)) => {
-                        assert!(staging.write(slot_offset(slot, ELEMS, Dtype::F32), &bytes))
-                    }
-                    None => b.extend_from_slice(&bytes),
-                }
-                c.send_to(&b, to).unwrap();
-            }
-            let mut handled = 0;
-            while handled < CHUNKS as usize {
-                handled += q
-                    .rx_burst(Some(Duration::from_millis(500)), &mut |from, d| {
-                        shard.handle(from, d, 1);
-                    })
-                    .unwrap();
-            }
-            let counters = std::sync::Arc::clone(shard.counters());
-            let before = counters.tx_packets.get();
-            q.tx_burst(&shard, &counters).unwrap();
-            shard.clear_transmits();
-            assert_eq!(counters.tx_packets.get() - before, u64::from(CHUNKS));
-            // A plain socket gets the train cut back into datagrams, in order.
-            for slot in 0..CHUNKS {
-                let mut buf = [0u8; 2048];
-                let len = c.recv(&mut buf).unwrap();
-                let (r, payload) = wire::parse(&buf[..len]).unwrap();
-                assert_eq!((r.kind, r.round, r.slot), (MsgType::Result, round, slot));
-                let n = if slot == CHUNKS - 1 { ELEMS / 2 } else { ELEMS } as usize;
-                let mut from_shm = vec![0u8; 4 * n];
-                let payload = match &regions {
-                    Some((_, results)) => {
-                        assert_eq!((r.flags, len), (wire::flags::SHM, HEADER_LEN));
-                        assert!(results.read(slot_offset(slot, ELEMS, Dtype::F32), &mut from_shm));
-                        &from_shm[..]
-                    }
-                    None => payload,
-                };
-                assert_eq!(payload.len(), 4 * n);
-                let first = f32::from_le_bytes([payload[0], payload[1], payload[2], payload[3]]);
-                assert_eq!(first, (slot as usize * 1000) as f32 + round as f32);
-            }
         }
     }
 }

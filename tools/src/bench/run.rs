@@ -356,28 +356,24 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
         .ok()?
         .into_json()
         .ok()?;
-    let dp = v.get("dataplane")?;
-    let backend = dp.get("backend")?.as_str()?.to_string();
-    let mut c = Counters::default();
-    for l in dp.get("lcores")?.as_array()? {
-        let g = |k: &str| l.get(k).and_then(serde_json::Value::as_u64).unwrap_or(0);
-        c.rx_packets += g("rx_packets");
-        c.rx_bytes += g("rx_bytes");
-        c.tx_packets += g("tx_packets");
-        c.tx_bytes += g("tx_bytes");
-        c.results_resent += g("results_resent");
-        c.injected.drops += g("injected_drops");
-        c.injected.dups += g("injected_dups");
-        c.injected.reorders += g("injected_reorders");
-        c.injected.delays += g("injected_delays");
-        if let Some(m) = l.get("drops").and_then(serde_json::Value::as_object) {
-            for (k, v) in m {
-                let v = v.as_u64().unwrap_or(0);
-                c.drops += v;
-                *c.drops_by_reason.entry(k.clone()).or_insert(0) += v;
-            }
-        }
-    }
+    let dp: phub_proto::api::DataplaneStats = serde_json::from_value(v.get("dataplane")?.clone()).ok()?;
+    let t = dp.total();
+    let c = Counters {
+        rx_packets: t.rx_packets,
+        rx_bytes: t.rx_bytes,
+        tx_packets: t.tx_packets,
+        tx_bytes: t.tx_bytes,
+        results_resent: t.results_resent,
+        drops: t.drops.values().sum(),
+        drops_by_reason: t.drops,
+        injected: Injected {
+            drops: t.injected_drops,
+            dups: t.injected_dups,
+            reorders: t.injected_reorders,
+            delays: t.injected_delays,
+        },
+    };
+    let backend = dp.backend;
     Some((backend, c))
 }
 

@@ -1,15 +1,15 @@
 //! Starting the DPDK dataplane: EAL (arguments passed through, lcores
 //! mapped so the management thread stays off the data cores), the port and
 //! its pools on the port's NUMA socket, rte_flow steering where the device
-//! has it, hand-off rings, and one [`DpdkQueue`] per lcore running
-//! [`crate::lcore::run`] on an EAL worker lcore. [`Runtime::stop`] waits
-//! for the lcores; the port stops and closes when its last handle goes.
+//! has it, hand-off rings, and one [`DpdkQueue`] per lcore running the job
+//! the appliance makes for it on an EAL worker lcore. [`Runtime::stop`]
+//! waits for the lcores; the port stops and closes when its last handle
+//! goes.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use crossbeam_channel::bounded;
 use phub_ffi::eal::{has_option, NO_HUGEPAGE_FILES};
 use phub_ffi::lcore::{self as eal_lcore, Launched};
 use phub_ffi::{Eal, Mempool, Port, PortBuilder, Ring};
@@ -18,36 +18,9 @@ use phub_proto::api::{LcoreInfo, PortStats};
 use super::{
     handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools, HANDOFF_RING, RX_BURST,
 };
-use crate::app::{Config, DpdkOptions};
-use crate::engine::Shard;
-use crate::kernels::Kernels;
-use crate::lcore::{self, Clock, LoopOptions};
-use crate::mgmt::LcoreHandle;
-
-/// What a started DPDK dataplane hands to the appliance.
-pub struct Started {
-    /// The lcores, for the management side.
-    pub lcores: Vec<LcoreHandle>,
-    /// What `/v1/info` says about them.
-    pub infos: Vec<LcoreInfo>,
-    /// UDP port of lcore 0.
-    pub base_port: u16,
-    /// NUMA socket of the port.
-    pub socket: Option<u32>,
-    /// Where slot memory comes from.
-    pub slot_memory: Arc<DpdkSlotMemory>,
-    /// What stops it.
-    pub runtime: Runtime,
-}
-
-impl std::fmt::Debug for Started {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Started")
-            .field("infos", &self.infos)
-            .field("base_port", &self.base_port)
-            .finish_non_exhaustive()
-    }
-}
+use crate::backend::{LcoreStart, MakeJob, Started};
+use crate::config::{Config, DpdkOptions, DEFAULT_BASE_PORT};
+use crate::counters::ShardCounters;
 
 /// The running lcores and the port.
 #[derive(Debug)]
@@ -79,20 +52,9 @@ impl Runtime {
 }
 
 /// A reader of the port's own counters, for the management API.
-pub fn port_stats_reader(port: &Port) -> impl Fn() -> Option<PortStats> + Send + Sync + 'static {
+fn port_stats_reader(port: &Port) -> impl Fn() -> Option<PortStats> + Send + Sync + 'static {
     let port = port.clone();
-    move || {
-        port.stats().ok().map(|s| PortStats {
-            ipackets: s.ipackets,
-            opackets: s.opackets,
-            ibytes: s.ibytes,
-            obytes: s.obytes,
-            imissed: s.imissed,
-            ierrors: s.ierrors,
-            oerrors: s.oerrors,
-            rx_nombuf: s.rx_nombuf,
-        })
-    }
+    move || port.stats().ok()
 }
 
 /// Share of the free heap kept back from the slot-memory budget when the
@@ -107,7 +69,7 @@ const HEAP_RESERVE_DIV: u64 = 16;
 /// 1/[`HEAP_RESERVE_DIV`] for allocator overhead). With hugepages the heap
 /// grows on demand and the budget stands; an install the heap cannot hold
 /// is refused whole either way.
-pub fn memory_budget(configured: u64, mem: &DpdkSlotMemory) -> u64 {
+fn memory_budget(configured: u64, mem: &DpdkSlotMemory) -> u64 {
     let Some(free) = mem.fixed_heap_free() else {
         return configured;
     };
@@ -258,7 +220,7 @@ fn ring_port(eal: Eal, name: &str, lcores: usize) -> Result<(u16, Vec<Ring>)> {
 }
 
 /// Starts the DPDK dataplane described by `cfg`.
-pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool>) -> Result<Started> {
+pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBool>) -> Result<Started> {
     let d = &cfg.dpdk;
     let cpus: Vec<usize> = core_affinity::get_core_ids()
         .unwrap_or_default()
@@ -268,10 +230,7 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
     let args = eal_args(d, cfg.lcores, cfg.no_pin, &cpus);
     let eal = phub_ffi::eal::init(&args).context("starting the DPDK EAL")?;
     let workers = eal.worker_lcores();
-    let n = cfg.lcores.unwrap_or(workers.len());
-    if n == 0 || n > 256 {
-        bail!("--lcores {n}: expected 1 to 256 (the EAL has worker lcores {workers:?})");
-    }
+    let n = cfg.lcore_count(workers.len())?;
     if workers.len() < n {
         bail!(
             "--lcores {n}: the EAL has only {} worker lcore(s) {workers:?}; give EAL --lcores/-l with {} lcores (the main one runs management)",
@@ -299,7 +258,11 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         }
     }
     let n16 = n as u16;
-    let base = if cfg.base_port == 0 { 7900 } else { cfg.base_port };
+    let base = if cfg.base_port == 0 {
+        DEFAULT_BASE_PORT
+    } else {
+        cfg.base_port
+    };
     let mbufs = if d.mbufs > 0 {
         d.mbufs
     } else {
@@ -358,24 +321,14 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         mac: mac_override.unwrap_or(info.mac),
         base_port: base,
     };
-    let opts = LoopOptions {
-        busy_poll: !d.idle_backoff,
-        faults: cfg.inject,
-        ..LoopOptions::default()
-    };
-    if let Some(f) = cfg.inject {
-        log::warn!("injecting faults on every lcore, both directions: {f}");
-    }
     // Whether phub made the lcore map and pinned data lcore i to cpus[i-1].
     let pinned =
         !has_option(&user_args(d), LCORE_OPTS) && !cfg.no_pin && cpus.len() > n && !phub_ffi_reused(&args);
     let slot_memory = Arc::new(DpdkSlotMemory::new(eal, socket));
-    let mut lcores = Vec::with_capacity(n);
     let mut infos = Vec::with_capacity(n);
     let mut launched = Vec::with_capacity(n);
     for (i, (rx, tx)) in rxq.into_iter().zip(txq).enumerate() {
-        let shard = Shard::with_slot_memory(i as u16, kernels, slot_memory.clone());
-        let counters = Arc::clone(shard.counters());
+        let counters = Arc::new(ShardCounters::default());
         let mut q = DpdkQueue::new(
             i as u16,
             rx,
@@ -389,10 +342,14 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         if let Some(c) = completions.next() {
             q = q.with_completions(c);
         }
-        let (ctx, crx) = bounded(64);
-        let stop2 = Arc::clone(stop);
+        let run = make_job(LcoreStart {
+            lcore: i as u16,
+            io: q,
+            counters,
+            slot_memory: slot_memory.clone(),
+        });
         let l = workers[i];
-        let job = move || match lcore::run(q, shard, crx, stop2, clock, opts) {
+        let job = move || match run() {
             Ok(()) => 0,
             Err(e) => {
                 log::error!("lcore {i}: {e}");
@@ -409,11 +366,6 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
                 return Err(e).context(format!("launching lcore {i} on EAL lcore {l}"));
             }
         }
-        lcores.push(LcoreHandle {
-            commands: ctx,
-            counters,
-            thread: None,
-        });
         infos.push(LcoreInfo {
             lcore: i as u16,
             cpu: if pinned {
@@ -433,13 +385,18 @@ pub fn start(cfg: &Config, kernels: Kernels, clock: Clock, stop: &Arc<AtomicBool
         base as usize + n - 1,
         me.mac.iter().map(|b| format!("{b:02x}")).collect::<Vec<_>>().join(":")
     );
+    let runtime = Runtime { launched, port };
+    let reader = port_stats_reader(runtime.port());
     Ok(Started {
-        lcores,
-        infos,
+        backend: "dpdk",
         base_port: base,
-        socket,
+        threads: infos.iter().map(|_| None).collect(),
+        lcores: infos,
+        nic_numa_node: socket,
+        memory_budget: memory_budget(cfg.memory_budget, &slot_memory),
         slot_memory,
-        runtime: Runtime { launched, port },
+        port_stats: Some(Box::new(reader)),
+        release: Some(Box::new(move || runtime.stop())),
     })
 }
 

@@ -1,0 +1,177 @@
+//! phub-dataplane's command line and options: clap's defaults are the
+//! only defaults ([`Config::default`] is the command line without
+//! arguments).
+
+use std::net::{Ipv4Addr, SocketAddr};
+
+use clap::{Args, Parser, ValueEnum};
+
+/// The UDP port of queue 0 unless `--base-port` says otherwise.
+pub const DEFAULT_BASE_PORT: u16 = 7900;
+
+/// The most lcores (queues) one dataplane runs.
+pub const MAX_LCORES: usize = 256;
+
+/// Packet I/O backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Kernel UDP sockets: runs anywhere.
+    Udp,
+    /// DPDK poll-mode driver: the port and lcores given by `--eal` and
+    /// `--port` (needs the build's `dpdk` feature, on by default).
+    Dpdk,
+}
+
+/// phub-dataplane: aggregates gradient chunks and runs the optimizer.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "phub-dataplane", version)]
+pub struct Config {
+    /// Packet I/O backend.
+    #[arg(long, value_enum, default_value_t = BackendKind::Udp)]
+    pub backend: BackendKind,
+    /// IPv4 address the data queues listen on (what workers send to).
+    #[arg(long, default_value = "127.0.0.1")]
+    pub host: Ipv4Addr,
+    /// UDP port of queue 0; queue i listens on base + i. 0: the backend
+    /// picks (kernel UDP: a free port for queue 0 from the kernel; DPDK,
+    /// which owns every port of its address: the default).
+    #[arg(long, default_value_t = DEFAULT_BASE_PORT)]
+    pub base_port: u16,
+    /// Number of queues, each with its own lcore thread (default: one per CPU).
+    #[arg(long)]
+    pub lcores: Option<usize>,
+    /// Address of the management API (for phub-control).
+    #[arg(long, default_value = "127.0.0.1:7800")]
+    pub mgmt: SocketAddr,
+    /// Slot memory the dataplane may hold, e.g. 1GiB, 512MiB or bytes.
+    #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
+    pub memory_budget: u64,
+    /// Spin on empty queues instead of waiting in the kernel.
+    #[arg(long)]
+    pub busy_poll: bool,
+    /// Inject faults on every queue, both directions (tests and soaks), e.g.
+    /// `loss=0.05,dup=0.01,reorder=0.01,seed=7`. Off by default.
+    #[arg(long, value_name = "FAULTS")]
+    pub inject: Option<phub_proto::fault::FaultSpec>,
+    /// Do not pin lcore threads to CPUs.
+    #[arg(long)]
+    pub no_pin: bool,
+    /// Socket buffer size per queue, bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    pub socket_buffer: usize,
+    /// Shared memory for workers on this host: every job gets, per lcore, a
+    /// staging region per rank and a result region in /dev/shm (mode 0600,
+    /// removed with the job), so such workers send headers only
+    /// (PROTOCOL.md §3.4). Workers elsewhere are unaffected. Needs the udp
+    /// backend.
+    #[arg(long)]
+    pub shm: bool,
+    /// Build stamp reported by the management API (set by the binary).
+    #[arg(skip = String::from("phub"))]
+    pub build: String,
+    /// DPDK backend options.
+    #[command(flatten)]
+    pub dpdk: DpdkOptions,
+}
+
+/// Options of the DPDK backend (`--backend dpdk`).
+#[derive(Debug, Clone, PartialEq, Eq, Args)]
+pub struct DpdkOptions {
+    /// EAL arguments, split on whitespace, e.g. "--no-pci --vdev=net_af_packet0,iface=veth1 --no-huge -m 512".
+    /// Without -l/--lcores, phub maps lcore 0 (management) and one data lcore per queue;
+    /// without --no-huge/--in-memory/--huge-unlink it adds --in-memory.
+    #[arg(long, allow_hyphen_values = true, value_name = "ARGS")]
+    pub eal: Option<String>,
+    /// One more EAL argument, kept whole (repeatable).
+    #[arg(long, allow_hyphen_values = true, value_name = "ARG")]
+    pub eal_arg: Vec<String>,
+    /// The DPDK port: an id or a device name (e.g. net_af_packet0).
+    #[arg(long, default_value = "0")]
+    pub port: String,
+    /// Instead of --port, a port made of rings named NAME-rx<i> (frames in for
+    /// lcore i) and NAME-tx<i> (frames out of it; the peer may hand them back on
+    /// NAME-done<i> to be freed by lcore i), which another DPDK process
+    /// of this runtime attaches to as a secondary (same --file-prefix;
+    /// needs hugepages): a co-located packet generator, zero copies between
+    /// them. NAME: 1 to 19 bytes. phub does not add --in-memory then.
+    #[arg(long, value_name = "NAME", conflicts_with = "port")]
+    pub ring_port: Option<String>,
+    /// MAC address to answer ARP with and send from (default: the port's).
+    #[arg(long)]
+    pub mac: Option<String>,
+    /// MTU to configure (clamped to what the device takes).
+    #[arg(long, default_value_t = 9000)]
+    pub mtu: u16,
+    /// RX descriptors per queue (clamped to the device).
+    #[arg(long, default_value_t = 1024)]
+    pub rx_desc: u16,
+    /// TX descriptors per queue (clamped to the device).
+    #[arg(long, default_value_t = 1024)]
+    pub tx_desc: u16,
+    /// RX mbufs (0: enough for every queue's descriptors and hand-off ring).
+    #[arg(long, default_value_t = 0)]
+    pub mbufs: u32,
+    /// Buffer bytes per RX mbuf, 128 of headroom included (af_packet needs its framesz + 96).
+    #[arg(long, default_value_t = 16384 + 128)]
+    pub mbuf_size: u16,
+    /// Header mbufs for results, one per destination (payload mbufs, one per
+    /// result: a quarter).
+    #[arg(long, default_value_t = 16384)]
+    pub tx_mbufs: u32,
+    /// Idle backoff: pause, then sleep briefly after a run of empty polls
+    /// (for tests and small machines; an appliance's lcores spin).
+    #[arg(long)]
+    pub idle_backoff: bool,
+}
+
+impl Default for Config {
+    /// What the command line gives with no arguments.
+    fn default() -> Config {
+        Config::parse_from(["phub-dataplane"])
+    }
+}
+
+impl Default for DpdkOptions {
+    /// What the command line gives with no DPDK arguments.
+    fn default() -> DpdkOptions {
+        Config::default().dpdk
+    }
+}
+
+/// Parses `123`, `64KiB`, `512MiB`, `1GiB` (also KB/MB/GB as powers of 1000).
+pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a number of bytes like 1GiB or 512MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        "KB" => 1_000,
+        "MB" => 1_000_000,
+        "GB" => 1_000_000_000,
+        u => {
+            return Err(format!(
+                "{s:?}: unknown unit {u:?}; accepted: B, KiB, MiB, GiB, KB, MB, GB"
+            ))
+        }
+    };
+    n.checked_mul(mult).ok_or_else(|| format!("{s:?}: too large"))
+}
+
+impl Config {
+    /// The number of lcores to run: `--lcores`, or `available` (one per CPU,
+    /// or per EAL worker lcore) without it; 1 to [`MAX_LCORES`], and no more
+    /// than are available.
+    pub fn lcore_count(&self, available: usize) -> anyhow::Result<usize> {
+        let n = self.lcores.unwrap_or(available.clamp(1, MAX_LCORES));
+        if n == 0 || n > MAX_LCORES {
+            anyhow::bail!("--lcores {n}: expected 1 to {MAX_LCORES}");
+        }
+        Ok(n)
+    }
+}
