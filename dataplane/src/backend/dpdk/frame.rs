@@ -1,6 +1,12 @@
 //! Ethernet/ARP/IPv4/UDP framing for the DPDK backend: pure functions over
 //! byte slices (the same code runs over a test's array and an mbuf's data).
 //!
+//! Headers are read and written only through the zero-copy views in
+//! [`ethernet`], [`ipv4`], [`udp`] and [`arp`], whose `field` modules name
+//! every byte range, as `phub_proto::wire` does for the phub header: a
+//! checked constructor for received bytes (lengths validated once, after
+//! which no accessor panics), an unchecked one and setters for what we send.
+//!
 //! Received frames are classified by [`parse`] into a UDP datagram for the
 //! appliance, an ARP request to answer, or a [`NetDrop`] reason, without
 //! panicking or allocating. Sent frames get their headers from
@@ -23,18 +29,661 @@ use std::ops::Range;
 
 use crate::counters::NetDrop;
 
+use self::arp::ArpPacket;
+use self::ethernet::EthernetFrame;
+use self::ipv4::Ipv4Packet;
+use self::udp::UdpPacket;
+
 /// Ethernet header length (no VLAN tag).
-pub const ETH_LEN: usize = 14;
+pub const ETH_LEN: usize = ethernet::HEADER_LEN;
 /// IPv4 header length without options.
-pub const IPV4_LEN: usize = 20;
+pub const IPV4_LEN: usize = ipv4::HEADER_LEN;
 /// UDP header length.
-pub const UDP_LEN: usize = 8;
+pub const UDP_LEN: usize = udp::HEADER_LEN;
 /// Ethernet + IPv4 + UDP: where the UDP payload starts in frames we send.
 pub const L2_L4_LEN: usize = ETH_LEN + IPV4_LEN + UDP_LEN;
 
 const ETHERTYPE_IPV4: u16 = 0x0800;
 const ETHERTYPE_ARP: u16 = 0x0806;
 const IPPROTO_UDP: u8 = 17;
+
+/// The big-endian `u16` in the two bytes `at` of `b`.
+#[inline]
+fn get_u16(b: &[u8], at: Range<usize>) -> u16 {
+    u16::from_be_bytes(get_bytes(b, at))
+}
+
+/// The `N` bytes `at` of `b`.
+#[inline]
+fn get_bytes<const N: usize>(b: &[u8], at: Range<usize>) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[at]);
+    a
+}
+
+/// Writes `v` big-endian into the two bytes `at` of `b`.
+#[inline]
+fn set_u16(b: &mut [u8], at: Range<usize>, v: u16) {
+    b[at].copy_from_slice(&v.to_be_bytes());
+}
+
+/// Ethernet II frames (no VLAN tag).
+pub mod ethernet {
+    use super::{get_bytes, get_u16, set_u16};
+    use crate::counters::NetDrop;
+
+    /// Named byte ranges of the Ethernet header.
+    pub mod field {
+        use std::ops::Range;
+
+        /// Destination MAC address.
+        pub const DESTINATION: Range<usize> = 0..6;
+        /// Source MAC address.
+        pub const SOURCE: Range<usize> = 6..12;
+        /// `u16`, the payload's EtherType.
+        pub const ETHERTYPE: Range<usize> = 12..14;
+        /// First payload byte.
+        pub const PAYLOAD: usize = 14;
+    }
+
+    /// Header length.
+    pub const HEADER_LEN: usize = field::PAYLOAD;
+
+    /// A view of an Ethernet frame over any byte buffer.
+    ///
+    /// [`EthernetFrame::new_checked`] verifies the header fits, after which
+    /// no accessor can panic. [`EthernetFrame::new_unchecked`] is for
+    /// buffers the caller sized itself (emitting); its accessors panic on a
+    /// buffer shorter than the header.
+    #[derive(Debug, Clone, Copy)]
+    pub struct EthernetFrame<T: AsRef<[u8]>> {
+        buf: T,
+    }
+
+    impl<T: AsRef<[u8]>> EthernetFrame<T> {
+        /// Wraps a buffer without checking its length.
+        #[inline]
+        pub const fn new_unchecked(buf: T) -> EthernetFrame<T> {
+            EthernetFrame { buf }
+        }
+
+        /// Wraps received bytes: [`NetDrop::NotIpv4`] if shorter than the
+        /// header.
+        #[inline]
+        pub fn new_checked(buf: T) -> Result<EthernetFrame<T>, NetDrop> {
+            if buf.as_ref().len() < HEADER_LEN {
+                return Err(NetDrop::NotIpv4);
+            }
+            Ok(EthernetFrame { buf })
+        }
+
+        /// Destination MAC address.
+        #[inline]
+        pub fn dst_addr(&self) -> [u8; 6] {
+            get_bytes(self.buf.as_ref(), field::DESTINATION)
+        }
+        /// Source MAC address.
+        #[inline]
+        pub fn src_addr(&self) -> [u8; 6] {
+            get_bytes(self.buf.as_ref(), field::SOURCE)
+        }
+        /// EtherType.
+        #[inline]
+        pub fn ethertype(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::ETHERTYPE)
+        }
+        /// Bytes after the header (up to the buffer's end: any padding
+        /// included).
+        #[inline]
+        pub fn payload(&self) -> &[u8] {
+            &self.buf.as_ref()[field::PAYLOAD..]
+        }
+    }
+
+    impl<T: AsRef<[u8]> + AsMut<[u8]>> EthernetFrame<T> {
+        /// Sets the destination MAC address.
+        #[inline]
+        pub fn set_dst_addr(&mut self, mac: [u8; 6]) {
+            self.buf.as_mut()[field::DESTINATION].copy_from_slice(&mac);
+        }
+        /// Sets the source MAC address.
+        #[inline]
+        pub fn set_src_addr(&mut self, mac: [u8; 6]) {
+            self.buf.as_mut()[field::SOURCE].copy_from_slice(&mac);
+        }
+        /// Sets the EtherType.
+        #[inline]
+        pub fn set_ethertype(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::ETHERTYPE, v);
+        }
+        /// Bytes after the header, writable.
+        #[inline]
+        pub fn payload_mut(&mut self) -> &mut [u8] {
+            &mut self.buf.as_mut()[field::PAYLOAD..]
+        }
+    }
+}
+
+/// IPv4 packets.
+pub mod ipv4 {
+    use std::net::Ipv4Addr;
+
+    use super::{get_bytes, get_u16, set_u16};
+    use crate::counters::NetDrop;
+
+    /// Named byte ranges of the IPv4 header (options, if any, follow).
+    pub mod field {
+        use std::ops::Range;
+
+        /// `u8`, the version (high 4 bits) and the header's length in
+        /// 32-bit words (IHL, low 4 bits).
+        pub const VER_IHL: usize = 0;
+        /// `u8`, DSCP and ECN.
+        pub const DSCP_ECN: usize = 1;
+        /// `u16`, the packet's length, header included.
+        pub const LENGTH: Range<usize> = 2..4;
+        /// `u16`, identification.
+        pub const IDENT: Range<usize> = 4..6;
+        /// `u16`, flags (high 3 bits) and fragment offset.
+        pub const FLG_OFF: Range<usize> = 6..8;
+        /// `u8`, time to live.
+        pub const TTL: usize = 8;
+        /// `u8`, the payload's protocol.
+        pub const PROTOCOL: usize = 9;
+        /// `u16`, header checksum.
+        pub const CHECKSUM: Range<usize> = 10..12;
+        /// Source address.
+        pub const SRC_ADDR: Range<usize> = 12..16;
+        /// Destination address.
+        pub const DST_ADDR: Range<usize> = 16..20;
+    }
+
+    /// Header length without options.
+    pub const HEADER_LEN: usize = field::DST_ADDR.end;
+    /// Flag: don't fragment.
+    pub const DONT_FRAGMENT: u16 = 0x4000;
+    /// Flag: more fragments follow.
+    pub const MORE_FRAGMENTS: u16 = 0x2000;
+    /// The fragment offset's bits of [`field::FLG_OFF`].
+    pub const FRAGMENT_OFFSET: u16 = 0x1fff;
+
+    /// A view of an IPv4 packet over any byte buffer.
+    ///
+    /// [`Ipv4Packet::new_checked`] verifies that the header and the
+    /// packet's length fit the buffer, after which no accessor can panic.
+    /// [`Ipv4Packet::new_unchecked`] is for buffers the caller sized itself
+    /// (emitting); its accessors panic on a buffer shorter than the header
+    /// ([`Ipv4Packet::payload`]: than the length field).
+    #[derive(Debug, Clone, Copy)]
+    pub struct Ipv4Packet<T: AsRef<[u8]>> {
+        buf: T,
+    }
+
+    impl<T: AsRef<[u8]>> Ipv4Packet<T> {
+        /// Wraps a buffer without checking its length.
+        #[inline]
+        pub const fn new_unchecked(buf: T) -> Ipv4Packet<T> {
+            Ipv4Packet { buf }
+        }
+
+        /// Wraps received bytes: [`NetDrop::BadIpHeader`] if shorter than
+        /// [`HEADER_LEN`], of a version other than 4, or if the header's
+        /// length is below [`HEADER_LEN`] or above the packet's, or that
+        /// beyond the buffer.
+        #[inline]
+        pub fn new_checked(buf: T) -> Result<Ipv4Packet<T>, NetDrop> {
+            let len = buf.as_ref().len();
+            if len < HEADER_LEN {
+                return Err(NetDrop::BadIpHeader);
+            }
+            let p = Ipv4Packet { buf };
+            if p.version() != 4 {
+                return Err(NetDrop::BadIpHeader);
+            }
+            let (header, total) = (p.header_len(), p.total_len());
+            if header < HEADER_LEN || total < header || total > len {
+                return Err(NetDrop::BadIpHeader);
+            }
+            Ok(p)
+        }
+
+        /// Version.
+        #[inline]
+        pub fn version(&self) -> u8 {
+            self.buf.as_ref()[field::VER_IHL] >> 4
+        }
+        /// Header length in bytes, options included (from the IHL).
+        #[inline]
+        pub fn header_len(&self) -> usize {
+            usize::from(self.buf.as_ref()[field::VER_IHL] & 0x0f) * 4
+        }
+        /// The packet's length, header included.
+        #[inline]
+        pub fn total_len(&self) -> usize {
+            usize::from(get_u16(self.buf.as_ref(), field::LENGTH))
+        }
+        /// Flags and fragment offset.
+        #[inline]
+        pub fn flags_and_offset(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::FLG_OFF)
+        }
+        /// Whether this is a fragment: more fragments follow, or it is not
+        /// the first.
+        #[inline]
+        pub fn is_fragment(&self) -> bool {
+            self.flags_and_offset() & (MORE_FRAGMENTS | FRAGMENT_OFFSET) != 0
+        }
+        /// The payload's protocol.
+        #[inline]
+        pub fn protocol(&self) -> u8 {
+            self.buf.as_ref()[field::PROTOCOL]
+        }
+        /// Header checksum.
+        #[inline]
+        pub fn checksum(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::CHECKSUM)
+        }
+        /// Source address.
+        #[inline]
+        pub fn src_addr(&self) -> Ipv4Addr {
+            Ipv4Addr::from(get_bytes::<4>(self.buf.as_ref(), field::SRC_ADDR))
+        }
+        /// Destination address.
+        #[inline]
+        pub fn dst_addr(&self) -> Ipv4Addr {
+            Ipv4Addr::from(get_bytes::<4>(self.buf.as_ref(), field::DST_ADDR))
+        }
+        /// The header, options included.
+        #[inline(always)]
+        pub fn header(&self) -> &[u8] {
+            &self.buf.as_ref()[..self.header_len()]
+        }
+        /// The payload, as long as the length field says (Ethernet padding
+        /// left out).
+        #[inline(always)]
+        pub fn payload(&self) -> &[u8] {
+            &self.buf.as_ref()[self.header_len()..self.total_len()]
+        }
+    }
+
+    impl<T: AsRef<[u8]> + AsMut<[u8]>> Ipv4Packet<T> {
+        /// Sets the version and the header's length in bytes (a multiple
+        /// of 4, at most 60).
+        #[inline]
+        pub fn set_version_and_header_len(&mut self, version: u8, header_len: usize) {
+            debug_assert!(
+                header_len.is_multiple_of(4) && header_len <= 60,
+                "IHL of {header_len} bytes"
+            );
+            let ihl = u8::try_from(header_len / 4).unwrap_or(0x0f) & 0x0f;
+            self.buf.as_mut()[field::VER_IHL] = version << 4 | ihl;
+        }
+        /// Sets DSCP and ECN.
+        #[inline]
+        pub fn set_dscp_ecn(&mut self, v: u8) {
+            self.buf.as_mut()[field::DSCP_ECN] = v;
+        }
+        /// Sets the packet's length, header included.
+        #[inline]
+        pub fn set_total_len(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::LENGTH, v);
+        }
+        /// Sets the identification.
+        #[inline]
+        pub fn set_ident(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::IDENT, v);
+        }
+        /// Sets flags and fragment offset.
+        #[inline]
+        pub fn set_flags_and_offset(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::FLG_OFF, v);
+        }
+        /// Sets the time to live.
+        #[inline]
+        pub fn set_ttl(&mut self, v: u8) {
+            self.buf.as_mut()[field::TTL] = v;
+        }
+        /// Sets the payload's protocol.
+        #[inline]
+        pub fn set_protocol(&mut self, v: u8) {
+            self.buf.as_mut()[field::PROTOCOL] = v;
+        }
+        /// Sets the header checksum.
+        #[inline]
+        pub fn set_checksum(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::CHECKSUM, v);
+        }
+        /// Sets the source address.
+        #[inline]
+        pub fn set_src_addr(&mut self, ip: Ipv4Addr) {
+            self.buf.as_mut()[field::SRC_ADDR].copy_from_slice(&ip.octets());
+        }
+        /// Sets the destination address.
+        #[inline]
+        pub fn set_dst_addr(&mut self, ip: Ipv4Addr) {
+            self.buf.as_mut()[field::DST_ADDR].copy_from_slice(&ip.octets());
+        }
+    }
+}
+
+/// UDP datagrams.
+pub mod udp {
+    use super::{get_u16, set_u16};
+    use crate::counters::NetDrop;
+
+    /// Named byte ranges of the UDP header.
+    pub mod field {
+        use std::ops::Range;
+
+        /// `u16`, source port.
+        pub const SRC_PORT: Range<usize> = 0..2;
+        /// `u16`, destination port.
+        pub const DST_PORT: Range<usize> = 2..4;
+        /// `u16`, the datagram's length, header included.
+        pub const LENGTH: Range<usize> = 4..6;
+        /// `u16`, checksum (0: none).
+        pub const CHECKSUM: Range<usize> = 6..8;
+        /// First payload byte.
+        pub const PAYLOAD: usize = 8;
+    }
+
+    /// Header length.
+    pub const HEADER_LEN: usize = field::PAYLOAD;
+
+    /// A view of a UDP datagram over any byte buffer.
+    ///
+    /// [`UdpPacket::new_checked`] verifies that the header and the
+    /// datagram's length fit the buffer, after which no accessor can panic.
+    /// [`UdpPacket::new_unchecked`] is for buffers the caller sized itself
+    /// (emitting); its accessors panic on a buffer shorter than the header
+    /// ([`UdpPacket::datagram`] and [`UdpPacket::payload`]: than the length
+    /// field).
+    #[derive(Debug, Clone, Copy)]
+    pub struct UdpPacket<T: AsRef<[u8]>> {
+        buf: T,
+    }
+
+    impl<T: AsRef<[u8]>> UdpPacket<T> {
+        /// Wraps a buffer without checking its length.
+        #[inline]
+        pub const fn new_unchecked(buf: T) -> UdpPacket<T> {
+            UdpPacket { buf }
+        }
+
+        /// Wraps received bytes: [`NetDrop::BadUdpLength`] if shorter than
+        /// the header, or if the length field is below [`HEADER_LEN`] or
+        /// beyond the buffer.
+        #[inline]
+        pub fn new_checked(buf: T) -> Result<UdpPacket<T>, NetDrop> {
+            let len = buf.as_ref().len();
+            if len < HEADER_LEN {
+                return Err(NetDrop::BadUdpLength);
+            }
+            let p = UdpPacket { buf };
+            if p.len() < HEADER_LEN || p.len() > len {
+                return Err(NetDrop::BadUdpLength);
+            }
+            Ok(p)
+        }
+
+        /// Source port.
+        #[inline]
+        pub fn src_port(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::SRC_PORT)
+        }
+        /// Destination port.
+        #[inline]
+        pub fn dst_port(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::DST_PORT)
+        }
+        /// The datagram's length (length field), header included.
+        #[inline]
+        #[allow(clippy::len_without_is_empty, reason = "a datagram is never empty")]
+        pub fn len(&self) -> usize {
+            usize::from(get_u16(self.buf.as_ref(), field::LENGTH))
+        }
+        /// Checksum field.
+        #[inline]
+        pub fn checksum(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::CHECKSUM)
+        }
+        /// The header.
+        #[inline(always)]
+        pub fn header(&self) -> &[u8] {
+            &self.buf.as_ref()[..HEADER_LEN]
+        }
+        /// Header and payload, as long as the length field says.
+        #[inline(always)]
+        pub fn datagram(&self) -> &[u8] {
+            &self.buf.as_ref()[..self.len()]
+        }
+        /// The payload, as long as the length field says.
+        #[inline]
+        pub fn payload(&self) -> &[u8] {
+            &self.buf.as_ref()[HEADER_LEN..self.len()]
+        }
+    }
+
+    impl<T: AsRef<[u8]> + AsMut<[u8]>> UdpPacket<T> {
+        /// Sets the source port.
+        #[inline]
+        pub fn set_src_port(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::SRC_PORT, v);
+        }
+        /// Sets the destination port.
+        #[inline]
+        pub fn set_dst_port(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::DST_PORT, v);
+        }
+        /// Sets the datagram's length, header included.
+        #[inline]
+        pub fn set_len(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::LENGTH, v);
+        }
+        /// Sets the checksum field.
+        #[inline]
+        pub fn set_checksum(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::CHECKSUM, v);
+        }
+    }
+}
+
+/// ARP over Ethernet for IPv4.
+pub mod arp {
+    use std::net::Ipv4Addr;
+
+    use super::{get_bytes, get_u16, set_u16};
+    use crate::counters::NetDrop;
+
+    /// Named byte ranges of an ARP packet (Ethernet and IPv4 addresses).
+    pub mod field {
+        use std::ops::Range;
+
+        /// `u16`, hardware type.
+        pub const HTYPE: Range<usize> = 0..2;
+        /// `u16`, protocol type (an EtherType).
+        pub const PTYPE: Range<usize> = 2..4;
+        /// `u8`, hardware address length.
+        pub const HLEN: usize = 4;
+        /// `u8`, protocol address length.
+        pub const PLEN: usize = 5;
+        /// `u16`, operation.
+        pub const OPER: Range<usize> = 6..8;
+        /// Sender's hardware address.
+        pub const SHA: Range<usize> = 8..14;
+        /// Sender's protocol address.
+        pub const SPA: Range<usize> = 14..18;
+        /// Target's hardware address.
+        pub const THA: Range<usize> = 18..24;
+        /// Target's protocol address.
+        pub const TPA: Range<usize> = 24..28;
+    }
+
+    /// Packet length.
+    pub const PACKET_LEN: usize = field::TPA.end;
+    /// Hardware type: Ethernet.
+    pub const HTYPE_ETHERNET: u16 = 1;
+    /// Operation: request.
+    pub const OPER_REQUEST: u16 = 1;
+    /// Operation: reply.
+    pub const OPER_REPLY: u16 = 2;
+    /// Length of an Ethernet address.
+    pub const ETHERNET_ADDR_LEN: u8 = 6;
+    /// Length of an IPv4 address.
+    pub const IPV4_ADDR_LEN: u8 = 4;
+
+    /// A view of an ARP packet over any byte buffer.
+    ///
+    /// [`ArpPacket::new_checked`] verifies the packet fits, after which no
+    /// accessor can panic. [`ArpPacket::new_unchecked`] is for buffers the
+    /// caller sized itself (emitting); its accessors panic on a buffer
+    /// shorter than [`PACKET_LEN`].
+    #[derive(Debug, Clone, Copy)]
+    pub struct ArpPacket<T: AsRef<[u8]>> {
+        buf: T,
+    }
+
+    impl<T: AsRef<[u8]>> ArpPacket<T> {
+        /// Wraps a buffer without checking its length.
+        #[inline]
+        pub const fn new_unchecked(buf: T) -> ArpPacket<T> {
+            ArpPacket { buf }
+        }
+
+        /// Wraps received bytes: [`NetDrop::ArpNotForUs`] if shorter than
+        /// [`PACKET_LEN`].
+        #[inline]
+        pub fn new_checked(buf: T) -> Result<ArpPacket<T>, NetDrop> {
+            if buf.as_ref().len() < PACKET_LEN {
+                return Err(NetDrop::ArpNotForUs);
+            }
+            Ok(ArpPacket { buf })
+        }
+
+        /// Hardware type.
+        #[inline]
+        pub fn hardware_type(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::HTYPE)
+        }
+        /// Protocol type.
+        #[inline]
+        pub fn protocol_type(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::PTYPE)
+        }
+        /// Hardware address length.
+        #[inline]
+        pub fn hardware_len(&self) -> u8 {
+            self.buf.as_ref()[field::HLEN]
+        }
+        /// Protocol address length.
+        #[inline]
+        pub fn protocol_len(&self) -> u8 {
+            self.buf.as_ref()[field::PLEN]
+        }
+        /// Operation.
+        #[inline]
+        pub fn operation(&self) -> u16 {
+            get_u16(self.buf.as_ref(), field::OPER)
+        }
+        /// Sender's hardware address.
+        #[inline]
+        pub fn sender_mac(&self) -> [u8; 6] {
+            get_bytes(self.buf.as_ref(), field::SHA)
+        }
+        /// Sender's protocol address.
+        #[inline]
+        pub fn sender_ip(&self) -> Ipv4Addr {
+            Ipv4Addr::from(get_bytes::<4>(self.buf.as_ref(), field::SPA))
+        }
+        /// Target's hardware address.
+        #[inline]
+        pub fn target_mac(&self) -> [u8; 6] {
+            get_bytes(self.buf.as_ref(), field::THA)
+        }
+        /// Target's protocol address.
+        #[inline]
+        pub fn target_ip(&self) -> Ipv4Addr {
+            Ipv4Addr::from(get_bytes::<4>(self.buf.as_ref(), field::TPA))
+        }
+    }
+
+    impl<T: AsRef<[u8]> + AsMut<[u8]>> ArpPacket<T> {
+        /// Sets the hardware type.
+        #[inline]
+        pub fn set_hardware_type(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::HTYPE, v);
+        }
+        /// Sets the protocol type.
+        #[inline]
+        pub fn set_protocol_type(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::PTYPE, v);
+        }
+        /// Sets the hardware address length.
+        #[inline]
+        pub fn set_hardware_len(&mut self, v: u8) {
+            self.buf.as_mut()[field::HLEN] = v;
+        }
+        /// Sets the protocol address length.
+        #[inline]
+        pub fn set_protocol_len(&mut self, v: u8) {
+            self.buf.as_mut()[field::PLEN] = v;
+        }
+        /// Sets the operation.
+        #[inline]
+        pub fn set_operation(&mut self, v: u16) {
+            set_u16(self.buf.as_mut(), field::OPER, v);
+        }
+        /// Sets the sender's hardware address.
+        #[inline]
+        pub fn set_sender_mac(&mut self, mac: [u8; 6]) {
+            self.buf.as_mut()[field::SHA].copy_from_slice(&mac);
+        }
+        /// Sets the sender's protocol address.
+        #[inline]
+        pub fn set_sender_ip(&mut self, ip: Ipv4Addr) {
+            self.buf.as_mut()[field::SPA].copy_from_slice(&ip.octets());
+        }
+        /// Sets the target's hardware address.
+        #[inline]
+        pub fn set_target_mac(&mut self, mac: [u8; 6]) {
+            self.buf.as_mut()[field::THA].copy_from_slice(&mac);
+        }
+        /// Sets the target's protocol address.
+        #[inline]
+        pub fn set_target_ip(&mut self, ip: Ipv4Addr) {
+            self.buf.as_mut()[field::TPA].copy_from_slice(&ip.octets());
+        }
+    }
+}
+
+/// The Ethernet, IPv4 and UDP views of one frame.
+type Views<B> = (EthernetFrame<B>, Ipv4Packet<B>, UdpPacket<B>);
+
+/// Views of the headers of a frame we build (Ethernet, IPv4 without
+/// options, UDP; the UDP view runs to the end of `f`). Panics if `f` is
+/// shorter than [`L2_L4_LEN`].
+#[inline]
+fn views(f: &[u8]) -> Views<&[u8]> {
+    let (eth, rest) = f.split_at(ETH_LEN);
+    let (ip, udp) = rest.split_at(IPV4_LEN);
+    (
+        EthernetFrame::new_unchecked(eth),
+        Ipv4Packet::new_unchecked(ip),
+        UdpPacket::new_unchecked(udp),
+    )
+}
+
+/// [`views`], writable.
+#[inline]
+fn views_mut(f: &mut [u8]) -> Views<&mut [u8]> {
+    let (eth, rest) = f.split_at_mut(ETH_LEN);
+    let (ip, udp) = rest.split_at_mut(IPV4_LEN);
+    (
+        EthernetFrame::new_unchecked(eth),
+        Ipv4Packet::new_unchecked(ip),
+        UdpPacket::new_unchecked(udp),
+    )
+}
 
 /// A peer as the DPDK backend knows it: where its frames came from, and so
 /// where its results go.
@@ -62,10 +711,6 @@ pub enum Frame {
     },
     /// An ARP request for the appliance's address.
     ArpRequest,
-}
-
-fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([b[at], b[at + 1]])
 }
 
 /// The one's-complement sum of `data` as big-endian 16-bit words (an odd
@@ -212,8 +857,9 @@ fn pseudo_header_sum(src: &[u8], dst: &[u8], udp_len: usize) -> u64 {
 /// own checksum field is left out of the sum) from `src` to `dst`: 0xffff
 /// where the checksum comes out 0, since 0 means "no checksum" (RFC 768).
 pub fn udp_checksum(src: Ipv4Addr, dst: Ipv4Addr, udp: &[u8]) -> u16 {
-    let (head, rest) = udp.split_at(udp.len().min(6));
-    let body = rest.get(2..).unwrap_or_default();
+    // Everything but the checksum field, however short `udp` is.
+    let head = udp.get(..udp::field::CHECKSUM.start).unwrap_or(udp);
+    let body = udp.get(udp::field::CHECKSUM.end..).unwrap_or_default();
     udp_field(
         pseudo_header_sum(&src.octets(), &dst.octets(), udp.len())
             + u64::from(ones_sum(head))
@@ -302,12 +948,12 @@ impl ResultHeaders {
             port: 0,
         };
         write_unsummed_headers(&mut base, src_mac, src_ip, src_port, &nowhere, udp_payload);
-        let udp = ETH_LEN + IPV4_LEN;
+        let (_, ip, udp) = views(&base);
         ResultHeaders {
             base,
-            ip: u64::from(ones_sum(&base[ETH_LEN..udp])),
+            ip: u64::from(ones_sum(ip.header())),
             udp: pseudo_header_sum(&src_ip.octets(), &nowhere.ip.octets(), UDP_LEN + udp_payload)
-                + u64::from(ones_sum(&base[udp..]))
+                + u64::from(ones_sum(udp.header()))
                 + u64::from(payload),
         }
     }
@@ -315,35 +961,31 @@ impl ResultHeaders {
     /// Writes the headers of the frame for `to` into `out`, checksums
     /// filled in.
     pub fn write(&self, out: &mut [u8; L2_L4_LEN], to: &PeerAddr) {
-        let udp = ETH_LEN + IPV4_LEN;
         *out = self.base;
-        out[0..6].copy_from_slice(&to.mac);
-        let ip = to.ip.octets();
-        out[ETH_LEN + 16..udp].copy_from_slice(&ip);
-        out[udp + 2..udp + 4].copy_from_slice(&to.port.to_be_bytes());
-        let dst = u64::from(ones_sum(&ip));
-        out[ETH_LEN + 10..ETH_LEN + 12].copy_from_slice(&(!fold(self.ip + dst)).to_be_bytes());
-        let field = udp_field(self.udp + dst + u64::from(to.port));
-        out[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
+        let (mut eth, mut ip, mut udp) = views_mut(out);
+        eth.set_dst_addr(to.mac);
+        ip.set_dst_addr(to.ip);
+        udp.set_dst_port(to.port);
+        let dst = u64::from(ones_sum(&to.ip.octets()));
+        ip.set_checksum(!fold(self.ip + dst));
+        udp.set_checksum(udp_field(self.udp + dst + u64::from(to.port)));
     }
 }
 
 /// Whether a received UDP datagram's checksum field is acceptable: none
 /// (0), left partial by the sender's kernel (the pseudo-header's sum
-/// alone), or verifying over the pseudo-header and `udp` (header and
-/// payload, `udp.len()` its length).
-fn udp_checksum_ok(ip: &[u8], udp: &[u8]) -> bool {
-    let field = be16(udp, 6);
+/// alone), or verifying over the pseudo-header (addresses from `ip`) and
+/// `udp`'s datagram (header and payload, as long as its length field
+/// says, which must fit its buffer).
+#[inline]
+fn udp_checksum_ok(ip: &Ipv4Packet<&[u8]>, udp: &UdpPacket<&[u8]>) -> bool {
+    let field = udp.checksum();
     if field == 0 {
         return true;
     }
-    let pseudo = pseudo_header_sum(&ip[12..16], &ip[16..20], udp.len());
-    field == fold(pseudo) || fold(pseudo + u64::from(ones_sum(udp))) == 0xffff
-}
-
-/// An IPv4 header's length in bytes, from its IHL field.
-fn ihl(ip: &[u8]) -> usize {
-    usize::from(ip[0] & 0x0f) * 4
+    let datagram = udp.datagram();
+    let pseudo = pseudo_header_sum(&ip.src_addr().octets(), &ip.dst_addr().octets(), datagram.len());
+    field == fold(pseudo) || fold(pseudo + u64::from(ones_sum(datagram))) == 0xffff
 }
 
 /// Options for [`parse`].
@@ -362,64 +1004,46 @@ pub struct ParseOptions {
 
 /// Classifies a received frame.
 pub fn parse(f: &[u8], opts: &ParseOptions) -> Result<Frame, NetDrop> {
-    if f.len() < ETH_LEN {
-        return Err(NetDrop::NotIpv4);
-    }
-    match be16(f, 12) {
+    let eth = EthernetFrame::new_checked(f)?;
+    match eth.ethertype() {
         ETHERTYPE_IPV4 => {}
-        ETHERTYPE_ARP => return parse_arp(f, opts.ip),
+        ETHERTYPE_ARP => return parse_arp(eth.payload(), opts.ip),
         _ => return Err(NetDrop::NotIpv4),
     }
-    let ip = &f[ETH_LEN..];
-    if ip.len() < IPV4_LEN || ip[0] >> 4 != 4 {
-        return Err(NetDrop::BadIpHeader);
-    }
-    let ihl = ihl(ip);
-    let total = usize::from(be16(ip, 2));
-    if ihl < IPV4_LEN || total < ihl || total > ip.len() {
-        return Err(NetDrop::BadIpHeader);
-    }
-    if opts.check_ip_checksum && ip_checksum(&ip[..ihl]) != 0 {
+    let ip = Ipv4Packet::new_checked(eth.payload())?;
+    if opts.check_ip_checksum && ip_checksum(ip.header()) != 0 {
         return Err(NetDrop::BadIpChecksum);
     }
-    // More-fragments flag or a fragment offset.
-    if be16(ip, 6) & 0x3fff != 0 {
+    if ip.is_fragment() {
         return Err(NetDrop::IpFragment);
     }
-    let dst = Ipv4Addr::new(ip[16], ip[17], ip[18], ip[19]);
-    if dst != opts.ip {
+    if ip.dst_addr() != opts.ip {
         return Err(NetDrop::NotOurAddress);
     }
-    if ip[9] != IPPROTO_UDP {
+    if ip.protocol() != IPPROTO_UDP {
         return Err(NetDrop::NotUdp);
     }
-    let udp = &ip[ihl..total];
-    if udp.len() < UDP_LEN {
-        return Err(NetDrop::BadUdpLength);
-    }
-    let ulen = usize::from(be16(udp, 4));
-    if ulen < UDP_LEN || ulen > udp.len() {
-        return Err(NetDrop::BadUdpLength);
-    }
-    if opts.check_udp_checksum && !udp_checksum_ok(ip, &udp[..ulen]) {
+    let udp = UdpPacket::new_checked(ip.payload())?;
+    if opts.check_udp_checksum && !udp_checksum_ok(&ip, &udp) {
         return Err(NetDrop::BadUdpChecksum);
     }
-    let start = ETH_LEN + ihl + UDP_LEN;
+    let start = ETH_LEN + ip.header_len() + UDP_LEN;
     Ok(Frame::Udp {
         from: PeerAddr {
-            mac: [f[6], f[7], f[8], f[9], f[10], f[11]],
-            ip: Ipv4Addr::new(ip[12], ip[13], ip[14], ip[15]),
-            port: be16(udp, 0),
+            mac: eth.src_addr(),
+            ip: ip.src_addr(),
+            port: udp.src_port(),
         },
-        dst_port: be16(udp, 2),
-        payload: start..start + ulen - UDP_LEN,
+        dst_port: udp.dst_port(),
+        payload: start..start + udp.len() - UDP_LEN,
     })
 }
 
 /// Whether the IPv4 header checksum of a frame [`parse`] accepted verifies
 /// (for frames whose NIC checks them but left this one unchecked).
 pub fn ip_checksum_verifies(f: &[u8]) -> bool {
-    ip_checksum(&f[ETH_LEN..ETH_LEN + ihl(&f[ETH_LEN..])]) == 0
+    let eth = EthernetFrame::new_unchecked(f);
+    ip_checksum(Ipv4Packet::new_unchecked(eth.payload()).header()) == 0
 }
 
 /// Whether the UDP checksum of a frame [`parse`] accepted as
@@ -427,21 +1051,22 @@ pub fn ip_checksum_verifies(f: &[u8]) -> bool {
 /// [`ParseOptions::check_udp_checksum`] is set), for frames whose NIC
 /// checks them but left this one unchecked.
 pub fn udp_checksum_verifies(f: &[u8], payload: &Range<usize>) -> bool {
-    udp_checksum_ok(&f[ETH_LEN..], &f[ETH_LEN + ihl(&f[ETH_LEN..])..payload.end])
+    let eth = EthernetFrame::new_unchecked(&f[..payload.end]);
+    let ip = Ipv4Packet::new_unchecked(eth.payload());
+    let udp = UdpPacket::new_unchecked(&eth.payload()[ip.header_len()..]);
+    udp_checksum_ok(&ip, &udp)
 }
 
-/// ARP over Ethernet for IPv4: header at 14, 28 bytes.
-const ARP_LEN: usize = 28;
-
-fn parse_arp(f: &[u8], ip: Ipv4Addr) -> Result<Frame, NetDrop> {
-    let a = &f[ETH_LEN..];
-    if a.len() < ARP_LEN
-        || be16(a, 0) != 1
-        || be16(a, 2) != ETHERTYPE_IPV4
-        || a[4] != 6
-        || a[5] != 4
-        || be16(a, 6) != 1
-        || a[24..28] != ip.octets()
+/// Classifies the ARP packet `a` (an Ethernet frame's payload): a request
+/// for `ip`, or not for us.
+fn parse_arp(a: &[u8], ip: Ipv4Addr) -> Result<Frame, NetDrop> {
+    let a = ArpPacket::new_checked(a)?;
+    if a.hardware_type() != arp::HTYPE_ETHERNET
+        || a.protocol_type() != ETHERTYPE_IPV4
+        || a.hardware_len() != arp::ETHERNET_ADDR_LEN
+        || a.protocol_len() != arp::IPV4_ADDR_LEN
+        || a.operation() != arp::OPER_REQUEST
+        || a.target_ip() != ip
     {
         return Err(NetDrop::ArpNotForUs);
     }
@@ -451,20 +1076,21 @@ fn parse_arp(f: &[u8], ip: Ipv4Addr) -> Result<Frame, NetDrop> {
 /// Turns an ARP request for `ip` (checked by [`parse`]) into the reply
 /// from `mac`, in place.
 pub fn arp_reply_in_place(f: &mut [u8], mac: [u8; 6], ip: Ipv4Addr) {
-    if f.len() < ETH_LEN + ARP_LEN {
+    let fits = EthernetFrame::new_checked(&*f).is_ok_and(|eth| ArpPacket::new_checked(eth.payload()).is_ok());
+    if !fits {
         return;
     }
-    let requester_mac: [u8; 6] = f[6..12].try_into().unwrap_or([0; 6]);
-    f[0..6].copy_from_slice(&requester_mac);
-    f[6..12].copy_from_slice(&mac);
-    let a = &mut f[ETH_LEN..ETH_LEN + ARP_LEN];
-    a[6..8].copy_from_slice(&2u16.to_be_bytes());
-    let sha: [u8; 6] = a[8..14].try_into().unwrap_or([0; 6]);
-    let spa: [u8; 4] = a[14..18].try_into().unwrap_or([0; 4]);
-    a[18..24].copy_from_slice(&sha);
-    a[24..28].copy_from_slice(&spa);
-    a[8..14].copy_from_slice(&mac);
-    a[14..18].copy_from_slice(&ip.octets());
+    let mut eth = EthernetFrame::new_unchecked(f);
+    let requester_mac = eth.src_addr();
+    eth.set_dst_addr(requester_mac);
+    eth.set_src_addr(mac);
+    let mut a = ArpPacket::new_unchecked(eth.payload_mut());
+    a.set_operation(arp::OPER_REPLY);
+    let (sha, spa) = (a.sender_mac(), a.sender_ip());
+    a.set_target_mac(sha);
+    a.set_target_ip(spa);
+    a.set_sender_mac(mac);
+    a.set_sender_ip(ip);
 }
 
 /// Writes Ethernet, IPv4 and UDP headers for a datagram of `udp_payload`
@@ -478,9 +1104,9 @@ pub fn write_udp_headers(
     udp_payload: usize,
 ) {
     write_unsummed_headers(out, src_mac, src_ip, src_port, to, udp_payload);
-    let ip = &mut out[ETH_LEN..ETH_LEN + IPV4_LEN];
-    let c = ip_checksum(ip);
-    ip[10..12].copy_from_slice(&c.to_be_bytes());
+    let (_, mut ip, _) = views_mut(out);
+    let c = ip_checksum(ip.header());
+    ip.set_checksum(c);
 }
 
 /// [`write_udp_headers`] with both checksum fields left 0.
@@ -492,27 +1118,24 @@ fn write_unsummed_headers(
     to: &PeerAddr,
     udp_payload: usize,
 ) {
-    out[0..6].copy_from_slice(&to.mac);
-    out[6..12].copy_from_slice(&src_mac);
-    out[12..14].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
-    let total = (IPV4_LEN + UDP_LEN + udp_payload) as u16;
-    let ip = &mut out[ETH_LEN..ETH_LEN + IPV4_LEN];
-    ip[0] = 0x45;
-    ip[1] = 0;
-    ip[2..4].copy_from_slice(&total.to_be_bytes());
-    ip[4..6].copy_from_slice(&0u16.to_be_bytes());
-    // Don't fragment.
-    ip[6..8].copy_from_slice(&0x4000u16.to_be_bytes());
-    ip[8] = 64;
-    ip[9] = IPPROTO_UDP;
-    ip[10..12].copy_from_slice(&[0, 0]);
-    ip[12..16].copy_from_slice(&src_ip.octets());
-    ip[16..20].copy_from_slice(&to.ip.octets());
-    let udp = &mut out[ETH_LEN + IPV4_LEN..];
-    udp[0..2].copy_from_slice(&src_port.to_be_bytes());
-    udp[2..4].copy_from_slice(&to.port.to_be_bytes());
-    udp[4..6].copy_from_slice(&((UDP_LEN + udp_payload) as u16).to_be_bytes());
-    udp[6..8].copy_from_slice(&[0, 0]);
+    let (mut eth, mut ip, mut udp) = views_mut(out);
+    eth.set_dst_addr(to.mac);
+    eth.set_src_addr(src_mac);
+    eth.set_ethertype(ETHERTYPE_IPV4);
+    ip.set_version_and_header_len(4, IPV4_LEN);
+    ip.set_dscp_ecn(0);
+    ip.set_total_len((IPV4_LEN + UDP_LEN + udp_payload) as u16);
+    ip.set_ident(0);
+    ip.set_flags_and_offset(ipv4::DONT_FRAGMENT);
+    ip.set_ttl(64);
+    ip.set_protocol(IPPROTO_UDP);
+    ip.set_checksum(0);
+    ip.set_src_addr(src_ip);
+    ip.set_dst_addr(to.ip);
+    udp.set_src_port(src_port);
+    udp.set_dst_port(to.port);
+    udp.set_len((UDP_LEN + udp_payload) as u16);
+    udp.set_checksum(0);
 }
 
 /// A whole UDP frame (headers + payload), for tests and generators.
@@ -531,19 +1154,20 @@ pub fn udp_frame(from: &PeerAddr, to_mac: [u8; 6], to_ip: Ipv4Addr, to_port: u16
 
 /// An ARP request from `from` asking who has `target`.
 pub fn arp_request(from: &PeerAddr, target: Ipv4Addr) -> Vec<u8> {
-    let mut f = vec![0u8; ETH_LEN + ARP_LEN];
-    f[0..6].copy_from_slice(&[0xff; 6]);
-    f[6..12].copy_from_slice(&from.mac);
-    f[12..14].copy_from_slice(&ETHERTYPE_ARP.to_be_bytes());
-    let a = &mut f[ETH_LEN..];
-    a[0..2].copy_from_slice(&1u16.to_be_bytes());
-    a[2..4].copy_from_slice(&ETHERTYPE_IPV4.to_be_bytes());
-    a[4] = 6;
-    a[5] = 4;
-    a[6..8].copy_from_slice(&1u16.to_be_bytes());
-    a[8..14].copy_from_slice(&from.mac);
-    a[14..18].copy_from_slice(&from.ip.octets());
-    a[24..28].copy_from_slice(&target.octets());
+    let mut f = vec![0u8; ETH_LEN + arp::PACKET_LEN];
+    let mut eth = EthernetFrame::new_unchecked(&mut f[..]);
+    eth.set_dst_addr([0xff; 6]);
+    eth.set_src_addr(from.mac);
+    eth.set_ethertype(ETHERTYPE_ARP);
+    let mut a = ArpPacket::new_unchecked(eth.payload_mut());
+    a.set_hardware_type(arp::HTYPE_ETHERNET);
+    a.set_protocol_type(ETHERTYPE_IPV4);
+    a.set_hardware_len(arp::ETHERNET_ADDR_LEN);
+    a.set_protocol_len(arp::IPV4_ADDR_LEN);
+    a.set_operation(arp::OPER_REQUEST);
+    a.set_sender_mac(from.mac);
+    a.set_sender_ip(from.ip);
+    a.set_target_ip(target);
     f
 }
 
@@ -566,8 +1190,17 @@ mod tests {
     fn checksummed(payload: &[u8]) -> Vec<u8> {
         let mut f = udp_frame(&peer(), MAC, US, 7000, payload);
         let c = udp_checksum(peer().ip, US, &f[ETH_LEN + IPV4_LEN..]);
-        f[40..42].copy_from_slice(&c.to_be_bytes());
+        views_mut(&mut f).2.set_checksum(c);
         f
+    }
+
+    /// Changes `f`'s IPv4 header with `change` and sums it again.
+    fn change_ip(f: &mut [u8], change: impl FnOnce(&mut Ipv4Packet<&mut [u8]>)) {
+        let mut ip = views_mut(f).1;
+        change(&mut ip);
+        ip.set_checksum(0);
+        let c = ip_checksum(ip.header());
+        ip.set_checksum(c);
     }
 
     fn opts() -> ParseOptions {
@@ -602,29 +1235,100 @@ mod tests {
     }
 
     #[test]
+    fn frames_match_the_rfc_layouts_byte_for_byte() {
+        // Written out by hand from RFC 894, 791, 768 and 826, so that the
+        // views' field ranges are checked against something other than
+        // themselves.
+        let f = udp_frame(&peer(), MAC, US, 7000, &[]);
+        let want = "020000000001020000000009\
+                    0800\
+                    4500001c000040004011\
+                    26bd\
+                    0a0900020a090001\
+                    9c401b5800080000";
+        let hex: String = f.iter().map(|b| format!("{b:02x}")).collect();
+        assert_eq!(hex, want.split_whitespace().collect::<String>());
+        let (eth, ip, udp) = views(&f);
+        assert_eq!(
+            (eth.dst_addr(), eth.src_addr(), eth.ethertype()),
+            (MAC, peer().mac, 0x0800)
+        );
+        assert_eq!((ip.version(), ip.header_len(), ip.total_len()), (4, 20, 28));
+        assert_eq!(
+            (ip.flags_and_offset(), ip.protocol(), ip.checksum()),
+            (0x4000, 17, 0x26bd)
+        );
+        assert_eq!((ip.src_addr(), ip.dst_addr()), (peer().ip, US));
+        assert_eq!(
+            (udp.src_port(), udp.dst_port(), udp.len(), udp.checksum()),
+            (40000, 7000, 8, 0)
+        );
+
+        let mut a = arp_request(&peer(), US);
+        let hex: String = a.iter().map(|b| format!("{b:02x}")).collect();
+        let want = "ffffffffffff020000000009\
+                    0806\
+                    0001080006040001\
+                    0200000000090a090002\
+                    0000000000000a090001";
+        assert_eq!(hex, want.split_whitespace().collect::<String>());
+        arp_reply_in_place(&mut a, MAC, US);
+        let hex: String = a.iter().map(|b| format!("{b:02x}")).collect();
+        let want = "020000000009020000000001\
+                    0806\
+                    0001080006040002\
+                    0200000000010a090001\
+                    0200000000090a090002";
+        assert_eq!(hex, want.split_whitespace().collect::<String>());
+    }
+
+    #[test]
+    fn short_frames_are_left_alone_and_views_checked_refuse_them() {
+        // A truncated ARP request is not answered, not even in part.
+        let req = arp_request(&peer(), US);
+        for len in 0..req.len() {
+            let mut f = req[..len].to_vec();
+            arp_reply_in_place(&mut f, MAC, US);
+            assert_eq!(f, req[..len], "{len} bytes");
+        }
+        assert!(EthernetFrame::new_checked(&req[..ETH_LEN - 1]).is_err());
+        assert!(ArpPacket::new_checked(&req[ETH_LEN..req.len() - 1]).is_err());
+        let f = udp_frame(&peer(), MAC, US, 7000, &[1, 2, 3]);
+        let ip = &f[ETH_LEN..];
+        assert!(Ipv4Packet::new_checked(ip).is_ok());
+        assert!(
+            Ipv4Packet::new_checked(&ip[..ip.len() - 1]).is_err(),
+            "total length beyond the buffer"
+        );
+        assert!(Ipv4Packet::new_checked(&ip[..IPV4_LEN - 1]).is_err());
+        let udp = &f[ETH_LEN + IPV4_LEN..];
+        assert!(UdpPacket::new_checked(udp).is_ok());
+        assert!(
+            UdpPacket::new_checked(&udp[..udp.len() - 1]).is_err(),
+            "length beyond the buffer"
+        );
+    }
+
+    #[test]
     fn malformed_frames_are_classified() {
         let good = udp_frame(&peer(), MAC, US, 7900, &[0u8; 100]);
         let p = |f: &[u8]| parse(f, &opts());
         assert_eq!(p(&good[..10]), Err(NetDrop::NotIpv4));
         let mut v = good.clone();
-        v[12..14].copy_from_slice(&0x86ddu16.to_be_bytes());
+        views_mut(&mut v).0.set_ethertype(0x86dd);
         assert_eq!(p(&v), Err(NetDrop::NotIpv4));
         let mut v = good.clone();
-        v[14] = 0x65;
+        views_mut(&mut v).1.set_version_and_header_len(6, IPV4_LEN);
         assert_eq!(p(&v), Err(NetDrop::BadIpHeader));
         assert_eq!(p(&good[..30]), Err(NetDrop::BadIpHeader));
         let mut v = good.clone();
-        v[24] ^= 0xff;
+        let mut ip = views_mut(&mut v).1;
+        ip.set_checksum(ip.checksum() ^ 0xff00);
         assert_eq!(p(&v), Err(NetDrop::BadIpChecksum));
         let mut v = good.clone();
-        v[20] |= 0x20; // more fragments
-        let c = ip_checksum(&{
-            let mut h = v[14..34].to_vec();
-            h[10] = 0;
-            h[11] = 0;
-            h
+        change_ip(&mut v, |ip| {
+            ip.set_flags_and_offset(ip.flags_and_offset() | ipv4::MORE_FRAGMENTS)
         });
-        v[24..26].copy_from_slice(&c.to_be_bytes());
         assert_eq!(p(&v), Err(NetDrop::IpFragment));
         let other = parse(
             &good,
@@ -635,17 +1339,13 @@ mod tests {
         );
         assert_eq!(other, Err(NetDrop::NotOurAddress));
         let mut v = good.clone();
-        v[23] = 6;
-        let mut h = v[14..34].to_vec();
-        h[10] = 0;
-        h[11] = 0;
-        v[24..26].copy_from_slice(&ip_checksum(&h).to_be_bytes());
+        change_ip(&mut v, |ip| ip.set_protocol(6));
         assert_eq!(p(&v), Err(NetDrop::NotUdp));
         let mut v = good.clone();
-        v[38..40].copy_from_slice(&500u16.to_be_bytes());
+        views_mut(&mut v).2.set_len(500);
         assert_eq!(p(&v), Err(NetDrop::BadUdpLength));
         let mut v = good;
-        v[38..40].copy_from_slice(&3u16.to_be_bytes());
+        views_mut(&mut v).2.set_len(3);
         assert_eq!(p(&v), Err(NetDrop::BadUdpLength));
     }
 
@@ -654,13 +1354,15 @@ mod tests {
         let mut f = arp_request(&peer(), US);
         assert_eq!(parse(&f, &opts()), Ok(Frame::ArpRequest));
         arp_reply_in_place(&mut f, MAC, US);
-        assert_eq!(&f[0..6], &peer().mac);
-        assert_eq!(&f[6..12], &MAC);
-        assert_eq!(be16(&f, 20), 2);
-        assert_eq!(&f[22..28], &MAC);
-        assert_eq!(&f[28..32], &US.octets());
-        assert_eq!(&f[32..38], &peer().mac);
-        assert_eq!(&f[38..42], &peer().ip.octets());
+        let eth = EthernetFrame::new_checked(&f[..]).unwrap();
+        assert_eq!(eth.dst_addr(), peer().mac);
+        assert_eq!(eth.src_addr(), MAC);
+        let a = ArpPacket::new_checked(eth.payload()).unwrap();
+        assert_eq!(a.operation(), 2);
+        assert_eq!(a.sender_mac(), MAC);
+        assert_eq!(a.sender_ip(), US);
+        assert_eq!(a.target_mac(), peer().mac);
+        assert_eq!(a.target_ip(), peer().ip);
         let other = arp_request(&peer(), Ipv4Addr::new(10, 9, 0, 7));
         assert_eq!(parse(&other, &opts()), Err(NetDrop::ArpNotForUs));
         assert_eq!(
@@ -679,9 +1381,11 @@ mod tests {
         let full = udp_checksum(from.ip, US, &f[udp..]);
         // Against RFC 768's definition, one 16-bit word at a time: the sum
         // over pseudo-header and datagram, field included, is all ones.
-        f[udp + 6..udp + 8].copy_from_slice(&full.to_be_bytes());
+        views_mut(&mut f).2.set_checksum(full);
+        let (_, ip, u) = views(&f);
+        let addresses = [ip.src_addr().octets(), ip.dst_addr().octets()].concat();
         let mut words: u32 = 17 + (f.len() - udp) as u32;
-        for c in f[26..34].chunks(2).chain(f[udp..].chunks(2)) {
+        for c in addresses.chunks(2).chain(u.datagram().chunks(2)) {
             words += u32::from(u16::from_be_bytes([c[0], c.get(1).copied().unwrap_or(0)]));
         }
         while words >> 16 != 0 {
@@ -704,12 +1408,13 @@ mod tests {
         assert!(parse(&bad, &trusting).is_ok(), "the NIC checked it");
         // The checksum field itself wrong.
         let mut bad_field = f.clone();
-        bad_field[udp + 6] ^= 0x01;
+        let mut u = views_mut(&mut bad_field).2;
+        u.set_checksum(u.checksum() ^ 0x0100);
         assert_eq!(parse(&bad_field, &opts()), Err(NetDrop::BadUdpChecksum));
 
         // No checksum (0) passes, even over a flipped bit.
         let mut none = bad.clone();
-        none[udp + 6..udp + 8].copy_from_slice(&[0, 0]);
+        views_mut(&mut none).2.set_checksum(0);
         assert!(parse(&none, &opts()).is_ok());
 
         // Left partial (CHECKSUM_PARTIAL over a veth): the field holds the
@@ -726,7 +1431,7 @@ mod tests {
             9999,
             &[0x5a; 1024],
         );
-        partial[udp + 6..udp + 8].copy_from_slice(&0x19eau16.to_be_bytes());
+        views_mut(&mut partial).2.set_checksum(0x19ea);
         let them = ParseOptions {
             ip: Ipv4Addr::new(10, 231, 0, 1),
             ..opts()
@@ -735,15 +1440,17 @@ mod tests {
             parse(&partial, &them).is_ok(),
             "a partial checksum passes unverified"
         );
-        partial[udp + 7] ^= 0x01;
+        let mut u = views_mut(&mut partial).2;
+        u.set_checksum(u.checksum() ^ 0x0001);
         assert_eq!(parse(&partial, &them), Err(NetDrop::BadUdpChecksum));
 
         // A sum of 0 is sent as 0xffff, which verifies.
         let (a, b) = (Ipv4Addr::new(0, 0, 0, 0), Ipv4Addr::new(0, 0, 0, 0));
-        let mut zero = [0u8; 8];
-        zero[4..6].copy_from_slice(&8u16.to_be_bytes());
+        let mut zero = [0u8; UDP_LEN];
+        let mut u = UdpPacket::new_unchecked(&mut zero[..]);
+        u.set_len(8);
         // pseudo 17 + 8, header length 8: 33; make the port field cancel it.
-        zero[0..2].copy_from_slice(&(0xffffu16 - 33).to_be_bytes());
+        u.set_src_port(0xffff - 33);
         assert_eq!(udp_checksum(a, b, &zero), 0xffff);
     }
 
@@ -752,6 +1459,8 @@ mod tests {
         // Header and values summed once, then each destination's headers:
         // the same field as summing the whole datagram, and it verifies.
         let head: Vec<u8> = (0..86u32).map(|i| (i * 3 + 1) as u8).collect();
+        // Everything before the UDP checksum.
+        let sum_at = ETH_LEN + IPV4_LEN + udp::field::CHECKSUM.start;
         for n in [0usize, 1, 2, 63, 64, 65, 255, 256, 257, 1000, 8191, 8192] {
             let vals: Vec<u8> = (0..n as u32).map(|i| (i * 11 + 5) as u8).collect();
             // The copy that sums on the way: the same sum, the same bytes
@@ -789,12 +1498,12 @@ mod tests {
                 common.write(&mut h, &to);
                 let w = udp_frame(&me, to.mac, to.ip, to.port, &payload);
                 assert_eq!(
-                    h[..40],
-                    w[..40],
+                    h[..sum_at],
+                    w[..sum_at],
                     "{n} bytes: the headers write_udp_headers writes"
                 );
                 assert!(ip_checksum_verifies(&h));
-                let field = u16::from_be_bytes([h[40], h[41]]);
+                let field = views(&h).2.checksum();
                 assert_eq!(
                     field,
                     udp_checksum(me.ip, to.ip, &w[ETH_LEN + IPV4_LEN..]),
@@ -809,8 +1518,8 @@ mod tests {
                     port: 7000,
                 },
             );
-            assert_eq!(h[..40], whole[..40]);
-            let field = u16::from_be_bytes([h[40], h[41]]);
+            assert_eq!(h[..sum_at], whole[..sum_at]);
+            let field = views(&h).2.checksum();
             assert_eq!(
                 field,
                 udp_checksum(peer().ip, US, &whole[ETH_LEN + IPV4_LEN..]),
@@ -833,12 +1542,12 @@ mod tests {
         let mut f = checksummed(&[0x5au8; 300]);
         let udp = ETH_LEN + IPV4_LEN;
         for new in [[0u8, 0, 0, 0], [0xff; 4], [1, 2, 3, 4], [0xa5, 0x5a, 0, 0xff]] {
-            let at = udp + 8 + 20;
+            let at = L2_L4_LEN + 20;
             let old: [u8; 4] = f[at..at + 4].try_into().unwrap();
             f[at..at + 4].copy_from_slice(&new);
-            let field = udp_checksum_update(be16(&f, udp + 6), &old, &new);
+            let field = udp_checksum_update(views(&f).2.checksum(), &old, &new);
             assert_eq!(field, udp_checksum(peer().ip, US, &f[udp..]), "{new:?}");
-            f[udp + 6..udp + 8].copy_from_slice(&field.to_be_bytes());
+            views_mut(&mut f).2.set_checksum(field);
             assert!(parse(&f, &opts()).is_ok());
         }
         assert_eq!(udp_checksum_update(0, &[1, 2], &[3, 4]), 0, "none stays none");
@@ -860,7 +1569,8 @@ mod tests {
         let mut bad = f.clone();
         bad[100] ^= 1;
         assert!(ip_checksum_verifies(&bad) && !udp_checksum_verifies(&bad, &payload));
-        bad[24] ^= 1;
+        let mut ip = views_mut(&mut bad).1;
+        ip.set_checksum(ip.checksum() ^ 0x0100);
         assert!(!ip_checksum_verifies(&bad));
     }
 
@@ -902,7 +1612,8 @@ mod tests {
     #[test]
     fn checksum_of_a_written_header_verifies() {
         let f = udp_frame(&peer(), MAC, US, 7900, &[0u8; 8000]);
-        assert_eq!(ip_checksum(&f[14..34]), 0);
-        assert_eq!(be16(&f, 16), 20 + 8 + 8000);
+        let ip = views(&f).1;
+        assert_eq!(ip_checksum(ip.header()), 0);
+        assert_eq!(ip.total_len(), 20 + 8 + 8000);
     }
 }
