@@ -128,7 +128,11 @@ fn a_round_completes_once_and_reaches_every_rank() {
     assert_eq!(out[0].2, vec![3., 3., 3., 6.]);
     let c = s.counters();
     assert_eq!(c.rounds_completed.get(), 2);
-    assert_eq!(c.results_resent.get(), 2);
+    // One result resent (rank 1's INIT), one PULL answered: each counted
+    // under its own counter.
+    assert_eq!(c.results_resent.get(), 1);
+    assert_eq!(c.pulls_answered.get(), 1);
+    assert_eq!(c.results_sent.get(), 2 + 2 + 1 + 1);
     assert_eq!(c.drops_of(DropReason::Duplicate), 1);
 }
 
