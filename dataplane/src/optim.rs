@@ -5,7 +5,10 @@
 //! all-reduce jobs). Every pass reads and writes each buffer once. The
 //! arithmetic is plain `f32` without fused multiply-add, so every build and
 //! instruction set gives bit-identical results; the reference in the tests
-//! is the same formula in `f64`.
+//! is the same formula in `f64`. PROTOCOL.md §5.6 states these passes
+//! operation by operation for workers written elsewhere;
+//! dataplane/tests/protocol_optimizers.rs checks it against them bit for
+//! bit.
 
 use phub_proto::spec::Optimizer;
 
@@ -144,9 +147,9 @@ fn adam(
     wd: f32,
     decoupled: f32,
 ) {
-    let t = t.max(1) as i32;
-    let c1 = 1.0 / (1.0 - beta1.powi(t));
-    let c2 = 1.0 / (1.0 - beta2.powi(t));
+    let t = t.max(1);
+    let c1 = 1.0 / (1.0 - pow(beta1, t));
+    let c2 = 1.0 / (1.0 - pow(beta2, t));
     let (d1, d2) = (1.0 - beta1, 1.0 - beta2);
     let keep = 1.0 - decoupled;
     for (((w, m), v), a) in b
@@ -163,6 +166,27 @@ fn adam(
         let mhat = *m * c1;
         let vhat = *v * c2;
         *w = wt - lr * mhat / (vhat.sqrt() + eps);
+    }
+}
+
+/// `x` to the power `e` in `f32`, by square-and-multiply from the lowest
+/// bit of `e` up, each product rounded (PROTOCOL.md §5.6 spells out the
+/// same loop, so a worker in another language can compute Adam's bias
+/// corrections bit for bit). For `e` below 2^31 this is what `f32::powi`
+/// computes on x86-64 (compiler-builtins' `__powisf2`, a unit test checks
+/// it), but `powi`'s precision is unspecified and its exponent an `i32`,
+/// which rounds from 2^31 on would turn negative.
+fn pow(mut x: f32, mut e: u32) -> f32 {
+    let mut p = 1.0f32;
+    loop {
+        if e & 1 == 1 {
+            p *= x;
+        }
+        e >>= 1;
+        if e == 0 {
+            return p;
+        }
+        x *= x;
     }
 }
 
@@ -337,5 +361,29 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn pow_is_square_and_multiply_as_powi_computes_it() {
+        use std::hint::black_box;
+        // black_box: a constant-folded powi is computed differently.
+        let powi = |x: f32, e: u32| black_box(x).powi(black_box(e as i32));
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(11);
+        for _ in 0..20_000 {
+            let x: f32 = rng.gen_range(0.0..1.0);
+            let e: u32 = rng.gen_range(1..50_000);
+            assert_eq!(pow(x, e).to_bits(), powi(x, e).to_bits(), "{x}^{e}");
+        }
+        for e in 1..2000 {
+            for x in [0.5f32, 0.75, 0.9, 0.99, 0.999] {
+                assert_eq!(pow(x, e).to_bits(), powi(x, e).to_bits(), "{x}^{e}");
+            }
+        }
+        // Not the running product: 0.9^7 differs.
+        let running = (0..7).fold(1.0f32, |p, _| p * black_box(0.9f32));
+        assert_ne!(pow(0.9, 7).to_bits(), running.to_bits());
+        // Rounds a u32 holds and an i32 does not.
+        assert_eq!(pow(0.9, u32::MAX - 1), 0.0);
+        assert_eq!(pow(0.9, 0), 1.0);
     }
 }

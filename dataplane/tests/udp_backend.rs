@@ -13,7 +13,7 @@ use phub_proto::api::InstallJob;
 use phub_proto::layout::layout;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::JobSpec;
-use phub_proto::wire::{self, flags, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
 fn config() -> Config {
@@ -267,5 +267,103 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
     for (_, p) in staging.iter().chain(&results) {
         assert!(!p.exists(), "{} removed with the job", p.display());
     }
+    app.shutdown();
+}
+
+/// PROTOCOL.md §1 and §7: the destination port decides the lcore. A message
+/// sent to another lcore's port is that lcore's to judge: refused with an
+/// ERROR to its source (`chunk_mismatch` where that lcore has a slot of that
+/// number, `slot_out_of_range` where it has none of the job), never
+/// aggregated, and not `misrouted` (the kernel delivered it to the socket
+/// of its port). Sent again to the right port, it counts.
+#[test]
+fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
+    let app = Appliance::start(&config()).unwrap();
+    let base = app.data_addr();
+    let port = |lcore: u16| std::net::SocketAddrV4::new(*base.ip(), base.port() + lcore);
+    // Job 6: chunk 0 (16 elements) on lcore 0, chunk 1 (8) on lcore 1.
+    // Job 7: one chunk of 16, on lcore 0 alone.
+    for (id, elements, slots) in [(6u16, 24, [1, 1]), (7, 16, [1, 0])] {
+        let spec = JobSpec::from_toml(&format!(
+            "name = \"t\"\nworkers = 1\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = {elements}\n"
+        ))
+        .unwrap();
+        let lay = layout(&spec, &mut [0, 0]);
+        assert_eq!(lay.lcores.iter().map(Vec::len).collect::<Vec<_>>(), slots);
+        assert_eq!(lay.keys[0][0].lcore, 0);
+        app.manager()
+            .install(
+                id,
+                InstallJob {
+                    id,
+                    token: 0x77,
+                    spec,
+                    layout: lay,
+                },
+            )
+            .unwrap();
+    }
+    let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let vals = [1.5f32; 16];
+    // Rank 0's INIT of chunk 0 (lcore 0, slot 0).
+    let init = |job: u16| {
+        let repr = Repr {
+            kind: MsgType::Init,
+            dtype: Dtype::F32,
+            flags: 0,
+            token: 0x77,
+            job,
+            rank: 0,
+            count: 16,
+            error: 0,
+            round: 0,
+            slot: 0,
+            key: 0,
+            chunk: 0,
+        };
+        let mut b = vec![0u8; HEADER_LEN + 64];
+        repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+        kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
+        (repr, b)
+    };
+    let answer = |s: &UdpSocket| {
+        let mut buf = [0u8; 9000];
+        let n = s.recv(&mut buf).unwrap();
+        let (r, payload) = wire::parse(&buf[..n]).unwrap();
+        let mut v = vec![0f32; payload.len() / 4];
+        kernels::decode(Dtype::F32, payload, &mut v);
+        (r, v)
+    };
+    // Chunk 0 of job 6 lives at lcore 0, slot 0; lcore 1's slot 0 holds
+    // chunk 1. Job 7 has no slot on lcore 1.
+    for (job, reason) in [(6, DropReason::ChunkMismatch), (7, DropReason::SlotOutOfRange)] {
+        let (repr, b) = init(job);
+        s.send_to(&b, port(1)).unwrap();
+        let (e, _) = answer(&s);
+        assert_eq!(
+            e,
+            Repr {
+                kind: MsgType::Error,
+                count: 0,
+                error: reason.code(),
+                ..repr
+            },
+            "job {job}: the refused header echoed, with the reason"
+        );
+        s.send_to(&b, port(0)).unwrap();
+        let (r, v) = answer(&s);
+        assert_eq!((r.kind, r.job, r.round, r.chunk), (MsgType::Result, job, 0, 0));
+        assert_eq!(v, vals);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let stats = app.manager().stats();
+    let l1 = &stats.lcores[1];
+    for r in [DropReason::ChunkMismatch, DropReason::SlotOutOfRange] {
+        assert_eq!(l1.drops.get(r.name()).copied(), Some(1), "{r} on lcore 1");
+    }
+    assert_eq!((l1.pushes_aggregated, l1.errors_sent), (0, 2));
+    assert_eq!(stats.lcores[0].rounds_completed, 2);
+    assert!(stats.lcores.iter().all(|l| l.misrouted == 0));
     app.shutdown();
 }

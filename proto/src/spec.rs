@@ -85,8 +85,10 @@ pub struct KeySpec {
 
 /// The per-chunk update the appliance runs once a round is complete.
 ///
-/// `g` below is the mean of the W workers' gradients (their sum over W);
-/// `t` is the round number (1 for the first update).
+/// `g` below is the mean of the W workers' gradients (their sum times
+/// `1 / W`); `t` is the round number (1 for the first update). The formulas
+/// here are the textbook forms; PROTOCOL.md §5.6 gives the exact `f32`
+/// operations the appliance carries out.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "kind", rename_all = "lowercase", deny_unknown_fields)]
 pub enum Optimizer {
@@ -126,7 +128,8 @@ pub enum Optimizer {
         #[serde(default)]
         weight_decay: f32,
     },
-    /// Adam with bias correction and L2 weight decay folded into `g`.
+    /// Adam with bias correction (multiplying by `1 / (1 - beta^t)`) and L2
+    /// weight decay folded into `g`.
     Adam {
         /// Learning rate, > 0.
         lr: f32,
@@ -143,7 +146,7 @@ pub enum Optimizer {
         #[serde(default)]
         weight_decay: f32,
     },
-    /// AdamW: Adam with decoupled weight decay, `w -= lr * wd * w` first.
+    /// AdamW: Adam with decoupled weight decay, `w *= 1 - lr * wd` first.
     Adamw {
         /// Learning rate, > 0.
         lr: f32,

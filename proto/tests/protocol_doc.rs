@@ -1,11 +1,16 @@
 //! Checks `PROTOCOL.md` against the code it documents: the header field table
 //! (offsets and sizes from [`phub_proto::wire::field`]), the message-type,
 //! dtype and drop-reason tables (every code listed, none extra), the size
-//! constants, and the hex example (byte for byte what [`Repr::to_bytes`]
-//! emits for the values the example states).
+//! constants, the join response's JSON (§4: what [`JoinResponse`]
+//! serialises to, its layout what [`layout`] computes), and the hex example
+//! (byte for byte what [`Repr::to_bytes`] emits for the values the example
+//! states). §5.6's optimizer formulas and worked examples need the engine:
+//! dataplane/tests/protocol_optimizers.rs checks them.
 
 use std::ops::Range;
 
+use phub_proto::api::JoinResponse;
+use phub_proto::layout::layout;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
 
@@ -225,4 +230,31 @@ fn hex_example_is_what_repr_emits() {
     assert_eq!(back, repr);
     assert_eq!(payload.len(), 8192);
     assert!(d.contains(&format!("= {} bytes", datagram.len())));
+}
+
+#[test]
+fn join_response_json_is_what_the_api_sends() {
+    let d = doc();
+    let blocks: Vec<&str> = d
+        .split("```json join-response\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(blocks.len(), 1, "exactly one ```json join-response block");
+    let stated: serde_json::Value = serde_json::from_str(blocks[0]).unwrap();
+    // The API's type reads it, and writes back exactly the same fields and
+    // numbers (an `f32` as the shortest decimal that reads back as it).
+    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
+    let sent = serde_json::to_string(&r).unwrap();
+    assert!(sent.contains(r#""lr":0.1,"#), "{sent}");
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
+    r.spec.validate().unwrap();
+    // The layout is the one placement gives on the two lcores the text names.
+    assert!(d.contains("on an appliance with two lcores"));
+    assert_eq!(r.layout, layout(&r.spec, &mut [0, 0]));
+    // What the text says of it.
+    assert!(d.contains(&format!("a job of W = {} with two keys of", r.spec.workers)));
+    let elems: Vec<u64> = r.spec.keys.iter().map(|k| k.elements).collect();
+    assert!(d.contains(&format!("keys of {} and {}", elems[0], elems[1])));
+    assert!(d.contains(&format!("chunks of {} bytes", r.spec.chunk_bytes)));
 }
