@@ -13,7 +13,6 @@ use std::time::{Duration, Instant};
 use common::{expected_sum, grad, init, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
 use phub::proto::wire::{MsgType, Repr, HEADER_LEN, VERSION};
-use phub::proto::Dtype;
 use phub_worker::Worker;
 
 const FLOOD: u64 = 1_000_000;
@@ -69,20 +68,7 @@ fn a_million_bad_datagrams_during_training() {
     let kernel_before = kernel_drops(&ports);
 
     // Each kind of bad datagram, and the reason it must be counted under.
-    let valid = Repr {
-        kind: MsgType::Push,
-        dtype: Dtype::F32,
-        flags: 0,
-        token: job.token,
-        job: job.id,
-        rank: 0,
-        count: 0,
-        error: 0,
-        round: 1,
-        slot: 0,
-        key: 0,
-        chunk: 0,
-    };
+    let valid = Repr::request(MsgType::Push, job.id, job.token, 0, 1, 0);
     let kinds: Vec<(&str, Vec<u8>)> = vec![
         ("truncated", valid.to_bytes()[..HEADER_LEN / 2].to_vec()),
         ("bad_magic", {

@@ -246,24 +246,21 @@ fn run(case: &Case) {
                 .map(|e| grad(w.rank, k, start + e, w.round))
                 .collect()
         };
-        let repr = Repr {
-            kind: if w.round == 0 {
+        let repr = Repr::request(
+            if w.round == 0 {
                 MsgType::Init
             } else {
                 MsgType::Push
             },
-            dtype: case.dtype,
-            flags: if retransmit { flags::RETRANSMIT } else { 0 },
-            token: TOKEN,
-            job: JOB,
-            rank: w.rank,
-            count: count as u16,
-            error: 0,
-            round: w.round,
-            slot: place.slot,
-            key: k as u32,
-            chunk: c,
-        };
+            JOB,
+            TOKEN,
+            w.rank,
+            w.round,
+            place.slot,
+        )
+        .with_payload(case.dtype, count as u16)
+        .with_chunk(k as u32, c)
+        .with_flags(if retransmit { flags::RETRANSMIT } else { 0 });
         let mut b = vec![0u8; HEADER_LEN + values.len() * case.dtype.size()];
         repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
         kernels::encode(case.dtype, &values, &mut b[HEADER_LEN..]);

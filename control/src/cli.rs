@@ -343,7 +343,7 @@ impl Ctl {
                 let body = r.into_string().unwrap_or_default();
                 Err(CliError::Api(match serde_json::from_str::<ApiError>(&body) {
                     Ok(e) => e.error,
-                    Err(_) => format!("HTTP {code} from {url}: {}", body.trim()),
+                    Err(_) => format!("HTTP {code} from {url}: {}", ApiError::message_of(&body)),
                 }))
             }
             Err(ureq::Error::Transport(t)) => {

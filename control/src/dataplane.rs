@@ -85,11 +85,7 @@ impl Client {
             Ok(r) => Ok(r),
             Err(ureq::Error::Status(status, r)) => {
                 let body = r.into_string().unwrap_or_default();
-                let message = match serde_json::from_str::<ApiError>(&body) {
-                    Ok(e) => e.error,
-                    Err(_) if body.trim().is_empty() => "no message".to_string(),
-                    Err(_) => body.trim().chars().take(500).collect(),
-                };
+                let message = ApiError::message_of(&body);
                 Err(DataplaneError::Refused {
                     what: format!("{method} {path}"),
                     status,

@@ -221,46 +221,9 @@ impl Kernels {
     }
 }
 
-/// `f32` -> wire bytes: round to nearest, ties to even, for bf16 and f16;
-/// a NaN stays a NaN (quieted), infinities stay infinite, values beyond the
-/// f16 range become infinities.
-///
-/// # Panics
-/// If `dst.len() != src.len() * dtype.size()`.
-pub fn encode(dtype: Dtype, src: &[f32], dst: &mut [u8]) {
-    assert!(
-        src.len().checked_mul(dtype.size()) == Some(dst.len()),
-        "encode length mismatch: {} destination bytes for {} {} elements",
-        dst.len(),
-        src.len(),
-        dtype.name()
-    );
-    match dtype {
-        Dtype::F32 => {
-            for (x, d) in src.iter().zip(dst.chunks_exact_mut(4)) {
-                d.copy_from_slice(&x.to_le_bytes());
-            }
-        }
-        Dtype::Bf16 => {
-            for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
-                d.copy_from_slice(&half::bf16::from_f32(*x).to_bits().to_le_bytes());
-            }
-        }
-        Dtype::F16 => {
-            for (x, d) in src.iter().zip(dst.chunks_exact_mut(2)) {
-                d.copy_from_slice(&half::f16::from_f32(*x).to_bits().to_le_bytes());
-            }
-        }
-    }
-}
-
-/// Wire bytes -> `f32` (the scalar reference; exact for every dtype).
-///
-/// # Panics
-/// If `src.len() != dst.len() * dtype.size()`.
-pub fn decode(dtype: Dtype, src: &[u8], dst: &mut [f32]) {
-    Kernels::scalar().copy(dtype, dst, src);
-}
+/// The codec between `f32` and wire elements is phub-proto's (the worker
+/// library's too); the kernels' tests check it against the scalar kernels.
+pub use phub_proto::dtype::{decode, encode};
 
 /// The scalar reference kernels.
 mod scalar {

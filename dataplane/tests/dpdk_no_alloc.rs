@@ -99,20 +99,15 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
                 .map(|rank| {
                     let carries = round > 0 || rank == 0;
                     let n = if carries { N } else { 0 };
-                    let repr = Repr {
-                        kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                        dtype: Dtype::F32,
-                        flags: 0,
-                        token: 5,
-                        job: 3,
+                    let repr = Repr::request(
+                        if round == 0 { MsgType::Init } else { MsgType::Push },
+                        3,
+                        5,
                         rank,
-                        count: n as u16,
-                        error: 0,
                         round,
-                        slot: 0,
-                        key: 0,
-                        chunk: 0,
-                    };
+                        0,
+                    )
+                    .with_payload(Dtype::F32, n as u16);
                     let mut b = vec![0u8; HEADER_LEN + 4 * n];
                     repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
                     kernels::encode(Dtype::F32, &vals[..n], &mut b[HEADER_LEN..]);

@@ -223,20 +223,16 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
                 let vals: Vec<f32> = (0..if carries { elems } else { 0 })
                     .map(|e| (usize::from(rank) * 10 + e + round as usize) as f32)
                     .collect();
-                let repr = Repr {
-                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                    dtype: Dtype::F32,
-                    flags: 0,
-                    token: 99,
-                    job: 3,
+                let repr = Repr::request(
+                    if round == 0 { MsgType::Init } else { MsgType::Push },
+                    3,
+                    99,
                     rank,
-                    count: vals.len() as u16,
-                    error: 0,
                     round,
-                    slot: place.slot,
-                    key: 0,
-                    chunk: c as u32,
-                };
+                    place.slot,
+                )
+                .with_payload(Dtype::F32, vals.len() as u16)
+                .with_chunk(0, c as u32);
                 let f = to_port(push_frame(rank, &repr, &vals), BASE + place.lcore);
                 // Rank 2's pushes land on the other lcore's queue: the
                 // dataplane must hand them over.
@@ -296,20 +292,9 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     let place = lay.keys[0][0];
     let elems = lay.chunk_len(1000, 0) as usize;
     let vals: Vec<f32> = (0..elems).map(|e| (e + 3) as f32).collect();
-    let repr = Repr {
-        kind: MsgType::Push,
-        dtype: Dtype::F32,
-        flags: wire::flags::RETRANSMIT,
-        token: 99,
-        job: 3,
-        rank: 0,
-        count: elems as u16,
-        error: 0,
-        round: 3,
-        slot: place.slot,
-        key: 0,
-        chunk: 0,
-    };
+    let repr = Repr::request(MsgType::Push, 3, 99, 0, 3, place.slot)
+        .with_payload(Dtype::F32, elems as u16)
+        .with_flags(wire::flags::RETRANSMIT);
     rig.inject(
         usize::from(place.lcore),
         &to_port(push_frame(0, &repr, &vals), BASE + place.lcore),

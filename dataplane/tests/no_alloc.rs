@@ -58,20 +58,16 @@ fn handling_and_draining_allocates_nothing() {
                 let carries = round > 0 || rank == 0;
                 let count = if carries { N } else { 0 };
                 let rank_shm = shm && rank % 2 == 0;
-                let repr = Repr {
-                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                    dtype,
-                    flags: if rank_shm { flags::SHM } else { 0 },
-                    token: 5,
-                    job: 3,
+                let repr = Repr::request(
+                    if round == 0 { MsgType::Init } else { MsgType::Push },
+                    3,
+                    5,
                     rank,
-                    count: count as u16,
-                    error: 0,
                     round,
-                    slot: 0,
-                    key: 0,
-                    chunk: 0,
-                };
+                    0,
+                )
+                .with_payload(dtype, count as u16)
+                .with_flags(if rank_shm { flags::SHM } else { 0 });
                 let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
                 repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
                 if !rank_shm {

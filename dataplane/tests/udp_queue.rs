@@ -81,20 +81,17 @@ fn results_to_one_worker(shm: bool) {
             let vals: Vec<f32> = (0..n)
                 .map(|e| (slot as usize * 1000 + e) as f32 + round as f32)
                 .collect();
-            let repr = Repr {
-                kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                dtype: Dtype::F32,
-                flags: if shm { wire::flags::SHM } else { 0 },
-                token: 99,
-                job: 9,
-                rank: 0,
-                count: n as u16,
-                error: 0,
+            let repr = Repr::request(
+                if round == 0 { MsgType::Init } else { MsgType::Push },
+                9,
+                99,
+                0,
                 round,
                 slot,
-                key: 0,
-                chunk: slot,
-            };
+            )
+            .with_payload(Dtype::F32, n as u16)
+            .with_chunk(0, slot)
+            .with_flags(if shm { wire::flags::SHM } else { 0 });
             let mut bytes = vec![0u8; 4 * n];
             phub_dataplane::kernels::encode(Dtype::F32, &vals, &mut bytes);
             let mut b = repr.to_bytes().to_vec();

@@ -53,20 +53,7 @@ pub struct BlastReport {
 /// A PUSH for job `job` (installed or not) with `payload` bytes of zeros
 /// and a token nobody holds.
 pub fn push_datagram(job: u16, payload: usize) -> Vec<u8> {
-    let repr = Repr {
-        kind: MsgType::Push,
-        dtype: Dtype::F32,
-        flags: 0,
-        token: 1,
-        job,
-        rank: 0,
-        count: (payload / 4) as u16,
-        error: 0,
-        round: 1,
-        slot: 0,
-        key: 0,
-        chunk: 0,
-    };
+    let repr = Repr::request(MsgType::Push, job, 1, 0, 1, 0).with_payload(Dtype::F32, (payload / 4) as u16);
     let mut b = vec![0u8; HEADER_LEN + payload];
     b[..HEADER_LEN].copy_from_slice(&repr.to_bytes());
     b

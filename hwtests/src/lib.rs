@@ -24,6 +24,7 @@ use std::path::PathBuf;
 pub mod agent;
 pub mod lab;
 pub mod launch;
+pub mod process;
 pub mod rack;
 pub mod running;
 pub mod scenarios;

@@ -14,7 +14,6 @@ use std::time::{Duration, Instant};
 
 use phub_proto::api::{AdmitResponse, DataplaneStats, JobDetail, JobMap, JoinRequest, JoinResponse};
 use phub_proto::wire::{MsgType, Repr};
-use phub_proto::Dtype;
 use phub_worker::{FaultSpec, Worker, WorkerConfig, WorkerError, WorkerStats};
 
 use crate::workload::{admit, expected, grad, init_values, sgd_reference, sgd_spec, sum_spec, train};
@@ -625,20 +624,8 @@ pub fn tenant_isolation(app: &Appliance) {
                 let values = vec![forged; len as usize];
                 for token in [0, attacker.token, victim.token ^ 1] {
                     for rank in 0..2u16 {
-                        let h = Repr {
-                            kind: MsgType::Push,
-                            dtype: Dtype::F32,
-                            flags: 0,
-                            token,
-                            job: victim.id,
-                            rank,
-                            count: 0,
-                            error: 0,
-                            round: TRAINED + 1,
-                            slot: place.slot,
-                            key: km.key,
-                            chunk: c as u32,
-                        };
+                        let h = Repr::request(MsgType::Push, victim.id, token, rank, TRAINED + 1, place.slot)
+                            .with_chunk(km.key, c as u32);
                         let init = Repr {
                             kind: MsgType::Init,
                             round: 0,
@@ -672,20 +659,8 @@ pub fn tenant_isolation(app: &Appliance) {
             }
             for slot in [slots.len() as u32, slots.len() as u32 + 1, 1 << 20, u32::MAX] {
                 for km in &map.keys {
-                    let h = Repr {
-                        kind: MsgType::Push,
-                        dtype: Dtype::F32,
-                        flags: 0,
-                        token: attacker.token,
-                        job: attacker.id,
-                        rank: 0,
-                        count: 0,
-                        error: 0,
-                        round: 1,
-                        slot,
-                        key: km.key,
-                        chunk: 0,
-                    };
+                    let h = Repr::request(MsgType::Push, attacker.id, attacker.token, 0, 1, slot)
+                        .with_chunk(km.key, 0);
                     own.send_to(&datagram(h, &[forged; 100]), (host, port(lcore as u16)))
                         .unwrap();
                     out_of_range += 1;

@@ -8,7 +8,9 @@
 use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::process;
 
 /// The appliance's address on the veth link (exists only in the namespace).
 pub const APPLIANCE_IP: &str = "10.77.0.1";
@@ -97,44 +99,17 @@ pub fn unavailable() -> Option<String> {
     None
 }
 
+/// Waits up to 30 s for `what`'s API at `url`; panics saying why it did not
+/// come up.
 pub(crate) fn wait_http(url: &str, child: &mut Child, what: &str) {
-    let t = Instant::now();
-    while ureq::get(url).timeout(Duration::from_millis(300)).call().is_err() {
-        if let Ok(Some(s)) = child.try_wait() {
-            panic!("{what} exited early: {s}");
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(30),
-            "{what} did not come up at {url}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
+    if let Err(e) = process::wait_http(url, child, Duration::from_secs(30), || false) {
+        panic!("{what} at {url} {e}");
     }
-}
-
-/// Stops `child`: SIGTERM, up to `grace` for it to exit, then SIGKILL.
-/// Returns its exit status, or `None` when it had to be killed (or could
-/// not be reaped).
-pub fn terminate(child: &mut Child, grace: Duration) -> Option<std::process::ExitStatus> {
-    if let Ok(Some(s)) = child.try_wait() {
-        return Some(s);
-    }
-    // SAFETY: kill(2) on our own child, not yet reaped; no memory is involved.
-    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
-    let t = Instant::now();
-    while t.elapsed() < grace {
-        if let Ok(Some(s)) = child.try_wait() {
-            return Some(s);
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    let _ = child.kill();
-    let _ = child.wait();
-    None
 }
 
 /// [`terminate`] with the rack's grace period (10 s).
 pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
-    terminate(child, Duration::from_secs(10))
+    process::terminate(child, Duration::from_secs(10))
 }
 
 /// The rack: namespace, veth pair, phub-dataplane on DPDK, phub-control.

@@ -175,20 +175,7 @@ pub fn flood(stop: &AtomicBool, ip: &str, base_port: u16, lcores: u16) -> u64 {
     let mut x = 0x1234_5678_9abc_def0u64;
     let mut sent = 0u64;
     let mut buf = [0u8; 1200];
-    let mut h = phub_proto::wire::Repr {
-        kind: phub_proto::wire::MsgType::Push,
-        dtype: phub_proto::Dtype::F32,
-        flags: 0,
-        token: 0,
-        job: 1,
-        rank: 0,
-        count: 0,
-        error: 0,
-        round: 1,
-        slot: 0,
-        key: 0,
-        chunk: 0,
-    };
+    let mut h = phub_proto::wire::Repr::request(phub_proto::wire::MsgType::Push, 1, 0, 0, 1, 0);
     while !stop.load(Ordering::Relaxed) {
         for b in buf.iter_mut() {
             x ^= x << 13;

@@ -70,6 +70,19 @@ pub struct ApiError {
     pub error: String,
 }
 
+impl ApiError {
+    /// The message of an error answer's body: its `error` when the body is
+    /// an [`ApiError`], else the body itself (trimmed, at most 500
+    /// characters), or "(no error message in the answer)" when empty.
+    pub fn message_of(body: &str) -> String {
+        match serde_json::from_str::<ApiError>(body) {
+            Ok(e) => e.error,
+            Err(_) if body.trim().is_empty() => "(no error message in the answer)".to_string(),
+            Err(_) => body.trim().chars().take(500).collect(),
+        }
+    }
+}
+
 /// Answer to a successful admission.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct AdmitResponse {

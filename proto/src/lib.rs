@@ -9,7 +9,7 @@
 pub mod api;
 pub mod checkpoint;
 pub mod counters;
-mod dtype;
+pub mod dtype;
 pub mod fault;
 pub mod layout;
 pub mod shm;

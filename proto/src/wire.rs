@@ -498,6 +498,42 @@ impl Repr {
         usize::from(self.count) * self.dtype.size()
     }
 
+    /// A worker's message of `kind` (INIT, PUSH or PULL) from `rank` of job
+    /// `job` (token `token`), round `round`, for slot `slot`: f32 with no
+    /// elements, key and chunk 0, no flags, no error. The `with_*` methods
+    /// set the rest.
+    pub const fn request(kind: MsgType, job: u16, token: u64, rank: u16, round: u32, slot: u32) -> Repr {
+        Repr {
+            kind,
+            dtype: Dtype::F32,
+            flags: 0,
+            token,
+            job,
+            rank,
+            count: 0,
+            error: 0,
+            round,
+            slot,
+            key: 0,
+            chunk: 0,
+        }
+    }
+
+    /// This header with `count` elements of `dtype`.
+    pub const fn with_payload(self, dtype: Dtype, count: u16) -> Repr {
+        Repr { dtype, count, ..self }
+    }
+
+    /// This header naming chunk `chunk` of key `key`.
+    pub const fn with_chunk(self, key: u32, chunk: u32) -> Repr {
+        Repr { key, chunk, ..self }
+    }
+
+    /// This header with flag bits `flags`.
+    pub const fn with_flags(self, flags: u8) -> Repr {
+        Repr { flags, ..self }
+    }
+
     /// Whether the payload is in shared memory ([`flags::SHM`]).
     pub fn shm(&self) -> bool {
         self.flags & flags::SHM != 0

@@ -2,12 +2,12 @@
 //! phub-control as real processes on free ports, stopped when dropped.
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use phub::proto::api::{AdmitResponse, ApiError};
+use phub_hwtests::process;
 
 pub struct Rack {
     pub dataplane: Option<Child>,
@@ -21,47 +21,21 @@ pub struct Rack {
 
 /// A base port with `n` consecutive free UDP ports on 127.0.0.1.
 pub fn free_udp_ports(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = std::net::UdpSocket::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        if base > 65535 - n {
-            continue;
-        }
-        let ok = (0..n).all(|i| std::net::UdpSocket::bind(("127.0.0.1", base + i)).is_ok());
-        if ok {
-            return base;
-        }
-    }
-    panic!("no {n} consecutive free UDP ports");
+    process::free_udp_ports(n).unwrap()
 }
 
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    process::free_port().unwrap()
 }
 
 fn wait_http(url: &str, child: &mut Child, what: &str) {
-    let t = Instant::now();
-    while ureq::get(url).timeout(Duration::from_millis(300)).call().is_err() {
-        if let Ok(Some(s)) = child.try_wait() {
-            panic!("{what} exited early: {s}");
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "{what} did not come up at {url}"
-        );
-        std::thread::sleep(Duration::from_millis(30));
+    if let Err(e) = process::wait_http(url, child, Duration::from_secs(20), || false) {
+        panic!("{what} at {url} {e}");
     }
 }
 
 fn term(child: &mut Child) {
-    phub_hwtests::virt::terminate(child, Duration::from_secs(5));
+    process::terminate(child, Duration::from_secs(5));
 }
 
 impl Rack {
@@ -160,7 +134,7 @@ impl Rack {
         let req = ureq::post(&format!("{}/v1/jobs", self.control_url)).set("Authorization", &self.bearer());
         match req.send_string(spec) {
             Ok(r) => Ok(r.into_json().unwrap()),
-            Err(ureq::Error::Status(code, r)) => Err((code, r.into_json::<ApiError>().unwrap().error)),
+            Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
             Err(e) => panic!("admission: {e}"),
         }
     }

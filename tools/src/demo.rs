@@ -17,7 +17,6 @@
 //! which, and why, on one line.
 
 use std::io::{BufRead, BufReader};
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,6 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use phub_hwtests::process::{self, NotUp};
 use phub_hwtests::virt::{self, Netns};
 use phub_proto::api::{AdmitResponse, ApiError, Stats};
 use phub_worker::Worker;
@@ -316,7 +316,7 @@ impl Daemon {
     fn stop(&mut self) {
         Interrupt::untrack(self.child.id());
         // Ask politely first: both daemons shut down cleanly on SIGTERM.
-        if phub_hwtests::virt::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
+        if phub_hwtests::process::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
             eprintln!("phub-demo: {} did not stop on SIGTERM; killed it", self.name);
         }
     }
@@ -329,30 +329,18 @@ impl Drop for Daemon {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(process::free_port()?)
 }
 
 fn wait_http(url: &str, what: &str, child: &mut Child, log: &Path, limit: Duration) -> Result<()> {
-    let t = Instant::now();
-    loop {
-        if ureq::get(url).timeout(Duration::from_millis(500)).call().is_ok() {
-            return Ok(());
-        }
-        if Interrupt::interrupted() {
-            bail!("interrupted while waiting for {what}");
-        }
-        if let Ok(Some(status)) = child.try_wait() {
+    match process::wait_http(url, child, limit, Interrupt::interrupted) {
+        Ok(()) => Ok(()),
+        Err(NotUp::Cancelled) => bail!("interrupted while waiting for {what}"),
+        Err(e @ NotUp::Exited(_)) => {
             let tail = std::fs::read_to_string(log).unwrap_or_default();
-            bail!("{what} exited ({status}) before it answered; its log:\n{tail}");
+            bail!("{what} {e}; its log:\n{tail}");
         }
-        if t.elapsed() > limit {
-            bail!(
-                "{what} did not answer at {url} within {} s (log: {})",
-                limit.as_secs(),
-                log.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
+        Err(e) => bail!("{what} at {url} {e} (log: {})", log.display()),
     }
 }
 
@@ -656,10 +644,8 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     {
         Ok(r) => r.into_json()?,
         Err(ureq::Error::Status(code, r)) => {
-            let e: ApiError = r.into_json().unwrap_or(ApiError {
-                error: format!("HTTP {code}"),
-            });
-            bail!("admission refused: {}", e.error);
+            let body = r.into_string().unwrap_or_default();
+            bail!("admission refused (HTTP {code}): {}", ApiError::message_of(&body));
         }
         Err(e) => bail!("admission: {e}"),
     };

@@ -74,20 +74,16 @@ pub(crate) fn from(rank: u16) -> PeerAddr {
 
 /// Worker `rank`'s frame for `slot` in `round` (round 0: INIT).
 pub(crate) fn push(slot: usize, rank: u16, round: u32, vals: &[f32]) -> Vec<u8> {
-    let repr = Repr {
-        kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-        dtype: Dtype::F32,
-        flags: 0,
-        token: TOKEN,
-        job: JOB,
+    let repr = Repr::request(
+        if round == 0 { MsgType::Init } else { MsgType::Push },
+        JOB,
+        TOKEN,
         rank,
-        count: vals.len() as u16,
-        error: 0,
         round,
-        slot: slot as u32,
-        key: 0,
-        chunk: slot as u32,
-    };
+        slot as u32,
+    )
+    .with_payload(Dtype::F32, vals.len() as u16)
+    .with_chunk(0, slot as u32);
     let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
     repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
     kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);

@@ -412,10 +412,15 @@ impl DpdkQueue {
             }
             Ok(Frame::ArpRequest) => {
                 let mut m = m;
-                if let Some(d) = m.data_mut() {
-                    frame::arp_reply_in_place(d, self.me.mac, self.me.ip);
-                    self.counters.arp_replies.inc();
-                    self.queue_tx(m);
+                match m.data_mut() {
+                    Some(d) => {
+                        frame::arp_reply_in_place(d, self.me.mac, self.me.ip);
+                        self.counters.arp_replies.inc();
+                        self.queue_tx(m);
+                    }
+                    // A frame shared with another reference cannot be
+                    // rewritten: no reply goes out.
+                    None => self.counters.count_net_drop(NetDrop::TxDropped),
                 }
             }
             Err(r) => self.counters.count_net_drop(r),

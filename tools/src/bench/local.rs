@@ -14,10 +14,9 @@
 //! ([`VethNet`]): the dataplane on DPDK's af_packet driver over a veth pair
 //! in a private namespace, control and the workers inside it too.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use phub_hwtests::virt::{self, Netns};
@@ -39,7 +38,7 @@ impl Proc {
 
     /// Stops the process: SIGTERM, up to 5 s, then SIGKILL.
     pub fn stop(&mut self) {
-        if phub_hwtests::virt::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
+        if phub_hwtests::process::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
             eprintln!("phub-bench: {} did not stop on SIGTERM; killed it", self.name);
         }
     }
@@ -142,24 +141,14 @@ pub struct Local {
 }
 
 fn free_port() -> Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(phub_hwtests::process::free_port()?)
 }
 
 fn wait_http(url: &str, p: &mut Proc) -> Result<()> {
-    let t = Instant::now();
-    loop {
-        if ureq::get(url).timeout(Duration::from_millis(500)).call().is_ok() {
-            return Ok(());
-        }
-        p.check_alive()?;
-        if t.elapsed() > Duration::from_secs(20) {
-            bail!(
-                "{} did not answer at {url} within 20 s (log: {})",
-                p.name,
-                p.log.display()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
+    match phub_hwtests::process::wait_http(url, &mut p.child, Duration::from_secs(20), || false) {
+        Ok(()) => Ok(()),
+        Err(phub_hwtests::process::NotUp::Exited(_)) => p.check_alive(),
+        Err(e) => bail!("{} at {url} {e} (log: {})", p.name, p.log.display()),
     }
 }
 
@@ -332,8 +321,7 @@ pub fn admit(control_url: &str, spec: &serde_json::Value, token: Option<&str>) -
         Ok(r) => Ok(r.into_json()?),
         Err(ureq::Error::Status(code, r)) => {
             let body = r.into_string().unwrap_or_default();
-            let msg = serde_json::from_str::<ApiError>(&body).map_or(body, |e| e.error);
-            bail!("admission refused (HTTP {code}): {msg}")
+            bail!("admission refused (HTTP {code}): {}", ApiError::message_of(&body))
         }
         Err(e) => bail!("admission at {url}: {e}"),
     }
