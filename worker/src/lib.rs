@@ -62,11 +62,13 @@ mod io;
 pub mod net;
 mod shm;
 mod stats;
+mod transport;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
+use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use phub_proto::api::{ApiError, JoinRequest};
@@ -82,10 +84,8 @@ pub use phub_proto::fault::FaultSpec;
 pub use shm::{ShmMode, SHM_ENV};
 pub use stats::WorkerStats;
 
-use io::{
-    ChunkMsg, Command, Completion, CurrentRegions, DirectDone, Done, JobInfo, KeyState, Keys, Kind, RawBytes,
-    RawF32s, Request, Sink, Tx,
-};
+use io::{Command, Completion, CurrentRegions, DirectDone, Done, KeyState, Keys, Request};
+use transport::{ChunkMsg, JobInfo, Kind, RawBytes, RawF32s, Sink, Transport, Tx};
 
 /// Tuning of a [`Worker`].
 #[derive(Debug, Clone, PartialEq)]
@@ -396,111 +396,45 @@ impl Worker {
     }
 
     /// Builds a worker from an already obtained [`JoinResponse`] (for tests
-    /// and embedding): checks it, binds a UDP socket and starts the I/O
-    /// thread.
+    /// and embedding): checks it, decides on shared memory, binds a UDP
+    /// socket, sizes the window and starts the I/O thread.
     pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
         let lcores = check_join(&join)?;
-        let mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
-        let region_spec = shm::RegionSpec::new(
-            join.dataplane.base_port,
-            join.job,
-            token,
-            join.rank,
-            &join.layout,
-            join.spec.dtype,
-        );
-        let regions = shm::decide(mode, join.job, join.rank, &lcores, || region_spec.open())?;
-        let use_shm = regions.is_some();
-        let bind: SocketAddr = match lcores[0].ip() {
-            IpAddr::V4(a) if a.is_loopback() => (Ipv4Addr::LOCALHOST, 0).into(),
-            IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
-            IpAddr::V6(a) if a.is_loopback() => (Ipv6Addr::LOCALHOST, 0).into(),
-            IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
-        };
-        let io_err = |context: String| move |source| WorkerError::Io { context, source };
-        let socket = UdpSocket::bind(bind).map_err(io_err(format!("binding a UDP socket on {bind}")))?;
-        let waker = socket
-            .try_clone()
-            .map_err(io_err("cloning the UDP socket".into()))?;
-        let socket = net::BatchSocket::new(
-            socket,
-            net::SocketOptions {
-                gso: config.gso,
-                gro: config.gro,
-                buffer_bytes: config.socket_buffer,
-            },
-        )
-        .map_err(io_err("setting the UDP socket up".into()))?;
-        let socket_info = socket.info();
-        let mut local = socket
-            .socket()
-            .local_addr()
-            .map_err(io_err("reading the UDP socket's address".into()))?;
-        if local.ip().is_unspecified() {
-            // Wake-ups go to ourselves through loopback.
-            local.set_ip(match local.ip() {
-                IpAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
-                IpAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let datagram = HEADER_LEN + join.spec.chunk_bytes as usize;
-        let window = match config.window {
-            0 => auto_window(
-                join.spec.workers,
-                join.layout.lcore_count().max(1),
-                join.layout.chunk_count(),
-                datagram,
-                socket_info.rcvbuf,
-            ),
-            w => w,
-        };
-        let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
+        let shm = shared_memory(&join, token, &config, &lcores)?;
+        let socket = Bound::new(lcores[0].ip(), &config)?;
+        let window = window_for(&join, &config, socket.info.rcvbuf);
         let stats = Arc::new(stats::Counters::default());
-        let (cmds, cmd_rx) = crossbeam_channel::unbounded();
-        let sleeping = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let inject = fault_injector(&join, &config, &stats)?;
         let info = JobInfo {
             job: join.job,
             token,
             rank: join.rank,
             dtype: join.spec.dtype,
         };
-        let inject = match config.inject {
-            Some(spec) => Some(spec),
-            None => inject_from_env()?,
-        };
-        if let Some(spec) = inject {
-            log::warn!(
-                "phub-worker: job {} rank {}: injecting faults on every datagram, both directions: {spec}",
-                join.job,
-                join.rank
-            );
-        }
-        let injector =
-            inject.map(|spec| inject::Injector::new(spec, join.job, join.rank, Arc::clone(&stats)));
-        let (io_shm, shm) = match regions {
-            Some(r) => {
-                let (io_shm, current) = io::Shm::new(region_spec, r);
-                (Some(io_shm), Some(current))
-            }
-            None => (None, None),
-        };
+        let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
+        let transport = Transport::new(info, window, &config, Arc::clone(&stats), regions, Instant::now());
+        let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
+        let (cmds, cmd_rx) = crossbeam_channel::unbounded();
+        let sleeping = Arc::new(AtomicBool::new(false));
+        let (watch, shm) = shm.unzip();
         let thread = io::IoThread::new(
-            socket,
-            local,
-            info,
-            window,
-            &config,
-            Arc::clone(&sleeping),
-            cmd_rx,
-            Arc::clone(&keys),
-            Arc::clone(&stats),
-            injector,
-            io_shm,
+            io::IoParts {
+                socket: socket.socket,
+                own: socket.local,
+                sleeping: Arc::clone(&sleeping),
+                cmds: cmd_rx,
+                keys: Arc::clone(&keys),
+                stats: Arc::clone(&stats),
+                inject,
+                regions: watch,
+            },
+            transport,
         );
         let thread = std::thread::Builder::new()
             .name(format!("phub-worker-{}-{}", join.job, join.rank))
             .spawn(move || thread.run())
-            .map_err(io_err("starting the worker's I/O thread".into()))?;
+            .map_err(io_err("starting the worker's I/O thread"))?;
+        let (local, socket_info) = (socket.local, socket.info);
         log::info!(
             "phub-worker: job {} rank {} of {} joined; {} keys, {} chunks, dataplane {}, socket {local} \
              (window {window}, shared memory {}, gso {}, gro {}, rcvbuf {})",
@@ -510,7 +444,7 @@ impl Worker {
             join.spec.keys.len(),
             join.layout.chunk_count(),
             lcores[0],
-            if use_shm { "yes" } else { "no" },
+            if shm.is_some() { "yes" } else { "no" },
             socket_info.gso,
             socket_info.gro,
             socket_info.rcvbuf,
@@ -524,7 +458,7 @@ impl Worker {
             lcores,
             keys,
             cmds,
-            waker,
+            waker: socket.waker,
             local,
             sleeping,
             window,
@@ -1163,6 +1097,125 @@ impl Drop for Worker {
             }
         }
     }
+}
+
+/// The shared-memory mapping a join chooses ([`WorkerConfig::shm`],
+/// [`SHM_ENV`]), if any: the I/O thread's watch over it and the mapping in
+/// use as the API side sees it.
+fn shared_memory(
+    join: &JoinResponse,
+    token: u64,
+    config: &WorkerConfig,
+    lcores: &[SocketAddr],
+) -> Result<Option<(io::RegionWatch, CurrentRegions)>, WorkerError> {
+    let mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
+    let spec = shm::RegionSpec::new(
+        join.dataplane.base_port,
+        join.job,
+        token,
+        join.rank,
+        &join.layout,
+        join.spec.dtype,
+    );
+    let regions = shm::decide(mode, join.job, join.rank, lcores, || spec.open())?;
+    Ok(regions.map(|r| io::RegionWatch::new(spec, r, join.job, join.rank)))
+}
+
+/// A worker's UDP socket, bound and set up.
+struct Bound {
+    socket: net::BatchSocket,
+    /// A handle on the socket, to wake the I/O thread with.
+    waker: UdpSocket,
+    /// The socket's address, which wake-ups are sent to.
+    local: SocketAddr,
+    info: net::SocketInfo,
+}
+
+impl Bound {
+    /// A socket on a port the kernel picks, on loopback when the
+    /// `dataplane` is there, on every address otherwise, set up as
+    /// `config` asks (GSO, GRO, buffer sizes).
+    fn new(dataplane: IpAddr, config: &WorkerConfig) -> Result<Bound, WorkerError> {
+        let bind: SocketAddr = match dataplane {
+            IpAddr::V4(a) if a.is_loopback() => (Ipv4Addr::LOCALHOST, 0).into(),
+            IpAddr::V4(_) => (Ipv4Addr::UNSPECIFIED, 0).into(),
+            IpAddr::V6(a) if a.is_loopback() => (Ipv6Addr::LOCALHOST, 0).into(),
+            IpAddr::V6(_) => (Ipv6Addr::UNSPECIFIED, 0).into(),
+        };
+        let socket = UdpSocket::bind(bind).map_err(io_err(&format!("binding a UDP socket on {bind}")))?;
+        let waker = socket.try_clone().map_err(io_err("cloning the UDP socket"))?;
+        let options = net::SocketOptions {
+            gso: config.gso,
+            gro: config.gro,
+            buffer_bytes: config.socket_buffer,
+        };
+        let socket = net::BatchSocket::new(socket, options).map_err(io_err("setting the UDP socket up"))?;
+        let mut local = socket
+            .socket()
+            .local_addr()
+            .map_err(io_err("reading the UDP socket's address"))?;
+        if local.ip().is_unspecified() {
+            // Wake-ups go to ourselves through loopback.
+            local.set_ip(match local.ip() {
+                IpAddr::V4(_) => Ipv4Addr::LOCALHOST.into(),
+                IpAddr::V6(_) => Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let info = socket.info();
+        Ok(Bound {
+            socket,
+            waker,
+            local,
+            info,
+        })
+    }
+}
+
+/// Wraps a system call's error with what was being done.
+fn io_err(context: &str) -> impl FnOnce(std::io::Error) -> WorkerError {
+    let context = context.to_string();
+    move |source| WorkerError::Io { context, source }
+}
+
+/// The window: [`WorkerConfig::window`], or [`auto_window`] from the job's
+/// shape and the socket's receive buffer `rcvbuf` when that is 0.
+fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usize {
+    match config.window {
+        0 => auto_window(
+            join.spec.workers,
+            join.layout.lcore_count().max(1),
+            join.layout.chunk_count(),
+            HEADER_LEN + join.spec.chunk_bytes as usize,
+            rcvbuf,
+        ),
+        w => w,
+    }
+}
+
+/// The fault injector [`WorkerConfig::inject`] (or [`INJECT_ENV`]) asks
+/// for, if any, counting into `stats`.
+fn fault_injector(
+    join: &JoinResponse,
+    config: &WorkerConfig,
+    stats: &Arc<stats::Counters>,
+) -> Result<Option<inject::Injector>, WorkerError> {
+    let Some(spec) = config
+        .inject
+        .map_or_else(inject_from_env, |spec| Ok(Some(spec)))?
+    else {
+        return Ok(None);
+    };
+    log::warn!(
+        "phub-worker: job {} rank {}: injecting faults on every datagram, both directions: {spec}",
+        join.job,
+        join.rank
+    );
+    Ok(Some(inject::Injector::new(
+        spec,
+        join.job,
+        join.rank,
+        Arc::clone(stats),
+    )))
 }
 
 /// The fault spec in [`INJECT_ENV`], if it is set and not empty.

@@ -1,0 +1,837 @@
+//! The worker's transport, without I/O: windowed sending, retransmission,
+//! sequence tracking and result matching (PROTOCOL.md §6).
+//!
+//! Layer: protocol state machine, in quinn-proto's shape. It holds no
+//! socket, no thread and no clock: the caller passes the time, hands in
+//! requests ([`Transport::submit`]) and datagrams
+//! ([`Transport::handle_datagram`]), and polls what to send
+//! ([`Transport::poll_transmit`]), when to call again
+//! ([`Transport::poll_timeout`], [`Transport::handle_timeout`]) and which
+//! requests ended ([`Transport::poll_done`]). The I/O thread
+//! ([`crate::io`]) drives it with a socket; the unit tests drive it with a
+//! clock they advance.
+//!
+//! Invariants:
+//! - At most `window` chunks are outstanding (sent, no result yet) across
+//!   all requests; pending chunks go out first come, first sent.
+//! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
+//!   once when the result of a chunk sent [`REORDER`] or more places after
+//!   it to the same lcore is in (fast retransmission), otherwise when its
+//!   loss timer has expired and no result at all has come in for the loss
+//!   timeout ([`Rto::loss`]), a few chunks per silence, the silences
+//!   doubling.
+//! - Only a RESULT for this job (id, token, dtype, from the appliance), for
+//!   a chunk outstanding at that slot, with its element count and round, is
+//!   accepted, once; anything else is counted (`results_ignored`,
+//!   `foreign_dropped`), never an error.
+//! - Every request ends: with its result, with the appliance's refusal,
+//!   with [`WorkerError::Timeout`] once no result has come in for
+//!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]).
+//!
+//! Shared memory: the caller maps the dataplane's regions and checks them
+//! (file system calls); the transport is told which mapping is in use
+//! ([`Transport::set_regions`]), stages chunks into it and reads results
+//! from it. It says when a check is due before a datagram is handled
+//! ([`Transport::checks_regions_first`]) and after a silence
+//! ([`Transport::silent`], [`Transport::handle_timeout`]'s answer).
+
+mod request;
+mod rto;
+#[cfg(test)]
+mod tests;
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use phub_proto::wire::{self, flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK};
+use phub_proto::Dtype;
+
+pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawF32s, Request, Sink, Tx};
+use rto::Rto;
+
+use crate::error::WorkerError;
+use crate::net::Datagram;
+use crate::shm::Regions;
+use crate::stats::{add, Counters};
+use crate::WorkerConfig;
+
+/// A chunk still waiting when the result of one sent this many places
+/// after it to the same lcore is in counts as lost (TCP's duplicate-ACK
+/// threshold plays the same role).
+pub(crate) const REORDER: u64 = 3;
+/// The loss timer's resolution: the outstanding chunks are scanned for
+/// late ones at most this often.
+pub(crate) const TICK: Duration = Duration::from_millis(1);
+
+/// What the transport needs to know about the job.
+#[derive(Debug, Clone)]
+pub(crate) struct JobInfo {
+    pub(crate) job: u16,
+    pub(crate) token: u64,
+    pub(crate) rank: u16,
+    pub(crate) dtype: Dtype,
+}
+
+/// A fast hasher for the transport's integer keys (request ids, (key,
+/// chunk) pairs): a multiply-rotate per word instead of SipHash, which took
+/// about 5% of the I/O thread's time. The maps only ever hold what this
+/// worker sent, so hash flooding from the network cannot grow them.
+#[derive(Default)]
+pub(crate) struct IntHasher(u64);
+
+impl Hasher for IntHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(u64::from(*b));
+        }
+    }
+
+    fn write_u32(&mut self, x: u32) {
+        self.write_u64(u64::from(x));
+    }
+
+    fn write_u64(&mut self, x: u64) {
+        self.0 = (self.0.rotate_left(5) ^ x).wrapping_mul(0x51_7c_c1_b7_27_22_0a_95);
+    }
+
+    fn write_usize(&mut self, x: usize) {
+        self.write_u64(x as u64);
+    }
+}
+
+type IntMap<K, V> = HashMap<K, V, BuildHasherDefault<IntHasher>>;
+
+/// A request that ended, for [`Transport::poll_done`].
+#[derive(Debug)]
+pub(crate) struct Finished<D> {
+    /// The request's key.
+    pub(crate) key: u32,
+    /// The request's `done`.
+    pub(crate) done: D,
+    /// The request's datagram buffer, for the key's next request.
+    pub(crate) tx: Vec<u8>,
+    /// The result, or why there is none.
+    pub(crate) result: Result<Output, WorkerError>,
+}
+
+/// A completed request's result.
+#[derive(Debug)]
+pub(crate) struct Output {
+    /// The round the values are the result of (for a pull, the lowest over
+    /// chunks; 0 for a pull of no chunks).
+    pub(crate) round: u32,
+    /// The values, as the request's sink holds them.
+    pub(crate) values: Sink,
+}
+
+/// A received datagram that is this job's, for [`Transport::handle`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Incoming<'d> {
+    repr: Repr,
+    payload: &'d [u8],
+}
+
+/// A request in flight.
+#[derive(Debug)]
+struct Active<D> {
+    key: u32,
+    round: u32,
+    kind: Kind,
+    values: Sink,
+    tx: Tx,
+    chunks: usize,
+    remaining: usize,
+    min_round: u32,
+    done: D,
+}
+
+impl<D> Active<D> {
+    /// Whether a RESULT with `repr` answers this request's chunk of `len`
+    /// elements: its count, and its round unless this is a pull (any round
+    /// answers a pull).
+    fn answered_by(&self, repr: &Repr, len: u32) -> bool {
+        u32::from(repr.count) == len && (self.kind == Kind::Pull || repr.round == self.round)
+    }
+
+    /// Whether an ERROR with `repr` refuses this request (not an earlier
+    /// one of the same key).
+    fn refused_by(&self, repr: &Repr) -> bool {
+        // An ERROR echoes the refused message's round: one for an earlier
+        // request of this key is stale.
+        let sent_round = if self.kind == Kind::Pull {
+            repr.round
+        } else {
+            self.round
+        };
+        // A PULL is never refused for its round (the appliance answers any
+        // round with its latest result), so such an ERROR echoes an earlier
+        // PUSH of this key still in flight: a worker pulling to catch up
+        // after the appliance restarted sees those.
+        let about_round = matches!(
+            DropReason::from_code(repr.error),
+            Some(DropReason::Ahead | DropReason::WrongTypeForRound | DropReason::Stale)
+        );
+        repr.round == sent_round && !(self.kind == Kind::Pull && about_round)
+    }
+
+    /// The round the request's result stands at once complete.
+    fn result_round(&self) -> u32 {
+        match self.kind {
+            Kind::Init => 0,
+            Kind::Push => self.round,
+            Kind::Pull if self.chunks == 0 => 0,
+            Kind::Pull => self.min_round,
+        }
+    }
+}
+
+/// A chunk sent and waiting for its result.
+#[derive(Debug)]
+struct Outstanding {
+    id: u64,
+    msg: ChunkMsg,
+    /// Position in the sequence of datagrams sent to the chunk's lcore
+    /// (its latest transmission's).
+    seq: u64,
+    first_sent: Instant,
+    deadline: Instant,
+    /// Times sent again (Karn's rule: no RTT sample once non-zero).
+    retries: u32,
+    /// Doublings of the loss timer for this chunk; reset when results flow
+    /// again.
+    backoff: u32,
+}
+
+/// The datagrams sent to one lcore, in order.
+#[derive(Debug, Default)]
+struct Lane {
+    /// The sequence number the next datagram gets.
+    next_seq: u64,
+    /// The highest sequence number whose result was accepted (first
+    /// transmissions only).
+    acked_seq: u64,
+    /// Outstanding chunks in the order sent, (seq, (key, chunk)); entries
+    /// whose chunk is gone or was sent again are skipped lazily.
+    sent: VecDeque<(u64, (u32, u32))>,
+}
+
+/// Shared memory as the transport sees it.
+#[derive(Debug)]
+struct ShmState {
+    /// The mapping in use; `None` while the regions cannot be opened
+    /// (chunks go as datagrams meanwhile).
+    regions: Option<Arc<Regions>>,
+    /// Wire bytes of a 16-bit result on their way to being decoded.
+    scratch: Vec<u8>,
+}
+
+/// The transport's state; `D` is what a request's caller gets back when
+/// it ends ([`Request::done`]).
+#[derive(Debug)]
+pub(crate) struct Transport<D> {
+    info: JobInfo,
+    window: usize,
+    timeout: Duration,
+    stats: Arc<Counters>,
+    rto: Rto,
+    next_id: u64,
+    requests: IntMap<u64, Active<D>>,
+    /// Chunks not sent yet, in the order submitted: (request id, chunk).
+    pending: VecDeque<(u64, ChunkMsg)>,
+    /// Chunks sent and waiting, by (key, chunk).
+    outstanding: IntMap<(u32, u32), Outstanding>,
+    /// Per lcore.
+    lanes: Vec<Lane>,
+    /// A result raised an lane's `acked_seq` since the last fast
+    /// retransmission scan.
+    acked: bool,
+    /// Chunks to transmit at the next [`Transport::poll_transmit`], in the
+    /// order their sequence numbers were given.
+    queue: Vec<(u64, ChunkMsg)>,
+    /// Late chunks found by the last scan (kept for its allocation).
+    late: Vec<(Instant, (u32, u32))>,
+    finished: VecDeque<Finished<D>>,
+    /// Last accepted result, or when work started after an idle spell.
+    last_progress: Instant,
+    last_scan: Instant,
+    /// A result was accepted since the last retransmission scan.
+    progressed: bool,
+    /// The last batch of retransmissions.
+    last_resend: Instant,
+    /// Batches of retransmissions since the last accepted result.
+    quiet_backoff: u32,
+    /// Shared memory, when the join chose it.
+    shm: Option<ShmState>,
+}
+
+impl<D> Transport<D> {
+    /// A transport for `info`'s job with `window` chunks in flight at most,
+    /// the timeouts of `config`, counting into `stats`; with `regions`,
+    /// through that shared-memory mapping. `now` starts its clock.
+    pub(crate) fn new(
+        info: JobInfo,
+        window: usize,
+        config: &WorkerConfig,
+        stats: Arc<Counters>,
+        regions: Option<Arc<Regions>>,
+        now: Instant,
+    ) -> Transport<D> {
+        let rto = Rto::new(config);
+        stats.rto_us.store(rto.rto.as_micros() as u64, Ordering::Relaxed);
+        Transport {
+            info,
+            window: window.max(1),
+            timeout: config.timeout,
+            stats,
+            rto,
+            next_id: 0,
+            requests: IntMap::default(),
+            pending: VecDeque::new(),
+            outstanding: IntMap::default(),
+            lanes: Vec::new(),
+            acked: false,
+            queue: Vec::new(),
+            late: Vec::new(),
+            finished: VecDeque::new(),
+            last_progress: now,
+            last_scan: now,
+            progressed: false,
+            last_resend: now,
+            quiet_backoff: 0,
+            shm: regions.map(|r| ShmState {
+                regions: Some(r),
+                scratch: Vec::new(),
+            }),
+        }
+    }
+
+    /// Whether requests are in flight.
+    pub(crate) fn busy(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Whether chunks were sent again and no result has come in since: the
+    /// appliance may be gone or restarting (its shared-memory regions with
+    /// it), so every send is preceded by a check of them.
+    pub(crate) fn silent(&self) -> bool {
+        self.quiet_backoff > 0
+    }
+
+    /// Takes a request at `now`; its chunks are sent by the following
+    /// [`Transport::poll_transmit`]s as the window allows. A request of no
+    /// chunks is done at once.
+    pub(crate) fn submit(&mut self, now: Instant, r: Request<D>) {
+        if !self.busy() {
+            // Idle time does not count towards the timeout.
+            self.last_progress = now;
+            self.quiet_backoff = 0;
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let chunks = r.chunks.len();
+        self.requests.insert(
+            id,
+            Active {
+                key: r.key,
+                round: r.round,
+                kind: r.kind,
+                values: r.values,
+                tx: r.tx,
+                chunks,
+                remaining: chunks,
+                min_round: u32::MAX,
+                done: r.done,
+            },
+        );
+        self.pending.extend(r.chunks.into_iter().map(|c| (id, c)));
+        if chunks == 0 {
+            self.complete(id);
+        }
+    }
+
+    /// Appends to `out` what to send at `now`: chunks that fast
+    /// retransmission finds lost, pending chunks as the window allows
+    /// (first transmissions), and what [`Transport::handle_timeout`]
+    /// queued; each in one datagram, borrowed from its request.
+    pub(crate) fn poll_transmit<'a>(&'a mut self, now: Instant, out: &mut Vec<Datagram<'a>>) {
+        self.fast_retransmit(now);
+        self.fill_window(now);
+        let requests = &self.requests;
+        out.extend(self.queue.drain(..).filter_map(|(id, m)| {
+            requests.get(&id).map(|r| {
+                let (head, body) = r.tx.parts(&m);
+                Datagram { to: m.to, head, body }
+            })
+        }));
+    }
+
+    /// The next instant [`Transport::handle_timeout`] may have something to
+    /// do (a loss timer, a request's timeout); `None` while idle.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        if !self.busy() {
+            return None;
+        }
+        let since = self.last_progress.max(self.last_resend);
+        let loss = (since + self.rto.loss(self.quiet_backoff)).max(self.last_scan + TICK);
+        Some(loss.min(self.last_progress + self.timeout))
+    }
+
+    /// Runs the timers at `now`: queues late chunks for retransmission and
+    /// fails every request once no result has come in for `timeout`.
+    /// Returns whether chunks were queued: the caller checks the
+    /// shared-memory regions before it polls them.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
+        let mut resent = false;
+        if now.saturating_duration_since(self.last_scan) >= TICK {
+            self.last_scan = now;
+            resent = self.resend_late(now);
+        }
+        if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
+            self.time_out(now);
+        }
+        resent
+    }
+
+    /// The next request that ended, if any.
+    pub(crate) fn poll_done(&mut self) -> Option<Finished<D>> {
+        self.finished.pop_front()
+    }
+
+    /// Fails every request with [`WorkerError::Closed`].
+    pub(crate) fn close(&mut self) {
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        for id in ids {
+            self.fail(id, WorkerError::Closed);
+        }
+    }
+
+    /// Handles a datagram received at `now`:
+    /// [`Transport::accept`] then [`Transport::handle`]. (The I/O thread
+    /// calls the two itself, to check the shared-memory regions in between
+    /// when [`Transport::checks_regions_first`].)
+    #[cfg(test)]
+    pub(crate) fn handle_datagram(&mut self, now: Instant, d: &[u8]) {
+        if let Some(m) = self.accept(d) {
+            self.handle(now, m);
+        }
+    }
+
+    /// `d` if it is a well-formed RESULT or ERROR of this job for this
+    /// rank; otherwise counted as `foreign_dropped`.
+    pub(crate) fn accept<'d>(&self, d: &'d [u8]) -> Option<Incoming<'d>> {
+        let info = &self.info;
+        let ours = |r: &Repr| r.job == info.job && r.token == info.token && r.dtype == info.dtype;
+        match wire::parse(d) {
+            Ok((repr, payload))
+                if ours(&repr)
+                    && match repr.kind {
+                        MsgType::Result => repr.rank == APPLIANCE_RANK,
+                        MsgType::Error => repr.rank == info.rank,
+                        _ => false,
+                    } =>
+            {
+                Some(Incoming { repr, payload })
+            }
+            _ => {
+                add(&self.stats.foreign_dropped, 1);
+                None
+            }
+        }
+    }
+
+    /// Whether the shared-memory regions must be checked before `m` is
+    /// handled: it may be the first word of a restarted dataplane (an
+    /// ERROR, or a result in shared memory after a silence), whose regions
+    /// it is to be read from (and which a pull after this ERROR should find
+    /// mapped).
+    pub(crate) fn checks_regions_first(&self, m: &Incoming<'_>) -> bool {
+        self.shm.is_some() && (m.repr.kind == MsgType::Error || (m.repr.shm() && self.silent()))
+    }
+
+    /// Handles an accepted datagram at `now`: an ERROR fails the request
+    /// it refuses, a RESULT fills its chunk; one that no outstanding chunk
+    /// waits for is counted as `results_ignored`.
+    pub(crate) fn handle(&mut self, now: Instant, m: Incoming<'_>) {
+        let Incoming { repr, payload } = m;
+        if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
+            // A result in shared memory this worker has not mapped is malformed.
+            add(&self.stats.foreign_dropped, 1);
+            return;
+        }
+        let Some(id) = self.waiting_for(&repr) else {
+            add(&self.stats.results_ignored, 1);
+            return;
+        };
+        match repr.kind {
+            MsgType::Error => self.on_error(id, &repr),
+            _ => self.on_result(now, id, &repr, payload),
+        }
+    }
+
+    /// Tells the transport which shared-memory mapping is in use now
+    /// (`None`: none can be opened) after the caller checked the regions;
+    /// every outstanding chunk is written again into its staging region
+    /// (or goes as a datagram from now on), as a dataplane that made new
+    /// regions would never see a chunk left in the old ones.
+    pub(crate) fn set_regions(&mut self, regions: Option<Arc<Regions>>) {
+        let Some(shm) = self.shm.as_mut() else {
+            return;
+        };
+        shm.regions = regions;
+        for o in self.outstanding.values() {
+            if let Some(req) = self.requests.get_mut(&o.id) {
+                req.tx.stage(&o.msg, shm.regions.as_ref());
+            }
+        }
+    }
+
+    /// The request whose outstanding chunk `repr` names, at its slot.
+    fn waiting_for(&self, repr: &Repr) -> Option<u64> {
+        let o = self.outstanding.get(&(repr.key, repr.chunk))?;
+        (repr.slot == o.msg.slot && self.requests.contains_key(&o.id)).then_some(o.id)
+    }
+
+    fn on_error(&mut self, id: u64, repr: &Repr) {
+        if !self.requests.get(&id).is_some_and(|r| r.refused_by(repr)) {
+            add(&self.stats.results_ignored, 1);
+            return;
+        }
+        add(&self.stats.errors, 1);
+        let (reason, hint) = describe(repr.error);
+        let err = WorkerError::Refused {
+            key: repr.key,
+            chunk: repr.chunk,
+            round: repr.round,
+            reason,
+            hint: hint.to_string(),
+        };
+        self.fail(id, err);
+    }
+
+    fn on_result(&mut self, now: Instant, id: u64, repr: &Repr, payload: &[u8]) {
+        let k = (repr.key, repr.chunk);
+        let (Some(o), Some(req)) = (self.outstanding.get(&k), self.requests.get_mut(&id)) else {
+            return;
+        };
+        if !req.answered_by(repr, o.msg.len) {
+            add(&self.stats.results_ignored, 1);
+            return;
+        }
+        let mut no_scratch = Vec::new();
+        let (arrived, scratch) = match (repr.shm(), self.shm.as_mut()) {
+            (
+                true,
+                Some(ShmState {
+                    regions: Some(r),
+                    scratch,
+                }),
+            ) => (Arrived::Region(r), scratch),
+            // `handle` dropped a shared-memory result without a mapping.
+            _ => (Arrived::Datagram(payload), &mut no_scratch),
+        };
+        if !req.values.write(&o.msg, arrived, self.info.dtype, scratch) {
+            add(&self.stats.foreign_dropped, 1);
+            return;
+        }
+        if repr.shm() {
+            add(&self.stats.shm_results, 1);
+        }
+        req.remaining -= 1;
+        req.min_round = req.min_round.min(repr.round);
+        let done = req.remaining == 0;
+        self.answered(now, k);
+        if done {
+            self.complete(id);
+        }
+    }
+
+    /// Chunk `k`'s result was accepted at `now`: it leaves the window, and
+    /// if it was sent once only, its round trip is a sample and its
+    /// sequence number says how far its lcore has got.
+    fn answered(&mut self, now: Instant, k: (u32, u32)) {
+        let Some(o) = self.outstanding.remove(&k) else {
+            return;
+        };
+        // Only first transmissions count (Karn's rule), and only they say
+        // how far the lcore has got: a resent chunk's result may overtake
+        // chunks that are merely waiting for a slow rank (with W > 1),
+        // which must not count as lost.
+        if o.retries == 0 {
+            self.rto.sample(now.saturating_duration_since(o.first_sent));
+            let srtt = self.rto.srtt.unwrap_or_default().as_micros() as u64;
+            self.stats.srtt_us.store(srtt, Ordering::Relaxed);
+            self.stats
+                .rto_us
+                .store(self.rto.rto.as_micros() as u64, Ordering::Relaxed);
+            if let Some(lane) = self.lanes.get_mut(usize::from(o.msg.lcore)) {
+                if o.seq > lane.acked_seq {
+                    lane.acked_seq = o.seq;
+                    self.acked = true;
+                }
+            }
+        }
+        add(&self.stats.results_accepted, 1);
+        self.last_progress = now;
+        self.progressed = true;
+        self.quiet_backoff = 0;
+    }
+
+    /// The next sequence number towards `lcore`, remembering that
+    /// `(key, chunk)` was sent with it.
+    fn sequence(&mut self, lcore: u16, k: (u32, u32)) -> u64 {
+        let l = usize::from(lcore);
+        if self.lanes.len() <= l {
+            self.lanes.resize_with(l + 1, Lane::default);
+        }
+        let lane = &mut self.lanes[l];
+        lane.next_seq += 1;
+        lane.sent.push_back((lane.next_seq, k));
+        lane.next_seq
+    }
+
+    /// Moves pending chunks into the window, as far as it has room.
+    fn fill_window(&mut self, now: Instant) {
+        let deadline = now + self.rto.loss(0);
+        while self.outstanding.len() < self.window {
+            let Some((id, msg)) = self.pending.pop_front() else {
+                break;
+            };
+            let Some(req) = self.requests.get_mut(&id) else {
+                continue;
+            };
+            let key = req.key;
+            if let Some(shm) = &self.shm {
+                // The key's previous round of this chunk has its result: the
+                // lcore no longer reads the slot, and this rank may write it.
+                req.tx.stage(&msg, shm.regions.as_ref());
+            }
+            self.queue.push((id, msg));
+            add(&self.stats.chunks_sent, 1);
+            let seq = self.sequence(msg.lcore, (key, msg.chunk));
+            let o = Outstanding {
+                id,
+                first_sent: now,
+                deadline,
+                seq,
+                retries: 0,
+                backoff: 0,
+                msg,
+            };
+            self.outstanding.insert((key, msg.chunk), o);
+        }
+    }
+
+    /// Queues chunk `k` for sending again at `now`, with a new sequence
+    /// number and the RETRANSMIT flag; returns whether it was outstanding.
+    fn resend(&mut self, k: (u32, u32), now: Instant, backoff: bool) -> bool {
+        let Some(lcore) = self.outstanding.get(&k).map(|o| o.msg.lcore) else {
+            return false;
+        };
+        let seq = self.sequence(lcore, k);
+        let Some(o) = self.outstanding.get_mut(&k) else {
+            return false;
+        };
+        if o.retries == 0 {
+            if let Some(r) = self.requests.get_mut(&o.id) {
+                mark_retransmit(&mut r.tx.headers_mut()[o.msg.header_range()]);
+            }
+        }
+        o.retries += 1;
+        o.seq = seq;
+        if backoff {
+            o.backoff += 1;
+        }
+        o.deadline = now + self.rto.loss(o.backoff);
+        self.queue.push((o.id, o.msg));
+        true
+    }
+
+    /// Fast retransmission (TCP's, by sequence instead of duplicate ACKs):
+    /// an lcore answers a worker's chunks in the order it sent them (its
+    /// pushes arrive in order, and with W workers all send in the same
+    /// order), so once the result of a chunk sent [`REORDER`] or more
+    /// places later to the same lcore is in, an older chunk still waiting
+    /// was lost, its push or its result (or, with W > 1, another rank's
+    /// push for it, which that rank resends; ours is then a duplicate the
+    /// appliance drops). It is resent at once, without waiting for a
+    /// timeout, which with a deep window only fires after the stream of
+    /// results has dried up.
+    fn fast_retransmit(&mut self, now: Instant) {
+        if !std::mem::take(&mut self.acked) {
+            return;
+        }
+        let mut resent = 0;
+        for l in 0..self.lanes.len() {
+            while let Some(&(seq, k)) = self.lanes[l].sent.front() {
+                let live = self.outstanding.get(&k).is_some_and(|o| o.seq == seq);
+                if live && seq + REORDER > self.lanes[l].acked_seq {
+                    break;
+                }
+                self.lanes[l].sent.pop_front();
+                if live && self.resend(k, now, false) {
+                    resent += 1;
+                }
+            }
+        }
+        add(&self.stats.retransmits, resent);
+        add(&self.stats.fast_retransmits, resent);
+    }
+
+    /// The loss timer: queues the oldest late chunks once no result at all
+    /// has come in for the loss timeout; returns whether it queued any.
+    fn resend_late(&mut self, now: Instant) -> bool {
+        // A chunk is late only once its own timer has expired *and* no result
+        // at all has come back for a base RTO (RFC 6298 5.3: the timer
+        // restarts when new data is acknowledged). With a window of
+        // thousands of chunks sent in bursts, a chunk's round trip includes
+        // its wait behind the rest of the window in the appliance's queue,
+        // and per-chunk timers alone fire spuriously while results are
+        // still streaming in. A chunk really lost while others flow is
+        // resent once the flow stops: at worst one RTO after the last
+        // result of its round.
+        // While the silence goes on, the resends themselves back off (as
+        // TCP's single timer does): one batch of the oldest late chunks per
+        // RTO, then per 2 RTO, 4 RTO...
+        let since = self.last_progress.max(self.last_resend);
+        if now.saturating_duration_since(since) < self.rto.loss(self.quiet_backoff) {
+            return false;
+        }
+        // Results came back since the last scan: the appliance answers and the
+        // other ranks push, so chunks backed off while they waited are given
+        // the base timeout again (as TCP's backoff ends with a new ACK).
+        // Without this a result lost after a long wait for a slow rank would
+        // cost up to `max_rto`, and slow ranks would slow each other down.
+        let reset = std::mem::take(&mut self.progressed);
+        let mut late = std::mem::take(&mut self.late);
+        late.clear();
+        for (k, o) in self.outstanding.iter_mut() {
+            if reset && o.backoff > 0 {
+                o.backoff = 0;
+                o.deadline = o.deadline.min(now + self.rto.loss(0));
+            }
+            if now >= o.deadline {
+                late.push((o.first_sent, *k));
+            }
+        }
+        // As TCP's tail loss probe resends only its last segment, resend only
+        // the oldest late chunk on the first silence, two on the next, four...
+        // When the silence is a slow rank (or a descheduled lcore) rather
+        // than loss, the probes are few duplicates the appliance drops; when
+        // it is loss, each probe's result resets the count, and the chunks
+        // still missing behind it follow one silence each.
+        let cap = (1usize << self.quiet_backoff.min(16)).min((self.window / 16).max(16));
+        if late.len() > cap {
+            late.sort_unstable_by_key(|l| l.0);
+            late.truncate(cap);
+        }
+        for &(_, k) in &late {
+            self.resend(k, now, true);
+        }
+        let resent = !late.is_empty();
+        if resent {
+            self.last_resend = now;
+            self.quiet_backoff += 1;
+        }
+        add(&self.stats.retransmits, late.len() as u64);
+        self.late = late;
+        resent
+    }
+
+    /// Request `id` is complete: its result goes to [`Transport::poll_done`].
+    fn complete(&mut self, id: u64) {
+        let Some(req) = self.requests.remove(&id) else {
+            return;
+        };
+        let round = req.result_round();
+        self.finished.push_back(Finished {
+            key: req.key,
+            done: req.done,
+            tx: req.tx.into_spare(),
+            result: Ok(Output {
+                round,
+                values: req.values,
+            }),
+        });
+    }
+
+    /// Request `id` failed with `err`: its chunks are dropped, and the
+    /// failure goes to [`Transport::poll_done`].
+    fn fail(&mut self, id: u64, err: WorkerError) {
+        let Some(req) = self.requests.remove(&id) else {
+            return;
+        };
+        self.outstanding.retain(|_, o| o.id != id);
+        self.pending.retain(|(i, _)| *i != id);
+        self.finished.push_back(Finished {
+            key: req.key,
+            done: req.done,
+            tx: req.tx.into_spare(),
+            result: Err(err),
+        });
+    }
+
+    /// Fails every request with [`WorkerError::Timeout`].
+    fn time_out(&mut self, now: Instant) {
+        let waited = now.saturating_duration_since(self.last_progress);
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        for id in ids {
+            let mut addrs: Vec<SocketAddr> = self
+                .outstanding
+                .values()
+                .filter(|o| o.id == id)
+                .map(|o| o.msg.to)
+                .chain(self.pending.iter().filter(|(i, _)| *i == id).map(|(_, m)| m.to))
+                .collect();
+            addrs.sort();
+            addrs.dedup();
+            let req = &self.requests[&id];
+            let err = WorkerError::Timeout {
+                key: req.key,
+                round: req.round,
+                addrs,
+                waited,
+                missing: req.remaining,
+                chunks: req.chunks,
+            };
+            add(&self.stats.timeouts, 1);
+            self.fail(id, err);
+        }
+    }
+}
+
+/// Sets the RETRANSMIT flag of a header we emitted, keeping its others
+/// (SHM).
+fn mark_retransmit(header: &mut [u8]) {
+    let mut h = Header::new_unchecked(header);
+    let f = h.flags();
+    h.set_flags(f | flags::RETRANSMIT);
+}
+
+/// The name of an ERROR's drop reason, and a hint on its likely cause.
+fn describe(code: u16) -> (String, &'static str) {
+    match DropReason::from_code(code) {
+        Some(r) => {
+            let hint = match r {
+                DropReason::SlotOutOfRange | DropReason::ChunkMismatch | DropReason::CountMismatch => {
+                    " (this worker's layout does not match the appliance's: rejoin the job)"
+                }
+                DropReason::DtypeMismatch => " (this worker's dtype differs from the job's)",
+                DropReason::Ahead => {
+                    " (the appliance is behind this worker: it may have restarted and lost the job's state)"
+                }
+                DropReason::WrongTypeForRound => " (INIT is for round 0 only, PUSH for rounds >= 1)",
+                _ => "",
+            };
+            (r.name().to_string(), hint)
+        }
+        None => (format!("unknown error code {code}"), ""),
+    }
+}
