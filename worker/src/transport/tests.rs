@@ -1,10 +1,708 @@
-//! Unit tests of the transport.
+//! The transport driven without a socket: a clock the tests advance,
+//! requests encoded as the API side encodes them, and RESULTs and ERRORs
+//! crafted with [`Repr`].
+
+use std::collections::BTreeSet;
+
+use phub_proto::wire::{Header, HEADER_LEN};
 
 use super::*;
+use crate::codec;
+
+const JOB: u16 = 7;
+const TOKEN: u64 = 0x5eed_f00d;
+const RANK: u16 = 1;
+/// Elements per chunk.
+const ELEMS: usize = 4;
+const MS: Duration = Duration::from_millis(1);
+
+fn lcore_addr(lcore: u16) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9000 + lcore))
+}
+
+/// The slot of chunk `c` of `key` (distinct per chunk, as a layout gives).
+fn slot(key: u32, c: u32) -> u32 {
+    key * 100 + c
+}
+
+/// Chunk `c` of `key`'s gradient in round `round`.
+fn grad(key: u32, c: u32, round: u32) -> [f32; ELEMS] {
+    std::array::from_fn(|i| (key * 1000 + c * 10 + round * 100_000) as f32 + i as f32)
+}
+
+fn repr(kind: MsgType, rank: u16, key: u32, chunk: u32, round: u32, count: usize) -> Repr {
+    Repr {
+        kind,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        rank,
+        count: count as u16,
+        error: 0,
+        round,
+        slot: slot(key, chunk),
+        key,
+        chunk,
+    }
+}
+
+/// A datagram as the appliance sends it: `repr` and `values`.
+fn datagram(repr: &Repr, values: &[f32]) -> Vec<u8> {
+    let mut d = vec![0u8; HEADER_LEN + values.len() * 4];
+    let mut h = Header::new_unchecked(&mut d[..]);
+    repr.emit(&mut h);
+    codec::encode(Dtype::F32, values, h.payload_mut());
+    d
+}
+
+/// A datagram the transport sent, parsed.
+#[derive(Debug, Clone, PartialEq)]
+struct Sent {
+    to: SocketAddr,
+    repr: Repr,
+    values: Vec<f32>,
+}
+
+impl Sent {
+    fn chunk(&self) -> (u32, u32) {
+        (self.repr.key, self.repr.chunk)
+    }
+
+    fn retransmit(&self) -> bool {
+        self.repr.flags & flags::RETRANSMIT != 0
+    }
+}
+
+/// How a request ended: its tag, and its round and values or the error.
+type Ended = (u32, Result<(u32, Vec<f32>), WorkerError>);
+
+struct Harness {
+    t: Transport<u32>,
+    stats: Arc<Counters>,
+    t0: Instant,
+    now: Instant,
+}
+
+impl Harness {
+    fn new(window: usize) -> Harness {
+        Harness::with(window, WorkerConfig::default())
+    }
+
+    fn with(window: usize, config: WorkerConfig) -> Harness {
+        let stats = Arc::new(Counters::default());
+        let info = JobInfo {
+            job: JOB,
+            token: TOKEN,
+            rank: RANK,
+            dtype: Dtype::F32,
+        };
+        let t0 = Instant::now();
+        Harness {
+            t: Transport::new(info, window, &config, Arc::clone(&stats), None, t0),
+            stats,
+            t0,
+            now: t0,
+        }
+    }
+
+    /// Moves the clock to `ms` milliseconds after the start.
+    fn at(&mut self, ms: u64) {
+        let to = self.t0 + MS * ms as u32;
+        assert!(to >= self.now, "the clock goes forward");
+        self.now = to;
+    }
+
+    /// Submits round `round` of `key` as a PUSH of one chunk of [`ELEMS`]
+    /// elements per entry of `lcores` (chunk c to lcore `lcores[c]`),
+    /// tagged `key`.
+    fn push(&mut self, key: u32, round: u32, lcores: &[u16]) {
+        let bytes = HEADER_LEN + ELEMS * 4;
+        let mut buf = vec![0u8; lcores.len() * bytes];
+        let mut chunks = Vec::new();
+        for (c, &lcore) in lcores.iter().enumerate() {
+            let c32 = c as u32;
+            let start = c * bytes;
+            let r = repr(MsgType::Push, RANK, key, c32, round, ELEMS);
+            let mut h = Header::new_unchecked(&mut buf[start..start + bytes]);
+            r.emit(&mut h);
+            codec::encode(Dtype::F32, &grad(key, c32, round), h.payload_mut());
+            chunks.push(ChunkMsg {
+                chunk: c32,
+                slot: slot(key, c32),
+                offset: c * ELEMS,
+                len: ELEMS as u32,
+                to: lcore_addr(lcore),
+                lcore,
+                start,
+                bytes,
+            });
+        }
+        let request = Request {
+            key,
+            round,
+            kind: Kind::Push,
+            chunks,
+            tx: Tx::Owned(buf),
+            values: Sink::Owned(vec![f32::NAN; lcores.len() * ELEMS]),
+            done: key,
+        };
+        self.t.submit(self.now, request);
+    }
+
+    /// What the transport sends now.
+    fn poll(&mut self) -> Vec<Sent> {
+        let mut out = Vec::new();
+        self.t.poll_transmit(self.now, &mut out);
+        let sent: Vec<Sent> = out
+            .iter()
+            .map(|d| {
+                let mut bytes = d.head.to_vec();
+                bytes.extend_from_slice(d.body);
+                let (repr, payload) = wire::parse(&bytes).expect("the transport sends well-formed datagrams");
+                let mut values = vec![0f32; usize::from(repr.count)];
+                codec::decode(Dtype::F32, payload, &mut values);
+                Sent {
+                    to: d.to,
+                    repr,
+                    values,
+                }
+            })
+            .collect();
+        assert!(
+            self.t.outstanding.len() <= self.t.window,
+            "{} chunks outstanding, window {}",
+            self.t.outstanding.len(),
+            self.t.window
+        );
+        sent
+    }
+
+    /// The (key, chunk)s of what the transport sends now.
+    fn poll_chunks(&mut self) -> Vec<(u32, u32)> {
+        self.poll().iter().map(Sent::chunk).collect()
+    }
+
+    /// Runs the timers now; whether chunks were queued.
+    fn tick(&mut self) -> bool {
+        self.t.handle_timeout(self.now)
+    }
+
+    /// The appliance's RESULT for chunk `c` of `key` in `round`, with
+    /// `values`.
+    fn result_with(&mut self, key: u32, c: u32, round: u32, values: &[f32]) {
+        let r = repr(MsgType::Result, APPLIANCE_RANK, key, c, round, values.len());
+        self.t.handle_datagram(self.now, &datagram(&r, values));
+    }
+
+    /// The RESULT of chunk `c` of `key` in `round`: its gradient times 2.
+    fn result(&mut self, key: u32, c: u32, round: u32) {
+        self.result_with(key, c, round, &expected(key, c, round));
+    }
+
+    /// The requests that completed, as (tag, round, values); panics on a
+    /// failed one.
+    fn completed(&mut self) -> Vec<(u32, u32, Vec<f32>)> {
+        self.ended()
+            .into_iter()
+            .map(|(tag, r)| match r {
+                Ok((round, values)) => (tag, round, values),
+                Err(e) => panic!("request {tag} failed: {e}"),
+            })
+            .collect()
+    }
+
+    fn ended(&mut self) -> Vec<Ended> {
+        std::iter::from_fn(|| self.t.poll_done())
+            .map(|f| {
+                let r = f.result.map(|o| match o.values {
+                    Sink::Owned(v) => (o.round, v),
+                    other => panic!("an owned sink came back as {other:?}"),
+                });
+                (f.done, r)
+            })
+            .collect()
+    }
+}
+
+/// The result the simulated appliance sends for a chunk: its gradient
+/// doubled.
+fn expected(key: u32, c: u32, round: u32) -> Vec<f32> {
+    grad(key, c, round).iter().map(|x| x * 2.0).collect()
+}
+
+/// The values a request of `chunks` chunks ends with.
+fn expected_key(key: u32, chunks: u32, round: u32) -> Vec<f32> {
+    (0..chunks).flat_map(|c| expected(key, c, round)).collect()
+}
+
+#[test]
+fn the_window_bounds_the_chunks_outstanding_and_they_go_first_come_first_sent() {
+    let mut h = Harness::new(4);
+    h.push(0, 1, &[0; 6]);
+    h.push(1, 1, &[0; 3]);
+    let first = h.poll();
+    assert_eq!(
+        first.iter().map(Sent::chunk).collect::<Vec<_>>(),
+        [(0, 0), (0, 1), (0, 2), (0, 3)]
+    );
+    assert!(first.iter().all(|s| !s.retransmit() && s.to == lcore_addr(0)));
+    assert_eq!(first[2].values, grad(0, 2, 1), "the chunk's own payload");
+    assert_eq!(h.poll(), [], "the window is full");
+    // Each result lets exactly one more chunk out, in the order submitted.
+    let mut order: Vec<(u32, u32)> = first.iter().map(Sent::chunk).collect();
+    let mut waiting: VecDeque<(u32, u32)> = order.iter().copied().collect();
+    while let Some((key, c)) = waiting.pop_front() {
+        h.at(1 + order.len() as u64);
+        h.result(key, c, 1);
+        let next = h.poll_chunks();
+        assert!(next.len() <= 1, "{next:?} after one result");
+        waiting.extend(&next);
+        order.extend(next);
+    }
+    let want: Vec<(u32, u32)> = (0..6).map(|c| (0, c)).chain((0..3).map(|c| (1, c))).collect();
+    assert_eq!(order, want);
+    assert_eq!(
+        h.completed(),
+        [(0, 1, expected_key(0, 6, 1)), (1, 1, expected_key(1, 3, 1))]
+    );
+    let s = h.stats.snapshot();
+    assert_eq!((s.chunks_sent, s.retransmits, s.results_accepted), (9, 0, 9));
+    assert!(!h.t.busy() && h.t.poll_timeout().is_none());
+}
+
+#[test]
+fn a_reordered_result_completes_its_own_chunk() {
+    let mut h = Harness::new(16);
+    h.push(3, 5, &[0, 0, 0, 0]);
+    assert_eq!(h.poll().len(), 4);
+    h.at(2);
+    // Overtaking by fewer than REORDER places is not loss.
+    for c in [2, 0, 3, 1] {
+        assert!(h.ended().is_empty(), "done before chunk {c}");
+        h.result(3, c, 5);
+        assert_eq!(h.poll(), [], "nothing to resend after chunk {c}");
+    }
+    assert_eq!(h.completed(), [(3, 5, expected_key(3, 4, 5))]);
+    let s = h.stats.snapshot();
+    assert_eq!((s.results_accepted, s.results_ignored, s.retransmits), (4, 0, 0));
+    assert_eq!(s.srtt_us, 2000, "four samples of 2 ms");
+}
+
+#[test]
+fn a_duplicate_or_unasked_result_is_ignored_and_counted() {
+    let mut h = Harness::new(16);
+    h.push(0, 1, &[0, 0]);
+    h.poll();
+    h.result(0, 0, 1);
+    // The same chunk again, with other values: counted, not written.
+    h.result_with(0, 0, 1, &[9.0; ELEMS]);
+    assert_eq!(h.stats.snapshot().results_ignored, 1);
+    // Another round, another element count, another slot: not this chunk's.
+    h.result(0, 1, 2);
+    h.result_with(0, 1, 1, &[1.0; ELEMS - 1]);
+    let mut r = repr(MsgType::Result, APPLIANCE_RANK, 0, 1, 1, ELEMS);
+    r.slot += 1;
+    h.t.handle_datagram(h.now, &datagram(&r, &expected(0, 1, 1)));
+    assert_eq!(h.stats.snapshot().results_ignored, 4);
+    // Another job's token, a PUSH, a RESULT not from the appliance, junk:
+    // not this job's at all.
+    for (i, mut r) in [
+        repr(MsgType::Result, APPLIANCE_RANK, 0, 1, 1, ELEMS),
+        repr(MsgType::Push, APPLIANCE_RANK, 0, 1, 1, ELEMS),
+        repr(MsgType::Result, RANK, 0, 1, 1, ELEMS),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if i == 0 {
+            r.token ^= 1;
+        }
+        h.t.handle_datagram(h.now, &datagram(&r, &expected(0, 1, 1)));
+    }
+    h.t.handle_datagram(h.now, b"not a phub datagram");
+    assert!(h.ended().is_empty());
+    h.result(0, 1, 1);
+    assert_eq!(h.completed(), [(0, 1, expected_key(0, 2, 1))]);
+    // Once the request is done, a late duplicate finds nothing to fill.
+    h.result(0, 1, 1);
+    let s = h.stats.snapshot();
+    assert_eq!(
+        (s.results_accepted, s.results_ignored, s.foreign_dropped),
+        (2, 5, 4)
+    );
+}
+
+#[test]
+fn a_lost_chunk_is_resent_once_three_later_results_are_in_and_not_sampled() {
+    let mut h = Harness::new(16);
+    // Chunks 0-5 to lcore 0 (sequence numbers 1-6), 6-9 to lcore 1.
+    h.push(0, 1, &[0, 0, 0, 0, 0, 0, 1, 1, 1, 1]);
+    assert_eq!(h.poll().len(), 10);
+    h.at(10);
+    // Chunk 0 is lost. Lcore 1's results say nothing about lcore 0.
+    for c in [6, 7, 8, 9, 1, 2] {
+        h.result(0, c, 1);
+        assert_eq!(h.poll(), [], "after chunk {c}");
+    }
+    // The third later result from lcore 0: chunk 0 goes again, at once.
+    h.result(0, 3, 1);
+    let resent = h.poll();
+    assert_eq!(resent.len(), 1);
+    assert_eq!(resent[0].chunk(), (0, 0));
+    assert!(resent[0].retransmit());
+    assert_eq!(resent[0].values, grad(0, 0, 1));
+    for c in [4, 5] {
+        h.result(0, c, 1);
+        assert_eq!(h.poll(), [], "chunk 0 is resent once");
+    }
+    let s = h.stats.snapshot();
+    assert_eq!((s.retransmits, s.fast_retransmits), (1, 1));
+    assert_eq!(s.srtt_us, 10_000);
+    // Its result, much later, is not a round-trip sample (Karn's rule).
+    h.at(500);
+    h.result(0, 0, 1);
+    assert_eq!(h.completed(), [(0, 1, expected_key(0, 10, 1))]);
+    assert_eq!(h.stats.snapshot().srtt_us, 10_000);
+}
+
+#[test]
+fn the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result() {
+    // Before any sample the loss timer is the initial RTO: 50 ms, then
+    // 100, 200, 400 ms.
+    let mut h = Harness::new(16);
+    for key in 0..4 {
+        h.at(u64::from(key));
+        h.push(key, 1, &[0]);
+        assert_eq!(h.poll_chunks(), [(key, 0)]);
+    }
+    let probes = |h: &mut Harness, at: u64| {
+        h.at(at);
+        let queued = h.tick();
+        let mut keys: Vec<u32> = h.poll().iter().map(|s| s.repr.key).collect();
+        assert_eq!(queued, !keys.is_empty());
+        keys.sort_unstable();
+        keys
+    };
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 50 * MS));
+    assert_eq!(probes(&mut h, 49), [] as [u32; 0]);
+    // The first silence: the oldest chunk alone.
+    assert_eq!(probes(&mut h, 50), [0]);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 150 * MS));
+    assert_eq!(probes(&mut h, 149), [] as [u32; 0]);
+    // The second: the two oldest; the third: four.
+    assert_eq!(probes(&mut h, 150), [0, 1]);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 350 * MS));
+    assert_eq!(probes(&mut h, 349), [] as [u32; 0]);
+    assert_eq!(probes(&mut h, 350), [0, 1, 2, 3]);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 750 * MS));
+    assert_eq!(h.stats.snapshot().retransmits, 7);
+    assert!(h.t.silent());
+    // A result ends the silence: the timer is back to 50 ms after it, one
+    // probe again, of the oldest chunk whose own timer has run out (keys 2
+    // and 3 were last sent with 100 ms, key 1 with 200 ms).
+    h.at(400);
+    h.result(0, 0, 1);
+    assert!(!h.t.silent());
+    assert_eq!(h.completed(), [(0, 1, expected_key(0, 1, 1))]);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 450 * MS));
+    assert_eq!(probes(&mut h, 449), [] as [u32; 0]);
+    assert_eq!(probes(&mut h, 450), [2]);
+    assert_eq!(h.stats.snapshot().retransmits, 8);
+    assert_eq!(h.stats.snapshot().fast_retransmits, 0);
+}
+
+#[test]
+fn results_flowing_again_end_a_chunks_back_off() {
+    let mut h = Harness::new(16);
+    h.push(0, 1, &[0]);
+    h.poll();
+    h.at(1);
+    h.push(1, 1, &[0]);
+    h.poll();
+    // Three silences back both chunks off (probes at 50, 150, 350 ms):
+    // their own timers now run out at 750 and 550 ms.
+    for (at, want) in [(50, &[0][..]), (150, &[0, 1]), (350, &[0, 1])] {
+        h.at(at);
+        assert!(h.tick());
+        let mut keys: Vec<u32> = h.poll().iter().map(|s| s.repr.key).collect();
+        keys.sort_unstable();
+        assert_eq!(keys, want, "at {at} ms");
+    }
+    // Another key's result (a 10 ms round trip: a 20 ms loss timer) shows
+    // the path works: the backed-off chunks get the base timer again,
+    // from the first scan after it (390 ms), so they are late at 410 ms.
+    h.at(360);
+    h.push(2, 1, &[0]);
+    assert_eq!(h.poll_chunks(), [(2, 0)]);
+    h.at(370);
+    h.result(2, 0, 1);
+    assert_eq!(h.completed().len(), 1);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 390 * MS));
+    h.at(390);
+    assert!(!h.tick());
+    h.at(409);
+    assert!(!h.tick());
+    h.at(410);
+    assert!(h.tick());
+    assert_eq!(h.poll_chunks(), [(0, 0)], "the oldest first");
+}
+
+#[test]
+fn the_loss_timer_follows_the_measured_round_trip() {
+    let mut h = Harness::new(16);
+    h.push(0, 1, &[0]);
+    h.poll();
+    h.at(4);
+    h.result(0, 0, 1);
+    assert_eq!(h.completed().len(), 1);
+    assert_eq!(h.t.poll_timeout(), None, "no timer while idle");
+    // Smallest round trip 4 ms: a chunk sent now is late 8 ms later.
+    h.at(10);
+    h.push(1, 1, &[0]);
+    assert_eq!(h.poll_chunks(), [(1, 0)]);
+    assert_eq!(h.t.poll_timeout(), Some(h.t0 + 18 * MS));
+    h.at(17);
+    assert!(!h.tick());
+    h.at(18);
+    assert!(h.tick());
+    assert_eq!(h.poll_chunks(), [(1, 0)]);
+}
+
+#[test]
+fn requests_time_out_after_a_silence_of_timeout() {
+    let config = WorkerConfig {
+        timeout: Duration::from_millis(300),
+        ..WorkerConfig::default()
+    };
+    let mut h = Harness::with(2, config);
+    h.push(0, 4, &[0, 1, 1]);
+    h.poll();
+    let mut at = 0;
+    while h.ended().is_empty() {
+        let next = h.t.poll_timeout().expect("a timer while busy");
+        assert!(next <= h.t0 + 300 * MS, "the timeout is a timer too");
+        at = (next - h.t0).as_millis() as u64;
+        h.at(at);
+        h.tick();
+        h.poll();
+        assert!(at <= 300);
+    }
+    assert_eq!(at, 300);
+    let mut ended = Vec::new();
+    h.t.close();
+    assert!(h.t.poll_done().is_none(), "nothing left to close");
+    h.push(1, 1, &[0]);
+    h.t.close();
+    ended.extend(h.ended());
+    assert!(matches!(ended[..], [(1, Err(WorkerError::Closed))]), "{ended:?}");
+    assert_eq!(h.stats.snapshot().timeouts, 1);
+}
+
+#[test]
+fn a_timeout_names_the_ports_still_waited_for() {
+    let config = WorkerConfig {
+        timeout: Duration::from_millis(100),
+        ..WorkerConfig::default()
+    };
+    let mut h = Harness::with(2, config);
+    // Chunk 0 answered; chunk 1 (lcore 1) outstanding, chunk 2 (lcore 2)
+    // never sent: the window holds two.
+    h.push(0, 4, &[0, 1, 2]);
+    h.poll();
+    h.result(0, 0, 4);
+    assert_eq!(h.poll_chunks(), [(0, 2)]);
+    h.result(0, 2, 4);
+    h.at(100);
+    h.tick();
+    match &h.ended()[..] {
+        [(
+            0,
+            Err(WorkerError::Timeout {
+                key: 0,
+                round: 4,
+                addrs,
+                missing: 1,
+                chunks: 3,
+                waited,
+            }),
+        )] => {
+            assert_eq!(addrs, &[lcore_addr(1)]);
+            assert_eq!(*waited, 100 * MS);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(!h.t.busy() && h.poll().is_empty());
+}
+
+#[test]
+fn an_error_fails_its_request_and_one_for_another_round_is_ignored() {
+    let mut h = Harness::new(2);
+    h.push(0, 3, &[0, 0, 0]);
+    h.push(1, 3, &[0]);
+    assert_eq!(h.poll().len(), 2);
+    let mut e = repr(MsgType::Error, RANK, 0, 1, 2, 0);
+    e.error = DropReason::SlotOutOfRange.code();
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    assert!(h.ended().is_empty(), "round 2's error is not round 3's");
+    assert_eq!(h.stats.snapshot().results_ignored, 1);
+    e.round = 3;
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    match &h.ended()[..] {
+        [(
+            0,
+            Err(WorkerError::Refused {
+                key: 0,
+                chunk: 1,
+                round: 3,
+                reason,
+                hint,
+            }),
+        )] => {
+            assert_eq!(reason, "slot_out_of_range");
+            assert!(hint.contains("rejoin"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(h.stats.snapshot().errors, 1);
+    // Its chunks left the window: the next request's go out.
+    assert_eq!(h.poll_chunks(), [(1, 0)]);
+    h.result(0, 0, 3);
+    assert_eq!(h.stats.snapshot().results_ignored, 2);
+}
 
 #[test]
 fn error_codes_are_named() {
     assert_eq!(describe(15).0, "count_mismatch");
     assert!(describe(19).1.contains("restarted"));
     assert_eq!(describe(999).0, "unknown error code 999");
+}
+
+/// A small deterministic generator (xorshift64*).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    /// True with probability `p`.
+    fn chance(&mut self, p: f64) -> bool {
+        (self.next() >> 11) as f64 / (1u64 << 53) as f64 >= 1.0 - p
+    }
+
+    fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}
+
+/// Runs `rounds` rounds of `keys` keys of 8 chunks over 2 lcores through
+/// a path that loses, duplicates and delays by 50 us plus up to
+/// `jitter_us` (so reorders) datagrams both ways, in steps of 100 us; the simulated appliance answers every PUSH
+/// with its RESULT. Returns the counters and the simulated time taken.
+fn simulate(
+    seed: u64,
+    loss: f64,
+    dup: f64,
+    jitter_us: u64,
+    rounds: u32,
+    keys: u32,
+) -> (crate::WorkerStats, Duration) {
+    const STEP: Duration = Duration::from_micros(100);
+    let mut h = Harness::new(6);
+    let mut rng = Rng(seed | 1);
+    // Datagrams in flight: (arrival, is a result, bytes).
+    let mut in_flight: Vec<(Instant, bool, Vec<u8>)> = Vec::new();
+    let mut round = vec![0u32; keys as usize];
+    let mut busy = vec![false; keys as usize];
+    let lcores = [0, 1, 0, 1, 0, 1, 0, 1];
+    let send = |rng: &mut Rng, in_flight: &mut Vec<_>, now: Instant, result: bool, d: Vec<u8>| {
+        if rng.chance(loss) {
+            return;
+        }
+        let copies = if rng.chance(dup) { 2 } else { 1 };
+        for _ in 0..copies {
+            let latency = Duration::from_micros(50 + rng.below(jitter_us + 1));
+            in_flight.push((now + latency, result, d.clone()));
+        }
+    };
+    for step in 0..2_000_000u32 {
+        if round.iter().all(|&r| r == rounds) && !busy.iter().any(|&b| b) {
+            return (h.stats.snapshot(), h.now - h.t0);
+        }
+        h.now = h.t0 + STEP * step;
+        for k in 0..keys as usize {
+            if !busy[k] && round[k] < rounds {
+                round[k] += 1;
+                busy[k] = true;
+                h.push(k as u32, round[k], &lcores);
+            }
+        }
+        h.tick();
+        let now = h.now;
+        for s in h.poll() {
+            assert_eq!(s.values, grad(s.repr.key, s.repr.chunk, s.repr.round));
+            let r = repr(
+                MsgType::Result,
+                APPLIANCE_RANK,
+                s.repr.key,
+                s.repr.chunk,
+                s.repr.round,
+                ELEMS,
+            );
+            send(&mut rng, &mut in_flight, now, false, datagram(&r, &s.values));
+        }
+        // Deliver what has arrived, in arrival order: the appliance turns
+        // a PUSH into its RESULT, the worker handles RESULTs.
+        in_flight.sort_by_key(|w| w.0);
+        let arrived = in_flight.partition_point(|w| w.0 <= now);
+        for (_, result, d) in in_flight.drain(..arrived).collect::<Vec<_>>() {
+            if result {
+                h.t.handle_datagram(now, &d);
+            } else {
+                let (mut r, payload) = wire::parse(&d).unwrap();
+                let mut values = vec![0f32; ELEMS];
+                codec::decode(Dtype::F32, payload, &mut values);
+                values.iter_mut().for_each(|v| *v *= 2.0);
+                r.kind = MsgType::Result;
+                r.flags = 0;
+                send(&mut rng, &mut in_flight, now, true, datagram(&r, &values));
+            }
+        }
+        for (key, r, values) in h.completed() {
+            let k = key as usize;
+            assert_eq!(
+                (r, values),
+                (round[k], expected_key(key, 8, round[k])),
+                "key {key}"
+            );
+            busy[k] = false;
+        }
+    }
+    panic!("{rounds} rounds did not complete");
+}
+
+#[test]
+fn a_lossy_duplicating_reordering_path_completes_every_round() {
+    let mut seen = BTreeSet::new();
+    for seed in 1..=4 {
+        let (s, took) = simulate(seed, 0.1, 0.05, 2000, 20, 3);
+        assert_eq!(s.results_accepted, 20 * 3 * 8, "seed {seed}");
+        assert_eq!(s.chunks_sent, 20 * 3 * 8, "seed {seed}");
+        assert!(s.retransmits > 0 && s.fast_retransmits > 0, "seed {seed}: {s:?}");
+        assert!(
+            s.results_ignored > 0,
+            "seed {seed}: duplicates are ignored, {s:?}"
+        );
+        assert_eq!((s.timeouts, s.errors, s.foreign_dropped), (0, 0, 0));
+        assert!(took < Duration::from_secs(20), "seed {seed}: {took:?}");
+        seen.insert(s.retransmits);
+    }
+    assert!(seen.len() > 1, "the seeds draw different paths");
+    // Without faults and jitter nothing is resent or ignored.
+    let (s, _) = simulate(9, 0.0, 0.0, 0, 5, 2);
+    assert_eq!((s.retransmits, s.results_ignored), (0, 0));
 }
