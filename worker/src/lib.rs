@@ -370,11 +370,7 @@ impl Worker {
             })?,
             Err(ureq::Error::Status(status, resp)) => {
                 let body = resp.into_string().unwrap_or_default();
-                let message = match serde_json::from_str::<ApiError>(&body) {
-                    Ok(e) => e.error,
-                    Err(_) if body.trim().is_empty() => "(no error message in the answer)".to_string(),
-                    Err(_) => body.trim().to_string(),
-                };
+                let message = ApiError::message_of(&body);
                 return Err(WorkerError::Join { url, status, message });
             }
             Err(e) => {
