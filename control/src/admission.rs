@@ -19,6 +19,11 @@ pub enum AdmitError {
     /// The dataplane reports no lcores at all.
     #[error("the dataplane has no lcores to place the job's chunks on")]
     NoLcores,
+    /// The dataplane reports more lcores than a chunk's place can name.
+    #[error(
+        "the dataplane reports {0} lcores; a chunk's place names its lcore by a u16, so at most {MAX_LCORES}"
+    )]
+    TooManyLcores(usize),
     /// The job's slot memory exceeds what the dataplane has free.
     #[error(
         "job needs {} of slot memory; the dataplane has {} free of {}",
@@ -39,6 +44,10 @@ pub enum AdmitError {
     NoIds,
 }
 
+/// Most lcores a dataplane may report: a chunk's [`Place`] names its lcore
+/// by a `u16`.
+pub const MAX_LCORES: usize = 1 << 16;
+
 /// Where an admitted job goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Plan {
@@ -52,9 +61,11 @@ pub struct Plan {
 
 /// The lcores (indices into `info.lcores`) a new job may use: all of them,
 /// or, when the NIC's NUMA node is known and the lcores span more than one
-/// node, those on the NIC's node (all of them if none is on it).
+/// node, those on the NIC's node (all of them if none is on it). Only the
+/// first [`MAX_LCORES`] are candidates ([`plan`] refuses a dataplane with
+/// more).
 pub fn choose_lcores(info: &DataplaneInfo) -> Vec<u16> {
-    let all: Vec<u16> = (0..info.lcores.len() as u16).collect();
+    let all: Vec<u16> = (0..=u16::MAX).take(info.lcores.len()).collect();
     let Some(nic) = info.nic_numa_node else {
         return all;
     };
@@ -65,9 +76,9 @@ pub fn choose_lcores(info: &DataplaneInfo) -> Vec<u16> {
     let local: Vec<u16> = info
         .lcores
         .iter()
-        .enumerate()
-        .filter(|(_, l)| l.numa_node == Some(nic))
-        .map(|(i, _)| i as u16)
+        .zip(0..=u16::MAX)
+        .filter(|(l, _)| l.numa_node == Some(nic))
+        .map(|(_, i)| i)
         .collect();
     if local.is_empty() {
         all
@@ -147,6 +158,9 @@ pub fn plan<'a>(
     if info.lcores.is_empty() {
         return Err(AdmitError::NoLcores);
     }
+    if info.lcores.len() > MAX_LCORES {
+        return Err(AdmitError::TooManyLcores(info.lcores.len()));
+    }
     let need = job_bytes(spec);
     let free = info.memory_budget_bytes.saturating_sub(info.memory_used_bytes);
     if need > free {
@@ -159,12 +173,13 @@ pub fn plan<'a>(
     let load = loads(info.lcores.len(), admitted);
     let chosen = choose_lcores(info);
     let layout = place(spec, &load, &chosen);
+    // One entry per dataplane lcore, at most MAX_LCORES (checked above).
     let lcores = layout
         .lcores
         .iter()
-        .enumerate()
-        .filter(|(_, s)| !s.is_empty())
-        .map(|(i, _)| i as u16)
+        .zip(0..=u16::MAX)
+        .filter(|(s, _)| !s.is_empty())
+        .map(|(_, i)| i)
         .collect();
     Ok(Plan {
         layout,
@@ -179,6 +194,8 @@ pub fn free_id(taken: impl Fn(u16) -> bool) -> Result<u16, AdmitError> {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
     use phub_proto::api::{DataAddr, LcoreInfo};
@@ -254,6 +271,11 @@ mod tests {
         assert_eq!(
             plan(&s, &info(&[], None, 1 << 30, 0), []).unwrap_err(),
             AdmitError::NoLcores
+        );
+        let many = vec![None; MAX_LCORES + 1];
+        assert_eq!(
+            plan(&s, &info(&many, None, 1 << 30, 0), []).unwrap_err(),
+            AdmitError::TooManyLcores(MAX_LCORES + 1)
         );
     }
 

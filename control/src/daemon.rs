@@ -765,6 +765,9 @@ impl Shared {
         let live = stats.as_ref().and_then(|s| s.jobs.iter().find(|j| j.id == id));
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+        // Cast: r < workers <= MAX_WORKERS (256), checked by JobSpec::validate
+        // on admission and on loading the state file.
+        #[allow(clippy::cast_possible_truncation)]
         let ranks = (0..job.spec.workers)
             .map(|r| {
                 let rank = r as u16;
@@ -823,6 +826,10 @@ impl Shared {
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
         let bytes = bytes_per_lcore(&job.spec, &job.layout);
+        // Cast: i < the layout's lcore count, at most admission::MAX_LCORES
+        // (2^16, checked by admission::plan and on loading the state file);
+        // slots on one lcore stay far below 2^32 (see phub_proto::layout).
+        #[allow(clippy::cast_possible_truncation)]
         let lcores = job
             .layout
             .lcores
@@ -836,6 +843,8 @@ impl Shared {
                 bytes: bytes[i],
             })
             .collect();
+        // Cast: k < MAX_KEYS (2^20), checked by JobSpec::validate.
+        #[allow(clippy::cast_possible_truncation)]
         let keys = job
             .spec
             .keys
@@ -1042,7 +1051,7 @@ fn checkpoint_path(state: &std::path::Path, id: u16) -> PathBuf {
 fn unix_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// The checkpoints found beside the state file for the admitted jobs.
@@ -1060,7 +1069,7 @@ fn load_checkpoints(
                     .and_then(|m| m.modified())
                     .ok()
                     .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                    .map_or(0, |d| d.as_millis() as u64);
+                    .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
                 out.insert(
                     id,
                     CheckpointInfo {

@@ -20,6 +20,10 @@
 //! and never half-installed; job ids and tokens never change once given;
 //! control never removes a job on its own.
 #![forbid(unsafe_code)]
+// Casts that may truncate or drop a sign are checked here rather than in
+// Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
+// lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod admission;
 pub mod cli;

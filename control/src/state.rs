@@ -101,6 +101,14 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
         job.spec
             .validate()
             .map_err(|e| corrupt(format!("job {}: {e}", job.id)))?;
+        if job.layout.lcores.len() > crate::admission::MAX_LCORES {
+            return Err(corrupt(format!(
+                "job {}: layout has {} lcores, more than the {} a place can name",
+                job.id,
+                job.layout.lcores.len(),
+                crate::admission::MAX_LCORES
+            )));
+        }
         let chunks: usize = job.layout.keys.iter().map(Vec::len).sum();
         if job.layout.keys.len() != job.spec.keys.len() || chunks != job.layout.chunk_count() {
             return Err(corrupt(format!("job {}: layout does not match its spec", job.id)));

@@ -139,6 +139,14 @@ pub enum EngineError {
         /// The job's dtype.
         dtype: Dtype,
     },
+    /// More slots than a `u32` slot index can name.
+    #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
+    TooManySlots {
+        /// Job id.
+        id: u16,
+        /// Slots given.
+        slots: usize,
+    },
 }
 
 /// Where a contribution's elements are: for a message with SHM, in the
@@ -584,6 +592,9 @@ impl<'a, A: Copy> Ranks<'a, A> {
 
 impl<A: Copy> Iterator for Ranks<'_, A> {
     type Item = A;
+    // Cast: r indexes a job's endpoints, one per rank, fewer than
+    // MAX_WORKERS (256, checked in Shard::install_with).
+    #[allow(clippy::cast_possible_truncation)]
     fn next(&mut self) -> Option<A> {
         if let Some(a) = self.one.take() {
             return Some(a);
@@ -687,7 +698,17 @@ impl<A: Copy + Eq> Shard<A> {
                 workers: job.workers,
             });
         }
+        if u32::try_from(job.slots.len()).is_err() {
+            return Err(EngineError::TooManySlots {
+                id: job.id,
+                slots: job.slots.len(),
+            });
+        }
+        // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
+        #[allow(clippy::cast_possible_truncation)]
         let max = (MAX_PAYLOAD / job.dtype.size()) as u32;
+        // Cast: i < job.slots.len(), which fits a u32 (checked above).
+        #[allow(clippy::cast_possible_truncation)]
         if let Some((i, s)) = job
             .slots
             .iter()
@@ -881,6 +902,9 @@ impl<A: Copy + Eq> Shard<A> {
                 });
             }
         }
+        // Cast (here and in the loop below): i < j.slots.len(), which fits
+        // a u32 (checked in install_with).
+        #[allow(clippy::cast_possible_truncation)]
         for (i, (slot, st)) in j.slots.iter_mut().zip(state).enumerate() {
             slot.completed = st.completed.unwrap_or(NO_ROUND);
             slot.contributed = RankSet::default();
@@ -912,6 +936,7 @@ impl<A: Copy + Eq> Shard<A> {
             }
         }
         if let Some(shm) = &mut j.shm {
+            #[allow(clippy::cast_possible_truncation)]
             for (i, slot) in j.slots.iter().enumerate() {
                 if slot.completed != NO_ROUND && slot.result != ResultKind::Region {
                     shm.publish(i as u32, slot.result_bytes(i as u32, None));
@@ -1232,6 +1257,8 @@ impl<A: Copy + Eq> Shard<A> {
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];
         };
+        // Cast: s.elems <= MAX_PAYLOAD / dtype size (checked in install_with).
+        #[allow(clippy::cast_possible_truncation)]
         let repr = Repr {
             kind: MsgType::Result,
             dtype: j.dtype,
@@ -1300,6 +1327,8 @@ enum Step {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 

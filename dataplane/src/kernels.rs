@@ -370,6 +370,9 @@ mod x86 {
             /// # Safety
             /// The CPU must support AVX-512 F and BW, and
             /// `src.len() >= acc.len() * size` for this dtype's size.
+            // Cast: the tail mask `$m` has rem <= 15 bits set, so it fits
+            // the 16-bit `__mmask16` (here and in `$mload`).
+            #[allow(clippy::cast_possible_truncation)]
             #[target_feature(enable = "avx512f,avx512bw")]
             unsafe fn $name(acc: &mut [f32], src: &[u8]) {
                 let n = acc.len();
@@ -538,6 +541,8 @@ mod x86 {
             i += 16;
         }
         if i < n {
+            // Cast: n - i <= 15, so the mask has at most 15 bits set.
+            #[allow(clippy::cast_possible_truncation)]
             let m = ((1u32 << (n - i)) - 1) as __mmask16;
             // SAFETY: masked loads and stores touch only out[i..n] and the
             // bytes 4 * i..4 * n of `a` and `b`, which are in bounds (length

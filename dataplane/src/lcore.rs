@@ -74,6 +74,8 @@ impl Clock {
     }
 
     /// Nanoseconds since start (at least 1, so 0 can mean "never").
+    // Cast: u64 nanoseconds cover 584 years of uptime.
+    #[allow(clippy::cast_possible_truncation)]
     pub fn now(&self) -> u64 {
         (self.0.elapsed().as_nanos() as u64).max(1)
     }

@@ -9,6 +9,10 @@
 //! backends (kernel UDP, DPDK) sit on top and share these pieces. With the
 //! kernel-UDP backend, jobs may also get shared-memory regions ([`shm`]) for
 //! workers on the same host, whose chunks then never cross a socket.
+// Casts that may truncate or drop a sign are checked here rather than in
+// Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
+// lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod app;
 pub mod backend;

@@ -278,6 +278,9 @@ impl Manager {
 
     /// `GET /v1/stats`.
     pub fn stats(&self) -> DataplaneStats {
+        // Cast: one handle per running lcore, at most MAX_LCORES (256,
+        // checked in Config::lcore_count).
+        #[allow(clippy::cast_possible_truncation)]
         let lcores = self
             .lcores
             .iter()
@@ -391,11 +394,15 @@ pub fn serve(server: Arc<tiny_http::Server>, mgr: Arc<Manager>, stop: Arc<Atomic
             continue;
         }
         if let (Get, ["v1", "jobs", id, "checkpoint"]) = (&method, parts.as_slice()) {
-            match parse_id(id).and_then(|id| mgr.checkpoint(id)) {
-                Ok(c) => {
+            let encoded = parse_id(id).and_then(|id| {
+                let c = mgr.checkpoint(id)?;
+                c.encode().map_err(|e| err(500, format!("job {id}: {e}")))
+            });
+            match encoded {
+                Ok(bytes) => {
                     let header = tiny_http::Header::from_bytes("Content-Type", "application/octet-stream")
                         .expect("static header");
-                    let _ = req.respond(tiny_http::Response::from_data(c.encode()).with_header(header));
+                    let _ = req.respond(tiny_http::Response::from_data(bytes).with_header(header));
                 }
                 Err(e) => respond(req, e.status, error_body(e.message)),
             }

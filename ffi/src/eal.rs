@@ -111,7 +111,8 @@ pub fn init<S: AsRef<str>>(args: &[S]) -> Result<Eal> {
             .chain(std::iter::once(std::ptr::null_mut()))
             .collect(),
     );
-    let argc = (argv.len() - 1) as i32;
+    let argc = i32::try_from(argv.len() - 1)
+        .map_err(|_| Error::Invalid(format!("{} EAL arguments: at most {}", argv.len() - 1, i32::MAX)))?;
     // SAFETY: argv holds argc valid NUL-terminated strings followed by a
     // NULL, all leaked ('static); STATE's lock makes this the only call of
     // rte_eal_init in the process.
@@ -342,25 +343,21 @@ impl Eal {
         let c = CString::new(name).map_err(|_| Error::Invalid(format!("port name {name:?} contains NUL")))?;
         let rxp: Vec<*mut sys::rte_ring> = rx.iter().map(Ring::as_ptr).collect();
         let txp: Vec<*mut sys::rte_ring> = tx.iter().map(Ring::as_ptr).collect();
+        let count = |n: usize| {
+            u32::try_from(n)
+                .map_err(|_| Error::Invalid(format!("port {name}: {n} rings, at most {}", u32::MAX)))
+        };
+        let (nrx, ntx) = (count(rxp.len())?, count(txp.len())?);
         // SAFETY: the ring pointers are live rings (kept alive for the
         // process just below); the arrays hold the stated counts.
-        let rc = unsafe {
-            sys::rte_eth_from_rings(
-                c.as_ptr(),
-                rxp.as_ptr(),
-                rxp.len() as u32,
-                txp.as_ptr(),
-                txp.len() as u32,
-                socket,
-            )
-        };
-        if rc < 0 {
+        let rc = unsafe { sys::rte_eth_from_rings(c.as_ptr(), rxp.as_ptr(), nrx, txp.as_ptr(), ntx, socket) };
+        let Ok(id) = u16::try_from(rc) else {
             return Err(Error::call(format!("rte_eth_from_rings({name})"), 0));
-        }
+        };
         let mut keep = RING_PORT_RINGS.lock().unwrap_or_else(|p| p.into_inner());
         keep.extend(rx.iter().cloned());
         keep.extend(tx.iter().cloned());
-        Ok(rc as u16)
+        Ok(id)
     }
 }
 

@@ -131,14 +131,12 @@ impl Mbuf {
     /// single segment held by no one else, or when the chain would exceed
     /// DPDK's segment limit.
     pub fn chain_shared(self, tail: Mbuf) -> Result<Mbuf, (Mbuf, Mbuf)> {
-        let segs = u32::from(tail.nb_segs()) + 1;
-        let len = u64::from(self.pkt_len()) + u64::from(tail.pkt_len());
-        if self.nb_segs() != 1
-            || self.refcnt() != 1
-            || !self.is_direct()
-            || segs > u32::from(u16::MAX)
-            || len > u64::from(u32::MAX)
-        {
+        let segs = tail.nb_segs().checked_add(1);
+        let len = self.pkt_len().checked_add(tail.pkt_len());
+        let (Some(segs), Some(len)) = (segs, len) else {
+            return Err((self, tail));
+        };
+        if self.nb_segs() != 1 || self.refcnt() != 1 || !self.is_direct() {
             return Err((self, tail));
         }
         let h = self.as_ptr();
@@ -148,8 +146,8 @@ impl Mbuf {
         // below), and tail's own fields are only read.
         unsafe {
             std::ptr::addr_of_mut!((*h).next).write(tail.into_raw().as_ptr());
-            std::ptr::addr_of_mut!((*h).nb_segs).write(segs as u16);
-            std::ptr::addr_of_mut!((*h).pkt_len).write(len as u32);
+            std::ptr::addr_of_mut!((*h).nb_segs).write(segs);
+            std::ptr::addr_of_mut!((*h).pkt_len).write(len);
         }
         Ok(self)
     }
@@ -380,11 +378,15 @@ pub fn free_bulk(v: &mut Vec<Mbuf>) {
     if v.is_empty() {
         return;
     }
+    // Cast: each Mbuf is a distinct live mbuf of a mempool, 128 bytes of
+    // struct plus its data room, so far fewer than 2^32 exist at once.
+    #[allow(clippy::cast_possible_truncation)]
+    let n = v.len() as u32;
     // SAFETY: Mbuf is repr(transparent) over a non-null mbuf pointer, so the
     // vector's buffer is an array of v.len() owned mbuf pointers; after the
     // call they are freed, so the vector forgets them without dropping.
     unsafe {
-        sys::rte_pktmbuf_free_bulk(v.as_mut_ptr().cast::<*mut sys::rte_mbuf>(), v.len() as u32);
+        sys::rte_pktmbuf_free_bulk(v.as_mut_ptr().cast::<*mut sys::rte_mbuf>(), n);
         v.set_len(0);
     }
 }

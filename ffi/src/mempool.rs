@@ -113,16 +113,16 @@ impl Mempool {
         for s in out.iter_mut() {
             *s = None;
         }
+        // More than any pool holds (its size is a u32): too few.
+        let Ok(n) = u32::try_from(out.len()) else {
+            return false;
+        };
         // SAFETY: Option<Mbuf> has the layout of a nullable mbuf pointer
         // (checked at compile time in mbuf.rs); the slots are all None, so
         // nothing is leaked when DPDK writes them; on failure it writes
         // nothing.
         let rc = unsafe {
-            sys::phub_pktmbuf_alloc_bulk(
-                self.as_ptr(),
-                out.as_mut_ptr().cast::<*mut sys::rte_mbuf>(),
-                out.len() as u32,
-            )
+            sys::phub_pktmbuf_alloc_bulk(self.as_ptr(), out.as_mut_ptr().cast::<*mut sys::rte_mbuf>(), n)
         };
         rc == 0
     }

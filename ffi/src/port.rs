@@ -110,6 +110,8 @@ pub fn info(eal: Eal, port: u16) -> Result<PortInfo> {
     } else {
         18
     };
+    // Cast: at most i.max_mtu, a u16, by the min.
+    #[allow(clippy::cast_possible_truncation)]
     let max_mtu = u32::from(i.max_mtu).min(i.max_rx_pktlen.saturating_sub(overhead)) as u16;
     let mut mac = sys::rte_ether_addr::default();
     // SAFETY: valid port and out structure.
@@ -371,7 +373,7 @@ impl PortBuilder {
             );
         }
         let dinfo = dev_info(id)?;
-        let socket = info.socket.unwrap_or(sys::SOCKET_ID_ANY as u32);
+        let socket = info.socket.unwrap_or(sys::SOCKET_ID_ANY.cast_unsigned());
         for qi in 0..q {
             let mut rxconf = dinfo.default_rxconf;
             rxconf.offloads = rx_offloads;
@@ -550,7 +552,7 @@ impl RxQueue {
         for s in out.iter_mut() {
             *s = None;
         }
-        let n = out.len().min(u16::MAX as usize) as u16;
+        let n = u16::try_from(out.len()).unwrap_or(u16::MAX);
         // SAFETY: the port is started and this handle is the only user of
         // the queue (handed out once, &mut self); `out` is an array of
         // nullable mbuf pointers (Option<Mbuf> layout), all None, into which
@@ -585,7 +587,7 @@ impl TxQueue {
         if pkts.is_empty() {
             return 0;
         }
-        let n = pkts.len().min(u16::MAX as usize) as u16;
+        let n = u16::try_from(pkts.len()).unwrap_or(u16::MAX);
         // SAFETY: started port, queue used by this handle only; pkts' buffer
         // is an array of owned mbuf pointers (Mbuf is transparent); the
         // first `sent` move to the driver and are removed from pkts without

@@ -57,7 +57,7 @@ fn dequeue(ring: NonNull<sys::rte_ring>, out: &mut [Option<Mbuf>]) -> usize {
         sys::phub_ring_dequeue_burst(
             ring.as_ptr(),
             out.as_mut_ptr().cast::<*mut std::ffi::c_void>(),
-            out.len() as u32,
+            u32::try_from(out.len()).unwrap_or(u32::MAX),
         ) as usize
     }
 }
@@ -158,7 +158,7 @@ impl Ring {
             let n = sys::phub_ring_enqueue_burst(
                 self.as_ptr(),
                 v.as_ptr().cast::<*mut std::ffi::c_void>(),
-                v.len() as u32,
+                u32::try_from(v.len()).unwrap_or(u32::MAX),
             ) as usize;
             let rest = v.len() - n;
             std::ptr::copy(v.as_ptr().add(n), v.as_mut_ptr(), rest);

@@ -15,6 +15,10 @@
 //!
 //! Unsafe: the two batch calls are `unsafe fn`s (the kernel follows the raw
 //! pointers in the headers they are given); everything else is safe to call.
+// Casts that may truncate or drop a sign are checked here rather than in
+// Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
+// lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod shm;
 
@@ -142,7 +146,7 @@ pub fn set_rx_header<A>(
     gro: bool,
 ) {
     h.msg_hdr.msg_name = (name as *mut A).cast();
-    h.msg_hdr.msg_namelen = std::mem::size_of::<A>() as libc::socklen_t;
+    h.msg_hdr.msg_namelen = socklen::<A>();
     h.msg_hdr.msg_iov = iov;
     h.msg_hdr.msg_iovlen = 1;
     h.msg_hdr.msg_control = cmsg.0.as_mut_ptr().cast();
@@ -193,7 +197,7 @@ pub fn setsockopt_int(
             level,
             name,
             (&v as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            socklen::<libc::c_int>(),
         )
     };
     if r == 0 {
@@ -203,10 +207,19 @@ pub fn setsockopt_int(
     }
 }
 
+/// `size_of::<T>()` as a `socklen_t`, for the small C values (addresses,
+/// ints) handed to the kernel; a type over 64 KiB fails to compile.
+// Cast: the size is at most 64 KiB by the const assertion.
+#[allow(clippy::cast_possible_truncation)]
+pub const fn socklen<T>() -> libc::socklen_t {
+    const { assert!(std::mem::size_of::<T>() <= 1 << 16) };
+    std::mem::size_of::<T>() as libc::socklen_t
+}
+
 /// Reads an `int` socket option.
 pub fn getsockopt_int(sock: &impl AsFd, level: libc::c_int, name: libc::c_int) -> io::Result<libc::c_int> {
     let mut v: libc::c_int = 0;
-    let mut len = std::mem::size_of::<libc::c_int>() as libc::socklen_t;
+    let mut len = socklen::<libc::c_int>();
     // SAFETY: the descriptor is open; `v` and `len` are live for the call
     // and `len` states v's size.
     let r = unsafe {
@@ -231,7 +244,7 @@ pub fn getsockopt_int(sock: &impl AsFd, level: libc::c_int, name: libc::c_int) -
 /// otherwise. Failure is tolerated: read back what was granted with
 /// [`getsockopt_int`].
 pub fn set_buffers(sock: &impl AsFd, bytes: usize) {
-    let b = bytes.min(i32::MAX as usize / 2) as libc::c_int;
+    let b = libc::c_int::try_from(bytes).map_or(i32::MAX / 2, |b| b.min(i32::MAX / 2));
     for (force, plain) in [
         (libc::SO_RCVBUFFORCE, libc::SO_RCVBUF),
         (libc::SO_SNDBUFFORCE, libc::SO_SNDBUF),
@@ -272,6 +285,8 @@ pub fn poll_readable(sock: &impl AsFd, ms: libc::c_int) -> io::Result<bool> {
 /// An IPv4 address in the kernel's layout.
 pub fn sockaddr_in(a: SocketAddrV4) -> libc::sockaddr_in {
     libc::sockaddr_in {
+        // Cast: AF_INET is 2.
+        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
         sin_family: libc::AF_INET as libc::sa_family_t,
         sin_port: a.port().to_be(),
         sin_addr: libc::in_addr {
@@ -298,7 +313,7 @@ pub fn socket_addr_v4(s: &libc::sockaddr_in) -> SocketAddrV4 {
 /// lengths that nothing else reads or writes during the call and that any
 /// bytes are valid for (plain C data, byte buffers).
 pub unsafe fn recv_mmsg(sock: &impl AsFd, hdrs: &mut [libc::mmsghdr]) -> io::Result<usize> {
-    let len = hdrs.len().min(libc::c_uint::MAX as usize) as libc::c_uint;
+    let len = libc::c_uint::try_from(hdrs.len()).unwrap_or(libc::c_uint::MAX);
     // SAFETY: `hdrs` holds `len` live headers; the caller vouches for the
     // memory they point to.
     let n = unsafe {
@@ -310,14 +325,14 @@ pub unsafe fn recv_mmsg(sock: &impl AsFd, hdrs: &mut [libc::mmsghdr]) -> io::Res
             std::ptr::null_mut(),
         )
     };
-    if n < 0 {
+    let Ok(n) = usize::try_from(n) else {
         let e = io::Error::last_os_error();
         return match e.kind() {
             io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => Ok(0),
             _ => Err(e),
         };
-    }
-    Ok(n as usize)
+    };
+    Ok(n)
 }
 
 /// Sends the messages of `hdrs` with one `sendmmsg` (again if interrupted
@@ -334,13 +349,13 @@ pub unsafe fn send_mmsg(sock: &impl AsFd, hdrs: &mut [libc::mmsghdr]) -> io::Res
     if hdrs.is_empty() {
         return Ok(0);
     }
-    let len = hdrs.len().min(libc::c_uint::MAX as usize) as libc::c_uint;
+    let len = libc::c_uint::try_from(hdrs.len()).unwrap_or(libc::c_uint::MAX);
     loop {
         // SAFETY: `hdrs` holds `len` live headers; the caller vouches for
         // the memory they point to.
         let r = unsafe { libc::sendmmsg(sock.as_fd().as_raw_fd(), hdrs.as_mut_ptr(), len, 0) };
-        if r >= 0 {
-            return Ok(r as usize);
+        if let Ok(n) = usize::try_from(r) {
+            return Ok(n);
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
@@ -370,6 +385,8 @@ pub fn is_unreachable(e: &io::Error) -> bool {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
     use std::net::{SocketAddr, UdpSocket};

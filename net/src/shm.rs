@@ -99,7 +99,7 @@ impl ShmRegion {
                 && st.st_uid == unsafe { libc::geteuid() }
                 && st.st_mode & libc::S_IFMT == libc::S_IFREG
                 && st.st_mode & 0o077 == 0
-                && st.st_size as u64 == len as u64;
+                && usize::try_from(st.st_size).is_ok_and(|size| size == len);
             let r = if ours {
                 Some(Self::map(fd, path, len, true))
             } else {
@@ -128,7 +128,7 @@ impl ShmRegion {
         // SAFETY: fd is open; st is a valid out pointer.
         let r = if unsafe { libc::fstat(fd, &mut st) } != 0 {
             Err(with_path(path, "stat of", io::Error::last_os_error()))
-        } else if st.st_size as u64 != len as u64 {
+        } else if usize::try_from(st.st_size).ok() != Some(len) {
             Err(io::Error::new(
                 io::ErrorKind::InvalidData,
                 format!("{}: {} bytes, expected {len}", path.display(), st.st_size),

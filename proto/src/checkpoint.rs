@@ -50,7 +50,7 @@ pub struct Checkpoint {
     pub lcores: Vec<Vec<SlotState>>,
 }
 
-/// Why a checkpoint could not be read.
+/// Why a checkpoint could not be read (or, [`CheckpointError::TooLarge`], written).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum CheckpointError {
     /// The file ends before the data it announces.
@@ -68,6 +68,14 @@ pub enum CheckpointError {
     /// Slot counts or lengths disagree with the layout.
     #[error("checkpoint does not match its layout: {0}")]
     Mismatch(String),
+    /// Encoding only: a length does not fit the format's 4-byte field.
+    #[error("checkpoint cannot hold {what} of {len}: the format's lengths are 4 bytes")]
+    TooLarge {
+        /// Which length.
+        what: &'static str,
+        /// Its value.
+        len: usize,
+    },
 }
 
 impl Checkpoint {
@@ -82,22 +90,28 @@ impl Checkpoint {
             })
     }
 
-    /// Serialises the checkpoint.
-    pub fn encode(&self) -> Vec<u8> {
+    /// Serialises the checkpoint; fails only if a length does not fit the
+    /// format's 4-byte fields.
+    pub fn encode(&self) -> Result<Vec<u8>, CheckpointError> {
+        fn len(out: &mut Vec<u8>, what: &'static str, len: usize) -> Result<(), CheckpointError> {
+            let n = u32::try_from(len).map_err(|_| CheckpointError::TooLarge { what, len })?;
+            out.extend_from_slice(&n.to_le_bytes());
+            Ok(())
+        }
         let json = serde_json::to_vec(&self.job).expect("InstallJob serialises");
         let mut out = Vec::with_capacity(64 + json.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
-        out.extend_from_slice(&(json.len() as u32).to_le_bytes());
+        len(&mut out, "a job description", json.len())?;
         out.extend_from_slice(&json);
-        out.extend_from_slice(&(self.lcores.len() as u32).to_le_bytes());
+        len(&mut out, "an lcore count", self.lcores.len())?;
         for slots in &self.lcores {
-            out.extend_from_slice(&(slots.len() as u32).to_le_bytes());
+            len(&mut out, "a slot count", slots.len())?;
             for s in slots {
                 out.extend_from_slice(&s.completed.unwrap_or(u32::MAX).to_le_bytes());
                 let rlen = s.result.len() / self.job.spec.dtype.size();
                 for n in [s.params.len(), s.s1.len(), s.s2.len(), rlen] {
-                    out.extend_from_slice(&(n as u32).to_le_bytes());
+                    len(&mut out, "an array length", n)?;
                 }
                 for v in s.params.iter().chain(&s.s1).chain(&s.s2) {
                     out.extend_from_slice(&v.to_le_bytes());
@@ -107,7 +121,7 @@ impl Checkpoint {
         }
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
-        out
+        Ok(out)
     }
 
     /// Reads and checks a checkpoint.
@@ -260,7 +274,7 @@ mod tests {
     #[test]
     fn round_trips_and_refuses_damage() {
         let c = sample();
-        let bytes = c.encode();
+        let bytes = c.encode().unwrap();
         assert_eq!(Checkpoint::decode(&bytes).unwrap(), c);
         assert_eq!(c.round_range(), Some((7, 7)));
         for cut in [0, 7, 12, 40, bytes.len() - 5, bytes.len() - 1] {
@@ -274,7 +288,7 @@ mod tests {
         );
         let mut other = c.clone();
         other.lcores[0][0].s2.clear();
-        let e = Checkpoint::decode(&other.encode()).unwrap_err();
+        let e = Checkpoint::decode(&other.encode().unwrap()).unwrap_err();
         assert!(matches!(e, CheckpointError::Mismatch(_)), "{e}");
     }
 }

@@ -55,6 +55,8 @@ impl Layout {
     }
 
     /// Elements of chunk `chunk` of a key with `elements` elements.
+    // Cast: the result is at most chunk_elems, a u32, by the min.
+    #[allow(clippy::cast_possible_truncation)]
     pub fn chunk_len(&self, elements: u64, chunk: u32) -> u32 {
         let start = u64::from(chunk) * u64::from(self.chunk_elems);
         (elements.saturating_sub(start)).min(u64::from(self.chunk_elems)) as u32
@@ -91,6 +93,8 @@ pub fn chunks_of(elements: u64, chunk_elems: u32) -> u64 {
 /// a tie): full chunks are all the same size, so this balances bytes to
 /// within one chunk and spreads every large key over all lcores.
 ///
+/// `load` has at most 65536 entries: a place names its lcore by a `u16`.
+///
 /// # Panics
 /// If `load` is empty (an appliance has at least one lcore).
 pub fn layout(spec: &JobSpec, load: &mut [u64]) -> Layout {
@@ -100,9 +104,14 @@ pub fn layout(spec: &JobSpec, load: &mut [u64]) -> Layout {
     let mut lcores: Vec<Vec<SlotChunk>> = vec![Vec::new(); load.len()];
     for (k, key) in spec.keys.iter().enumerate() {
         let n = chunks_of(key.elements, chunk_elems);
+        // Cast: n <= MAX_KEY_ELEMENTS (u32::MAX, checked in JobSpec::validate),
+        // and usize is 64 bits on every target phub builds for.
+        #[allow(clippy::cast_possible_truncation)]
         let mut places = Vec::with_capacity(n as usize);
         for c in 0..n {
             let start = c * u64::from(chunk_elems);
+            // Cast: at most chunk_elems, a u32, by the min.
+            #[allow(clippy::cast_possible_truncation)]
             let elems = (key.elements - start).min(u64::from(chunk_elems)) as u32;
             let bytes = slot_bytes(spec.dtype, &spec.optimizer, elems);
             let (lcore, _) = load
@@ -111,16 +120,16 @@ pub fn layout(spec: &JobSpec, load: &mut [u64]) -> Layout {
                 .min_by_key(|&(i, &b)| (b, i))
                 .expect("load is not empty");
             load[lcore] += bytes;
-            let slot = lcores[lcore].len() as u32;
-            lcores[lcore].push(SlotChunk {
-                key: k as u32,
-                chunk: c as u32,
-                elems,
-            });
-            places.push(Place {
-                lcore: lcore as u16,
-                slot,
-            });
+            // Cast: k < MAX_KEYS (2^20) and c < chunks_of(elements) <= u32::MAX,
+            // both checked in JobSpec::validate; lcore < load.len(), one entry
+            // per dataplane lcore (at most MAX_LCORES, 256; admission::plan
+            // refuses more than 65536); slots on one lcore stay far below 2^32,
+            // as each takes slot memory that admission checks against the
+            // dataplane's budget before placing.
+            #[allow(clippy::cast_possible_truncation)]
+            let (key, chunk, lcore16, slot) = (k as u32, c as u32, lcore as u16, lcores[lcore].len() as u32);
+            lcores[lcore].push(SlotChunk { key, chunk, elems });
+            places.push(Place { lcore: lcore16, slot });
         }
         keys.push(places);
     }
@@ -139,6 +148,8 @@ pub fn job_bytes(spec: &JobSpec) -> u64 {
         .iter()
         .map(|k| {
             let full = k.elements / u64::from(c);
+            // Cast: a remainder modulo c, a u32.
+            #[allow(clippy::cast_possible_truncation)]
             let tail = (k.elements % u64::from(c)) as u32;
             full * slot_bytes(spec.dtype, &spec.optimizer, c) + slot_bytes(spec.dtype, &spec.optimizer, tail)
         })
@@ -146,6 +157,8 @@ pub fn job_bytes(spec: &JobSpec) -> u64 {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
     use crate::spec::{Consistency, KeySpec};

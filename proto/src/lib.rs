@@ -5,6 +5,10 @@
 //! chunk layout ([`layout`]). Parsing received bytes never panics and never
 //! allocates.
 #![forbid(unsafe_code)]
+// Casts that may truncate or drop a sign are checked here rather than in
+// Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
+// lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod api;
 pub mod checkpoint;

@@ -34,6 +34,8 @@ pub const MAX_KEY_ELEMENTS: u64 = u32::MAX as u64;
 /// Smallest chunk in bytes.
 pub const MIN_CHUNK_BYTES: u32 = 64;
 /// Largest chunk in bytes: what fits a 9000-byte jumbo frame, a multiple of 64.
+// Cast: MAX_PAYLOAD is below 9000 (asserted in wire.rs).
+#[allow(clippy::cast_possible_truncation)]
 pub const MAX_CHUNK_BYTES: u32 = MAX_PAYLOAD as u32;
 /// Default chunk size in bytes.
 pub const DEFAULT_CHUNK_BYTES: u32 = 8192;
@@ -271,7 +273,10 @@ impl JobSpec {
 
     /// Elements per full chunk.
     pub fn chunk_elems(&self) -> u32 {
-        self.chunk_bytes / self.dtype.size() as u32
+        // Cast: a dtype's size is 2 or 4 bytes.
+        #[allow(clippy::cast_possible_truncation)]
+        let size = self.dtype.size() as u32;
+        self.chunk_bytes / size
     }
 
     /// Checks every field; the first problem found is returned.

@@ -583,6 +583,8 @@ pub fn parse(datagram: &[u8]) -> Result<(Repr, &[u8]), DropReason> {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
     use proptest::prelude::*;

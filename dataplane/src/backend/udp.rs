@@ -189,7 +189,7 @@ impl UdpQueue {
     }
 
     fn wait_readable(&self, wait: Duration) -> io::Result<bool> {
-        let ms = wait.as_millis().min(i32::MAX as u128) as libc::c_int;
+        let ms = libc::c_int::try_from(wait.as_millis()).unwrap_or(libc::c_int::MAX);
         phub_net::poll_readable(&self.sock, ms)
     }
 
@@ -304,7 +304,7 @@ impl UdpQueue {
             }
             let h = &mut self.tx_hdrs[m].msg_hdr;
             h.msg_name = (&mut self.tx_addrs[first.addr as usize] as *mut libc::sockaddr_in).cast();
-            h.msg_namelen = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            h.msg_namelen = phub_net::socklen::<libc::sockaddr_in>();
             // SAFETY: iov_start <= tx_iov.len(), which never exceeds its
             // capacity (2 per datagram, TX_DATAGRAMS datagrams), so the
             // pointer stays inside the allocation, which does not move.
@@ -312,12 +312,17 @@ impl UdpQueue {
             h.msg_iovlen = (self.tx_iov.len() - iov_start) as _;
             h.msg_flags = 0;
             if n > 1 {
+                // Cast: seg is a header and an engine transmit's payload, at
+                // most HEADER_LEN + MAX_PAYLOAD (under 9000) bytes.
+                #[allow(clippy::cast_possible_truncation)]
                 phub_net::set_gso_segment(h, &mut self.tx_cmsg[m], seg as u16);
             } else {
                 h.msg_control = std::ptr::null_mut();
                 h.msg_controllen = 0;
             }
             self.tx_hdrs[m].msg_len = 0;
+            // Cast: n <= tx_out.len() <= TX_DATAGRAMS (4096).
+            #[allow(clippy::cast_possible_truncation)]
             self.tx_segs.push(n as u32);
             m += 1;
             i += n;
@@ -420,6 +425,9 @@ impl PacketIo for UdpQueue {
                 }
                 let t_idx = self.tx_headers.len() - 1;
                 self.tx_addrs.push(phub_net::sockaddr_in(to));
+                // Cast: tx_headers and tx_addrs hold at most TX_DATAGRAMS
+                // (4096) entries: both are flushed when that many are out.
+                #[allow(clippy::cast_possible_truncation)]
                 self.tx_out.push(Out {
                     key: (u32::from(*to.ip()), to.port(), t_idx as u32),
                     addr: (self.tx_addrs.len() - 1) as u32,
@@ -442,6 +450,8 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
     // --base-port 0: the kernel picks queue 0's port, the others follow.
     let mut base = cfg.base_port;
     for i in 0..n {
+        // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
+        #[allow(clippy::cast_possible_truncation)]
         let port = if base == 0 { 0 } else { base.wrapping_add(i as u16) };
         let addr = SocketAddrV4::new(cfg.host, port);
         let q = UdpQueue::bind(addr, cfg.socket_buffer)
@@ -455,8 +465,11 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
     let mut threads = Vec::with_capacity(n);
     let mut lcores = Vec::with_capacity(n);
     for (i, io) in queues.into_iter().enumerate() {
+        // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
+        #[allow(clippy::cast_possible_truncation)]
+        let lcore = i as u16;
         let job = make_job(LcoreStart {
-            lcore: i as u16,
+            lcore,
             io,
             counters: Arc::new(ShardCounters::default()),
             slot_memory: Arc::clone(&slot_memory),
@@ -473,7 +486,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
             .context("spawning an lcore thread")?;
         threads.push(Some(thread));
         lcores.push(LcoreInfo {
-            lcore: i as u16,
+            lcore,
             cpu: core.map(|c| c.id),
             numa_node: core.and_then(|c| topology.cpu_node(c.id)),
         });

@@ -836,6 +836,8 @@ fn copy_ones_sum_lanes(dst: &mut [u8], src: &[u8]) -> u16 {
 }
 
 /// Folds a one's-complement sum to 16 bits (end-around carries).
+// Cast: the loop leaves sum >> 16 == 0.
+#[allow(clippy::cast_possible_truncation)]
 fn fold(mut sum: u64) -> u16 {
     while sum >> 16 != 0 {
         sum = (sum & 0xffff) + (sum >> 16);
@@ -1094,7 +1096,7 @@ pub fn arp_reply_in_place(f: &mut [u8], mac: [u8; 6], ip: Ipv4Addr) {
 }
 
 /// Writes Ethernet, IPv4 and UDP headers for a datagram of `udp_payload`
-/// bytes into `out[..L2_L4_LEN]`.
+/// bytes (what one frame carries: under 9000) into `out[..L2_L4_LEN]`.
 pub fn write_udp_headers(
     out: &mut [u8; L2_L4_LEN],
     src_mac: [u8; 6],
@@ -1110,6 +1112,9 @@ pub fn write_udp_headers(
 }
 
 /// [`write_udp_headers`] with both checksum fields left 0.
+// Cast: `udp_payload` is one phub datagram, at most HEADER_LEN + MAX_PAYLOAD
+// (under 9000) bytes, so the IPv4 and UDP lengths fit their u16 fields.
+#[allow(clippy::cast_possible_truncation)]
 fn write_unsummed_headers(
     out: &mut [u8; L2_L4_LEN],
     src_mac: [u8; 6],
@@ -1172,6 +1177,8 @@ pub fn arp_request(from: &PeerAddr, target: Ipv4Addr) -> Vec<u8> {
 }
 
 #[cfg(test)]
+// Tests cast small, literal sizes.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
 

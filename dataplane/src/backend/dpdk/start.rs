@@ -257,16 +257,20 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
             }
         }
     }
+    // Cast: n <= MAX_LCORES (256), checked in Config::lcore_count.
+    #[allow(clippy::cast_possible_truncation)]
     let n16 = n as u16;
     let base = if cfg.base_port == 0 {
         DEFAULT_BASE_PORT
     } else {
         cfg.base_port
     };
+    // Cast: RX_BURST is 32.
+    #[allow(clippy::cast_possible_truncation)]
     let mbufs = if d.mbufs > 0 {
         d.mbufs
     } else {
-        (n as u32) * (u32::from(d.rx_desc) + RX_BURST as u32 + HANDOFF_RING) + 1024
+        u32::from(n16) * (u32::from(d.rx_desc) + RX_BURST as u32 + HANDOFF_RING) + 1024
     };
     let rx_pool = Mempool::pktmbuf(eal, "rx", mbufs, 256, d.mbuf_size, socket).with_context(|| {
         format!(
@@ -328,9 +332,12 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
     let mut infos = Vec::with_capacity(n);
     let mut launched = Vec::with_capacity(n);
     for (i, (rx, tx)) in rxq.into_iter().zip(txq).enumerate() {
+        // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
+        #[allow(clippy::cast_possible_truncation)]
+        let lcore = i as u16;
         let counters = Arc::new(ShardCounters::default());
         let mut q = DpdkQueue::new(
-            i as u16,
+            lcore,
             rx,
             tx,
             me,
@@ -343,7 +350,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
             q = q.with_completions(c);
         }
         let run = make_job(LcoreStart {
-            lcore: i as u16,
+            lcore,
             io: q,
             counters,
             slot_memory: slot_memory.clone(),
@@ -367,7 +374,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
             }
         }
         infos.push(LcoreInfo {
-            lcore: i as u16,
+            lcore,
             cpu: if pinned {
                 cpus.get((l as usize).wrapping_sub(1)).copied()
             } else {
