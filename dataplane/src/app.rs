@@ -76,7 +76,15 @@ impl Appliance {
                 let mut make = job_maker(kernels, clock, &stop, opts, cfg.inject, &mut handles);
                 backend::udp::start(cfg, &mut make)?
             }
-            BackendKind::Dpdk => Appliance::start_dpdk(cfg, kernels, clock, &stop, opts, &mut handles)?,
+            #[cfg(feature = "dpdk")]
+            BackendKind::Dpdk => {
+                let mut make = job_maker(kernels, clock, &stop, opts, cfg.inject, &mut handles);
+                backend::dpdk::start::start(cfg, &mut make, &stop)?
+            }
+            #[cfg(not(feature = "dpdk"))]
+            BackendKind::Dpdk => bail!(
+                "--backend dpdk: this build has no DPDK backend (built without the `dpdk` feature); use --backend udp"
+            ),
         };
         let Started {
             backend,
@@ -168,31 +176,6 @@ impl Appliance {
             data,
             release: None,
         })
-    }
-
-    #[cfg(feature = "dpdk")]
-    fn start_dpdk(
-        cfg: &Config,
-        kernels: Kernels,
-        clock: Clock,
-        stop: &Arc<AtomicBool>,
-        opts: LoopOptions,
-        handles: &mut Vec<LcoreHandle>,
-    ) -> Result<Started> {
-        let mut make = job_maker(kernels, clock, stop, opts, cfg.inject, handles);
-        backend::dpdk::start::start(cfg, &mut make, stop)
-    }
-
-    #[cfg(not(feature = "dpdk"))]
-    fn start_dpdk(
-        _cfg: &Config,
-        _kernels: Kernels,
-        _clock: Clock,
-        _stop: &Arc<AtomicBool>,
-        _opts: LoopOptions,
-        _handles: &mut Vec<LcoreHandle>,
-    ) -> Result<Started> {
-        bail!("--backend dpdk: this build has no DPDK backend (built without the `dpdk` feature); use --backend udp")
     }
 
     /// Where the management API listens.
