@@ -54,6 +54,10 @@
 //! All ranks must start requests for their keys in the same order (as a
 //! training loop does): with a bounded window, two ranks that each fill their
 //! window with a different key would wait on each other until the timeout.
+// Casts that may truncate or drop a sign are checked here rather than in
+// Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
+// lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
+#![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 mod codec;
 mod error;
@@ -801,7 +805,7 @@ impl Worker {
         let mut scratch = Vec::new();
         for (c, place) in self.layout.keys[key as usize].iter().enumerate() {
             let start = c * ce;
-            let end = start + self.layout.chunk_len(out.len() as u64, c as u32) as usize;
+            let end = start + self.layout.chunk_len(out.len() as u64, chunk_index(c)) as usize;
             let dst = &mut out[start..end];
             if d.in_region[c] {
                 let read = d.regions.read_result(place.lcore, place.slot, dst, &mut scratch);
@@ -821,7 +825,7 @@ impl Worker {
         elements: usize,
         c: usize,
     ) -> (u32, Option<&'p [f32]>) {
-        let len = self.layout.chunk_len(elements as u64, c as u32);
+        let len = self.layout.chunk_len(elements as u64, chunk_index(c));
         let offset = c * self.layout.chunk_elems as usize;
         (len, payload.map(|p| &p[offset..offset + len as usize]))
     }
@@ -841,7 +845,7 @@ impl Worker {
     /// `bytes` long at `start` in the request's buffer.
     fn chunk_msg(&self, c: usize, place: &Place, len: u32, start: usize, bytes: usize) -> ChunkMsg {
         ChunkMsg {
-            chunk: c as u32,
+            chunk: chunk_index(c),
             slot: place.slot,
             offset: c * self.layout.chunk_elems as usize,
             len,
@@ -855,20 +859,13 @@ impl Worker {
     /// The header of chunk `chunk` of `key` in slot `slot`, from this
     /// worker, announcing `count` elements.
     fn chunk_repr(&self, kind: MsgType, round: u32, key: u32, chunk: usize, slot: u32, count: usize) -> Repr {
-        Repr {
-            kind,
-            dtype: self.spec.dtype,
-            flags: 0,
-            token: self.token,
-            job: self.job,
-            rank: self.rank,
-            count: count as u16,
-            error: 0,
-            round,
-            slot,
-            key,
-            chunk: chunk as u32,
-        }
+        // Cast: a chunk holds at most chunk_elems <= MAX_PAYLOAD / size
+        // elements (checked at join, `check_join`), under 2^16.
+        #[allow(clippy::cast_possible_truncation)]
+        let count = count as u16;
+        Repr::request(kind, self.job, self.token, self.rank, round, slot)
+            .with_payload(self.spec.dtype, count)
+            .with_chunk(key, chunk_index(chunk))
     }
 
     /// Encodes one datagram per chunk of `key`, all into one buffer (the
@@ -923,7 +920,7 @@ impl Worker {
             .iter()
             .enumerate()
             .map(|(c, place)| {
-                let len = self.layout.chunk_len(elements as u64, c as u32);
+                let len = self.layout.chunk_len(elements as u64, chunk_index(c));
                 let start = c * HEADER_LEN;
                 let repr = self.chunk_repr(MsgType::Push, round, key, c, place.slot, len as usize);
                 repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
@@ -1229,6 +1226,15 @@ fn inject_from(value: Option<&str>) -> Result<Option<FaultSpec>, WorkerError> {
     }
 }
 
+/// Chunk `c` of a key as the wire numbers it.
+fn chunk_index(c: usize) -> u32 {
+    // Cast: a layout numbers a key's chunks with u32 (the header's chunk
+    // field), so every index it yields fits.
+    #[allow(clippy::cast_possible_truncation)]
+    let c = c as u32;
+    c
+}
+
 /// Checks a join response and resolves each lcore's address.
 fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
     fn bad<T>(message: String) -> Result<T, WorkerError> {
@@ -1242,6 +1248,8 @@ fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
         ));
     }
     let ce = layout.chunk_elems;
+    // Cast: MAX_PAYLOAD is a jumbo frame's payload, far below 2^32.
+    #[allow(clippy::cast_possible_truncation)]
     let max = (MAX_PAYLOAD / spec.dtype.size()) as u32;
     if ce == 0 || ce > max {
         return bad(format!(
@@ -1296,12 +1304,17 @@ fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
         }
     };
     (0..nlcores)
-        .map(|i| match join.dataplane.base_port.checked_add(i as u16) {
-            Some(port) if port != 0 && i <= usize::from(u16::MAX) => Ok(SocketAddr::new(ip, port)),
-            _ => bad(format!(
-                "dataplane base port {} + lcore {i} is not a valid UDP port",
-                join.dataplane.base_port
-            )),
+        .map(|i| {
+            match u16::try_from(i)
+                .ok()
+                .and_then(|i| join.dataplane.base_port.checked_add(i))
+            {
+                Some(port) if port != 0 => Ok(SocketAddr::new(ip, port)),
+                _ => bad(format!(
+                    "dataplane base port {} + lcore {i} is not a valid UDP port",
+                    join.dataplane.base_port
+                )),
+            }
         })
         .collect()
 }

@@ -115,11 +115,13 @@ impl RawAddr {
                 RawAddr {
                     v4: phub_net::sockaddr_in(a),
                 },
-                std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t,
+                phub_net::socklen::<libc::sockaddr_in>(),
             ),
             SocketAddr::V6(a) => (
                 RawAddr {
                     v6: libc::sockaddr_in6 {
+                        // Cast: AF_INET6 is 10.
+                        #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
                         sin6_family: libc::AF_INET6 as libc::sa_family_t,
                         sin6_port: a.port().to_be(),
                         sin6_flowinfo: a.flowinfo().to_be(),
@@ -129,7 +131,7 @@ impl RawAddr {
                         sin6_scope_id: a.scope_id(),
                     },
                 },
-                std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t,
+                phub_net::socklen::<libc::sockaddr_in6>(),
             ),
         }
     }
@@ -196,8 +198,10 @@ impl BatchSocket {
     pub fn new(sock: UdpSocket, opts: SocketOptions) -> io::Result<BatchSocket> {
         set_buffers(&sock, opts.buffer_bytes);
         let gro = opts.gro && phub_net::enable_gro(&sock);
-        let buf =
-            |name| phub_net::getsockopt_int(&sock, libc::SOL_SOCKET, name).map_or(0, |v| v.max(0) as usize);
+        let buf = |name| {
+            phub_net::getsockopt_int(&sock, libc::SOL_SOCKET, name)
+                .map_or(0, |v| usize::try_from(v).unwrap_or(0))
+        };
         let info = SocketInfo {
             gso: opts.gso,
             gro,
@@ -235,7 +239,7 @@ impl BatchSocket {
     /// whether it is readable.
     pub fn wait_readable(&self, wait: Duration) -> io::Result<bool> {
         // Round up, so a sub-millisecond wait still waits.
-        let ms = wait.as_micros().div_ceil(1000).min(i32::MAX as u128) as libc::c_int;
+        let ms = libc::c_int::try_from(wait.as_micros().div_ceil(1000)).unwrap_or(libc::c_int::MAX);
         phub_net::poll_readable(&self.sock, ms)
     }
 
@@ -249,7 +253,13 @@ impl BatchSocket {
             return Ok(0);
         }
         // Stable grouping by destination keeps each destination's order.
-        let mut order: Vec<u32> = (0..dgrams.len() as u32).collect();
+        let n = u32::try_from(dgrams.len()).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "more than 2^32 datagrams in one send",
+            )
+        })?;
+        let mut order: Vec<u32> = (0..n).collect();
         order.sort_by_key(|&i| dgrams[i as usize].to);
         // Trains: (first index into `order`, count, segment size).
         let mut trains: Vec<(usize, usize, usize)> = Vec::new();
@@ -316,6 +326,8 @@ impl BatchSocket {
             h.msg_iovlen = k as _;
             at += k;
             if n > 1 {
+                // Cast: a train's segments fit one UDP payload (65507 bytes).
+                #[allow(clippy::cast_possible_truncation)]
                 phub_net::set_gso_segment(h, &mut cmsgs[m], seg as u16);
             }
         }
@@ -451,9 +463,11 @@ impl BatchSocket {
                 });
                 let h = &mut hdrs[out].msg_hdr;
                 h.msg_name = (&mut self.rx_addrs[i] as *mut RawAddr).cast();
-                h.msg_namelen = std::mem::size_of::<RawAddr>() as libc::socklen_t;
+                h.msg_namelen = phub_net::socklen::<RawAddr>();
                 h.msg_iovlen = 1;
                 if let Some(s) = s {
+                    // Cast: a GRO segment is shorter than its 64 KiB train.
+                    #[allow(clippy::cast_possible_truncation)]
                     phub_net::set_gso_segment(h, &mut cmsgs[out], s as u16);
                 }
                 out += 1;

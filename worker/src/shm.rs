@@ -221,7 +221,11 @@ impl RegionSpec {
                 continue;
             }
             let len = region_len(slots, self.chunk_elems, self.dtype);
-            let path = |part| region_path(self.base_port, self.job, self.token, l as u16, part);
+            // Cast: one entry per lcore of the layout, whose indexes `check_join`
+            // made sure fit u16 (each is a port offset).
+            #[allow(clippy::cast_possible_truncation)]
+            let l = l as u16;
+            let path = |part| region_path(self.base_port, self.job, self.token, l, part);
             lcores.push(Some(LcoreRegions {
                 staging: Mapped::open(path(Part::Staging(self.rank)), len)?,
                 results: Mapped::open(path(Part::Results), len)?,
@@ -400,6 +404,8 @@ pub(crate) fn decide(
 }
 
 #[cfg(test)]
+// Test data: small numbers cast freely.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
     use phub_proto::layout::SlotChunk;

@@ -285,7 +285,7 @@ impl<D> Transport<D> {
         now: Instant,
     ) -> Transport<D> {
         let rto = Rto::new(config);
-        stats.rto_us.store(rto.rto.as_micros() as u64, Ordering::Relaxed);
+        stats.rto_us.store(micros(rto.rto), Ordering::Relaxed);
         Transport {
             info,
             window: window.max(1),
@@ -566,11 +566,9 @@ impl<D> Transport<D> {
         // which must not count as lost.
         if o.retries == 0 {
             self.rto.sample(now.saturating_duration_since(o.first_sent));
-            let srtt = self.rto.srtt.unwrap_or_default().as_micros() as u64;
+            let srtt = micros(self.rto.srtt.unwrap_or_default());
             self.stats.srtt_us.store(srtt, Ordering::Relaxed);
-            self.stats
-                .rto_us
-                .store(self.rto.rto.as_micros() as u64, Ordering::Relaxed);
+            self.stats.rto_us.store(micros(self.rto.rto), Ordering::Relaxed);
             if let Some(lane) = self.lanes.get_mut(usize::from(o.msg.lcore)) {
                 if o.seq > lane.acked_seq {
                     lane.acked_seq = o.seq;
@@ -834,4 +832,10 @@ fn describe(code: u16) -> (String, &'static str) {
         }
         None => (format!("unknown error code {code}"), ""),
     }
+}
+
+/// `d` in whole microseconds, for the stats (saturating: 2^64 us is far
+/// beyond any timer here).
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }

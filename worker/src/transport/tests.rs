@@ -1,6 +1,8 @@
 //! The transport driven without a socket: a clock the tests advance,
 //! requests encoded as the API side encodes them, and RESULTs and ERRORs
 //! crafted with [`Repr`].
+// Test data: small numbers cast freely.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 use std::collections::BTreeSet;
 
