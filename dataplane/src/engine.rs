@@ -1441,20 +1441,10 @@ mod tests {
     fn push(dtype: Dtype, rank: u16, round: u32, slot: u32, vals: &[f32]) -> Vec<u8> {
         let carries = round > 0 || rank == 0;
         let n = if carries { vals.len() } else { 0 };
-        let repr = Repr {
-            kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-            dtype,
-            flags: 0,
-            token: 7,
-            job: 1,
-            rank,
-            count: n as u16,
-            error: 0,
-            round,
-            slot,
-            key: 0,
-            chunk: slot,
-        };
+        let kind = if round == 0 { MsgType::Init } else { MsgType::Push };
+        let repr = Repr::request(kind, 1, 7, rank, round, slot)
+            .with_payload(dtype, n as u16)
+            .with_chunk(0, slot);
         let mut b = vec![0u8; HEADER_LEN + n * dtype.size()];
         repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
         kernels::encode(dtype, &vals[..n], &mut b[HEADER_LEN..]);

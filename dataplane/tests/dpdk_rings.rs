@@ -148,13 +148,11 @@ fn push_frame(rank: u16, repr: &Repr, vals: &[f32]) -> Vec<u8> {
 /// Fills in a frame's UDP checksum, as a kernel sender on a NIC does (a
 /// ring port checks none, so the dataplane verifies them in software).
 fn with_udp_checksum(mut f: Vec<u8>) -> Vec<u8> {
-    let (src, dst) = (
-        Ipv4Addr::new(f[26], f[27], f[28], f[29]),
-        Ipv4Addr::new(f[30], f[31], f[32], f[33]),
-    );
-    f[40..42].copy_from_slice(&[0, 0]);
-    let c = frame::udp_checksum(src, dst, &f[34..]);
-    f[40..42].copy_from_slice(&c.to_be_bytes());
+    let ip = frame::ipv4::Ipv4Packet::new_checked(&f[frame::ETH_LEN..]).unwrap();
+    let (src, dst, at) = (ip.src_addr(), ip.dst_addr(), frame::ETH_LEN + ip.header_len());
+    frame::udp::UdpPacket::new_unchecked(&mut f[at..]).set_checksum(0);
+    let c = frame::udp_checksum(src, dst, &f[at..]);
+    frame::udp::UdpPacket::new_unchecked(&mut f[at..]).set_checksum(c);
     f
 }
 

@@ -35,20 +35,9 @@ fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer) -> Shard<u32> {
 }
 
 fn msg(kind: MsgType, rank: u16, round: u32, slot: u32, values: &[f32]) -> Vec<u8> {
-    let repr = Repr {
-        kind,
-        dtype: Dtype::F32,
-        flags: 0,
-        token: TOKEN,
-        job: 1,
-        rank,
-        count: values.len() as u16,
-        error: 0,
-        round,
-        slot,
-        key: 0,
-        chunk: slot,
-    };
+    let repr = Repr::request(kind, 1, TOKEN, rank, round, slot)
+        .with_payload(Dtype::F32, values.len() as u16)
+        .with_chunk(0, slot);
     let mut b = vec![0u8; HEADER_LEN + 4 * values.len()];
     repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
     kernels::encode(Dtype::F32, values, &mut b[HEADER_LEN..]);

@@ -461,20 +461,8 @@ impl Engine {
     }
 
     fn send(&mut self, kind: MsgType, rank: u16, round: u32, values: &[f32]) -> Verdict {
-        let repr = Repr {
-            kind,
-            dtype: Dtype::F32,
-            flags: 0,
-            token: TOKEN,
-            job: JOB,
-            rank,
-            count: values.len() as u16,
-            error: 0,
-            round,
-            slot: 0,
-            key: 0,
-            chunk: 0,
-        };
+        let repr =
+            Repr::request(kind, JOB, TOKEN, rank, round, 0).with_payload(Dtype::F32, values.len() as u16);
         let mut b = vec![0u8; HEADER_LEN + 4 * values.len()];
         repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
         kernels::encode(Dtype::F32, values, &mut b[HEADER_LEN..]);

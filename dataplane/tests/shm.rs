@@ -108,20 +108,10 @@ fn msg_with(
 ) -> Vec<u8> {
     let carries = kind == MsgType::Push || (kind == MsgType::Init && rank == 0);
     let count = if carries { ELEMS[slot as usize] } else { 0 };
-    let repr = Repr {
-        kind,
-        dtype,
-        flags: if shm { flags::SHM } else { 0 },
-        token: TOKEN,
-        job,
-        rank,
-        count: count as u16,
-        error: 0,
-        round,
-        slot,
-        key: 0,
-        chunk: slot,
-    };
+    let repr = Repr::request(kind, job, TOKEN, rank, round, slot)
+        .with_payload(dtype, count as u16)
+        .with_chunk(0, slot)
+        .with_flags(if shm { flags::SHM } else { 0 });
     let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
     repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
     if !shm && carries {

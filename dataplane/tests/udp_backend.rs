@@ -84,20 +84,16 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 let vals: Vec<f32> = (0..if carries { elems } else { 0 })
                     .map(|e| (rank * 10 + e + round as usize) as f32)
                     .collect();
-                let repr = Repr {
-                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                    dtype: Dtype::F32,
-                    flags: 0,
-                    token: 77,
-                    job: 4,
-                    rank: rank as u16,
-                    count: vals.len() as u16,
-                    error: 0,
+                let repr = Repr::request(
+                    if round == 0 { MsgType::Init } else { MsgType::Push },
+                    4,
+                    77,
+                    rank as u16,
                     round,
-                    slot: place.slot,
-                    key: 0,
-                    chunk: c as u32,
-                };
+                    place.slot,
+                )
+                .with_payload(Dtype::F32, vals.len() as u16)
+                .with_chunk(0, c as u32);
                 let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
                 repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
                 kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
@@ -202,20 +198,17 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
                     .map(|e| (rank * 10 + e + round as usize) as f32)
                     .collect();
                 let shm = rank == 0;
-                let repr = Repr {
-                    kind: if round == 0 { MsgType::Init } else { MsgType::Push },
-                    dtype: Dtype::F32,
-                    flags: if shm { flags::SHM } else { 0 },
+                let repr = Repr::request(
+                    if round == 0 { MsgType::Init } else { MsgType::Push },
+                    5,
                     token,
-                    job: 5,
-                    rank: rank as u16,
-                    count: vals.len() as u16,
-                    error: 0,
+                    rank as u16,
                     round,
-                    slot: place.slot,
-                    key: 0,
-                    chunk: c as u32,
-                };
+                    place.slot,
+                )
+                .with_payload(Dtype::F32, vals.len() as u16)
+                .with_chunk(0, c as u32)
+                .with_flags(if shm { flags::SHM } else { 0 });
                 let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
                 repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
                 let mut bytes = vec![0u8; 4 * vals.len()];
@@ -308,20 +301,7 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
     let vals = [1.5f32; 16];
     // Rank 0's INIT of chunk 0 (lcore 0, slot 0).
     let init = |job: u16| {
-        let repr = Repr {
-            kind: MsgType::Init,
-            dtype: Dtype::F32,
-            flags: 0,
-            token: 0x77,
-            job,
-            rank: 0,
-            count: 16,
-            error: 0,
-            round: 0,
-            slot: 0,
-            key: 0,
-            chunk: 0,
-        };
+        let repr = Repr::request(MsgType::Init, job, 0x77, 0, 0, 0).with_payload(Dtype::F32, 16);
         let mut b = vec![0u8; HEADER_LEN + 64];
         repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
         kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);

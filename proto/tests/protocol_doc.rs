@@ -204,20 +204,9 @@ fn hex_example_is_what_repr_emits() {
         }
     }
     // The values the example's text states.
-    let repr = Repr {
-        kind: MsgType::Push,
-        dtype: Dtype::F32,
-        flags: 0,
-        token: 0x0123_4567_89ab_cdef,
-        job: 1,
-        rank: 2,
-        count: 2048,
-        error: 0,
-        round: 5,
-        slot: 3,
-        key: 0,
-        chunk: 7,
-    };
+    let repr = Repr::request(MsgType::Push, 1, 0x0123_4567_89ab_cdef, 2, 5, 3)
+        .with_payload(Dtype::F32, 2048)
+        .with_chunk(0, 7);
     assert!(d.contains(
         "A PUSH from rank 2 of job 1 (token 0x0123456789abcdef) for round 5, slot 3,\n\
          key 0, chunk 7, with 2048 `f32` elements (flags 0, error 0)."

@@ -130,7 +130,7 @@ struct RoundField {
 }
 
 /// Where a frame's UDP checksum field is.
-const UDP_SUM_AT: usize = frame::ETH_LEN + frame::IPV4_LEN + 6;
+const UDP_SUM_AT: usize = frame::ETH_LEN + frame::IPV4_LEN + frame::udp::field::CHECKSUM.start;
 
 impl RoundField {
     /// Writes `round` into the template's round field and, if the frame

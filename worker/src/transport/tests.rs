@@ -33,20 +33,9 @@ fn grad(key: u32, c: u32, round: u32) -> [f32; ELEMS] {
 }
 
 fn repr(kind: MsgType, rank: u16, key: u32, chunk: u32, round: u32, count: usize) -> Repr {
-    Repr {
-        kind,
-        dtype: Dtype::F32,
-        flags: 0,
-        token: TOKEN,
-        job: JOB,
-        rank,
-        count: count as u16,
-        error: 0,
-        round,
-        slot: slot(key, chunk),
-        key,
-        chunk,
-    }
+    Repr::request(kind, JOB, TOKEN, rank, round, slot(key, chunk))
+        .with_payload(Dtype::F32, count as u16)
+        .with_chunk(key, chunk)
 }
 
 /// A datagram as the appliance sends it: `repr` and `values`.
