@@ -62,7 +62,7 @@ fn a_million_bad_datagrams_during_training() {
     let ports: Vec<u16> = (0..info.lcores.len() as u16)
         .map(|i| info.data.base_port + i)
         .collect();
-    let pid = rack.dataplane.as_ref().unwrap().id();
+    let pid = rack.dataplane.as_ref().unwrap().pid();
     let before: Stats = rack.get("/v1/stats");
     let rss_before = rss_kib(pid);
     let kernel_before = kernel_drops(&ports);

@@ -45,7 +45,7 @@ fn soak() {
         .unwrap()
         .into_json()
         .unwrap();
-    let pid = rack.dataplane.as_ref().unwrap().id();
+    let pid = rack.dataplane.as_ref().unwrap().pid();
     let rss_start = rss_kib(pid);
     let stop = AtomicBool::new(false);
     let rounds = AtomicU64::new(0);

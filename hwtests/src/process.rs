@@ -1,11 +1,12 @@
 //! Running phub's daemons as child processes, for every harness that starts
 //! a local appliance (the workspace's tests, the virtual and lab racks,
 //! phub-demo, phub-bench): free ports, waiting for a daemon's HTTP API,
-//! stopping a child.
+//! stopping a child, and [`Daemon`], a logged child stopped when dropped.
 
 use std::io;
 use std::net::{TcpListener, UdpSocket};
-use std::process::{Child, ExitStatus};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// A free TCP port on 127.0.0.1 (for a daemon's HTTP API).
@@ -103,4 +104,111 @@ pub fn terminate(child: &mut Child, grace: Duration) -> Option<ExitStatus> {
     let _ = child.kill();
     let _ = child.wait();
     None
+}
+
+/// A daemon started as a child process, its output in a log file; stopped
+/// with SIGTERM (then SIGKILL) when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    name: String,
+    child: Child,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Starts `program` with `args` and `env`, stdin closed, stdout and
+    /// stderr into `log` (created anew).
+    pub fn spawn(
+        name: &str,
+        program: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        log: &Path,
+    ) -> io::Result<Daemon> {
+        let out = std::fs::File::create(log)
+            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", log.display())))?;
+        let child = Command::new(program)
+            .args(args)
+            .envs(env.iter().map(|(k, v)| (k, v)))
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("starting {}: {e}", program.display())))?;
+        Ok(Daemon {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// Its name, as given.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Its process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Its log file.
+    pub fn log(&self) -> &Path {
+        &self.log
+    }
+
+    /// The log's text so far (empty when it cannot be read).
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// `Err` saying so, with its log, when it has exited.
+    pub fn check_alive(&mut self) -> Result<(), String> {
+        match self.child.try_wait() {
+            Ok(Some(status)) => Err(format!(
+                "{} exited ({status}); its log:\n{}",
+                self.name,
+                self.log_text()
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// Waits up to `limit` for its API at `url` ([`wait_http`]); the error
+    /// says why it did not come up (with its log when it exited).
+    pub fn wait_up(
+        &mut self,
+        url: &str,
+        limit: Duration,
+        cancelled: impl Fn() -> bool,
+    ) -> Result<(), String> {
+        match wait_http(url, &mut self.child, limit, cancelled) {
+            Ok(()) => Ok(()),
+            Err(NotUp::Cancelled) => Err(format!("interrupted while waiting for {}", self.name)),
+            Err(e @ NotUp::Exited(_)) => Err(format!("{} {e}; its log:\n{}", self.name, self.log_text())),
+            Err(e) => Err(format!(
+                "{} at {url} {e} (log: {})",
+                self.name,
+                self.log.display()
+            )),
+        }
+    }
+
+    /// Kills it outright (SIGKILL), as a crash would, and reaps it.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Stops it: SIGTERM, up to `grace` for it to exit, then SIGKILL;
+    /// returns whether it exited on SIGTERM.
+    pub fn stop(&mut self, grace: Duration) -> bool {
+        terminate(&mut self.child, grace).is_some()
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop(Duration::from_secs(5));
+    }
 }

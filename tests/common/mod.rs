@@ -2,16 +2,16 @@
 //! phub-control as real processes on free ports, stopped when dropped.
 #![allow(dead_code, unreachable_pub, unused_imports)]
 
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Duration;
 
 use phub::proto::api::{AdmitResponse, ApiError};
-use phub_hwtests::process;
+use phub_hwtests::process::{self, Daemon};
 
 pub struct Rack {
-    pub dataplane: Option<Child>,
-    pub control: Option<Child>,
+    pub dataplane: Option<Daemon>,
+    pub control: Option<Daemon>,
     pub mgmt_url: String,
     pub control_url: String,
     control_port: u16,
@@ -28,14 +28,15 @@ pub fn free_port() -> u16 {
     process::free_port().unwrap()
 }
 
-fn wait_http(url: &str, child: &mut Child, what: &str) {
-    if let Err(e) = process::wait_http(url, child, Duration::from_secs(20), || false) {
-        panic!("{what} at {url} {e}");
+/// Starts `name` (`program args`), its log in `dir`, and waits up to 20 s
+/// for its API at `url`; panics saying why it did not come up.
+fn start(name: &str, program: &str, args: &[String], dir: &Path, url: &str) -> Daemon {
+    let log = dir.join(format!("{name}.log"));
+    let mut d = Daemon::spawn(name, Path::new(program), args, &[], &log).unwrap();
+    if let Err(e) = d.wait_up(url, Duration::from_secs(20), || false) {
+        panic!("{e}");
     }
-}
-
-fn term(child: &mut Child) {
-    process::terminate(child, Duration::from_secs(5));
+    d
 }
 
 impl Rack {
@@ -78,43 +79,46 @@ impl Rack {
 
     /// Starts phub-dataplane (again), on the same ports.
     pub fn start_dataplane(&mut self) {
-        let mut dp = Command::new(env!("CARGO_BIN_EXE_phub-dataplane"))
-            .args(&self.dataplane_args)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_http(&format!("{}/v1/info", self.mgmt_url), &mut dp, "phub-dataplane");
-        self.dataplane = Some(dp);
+        self.dataplane = Some(start(
+            "phub-dataplane",
+            env!("CARGO_BIN_EXE_phub-dataplane"),
+            &self.dataplane_args,
+            &self.dir,
+            &format!("{}/v1/info", self.mgmt_url),
+        ));
     }
 
     /// Kills phub-dataplane outright (SIGKILL), as a crash would.
     pub fn kill_dataplane(&mut self) {
         if let Some(mut d) = self.dataplane.take() {
-            d.kill().unwrap();
-            d.wait().unwrap();
+            d.kill();
         }
     }
 
     pub fn start_control(&mut self) {
-        let mut c = Command::new(env!("CARGO_BIN_EXE_phub-control"))
-            .args(["--listen", &format!("127.0.0.1:{}", self.control_port)])
-            .args(["--dataplane", &self.mgmt_url, "--reconcile-ms", "200"])
-            .arg("--state")
-            .arg(self.dir.join("state.json"))
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        wait_http(&format!("{}/v1/jobs", self.control_url), &mut c, "phub-control");
-        self.control = Some(c);
+        let args = [
+            "--listen".to_string(),
+            format!("127.0.0.1:{}", self.control_port),
+            "--dataplane".into(),
+            self.mgmt_url.clone(),
+            "--reconcile-ms".into(),
+            "200".into(),
+            "--state".into(),
+            self.dir.join("state.json").display().to_string(),
+        ];
+        self.control = Some(start(
+            "phub-control",
+            env!("CARGO_BIN_EXE_phub-control"),
+            &args,
+            &self.dir,
+            &format!("{}/v1/jobs", self.control_url),
+        ));
     }
 
     /// Kills phub-control outright (SIGKILL), as a crash would.
     pub fn kill_control(&mut self) {
         if let Some(mut c) = self.control.take() {
-            c.kill().unwrap();
-            c.wait().unwrap();
+            c.kill();
         }
     }
 
@@ -173,12 +177,9 @@ impl Rack {
 
 impl Drop for Rack {
     fn drop(&mut self) {
-        if let Some(c) = self.control.as_mut() {
-            term(c);
-        }
-        if let Some(d) = self.dataplane.as_mut() {
-            term(d);
-        }
+        // Control first (each stops with SIGTERM, then SIGKILL, when dropped).
+        drop(self.control.take());
+        drop(self.dataplane.take());
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }

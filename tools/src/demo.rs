@@ -18,7 +18,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Command, ExitCode, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
-use phub_hwtests::process::{self, NotUp};
+use phub_hwtests::process;
 use phub_hwtests::virt::{self, Netns};
 use phub_proto::api::{AdmitResponse, ApiError, Stats};
 use phub_worker::Worker;
@@ -301,28 +301,26 @@ impl Interrupt {
     }
 }
 
-/// A child process that is stopped with SIGTERM (then SIGKILL) when dropped.
-struct Daemon {
-    name: &'static str,
-    child: Child,
-}
+/// A daemon the Ctrl-C handler knows about (it forwards SIGTERM to it),
+/// stopped with SIGTERM (then SIGKILL) when dropped.
+struct Tracked(process::Daemon);
 
-impl Daemon {
-    fn new(name: &'static str, child: Child) -> Daemon {
-        Interrupt::track(child.id());
-        Daemon { name, child }
+impl Tracked {
+    fn new(d: process::Daemon) -> Tracked {
+        Interrupt::track(d.pid());
+        Tracked(d)
     }
 
     fn stop(&mut self) {
-        Interrupt::untrack(self.child.id());
+        Interrupt::untrack(self.0.pid());
         // Ask politely first: both daemons shut down cleanly on SIGTERM.
-        if phub_hwtests::process::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
-            eprintln!("phub-demo: {} did not stop on SIGTERM; killed it", self.name);
+        if !self.0.stop(Duration::from_secs(5)) {
+            eprintln!("phub-demo: {} did not stop on SIGTERM; killed it", self.0.name());
         }
     }
 }
 
-impl Drop for Daemon {
+impl Drop for Tracked {
     fn drop(&mut self) {
         self.stop();
     }
@@ -330,29 +328,6 @@ impl Drop for Daemon {
 
 fn free_port() -> Result<u16> {
     Ok(process::free_port()?)
-}
-
-fn wait_http(url: &str, what: &str, child: &mut Child, log: &Path, limit: Duration) -> Result<()> {
-    match process::wait_http(url, child, limit, Interrupt::interrupted) {
-        Ok(()) => Ok(()),
-        Err(NotUp::Cancelled) => bail!("interrupted while waiting for {what}"),
-        Err(e @ NotUp::Exited(_)) => {
-            let tail = std::fs::read_to_string(log).unwrap_or_default();
-            bail!("{what} {e}; its log:\n{tail}");
-        }
-        Err(e) => bail!("{what} at {url} {e} (log: {})", log.display()),
-    }
-}
-
-fn spawn(bin: &Path, args: &[String], log: &Path) -> Result<Child> {
-    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-    Command::new(bin)
-        .args(args)
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))
 }
 
 /// Whether `bin` (phub-dataplane) holds DPDK's EAL: a build with the
@@ -439,8 +414,8 @@ fn inside<T: Send>(ns: &Netns, f: impl FnOnce() -> Result<T> + Send) -> Result<T
 /// The dataplane and control of one run, and where to reach them.
 struct Appliance {
     // Field order is drop order: control stops before the dataplane.
-    control: Daemon,
-    dataplane: Daemon,
+    control: Tracked,
+    dataplane: Tracked,
     control_url: String,
     dir: PathBuf,
     backend: &'static str,
@@ -498,47 +473,39 @@ fn start_appliance(
         }
     };
     let dp_log = dir.join("phub-dataplane.log");
-    let mut dataplane = Daemon::new(
-        "phub-dataplane",
-        spawn(dataplane_bin, &args, &dp_log).map_err(dataplane_failed)?,
+    let mut dataplane = Tracked::new(
+        process::Daemon::spawn("phub-dataplane", dataplane_bin, &args, &[], &dp_log)
+            .map_err(|e| dataplane_failed(e.into()))?,
     );
-    wait_http(
-        &format!("{mgmt_url}/v1/info"),
-        "phub-dataplane",
-        &mut dataplane.child,
-        &dp_log,
-        limit,
-    )
-    .map_err(dataplane_failed)?;
+    dataplane
+        .0
+        .wait_up(&format!("{mgmt_url}/v1/info"), limit, Interrupt::interrupted)
+        .map_err(|e| dataplane_failed(anyhow!(e)))?;
     println!(
         "  phub-dataplane up: {} {what}, management API {mgmt_url}",
         a.lcores
     );
     let ctl_log = dir.join("phub-control.log");
-    let mut control = Daemon::new(
-        "phub-control",
-        spawn(
-            control_bin,
-            &[
-                "--listen".into(),
-                format!("127.0.0.1:{ctl}"),
-                "--dataplane".into(),
-                mgmt_url.clone(),
-                "--state".into(),
-                dir.join("control-state.json").display().to_string(),
-            ],
-            &ctl_log,
-        )
-        .map_err(other)?,
+    let ctl_args = [
+        "--listen".into(),
+        format!("127.0.0.1:{ctl}"),
+        "--dataplane".into(),
+        mgmt_url.clone(),
+        "--state".into(),
+        dir.join("control-state.json").display().to_string(),
+    ];
+    let mut control = Tracked::new(
+        process::Daemon::spawn("phub-control", control_bin, &ctl_args, &[], &ctl_log)
+            .map_err(|e| other(e.into()))?,
     );
-    wait_http(
-        &format!("{control_url}/v1/jobs"),
-        "phub-control",
-        &mut control.child,
-        &ctl_log,
-        Duration::from_secs(15),
-    )
-    .map_err(other)?;
+    control
+        .0
+        .wait_up(
+            &format!("{control_url}/v1/jobs"),
+            Duration::from_secs(15),
+            Interrupt::interrupted,
+        )
+        .map_err(|e| other(anyhow!(e)))?;
     println!("  phub-control up: {control_url}");
     Ok(Appliance {
         control,

@@ -15,48 +15,12 @@
 //! in a private namespace, control and the workers inside it too.
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use phub_hwtests::process::{self, Daemon};
 use phub_hwtests::virt::{self, Netns};
 use phub_proto::api::{AdmitResponse, ApiError};
-
-/// A child process stopped with SIGTERM (then SIGKILL) when dropped.
-#[derive(Debug)]
-pub struct Proc {
-    name: &'static str,
-    child: Child,
-    log: PathBuf,
-}
-
-impl Proc {
-    /// The process id.
-    pub fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    /// Stops the process: SIGTERM, up to 5 s, then SIGKILL.
-    pub fn stop(&mut self) {
-        if phub_hwtests::process::terminate(&mut self.child, Duration::from_secs(5)).is_none() {
-            eprintln!("phub-bench: {} did not stop on SIGTERM; killed it", self.name);
-        }
-    }
-
-    fn check_alive(&mut self) -> Result<()> {
-        if let Ok(Some(status)) = self.child.try_wait() {
-            let tail = std::fs::read_to_string(&self.log).unwrap_or_default();
-            bail!("{} exited ({status}); its log:\n{tail}", self.name);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.stop();
-    }
-}
 
 /// How to start the local appliance.
 #[derive(Debug, Clone)]
@@ -134,45 +98,30 @@ pub struct Local {
     /// The dataplane's management URL.
     pub mgmt_url: String,
     /// The dataplane process.
-    pub dataplane: Proc,
+    pub dataplane: Daemon,
     /// The control process.
-    pub control: Proc,
+    pub control: Daemon,
     dir: PathBuf,
 }
 
 fn free_port() -> Result<u16> {
-    Ok(phub_hwtests::process::free_port()?)
+    Ok(process::free_port()?)
 }
 
-fn wait_http(url: &str, p: &mut Proc) -> Result<()> {
-    match phub_hwtests::process::wait_http(url, &mut p.child, Duration::from_secs(20), || false) {
-        Ok(()) => Ok(()),
-        Err(phub_hwtests::process::NotUp::Exited(_)) => p.check_alive(),
-        Err(e) => bail!("{} at {url} {e} (log: {})", p.name, p.log.display()),
-    }
-}
-
-fn spawn(
-    name: &'static str,
+/// Starts `name` ([`Daemon::spawn`]) and waits up to 20 s for its API at
+/// `url`.
+fn start_daemon(
+    name: &str,
     program: &Path,
     args: &[String],
     env: &[(String, String)],
     log: &Path,
-) -> Result<Proc> {
-    let out = std::fs::File::create(log).with_context(|| format!("creating {}", log.display()))?;
-    let child = Command::new(program)
-        .args(args)
-        .envs(env.iter().map(|(k, v)| (k, v)))
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out)
-        .spawn()
-        .with_context(|| format!("starting {}", program.display()))?;
-    Ok(Proc {
-        name,
-        child,
-        log: log.to_path_buf(),
-    })
+    url: &str,
+) -> Result<Daemon> {
+    let mut d = Daemon::spawn(name, program, args, env, log)?;
+    d.wait_up(url, Duration::from_secs(20), || false)
+        .map_err(|e| anyhow::anyhow!(e))?;
+    Ok(d)
 }
 
 impl Local {
@@ -243,14 +192,14 @@ impl Local {
             args.push("--shm".into());
         }
         args.extend(o.extra_args.iter().cloned());
-        let mut dataplane = spawn(
+        let dataplane = start_daemon(
             "phub-dataplane",
             &dp_prog,
             &args,
             &o.env,
             &dir.join("phub-dataplane.log"),
+            &format!("{mgmt_url}/v1/info"),
         )?;
-        wait_http(&format!("{mgmt_url}/v1/info"), &mut dataplane)?;
         let mut args = ctl_pre;
         args.extend([
             "--listen".into(),
@@ -260,14 +209,14 @@ impl Local {
             "--state".into(),
             dir.join("control-state.json").display().to_string(),
         ]);
-        let mut control = spawn(
+        let control = start_daemon(
             "phub-control",
             &ctl_prog,
             &args,
             &[],
             &dir.join("phub-control.log"),
+            &format!("{control_url}/v1/jobs"),
         )?;
-        wait_http(&format!("{control_url}/v1/jobs"), &mut control)?;
         Ok(Local {
             control_url,
             mgmt_url,
@@ -289,8 +238,11 @@ impl Local {
 
     /// Stops both processes and removes the scratch directory.
     pub fn stop(mut self) {
-        self.control.stop();
-        self.dataplane.stop();
+        for d in [&mut self.control, &mut self.dataplane] {
+            if !d.stop(Duration::from_secs(5)) {
+                eprintln!("phub-bench: {} did not stop on SIGTERM; killed it", d.name());
+            }
+        }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
