@@ -180,6 +180,8 @@ fn run(config: Config) -> anyhow::Result<()> {
 
 /// A running daemon: HTTP threads and the reconcile thread.
 pub struct Daemon {
+    // Held for the daemon's life: no second phub-control on this state file.
+    _state_lock: state::StateLock,
     operator_token: String,
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
@@ -202,6 +204,7 @@ impl Daemon {
     /// parsed), binds the API and starts the threads. The first
     /// reconciliation with the dataplane runs at once, in the background.
     pub fn start(config: Config) -> anyhow::Result<Daemon> {
+        let state_lock = state::lock(&config.state)?;
         let loaded = state::load(&config.state)?.unwrap_or_default();
         let token_path = config.operator_token_path();
         let operator_token = load_or_create_token(&token_path)?;
@@ -262,6 +265,7 @@ impl Daemon {
                 .context("cannot start the reconcile thread")?,
         );
         Ok(Daemon {
+            _state_lock: state_lock,
             operator_token: shared.operator_token.clone(),
             addr,
             stop,

@@ -1,11 +1,15 @@
 //! The state file: every admitted job with its id, token, spec, layout and
 //! joined ranks, as JSON. Written atomically (temporary file, fsync, rename,
 //! fsync of the directory) so a crash leaves the old or the new state, never
-//! a torn one.
+//! a torn one; created 0600, since it holds every job's token (so are
+//! checkpoints, written the same way). One phub-control at a time uses a
+//! state file ([`lock`]); only a regular file of at most
+//! [`MAX_STATE_BYTES`] is read.
 
 use std::collections::BTreeSet;
-use std::fs;
-use std::io::Write;
+use std::fs::{self, OpenOptions};
+use std::io::{Read, Write};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use phub_proto::api::hex_u64;
@@ -63,6 +67,26 @@ pub(crate) enum StateError {
         /// What is wrong.
         reason: String,
     },
+    /// The path is not a state file phub-control may read.
+    #[error("state file {} cannot be used: {reason}", path.display())]
+    Unusable {
+        /// The file.
+        path: PathBuf,
+        /// Why not.
+        reason: String,
+    },
+    /// Another phub-control holds the state file.
+    #[error(
+        "state file {} is in use by another phub-control (its lock {} is held); stop that one or give --state another file",
+        path.display(),
+        lock.display()
+    )]
+    InUse {
+        /// The file.
+        path: PathBuf,
+        /// Its lock file.
+        lock: PathBuf,
+    },
     /// Writing failed.
     #[error("cannot write state file {}: {source}", path.display())]
     Write {
@@ -73,18 +97,48 @@ pub(crate) enum StateError {
     },
 }
 
-/// Loads the state file; `None` when it does not exist.
+/// The largest state file read (1 GiB): a FIFO, a device or a runaway file
+/// is refused instead of read without end.
+pub(crate) const MAX_STATE_BYTES: u64 = 1 << 30;
+
+/// Loads the state file; `None` when it does not exist. Anything but a
+/// regular file of at most [`MAX_STATE_BYTES`] is refused without being
+/// opened for reading (a FIFO would block, a device never end).
 pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
-    let text = match fs::read_to_string(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(source) => {
-            return Err(StateError::Read {
-                path: path.to_owned(),
-                source,
-            })
-        }
+    let read_error = |source| StateError::Read {
+        path: path.to_owned(),
+        source,
     };
+    let unusable = |reason: String| StateError::Unusable {
+        path: path.to_owned(),
+        reason,
+    };
+    let meta = match fs::metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(source) => return Err(read_error(source)),
+    };
+    if !meta.is_file() {
+        return Err(unusable(format!(
+            "not a regular file ({:?}); expected a JSON file phub-control writes",
+            meta.file_type()
+        )));
+    }
+    if meta.len() > MAX_STATE_BYTES {
+        return Err(unusable(format!(
+            "{} bytes, more than the {MAX_STATE_BYTES} a state file may have",
+            meta.len()
+        )));
+    }
+    let mut text = String::new();
+    fs::File::open(path)
+        .and_then(|f| f.take(MAX_STATE_BYTES + 1).read_to_string(&mut text))
+        .map_err(read_error)?;
+    if text.len() as u64 > MAX_STATE_BYTES {
+        return Err(unusable(format!(
+            "grew beyond {MAX_STATE_BYTES} bytes while it was read"
+        )));
+    }
     let corrupt = |reason: String| StateError::Corrupt {
         path: path.to_owned(),
         reason,
@@ -141,7 +195,16 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         let p = p.to_owned();
         move |source| StateError::Write { path: p, source }
     };
-    let mut f = fs::File::create(&tmp).map_err(write(&tmp))?;
+    // Created afresh, 0600: a leftover temporary may have other permissions.
+    let _ = fs::remove_file(&tmp);
+    let mut f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(write(&tmp))?;
+    f.set_permissions(fs::Permissions::from_mode(0o600))
+        .map_err(write(&tmp))?;
     f.write_all(bytes).map_err(write(&tmp))?;
     f.sync_all().map_err(write(&tmp))?;
     drop(f);
@@ -154,6 +217,41 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         .and_then(|d| d.sync_all())
         .map_err(write(dir))?;
     Ok(())
+}
+
+/// An exclusive lock on a state file, held while a phub-control uses it, so
+/// that a second one on the same file fails to start instead of
+/// interleaving its writes. The lock is on `<state>.lock` (0600), since the
+/// state file itself is replaced by every write; the kernel drops it when
+/// the holder exits, however it exits.
+#[derive(Debug)]
+pub(crate) struct StateLock {
+    _file: fs::File,
+}
+
+/// Takes the lock of the state file `path`, or says who holds it.
+pub(crate) fn lock(path: &Path) -> Result<StateLock, StateError> {
+    let mut lock = path.as_os_str().to_owned();
+    lock.push(".lock");
+    let lock = PathBuf::from(lock);
+    let file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .mode(0o600)
+        .open(&lock)
+        .map_err(|source| StateError::Write {
+            path: lock.clone(),
+            source,
+        })?;
+    match file.try_lock() {
+        Ok(()) => Ok(StateLock { _file: file }),
+        Err(fs::TryLockError::WouldBlock) => Err(StateError::InUse {
+            path: path.to_owned(),
+            lock,
+        }),
+        Err(fs::TryLockError::Error(source)) => Err(StateError::Write { path: lock, source }),
+    }
 }
 
 #[cfg(test)]
@@ -199,6 +297,68 @@ mod tests {
             e.contains("s.json") && e.contains("corrupt") && e.contains("EOF"),
             "{e}"
         );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn state_and_its_temporary_are_created_0600_even_over_an_older_0644_file() {
+        let dir = temp_dir("mode");
+        let path = dir.join("s.json");
+        fs::write(&path, "{\"jobs\": []}").unwrap();
+        fs::write(dir.join("s.json.tmp"), "left over").unwrap();
+        for p in [&path, &dir.join("s.json.tmp")] {
+            fs::set_permissions(p, fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        save(&path, &[]).unwrap();
+        let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{mode:o}");
+        write_atomic(&dir.join("ckpt.bin"), b"token inside").unwrap();
+        let mode = fs::metadata(dir.join("ckpt.bin")).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600, "{mode:o}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_fifo_a_device_or_an_oversized_file_is_refused_without_reading_it() {
+        let dir = temp_dir("odd");
+        let fifo = dir.join("fifo.json");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status().unwrap();
+        assert!(made.success());
+        // Opening the FIFO to read would block: load must not.
+        let e = load(&fifo).unwrap_err().to_string();
+        assert!(e.contains("fifo.json") && e.contains("not a regular file"), "{e}");
+        let e = load(Path::new("/dev/zero")).unwrap_err().to_string();
+        assert!(e.contains("/dev/zero") && e.contains("not a regular file"), "{e}");
+        let big = dir.join("big.json");
+        fs::File::create(&big)
+            .unwrap()
+            .set_len(MAX_STATE_BYTES + 1)
+            .unwrap();
+        let e = load(&big).unwrap_err().to_string();
+        assert!(e.contains("big.json") && e.contains("more than the"), "{e}");
+        let e = load(&dir).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn one_holder_of_a_state_files_lock_at_a_time() {
+        let dir = temp_dir("lock");
+        let path = dir.join("s.json");
+        let held = lock(&path).unwrap();
+        let e = lock(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("s.json") && e.contains("in use by another phub-control"),
+            "{e}"
+        );
+        let mode = fs::metadata(dir.join("s.json.lock"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600, "{mode:o}");
+        drop(held);
+        let _again = lock(&path).unwrap();
         let _ = fs::remove_dir_all(&dir);
     }
 }

@@ -442,3 +442,28 @@ fn metrics_in_prometheus_text_format() {
         "{text}"
     );
 }
+
+/// Two phub-controls on one state file would interleave their writes (one
+/// job lost from control, kept on the dataplane): the second one refuses to
+/// start, naming the file; once the first stops, the file is free again.
+#[test]
+fn a_second_control_on_the_same_state_file_refuses_to_start() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("second");
+    let first = daemon(&fake.url(), &state);
+    let e = Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: fake.url(),
+        state: state.clone(),
+        reconcile_interval: Duration::from_millis(100),
+        operator_token: None,
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains(&state.display().to_string()) && e.contains("in use by another phub-control"),
+        "{e}"
+    );
+    first.shutdown();
+    daemon(&fake.url(), &state).shutdown();
+}
