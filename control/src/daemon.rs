@@ -456,9 +456,12 @@ fn summary(job: &StoredJob, installed: bool) -> JobSummary {
     }
 }
 
+/// A job id as control writes them: decimal digits, no sign, no leading
+/// zero ("+1" and "01" name no job).
 fn parse_id(s: &str) -> Result<u16, RequestError> {
+    let canonical = !s.starts_with('0') && s.bytes().all(|b| b.is_ascii_digit());
     match s.parse::<u16>() {
-        Ok(id) if id > 0 => Ok(id),
+        Ok(id) if id > 0 && canonical => Ok(id),
         _ => Err(RequestError::BadRequest(format!(
             "job id {s:?} is not an integer from 1 to 65535"
         ))),
@@ -592,7 +595,14 @@ impl Shared {
                 self.token_path.display()
             )));
         };
-        let token = given.strip_prefix("Bearer ").unwrap_or(&given).trim();
+        let token = match given.strip_prefix("Bearer ") {
+            Some(t) if !t.trim().is_empty() => t.trim(),
+            _ => {
+                return Err(RequestError::Unauthorized(
+                    "the Authorization header must be `Bearer <operator token>`".into(),
+                ))
+            }
+        };
         // Compare without an early exit, so timing says nothing of the token.
         let (a, b) = (token.as_bytes(), self.operator_token.as_bytes());
         let diff = a

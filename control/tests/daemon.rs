@@ -467,3 +467,38 @@ fn a_second_control_on_the_same_state_file_refuses_to_start() {
     first.shutdown();
     daemon(&fake.url(), &state).shutdown();
 }
+
+/// Job ids are control's decimal numbers: "+1" and "01" name no job. The
+/// operator token goes as `Bearer <token>`: an empty one, or a bare token,
+/// is a 401 that says how to send it, never accepted.
+#[test]
+fn job_ids_are_canonical_and_the_operator_token_needs_its_bearer() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let d = daemon(&fake.url(), &temp_state("ids"));
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    assert_eq!(a.id, 1);
+    let _: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    for id in ["+1", "01", "1.0", " 1"] {
+        let path = format!("/v1/jobs/{}", id.replace(' ', "%20"));
+        let e = err(&d, "GET", &path, None, 400);
+        assert!(e.contains("not an integer from 1 to 65535"), "{id}: {e}");
+    }
+    let url = format!("http://{}/v1/jobs/1", d.addr());
+    for header in [
+        "Bearer",
+        "Bearer  ",
+        &operator_token(&d),
+        &format!("Token {}", operator_token(&d)),
+    ] {
+        match ureq::delete(&url).set("Authorization", header).call() {
+            Err(ureq::Error::Status(401, r)) => {
+                let e = r.into_json::<ApiError>().unwrap().error;
+                assert!(e.contains("Bearer <operator token>"), "{header:?}: {e}");
+            }
+            other => panic!("{header:?}: {other:?}"),
+        }
+    }
+    // Nothing was evicted by those.
+    assert_eq!(list(&d).len(), 1);
+    d.shutdown();
+}

@@ -256,6 +256,26 @@ fn bad(field: impl Into<String>, value: impl std::fmt::Display, accepted: impl I
     }
 }
 
+/// A name as an error message shows it: quoted, control characters escaped,
+/// and cut to its first 64 characters when longer (a 15 MB name is not
+/// echoed back whole).
+fn shown(name: &str) -> String {
+    let n = name.chars().count();
+    if n <= 64 {
+        format!("{name:?}")
+    } else {
+        let head: String = name.chars().take(64).collect();
+        format!("{head:?}... ({n} characters)")
+    }
+}
+
+/// Whether `name` is 1 to 128 characters, none of them a control character
+/// (a name with a newline or an escape sequence could forge a row of
+/// phubctl's tables).
+fn printable_name(name: &str) -> bool {
+    (1..=128).contains(&name.chars().count()) && !name.chars().any(char::is_control)
+}
+
 impl JobSpec {
     /// Parses and validates a TOML spec.
     pub fn from_toml(text: &str) -> Result<JobSpec, SpecError> {
@@ -281,12 +301,11 @@ impl JobSpec {
 
     /// Checks every field; the first problem found is returned.
     pub fn validate(&self) -> Result<(), SpecError> {
-        let n = self.name.chars().count();
-        if n == 0 || n > 128 {
+        if !printable_name(&self.name) {
             return Err(bad(
                 "name",
-                format!("{:?}", self.name),
-                "a name of 1 to 128 characters",
+                shown(&self.name),
+                "a name of 1 to 128 characters, none of them a control character",
             ));
         }
         if self.workers == 0 || self.workers > MAX_WORKERS {
@@ -346,10 +365,17 @@ impl JobSpec {
                     format!("an integer from 1 to {MAX_KEY_ELEMENTS}"),
                 ));
             }
+            if !k.name.is_empty() && !printable_name(&k.name) {
+                return Err(bad(
+                    format!("keys[{i}].name"),
+                    shown(&k.name),
+                    "no name, or one of 1 to 128 characters, none of them a control character",
+                ));
+            }
             if !k.name.is_empty() && !names.insert(k.name.as_str()) {
                 return Err(bad(
                     format!("keys[{i}].name"),
-                    format!("{:?}", k.name),
+                    shown(&k.name),
                     "a name no other key of the job has",
                 ));
             }
@@ -502,5 +528,41 @@ elements = 1
         .unwrap_err()
         .to_string();
         assert!(e.contains("`workers` = 300"), "{e}");
+    }
+
+    #[test]
+    fn names_with_control_characters_are_refused_and_long_ones_not_echoed_whole() {
+        // JSON's string escapes (\n, \t, \u001b) are TOML's too.
+        let q = |s: &str| serde_json::to_string(s).unwrap();
+        let spec = |name: &str, key: &str| {
+            format!(
+                "name = {}\nworkers = 1\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4\nname = {}\n",
+                q(name),
+                q(key)
+            )
+        };
+        for bad_name in ["a\nb", "row\u{1b}[2J", "tab\there", "nul\u{0}"] {
+            let e = err(&spec(bad_name, "k"));
+            assert!(e.contains("`name`") && e.contains("control character"), "{e}");
+            let e = err(&spec("ok", bad_name));
+            assert!(
+                e.contains("`keys[0].name`") && e.contains("control character"),
+                "{e}"
+            );
+        }
+        assert!(JobSpec::from_toml(&spec("caf\u{e9} net", "layer.0/weight")).is_ok());
+        let long = "x".repeat(15 << 20);
+        let e = err(&spec(&long, "k"));
+        assert!(
+            e.len() < 300 && e.contains("15728640 characters"),
+            "{} bytes: {}",
+            e.len(),
+            &e[..200]
+        );
+        let e = err(&spec("ok", &"y".repeat(129)));
+        assert!(
+            e.contains("`keys[0].name`") && e.contains("129 characters"),
+            "{e}"
+        );
     }
 }
