@@ -802,18 +802,23 @@ impl Shared {
         })
     }
 
+    /// Evicts a job: durable first (the state file without it is written,
+    /// or nothing changes and the error says why), then the dataplane is
+    /// told. A dataplane that cannot be told now (down, refusing) keeps the
+    /// job until reconciliation removes it, as it removes every job control
+    /// has not admitted.
     fn evict(&self, id: u16) -> Result<JobSummary, RequestError> {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
-        if !self.lock().jobs.contains_key(&id) {
-            return Err(not_admitted(id));
-        }
-        if let Err(e) = self.dp.remove(id) {
-            log::warn!("job {id} not evicted: {e}");
-            return Err(e.into());
-        }
         let mut inner = self.lock();
         let job = inner.jobs.remove(&id).ok_or_else(|| not_admitted(id))?;
-        if inner.checkpoints.remove(&id).is_some() {
+        if let Err(e) = self.persist(&inner) {
+            inner.jobs.insert(id, job);
+            log::error!("job {id} not evicted: {e}");
+            return Err(RequestError::State(format!("job {id} not evicted: {e}")));
+        }
+        let checkpoint = inner.checkpoints.remove(&id).is_some();
+        drop(inner);
+        if checkpoint {
             let path = checkpoint_path(&self.state_path, id);
             if let Err(e) = std::fs::remove_file(&path) {
                 log::warn!(
@@ -822,12 +827,11 @@ impl Shared {
                 );
             }
         }
-        if let Err(e) = self.persist(&inner) {
-            // The dataplane no longer has it; the reconcile loop would put it
-            // back if it stayed here, so it is forgotten all the same.
-            log::error!("job {id} evicted, but {e}");
+        if let Err(e) = self.dp.remove(id) {
+            log::warn!(
+                "job {id} evicted; the dataplane could not be told ({e}): reconciliation removes it there"
+            );
         }
-        drop(inner);
         log::info!("evicted job {id} ({:?})", job.spec.name);
         Ok(summary(&job, false))
     }
@@ -991,6 +995,26 @@ impl Shared {
                 return;
             }
         };
+        // Jobs the dataplane holds that control has not admitted (evicted
+        // while it was down, or installed by someone else) are removed.
+        let unknown: Vec<u16> = {
+            let inner = self.lock();
+            installed
+                .iter()
+                .copied()
+                .filter(|id| !inner.jobs.contains_key(id))
+                .collect()
+        };
+        for id in unknown {
+            match self.dp.remove(id) {
+                Ok(_) => {
+                    log::warn!("job {id} was installed on the dataplane but is not admitted here: removed")
+                }
+                Err(e) => log::warn!(
+                    "job {id} is installed on the dataplane but not admitted here; removing it: {e}"
+                ),
+            }
+        }
         let missing: Vec<InstallJob> = self
             .lock()
             .jobs

@@ -502,3 +502,55 @@ fn job_ids_are_canonical_and_the_operator_token_needs_its_bearer() {
     assert_eq!(list(&d).len(), 1);
     d.shutdown();
 }
+
+/// An eviction is reported done only once it is durable: when the state
+/// file cannot be written, the job stays admitted (and installed) and the
+/// answer says why; once it can, the eviction goes through.
+#[test]
+fn an_eviction_that_cannot_be_written_changes_nothing() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("durable");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    // A directory where the state's temporary goes: the write fails.
+    let tmp = state.with_extension("json.tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    let e = err(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None, 500);
+    assert!(
+        e.contains("not evicted") && e.contains(&tmp.display().to_string()),
+        "{e}"
+    );
+    assert_eq!(list(&d).len(), 1, "still admitted");
+    assert!(fake.jobs().contains_key(&a.id), "still installed");
+    std::fs::remove_dir(&tmp).unwrap();
+    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None);
+    assert!(list(&d).is_empty() && !fake.jobs().contains_key(&a.id));
+    d.shutdown();
+    // It stays evicted across a restart.
+    let d = daemon(&fake.url(), &state);
+    assert!(list(&d).is_empty());
+    d.shutdown();
+}
+
+/// A dataplane that cannot be told (down, refusing) does not stop an
+/// eviction; reconciliation removes the job there once it answers, as it
+/// removes any job control has not admitted.
+#[test]
+fn reconciliation_removes_jobs_control_has_not_admitted() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let d = daemon(&fake.url(), &temp_state("unknown"));
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    fake.state.lock().unwrap().refuse_delete = Some("down for maintenance".into());
+    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None);
+    assert!(list(&d).is_empty());
+    assert!(fake.jobs().contains_key(&a.id), "the dataplane refused");
+    // A job nobody admitted, installed behind control's back.
+    let mut hidden = fake.jobs()[&a.id].clone();
+    hidden.id = 77;
+    fake.state.lock().unwrap().jobs.insert(77, hidden);
+    fake.state.lock().unwrap().refuse_delete = None;
+    wait_for("reconciliation to remove both", || fake.jobs().is_empty());
+    let log = fake.state.lock().unwrap().log.clone();
+    assert!(log.iter().any(|l| l == "DELETE /v1/jobs/77"), "{log:?}");
+    d.shutdown();
+}

@@ -44,6 +44,8 @@ pub(crate) struct FakeState {
     pub(crate) jobs: BTreeMap<u16, InstallJob>,
     /// When set, every PUT is refused with this message (HTTP 500).
     pub(crate) refuse: Option<String>,
+    /// When set, every DELETE is refused with this message (HTTP 503).
+    pub(crate) refuse_delete: Option<String>,
     /// Requests seen, as `METHOD PATH`.
     pub(crate) log: Vec<String>,
 }
@@ -200,6 +202,9 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
         }
         ("DELETE", ["v1", "jobs", id]) => {
             let id: u16 = id.parse().unwrap();
+            if let Some(m) = st.refuse_delete.clone() {
+                return error(req, 503, &m);
+            }
             if st.jobs.remove(&id).is_some() {
                 let _ = req.respond(tiny_http::Response::empty(204));
             } else {
