@@ -176,16 +176,10 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
         Cmd::Job { cmd } => match cmd {
             JobCmd::Admit { spec } => {
                 let text = read_spec(spec)?;
-                let is_json = text.trim_start().starts_with('{');
+                let is_json = JobSpec::looks_like_json(&text);
                 let raw = ctl.call("POST", "/v1/jobs", Some((&text, is_json)))?;
                 show(json, &raw, |r: AdmitResponse| {
-                    let workers = if is_json {
-                        JobSpec::from_json(&text)
-                    } else {
-                        JobSpec::from_toml(&text)
-                    }
-                    .ok()
-                    .map(|s| s.workers);
+                    let workers = JobSpec::parse(&text, None).ok().map(|s| s.workers);
                     render_admit(&r, &ctl.base, workers)
                 })
             }

@@ -537,8 +537,13 @@ impl Shared {
             ["v1", "jobs"] => match method {
                 "GET" => Ok(Reply::json(200, &self.list())),
                 "POST" => {
+                    let content_type = req
+                        .headers()
+                        .iter()
+                        .find(|h| h.field.equiv("Content-Type"))
+                        .map(|h| h.value.as_str().to_string());
                     let body = read_body(req)?;
-                    Ok(Reply::json(201, &self.admit(&body)?))
+                    Ok(Reply::json(201, &self.admit(&body, content_type.as_deref())?))
                 }
                 _ => Err(wrong("GET, POST")),
             },
@@ -625,12 +630,8 @@ impl Shared {
         Ok(info)
     }
 
-    fn admit(&self, body: &str) -> Result<AdmitResponse, RequestError> {
-        let spec = if body.trim_start().starts_with('{') {
-            JobSpec::from_json(body)?
-        } else {
-            JobSpec::from_toml(body)?
-        };
+    fn admit(&self, body: &str, content_type: Option<&str>) -> Result<AdmitResponse, RequestError> {
+        let spec = JobSpec::parse(body, content_type)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let info = self.dp.info()?;
         // Ids the dataplane holds without control knowing them (a lost state

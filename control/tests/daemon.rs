@@ -554,3 +554,38 @@ fn reconciliation_removes_jobs_control_has_not_admitted() {
     assert!(log.iter().any(|l| l == "DELETE /v1/jobs/77"), "{log:?}");
     d.shutdown();
 }
+
+/// A JSON spec with a byte-order mark is admitted as JSON (it was read as
+/// TOML), and the Content-Type decides the format when given.
+#[test]
+fn admission_reads_the_spec_in_the_format_it_is_in() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let d = daemon(&fake.url(), &temp_state("format"));
+    let bom = format!("\u{feff}{}", spec_json("bom", 2, 100));
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&bom));
+    assert_eq!(a.id, 1);
+    let url = format!("http://{}/v1/jobs", d.addr());
+    let bearer = format!("Bearer {}", operator_token(&d));
+    let r = ureq::post(&url)
+        .set("Authorization", &bearer)
+        .set("Content-Type", "application/toml")
+        .send_string(SPEC)
+        .unwrap();
+    assert_eq!(r.status(), 201);
+    match ureq::post(&url)
+        .set("Authorization", &bearer)
+        .set("Content-Type", "application/json")
+        .send_string(SPEC)
+    {
+        Err(ureq::Error::Status(400, r)) => {
+            let e = r.into_json::<ApiError>().unwrap().error;
+            assert!(
+                e.contains("invalid job spec") && e.contains(" column "),
+                "a JSON error: {e}"
+            );
+        }
+        other => panic!("TOML sent as JSON: {other:?}"),
+    }
+    assert_eq!(list(&d).len(), 2);
+    d.shutdown();
+}

@@ -256,6 +256,39 @@ fn bad(field: impl Into<String>, value: impl std::fmt::Display, accepted: impl I
     }
 }
 
+/// A TOML error that names where it is: the line, the table it is in and
+/// the line's text (toml's own message alone names no field: "number too
+/// large to fit in target type").
+fn toml_error(text: &str, e: &toml::de::Error) -> SpecError {
+    let Some(span) = e.span() else {
+        return SpecError::Parse(e.message().to_string());
+    };
+    let before = text.get(..span.start).unwrap_or(text);
+    let line_no = before.matches('\n').count() + 1;
+    let line = text.lines().nth(line_no - 1).unwrap_or("").trim();
+    let table = before
+        .lines()
+        .rev()
+        .map(str::trim)
+        .find(|l| l.starts_with('['))
+        .map(|t| format!(" (in {})", cut(t, 40)))
+        .unwrap_or_default();
+    SpecError::Parse(format!(
+        "line {line_no}{table}, `{}`: {}",
+        cut(line, 80),
+        e.message()
+    ))
+}
+
+/// `s` cut to its first `n` characters, marked when cut.
+fn cut(s: &str, n: usize) -> String {
+    if s.chars().count() <= n {
+        s.to_string()
+    } else {
+        format!("{}...", s.chars().take(n).collect::<String>())
+    }
+}
+
 /// A name as an error message shows it: quoted, control characters escaped,
 /// and cut to its first 64 characters when longer (a 15 MB name is not
 /// echoed back whole).
@@ -279,7 +312,7 @@ fn printable_name(name: &str) -> bool {
 impl JobSpec {
     /// Parses and validates a TOML spec.
     pub fn from_toml(text: &str) -> Result<JobSpec, SpecError> {
-        let spec: JobSpec = toml::from_str(text).map_err(|e| SpecError::Parse(e.message().to_string()))?;
+        let spec: JobSpec = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
         spec.validate()?;
         Ok(spec)
     }
@@ -289,6 +322,36 @@ impl JobSpec {
         let spec: JobSpec = serde_json::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
+    }
+
+    /// Parses and validates a spec in either format: JSON when
+    /// `content_type` says `application/json`, TOML when it says
+    /// `application/toml` or `text/toml`, and otherwise JSON when the text
+    /// starts with `{`, else TOML. A leading byte-order mark is skipped.
+    pub fn parse(text: &str, content_type: Option<&str>) -> Result<JobSpec, SpecError> {
+        let text = text.strip_prefix('\u{feff}').unwrap_or(text);
+        let media = content_type
+            .and_then(|c| c.split(';').next())
+            .map(|m| m.trim().to_ascii_lowercase());
+        let json = match media.as_deref() {
+            Some("application/json") => true,
+            Some("application/toml" | "text/toml") => false,
+            _ => Self::looks_like_json(text),
+        };
+        if json {
+            JobSpec::from_json(text)
+        } else {
+            JobSpec::from_toml(text)
+        }
+    }
+
+    /// Whether `text` (after a byte-order mark and white space) starts as a
+    /// JSON object, the one thing a spec in JSON can be.
+    pub fn looks_like_json(text: &str) -> bool {
+        text.strip_prefix('\u{feff}')
+            .unwrap_or(text)
+            .trim_start()
+            .starts_with('{')
     }
 
     /// Elements per full chunk.
@@ -564,5 +627,42 @@ elements = 1
             e.contains("`keys[0].name`") && e.contains("129 characters"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn toml_type_errors_name_the_line_and_field() {
+        let e = err("name = \"x\"\nworkers = \"two\"\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4\n");
+        assert!(e.contains("line 2") && e.contains("`workers = \"two\"`"), "{e}");
+        let e = err(
+            "name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 99999999999999999999\n",
+        );
+        assert!(
+            e.contains("line 6 (in [[keys]])") && e.contains("`elements = 99999999999999999999`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn parse_takes_the_content_type_or_the_text_and_skips_a_bom() {
+        let json = r#"{"name":"x","workers":2,"optimizer":{"kind":"sum"},"keys":[{"elements":4}]}"#;
+        let toml = "name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4\n";
+        let want = JobSpec::from_json(json).unwrap();
+        for (text, ct) in [
+            (json.to_string(), None),
+            (format!("\u{feff}{json}"), None),
+            (
+                format!("\u{feff}  {json}"),
+                Some("application/json; charset=utf-8"),
+            ),
+            (toml.to_string(), Some("application/toml")),
+            (format!("\u{feff}{toml}"), None),
+        ] {
+            assert_eq!(JobSpec::parse(&text, ct).unwrap(), want, "{ct:?} {text:?}");
+        }
+        // Told JSON, TOML is a JSON error (not a TOML one).
+        let e = JobSpec::parse(toml, Some("application/json"))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("at line 1 column"), "a JSON error: {e}");
     }
 }
