@@ -7,6 +7,7 @@ use std::io;
 use std::net::{TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// A free TCP port on 127.0.0.1 (for a daemon's HTTP API).
@@ -135,6 +136,7 @@ impl Daemon {
             .stderr(out)
             .spawn()
             .map_err(|e| io::Error::new(e.kind(), format!("starting {}: {e}", program.display())))?;
+        live().pids.push(child.id());
         Ok(Daemon {
             name: name.to_string(),
             child,
@@ -198,12 +200,15 @@ impl Daemon {
     pub fn kill(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        untrack(self.child.id());
     }
 
     /// Stops it: SIGTERM, up to `grace` for it to exit, then SIGKILL;
     /// returns whether it exited on SIGTERM.
     pub fn stop(&mut self, grace: Duration) -> bool {
-        terminate(&mut self.child, grace).is_some()
+        let exited = terminate(&mut self.child, grace).is_some();
+        untrack(self.child.id());
+        exited
     }
 }
 
@@ -211,4 +216,86 @@ impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop(Duration::from_secs(5));
     }
+}
+
+/// What a signal must clean up: every running [`Daemon`] and the scratch
+/// directories registered with [`track_dir`].
+#[derive(Default)]
+struct Live {
+    pids: Vec<u32>,
+    dirs: Vec<PathBuf>,
+}
+
+static LIVE: Mutex<Live> = Mutex::new(Live {
+    pids: Vec::new(),
+    dirs: Vec::new(),
+});
+
+fn live() -> std::sync::MutexGuard<'static, Live> {
+    LIVE.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn untrack(pid: u32) {
+    live().pids.retain(|&p| p != pid);
+}
+
+/// Registers a scratch directory for removal if a signal stops this
+/// program ([`stop_on_signal`]).
+pub fn track_dir(dir: &Path) {
+    live().dirs.push(dir.to_path_buf());
+}
+
+/// Forgets a directory [`track_dir`] registered (it was removed).
+pub fn untrack_dir(dir: &Path) {
+    live().dirs.retain(|d| d != dir);
+}
+
+/// Whether process `pid` has exited (gone, or a zombie awaiting its parent).
+fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name's closing parenthesis.
+        Ok(s) => s
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| rest.trim_start().starts_with('Z')),
+        Err(_) => true,
+    }
+}
+
+/// Makes SIGINT, SIGTERM and SIGHUP stop this program cleanly: every
+/// running [`Daemon`] gets SIGTERM (SIGKILL after 5 s), the directories
+/// [`track_dir`] registered are removed, and the program exits with status
+/// 130. `program` names it in the message printed.
+pub fn stop_on_signal(program: &'static str) -> Result<(), String> {
+    ctrlc::set_handler(move || {
+        let (pids, dirs) = {
+            let l = live();
+            (l.pids.clone(), l.dirs.clone())
+        };
+        eprintln!(
+            "{program}: stopping on a signal: {} daemon(s) to stop",
+            pids.len()
+        );
+        let signal = |pid: u32, sig: libc::c_int| {
+            if let Ok(p) = libc::pid_t::try_from(pid) {
+                // SAFETY: kill(2) on a child of this process that was not
+                // reaped (it is still listed); no memory is involved.
+                unsafe { libc::kill(p, sig) };
+            }
+        };
+        for &p in &pids {
+            signal(p, libc::SIGTERM);
+        }
+        let t = Instant::now();
+        while !pids.iter().all(|&p| exited(p)) && t.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        for &p in pids.iter().filter(|&&p| !exited(p)) {
+            signal(p, libc::SIGKILL);
+        }
+        for d in &dirs {
+            let _ = std::fs::remove_dir_all(d);
+        }
+        std::process::exit(130);
+    })
+    .map_err(|e| format!("installing the SIGINT/SIGTERM/SIGHUP handler: {e}"))
 }

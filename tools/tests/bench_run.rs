@@ -230,3 +230,83 @@ fn bad_arguments_say_what_is_accepted() {
         "{out}"
     );
 }
+
+/// The processes holding a file under `dir` open, or naming it on their
+/// command line (phub-control's `--state`).
+fn holders(dir: &std::path::Path) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let cmdline = std::fs::read(e.path().join("cmdline")).unwrap_or_default();
+        let named = String::from_utf8_lossy(&cmdline).contains(&*dir.to_string_lossy());
+        let open = std::fs::read_dir(e.path().join("fd"))
+            .map(|fds| {
+                fds.flatten()
+                    .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|t| t.starts_with(dir)))
+            })
+            .unwrap_or(false);
+        if named || open {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// `phub-bench run --local` stopped by SIGTERM (or SIGINT, SIGHUP) stops the
+/// phub-dataplane and phub-control it started and removes its scratch
+/// directory (it used to orphan both, and leave the directory behind).
+#[test]
+fn a_local_run_stopped_by_a_signal_leaves_no_daemon_or_directory() {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
+        .args([
+            "run",
+            "--local",
+            "--model",
+            "resnet50",
+            "--workers",
+            "1",
+            "--rounds",
+            "100000",
+            "--no-ceiling",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let prefix = format!("phub-bench-{}-", child.id());
+    let t = std::time::Instant::now();
+    let dir = loop {
+        let found = std::fs::read_dir(std::env::temp_dir())
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with(&prefix))
+            .map(|e| e.path());
+        // Both daemons up: control's state file exists.
+        if let Some(d) = found.filter(|d| d.join("control-state.json.operator-token").exists()) {
+            break d;
+        }
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "the appliance never came up"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert!(
+        !holders(&dir).is_empty(),
+        "the daemons hold files in {}",
+        dir.display()
+    );
+    // SAFETY: kill(2) on our own child; no memory is involved.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{status}");
+    assert!(!dir.exists(), "{} is left behind", dir.display());
+    let left = holders(&dir);
+    assert!(
+        left.is_empty(),
+        "processes still holding {}: {left:?}",
+        dir.display()
+    );
+}

@@ -152,6 +152,7 @@ impl Local {
             };
         let dir = std::env::temp_dir().join(format!("phub-bench-{}-{}", std::process::id(), free_port()?));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        process::track_dir(&dir);
         let (mgmt, ctl) = (free_port()?, free_port()?);
         let mgmt_url = format!("http://127.0.0.1:{mgmt}");
         let control_url = format!("http://127.0.0.1:{ctl}");
@@ -244,6 +245,7 @@ impl Local {
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        process::untrack_dir(&self.dir);
     }
 }
 

@@ -1067,6 +1067,11 @@ pub fn run(a: &RunArgs) -> Result<()> {
     if let Some(path) = &a.plot {
         plot::check(path)?; // a bad name or a missing font fails before the runs
     }
+    if a.control.is_none() {
+        // Killed or interrupted, it stops the appliance it started and
+        // removes its scratch directory, instead of orphaning them.
+        phub_hwtests::process::stop_on_signal("phub-bench").map_err(|e| anyhow::anyhow!(e))?;
+    }
     if a.shm && a.backend == Backend::Dpdk {
         bail!(
             "--shm with --backend dpdk: shared memory is for workers on the host of a kernel-UDP \
