@@ -187,3 +187,30 @@ fn synchronous_sgd_on_the_appliance_equals_one_process_averaging_gradients() {
     let (l1, _) = t.mlp().evaluate(&results[0], &t.data());
     assert!(l1 < l0, "loss did not fall: {l0} -> {l1}");
 }
+
+/// Evicting a job that its workers still use: their next request fails at
+/// once with an ERROR that says the job was evicted (it used to wait out the
+/// 30 s timeout).
+#[test]
+fn an_evicted_jobs_worker_fails_at_once_saying_so() {
+    let rack = Rack::start(2, "256MiB");
+    let job = rack.admit(&sum_spec("gone", 1, &[5000, 3])).unwrap();
+    let w = Worker::join(&rack.control_url, job.id, job.token, 0).unwrap();
+    let mut p = vec![1f32; 5000];
+    let h = w.init(0, &mut p).unwrap();
+    w.wait(h).unwrap();
+    let (ok, out, err) = rack.phubctl(&["job", "evict", &job.id.to_string()]);
+    assert!(ok, "{out}{err}");
+    let g = vec![0.5f32; 5000];
+    let mut out = vec![0f32; 5000];
+    let t = std::time::Instant::now();
+    let h = w.push_pull(0, &g, &mut out).unwrap();
+    let e = w.wait(h).unwrap_err();
+    let took = t.elapsed();
+    assert!(
+        matches!(&e, phub_worker::WorkerError::Refused { reason, .. } if reason == "evicted"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("evicted from the appliance"), "{e}");
+    assert!(took < Duration::from_secs(10), "failed after {took:?}");
+}

@@ -622,7 +622,15 @@ pub struct Shard<A> {
     pending: Vec<Pending<A>>,
     counters: Arc<ShardCounters>,
     mem: Arc<dyn SlotAllocator>,
+    /// Jobs evicted lately: (id, token, until when the clock says so).
+    evicted: Vec<(u16, u64, u64)>,
 }
+
+/// How long an evicted job's messages are answered with an ERROR
+/// (`evicted`) rather than dropped as an unknown job: a minute.
+pub const EVICTED_FOR_NS: u64 = 60_000_000_000;
+/// The most evicted jobs one lcore remembers (the oldest is forgotten).
+const MAX_EVICTED: usize = 64;
 
 impl<A: Copy + Eq> Shard<A> {
     /// An empty shard for `lcore`, aggregating with `kernels`, its slot
@@ -652,6 +660,7 @@ impl<A: Copy + Eq> Shard<A> {
             pending: Vec::with_capacity(MAX_BURST),
             counters,
             mem,
+            evicted: Vec::new(),
         }
     }
 
@@ -782,6 +791,42 @@ impl<A: Copy + Eq> Shard<A> {
     /// Removes a job, frees its slots and removes its shared-memory regions;
     /// returns whether it was installed. Pending transmits for it are
     /// discarded.
+    /// Evicts a job at `now`: removes it ([`Shard::remove`]) and, for
+    /// [`EVICTED_FOR_NS`], answers its ranks' messages (with its token)
+    /// with an ERROR `evicted` instead of dropping them as an unknown job.
+    /// Returns whether it was installed.
+    pub fn evict(&mut self, id: u16, now: u64) -> bool {
+        let Some(token) = self.job(id).map(|j| j.token) else {
+            return false;
+        };
+        self.evicted.retain(|e| e.0 != id && e.2 > now);
+        if self.evicted.len() == MAX_EVICTED {
+            self.evicted.remove(0);
+        }
+        self.evicted.push((id, token, now.saturating_add(EVICTED_FOR_NS)));
+        self.remove(id)
+    }
+
+    /// Whether job `id` with `token` was evicted lately (at `now`).
+    fn was_evicted(&self, id: u16, token: u64, now: u64) -> bool {
+        self.evicted
+            .iter()
+            .any(|&(j, t, until)| j == id && t == token && now < until)
+    }
+
+    /// An ERROR `evicted` to `from` for `repr`'s message.
+    fn refuse_evicted(&mut self, from: A, repr: Repr) -> Verdict {
+        self.counters.errors_sent.inc();
+        let mut e = repr;
+        e.kind = MsgType::Error;
+        e.count = 0;
+        e.error = DropReason::Evicted.code();
+        e.flags = 0;
+        self.pending.push(Pending::Error { repr: e, to: from });
+        Verdict::Dropped(DropReason::Evicted)
+    }
+
+    /// Removes a job (nothing is remembered of it; see [`Shard::evict`]).
     pub fn remove(&mut self, id: u16) -> bool {
         self.pending
             .retain(|p| !matches!(p, Pending::Result { job, .. } if *job == id));
@@ -991,12 +1036,18 @@ impl<A: Copy + Eq> Shard<A> {
         if matches!(repr.kind, MsgType::Result | MsgType::Error) {
             return Verdict::Dropped(DropReason::NotForAppliance);
         }
-        let Some(job) = self.jobs.iter_mut().find(|j| j.id == repr.job) else {
+        let known = self.jobs.iter().position(|j| j.id == repr.job);
+        let token_ok = known.is_some_and(|i| self.jobs[i].token == repr.token);
+        if !token_ok && !self.evicted.is_empty() && self.was_evicted(repr.job, repr.token, now) {
+            return self.refuse_evicted(from, repr);
+        }
+        let Some(i) = known else {
             return Verdict::Dropped(DropReason::UnknownJob);
         };
-        if repr.token != job.token {
+        if !token_ok {
             return Verdict::Dropped(DropReason::BadToken);
         }
+        let job = &mut self.jobs[i];
         if repr.shm() && job.shm.is_none() {
             return Verdict::Dropped(DropReason::NoSharedMemory);
         }
@@ -1520,5 +1571,45 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn an_evicted_jobs_ranks_get_an_error_for_a_minute() {
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37)).unwrap();
+        let vals = [1.0f32; 37];
+        assert!(s.evict(1, 1_000));
+        assert!(!s.evict(1, 1_000), "already gone");
+        let p = push(Dtype::F32, 0, 0, 0, &vals);
+        assert_eq!(s.handle(9, &p, 2_000), Verdict::Dropped(DropReason::Evicted));
+        let t = s.transmits().next().expect("an ERROR");
+        let (e, _) = wire::parse(&t.header).unwrap();
+        assert_eq!(
+            (e.kind, e.error, e.job, e.token),
+            (MsgType::Error, DropReason::Evicted.code(), 1, 7)
+        );
+        assert_eq!(t.to.collect::<Vec<_>>(), [9]);
+        s.clear_transmits();
+        // Another token is not the evicted job's: dropped, unanswered.
+        let mut other = p.clone();
+        wire::Header::new_unchecked(&mut other[..]).set_token(8);
+        assert_eq!(
+            s.handle(9, &other, 2_000),
+            Verdict::Dropped(DropReason::UnknownJob)
+        );
+        // A new job under the same id: the old token still hears `evicted`,
+        // the new one is served.
+        let mut again = job(1, Dtype::F32, Optimizer::Sum, 2, 37);
+        again.token = 8;
+        s.install(again).unwrap();
+        assert_eq!(s.handle(9, &p, 3_000), Verdict::Dropped(DropReason::Evicted));
+        assert!(!matches!(s.handle(9, &other, 3_000), Verdict::Dropped(_)));
+        s.clear_transmits();
+        // After a minute, an unknown job again.
+        s.remove(1);
+        let later = 1_000 + EVICTED_FOR_NS;
+        assert_eq!(s.handle(9, &p, later), Verdict::Dropped(DropReason::UnknownJob));
+        assert!(!s.has_transmits());
+        assert_eq!(s.counters().drops_of(DropReason::Evicted), 2);
     }
 }

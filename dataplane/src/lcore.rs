@@ -38,7 +38,8 @@ pub enum Command {
     ),
     /// Save a job's slots (None when the job is not installed here).
     Snapshot(u16, Sender<Option<Vec<SlotState>>>),
-    /// Remove a job; answers whether it was installed.
+    /// Evict a job (its ranks' messages get an ERROR `evicted` for a
+    /// minute, [`Shard::evict`]); answers whether it was installed.
     Remove(u16, Sender<bool>),
     /// Report every installed job's stats.
     JobStats(Sender<Vec<JobShardStats>>),
@@ -95,7 +96,7 @@ pub fn run<Io: PacketIo>(
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
-            apply(&mut shard, cmd);
+            apply(&mut shard, cmd, clock.now());
         }
         let now = clock.now();
         let n = io.rx_burst(wait, &mut |from, datagram| {
@@ -117,7 +118,7 @@ pub fn run<Io: PacketIo>(
     Ok(())
 }
 
-fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command) {
+fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
         Command::Install(job, shm, restore, reply) => {
@@ -138,7 +139,7 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command) {
             let _ = reply.send(shard.snapshot(id));
         }
         Command::Remove(id, reply) => {
-            let _ = reply.send(shard.remove(id));
+            let _ = reply.send(shard.evict(id, now));
         }
         Command::JobStats(reply) => {
             let _ = reply.send(shard.job_stats());

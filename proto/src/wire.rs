@@ -226,6 +226,9 @@ drop_reasons! {
     NothingToPull = 20, "nothing_to_pull";
     /// The SHM flag on a job (or lcore) without shared-memory regions.
     NoSharedMemory = 21, "no_shared_memory";
+    /// The job was evicted from this appliance within the last minute, and
+    /// the message carries the token it had: nothing more will answer it.
+    Evicted = 22, "evicted";
 }
 
 impl DropReason {
@@ -242,6 +245,7 @@ impl DropReason {
                 | DropReason::DtypeMismatch
                 | DropReason::WrongTypeForRound
                 | DropReason::Ahead
+                | DropReason::Evicted
         )
     }
 

@@ -826,6 +826,9 @@ fn describe(code: u16) -> (String, &'static str) {
                     " (the appliance is behind this worker: it may have restarted and lost the job's state)"
                 }
                 DropReason::WrongTypeForRound => " (INIT is for round 0 only, PUSH for rounds >= 1)",
+                DropReason::Evicted => {
+                    " (the job was evicted from the appliance: it is gone, and rejoining cannot help)"
+                }
                 _ => "",
             };
             (r.name().to_string(), hint)
