@@ -208,6 +208,13 @@ fn every_refusal_is_counted_under_its_reason() {
         &msg(MsgType::Push, 0, 2, 0, &[1.; 4]),
         DropReason::Duplicate,
     );
+    // Evicted: the job's own messages are told so.
+    assert!(s.evict(1, 1));
+    refuse(
+        &mut s,
+        &msg(MsgType::Push, 1, 2, 0, &[1.; 4]),
+        DropReason::Evicted,
+    );
     let c = s.counters();
     for r in DropReason::ALL {
         let expect = match r {
