@@ -688,19 +688,24 @@ fn lcore_table(lcores: &[&LcoreStats], names: &[String]) -> (Vec<(&'static str, 
     let n = Align::Right;
     let mut columns = vec![("LCORE", n)];
     let mut rows: Vec<Vec<String>> = names.iter().take(lcores.len()).map(|s| vec![s.clone()]).collect();
+    // Each row's counters in table order, read once.
+    let values: Vec<Vec<u64>> = lcores
+        .iter()
+        .map(|l| l.counters().map(|(_, v)| v).collect())
+        .collect();
     for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
-        let value = |l: &LcoreStats| l.counters().nth(i).map_or(0, |(_, v)| v);
+        let column = || values.iter().map(move |v| v[i]);
         let heading = match def.column {
             Column::Hidden => None,
             Column::Always(h) => Some(h),
-            Column::IfAny(h) => lcores.iter().any(|l| value(l) > 0).then_some(h),
+            Column::IfAny(h) => column().any(|v| v > 0).then_some(h),
         };
         if let Some(h) = heading {
             columns.push((h, n));
-            for (row, l) in rows.iter_mut().zip(lcores) {
+            for (row, v) in rows.iter_mut().zip(column()) {
                 row.push(match def.kind {
-                    Kind::Bytes => mb(value(l)),
-                    Kind::Count | Kind::Gauge => value(l).to_string(),
+                    Kind::Bytes => mb(v),
+                    Kind::Count | Kind::Gauge => v.to_string(),
                 });
             }
         }

@@ -82,9 +82,7 @@ impl Config {
 
 /// The operator token file that goes with a state file.
 pub fn default_token_path(state: &std::path::Path) -> PathBuf {
-    let mut name = state.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(".operator-token");
-    state.with_file_name(name)
+    state::sibling(state, ".operator-token")
 }
 
 /// Reads the operator token, or creates the file with a new random one
@@ -1082,9 +1080,7 @@ impl Shared {
 
 /// Where control keeps job `id`'s checkpoint: beside the state file.
 fn checkpoint_path(state: &std::path::Path, id: u16) -> PathBuf {
-    let mut name = state.file_name().map(|n| n.to_os_string()).unwrap_or_default();
-    name.push(format!(".job-{id}.ckpt"));
-    state.with_file_name(name)
+    state::sibling(state, &format!(".job-{id}.ckpt"))
 }
 
 fn unix_ms() -> u64 {

@@ -63,6 +63,12 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
     o.sample("phub_dataplane_up", &[], u64::from(dataplane.is_some()));
 
     if let Some(dp) = dataplane {
+        // Each lcore's label and counters in table order, read once.
+        let rows: Vec<(String, Vec<u64>)> = dp
+            .lcores
+            .iter()
+            .map(|l| (l.lcore.to_string(), l.counters().map(|(_, v)| v).collect()))
+            .collect();
         for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
             let name = format!("phub_lcore_{}_total", def.name);
             o.family(
@@ -70,10 +76,8 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
                 def.kind.prometheus_type(),
                 &format!("{}, per lcore", def.help),
             );
-            for l in &dp.lcores {
-                if let Some((_, v)) = l.counters().nth(i) {
-                    o.sample(&name, &[("lcore", &l.lcore.to_string())], v);
-                }
+            for (lcore, values) in &rows {
+                o.sample(&name, &[("lcore", lcore)], values[i]);
             }
         }
         o.family(

@@ -185,12 +185,18 @@ pub(crate) fn save(path: &Path, jobs: &[&StoredJob]) -> Result<(), StateError> {
     write_atomic(path, &text)
 }
 
+/// The file beside `path` named as it is with `suffix` appended (the state
+/// file's temporary, lock, operator token and checkpoints).
+pub(crate) fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut name = path.file_name().map(|n| n.to_os_string()).unwrap_or_default();
+    name.push(suffix);
+    path.with_file_name(name)
+}
+
 /// Replaces `path` with `bytes` atomically: a temporary file beside it,
 /// written and synced, renamed over it, and the directory synced.
 pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".tmp");
-    let tmp = PathBuf::from(tmp);
+    let tmp = sibling(path, ".tmp");
     let write = |p: &Path| {
         let p = p.to_owned();
         move |source| StateError::Write { path: p, source }
@@ -231,9 +237,7 @@ pub(crate) struct StateLock {
 
 /// Takes the lock of the state file `path`, or says who holds it.
 pub(crate) fn lock(path: &Path) -> Result<StateLock, StateError> {
-    let mut lock = path.as_os_str().to_owned();
-    lock.push(".lock");
-    let lock = PathBuf::from(lock);
+    let lock = sibling(path, ".lock");
     let file = OpenOptions::new()
         .write(true)
         .create(true)

@@ -43,7 +43,8 @@ fn temp_state(tag: &str) -> PathBuf {
     dir.join("state.json")
 }
 
-fn daemon(dataplane: &str, state: &Path) -> Daemon {
+/// Starts a daemon on loopback over `dataplane` and `state`.
+fn start(dataplane: &str, state: &Path) -> anyhow::Result<Daemon> {
     Daemon::start(Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         dataplane: dataplane.to_string(),
@@ -51,7 +52,10 @@ fn daemon(dataplane: &str, state: &Path) -> Daemon {
         reconcile_interval: Duration::from_millis(100),
         operator_token: None,
     })
-    .unwrap()
+}
+
+fn daemon(dataplane: &str, state: &Path) -> Daemon {
+    start(dataplane, state).unwrap()
 }
 
 /// The operator token the daemon generated beside its state file.
@@ -357,15 +361,7 @@ fn restart_keeps_jobs_and_joined_ranks() {
     d.shutdown();
 
     std::fs::write(&state, "{\"jobs\": [}").unwrap();
-    let e = Daemon::start(Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        dataplane: fake.url(),
-        state: state.clone(),
-        reconcile_interval: Duration::from_millis(100),
-        operator_token: None,
-    })
-    .unwrap_err()
-    .to_string();
+    let e = start(&fake.url(), &state).unwrap_err().to_string();
     assert!(
         e.contains(&state.display().to_string()) && e.contains("corrupt"),
         "{e}"
@@ -451,15 +447,7 @@ fn a_second_control_on_the_same_state_file_refuses_to_start() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("second");
     let first = daemon(&fake.url(), &state);
-    let e = Daemon::start(Config {
-        listen: "127.0.0.1:0".parse().unwrap(),
-        dataplane: fake.url(),
-        state: state.clone(),
-        reconcile_interval: Duration::from_millis(100),
-        operator_token: None,
-    })
-    .unwrap_err()
-    .to_string();
+    let e = start(&fake.url(), &state).unwrap_err().to_string();
     assert!(
         e.contains(&state.display().to_string()) && e.contains("in use by another phub-control"),
         "{e}"

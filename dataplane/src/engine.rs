@@ -814,16 +814,22 @@ impl<A: Copy + Eq> Shard<A> {
             .any(|&(j, t, until)| j == id && t == token && now < until)
     }
 
-    /// An ERROR `evicted` to `from` for `repr`'s message.
-    fn refuse_evicted(&mut self, from: A, repr: Repr) -> Verdict {
-        self.counters.errors_sent.inc();
-        let mut e = repr;
-        e.kind = MsgType::Error;
-        e.count = 0;
-        e.error = DropReason::Evicted.code();
-        e.flags = 0;
-        self.pending.push(Pending::Error { repr: e, to: from });
-        Verdict::Dropped(DropReason::Evicted)
+    /// Refuses `repr`'s message from `from` for `reason`: an ERROR (the
+    /// message's header, type ERROR, no payload, the reason's code) goes
+    /// back where the reason tells the sender ([`DropReason::notifies_sender`]).
+    fn refuse(&mut self, from: A, repr: Repr, reason: DropReason) -> Verdict {
+        if reason.notifies_sender() {
+            self.counters.errors_sent.inc();
+            let e = Repr {
+                kind: MsgType::Error,
+                count: 0,
+                error: reason.code(),
+                flags: 0,
+                ..repr
+            };
+            self.pending.push(Pending::Error { repr: e, to: from });
+        }
+        Verdict::Dropped(reason)
     }
 
     /// Removes a job (nothing is remembered of it; see [`Shard::evict`]).
@@ -1039,7 +1045,7 @@ impl<A: Copy + Eq> Shard<A> {
         let known = self.jobs.iter().position(|j| j.id == repr.job);
         let token_ok = known.is_some_and(|i| self.jobs[i].token == repr.token);
         if !token_ok && !self.evicted.is_empty() && self.was_evicted(repr.job, repr.token, now) {
-            return self.refuse_evicted(from, repr);
+            return self.refuse(from, repr, DropReason::Evicted);
         }
         let Some(i) = known else {
             return Verdict::Dropped(DropReason::UnknownJob);
@@ -1103,18 +1109,7 @@ impl<A: Copy + Eq> Shard<A> {
                     Verdict::Resent
                 }
             }
-            Err(r) => {
-                if r.notifies_sender() {
-                    self.counters.errors_sent.inc();
-                    let mut e = repr;
-                    e.kind = MsgType::Error;
-                    e.count = 0;
-                    e.error = r.code();
-                    e.flags = 0;
-                    self.pending.push(Pending::Error { repr: e, to: from });
-                }
-                Verdict::Dropped(r)
-            }
+            Err(r) => self.refuse(from, repr, r),
         }
     }
 

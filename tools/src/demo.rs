@@ -326,10 +326,6 @@ impl Drop for Tracked {
     }
 }
 
-fn free_port() -> Result<u16> {
-    Ok(process::free_port()?)
-}
-
 /// Whether `bin` (phub-dataplane) holds DPDK's EAL: a build with the
 /// `dpdk` feature links it (dynamically, as Debian's DPDK is, or
 /// statically) and names `rte_eal_init`; a build without it has no DPDK
@@ -433,7 +429,8 @@ fn start_appliance(
 ) -> Result<Appliance, (bool, anyhow::Error)> {
     let dataplane_failed = |e: anyhow::Error| (true, e);
     let other = |e: anyhow::Error| (false, e);
-    let (mgmt, ctl) = (free_port().map_err(other)?, free_port().map_err(other)?);
+    let port = || process::free_port().map_err(|e| other(e.into()));
+    let (mgmt, ctl) = (port()?, port()?);
     let mgmt_url = format!("http://127.0.0.1:{mgmt}");
     let control_url = format!("http://127.0.0.1:{ctl}");
     let mut args: Vec<String> = vec![

@@ -104,10 +104,6 @@ pub struct Local {
     dir: PathBuf,
 }
 
-fn free_port() -> Result<u16> {
-    Ok(process::free_port()?)
-}
-
 /// Starts `name` ([`Daemon::spawn`]) and waits up to 20 s for its API at
 /// `url`.
 fn start_daemon(
@@ -150,10 +146,14 @@ impl Local {
                     (dp, vec![], ctl, vec![])
                 }
             };
-        let dir = std::env::temp_dir().join(format!("phub-bench-{}-{}", std::process::id(), free_port()?));
+        let dir = std::env::temp_dir().join(format!(
+            "phub-bench-{}-{}",
+            std::process::id(),
+            process::free_port()?
+        ));
         std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
         process::track_dir(&dir);
-        let (mgmt, ctl) = (free_port()?, free_port()?);
+        let (mgmt, ctl) = (process::free_port()?, process::free_port()?);
         let mgmt_url = format!("http://127.0.0.1:{mgmt}");
         let control_url = format!("http://127.0.0.1:{ctl}");
         let mut args = dp_pre;
