@@ -1,0 +1,305 @@
+//! The listener under slow, large, many and early-closing clients, its
+//! shutdown, and TLS. Loopback only.
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use phub_http::{Handler, Limits, Request, Response, Server};
+
+struct Echo;
+
+impl Handler for Echo {
+    fn check_head(&self, head: &Request) -> Result<(), Response> {
+        if head.path == "/secret" && head.header("Authorization") != Some("Bearer ok") {
+            return Err(Response::error(401, "needs a token"));
+        }
+        Ok(())
+    }
+
+    fn handle(&self, req: Request) -> Response {
+        match req.path.as_str() {
+            "/panic" => panic!("handler panics on purpose"),
+            "/sleep" => {
+                std::thread::sleep(Duration::from_secs(3));
+                Response::new(200, "text/plain", b"slept".to_vec())
+            }
+            _ => Response::new(
+                200,
+                "text/plain",
+                format!("{} {} {}", req.method, req.path, req.body.len()).into_bytes(),
+            ),
+        }
+    }
+}
+
+fn limits() -> Limits {
+    Limits {
+        max_connections: 32,
+        header_bytes: 16 << 10,
+        header_timeout: Duration::from_millis(800),
+        body_bytes: 64 << 10,
+        body_timeout: Duration::from_millis(800),
+        inflight_body_bytes: 1 << 20,
+        handlers: 4,
+        connection_timeout: Duration::from_secs(10),
+        shutdown_grace: Duration::from_millis(300),
+    }
+}
+
+fn server(limits: Limits) -> Server {
+    let addr: SocketAddr = "127.0.0.1:0".parse().unwrap();
+    Server::bind("test-http", addr, limits, None, Arc::new(Echo)).unwrap()
+}
+
+/// Sends raw bytes and reads the whole answer (until the server closes).
+fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+fn get(addr: SocketAddr, path: &str) -> (u16, String) {
+    let t = Instant::now();
+    let r = match ureq::get(&format!("http://{addr}{path}"))
+        .timeout(Duration::from_secs(5))
+        .call()
+    {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap()),
+        Err(e) => panic!("GET {path}: {e}"),
+    };
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "GET {path} took {:?}",
+        t.elapsed()
+    );
+    r
+}
+
+#[test]
+fn answers_within_a_second_while_clients_trickle_headers() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    // 20 clients that send one header byte now and then.
+    let mut slow: Vec<TcpStream> = (0..20)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(b"POST /x HTTP/1.1\r\nHost: a\r\n").unwrap();
+            s
+        })
+        .collect();
+    for _ in 0..3 {
+        for s in &mut slow {
+            let _ = s.write_all(b"X");
+        }
+        assert_eq!(get(addr, "/ok"), (200, "GET /ok 0".to_string()));
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // The header timeout closes them.
+    std::thread::sleep(Duration::from_millis(900));
+    let mut buf = [0u8; 256];
+    for s in &mut slow {
+        s.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let _ = s.write_all(b"Y");
+        let n = s.read(&mut buf).unwrap_or(0);
+        let text = String::from_utf8_lossy(&buf[..n]);
+        assert!(
+            n == 0 || text.starts_with("HTTP/1.1 408"),
+            "slow client got {text:?}"
+        );
+    }
+}
+
+#[test]
+fn a_trickled_body_times_out_with_408() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.write_all(b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 1000\r\n\r\nab")
+        .unwrap();
+    let t = Instant::now();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    assert!(out.starts_with("HTTP/1.1 408"), "{out}");
+    assert!(out.contains("did not arrive within"), "{out}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+    assert_eq!(get(addr, "/ok").0, 200);
+}
+
+#[test]
+fn huge_headers_are_refused_with_431() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    let mut req = b"GET /x HTTP/1.1\r\nHost: a\r\nX-Big: ".to_vec();
+    req.extend(std::iter::repeat_n(b'a', 1 << 20));
+    req.extend_from_slice(b"\r\n\r\n");
+    let out = raw(addr, &req);
+    assert!(out.starts_with("HTTP/1.1 431"), "{}", &out[..out.len().min(200)]);
+    assert_eq!(get(addr, "/ok").0, 200);
+}
+
+#[test]
+fn a_body_over_the_limit_is_refused_before_it_is_read() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    // Declares 10 MB, sends none of it: answered at once.
+    let t = Instant::now();
+    let out = raw(
+        addr,
+        b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 10000000\r\n\r\n",
+    );
+    assert!(out.starts_with("HTTP/1.1 413"), "{out}");
+    assert!(out.contains("larger than the limit of 65536 bytes"), "{out}");
+    assert!(t.elapsed() < Duration::from_millis(700));
+    // Chunked, no length: stopped once it passes the limit.
+    let mut req = b"POST /x HTTP/1.1\r\nHost: a\r\nTransfer-Encoding: chunked\r\n\r\n".to_vec();
+    for _ in 0..20 {
+        req.extend_from_slice(b"1000\r\n");
+        req.extend(std::iter::repeat_n(b'z', 0x1000));
+        req.extend_from_slice(b"\r\n");
+    }
+    req.extend_from_slice(b"0\r\n\r\n");
+    let out = raw(addr, &req);
+    assert!(out.starts_with("HTTP/1.1 413"), "{}", &out[..out.len().min(200)]);
+    // A body within the limit is whole.
+    let out = raw(
+        addr,
+        b"POST /x HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    assert!(out.ends_with("POST /x 5"), "{out}");
+}
+
+#[test]
+fn a_refused_head_never_has_its_body_read() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    let t = Instant::now();
+    let out = raw(
+        addr,
+        b"POST /secret HTTP/1.1\r\nHost: a\r\nContent-Length: 60000\r\n\r\n",
+    );
+    assert!(out.starts_with("HTTP/1.1 401"), "{out}");
+    assert!(out.contains("needs a token"), "{out}");
+    assert!(t.elapsed() < Duration::from_millis(700));
+    let out = raw(
+        addr,
+        b"POST /secret HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer ok\r\nContent-Length: 2\r\n\r\nhi",
+    );
+    assert!(out.ends_with("POST /secret 2"), "{out}");
+}
+
+#[test]
+fn connections_over_the_limit_get_503_and_the_rest_are_served() {
+    let mut l = limits();
+    l.max_connections = 4;
+    l.header_timeout = Duration::from_secs(3);
+    let srv = server(l);
+    let addr = srv.local_addr();
+    let idle: Vec<TcpStream> = (0..4).map(|_| TcpStream::connect(addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let out = raw(addr, b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n");
+    assert!(out.starts_with("HTTP/1.1 503"), "{out}");
+    assert!(out.contains("at most 4 at once"), "{out}");
+    drop(idle);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(get(addr, "/ok").0, 200);
+}
+
+#[test]
+fn a_panicking_handler_answers_500_and_the_server_goes_on() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    let (code, body) = get(addr, "/panic");
+    assert_eq!(code, 500);
+    assert!(body.contains("internal error"), "{body}");
+    assert_eq!(get(addr, "/ok").0, 200);
+}
+
+#[test]
+fn shutdown_does_not_wait_on_clients() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    // Slow clients mid-headers and a handler that takes 3 s.
+    let _slow: Vec<TcpStream> = (0..10)
+        .map(|_| {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(b"GET /x HTTP/1.1\r\n").unwrap();
+            s
+        })
+        .collect();
+    let sleeper = std::thread::spawn(move || {
+        let _ = ureq::get(&format!("http://{addr}/sleep"))
+            .timeout(Duration::from_secs(5))
+            .call();
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let t = Instant::now();
+    srv.shutdown();
+    assert!(
+        t.elapsed() < Duration::from_secs(1),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "still accepting after shutdown"
+    );
+    sleeper.join().unwrap();
+}
+
+#[test]
+fn tls_is_served_and_verified() {
+    let dir = std::env::temp_dir().join(format!("phub-http-tls-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".into(), "127.0.0.1".into()]).unwrap();
+    let (cert, key) = (dir.join("cert.pem"), dir.join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.key_pair.serialize_pem()).unwrap();
+
+    let tls = phub_http::server_config(&cert, &key).unwrap();
+    let srv = Server::bind(
+        "test-https",
+        "127.0.0.1:0".parse().unwrap(),
+        limits(),
+        Some(tls),
+        Arc::new(Echo),
+    )
+    .unwrap();
+    let port = srv.local_addr().port();
+
+    // Trusting the certificate: served.
+    let client = phub_http::client_config(Some(&cert)).unwrap();
+    let agent = ureq::AgentBuilder::new().tls_config(client).build();
+    let r = agent.get(&format!("https://localhost:{port}/ok")).call().unwrap();
+    assert_eq!(r.into_string().unwrap(), "GET /ok 0");
+
+    // Not trusting it: refused by the client.
+    let other = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let other_ca = dir.join("other.pem");
+    std::fs::write(&other_ca, other.cert.pem()).unwrap();
+    let agent = ureq::AgentBuilder::new()
+        .tls_config(phub_http::client_config(Some(&other_ca)).unwrap())
+        .build();
+    let e = agent
+        .get(&format!("https://localhost:{port}/ok"))
+        .call()
+        .unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+
+    // Clear text to the TLS port: no answer, and the server goes on.
+    let out = raw(srv.local_addr(), b"GET /ok HTTP/1.1\r\nHost: a\r\n\r\n");
+    assert!(!out.contains("GET /ok 0"));
+
+    // Bad files are named.
+    let e = phub_http::server_config(&dir.join("missing.pem"), &key).unwrap_err();
+    assert!(e.to_string().contains("missing.pem"), "{e}");
+    let e = phub_http::client_config(Some(&key)).unwrap_err();
+    assert!(e.to_string().contains("no PEM certificate"), "{e}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
