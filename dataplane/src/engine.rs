@@ -624,6 +624,9 @@ pub struct Shard<A> {
     mem: Arc<dyn SlotAllocator>,
     /// Jobs evicted lately: (id, token, until when the clock says so).
     evicted: Vec<(u16, u64, u64)>,
+    /// The appliance is shutting down ([`Shard::shut_down`]): every message
+    /// of an installed job is answered with an ERROR `shutting_down`.
+    closing: bool,
 }
 
 /// How long an evicted job's messages are answered with an ERROR
@@ -661,6 +664,7 @@ impl<A: Copy + Eq> Shard<A> {
             counters,
             mem,
             evicted: Vec::new(),
+            closing: false,
         }
     }
 
@@ -830,6 +834,42 @@ impl<A: Copy + Eq> Shard<A> {
             self.pending.push(Pending::Error { repr: e, to: from });
         }
         Verdict::Dropped(reason)
+    }
+
+    /// The appliance is shutting down: from now on every message of an
+    /// installed job (with its token) is answered with an ERROR
+    /// `shutting_down`, and one such ERROR is queued at once to every rank
+    /// of every job that this lcore has heard from (round, slot, key and
+    /// chunk 0: the worker fails all it has in flight on it). Returns the
+    /// number of ERRORs queued. Not undone: the lcore is about to stop.
+    pub fn shut_down(&mut self) -> usize {
+        self.closing = true;
+        let mut queued = 0;
+        for job in &self.jobs {
+            // Cast: r < workers, a u16 (one endpoint per rank).
+            #[allow(clippy::cast_possible_truncation)]
+            for (r, to) in job.endpoints.iter().enumerate() {
+                let Some(to) = *to else { continue };
+                let repr = Repr {
+                    kind: MsgType::Error,
+                    dtype: job.dtype,
+                    flags: 0,
+                    token: job.token,
+                    job: job.id,
+                    rank: r as u16,
+                    count: 0,
+                    error: DropReason::ShuttingDown.code(),
+                    round: 0,
+                    slot: 0,
+                    key: 0,
+                    chunk: 0,
+                };
+                self.pending.push(Pending::Error { repr, to });
+                queued += 1;
+            }
+        }
+        self.counters.errors_sent.add(queued as u64);
+        queued
     }
 
     /// Removes a job (nothing is remembered of it; see [`Shard::evict`]).
@@ -1052,6 +1092,9 @@ impl<A: Copy + Eq> Shard<A> {
         };
         if !token_ok {
             return Verdict::Dropped(DropReason::BadToken);
+        }
+        if self.closing {
+            return self.refuse(from, repr, DropReason::ShuttingDown);
         }
         let job = &mut self.jobs[i];
         if repr.shm() && job.shm.is_none() {
@@ -1606,5 +1649,54 @@ mod tests {
         assert_eq!(s.handle(9, &p, later), Verdict::Dropped(DropReason::UnknownJob));
         assert!(!s.has_transmits());
         assert_eq!(s.counters().drops_of(DropReason::Evicted), 2);
+    }
+
+    #[test]
+    fn a_shard_shutting_down_tells_each_rank_it_knows_and_refuses_the_rest() {
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37)).unwrap();
+        let vals = [1.0f32; 37];
+        // Rank 0 is heard from (address 9); rank 1 is not.
+        let v = s.handle(9, &push(Dtype::F32, 0, 0, 0, &vals), 1_000);
+        assert!(!matches!(v, Verdict::Dropped(_)), "{v:?}");
+        s.clear_transmits();
+        assert_eq!(s.shut_down(), 1);
+        let t = s.transmits().next().expect("an ERROR to rank 0");
+        let (e, _) = wire::parse(&t.header).unwrap();
+        assert_eq!(
+            (e.kind, e.error, e.job, e.token, e.rank, e.dtype),
+            (
+                MsgType::Error,
+                DropReason::ShuttingDown.code(),
+                1,
+                7,
+                0,
+                Dtype::F32
+            )
+        );
+        assert_eq!(t.to.collect::<Vec<_>>(), [9]);
+        assert_eq!(s.transmits().count(), 1);
+        s.clear_transmits();
+        // Whatever comes later for the job is refused, to its sender.
+        let p = push(Dtype::F32, 1, 0, 1, &vals);
+        assert_eq!(
+            s.handle(10, &p, 2_000),
+            Verdict::Dropped(DropReason::ShuttingDown)
+        );
+        let t = s.transmits().next().expect("an ERROR to rank 1");
+        let (e, _) = wire::parse(&t.header).unwrap();
+        assert_eq!((e.error, e.rank, e.slot), (DropReason::ShuttingDown.code(), 1, 1));
+        assert_eq!(t.to.collect::<Vec<_>>(), [10]);
+        s.clear_transmits();
+        // A message without the job's token is still not answered.
+        let mut other = p.clone();
+        wire::Header::new_unchecked(&mut other[..]).set_token(8);
+        assert_eq!(
+            s.handle(10, &other, 2_000),
+            Verdict::Dropped(DropReason::BadToken)
+        );
+        assert!(!s.has_transmits());
+        assert_eq!(s.counters().drops_of(DropReason::ShuttingDown), 1);
+        assert_eq!(s.counters().errors_sent.get(), 2);
     }
 }

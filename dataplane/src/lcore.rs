@@ -82,8 +82,17 @@ impl Clock {
     }
 }
 
-/// Runs one lcore until `stop` is set. Returns the last I/O error, if the
-/// backend failed in a way the loop cannot continue from.
+/// The longest an lcore keeps refusing messages once told to stop
+/// ([`run`]): 1 s.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(1);
+/// The grace ends sooner once nothing has arrived for this long: 100 ms.
+pub const SHUTDOWN_QUIET: Duration = Duration::from_millis(100);
+
+/// Runs one lcore until `stop` is set, then, if it holds any job, for a
+/// grace period tells that job's ranks the appliance is shutting down
+/// ([`Shard::shut_down`]; PROTOCOL.md §5.7): until nothing has arrived for
+/// [`SHUTDOWN_QUIET`], at most [`SHUTDOWN_GRACE`]. Returns the last I/O
+/// error, if the backend failed in a way the loop cannot continue from.
 pub fn run<Io: PacketIo>(
     mut io: Io,
     mut shard: Shard<Io::Addr>,
@@ -102,20 +111,47 @@ pub fn run<Io: PacketIo>(
         let n = io.rx_burst(wait, &mut |from, datagram| {
             shard.handle(from, datagram, now);
         })?;
-        if shard.has_transmits() {
-            let r = io.tx_burst(shard.transmits(), &counters);
-            shard.clear_transmits();
-            if let Err(e) = r {
-                log::warn!("lcore {}: send failed: {e}", shard.lcore());
-            }
-        }
+        flush(&mut io, &mut shard, &counters);
         if n == 0 {
             counters.idle_loops.inc();
         } else {
             counters.busy_loops.inc();
         }
     }
-    Ok(())
+    if shard.job_ids().next().is_none() {
+        return Ok(());
+    }
+    let told = shard.shut_down();
+    log::info!(
+        "lcore {}: shutting down; {told} rank(s) told, later messages refused for up to {SHUTDOWN_GRACE:?}",
+        shard.lcore()
+    );
+    let start = Instant::now();
+    let mut heard = start;
+    loop {
+        flush(&mut io, &mut shard, &counters);
+        if start.elapsed() >= SHUTDOWN_GRACE || heard.elapsed() >= SHUTDOWN_QUIET {
+            return Ok(());
+        }
+        let now = clock.now();
+        let n = io.rx_burst(wait, &mut |from, datagram| {
+            shard.handle(from, datagram, now);
+        })?;
+        if n > 0 {
+            heard = Instant::now();
+        }
+    }
+}
+
+/// Sends what the shard queued.
+fn flush<Io: PacketIo>(io: &mut Io, shard: &mut Shard<Io::Addr>, counters: &crate::counters::ShardCounters) {
+    if shard.has_transmits() {
+        let r = io.tx_burst(shard.transmits(), counters);
+        shard.clear_transmits();
+        if let Err(e) = r {
+            log::warn!("lcore {}: send failed: {e}", shard.lcore());
+        }
+    }
 }
 
 fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {

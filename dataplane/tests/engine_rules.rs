@@ -215,7 +215,15 @@ fn every_refusal_is_counted_under_its_reason() {
         &msg(MsgType::Push, 1, 2, 0, &[1.; 4]),
         DropReason::Evicted,
     );
-    let c = s.counters();
+    // Shutting down: the messages of every job still installed are told so.
+    let mut stopping = shard(2, Dtype::F32, Optimizer::Sum);
+    assert_eq!(stopping.shut_down(), 0, "no rank heard from yet");
+    refuse(
+        &mut stopping,
+        &msg(MsgType::Push, 1, 2, 0, &[1.; 4]),
+        DropReason::ShuttingDown,
+    );
+    let (c, d) = (s.counters(), stopping.counters());
     for r in DropReason::ALL {
         let expect = match r {
             DropReason::WrongTypeForRound | DropReason::CountMismatch | DropReason::NotForAppliance => 2,
@@ -227,7 +235,7 @@ fn every_refusal_is_counted_under_its_reason() {
             | DropReason::LengthMismatch => 0,
             _ => 1,
         };
-        assert_eq!(c.drops_of(*r), expect, "{r}");
+        assert_eq!(c.drops_of(*r) + d.drops_of(*r), expect, "{r}");
     }
 }
 

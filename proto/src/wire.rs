@@ -229,6 +229,11 @@ drop_reasons! {
     /// The job was evicted from this appliance within the last minute, and
     /// the message carries the token it had: nothing more will answer it.
     Evicted = 22, "evicted";
+    /// The appliance is shutting down cleanly: for its last moments it
+    /// answers every message of an installed job (with its token) with
+    /// this, and tells every rank it knows once, so that no worker waits
+    /// out its timeout for an answer that will not come.
+    ShuttingDown = 23, "shutting_down";
 }
 
 impl DropReason {
@@ -246,6 +251,7 @@ impl DropReason {
                 | DropReason::WrongTypeForRound
                 | DropReason::Ahead
                 | DropReason::Evicted
+                | DropReason::ShuttingDown
         )
     }
 

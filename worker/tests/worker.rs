@@ -1199,3 +1199,60 @@ fn dropped_handles_free_the_key_and_the_next_round_is_exact() {
     );
     assert!(w.shm() && w.stats().shm_results >= 5 * 3, "{:?}", w.stats());
 }
+
+/// A real dataplane (kernel UDP, in this process) stopped cleanly, as
+/// SIGTERM stops it, while a worker waits on it: the request fails at once
+/// with `shutting_down`, well within the worker's 30 s timeout (which it
+/// used to wait out).
+#[test]
+fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
+    use phub_dataplane::app::{Appliance, BackendKind, Config};
+    use phub_proto::api::InstallJob;
+    let app = Appliance::start(&Config {
+        backend: BackendKind::Udp,
+        host: "127.0.0.1".parse().unwrap(),
+        base_port: 0,
+        lcores: Some(2),
+        mgmt: "127.0.0.1:0".parse().unwrap(),
+        mgmt_token_file: None,
+        memory_budget: 64 << 20,
+        busy_poll: false,
+        inject: None,
+        no_pin: true,
+        socket_buffer: 4 << 20,
+        shm: false,
+        build: "test".into(),
+        dpdk: Default::default(),
+    })
+    .unwrap();
+    let spec = spec(2, &[5000], Dtype::F32, Optimizer::Sum);
+    let lay = layout(&spec, &mut [0, 0], u64::from);
+    let job = InstallJob {
+        id: JOB,
+        token: TOKEN,
+        spec: spec.clone(),
+        layout: lay.clone(),
+    };
+    app.manager().install(JOB, job).unwrap();
+    let config = WorkerConfig {
+        timeout: Duration::from_secs(30),
+        ..WorkerConfig::default()
+    };
+    let join = join_response(&spec, &lay, 0, app.data_addr().port());
+    let w = Worker::from_join(join, TOKEN, config).unwrap();
+    // Rank 1 never initialises: rank 0's round 0 stays open.
+    let mut p = vec![1f32; 5000];
+    let h = w.init(0, &mut p).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let t = Instant::now();
+    let stopping = std::thread::spawn(move || app.shutdown());
+    let e = w.wait(h).unwrap_err();
+    let took = t.elapsed();
+    assert!(
+        matches!(&e, WorkerError::Refused { key: 0, reason, .. } if reason == "shutting_down"),
+        "{e}"
+    );
+    assert!(e.to_string().contains("the appliance is shutting down"), "{e}");
+    assert!(took < Duration::from_secs(2), "failed after {took:?}");
+    stopping.join().unwrap();
+}

@@ -466,6 +466,10 @@ impl<D> Transport<D> {
             add(&self.stats.foreign_dropped, 1);
             return;
         }
+        if repr.kind == MsgType::Error && repr.error == DropReason::ShuttingDown.code() {
+            self.appliance_stopping(&repr);
+            return;
+        }
         let Some(id) = self.waiting_for(&repr) else {
             add(&self.stats.results_ignored, 1);
             return;
@@ -514,6 +518,39 @@ impl<D> Transport<D> {
             hint: hint.to_string(),
         };
         self.fail(id, err);
+    }
+
+    /// The appliance is shutting down (an ERROR `shutting_down`, which it
+    /// sends to every rank it knows as it stops, whatever the round, slot,
+    /// key and chunk): every request in flight fails with it at once, as
+    /// none of them will be answered. Each names its key, its round and
+    /// its first chunk still waiting.
+    fn appliance_stopping(&mut self, repr: &Repr) {
+        if self.requests.is_empty() {
+            add(&self.stats.results_ignored, 1);
+            return;
+        }
+        add(&self.stats.errors, 1);
+        let (reason, hint) = describe(repr.error);
+        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        for id in ids {
+            let req = &self.requests[&id];
+            let chunk = self
+                .outstanding
+                .iter()
+                .filter(|(_, o)| o.id == id)
+                .map(|(&(_, c), _)| c)
+                .min()
+                .unwrap_or(0);
+            let err = WorkerError::Refused {
+                key: req.key,
+                chunk,
+                round: req.round,
+                reason: reason.clone(),
+                hint: hint.to_string(),
+            };
+            self.fail(id, err);
+        }
     }
 
     fn on_result(&mut self, now: Instant, id: u64, repr: &Repr, payload: &[u8]) {
@@ -828,6 +865,10 @@ fn describe(code: u16) -> (String, &'static str) {
                 DropReason::WrongTypeForRound => " (INIT is for round 0 only, PUSH for rounds >= 1)",
                 DropReason::Evicted => {
                     " (the job was evicted from the appliance: it is gone, and rejoining cannot help)"
+                }
+                DropReason::ShuttingDown => {
+                    " (the appliance is shutting down: nothing in flight will be answered; once it is \
+                     back, phub-control reinstalls the job, from its last checkpoint if it has one)"
                 }
                 _ => "",
             };

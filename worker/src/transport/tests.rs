@@ -562,6 +562,42 @@ fn an_error_fails_its_request_and_one_for_another_round_is_ignored() {
     assert_eq!(h.stats.snapshot().results_ignored, 2);
 }
 
+/// The ERROR an appliance sends each rank as it stops (round, slot, key
+/// and chunk 0) fails every request in flight, those still waiting to be
+/// sent included, at once; with none in flight it is ignored.
+#[test]
+fn shutting_down_fails_every_request_in_flight_at_once() {
+    let mut h = Harness::new(2);
+    h.push(0, 3, &[0, 0, 0]);
+    h.push(1, 3, &[0]);
+    assert_eq!(h.poll().len(), 2);
+    let mut e = repr(MsgType::Error, RANK, 0, 0, 0, 0);
+    e.slot = 0;
+    e.error = DropReason::ShuttingDown.code();
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    let ended = h.ended();
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    for (tag, r) in &ended {
+        match r {
+            Err(WorkerError::Refused {
+                key,
+                round: 3,
+                reason,
+                hint,
+                ..
+            }) if key == tag => {
+                assert_eq!(reason, "shutting_down");
+                assert!(hint.contains("shutting down"), "{hint}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(!h.t.busy() && h.poll().is_empty());
+    assert_eq!(h.stats.snapshot().errors, 1);
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    assert_eq!(h.stats.snapshot().results_ignored, 1);
+}
+
 #[test]
 fn error_codes_are_named() {
     assert_eq!(describe(15).0, "count_mismatch");
