@@ -418,7 +418,11 @@ pub fn render_list(jobs: &[JobSummary]) -> String {
                 j.dtype.clone(),
                 j.optimizer.clone(),
                 human_bytes(j.memory_bytes),
-                yes(j.installed),
+                if j.failed.is_some() {
+                    "FAILED".to_string()
+                } else {
+                    yes(j.installed)
+                },
             ]
         })
         .collect();
@@ -457,6 +461,11 @@ pub fn render_show(d: &JobDetail) -> String {
         human_bytes(s.memory_bytes),
         yes(s.installed),
     );
+    if let Some(why) = &s.failed {
+        out.push_str(&format!(
+            "FAILED: {why}\n  (joins are refused; evict the job and admit it again)\n"
+        ));
+    }
     out.push_str(&format!("rounds completed {}", d.rounds_completed));
     if let Some((lo, hi)) = d.round_range {
         out.push_str(&format!(", last completed round {lo}..={hi} over its chunks"));
@@ -634,7 +643,11 @@ pub fn render_stats(s: &Stats) -> String {
             j.name,
             j.joined.len(),
             j.workers,
-            if j.installed { "installed" } else { "NOT installed" },
+            match (&j.failed, j.installed) {
+                (Some(_), _) => "FAILED",
+                (None, true) => "installed",
+                (None, false) => "NOT installed",
+            },
             human_bytes(j.memory_bytes)
         ));
         if let Some(l) = live {
@@ -797,6 +810,7 @@ mod tests {
             optimizer: "sgd".into(),
             memory_bytes: mem,
             installed: true,
+            failed: None,
         }
     }
 
@@ -810,6 +824,11 @@ mod tests {
              12  bert            4       2     3     120  f32    sgd           512 B  yes\n"
         );
         assert_eq!(render_list(&[]), "no jobs admitted\n");
+        let mut failed = summary(3, "lost", 512);
+        failed.installed = false;
+        failed.failed = Some("placed on 4 lcores (up to lcore 3), the dataplane now has 2".into());
+        let t = render_list(&[failed]);
+        assert!(t.lines().nth(1).is_some_and(|l| l.ends_with("  FAILED")), "{t}");
     }
 
     #[test]
@@ -867,6 +886,14 @@ mod tests {
         );
         assert!(
             t.contains("rounds completed 7, last completed round 3..=4"),
+            "{t}"
+        );
+        assert!(!t.contains("FAILED"), "{t}");
+        let mut d = d;
+        d.summary.failed = Some("the dataplane refuses to install it: bad layout".into());
+        let t = render_show(&d);
+        assert!(
+            t.contains("FAILED: the dataplane refuses to install it: bad layout\n  (joins are refused"),
             "{t}"
         );
     }

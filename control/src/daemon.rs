@@ -1,7 +1,9 @@
 //! The phub-control daemon: the HTTP API of `phub_proto::api`, admission,
 //! rendezvous, the state file and the reconcile loop.
 //!
-//! Threads: a few HTTP handler threads (tiny_http) and one reconcile thread.
+//! Threads: the HTTP listener (phub-http: bounded connections, header and
+//! body limits, timeouts, TLS) with its handler pool, and one reconcile
+//! thread.
 //! The jobs live behind one mutex that is never held across an HTTP call to
 //! the dataplane. Calls that change the dataplane's set of jobs (admission,
 //! eviction, reconcile) take a second lock for their whole duration, so
@@ -10,11 +12,9 @@
 //! it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::io::Read;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::process::ExitCode;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -22,25 +22,26 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
-    AdmitResponse, ApiError, CheckpointInfo, DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobMap,
-    JobSummary, JoinRequest, JoinResponse, KeyMap, LcoreShare, RankStatus, Stats,
+    AdmitResponse, CheckpointInfo, DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobMap, JobSummary,
+    JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
-use phub_proto::layout::job_bytes;
+use phub_proto::layout::Placement;
+use phub_proto::memory::MemoryModel;
 use phub_proto::spec::{JobSpec, SpecError};
 use serde::Serialize;
 
-use crate::admission::{self, bytes_per_lcore, AdmitError};
+use crate::admission::{self, AdmitError};
 use crate::dataplane::{Client, DataplaneError};
 use crate::metrics;
+use crate::refit::{self, Refit};
 use crate::state::{self, StateError, StoredJob};
 
-/// Largest request body accepted, in bytes.
-pub const MAX_BODY_BYTES: usize = 16 << 20;
-/// HTTP handler threads.
-const HANDLERS: usize = 4;
-/// How often idle handler threads look at the stop flag.
-const POLL: Duration = Duration::from_millis(50);
+/// Largest job spec accepted by `POST /v1/jobs`, in bytes (a spec lists
+/// every key: a 10^6-key spec is about 15 MB of TOML).
+pub const MAX_BODY_BYTES: usize = 64 << 20;
+/// Largest body of any other request (a join), in bytes.
+pub const MAX_SMALL_BODY_BYTES: usize = 64 << 10;
 
 /// How the daemon runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -57,6 +58,14 @@ pub struct Config {
     /// `.operator-token` appended). Created with a random token, readable by
     /// its owner only, when missing.
     pub operator_token: Option<PathBuf>,
+    /// The dataplane's management token file (default: the dataplane's
+    /// default for the port of `dataplane`; see
+    /// [`phub_http::secret::mgmt_token_path`]).
+    pub dataplane_token: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain and private key.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Listen beyond loopback in clear text (refused without it).
+    pub insecure_listen: bool,
 }
 
 impl Default for Config {
@@ -67,6 +76,9 @@ impl Default for Config {
             state: PathBuf::from("phub-control.state.json"),
             reconcile_interval: Duration::from_secs(2),
             operator_token: None,
+            dataplane_token: None,
+            tls: None,
+            insecure_listen: false,
         }
     }
 }
@@ -78,6 +90,20 @@ impl Config {
             .clone()
             .unwrap_or_else(|| default_token_path(&self.state))
     }
+
+    /// Where the dataplane's management token lives.
+    pub fn dataplane_token_path(&self) -> PathBuf {
+        self.dataplane_token.clone().unwrap_or_else(|| {
+            // The port of the URL: what follows the host's last colon.
+            let authority = self.dataplane.split("://").nth(1).unwrap_or(&self.dataplane);
+            let authority = authority.split('/').next().unwrap_or(authority);
+            let port = authority
+                .rsplit_once(':')
+                .and_then(|(_, p)| p.parse().ok())
+                .unwrap_or(80);
+            phub_http::secret::mgmt_token_path(port)
+        })
+    }
 }
 
 /// The operator token file that goes with a state file.
@@ -88,35 +114,11 @@ pub fn default_token_path(state: &std::path::Path) -> PathBuf {
 /// Reads the operator token, or creates the file with a new random one
 /// (mode 0600, created exclusively so a racing start cannot clobber it).
 fn load_or_create_token(path: &std::path::Path) -> anyhow::Result<String> {
-    use std::io::Write as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    match std::fs::read_to_string(path) {
-        Ok(t) => {
-            let t = t.trim().to_string();
-            anyhow::ensure!(
-                t.len() >= 16 && t.chars().all(|c| c.is_ascii_graphic()),
-                "the operator token in {} must be at least 16 printable characters",
-                path.display()
-            );
-            Ok(t)
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            let token: String = (0..4).map(|_| format!("{:08x}", rand::random::<u32>())).collect();
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .open(path)
-                .with_context(|| format!("creating the operator token file {}", path.display()))?;
-            f.write_all(token.as_bytes())
-                .and_then(|()| f.write_all(b"\n"))
-                .and_then(|()| f.sync_all())
-                .with_context(|| format!("writing {}", path.display()))?;
-            log::info!("generated the operator token in {} (owner-only)", path.display());
-            Ok(token)
-        }
-        Err(e) => Err(e).with_context(|| format!("reading the operator token file {}", path.display())),
+    let (token, made) = phub_http::secret::load_or_create(path).context("the operator token file")?;
+    if made {
+        log::info!("generated the operator token in {} (owner-only)", path.display());
     }
+    Ok(token)
 }
 
 /// phub-control: admits jobs, maps chunks to lcores, answers workers.
@@ -139,6 +141,21 @@ struct Args {
     /// token); default: the state file's path + `.operator-token`.
     #[arg(long)]
     operator_token_file: Option<PathBuf>,
+    /// The dataplane's management token file (its --mgmt-token-file);
+    /// default: the dataplane's default for the port of --dataplane.
+    #[arg(long, value_name = "FILE")]
+    dataplane_token_file: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// Listen beyond loopback in clear text (tokens and job specs then
+    /// cross the network unprotected). Without it, a non-loopback --listen
+    /// needs --tls-cert and --tls-key.
+    #[arg(long)]
+    insecure_listen: bool,
 }
 
 /// Entry point of the `phub-control` binary: parses flags, runs until
@@ -152,6 +169,9 @@ pub fn main() -> ExitCode {
         state: args.state,
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
         operator_token: args.operator_token_file,
+        dataplane_token: args.dataplane_token_file,
+        tls: args.tls_cert.zip(args.tls_key),
+        insecure_listen: args.insecure_listen,
     };
     match run(config) {
         Ok(()) => ExitCode::SUCCESS,
@@ -176,13 +196,13 @@ fn run(config: Config) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A running daemon: HTTP threads and the reconcile thread.
+/// A running daemon: the HTTP listener and the reconcile thread.
 pub struct Daemon {
     // Held for the daemon's life: no second phub-control on this state file.
     _state_lock: state::StateLock,
     operator_token: String,
     addr: SocketAddr,
-    stop: Arc<AtomicBool>,
+    server: Option<phub_http::Server>,
     // Dropping the sender wakes the reconcile thread, which then exits.
     reconcile_wake: Option<mpsc::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
@@ -207,21 +227,18 @@ impl Daemon {
         let token_path = config.operator_token_path();
         let operator_token = load_or_create_token(&token_path)?;
         let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
-        let server = tiny_http::Server::http(config.listen)
-            .map_err(|e| anyhow::anyhow!("cannot listen on {}: {e}", config.listen))?;
-        let addr = server
-            .server_addr()
-            .to_ip()
-            .context("the HTTP server is not bound to an IP address")?;
-        let server = Arc::new(server);
-        log::info!(
-            "phub-control listening on http://{addr}; dataplane {}; state {} ({} jobs)",
-            config.dataplane,
-            config.state.display(),
-            jobs.len()
-        );
+        let tls = match &config.tls {
+            Some((cert, key)) => Some(phub_http::server_config(cert, key)?),
+            None if !phub_http::is_loopback(&config.listen) && !config.insecure_listen => anyhow::bail!(
+                "refusing to listen on {} in clear text: give --tls-cert and --tls-key, or \
+                 --insecure-listen to send tokens and specs unprotected",
+                config.listen
+            ),
+            None => None,
+        };
+        let scheme = if tls.is_some() { "https" } else { "http" };
         let shared = Arc::new(Shared {
-            dp: Client::new(&config.dataplane),
+            dp: Client::new(&config.dataplane, config.dataplane_token_path()),
             state_path: config.state.clone(),
             interval: config.reconcile_interval,
             operator_token,
@@ -233,17 +250,21 @@ impl Daemon {
             }),
             ops: Mutex::new(()),
         });
-        let stop = Arc::new(AtomicBool::new(false));
+        let limits = phub_http::Limits {
+            body_bytes: MAX_BODY_BYTES,
+            inflight_body_bytes: 4 * MAX_BODY_BYTES,
+            ..phub_http::Limits::default()
+        };
+        let server = phub_http::Server::bind("control-http", config.listen, limits, tls, shared.clone())
+            .with_context(|| format!("cannot listen on {}", config.listen))?;
+        let addr = server.local_addr();
+        log::info!(
+            "phub-control listening on {scheme}://{addr}; dataplane {}; state {} ({} jobs)",
+            config.dataplane,
+            config.state.display(),
+            shared.lock().jobs.len()
+        );
         let mut threads = Vec::new();
-        for i in 0..HANDLERS {
-            let (server, shared, stop) = (server.clone(), shared.clone(), stop.clone());
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("control-http-{i}"))
-                    .spawn(move || serve(&server, &shared, &stop))
-                    .context("cannot start an HTTP thread")?,
-            );
-        }
         let (wake, sleep) = mpsc::channel::<()>();
         let rs = shared.clone();
         threads.push(
@@ -266,7 +287,7 @@ impl Daemon {
             _state_lock: state_lock,
             operator_token: shared.operator_token.clone(),
             addr,
-            stop,
+            server: Some(server),
             reconcile_wake: Some(wake),
             threads,
         })
@@ -282,13 +303,16 @@ impl Daemon {
         &self.operator_token
     }
 
-    /// Stops the threads and waits for them; requests in progress finish.
+    /// Stops the listener (requests in progress get its grace period, no
+    /// client is waited for) and the reconcile thread.
     pub fn shutdown(mut self) {
         self.stop_threads();
     }
 
     fn stop_threads(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
         self.reconcile_wake.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
@@ -299,19 +323,6 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop_threads();
-    }
-}
-
-fn serve(server: &tiny_http::Server, shared: &Shared, stop: &AtomicBool) {
-    while !stop.load(Ordering::Relaxed) {
-        match server.recv_timeout(POLL) {
-            Ok(Some(req)) => shared.handle(req),
-            Ok(None) => {}
-            Err(e) => {
-                log::warn!("HTTP server: {e}");
-                std::thread::sleep(POLL);
-            }
-        }
     }
 }
 
@@ -343,9 +354,6 @@ enum RequestError {
     /// Duplicate rank: 409.
     #[error("{0}")]
     Conflict(String),
-    /// Body over [`MAX_BODY_BYTES`]: 413.
-    #[error("request body is larger than the limit of {} bytes", MAX_BODY_BYTES)]
-    TooLarge,
     /// The job does not fit: 507.
     #[error(transparent)]
     Capacity(#[from] AdmitError),
@@ -366,7 +374,6 @@ impl RequestError {
             RequestError::NotFound(_) => 404,
             RequestError::Method { .. } => 405,
             RequestError::Conflict(_) => 409,
-            RequestError::TooLarge => 413,
             RequestError::Capacity(_) => 507,
             RequestError::Dataplane(_) => 502,
             RequestError::State(_) => 500,
@@ -439,18 +446,31 @@ impl std::fmt::Debug for Shared {
     }
 }
 
-fn summary(job: &StoredJob, installed: bool) -> JobSummary {
+/// What `job` costs on the dataplane `info` describes (the last one
+/// control heard from), or by [`MemoryModel::default`]'s upper bounds
+/// before it heard from one. O(keys + lcores).
+fn memory_bytes(job: &StoredJob, info: Option<&DataplaneInfo>) -> u64 {
+    match info {
+        Some(info) => admission::cost(&job.spec, &job.layout, info).total(),
+        None => MemoryModel::default()
+            .job_cost(&job.spec, &job.layout, false)
+            .total(),
+    }
+}
+
+fn summary(job: &StoredJob, installed: bool, info: Option<&DataplaneInfo>) -> JobSummary {
     JobSummary {
         id: job.id,
         name: job.spec.name.clone(),
         workers: job.spec.workers,
         joined: job.joined.iter().copied().collect(),
         keys: job.spec.keys.len(),
-        chunks: job.layout.chunk_count() as u64,
+        chunks: job.layout.chunk_count(),
         dtype: job.spec.dtype.name().to_string(),
         optimizer: job.spec.optimizer.name().to_string(),
-        memory_bytes: job_bytes(&job.spec),
+        memory_bytes: memory_bytes(job, info),
         installed,
+        failed: job.failed.clone(),
     }
 }
 
@@ -470,19 +490,58 @@ fn not_admitted(id: u16) -> RequestError {
     RequestError::NotFound(format!("job {id} is not admitted"))
 }
 
-fn read_body(req: &mut tiny_http::Request) -> Result<String, RequestError> {
-    if req.body_length().is_some_and(|n| n > MAX_BODY_BYTES) {
-        return Err(RequestError::TooLarge);
+/// The answer to a join or checkpoint of a failed job: 409 with its reason.
+fn failed(id: u16, why: &str) -> RequestError {
+    RequestError::Conflict(format!("job {id} failed: {why}; evict it and admit again"))
+}
+
+fn body_text(req: &phub_http::Request) -> Result<&str, RequestError> {
+    std::str::from_utf8(&req.body).map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
+}
+
+/// The routes that need the operator token.
+fn needs_operator(method: &str, segs: &[&str]) -> bool {
+    matches!(
+        (method, segs),
+        ("POST", ["v1", "jobs"]) | ("DELETE", ["v1", "jobs", _]) | ("POST", ["v1", "jobs", _, "checkpoint"])
+    )
+}
+
+fn segments(path: &str) -> Vec<&str> {
+    path.trim_matches('/').split('/').collect()
+}
+
+fn error_response(e: &RequestError) -> phub_http::Response {
+    let mut r = phub_http::Response::error(e.status(), e.to_string());
+    if e.status() == 401 {
+        r = r.with_header("WWW-Authenticate", "Bearer");
     }
-    let mut buf = Vec::new();
-    req.as_reader()
-        .take(MAX_BODY_BYTES as u64 + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| RequestError::BadRequest(format!("cannot read the request body: {e}")))?;
-    if buf.len() > MAX_BODY_BYTES {
-        return Err(RequestError::TooLarge);
+    r
+}
+
+impl phub_http::Handler for Shared {
+    fn check_head(&self, head: &phub_http::Request) -> Result<(), phub_http::Response> {
+        if needs_operator(&head.method, &segments(&head.path)) {
+            self.check_operator(head).map_err(|e| error_response(&e))?;
+        }
+        Ok(())
     }
-    String::from_utf8(buf).map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
+
+    fn body_limit(&self, head: &phub_http::Request) -> usize {
+        // Only the operator, checked above, may send a large body.
+        if head.method == "POST" && segments(&head.path) == ["v1", "jobs"] {
+            MAX_BODY_BYTES
+        } else {
+            MAX_SMALL_BODY_BYTES
+        }
+    }
+
+    fn handle(&self, req: phub_http::Request) -> phub_http::Response {
+        match self.route(&req) {
+            Ok(r) => phub_http::Response::new(r.status, r.content_type, r.body),
+            Err(e) => error_response(&e),
+        }
+    }
 }
 
 impl Shared {
@@ -497,51 +556,25 @@ impl Shared {
         state::save(&self.state_path, &jobs)
     }
 
-    fn handle(&self, mut req: tiny_http::Request) {
-        let method = req.method().as_str().to_ascii_uppercase();
-        let url = req.url().to_string();
-        let path = url.split('?').next().unwrap_or("");
-        let reply = match self.route(&method, path, &mut req) {
-            Ok(r) => r,
-            Err(e) => Reply::json(e.status(), &ApiError { error: e.to_string() }),
-        };
-        let header = tiny_http::Header::from_bytes("Content-Type", reply.content_type)
-            .expect("static header is valid");
-        let resp = tiny_http::Response::from_data(reply.body)
-            .with_status_code(reply.status)
-            .with_header(header);
-        if let Err(e) = req.respond(resp) {
-            log::debug!("answering {method} {path}: {e}");
-        }
-    }
-
-    fn route(&self, method: &str, path: &str, req: &mut tiny_http::Request) -> Result<Reply, RequestError> {
-        let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    fn route(&self, req: &phub_http::Request) -> Result<Reply, RequestError> {
+        let (method, path) = (req.method.as_str(), req.path.as_str());
+        let segs = segments(path);
         let wrong = |allowed| RequestError::Method {
             method: method.to_string(),
             path: path.to_string(),
             allowed,
         };
-        let needs_operator = matches!(
-            (method, segs.as_slice()),
-            ("POST", ["v1", "jobs"])
-                | ("DELETE", ["v1", "jobs", _])
-                | ("POST", ["v1", "jobs", _, "checkpoint"])
-        );
-        if needs_operator {
+        // Checked before the body was read too ([`Handler::check_head`]);
+        // again here so that no route depends on the listener for it.
+        if needs_operator(method, &segs) {
             self.check_operator(req)?;
         }
         match segs.as_slice() {
             ["v1", "jobs"] => match method {
                 "GET" => Ok(Reply::json(200, &self.list())),
                 "POST" => {
-                    let content_type = req
-                        .headers()
-                        .iter()
-                        .find(|h| h.field.equiv("Content-Type"))
-                        .map(|h| h.value.as_str().to_string());
-                    let body = read_body(req)?;
-                    Ok(Reply::json(201, &self.admit(&body, content_type.as_deref())?))
+                    let body = body_text(req)?;
+                    Ok(Reply::json(201, &self.admit(body, req.header("Content-Type"))?))
                 }
                 _ => Err(wrong("GET, POST")),
             },
@@ -555,14 +588,23 @@ impl Shared {
                 _ => Err(wrong("POST")),
             },
             ["v1", "jobs", id, "map"] => match method {
-                "GET" => Ok(Reply::json(200, &self.map(parse_id(id)?)?)),
+                "GET" => Ok(Reply::json(200, &self.map(parse_id(id)?, None)?)),
+                _ => Err(wrong("GET")),
+            },
+            ["v1", "jobs", id, "map", "keys", key] => match method {
+                "GET" => {
+                    let key = key.parse::<u32>().map_err(|_| {
+                        RequestError::BadRequest(format!("key {key:?} is not a key index (0, 1, ...)"))
+                    })?;
+                    Ok(Reply::json(200, &self.map(parse_id(id)?, Some(key))?))
+                }
                 _ => Err(wrong("GET")),
             },
             ["v1", "jobs", id, "join"] => match method {
                 "POST" => {
                     let id = parse_id(id)?;
-                    let body = read_body(req)?;
-                    Ok(Reply::json(200, &self.join(id, &body)?))
+                    let body = body_text(req)?;
+                    Ok(Reply::json(200, &self.join(id, body)?))
                 }
                 _ => Err(wrong("POST")),
             },
@@ -585,34 +627,18 @@ impl Shared {
     }
 
     /// Checks the `Authorization: Bearer` header against the operator token.
-    fn check_operator(&self, req: &tiny_http::Request) -> Result<(), RequestError> {
-        let given = req
-            .headers()
-            .iter()
-            .find(|h| h.field.equiv("Authorization"))
-            .map(|h| h.value.as_str().trim().to_string());
-        let Some(given) = given else {
+    fn check_operator(&self, req: &phub_http::Request) -> Result<(), RequestError> {
+        let Some(given) = req.header("Authorization") else {
             return Err(RequestError::Unauthorized(format!(
                 "this request needs the operator token: send `Authorization: Bearer <token>`; \
                  phub-control keeps it in {} (readable by its owner only)",
                 self.token_path.display()
             )));
         };
-        let token = match given.strip_prefix("Bearer ") {
-            Some(t) if !t.trim().is_empty() => t.trim(),
-            _ => {
-                return Err(RequestError::Unauthorized(
-                    "the Authorization header must be `Bearer <operator token>`".into(),
-                ))
-            }
-        };
-        // Compare without an early exit, so timing says nothing of the token.
-        let (a, b) = (token.as_bytes(), self.operator_token.as_bytes());
-        let diff = a
-            .iter()
-            .zip(b)
-            .fold(a.len() ^ b.len(), |d, (x, y)| d | usize::from(x ^ y));
-        if diff != 0 {
+        let token = phub_http::bearer(Some(given)).map_err(|_| {
+            RequestError::Unauthorized("the Authorization header must be `Bearer <operator token>`".into())
+        })?;
+        if !phub_http::token_matches(token, &self.operator_token) {
             return Err(RequestError::Forbidden("wrong operator token".into()));
         }
         Ok(())
@@ -669,7 +695,7 @@ impl Shared {
             layout,
         } = install;
         let name = spec.name.clone();
-        let chunks = layout.chunk_count() as u64;
+        let chunks = layout.chunk_count();
         let mut inner = self.lock();
         inner.jobs.insert(
             id,
@@ -679,6 +705,7 @@ impl Shared {
                 spec,
                 layout,
                 joined: BTreeSet::new(),
+                failed: None,
             },
         );
         if let Err(e) = self.persist(&inner) {
@@ -690,8 +717,9 @@ impl Shared {
         }
         drop(inner);
         log::info!(
-            "admitted job {id} ({name:?}): {chunks} chunks, {} bytes over lcores {:?}",
+            "admitted job {id} ({name:?}): {chunks} chunks, {} bytes ({} in shared memory) over lcores {:?}",
             plan.memory_bytes,
+            plan.cost.shm,
             plan.lcores
         );
         Ok(AdmitResponse {
@@ -699,6 +727,7 @@ impl Shared {
             token,
             chunks,
             memory_bytes: plan.memory_bytes,
+            shm_bytes: plan.cost.shm,
             lcores: plan.lcores,
         })
     }
@@ -707,6 +736,9 @@ impl Shared {
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
         if job.token != req.token {
             return Err(RequestError::Forbidden(format!("wrong token for job {id}")));
+        }
+        if let Some(why) = &job.failed {
+            return Err(failed(id, why));
         }
         let w = job.spec.workers;
         if u32::from(req.rank) >= w {
@@ -763,10 +795,11 @@ impl Shared {
             .jobs()
             .map(|j| j.into_iter().map(|j| j.id).collect())
             .unwrap_or_default();
-        self.lock()
+        let inner = self.lock();
+        inner
             .jobs
             .values()
-            .map(|j| summary(j, installed.contains(&j.id)))
+            .map(|j| summary(j, installed.contains(&j.id), inner.info.as_ref()))
             .collect()
     }
 
@@ -791,9 +824,21 @@ impl Shared {
                 }
             })
             .collect();
+        let s = &job.spec;
+        let spec = JobSpec {
+            name: s.name.clone(),
+            workers: s.workers,
+            dtype: s.dtype,
+            chunk_bytes: s.chunk_bytes,
+            optimizer: s.optimizer,
+            consistency: s.consistency,
+            keys: s.keys.iter().take(DETAIL_KEYS).cloned().collect(),
+            checkpoint_interval_s: s.checkpoint_interval_s,
+        };
         Ok(JobDetail {
-            summary: summary(job, live.is_some()),
-            spec: job.spec.clone(),
+            summary: summary(job, live.is_some(), inner.info.as_ref()),
+            keys_omitted: (s.keys.len() - spec.keys.len()) as u64,
+            spec,
             ranks,
             rounds_completed: live.map_or(0, |l| l.rounds_completed),
             round_range: live.and_then(|l| l.round_range),
@@ -832,52 +877,82 @@ impl Shared {
             );
         }
         log::info!("evicted job {id} ({:?})", job.spec.name);
-        Ok(summary(&job, false))
+        Ok(summary(&job, false, self.lock().info.as_ref()))
     }
 
-    fn map(&self, id: u16) -> Result<JobMap, RequestError> {
+    /// `GET /v1/jobs/{id}/map`, and with `key` `/map/keys/{key}`: per lcore
+    /// its run and bytes, O(lcores); one key's chunks as runs, O(lcores).
+    fn map(&self, id: u16, key: Option<u32>) -> Result<JobMap, RequestError> {
         if !self.lock().jobs.contains_key(&id) {
             return Err(not_admitted(id));
         }
         let info = self.info()?;
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
-        let bytes = bytes_per_lcore(&job.spec, &job.layout);
+        let cost = admission::cost(&job.spec, &job.layout, &info);
         // Cast: i < the layout's lcore count, at most admission::MAX_LCORES
-        // (2^16, checked by admission::plan and on loading the state file);
-        // slots on one lcore stay far below 2^32 (see phub_proto::layout).
+        // (2^16, checked by admission::plan and on loading the state file).
         #[allow(clippy::cast_possible_truncation)]
         let lcores = job
             .layout
             .lcores
             .iter()
             .enumerate()
-            .filter(|(_, s)| !s.is_empty())
-            .map(|(i, s)| LcoreShare {
+            .filter(|(_, r)| !r.is_empty())
+            .map(|(i, r)| LcoreShare {
                 lcore: i as u16,
                 port: info.data.base_port.wrapping_add(i as u16),
-                slots: s.len() as u32,
-                bytes: bytes[i],
+                first: r.first,
+                slots: r.count,
+                bytes: cost.lcores[i],
             })
             .collect();
-        // Cast: k < MAX_KEYS (2^20), checked by JobSpec::validate.
-        #[allow(clippy::cast_possible_truncation)]
-        let keys = job
-            .spec
-            .keys
-            .iter()
-            .zip(&job.layout.keys)
-            .enumerate()
-            .map(|(k, (spec, places))| KeyMap {
-                key: k as u32,
-                name: spec.name.clone(),
-                elements: spec.elements,
-                chunks: places.clone(),
-            })
-            .collect();
+        let keys = match key {
+            None => Vec::new(),
+            Some(k) => {
+                let ks = job.spec.keys.get(k as usize).ok_or_else(|| {
+                    RequestError::NotFound(format!(
+                        "job {id} has no key {k}; its keys are 0 to {}",
+                        job.spec.keys.len() - 1
+                    ))
+                })?;
+                let placement = Placement::new(&job.spec, job.layout.clone())
+                    .map_err(|e| RequestError::State(format!("job {id}'s layout: {e}")))?;
+                let seqs = placement.chunks().of_key(k);
+                // Cast: lcores as above; a key's chunks, and so the chunk
+                // and slot numbers within a run, are numbered by u32
+                // (JobSpec::validate, Placement::new).
+                #[allow(clippy::cast_possible_truncation)]
+                let runs = job
+                    .layout
+                    .lcores
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(l, r)| {
+                        let (a, b) = (seqs.start.max(r.first), seqs.end.min(r.first + r.count));
+                        (a < b).then(|| KeyRun {
+                            lcore: l as u16,
+                            chunk: (a - seqs.start) as u32,
+                            slot: (a - r.first) as u32,
+                            count: (b - a) as u32,
+                        })
+                    })
+                    .collect();
+                vec![KeyMap {
+                    key: k,
+                    name: ks.name.clone(),
+                    elements: ks.elements,
+                    first: seqs.start,
+                    runs,
+                }]
+            }
+        };
         Ok(JobMap {
             id,
             chunk_elems: job.layout.chunk_elems,
+            keys_total: job.spec.keys.len() as u64,
+            chunks: job.layout.chunk_count(),
+            memory_bytes: cost.total(),
             lcores,
             keys,
         })
@@ -887,10 +962,11 @@ impl Shared {
         let installed: BTreeSet<u16> = stats
             .map(|s| s.jobs.iter().map(|j| j.id).collect())
             .unwrap_or_default();
-        self.lock()
+        let inner = self.lock();
+        inner
             .jobs
             .values()
-            .map(|j| summary(j, installed.contains(&j.id)))
+            .map(|j| summary(j, installed.contains(&j.id), inner.info.as_ref()))
             .collect()
     }
 
@@ -916,8 +992,12 @@ impl Shared {
     /// Takes a checkpoint of `id` from the dataplane and keeps it (atomically
     /// replacing the previous one) beside the state file.
     fn checkpoint(&self, id: u16) -> Result<CheckpointInfo, RequestError> {
-        if !self.lock().jobs.contains_key(&id) {
-            return Err(not_admitted(id));
+        match self.lock().jobs.get(&id) {
+            None => return Err(not_admitted(id)),
+            Some(StoredJob {
+                failed: Some(why), ..
+            }) => return Err(failed(id, why)),
+            Some(_) => {}
         }
         let bytes = self.dp.checkpoint(id)?;
         let ckpt = Checkpoint::decode(&bytes).map_err(|e| {
@@ -960,10 +1040,11 @@ impl Shared {
                 .jobs
                 .values()
                 .filter(|j| {
-                    j.spec.checkpoint_interval_s.is_some_and(|s| {
-                        let last = inner.checkpoints.get(&j.id).map_or(0, |c| c.taken_unix_ms);
-                        now.saturating_sub(last) >= u64::from(s) * 1000
-                    })
+                    j.failed.is_none()
+                        && j.spec.checkpoint_interval_s.is_some_and(|s| {
+                            let last = inner.checkpoints.get(&j.id).map_or(0, |c| c.taken_unix_ms);
+                            now.saturating_sub(last) >= u64::from(s) * 1000
+                        })
                 })
                 .map(|j| j.id)
                 .collect()
@@ -975,7 +1056,11 @@ impl Shared {
         }
     }
 
-    /// Reinstalls every admitted job the dataplane lacks.
+    /// Reinstalls every admitted job the dataplane lacks, fitted to the
+    /// lcores it has now ([`Shared::refit`]), from its checkpoint when it
+    /// has one; a job that cannot be placed on them, or whose install the
+    /// dataplane refuses as invalid (HTTP 400), is marked failed instead of
+    /// being retried for ever.
     fn reconcile(&self, log: &mut ReconcileLog) {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let installed: BTreeSet<u16> = match self.dp.jobs() {
@@ -1014,67 +1099,187 @@ impl Shared {
                 ),
             }
         }
-        let missing: Vec<InstallJob> = self
+        let missing: Vec<u16> = self
             .lock()
             .jobs
             .values()
-            .filter(|j| !installed.contains(&j.id))
-            .map(|j| InstallJob {
-                id: j.id,
-                token: j.token,
-                spec: j.spec.clone(),
-                layout: j.layout.clone(),
-            })
+            .filter(|j| !installed.contains(&j.id) && j.failed.is_none())
+            .map(|j| j.id)
             .collect();
         log.failed.retain(|id| !installed.contains(id));
         if missing.is_empty() {
             return;
         }
-        // The dataplane restarted: its settings may have changed.
-        if let Ok(info) = self.dp.info() {
-            self.lock().info = Some(info);
-        }
-        for job in missing {
-            let path = checkpoint_path(&self.state_path, job.id);
-            let saved = self.lock().checkpoints.get(&job.id).cloned();
-            let result = match saved.as_ref().map(|_| std::fs::read(&path)) {
-                Some(Ok(bytes)) => self.dp.restore(job.id, &bytes),
-                Some(Err(e)) => {
-                    log::error!(
-                        "job {}: cannot read its checkpoint {}: {e}",
-                        job.id,
-                        path.display()
-                    );
-                    self.dp.install(&job)
+        // The dataplane restarted: its settings may have changed, and the
+        // jobs are fitted to its lcores before they are installed.
+        let info = match self.dp.info() {
+            Ok(info) => {
+                self.lock().info = Some(info.clone());
+                info
+            }
+            Err(e) => {
+                if !log.down {
+                    log::warn!("{e}; retrying every {:?}", self.interval);
+                    log.down = true;
                 }
+                return;
+            }
+        };
+        for id in missing {
+            let Some(job) = self.refit(id, &info) else {
+                continue;
+            };
+            let saved = self.lock().checkpoints.get(&id).cloned();
+            let restored = saved.as_ref().and_then(|_| self.checkpoint_for(&job));
+            let result = match &restored {
+                Some(bytes) => self.dp.restore(id, bytes),
                 None => self.dp.install(&job),
             };
             match result {
                 Ok(()) => {
-                    match saved {
+                    match saved.filter(|_| restored.is_some()) {
                         Some(c) => log::info!(
-                            "reinstalled job {} ({:?}), which the dataplane had lost, from its checkpoint \
+                            "reinstalled job {id} ({:?}), which the dataplane had lost, from its checkpoint \
                              (rounds {:?})",
-                            job.id,
                             job.spec.name,
                             c.round_range
                         ),
                         None => log::info!(
-                            "reinstalled job {} ({:?}), which the dataplane had lost (no checkpoint: \
+                            "reinstalled job {id} ({:?}), which the dataplane had lost (no checkpoint: \
                              its parameters start over)",
-                            job.id,
                             job.spec.name
                         ),
                     }
-                    log.failed.remove(&job.id);
+                    log.failed.remove(&id);
+                }
+                // A refusal of the request itself does not change by
+                // retrying, unless the dataplane restarted again meanwhile.
+                Err(DataplaneError::Refused {
+                    status: 400, message, ..
+                }) if self
+                    .dp
+                    .info()
+                    .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
+                {
+                    self.fail(id, &format!("the dataplane refuses to install it: {message}"));
                 }
                 Err(e) => {
-                    if log.failed.insert(job.id) {
-                        log::warn!("cannot reinstall job {}: {e}; retrying", job.id);
+                    if log.failed.insert(id) {
+                        log::warn!("cannot reinstall job {id}: {e}; retrying");
                     }
                 }
             }
         }
+    }
+
+    /// Fits job `id` to the dataplane `info` describes before it is
+    /// installed again ([`refit::refit`]): a new layout, or the job's
+    /// failure, is made durable first. Returns what to install; `None` when
+    /// the job failed, is gone, or its change could not be written (then
+    /// nothing changed and the next reconciliation tries again).
+    fn refit(&self, id: u16, info: &DataplaneInfo) -> Option<InstallJob> {
+        let mut inner = self.lock();
+        let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
+        let others = inner
+            .jobs
+            .values()
+            .filter(|j| j.id != id && j.failed.is_none())
+            .map(|j| (&j.spec, &j.layout));
+        let decision = refit::refit(&job.spec, &job.layout, info, others);
+        let before = job.clone();
+        let n = info.lcores.len();
+        let job = inner.jobs.get_mut(&id)?;
+        let what = match decision {
+            Refit::AsIs => None,
+            Refit::Resized(layout) => {
+                job.layout = layout;
+                Some(format!(
+                    "its layout is sized for the dataplane's {n} lcores (its chunks stay where they were)"
+                ))
+            }
+            Refit::Replaced(layout) => {
+                job.layout = layout;
+                job.joined.clear();
+                Some(format!(
+                    "the dataplane has {n} lcores, fewer than its layout used: its chunks are placed anew \
+                     over them; its ranks must join again (with a stale layout they get an ERROR \
+                     slot_out_of_range or chunk_mismatch, or time out on an lcore that is gone)"
+                ))
+            }
+            Refit::Failed(why) => {
+                job.failed = Some(why.clone());
+                Some(why)
+            }
+        };
+        let job = job.clone();
+        if let Some(what) = what {
+            if let Err(e) = self.persist(&inner) {
+                inner.jobs.insert(id, before);
+                log::error!("job {id}: {what}; but that cannot be recorded ({e}): retrying");
+                return None;
+            }
+            if job.failed.is_some() {
+                log::error!("job {id} ({:?}) failed: {what}", job.spec.name);
+                return None;
+            }
+            log::warn!("job {id} ({:?}): {what}", job.spec.name);
+        }
+        Some(InstallJob {
+            id,
+            token: job.token,
+            spec: job.spec,
+            layout: job.layout,
+        })
+    }
+
+    /// Marks job `id` failed for `why`, durably; if that cannot be written,
+    /// nothing changes (the next reconciliation tries the job again).
+    fn fail(&self, id: u16, why: &str) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get_mut(&id) else {
+            return;
+        };
+        job.failed = Some(why.to_string());
+        let name = job.spec.name.clone();
+        match self.persist(&inner) {
+            Ok(()) => log::error!("job {id} ({name:?}) failed: {why}"),
+            Err(e) => {
+                if let Some(job) = inner.jobs.get_mut(&id) {
+                    job.failed = None;
+                }
+                log::error!("job {id}: {why}; but its failure cannot be recorded ({e}): retrying");
+            }
+        }
+    }
+
+    /// The checkpoint to restore `job` from, moved onto the job's layout
+    /// when it was taken on another (the job was placed anew since):
+    /// `None`, logged, when it cannot be read, decoded or moved (the job is
+    /// then installed without it, as when it has none).
+    fn checkpoint_for(&self, job: &InstallJob) -> Option<Vec<u8>> {
+        let path = checkpoint_path(&self.state_path, job.id);
+        let unusable = |e: &dyn std::fmt::Display| {
+            log::error!(
+                "job {}: cannot restore its checkpoint {}: {e}; installing it without",
+                job.id,
+                path.display()
+            );
+        };
+        let bytes = std::fs::read(&path).map_err(|e| unusable(&e)).ok()?;
+        let ckpt = Checkpoint::decode(&bytes).map_err(|e| unusable(&e)).ok()?;
+        if ckpt.job.layout == job.layout {
+            return Some(bytes);
+        }
+        let moved = ckpt
+            .relayout(job.layout.clone())
+            .and_then(|c| c.encode())
+            .map_err(|e| unusable(&e))
+            .ok()?;
+        log::info!(
+            "job {}: its checkpoint is moved onto its new layout, chunk by chunk",
+            job.id
+        );
+        Some(moved)
     }
 }
 

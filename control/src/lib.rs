@@ -15,6 +15,8 @@
 //!   capacity, placement), unit-tested without I/O.
 //! - [`format`]: human byte sizes and aligned tables, pure.
 //! - [`metrics`]: the Prometheus text rendering, pure.
+//! - `refit`: what reconciliation does with a job whose layout names lcores
+//!   a restarted dataplane no longer has (resize, place anew, or fail), pure.
 //!
 //! Invariants: a job is recorded only once the dataplane has installed it,
 //! and never half-installed; job ids and tokens never change once given;
@@ -31,4 +33,5 @@ pub mod daemon;
 mod dataplane;
 pub mod format;
 pub mod metrics;
+mod refit;
 mod state;

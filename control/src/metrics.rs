@@ -214,6 +214,7 @@ mod tests {
             optimizer: "sum".into(),
             memory_bytes: 4096,
             installed: true,
+            failed: None,
         }];
         let text = render(Some(&dp), &jobs);
         for line in [

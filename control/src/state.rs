@@ -32,6 +32,10 @@ pub(crate) struct StoredJob {
     pub(crate) layout: Layout,
     /// Ranks that have joined.
     pub(crate) joined: BTreeSet<u16>,
+    /// Why the job failed (the dataplane can no longer hold it), if it did:
+    /// it is then never reinstalled and joins are refused with the reason.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) failed: Option<String>,
 }
 
 /// The whole file.
@@ -287,6 +291,7 @@ mod tests {
                 spec,
                 layout,
                 joined: [1].into(),
+                failed: Some("placed on 4 lcores".into()),
             }],
         };
         save(&path, &state.jobs.iter().collect::<Vec<_>>()).unwrap();

@@ -577,3 +577,166 @@ fn admission_reads_the_spec_in_the_format_it_is_in() {
     assert_eq!(list(&d).len(), 2);
     d.shutdown();
 }
+
+/// Requests the fake saw that start with `prefix`.
+fn seen(fake: &Fake, prefix: &str) -> usize {
+    fake.state
+        .lock()
+        .unwrap()
+        .log
+        .iter()
+        .filter(|l| l.starts_with(prefix))
+        .count()
+}
+
+/// Issue 16 item 7: a dataplane back with fewer lcores than a job's layout
+/// uses. The job is placed anew over the lcores there are (it used to be
+/// retried for ever with its old layout, which the dataplane refuses, while
+/// joins answered with ports nobody listens on); the new layout is durable,
+/// and ranks that had joined join again.
+#[test]
+fn a_dataplane_back_with_fewer_lcores_gets_its_jobs_placed_anew() {
+    let fake = Fake::start(FakeConfig::lcores(4));
+    let state = temp_state("fewer");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    assert_eq!(a.lcores, vec![0, 1, 2, 3]);
+    let join = |rank: u16| format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", a.token);
+    let before: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    assert_eq!(before.layout.lcore_count(), 4);
+
+    fake.restart_as(FakeConfig::lcores(2));
+    wait_for("the job placed over 2 lcores", || {
+        fake.jobs().get(&1).is_some_and(|j| j.layout.lcore_count() == 2)
+    });
+    let installed = fake.jobs()[&1].clone();
+    assert_eq!((installed.token, &installed.spec), (a.token, &before.spec));
+    assert_eq!(installed.layout.chunk_count(), before.layout.chunk_count());
+    let jobs = list(&d);
+    assert!(jobs[0].joined.is_empty(), "rank 0 holds a stale layout: {jobs:?}");
+    assert!(jobs[0].installed && jobs[0].failed.is_none(), "{jobs:?}");
+    // Rank 0 joins again (no `rejoin` needed) and learns the new layout.
+    let after: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    assert_eq!(after.layout, installed.layout);
+    d.shutdown();
+
+    // Durable: a restarted control hands out the new layout.
+    let d = daemon(&fake.url(), &state);
+    let again: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(1)));
+    assert_eq!(again.layout, installed.layout);
+    d.shutdown();
+}
+
+/// A job with a checkpoint, placed anew over fewer lcores, is restored from
+/// it chunk by chunk: every slot's state lands on the slot that now holds
+/// its chunk (the fake marks each slot's state with its chunk's number).
+#[test]
+fn a_checkpoint_moves_onto_the_new_placement() {
+    let fake = Fake::start(FakeConfig::lcores(4));
+    let d = daemon(&fake.url(), &temp_state("moved"));
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let _: serde_json::Value = ok(&d, "POST", &format!("/v1/jobs/{}/checkpoint", a.id), None);
+    fake.restart_as(FakeConfig::lcores(3));
+    wait_for("the job restored over 3 lcores", || {
+        fake.state.lock().unwrap().restored.contains_key(&a.id)
+    });
+    let restored = fake.state.lock().unwrap().restored[&a.id].clone();
+    let layout = &restored.job.layout;
+    assert_eq!(layout.lcore_count(), 3);
+    assert_eq!(&fake.jobs()[&a.id].layout, layout);
+    let counts: Vec<u64> = restored.lcores.iter().map(|s| s.len() as u64).collect();
+    let runs: Vec<u64> = layout.lcores.iter().map(|r| r.count).collect();
+    assert_eq!(counts, runs);
+    let seqs: Vec<u32> = restored
+        .lcores
+        .iter()
+        .flatten()
+        .map(|s| s.completed.unwrap())
+        .collect();
+    assert_eq!(
+        seqs,
+        (0..26).collect::<Vec<u32>>(),
+        "each chunk's state with its chunk"
+    );
+    d.shutdown();
+}
+
+/// A job that cannot be placed on the dataplane's new lcores is marked
+/// failed: the reason is kept and shown, joins are refused naming it,
+/// reconciliation stops trying, and the job can still be evicted.
+#[test]
+fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
+    let fake = Fake::start(FakeConfig::lcores(4));
+    let state = temp_state("failed");
+    let d = daemon(&fake.url(), &state);
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let join = |rank: u16| format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", a.token);
+    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    fake.restart_as(FakeConfig {
+        budget: 1,
+        ..FakeConfig::lcores(2)
+    });
+    wait_for("the job marked failed", || list(&d)[0].failed.is_some());
+    let why = list(&d)[0].failed.clone().unwrap();
+    assert!(
+        why.contains("placed on 4 lcores (up to lcore 3), the dataplane now has 2")
+            && why.contains("job needs"),
+        "{why}"
+    );
+    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    assert_eq!(show.summary.failed.as_deref(), Some(why.as_str()));
+    assert!(!show.summary.installed);
+    let raw = call(&d, "GET", "/v1/jobs", None).1;
+    assert!(raw.contains("\"failed\":"), "{raw}");
+    for body in [
+        join(1),
+        format!(
+            "{{\"token\": \"{:016x}\", \"rank\": 0, \"rejoin\": true}}",
+            a.token
+        ),
+    ] {
+        let e = err(&d, "POST", "/v1/jobs/1/join", Some(&body), 409);
+        assert_eq!(e, format!("job 1 failed: {why}; evict it and admit again"));
+    }
+    let e = err(&d, "POST", "/v1/jobs/1/checkpoint", None, 409);
+    assert!(e.starts_with("job 1 failed: "), "{e}");
+    // Reconciliation no longer tries it.
+    let puts = seen(&fake, "PUT");
+    std::thread::sleep(Duration::from_millis(400));
+    assert_eq!(seen(&fake, "PUT"), puts);
+    assert!(fake.jobs().is_empty());
+    d.shutdown();
+
+    // Durable; and evictable.
+    let d = daemon(&fake.url(), &state);
+    assert_eq!(list(&d)[0].failed.as_deref(), Some(why.as_str()));
+    let _: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    assert!(list(&d).is_empty());
+    d.shutdown();
+}
+
+/// An install the dataplane refuses as invalid (HTTP 400) will not succeed
+/// by retrying: the job fails with the dataplane's reason. A refusal that
+/// may pass (HTTP 500) is retried.
+#[test]
+fn an_install_refused_as_invalid_fails_the_job() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let d = daemon(&fake.url(), &temp_state("invalid"));
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    fake.state.lock().unwrap().refuse = Some("out of hugepages".into());
+    fake.forget_all();
+    wait_for("two refused reinstalls", || seen(&fake, "PUT") >= 3);
+    assert!(list(&d)[0].failed.is_none(), "a 500 is retried");
+    {
+        let mut st = fake.state.lock().unwrap();
+        st.refuse = None;
+        st.refuse_invalid = Some("layout names lcore 9".into());
+    }
+    wait_for("the job marked failed", || list(&d)[0].failed.is_some());
+    let why = list(&d)[0].failed.clone().unwrap();
+    assert!(
+        why.contains("the dataplane refuses to install it") && why.contains("layout names lcore 9"),
+        "{why}"
+    );
+    d.shutdown();
+}

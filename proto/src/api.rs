@@ -118,10 +118,17 @@ pub struct JobSummary {
     pub dtype: String,
     /// Optimizer name.
     pub optimizer: String,
-    /// Slot memory in bytes.
+    /// Memory the job holds on the appliance, in bytes (as
+    /// [`AdmitResponse::memory_bytes`]).
     pub memory_bytes: u64,
     /// Whether the dataplane has the job installed right now.
     pub installed: bool,
+    /// Why the job failed, if it did: the dataplane can no longer hold it
+    /// (e.g. it restarted with fewer lcores and the job does not fit them).
+    /// A failed job is never reinstalled; joins are refused with this
+    /// reason; it can still be evicted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed: Option<String>,
 }
 
 /// What phub-control knows of one rank of a job.

@@ -20,6 +20,7 @@
 //! truncated or corrupted file is refused with a reason, never half-loaded.
 
 use crate::api::InstallJob;
+use crate::layout::{Layout, Placement};
 
 /// First bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
@@ -88,6 +89,38 @@ impl Checkpoint {
             .fold(None, |acc, r| {
                 Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
             })
+    }
+
+    /// The same state on another layout of the same job (its chunks placed
+    /// anew, e.g. over the lcores of a dataplane that restarted with fewer):
+    /// each slot's state follows its chunk, so nothing is lost. Both layouts
+    /// give the lcores runs of the one chunk sequence in lcore order, so the
+    /// slots taken lcore by lcore are the sequence in both. Fails if the
+    /// layouts do not cut the same sequence.
+    pub fn relayout(self, layout: Layout) -> Result<Checkpoint, CheckpointError> {
+        let Checkpoint { job, lcores } = self;
+        let (had, has) = (job.layout.chunk_count(), layout.chunk_count());
+        if had != has || job.layout.chunk_elems != layout.chunk_elems {
+            return Err(CheckpointError::Mismatch(format!(
+                "the new layout has {has} chunks of {} elements, the checkpoint {had} of {}",
+                layout.chunk_elems, job.layout.chunk_elems
+            )));
+        }
+        let mut states = lcores.into_iter().flatten();
+        let moved = layout
+            .lcores
+            .iter()
+            .map(|run| {
+                // Cast: a run's slots are held in memory, so they fit a usize.
+                #[allow(clippy::cast_possible_truncation)]
+                let n = run.count as usize;
+                states.by_ref().take(n).collect()
+            })
+            .collect();
+        Ok(Checkpoint {
+            job: InstallJob { layout, ..job },
+            lcores: moved,
+        })
     }
 
     /// Serialises the checkpoint; fails only if a length does not fit the
@@ -290,5 +323,35 @@ mod tests {
         other.lcores[0][0].s2.clear();
         let e = Checkpoint::decode(&other.encode().unwrap()).unwrap_err();
         assert!(matches!(e, CheckpointError::Mismatch(_)), "{e}");
+    }
+
+    /// Moving a checkpoint onto a layout over other lcores keeps every
+    /// chunk's state with its chunk, and moving it back restores it; a
+    /// layout of another chunk count is refused.
+    #[test]
+    fn relayout_moves_each_chunks_state_with_it() {
+        use crate::layout::ChunkRange;
+        let c = sample();
+        let total = c.job.layout.chunk_count();
+        assert!(total >= 2 && c.lcores.iter().filter(|s| !s.is_empty()).count() >= 2);
+        let chunk_elems = c.job.layout.chunk_elems;
+        let all_on_one = |n: u64| Layout {
+            chunk_elems,
+            lcores: vec![
+                ChunkRange { first: 0, count: n },
+                ChunkRange { first: n, count: 0 },
+                ChunkRange { first: n, count: 0 },
+            ],
+        };
+        let moved = c.clone().relayout(all_on_one(total)).unwrap();
+        assert_eq!(moved.job.layout, all_on_one(total));
+        let n = usize::try_from(total).unwrap();
+        assert_eq!(moved.lcores.iter().map(Vec::len).collect::<Vec<_>>(), [n, 0, 0]);
+        let seq = |c: &Checkpoint| c.lcores.iter().flatten().cloned().collect::<Vec<_>>();
+        assert_eq!(seq(&moved), seq(&c));
+        assert_eq!(Checkpoint::decode(&moved.encode().unwrap()).unwrap(), moved);
+        assert_eq!(moved.relayout(c.job.layout.clone()).unwrap(), c);
+        let e = c.relayout(all_on_one(total - 1)).unwrap_err().to_string();
+        assert!(e.contains(&format!("{} chunks", total - 1)), "{e}");
     }
 }

@@ -12,8 +12,17 @@ use phub_proto::api::{
     ApiError, DataAddr, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreInfo,
     LcoreStats,
 };
-use phub_proto::layout::job_bytes;
+use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC};
+use phub_proto::memory::MemoryModel;
 use serde::Serialize;
+
+/// What a job costs on the fake: what admission charges, by the model the
+/// fake reports.
+fn job_bytes(job: &InstallJob) -> u64 {
+    MemoryModel::default()
+        .job_cost(&job.spec, &job.layout, false)
+        .total()
+}
 
 /// What the fake looks like.
 #[derive(Debug, Clone)]
@@ -44,10 +53,20 @@ pub(crate) struct FakeState {
     pub(crate) jobs: BTreeMap<u16, InstallJob>,
     /// When set, every PUT is refused with this message (HTTP 500).
     pub(crate) refuse: Option<String>,
+    /// When set, every PUT is refused as invalid with this message (HTTP 400).
+    pub(crate) refuse_invalid: Option<String>,
     /// When set, every DELETE is refused with this message (HTTP 503).
     pub(crate) refuse_delete: Option<String>,
     /// Requests seen, as `METHOD PATH`.
     pub(crate) log: Vec<String>,
+    /// Checkpoints jobs were restored from (`PUT` with a checkpoint body).
+    pub(crate) restored: BTreeMap<u16, Checkpoint>,
+    /// The management token every change and checkpoint read needs, as on
+    /// a real dataplane; kept in the dataplane's default token file for
+    /// the fake's port, where control looks by default.
+    pub(crate) token: String,
+    /// Requests refused for a missing or wrong token.
+    pub(crate) unauthorized: u32,
 }
 
 /// A running fake.
@@ -56,6 +75,8 @@ pub(crate) struct Fake {
     pub(crate) addr: SocketAddr,
     /// Its state.
     pub(crate) state: Arc<Mutex<FakeState>>,
+    /// What it looks like (a restart may change it).
+    config: Arc<Mutex<FakeConfig>>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -68,12 +89,20 @@ impl Fake {
     pub(crate) fn start(config: FakeConfig) -> Fake {
         let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
         let addr = server.server_addr().to_ip().unwrap();
-        let state = Arc::new(Mutex::new(FakeState::default()));
+        let token_path = phub_http::secret::mgmt_token_path(addr.port());
+        let _ = std::fs::remove_file(&token_path);
+        let (token, _) = phub_http::secret::load_or_create(&token_path).unwrap();
+        let state = Arc::new(Mutex::new(FakeState {
+            token,
+            ..FakeState::default()
+        }));
+        let config = Arc::new(Mutex::new(config));
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, sp) = (state.clone(), stop.clone());
+        let (st, cf, sp) = (state.clone(), config.clone(), stop.clone());
         let thread = std::thread::spawn(move || {
             while !sp.load(Ordering::Relaxed) {
                 if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(20)) {
+                    let config = cf.lock().unwrap().clone();
                     handle(&config, &st, req);
                 }
             }
@@ -81,6 +110,7 @@ impl Fake {
         Fake {
             addr,
             state,
+            config,
             stop,
             thread: Some(thread),
         }
@@ -100,10 +130,19 @@ impl Fake {
     pub(crate) fn forget_all(&self) {
         self.state.lock().unwrap().jobs.clear();
     }
+
+    /// Restarts as `config` says (another lcore count, another budget):
+    /// every job is forgotten.
+    pub(crate) fn restart_as(&self, config: FakeConfig) {
+        let mut st = self.state.lock().unwrap();
+        *self.config.lock().unwrap() = config;
+        st.jobs.clear();
+    }
 }
 
 impl Drop for Fake {
     fn drop(&mut self) {
+        let _ = std::fs::remove_file(phub_http::secret::mgmt_token_path(self.addr.port()));
         self.stop.store(true, Ordering::Relaxed);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -125,12 +164,24 @@ fn error(req: tiny_http::Request, status: u16, msg: &str) {
 fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Request) {
     let method = req.method().as_str().to_string();
     let path = req.url().to_string();
-    let mut body = String::new();
-    let _ = req.as_reader().read_to_string(&mut body);
+    let mut bytes = Vec::new();
+    let _ = req.as_reader().read_to_end(&mut bytes);
+    let ckpt = bytes.starts_with(MAGIC).then(|| Checkpoint::decode(&bytes));
+    let body = String::from_utf8(bytes).unwrap_or_default();
     let mut st = state.lock().unwrap();
     st.log.push(format!("{method} {path}"));
-    let used: u64 = st.jobs.values().map(|j| job_bytes(&j.spec)).sum();
+    let used: u64 = st.jobs.values().map(job_bytes).sum();
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let open = method == "GET" && matches!(segs.as_slice(), ["v1", "info" | "jobs" | "stats"]);
+    let bearer = format!("Bearer {}", st.token);
+    let authorized = req
+        .headers()
+        .iter()
+        .any(|h| h.field.equiv("Authorization") && h.value.as_str() == bearer);
+    if !open && !authorized {
+        st.unauthorized += 1;
+        return error(req, 401, "the fake dataplane needs its management token");
+    }
     match (method.as_str(), segs.as_slice()) {
         ("GET", ["v1", "info"]) => json(
             req,
@@ -154,6 +205,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 nic_numa_node: config.nic,
                 memory_budget_bytes: config.budget,
                 memory_used_bytes: used,
+                memory_model: MemoryModel::default(),
                 slot_memory: "Rust heap".into(),
                 kernels: "scalar".into(),
                 shm: false,
@@ -166,7 +218,8 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 .values()
                 .map(|j| InstalledJob {
                     id: j.id,
-                    memory_bytes: job_bytes(&j.spec),
+                    memory_bytes: job_bytes(j),
+                    shm_bytes: 0,
                 })
                 .collect();
             json(req, 200, &list)
@@ -176,9 +229,21 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             if let Some(m) = st.refuse.clone() {
                 return error(req, 500, &m);
             }
-            let job: InstallJob = match serde_json::from_str(&body) {
-                Ok(j) => j,
-                Err(e) => return error(req, 400, &format!("bad InstallJob: {e}")),
+            if let Some(m) = st.refuse_invalid.clone() {
+                return error(req, 400, &m);
+            }
+            let mut restored = None;
+            let job: InstallJob = match ckpt {
+                Some(Ok(c)) => {
+                    let job = c.job.clone();
+                    restored = Some(c);
+                    job
+                }
+                Some(Err(e)) => return error(req, 400, &format!("bad checkpoint: {e}")),
+                None => match serde_json::from_str(&body) {
+                    Ok(j) => j,
+                    Err(e) => return error(req, 400, &format!("bad InstallJob: {e}")),
+                },
             };
             if job.id != id || job.layout.lcores.len() != config.numa.len() {
                 return error(req, 400, "id or lcore count mismatch");
@@ -186,17 +251,21 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             if st.jobs.contains_key(&id) {
                 return error(req, 409, &format!("job {id} is already installed"));
             }
-            let need = job_bytes(&job.spec);
+            let need = job_bytes(&job);
             if used + need > config.budget {
                 return error(req, 507, "over budget");
             }
             st.jobs.insert(id, job);
+            if let Some(c) = restored {
+                st.restored.insert(id, c);
+            }
             json(
                 req,
                 201,
                 &InstalledJob {
                     id,
                     memory_bytes: need,
+                    shm_bytes: 0,
                 },
             )
         }
@@ -210,6 +279,33 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             } else {
                 error(req, 404, &format!("job {id} is not installed"))
             }
+        }
+        ("GET", ["v1", "jobs", id, "checkpoint"]) => {
+            let id: u16 = id.parse().unwrap();
+            let Some(job) = st.jobs.get(&id).cloned() else {
+                return error(req, 404, &format!("job {id} is not installed"));
+            };
+            // Each slot's last completed round is its chunk's sequence
+            // number, so a test sees where each chunk's state went. (A sum
+            // job keeps no parameters, and its stored result may be empty.)
+            let lcores = job
+                .layout
+                .lcores
+                .iter()
+                .map(|run| {
+                    run.range()
+                        .map(|seq| SlotState {
+                            completed: Some(u32::try_from(seq).unwrap()),
+                            params: Vec::new(),
+                            s1: Vec::new(),
+                            s2: Vec::new(),
+                            result: Vec::new(),
+                        })
+                        .collect()
+                })
+                .collect();
+            let bytes = Checkpoint { job, lcores }.encode().unwrap();
+            let _ = req.respond(tiny_http::Response::from_data(bytes));
         }
         ("GET", ["v1", "stats"]) => {
             let lcores = (0..config.numa.len())
