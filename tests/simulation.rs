@@ -15,7 +15,7 @@ use std::collections::{BinaryHeap, VecDeque};
 use phub::dataplane::kernels::{self, Kernels};
 use phub::dataplane::optim::{self, ChunkBufs};
 use phub::dataplane::{JobInstall, Shard};
-use phub::proto::layout::{layout, Layout};
+use phub::proto::layout::{layout, Layout, Placement};
 use phub::proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
 use phub::proto::wire::{self, flags, MsgType, Repr, HEADER_LEN};
 use phub::proto::Dtype;
@@ -178,7 +178,8 @@ fn run(case: &Case) {
     };
     spec.validate().unwrap();
     let mut load = vec![0; case.lcores];
-    let lay: Layout = layout(&spec, &mut load);
+    let lay: Layout = layout(&spec, &mut load, u64::from);
+    let placement = Placement::new(&spec, lay.clone()).unwrap();
     let mut shards: Vec<Shard<u16>> = (0..case.lcores)
         .map(|i| {
             let kernels = Kernels::available()[i % Kernels::available().len()];
@@ -189,7 +190,8 @@ fn run(case: &Case) {
                 workers: case.workers,
                 dtype: case.dtype,
                 optimizer: case.optimizer,
-                slots: lay.lcores[i].clone(),
+                chunk_elems: lay.chunk_elems,
+                slots: placement.slots(i).collect(),
             })
             .unwrap();
             s
@@ -203,11 +205,8 @@ fn run(case: &Case) {
         .map(|&n| (0..n).map(|_| rng.gen_range(-1.0f32..1.0)).collect())
         .collect();
     let expect = reference(case, &init);
-    let all_chunks: Vec<(usize, u32)> = lay
-        .keys
-        .iter()
-        .enumerate()
-        .flat_map(|(k, places)| (0..places.len() as u32).map(move |c| (k, c)))
+    let all_chunks: Vec<(usize, u32)> = (0..case.keys.len())
+        .flat_map(|k| (0..placement.places(k as u32).count() as u32).map(move |c| (k, c)))
         .collect();
     let mut workers: Vec<Worker> = (0..case.workers)
         .map(|rank| Worker {
@@ -234,7 +233,7 @@ fn run(case: &Case) {
     let deadline = 200_000;
 
     let push_bytes = |w: &Worker, k: usize, c: u32, retransmit: bool| -> (usize, Vec<u8>) {
-        let place = lay.keys[k][c as usize];
+        let place = placement.place(k as u32, c).unwrap();
         let elems = lay.chunk_len(case.keys[k], c);
         let start = u64::from(c) * u64::from(lay.chunk_elems);
         let carries = w.round > 0 || w.rank == 0;
@@ -380,8 +379,8 @@ fn run(case: &Case) {
     }
     // The engine's own view agrees with what the workers hold.
     if case.optimizer.keeps_params() {
-        for (k, places) in lay.keys.iter().enumerate() {
-            for (c, p) in places.iter().enumerate() {
+        for k in 0..case.keys.len() {
+            for (c, p) in placement.places(k as u32).enumerate() {
                 let params = shards[usize::from(p.lcore)].params(JOB, p.slot).unwrap();
                 let start = c * lay.chunk_elems as usize;
                 let want = &expect[k][case.rounds as usize][start..start + params.len()];

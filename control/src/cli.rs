@@ -38,6 +38,10 @@ struct Args {
     /// else ./phub-control.state.json.operator-token when it exists]
     #[arg(long, global = true, value_name = "FILE")]
     operator_token_file: Option<std::path::PathBuf>,
+    /// PEM file of the CA that signed control's certificate, for an https
+    /// --control [default: $PHUB_CA_FILE, else the system's roots]
+    #[arg(long, global = true, value_name = "FILE")]
+    ca_file: Option<std::path::PathBuf>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -91,10 +95,14 @@ enum JobCmd {
 
 #[derive(Debug, Subcommand)]
 enum MapCmd {
-    /// Show a job's lcores, ports and chunk places.
+    /// Show a job's lcores, ports and runs of chunks; with `--key`, where
+    /// that key's chunks are.
     Show {
         /// Job id.
         id: u16,
+        /// Key index: show its chunks' lcores and slots.
+        #[arg(long)]
+        key: Option<u32>,
     },
 }
 
@@ -135,7 +143,13 @@ pub fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    let ctl = Ctl::new(&url, token);
+    let ctl = match Ctl::new(&url, token, args.ca_file.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("phubctl: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     match run(&ctl, &args) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -220,9 +234,13 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
             }
         },
         Cmd::Map {
-            cmd: MapCmd::Show { id },
+            cmd: MapCmd::Show { id, key },
         } => {
-            let raw = ctl.call("GET", &format!("/v1/jobs/{id}/map"), None)?;
+            let path = match key {
+                None => format!("/v1/jobs/{id}/map"),
+                Some(k) => format!("/v1/jobs/{id}/map/keys/{k}"),
+            };
+            let raw = ctl.call("GET", &path, None)?;
             show(json, &raw, |r: JobMap| render_map(&r))
         }
         Cmd::Stats { watch: None } => {
@@ -298,15 +316,21 @@ struct Ctl {
 }
 
 impl Ctl {
-    fn new(base: &str, operator_token: Option<String>) -> Ctl {
-        Ctl {
+    fn new(
+        base: &str,
+        operator_token: Option<String>,
+        ca_file: Option<&std::path::Path>,
+    ) -> Result<Ctl, String> {
+        let builder = ureq::AgentBuilder::new()
+            .timeout_connect(Duration::from_secs(3))
+            .timeout(Duration::from_secs(30));
+        let agent = phub_http::agent(base, ca_file, builder)
+            .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?;
+        Ok(Ctl {
             operator_token,
             base: base.trim_end_matches('/').to_string(),
-            agent: ureq::AgentBuilder::new()
-                .timeout_connect(Duration::from_secs(3))
-                .timeout(Duration::from_secs(30))
-                .build(),
-        }
+            agent,
+        })
     }
 
     /// Sends a request; the answer's body on success.
@@ -503,16 +527,17 @@ pub fn render_show(d: &JobDetail) -> String {
     out
 }
 
-/// `map show`.
+/// `map show`: per lcore its run of the job's chunk sequence; with a key,
+/// that key's chunks as runs on lcores.
 pub fn render_map(m: &JobMap) -> String {
-    const SHOWN: usize = 6;
-    let chunks: usize = m.keys.iter().map(|k| k.chunks.len()).sum();
     let mut out = format!(
-        "job {}: {} chunks of up to {} elements over {} lcores\n\n",
+        "job {}: {} keys, {} chunks of up to {} elements over {} lcores, memory {}\n\n",
         m.id,
-        chunks,
+        m.keys_total,
+        m.chunks,
         m.chunk_elems,
-        m.lcores.len()
+        m.lcores.len(),
+        human_bytes(m.memory_bytes)
     );
     let rows: Vec<Vec<String>> = m
         .lcores
@@ -521,6 +546,7 @@ pub fn render_map(m: &JobMap) -> String {
             vec![
                 l.lcore.to_string(),
                 l.port.to_string(),
+                format!("{}..{}", l.first, l.first + l.slots),
                 l.slots.to_string(),
                 human_bytes(l.bytes),
             ]
@@ -530,44 +556,47 @@ pub fn render_map(m: &JobMap) -> String {
         &[
             ("LCORE", Align::Right),
             ("PORT", Align::Right),
+            ("CHUNKS", Align::Left),
             ("SLOTS", Align::Right),
             ("MEMORY", Align::Right),
         ],
         &rows,
     ));
-    out.push('\n');
-    let rows: Vec<Vec<String>> = m
-        .keys
-        .iter()
-        .map(|k| {
-            let mut places: Vec<String> = k
-                .chunks
-                .iter()
-                .take(SHOWN)
-                .map(|p| format!("{}:{}", p.lcore, p.slot))
-                .collect();
-            if k.chunks.len() > SHOWN {
-                places.push(format!("… (+{})", k.chunks.len() - SHOWN));
-            }
-            vec![
-                k.key.to_string(),
-                k.name.clone(),
-                k.elements.to_string(),
-                k.chunks.len().to_string(),
-                places.join(" "),
-            ]
-        })
-        .collect();
-    out.push_str(&table(
-        &[
-            ("KEY", Align::Right),
-            ("NAME", Align::Left),
-            ("ELEMENTS", Align::Right),
-            ("CHUNKS", Align::Right),
-            ("PLACES (LCORE:SLOT)", Align::Left),
-        ],
-        &rows,
-    ));
+    out.push_str(
+        "\nchunk g (key k's chunk c is g = first(k) + c) is in slot g - start of the lcore whose run holds it\n",
+    );
+    for k in &m.keys {
+        out.push_str(&format!(
+            "\nkey {} {}: {} elements, chunks {}..\n",
+            k.key,
+            if k.name.is_empty() {
+                "(unnamed)".to_string()
+            } else {
+                format!("{:?}", k.name)
+            },
+            k.elements,
+            k.first
+        ));
+        let rows: Vec<Vec<String>> = k
+            .runs
+            .iter()
+            .map(|r| {
+                vec![
+                    format!("{}..{}", r.chunk, u64::from(r.chunk) + u64::from(r.count)),
+                    r.lcore.to_string(),
+                    format!("{}..{}", r.slot, u64::from(r.slot) + u64::from(r.count)),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                ("KEY CHUNKS", Align::Left),
+                ("LCORE", Align::Right),
+                ("SLOTS", Align::Left),
+            ],
+            &rows,
+        ));
+    }
     out
 }
 
@@ -838,6 +867,7 @@ mod tests {
             token: 0xab,
             chunks: 10,
             memory_bytes: 2048,
+            shm_bytes: 0,
             lcores: vec![0, 1, 2, 5],
         };
         let t = render_admit(&r, "http://h:1", Some(4));
@@ -853,6 +883,64 @@ mod tests {
     }
 
     #[test]
+    fn map_shows_runs_per_lcore_and_one_keys_chunks() {
+        use phub_proto::api::{KeyMap, KeyRun, LcoreShare};
+        let m = JobMap {
+            id: 2,
+            chunk_elems: 16,
+            keys_total: 1_000_000,
+            chunks: 1_000_000,
+            memory_bytes: 400 << 20,
+            lcores: vec![
+                LcoreShare {
+                    lcore: 0,
+                    port: 9000,
+                    first: 0,
+                    slots: 500_000,
+                    bytes: 200 << 20,
+                },
+                LcoreShare {
+                    lcore: 1,
+                    port: 9001,
+                    first: 500_000,
+                    slots: 500_000,
+                    bytes: 200 << 20,
+                },
+            ],
+            keys: vec![KeyMap {
+                key: 7,
+                name: String::new(),
+                elements: 40,
+                first: 499_999,
+                runs: vec![
+                    KeyRun {
+                        lcore: 0,
+                        chunk: 0,
+                        slot: 499_999,
+                        count: 1,
+                    },
+                    KeyRun {
+                        lcore: 1,
+                        chunk: 1,
+                        slot: 0,
+                        count: 2,
+                    },
+                ],
+            }],
+        };
+        let t = render_map(&m);
+        assert!(
+            t.contains(
+                "job 2: 1000000 keys, 1000000 chunks of up to 16 elements over 2 lcores, memory 400.0 MiB"
+            ),
+            "{t}"
+        );
+        assert!(t.contains("500000..1000000"), "{t}");
+        assert!(t.contains("key 7 (unnamed): 40 elements, chunks 499999.."), "{t}");
+        assert!(t.contains("1..3") && t.contains("499999..500000"), "{t}");
+    }
+
+    #[test]
     fn show_has_rank_lines() {
         let spec = JobSpec::from_toml(
             "name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 9\n",
@@ -861,6 +949,7 @@ mod tests {
         let d = JobDetail {
             summary: summary(1, "x", 100),
             spec,
+            keys_omitted: 0,
             ranks: vec![
                 RankStatus {
                     rank: 0,

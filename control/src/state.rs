@@ -13,7 +13,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use phub_proto::api::hex_u64;
-use phub_proto::layout::Layout;
+use phub_proto::layout::{Layout, Placement, PER_CHUNK_FORM};
 use phub_proto::spec::JobSpec;
 use serde::{Deserialize, Serialize};
 
@@ -147,7 +147,20 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
         path: path.to_owned(),
         reason,
     };
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    let state: StateFile = serde_json::from_str(&text).map_err(|e| {
+        let e = e.to_string();
+        if e.contains(PER_CHUNK_FORM) {
+            // Refused rather than converted: its chunks would move to
+            // other slots, and the dataplane and the checkpoints hold them
+            // where the old layout put them.
+            unusable(format!(
+                "it holds {e}. Evict its jobs with the phub-control that wrote it, or move the file \
+                 away and admit the jobs again"
+            ))
+        } else {
+            corrupt(e)
+        }
+    })?;
     let mut ids = BTreeSet::new();
     for job in &state.jobs {
         if job.id == 0 {
@@ -159,18 +172,12 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
         job.spec
             .validate()
             .map_err(|e| corrupt(format!("job {}: {e}", job.id)))?;
-        if job.layout.lcores.len() > crate::admission::MAX_LCORES {
-            return Err(corrupt(format!(
-                "job {}: layout has {} lcores, more than the {} a place can name",
-                job.id,
-                job.layout.lcores.len(),
-                crate::admission::MAX_LCORES
-            )));
-        }
-        let chunks: usize = job.layout.keys.iter().map(Vec::len).sum();
-        if job.layout.keys.len() != job.spec.keys.len() || chunks != job.layout.chunk_count() {
-            return Err(corrupt(format!("job {}: layout does not match its spec", job.id)));
-        }
+        Placement::new(&job.spec, job.layout.clone()).map_err(|e| {
+            corrupt(format!(
+                "job {}: its layout does not place its spec's chunks: {e}",
+                job.id
+            ))
+        })?;
         if let Some(r) = job.joined.iter().find(|&&r| u32::from(r) >= job.spec.workers) {
             return Err(corrupt(format!(
                 "job {}: joined rank {r} is outside 0..{}",
@@ -283,7 +290,7 @@ mod tests {
             "name = \"a\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 5000\n",
         )
         .unwrap();
-        let layout = layout(&spec, &mut [0, 0]);
+        let layout = layout(&spec, &mut [0, 0], u64::from);
         let state = StateFile {
             jobs: vec![StoredJob {
                 id: 3,
@@ -304,6 +311,33 @@ mod tests {
         let e = load(&path).unwrap_err().to_string();
         assert!(
             e.contains("s.json") && e.contains("corrupt") && e.contains("EOF"),
+            "{e}"
+        );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// A state file of the version before layouts were described by rule
+    /// is refused with what it is and what to do, not as "corrupt".
+    #[test]
+    fn a_state_file_with_per_chunk_layouts_is_refused_by_name() {
+        let dir = temp_dir("old");
+        let path = dir.join("s.json");
+        fs::write(
+            &path,
+            r#"{"jobs": [{"id": 1, "token": "00000000deadbeef",
+                "spec": {"name": "a", "workers": 2, "dtype": "f32", "chunk_bytes": 64,
+                         "optimizer": {"kind": "sum"}, "consistency": {"mode": "sync"},
+                         "keys": [{"name": "", "elements": 20}]},
+                "layout": {"chunk_elems": 16,
+                           "keys": [[{"lcore": 0, "slot": 0}, {"lcore": 1, "slot": 0}]],
+                           "lcores": [[{"key": 0, "chunk": 0, "elems": 16}], [{"key": 0, "chunk": 1, "elems": 4}]]},
+                "joined": []}]}"#,
+        )
+        .unwrap();
+        let e = load(&path).unwrap_err().to_string();
+        assert!(e.contains("s.json cannot be used"), "{e}");
+        assert!(
+            e.contains("per-chunk form") && e.contains("Evict its jobs with the phub-control that wrote it"),
             "{e}"
         );
         let _ = fs::remove_dir_all(&dir);

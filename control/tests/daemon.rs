@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use fake::{Fake, FakeConfig, BASE_PORT};
-use phub_control::admission::bytes_per_lcore;
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
-use phub_proto::layout::slot_bytes;
+use phub_proto::layout::{Place, Placement};
+use phub_proto::memory::MemoryModel;
 use phub_proto::spec::JobSpec;
 
 const SPEC: &str = r#"
@@ -50,7 +50,7 @@ fn start(dataplane: &str, state: &Path) -> anyhow::Result<Daemon> {
         dataplane: dataplane.to_string(),
         state: state.to_path_buf(),
         reconcile_interval: Duration::from_millis(100),
-        operator_token: None,
+        ..Config::default()
     })
 }
 
@@ -138,13 +138,19 @@ fn admit_toml_and_json_then_list_show_map() {
             "job {} skips an lcore",
             j.id
         );
-        for (t, b) in total.iter_mut().zip(bytes_per_lcore(&j.spec, &j.layout)) {
+        // What the fake reports its dataplane allocates.
+        let model = MemoryModel::default();
+        for (t, b) in total
+            .iter_mut()
+            .zip(model.job_cost(&j.spec, &j.layout, false).lcores)
+        {
             *t += b;
         }
-        biggest = biggest.max(slot_bytes(j.spec.dtype, &j.spec.optimizer, j.spec.chunk_elems()));
+        biggest = biggest.max(model.chunk_cost(&j.spec, false)(j.spec.chunk_elems()));
     }
+    // Each job's runs are cut to the nearest chunk: within a chunk a job.
     let (lo, hi) = (total.iter().min().unwrap(), total.iter().max().unwrap());
-    assert!(hi - lo <= biggest, "unbalanced: {total:?}");
+    assert!(hi - lo <= 2 * biggest, "unbalanced: {total:?}");
 
     let l = list(&d);
     assert_eq!(l.iter().map(|j| j.id).collect::<Vec<_>>(), vec![1, 2]);
@@ -169,10 +175,35 @@ fn admit_toml_and_json_then_list_show_map() {
     for (i, l) in map.lcores.iter().enumerate() {
         assert_eq!((l.lcore, l.port), (i as u16, BASE_PORT + i as u16));
     }
-    assert_eq!(map.lcores.iter().map(|l| l.slots).sum::<u32>(), 26);
-    assert_eq!(map.keys[1].name, "b");
-    assert_eq!(map.keys[1].elements, 5000);
-    assert_eq!(map.keys[1].chunks, jobs[&1].layout.keys[1]);
+    assert_eq!(map.lcores.iter().map(|l| l.slots).sum::<u64>(), 26);
+    assert_eq!(
+        (map.keys_total, map.chunks, map.memory_bytes),
+        (3, 26, a.memory_bytes)
+    );
+    assert!(map.keys.is_empty(), "keys only when one is asked for");
+    // One key's chunks, as runs on lcores: where the layout's rule puts them.
+    let key: JobMap = ok(&d, "GET", "/v1/jobs/1/map/keys/1", None);
+    assert_eq!(key.lcores, map.lcores);
+    let k = &key.keys[0];
+    assert_eq!((k.key, k.name.as_str(), k.elements, k.first), (1, "b", 5000, 4));
+    let places: Vec<Place> = k
+        .runs
+        .iter()
+        .flat_map(|r| {
+            (0..r.count).map(move |i| Place {
+                lcore: r.lcore,
+                slot: r.slot + i,
+            })
+        })
+        .collect();
+    let chunks: Vec<u32> = k.runs.iter().flat_map(|r| r.chunk..r.chunk + r.count).collect();
+    assert_eq!(chunks, (0..20).collect::<Vec<_>>());
+    let placed = Placement::new(&jobs[&1].spec, jobs[&1].layout.clone()).unwrap();
+    assert_eq!(places, placed.places(1).collect::<Vec<_>>());
+    let e = err(&d, "GET", "/v1/jobs/1/map/keys/3", None, 404);
+    assert_eq!(e, "job 1 has no key 3; its keys are 0 to 2");
+    let e = err(&d, "GET", "/v1/jobs/1/map/keys/x", None, 400);
+    assert!(e.contains("\"x\" is not a key index"), "{e}");
 
     let stats: Stats = ok(&d, "GET", "/v1/stats", None);
     assert!(stats.dataplane.is_some() && stats.dataplane_error.is_none());
@@ -227,7 +258,9 @@ fn over_budget_is_refused_and_nothing_installed() {
     let d = daemon(&fake.url(), &state);
     let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 507);
     assert!(
-        e.starts_with("job needs 49.2 KiB of slot memory; the dataplane has 19.5 KiB free of 19.5 KiB"),
+        e.starts_with("job needs ")
+            && e.contains("of memory (49.2 KiB of chunk data;")
+            && e.ends_with("the dataplane has 19.5 KiB free of 19.5 KiB"),
         "{e}"
     );
     assert!(fake.jobs().is_empty());
@@ -395,7 +428,10 @@ fn numa_keeps_jobs_on_the_nics_node() {
     let job = &fake.jobs()[&1];
     assert_eq!(job.layout.lcores.len(), 4);
     assert!(job.layout.lcores[0].is_empty() && job.layout.lcores[1].is_empty());
-    assert!(job.layout.keys.iter().flatten().all(|p| p.lcore >= 2));
+    assert_eq!(
+        job.layout.lcores[2].count + job.layout.lcores[3].count,
+        job.layout.chunk_count()
+    );
     let map: JobMap = ok(&d, "GET", "/v1/jobs/1/map", None);
     assert_eq!(
         map.lcores.iter().map(|l| (l.lcore, l.port)).collect::<Vec<_>>(),

@@ -189,9 +189,17 @@ fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, 
     let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
         .with_context(|| format!("connecting to the management API at {addr}"))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    // Changes need the dataplane's management token, from its default file.
+    let auth = if method == "GET" {
+        String::new()
+    } else {
+        let token = phub_http::secret::read(&phub_http::secret::mgmt_token_path(addr.port()))
+            .context("the dataplane's management token")?;
+        format!("Authorization: Bearer {token}\r\n")
+    };
     write!(
         s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
         body.len()
     )?;
     let mut resp = String::new();
@@ -238,9 +246,10 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         checkpoint_interval_s: None,
     };
     spec.validate().context("the benchmark's job spec")?;
-    let layout = layout::layout(&spec, &mut [0]);
+    let layout = layout::layout(&spec, &mut [0], u64::from);
     let want = common::job((chunk / 4) as u32, slots).slots;
-    if layout.lcores[0] != want {
+    let placed = layout::Placement::new(&spec, layout.clone()).context("the benchmark's layout")?;
+    if placed.slots(0).collect::<Vec<_>>() != want {
         bail!("the layout does not put chunk s in slot s; the frames would address the wrong slots");
     }
     let req = InstallJob {

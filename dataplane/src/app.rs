@@ -10,7 +10,6 @@ use std::net::{SocketAddr, SocketAddrV4};
 use std::process::ExitCode;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::thread::JoinHandle;
 
 use anyhow::{bail, Context, Result};
 use clap::Parser;
@@ -31,8 +30,11 @@ use crate::topology::Topology;
 /// A running dataplane.
 pub struct Appliance {
     manager: Arc<Manager>,
-    server: Arc<tiny_http::Server>,
-    mgmt_thread: Option<JoinHandle<()>>,
+    server: Option<phub_http::Server>,
+    /// The management token file, when this dataplane made it (removed at
+    /// a clean stop).
+    made_token: Option<std::path::PathBuf>,
+    mgmt_token: String,
     stop: Arc<AtomicBool>,
     mgmt_addr: SocketAddr,
     data: SocketAddrV4,
@@ -110,6 +112,7 @@ impl Appliance {
             nic_numa_node: nic_numa_node.or_else(|| Topology::detect().nic_node(cfg.host)),
             memory_budget_bytes: memory_budget,
             memory_used_bytes: 0,
+            memory_model: mgmt::memory_model(&*slot_memory),
             slot_memory: slot_memory.describe(),
             kernels: kernels.kind().name().into(),
             shm: cfg.shm,
@@ -153,24 +156,45 @@ impl Appliance {
         stop: Arc<AtomicBool>,
         data: SocketAddrV4,
     ) -> Result<Appliance> {
-        let server = tiny_http::Server::http(cfg.mgmt)
-            .map_err(|e| anyhow::anyhow!("binding the management API to {}: {e}", cfg.mgmt))?;
-        let server = Arc::new(server);
-        let mgmt_addr = server
-            .server_addr()
-            .to_ip()
-            .context("the management API is not on an IP address")?;
-        let mgmt_thread = {
-            let (s, m, st) = (Arc::clone(&server), Arc::clone(&manager), Arc::clone(&stop));
-            std::thread::Builder::new()
-                .name("phub-mgmt".into())
-                .spawn(move || mgmt::serve(s, m, st))
-                .context("spawning the management thread")?
+        if !phub_http::is_loopback(&cfg.mgmt) {
+            log::warn!(
+                "the management API listens on {} in clear text: keep it on loopback or a management network \
+                 only control can reach (its token travels in every request)",
+                cfg.mgmt
+            );
+        }
+        // Bind first: the default token file is named after the bound port.
+        let listener = std::net::TcpListener::bind(cfg.mgmt)
+            .with_context(|| format!("binding the management API to {}", cfg.mgmt))?;
+        let mgmt_addr = listener.local_addr().context("the management API's address")?;
+        let token_path = cfg
+            .mgmt_token_file
+            .clone()
+            .unwrap_or_else(|| phub_http::secret::mgmt_token_path(mgmt_addr.port()));
+        let (mgmt_token, made) = phub_http::secret::load_or_create(&token_path)
+            .with_context(|| "the management token file (--mgmt-token-file)".to_string())?;
+        let api = mgmt::Api::new(Arc::clone(&manager), mgmt_token.clone(), token_path.clone());
+        let limits = phub_http::Limits {
+            body_bytes: api.body_limit(),
+            inflight_body_bytes: api.body_limit(),
+            ..phub_http::Limits::default()
         };
+        let server = phub_http::Server::serve("phub-mgmt", listener, limits, None, Arc::new(api));
+        let server = match server {
+            Ok(s) => s,
+            Err(e) => {
+                if made {
+                    let _ = std::fs::remove_file(&token_path);
+                }
+                return Err(e).with_context(|| format!("serving the management API on {mgmt_addr}"));
+            }
+        };
+        log::info!("management token in {}", token_path.display());
         Ok(Appliance {
             manager,
-            server,
-            mgmt_thread: Some(mgmt_thread),
+            server: Some(server),
+            made_token: made.then_some(token_path),
+            mgmt_token,
             stop,
             mgmt_addr,
             data,
@@ -181,6 +205,11 @@ impl Appliance {
     /// Where the management API listens.
     pub fn mgmt_addr(&self) -> SocketAddr {
         self.mgmt_addr
+    }
+
+    /// The management token (for in-process users such as tests and tools).
+    pub fn mgmt_token(&self) -> &str {
+        &self.mgmt_token
     }
 
     /// Where queue 0 listens (queue i is on the next ports).
@@ -195,10 +224,12 @@ impl Appliance {
 
     /// Stops the management API and the lcores, and waits for them.
     pub fn shutdown(mut self) {
+        if let Some(s) = self.server.take() {
+            s.shutdown();
+        }
         self.stop.store(true, Ordering::Relaxed);
-        self.server.unblock();
-        if let Some(t) = self.mgmt_thread.take() {
-            let _ = t.join();
+        if let Some(p) = self.made_token.take() {
+            let _ = std::fs::remove_file(p);
         }
         match Arc::get_mut(&mut self.manager) {
             Some(m) => m.join_lcores(&self.stop),

@@ -43,7 +43,17 @@ pub struct Config {
     /// Address of the management API (for phub-control).
     #[arg(long, default_value = "127.0.0.1:7800")]
     pub mgmt: SocketAddr,
-    /// Slot memory the dataplane may hold, e.g. 1GiB, 512MiB or bytes.
+    /// The management token file: control reads it to install, restore and
+    /// remove jobs and to read checkpoints. Read if it exists, else created
+    /// (owner-only, random token) and removed at a clean stop. Default:
+    /// `<runtime dir>/dataplane-<management port>.token`, the runtime dir
+    /// being $PHUB_RUNTIME_DIR, /run/phub for root, $XDG_RUNTIME_DIR/phub or
+    /// /tmp/phub-<uid>.
+    #[arg(long, value_name = "FILE")]
+    pub mgmt_token_file: Option<std::path::PathBuf>,
+    /// Memory the dataplane may give jobs, every byte admission counts:
+    /// slot buffers and records, blocks, per-rank and per-key bookkeeping
+    /// and, with --shm, region files; e.g. 1GiB, 512MiB or bytes.
     #[arg(long, default_value = "1GiB", value_parser = parse_bytes)]
     pub memory_budget: u64,
     /// Spin on empty queues instead of waiting in the kernel.

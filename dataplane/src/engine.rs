@@ -9,8 +9,13 @@
 //!
 //! Slot memory comes from a [`SlotAllocator`] the backend chooses (Rust's
 //! heap by default, DPDK's heap on the port's NUMA socket for the DPDK
-//! backend): one zeroed, 64-byte aligned block per slot, allocated at
-//! install and never per packet.
+//! backend): zeroed, 64-byte aligned blocks allocated at install and never
+//! per packet. A job's slots on an lcore are packed into blocks in slot
+//! order, as many to a block as [`BLOCK_BYTES`] holds of full chunks'
+//! buffers ([`phub_proto::memory::MemoryModel::slots_per_block`]), so a
+//! million small chunks take a few hundred allocations, not a million.
+//! What a job holds is counted as [`memory_model`] describes it to
+//! admission ([`Shard::job_memory_bytes`]).
 //!
 //! Invariants:
 //! - An install is whole or refused: when the allocator runs out, every
@@ -49,6 +54,7 @@ use std::sync::Arc;
 
 use phub_proto::checkpoint::SlotState;
 use phub_proto::layout::SlotChunk;
+use phub_proto::memory::MemoryModel;
 use phub_proto::spec::{Optimizer, MAX_WORKERS};
 use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
@@ -75,9 +81,50 @@ pub struct JobInstall {
     pub dtype: Dtype,
     /// Per-chunk update.
     pub optimizer: Optimizer,
+    /// Elements in a full chunk of the job (the layout's `chunk_elems`):
+    /// no slot is longer, and slots are packed into blocks by it.
+    pub chunk_elems: u32,
     /// The job's slots on this lcore, in slot order.
     pub slots: Vec<SlotChunk>,
 }
+
+/// Most bytes of slot buffers in one block of slot memory (a 2 MiB huge
+/// page); a slot longer than that gets a block of its own.
+pub const BLOCK_BYTES: u64 = 2 << 20;
+
+/// What this engine allocates per rank of a job on an lcore (its endpoint
+/// and when it was last heard from), at most: checked for each address
+/// type when a shard is made.
+const RANK_BYTES: u32 = 64;
+
+/// What an lcore's engine allocates for a job, as admission charges it:
+/// slot buffers padded to [`LINE_BYTES`], a slot record each, blocks of
+/// [`BLOCK_BYTES`] with `mem`'s overhead each, a job record and per-rank
+/// entries on every lcore, and a handle per shared-memory region. The
+/// registry's figures (`job_bytes`, `key_bytes`) are the management
+/// side's, which fills them in.
+pub fn memory_model(mem: &dyn SlotAllocator) -> MemoryModel {
+    // Cast (each): sizes of small structs, far below 2^32.
+    #[allow(clippy::cast_possible_truncation)]
+    MemoryModel {
+        line_bytes: LINE_BYTES as u32,
+        slot_bytes: std::mem::size_of::<Slot>() as u32,
+        block_bytes: BLOCK_BYTES,
+        block_overhead_bytes: (mem.block_overhead() + std::mem::size_of::<Box<dyn SlotBlock>>() as u64)
+            as u32,
+        lcore_job_bytes: JOB_RECORD_BYTES as u32,
+        rank_bytes: RANK_BYTES,
+        region_bytes: REGION_BYTES as u32,
+        ..MemoryModel::default()
+    }
+}
+
+/// A job's record on an lcore and the headers of its four vectors' heap
+/// allocations (slots, blocks, endpoints, last seen).
+const JOB_RECORD_BYTES: usize = std::mem::size_of::<Job<()>>() + 4 * 16;
+
+/// A shared-memory region's handle in a job's record and its path.
+const REGION_BYTES: usize = std::mem::size_of::<phub_net::shm::ShmRegion>() + 256;
 
 /// Why a job could not be installed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -246,7 +293,11 @@ fn cut<'a>(rest: &mut &'a mut [f32], used: usize, pad: usize) -> &'a mut [f32] {
 /// `u16`s). Absent regions are empty.
 #[derive(Debug)]
 struct SlotMem {
-    block: Box<dyn SlotBlock>,
+    /// Its block, in the job's blocks on this lcore.
+    block: usize,
+    /// Where its first region starts in the block, in `f32`s (a whole
+    /// number of lines).
+    off: usize,
     /// Elements per buffer.
     n: usize,
     /// Elements used in each region (0: absent).
@@ -265,8 +316,12 @@ struct Bufs<'a> {
     half: &'a mut [u16],
 }
 
+/// A job's blocks of slot memory on one lcore.
+type Blocks = [Box<dyn SlotBlock>];
+
 impl SlotMem {
-    /// Elements of each region for a chunk of `n` elements.
+    /// Elements of each region for a chunk of `n` elements (what
+    /// [`slot_buffers`] tells admission).
     fn regions(n: usize, result: ResultKind, opt: &Optimizer) -> [usize; 6] {
         let keeps = opt.keeps_params();
         let states = opt.state_buffers();
@@ -284,34 +339,26 @@ impl SlotMem {
         ]
     }
 
-    /// Elements of the whole block.
+    /// Elements of the slot's share of its block.
     fn block_len(used: &[usize; 6]) -> usize {
         used.iter().map(|&u| padded(u)).sum()
     }
 
-    fn new(n: usize, used: [usize; 6], mem: &dyn SlotAllocator) -> Result<SlotMem, String> {
-        let len = Self::block_len(&used);
-        let block = mem.zeroed(len)?;
-        let got = block.as_slice();
-        if got.len() != len || !(got.as_ptr() as usize).is_multiple_of(LINE_BYTES) {
-            return Err(format!(
-                "{} gave {} elements at {:p}; asked for {len} on a {LINE_BYTES}-byte boundary",
-                mem.describe(),
-                got.len(),
-                got.as_ptr()
-            ));
-        }
-        Ok(SlotMem {
-            block,
-            n,
-            used,
-            acc_in_a: true,
-        })
+    /// The slot's share of its block.
+    fn share<'a>(&self, blocks: &'a Blocks) -> &'a [f32] {
+        let len = Self::block_len(&self.used);
+        &blocks[self.block].as_slice()[self.off..self.off + len]
+    }
+
+    /// The slot's share of its block, mutably.
+    fn share_mut<'a>(&self, blocks: &'a mut Blocks) -> &'a mut [f32] {
+        let len = Self::block_len(&self.used);
+        &mut blocks[self.block].as_mut_slice()[self.off..self.off + len]
     }
 
     /// Every region, read-only.
-    fn all(&self) -> [&[f32]; 6] {
-        let mut rest = self.block.as_slice();
+    fn all<'a>(&self, blocks: &'a Blocks) -> [&'a [f32]; 6] {
+        let mut rest = self.share(blocks);
         self.used.map(|u| {
             let (head, tail) = rest.split_at(padded(u));
             rest = tail;
@@ -320,17 +367,17 @@ impl SlotMem {
     }
 
     /// Every region, mutably.
-    fn all_mut(&mut self) -> [&mut [f32]; 6] {
+    fn all_mut<'a>(&self, blocks: &'a mut Blocks) -> [&'a mut [f32]; 6] {
         let used = self.used;
-        let mut rest = self.block.as_mut_slice();
+        let mut rest = self.share_mut(blocks);
         used.map(|u| cut(&mut rest, u, padded(u)))
     }
 
-    fn bufs(&mut self) -> Bufs<'_> {
+    fn bufs<'a>(&self, blocks: &'a mut Blocks) -> Bufs<'a> {
         let n = self.n;
         let acc_in_a = self.acc_in_a;
         let half_len = if self.used[HALF] == 0 { 0 } else { n };
-        let [a, b, params, s1, s2, half] = self.all_mut();
+        let [a, b, params, s1, s2, half] = self.all_mut(blocks);
         Bufs {
             acc: if acc_in_a { a } else { b },
             params,
@@ -340,24 +387,24 @@ impl SlotMem {
         }
     }
 
-    fn acc_mut(&mut self) -> &mut [f32] {
+    fn acc_mut<'a>(&self, blocks: &'a mut Blocks) -> &'a mut [f32] {
         let off = if self.acc_in_a { 0 } else { padded(self.used[A]) };
         let n = self.n;
-        &mut self.block.as_mut_slice()[off..off + n]
+        &mut self.share_mut(blocks)[off..off + n]
     }
 
-    fn params(&self) -> &[f32] {
-        self.all()[PARAMS]
+    fn params<'a>(&self, blocks: &'a Blocks) -> &'a [f32] {
+        self.all(blocks)[PARAMS]
     }
 
     /// The f32 result (sum/mean): whichever of A and B is not the
     /// accumulator.
-    fn f32_result(&self) -> &[f32] {
-        self.all()[if self.acc_in_a { B } else { A }]
+    fn f32_result<'a>(&self, blocks: &'a Blocks) -> &'a [f32] {
+        self.all(blocks)[if self.acc_in_a { B } else { A }]
     }
 
-    fn half_bytes(&self) -> &[u8] {
-        &bytemuck::cast_slice(self.all()[HALF])[..2 * self.n]
+    fn half_bytes<'a>(&self, blocks: &'a Blocks) -> &'a [u8] {
+        &bytemuck::cast_slice(self.all(blocks)[HALF])[..2 * self.n]
     }
 }
 
@@ -390,22 +437,20 @@ impl Slot {
         }
     }
 
-    /// Bytes of the block a slot of this chunk takes (padding included).
-    fn block_bytes(c: &SlotChunk, dtype: Dtype, opt: &Optimizer, shm: bool) -> u64 {
-        let used = SlotMem::regions(c.elems as usize, Self::result_kind(dtype, opt, shm), opt);
-        4 * SlotMem::block_len(&used) as u64
+    /// `f32`s of its block a slot of this chunk takes (padding included).
+    fn block_len(elems: u32, dtype: Dtype, opt: &Optimizer, shm: bool) -> usize {
+        SlotMem::block_len(&SlotMem::regions(
+            elems as usize,
+            Self::result_kind(dtype, opt, shm),
+            opt,
+        ))
     }
 
-    fn new(
-        c: SlotChunk,
-        dtype: Dtype,
-        opt: &Optimizer,
-        shm: bool,
-        mem: &dyn SlotAllocator,
-    ) -> Result<Slot, String> {
+    /// A slot for chunk `c`, its buffers at `off` in block `block`.
+    fn new(c: SlotChunk, dtype: Dtype, opt: &Optimizer, shm: bool, block: usize, off: usize) -> Slot {
         let n = c.elems as usize;
         let result = Self::result_kind(dtype, opt, shm);
-        Ok(Slot {
+        Slot {
             key: c.key,
             chunk: c.chunk,
             elems: c.elems,
@@ -414,8 +459,14 @@ impl Slot {
             ncontrib: 0,
             deferred: None,
             result,
-            mem: SlotMem::new(n, SlotMem::regions(n, result, opt), mem)?,
-        })
+            mem: SlotMem {
+                block,
+                off,
+                n,
+                used: SlotMem::regions(n, result, opt),
+                acc_in_a: true,
+            },
+        }
     }
 
     fn in_progress(&self) -> u32 {
@@ -426,14 +477,14 @@ impl Slot {
     /// whose regions are `shm`. For [`ResultKind::Region`] it is read from
     /// the result region, which install made for every slot of such a job;
     /// were it missing, the result would read as empty.
-    fn result_bytes<'a>(&'a self, index: u32, shm: Option<&'a JobRegions>) -> &'a [u8] {
+    fn result_bytes<'a>(&self, index: u32, shm: Option<&'a JobRegions>, blocks: &'a Blocks) -> &'a [u8] {
         match self.result {
-            ResultKind::Params => bytemuck::cast_slice(self.mem.params()),
-            ResultKind::F32 => bytemuck::cast_slice(self.mem.f32_result()),
+            ResultKind::Params => bytemuck::cast_slice(self.mem.params(blocks)),
+            ResultKind::F32 => bytemuck::cast_slice(self.mem.f32_result(blocks)),
             ResultKind::Region => shm
                 .and_then(|r| r.result(index, 4 * self.mem.n))
                 .unwrap_or_default(),
-            ResultKind::Half => self.mem.half_bytes(),
+            ResultKind::Half => self.mem.half_bytes(blocks),
         }
     }
 
@@ -447,26 +498,13 @@ impl Slot {
         }
     }
 
-    /// Bytes of the slot's buffers (what [`phub_proto::layout::slot_bytes`]
-    /// counts; the block adds line padding).
-    fn memory_bytes(&self) -> u64 {
-        let u = &self.mem.used;
-        let f = u[A] + u[PARAMS] + u[S1] + u[S2];
-        let r = match self.result {
-            ResultKind::Params | ResultKind::Region => 0,
-            ResultKind::F32 => 4 * self.mem.n,
-            ResultKind::Half => 2 * self.mem.n,
-        };
-        (4 * f + r) as u64
-    }
-
     /// Closes the round in progress: runs the optimizer (or, for round 0,
     /// takes rank 0's payload as the initial value) and stores the result;
     /// for [`ResultKind::Region`] the result is left in the accumulator, for
     /// the caller to publish.
-    fn complete(&mut self, dtype: Dtype, opt: &Optimizer, workers: u16) {
+    fn complete(&mut self, dtype: Dtype, opt: &Optimizer, workers: u16, blocks: &mut Blocks) {
         let round = self.in_progress();
-        let b = self.mem.bufs();
+        let b = self.mem.bufs(blocks);
         if opt.keeps_params() {
             if round == 0 {
                 b.params.copy_from_slice(b.acc);
@@ -529,6 +567,8 @@ struct Job<A> {
     dtype: Dtype,
     optimizer: Optimizer,
     slots: Vec<Slot>,
+    /// The slots' buffers: slot memory blocks, several slots to a block.
+    blocks: Vec<Box<dyn SlotBlock>>,
     /// Where each rank's results go: the source of its last valid packet.
     endpoints: Vec<Option<A>>,
     /// The job's shared-memory regions on this lcore, if it has them.
@@ -656,6 +696,11 @@ impl<A: Copy + Eq> Shard<A> {
         mem: Arc<dyn SlotAllocator>,
         counters: Arc<ShardCounters>,
     ) -> Shard<A> {
+        // What memory_model tells admission a rank costs.
+        assert!(
+            std::mem::size_of::<Option<A>>() + std::mem::size_of::<u64>() <= RANK_BYTES as usize,
+            "a rank's entries outgrow RANK_BYTES"
+        );
         Shard {
             lcore,
             kernels,
@@ -719,7 +764,7 @@ impl<A: Copy + Eq> Shard<A> {
         }
         // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
         #[allow(clippy::cast_possible_truncation)]
-        let max = (MAX_PAYLOAD / job.dtype.size()) as u32;
+        let max = ((MAX_PAYLOAD / job.dtype.size()) as u32).min(job.chunk_elems);
         // Cast: i < job.slots.len(), which fits a u32 (checked above).
         #[allow(clippy::cast_possible_truncation)]
         if let Some((i, s)) = job
@@ -736,27 +781,45 @@ impl<A: Copy + Eq> Shard<A> {
                 dtype: job.dtype,
             });
         }
-        let mut slots = Vec::with_capacity(job.slots.len());
         let with_shm = shm.is_some();
-        for &c in &job.slots {
-            match Slot::new(c, job.dtype, &job.optimizer, with_shm, &*self.mem) {
-                Ok(s) => slots.push(s),
-                Err(reason) => {
-                    // `slots` is dropped here: every block allocated so far
-                    // goes back to the allocator.
-                    return Err(EngineError::SlotMemory {
-                        id: job.id,
-                        bytes: job
-                            .slots
-                            .iter()
-                            .map(|c| Slot::block_bytes(c, job.dtype, &job.optimizer, with_shm))
-                            .sum(),
-                        slots: job.slots.len(),
-                        from: self.mem.describe(),
-                        reason,
-                    });
+        let (dtype, opt) = (job.dtype, &job.optimizer);
+        // Slots go into blocks in slot order, `per_block` to a block, each
+        // block exactly as long as its slots' buffers.
+        let full = 4 * Slot::block_len(job.chunk_elems, dtype, opt, with_shm) as u64;
+        // Cast: at most BLOCK_BYTES (2 MiB) slots.
+        #[allow(clippy::cast_possible_truncation)]
+        let per_block = (BLOCK_BYTES / full.max(1)).max(1) as usize;
+        let mut slots = Vec::with_capacity(job.slots.len());
+        let mut blocks: Vec<Box<dyn SlotBlock>> = Vec::with_capacity(job.slots.len().div_ceil(per_block));
+        for group in job.slots.chunks(per_block) {
+            let len: usize = group
+                .iter()
+                .map(|c| Slot::block_len(c.elems, dtype, opt, with_shm))
+                .sum();
+            let block = match self.mem.zeroed(len) {
+                Ok(b)
+                    if b.as_slice().len() == len
+                        && (b.as_slice().as_ptr() as usize).is_multiple_of(LINE_BYTES) =>
+                {
+                    b
                 }
+                Ok(b) => Err(format!(
+                    "{} gave {} elements at {:p}; asked for {len} on a {LINE_BYTES}-byte boundary",
+                    self.mem.describe(),
+                    b.as_slice().len(),
+                    b.as_slice().as_ptr()
+                ))
+                .map_err(|reason| self.slot_memory_error(&job, with_shm, reason))?,
+                // `blocks` is dropped on return: every block allocated so
+                // far goes back to the allocator.
+                Err(reason) => return Err(self.slot_memory_error(&job, with_shm, reason)),
+            };
+            let mut off = 0;
+            for &c in group {
+                slots.push(Slot::new(c, dtype, opt, with_shm, blocks.len(), off));
+                off += Slot::block_len(c.elems, dtype, opt, with_shm);
             }
+            blocks.push(block);
         }
         let shm = match shm {
             None => None,
@@ -782,6 +845,7 @@ impl<A: Copy + Eq> Shard<A> {
             dtype: job.dtype,
             optimizer: job.optimizer,
             slots,
+            blocks,
             endpoints: vec![None; usize::from(job.workers)],
             shm,
             shm_ranks: RankSet::default(),
@@ -790,6 +854,22 @@ impl<A: Copy + Eq> Shard<A> {
             rounds: 0,
         });
         Ok(())
+    }
+
+    /// The refusal of `job` when slot memory runs out: what all its slots
+    /// needed, and what the allocator said.
+    fn slot_memory_error(&self, job: &JobInstall, shm: bool, reason: String) -> EngineError {
+        EngineError::SlotMemory {
+            id: job.id,
+            bytes: job
+                .slots
+                .iter()
+                .map(|c| 4 * Slot::block_len(c.elems, job.dtype, &job.optimizer, shm) as u64)
+                .sum(),
+            slots: job.slots.len(),
+            from: self.mem.describe(),
+            reason,
+        }
     }
 
     /// Removes a job, frees its slots and removes its shared-memory regions;
@@ -886,9 +966,22 @@ impl<A: Copy + Eq> Shard<A> {
         self.jobs.iter().map(|j| j.id)
     }
 
-    /// Bytes of slot memory a job holds on this lcore.
+    /// Bytes a job holds on this lcore, counted from what was allocated
+    /// as [`memory_model`] tells admission: its blocks' buffers and each
+    /// block's overhead, its slot records, its record and its ranks'
+    /// entries, its regions' handles (the region files apart).
     pub fn job_memory_bytes(&self, id: u16) -> Option<u64> {
-        self.job(id).map(|j| j.slots.iter().map(Slot::memory_bytes).sum())
+        let j = self.job(id)?;
+        let model = memory_model(&*self.mem);
+        let data: u64 = j.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
+        let regions = j.shm.as_ref().map_or(0, |r| r.paths().count() as u64);
+        Some(
+            data + j.blocks.len() as u64 * u64::from(model.block_overhead_bytes)
+                + (j.slots.capacity() * std::mem::size_of::<Slot>()) as u64
+                + JOB_RECORD_BYTES as u64
+                + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
+                + regions * REGION_BYTES as u64,
+        )
     }
 
     /// Sets where a rank's results go before it has sent anything (from
@@ -923,14 +1016,14 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn result(&self, id: u16, slot: u32) -> Option<(u32, &[u8])> {
         let j = self.job(id)?;
         let s = j.slots.get(slot as usize)?;
-        (s.completed != NO_ROUND).then(|| (s.completed, s.result_bytes(slot, j.shm.as_ref())))
+        (s.completed != NO_ROUND).then(|| (s.completed, s.result_bytes(slot, j.shm.as_ref(), &j.blocks)))
     }
 
     /// A slot's parameters (`f32`), for jobs with a server-side optimizer.
     pub fn params(&self, id: u16, slot: u32) -> Option<&[f32]> {
         let j = self.job(id)?;
         let s = j.slots.get(slot as usize)?;
-        j.optimizer.keeps_params().then(|| s.mem.params())
+        j.optimizer.keeps_params().then(|| s.mem.params(&j.blocks))
     }
 
     /// The durable state of every slot of a job (completed round,
@@ -944,7 +1037,7 @@ impl<A: Copy + Eq> Shard<A> {
                 .iter()
                 .zip(0..)
                 .map(|(s, i)| {
-                    let r = s.mem.all();
+                    let r = s.mem.all(&j.blocks);
                     SlotState {
                         completed: (s.completed != NO_ROUND).then_some(s.completed),
                         params: r[PARAMS].to_vec(),
@@ -952,7 +1045,7 @@ impl<A: Copy + Eq> Shard<A> {
                         s2: r[S2].to_vec(),
                         result: match s.result {
                             ResultKind::Params => Vec::new(),
-                            _ => s.result_bytes(i, j.shm.as_ref()).to_vec(),
+                            _ => s.result_bytes(i, j.shm.as_ref(), &j.blocks).to_vec(),
                         },
                     }
                 })
@@ -1003,7 +1096,7 @@ impl<A: Copy + Eq> Shard<A> {
             slot.deferred = None;
             let kind = slot.result;
             let acc_in_a = slot.mem.acc_in_a;
-            let b = slot.mem.bufs();
+            let b = slot.mem.bufs(&mut j.blocks);
             b.params.copy_from_slice(&st.params);
             b.s1.copy_from_slice(&st.s1);
             b.s2.copy_from_slice(&st.s2);
@@ -1011,7 +1104,7 @@ impl<A: Copy + Eq> Shard<A> {
                 ResultKind::Params => {}
                 ResultKind::Half => bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result),
                 ResultKind::F32 => {
-                    let [a, b, ..] = slot.mem.all_mut();
+                    let [a, b, ..] = slot.mem.all_mut(&mut j.blocks);
                     let r = if acc_in_a { b } else { a };
                     bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
                 }
@@ -1030,7 +1123,7 @@ impl<A: Copy + Eq> Shard<A> {
             #[allow(clippy::cast_possible_truncation)]
             for (i, slot) in j.slots.iter().enumerate() {
                 if slot.completed != NO_ROUND && slot.result != ResultKind::Region {
-                    shm.publish(i as u32, slot.result_bytes(i as u32, None));
+                    shm.publish(i as u32, slot.result_bytes(i as u32, None, &j.blocks));
                 }
             }
         }
@@ -1209,27 +1302,35 @@ impl<A: Copy + Eq> Shard<A> {
         }
         let last = slot.ncontrib + 1 == job.workers;
         if let (ResultKind::Region, MsgType::Push, Some(shm)) = (slot.result, repr.kind, &mut job.shm) {
-            return Self::apply_region(k, job.workers, &job.optimizer, shm, slot, repr, payload);
+            return Self::apply_region(
+                k,
+                job.workers,
+                &job.optimizer,
+                shm,
+                (slot, &mut job.blocks),
+                repr,
+                payload,
+            );
         }
         if carries {
             let payload = contribution(job.shm.as_ref().map(JobRegions::staging), repr, payload)?;
             if slot.ncontrib == 0 || repr.kind == MsgType::Init {
-                k.copy(job.dtype, slot.mem.acc_mut(), payload);
+                k.copy(job.dtype, slot.mem.acc_mut(&mut job.blocks), payload);
             } else {
-                k.add(job.dtype, slot.mem.acc_mut(), payload);
+                k.add(job.dtype, slot.mem.acc_mut(&mut job.blocks), payload);
             }
         }
         slot.contributed.insert(repr.rank);
         slot.ncontrib += 1;
         if last {
-            slot.complete(job.dtype, &job.optimizer, job.workers);
+            slot.complete(job.dtype, &job.optimizer, job.workers, &mut job.blocks);
             if let Some(shm) = &mut job.shm {
                 // Once per round, before any RESULT header leaves. A
                 // Region slot gets here only for round 0 (INIT): its
                 // result, rank 0's initial value, is in the accumulator.
                 let bytes = match slot.result {
-                    ResultKind::Region => bytemuck::cast_slice(slot.mem.acc_mut()),
-                    _ => slot.result_bytes(repr.slot, None),
+                    ResultKind::Region => bytemuck::cast_slice(slot.mem.acc_mut(&mut job.blocks)),
+                    _ => slot.result_bytes(repr.slot, None, &job.blocks),
                 };
                 shm.publish(repr.slot, bytes);
             }
@@ -1262,7 +1363,7 @@ impl<A: Copy + Eq> Shard<A> {
         workers: u16,
         opt: &Optimizer,
         shm: &mut JobRegions,
-        slot: &mut Slot,
+        (slot, blocks): (&mut Slot, &mut Blocks),
         repr: &Repr,
         payload: &[u8],
     ) -> Result<Step, DropReason> {
@@ -1303,7 +1404,7 @@ impl<A: Copy + Eq> Shard<A> {
                     optim::step(opt, u32::from(workers), repr.round, bufs);
                 }
                 (_, Some(first)) => k.sum_f32(out, staged(staging, first)?, src, scale),
-                (_, None) => k.sum_f32(out, bytemuck::cast_slice(slot.mem.acc_mut()), src, scale),
+                (_, None) => k.sum_f32(out, bytemuck::cast_slice(slot.mem.acc_mut(blocks)), src, scale),
             }
             slot.close();
             return Ok(Step::Closed);
@@ -1311,9 +1412,9 @@ impl<A: Copy + Eq> Shard<A> {
         let staging = shm.staging();
         let src = contribution(Some(staging), repr, payload)?;
         match (slot.ncontrib, slot.deferred) {
-            (0, _) => k.copy(Dtype::F32, slot.mem.acc_mut(), src),
-            (_, Some(first)) => k.sum_f32(slot.mem.acc_mut(), staged(staging, first)?, src, 1.0),
-            (_, None) => k.add(Dtype::F32, slot.mem.acc_mut(), src),
+            (0, _) => k.copy(Dtype::F32, slot.mem.acc_mut(blocks), src),
+            (_, Some(first)) => k.sum_f32(slot.mem.acc_mut(blocks), staged(staging, first)?, src, 1.0),
+            (_, None) => k.add(Dtype::F32, slot.mem.acc_mut(blocks), src),
         }
         slot.deferred = None;
         slot.contributed.insert(repr.rank);
@@ -1364,7 +1465,7 @@ impl<A: Copy + Eq> Shard<A> {
         };
         let plain = |to| Transmit {
             header: repr.to_bytes(),
-            payload: s.result_bytes(slot, j.shm.as_ref()),
+            payload: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
             to,
         };
         // The result is in the result region: the header says so, alone.
@@ -1473,6 +1574,7 @@ mod tests {
             workers: 2,
             dtype,
             optimizer,
+            chunk_elems: elems,
             slots: (0..slots)
                 .map(|chunk| SlotChunk { key: 0, chunk, elems })
                 .collect(),
@@ -1483,7 +1585,7 @@ mod tests {
     fn an_install_the_allocator_cannot_hold_is_refused_whole() {
         let live = Arc::new(AtomicUsize::new(0));
         let mem = Arc::new(Limited {
-            left: AtomicUsize::new(3),
+            left: AtomicUsize::new(0),
             live: Arc::clone(&live),
         });
         let mut s: Shard<u32> = Shard::with_slot_memory(0, Kernels::best(), mem.clone());
@@ -1494,23 +1596,31 @@ mod tests {
             eps: 1e-8,
             weight_decay: 0.0,
         };
-        let e = s.install(job(4, Dtype::Bf16, opt, 5, 100)).unwrap_err();
-        // Per slot: acc, params, s1, s2 of 100 f32 (each padded to 112) and
-        // 100 bf16 (50 f32, padded to 64).
-        let per_slot = 4 * (4 * 112 + 64);
+        // Full bf16 chunks: acc, params, s1, s2 of 4416 f32 and the result's
+        // 4416 bf16 (2208 f32), each a whole number of lines.
+        let elems = (MAX_PAYLOAD / 2) as u32;
+        let per_slot = 4 * (4 * 4416 + 2208);
+        assert_eq!(4 * Slot::block_len(elems, Dtype::Bf16, &opt, false), per_slot);
+        let per_block = BLOCK_BYTES as usize / per_slot;
+        assert_eq!(per_block, 26);
+        // 100 slots: three blocks of 26 and one of 22.
+        mem.left.store(3, Ordering::Relaxed);
+        let e = s.install(job(4, Dtype::Bf16, opt, 100, elems)).unwrap_err();
         assert_eq!(
             e,
             EngineError::SlotMemory {
                 id: 4,
-                bytes: 5 * per_slot,
-                slots: 5,
+                bytes: 100 * per_slot as u64,
+                slots: 100,
                 from: "test heap".into(),
-                reason: "no room for 2048 bytes".into(),
+                reason: format!("no room for {} bytes", 22 * per_slot),
             }
         );
         assert!(
-            e.to_string()
-                .contains("10240 bytes of slot memory for 5 slots do not fit (test heap)"),
+            e.to_string().contains(&format!(
+                "{} bytes of slot memory for 100 slots do not fit (test heap)",
+                100 * per_slot
+            )),
             "{e}"
         );
         assert_eq!(
@@ -1519,12 +1629,76 @@ mod tests {
             "the three blocks given were freed"
         );
         assert_eq!(s.job_ids().count(), 0, "nothing of the job is installed");
-        mem.left.store(5, Ordering::Relaxed);
-        s.install(job(4, Dtype::Bf16, opt, 5, 100)).unwrap();
-        assert_eq!(live.load(Ordering::Relaxed), 5, "one block per slot");
+        mem.left.store(4, Ordering::Relaxed);
+        s.install(job(4, Dtype::Bf16, opt, 100, elems)).unwrap();
+        assert_eq!(live.load(Ordering::Relaxed), 4, "26 slots to a block");
         assert_eq!(s.slot_memory().describe(), "test heap");
         assert!(s.remove(4));
         assert_eq!(live.load(Ordering::Relaxed), 0);
+    }
+
+    /// What an lcore counts a job as holding is what admission charges it
+    /// (`MemoryModel::job_cost`), slot by slot as the engine carves them,
+    /// for every dtype, optimizer, with and without shared memory's result
+    /// region, over lcores of a real layout.
+    #[test]
+    fn a_job_holds_what_the_memory_model_charges() {
+        use phub_proto::layout::{layout, Placement};
+        use phub_proto::memory::slot_buffers;
+        use phub_proto::spec::JobSpec;
+        let opts = [
+            "kind = \"sum\"",
+            "kind = \"mean\"",
+            "kind = \"sgd\"\nlr = 0.1",
+            "kind = \"momentum\"\nlr = 0.1",
+            "kind = \"adam\"\nlr = 0.1",
+        ];
+        let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
+        let model = memory_model(&*mem);
+        for opt in opts {
+            for dtype in Dtype::ALL {
+                for shm in [false, true] {
+                    for elems in [1u32, 15, 16, 17, 1000] {
+                        let o: Optimizer = JobSpec::from_toml(&format!(
+                            "name = \"m\"\nworkers = 3\n[optimizer]\n{opt}\n[[keys]]\nelements = 1\n"
+                        ))
+                        .unwrap()
+                        .optimizer;
+                        let r = Slot::result_kind(dtype, &o, shm);
+                        assert_eq!(
+                            SlotMem::regions(elems as usize, r, &o),
+                            slot_buffers(dtype, &o, elems, shm),
+                            "{dtype} {opt} shm {shm}"
+                        );
+                    }
+                }
+                // Keys of one short chunk, many full ones, and in between.
+                let spec = JobSpec::from_toml(&format!(
+                    "name = \"m\"\nworkers = 3\nchunk_bytes = 128\ndtype = \"{dtype}\"\n[optimizer]\n{opt}\n\
+                     [[keys]]\nelements = 5\n[[keys]]\nelements = 300000\n[[keys]]\nelements = 77\n"
+                ))
+                .unwrap();
+                let o = spec.optimizer;
+                let l = layout(&spec, &mut [0, 0, 0], model.chunk_cost(&spec, false));
+                let cost = model.job_cost(&spec, &l, false);
+                let p = Placement::new(&spec, l.clone()).unwrap();
+                for (lcore, want) in cost.lcores.iter().enumerate() {
+                    let mut s: Shard<u32> =
+                        Shard::with_slot_memory(lcore as u16, Kernels::best(), mem.clone());
+                    s.install(JobInstall {
+                        id: 1,
+                        token: 7,
+                        workers: 3,
+                        dtype,
+                        optimizer: o,
+                        chunk_elems: l.chunk_elems,
+                        slots: p.slots(lcore).collect(),
+                    })
+                    .unwrap();
+                    assert_eq!(s.job_memory_bytes(1), Some(*want), "{dtype} {opt} lcore {lcore}");
+                }
+            }
+        }
     }
 
     fn push(dtype: Dtype, rank: u16, round: u32, slot: u32, vals: &[f32]) -> Vec<u8> {
@@ -1603,10 +1777,14 @@ mod tests {
                         "{dtype:?} {opt:?} slot {slot}"
                     );
                 }
-                assert_eq!(
-                    a.job_memory_bytes(1),
-                    Some(2 * phub_proto::layout::slot_bytes(dtype, &opt, 37))
-                );
+                // Two slots of 37 elements in one block, as admission counts them.
+                let model = memory_model(&RustHeap);
+                let want = 2 * model.slot_data_bytes(dtype, &opt, 37, false)
+                    + 2 * u64::from(model.slot_bytes)
+                    + u64::from(model.block_overhead_bytes)
+                    + u64::from(model.lcore_job_bytes)
+                    + 2 * u64::from(model.rank_bytes);
+                assert_eq!(a.job_memory_bytes(1), Some(want));
             }
         }
     }

@@ -6,7 +6,6 @@
 //! through their bounded command queues and waits for each to acknowledge.
 
 use std::collections::BTreeMap;
-use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -17,17 +16,17 @@ use phub_proto::api::{
     ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
-use phub_proto::layout::slot_bytes;
+use phub_proto::layout::Placement;
+use phub_proto::memory::MemoryModel;
+use phub_http::{Handler, Request, Response};
 
 use crate::counters::ShardCounters;
-use crate::engine::{EngineError, JobInstall};
+use crate::engine::{self, EngineError, JobInstall};
 use crate::lcore::{Clock, Command};
 use crate::shm::ShmSetup;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
-/// Largest management request body.
-const MAX_BODY: u64 = 256 << 20;
 
 /// One running lcore, as the management side sees it.
 #[derive(Debug)]
@@ -53,6 +52,21 @@ fn err(status: u16, message: impl Into<String>) -> MgmtError {
     MgmtError {
         status,
         message: message.into(),
+    }
+}
+
+/// What this dataplane allocates for a job ([`DataplaneInfo::memory_model`]):
+/// the engine's figures for slot memory from `mem` and the registry's for
+/// the job's entry and its spec's keys.
+pub fn memory_model(mem: &dyn crate::slotmem::SlotAllocator) -> MemoryModel {
+    // Cast (each): sizes of small structs, far below 2^32.
+    #[allow(clippy::cast_possible_truncation)]
+    MemoryModel {
+        // The registry's entry: its map node and the job's description,
+        // and the spec's name and optimizer; the keys are counted apart.
+        job_bytes: (std::mem::size_of::<(u16, (InstalledJob, InstallJob))>() + 256) as u32,
+        key_bytes: std::mem::size_of::<phub_proto::spec::KeySpec>() as u32,
+        ..engine::memory_model(mem)
     }
 }
 
@@ -157,6 +171,9 @@ impl Manager {
                 format!("job id {} in the body does not match {id} in the path", req.id),
             ));
         }
+        if req.token == 0 {
+            return Err(err(400, format!("job {id}: token 0 is not a token (control gives every job a random non-zero one)")));
+        }
         req.spec.validate().map_err(|e| err(400, e.to_string()))?;
         let n = self.lcores.len();
         if req.layout.lcores.len() != n {
@@ -168,13 +185,13 @@ impl Manager {
                 ),
             ));
         }
-        let need: u64 = req
-            .layout
-            .lcores
-            .iter()
-            .flatten()
-            .map(|s| slot_bytes(req.spec.dtype, &req.spec.optimizer, s.elems))
-            .sum();
+        let placement =
+            Placement::new(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
+        let cost = self
+            .info
+            .memory_model
+            .job_cost(&req.spec, &req.layout, self.info.shm);
+        let need = cost.total();
         let mut jobs = self.jobs();
         if jobs.contains_key(&id) {
             return Err(err(409, format!("job {id} is already installed")));
@@ -184,11 +201,36 @@ impl Manager {
             return Err(err(
                 507,
                 format!(
-                    "job {id} needs {need} bytes of slot memory; {} of {} are free",
+                    "job {id} needs {need} bytes of memory (slot buffers and records, blocks, per-rank and \
+                     per-key bookkeeping{}); {} of {} are free",
+                    if cost.shm > 0 {
+                        format!(", {} of shared-memory regions", cost.shm)
+                    } else {
+                        String::new()
+                    },
                     self.info.memory_budget_bytes.saturating_sub(used),
                     self.info.memory_budget_bytes
                 ),
             ));
+        }
+        if cost.shm > 0 {
+            let dir = std::path::Path::new(phub_proto::shm::DIR);
+            let free = phub_net::shm::free_bytes(dir).map_err(|e| {
+                err(
+                    507,
+                    format!("job {id}: cannot tell how much of {} is free: {e}", dir.display()),
+                )
+            })?;
+            if cost.shm > free {
+                return Err(err(
+                    507,
+                    format!(
+                        "job {id}'s shared-memory regions need {} bytes in {}, which has {free} bytes free",
+                        cost.shm,
+                        dir.display()
+                    ),
+                ));
+            }
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
         // With --shm every lcore gives the job its shared-memory regions.
@@ -197,7 +239,7 @@ impl Manager {
             chunk_elems: req.layout.chunk_elems,
         });
         let mut done = Vec::new();
-        let mut total = 0;
+        let mut total = cost.registry + cost.shm;
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
             let job = JobInstall {
@@ -206,7 +248,8 @@ impl Manager {
                 workers,
                 dtype: req.spec.dtype,
                 optimizer: req.spec.optimizer,
-                slots: req.layout.lcores[i].clone(),
+                chunk_elems: req.layout.chunk_elems,
+                slots: placement.slots(i).collect(),
             };
             let state = restore.as_mut().map(|r| std::mem::take(&mut r[i]));
             // Slot memory that runs out is the budget's 507; anything else
@@ -231,6 +274,12 @@ impl Manager {
                 });
             match answer {
                 Ok(bytes) => {
+                    if bytes != cost.lcores[i] {
+                        log::warn!(
+                            "job {id}: lcore {i} holds {bytes} bytes; admission charged {}",
+                            cost.lcores[i]
+                        );
+                    }
                     total += bytes;
                     done.push(i);
                 }
@@ -242,13 +291,19 @@ impl Manager {
                 }
             }
         }
+        drop(placement);
+        let mut req = req;
+        // The registry keeps the spec: no spare capacity from parsing.
+        req.spec.keys.shrink_to_fit();
         let job = InstalledJob {
             id,
             memory_bytes: total,
+            shm_bytes: cost.shm,
         };
         log::info!(
-            "installed job {id}: {} chunks, {total} bytes of slot memory",
-            req.layout.chunk_count()
+            "installed job {id}: {} chunks, {total} bytes of memory ({} in shared memory)",
+            req.layout.chunk_count(),
+            cost.shm
         );
         jobs.insert(id, (job.clone(), req));
         Ok(job)
@@ -360,76 +415,104 @@ impl Manager {
     }
 }
 
-fn respond(req: tiny_http::Request, status: u16, body: String) {
-    let header = tiny_http::Header::from_bytes("Content-Type", "application/json").expect("static header");
-    let _ = req.respond(
-        tiny_http::Response::from_string(body)
-            .with_status_code(status)
-            .with_header(header),
-    );
+fn json<T: serde::Serialize>(status: u16, v: &T) -> Response {
+    match serde_json::to_vec(v) {
+        Ok(body) => Response::new(status, "application/json", body),
+        Err(e) => Response::error(500, format!("serialising the answer: {e}")),
+    }
 }
 
-fn json<T: serde::Serialize>(v: &T) -> String {
-    serde_json::to_string(v).unwrap_or_else(|e| format!("{{\"error\":\"serialising the answer: {e}\"}}"))
+fn error(e: MgmtError) -> Response {
+    Response::error(e.status, ApiError { error: e.message }.error)
 }
 
-fn error_body(message: String) -> String {
-    json(&ApiError { error: message })
+/// The management API over HTTP: what each route does and who may call it.
+///
+/// Reading the dataplane's description, job list and counters (`GET
+/// /v1/info`, `/v1/jobs`, `/v1/stats`) is open to whoever reaches the
+/// listener: they hold no secret. Everything else (installing, restoring and
+/// removing jobs, reading a checkpoint, which holds a job's token and
+/// parameters) needs `Authorization: Bearer <management token>`, the token
+/// in the dataplane's management token file (owner-only; see
+/// [`phub_http::secret`]), checked before a body is read.
+#[derive(Debug)]
+pub struct Api {
+    mgr: Arc<Manager>,
+    token: String,
+    token_path: std::path::PathBuf,
 }
 
-/// Serves the management API on `server` until `stop` is set and the server
-/// is unblocked.
-pub fn serve(server: Arc<tiny_http::Server>, mgr: Arc<Manager>, stop: Arc<AtomicBool>) {
-    for mut req in server.incoming_requests() {
-        if stop.load(Ordering::Relaxed) {
-            break;
+impl Api {
+    /// The API over `mgr`, guarded by `token` (kept in `token_path`).
+    pub fn new(mgr: Arc<Manager>, token: String, token_path: std::path::PathBuf) -> Api {
+        Api { mgr, token, token_path }
+    }
+
+    /// Largest request body: a checkpoint of a job as large as the whole
+    /// slot memory budget, plus room for its description.
+    pub fn body_limit(&self) -> usize {
+        usize::try_from(self.mgr.info.memory_budget_bytes.saturating_mul(2))
+            .unwrap_or(usize::MAX)
+            .saturating_add(MIN_BODY_LIMIT)
+    }
+}
+
+/// The body limit of a dataplane with no budget to speak of.
+const MIN_BODY_LIMIT: usize = 64 << 20;
+
+impl Handler for Api {
+    fn check_head(&self, head: &Request) -> Result<(), Response> {
+        let open = head.method == "GET"
+            && matches!(head.path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats");
+        if open {
+            return Ok(());
         }
-        let method = req.method().clone();
-        let url = req.url().split('?').next().unwrap_or("").to_string();
-        let parts: Vec<&str> = url.trim_matches('/').split('/').collect();
-        use tiny_http::Method::{Delete, Get, Put};
-        let mut body = Vec::new();
-        if let Err(e) = req.as_reader().take(MAX_BODY).read_to_end(&mut body) {
-            respond(req, 400, error_body(format!("reading the request body: {e}")));
-            continue;
+        let given = phub_http::bearer(head.header("Authorization")).map_err(|why| {
+            Response::error(
+                401,
+                format!(
+                    "{} {} needs the dataplane's management token ({why}): send `Authorization: Bearer <token>` \
+                     with the token in {} (readable by the dataplane's owner only)",
+                    head.method,
+                    head.path,
+                    self.token_path.display()
+                ),
+            )
+        })?;
+        if !phub_http::token_matches(given, &self.token) {
+            return Err(Response::error(403, "wrong management token"));
         }
-        if let (Get, ["v1", "jobs", id, "checkpoint"]) = (&method, parts.as_slice()) {
-            let encoded = parse_id(id).and_then(|id| {
+        Ok(())
+    }
+
+    fn handle(&self, req: Request) -> Response {
+        let mgr = &self.mgr;
+        let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
+        let body = &req.body;
+        let result: Result<Response, MgmtError> = match (req.method.as_str(), parts.as_slice()) {
+            ("GET", ["v1", "info"]) => Ok(json(200, &mgr.info())),
+            ("GET", ["v1", "jobs"]) => Ok(json(200, &mgr.list())),
+            ("GET", ["v1", "stats"]) => Ok(json(200, &mgr.stats())),
+            ("GET", ["v1", "jobs", id, "checkpoint"]) => parse_id(id).and_then(|id| {
                 let c = mgr.checkpoint(id)?;
-                c.encode().map_err(|e| err(500, format!("job {id}: {e}")))
-            });
-            match encoded {
-                Ok(bytes) => {
-                    let header = tiny_http::Header::from_bytes("Content-Type", "application/octet-stream")
-                        .expect("static header");
-                    let _ = req.respond(tiny_http::Response::from_data(bytes).with_header(header));
-                }
-                Err(e) => respond(req, e.status, error_body(e.message)),
-            }
-            continue;
-        }
-        let result: Result<(u16, String), MgmtError> = match (&method, parts.as_slice()) {
-            (Get, ["v1", "info"]) => Ok((200, json(&mgr.info()))),
-            (Get, ["v1", "jobs"]) => Ok((200, json(&mgr.list()))),
-            (Get, ["v1", "stats"]) => Ok((200, json(&mgr.stats()))),
-            (Put, ["v1", "jobs", id]) if body.starts_with(CKPT_MAGIC) => parse_id(id).and_then(|id| {
-                let c = Checkpoint::decode(&body).map_err(|e| err(400, format!("job {id}: {e}")))?;
-                mgr.restore(id, c).map(|j| (201, json(&j)))
+                let bytes = c.encode().map_err(|e| err(500, format!("job {id}: {e}")))?;
+                Ok(Response::new(200, "application/octet-stream", bytes))
             }),
-            (Put, ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
-                let r: InstallJob = serde_json::from_slice(&body)
+            ("PUT", ["v1", "jobs", id]) if body.starts_with(CKPT_MAGIC) => parse_id(id).and_then(|id| {
+                let c = Checkpoint::decode(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
+                mgr.restore(id, c).map(|j| json(201, &j))
+            }),
+            ("PUT", ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
+                let r: InstallJob = serde_json::from_slice(body)
                     .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
-                mgr.install(id, r).map(|j| (201, json(&j)))
+                mgr.install(id, r).map(|j| json(201, &j))
             }),
-            (Delete, ["v1", "jobs", id]) => {
-                parse_id(id).and_then(|id| mgr.remove(id).map(|()| (204, String::new())))
+            ("DELETE", ["v1", "jobs", id]) => {
+                parse_id(id).and_then(|id| mgr.remove(id).map(|()| Response::new(204, "application/json", Vec::new())))
             }
-            _ => Err(err(404, format!("no route for {method} {url}"))),
+            (m, _) => Err(err(404, format!("no route for {m} {}", req.path))),
         };
-        match result {
-            Ok((status, body)) => respond(req, status, body),
-            Err(e) => respond(req, e.status, error_body(e.message)),
-        }
+        result.unwrap_or_else(error)
     }
 }
 

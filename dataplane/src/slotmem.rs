@@ -1,8 +1,8 @@
 //! Where slot memory comes from.
 //!
-//! The engine asks a [`SlotAllocator`] for one zeroed block of `f32`s per
-//! slot when a job is installed (never per packet) and carves the slot's
-//! buffers out of it. The backend chooses the allocator: Rust's
+//! The engine asks a [`SlotAllocator`] for zeroed blocks of `f32`s when a
+//! job is installed (never per packet), several slots to a block, and
+//! carves the slots' buffers out of them. The backend chooses the allocator: Rust's
 //! ([`RustHeap`]: the kernel-UDP backend, tests, simulations) or DPDK's heap
 //! on the port's NUMA socket (the DPDK backend, behind the `dpdk` feature,
 //! in `backend::dpdk`). The engine itself sees only these traits, so it
@@ -38,6 +38,13 @@ pub trait SlotAllocator: Send + Sync + Debug {
     /// Where the memory comes from, for the start-up log and `/v1/info`,
     /// e.g. `Rust heap` or `DPDK heap, socket 0, hugepages: no`.
     fn describe(&self) -> String;
+    /// Bytes one block costs beyond its elements, at most: the block's
+    /// own record, the allocator's header, alignment and rounding to pages
+    /// (what admission charges per block). The default, a page and two
+    /// lines, bounds glibc's and DPDK's heaps alike.
+    fn block_overhead(&self) -> u64 {
+        4096 + 2 * LINE_BYTES as u64
+    }
 }
 
 /// One line of slot memory.

@@ -22,7 +22,7 @@ use phub_dataplane::backend::dpdk::frame::{self, Frame, ParseOptions, PeerAddr};
 use phub_dataplane::kernels;
 use phub_ffi::{Eal, Mbuf, Mempool, Ring};
 use phub_proto::api::InstallJob;
-use phub_proto::layout::layout;
+use phub_proto::layout::{layout, Place, Placement};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
@@ -61,6 +61,7 @@ impl Rig {
             base_port: BASE,
             lcores: Some(LCORES),
             mgmt: "127.0.0.1:0".parse().unwrap(),
+            mgmt_token_file: None,
             memory_budget: 64 << 20,
             busy_poll: false,
             inject: None,
@@ -197,7 +198,8 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     )
     .unwrap();
     let mut load = vec![0; LCORES];
-    let lay = layout(&spec, &mut load);
+    let lay = layout(&spec, &mut load, u64::from);
+    let places: Vec<Place> = Placement::new(&spec, lay.clone()).unwrap().places(0).collect();
     rig.app()
         .manager()
         .install(
@@ -210,11 +212,11 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
             },
         )
         .unwrap();
-    let chunks = lay.keys[0].len();
+    let chunks = places.len();
     assert!(chunks >= 3, "{chunks} chunks");
     let mut misrouted_sent = 0;
     for round in 0..4u32 {
-        for (c, place) in lay.keys[0].iter().enumerate() {
+        for (c, place) in places.iter().enumerate() {
             let elems = lay.chunk_len(1000, c as u32) as usize;
             for rank in 0..3u16 {
                 let carries = round > 0 || rank == 0;
@@ -287,7 +289,7 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     }
     // A lost result: rank 0 pushes the last round again and gets the
     // stored result, alone.
-    let place = lay.keys[0][0];
+    let place = places[0];
     let elems = lay.chunk_len(1000, 0) as usize;
     let vals: Vec<f32> = (0..elems).map(|e| (e + 3) as f32).collect();
     let repr = Repr::request(MsgType::Push, 3, 99, 0, 3, place.slot)

@@ -1,5 +1,6 @@
 //! The DPDK backend's slot memory comes from DPDK's heap: DPDK's heap
-//! counters grow by a job's slot bytes when it is installed and shrink back
+//! counters grow by a job's slot buffers (in blocks of several slots) when
+//! it is installed and shrink back
 //! when it is removed; an install the heap cannot hold is refused whole
 //! (nothing of the job stays on any lcore, every block is freed), and the
 //! memory budget the dataplane reports does not exceed what a fixed
@@ -23,13 +24,13 @@ use phub_dataplane::{EngineError, JobInstall, Kernels, Shard, SlotAllocator};
 use phub_ffi::malloc::{heap_stats, HeapStats};
 use phub_ffi::{Eal, HeapSlice, Ring};
 use phub_proto::api::InstallJob;
-use phub_proto::layout::{layout, SlotChunk};
+use phub_proto::layout::{layout, Chunks, SlotChunk};
 use phub_proto::spec::{JobSpec, Optimizer};
 use phub_proto::Dtype;
 
-/// Most allocator overhead per slot: the heap element header plus the
-/// padding of each buffer to a 64-byte line.
-const OVERHEAD_PER_SLOT: u64 = 512;
+/// Most allocator overhead per block: the heap element header and its
+/// alignment.
+const OVERHEAD_PER_BLOCK: u64 = 512;
 
 fn eal() -> Option<Eal> {
     common::test_eal("phub-dpdk-slotmem-test", 128, "(0-2)@(0-1)")
@@ -39,18 +40,20 @@ fn heap(eal: Eal) -> HeapStats {
     heap_stats(eal, 0).unwrap()
 }
 
-/// Asserts the heap grew by `bytes` of slot memory in `slots` blocks.
-fn assert_grew(before: &HeapStats, after: &HeapStats, bytes: u64, slots: u64, what: &str) {
+/// Asserts the heap grew by `bytes` of slot buffers in `blocks` blocks.
+fn assert_grew(before: &HeapStats, after: &HeapStats, bytes: u64, blocks: u64, what: &str) {
     let grew = after.allocated_bytes - before.allocated_bytes;
-    println!("{what}: the DPDK heap grew by {grew} bytes for {bytes} bytes of slot memory in {slots} slots");
+    println!(
+        "{what}: the DPDK heap grew by {grew} bytes for {bytes} bytes of slot buffers in {blocks} blocks"
+    );
     assert!(
-        grew >= bytes && grew <= bytes + slots * OVERHEAD_PER_SLOT,
-        "{what}: the heap grew by {grew} bytes for {bytes} bytes of slot memory in {slots} slots"
+        grew >= bytes && grew <= bytes + blocks * OVERHEAD_PER_BLOCK,
+        "{what}: the heap grew by {grew} bytes for {bytes} bytes of slot buffers in {blocks} blocks"
     );
     assert_eq!(
         u64::from(after.alloc_count - before.alloc_count),
-        slots,
-        "{what}: one block per slot"
+        blocks,
+        "{what}: one allocation per block"
     );
 }
 
@@ -84,6 +87,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         workers: 2,
         dtype: Dtype::F32,
         optimizer: adam,
+        chunk_elems: 2048,
         slots: (0..slots)
             .map(|chunk| SlotChunk {
                 key: 0,
@@ -94,9 +98,18 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     };
     let before = heap(eal);
     shard.install(job(1, 64)).unwrap();
+    // Acc, params and two moments per slot, 32 KiB: 64 slots to a 2 MiB block.
+    let data = 64 * 4 * 4 * 2048;
+    let model = phub_dataplane::engine::memory_model(&*mem);
     let bytes = shard.job_memory_bytes(1).unwrap();
-    assert_eq!(bytes, 64 * 4 * 4 * 2048, "acc, params and two moments per slot");
-    assert_grew(&before, &heap(eal), bytes, 64, "engine install");
+    assert_eq!(
+        bytes,
+        data + 64 * u64::from(model.slot_bytes)
+            + u64::from(model.block_overhead_bytes)
+            + u64::from(model.lcore_job_bytes)
+            + 2 * u64::from(model.rank_bytes)
+    );
+    assert_grew(&before, &heap(eal), data, 1, "engine install");
     assert!(shard.remove(1));
     let after = heap(eal);
     assert_eq!(
@@ -151,6 +164,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         base_port: 7900,
         lcores: Some(2),
         mgmt: "127.0.0.1:0".parse().unwrap(),
+        mgmt_token_file: None,
         memory_budget: 1 << 30,
         busy_poll: false,
         inject: None,
@@ -179,7 +193,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     );
     let install = |id: u16, spec: JobSpec| {
         let mut load = vec![0; 2];
-        let lay = layout(&spec, &mut load);
+        let lay = layout(&spec, &mut load, info.memory_model.chunk_cost(&spec, false));
         mgr.install(
             id,
             InstallJob {
@@ -195,10 +209,18 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     // slot bytes, and shrinks back when it is removed.
     let before = heap(eal);
     let spec = sum_spec(&[100_000, 3000], 8192);
-    let slots = spec.keys.iter().map(|k| k.elements.div_ceil(2048)).sum::<u64>();
+    let lay = layout(&spec, &mut [0, 0], info.memory_model.chunk_cost(&spec, false));
+    let cost = info.memory_model.job_cost(&spec, &lay, false);
+    let w = info.memory_model.data_weights(&spec, &Chunks::new(&spec), false);
+    // Acc and result per element, each buffer a whole number of lines.
+    let data = w.total();
+    assert!((2 * 4 * 103_000..2 * 4 * 103_000 + 51 * 2 * 64).contains(&data));
+    let per_block = info.memory_model.slots_per_block(&spec, false);
+    let blocks: u64 = lay.lcores.iter().map(|r| r.count.div_ceil(per_block)).sum();
     let j = install(3, spec).unwrap();
-    assert_eq!(j.memory_bytes, 2 * 4 * 103_000, "acc and result per element");
-    assert_grew(&before, &heap(eal), j.memory_bytes, slots, "management install");
+    assert_eq!(j.memory_bytes, cost.total(), "what admission charges");
+    assert_eq!(mgr.info().memory_used_bytes, cost.total());
+    assert_grew(&before, &heap(eal), data, blocks, "management install");
     mgr.remove(3).unwrap();
     let after = heap(eal);
     assert_eq!(
@@ -209,7 +231,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     // Beyond the budget: refused by the admission check, naming the bytes.
     let e = install(4, sum_spec(&[info.memory_budget_bytes / 4], 8192)).unwrap_err();
     assert_eq!(e.status, 507, "{e:?}");
-    assert!(e.message.contains("bytes of slot memory"), "{}", e.message);
+    assert!(e.message.contains("bytes of memory"), "{}", e.message);
 
     // Within the budget, but the heap has shrunk since (a ballast taken
     // after start): lcore 0's half fits, lcore 1's does not. The install is
@@ -218,8 +240,10 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     let per_lcore = f0 * 2 / 5;
     let ballast = HeapSlice::<u8>::zeroed(eal, (f0 - 3 * per_lcore / 2) as usize, 64, Some(0)).unwrap();
     let elements = 2 * per_lcore / 8;
+    let s5 = sum_spec(&[elements], 8192);
+    let l5 = layout(&s5, &mut [0, 0], info.memory_model.chunk_cost(&s5, false));
     assert!(
-        2 * 4 * elements < info.memory_budget_bytes,
+        info.memory_model.job_cost(&s5, &l5, false).total() < info.memory_budget_bytes,
         "the job is within the budget"
     );
     let before = heap(eal);

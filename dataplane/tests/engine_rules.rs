@@ -2,7 +2,7 @@
 
 use phub_dataplane::kernels::{self, Kernels};
 use phub_dataplane::{JobInstall, Shard, Verdict};
-use phub_proto::layout::{slot_bytes, SlotChunk};
+use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 use phub_proto::Dtype;
@@ -17,6 +17,7 @@ fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer) -> Shard<u32> {
         workers,
         dtype,
         optimizer,
+        chunk_elems: 4,
         slots: vec![
             SlotChunk {
                 key: 0,
@@ -274,6 +275,7 @@ fn another_jobs_packets_never_touch_a_victim() {
         workers: 1,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        chunk_elems: 4,
         slots: vec![SlotChunk {
             key: 0,
             chunk: 0,
@@ -322,7 +324,15 @@ fn slot_memory_is_what_admission_counts() {
     for opt in opts {
         for dtype in Dtype::ALL {
             let s = shard(3, dtype, opt);
-            let want = slot_bytes(dtype, &opt, 4) + slot_bytes(dtype, &opt, 2);
+            // Two slots (4 and 2 elements) in one block, a record each; the
+            // job's record and three ranks' entries.
+            let m = phub_dataplane::engine::memory_model(s.slot_memory());
+            let want = m.slot_data_bytes(dtype, &opt, 4, false)
+                + m.slot_data_bytes(dtype, &opt, 2, false)
+                + 2 * u64::from(m.slot_bytes)
+                + u64::from(m.block_overhead_bytes)
+                + u64::from(m.lcore_job_bytes)
+                + 3 * u64::from(m.rank_bytes);
             assert_eq!(s.job_memory_bytes(1), Some(want), "{} {dtype}", opt.name());
         }
     }
@@ -337,6 +347,7 @@ fn bad_installs_are_refused() {
         workers,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        chunk_elems: 2208,
         slots: vec![SlotChunk {
             key: 0,
             chunk: 0,
@@ -363,4 +374,12 @@ fn bad_installs_are_refused() {
         .unwrap_err()
         .to_string()
         .contains("1..=2208"));
+    // No slot is longer than the job's full chunk.
+    let mut long = job(3, 1, 5);
+    long.chunk_elems = 4;
+    assert!(s
+        .install(long)
+        .unwrap_err()
+        .to_string()
+        .contains("5 elements; accepted: 1..=4"));
 }

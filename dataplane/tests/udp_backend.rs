@@ -10,7 +10,7 @@ use phub_dataplane::app::{Appliance, BackendKind, Config};
 use phub_dataplane::kernels;
 use phub_net::shm::ShmRegion;
 use phub_proto::api::InstallJob;
-use phub_proto::layout::layout;
+use phub_proto::layout::{layout, Place, Placement};
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, HEADER_LEN};
@@ -23,6 +23,7 @@ fn config() -> Config {
         base_port: 0,
         lcores: Some(2),
         mgmt: "127.0.0.1:0".parse().unwrap(),
+        mgmt_token_file: None,
         memory_budget: 64 << 20,
         busy_poll: false,
         inject: None,
@@ -42,7 +43,8 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
     )
     .unwrap();
     let mut load = vec![0; 2];
-    let lay = layout(&spec, &mut load);
+    let lay = layout(&spec, &mut load, u64::from);
+    let places: Vec<Place> = Placement::new(&spec, lay.clone()).unwrap().places(0).collect();
     app.manager()
         .install(
             4,
@@ -77,7 +79,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
         .collect();
     let garbage = UdpSocket::bind("127.0.0.1:0").unwrap();
     for round in 0..4u32 {
-        for (c, place) in lay.keys[0].iter().enumerate() {
+        for (c, place) in places.iter().enumerate() {
             let elems = lay.chunk_len(150, c as u32) as usize;
             for (rank, s) in socks.iter().enumerate() {
                 let carries = round > 0 || rank == 0;
@@ -158,7 +160,8 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
         "name = \"t\"\nworkers = 2\nchunk_bytes = 256\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 150\n",
     )
     .unwrap();
-    let lay = layout(&spec, &mut [0, 0]);
+    let lay = layout(&spec, &mut [0, 0], u64::from);
+    let places: Vec<Place> = Placement::new(&spec, lay.clone()).unwrap().places(0).collect();
     let token = 0x5111_0000_0000_0077;
     app.manager()
         .install(
@@ -175,7 +178,11 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
     // What rank 0 opens, as a worker on this host would: its staging and
     // the result region of each lcore that has slots of the job.
     let open = |lcore: u16, part| {
-        let len = region_len(lay.lcores[usize::from(lcore)].len(), lay.chunk_elems, Dtype::F32);
+        let len = region_len(
+            lay.lcores[usize::from(lcore)].count as usize,
+            lay.chunk_elems,
+            Dtype::F32,
+        );
         let p = region_path(base.port(), 5, token, lcore, part);
         (ShmRegion::open(&p, len).unwrap(), p)
     };
@@ -189,7 +196,7 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
         })
         .collect();
     for round in 0..3u32 {
-        for (c, place) in lay.keys[0].iter().enumerate() {
+        for (c, place) in places.iter().enumerate() {
             let elems = lay.chunk_len(150, c as u32) as usize;
             let off = slot_offset(place.slot, lay.chunk_elems, Dtype::F32);
             for (rank, s) in socks.iter().enumerate() {
@@ -281,9 +288,9 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
             "name = \"t\"\nworkers = 1\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = {elements}\n"
         ))
         .unwrap();
-        let lay = layout(&spec, &mut [0, 0]);
-        assert_eq!(lay.lcores.iter().map(Vec::len).collect::<Vec<_>>(), slots);
-        assert_eq!(lay.keys[0][0].lcore, 0);
+        let lay = layout(&spec, &mut [0, 0], u64::from);
+        assert_eq!(lay.lcores.iter().map(|r| r.count).collect::<Vec<_>>(), slots);
+        assert_eq!(lay.lcores[0].first, 0);
         app.manager()
             .install(
                 id,

@@ -610,6 +610,12 @@ pub fn tenant_isolation(app: &Appliance) {
             .into_json()
             .unwrap();
         let map: JobMap = app.get(&format!("/v1/jobs/{}/map", victim.id));
+        let victim_keys: Vec<_> = (0..map.keys_total)
+            .flat_map(|k| {
+                app.get::<JobMap>(&format!("/v1/jobs/{}/map/keys/{k}", victim.id))
+                    .keys
+            })
+            .collect();
         let host = join.dataplane.host.as_str();
         let port = |lcore: u16| join.dataplane.base_port + lcore;
         let d0 = app.dataplane_stats();
@@ -617,15 +623,29 @@ pub fn tenant_isolation(app: &Appliance) {
         let spy = UdpSocket::bind("0.0.0.0:0").unwrap();
         let mut bad_token = 0u64;
         let forged = 1.0e6f32;
-        for km in &map.keys {
-            for (c, place) in km.chunks.iter().enumerate() {
+        let places = victim_keys.iter().flat_map(|km| {
+            km.runs.iter().flat_map(move |r| {
+                (0..r.count).map(move |i| {
+                    (
+                        km,
+                        r.chunk + i,
+                        phub_proto::layout::Place {
+                            lcore: r.lcore,
+                            slot: r.slot + i,
+                        },
+                    )
+                })
+            })
+        });
+        for (km, c, place) in places {
+            {
                 let len =
-                    (km.elements - c as u64 * u64::from(map.chunk_elems)).min(u64::from(map.chunk_elems));
+                    (km.elements - u64::from(c) * u64::from(map.chunk_elems)).min(u64::from(map.chunk_elems));
                 let values = vec![forged; len as usize];
                 for token in [0, attacker.token, victim.token ^ 1] {
                     for rank in 0..2u16 {
                         let h = Repr::request(MsgType::Push, victim.id, token, rank, TRAINED + 1, place.slot)
-                            .with_chunk(km.key, c as u32);
+                            .with_chunk(km.key, c);
                         let init = Repr {
                             kind: MsgType::Init,
                             round: 0,
@@ -657,8 +677,9 @@ pub fn tenant_isolation(app: &Appliance) {
             if slots.is_empty() {
                 continue;
             }
-            for slot in [slots.len() as u32, slots.len() as u32 + 1, 1 << 20, u32::MAX] {
-                for km in &map.keys {
+            let n = slots.count as u32;
+            for slot in [n, n + 1, 1 << 20, u32::MAX] {
+                for km in &victim_keys {
                     let h = Repr::request(MsgType::Push, attacker.id, attacker.token, 0, 1, slot)
                         .with_chunk(km.key, 0);
                     own.send_to(&datagram(h, &[forged; 100]), (host, port(lcore as u16)))

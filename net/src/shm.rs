@@ -226,6 +226,23 @@ impl ShmRegion {
     }
 }
 
+/// Bytes an unprivileged process may still write to the file system of
+/// `dir` (statvfs(3): available blocks times the fragment size), e.g. how
+/// much of `/dev/shm` new regions may take.
+pub fn free_bytes(dir: &Path) -> io::Result<u64> {
+    let c = cpath(dir)?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: a NUL-terminated path and a pointer to a statvfs the call
+    // fills in when it returns 0; neither is kept.
+    let r = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
+    if r != 0 {
+        return Err(with_path(dir, "statvfs of", io::Error::last_os_error()));
+    }
+    // SAFETY: statvfs returned 0, so it initialised the whole struct.
+    let st = unsafe { st.assume_init() };
+    Ok(st.f_bavail.saturating_mul(st.f_frsize))
+}
+
 impl Drop for ShmRegion {
     fn drop(&mut self) {
         // SAFETY: ptr/len are the mapping made in `map`, unmapped once.
@@ -245,6 +262,23 @@ mod tests {
 
     fn tmp(name: &str) -> PathBuf {
         Path::new("/dev/shm").join(format!("phub-test-{}-{name}", std::process::id()))
+    }
+
+    #[test]
+    fn free_bytes_of_dev_shm_shrink_as_a_region_is_written() {
+        let before = free_bytes(Path::new("/dev/shm")).unwrap();
+        assert!(before > 0);
+        let p = tmp("free");
+        let r = ShmRegion::create(&p, 8 << 20).unwrap();
+        for off in (0..8 << 20).step_by(4096) {
+            assert!(r.write(off, &[1]));
+        }
+        let after = free_bytes(Path::new("/dev/shm")).unwrap();
+        drop(r);
+        // Other processes use /dev/shm too: a loose bound.
+        assert!(after + (4 << 20) <= before, "{before} -> {after}");
+        let e = free_bytes(Path::new("/no/such/dir")).unwrap_err().to_string();
+        assert!(e.contains("/no/such/dir"), "{e}");
     }
 
     #[test]

@@ -14,7 +14,8 @@
 //! | `GET /v1/jobs/{id}` | | [`JobDetail`] |
 //! | `DELETE /v1/jobs/{id}` | | [`JobSummary`] of the evicted job |
 //! | `POST /v1/jobs/{id}/checkpoint` | | [`CheckpointInfo`] |
-//! | `GET /v1/jobs/{id}/map` | | [`JobMap`] |
+//! | `GET /v1/jobs/{id}/map` | | [`JobMap`]: per lcore its run of chunks, no keys |
+//! | `GET /v1/jobs/{id}/map/keys/{k}` | | [`JobMap`] with key k's chunks ([`KeyMap`]) |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
 //! | `GET /v1/stats` | | [`Stats`] |
 //! | `GET /metrics` | | Prometheus text format |
@@ -30,6 +31,14 @@
 //! | `GET /v1/jobs` | | `Vec<`[`InstalledJob`]`>` |
 //! | `GET /v1/stats` | | [`DataplaneStats`] |
 //!
+//! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`
+//! and `POST /v1/jobs/{id}/checkpoint` need `Authorization: Bearer <operator
+//! token>` (401 without, 403 wrong); a join carries the job's token in its
+//! body. On the dataplane, every route but `GET /v1/info`, `GET /v1/jobs`
+//! and `GET /v1/stats` needs `Authorization: Bearer <management token>`.
+//! Both check the header before reading a body, and both refuse what is
+//! over their limits (README, "Threat model").
+//!
 //! Every error answer (4xx, 5xx) is an [`ApiError`] with a message that names
 //! the problem.
 
@@ -37,7 +46,8 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::layout::{Layout, Place};
+use crate::layout::Layout;
+use crate::memory::MemoryModel;
 use crate::spec::JobSpec;
 
 /// Serde for `u64` tokens as 16 hex digits.
@@ -93,8 +103,14 @@ pub struct AdmitResponse {
     pub token: u64,
     /// Number of chunks.
     pub chunks: u64,
-    /// Slot memory the job holds on the appliance, in bytes.
+    /// Memory the job holds on the appliance, in bytes: every byte
+    /// [`crate::memory::MemoryModel::job_cost`] counts (slot buffers and
+    /// records, blocks, per-rank entries, its registry entry and, with
+    /// shared memory, its region files).
     pub memory_bytes: u64,
+    /// Of `memory_bytes`, the shared-memory region files in `/dev/shm`.
+    #[serde(default)]
+    pub shm_bytes: u64,
     /// Lcores the job's chunks are spread over.
     pub lcores: Vec<u16>,
 }
@@ -147,8 +163,13 @@ pub struct RankStatus {
 pub struct JobDetail {
     /// The summary line.
     pub summary: JobSummary,
-    /// The spec as admitted.
+    /// The spec as admitted, its `keys` cut after the first
+    /// [`DETAIL_KEYS`] (a spec may list a million; `GET
+    /// /v1/jobs/{id}/map/keys/{k}` shows any one).
     pub spec: JobSpec,
+    /// Keys of the spec not listed in `spec.keys`.
+    #[serde(default)]
+    pub keys_omitted: u64,
     /// Per rank: joined, and how long silent.
     pub ranks: Vec<RankStatus>,
     /// Rounds completed over all the job's chunks.
@@ -175,16 +196,29 @@ pub struct CheckpointInfo {
     pub file: String,
 }
 
-/// `phubctl map show`: where each chunk lives.
+/// Most keys [`JobDetail::spec`] lists.
+pub const DETAIL_KEYS: usize = 1000;
+
+/// `phubctl map show`: where a job's chunks live, O(lcores) whatever the
+/// number of chunks (the layout's rule, PROTOCOL.md §4).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct JobMap {
     /// Job id.
     pub id: u16,
     /// Elements per full chunk.
     pub chunk_elems: u32,
+    /// Keys of the job.
+    #[serde(default)]
+    pub keys_total: u64,
+    /// Chunks of the job.
+    #[serde(default)]
+    pub chunks: u64,
+    /// Memory the job holds on the appliance, in bytes.
+    #[serde(default)]
+    pub memory_bytes: u64,
     /// Per lcore used by the job.
     pub lcores: Vec<LcoreShare>,
-    /// Per key.
+    /// The key asked for (`/map/keys/{k}`), else empty.
     pub keys: Vec<KeyMap>,
 }
 
@@ -195,9 +229,12 @@ pub struct LcoreShare {
     pub lcore: u16,
     /// UDP port workers send its chunks to.
     pub port: u16,
+    /// Sequence number of its first chunk (slot 0).
+    #[serde(default)]
+    pub first: u64,
     /// Number of the job's slots on it.
-    pub slots: u32,
-    /// Slot memory in bytes.
+    pub slots: u64,
+    /// Memory the job holds on it, in bytes (heap; shared memory apart).
     pub bytes: u64,
 }
 
@@ -210,8 +247,24 @@ pub struct KeyMap {
     pub name: String,
     /// Elements.
     pub elements: u64,
-    /// Place of each chunk.
-    pub chunks: Vec<Place>,
+    /// Sequence number of its chunk 0.
+    pub first: u64,
+    /// Its chunks, as runs: one per lcore holding some of them.
+    pub runs: Vec<KeyRun>,
+}
+
+/// Chunks `chunk .. chunk + count` of a key, in slots `slot .. slot +
+/// count` of one lcore.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyRun {
+    /// The lcore.
+    pub lcore: u16,
+    /// The run's first chunk (within the key).
+    pub chunk: u32,
+    /// Its slot on the lcore.
+    pub slot: u32,
+    /// Chunks in the run.
+    pub count: u32,
 }
 
 /// A worker asks to join a job.
@@ -285,10 +338,18 @@ pub struct DataplaneInfo {
     pub lcores: Vec<LcoreInfo>,
     /// NUMA node of the NIC, when known.
     pub nic_numa_node: Option<u32>,
-    /// Slot memory the dataplane may hold, in bytes.
+    /// Memory the dataplane may give jobs, in bytes (every byte a job
+    /// costs, [`crate::memory::MemoryModel::job_cost`]).
     pub memory_budget_bytes: u64,
-    /// Slot memory installed jobs hold, in bytes.
+    /// Memory installed jobs hold, in bytes: the sum of what each job's
+    /// lcores report having allocated, its registry entry and its region
+    /// files.
     pub memory_used_bytes: u64,
+    /// What the dataplane allocates per slot, block, job, rank and key:
+    /// what admission charges a job. A dataplane that does not say gets
+    /// [`MemoryModel::default`]'s upper bounds.
+    #[serde(default)]
+    pub memory_model: MemoryModel,
     /// Where slot memory comes from, e.g. `Rust heap` or `DPDK heap,
     /// socket 0, hugepages: no` (empty from a dataplane that does not say).
     #[serde(default)]
@@ -323,8 +384,11 @@ pub struct InstallJob {
 pub struct InstalledJob {
     /// Job id.
     pub id: u16,
-    /// Slot memory in bytes.
+    /// Memory it holds in bytes, shared-memory files included.
     pub memory_bytes: u64,
+    /// Of that, its shared-memory region files in `/dev/shm`.
+    #[serde(default)]
+    pub shm_bytes: u64,
 }
 
 crate::counter_table! {

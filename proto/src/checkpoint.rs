@@ -176,6 +176,8 @@ impl Checkpoint {
         job.spec
             .validate()
             .map_err(|e| CheckpointError::BadJob(e.to_string()))?;
+        let placement = Placement::new(&job.spec, job.layout.clone())
+            .map_err(|e| CheckpointError::BadJob(format!("layout: {e}")))?;
         let opt = &job.spec.optimizer;
         let dsize = job.spec.dtype.size();
         let nl = r.u32()? as usize;
@@ -186,16 +188,17 @@ impl Checkpoint {
             )));
         }
         let mut lcores = Vec::with_capacity(nl);
-        for (l, layout_slots) in job.layout.lcores.iter().enumerate() {
+        for (l, run) in job.layout.lcores.iter().enumerate() {
             let ns = r.u32()? as usize;
-            if ns != layout_slots.len() {
+            if ns as u64 != run.count {
                 return Err(CheckpointError::Mismatch(format!(
                     "lcore {l}: {ns} slots, layout has {}",
-                    layout_slots.len()
+                    run.count
                 )));
             }
-            let mut slots = Vec::with_capacity(ns);
-            for (i, sc) in layout_slots.iter().enumerate() {
+            // At most what the rest of the file can hold: 20 bytes a slot.
+            let mut slots = Vec::with_capacity(ns.min(body.len().saturating_sub(r.at) / 20));
+            for (i, sc) in placement.slots(l).enumerate() {
                 let completed = match r.u32()? {
                     u32::MAX => None,
                     c => Some(c),
@@ -272,13 +275,12 @@ mod tests {
         )
         .unwrap();
         let mut load = vec![0; 2];
-        let layout = layout(&spec, &mut load);
-        let lcores = layout
-            .lcores
-            .iter()
-            .map(|slots| {
-                slots
-                    .iter()
+        let layout = layout(&spec, &mut load, u64::from);
+        let placement = Placement::new(&spec, layout.clone()).unwrap();
+        let lcores = (0..layout.lcores.len())
+            .map(|l| {
+                placement
+                    .slots(l)
                     .enumerate()
                     .map(|(i, s)| {
                         let e = s.elems as usize;

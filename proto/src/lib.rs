@@ -1,9 +1,9 @@
 //! phub-proto: what every side of phub agrees on.
 //!
 //! Layer: pure. No I/O, no clock, no `unsafe`. Holds the wire header views
-//! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]) and the
-//! chunk layout ([`layout`]). Parsing received bytes never panics and never
-//! allocates.
+//! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]), the
+//! chunk layout ([`layout`]) and what a job costs ([`memory`]). Parsing
+//! received bytes never panics and never allocates.
 #![forbid(unsafe_code)]
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
@@ -16,6 +16,7 @@ pub mod counters;
 pub mod dtype;
 pub mod fault;
 pub mod layout;
+pub mod memory;
 pub mod shm;
 pub mod spec;
 pub mod wire;

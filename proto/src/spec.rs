@@ -78,8 +78,10 @@ fn default_chunk_bytes() -> u32 {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct KeySpec {
-    /// Optional name (unique within the job when given).
-    #[serde(default)]
+    /// Optional name (unique within the job when given); left out of
+    /// the JSON when empty, so a spec of a million unnamed keys stays
+    /// small.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
     /// Number of elements, 1..=2^32-1.
     pub elements: u64,

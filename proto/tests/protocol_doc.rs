@@ -10,7 +10,8 @@
 use std::ops::Range;
 
 use phub_proto::api::JoinResponse;
-use phub_proto::layout::layout;
+use phub_proto::layout::{layout, Placement};
+use phub_proto::memory::MemoryModel;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
 
@@ -240,7 +241,18 @@ fn join_response_json_is_what_the_api_sends() {
     r.spec.validate().unwrap();
     // The layout is the one placement gives on the two lcores the text names.
     assert!(d.contains("on an appliance with two lcores"));
-    assert_eq!(r.layout, layout(&r.spec, &mut [0, 0]));
+    let model = MemoryModel::default();
+    assert_eq!(
+        r.layout,
+        layout(&r.spec, &mut [0, 0], model.chunk_cost(&r.spec, false))
+    );
+    // Every chunk is where the rule puts it: key 0's three chunks, then key 1's.
+    let p = Placement::new(&r.spec, r.layout.clone()).unwrap();
+    let places: Vec<(u16, u32)> = (0..2)
+        .flat_map(|k| p.places(k).map(|pl| (pl.lcore, pl.slot)).collect::<Vec<_>>())
+        .collect();
+    assert_eq!(places, [(0, 0), (0, 1), (1, 0), (1, 1)]);
+    assert!(d.contains("key 0's chunks are 0, 1, 2\n  and key 1's chunk is 3"));
     // What the text says of it.
     assert!(d.contains(&format!("a job of W = {} with two keys of", r.spec.workers)));
     let elems: Vec<u64> = r.spec.keys.iter().map(|k| k.elements).collect();

@@ -70,8 +70,8 @@ def _free_port() -> int:
 class LocalAppliance:
     """A phub-dataplane and a phub-control on loopback, as child processes.
 
-    ``lcores``: dataplane queues (threads); ``memory_budget``: slot memory
-    (e.g. ``"1GiB"``); ``pin``: pin lcore threads to CPUs (off by default:
+    ``lcores``: dataplane queues (threads); ``memory_budget``: memory jobs may
+    take, every byte admission counts (e.g. ``"1GiB"``); ``pin``: pin lcore threads to CPUs (off by default:
     the appliance shares the machine with its workers here);
     ``busy_poll``: spin on empty queues; ``shm``: start phub-dataplane with
     ``--shm``, so that workers on this machine pass chunks and results

@@ -76,7 +76,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 use phub_proto::api::{ApiError, JoinRequest};
-use phub_proto::layout::{chunks_of, Layout, Place};
+use phub_proto::layout::{Layout, Place, Placement};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
 use shm::Regions;
@@ -301,7 +301,11 @@ pub struct Worker {
     token: u64,
     rank: u16,
     spec: JobSpec,
-    layout: Layout,
+    /// The layout, checked against the spec.
+    placement: Placement,
+    /// Where each chunk of the job's chunk sequence lives, expanded from
+    /// the layout once (8 bytes a chunk).
+    places: Vec<Place>,
     /// Per lcore, where its chunks go.
     lcores: Vec<SocketAddr>,
     keys: Keys,
@@ -365,7 +369,13 @@ impl Worker {
         config: WorkerConfig,
     ) -> Result<Worker, WorkerError> {
         let url = format!("{}/v1/jobs/{job}/join", control_url.trim_end_matches('/'));
-        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(10)).build();
+        // https: control's certificate is checked against $PHUB_CA_FILE, or
+        // the system's roots.
+        let builder = ureq::AgentBuilder::new().timeout(Duration::from_secs(10));
+        let agent = phub_http::agent(&url, None, builder).map_err(|e| WorkerError::Http {
+            url: url.clone(),
+            message: e.to_string(),
+        })?;
         let answer = agent.post(&url).send_json(JoinRequest { token, rank, rejoin });
         let join: JoinResponse = match answer {
             Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
@@ -399,7 +409,14 @@ impl Worker {
     /// and embedding): checks it, decides on shared memory, binds a UDP
     /// socket, sizes the window and starts the I/O thread.
     pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
-        let lcores = check_join(&join)?;
+        let (lcores, placement) = check_join(&join)?;
+        let places = (0..placement.chunks().total())
+            .map(|seq| {
+                placement
+                    .place_of(seq)
+                    .expect("a placement places every chunk of its sequence")
+            })
+            .collect();
         let shm = shared_memory(&join, token, &config, &lcores)?;
         let socket = Bound::new(lcores[0].ip(), &config)?;
         let window = window_for(&join, &config, socket.info.rcvbuf);
@@ -454,7 +471,8 @@ impl Worker {
             token,
             rank: join.rank,
             spec: join.spec,
-            layout: join.layout,
+            placement,
+            places,
             lcores,
             keys,
             cmds,
@@ -491,7 +509,17 @@ impl Worker {
 
     /// The job's chunk layout.
     pub fn layout(&self) -> &Layout {
-        &self.layout
+        self.placement.layout()
+    }
+
+    /// Where each chunk of `key` lives, in chunk order (empty for no such
+    /// key).
+    fn places(&self, key: u32) -> &[Place] {
+        let seqs = self.placement.chunks().of_key(key);
+        // Cast: sequence numbers index `places`, which is in memory.
+        #[allow(clippy::cast_possible_truncation)]
+        let (a, b) = (seqs.start as usize, seqs.end as usize);
+        &self.places[a..b]
     }
 
     /// Elements of `key`, or `None` if the job has no such key.
@@ -769,7 +797,7 @@ impl Worker {
             .unwrap_or_else(PoisonError::into_inner)
             .clone()?;
         let dtype = self.spec.dtype;
-        let places = &self.layout.keys[key as usize];
+        let places = self.places(key);
         let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
         let mut chunks = Vec::with_capacity(places.len());
         for (c, place) in places.iter().enumerate() {
@@ -801,11 +829,11 @@ impl Worker {
     /// rank has not pushed the next round of any of its chunks and no lcore
     /// can have written another result into those slots.
     fn copy_out(&self, key: u32, d: &DirectDone, values: &[f32], out: &mut [f32]) {
-        let ce = self.layout.chunk_elems as usize;
+        let ce = self.layout().chunk_elems as usize;
         let mut scratch = Vec::new();
-        for (c, place) in self.layout.keys[key as usize].iter().enumerate() {
+        for (c, place) in self.places(key).iter().enumerate() {
             let start = c * ce;
-            let end = start + self.layout.chunk_len(out.len() as u64, chunk_index(c)) as usize;
+            let end = start + self.layout().chunk_len(out.len() as u64, chunk_index(c)) as usize;
             let dst = &mut out[start..end];
             if d.in_region[c] {
                 let read = d.regions.read_result(place.lcore, place.slot, dst, &mut scratch);
@@ -825,8 +853,8 @@ impl Worker {
         elements: usize,
         c: usize,
     ) -> (u32, Option<&'p [f32]>) {
-        let len = self.layout.chunk_len(elements as u64, chunk_index(c));
-        let offset = c * self.layout.chunk_elems as usize;
+        let len = self.layout().chunk_len(elements as u64, chunk_index(c));
+        let offset = c * self.layout().chunk_elems as usize;
         (len, payload.map(|p| &p[offset..offset + len as usize]))
     }
 
@@ -847,7 +875,7 @@ impl Worker {
         ChunkMsg {
             chunk: chunk_index(c),
             slot: place.slot,
-            offset: c * self.layout.chunk_elems as usize,
+            offset: c * self.layout().chunk_elems as usize,
             len,
             to: self.lcores[usize::from(place.lcore)],
             lcore: place.lcore,
@@ -879,7 +907,7 @@ impl Worker {
         payload: Option<&[f32]>,
     ) -> (Vec<ChunkMsg>, Vec<u8>) {
         let dtype = self.spec.dtype;
-        let places = &self.layout.keys[key as usize];
+        let places = self.places(key);
         let total: usize = (0..places.len())
             .map(|c| {
                 let count = self.chunk_values(payload, elements, c).1.map_or(0, <[f32]>::len);
@@ -914,13 +942,13 @@ impl Worker {
     /// chunk c's at c * HEADER_LEN), for payloads sent from the caller's
     /// own `f32`s (little-endian f32 jobs only).
     fn push_headers(&self, key: u32, elements: usize, round: u32) -> (Vec<ChunkMsg>, Vec<u8>) {
-        let places = &self.layout.keys[key as usize];
+        let places = self.places(key);
         let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
         let chunks = places
             .iter()
             .enumerate()
             .map(|(c, place)| {
-                let len = self.layout.chunk_len(elements as u64, chunk_index(c));
+                let len = self.layout().chunk_len(elements as u64, chunk_index(c));
                 let start = c * HEADER_LEN;
                 let repr = self.chunk_repr(MsgType::Push, round, key, c, place.slot, len as usize);
                 repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
@@ -1177,7 +1205,7 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usiz
         0 => auto_window(
             join.spec.workers,
             join.layout.lcore_count().max(1),
-            join.layout.chunk_count(),
+            usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
             HEADER_LEN + join.spec.chunk_bytes as usize,
             rcvbuf,
         ),
@@ -1235,8 +1263,9 @@ fn chunk_index(c: usize) -> u32 {
     c
 }
 
-/// Checks a join response and resolves each lcore's address.
-fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
+/// Checks a join response (its layout places its spec's chunks) and
+/// resolves each lcore's address.
+fn check_join(join: &JoinResponse) -> Result<(Vec<SocketAddr>, Placement), WorkerError> {
     fn bad<T>(message: String) -> Result<T, WorkerError> {
         Err(WorkerError::BadJoin { message })
     }
@@ -1257,31 +1286,19 @@ fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
             spec.dtype
         ));
     }
-    if layout.keys.len() != spec.keys.len() {
-        return bad(format!(
-            "the layout places {} keys but the spec has {}",
-            layout.keys.len(),
-            spec.keys.len()
-        ));
-    }
-    let nlcores = layout
+    if let Some((k, ks)) = spec
         .keys
         .iter()
-        .flatten()
-        .map(|p| usize::from(p.lcore) + 1)
-        .max()
-        .unwrap_or(1)
-        .max(layout.lcore_count());
-    for (k, (places, ks)) in layout.keys.iter().zip(&spec.keys).enumerate() {
-        let want = chunks_of(ks.elements, ce);
-        if places.len() as u64 != want || ks.elements == 0 || ks.elements > usize::MAX as u64 {
-            return bad(format!(
-                "key {k} has {} elements, which is {want} chunks of {ce}, but the layout places {}",
-                ks.elements,
-                places.len()
-            ));
-        }
+        .enumerate()
+        .find(|(_, ks)| ks.elements == 0 || ks.elements > usize::MAX as u64)
+    {
+        return bad(format!("key {k} has {} elements", ks.elements));
     }
+    let placement = match Placement::new(spec, layout.clone()) {
+        Ok(p) => p,
+        Err(e) => return bad(format!("the layout does not place the spec's chunks: {e}")),
+    };
+    let nlcores = layout.lcore_count();
     let host = join.dataplane.host.trim_start_matches('[').trim_end_matches(']');
     let ip: IpAddr = match host.parse() {
         Ok(ip) => ip,
@@ -1316,7 +1333,8 @@ fn check_join(join: &JoinResponse) -> Result<Vec<SocketAddr>, WorkerError> {
                 )),
             }
         })
-        .collect()
+        .collect::<Result<_, _>>()
+        .map(|lcores| (lcores, placement))
 }
 
 #[cfg(test)]

@@ -204,7 +204,10 @@ impl RegionSpec {
             job,
             token,
             rank,
-            slots: layout.lcores.iter().map(Vec::len).collect(),
+            // Cast: a run's slots are numbered by a u32 (checked at join,
+            // `Placement::new`), which fits a usize.
+            #[allow(clippy::cast_possible_truncation)]
+            slots: layout.lcores.iter().map(|r| r.count as usize).collect(),
             chunk_elems: layout.chunk_elems,
             dtype,
         }
@@ -408,7 +411,7 @@ pub(crate) fn decide(
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
-    use phub_proto::layout::SlotChunk;
+    use phub_proto::layout::ChunkRange;
     use std::path::PathBuf;
 
     #[test]
@@ -442,15 +445,10 @@ mod tests {
 
     /// A layout of 3 lcores with 3, 0 and 1 slots of `chunk_elems`.
     fn layout(chunk_elems: u32) -> Layout {
-        let slot = SlotChunk {
-            key: 0,
-            chunk: 0,
-            elems: chunk_elems,
-        };
+        let run = |first, count| ChunkRange { first, count };
         Layout {
             chunk_elems,
-            keys: vec![],
-            lcores: vec![vec![slot; 3], vec![], vec![slot]],
+            lcores: vec![run(0, 3), run(3, 0), run(3, 1)],
         }
     }
 

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use phub_dataplane::{JobInstall, Kernels, Shard};
 use phub_net::shm::ShmRegion;
 use phub_proto::api::{DataAddr, JoinRequest, JoinResponse};
-use phub_proto::layout::{layout, Layout};
+use phub_proto::layout::{layout, Layout, Placement};
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
 use phub_proto::wire::{self, flags, Header, MsgType, HEADER_LEN};
@@ -139,13 +139,14 @@ impl FakeAppliance {
                 staged_reads: Arc::new(AtomicU64::new(0)),
                 base_port,
                 workers: spec.workers as u16,
-                slots: layout.lcores.iter().map(Vec::len).collect(),
+                slots: layout.lcores.iter().map(|r| r.count as usize).collect(),
                 chunk_elems: layout.chunk_elems,
                 dtype: spec.dtype,
             };
             f.create();
             f
         });
+        let placement = Placement::new(spec, layout.clone()).unwrap();
         let threads = sockets
             .into_iter()
             .enumerate()
@@ -158,7 +159,8 @@ impl FakeAppliance {
                         workers: spec.workers as u16,
                         dtype: spec.dtype,
                         optimizer: spec.optimizer,
-                        slots: layout.lcores[i].clone(),
+                        chunk_elems: layout.chunk_elems,
+                        slots: placement.slots(i).collect(),
                     })
                     .unwrap();
                 let stop = Arc::clone(&stop);
@@ -386,7 +388,7 @@ fn run_job_on(
     config: WorkerConfig,
     shm: bool,
 ) -> phub_worker::WorkerStats {
-    let layout = layout(spec, &mut vec![0; lcores]);
+    let layout = layout(spec, &mut vec![0; lcores], u64::from);
     let app = FakeAppliance::start_with(spec, &layout, loss, 42, shm);
     let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
     let refs = Arc::new(refs);
@@ -572,7 +574,7 @@ fn exchange_lends_buffers_exactly_under_loss() {
 #[test]
 fn exchange_reports_errors_and_waits_on_panic() {
     let spec = spec(1, &[5000, 10], Dtype::F32, Optimizer::Sum);
-    let layout = layout(&spec, &mut [0]);
+    let layout = layout(&spec, &mut [0], u64::from);
     let app = FakeAppliance::start(&spec, &layout, 0.0, 7);
     let w = Worker::from_join(join_response(&spec, &layout, 0, app.base_port), TOKEN, quick()).unwrap();
     let mut p0 = vec![1.0f32; 5000];
@@ -608,7 +610,7 @@ fn exchange_reports_errors_and_waits_on_panic() {
 
 fn lonely_worker(timeout: Duration) -> (FakeAppliance, Worker) {
     let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&s, &mut [0, 0]);
+    let l = layout(&s, &mut [0, 0], u64::from);
     let app = FakeAppliance::start(&s, &l, 0.0, 1);
     let cfg = WorkerConfig {
         timeout,
@@ -666,7 +668,7 @@ fn silent_appliance_times_out_naming_it() {
     let socks = bind_consecutive(2);
     let base = socks[0].local_addr().unwrap().port();
     let s = spec(1, &[10_000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&s, &mut [0, 0]);
+    let l = layout(&s, &mut [0, 0], u64::from);
     let cfg = WorkerConfig {
         timeout: Duration::from_millis(300),
         ..WorkerConfig::default()
@@ -704,12 +706,12 @@ fn appliance_errors_fail_the_request_with_the_reason() {
     // The appliance holds a key of 5000 elements; this worker believes it has
     // 4000, so its last chunk's count is wrong.
     let real = spec(1, &[5000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&real, &mut [0]);
+    let l = layout(&real, &mut [0], u64::from);
     let app = FakeAppliance::start(&real, &l, 0.0, 3);
     let mut wrong = real.clone();
     wrong.keys[0].elements = 4000;
     let mut wl = l.clone();
-    wl.keys[0].truncate(2);
+    wl.lcores[0].count = 2;
     let w = Worker::from_join(join_response(&wrong, &wl, 0, app.base_port), TOKEN, quick()).unwrap();
     let mut p = vec![1f32; 4000];
     let err = w.wait(w.init(0, &mut p).unwrap()).unwrap_err();
@@ -724,7 +726,7 @@ fn appliance_errors_fail_the_request_with_the_reason() {
 #[test]
 fn rejoined_worker_pulls_and_continues() {
     let s = spec(2, &[3000], Dtype::F32, sgd());
-    let l = layout(&s, &mut [0, 0]);
+    let l = layout(&s, &mut [0, 0], u64::from);
     let app = FakeAppliance::start(&s, &l, 0.0, 9);
     let w0 = Worker::from_join(join_response(&s, &l, 0, app.base_port), TOKEN, quick()).unwrap();
     let w1 = Worker::from_join(join_response(&s, &l, 1, app.base_port), TOKEN, quick()).unwrap();
@@ -803,7 +805,7 @@ fn fake_control(answer: JoinResponse) -> (String, JoinHandle<()>) {
 #[test]
 fn join_through_control() {
     let s = spec(2, &[10, 20_000], Dtype::Bf16, Optimizer::Sum);
-    let l = layout(&s, &mut [0, 0]);
+    let l = layout(&s, &mut [0, 0], u64::from);
     let (url, t) = fake_control(join_response(&s, &l, 0, 40_000));
     let w = Worker::join(&url, JOB, TOKEN, 1).unwrap();
     assert_eq!((w.rank(), w.workers(), w.job()), (1, 2, JOB));
@@ -827,7 +829,7 @@ fn join_through_control() {
 #[test]
 fn bad_join_responses_are_refused() {
     let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&s, &mut [0, 0]);
+    let l = layout(&s, &mut [0, 0], u64::from);
     let mut j = join_response(&s, &l, 2, 40_000);
     let e = Worker::from_join(j.clone(), TOKEN, quick()).unwrap_err();
     assert!(
@@ -835,9 +837,14 @@ fn bad_join_responses_are_refused() {
         "{e}"
     );
     j.rank = 0;
-    j.layout.keys[1].pop();
+    j.layout.lcores[1].count -= 1;
     let e = Worker::from_join(j, TOKEN, quick()).unwrap_err();
-    assert!(e.to_string().contains("key 1 has 5000 elements"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("the layout does not place the spec's chunks")
+            && e.to_string().contains("cover"),
+        "{e}"
+    );
 }
 
 fn _assert_send_sync() {
@@ -923,7 +930,7 @@ fn without_regions_auto_uses_datagrams_and_on_refuses_to_join() {
     assert!(!s.shm && s.shm_results == 0, "{s:?}");
     assert!(s.bytes_sent > 2 * 2 * 5000 * 4, "{s:?}");
     let sp = spec(1, &[5000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&sp, &mut [0]);
+    let l = layout(&sp, &mut [0], u64::from);
     let app = FakeAppliance::start(&sp, &l, 0.0, 5);
     let e = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap_err();
     let want = region_path(app.base_port, JOB, TOKEN, 0, Part::Staging(0));
@@ -955,7 +962,7 @@ fn a_shared_memory_result_without_regions_is_dropped() {
     let socks = bind_consecutive(1);
     let base = socks[0].local_addr().unwrap().port();
     let sp = spec(1, &[100], Dtype::F32, Optimizer::Sum);
-    let l = layout(&sp, &mut [0]);
+    let l = layout(&sp, &mut [0], u64::from);
     let cfg = WorkerConfig {
         timeout: Duration::from_millis(400),
         ..WorkerConfig::default()
@@ -986,7 +993,7 @@ fn a_shared_memory_result_without_regions_is_dropped() {
 #[test]
 fn recreated_regions_are_mapped_again() {
     let sp = spec(2, &[3000, 20_000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&sp, &mut [0, 0]);
+    let l = layout(&sp, &mut [0, 0], u64::from);
     let app = FakeAppliance::start_with(&sp, &l, 0.0, 11, true);
     let fake = app.shm.clone().unwrap();
     let ws: Vec<Worker> = (0..2)
@@ -1044,7 +1051,7 @@ fn recreated_regions_are_mapped_again() {
 fn regions_replaced_mid_flight_leave_results_exact() {
     for dtype in [Dtype::F32, Dtype::F16] {
         let sp = spec(2, &[3000, 20_000], dtype, Optimizer::Sum);
-        let l = layout(&sp, &mut [0, 0]);
+        let l = layout(&sp, &mut [0, 0], u64::from);
         let app = FakeAppliance::start_with(&sp, &l, 0.0, 13, true);
         let fake = app.shm.clone().unwrap();
         let ws: Vec<Worker> = (0..2)
@@ -1142,7 +1149,7 @@ fn regions_replaced_mid_flight_leave_results_exact() {
 #[test]
 fn dropped_handles_free_the_key_and_the_next_round_is_exact() {
     let sp = spec(1, &[20_000], Dtype::F32, Optimizer::Sum);
-    let l = layout(&sp, &mut [0, 0]);
+    let l = layout(&sp, &mut [0, 0], u64::from);
     let app = FakeAppliance::start_with(&sp, &l, 0.0, 17, true);
     let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap();
     let n = 20_000usize;

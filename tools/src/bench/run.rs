@@ -529,7 +529,11 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
     let control_url = match &a.control {
         Some(u) => u.trim_end_matches('/').to_string(),
         None => {
-            let budget = phub_proto::layout::job_bytes(&parsed) + (64 << 20);
+            // What the job costs by the dataplane's upper bounds, and room.
+            let model = phub_proto::memory::MemoryModel::default();
+            let mut load = vec![0; a.lcores.max(1)];
+            let lay = phub_proto::layout::layout(&parsed, &mut load, model.chunk_cost(&parsed, a.shm));
+            let budget = model.job_cost(&parsed, &lay, a.shm).total() + (64 << 20);
             let mut extra_args = a.dataplane_arg.clone();
             if let Some(spec) = &a.inject {
                 extra_args.extend(["--inject".to_string(), spec.clone()]);

@@ -1,0 +1,338 @@
+//! What a job costs the appliance, byte by byte.
+//!
+//! The dataplane reports a [`MemoryModel`] of what it allocates (in
+//! `DataplaneInfo`): per slot its buffers, padded to cache lines, and its
+//! bookkeeping record; the blocks slot buffers are packed into and what each
+//! block costs beyond its buffers; per job and lcore its record and one
+//! entry per rank; per job its registry entry with the spec's keys; with
+//! shared memory, the region files. [`MemoryModel::job_cost`] turns that and
+//! a job's layout into bytes, O(keys + lcores). Admission (phub-control)
+//! charges exactly that figure against the dataplane's budget, the
+//! dataplane refuses an install over it, and the dataplane's `used` is the
+//! sum of what its lcores report having allocated, which its tests hold equal
+//! to this figure.
+
+use serde::{Deserialize, Serialize};
+
+use crate::layout::{ChunkRange, Chunks, Layout, Weights};
+use crate::shm::region_len;
+use crate::spec::{JobSpec, KeySpec, Optimizer};
+use crate::Dtype;
+
+/// What the dataplane allocates for a job, as the dataplane reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemoryModel {
+    /// Every buffer of a slot starts on a line of this many bytes and
+    /// takes whole lines.
+    pub line_bytes: u32,
+    /// Bookkeeping per slot: the engine's slot record.
+    pub slot_bytes: u32,
+    /// Most bytes of slot buffers one block of slot memory holds. A job's
+    /// slots on an lcore are packed, in slot order, [`MemoryModel::slots_per_block`]
+    /// to a block; each block is allocated with exactly its slots' buffers.
+    pub block_bytes: u64,
+    /// Bookkeeping per block beyond its buffers: its handle, the
+    /// allocator's header, alignment and rounding to pages.
+    pub block_overhead_bytes: u32,
+    /// Bookkeeping per job on every lcore of the dataplane (whether or not
+    /// it holds chunks of the job there).
+    pub lcore_job_bytes: u32,
+    /// Per rank of a job on every lcore (where its results go, when it was
+    /// last heard from).
+    pub rank_bytes: u32,
+    /// Per job, the registry entry of the management side (its
+    /// description, beside its keys and its layout's runs).
+    pub job_bytes: u32,
+    /// Per key of the job's spec, which the registry keeps (names are
+    /// counted apart, [`name_bytes`]).
+    pub key_bytes: u32,
+    /// Per shared-memory region of a job on an lcore: its handle and path
+    /// (the file's bytes are counted apart).
+    pub region_bytes: u32,
+    /// Page size: every shared-memory region file takes whole pages.
+    pub page_bytes: u32,
+}
+
+impl Default for MemoryModel {
+    /// Figures for a dataplane that does not report its own: generous
+    /// upper bounds of this version's kernel-UDP dataplane.
+    // Cast: the size of a small struct, far below 2^32.
+    #[allow(clippy::cast_possible_truncation)]
+    fn default() -> MemoryModel {
+        MemoryModel {
+            line_bytes: 64,
+            slot_bytes: 256,
+            block_bytes: 2 << 20,
+            block_overhead_bytes: 8192,
+            lcore_job_bytes: 1024,
+            rank_bytes: 64,
+            job_bytes: 4096,
+            key_bytes: std::mem::size_of::<KeySpec>() as u32,
+            region_bytes: 512,
+            page_bytes: 4096,
+        }
+    }
+}
+
+/// Bytes a key or job name of `len` bytes takes on the heap: none when
+/// empty, else its bytes rounded up to 16 plus an allocator header of 16
+/// (an upper bound of glibc's chunk for that request).
+pub fn name_bytes(len: usize) -> u64 {
+    if len == 0 {
+        0
+    } else {
+        len.next_multiple_of(16) as u64 + 16
+    }
+}
+
+/// Elements (`f32`) of each buffer of one slot of `elems` elements, in the
+/// engine's block order: the accumulator; the second `f32` buffer that
+/// trades places with it (f32 sum/mean without shared memory); the
+/// parameters (server-side optimizer); the optimizer's two states; and the
+/// bf16/f16 result (as pairs of `u16` per `f32`). Absent buffers are 0.
+pub fn slot_buffers(dtype: Dtype, optimizer: &Optimizer, elems: u32, shm: bool) -> [usize; 6] {
+    let n = elems as usize;
+    let keeps = optimizer.keeps_params();
+    let states = optimizer.state_buffers();
+    [
+        n,
+        if dtype == Dtype::F32 && !keeps && !shm {
+            n
+        } else {
+            0
+        },
+        if keeps { n } else { 0 },
+        if states >= 1 { n } else { 0 },
+        if states >= 2 { n } else { 0 },
+        if dtype == Dtype::F32 { 0 } else { n.div_ceil(2) },
+    ]
+}
+
+/// Bytes of the job's chunk data without padding or bookkeeping: per
+/// element its accumulator, stored result, parameters and optimizer state,
+/// as [`slot_buffers`] lists them (what admission charged before it
+/// counted every byte).
+pub fn data_bytes(spec: &JobSpec, shm: bool) -> u64 {
+    let per = |elems: u32| -> u64 {
+        let b = slot_buffers(spec.dtype, &spec.optimizer, elems, shm);
+        let f32s: usize = b[..5].iter().sum();
+        4 * f32s as u64 + if b[5] > 0 { 2 * u64::from(elems) } else { 0 }
+    };
+    let elements: u64 = spec.keys.iter().map(|k| k.elements).sum();
+    elements * per(1)
+}
+
+/// What one job costs, in bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JobCost {
+    /// Heap bytes on each lcore of the dataplane: slot buffers and blocks,
+    /// slot records, the job's record and its ranks' entries.
+    pub lcores: Vec<u64>,
+    /// Heap bytes of the job's registry entry: its description, the
+    /// spec's keys and names, the layout's runs.
+    pub registry: u64,
+    /// Bytes of the job's shared-memory region files (0 without shared
+    /// memory), which live in `/dev/shm` and count against its free space.
+    pub shm: u64,
+}
+
+impl JobCost {
+    /// Heap bytes in all.
+    pub fn heap(&self) -> u64 {
+        self.lcores.iter().sum::<u64>() + self.registry
+    }
+
+    /// Every byte: heap and shared memory.
+    pub fn total(&self) -> u64 {
+        self.heap() + self.shm
+    }
+}
+
+impl MemoryModel {
+    /// `f32`s per line.
+    fn line_f32(&self) -> usize {
+        (self.line_bytes as usize / 4).max(1)
+    }
+
+    /// Bytes of the buffers of one slot of `elems` elements, each padded to
+    /// whole lines.
+    pub fn slot_data_bytes(&self, dtype: Dtype, optimizer: &Optimizer, elems: u32, shm: bool) -> u64 {
+        let line = self.line_f32();
+        let f32s: usize = slot_buffers(dtype, optimizer, elems, shm)
+            .iter()
+            .map(|&u| u.next_multiple_of(line))
+            .sum();
+        4 * f32s as u64
+    }
+
+    /// What a chunk of `elems` elements of `spec` puts on its lcore (its
+    /// buffers and its slot record): the cost [`crate::layout::layout`]
+    /// balances.
+    pub fn chunk_cost<'a>(&'a self, spec: &'a JobSpec, shm: bool) -> impl Fn(u32) -> u64 + Copy + 'a {
+        move |elems| {
+            self.slot_data_bytes(spec.dtype, &spec.optimizer, elems, shm) + u64::from(self.slot_bytes)
+        }
+    }
+
+    /// Slots packed into one block: as many full chunks' buffers as
+    /// [`MemoryModel::block_bytes`] holds, at least one.
+    pub fn slots_per_block(&self, spec: &JobSpec, shm: bool) -> u64 {
+        let full = self.slot_data_bytes(spec.dtype, &spec.optimizer, spec.chunk_elems(), shm);
+        (self.block_bytes / full.max(1)).max(1)
+    }
+
+    /// Heap bytes of a job on one lcore holding `slots` slots whose buffers
+    /// take `data` bytes.
+    pub fn lcore_bytes(&self, spec: &JobSpec, shm: bool, slots: u64, data: u64) -> u64 {
+        let blocks = slots.div_ceil(self.slots_per_block(spec, shm));
+        let ranks = u64::from(spec.workers) * u64::from(self.rank_bytes);
+        let regions = if shm && slots > 0 {
+            (u64::from(spec.workers) + 1) * u64::from(self.region_bytes)
+        } else {
+            0
+        };
+        data + slots * u64::from(self.slot_bytes)
+            + blocks * u64::from(self.block_overhead_bytes)
+            + u64::from(self.lcore_job_bytes)
+            + ranks
+            + regions
+    }
+
+    /// Bytes of the region files of a job on one lcore holding `slots`
+    /// slots: a staging region per rank and a result region, whole pages.
+    pub fn shm_lcore_bytes(&self, spec: &JobSpec, slots: u64) -> u64 {
+        if slots == 0 {
+            return 0;
+        }
+        let len = region_len(
+            usize::try_from(slots).unwrap_or(usize::MAX),
+            spec.chunk_elems(),
+            spec.dtype,
+        ) as u64;
+        (u64::from(spec.workers) + 1) * len.next_multiple_of(u64::from(self.page_bytes.max(1)))
+    }
+
+    /// Heap bytes of the job's registry entry.
+    pub fn registry_bytes(&self, spec: &JobSpec, lcores: usize) -> u64 {
+        let names: u64 = spec.keys.iter().map(|k| name_bytes(k.name.len())).sum();
+        u64::from(self.job_bytes)
+            + name_bytes(spec.name.len())
+            + spec.keys.len() as u64 * u64::from(self.key_bytes)
+            + names
+            + (lcores * std::mem::size_of::<ChunkRange>()) as u64
+    }
+
+    /// Prefix sums of the slot buffers' bytes over the job's chunk sequence.
+    pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, shm: bool) -> Weights {
+        chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, shm))
+    }
+
+    /// What `spec` placed by `layout` costs, with shared-memory regions or
+    /// not: O(keys + lcores).
+    pub fn job_cost(&self, spec: &JobSpec, layout: &Layout, shm: bool) -> JobCost {
+        let chunks = Chunks::new(spec);
+        let data = self.data_weights(spec, &chunks, shm);
+        let lcores = layout
+            .lcores
+            .iter()
+            .map(|r| self.lcore_bytes(spec, shm, r.count, data.of(r.range())))
+            .collect();
+        let shm = if shm {
+            layout
+                .lcores
+                .iter()
+                .map(|r| self.shm_lcore_bytes(spec, r.count))
+                .sum()
+        } else {
+            0
+        };
+        JobCost {
+            lcores,
+            registry: self.registry_bytes(spec, layout.lcores.len()),
+            shm,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::layout;
+
+    fn spec(text: &str) -> JobSpec {
+        JobSpec::from_toml(text).unwrap()
+    }
+
+    #[test]
+    fn slot_buffers_are_padded_to_lines() {
+        let m = MemoryModel::default();
+        let sum = Optimizer::Sum;
+        let adam = Optimizer::Adam {
+            lr: 1e-3,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        };
+        // One element: accumulator and result, a line each.
+        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 1, false), 128);
+        // With shared memory the result region holds the result.
+        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 1, true), 64);
+        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 2048, false), 2 * 8192);
+        assert_eq!(m.slot_data_bytes(Dtype::Bf16, &sum, 100, false), 448 + 256);
+        assert_eq!(m.slot_data_bytes(Dtype::F32, &adam, 100, false), 4 * 448);
+        assert_eq!(m.slot_data_bytes(Dtype::F16, &adam, 100, false), 4 * 448 + 256);
+    }
+
+    #[test]
+    fn a_million_one_element_keys_cost_what_each_slot_takes() {
+        let mut text =
+            String::from("name = \"m\"\nworkers = 2\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n");
+        for _ in 0..1_000_000 {
+            text.push_str("[[keys]]\nelements = 1\n");
+        }
+        let s = spec(&text);
+        let m = MemoryModel::default();
+        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, false));
+        let c = m.job_cost(&s, &l, false);
+        // Per chunk: two padded lines and a slot record; per key its entry.
+        let per_chunk = 128 + u64::from(m.slot_bytes);
+        let at_least = 1_000_000 * (per_chunk + u64::from(m.key_bytes));
+        assert!(c.total() >= at_least, "{c:?}");
+        assert!(c.total() < at_least + at_least / 50, "{c:?}");
+        assert_eq!(c.shm, 0);
+        // The data alone, what admission used to charge, was 8 bytes a chunk.
+        assert!(c.total() > 40 * 8_000_000);
+    }
+
+    #[test]
+    fn one_key_of_four_million_f32_in_64_byte_chunks() {
+        let s = spec(
+            "name = \"k\"\nworkers = 2\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4000000\n",
+        );
+        let m = MemoryModel::default();
+        let l = layout(&s, &mut [0], m.chunk_cost(&s, false));
+        let c = m.job_cost(&s, &l, false);
+        // 250,000 chunks of 16 elements: accumulator and result a line each.
+        let chunks = 250_000u64;
+        let want = chunks * (128 + u64::from(m.slot_bytes));
+        assert!(c.total() >= want && c.total() < want + (1 << 20), "{c:?}");
+        // Far more than the 32 MB of data alone.
+        assert!(c.total() > 90_000_000, "{c:?}");
+    }
+
+    #[test]
+    fn shared_memory_regions_are_whole_pages_per_rank_and_result() {
+        let s = spec(
+            "name = \"s\"\nworkers = 3\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 100\n",
+        );
+        let m = MemoryModel::default();
+        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, true));
+        let c = m.job_cost(&s, &l, true);
+        // 7 chunks, 4 and 3 per lcore, each 64 bytes: one page per file,
+        // four files (three ranks and the results) per lcore.
+        assert_eq!(c.shm, 2 * 4 * 4096);
+        assert_eq!(m.job_cost(&s, &l, false).shm, 0);
+    }
+}
