@@ -191,7 +191,8 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
 /// Writes the state of `jobs` to `path` atomically: `path.tmp` is written and synced,
 /// renamed over `path`, and the directory is synced.
 pub(crate) fn save(path: &Path, jobs: &[&StoredJob]) -> Result<(), StateError> {
-    let mut text = serde_json::to_vec_pretty(&StateRef { jobs }).expect("state serialises");
+    // Compact: a spec may list a million keys, and every join rewrites it.
+    let mut text = serde_json::to_vec(&StateRef { jobs }).expect("state serialises");
     text.push(b'\n');
     write_atomic(path, &text)
 }
