@@ -566,8 +566,9 @@ pub fn render_map(m: &JobMap) -> String {
         "\nchunk g (key k's chunk c is g = first(k) + c) is in slot g - start of the lcore whose run holds it\n",
     );
     for k in &m.keys {
+        let n: u64 = k.runs.iter().map(|r| u64::from(r.count)).sum();
         out.push_str(&format!(
-            "\nkey {} {}: {} elements, chunks {}..\n",
+            "\nkey {} {}: {} elements, {n} chunks (sequence {}..{})\n",
             k.key,
             if k.name.is_empty() {
                 "(unnamed)".to_string()
@@ -575,7 +576,8 @@ pub fn render_map(m: &JobMap) -> String {
                 format!("{:?}", k.name)
             },
             k.elements,
-            k.first
+            k.first,
+            k.first + n
         ));
         let rows: Vec<Vec<String>> = k
             .runs
@@ -936,7 +938,10 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("500000..1000000"), "{t}");
-        assert!(t.contains("key 7 (unnamed): 40 elements, chunks 499999.."), "{t}");
+        assert!(
+            t.contains("key 7 (unnamed): 40 elements, 3 chunks (sequence 499999..500002)"),
+            "{t}"
+        );
         assert!(t.contains("1..3") && t.contains("499999..500000"), "{t}");
     }
 

@@ -140,6 +140,57 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
     app.shutdown();
 }
 
+/// With --shm, a job's region files count: an install whose regions do
+/// not fit /dev/shm's free space is refused before anything is made, with
+/// the bytes needed and free; the same job fits without shared memory's
+/// regions only as far as the budget goes.
+#[test]
+fn with_shm_regions_beyond_dev_shms_free_space_are_refused_naming_it() {
+    let app = Appliance::start(&Config {
+        shm: true,
+        memory_budget: 1 << 50,
+        ..config()
+    })
+    .unwrap();
+    let mgr = app.manager();
+    let info = mgr.info();
+    // 64 workers, each with a staging region of the whole job: 65 regions
+    // of 17 GB, terabytes; the heap's share (34 GB of slot buffers) is
+    // within the budget, and is never allocated.
+    let spec = JobSpec::from_toml(
+        "name = \"t\"\nworkers = 64\nchunk_bytes = 8832\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nelements = 4294967295\n",
+    )
+    .unwrap();
+    let lay = layout(&spec, &mut [0, 0], info.memory_model.chunk_cost(&spec, true));
+    let cost = info.memory_model.job_cost(&spec, &lay, true);
+    let free = phub_net::shm::free_bytes(std::path::Path::new("/dev/shm")).unwrap();
+    assert!(cost.shm > free && cost.total() < info.memory_budget_bytes);
+    let e = mgr
+        .install(
+            8,
+            InstallJob {
+                id: 8,
+                token: 0x88,
+                spec,
+                layout: lay,
+            },
+        )
+        .unwrap_err();
+    assert_eq!(e.status, 507, "{e:?}");
+    assert!(
+        e.message.starts_with(&format!(
+            "job 8's shared-memory regions need {} bytes in /dev/shm, which has ",
+            cost.shm
+        )) && e.message.ends_with(" bytes free"),
+        "{}",
+        e.message
+    );
+    assert!(mgr.list().is_empty());
+    assert_eq!(mgr.info().memory_used_bytes, 0);
+    app.shutdown();
+}
+
 #[test]
 fn with_shm_a_local_worker_sends_and_gets_headers_only() {
     use clap::Parser;

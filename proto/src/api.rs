@@ -299,7 +299,8 @@ pub struct JoinResponse {
     pub rank: u16,
     /// The spec as admitted.
     pub spec: JobSpec,
-    /// Where each chunk lives.
+    /// Where each chunk lives: per lcore, one run of the job's chunk
+    /// sequence (PROTOCOL.md §4), a few bytes per lcore.
     pub layout: Layout,
     /// Where to send.
     pub dataplane: DataAddr,
