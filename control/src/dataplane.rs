@@ -1,6 +1,8 @@
 //! Client of the dataplane's management API (see `phub_proto::api`).
 
 use std::io::Read;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use phub_proto::api::{ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob};
@@ -27,6 +29,17 @@ pub(crate) enum DataplaneError {
         /// Its `ApiError` message, or the body.
         message: String,
     },
+    /// The management token file cannot be read: the dataplane is not
+    /// running (it removes the file it made when it stops), or control was
+    /// pointed at another file.
+    #[error(
+        "cannot read the dataplane's management token: {reason} (is phub-dataplane running? \
+         point --dataplane-token-file at its --mgmt-token-file)"
+    )]
+    Credentials {
+        /// What is wrong with the file (names it).
+        reason: String,
+    },
     /// An answer that is not what the API defines.
     #[error("the dataplane's answer to {what} is not understood: {reason}")]
     BadAnswer {
@@ -40,20 +53,39 @@ pub(crate) enum DataplaneError {
 impl DataplaneError {
     /// Whether the dataplane could not be reached at all.
     pub(crate) fn is_unreachable(&self) -> bool {
-        matches!(self, DataplaneError::Unreachable { .. })
+        matches!(
+            self,
+            DataplaneError::Unreachable { .. } | DataplaneError::Credentials { .. }
+        )
     }
 }
 
 /// A blocking client; cheap to clone.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub(crate) struct Client {
     base: String,
     agent: ureq::Agent,
+    token_path: PathBuf,
+    /// The token last read from `token_path`; read again after a 401 or
+    /// 403 (the dataplane restarted with a new one).
+    token: Arc<Mutex<Option<String>>>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Never print the token.
+        f.debug_struct("Client")
+            .field("base", &self.base)
+            .field("token_path", &self.token_path)
+            .finish_non_exhaustive()
+    }
 }
 
 impl Client {
-    /// A client for the management API at `base` (e.g. `http://127.0.0.1:7800`).
-    pub(crate) fn new(base: &str) -> Client {
+    /// A client for the management API at `base` (e.g.
+    /// `http://127.0.0.1:7800`) that authenticates with the token in
+    /// `token_path`.
+    pub(crate) fn new(base: &str, token_path: PathBuf) -> Client {
         // No pooled connections: calls are rare, and a fresh connection
         // notices at once that a dataplane went away (a pooled one can hang
         // on a half-dead peer until the timeout).
@@ -65,7 +97,26 @@ impl Client {
         Client {
             base: base.trim_end_matches('/').to_string(),
             agent,
+            token_path,
+            token: Arc::new(Mutex::new(None)),
         }
+    }
+
+    /// The token, read from its file unless known (or `fresh` is asked).
+    fn token(&self, fresh: bool) -> Result<String, DataplaneError> {
+        let mut t = self
+            .token
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if fresh || t.is_none() {
+            *t =
+                Some(
+                    phub_http::secret::read(&self.token_path).map_err(|e| DataplaneError::Credentials {
+                        reason: e.to_string(),
+                    })?,
+                );
+        }
+        Ok(t.clone().unwrap_or_default())
     }
 
     /// The base URL.
@@ -74,8 +125,33 @@ impl Client {
     }
 
     fn call(&self, method: &str, path: &str, body: Body<'_>) -> Result<ureq::Response, DataplaneError> {
+        match self.call_with(method, path, body, false) {
+            // The dataplane restarted and made a new token: read it again.
+            Err(DataplaneError::Refused {
+                status: 401 | 403, ..
+            }) => self.call_with(method, path, body, true),
+            r => r,
+        }
+    }
+
+    fn call_with(
+        &self,
+        method: &str,
+        path: &str,
+        body: Body<'_>,
+        fresh: bool,
+    ) -> Result<ureq::Response, DataplaneError> {
         let url = format!("{}{path}", self.base);
-        let req = self.agent.request(method, &url);
+        let mut req = self.agent.request(method, &url);
+        // Reading the description, jobs and counters needs no token: without
+        // one (a dataplane that is down removed its file), such a call still
+        // tells whether the dataplane answers.
+        let open = method == "GET" && matches!(path, "/v1/info" | "/v1/jobs" | "/v1/stats");
+        match self.token(fresh) {
+            Ok(t) => req = req.set("Authorization", &format!("Bearer {t}")),
+            Err(_) if open => {}
+            Err(e) => return Err(e),
+        }
         let res = match body {
             Body::Json(b) => req.send_json(b),
             Body::Bytes(b) => req.set("Content-Type", "application/octet-stream").send_bytes(b),
@@ -167,6 +243,7 @@ impl Client {
 }
 
 /// A request body.
+#[derive(Clone, Copy)]
 enum Body<'a> {
     None,
     Json(&'a InstallJob),

@@ -214,18 +214,28 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         move |source| StateError::Write { path: p, source }
     };
     // Created afresh, 0600: a leftover temporary may have other permissions.
-    let _ = fs::remove_file(&tmp);
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(write(&tmp))?;
-    f.set_permissions(fs::Permissions::from_mode(0o600))
-        .map_err(write(&tmp))?;
-    f.write_all(bytes).map_err(write(&tmp))?;
-    f.sync_all().map_err(write(&tmp))?;
-    drop(f);
+    match fs::remove_file(&tmp) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        // A read-only directory says so here, not as "File exists" below.
+        Err(e) => return Err(write(&tmp)(e)),
+    }
+    let written = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.set_permissions(fs::Permissions::from_mode(0o600))?;
+        f.write_all(bytes)?;
+        f.sync_all()
+    })();
+    if let Err(e) = written {
+        // A full disk leaves a partial temporary: it must not stay behind
+        // (it holds tokens, and takes the room the next write needs).
+        let _ = fs::remove_file(&tmp);
+        return Err(write(&tmp)(e));
+    }
     fs::rename(&tmp, path).map_err(write(path))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,

@@ -240,9 +240,20 @@ fn bad_requests_are_named() {
     assert_eq!(e, "job 9 is not admitted");
     let e = err(&d, "DELETE", "/v1/jobs/9", None, 404);
     assert_eq!(e, "job 9 is not admitted");
-    let big = "#".repeat(phub_control::daemon::MAX_BODY_BYTES + 1);
-    let e = err(&d, "POST", "/v1/jobs", Some(&big), 413);
-    assert!(e.contains("larger than the limit"), "{e}");
+    // A body over the limit is refused from its Content-Length, before it
+    // is read (a client that goes on writing it then finds the connection
+    // closed: only the head is sent here).
+    let head = format!(
+        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+        operator_token(&d),
+        phub_control::daemon::MAX_BODY_BYTES + 1
+    );
+    let mut conn = std::net::TcpStream::connect(d.addr()).unwrap();
+    std::io::Write::write_all(&mut conn, head.as_bytes()).unwrap();
+    let mut answer = String::new();
+    std::io::Read::read_to_string(&mut conn, &mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.1 413"), "{answer}");
+    assert!(answer.contains("larger than the limit"), "{answer}");
     assert!(fake.jobs().is_empty());
     assert!(list(&d).is_empty());
     assert!(!state.exists(), "nothing admitted, nothing written");

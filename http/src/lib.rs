@@ -27,11 +27,14 @@
 //! Handlers are plain synchronous functions of a buffered [`Request`]; the
 //! routing stays in the daemons.
 
+pub mod secret;
+#[cfg(feature = "server")]
 mod server;
 mod tls;
 
+#[cfg(feature = "server")]
 pub use server::{Handler, Limits, Request, Response, Server};
-pub use tls::{client_config, server_config, TlsError};
+pub use tls::{agent, client_config, server_config, TlsError, CA_FILE_ENV};
 
 /// A re-export, so that users name the same rustls as this crate.
 pub use rustls;

@@ -151,6 +151,12 @@ pub trait Handler: Send + Sync + 'static {
         Ok(())
     }
 
+    /// The largest body this request may have (checked after
+    /// [`Handler::check_head`]); at most [`Limits::body_bytes`] applies.
+    fn body_limit(&self, _head: &Request) -> usize {
+        usize::MAX
+    }
+
     /// Answers a request.
     fn handle(&self, req: Request) -> Response;
 }
@@ -188,7 +194,18 @@ impl Server {
         tls: Option<Arc<rustls::ServerConfig>>,
         handler: Arc<dyn Handler>,
     ) -> std::io::Result<Server> {
-        let std_listener = std::net::TcpListener::bind(addr)?;
+        Server::serve(name, std::net::TcpListener::bind(addr)?, limits, tls, handler)
+    }
+
+    /// Serves `handler` on a listener already bound (so that its port is
+    /// known before the handler is made), as [`Server::bind`] does.
+    pub fn serve(
+        name: &str,
+        std_listener: std::net::TcpListener,
+        limits: Limits,
+        tls: Option<Arc<rustls::ServerConfig>>,
+        handler: Arc<dyn Handler>,
+    ) -> std::io::Result<Server> {
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
         let handlers = limits.handlers.max(1);
@@ -449,7 +466,7 @@ async fn read_body(
     mut body: Incoming,
     head: &Request,
 ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), Response> {
-    let limit = ctx.limits.body_bytes;
+    let limit = ctx.limits.body_bytes.min(ctx.handler.body_limit(head));
     let declared = head
         .header("Content-Length")
         .map(|v| v.trim().parse::<u64>())

@@ -102,3 +102,25 @@ pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>
         .with_no_client_auth();
     Ok(Arc::new(config))
 }
+
+/// The environment variable that names a CA file for HTTPS clients
+/// (phubctl, the worker library) when none is given otherwise.
+pub const CA_FILE_ENV: &str = "PHUB_CA_FILE";
+
+/// A ureq agent for `url` from `builder`: for an `https` URL, one that
+/// trusts `ca_file`, else the file `$PHUB_CA_FILE` names, else the
+/// system's roots; for `http`, `builder` as it is.
+pub fn agent(
+    url: &str,
+    ca_file: Option<&Path>,
+    builder: ureq::AgentBuilder,
+) -> Result<ureq::Agent, TlsError> {
+    if !url.trim_start().to_ascii_lowercase().starts_with("https://") {
+        return Ok(builder.build());
+    }
+    let env = std::env::var_os(CA_FILE_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from);
+    let ca = ca_file.map(Path::to_path_buf).or(env);
+    Ok(builder.tls_config(client_config(ca.as_deref())?).build())
+}

@@ -6,6 +6,8 @@ spec as TOML or JSON and answers ``{"id", "token", "chunks", "memory_bytes",
 eviction send the operator token (``Authorization: Bearer``) when one is
 given: the ``operator_token`` argument, else ``$PHUB_OPERATOR_TOKEN``
 (phub-control keeps it in the file ``<state file>.operator-token``).
+An ``https://`` control URL is verified against the CA file that
+``$PHUB_CA_FILE`` names, else the system's roots, as the worker library does.
 
 Example::
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import urllib.error
 import urllib.request
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
@@ -47,8 +50,11 @@ def _request(method: str, url: str, body: Optional[bytes] = None, content_type: 
     token = operator_token if operator_token is not None else os.environ.get("PHUB_OPERATOR_TOKEN", "").strip()
     if token:
         req.add_header("Authorization", f"Bearer {token}")
+    context = None
+    if url.lower().startswith("https://"):
+        context = ssl.create_default_context(cafile=os.environ.get("PHUB_CA_FILE") or None)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             text = resp.read().decode("utf-8")
     except urllib.error.HTTPError as e:
         text = e.read().decode("utf-8", "replace")

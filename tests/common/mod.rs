@@ -16,6 +16,8 @@ pub struct Rack {
     pub control_url: String,
     control_port: u16,
     dataplane_args: Vec<String>,
+    /// Extra phub-control arguments (TLS, say).
+    pub control_args: Vec<String>,
     pub dir: PathBuf,
 }
 
@@ -30,9 +32,12 @@ pub fn free_port() -> u16 {
 
 /// Starts `name` (`program args`), its log in `dir`, and waits up to 20 s
 /// for its API at `url`; panics saying why it did not come up.
+/// The daemons keep their run-time secrets (the dataplane's management
+/// token) in `dir`, not in the machine's runtime directory.
 fn start(name: &str, program: &str, args: &[String], dir: &Path, url: &str) -> Daemon {
     let log = dir.join(format!("{name}.log"));
-    let mut d = Daemon::spawn(name, Path::new(program), args, &[], &log).unwrap();
+    let env = [("PHUB_RUNTIME_DIR".to_string(), dir.display().to_string())];
+    let mut d = Daemon::spawn(name, Path::new(program), args, &env, &log).unwrap();
     if let Err(e) = d.wait_up(url, Duration::from_secs(20), || false) {
         panic!("{e}");
     }
@@ -69,6 +74,7 @@ impl Rack {
             control_url: String::new(),
             control_port: free_port(),
             dataplane_args,
+            control_args: Vec::new(),
             dir,
         };
         rack.start_dataplane();
@@ -96,7 +102,7 @@ impl Rack {
     }
 
     pub fn start_control(&mut self) {
-        let args = [
+        let mut args = vec![
             "--listen".to_string(),
             format!("127.0.0.1:{}", self.control_port),
             "--dataplane".into(),
@@ -106,6 +112,7 @@ impl Rack {
             "--state".into(),
             self.dir.join("state.json").display().to_string(),
         ];
+        args.extend(self.control_args.iter().cloned());
         self.control = Some(start(
             "phub-control",
             env!("CARGO_BIN_EXE_phub-control"),
@@ -125,6 +132,15 @@ impl Rack {
     /// The operator token phub-control generated beside its state file.
     pub fn operator_token(&self) -> String {
         std::fs::read_to_string(self.dir.join("state.json.operator-token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    /// The dataplane's management token (in the rack's runtime directory).
+    pub fn mgmt_token(&self) -> String {
+        let port: u16 = self.mgmt_url.rsplit(':').next().unwrap().parse().unwrap();
+        std::fs::read_to_string(self.dir.join(format!("dataplane-{port}.token")))
             .unwrap()
             .trim()
             .to_string()

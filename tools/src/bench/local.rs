@@ -309,7 +309,7 @@ pub fn serve_control(args: &ControlArgs) -> Result<()> {
         dataplane: args.dataplane.clone(),
         state: args.state.clone(),
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
-        operator_token: None,
+        ..phub_control::daemon::Config::default()
     })?;
     wait_for_signal()?;
     d.shutdown();

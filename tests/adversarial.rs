@@ -1,0 +1,590 @@
+//! The control plane under hostile and careless clients, on loopback with
+//! the real binaries: slow and huge requests, many connections, the
+//! dataplane's management API without credentials, racing admits and
+//! evictions, a second control on one state file, TLS, and shutdown with
+//! clients still connected. Throughout, control must answer a plain
+//! `GET /v1/jobs` within a second and lose nothing it admitted.
+
+mod common;
+
+use std::io::{Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::Rack;
+use phub::proto::api::{AdmitResponse, InstalledJob, JobSummary};
+
+const SPEC: &str = r#"name = "adv"
+workers = 1
+chunk_bytes = 1024
+[optimizer]
+kind = "sum"
+[[keys]]
+elements = 4096
+"#;
+
+fn addr_of(url: &str) -> SocketAddr {
+    url.trim_start_matches("http://").parse().unwrap()
+}
+
+/// Polls `GET {url}/v1/jobs` every 100 ms until stopped; the slowest
+/// answer, and the failures.
+struct Prober {
+    stop: Arc<AtomicBool>,
+    worst: Arc<Mutex<(Duration, Vec<String>)>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Prober {
+    fn start(url: &str) -> Prober {
+        let (stop, worst) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(Mutex::new((Duration::ZERO, vec![]))),
+        );
+        let (s, w, url) = (stop.clone(), worst.clone(), format!("{url}/v1/jobs"));
+        let thread = std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                let t = Instant::now();
+                let r = ureq::get(&url).timeout(Duration::from_secs(5)).call();
+                let took = t.elapsed();
+                let mut w = w.lock().unwrap();
+                w.0 = w.0.max(took);
+                if let Err(e) = r {
+                    w.1.push(e.to_string());
+                }
+                drop(w);
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        });
+        Prober {
+            stop,
+            worst,
+            thread: Some(thread),
+        }
+    }
+
+    /// Stops and checks: every answer came, each within a second.
+    fn finish(mut self, what: &str) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.take().unwrap().join().unwrap();
+        let (worst, errors) = self.worst.lock().unwrap().clone();
+        assert!(errors.is_empty(), "{what}: control failed to answer: {errors:?}");
+        assert!(
+            worst < Duration::from_secs(1),
+            "{what}: control took {worst:?} to answer"
+        );
+    }
+}
+
+/// Opens `n` connections that send part of a request and then a byte now
+/// and then, from a thread, until `stop`.
+fn tricklers(
+    addr: SocketAddr,
+    n: usize,
+    start: &'static [u8],
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        let mut conns: Vec<TcpStream> = Vec::new();
+        while !stop.load(Ordering::Relaxed) {
+            conns.retain_mut(|c| c.write_all(b"x").is_ok());
+            while conns.len() < n {
+                match TcpStream::connect(addr) {
+                    Ok(mut c) => {
+                        let _ = c.write_all(start);
+                        conns.push(c);
+                    }
+                    Err(_) => break,
+                }
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    })
+}
+
+/// Sends raw bytes; the answer's status line (empty when none came).
+fn raw_status(addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out)
+        .lines()
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+#[test]
+fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
+    let rack = Rack::start(1, "64MiB");
+    let control = addr_of(&rack.control_url);
+    let mgmt = addr_of(&rack.mgmt_url);
+    let prober = Prober::start(&rack.control_url);
+    let stop = Arc::new(AtomicBool::new(false));
+    // On both listeners: clients that trickle headers, and clients that
+    // declare a body and trickle it.
+    let threads = vec![
+        tricklers(control, 100, b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ", stop.clone()),
+        tricklers(
+            control,
+            20,
+            b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{",
+            stop.clone(),
+        ),
+        tricklers(mgmt, 50, b"GET /v1/info HTTP/1.1\r\nX-Slow: ", stop.clone()),
+    ];
+    std::thread::sleep(Duration::from_millis(500));
+
+    // Huge headers: refused, memory not taken.
+    let mut big = b"GET /v1/jobs HTTP/1.1\r\nX-Big: ".to_vec();
+    big.extend(std::iter::repeat_n(b'a', 4 << 20));
+    big.extend_from_slice(b"\r\n\r\n");
+    for _ in 0..3 {
+        assert!(raw_status(control, &big).contains("431"));
+    }
+    // Bodies over the limit: refused before they are read, with or without
+    // the operator token (without, the token is asked for first).
+    let huge = b"POST /v1/jobs HTTP/1.1\r\nContent-Length: 1000000000\r\n\r\n";
+    assert!(raw_status(control, huge).contains("401"));
+    let with_token = format!(
+        "POST /v1/jobs HTTP/1.1\r\nAuthorization: Bearer {}\r\nContent-Length: 1000000000\r\n\r\n",
+        rack.operator_token()
+    );
+    assert!(raw_status(control, with_token.as_bytes()).contains("413"));
+    let join = b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n";
+    assert!(raw_status(control, join).contains("413"));
+
+    // Meanwhile admission (control -> dataplane) works, promptly.
+    let t = Instant::now();
+    let job = rack.admit(SPEC).expect("admission while clients trickle");
+    assert!(
+        t.elapsed() < Duration::from_secs(3),
+        "admission took {:?}",
+        t.elapsed()
+    );
+    let (ok, out, err) = rack.phubctl(&["job", "list"]);
+    assert!(ok, "{err}");
+    assert!(out.contains("adv"), "{out}");
+
+    stop.store(true, Ordering::Relaxed);
+    for t in threads {
+        t.join().unwrap();
+    }
+    prober.finish("slow and huge clients");
+    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![job.id]);
+}
+
+#[test]
+fn the_dataplane_api_refuses_changes_and_secrets_without_the_token() {
+    let rack = Rack::start(1, "64MiB");
+    let job = rack.admit(SPEC).unwrap();
+    let base = &rack.mgmt_url;
+    let id = job.id;
+    let call = |method: &str, path: &str, auth: Option<&str>, body: &str| -> (u16, String) {
+        let mut req = ureq::request(method, &format!("{base}{path}"));
+        if let Some(a) = auth {
+            req = req.set("Authorization", a);
+        }
+        match req.send_string(body) {
+            Ok(r) => (r.status(), String::new()),
+            Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+            Err(e) => panic!("{method} {path}: {e}"),
+        }
+    };
+    // Reading what holds no secret is open.
+    assert_eq!(call("GET", "/v1/info", None, "").0, 200);
+    assert_eq!(call("GET", "/v1/stats", None, "").0, 200);
+    // A checkpoint (token and parameters), a removal, a hidden install:
+    // refused without the token, naming the file; refused with a wrong one.
+    let hidden = r#"{"id": 9, "token": 0, "spec": {}, "layout": {}}"#;
+    for (method, path, body) in [
+        ("GET", format!("/v1/jobs/{id}/checkpoint"), ""),
+        ("DELETE", format!("/v1/jobs/{id}"), ""),
+        ("PUT", "/v1/jobs/9".to_string(), hidden),
+    ] {
+        let (code, msg) = call(method, &path, None, body);
+        assert_eq!(code, 401, "{method} {path}: {msg}");
+        assert!(
+            msg.contains("management token") && msg.contains(".token"),
+            "{msg}"
+        );
+        let (code, msg) = call(method, &path, Some("Bearer 0123456789abcdef0123"), body);
+        assert_eq!(code, 403, "{method} {path}: {msg}");
+    }
+    // The job is still installed, the hidden one is not.
+    let installed: Vec<InstalledJob> = ureq::get(&format!("{base}/v1/jobs"))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    assert_eq!(installed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![id]);
+    // With the token, an install is still validated: token 0 is refused.
+    let bearer = format!("Bearer {}", rack.mgmt_token());
+    let (code, msg) = call("PUT", "/v1/jobs/9", Some(&bearer), hidden);
+    assert_eq!(code, 400, "{msg}");
+    // The token file is the owner's only.
+    use std::os::unix::fs::PermissionsExt;
+    let port = rack.mgmt_url.rsplit(':').next().unwrap();
+    let mode = std::fs::metadata(rack.dir.join(format!("dataplane-{port}.token")))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o777, 0o600);
+}
+
+#[test]
+fn racing_admits_and_evictions_lose_nothing() {
+    let rack = Arc::new(Rack::start(2, "256MiB"));
+    let kept = Arc::new(Mutex::new(Vec::<u16>::new()));
+    let prober = Prober::start(&rack.control_url);
+    let threads: Vec<_> = (0..6)
+        .map(|t| {
+            let (rack, kept) = (rack.clone(), kept.clone());
+            std::thread::spawn(move || {
+                for i in 0..6 {
+                    let job: AdmitResponse = rack.admit(SPEC).expect("admission");
+                    // Every other job is evicted at once, racing the others.
+                    if (t + i) % 2 == 0 {
+                        let r = ureq::delete(&format!("{}/v1/jobs/{}", rack.control_url, job.id))
+                            .set("Authorization", &format!("Bearer {}", rack.operator_token()))
+                            .call();
+                        assert!(r.is_ok(), "evicting {}: {r:?}", job.id);
+                    } else {
+                        kept.lock().unwrap().push(job.id);
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    prober.finish("racing admits and evictions");
+    let mut kept = kept.lock().unwrap().clone();
+    kept.sort_unstable();
+    let listed: Vec<u16> = rack
+        .get::<Vec<JobSummary>>("/v1/jobs")
+        .iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(
+        listed, kept,
+        "control's jobs are exactly those admitted and not evicted"
+    );
+    let installed: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let installed: Vec<u16> = installed.iter().map(|j| j.id).collect();
+    assert_eq!(installed, kept, "the dataplane holds exactly those jobs");
+}
+
+#[test]
+fn a_second_control_on_the_same_state_file_is_refused() {
+    let rack = Rack::start(1, "64MiB");
+    let out = Command::new(env!("CARGO_BIN_EXE_phub-control"))
+        .args([
+            "--listen",
+            "127.0.0.1:0",
+            "--dataplane",
+            &rack.mgmt_url,
+            "--state",
+        ])
+        .arg(rack.dir.join("state.json"))
+        .env("PHUB_RUNTIME_DIR", &rack.dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("state.json"), "{err}");
+}
+
+#[test]
+fn control_refuses_clear_text_beyond_loopback() {
+    let dir = std::env::temp_dir().join(format!("phub-adv-listen-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_phub-control"))
+        .args(["--listen", "0.0.0.0:0", "--state"])
+        .arg(dir.join("state.json"))
+        .output()
+        .unwrap();
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("clear text") && err.contains("--tls-cert"), "{err}");
+}
+
+/// Starts phub-control over TLS beside `rack`'s and waits until it answers
+/// through a client that trusts `ca`.
+fn tls_control(
+    rack: &Rack,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    ca: &std::path::Path,
+) -> (std::process::Child, String) {
+    let port = common::free_port();
+    let child = Command::new(env!("CARGO_BIN_EXE_phub-control"))
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--dataplane",
+            &rack.mgmt_url,
+        ])
+        .args(["--reconcile-ms", "200", "--state"])
+        .arg(rack.dir.join("tls-state.json"))
+        .arg("--tls-cert")
+        .arg(cert)
+        .arg("--tls-key")
+        .arg(key)
+        .env("PHUB_RUNTIME_DIR", &rack.dir)
+        .stderr(std::fs::File::create(rack.dir.join("tls-control.log")).unwrap())
+        .spawn()
+        .unwrap();
+    let url = format!("https://localhost:{port}");
+    let agent = ureq::AgentBuilder::new()
+        .tls_config(phub_http::client_config(Some(ca)).unwrap())
+        .build();
+    let t = Instant::now();
+    while agent.get(&format!("{url}/v1/jobs")).call().is_err() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "TLS control did not come up"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (child, url)
+}
+
+#[test]
+fn control_over_tls_is_verified_by_phubctl_and_workers() {
+    let rack = Rack::start(1, "64MiB");
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+    let (cert, key) = (rack.dir.join("cert.pem"), rack.dir.join("key.pem"));
+    std::fs::write(&cert, ck.cert.pem()).unwrap();
+    std::fs::write(&key, ck.key_pair.serialize_pem()).unwrap();
+    // The rack's own control is stopped: one control per dataplane.
+    let mut rack = rack;
+    rack.kill_control();
+    let (mut child, url) = tls_control(&rack, &cert, &key, &cert);
+    let token = std::fs::read_to_string(rack.dir.join("tls-state.json.operator-token")).unwrap();
+    let phubctl = |args: &[&str], ca: Option<&std::path::Path>| {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_phubctl"));
+        c.env("PHUB_OPERATOR_TOKEN", token.trim())
+            .env_remove("PHUB_CA_FILE");
+        if let Some(ca) = ca {
+            c.arg("--ca-file").arg(ca);
+        }
+        let out = c.args(["--control", &url]).args(args).output().unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // Trusting the certificate: admission over HTTPS.
+    let spec = rack.dir.join("spec.toml");
+    std::fs::write(&spec, SPEC).unwrap();
+    let (ok, out, err) = phubctl(&["--json", "job", "admit", spec.to_str().unwrap()], Some(&cert));
+    assert!(ok, "{err}");
+    let admitted: AdmitResponse = serde_json::from_str(&out).unwrap();
+    // Not trusting it: refused, and the error says why.
+    let (ok, _, err) = phubctl(&["job", "list"], None);
+    assert!(!ok);
+    assert!(err.to_lowercase().contains("certificate"), "{err}");
+    // A worker joins over HTTPS with PHUB_CA_FILE; without it, it cannot.
+    // (Only this test of this binary reads the variable.)
+    std::env::remove_var(phub_http::CA_FILE_ENV);
+    let e = phub_worker::Worker::join(&url, admitted.id, admitted.token, 0).unwrap_err();
+    assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
+    std::env::set_var(phub_http::CA_FILE_ENV, &cert);
+    let w = phub_worker::Worker::join(&url, admitted.id, admitted.token, 0);
+    std::env::remove_var(phub_http::CA_FILE_ENV);
+    let w = w.expect("joining over HTTPS with PHUB_CA_FILE");
+    drop(w);
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+#[test]
+fn sigterm_stops_control_at_once_with_clients_connected() {
+    let mut rack = Rack::start(1, "64MiB");
+    let control = addr_of(&rack.control_url);
+    let stop = Arc::new(AtomicBool::new(false));
+    let t = tricklers(
+        control,
+        50,
+        b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 9000\r\n\r\n",
+        stop.clone(),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let mut d = rack.control.take().unwrap();
+    let started = Instant::now();
+    assert!(
+        d.stop(Duration::from_secs(10)),
+        "phub-control did not exit on SIGTERM"
+    );
+    let took = started.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    t.join().unwrap();
+    assert!(
+        took < Duration::from_secs(3),
+        "phub-control took {took:?} to stop on SIGTERM"
+    );
+}
+
+/// Runs `cmd` (mount, umount); false when it fails.
+fn sh(cmd: &[&str]) -> bool {
+    Command::new(cmd[0])
+        .args(&cmd[1..])
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn full_and_read_only_state_directories_lose_nothing() {
+    // SAFETY: geteuid has no preconditions and touches no memory of ours.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("skipped: mounting a small tmpfs for the state directory needs root");
+        return;
+    }
+    let mut rack = Rack::start(1, "256MiB");
+    rack.kill_control();
+    let dir = rack.dir.join("small-state");
+    std::fs::create_dir_all(&dir).unwrap();
+    assert!(sh(&[
+        "mount",
+        "-t",
+        "tmpfs",
+        "-o",
+        "size=256k",
+        "tmpfs",
+        dir.to_str().unwrap()
+    ]));
+    struct Unmount(std::path::PathBuf, Option<std::process::Child>);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            if let Some(mut c) = self.1.take() {
+                let _ = c.kill();
+                let _ = c.wait();
+            }
+            // The read-only bind mount, if any, then the tmpfs.
+            let _ = sh(&["umount", "-l", self.0.to_str().unwrap()]);
+            let _ = sh(&["umount", "-l", self.0.to_str().unwrap()]);
+        }
+    }
+    let mut guard = Unmount(dir.clone(), None);
+    // The operator token file goes elsewhere: the state directory fills up.
+    let token_file = rack.dir.join("small.operator-token");
+    let port = common::free_port();
+    let url = format!("http://127.0.0.1:{port}");
+    let mut child = Command::new(env!("CARGO_BIN_EXE_phub-control"))
+        .args([
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--dataplane",
+            &rack.mgmt_url,
+        ])
+        .args(["--reconcile-ms", "200", "--state"])
+        .arg(dir.join("state.json"))
+        .arg("--operator-token-file")
+        .arg(&token_file)
+        .env("PHUB_RUNTIME_DIR", &rack.dir)
+        .stderr(std::fs::File::create(rack.dir.join("small-control.log")).unwrap())
+        .spawn()
+        .unwrap();
+    phub_hwtests::process::wait_http(
+        &format!("{url}/v1/jobs"),
+        &mut child,
+        Duration::from_secs(20),
+        || false,
+    )
+    .unwrap();
+    guard.1 = Some(child);
+    let token = std::fs::read_to_string(&token_file).unwrap().trim().to_string();
+    let admit = || -> Result<AdmitResponse, (u16, String)> {
+        match ureq::post(&format!("{url}/v1/jobs"))
+            .set("Authorization", &format!("Bearer {token}"))
+            .send_string(SPEC)
+        {
+            Ok(r) => Ok(r.into_json().unwrap()),
+            Err(ureq::Error::Status(c, r)) => Err((c, r.into_string().unwrap())),
+            Err(e) => panic!("{e}"),
+        }
+    };
+    let installed = || -> Vec<u16> {
+        let v: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap();
+        v.iter().map(|j| j.id).collect()
+    };
+    let first = admit().expect("admission with room for the state file");
+    let prober = Prober::start(&url);
+
+    // Full: the admission fails naming the state file, nothing is installed.
+    let filler = dir.join("filler");
+    let _ = Command::new("dd")
+        .args([
+            "if=/dev/zero",
+            &format!("of={}", filler.display()),
+            "bs=4k",
+            "count=1000",
+        ])
+        .output();
+    let (code, msg) = admit().unwrap_err();
+    assert_eq!(code, 500, "{msg}");
+    assert!(
+        msg.contains("state") && msg.to_lowercase().contains("space"),
+        "{msg}"
+    );
+    assert_eq!(installed(), vec![first.id]);
+    // An eviction that cannot be written changes nothing.
+    // The status of an eviction of the first job.
+    let evict = || -> u16 {
+        match ureq::delete(&format!("{url}/v1/jobs/{}", first.id))
+            .set("Authorization", &format!("Bearer {token}"))
+            .call()
+        {
+            Ok(r) => r.status(),
+            Err(ureq::Error::Status(c, _)) => c,
+            Err(e) => panic!("eviction: {e}"),
+        }
+    };
+    assert_eq!(evict(), 500);
+    assert_eq!(installed(), vec![first.id]);
+    std::fs::remove_file(&filler).unwrap();
+
+    // Read-only: the same. (A read-only bind mount over the directory:
+    // control holds its lock file open for writing, which a remount of the
+    // tmpfs itself would wait for.)
+    let d = dir.to_str().unwrap();
+    assert!(sh(&["mount", "--bind", d, d]));
+    assert!(sh(&["mount", "-o", "remount,bind,ro", d]));
+    let (code, msg) = admit().unwrap_err();
+    assert_eq!(code, 500, "{msg}");
+    assert!(msg.to_lowercase().contains("read-only"), "{msg}");
+    assert_eq!(evict(), 500);
+    assert_eq!(installed(), vec![first.id]);
+    assert!(sh(&["umount", d]));
+
+    // Writable again: everything works, nothing was lost.
+    let second = admit().expect("admission once the state directory is writable");
+    prober.finish("full and read-only state directories");
+    let listed: Vec<u16> = ureq::get(&format!("{url}/v1/jobs"))
+        .call()
+        .unwrap()
+        .into_json::<Vec<JobSummary>>()
+        .unwrap()
+        .iter()
+        .map(|j| j.id)
+        .collect();
+    assert_eq!(listed, vec![first.id, second.id]);
+}
