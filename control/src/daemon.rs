@@ -496,7 +496,8 @@ fn failed(id: u16, why: &str) -> RequestError {
 }
 
 fn body_text(req: &phub_http::Request) -> Result<&str, RequestError> {
-    std::str::from_utf8(&req.body).map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
+    std::str::from_utf8(&req.body)
+        .map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
 }
 
 /// The routes that need the operator token.

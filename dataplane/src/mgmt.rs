@@ -12,13 +12,13 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
+use phub_http::{Handler, Request, Response};
 use phub_proto::api::{
     ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::MemoryModel;
-use phub_http::{Handler, Request, Response};
 
 use crate::counters::ShardCounters;
 use crate::engine::{self, EngineError, JobInstall};
@@ -172,7 +172,10 @@ impl Manager {
             ));
         }
         if req.token == 0 {
-            return Err(err(400, format!("job {id}: token 0 is not a token (control gives every job a random non-zero one)")));
+            return Err(err(
+                400,
+                format!("job {id}: token 0 is not a token (control gives every job a random non-zero one)"),
+            ));
         }
         req.spec.validate().map_err(|e| err(400, e.to_string()))?;
         let n = self.lcores.len();
@@ -445,7 +448,11 @@ pub struct Api {
 impl Api {
     /// The API over `mgr`, guarded by `token` (kept in `token_path`).
     pub fn new(mgr: Arc<Manager>, token: String, token_path: std::path::PathBuf) -> Api {
-        Api { mgr, token, token_path }
+        Api {
+            mgr,
+            token,
+            token_path,
+        }
     }
 
     /// Largest request body: a checkpoint of a job as large as the whole
@@ -462,8 +469,8 @@ const MIN_BODY_LIMIT: usize = 64 << 20;
 
 impl Handler for Api {
     fn check_head(&self, head: &Request) -> Result<(), Response> {
-        let open = head.method == "GET"
-            && matches!(head.path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats");
+        let open =
+            head.method == "GET" && matches!(head.path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats");
         if open {
             return Ok(());
         }
@@ -507,9 +514,10 @@ impl Handler for Api {
                     .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
                 mgr.install(id, r).map(|j| json(201, &j))
             }),
-            ("DELETE", ["v1", "jobs", id]) => {
-                parse_id(id).and_then(|id| mgr.remove(id).map(|()| Response::new(204, "application/json", Vec::new())))
-            }
+            ("DELETE", ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
+                mgr.remove(id)
+                    .map(|()| Response::new(204, "application/json", Vec::new()))
+            }),
             (m, _) => Err(err(404, format!("no route for {m} {}", req.path))),
         };
         result.unwrap_or_else(error)
