@@ -201,6 +201,9 @@ mod tests {
                 rounds_completed: 5,
                 round_range: Some((4, 5)),
                 silent_ms: vec![Some(1), None],
+                clocks: vec![],
+                max_lead: None,
+                held: 0,
             }],
         };
         let jobs = vec![JobSummary {

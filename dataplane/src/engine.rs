@@ -28,6 +28,29 @@
 //!   changes only when the next round completes, which needs a push from
 //!   every rank, which no correct rank sends before it holds that result.
 //!
+//! - A BSP job's rules above are its only rules; the two other consistency
+//!   modes (PROTOCOL.md §5.8) keep, per slot, each rank's last applied
+//!   clock ([`RankClock`], W per slot, allocated at install) and share
+//!   round 0: INIT is a barrier in every mode, completed as BSP completes it.
+//! - async, after round 0: a PUSH of clock c from rank r is applied iff c is
+//!   r's applied clock + 1 (the optimizer on that one gradient, with W = 1
+//!   and t = the slot's updates so far + 1; `sum` adds the values into the
+//!   stored ones) and answered to r alone with the chunk's values when the
+//!   answer is sent. A clock <= the applied one is a duplicate: answered
+//!   with the current values, never applied again. A clock beyond applied
+//!   + 1 is `ahead`. So a (slot, rank, clock) is applied at most once.
+//! - bounded delay τ: applied as in async; the answer to clock c leaves
+//!   only once every rank's applied clock on the slot is >= c - τ, else it
+//!   is held: a flag on the rank's clock and since when, never a copy of
+//!   values. A held rank's duplicates are dropped (`duplicate`), its next
+//!   clock is `ahead`. A held answer is released by the push that raises the
+//!   slot's lowest clock (the slowest rank's); all ranks released by it
+//!   hold the same clock and get one RESULT with the values current when it
+//!   is sent. So no answer leaves a rank more than τ clocks ahead of the
+//!   slowest, and no rank's applied clock is more than τ + 1 ahead.
+//! - PULL, in those modes, answers the current values with the rank's last
+//!   answered clock (its applied clock, minus one while held).
+//!
 //! The round rules are written out normatively in PROTOCOL.md §5.
 //!
 //! Shared memory (PROTOCOL.md §3.4): a job installed with
@@ -52,10 +75,10 @@
 
 use std::sync::Arc;
 
-use phub_proto::checkpoint::SlotState;
+use phub_proto::checkpoint::{SlotState, CLOCK_HELD};
 use phub_proto::layout::SlotChunk;
 use phub_proto::memory::MemoryModel;
-use phub_proto::spec::{Optimizer, MAX_WORKERS};
+use phub_proto::spec::{Consistency, Optimizer, MAX_WORKERS};
 use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
@@ -81,6 +104,8 @@ pub struct JobInstall {
     pub dtype: Dtype,
     /// Per-chunk update.
     pub optimizer: Optimizer,
+    /// BSP, async or bounded delay (PROTOCOL.md §5.8).
+    pub consistency: Consistency,
     /// Elements in a full chunk of the job (the layout's `chunk_elems`):
     /// no slot is longer, and slots are packed into blocks by it.
     pub chunk_elems: u32,
@@ -115,6 +140,7 @@ pub fn memory_model(mem: &dyn SlotAllocator) -> MemoryModel {
         lcore_job_bytes: JOB_RECORD_BYTES as u32,
         rank_bytes: RANK_BYTES,
         region_bytes: REGION_BYTES as u32,
+        clock_bytes: std::mem::size_of::<RankClock>() as u32,
         ..MemoryModel::default()
     }
 }
@@ -172,6 +198,16 @@ pub enum EngineError {
         /// What failed (the file and the system's answer).
         reason: String,
     },
+    /// The consistency mode does not go with the rest of the install.
+    #[error("job {id}: consistency {mode}: {reason}")]
+    Consistency {
+        /// Job id.
+        id: u16,
+        /// The job's consistency mode.
+        mode: Consistency,
+        /// What does not go with it.
+        reason: &'static str,
+    },
     /// A slot's element count is zero or does not fit a packet.
     #[error("job {id}: slot {slot} has {elems} elements; accepted: 1..={max} for {dtype}")]
     BadSlot {
@@ -226,11 +262,57 @@ pub enum Verdict {
     Resent,
     /// A PULL was answered with the stored result.
     Pulled,
+    /// Not BSP: a push was applied and its answer queued for the sender.
+    Applied,
+    /// Bounded delay: a push was applied; its answer is held until the
+    /// slowest rank catches up.
+    Held,
     /// The packet was dropped and counted under this reason.
     Dropped(DropReason),
 }
 
 const NO_ROUND: u32 = u32::MAX;
+
+/// A rank's clock on one slot of a job that is not BSP.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RankClock {
+    /// The last clock applied (0: only INIT), [`CLOCK_HELD`] set while the
+    /// answer to it is held.
+    pub clock: u32,
+    /// When its answer was held (caller's clock / 1000, wrapping), or
+    /// [`SINCE_UNKNOWN`] (restored from a checkpoint).
+    pub since: u32,
+}
+
+/// [`RankClock::since`] of an answer held before a restart: its wait is
+/// not counted.
+const SINCE_UNKNOWN: u32 = u32::MAX;
+
+/// Largest clock a rank may push (bit 31 is [`CLOCK_HELD`]).
+pub const MAX_CLOCK: u32 = CLOCK_HELD - 1;
+
+impl RankClock {
+    fn applied(self) -> u32 {
+        self.clock & !CLOCK_HELD
+    }
+    fn held(self) -> bool {
+        self.clock & CLOCK_HELD != 0
+    }
+    /// The last clock whose answer was let go (or will be, for the
+    /// duplicate of one): what a PULL reports.
+    fn answered(self) -> u32 {
+        if self.held() {
+            self.applied().saturating_sub(1)
+        } else {
+            self.applied()
+        }
+    }
+}
+
+/// The lowest applied clock of a slot's ranks.
+fn slowest(clocks: &[RankClock]) -> u32 {
+    clocks.iter().map(|c| c.applied()).min().unwrap_or(0)
+}
 
 /// Which ranks contributed to the round in progress.
 #[derive(Debug, Clone, Copy, Default)]
@@ -578,6 +660,15 @@ struct Job<A> {
     shm_ranks: RankSet,
     /// When each rank was last heard from (caller's clock), 0 if never.
     last_seen: Vec<u64>,
+    consistency: Consistency,
+    /// Not BSP: per slot, each rank's clock (slot * workers + rank); empty
+    /// for BSP.
+    clocks: Vec<RankClock>,
+    /// Not BSP: the largest lead an answer allowed (clock answered + 1 -
+    /// the slot's slowest clock then), 0 before any.
+    max_lead: u32,
+    /// Bounded delay: answers held now.
+    held: u64,
     /// Contributions aggregated on this lcore.
     pushes: u64,
     /// Rounds completed on this lcore, over all slots.
@@ -597,12 +688,36 @@ pub struct JobShardStats {
     pub round_range: Option<(u32, u32)>,
     /// When each rank was last heard from (caller's clock; 0 if never).
     pub last_seen: Vec<u64>,
+    /// Not BSP: per rank, its lowest and highest applied clock over the
+    /// job's slots here (empty for BSP, or without slots).
+    pub clocks: Vec<(u32, u32)>,
+    /// Not BSP: the largest lead an answer allowed here (None before any).
+    pub max_lead: Option<u32>,
+    /// Bounded delay: answers held now.
+    pub held: u64,
+}
+
+/// Who gets a queued result.
+#[derive(Debug, Clone, Copy)]
+enum To {
+    /// Every rank (a completed BSP round).
+    All,
+    /// One rank.
+    One(u16),
+    /// These ranks (released bounded-delay answers).
+    Set(RankSet),
 }
 
 #[derive(Debug, Clone, Copy)]
 enum Pending<A> {
-    /// The stored result of a slot, to all ranks or to one.
-    Result { job: u16, slot: u32, to: Option<u16> },
+    /// The stored result (current values) of a slot, with the round field
+    /// `round` (BSP: the slot's last completed round when sent).
+    Result {
+        job: u16,
+        slot: u32,
+        to: To,
+        round: Option<u32>,
+    },
     /// A refusal notice to a token-authenticated sender.
     Error { repr: Repr, to: A },
 }
@@ -705,7 +820,9 @@ impl<A: Copy + Eq> Shard<A> {
             lcore,
             kernels,
             jobs: Vec::new(),
-            pending: Vec::with_capacity(MAX_BURST),
+            // One message per packet, two for a bounded-delay push that
+            // is answered and releases others.
+            pending: Vec::with_capacity(2 * MAX_BURST),
             counters,
             mem,
             evicted: Vec::new(),
@@ -781,6 +898,22 @@ impl<A: Copy + Eq> Shard<A> {
                 dtype: job.dtype,
             });
         }
+        if job.consistency != Consistency::Sync {
+            let reason = if shm.is_some() {
+                Some("shared-memory regions carry BSP jobs only")
+            } else if job.optimizer == Optimizer::Mean {
+                Some("each push is applied alone, so a mean has no meaning (use sum)")
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return Err(EngineError::Consistency {
+                    id: job.id,
+                    mode: job.consistency,
+                    reason,
+                });
+            }
+        }
         let with_shm = shm.is_some();
         let (dtype, opt) = (job.dtype, &job.optimizer);
         // Slots go into blocks in slot order, `per_block` to a block, each
@@ -850,6 +983,14 @@ impl<A: Copy + Eq> Shard<A> {
             shm,
             shm_ranks: RankSet::default(),
             last_seen: vec![0; usize::from(job.workers)],
+            consistency: job.consistency,
+            clocks: if job.consistency == Consistency::Sync {
+                Vec::new()
+            } else {
+                vec![RankClock::default(); job.slots.len() * usize::from(job.workers)]
+            },
+            max_lead: 0,
+            held: 0,
             pushes: 0,
             rounds: 0,
         });
@@ -978,6 +1119,7 @@ impl<A: Copy + Eq> Shard<A> {
         Some(
             data + j.blocks.len() as u64 * u64::from(model.block_overhead_bytes)
                 + (j.slots.capacity() * std::mem::size_of::<Slot>()) as u64
+                + (j.clocks.capacity() * std::mem::size_of::<RankClock>()) as u64
                 + JOB_RECORD_BYTES as u64
                 + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
                 + regions * REGION_BYTES as u64,
@@ -1032,13 +1174,19 @@ impl<A: Copy + Eq> Shard<A> {
     /// and will push again. Allocates; call between bursts.
     pub fn snapshot(&self, id: u16) -> Option<Vec<SlotState>> {
         let j = self.job(id)?;
+        let w = usize::from(j.workers);
         Some(
             j.slots
                 .iter()
                 .zip(0..)
                 .map(|(s, i)| {
                     let r = s.mem.all(&j.blocks);
+                    let at = i as usize * w;
                     SlotState {
+                        clocks: j
+                            .clocks
+                            .get(at..at + w)
+                            .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect()),
                         completed: (s.completed != NO_ROUND).then_some(s.completed),
                         params: r[PARAMS].to_vec(),
                         s1: r[S1].to_vec(),
@@ -1079,6 +1227,7 @@ impl<A: Copy + Eq> Shard<A> {
                 || st.s2.len() != used[S2]
                 || st.result.len() != result_len
                 || st.completed == Some(NO_ROUND)
+                || st.clocks.len() != j.clocks.len() / j.slots.len().max(1)
             {
                 return Err(EngineError::Restore {
                     id,
@@ -1091,6 +1240,13 @@ impl<A: Copy + Eq> Shard<A> {
         #[allow(clippy::cast_possible_truncation)]
         for (i, (slot, st)) in j.slots.iter_mut().zip(state).enumerate() {
             slot.completed = st.completed.unwrap_or(NO_ROUND);
+            let w = st.clocks.len();
+            for (c, &saved) in j.clocks[i * w..(i + 1) * w].iter_mut().zip(&st.clocks) {
+                *c = RankClock {
+                    clock: saved,
+                    since: SINCE_UNKNOWN,
+                };
+            }
             slot.contributed = RankSet::default();
             slot.ncontrib = 0;
             slot.deferred = None;
@@ -1100,9 +1256,17 @@ impl<A: Copy + Eq> Shard<A> {
             b.params.copy_from_slice(&st.params);
             b.s1.copy_from_slice(&st.s1);
             b.s2.copy_from_slice(&st.s2);
+            // Not BSP, sum: the current values in f32 live in the
+            // accumulator, which the checkpoint keeps as the result.
+            let acc_is_values = w > 0 && kind == ResultKind::Half && !j.optimizer.keeps_params();
             match kind {
                 ResultKind::Params => {}
-                ResultKind::Half => bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result),
+                ResultKind::Half => {
+                    bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result);
+                    if acc_is_values {
+                        kernels::decode(j.dtype, &st.result, b.acc);
+                    }
+                }
                 ResultKind::F32 => {
                     let [a, b, ..] = slot.mem.all_mut(&mut j.blocks);
                     let r = if acc_in_a { b } else { a };
@@ -1119,6 +1283,7 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
         }
+        j.held = j.clocks.iter().filter(|c| c.held()).count() as u64;
         if let Some(shm) = &mut j.shm {
             #[allow(clippy::cast_possible_truncation)]
             for (i, slot) in j.slots.iter().enumerate() {
@@ -1139,12 +1304,26 @@ impl<A: Copy + Eq> Shard<A> {
                 let round_range = done.fold(None, |acc: Option<(u32, u32)>, r| {
                     Some(acc.map_or((r, r), |(lo, hi)| (lo.min(r), hi.max(r))))
                 });
+                let w = usize::from(j.workers);
+                let clocks = if j.clocks.is_empty() {
+                    Vec::new()
+                } else {
+                    (0..w)
+                        .map(|r| {
+                            let mine = j.clocks.iter().skip(r).step_by(w).map(|c| c.applied());
+                            mine.fold((u32::MAX, 0), |(lo, hi), c| (lo.min(c), hi.max(c)))
+                        })
+                        .collect()
+                };
                 JobShardStats {
                     id: j.id,
                     pushes: j.pushes,
                     rounds_completed: j.rounds,
                     round_range,
                     last_seen: j.last_seen.clone(),
+                    clocks,
+                    max_lead: (j.max_lead > 0).then_some(j.max_lead),
+                    held: j.held,
                 }
             })
             .collect()
@@ -1207,7 +1386,7 @@ impl<A: Copy + Eq> Shard<A> {
         } else {
             job.shm_ranks.remove(repr.rank);
         }
-        match Self::apply(&self.kernels, job, &repr, payload) {
+        match Self::apply(&self.kernels, job, &repr, payload, now) {
             Ok(Step::Open) => {
                 job.pushes += 1;
                 self.counters.pushes_aggregated.inc();
@@ -1222,11 +1401,38 @@ impl<A: Copy + Eq> Shard<A> {
                 self.pending.push(Pending::Result {
                     job: job.id,
                     slot: repr.slot,
-                    to: None,
+                    to: To::All,
+                    round: None,
                 });
                 Verdict::Completed
             }
-            Ok(Step::Resend) => {
+            Ok(Step::Applied { held, slowest_rose }) => {
+                job.pushes += 1;
+                job.rounds += 1;
+                self.counters.pushes_aggregated.inc();
+                self.counters.rounds_completed.inc();
+                if held {
+                    job.held += 1;
+                    self.counters.answers_held.inc();
+                } else {
+                    self.counters.results_sent.inc();
+                    self.pending.push(Pending::Result {
+                        job: job.id,
+                        slot: repr.slot,
+                        to: To::One(repr.rank),
+                        round: Some(repr.round),
+                    });
+                }
+                if slowest_rose {
+                    Self::release(job, repr.slot, now, &mut self.pending, &self.counters);
+                }
+                if held {
+                    Verdict::Held
+                } else {
+                    Verdict::Applied
+                }
+            }
+            Ok(Step::Resend(round)) => {
                 // The stored result to this rank alone: the answer to a
                 // PULL, or a result resent to a rank that lost it (an INIT
                 // or PUSH for the last completed round), each counted
@@ -1235,7 +1441,8 @@ impl<A: Copy + Eq> Shard<A> {
                 self.pending.push(Pending::Result {
                     job: job.id,
                     slot: repr.slot,
-                    to: Some(repr.rank),
+                    to: To::One(repr.rank),
+                    round,
                 });
                 if repr.kind == MsgType::Pull {
                     self.counters.pulls_answered.inc();
@@ -1250,7 +1457,7 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// The slot and round rules for an authenticated packet.
-    fn apply(k: &Kernels, job: &mut Job<A>, repr: &Repr, payload: &[u8]) -> Result<Step, DropReason> {
+    fn apply(k: &Kernels, job: &mut Job<A>, repr: &Repr, payload: &[u8], now: u64) -> Result<Step, DropReason> {
         if repr.dtype != job.dtype {
             return Err(DropReason::DtypeMismatch);
         }
@@ -1270,11 +1477,17 @@ impl<A: Copy + Eq> Shard<A> {
         if u32::from(repr.count) != expect {
             return Err(DropReason::CountMismatch);
         }
+        // Not BSP: this slot's rank clocks.
+        let w = usize::from(job.workers);
+        let at = repr.slot as usize * w;
+        let clocks = job.clocks.get_mut(at..at + w);
         if repr.kind == MsgType::Pull {
             return if slot.completed == NO_ROUND {
                 Err(DropReason::NothingToPull)
             } else {
-                Ok(Step::Resend)
+                Ok(Step::Resend(
+                    clocks.map(|c| c[usize::from(repr.rank)].answered()),
+                ))
             };
         }
         if (repr.kind == MsgType::Init) != (repr.round == 0) {
@@ -1284,9 +1497,21 @@ impl<A: Copy + Eq> Shard<A> {
             // The largest round a slot can complete is NO_ROUND - 1.
             return Err(DropReason::Ahead);
         }
+        if let Some(clocks) = clocks {
+            if slot.completed != NO_ROUND {
+                // Past round 0, the INIT barrier every mode shares.
+                let (consistency, opt, dtype) = (job.consistency, &job.optimizer, job.dtype);
+                let step = Self::apply_clocked(k, (slot, &mut job.blocks), clocks, consistency, opt, dtype, repr, payload, now)?;
+                if let Step::Applied { held: false, .. } = step {
+                    let lead = repr.round.saturating_add(1).saturating_sub(slowest(&job.clocks[at..at + w]));
+                    job.max_lead = job.max_lead.max(lead);
+                }
+                return Ok(step);
+            }
+        }
         let current = slot.in_progress();
         if slot.completed != NO_ROUND && repr.round == slot.completed {
-            return Ok(Step::Resend);
+            return Ok(Step::Resend(None));
         }
         if repr.round != current {
             // Rounds are compared in the slot's window; anything not the
@@ -1337,6 +1562,148 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(Step::Closed)
         } else {
             Ok(Step::Open)
+        }
+    }
+
+    /// A PUSH (or a late INIT) of a job that is not BSP, to a slot past
+    /// round 0: the clock rules of the invariants above. `clocks` are the
+    /// slot's ranks'.
+    #[allow(clippy::too_many_arguments)]
+    fn apply_clocked(
+        k: &Kernels,
+        (slot, blocks): (&mut Slot, &mut Blocks),
+        clocks: &mut [RankClock],
+        consistency: Consistency,
+        opt: &Optimizer,
+        dtype: Dtype,
+        repr: &Repr,
+        payload: &[u8],
+        now: u64,
+    ) -> Result<Step, DropReason> {
+        let mine = clocks[usize::from(repr.rank)];
+        let c = repr.round;
+        if c <= mine.applied() {
+            // A duplicate (or a late INIT): never applied again. Answered
+            // with the current values unless this rank's answer is held,
+            // which the release will send.
+            return if mine.held() {
+                Err(DropReason::Duplicate)
+            } else {
+                Ok(Step::Resend(Some(c)))
+            };
+        }
+        if mine.held() || c != mine.applied() + 1 || c > MAX_CLOCK {
+            return Err(DropReason::Ahead);
+        }
+        let before = slowest(clocks);
+        let payload = contribution(None, repr, payload)?;
+        // The slot's update count is the optimizer's step t.
+        slot.completed = slot.completed.saturating_add(1).min(NO_ROUND - 1);
+        let t = slot.completed;
+        if opt.keeps_params() {
+            let b = slot.mem.bufs(blocks);
+            k.copy(dtype, b.acc, payload);
+            optim::step(
+                opt,
+                1,
+                t,
+                ChunkBufs {
+                    acc: b.acc,
+                    params: b.params,
+                    s1: b.s1,
+                    s2: b.s2,
+                },
+            );
+            if slot.result == ResultKind::Half {
+                kernels::encode(dtype, b.params, bytemuck::cast_slice_mut(b.half));
+            }
+        } else {
+            // Sum: the values pushed are added to the stored ones.
+            match slot.result {
+                ResultKind::F32 => {
+                    let [a, b, ..] = slot.mem.all_mut(blocks);
+                    k.add(dtype, if slot.mem.acc_in_a { b } else { a }, payload);
+                }
+                _ => {
+                    // Half: the current values in f32 are the accumulator
+                    // (round 0 left them there); the result is them encoded.
+                    let b = slot.mem.bufs(blocks);
+                    k.add(dtype, b.acc, payload);
+                    kernels::encode(dtype, b.acc, bytemuck::cast_slice_mut(b.half));
+                }
+            }
+        }
+        clocks[usize::from(repr.rank)].clock = c;
+        let after = slowest(clocks);
+        let held = match consistency {
+            Consistency::Bounded { delay } => u64::from(c) > u64::from(after) + u64::from(delay),
+            _ => false,
+        };
+        if held {
+            // Cast: microseconds of the caller's clock, kept modulo 2^32.
+            #[allow(clippy::cast_possible_truncation)]
+            let since = ((now / 1000) as u32).min(SINCE_UNKNOWN - 1);
+            clocks[usize::from(repr.rank)] = RankClock {
+                clock: c | CLOCK_HELD,
+                since,
+            };
+        }
+        Ok(Step::Applied {
+            held,
+            slowest_rose: after > before && matches!(consistency, Consistency::Bounded { .. }),
+        })
+    }
+
+    /// Bounded delay: after slot `slot`'s lowest clock rose, releases every
+    /// held answer whose clock is now within τ of it, one RESULT per clock
+    /// (all of them share one clock in every state the engine reaches: the
+    /// lowest clock rises by one at a time).
+    fn release(job: &mut Job<A>, slot: u32, now: u64, pending: &mut Vec<Pending<A>>, counters: &ShardCounters) {
+        let Consistency::Bounded { delay } = job.consistency else {
+            return;
+        };
+        let w = usize::from(job.workers);
+        let at = slot as usize * w;
+        let Some(clocks) = job.clocks.get_mut(at..at + w) else {
+            return;
+        };
+        let low = slowest(clocks);
+        let limit = u64::from(low) + u64::from(delay);
+        // Cast: microseconds of the caller's clock, kept modulo 2^32.
+        #[allow(clippy::cast_possible_truncation)]
+        let now_us = (now / 1000) as u32;
+        loop {
+            let mut ranks = RankSet::default();
+            let mut clock = None;
+            let mut n = 0u64;
+            // Cast: r < workers, a u16.
+            #[allow(clippy::cast_possible_truncation)]
+            for (r, c) in clocks.iter_mut().enumerate() {
+                if !c.held() || u64::from(c.applied()) > limit || clock.is_some_and(|k| k != c.applied()) {
+                    continue;
+                }
+                clock = Some(c.applied());
+                ranks.insert(r as u16);
+                n += 1;
+                if c.since != SINCE_UNKNOWN {
+                    counters.held_wait_us.add(u64::from(now_us.wrapping_sub(c.since)));
+                }
+                *c = RankClock {
+                    clock: c.applied(),
+                    since: 0,
+                };
+            }
+            let Some(clock) = clock else { return };
+            job.held = job.held.saturating_sub(n);
+            job.max_lead = job.max_lead.max(clock.saturating_add(1).saturating_sub(low));
+            counters.answers_released.add(n);
+            counters.results_sent.add(n);
+            pending.push(Pending::Result {
+                job: job.id,
+                slot,
+                to: To::Set(ranks),
+                round: Some(clock),
+            });
         }
     }
 
@@ -1433,8 +1800,8 @@ impl<A: Copy + Eq> Shard<A> {
     /// The one or two transmits of a queued message: a result to ranks of
     /// both kinds (shared memory or not) is two.
     fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, Ranks<'_, A>>>; 2] {
-        let (job, slot, to) = match *p {
-            Pending::Result { job, slot, to } => (job, slot, to),
+        let (job, slot, to, round) = match *p {
+            Pending::Result { job, slot, to, round } => (job, slot, to, round),
             Pending::Error { repr, to } => {
                 let t = Transmit {
                     header: repr.to_bytes(),
@@ -1458,7 +1825,7 @@ impl<A: Copy + Eq> Shard<A> {
             rank: APPLIANCE_RANK,
             count: s.elems as u16,
             error: 0,
-            round: s.completed,
+            round: round.unwrap_or(s.completed),
             slot,
             key: s.key,
             chunk: s.chunk,
@@ -1480,7 +1847,9 @@ impl<A: Copy + Eq> Shard<A> {
         };
         let ranks = |only| Ranks::new(&j.endpoints, only, None);
         match to {
-            Some(r) => {
+            // Non-BSP jobs have no shared-memory regions: datagrams alone.
+            To::Set(set) => [Some(plain(ranks(Some((set, true))))), None],
+            To::One(r) => {
                 let one = Ranks::new(&[], None, j.endpoints.get(usize::from(r)).copied().flatten());
                 if j.shm_ranks.contains(r) {
                     [Some(shm(one)), None]
@@ -1488,7 +1857,7 @@ impl<A: Copy + Eq> Shard<A> {
                     [Some(plain(one)), None]
                 }
             }
-            None => match j.shm_ranks.len() {
+            To::All => match j.shm_ranks.len() {
                 0 => [Some(plain(ranks(None))), None],
                 n if n == u32::from(j.workers) => [Some(shm(ranks(None))), None],
                 _ => [
@@ -1513,7 +1882,12 @@ impl<A: Copy + Eq> Shard<A> {
 enum Step {
     Open,
     Closed,
-    Resend,
+    /// The stored result to the sender alone, with this round field (BSP:
+    /// the slot's last completed round).
+    Resend(Option<u32>),
+    /// Not BSP: the push was applied; its answer is queued, or held; the
+    /// slot's lowest clock rose (held answers may go).
+    Applied { held: bool, slowest_rose: bool },
 }
 
 #[cfg(test)]
@@ -1574,6 +1948,7 @@ mod tests {
             workers: 2,
             dtype,
             optimizer,
+            consistency: Default::default(),
             chunk_elems: elems,
             slots: (0..slots)
                 .map(|chunk| SlotChunk { key: 0, chunk, elems })
@@ -1691,6 +2066,7 @@ mod tests {
                         workers: 3,
                         dtype,
                         optimizer: o,
+                        consistency: Default::default(),
                         chunk_elems: l.chunk_elems,
                         slots: p.slots(lcore).collect(),
                     })

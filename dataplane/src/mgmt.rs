@@ -188,12 +188,14 @@ impl Manager {
                 ),
             ));
         }
+        // A job sharded over several appliances gives this one a part: its
+        // lcores' runs of the chunk sequence, which need not start at 0.
         let placement =
-            Placement::new(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
+            Placement::part(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
         let cost = self
             .info
             .memory_model
-            .job_cost(&req.spec, &req.layout, self.info.shm);
+            .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm));
         let need = cost.total();
         let mut jobs = self.jobs();
         if jobs.contains_key(&id) {
@@ -237,7 +239,7 @@ impl Manager {
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
         // With --shm every lcore gives the job its shared-memory regions.
-        let shm = self.info.shm.then_some(ShmSetup {
+        let shm = req.spec.shared_memory(self.info.shm).then_some(ShmSetup {
             base_port: self.info.data.base_port,
             chunk_elems: req.layout.chunk_elems,
         });
@@ -251,6 +253,7 @@ impl Manager {
                 workers,
                 dtype: req.spec.dtype,
                 optimizer: req.spec.optimizer,
+                consistency: req.spec.consistency,
                 chunk_elems: req.layout.chunk_elems,
                 slots: placement.slots(i).collect(),
             };
@@ -367,6 +370,9 @@ impl Manager {
                             rounds_completed: 0,
                             round_range: None,
                             silent_ms: Vec::new(),
+                            clocks: Vec::new(),
+                            max_lead: None,
+                            held: 0,
                         },
                         vec![0; s.last_seen.len()],
                     )
@@ -379,6 +385,16 @@ impl Manager {
                 for (m, t) in e.1.iter_mut().zip(&s.last_seen) {
                     *m = (*m).max(*t);
                 }
+                // Lcores without the job's slots report no clocks.
+                if e.0.clocks.is_empty() {
+                    e.0.clocks = s.clocks;
+                } else {
+                    for (m, &(lo, hi)) in e.0.clocks.iter_mut().zip(&s.clocks) {
+                        *m = (m.0.min(lo), m.1.max(hi));
+                    }
+                }
+                e.0.max_lead = e.0.max_lead.max(s.max_lead);
+                e.0.held += s.held;
             }
         }
         DataplaneStats {

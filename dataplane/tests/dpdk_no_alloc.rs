@@ -63,6 +63,7 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
             workers: W,
             dtype: Dtype::F32,
             optimizer: Optimizer::Sum,
+            consistency: Default::default(),
             chunk_elems: N as u32,
             slots: vec![SlotChunk {
                 key: 0,

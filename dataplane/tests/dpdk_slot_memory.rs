@@ -87,6 +87,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         workers: 2,
         dtype: Dtype::F32,
         optimizer: adam,
+        consistency: Default::default(),
         chunk_elems: 2048,
         slots: (0..slots)
             .map(|chunk| SlotChunk {

@@ -17,6 +17,7 @@ fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer) -> Shard<u32> {
         workers,
         dtype,
         optimizer,
+        consistency: Default::default(),
         chunk_elems: 4,
         slots: vec![
             SlotChunk {
@@ -275,6 +276,7 @@ fn another_jobs_packets_never_touch_a_victim() {
         workers: 1,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        consistency: Default::default(),
         chunk_elems: 4,
         slots: vec![SlotChunk {
             key: 0,
@@ -347,6 +349,7 @@ fn bad_installs_are_refused() {
         workers,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        consistency: Default::default(),
         chunk_elems: 2208,
         slots: vec![SlotChunk {
             key: 0,

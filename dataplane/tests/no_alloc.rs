@@ -32,6 +32,7 @@ fn handling_and_draining_allocates_nothing() {
                 eps: 1e-8,
                 weight_decay: 0.0,
             },
+            consistency: Default::default(),
             chunk_elems: N as u32,
             slots: vec![SlotChunk {
                 key: 0,

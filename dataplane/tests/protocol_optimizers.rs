@@ -445,6 +445,7 @@ impl Engine {
                 workers,
                 dtype: Dtype::F32,
                 optimizer: opt,
+                consistency: Default::default(),
                 chunk_elems: n as u32,
                 slots: vec![SlotChunk {
                     key: 0,

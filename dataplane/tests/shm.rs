@@ -41,6 +41,7 @@ fn job(id: u16, workers: u16, dtype: Dtype, optimizer: Optimizer) -> JobInstall 
         workers,
         dtype,
         optimizer,
+        consistency: Default::default(),
         chunk_elems: CHUNK,
         slots: ELEMS
             .iter()

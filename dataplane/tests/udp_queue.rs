@@ -47,6 +47,7 @@ fn results_to_one_worker(shm: bool) {
         workers: 1,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        consistency: Default::default(),
         chunk_elems: ELEMS,
         slots: (0..CHUNKS)
             .map(|c| SlotChunk {

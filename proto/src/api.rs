@@ -18,6 +18,9 @@
 //! | `GET /v1/jobs/{id}/map/keys/{k}` | | [`JobMap`] with key k's chunks ([`KeyMap`]) |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
 //! | `GET /v1/stats` | | [`Stats`] |
+//! | `GET /v1/appliances` | | `Vec<`[`ApplianceStatus`]`>` |
+//! | `POST /v1/appliances` | [`ApplianceSpec`] | [`ApplianceStatus`] (201) |
+//! | `DELETE /v1/appliances/{name}` | | [`ApplianceStatus`] of the removed appliance |
 //! | `GET /metrics` | | Prometheus text format |
 //!
 //! phub-dataplane management, default `127.0.0.1:7800`:
@@ -31,8 +34,9 @@
 //! | `GET /v1/jobs` | | `Vec<`[`InstalledJob`]`>` |
 //! | `GET /v1/stats` | | [`DataplaneStats`] |
 //!
-//! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`
-//! and `POST /v1/jobs/{id}/checkpoint` need `Authorization: Bearer <operator
+//! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`,
+//! `POST /v1/jobs/{id}/checkpoint`, `POST /v1/appliances` and `DELETE
+//! /v1/appliances/{name}` need `Authorization: Bearer <operator
 //! token>` (401 without, 403 wrong); a join carries the job's token in its
 //! body. On the dataplane, every route but `GET /v1/info`, `GET /v1/jobs`
 //! and `GET /v1/stats` needs `Authorization: Bearer <management token>`.
@@ -111,8 +115,13 @@ pub struct AdmitResponse {
     /// Of `memory_bytes`, the shared-memory region files in `/dev/shm`.
     #[serde(default)]
     pub shm_bytes: u64,
-    /// Lcores the job's chunks are spread over.
+    /// Lcores the job's chunks are spread over (indices into the layout:
+    /// for a job over several appliances, the lcores of the first, then
+    /// those of the next, ...).
     pub lcores: Vec<u16>,
+    /// The appliances holding the job, in layout order.
+    #[serde(default)]
+    pub appliances: Vec<String>,
 }
 
 /// One line of `phubctl job list`.
@@ -137,8 +146,12 @@ pub struct JobSummary {
     /// Memory the job holds on the appliance, in bytes (as
     /// [`AdmitResponse::memory_bytes`]).
     pub memory_bytes: u64,
-    /// Whether the dataplane has the job installed right now.
+    /// Whether every appliance of the job has its part installed right now.
     pub installed: bool,
+    /// The appliances holding the job's chunks, in layout order (one for
+    /// a job that is not sharded).
+    #[serde(default)]
+    pub appliances: Vec<String>,
     /// Why the job failed, if it did: the dataplane can no longer hold it
     /// (e.g. it restarted with fewer lcores and the job does not fit them).
     /// A failed job is never reinstalled; joins are refused with this
@@ -174,11 +187,110 @@ pub struct JobDetail {
     pub ranks: Vec<RankStatus>,
     /// Rounds completed over all the job's chunks.
     pub rounds_completed: u64,
-    /// Lowest and highest last-completed round over the job's chunks.
+    /// Lowest and highest last-completed round over the job's chunks (for
+    /// a job that is not BSP: updates applied per chunk).
     pub round_range: Option<(u32, u32)>,
-    /// The job's last checkpoint, if it has one.
+    /// Jobs that are not BSP: per rank, its lowest and highest applied
+    /// clock over the job's chunks ([`JobLive::clocks`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clocks: Vec<(u32, u32)>,
+    /// Jobs that are not BSP: the largest lead ever allowed
+    /// ([`JobLive::max_lead`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lead: Option<u32>,
+    /// Bounded-delay answers held now.
+    #[serde(default)]
+    pub held: u64,
+    /// The job's last checkpoint, if it has one (every part of a sharded
+    /// job: rounds over all, bytes added up, the files listed).
     #[serde(default)]
     pub checkpoint: Option<CheckpointInfo>,
+    /// Per appliance holding some of the job: its part and whether it is
+    /// installed there now.
+    #[serde(default)]
+    pub parts: Vec<JobPart>,
+}
+
+/// One appliance's part of a job (`phubctl job show`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JobPart {
+    /// The appliance.
+    pub appliance: String,
+    /// Its rack label.
+    pub rack: String,
+    /// Lcores of the appliance the layout spans.
+    pub lcores: u32,
+    /// Sequence numbers of the chunks it holds: `chunks.0 .. chunks.1`.
+    pub chunks: (u64, u64),
+    /// Memory the part holds there, in bytes.
+    pub memory_bytes: u64,
+    /// Whether the appliance has the part installed right now.
+    pub installed: bool,
+    /// Why its state is not known (the appliance does not answer): the
+    /// part is reinstalled when it answers again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub down: Option<String>,
+    /// Rounds completed over the part's chunks.
+    pub rounds_completed: u64,
+    /// Lowest and highest last-completed round over the part's chunks.
+    pub round_range: Option<(u32, u32)>,
+}
+
+/// An appliance as the operator names it to control (`phubctl appliance
+/// add`, `--appliance`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApplianceSpec {
+    /// Its name, unique within control (`crate::spec::appliance_name_ok`).
+    pub name: String,
+    /// Base URL of its dataplane's management API.
+    pub url: String,
+    /// Its rack label.
+    #[serde(default)]
+    pub rack: String,
+    /// Its dataplane's management token file; default: the dataplane's
+    /// default for the port of `url`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<String>,
+}
+
+/// An appliance as control sees it (`phubctl appliance list`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApplianceStatus {
+    /// Its name.
+    pub name: String,
+    /// Its management URL.
+    pub url: String,
+    /// Its rack label.
+    pub rack: String,
+    /// The management token file control reads.
+    pub token_file: String,
+    /// Why it does not answer, if it does not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub down: Option<String>,
+    /// Where workers send, when known.
+    pub data: Option<DataAddr>,
+    /// Its lcores, when known.
+    pub lcores: Option<u32>,
+    /// Its memory budget and what is in use, in bytes, when known.
+    pub memory_budget_bytes: Option<u64>,
+    /// What its installed jobs hold, in bytes, when known.
+    pub memory_used_bytes: Option<u64>,
+    /// Admitted jobs with a part on it.
+    pub jobs: Vec<u16>,
+}
+
+/// One appliance's counters in control's `GET /v1/stats`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ApplianceStats {
+    /// The appliance.
+    pub name: String,
+    /// Its rack label.
+    pub rack: String,
+    /// Its counters, or `None` when it cannot be reached.
+    pub dataplane: Option<DataplaneStats>,
+    /// Why it could not be reached.
+    pub error: Option<String>,
 }
 
 /// A saved checkpoint (`POST /v1/jobs/{id}/checkpoint` on control).
@@ -225,7 +337,10 @@ pub struct JobMap {
 /// One lcore's share of a job.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LcoreShare {
-    /// Lcore index.
+    /// The appliance the lcore belongs to.
+    #[serde(default)]
+    pub appliance: String,
+    /// Lcore index on that appliance.
     pub lcore: u16,
     /// UDP port workers send its chunks to.
     pub port: u16,
@@ -255,9 +370,12 @@ pub struct KeyMap {
 
 /// Chunks `chunk .. chunk + count` of a key, in slots `slot .. slot +
 /// count` of one lcore.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyRun {
-    /// The lcore.
+    /// The appliance of the lcore.
+    #[serde(default)]
+    pub appliance: String,
+    /// The lcore, on that appliance.
     pub lcore: u16,
     /// The run's first chunk (within the key).
     pub chunk: u32,
@@ -300,19 +418,44 @@ pub struct JoinResponse {
     /// The spec as admitted.
     pub spec: JobSpec,
     /// Where each chunk lives: per lcore, one run of the job's chunk
-    /// sequence (PROTOCOL.md §4), a few bytes per lcore.
+    /// sequence (PROTOCOL.md §4), a few bytes per lcore. For a job over
+    /// several appliances, the lcores of `appliances[0]`, then those of
+    /// `appliances[1]`, and so on.
     pub layout: Layout,
-    /// Where to send.
+    /// Where to send (a sharded job's: its first appliance's).
     pub dataplane: DataAddr,
+    /// The job's appliances in layout order, each with its data address
+    /// and the number of the layout's lcores that are its. Absent (empty)
+    /// from a control that predates sharding: then every lcore is
+    /// `dataplane`'s.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub appliances: Vec<ApplianceAddr>,
+}
+
+/// One appliance of a job, as a worker sees it at join.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ApplianceAddr {
+    /// The appliance's name.
+    pub name: String,
+    /// IP address workers send to.
+    pub host: String,
+    /// Its lcore i listens on UDP port `base_port + i`.
+    pub base_port: u16,
+    /// How many of the layout's lcores are its (the next ones in order).
+    pub lcores: u32,
 }
 
 /// `GET /v1/stats` on control.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Stats {
-    /// The dataplane's counters, or `None` when it cannot be reached.
+    /// The first appliance's counters, or `None` when it cannot be reached
+    /// (`appliances` has every appliance's).
     pub dataplane: Option<DataplaneStats>,
-    /// Why the dataplane could not be reached.
+    /// Why the first appliance could not be reached.
     pub dataplane_error: Option<String>,
+    /// Every appliance's counters, by name.
+    #[serde(default)]
+    pub appliances: Vec<ApplianceStats>,
     /// Per admitted job.
     pub jobs: Vec<JobSummary>,
 }
@@ -377,6 +520,9 @@ pub struct InstallJob {
     /// The spec.
     pub spec: JobSpec,
     /// The layout; `layout.lcores.len()` must equal the dataplane's lcores.
+    /// For a job sharded over several appliances, this appliance's part:
+    /// its runs cover its share of the chunk sequence, which need not start
+    /// at chunk 0 (`crate::layout::Placement::part`).
     pub layout: Layout,
 }
 
@@ -418,6 +564,9 @@ crate::counter_table! {
         errors_sent: Count, Hidden, "ERROR messages queued";
         misrouted: Count, Always("MISROUTED"), "Packets that reached this lcore but belong to another";
         arp_replies: Count, Always("ARP"), "ARP requests for the appliance's address answered (DPDK backend)";
+        answers_held: Count, IfAny("HELD"), "Bounded-delay answers held (the push applied, its answer waiting for the slowest rank)";
+        answers_released: Count, Hidden, "Held bounded-delay answers released";
+        held_wait_us: Count, Hidden, "Microseconds the released answers were held, summed (divide by answers_released for the mean)";
         shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
         busy_loops: Count, Hidden, "Poll-loop iterations that found work";
         idle_loops: Count, Hidden, "Poll-loop iterations that found none";
@@ -441,6 +590,19 @@ pub struct JobLive {
     pub round_range: Option<(u32, u32)>,
     /// Per rank, milliseconds since last heard from on any lcore.
     pub silent_ms: Vec<Option<u64>>,
+    /// Jobs that are not BSP: per rank, the lowest and highest clock it had
+    /// applied over the job's chunks (empty for BSP).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clocks: Vec<(u32, u32)>,
+    /// Jobs that are not BSP: the largest lead an answer ever allowed,
+    /// over the job's chunks: the clock answered plus one (the clock the
+    /// rank may push next) minus the slowest rank's applied clock on that
+    /// chunk then. At most τ + 1 for a bounded-delay job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_lead: Option<u32>,
+    /// Bounded-delay answers held now.
+    #[serde(default)]
+    pub held: u64,
 }
 
 /// `GET /v1/stats` on the dataplane.

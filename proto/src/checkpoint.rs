@@ -6,14 +6,16 @@
 //! | bytes | what |
 //! | --- | --- |
 //! | 8 | magic `PHUBCKPT` |
-//! | 4 | format version (1) |
+//! | 4 | format version (2; version 1, which lacks the clocks, is read too) |
 //! | 4 | length J of the JSON that follows |
-//! | J | [`InstallJob`] as JSON: id, token, spec, layout |
+//! | J | [`InstallJob`] as JSON: id, token, spec, layout (of one appliance's part, for a sharded job) |
 //! | 4 | number of lcores L (must equal the layout's) |
 //! | per lcore: 4 | number of slots S (must equal the layout's for that lcore) |
 //! | per slot: 4 | last completed round, `0xffffffff` for none |
 //! | per slot: 4 x 4 | lengths (in elements) of params, state 1, state 2 (f32) and of the stored result (wire elements, u16 or f32 by dtype size) |
 //! | per slot | the four arrays, little-endian |
+//! | per slot: 4 | number of clocks K: 0 for a BSP job, W otherwise (version 2 only) |
+//! | per slot: K x 4 | each rank's last applied clock on the chunk, bit 31 set while its answer is held |
 //! | 4 | CRC-32 (IEEE) of every byte before it |
 //!
 //! Decoding checks every length against the layout and the checksum, so a
@@ -21,11 +23,14 @@
 
 use crate::api::InstallJob;
 use crate::layout::{Layout, Placement};
+use crate::spec::Consistency;
 
 /// First bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
-/// Format version this code writes and reads.
-pub const VERSION: u32 = 1;
+/// Format version this code writes (it reads this one and 1).
+pub const VERSION: u32 = 2;
+/// The bit of a saved clock that says the rank's answer is held.
+pub const CLOCK_HELD: u32 = 1 << 31;
 
 /// One slot's durable state.
 #[derive(Debug, Clone, PartialEq)]
@@ -40,6 +45,9 @@ pub struct SlotState {
     pub s2: Vec<f32>,
     /// The stored result in wire bytes (empty when the parameters are it).
     pub result: Vec<u8>,
+    /// Jobs that are not BSP: per rank, its last applied clock on the chunk,
+    /// [`CLOCK_HELD`] set while its answer is held (empty for BSP).
+    pub clocks: Vec<u32>,
 }
 
 /// A whole job's checkpoint.
@@ -57,9 +65,12 @@ pub enum CheckpointError {
     /// The file ends before the data it announces.
     #[error("checkpoint is truncated at byte {0}")]
     Truncated(usize),
-    /// Not a phub checkpoint, or another format version.
-    #[error("not a phub checkpoint of format version {VERSION}")]
+    /// Not a phub checkpoint.
+    #[error("not a phub checkpoint (no PHUBCKPT magic)")]
     BadMagic,
+    /// A phub checkpoint of a format version this code does not read.
+    #[error("checkpoint format version {0}: this phub reads versions 1 and {VERSION}")]
+    BadVersion(u32),
     /// The checksum does not match.
     #[error("checkpoint checksum mismatch (file corrupted)")]
     BadChecksum,
@@ -100,7 +111,8 @@ impl Checkpoint {
     pub fn relayout(self, layout: Layout) -> Result<Checkpoint, CheckpointError> {
         let Checkpoint { job, lcores } = self;
         let (had, has) = (job.layout.chunk_count(), layout.chunk_count());
-        if had != has || job.layout.chunk_elems != layout.chunk_elems {
+        // A part of a sharded job moves within its own share of the chunks.
+        if job.layout.span() != layout.span() || job.layout.chunk_elems != layout.chunk_elems {
             return Err(CheckpointError::Mismatch(format!(
                 "the new layout has {has} chunks of {} elements, the checkpoint {had} of {}",
                 layout.chunk_elems, job.layout.chunk_elems
@@ -150,6 +162,10 @@ impl Checkpoint {
                     out.extend_from_slice(&v.to_le_bytes());
                 }
                 out.extend_from_slice(&s.result);
+                len(&mut out, "a clock count", s.clocks.len())?;
+                for c in &s.clocks {
+                    out.extend_from_slice(&c.to_le_bytes());
+                }
             }
         }
         let crc = crc32fast::hash(&out);
@@ -164,8 +180,9 @@ impl Checkpoint {
         }
         let (body, crc) = bytes.split_at(bytes.len() - 4);
         let mut r = Reader { b: body, at: 8 };
-        if r.u32()? != VERSION {
-            return Err(CheckpointError::BadMagic);
+        let version = r.u32()?;
+        if version != 1 && version != VERSION {
+            return Err(CheckpointError::BadVersion(version));
         }
         if crc32fast::hash(body) != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
             return Err(CheckpointError::BadChecksum);
@@ -176,7 +193,8 @@ impl Checkpoint {
         job.spec
             .validate()
             .map_err(|e| CheckpointError::BadJob(e.to_string()))?;
-        let placement = Placement::new(&job.spec, job.layout.clone())
+        // One appliance's part of a sharded job has a checkpoint of its own.
+        let placement = Placement::part(&job.spec, job.layout.clone())
             .map_err(|e| CheckpointError::BadJob(format!("layout: {e}")))?;
         let opt = &job.spec.optimizer;
         let dsize = job.spec.dtype.size();
@@ -224,12 +242,33 @@ impl Checkpoint {
                 };
                 let (params, s1, s2) = (f(lens[0])?, f(lens[1])?, f(lens[2])?);
                 let result = r.take(lens[3] * dsize)?.to_vec();
+                let nclocks = if version == 1 { 0 } else { r.u32()? as usize };
+                let want_clocks = if job.spec.consistency == Consistency::Sync {
+                    0
+                } else {
+                    job.spec.workers as usize
+                };
+                // A version-1 file of a job that is not BSP cannot exist:
+                // such jobs came with version 2.
+                if nclocks != want_clocks {
+                    return Err(CheckpointError::Mismatch(format!(
+                        "lcore {l} slot {i}: {nclocks} rank clocks; a {} job of {} workers has {want_clocks}",
+                        job.spec.consistency.mode(),
+                        job.spec.workers
+                    )));
+                }
+                let clocks = r
+                    .take(4 * nclocks)?
+                    .chunks_exact(4)
+                    .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                    .collect();
                 slots.push(SlotState {
                     completed,
                     params,
                     s1,
                     s2,
                     result,
+                    clocks,
                 });
             }
             lcores.push(slots);
@@ -290,6 +329,7 @@ mod tests {
                             s1: vec![0.5; e],
                             s2: vec![0.25; e],
                             result: vec![3; 2 * e],
+                            clocks: Vec::new(),
                         }
                     })
                     .collect()
@@ -325,6 +365,61 @@ mod tests {
         other.lcores[0][0].s2.clear();
         let e = Checkpoint::decode(&other.encode().unwrap()).unwrap_err();
         assert!(matches!(e, CheckpointError::Mismatch(_)), "{e}");
+        let mut future = bytes.clone();
+        future[8..12].copy_from_slice(&3u32.to_le_bytes());
+        let e = Checkpoint::decode(&future).unwrap_err();
+        assert_eq!(e, CheckpointError::BadVersion(3));
+        assert!(e.to_string().contains("reads versions 1 and 2"), "{e}");
+    }
+
+    /// Version 1 wrote no clock count: the same bytes without them read as
+    /// the same checkpoint (a BSP job has no clocks).
+    #[test]
+    fn version_one_files_are_read() {
+        let c = sample();
+        let v2 = c.encode().unwrap();
+        let jlen = u32::from_le_bytes(v2[12..16].try_into().unwrap()) as usize;
+        let mut v1 = v2[..16 + jlen].to_vec();
+        v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+        let mut at = 16 + jlen;
+        let word = |v1: &mut Vec<u8>, at: &mut usize| {
+            let w = u32::from_le_bytes(v2[*at..*at + 4].try_into().unwrap());
+            v1.extend_from_slice(&v2[*at..*at + 4]);
+            *at += 4;
+            w
+        };
+        let nl = word(&mut v1, &mut at);
+        for _ in 0..nl {
+            let ns = word(&mut v1, &mut at);
+            for _ in 0..ns {
+                word(&mut v1, &mut at);
+                let lens: Vec<u32> = (0..4).map(|_| word(&mut v1, &mut at)).collect();
+                let bytes = 4 * (lens[0] + lens[1] + lens[2]) as usize + 2 * lens[3] as usize;
+                v1.extend_from_slice(&v2[at..at + bytes]);
+                at += bytes;
+                assert_eq!(u32::from_le_bytes(v2[at..at + 4].try_into().unwrap()), 0, "no clocks");
+                at += 4;
+            }
+        }
+        assert_eq!(at, v2.len() - 4);
+        let crc = crc32fast::hash(&v1);
+        v1.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(Checkpoint::decode(&v1).unwrap(), c);
+    }
+
+    /// A job that is not BSP keeps W clocks per slot, held bits included;
+    /// a slot with another count is refused naming the mode.
+    #[test]
+    fn clocks_of_an_async_job_round_trip() {
+        let mut c = sample();
+        c.job.spec.consistency = Consistency::Bounded { delay: 2 };
+        for s in c.lcores.iter_mut().flatten() {
+            s.clocks = vec![5, 7 | CLOCK_HELD];
+        }
+        assert_eq!(Checkpoint::decode(&c.encode().unwrap()).unwrap(), c);
+        c.lcores[0][0].clocks.pop();
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(e.contains("1 rank clocks; a bounded_delay job of 2 workers has 2"), "{e}");
     }
 
     /// Moving a checkpoint onto a layout over other lcores keeps every

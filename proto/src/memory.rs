@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::layout::{ChunkRange, Chunks, Layout, Weights};
 use crate::shm::region_len;
-use crate::spec::{JobSpec, KeySpec, Optimizer};
+use crate::spec::{Consistency, JobSpec, KeySpec, Optimizer};
 use crate::Dtype;
 
 /// What the dataplane allocates for a job, as the dataplane reports it.
@@ -52,6 +52,11 @@ pub struct MemoryModel {
     pub region_bytes: u32,
     /// Page size: every shared-memory region file takes whole pages.
     pub page_bytes: u32,
+    /// Per slot and rank of a job that is not BSP (async, bounded delay):
+    /// the rank's last applied clock on the chunk and, while its answer is
+    /// held, since when. 0 from a dataplane that does not say.
+    #[serde(default)]
+    pub clock_bytes: u32,
 }
 
 impl Default for MemoryModel {
@@ -71,6 +76,7 @@ impl Default for MemoryModel {
             key_bytes: std::mem::size_of::<KeySpec>() as u32,
             region_bytes: 512,
             page_bytes: 4096,
+            clock_bytes: 16,
         }
     }
 }
@@ -183,7 +189,8 @@ impl MemoryModel {
     }
 
     /// Heap bytes of a job on one lcore holding `slots` slots whose buffers
-    /// take `data` bytes.
+    /// take `data` bytes (and, for a job that is not BSP, a clock per slot
+    /// and rank).
     pub fn lcore_bytes(&self, spec: &JobSpec, shm: bool, slots: u64, data: u64) -> u64 {
         let blocks = slots.div_ceil(self.slots_per_block(spec, shm));
         let ranks = u64::from(spec.workers) * u64::from(self.rank_bytes);
@@ -192,7 +199,13 @@ impl MemoryModel {
         } else {
             0
         };
+        let clocks = if spec.consistency == Consistency::Sync {
+            0
+        } else {
+            slots * u64::from(spec.workers) * u64::from(self.clock_bytes)
+        };
         data + slots * u64::from(self.slot_bytes)
+            + clocks
             + blocks * u64::from(self.block_overhead_bytes)
             + u64::from(self.lcore_job_bytes)
             + ranks

@@ -64,6 +64,124 @@ pub struct JobSpec {
     /// Seconds between automatic checkpoints (none when absent).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub checkpoint_interval_s: Option<u32>,
+    /// Which appliances hold the job's chunks (`[placement]`; one, the one
+    /// with the most free memory, when absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<PlacementSpec>,
+}
+
+/// Most appliances one job may be sharded over.
+pub const MAX_APPLIANCES: usize = 64;
+
+/// `[placement]`: which appliances hold the job's chunks. A job over several
+/// appliances has its chunks placed over the union of their lcores, each
+/// chunk on one of them (its home).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PlacementSpec {
+    /// `appliances = N` (the N with the most free memory) or `appliances =
+    /// ["a", "b"]` (those, by name).
+    pub appliances: Appliances,
+}
+
+/// The appliances a job asks for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(untagged)]
+pub enum Appliances {
+    /// This many, chosen by control (most free memory first).
+    Count(u32),
+    /// These, by name, in this order.
+    Names(Vec<String>),
+}
+
+impl<'de> Deserialize<'de> for Appliances {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Appliances, D::Error> {
+        struct V;
+        const EXPECTED: &str = "a number of appliances (1 or more) or a list of appliance names";
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = Appliances;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(EXPECTED)
+            }
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<Appliances, E> {
+                u32::try_from(v)
+                    .map(Appliances::Count)
+                    .map_err(|_| E::custom(format!("placement.appliances = {v}: expected {EXPECTED}")))
+            }
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<Appliances, E> {
+                u64::try_from(v)
+                    .map_err(|_| E::custom(format!("placement.appliances = {v}: expected {EXPECTED}")))
+                    .and_then(|v| self.visit_u64(v))
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Appliances, A::Error> {
+                let mut names = Vec::new();
+                while let Some(n) = seq.next_element::<String>()? {
+                    names.push(n);
+                }
+                Ok(Appliances::Names(names))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// Whether `name` may name an appliance: 1 to 64 of ASCII letters, digits,
+/// `-`, `_` and `.`, not starting with `.` (it is part of checkpoint file
+/// names).
+pub fn appliance_name_ok(name: &str) -> bool {
+    (1..=64).contains(&name.len())
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+/// What [`appliance_name_ok`] accepts, for error messages.
+pub const APPLIANCE_NAME_RULE: &str =
+    "1 to 64 ASCII letters, digits, '-', '_' or '.', not starting with '.'";
+
+impl PlacementSpec {
+    /// How many appliances the spec asks for.
+    pub fn count(&self) -> usize {
+        match &self.appliances {
+            Appliances::Count(n) => *n as usize,
+            Appliances::Names(n) => n.len(),
+        }
+    }
+
+    fn validate(&self) -> Result<(), SpecError> {
+        match &self.appliances {
+            Appliances::Count(n) if *n == 0 || *n as usize > MAX_APPLIANCES => Err(bad(
+                "placement.appliances",
+                n,
+                format!("a number from 1 to {MAX_APPLIANCES}, or a list of appliance names"),
+            )),
+            Appliances::Count(_) => Ok(()),
+            Appliances::Names(names) => {
+                if names.is_empty() || names.len() > MAX_APPLIANCES {
+                    return Err(bad(
+                        "placement.appliances",
+                        format!("{} names", names.len()),
+                        format!("1 to {MAX_APPLIANCES} appliance names"),
+                    ));
+                }
+                let mut seen = std::collections::HashSet::new();
+                for (i, n) in names.iter().enumerate() {
+                    if !appliance_name_ok(n) {
+                        return Err(bad(format!("placement.appliances[{i}]"), shown(n), APPLIANCE_NAME_RULE));
+                    }
+                    if !seen.insert(n.as_str()) {
+                        return Err(bad(
+                            format!("placement.appliances[{i}]"),
+                            shown(n),
+                            "a name not listed before",
+                        ));
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
 }
 
 fn default_dtype() -> Dtype {
@@ -215,21 +333,97 @@ impl Optimizer {
     }
 }
 
-/// Consistency model (Li et al., OSDI 2014).
+/// Consistency model (Li et al., OSDI 2014), per chunk; PROTOCOL.md §5.8
+/// states each mode's rules. In a spec: `consistency = { mode = "sync" }`
+/// (the default), `{ mode = "async" }`, or `{ bounded_delay = N }`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[serde(tag = "mode", rename_all = "lowercase", deny_unknown_fields)]
+#[serde(try_from = "ConsistencyFields", into = "ConsistencyFields")]
 pub enum Consistency {
-    /// Bulk synchronous: a round completes when all W workers have pushed.
+    /// Bulk synchronous (BSP): a round completes when all W workers have
+    /// pushed it; every rank gets the result.
     #[default]
     Sync,
-    /// Each push is applied at once and answered to its sender alone.
+    /// Each push is applied at once and answered to its sender alone with
+    /// the chunk's current values.
     Async,
-    /// A push of round r is applied at once and answered when every worker
-    /// has pushed round r - delay.
+    /// Each push is applied at once; the answer to a rank's clock c is held
+    /// until every rank's applied clock on the chunk is at least c − delay.
     Bounded {
-        /// The bound τ on staleness, in rounds.
+        /// The bound τ on staleness, in clocks, 0..=[`MAX_BOUNDED_DELAY`].
         delay: u32,
     },
+}
+
+/// Largest τ a bounded-delay job may ask for.
+pub const MAX_BOUNDED_DELAY: u32 = 1024;
+
+impl Consistency {
+    /// The mode's name as a spec writes it: `sync`, `async` or
+    /// `bounded_delay`.
+    pub const fn mode(&self) -> &'static str {
+        match self {
+            Consistency::Sync => "sync",
+            Consistency::Async => "async",
+            Consistency::Bounded { .. } => "bounded_delay",
+        }
+    }
+
+    /// τ for a bounded-delay job.
+    pub const fn delay(&self) -> Option<u32> {
+        match self {
+            Consistency::Bounded { delay } => Some(*delay),
+            _ => None,
+        }
+    }
+}
+
+impl std::fmt::Display for Consistency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Consistency::Bounded { delay } => write!(f, "bounded_delay {delay}"),
+            c => f.write_str(c.mode()),
+        }
+    }
+}
+
+/// `[consistency]` as written: `mode` and/or `bounded_delay`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConsistencyFields {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    mode: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    bounded_delay: Option<u32>,
+}
+
+impl TryFrom<ConsistencyFields> for Consistency {
+    type Error = String;
+
+    fn try_from(f: ConsistencyFields) -> Result<Consistency, String> {
+        const ACCEPTED: &str =
+            "accepted: mode = \"sync\" (the default), mode = \"async\", or bounded_delay = N";
+        match (f.mode.as_deref(), f.bounded_delay) {
+            (None | Some("sync"), None) => Ok(Consistency::Sync),
+            (Some("async"), None) => Ok(Consistency::Async),
+            (None | Some("bounded_delay"), Some(delay)) => Ok(Consistency::Bounded { delay }),
+            (Some("bounded_delay"), None) => Err(format!(
+                "consistency: mode = \"bounded_delay\" needs bounded_delay = N (τ, 0 to {MAX_BOUNDED_DELAY})"
+            )),
+            (Some(m @ ("sync" | "async")), Some(d)) => Err(format!(
+                "consistency: mode = {m:?} with bounded_delay = {d}: a bound is for bounded_delay jobs alone; {ACCEPTED}"
+            )),
+            (Some(m), _) => Err(format!("consistency.mode = {}: {ACCEPTED}", shown(m))),
+        }
+    }
+}
+
+impl From<Consistency> for ConsistencyFields {
+    fn from(c: Consistency) -> ConsistencyFields {
+        ConsistencyFields {
+            mode: Some(c.mode().to_string()),
+            bounded_delay: c.delay(),
+        }
+    }
 }
 
 /// What is wrong with a spec.
@@ -319,6 +513,14 @@ impl JobSpec {
         Ok(spec)
     }
 
+    /// Whether the job gets shared-memory regions on a dataplane started
+    /// with `--shm` (`dataplane_shm`): BSP jobs only. Results written once
+    /// per round into a region fit BSP; a job whose values change with
+    /// every push goes by datagrams.
+    pub fn shared_memory(&self, dataplane_shm: bool) -> bool {
+        dataplane_shm && self.consistency == Consistency::Sync
+    }
+
     /// Parses and validates a JSON spec.
     pub fn from_json(text: &str) -> Result<JobSpec, SpecError> {
         let spec: JobSpec = serde_json::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
@@ -396,12 +598,29 @@ impl JobSpec {
         validate_optimizer(&self.optimizer)?;
         match self.consistency {
             Consistency::Sync => {}
-            Consistency::Async | Consistency::Bounded { .. } => {
+            Consistency::Bounded { delay } if delay > MAX_BOUNDED_DELAY => {
                 return Err(bad(
-                    "consistency.mode",
-                    format!("{:?}", self.consistency).to_lowercase(),
-                    "\"sync\" (asynchronous and bounded-delay modes are not implemented yet)",
+                    "consistency.bounded_delay",
+                    delay,
+                    format!(
+                        "an integer from 0 to {MAX_BOUNDED_DELAY} (how many clocks a rank's answer may \
+                         run ahead of the slowest rank); mode = \"async\" has no bound"
+                    ),
                 ));
+            }
+            Consistency::Async | Consistency::Bounded { .. } => {
+                if self.optimizer == Optimizer::Mean {
+                    return Err(bad(
+                        "optimizer.kind",
+                        "\"mean\"",
+                        format!(
+                            "with consistency {}, each push is applied alone, so a mean has no \
+                             meaning: \"sum\" (workers push deltas) or a server-side optimizer \
+                             (sgd, momentum, nesterov, adam, adamw); or consistency sync",
+                            self.consistency.mode()
+                        ),
+                    ));
+                }
             }
         }
         if self.checkpoint_interval_s == Some(0) {
@@ -444,6 +663,9 @@ impl JobSpec {
                     "a name no other key of the job has",
                 ));
             }
+        }
+        if let Some(p) = &self.placement {
+            p.validate()?;
         }
         Ok(())
     }
@@ -550,6 +772,47 @@ elements = 1
         JobSpec::from_toml(text).unwrap_err().to_string()
     }
 
+    /// Each mode parses from what PROTOCOL.md and the README show, travels
+    /// through JSON unchanged, and a bad mode, a τ out of range, a bound
+    /// on another mode or a mean without BSP is refused naming the field.
+    #[test]
+    fn consistency_modes_parse_and_bad_ones_name_the_field() {
+        let with = |c: &str| GOOD.replace("chunk_bytes = 4096\n", &format!("chunk_bytes = 4096\n{c}\n"));
+        for (text, want) in [
+            ("consistency = { mode = \"sync\" }", Consistency::Sync),
+            ("consistency = { mode = \"async\" }", Consistency::Async),
+            ("consistency = { bounded_delay = 4 }", Consistency::Bounded { delay: 4 }),
+            (
+                "consistency = { mode = \"bounded_delay\", bounded_delay = 0 }",
+                Consistency::Bounded { delay: 0 },
+            ),
+            ("consistency = {}", Consistency::Sync),
+        ] {
+            let s = JobSpec::from_toml(&with(text)).unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(s.consistency, want, "{text}");
+            let j = JobSpec::from_json(&serde_json::to_string(&s).unwrap()).unwrap();
+            assert_eq!(j.consistency, want);
+        }
+        let json = serde_json::to_string(&Consistency::Bounded { delay: 8 }).unwrap();
+        assert_eq!(json, r#"{"mode":"bounded_delay","bounded_delay":8}"#);
+        assert_eq!(Consistency::Bounded { delay: 8 }.to_string(), "bounded_delay 8");
+        let e = err(&with("consistency = { bounded_delay = 1025 }"));
+        assert!(e.contains("`consistency.bounded_delay` = 1025") && e.contains("0 to 1024"), "{e}");
+        let e = err(&with("consistency = { mode = \"ssp\" }"));
+        assert!(e.contains("consistency.mode = \"ssp\"") && e.contains("bounded_delay = N"), "{e}");
+        let e = err(&with("consistency = { mode = \"async\", bounded_delay = 2 }"));
+        assert!(e.contains("bounded_delay = 2") && e.contains("\"async\""), "{e}");
+        let e = err(&with("consistency = { mode = \"bounded_delay\" }"));
+        assert!(e.contains("needs bounded_delay = N"), "{e}");
+        let e = err(&with("consistency = { bounded_delay = -1 }"));
+        assert!(e.contains("consistency"), "{e}");
+        let mean = with("consistency = { mode = \"async\" }").replace("kind = \"adam\"\nlr = 0.001", "kind = \"mean\"");
+        let e = err(&mean);
+        assert!(e.contains("`optimizer.kind` = \"mean\"") && e.contains("consistency async"), "{e}");
+        let sum = mean.replace("kind = \"mean\"", "kind = \"sum\"");
+        assert_eq!(JobSpec::from_toml(&sum).unwrap().consistency, Consistency::Async);
+    }
+
     #[test]
     fn errors_name_field_value_and_what_is_accepted() {
         let e = err(&GOOD.replace("workers = 3", "workers = 0"));
@@ -572,9 +835,9 @@ elements = 1
         assert!(e.contains("`optimizer.beta1` = 1"), "{e}");
         let e = err(&GOOD.replace(
             "elements = 1\n",
-            "elements = 1\n[consistency]\nmode = \"async\"\n",
+            "elements = 1\n[consistency]\nmode = \"eventual\"\n",
         ));
-        assert!(e.contains("consistency.mode") && e.contains("sync"), "{e}");
+        assert!(e.contains("consistency.mode") && e.contains("\"async\""), "{e}");
         let e = err("name = \"x\"\nworkers = 1\nkeys = []\n[optimizer]\nkind = \"sum\"\n");
         assert!(e.contains("`keys` = []"), "{e}");
         let e = err(&GOOD.replace("elements = 1\n", "name = \"w\"\nelements = 1\n"));
@@ -666,5 +929,25 @@ elements = 1
             .unwrap_err()
             .to_string();
         assert!(e.contains("at line 1 column"), "a JSON error: {e}");
+    }
+
+    #[test]
+    fn placement_takes_a_count_or_names_and_says_what_is_wrong() {
+        let with = |p: &str| JobSpec::from_toml(&format!("{GOOD}\n[placement]\n{p}\n"));
+        let two = with("appliances = 2").unwrap();
+        assert_eq!(two.placement.as_ref().unwrap().appliances, Appliances::Count(2));
+        let named = with("appliances = [\"a\", \"b-1\"]").unwrap();
+        assert_eq!(named.placement.as_ref().unwrap().count(), 2);
+        let back = JobSpec::from_json(&serde_json::to_string(&named).unwrap()).unwrap();
+        assert_eq!(back, named);
+        assert_eq!(JobSpec::from_toml(GOOD).unwrap().placement, None);
+        let e = with("appliances = 0").unwrap_err().to_string();
+        assert!(e.contains("placement.appliances") && e.contains("from 1 to 64"), "{e}");
+        let e = with("appliances = [\"a\", \"a\"]").unwrap_err().to_string();
+        assert!(e.contains("placement.appliances[1]") && e.contains("not listed before"), "{e}");
+        let e = with("appliances = [\"../x\"]").unwrap_err().to_string();
+        assert!(e.contains("placement.appliances[0]") && e.contains("ASCII letters"), "{e}");
+        let e = with("appliances = \"a\"").unwrap_err().to_string();
+        assert!(e.contains("a number of appliances"), "{e}");
     }
 }

@@ -300,6 +300,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                             s1: Vec::new(),
                             s2: Vec::new(),
                             result: Vec::new(),
+                            clocks: Vec::new(),
                         })
                         .collect()
                 })
@@ -329,6 +330,9 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                     rounds_completed: 42,
                     round_range: Some((3, 5)),
                     silent_ms: (0..j.spec.workers).map(|r| (r == 0).then_some(250)).collect(),
+                    clocks: Vec::new(),
+                    max_lead: None,
+                    held: 0,
                 })
                 .collect();
             json(

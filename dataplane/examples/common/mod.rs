@@ -53,6 +53,7 @@ pub(crate) fn job(elems: u32, slots: usize) -> JobInstall {
         workers: W,
         dtype: Dtype::F32,
         optimizer: Optimizer::Sum,
+        consistency: Default::default(),
         chunk_elems: elems,
         slots: (0..slots as u32)
             .map(|s| SlotChunk {
