@@ -161,6 +161,7 @@ struct Worker {
 fn run(case: &Case) {
     let spec = JobSpec {
         checkpoint_interval_s: None,
+        placement: None,
         name: "sim".into(),
         workers: u32::from(case.workers),
         dtype: case.dtype,
@@ -190,6 +191,7 @@ fn run(case: &Case) {
                 workers: case.workers,
                 dtype: case.dtype,
                 optimizer: case.optimizer,
+                consistency: Default::default(),
                 chunk_elems: lay.chunk_elems,
                 slots: placement.slots(i).collect(),
             })

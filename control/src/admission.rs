@@ -1,14 +1,16 @@
-//! Admission, the pure part: which lcores a job may use, what every admitted
-//! job already puts on each lcore, whether the job fits the dataplane's slot
-//! memory, and where its chunks go.
+//! Admission, the pure part: which appliances and lcores a job may use, what
+//! every admitted job already puts on each lcore, whether the job fits each
+//! appliance's memory, and where its chunks go.
 //!
-//! No I/O: the daemon fetches [`DataplaneInfo`] and the admitted jobs, calls
-//! [`plan`], and installs the result.
+//! No I/O: the daemon fetches each appliance's [`DataplaneInfo`] and the
+//! admitted jobs, calls [`plan_over`] (or [`plan`] for one appliance), and
+//! installs the result, each appliance its part.
 
 use std::collections::BTreeSet;
+use std::ops::Range;
 
 use phub_proto::api::DataplaneInfo;
-use phub_proto::layout::{layout, Layout};
+use phub_proto::layout::{layout_part, Chunks, Layout};
 use phub_proto::memory::{data_bytes, JobCost};
 use phub_proto::spec::JobSpec;
 
@@ -18,25 +20,30 @@ use crate::format::human_bytes;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum AdmitError {
     /// The dataplane reports no lcores at all.
-    #[error("the dataplane has no lcores to place the job's chunks on")]
-    NoLcores,
-    /// The dataplane reports more lcores than a chunk's place can name.
+    #[error("the dataplane{} has no lcores to place the job's chunks on", on(.0))]
+    NoLcores(String),
+    /// The appliances report more lcores than a chunk's place can name.
     #[error(
-        "the dataplane reports {0} lcores; a chunk's place names its lcore by a u16, so at most {MAX_LCORES}"
+        "the dataplane{} reports {} lcores; a chunk's place names its lcore by a u16, so at most {MAX_LCORES} \
+         over all the job's appliances", on(.1), .0
     )]
-    TooManyLcores(usize),
+    TooManyLcores(usize, String),
     /// What the job costs exceeds what the dataplane has free.
     #[error(
         "job needs {} of memory ({} of chunk data; {} of slot records, line padding, blocks and \
-         per-rank and per-key bookkeeping{}); the dataplane has {} free of {}",
+         per-rank and per-key bookkeeping{}){}; the dataplane has {} free of {}",
         human_bytes(*need),
         human_bytes(*data),
         human_bytes(need.saturating_sub(*data + *shm)),
         if *shm > 0 { format!("; {} of shared-memory regions", human_bytes(*shm)) } else { String::new() },
+        on(appliance),
         human_bytes(*free),
         human_bytes(*budget)
     )]
     Memory {
+        /// The appliance short of memory (empty when there is one and it
+        /// has no name).
+        appliance: String,
         /// Bytes the job costs in all.
         need: u64,
         /// Of those, the chunks' values and state without padding (what
@@ -52,6 +59,27 @@ pub enum AdmitError {
     /// Every job id is taken.
     #[error("all job ids 1..=65535 are in use; evict a job first")]
     NoIds,
+    /// The job asks for more appliances than answer.
+    #[error(
+        "the job asks for {asked} appliances; {} answer{}",
+        answer.len(),
+        if answer.is_empty() { String::new() } else { format!(": {}", answer.join(", ")) }
+    )]
+    Appliances {
+        /// How many it asks for.
+        asked: usize,
+        /// The appliances that answer.
+        answer: Vec<String>,
+    },
+}
+
+/// " on appliance \"a\"", or nothing for an unnamed one.
+fn on(appliance: &str) -> String {
+    if appliance.is_empty() {
+        String::new()
+    } else {
+        format!(" on appliance {appliance:?}")
+    }
 }
 
 /// Most lcores a dataplane may report: a chunk's place names its lcore by
@@ -102,7 +130,8 @@ pub fn choose_lcores(info: &DataplaneInfo) -> Vec<u16> {
 /// What `spec` placed by `layout` costs on the dataplane `info` describes
 /// (its memory model; shared-memory regions when it gives jobs them).
 pub fn cost(spec: &JobSpec, layout: &Layout, info: &DataplaneInfo) -> JobCost {
-    info.memory_model.job_cost(spec, layout, info.shm)
+    info.memory_model
+        .job_cost(spec, layout, spec.shared_memory(info.shm))
 }
 
 /// Heap bytes `layout` puts on each lcore (`layout.lcores.len()` entries).
@@ -134,13 +163,29 @@ pub fn loads<'a>(
 /// # Panics
 /// If `chosen` is empty or names an lcore outside `load`.
 pub fn place(spec: &JobSpec, load: &[u64], chosen: &[u16], chunk_cost: impl Fn(u32) -> u64) -> Layout {
+    place_part(spec, 0..Chunks::new(spec).total(), load, chosen, chunk_cost)
+}
+
+/// As [`place`], for the chunks `seqs` of the job's sequence only (one
+/// appliance's part of a sharded job).
+///
+/// # Panics
+/// As [`place`], or if `seqs` is not within the job's chunks.
+pub fn place_part(
+    spec: &JobSpec,
+    seqs: Range<u64>,
+    load: &[u64],
+    chosen: &[u16],
+    chunk_cost: impl Fn(u32) -> u64,
+) -> Layout {
     let mut sub: Vec<u64> = chosen.iter().map(|&i| load[usize::from(i)]).collect();
-    let l = layout(spec, &mut sub, chunk_cost);
+    let start = seqs.start;
+    let l = layout_part(spec, seqs, &mut sub, chunk_cost);
     // The chosen lcores' runs in their order; an lcore not chosen gets an
     // empty run where the next chosen one starts (or at the end).
     let mut lcores = Vec::with_capacity(load.len());
     let mut runs = chosen.iter().zip(&l.lcores).peekable();
-    let mut at = 0;
+    let mut at = start;
     for i in 0..load.len() {
         match runs.peek() {
             Some(&(&c, r)) if usize::from(c) == i => {
@@ -165,34 +210,160 @@ pub fn plan<'a>(
     info: &DataplaneInfo,
     admitted: impl IntoIterator<Item = (&'a JobSpec, &'a Layout)>,
 ) -> Result<Plan, AdmitError> {
-    if info.lcores.is_empty() {
-        return Err(AdmitError::NoLcores);
+    let target = Target {
+        name: "",
+        info,
+        load: loads(info, admitted),
+    };
+    let mut p = plan_over(spec, &[target])?;
+    Ok(p.parts.remove(0))
+}
+
+/// One appliance a job may go on: its name, its description and the bytes
+/// the admitted jobs' parts put on each of its lcores ([`loads`]).
+#[derive(Debug, Clone)]
+pub struct Target<'a> {
+    /// The appliance's name.
+    pub name: &'a str,
+    /// What it reported.
+    pub info: &'a DataplaneInfo,
+    /// Bytes on each of its lcores.
+    pub load: Vec<u64>,
+}
+
+/// Where a job over several appliances goes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardPlan {
+    /// The layout over the lcores of every target, in order.
+    pub layout: Layout,
+    /// Per target, in order: its part ([`Plan::layout`] is the part's).
+    pub parts: Vec<Plan>,
+}
+
+/// Decides whether and where `spec` goes over the `targets` (at least one):
+/// its chunks are placed over the union of their lcores (each target's
+/// NUMA choice, [`choose_lcores`]), balancing bytes given the existing
+/// loads as [`place`] does, so each chunk has one home; then each target
+/// is charged its part against what it has free. Chunk costs are the first
+/// target's memory model's.
+///
+/// # Panics
+/// If `targets` is empty.
+pub fn plan_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<ShardPlan, AdmitError> {
+    assert!(!targets.is_empty(), "a job goes on at least one appliance");
+    let mut load = Vec::new();
+    let mut chosen = Vec::new();
+    for t in targets {
+        let n = t.info.lcores.len();
+        if n == 0 {
+            return Err(AdmitError::NoLcores(t.name.to_string()));
+        }
+        if load.len() + n > MAX_LCORES {
+            return Err(AdmitError::TooManyLcores(load.len() + n, t.name.to_string()));
+        }
+        let offset = load.len();
+        // Cast: offset + i < MAX_LCORES (2^16), checked above.
+        #[allow(clippy::cast_possible_truncation)]
+        chosen.extend(
+            choose_lcores(t.info)
+                .iter()
+                .map(|&i| (offset + usize::from(i)) as u16),
+        );
+        load.extend(t.load.iter().copied().chain(std::iter::repeat(0)).take(n));
     }
-    if info.lcores.len() > MAX_LCORES {
-        return Err(AdmitError::TooManyLcores(info.lcores.len()));
+    let first = targets[0].info;
+    let layout = place(
+        spec,
+        &load,
+        &chosen,
+        first.memory_model.chunk_cost(spec, first.shm),
+    );
+    let counts: Vec<usize> = targets.iter().map(|t| t.info.lcores.len()).collect();
+    let chunks = Chunks::new(spec);
+    let elems = chunks.weigh(u64::from);
+    let parts = targets
+        .iter()
+        .zip(layout.split(&counts))
+        .map(|(t, part)| charge(spec, t, part, &elems))
+        .collect::<Result<_, _>>()?;
+    Ok(ShardPlan { layout, parts })
+}
+
+/// Places the chunks `seqs` of `spec` (one appliance's part) anew over the
+/// lcores of `target`, balanced with its load, and charges them.
+pub fn plan_part(spec: &JobSpec, seqs: Range<u64>, target: &Target<'_>) -> Result<Plan, AdmitError> {
+    let n = target.info.lcores.len();
+    if n == 0 {
+        return Err(AdmitError::NoLcores(target.name.to_string()));
     }
-    let load = loads(info, admitted);
-    let chosen = choose_lcores(info);
-    let layout = place(spec, &load, &chosen, info.memory_model.chunk_cost(spec, info.shm));
-    let cost = cost(spec, &layout, info);
+    if n > MAX_LCORES {
+        return Err(AdmitError::TooManyLcores(n, target.name.to_string()));
+    }
+    let info = target.info;
+    let load: Vec<u64> = target
+        .load
+        .iter()
+        .copied()
+        .chain(std::iter::repeat(0))
+        .take(n)
+        .collect();
+    let layout = place_part(
+        spec,
+        seqs,
+        &load,
+        &choose_lcores(info),
+        info.memory_model.chunk_cost(spec, info.shm),
+    );
+    let elems = Chunks::new(spec).weigh(u64::from);
+    charge(spec, target, layout, &elems)
+}
+
+/// Charges `target` what `part` of `spec` costs on it, or says it does not
+/// fit. `elems` weighs the job's chunks by their elements.
+fn charge(
+    spec: &JobSpec,
+    target: &Target<'_>,
+    part: Layout,
+    elems: &phub_proto::layout::Weights,
+) -> Result<Plan, AdmitError> {
+    let info = target.info;
+    let cost = cost(spec, &part, info);
     let need = cost.total();
     let free = info.memory_budget_bytes.saturating_sub(info.memory_used_bytes);
     if need > free {
+        // The part's share of the job's data: every element costs the same.
+        let all = elems.total().max(1);
+        let data = data_bytes(spec, info.shm) / all * elems.of(part.span());
         return Err(AdmitError::Memory {
+            appliance: target.name.to_string(),
             need,
-            data: data_bytes(spec, info.shm).min(need),
+            data: data.min(need),
             shm: cost.shm,
             free,
             budget: info.memory_budget_bytes,
         });
     }
-    let lcores = layout.used_lcores();
+    let lcores = part.used_lcores();
     Ok(Plan {
-        layout,
+        layout: part,
         cost,
         memory_bytes: need,
         lcores,
     })
+}
+
+/// The `count` appliances a job goes on when it asks for a number of them:
+/// those with the most free memory (`candidates`: name and free bytes of
+/// each appliance that answers), ties to the lower name; in that order.
+pub fn choose_appliances(count: usize, candidates: &[(String, u64)]) -> Result<Vec<String>, AdmitError> {
+    if count > candidates.len() {
+        let mut answer: Vec<String> = candidates.iter().map(|(n, _)| n.clone()).collect();
+        answer.sort();
+        return Err(AdmitError::Appliances { asked: count, answer });
+    }
+    let mut by_free: Vec<&(String, u64)> = candidates.iter().collect();
+    by_free.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    Ok(by_free.into_iter().take(count).map(|(n, _)| n.clone()).collect())
 }
 
 /// The smallest id in 1..=65535 for which `taken` is false.
@@ -284,12 +455,12 @@ mod tests {
         assert!(m.ends_with("the dataplane has 3.0 MiB free of 64.0 MiB"), "{m}");
         assert_eq!(
             plan(&s, &info(&[], None, 1 << 30, 0), []).unwrap_err(),
-            AdmitError::NoLcores
+            AdmitError::NoLcores(String::new())
         );
         let many = vec![None; MAX_LCORES + 1];
         assert_eq!(
             plan(&s, &info(&many, None, 1 << 30, 0), []).unwrap_err(),
-            AdmitError::TooManyLcores(MAX_LCORES + 1)
+            AdmitError::TooManyLcores(MAX_LCORES + 1, String::new())
         );
     }
 
@@ -388,6 +559,112 @@ mod tests {
         let even = info(&[None, None], None, 1 << 30, 0);
         let pd = plan(&d, &even, []).unwrap();
         assert_eq!((pd.layout.lcores[0].count, pd.layout.lcores[1].count), (3, 3));
+    }
+
+    /// Two appliances of 2 and 3 lcores, the second already loaded on its
+    /// lcore 0: the job's chunks go over all 5, bytes balanced as over one
+    /// appliance of 5, each chunk on one of them, and each part is charged
+    /// to its own appliance.
+    #[test]
+    fn a_job_over_two_appliances_is_balanced_over_their_union() {
+        let a = info(&[None, None], None, 1 << 30, 0);
+        let b = info(&[None, None, None], None, 1 << 30, 0);
+        let other = spec(&[256 * 4]);
+        let on_b = plan(&other, &b, []).unwrap().layout;
+        let b_load = loads(&b, [(&other, &on_b)]);
+        let s = spec(&[256 * 40, 100]);
+        let targets = [
+            Target {
+                name: "a",
+                info: &a,
+                load: loads(&a, []),
+            },
+            Target {
+                name: "b",
+                info: &b,
+                load: b_load.clone(),
+            },
+        ];
+        let p = plan_over(&s, &targets).unwrap();
+        assert_eq!(p.layout.lcores.len(), 5);
+        assert_eq!(p.parts.len(), 2);
+        assert_eq!(p.parts[0].layout.lcores, p.layout.lcores[..2]);
+        assert_eq!(p.parts[1].layout.lcores, p.layout.lcores[2..]);
+        assert_eq!(p.parts[0].layout.span().end, p.parts[1].layout.span().start);
+        assert!(Placement::new(&s, p.layout.clone()).is_ok());
+        for part in &p.parts {
+            assert!(Placement::part(&s, part.layout.clone()).is_ok());
+        }
+        // The same as one appliance whose lcores are both appliances'.
+        let union = info(&[None; 5], None, 1 << 30, 0);
+        let mut union_load = vec![0, 0];
+        union_load.extend(&b_load);
+        let chosen: Vec<u16> = (0..5).collect();
+        let cost = union.memory_model.chunk_cost(&s, false);
+        assert_eq!(p.layout, place(&s, &union_load, &chosen, cost));
+        // Balanced: every lcore ends within about one chunk of the others.
+        let mut after = loads(&a, [(&s, &p.parts[0].layout)]);
+        let mut on_b_after = b_load.clone();
+        for (l, x) in on_b_after
+            .iter_mut()
+            .zip(bytes_per_lcore(&s, &p.parts[1].layout, &b))
+        {
+            *l += x;
+        }
+        after.extend(on_b_after);
+        let (lo, hi) = (after.iter().min().unwrap(), after.iter().max().unwrap());
+        assert!(hi - lo <= 2 * cost(s.chunk_elems()), "{after:?}");
+        // Each part costs what its own layout costs on its appliance.
+        assert_eq!(
+            p.parts[1].memory_bytes,
+            super::cost(&s, &p.parts[1].layout, &b).total()
+        );
+    }
+
+    #[test]
+    fn memory_is_checked_per_appliance_and_the_refusal_names_it() {
+        let s = spec(&[256 * 40]);
+        let roomy = info(&[None, None], None, 1 << 30, 0);
+        let whole = plan(&s, &roomy, []).unwrap().memory_bytes;
+        // Either alone is too small for the job, but each holds its half.
+        let half = info(&[None, None], None, whole * 3 / 4, 0);
+        let t = |name, info| Target {
+            name,
+            info,
+            load: vec![0, 0],
+        };
+        assert!(plan(&s, &half, []).is_err());
+        let p = plan_over(&s, &[t("a", &half), t("b", &half)]).unwrap();
+        assert!(p.parts.iter().all(|part| part.memory_bytes <= whole * 3 / 4));
+        // One of them nearly full: refused, naming it and its figures.
+        let full = info(&[None, None], None, whole * 3 / 4, whole / 2);
+        let e = plan_over(&s, &[t("a", &half), t("b", &full)]).unwrap_err();
+        assert!(
+            matches!(&e, AdmitError::Memory { appliance, .. } if appliance == "b"),
+            "{e:?}"
+        );
+        let m = e.to_string();
+        assert!(
+            m.starts_with("job needs ") && m.contains(" on appliance \"b\"; the dataplane has "),
+            "{m}"
+        );
+        let none = info(&[], None, 1 << 30, 0);
+        let e = plan_over(&s, &[t("a", &half), t("c", &none)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("on appliance \"c\" has no lcores"), "{e}");
+    }
+
+    #[test]
+    fn a_number_of_appliances_takes_those_with_the_most_free_memory() {
+        let c = |n: &str, f| (n.to_string(), f);
+        let all = [c("a", 10), c("b", 30), c("c", 30), c("d", 5)];
+        assert_eq!(choose_appliances(1, &all).unwrap(), ["b"]);
+        assert_eq!(choose_appliances(3, &all).unwrap(), ["b", "c", "a"]);
+        let e = choose_appliances(5, &all).unwrap_err().to_string();
+        assert_eq!(e, "the job asks for 5 appliances; 4 answer: a, b, c, d");
+        let e = choose_appliances(1, &[]).unwrap_err().to_string();
+        assert_eq!(e, "the job asks for 1 appliances; 0 answer");
     }
 
     #[test]

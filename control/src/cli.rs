@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use clap::{Parser, Subcommand};
 use phub_proto::api::{
-    AdmitResponse, ApiError, CheckpointInfo, JobDetail, JobMap, JobSummary, LcoreStats, Stats,
+    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, CheckpointInfo, JobDetail, JobMap, JobSummary,
+    LcoreStats, Stats,
 };
 use phub_proto::counters::{Column, Kind};
 use phub_proto::spec::JobSpec;
@@ -58,6 +59,11 @@ enum Cmd {
         #[command(subcommand)]
         cmd: MapCmd,
     },
+    /// The appliances control manages: list, add, remove.
+    Appliance {
+        #[command(subcommand)]
+        cmd: ApplianceCmd,
+    },
     /// Dataplane counters and jobs.
     Stats {
         /// Repeat every SECS seconds (default 1), clearing the screen.
@@ -90,6 +96,32 @@ enum JobCmd {
     Checkpoint {
         /// Job id.
         id: u16,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ApplianceCmd {
+    /// List the appliances, with their lcores, memory and jobs.
+    List,
+    /// Manage one more appliance (needs the operator token).
+    Add {
+        /// Its name (letters, digits, '-', '_', '.').
+        name: String,
+        /// Base URL of its dataplane's management API.
+        #[arg(long)]
+        url: String,
+        /// Its rack label.
+        #[arg(long, default_value = "")]
+        rack: String,
+        /// Its dataplane's management token file [default: the dataplane's
+        /// default for the URL's port, on control's host].
+        #[arg(long, value_name = "FILE")]
+        token_file: Option<String>,
+    },
+    /// Stop managing an appliance (refused while a job uses it).
+    Remove {
+        /// Its name.
+        name: String,
     },
 }
 
@@ -243,6 +275,46 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
             let raw = ctl.call("GET", &path, None)?;
             show(json, &raw, |r: JobMap| render_map(&r))
         }
+        Cmd::Appliance { cmd } => match cmd {
+            ApplianceCmd::List => {
+                let raw = ctl.call("GET", "/v1/appliances", None)?;
+                show(json, &raw, |r: Vec<ApplianceStatus>| render_appliances(&r))
+            }
+            ApplianceCmd::Add {
+                name,
+                url,
+                rack,
+                token_file,
+            } => {
+                let body = serde_json::to_string(&ApplianceSpec {
+                    name: name.clone(),
+                    url: url.clone(),
+                    rack: rack.clone(),
+                    token_file: token_file.clone(),
+                })
+                .expect("an appliance serialises");
+                let raw = ctl.call("POST", "/v1/appliances", Some((&body, true)))?;
+                show(json, &raw, |a: ApplianceStatus| {
+                    format!(
+                        "added appliance {:?} at {}
+{}",
+                        a.name,
+                        a.url,
+                        render_appliances(std::slice::from_ref(&a))
+                    )
+                })
+            }
+            ApplianceCmd::Remove { name } => {
+                let raw = ctl.call("DELETE", &format!("/v1/appliances/{name}"), None)?;
+                show(json, &raw, |a: ApplianceStatus| {
+                    format!(
+                        "removed appliance {:?} ({})
+",
+                        a.name, a.url
+                    )
+                })
+            }
+        },
         Cmd::Stats { watch: None } => {
             let raw = ctl.call("GET", "/v1/stats", None)?;
             show(json, &raw, |r: Stats| render_stats(&r))
@@ -408,7 +480,7 @@ pub fn render_admit(r: &AdmitResponse, control: &str, workers: Option<u32>) -> S
         _ => String::new(),
     };
     format!(
-        "admitted job {id}: {chunks} chunks, {mem} on lcores {lcores}\n\
+        "admitted job {id}: {chunks} chunks, {mem} on lcores {lcores}{on}\n\
          id     {id}\n\
          token  {token:016x}\n\
          workers join with: POST {control}/v1/jobs/{id}/join {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
@@ -416,7 +488,56 @@ pub fn render_admit(r: &AdmitResponse, control: &str, workers: Option<u32>) -> S
         chunks = r.chunks,
         mem = human_bytes(r.memory_bytes),
         lcores = lcore_ranges(&r.lcores),
+        on = if r.appliances.len() > 1 {
+            format!(" of appliances {}", r.appliances.join(", "))
+        } else {
+            String::new()
+        },
         token = r.token,
+    )
+}
+
+/// `appliance list`.
+pub fn render_appliances(list: &[ApplianceStatus]) -> String {
+    if list.is_empty() {
+        return "no appliances\n".into();
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|a| {
+            let ids: Vec<String> = a.jobs.iter().map(u16::to_string).collect();
+            vec![
+                a.name.clone(),
+                a.rack.clone(),
+                a.url.clone(),
+                a.data
+                    .as_ref()
+                    .map_or_else(|| "-".into(), |d| format!("{}:{}", d.host, d.base_port)),
+                a.lcores.map_or_else(|| "-".into(), |n| n.to_string()),
+                match (a.memory_used_bytes, a.memory_budget_bytes) {
+                    (Some(u), Some(b)) => format!("{} of {}", human_bytes(u), human_bytes(b)),
+                    _ => "-".into(),
+                },
+                if ids.is_empty() { "-".into() } else { ids.join(",") },
+                match &a.down {
+                    None => "up".into(),
+                    Some(why) => format!("DOWN: {why}"),
+                },
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("NAME", Align::Left),
+            ("RACK", Align::Left),
+            ("MANAGEMENT", Align::Left),
+            ("DATA", Align::Left),
+            ("LCORES", Align::Right),
+            ("MEMORY USED", Align::Right),
+            ("JOBS", Align::Left),
+            ("STATE", Align::Left),
+        ],
+        &rows,
     )
 }
 
@@ -502,6 +623,43 @@ pub fn render_show(d: &JobDetail) -> String {
         out.push_str(&format!(", {} ({})", human_bytes(c.bytes), c.file));
     }
     out.push_str("\n\n");
+    if d.parts.len() > 1 || d.parts.iter().any(|p| !p.installed) {
+        let rows: Vec<Vec<String>> = d
+            .parts
+            .iter()
+            .map(|p| {
+                vec![
+                    p.appliance.clone(),
+                    p.rack.clone(),
+                    p.lcores.to_string(),
+                    format!("{}..{}", p.chunks.0, p.chunks.1),
+                    human_bytes(p.memory_bytes),
+                    match (&p.down, p.installed) {
+                        (Some(why), _) => format!("DOWN ({why}); reinstalled when it answers"),
+                        (None, true) => "installed".into(),
+                        (None, false) => "NOT installed; reconciliation reinstalls it".into(),
+                    },
+                    match p.round_range {
+                        Some((lo, hi)) => format!("{} ({lo}..={hi})", p.rounds_completed),
+                        None => p.rounds_completed.to_string(),
+                    },
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                ("APPLIANCE", Align::Left),
+                ("RACK", Align::Left),
+                ("LCORES", Align::Right),
+                ("CHUNKS", Align::Left),
+                ("MEMORY", Align::Right),
+                ("STATE", Align::Left),
+                ("ROUNDS", Align::Left),
+            ],
+            &rows,
+        ));
+        out.push('\n');
+    }
     let rows: Vec<Vec<String>> = d
         .ranks
         .iter()
@@ -530,13 +688,20 @@ pub fn render_show(d: &JobDetail) -> String {
 /// `map show`: per lcore its run of the job's chunk sequence; with a key,
 /// that key's chunks as runs on lcores.
 pub fn render_map(m: &JobMap) -> String {
+    let mut appliances: Vec<&str> = m.lcores.iter().map(|l| l.appliance.as_str()).collect();
+    appliances.dedup();
     let mut out = format!(
-        "job {}: {} keys, {} chunks of up to {} elements over {} lcores, memory {}\n\n",
+        "job {}: {} keys, {} chunks of up to {} elements over {} lcores{}, memory {}\n\n",
         m.id,
         m.keys_total,
         m.chunks,
         m.chunk_elems,
         m.lcores.len(),
+        if appliances.len() > 1 {
+            format!(" of {} appliances", appliances.len())
+        } else {
+            String::new()
+        },
         human_bytes(m.memory_bytes)
     );
     let rows: Vec<Vec<String>> = m
@@ -544,6 +709,7 @@ pub fn render_map(m: &JobMap) -> String {
         .iter()
         .map(|l| {
             vec![
+                l.appliance.clone(),
                 l.lcore.to_string(),
                 l.port.to_string(),
                 format!("{}..{}", l.first, l.first + l.slots),
@@ -554,6 +720,7 @@ pub fn render_map(m: &JobMap) -> String {
         .collect();
     out.push_str(&table(
         &[
+            ("APPLIANCE", Align::Left),
             ("LCORE", Align::Right),
             ("PORT", Align::Right),
             ("CHUNKS", Align::Left),
@@ -563,7 +730,8 @@ pub fn render_map(m: &JobMap) -> String {
         &rows,
     ));
     out.push_str(
-        "\nchunk g (key k's chunk c is g = first(k) + c) is in slot g - start of the lcore whose run holds it\n",
+        "\nchunk g (key k's chunk c is g = first(k) + c) is in slot g - start of the lcore whose run holds it, \
+         on that lcore's appliance\n",
     );
     for k in &m.keys {
         let n: u64 = k.runs.iter().map(|r| u64::from(r.count)).sum();
@@ -585,6 +753,7 @@ pub fn render_map(m: &JobMap) -> String {
             .map(|r| {
                 vec![
                     format!("{}..{}", r.chunk, u64::from(r.chunk) + u64::from(r.count)),
+                    r.appliance.clone(),
                     r.lcore.to_string(),
                     format!("{}..{}", r.slot, u64::from(r.slot) + u64::from(r.count)),
                 ]
@@ -593,6 +762,7 @@ pub fn render_map(m: &JobMap) -> String {
         out.push_str(&table(
             &[
                 ("KEY CHUNKS", Align::Left),
+                ("APPLIANCE", Align::Left),
                 ("LCORE", Align::Right),
                 ("SLOTS", Align::Left),
             ],
@@ -606,13 +776,17 @@ fn mb(bytes: u64) -> String {
     format!("{:.1}", bytes as f64 / 1e6)
 }
 
-/// `stats`: per-lcore counters, drops by reason, and one line per job.
-pub fn render_stats(s: &Stats) -> String {
+/// One dataplane's counters under `title`, or why it is unreachable.
+fn render_dataplane(
+    title: &str,
+    dataplane: Option<&phub_proto::api::DataplaneStats>,
+    error: Option<&str>,
+) -> String {
     let mut out = String::new();
-    match (&s.dataplane, &s.dataplane_error) {
+    match (dataplane, error) {
         (Some(dp), _) => {
             out.push_str(&format!(
-                "dataplane: {} backend, {} lcores\n\n",
+                "{title}: {} backend, {} lcores\n\n",
                 dp.backend,
                 dp.lcores.len()
             ));
@@ -653,21 +827,71 @@ pub fn render_stats(s: &Stats) -> String {
             }
         }
         (None, err) => {
-            out.push_str(&format!(
-                "dataplane: unreachable: {}\n",
-                err.as_deref().unwrap_or("no answer")
-            ));
+            out.push_str(&format!("{title}: unreachable: {}\n", err.unwrap_or("no answer")));
         }
+    }
+    out
+}
+
+/// `stats`: per appliance its per-lcore counters and drops by reason, and
+/// one line per job.
+pub fn render_stats(s: &Stats) -> String {
+    let mut out = String::new();
+    if s.appliances.len() > 1 {
+        for a in &s.appliances {
+            let title = if a.rack.is_empty() {
+                format!("appliance {}", a.name)
+            } else {
+                format!("appliance {} (rack {})", a.name, a.rack)
+            };
+            out.push_str(&render_dataplane(
+                &title,
+                a.dataplane.as_ref(),
+                a.error.as_deref(),
+            ));
+            out.push('\n');
+        }
+    } else {
+        out.push_str(&render_dataplane(
+            "dataplane",
+            s.dataplane.as_ref(),
+            s.dataplane_error.as_deref(),
+        ));
     }
     out.push('\n');
     if s.jobs.is_empty() {
         out.push_str("no jobs admitted\n");
     }
     for j in &s.jobs {
-        let live = s
-            .dataplane
-            .as_ref()
-            .and_then(|d| d.jobs.iter().find(|l| l.id == j.id));
+        // Every appliance's view of the job (one when it is not sharded).
+        let lives: Vec<&phub_proto::api::JobLive> = if s.appliances.is_empty() {
+            s.dataplane
+                .iter()
+                .flat_map(|d| &d.jobs)
+                .filter(|l| l.id == j.id)
+                .collect()
+        } else {
+            s.appliances
+                .iter()
+                .filter_map(|a| a.dataplane.as_ref())
+                .flat_map(|d| &d.jobs)
+                .filter(|l| l.id == j.id)
+                .collect()
+        };
+        let live = (!lives.is_empty()).then(|| phub_proto::api::JobLive {
+            id: j.id,
+            pushes: lives.iter().map(|l| l.pushes).sum(),
+            rounds_completed: lives.iter().map(|l| l.rounds_completed).sum(),
+            round_range: lives
+                .iter()
+                .filter_map(|l| l.round_range)
+                .reduce(|a, b| (a.0.min(b.0), a.1.max(b.1))),
+            silent_ms: Vec::new(),
+            clocks: Vec::new(),
+            max_lead: None,
+            held: lives.iter().map(|l| l.held).sum(),
+        });
+        let live = live.as_ref();
         out.push_str(&format!(
             "job {} {:?}: {}/{} joined, {}, {}",
             j.id,
@@ -840,6 +1064,7 @@ mod tests {
             dtype: "f32".into(),
             optimizer: "sgd".into(),
             memory_bytes: mem,
+            appliances: vec!["default".into()],
             installed: true,
             failed: None,
         }
@@ -871,6 +1096,7 @@ mod tests {
             memory_bytes: 2048,
             shm_bytes: 0,
             lcores: vec![0, 1, 2, 5],
+            appliances: vec!["default".into()],
         };
         let t = render_admit(&r, "http://h:1", Some(4));
         assert!(
@@ -895,6 +1121,7 @@ mod tests {
             memory_bytes: 400 << 20,
             lcores: vec![
                 LcoreShare {
+                    appliance: "a".into(),
                     lcore: 0,
                     port: 9000,
                     first: 0,
@@ -902,6 +1129,7 @@ mod tests {
                     bytes: 200 << 20,
                 },
                 LcoreShare {
+                    appliance: "a".into(),
                     lcore: 1,
                     port: 9001,
                     first: 500_000,
@@ -916,12 +1144,14 @@ mod tests {
                 first: 499_999,
                 runs: vec![
                     KeyRun {
+                        appliance: "a".into(),
                         lcore: 0,
                         chunk: 0,
                         slot: 499_999,
                         count: 1,
                     },
                     KeyRun {
+                        appliance: "a".into(),
                         lcore: 1,
                         chunk: 1,
                         slot: 0,
@@ -969,7 +1199,11 @@ mod tests {
             ],
             rounds_completed: 7,
             round_range: Some((3, 4)),
+            clocks: vec![],
+            max_lead: None,
+            held: 0,
             checkpoint: None,
+            parts: Vec::new(),
         };
         let t = render_show(&d);
         assert!(
@@ -995,6 +1229,7 @@ mod tests {
     #[test]
     fn stats_tables() {
         let s = Stats {
+            appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
                 port: None,
                 backend: "udp".into(),
@@ -1019,6 +1254,9 @@ mod tests {
                     rounds_completed: 2,
                     round_range: Some((1, 2)),
                     silent_ms: vec![],
+                    clocks: vec![],
+                    max_lead: None,
+                    held: 0,
                 }],
             }),
             dataplane_error: None,
@@ -1053,6 +1291,7 @@ mod tests {
             "{t}"
         );
         let down = render_stats(&Stats {
+            appliances: Vec::new(),
             dataplane: None,
             dataplane_error: Some("cannot reach the dataplane".into()),
             jobs: vec![],
@@ -1072,6 +1311,7 @@ mod tests {
             ..Default::default()
         };
         let stats = |lcores| Stats {
+            appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
                 backend: "udp".into(),
                 port: None,
@@ -1106,6 +1346,7 @@ mod tests {
             ..Default::default()
         };
         let s = Stats {
+            appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
                 backend: "dpdk".into(),
                 port: Some(PortStats {

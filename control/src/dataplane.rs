@@ -12,16 +12,20 @@ use serde::de::DeserializeOwned;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum DataplaneError {
     /// No answer: connection refused, reset, timed out.
-    #[error("cannot reach the dataplane at {base}: {reason}")]
+    #[error("cannot reach the dataplane at {base} (appliance {appliance:?}): {reason}")]
     Unreachable {
+        /// The appliance.
+        appliance: String,
         /// The management base URL.
         base: String,
         /// What the transport said.
         reason: String,
     },
     /// An error answer (4xx or 5xx).
-    #[error("the dataplane refused {what}: {message} (HTTP {status})")]
+    #[error("the dataplane of appliance {appliance:?} refused {what}: {message} (HTTP {status})")]
     Refused {
+        /// The appliance.
+        appliance: String,
         /// The request, e.g. `PUT /v1/jobs/3`.
         what: String,
         /// The status code.
@@ -33,16 +37,20 @@ pub(crate) enum DataplaneError {
     /// running (it removes the file it made when it stops), or control was
     /// pointed at another file.
     #[error(
-        "cannot read the dataplane's management token: {reason} (is phub-dataplane running? \
-         point --dataplane-token-file at its --mgmt-token-file)"
+        "cannot read the management token of appliance {appliance:?}: {reason} (is its phub-dataplane \
+         running? point --dataplane-token-file, or the appliance's token-file, at its --mgmt-token-file)"
     )]
     Credentials {
+        /// The appliance.
+        appliance: String,
         /// What is wrong with the file (names it).
         reason: String,
     },
     /// An answer that is not what the API defines.
-    #[error("the dataplane's answer to {what} is not understood: {reason}")]
+    #[error("the answer of appliance {appliance:?}'s dataplane to {what} is not understood: {reason}")]
     BadAnswer {
+        /// The appliance.
+        appliance: String,
         /// The request.
         what: String,
         /// What is wrong with it.
@@ -63,6 +71,7 @@ impl DataplaneError {
 /// A blocking client; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Client {
+    name: String,
     base: String,
     agent: ureq::Agent,
     token_path: PathBuf,
@@ -75,6 +84,7 @@ impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         // Never print the token.
         f.debug_struct("Client")
+            .field("name", &self.name)
             .field("base", &self.base)
             .field("token_path", &self.token_path)
             .finish_non_exhaustive()
@@ -82,10 +92,10 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// A client for the management API at `base` (e.g.
-    /// `http://127.0.0.1:7800`) that authenticates with the token in
+    /// A client for the management API of appliance `name` at `base`
+    /// (e.g. `http://127.0.0.1:7800`) that authenticates with the token in
     /// `token_path`.
-    pub(crate) fn new(base: &str, token_path: PathBuf) -> Client {
+    pub(crate) fn new(name: &str, base: &str, token_path: PathBuf) -> Client {
         // No pooled connections: calls are rare, and a fresh connection
         // notices at once that a dataplane went away (a pooled one can hang
         // on a half-dead peer until the timeout).
@@ -95,6 +105,7 @@ impl Client {
             .timeout(Duration::from_secs(10))
             .build();
         Client {
+            name: name.to_string(),
             base: base.trim_end_matches('/').to_string(),
             agent,
             token_path,
@@ -112,6 +123,7 @@ impl Client {
             *t =
                 Some(
                     phub_http::secret::read(&self.token_path).map_err(|e| DataplaneError::Credentials {
+                        appliance: self.name.clone(),
                         reason: e.to_string(),
                     })?,
                 );
@@ -122,6 +134,11 @@ impl Client {
     /// The base URL.
     pub(crate) fn base(&self) -> &str {
         &self.base
+    }
+
+    /// The management token file.
+    pub(crate) fn token_path(&self) -> &std::path::Path {
+        &self.token_path
     }
 
     fn call(&self, method: &str, path: &str, body: Body<'_>) -> Result<ureq::Response, DataplaneError> {
@@ -163,6 +180,7 @@ impl Client {
                 let body = r.into_string().unwrap_or_default();
                 let message = ApiError::message_of(&body);
                 Err(DataplaneError::Refused {
+                    appliance: self.name.clone(),
                     what: format!("{method} {path}"),
                     status,
                     message,
@@ -175,6 +193,7 @@ impl Client {
                     .unwrap_or(&text)
                     .to_string();
                 Err(DataplaneError::Unreachable {
+                    appliance: self.name.clone(),
                     base: self.base.clone(),
                     reason,
                 })
@@ -186,6 +205,7 @@ impl Client {
         self.call("GET", path, Body::None)?
             .into_json()
             .map_err(|e| DataplaneError::BadAnswer {
+                appliance: self.name.clone(),
                 what: format!("GET {path}"),
                 reason: e.to_string(),
             })
@@ -229,6 +249,7 @@ impl Client {
         r.into_reader()
             .read_to_end(&mut bytes)
             .map_err(|e| DataplaneError::BadAnswer {
+                appliance: self.name.clone(),
                 what,
                 reason: e.to_string(),
             })?;

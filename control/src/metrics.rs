@@ -216,6 +216,7 @@ mod tests {
             dtype: "f32".into(),
             optimizer: "sum".into(),
             memory_bytes: 4096,
+            appliances: vec!["default".into()],
             installed: true,
             failed: None,
         }];

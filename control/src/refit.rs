@@ -48,7 +48,7 @@ fn highest_used(layout: &Layout) -> Option<usize> {
 fn resized(layout: &Layout, n: usize) -> Layout {
     debug_assert!(highest_used(layout).is_none_or(|h| h < n));
     let end = ChunkRange {
-        first: layout.chunk_count(),
+        first: layout.span().end,
         count: 0,
     };
     let mut l = layout.clone();
@@ -57,7 +57,9 @@ fn resized(layout: &Layout, n: usize) -> Layout {
 }
 
 /// Decides how job `id` (`spec`, `layout`) goes onto the dataplane `info`
-/// describes, given the other admitted jobs still in service.
+/// describes, given the other admitted jobs still in service there. For a
+/// job sharded over several appliances, `layout` is this appliance's part
+/// (its share of the chunk sequence, which stays its share).
 pub(crate) fn refit<'a>(
     spec: &JobSpec,
     layout: &Layout,
@@ -72,7 +74,12 @@ pub(crate) fn refit<'a>(
     if high.is_none_or(|h| h < n) && n > 0 {
         return Refit::Resized(resized(layout, n));
     }
-    match admission::plan(spec, info, others) {
+    let target = admission::Target {
+        name: "",
+        info,
+        load: admission::loads(info, others),
+    };
+    match admission::plan_part(spec, layout.span(), &target) {
         Ok(plan) => Refit::Replaced(plan.layout),
         Err(e) => Refit::Failed(format!(
             "placed on {} lcores (up to lcore {}), the dataplane now has {n} and placing the job \
@@ -121,6 +128,26 @@ mod tests {
             "name = \"t\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = {elements}\n"
         ))
         .unwrap()
+    }
+
+    /// One appliance's part of a sharded job keeps its share of the chunk
+    /// sequence when resized or placed anew.
+    #[test]
+    fn a_part_keeps_its_share_of_the_chunks() {
+        let s = spec(256 * 8);
+        let whole = admission::plan(&s, &info(6, 1 << 30, 0), []).unwrap().layout;
+        let part = whole.split(&[2, 4]).remove(1);
+        let share = part.span();
+        assert!(share.start > 0);
+        let Refit::Resized(five) = refit(&s, &part, &info(5, 1 << 30, 0), []) else {
+            panic!("not resized")
+        };
+        assert_eq!((five.span(), five.lcores[4].first), (share.clone(), share.end));
+        let Refit::Replaced(two) = refit(&s, &part, &info(2, 1 << 30, 0), []) else {
+            panic!("not replaced")
+        };
+        assert_eq!(two.span(), share);
+        assert!(phub_proto::layout::Placement::part(&s, two).is_ok());
     }
 
     #[test]

@@ -12,7 +12,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use phub_proto::api::hex_u64;
+use phub_proto::api::{hex_u64, ApplianceSpec};
 use phub_proto::layout::{Layout, Placement, PER_CHUNK_FORM};
 use phub_proto::spec::JobSpec;
 use serde::{Deserialize, Serialize};
@@ -32,16 +32,40 @@ pub(crate) struct StoredJob {
     pub(crate) layout: Layout,
     /// Ranks that have joined.
     pub(crate) joined: BTreeSet<u16>,
+    /// The appliances holding the job, in layout order, each with the
+    /// number of the layout's lcores that are its. A state file written
+    /// before sharding has none: the job is on the one appliance
+    /// "default" (filled in by [`load`]).
+    #[serde(default)]
+    pub(crate) parts: Vec<StoredPart>,
     /// Why the job failed (the dataplane can no longer hold it), if it did:
     /// it is then never reinstalled and joins are refused with the reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) failed: Option<String>,
 }
 
+/// One appliance's part of a job: the next `lcores` lcores of its layout.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct StoredPart {
+    /// The appliance's name.
+    pub(crate) appliance: String,
+    /// Lcores of the layout that are its.
+    pub(crate) lcores: u32,
+}
+
+/// The name of the appliance `--dataplane` gives, and that the jobs of a
+/// state file written before sharding are on.
+pub(crate) const DEFAULT_APPLIANCE: &str = "default";
+
 /// The whole file.
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct StateFile {
+    /// The appliances control manages; `None` in a state file written
+    /// before sharding (its appliance is `--dataplane`'s).
+    #[serde(default)]
+    pub(crate) appliances: Option<Vec<ApplianceSpec>>,
     /// Admitted jobs, by ascending id.
     pub(crate) jobs: Vec<StoredJob>,
 }
@@ -49,6 +73,7 @@ pub(crate) struct StateFile {
 /// The whole file, borrowed for writing.
 #[derive(Serialize)]
 struct StateRef<'a> {
+    appliances: &'a [&'a ApplianceSpec],
     jobs: &'a [&'a StoredJob],
 }
 
@@ -147,7 +172,7 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
         path: path.to_owned(),
         reason,
     };
-    let state: StateFile = serde_json::from_str(&text).map_err(|e| {
+    let mut state: StateFile = serde_json::from_str(&text).map_err(|e| {
         let e = e.to_string();
         if e.contains(PER_CHUNK_FORM) {
             // Refused rather than converted: its chunks would move to
@@ -161,7 +186,47 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
             corrupt(e)
         }
     })?;
+    let mut names = BTreeSet::new();
+    for a in state.appliances.iter().flatten() {
+        if !phub_proto::spec::appliance_name_ok(&a.name) {
+            return Err(corrupt(format!(
+                "appliance name {:?}: expected {}",
+                a.name,
+                phub_proto::spec::APPLIANCE_NAME_RULE
+            )));
+        }
+        if !names.insert(a.name.as_str()) {
+            return Err(corrupt(format!("appliance {:?} appears twice", a.name)));
+        }
+    }
     let mut ids = BTreeSet::new();
+    for job in &mut state.jobs {
+        if job.parts.is_empty() {
+            job.parts.push(StoredPart {
+                appliance: DEFAULT_APPLIANCE.into(),
+                lcores: u32::try_from(job.layout.lcores.len()).unwrap_or(u32::MAX),
+            });
+        }
+        let spanned: u64 = job.parts.iter().map(|p| u64::from(p.lcores)).sum();
+        if spanned != job.layout.lcores.len() as u64 {
+            return Err(corrupt(format!(
+                "job {}: its parts name {spanned} lcores, its layout has {}",
+                job.id,
+                job.layout.lcores.len()
+            )));
+        }
+        let mut on = BTreeSet::new();
+        if let Some(p) = job
+            .parts
+            .iter()
+            .find(|p| !on.insert(p.appliance.as_str()) || p.lcores == 0)
+        {
+            return Err(corrupt(format!(
+                "job {}: appliance {:?} has no lcores in its layout or appears twice",
+                job.id, p.appliance
+            )));
+        }
+    }
     for job in &state.jobs {
         if job.id == 0 {
             return Err(corrupt("job id 0 (ids are 1 to 65535)".into()));
@@ -188,11 +253,16 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
     Ok(Some(state))
 }
 
-/// Writes the state of `jobs` to `path` atomically: `path.tmp` is written and synced,
-/// renamed over `path`, and the directory is synced.
-pub(crate) fn save(path: &Path, jobs: &[&StoredJob]) -> Result<(), StateError> {
+/// Writes the state of `appliances` and `jobs` to `path` atomically:
+/// `path.tmp` is written and synced, renamed over `path`, and the directory
+/// is synced.
+pub(crate) fn save(
+    path: &Path,
+    appliances: &[&ApplianceSpec],
+    jobs: &[&StoredJob],
+) -> Result<(), StateError> {
     // Compact: a spec may list a million keys, and every join rewrites it.
-    let mut text = serde_json::to_vec(&StateRef { jobs }).expect("state serialises");
+    let mut text = serde_json::to_vec(&StateRef { appliances, jobs }).expect("state serialises");
     text.push(b'\n');
     write_atomic(path, &text)
 }
@@ -302,21 +372,68 @@ mod tests {
         )
         .unwrap();
         let layout = layout(&spec, &mut [0, 0], u64::from);
+        let a = ApplianceSpec {
+            name: "a".into(),
+            url: "http://127.0.0.1:7800".into(),
+            rack: "r1".into(),
+            token_file: None,
+        };
+        let b = ApplianceSpec {
+            name: "b".into(),
+            url: "http://127.0.0.1:7801".into(),
+            rack: "r2".into(),
+            token_file: Some("/run/phub/b.token".into()),
+        };
         let state = StateFile {
+            appliances: Some(vec![a, b]),
             jobs: vec![StoredJob {
                 id: 3,
                 token: 0xdead_beef,
                 spec,
                 layout,
                 joined: [1].into(),
+                parts: vec![
+                    StoredPart {
+                        appliance: "b".into(),
+                        lcores: 1,
+                    },
+                    StoredPart {
+                        appliance: "a".into(),
+                        lcores: 1,
+                    },
+                ],
                 failed: Some("placed on 4 lcores".into()),
             }],
         };
-        save(&path, &state.jobs.iter().collect::<Vec<_>>()).unwrap();
+        let appliances: Vec<&ApplianceSpec> = state.appliances.iter().flatten().collect();
+        save(&path, &appliances, &state.jobs.iter().collect::<Vec<_>>()).unwrap();
         assert!(!dir.join("s.json.tmp").exists());
         let text = fs::read_to_string(&path).unwrap();
         assert!(text.contains("\"00000000deadbeef\""), "{text}");
         assert_eq!(load(&path).unwrap(), Some(state));
+
+        // A state file written before sharding: its jobs are on "default".
+        let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+        old.as_object_mut().unwrap().remove("appliances");
+        old["jobs"][0].as_object_mut().unwrap().remove("parts");
+        fs::write(&path, old.to_string()).unwrap();
+        let loaded = load(&path).unwrap().unwrap();
+        assert_eq!(loaded.appliances, None);
+        assert_eq!(
+            loaded.jobs[0].parts,
+            [StoredPart {
+                appliance: "default".into(),
+                lcores: 2
+            }]
+        );
+        // Parts that do not add up to the layout are corrupt, named.
+        old["jobs"][0]["parts"] = serde_json::json!([{"appliance": "a", "lcores": 3}]);
+        fs::write(&path, old.to_string()).unwrap();
+        let e = load(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("job 3: its parts name 3 lcores, its layout has 2"),
+            "{e}"
+        );
 
         fs::write(&path, "{\"jobs\": [").unwrap();
         let e = load(&path).unwrap_err().to_string();
@@ -363,7 +480,7 @@ mod tests {
         for p in [&path, &dir.join("s.json.tmp")] {
             fs::set_permissions(p, fs::Permissions::from_mode(0o644)).unwrap();
         }
-        save(&path, &[]).unwrap();
+        save(&path, &[], &[]).unwrap();
         let mode = fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o600, "{mode:o}");
         write_atomic(&dir.join("ckpt.bin"), b"token inside").unwrap();

@@ -79,6 +79,7 @@ fn phubctl_stats_shows_every_column_of_the_table_with_its_value() {
     let text = render_stats(&Stats {
         dataplane: Some(stats()),
         dataplane_error: None,
+        appliances: vec![],
         jobs: vec![],
     });
     let lines: Vec<&str> = text.lines().collect();

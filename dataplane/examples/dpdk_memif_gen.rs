@@ -244,6 +244,7 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
             elements: (slots * chunk / 4) as u64,
         }],
         checkpoint_interval_s: None,
+        placement: None,
     };
     spec.validate().context("the benchmark's job spec")?;
     let layout = layout::layout(&spec, &mut [0], u64::from);

@@ -192,10 +192,10 @@ impl Manager {
         // lcores' runs of the chunk sequence, which need not start at 0.
         let placement =
             Placement::part(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
-        let cost = self
-            .info
-            .memory_model
-            .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm));
+        let cost =
+            self.info
+                .memory_model
+                .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm));
         let need = cost.total();
         let mut jobs = self.jobs();
         if jobs.contains_key(&id) {

@@ -397,7 +397,11 @@ mod tests {
                 let bytes = 4 * (lens[0] + lens[1] + lens[2]) as usize + 2 * lens[3] as usize;
                 v1.extend_from_slice(&v2[at..at + bytes]);
                 at += bytes;
-                assert_eq!(u32::from_le_bytes(v2[at..at + 4].try_into().unwrap()), 0, "no clocks");
+                assert_eq!(
+                    u32::from_le_bytes(v2[at..at + 4].try_into().unwrap()),
+                    0,
+                    "no clocks"
+                );
                 at += 4;
             }
         }
@@ -419,7 +423,10 @@ mod tests {
         assert_eq!(Checkpoint::decode(&c.encode().unwrap()).unwrap(), c);
         c.lcores[0][0].clocks.pop();
         let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
-        assert!(e.contains("1 rank clocks; a bounded_delay job of 2 workers has 2"), "{e}");
+        assert!(
+            e.contains("1 rank clocks; a bounded_delay job of 2 workers has 2"),
+            "{e}"
+        );
     }
 
     /// Moving a checkpoint onto a layout over other lcores keeps every

@@ -151,6 +151,42 @@ impl Layout {
         (elements.saturating_sub(start)).min(u64::from(self.chunk_elems)) as u32
     }
 
+    /// The sequence numbers the runs cover: all of the job's chunks, or,
+    /// for one appliance's part of a sharded job, its share.
+    pub fn span(&self) -> Range<u64> {
+        match (self.lcores.first(), self.lcores.last()) {
+            (Some(a), Some(b)) => a.first..b.first + b.count,
+            _ => 0..0,
+        }
+    }
+
+    /// The parts of a layout over the lcores of several appliances, taken
+    /// in order: `counts[i]` lcores each (they add up to the layout's).
+    /// Part i holds the runs of its lcores, numbered from 0 on its
+    /// appliance, with their slots unchanged.
+    ///
+    /// # Panics
+    /// If the counts do not add up to the layout's lcores.
+    pub fn split(&self, counts: &[usize]) -> Vec<Layout> {
+        assert_eq!(
+            counts.iter().sum::<usize>(),
+            self.lcores.len(),
+            "parts must cover the layout's lcores"
+        );
+        let mut at = 0;
+        counts
+            .iter()
+            .map(|&n| {
+                let part = Layout {
+                    chunk_elems: self.chunk_elems,
+                    lcores: self.lcores[at..at + n].to_vec(),
+                };
+                at += n;
+                part
+            })
+            .collect()
+    }
+
     /// The lcores holding at least one of the job's chunks, ascending.
     pub fn used_lcores(&self) -> Vec<u16> {
         // Cast: a validated layout has at most MAX_LCORES (2^16) entries.
@@ -414,6 +450,19 @@ impl Placement {
     /// [`MAX_LCORES`] lcores, runs follow one another from chunk 0 to the
     /// last and every lcore's slots are numbered by a `u32`.
     pub fn new(spec: &JobSpec, layout: Layout) -> Result<Placement, LayoutError> {
+        Placement::check(spec, layout, true)
+    }
+
+    /// Checks that `layout` places one part of `spec`'s chunks, as one
+    /// appliance of a job sharded over several holds it: as [`Placement::new`]
+    /// checks, except that the runs may start at any chunk (the first run's
+    /// `first`) and end at any chunk up to the last. Lookups of chunks
+    /// outside the part find nothing.
+    pub fn part(spec: &JobSpec, layout: Layout) -> Result<Placement, LayoutError> {
+        Placement::check(spec, layout, false)
+    }
+
+    fn check(spec: &JobSpec, layout: Layout, whole: bool) -> Result<Placement, LayoutError> {
         if layout.chunk_elems != spec.chunk_elems() {
             return Err(LayoutError::ChunkElems {
                 layout: layout.chunk_elems,
@@ -424,7 +473,7 @@ impl Placement {
             return Err(LayoutError::Lcores(layout.lcores.len()));
         }
         let chunks = Chunks::new(spec);
-        let mut at = 0u64;
+        let mut at = if whole { 0 } else { layout.lcores[0].first };
         for (lcore, r) in layout.lcores.iter().enumerate() {
             if r.first != at {
                 return Err(LayoutError::Gap {
@@ -444,7 +493,7 @@ impl Placement {
                 chunks: chunks.total(),
             })?;
         }
-        if at != chunks.total() {
+        if at != chunks.total() && (whole || at > chunks.total()) {
             return Err(LayoutError::Coverage {
                 covered: at,
                 chunks: chunks.total(),
@@ -465,7 +514,7 @@ impl Placement {
 
     /// Where sequence number `seq` lives.
     pub fn place_of(&self, seq: u64) -> Option<Place> {
-        if seq >= self.chunks.total() {
+        if seq >= self.chunks.total() || !self.layout.span().contains(&seq) {
             return None;
         }
         // The first lcore whose run ends after `seq` holds it (runs follow
@@ -525,18 +574,34 @@ impl Placement {
 /// # Panics
 /// If `load` is empty (an appliance has at least one lcore).
 pub fn layout(spec: &JobSpec, load: &mut [u64], cost: impl Fn(u32) -> u64) -> Layout {
+    let all = 0..Chunks::new(spec).total();
+    layout_part(spec, all, load, cost)
+}
+
+/// As [`layout`], for the chunks `seqs` of the job's sequence only (one
+/// appliance's part of a sharded job, placed anew over its lcores): the
+/// runs start at `seqs.start` and end at `seqs.end`.
+///
+/// # Panics
+/// If `load` is empty, or `seqs` is not within the job's chunks.
+pub fn layout_part(spec: &JobSpec, seqs: Range<u64>, load: &mut [u64], cost: impl Fn(u32) -> u64) -> Layout {
     assert!(!load.is_empty(), "layout needs at least one lcore");
     let chunks = Chunks::new(spec);
+    assert!(
+        seqs.start <= seqs.end && seqs.end <= chunks.total(),
+        "chunks {seqs:?} are not within the job's {}",
+        chunks.total()
+    );
     let weights = chunks.weigh(cost);
-    let shares = water_fill(load, weights.total());
+    let shares = water_fill(load, weights.of(seqs.clone()));
     let mut lcores = Vec::with_capacity(load.len());
-    let (mut at, mut target) = (0u64, 0u64);
+    let (mut at, mut target) = (seqs.start, weights.before(seqs.start));
     for (i, share) in shares.iter().enumerate() {
         target += share;
         let end = if i + 1 == shares.len() {
-            chunks.total()
+            seqs.end
         } else {
-            weights.cut_near(target).max(at)
+            weights.cut_near(target).clamp(at, seqs.end)
         };
         lcores.push(ChunkRange {
             first: at,
@@ -610,6 +675,7 @@ mod tests {
                 weight_decay: 0.0,
             },
             consistency: Consistency::Sync,
+            placement: None,
             keys: keys
                 .iter()
                 .map(|&e| KeySpec {
@@ -729,6 +795,64 @@ mod tests {
             serde_json::from_str::<Layout>(&serde_json::to_string(&l).unwrap()).unwrap(),
             l
         );
+    }
+
+    /// A layout over the lcores of several appliances, split into their
+    /// parts: each part is a valid part placement that places its own span
+    /// of the sequence with the slots the whole layout gives, and the spans
+    /// tile the sequence in order.
+    #[test]
+    fn parts_of_a_layout_over_several_appliances_place_their_spans() {
+        let s = spec(&[5000, 1, 2048, 300], Dtype::F32, 256);
+        let l = layout(&s, &mut [0; 5], u64::from);
+        let whole = Placement::new(&s, l.clone()).unwrap();
+        let parts = l.split(&[2, 3]);
+        assert_eq!(parts[0].lcores.len(), 2);
+        assert_eq!(parts[0].span().end, parts[1].span().start);
+        assert_eq!((parts[0].span().start, parts[1].span().end), (0, l.chunk_count()));
+        assert!(
+            Placement::new(&s, parts[1].clone()).is_err(),
+            "a part is not the whole"
+        );
+        let mut offset = 0;
+        for part in &parts {
+            let p = Placement::part(&s, part.clone()).unwrap();
+            for seq in 0..l.chunk_count() {
+                let global = whole.place_of(seq).unwrap();
+                match p.place_of(seq) {
+                    Some(local) => {
+                        assert!(part.span().contains(&seq));
+                        assert_eq!(usize::from(local.lcore) + offset, usize::from(global.lcore));
+                        assert_eq!(local.slot, global.slot);
+                        let sc = whole.slot_chunk(usize::from(global.lcore), global.slot);
+                        assert_eq!(p.slot_chunk(usize::from(local.lcore), local.slot), sc);
+                    }
+                    None => assert!(!part.span().contains(&seq)),
+                }
+            }
+            offset += part.lcores.len();
+        }
+        // A part that runs past the job's chunks is refused.
+        let mut over = parts[1].clone();
+        over.lcores.last_mut().unwrap().count += 1;
+        assert!(matches!(
+            Placement::part(&s, over),
+            Err(LayoutError::Coverage { .. })
+        ));
+    }
+
+    #[test]
+    fn a_part_placed_anew_keeps_its_span_and_balances_it() {
+        let s = spec(&[4096], Dtype::F32, 64);
+        let total = Chunks::new(&s).total();
+        let mut load = vec![0, 100];
+        let p = layout_part(&s, 40..200, &mut load, |_| 10);
+        assert_eq!(p.span(), 40..200);
+        assert_eq!((p.lcores[0].count, p.lcores[1].count), (85, 75));
+        assert_eq!(load, vec![850, 850]);
+        assert!(Placement::part(&s, p).is_ok());
+        let whole = layout_part(&s, 0..total, &mut [0, 0], |_| 10);
+        assert_eq!(whole, layout(&s, &mut [0, 0], |_| 10));
     }
 
     #[test]

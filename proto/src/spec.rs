@@ -137,8 +137,7 @@ pub fn appliance_name_ok(name: &str) -> bool {
 }
 
 /// What [`appliance_name_ok`] accepts, for error messages.
-pub const APPLIANCE_NAME_RULE: &str =
-    "1 to 64 ASCII letters, digits, '-', '_' or '.', not starting with '.'";
+pub const APPLIANCE_NAME_RULE: &str = "1 to 64 ASCII letters, digits, '-', '_' or '.', not starting with '.'";
 
 impl PlacementSpec {
     /// How many appliances the spec asks for.
@@ -168,7 +167,11 @@ impl PlacementSpec {
                 let mut seen = std::collections::HashSet::new();
                 for (i, n) in names.iter().enumerate() {
                     if !appliance_name_ok(n) {
-                        return Err(bad(format!("placement.appliances[{i}]"), shown(n), APPLIANCE_NAME_RULE));
+                        return Err(bad(
+                            format!("placement.appliances[{i}]"),
+                            shown(n),
+                            APPLIANCE_NAME_RULE,
+                        ));
                     }
                     if !seen.insert(n.as_str()) {
                         return Err(bad(
@@ -781,7 +784,10 @@ elements = 1
         for (text, want) in [
             ("consistency = { mode = \"sync\" }", Consistency::Sync),
             ("consistency = { mode = \"async\" }", Consistency::Async),
-            ("consistency = { bounded_delay = 4 }", Consistency::Bounded { delay: 4 }),
+            (
+                "consistency = { bounded_delay = 4 }",
+                Consistency::Bounded { delay: 4 },
+            ),
             (
                 "consistency = { mode = \"bounded_delay\", bounded_delay = 0 }",
                 Consistency::Bounded { delay: 0 },
@@ -797,18 +803,28 @@ elements = 1
         assert_eq!(json, r#"{"mode":"bounded_delay","bounded_delay":8}"#);
         assert_eq!(Consistency::Bounded { delay: 8 }.to_string(), "bounded_delay 8");
         let e = err(&with("consistency = { bounded_delay = 1025 }"));
-        assert!(e.contains("`consistency.bounded_delay` = 1025") && e.contains("0 to 1024"), "{e}");
+        assert!(
+            e.contains("`consistency.bounded_delay` = 1025") && e.contains("0 to 1024"),
+            "{e}"
+        );
         let e = err(&with("consistency = { mode = \"ssp\" }"));
-        assert!(e.contains("consistency.mode = \"ssp\"") && e.contains("bounded_delay = N"), "{e}");
+        assert!(
+            e.contains("consistency.mode = \"ssp\"") && e.contains("bounded_delay = N"),
+            "{e}"
+        );
         let e = err(&with("consistency = { mode = \"async\", bounded_delay = 2 }"));
         assert!(e.contains("bounded_delay = 2") && e.contains("\"async\""), "{e}");
         let e = err(&with("consistency = { mode = \"bounded_delay\" }"));
         assert!(e.contains("needs bounded_delay = N"), "{e}");
         let e = err(&with("consistency = { bounded_delay = -1 }"));
         assert!(e.contains("consistency"), "{e}");
-        let mean = with("consistency = { mode = \"async\" }").replace("kind = \"adam\"\nlr = 0.001", "kind = \"mean\"");
+        let mean = with("consistency = { mode = \"async\" }")
+            .replace("kind = \"adam\"\nlr = 0.001", "kind = \"mean\"");
         let e = err(&mean);
-        assert!(e.contains("`optimizer.kind` = \"mean\"") && e.contains("consistency async"), "{e}");
+        assert!(
+            e.contains("`optimizer.kind` = \"mean\"") && e.contains("consistency async"),
+            "{e}"
+        );
         let sum = mean.replace("kind = \"mean\"", "kind = \"sum\"");
         assert_eq!(JobSpec::from_toml(&sum).unwrap().consistency, Consistency::Async);
     }
@@ -942,11 +958,20 @@ elements = 1
         assert_eq!(back, named);
         assert_eq!(JobSpec::from_toml(GOOD).unwrap().placement, None);
         let e = with("appliances = 0").unwrap_err().to_string();
-        assert!(e.contains("placement.appliances") && e.contains("from 1 to 64"), "{e}");
+        assert!(
+            e.contains("placement.appliances") && e.contains("from 1 to 64"),
+            "{e}"
+        );
         let e = with("appliances = [\"a\", \"a\"]").unwrap_err().to_string();
-        assert!(e.contains("placement.appliances[1]") && e.contains("not listed before"), "{e}");
+        assert!(
+            e.contains("placement.appliances[1]") && e.contains("not listed before"),
+            "{e}"
+        );
         let e = with("appliances = [\"../x\"]").unwrap_err().to_string();
-        assert!(e.contains("placement.appliances[0]") && e.contains("ASCII letters"), "{e}");
+        assert!(
+            e.contains("placement.appliances[0]") && e.contains("ASCII letters"),
+            "{e}"
+        );
         let e = with("appliances = \"a\"").unwrap_err().to_string();
         assert!(e.contains("a number of appliances"), "{e}");
     }

@@ -75,7 +75,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
-use phub_proto::api::{ApiError, JoinRequest};
+use phub_proto::api::{ApiError, ApplianceAddr, JoinRequest};
 use phub_proto::layout::{Layout, Place, Placement};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
@@ -418,7 +418,12 @@ impl Worker {
             })
             .collect();
         let shm = shared_memory(&join, token, &config, &lcores)?;
-        let socket = Bound::new(lcores[0].ip(), &config)?;
+        // On loopback only when every appliance is there.
+        let far = lcores
+            .iter()
+            .find(|a| !a.ip().is_loopback())
+            .unwrap_or(&lcores[0]);
+        let socket = Bound::new(far.ip(), &config)?;
         let window = window_for(&join, &config, socket.info.rcvbuf);
         let stats = Arc::new(stats::Counters::default());
         let inject = fault_injector(&join, &config, &stats)?;
@@ -1129,7 +1134,21 @@ fn shared_memory(
     config: &WorkerConfig,
     lcores: &[SocketAddr],
 ) -> Result<Option<(io::RegionWatch, CurrentRegions)>, WorkerError> {
-    let mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
+    let mut mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
+    if join.appliances.len() > 1 {
+        // Regions are per appliance (named by its base port); a job over
+        // several goes by datagrams.
+        let why = format!(
+            "job {} is sharded over {} appliances; shared memory serves a job on one appliance",
+            join.job,
+            join.appliances.len()
+        );
+        if mode == shm::ShmMode::On {
+            return Err(WorkerError::SharedMemory { message: why });
+        }
+        log::debug!("phub-worker: datagrams, not shared memory: {why}");
+        mode = shm::ShmMode::Off;
+    }
     let spec = shm::RegionSpec::new(
         join.dataplane.base_port,
         join.job,
@@ -1298,43 +1317,69 @@ fn check_join(join: &JoinResponse) -> Result<(Vec<SocketAddr>, Placement), Worke
         Ok(p) => p,
         Err(e) => return bad(format!("the layout does not place the spec's chunks: {e}")),
     };
-    let nlcores = layout.lcore_count();
-    let host = join.dataplane.host.trim_start_matches('[').trim_end_matches(']');
-    let ip: IpAddr = match host.parse() {
-        Ok(ip) => ip,
-        Err(_) => {
-            let found = (host, join.dataplane.base_port)
-                .to_socket_addrs()
-                .map_err(|e| WorkerError::BadJoin {
-                    message: format!("dataplane host {:?} does not resolve: {e}", join.dataplane.host),
-                })?
-                .collect::<Vec<_>>();
-            match found.iter().find(|a| a.is_ipv4()).or(found.first()) {
-                Some(a) => a.ip(),
-                None => {
+    // A control that predates sharding names one appliance, `dataplane`.
+    let one = [ApplianceAddr {
+        name: "default".into(),
+        host: join.dataplane.host.clone(),
+        base_port: join.dataplane.base_port,
+        lcores: u32::try_from(layout.lcore_count()).unwrap_or(u32::MAX),
+    }];
+    let appliances = if join.appliances.is_empty() {
+        &one[..]
+    } else {
+        &join.appliances[..]
+    };
+    let named: u64 = appliances.iter().map(|a| u64::from(a.lcores)).sum();
+    if named != layout.lcore_count() as u64 {
+        return bad(format!(
+            "the appliances name {named} lcores; the layout has {}",
+            layout.lcore_count()
+        ));
+    }
+    let mut lcores = Vec::with_capacity(layout.lcore_count());
+    for a in appliances {
+        let ip = resolve(&a.name, &a.host, a.base_port)?;
+        for i in 0..a.lcores {
+            match u16::try_from(i).ok().and_then(|i| a.base_port.checked_add(i)) {
+                Some(port) if port != 0 => lcores.push(SocketAddr::new(ip, port)),
+                _ => {
                     return bad(format!(
-                        "dataplane host {:?} resolves to no address",
-                        join.dataplane.host
+                        "appliance {:?}: base port {} + lcore {i} is not a valid UDP port",
+                        a.name, a.base_port
                     ))
                 }
             }
         }
-    };
-    (0..nlcores)
-        .map(|i| {
-            match u16::try_from(i)
-                .ok()
-                .and_then(|i| join.dataplane.base_port.checked_add(i))
-            {
-                Some(port) if port != 0 => Ok(SocketAddr::new(ip, port)),
-                _ => bad(format!(
-                    "dataplane base port {} + lcore {i} is not a valid UDP port",
-                    join.dataplane.base_port
-                )),
-            }
+    }
+    Ok((lcores, placement))
+}
+
+/// The address of appliance `name`'s data `host` (an address, or a name
+/// resolved, IPv4 first).
+fn resolve(name: &str, host: &str, port: u16) -> Result<IpAddr, WorkerError> {
+    let bad = |message: String| WorkerError::BadJoin { message };
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    if let Ok(ip) = bare.parse() {
+        return Ok(ip);
+    }
+    let found = (bare, port)
+        .to_socket_addrs()
+        .map_err(|e| {
+            bad(format!(
+                "appliance {name:?}: data host {host:?} does not resolve: {e}"
+            ))
+        })?
+        .collect::<Vec<_>>();
+    found
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(found.first())
+        .map(SocketAddr::ip)
+        .ok_or_else(|| {
+            bad(format!(
+                "appliance {name:?}: data host {host:?} resolves to no address"
+            ))
         })
-        .collect::<Result<_, _>>()
-        .map(|lcores| (lcores, placement))
 }
 
 #[cfg(test)]

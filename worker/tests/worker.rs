@@ -159,6 +159,7 @@ impl FakeAppliance {
                         workers: spec.workers as u16,
                         dtype: spec.dtype,
                         optimizer: spec.optimizer,
+                        consistency: Default::default(),
                         chunk_elems: layout.chunk_elems,
                         slots: placement.slots(i).collect(),
                     })
@@ -261,6 +262,7 @@ fn bind_consecutive(n: usize) -> Vec<UdpSocket> {
 fn spec(workers: u32, keys: &[u64], dtype: Dtype, optimizer: Optimizer) -> JobSpec {
     JobSpec {
         checkpoint_interval_s: None,
+        placement: None,
         name: "worker-test".into(),
         workers,
         dtype,
@@ -287,6 +289,7 @@ fn join_response(spec: &JobSpec, layout: &Layout, rank: u16, base_port: u16) -> 
             host: "127.0.0.1".into(),
             base_port,
         },
+        appliances: Vec::new(),
     }
 }
 
