@@ -200,6 +200,162 @@ impl Drop for Rack {
     }
 }
 
+/// Several appliances on loopback under one phub-control: one
+/// phub-dataplane each (named `a`, `b`, ..., in racks `r1`, `r2`, ...),
+/// given to control with `--appliance`, stopped when dropped.
+pub struct Appliances {
+    /// Each appliance's dataplane, `None` while killed.
+    pub dataplanes: Vec<Option<Daemon>>,
+    pub names: Vec<String>,
+    pub mgmt_urls: Vec<String>,
+    dataplane_args: Vec<Vec<String>>,
+    pub control: Option<Daemon>,
+    pub control_url: String,
+    pub dir: PathBuf,
+}
+
+impl Appliances {
+    /// One appliance per entry of `lcores`, each with that many lcores and
+    /// `budget`. The second and later appliances' management tokens are
+    /// given to control with `token-file=` (the first's by its default
+    /// path), so both ways are exercised.
+    pub fn start(lcores: &[usize], budget: &str) -> Appliances {
+        let dir = std::env::temp_dir().join(format!("phub-test-appl-{}-{}", std::process::id(), free_port()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let mut a = Appliances {
+            dataplanes: Vec::new(),
+            names: Vec::new(),
+            mgmt_urls: Vec::new(),
+            dataplane_args: Vec::new(),
+            control: None,
+            control_url: format!("http://127.0.0.1:{}", free_port()),
+            dir,
+        };
+        let mut control_args = vec![
+            "--listen".to_string(),
+            a.control_url.trim_start_matches("http://").to_string(),
+            "--reconcile-ms".into(),
+            "200".into(),
+            "--state".into(),
+            a.dir.join("state.json").display().to_string(),
+        ];
+        for (i, &n) in lcores.iter().enumerate() {
+            let name = ((b'a' + i as u8) as char).to_string();
+            let mgmt = free_port();
+            let base = free_udp_ports(n as u16);
+            a.dataplane_args.push(vec![
+                "--base-port".to_string(),
+                base.to_string(),
+                "--lcores".into(),
+                n.to_string(),
+                "--no-pin".into(),
+                "--mgmt".into(),
+                format!("127.0.0.1:{mgmt}"),
+                "--memory-budget".into(),
+                budget.into(),
+            ]);
+            let url = format!("http://127.0.0.1:{mgmt}");
+            let mut spec = format!("name={name},url={url},rack=r{}", i + 1);
+            if i > 0 {
+                spec += &format!(
+                    ",token-file={}",
+                    a.dir.join(format!("dataplane-{mgmt}.token")).display()
+                );
+            }
+            control_args.push("--appliance".into());
+            control_args.push(spec);
+            a.names.push(name);
+            a.mgmt_urls.push(url);
+            a.dataplanes.push(None);
+            a.start_dataplane(i);
+        }
+        a.control = Some(start(
+            "phub-control",
+            env!("CARGO_BIN_EXE_phub-control"),
+            &control_args,
+            &a.dir,
+            &format!("{}/v1/jobs", a.control_url),
+        ));
+        a
+    }
+
+    /// Starts appliance `i`'s phub-dataplane (again), on the same ports.
+    pub fn start_dataplane(&mut self, i: usize) {
+        self.dataplanes[i] = Some(start(
+            &format!("phub-dataplane-{}", self.names[i]),
+            env!("CARGO_BIN_EXE_phub-dataplane"),
+            &self.dataplane_args[i],
+            &self.dir,
+            &format!("{}/v1/info", self.mgmt_urls[i]),
+        ));
+    }
+
+    /// Kills appliance `i`'s phub-dataplane outright (SIGKILL).
+    pub fn kill_dataplane(&mut self, i: usize) {
+        if let Some(mut d) = self.dataplanes[i].take() {
+            d.kill();
+        }
+    }
+
+    /// GET `path` on appliance `i`'s management API (an open route).
+    pub fn dataplane_get<T: serde::de::DeserializeOwned>(&self, i: usize, path: &str) -> T {
+        ureq::get(&format!("{}{path}", self.mgmt_urls[i]))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap()
+    }
+
+    pub fn operator_token(&self) -> String {
+        std::fs::read_to_string(self.dir.join("state.json.operator-token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+        let req = ureq::post(&format!("{}/v1/jobs", self.control_url))
+            .set("Authorization", &format!("Bearer {}", self.operator_token()));
+        match req.send_string(spec) {
+            Ok(r) => Ok(r.into_json().unwrap()),
+            Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
+            Err(e) => panic!("admission: {e}"),
+        }
+    }
+
+    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+        ureq::get(&format!("{}{path}", self.control_url))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap()
+    }
+
+    pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .env("PHUB_OPERATOR_TOKEN", self.operator_token())
+            .args(["--control", &self.control_url])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+impl Drop for Appliances {
+    fn drop(&mut self) {
+        drop(self.control.take());
+        for d in &mut self.dataplanes {
+            drop(d.take());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.

@@ -1,0 +1,400 @@
+//! phub-control with several appliances: a real `Daemon` on 127.0.0.1:0
+//! against two fake dataplanes, driven over HTTP. Appliances added, listed
+//! and removed (refused while a job uses one), recorded in the state file;
+//! jobs sharded over both, each holding only its part.
+
+// Not every test file uses every part of the fake.
+#[allow(dead_code)]
+mod fake;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use fake::{Fake, FakeConfig};
+use phub_control::daemon::{Config, Daemon};
+use phub_proto::api::{
+    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, JoinResponse,
+    Stats,
+};
+use phub_proto::layout::Placement;
+
+fn temp_state(tag: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("phub-control-appl-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir.join("state.json")
+}
+
+fn appliance(name: &str, fake: &Fake, rack: &str) -> ApplianceSpec {
+    ApplianceSpec {
+        name: name.into(),
+        url: fake.url(),
+        rack: rack.into(),
+        token_file: None,
+    }
+}
+
+/// A daemon over `appliances` (none: `dataplane` as "default") and `state`.
+fn daemon(appliances: Vec<ApplianceSpec>, dataplane: &str, state: &Path) -> Daemon {
+    Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: dataplane.to_string(),
+        appliances,
+        state: state.to_path_buf(),
+        reconcile_interval: Duration::from_millis(100),
+        ..Config::default()
+    })
+    .unwrap()
+}
+
+fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>, token: bool) -> (u16, String) {
+    let url = format!("http://{}{path}", d.addr());
+    let mut req = ureq::request(method, &url);
+    if token {
+        req = req.set("Authorization", &format!("Bearer {}", d.operator_token()));
+    }
+    let res = match body {
+        Some(b) => req.send_string(b),
+        None => req.call(),
+    };
+    match res {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+        Err(e) => panic!("{method} {url}: {e}"),
+    }
+}
+
+fn ok<T: serde::de::DeserializeOwned>(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> T {
+    let (s, text) = call(d, method, path, body, true);
+    assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) -> String {
+    let (s, text) = call(d, method, path, body, true);
+    assert_eq!(s, status, "{method} {path}: {text}");
+    serde_json::from_str::<ApiError>(&text).unwrap().error
+}
+
+fn list(d: &Daemon) -> Vec<ApplianceStatus> {
+    ok(d, "GET", "/v1/appliances", None)
+}
+
+fn jobs(d: &Daemon) -> Vec<JobSummary> {
+    ok(d, "GET", "/v1/jobs", None)
+}
+
+fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A sum job of one key of `elements` f32 in 1 KiB chunks, on `placement`.
+fn spec(name: &str, elements: u64, placement: &str) -> String {
+    format!(
+        "name = \"{name}\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nelements = {elements}\n{placement}"
+    )
+}
+
+fn puts(fake: &Fake) -> usize {
+    fake.state
+        .lock()
+        .unwrap()
+        .log
+        .iter()
+        .filter(|l| l.starts_with("PUT"))
+        .count()
+}
+
+#[test]
+fn appliances_are_added_listed_removed_and_recorded() {
+    let a = Fake::start(FakeConfig::lcores(2));
+    let b = Fake::start(FakeConfig::lcores(3));
+    let state = temp_state("crud");
+    let d = daemon(vec![appliance("a", &a, "r1")], "http://127.0.0.1:1", &state);
+    let l = list(&d);
+    assert_eq!(l.len(), 1);
+    assert_eq!(
+        (l[0].name.as_str(), l[0].rack.as_str(), l[0].lcores),
+        ("a", "r1", Some(2))
+    );
+    assert!(l[0].down.is_none());
+
+    let body = serde_json::to_string(&appliance("b", &b, "r2")).unwrap();
+    let (s, _) = call(&d, "POST", "/v1/appliances", Some(&body), false);
+    assert_eq!(s, 401, "adding an appliance needs the operator token");
+    let added: ApplianceStatus = ok(&d, "POST", "/v1/appliances", Some(&body));
+    assert_eq!((added.name.as_str(), added.lcores), ("b", Some(3)));
+    let e = err(&d, "POST", "/v1/appliances", Some(&body), 409);
+    assert!(e.contains("appliance \"b\" already exists"), "{e}");
+    let bad = serde_json::to_string(&ApplianceSpec {
+        name: "../x".into(),
+        ..appliance("x", &b, "")
+    })
+    .unwrap();
+    let e = err(&d, "POST", "/v1/appliances", Some(&bad), 400);
+    assert!(
+        e.contains("appliance name \"../x\"") && e.contains("ASCII letters"),
+        "{e}"
+    );
+    assert_eq!(list(&d).len(), 2);
+
+    let r: AdmitResponse = ok(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec(
+            "both",
+            256 * 10,
+            "[placement]\nappliances = [\"a\", \"b\"]\n",
+        )),
+    );
+    assert_eq!(r.appliances, ["a", "b"]);
+    let e = err(&d, "DELETE", "/v1/appliances/b", None, 409);
+    assert!(
+        e.contains("appliance \"b\" holds jobs 1 (\"both\"); evict them first"),
+        "{e}"
+    );
+    assert_eq!(
+        err(&d, "DELETE", "/v1/appliances/zz", None, 404),
+        "no appliance \"zz\"; see phubctl appliance list"
+    );
+
+    // Restarted without --appliance: the state file knows both, and where
+    // the job is.
+    d.shutdown();
+    let d = daemon(vec![], "http://127.0.0.1:1", &state);
+    let names: Vec<String> = list(&d).into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["a", "b"]);
+    assert_eq!(list(&d)[1].jobs, [1]);
+    wait_for("the job installed on both", || jobs(&d)[0].installed);
+    assert_eq!(jobs(&d)[0].appliances, ["a", "b"]);
+
+    let _: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    assert!(a.jobs().is_empty() && b.jobs().is_empty(), "evicted from both");
+    let gone: ApplianceStatus = ok(&d, "DELETE", "/v1/appliances/b", None);
+    assert_eq!(gone.name, "b");
+    d.shutdown();
+    let d = daemon(vec![], "http://127.0.0.1:1", &state);
+    let names: Vec<String> = list(&d).into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["a"], "the removal was recorded");
+    d.shutdown();
+}
+
+/// A state file of the version before appliances: its jobs are on the
+/// appliance "default", which is --dataplane.
+#[test]
+fn a_state_file_without_appliances_means_one_appliance_default() {
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("old");
+    let d = daemon(vec![], &fake.url(), &state);
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("old", 5000, "")));
+    d.shutdown();
+    let mut old: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert_eq!(old["appliances"][0]["name"], "default");
+    old.as_object_mut().unwrap().remove("appliances");
+    old["jobs"][0].as_object_mut().unwrap().remove("parts");
+    std::fs::write(&state, old.to_string()).unwrap();
+    fake.forget_all();
+    let d = daemon(vec![], &fake.url(), &state);
+    wait_for("the job reinstalled on default", || fake.jobs().contains_key(&1));
+    assert_eq!(jobs(&d)[0].appliances, ["default"]);
+    assert_eq!(list(&d)[0].name, "default");
+    d.shutdown();
+    // A job on an appliance nobody names stops the start, naming it.
+    let mut text: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    text["jobs"][0]["parts"][0]["appliance"] = "gone".into();
+    std::fs::write(&state, text.to_string()).unwrap();
+    let e = Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: fake.url(),
+        state: state.clone(),
+        ..Config::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("job 1 is on appliance \"gone\", which neither the state file nor the command line names"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_job_over_two_appliances_holds_a_part_on_each() {
+    let a = Fake::start(FakeConfig {
+        budget: 1 << 20,
+        ..FakeConfig::lcores(2)
+    });
+    let b = Fake::start(FakeConfig::lcores(3));
+    let state = temp_state("shard");
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    // One appliance by default: the one with the most free memory.
+    let one: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("one", 1000, "")));
+    assert_eq!(one.appliances, ["b"]);
+    assert!(b.jobs().contains_key(&one.id) && !a.jobs().contains_key(&one.id));
+    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", one.id), None);
+
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("x", 1000, "[placement]\nappliances = 3\n")),
+        507,
+    );
+    assert_eq!(e, "the job asks for 3 appliances; 2 answer: a, b");
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("x", 1000, "[placement]\nappliances = [\"c\"]\n")),
+        400,
+    );
+    assert!(
+        e.contains("names \"c\", which control does not manage; its appliances: a, b"),
+        "{e}"
+    );
+    // Too big for a's 1 MiB: refused, naming a, and nothing left anywhere.
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("big", 1 << 20, "[placement]\nappliances = 2\n")),
+        507,
+    );
+    assert!(
+        e.starts_with("job needs ") && e.contains(" on appliance \"a\"; the dataplane has "),
+        "{e}"
+    );
+    assert!(a.jobs().is_empty() && b.jobs().is_empty());
+
+    let r: AdmitResponse = ok(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("both", 256 * 10, "[placement]\nappliances = 2\n")),
+    );
+    assert_eq!(r.appliances, ["b", "a"], "most free memory first");
+    let (on_a, on_b) = (a.jobs()[&r.id].layout.clone(), b.jobs()[&r.id].layout.clone());
+    assert_eq!((on_b.lcores.len(), on_a.lcores.len()), (3, 2));
+    assert_eq!((on_b.span().start, on_b.span().end), (0, on_a.span().start));
+    assert_eq!(on_a.span().end, 10);
+    assert!(on_a.chunk_count() > 0 && on_b.chunk_count() > 0);
+
+    // A worker learns both appliances and a layout over their 5 lcores.
+    let join: JoinResponse = ok(
+        &d,
+        "POST",
+        &format!("/v1/jobs/{}/join", r.id),
+        Some(&format!("{{\"token\": \"{:016x}\", \"rank\": 0}}", r.token)),
+    );
+    let names: Vec<(&str, u32)> = join
+        .appliances
+        .iter()
+        .map(|a| (a.name.as_str(), a.lcores))
+        .collect();
+    assert_eq!(names, [("b", 3), ("a", 2)]);
+    let whole = Placement::new(&join.spec, join.layout.clone()).unwrap();
+    assert_eq!(join.layout.lcores[..3], on_b.lcores[..]);
+    assert_eq!(join.layout.lcores[3..], on_a.lcores[..]);
+    assert_eq!(whole.chunks().total(), 10);
+
+    let map: JobMap = ok(&d, "GET", &format!("/v1/jobs/{}/map/keys/0", r.id), None);
+    let owners: Vec<&str> = map.lcores.iter().map(|l| l.appliance.as_str()).collect();
+    assert!(owners.contains(&"a") && owners.contains(&"b"), "{owners:?}");
+    assert_eq!(map.keys[0].runs.iter().map(|r| r.count).sum::<u32>(), 10);
+    assert!(map.keys[0].runs.iter().any(|r| r.appliance == "a" && r.slot == 0));
+
+    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", r.id), None);
+    assert!(show.summary.installed);
+    let parts: Vec<(&str, &str, bool)> = show
+        .parts
+        .iter()
+        .map(|p| (p.appliance.as_str(), p.rack.as_str(), p.installed))
+        .collect();
+    assert_eq!(parts, [("b", "r2", true), ("a", "r1", true)]);
+    // The fake says 42 rounds per job: both parts count.
+    assert_eq!(show.rounds_completed, 84);
+    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    assert_eq!(stats.appliances.len(), 2);
+
+    // Checkpoints: one file per part.
+    let c: phub_proto::api::CheckpointInfo = ok(&d, "POST", &format!("/v1/jobs/{}/checkpoint", r.id), None);
+    for name in ["a", "b"] {
+        let f = state.with_file_name(format!("state.json.job-{}.{name}.ckpt", r.id));
+        assert!(
+            f.exists() && c.file.contains(&f.display().to_string()),
+            "{}",
+            c.file
+        );
+    }
+
+    // Appliance a loses its jobs: its part alone is restored there from
+    // its checkpoint; b is not touched.
+    let b_puts = puts(&b);
+    a.forget_all();
+    wait_for("a's part restored", || {
+        a.state.lock().unwrap().restored.contains_key(&r.id)
+    });
+    assert_eq!(a.jobs()[&r.id].layout, on_a);
+    assert_eq!(puts(&b), b_puts);
+    // Evicted: from both.
+    let evicted: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", r.id), None);
+    assert_eq!(evicted.appliances, ["b", "a"]);
+    assert!(a.jobs().is_empty() && b.jobs().is_empty());
+    d.shutdown();
+}
+
+/// An appliance that does not answer: job show names it per part.
+#[test]
+fn job_show_names_a_part_whose_appliance_is_down() {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1));
+    let state = temp_state("down");
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    let r: AdmitResponse = ok(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec(
+            "both",
+            256 * 4,
+            "[placement]\nappliances = [\"a\", \"b\"]\n",
+        )),
+    );
+    drop(b);
+    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", r.id), None);
+    assert!(!show.summary.installed);
+    let down = &show.parts[1];
+    assert_eq!(down.appliance, "b");
+    assert!(!down.installed);
+    assert!(
+        down.down
+            .as_deref()
+            .unwrap()
+            .contains("cannot reach the dataplane"),
+        "{down:?}"
+    );
+    assert!(show.parts[0].installed && show.parts[0].down.is_none());
+    let text = phub_control::cli::render_show(&show);
+    assert!(
+        text.contains("DOWN (") && text.contains("reinstalled when it answers"),
+        "{text}"
+    );
+    d.shutdown();
+}
