@@ -1457,7 +1457,13 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// The slot and round rules for an authenticated packet.
-    fn apply(k: &Kernels, job: &mut Job<A>, repr: &Repr, payload: &[u8], now: u64) -> Result<Step, DropReason> {
+    fn apply(
+        k: &Kernels,
+        job: &mut Job<A>,
+        repr: &Repr,
+        payload: &[u8],
+        now: u64,
+    ) -> Result<Step, DropReason> {
         if repr.dtype != job.dtype {
             return Err(DropReason::DtypeMismatch);
         }
@@ -1485,9 +1491,7 @@ impl<A: Copy + Eq> Shard<A> {
             return if slot.completed == NO_ROUND {
                 Err(DropReason::NothingToPull)
             } else {
-                Ok(Step::Resend(
-                    clocks.map(|c| c[usize::from(repr.rank)].answered()),
-                ))
+                Ok(Step::Resend(clocks.map(|c| c[usize::from(repr.rank)].answered())))
             };
         }
         if (repr.kind == MsgType::Init) != (repr.round == 0) {
@@ -1501,9 +1505,22 @@ impl<A: Copy + Eq> Shard<A> {
             if slot.completed != NO_ROUND {
                 // Past round 0, the INIT barrier every mode shares.
                 let (consistency, opt, dtype) = (job.consistency, &job.optimizer, job.dtype);
-                let step = Self::apply_clocked(k, (slot, &mut job.blocks), clocks, consistency, opt, dtype, repr, payload, now)?;
+                let step = Self::apply_clocked(
+                    k,
+                    (slot, &mut job.blocks),
+                    clocks,
+                    consistency,
+                    opt,
+                    dtype,
+                    repr,
+                    payload,
+                    now,
+                )?;
                 if let Step::Applied { held: false, .. } = step {
-                    let lead = repr.round.saturating_add(1).saturating_sub(slowest(&job.clocks[at..at + w]));
+                    let lead = repr
+                        .round
+                        .saturating_add(1)
+                        .saturating_sub(slowest(&job.clocks[at..at + w]));
                     job.max_lead = job.max_lead.max(lead);
                 }
                 return Ok(step);
@@ -1658,7 +1675,13 @@ impl<A: Copy + Eq> Shard<A> {
     /// held answer whose clock is now within τ of it, one RESULT per clock
     /// (all of them share one clock in every state the engine reaches: the
     /// lowest clock rises by one at a time).
-    fn release(job: &mut Job<A>, slot: u32, now: u64, pending: &mut Vec<Pending<A>>, counters: &ShardCounters) {
+    fn release(
+        job: &mut Job<A>,
+        slot: u32,
+        now: u64,
+        pending: &mut Vec<Pending<A>>,
+        counters: &ShardCounters,
+    ) {
         let Consistency::Bounded { delay } = job.consistency else {
             return;
         };
@@ -1887,7 +1910,10 @@ enum Step {
     Resend(Option<u32>),
     /// Not BSP: the push was applied; its answer is queued, or held; the
     /// slot's lowest clock rose (held answers may go).
-    Applied { held: bool, slowest_rose: bool },
+    Applied {
+        held: bool,
+        slowest_rose: bool,
+    },
 }
 
 #[cfg(test)]

@@ -31,7 +31,8 @@ fn install(workers: u16, dtype: Dtype, optimizer: Optimizer, consistency: Consis
 
 fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer, consistency: Consistency) -> Shard<u32> {
     let mut s = Shard::new(0, Kernels::best());
-    s.install(install(workers, dtype, optimizer, consistency)).unwrap();
+    s.install(install(workers, dtype, optimizer, consistency))
+        .unwrap();
     s
 }
 
@@ -71,7 +72,11 @@ fn init(s: &mut Shard<u32>, dtype: Dtype, workers: u16, values: &[f32]) {
         s.handle(u32::from(r), &msg(dtype, MsgType::Init, r, 0, v), 0);
     }
     let out = drain(s, dtype);
-    assert_eq!(out.len(), usize::from(workers), "INIT is a barrier answered to all");
+    assert_eq!(
+        out.len(),
+        usize::from(workers),
+        "INIT is a barrier answered to all"
+    );
     assert!(out.iter().all(|o| o.1 == 0 && o.2 == values));
 }
 
@@ -247,7 +252,10 @@ fn modes_that_do_not_fit_are_refused_at_install() {
     let e = s
         .install(install(2, Dtype::F32, Optimizer::Mean, Consistency::Async))
         .unwrap_err();
-    assert!(e.to_string().contains("consistency async") && e.to_string().contains("sum"), "{e}");
+    assert!(
+        e.to_string().contains("consistency async") && e.to_string().contains("sum"),
+        "{e}"
+    );
     assert_eq!(s.job_ids().count(), 0);
 }
 
@@ -262,7 +270,10 @@ fn clocks_are_charged_what_they_take() {
     b.install(install(5, Dtype::F32, Optimizer::Sum, Consistency::Async))
         .unwrap();
     let per = phub_dataplane::engine::memory_model(a.slot_memory()).clock_bytes;
-    assert_eq!(per as usize, std::mem::size_of::<phub_dataplane::engine::RankClock>());
+    assert_eq!(
+        per as usize,
+        std::mem::size_of::<phub_dataplane::engine::RankClock>()
+    );
     assert_eq!(
         b.job_memory_bytes(1).unwrap() - a.job_memory_bytes(1).unwrap(),
         5 * u64::from(per)
