@@ -634,14 +634,14 @@ pub fn render_show(d: &JobDetail) -> String {
                     p.lcores.to_string(),
                     format!("{}..{}", p.chunks.0, p.chunks.1),
                     human_bytes(p.memory_bytes),
+                    match p.round_range {
+                        Some((lo, hi)) => format!("{} ({lo}..={hi})", p.rounds_completed),
+                        None => p.rounds_completed.to_string(),
+                    },
                     match (&p.down, p.installed) {
                         (Some(why), _) => format!("DOWN ({why}); reinstalled when it answers"),
                         (None, true) => "installed".into(),
                         (None, false) => "NOT installed; reconciliation reinstalls it".into(),
-                    },
-                    match p.round_range {
-                        Some((lo, hi)) => format!("{} ({lo}..={hi})", p.rounds_completed),
-                        None => p.rounds_completed.to_string(),
                     },
                 ]
             })
@@ -653,8 +653,8 @@ pub fn render_show(d: &JobDetail) -> String {
                 ("LCORES", Align::Right),
                 ("CHUNKS", Align::Left),
                 ("MEMORY", Align::Right),
-                ("STATE", Align::Left),
                 ("ROUNDS", Align::Left),
+                ("STATE", Align::Left),
             ],
             &rows,
         ));

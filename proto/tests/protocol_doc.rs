@@ -259,3 +259,55 @@ fn join_response_json_is_what_the_api_sends() {
     assert!(d.contains(&format!("keys of {} and {}", elems[0], elems[1])));
     assert!(d.contains(&format!("chunks of {} bytes", r.spec.chunk_bytes)));
 }
+
+#[test]
+fn sharded_join_response_json_is_what_the_api_sends_and_the_rule_places_it() {
+    let d = doc();
+    let blocks: Vec<&str> = d
+        .split("```json join-response-sharded\n")
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(blocks.len(), 1, "exactly one ```json join-response-sharded block");
+    let stated: serde_json::Value = serde_json::from_str(blocks[0]).unwrap();
+    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
+    let sent = serde_json::to_string(&r).unwrap();
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
+    r.spec.validate().unwrap();
+    // The layout is placement over the union of a's two lcores and b's one.
+    let model = MemoryModel::default();
+    assert_eq!(
+        r.layout,
+        layout(&r.spec, &mut [0, 0, 0], model.chunk_cost(&r.spec, false)),
+        "{}",
+        serde_json::to_string(&layout(&r.spec, &mut [0, 0, 0], model.chunk_cost(&r.spec, false))).unwrap()
+    );
+    let counts: Vec<usize> = r.appliances.iter().map(|a| a.lcores as usize).collect();
+    assert_eq!(counts.iter().sum::<usize>(), r.layout.lcores.len());
+    assert_eq!(r.dataplane.host, r.appliances[0].host);
+    // What the text says of each chunk's home, port and slot.
+    let p = Placement::new(&r.spec, r.layout.clone()).unwrap();
+    let homes: Vec<(&str, u16, u32)> = (0..p.chunks().total())
+        .map(|g| {
+            let pl = p.place_of(g).unwrap();
+            let (mut l, mut i) = (usize::from(pl.lcore), 0);
+            while l >= counts[i] {
+                l -= counts[i];
+                i += 1;
+            }
+            let a = &r.appliances[i];
+            (a.name.as_str(), a.base_port + l as u16, pl.slot)
+        })
+        .collect();
+    assert_eq!(
+        homes,
+        [("a", 9000, 0), ("a", 9001, 0), ("a", 9001, 1), ("b", 9000, 0)]
+    );
+    assert!(d.contains(
+        "chunk 0 goes to\n  `a` port 9000 slot 0, chunks 1 and 2 to `a` port 9001 slots 0 and 1,\n  and chunk 3 to `b` port 9000 slot 0."
+    ));
+    // Each part is what its appliance installs.
+    for part in r.layout.split(&counts) {
+        assert!(Placement::part(&r.spec, part).is_ok());
+    }
+}
