@@ -27,8 +27,8 @@ use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
     AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo,
-    DataplaneInfo, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary, JoinRequest, JoinResponse,
-    KeyMap, KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
+    DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary, JoinRequest,
+    JoinResponse, KeyMap, KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::{Layout, Placement};
@@ -1556,7 +1556,12 @@ impl Shared {
 
     fn metrics(&self) -> String {
         let s = self.stats();
-        metrics::render(s.dataplane.as_ref(), &s.jobs)
+        let appliances: Vec<(&str, Option<&DataplaneStats>)> = s
+            .appliances
+            .iter()
+            .map(|a| (a.name.as_str(), a.dataplane.as_ref()))
+            .collect();
+        metrics::render_all(&appliances, &s.jobs)
     }
 
     /// Takes a checkpoint of every part of job `id` from its appliances and

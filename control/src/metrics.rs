@@ -47,28 +47,56 @@ impl Out {
     }
 }
 
+/// Renders every metric of one appliance's dataplane and the jobs
+/// ([`render_all`] with one appliance: no `appliance` label).
+pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String {
+    render_all(&[("", dataplane)], jobs)
+}
+
+/// `rest`, after an `appliance` label naming `name` when `labelled`.
+fn labels<'a>(labelled: bool, name: &'a str, rest: &[(&'a str, &'a str)]) -> Vec<(&'a str, &'a str)> {
+    let mut l = Vec::with_capacity(rest.len() + 1);
+    if labelled {
+        l.push(("appliance", name));
+    }
+    l.extend_from_slice(rest);
+    l
+}
+
 /// Renders every metric: `phub_dataplane_up`, one counter family
 /// `phub_lcore_<name>_total{lcore}` per counter of
 /// [`LcoreStats::COUNTERS`] (its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
 /// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
-/// `phub_job_installed`, `phub_job_memory_bytes` and, when the dataplane
-/// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`.
-pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String {
+/// `phub_job_installed`, `phub_job_memory_bytes` and, when a dataplane
+/// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`
+/// (added up over the job's appliances). With more than one appliance,
+/// `phub_dataplane_up` and the lcore families carry an `appliance` label.
+pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSummary]) -> String {
     let mut o = Out(String::new());
+    let labelled = appliances.len() > 1;
     o.family(
         "phub_dataplane_up",
         "gauge",
         "Whether phub-control could read the dataplane's counters (1) or not (0)",
     );
-    o.sample("phub_dataplane_up", &[], u64::from(dataplane.is_some()));
-
-    if let Some(dp) = dataplane {
-        // Each lcore's label and counters in table order, read once.
-        let rows: Vec<(String, Vec<u64>)> = dp
-            .lcores
-            .iter()
-            .map(|l| (l.lcore.to_string(), l.counters().map(|(_, v)| v).collect()))
-            .collect();
+    for (name, dataplane) in appliances {
+        o.sample(
+            "phub_dataplane_up",
+            &labels(labelled, name, &[]),
+            u64::from(dataplane.is_some()),
+        );
+    }
+    // Each lcore's appliance, label and counters in table order, read once.
+    let rows: Vec<(&str, String, Vec<u64>)> = appliances
+        .iter()
+        .filter_map(|(name, d)| Some((*name, (*d)?)))
+        .flat_map(|(name, dp)| {
+            dp.lcores
+                .iter()
+                .map(move |l| (name, l.lcore.to_string(), l.counters().map(|(_, v)| v).collect()))
+        })
+        .collect();
+    if !rows.is_empty() {
         for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
             let name = format!("phub_lcore_{}_total", def.name);
             o.family(
@@ -76,8 +104,12 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
                 def.kind.prometheus_type(),
                 &format!("{}, per lcore", def.help),
             );
-            for (lcore, values) in &rows {
-                o.sample(&name, &[("lcore", lcore)], values[i]);
+            for (appliance, lcore, values) in &rows {
+                o.sample(
+                    &name,
+                    &labels(labelled, appliance, &[("lcore", lcore)]),
+                    values[i],
+                );
             }
         }
         o.family(
@@ -85,14 +117,16 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
             "counter",
             "Packets dropped, per lcore and reason",
         );
-        for l in &dp.lcores {
-            let lcore = l.lcore.to_string();
-            for (reason, &n) in &l.drops {
-                o.sample(
-                    "phub_lcore_drops_total",
-                    &[("lcore", &lcore), ("reason", reason)],
-                    n,
-                );
+        for (appliance, dp) in appliances.iter().filter_map(|(n, d)| Some((*n, (*d)?))) {
+            for l in &dp.lcores {
+                let lcore = l.lcore.to_string();
+                for (reason, &n) in &l.drops {
+                    o.sample(
+                        "phub_lcore_drops_total",
+                        &labels(labelled, appliance, &[("lcore", &lcore), ("reason", reason)]),
+                        n,
+                    );
+                }
             }
         }
     }
@@ -136,31 +170,35 @@ pub fn render(dataplane: Option<&DataplaneStats>, jobs: &[JobSummary]) -> String
     for (j, id) in jobs.iter().zip(&ids) {
         o.sample("phub_job_memory_bytes", &[("job", id)], j.memory_bytes);
     }
-    if let Some(dp) = dataplane {
-        let live: Vec<_> = jobs
+    let up: Vec<&DataplaneStats> = appliances.iter().filter_map(|(_, d)| *d).collect();
+    if !up.is_empty() {
+        // Per job its pushes and rounds over every appliance that knows it.
+        let live: Vec<(&String, (u64, u64))> = jobs
             .iter()
             .zip(&ids)
-            .filter_map(|(j, id)| dp.jobs.iter().find(|l| l.id == j.id).map(|l| (id, l)))
+            .filter_map(|(j, id)| {
+                let of: Vec<_> = up.iter().flat_map(|d| &d.jobs).filter(|l| l.id == j.id).collect();
+                (!of.is_empty()).then(|| {
+                    let pushes = of.iter().map(|l| l.pushes).sum();
+                    (id, (pushes, of.iter().map(|l| l.rounds_completed).sum()))
+                })
+            })
             .collect();
         o.family(
             "phub_job_pushes_total",
             "counter",
             "Contributions aggregated for the job, over all lcores",
         );
-        for (id, l) in &live {
-            o.sample("phub_job_pushes_total", &[("job", id)], l.pushes);
+        for (id, (pushes, _)) in &live {
+            o.sample("phub_job_pushes_total", &[("job", id)], *pushes);
         }
         o.family(
             "phub_job_rounds_completed_total",
             "counter",
             "Rounds completed for the job, over all its chunks",
         );
-        for (id, l) in &live {
-            o.sample(
-                "phub_job_rounds_completed_total",
-                &[("job", id)],
-                l.rounds_completed,
-            );
+        for (id, (_, rounds)) in &live {
+            o.sample("phub_job_rounds_completed_total", &[("job", id)], *rounds);
         }
     }
     o.0
@@ -239,5 +277,17 @@ mod tests {
         assert!(!text.contains("phub_lcore_lcore"));
         let down = render(None, &jobs);
         assert!(down.contains("phub_dataplane_up 0\n") && !down.contains("phub_lcore_"));
+        // Two appliances: labelled, and the job's counters added up.
+        let two = render_all(&[("a", Some(&dp)), ("b", Some(&dp)), ("c", None)], &jobs);
+        for line in [
+            "phub_dataplane_up{appliance=\"a\"} 1",
+            "phub_dataplane_up{appliance=\"c\"} 0",
+            "phub_lcore_rx_packets_total{appliance=\"b\",lcore=\"0\"} 10",
+            "phub_lcore_drops_total{appliance=\"a\",lcore=\"0\",reason=\"bad_token\"} 3",
+            "phub_job_rounds_completed_total{job=\"1\"} 10",
+            "phub_job_pushes_total{job=\"1\"} 80",
+        ] {
+            assert!(two.lines().any(|l| l == line), "missing {line:?} in\n{two}");
+        }
     }
 }
