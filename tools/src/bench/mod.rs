@@ -7,9 +7,11 @@
 //! - [`ceiling`]: the same-run loopback ceilings the efficiency is stated
 //!   against.
 //! - [`plot`]: the sweep's plot (SVG, or PNG rendered from it).
+//! - [`tcp_ps`]: the same-run TCP parameter server of `--baseline tcp-ps`.
 
 pub mod ceiling;
 pub mod emulate;
 pub mod local;
 pub mod plot;
 pub mod run;
+pub mod tcp_ps;

@@ -200,6 +200,20 @@ pub struct RunArgs {
     /// --shm. Kernel UDP only (not with --backend dpdk).
     #[arg(long)]
     pub shm: bool,
+    /// Also run the same exchange (model, workers, rounds) through a peer
+    /// in the same run: `tcp-ps`, a plain TCP parameter server (one
+    /// process, keys of at most 4 MB, summed and answered when all W have
+    /// pushed), and report phub's speed-up over it.
+    #[arg(long, value_enum)]
+    pub baseline: Option<BaselineKind>,
+}
+
+/// The same-run peers `--baseline` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BaselineKind {
+    /// A plain TCP parameter server (`bench::tcp_ps`).
+    TcpPs,
 }
 
 /// One run's figures (one point of a sweep).
@@ -271,6 +285,17 @@ pub struct RunResult {
     pub appliance_cpu_s_per_gb: Option<f64>,
     /// CPU seconds of the workers over the timed rounds (all of them).
     pub workers_cpu_s: Option<f64>,
+    /// Workers' CPU seconds per GB (1e9 bytes) of gradients they pushed
+    /// over the timed rounds (model bytes x W x rounds).
+    pub workers_cpu_s_per_gb: Option<f64>,
+    /// `--baseline`: its name, null without.
+    pub baseline: Option<String>,
+    /// The baseline's median round, same model, workers and rounds, ms.
+    pub baseline_round_ms_median: Option<f64>,
+    /// baseline median round / phub's median round (> 1: phub is faster).
+    pub speedup_vs_baseline: Option<f64>,
+    /// The baseline's whole measurement.
+    pub baseline_detail: Option<super::tcp_ps::Baseline>,
     /// Dataplane CPU per timed round, ms.
     pub appliance_cpu_ms_per_round: Option<f64>,
     /// Workers' CPU per timed round (all workers), ms.
@@ -479,11 +504,23 @@ enum ChildLine {
 /// Runs one point: ceiling, appliance, job, workers. `--local --backend
 /// dpdk` runs all of it inside the virtual rack's namespace.
 fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
-    if a.backend == Backend::Dpdk && a.control.is_none() {
+    let mut r = if a.backend == Backend::Dpdk && a.control.is_none() {
         let net = local::VethNet::create()?;
-        return net.inside(|| run_point_here(a, profile, label, Some(&net.ns.name)));
+        net.inside(|| run_point_here(a, profile, label, Some(&net.ns.name)))?
+    } else {
+        run_point_here(a, profile, label, None)?
+    };
+    if let Some(BaselineKind::TcpPs) = a.baseline {
+        // Right after phub's rounds, on the same machine, same model,
+        // workers and rounds.
+        let b = super::tcp_ps::measure(profile, a.workers, a.rounds.max(1), a.warmup)
+            .context("the tcp-ps baseline")?;
+        r.baseline = Some(b.name.clone());
+        r.baseline_round_ms_median = Some(b.round_ms_median);
+        r.speedup_vs_baseline = Some(b.round_ms_median / r.round_ms_median);
+        r.baseline_detail = Some(b);
     }
-    run_point_here(a, profile, label, None)
+    Ok(r)
 }
 
 /// One point, on the calling thread's network (`veth`: the virtual rack's
@@ -901,6 +938,11 @@ fn drive(
             _ => None,
         },
         workers_cpu_s,
+        workers_cpu_s_per_gb: workers_cpu_s.map(|c| c / (gb(model_bytes) * w as f64 * rounds_f)),
+        baseline: None,
+        baseline_round_ms_median: None,
+        speedup_vs_baseline: None,
+        baseline_detail: None,
         appliance_cpu_ms_per_round: appliance_cpu_s.map(|c| c * 1e3 / rounds_f),
         workers_cpu_ms_per_round: workers_cpu_s.map(|c| c * 1e3 / rounds_f),
         thread_cpu_s,
@@ -1033,6 +1075,29 @@ fn print_table(points: &[RunResult]) {
         if points.iter().any(|r| r.shm) {
             println!(
                 "shm = chunks and results through shared memory (--shm): in/out count datagram bytes, headers only; no cpu s/GB"
+            );
+        }
+    }
+    for r in points {
+        if let (Some(b), Some(d)) = (&r.baseline, &r.baseline_detail) {
+            println!(
+                "same-run baseline {b} ({} keys of <= 4 MB, W = {}): median {:.1} ms, p99 {:.1} ms{}; \
+                 phub's median {:.1} ms is {:.2}x faster ({:.2}x its time); workers' CPU {} s/GB{}",
+                d.keys,
+                r.workers,
+                d.round_ms_median,
+                d.round_ms_p99,
+                if d.verified {
+                    ", sums verified"
+                } else {
+                    ", SUMS WRONG"
+                },
+                r.round_ms_median,
+                d.round_ms_median / r.round_ms_median,
+                r.round_ms_median / d.round_ms_median,
+                opt(r.workers_cpu_s_per_gb, 2),
+                d.server_cpu_s_per_gb
+                    .map_or(String::new(), |c| format!(", its server's CPU {c:.2} s/GB")),
             );
         }
     }

@@ -69,6 +69,16 @@ enum Command {
     /// phub-control's program (started by `run --local`).
     #[command(hide = true)]
     ServeControl(local::ControlArgs),
+    /// The TCP parameter server of `run --baseline tcp-ps`.
+    #[command(hide = true)]
+    ServeTcpPs {
+        /// Address to listen on (port 0: a free one, printed).
+        #[arg(long)]
+        listen: std::net::SocketAddr,
+        /// Workers to wait for.
+        #[arg(long)]
+        workers: usize,
+    },
 }
 
 #[derive(Args, Debug, Serialize)]
@@ -561,5 +571,6 @@ fn main() -> Result<()> {
         Command::BenchWorker { plan } => run::worker_process(plan),
         Command::ServeDataplane { args } => local::serve_dataplane(args),
         Command::ServeControl(args) => local::serve_control(args),
+        Command::ServeTcpPs { listen, workers } => phub_tools::bench::tcp_ps::serve(*listen, *workers),
     }
 }
