@@ -22,9 +22,17 @@
 //! dataplane creates per job) while only headers cross the socket:
 //! [`WorkerConfig::shm`], [`ShmMode`] (automatic by default).
 //!
+//! The same calls serve every consistency mode ([`Worker::consistency`],
+//! PROTOCOL.md §5.8): in an async or bounded-delay job a key's round is
+//! this rank's clock on it ([`Worker::key_round`], [`Worker::clock`]), each
+//! `push_pull` carries the next one, and its result is the key's values
+//! when the appliance answered. Shared memory is for BSP jobs only.
+//!
 //! Invariants (the worker's side of PROTOCOL.md §6):
 //! - At most one request per key is in flight, and a key's round r+1 is sent
-//!   only once this worker holds the result of round r.
+//!   only once this worker holds the result of round r (in async and
+//!   bounded-delay jobs, r is the rank's clock; a retransmission carries
+//!   the same clock, and only a RESULT of clock r completes it).
 //! - At most [`WorkerConfig::window`] chunks are outstanding (sent without a
 //!   result) across all keys; a late chunk is retransmitted unchanged but for
 //!   the RETRANSMIT flag: at once when results of chunks sent after it to
@@ -85,6 +93,7 @@ pub use error::WorkerError;
 pub use inject::INJECT_ENV;
 pub use phub_proto::api::JoinResponse;
 pub use phub_proto::fault::FaultSpec;
+pub use phub_proto::spec::Consistency;
 pub use shm::{ShmMode, SHM_ENV};
 pub use stats::WorkerStats;
 
@@ -533,9 +542,31 @@ impl Worker {
     }
 
     /// The last round whose result this worker holds for `key` (`None`
-    /// before `init` or `pull` completed, or for an unknown key).
+    /// before `init` or `pull` completed, or for an unknown key). In an
+    /// async or bounded-delay job this is the key's **clock**: the number
+    /// of `push_pull`s of the key whose answers this rank holds (every
+    /// chunk of a key carries the same clock, PROTOCOL.md §5.8).
     pub fn key_round(&self, key: u32) -> Option<u32> {
         self.lock_keys().get(key as usize).and_then(|k| k.round)
+    }
+
+    /// This rank's clock: the lowest [`Worker::key_round`] over the job's
+    /// keys, that is the number of steps (a `push_pull` of every key) whose
+    /// answers this rank holds; 0 after `init`, `None` while a key is not
+    /// initialised. In a BSP job it is the last round completed on every
+    /// key; in an async or bounded-delay job each rank has its own, and
+    /// with bounded delay τ a rank's clock is never more than τ + 1 ahead
+    /// of the slowest rank's (PROTOCOL.md §5.8).
+    pub fn clock(&self) -> Option<u32> {
+        let keys = self.lock_keys();
+        keys.iter().map(|k| k.round).min().flatten()
+    }
+
+    /// The job's consistency mode (its spec's `consistency`): BSP, async
+    /// or bounded delay τ. The same calls work in every mode; what a
+    /// `push_pull`'s result holds differs (PROTOCOL.md §5.8).
+    pub fn consistency(&self) -> Consistency {
+        self.spec.consistency
     }
 
     /// The local address of the worker's UDP socket.
@@ -584,6 +615,13 @@ impl Worker {
     /// may reuse it) and, after [`Worker::wait`], `out` holds the round's
     /// result: the new parameters, or the sum or mean with a `sum`/`mean` job.
     ///
+    /// In an async or bounded-delay job ([`Worker::consistency`]) the push
+    /// carries this rank's next clock on the key and is applied alone: `out`
+    /// gets the key's values when the appliance answered (with `sum`,
+    /// `grad` is a delta added to the stored values); with bounded delay τ
+    /// the answer waits until no rank is more than τ clocks behind this
+    /// one (PROTOCOL.md §5.8).
+    ///
     /// With shared memory ([`WorkerConfig::shm`]), `grad` is encoded here
     /// straight into the staging region and `wait` decodes the result
     /// straight from the result regions into `out`; the key stays busy
@@ -612,13 +650,11 @@ impl Worker {
         self.submit(key, round, Kind::Push, chunks, tx, values, buf)
     }
 
-    /// Claims `key` for its next round (after init or pull).
+    /// Claims `key` for its next round (after init or pull): in a BSP job
+    /// the next round, in the other modes this rank's next clock.
     fn claim_next_round(&self, key: u32) -> Result<u32, WorkerError> {
-        self.claim(key, |k| match k.round {
-            None => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
-            Some(r) if r >= u32::MAX - 1 => Err(format!("round {r} is the last a job can complete")),
-            Some(r) => Ok(r + 1),
-        })
+        let consistency = self.spec.consistency;
+        self.claim(key, |k| next_round(consistency, k.round))
     }
 
     /// Waits for a request's result and writes it into the slice the
@@ -656,6 +692,10 @@ impl Worker {
     /// round: the next `push_pull` completes the round the other ranks are
     /// waiting for. A key that never completed round 0 has nothing to pull,
     /// and the call ends in [`WorkerError::Timeout`].
+    ///
+    /// In an async or bounded-delay job the round returned is this rank's
+    /// last answered clock on the key (PROTOCOL.md §5.8), and `out` gets
+    /// the key's current values.
     pub fn pull(&self, key: u32, out: &mut [f32]) -> Result<u32, WorkerError> {
         let elements = self.check_len(key, out.len())?;
         self.claim(key, |_| Ok(0))?;
@@ -1135,6 +1175,18 @@ fn shared_memory(
     lcores: &[SocketAddr],
 ) -> Result<Option<(io::RegionWatch, CurrentRegions)>, WorkerError> {
     let mut mode = shm::effective_mode(config.shm, std::env::var(SHM_ENV).ok().as_deref())?;
+    if join.spec.consistency != Consistency::Sync {
+        // The appliance makes regions for BSP jobs only (PROTOCOL.md §5.8).
+        let why = format!(
+            "shared memory is for BSP jobs only; job {} is {} (PROTOCOL.md §5.8): its chunks and results go by datagrams",
+            join.job, join.spec.consistency
+        );
+        if mode == shm::ShmMode::On {
+            return Err(WorkerError::SharedMemory { message: why });
+        }
+        log::debug!("phub-worker: datagrams, not shared memory: {why}");
+        return Ok(None);
+    }
     if join.appliances.len() > 1 {
         // Regions are per appliance (named by its base port); a job over
         // several goes by datagrams.
@@ -1273,6 +1325,26 @@ fn inject_from(value: Option<&str>) -> Result<Option<FaultSpec>, WorkerError> {
     }
 }
 
+/// Largest clock a rank of an async or bounded-delay job may push
+/// (PROTOCOL.md §5.8: the appliance keeps a flag in the clock's top bit).
+pub const MAX_CLOCK: u32 = phub_proto::checkpoint::CLOCK_HELD - 1;
+
+/// The round (BSP) or clock (the other modes) a key's next `push_pull`
+/// carries, after `held`, the last one whose result this worker holds.
+fn next_round(consistency: Consistency, held: Option<u32>) -> Result<u32, String> {
+    match (held, consistency) {
+        (None, _) => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
+        (Some(r), Consistency::Sync) if r >= u32::MAX - 1 => {
+            Err(format!("round {r} is the last a job can complete"))
+        }
+        (Some(c), Consistency::Async | Consistency::Bounded { .. }) if c >= MAX_CLOCK => Err(format!(
+            "clock {c} is the last a rank of a {} job can push (clocks end at 2^31 - 1, PROTOCOL.md §5.8)",
+            consistency.mode()
+        )),
+        (Some(r), _) => Ok(r + 1),
+    }
+}
+
 /// Chunk `c` of a key as the wire numbers it.
 fn chunk_index(c: usize) -> u32 {
     // Cast: a layout numbers a key's chunks with u32 (the header's chunk
@@ -1385,6 +1457,23 @@ fn resolve(name: &str, host: &str, port: u16) -> Result<IpAddr, WorkerError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_next_clock_ends_at_the_mode_s_limit_and_says_so() {
+        let bounded = Consistency::Bounded { delay: 3 };
+        assert_eq!(next_round(Consistency::Sync, Some(0)), Ok(1));
+        assert_eq!(next_round(Consistency::Async, Some(41)), Ok(42));
+        assert_eq!(next_round(bounded, Some(MAX_CLOCK - 1)), Ok(MAX_CLOCK));
+        // BSP rounds go on past 2^31.
+        assert_eq!(next_round(Consistency::Sync, Some(MAX_CLOCK)), Ok(MAX_CLOCK + 1));
+        for c in [Consistency::Async, bounded] {
+            let e = next_round(c, Some(MAX_CLOCK)).unwrap_err();
+            assert!(e.contains(c.mode()) && e.contains("2^31 - 1") && e.contains("2147483647"), "{e}");
+        }
+        let e = next_round(Consistency::Sync, Some(u32::MAX - 1)).unwrap_err();
+        assert!(e.contains("last a job can complete"), "{e}");
+        assert!(next_round(bounded, None).unwrap_err().contains("init"));
+    }
 
     #[test]
     fn auto_window_takes_the_smallest_bound() {

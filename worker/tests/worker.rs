@@ -159,7 +159,7 @@ impl FakeAppliance {
                         workers: spec.workers as u16,
                         dtype: spec.dtype,
                         optimizer: spec.optimizer,
-                        consistency: Default::default(),
+                        consistency: spec.consistency,
                         chunk_elems: layout.chunk_elems,
                         slots: placement.slots(i).collect(),
                     })
@@ -1265,4 +1265,135 @@ fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
     assert!(e.to_string().contains("the appliance is shutting down"), "{e}");
     assert!(took < Duration::from_secs(2), "failed after {took:?}");
     stopping.join().unwrap();
+}
+
+/// Async and bounded-delay jobs (PROTOCOL.md §5.8) take the same calls as
+/// BSP: each `push_pull` carries the rank's next clock (its retransmissions
+/// too, under loss at the appliance and faults injected at the worker),
+/// only the answer to that clock completes it, and with `sum` (integer
+/// deltas) every rank pulls the exact total once all have pushed, with its
+/// own last clock as the round. With τ = 0 and no loss every answer to
+/// clock c is exactly the values after every rank's clock c.
+#[test]
+fn async_and_bounded_delay_jobs_take_the_same_calls_and_stay_exact() {
+    const ROUNDS: u32 = 6;
+    let injected = WorkerConfig {
+        inject: Some("loss=0.03,dup=0.02,reorder=0.02,seed=11".parse().unwrap()),
+        ..quick()
+    };
+    for (consistency, loss, config, per_clock_exact) in [
+        (Consistency::Async, 0.05, injected.clone(), false),
+        (Consistency::Bounded { delay: 1 }, 0.05, injected, false),
+        (Consistency::Bounded { delay: 0 }, 0.0, quick(), true),
+    ] {
+        let mut sp = spec(3, &KEYS, Dtype::F32, Optimizer::Sum);
+        sp.consistency = consistency;
+        let l = layout(&sp, &mut [0, 0], u64::from);
+        let app = FakeAppliance::start(&sp, &l, loss, 9);
+        let all_pushed = Arc::new(std::sync::Barrier::new(sp.workers as usize));
+        // The values after every rank's clocks 1..=c, per key.
+        let after = |c: u32, k: usize, n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|i| {
+                    let pushed: f32 = (0..3u16)
+                        .flat_map(|rk| (1..=c).map(move |r| grad(rk, r, k, i)))
+                        .sum();
+                    init_value(k, i) + pushed
+                })
+                .collect()
+        };
+        let threads: Vec<_> = (0..sp.workers as u16)
+            .map(|rank| {
+                let join = join_response(&sp, &l, rank, app.base_port);
+                let (config, all_pushed) = (config.clone(), Arc::clone(&all_pushed));
+                std::thread::spawn(move || {
+                    let what = format!("{consistency} rank {rank}");
+                    let w = Worker::from_join(join, TOKEN, config).unwrap();
+                    assert_eq!(w.consistency(), consistency, "{what}");
+                    assert_eq!(w.clock(), None, "{what}: no key initialised");
+                    let lens: Vec<usize> = KEYS.iter().map(|&e| e as usize).collect();
+                    let mut params: Vec<Vec<f32>> = lens
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| (0..n).map(|i| init_value(k, i)).collect())
+                        .collect();
+                    for (k, p) in params.iter_mut().enumerate() {
+                        w.wait(w.init(k as u32, p).unwrap()).unwrap();
+                    }
+                    assert_eq!(w.clock(), Some(0), "{what}");
+                    for r in 1..=ROUNDS {
+                        let grads: Vec<Vec<f32>> = lens
+                            .iter()
+                            .enumerate()
+                            .map(|(k, &n)| (0..n).map(|i| grad(rank, r, k, i)).collect())
+                            .collect();
+                        let handles: Vec<_> = params
+                            .iter_mut()
+                            .enumerate()
+                            .map(|(k, p)| w.push_pull(k as u32, &grads[k], p).unwrap())
+                            .collect();
+                        for h in handles {
+                            assert_eq!(h.round(), r, "{what}: the push carries the rank's next clock");
+                            w.wait(h).unwrap();
+                        }
+                        assert_eq!(w.clock(), Some(r), "{what}");
+                        if per_clock_exact {
+                            for (k, p) in params.iter().enumerate() {
+                                assert!(*p == after(r, k, lens[k]), "{what} key {k}: clock {r}'s answer");
+                            }
+                        }
+                    }
+                    all_pushed.wait();
+                    for (k, &n) in lens.iter().enumerate() {
+                        let mut out = vec![0f32; n];
+                        let clock = w.pull(k as u32, &mut out).unwrap();
+                        assert_eq!(
+                            clock, ROUNDS,
+                            "{what} key {k}: a pull answers the rank's last clock"
+                        );
+                        assert!(out == after(ROUNDS, k, n), "{what} key {k}: final values");
+                        assert_eq!(w.key_round(k as u32), Some(ROUNDS), "{what}");
+                    }
+                    w.stats()
+                })
+            })
+            .collect();
+        let mut retransmits = 0;
+        for t in threads {
+            let s = t.join().unwrap();
+            assert_eq!(s.timeouts, 0, "{consistency}: {s:?}");
+            retransmits += s.retransmits;
+        }
+        if loss > 0.0 {
+            assert!(retransmits > 0, "{consistency}: the loss was not exercised");
+        }
+    }
+}
+
+/// Shared memory is for BSP jobs: `On` refuses an async or bounded-delay
+/// job saying so (the regions exist here, so it is not about a missing
+/// region) and `Auto` exchanges datagrams.
+#[test]
+fn shared_memory_is_refused_for_a_job_that_is_not_bsp() {
+    for consistency in [Consistency::Async, Consistency::Bounded { delay: 2 }] {
+        let mut sp = spec(1, &[5000], Dtype::F32, Optimizer::Sum);
+        sp.consistency = consistency;
+        let l = layout(&sp, &mut [0], u64::from);
+        let app = FakeAppliance::start_with(&sp, &l, 0.0, 5, true);
+        let e = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap_err();
+        let msg = e.to_string();
+        assert!(matches!(e, WorkerError::SharedMemory { .. }), "{e:?}");
+        assert!(
+            msg.contains("BSP jobs only") && msg.contains(consistency.mode()),
+            "{msg}"
+        );
+        let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, quick()).unwrap();
+        assert!(!w.shm(), "{consistency}");
+        let mut p = vec![1f32; 5000];
+        w.wait(w.init(0, &mut p).unwrap()).unwrap();
+        let g = vec![2f32; 5000];
+        w.wait(w.push_pull(0, &g, &mut p).unwrap()).unwrap();
+        assert!(p.iter().all(|&x| x == 3.0), "{consistency}");
+        assert_eq!(w.stats().shm_results, 0);
+    }
 }
