@@ -152,7 +152,20 @@ pub struct WorkerConfig {
     /// none). Only processes of the dataplane's user can open the regions
     /// (mode 0600), and their names need the job's token.
     pub shm: ShmMode,
+    /// Congestion control: a loss (fast retransmission, or chunks late
+    /// after a silence) halves the number of chunks let out at once, at most
+    /// once per round trip, and results of chunks sent once grow it back to
+    /// the window, so that a worker whose pushes overflow a busy
+    /// appliance's receive buffer sends less instead of retransmitting into
+    /// the same overflow. Default on; the environment variable
+    /// [`CONGESTION_ENV`] (`PHUB_WORKER_CONGESTION=off`) turns it off (for
+    /// comparisons).
+    pub congestion: bool,
 }
+
+/// The environment variable that turns [`WorkerConfig::congestion`] off
+/// when set to `off`.
+pub const CONGESTION_ENV: &str = "PHUB_WORKER_CONGESTION";
 
 impl Default for WorkerConfig {
     fn default() -> WorkerConfig {
@@ -167,6 +180,7 @@ impl Default for WorkerConfig {
             socket_buffer: 32 << 20,
             inject: None,
             shm: ShmMode::Auto,
+            congestion: true,
         }
     }
 }
@@ -417,7 +431,10 @@ impl Worker {
     /// Builds a worker from an already obtained [`JoinResponse`] (for tests
     /// and embedding): checks it, decides on shared memory, binds a UDP
     /// socket, sizes the window and starts the I/O thread.
-    pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
+    pub fn from_join(join: JoinResponse, token: u64, mut config: WorkerConfig) -> Result<Worker, WorkerError> {
+        if std::env::var(CONGESTION_ENV).is_ok_and(|v| v.trim() == "off") {
+            config.congestion = false;
+        }
         let (lcores, placement) = check_join(&join)?;
         let places = (0..placement.chunks().total())
             .map(|seq| {

@@ -12,8 +12,15 @@
 //! clock they advance.
 //!
 //! Invariants:
-//! - At most `window` chunks are outstanding (sent, no result yet) across
-//!   all requests; pending chunks go out first come, first sent.
+//! - At most `cwnd` chunks are outstanding (sent, no result yet) across
+//!   all requests; pending chunks go out first come, first sent. `cwnd`
+//!   (the congestion window) starts at `window`, the most the appliance's
+//!   receive buffers take; a loss found (fast retransmission, or a silence
+//!   that makes chunks late) halves it, at most once per smoothed round
+//!   trip and never below [`MIN_CWND`]; every ⌈cwnd/16⌉ results of chunks
+//!   sent once grow it by one, up to `window` again. So a worker whose
+//!   pushes overflow a busy appliance's socket sends less, instead of
+//!   retransmitting into the same overflow.
 //! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
 //!   once when the result of a chunk sent [`REORDER`] or more places after
 //!   it to the same lcore is in (fast retransmission), otherwise when its
@@ -66,6 +73,10 @@ pub(crate) const REORDER: u64 = 3;
 /// The loss timer's resolution: the outstanding chunks are scanned for
 /// late ones at most this often.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
+
+/// The congestion window never shrinks below this many chunks (or the
+/// window, if smaller).
+pub(crate) const MIN_CWND: usize = 8;
 
 /// What the transport needs to know about the job.
 #[derive(Debug, Clone)]
@@ -239,6 +250,14 @@ struct ShmState {
 pub(crate) struct Transport<D> {
     info: JobInfo,
     window: usize,
+    /// The congestion window: chunks outstanding at most now (<= window).
+    cwnd: usize,
+    /// Results of chunks sent once since `cwnd` last grew.
+    grown: usize,
+    /// When `cwnd` was last halved.
+    last_cut: Option<Instant>,
+    /// Whether losses cut `cwnd` ([`WorkerConfig::congestion`]).
+    congestion: bool,
     timeout: Duration,
     stats: Arc<Counters>,
     rto: Rto,
@@ -286,9 +305,14 @@ impl<D> Transport<D> {
     ) -> Transport<D> {
         let rto = Rto::new(config);
         stats.rto_us.store(micros(rto.rto), Ordering::Relaxed);
+        stats.cwnd.store(window.max(1) as u64, Ordering::Relaxed);
         Transport {
             info,
             window: window.max(1),
+            cwnd: window.max(1),
+            grown: 0,
+            last_cut: None,
+            congestion: config.congestion,
             timeout: config.timeout,
             stats,
             rto,
@@ -612,6 +636,7 @@ impl<D> Transport<D> {
                     self.acked = true;
                 }
             }
+            self.grow(now);
         }
         add(&self.stats.results_accepted, 1);
         self.last_progress = now;
@@ -635,7 +660,7 @@ impl<D> Transport<D> {
     /// Moves pending chunks into the window, as far as it has room.
     fn fill_window(&mut self, now: Instant) {
         let deadline = now + self.rto.loss(0);
-        while self.outstanding.len() < self.window {
+        while self.outstanding.len() < self.cwnd {
             let Some((id, msg)) = self.pending.pop_front() else {
                 break;
             };
@@ -718,6 +743,51 @@ impl<D> Transport<D> {
         }
         add(&self.stats.retransmits, resent);
         add(&self.stats.fast_retransmits, resent);
+        if resent > 0 {
+            self.cut(now);
+        }
+    }
+
+    /// A chunk sent once came back at `now`: the congestion window grows by
+    /// one every ⌈cwnd/16⌉ such results, up to `window`; not within a round
+    /// trip of a cut (those results were sent before it).
+    fn grow(&mut self, now: Instant) {
+        if self.cwnd >= self.window || self.within_rtt_of_cut(now) {
+            return;
+        }
+        self.grown += 1;
+        if self.grown >= self.cwnd.div_ceil(16) {
+            self.grown = 0;
+            self.cwnd += 1;
+            self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether `now` is less than a smoothed round trip after the last cut.
+    fn within_rtt_of_cut(&self, now: Instant) -> bool {
+        let rtt = self.rto.srtt.unwrap_or(self.rto.rto);
+        self.last_cut
+            .is_some_and(|t| now.saturating_duration_since(t) < rtt)
+    }
+
+    /// A loss was found at `now`: the congestion window halves, once per
+    /// smoothed round trip (the chunks lost in one burst are one event).
+    fn cut(&mut self, now: Instant) {
+        if !self.congestion {
+            return;
+        }
+        if self.within_rtt_of_cut(now) {
+            return;
+        }
+        self.last_cut = Some(now);
+        let floor = MIN_CWND.min(self.window);
+        let cut = (self.cwnd / 2).max(floor);
+        if cut < self.cwnd {
+            self.cwnd = cut;
+            self.grown = 0;
+            add(&self.stats.window_cuts, 1);
+            self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
+        }
     }
 
     /// The loss timer: queues the oldest late chunks once no result at all
@@ -774,6 +844,7 @@ impl<D> Transport<D> {
         if resent {
             self.last_resend = now;
             self.quiet_backoff += 1;
+            self.cut(now);
         }
         add(&self.stats.retransmits, late.len() as u64);
         self.late = late;

@@ -166,6 +166,7 @@ impl Harness {
             self.t.outstanding.len(),
             self.t.window
         );
+        assert!(self.t.cwnd <= self.t.window && self.t.cwnd >= MIN_CWND.min(self.t.window));
         sent
     }
 
@@ -355,6 +356,101 @@ fn a_lost_chunk_is_resent_once_three_later_results_are_in_and_not_sampled() {
     h.result(0, 0, 1);
     assert_eq!(h.completed(), [(0, 1, expected_key(0, 10, 1))]);
     assert_eq!(h.stats.snapshot().srtt_us, 10_000);
+}
+
+#[test]
+fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_back() {
+    let mut h = Harness::new(64);
+    // 200 chunks to lcore 0: 64 go out.
+    h.push(0, 1, &[0; 200]);
+    assert_eq!(h.poll().len(), 64);
+    h.at(10);
+    // Chunks 0 and 10 are lost; three later results find each.
+    for c in 1..4 {
+        h.result(0, c, 1);
+    }
+    let first = h.poll();
+    assert!(
+        first.iter().any(|d| d.chunk() == (0, 0) && d.retransmit()),
+        "{:?}",
+        first.len()
+    );
+    assert_eq!(h.t.cwnd, 32, "the first loss halves the window");
+    assert_eq!(h.stats.snapshot().window_cuts, 1);
+    for c in (4..14).filter(|&c| c != 10) {
+        h.result(0, c, 1);
+    }
+    let second = h.poll();
+    assert!(second.iter().any(|d| d.chunk() == (0, 10) && d.retransmit()));
+    assert_eq!(
+        h.t.cwnd, 32,
+        "a second loss within one round trip is the same event"
+    );
+    assert_eq!(h.stats.snapshot().window_cuts, 1);
+    // The resent chunks' results come back.
+    h.result(0, 0, 1);
+    h.result(0, 10, 1);
+    // Outstanding chunks drain below the new window before any new one goes:
+    // 64 were out, 12 came back; nothing new until fewer than 32 are out.
+    let new_chunks = |sent: &[Sent]| sent.iter().filter(|d| !d.retransmit()).count();
+    assert_eq!(new_chunks(&first) + new_chunks(&second), 0);
+    for c in 14..40 {
+        h.result(0, c, 1);
+    }
+    let out = h.poll();
+    assert!(
+        h.t.outstanding.len() <= h.t.cwnd,
+        "{} out, cwnd {}",
+        h.t.outstanding.len(),
+        h.t.cwnd
+    );
+    assert!(new_chunks(&out) > 0, "below the window again, new chunks go");
+    // Results of chunks sent once grow it back, to the window at most.
+    let cwnd_before = h.t.cwnd;
+    let mut t = 20;
+    let mut next = 40;
+    while next < 200 {
+        h.at(t);
+        t += 1;
+        for _ in 0..8 {
+            if next < 200 {
+                h.result(0, next, 1);
+                next += 1;
+            }
+        }
+        h.poll();
+    }
+    assert!(h.t.cwnd > cwnd_before, "grew from {cwnd_before} to {}", h.t.cwnd);
+    assert!(h.t.cwnd <= 64);
+    assert_eq!(h.stats.snapshot().cwnd, h.t.cwnd as u64);
+    // A later loss, more than a round trip after the first, halves it again.
+    h.push(1, 1, &[0; 40]);
+    h.poll();
+    h.at(t + 100);
+    for c in 1..4 {
+        h.result(1, c, 1);
+    }
+    let before = h.t.cwnd;
+    h.poll();
+    assert_eq!(h.t.cwnd, (before / 2).max(MIN_CWND));
+    assert_eq!(h.stats.snapshot().window_cuts, 2);
+}
+
+#[test]
+fn without_loss_the_congestion_window_stays_the_window() {
+    let mut h = Harness::new(16);
+    for round in 1..=20 {
+        h.push(0, round, &[0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
+        assert_eq!(h.poll().len(), 10);
+        h.at(u64::from(round));
+        for c in 0..10 {
+            h.result(0, c, round);
+        }
+        h.completed();
+    }
+    assert_eq!(h.t.cwnd, 16);
+    let s = h.stats.snapshot();
+    assert_eq!((s.window_cuts, s.cwnd, s.retransmits), (0, 16, 0));
 }
 
 #[test]
