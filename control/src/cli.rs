@@ -15,7 +15,7 @@ use phub_proto::api::{
     LcoreStats, Stats,
 };
 use phub_proto::counters::{Column, Kind};
-use phub_proto::spec::JobSpec;
+use phub_proto::spec::{Consistency, JobSpec};
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 
@@ -611,6 +611,7 @@ pub fn render_show(d: &JobDetail) -> String {
             "FAILED: {why}\n  (joins are refused; evict the job and admit it again)\n"
         ));
     }
+    out.push_str(&render_consistency(d));
     out.push_str(&format!("rounds completed {}", d.rounds_completed));
     if let Some((lo, hi)) = d.round_range {
         out.push_str(&format!(", last completed round {lo}..={hi} over its chunks"));
@@ -660,28 +661,60 @@ pub fn render_show(d: &JobDetail) -> String {
         ));
         out.push('\n');
     }
+    // Jobs that are not BSP: each rank's applied clock, lowest..=highest
+    // over the job's chunks (one number when they agree).
+    let clocked = d.spec.consistency != Consistency::Sync;
     let rows: Vec<Vec<String>> = d
         .ranks
         .iter()
         .map(|r| {
-            vec![
-                r.rank.to_string(),
-                yes(r.joined),
-                match r.silent_ms {
-                    Some(ms) => format!("silent for {}", human_ms(ms)),
-                    None => "never heard from".into(),
-                },
-            ]
+            let mut row = vec![r.rank.to_string(), yes(r.joined)];
+            if clocked {
+                row.push(match d.clocks.get(usize::from(r.rank)) {
+                    Some((lo, hi)) if lo == hi => lo.to_string(),
+                    Some((lo, hi)) => format!("{lo}..={hi}"),
+                    None => "-".into(),
+                });
+            }
+            row.push(match r.silent_ms {
+                Some(ms) => format!("silent for {}", human_ms(ms)),
+                None => "never heard from".into(),
+            });
+            row
         })
         .collect();
-    out.push_str(&table(
-        &[
-            ("RANK", Align::Right),
-            ("JOINED", Align::Left),
-            ("DATAPLANE", Align::Left),
-        ],
-        &rows,
-    ));
+    let mut columns = vec![("RANK", Align::Right), ("JOINED", Align::Left)];
+    if clocked {
+        columns.push(("CLOCK", Align::Left));
+    }
+    columns.push(("DATAPLANE", Align::Left));
+    out.push_str(&table(&columns, &rows));
+    out
+}
+
+/// `job show`'s consistency line (PROTOCOL.md §5.8): the mode, τ, the
+/// largest lead an answer ever allowed (the clock a rank could push next
+/// minus the slowest rank's, over the job's chunks) and the answers held
+/// now.
+fn render_consistency(d: &JobDetail) -> String {
+    let c = d.spec.consistency;
+    let mut out = match c {
+        Consistency::Sync => return "consistency sync (BSP: every round waits for all ranks)\n".into(),
+        Consistency::Async => "consistency async (each push applied and answered at once)".to_string(),
+        Consistency::Bounded { delay } => format!(
+            "consistency bounded_delay, τ = {delay} (an answer waits until no rank is more than \
+             {delay} clocks behind; a rank leads by at most {})",
+            u64::from(delay) + 1
+        ),
+    };
+    match d.max_lead {
+        Some(lead) => out.push_str(&format!("\nlargest lead allowed {lead} clocks")),
+        None => out.push_str("\nlargest lead allowed: none yet"),
+    }
+    if c.delay().is_some() {
+        out.push_str(&format!(", answers held now {}", d.held));
+    }
+    out.push('\n');
     out
 }
 
@@ -1222,6 +1255,58 @@ mod tests {
         let t = render_show(&d);
         assert!(
             t.contains("FAILED: the dataplane refuses to install it: bad layout\n  (joins are refused"),
+            "{t}"
+        );
+    }
+
+    #[test]
+    fn show_has_the_consistency_mode_and_each_rank_s_clock() {
+        let spec = JobSpec::from_toml(
+            "name = \"x\"\nworkers = 3\nconsistency = { bounded_delay = 2 }\n[optimizer]\nkind = \"sum\"\n\
+             [[keys]]\nelements = 9\n",
+        )
+        .unwrap();
+        let rank = |rank| RankStatus {
+            rank,
+            joined: true,
+            silent_ms: Some(10),
+        };
+        let mut d = JobDetail {
+            summary: summary(1, "x", 100),
+            spec,
+            keys_omitted: 0,
+            ranks: vec![rank(0), rank(1), rank(2)],
+            rounds_completed: 40,
+            round_range: Some((20, 20)),
+            clocks: vec![(9, 9), (8, 9), (7, 7)],
+            max_lead: Some(3),
+            held: 2,
+            checkpoint: None,
+            parts: Vec::new(),
+        };
+        let t = render_show(&d);
+        assert!(
+            t.contains("consistency bounded_delay, τ = 2 (an answer waits until no rank is more than 2 clocks behind; a rank leads by at most 3)\nlargest lead allowed 3 clocks, answers held now 2\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains(
+                "RANK  JOINED  CLOCK  DATAPLANE\n   0  yes     9      silent for 10 ms\n   1  yes     8..=9  silent for 10 ms\n   2  yes     7      silent for 10 ms\n"
+            ),
+            "{t}"
+        );
+        d.spec.consistency = Consistency::Async;
+        d.max_lead = None;
+        let t = render_show(&d);
+        assert!(
+            t.contains("consistency async (each push applied and answered at once)\nlargest lead allowed: none yet\n"),
+            "{t}"
+        );
+        assert!(!t.contains("held"), "{t}");
+        d.spec.consistency = Consistency::Sync;
+        let t = render_show(&d);
+        assert!(
+            t.contains("consistency sync (BSP") && !t.contains("CLOCK") && !t.contains("lead"),
             "{t}"
         );
     }

@@ -787,3 +787,53 @@ fn an_install_refused_as_invalid_fails_the_job() {
     );
     d.shutdown();
 }
+
+/// Async and bounded-delay specs are admitted (TOML and JSON), installed
+/// with their mode, and shown with each rank's clocks, the largest lead
+/// and the answers held; `mean` outside BSP is refused naming the mode.
+#[test]
+fn async_and_bounded_delay_jobs_are_admitted_and_shown_with_their_clocks() {
+    use phub_proto::spec::Consistency;
+    let fake = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("consistency");
+    let d = daemon(&fake.url(), &state);
+    let toml = SPEC.replace(
+        "workers = 4\n",
+        "workers = 4\nconsistency = { mode = \"async\" }\n",
+    );
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&toml));
+    let json = r#"{"name": "ssp", "workers": 3, "consistency": {"bounded_delay": 4},
+        "optimizer": {"kind": "sgd", "lr": 0.1}, "keys": [{"elements": 5000}]}"#;
+    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(json));
+    let jobs = fake.jobs();
+    assert_eq!(jobs[&a.id].spec.consistency, Consistency::Async);
+    assert_eq!(jobs[&b.id].spec.consistency, Consistency::Bounded { delay: 4 });
+    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", b.id), None);
+    assert_eq!(show.spec.consistency, Consistency::Bounded { delay: 4 });
+    assert_eq!(show.clocks, vec![(3, 4), (4, 5), (5, 6)]);
+    assert_eq!((show.max_lead, show.held), (Some(5), 1));
+    let t = phub_control::cli::render_show(&show);
+    assert!(t.contains("consistency bounded_delay, τ = 4"), "{t}");
+    assert!(
+        t.contains("largest lead allowed 5 clocks, answers held now 1"),
+        "{t}"
+    );
+    assert!(t.contains("   2  no      5..=6  never heard from"), "{t}");
+    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", a.id), None);
+    assert_eq!((show.clocks.len(), show.max_lead, show.held), (4, Some(2), 0));
+    assert!(phub_control::cli::render_show(&show).contains("consistency async"));
+    // `mean` divides by W, which only BSP has: refused with the mode.
+    let mean = toml.replace("kind = \"sum\"", "kind = \"mean\"");
+    let e = err(&d, "POST", "/v1/jobs", Some(&mean), 400);
+    assert!(e.contains("mean") && e.contains("async"), "{e}");
+    // A bound beyond 1024 is refused naming the accepted range.
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&json.replace("\"bounded_delay\": 4", "\"bounded_delay\": 5000")),
+        400,
+    );
+    assert!(e.contains("5000") && e.contains("1024"), "{e}");
+    assert_eq!(fake.jobs().len(), 2);
+}

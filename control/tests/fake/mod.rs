@@ -14,6 +14,7 @@ use phub_proto::api::{
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC};
 use phub_proto::memory::MemoryModel;
+use phub_proto::spec::Consistency;
 use serde::Serialize;
 
 /// What a job costs on the fake: what admission charges, by the model the
@@ -330,9 +331,17 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                     rounds_completed: 42,
                     round_range: Some((3, 5)),
                     silent_ms: (0..j.spec.workers).map(|r| (r == 0).then_some(250)).collect(),
-                    clocks: Vec::new(),
-                    max_lead: None,
-                    held: 0,
+                    // Jobs that are not BSP: rank r at clocks r+3..=r+4,
+                    // a lead of τ + 1 (2 in async), one answer held.
+                    clocks: match j.spec.consistency {
+                        Consistency::Sync => Vec::new(),
+                        _ => (0..j.spec.workers).map(|r| (r + 3, r + 4)).collect(),
+                    },
+                    max_lead: match j.spec.consistency {
+                        Consistency::Sync => None,
+                        c => Some(c.delay().map_or(2, |d| d + 1)),
+                    },
+                    held: u64::from(j.spec.consistency.delay().is_some()),
                 })
                 .collect();
             json(
