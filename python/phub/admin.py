@@ -123,11 +123,15 @@ def job_spec(
     optimizer: Union[str, Mapping[str, Any]] = "mean",
     dtype: str = "f32",
     chunk_bytes: Optional[int] = None,
+    consistency: Union[None, str, int, Mapping[str, Any]] = None,
 ) -> dict[str, Any]:
     """Builds a spec dict: ``keys`` are element counts, ``(name, elements)``
     pairs or ``{"name", "elements"}`` dicts, in key order; ``optimizer`` is
     a kind (``"sum"``, ``"mean"``) or a dict such as ``{"kind": "sgd",
-    "lr": 0.1}``; ``dtype`` is the wire type (``f32``, ``bf16``, ``f16``)."""
+    "lr": 0.1}``; ``dtype`` is the wire type (``f32``, ``bf16``, ``f16``);
+    ``consistency`` is ``None`` (BSP, the default), ``"sync"``,
+    ``"async"``, an int τ for bounded delay, or the spec's own dict (e.g.
+    ``{"bounded_delay": 4}``)."""
     ks: list[dict[str, Any]] = []
     for i, k in enumerate(keys):
         if isinstance(k, Mapping):
@@ -141,4 +145,12 @@ def job_spec(
     spec: dict[str, Any] = {"name": name, "workers": int(workers), "dtype": dtype, "optimizer": opt, "keys": ks}
     if chunk_bytes is not None:
         spec["chunk_bytes"] = int(chunk_bytes)
+    if isinstance(consistency, str):
+        spec["consistency"] = {"mode": consistency}
+    elif isinstance(consistency, int) and not isinstance(consistency, bool):
+        spec["consistency"] = {"bounded_delay": consistency}
+    elif isinstance(consistency, Mapping):
+        spec["consistency"] = dict(consistency)
+    elif consistency is not None:
+        raise TypeError(f"consistency = {consistency!r}: accepted: None, \"sync\", \"async\", an int τ, or a dict")
     return spec

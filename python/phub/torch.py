@@ -243,10 +243,20 @@ class CommHookState:
     ``model.parameters()`` order are the job's keys. ``init_keys``: run
     round 0 of every key now (with copies of the parameters: the module is
     not modified); every rank constructs the state at the same point. The
-    job's optimizer must be ``sum`` or ``mean``.
+    job's optimizer must be ``sum`` or ``mean``, and its consistency BSP
+    (``sync``, the default): an async or bounded-delay job is refused.
     """
 
     def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True) -> None:
+        if worker.consistency != "sync":
+            mode = worker.consistency
+            if worker.bounded_delay is not None:
+                mode += f" (τ = {worker.bounded_delay})"
+            raise UsageError(
+                f"the comm hook is for BSP jobs (consistency sync): DDP needs every rank to get the same "
+                f"averaged gradients each step, and job {worker.job} is {mode}; admit the job with "
+                "consistency sync, or use phub.torch.DistributedOptimizer, which takes any mode"
+            )
         if worker.optimizer not in ("sum", "mean"):
             raise UsageError(
                 f"the comm hook needs a sum or mean job; this job runs {worker.optimizer!r} on the appliance: "
@@ -375,6 +385,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Learning rate, momentum and so on are the job's: changing
     ``param_groups`` here changes nothing on the appliance, and there is no
     local optimizer state.
+
+    Any consistency mode works; the job's spec decides (PROTOCOL.md §5.8).
+    In an async or bounded-delay job each ``step()`` is this rank's next
+    clock (``worker.clock()``): the appliance applies its gradients alone
+    and sends back the parameters as they are then, with bounded delay τ
+    once no rank is more than τ steps behind.
     """
 
     def __init__(self, params: Union[torch.optim.Optimizer, ParamsLike], worker: Worker, *,

@@ -316,9 +316,34 @@ impl Worker {
     }
 
     /// The last round whose result this worker holds for ``key`` (``None``
-    /// before ``init`` or ``pull`` completed, or for an unknown key).
+    /// before ``init`` or ``pull`` completed, or for an unknown key). In an
+    /// async or bounded-delay job, this rank's clock on the key.
     fn key_round(&self, key: u32) -> Option<u32> {
         self.inner.key_round(key)
+    }
+
+    /// This rank's clock: the lowest :meth:`key_round` over the job's keys,
+    /// i.e. the steps (a ``push_pull`` of every key) whose answers it holds;
+    /// 0 after ``init``, ``None`` while a key is not initialised. In a BSP
+    /// job, the last round completed on every key; in an async or
+    /// bounded-delay job each rank has its own (PROTOCOL.md §5.8).
+    fn clock(&self) -> Option<u32> {
+        self.inner.clock()
+    }
+
+    /// The job's consistency mode: ``"sync"`` (BSP, the default),
+    /// ``"async"`` or ``"bounded_delay"`` (see :attr:`bounded_delay`). The
+    /// same calls work in every mode.
+    #[getter]
+    fn consistency(&self) -> &'static str {
+        self.inner.consistency().mode()
+    }
+
+    /// τ of a bounded-delay job (no rank gets an answer while it is more
+    /// than τ clocks ahead of the slowest); ``None`` in the other modes.
+    #[getter]
+    fn bounded_delay(&self) -> Option<u32> {
+        self.inner.consistency().delay()
     }
 
     /// A snapshot of the worker's counters, as a dict: ``chunks_sent``,

@@ -27,12 +27,12 @@ _names = itertools.count()
 
 @pytest.fixture
 def job(appliance: LocalAppliance) -> Callable[..., tuple[int, str]]:
-    """Admits a job: job(keys, workers=2, optimizer="sum", dtype="f32") -> (id, token)."""
+    """Admits a job: job(keys, workers=2, optimizer="sum", dtype="f32", consistency=None) -> (id, token)."""
 
     def admit(keys: list[Any], workers: int = 2, optimizer: Any = "sum", dtype: str = "f32",
-              chunk_bytes: int | None = None) -> tuple[int, str]:
+              chunk_bytes: int | None = None, consistency: Any = None) -> tuple[int, str]:
         spec = admin.job_spec(f"pytest-{next(_names)}", workers, keys, optimizer=optimizer, dtype=dtype,
-                              chunk_bytes=chunk_bytes)
+                              chunk_bytes=chunk_bytes, consistency=consistency)
         return appliance.admit(spec)
 
     return admit

@@ -220,6 +220,65 @@ def test_shm_on_without_a_shm_appliance_fails_the_join(appliance: Any, job: Call
     assert not phub.Worker.join(appliance.control_url, jid, token, 1).shm  # auto: datagrams
 
 
+# -- consistency modes (PROTOCOL.md §5.8) ------------------------------------
+
+def test_async_job_takes_the_same_calls_and_each_rank_has_its_clock(workers: Workers) -> None:
+    n = 3000
+    ws = workers([("w", n)], 2, consistency="async")
+    assert [(w.consistency, w.bounded_delay) for w in ws] == [("async", None)] * 2
+    assert ws[0].clock() is None
+    init_all(ws, 0, [np.arange(n, dtype=np.float32), np.zeros(n, np.float32)])
+    assert [w.clock() for w in ws] == [0, 0]
+    # Rank 0 runs five clocks while rank 1 pushes nothing: async waits for
+    # no one, and with sum each push is a delta added to the stored values.
+    out = np.empty(n, np.float32)
+    for c in range(1, 6):
+        h = ws[0].push_pull(0, np.ones(n, np.float32), out)
+        assert h.round == c
+        h.wait()
+        np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + c)
+    assert (ws[0].clock(), ws[1].clock()) == (5, 0)
+    ws[1].push_pull(0, np.full(n, 10, np.float32), out).wait()
+    np.testing.assert_array_equal(out, np.arange(n, dtype=np.float32) + 15)
+    assert ws[1].clock() == 1 and ws[1].pull(0, out) == 1 and ws[0].pull(0, out) == 5
+
+
+def test_bounded_delay_holds_the_leader_until_the_slowest_catches_up(
+    appliance: Any, job: Callable[..., tuple[int, str]]
+) -> None:
+    n = 100
+    jid, token = job([n], workers=2, consistency=1)
+    ws = [phub.Worker.join(appliance.control_url, jid, token, r) for r in range(2)]
+    assert [(w.consistency, w.bounded_delay) for w in ws] == [("bounded_delay", 1)] * 2
+    init_all(ws, 0, [np.zeros(n, np.float32), np.zeros(n, np.float32)])
+    out0, out1 = np.empty(n, np.float32), np.empty(n, np.float32)
+    ws[0].push_pull(0, np.ones(n, np.float32), out0).wait()  # clock 1 <= 0 + τ
+    held = ws[0].push_pull(0, np.ones(n, np.float32), out0)  # clock 2 > 0 + τ: held
+    deadline = time.monotonic() + 5
+    while admin.job(appliance.control_url, jid)["held"] != 1:
+        assert time.monotonic() < deadline, admin.job(appliance.control_url, jid)
+        time.sleep(0.02)
+    assert ws[0].clock() == 1
+    ws[1].push_pull(0, np.full(n, 10, np.float32), out1).wait()  # rank 1's clock 1 releases rank 0
+    held.wait()
+    np.testing.assert_array_equal(out0, np.full(n, 12, np.float32))
+    np.testing.assert_array_equal(out1, np.full(n, 12, np.float32))
+    assert (ws[0].clock(), ws[1].clock()) == (2, 1)
+    detail = admin.job(appliance.control_url, jid)
+    assert detail["held"] == 0 and detail["max_lead"] == 2 and detail["clocks"] == [[2, 2], [1, 1]]
+
+
+def test_shared_memory_and_mean_are_refused_outside_bsp(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:
+    jid, token = job([10], workers=1, consistency="async")
+    with pytest.raises(phub.JoinError, match="shared memory is for BSP jobs only; job .* is async"):
+        phub.Worker.join(appliance.control_url, jid, token, 0, shm="on")
+    with pytest.raises(admin.AdminError, match="mean") as e:
+        job([10], workers=1, optimizer="mean", consistency=2)
+    assert e.value.status == 400
+    with pytest.raises(TypeError, match="consistency"):
+        admin.job_spec("x", 1, [10], consistency=2.5)
+
+
 # -- concurrency --------------------------------------------------------------
 
 def test_wait_releases_the_gil(workers: Workers) -> None:

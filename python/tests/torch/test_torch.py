@@ -142,3 +142,22 @@ def test_hook_and_optimizer_refuse_the_wrong_job(workers: Any) -> None:
         phub.torch.DistributedOptimizer(torch.nn.Linear(2, 2).parameters(), w)
     with pytest.raises(phub.UsageError, match="lr"):
         phub.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.2), w)
+
+
+def test_hook_refuses_a_job_that_is_not_bsp_and_the_optimizer_takes_any_mode(workers: Any) -> None:
+    model = td.make_model(0)
+    keys = [p.numel() for p in model.parameters()]
+    for consistency, named in [("async", "async"), (3, r"bounded_delay \(τ = 3\)")]:
+        (w,) = workers(keys, 1, optimizer="sum", consistency=consistency)
+        with pytest.raises(phub.UsageError, match=f"comm hook is for BSP jobs.* is {named}"):
+            phub.torch.CommHookState(w, model)
+    # The optimizer on the appliance: each step is this rank's next clock.
+    (w,) = workers(keys, 1, optimizer={"kind": "sgd", "lr": 0.5}, consistency="async")
+    opt = phub.torch.DistributedOptimizer(model.parameters(), w)
+    before = td.flat_params(model)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.ones_like(p)
+        opt.step()
+    assert w.clock() == 2 and w.consistency == "async"
+    np.testing.assert_allclose(td.flat_params(model), before - 1.0, rtol=0, atol=1e-6)
