@@ -9,6 +9,8 @@
 # phub-tools).
 #
 #   QUOTA=0.5 RUNS=3 MODEL=resnet50 WORKERS=2 ROUNDS=20 tools/bench-throttled.sh
+#   DP_ARGS="--socket-buffer 262144" ...   (extra phub-dataplane flags: a small
+#                                           receive buffer overflows sooner)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUOTA=${QUOTA:-0.5}
@@ -33,7 +35,7 @@ cleanup() {
 }
 trap cleanup EXIT INT TERM
 "$BIN/phub-dataplane" --lcores 1 --no-pin --base-port 0 --mgmt "127.0.0.1:$mgmt" \
-    --memory-budget 2GiB > "$dir/dataplane.log" 2>&1 &
+    --memory-budget 2GiB ${DP_ARGS:-} > "$dir/dataplane.log" 2>&1 &
 dpid=$!
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$mgmt/v1/info" > /dev/null && break; sleep 0.1; done
 if [ -d /sys/fs/cgroup/cpu ] && [ -w /sys/fs/cgroup/cpu ]; then
@@ -53,7 +55,7 @@ fi
 cpid=$!
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$ctl/v1/jobs" > /dev/null && break; sleep 0.1; done
 export PHUB_OPERATOR_TOKEN=$(cat "$dir/state.json.operator-token")
-echo "dataplane limited to $QUOTA CPU ($quota/$period us, $cg); $MODEL W=$WORKERS, $ROUNDS rounds; $(date -u +%FT%TZ)"
+echo "dataplane limited to $QUOTA CPU ($quota/$period us, $cg) ${DP_ARGS:-}; $MODEL W=$WORKERS, $ROUNDS rounds; $(date -u +%FT%TZ)"
 grep -E '^cpu ' /proc/stat | awk '{print "steal at start: " $9}'
 for run in $(seq "$RUNS"); do
     for mode in off on; do

@@ -152,19 +152,20 @@ pub struct WorkerConfig {
     /// none). Only processes of the dataplane's user can open the regions
     /// (mode 0600), and their names need the job's token.
     pub shm: ShmMode,
-    /// Congestion control: a loss (fast retransmission, or chunks late
-    /// after a silence) halves the number of chunks let out at once, at most
-    /// once per round trip, and results of chunks sent once grow it back to
-    /// the window, so that a worker whose pushes overflow a busy
-    /// appliance's receive buffer sends less instead of retransmitting into
-    /// the same overflow. Default on; the environment variable
-    /// [`CONGESTION_ENV`] (`PHUB_WORKER_CONGESTION=off`) turns it off (for
-    /// comparisons).
+    /// Congestion control: a loss found by fast retransmission halves the
+    /// number of chunks let out at once, once per loss episode, and results
+    /// of chunks sent once grow it back to the window, so that a worker
+    /// whose pushes overflow a busy appliance's receive buffer sends less
+    /// instead of retransmitting into the same overflow. **Off by
+    /// default**: against a CPU-throttled dataplane with small receive
+    /// buffers it sent 3x fewer retransmissions but made the slowest rounds
+    /// slower (BENCHMARKS.md, "Loss response"). The environment variable
+    /// [`CONGESTION_ENV`] (`PHUB_WORKER_CONGESTION=on|off`) overrides it.
     pub congestion: bool,
 }
 
-/// The environment variable that turns [`WorkerConfig::congestion`] off
-/// when set to `off`.
+/// The environment variable that turns [`WorkerConfig::congestion`] on
+/// (`on`) or off (`off`) whatever the configuration says.
 pub const CONGESTION_ENV: &str = "PHUB_WORKER_CONGESTION";
 
 impl Default for WorkerConfig {
@@ -180,7 +181,7 @@ impl Default for WorkerConfig {
             socket_buffer: 32 << 20,
             inject: None,
             shm: ShmMode::Auto,
-            congestion: true,
+            congestion: false,
         }
     }
 }
@@ -431,9 +432,15 @@ impl Worker {
     /// Builds a worker from an already obtained [`JoinResponse`] (for tests
     /// and embedding): checks it, decides on shared memory, binds a UDP
     /// socket, sizes the window and starts the I/O thread.
-    pub fn from_join(join: JoinResponse, token: u64, mut config: WorkerConfig) -> Result<Worker, WorkerError> {
-        if std::env::var(CONGESTION_ENV).is_ok_and(|v| v.trim() == "off") {
-            config.congestion = false;
+    pub fn from_join(
+        join: JoinResponse,
+        token: u64,
+        mut config: WorkerConfig,
+    ) -> Result<Worker, WorkerError> {
+        match std::env::var(CONGESTION_ENV).as_deref().map(str::trim) {
+            Ok("on") => config.congestion = true,
+            Ok("off") => config.congestion = false,
+            _ => {}
         }
         let (lcores, placement) = check_join(&join)?;
         let places = (0..placement.chunks().total())
@@ -1485,7 +1492,10 @@ mod tests {
         assert_eq!(next_round(Consistency::Sync, Some(MAX_CLOCK)), Ok(MAX_CLOCK + 1));
         for c in [Consistency::Async, bounded] {
             let e = next_round(c, Some(MAX_CLOCK)).unwrap_err();
-            assert!(e.contains(c.mode()) && e.contains("2^31 - 1") && e.contains("2147483647"), "{e}");
+            assert!(
+                e.contains(c.mode()) && e.contains("2^31 - 1") && e.contains("2147483647"),
+                "{e}"
+            );
         }
         let e = next_round(Consistency::Sync, Some(u32::MAX - 1)).unwrap_err();
         assert!(e.contains("last a job can complete"), "{e}");

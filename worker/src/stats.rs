@@ -29,7 +29,7 @@ phub_proto::counter_table! {
         srtt_us: Gauge, Hidden, "Smoothed round-trip time, in microseconds (0 before the first sample)";
         rto_us: Gauge, Hidden, "Current retransmission timeout, in microseconds";
         cwnd: Gauge, Hidden, "Congestion window: chunks allowed outstanding now; the window until a loss halves it, then grown back as results come";
-        window_cuts: Count, Hidden, "Times a loss halved the congestion window (at most once per round trip)";
+        window_cuts: Count, Hidden, "Times a loss halved the congestion window (`WorkerConfig::congestion`; at most once per loss episode)";
         bytes_sent: Bytes, Hidden, "UDP payload bytes sent";
         bytes_received: Bytes, Hidden, "UDP payload bytes received";
         injected_drops: Count, Hidden, "Datagrams the fault injector (`WorkerConfig::inject`) dropped, sent and received together; 0 with injection off";

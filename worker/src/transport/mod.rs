@@ -15,12 +15,12 @@
 //! - At most `cwnd` chunks are outstanding (sent, no result yet) across
 //!   all requests; pending chunks go out first come, first sent. `cwnd`
 //!   (the congestion window) starts at `window`, the most the appliance's
-//!   receive buffers take; a loss found (fast retransmission, or a silence
-//!   that makes chunks late) halves it, at most once per smoothed round
-//!   trip and never below [`MIN_CWND`]; every ⌈cwnd/16⌉ results of chunks
-//!   sent once grow it by one, up to `window` again. So a worker whose
-//!   pushes overflow a busy appliance's socket sends less, instead of
-//!   retransmitting into the same overflow.
+//!   receive buffers take. With [`WorkerConfig::congestion`] (off by
+//!   default), a loss found by fast retransmission (later results overtook
+//!   a chunk; a silence is not taken for loss) halves it once per episode
+//!   (a smoothed round trip, and until the chunks outstanding at the cut
+//!   have come back), never below [`MIN_CWND`]; every ⌈cwnd/16⌉ results of
+//!   chunks sent once then grow it by one, up to `window` again.
 //! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
 //!   once when the result of a chunk sent [`REORDER`] or more places after
 //!   it to the same lcore is in (fast retransmission), otherwise when its
@@ -256,6 +256,11 @@ pub(crate) struct Transport<D> {
     grown: usize,
     /// When `cwnd` was last halved.
     last_cut: Option<Instant>,
+    /// Results accepted so far (of chunks sent once or again).
+    answers: u64,
+    /// A loss found before `answers` passes this belongs to the last cut's
+    /// episode (the chunks outstanding then have not all come back).
+    recover_until: u64,
     /// Whether losses cut `cwnd` ([`WorkerConfig::congestion`]).
     congestion: bool,
     timeout: Duration,
@@ -312,6 +317,8 @@ impl<D> Transport<D> {
             cwnd: window.max(1),
             grown: 0,
             last_cut: None,
+            answers: 0,
+            recover_until: 0,
             congestion: config.congestion,
             timeout: config.timeout,
             stats,
@@ -639,6 +646,7 @@ impl<D> Transport<D> {
             self.grow(now);
         }
         add(&self.stats.results_accepted, 1);
+        self.answers += 1;
         self.last_progress = now;
         self.progressed = true;
         self.quiet_backoff = 0;
@@ -763,11 +771,13 @@ impl<D> Transport<D> {
         }
     }
 
-    /// Whether `now` is less than a smoothed round trip after the last cut.
+    /// Whether the last cut's episode goes on at `now`: less than a
+    /// smoothed round trip since it, or the chunks outstanding at the cut
+    /// not all answered yet.
     fn within_rtt_of_cut(&self, now: Instant) -> bool {
         let rtt = self.rto.srtt.unwrap_or(self.rto.rto);
         self.last_cut
-            .is_some_and(|t| now.saturating_duration_since(t) < rtt)
+            .is_some_and(|t| now.saturating_duration_since(t) < rtt || self.answers < self.recover_until)
     }
 
     /// A loss was found at `now`: the congestion window halves, once per
@@ -780,6 +790,7 @@ impl<D> Transport<D> {
             return;
         }
         self.last_cut = Some(now);
+        self.recover_until = self.answers + self.outstanding.len() as u64;
         let floor = MIN_CWND.min(self.window);
         let cut = (self.cwnd / 2).max(floor);
         if cut < self.cwnd {
@@ -844,7 +855,6 @@ impl<D> Transport<D> {
         if resent {
             self.last_resend = now;
             self.quiet_backoff += 1;
-            self.cut(now);
         }
         add(&self.stats.retransmits, late.len() as u64);
         self.late = late;

@@ -351,6 +351,8 @@ fn a_lost_chunk_is_resent_once_three_later_results_are_in_and_not_sampled() {
     let s = h.stats.snapshot();
     assert_eq!((s.retransmits, s.fast_retransmits), (1, 1));
     assert_eq!(s.srtt_us, 10_000);
+    // Congestion control is off by default: the loss leaves the window.
+    assert_eq!((h.t.cwnd, s.window_cuts), (16, 0));
     // Its result, much later, is not a round-trip sample (Karn's rule).
     h.at(500);
     h.result(0, 0, 1);
@@ -360,7 +362,11 @@ fn a_lost_chunk_is_resent_once_three_later_results_are_in_and_not_sampled() {
 
 #[test]
 fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_back() {
-    let mut h = Harness::new(64);
+    let config = WorkerConfig {
+        congestion: true,
+        ..WorkerConfig::default()
+    };
+    let mut h = Harness::with(64, config);
     // 200 chunks to lcore 0: 64 go out.
     h.push(0, 1, &[0; 200]);
     assert_eq!(h.poll().len(), 64);
@@ -438,7 +444,11 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
 
 #[test]
 fn without_loss_the_congestion_window_stays_the_window() {
-    let mut h = Harness::new(16);
+    let config = WorkerConfig {
+        congestion: true,
+        ..WorkerConfig::default()
+    };
+    let mut h = Harness::with(16, config);
     for round in 1..=20 {
         h.push(0, round, &[0, 1, 0, 1, 0, 1, 0, 1, 0, 1]);
         assert_eq!(h.poll().len(), 10);
