@@ -2,11 +2,14 @@
 //! `JobSpec::from_json`.
 //!
 //! Neither may panic. A spec either accepts must validate, survive a JSON
-//! round trip unchanged, and give chunk sizes within the wire's limits.
+//! round trip unchanged, give chunk sizes within the wire's limits, and be
+//! placed and costed (layout over two lcores, the memory model's charge)
+//! without overflow.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use phub_proto::layout::job_bytes;
+use phub_proto::layout::layout;
+use phub_proto::memory::{data_bytes, MemoryModel};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::MAX_PAYLOAD;
 
@@ -18,7 +21,10 @@ fn check(spec: &JobSpec) {
     let elems = spec.chunk_elems() as usize;
     assert!(elems >= 1 && elems * spec.dtype.size() <= MAX_PAYLOAD);
     assert!(elems <= usize::from(u16::MAX), "a chunk's count fits the header");
-    let _ = job_bytes(spec);
+    let _ = data_bytes(spec, false);
+    let model = MemoryModel::default();
+    let lay = layout(spec, &mut [0, 0], model.chunk_cost(spec, false));
+    let _ = model.job_cost(spec, &lay, false).total();
 }
 
 fuzz_target!(|data: &[u8]| {
