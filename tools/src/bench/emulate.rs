@@ -57,6 +57,35 @@ pub struct Plan {
     /// datagrams ([`phub_worker::ShmMode::Off`]).
     #[serde(default)]
     pub shm: bool,
+    /// Emulated compute before each round's exchange, ms (0: none).
+    #[serde(default)]
+    pub compute_ms: f64,
+    /// Mean of an exponential jitter added to each round's compute, ms
+    /// (0: none); drawn from a generator seeded by the rank.
+    #[serde(default)]
+    pub jitter_exp_ms: f64,
+    /// This rank's compute (and jitter) is multiplied by this (1: as the
+    /// others; `--slow-rank0 2` makes rank 0 a persistent straggler).
+    #[serde(default = "one")]
+    pub compute_factor: f64,
+}
+
+fn one() -> f64 {
+    1.0
+}
+
+/// Emulated compute of one round: `compute_ms` plus an exponential draw of
+/// mean `jitter_exp_ms`, times `factor`; `state` is a xorshift generator.
+fn compute_time(plan: &Plan, state: &mut u64) -> std::time::Duration {
+    let mut ms = plan.compute_ms;
+    if plan.jitter_exp_ms > 0.0 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        let u = ((*state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
+        ms += -plan.jitter_exp_ms * u.ln();
+    }
+    std::time::Duration::from_secs_f64((ms * plan.compute_factor).max(0.0) / 1e3)
 }
 
 /// Progress reported while running.
@@ -212,6 +241,7 @@ pub fn run(
     let sum_w = (workers * (workers + 1) / 2) as f32;
     let total = plan.warmup + plan.rounds;
     let mut round_ms = Vec::with_capacity(plan.rounds as usize);
+    let mut rng = 0x9e37_79b9_7f4a_7c15_u64 ^ (u64::from(plan.rank) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
     let mut go = Some(go);
     let mut timed_start = Instant::now();
     let mut cpu0 = None;
@@ -233,6 +263,11 @@ pub fn run(
         }
         if plan.verify && round > 1 {
             fill_grads(&mut grads, round);
+        }
+        // The training step's compute, before its gradients are exchanged.
+        let compute = compute_time(plan, &mut rng);
+        if !compute.is_zero() {
+            std::thread::sleep(compute);
         }
         let t = Instant::now();
         if plan.exchange {
@@ -302,6 +337,30 @@ pub fn run(
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn compute_time_has_the_asked_mean_and_factor() {
+        let mut plan: Plan = serde_json::from_value(serde_json::json!({
+            "control_url": "http://x", "job": 1, "token": 1, "rank": 0, "model": "m",
+            "warmup": 0, "rounds": 1, "verify": false, "window": null, "exchange": true,
+            "gso": true, "gro": true, "compute_ms": 10.0, "jitter_exp_ms": 5.0
+        }))
+        .unwrap();
+        assert_eq!(plan.compute_factor, 1.0, "an older plan without the field");
+        let mut state = 7u64;
+        let n = 20_000;
+        let mean: f64 = (0..n)
+            .map(|_| compute_time(&plan, &mut state).as_secs_f64() * 1e3)
+            .sum::<f64>()
+            / n as f64;
+        assert!((mean - 15.0).abs() < 0.3, "mean {mean} ms, expected 15");
+        plan.compute_factor = 2.0;
+        plan.jitter_exp_ms = 0.0;
+        assert_eq!(
+            compute_time(&plan, &mut state),
+            std::time::Duration::from_millis(20)
+        );
+    }
+
     use super::*;
 
     #[test]

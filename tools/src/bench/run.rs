@@ -206,6 +206,51 @@ pub struct RunArgs {
     /// pushed), and report phub's speed-up over it.
     #[arg(long, value_enum)]
     pub baseline: Option<BaselineKind>,
+    /// The job's consistency: `bsp` (default), `async`, or `ssp:TAU`
+    /// (bounded delay TAU). Not with --verify outside bsp.
+    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
+    pub consistency: String,
+    /// Emulated compute before each round's exchange, ms per worker.
+    #[arg(long, default_value_t = 0.0)]
+    pub compute_ms: f64,
+    /// Random jitter added to each round's compute: `exp:M` (exponential,
+    /// mean M ms, seeded per rank).
+    #[arg(long, value_name = "exp:M", value_parser = parse_jitter)]
+    pub jitter: Option<f64>,
+    /// Rank 0's compute and jitter are multiplied by this (a persistent
+    /// straggler), e.g. 2.
+    #[arg(long, default_value_t = 1.0)]
+    pub slow_rank0: f64,
+}
+
+fn parse_consistency(s: &str) -> Result<String, String> {
+    match s {
+        "bsp" | "async" => Ok(s.to_string()),
+        _ => match s.strip_prefix("ssp:").map(str::parse::<u32>) {
+            Some(Ok(t)) if t <= 1024 => Ok(s.to_string()),
+            _ => Err(format!(
+                "{s:?}: expected bsp, async or ssp:TAU with TAU from 0 to 1024"
+            )),
+        },
+    }
+}
+
+fn parse_jitter(s: &str) -> Result<f64, String> {
+    match s.strip_prefix("exp:").map(str::parse::<f64>) {
+        Some(Ok(m)) if m >= 0.0 && m.is_finite() => Ok(m),
+        _ => Err(format!("{s:?}: expected exp:M, M the mean in ms")),
+    }
+}
+
+/// The spec's `consistency` value for `--consistency`.
+fn consistency_json(c: &str) -> Option<serde_json::Value> {
+    match c {
+        "async" => Some(serde_json::json!({ "mode": "async" })),
+        _ => c
+            .strip_prefix("ssp:")
+            .and_then(|t| t.parse::<u32>().ok())
+            .map(|t| serde_json::json!({ "bounded_delay": t })),
+    }
 }
 
 /// The same-run peers `--baseline` runs.
@@ -296,6 +341,24 @@ pub struct RunResult {
     pub speedup_vs_baseline: Option<f64>,
     /// The baseline's whole measurement.
     pub baseline_detail: Option<super::tcp_ps::Baseline>,
+    /// `bsp`, `async` or `ssp:TAU`.
+    pub consistency: String,
+    /// Emulated compute per round, ms (`--compute-ms`), and the mean of its
+    /// exponential jitter (`--jitter exp:M`).
+    pub compute_ms: f64,
+    /// Mean of the exponential jitter, ms.
+    pub jitter_exp_ms: f64,
+    /// Timed rounds per second of each rank (its rounds over its own timed
+    /// wall time, compute included).
+    pub rounds_per_s_per_rank: Vec<f64>,
+    /// Timed rounds per second, all ranks together over the slowest rank's
+    /// wall time, divided by W (a rank's average rate).
+    pub rounds_per_s: f64,
+    /// Share of the ranks' timed wall time spent waiting in the exchange.
+    pub blocked_fraction: f64,
+    /// The largest lead (clocks) the dataplane ever let a rank have
+    /// (bounded delay and async jobs; null for bsp).
+    pub max_lead_observed: Option<u32>,
     /// Dataplane CPU per timed round, ms.
     pub appliance_cpu_ms_per_round: Option<f64>,
     /// Workers' CPU per timed round (all workers), ms.
@@ -536,7 +599,10 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         "--lcores {}: expected 1 to 256",
         a.lcores
     );
-    let spec = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
+    let mut spec = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
+    if let (Some(c), Some(o)) = (consistency_json(&a.consistency), spec.as_object_mut()) {
+        o.insert("consistency".into(), c);
+    }
     let parsed =
         phub_proto::spec::JobSpec::from_json(&spec.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let chunk_elems = u64::from(parsed.chunk_elems());
@@ -708,6 +774,9 @@ fn drive(
             gro: !a.no_gro,
             inject: a.inject.clone(),
             shm: a.shm,
+            compute_ms: a.compute_ms,
+            jitter_exp_ms: a.jitter.unwrap_or(0.0),
+            compute_factor: if rank == 0 { a.slow_rank0 } else { 1.0 },
         })
         .collect();
     let mut threads = Vec::new();
@@ -943,6 +1012,38 @@ fn drive(
         baseline_round_ms_median: None,
         speedup_vs_baseline: None,
         baseline_detail: None,
+        consistency: a.consistency.clone(),
+        compute_ms: a.compute_ms,
+        jitter_exp_ms: a.jitter.unwrap_or(0.0),
+        rounds_per_s_per_rank: outcomes
+            .iter()
+            .map(|o| o.round_ms.len() as f64 / o.timed_secs.max(1e-9))
+            .collect(),
+        rounds_per_s: {
+            let slowest = outcomes
+                .iter()
+                .map(|o| o.timed_secs)
+                .fold(0.0, f64::max)
+                .max(1e-9);
+            outcomes.iter().map(|o| o.round_ms.len() as f64).sum::<f64>() / slowest / w as f64
+        },
+        blocked_fraction: {
+            let blocked: f64 = outcomes
+                .iter()
+                .map(|o| o.round_ms.iter().sum::<f64>() / 1e3)
+                .sum();
+            let wall: f64 = outcomes.iter().map(|o| o.timed_secs).sum();
+            if wall > 0.0 {
+                blocked / wall
+            } else {
+                0.0
+            }
+        },
+        max_lead_observed: if a.consistency == "bsp" {
+            None
+        } else {
+            max_lead(control_url, admitted.id)
+        },
         appliance_cpu_ms_per_round: appliance_cpu_s.map(|c| c * 1e3 / rounds_f),
         workers_cpu_ms_per_round: workers_cpu_s.map(|c| c * 1e3 / rounds_f),
         thread_cpu_s,
@@ -964,6 +1065,18 @@ fn drive(
         appliance: counters,
         round_ms: outcomes.iter().map(|o| o.round_ms.clone()).collect(),
     })
+}
+
+/// The largest lead the dataplane allowed in job `id`, from control's
+/// `GET /v1/jobs/{id}`; None when it cannot be read.
+fn max_lead(control_url: &str, id: u16) -> Option<u32> {
+    let d: phub_proto::api::JobDetail = ureq::get(&format!("{control_url}/v1/jobs/{id}"))
+        .timeout(Duration::from_secs(5))
+        .call()
+        .ok()?
+        .into_json()
+        .ok()?;
+    d.max_lead
 }
 
 /// CPU seconds of the worker threads' process (threads mode only).
@@ -1101,6 +1214,26 @@ fn print_table(points: &[RunResult]) {
             );
         }
     }
+    for r in points
+        .iter()
+        .filter(|r| r.consistency != "bsp" || r.compute_ms > 0.0 || r.jitter_exp_ms > 0.0)
+    {
+        println!(
+            "consistency {}: compute {:.1} ms + exp jitter {:.1} ms per round; {:.2} rounds/s per rank \
+             (each: {}); blocked {:.0}% of the time; largest lead allowed {}",
+            r.consistency,
+            r.compute_ms,
+            r.jitter_exp_ms,
+            r.rounds_per_s,
+            r.rounds_per_s_per_rank
+                .iter()
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(", "),
+            r.blocked_fraction * 100.0,
+            r.max_lead_observed.map_or("-".to_string(), |l| l.to_string()),
+        );
+    }
     for r in points.iter().filter(|r| r.inject.is_some()) {
         println!("{}", fault_summary(r));
     }
@@ -1140,6 +1273,19 @@ pub fn run(a: &RunArgs) -> Result<()> {
         // Killed or interrupted, it stops the appliance it started and
         // removes its scratch directory, instead of orphaning them.
         phub_hwtests::process::stop_on_signal("phub-bench").map_err(|e| anyhow::anyhow!(e))?;
+    }
+    if a.verify && a.consistency != "bsp" {
+        bail!(
+            "--verify with --consistency {}: the check knows BSP's sums only (in other modes a result \
+             holds whichever pushes were applied when it left); drop one of them",
+            a.consistency
+        );
+    }
+    if a.shm && a.consistency != "bsp" {
+        bail!(
+            "--shm with --consistency {}: shared memory is for BSP jobs only",
+            a.consistency
+        );
     }
     if a.shm && a.backend == Backend::Dpdk {
         bail!(
@@ -1247,6 +1393,27 @@ pub fn run(a: &RunArgs) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn consistency_and_jitter_flags() {
+        assert_eq!(parse_consistency("bsp").unwrap(), "bsp");
+        assert_eq!(parse_consistency("ssp:8").unwrap(), "ssp:8");
+        assert!(parse_consistency("ssp:").is_err());
+        assert!(parse_consistency("ssp:2000").unwrap_err().contains("0 to 1024"));
+        assert!(parse_consistency("eventual").is_err());
+        assert_eq!(consistency_json("bsp"), None);
+        assert_eq!(
+            consistency_json("async"),
+            Some(serde_json::json!({ "mode": "async" }))
+        );
+        assert_eq!(
+            consistency_json("ssp:4"),
+            Some(serde_json::json!({ "bounded_delay": 4 }))
+        );
+        assert_eq!(parse_jitter("exp:2.5").unwrap(), 2.5);
+        assert!(parse_jitter("exp:-1").is_err());
+        assert!(parse_jitter("uniform:3").is_err());
+    }
+
     use super::*;
 
     #[test]
