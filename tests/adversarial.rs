@@ -321,14 +321,16 @@ fn control_refuses_clear_text_beyond_loopback() {
     assert!(err.contains("clear text") && err.contains("--tls-cert"), "{err}");
 }
 
-/// Starts phub-control over TLS beside `rack`'s and waits until it answers
-/// through a client that trusts `ca`.
-fn tls_control(
+/// Starts a phub-control of its own over `rack`'s dataplane (whose own
+/// control the caller stopped: one control per dataplane) on a free port,
+/// its state at `state`, with `extra` arguments and its log at
+/// `<rack dir>/<log>`; the process and its port.
+fn spawn_control(
     rack: &Rack,
-    cert: &std::path::Path,
-    key: &std::path::Path,
-    ca: &std::path::Path,
-) -> (std::process::Child, String) {
+    state: &std::path::Path,
+    extra: &[&std::ffi::OsStr],
+    log: &str,
+) -> (std::process::Child, u16) {
     let port = common::free_port();
     let child = Command::new(env!("CARGO_BIN_EXE_phub-control"))
         .args([
@@ -338,15 +340,30 @@ fn tls_control(
             &rack.mgmt_url,
         ])
         .args(["--reconcile-ms", "200", "--state"])
-        .arg(rack.dir.join("tls-state.json"))
-        .arg("--tls-cert")
-        .arg(cert)
-        .arg("--tls-key")
-        .arg(key)
+        .arg(state)
+        .args(extra)
         .env("PHUB_RUNTIME_DIR", &rack.dir)
-        .stderr(std::fs::File::create(rack.dir.join("tls-control.log")).unwrap())
+        .stderr(std::fs::File::create(rack.dir.join(log)).unwrap())
         .spawn()
         .unwrap();
+    (child, port)
+}
+
+/// Starts phub-control over TLS beside `rack`'s and waits until it answers
+/// through a client that trusts `ca`.
+fn tls_control(
+    rack: &Rack,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    ca: &std::path::Path,
+) -> (std::process::Child, String) {
+    let extra = [
+        "--tls-cert".as_ref(),
+        cert.as_os_str(),
+        "--tls-key".as_ref(),
+        key.as_os_str(),
+    ];
+    let (child, port) = spawn_control(rack, &rack.dir.join("tls-state.json"), &extra, "tls-control.log");
     let url = format!("https://localhost:{port}");
     let agent = ureq::AgentBuilder::new()
         .tls_config(phub_http::client_config(Some(ca)).unwrap())
@@ -482,23 +499,9 @@ fn full_and_read_only_state_directories_lose_nothing() {
     let mut guard = Unmount(dir.clone(), None);
     // The operator token file goes elsewhere: the state directory fills up.
     let token_file = rack.dir.join("small.operator-token");
-    let port = common::free_port();
+    let extra = ["--operator-token-file".as_ref(), token_file.as_os_str()];
+    let (mut child, port) = spawn_control(&rack, &dir.join("state.json"), &extra, "small-control.log");
     let url = format!("http://127.0.0.1:{port}");
-    let mut child = Command::new(env!("CARGO_BIN_EXE_phub-control"))
-        .args([
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--dataplane",
-            &rack.mgmt_url,
-        ])
-        .args(["--reconcile-ms", "200", "--state"])
-        .arg(dir.join("state.json"))
-        .arg("--operator-token-file")
-        .arg(&token_file)
-        .env("PHUB_RUNTIME_DIR", &rack.dir)
-        .stderr(std::fs::File::create(rack.dir.join("small-control.log")).unwrap())
-        .spawn()
-        .unwrap();
     phub_hwtests::process::wait_http(
         &format!("{url}/v1/jobs"),
         &mut child,

@@ -131,10 +131,7 @@ impl Rack {
 
     /// The operator token phub-control generated beside its state file.
     pub fn operator_token(&self) -> String {
-        std::fs::read_to_string(self.dir.join("state.json.operator-token"))
-            .unwrap()
-            .trim()
-            .to_string()
+        operator_token(&self.dir)
     }
 
     /// The dataplane's management token (in the rack's runtime directory).
@@ -151,12 +148,7 @@ impl Rack {
     }
 
     pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-        let req = ureq::post(&format!("{}/v1/jobs", self.control_url)).set("Authorization", &self.bearer());
-        match req.send_string(spec) {
-            Ok(r) => Ok(r.into_json().unwrap()),
-            Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
-            Err(e) => panic!("admission: {e}"),
-        }
+        admit(&self.control_url, &self.operator_token(), spec)
     }
 
     pub fn post<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
@@ -169,26 +161,52 @@ impl Rack {
     }
 
     pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        ureq::get(&format!("{}{path}", self.control_url))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
+        get_json(&format!("{}{path}", self.control_url))
     }
 
     pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
-            .env("PHUB_OPERATOR_TOKEN", self.operator_token())
-            .args(["--control", &self.control_url])
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        phubctl(&self.control_url, &self.operator_token(), args)
     }
+}
+
+/// The operator token phub-control generated beside `dir/state.json`.
+fn operator_token(dir: &Path) -> String {
+    std::fs::read_to_string(dir.join("state.json.operator-token"))
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// Admits `spec` through the control at `control_url` with the operator
+/// `token`: its answer, or the error's status and message.
+fn admit(control_url: &str, token: &str, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+    let req = ureq::post(&format!("{control_url}/v1/jobs")).set("Authorization", &format!("Bearer {token}"));
+    match req.send_string(spec) {
+        Ok(r) => Ok(r.into_json().unwrap()),
+        Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
+        Err(e) => panic!("admission: {e}"),
+    }
+}
+
+/// GET `url`, its JSON answer.
+fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> T {
+    ureq::get(url).call().unwrap().into_json().unwrap()
+}
+
+/// Runs phubctl against `control_url` with the operator `token`: (success,
+/// stdout, stderr).
+fn phubctl(control_url: &str, token: &str, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+        .env("PHUB_OPERATOR_TOKEN", token)
+        .args(["--control", control_url])
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
 }
 
 impl Drop for Rack {
@@ -299,50 +317,23 @@ impl Appliances {
 
     /// GET `path` on appliance `i`'s management API (an open route).
     pub fn dataplane_get<T: serde::de::DeserializeOwned>(&self, i: usize, path: &str) -> T {
-        ureq::get(&format!("{}{path}", self.mgmt_urls[i]))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
+        get_json(&format!("{}{path}", self.mgmt_urls[i]))
     }
 
     pub fn operator_token(&self) -> String {
-        std::fs::read_to_string(self.dir.join("state.json.operator-token"))
-            .unwrap()
-            .trim()
-            .to_string()
+        operator_token(&self.dir)
     }
 
     pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-        let req = ureq::post(&format!("{}/v1/jobs", self.control_url))
-            .set("Authorization", &format!("Bearer {}", self.operator_token()));
-        match req.send_string(spec) {
-            Ok(r) => Ok(r.into_json().unwrap()),
-            Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
-            Err(e) => panic!("admission: {e}"),
-        }
+        admit(&self.control_url, &self.operator_token(), spec)
     }
 
     pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        ureq::get(&format!("{}{path}", self.control_url))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
+        get_json(&format!("{}{path}", self.control_url))
     }
 
     pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
-        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
-            .env("PHUB_OPERATOR_TOKEN", self.operator_token())
-            .args(["--control", &self.control_url])
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
+        phubctl(&self.control_url, &self.operator_token(), args)
     }
 }
 
