@@ -163,7 +163,7 @@ impl Client {
         // Reading the description, jobs and counters needs no token: without
         // one (a dataplane that is down removed its file), such a call still
         // tells whether the dataplane answers.
-        let open = method == "GET" && matches!(path, "/v1/info" | "/v1/jobs" | "/v1/stats");
+        let open = phub_proto::api::mgmt_route_is_open(method, path);
         match self.token(fresh) {
             Ok(t) => req = req.set("Authorization", &format!("Bearer {t}")),
             Err(_) if open => {}

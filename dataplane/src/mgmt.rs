@@ -13,9 +13,7 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use phub_http::{Handler, Request, Response};
-use phub_proto::api::{
-    ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
-};
+use phub_proto::api::{DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats};
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::MemoryModel;
@@ -442,7 +440,7 @@ fn json<T: serde::Serialize>(status: u16, v: &T) -> Response {
 }
 
 fn error(e: MgmtError) -> Response {
-    Response::error(e.status, ApiError { error: e.message }.error)
+    Response::error(e.status, e.message)
 }
 
 /// The management API over HTTP: what each route does and who may call it.
@@ -485,9 +483,7 @@ const MIN_BODY_LIMIT: usize = 64 << 20;
 
 impl Handler for Api {
     fn check_head(&self, head: &Request) -> Result<(), Response> {
-        let open =
-            head.method == "GET" && matches!(head.path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats");
-        if open {
+        if phub_proto::api::mgmt_route_is_open(&head.method, &head.path) {
             return Ok(());
         }
         let given = phub_http::bearer(head.header("Authorization")).map_err(|why| {

@@ -54,6 +54,15 @@ use crate::layout::Layout;
 use crate::memory::MemoryModel;
 use crate::spec::JobSpec;
 
+/// Whether a request to the dataplane's management API needs no
+/// management token: reading its description, job list and counters
+/// (`GET /v1/info`, `/v1/jobs`, `/v1/stats`), which hold no secret. The
+/// dataplane checks by it, control's client sends no token to such a route
+/// when it has none.
+pub fn mgmt_route_is_open(method: &str, path: &str) -> bool {
+    method == "GET" && matches!(path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats")
+}
+
 /// Serde for `u64` tokens as 16 hex digits.
 pub mod hex_u64 {
     use serde::{Deserialize, Deserializer, Serializer};

@@ -1206,7 +1206,7 @@ fn print_table(points: &[RunResult]) {
                     ", SUMS WRONG"
                 },
                 r.round_ms_median,
-                d.round_ms_median / r.round_ms_median,
+                r.speedup_vs_baseline.unwrap_or(f64::NAN),
                 r.round_ms_median / d.round_ms_median,
                 opt(r.workers_cpu_s_per_gb, 2),
                 d.server_cpu_s_per_gb
