@@ -669,6 +669,11 @@ struct Job<A> {
     max_lead: u32,
     /// Bounded delay: answers held now.
     held: u64,
+    /// Bounded delay: answers ever held, how long the released ones were
+    /// held in total and at most (µs of the caller's clock).
+    held_total: u64,
+    held_wait_us: u64,
+    held_wait_max_us: u64,
     /// Contributions aggregated on this lcore.
     pushes: u64,
     /// Rounds completed on this lcore, over all slots.
@@ -695,6 +700,12 @@ pub struct JobShardStats {
     pub max_lead: Option<u32>,
     /// Bounded delay: answers held now.
     pub held: u64,
+    /// Bounded delay: answers held since the job was installed here.
+    pub held_total: u64,
+    /// Bounded delay: microseconds the released answers were held, summed.
+    pub held_wait_us: u64,
+    /// Bounded delay: the longest any released answer was held, µs.
+    pub held_wait_max_us: u64,
 }
 
 /// Who gets a queued result.
@@ -991,6 +1002,9 @@ impl<A: Copy + Eq> Shard<A> {
             },
             max_lead: 0,
             held: 0,
+            held_total: 0,
+            held_wait_us: 0,
+            held_wait_max_us: 0,
             pushes: 0,
             rounds: 0,
         });
@@ -1324,6 +1338,9 @@ impl<A: Copy + Eq> Shard<A> {
                     clocks,
                     max_lead: (j.max_lead > 0).then_some(j.max_lead),
                     held: j.held,
+                    held_total: j.held_total,
+                    held_wait_us: j.held_wait_us,
+                    held_wait_max_us: j.held_wait_max_us,
                 }
             })
             .collect()
@@ -1413,6 +1430,7 @@ impl<A: Copy + Eq> Shard<A> {
                 self.counters.rounds_completed.inc();
                 if held {
                     job.held += 1;
+                    job.held_total += 1;
                     self.counters.answers_held.inc();
                 } else {
                     self.counters.results_sent.inc();
@@ -1709,7 +1727,10 @@ impl<A: Copy + Eq> Shard<A> {
                 ranks.insert(r as u16);
                 n += 1;
                 if c.since != SINCE_UNKNOWN {
-                    counters.held_wait_us.add(u64::from(now_us.wrapping_sub(c.since)));
+                    let waited = u64::from(now_us.wrapping_sub(c.since));
+                    counters.held_wait_us.add(waited);
+                    job.held_wait_us += waited;
+                    job.held_wait_max_us = job.held_wait_max_us.max(waited);
                 }
                 *c = RankClock {
                     clock: c.applied(),

@@ -178,6 +178,11 @@ fn bounded_delay_holds_answers_until_the_slowest_catches_up() {
     let st = &s.job_stats()[0];
     assert_eq!(st.clocks, [(2, 2), (1, 1), (1, 1)]);
     assert_eq!((st.max_lead, st.held), (Some(2), 0), "τ + 1 at most");
+    assert_eq!(
+        (st.held_total, st.held_wait_us, st.held_wait_max_us),
+        (1, 7, 7),
+        "the job's own count of held answers and their waits"
+    );
     // The released rank's retransmission is now answered.
     assert_eq!(s.handle(0, &push(0, 2), 9_500), Verdict::Resent);
     assert_eq!(drain(&mut s, Dtype::F32), [(0, 2, vec![4.0, 0.0])]);
