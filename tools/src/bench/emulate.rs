@@ -68,22 +68,83 @@ pub struct Plan {
     /// others; `--slow-rank0 2` makes rank 0 a persistent straggler).
     #[serde(default = "one")]
     pub compute_factor: f64,
+    /// Occasional slow rounds (`--spike p=P,x=X`); `None`: none.
+    #[serde(default)]
+    pub spike: Option<Spike>,
+}
+
+/// `--spike p=P,x=X`: with probability `p` a round's compute (jitter
+/// included) takes `x` times as long.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Spike {
+    /// Probability that a round spikes, 0 to 1.
+    pub p: f64,
+    /// How many times as long a spiked round's compute takes, at least 1.
+    pub x: f64,
+}
+
+impl std::str::FromStr for Spike {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (mut p, mut x) = (None, None);
+        for part in s.split(',') {
+            let (k, v) = part
+                .split_once('=')
+                .ok_or_else(|| format!("{part:?}: expected KEY=VALUE (p=P,x=X)"))?;
+            let slot = match k.trim() {
+                "p" => &mut p,
+                "x" => &mut x,
+                other => return Err(format!("unknown key {other:?}: accepted: p, x")),
+            };
+            if slot.is_some() {
+                return Err(format!("{k} given twice"));
+            }
+            let n: f64 = v.trim().parse().map_err(|_| format!("{k}={v:?}: not a number"))?;
+            *slot = Some(n);
+        }
+        let p = p.ok_or("p missing: expected p=P,x=X")?;
+        let x = x.ok_or("x missing: expected p=P,x=X")?;
+        if !(0.0..=1.0).contains(&p) {
+            return Err(format!("p={p}: a probability, from 0 to 1"));
+        }
+        if !(x >= 1.0 && x.is_finite()) {
+            return Err(format!("x={x}: a factor, at least 1"));
+        }
+        Ok(Spike { p, x })
+    }
+}
+
+impl std::fmt::Display for Spike {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "p={},x={}", self.p, self.x)
+    }
 }
 
 fn one() -> f64 {
     1.0
 }
 
+/// A uniform draw in (0, 1) from the xorshift generator `state`.
+fn uniform(state: &mut u64) -> f64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    ((*state >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+}
+
 /// Emulated compute of one round: `compute_ms` plus an exponential draw of
-/// mean `jitter_exp_ms`, times `factor`; `state` is a xorshift generator.
+/// mean `jitter_exp_ms`, times `x` with probability `p` (`spike`), times
+/// `factor`; `state` is a xorshift generator.
 fn compute_time(plan: &Plan, state: &mut u64) -> std::time::Duration {
     let mut ms = plan.compute_ms;
     if plan.jitter_exp_ms > 0.0 {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        let u = ((*state >> 11) as f64 + 0.5) / (1u64 << 53) as f64;
-        ms += -plan.jitter_exp_ms * u.ln();
+        ms += -plan.jitter_exp_ms * uniform(state).ln();
+    }
+    if let Some(s) = plan.spike {
+        if uniform(state) < s.p {
+            ms *= s.x;
+        }
     }
     std::time::Duration::from_secs_f64((ms * plan.compute_factor).max(0.0) / 1e3)
 }
@@ -362,6 +423,46 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn spike_parses_and_names_the_problem() {
+        assert_eq!("p=0.1,x=5".parse::<Spike>().unwrap(), Spike { p: 0.1, x: 5.0 });
+        assert_eq!(" x = 2 , p=1".parse::<Spike>().unwrap(), Spike { p: 1.0, x: 2.0 });
+        assert_eq!(Spike { p: 0.1, x: 5.0 }.to_string(), "p=0.1,x=5");
+        let err = |s: &str| s.parse::<Spike>().unwrap_err();
+        assert!(err("p=0.1").contains("x missing"), "{}", err("p=0.1"));
+        assert!(err("x=5").contains("p missing"));
+        assert!(err("p=1.5,x=5").contains("p=1.5"));
+        assert!(err("p=0.1,x=0.5").contains("at least 1"));
+        assert!(err("p=0.1,x=inf").contains("at least 1"));
+        assert!(err("p=0.1,x=five").contains("not a number"));
+        assert!(err("p=0.1,x=5,y=2").contains("unknown key \"y\""));
+        assert!(err("p=0.1,p=0.2,x=5").contains("twice"));
+        assert!(err("0.1,5").contains("KEY=VALUE"));
+        assert!(err("").contains("KEY=VALUE"));
+    }
+
+    #[test]
+    fn spike_multiplies_about_p_of_the_rounds() {
+        let mut plan: Plan = serde_json::from_value(serde_json::json!({
+            "control_url": "http://x", "job": 1, "token": 1, "rank": 0, "model": "m",
+            "warmup": 0, "rounds": 1, "verify": false, "window": null, "exchange": true,
+            "gso": true, "gro": true, "compute_ms": 10.0
+        }))
+        .unwrap();
+        assert_eq!(plan.spike, None, "an older plan without the field");
+        plan.spike = Some(Spike { p: 0.1, x: 5.0 });
+        let mut state = 11u64;
+        let n = 20_000;
+        let times: Vec<f64> = (0..n)
+            .map(|_| compute_time(&plan, &mut state).as_secs_f64() * 1e3)
+            .collect();
+        let spiked = times.iter().filter(|&&t| (t - 50.0).abs() < 1e-6).count();
+        let plain = times.iter().filter(|&&t| (t - 10.0).abs() < 1e-6).count();
+        assert_eq!(spiked + plain, n, "every round 10 ms or 50 ms");
+        let share = spiked as f64 / n as f64;
+        assert!((share - 0.1).abs() < 0.01, "{share} of the rounds spiked");
+    }
 
     #[test]
     fn pattern_and_closed_form_sum() {

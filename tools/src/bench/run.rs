@@ -221,6 +221,10 @@ pub struct RunArgs {
     /// straggler), e.g. 2.
     #[arg(long, default_value_t = 1.0)]
     pub slow_rank0: f64,
+    /// Occasional slow rounds: `p=P,x=X`, with probability P a round's
+    /// compute (jitter included) takes X times as long (seeded per rank).
+    #[arg(long, value_name = "p=P,x=X")]
+    pub spike: Option<emulate::Spike>,
 }
 
 fn parse_consistency(s: &str) -> Result<String, String> {
@@ -348,6 +352,8 @@ pub struct RunResult {
     pub compute_ms: f64,
     /// Mean of the exponential jitter, ms.
     pub jitter_exp_ms: f64,
+    /// `--spike p=P,x=X`, null without.
+    pub spike: Option<emulate::Spike>,
     /// Timed rounds per second of each rank (its rounds over its own timed
     /// wall time, compute included).
     pub rounds_per_s_per_rank: Vec<f64>,
@@ -777,6 +783,7 @@ fn drive(
             compute_ms: a.compute_ms,
             jitter_exp_ms: a.jitter.unwrap_or(0.0),
             compute_factor: if rank == 0 { a.slow_rank0 } else { 1.0 },
+            spike: a.spike,
         })
         .collect();
     let mut threads = Vec::new();
@@ -1015,6 +1022,7 @@ fn drive(
         consistency: a.consistency.clone(),
         compute_ms: a.compute_ms,
         jitter_exp_ms: a.jitter.unwrap_or(0.0),
+        spike: a.spike,
         rounds_per_s_per_rank: outcomes
             .iter()
             .map(|o| o.round_ms.len() as f64 / o.timed_secs.max(1e-9))
@@ -1219,11 +1227,12 @@ fn print_table(points: &[RunResult]) {
         .filter(|r| r.consistency != "bsp" || r.compute_ms > 0.0 || r.jitter_exp_ms > 0.0)
     {
         println!(
-            "consistency {}: compute {:.1} ms + exp jitter {:.1} ms per round; {:.2} rounds/s per rank \
+            "consistency {}: compute {:.1} ms + exp jitter {:.1} ms per round{}; {:.2} rounds/s per rank \
              (each: {}); blocked {:.0}% of the time; largest lead allowed {}",
             r.consistency,
             r.compute_ms,
             r.jitter_exp_ms,
+            r.spike.map_or(String::new(), |s| format!(", spike {s}")),
             r.rounds_per_s,
             r.rounds_per_s_per_rank
                 .iter()
