@@ -156,8 +156,8 @@ fn async_sum_applies_every_clock_once_and_ends_exact() {
     let seen = run(&rack, &job, &pauses, 12, WorkerConfig::default());
     let d = detail(&rack, &job);
     assert_eq!(d.spec.consistency, Consistency::Async);
-    assert_eq!(d.clocks, vec![(12, 12); 3]);
-    assert_eq!(d.held, 0);
+    assert_eq!(d.clock.clocks, vec![(12, 12); 3]);
+    assert_eq!(d.clock.held, 0);
     // Rank 0 did not wait for rank 2: some answer showed it ahead.
     let lead = seen
         .iter()
@@ -206,9 +206,9 @@ fn bounded_delay_2_keeps_every_rank_within_3_clocks_of_a_slow_one() {
     assert_eq!(worst, TAU, "no rank ever led the slow one by τ");
     let d = detail(&rack, &job);
     assert_eq!(d.spec.consistency, Consistency::Bounded { delay: TAU });
-    assert_eq!(d.clocks, vec![(15, 15); 3]);
-    assert_eq!(d.max_lead, Some(TAU + 1));
-    assert_eq!(d.held, 0, "every held answer was released");
+    assert_eq!(d.clock.clocks, vec![(15, 15); 3]);
+    assert_eq!(d.clock.max_lead, Some(TAU + 1));
+    assert_eq!(d.clock.held, 0, "every held answer was released");
     let stats: Stats = rack.get("/v1/stats");
     let held: u64 = stats
         .dataplane
@@ -218,9 +218,22 @@ fn bounded_delay_2_keeps_every_rank_within_3_clocks_of_a_slow_one() {
         .map(|l| l.answers_held)
         .sum();
     assert!(held > 0, "the fast ranks' answers were never held");
+    // The job's own counts: the job is alone on the appliance, so they
+    // are the lcores' counts, and the slowed rank made the waits real.
+    assert_eq!(d.clock.held_total, held, "held answers counted per job");
+    assert!(d.clock.held_wait_us > 0, "{:?}", d.clock);
+    assert!(
+        d.clock.held_wait_max_us > 0 && d.clock.held_wait_max_us <= d.clock.held_wait_us,
+        "{:?}",
+        d.clock
+    );
     let (ok, out, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
     assert!(ok, "{err}");
     assert!(out.contains("bounded_delay") && out.contains("τ = 2"), "{out}");
+    assert!(
+        out.contains(&format!("answers held so far {held}, their waits ")),
+        "{out}"
+    );
 }
 
 /// Loss, duplication and reordering in the dataplane and in the workers:
@@ -260,5 +273,5 @@ fn bounded_delay_under_injected_faults_applies_each_clock_once() {
     let d = stats.dataplane.unwrap();
     let dropped: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
     assert!(dropped > 0, "the dataplane's injector lost nothing");
-    assert_eq!(detail(&rack, &job).clocks, vec![(10, 10); 3]);
+    assert_eq!(detail(&rack, &job).clock.clocks, vec![(10, 10); 3]);
 }

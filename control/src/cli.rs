@@ -670,7 +670,7 @@ pub fn render_show(d: &JobDetail) -> String {
         .map(|r| {
             let mut row = vec![r.rank.to_string(), yes(r.joined)];
             if clocked {
-                row.push(match d.clocks.get(usize::from(r.rank)) {
+                row.push(match d.clock.clocks.get(usize::from(r.rank)) {
                     Some((lo, hi)) if lo == hi => lo.to_string(),
                     Some((lo, hi)) => format!("{lo}..={hi}"),
                     None => "-".into(),
@@ -694,8 +694,8 @@ pub fn render_show(d: &JobDetail) -> String {
 
 /// `job show`'s consistency line (PROTOCOL.md §5.8): the mode, τ, the
 /// largest lead an answer ever allowed (the clock a rank could push next
-/// minus the slowest rank's, over the job's chunks) and the answers held
-/// now.
+/// minus the slowest rank's, over the job's chunks), the answers held now
+/// and (bounded delay) how many were ever held and how long they waited.
 fn render_consistency(d: &JobDetail) -> String {
     let c = d.spec.consistency;
     let mut out = match c {
@@ -707,15 +707,33 @@ fn render_consistency(d: &JobDetail) -> String {
             u64::from(delay) + 1
         ),
     };
-    match d.max_lead {
+    let k = &d.clock;
+    match k.max_lead {
         Some(lead) => out.push_str(&format!("\nlargest lead allowed {lead} clocks")),
         None => out.push_str("\nlargest lead allowed: none yet"),
     }
     if c.delay().is_some() {
-        out.push_str(&format!(", answers held now {}", d.held));
+        out.push_str(&format!(
+            ", answers held now {}\nanswers held so far {}, their waits {} in all, {} at most",
+            k.held,
+            k.held_total,
+            human_us(k.held_wait_us),
+            human_us(k.held_wait_max_us)
+        ));
     }
     out.push('\n');
     out
+}
+
+/// Microseconds for a person: µs below 1 ms, ms with a decimal below 1 s.
+fn human_us(us: u64) -> String {
+    if us < 1000 {
+        format!("{us} µs")
+    } else if us < 1_000_000 {
+        format!("{:.1} ms", us as f64 / 1000.0)
+    } else {
+        human_ms(us / 1000)
+    }
 }
 
 /// `map show`: per lcore its run of the job's chunk sequence; with a key,
@@ -920,9 +938,10 @@ pub fn render_stats(s: &Stats) -> String {
                 .filter_map(|l| l.round_range)
                 .reduce(|a, b| (a.0.min(b.0), a.1.max(b.1))),
             silent_ms: Vec::new(),
-            clocks: Vec::new(),
-            max_lead: None,
-            held: lives.iter().map(|l| l.held).sum(),
+            clock: phub_proto::api::ClockStats {
+                held: lives.iter().map(|l| l.clock.held).sum(),
+                ..Default::default()
+            },
         });
         let live = live.as_ref();
         out.push_str(&format!(
@@ -1084,7 +1103,7 @@ fn render_port(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use phub_proto::api::{DataplaneStats, JobLive, LcoreStats, PortStats, RankStatus};
+    use phub_proto::api::{ClockStats, DataplaneStats, JobLive, LcoreStats, PortStats, RankStatus};
 
     fn summary(id: u16, name: &str, mem: u64) -> JobSummary {
         JobSummary {
@@ -1232,9 +1251,7 @@ mod tests {
             ],
             rounds_completed: 7,
             round_range: Some((3, 4)),
-            clocks: vec![],
-            max_lead: None,
-            held: 0,
+            clock: ClockStats::default(),
             checkpoint: None,
             parts: Vec::new(),
         };
@@ -1278,15 +1295,21 @@ mod tests {
             ranks: vec![rank(0), rank(1), rank(2)],
             rounds_completed: 40,
             round_range: Some((20, 20)),
-            clocks: vec![(9, 9), (8, 9), (7, 7)],
-            max_lead: Some(3),
-            held: 2,
+            clock: ClockStats {
+                clocks: vec![(9, 9), (8, 9), (7, 7)],
+                max_lead: Some(3),
+                held: 2,
+                held_total: 17,
+                held_wait_us: 12_345,
+                held_wait_max_us: 800,
+            },
             checkpoint: None,
             parts: Vec::new(),
         };
         let t = render_show(&d);
         assert!(
-            t.contains("consistency bounded_delay, τ = 2 (an answer waits until no rank is more than 2 clocks behind; a rank leads by at most 3)\nlargest lead allowed 3 clocks, answers held now 2\n"),
+            t.contains("consistency bounded_delay, τ = 2 (an answer waits until no rank is more than 2 clocks behind; a rank leads by at most 3)\nlargest lead allowed 3 clocks, answers held now 2\n\
+                answers held so far 17, their waits 12.3 ms in all, 800 µs at most\n"),
             "{t}"
         );
         assert!(
@@ -1296,7 +1319,7 @@ mod tests {
             "{t}"
         );
         d.spec.consistency = Consistency::Async;
-        d.max_lead = None;
+        d.clock.max_lead = None;
         let t = render_show(&d);
         assert!(
             t.contains("consistency async (each push applied and answered at once)\nlargest lead allowed: none yet\n"),
@@ -1339,9 +1362,7 @@ mod tests {
                     rounds_completed: 2,
                     round_range: Some((1, 2)),
                     silent_ms: vec![],
-                    clocks: vec![],
-                    max_lead: None,
-                    held: 0,
+                    clock: ClockStats::default(),
                 }],
             }),
             dataplane_error: None,

@@ -26,7 +26,7 @@ use std::time::Duration;
 use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
-    AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo,
+    AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo, ClockStats,
     DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary, JoinRequest,
     JoinResponse, KeyMap, KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
 };
@@ -758,21 +758,11 @@ fn merge_live(lives: &[&JobLive]) -> Option<JobLive> {
         rounds_completed: 0,
         round_range: None,
         silent_ms: vec![None; first.silent_ms.len()],
-        clocks: Vec::new(),
-        max_lead: None,
-        held: 0,
+        clock: ClockStats::default(),
     };
     for l in lives {
         m.pushes += l.pushes;
-        m.held += l.held;
-        m.max_lead = m.max_lead.max(l.max_lead);
-        if m.clocks.is_empty() {
-            m.clocks = l.clocks.clone();
-        } else {
-            for (c, d) in m.clocks.iter_mut().zip(&l.clocks) {
-                *c = (c.0.min(d.0), c.1.max(d.1));
-            }
-        }
+        m.clock.merge(&l.clock);
         m.rounds_completed += l.rounds_completed;
         m.round_range = match (m.round_range, l.round_range) {
             (Some((a, b)), Some((c, d))) => Some((a.min(c), b.max(d))),
@@ -1362,9 +1352,7 @@ impl Shared {
             ranks,
             rounds_completed: live.as_ref().map_or(0, |l| l.rounds_completed),
             round_range: live.as_ref().and_then(|l| l.round_range),
-            clocks: live.as_ref().map(|l| l.clocks.clone()).unwrap_or_default(),
-            max_lead: live.as_ref().and_then(|l| l.max_lead),
-            held: live.as_ref().map_or(0, |l| l.held),
+            clock: live.as_ref().map(|l| l.clock.clone()).unwrap_or_default(),
             checkpoint: combined_checkpoint(&inner, job),
             parts: parts_detail,
         })

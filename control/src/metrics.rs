@@ -239,9 +239,7 @@ mod tests {
                 rounds_completed: 5,
                 round_range: Some((4, 5)),
                 silent_ms: vec![Some(1), None],
-                clocks: vec![],
-                max_lead: None,
-                held: 0,
+                clock: Default::default(),
             }],
         };
         let jobs = vec![JobSummary {

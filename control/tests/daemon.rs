@@ -810,17 +810,31 @@ fn async_and_bounded_delay_jobs_are_admitted_and_shown_with_their_clocks() {
     assert_eq!(jobs[&b.id].spec.consistency, Consistency::Bounded { delay: 4 });
     let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", b.id), None);
     assert_eq!(show.spec.consistency, Consistency::Bounded { delay: 4 });
-    assert_eq!(show.clocks, vec![(3, 4), (4, 5), (5, 6)]);
-    assert_eq!((show.max_lead, show.held), (Some(5), 1));
+    assert_eq!(show.clock.clocks, vec![(3, 4), (4, 5), (5, 6)]);
+    assert_eq!((show.clock.max_lead, show.clock.held), (Some(5), 1));
+    assert_eq!(
+        (
+            show.clock.held_total,
+            show.clock.held_wait_us,
+            show.clock.held_wait_max_us
+        ),
+        (4, 1500, 1000)
+    );
     let t = phub_control::cli::render_show(&show);
     assert!(t.contains("consistency bounded_delay, τ = 4"), "{t}");
     assert!(
-        t.contains("largest lead allowed 5 clocks, answers held now 1"),
+        t.contains(
+            "largest lead allowed 5 clocks, answers held now 1\n\
+             answers held so far 4, their waits 1.5 ms in all, 1.0 ms at most\n"
+        ),
         "{t}"
     );
     assert!(t.contains("   2  no      5..=6  never heard from"), "{t}");
     let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", a.id), None);
-    assert_eq!((show.clocks.len(), show.max_lead, show.held), (4, Some(2), 0));
+    assert_eq!(
+        (show.clock.clocks.len(), show.clock.max_lead, show.clock.held),
+        (4, Some(2), 0)
+    );
     assert!(phub_control::cli::render_show(&show).contains("consistency async"));
     // `mean` divides by W, which only BSP has: refused with the mode.
     let mean = toml.replace("kind = \"sum\"", "kind = \"mean\"");

@@ -13,7 +13,9 @@ use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
 use phub_http::{Handler, Request, Response};
-use phub_proto::api::{DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats};
+use phub_proto::api::{
+    ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
+};
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::MemoryModel;
@@ -368,9 +370,7 @@ impl Manager {
                             rounds_completed: 0,
                             round_range: None,
                             silent_ms: Vec::new(),
-                            clocks: Vec::new(),
-                            max_lead: None,
-                            held: 0,
+                            clock: ClockStats::default(),
                         },
                         vec![0; s.last_seen.len()],
                     )
@@ -384,15 +384,14 @@ impl Manager {
                     *m = (*m).max(*t);
                 }
                 // Lcores without the job's slots report no clocks.
-                if e.0.clocks.is_empty() {
-                    e.0.clocks = s.clocks;
-                } else {
-                    for (m, &(lo, hi)) in e.0.clocks.iter_mut().zip(&s.clocks) {
-                        *m = (m.0.min(lo), m.1.max(hi));
-                    }
-                }
-                e.0.max_lead = e.0.max_lead.max(s.max_lead);
-                e.0.held += s.held;
+                e.0.clock.merge(&ClockStats {
+                    clocks: s.clocks,
+                    max_lead: s.max_lead,
+                    held: s.held,
+                    held_total: s.held_total,
+                    held_wait_us: s.held_wait_us,
+                    held_wait_max_us: s.held_wait_max_us,
+                });
             }
         }
         DataplaneStats {

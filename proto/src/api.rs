@@ -199,17 +199,10 @@ pub struct JobDetail {
     /// Lowest and highest last-completed round over the job's chunks (for
     /// a job that is not BSP: updates applied per chunk).
     pub round_range: Option<(u32, u32)>,
-    /// Jobs that are not BSP: per rank, its lowest and highest applied
-    /// clock over the job's chunks ([`JobLive::clocks`]).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub clocks: Vec<(u32, u32)>,
-    /// Jobs that are not BSP: the largest lead ever allowed
-    /// ([`JobLive::max_lead`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max_lead: Option<u32>,
-    /// Bounded-delay answers held now.
-    #[serde(default)]
-    pub held: u64,
+    /// Jobs that are not BSP: clocks, lead and held answers (the same as
+    /// [`JobLive::clock`], over every appliance holding the job).
+    #[serde(flatten)]
+    pub clock: ClockStats,
     /// The job's last checkpoint, if it has one (every part of a sharded
     /// job: rounds over all, bytes added up, the files listed).
     #[serde(default)]
@@ -599,19 +592,60 @@ pub struct JobLive {
     pub round_range: Option<(u32, u32)>,
     /// Per rank, milliseconds since last heard from on any lcore.
     pub silent_ms: Vec<Option<u64>>,
-    /// Jobs that are not BSP: per rank, the lowest and highest clock it had
-    /// applied over the job's chunks (empty for BSP).
+    /// Jobs that are not BSP: clocks, lead and held answers.
+    #[serde(flatten)]
+    pub clock: ClockStats,
+}
+
+/// A job's consistency state (PROTOCOL.md §5.8), in [`JobLive`] and
+/// [`JobDetail`] alike; its fields sit at the top level of their JSON.
+/// All zero or empty for a BSP job.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClockStats {
+    /// Per rank, the lowest and highest clock it had applied over the
+    /// job's chunks (empty for BSP).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clocks: Vec<(u32, u32)>,
-    /// Jobs that are not BSP: the largest lead an answer ever allowed,
-    /// over the job's chunks: the clock answered plus one (the clock the
-    /// rank may push next) minus the slowest rank's applied clock on that
-    /// chunk then. At most τ + 1 for a bounded-delay job.
+    /// The largest lead an answer ever allowed, over the job's chunks: the
+    /// clock answered plus one (the clock the rank may push next) minus
+    /// the slowest rank's applied clock on that chunk then. At most τ + 1
+    /// for a bounded-delay job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_lead: Option<u32>,
     /// Bounded-delay answers held now.
     #[serde(default)]
     pub held: u64,
+    /// Bounded-delay answers ever held (since the job was installed on
+    /// each appliance that reports it).
+    #[serde(default)]
+    pub held_total: u64,
+    /// Microseconds the released answers were held, summed.
+    #[serde(default)]
+    pub held_wait_us: u64,
+    /// The longest any released answer was held, µs.
+    #[serde(default)]
+    pub held_wait_max_us: u64,
+}
+
+impl ClockStats {
+    /// Adds in another lcore's or appliance's view of the same job: held
+    /// answers and waits added up, each rank's clocks spanned (a view
+    /// without clocks, from a place with none of the job's chunks, changes
+    /// none), the largest lead and wait kept.
+    pub fn merge(&mut self, o: &ClockStats) {
+        if self.clocks.is_empty() {
+            self.clocks.clone_from(&o.clocks);
+        } else {
+            for (m, &(lo, hi)) in self.clocks.iter_mut().zip(&o.clocks) {
+                *m = (m.0.min(lo), m.1.max(hi));
+            }
+        }
+        self.max_lead = self.max_lead.max(o.max_lead);
+        self.held += o.held;
+        self.held_total += o.held_total;
+        self.held_wait_us += o.held_wait_us;
+        self.held_wait_max_us = self.held_wait_max_us.max(o.held_wait_max_us);
+    }
 }
 
 /// `GET /v1/stats` on the dataplane.
@@ -712,5 +746,56 @@ mod tests {
         assert_eq!(serde_json::from_str::<JoinRequest>(&s).unwrap(), j);
         let e = serde_json::from_str::<JoinRequest>(r#"{"token":"xyz","rank":2}"#).unwrap_err();
         assert!(e.to_string().contains("hex digits"), "{e}");
+    }
+
+    #[test]
+    fn clock_stats_sit_at_the_top_level_and_merge() {
+        let mut a = ClockStats {
+            clocks: vec![(3, 4), (1, 1)],
+            max_lead: Some(2),
+            held: 1,
+            held_total: 5,
+            held_wait_us: 700,
+            held_wait_max_us: 300,
+        };
+        let live = JobLive {
+            id: 1,
+            pushes: 2,
+            rounds_completed: 2,
+            round_range: None,
+            silent_ms: vec![],
+            clock: a.clone(),
+        };
+        let v = serde_json::to_value(&live).unwrap();
+        assert_eq!(v["held_wait_max_us"], 300);
+        assert_eq!(v["clocks"], serde_json::json!([[3, 4], [1, 1]]));
+        assert_eq!(serde_json::from_value::<JobLive>(v).unwrap(), live);
+        // An older dataplane's view, without the counts.
+        let old: JobLive = serde_json::from_str(
+            r#"{"id":1,"pushes":0,"rounds_completed":0,"round_range":null,"silent_ms":[]}"#,
+        )
+        .unwrap();
+        assert_eq!(old.clock, ClockStats::default());
+        a.merge(&ClockStats {
+            clocks: vec![(2, 6), (1, 2)],
+            max_lead: Some(1),
+            held: 2,
+            held_total: 1,
+            held_wait_us: 50,
+            held_wait_max_us: 50,
+        });
+        assert_eq!(
+            a,
+            ClockStats {
+                clocks: vec![(2, 6), (1, 2)],
+                max_lead: Some(2),
+                held: 3,
+                held_total: 6,
+                held_wait_us: 750,
+                held_wait_max_us: 300,
+            }
+        );
+        a.merge(&ClockStats::default());
+        assert_eq!(a.clocks, [(2, 6), (1, 2)], "a view without clocks");
     }
 }

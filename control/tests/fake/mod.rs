@@ -9,8 +9,8 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use phub_proto::api::{
-    ApiError, DataAddr, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, LcoreInfo,
-    LcoreStats,
+    ApiError, ClockStats, DataAddr, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive,
+    LcoreInfo, LcoreStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC};
 use phub_proto::memory::MemoryModel;
@@ -332,16 +332,23 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                     round_range: Some((3, 5)),
                     silent_ms: (0..j.spec.workers).map(|r| (r == 0).then_some(250)).collect(),
                     // Jobs that are not BSP: rank r at clocks r+3..=r+4,
-                    // a lead of τ + 1 (2 in async), one answer held.
-                    clocks: match j.spec.consistency {
-                        Consistency::Sync => Vec::new(),
-                        _ => (0..j.spec.workers).map(|r| (r + 3, r + 4)).collect(),
+                    // a lead of τ + 1 (2 in async); bounded delay: one
+                    // answer held now, 4 so far, their waits 1.5 ms in
+                    // all, 1 ms at most.
+                    clock: match j.spec.consistency {
+                        Consistency::Sync => ClockStats::default(),
+                        c => {
+                            let b = u64::from(c.delay().is_some());
+                            ClockStats {
+                                clocks: (0..j.spec.workers).map(|r| (r + 3, r + 4)).collect(),
+                                max_lead: Some(c.delay().map_or(2, |d| d + 1)),
+                                held: b,
+                                held_total: 4 * b,
+                                held_wait_us: 1500 * b,
+                                held_wait_max_us: 1000 * b,
+                            }
+                        }
                     },
-                    max_lead: match j.spec.consistency {
-                        Consistency::Sync => None,
-                        c => Some(c.delay().map_or(2, |d| d + 1)),
-                    },
-                    held: u64::from(j.spec.consistency.delay().is_some()),
                 })
                 .collect();
             json(

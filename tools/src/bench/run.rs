@@ -1084,7 +1084,7 @@ fn max_lead(control_url: &str, id: u16) -> Option<u32> {
         .ok()?
         .into_json()
         .ok()?;
-    d.max_lead
+    d.clock.max_lead
 }
 
 /// CPU seconds of the worker threads' process (threads mode only).
