@@ -116,6 +116,7 @@ fn a_million_one_element_keys_are_charged_what_they_cost_and_run_a_round() {
             token: job.token,
             rank: 0,
             rejoin: false,
+            rack: None,
         })
         .unwrap()
         .into_string_limited();

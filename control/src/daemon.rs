@@ -693,6 +693,7 @@ fn install_of(job: &StoredJob, name: &str) -> Option<InstallJob> {
         token: job.token,
         spec: job.spec.clone(),
         layout: part_of(job, name)?,
+        hierarchy: None,
     })
 }
 
@@ -1107,6 +1108,7 @@ impl Shared {
                 token,
                 spec: spec.clone(),
                 layout: part.layout.clone(),
+                hierarchy: None,
             };
             if let Err(e) = c.install(&install) {
                 let undo = if e.is_unreachable() { i + 1 } else { i };

@@ -258,6 +258,7 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         token: TOKEN,
         spec,
         layout,
+        hierarchy: None,
     };
     let (status, body) = http(
         mgmt,

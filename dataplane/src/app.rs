@@ -255,7 +255,8 @@ fn job_maker<'h, Io: PacketIo>(
 ) -> impl FnMut(LcoreStart<Io>) -> LcoreJob + 'h {
     let stop = Arc::clone(stop);
     move |l: LcoreStart<Io>| {
-        let shard = Shard::with_parts(l.lcore, kernels, l.slot_memory, Arc::clone(&l.counters));
+        let mut shard = Shard::with_parts(l.lcore, kernels, l.slot_memory, Arc::clone(&l.counters));
+        shard.set_peer_resolver(Arc::new(Io::peer));
         let (tx, rx) = bounded(64);
         handles.push(LcoreHandle {
             commands: tx,

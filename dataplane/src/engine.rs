@@ -73,6 +73,7 @@
 //! which sums both in one pass (`Shard::apply_region`). Sums keep arrival
 //! order and rounding, so results are bit-identical to the datagram path's.
 
+use std::net::SocketAddrV4;
 use std::sync::Arc;
 
 use phub_proto::checkpoint::{SlotState, CLOCK_HELD};
@@ -90,6 +91,29 @@ use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock, LINE_BYTES, LINE_F32};
 use crate::transmit::{Destinations, Transmit};
 
 pub use crate::transmit::MAX_BURST;
+
+mod hier;
+pub use hier::HierInstall;
+use hier::{Hier, Home, Partial, Peers};
+
+/// How a shard turns an appliance's data address (from a hierarchical
+/// job's install) into its backend's address type; see
+/// [`Shard::set_peer_resolver`].
+pub type PeerResolver<A> = Arc<dyn Fn(SocketAddrV4) -> Option<A> + Send + Sync>;
+
+/// A [`PeerResolver`], or none (no hierarchical job can be installed).
+#[derive(Clone)]
+struct Resolver<A>(Option<PeerResolver<A>>);
+
+impl<A> std::fmt::Debug for Resolver<A> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "Resolver(set)"
+        } else {
+            "Resolver(none)"
+        })
+    }
+}
 
 /// What a job looks like to one lcore.
 #[derive(Debug, Clone, PartialEq)]
@@ -222,6 +246,14 @@ pub enum EngineError {
         /// The job's dtype.
         dtype: Dtype,
     },
+    /// A hierarchical job's install does not fit this shard.
+    #[error("job {id}: hierarchical install refused: {reason}")]
+    Hierarchy {
+        /// Job id.
+        id: u16,
+        /// What is wrong.
+        reason: String,
+    },
     /// More slots than a `u32` slot index can name.
     #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
     TooManySlots {
@@ -267,6 +299,9 @@ pub enum Verdict {
     /// Bounded delay: a push was applied; its answer is held until the
     /// slowest rank catches up.
     Held,
+    /// Hierarchical job, rack slot: the rack's last contribution; its
+    /// partial sum is queued for the chunk's home.
+    Forwarded,
     /// The packet was dropped and counted under this reason.
     Dropped(DropReason),
 }
@@ -467,6 +502,11 @@ impl SlotMem {
             s2,
             half: &mut bytemuck::cast_slice_mut(half)[..half_len],
         }
+    }
+
+    fn acc<'a>(&self, blocks: &'a Blocks) -> &'a [f32] {
+        let off = if self.acc_in_a { 0 } else { padded(self.used[A]) };
+        &self.share(blocks)[off..off + self.n]
     }
 
     fn acc_mut<'a>(&self, blocks: &'a mut Blocks) -> &'a mut [f32] {
@@ -678,6 +718,13 @@ struct Job<A> {
     pushes: u64,
     /// Rounds completed on this lcore, over all slots.
     rounds: u64,
+    /// Contributions that complete a round: W, or for a hierarchical job's
+    /// rack slots the rack's ranks.
+    quorum: u16,
+    /// Ranks that may send to this lcore: all W, or a rack's.
+    members: RankSet,
+    /// A hierarchical job's rack and home state (PROTOCOL.md §9).
+    hier: Option<Box<Hier<A>>>,
 }
 
 /// One job as one lcore sees it (for stats; computed on request).
@@ -731,6 +778,11 @@ enum Pending<A> {
     },
     /// A refusal notice to a token-authenticated sender.
     Error { repr: Repr, to: A },
+    /// A rack slot's partial sum, to the chunk's home (sent again when
+    /// `resend`).
+    Partial { job: u16, slot: u32, resend: bool },
+    /// A home slot's stored result, to rack `rack`'s slot of the chunk.
+    PartialResult { job: u16, slot: u32, rack: u16 },
 }
 
 /// The destinations of a queued message: every known rank's endpoint (or
@@ -793,6 +845,8 @@ pub struct Shard<A> {
     /// The appliance is shutting down ([`Shard::shut_down`]): every message
     /// of an installed job is answered with an ERROR `shutting_down`.
     closing: bool,
+    /// Turns other appliances' data addresses into this backend's.
+    peers: Resolver<A>,
 }
 
 /// How long an evicted job's messages are answered with an ERROR
@@ -838,7 +892,16 @@ impl<A: Copy + Eq> Shard<A> {
             mem,
             evicted: Vec::new(),
             closing: false,
+            peers: Resolver(None),
         }
+    }
+
+    /// Lets this shard install hierarchical jobs, whose appliances it
+    /// reaches at addresses `resolve` makes from their data addresses (the
+    /// kernel-UDP backend: the address itself). Without it such an install
+    /// is refused ([`EngineError::Hierarchy`]).
+    pub fn set_peer_resolver(&mut self, resolve: PeerResolver<A>) {
+        self.peers = Resolver(Some(resolve));
     }
 
     /// Where this shard's slot memory comes from.
@@ -926,45 +989,9 @@ impl<A: Copy + Eq> Shard<A> {
             }
         }
         let with_shm = shm.is_some();
-        let (dtype, opt) = (job.dtype, &job.optimizer);
-        // Slots go into blocks in slot order, `per_block` to a block, each
-        // block exactly as long as its slots' buffers.
-        let full = 4 * Slot::block_len(job.chunk_elems, dtype, opt, with_shm) as u64;
-        // Cast: at most BLOCK_BYTES (2 MiB) slots.
-        #[allow(clippy::cast_possible_truncation)]
-        let per_block = (BLOCK_BYTES / full.max(1)).max(1) as usize;
-        let mut slots = Vec::with_capacity(job.slots.len());
-        let mut blocks: Vec<Box<dyn SlotBlock>> = Vec::with_capacity(job.slots.len().div_ceil(per_block));
-        for group in job.slots.chunks(per_block) {
-            let len: usize = group
-                .iter()
-                .map(|c| Slot::block_len(c.elems, dtype, opt, with_shm))
-                .sum();
-            let block = match self.mem.zeroed(len) {
-                Ok(b)
-                    if b.as_slice().len() == len
-                        && (b.as_slice().as_ptr() as usize).is_multiple_of(LINE_BYTES) =>
-                {
-                    b
-                }
-                Ok(b) => Err(format!(
-                    "{} gave {} elements at {:p}; asked for {len} on a {LINE_BYTES}-byte boundary",
-                    self.mem.describe(),
-                    b.as_slice().len(),
-                    b.as_slice().as_ptr()
-                ))
-                .map_err(|reason| self.slot_memory_error(&job, with_shm, reason))?,
-                // `blocks` is dropped on return: every block allocated so
-                // far goes back to the allocator.
-                Err(reason) => return Err(self.slot_memory_error(&job, with_shm, reason)),
-            };
-            let mut off = 0;
-            for &c in group {
-                slots.push(Slot::new(c, dtype, opt, with_shm, blocks.len(), off));
-                off += Slot::block_len(c.elems, dtype, opt, with_shm);
-            }
-            blocks.push(block);
-        }
+        let (slots, blocks) = self
+            .alloc_slots(&job.slots, job.dtype, &job.optimizer, job.chunk_elems, with_shm)
+            .map_err(|reason| self.slot_memory_error(&job, with_shm, reason))?;
         let shm = match shm {
             None => None,
             Some(setup) => Some(
@@ -1007,8 +1034,178 @@ impl<A: Copy + Eq> Shard<A> {
             held_wait_max_us: 0,
             pushes: 0,
             rounds: 0,
+            quorum: job.workers,
+            members: Hier::<A>::members(&(0..job.workers)),
+            hier: None,
         });
         Ok(())
+    }
+
+    /// Installs a hierarchical job's part on this lcore (PROTOCOL.md §9):
+    /// `job`'s slots are its rack slots (a `sum` job of W workers, of which
+    /// `hier.ranks` send here) and `hier` says where homes and the other
+    /// racks are and which home slots this lcore keeps. Whole or refused,
+    /// as [`Shard::install`].
+    pub fn install_hierarchical(&mut self, job: JobInstall, hier: HierInstall) -> Result<(), EngineError> {
+        let id = job.id;
+        let refuse = |reason: String| EngineError::Hierarchy { id, reason };
+        let Some(resolve) = self.peers.0.clone() else {
+            return Err(refuse(
+                "this backend does not send to other appliances (kernel UDP does)".into(),
+            ));
+        };
+        if job.consistency != Consistency::Sync || job.optimizer != Optimizer::Sum {
+            return Err(refuse(
+                "rack slots are BSP and only add (the sum optimizer)".into(),
+            ));
+        }
+        let racks = hier.racks.len();
+        if racks < 2 || racks > usize::from(u16::MAX) || usize::from(hier.rack) >= racks {
+            return Err(refuse(format!("rack {} of {racks}", hier.rack)));
+        }
+        if hier.ranks.is_empty()
+            || hier.ranks.end > job.workers
+            || (hier.rack == 0) != (hier.ranks.start == 0)
+        {
+            return Err(refuse(format!(
+                "ranks {:?} of {} workers (rack 0, and only it, holds rank 0)",
+                hier.ranks, job.workers
+            )));
+        }
+        let peers = |(addrs, runs): &(Vec<SocketAddrV4>, Vec<phub_proto::layout::ChunkRange>)| {
+            if addrs.len() != runs.len() {
+                return Err(format!("{} addresses for {} lcores", addrs.len(), runs.len()));
+            }
+            let addrs = addrs
+                .iter()
+                .map(|&a| resolve(a).ok_or_else(|| format!("no route to appliance address {a}")))
+                .collect::<Result<Vec<A>, String>>()?;
+            Ok(Peers {
+                addrs,
+                runs: runs.clone(),
+            })
+        };
+        let rack_peers = hier
+            .racks
+            .iter()
+            .map(peers)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(refuse)?;
+        let homes = peers(&hier.homes).map_err(refuse)?;
+        // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
+        #[allow(clippy::cast_possible_truncation)]
+        let max = ((MAX_PAYLOAD / 4) as u32).min(job.chunk_elems);
+        if let Some(c) = job
+            .slots
+            .iter()
+            .chain(&hier.home_slots)
+            .find(|c| c.elems == 0 || c.elems > max)
+        {
+            return Err(refuse(format!(
+                "a home slot of {} elements; a partial carries 1..={max} f32s",
+                c.elems
+            )));
+        }
+        let home = if hier.home_slots.is_empty() {
+            None
+        } else {
+            let (slots, blocks) = self
+                .alloc_slots(
+                    &hier.home_slots,
+                    job.dtype,
+                    &hier.optimizer,
+                    job.chunk_elems,
+                    false,
+                )
+                .map_err(|reason| EngineError::SlotMemory {
+                    id,
+                    bytes: hier
+                        .home_slots
+                        .iter()
+                        .map(|c| 4 * Slot::block_len(c.elems, job.dtype, &hier.optimizer, false) as u64)
+                        .sum(),
+                    slots: hier.home_slots.len(),
+                    from: self.mem.describe(),
+                    reason,
+                })?;
+            Some(Home {
+                first: hier.home_first,
+                slots,
+                blocks,
+            })
+        };
+        let nslots = job.slots.len();
+        let workers = job.workers;
+        self.install_with(job, None)?;
+        // Cast: racks <= u16::MAX (checked above); the ranks are below W.
+        #[allow(clippy::cast_possible_truncation)]
+        let (racks, quorum) = (racks as u16, hier.ranks.len() as u16);
+        // A completed home round queues one message per rack.
+        self.pending.reserve(usize::from(racks) * MAX_BURST);
+        let j = self.jobs.last_mut().expect("installed just now");
+        j.quorum = quorum;
+        j.members = Hier::<A>::members(&hier.ranks);
+        j.hier = Some(Box::new(Hier {
+            rack: hier.rack,
+            racks,
+            workers,
+            optimizer: hier.optimizer,
+            first: hier.first,
+            rack_peers,
+            homes,
+            partials: vec![Partial::default(); nslots],
+            next_deadline: u64::MAX,
+            rtt: hier::Rtt::default(),
+            home,
+        }));
+        Ok(())
+    }
+
+    /// Slots for `chunks` and their blocks of slot memory: in slot order,
+    /// as many to a block as [`BLOCK_BYTES`] holds of full chunks' buffers,
+    /// each block exactly as long as its slots' buffers. When the allocator
+    /// fails, what it gave is freed and its answer returned.
+    #[allow(clippy::type_complexity)]
+    fn alloc_slots(
+        &self,
+        chunks: &[SlotChunk],
+        dtype: Dtype,
+        opt: &Optimizer,
+        chunk_elems: u32,
+        with_shm: bool,
+    ) -> Result<(Vec<Slot>, Vec<Box<dyn SlotBlock>>), String> {
+        let full = 4 * Slot::block_len(chunk_elems, dtype, opt, with_shm) as u64;
+        // Cast: at most BLOCK_BYTES (2 MiB) slots.
+        #[allow(clippy::cast_possible_truncation)]
+        let per_block = (BLOCK_BYTES / full.max(1)).max(1) as usize;
+        let mut slots = Vec::with_capacity(chunks.len());
+        let mut blocks: Vec<Box<dyn SlotBlock>> = Vec::with_capacity(chunks.len().div_ceil(per_block));
+        for group in chunks.chunks(per_block) {
+            let len: usize = group
+                .iter()
+                .map(|c| Slot::block_len(c.elems, dtype, opt, with_shm))
+                .sum();
+            // On an error `blocks` is dropped: every block allocated so far
+            // goes back to the allocator.
+            let block = self.mem.zeroed(len)?;
+            if block.as_slice().len() != len
+                || !(block.as_slice().as_ptr() as usize).is_multiple_of(LINE_BYTES)
+            {
+                return Err(format!(
+                    "{} gave {} elements at {:p}; asked for {len} on a {LINE_BYTES}-byte boundary",
+                    self.mem.describe(),
+                    block.as_slice().len(),
+                    block.as_slice().as_ptr()
+                ));
+            }
+            let mut off = 0;
+            for &c in group {
+                slots.push(Slot::new(c, dtype, opt, with_shm, blocks.len(), off));
+                off += Slot::block_len(c.elems, dtype, opt, with_shm);
+            }
+            blocks.push(block);
+        }
+        Ok((slots, blocks))
     }
 
     /// The refusal of `job` when slot memory runs out: what all its slots
@@ -1382,6 +1579,9 @@ impl<A: Copy + Eq> Shard<A> {
         if !token_ok {
             return Verdict::Dropped(DropReason::BadToken);
         }
+        if matches!(repr.kind, MsgType::Partial | MsgType::PartialResult) {
+            return self.peer_message(i, from, &repr, payload, now);
+        }
         if self.closing {
             return self.refuse(from, repr, DropReason::ShuttingDown);
         }
@@ -1389,7 +1589,7 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.shm() && job.shm.is_none() {
             return Verdict::Dropped(DropReason::NoSharedMemory);
         }
-        if repr.rank >= job.workers {
+        if repr.rank >= job.workers || !job.members.contains(repr.rank) {
             return Verdict::Dropped(DropReason::RankOutOfRange);
         }
         // Authenticated from here on: remember where this rank lives and
@@ -1414,7 +1614,7 @@ impl<A: Copy + Eq> Shard<A> {
                 job.rounds += 1;
                 self.counters.pushes_aggregated.inc();
                 self.counters.rounds_completed.inc();
-                self.counters.results_sent.add(u64::from(job.workers));
+                self.counters.results_sent.add(u64::from(job.quorum));
                 self.pending.push(Pending::Result {
                     job: job.id,
                     slot: repr.slot,
@@ -1422,6 +1622,17 @@ impl<A: Copy + Eq> Shard<A> {
                     round: None,
                 });
                 Verdict::Completed
+            }
+            Ok(Step::Forward) => {
+                job.pushes += 1;
+                self.counters.pushes_aggregated.inc();
+                self.counters.partials_sent.inc();
+                self.pending.push(Pending::Partial {
+                    job: job.id,
+                    slot: repr.slot,
+                    resend: false,
+                });
+                Verdict::Forwarded
             }
             Ok(Step::Applied { held, slowest_rose }) => {
                 job.pushes += 1;
@@ -1471,6 +1682,212 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
             Err(r) => self.refuse(from, repr, r),
+        }
+    }
+
+    /// A PARTIAL or PARTIAL_RESULT of installed job `i` with its token
+    /// (PROTOCOL.md §9.3, §9.4). Refusals are counted, never answered: the
+    /// sender is an appliance.
+    fn peer_message(&mut self, i: usize, from: A, repr: &Repr, payload: &[u8], now: u64) -> Verdict {
+        if self.closing {
+            return Verdict::Dropped(DropReason::ShuttingDown);
+        }
+        let (job, c) = (&mut self.jobs[i], &self.counters);
+        if repr.kind == MsgType::PartialResult {
+            return match Self::on_partial_result(job, from, repr, payload, now) {
+                Ok(()) => {
+                    job.rounds += 1;
+                    c.results_sent.add(u64::from(job.quorum));
+                    self.pending.push(Pending::Result {
+                        job: job.id,
+                        slot: repr.slot,
+                        to: To::All,
+                        round: None,
+                    });
+                    Verdict::Completed
+                }
+                Err(r) => Verdict::Dropped(r),
+            };
+        }
+        match Self::on_partial(&self.kernels, job, repr, payload) {
+            Ok(Step::Open) => {
+                c.pushes_aggregated.inc();
+                Verdict::Aggregated
+            }
+            Ok(Step::Closed) => {
+                c.pushes_aggregated.inc();
+                c.rounds_completed.inc();
+                let racks = job.hier.as_ref().map_or(0, |h| h.racks);
+                c.partial_results_sent.add(u64::from(racks));
+                self.pending.extend((0..racks).map(|rack| Pending::PartialResult {
+                    job: job.id,
+                    slot: repr.slot,
+                    rack,
+                }));
+                Verdict::Completed
+            }
+            Ok(_) => {
+                c.partial_results_resent.inc();
+                self.pending.push(Pending::PartialResult {
+                    job: job.id,
+                    slot: repr.slot,
+                    rack: repr.rank,
+                });
+                Verdict::Resent
+            }
+            Err(r) => Verdict::Dropped(r),
+        }
+    }
+
+    /// A rack's PARTIAL at a home slot: the slot rules of §5 with the racks
+    /// as ranks (§9.4). `Step::Resend` asks for the stored result to go to
+    /// the sending rack again.
+    fn on_partial(k: &Kernels, job: &mut Job<A>, repr: &Repr, payload: &[u8]) -> Result<Step, DropReason> {
+        let dtype = job.dtype;
+        let h = job.hier.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        if repr.rank >= h.racks {
+            return Err(DropReason::RankOutOfRange);
+        }
+        if repr.dtype != Dtype::F32 {
+            return Err(DropReason::DtypeMismatch);
+        }
+        let home = h.home.as_mut().ok_or(DropReason::SlotOutOfRange)?;
+        let slot = home
+            .slots
+            .get_mut(repr.slot as usize)
+            .ok_or(DropReason::SlotOutOfRange)?;
+        if repr.key != slot.key || repr.chunk != slot.chunk {
+            return Err(DropReason::ChunkMismatch);
+        }
+        let carries = repr.round != 0 || repr.rank == 0;
+        if u32::from(repr.count) != if carries { slot.elems } else { 0 } {
+            return Err(DropReason::CountMismatch);
+        }
+        if repr.round == NO_ROUND {
+            return Err(DropReason::Ahead);
+        }
+        if slot.completed != NO_ROUND && repr.round == slot.completed {
+            return Ok(Step::Resend(None));
+        }
+        if repr.round != slot.in_progress() {
+            return Err(if slot.completed != NO_ROUND && repr.round < slot.completed {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        }
+        if slot.contributed.contains(repr.rank) {
+            return Err(DropReason::Duplicate);
+        }
+        if carries {
+            if slot.ncontrib == 0 || repr.round == 0 {
+                k.copy(Dtype::F32, slot.mem.acc_mut(&mut home.blocks), payload);
+            } else {
+                k.add(Dtype::F32, slot.mem.acc_mut(&mut home.blocks), payload);
+            }
+        }
+        slot.contributed.insert(repr.rank);
+        slot.ncontrib += 1;
+        if slot.ncontrib < h.racks {
+            return Ok(Step::Open);
+        }
+        slot.complete(dtype, &h.optimizer, h.workers, &mut home.blocks);
+        Ok(Step::Closed)
+    }
+
+    /// The home's PARTIAL_RESULT at a rack slot whose partial waits for it:
+    /// it becomes the stored result and the round completes (§9.3).
+    fn on_partial_result(
+        job: &mut Job<A>,
+        from: A,
+        repr: &Repr,
+        payload: &[u8],
+        now: u64,
+    ) -> Result<(), DropReason> {
+        let h = job.hier.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        if repr.rank != APPLIANCE_RANK {
+            return Err(DropReason::RankOutOfRange);
+        }
+        if repr.dtype != job.dtype {
+            return Err(DropReason::DtypeMismatch);
+        }
+        let slot = job
+            .slots
+            .get_mut(repr.slot as usize)
+            .ok_or(DropReason::SlotOutOfRange)?;
+        if repr.key != slot.key || repr.chunk != slot.chunk {
+            return Err(DropReason::ChunkMismatch);
+        }
+        if u32::from(repr.count) != slot.elems {
+            return Err(DropReason::CountMismatch);
+        }
+        if h.home_of(repr.slot).is_none_or(|(home, _)| home != from) {
+            return Err(DropReason::WrongPeer);
+        }
+        let p = &mut h.partials[repr.slot as usize];
+        if p.round == NO_ROUND || repr.round != p.round {
+            let done = slot.completed != NO_ROUND && repr.round <= slot.completed;
+            return Err(if done || (p.round != NO_ROUND && repr.round < p.round) {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        }
+        if p.sent != 0 {
+            h.rtt.sample(now.saturating_sub(p.sent));
+        }
+        *p = Partial::default();
+        let n = 2 * slot.mem.n;
+        let [a, b, .., half] = slot.mem.all_mut(&mut job.blocks);
+        match slot.result {
+            ResultKind::F32 => {
+                let r = if slot.mem.acc_in_a { b } else { a };
+                bytemuck::cast_slice_mut(r).copy_from_slice(payload);
+            }
+            ResultKind::Half => bytemuck::cast_slice_mut::<f32, u8>(half)[..n].copy_from_slice(payload),
+            // Rack slots are installed as sum jobs without shared memory.
+            ResultKind::Params | ResultKind::Region => return Err(DropReason::DtypeMismatch),
+        }
+        slot.close();
+        Ok(())
+    }
+
+    /// Resends the partial sums whose home has not answered in time
+    /// (PROTOCOL.md §9.3 rule 4), at most [`MAX_BURST`] per call (the rest
+    /// at the next); cheap when none is due. Call between bursts with the
+    /// clock `handle` gets.
+    pub fn poll_timers(&mut self, now: u64) {
+        let mut budget = MAX_BURST;
+        for j in &mut self.jobs {
+            let Some(h) = j.hier.as_deref_mut() else {
+                continue;
+            };
+            if now < h.next_deadline {
+                continue;
+            }
+            let rtt = h.rtt;
+            let mut next = u64::MAX;
+            // Cast: i indexes the job's slots, which fit a u32 (install).
+            #[allow(clippy::cast_possible_truncation)]
+            for (i, p) in h.partials.iter_mut().enumerate() {
+                if p.round == NO_ROUND {
+                    continue;
+                }
+                if p.deadline <= now && budget > 0 {
+                    budget -= 1;
+                    p.resends = p.resends.saturating_add(1);
+                    p.sent = 0;
+                    p.deadline = now.saturating_add(rtt.rto(p.resends));
+                    self.pending.push(Pending::Partial {
+                        job: j.id,
+                        slot: i as u32,
+                        resend: true,
+                    });
+                    self.counters.partials_resent.inc();
+                }
+                next = next.min(p.deadline);
+            }
+            h.next_deadline = next;
         }
     }
 
@@ -1560,7 +1977,7 @@ impl<A: Copy + Eq> Shard<A> {
         if slot.contributed.contains(repr.rank) {
             return Err(DropReason::Duplicate);
         }
-        let last = slot.ncontrib + 1 == job.workers;
+        let last = slot.ncontrib + 1 == job.quorum;
         if let (ResultKind::Region, MsgType::Push, Some(shm)) = (slot.result, repr.kind, &mut job.shm) {
             return Self::apply_region(
                 k,
@@ -1582,6 +1999,19 @@ impl<A: Copy + Eq> Shard<A> {
         }
         slot.contributed.insert(repr.rank);
         slot.ncontrib += 1;
+        if let (true, Some(h)) = (last, &mut job.hier) {
+            // A rack slot: the rack's sum goes to the chunk's home, and the
+            // round completes when its result comes back (PROTOCOL.md §9.3).
+            let p = &mut h.partials[repr.slot as usize];
+            *p = Partial {
+                round: slot.in_progress(),
+                sent: now,
+                deadline: now.saturating_add(h.rtt.rto(0)),
+                resends: 0,
+            };
+            h.next_deadline = h.next_deadline.min(p.deadline);
+            return Ok(Step::Forward);
+        }
         if last {
             slot.complete(job.dtype, &job.optimizer, job.workers, &mut job.blocks);
             if let Some(shm) = &mut job.shm {
@@ -1854,6 +2284,12 @@ impl<A: Copy + Eq> Shard<A> {
                 };
                 return [Some(t), None];
             }
+            Pending::Partial { job, slot, resend } => {
+                return [self.partial_transmit(job, slot, resend), None]
+            }
+            Pending::PartialResult { job, slot, rack } => {
+                return [self.partial_result_transmit(job, slot, rack), None];
+            }
         };
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];
@@ -1912,6 +2348,76 @@ impl<A: Copy + Eq> Shard<A> {
         }
     }
 
+    /// Rack slot `slot`'s partial sum, to its home (None once answered).
+    fn partial_transmit(&self, job: u16, slot: u32, resend: bool) -> Option<Transmit<'_, Ranks<'_, A>>> {
+        let j = self.job(job)?;
+        let h = j.hier.as_deref()?;
+        let s = j.slots.get(slot as usize)?;
+        let p = h.partials.get(slot as usize)?;
+        if p.round == NO_ROUND {
+            return None;
+        }
+        let (to, home_slot) = h.home_of(slot)?;
+        // Round 0: rank 0's rack carries its initial values, the others
+        // only say they are in (PROTOCOL.md §9.3).
+        let carries = p.round != 0 || h.rack == 0;
+        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_hierarchical).
+        #[allow(clippy::cast_possible_truncation)]
+        let repr = Repr {
+            kind: MsgType::Partial,
+            dtype: Dtype::F32,
+            flags: if resend { flags::RETRANSMIT } else { 0 },
+            token: j.token,
+            job: j.id,
+            rank: h.rack,
+            count: if carries { s.elems as u16 } else { 0 },
+            error: 0,
+            round: p.round,
+            slot: home_slot,
+            key: s.key,
+            chunk: s.chunk,
+        };
+        Some(Transmit {
+            header: repr.to_bytes(),
+            payload: if carries {
+                bytemuck::cast_slice(s.mem.acc(&j.blocks))
+            } else {
+                &[]
+            },
+            to: Ranks::new(&[], None, Some(to)),
+        })
+    }
+
+    /// Home slot `slot`'s stored result, to rack `rack`'s slot of it.
+    fn partial_result_transmit(&self, job: u16, slot: u32, rack: u16) -> Option<Transmit<'_, Ranks<'_, A>>> {
+        let j = self.job(job)?;
+        let h = j.hier.as_deref()?;
+        let home = h.home.as_ref()?;
+        let s = home.slots.get(slot as usize)?;
+        let (to, rack_slot) = h.rack_slot_of(rack, slot)?;
+        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_hierarchical).
+        #[allow(clippy::cast_possible_truncation)]
+        let repr = Repr {
+            kind: MsgType::PartialResult,
+            dtype: j.dtype,
+            flags: 0,
+            token: j.token,
+            job: j.id,
+            rank: APPLIANCE_RANK,
+            count: s.elems as u16,
+            error: 0,
+            round: s.completed,
+            slot: rack_slot,
+            key: s.key,
+            chunk: s.chunk,
+        };
+        Some(Transmit {
+            header: repr.to_bytes(),
+            payload: s.result_bytes(slot, None, &home.blocks),
+            to: Ranks::new(&[], None, Some(to)),
+        })
+    }
+
     /// Whether anything is waiting to be sent.
     pub fn has_transmits(&self) -> bool {
         !self.pending.is_empty()
@@ -1926,6 +2432,9 @@ impl<A: Copy + Eq> Shard<A> {
 enum Step {
     Open,
     Closed,
+    /// A rack slot's round has every contribution of its rack: the partial
+    /// sum is to go to the chunk's home.
+    Forward,
     /// The stored result to the sender alone, with this round field (BSP:
     /// the slot's last completed round).
     Resend(Option<u32>),

@@ -83,6 +83,10 @@ impl<Io: PacketIo> FaultyIo<Io> {
 impl<Io: PacketIo> PacketIo for FaultyIo<Io> {
     type Addr = Io::Addr;
 
+    fn peer(addr: std::net::SocketAddrV4) -> Option<Io::Addr> {
+        Io::peer(addr)
+    }
+
     fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(Io::Addr, &[u8])) -> io::Result<usize> {
         let now = Instant::now();
         // Never wait past the first delayed datagram's time (rounded up to

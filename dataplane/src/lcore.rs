@@ -20,19 +20,21 @@ use phub_proto::checkpoint::SlotState;
 
 use crate::backend::PacketIo;
 
-use crate::engine::{EngineError, JobInstall, JobShardStats, Shard};
+use crate::engine::{EngineError, HierInstall, JobInstall, JobShardStats, Shard};
 use crate::shm::ShmSetup;
 
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
 pub enum Command {
     /// Install a job's slots, with its shared-memory regions when set up
-    /// for them, restored from saved state when given (all in one step, so
-    /// no packet sees the job half installed or half restored); answers the
-    /// slot memory allocated.
+    /// for them, or as a hierarchical job's part when that is given,
+    /// restored from saved state when given (all in one step, so no packet
+    /// sees the job half installed or half restored); answers the slot
+    /// memory allocated.
     Install(
         JobInstall,
         Option<ShmSetup>,
+        Option<HierInstall>,
         Option<Vec<SlotState>>,
         Sender<Result<u64, EngineError>>,
     ),
@@ -111,6 +113,7 @@ pub fn run<Io: PacketIo>(
         let n = io.rx_burst(wait, &mut |from, datagram| {
             shard.handle(from, datagram, now);
         })?;
+        shard.poll_timers(clock.now());
         flush(&mut io, &mut shard, &counters);
         if n == 0 {
             counters.idle_loops.inc();
@@ -157,11 +160,12 @@ fn flush<Io: PacketIo>(io: &mut Io, shard: &mut Shard<Io::Addr>, counters: &crat
 fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
-        Command::Install(job, shm, restore, reply) => {
+        Command::Install(job, shm, hier, restore, reply) => {
             let id = job.id;
-            let mut r = match shm {
-                Some(setup) => shard.install_shared(job, setup),
-                None => shard.install(job),
+            let mut r = match (shm, hier) {
+                (_, Some(hier)) => shard.install_hierarchical(job, hier),
+                (Some(setup), None) => shard.install_shared(job, setup),
+                (None, None) => shard.install(job),
             };
             if let (Ok(()), Some(state)) = (&r, restore) {
                 r = shard.restore(id, &state);

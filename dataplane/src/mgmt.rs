@@ -6,6 +6,7 @@
 //! through their bounded command queues and waits for each to acknowledge.
 
 use std::collections::BTreeMap;
+use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -17,11 +18,12 @@ use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
-use phub_proto::layout::Placement;
+use phub_proto::layout::{Chunks, Layout, Placement};
 use phub_proto::memory::MemoryModel;
+use phub_proto::spec::Optimizer;
 
 use crate::counters::ShardCounters;
-use crate::engine::{self, EngineError, JobInstall};
+use crate::engine::{self, EngineError, HierInstall, JobInstall};
 use crate::lcore::{Clock, Command};
 use crate::shm::ShmSetup;
 
@@ -192,10 +194,39 @@ impl Manager {
         // lcores' runs of the chunk sequence, which need not start at 0.
         let placement =
             Placement::part(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
-        let cost =
-            self.info
-                .memory_model
-                .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm));
+        let hier = match (&req.hierarchy, req.spec.hierarchical()) {
+            (None, false) => None,
+            (Some(_), true) if restore.is_some() => {
+                return Err(err(
+                    400,
+                    format!("job {id}: restoring a hierarchical job from a checkpoint is not supported yet"),
+                ))
+            }
+            (Some(_), true) => Some(hierarchy_plan(&req, n).map_err(|e| err(400, format!("job {id}: {e}")))?),
+            (h, _) => {
+                return Err(err(
+                    400,
+                    format!(
+                        "job {id}: the spec {} hierarchical = true but the install {} a hierarchy",
+                        if h.is_some() { "does not say" } else { "says" },
+                        if h.is_some() { "has" } else { "has no" }
+                    ),
+                ))
+            }
+        };
+        let cost = match &hier {
+            Some((home, per_lcore)) => self.info.memory_model.hierarchical_cost(
+                &req.spec,
+                &req.layout,
+                home,
+                per_lcore.first().map_or(0, |h| h.homes.0.len()),
+            ),
+            None => {
+                self.info
+                    .memory_model
+                    .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm))
+            }
+        };
         let need = cost.total();
         let mut jobs = self.jobs();
         if jobs.contains_key(&id) {
@@ -245,6 +276,8 @@ impl Manager {
         });
         let mut done = Vec::new();
         let mut total = cost.registry + cost.shm;
+        let hierarchical = hier.is_some();
+        let mut hier = hier.map(|(_, per_lcore)| per_lcore.into_iter());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
             let job = JobInstall {
@@ -252,7 +285,13 @@ impl Manager {
                 token: req.token,
                 workers,
                 dtype: req.spec.dtype,
-                optimizer: req.spec.optimizer,
+                // A hierarchical job's rack slots only add (its home slots
+                // run the optimizer).
+                optimizer: if hierarchical {
+                    Optimizer::Sum
+                } else {
+                    req.spec.optimizer
+                },
                 consistency: req.spec.consistency,
                 chunk_elems: req.layout.chunk_elems,
                 slots: placement.slots(i).collect(),
@@ -262,7 +301,10 @@ impl Manager {
             // is the dataplane's fault.
             let answer = l
                 .commands
-                .send_timeout(Command::Install(job, shm, state, tx), ACK_TIMEOUT)
+                .send_timeout(
+                    Command::Install(job, shm, hier.as_mut().and_then(Iterator::next), state, tx),
+                    ACK_TIMEOUT,
+                )
                 .map_err(|_| (500, format!("lcore {i} did not take the command")))
                 .and_then(|()| {
                     rx.recv_timeout(ACK_TIMEOUT)
@@ -540,4 +582,85 @@ fn parse_id(s: &str) -> Result<u16, MgmtError> {
         .ok()
         .filter(|&id| id != 0)
         .ok_or_else(|| err(400, format!("job id {s:?}: expected an integer from 1 to 65535")))
+}
+
+/// Checks a hierarchical job's install against its spec (PROTOCOL.md §9.1)
+/// and makes what each of this appliance's `n` lcores is told, with this
+/// appliance's part of the home layout.
+pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierInstall>), String> {
+    let spec = &req.spec;
+    let (Some(h), Some(ranks)) = (&req.hierarchy, spec.rack_ranks()) else {
+        return Err("not a hierarchical job".into());
+    };
+    if h.racks.len() != ranks.len() {
+        return Err(format!(
+            "{} racks in the hierarchy; the spec's placement has {}",
+            h.racks.len(),
+            ranks.len()
+        ));
+    }
+    let rack = usize::from(h.rack);
+    let me = h
+        .racks
+        .get(rack)
+        .ok_or_else(|| format!("rack {} of {}", h.rack, h.racks.len()))?;
+    if me.layout != req.layout {
+        return Err(format!(
+            "the layout is not rack {}'s ({}) in the hierarchy",
+            h.rack, me.name
+        ));
+    }
+    let mut all = Vec::new();
+    let mut racks = Vec::with_capacity(h.racks.len());
+    let mut offset = 0;
+    for (r, p) in h.racks.iter().enumerate() {
+        let at = |e: String| format!("rack {r} ({}): {e}", p.name);
+        Placement::new(spec, p.layout.clone()).map_err(|e| at(e.to_string()))?;
+        let ip: Ipv4Addr = p
+            .data
+            .host
+            .parse()
+            .map_err(|_| at(format!("data host {:?} is not an IPv4 address", p.data.host)))?;
+        let addrs = (0..p.layout.lcores.len())
+            .map(|l| {
+                u16::try_from(l)
+                    .ok()
+                    .and_then(|l| p.data.base_port.checked_add(l))
+                    .map(|port| SocketAddrV4::new(ip, port))
+                    .ok_or_else(|| at(format!("lcore {l} has no UDP port above {}", p.data.base_port)))
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        if r < rack {
+            offset += addrs.len();
+        }
+        all.extend(addrs.iter().copied());
+        racks.push((addrs, p.layout.lcores.clone()));
+    }
+    Placement::new(spec, h.homes.clone()).map_err(|e| format!("home layout: {e}"))?;
+    if h.homes.lcores.len() != all.len() {
+        return Err(format!(
+            "the home layout spans {} lcores; the racks' appliances have {}",
+            h.homes.lcores.len(),
+            all.len()
+        ));
+    }
+    let home_runs = &h.homes.lcores[offset..offset + n];
+    let chunks = Chunks::new(spec);
+    let per_lcore = (0..n)
+        .map(|i| HierInstall {
+            rack: h.rack,
+            ranks: ranks[rack].clone(),
+            optimizer: spec.optimizer,
+            first: req.layout.lcores[i].first,
+            racks: racks.clone(),
+            homes: (all.clone(), h.homes.lcores.clone()),
+            home_first: home_runs[i].first,
+            home_slots: chunks.iter(home_runs[i].range()).collect(),
+        })
+        .collect();
+    let home = Layout {
+        chunk_elems: h.homes.chunk_elems,
+        lcores: home_runs.to_vec(),
+    };
+    Ok((home, per_lcore))
 }

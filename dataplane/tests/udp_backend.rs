@@ -53,6 +53,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 token: 77,
                 spec: spec.clone(),
                 layout: lay.clone(),
+                hierarchy: None,
             },
         )
         .unwrap();
@@ -65,6 +66,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 token: 77,
                 spec,
                 layout: lay.clone(),
+                hierarchy: None,
             },
         )
         .unwrap_err();
@@ -174,6 +176,7 @@ fn with_shm_regions_beyond_dev_shms_free_space_are_refused_naming_it() {
                 token: 0x88,
                 spec,
                 layout: lay,
+                hierarchy: None,
             },
         )
         .unwrap_err();
@@ -222,6 +225,7 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
                 token,
                 spec,
                 layout: lay.clone(),
+                hierarchy: None,
             },
         )
         .unwrap();
@@ -350,6 +354,7 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
                     token: 0x77,
                     spec,
                     layout: lay,
+                    hierarchy: None,
                 },
             )
             .unwrap();

@@ -605,6 +605,7 @@ pub fn tenant_isolation(app: &Appliance) {
                 token: attacker.token,
                 rank: 0,
                 rejoin: false,
+                rack: None,
             })
             .expect("the attacker joins its own job")
             .into_json()

@@ -399,6 +399,10 @@ pub struct JoinRequest {
     /// Take the place of a rank that already joined (a restarted worker).
     #[serde(default)]
     pub rejoin: bool,
+    /// The worker's rack label (a hierarchical job: checked against the
+    /// rack its rank belongs to). Absent: not said.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rack: Option<String>,
 }
 
 /// Where the dataplane takes data packets.
@@ -524,7 +528,40 @@ pub struct InstallJob {
     /// The layout; `layout.lcores.len()` must equal the dataplane's lcores.
     /// For a job sharded over several appliances, this appliance's part:
     /// its runs cover its share of the chunk sequence, which need not start
-    /// at chunk 0 (`crate::layout::Placement::part`).
+    /// at chunk 0 (`crate::layout::Placement::part`). For a hierarchical
+    /// job, this appliance's rack layout: a whole layout of the job.
+    pub layout: Layout,
+    /// A hierarchical job's (PROTOCOL.md §9.1): who the racks are and where
+    /// each chunk's home is. Absent for any other job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub hierarchy: Option<Hierarchy>,
+}
+
+/// What a rack appliance of a hierarchical job is told at install beyond
+/// its rack layout (PROTOCOL.md §9.1). The ranks of each rack follow from
+/// the spec ([`crate::spec::JobSpec::rack_ranks`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Hierarchy {
+    /// This appliance's rack index, below `racks.len()`.
+    pub rack: u16,
+    /// Every rack's appliance, in rack order.
+    pub racks: Vec<RackPeer>,
+    /// The home layout: the job's chunks over the racks' appliances'
+    /// lcores, those of rack 0 first (as many as `racks[0].layout` has),
+    /// then rack 1's, and so on.
+    pub homes: Layout,
+}
+
+/// One rack appliance of a hierarchical job, as the others see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct RackPeer {
+    /// The appliance's name.
+    pub name: String,
+    /// Its data address (IPv4) and first UDP port.
+    pub data: DataAddr,
+    /// Its rack layout: where each chunk's rack slot is on it.
     pub layout: Layout,
 }
 
@@ -569,6 +606,10 @@ crate::counter_table! {
         answers_held: Count, IfAny("HELD"), "Bounded-delay answers held (the push applied, its answer waiting for the slowest rank)";
         answers_released: Count, Hidden, "Held bounded-delay answers released";
         held_wait_us: Count, Hidden, "Microseconds the released answers were held, summed (divide by answers_released for the mean)";
+        partials_sent: Count, IfAny("PARTIALS"), "Partial sums a rack appliance sent to a chunk's home (hierarchical jobs, first sends)";
+        partials_resent: Count, IfAny("PART RESENT"), "Partial sums sent again because the home's answer did not come in time";
+        partial_results_sent: Count, Hidden, "Results a home appliance sent to the racks' appliances (one per rack)";
+        partial_results_resent: Count, Hidden, "Stored results a home sent again to a rack whose partial of a completed round came again";
         shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
         busy_loops: Count, Hidden, "Poll-loop iterations that found work";
         idle_loops: Count, Hidden, "Poll-loop iterations that found none";
@@ -738,6 +779,7 @@ mod tests {
             token: 0x0123_4567_89ab_cdef,
             rank: 2,
             rejoin: false,
+            rack: None,
         };
         let s = serde_json::to_string(&j).unwrap();
         assert_eq!(s, r#"{"token":"0123456789abcdef","rank":2,"rejoin":false}"#);

@@ -341,6 +341,7 @@ mod tests {
                 token: 99,
                 spec,
                 layout,
+                hierarchy: None,
             },
             lcores,
         }

@@ -129,6 +129,13 @@ pub fn data_bytes(spec: &JobSpec, shm: bool) -> u64 {
     elements * per(1)
 }
 
+/// Bytes an lcore keeps per rack slot of a hierarchical job for the partial
+/// waiting for its home's answer (round, send time, deadline, resends).
+pub const PARTIAL_RECORD_BYTES: u64 = 32;
+/// Bytes an lcore keeps per peer lcore of a hierarchical job (its run of
+/// chunks and its address), counted twice: as a rack and as a home.
+pub const PEER_LCORE_BYTES: u64 = 64;
+
 /// What one job costs, in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobCost {
@@ -239,6 +246,33 @@ impl MemoryModel {
     /// Prefix sums of the slot buffers' bytes over the job's chunk sequence.
     pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, shm: bool) -> Weights {
         chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, shm))
+    }
+
+    /// What a hierarchical job's part on one appliance costs (PROTOCOL.md
+    /// §9.1): its rack slots (the whole layout `rack`, as a `sum` job: they
+    /// only add and relay) with a pending-partial record each, and its home
+    /// slots (`home`, its part of the home layout, with the job's
+    /// optimizer), each lcore's records counted for both; the peers' runs
+    /// and addresses in the registry. O(keys + lcores).
+    pub fn hierarchical_cost(
+        &self,
+        spec: &JobSpec,
+        rack: &Layout,
+        home: &Layout,
+        peer_lcores: usize,
+    ) -> JobCost {
+        let relay = JobSpec {
+            optimizer: Optimizer::Sum,
+            ..spec.clone()
+        };
+        let mut cost = self.job_cost(&relay, rack, false);
+        let homes = self.job_cost(spec, home, false);
+        for ((c, h), r) in cost.lcores.iter_mut().zip(&homes.lcores).zip(&rack.lcores) {
+            // Each lcore keeps every peer lcore's run and address.
+            *c += h + r.count * PARTIAL_RECORD_BYTES + (2 * peer_lcores as u64) * PEER_LCORE_BYTES;
+        }
+        cost.registry += homes.registry;
+        cost
     }
 
     /// What `spec` placed by `layout` costs, with shared-memory regions or

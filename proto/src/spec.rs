@@ -82,7 +82,24 @@ pub struct PlacementSpec {
     /// `appliances = N` (the N with the most free memory) or `appliances =
     /// ["a", "b"]` (those, by name).
     pub appliances: Appliances,
+    /// `hierarchical = true` (PROTOCOL.md §9): each appliance is a rack's
+    /// appliance; a worker sends every chunk to its rack's, which sends one
+    /// partial sum per chunk to the chunk's home and relays the result.
+    /// Racks are the job's appliances in order (as listed, or by name for a
+    /// count); needs two or more, BSP, and each rack at least one worker.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub hierarchical: bool,
+    /// With `hierarchical`: how many workers each rack has, in rack order;
+    /// rack r's ranks follow rack r - 1's. Default: the W workers spread
+    /// evenly, the first W mod R racks one more.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks_per_rack: Option<Vec<u32>>,
 }
+
+/// Largest `chunk_bytes` of a hierarchical job whose dtype is 2 bytes wide:
+/// its partial sums travel as `f32`, twice the bytes, and must fit one
+/// datagram (PROTOCOL.md §9.2).
+pub const MAX_HIERARCHICAL_HALF_CHUNK_BYTES: u32 = (crate::wire::MAX_PAYLOAD as u32 / 2) / 64 * 64;
 
 /// The appliances a job asks for.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
@@ -669,8 +686,101 @@ impl JobSpec {
         }
         if let Some(p) = &self.placement {
             p.validate()?;
+            if p.hierarchical {
+                self.validate_hierarchy(p)?;
+            }
         }
         Ok(())
+    }
+
+    fn validate_hierarchy(&self, p: &PlacementSpec) -> Result<(), SpecError> {
+        let racks = p.count();
+        if racks < 2 {
+            return Err(bad(
+                "placement.appliances",
+                racks,
+                "2 or more appliances for a hierarchical job (one per rack); one appliance needs no hierarchy",
+            ));
+        }
+        if self.consistency != Consistency::Sync {
+            return Err(bad(
+                "placement.hierarchical",
+                true,
+                format!(
+                    "a BSP job (consistency sync): hierarchical aggregation forwards one partial sum per \
+                     round, which consistency {} does not have",
+                    self.consistency.mode()
+                ),
+            ));
+        }
+        if self.dtype.size() == 2 && self.chunk_bytes > MAX_HIERARCHICAL_HALF_CHUNK_BYTES {
+            return Err(bad(
+                "chunk_bytes",
+                self.chunk_bytes,
+                format!(
+                    "at most {MAX_HIERARCHICAL_HALF_CHUNK_BYTES} for a hierarchical {} job: partial sums \
+                     travel as f32 and must fit one datagram",
+                    self.dtype
+                ),
+            ));
+        }
+        match &p.ranks_per_rack {
+            Some(n) if n.len() != racks => Err(bad(
+                "placement.ranks_per_rack",
+                format!("{} entries", n.len()),
+                format!("one worker count per rack: {racks} entries"),
+            )),
+            Some(n)
+                if n.contains(&0)
+                    || n.iter().map(|&c| u64::from(c)).sum::<u64>() != u64::from(self.workers) =>
+            {
+                Err(bad(
+                    "placement.ranks_per_rack",
+                    format!("{n:?}"),
+                    format!("counts of 1 or more that add up to workers = {}", self.workers),
+                ))
+            }
+            Some(_) => Ok(()),
+            None if (self.workers as usize) < racks => Err(bad(
+                "workers",
+                self.workers,
+                format!("at least one worker per rack of a hierarchical job ({racks} racks)"),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// A hierarchical job's ranks, rack by rack (`[placement]
+    /// ranks_per_rack`, or the workers spread evenly); None for any other
+    /// job. Meaningful for a validated spec.
+    pub fn rack_ranks(&self) -> Option<Vec<std::ops::Range<u16>>> {
+        let p = self.placement.as_ref().filter(|p| p.hierarchical)?;
+        let racks = p.count().max(1);
+        let w = self.workers as usize;
+        let counts: Vec<usize> = match &p.ranks_per_rack {
+            Some(n) => n.iter().map(|&c| c as usize).collect(),
+            None => (0..racks)
+                .map(|r| w / racks + usize::from(r < w % racks))
+                .collect(),
+        };
+        let mut at = 0usize;
+        Some(
+            counts
+                .into_iter()
+                .map(|c| {
+                    // Cast: ranks are below MAX_WORKERS (256), checked by validate.
+                    #[allow(clippy::cast_possible_truncation)]
+                    let r = at as u16..(at + c) as u16;
+                    at += c;
+                    r
+                })
+                .collect(),
+        )
+    }
+
+    /// Whether the spec asks for hierarchical aggregation.
+    pub fn hierarchical(&self) -> bool {
+        self.placement.as_ref().is_some_and(|p| p.hierarchical)
     }
 }
 

@@ -97,16 +97,24 @@ pub enum MsgType {
     Result,
     /// Appliance to worker: the worker's message was refused (code in `error`).
     Error,
+    /// Rack appliance to a chunk's home appliance (hierarchical jobs,
+    /// PROTOCOL.md §9): the rack's sum of its workers' contributions, `f32`.
+    Partial,
+    /// Home appliance to a rack appliance (PROTOCOL.md §9): a chunk's result,
+    /// in the job's dtype.
+    PartialResult,
 }
 
 impl MsgType {
     /// All message types.
-    pub const ALL: [MsgType; 5] = [
+    pub const ALL: [MsgType; 7] = [
         MsgType::Init,
         MsgType::Push,
         MsgType::Pull,
         MsgType::Result,
         MsgType::Error,
+        MsgType::Partial,
+        MsgType::PartialResult,
     ];
 
     /// Wire code.
@@ -117,6 +125,8 @@ impl MsgType {
             MsgType::Pull => 3,
             MsgType::Result => 4,
             MsgType::Error => 5,
+            MsgType::Partial => 6,
+            MsgType::PartialResult => 7,
         }
     }
 
@@ -128,6 +138,8 @@ impl MsgType {
             3 => Some(MsgType::Pull),
             4 => Some(MsgType::Result),
             5 => Some(MsgType::Error),
+            6 => Some(MsgType::Partial),
+            7 => Some(MsgType::PartialResult),
             _ => None,
         }
     }
@@ -140,6 +152,8 @@ impl MsgType {
             MsgType::Pull => "PULL",
             MsgType::Result => "RESULT",
             MsgType::Error => "ERROR",
+            MsgType::Partial => "PARTIAL",
+            MsgType::PartialResult => "PARTIAL_RESULT",
         }
     }
 }
@@ -234,6 +248,10 @@ drop_reasons! {
     /// this, and tells every rank it knows once, so that no worker waits
     /// out its timeout for an answer that will not come.
     ShuttingDown = 23, "shutting_down";
+    /// A PARTIAL_RESULT from an address other than the chunk's home
+    /// appliance's (PROTOCOL.md §9.4), or appliance-to-appliance traffic
+    /// for a job this appliance holds no such part of.
+    WrongPeer = 24, "wrong_peer";
 }
 
 impl DropReason {

@@ -400,7 +400,7 @@ impl Worker {
             url: url.clone(),
             message: e.to_string(),
         })?;
-        let answer = agent.post(&url).send_json(JoinRequest { token, rank, rejoin });
+        let answer = agent.post(&url).send_json(JoinRequest { token, rank, rejoin, rack: None });
         let join: JoinResponse = match answer {
             Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
                 url: url.clone(),

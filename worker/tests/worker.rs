@@ -1242,6 +1242,7 @@ fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
         token: TOKEN,
         spec: spec.clone(),
         layout: lay.clone(),
+        hierarchy: None,
     };
     app.manager().install(JOB, job).unwrap();
     let config = WorkerConfig {

@@ -23,6 +23,14 @@ pub trait PacketIo: Send + 'static {
     /// A peer's address (where results go).
     type Addr: Copy + Eq + Send + 'static;
 
+    /// The address at which this backend reaches another appliance's lcore
+    /// listening at `addr` (a hierarchical job's peers), if it can reach
+    /// other appliances at all.
+    fn peer(addr: std::net::SocketAddrV4) -> Option<Self::Addr> {
+        let _ = addr;
+        None
+    }
+
     /// Receives up to one burst, calling `f(from, datagram)` for each
     /// datagram, and returns how many there were. When nothing is waiting,
     /// waits up to `wait` for something to arrive (`None`: return at once).

@@ -377,6 +377,10 @@ impl UdpQueue {
 impl PacketIo for UdpQueue {
     type Addr = SocketAddrV4;
 
+    fn peer(addr: SocketAddrV4) -> Option<SocketAddrV4> {
+        Some(addr)
+    }
+
     fn rx_burst(
         &mut self,
         wait: Option<Duration>,
