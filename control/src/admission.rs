@@ -250,6 +250,20 @@ pub struct ShardPlan {
 /// # Panics
 /// If `targets` is empty.
 pub fn plan_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<ShardPlan, AdmitError> {
+    let layout = place_over(spec, targets)?;
+    let counts: Vec<usize> = targets.iter().map(|t| t.info.lcores.len()).collect();
+    let chunks = Chunks::new(spec);
+    let elems = chunks.weigh(u64::from);
+    let parts = targets
+        .iter()
+        .zip(layout.split(&counts))
+        .map(|(t, part)| charge(spec, t, part, &elems))
+        .collect::<Result<_, _>>()?;
+    Ok(ShardPlan { layout, parts })
+}
+
+/// The layout of [`plan_over`], before anything is charged.
+fn place_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<Layout, AdmitError> {
     assert!(!targets.is_empty(), "a job goes on at least one appliance");
     let mut load = Vec::new();
     let mut chosen = Vec::new();
@@ -272,21 +286,87 @@ pub fn plan_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<ShardPlan, Ad
         load.extend(t.load.iter().copied().chain(std::iter::repeat(0)).take(n));
     }
     let first = targets[0].info;
-    let layout = place(
+    Ok(place(
         spec,
         &load,
         &chosen,
         first.memory_model.chunk_cost(spec, first.shm),
-    );
+    ))
+}
+
+/// Where a hierarchical job goes (PROTOCOL.md §9.1).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HierPlan {
+    /// The home layout over the targets' lcores, and per target its part
+    /// of it ([`Plan::layout`]) with what the target is charged for its
+    /// home and rack slots together ([`Plan::cost`]).
+    pub homes: ShardPlan,
+    /// Per target, its rack layout: the whole job over its lcores.
+    pub racks: Vec<Layout>,
+}
+
+/// Decides whether and where a hierarchical `spec` goes over the `targets`
+/// (its racks' appliances, in rack order): homes placed over the union of
+/// their lcores as [`plan_over`] places a sharded job, and on each target
+/// a rack slot for every chunk, placed over its lcores balanced with its
+/// load and its home part; each target is charged both
+/// ([`phub_proto::memory::MemoryModel::hierarchical_cost`]).
+///
+/// # Panics
+/// If `targets` is empty.
+pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierPlan, AdmitError> {
+    let home = place_over(spec, targets)?;
     let counts: Vec<usize> = targets.iter().map(|t| t.info.lcores.len()).collect();
-    let chunks = Chunks::new(spec);
-    let elems = chunks.weigh(u64::from);
-    let parts = targets
-        .iter()
-        .zip(layout.split(&counts))
-        .map(|(t, part)| charge(spec, t, part, &elems))
-        .collect::<Result<_, _>>()?;
-    Ok(ShardPlan { layout, parts })
+    let peers = home.lcores.len();
+    let relay = JobSpec {
+        optimizer: phub_proto::spec::Optimizer::Sum,
+        ..spec.clone()
+    };
+    let mut racks = Vec::with_capacity(targets.len());
+    let mut parts = Vec::with_capacity(targets.len());
+    for (t, part) in targets.iter().zip(home.split(&counts)) {
+        let info = t.info;
+        let homes = cost(spec, &part, info).lcores;
+        let load: Vec<u64> = t
+            .load
+            .iter()
+            .copied()
+            .chain(std::iter::repeat(0))
+            .zip(&homes)
+            .map(|(l, h)| l + h)
+            .collect();
+        let rack = place(
+            &relay,
+            &load,
+            &choose_lcores(info),
+            info.memory_model.chunk_cost(&relay, false),
+        );
+        let cost = info.memory_model.hierarchical_cost(spec, &rack, &part, peers);
+        let need = cost.total();
+        let free = info.memory_budget_bytes.saturating_sub(info.memory_used_bytes);
+        if need > free {
+            return Err(AdmitError::Memory {
+                appliance: t.name.to_string(),
+                need,
+                data: data_bytes(&relay, false).min(need),
+                shm: 0,
+                free,
+                budget: info.memory_budget_bytes,
+            });
+        }
+        let lcores = rack.used_lcores();
+        racks.push(rack);
+        parts.push(Plan {
+            layout: part,
+            cost,
+            memory_bytes: need,
+            lcores,
+        });
+    }
+    Ok(HierPlan {
+        homes: ShardPlan { layout: home, parts },
+        racks,
+    })
 }
 
 /// Places the chunks `seqs` of `spec` (one appliance's part) anew over the

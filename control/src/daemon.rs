@@ -27,8 +27,8 @@ use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
     AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo, ClockStats,
-    DataplaneInfo, DataplaneStats, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary, JoinRequest,
-    JoinResponse, KeyMap, KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
+    DataplaneInfo, DataplaneStats, Hierarchy, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary,
+    JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus, Stats, DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::{Layout, Placement};
@@ -624,7 +624,11 @@ impl Inner {
             .jobs
             .values()
             .filter(|j| j.failed.is_none() && Some(j.id) != except)
-            .filter_map(|j| part_of(j, name).map(|p| (&j.spec, p)))
+            .flat_map(|j| {
+                // A hierarchical job's rack slots weigh on the appliance too.
+                let rack = rack_of(j, name).map(|r| (&j.spec, r.clone()));
+                part_of(j, name).map(|p| (&j.spec, p)).into_iter().chain(rack)
+            })
             .collect();
         admission::loads(info, held.iter().map(|(s, l)| (*s, l)))
     }
@@ -686,8 +690,12 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
     parts(job).into_iter().find(|(n, _)| *n == name).map(|(_, l)| l)
 }
 
-/// What appliance `name` installs of `job`.
+/// What appliance `name` installs of `job` (None for a hierarchical job,
+/// which is not reinstalled: see [`Shared::refit`]).
 fn install_of(job: &StoredJob, name: &str) -> Option<InstallJob> {
+    if !job.racks.is_empty() {
+        return None;
+    }
     Some(InstallJob {
         id: job.id,
         token: job.token,
@@ -697,14 +705,62 @@ fn install_of(job: &StoredJob, name: &str) -> Option<InstallJob> {
     })
 }
 
-/// What `part` of `job` costs on the appliance `info` describes (the last
-/// one control heard from), or by [`MemoryModel::default`]'s upper bounds
-/// before it heard from one. O(keys + lcores).
-fn part_bytes(job: &StoredJob, part: &Layout, info: Option<&DataplaneInfo>) -> u64 {
+/// What `part` of `job` (on its appliance `name`) costs on the appliance
+/// `info` describes (the last one control heard from), or by
+/// [`MemoryModel::default`]'s upper bounds before it heard from one; a
+/// hierarchical job's part with its rack slots. O(keys + lcores).
+fn part_bytes(job: &StoredJob, name: &str, part: &Layout, info: Option<&DataplaneInfo>) -> u64 {
+    let default = MemoryModel::default();
+    let model = info.map_or(&default, |i| &i.memory_model);
+    if let Some(rack) = rack_of(job, name) {
+        return model
+            .hierarchical_cost(&job.spec, rack, part, job.layout.lcores.len())
+            .total();
+    }
     match info {
         Some(info) => admission::cost(&job.spec, part, info).total(),
-        None => MemoryModel::default().job_cost(&job.spec, part, false).total(),
+        None => model.job_cost(&job.spec, part, false).total(),
     }
+}
+
+/// The rack (part index) of a hierarchical job's rank.
+fn rack_index(job: &StoredJob, rank: u16) -> Option<usize> {
+    if job.racks.is_empty() {
+        return None;
+    }
+    job.spec.rack_ranks()?.iter().position(|r| r.contains(&rank))
+}
+
+/// "ranks 0..2 on a, ranks 2..4 on b": a hierarchical job's racks.
+fn rack_assignment(job: &StoredJob) -> String {
+    let ranks = job.spec.rack_ranks().unwrap_or_default();
+    job.parts
+        .iter()
+        .zip(ranks)
+        .map(|(p, r)| format!("ranks {}..{} on {}", r.start, r.end, p.appliance))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// A hierarchical job's appliances must each be a different rack's.
+fn check_racks(inner: &Inner, chosen: &[(String, DataplaneInfo)]) -> Result<(), RequestError> {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, _) in chosen {
+        let rack = inner.appliances.get(name).map_or("", |a| a.spec.rack.as_str());
+        if let Some(other) = seen.insert(rack, name) {
+            return Err(RequestError::BadRequest(format!(
+                "placement.hierarchical: appliances {other:?} and {name:?} are both in rack {rack:?}; a \
+                 hierarchical job takes one appliance per rack"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// A hierarchical job's rack layout on appliance `name`.
+fn rack_of<'a>(job: &'a StoredJob, name: &str) -> Option<&'a Layout> {
+    let i = job.parts.iter().position(|p| p.appliance == name)?;
+    job.racks.get(i)
 }
 
 /// What `job` costs over all its appliances.
@@ -713,7 +769,7 @@ fn memory_bytes(job: &StoredJob, inner: &Inner) -> u64 {
         .iter()
         .map(|(name, part)| {
             let info = inner.appliances.get(*name).and_then(|a| a.info.as_ref());
-            part_bytes(job, part, info)
+            part_bytes(job, name, part, info)
         })
         .sum()
 }
@@ -1070,7 +1126,16 @@ impl Shared {
     fn admit(&self, body: &str, content_type: Option<&str>) -> Result<AdmitResponse, RequestError> {
         let spec = JobSpec::parse(body, content_type)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
-        let chosen = self.choose(&spec)?;
+        let mut chosen = self.choose(&spec)?;
+        if spec.hierarchical()
+            && matches!(
+                spec.placement.as_ref().map(|p| &p.appliances),
+                Some(Appliances::Count(_))
+            )
+        {
+            // Racks are numbered in the order of their appliances' names.
+            chosen.sort_by(|a, b| a.0.cmp(&b.0));
+        }
         // Ids the appliances hold without control knowing them (a lost
         // state file) are skipped rather than clashed with.
         let mut foreign = BTreeSet::new();
@@ -1080,8 +1145,11 @@ impl Shared {
             foreign.extend(c.jobs()?.into_iter().map(|j| j.id));
             clients.push(c);
         }
-        let (id, plan) = {
+        let (id, plan, racks) = {
             let inner = self.lock();
+            if spec.hierarchical() {
+                check_racks(&inner, &chosen)?;
+            }
             let targets: Vec<admission::Target<'_>> = chosen
                 .iter()
                 .map(|(name, info)| admission::Target {
@@ -1090,9 +1158,14 @@ impl Shared {
                     load: inner.load_on(name, info, None),
                 })
                 .collect();
-            let plan = admission::plan_over(&spec, &targets)?;
+            let (plan, racks) = if spec.hierarchical() {
+                let h = admission::plan_hierarchical(&spec, &targets)?;
+                (h.homes, h.racks)
+            } else {
+                (admission::plan_over(&spec, &targets)?, Vec::new())
+            };
             let id = admission::free_id(|id| inner.jobs.contains_key(&id) || foreign.contains(&id))?;
-            (id, plan)
+            (id, plan, racks)
         };
         let token = loop {
             let t: u64 = rand::random();
@@ -1103,12 +1176,37 @@ impl Shared {
         // Each appliance installs its part; one that fails undoes the
         // others.
         for (i, (c, part)) in clients.iter().zip(&plan.parts).enumerate() {
-            let install = InstallJob {
-                id,
-                token,
-                spec: spec.clone(),
-                layout: part.layout.clone(),
-                hierarchy: None,
+            let install = match racks.get(i) {
+                // Rack i installs its rack layout, told where every rack
+                // and home is.
+                Some(rack) => InstallJob {
+                    id,
+                    token,
+                    spec: spec.clone(),
+                    layout: rack.clone(),
+                    hierarchy: Some(Hierarchy {
+                        // Cast: at most MAX_APPLIANCES (64) racks.
+                        #[allow(clippy::cast_possible_truncation)]
+                        rack: i as u16,
+                        racks: chosen
+                            .iter()
+                            .zip(&racks)
+                            .map(|((name, info), layout)| RackPeer {
+                                name: name.clone(),
+                                data: info.data.clone(),
+                                layout: layout.clone(),
+                            })
+                            .collect(),
+                        homes: plan.layout.clone(),
+                    }),
+                },
+                None => InstallJob {
+                    id,
+                    token,
+                    spec: spec.clone(),
+                    layout: part.layout.clone(),
+                    hierarchy: None,
+                },
             };
             if let Err(e) = c.install(&install) {
                 let undo = if e.is_unreachable() { i + 1 } else { i };
@@ -1143,6 +1241,7 @@ impl Shared {
                     })
                     .collect(),
                 failed: None,
+                racks,
             },
         );
         if let Err(e) = self.persist(&inner) {
@@ -1186,6 +1285,22 @@ impl Shared {
                 req.rank,
                 w - 1
             )));
+        }
+        if let (Some(said), Some(r)) = (&req.rack, rack_index(job, req.rank)) {
+            let part = &job.parts[r].appliance;
+            let label = inner
+                .appliances
+                .get(part)
+                .map(|a| a.spec.rack.as_str())
+                .unwrap_or_default();
+            if said != label {
+                return Err(RequestError::BadRequest(format!(
+                    "rank {} of job {id} belongs to rack {r} (appliance {part:?}, rack label {label:?}), not \
+                     rack {said:?}: a hierarchical job's ranks are assigned to racks in order ({})",
+                    req.rank,
+                    rack_assignment(job)
+                )));
+            }
         }
         if job.joined.contains(&req.rank) && !req.rejoin {
             return Err(RequestError::Conflict(format!(
@@ -1238,13 +1353,28 @@ impl Shared {
             })
             .collect::<Result<Vec<_>, RequestError>>()?;
         job.joined.insert(req.rank);
-        let answer = JoinResponse {
-            job: id,
-            rank: req.rank,
-            spec: job.spec.clone(),
-            layout: job.layout.clone(),
-            dataplane: datas[&job.parts[0].appliance].clone(),
-            appliances,
+        let answer = match rack_index(job, req.rank) {
+            // A hierarchical job's worker talks to its rack's appliance
+            // alone, in the single-appliance form (PROTOCOL.md §9.1).
+            Some(r) => JoinResponse {
+                job: id,
+                rank: req.rank,
+                spec: job.spec.clone(),
+                layout: job.racks[r].clone(),
+                dataplane: datas[&job.parts[r].appliance].clone(),
+                appliances: vec![ApplianceAddr {
+                    lcores: u32::try_from(job.racks[r].lcores.len()).unwrap_or(u32::MAX),
+                    ..appliances[r].clone()
+                }],
+            },
+            None => JoinResponse {
+                job: id,
+                rank: req.rank,
+                spec: job.spec.clone(),
+                layout: job.layout.clone(),
+                dataplane: datas[&job.parts[0].appliance].clone(),
+                appliances,
+            },
         };
         if let Err(e) = self.persist(&inner) {
             if let Some(job) = inner.jobs.get_mut(&id) {
@@ -1308,7 +1438,7 @@ impl Shared {
                     rack: a.map(|a| a.spec.rack.clone()).unwrap_or_default(),
                     lcores: u32::try_from(part.lcores.len()).unwrap_or(u32::MAX),
                     chunks: (span.start, span.end),
-                    memory_bytes: part_bytes(job, &part, a.and_then(|a| a.info.as_ref())),
+                    memory_bytes: part_bytes(job, name, &part, a.and_then(|a| a.info.as_ref())),
                     installed: l.is_some(),
                     down: match view {
                         Some(Err(e)) => Some(e.clone()),
@@ -1566,6 +1696,11 @@ impl Shared {
                 Some(StoredJob {
                     failed: Some(why), ..
                 }) => return Err(failed(id, why)),
+                Some(job) if !job.racks.is_empty() => {
+                    return Err(RequestError::Conflict(format!(
+                        "job {id} is hierarchical: its checkpoints are not built yet (PROTOCOL.md §9.5)"
+                    )))
+                }
                 Some(job) => job
                     .parts
                     .iter()
@@ -1805,6 +1940,23 @@ impl Shared {
         let mut inner = self.lock();
         let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
         let index = job.parts.iter().position(|p| p.appliance == name)?;
+        if !job.racks.is_empty() {
+            let why = format!(
+                "appliance {name:?} restarted and lost its part; a hierarchical job is not restored after an \
+                 appliance restart yet (admit it again)"
+            );
+            let before = job.clone();
+            if let Some(j) = inner.jobs.get_mut(&id) {
+                j.failed = Some(why.clone());
+            }
+            if let Err(e) = self.persist(&inner) {
+                inner.jobs.insert(id, before);
+                log::error!("job {id}: {why}; but that cannot be recorded ({e}): retrying");
+            } else {
+                log::error!("job {id} failed: {why}");
+            }
+            return None;
+        }
         let part = part_of(job, name)?;
         let others: Vec<(&JobSpec, Layout)> = inner
             .jobs

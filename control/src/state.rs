@@ -42,6 +42,11 @@ pub(crate) struct StoredJob {
     /// it is then never reinstalled and joins are refused with the reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) failed: Option<String>,
+    /// A hierarchical job's rack layouts, one per part in order (each the
+    /// whole job over that appliance's lcores); `layout` is then the home
+    /// layout (PROTOCOL.md §9.1). Empty for any other job.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub(crate) racks: Vec<Layout>,
 }
 
 /// One appliance's part of a job: the next `lcores` lcores of its layout.
@@ -387,6 +392,7 @@ mod tests {
         let state = StateFile {
             appliances: Some(vec![a, b]),
             jobs: vec![StoredJob {
+                racks: Vec::new(),
                 id: 3,
                 token: 0xdead_beef,
                 spec,

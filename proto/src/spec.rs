@@ -538,7 +538,7 @@ impl JobSpec {
     /// per round into a region fit BSP; a job whose values change with
     /// every push goes by datagrams.
     pub fn shared_memory(&self, dataplane_shm: bool) -> bool {
-        dataplane_shm && self.consistency == Consistency::Sync
+        dataplane_shm && self.consistency == Consistency::Sync && !self.hierarchical()
     }
 
     /// Parses and validates a JSON spec.

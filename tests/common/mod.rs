@@ -238,6 +238,11 @@ impl Appliances {
     /// given to control with `token-file=` (the first's by its default
     /// path), so both ways are exercised.
     pub fn start(lcores: &[usize], budget: &str) -> Appliances {
+        Appliances::start_with(lcores, budget, &[])
+    }
+
+    /// As [`Appliances::start`], each phub-dataplane also given `extra`.
+    pub fn start_with(lcores: &[usize], budget: &str, extra: &[&str]) -> Appliances {
         let dir = std::env::temp_dir().join(format!("phub-test-appl-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut a = Appliances {
@@ -272,6 +277,7 @@ impl Appliances {
                 "--memory-budget".into(),
                 budget.into(),
             ]);
+            a.dataplane_args[i].extend(extra.iter().map(|s| s.to_string()));
             let url = format!("http://127.0.0.1:{mgmt}");
             let mut spec = format!("name={name},url={url},rack=r{}", i + 1);
             if i > 0 {

@@ -162,7 +162,15 @@ pub struct WorkerConfig {
     /// slower (BENCHMARKS.md, "Loss response"). The environment variable
     /// [`CONGESTION_ENV`] (`PHUB_WORKER_CONGESTION=on|off`) overrides it.
     pub congestion: bool,
+    /// The rack this worker's host is in, said at join: a hierarchical
+    /// job's control checks it against the rack the rank belongs to.
+    /// [`RACK_ENV`] (`PHUB_WORKER_RACK`) gives it when this is None.
+    pub rack: Option<String>,
 }
+
+/// The environment variable that gives [`WorkerConfig::rack`] when the
+/// configuration does not.
+pub const RACK_ENV: &str = "PHUB_WORKER_RACK";
 
 /// The environment variable that turns [`WorkerConfig::congestion`] on
 /// (`on`) or off (`off`) whatever the configuration says.
@@ -182,6 +190,7 @@ impl Default for WorkerConfig {
             inject: None,
             shm: ShmMode::Auto,
             congestion: false,
+            rack: None,
         }
     }
 }
@@ -400,7 +409,16 @@ impl Worker {
             url: url.clone(),
             message: e.to_string(),
         })?;
-        let answer = agent.post(&url).send_json(JoinRequest { token, rank, rejoin, rack: None });
+        let rack = config
+            .rack
+            .clone()
+            .or_else(|| std::env::var(RACK_ENV).ok().filter(|r| !r.trim().is_empty()));
+        let answer = agent.post(&url).send_json(JoinRequest {
+            token,
+            rank,
+            rejoin,
+            rack,
+        });
         let join: JoinResponse = match answer {
             Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
                 url: url.clone(),
