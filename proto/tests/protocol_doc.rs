@@ -139,11 +139,11 @@ fn message_types_match() {
     assert_eq!(listed, want);
     for r in &rows {
         let t = MsgType::from_code(num(&r[0]) as u8).unwrap();
-        let from_worker = matches!(t, MsgType::Init | MsgType::Push | MsgType::Pull);
-        let dir = if from_worker {
-            "worker → appliance"
-        } else {
-            "appliance → worker"
+        let dir = match t {
+            MsgType::Init | MsgType::Push | MsgType::Pull => "worker → appliance",
+            MsgType::Result | MsgType::Error => "appliance → worker",
+            MsgType::Partial => "rack appliance → home appliance",
+            MsgType::PartialResult => "home appliance → rack appliance",
         };
         assert_eq!(r[2], dir, "direction of {}", t.name());
     }
