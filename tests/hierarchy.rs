@@ -88,9 +88,6 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
         "one optimizer run per chunk and round over both homes"
     );
 
-    // Checkpoints of hierarchical jobs are not built: refused by name.
-    let (ok, _, err) = rack.phubctl(&["job", "checkpoint", &job.id.to_string()]);
-    assert!(!ok && err.contains("hierarchical"), "{err}");
     let (ok, out, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
     assert!(ok, "{err}");
     assert!(out.contains("r1") && out.contains("r2"), "{out}");
@@ -137,4 +134,71 @@ fn a_hierarchical_job_needs_one_appliance_per_rack_and_bsp() {
         .admit(&spec(1, &[10], "appliances = 2\nhierarchical = true\n"))
         .unwrap_err();
     assert!(e.0 == 400 && e.1.contains("one worker per rack"), "{e:?}");
+}
+
+/// Both appliances of a two-rack job are each killed between rounds, after
+/// a checkpoint (each is the home of some chunks and the rack appliance of
+/// two workers): the job stalls, `job show` names the appliance down,
+/// control reinstalls it from its checkpoint when it is back, and the job
+/// finishes exactly.
+#[test]
+fn an_appliance_killed_between_rounds_is_restored_and_the_job_finishes_exactly() {
+    use std::sync::Barrier;
+    let mut rack = Appliances::start(&[2, 1], "256MiB");
+    let keys = [4000u64, 5, 9000];
+    let job = rack
+        .admit(&spec(
+            4,
+            &keys,
+            "appliances = [\"a\", \"b\"]\nhierarchical = true\n",
+        ))
+        .unwrap();
+    let (paused, resume) = (Barrier::new(5), Barrier::new(5));
+    let control_url = rack.control_url.clone();
+    std::thread::scope(|s| {
+        for rank in 0..4u16 {
+            let (url, job, keys) = (&control_url, &job, &keys);
+            let (paused, resume) = (&paused, &resume);
+            s.spawn(move || {
+                let cfg = phub_worker::WorkerConfig::default();
+                phub_hwtests::workload::train_rank(url, job.id, job.token, rank, 4, keys, cfg, |r| {
+                    if r == 3 || r == 5 {
+                        paused.wait();
+                        resume.wait();
+                    }
+                    r <= 7
+                });
+            });
+        }
+        for (kill, round) in [(1usize, 2u32), (0, 4)] {
+            paused.wait();
+            let (ok, _, err) = rack.phubctl(&["job", "checkpoint", &job.id.to_string()]);
+            assert!(ok, "{err}");
+            rack.kill_dataplane(kill);
+            let (ok, out, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
+            assert!(ok, "{err}");
+            assert!(out.contains("DOWN ("), "{out}");
+            rack.start_dataplane(kill);
+            let t = std::time::Instant::now();
+            loop {
+                let stats: DataplaneStats = rack.dataplane_get(kill, "/v1/stats");
+                if let Some(live) = stats.jobs.iter().find(|j| j.id == job.id) {
+                    assert_eq!(
+                        live.round_range,
+                        Some((round, round)),
+                        "restored from its checkpoint"
+                    );
+                    break;
+                }
+                assert!(t.elapsed().as_secs() < 20, "appliance {kill} not reinstalled");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+            resume.wait();
+        }
+    });
+    for i in 0..2 {
+        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
+        assert_eq!(live.round_range, Some((7, 7)), "appliance {i}");
+    }
 }

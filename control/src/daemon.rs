@@ -690,18 +690,42 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
     parts(job).into_iter().find(|(n, _)| *n == name).map(|(_, l)| l)
 }
 
-/// What appliance `name` installs of `job` (None for a hierarchical job,
-/// which is not reinstalled: see [`Shared::refit`]).
-fn install_of(job: &StoredJob, name: &str) -> Option<InstallJob> {
-    if !job.racks.is_empty() {
-        return None;
+/// What appliance `name` installs of `job`; for a hierarchical job, its
+/// rack layout and the hierarchy, with the other appliances' data
+/// addresses as control last heard them (None if it never did).
+fn install_of(job: &StoredJob, name: &str, inner: &Inner) -> Option<InstallJob> {
+    if job.racks.is_empty() {
+        return Some(InstallJob {
+            id: job.id,
+            token: job.token,
+            spec: job.spec.clone(),
+            layout: part_of(job, name)?,
+            hierarchy: None,
+        });
     }
+    let rack = job.parts.iter().position(|p| p.appliance == name)?;
+    let racks = job
+        .parts
+        .iter()
+        .zip(&job.racks)
+        .map(|(p, layout)| {
+            Some(RackPeer {
+                name: p.appliance.clone(),
+                data: inner.appliances.get(&p.appliance)?.info.as_ref()?.data.clone(),
+                layout: layout.clone(),
+            })
+        })
+        .collect::<Option<Vec<_>>>()?;
     Some(InstallJob {
         id: job.id,
         token: job.token,
         spec: job.spec.clone(),
-        layout: part_of(job, name)?,
-        hierarchy: None,
+        layout: job.racks[rack].clone(),
+        hierarchy: Some(Hierarchy {
+            rack: u16::try_from(rack).ok()?,
+            racks,
+            homes: job.layout.clone(),
+        }),
     })
 }
 
@@ -1696,11 +1720,6 @@ impl Shared {
                 Some(StoredJob {
                     failed: Some(why), ..
                 }) => return Err(failed(id, why)),
-                Some(job) if !job.racks.is_empty() => {
-                    return Err(RequestError::Conflict(format!(
-                        "job {id} is hierarchical: its checkpoints are not built yet (PROTOCOL.md §9.5)"
-                    )))
-                }
                 Some(job) => job
                     .parts
                     .iter()
@@ -1940,10 +1959,12 @@ impl Shared {
         let mut inner = self.lock();
         let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
         let index = job.parts.iter().position(|p| p.appliance == name)?;
-        if !job.racks.is_empty() {
+        if !job.racks.is_empty() && job.racks[index].lcores.len() != info.lcores.len() {
             let why = format!(
-                "appliance {name:?} restarted and lost its part; a hierarchical job is not restored after an \
-                 appliance restart yet (admit it again)"
+                "appliance {name:?} came back with {} lcores, not the {} its rack layout has; a hierarchical \
+                 job is not refitted (admit it again)",
+                info.lcores.len(),
+                job.racks[index].lcores.len()
             );
             let before = job.clone();
             if let Some(j) = inner.jobs.get_mut(&id) {
@@ -2012,7 +2033,11 @@ impl Shared {
             }
             log::warn!("job {id} ({:?}): {what}", job.spec.name);
         }
-        Some((install_of(&job, name)?, job.parts.len() > 1))
+        if !job.racks.is_empty() {
+            // Reinstalled as it was: its rack and home layouts stay.
+            return Some((install_of(&job, name, &inner)?, true));
+        }
+        Some((install_of(&job, name, &inner)?, job.parts.len() > 1))
     }
 
     /// Marks job `id` failed for `why`, durably; if that cannot be written,

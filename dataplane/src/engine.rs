@@ -620,6 +620,64 @@ impl Slot {
         }
     }
 
+    /// This slot's state for a checkpoint (slot `index` of a job whose
+    /// regions are `shm`), with the ranks' `clocks`.
+    fn save(&self, index: u32, shm: Option<&JobRegions>, blocks: &Blocks, clocks: Vec<u32>) -> SlotState {
+        let r = self.mem.all(blocks);
+        SlotState {
+            clocks,
+            completed: (self.completed != NO_ROUND).then_some(self.completed),
+            params: r[PARAMS].to_vec(),
+            s1: r[S1].to_vec(),
+            s2: r[S2].to_vec(),
+            result: match self.result {
+                ResultKind::Params => Vec::new(),
+                _ => self.result_bytes(index, shm, blocks).to_vec(),
+            },
+        }
+    }
+
+    /// Whether saved state `st` fits this slot (with `clocks` rank clocks).
+    fn fits(&self, st: &SlotState, clocks: usize) -> bool {
+        let used = &self.mem.used;
+        st.params.len() == used[PARAMS]
+            && st.s1.len() == used[S1]
+            && st.s2.len() == used[S2]
+            && st.result.len() == self.saved_result_len()
+            && st.completed != Some(NO_ROUND)
+            && st.clocks.len() == clocks
+    }
+
+    /// Puts saved state `st` (which [`Slot::fits`]) back, no round in
+    /// progress; with `acc_is_values` a bf16/f16 result is also decoded
+    /// into the accumulator (a non-BSP `sum` job's current values). A
+    /// [`ResultKind::Region`] result is the caller's to publish.
+    fn load(&mut self, blocks: &mut Blocks, st: &SlotState, dtype: Dtype, acc_is_values: bool) {
+        self.completed = st.completed.unwrap_or(NO_ROUND);
+        self.contributed = RankSet::default();
+        self.ncontrib = 0;
+        self.deferred = None;
+        let acc_in_a = self.mem.acc_in_a;
+        let b = self.mem.bufs(blocks);
+        b.params.copy_from_slice(&st.params);
+        b.s1.copy_from_slice(&st.s1);
+        b.s2.copy_from_slice(&st.s2);
+        match self.result {
+            ResultKind::Params | ResultKind::Region => {}
+            ResultKind::Half => {
+                bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result);
+                if acc_is_values {
+                    kernels::decode(dtype, &st.result, b.acc);
+                }
+            }
+            ResultKind::F32 => {
+                let [a, b, ..] = self.mem.all_mut(blocks);
+                let r = if acc_in_a { b } else { a };
+                bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
+            }
+        }
+    }
+
     /// Closes the round in progress: runs the optimizer (or, for round 0,
     /// takes rank 0's payload as the initial value) and stores the result;
     /// for [`ResultKind::Region`] the result is left in the accumulator, for
@@ -1386,30 +1444,27 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn snapshot(&self, id: u16) -> Option<Vec<SlotState>> {
         let j = self.job(id)?;
         let w = usize::from(j.workers);
-        Some(
-            j.slots
-                .iter()
-                .zip(0..)
-                .map(|(s, i)| {
-                    let r = s.mem.all(&j.blocks);
-                    let at = i as usize * w;
-                    SlotState {
-                        clocks: j
-                            .clocks
-                            .get(at..at + w)
-                            .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect()),
-                        completed: (s.completed != NO_ROUND).then_some(s.completed),
-                        params: r[PARAMS].to_vec(),
-                        s1: r[S1].to_vec(),
-                        s2: r[S2].to_vec(),
-                        result: match s.result {
-                            ResultKind::Params => Vec::new(),
-                            _ => s.result_bytes(i, j.shm.as_ref(), &j.blocks).to_vec(),
-                        },
-                    }
-                })
-                .collect(),
-        )
+        let racks = j.slots.iter().zip(0..).map(|(s, i)| {
+            let at = i as usize * w;
+            let clocks = j
+                .clocks
+                .get(at..at + w)
+                .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect());
+            s.save(i, j.shm.as_ref(), &j.blocks, clocks)
+        });
+        // A hierarchical job's home slots follow its rack slots.
+        let homes = j
+            .hier
+            .as_ref()
+            .and_then(|h| h.home.as_ref())
+            .into_iter()
+            .flat_map(|h| {
+                h.slots
+                    .iter()
+                    .zip(0..)
+                    .map(|(s, i)| s.save(i, None, &h.blocks, Vec::new()))
+            });
+        Some(racks.chain(homes).collect())
     }
 
     /// Puts slots back in the state a [`Shard::snapshot`] saved. Every
@@ -1424,33 +1479,49 @@ impl<A: Copy + Eq> Shard<A> {
                 id,
                 reason: "the job is not installed".into(),
             })?;
-        if state.len() != j.slots.len() {
+        let mut home = j.hier.as_mut().and_then(|h| h.home.as_mut());
+        let homes = home.as_ref().map_or(0, |h| h.slots.len());
+        if state.len() != j.slots.len() + homes {
             return Err(EngineError::Restore {
                 id,
-                reason: format!("{} slots saved, {} installed", state.len(), j.slots.len()),
+                reason: format!(
+                    "{} slots saved, {} installed ({homes} of them home slots)",
+                    state.len(),
+                    j.slots.len() + homes
+                ),
             });
         }
-        for (i, (slot, st)) in j.slots.iter().zip(state).enumerate() {
-            let result_len = slot.saved_result_len();
-            let used = &slot.mem.used;
-            if st.params.len() != used[PARAMS]
-                || st.s1.len() != used[S1]
-                || st.s2.len() != used[S2]
-                || st.result.len() != result_len
-                || st.completed == Some(NO_ROUND)
-                || st.clocks.len() != j.clocks.len() / j.slots.len().max(1)
-            {
-                return Err(EngineError::Restore {
-                    id,
-                    reason: format!("slot {i}: saved buffers do not fit the installed chunk"),
-                });
+        let (state, home_state) = state.split_at(j.slots.len());
+        let nclocks = j.clocks.len() / j.slots.len().max(1);
+        let home_slots = home.as_ref().map_or(&[][..], |h| &h.slots[..]);
+        let all = j
+            .slots
+            .iter()
+            .map(|s| (s, nclocks))
+            .chain(home_slots.iter().map(|s| (s, 0)));
+        if let Some(i) = all
+            .zip(state.iter().chain(home_state))
+            .position(|((s, n), st)| !s.fits(st, n))
+        {
+            return Err(EngineError::Restore {
+                id,
+                reason: format!("slot {i}: saved buffers do not fit the installed chunk"),
+            });
+        }
+        if let Some(h) = &mut home {
+            for (slot, st) in h.slots.iter_mut().zip(home_state) {
+                slot.load(&mut h.blocks, st, j.dtype, false);
             }
+        }
+        if let Some(h) = &mut j.hier {
+            // Nothing is on its way to a home after a restore.
+            h.partials.fill(Partial::default());
+            h.next_deadline = u64::MAX;
         }
         // Cast (here and in the loop below): i < j.slots.len(), which fits
         // a u32 (checked in install_with).
         #[allow(clippy::cast_possible_truncation)]
         for (i, (slot, st)) in j.slots.iter_mut().zip(state).enumerate() {
-            slot.completed = st.completed.unwrap_or(NO_ROUND);
             let w = st.clocks.len();
             for (c, &saved) in j.clocks[i * w..(i + 1) * w].iter_mut().zip(&st.clocks) {
                 *c = RankClock {
@@ -1458,40 +1529,16 @@ impl<A: Copy + Eq> Shard<A> {
                     since: SINCE_UNKNOWN,
                 };
             }
-            slot.contributed = RankSet::default();
-            slot.ncontrib = 0;
-            slot.deferred = None;
-            let kind = slot.result;
-            let acc_in_a = slot.mem.acc_in_a;
-            let b = slot.mem.bufs(&mut j.blocks);
-            b.params.copy_from_slice(&st.params);
-            b.s1.copy_from_slice(&st.s1);
-            b.s2.copy_from_slice(&st.s2);
             // Not BSP, sum: the current values in f32 live in the
             // accumulator, which the checkpoint keeps as the result.
-            let acc_is_values = w > 0 && kind == ResultKind::Half && !j.optimizer.keeps_params();
-            match kind {
-                ResultKind::Params => {}
-                ResultKind::Half => {
-                    bytemuck::cast_slice_mut(b.half).copy_from_slice(&st.result);
-                    if acc_is_values {
-                        kernels::decode(j.dtype, &st.result, b.acc);
-                    }
-                }
-                ResultKind::F32 => {
-                    let [a, b, ..] = slot.mem.all_mut(&mut j.blocks);
-                    let r = if acc_in_a { b } else { a };
-                    bytemuck::cast_slice_mut(r).copy_from_slice(&st.result);
-                }
-                // The result region is where the result is stored: every
-                // slot's saved bytes go there, so that a snapshot reads
-                // them back. Between bursts: no worker holds a RESULT of
-                // this job from this lcore that it has not copied out yet.
-                ResultKind::Region => {
-                    if let Some(shm) = &mut j.shm {
-                        shm.publish(i as u32, &st.result);
-                    }
-                }
+            let acc_is_values = w > 0 && !j.optimizer.keeps_params();
+            slot.load(&mut j.blocks, st, j.dtype, acc_is_values);
+            // The result region is where the result is stored: every
+            // slot's saved bytes go there, so that a snapshot reads them
+            // back. Between bursts: no worker holds a RESULT of this job
+            // from this lcore that it has not copied out yet.
+            if let (ResultKind::Region, Some(shm)) = (slot.result, &mut j.shm) {
+                shm.publish(i as u32, &st.result);
             }
         }
         j.held = j.clocks.iter().filter(|c| c.held()).count() as u64;

@@ -196,12 +196,6 @@ impl Manager {
             Placement::part(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
         let hier = match (&req.hierarchy, req.spec.hierarchical()) {
             (None, false) => None,
-            (Some(_), true) if restore.is_some() => {
-                return Err(err(
-                    400,
-                    format!("job {id}: restoring a hierarchical job from a checkpoint is not supported yet"),
-                ))
-            }
             (Some(_), true) => Some(hierarchy_plan(&req, n).map_err(|e| err(400, format!("job {id}: {e}")))?),
             (h, _) => {
                 return Err(err(
@@ -612,7 +606,6 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
     }
     let mut all = Vec::new();
     let mut racks = Vec::with_capacity(h.racks.len());
-    let mut offset = 0;
     for (r, p) in h.racks.iter().enumerate() {
         let at = |e: String| format!("rack {r} ({}): {e}", p.name);
         Placement::new(spec, p.layout.clone()).map_err(|e| at(e.to_string()))?;
@@ -630,9 +623,6 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
                     .ok_or_else(|| at(format!("lcore {l} has no UDP port above {}", p.data.base_port)))
             })
             .collect::<Result<Vec<_>, _>>()?;
-        if r < rack {
-            offset += addrs.len();
-        }
         all.extend(addrs.iter().copied());
         racks.push((addrs, p.layout.lcores.clone()));
     }
@@ -644,7 +634,10 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
             all.len()
         ));
     }
-    let home_runs = &h.homes.lcores[offset..offset + n];
+    let home = h
+        .home_part()
+        .ok_or_else(|| "the home layout does not cover this rack".to_string())?;
+    let home_runs = &home.lcores;
     let chunks = Chunks::new(spec);
     let per_lcore = (0..n)
         .map(|i| HierInstall {
@@ -658,9 +651,5 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
             home_slots: chunks.iter(home_runs[i].range()).collect(),
         })
         .collect();
-    let home = Layout {
-        chunk_elems: h.homes.chunk_elems,
-        lcores: home_runs.to_vec(),
-    };
     Ok((home, per_lcore))
 }

@@ -553,6 +553,21 @@ pub struct Hierarchy {
     pub homes: Layout,
 }
 
+impl Hierarchy {
+    /// This rack's part of the home layout: the runs of its appliance's
+    /// lcores, which follow those of the racks before it. None if `rack`
+    /// names no rack or the home layout is too short.
+    pub fn home_part(&self) -> Option<Layout> {
+        let r = usize::from(self.rack);
+        let at: usize = self.racks.get(..r)?.iter().map(|p| p.layout.lcores.len()).sum();
+        let n = self.racks.get(r)?.layout.lcores.len();
+        Some(Layout {
+            chunk_elems: self.homes.chunk_elems,
+            lcores: self.homes.lcores.get(at..at + n)?.to_vec(),
+        })
+    }
+}
+
 /// One rack appliance of a hierarchical job, as the others see it.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]

@@ -23,7 +23,7 @@
 
 use crate::api::InstallJob;
 use crate::layout::{Layout, Placement};
-use crate::spec::Consistency;
+use crate::spec::{Consistency, Optimizer};
 
 /// First bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
@@ -110,6 +110,11 @@ impl Checkpoint {
     /// layouts do not cut the same sequence.
     pub fn relayout(self, layout: Layout) -> Result<Checkpoint, CheckpointError> {
         let Checkpoint { job, lcores } = self;
+        if job.hierarchy.is_some() {
+            return Err(CheckpointError::Mismatch(
+                "a hierarchical job's checkpoint is restored onto the layouts it was taken with only".into(),
+            ));
+        }
         let (had, has) = (job.layout.chunk_count(), layout.chunk_count());
         // A part of a sharded job moves within its own share of the chunks.
         if job.layout.span() != layout.span() || job.layout.chunk_elems != layout.chunk_elems {
@@ -196,7 +201,22 @@ impl Checkpoint {
         // One appliance's part of a sharded job has a checkpoint of its own.
         let placement = Placement::part(&job.spec, job.layout.clone())
             .map_err(|e| CheckpointError::BadJob(format!("layout: {e}")))?;
-        let opt = &job.spec.optimizer;
+        // A hierarchical job's part keeps, per lcore, its rack slots (a sum
+        // job's) and then its home slots (PROTOCOL.md §9.1).
+        let home = match &job.hierarchy {
+            None => None,
+            Some(h) => {
+                let part = h
+                    .home_part()
+                    .ok_or_else(|| CheckpointError::BadJob(format!("hierarchy: no rack {}", h.rack)))?;
+                Some(
+                    Placement::part(&job.spec, part)
+                        .map_err(|e| CheckpointError::BadJob(format!("home layout: {e}")))?,
+                )
+            }
+        };
+        let sum = Optimizer::Sum;
+        let rack_opt = if home.is_some() { &sum } else { &job.spec.optimizer };
         let dsize = job.spec.dtype.size();
         let nl = r.u32()? as usize;
         if nl != job.layout.lcores.len() {
@@ -208,15 +228,21 @@ impl Checkpoint {
         let mut lcores = Vec::with_capacity(nl);
         for (l, run) in job.layout.lcores.iter().enumerate() {
             let ns = r.u32()? as usize;
-            if ns as u64 != run.count {
+            let homes: Vec<_> = home.as_ref().map(|h| h.slots(l).collect()).unwrap_or_default();
+            if ns as u64 != run.count + homes.len() as u64 {
                 return Err(CheckpointError::Mismatch(format!(
-                    "lcore {l}: {ns} slots, layout has {}",
-                    run.count
+                    "lcore {l}: {ns} slots, layout has {} (and {} home slots)",
+                    run.count,
+                    homes.len()
                 )));
             }
             // At most what the rest of the file can hold: 20 bytes a slot.
             let mut slots = Vec::with_capacity(ns.min(body.len().saturating_sub(r.at) / 20));
-            for (i, sc) in placement.slots(l).enumerate() {
+            let all = placement
+                .slots(l)
+                .map(|c| (c, rack_opt))
+                .chain(homes.into_iter().map(|c| (c, &job.spec.optimizer)));
+            for (i, (sc, opt)) in all.enumerate() {
                 let completed = match r.u32()? {
                     u32::MAX => None,
                     c => Some(c),
