@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context, Result};
-use clap::Parser;
 use crossbeam_channel::bounded;
 use phub_proto::api::{DataAddr, DataplaneInfo};
 use phub_proto::fault::FaultSpec;
@@ -256,7 +255,9 @@ fn job_maker<'h, Io: PacketIo>(
     let stop = Arc::clone(stop);
     move |l: LcoreStart<Io>| {
         let mut shard = Shard::with_parts(l.lcore, kernels, l.slot_memory, Arc::clone(&l.counters));
-        shard.set_peer_resolver(Arc::new(Io::peer));
+        if let Some(resolve) = l.io.peer_resolver() {
+            shard.set_peer_resolver(resolve);
+        }
         let (tx, rx) = bounded(64);
         handles.push(LcoreHandle {
             commands: tx,
@@ -304,7 +305,10 @@ pub fn serve(cfg: &Config) -> Result<()> {
 /// `phub-dataplane`'s entry point; `build` is the build stamp to report.
 pub fn main(build: &str) -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let mut cfg = Config::parse();
+    let (mut cfg, file) = Config::load();
+    if let Some(f) = file {
+        log::info!("configuration file {}", f.display());
+    }
     cfg.build = build.to_string();
     match serve(&cfg) {
         Ok(()) => ExitCode::SUCCESS,

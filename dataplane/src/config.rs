@@ -109,6 +109,16 @@ pub struct DpdkOptions {
     /// MAC address to answer ARP with and send from (default: the port's).
     #[arg(long)]
     pub mac: Option<String>,
+    /// Another appliance's Ethernet address on this port's segment, as
+    /// IP=MAC (repeatable): where a hierarchical job's partial sums and
+    /// results for it go (PROTOCOL.md §9). The DPDK backend does not ask
+    /// by ARP.
+    #[arg(long, value_name = "IP=MAC")]
+    pub neighbor: Vec<String>,
+    /// The next hop's Ethernet address for appliances not given by
+    /// --neighbor (another rack's appliance, behind a router).
+    #[arg(long, value_name = "MAC")]
+    pub gateway_mac: Option<String>,
     /// MTU to configure (clamped to what the device takes).
     #[arg(long, default_value_t = 9000)]
     pub mtu: u16,
@@ -173,7 +183,18 @@ pub fn parse_bytes(s: &str) -> std::result::Result<u64, String> {
     n.checked_mul(mult).ok_or_else(|| format!("{s:?}: too large"))
 }
 
+/// The configuration file read when `--config` is not given, if it exists
+/// (see `phub_appliance::config`).
+pub const CONFIG_FILE: &str = "/etc/phub/dataplane.toml";
+
 impl Config {
+    /// The command line over the configuration file (`--config FILE`, else
+    /// [`CONFIG_FILE`] if it exists); prints the error and exits on a
+    /// mistake in either. Returns the file read, if any.
+    pub fn load() -> (Config, Option<std::path::PathBuf>) {
+        phub_appliance::config::parse_or_exit(std::path::Path::new(CONFIG_FILE))
+    }
+
     /// The number of lcores to run: `--lcores`, or `available` (one per CPU,
     /// or per EAL worker lcore) without it; 1 to [`MAX_LCORES`], and no more
     /// than are available.

@@ -96,10 +96,7 @@ mod hier;
 pub use hier::HierInstall;
 use hier::{Hier, Home, Partial, Peers};
 
-/// How a shard turns an appliance's data address (from a hierarchical
-/// job's install) into its backend's address type; see
-/// [`Shard::set_peer_resolver`].
-pub type PeerResolver<A> = Arc<dyn Fn(SocketAddrV4) -> Option<A> + Send + Sync>;
+pub use crate::transmit::PeerResolver;
 
 /// A [`PeerResolver`], or none (no hierarchical job can be installed).
 #[derive(Clone)]
@@ -1136,7 +1133,14 @@ impl<A: Copy + Eq> Shard<A> {
             }
             let addrs = addrs
                 .iter()
-                .map(|&a| resolve(a).ok_or_else(|| format!("no route to appliance address {a}")))
+                .map(|&a| {
+                    resolve(a).ok_or_else(|| {
+                        format!(
+                            "this backend cannot address appliance {a} (DPDK: give its Ethernet address \
+                             with --neighbor IP=MAC, or the next hop's with --gateway-mac)"
+                        )
+                    })
+                })
                 .collect::<Result<Vec<A>, String>>()?;
             Ok(Peers {
                 addrs,

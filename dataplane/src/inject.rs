@@ -83,8 +83,8 @@ impl<Io: PacketIo> FaultyIo<Io> {
 impl<Io: PacketIo> PacketIo for FaultyIo<Io> {
     type Addr = Io::Addr;
 
-    fn peer(addr: std::net::SocketAddrV4) -> Option<Io::Addr> {
-        Io::peer(addr)
+    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<Io::Addr>> {
+        self.inner.peer_resolver()
     }
 
     fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(Io::Addr, &[u8])) -> io::Result<usize> {

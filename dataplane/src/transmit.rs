@@ -10,6 +10,11 @@ use phub_proto::wire::HEADER_LEN;
 /// receive burst a backend hands over.
 pub const MAX_BURST: usize = 512;
 
+/// How an lcore turns another appliance's data address (a hierarchical
+/// job's peer, PROTOCOL.md §9) into its backend's address type; `None`
+/// when the backend cannot reach it.
+pub type PeerResolver<A> = std::sync::Arc<dyn Fn(std::net::SocketAddrV4) -> Option<A> + Send + Sync>;
+
 /// One message to send: a header, a payload borrowed from slot memory, and
 /// its destinations. The header is the same for every destination, so a
 /// backend sends the payload to each without copying it per destination.

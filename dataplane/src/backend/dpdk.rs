@@ -253,6 +253,28 @@ fn nic_verdict(fl: u64, mask: u64, bad: u64) -> Option<bool> {
     }
 }
 
+/// Other appliances' Ethernet addresses (`--neighbor`, `--gateway-mac`):
+/// how a queue reaches a hierarchical job's peers. The backend does not
+/// resolve addresses by ARP.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Neighbors {
+    /// Appliances on this port's segment: IPv4 address and MAC.
+    pub table: Vec<(Ipv4Addr, [u8; 6])>,
+    /// The next hop for any other address.
+    pub gateway: Option<[u8; 6]>,
+}
+
+impl Neighbors {
+    /// Where frames for `ip` go: its own MAC, or the gateway's.
+    pub fn mac_of(&self, ip: Ipv4Addr) -> Option<[u8; 6]> {
+        self.table
+            .iter()
+            .find(|(a, _)| *a == ip)
+            .map(|(_, m)| *m)
+            .or(self.gateway)
+    }
+}
+
 /// One lcore's RX/TX queue pair on a DPDK port.
 pub struct DpdkQueue {
     lcore: u16,
@@ -281,6 +303,7 @@ pub struct DpdkQueue {
     stuck_since: Option<Instant>,
     empty_polls: u32,
     ol_masks: OlMasks,
+    neighbors: Arc<Neighbors>,
 }
 
 impl std::fmt::Debug for DpdkQueue {
@@ -351,7 +374,15 @@ impl DpdkQueue {
                 l4_mask,
                 l4_bad,
             },
+            neighbors: Arc::default(),
         }
+    }
+
+    /// Reaches other appliances (a hierarchical job's peers) at the
+    /// Ethernet addresses `neighbors` gives.
+    pub fn with_neighbors(mut self, neighbors: Arc<Neighbors>) -> DpdkQueue {
+        self.neighbors = neighbors;
+        self
     }
 
     /// Frees, on this lcore, the frames its peer hands back through `ring`
@@ -496,6 +527,40 @@ impl DpdkQueue {
         }
     }
 
+    /// Hands a frame for this appliance's own address `to` to the lcore
+    /// whose port it names, through that lcore's hand-off ring (a NIC does
+    /// not send a port's frames back to it); counted as sent, or dropped
+    /// as `handoff_full` / `wrong_port`.
+    fn loop_back(
+        &mut self,
+        head: &mut [u8; FRAME_HEADER],
+        common: &frame::ResultHeaders,
+        bytes: &[u8],
+        to: &PeerAddr,
+        counters: &ShardCounters,
+        len: u64,
+    ) {
+        let owner = usize::from(to.port.wrapping_sub(self.me.base_port));
+        if owner >= self.handoff_out.len() {
+            self.counters.count_net_drop(NetDrop::WrongPort);
+            return;
+        }
+        let Some(m) = self.result_frame(head, common, None, bytes, to) else {
+            self.counters.count_net_drop(NetDrop::TxDropped);
+            return;
+        };
+        match self.handoff_out[owner].enqueue(m) {
+            Ok(()) => {
+                counters.tx_packets.inc();
+                counters.tx_bytes.add(len);
+            }
+            Err(m) => {
+                self.counters.count_net_drop(NetDrop::HandoffFull);
+                drop(m);
+            }
+        }
+    }
+
     fn backoff(&mut self, wait: Option<Duration>) {
         let Some(w) = wait else { return };
         if !self.opts.idle_backoff {
@@ -512,6 +577,20 @@ impl DpdkQueue {
 
 impl PacketIo for DpdkQueue {
     type Addr = PeerAddr;
+
+    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<PeerAddr>> {
+        let n = Arc::clone(&self.neighbors);
+        let me = self.me;
+        Some(Arc::new(move |a: std::net::SocketAddrV4| {
+            let ip = *a.ip();
+            Some(PeerAddr {
+                // This appliance itself: its frames loop back (tx_burst).
+                mac: if ip == me.ip { me.mac } else { n.mac_of(ip)? },
+                ip,
+                port: a.port(),
+            })
+        }))
+    }
 
     fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(PeerAddr, &[u8])) -> io::Result<usize> {
         if !self.tx_pending.is_empty() {
@@ -616,6 +695,14 @@ impl PacketIo for DpdkQueue {
             head[L2_L4_LEN..].copy_from_slice(&t.header);
             for to in t.to {
                 let payload = shared.as_mut().and_then(Shares::take);
+                if to.ip == self.me.ip {
+                    // To this appliance (a hierarchical job's home and rack
+                    // slots on one appliance): a whole frame, handed to the
+                    // lcore that owns the port as if received.
+                    drop(payload);
+                    self.loop_back(&mut head, &common, t.payload, &to, counters, bytes);
+                    continue;
+                }
                 match self.result_frame(&mut head, &common, payload, t.payload, &to) {
                     Some(m) => {
                         counters.tx_packets.inc();

@@ -23,11 +23,9 @@ pub trait PacketIo: Send + 'static {
     /// A peer's address (where results go).
     type Addr: Copy + Eq + Send + 'static;
 
-    /// The address at which this backend reaches another appliance's lcore
-    /// listening at `addr` (a hierarchical job's peers), if it can reach
-    /// other appliances at all.
-    fn peer(addr: std::net::SocketAddrV4) -> Option<Self::Addr> {
-        let _ = addr;
+    /// How this queue reaches other appliances' lcores (a hierarchical
+    /// job's peers), if it can reach other appliances at all.
+    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<Self::Addr>> {
         None
     }
 

@@ -377,8 +377,8 @@ impl UdpQueue {
 impl PacketIo for UdpQueue {
     type Addr = SocketAddrV4;
 
-    fn peer(addr: SocketAddrV4) -> Option<SocketAddrV4> {
-        Some(addr)
+    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<SocketAddrV4>> {
+        Some(std::sync::Arc::new(Some))
     }
 
     fn rx_burst(

@@ -16,7 +16,8 @@ use phub_ffi::{Eal, Mempool, Port, PortBuilder, Ring};
 use phub_proto::api::{LcoreInfo, PortStats};
 
 use super::{
-    handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools, HANDOFF_RING, RX_BURST,
+    handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, Neighbors, QueueOptions, TxPools, HANDOFF_RING,
+    RX_BURST,
 };
 use crate::backend::{LcoreStart, MakeJob, Started};
 use crate::config::{Config, DpdkOptions, DEFAULT_BASE_PORT};
@@ -136,9 +137,37 @@ pub fn eal_args(d: &DpdkOptions, lcores: Option<usize>, no_pin: bool, cpus: &[us
     args
 }
 
+/// Other appliances' Ethernet addresses, from `--neighbor` and
+/// `--gateway-mac`.
+fn neighbors(d: &crate::config::DpdkOptions) -> Result<Neighbors> {
+    let table = d
+        .neighbor
+        .iter()
+        .map(|n| {
+            let (ip, mac) = n.split_once('=').ok_or_else(|| {
+                anyhow::anyhow!("--neighbor {n:?}: expected IP=MAC, e.g. 10.0.1.1=02:00:00:00:01:01")
+            })?;
+            let ip = ip
+                .parse()
+                .map_err(|_| anyhow::anyhow!("--neighbor {n:?}: {ip:?} is not an IPv4 address"))?;
+            Ok((ip, parse_mac_of("--neighbor", mac)?))
+        })
+        .collect::<Result<_>>()?;
+    let gateway = d
+        .gateway_mac
+        .as_deref()
+        .map(|m| parse_mac_of("--gateway-mac", m))
+        .transpose()?;
+    Ok(Neighbors { table, gateway })
+}
+
 fn parse_mac(s: &str) -> Result<[u8; 6]> {
+    parse_mac_of("--mac", s)
+}
+
+fn parse_mac_of(flag: &str, s: &str) -> Result<[u8; 6]> {
     let parts: Vec<&str> = s.split([':', '-']).collect();
-    let bad = || anyhow::anyhow!("--mac {s:?}: expected six hex bytes like 02:00:00:00:00:01");
+    let bad = || anyhow::anyhow!("{flag} {s:?}: expected six hex bytes like 02:00:00:00:00:01");
     if parts.len() != 6 {
         return Err(bad());
     }
@@ -281,6 +310,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
     let tx_n = d.tx_mbufs.max(1024);
     let pools = TxPools::create(eal, tx_n, socket).context("the TX pools (--tx-mbufs)")?;
     let mac_override = d.mac.as_deref().map(parse_mac).transpose()?;
+    let peers = Arc::new(neighbors(d)?);
     let (port, rxq, txq) = PortBuilder::new(eal, port_id)
         .queues(n16)
         .descriptors(d.rx_desc, d.tx_desc)
@@ -349,6 +379,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
         if let Some(c) = completions.next() {
             q = q.with_completions(c);
         }
+        q = q.with_neighbors(Arc::clone(&peers));
         let run = make_job(LcoreStart {
             lcore,
             io: q,

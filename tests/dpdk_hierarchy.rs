@@ -1,0 +1,143 @@
+//! A DPDK appliance as one rack's appliance of a hierarchical job
+//! (PROTOCOL.md §9): phub-dataplane `--backend dpdk` on net_af_packet over
+//! the virtual rack's veth pair is rack 0, a kernel-UDP phub-dataplane on
+//! the workers' end of the veth is rack 1; the two exchange partial sums
+//! and results across the veth, DPDK reaching the other appliance at the
+//! Ethernet address `--neighbor` gives. Skips (printing why) without root.
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use phub::proto::api::DataplaneStats;
+use phub_hwtests::virt::{VirtualRack, WORKER_IF, WORKER_IP};
+use phub_hwtests::workload::train;
+
+/// The workers' end of the veth gets this address, which the DPDK
+/// appliance is told for the other appliance there.
+const WORKER_MAC: &str = "02:77:00:00:00:02";
+const UDP_MGMT: &str = "127.0.0.1:7811";
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn stats(url: &str) -> DataplaneStats {
+    ureq::get(&format!("{url}/v1/stats"))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap()
+}
+
+fn totals(s: &DataplaneStats) -> (u64, u64, u64) {
+    s.lcores.iter().fold((0, 0, 0), |t, l| {
+        (
+            t.0 + l.partials_sent,
+            t.1 + l.partial_results_sent,
+            t.2 + l.drops.values().sum::<u64>(),
+        )
+    })
+}
+
+#[test]
+fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
+    let rack = match VirtualRack::start(
+        "hier",
+        2,
+        &format!("--neighbor {WORKER_IP}={WORKER_MAC}"),
+        &format!("--appliance name=u,url=http://{UDP_MGMT},rack=r2"),
+    ) {
+        Ok(r) => r,
+        Err(why) => {
+            println!("SKIPPED: DPDK hierarchical test: {why}");
+            return;
+        }
+    };
+    rack.ns
+        .ip(&["link", "set", WORKER_IF, "address", WORKER_MAC])
+        .unwrap();
+    let bin = phub_hwtests::bin("phub-dataplane").unwrap();
+    let udp = Kill(
+        rack.ns
+            .command(&bin)
+            .args([
+                "--host",
+                WORKER_IP,
+                "--base-port",
+                "7950",
+                "--lcores",
+                "1",
+                "--no-pin",
+                "--mgmt",
+                UDP_MGMT,
+                "--memory-budget",
+                "256MiB",
+            ])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let url = rack.control_url();
+    let token = rack.operator_token();
+    let keys = [20_000u64, 3, 4097];
+    let mut spec = "name = \"hier-dpdk\"\nworkers = 4\n[optimizer]\nkind = \"sum\"\n".to_string();
+    for k in keys {
+        spec += &format!("[[keys]]\nelements = {k}\n");
+    }
+    spec += "[placement]\nappliances = [\"default\", \"u\"]\nhierarchical = true\n";
+    let (dpdk, other) = rack.inside(|| {
+        let t = Instant::now();
+        while ureq::get(&format!("http://{UDP_MGMT}/v1/info")).call().is_err() {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the kernel-UDP appliance did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let mut req = ureq::post(&format!("{url}/v1/jobs")).set("Content-Type", "application/toml");
+        if let Some(t) = &token {
+            req = req.set("Authorization", &format!("Bearer {t}"));
+        }
+        let job: phub::proto::api::AdmitResponse = match req.send_string(&spec) {
+            Ok(r) => r.into_json().unwrap(),
+            Err(ureq::Error::Status(s, r)) => panic!("admission refused ({s}): {}", r.into_string().unwrap()),
+            Err(e) => panic!("admission: {e}"),
+        };
+        // Ranks 0 and 1 on the DPDK appliance (rack 0), 2 and 3 on the
+        // kernel-UDP one; exact sums every round.
+        train(&url, &job, 4, &keys, 6);
+        (
+            (job.chunks, stats(&rack.mgmt_url())),
+            stats(&format!("http://{UDP_MGMT}")),
+        )
+    });
+    let (chunks, dpdk) = dpdk;
+    drop(udp);
+    let (d, o) = (totals(&dpdk), totals(&other));
+    let reasons = |s: &DataplaneStats| s.lcores.iter().flat_map(|l| l.drops.clone()).collect::<Vec<_>>();
+    println!(
+        "dpdk (partials, results, drops) {d:?} {:?}, kernel UDP {o:?} {:?}",
+        reasons(&dpdk),
+        reasons(&other)
+    );
+    assert_eq!(dpdk.backend, "dpdk");
+    // One partial per chunk and round (0 to 6) from each rack appliance;
+    // each is home to some chunks and answers both racks for them.
+    assert_eq!(d.0, 7 * chunks, "{dpdk:?}");
+    assert_eq!(o.0, 7 * chunks, "{other:?}");
+    assert!(d.1 > 0 && o.1 > 0);
+    assert_eq!(d.1 + o.1, 2 * 7 * chunks);
+    assert_eq!(
+        dpdk.lcores
+            .iter()
+            .filter_map(|l| l.drops.get("wrong_peer"))
+            .sum::<u64>(),
+        0
+    );
+}
