@@ -206,6 +206,10 @@ fn load_or_create_token(path: &std::path::Path) -> anyhow::Result<String> {
     Ok(token)
 }
 
+/// The configuration file read when `--config` is not given, if it exists
+/// (see `phub_appliance::config`).
+pub const CONFIG_FILE: &str = "/etc/phub/control.toml";
+
 /// phub-control: admits jobs, maps chunks to lcores, answers workers.
 #[derive(Debug, Parser)]
 #[command(name = "phub-control", version)]
@@ -256,7 +260,10 @@ struct Args {
 /// SIGINT or SIGTERM, then shuts down cleanly.
 pub fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
-    let args = Args::parse();
+    let (args, file) = phub_appliance::config::parse_or_exit::<Args>(std::path::Path::new(CONFIG_FILE));
+    if let Some(f) = file {
+        log::info!("configuration file {}", f.display());
+    }
     let explicit = args.dataplane.is_some() || args.dataplane_token_file.is_some();
     let mut config = Config {
         listen: args.listen,
