@@ -34,7 +34,7 @@ pub enum Command {
     Install(
         JobInstall,
         Option<ShmSetup>,
-        Option<HierInstall>,
+        Option<Box<HierInstall>>,
         Option<Vec<SlotState>>,
         Sender<Result<u64, EngineError>>,
     ),
@@ -163,7 +163,7 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
         Command::Install(job, shm, hier, restore, reply) => {
             let id = job.id;
             let mut r = match (shm, hier) {
-                (_, Some(hier)) => shard.install_hierarchical(job, hier),
+                (_, Some(hier)) => shard.install_hierarchical(job, *hier),
                 (Some(setup), None) => shard.install_shared(job, setup),
                 (None, None) => shard.install(job),
             };

@@ -296,7 +296,13 @@ impl Manager {
             let answer = l
                 .commands
                 .send_timeout(
-                    Command::Install(job, shm, hier.as_mut().and_then(Iterator::next), state, tx),
+                    Command::Install(
+                        job,
+                        shm,
+                        hier.as_mut().and_then(Iterator::next).map(Box::new),
+                        state,
+                        tx,
+                    ),
                     ACK_TIMEOUT,
                 )
                 .map_err(|_| (500, format!("lcore {i} did not take the command")))

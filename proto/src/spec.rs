@@ -99,6 +99,8 @@ pub struct PlacementSpec {
 /// Largest `chunk_bytes` of a hierarchical job whose dtype is 2 bytes wide:
 /// its partial sums travel as `f32`, twice the bytes, and must fit one
 /// datagram (PROTOCOL.md §9.2).
+// Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
+#[allow(clippy::cast_possible_truncation)]
 pub const MAX_HIERARCHICAL_HALF_CHUNK_BYTES: u32 = (crate::wire::MAX_PAYLOAD as u32 / 2) / 64 * 64;
 
 /// The appliances a job asks for.
