@@ -1799,17 +1799,8 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.rank >= h.racks {
             return Err(DropReason::RankOutOfRange);
         }
-        if repr.dtype != Dtype::F32 {
-            return Err(DropReason::DtypeMismatch);
-        }
         let home = h.home.as_mut().ok_or(DropReason::SlotOutOfRange)?;
-        let slot = home
-            .slots
-            .get_mut(repr.slot as usize)
-            .ok_or(DropReason::SlotOutOfRange)?;
-        if repr.key != slot.key || repr.chunk != slot.chunk {
-            return Err(DropReason::ChunkMismatch);
-        }
+        let slot = slot_for(&mut home.slots, repr, Dtype::F32)?;
         let carries = repr.round != 0 || repr.rank == 0;
         if u32::from(repr.count) != if carries { slot.elems } else { 0 } {
             return Err(DropReason::CountMismatch);
@@ -1859,16 +1850,7 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.rank != APPLIANCE_RANK {
             return Err(DropReason::RankOutOfRange);
         }
-        if repr.dtype != job.dtype {
-            return Err(DropReason::DtypeMismatch);
-        }
-        let slot = job
-            .slots
-            .get_mut(repr.slot as usize)
-            .ok_or(DropReason::SlotOutOfRange)?;
-        if repr.key != slot.key || repr.chunk != slot.chunk {
-            return Err(DropReason::ChunkMismatch);
-        }
+        let slot = slot_for(&mut job.slots, repr, job.dtype)?;
         if u32::from(repr.count) != slot.elems {
             return Err(DropReason::CountMismatch);
         }
@@ -1950,16 +1932,7 @@ impl<A: Copy + Eq> Shard<A> {
         payload: &[u8],
         now: u64,
     ) -> Result<Step, DropReason> {
-        if repr.dtype != job.dtype {
-            return Err(DropReason::DtypeMismatch);
-        }
-        let slot = job
-            .slots
-            .get_mut(repr.slot as usize)
-            .ok_or(DropReason::SlotOutOfRange)?;
-        if repr.key != slot.key || repr.chunk != slot.chunk {
-            return Err(DropReason::ChunkMismatch);
-        }
+        let slot = slot_for(&mut job.slots, repr, job.dtype)?;
         let carries = match repr.kind {
             MsgType::Pull => false,
             MsgType::Init => repr.rank == 0,
@@ -2478,6 +2451,21 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
     }
+}
+
+/// The slot `repr` names among `slots`, if the message's dtype is `dtype`
+/// and its key and chunk are the slot's (PROTOCOL.md §7's order).
+fn slot_for<'s>(slots: &'s mut [Slot], repr: &Repr, dtype: Dtype) -> Result<&'s mut Slot, DropReason> {
+    if repr.dtype != dtype {
+        return Err(DropReason::DtypeMismatch);
+    }
+    let slot = slots
+        .get_mut(repr.slot as usize)
+        .ok_or(DropReason::SlotOutOfRange)?;
+    if repr.key != slot.key || repr.chunk != slot.chunk {
+        return Err(DropReason::ChunkMismatch);
+    }
+    Ok(slot)
 }
 
 enum Step {

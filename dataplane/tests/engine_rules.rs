@@ -210,6 +210,12 @@ fn every_refusal_is_counted_under_its_reason() {
         &msg(MsgType::Push, 0, 2, 0, &[1.; 4]),
         DropReason::Duplicate,
     );
+    // Appliance-to-appliance messages for a job that is not hierarchical.
+    refuse(
+        &mut s,
+        &msg(MsgType::Partial, 0, 3, 0, &[1.; 4]),
+        DropReason::WrongPeer,
+    );
     // Evicted: the job's own messages are told so.
     assert!(s.evict(1, 1));
     refuse(
