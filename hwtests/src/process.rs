@@ -218,17 +218,20 @@ impl Drop for Daemon {
     }
 }
 
-/// What a signal must clean up: every running [`Daemon`] and the scratch
-/// directories registered with [`track_dir`].
+/// What a signal must clean up: every running [`Daemon`], the scratch
+/// directories registered with [`track_dir`] and the network namespaces
+/// registered with [`track_netns`].
 #[derive(Default)]
 struct Live {
     pids: Vec<u32>,
     dirs: Vec<PathBuf>,
+    netns: Vec<String>,
 }
 
 static LIVE: Mutex<Live> = Mutex::new(Live {
     pids: Vec::new(),
     dirs: Vec::new(),
+    netns: Vec::new(),
 });
 
 fn live() -> std::sync::MutexGuard<'static, Live> {
@@ -250,6 +253,19 @@ pub fn untrack_dir(dir: &Path) {
     live().dirs.retain(|d| d != dir);
 }
 
+/// Registers a network namespace for deletion (`ip netns del`, which takes
+/// its interfaces and their qdiscs with it) if a signal stops this program
+/// ([`stop_on_signal`]); [`crate::virt::Netns`] does it for every namespace
+/// it creates.
+pub fn track_netns(name: &str) {
+    live().netns.push(name.to_string());
+}
+
+/// Forgets a namespace [`track_netns`] registered (it was deleted).
+pub fn untrack_netns(name: &str) {
+    live().netns.retain(|n| n != name);
+}
+
 /// Whether process `pid` has exited (gone, or a zombie awaiting its parent).
 fn exited(pid: u32) -> bool {
     match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
@@ -263,13 +279,13 @@ fn exited(pid: u32) -> bool {
 
 /// Makes SIGINT, SIGTERM and SIGHUP stop this program cleanly: every
 /// running [`Daemon`] gets SIGTERM (SIGKILL after 5 s), the directories
-/// [`track_dir`] registered are removed, and the program exits with status
-/// 130. `program` names it in the message printed.
+/// [`track_dir`] registered are removed, the namespaces [`track_netns`]
+/// registered are deleted, and the program exits with status 130. `program` names it in the message printed.
 pub fn stop_on_signal(program: &'static str) -> Result<(), String> {
     ctrlc::set_handler(move || {
-        let (pids, dirs) = {
+        let (pids, dirs, netns) = {
             let l = live();
-            (l.pids.clone(), l.dirs.clone())
+            (l.pids.clone(), l.dirs.clone(), l.netns.clone())
         };
         eprintln!(
             "{program}: stopping on a signal: {} daemon(s) to stop",
@@ -294,6 +310,9 @@ pub fn stop_on_signal(program: &'static str) -> Result<(), String> {
         }
         for d in &dirs {
             let _ = std::fs::remove_dir_all(d);
+        }
+        for n in &netns {
+            let _ = Command::new("ip").args(["netns", "del", n]).output();
         }
         std::process::exit(130);
     })

@@ -48,6 +48,7 @@ impl Netns {
         let name = format!("phub-{tag}-{}", std::process::id());
         let _ = run(Command::new("ip").args(["netns", "del", &name]));
         run(Command::new("ip").args(["netns", "add", &name]))?;
+        process::track_netns(&name);
         Ok(Netns { name })
     }
 
@@ -84,6 +85,7 @@ pub fn enter_netns(name: &str) {
 impl Drop for Netns {
     fn drop(&mut self) {
         let _ = run(Command::new("ip").args(["netns", "del", &self.name]));
+        process::untrack_netns(&self.name);
     }
 }
 
@@ -544,20 +546,24 @@ impl Netns {
     /// Moves the calling thread into the namespace, as [`Netns::enter`],
     /// but says why it could not instead of panicking.
     pub fn try_enter(&self) -> Result<(), String> {
-        let path = format!("/var/run/netns/{}", self.name);
-        let f = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
-        // SAFETY: a valid namespace fd, open for the duration of the call;
-        // setns(CLONE_NEWNET) changes only the calling thread's network
-        // namespace.
-        let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
-        if rc == 0 {
-            Ok(())
-        } else {
-            Err(format!(
-                "setns into {}: {}",
-                self.name,
-                std::io::Error::last_os_error()
-            ))
-        }
+        try_enter_netns(&self.name)
+    }
+}
+
+/// Moves the calling thread into the network namespace `name`, as
+/// [`enter_netns`], but says why it could not instead of panicking (for a
+/// thread that holds only the name, such as a worker thread of a virtual
+/// rack).
+pub fn try_enter_netns(name: &str) -> Result<(), String> {
+    let path = format!("/var/run/netns/{name}");
+    let f = std::fs::File::open(&path).map_err(|e| format!("{path}: {e}"))?;
+    // SAFETY: a valid namespace fd, open for the duration of the call;
+    // setns(CLONE_NEWNET) changes only the calling thread's network
+    // namespace.
+    let rc = unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!("setns into {name}: {}", std::io::Error::last_os_error()))
     }
 }

@@ -309,6 +309,8 @@ pub fn serve_control(args: &ControlArgs) -> Result<()> {
         dataplane: args.dataplane.clone(),
         state: args.state.clone(),
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
+        appliances: args.appliance.clone(),
+        insecure_listen: args.insecure_listen,
         ..phub_control::daemon::Config::default()
     })?;
     wait_for_signal()?;
@@ -331,6 +333,14 @@ pub struct ControlArgs {
     /// Milliseconds between reconciliations with the dataplane.
     #[arg(long, default_value_t = 2000)]
     pub reconcile_ms: u64,
+    /// An appliance, as phub-control's `--appliance` (repeatable; the
+    /// virtual racks give one per rack).
+    #[arg(long, value_name = "SPEC", value_parser = phub_control::daemon::parse_appliance)]
+    pub appliance: Vec<phub_proto::api::ApplianceSpec>,
+    /// Listen beyond loopback in clear text (the virtual racks' control
+    /// listens on the spine namespace's private address).
+    #[arg(long)]
+    pub insecure_listen: bool,
 }
 
 fn wait_for_signal() -> Result<()> {

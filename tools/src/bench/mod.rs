@@ -8,10 +8,13 @@
 //!   against.
 //! - [`plot`]: the sweep's plot (SVG, or PNG rendered from it).
 //! - [`tcp_ps`]: the same-run TCP parameter server of `--baseline tcp-ps`.
+//! - [`racks`]: virtual racks (`--racks R`): namespaces, veth links, tbf
+//!   limits, an appliance per rack, the bytes across the spine.
 
 pub mod ceiling;
 pub mod emulate;
 pub mod local;
 pub mod plot;
+pub mod racks;
 pub mod run;
 pub mod tcp_ps;

@@ -17,6 +17,7 @@ use super::ceiling::{self, Ceilings, VethCeiling};
 use super::emulate::{self, Event, Outcome, Plan};
 use super::local::{self, Local, LocalOptions};
 use super::plot;
+use super::racks::{Fabric, RackArgs, RackFigures};
 use crate::profiles::{self, Profile};
 use crate::stats::summarize;
 use crate::sys::{self, Machine};
@@ -225,6 +226,10 @@ pub struct RunArgs {
     /// compute (jitter included) takes X times as long (seeded per rank).
     #[arg(long, value_name = "p=P,x=X")]
     pub spike: Option<emulate::Spike>,
+    /// Virtual racks (`--racks R` and what goes with it).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub rack: RackArgs,
 }
 
 fn parse_consistency(s: &str) -> Result<String, String> {
@@ -396,6 +401,9 @@ pub struct RunResult {
     pub appliance: Option<Counters>,
     /// Every timed round of every worker, ms (`[rank][round]`).
     pub round_ms: Vec<Vec<f64>>,
+    /// The virtual racks' figures (`--racks`).
+    #[serde(flatten)]
+    pub racks: RackFigures,
 }
 
 /// Datagrams a fault injector lost, duplicated and held back.
@@ -573,6 +581,9 @@ enum ChildLine {
 /// Runs one point: ceiling, appliance, job, workers. `--local --backend
 /// dpdk` runs all of it inside the virtual rack's namespace.
 fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
+    if a.rack.racks.is_some() {
+        return super::racks::run_point(a, profile, label);
+    }
     let mut r = if a.backend == Backend::Dpdk && a.control.is_none() {
         let net = local::VethNet::create()?;
         net.inside(|| run_point_here(a, profile, label, Some(&net.ns.name)))?
@@ -592,9 +603,31 @@ fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
     Ok(r)
 }
 
-/// One point, on the calling thread's network (`veth`: the virtual rack's
-/// namespace, which that thread is inside).
-fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str>) -> Result<RunResult> {
+/// The job a run admits: its spec as JSON and parsed, and its chunks.
+pub(super) struct Job {
+    /// The spec, as sent to control.
+    pub(super) json: serde_json::Value,
+    /// The spec, parsed.
+    pub(super) parsed: phub_proto::spec::JobSpec,
+    /// Elements per chunk.
+    pub(super) chunk_elems: u64,
+    /// Chunks per worker per round.
+    pub(super) chunks: u64,
+}
+
+impl Job {
+    /// A dataplane memory budget that holds the whole job on `lcores`
+    /// lcores by the dataplane's upper bounds, with room to spare.
+    pub(super) fn budget(&self, lcores: usize, shm: bool) -> u64 {
+        let model = phub_proto::memory::MemoryModel::default();
+        let mut load = vec![0; lcores.max(1)];
+        let lay = phub_proto::layout::layout(&self.parsed, &mut load, model.chunk_cost(&self.parsed, shm));
+        model.job_cost(&self.parsed, &lay, shm).total() + (64 << 20)
+    }
+}
+
+/// The job for `profile` with `a`'s workers, chunk size and consistency.
+pub(super) fn job_spec(a: &RunArgs, profile: &Profile, label: &str) -> Result<Job> {
     ensure!(
         a.workers >= 1 && a.workers <= 256,
         "--workers {}: expected 1 to 256",
@@ -605,18 +638,31 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         "--lcores {}: expected 1 to 256",
         a.lcores
     );
-    let mut spec = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
-    if let (Some(c), Some(o)) = (consistency_json(&a.consistency), spec.as_object_mut()) {
+    let mut json = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
+    if let (Some(c), Some(o)) = (consistency_json(&a.consistency), json.as_object_mut()) {
         o.insert("consistency".into(), c);
     }
     let parsed =
-        phub_proto::spec::JobSpec::from_json(&spec.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        phub_proto::spec::JobSpec::from_json(&json.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
     let chunk_elems = u64::from(parsed.chunk_elems());
     let chunks: u64 = profile
         .tensors
         .iter()
         .map(|t| t.elements.div_ceil(chunk_elems))
         .sum();
+    Ok(Job {
+        json,
+        parsed,
+        chunk_elems,
+        chunks,
+    })
+}
+
+/// One point, on the calling thread's network (`veth`: the virtual rack's
+/// namespace, which that thread is inside).
+fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str>) -> Result<RunResult> {
+    let job = job_spec(a, profile, label)?;
+    let (spec, chunk_elems, chunks) = (&job.json, job.chunk_elems, job.chunks);
     // On the virtual rack the bound is the veth path's, measured after the run.
     let ceilings = if a.no_ceiling || veth.is_some() {
         None
@@ -638,11 +684,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
     let control_url = match &a.control {
         Some(u) => u.trim_end_matches('/').to_string(),
         None => {
-            // What the job costs by the dataplane's upper bounds, and room.
-            let model = phub_proto::memory::MemoryModel::default();
-            let mut load = vec![0; a.lcores.max(1)];
-            let lay = phub_proto::layout::layout(&parsed, &mut load, model.chunk_cost(&parsed, a.shm));
-            let budget = model.job_cost(&parsed, &lay, a.shm).total() + (64 << 20);
+            let budget = job.budget(a.lcores, a.shm);
             let mut extra_args = a.dataplane_arg.clone();
             if let Some(spec) = &a.inject {
                 extra_args.extend(["--inject".to_string(), spec.clone()]);
@@ -673,7 +715,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         Some(l) => Some(l.operator_token()?),
         None => local::env_operator_token(),
     };
-    let admitted = local::admit(&control_url, &spec, token.as_deref())?;
+    let admitted = local::admit(&control_url, spec, token.as_deref())?;
     let r = drive(
         a,
         profile,
@@ -682,6 +724,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         local.as_ref(),
         chunks,
         ceilings,
+        &Fabric::default(),
     );
     local::evict(&control_url, admitted.id, token.as_deref());
     if let Some(l) = local {
@@ -740,8 +783,10 @@ fn with_veth_ceiling(
     r
 }
 
-/// Starts the workers, runs the rounds, collects the figures.
-fn drive(
+/// Starts the workers (each in its `fabric` namespace, if any), runs the
+/// rounds, collects the figures.
+#[allow(clippy::too_many_arguments)] // the run's parts, each owned elsewhere
+pub(super) fn drive(
     a: &RunArgs,
     profile: &Profile,
     control_url: &str,
@@ -749,6 +794,7 @@ fn drive(
     local: Option<&Local>,
     chunks: u64,
     ceilings: Option<Ceilings>,
+    fabric: &Fabric<'_>,
 ) -> Result<RunResult> {
     let w = a.workers;
     let total_rounds = u64::from(a.warmup + a.rounds) * w as u64;
@@ -791,7 +837,15 @@ fn drive(
     if a.procs {
         let me = std::env::current_exe()?;
         for plan in &plans {
-            let mut child = Command::new(&me)
+            let mut cmd = match fabric.ns_of(plan.rank) {
+                Some(ns) => {
+                    let mut c = Command::new("ip");
+                    c.args(["netns", "exec", ns]).arg(&me);
+                    c
+                }
+                None => Command::new(&me),
+            };
+            let mut child = cmd
                 .args(["bench-worker", "--plan", &serde_json::to_string(plan)?])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())
@@ -831,11 +885,16 @@ fn drive(
         for plan in plans {
             let (tx, gate) = (tx.clone(), Arc::clone(&gate));
             let profile = profile.clone();
+            let ns = fabric.ns_of(plan.rank).map(str::to_string);
             threads.push(
                 std::thread::Builder::new()
                     .name(format!("bench-worker-{}", plan.rank))
                     .spawn(move || {
                         let rank = plan.rank;
+                        if let Some(Err(e)) = ns.map(|n| phub_hwtests::virt::try_enter_netns(&n)) {
+                            let _ = tx.send(Msg::Failed(rank, e));
+                            return;
+                        }
                         let tx2 = tx.clone();
                         let r = emulate::run(
                             &plan,
@@ -864,6 +923,13 @@ fn drive(
     let mut cpu0 = (None, None);
     let mut threads0 = (Default::default(), Default::default());
     let mut timed_secs = 0.0;
+    let spine = |what: &str| {
+        fabric.spine_bytes.and_then(|f| {
+            f().map_err(|e| eprintln!("phub-bench: the spine's byte counters {what}: {e:#}"))
+                .ok()
+        })
+    };
+    let (mut spine0, mut spine1) = (None, None);
     while outcomes.len() + usize::from(failure.is_some()) < w {
         let Ok(msg) = rx.recv() else { break };
         match msg {
@@ -872,6 +938,7 @@ fn drive(
                 if ready == w {
                     bar.set_message("timed rounds");
                     before = dataplane_counters(control_url);
+                    spine0 = spine("before the timed rounds");
                     cpu0 = (dp_pid.and_then(sys::cpu_seconds), workers_cpu(a.procs, &children));
                     threads0 = (
                         dp_pid.map(sys::thread_cpu_seconds).unwrap_or_default(),
@@ -899,6 +966,7 @@ fn drive(
                 outcomes.push(*o);
                 if outcomes.len() == w {
                     timed_secs = started.elapsed().as_secs_f64();
+                    spine1 = spine("after the timed rounds");
                 }
             }
             Msg::Failed(rank, m) => {
@@ -1072,6 +1140,12 @@ fn drive(
         results_ignored: outcomes.iter().map(|o| o.stats.results_ignored).sum(),
         appliance: counters,
         round_ms: outcomes.iter().map(|o| o.round_ms.clone()).collect(),
+        racks: RackFigures {
+            cross_rack_bytes_per_round: spine0
+                .zip(spine1)
+                .map(|(x, y)| y.saturating_sub(x) as f64 / rounds_f),
+            ..RackFigures::default()
+        },
     })
 }
 
@@ -1245,6 +1319,9 @@ fn print_table(points: &[RunResult]) {
     }
     for r in points.iter().filter(|r| r.inject.is_some()) {
         println!("{}", fault_summary(r));
+    }
+    for line in points.iter().filter_map(super::racks::summary) {
+        println!("{line}");
     }
 }
 
