@@ -71,6 +71,10 @@ pub struct Plan {
     /// Occasional slow rounds (`--spike p=P,x=X`); `None`: none.
     #[serde(default)]
     pub spike: Option<Spike>,
+    /// The rack this worker says at join (`WorkerConfig::rack`; the
+    /// virtual racks' label of its rack); `None`: not said.
+    #[serde(default)]
+    pub rack: Option<String>,
 }
 
 /// `--spike p=P,x=X`: with probability `p` a round's compute (jitter
@@ -249,6 +253,7 @@ pub fn run(
         gso: plan.gso,
         gro: plan.gro,
         shm: if plan.shm { ShmMode::On } else { ShmMode::Off },
+        rack: plan.rack.clone(),
         ..WorkerConfig::default()
     };
     if let Some(w) = plan.window {

@@ -71,6 +71,12 @@ fn spine_if(r: usize) -> String {
     format!("rk{r}")
 }
 
+/// Rack `r`'s label (control's `--appliance ...,rack=`, and what its
+/// workers say at join).
+pub fn rack_label(r: usize) -> String {
+    format!("r{r}")
+}
+
 /// The appliance named for rack `r` in control.
 pub fn appliance_name(r: usize) -> String {
     format!("rack{r}")
@@ -161,6 +167,8 @@ pub struct RackFigures {
 pub struct Fabric<'a> {
     /// Each rank's network namespace (empty: the calling thread's).
     pub rank_ns: Vec<String>,
+    /// The rack label each rank says at join (empty: none said).
+    pub rank_rack: Vec<String>,
     /// Bytes that entered the spine so far.
     pub spine_bytes: Option<&'a (dyn Fn() -> Result<u64> + Sync)>,
 }
@@ -169,6 +177,11 @@ impl Fabric<'_> {
     /// Rank `rank`'s namespace, if it has one.
     pub fn ns_of(&self, rank: u16) -> Option<&str> {
         self.rank_ns.get(usize::from(rank)).map(String::as_str)
+    }
+
+    /// The rack label rank `rank` says at join, if any.
+    pub fn rack_of(&self, rank: u16) -> Option<String> {
+        self.rank_rack.get(usize::from(rank)).cloned()
     }
 }
 
@@ -482,8 +495,9 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         control_args.extend([
             "--appliance".into(),
             format!(
-                "name={},url={url},rack=r{r},token-file={}",
+                "name={},url={url},rack={},token-file={}",
                 appliance_name(r),
+                rack_label(r),
                 token.display()
             ),
         ]);
@@ -660,6 +674,7 @@ fn run_in_spine(
     let fabric_bytes = || net.spine_rx_bytes();
     let fabric = Fabric {
         rank_ns: of.iter().map(|&r| net.racks[r].name.clone()).collect(),
+        rank_rack: of.iter().map(|&r| rack_label(r + 1)).collect(),
         spine_bytes: Some(&fabric_bytes),
     };
     let token = Some(appl.token.as_str());

@@ -830,6 +830,7 @@ pub(super) fn drive(
             jitter_exp_ms: a.jitter.unwrap_or(0.0),
             compute_factor: if rank == 0 { a.slow_rank0 } else { 1.0 },
             spike: a.spike,
+            rack: fabric.rack_of(rank as u16),
         })
         .collect();
     let mut threads = Vec::new();
