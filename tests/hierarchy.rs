@@ -6,7 +6,7 @@
 mod common;
 
 use common::{train, Appliances};
-use phub::proto::api::{DataplaneStats, JoinRequest};
+use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JoinRequest};
 
 fn totals(stats: &DataplaneStats) -> (u64, u64, u64, u64) {
     stats.lcores.iter().fold((0, 0, 0, 0), |t, l| {
@@ -87,6 +87,18 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
         7 * 14,
         "one optimizer run per chunk and round over both homes"
     );
+
+    // Admission charged each appliance exactly what it holds: rack slots,
+    // home slots, pending-partial records and peers.
+    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
+    for (i, part) in show.parts.iter().enumerate() {
+        let held: Vec<InstalledJob> = rack.dataplane_get(i, "/v1/jobs");
+        assert_eq!(
+            held[0].memory_bytes, part.memory_bytes,
+            "appliance {}",
+            part.appliance
+        );
+    }
 
     let (ok, out, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
     assert!(ok, "{err}");

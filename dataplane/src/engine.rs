@@ -78,7 +78,7 @@ use std::sync::Arc;
 
 use phub_proto::checkpoint::{SlotState, CLOCK_HELD};
 use phub_proto::layout::SlotChunk;
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, PARTIAL_RECORD_BYTES, PEER_LCORE_BYTES};
 use phub_proto::spec::{Consistency, Optimizer, MAX_WORKERS};
 use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
@@ -931,6 +931,14 @@ impl<A: Copy + Eq> Shard<A> {
         mem: Arc<dyn SlotAllocator>,
         counters: Arc<ShardCounters>,
     ) -> Shard<A> {
+        // What MemoryModel::hierarchical_cost charges for the records of a
+        // hierarchical job.
+        assert!(
+            std::mem::size_of::<Partial>() as u64 <= PARTIAL_RECORD_BYTES
+                && (std::mem::size_of::<A>() + std::mem::size_of::<phub_proto::layout::ChunkRange>()) as u64
+                    <= PEER_LCORE_BYTES,
+            "a hierarchical job's records outgrow the memory model"
+        );
         // What memory_model tells admission a rank costs.
         assert!(
             std::mem::size_of::<Option<A>>() + std::mem::size_of::<u64>() <= RANK_BYTES as usize,
@@ -1389,13 +1397,26 @@ impl<A: Copy + Eq> Shard<A> {
         let model = memory_model(&*self.mem);
         let data: u64 = j.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
         let regions = j.shm.as_ref().map_or(0, |r| r.paths().count() as u64);
+        // A hierarchical job's home slots, pending-partial records and peers
+        // (what MemoryModel::hierarchical_cost charges).
+        let hier = j.hier.as_ref().map_or(0, |h| {
+            let home = h.home.as_ref().map_or(0, |home| {
+                let data: u64 = home.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
+                data + home.blocks.len() as u64 * u64::from(model.block_overhead_bytes)
+                    + (home.slots.len() * std::mem::size_of::<Slot>()) as u64
+            });
+            let peers: usize =
+                h.rack_peers.iter().map(|p| p.addrs.len()).sum::<usize>() + h.homes.addrs.len();
+            home + h.partials.len() as u64 * PARTIAL_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
+        });
         Some(
             data + j.blocks.len() as u64 * u64::from(model.block_overhead_bytes)
                 + (j.slots.capacity() * std::mem::size_of::<Slot>()) as u64
                 + (j.clocks.capacity() * std::mem::size_of::<RankClock>()) as u64
                 + JOB_RECORD_BYTES as u64
                 + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
-                + regions * REGION_BYTES as u64,
+                + regions * REGION_BYTES as u64
+                + hier,
         )
     }
 

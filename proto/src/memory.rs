@@ -130,10 +130,12 @@ pub fn data_bytes(spec: &JobSpec, shm: bool) -> u64 {
 }
 
 /// Bytes an lcore keeps per rack slot of a hierarchical job for the partial
-/// waiting for its home's answer (round, send time, deadline, resends).
+/// waiting for its home's answer (round, send time, deadline, resends): at
+/// least the engine's record (checked there).
 pub const PARTIAL_RECORD_BYTES: u64 = 32;
 /// Bytes an lcore keeps per peer lcore of a hierarchical job (its run of
-/// chunks and its address), counted twice: as a rack and as a home.
+/// chunks and its address), counted twice: as a rack and as a home; at
+/// least what the engine keeps (checked there).
 pub const PEER_LCORE_BYTES: u64 = 64;
 
 /// What one job costs, in bytes.
@@ -266,12 +268,20 @@ impl MemoryModel {
             ..spec.clone()
         };
         let mut cost = self.job_cost(&relay, rack, false);
-        let homes = self.job_cost(spec, home, false);
-        for ((c, h), r) in cost.lcores.iter_mut().zip(&homes.lcores).zip(&rack.lcores) {
-            // Each lcore keeps every peer lcore's run and address.
-            *c += h + r.count * PARTIAL_RECORD_BYTES + (2 * peer_lcores as u64) * PEER_LCORE_BYTES;
+        let chunks = Chunks::new(spec);
+        let data = self.data_weights(spec, &chunks, false);
+        let per_block = self.slots_per_block(spec, false);
+        for ((c, h), r) in cost.lcores.iter_mut().zip(&home.lcores).zip(&rack.lcores) {
+            // Home slots: their buffers, records and blocks (the job's
+            // record and ranks are the rack slots'); a pending-partial
+            // record per rack slot; every peer lcore's run and address,
+            // as a rack and as a home.
+            *c += data.of(h.range())
+                + h.count * u64::from(self.slot_bytes)
+                + h.count.div_ceil(per_block) * u64::from(self.block_overhead_bytes)
+                + r.count * PARTIAL_RECORD_BYTES
+                + (2 * peer_lcores as u64) * PEER_LCORE_BYTES;
         }
-        cost.registry += homes.registry;
         cost
     }
 
