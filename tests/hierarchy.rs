@@ -102,7 +102,10 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
 
     let (ok, out, err) = rack.phubctl(&["job", "show", &job.id.to_string()]);
     assert!(ok, "{err}");
-    assert!(out.contains("r1") && out.contains("r2"), "{out}");
+    assert!(
+        out.contains("hierarchical:") && out.contains("r1 (ranks 0..2)") && out.contains("r2 (ranks 2..4)"),
+        "{out}"
+    );
 }
 
 #[test]

@@ -624,6 +624,13 @@ pub fn render_show(d: &JobDetail) -> String {
         out.push_str(&format!(", {} ({})", human_bytes(c.bytes), c.file));
     }
     out.push_str("\n\n");
+    let hierarchical = d.parts.iter().any(|p| p.ranks.is_some());
+    if hierarchical {
+        out.push_str(
+            "hierarchical: each rank sends to its rack's appliance, which keeps a slot of every chunk and \
+             sends one partial sum per chunk to its home (CHUNKS: the chunks each appliance is home to)\n",
+        );
+    }
     if d.parts.len() > 1 || d.parts.iter().any(|p| !p.installed) {
         let rows: Vec<Vec<String>> = d
             .parts
@@ -631,7 +638,10 @@ pub fn render_show(d: &JobDetail) -> String {
             .map(|p| {
                 vec![
                     p.appliance.clone(),
-                    p.rack.clone(),
+                    match p.ranks {
+                        Some((lo, hi)) => format!("{} (ranks {lo}..{hi})", p.rack),
+                        None => p.rack.clone(),
+                    },
                     p.lcores.to_string(),
                     format!("{}..{}", p.chunks.0, p.chunks.1),
                     human_bytes(p.memory_bytes),

@@ -1457,9 +1457,11 @@ impl Shared {
             .parts
             .iter()
             .all(|p| matches!(views.get(&p.appliance), Some(Ok(Some(_)))));
+        let rack_ranks = (!job.racks.is_empty()).then(|| job.spec.rack_ranks()).flatten();
         let parts_detail = parts(job)
             .into_iter()
-            .map(|(name, part)| {
+            .enumerate()
+            .map(|(i, (name, part))| {
                 let a = inner.appliances.get(name);
                 let view = views.get(name);
                 let l = view.and_then(|v| v.as_ref().ok()?.as_ref());
@@ -1478,6 +1480,10 @@ impl Shared {
                     },
                     rounds_completed: l.map_or(0, |l| l.rounds_completed),
                     round_range: l.and_then(|l| l.round_range),
+                    ranks: rack_ranks
+                        .as_ref()
+                        .and_then(|r| r.get(i))
+                        .map(|r| (r.start, r.end)),
                 }
             })
             .collect();

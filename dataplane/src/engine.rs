@@ -1887,9 +1887,10 @@ impl<A: Copy + Eq> Shard<A> {
                 DropReason::Ahead
             });
         }
-        if p.sent != 0 {
-            h.rtt.sample(now.saturating_sub(p.sent));
-        }
+        // From the first send, resent or not: the wait for the other
+        // racks' partials is part of it, and leaving out the partials that
+        // waited longest (Karn's rule) set the timer below the usual wait.
+        h.rtt.sample(now.saturating_sub(p.sent));
         *p = Partial::default();
         let n = 2 * slot.mem.n;
         let [a, b, .., half] = slot.mem.all_mut(&mut job.blocks);
@@ -1930,7 +1931,6 @@ impl<A: Copy + Eq> Shard<A> {
                 if p.deadline <= now && budget > 0 {
                     budget -= 1;
                     p.resends = p.resends.saturating_add(1);
-                    p.sent = 0;
                     p.deadline = now.saturating_add(rtt.rto(p.resends));
                     self.pending.push(Pending::Partial {
                         job: j.id,

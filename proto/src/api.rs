@@ -236,6 +236,11 @@ pub struct JobPart {
     pub rounds_completed: u64,
     /// Lowest and highest last-completed round over the part's chunks.
     pub round_range: Option<(u32, u32)>,
+    /// A hierarchical job's: the ranks of this appliance's rack,
+    /// `ranks.0 .. ranks.1` (`chunks` are then the chunks it is home to;
+    /// it keeps a rack slot of every chunk besides).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ranks: Option<(u16, u16)>,
 }
 
 /// An appliance as the operator names it to control (`phubctl appliance

@@ -79,8 +79,8 @@ impl<A: Copy> Peers<A> {
 pub(super) struct Partial {
     /// The round it belongs to; [`NO_ROUND`] when none is waiting.
     pub round: u32,
-    /// When it was first sent (caller's clock), for the round-trip
-    /// estimate; 0 once resent (Karn's rule: no sample from it).
+    /// When it was first sent (caller's clock), for the estimate of how
+    /// long a home takes to answer (its wait for the other racks included).
     pub sent: u64,
     /// When to resend it.
     pub deadline: u64,

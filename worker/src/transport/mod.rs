@@ -13,7 +13,10 @@
 //!
 //! Invariants:
 //! - At most `cwnd` chunks are outstanding (sent, no result yet) across
-//!   all requests; pending chunks go out first come, first sent. `cwnd`
+//!   all requests; pending chunks go out first come, first sent per lcore,
+//!   the lcores taken in turn (so that a job's lcores, and the appliances
+//!   of a job sharded over several, all get chunks from the start rather
+//!   than one after the other in the chunk sequence's order). `cwnd`
 //!   (the congestion window) starts at `window`, the most the appliance's
 //!   receive buffers take. With [`WorkerConfig::congestion`] (off by
 //!   default), a loss found by fast retransmission (later results overtook
@@ -268,8 +271,9 @@ pub(crate) struct Transport<D> {
     rto: Rto,
     next_id: u64,
     requests: IntMap<u64, Active<D>>,
-    /// Chunks not sent yet, in the order submitted: (request id, chunk).
-    pending: VecDeque<(u64, ChunkMsg)>,
+    /// Chunks not sent yet, per lcore in the order submitted: (request
+    /// id, chunk).
+    pending: Pending,
     /// Chunks sent and waiting, by (key, chunk).
     outstanding: IntMap<(u32, u32), Outstanding>,
     /// Per lcore.
@@ -294,6 +298,60 @@ pub(crate) struct Transport<D> {
     quiet_backoff: u32,
     /// Shared memory, when the join chose it.
     shm: Option<ShmState>,
+}
+
+/// Chunks not sent yet: a queue per lcore, taken in turn.
+#[derive(Debug, Default)]
+struct Pending {
+    lanes: Vec<VecDeque<(u64, ChunkMsg)>>,
+    len: usize,
+    /// The lcore whose queue is taken from next.
+    next: usize,
+}
+
+impl Pending {
+    fn push(&mut self, id: u64, c: ChunkMsg) {
+        let l = usize::from(c.lcore);
+        if self.lanes.len() <= l {
+            self.lanes.resize_with(l + 1, VecDeque::new);
+        }
+        self.lanes[l].push_back((id, c));
+        self.len += 1;
+    }
+
+    /// The next chunk: the first of the next lcore's queue that has one.
+    fn pop(&mut self) -> Option<(u64, ChunkMsg)> {
+        if self.len == 0 {
+            return None;
+        }
+        let n = self.lanes.len();
+        for i in 0..n {
+            let l = (self.next + i) % n;
+            if let Some(c) = self.lanes[l].pop_front() {
+                self.next = (l + 1) % n;
+                self.len -= 1;
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    /// Drops request `id`'s chunks.
+    fn remove(&mut self, id: u64) {
+        for q in &mut self.lanes {
+            q.retain(|(i, _)| *i != id);
+        }
+        self.len = self.lanes.iter().map(VecDeque::len).sum();
+    }
+
+    /// Request `id`'s chunks.
+    fn of(&self, id: u64) -> impl Iterator<Item = &ChunkMsg> {
+        self.lanes
+            .iter()
+            .flatten()
+            .filter(move |(i, _)| *i == id)
+            .map(|(_, m)| m)
+    }
 }
 
 impl<D> Transport<D> {
@@ -325,7 +383,7 @@ impl<D> Transport<D> {
             rto,
             next_id: 0,
             requests: IntMap::default(),
-            pending: VecDeque::new(),
+            pending: Pending::default(),
             outstanding: IntMap::default(),
             lanes: Vec::new(),
             acked: false,
@@ -382,7 +440,9 @@ impl<D> Transport<D> {
                 done: r.done,
             },
         );
-        self.pending.extend(r.chunks.into_iter().map(|c| (id, c)));
+        for c in r.chunks {
+            self.pending.push(id, c);
+        }
         if chunks == 0 {
             self.complete(id);
         }
@@ -669,7 +729,7 @@ impl<D> Transport<D> {
     fn fill_window(&mut self, now: Instant) {
         let deadline = now + self.rto.loss(0);
         while self.outstanding.len() < self.cwnd {
-            let Some((id, msg)) = self.pending.pop_front() else {
+            let Some((id, msg)) = self.pending.pop() else {
                 break;
             };
             let Some(req) = self.requests.get_mut(&id) else {
@@ -885,7 +945,7 @@ impl<D> Transport<D> {
             return;
         };
         self.outstanding.retain(|_, o| o.id != id);
-        self.pending.retain(|(i, _)| *i != id);
+        self.pending.remove(id);
         self.finished.push_back(Finished {
             key: req.key,
             done: req.done,
@@ -904,7 +964,7 @@ impl<D> Transport<D> {
                 .values()
                 .filter(|o| o.id == id)
                 .map(|o| o.msg.to)
-                .chain(self.pending.iter().filter(|(i, _)| *i == id).map(|(_, m)| m.to))
+                .chain(self.pending.of(id).map(|m| m.to))
                 .collect();
             addrs.sort();
             addrs.dedup();

@@ -839,3 +839,37 @@ fn a_lossy_duplicating_reordering_path_completes_every_round() {
     let (s, _) = simulate(9, 0.0, 0.0, 0, 5, 2);
     assert_eq!((s.retransmits, s.results_ignored), (0, 0));
 }
+
+#[test]
+fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
+    let msg = |lcore: u16, chunk: u32| ChunkMsg {
+        chunk,
+        slot: chunk,
+        offset: 0,
+        len: 1,
+        to: lcore_addr(lcore),
+        lcore,
+        start: 0,
+        bytes: HEADER_LEN,
+    };
+    let mut p = Pending::default();
+    // A job whose first chunks all live on lcore 0 (one appliance of a
+    // sharded job), the rest on lcore 2.
+    for c in 0..4 {
+        p.push(1, msg(0, c));
+    }
+    for c in 4..6 {
+        p.push(2, msg(2, c));
+    }
+    let order: Vec<(u16, u32)> = std::iter::from_fn(|| p.pop())
+        .map(|(_, m)| (m.lcore, m.chunk))
+        .collect();
+    assert_eq!(order, [(0, 0), (2, 4), (0, 1), (2, 5), (0, 2), (0, 3)]);
+    for c in 0..3 {
+        p.push(1, msg(1, c));
+        p.push(2, msg(0, c));
+    }
+    p.remove(1);
+    assert_eq!(p.of(1).count(), 0);
+    assert_eq!(std::iter::from_fn(|| p.pop()).count(), 3);
+}
