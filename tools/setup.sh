@@ -16,7 +16,10 @@ set -euo pipefail
 # build script needs an interpreter, `cargo build` of its cdylib links
 # libpython, and the Python tests run in a venv.
 # fonts-dejavu-core: the labels of phub-bench's PNG plots (--plot F.png).
-PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev dpdk-dev libclang-dev iproute2 python3 python3-venv python3-dev fonts-dejavu-core)
+# dpkg-dev, binutils: `make deb` (dpkg-shlibdeps computes the package's
+# Depends; objcopy strips the binaries). `make test-package` installs its own
+# (mmdebstrap).
+PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev dpdk-dev libclang-dev iproute2 python3 python3-venv python3-dev fonts-dejavu-core dpkg-dev binutils)
 
 need=()
 for p in "${PACKAGES[@]}"; do

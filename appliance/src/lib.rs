@@ -4,7 +4,10 @@
 //!
 //! - [`config`]: the daemons' configuration files (`/etc/phub/*.toml`),
 //!   read into clap as defaults so that the command line overrides them.
-//! - `tls` (feature `setup`): the self-signed CA and server certificate
-//!   `phub-setup tls` writes for phub-control.
+//! - `setup` (feature `setup`): phub-setup's steps: the self-signed CA and
+//!   server certificate of phub-control, the management token file both
+//!   daemons read, DPDK's hugepages and NIC binding.
 
 pub mod config;
+#[cfg(feature = "setup")]
+pub mod setup;

@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Builds target/debian/phub_<version>_<arch>.deb with dpkg-deb from the
+# release binaries (no cargo-deb: nothing to install, and the package's
+# layout is all here). Depends are computed by dpkg-shlibdeps from the
+# binaries (the dataplane links DPDK 22.11 and hwloc).
+#   PHUB_DEB_NO_BUILD=1  package target/release as it is (no cargo build)
+#   PHUB_DEB_VERSION=V   the package's version (default: the workspace's)
+# Prints the .deb's path on its last line.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CARGO=${CARGO:-cargo}
+BINS=(phub-dataplane phub-control phubctl phub-setup)
+
+if [ "${PHUB_DEB_NO_BUILD:-0}" != 1 ]; then
+    args=()
+    for b in "${BINS[@]}"; do args+=(--bin "$b"); done
+    $CARGO build --release -p phub "${args[@]}" >&2
+fi
+command -v dpkg-shlibdeps >/dev/null || { echo "build-deb: dpkg-shlibdeps missing (apt install dpkg-dev)" >&2; exit 1; }
+
+version=${PHUB_DEB_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)}
+arch=$(dpkg --print-architecture)
+name="phub_${version}_${arch}"
+out=target/debian
+root="$out/$name"
+rm -rf "$root"
+mkdir -p "$root/DEBIAN" "$root/usr/bin" "$root/etc/phub" "$root/lib/systemd/system" \
+    "$root/usr/share/doc/phub" "$root/usr/share/phub/grafana"
+
+for b in "${BINS[@]}"; do
+    # The release profile keeps line tables (debug = 1): drop them here.
+    objcopy --strip-debug "target/release/$b" "$root/usr/bin/$b"
+    chmod 755 "$root/usr/bin/$b"
+done
+install -m 644 packaging/etc/phub/dataplane.toml packaging/etc/phub/control.toml "$root/etc/phub/"
+install -m 644 packaging/systemd/phub-dataplane.service packaging/systemd/phub-control.service \
+    "$root/lib/systemd/system/"
+for d in README.md PROTOCOL.md docs/OPERATING.md; do
+    [ -f "$d" ] && install -m 644 "$d" "$root/usr/share/doc/phub/"
+done
+[ -f packaging/grafana/phub.json ] && install -m 644 packaging/grafana/phub.json "$root/usr/share/phub/grafana/"
+printf 'phub\nLicense: Apache-2.0\n' > "$root/usr/share/doc/phub/copyright"
+install -m 755 packaging/deb/postinst packaging/deb/prerm packaging/deb/postrm "$root/DEBIAN/"
+printf '/etc/phub/dataplane.toml\n/etc/phub/control.toml\n' > "$root/DEBIAN/conffiles"
+
+# Shared-library dependencies, as dpkg-shlibdeps reads them.
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+mkdir "$tmp/debian"
+printf 'Source: phub\n\nPackage: phub\nArchitecture: any\n' > "$tmp/debian/control"
+abs=$(realpath "$root")
+shlibs=$(cd "$tmp" && dpkg-shlibdeps -O "$abs"/usr/bin/* 2>/dev/null | sed -n 's/^shlibs:Depends=//p')
+[ -n "$shlibs" ] || { echo "build-deb: dpkg-shlibdeps found no dependencies" >&2; exit 1; }
+
+size=$(du -sk --exclude=DEBIAN "$root" | cut -f1)
+cat > "$root/DEBIAN/control" <<CONTROL
+Package: phub
+Version: $version
+Architecture: $arch
+Maintainer: phub maintainers <phub@example.invalid>
+Installed-Size: $size
+Depends: $shlibs, adduser
+Recommends: systemd, dpdk
+Section: net
+Priority: optional
+Homepage: https://example.invalid/phub
+Description: rack-scale parameter server appliance
+ phub aggregates gradients of distributed training jobs in an appliance on
+ the network: phub-dataplane (kernel UDP or DPDK) sums and runs the
+ optimizer, phub-control admits jobs and places them, phubctl operates it.
+ Systemd units, /etc/phub configuration, TLS set up by phub-setup.
+CONTROL
+dpkg-deb --root-owner-group -Zgzip --build "$root" "$out/$name.deb" >&2
+echo "$out/$name.deb"
