@@ -17,11 +17,14 @@ build: setup
 # on DPDK (net_af_packet over a veth pair in a network namespace the demo
 # makes and removes), otherwise on kernel UDP on loopback; the demo says
 # which and why. DEMO_BACKEND=udp or DEMO_BACKEND=dpdk forces one.
+# DEMO_CONSISTENCY=async or DEMO_CONSISTENCY=ssp:4 (bounded delay 4)
+# admits the job in that mode (PROTOCOL.md 5.8); default bsp.
 DEMO_WORKERS ?= 3
 DEMO_BACKEND ?= auto
+DEMO_CONSISTENCY ?= bsp
 demo: setup
 	$(CARGO) build --release -p phub --bins
-	./target/release/phub-demo --workers $(DEMO_WORKERS) --backend $(DEMO_BACKEND)
+	./target/release/phub-demo --workers $(DEMO_WORKERS) --backend $(DEMO_BACKEND) --consistency $(DEMO_CONSISTENCY)
 
 lint: setup
 	$(CARGO) fmt --all -- --check

@@ -152,6 +152,7 @@ fn synchronous_sgd_on_the_appliance_equals_one_process_averaging_gradients() {
         lr: 0.2,
         epochs: 2,
         seed: 9,
+        ..TrainArgs::default()
     };
     let workers = 3;
     let job = rack.admit(&t.spec_toml(workers)).unwrap();

@@ -8,6 +8,18 @@
 //! throughput, checks the result against one process averaging the same W
 //! gradients, then shuts everything down.
 //!
+//! `--consistency async` or `--consistency ssp:TAU` admits the job async or
+//! with bounded delay TAU (PROTOCOL.md §5.8; default BSP): the appliance's
+//! SGD then steps on each push alone, with the learning rate divided by W
+//! so that W pushes move the parameters as far as one BSP round, and the
+//! check against one process (which averages in lock step) is skipped.
+//! `--compute-ms`, `--jitter`, `--spike` and `--slow-rank0` add emulated
+//! compute before each step (stragglers); `--eval-every N` has rank 0 keep
+//! its parameters every N steps and evaluate them after training (off the
+//! clock), `--target-loss` reports when the loss first reached it, and
+//! `--summary PATH` writes the run's figures as JSON (BENCHMARKS.md,
+//! "Convergence per consistency mode").
+//!
 //! The backend (`--backend auto|dpdk|udp`): as root, with a phub-dataplane
 //! built with DPDK, the dataplane runs on DPDK's af_packet driver over a
 //! veth pair in a private network namespace (the virtual rack's network,
@@ -28,10 +40,12 @@ use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use phub_hwtests::process;
 use phub_hwtests::virt::{self, Netns};
-use phub_proto::api::{AdmitResponse, ApiError, Stats};
+use phub_proto::api::{AdmitResponse, ApiError, JobDetail, Stats};
+use phub_proto::spec::Consistency;
 use phub_worker::Worker;
 use serde::{Deserialize, Serialize};
 
+use crate::bench::emulate::{parse_exp_jitter, Compute, Spike};
 use crate::model::{batch_indices, reference_sgd, steps_per_epoch, Dataset, Mlp};
 
 /// phub-demo: train a small model through a local phub appliance.
@@ -48,6 +62,41 @@ struct Cli {
 enum Cmd {
     /// One worker process (started by the demo itself).
     Worker(WorkerArgs),
+    /// Trains the demo's job once per mode and run (runs outermost, so
+    /// that a slow minute of the host touches every mode alike) and
+    /// prints, per mode, the steps and seconds to `--target-loss`, the
+    /// final loss and the waiting, with their median and range; writes
+    /// each run's `--summary` into `--out` and, with `--plot`, an SVG.
+    Converge(ConvergeArgs),
+}
+
+/// `phub-demo converge`.
+#[derive(Debug, Args)]
+struct ConvergeArgs {
+    /// The modes, comma separated (bsp, async, ssp:TAU).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "bsp,async,ssp:0,ssp:1,ssp:2,ssp:4,ssp:8,ssp:16",
+        value_parser = parse_consistency
+    )]
+    modes: Vec<Consistency>,
+    /// Runs of each mode.
+    #[arg(long, default_value_t = 3)]
+    runs: usize,
+    /// Directory for each run's summary (MODE-runN.json) and all of them
+    /// (converge.json).
+    #[arg(long)]
+    out: PathBuf,
+    /// Write the figure here (.svg, or .png rendered from it).
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Train nothing: read `--out`'s converge.json of an earlier run and
+    /// print its table and figure again.
+    #[arg(long)]
+    replot: bool,
+    #[command(flatten)]
+    run: RunArgs,
 }
 
 /// The model and training set-up, shared by the demo and its workers.
@@ -77,6 +126,81 @@ pub struct TrainArgs {
     /// Seed of the data and the initial parameters.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
+    /// The job's consistency: bsp, async or ssp:TAU (bounded delay TAU).
+    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
+    pub consistency: Consistency,
+    /// Emulated compute before each step's exchange, ms per worker.
+    #[arg(long, default_value_t = 0.0)]
+    pub compute_ms: f64,
+    /// Random jitter added to each step's compute: `exp:M` (exponential,
+    /// mean M ms, seeded per rank).
+    #[arg(long, value_name = "exp:M", value_parser = parse_exp_jitter)]
+    pub jitter: Option<f64>,
+    /// Occasional slow steps: `p=P,x=X`, with probability P a step's
+    /// compute takes X times as long.
+    #[arg(long, value_name = "p=P,x=X")]
+    pub spike: Option<Spike>,
+    /// Rank 0's compute is multiplied by this (a persistent straggler).
+    #[arg(long, default_value_t = 1.0)]
+    pub slow_rank0: f64,
+    /// Rank 0 keeps its parameters every N steps (and at each epoch's
+    /// end) and evaluates them after training, off the clock (0: it
+    /// evaluates at each epoch's end, on the clock).
+    #[arg(long, default_value_t = 0)]
+    pub eval_every: usize,
+    /// Seed of the emulated compute's draws (mixed with the rank's);
+    /// `converge` gives each run its own.
+    #[arg(long, default_value_t = 0)]
+    pub compute_seed: u64,
+}
+
+impl Default for TrainArgs {
+    /// The command line's defaults.
+    fn default() -> TrainArgs {
+        TrainArgs {
+            dim: 64,
+            hidden: 256,
+            classes: 10,
+            samples: 16384,
+            batch: 32,
+            lr: 0.1,
+            epochs: 4,
+            seed: 42,
+            consistency: Consistency::Sync,
+            compute_ms: 0.0,
+            jitter: None,
+            spike: None,
+            slow_rank0: 1.0,
+            eval_every: 0,
+            compute_seed: 0,
+        }
+    }
+}
+
+/// `--consistency`: `bsp`, `async` or `ssp:TAU`.
+fn parse_consistency(s: &str) -> Result<Consistency, String> {
+    match s {
+        "bsp" | "sync" => Ok(Consistency::Sync),
+        "async" => Ok(Consistency::Async),
+        _ => match s.strip_prefix("ssp:").map(str::parse::<u32>) {
+            Some(Ok(delay)) if delay <= phub_proto::spec::MAX_BOUNDED_DELAY => {
+                Ok(Consistency::Bounded { delay })
+            }
+            _ => Err(format!(
+                "{s:?}: expected bsp, async or ssp:TAU with TAU from 0 to {}",
+                phub_proto::spec::MAX_BOUNDED_DELAY
+            )),
+        },
+    }
+}
+
+/// `--consistency`'s spelling of `c` (what [`parse_consistency`] reads).
+fn consistency_arg(c: Consistency) -> String {
+    match c {
+        Consistency::Sync => "bsp".into(),
+        Consistency::Async => "async".into(),
+        Consistency::Bounded { delay } => format!("ssp:{delay}"),
+    }
 }
 
 impl TrainArgs {
@@ -94,13 +218,29 @@ impl TrainArgs {
         Dataset::generate(self.seed, self.samples, self.dim, self.classes)
     }
 
+    /// The appliance's learning rate: `lr` in BSP (where SGD steps on the
+    /// mean of the W gradients), `lr / W` in the other modes (where it
+    /// steps on each push alone), so that W pushes move the parameters as
+    /// far as one BSP round.
+    pub fn appliance_lr(&self, workers: usize) -> f32 {
+        match self.consistency {
+            Consistency::Sync => self.lr,
+            _ => self.lr / workers as f32,
+        }
+    }
+
     /// The job spec for `workers` workers.
     pub fn spec_toml(&self, workers: usize) -> String {
         let mlp = self.mlp();
+        let consistency = match self.consistency {
+            Consistency::Sync => String::new(),
+            Consistency::Async => "consistency = { mode = \"async\" }\n".into(),
+            Consistency::Bounded { delay } => format!("consistency = {{ bounded_delay = {delay} }}\n"),
+        };
         let mut s = format!(
-            "name = \"demo-mlp\"\nworkers = {workers}\ndtype = \"f32\"\nchunk_bytes = 8192\n\n\
+            "name = \"demo-mlp\"\nworkers = {workers}\ndtype = \"f32\"\nchunk_bytes = 8192\n{consistency}\n\
              [optimizer]\nkind = \"sgd\"\nlr = {}\n",
-            self.lr
+            self.appliance_lr(workers)
         );
         for (name, n) in mlp.names().iter().zip(mlp.sizes()) {
             s += &format!("\n[[keys]]\nname = \"{name}\"\nelements = {n}\n");
@@ -122,7 +262,7 @@ enum BackendChoice {
     Udp,
 }
 
-#[derive(Debug, Args)]
+#[derive(Debug, Clone, Args)]
 struct RunArgs {
     /// Packet I/O of the dataplane: auto (DPDK when possible), dpdk or udp.
     #[arg(long, value_enum, default_value_t = BackendChoice::Auto)]
@@ -136,8 +276,56 @@ struct RunArgs {
     /// Where phub-control and phub-dataplane are (default: beside this program).
     #[arg(long)]
     bin_dir: Option<PathBuf>,
+    /// Report the first kept step whose loss is at most this (with
+    /// `--eval-every`).
+    #[arg(long)]
+    target_loss: Option<f32>,
+    /// Write the run's figures (mode, steps, times, loss curve, time to
+    /// the target) to this file as JSON.
+    #[arg(long)]
+    summary: Option<PathBuf>,
     #[command(flatten)]
     train: TrainArgs,
+}
+
+/// `--summary`: one run's figures.
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Summary {
+    /// `bsp`, `async` or `ssp:TAU`.
+    pub consistency: String,
+    /// Worker processes.
+    pub workers: usize,
+    /// The appliance's learning rate (per push outside BSP).
+    pub lr: f32,
+    /// Emulated compute per step, ms, and its exponential jitter's mean.
+    pub compute_ms: f64,
+    /// Mean of the exponential jitter, ms.
+    pub jitter_exp_ms: f64,
+    /// `--spike`, if any.
+    pub spike: Option<Spike>,
+    /// Steps per rank.
+    pub steps: usize,
+    /// Seconds from the workers' start to the last one's exit.
+    pub wall_s: f64,
+    /// Rank 0's seconds from round 0 to its last step.
+    pub train_s: f64,
+    /// Rank 0's seconds in push_pull/wait.
+    pub exchange_s: f64,
+    /// Rank 0's kept steps, evaluated.
+    pub curve: Vec<CurvePoint>,
+    /// `--target-loss`.
+    pub target_loss: Option<f32>,
+    /// The first kept step at or below the target, and its time.
+    pub steps_to_target: Option<usize>,
+    /// Rank 0's seconds from round 0 to that step.
+    pub secs_to_target: Option<f64>,
+    /// Loss and accuracy of rank 0's last parameters.
+    pub final_loss: Option<f32>,
+    /// Accuracy of rank 0's last parameters.
+    pub final_accuracy: Option<f32>,
+    /// Control's view at the end (`phubctl job show`): the largest lead
+    /// and the held answers.
+    pub clock: Option<phub_proto::api::ClockStats>,
 }
 
 #[derive(Debug, Args)]
@@ -179,6 +367,23 @@ pub struct Report {
     pub retransmits: u64,
     /// Whether training is over.
     pub done: bool,
+    /// With `--eval-every`, in the last report: rank 0's parameters
+    /// evaluated at every kept step.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub curve: Vec<CurvePoint>,
+}
+
+/// Rank 0's parameters after a step, evaluated on the whole data set.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize)]
+pub struct CurvePoint {
+    /// Rank 0's steps done (its clock).
+    pub step: usize,
+    /// Seconds from the end of round 0 to the end of that step, on rank 0.
+    pub secs: f64,
+    /// Loss over the data set.
+    pub loss: f32,
+    /// Accuracy over the data set.
+    pub accuracy: f32,
 }
 
 /// Trains as one worker of the job; `report` gets a line per step.
@@ -200,9 +405,30 @@ pub fn train_worker(w: &Worker, t: &TrainArgs, mut report: impl FnMut(Report)) -
     }
     let per_epoch = steps_per_epoch(data.len(), workers, t.batch);
     let mut exchange = Duration::ZERO;
+    let compute = Compute {
+        ms: t.compute_ms,
+        jitter_exp_ms: t.jitter.unwrap_or(0.0),
+        spike: t.spike,
+        factor: if rank == 0 { t.slow_rank0 } else { 1.0 },
+    };
+    let mut rng = Compute::seed(rank) ^ t.compute_seed.wrapping_mul(0xd1b5_4a32_d192_ed03);
+    if rng == 0 {
+        rng = 1;
+    }
+    let deferred = t.eval_every > 0 && rank == 0;
+    let trained = Instant::now();
+    // Deferred evaluation: (step, seconds, parameters) kept on the way.
+    let mut kept: Vec<(usize, f64, Vec<Vec<f32>>)> = Vec::new();
+    if deferred {
+        kept.push((0, 0.0, params.clone()));
+    }
     for step in 0..t.epochs * per_epoch {
         let idx = batch_indices(data.len(), usize::from(rank), workers, t.batch, step);
         let (_, grads) = mlp.grad(&params, &data, &idx);
+        let pause = compute.draw(&mut rng);
+        if !pause.is_zero() {
+            std::thread::sleep(pause);
+        }
         let start = Instant::now();
         let handles = params
             .iter_mut()
@@ -215,7 +441,10 @@ pub fn train_worker(w: &Worker, t: &TrainArgs, mut report: impl FnMut(Report)) -
         }
         exchange += start.elapsed();
         let end_of_epoch = (step + 1) % per_epoch == 0;
-        let (loss, accuracy) = if end_of_epoch && rank == 0 {
+        if deferred && ((step + 1) % t.eval_every == 0 || end_of_epoch) {
+            kept.push((step + 1, trained.elapsed().as_secs_f64(), params.clone()));
+        }
+        let (loss, accuracy) = if end_of_epoch && rank == 0 && !deferred {
             let (l, a) = mlp.evaluate(&params, &data);
             (Some(l), Some(a))
         } else {
@@ -231,9 +460,34 @@ pub fn train_worker(w: &Worker, t: &TrainArgs, mut report: impl FnMut(Report)) -
             exchange_secs: exchange.as_secs_f64(),
             exchange_bytes: s.bytes_sent + s.bytes_received,
             retransmits: s.retransmits,
-            done: step + 1 == t.epochs * per_epoch,
+            done: false,
+            curve: Vec::new(),
         });
     }
+    let s = w.stats();
+    report(Report {
+        rank,
+        step: t.epochs * per_epoch,
+        epoch: None,
+        loss: None,
+        accuracy: None,
+        exchange_secs: exchange.as_secs_f64(),
+        exchange_bytes: s.bytes_sent + s.bytes_received,
+        retransmits: s.retransmits,
+        done: true,
+        curve: kept
+            .iter()
+            .map(|(step, secs, p)| {
+                let (loss, accuracy) = mlp.evaluate(p, &data);
+                CurvePoint {
+                    step: *step,
+                    secs: *secs,
+                    loss,
+                    accuracy,
+                }
+            })
+            .collect(),
+    });
     Ok(params)
 }
 
@@ -268,8 +522,12 @@ static INTERRUPT: Interrupt = Interrupt {
 };
 
 impl Interrupt {
-    /// Installs the handler (once per process).
+    /// Installs the handler (the first call; later ones do nothing).
     fn install() -> Result<()> {
+        static INSTALLED: AtomicBool = AtomicBool::new(false);
+        if INSTALLED.swap(true, Ordering::SeqCst) {
+            return Ok(());
+        }
         ctrlc::set_handler(|| {
             if !INTERRUPT.flag.swap(true, Ordering::SeqCst) {
                 eprintln!("phub-demo: interrupted; stopping the processes and cleaning up");
@@ -548,8 +806,31 @@ fn run_main(a: RunArgs) -> Result<()> {
          {} worker processes, SGD on the appliance (lr {}), {} epochs",
         t.dim, t.hidden, t.classes, params, t.samples, a.workers, t.lr, t.epochs
     );
+    println!(
+        "  consistency: {}",
+        describe(t.consistency, t.appliance_lr(a.workers))
+    );
+    if t.compute_ms > 0.0 || t.jitter.is_some() || t.spike.is_some() {
+        println!(
+            "  emulated compute per step: {} ms{}{}{}",
+            t.compute_ms,
+            t.jitter.map_or(String::new(), |m| format!(" + exp({m} ms)")),
+            t.spike.map_or(String::new(), |s| format!(", spike {s}")),
+            if t.slow_rank0 == 1.0 {
+                String::new()
+            } else {
+                format!(", rank 0 x{}", t.slow_rank0)
+            }
+        );
+    }
     let net = choose_backend(a.backend, &dataplane_bin)?;
-    let dir = std::env::temp_dir().join(format!("phub-demo-{}", std::process::id()));
+    // One directory per run (`converge` runs many in one process).
+    static RUNS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = RUNS.fetch_add(1, Ordering::SeqCst);
+    let dir = std::env::temp_dir().join(match n {
+        0 => format!("phub-demo-{}", std::process::id()),
+        n => format!("phub-demo-{}-{n}", std::process::id()),
+    });
     std::fs::create_dir_all(&dir)?;
     println!("  logs and state in {}", dir.display());
     let start = |net: &Net| start_appliance(&a, net, &dataplane_bin, &control_bin, &dir);
@@ -588,6 +869,20 @@ fn run_main(a: RunArgs) -> Result<()> {
         eprintln!("phub-demo: logs kept in {}", dir.display());
     }
     r
+}
+
+/// The mode as the demo prints it, with the appliance's learning rate.
+fn describe(c: Consistency, lr: f32) -> String {
+    match c {
+        Consistency::Sync => format!("bsp (every step waits for all ranks; SGD on the mean gradient, lr {lr})"),
+        Consistency::Async => {
+            format!("async (each push applied and answered at once; SGD per push, lr {lr:.4} = lr / W)")
+        }
+        Consistency::Bounded { delay } => format!(
+            "ssp:{delay}, bounded delay τ = {delay} (no rank more than {} steps ahead; SGD per push, lr {lr:.4} = lr / W)",
+            u64::from(delay) + 1
+        ),
+    }
 }
 
 /// Admits the job on `app`, trains with the worker processes, checks the
@@ -648,9 +943,20 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
             ("lr", t.lr.to_string()),
             ("epochs", t.epochs.to_string()),
             ("seed", t.seed.to_string()),
+            ("consistency", consistency_arg(t.consistency)),
+            ("compute-ms", t.compute_ms.to_string()),
+            ("slow-rank0", t.slow_rank0.to_string()),
+            ("eval-every", t.eval_every.to_string()),
+            ("compute-seed", t.compute_seed.to_string()),
         ] {
             args.push(format!("--{k}"));
             args.push(v);
+        }
+        if let Some(m) = t.jitter {
+            args.extend(["--jitter".into(), format!("exp:{m}")]);
+        }
+        if let Some(s) = t.spike {
+            args.extend(["--spike".into(), s.to_string()]);
         }
         let child = Command::new(&me)
             .args(&args)
@@ -672,6 +978,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     let mut last: Option<Report> = None;
     let mut first_loss = None;
     let mut last_loss = None;
+    let mut curve: Vec<CurvePoint> = Vec::new();
     // Every worker's stdout is drained as it is written: a pipe nobody reads
     // fills up (64 KiB) and blocks its writer, and with it the whole job.
     let drains: Vec<_> = children[1..]
@@ -704,6 +1011,9 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
                 bar.println(line);
             }
         }
+        if !r.curve.is_empty() {
+            curve.clone_from(&r.curve);
+        }
         last = Some(r);
     }
     bar.finish_and_clear();
@@ -728,6 +1038,74 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     }
     let last = last.context("worker 0 reported nothing")?;
     let wall = started.elapsed().as_secs_f64();
+    // Deferred evaluation: the epoch lines come now, from the curve.
+    let per_epoch = steps_per_epoch(t.samples, a.workers, t.batch);
+    for p in curve.iter().filter(|p| p.step > 0 && p.step % per_epoch == 0) {
+        first_loss.get_or_insert(p.loss);
+        last_loss = Some(p.loss);
+        println!(
+            "  epoch {}: loss {:.4}, accuracy {:.1}% (rank 0 at {:.1} s)",
+            p.step / per_epoch,
+            p.loss,
+            p.accuracy * 100.0,
+            p.secs
+        );
+    }
+    let reached = a
+        .target_loss
+        .and_then(|target| curve.iter().find(|p| p.loss <= target));
+    if let Some(target) = a.target_loss {
+        match reached {
+            Some(p) => println!(
+                "  loss {target} reached at rank 0's step {} after {:.2} s (loss {:.4})",
+                p.step, p.secs, p.loss
+            ),
+            None => println!("  loss {target} not reached in {} steps", last.step),
+        }
+    }
+    let detail: Option<JobDetail> = ureq::get(&format!("{control_url}/v1/jobs/{}", admit.id))
+        .call()
+        .ok()
+        .and_then(|r| r.into_json().ok());
+    if let (Some(d), Consistency::Bounded { .. } | Consistency::Async) = (&detail, t.consistency) {
+        let k = &d.clock;
+        let lead = k.max_lead.map_or("-".into(), |l| l.to_string());
+        match t.consistency {
+            Consistency::Bounded { .. } => println!(
+                "  {}: largest lead allowed {lead} steps; {} chunk answers held, {:.1} ms of waiting in all, \
+                 {:.1} ms at most",
+                consistency_arg(t.consistency),
+                k.held_total,
+                k.held_wait_us as f64 / 1e3,
+                k.held_wait_max_us as f64 / 1e3
+            ),
+            _ => println!("  async: largest lead allowed {lead} steps"),
+        }
+    }
+    if let Some(path) = &a.summary {
+        let final_point = curve.last();
+        let s = Summary {
+            consistency: consistency_arg(t.consistency),
+            workers: a.workers,
+            lr: t.appliance_lr(a.workers),
+            compute_ms: t.compute_ms,
+            jitter_exp_ms: t.jitter.unwrap_or(0.0),
+            spike: t.spike,
+            steps: last.step,
+            wall_s: wall,
+            train_s: final_point.map_or(0.0, |p| p.secs),
+            exchange_s: last.exchange_secs,
+            curve: curve.clone(),
+            target_loss: a.target_loss,
+            steps_to_target: reached.map(|p| p.step),
+            secs_to_target: reached.map(|p| p.secs),
+            final_loss: final_point.map(|p| p.loss),
+            final_accuracy: final_point.map(|p| p.accuracy),
+            clock: detail.map(|d| d.clock),
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&s)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
     if let (Some(first), Some(final_loss)) = (first_loss, last_loss) {
         let (start_loss, start_acc) = mlp.evaluate(&mlp.init(t.seed), &t.data());
         println!(
@@ -743,6 +1121,20 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
         last.exchange_bytes as f64 / last.exchange_secs.max(1e-9) / 1e9
     );
 
+    if t.consistency != Consistency::Sync {
+        println!(
+            "  {}: no single-process reference (each push is applied alone, in arrival order)",
+            consistency_arg(t.consistency)
+        );
+        print_appliance_stats(&control_url, app.backend);
+        let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
+            .set("Authorization", &operator)
+            .call();
+        app.control.stop();
+        app.dataplane.stop();
+        println!("  job evicted, phub-control and phub-dataplane stopped");
+        return Ok(());
+    }
     // Check: one process averaging the same W gradients ends where we did.
     let got = std::fs::read(&params_out).context("reading rank 0's parameters")?;
     let got: Vec<f32> = got
@@ -763,27 +1155,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
          at most {max_diff:.2e} (largest parameter {scale:.2}): the appliance adds in arrival order",
         a.workers
     );
-    if let Ok(r) = ureq::get(&format!("{control_url}/v1/stats")).call() {
-        if let Ok(s) = r.into_json::<Stats>() {
-            if let Some(d) = s.dataplane {
-                let t = d.total();
-                let (rx, tx, resent) = (t.rx_packets, t.tx_packets, t.results_resent);
-                let drops: u64 = t.drops.values().sum();
-                let mut reasons: Vec<_> = t.drops.iter().filter(|&(_, &n)| n > 0).collect();
-                reasons.sort_by_key(|&(_, &n)| std::cmp::Reverse(n));
-                let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} {n}")).collect();
-                println!(
-                    "  appliance ({}): {rx} packets in, {tx} out, {resent} results resent, {drops} dropped{}",
-                    app.backend,
-                    if reasons.is_empty() {
-                        String::new()
-                    } else {
-                        format!(" ({})", reasons.join(", "))
-                    }
-                );
-            }
-        }
-    }
+    print_appliance_stats(&control_url, app.backend);
     let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
         .set("Authorization", &operator)
         .call();
@@ -804,11 +1176,281 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     Ok(())
 }
 
+/// The appliance's packet counts and drops, from control's `/v1/stats`.
+fn print_appliance_stats(control_url: &str, backend: &str) {
+    if let Ok(r) = ureq::get(&format!("{control_url}/v1/stats")).call() {
+        if let Ok(s) = r.into_json::<Stats>() {
+            if let Some(d) = s.dataplane {
+                let t = d.total();
+                let (rx, tx, resent) = (t.rx_packets, t.tx_packets, t.results_resent);
+                let drops: u64 = t.drops.values().sum();
+                let mut reasons: Vec<_> = t.drops.iter().filter(|&(_, &n)| n > 0).collect();
+                reasons.sort_by_key(|&(_, &n)| std::cmp::Reverse(n));
+                let reasons: Vec<String> = reasons.iter().map(|(r, n)| format!("{r} {n}")).collect();
+                println!(
+                    "  appliance ({}): {rx} packets in, {tx} out, {resent} results resent, {drops} dropped{}",
+                    backend,
+                    if reasons.is_empty() {
+                        String::new()
+                    } else {
+                        format!(" ({})", reasons.join(", "))
+                    }
+                );
+            }
+        }
+    }
+}
+
+/// The host's steal time so far (`/proc/stat`'s cpu line, 8th value),
+/// in ticks; `None` where there is no such file.
+fn steal_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    cpu.split_whitespace().nth(8)?.parse().ok()
+}
+
+/// One run of `converge`.
+#[derive(Debug, Serialize, Deserialize)]
+struct ConvergeRun {
+    /// Run number, from 1.
+    run: usize,
+    /// Steal ticks the host's CPUs lost during the run.
+    steal_ticks: Option<u64>,
+    /// What the demo measured.
+    summary: Summary,
+}
+
+/// Median and range of `v` as "median (lo–hi)", or "-" when empty.
+fn spread(v: &[f64], digits: usize) -> String {
+    if v.is_empty() {
+        return "-".into();
+    }
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    let median = crate::stats::median(&s);
+    if s.len() == 1 {
+        format!("{median:.digits$}")
+    } else {
+        format!(
+            "{median:.digits$} ({:.digits$}–{:.digits$})",
+            s[0],
+            s[s.len() - 1]
+        )
+    }
+}
+
+fn converge_main(c: ConvergeArgs) -> Result<()> {
+    let target = c
+        .run
+        .target_loss
+        .context("converge needs --target-loss (the loss each mode is timed to)")?;
+    if c.run.train.eval_every == 0 {
+        bail!("converge needs --eval-every N (rank 0's parameters kept every N steps)");
+    }
+    std::fs::create_dir_all(&c.out).with_context(|| format!("creating {}", c.out.display()))?;
+    let mut all: Vec<ConvergeRun> = Vec::new();
+    if c.replot {
+        let path = c.out.join("converge.json");
+        let text = std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+        all = serde_json::from_str(&text).with_context(|| format!("reading {}", path.display()))?;
+    }
+    for run in (1..=c.runs).filter(|_| !c.replot) {
+        for &mode in &c.modes {
+            let name = consistency_arg(mode);
+            let path = c.out.join(format!("{}-run{run}.json", name.replace(':', "")));
+            let mut a = c.run.clone();
+            a.train.consistency = mode;
+            // Each run its own draws of the emulated compute, the same for
+            // every mode within the run.
+            a.train.compute_seed = c.run.train.compute_seed + run as u64;
+            a.summary = Some(path.clone());
+            println!("== {name}, run {run} of {}", c.runs);
+            let steal0 = steal_ticks();
+            run_main(a).with_context(|| format!("{name} run {run}"))?;
+            let steal_ticks = steal0.zip(steal_ticks()).map(|(a, b)| b.saturating_sub(a));
+            let text =
+                std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+            let summary: Summary = serde_json::from_str(&text)?;
+            all.push(ConvergeRun {
+                run,
+                steal_ticks,
+                summary,
+            });
+        }
+    }
+    if !c.replot {
+        std::fs::write(c.out.join("converge.json"), serde_json::to_string_pretty(&all)?)?;
+    }
+    println!();
+    println!(
+        "| mode | reached | steps to loss {target} | s to loss {target} | final loss | final accuracy | rank 0 blocked | largest lead | chunk answers held | their waits, s in all | steal ticks |"
+    );
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    for &mode in &c.modes {
+        let runs: Vec<&ConvergeRun> = all
+            .iter()
+            .filter(|r| r.summary.consistency == consistency_arg(mode))
+            .collect();
+        let col = |f: &dyn Fn(&Summary) -> Option<f64>| -> Vec<f64> {
+            runs.iter().filter_map(|r| f(&r.summary)).collect()
+        };
+        let secs = col(&|s| s.secs_to_target);
+        let held = |f: &dyn Fn(&phub_proto::api::ClockStats) -> f64, digits| match mode {
+            Consistency::Bounded { .. } => spread(&col(&|s| s.clock.as_ref().map(f)), digits),
+            _ => "-".to_string(),
+        };
+        let leads: Vec<f64> = col(&|s| s.clock.as_ref().and_then(|k| k.max_lead).map(f64::from));
+        println!(
+            "| {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            consistency_arg(mode),
+            secs.len(),
+            runs.len(),
+            spread(&col(&|s| s.steps_to_target.map(|n| n as f64)), 0),
+            spread(&secs, 2),
+            spread(&col(&|s| s.final_loss.map(f64::from)), 4),
+            spread(&col(&|s| s.final_accuracy.map(|a| f64::from(a) * 100.0)), 1),
+            spread(
+                &col(&|s| (s.train_s > 0.0).then(|| 100.0 * s.exchange_s / s.train_s)),
+                0
+            ),
+            if leads.is_empty() {
+                "-".into()
+            } else {
+                spread(&leads, 0)
+            },
+            held(&|k| k.held_total as f64, 0),
+            held(&|k| k.held_wait_us as f64 / 1e6, 1),
+            spread(
+                &runs
+                    .iter()
+                    .filter_map(|r| r.steal_ticks.map(|t| t as f64))
+                    .collect::<Vec<_>>(),
+                0
+            ),
+        );
+    }
+    if let Some(path) = &c.plot {
+        use crate::bench::plot::{panels_svg, write_text, Line, Panel, COLORS};
+        // One colour per mode in every panel; bounded delay's τ line black.
+        let color = |m: Consistency| {
+            let i = c.modes.iter().position(|&x| x == m).unwrap_or(0);
+            COLORS[i % COLORS.len()]
+        };
+        let runs_of = |m: Consistency| {
+            all.iter()
+                .filter(move |r| r.summary.consistency == consistency_arg(m))
+                .map(|r| &r.summary)
+        };
+        // Per mode, the median over its runs of `f`; none unless every
+        // run has it (a target some runs missed has no time).
+        let median_of = |m: Consistency, f: &dyn Fn(&Summary) -> Option<f64>| {
+            let v: Option<Vec<f64>> = runs_of(m).map(f).collect();
+            v.filter(|v| !v.is_empty()).map(|v| crate::stats::median(&v))
+        };
+        let against_tau = |name: &str, f: &dyn Fn(&Summary) -> Option<f64>| -> Vec<Line> {
+            let taus: Vec<(f64, f64)> = c
+                .modes
+                .iter()
+                .filter_map(|&m| match m {
+                    Consistency::Bounded { delay } => median_of(m, f).map(|y| (f64::from(delay), y)),
+                    _ => None,
+                })
+                .collect();
+            let span = (
+                taus.iter().map(|p| p.0).fold(f64::INFINITY, f64::min).min(0.0),
+                taus.iter().map(|p| p.0).fold(1.0, f64::max),
+            );
+            let mut lines = vec![Line {
+                name: name.into(),
+                color: "#000000",
+                dashed: false,
+                points: taus,
+            }];
+            for &m in &c.modes {
+                if let (Consistency::Sync | Consistency::Async, Some(y)) = (m, median_of(m, f)) {
+                    lines.push(Line {
+                        name: consistency_arg(m),
+                        color: color(m),
+                        dashed: true,
+                        points: vec![(span.0, y), (span.1, y)],
+                    });
+                }
+            }
+            lines
+        };
+        let to_target = against_tau("bounded delay τ", &|s| s.secs_to_target);
+        let blocked = against_tau("bounded delay τ", &|s| {
+            (s.train_s > 0.0).then(|| 100.0 * s.exchange_s / s.train_s)
+        });
+        // Loss against time, each mode's first run, up to twice the
+        // slowest time to target.
+        let horizon = 2.0
+            * all
+                .iter()
+                .filter_map(|r| r.summary.secs_to_target)
+                .fold(1.0, f64::max);
+        let loss: Vec<Line> = c
+            .modes
+            .iter()
+            .filter_map(|&m| {
+                let s = runs_of(m).next()?;
+                Some(Line {
+                    name: consistency_arg(m),
+                    color: color(m),
+                    dashed: false,
+                    points: s
+                        .curve
+                        .iter()
+                        .filter(|p| p.secs <= horizon && p.loss <= 1.5)
+                        .map(|p| (p.secs, f64::from(p.loss)))
+                        .collect(),
+                })
+            })
+            .collect();
+        let first = &all.first().context("no runs")?.summary;
+        let caption = format!(
+            "phub-demo converge: MLP, W={}, compute {} ms + exp({} ms){} per step; medians of {} runs; loss: run 1",
+            first.workers,
+            first.compute_ms,
+            first.jitter_exp_ms,
+            first.spike.map_or(String::new(), |s| format!(", spike {s}")),
+            c.runs
+        );
+        let svg = panels_svg(
+            &[
+                Panel {
+                    title: format!("time to loss {target}"),
+                    xlabel: "τ (bounded delay)".into(),
+                    ylabel: "seconds (rank 0)".into(),
+                    lines: to_target,
+                },
+                Panel {
+                    title: "rank 0 waiting in the exchange".into(),
+                    xlabel: "τ (bounded delay)".into(),
+                    ylabel: "% of its training time".into(),
+                    lines: blocked,
+                },
+                Panel {
+                    title: "loss (rank 0's parameters)".into(),
+                    xlabel: "seconds".into(),
+                    ylabel: "loss".into(),
+                    lines: loss,
+                },
+            ],
+            &caption,
+        );
+        write_text(path, svg)?;
+        println!("plot: {}", path.display());
+    }
+    Ok(())
+}
+
 /// `phub-demo`'s entry point.
 pub fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.command {
         Some(Cmd::Worker(w)) => worker_main(w),
+        Some(Cmd::Converge(c)) => converge_main(c),
         None => run_main(cli.run),
     };
     match r {
@@ -817,5 +1459,45 @@ pub fn main() -> ExitCode {
             eprintln!("phub-demo: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spread_is_median_and_range() {
+        assert_eq!(spread(&[], 1), "-");
+        assert_eq!(spread(&[2.0], 1), "2.0");
+        assert_eq!(spread(&[3.0, 1.0, 2.0], 1), "2.0 (1.0–3.0)");
+    }
+
+    #[test]
+    fn train_args_default_to_the_command_line_s() {
+        let cli = Cli::parse_from(["phub-demo"]);
+        assert_eq!(
+            serde_json::to_value(&cli.run.train).unwrap(),
+            serde_json::to_value(TrainArgs::default()).unwrap()
+        );
+    }
+
+    #[test]
+    fn consistency_flag_and_spec() {
+        for s in ["bsp", "async", "ssp:0", "ssp:16"] {
+            assert_eq!(consistency_arg(parse_consistency(s).unwrap()), s);
+        }
+        assert!(parse_consistency("ssp:2000").unwrap_err().contains("0 to 1024"));
+        assert!(parse_consistency("eventual").is_err());
+        let t = TrainArgs {
+            consistency: Consistency::Bounded { delay: 4 },
+            ..TrainArgs::default()
+        };
+        let spec = phub_proto::spec::JobSpec::from_toml(&t.spec_toml(4)).unwrap();
+        assert_eq!(spec.consistency, Consistency::Bounded { delay: 4 });
+        assert_eq!(t.appliance_lr(4), 0.025, "lr / W per push");
+        let bsp = TrainArgs::default();
+        assert!(!bsp.spec_toml(4).contains("consistency"));
+        assert_eq!(bsp.appliance_lr(4), 0.1);
     }
 }

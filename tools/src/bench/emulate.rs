@@ -141,16 +141,56 @@ fn uniform(state: &mut u64) -> f64 {
 /// mean `jitter_exp_ms`, times `x` with probability `p` (`spike`), times
 /// `factor`; `state` is a xorshift generator.
 fn compute_time(plan: &Plan, state: &mut u64) -> std::time::Duration {
-    let mut ms = plan.compute_ms;
-    if plan.jitter_exp_ms > 0.0 {
-        ms += -plan.jitter_exp_ms * uniform(state).ln();
+    Compute {
+        ms: plan.compute_ms,
+        jitter_exp_ms: plan.jitter_exp_ms,
+        spike: plan.spike,
+        factor: plan.compute_factor,
     }
-    if let Some(s) = plan.spike {
-        if uniform(state) < s.p {
-            ms *= s.x;
+    .draw(state)
+}
+
+/// An emulated training step's compute (`phub-bench run` and `phub-demo`
+/// sleep it before each exchange).
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Compute {
+    /// Fixed part, ms.
+    pub ms: f64,
+    /// Mean of an exponential jitter added to it, ms (0: none).
+    pub jitter_exp_ms: f64,
+    /// Occasional slow steps.
+    pub spike: Option<Spike>,
+    /// The whole multiplied by this (a persistent straggler: 2).
+    pub factor: f64,
+}
+
+impl Compute {
+    /// One step's compute; `state` is a xorshift generator (non-zero).
+    pub fn draw(&self, state: &mut u64) -> std::time::Duration {
+        let mut ms = self.ms;
+        if self.jitter_exp_ms > 0.0 {
+            ms += -self.jitter_exp_ms * uniform(state).ln();
         }
+        if let Some(s) = self.spike {
+            if uniform(state) < s.p {
+                ms *= s.x;
+            }
+        }
+        std::time::Duration::from_secs_f64((ms * self.factor).max(0.0) / 1e3)
     }
-    std::time::Duration::from_secs_f64((ms * plan.compute_factor).max(0.0) / 1e3)
+
+    /// A generator state for `rank`, different per rank, never zero.
+    pub fn seed(rank: u16) -> u64 {
+        0x9e37_79b9_7f4a_7c15_u64 ^ (u64::from(rank) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+}
+
+/// `exp:M`: an exponential jitter of mean M ms.
+pub fn parse_exp_jitter(s: &str) -> Result<f64, String> {
+    match s.strip_prefix("exp:").map(str::parse::<f64>) {
+        Some(Ok(m)) if m >= 0.0 && m.is_finite() => Ok(m),
+        _ => Err(format!("{s:?}: expected exp:M, M the mean in ms")),
+    }
 }
 
 /// Progress reported while running.
@@ -307,7 +347,7 @@ pub fn run(
     let sum_w = (workers * (workers + 1) / 2) as f32;
     let total = plan.warmup + plan.rounds;
     let mut round_ms = Vec::with_capacity(plan.rounds as usize);
-    let mut rng = 0x9e37_79b9_7f4a_7c15_u64 ^ (u64::from(plan.rank) + 1).wrapping_mul(0x2545_f491_4f6c_dd1d);
+    let mut rng = Compute::seed(plan.rank);
     let mut go = Some(go);
     let mut timed_start = Instant::now();
     let mut cpu0 = None;

@@ -462,7 +462,12 @@ pub fn check(path: &Path) -> Result<()> {
 
 /// Writes the plot to `path`: `.svg`, or `.png` rendered by [`png`].
 pub fn write(path: &Path, sweep: &Sweep, points: &[RunResult]) -> Result<()> {
-    let text = svg(sweep, points);
+    write_text(path, svg(sweep, points))
+}
+
+/// Writes an SVG document to `path`: as it is, or rendered by [`png`] for
+/// a `.png` name.
+pub fn write_text(path: &Path, text: String) -> Result<()> {
     let bytes = if is_png(path)? {
         png(&text).with_context(|| format!("--plot {}", path.display()))?
     } else {
@@ -471,9 +476,101 @@ pub fn write(path: &Path, sweep: &Sweep, points: &[RunResult]) -> Result<()> {
     std::fs::write(path, bytes).with_context(|| format!("writing {}", path.display()))
 }
 
+/// Line colours, in the order [`panels_svg`]'s callers use them.
+pub const COLORS: [&str; 10] = [
+    "#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+    "#17becf",
+];
+
+/// A line of a [`Panel`].
+pub struct Line {
+    /// Legend text.
+    pub name: String,
+    /// Stroke colour (e.g. one of [`COLORS`]).
+    pub color: &'static str,
+    /// Dashed rather than solid.
+    pub dashed: bool,
+    /// (x, y) points, in drawing order.
+    pub points: Vec<(f64, f64)>,
+}
+
+/// One panel of [`panels_svg`]: y from 0, axes fitted to the lines.
+pub struct Panel {
+    /// Title above it.
+    pub title: String,
+    /// x axis label.
+    pub xlabel: String,
+    /// y axis label.
+    pub ylabel: String,
+    /// Its lines.
+    pub lines: Vec<Line>,
+}
+
+/// Panels side by side, 500 px wide each, in the sweep plot's style, with
+/// `caption` under them (e.g. `phub-demo converge`'s figure).
+pub fn panels_svg(panels: &[Panel], caption: &str) -> String {
+    let (pw, h) = (500.0, 420.0);
+    let w = pw * panels.len().max(1) as f64;
+    let mut s = open_svg(w, h);
+    for (i, p) in panels.iter().enumerate() {
+        let series: Vec<Series<'_>> = p
+            .lines
+            .iter()
+            .map(|l| Series {
+                name: &l.name,
+                color: l.color,
+                dashed: l.dashed,
+                points: l.points.clone(),
+            })
+            .collect();
+        panel(
+            &mut s,
+            pw * i as f64,
+            0.0,
+            pw,
+            h - 20.0,
+            &p.title,
+            &p.xlabel,
+            &p.ylabel,
+            &series,
+        );
+    }
+    let _ = writeln!(
+        s,
+        r##"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle" fill="#333">{caption}</text>"##,
+        w / 2.0,
+        h - 4.0
+    );
+    s.push_str("</svg>\n");
+    s
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn panels_have_their_lines_and_caption() {
+        let p = Panel {
+            title: "time to target".into(),
+            xlabel: "τ".into(),
+            ylabel: "s".into(),
+            lines: vec![Line {
+                name: "bounded delay".into(),
+                color: COLORS[0],
+                dashed: false,
+                points: vec![(0.0, 3.0), (4.0, 2.0), (16.0, 2.5)],
+            }],
+        };
+        let svg = panels_svg(&[p], "W = 4");
+        assert!(
+            svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"),
+            "{svg}"
+        );
+        assert!(svg.contains(">time to target</text>") && svg.contains(">W = 4</text>"));
+        assert_eq!(svg.matches("<polyline").count(), 1);
+        assert_eq!(svg.matches("<circle").count(), 3);
+    }
 
     #[test]
     fn ticks_are_nice_and_cover() {
