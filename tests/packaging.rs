@@ -231,3 +231,93 @@ fn a_file_value_is_used_and_the_command_line_overrides_it() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// The metric names an expression names (`phub_...`).
+fn metric_names(expr: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut rest = expr;
+    while let Some(i) = rest.find("phub_") {
+        let tail = &rest[i..];
+        let end = tail
+            .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+            .unwrap_or(tail.len());
+        names.push(tail[..end].to_string());
+        rest = &tail[end..];
+    }
+    names
+}
+
+#[test]
+fn every_series_the_dashboard_plots_is_exported_and_documented() {
+    use phub_proto::api::{DataplaneStats, JobLive, JobSummary, LcoreStats};
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("packaging/grafana/phub.json");
+    let dash: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
+    let mut exprs = Vec::new();
+    for p in dash["panels"].as_array().unwrap() {
+        let targets = p["targets"].as_array().unwrap();
+        assert!(!targets.is_empty(), "panel {} plots nothing", p["title"]);
+        exprs.extend(targets.iter().map(|t| t["expr"].as_str().unwrap().to_string()));
+    }
+    for v in dash["templating"]["list"].as_array().unwrap() {
+        if let Some(q) = v["query"].as_str() {
+            exprs.push(q.to_string());
+        }
+    }
+    // /metrics as control renders it for a dataplane with a job live and a
+    // drop counted, so that every family is present.
+    let dp = DataplaneStats {
+        port: None,
+        backend: "udp".into(),
+        lcores: vec![LcoreStats {
+            lcore: 0,
+            drops: [("bad_token".to_string(), 1)].into(),
+            ..Default::default()
+        }],
+        jobs: vec![JobLive {
+            id: 1,
+            pushes: 4,
+            rounds_completed: 2,
+            round_range: Some((1, 2)),
+            silent_ms: vec![Some(1), Some(1)],
+            clock: Default::default(),
+        }],
+    };
+    let job = JobSummary {
+        id: 1,
+        name: "j".into(),
+        workers: 2,
+        joined: vec![0, 1],
+        keys: 1,
+        chunks: 1,
+        dtype: "f32".into(),
+        optimizer: "sgd".into(),
+        memory_bytes: 4096,
+        appliances: vec!["default".into()],
+        installed: true,
+        failed: None,
+    };
+    let metrics = phub_control::metrics::render(Some(&dp), &[job]);
+    let ops =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/OPERATING.md")).unwrap();
+    let mut seen = 0;
+    for e in &exprs {
+        for name in metric_names(e) {
+            seen += 1;
+            assert!(
+                metrics.contains(&format!("# HELP {name} ")),
+                "{}: `{e}` plots {name}, which /metrics does not export",
+                path.display()
+            );
+            assert!(
+                ops.contains(&format!("`{name}`")),
+                "{}: {name} is plotted but docs/OPERATING.md does not document it (as `{name}`)",
+                path.display()
+            );
+        }
+    }
+    assert!(
+        seen >= 10,
+        "too few series found in {}: {exprs:?}",
+        path.display()
+    );
+}
