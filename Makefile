@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch
+.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package
 
 setup:
 	./tools/setup.sh
@@ -105,3 +105,15 @@ demo-torch: release-bins torch-venv
 # gloo all-reduce (BENCHMARKS.md, "Python / PyTorch").
 bench-torch: release-bins torch-venv
 	$(TORCH_VENV)/bin/python python/bench/bench_exchange.py --workers 2 --shm --lcores 2
+
+# --- The Debian package (packaging/, docs/OPERATING.md) ---------------------
+# deb: target/debian/phub_<version>_<arch>.deb (dpkg-deb; release binaries).
+# test-package: installs it into a fresh Debian 12 root (mmdebstrap, cached
+# under target/pkgtest), checks files and units, runs both daemons as their
+# units would with a job over TLS, upgrades, removes. Needs root; not in
+# `make test` (see packaging/test-package.sh for its time).
+deb: setup
+	./packaging/build-deb.sh
+
+test-package: setup
+	./packaging/test-package.sh
