@@ -5,16 +5,25 @@
 # binaries (the dataplane links DPDK 22.11 and hwloc).
 #   PHUB_DEB_NO_BUILD=1  package target/release as it is (no cargo build)
 #   PHUB_DEB_VERSION=V   the package's version (default: the workspace's)
+#   PHUB_DEB_PROFILE=debug  package target/debug's binaries (the dev
+#                        profile `cargo test` builds: for the install test
+#                        in CI, never for shipping); default release
 # Prints the .deb's path on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARGO=${CARGO:-cargo}
 BINS=(phub-dataplane phub-control phubctl phub-setup)
 
+profile=${PHUB_DEB_PROFILE:-release}
+case "$profile" in
+    release) profile_flag=(--release) ;;
+    debug) profile_flag=() ;;
+    *) echo "build-deb: PHUB_DEB_PROFILE=$profile: expected release or debug" >&2; exit 1 ;;
+esac
 if [ "${PHUB_DEB_NO_BUILD:-0}" != 1 ]; then
     args=()
     for b in "${BINS[@]}"; do args+=(--bin "$b"); done
-    $CARGO build --release -p phub "${args[@]}" >&2
+    $CARGO build "${profile_flag[@]}" -p phub "${args[@]}" >&2
 fi
 command -v dpkg-shlibdeps >/dev/null || { echo "build-deb: dpkg-shlibdeps missing (apt install dpkg-dev)" >&2; exit 1; }
 
@@ -29,7 +38,7 @@ mkdir -p "$root/DEBIAN" "$root/usr/bin" "$root/etc/phub" "$root/lib/systemd/syst
 
 for b in "${BINS[@]}"; do
     # The release profile keeps line tables (debug = 1): drop them here.
-    objcopy --strip-debug "target/release/$b" "$root/usr/bin/$b"
+    objcopy --strip-debug "target/$profile/$b" "$root/usr/bin/$b"
     chmod 755 "$root/usr/bin/$b"
 done
 install -m 644 packaging/etc/phub/dataplane.toml packaging/etc/phub/control.toml "$root/etc/phub/"

@@ -9,7 +9,9 @@
 # that nothing but the kept state is left. Needs root (chroot, mounts,
 # network namespaces). Prints how long each part took.
 #   PHUB_PKGTEST_KEEP=1      leave target/pkgtest/root for inspection
-#   PHUB_PKGTEST_NO_BUILD=1  package target/release as it is (no cargo build)
+#   PHUB_PKGTEST_NO_BUILD=1  package the binaries as they are (no cargo build)
+#   PHUB_DEB_PROFILE=debug   package target/debug's binaries, which `make
+#                            test` has just built (CI: no release build)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "test-package: needs root (chroot, mounts, network namespaces)" >&2; exit 1; }
@@ -33,9 +35,12 @@ fi
 step "building the package"
 # One cargo run for the package's binaries and the demo's worker (which
 # trains the job): the release link is the slow part.
+profile=${PHUB_DEB_PROFILE:-release}
+profile_flag=()
+[ "$profile" = debug ] || profile_flag=(--release)
 [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
-    cargo build --release -p phub --bin phub-dataplane --bin phub-control --bin phubctl --bin phub-setup \
-        --bin phub-demo >&2
+    cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control --bin phubctl \
+        --bin phub-setup --bin phub-demo >&2
 deb=$(PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh | tail -1)
 step "built $deb ($(du -h "$deb" | cut -f1))"
 
@@ -197,7 +202,7 @@ step "job $job admitted over TLS from another network namespace"
 # Two workers (the demo's, from this build) train it through the daemons.
 wpids=()
 for rank in 0 1; do
-    PHUB_CA_FILE="$root/etc/phub/tls/ca.crt" ip netns exec "$ns-w" ./target/release/phub-demo worker \
+    PHUB_CA_FILE="$root/etc/phub/tls/ca.crt" ip netns exec "$ns-w" "./target/$profile/phub-demo" worker \
         --control "https://$appliance_ip:7700" --job "$job" --token "$token" --rank $rank \
         --dim 32 --hidden 32 --classes 10 --samples 512 --epochs 1 >"$work/worker$rank.log" 2>&1 &
     wpids+=($!)
