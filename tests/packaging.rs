@@ -321,3 +321,59 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
         path.display()
     );
 }
+
+/// The shipped files and units agree: the units start each daemon with its
+/// file at the path the daemon reads by default, and control reads the
+/// management token where the dataplane (and the unit's `phub-setup token`)
+/// put it.
+#[test]
+fn the_units_and_the_shipped_files_agree() {
+    let read = |p: &str| std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join(p)).unwrap();
+    let table = |p: &str| -> toml::Table { read(p).parse().unwrap() };
+    let dp = table("packaging/etc/phub/dataplane.toml");
+    let ctl = table("packaging/etc/phub/control.toml");
+    assert_eq!(
+        dp.get("mgmt-token-file"),
+        ctl.get("dataplane-token-file"),
+        "control's dataplane-token-file must be the dataplane's mgmt-token-file"
+    );
+    for (unit, bin, conf) in [
+        (
+            "phub-dataplane.service",
+            "phub-dataplane",
+            phub_dataplane::config::CONFIG_FILE,
+        ),
+        (
+            "phub-control.service",
+            "phub-control",
+            phub_control::daemon::CONFIG_FILE,
+        ),
+    ] {
+        let text = read(&format!("packaging/systemd/{unit}"));
+        let exec = text.lines().find_map(|l| l.strip_prefix("ExecStart=")).unwrap();
+        assert_eq!(exec, format!("/usr/bin/{bin} --config {conf}"), "{unit}");
+        assert!(text.contains("Restart=on-failure"), "{unit}");
+    }
+    let dp_unit = read("packaging/systemd/phub-dataplane.service");
+    assert!(dp_unit.contains(&format!(
+        "ExecStartPre=/usr/bin/phub-setup token --config {} --owner phub",
+        phub_dataplane::config::CONFIG_FILE
+    )));
+    let token = dp["mgmt-token-file"].as_str().unwrap();
+    assert!(
+        token.starts_with("/run/phub/") && dp_unit.contains("RuntimeDirectory=phub\n"),
+        "the token file must be in the unit's RuntimeDirectory"
+    );
+    let ctl_unit = read("packaging/systemd/phub-control.service");
+    for line in [
+        "User=phub",
+        "StateDirectory=phub",
+        "After=network-online.target phub-dataplane.service",
+    ] {
+        assert!(
+            ctl_unit.lines().any(|l| l == line),
+            "phub-control.service: no {line:?}"
+        );
+    }
+    assert!(ctl["state"].as_str().unwrap().starts_with("/var/lib/phub/"));
+}
