@@ -35,6 +35,8 @@ lint: setup
 # without it). The tests run the binaries this cargo test builds
 # (target/debug), never a release build left from earlier.
 unit: export PHUB_BIN_DIR = $(CURDIR)/target/debug
+# The daemons the tests start must not read an installed /etc/phub.
+unit: export PHUB_NO_SYSTEM_CONFIG = 1
 unit: setup
 	PHUB_RACK=virtual $(CARGO) test --workspace
 
@@ -80,6 +82,7 @@ test-python: release-bins python-venv
 # the dev profile (no LTO; it shares its dependencies with `cargo test`).
 # About a minute from a clean checkout, 40 s warm.
 test-python-ci: export PHUB_BIN_DIR = $(CURDIR)/target/debug
+test-python-ci: export PHUB_NO_SYSTEM_CONFIG = 1
 test-python-ci: export MATURIN_PEP517_ARGS = --profile dev
 test-python-ci: unit python-venv
 	$(PY_VENV)/bin/python -m pytest -q python/tests --ignore=python/tests/torch

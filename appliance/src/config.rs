@@ -14,7 +14,8 @@
 //!   list, it does not add to it.
 //!
 //! `--config FILE` chooses the file; without it the daemon's default path
-//! (`/etc/phub/<daemon>.toml`) is read if it exists. An unknown key, a key
+//! (`/etc/phub/<daemon>.toml`) is read if it exists, unless
+//! `PHUB_NO_SYSTEM_CONFIG` is set. An unknown key, a key
 //! spelled with underscores, a value of the wrong type or one the flag
 //! refuses is an error naming the file, the key and what is accepted.
 //!
@@ -100,11 +101,19 @@ pub fn config_arg(args: &[OsString]) -> Result<Option<PathBuf>, ConfigError> {
     Ok(found)
 }
 
-/// The file to read: `--config`'s, else `default` when it exists, else none.
+/// Set (to anything but empty) in the environment, the daemons do not read
+/// their default file: tests run from a checkout on a machine where the
+/// package is installed must not pick up its `/etc/phub` (`make test` sets
+/// it). `--config` still works.
+pub const NO_SYSTEM_CONFIG_ENV: &str = "PHUB_NO_SYSTEM_CONFIG";
+
+/// The file to read: `--config`'s, else `default` when it exists (and
+/// [`NO_SYSTEM_CONFIG_ENV`] is not set), else none.
 pub fn chosen_file(args: &[OsString], default: &Path) -> Result<Option<PathBuf>, ConfigError> {
+    let skip_default = std::env::var_os(NO_SYSTEM_CONFIG_ENV).is_some_and(|v| !v.is_empty());
     Ok(match config_arg(args)? {
         Some(p) => Some(p),
-        None if default.exists() => Some(default.to_path_buf()),
+        None if !skip_default && default.exists() => Some(default.to_path_buf()),
         None => None,
     })
 }
@@ -476,6 +485,25 @@ mod tests {
             parse(&["--config"]),
             Err(Error::Config(ConfigError::MissingPath))
         ));
+    }
+
+    #[test]
+    fn the_default_file_is_read_if_it_exists_unless_the_environment_says_not() {
+        let f = file("lcores = 2\n");
+        let default = Path::new(f.path());
+        let args = vec![OsString::from("toy")];
+        assert_eq!(chosen_file(&args, default).unwrap().as_deref(), Some(default));
+        assert_eq!(
+            chosen_file(&args, Path::new("/nonexistent/toy.toml")).unwrap(),
+            None
+        );
+        // The only test that sets it (the others name no default that exists).
+        std::env::set_var(NO_SYSTEM_CONFIG_ENV, "1");
+        let skipped = chosen_file(&args, default).unwrap();
+        let explicit = chosen_file(&[args[0].clone(), "--config".into(), f.path().into()], default).unwrap();
+        std::env::remove_var(NO_SYSTEM_CONFIG_ENV);
+        assert_eq!(skipped, None);
+        assert_eq!(explicit.as_deref(), Some(default));
     }
 
     /// A temporary file without a dependency for it.
