@@ -7,9 +7,14 @@
 use std::process::Command;
 
 fn demo(backend: &str) -> (bool, String) {
+    demo_with(backend, &[])
+}
+
+fn demo_with(backend: &str, extra: &[&str]) -> (bool, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_phub-demo"))
         .args(["--backend", backend, "--workers", "2", "--lcores", "1"])
         .args(["--epochs", "1", "--samples", "512", "--hidden", "32"])
+        .args(extra)
         .output()
         .expect("running phub-demo");
     let text = format!(
@@ -58,4 +63,35 @@ fn demo_trains_on_kernel_udp_when_asked() {
         out.contains("result check passed on the kernel UDP backend"),
         "{out}"
     );
+}
+
+/// `DEMO_CONSISTENCY=ssp:1 make demo`, tiny: the job is admitted with
+/// bounded delay 1 and trains with jittered compute; the demo says so,
+/// shows the lead the appliance allowed (at most τ + 1) and the held
+/// answers, and skips the BSP-only check.
+#[test]
+fn demo_trains_with_bounded_delay_when_asked() {
+    let (ok, out) = demo_with(
+        "udp",
+        &[
+            "--consistency",
+            "ssp:1",
+            "--compute-ms",
+            "1",
+            "--jitter",
+            "exp:2",
+            "--eval-every",
+            "4",
+        ],
+    );
+    assert!(ok, "{out}");
+    assert!(out.contains("consistency: ssp:1, bounded delay τ = 1"), "{out}");
+    assert!(
+        out.contains("ssp:1: largest lead allowed 1 steps")
+            || out.contains("ssp:1: largest lead allowed 2 steps"),
+        "{out}"
+    );
+    assert!(out.contains("chunk answers held"), "{out}");
+    assert!(out.contains("ssp:1: no single-process reference"), "{out}");
+    assert!(out.contains("epoch 1: loss"), "{out}");
 }
