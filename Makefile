@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package
+.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci
 
 setup:
 	./tools/setup.sh
@@ -40,7 +40,15 @@ unit: export PHUB_NO_SYSTEM_CONFIG = 1
 unit: setup
 	PHUB_RACK=virtual $(CARGO) test --workspace
 
-test: lint unit test-python-ci fuzz-ci
+test: lint unit test-python-ci fuzz-ci test-package-ci
+
+# The install test in `make test`: as root (CI), with the binaries `cargo
+# test` just built (PHUB_DEB_PROFILE=debug: no release build; about two
+# minutes on a fresh machine, most of it making the Debian root); without
+# root it says it skips.
+test-package-ci: setup
+	@if [ "$$(id -u)" -eq 0 ]; then PHUB_DEB_PROFILE=debug ./packaging/test-package.sh; \
+	else echo "test-package: skipped (needs root: chroot, mounts, network namespaces)"; fi
 
 # Runs each fuzz target for FUZZ_SECONDS from the committed seeds (the
 # nightly job: a minute each); `make test` runs them for FUZZ_CI_SECONDS.
@@ -113,8 +121,8 @@ bench-torch: release-bins torch-venv
 # deb: target/debian/phub_<version>_<arch>.deb (dpkg-deb; release binaries).
 # test-package: installs it into a fresh Debian 12 root (mmdebstrap, cached
 # under target/pkgtest), checks files and units, runs both daemons as their
-# units would with a job over TLS, upgrades, removes. Needs root; not in
-# `make test` (see packaging/test-package.sh for its time).
+# units would with a job over TLS, upgrades, removes. Needs root; `make
+# test` runs it on the debug build (test-package-ci).
 deb: setup
 	./packaging/build-deb.sh
 

@@ -1887,10 +1887,9 @@ impl<A: Copy + Eq> Shard<A> {
                 DropReason::Ahead
             });
         }
-        // From the first send, resent or not: the wait for the other
-        // racks' partials is part of it, and leaving out the partials that
-        // waited longest (Karn's rule) set the timer below the usual wait.
-        h.rtt.sample(now.saturating_sub(p.sent));
+        if p.resends == 0 {
+            h.rtt.sample(now.saturating_sub(p.sent));
+        }
         *p = Partial::default();
         let n = 2 * slot.mem.n;
         let [a, b, .., half] = slot.mem.all_mut(&mut job.blocks);
@@ -1920,7 +1919,8 @@ impl<A: Copy + Eq> Shard<A> {
             if now < h.next_deadline {
                 continue;
             }
-            let rtt = h.rtt;
+            let mut rtt = h.rtt;
+            let mut timed_out = false;
             let mut next = u64::MAX;
             // Cast: i indexes the job's slots, which fit a u32 (install).
             #[allow(clippy::cast_possible_truncation)]
@@ -1930,6 +1930,11 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 if p.deadline <= now && budget > 0 {
                     budget -= 1;
+                    if !timed_out {
+                        // Once per call, however many partials were due.
+                        rtt.back_off();
+                        timed_out = true;
+                    }
                     p.resends = p.resends.saturating_add(1);
                     p.deadline = now.saturating_add(rtt.rto(p.resends));
                     self.pending.push(Pending::Partial {
@@ -1942,6 +1947,7 @@ impl<A: Copy + Eq> Shard<A> {
                 next = next.min(p.deadline);
             }
             h.next_deadline = next;
+            h.rtt = rtt;
         }
     }
 

@@ -131,3 +131,52 @@ fn two_virtual_racks_hierarchical_verify_and_carry_one_partial_per_chunk() {
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn three_virtual_racks_hierarchical_stay_exact_with_loss_on_the_spine() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench run --local --racks 3 --spine-loss {why}");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("phub-bench-racks-loss-test-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("run.json");
+    let child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
+        .args([
+            "run",
+            "--local",
+            "--racks",
+            "3",
+            "--hierarchical",
+            "--spine-loss",
+            "5",
+        ])
+        .args(["--model", "synthetic:100000", "--workers", "3", "--rounds", "10"])
+        .args(["--verify", "--quiet", "--no-pin", "--json"])
+        .arg(&json)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("running phub-bench");
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "{text}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    // Every partial and result lost on the spine was sent again: every
+    // element of every round is still the exact sum.
+    assert_eq!(v["verified"], true, "{text}");
+    assert_eq!(v["mode"], "hierarchical", "{v}");
+    assert_eq!(v["spine_loss_pct"], 5, "{v}");
+    assert!(
+        v["spine_dropped"].as_u64().unwrap_or(0) > 0,
+        "the spine dropped nothing: {v}"
+    );
+    let left = leftovers(pid);
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    let _ = std::fs::remove_dir_all(&dir);
+}

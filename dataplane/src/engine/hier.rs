@@ -80,7 +80,8 @@ pub(super) struct Partial {
     /// The round it belongs to; [`NO_ROUND`] when none is waiting.
     pub round: u32,
     /// When it was first sent (caller's clock), for the estimate of how
-    /// long a home takes to answer (its wait for the other racks included).
+    /// long a home takes to answer (its wait for the other racks
+    /// included); sampled only if it was not resent.
     pub sent: u64,
     /// When to resend it.
     pub deadline: u64,
@@ -107,15 +108,32 @@ pub(super) const MAX_RTO_NS: u64 = 200_000_000;
 /// Before any round trip was measured: 20 ms.
 const INITIAL_RTO_NS: u64 = 20_000_000;
 
-/// The round-trip estimate of RFC 6298 (the worker's, §6.1), in ns.
+/// How long a home takes to answer a partial (its wait for the other
+/// racks included), RFC 6298's estimator in ns, with TCP's treatment of
+/// timeouts: a sample only from a partial sent once (Karn's rule), and the
+/// timeout's back-off kept across partials until such a sample comes, so
+/// that a wait longer than the timer lengthens it rather than being left
+/// out of the estimate for good.
 #[derive(Debug, Clone, Copy, Default)]
 pub(super) struct Rtt {
     srtt: u64,
     rttvar: u64,
+    /// Doublings kept since the last sample (at most [`MAX_BACKOFF`]).
+    backoff: u8,
 }
 
+/// Most doublings the timer keeps across partials.
+const MAX_BACKOFF: u8 = 4;
+
 impl Rtt {
+    /// A partial's timer went off: later partials wait twice as long,
+    /// until a sample.
+    pub(super) fn back_off(&mut self) {
+        self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+    }
+
     pub(super) fn sample(&mut self, rtt: u64) {
+        self.backoff = 0;
         if self.srtt == 0 {
             self.srtt = rtt.max(1);
             self.rttvar = rtt / 2;
@@ -133,7 +151,8 @@ impl Rtt {
         } else {
             (self.srtt + 4 * self.rttvar).clamp(MIN_RTO_NS, MAX_RTO_NS)
         };
-        base.saturating_mul(1 << resends.min(16)).min(MAX_RTO_NS)
+        base.saturating_mul(1 << resends.saturating_add(self.backoff).min(16))
+            .min(MAX_RTO_NS)
     }
 }
 

@@ -110,6 +110,11 @@ pub struct RackArgs {
     /// Limit each appliance's link to G Gbit/s, both ways (tbf).
     #[arg(long, value_name = "G", requires = "racks")]
     pub appliance_gbps: Option<f64>,
+    /// Drop PCT percent of the UDP datagrams the spine forwards between
+    /// racks, at random (nftables `numgen random` in the spine namespace;
+    /// the management API's TCP is spared): loss on the cross-rack hop only.
+    #[arg(long, value_name = "PCT", requires = "racks", value_parser = clap::value_parser!(u32).range(1..100))]
+    pub spine_loss: Option<u32>,
     /// Queue of each limited link's tbf, in ms at its rate (at least 1 MiB).
     #[arg(long, value_name = "MS", default_value_t = 50.0, requires = "racks")]
     pub link_queue_ms: f64,
@@ -145,6 +150,11 @@ pub struct RackFigures {
     pub spine_gbps: Option<f64>,
     /// `--appliance-gbps`.
     pub appliance_gbps: Option<f64>,
+    /// `--spine-loss`, and the datagrams the spine dropped for it over the
+    /// whole run (warm-up and comparisons included).
+    pub spine_loss_pct: Option<u32>,
+    /// Datagrams the spine's loss rule dropped.
+    pub spine_dropped: Option<u64>,
     /// `--compare-single`: the median round of the same job on rack 1's
     /// appliance alone, same run, ms.
     pub single_round_ms_median: Option<f64>,
@@ -329,6 +339,46 @@ impl RackNet {
             }
         }
         Ok(net)
+    }
+
+    /// Drops `pct` percent of the UDP datagrams the spine forwards, at
+    /// random, with a counter ([`RackNet::spine_dropped`]).
+    pub fn spine_loss(&self, pct: u32) -> Result<()> {
+        let nft = |rule: &str| {
+            run_cmd(Command::new("ip").args(["netns", "exec", &self.spine.name, "nft", rule]))
+                .map_err(|e| anyhow!("--spine-loss needs nftables (apt-get install nftables): {e}"))
+        };
+        nft("add table inet phub")?;
+        nft("add chain inet phub spine_loss { type filter hook forward priority 0 ; }")?;
+        nft(&format!(
+            "add rule inet phub spine_loss meta l4proto udp numgen random mod 100 lt {pct} counter drop"
+        ))
+    }
+
+    /// Datagrams the spine's loss rule dropped so far.
+    pub fn spine_dropped(&self) -> Result<u64> {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &self.spine.name,
+                "nft",
+                "list",
+                "chain",
+                "inet",
+                "phub",
+                "spine_loss",
+            ])
+            .output()
+            .context("running nft")?;
+        let text = String::from_utf8_lossy(&out.stdout);
+        let n = text
+            .split_whitespace()
+            .skip_while(|w| *w != "packets")
+            .nth(1)
+            .and_then(|n| n.parse().ok())
+            .ok_or_else(|| anyhow!("no drop counter in the spine's rules: {text}"))?;
+        Ok(n)
     }
 
     /// Bytes the spine has received from the racks so far: the sum of its
@@ -603,6 +653,9 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
     let (racks, n) = check(a)?;
     let ra = &a.rack;
     let net = RackNet::create(racks, ra.spine_gbps, ra.appliance_gbps, ra.link_queue_ms)?;
+    if let Some(pct) = ra.spine_loss {
+        net.spine_loss(pct)?;
+    }
     let dir = std::env::temp_dir().join(format!("phub-bench-racks-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     process::track_dir(&dir);
@@ -723,6 +776,8 @@ fn run_in_spine(
         cross_rack_bytes_per_round: r.racks.cross_rack_bytes_per_round,
         spine_gbps: a.rack.spine_gbps,
         appliance_gbps: a.rack.appliance_gbps,
+        spine_loss_pct: a.rack.spine_loss,
+        spine_dropped: a.rack.spine_loss.and_then(|_| net.spine_dropped().ok()),
         single_round_ms_median: single.as_ref().map(|s| s.round_ms_median),
         single_cross_rack_bytes_per_round: single.as_ref().and_then(|s| s.racks.cross_rack_bytes_per_round),
         speedup_vs_single: single.as_ref().map(|s| s.round_ms_median / r.round_ms_median),
