@@ -492,6 +492,11 @@ mod tests {
         let f = file("lcores = 2\n");
         let default = Path::new(f.path());
         let args = vec![OsString::from("toy")];
+        // `make test` sets it for the whole run (so that an installed
+        // package's /etc/phub stays out of the tests); this test says what
+        // happens both ways, and puts it back as it found it.
+        let outer = std::env::var_os(NO_SYSTEM_CONFIG_ENV);
+        std::env::remove_var(NO_SYSTEM_CONFIG_ENV);
         assert_eq!(chosen_file(&args, default).unwrap().as_deref(), Some(default));
         assert_eq!(
             chosen_file(&args, Path::new("/nonexistent/toy.toml")).unwrap(),
@@ -501,7 +506,10 @@ mod tests {
         std::env::set_var(NO_SYSTEM_CONFIG_ENV, "1");
         let skipped = chosen_file(&args, default).unwrap();
         let explicit = chosen_file(&[args[0].clone(), "--config".into(), f.path().into()], default).unwrap();
-        std::env::remove_var(NO_SYSTEM_CONFIG_ENV);
+        match outer {
+            Some(v) => std::env::set_var(NO_SYSTEM_CONFIG_ENV, v),
+            None => std::env::remove_var(NO_SYSTEM_CONFIG_ENV),
+        }
         assert_eq!(skipped, None);
         assert_eq!(explicit.as_deref(), Some(default));
     }
