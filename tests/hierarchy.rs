@@ -217,3 +217,69 @@ fn an_appliance_killed_between_rounds_is_restored_and_the_job_finishes_exactly()
         assert_eq!(live.round_range, Some((7, 7)), "appliance {i}");
     }
 }
+
+/// An Adam job over three racks (hierarchical) and the same job on one
+/// appliance, side by side, with the same workers' gradients and 5% loss,
+/// duplicates and reordering injected on every appliance (both hops): after
+/// every round each rank's parameters from the two are equal bit for bit.
+/// The gradients are small integers, whose f32 sums do not depend on the
+/// order of the additions, so the optimizer sees the same sum either way.
+#[test]
+fn an_adam_job_over_racks_equals_one_appliance_bit_for_bit_under_loss() {
+    let faults = "loss=0.05,dup=0.02,reorder=0.02,seed=4";
+    let rack = Appliances::start_with(&[1, 2, 1], "256MiB", &["--inject", faults]);
+    let keys = [5000u64, 3, 2500];
+    let mut base = "name = \"adam\"\nworkers = 4\n[optimizer]\nkind = \"adam\"\nlr = 0.01\n".to_string();
+    for k in keys {
+        base += &format!("[[keys]]\nelements = {k}\n");
+    }
+    let hier = rack
+        .admit(&format!(
+            "{base}[placement]\nappliances = 3\nhierarchical = true\n"
+        ))
+        .unwrap();
+    let one = rack
+        .admit(&format!("{base}[placement]\nappliances = [\"b\"]\n"))
+        .unwrap();
+    let url = rack.control_url.clone();
+    std::thread::scope(|s| {
+        for rank in 0..4u16 {
+            let (url, hier, one, keys) = (&url, &hier, &one, &keys);
+            s.spawn(move || {
+                let cfg = phub_worker::WorkerConfig::default;
+                let join = |job: &phub::proto::api::AdmitResponse| {
+                    phub_worker::Worker::join_with(url, job.id, job.token, rank, cfg()).unwrap()
+                };
+                let (wh, wo) = (join(hier), join(one));
+                let start = |k: usize, n: u64| -> Vec<f32> {
+                    (0..n as usize)
+                        .map(|e| if rank == 0 { common::init(k as u32, e) } else { 0.0 })
+                        .collect()
+                };
+                let mut ph: Vec<Vec<f32>> = keys.iter().enumerate().map(|(k, &n)| start(k, n)).collect();
+                let mut po = ph.clone();
+                for (k, (a, b)) in ph.iter_mut().zip(po.iter_mut()).enumerate() {
+                    wh.wait(wh.init(k as u32, a).unwrap()).unwrap();
+                    wo.wait(wo.init(k as u32, b).unwrap()).unwrap();
+                }
+                for round in 1..=5u32 {
+                    for (k, (a, b)) in ph.iter_mut().zip(po.iter_mut()).enumerate() {
+                        let g: Vec<f32> = (0..a.len())
+                            .map(|e| common::grad(rank, k as u32, e, round))
+                            .collect();
+                        wh.wait(wh.push_pull(k as u32, &g, a).unwrap()).unwrap();
+                        wo.wait(wo.push_pull(k as u32, &g, b).unwrap()).unwrap();
+                        let differ = a
+                            .iter()
+                            .zip(b.iter())
+                            .position(|(x, y)| x.to_bits() != y.to_bits());
+                        assert_eq!(
+                            differ, None,
+                            "rank {rank} round {round} key {k}: not one appliance's result"
+                        );
+                    }
+                }
+            });
+        }
+    });
+}
