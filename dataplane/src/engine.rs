@@ -592,6 +592,28 @@ impl Slot {
         self.completed.wrapping_add(1)
     }
 
+    /// Where a contribution of `rank` to `round` falls in the slot's
+    /// window: `true` for the last completed round (its result is to be
+    /// sent again), `false` for the round in progress, which `rank` has not
+    /// contributed to yet; anything else is refused (`stale`, `ahead`,
+    /// `duplicate`).
+    fn in_window(&self, round: u32, rank: u16) -> Result<bool, DropReason> {
+        if self.completed != NO_ROUND && round == self.completed {
+            return Ok(true);
+        }
+        if round != self.in_progress() {
+            return Err(if self.completed != NO_ROUND && round < self.completed {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        }
+        if self.contributed.contains(rank) {
+            return Err(DropReason::Duplicate);
+        }
+        Ok(false)
+    }
+
     /// The stored result (wire bytes) of this slot, slot `index` of a job
     /// whose regions are `shm`. For [`ResultKind::Region`] it is read from
     /// the result region, which install made for every slot of such a job;
@@ -1829,18 +1851,8 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.round == NO_ROUND {
             return Err(DropReason::Ahead);
         }
-        if slot.completed != NO_ROUND && repr.round == slot.completed {
+        if slot.in_window(repr.round, repr.rank)? {
             return Ok(Step::Resend(None));
-        }
-        if repr.round != slot.in_progress() {
-            return Err(if slot.completed != NO_ROUND && repr.round < slot.completed {
-                DropReason::Stale
-            } else {
-                DropReason::Ahead
-            });
-        }
-        if slot.contributed.contains(repr.rank) {
-            return Err(DropReason::Duplicate);
         }
         if carries {
             if slot.ncontrib == 0 || repr.round == 0 {
@@ -2012,21 +2024,8 @@ impl<A: Copy + Eq> Shard<A> {
                 return Ok(step);
             }
         }
-        let current = slot.in_progress();
-        if slot.completed != NO_ROUND && repr.round == slot.completed {
+        if slot.in_window(repr.round, repr.rank)? {
             return Ok(Step::Resend(None));
-        }
-        if repr.round != current {
-            // Rounds are compared in the slot's window; anything not the
-            // round in progress or the last completed one is outside it.
-            return Err(if slot.completed != NO_ROUND && repr.round < slot.completed {
-                DropReason::Stale
-            } else {
-                DropReason::Ahead
-            });
-        }
-        if slot.contributed.contains(repr.rank) {
-            return Err(DropReason::Duplicate);
         }
         let last = slot.ncontrib + 1 == job.quorum;
         if let (ResultKind::Region, MsgType::Push, Some(shm)) = (slot.result, repr.kind, &mut job.shm) {

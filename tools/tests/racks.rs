@@ -21,19 +21,16 @@ fn leftovers(pid: u32) -> Vec<String> {
         .collect()
 }
 
-#[test]
-fn two_virtual_racks_flat_verify_and_count_the_spine_bytes() {
-    if let Some(why) = phub_hwtests::virt::unavailable() {
-        eprintln!("skipped: phub-bench run --local --racks {why}");
-        return;
-    }
-    let dir = std::env::temp_dir().join(format!("phub-bench-racks-test-{}", std::process::id()));
+/// Runs `phub-bench run --local` with `args` and `--verify --quiet --no-pin
+/// --json`, asserts it succeeded and returns its JSON and output, and the
+/// namespaces it left behind.
+fn bench(tag: &str, args: &[&str]) -> (Value, String, Vec<String>) {
+    let dir = std::env::temp_dir().join(format!("phub-bench-racks-{tag}-test-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let json = dir.join("run.json");
-    let (workers, racks, model_bytes) = (2.0, 2.0, 400_000.0);
     let child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
-        .args(["run", "--local", "--racks", "2", "--flat"])
-        .args(["--model", "synthetic:100000", "--workers", "2", "--rounds", "10"])
+        .args(["run", "--local"])
+        .args(args)
         .args(["--verify", "--quiet", "--no-pin", "--json"])
         .arg(&json)
         .stdout(Stdio::piped())
@@ -49,6 +46,31 @@ fn two_virtual_racks_flat_verify_and_count_the_spine_bytes() {
     );
     assert!(out.status.success(), "{text}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    (v, text, leftovers(pid))
+}
+
+#[test]
+fn two_virtual_racks_flat_verify_and_count_the_spine_bytes() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench run --local --racks {why}");
+        return;
+    }
+    let (workers, racks, model_bytes) = (2.0, 2.0, 400_000.0);
+    let (v, text, left) = bench(
+        "flat",
+        &[
+            "--racks",
+            "2",
+            "--flat",
+            "--model",
+            "synthetic:100000",
+            "--workers",
+            "2",
+            "--rounds",
+            "10",
+        ],
+    );
     assert_eq!(v["verified"], true, "{text}");
     assert_eq!(v["mismatches"], 0);
     assert_eq!(v["racks"], 2, "{v}");
@@ -70,14 +92,12 @@ fn two_virtual_racks_flat_verify_and_count_the_spine_bytes() {
         "{crossed} bytes crossed the spine per round; flat carries {flat} plus headers\n{text}"
     );
     assert!(text.contains("crossed the spine per round"), "{text}");
-    let left = leftovers(pid);
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
     let qdiscs = Command::new("tc").args(["qdisc", "show"]).output().unwrap();
     assert!(
         !String::from_utf8_lossy(&qdiscs.stdout).contains("tbf"),
         "a tbf qdisc was left in the root namespace"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -86,28 +106,21 @@ fn two_virtual_racks_hierarchical_verify_and_carry_one_partial_per_chunk() {
         eprintln!("skipped: phub-bench run --local --racks --hierarchical {why}");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("phub-bench-racks-hier-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("run.json");
     let (workers, racks, model_bytes): (f64, f64, f64) = (6.0, 2.0, 400_000.0);
-    let child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
-        .args(["run", "--local", "--racks", "2", "--hierarchical"])
-        .args(["--model", "synthetic:100000", "--workers", "6", "--rounds", "10"])
-        .args(["--verify", "--quiet", "--no-pin", "--json"])
-        .arg(&json)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running phub-bench");
-    let pid = child.id();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+    let (v, text, left) = bench(
+        "hier",
+        &[
+            "--racks",
+            "2",
+            "--hierarchical",
+            "--model",
+            "synthetic:100000",
+            "--workers",
+            "6",
+            "--rounds",
+            "10",
+        ],
     );
-    assert!(out.status.success(), "{text}");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!(v["verified"], true, "{text}");
     assert_eq!(v["mode"], "hierarchical", "{v}");
     assert_eq!(v["workers_per_rack"], serde_json::json!([3, 3]), "{v}");
@@ -127,9 +140,7 @@ fn two_virtual_racks_hierarchical_verify_and_carry_one_partial_per_chunk() {
         "{crossed} bytes crossed the spine per round; hierarchical carries {hier} plus headers, \
          flat {flat}\n{text}"
     );
-    let left = leftovers(pid);
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -138,35 +149,22 @@ fn three_virtual_racks_hierarchical_stay_exact_with_loss_on_the_spine() {
         eprintln!("skipped: phub-bench run --local --racks 3 --spine-loss {why}");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("phub-bench-racks-loss-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("run.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
-        .args([
-            "run",
-            "--local",
+    let (v, text, left) = bench(
+        "loss",
+        &[
             "--racks",
             "3",
             "--hierarchical",
             "--spine-loss",
             "5",
-        ])
-        .args(["--model", "synthetic:100000", "--workers", "3", "--rounds", "10"])
-        .args(["--verify", "--quiet", "--no-pin", "--json"])
-        .arg(&json)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running phub-bench");
-    let pid = child.id();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+            "--model",
+            "synthetic:100000",
+            "--workers",
+            "3",
+            "--rounds",
+            "10",
+        ],
     );
-    assert!(out.status.success(), "{text}");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     // Every partial and result lost on the spine was sent again: every
     // element of every round is still the exact sum.
     assert_eq!(v["verified"], true, "{text}");
@@ -176,7 +174,5 @@ fn three_virtual_racks_hierarchical_stay_exact_with_loss_on_the_spine() {
         v["spine_dropped"].as_u64().unwrap_or(0) > 0,
         "the spine dropped nothing: {v}"
     );
-    let left = leftovers(pid);
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
-    let _ = std::fs::remove_dir_all(&dir);
 }
