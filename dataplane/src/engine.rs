@@ -1705,17 +1705,9 @@ impl<A: Copy + Eq> Shard<A> {
             }
             Ok(Step::Closed) => {
                 job.pushes += 1;
-                job.rounds += 1;
                 self.counters.pushes_aggregated.inc();
                 self.counters.rounds_completed.inc();
-                self.counters.results_sent.add(u64::from(job.quorum));
-                self.pending.push(Pending::Result {
-                    job: job.id,
-                    slot: repr.slot,
-                    to: To::All,
-                    round: None,
-                });
-                Verdict::Completed
+                round_done(&mut self.pending, &self.counters, job, repr.slot)
             }
             Ok(Step::Forward) => {
                 job.pushes += 1;
@@ -1789,17 +1781,7 @@ impl<A: Copy + Eq> Shard<A> {
         let (job, c) = (&mut self.jobs[i], &self.counters);
         if repr.kind == MsgType::PartialResult {
             return match Self::on_partial_result(job, from, repr, payload, now) {
-                Ok(()) => {
-                    job.rounds += 1;
-                    c.results_sent.add(u64::from(job.quorum));
-                    self.pending.push(Pending::Result {
-                        job: job.id,
-                        slot: repr.slot,
-                        to: To::All,
-                        round: None,
-                    });
-                    Verdict::Completed
-                }
+                Ok(()) => round_done(&mut self.pending, c, job, repr.slot),
                 Err(r) => Verdict::Dropped(r),
             };
         }
@@ -2477,6 +2459,20 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
     }
+}
+
+/// Slot `slot` of `job` completed a round here: its result is queued for
+/// every rank (of the rack, for a hierarchical job).
+fn round_done<A>(pending: &mut Vec<Pending<A>>, c: &ShardCounters, job: &mut Job<A>, slot: u32) -> Verdict {
+    job.rounds += 1;
+    c.results_sent.add(u64::from(job.quorum));
+    pending.push(Pending::Result {
+        job: job.id,
+        slot,
+        to: To::All,
+        round: None,
+    });
+    Verdict::Completed
 }
 
 /// The slot `repr` names among `slots`, if the message's dtype is `dtype`

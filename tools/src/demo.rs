@@ -1121,11 +1121,9 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
         last.exchange_bytes as f64 / last.exchange_secs.max(1e-9) / 1e9
     );
 
-    if t.consistency != Consistency::Sync {
-        println!(
-            "  {}: no single-process reference (each push is applied alone, in arrival order)",
-            consistency_arg(t.consistency)
-        );
+    // The end of the run either way: the appliance's counters, the job
+    // evicted, the daemons stopped.
+    let finish = |app: &mut Appliance| {
         print_appliance_stats(&control_url, app.backend);
         let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
             .set("Authorization", &operator)
@@ -1133,6 +1131,13 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
         app.control.stop();
         app.dataplane.stop();
         println!("  job evicted, phub-control and phub-dataplane stopped");
+    };
+    if t.consistency != Consistency::Sync {
+        println!(
+            "  {}: no single-process reference (each push is applied alone, in arrival order)",
+            consistency_arg(t.consistency)
+        );
+        finish(&mut app);
         return Ok(());
     }
     // Check: one process averaging the same W gradients ends where we did.
@@ -1155,13 +1160,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
          at most {max_diff:.2e} (largest parameter {scale:.2}): the appliance adds in arrival order",
         a.workers
     );
-    print_appliance_stats(&control_url, app.backend);
-    let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
-        .set("Authorization", &operator)
-        .call();
-    app.control.stop();
-    app.dataplane.stop();
-    println!("  job evicted, phub-control and phub-dataplane stopped");
+    finish(&mut app);
     if got.len() != want.len() || max_diff > 1e-2 * scale {
         bail!("the appliance's parameters differ from the single-process reference by {max_diff}");
     }
