@@ -326,10 +326,22 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 )));
             }
             let every = Duration::from_secs_f64(*secs);
+            // The previous answer and when it came, for the rates.
+            let mut prev: Option<(Stats, std::time::Instant)> = None;
             loop {
-                let text = ctl
-                    .call("GET", "/v1/stats", None)
-                    .and_then(|raw| render(json, &raw, |r: Stats| render_stats(&r)));
+                let raw = ctl.call("GET", "/v1/stats", None);
+                let at = std::time::Instant::now();
+                let text = raw.and_then(|raw| {
+                    render(json, &raw, |r: Stats| {
+                        let mut t = match &prev {
+                            Some((p, then)) => render_rates(p, &r, at.duration_since(*then).as_secs_f64()),
+                            None => "rates: from the next refresh on\n\n".to_string(),
+                        };
+                        t.push_str(&render_stats(&r));
+                        prev = Some((r, at));
+                        t
+                    })
+                });
                 print!("\x1b[2J\x1b[H");
                 println!("phubctl stats, every {secs} s, from {}\n", ctl.base);
                 match text {
@@ -894,6 +906,86 @@ fn render_dataplane(
     out
 }
 
+/// Each appliance's dataplane in `s`, by name ("dataplane" for a control
+/// that reports one only).
+fn dataplanes(s: &Stats) -> Vec<(String, &phub_proto::api::DataplaneStats)> {
+    if s.appliances.is_empty() {
+        s.dataplane.iter().map(|d| ("dataplane".to_string(), d)).collect()
+    } else {
+        s.appliances
+            .iter()
+            .filter_map(|a| Some((a.name.clone(), a.dataplane.as_ref()?)))
+            .collect()
+    }
+}
+
+/// `stats --watch`: what changed between two answers `secs` apart, per
+/// second: per lcore of each appliance the bytes in and out (GB/s),
+/// contributions, rounds, results resent and drops; per job its rounds.
+/// Counters that went back (an appliance restarted) show as `-`.
+pub fn render_rates(prev: &Stats, now: &Stats, secs: f64) -> String {
+    let secs = secs.max(1e-3);
+    let rate = |a: u64, b: u64, scale: f64| {
+        b.checked_sub(a)
+            .map_or("-".to_string(), |d| format!("{:.2}", d as f64 / secs / scale))
+    };
+    let before = dataplanes(prev);
+    let mut rows = Vec::new();
+    for (name, d) in dataplanes(now) {
+        let Some((_, p)) = before.iter().find(|(n, _)| *n == name) else {
+            continue;
+        };
+        for l in &d.lcores {
+            let Some(o) = p.lcores.iter().find(|o| o.lcore == l.lcore) else {
+                continue;
+            };
+            let drops = |x: &LcoreStats| x.drops.values().sum::<u64>();
+            rows.push(vec![
+                name.clone(),
+                l.lcore.to_string(),
+                rate(o.rx_bytes, l.rx_bytes, 1e9),
+                rate(o.tx_bytes, l.tx_bytes, 1e9),
+                rate(o.pushes_aggregated, l.pushes_aggregated, 1.0),
+                rate(o.rounds_completed, l.rounds_completed, 1.0),
+                rate(o.results_resent, l.results_resent, 1.0),
+                rate(drops(o), drops(l), 1.0),
+            ]);
+        }
+    }
+    let mut out = format!("per second over the last {secs:.1} s:\n");
+    out.push_str(&table(
+        &[
+            ("APPLIANCE", Align::Left),
+            ("LCORE", Align::Right),
+            ("RX GB/s", Align::Right),
+            ("TX GB/s", Align::Right),
+            ("PUSHES/s", Align::Right),
+            ("ROUNDS/s", Align::Right),
+            ("RESENT/s", Align::Right),
+            ("DROPS/s", Align::Right),
+        ],
+        &rows,
+    ));
+    let rounds = |s: &Stats, id: u16| -> u64 {
+        dataplanes(s)
+            .iter()
+            .flat_map(|(_, d)| &d.jobs)
+            .filter(|j| j.id == id)
+            .map(|j| j.rounds_completed)
+            .sum()
+    };
+    for j in &now.jobs {
+        out.push_str(&format!(
+            "job {} ({}): {} chunk rounds/s\n",
+            j.id,
+            j.name,
+            rate(rounds(prev, j.id), rounds(now, j.id), 1.0)
+        ));
+    }
+    out.push('\n');
+    out
+}
+
 /// `stats`: per appliance its per-lcore counters and drops by reason, and
 /// one line per job.
 pub fn render_stats(s: &Stats) -> String {
@@ -1114,6 +1206,54 @@ fn render_port(
 mod tests {
     use super::*;
     use phub_proto::api::{ClockStats, DataplaneStats, JobLive, LcoreStats, PortStats, RankStatus};
+
+    #[test]
+    fn watch_shows_what_changed_per_second() {
+        let at = |rx: u64, rounds: u64, dropped: u64| {
+            let mut l = LcoreStats {
+                lcore: 1,
+                rx_bytes: rx,
+                rounds_completed: rounds,
+                ..LcoreStats::default()
+            };
+            l.drops.insert("stale".into(), dropped);
+            Stats {
+                dataplane: Some(DataplaneStats {
+                    backend: "udp".into(),
+                    lcores: vec![l],
+                    jobs: vec![JobLive {
+                        id: 3,
+                        pushes: 0,
+                        rounds_completed: rounds,
+                        round_range: None,
+                        silent_ms: Vec::new(),
+                        clock: ClockStats::default(),
+                    }],
+                    port: None,
+                }),
+                dataplane_error: None,
+                appliances: Vec::new(),
+                jobs: vec![summary(3, "toy", 0)],
+            }
+        };
+        let t = render_rates(&at(1_000_000_000, 10, 1), &at(5_000_000_000, 30, 5), 2.0);
+        assert!(t.contains("over the last 2.0 s"), "{t}");
+        let row = t.lines().find(|l| l.starts_with("dataplane")).unwrap();
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        // 4 GB in 2 s; 20 rounds; 4 drops.
+        assert_eq!(
+            cols,
+            ["dataplane", "1", "2.00", "0.00", "0.00", "10.00", "0.00", "2.00"],
+            "{t}"
+        );
+        assert!(t.contains("job 3 (toy): 10.00 chunk rounds/s"), "{t}");
+        // A restarted dataplane's counters went back: no rate.
+        let t = render_rates(&at(5_000_000_000, 30, 5), &at(1, 1, 0), 1.0);
+        assert!(
+            t.lines().any(|l| l.starts_with("dataplane") && l.contains(" - ")),
+            "{t}"
+        );
+    }
 
     fn summary(id: u16, name: &str, mem: u64) -> JobSummary {
         JobSummary {
