@@ -2326,22 +2326,7 @@ impl<A: Copy + Eq> Shard<A> {
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];
         };
-        // Cast: s.elems <= MAX_PAYLOAD / dtype size (checked in install_with).
-        #[allow(clippy::cast_possible_truncation)]
-        let repr = Repr {
-            kind: MsgType::Result,
-            dtype: j.dtype,
-            flags: 0,
-            token: j.token,
-            job: j.id,
-            rank: APPLIANCE_RANK,
-            count: s.elems as u16,
-            error: 0,
-            round: round.unwrap_or(s.completed),
-            slot,
-            key: s.key,
-            chunk: s.chunk,
-        };
+        let repr = answer(MsgType::Result, j, s, round.unwrap_or(s.completed), slot);
         let plain = |to| Transmit {
             header: repr.to_bytes(),
             payload: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
@@ -2427,22 +2412,7 @@ impl<A: Copy + Eq> Shard<A> {
         let home = h.home.as_ref()?;
         let s = home.slots.get(slot as usize)?;
         let (to, rack_slot) = h.rack_slot_of(rack, slot)?;
-        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_hierarchical).
-        #[allow(clippy::cast_possible_truncation)]
-        let repr = Repr {
-            kind: MsgType::PartialResult,
-            dtype: j.dtype,
-            flags: 0,
-            token: j.token,
-            job: j.id,
-            rank: APPLIANCE_RANK,
-            count: s.elems as u16,
-            error: 0,
-            round: s.completed,
-            slot: rack_slot,
-            key: s.key,
-            chunk: s.chunk,
-        };
+        let repr = answer(MsgType::PartialResult, j, s, s.completed, rack_slot);
         Some(Transmit {
             header: repr.to_bytes(),
             payload: s.result_bytes(slot, None, &home.blocks),
@@ -2458,6 +2428,30 @@ impl<A: Copy + Eq> Shard<A> {
     /// Forgets what [`Shard::transmits`] returned, once it has been sent.
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
+    }
+}
+
+/// The header of the appliance's answer of `kind` (RESULT, PARTIAL_RESULT)
+/// carrying slot `s`'s stored result of `round` of job `j`, addressed to
+/// `slot` at the receiving end.
+fn answer<A>(kind: MsgType, j: &Job<A>, s: &Slot, round: u32, slot: u32) -> Repr {
+    // Cast: s.elems <= MAX_PAYLOAD / dtype size (checked at install; a
+    // home slot's, MAX_PAYLOAD / 4).
+    #[allow(clippy::cast_possible_truncation)]
+    let count = s.elems as u16;
+    Repr {
+        kind,
+        dtype: j.dtype,
+        flags: 0,
+        token: j.token,
+        job: j.id,
+        rank: APPLIANCE_RANK,
+        count,
+        error: 0,
+        round,
+        slot,
+        key: s.key,
+        chunk: s.chunk,
     }
 }
 
