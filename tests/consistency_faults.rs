@@ -299,13 +299,18 @@ fn restored_from_a_checkpoint(name: &str, consistency: &str, tau: Option<u32>) {
     });
     for (rank, &(again, resumed)) in results.iter().enumerate() {
         // A held answer was not answered: its rank's last answered clock
-        // is the one before (PROTOCOL.md §5.8, PULL).
+        // is the one before (PROTOCOL.md §5.8, PULL), unless the other
+        // ranks, pushing their lost clocks again, released it before the
+        // rank's pull (a race the test does not order): then its applied
+        // clock, and nothing to push again.
         let kept = at[rank] - u32::from(held && rank == 0);
         let lost = at[rank] + past[rank] - kept;
-        assert_eq!(
+        let released = held && rank == 0 && (resumed, again) == (Some(at[rank]), lost - 1);
+        assert!(
+            (resumed, again) == (Some(kept), lost) || released,
+            "rank {rank}: resumes from its own clock at the checkpoint: {:?}, expected {:?}",
             (resumed, again),
-            (Some(kept), lost),
-            "rank {rank}: resumes from its own clock at the checkpoint"
+            (Some(kept), lost)
         );
     }
     let rack = rack.into_inner().unwrap();
