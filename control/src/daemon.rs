@@ -27,8 +27,9 @@ use anyhow::Context as _;
 use clap::Parser;
 use phub_proto::api::{
     AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo, ClockStats,
-    DataplaneInfo, DataplaneStats, Hierarchy, InstallJob, JobDetail, JobLive, JobMap, JobPart, JobSummary,
-    JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus, Stats, DETAIL_KEYS,
+    DataAddr, DataplaneInfo, DataplaneStats, Hierarchy, InstallJob, JobDetail, JobLive, JobMap, JobPart,
+    JobSummary, JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus, Stats,
+    DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::{Layout, Placement};
@@ -640,6 +641,11 @@ impl Inner {
         admission::loads(info, held.iter().map(|(s, l)| (*s, l)))
     }
 
+    /// Appliance `name`'s data address, as control last heard it.
+    fn data_of(&self, name: &str) -> Option<DataAddr> {
+        Some(self.appliances.get(name)?.info.as_ref()?.data.clone())
+    }
+
     /// The admitted jobs with a part on appliance `name`.
     fn jobs_on(&self, name: &str) -> Vec<u16> {
         self.jobs
@@ -698,9 +704,9 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
 }
 
 /// What appliance `name` installs of `job`; for a hierarchical job, its
-/// rack layout and the hierarchy, with the other appliances' data
-/// addresses as control last heard them (None if it never did).
-fn install_of(job: &StoredJob, name: &str, inner: &Inner) -> Option<InstallJob> {
+/// rack layout and the hierarchy, with each appliance's data address as
+/// `data` gives it (None if it has none).
+fn install_of(job: &StoredJob, name: &str, data: impl Fn(&str) -> Option<DataAddr>) -> Option<InstallJob> {
     if job.racks.is_empty() {
         return Some(InstallJob {
             id: job.id,
@@ -718,7 +724,7 @@ fn install_of(job: &StoredJob, name: &str, inner: &Inner) -> Option<InstallJob> 
         .map(|(p, layout)| {
             Some(RackPeer {
                 name: p.appliance.clone(),
-                data: inner.appliances.get(&p.appliance)?.info.as_ref()?.data.clone(),
+                data: data(&p.appliance)?,
                 layout: layout.clone(),
             })
         })
@@ -1204,77 +1210,46 @@ impl Shared {
                 break t;
             }
         };
-        // Each appliance installs its part; one that fails undoes the
-        // others.
-        for (i, (c, part)) in clients.iter().zip(&plan.parts).enumerate() {
-            let install = match racks.get(i) {
-                // Rack i installs its rack layout, told where every rack
-                // and home is.
-                Some(rack) => InstallJob {
-                    id,
-                    token,
-                    spec: spec.clone(),
-                    layout: rack.clone(),
-                    hierarchy: Some(Hierarchy {
-                        // Cast: at most MAX_APPLIANCES (64) racks.
-                        #[allow(clippy::cast_possible_truncation)]
-                        rack: i as u16,
-                        racks: chosen
-                            .iter()
-                            .zip(&racks)
-                            .map(|((name, info), layout)| RackPeer {
-                                name: name.clone(),
-                                data: info.data.clone(),
-                                layout: layout.clone(),
-                            })
-                            .collect(),
-                        homes: plan.layout.clone(),
-                    }),
-                },
-                None => InstallJob {
-                    id,
-                    token,
-                    spec: spec.clone(),
-                    layout: part.layout.clone(),
-                    hierarchy: None,
-                },
-            };
-            if let Err(e) = c.install(&install) {
-                let undo = if e.is_unreachable() { i + 1 } else { i };
-                // The PUT may have landed before the connection broke.
-                for c in &clients[..undo] {
-                    let _ = c.remove(id);
-                }
-                log::warn!("job {:?} not admitted: {e}", spec.name);
-                return Err(e.into());
-            }
-        }
         let name = spec.name.clone();
         let chunks = plan.layout.chunk_count();
         let lcores = plan.layout.used_lcores();
         let memory: u64 = plan.parts.iter().map(|p| p.memory_bytes).sum();
         let shm: u64 = plan.parts.iter().map(|p| p.cost.shm).sum();
         let names: Vec<String> = chosen.iter().map(|(n, _)| n.clone()).collect();
-        let mut inner = self.lock();
-        inner.jobs.insert(
+        let job = StoredJob {
             id,
-            StoredJob {
-                id,
-                token,
-                spec,
-                layout: plan.layout,
-                joined: BTreeSet::new(),
-                parts: chosen
-                    .iter()
-                    .map(|(n, info)| StoredPart {
-                        appliance: n.clone(),
-                        lcores: u32::try_from(info.lcores.len()).unwrap_or(u32::MAX),
-                    })
-                    .collect(),
-                failed: None,
-                racks,
-            },
-        );
+            token,
+            spec,
+            layout: plan.layout,
+            joined: BTreeSet::new(),
+            parts: chosen
+                .iter()
+                .map(|(n, info)| StoredPart {
+                    appliance: n.clone(),
+                    lcores: u32::try_from(info.lcores.len()).unwrap_or(u32::MAX),
+                })
+                .collect(),
+            failed: None,
+            racks,
+        };
+        let data = |n: &str| chosen.iter().find(|(c, _)| c == n).map(|(_, i)| i.data.clone());
+        // Each appliance installs its part; one that fails undoes the
+        // others.
+        for (i, (c, appliance)) in clients.iter().zip(&names).enumerate() {
+            let install =
+                install_of(&job, appliance, data).expect("the job's parts are the chosen appliances");
+            if let Err(e) = c.install(&install) {
+                let undo = if e.is_unreachable() { i + 1 } else { i };
+                // The PUT may have landed before the connection broke.
+                for c in &clients[..undo] {
+                    let _ = c.remove(id);
+                }
+                log::warn!("job {name:?} not admitted: {e}");
+                return Err(e.into());
+            }
+        }
+        let mut inner = self.lock();
+        inner.jobs.insert(id, job);
         if let Err(e) = self.persist(&inner) {
             inner.jobs.remove(&id);
             drop(inner);
@@ -2048,9 +2023,9 @@ impl Shared {
         }
         if !job.racks.is_empty() {
             // Reinstalled as it was: its rack and home layouts stay.
-            return Some((install_of(&job, name, &inner)?, true));
+            return Some((install_of(&job, name, |n| inner.data_of(n))?, true));
         }
-        Some((install_of(&job, name, &inner)?, job.parts.len() > 1))
+        Some((install_of(&job, name, |n| inner.data_of(n))?, job.parts.len() > 1))
     }
 
     /// Marks job `id` failed for `why`, durably; if that cannot be written,
