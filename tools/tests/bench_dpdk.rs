@@ -6,9 +6,9 @@
 //! reason otherwise. No timed assertions: figures are only checked to be
 //! present and positive.
 
-use std::process::{Command, Stdio};
+mod common;
 
-use serde_json::Value;
+use std::process::Command;
 
 fn skip_reason() -> Option<String> {
     if let Some(why) = phub_hwtests::virt::unavailable() {
@@ -25,19 +25,13 @@ fn dpdk_run_verifies_and_states_its_efficiency_against_the_veth_ceiling() {
         eprintln!("skipped: phub-bench run --local --backend dpdk {why}");
         return;
     }
-    let dir = std::env::temp_dir().join(format!("phub-bench-dpdk-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("run.json");
-    let out = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
-        .args([
-            "run",
-            "--local",
+    let (v, text, pid) = common::run_local(
+        "dpdk",
+        &[
             "--backend",
             "dpdk",
             "--model",
             "synthetic:100000",
-        ])
-        .args([
             "--workers",
             "2",
             "--rounds",
@@ -46,22 +40,9 @@ fn dpdk_run_verifies_and_states_its_efficiency_against_the_veth_ceiling() {
             "--quiet",
             "--ceiling-secs",
             "1",
-        ])
-        .arg("--json")
-        .arg(&json)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running phub-bench");
-    let ns = format!("phub-bench-{}", out.id());
-    let out = out.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
+        ],
     );
-    assert!(out.status.success(), "{text}");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let ns = format!("phub-bench-{pid}");
     assert_eq!(v["backend"], "dpdk", "{v}");
     assert_eq!(v["verified"], true, "{v}");
     assert_eq!(v["mismatches"], 0);
@@ -93,5 +74,4 @@ fn dpdk_run_verifies_and_states_its_efficiency_against_the_veth_ceiling() {
             .any(|l| l.split_whitespace().next() == Some(ns.as_str())),
         "{ns} is still there: {list}"
     );
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -6,7 +6,9 @@
 //! carry, and nothing left behind. Needs root; skips with the reason
 //! otherwise.
 
-use std::process::{Command, Stdio};
+mod common;
+
+use std::process::Command;
 
 use serde_json::Value;
 
@@ -21,32 +23,15 @@ fn leftovers(pid: u32) -> Vec<String> {
         .collect()
 }
 
-/// Runs `phub-bench run --local` with `args` and `--verify --quiet --no-pin
-/// --json`, asserts it succeeded and returns its JSON and output, and the
-/// namespaces it left behind.
+/// Runs `phub-bench run --local` with `args` and `--verify --quiet
+/// --no-pin`; its JSON, output, and the namespaces it left behind.
 fn bench(tag: &str, args: &[&str]) -> (Value, String, Vec<String>) {
-    let dir = std::env::temp_dir().join(format!("phub-bench-racks-{tag}-test-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("run.json");
-    let child = Command::new(env!("CARGO_BIN_EXE_phub-bench"))
-        .args(["run", "--local"])
-        .args(args)
-        .args(["--verify", "--quiet", "--no-pin", "--json"])
-        .arg(&json)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("running phub-bench");
-    let pid = child.id();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "{text}");
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    let args: Vec<&str> = args
+        .iter()
+        .copied()
+        .chain(["--verify", "--quiet", "--no-pin"])
+        .collect();
+    let (v, text, pid) = common::run_local(&format!("racks-{tag}"), &args);
     (v, text, leftovers(pid))
 }
 
