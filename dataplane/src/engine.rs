@@ -351,6 +351,13 @@ fn slowest(clocks: &[RankClock]) -> u32 {
 struct RankSet([u64; (MAX_WORKERS as usize).div_ceil(64)]);
 
 impl RankSet {
+    fn of(ranks: std::ops::Range<u16>) -> RankSet {
+        let mut s = RankSet::default();
+        for r in ranks {
+            s.insert(r);
+        }
+        s
+    }
     fn contains(&self, r: u16) -> bool {
         self.0[usize::from(r >> 6) & 3] & (1 << (r & 63)) != 0
     }
@@ -1120,7 +1127,7 @@ impl<A: Copy + Eq> Shard<A> {
             pushes: 0,
             rounds: 0,
             quorum: job.workers,
-            members: Hier::<A>::members(&(0..job.workers)),
+            members: RankSet::of(0..job.workers),
             hier: None,
         });
         Ok(())
@@ -1236,7 +1243,7 @@ impl<A: Copy + Eq> Shard<A> {
         self.pending.reserve(usize::from(racks) * MAX_BURST);
         let j = self.jobs.last_mut().expect("installed just now");
         j.quorum = quorum;
-        j.members = Hier::<A>::members(&hier.ranks);
+        j.members = RankSet::of(hier.ranks.clone());
         j.hier = Some(Box::new(Hier {
             rack: hier.rack,
             racks,

@@ -24,7 +24,7 @@ use std::ops::Range;
 use phub_proto::layout::{ChunkRange, SlotChunk};
 use phub_proto::spec::Optimizer;
 
-use super::{RankSet, Slot, NO_ROUND};
+use super::{Slot, NO_ROUND};
 use crate::slotmem::SlotBlock;
 
 /// What an lcore is told of a hierarchical job beside its rack slots (the
@@ -189,15 +189,6 @@ pub(super) struct Hier<A> {
 }
 
 impl<A: Copy> Hier<A> {
-    /// The members of this rack, as a set of ranks.
-    pub(super) fn members(ranks: &Range<u16>) -> RankSet {
-        let mut s = RankSet::default();
-        for r in ranks.clone() {
-            s.insert(r);
-        }
-        s
-    }
-
     /// Where the home slot of rack slot `slot` is.
     pub(super) fn home_of(&self, slot: u32) -> Option<(A, u32)> {
         self.homes.place(self.first + u64::from(slot))
