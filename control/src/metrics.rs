@@ -1,9 +1,17 @@
 //! `GET /metrics`: Prometheus text exposition format 0.0.4, rendered from
 //! the dataplane's counters and control's jobs. Pure.
+//!
+//! Names follow Prometheus' conventions: base units only (`_bytes`,
+//! `_seconds`), spelled last before `_total`; counters end in `_total`,
+//! gauges do not. A lcore counter whose JSON name ends in a unit of time
+//! (`held_wait_us`) is exported in seconds under the stem's name
+//! (`phub_lcore_held_wait_seconds_total`); the JSON API (`/v1/stats`)
+//! keeps its name and unit. A unit test checks every family rendered.
 
-use std::fmt::Write;
+use std::fmt::{Display, Write};
 
 use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats};
+use phub_proto::counters::CounterDef;
 
 /// The content type of [`render`]'s output.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4";
@@ -31,7 +39,7 @@ impl Out {
         let _ = writeln!(self.0, "# TYPE {name} {kind}");
     }
 
-    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: u64) {
+    fn sample(&mut self, name: &str, labels: &[(&str, &str)], value: impl Display) {
         self.0.push_str(name);
         if !labels.is_empty() {
             self.0.push('{');
@@ -44,6 +52,60 @@ impl Out {
             self.0.push('}');
         }
         let _ = writeln!(self.0, " {value}");
+    }
+}
+
+/// The JSON name suffixes of time units that Prometheus names spell in
+/// seconds: the suffix and how many of the unit make a second.
+const TIME_UNITS: &[(&str, f64)] = &[("_ns", 1e9), ("_us", 1e6), ("_ms", 1e3)];
+
+/// How one lcore counter of [`LcoreStats::COUNTERS`] is exported.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LcoreFamily {
+    /// `phub_lcore_<name>_total` (a time in seconds: `<stem>_seconds`; a
+    /// gauge: no `_total`).
+    pub name: String,
+    /// The table's help, with the unit when it is converted, per lcore.
+    pub help: String,
+    /// The Prometheus type.
+    pub kind: &'static str,
+    /// What a JSON value is divided by (a time unit's per second).
+    per: Option<f64>,
+}
+
+impl LcoreFamily {
+    /// The family of `def`.
+    pub fn of(def: &CounterDef) -> Self {
+        let total = if def.kind.sums() { "_total" } else { "" };
+        let time = TIME_UNITS
+            .iter()
+            .find_map(|&(suffix, per)| Some((def.name.strip_suffix(suffix)?, per)));
+        let (name, help, per) = match time {
+            Some((stem, per)) => (
+                format!("phub_lcore_{stem}_seconds{total}"),
+                format!("{}, in seconds, per lcore", def.help),
+                Some(per),
+            ),
+            None => (
+                format!("phub_lcore_{}{total}", def.name),
+                format!("{}, per lcore", def.help),
+                None,
+            ),
+        };
+        LcoreFamily {
+            name,
+            help,
+            kind: def.kind.prometheus_type(),
+            per,
+        }
+    }
+
+    /// `v` (the JSON value) in the family's unit, as the text format writes it.
+    pub fn value(&self, v: u64) -> String {
+        match self.per {
+            Some(per) => (v as f64 / per).to_string(),
+            None => v.to_string(),
+        }
     }
 }
 
@@ -63,9 +125,9 @@ fn labels<'a>(labelled: bool, name: &'a str, rest: &[(&'a str, &'a str)]) -> Vec
     l
 }
 
-/// Renders every metric: `phub_dataplane_up`, one counter family
-/// `phub_lcore_<name>_total{lcore}` per counter of
-/// [`LcoreStats::COUNTERS`] (its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
+/// Renders every metric: `phub_dataplane_up`, one family per counter of
+/// [`LcoreStats::COUNTERS`] ([`LcoreFamily`]: `phub_lcore_<name>_total{lcore}`,
+/// its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
 /// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
 /// `phub_job_installed`, `phub_job_memory_bytes` and, when a dataplane
 /// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`
@@ -98,17 +160,13 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
         .collect();
     if !rows.is_empty() {
         for (i, def) in LcoreStats::COUNTERS.iter().enumerate() {
-            let name = format!("phub_lcore_{}_total", def.name);
-            o.family(
-                &name,
-                def.kind.prometheus_type(),
-                &format!("{}, per lcore", def.help),
-            );
+            let f = LcoreFamily::of(def);
+            o.family(&f.name, f.kind, &f.help);
             for (appliance, lcore, values) in &rows {
                 o.sample(
-                    &name,
+                    &f.name,
                     &labels(labelled, appliance, &[("lcore", lcore)]),
-                    values[i],
+                    f.value(values[i]),
                 );
             }
         }
@@ -208,6 +266,156 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
 mod tests {
     use super::*;
     use phub_proto::api::{JobLive, LcoreStats};
+
+    /// Units Prometheus names must not carry: scaled or non-base units
+    /// (a time is `_seconds`, a size `_bytes`, a ratio has none).
+    const NOT_BASE_UNITS: &[&str] = &[
+        "ns", "us", "usec", "micros", "ms", "msec", "millis", "minutes", "hours", "days", "kb", "mb", "gb",
+        "kib", "mib", "gib", "bits", "kbps", "mbps", "gbps", "percent", "pct",
+    ];
+
+    /// /metrics with every family present: two appliances with lcores,
+    /// every lcore counter non-zero, drops, and a job live on both.
+    fn everything() -> String {
+        let lcore = |i: u16| {
+            let mut m = serde_json::Map::new();
+            m.insert("lcore".into(), i.into());
+            m.insert("drops".into(), serde_json::json!({ "stale": 2 }));
+            for d in LcoreStats::COUNTERS {
+                m.insert(d.name.into(), 1_500_000u64.into());
+            }
+            serde_json::from_value::<LcoreStats>(m.into()).unwrap()
+        };
+        let dp = DataplaneStats {
+            port: None,
+            backend: "udp".into(),
+            lcores: vec![lcore(0), lcore(1)],
+            jobs: vec![JobLive {
+                id: 1,
+                pushes: 1,
+                rounds_completed: 1,
+                round_range: None,
+                silent_ms: vec![],
+                clock: Default::default(),
+            }],
+        };
+        let job = JobSummary {
+            id: 1,
+            name: "j".into(),
+            workers: 1,
+            joined: vec![0],
+            keys: 1,
+            chunks: 1,
+            dtype: "f32".into(),
+            optimizer: "sum".into(),
+            memory_bytes: 1,
+            appliances: vec!["a".into(), "b".into()],
+            installed: true,
+            failed: None,
+        };
+        render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job])
+    }
+
+    /// Every family follows Prometheus' naming: a counter's name ends in
+    /// `_total` and a gauge's does not, no name carries a scaled or
+    /// non-base unit, a base unit (`bytes`, `seconds`) comes last, every
+    /// family has one HELP then one TYPE, and every sample belongs to the
+    /// family declared before it.
+    #[test]
+    fn every_family_follows_prometheus_naming() {
+        let text = everything();
+        let mut families: Vec<(String, String)> = Vec::new();
+        let mut helped: Option<String> = None;
+        for line in text.lines() {
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').unwrap();
+                assert!(!help.is_empty(), "{name}: empty HELP");
+                helped = Some(name.to_string());
+            } else if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').unwrap();
+                assert_eq!(
+                    helped.take().as_deref(),
+                    Some(name),
+                    "TYPE {name} without its HELP first"
+                );
+                assert!(!families.iter().any(|(n, _)| n == name), "{name} declared twice");
+                families.push((name.to_string(), kind.to_string()));
+            } else {
+                let name = line.split(['{', ' ']).next().unwrap();
+                assert_eq!(
+                    families.last().map(|(n, _)| n.as_str()),
+                    Some(name),
+                    "sample {line:?} outside its family"
+                );
+                let value = line.rsplit(' ').next().unwrap();
+                assert!(value.parse::<f64>().is_ok(), "{line:?}: value not a number");
+            }
+        }
+        assert!(families.len() > LcoreStats::COUNTERS.len(), "{families:?}");
+        for d in LcoreStats::COUNTERS {
+            if d.kind == phub_proto::counters::Kind::Bytes {
+                let name = LcoreFamily::of(d).name;
+                assert!(
+                    name.ends_with("_bytes_total"),
+                    "{}: bytes, exported as {name}",
+                    d.name
+                );
+            }
+        }
+        for (name, kind) in &families {
+            assert!(
+                name.starts_with("phub_")
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_'),
+                "{name}"
+            );
+            let stem = match kind.as_str() {
+                "counter" => name
+                    .strip_suffix("_total")
+                    .unwrap_or_else(|| panic!("counter {name} does not end in _total")),
+                "gauge" => {
+                    assert!(!name.ends_with("_total"), "gauge {name} ends in _total");
+                    name.as_str()
+                }
+                k => panic!("{name}: type {k}, expected counter or gauge"),
+            };
+            let words: Vec<&str> = stem.split('_').collect();
+            for w in &words {
+                assert!(
+                    !NOT_BASE_UNITS.contains(w),
+                    "{name}: `{w}` is not a base unit (use _seconds or _bytes, converting the value)"
+                );
+            }
+            for unit in ["bytes", "seconds"] {
+                if let Some(at) = words.iter().position(|w| *w == unit) {
+                    assert_eq!(at, words.len() - 1, "{name}: the unit `{unit}` comes last");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_time_in_microseconds_is_exported_in_seconds() {
+        let text = everything();
+        let f = LcoreFamily::of(
+            LcoreStats::COUNTERS
+                .iter()
+                .find(|d| d.name == "held_wait_us")
+                .unwrap(),
+        );
+        assert_eq!(f.name, "phub_lcore_held_wait_seconds_total");
+        assert!(f.help.ends_with(", in seconds, per lcore"), "{}", f.help);
+        for line in [
+            "# TYPE phub_lcore_held_wait_seconds_total counter",
+            "phub_lcore_held_wait_seconds_total{appliance=\"b\",lcore=\"1\"} 1.5",
+            "phub_lcore_answers_released_total{appliance=\"b\",lcore=\"1\"} 1500000",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
+        }
+        assert!(!text.contains("_us"), "{text}");
+        assert_eq!(f.value(1), "0.000001");
+    }
 
     #[test]
     fn labels_are_escaped() {

@@ -53,13 +53,16 @@ fn v1_stats_carries_every_counter_of_the_table_and_only_those() {
 fn metrics_export_every_counter_with_the_tables_help() {
     let text = metrics::render(Some(&stats()), &[]);
     for (k, d) in LcoreStats::COUNTERS.iter().enumerate() {
-        let name = format!("phub_lcore_{}_total", d.name);
-        let help = format!("# HELP {name} {}, per lcore", d.help);
+        // phub_lcore_<name>_total, or a time's in seconds (metrics.rs).
+        let f = metrics::LcoreFamily::of(d);
+        let name = &f.name;
+        assert!(f.help.starts_with(d.help), "{}: {}", d.name, f.help);
+        let help = format!("# HELP {name} {}", f.help);
         assert!(text.lines().any(|l| l == help), "missing {help:?} in\n{text}");
         let ty = format!("# TYPE {name} {}", d.kind.prometheus_type());
         assert!(text.lines().any(|l| l == ty), "missing {ty:?}");
         for lcore in 0..2 {
-            let sample = format!("{name}{{lcore=\"{lcore}\"}} {}", value(k, lcore));
+            let sample = format!("{name}{{lcore=\"{lcore}\"}} {}", f.value(value(k, lcore)));
             assert!(text.lines().any(|l| l == sample), "missing {sample:?}");
         }
     }

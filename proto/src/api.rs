@@ -625,7 +625,7 @@ crate::counter_table! {
         arp_replies: Count, Always("ARP"), "ARP requests for the appliance's address answered (DPDK backend)";
         answers_held: Count, IfAny("HELD"), "Bounded-delay answers held (the push applied, its answer waiting for the slowest rank)";
         answers_released: Count, Hidden, "Held bounded-delay answers released";
-        held_wait_us: Count, Hidden, "Microseconds the released answers were held, summed (divide by answers_released for the mean)";
+        held_wait_us: Count, Hidden, "Time the released answers were held, summed (divide by answers_released for the mean)";
         partials_sent: Count, IfAny("PARTIALS"), "Partial sums a rack appliance sent to a chunk's home (hierarchical jobs, first sends)";
         partials_resent: Count, IfAny("PART RESENT"), "Partial sums sent again because the home's answer did not come in time";
         partial_results_sent: Count, Hidden, "Results a home appliance sent to the racks' appliances (one per rack)";
