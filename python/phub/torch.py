@@ -46,9 +46,36 @@ translates a ``torch.optim`` optimizer), and use
 ``step()`` pushes every parameter's gradient and receives the new
 parameters in place; no optimizer runs locally.
 
-Tensors must be on the CPU and contiguous. ``float32`` works with every
-job; ``float16`` and ``bfloat16`` tensors with jobs of that wire dtype (they
-are converted through a ``float32`` scratch buffer, see ``phub.Worker``).
+torchrun
+--------
+:func:`init` joins the rank torchrun started (``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK``) to the job ``PHUB_JOB``/``PHUB_TOKEN`` names, or to the job
+rank 0 admits from ``PHUB_JOB_SPEC``, at ``PHUB_CONTROL_URL``::
+
+    dist.init_process_group("gloo")          # as before (DDP needs it)
+    session = phub.torch.init()              # + 1: session.worker, .rank, .world_size, .local_rank
+    model = DDP(model)
+    phub.torch.register_comm_hook(model, session.worker)   # + 2
+
+Tensors and devices
+-------------------
+Tensors must be contiguous. ``float32`` works with every job; ``float16``
+and ``bfloat16`` tensors with jobs of that wire dtype (the binding converts
+them to and from ``float32`` on the host, see ``phub.Worker``).
+
+CUDA tensors (the comm hook, :class:`DistributedOptimizer`,
+:func:`broadcast_parameters`): each bucket (each parameter, for the
+optimizer) is copied device-to-host into a pinned buffer kept for it, on a
+side stream, and pushed once that copy's event has fired; results go back
+host-to-device on another side stream, and the default stream waits only
+for that copy (the hook's future is CUDA-aware), never for the network. A
+bucket's copies overlap the previous bucket's exchange. 16-bit gradients
+cross PCIe as 16 bits (no ``float32`` copy on the GPU). With shared memory
+there are still two host copies (pinned buffer, then the staging region):
+the worker does not expose its staging region to Python, so it cannot be
+``cudaHostRegister``-ed and copied into directly. **This path has not run
+on a GPU yet** (python/tests/torch/test_cuda.py skips without one); CPU
+tensors take the code path they always did.
 """
 
 from __future__ import annotations
@@ -67,8 +94,10 @@ from ._native import Handle, UsageError, Worker
 __all__ = [
     "CommHookState",
     "DistributedOptimizer",
+    "Session",
     "broadcast_parameters",
     "comm_hook",
+    "init",
     "job_spec",
     "key_parameters",
     "optimizer_spec",
@@ -83,7 +112,10 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor's memory, no copy, in a form phub takes
     (bfloat16 as its bits in ``int16``)."""
     if t.device.type != "cpu":
-        raise UsageError(f"phub.torch works on CPU tensors; this one is on {t.device} (copy it with .cpu())")
+        raise UsageError(
+            f"phub.Worker takes host memory; this tensor is on {t.device} (copy it with .cpu(); the comm hook, "
+            "DistributedOptimizer and broadcast_parameters take CUDA tensors and stage them themselves)"
+        )
     if not t.is_contiguous():
         raise UsageError("phub.torch needs contiguous tensors (tensor.contiguous())")
     t = t.detach()
@@ -205,11 +237,54 @@ def broadcast_parameters(worker: Worker, params: ParamsLike) -> None:
         pending: list[tuple[Handle, torch.Tensor, torch.Tensor]] = []
         for k, p in enumerate(ps):
             t = p.data if p.data.is_contiguous() else p.data.contiguous()
+            if t.device.type != "cpu":
+                t = t.cpu()  # round 0 runs once: a plain copy, no staging
             pending.append((worker.init(k, to_numpy(t)), p, t))
         for h, p, t in pending:
             h.wait()
             if t.data_ptr() != p.data.data_ptr():
-                p.data.copy_(t)
+                p.data.copy_(t)  # host to device for a CUDA parameter
+
+
+class _CudaStaging:
+    """One GPU's side of the exchange: pinned host buffers (one per bucket
+    or key, allocated once and reused while the size stays), a stream for
+    device-to-host copies and one for host-to-device copies.
+
+    The worker library reads and writes host memory only (the extension has
+    no CUDA dependency); this is torch's side. A device-to-host copy waits
+    for the current stream (the gradients are computed there) and records an
+    event that the push thread waits for (``Event.synchronize`` releases the
+    GIL); results go back on the host-to-device stream, and the current
+    stream only waits for that copy's event, never for the network."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.d2h = torch.cuda.Stream(device)
+        self.h2d = torch.cuda.Stream(device)
+        self._host: dict[Any, torch.Tensor] = {}
+
+    def host(self, slot: Any, like: torch.Tensor) -> torch.Tensor:
+        """The pinned flat buffer of ``slot`` (a bucket index, a key), for
+        a tensor like ``like``."""
+        h = self._host.get(slot)
+        if h is None or h.numel() != like.numel() or h.dtype != like.dtype:
+            h = torch.empty(like.numel(), dtype=like.dtype, pin_memory=True)
+            self._host[slot] = h
+        return h
+
+    def to_host(self, slot: Any, t: torch.Tensor) -> tuple[torch.Tensor, "torch.cuda.Event"]:
+        """Starts copying ``t`` (on this device) into slot's pinned buffer,
+        after the current stream's work; returns the buffer and the copy's
+        event."""
+        host = self.host(slot, t)
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            host.copy_(t.reshape(-1), non_blocking=True)
+            t.record_stream(self.d2h)  # the caching allocator keeps t's memory until the copy ends
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        return host, ev
 
 
 class _Completer:
@@ -275,8 +350,10 @@ class CommHookState:
         self._completer = _Completer(f"phub-comm-hook-{worker.rank}")
         #: Buckets exchanged so far.
         self.buckets = 0
+        self._staging: dict[torch.device, _CudaStaging] = {}
         if init_keys:
-            handles = [worker.init(k, to_numpy(p.detach().contiguous().clone())) for k, p in enumerate(self.params)]
+            copies = [p.detach().cpu() if p.is_cuda else p.detach().clone() for p in self.params]
+            handles = [worker.init(k, to_numpy(c.contiguous())) for k, c in enumerate(copies)]
             for h in handles:
                 h.wait()
 
@@ -288,6 +365,13 @@ class CommHookState:
         if k is None:
             raise UsageError(f"a bucket holds a parameter (shape {tuple(p.shape)}) that is not one of the job's keys")
         return k
+
+    def staging(self, device: torch.device) -> _CudaStaging:
+        """Pinned buffers and streams for buckets on ``device`` (a GPU)."""
+        st = self._staging.get(device)
+        if st is None:
+            st = self._staging[device] = _CudaStaging(device)
+        return st
 
     def close(self) -> None:
         """Stops the push and completion threads (after the buckets already submitted)."""
@@ -314,6 +398,8 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
         return fut
     scale = state.scale
     state.buckets += 1
+    if buf.is_cuda:
+        return _cuda_bucket(state, bucket, buf, keys, scale)
 
     def push() -> None:
         # On the pusher thread: each push_pull copies its gradient into
@@ -340,6 +426,56 @@ def _complete(handles: list, buf: torch.Tensor, scale: float, fut: "torch.future
         if scale != 1.0:
             buf.mul_(scale)
         fut.set_result(buf)
+    except BaseException as e:
+        fut.set_exception(e)  # type: ignore[arg-type]
+
+
+def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: list, scale: float
+                 ) -> "torch.futures.Future[torch.Tensor]":
+    """The hook for a bucket on a GPU: device-to-host copy into the bucket's
+    pinned buffer on the side stream, push once the copy's event has
+    fired, results back host-to-device on the other side stream; the
+    future is CUDA-aware (``devices=``): DDP's ``wait()`` makes its
+    current stream wait for the host-to-device copy's event, so the default
+    stream never waits for the network, and the next bucket's copy runs
+    while this one is exchanged."""
+    fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future(devices=[buf.device])
+    st = state.staging(buf.device)
+    try:
+        host, copied = st.to_host(bucket.index(), buf)
+    except BaseException as e:
+        fut.set_exception(e)  # type: ignore[arg-type]
+        return fut
+    base, size = buf.data_ptr(), buf.element_size()
+    views = [(k, host[(g.data_ptr() - base) // size:(g.data_ptr() - base) // size + g.numel()]) for k, g in keys]
+
+    def push() -> None:
+        handles = []
+        try:
+            copied.synchronize()  # GIL released while the copy finishes
+            for k, h in views:
+                handles.append(state.worker.push_pull(k, to_numpy(h)))
+        except BaseException as e:
+            state._completer.submit(lambda: _fail(handles, fut, e))
+            return
+        state._completer.submit(lambda: _complete_cuda(handles, host, buf, scale, fut, st))
+
+    state._pusher.submit(push)
+    return fut
+
+
+def _complete_cuda(handles: list, host: torch.Tensor, buf: torch.Tensor, scale: float,
+                   fut: "torch.futures.Future[torch.Tensor]", st: _CudaStaging) -> None:
+    try:
+        for h in handles:
+            h.wait()
+        if scale != 1.0:
+            host.mul_(scale)  # on the host, before the copy back
+        with torch.cuda.device(st.device), torch.cuda.stream(st.h2d):
+            buf.copy_(host.view_as(buf), non_blocking=True)
+            # Records an event on the current stream (h2d) of buf's device;
+            # whoever waits on the future orders its stream after it.
+            fut.set_result(buf)
     except BaseException as e:
         fut.set_exception(e)  # type: ignore[arg-type]
 
@@ -419,9 +555,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for p in ps:
             if not p.data.is_contiguous():
                 raise UsageError("DistributedOptimizer needs contiguous parameters")
+        devices = {p.device for p in ps}
+        if len(devices) > 1:
+            raise UsageError(f"DistributedOptimizer: parameters on {sorted(map(str, devices))}; one device per rank")
         super().__init__(ps, {})
         self.worker = worker
         self._params = ps
+        dev = next(iter(devices))
+        self._staging = _CudaStaging(dev) if dev.type == "cuda" else None
         if broadcast:
             broadcast_parameters(worker, ps)
 
@@ -432,14 +573,295 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._staging is not None:
+            self._step_cuda(self._staging)
+            return loss
         handles = []
         for k, p in enumerate(self._params):
-            g = p.grad
-            if g is None:
-                g = torch.zeros_like(p.data)
-            elif not g.is_contiguous() or g.dtype != p.dtype:
-                g = g.contiguous().to(p.dtype)
-            handles.append(self.worker.push_pull(k, to_numpy(g), to_numpy(p.data)))
+            handles.append(self.worker.push_pull(k, to_numpy(self._grad(p)), to_numpy(p.data)))
         for h in handles:
             h.wait()
         return loss
+
+    @staticmethod
+    def _grad(p: torch.Tensor) -> torch.Tensor:
+        g = p.grad
+        if g is None:
+            return torch.zeros_like(p.data)
+        if not g.is_contiguous() or g.dtype != p.dtype:
+            return g.contiguous().to(p.dtype)
+        return g
+
+    def _step_cuda(self, st: _CudaStaging) -> None:
+        # Each gradient is copied to its pinned buffer on the side stream
+        # (after the current stream's backward) and pushed as soon as its own
+        # copy is done; each new parameter goes back on the other side stream
+        # as soon as it is in, and the current stream waits for the last of
+        # those copies (an event), not for the network.
+        copies = [st.to_host(("grad", k), self._grad(p)) for k, p in enumerate(self._params)]
+        handles = []
+        for k, (p, (g, copied)) in enumerate(zip(self._params, copies)):
+            out = st.host(("param", k), p.data)
+            copied.synchronize()  # GIL released
+            handles.append((self.worker.push_pull(k, to_numpy(g), to_numpy(out)), p, out))
+        with torch.cuda.stream(st.h2d):
+            for h, p, out in handles:
+                h.wait()
+                p.data.copy_(out.view_as(p.data), non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(st.h2d)
+        torch.cuda.current_stream(st.device).wait_event(done)
+
+
+# -- torchrun: phub.torch.init() ---------------------------------------------
+
+#: Environment variables :func:`init` reads (torchrun's, then phub's).
+ENV_RANK, ENV_WORLD_SIZE, ENV_LOCAL_RANK = "RANK", "WORLD_SIZE", "LOCAL_RANK"
+ENV_CONTROL_URL = "PHUB_CONTROL_URL"
+ENV_JOB, ENV_TOKEN, ENV_JOB_SPEC = "PHUB_JOB", "PHUB_TOKEN", "PHUB_JOB_SPEC"
+
+_init_calls = 0
+
+
+class Session:
+    """What :func:`init` returns: this process's rank in the job and its
+    :class:`phub.Worker`.
+
+    ``rank``, ``world_size``, ``local_rank``: torchrun's; ``worker``: the
+    joined worker (rank ``rank`` of job ``job``); ``admitted``: this process
+    admitted the job (rank 0 with ``PHUB_JOB_SPEC``). :meth:`finish` (or the
+    ``with`` block's end) evicts a job that :func:`init` admitted once every
+    rank has finished."""
+
+    def __init__(self, worker: Worker, rank: int, world_size: int, local_rank: int, control_url: str,
+                 job: int, token: str, admitted: bool, store: Any = None, prefix: str = "") -> None:
+        self.worker = worker
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.control_url = control_url
+        self.job = job
+        self.token = token
+        self.admitted = admitted
+        self._store = store
+        self._prefix = prefix
+        self._finished = False
+
+    def finish(self, timeout: float = 300.0) -> None:
+        """Marks this rank done. When :func:`init` admitted the job, rank 0
+        then waits (up to ``timeout`` s) for every rank to be done and evicts
+        it; other ranks return at once. Call it after the last exchange."""
+        if self._finished:
+            return
+        self._finished = True
+        if self._store is None:  # joined an admitted job ($PHUB_JOB): not ours to evict
+            return
+        done = self._store.add(f"{self._prefix}/done", 1)
+        if not self.admitted:
+            return
+        import time
+        deadline = time.monotonic() + timeout
+        while done < self.world_size:
+            if time.monotonic() > deadline:
+                raise UsageError(
+                    f"phub.torch: {done} of {self.world_size} ranks finished within {timeout} s; "
+                    f"job {self.job} is left admitted (evict it with `phubctl job evict {self.job}`)"
+                )
+            time.sleep(0.05)
+            done = self._store.add(f"{self._prefix}/done", 0)
+        admin.evict(self.control_url, self.job)
+
+    def __enter__(self) -> "Session":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: object) -> None:
+        if exc_type is None:
+            self.finish()
+
+    def __repr__(self) -> str:
+        return (f"phub.torch.Session(rank={self.rank}, world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"job={self.job}, admitted={self.admitted})")
+
+
+def _env_int(name: str, value: Optional[int], why: str) -> int:
+    if value is not None:
+        return int(value)
+    import os
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        raise UsageError(f"${name} is not set: {why}")
+    try:
+        return int(raw)
+    except ValueError:
+        raise UsageError(f"${name} = {raw!r}: expected an integer") from None
+
+
+def _rendezvous_store(timeout: float) -> tuple[Any, str]:
+    """The key-value store the ranks share, and this run's prefix in it:
+    the default process group's store when torch.distributed is initialised,
+    else the store torchrun's agent serves (``TORCHELASTIC_USE_AGENT_STORE``
+    with ``MASTER_ADDR``/``MASTER_PORT``)."""
+    import datetime
+    import os
+    global _init_calls
+    _init_calls += 1
+    n = _init_calls
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        get = getattr(torch.distributed.distributed_c10d, "_get_default_store", None)
+        if get is not None:
+            return get(), f"phub/init/{n}"
+    env = os.environ
+    if env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" and env.get("MASTER_ADDR") and \
+            env.get("MASTER_PORT"):
+        store = torch.distributed.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=False,
+                                           timeout=datetime.timedelta(seconds=timeout))
+        run = env.get("TORCHELASTIC_RUN_ID", "run")
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        return store, f"phub/init/{run}/{attempt}/{n}"
+    raise UsageError(
+        "phub.torch.init: to admit the job once ($PHUB_JOB_SPEC) and tell the other ranks its id and token, "
+        "the ranks need a shared store: call torch.distributed.init_process_group() before phub.torch.init(), "
+        "or run under torchrun (its agent's store), or admit the job beforehand and set $PHUB_JOB and $PHUB_TOKEN"
+    )
+
+
+def _read_spec(value: str) -> str:
+    """$PHUB_JOB_SPEC: a path to a spec file (TOML or JSON), or the spec's text."""
+    import os
+    path = value.strip()
+    if os.path.isfile(path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise UsageError(f"${ENV_JOB_SPEC} = {value!r}: cannot read it: {e.strerror}") from None
+    if path.startswith("{") or "=" in path:
+        return value  # the spec itself
+    raise UsageError(f"${ENV_JOB_SPEC} = {value!r}: no such file, and not a spec (TOML or JSON text)")
+
+
+def _spec_workers(spec: Union[str, Mapping[str, Any]]) -> Optional[int]:
+    if isinstance(spec, Mapping):
+        w = spec.get("workers")
+        return int(w) if w is not None else None
+    import json
+    if spec.lstrip().startswith("{"):
+        try:
+            return int(json.loads(spec)["workers"])
+        except (ValueError, KeyError, TypeError):
+            return None
+    try:
+        import tomllib  # Python 3.11+
+    except ImportError:
+        return None
+    try:
+        return int(tomllib.loads(spec)["workers"])
+    except (ValueError, KeyError, TypeError, tomllib.TOMLDecodeError):
+        return None
+
+
+def init(spec: Union[None, str, Mapping[str, Any]] = None, *, control_url: Optional[str] = None,
+         job: Optional[int] = None, token: Optional[str] = None, rank: Optional[int] = None,
+         world_size: Optional[int] = None, local_rank: Optional[int] = None, timeout: float = 300.0,
+         **join_kwargs: Any) -> Session:
+    """Joins this process to a phub job the way torchrun starts it, with no
+    further arguments::
+
+        torchrun --nproc-per-node=2 train.py      # train.py: s = phub.torch.init()
+
+    Reads, unless given as arguments:
+
+    - ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: torchrun's (``LOCAL_RANK``
+      defaults to ``RANK``).
+    - ``PHUB_CONTROL_URL``: phub-control's URL (else ``PHUB_CONTROL``, which
+      phubctl reads). An ``https://`` URL is verified against
+      ``PHUB_CA_FILE`` (else the system's roots), as :meth:`phub.Worker.join`
+      and :mod:`phub.admin` do.
+    - Either ``PHUB_JOB`` and ``PHUB_TOKEN``: join that admitted job;
+    - or ``PHUB_JOB_SPEC``: a path to a job spec (TOML or JSON), or the
+      spec's text: rank 0 admits it (with ``PHUB_OPERATOR_TOKEN`` when
+      control asks for one) and every rank joins it. ``spec`` (a dict such as
+      :func:`job_spec` returns, or TOML/JSON text) is used when neither is
+      set.
+
+    How the other ranks learn the job id and token rank 0 was given: through
+    the default process group's store when ``torch.distributed`` is
+    initialised (call ``init_process_group`` first), else through the store
+    torchrun's agent serves to its workers. Rank 0 writes ``id:token`` (or
+    its admission error, which every rank then raises) under a key of this
+    run; the others wait for it up to ``timeout`` seconds. No name is
+    guessed and control's API is not polled, so two runs never pick up each
+    other's job.
+
+    ``join_kwargs`` go to :meth:`phub.Worker.join` (``window``, ``timeout``,
+    ``shm``...). Returns a :class:`Session` (``.worker``, ``.rank``,
+    ``.world_size``, ``.local_rank``, ``.job``); use it as a context
+    manager, or call :meth:`Session.finish`, to evict a job ``init``
+    admitted when every rank is done.
+    """
+    import json
+    import os
+
+    why = "run under torchrun (it sets RANK, WORLD_SIZE and LOCAL_RANK), or pass rank= and world_size="
+    rank = _env_int(ENV_RANK, rank, why)
+    world_size = _env_int(ENV_WORLD_SIZE, world_size, why)
+    if local_rank is None:
+        local_rank = int(os.environ.get(ENV_LOCAL_RANK) or rank)
+    if not 0 <= rank < world_size:
+        raise UsageError(f"RANK = {rank} with WORLD_SIZE = {world_size}: the rank must be in 0..{world_size - 1}")
+    control_url = control_url or os.environ.get(ENV_CONTROL_URL) or os.environ.get("PHUB_CONTROL")
+    if not control_url:
+        raise UsageError(f"${ENV_CONTROL_URL} is not set: export it as phub-control's URL "
+                         "(e.g. https://appliance1.example.net:7700), or pass control_url=")
+    env_job = os.environ.get(ENV_JOB, "").strip()
+    if job is None and env_job:
+        try:
+            job = int(env_job)
+        except ValueError:
+            raise UsageError(f"${ENV_JOB} = {env_job!r}: expected the job id (an integer)") from None
+    if job is not None:
+        token = token if token is not None else os.environ.get(ENV_TOKEN, "").strip()
+        if not token:
+            raise UsageError(f"${ENV_TOKEN} is not set: joining job {job} (${ENV_JOB}) needs the token its "
+                             "admission returned, or pass token=")
+        worker = Worker.join(control_url, int(job), token, rank, **join_kwargs)
+        _check_world(worker, world_size)
+        return Session(worker, rank, world_size, local_rank, control_url, int(job), str(token), False)
+    env_spec = os.environ.get(ENV_JOB_SPEC, "")
+    if env_spec.strip():
+        spec = _read_spec(env_spec)
+    if spec is None:
+        raise UsageError(f"no job: set ${ENV_JOB} and ${ENV_TOKEN} to join an admitted job, or ${ENV_JOB_SPEC} "
+                         "(a spec file, or the spec) for rank 0 to admit one")
+    w = _spec_workers(spec)
+    if w is not None and w != world_size:
+        raise UsageError(f"the job spec has workers = {w} but WORLD_SIZE = {world_size}: "
+                         f"one phub worker per torchrun process; write workers = {world_size}")
+    store, prefix = _rendezvous_store(timeout)
+    key = f"{prefix}/job"
+    if rank == 0:
+        try:
+            jid, tok = admin.admit(control_url, spec)
+        except BaseException as e:
+            store.set(key, json.dumps({"error": f"rank 0 could not admit the job: {e}"}))
+            raise
+        store.set(key, json.dumps({"id": jid, "token": tok}))
+    else:
+        import datetime
+        try:
+            store.wait([key], datetime.timedelta(seconds=timeout))
+        except RuntimeError as e:
+            raise UsageError(f"phub.torch.init: rank 0 did not admit the job within {timeout} s ({e})") from None
+        answer = json.loads(store.get(key))
+        if "error" in answer:
+            raise UsageError(answer["error"])
+        jid, tok = int(answer["id"]), str(answer["token"])
+    worker = Worker.join(control_url, jid, tok, rank, **join_kwargs)
+    _check_world(worker, world_size)
+    return Session(worker, rank, world_size, local_rank, control_url, jid, tok, rank == 0, store, prefix)
+
+
+def _check_world(worker: Worker, world_size: int) -> None:
+    if worker.workers != world_size:
+        raise UsageError(f"job {worker.job} has {worker.workers} workers but WORLD_SIZE = {world_size}: "
+                         "admit it with workers = WORLD_SIZE")
