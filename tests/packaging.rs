@@ -377,3 +377,179 @@ fn the_units_and_the_shipped_files_agree() {
     }
     assert!(ctl["state"].as_str().unwrap().starts_with("/var/lib/phub/"));
 }
+
+const SETUP: &str = env!("CARGO_BIN_EXE_phub-setup");
+
+fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// Whether `tool` is on PATH.
+fn on_path(tool: &str) -> bool {
+    std::env::var_os("PATH").is_some_and(|p| std::env::split_paths(&p).any(|d| d.join(tool).is_file()))
+}
+
+/// What the machine's hugepages are: each size's `nr_hugepages` (file and
+/// content) and whether hugetlbfs is mounted at /dev/hugepages.
+fn hugepages_now() -> (Vec<(PathBuf, String)>, bool) {
+    let mut sizes: Vec<(PathBuf, String)> = std::fs::read_dir("/sys/kernel/mm/hugepages")
+        .map(|d| {
+            d.filter_map(|e| {
+                let f = e.ok()?.path().join("nr_hugepages");
+                Some((f.clone(), std::fs::read_to_string(&f).ok()?))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    sizes.sort();
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    let mounted = mounts
+        .lines()
+        .any(|l| l.split(' ').nth(1) == Some("/dev/hugepages") && l.split(' ').nth(2) == Some("hugetlbfs"));
+    (sizes, mounted)
+}
+
+/// Puts the machine's hugepages back as they were (on drop, so that a
+/// failed assertion restores them too).
+struct RestoreHugepages((Vec<(PathBuf, String)>, bool));
+
+impl Drop for RestoreHugepages {
+    fn drop(&mut self) {
+        let (sizes, mounted) = &self.0;
+        if !mounted && hugepages_now().1 {
+            let _ = Command::new("umount").arg("/dev/hugepages").status();
+        }
+        for (f, n) in sizes {
+            if let Err(e) = std::fs::write(f, n.trim()) {
+                eprintln!("could not restore {} to {}: {e}", f.display(), n.trim());
+            }
+        }
+        assert_eq!(hugepages_now(), self.0, "hugepages not restored");
+    }
+}
+
+/// `phub-setup hugepages 4M` reserves two 2 MB pages through DPDK's
+/// dpdk-hugepages.py and mounts hugetlbfs: the kernel's counts say so.
+/// The machine's reservation and mount are put back after. As root with
+/// DPDK's tools, on a machine with no hugepages reserved (the tool clears
+/// every reservation first: a machine using some is left alone).
+#[test]
+fn phub_setup_hugepages_reserves_them_and_the_machine_is_restored() {
+    let two_mb = Path::new("/sys/kernel/mm/hugepages/hugepages-2048kB/nr_hugepages");
+    let skip = if !is_root() {
+        Some("needs root (writes /sys/kernel/mm/hugepages, mounts hugetlbfs)".to_string())
+    } else if !on_path("dpdk-hugepages.py") {
+        Some("needs DPDK's tools (apt install dpdk; tools/setup.sh installs it)".to_string())
+    } else if !two_mb.exists() {
+        Some(format!(
+            "no 2 MB hugepages in this kernel ({} missing)",
+            two_mb.display()
+        ))
+    } else {
+        let (sizes, _) = hugepages_now();
+        sizes.iter().find(|(_, n)| n.trim() != "0").map(|(f, n)| {
+            format!(
+                "{} is {}: this machine uses hugepages, left alone",
+                f.display(),
+                n.trim()
+            )
+        })
+    };
+    if let Some(why) = skip {
+        eprintln!("phub_setup_hugepages: skipped: {why}");
+        return;
+    }
+    let restore = RestoreHugepages(hugepages_now());
+    let out = Command::new(SETUP)
+        .args(["hugepages", "4M", "--pagesize", "2M"])
+        .output()
+        .unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "phub-setup hugepages failed:\n{text}");
+    assert!(
+        text.contains("dpdk-hugepages.py --pagesize 2M --setup 4M"),
+        "{text}"
+    );
+    assert_eq!(std::fs::read_to_string(two_mb).unwrap().trim(), "2", "{text}");
+    let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap();
+    assert!(
+        meminfo
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["HugePages_Total:", "2"]),
+        "{meminfo}"
+    );
+    assert!(
+        hugepages_now().1,
+        "hugetlbfs not mounted at /dev/hugepages:\n{text}"
+    );
+    drop(restore);
+}
+
+/// Every PCI device's driver (by address), to see that nothing changed.
+fn pci_drivers() -> Vec<(String, Option<PathBuf>)> {
+    let mut v: Vec<_> = std::fs::read_dir("/sys/bus/pci/devices")
+        .map(|d| {
+            d.filter_map(|e| {
+                let e = e.ok()?;
+                Some((
+                    e.file_name().to_string_lossy().into_owned(),
+                    std::fs::read_link(e.path().join("driver")).ok(),
+                ))
+            })
+            .collect()
+        })
+        .unwrap_or_default();
+    v.sort();
+    v
+}
+
+/// `phub-setup bind-nic` with an address that names no device, one that is
+/// not an address, and (when the machine has one) a PCI device that is not
+/// a NIC: each fails with a message naming the address and what is wrong,
+/// before anything changes (no driver bound or unbound, vfio-pci not
+/// loaded). No NIC is bound here: there is none to spare.
+#[test]
+fn phub_setup_bind_nic_refuses_what_is_not_a_nic_and_changes_nothing() {
+    let vfio = Path::new("/sys/bus/pci/drivers/vfio-pci");
+    let before = (pci_drivers(), vfio.exists());
+    let mut cases = vec![
+        ("0000:ff:1f.7", "no such PCI device on this machine"),
+        ("eth0", "not a PCI address"),
+    ];
+    assert!(
+        !Path::new("/sys/bus/pci/devices/0000:ff:1f.7").exists(),
+        "the made-up address exists here"
+    );
+    let other: Option<String> = before.0.iter().find_map(|(a, _)| {
+        let class = std::fs::read_to_string(format!("/sys/bus/pci/devices/{a}/class")).ok()?;
+        (!class.starts_with("0x02")).then(|| a.clone())
+    });
+    if let Some(a) = &other {
+        cases.push((a.as_str(), "not a network controller"));
+    } else {
+        eprintln!("bind-nic: no PCI device other than a NIC here; the not-a-NIC case skipped");
+    }
+    for (addr, want) in cases {
+        let out = Command::new(SETUP).args(["bind-nic", addr]).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{addr}: {err}");
+        assert!(
+            err.starts_with("phub-setup: ") && err.contains(&format!("{addr:?}")) && err.contains(want),
+            "{addr}: expected {want:?}, got: {err}"
+        );
+        assert!(
+            !String::from_utf8_lossy(&out.stdout).contains("dpdk-devbind.py"),
+            "{addr}: ran the tool"
+        );
+    }
+    assert_eq!(
+        (pci_drivers(), vfio.exists()),
+        before,
+        "bind-nic changed the machine"
+    );
+}

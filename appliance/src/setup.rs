@@ -2,7 +2,8 @@
 //! certificate of phub-control, the dataplane's management token file made
 //! readable by the user phub-control runs as, and DPDK's hugepages and NIC
 //! binding through DPDK's own tools. Each step is safe to run again: it
-//! keeps what exists unless asked to replace it.
+//! keeps what exists unless asked to replace it. `bind-nic` checks every
+//! address before it changes anything.
 
 use std::io::Write as _;
 use std::os::unix::fs::{OpenOptionsExt as _, PermissionsExt as _};
@@ -49,6 +50,15 @@ pub enum SetupError {
         /// The tool.
         tool: String,
         /// What happened and what to do.
+        message: String,
+    },
+    /// A PCI address given to `bind-nic` is malformed, names no device,
+    /// names a device that is not a NIC, or was not bound.
+    #[error("PCI address {addr:?}: {message}")]
+    Pci {
+        /// The address as given.
+        addr: String,
+        /// What is wrong and what to do.
         message: String,
     },
 }
@@ -293,9 +303,162 @@ pub fn dpdk_tool(tool: &str, args: &[String]) -> Result<(), SetupError> {
     }
 }
 
+/// Where the kernel lists PCI devices (`<address>/class`, `<address>/driver`).
+pub const PCI_DEVICES: &str = "/sys/bus/pci/devices";
+
+/// The driver DPDK's backend needs the NIC bound to.
+const VFIO_PCI: &str = "vfio-pci";
+
+/// `addr` as the kernel names it (`DDDD:BB:DD.F`, lower case; the domain
+/// `0000` added when left out, as dpdk-devbind.py does).
+pub fn pci_address(addr: &str) -> Result<String, SetupError> {
+    let bad = |why: &str| SetupError::Pci {
+        addr: addr.to_string(),
+        message: format!(
+            "{why}: expected DDDD:BB:DD.F or BB:DD.F in hexadecimal, e.g. 0000:3b:00.0 \
+             (`dpdk-devbind.py --status` lists the NICs)"
+        ),
+    };
+    let full = match addr.matches(':').count() {
+        1 => format!("0000:{addr}"),
+        2 => addr.to_string(),
+        _ => return Err(bad("not a PCI address")),
+    }
+    .to_ascii_lowercase();
+    let (rest, function) = full.split_once('.').ok_or_else(|| bad("no function (.F)"))?;
+    let parts: Vec<&str> = rest.split(':').collect();
+    let hex = |s: &str, n: usize| s.len() == n && s.bytes().all(|b| b.is_ascii_hexdigit());
+    let function_ok = function.len() == 1 && matches!(function.as_bytes()[0], b'0'..=b'7');
+    if !(hex(parts[0], 4) && hex(parts[1], 2) && hex(parts[2], 2) && function_ok) {
+        return Err(bad("not a PCI address"));
+    }
+    Ok(full)
+}
+
+/// The driver `addr` (a normalised address) is bound to under `devices`
+/// ([`PCI_DEVICES`]), if any.
+pub fn pci_driver(devices: &Path, addr: &str) -> Option<String> {
+    let link = std::fs::read_link(devices.join(addr).join("driver")).ok()?;
+    Some(link.file_name()?.to_string_lossy().into_owned())
+}
+
+/// Checks that `addr` names a network controller (PCI class 0x02) under
+/// `devices` ([`PCI_DEVICES`]), and returns its normalised address.
+pub fn check_nic(devices: &Path, addr: &str) -> Result<String, SetupError> {
+    let full = pci_address(addr)?;
+    let class_file = devices.join(&full).join("class");
+    let class = std::fs::read_to_string(&class_file).map_err(|e| SetupError::Pci {
+        addr: addr.to_string(),
+        message: if e.kind() == std::io::ErrorKind::NotFound {
+            format!(
+                "no such PCI device on this machine ({} does not exist); \
+                 `dpdk-devbind.py --status` lists the NICs",
+                devices.join(&full).display()
+            )
+        } else {
+            format!("cannot read {}: {e}", class_file.display())
+        },
+    })?;
+    let class = class.trim();
+    if !class.starts_with("0x02") {
+        return Err(SetupError::Pci {
+            addr: addr.to_string(),
+            message: format!(
+                "not a network controller (PCI class {class}, a NIC's is 0x02....); \
+                 `dpdk-devbind.py --status` lists the NICs"
+            ),
+        });
+    }
+    Ok(full)
+}
+
+/// `phub-setup bind-nic`: binds the NICs at `pci` to vfio-pci with DPDK's
+/// dpdk-devbind.py. Every address is checked first (a NIC under
+/// [`PCI_DEVICES`]), so that a wrong one changes nothing; vfio-pci is
+/// loaded only when it is not already; NICs on vfio-pci already are left
+/// as they are; afterwards each must be on vfio-pci (dpdk-devbind.py
+/// skips, with a warning, an interface that is up with routes).
+pub fn bind_nic(pci: &[String]) -> Result<(), SetupError> {
+    let devices = Path::new(PCI_DEVICES);
+    let nics = pci
+        .iter()
+        .map(|a| check_nic(devices, a))
+        .collect::<Result<Vec<_>, _>>()?;
+    let todo: Vec<String> = nics
+        .iter()
+        .filter(|a| pci_driver(devices, a).as_deref() != Some(VFIO_PCI))
+        .cloned()
+        .collect();
+    if todo.is_empty() {
+        println!("phub-setup: {} on {VFIO_PCI} already", nics.join(", "));
+        return Ok(());
+    }
+    if !Path::new("/sys/bus/pci/drivers").join(VFIO_PCI).exists() {
+        dpdk_tool("modprobe", &[VFIO_PCI.into()])?;
+    }
+    let mut args = vec![format!("--bind={VFIO_PCI}")];
+    args.extend(todo.iter().cloned());
+    dpdk_tool("dpdk-devbind.py", &args)?;
+    for a in &todo {
+        let now = pci_driver(devices, a);
+        if now.as_deref() != Some(VFIO_PCI) {
+            return Err(SetupError::Pci {
+                addr: a.clone(),
+                message: format!(
+                    "still on {} after dpdk-devbind.py: it leaves an interface that is up \
+                     with routes (the management interface?) as it is; if this NIC is not \
+                     that one, `ip link set <if> down` and run again",
+                    now.as_deref().unwrap_or("no driver")
+                ),
+            });
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pci_addresses_are_checked_before_anything_is_bound() {
+        assert_eq!(pci_address("0000:3B:00.0").unwrap(), "0000:3b:00.0");
+        assert_eq!(pci_address("3b:00.1").unwrap(), "0000:3b:00.1");
+        for bad in [
+            "eth0",
+            "3b:00",
+            "0000:3b:00.8",
+            "00:3b:00.0",
+            "0000:3g:00.0",
+            "a:b:c:d.0",
+            "",
+        ] {
+            let e = pci_address(bad).unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains("DDDD:BB:DD.F"),
+                "{e}"
+            );
+        }
+        // A fake sysfs: a NIC, a host bridge, and nothing else.
+        let dir = std::env::temp_dir().join(format!("phub-setup-pci-{}", std::process::id()));
+        for (addr, class) in [("0000:3b:00.0", "0x020000"), ("0000:00:00.0", "0x060000")] {
+            std::fs::create_dir_all(dir.join(addr)).unwrap();
+            std::fs::write(dir.join(addr).join("class"), format!("{class}\n")).unwrap();
+        }
+        assert_eq!(check_nic(&dir, "3b:00.0").unwrap(), "0000:3b:00.0");
+        assert_eq!(pci_driver(&dir, "0000:3b:00.0"), None);
+        let e = check_nic(&dir, "0000:00:00.0").unwrap_err().to_string();
+        assert!(
+            e.contains("not a network controller") && e.contains("0x060000"),
+            "{e}"
+        );
+        let e = check_nic(&dir, "0000:ff:1f.7").unwrap_err().to_string();
+        assert!(
+            e.contains("no such PCI device") && e.contains("0000:ff:1f.7"),
+            "{e}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 
     #[test]
     fn the_ca_signs_a_server_certificate_and_keys_are_owner_only() {

@@ -61,8 +61,9 @@ enum Step {
         pagesize: String,
     },
     /// Bind NICs to vfio-pci for the DPDK backend with DPDK's
-    /// dpdk-devbind.py (loads the vfio-pci module first). The NIC leaves
-    /// the kernel: never bind the management interface.
+    /// dpdk-devbind.py (loads the vfio-pci module first). Each address
+    /// must name a NIC on this machine, or nothing is changed. The NIC
+    /// leaves the kernel: never bind the management interface.
     BindNic {
         /// PCI addresses, e.g. 0000:3b:00.0 (`dpdk-devbind.py --status`
         /// lists them).
@@ -115,12 +116,7 @@ fn main() -> ExitCode {
                 )?;
                 setup::dpdk_tool("dpdk-hugepages.py", &["--show".into()])?;
             }
-            Step::BindNic { pci } => {
-                setup::dpdk_tool("modprobe", &["vfio-pci".into()])?;
-                let mut a = vec!["--bind=vfio-pci".to_string()];
-                a.extend(pci);
-                setup::dpdk_tool("dpdk-devbind.py", &a)?;
-            }
+            Step::BindNic { pci } => setup::bind_nic(&pci)?,
         }
         Ok(())
     })();
