@@ -59,6 +59,7 @@ class Config:
     seed: int = 1
     steps: Optional[int] = None  # stop after this many steps (tests)
     quiet: bool = False
+    device: str = "cpu"  # cpu, or cuda (rank r on GPU r mod the GPU count)
 
 
 # -- data and model ----------------------------------------------------------
@@ -149,7 +150,7 @@ def evaluate(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> tuple[float,
 
 
 def flat_params(model: nn.Module) -> np.ndarray:
-    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).numpy().copy()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).cpu().numpy().copy()
 
 
 def total_steps(cfg: Config, n_train: int, workers: int) -> int:
@@ -163,7 +164,12 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
                 gloo_port: int, out_path: str) -> None:
     torch.set_num_threads(1)
     x, y, xt, yt, _ = load_data()
-    model: nn.Module = make_model(cfg.seed)
+    device = torch.device(cfg.device)
+    if device.type == "cuda":  # one GPU per rank where there are several, else they share it
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        x, y, xt, yt = x.to(device), y.to(device), xt.to(device), yt.to(device)
+    model: nn.Module = make_model(cfg.seed).to(device)
     worker = None
     if mode in ("ddp", "ddp-sum", "gloo"):
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(gloo_port)
@@ -183,7 +189,7 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
     started, exchange = time.perf_counter(), 0.0
     where = "opt.step() (the exchange)" if mode == "server" else "loss.backward() (with the exchange)"
     for step in range(steps):
-        idx = torch.from_numpy(rank_indices(len(y), workers, cfg.batch, step, rank))
+        idx = torch.from_numpy(rank_indices(len(y), workers, cfg.batch, step, rank)).to(device)
         opt.zero_grad()
         loss = F.cross_entropy(model(x[idx]), y[idx])
         t = time.perf_counter()
@@ -297,9 +303,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=Config.batch)
     ap.add_argument("--lr", type=float, default=None, help="default 0.05 (0.005 for adam/adamw)")
     ap.add_argument("--optimizer", default=Config.optimizer, help="sgd | momentum | nesterov | adam | adamw")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the workers' models and batches on the GPU)")
     a = ap.parse_args()
     lr = a.lr if a.lr is not None else (0.005 if a.optimizer in ("adam", "adamw") else Config.lr)
-    cfg = Config(epochs=a.epochs, batch=a.batch, lr=lr, optimizer=a.optimizer)
+    cfg = Config(epochs=a.epochs, batch=a.batch, lr=lr, optimizer=a.optimizer, device=a.device)
     _, y, _, _, what = load_data()
     n = sum(p.numel() for p in make_model(cfg.seed).parameters())
     where = {"ddp": f"DDP, gradients averaged by phub (mean), {cfg.optimizer} locally",
@@ -307,7 +314,7 @@ def main() -> None:
              "server": f"{cfg.optimizer} on the appliance (DistributedOptimizer)",
              "gloo": f"DDP over gloo (no phub), {cfg.optimizer} locally"}[a.mode]
     print(f"phub torch demo: a CNN ({n} parameters in 8 tensors) on {what}, {a.workers} worker processes, "
-          f"{where}, lr {cfg.lr}, {cfg.epochs} epochs of {steps_per_epoch(len(y), a.workers, cfg.batch)} steps",
+          f"{where}, {cfg.device}, lr {cfg.lr}, {cfg.epochs} epochs of {steps_per_epoch(len(y), a.workers, cfg.batch)} steps",
           flush=True)
     t = time.perf_counter()
     params = run(a.mode, a.workers, cfg)

@@ -1,0 +1,268 @@
+#!/usr/bin/env python3
+"""ResNet-50 DDP training steps on CUDA tensors: phub's comm hook against gloo, W processes, same run.
+
+Every worker process (rank r on GPU r mod the GPU count: with one GPU the W
+processes share it) holds three copies of ResNet-50 (torchvision's layout,
+defined here so torchvision is not needed; 161 tensors, 25,557,032
+parameters) on the GPU, each in DistributedDataParallel (25 MB buckets,
+gloo process group):
+
+- ``no exchange``: a comm hook that returns the bucket at once (forward +
+  backward without communication: the baseline);
+- ``gloo``: DDP's default all-reduce over gloo (which stages CUDA tensors
+  through the host itself);
+- ``phub``: phub.torch's comm hook (pinned staging buffers, side streams)
+  through a local appliance (a ``mean`` job, one key per tensor; ``--shm``:
+  shared memory, ``--lcores``: dataplane queues).
+
+A step is forward + backward on a random batch, between
+``torch.cuda.synchronize()`` calls, after a barrier; medians over
+``--steps`` steps after ``--warmup``. It also times the exchange alone,
+without backward: gloo all-reduce of the same buckets (CUDA tensors), and
+phub's hook on the same buckets (device-to-host, push, pull,
+host-to-device), and reports how much of each exchange backward hides:
+``overlap = 1 - (step - baseline) / exchange alone``.
+
+    python python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4
+
+Needs a CUDA device; tools/gpu-bench.sh runs it on the device machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import phub
+import phub.torch
+from phub.local import LocalAppliance
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, inplanes: int, planes: int, stride: int, downsample: bool) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(inplanes, planes, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(planes)
+        self.conv2 = nn.Conv2d(planes, planes, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(planes)
+        self.conv3 = nn.Conv2d(planes, planes * 4, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(planes * 4)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = (nn.Sequential(nn.Conv2d(inplanes, planes * 4, 1, stride=stride, bias=False),
+                                         nn.BatchNorm2d(planes * 4)) if downsample else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        return self.relu(out + (self.downsample(x) if self.downsample is not None else x))
+
+
+class ResNet50(nn.Module):
+    """torchvision.models.resnet50's modules and parameter order."""
+
+    def __init__(self, classes: int = 1000) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, stride=2, padding=1)
+        inplanes = 64
+        for i, (planes, blocks, stride) in enumerate([(64, 3, 1), (128, 4, 2), (256, 6, 2), (512, 3, 2)], start=1):
+            layer = [Bottleneck(inplanes, planes, stride, True)]
+            inplanes = planes * 4
+            layer += [Bottleneck(inplanes, planes, 1, False) for _ in range(blocks - 1)]
+            setattr(self, f"layer{i}", nn.Sequential(*layer))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(2048, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def no_exchange_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut
+
+
+class FakeBucket:
+    """A DDP bucket for the bare exchange: parameters and gradient views of one flat buffer."""
+
+    def __init__(self, i: int, params: list[torch.Tensor], buf: torch.Tensor) -> None:
+        self.i, self.params, self.buf = i, params, buf
+        offs = np.cumsum([0] + [p.numel() for p in params])
+        self.grads = [buf[a:b] for a, b in zip(offs, offs[1:])]
+
+    def buffer(self) -> torch.Tensor:
+        return self.buf
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self.params
+
+    def gradients(self) -> list[torch.Tensor]:
+        return self.grads
+
+    def index(self) -> Any:  # phub's staging slot: apart from DDP's buckets' (their sizes differ)
+        return ("bare", self.i)
+
+
+def buckets_of(params: list[torch.Tensor], cap_bytes: int, device: torch.device) -> list[FakeBucket]:
+    """DDP's layout, roughly: parameters in reverse order, ~cap_bytes per bucket."""
+    out: list[FakeBucket] = []
+    cur: list[torch.Tensor] = []
+    for p in reversed(params):
+        cur.append(p)
+        if sum(q.numel() for q in cur) * 4 >= cap_bytes:
+            out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device)))
+            cur = []
+    if cur:
+        out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device)))
+    return out
+
+
+def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
+    torch.set_num_threads(2)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=a.workers)
+    device = torch.device("cuda", rank % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+    w = phub.Worker.join(control_url, job, token, rank)
+    if a.shm and not w.shm:
+        raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
+    torch.manual_seed(0)
+    models = {}
+    for name in ("no exchange", "gloo", "phub"):
+        torch.manual_seed(0)
+        models[name] = nn.parallel.DistributedDataParallel(ResNet50().to(device), bucket_cap_mb=a.bucket_mb)
+    models["no exchange"].register_comm_hook(None, no_exchange_hook)
+    state = phub.torch.register_comm_hook(models["phub"], w)
+    x = torch.randn(a.batch, 3, a.image, a.image, device=device)
+    y = torch.randint(0, 1000, (a.batch,), device=device)
+    loss_fn = nn.CrossEntropyLoss()
+    times: dict[str, list[float]] = {n: [] for n in ("no exchange", "gloo", "phub", "bare gloo", "bare phub")}
+    params = phub.torch.key_parameters(models["phub"])
+    buckets = buckets_of(params, int(a.bucket_mb * 2**20), device)
+    for step in range(a.warmup + a.steps):
+        for name, m in models.items():
+            m.zero_grad(set_to_none=False)
+            torch.cuda.synchronize()
+            dist.barrier()
+            t = time.perf_counter()
+            loss_fn(m(x), y).backward()
+            torch.cuda.synchronize()
+            if step >= a.warmup:
+                times[name].append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        works = [dist.all_reduce(b.buf, async_op=True) for b in buckets]
+        for wk in works:
+            wk.wait()
+        torch.cuda.synchronize()
+        if step >= a.warmup:
+            times["bare gloo"].append(time.perf_counter() - t)
+        for b in buckets:
+            b.buf.fill_(1.0)
+        torch.cuda.synchronize()
+        dist.barrier()
+        t = time.perf_counter()
+        futs = [phub.torch.comm_hook(state, b) for b in buckets]
+        for f in futs:
+            f.wait()
+        torch.cuda.synchronize()
+        if step >= a.warmup:
+            times["bare phub"].append(time.perf_counter() - t)
+        for b in buckets:  # every rank pushed ones: the mean is one
+            assert torch.all(b.buf == 1.0), "phub: wrong averaged gradient"
+    # DDP's gradients after phub and after gloo are both the ranks' mean of the same batches.
+    for pg, pp in zip(models["gloo"].parameters(), models["phub"].parameters()):
+        torch.testing.assert_close(pg.grad, pp.grad, rtol=1e-4, atol=1e-5)
+    if rank == 0:
+        s = w.stats()
+        np.save(out, np.array([times[k] for k in times], dtype=np.float64))
+        with open(out + ".txt", "w") as f:
+            f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)}\n")
+    state.close()
+    dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="ResNet-50 DDP on CUDA tensors: phub's comm hook against gloo")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32, help="images per rank per step")
+    ap.add_argument("--image", type=int, default=224)
+    ap.add_argument("--lcores", type=int, default=4, help="dataplane queues")
+    ap.add_argument("--bucket-mb", type=float, default=25.0)
+    ap.add_argument("--shm", action="store_true", help="phub-dataplane with --shm (workers on this machine)")
+    ap.add_argument("--busy-poll", action="store_true")
+    a = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (torch.cuda.is_available() is False): this benchmark needs a GPU")
+    import multiprocessing as mp
+
+    sizes = [(n, p.numel()) for n, p in ResNet50().named_parameters()]
+    total = sum(n for _, n in sizes)
+    gpus = torch.cuda.device_count()
+    print(f"ResNet-50 DDP on CUDA tensors ({len(sizes)} tensors, {total:,} parameters, {4 * total / 1e6:.1f} MB), "
+          f"W={a.workers} processes on {gpus} x {torch.cuda.get_device_name(0)}, batch {a.batch} x {a.image}^2 "
+          f"per rank, buckets {a.bucket_mb:g} MB; phub: {a.lcores} lcores, "
+          f"{'shared memory' if a.shm else 'datagrams'}; torch {torch.__version__}, {os.cpu_count()} CPUs",
+          flush=True)
+    with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll, shm=a.shm) as app:
+        job, token = app.admit(phub.admin.job_spec("resnet50-cuda", a.workers, sizes, optimizer="mean"))
+        with tempfile.TemporaryDirectory(prefix="phub-gpu-bench-") as tmp:
+            out = str(Path(tmp) / "times.npy")
+            ctx = mp.get_context("spawn")
+            port = free_port()
+            procs = [ctx.Process(target=worker, args=(r, a, app.control_url, job, token, port, out))
+                     for r in range(a.workers)]
+            for p in procs:
+                p.start()
+            for p in procs:
+                p.join()
+            if any(p.exitcode != 0 for p in procs):
+                raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+            times = np.load(out)
+            retx, sent, shm = Path(out + ".txt").read_text().split()
+    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]
+    med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
+    lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
+    print(f"{'':32}{'median ms':>10}{'min ms':>10}")
+    labels = {"no exchange": "step, no exchange (baseline)", "gloo": "step, DDP + gloo", "phub": "step, DDP + phub hook",
+              "bare gloo": "exchange alone, gloo", "bare phub": "exchange alone, phub"}
+    for n in names:
+        print(f"  {labels[n]:30}{med[n]:10.1f}{lo[n]:10.1f}")
+    base = med["no exchange"]
+    print(f"step: phub {med['phub']:.1f} ms, gloo {med['gloo']:.1f} ms: phub/gloo = {med['phub'] / med['gloo']:.2f}")
+    for n in ("gloo", "phub"):
+        exposed = max(med[n] - base, 0.0)
+        bare = med[f"bare {n}"]
+        print(f"{n}: exchange alone {bare:.1f} ms, exposed in the step {exposed:.1f} ms: "
+              f"overlap with backward {100 * (1 - exposed / bare):.0f}%")
+    print(f"phub rank 0: shared memory {'yes' if shm == '1' else 'no'}, {retx} retransmits of {sent} chunks sent")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# phub.torch on CUDA tensors, in one go on the lent GPU machine (one NVIDIA
+# GPU, 16 cores, no network, no Rust): issue 21's checks, under 8 minutes.
+#
+#   here:        tools/gpu-bench.sh bundle     # writes .gpubench/bundle.tar.xz
+#   the device:  OUT=$OUT tools/gpu-bench.sh run   (run tool: carry [".gpubench"])
+#
+# `bundle` packs what the device machine lacks and can be carried (the run
+# tool carries 64 MiB at most): stripped phub-dataplane and phub-control from
+# target/release, and the Python package phub (abi3, with its compiled
+# extension) from target/torch-venv (`make release-bins torch-venv` first).
+# Add `/.gpubench/` to .git/info/exclude so it stays out of git.
+#
+# torch is NOT in the bundle: torch with CUDA is about 5 GB, far over what
+# travels, and the device machine cannot reach PyPI. `run` looks for a Python
+# that already has torch with CUDA there ($PYTHON, else python3, else
+# python3 of any venv under /opt or $HOME) and stops with exit 2 and a
+# message saying so when there is none.
+#
+# `run` then, each step under its own timeout, output in $OUT/summary.txt:
+#   1. nvidia-smi -L, torch's CUDA version and device;
+#   2. python/tests/torch/test_cuda.py: the comm hook on CUDA tensors ==
+#      on CPU tensors == one process (mean, sum); DistributedOptimizer with
+#      CUDA parameters == torch.optim, each optimizer; bf16 CUDA gradients;
+#   3. python/bench/bench_cuda_ddp.py: ResNet-50 DDP steps on CUDA tensors,
+#      phub's hook (shared memory, 4 lcores) against gloo, W=2 sharing the
+#      GPU, medians, the exchange alone and its overlap with backward; then
+#      the same with datagrams (no --shm) if time is left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+cmd=${1:-}
+
+if [[ "$cmd" == bundle ]]; then
+  set -e
+  STAGE=$(mktemp -d /tmp/phub-gpubench.XXXXXX)
+  trap 'rm -rf "$STAGE"' EXIT
+  mkdir -p "$STAGE/bin" "$STAGE/py"
+  for b in phub-dataplane phub-control; do
+    test -x "target/release/$b" || { echo "target/release/$b missing: make release-bins" >&2; exit 1; }
+    strip -o "$STAGE/bin/$b" "target/release/$b"
+  done
+  site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub 2>/dev/null | head -1)
+  test -n "$site" || { echo "phub is not installed in target/torch-venv: make torch-venv" >&2; exit 1; }
+  cp -r "$site" "$STAGE/py/"
+  rm -rf "$STAGE/py/phub/__pycache__"
+  mkdir -p .gpubench
+  tar -C "$STAGE" -cJf .gpubench/bundle.tar.xz .
+  ls -la .gpubench/bundle.tar.xz
+  exit 0
+fi
+
+if [[ "$cmd" != run ]]; then
+  echo "usage: tools/gpu-bench.sh bundle | OUT=DIR tools/gpu-bench.sh run" >&2
+  exit 64
+fi
+
+OUT=${OUT:?set OUT to a folder for the results}
+mkdir -p "$OUT"
+SUM="$OUT/summary.txt"
+say() { echo "$*" | tee -a "$SUM"; }
+t0=$(date +%s)
+stamp() { say "== [$(($(date +%s) - t0)) s] $*"; }
+
+stamp "setup"
+ROOT=$(mktemp -d /tmp/phub-gpubench.XXXXXX)
+if ! tar -C "$ROOT" -xJf .gpubench/bundle.tar.xz 2>/dev/null; then
+  say "no .gpubench/bundle.tar.xz: run \`tools/gpu-bench.sh bundle\` here and carry .gpubench"
+  exit 2
+fi
+export PHUB_BIN_DIR="$ROOT/bin" PYTHONPATH="$ROOT/py:$(pwd)/python/examples${PYTHONPATH:+:$PYTHONPATH}"
+
+has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
+PY=""
+for c in ${PYTHON:-} python3 /opt/*/bin/python3 /opt/*/*/bin/python3 "$HOME"/*/bin/python3; do
+  [[ -n "$c" ]] && command -v "$c" >/dev/null 2>&1 || continue
+  if has_cuda_torch "$c"; then PY=$c; break; fi
+done
+if [[ -z "$PY" ]]; then
+  say "no Python with torch and a CUDA device here (tried \$PYTHON, python3, /opt/*, \$HOME/*):"
+  say "  torch (about 5 GB with CUDA) cannot be carried and this machine cannot reach PyPI;"
+  say "  a GPU session needs a machine image with torch installed. Nothing was run."
+  nvidia-smi -L 2>&1 | tee -a "$SUM"
+  exit 2
+fi
+nvidia-smi -L 2>&1 | tee -a "$SUM"
+"$PY" -c 'import torch, phub; print("python", __import__("sys").version.split()[0], "torch", torch.__version__,
+  "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "phub", phub.__version__)' 2>&1 | tee -a "$SUM"
+"$PY" -c 'import pytest' 2>/dev/null && HAVE_PYTEST=1 || HAVE_PYTEST=0
+
+stamp "test_cuda.py (correctness on the GPU)"
+if [[ $HAVE_PYTEST == 1 ]]; then
+  timeout 200 "$PY" -m pytest -q -p no:cacheprovider python/tests/torch/test_cuda.py >"$OUT/test_cuda.log" 2>&1
+  say "test_cuda.py rc=$?"; tail -n 15 "$OUT/test_cuda.log" | tee -a "$SUM"
+else
+  say "pytest is not installed for $PY: test_cuda.py skipped"
+fi
+
+stamp "ResNet-50 DDP on CUDA: phub (shared memory, 4 lcores) vs gloo"
+timeout 180 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 10 >"$OUT/bench-shm.log" 2>&1
+say "bench_cuda_ddp.py --shm rc=$?"; tail -n 14 "$OUT/bench-shm.log" | tee -a "$SUM"
+
+if (( $(date +%s) - t0 < 300 )); then
+  stamp "ResNet-50 DDP on CUDA: phub (datagrams, 4 lcores) vs gloo"
+  timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --lcores 4 --steps 8 >"$OUT/bench-udp.log" 2>&1
+  say "bench_cuda_ddp.py (datagrams) rc=$?"; tail -n 14 "$OUT/bench-udp.log" | tee -a "$SUM"
+fi
+stamp "done"
