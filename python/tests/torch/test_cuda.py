@@ -1,7 +1,9 @@
 """phub.torch on CUDA tensors (`make test-torch` runs it where torch.cuda.is_available()).
 
-Skipped, with the reason, on a machine without a GPU. On one (W=2 worker
-processes may share it):
+The GPU tests skip, with the reason, on a machine without a GPU; there,
+the CUDA path's bookkeeping runs on CPU tensors with stand-ins for
+streams, events, pinned memory and the CUDA-aware future (the last two
+tests). On a GPU (W=2 worker processes may share it):
 
 - The DDP comm hook on CUDA tensors (mean and sum jobs) ends with the same
   parameters as the hook on CPU tensors and as one process on the
@@ -32,7 +34,7 @@ import phub.torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import train_digits as td  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
+needs_cuda = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="no CUDA device (torch.cuda.is_available() is False): the CUDA path of phub.torch is not exercised here",
 )
@@ -51,6 +53,7 @@ def initial() -> np.ndarray:
     return td.flat_params(td.make_model(td.Config().seed))
 
 
+@needs_cuda
 @pytest.mark.parametrize("mode", ["ddp", "ddp-sum"])
 def test_comm_hook_on_cuda_matches_cpu_and_one_process(appliance: Any, mode: str, initial: np.ndarray) -> None:
     gpu = td.run(mode, W, td.Config(steps=STEPS, quiet=True, device="cuda"), appliance)
@@ -62,6 +65,7 @@ def test_comm_hook_on_cuda_matches_cpu_and_one_process(appliance: Any, mode: str
     close(gpu, single, moved, 1e-3)
 
 
+@needs_cuda
 @pytest.mark.parametrize("opt", ["sgd", "momentum", "nesterov", "adam", "adamw"])
 def test_optimizer_on_the_appliance_with_cuda_parameters(appliance: Any, opt: str, initial: np.ndarray) -> None:
     adam = opt.startswith("adam")
@@ -74,6 +78,7 @@ def test_optimizer_on_the_appliance_with_cuda_parameters(appliance: Any, opt: st
     close(gpu, want, moved, 1e-3)
 
 
+@needs_cuda
 def test_bf16_cuda_gradients_through_the_hook(workers: Any) -> None:
     """The hook's CUDA path on a hand-made bucket, bf16, two ranks in this process."""
     ws = workers([1000], W, dtype="bf16", optimizer="mean")
@@ -111,3 +116,110 @@ class _Bucket:
 
     def index(self) -> int:
         return 0
+
+
+# -- Without a GPU: the CUDA path's bookkeeping on CPU tensors ------------------
+# Streams, events, pinned memory and the CUDA-aware future replaced by
+# stand-ins that do nothing (copies are then synchronous), so that the
+# staging code (pinned buffer per bucket and key, the bucket's keys as
+# slices of it, the scale, the copy back, the optimizer's per-key copies)
+# runs here. What it cannot check is the streams' ordering on a GPU.
+
+
+def _in_threads(fs: list[Any]) -> list[Any]:
+    """Runs each rank's call on its own thread (each waits for the others' pushes)."""
+    import threading
+
+    out: list[Any] = [None] * len(fs)
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fs[i]()
+        except BaseException as e:  # noqa: BLE001  # re-raised below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errs:
+        raise errs[0]
+    return out
+
+
+class _FakeStream:
+    def wait_stream(self, _other: Any) -> None:
+        pass
+
+    def wait_event(self, _event: Any) -> None:
+        pass
+
+
+class _FakeEvent:
+    def record(self, _stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    real_future = torch.futures.Future
+    monkeypatch.setattr(torch.cuda, "Stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: _FakeEvent())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a, **k: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "device", lambda *a, **k: contextlib.nullcontext())
+    monkeypatch.setattr(torch.futures, "Future", lambda *a, devices=None, **k: real_future())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: real_empty(*a, **k))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
+@pytest.mark.parametrize("optimizer", ["sum", "mean"])
+def test_cuda_hook_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None, optimizer: str) -> None:
+    ws = workers([300, 200], W, optimizer=optimizer)
+    states = _in_threads([lambda w=w: phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(300)),
+                                                                    torch.nn.Parameter(torch.zeros(200))])
+                          for w in ws])
+    try:
+        for rnd in range(3):
+            bufs = [torch.arange(500, dtype=torch.float32) * (r + 1) + rnd for r in range(W)]
+            futs = []
+            for s, buf in zip(states, bufs):
+                # A bucket holding both parameters, the second one first (DDP's reverse order).
+                keys = [(1, buf[:200]), (0, buf[200:])]
+                futs.append(phub.torch._cuda_bucket(s, _Bucket(s.params[0], buf), buf, keys, s.scale))
+            outs = [f.wait() for f in futs]
+            want = (torch.arange(500, dtype=torch.float32) * 3 + 2 * rnd) / W
+            for o, buf in zip(outs, bufs):
+                assert o is buf  # in place, as DDP expects
+                assert torch.allclose(o, want), (rnd, o[:4], want[:4])
+            for s in states:  # one pinned buffer per bucket, reused
+                assert len(s._staging[torch.device("cpu")]._host) == 1
+    finally:
+        for s in states:
+            s.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
+def test_cuda_optimizer_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None) -> None:
+    ws = workers([30, 20], W, optimizer={"kind": "sgd", "lr": 0.5})
+    models = [[torch.nn.Parameter(torch.full((30,), 1.0)), torch.nn.Parameter(torch.full((20,), 2.0))] for _ in ws]
+    opts = _in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
+    for o in opts:
+        o._staging = phub.torch._CudaStaging(torch.device("cpu"))  # as for CUDA parameters
+    for rnd in range(2):
+        for r, m in enumerate(models):
+            m[0].grad = torch.full((30,), float(r + 1))
+            m[1].grad = None if r == 0 else torch.full((20,), 4.0)  # a missing gradient pushes zeros
+        _in_threads([o.step for o in opts])
+    for m in models:  # each step: p -= 0.5 * mean(grads)
+        assert torch.allclose(m[0].data, torch.full((30,), 1.0 - 2 * 0.5 * 1.5))
+        assert torch.allclose(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))
