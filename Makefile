@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci
+.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd
 
 setup:
 	./tools/setup.sh
@@ -128,3 +128,10 @@ deb: setup
 
 test-package: setup
 	./packaging/test-package.sh
+
+# Optional, not in `make test`: the units under a real systemd (the same
+# Debian 12 root booted with systemd-nspawn): start order, restart after
+# SIGKILL, the journal, a job through them, start at boot. Needs root;
+# installs systemd-container when missing. See docs/OPERATING.md.
+test-package-systemd: setup
+	./packaging/test-package-systemd.sh

@@ -22,43 +22,11 @@ step() { echo "test-package [$(( $(date +%s) - t0 ))s]: $*"; }
 # What the test needs on the host: mmdebstrap (the root), dpkg-dev
 # (dpkg-shlibdeps, for the package's Depends), iproute2 (the namespace),
 # systemd (systemd-analyze).
-need=()
-for p in mmdebstrap dpkg-dev iproute2 systemd; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need+=("$p")
-done
-if ((${#need[@]})); then
-    step "installing ${need[*]}"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
-fi
-
-step "building the package"
-# One cargo run for the package's binaries and the demo's worker (which
-# trains the job): the release link is the slow part.
-profile=${PHUB_DEB_PROFILE:-release}
-profile_flag=()
-[ "$profile" = debug ] || profile_flag=(--release)
-[ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
-    cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control --bin phubctl \
-        --bin phub-setup --bin phub-demo >&2
-deb=$(PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh | tail -1)
-step "built $deb ($(du -h "$deb" | cut -f1))"
-
-# The root: Debian 12 minbase with the package's dependencies and systemd,
-# cached as a tarball named by what it holds.
+. packaging/pkgtest-common.sh
+pkgtest_need mmdebstrap dpkg-dev iproute2 systemd
+pkgtest_deb
+pkgtest_tarball
 work=target/pkgtest
-mkdir -p "$work"
-deps=$(dpkg-deb -f "$deb" Depends | tr ',' '\n' | sed 's/|.*//; s/(.*)//; s/ //g' | grep -v '^$' | sort -u | paste -sd, -)
-include="$deps,systemd,ca-certificates"
-tarball="$work/bookworm-$(printf '%s' "$include" | sha256sum | cut -c1-12).tar"
-if [ ! -s "$tarball" ]; then
-    step "making a Debian 12 root with mmdebstrap (cached as $tarball)"
-    rm -f "$work"/bookworm-*.tar
-    # (mmdebstrap writes a tarball when the name ends in .tar.)
-    mmdebstrap --quiet --variant=minbase --include="$include" bookworm "$work/partial.tar" \
-        http://deb.debian.org/debian
-    mv "$work/partial.tar" "$tarball"
-fi
 
 root=$(realpath "$work")/root
 ns="phub-pkgtest-$$"
