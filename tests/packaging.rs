@@ -263,11 +263,11 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
             exprs.push(q.to_string());
         }
     }
-    // /metrics as control renders it for a dataplane with a job live and a
-    // drop counted, so that every family is present.
+    // /metrics as control renders it for a DPDK dataplane with a job live
+    // and a drop counted, so that every family is present.
     let dp = DataplaneStats {
-        port: None,
-        backend: "udp".into(),
+        port: Some(phub_proto::api::PortStats::default()),
+        backend: "dpdk".into(),
         lcores: vec![LcoreStats {
             lcore: 0,
             drops: [("bad_token".to_string(), 1)].into(),

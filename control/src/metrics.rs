@@ -10,7 +10,7 @@
 
 use std::fmt::{Display, Write};
 
-use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats};
+use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats, PortStats};
 use phub_proto::counters::CounterDef;
 
 /// The content type of [`render`]'s output.
@@ -125,14 +125,56 @@ fn labels<'a>(labelled: bool, name: &'a str, rest: &[(&'a str, &'a str)]) -> Vec
     l
 }
 
+/// One port counter: the stem of `phub_port_<stem>_total`, its help, and
+/// the field of [`PortStats`] it reads.
+type PortCounter = (&'static str, &'static str, fn(&PortStats) -> u64);
+
+/// The DPDK port's own counters (`rte_eth_stats`) as counter families.
+const PORT: &[PortCounter] = &[
+    ("rx_packets", "Packets the DPDK port received (ipackets)", |p| {
+        p.ipackets
+    }),
+    ("tx_packets", "Packets the DPDK port sent (opackets)", |p| {
+        p.opackets
+    }),
+    (
+        "rx_bytes",
+        "Bytes the DPDK port received, frames whole (ibytes)",
+        |p| p.ibytes,
+    ),
+    (
+        "tx_bytes",
+        "Bytes the DPDK port sent, frames whole (obytes)",
+        |p| p.obytes,
+    ),
+    (
+        "rx_missed_packets",
+        "Packets the NIC dropped because the RX queues were full (imissed)",
+        |p| p.imissed,
+    ),
+    ("rx_errors", "Receive errors of the DPDK port (ierrors)", |p| {
+        p.ierrors
+    }),
+    ("tx_errors", "Transmit errors of the DPDK port (oerrors)", |p| {
+        p.oerrors
+    }),
+    (
+        "rx_nombuf",
+        "RX mbuf allocation failures of the DPDK port (rx_nombuf)",
+        |p| p.rx_nombuf,
+    ),
+];
+
 /// Renders every metric: `phub_dataplane_up`, one family per counter of
 /// [`LcoreStats::COUNTERS`] ([`LcoreFamily`]: `phub_lcore_<name>_total{lcore}`,
 /// its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
 /// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
 /// `phub_job_installed`, `phub_job_memory_bytes` and, when a dataplane
 /// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`
-/// (added up over the job's appliances). With more than one appliance,
-/// `phub_dataplane_up` and the lcore families carry an `appliance` label.
+/// (added up over the job's appliances); with the DPDK backend, the port's
+/// counters (`phub_port_<name>_total`, [`PORT`]). With more than one
+/// appliance, `phub_dataplane_up`, the lcore and the port families carry an
+/// `appliance` label.
 pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSummary]) -> String {
     let mut o = Out(String::new());
     let labelled = appliances.len() > 1;
@@ -185,6 +227,20 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
                         n,
                     );
                 }
+            }
+        }
+    }
+
+    let ports: Vec<(&str, &PortStats)> = appliances
+        .iter()
+        .filter_map(|(name, d)| Some((*name, (*d)?.port.as_ref()?)))
+        .collect();
+    if !ports.is_empty() {
+        for (stem, help, field) in PORT {
+            let name = format!("phub_port_{stem}_total");
+            o.family(&name, "counter", help);
+            for (appliance, p) in &ports {
+                o.sample(&name, &labels(labelled, appliance, &[]), field(p));
             }
         }
     }
@@ -275,7 +331,7 @@ mod tests {
     ];
 
     /// /metrics with every family present: two appliances with lcores,
-    /// every lcore counter non-zero, drops, and a job live on both.
+    /// every lcore counter non-zero, drops, a DPDK port, and a job live on both.
     fn everything() -> String {
         let lcore = |i: u16| {
             let mut m = serde_json::Map::new();
@@ -287,8 +343,11 @@ mod tests {
             serde_json::from_value::<LcoreStats>(m.into()).unwrap()
         };
         let dp = DataplaneStats {
-            port: None,
-            backend: "udp".into(),
+            backend: "dpdk".into(),
+            port: Some(PortStats {
+                imissed: 3,
+                ..Default::default()
+            }),
             lcores: vec![lcore(0), lcore(1)],
             jobs: vec![JobLive {
                 id: 1,
@@ -414,6 +473,11 @@ mod tests {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
         assert!(!text.contains("_us"), "{text}");
+        assert!(
+            text.lines()
+                .any(|l| l == "phub_port_rx_missed_packets_total{appliance=\"a\"} 3"),
+            "{text}"
+        );
         assert_eq!(f.value(1), "0.000001");
     }
 
