@@ -446,6 +446,11 @@ fn phub_setup_hugepages_reserves_them_and_the_machine_is_restored() {
             "no 2 MB hugepages in this kernel ({} missing)",
             two_mb.display()
         ))
+    } else if std::fs::read_to_string("/proc/mounts").unwrap().lines().any(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        f.len() > 3 && f[1] == "/sys" && f[3].split(',').any(|o| o == "ro")
+    }) {
+        Some("/sys is mounted read-only here (a container)".to_string())
     } else {
         let (sizes, _) = hugepages_now();
         sizes.iter().find(|(_, n)| n.trim() != "0").map(|(f, n)| {
