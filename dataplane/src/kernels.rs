@@ -76,6 +76,8 @@ pub struct Kernels {
     copy: [KernelFn; 3],
     /// `out = (a + b) * scale` over f32 wire bytes.
     sum_f32: SumFn,
+    /// The same, `out` written with streaming (non-temporal) stores.
+    sum_f32_stream: SumFn,
 }
 
 impl std::fmt::Debug for Kernels {
@@ -114,6 +116,7 @@ impl Kernels {
             add: [scalar::add_f32, scalar::add_bf16, scalar::add_f16],
             copy: [scalar::copy_f32, scalar::copy_bf16, scalar::copy_f16],
             sum_f32: scalar::sum_f32,
+            sum_f32_stream: scalar::sum_f32,
         }
     }
 
@@ -144,6 +147,7 @@ impl Kernels {
                         add: [x86::avx2_add_f32, x86::avx2_add_bf16, x86::avx2_add_f16],
                         copy: [x86::avx2_copy_f32, x86::avx2_copy_bf16, x86::avx2_copy_f16],
                         sum_f32: x86::avx2_sum_f32,
+                        sum_f32_stream: x86::avx2_sum_f32_stream,
                     })
                 } else {
                     None
@@ -159,6 +163,7 @@ impl Kernels {
                         add: [x86::avx512_add_f32, x86::avx512_add_bf16, x86::avx512_add_f16],
                         copy: [x86::avx512_copy_f32, x86::avx512_copy_bf16, x86::avx512_copy_f16],
                         sum_f32: x86::avx512_sum_f32,
+                        sum_f32_stream: x86::avx512_sum_f32_stream,
                     })
                 } else {
                     None
@@ -218,6 +223,25 @@ impl Kernels {
         check_len(out.len(), a, 4);
         check_len(out.len(), b, 4);
         (self.sum_f32)(out, a, b, scale)
+    }
+
+    /// [`Kernels::sum_f32`] writing `out` with streaming (non-temporal)
+    /// stores: its cache lines are neither read for ownership nor left in
+    /// the cache, so a pass that reads W inputs and writes the sum to a
+    /// buffer not read again soon (a result leaving the host, or read by
+    /// another process later) moves W + 1 lines per line of output rather
+    /// than W + 2. The values are bit-identical to `sum_f32`'s. The stores
+    /// are fenced (`sfence`) before this returns, so they are visible to any
+    /// core or device that sees a later store or system call. The scalar
+    /// family has no streaming stores and is `sum_f32` itself.
+    ///
+    /// # Panics
+    /// If `a` or `b` is not `4 * out.len()` bytes long.
+    #[inline]
+    pub fn sum_f32_stream(&self, out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        (self.sum_f32_stream)(out, a, b, scale)
     }
 }
 
@@ -521,6 +545,48 @@ mod x86 {
     }
 
     /// # Safety
+    /// The CPU must support AVX2, and `a.len() >= 4 * out.len()`,
+    /// `b.len() >= 4 * out.len()`.
+    #[target_feature(enable = "avx2")]
+    unsafe fn avx2_sum_f32_stream_tf(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        let n = out.len();
+        // Elements before `out` reaches a 32-byte boundary (streaming
+        // stores need one), done by the scalar kernel; `out` is f32, so
+        // 4-byte aligned and at most 7 of them.
+        let head = ((32 - (out.as_ptr() as usize) % 32) % 32 / 4).min(n);
+        scalar::sum_f32(&mut out[..head], &a[..4 * head], &b[..4 * head], scale);
+        let main = head + (n - head) / 8 * 8;
+        let o = out.as_mut_ptr();
+        let (pa, pb) = (a.as_ptr().cast::<f32>(), b.as_ptr().cast::<f32>());
+        let k = _mm256_set1_ps(scale);
+        let mut i = head;
+        while i < main {
+            // SAFETY: i + 8 <= main <= n, so out[i..i + 8] is in bounds and
+            // 32-byte aligned (i starts at the boundary and steps by 8
+            // elements), and so are the 32 bytes at 4 * i of `a` and `b`
+            // (length contract; their loads are unaligned).
+            unsafe {
+                let s = _mm256_add_ps(_mm256_loadu_ps(pa.add(i)), _mm256_loadu_ps(pb.add(i)));
+                _mm256_stream_ps(o.add(i), _mm256_mul_ps(s, k));
+            }
+            i += 8;
+        }
+        scalar::sum_f32(&mut out[main..], &a[4 * main..4 * n], &b[4 * main..4 * n], scale);
+        // The streaming stores are weakly ordered: fence them before any
+        // later store (a RESULT's header, a flag another process reads).
+        _mm_sfence();
+    }
+
+    pub(super) fn avx2_sum_f32_stream(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        // SAFETY: lengths checked above; this wrapper is only stored in a
+        // `Kernels` after `Kernels::for_kind` detected AVX2 at runtime
+        // (module invariant).
+        unsafe { avx2_sum_f32_stream_tf(out, a, b, scale) }
+    }
+
+    /// # Safety
     /// The CPU must support AVX-512 F, and `a.len() >= 4 * out.len()`,
     /// `b.len() >= 4 * out.len()`.
     #[target_feature(enable = "avx512f")]
@@ -564,6 +630,66 @@ mod x86 {
         // `Kernels` after `Kernels::for_kind` detected AVX-512 F and BW at
         // runtime (module invariant).
         unsafe { avx512_sum_f32_tf(out, a, b, scale) }
+    }
+
+    /// # Safety
+    /// The CPU must support AVX-512 F, and `a.len() >= 4 * out.len()`,
+    /// `b.len() >= 4 * out.len()`.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn avx512_sum_f32_stream_tf(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        let n = out.len();
+        let o = out.as_mut_ptr();
+        let (pa, pb) = (a.as_ptr().cast::<f32>(), b.as_ptr().cast::<f32>());
+        let k = _mm512_set1_ps(scale);
+        // out[i..i + len] with masked loads and stores (len <= 16).
+        let masked = |i: usize, len: usize| {
+            // Cast: len <= 16, so the mask has at most 16 bits set.
+            #[allow(clippy::cast_possible_truncation)]
+            let m = ((1u32 << len) - 1) as __mmask16;
+            // SAFETY: masked loads and stores touch only out[i..i + len] and
+            // the bytes 4 * i..4 * (i + len) of `a` and `b`, in bounds by the
+            // callers below (i + len <= n) and the length contract.
+            unsafe {
+                let s = _mm512_add_ps(
+                    _mm512_maskz_loadu_ps(m, pa.add(i)),
+                    _mm512_maskz_loadu_ps(m, pb.add(i)),
+                );
+                _mm512_mask_storeu_ps(o.add(i), m, _mm512_mul_ps(s, k));
+            }
+        };
+        // Up to the first 64-byte boundary of `out` (at most 15 elements:
+        // `out` is f32, so 4-byte aligned), with ordinary masked stores.
+        let head = ((64 - (o as usize) % 64) % 64 / 4).min(n);
+        if head > 0 {
+            masked(0, head);
+        }
+        let mut i = head;
+        while i + 16 <= n {
+            // SAFETY: i + 16 <= n, so out[i..i + 16] is in bounds and
+            // 64-byte aligned (i starts at the boundary and steps by 16
+            // elements), and so are the 64 bytes at 4 * i of `a` and `b`
+            // (length contract; their loads are unaligned).
+            unsafe {
+                let s = _mm512_add_ps(_mm512_loadu_ps(pa.add(i)), _mm512_loadu_ps(pb.add(i)));
+                _mm512_stream_ps(o.add(i), _mm512_mul_ps(s, k));
+            }
+            i += 16;
+        }
+        if i < n {
+            masked(i, n - i);
+        }
+        // The streaming stores are weakly ordered: fence them before any
+        // later store (a RESULT's header, a flag another process reads).
+        _mm_sfence();
+    }
+
+    pub(super) fn avx512_sum_f32_stream(out: &mut [f32], a: &[u8], b: &[u8], scale: f32) {
+        check_len(out.len(), a, 4);
+        check_len(out.len(), b, 4);
+        // SAFETY: lengths checked above; this wrapper is only stored in a
+        // `Kernels` after `Kernels::for_kind` detected AVX-512 F and BW at
+        // runtime (module invariant).
+        unsafe { avx512_sum_f32_stream_tf(out, a, b, scale) }
     }
 
     /// 16 bf16 values -> 16 `f32`: zero-extend each to 32 bits, shift left 16.
@@ -669,6 +795,14 @@ mod tests {
                 k.sum_f32(&mut got, a, b, scale);
                 r.sum_f32(&mut want, a, b, scale);
                 assert_same(&got, &want, &format!("{what} sum scale {scale}"));
+                // Streaming stores, into `out` at every alignment a slot's
+                // f32s can have (the kernel peels up to a 64-byte boundary).
+                for at in 0..17 {
+                    let mut big = vec![7.0f32; n + at];
+                    k.sum_f32_stream(&mut big[at..], a, b, scale);
+                    assert_same(&big[at..], &want, &format!("{what} stream at {at} scale {scale}"));
+                    assert!(big[..at].iter().all(|&x| x == 7.0), "{what} stream at {at} wrote before out");
+                }
                 let mut two_pass = vec![0.0f32; n];
                 r.copy(dtype, &mut two_pass, a);
                 r.add(dtype, &mut two_pass, b);
@@ -728,6 +862,13 @@ mod tests {
 
     #[test]
     #[should_panic(expected = "kernel length mismatch")]
+    fn kernels_length_mismatch_panics_stream() {
+        let mut out = [0.0f32; 5];
+        Kernels::best().sum_f32_stream(&mut out, &[0u8; 20], &[0u8; 24], 1.0);
+    }
+
+    #[test]
+    #[should_panic(expected = "kernel length mismatch")]
     fn kernels_length_mismatch_panics_half() {
         let mut acc = [0.0f32; 17];
         Kernels::best().copy(Dtype::Bf16, &mut acc, &[0u8; 36]);
@@ -761,6 +902,8 @@ mod tests {
                         .collect();
                     k.sum_f32(&mut acc, &src, &three, 0.5);
                     assert!(acc.iter().all(|&x| x == 2.25), "{} sum_f32", k.kind());
+                    k.sum_f32_stream(&mut acc, &src, &three, 2.0);
+                    assert!(acc.iter().all(|&x| x == 9.0), "{} sum_f32_stream", k.kind());
                 }
             }
         }

@@ -323,6 +323,39 @@ fn tall_case(tall: &Tall, k: Kernels, dtype: Dtype) -> Case<'_> {
     })
 }
 
+/// The tall aggregation with the last contribution summed straight into a
+/// separate output buffer per chunk, as a round's final sum is written where
+/// the result leaves from (the result region with shared memory; a payload
+/// buffer): one accumulator reused for every chunk (it stays in the cache),
+/// input 0 copied into it, inputs 1..W-1 added, and `acc + input W-1` written
+/// to the chunk's output with ordinary stores (`final:store`: each output
+/// line is read for ownership, then written back, W + 2 lines moved per W
+/// read) or streaming stores (`final:stream`: W + 1). The read pass over the
+/// same inputs moves W, so the bounds are W/(W+2) and W/(W+1) of it.
+fn final_case(tall: &Tall, stream: bool) -> Case<'_> {
+    let k = Kernels::best();
+    let n = CHUNK_BYTES / Dtype::F32.size();
+    let mut acc = vec![0.0f32; n];
+    let mut outs = vec![vec![0.0f32; n]; tall.chunks];
+    let name = if stream { "final:stream" } else { "final:store" };
+    Case::new(name, Dtype::F32.name(), tall.input_bytes(), move || {
+        for (c, out) in outs.iter_mut().enumerate() {
+            let inputs = tall.chunk(c);
+            k.copy(Dtype::F32, &mut acc, &inputs[0]);
+            for src in &inputs[1..WORKERS - 1] {
+                k.add(Dtype::F32, &mut acc, src);
+            }
+            let (a, b) = (bytemuck::cast_slice(&acc), &inputs[WORKERS - 1][..]);
+            if stream {
+                k.sum_f32_stream(out, a, b, 1.0);
+            } else {
+                k.sum_f32(out, a, b, 1.0);
+            }
+        }
+        black_box(&mut outs);
+    })
+}
+
 /// A whole round per chunk as the engine runs it with `f32` on the wire:
 /// aggregate the W inputs with the best kernels, then the optimizer's fused
 /// pass over the chunk. Sum's pass does nothing, so "round:sum" against
@@ -404,6 +437,8 @@ fn kernel_records(args: &KernelsArgs) -> Vec<Record> {
                 cases.push(tall_case(&tall, k, dtype));
             }
         }
+        cases.push(final_case(&tall, false));
+        cases.push(final_case(&tall, true));
         cases.push(round_case(&tall, Optimizer::Sum));
         cases.push(round_case(
             &tall,
