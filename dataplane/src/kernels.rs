@@ -801,7 +801,10 @@ mod tests {
                     let mut big = vec![7.0f32; n + at];
                     k.sum_f32_stream(&mut big[at..], a, b, scale);
                     assert_same(&big[at..], &want, &format!("{what} stream at {at} scale {scale}"));
-                    assert!(big[..at].iter().all(|&x| x == 7.0), "{what} stream at {at} wrote before out");
+                    assert!(
+                        big[..at].iter().all(|&x| x == 7.0),
+                        "{what} stream at {at} wrote before out"
+                    );
                 }
                 let mut two_pass = vec![0.0f32; n];
                 r.copy(dtype, &mut two_pass, a);
