@@ -14,8 +14,9 @@
 # torch is NOT in the bundle: torch with CUDA is about 5 GB, far over what
 # travels, and the device machine cannot reach PyPI. `run` looks for a Python
 # that already has torch with CUDA there ($PYTHON, else python3, else
-# python3 of any venv under /opt or $HOME) and stops with exit 2 and a
-# message saying so when there is none.
+# python3 of any venv under /opt or $HOME), else installs torch into a venv
+# from a local wheel folder ($PIP_FIND_LINKS or /opt/wheels) if one holds a
+# torch wheel, and otherwise stops with exit 2 and a message saying so.
 #
 # `run` then, each step under its own timeout, output in $OUT/summary.txt:
 #   1. nvidia-smi -L, torch's CUDA version and device;
@@ -75,6 +76,14 @@ for c in ${PYTHON:-} python3 /opt/*/bin/python3 /opt/*/*/bin/python3 "$HOME"/*/b
   [[ -n "$c" ]] && command -v "$c" >/dev/null 2>&1 || continue
   if has_cuda_torch "$c"; then PY=$c; break; fi
 done
+# Else: torch from a local wheel folder, if the machine has one (no index, no network).
+WHEELS=${PIP_FIND_LINKS:-/opt/wheels}
+if [[ -z "$PY" ]] && ls "$WHEELS"/torch-*.whl >/dev/null 2>&1; then
+  stamp "installing torch from $WHEELS (no network)"
+  python3 -m venv "$ROOT/venv" && "$ROOT/venv/bin/pip" install -q --no-index --find-links "$WHEELS" torch numpy pytest \
+    >"$OUT/pip.log" 2>&1 && has_cuda_torch "$ROOT/venv/bin/python3" && PY="$ROOT/venv/bin/python3"
+  [[ -n "$PY" ]] || say "could not install torch from $WHEELS (see pip.log)"
+fi
 if [[ -z "$PY" ]]; then
   say "no Python with torch and a CUDA device here (tried \$PYTHON, python3, /opt/*, \$HOME/*):"
   say "  torch (about 5 GB with CUDA) cannot be carried and this machine cannot reach PyPI;"

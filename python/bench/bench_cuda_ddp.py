@@ -26,6 +26,8 @@ host-to-device), and reports how much of each exchange backward hides:
     python python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4
 
 Needs a CUDA device; tools/gpu-bench.sh runs it on the device machine.
+``--device cpu`` runs the same script on the CPU, as a smoke test where
+there is no GPU (its figures mean nothing: ResNet-50 on a few cores).
 """
 
 from __future__ import annotations
@@ -138,8 +140,12 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     torch.set_num_threads(2)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=a.workers)
-    device = torch.device("cuda", rank % torch.cuda.device_count())
-    torch.cuda.set_device(device)
+    if a.device == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        sync = torch.cuda.synchronize
+    else:  # a smoke test of this script without a GPU
+        device, sync = torch.device("cpu"), (lambda: None)
     w = phub.Worker.join(control_url, job, token, rank)
     if a.shm and not w.shm:
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
@@ -159,31 +165,31 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     for step in range(a.warmup + a.steps):
         for name, m in models.items():
             m.zero_grad(set_to_none=False)
-            torch.cuda.synchronize()
+            sync()
             dist.barrier()
             t = time.perf_counter()
             loss_fn(m(x), y).backward()
-            torch.cuda.synchronize()
+            sync()
             if step >= a.warmup:
                 times[name].append(time.perf_counter() - t)
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t = time.perf_counter()
         works = [dist.all_reduce(b.buf, async_op=True) for b in buckets]
         for wk in works:
             wk.wait()
-        torch.cuda.synchronize()
+        sync()
         if step >= a.warmup:
             times["bare gloo"].append(time.perf_counter() - t)
         for b in buckets:
             b.buf.fill_(1.0)
-        torch.cuda.synchronize()
+        sync()
         dist.barrier()
         t = time.perf_counter()
         futs = [phub.torch.comm_hook(state, b) for b in buckets]
         for f in futs:
             f.wait()
-        torch.cuda.synchronize()
+        sync()
         if step >= a.warmup:
             times["bare phub"].append(time.perf_counter() - t)
         for b in buckets:  # every rank pushed ones: the mean is one
@@ -217,16 +223,19 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--shm", action="store_true", help="phub-dataplane with --shm (workers on this machine)")
     ap.add_argument("--busy-poll", action="store_true")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                    help="cpu: a smoke test of the script where there is no GPU (figures meaningless)")
     a = ap.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA device (torch.cuda.is_available() is False): this benchmark needs a GPU")
+    if a.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device (torch.cuda.is_available() is False): this benchmark needs a GPU "
+                         "(--device cpu runs it as a smoke test)")
     import multiprocessing as mp
 
     sizes = [(n, p.numel()) for n, p in ResNet50().named_parameters()]
     total = sum(n for _, n in sizes)
-    gpus = torch.cuda.device_count()
+    gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if a.device == "cuda" else "the CPU"
     print(f"ResNet-50 DDP on CUDA tensors ({len(sizes)} tensors, {total:,} parameters, {4 * total / 1e6:.1f} MB), "
-          f"W={a.workers} processes on {gpus} x {torch.cuda.get_device_name(0)}, batch {a.batch} x {a.image}^2 "
+          f"W={a.workers} processes on {gpu}, batch {a.batch} x {a.image}^2 "
           f"per rank, buckets {a.bucket_mb:g} MB; phub: {a.lcores} lcores, "
           f"{'shared memory' if a.shm else 'datagrams'}; torch {torch.__version__}, {os.cpu_count()} CPUs",
           flush=True)

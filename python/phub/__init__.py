@@ -23,8 +23,9 @@ Modules:
 - :mod:`phub.local`: start a local appliance (phub-dataplane + phub-control)
   for examples and tests.
 - :mod:`phub.torch`: a DistributedDataParallel communication hook, a
-  DistributedOptimizer for optimizers running on the appliance, and
-  broadcast_parameters (needs torch).
+  DistributedOptimizer for optimizers running on the appliance,
+  broadcast_parameters (CPU or CUDA tensors), and init(), which joins a
+  rank torchrun started from the environment (needs torch).
 
 Errors are :class:`PhubError` (a ``RuntimeError``) or one of its subclasses,
 with the library's message.
