@@ -54,6 +54,19 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
     assert!(ok && out.contains("bad_token"), "{out}");
 }
 
+/// Many keys over two lcores, more chunks than a window: every rank must
+/// send its chunks in the same order whenever its requests reach its I/O
+/// thread. When the order depended on that (a queue per lcore, taken in
+/// turn), the two ranks filled their windows with chunks of different
+/// lcores that the other had not sent, and round 0 never completed.
+#[test]
+fn many_keys_over_two_lcores_never_wait_on_each_other() {
+    let rack = Rack::start(2, "1GiB");
+    let keys = [100_000u64; 60];
+    let job = rack.admit(&sum_spec("many", 2, &keys)).unwrap();
+    train(&rack.control_url, &job, 2, &keys, 3);
+}
+
 #[test]
 fn two_jobs_at_once_neither_disturbs_the_other() {
     let rack = Rack::start(2, "256MiB");

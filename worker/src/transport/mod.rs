@@ -13,10 +13,12 @@
 //!
 //! Invariants:
 //! - At most `cwnd` chunks are outstanding (sent, no result yet) across
-//!   all requests; pending chunks go out first come, first sent per lcore,
-//!   the lcores taken in turn (so that a job's lcores, and the appliances
-//!   of a job sharded over several, all get chunks from the start rather
-//!   than one after the other in the chunk sequence's order). `cwnd`
+//!   all requests; pending chunks go out requests first come, first sent,
+//!   each request's chunks interleaved over their lcores (so that a job's
+//!   lcores, and the appliances of a job sharded over several, all get
+//!   chunks from the start rather than one after the other in the chunk
+//!   sequence's order), in an order that does not depend on when requests
+//!   arrived, so that every rank sends the same sequence ([`Pending`]). `cwnd`
 //!   (the congestion window) starts at `window`, the most the appliance's
 //!   receive buffers take. With [`WorkerConfig::congestion`] (off by
 //!   default), a loss found by fast retransmission (later results overtook
@@ -300,57 +302,61 @@ pub(crate) struct Transport<D> {
     shm: Option<ShmState>,
 }
 
-/// Chunks not sent yet: a queue per lcore, taken in turn.
+/// Chunks not sent yet, in the order they go out: requests first come,
+/// first sent, and within a request its chunks interleaved over their lcores
+/// (the first chunk of each lcore, then the second of each, ...).
+///
+/// The order is a function of the requests and their order alone, never of
+/// when they reached this thread: every rank submits the same requests in
+/// the same order, so every rank sends the same sequence, and the chunks one
+/// rank has sent are a prefix of what another has sent or the other way
+/// round. A round's chunk completes only once every rank has sent it, so
+/// the rank furthest behind always has a window of chunks the others have
+/// sent too, and the job moves on. (A queue per lcore taken in turn, as
+/// this was before, made the order depend on which requests had arrived
+/// when the window had room: two ranks could fill their windows with
+/// chunks of different lcores that the other had not sent, and wait for
+/// each other forever: a 2-lcore ResNet-50 job hung in its first round.)
 #[derive(Debug, Default)]
 struct Pending {
-    lanes: Vec<VecDeque<(u64, ChunkMsg)>>,
-    len: usize,
-    /// The lcore whose queue is taken from next.
-    next: usize,
+    queue: VecDeque<(u64, ChunkMsg)>,
 }
 
 impl Pending {
-    fn push(&mut self, id: u64, c: ChunkMsg) {
-        let l = usize::from(c.lcore);
-        if self.lanes.len() <= l {
-            self.lanes.resize_with(l + 1, VecDeque::new);
-        }
-        self.lanes[l].push_back((id, c));
-        self.len += 1;
-    }
-
-    /// The next chunk: the first of the next lcore's queue that has one.
-    fn pop(&mut self) -> Option<(u64, ChunkMsg)> {
-        if self.len == 0 {
-            return None;
-        }
-        let n = self.lanes.len();
-        for i in 0..n {
-            let l = (self.next + i) % n;
-            if let Some(c) = self.lanes[l].pop_front() {
-                self.next = (l + 1) % n;
-                self.len -= 1;
-                return Some(c);
+    /// Queues request `id`'s chunks, interleaved over their lcores (each
+    /// lcore's in their order; lcores in the order their first chunk
+    /// comes).
+    fn push_request(&mut self, id: u64, chunks: Vec<ChunkMsg>) {
+        let mut lanes: Vec<(u16, VecDeque<ChunkMsg>)> = Vec::new();
+        for c in chunks {
+            match lanes.iter_mut().find(|(l, _)| *l == c.lcore) {
+                Some((_, q)) => q.push_back(c),
+                None => lanes.push((c.lcore, VecDeque::from([c]))),
             }
         }
-        None
+        while !lanes.is_empty() {
+            for (_, q) in &mut lanes {
+                if let Some(c) = q.pop_front() {
+                    self.queue.push_back((id, c));
+                }
+            }
+            lanes.retain(|(_, q)| !q.is_empty());
+        }
+    }
+
+    /// The next chunk.
+    fn pop(&mut self) -> Option<(u64, ChunkMsg)> {
+        self.queue.pop_front()
     }
 
     /// Drops request `id`'s chunks.
     fn remove(&mut self, id: u64) {
-        for q in &mut self.lanes {
-            q.retain(|(i, _)| *i != id);
-        }
-        self.len = self.lanes.iter().map(VecDeque::len).sum();
+        self.queue.retain(|(i, _)| *i != id);
     }
 
     /// Request `id`'s chunks.
     fn of(&self, id: u64) -> impl Iterator<Item = &ChunkMsg> {
-        self.lanes
-            .iter()
-            .flatten()
-            .filter(move |(i, _)| *i == id)
-            .map(|(_, m)| m)
+        self.queue.iter().filter(move |(i, _)| *i == id).map(|(_, m)| m)
     }
 }
 
@@ -440,9 +446,7 @@ impl<D> Transport<D> {
                 done: r.done,
             },
         );
-        for c in r.chunks {
-            self.pending.push(id, c);
-        }
+        self.pending.push_request(id, r.chunks);
         if chunks == 0 {
             self.complete(id);
         }

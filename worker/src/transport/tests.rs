@@ -852,22 +852,49 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
         start: 0,
         bytes: HEADER_LEN,
     };
+    let order = |p: &mut Pending| -> Vec<(u64, u16, u32)> {
+        std::iter::from_fn(|| p.pop())
+            .map(|(id, m)| (id, m.lcore, m.chunk))
+            .collect()
+    };
+    // A key whose first chunks live on lcore 0 (one appliance of a sharded
+    // job), the rest on lcore 2: interleaved, each lcore's in its order.
     let mut p = Pending::default();
-    // A job whose first chunks all live on lcore 0 (one appliance of a
-    // sharded job), the rest on lcore 2.
-    for c in 0..4 {
-        p.push(1, msg(0, c));
-    }
-    for c in 4..6 {
-        p.push(2, msg(2, c));
-    }
-    let order: Vec<(u16, u32)> = std::iter::from_fn(|| p.pop())
-        .map(|(_, m)| (m.lcore, m.chunk))
+    p.push_request(
+        1,
+        (0..4)
+            .map(|c| msg(0, c))
+            .chain((4..6).map(|c| msg(2, c)))
+            .collect(),
+    );
+    assert_eq!(
+        order(&mut p),
+        [(1, 0, 0), (1, 2, 4), (1, 0, 1), (1, 2, 5), (1, 0, 2), (1, 0, 3)]
+    );
+    // The order does not depend on when requests arrive: a rank whose
+    // second request came after it had sent part of the first sends the
+    // same sequence as one that had both at once (otherwise two ranks can
+    // fill their windows with chunks the other has not sent, and wait for
+    // each other forever).
+    let (a, b): (Vec<ChunkMsg>, Vec<ChunkMsg>) = (
+        (0..4).map(|c| msg(0, c)).collect(),
+        (0..4).map(|c| msg(1, c)).collect(),
+    );
+    let mut at_once = Pending::default();
+    at_once.push_request(1, a.clone());
+    at_once.push_request(2, b.clone());
+    let mut later = Pending::default();
+    later.push_request(1, a);
+    let mut seen: Vec<(u64, u16, u32)> = (0..2)
+        .filter_map(|_| later.pop())
+        .map(|(id, m)| (id, m.lcore, m.chunk))
         .collect();
-    assert_eq!(order, [(0, 0), (2, 4), (0, 1), (2, 5), (0, 2), (0, 3)]);
+    later.push_request(2, b);
+    seen.extend(order(&mut later));
+    assert_eq!(seen, order(&mut at_once));
     for c in 0..3 {
-        p.push(1, msg(1, c));
-        p.push(2, msg(0, c));
+        p.push_request(1, vec![msg(1, c)]);
+        p.push_request(2, vec![msg(0, c)]);
     }
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
