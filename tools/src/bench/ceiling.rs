@@ -23,9 +23,13 @@
 //!   framing.
 //! - **veth into DPDK** (`--backend dpdk`, [`veth_testpmd`]): the virtual
 //!   rack's path itself, kernel UDP senders over a veth pair into
-//!   `dpdk-testpmd --forward-mode=rxonly` on the same af_packet port the
-//!   dataplane used, with the same senders (threads, sockets, datagrams);
-//!   phub's efficiency there is its gradient ingress over that ceiling.
+//!   `dpdk-testpmd` on the same af_packet port the dataplane used, with the
+//!   same senders (threads, sockets, datagrams), in two forms
+//!   ([`Forward`]): `rxonly` (testpmd only receives) and `5tswap` (testpmd
+//!   swaps MACs, IPs and UDP ports and sends every frame back, and the
+//!   senders receive and count it: the same work per frame as phub's push
+//!   in, result out). phub's efficiency there is its gradient ingress over
+//!   the 5tswap ceiling, and over the rxonly one as a second figure.
 
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream, UdpSocket};
@@ -362,24 +366,77 @@ pub struct VethSetup {
     pub secs: f64,
     /// UDP GSO sends, as the run's workers.
     pub gso: bool,
+    /// UDP GRO receives, as the run's workers (the 5tswap ceiling's senders
+    /// receive).
+    pub gro: bool,
+    /// Window override (datagrams in flight per sender), as given to the
+    /// workers; `None`: the workers' rule, [`phub_worker::auto_window`].
+    pub window: Option<usize>,
+    /// Chunks per worker per round of the real job (for the window rule).
+    pub chunks: u64,
     /// testpmd's lcores are pinned as the dataplane's are (`false`: floating).
     pub pin: bool,
     /// The namespace the caller's thread is in (names testpmd's EAL files).
     pub ns: String,
 }
 
-/// The virtual rack's ceiling: the same senders into `dpdk-testpmd
-/// --forward-mode=rxonly` on the same af_packet port, same run.
+/// testpmd's forwarding mode for the veth ceiling.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub enum Forward {
+    /// `--forward-mode=rxonly`: testpmd receives and frees every frame.
+    #[serde(rename = "rxonly")]
+    RxOnly,
+    /// `--forward-mode=5tswap`: testpmd swaps the frame's MACs, IPv4
+    /// addresses and UDP ports and sends it back out of the same port.
+    #[serde(rename = "5tswap")]
+    FiveTupleSwap,
+}
+
+impl Forward {
+    /// testpmd's name for the mode.
+    fn mode(self) -> &'static str {
+        match self {
+            Forward::RxOnly => "rxonly",
+            Forward::FiveTupleSwap => "5tswap",
+        }
+    }
+
+    /// The ceiling's name, as the JSON's `efficiency_bound` gives it.
+    pub fn bound_name(self) -> &'static str {
+        match self {
+            Forward::RxOnly => "testpmd-rxonly",
+            Forward::FiveTupleSwap => "testpmd-5tswap",
+        }
+    }
+}
+
+/// The virtual rack's ceiling: the same senders into `dpdk-testpmd` on the
+/// same af_packet port, same run.
 #[derive(Debug, Clone, Serialize)]
 pub struct VethCeiling {
-    /// UDP payload bytes testpmd received per second while the senders ran, GB/s.
+    /// testpmd's forwarding mode.
+    pub mode: Forward,
+    /// The ceiling, GB/s of UDP payload: with `rxonly` what testpmd
+    /// received per second while the senders ran; with `5tswap` what came
+    /// back to the senders' sockets per second (`returned_gbps`).
     pub payload_gbps: f64,
+    /// UDP payload bytes testpmd received per second while the senders ran, GB/s.
+    pub testpmd_rx_gbps: f64,
     /// Frames testpmd received.
     pub rx_packets: u64,
     /// Frame bytes testpmd received (Ethernet, IPv4 and UDP headers included).
     pub rx_bytes: u64,
+    /// Frames testpmd sent (0 with `rxonly`).
+    pub tx_packets: u64,
     /// Datagrams the senders handed to the kernel.
     pub sent_datagrams: u64,
+    /// `5tswap`: datagrams the senders received back (null with `rxonly`).
+    pub returned_datagrams: Option<u64>,
+    /// `5tswap`: UDP payload bytes received back per second, GB/s.
+    pub returned_gbps: Option<f64>,
+    /// `5tswap`: times a sender, its window full and nothing received for
+    /// 20 ms, counted its window lost and went on.
+    pub window_resets: Option<u64>,
     /// Seconds the senders ran.
     pub secs: f64,
     /// How the senders were set up.
@@ -407,13 +464,24 @@ struct TestpmdSeen {
     mac: Option<String>,
     /// Forwarding started.
     forwarding: bool,
-    /// NIC statistics blocks seen, and the last one's (RX-packets, RX-bytes).
+    /// NIC statistics blocks seen (counted at each block's TX line), and
+    /// the last complete one's counters.
     blocks: u64,
-    last: (u64, u64),
+    last: PortCounters,
+    /// The RX figures of the block being read.
+    rx: (u64, u64),
     /// The output's tail, for errors.
     tail: std::collections::VecDeque<String>,
     /// Its stdout closed.
     ended: bool,
+}
+
+/// One of testpmd's periodic NIC statistics blocks.
+#[derive(Debug, Default, Clone, Copy)]
+struct PortCounters {
+    rx_packets: u64,
+    rx_bytes: u64,
+    tx_packets: u64,
 }
 
 type Shared = Arc<(std::sync::Mutex<TestpmdSeen>, std::sync::Condvar)>;
@@ -439,10 +507,21 @@ fn read_testpmd(out: impl Read, seen: Shared) {
         if t.contains("start packet forwarding") {
             s.forwarding = true;
         }
-        // The periodic NIC statistics: "RX-packets: N RX-missed: N RX-bytes: N".
+        // The periodic NIC statistics: "RX-packets: N RX-missed: N
+        // RX-bytes: N", two lines later "TX-packets: N TX-errors: N
+        // TX-bytes: N", which ends the block.
         if t.starts_with("RX-packets:") && t.contains("RX-bytes:") {
             if let (Some(p), Some(b)) = (num_after(t, "RX-packets:"), num_after(t, "RX-bytes:")) {
-                s.last = (p, b);
+                s.rx = (p, b);
+            }
+        }
+        if t.starts_with("TX-packets:") && t.contains("TX-bytes:") {
+            if let Some(p) = num_after(t, "TX-packets:") {
+                s.last = PortCounters {
+                    rx_packets: s.rx.0,
+                    rx_bytes: s.rx.1,
+                    tx_packets: p,
+                };
                 s.blocks += 1;
             }
         }
@@ -525,25 +604,36 @@ impl Drop for Testpmd {
 /// namespace holding the virtual rack's link, and nothing else holds the
 /// af_packet port (the dataplane is stopped).
 ///
-/// testpmd runs `--forward-mode=rxonly` on the af_packet port the dataplane
-/// used (same EAL device arguments, its lcores pinned as the dataplane's),
-/// printing its port counters every second. Once it forwards, the appliance
-/// address gets a static ARP entry for testpmd's MAC (the port's, as the
-/// dataplane answers ARP with), then W sender threads, each with a socket
-/// set up as a worker's (`phub_worker::net`, GSO trains, the workers'
-/// buffers), send the model's datagrams over and over, chunk i to queue i
-/// mod L, for `secs`. The ceiling is the UDP payload bytes testpmd received
-/// (its RX bytes less 42 header bytes per frame) between the counters
-/// printed before the senders started and the ones printed after they
-/// stopped, over the senders' time.
-pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
+/// testpmd runs `--forward-mode=` `mode` on the af_packet port the
+/// dataplane used (same EAL device arguments, its lcores pinned as the
+/// dataplane's), printing its port counters every second. Once it
+/// forwards, the appliance address gets a static ARP entry for testpmd's
+/// MAC (the port's, as the dataplane answers ARP with), then W sender
+/// threads, each with a socket set up as a worker's (`phub_worker::net`,
+/// GSO trains, GRO receives, the workers' buffers), send the model's
+/// datagrams over and over, chunk i to queue i mod L, for `secs`:
+///
+/// - `rxonly` ([`blast`]): as fast as the kernel takes them. The ceiling is
+///   the UDP payload bytes testpmd received (its RX bytes less 42 header
+///   bytes per frame) between the counters printed before the senders
+///   started and the ones printed after they stopped, over the senders' time.
+/// - `5tswap` ([`echo_blast`]): each sender keeps a worker's window of
+///   datagrams in flight and counts what comes back; the ceiling is the UDP
+///   payload bytes received back per second (testpmd's RX figure is kept
+///   beside it). testpmd echoes each frame's bytes as they came, and a
+///   local sender's frames carry only the pseudo-header's share of the UDP
+///   checksum (veth offloads it, and GSO needs that offload), which the
+///   senders' kernel would reject; so for this ceiling a tc program on the
+///   senders' veth end ([`ZeroUdpChecksum`]) sets the UDP checksum of every
+///   arriving frame to 0 ("none", RFC 768), and removes itself after.
+pub fn veth_testpmd(s: &VethSetup, mode: Forward) -> Result<VethCeiling> {
     use phub_hwtests::virt;
     let bin = find_testpmd().context(
         "dpdk-testpmd is not installed (Debian: apt-get install dpdk-dev; tools/setup.sh installs it)",
     )?;
     let lcores = s.lcores.max(1);
     // testpmd's EAL --file-prefix, and so its runtime directory's name.
-    let prefix = format!("{}-testpmd", s.ns);
+    let prefix = format!("{}-testpmd-{}", s.ns, mode.mode());
     let cpus: Vec<usize> = core_affinity::get_core_ids()
         .unwrap_or_default()
         .into_iter()
@@ -561,7 +651,7 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
     let mut args = eal;
     args.push("--".into());
     args.extend([
-        "--forward-mode=rxonly".to_string(),
+        format!("--forward-mode={}", mode.mode()),
         "--stats-period=1".into(),
         format!("--rxq={lcores}"),
         format!("--txq={lcores}"),
@@ -579,24 +669,33 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         Command::new(&bin)
     };
     let testpmd_line = format!("{} {}", bin.display(), args.join(" "));
-    let mut child = cmd
+    let spawned = cmd
         .args(&args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(err)
-        .spawn()
-        .with_context(|| format!("starting {}", bin.display()))?;
-    let out = child.stdout.take().context("testpmd's stdout")?;
-    let seen: Shared = Arc::default();
-    let reader = {
-        let seen = Arc::clone(&seen);
-        std::thread::spawn(move || read_testpmd(out, seen))
+        .spawn();
+    let mut child = match spawned {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = std::fs::remove_file(&stderr);
+            return Err(anyhow::Error::new(e).context(format!("starting {}", bin.display())));
+        }
     };
+    let out = child.stdout.take();
+    let seen: Shared = Arc::default();
+    // From here on testpmd is stopped and its files removed on every exit,
+    // error or not.
     let tp = Testpmd {
         child,
         seen,
         stderr,
         runtime_dir: std::path::Path::new("/var/run/dpdk").join(&prefix),
+    };
+    let out = out.context("testpmd's stdout")?;
+    let reader = {
+        let seen = Arc::clone(&tp.seen);
+        std::thread::spawn(move || read_testpmd(out, seen))
     };
     tp.wait_for("its port to forward", Duration::from_secs(60), |s| {
         s.forwarding && s.blocks > 0
@@ -617,46 +716,104 @@ pub fn veth_testpmd(s: &VethSetup) -> Result<VethCeiling> {
         virt::APPLIANCE_IP,
         String::from_utf8_lossy(&out.stderr).trim()
     );
+    // Declared after `tp`, so dropped (detached) before testpmd stops.
+    let zero = match mode {
+        Forward::RxOnly => None,
+        Forward::FiveTupleSwap => Some(
+            ZeroUdpChecksum::attach(virt::WORKER_IF)
+                .context("zeroing the echoed frames' UDP checksums on the senders' veth end")?,
+        ),
+    };
     let b0 = tp.seen(|s| s.blocks);
     tp.wait_for("its counters", Duration::from_secs(10), |s| s.blocks > b0)?;
-    let (p0, bytes0) = tp.seen(|s| s.last);
-    let (secs, sent, senders) = blast(s)?;
+    let c0 = tp.seen(|s| s.last);
+    let sent = match mode {
+        Forward::RxOnly => blast(s)?,
+        Forward::FiveTupleSwap => echo_blast(s)?,
+    };
     // Two more printouts: the second was surely printed after the last frame.
     let b1 = tp.seen(|s| s.blocks);
     tp.wait_for("its counters", Duration::from_secs(10), |s| s.blocks >= b1 + 2)?;
-    let (p1, bytes1) = tp.seen(|s| s.last);
+    let c1 = tp.seen(|s| s.last);
+    drop(zero);
     drop(tp);
     let _ = reader.join();
-    let (rx_packets, rx_bytes) = (p1.saturating_sub(p0), bytes1.saturating_sub(bytes0));
+    let rx_packets = c1.rx_packets.saturating_sub(c0.rx_packets);
+    let rx_bytes = c1.rx_bytes.saturating_sub(c0.rx_bytes);
     let payload = rx_bytes.saturating_sub(FRAME_OVERHEAD * rx_packets);
+    let secs = sent.secs.max(1e-9);
+    let testpmd_rx_gbps = payload as f64 / secs / 1e9;
+    let returned_gbps = sent.returned.map(|(_, bytes)| bytes as f64 / secs / 1e9);
     Ok(VethCeiling {
-        payload_gbps: payload as f64 / secs.max(1e-9) / 1e9,
+        mode,
+        payload_gbps: returned_gbps.unwrap_or(testpmd_rx_gbps),
+        testpmd_rx_gbps,
         rx_packets,
         rx_bytes,
-        sent_datagrams: sent,
-        secs,
-        senders,
+        tx_packets: c1.tx_packets.saturating_sub(c0.tx_packets),
+        sent_datagrams: sent.datagrams,
+        returned_datagrams: sent.returned.map(|(n, _)| n),
+        returned_gbps,
+        window_resets: sent.returned.map(|_| sent.window_resets),
+        secs: sent.secs,
+        senders: sent.senders,
         testpmd: testpmd_line,
     })
 }
 
-/// The senders: W threads, each sending the model's datagrams over and over
-/// for `s.secs`. Returns (seconds, datagrams sent, description).
-fn blast(s: &VethSetup) -> Result<(f64, u64, String)> {
+/// What the senders did.
+struct Sent {
+    /// Seconds they ran.
+    secs: f64,
+    /// Datagrams handed to the kernel.
+    datagrams: u64,
+    /// Datagrams and UDP payload bytes received back (5tswap only).
+    returned: Option<(u64, u64)>,
+    /// Windows counted lost (5tswap only).
+    window_resets: u64,
+    /// How they were set up.
+    senders: String,
+}
+
+/// The appliance's queue addresses, one per testpmd queue.
+fn queue_addrs(lcores: usize) -> Result<Vec<SocketAddr>> {
     use phub_hwtests::virt;
+    (0..lcores)
+        .map(|i| {
+            format!("{}:{}", virt::APPLIANCE_IP, virt::BASE_PORT as usize + i)
+                .parse()
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        })
+        .collect()
+}
+
+/// Joins the sender threads; the first error wins.
+fn join_senders<T>(threads: Vec<std::thread::JoinHandle<Result<T>>>) -> Result<Vec<T>> {
+    let mut out = Vec::new();
+    let mut failure = None;
+    for th in threads {
+        match th.join() {
+            Ok(Ok(v)) => out.push(v),
+            Ok(Err(e)) => failure = failure.or(Some(e)),
+            Err(_) => failure = failure.or(Some(anyhow::anyhow!("a veth ceiling sender panicked"))),
+        }
+    }
+    match failure {
+        Some(e) => Err(e.context("sending to dpdk-testpmd")),
+        None => Ok(out),
+    }
+}
+
+/// The `rxonly` senders: W threads, each sending the model's datagrams over
+/// and over for `s.secs`, as fast as the kernel takes them.
+fn blast(s: &VethSetup) -> Result<Sent> {
     let opts = SocketOptions {
         gso: s.gso,
         gro: false,
         buffer_bytes: WorkerConfig::default().socket_buffer,
     };
     let lcores = s.lcores.max(1);
-    let to: Vec<SocketAddr> = (0..lcores)
-        .map(|i| {
-            format!("{}:{}", virt::APPLIANCE_IP, virt::BASE_PORT as usize + i)
-                .parse()
-                .map_err(|e| anyhow::anyhow!("{e}"))
-        })
-        .collect::<Result<_>>()?;
+    let to = queue_addrs(lcores)?;
     let largest = s.datagrams.iter().copied().max().unwrap_or(HEADER_LEN);
     anyhow::ensure!(!s.datagrams.is_empty(), "the model has no datagrams");
     let barrier = Arc::new(Barrier::new(s.workers + 1));
@@ -697,19 +854,8 @@ fn blast(s: &VethSetup) -> Result<(f64, u64, String)> {
     }
     barrier.wait();
     let t = Instant::now();
-    let mut sent = 0;
-    let mut failure = None;
-    for th in threads {
-        match th.join() {
-            Ok(Ok(n)) => sent += n,
-            Ok(Err(e)) => failure = Some(e),
-            Err(_) => failure = Some(anyhow::anyhow!("a veth ceiling sender panicked")),
-        }
-    }
+    let sent: u64 = join_senders(threads)?.into_iter().sum();
     let secs = t.elapsed().as_secs_f64();
-    if let Some(e) = failure {
-        return Err(e.context("sending to dpdk-testpmd"));
-    }
     let senders = format!(
         "{} sender thread(s), one socket each as a worker's (GSO {}, {} B socket buffers), the model's \
          {} datagrams of up to {largest} B per pass, chunk i to queue i mod {lcores}, for {secs:.1} s",
@@ -718,5 +864,255 @@ fn blast(s: &VethSetup) -> Result<(f64, u64, String)> {
         opts.buffer_bytes,
         s.datagrams.len()
     );
-    Ok((secs, sent, senders))
+    Ok(Sent {
+        secs,
+        datagrams: sent,
+        returned: None,
+        window_resets: 0,
+        senders,
+    })
+}
+
+/// The `5tswap` senders: W threads, one socket each set up as a worker's
+/// (GSO sends, GRO receives, its buffers). Each thread does what a
+/// worker's I/O thread does with its one socket: it sends until a window
+/// of datagrams is in flight (the workers' window: `s.window` or
+/// [`phub_worker::auto_window`]), receives what has come back (waiting up
+/// to 1 ms only while the window is full), sends again as replies free the
+/// window, and so on, over the model's datagrams again and again for
+/// `s.secs`, each datagram from its own place in a model-sized buffer (as
+/// a worker sends its gradients). One thread sending and receiving on one socket (rather than a
+/// receive thread beside a send thread) is the worker's own design, so the
+/// ceiling pays the same per-socket serialisation. A full window with
+/// nothing back for 20 ms is counted lost and emptied (as a worker's
+/// retransmission timer would resend it).
+fn echo_blast(s: &VethSetup) -> Result<Sent> {
+    let opts = SocketOptions {
+        gso: s.gso,
+        gro: s.gro,
+        buffer_bytes: WorkerConfig::default().socket_buffer,
+    };
+    let lcores = s.lcores.max(1);
+    let to = queue_addrs(lcores)?;
+    let largest = s.datagrams.iter().copied().max().unwrap_or(HEADER_LEN);
+    anyhow::ensure!(!s.datagrams.is_empty(), "the model has no datagrams");
+    let barrier = Arc::new(Barrier::new(s.workers + 1));
+    let deadline = Duration::from_secs_f64(s.secs);
+    let mut threads = Vec::new();
+    let mut info = None;
+    let mut window = 0;
+    for _ in 0..s.workers {
+        let sock = BatchSocket::new(UdpSocket::bind("0.0.0.0:0")?, opts)?;
+        let i = sock.info();
+        info = Some(i);
+        window = s.window.filter(|&w| w > 0).unwrap_or_else(|| {
+            phub_worker::auto_window(s.workers as u32, lcores, s.chunks as usize, largest, i.rcvbuf)
+        });
+        let (barrier, to, sizes) = (Arc::clone(&barrier), to.clone(), s.datagrams.clone());
+        threads.push(std::thread::spawn(move || -> Result<(u64, u64, u64, u64)> {
+            let mut sock = sock;
+            // The whole model, written once (so its pages exist), and each
+            // datagram sent from its own place in it: the kernel reads as
+            // much memory per pass as a worker's sends of its gradients do.
+            let starts: Vec<usize> = sizes
+                .iter()
+                .scan(0, |at, &len| {
+                    let start = *at;
+                    *at += len;
+                    Some(start)
+                })
+                .collect();
+            let buf: Vec<u8> = (0..sizes.iter().sum::<usize>()).map(|i| i as u8).collect();
+            let (mut sent, mut back, mut back_bytes, mut resets) = (0u64, 0u64, 0u64, 0u64);
+            let mut in_flight = 0usize;
+            let mut next = 0usize;
+            let mut dg: Vec<Datagram<'_>> = Vec::with_capacity(64);
+            barrier.wait();
+            let t = Instant::now();
+            let mut heard = Instant::now();
+            while t.elapsed() < deadline {
+                while in_flight < window {
+                    dg.clear();
+                    while dg.len() < 64 && in_flight + dg.len() < window {
+                        dg.push(Datagram {
+                            to: to[next % to.len()],
+                            head: &buf[starts[next]..starts[next] + sizes[next]],
+                            body: &[],
+                        });
+                        next = (next + 1) % sizes.len();
+                    }
+                    let n = sock.send(&dg)?;
+                    sent += n as u64;
+                    in_flight += n;
+                    if n < dg.len() {
+                        break; // the socket buffer is full: receive first
+                    }
+                }
+                let wait = (in_flight >= window).then_some(Duration::from_millis(1));
+                let n = sock.recv(wait, &mut |_, d| {
+                    back_bytes += d.len() as u64;
+                })?;
+                back += n as u64;
+                in_flight = in_flight.saturating_sub(n);
+                if n > 0 {
+                    heard = Instant::now();
+                } else if heard.elapsed() > Duration::from_millis(20) {
+                    in_flight = 0;
+                    resets += 1;
+                    heard = Instant::now();
+                }
+            }
+            Ok((sent, back, back_bytes, resets))
+        }));
+    }
+    barrier.wait();
+    let t = Instant::now();
+    let got = join_senders(threads)?;
+    let secs = t.elapsed().as_secs_f64();
+    let sum = |f: fn(&(u64, u64, u64, u64)) -> u64| got.iter().map(f).sum::<u64>();
+    let info = info.context("no senders")?;
+    let senders = format!(
+        "{} sender thread(s), one socket each as a worker's (GSO {}, GRO {}, rcvbuf {} B), each \
+         keeping a window of {window} datagrams in flight and receiving the echoes on the same \
+         thread, the model's {} datagrams of up to {largest} B per pass from a model-sized buffer, chunk i to queue i mod \
+         {lcores}, for {secs:.1} s; echoed frames' UDP checksums zeroed on arrival",
+        s.workers,
+        if info.gso { "on" } else { "off" },
+        if info.gro { "on" } else { "off" },
+        info.rcvbuf,
+        s.datagrams.len()
+    );
+    Ok(Sent {
+        secs,
+        datagrams: sum(|g| g.0),
+        returned: Some((sum(|g| g.1), sum(|g| g.2))),
+        window_resets: sum(|g| g.3),
+        senders,
+    })
+}
+
+/// A tc ingress program (tcx, attached through a BPF link) on one
+/// interface of the caller's namespace that sets the UDP checksum of every
+/// arriving IPv4/UDP frame (no IP options) to 0, "no checksum". Detached
+/// when dropped (closing the link), and with the namespace in any case.
+///
+/// Why: testpmd's 5tswap echoes a frame's bytes unchanged but for the
+/// swapped addresses and ports, and a local sender's frames leave with the
+/// UDP checksum field holding only the pseudo-header's sum (the veth pair
+/// offers checksum offload, and UDP GSO requires it); the senders' kernel
+/// rejects such a frame when it comes back (UdpInCsumErrors), and testpmd
+/// cannot fix it (af_packet has no checksum offload). A zero checksum is
+/// accepted unverified, so the ceiling's receivers skip the checksum pass
+/// that phub's results (which carry a full checksum) cost the workers'
+/// kernel: the bound errs high, never low.
+struct ZeroUdpChecksum {
+    // The link first: closing it detaches the program.
+    _link: std::os::fd::OwnedFd,
+    _prog: std::os::fd::OwnedFd,
+}
+
+impl ZeroUdpChecksum {
+    fn attach(ifname: &str) -> Result<ZeroUdpChecksum> {
+        use std::os::fd::{FromRawFd, OwnedFd};
+        // struct bpf_insn: code, dst | src << 4, off (i16), imm (i32).
+        const fn insn(code: u8, dst: u8, src: u8, off: i16, imm: i32) -> u64 {
+            (code as u64)
+                | (((dst | (src << 4)) as u64) << 8)
+                | ((off as u16 as u64) << 16)
+                | ((imm as u32 as u64) << 32)
+        }
+        const LDX_W: u8 = 0x61; // BPF_LDX | BPF_MEM | BPF_W
+        const LDX_H: u8 = 0x69;
+        const LDX_B: u8 = 0x71;
+        const MOV64_X: u8 = 0xbf;
+        const ADD64_K: u8 = 0x07;
+        const JGT_X: u8 = 0x2d;
+        const JNE_K: u8 = 0x55;
+        const ST_H: u8 = 0x6a;
+        const MOV64_K: u8 = 0xb7;
+        const CALL: u8 = 0x85;
+        const EXIT: u8 = 0x95;
+        // struct __sk_buff: data at 76, data_end at 80. Frame offsets:
+        // EtherType 12, IPv4 version/IHL 14, protocol 23, UDP checksum 40.
+        // A local sender's frames reach the veth with only the Ethernet
+        // header in the skb's linear part (af_packet's transmit ring hands
+        // the rest over as pages): pull the 42 header bytes in first.
+        let prog: [u64; 17] = [
+            insn(MOV64_X, 6, 1, 0, 0),    // 0: r6 = skb
+            insn(MOV64_K, 2, 0, 0, 42),   // 1: r2 = 42
+            insn(CALL, 0, 0, 0, 39),      // 2: bpf_skb_pull_data(skb, 42)
+            insn(LDX_W, 2, 6, 76, 0),     // 3: r2 = skb->data
+            insn(LDX_W, 3, 6, 80, 0),     // 4: r3 = skb->data_end
+            insn(MOV64_X, 4, 2, 0, 0),    // 5: r4 = r2
+            insn(ADD64_K, 4, 0, 0, 42),   // 6: r4 += 42
+            insn(JGT_X, 4, 3, 7, 0),      // 7: if r4 > r3 goto 15
+            insn(LDX_H, 5, 2, 12, 0),     // 8: r5 = EtherType (as read, little-endian)
+            insn(JNE_K, 5, 0, 5, 0x0008), // 9: if not IPv4 goto 15
+            insn(LDX_B, 5, 2, 14, 0),     // 10: r5 = version/IHL
+            insn(JNE_K, 5, 0, 3, 0x45),   // 11: if not IPv4 without options goto 15
+            insn(LDX_B, 5, 2, 23, 0),     // 12: r5 = protocol
+            insn(JNE_K, 5, 0, 1, 17),     // 13: if not UDP goto 15
+            insn(ST_H, 2, 0, 40, 0),      // 14: UDP checksum = 0
+            insn(MOV64_K, 0, 0, 0, -1),   // 15: r0 = TCX_NEXT
+            insn(EXIT, 0, 0, 0, 0),       // 16: return r0
+        ];
+        let license = b"GPL\0";
+        // union bpf_attr for BPF_PROG_LOAD: prog_type, insn_cnt, insns,
+        // license, log_level, log_size, log_buf; the rest zero.
+        let mut attr = [0u64; 16];
+        const BPF_PROG_TYPE_SCHED_CLS: u64 = 3;
+        attr[0] = BPF_PROG_TYPE_SCHED_CLS | ((prog.len() as u64) << 32);
+        attr[1] = prog.as_ptr() as u64;
+        attr[2] = license.as_ptr() as u64;
+        const BPF_PROG_LOAD: libc::c_long = 5;
+        const BPF_LINK_CREATE: libc::c_long = 28;
+        // SAFETY: bpf(2) reads `attr` (128 bytes, its size passed) and the
+        // instructions and license it points to, all alive for the call;
+        // it writes nothing of ours (no log buffer is given).
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_PROG_LOAD,
+                attr.as_ptr(),
+                std::mem::size_of_val(&attr),
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error()).context("bpf(BPF_PROG_LOAD) of a tc program");
+        }
+        // SAFETY: a new descriptor that bpf(2) returned and nothing else owns.
+        let prog_fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        let name = std::ffi::CString::new(ifname).context("interface name")?;
+        // SAFETY: a NUL-terminated name alive for the call.
+        let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+        if ifindex == 0 {
+            return Err(std::io::Error::last_os_error()).with_context(|| format!("no interface {ifname}"));
+        }
+        // BPF_LINK_CREATE: prog_fd, target_ifindex, attach_type; the rest zero.
+        use std::os::fd::AsRawFd;
+        const BPF_TCX_INGRESS: u32 = 46;
+        let mut link = [0u32; 16];
+        link[0] = prog_fd.as_raw_fd() as u32;
+        link[1] = ifindex;
+        link[2] = BPF_TCX_INGRESS;
+        // SAFETY: bpf(2) reads `link` (64 bytes, its size passed), alive for the call.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_LINK_CREATE,
+                link.as_ptr(),
+                std::mem::size_of_val(&link),
+            )
+        };
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error())
+                .with_context(|| format!("bpf(BPF_LINK_CREATE) for tcx ingress on {ifname}"));
+        }
+        // SAFETY: as above.
+        let link_fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+        Ok(ZeroUdpChecksum {
+            _link: link_fd,
+            _prog: prog_fd,
+        })
+    }
 }

@@ -13,7 +13,7 @@ use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use serde::Serialize;
 
-use super::ceiling::{self, Ceilings, VethCeiling};
+use super::ceiling::{self, Ceilings, Forward, VethCeiling};
 use super::emulate::{self, Event, Outcome, Plan};
 use super::local::{self, Local, LocalOptions};
 use super::plot;
@@ -326,10 +326,18 @@ pub struct RunResult {
     pub bound_round_ms: Option<f64>,
     /// The same-run ceilings.
     pub ceilings: Option<Ceilings>,
-    /// `--local --backend dpdk`: the veth path's ceiling (dpdk-testpmd
-    /// rxonly, same senders, same run); `efficiency` is
-    /// `appliance_gbps_in` over its `payload_gbps`.
+    /// `--local --backend dpdk`: the veth path's ceiling with testpmd
+    /// 5tswap (every frame echoed back to its sender, which counts it; same
+    /// senders, same run); `efficiency` is `appliance_gbps_in` over its
+    /// `payload_gbps` (`efficiency_bound`: "testpmd-5tswap").
+    pub veth_echo_ceiling: Option<VethCeiling>,
+    /// `--local --backend dpdk`: the veth path's ceiling with testpmd
+    /// rxonly (same senders, same run).
     pub veth_ceiling: Option<VethCeiling>,
+    /// `--local --backend dpdk`: `appliance_gbps_in` over `veth_ceiling`'s
+    /// `payload_gbps` (the rxonly ceiling), a second figure beside
+    /// `efficiency`.
+    pub efficiency_rxonly: Option<f64>,
     /// Wall time of the timed phase (all workers), s.
     pub timed_secs: f64,
     /// CPU seconds of the dataplane process over the timed rounds.
@@ -736,10 +744,15 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
     }
 }
 
-/// `--local --backend dpdk`: the veth path's ceiling, measured now (the
-/// dataplane has stopped) on the same port with the same senders, and the
-/// efficiency as phub's gradient ingress over it. A ceiling that cannot be
-/// measured leaves the efficiency null and says why.
+/// `--local --backend dpdk`: the veth path's ceilings, measured now (the
+/// dataplane has stopped) on the same port with the same senders, rxonly
+/// then 5tswap ([`ceiling::veth_testpmd`]), and the efficiency as phub's
+/// gradient ingress over each: `efficiency` over 5tswap (the bound: it
+/// also sends every frame back, as phub sends every result),
+/// `efficiency_rxonly` over rxonly. A ceiling that cannot be measured
+/// leaves its efficiency null and says why (testpmd is stopped and its
+/// files removed either way; the namespace goes with the caller's
+/// `VethNet`).
 fn with_veth_ceiling(
     a: &RunArgs,
     profile: &Profile,
@@ -763,21 +776,33 @@ fn with_veth_ceiling(
         datagrams,
         secs: a.ceiling_secs,
         gso: !a.no_gso,
+        gro: !a.no_gro,
+        window: a.window,
+        chunks: r.chunks,
         pin: !a.no_pin,
         ns: ns.to_string(),
     };
-    match ceiling::veth_testpmd(&setup) {
+    let over = |c: &VethCeiling| {
+        r.appliance_gbps_in
+            .filter(|_| c.payload_gbps > 0.0)
+            .map(|g| g / c.payload_gbps)
+    };
+    match ceiling::veth_testpmd(&setup, Forward::RxOnly) {
         Ok(c) => {
-            r.efficiency = r
-                .appliance_gbps_in
-                .filter(|_| c.payload_gbps > 0.0)
-                .map(|g| g / c.payload_gbps);
-            r.efficiency_bound = "veth -> dpdk-testpmd rxonly, same senders, same run".into();
+            r.efficiency_rxonly = over(&c);
             r.veth_ceiling = Some(c);
         }
+        Err(e) => eprintln!("phub-bench: no rxonly veth ceiling: {e:#}"),
+    }
+    match ceiling::veth_testpmd(&setup, Forward::FiveTupleSwap) {
+        Ok(c) => {
+            r.efficiency = over(&c);
+            r.efficiency_bound = Forward::FiveTupleSwap.bound_name().into();
+            r.veth_echo_ceiling = Some(c);
+        }
         Err(e) => {
-            eprintln!("phub-bench: no veth ceiling: {e:#}");
-            r.efficiency_bound = format!("none: the veth ceiling could not be measured: {e:#}");
+            eprintln!("phub-bench: no 5tswap veth ceiling: {e:#}");
+            r.efficiency_bound = format!("none: the 5tswap veth ceiling could not be measured: {e:#}");
         }
     }
     r
@@ -1074,7 +1099,9 @@ pub(super) fn drive(
         efficiency_bound,
         bound_round_ms,
         ceilings,
+        veth_echo_ceiling: None,
         veth_ceiling: None,
+        efficiency_rxonly: None,
         timed_secs,
         appliance_cpu_s,
         appliance_cpu_s_per_gb: match (appliance_cpu_s, &counters) {
@@ -1198,7 +1225,8 @@ fn context(a: &RunArgs) -> RunContext<'_> {
             "*_ms": "milliseconds",
             "goodput_gbps": "model bytes (f32) per second per worker, at the median round",
             "appliance_gbps_in/out": "UDP payload bytes the dataplane received/sent per second over the timed rounds",
-            "efficiency": "bound_round_ms / round_ms_median; with --local --backend dpdk: appliance_gbps_in / veth_ceiling.payload_gbps",
+            "efficiency": "bound_round_ms / round_ms_median; with --local --backend dpdk: appliance_gbps_in / veth_echo_ceiling.payload_gbps (testpmd 5tswap: UDP payload echoed back to the senders)",
+            "efficiency_rxonly": "with --local --backend dpdk: appliance_gbps_in / veth_ceiling.payload_gbps (testpmd rxonly)",
             "appliance_cpu_s_per_gb": "dataplane CPU seconds (user + system) per 1e9 bytes received",
         }),
     }
@@ -1252,10 +1280,23 @@ fn print_table(points: &[RunResult]) {
     }
     if let Some(r) = points.first() {
         println!("bound: {}", r.efficiency_bound);
+        if let Some(c) = &r.veth_echo_ceiling {
+            println!(
+                "same-run veth ceiling for the first row (the bound): {:.3} GB/s of UDP payload echoed back \
+                 by dpdk-testpmd 5tswap to the senders (testpmd received {:.3} GB/s; {}); efficiency {}",
+                c.payload_gbps,
+                c.testpmd_rx_gbps,
+                c.senders,
+                opt(r.efficiency, 2)
+            );
+        }
         if let Some(c) = &r.veth_ceiling {
             println!(
-                "same-run veth ceiling for the first row: {:.3} GB/s of UDP payload into dpdk-testpmd rxonly ({})",
-                c.payload_gbps, c.senders
+                "same-run veth ceiling for the first row: {:.3} GB/s of UDP payload into dpdk-testpmd rxonly ({}); \
+                 efficiency_rxonly {}",
+                c.payload_gbps,
+                c.senders,
+                opt(r.efficiency_rxonly, 2)
             );
         }
         if let Some(c) = &r.ceilings {
@@ -1430,12 +1471,14 @@ pub fn run(a: &RunArgs) -> Result<()> {
         );
         let r = run_point(p, &profile, label).with_context(|| format!("run {label}"))?;
         eprintln!(
-            "  median {:.1} ms, p99 {:.1} ms, goodput {:.3} GB/s per worker{}",
+            "  median {:.1} ms, p99 {:.1} ms, goodput {:.3} GB/s per worker{}{}",
             r.round_ms_median,
             r.round_ms_p99,
             r.goodput_gbps,
             r.efficiency
-                .map_or(String::new(), |e| format!(", efficiency {e:.2} of the bound"))
+                .map_or(String::new(), |e| format!(", efficiency {e:.2} of the bound")),
+            r.efficiency_rxonly
+                .map_or(String::new(), |e| format!(", {e:.2} of testpmd rxonly"))
         );
         results.push(r);
     }
