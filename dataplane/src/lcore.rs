@@ -113,7 +113,11 @@ pub fn run<Io: PacketIo>(
         let n = io.rx_burst(wait, &mut |from, datagram| {
             shard.handle(from, datagram, now);
         })?;
-        shard.poll_timers(clock.now());
+        // After a burst that brought something the timers see the burst's
+        // instant (it took microseconds; their resolution is a
+        // millisecond): one clock read per busy turn of the loop. An empty
+        // burst may have waited (`idle_wait`), so the clock is read again.
+        shard.poll_timers(if n > 0 { now } else { clock.now() });
         flush(&mut io, &mut shard, &counters);
         if n == 0 {
             counters.idle_loops.inc();
