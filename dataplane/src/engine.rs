@@ -2229,6 +2229,8 @@ impl<A: Copy + Eq> Shard<A> {
     /// - the second sums the deferred chunk and its own values into the
     ///   accumulator in one pass;
     /// - the last writes `(accumulator + its values)`, scaled for the mean,
+    ///   with streaming stores ([`Kernels::sum_f32_stream`]: no read for
+    ///   ownership, the lines not kept in this core's cache)
     ///   straight into the slot's chunk of the result region, which is the
     ///   slot's stored result. The lcore alone writes that region; this
     ///   chunk of it was last written when the previous round completed,
@@ -2283,8 +2285,11 @@ impl<A: Copy + Eq> Shard<A> {
                     };
                     optim::step(opt, u32::from(workers), repr.round, bufs);
                 }
-                (_, Some(first)) => k.sum_f32(out, staged(staging, first)?, src, scale),
-                (_, None) => k.sum_f32(out, bytemuck::cast_slice(slot.mem.acc_mut(blocks)), src, scale),
+                // Streaming stores: the result region is read next by the
+                // ranks' processes, not by this lcore, and a round's
+                // results outgrow the cache for models of any size.
+                (_, Some(first)) => k.sum_f32_stream(out, staged(staging, first)?, src, scale),
+                (_, None) => k.sum_f32_stream(out, bytemuck::cast_slice(slot.mem.acc_mut(blocks)), src, scale),
             }
             slot.close();
             return Ok(Step::Closed);
