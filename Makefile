@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd
+.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu
 
 setup:
 	./tools/setup.sh
@@ -135,3 +135,12 @@ test-package: setup
 # installs systemd-container when missing. See docs/OPERATING.md.
 test-package-systemd: setup
 	./packaging/test-package-systemd.sh
+
+# Optional, not in `make test` (a full build in another root): the same
+# install test for Ubuntu 24.04. The debug binaries and the package are
+# built in an Ubuntu 24.04 root (DPDK 23.11; CARGO_TARGET_DIR target/noble)
+# and installed in a fresh one; both are cached under target/pkgtest-noble.
+# Needs root and archive.ubuntu.com. No `setup` dependency: nothing is
+# built on this host. See docs/OPERATING.md.
+test-package-ubuntu:
+	PHUB_PKGTEST_DIST=noble PHUB_DEB_PROFILE=debug ./packaging/test-package.sh

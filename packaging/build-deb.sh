@@ -8,6 +8,8 @@
 #   PHUB_DEB_PROFILE=debug  package target/debug's binaries (the dev
 #                        profile `cargo test` builds: for the install test
 #                        in CI, never for shipping); default release
+#   CARGO_TARGET_DIR=D   the binaries are under D (default target), and the
+#                        package is written to D/debian
 # Prints the .deb's path on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,10 +29,11 @@ if [ "${PHUB_DEB_NO_BUILD:-0}" != 1 ]; then
 fi
 command -v dpkg-shlibdeps >/dev/null || { echo "build-deb: dpkg-shlibdeps missing (apt install dpkg-dev)" >&2; exit 1; }
 
+target_dir=${CARGO_TARGET_DIR:-target}
 version=${PHUB_DEB_VERSION:-$(sed -n 's/^version = "\(.*\)"$/\1/p' Cargo.toml | head -1)}
 arch=$(dpkg --print-architecture)
 name="phub_${version}_${arch}"
-out=target/debian
+out=$target_dir/debian
 root="$out/$name"
 rm -rf "$root"
 mkdir -p "$root/DEBIAN" "$root/usr/bin" "$root/etc/phub" "$root/lib/systemd/system" \
@@ -38,7 +41,7 @@ mkdir -p "$root/DEBIAN" "$root/usr/bin" "$root/etc/phub" "$root/lib/systemd/syst
 
 for b in "${BINS[@]}"; do
     # The release profile keeps line tables (debug = 1): drop them here.
-    objcopy --strip-debug "target/$profile/$b" "$root/usr/bin/$b"
+    objcopy --strip-debug "$target_dir/$profile/$b" "$root/usr/bin/$b"
     chmod 755 "$root/usr/bin/$b"
 done
 install -m 644 packaging/etc/phub/dataplane.toml packaging/etc/phub/control.toml "$root/etc/phub/"

@@ -8,6 +8,33 @@
 #                        package's Depends and systemd (mmdebstrap from the
 #                        package registry), cached under target/pkgtest as
 #                        a tarball named by what it holds
+#   pkgtest_build_deb    runs build-deb.sh (PHUB_DEB_NO_BUILD=1) with the
+#                        caller's environment where the package is built
+#
+# PHUB_PKGTEST_DIST=noble tests an Ubuntu 24.04 package instead (make
+# test-package-ubuntu): the binaries and the package are built in an Ubuntu
+# 24.04 root (DPDK 23.11 and the rest of tools/setup.sh's build packages
+# from noble, noble-updates and noble-security; this machine's rustup
+# toolchain and ~/.cargo bind-mounted; CARGO_TARGET_DIR target/noble), so
+# dpkg-shlibdeps names noble's libraries, and the install root is a noble
+# one. Both roots are cached under target/pkgtest-noble. Debian 12's
+# archive has no Ubuntu keyring (ubuntu-keyring is not in bookworm), so
+# the noble sources are [trusted=yes]: what is fetched is not verified.
+pkgtest_dist=${PHUB_PKGTEST_DIST:-bookworm}
+case "$pkgtest_dist" in
+    bookworm) pkgtest_work=target/pkgtest; pkgtest_target=target ;;
+    noble) pkgtest_work=target/pkgtest-noble; pkgtest_target=target/noble ;;
+    *) echo "pkgtest: PHUB_PKGTEST_DIST=$pkgtest_dist: expected bookworm or noble" >&2; exit 1 ;;
+esac
+pkgtest_ubuntu=http://archive.ubuntu.com/ubuntu
+# mmdebstrap's arguments for noble: suite, then (after the target) the
+# sources.
+pkgtest_noble_sources=()
+for s in noble noble-updates noble-security; do
+    pkgtest_noble_sources+=("deb [trusted=yes] $pkgtest_ubuntu $s main universe")
+done
+# What the noble build root holds: tools/setup.sh's build packages.
+pkgtest_noble_build_pkgs=ca-certificates,build-essential,pkg-config,libdpdk-dev,libhwloc-dev,libudev-dev,libclang-dev,dpkg-dev,binutils
 
 pkgtest_need() {
     local need=() p
@@ -21,7 +48,73 @@ pkgtest_need() {
     fi
 }
 
+# The noble build root, made once (a directory, named by what it holds).
+pkgtest_noble_build_root() {
+    local stamp
+    build_root=$(realpath "$pkgtest_work")/build
+    stamp=$(printf '%s' "$pkgtest_noble_build_pkgs" | sha256sum | cut -c1-12)
+    if [ "$(cat "$build_root.stamp" 2>/dev/null)" != "$stamp" ]; then
+        step "making an Ubuntu 24.04 build root with mmdebstrap (cached as $build_root)"
+        pkgtest_umount_build_root
+        rm -rf "$build_root" "$build_root.stamp"
+        mmdebstrap --quiet --variant=minbase --include="$pkgtest_noble_build_pkgs" noble \
+            "$build_root" "${pkgtest_noble_sources[@]}"
+        echo "$stamp" > "$build_root.stamp"
+    fi
+}
+pkgtest_umount_build_root() {
+    local m
+    for m in root/.cargo root/.rustup src dev proc; do
+        mountpoint -q "$build_root/$m" 2>/dev/null && umount -l "$build_root/$m"
+    done
+    return 0
+}
+# Runs a command in the noble build root, in /src (this checkout), with the
+# rustup toolchain (read-only) and ~/.cargo (the registry cache) mounted.
+pkgtest_in_build_root() (
+    trap pkgtest_umount_build_root EXIT
+    local tc
+    tc=$(rustup show active-toolchain | cut -d' ' -f1)
+    [ -n "$tc" ] || { echo "pkgtest: no default rustup toolchain" >&2; exit 1; }
+    mkdir -p "$build_root/src" "$build_root/root/.rustup" "$build_root/root/.cargo"
+    cp /etc/resolv.conf "$build_root/etc/resolv.conf"
+    mount -t proc proc "$build_root/proc"
+    mount --bind /dev "$build_root/dev"
+    mount --bind "$PWD" "$build_root/src"
+    mount --bind "$HOME/.rustup" "$build_root/root/.rustup"
+    mount -o remount,bind,ro "$build_root/root/.rustup"
+    mount --bind "$HOME/.cargo" "$build_root/root/.cargo"
+    chroot "$build_root" env -i HOME=/root TERM=dumb \
+        PATH="/root/.rustup/toolchains/$tc/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
+        CARGO_TARGET_DIR=/src/$pkgtest_target \
+        ${PHUB_DEB_PROFILE:+PHUB_DEB_PROFILE=$PHUB_DEB_PROFILE} \
+        ${PHUB_DEB_VERSION:+PHUB_DEB_VERSION=$PHUB_DEB_VERSION} \
+        sh -c 'cd /src && exec "$@"' sh "$@"
+)
+
+pkgtest_build_deb() {
+    if [ "$pkgtest_dist" = noble ]; then
+        # (It prints the path in the root: /src is this checkout.)
+        pkgtest_in_build_root env PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh | sed 's|^/src/||'
+    else
+        PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh
+    fi
+}
+
 pkgtest_deb() {
+    if [ "$pkgtest_dist" = noble ]; then
+        pkgtest_noble_build_root
+        step "building the package in the Ubuntu 24.04 root (CARGO_TARGET_DIR $pkgtest_target)"
+        profile=${PHUB_DEB_PROFILE:-release}
+        local profile_flag=()
+        [ "$profile" = debug ] || profile_flag=(--release)
+        [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
+            pkgtest_in_build_root cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control \
+                --bin phubctl --bin phub-setup --bin phub-demo >&2
+        deb=$(pkgtest_build_deb | tail -1)
+        step "built $deb ($(du -h "$deb" | cut -f1))"
+        return
+    fi
     step "building the package"
     # One cargo run for the package's binaries and the demo's worker (which
     # trains the job): the release link is the slow part.
@@ -31,22 +124,27 @@ pkgtest_deb() {
     [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
         cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control --bin phubctl \
             --bin phub-setup --bin phub-demo >&2
-    deb=$(PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh | tail -1)
+    deb=$(pkgtest_build_deb | tail -1)
     step "built $deb ($(du -h "$deb" | cut -f1))"
 }
 
 pkgtest_tarball() {
-    local work=target/pkgtest deps include
+    local work=$pkgtest_work deps include
     mkdir -p "$work"
     deps=$(dpkg-deb -f "$deb" Depends | tr ',' '\n' | sed 's/|.*//; s/(.*)//; s/ //g' | grep -v '^$' | sort -u | paste -sd, -)
     include="$deps,systemd,ca-certificates"
-    tarball="$work/bookworm-$(printf '%s' "$include" | sha256sum | cut -c1-12).tar"
+    tarball="$work/$pkgtest_dist-$(printf '%s' "$include" | sha256sum | cut -c1-12).tar"
     if [ ! -s "$tarball" ]; then
-        step "making a Debian 12 root with mmdebstrap (cached as $tarball)"
-        rm -f "$work"/bookworm-*.tar
+        step "making a $pkgtest_dist root with mmdebstrap (cached as $tarball)"
+        rm -f "$work/$pkgtest_dist"-*.tar
         # (mmdebstrap writes a tarball when the name ends in .tar.)
-        mmdebstrap --quiet --variant=minbase --include="$include" bookworm "$work/partial.tar" \
-            http://deb.debian.org/debian
+        if [ "$pkgtest_dist" = noble ]; then
+            mmdebstrap --quiet --variant=minbase --include="$include" noble "$work/partial.tar" \
+                "${pkgtest_noble_sources[@]}"
+        else
+            mmdebstrap --quiet --variant=minbase --include="$include" bookworm "$work/partial.tar" \
+                http://deb.debian.org/debian
+        fi
         mv "$work/partial.tar" "$tarball"
     fi
 }

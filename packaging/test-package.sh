@@ -12,6 +12,9 @@
 #   PHUB_PKGTEST_NO_BUILD=1  package the binaries as they are (no cargo build)
 #   PHUB_DEB_PROFILE=debug   package target/debug's binaries, which `make
 #                            test` has just built (CI: no release build)
+#   PHUB_PKGTEST_DIST=noble  the same test for Ubuntu 24.04: the package is
+#                            built in a noble root and installed in another
+#                            (pkgtest-common.sh; make test-package-ubuntu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "$(id -u)" -eq 0 ] || { echo "test-package: needs root (chroot, mounts, network namespaces)" >&2; exit 1; }
@@ -26,7 +29,7 @@ step() { echo "test-package [$(( $(date +%s) - t0 ))s]: $*"; }
 pkgtest_need mmdebstrap dpkg-dev iproute2 systemd
 pkgtest_deb
 pkgtest_tarball
-work=target/pkgtest
+work=$pkgtest_work
 
 root=$(realpath "$work")/root
 ns="phub-pkgtest-$$"
@@ -168,9 +171,16 @@ token=$(printf '%s' "$admit" | python3 -c 'import json,sys; print(json.load(sys.
 step "job $job admitted over TLS from another network namespace"
 
 # Two workers (the demo's, from this build) train it through the daemons.
+# A noble build needs noble's libraries: there the workers run in the root.
+if [ "$pkgtest_dist" = noble ]; then
+    cp "$pkgtest_target/$profile/phub-demo" "$root/tmp/phub-demo"
+    demo=(chroot "$root" env PHUB_CA_FILE=/etc/phub/tls/ca.crt /tmp/phub-demo)
+else
+    demo=(env PHUB_CA_FILE="$root/etc/phub/tls/ca.crt" "./target/$profile/phub-demo")
+fi
 wpids=()
 for rank in 0 1; do
-    PHUB_CA_FILE="$root/etc/phub/tls/ca.crt" ip netns exec "$ns-w" "./target/$profile/phub-demo" worker \
+    ip netns exec "$ns-w" "${demo[@]}" worker \
         --control "https://$appliance_ip:7700" --job "$job" --token "$token" --rank $rank \
         --dim 32 --hidden 32 --classes 10 --samples 512 --epochs 1 >"$work/worker$rank.log" 2>&1 &
     wpids+=($!)
@@ -199,7 +209,7 @@ kept() { (cd "$root" && sha256sum var/lib/phub/control.state.json "${ckpt#$root/
     var/lib/phub/control.state.json.operator-token etc/phub/tls/*); }
 before=$(kept)
 version=$(dpkg-deb -f "$deb" Version)
-deb2=$(PHUB_DEB_NO_BUILD=1 PHUB_DEB_VERSION="$version+pkgtest1" ./packaging/build-deb.sh | tail -1)
+deb2=$(PHUB_DEB_VERSION="$version+pkgtest1" pkgtest_build_deb | tail -1)
 cp "$deb2" "$root/tmp/phub2.deb"
 chroot "$root" dpkg -i /tmp/phub2.deb
 [ "$(chroot "$root" dpkg-query -W -f='${Version}' phub)" = "$version+pkgtest1" ] || { echo "test-package: upgrade not installed" >&2; exit 1; }
