@@ -216,7 +216,7 @@ pub struct RunArgs {
     pub compute_ms: f64,
     /// Random jitter added to each round's compute: `exp:M` (exponential,
     /// mean M ms, seeded per rank).
-    #[arg(long, value_name = "exp:M", value_parser = parse_jitter)]
+    #[arg(long, value_name = "exp:M", value_parser = crate::bench::emulate::parse_exp_jitter)]
     pub jitter: Option<f64>,
     /// Rank 0's compute and jitter are multiplied by this (a persistent
     /// straggler), e.g. 2.
@@ -241,13 +241,6 @@ fn parse_consistency(s: &str) -> Result<String, String> {
                 "{s:?}: expected bsp, async or ssp:TAU with TAU from 0 to 1024"
             )),
         },
-    }
-}
-
-fn parse_jitter(s: &str) -> Result<f64, String> {
-    match s.strip_prefix("exp:").map(str::parse::<f64>) {
-        Some(Ok(m)) if m >= 0.0 && m.is_finite() => Ok(m),
-        _ => Err(format!("{s:?}: expected exp:M, M the mean in ms")),
     }
 }
 
@@ -1539,9 +1532,10 @@ mod tests {
             consistency_json("ssp:4"),
             Some(serde_json::json!({ "bounded_delay": 4 }))
         );
-        assert_eq!(parse_jitter("exp:2.5").unwrap(), 2.5);
-        assert!(parse_jitter("exp:-1").is_err());
-        assert!(parse_jitter("uniform:3").is_err());
+        use crate::bench::emulate::parse_exp_jitter;
+        assert_eq!(parse_exp_jitter("exp:2.5").unwrap(), 2.5);
+        assert!(parse_exp_jitter("exp:-1").is_err());
+        assert!(parse_exp_jitter("uniform:3").is_err());
     }
 
     use super::*;
