@@ -2289,7 +2289,9 @@ impl<A: Copy + Eq> Shard<A> {
                 // ranks' processes, not by this lcore, and a round's
                 // results outgrow the cache for models of any size.
                 (_, Some(first)) => k.sum_f32_stream(out, staged(staging, first)?, src, scale),
-                (_, None) => k.sum_f32_stream(out, bytemuck::cast_slice(slot.mem.acc_mut(blocks)), src, scale),
+                (_, None) => {
+                    k.sum_f32_stream(out, bytemuck::cast_slice(slot.mem.acc_mut(blocks)), src, scale)
+                }
             }
             slot.close();
             return Ok(Step::Closed);
