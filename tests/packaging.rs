@@ -411,14 +411,18 @@ fn hugepages_now() -> (Vec<(PathBuf, String)>, bool) {
 }
 
 /// Puts the machine's hugepages back as they were (on drop, so that a
-/// failed assertion restores them too).
-struct RestoreHugepages((Vec<(PathBuf, String)>, bool));
+/// failed assertion restores them too): the reservation, the mount, and
+/// the mount point if phub-setup made it.
+struct RestoreHugepages((Vec<(PathBuf, String)>, bool), bool);
 
 impl Drop for RestoreHugepages {
     fn drop(&mut self) {
         let (sizes, mounted) = &self.0;
         if !mounted && hugepages_now().1 {
             let _ = Command::new("umount").arg("/dev/hugepages").status();
+        }
+        if !self.1 {
+            let _ = std::fs::remove_dir("/dev/hugepages");
         }
         for (f, n) in sizes {
             if let Err(e) = std::fs::write(f, n.trim()) {
@@ -465,7 +469,10 @@ fn phub_setup_hugepages_reserves_them_and_the_machine_is_restored() {
         eprintln!("phub_setup_hugepages: skipped: {why}");
         return;
     }
-    let restore = RestoreHugepages(hugepages_now());
+    // A machine without systemd's dev-hugepages.mount (a fresh CI
+    // machine) has no mount point: phub-setup makes it.
+    let had_mount_point = Path::new("/dev/hugepages").exists();
+    let restore = RestoreHugepages(hugepages_now(), had_mount_point);
     let out = Command::new(SETUP)
         .args(["hugepages", "4M", "--pagesize", "2M"])
         .output()
@@ -478,6 +485,11 @@ fn phub_setup_hugepages_reserves_them_and_the_machine_is_restored() {
     assert!(out.status.success(), "phub-setup hugepages failed:\n{text}");
     assert!(
         text.contains("dpdk-hugepages.py --pagesize 2M --setup 4M"),
+        "{text}"
+    );
+    assert_eq!(
+        text.contains("phub-setup: made /dev/hugepages"),
+        !had_mount_point,
         "{text}"
     );
     assert_eq!(std::fs::read_to_string(two_mb).unwrap().trim(), "2", "{text}");

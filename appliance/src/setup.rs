@@ -303,6 +303,58 @@ pub fn dpdk_tool(tool: &str, args: &[String]) -> Result<(), SetupError> {
     }
 }
 
+/// Where DPDK's tools (and systemd's `dev-hugepages.mount`) mount hugetlbfs.
+pub const HUGEPAGES_MOUNT: &str = "/dev/hugepages";
+
+/// Reserves `size` of hugepages of `pagesize` and mounts hugetlbfs at
+/// [`HUGEPAGES_MOUNT`] with DPDK's dpdk-hugepages.py, making the mount
+/// point first where nothing did (a machine without systemd's
+/// `dev-hugepages.mount`: the tool does not make it, and its failed mount
+/// does not fail it); then checks the mount and shows the reservation.
+pub fn hugepages(size: &str, pagesize: &str) -> Result<(), SetupError> {
+    let dir = Path::new(HUGEPAGES_MOUNT);
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(|source| SetupError::Io {
+            what: "making the hugetlbfs mount point",
+            path: dir.to_path_buf(),
+            source,
+        })?;
+        println!("phub-setup: made {HUGEPAGES_MOUNT}");
+    }
+    dpdk_tool(
+        "dpdk-hugepages.py",
+        &[
+            "--pagesize".into(),
+            pagesize.into(),
+            "--setup".into(),
+            size.into(),
+        ],
+    )?;
+    let mounts = std::fs::read_to_string("/proc/mounts").map_err(|source| SetupError::Io {
+        what: "reading",
+        path: "/proc/mounts".into(),
+        source,
+    })?;
+    if !hugetlbfs_mounted_at(&mounts, HUGEPAGES_MOUNT) {
+        return Err(SetupError::Tool {
+            tool: "dpdk-hugepages.py".into(),
+            message: format!(
+                "the pages are reserved but hugetlbfs is not mounted at {HUGEPAGES_MOUNT} (its output \
+                 above says why); mount it (`mount -t hugetlbfs nodev {HUGEPAGES_MOUNT}`) and run again"
+            ),
+        });
+    }
+    dpdk_tool("dpdk-hugepages.py", &["--show".into()])
+}
+
+/// Whether `/proc/mounts` (its text) has hugetlbfs mounted at `at`.
+pub fn hugetlbfs_mounted_at(mounts: &str, at: &str) -> bool {
+    mounts.lines().any(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        f.len() > 2 && f[1] == at && f[2] == "hugetlbfs"
+    })
+}
+
 /// Where the kernel lists PCI devices (`<address>/class`, `<address>/driver`).
 pub const PCI_DEVICES: &str = "/sys/bus/pci/devices";
 

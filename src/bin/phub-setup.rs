@@ -109,13 +109,7 @@ fn main() -> ExitCode {
                     );
                 }
             }
-            Step::Hugepages { size, pagesize } => {
-                setup::dpdk_tool(
-                    "dpdk-hugepages.py",
-                    &["--pagesize".into(), pagesize, "--setup".into(), size],
-                )?;
-                setup::dpdk_tool("dpdk-hugepages.py", &["--show".into()])?;
-            }
+            Step::Hugepages { size, pagesize } => setup::hugepages(&size, &pagesize)?,
             Step::BindNic { pci } => setup::bind_nic(&pci)?,
         }
         Ok(())
