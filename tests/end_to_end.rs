@@ -67,6 +67,36 @@ fn many_keys_over_two_lcores_never_wait_on_each_other() {
     train(&rack.control_url, &job, 2, &keys, 3);
 }
 
+/// An appliance with a small receive buffer states it, and the workers'
+/// windows fit it: a W = 2 job with far more chunks than the buffer holds
+/// trains with nothing turned away at the appliance's socket. With the
+/// window sized for the 32 MiB buffer assumed before (59 chunks of 8 KiB
+/// per worker against 512 KiB as the kernel counts it), the buffer
+/// overflowed and the workers retransmitted into it.
+#[test]
+fn workers_keep_within_an_appliances_small_receive_buffer() {
+    let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
+    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let rx = info.lcores[0]
+        .rx_buffer_bytes
+        .expect("the UDP backend states its buffer");
+    let keys = [2_000_000u64];
+    let job = rack.admit(&sum_spec("small-buffer", 2, &keys)).unwrap();
+    train(&rack.control_url, &job, 2, &keys, 3);
+    let stats: Stats = rack.get("/v1/stats");
+    let d = stats.dataplane.expect("dataplane stats");
+    let full: u64 = d.lcores.iter().filter_map(|l| l.drops.get("socket_full")).sum();
+    assert_eq!(
+        full, 0,
+        "datagrams turned away by a {rx}-byte receive buffer: {:?}",
+        d.lcores[0].drops
+    );
+}
+
 #[test]
 fn two_jobs_at_once_neither_disturbs_the_other() {
     let rack = Rack::start(2, "256MiB");

@@ -11,6 +11,10 @@
 #   QUOTA=0.5 RUNS=3 MODEL=resnet50 WORKERS=2 ROUNDS=20 tools/bench-throttled.sh
 #   DP_ARGS="--socket-buffer 262144" ...   (extra phub-dataplane flags: a small
 #                                           receive buffer overflows sooner)
+#   MODES="window=59 off on" ...            (what to alternate: off/on is the
+#                                           congestion window; window=N a fixed
+#                                           window, as workers chose before they
+#                                           knew the appliance's buffer)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 QUOTA=${QUOTA:-0.5}
@@ -57,17 +61,30 @@ for _ in $(seq 100); do curl -sf "http://127.0.0.1:$ctl/v1/jobs" > /dev/null && 
 export PHUB_OPERATOR_TOKEN=$(cat "$dir/state.json.operator-token")
 echo "dataplane limited to $QUOTA CPU ($quota/$period us, $cg) ${DP_ARGS:-}; $MODEL W=$WORKERS, $ROUNDS rounds; $(date -u +%FT%TZ)"
 grep -E '^cpu ' /proc/stat | awk '{print "steal at start: " $9}'
+socket_full() {
+    curl -sf "http://127.0.0.1:$mgmt/v1/stats" | python3 -c \
+        'import json,sys; print(sum(l["drops"].get("socket_full", 0) for l in json.load(sys.stdin)["lcores"]))'
+}
 for run in $(seq "$RUNS"); do
-    for mode in off on; do
-        PHUB_WORKER_CONGESTION=$mode "$BIN/phub-bench" run --control "http://127.0.0.1:$ctl" \
-            --model "$MODEL" --workers "$WORKERS" --rounds "$ROUNDS" --no-ceiling --quiet \
-            --json "$dir/run.json" > /dev/null 2>&1 || { echo "run $run congestion=$mode failed"; continue; }
-        python3 - "$dir/run.json" "$run" "$mode" <<'EOF'
+    for mode in ${MODES:-off on}; do
+        # off / on: the worker's congestion window (PHUB_WORKER_CONGESTION);
+        # window=N: a fixed window of N chunks, congestion window off.
+        case $mode in
+            window=*) cong=off; win=(--window "${mode#window=}") ;;
+            *) cong=$mode; win=() ;;
+        esac
+        before=$(socket_full)
+        PHUB_WORKER_CONGESTION=$cong "$BIN/phub-bench" run --control "http://127.0.0.1:$ctl" \
+            --model "$MODEL" --workers "$WORKERS" --rounds "$ROUNDS" --no-ceiling --quiet "${win[@]}" \
+            --json "$dir/run.json" > /dev/null 2>&1 || { echo "run $run $mode failed"; continue; }
+        full=$(( $(socket_full) - before ))
+        python3 - "$dir/run.json" "$run" "$mode" "$full" <<'EOF'
 import json, sys
 j = json.load(open(sys.argv[1]))
 p = j["points"][0] if "points" in j else j
-print(f"run {sys.argv[2]} congestion={sys.argv[3]:<3} median {p['round_ms_median']:.1f} ms  p99 {p['round_ms_p99']:.1f} ms  "
-      f"p99/median {p['round_ms_p99']/p['round_ms_median']:.2f}  retransmits {p['retransmits']}")
+print(f"run {sys.argv[2]} {sys.argv[3]:<10} window {p.get('window', '?'):>4}  median {p['round_ms_median']:.1f} ms  "
+      f"p99 {p['round_ms_p99']:.1f} ms  p99/median {p['round_ms_p99']/p['round_ms_median']:.2f}  "
+      f"retransmits {p['retransmits']}  socket_full {sys.argv[4]}")
 EOF
     done
 done

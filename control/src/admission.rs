@@ -474,6 +474,7 @@ mod tests {
                     lcore: i as u16,
                     cpu: Some(i),
                     numa_node: n,
+                    rx_buffer_bytes: None,
                 })
                 .collect(),
             nic_numa_node: nic,

@@ -1334,7 +1334,9 @@ impl Shared {
         };
         let mut datas = BTreeMap::new();
         for n in &names {
-            datas.insert(n.clone(), self.info_of(n)?.data);
+            let info = self.info_of(n)?;
+            let rx_buffer = info.lcores.iter().filter_map(|l| l.rx_buffer_bytes).min();
+            datas.insert(n.clone(), (info.data, rx_buffer));
         }
         let mut inner = self.lock();
         // Checked again: the job may have gone or the rank joined meanwhile.
@@ -1344,7 +1346,7 @@ impl Shared {
             .parts
             .iter()
             .map(|p| {
-                let data = datas.get(&p.appliance).ok_or_else(|| {
+                let (data, rx_buffer) = datas.get(&p.appliance).ok_or_else(|| {
                     RequestError::Conflict(format!(
                         "job {id} moved while rank {} joined; join again",
                         req.rank
@@ -1355,6 +1357,7 @@ impl Shared {
                     host: data.host.clone(),
                     base_port: data.base_port,
                     lcores: p.lcores,
+                    rx_buffer_bytes: *rx_buffer,
                 })
             })
             .collect::<Result<Vec<_>, RequestError>>()?;
@@ -1367,7 +1370,7 @@ impl Shared {
                 rank: req.rank,
                 spec: job.spec.clone(),
                 layout: job.racks[r].clone(),
-                dataplane: datas[&job.parts[r].appliance].clone(),
+                dataplane: datas[&job.parts[r].appliance].0.clone(),
                 appliances: vec![ApplianceAddr {
                     lcores: u32::try_from(job.racks[r].lcores.len()).unwrap_or(u32::MAX),
                     ..appliances[r].clone()
@@ -1378,7 +1381,7 @@ impl Shared {
                 rank: req.rank,
                 spec: job.spec.clone(),
                 layout: job.layout.clone(),
-                dataplane: datas[&job.parts[0].appliance].clone(),
+                dataplane: datas[&job.parts[0].appliance].0.clone(),
                 appliances,
             },
         };

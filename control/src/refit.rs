@@ -110,6 +110,7 @@ mod tests {
                     lcore: i as u16,
                     cpu: Some(i),
                     numa_node: None,
+                    rx_buffer_bytes: None,
                 })
                 .collect(),
             nic_numa_node: None,

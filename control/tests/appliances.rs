@@ -305,6 +305,14 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         .map(|a| (a.name.as_str(), a.lcores))
         .collect();
     assert_eq!(names, [("b", 3), ("a", 2)]);
+    // Each appliance states the smallest receive buffer of its lcores
+    // (the fake's lcore i has FAKE_RX_BUFFER >> i), which the worker's
+    // window must fit.
+    let rx: Vec<Option<u64>> = join.appliances.iter().map(|a| a.rx_buffer_bytes).collect();
+    assert_eq!(
+        rx,
+        [Some(fake::FAKE_RX_BUFFER >> 2), Some(fake::FAKE_RX_BUFFER >> 1)]
+    );
     let whole = Placement::new(&join.spec, join.layout.clone()).unwrap();
     assert_eq!(join.layout.lcores[..3], on_b.lcores[..]);
     assert_eq!(join.layout.lcores[3..], on_a.lcores[..]);

@@ -96,6 +96,7 @@ impl Appliance {
             slot_memory,
             memory_budget,
             port_stats,
+            socket_drops,
             release,
         } = started;
         for (h, t) in handles.iter_mut().zip(threads) {
@@ -121,6 +122,9 @@ impl Appliance {
         let mut manager = Manager::new(info, handles, clock);
         if let Some(reader) = port_stats {
             manager = manager.with_port_stats(mgmt::PortStatsReader(reader));
+        }
+        if let Some(reader) = socket_drops {
+            manager = manager.with_socket_drops(mgmt::SocketDropsReader(reader));
         }
         let data = SocketAddrV4::new(cfg.host, base_port);
         match Appliance::serve(cfg, Arc::new(manager), Arc::clone(&stop), data) {

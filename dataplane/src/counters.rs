@@ -90,6 +90,11 @@ net_drops! {
     /// A result that could not be sent (no buffer, or the TX queue stayed
     /// full).
     TxDropped, "tx_dropped";
+    /// Datagrams the kernel dropped at the lcore's socket because its
+    /// receive buffer was full (kernel-UDP backend): counted by the
+    /// kernel, not by the lcore, and read from the socket when stats are
+    /// asked for (`SO_MEMINFO`; a 32-bit count).
+    SocketFull, "socket_full";
 }
 
 impl ShardCounters {

@@ -22,7 +22,7 @@ use phub_proto::layout::{Chunks, Layout, Placement};
 use phub_proto::memory::MemoryModel;
 use phub_proto::spec::Optimizer;
 
-use crate::counters::ShardCounters;
+use crate::counters::{NetDrop, ShardCounters};
 use crate::engine::{self, EngineError, HierInstall, JobInstall};
 use crate::lcore::{Clock, Command};
 use crate::shm::ShmSetup;
@@ -80,6 +80,17 @@ pub struct Manager {
     jobs: Mutex<BTreeMap<u16, (InstalledJob, InstallJob)>>,
     clock: Clock,
     port_stats: Option<PortStatsReader>,
+    socket_drops: Option<SocketDropsReader>,
+}
+
+/// Reads how many datagrams the kernel dropped at lcore i's socket
+/// (kernel-UDP backend), reported as the `socket_full` drop reason.
+pub struct SocketDropsReader(pub Box<dyn Fn(usize) -> Option<u64> + Send + Sync>);
+
+impl std::fmt::Debug for SocketDropsReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SocketDropsReader")
+    }
 }
 
 /// Reads a DPDK port's own counters for `/v1/stats` (DPDK backend).
@@ -100,7 +111,15 @@ impl Manager {
             jobs: Mutex::new(BTreeMap::new()),
             clock,
             port_stats: None,
+            socket_drops: None,
         }
+    }
+
+    /// Reports the kernel's drops at each lcore's socket in `/v1/stats`,
+    /// as the lcore's `socket_full` drops.
+    pub fn with_socket_drops(mut self, reader: SocketDropsReader) -> Manager {
+        self.socket_drops = Some(reader);
+        self
     }
 
     /// Reports a DPDK port's counters beside the lcores' in `/v1/stats`.
@@ -388,7 +407,18 @@ impl Manager {
             .lcores
             .iter()
             .enumerate()
-            .map(|(i, l)| l.counters.snapshot(i as u16))
+            .map(|(i, l)| {
+                let mut s = l.counters.snapshot(i as u16);
+                if let Some(n) = self
+                    .socket_drops
+                    .as_ref()
+                    .and_then(|r| (r.0)(i))
+                    .filter(|&n| n > 0)
+                {
+                    *s.drops.entry(NetDrop::SocketFull.name().to_string()).or_default() += n;
+                }
+                s
+            })
             .collect();
         let now = self.clock.now();
         let mut jobs: BTreeMap<u16, (JobLive, Vec<u64>)> = BTreeMap::new();

@@ -410,3 +410,60 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
     assert!(stats.lcores.iter().all(|l| l.misrouted == 0));
     app.shutdown();
 }
+
+/// Each lcore states its receive buffer in /v1/info (workers size their
+/// windows by it), and datagrams the kernel turned away because that
+/// buffer was full are counted as `socket_full` drops: everything sent is
+/// either received or counted.
+#[test]
+fn a_full_socket_buffer_is_stated_and_what_it_turns_away_is_counted() {
+    let app = Appliance::start(&Config {
+        // The kernel's smallest buffer: one 8 KiB datagram fills it.
+        socket_buffer: 1,
+        lcores: Some(1),
+        ..config()
+    })
+    .unwrap();
+    let info = app.manager().info();
+    let rx = info.lcores[0]
+        .rx_buffer_bytes
+        .expect("the UDP backend states its buffer");
+    assert!(rx > 0 && rx < 64 << 10, "SO_RCVBUF {rx} for a 1-byte request");
+    let to = app.data_addr();
+    let (threads, each) = (2, 4000u64);
+    let senders: Vec<_> = (0..threads)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+                for _ in 0..each {
+                    s.send_to(&[0u8; 8192], to).unwrap();
+                }
+            })
+        })
+        .collect();
+    for t in senders {
+        t.join().unwrap();
+    }
+    let sent = threads * each;
+    let mut last = None;
+    for _ in 0..100 {
+        std::thread::sleep(Duration::from_millis(20));
+        let l = app.manager().stats().lcores.remove(0);
+        let full = l.drops.get("socket_full").copied().unwrap_or(0);
+        if l.rx_packets + full == sent {
+            assert!(
+                full > 0,
+                "{sent} datagrams into a one-datagram buffer: none turned away?"
+            );
+            assert_eq!(
+                l.drops.get("bad_magic"),
+                Some(&l.rx_packets),
+                "what arrived was refused"
+            );
+            app.shutdown();
+            return;
+        }
+        last = Some((l.rx_packets, full));
+    }
+    panic!("sent {sent}; received and turned away (rx_packets, socket_full): {last:?}");
+}

@@ -238,6 +238,55 @@ pub fn getsockopt_int(sock: &impl AsFd, level: libc::c_int, name: libc::c_int) -
     }
 }
 
+/// The socket's receive buffer as the kernel enforces it: `SO_RCVBUF`,
+/// which reports twice what was asked (the kernel charges each queued
+/// datagram its buffer's true size, about twice a datagram on loopback,
+/// against this figure and drops what arrives past it).
+pub fn rx_buffer_bytes(sock: &impl AsFd) -> io::Result<usize> {
+    let v = getsockopt_int(sock, libc::SOL_SOCKET, libc::SO_RCVBUF)?;
+    usize::try_from(v).map_err(|_| io::Error::new(io::ErrorKind::InvalidData, format!("SO_RCVBUF {v}")))
+}
+
+/// `SO_MEMINFO` (asm-generic/socket.h): the socket's memory counters, an
+/// array of `u32`.
+const SO_MEMINFO: libc::c_int = 55;
+/// `SK_MEMINFO_DROPS`: the index of the drop count in `SO_MEMINFO`'s array
+/// (linux/sock_diag.h); `SK_MEMINFO_VARS` is one more.
+const SK_MEMINFO_DROPS: usize = 8;
+
+/// Datagrams the kernel dropped at this socket since it was opened, before
+/// anyone read them: its receive buffer was full (or, rarer, a bad UDP
+/// checksum). `SO_MEMINFO`'s `SK_MEMINFO_DROPS`, a 32-bit count that
+/// wraps. Reading it costs the socket's owner nothing: any thread holding
+/// a duplicate of the descriptor may ask.
+pub fn socket_drops(sock: &impl AsFd) -> io::Result<u32> {
+    let mut v = [0u32; SK_MEMINFO_DROPS + 1];
+    let mut len = socklen::<[u32; SK_MEMINFO_DROPS + 1]>();
+    // SAFETY: the descriptor is open (borrowed from its owner); `v` and
+    // `len` are live for the call and `len` states v's size, which the
+    // kernel writes at most of.
+    let r = unsafe {
+        libc::getsockopt(
+            sock.as_fd().as_raw_fd(),
+            libc::SOL_SOCKET,
+            SO_MEMINFO,
+            v.as_mut_ptr().cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // Cast: len <= the array's 36 bytes (the kernel copies at most that).
+    if (len as usize) < std::mem::size_of_val(&v) {
+        return Err(io::Error::new(
+            io::ErrorKind::Unsupported,
+            format!("SO_MEMINFO returned {len} bytes, no drop count"),
+        ));
+    }
+    Ok(v[SK_MEMINFO_DROPS])
+}
+
 /// Asks for `bytes` of receive and send buffer: `SO_RCVBUFFORCE` and
 /// `SO_SNDBUFFORCE` first (root or CAP_NET_ADMIN; they may exceed
 /// `net.core.rmem_max`/`wmem_max`), the capped `SO_RCVBUF`/`SO_SNDBUF`
@@ -496,6 +545,42 @@ mod tests {
             cmsg(SOL_UDP, UDP_GRO, -1, full).segment_in(h + 8),
             None,
             "negative"
+        );
+    }
+
+    #[test]
+    fn socket_drops_counts_what_a_full_receive_buffer_turned_away() {
+        let (a, b) = (
+            UdpSocket::bind("127.0.0.1:0").unwrap(),
+            UdpSocket::bind("127.0.0.1:0").unwrap(),
+        );
+        assert_eq!(socket_drops(&b).unwrap(), 0, "a new socket has dropped nothing");
+        // The smallest buffer the kernel grants holds one such datagram.
+        let _ = setsockopt_int(&b, libc::SOL_SOCKET, libc::SO_RCVBUF, 1);
+        let got = rx_buffer_bytes(&b).unwrap();
+        assert!(got > 0 && got < 64 << 10, "SO_RCVBUF {got}");
+        let to = b.local_addr().unwrap();
+        for _ in 0..64 {
+            a.send_to(&[7u8; 8192], to).unwrap();
+        }
+        // Loopback delivers in softirq context, almost always before
+        // send_to returns; give a late backlog time to drain.
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        let dropped = socket_drops(&b).unwrap();
+        assert!(
+            dropped >= 32,
+            "64 datagrams of 8 KiB into a {got}-byte buffer nobody reads: {dropped} counted as dropped"
+        );
+        let mut buf = [0u8; 9000];
+        b.set_nonblocking(true).unwrap();
+        let mut read = 0u32;
+        while b.recv(&mut buf).is_ok() {
+            read += 1;
+        }
+        assert_eq!(
+            read + dropped,
+            64,
+            "every datagram either read or counted as dropped"
         );
     }
 

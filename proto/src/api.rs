@@ -454,6 +454,12 @@ pub struct ApplianceAddr {
     pub base_port: u16,
     /// How many of the layout's lcores are its (the next ones in order).
     pub lcores: u32,
+    /// The smallest receive buffer of its lcores, in bytes
+    /// ([`LcoreInfo::rx_buffer_bytes`]): what every worker's chunks in
+    /// flight to one lcore must fit in together. Absent where the
+    /// appliance does not say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_buffer_bytes: Option<u64>,
 }
 
 /// `GET /v1/stats` on control.
@@ -480,6 +486,14 @@ pub struct LcoreInfo {
     pub cpu: Option<usize>,
     /// NUMA node of that CPU, when known.
     pub numa_node: Option<u32>,
+    /// Bytes its receive queue holds before the kernel drops what arrives
+    /// (kernel-UDP backend: the socket's `SO_RCVBUF` as the kernel reports
+    /// it, against which each queued datagram is charged its buffer's true
+    /// size, about twice its bytes). Workers size their windows by it
+    /// (phub-worker's `auto_window`); absent where the backend does not
+    /// say (DPDK) or from an older dataplane.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rx_buffer_bytes: Option<u64>,
 }
 
 /// `GET /v1/info` on the dataplane.

@@ -195,11 +195,17 @@ impl Default for WorkerConfig {
     }
 }
 
-/// Receive buffer assumed for each dataplane lcore's socket: phub-dataplane's
-/// default `--socket-buffer` (32 MiB, forced beyond rmem_max when it runs
-/// as root). A dataplane run with smaller buffers needs a smaller
-/// [`WorkerConfig::window`].
+/// Receive buffer assumed for each dataplane lcore's socket where the join
+/// answer does not give it (an appliance or control that does not say, or
+/// the DPDK backend): phub-dataplane's default `--socket-buffer` (32 MiB,
+/// forced beyond rmem_max when it runs as root). Where the appliance says
+/// ([`ApplianceAddr::rx_buffer_bytes`], what the kernel enforces), that
+/// figure is used instead.
 pub const ASSUMED_LCORE_RCVBUF: usize = 32 << 20;
+
+/// The smallest window [`auto_window`] picks unless an appliance's stated
+/// receive buffer allows fewer.
+pub const MIN_AUTO_WINDOW: usize = 16;
 
 /// Bytes in flight per lcore that [`auto_window`] aims at: about one
 /// core's L2 cache, so that a chunk is still in cache when the lcore reads
@@ -217,24 +223,41 @@ pub const IN_FLIGHT_PER_LCORE: usize = 1 << 20;
 ///   lcores, so each lcore holds about `W * window / L` of them, and the
 ///   kernel charges each with its overhead (the skb's truesize: up to
 ///   twice the datagram on loopback, close to 1x for a GRO train; 2x is
-///   assumed). Hence `window <= L * ASSUMED_LCORE_RCVBUF / (W * 2 *
-///   datagram)`; likewise the results of the window come back to this
-///   worker's own socket: `window <= own_rcvbuf / (2 * datagram)`.
+///   assumed). Hence `window <= L * lcore_rcvbuf / (W * 2 * datagram)`,
+///   `lcore_rcvbuf` the smallest receive buffer the appliances state
+///   (else [`ASSUMED_LCORE_RCVBUF`]); past it, a slow appliance's buffer
+///   overflows and the worker can only retransmit into it. Likewise the
+///   results of the window come back to this worker's own socket: `window
+///   <= own_rcvbuf / (2 * datagram)`.
 /// - **Cache**, a soft bound: `window <= L * IN_FLIGHT_PER_LCORE / (W *
 ///   datagram)`. Past it, chunks fall out of cache between the copies of
 ///   their journey and every copy goes to DRAM: on the 2-core development
 ///   VM, ResNet-50 with W = 2 cost the dataplane 60 ms of CPU per round
 ///   with a window of 64 and 92 ms with 1024 (BENCHMARKS.md).
 ///
-/// Never more than the job's chunks, never fewer than 16. For 8 KiB chunks
-/// on one lcore: 126 for W = 1, 63 for W = 2, 16 from W = 8 on.
-pub fn auto_window(workers: u32, lcores: usize, chunks: usize, datagram: usize, own_rcvbuf: usize) -> usize {
+/// Never more than the job's chunks, never fewer than [`MIN_AUTO_WINDOW`]
+/// (16) unless the incast bound is lower still (then that bound, at least
+/// 1). For 8 KiB chunks on one lcore with 32 MiB buffers: 126 for W = 1,
+/// 63 for W = 2, 16 from W = 8 on; with an appliance's 256 KiB buffer
+/// (512 KiB as the kernel counts it), 14 for W = 2.
+pub fn auto_window(
+    workers: u32,
+    lcores: usize,
+    chunks: usize,
+    datagram: usize,
+    own_rcvbuf: usize,
+    lcore_rcvbuf: usize,
+) -> usize {
     let d = datagram.max(64);
     let (w, l) = (workers.max(1) as usize, lcores.max(1));
-    let incast = l * ASSUMED_LCORE_RCVBUF / (w * 2 * d);
+    let incast = l.saturating_mul(lcore_rcvbuf) / (w * 2 * d);
     let own = own_rcvbuf / (2 * d);
     let cache = l * IN_FLIGHT_PER_LCORE / (w * d);
-    incast.min(own).min(cache).min(chunks).max(16)
+    incast
+        .min(own)
+        .min(cache)
+        .min(chunks)
+        .max(MIN_AUTO_WINDOW.min(incast.max(1)))
 }
 
 /// A request in flight; give it to [`Worker::wait`] to get its result.
@@ -1312,7 +1335,8 @@ fn io_err(context: &str) -> impl FnOnce(std::io::Error) -> WorkerError {
 }
 
 /// The window: [`WorkerConfig::window`], or [`auto_window`] from the job's
-/// shape and the socket's receive buffer `rcvbuf` when that is 0.
+/// shape, the socket's receive buffer `rcvbuf` and the appliances' when
+/// that is 0.
 fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usize {
     match config.window {
         0 => auto_window(
@@ -1321,9 +1345,23 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usiz
             usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
             HEADER_LEN + join.spec.chunk_bytes as usize,
             rcvbuf,
+            lcore_rcvbuf(join),
         ),
         w => w,
     }
+}
+
+/// The smallest receive buffer of the job's appliances' lcores, as they
+/// state it ([`ASSUMED_LCORE_RCVBUF`] for those that do not).
+fn lcore_rcvbuf(join: &JoinResponse) -> usize {
+    join.appliances
+        .iter()
+        .map(|a| {
+            a.rx_buffer_bytes
+                .map_or(ASSUMED_LCORE_RCVBUF, |b| usize::try_from(b).unwrap_or(usize::MAX))
+        })
+        .min()
+        .unwrap_or(ASSUMED_LCORE_RCVBUF)
 }
 
 /// The fault injector [`WorkerConfig::inject`] (or [`INJECT_ENV`]) asks
@@ -1437,6 +1475,7 @@ fn check_join(join: &JoinResponse) -> Result<(Vec<SocketAddr>, Placement), Worke
         host: join.dataplane.host.clone(),
         base_port: join.dataplane.base_port,
         lcores: u32::try_from(layout.lcore_count()).unwrap_or(u32::MAX),
+        rx_buffer_bytes: None,
     }];
     let appliances = if join.appliances.is_empty() {
         &one[..]
@@ -1524,14 +1563,95 @@ mod tests {
     fn auto_window_takes_the_smallest_bound() {
         let d = HEADER_LEN + 8192;
         // Cache bound: 1 MiB per lcore over W.
-        assert_eq!(auto_window(1, 1, 100_000, d, 64 << 20), (1 << 20) / d);
-        assert_eq!(auto_window(2, 1, 100_000, d, 64 << 20), (1 << 20) / (2 * d));
-        assert_eq!(auto_window(2, 4, 100_000, d, 64 << 20), (4 << 20) / (2 * d));
+        let big = ASSUMED_LCORE_RCVBUF;
+        assert_eq!(auto_window(1, 1, 100_000, d, 64 << 20, big), (1 << 20) / d);
+        assert_eq!(auto_window(2, 1, 100_000, d, 64 << 20, big), (1 << 20) / (2 * d));
+        assert_eq!(auto_window(2, 4, 100_000, d, 64 << 20, big), (4 << 20) / (2 * d));
         // Never beyond the job's chunks, never below 16.
-        assert_eq!(auto_window(1, 1, 40, d, 64 << 20), 40);
-        assert_eq!(auto_window(64, 1, 100_000, d, 64 << 20), 16);
+        assert_eq!(auto_window(1, 1, 40, d, 64 << 20, big), 40);
+        assert_eq!(auto_window(64, 1, 100_000, d, 64 << 20, big), 16);
         // A small own receive buffer bounds it (an unprivileged process).
-        assert_eq!(auto_window(1, 8, 100_000, d, 416 << 10), (416 << 10) / (2 * d));
+        assert_eq!(
+            auto_window(1, 8, 100_000, d, 416 << 10, big),
+            (416 << 10) / (2 * d)
+        );
+        // An appliance's small buffer bounds it below 16: W windows of
+        // datagrams charged twice their size fit in it.
+        let small = 512 << 10;
+        let w = auto_window(2, 1, 100_000, d, 64 << 20, small);
+        assert_eq!(w, small / (2 * 2 * d));
+        assert!(2 * w * 2 * d <= small && w < MIN_AUTO_WINDOW);
+        assert_eq!(
+            auto_window(2, 4, 100_000, d, 64 << 20, small),
+            4 * small / (2 * 2 * d)
+        );
+        // A buffer too small for one datagram each still lets one out.
+        assert_eq!(auto_window(64, 1, 100_000, d, 64 << 20, 4096), 1);
+    }
+
+    #[test]
+    fn the_window_follows_the_smallest_buffer_an_appliance_states() {
+        let spec = JobSpec {
+            checkpoint_interval_s: None,
+            placement: None,
+            name: "w".into(),
+            workers: 2,
+            dtype: phub_proto::Dtype::F32,
+            chunk_bytes: 8192,
+            optimizer: phub_proto::spec::Optimizer::Sum,
+            consistency: Consistency::Sync,
+            keys: vec![phub_proto::spec::KeySpec {
+                name: "k".into(),
+                elements: 1 << 22,
+            }],
+        };
+        let layout = phub_proto::layout::layout(&spec, &mut [0], |_| 1);
+        let addr = |rx| ApplianceAddr {
+            name: "a".into(),
+            host: "127.0.0.1".into(),
+            base_port: 9000,
+            lcores: 1,
+            rx_buffer_bytes: rx,
+        };
+        let join = |appliances| JoinResponse {
+            job: 1,
+            rank: 0,
+            spec: spec.clone(),
+            layout: layout.clone(),
+            dataplane: phub_proto::api::DataAddr {
+                host: "127.0.0.1".into(),
+                base_port: 9000,
+            },
+            appliances,
+        };
+        let cfg = WorkerConfig::default();
+        let d = HEADER_LEN + 8192;
+        let unsaid = window_for(&join(vec![addr(None)]), &cfg, 64 << 20);
+        assert_eq!(
+            unsaid,
+            window_for(&join(vec![]), &cfg, 64 << 20),
+            "no figure: the assumed buffer"
+        );
+        assert_eq!(unsaid, (1 << 20) / (2 * d));
+        let said = window_for(
+            &join(vec![addr(Some(1 << 20)), addr(Some(256 << 10))]),
+            &cfg,
+            64 << 20,
+        );
+        assert_eq!(
+            said,
+            (256 << 10) / (2 * 2 * d),
+            "the smaller of the two appliances' buffers"
+        );
+        let fixed = WorkerConfig {
+            window: 40,
+            ..WorkerConfig::default()
+        };
+        assert_eq!(
+            window_for(&join(vec![addr(Some(4096))]), &fixed, 64 << 20),
+            40,
+            "a set window stands"
+        );
     }
 
     #[test]

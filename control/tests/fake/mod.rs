@@ -84,6 +84,9 @@ pub(crate) struct Fake {
 
 /// Base port of the fake's data address.
 pub(crate) const BASE_PORT: u16 = 9100;
+/// Lcore 0's receive buffer in the fake's `/v1/info` (lcore i's is this
+/// shifted right by i).
+pub(crate) const FAKE_RX_BUFFER: u64 = 8 << 20;
 
 impl Fake {
     /// Starts a fake.
@@ -201,6 +204,9 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                         lcore: i as u16,
                         cpu: Some(i),
                         numa_node: n,
+                        // Lcore i's receive buffer halves with i: a join
+                        // answer carries the smallest.
+                        rx_buffer_bytes: Some(FAKE_RX_BUFFER >> i),
                     })
                     .collect(),
                 nic_numa_node: config.nic,

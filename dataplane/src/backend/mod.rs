@@ -86,6 +86,9 @@ pub struct Started {
     pub memory_budget: u64,
     /// Reads the device's own counters, where there is a device.
     pub port_stats: Option<Box<dyn Fn() -> Option<PortStats> + Send + Sync>>,
+    /// Reads how many datagrams the kernel dropped at lcore i's socket
+    /// (kernel-UDP backend: [`crate::counters::NetDrop::SocketFull`]).
+    pub socket_drops: Option<Box<dyn Fn(usize) -> Option<u64> + Send + Sync>>,
     /// Releases what the backend holds once every lcore was told to stop
     /// (DPDK: waits for its lcores, then lets the port go).
     pub release: Option<Box<dyn FnOnce() + Send>>,

@@ -183,6 +183,18 @@ impl UdpQueue {
         self.sock.local_addr()
     }
 
+    /// The receive buffer as the kernel enforces it (twice what was
+    /// asked, see [`phub_net::rx_buffer_bytes`]).
+    pub fn rx_buffer_bytes(&self) -> io::Result<usize> {
+        phub_net::rx_buffer_bytes(&self.sock)
+    }
+
+    /// A second handle on the socket, for reading its kernel counters from
+    /// another thread ([`phub_net::socket_drops`]).
+    pub fn counters_handle(&self) -> io::Result<UdpSocket> {
+        self.sock.try_clone()
+    }
+
     /// Whether GRO receives and GSO sends are on.
     pub fn offloads(&self) -> (bool, bool) {
         (self.gro, self.gso)
@@ -468,7 +480,10 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
     let slot_memory: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
     let mut threads = Vec::with_capacity(n);
     let mut lcores = Vec::with_capacity(n);
+    let mut counter_socks = Vec::with_capacity(n);
     for (i, io) in queues.into_iter().enumerate() {
+        let rx_buffer = io.rx_buffer_bytes().ok().and_then(|b| u64::try_from(b).ok());
+        counter_socks.push(io.counters_handle().context("duplicating a queue's socket")?);
         // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
         #[allow(clippy::cast_possible_truncation)]
         let lcore = i as u16;
@@ -493,6 +508,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
             lcore,
             cpu: core.map(|c| c.id),
             numa_node: core.and_then(|c| topology.cpu_node(c.id)),
+            rx_buffer_bytes: rx_buffer,
         });
     }
     Ok(Started {
@@ -504,6 +520,10 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
         slot_memory,
         memory_budget: cfg.memory_budget,
         port_stats: None,
+        socket_drops: Some(Box::new(move |i| {
+            let s = counter_socks.get(i)?;
+            phub_net::socket_drops(s).ok().map(u64::from)
+        })),
         release: None,
     })
 }

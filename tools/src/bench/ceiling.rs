@@ -158,6 +158,7 @@ fn udp_echo(s: &Setup) -> Result<(Vec<f64>, String, u64)> {
                 s.chunks as usize,
                 datagram,
                 info.rcvbuf,
+                phub_worker::ASSUMED_LCORE_RCVBUF,
             )
         });
         if c == 0 {
@@ -906,7 +907,14 @@ fn echo_blast(s: &VethSetup) -> Result<Sent> {
         let i = sock.info();
         info = Some(i);
         window = s.window.filter(|&w| w > 0).unwrap_or_else(|| {
-            phub_worker::auto_window(s.workers as u32, lcores, s.chunks as usize, largest, i.rcvbuf)
+            phub_worker::auto_window(
+                s.workers as u32,
+                lcores,
+                s.chunks as usize,
+                largest,
+                i.rcvbuf,
+                phub_worker::ASSUMED_LCORE_RCVBUF,
+            )
         });
         let (barrier, to, sizes) = (Arc::clone(&barrier), to.clone(), s.datagrams.clone());
         threads.push(std::thread::spawn(move || -> Result<(u64, u64, u64, u64)> {

@@ -412,6 +412,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
                 None
             },
             numa_node: Some(eal.lcore_socket(l)),
+            rx_buffer_bytes: None,
         });
     }
     log::info!(
@@ -434,6 +435,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
         memory_budget: memory_budget(cfg.memory_budget, &slot_memory),
         slot_memory,
         port_stats: Some(Box::new(reader)),
+        socket_drops: None,
         release: Some(Box::new(move || runtime.stop())),
     })
 }
