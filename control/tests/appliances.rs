@@ -18,11 +18,37 @@ use phub_proto::api::{
 };
 use phub_proto::layout::Placement;
 
-fn temp_state(tag: &str) -> PathBuf {
+/// A state file's path in a scratch directory of its own, removed with
+/// everything in it when dropped (at the end of the test, passed or not).
+struct TempState(PathBuf);
+
+impl std::ops::Deref for TempState {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl AsRef<Path> for TempState {
+    fn as_ref(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempState {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
+
+fn temp_state(tag: &str) -> TempState {
     let dir = std::env::temp_dir().join(format!("phub-control-appl-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join("state.json")
+    TempState(dir.join("state.json"))
 }
 
 fn appliance(name: &str, fake: &Fake, rack: &str) -> ApplianceSpec {
@@ -216,7 +242,7 @@ fn a_state_file_without_appliances_means_one_appliance_default() {
     let e = Daemon::start(Config {
         listen: "127.0.0.1:0".parse().unwrap(),
         dataplane: fake.url(),
-        state: state.clone(),
+        state: state.to_path_buf(),
         ..Config::default()
     })
     .unwrap_err()
