@@ -164,6 +164,21 @@ impl Rank {
         )
     }
 
+    /// Pulls both keys until they name the same clock (at most 5 s). They
+    /// differ for a moment when a held answer is being released: the other
+    /// ranks, pushing their lost clocks again, release it key by key, and a
+    /// pull between the two sees one key released and the other not.
+    fn pull_agreed(&mut self) -> (u32, u32) {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let (k0, k1) = self.pull();
+            if k0 == k1 || Instant::now() >= deadline {
+                return (k0, k1);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Clocks `from..=to`; an `ahead` refusal (the appliance came back at
     /// its checkpoint) is answered with a pull and a resumption from the
     /// clock the appliance has. Returns the clocks pushed again and the
@@ -174,7 +189,7 @@ impl Rank {
             match self.clock(c) {
                 Ok(()) => c += 1,
                 Err(WorkerError::Refused { reason, .. }) if reason == "ahead" => {
-                    let (k0, k1) = self.pull();
+                    let (k0, k1) = self.pull_agreed();
                     assert_eq!(k0, k1, "rank {}: both keys at one clock", self.rank);
                     assert!(resumed.is_none(), "rank {}: refused twice", self.rank);
                     resumed = Some(k0);
