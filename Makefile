@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu
+.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu test-package-ubuntu-22.04
 
 setup:
 	./tools/setup.sh
@@ -144,3 +144,10 @@ test-package-systemd: setup
 # built on this host. See docs/OPERATING.md.
 test-package-ubuntu:
 	PHUB_PKGTEST_DIST=noble PHUB_DEB_PROFILE=debug ./packaging/test-package.sh
+
+# The same for Ubuntu 22.04 (jammy; CARGO_TARGET_DIR target/jammy, cached
+# under target/pkgtest-jammy): built without the `dpdk` feature, as jammy's
+# DPDK 21.11 is older than phub-ffi's API, so its phub-dataplane has the
+# kernel-UDP backend only. Not in `make test` either.
+test-package-ubuntu-22.04:
+	PHUB_PKGTEST_DIST=jammy PHUB_DEB_PROFILE=debug ./packaging/test-package.sh

@@ -11,30 +11,42 @@
 #   pkgtest_build_deb    runs build-deb.sh (PHUB_DEB_NO_BUILD=1) with the
 #                        caller's environment where the package is built
 #
-# PHUB_PKGTEST_DIST=noble tests an Ubuntu 24.04 package instead (make
-# test-package-ubuntu): the binaries and the package are built in an Ubuntu
-# 24.04 root (DPDK 23.11 and the rest of tools/setup.sh's build packages
-# from noble, noble-updates and noble-security; this machine's rustup
-# toolchain and ~/.cargo bind-mounted; CARGO_TARGET_DIR target/noble), so
-# dpkg-shlibdeps names noble's libraries, and the install root is a noble
-# one. Both roots are cached under target/pkgtest-noble. Debian 12's
-# archive has no Ubuntu keyring (ubuntu-keyring is not in bookworm), so
-# the noble sources are [trusted=yes]: what is fetched is not verified.
+# PHUB_PKGTEST_DIST=noble (or jammy) tests an Ubuntu 24.04 (22.04) package
+# instead (make test-package-ubuntu, test-package-ubuntu-22.04): the
+# binaries and the package are built in an Ubuntu root of that release
+# (tools/setup.sh's build packages from DIST, DIST-updates and
+# DIST-security; this machine's rustup toolchain and ~/.cargo
+# bind-mounted; CARGO_TARGET_DIR target/DIST), so dpkg-shlibdeps names its
+# libraries, and the install root is one of that release. Both roots are
+# cached under target/pkgtest-DIST. jammy's DPDK (21.11) is older than
+# phub-ffi's API (22.11): its package is built without the `dpdk` feature
+# (kernel-UDP backend only) and its build root has no libdpdk-dev. Debian
+# 12's archive has no Ubuntu keyring (ubuntu-keyring is not in bookworm),
+# so the Ubuntu sources are [trusted=yes]: what is fetched is not verified.
 pkgtest_dist=${PHUB_PKGTEST_DIST:-bookworm}
+pkgtest_features=()
 case "$pkgtest_dist" in
     bookworm) pkgtest_work=target/pkgtest; pkgtest_target=target ;;
-    noble) pkgtest_work=target/pkgtest-noble; pkgtest_target=target/noble ;;
-    *) echo "pkgtest: PHUB_PKGTEST_DIST=$pkgtest_dist: expected bookworm or noble" >&2; exit 1 ;;
+    noble) pkgtest_work=target/pkgtest-noble; pkgtest_target=target/noble; pkgtest_release="Ubuntu 24.04" ;;
+    jammy)
+        pkgtest_work=target/pkgtest-jammy; pkgtest_target=target/jammy; pkgtest_release="Ubuntu 22.04"
+        pkgtest_features=(--no-default-features)
+        ;;
+    *) echo "pkgtest: PHUB_PKGTEST_DIST=$pkgtest_dist: expected bookworm, noble or jammy" >&2; exit 1 ;;
 esac
-pkgtest_ubuntu=http://archive.ubuntu.com/ubuntu
-# mmdebstrap's arguments for noble: suite, then (after the target) the
-# sources.
-pkgtest_noble_sources=()
-for s in noble noble-updates noble-security; do
-    pkgtest_noble_sources+=("deb [trusted=yes] $pkgtest_ubuntu $s main universe")
+# Whether the package is built and installed in Ubuntu roots.
+pkgtest_ubuntu() { [ "$pkgtest_dist" != bookworm ]; }
+pkgtest_mirror=http://archive.ubuntu.com/ubuntu
+# mmdebstrap's arguments for an Ubuntu release: suite, then (after the
+# target) the sources.
+pkgtest_ubuntu_sources=()
+for s in "$pkgtest_dist" "$pkgtest_dist-updates" "$pkgtest_dist-security"; do
+    pkgtest_ubuntu_sources+=("deb [trusted=yes] $pkgtest_mirror $s main universe")
 done
-# What the noble build root holds: tools/setup.sh's build packages.
-pkgtest_noble_build_pkgs=ca-certificates,build-essential,pkg-config,libdpdk-dev,libhwloc-dev,libudev-dev,libclang-dev,dpkg-dev,binutils
+# What the Ubuntu build root holds: tools/setup.sh's build packages (no
+# DPDK for a build without the `dpdk` feature).
+pkgtest_ubuntu_build_pkgs=ca-certificates,build-essential,pkg-config,libhwloc-dev,libudev-dev,libclang-dev,dpkg-dev,binutils
+((${#pkgtest_features[@]})) || pkgtest_ubuntu_build_pkgs+=,libdpdk-dev
 
 pkgtest_need() {
     local need=() p
@@ -48,17 +60,18 @@ pkgtest_need() {
     fi
 }
 
-# The noble build root, made once (a directory, named by what it holds).
-pkgtest_noble_build_root() {
+# The Ubuntu build root, made once (a directory, named by what it holds).
+pkgtest_ubuntu_build_root() {
     local stamp
+    mkdir -p "$pkgtest_work"
     build_root=$(realpath "$pkgtest_work")/build
-    stamp=$(printf '%s' "$pkgtest_noble_build_pkgs" | sha256sum | cut -c1-12)
+    stamp=$(printf '%s' "$pkgtest_ubuntu_build_pkgs" | sha256sum | cut -c1-12)
     if [ "$(cat "$build_root.stamp" 2>/dev/null)" != "$stamp" ]; then
-        step "making an Ubuntu 24.04 build root with mmdebstrap (cached as $build_root)"
+        step "making an $pkgtest_release build root with mmdebstrap (cached as $build_root)"
         pkgtest_umount_build_root
         rm -rf "$build_root" "$build_root.stamp"
-        mmdebstrap --quiet --variant=minbase --include="$pkgtest_noble_build_pkgs" noble \
-            "$build_root" "${pkgtest_noble_sources[@]}"
+        mmdebstrap --quiet --variant=minbase --include="$pkgtest_ubuntu_build_pkgs" "$pkgtest_dist" \
+            "$build_root" "${pkgtest_ubuntu_sources[@]}"
         echo "$stamp" > "$build_root.stamp"
     fi
 }
@@ -69,7 +82,7 @@ pkgtest_umount_build_root() {
     done
     return 0
 }
-# Runs a command in the noble build root, in /src (this checkout), with the
+# Runs a command in the Ubuntu build root, in /src (this checkout), with the
 # rustup toolchain (read-only) and ~/.cargo (the registry cache) mounted.
 pkgtest_in_build_root() (
     trap pkgtest_umount_build_root EXIT
@@ -93,7 +106,7 @@ pkgtest_in_build_root() (
 )
 
 pkgtest_build_deb() {
-    if [ "$pkgtest_dist" = noble ]; then
+    if pkgtest_ubuntu; then
         # (It prints the path in the root: /src is this checkout.)
         pkgtest_in_build_root env PHUB_DEB_NO_BUILD=1 ./packaging/build-deb.sh | sed 's|^/src/||'
     else
@@ -102,14 +115,14 @@ pkgtest_build_deb() {
 }
 
 pkgtest_deb() {
-    if [ "$pkgtest_dist" = noble ]; then
-        pkgtest_noble_build_root
-        step "building the package in the Ubuntu 24.04 root (CARGO_TARGET_DIR $pkgtest_target)"
+    if pkgtest_ubuntu; then
+        pkgtest_ubuntu_build_root
+        step "building the package in the $pkgtest_release root (CARGO_TARGET_DIR $pkgtest_target${pkgtest_features[*]:+, ${pkgtest_features[*]}})"
         profile=${PHUB_DEB_PROFILE:-release}
         local profile_flag=()
         [ "$profile" = debug ] || profile_flag=(--release)
         [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
-            pkgtest_in_build_root cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control \
+            pkgtest_in_build_root cargo build "${profile_flag[@]}" "${pkgtest_features[@]}" -p phub --bin phub-dataplane --bin phub-control \
                 --bin phubctl --bin phub-setup --bin phub-demo >&2
         deb=$(pkgtest_build_deb | tail -1)
         step "built $deb ($(du -h "$deb" | cut -f1))"
@@ -138,9 +151,9 @@ pkgtest_tarball() {
         step "making a $pkgtest_dist root with mmdebstrap (cached as $tarball)"
         rm -f "$work/$pkgtest_dist"-*.tar
         # (mmdebstrap writes a tarball when the name ends in .tar.)
-        if [ "$pkgtest_dist" = noble ]; then
-            mmdebstrap --quiet --variant=minbase --include="$include" noble "$work/partial.tar" \
-                "${pkgtest_noble_sources[@]}"
+        if pkgtest_ubuntu; then
+            mmdebstrap --quiet --variant=minbase --include="$include" "$pkgtest_dist" "$work/partial.tar" \
+                "${pkgtest_ubuntu_sources[@]}"
         else
             mmdebstrap --quiet --variant=minbase --include="$include" bookworm "$work/partial.tar" \
                 http://deb.debian.org/debian

@@ -12,8 +12,9 @@
 #   PHUB_PKGTEST_NO_BUILD=1  package the binaries as they are (no cargo build)
 #   PHUB_DEB_PROFILE=debug   package target/debug's binaries, which `make
 #                            test` has just built (CI: no release build)
-#   PHUB_PKGTEST_DIST=noble  the same test for Ubuntu 24.04: the package is
-#                            built in a noble root and installed in another
+#   PHUB_PKGTEST_DIST=noble  the same test for Ubuntu 24.04 (jammy: 22.04,
+#                            kernel-UDP backend only): the package is
+#                            built in a root of that release and installed in another
 #                            (pkgtest-common.sh; make test-package-ubuntu)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -171,8 +172,9 @@ token=$(printf '%s' "$admit" | python3 -c 'import json,sys; print(json.load(sys.
 step "job $job admitted over TLS from another network namespace"
 
 # Two workers (the demo's, from this build) train it through the daemons.
-# A noble build needs noble's libraries: there the workers run in the root.
-if [ "$pkgtest_dist" = noble ]; then
+# An Ubuntu build needs that release's libraries: there the workers run in
+# the root.
+if pkgtest_ubuntu; then
     cp "$pkgtest_target/$profile/phub-demo" "$root/tmp/phub-demo"
     demo=(chroot "$root" env PHUB_CA_FILE=/etc/phub/tls/ca.crt /tmp/phub-demo)
 else

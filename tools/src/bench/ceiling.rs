@@ -601,6 +601,27 @@ impl Drop for Testpmd {
     }
 }
 
+/// testpmd's EAL arguments, as the dataplane's DPDK backend builds its own.
+#[cfg(feature = "dpdk")]
+fn testpmd_eal(
+    d: &phub_dataplane::app::DpdkOptions,
+    lcores: usize,
+    no_pin: bool,
+    cpus: &[usize],
+) -> Result<Vec<String>> {
+    Ok(phub_dataplane::backend::dpdk::start::eal_args(
+        d,
+        Some(lcores),
+        no_pin,
+        cpus,
+    ))
+}
+
+#[cfg(not(feature = "dpdk"))]
+fn testpmd_eal(_: &phub_dataplane::app::DpdkOptions, _: usize, _: bool, _: &[usize]) -> Result<Vec<String>> {
+    anyhow::bail!("this phub-bench was built without the DPDK backend (the `dpdk` feature)")
+}
+
 /// Measures the veth path's ceiling. The caller's thread is inside the
 /// namespace holding the virtual rack's link, and nothing else holds the
 /// af_packet port (the dataplane is stopped).
@@ -640,16 +661,15 @@ pub fn veth_testpmd(s: &VethSetup, mode: Forward) -> Result<VethCeiling> {
         .into_iter()
         .map(|c| c.id)
         .collect();
-    let eal = phub_dataplane::backend::dpdk::start::eal_args(
+    let mut args = testpmd_eal(
         &phub_dataplane::app::DpdkOptions {
             eal: Some(virt::af_packet_eal(lcores, &prefix)),
             ..Default::default()
         },
-        Some(lcores),
+        lcores,
         !s.pin,
         &cpus,
-    );
-    let mut args = eal;
+    )?;
     args.push("--".into());
     args.extend([
         format!("--forward-mode={}", mode.mode()),
