@@ -483,6 +483,16 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
     let mut counter_socks = Vec::with_capacity(n);
     for (i, io) in queues.into_iter().enumerate() {
         let rx_buffer = io.rx_buffer_bytes().ok().and_then(|b| u64::try_from(b).ok());
+        // The kernel reports twice what it granted.
+        if let Some(got) = rx_buffer.filter(|&b| b / 2 < cfg.socket_buffer as u64) {
+            log::warn!(
+                "lcore {i}: socket receive buffer {} bytes of the {} asked (net.core.rmem_max caps it; \
+                 only root, CAP_NET_ADMIN, may exceed it): workers keep their windows within it, so \
+                 rounds may be slower; raise net.core.rmem_max or run as root",
+                got / 2,
+                cfg.socket_buffer
+            );
+        }
         counter_socks.push(io.counters_handle().context("duplicating a queue's socket")?);
         // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
         #[allow(clippy::cast_possible_truncation)]
