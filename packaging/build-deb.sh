@@ -10,6 +10,12 @@
 #                        in CI, never for shipping); default release
 #   CARGO_TARGET_DIR=D   the binaries are under D (default target), and the
 #                        package is written to D/debian
+#   PHUB_DEB_FEATURES=F  cargo's feature arguments for the build, e.g.
+#                        --no-default-features (no DPDK backend); by default
+#                        the DPDK backend is built where pkg-config finds
+#                        libdpdk 22.11 or later, and left out (saying so)
+#                        where it finds an older one or none (Ubuntu 22.04
+#                        has 21.11): the dataplane then has kernel UDP only
 # Prints the .deb's path on its last line.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -25,7 +31,17 @@ esac
 if [ "${PHUB_DEB_NO_BUILD:-0}" != 1 ]; then
     args=()
     for b in "${BINS[@]}"; do args+=(--bin "$b"); done
-    $CARGO build "${profile_flag[@]}" -p phub "${args[@]}" >&2
+    if [ -n "${PHUB_DEB_FEATURES+set}" ]; then
+        read -r -a features <<< "$PHUB_DEB_FEATURES"
+    elif pkg-config --atleast-version=22.11 libdpdk 2>/dev/null; then
+        features=()
+    else
+        found=$(pkg-config --modversion libdpdk 2>/dev/null || echo none)
+        echo "build-deb: libdpdk $found found, phub's DPDK backend needs 22.11 or later:" \
+            "building without it (--no-default-features; kernel UDP only)" >&2
+        features=(--no-default-features)
+    fi
+    $CARGO build "${profile_flag[@]}" "${features[@]}" -p phub "${args[@]}" >&2
 fi
 command -v dpkg-shlibdeps >/dev/null || { echo "build-deb: dpkg-shlibdeps missing (apt install dpkg-dev)" >&2; exit 1; }
 
