@@ -7,10 +7,10 @@
 #[allow(dead_code)]
 mod fake;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig};
+use fake::{Fake, FakeConfig, TempState};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{
     AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, JoinResponse,
@@ -18,37 +18,8 @@ use phub_proto::api::{
 };
 use phub_proto::layout::Placement;
 
-/// A state file's path in a scratch directory of its own, removed with
-/// everything in it when dropped (at the end of the test, passed or not).
-struct TempState(PathBuf);
-
-impl std::ops::Deref for TempState {
-    type Target = Path;
-
-    fn deref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl AsRef<Path> for TempState {
-    fn as_ref(&self) -> &Path {
-        &self.0
-    }
-}
-
-impl Drop for TempState {
-    fn drop(&mut self) {
-        if let Some(dir) = self.0.parent() {
-            let _ = std::fs::remove_dir_all(dir);
-        }
-    }
-}
-
 fn temp_state(tag: &str) -> TempState {
-    let dir = std::env::temp_dir().join(format!("phub-control-appl-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    TempState(dir.join("state.json"))
+    TempState::new("phub-control-appl", tag)
 }
 
 fn appliance(name: &str, fake: &Fake, rack: &str) -> ApplianceSpec {

@@ -3,10 +3,10 @@
 
 mod fake;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig, BASE_PORT};
+use fake::{Fake, FakeConfig, TempState, BASE_PORT};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
 use phub_proto::layout::{Place, Placement};
@@ -36,11 +36,8 @@ fn spec_json(name: &str, workers: u32, elements: u64) -> String {
     )
 }
 
-fn temp_state(tag: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("phub-control-test-{tag}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir.join("state.json")
+fn temp_state(tag: &str) -> TempState {
+    TempState::new("phub-control-test", tag)
 }
 
 /// Starts a daemon on loopback over `dataplane` and `state`.
@@ -509,7 +506,8 @@ fn a_second_control_on_the_same_state_file_refuses_to_start() {
 #[test]
 fn job_ids_are_canonical_and_the_operator_token_needs_its_bearer() {
     let fake = Fake::start(FakeConfig::lcores(2));
-    let d = daemon(&fake.url(), &temp_state("ids"));
+    let state = temp_state("ids");
+    let d = daemon(&fake.url(), &state);
     let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
     assert_eq!(a.id, 1);
     let _: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
@@ -573,7 +571,8 @@ fn an_eviction_that_cannot_be_written_changes_nothing() {
 #[test]
 fn reconciliation_removes_jobs_control_has_not_admitted() {
     let fake = Fake::start(FakeConfig::lcores(2));
-    let d = daemon(&fake.url(), &temp_state("unknown"));
+    let state = temp_state("unknown");
+    let d = daemon(&fake.url(), &state);
     let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
     fake.state.lock().unwrap().refuse_delete = Some("down for maintenance".into());
     let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None);
@@ -595,7 +594,8 @@ fn reconciliation_removes_jobs_control_has_not_admitted() {
 #[test]
 fn admission_reads_the_spec_in_the_format_it_is_in() {
     let fake = Fake::start(FakeConfig::lcores(2));
-    let d = daemon(&fake.url(), &temp_state("format"));
+    let state = temp_state("format");
+    let d = daemon(&fake.url(), &state);
     let bom = format!("\u{feff}{}", spec_json("bom", 2, 100));
     let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&bom));
     assert_eq!(a.id, 1);
@@ -680,7 +680,8 @@ fn a_dataplane_back_with_fewer_lcores_gets_its_jobs_placed_anew() {
 #[test]
 fn a_checkpoint_moves_onto_the_new_placement() {
     let fake = Fake::start(FakeConfig::lcores(4));
-    let d = daemon(&fake.url(), &temp_state("moved"));
+    let state = temp_state("moved");
+    let d = daemon(&fake.url(), &state);
     let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
     let _: serde_json::Value = ok(&d, "POST", &format!("/v1/jobs/{}/checkpoint", a.id), None);
     fake.restart_as(FakeConfig::lcores(3));
@@ -768,7 +769,8 @@ fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
 #[test]
 fn an_install_refused_as_invalid_fails_the_job() {
     let fake = Fake::start(FakeConfig::lcores(2));
-    let d = daemon(&fake.url(), &temp_state("invalid"));
+    let state = temp_state("invalid");
+    let d = daemon(&fake.url(), &state);
     let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
     fake.state.lock().unwrap().refuse = Some("out of hugepages".into());
     fake.forget_all();

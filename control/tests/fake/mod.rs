@@ -371,3 +371,39 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
         _ => error(req, 404, "no such route"),
     }
 }
+
+/// A state file's path in a scratch directory of its own under the system
+/// temp dir (`<prefix>-<tag>-<pid>`), removed with everything in it when
+/// dropped (at the end of the test, passed or not). Derefs to the path.
+pub(crate) struct TempState(std::path::PathBuf);
+
+impl TempState {
+    pub(crate) fn new(prefix: &str, tag: &str) -> TempState {
+        let dir = std::env::temp_dir().join(format!("{prefix}-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TempState(dir.join("state.json"))
+    }
+}
+
+impl std::ops::Deref for TempState {
+    type Target = std::path::Path;
+
+    fn deref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl AsRef<std::path::Path> for TempState {
+    fn as_ref(&self) -> &std::path::Path {
+        &self.0
+    }
+}
+
+impl Drop for TempState {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.parent() {
+            let _ = std::fs::remove_dir_all(dir);
+        }
+    }
+}
