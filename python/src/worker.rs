@@ -198,8 +198,8 @@ impl Worker {
     ///
     /// Keyword arguments tune the worker: ``window`` (chunks outstanding
     /// across all keys; by default picked from the job: its workers, lcores
-    /// and chunks and the socket's receive buffer, as phub-worker's
-    /// ``auto_window`` does),
+    /// and chunks, the socket's receive buffer and the appliances' stated
+    /// ones, as phub-worker's ``auto_window`` does),
     /// ``timeout`` (seconds without any result before a request fails,
     /// default 30), ``min_rto``, ``max_rto``, ``initial_rto``
     /// (retransmission timeout bounds and start, seconds), ``shm``
