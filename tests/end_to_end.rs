@@ -97,6 +97,29 @@ fn workers_keep_within_an_appliances_small_receive_buffer() {
     );
 }
 
+/// Two jobs training at once on an lcore with a small receive buffer: each
+/// job's workers get a share of it in the join answer (by W), so that
+/// together they fit it and nothing is turned away.
+#[test]
+fn two_jobs_share_an_appliances_small_receive_buffer() {
+    let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
+    let keys = [2_000_000u64];
+    let a = rack.admit(&sum_spec("share-a", 2, &keys)).unwrap();
+    let b = rack.admit(&sum_spec("share-b", 2, &keys)).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| train(&rack.control_url, &a, 2, &keys, 3));
+        s.spawn(|| train(&rack.control_url, &b, 2, &keys, 3));
+    });
+    let stats: Stats = rack.get("/v1/stats");
+    let d = stats.dataplane.expect("dataplane stats");
+    let full: u64 = d.lcores.iter().filter_map(|l| l.drops.get("socket_full")).sum();
+    assert_eq!(
+        full, 0,
+        "datagrams turned away with two jobs on one lcore: {:?}",
+        d.lcores[0].drops
+    );
+}
+
 #[test]
 fn two_jobs_at_once_neither_disturbs_the_other() {
     let rack = Rack::start(2, "256MiB");

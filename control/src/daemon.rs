@@ -703,6 +703,40 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
     parts(job).into_iter().find(|(n, _)| *n == name).map(|(_, l)| l)
 }
 
+/// Job `job`'s share of appliance `name`'s receive buffers (`rx`: per
+/// lcore, as the appliance states them), which its workers' windows must
+/// fit (phub-worker's `auto_window`): on each lcore the job's workers send
+/// to there (its part of the layout; a hierarchical job's rack layout),
+/// the buffer times the job's W over the W of every admitted job with
+/// chunks on that lcore (this one included), and the smallest of those.
+/// Each job's workers keeping within their share, all of them together fit
+/// the buffer, as long as no job is admitted onto the lcore after they
+/// joined. None when the appliance states no buffer for those lcores.
+fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<u64>]) -> Option<u64> {
+    let mine = if job.racks.is_empty() {
+        part_of(job, name)?
+    } else {
+        rack_of(job, name)?.clone()
+    };
+    let mut senders = vec![0u64; rx.len()];
+    for j in inner.jobs.values().filter(|j| j.failed.is_none()) {
+        for layout in part_of(j, name).into_iter().chain(rack_of(j, name).cloned()) {
+            for (s, r) in senders.iter_mut().zip(&layout.lcores) {
+                if r.count > 0 {
+                    *s += u64::from(j.spec.workers);
+                }
+            }
+        }
+    }
+    let w = u64::from(job.spec.workers);
+    mine.lcores
+        .iter()
+        .zip(rx.iter().zip(&senders))
+        .filter(|(r, _)| r.count > 0)
+        .filter_map(|(_, (b, &s))| Some(b.as_ref()? * w / s.max(w)))
+        .min()
+}
+
 /// What appliance `name` installs of `job`; for a hierarchical job, its
 /// rack layout and the hierarchy, with each appliance's data address as
 /// `data` gives it (None if it has none).
@@ -1335,18 +1369,25 @@ impl Shared {
         let mut datas = BTreeMap::new();
         for n in &names {
             let info = self.info_of(n)?;
-            let rx_buffer = info.lcores.iter().filter_map(|l| l.rx_buffer_bytes).min();
-            datas.insert(n.clone(), (info.data, rx_buffer));
+            let rx: Vec<Option<u64>> = info.lcores.iter().map(|l| l.rx_buffer_bytes).collect();
+            datas.insert(n.clone(), (info.data, rx));
         }
         let mut inner = self.lock();
         // Checked again: the job may have gone or the rank joined meanwhile.
         Self::check_join(&inner, id, &req)?;
+        let shares: BTreeMap<String, Option<u64>> = {
+            let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+            datas
+                .iter()
+                .map(|(n, (_, rx))| (n.clone(), rx_share(&inner, job, n, rx)))
+                .collect()
+        };
         let job = inner.jobs.get_mut(&id).ok_or_else(|| not_admitted(id))?;
         let appliances = job
             .parts
             .iter()
             .map(|p| {
-                let (data, rx_buffer) = datas.get(&p.appliance).ok_or_else(|| {
+                let (data, _) = datas.get(&p.appliance).ok_or_else(|| {
                     RequestError::Conflict(format!(
                         "job {id} moved while rank {} joined; join again",
                         req.rank
@@ -1357,7 +1398,7 @@ impl Shared {
                     host: data.host.clone(),
                     base_port: data.base_port,
                     lcores: p.lcores,
-                    rx_buffer_bytes: *rx_buffer,
+                    rx_buffer_bytes: shares.get(&p.appliance).copied().flatten(),
                 })
             })
             .collect::<Result<Vec<_>, RequestError>>()?;

@@ -350,6 +350,33 @@ fn join_checks_job_token_and_rank() {
     assert!(show.ranks[2].joined && !show.ranks[0].joined);
 }
 
+/// A join answer states the job's share of each lcore's receive buffer:
+/// the buffer times its W over the W of every admitted job with chunks on
+/// that lcore, so that all their workers' windows together fit it.
+#[test]
+fn the_join_answer_shares_the_receive_buffer_among_the_jobs_on_an_lcore() {
+    let fake = Fake::start(FakeConfig::lcores(1));
+    let state = temp_state("share");
+    let d = daemon(&fake.url(), &state);
+    let join = |job: u16, token: u64, rank: u16, rejoin: bool| -> Option<u64> {
+        let body = format!("{{\"token\": \"{token:016x}\", \"rank\": {rank}, \"rejoin\": {rejoin}}}");
+        let j: JoinResponse = ok(&d, "POST", &format!("/v1/jobs/{job}/join"), Some(&body));
+        j.appliances[0].rx_buffer_bytes
+    };
+    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("a", 2, 100)));
+    assert_eq!(
+        join(a.id, a.token, 0, false),
+        Some(fake::FAKE_RX_BUFFER),
+        "alone: the whole buffer"
+    );
+    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 6, 100)));
+    assert_eq!(join(b.id, b.token, 0, false), Some(fake::FAKE_RX_BUFFER * 6 / 8));
+    assert_eq!(join(a.id, a.token, 1, false), Some(fake::FAKE_RX_BUFFER * 2 / 8));
+    // Once b is gone, a worker of a that joins again gets the whole buffer.
+    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", b.id), None);
+    assert_eq!(join(a.id, a.token, 0, true), Some(fake::FAKE_RX_BUFFER));
+}
+
 #[test]
 fn evict_removes_from_both() {
     let fake = Fake::start(FakeConfig::lcores(2));

@@ -454,10 +454,12 @@ pub struct ApplianceAddr {
     pub base_port: u16,
     /// How many of the layout's lcores are its (the next ones in order).
     pub lcores: u32,
-    /// The smallest receive buffer of its lcores, in bytes
-    /// ([`LcoreInfo::rx_buffer_bytes`]): what every worker's chunks in
-    /// flight to one lcore must fit in together. Absent where the
-    /// appliance does not say.
+    /// This job's share of its lcores' receive buffers, in bytes: on each
+    /// lcore the job's workers send to, the buffer
+    /// ([`LcoreInfo::rx_buffer_bytes`]) times the job's W over the W of
+    /// every admitted job with chunks there, and the smallest of those.
+    /// What this job's W workers' chunks in flight to one lcore must fit
+    /// in together. Absent where the appliance does not state a buffer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rx_buffer_bytes: Option<u64>,
 }
