@@ -46,11 +46,19 @@ fn totals(s: &DataplaneStats) -> (u64, u64, u64) {
 
 #[test]
 fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
+    // The kernel-UDP appliance's management token: a file of this test's
+    // (the default, /run/phub/dataplane-<port>.token, would outlive the
+    // SIGKILL at the end), removed last.
+    let udp_token =
+        RemoveOnDrop(std::env::temp_dir().join(format!("phub-dpdk-hier-{}.token", std::process::id())));
     let rack = match VirtualRack::start(
         "hier",
         2,
         &format!("--neighbor {WORKER_IP}={WORKER_MAC}"),
-        &format!("--appliance name=u,url=http://{UDP_MGMT},rack=r2"),
+        &format!(
+            "--appliance name=u,url=http://{UDP_MGMT},rack=r2,token-file={}",
+            udp_token.0.display()
+        ),
     ) {
         Ok(r) => r,
         Err(why) => {
@@ -78,6 +86,8 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
                 "--memory-budget",
                 "256MiB",
             ])
+            .arg("--mgmt-token-file")
+            .arg(&udp_token.0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -140,4 +150,13 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
             .sum::<u64>(),
         0
     );
+}
+
+/// Removes a file when dropped.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
 }

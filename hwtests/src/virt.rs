@@ -216,6 +216,15 @@ impl VirtualRack {
         ]
         .into_iter()
         .map(String::from)
+        // The management token in the rack's own directory: the default
+        // (`/run/phub/dataplane-<port>.token`) is the same path for every
+        // rack's dataplane, each on the same port in its own namespace, so
+        // racks running at once took each other's token (or lost it when
+        // the other stopped: control answered 502).
+        .chain([
+            "--mgmt-token-file".to_string(),
+            rack.token_file().display().to_string(),
+        ])
         .chain(dataplane.split_whitespace().map(String::from))
         .collect();
         let logf = std::fs::File::create(&rack.log).map_err(|e| e.to_string())?;
@@ -248,6 +257,11 @@ impl VirtualRack {
         rack.dataplane = Some(dp);
         rack.control = Some(ctl);
         Ok(rack)
+    }
+
+    /// The dataplane's management token file (in the rack's directory).
+    fn token_file(&self) -> std::path::PathBuf {
+        self.dir.join("dataplane.token")
     }
 
     /// The operator token phub-control keeps beside its state file, if it
@@ -398,6 +412,8 @@ impl VirtualRack {
             ])
             .arg("--state")
             .arg(self.dir.join("state.json"))
+            .arg("--dataplane-token-file")
+            .arg(self.token_file())
             .args(&self.control_args)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
