@@ -8,6 +8,7 @@
 #                        package's Depends and systemd (mmdebstrap from the
 #                        package registry), cached under target/pkgtest as
 #                        a tarball named by what it holds
+#   pkgtest_job_spec N   prints the job spec (named N) the tests train
 #   pkgtest_build_deb    runs build-deb.sh (PHUB_DEB_NO_BUILD=1) with the
 #                        caller's environment where the package is built
 #
@@ -115,30 +116,52 @@ pkgtest_build_deb() {
 }
 
 pkgtest_deb() {
+    # Where cargo runs: here, or in the Ubuntu build root.
+    local run=() what="building the package"
     if pkgtest_ubuntu; then
         pkgtest_ubuntu_build_root
-        step "building the package in the $pkgtest_release root (CARGO_TARGET_DIR $pkgtest_target${pkgtest_features[*]:+, ${pkgtest_features[*]}})"
-        profile=${PHUB_DEB_PROFILE:-release}
-        local profile_flag=()
-        [ "$profile" = debug ] || profile_flag=(--release)
-        [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
-            pkgtest_in_build_root cargo build "${profile_flag[@]}" "${pkgtest_features[@]}" -p phub --bin phub-dataplane --bin phub-control \
-                --bin phubctl --bin phub-setup --bin phub-demo >&2
-        deb=$(pkgtest_build_deb | tail -1)
-        step "built $deb ($(du -h "$deb" | cut -f1))"
-        return
+        run=(pkgtest_in_build_root)
+        what="building the package in the $pkgtest_release root (CARGO_TARGET_DIR $pkgtest_target${pkgtest_features[*]:+, ${pkgtest_features[*]}})"
     fi
-    step "building the package"
+    step "$what"
     # One cargo run for the package's binaries and the demo's worker (which
     # trains the job): the release link is the slow part.
     profile=${PHUB_DEB_PROFILE:-release}
     local profile_flag=()
     [ "$profile" = debug ] || profile_flag=(--release)
     [ "${PHUB_PKGTEST_NO_BUILD:-0}" = 1 ] ||
-        cargo build "${profile_flag[@]}" -p phub --bin phub-dataplane --bin phub-control --bin phubctl \
-            --bin phub-setup --bin phub-demo >&2
+        "${run[@]}" cargo build "${profile_flag[@]}" "${pkgtest_features[@]}" -p phub --bin phub-dataplane \
+            --bin phub-control --bin phubctl --bin phub-setup --bin phub-demo >&2
     deb=$(pkgtest_build_deb | tail -1)
     step "built $deb ($(du -h "$deb" | cut -f1))"
+}
+
+# Writes the install tests' job spec, named $1, to standard output: the
+# model phub-demo's workers train (--dim 32 --hidden 32 --classes 10).
+pkgtest_job_spec() {
+    cat <<SPEC
+name = "$1"
+workers = 2
+dtype = "f32"
+chunk_bytes = 8192
+
+[optimizer]
+kind = "sgd"
+lr = 0.1
+
+[[keys]]
+name = "fc1.weight"
+elements = 1024
+[[keys]]
+name = "fc1.bias"
+elements = 32
+[[keys]]
+name = "fc2.weight"
+elements = 320
+[[keys]]
+name = "fc2.bias"
+elements = 10
+SPEC
 }
 
 pkgtest_tarball() {

@@ -55,29 +55,7 @@ tar -C "$root" -xf "$tarball"
 # (nspawn mounts a tmpfs on /tmp: the files go to /root.)
 cp "$deb" "$root/root/phub.deb"
 cp "target/$profile/phub-demo" "$root/usr/local/bin/phub-demo"
-cat > "$root/root/job.toml" <<'SPEC'
-name = "systemd"
-workers = 2
-dtype = "f32"
-chunk_bytes = 8192
-
-[optimizer]
-kind = "sgd"
-lr = 0.1
-
-[[keys]]
-name = "fc1.weight"
-elements = 1024
-[[keys]]
-name = "fc1.bias"
-elements = 32
-[[keys]]
-name = "fc2.weight"
-elements = 320
-[[keys]]
-name = "fc2.bias"
-elements = 10
-SPEC
+pkgtest_job_spec systemd > "$root/root/job.toml"
 step "root ready ($root)"
 
 # Boots the container; sets leader (its PID 1 as the host sees it) once

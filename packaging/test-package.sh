@@ -133,29 +133,7 @@ step "daemons started (control on https, as phub)"
 
 # Admit over TLS from the workers' namespace with the installed phubctl,
 # the operator token and the CA.
-cat > "$root/tmp/job.toml" <<'SPEC'
-name = "pkgtest"
-workers = 2
-dtype = "f32"
-chunk_bytes = 8192
-
-[optimizer]
-kind = "sgd"
-lr = 0.1
-
-[[keys]]
-name = "fc1.weight"
-elements = 1024
-[[keys]]
-name = "fc1.bias"
-elements = 32
-[[keys]]
-name = "fc2.weight"
-elements = 320
-[[keys]]
-name = "fc2.bias"
-elements = 10
-SPEC
+pkgtest_job_spec pkgtest > "$root/tmp/job.toml"
 phubctl() {
     ip netns exec "$ns-w" chroot "$root" env PHUB_CA_FILE=/etc/phub/tls/ca.crt \
         phubctl --control "https://$appliance_ip:7700" \
