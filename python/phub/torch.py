@@ -60,8 +60,8 @@ rank 0 admits from ``PHUB_JOB_SPEC``, at ``PHUB_CONTROL_URL``::
 Tensors and devices
 -------------------
 Tensors must be contiguous. ``float32`` works with every job; ``float16``
-and ``bfloat16`` tensors with jobs of that wire dtype (the binding converts
-them to and from ``float32`` on the host, see ``phub.Worker``).
+and ``bfloat16`` tensors with jobs of that wire dtype, exchanged as the
+wire's bits (no ``float32`` copy or conversion anywhere, see ``phub.Worker``).
 
 CUDA tensors (the comm hook, :class:`DistributedOptimizer`,
 :func:`broadcast_parameters`): each bucket (each parameter, for the
@@ -70,7 +70,8 @@ side stream, and pushed once that copy's event has fired; results go back
 host-to-device on another side stream, and the default stream waits only
 for that copy (the hook's future is CUDA-aware), never for the network. A
 bucket's copies overlap the previous bucket's exchange. 16-bit gradients
-cross PCIe as 16 bits (no ``float32`` copy on the GPU). With shared memory
+cross PCIe as 16 bits and go out as 16 bits (no ``float32`` copy on the GPU
+or on the host). With shared memory
 there are still two host copies (pinned buffer, then the staging region):
 the worker does not expose its staging region to Python, so it cannot be
 ``cudaHostRegister``-ed and copied into directly. **This path has not run

@@ -27,6 +27,50 @@ pub(crate) enum Elem {
     Bf16,
 }
 
+/// An element type phub exchanges in place: `f32`, or a job's 16-bit
+/// wire type (never converted).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Native {
+    /// `f32`.
+    F32,
+    /// bfloat16 (a bf16 job).
+    Bf16,
+    /// IEEE binary16 (an f16 job).
+    F16,
+}
+
+/// An array's memory as a slice of its native element type.
+pub(crate) enum Slice<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [bf16]),
+    F16(&'a [f16]),
+}
+
+/// An array's memory as a writable slice of its native element type.
+pub(crate) enum SliceMut<'a> {
+    F32(&'a mut [f32]),
+    Bf16(&'a mut [bf16]),
+    F16(&'a mut [f16]),
+}
+
+/// A copy of an array's values in their native element type.
+pub(crate) enum Owned {
+    F32(Vec<f32>),
+    Bf16(Vec<bf16>),
+    F16(Vec<f16>),
+}
+
+impl Owned {
+    /// The copy as a slice.
+    pub(crate) fn as_slice(&self) -> Slice<'_> {
+        match self {
+            Owned::F32(v) => Slice::F32(v),
+            Owned::Bf16(v) => Slice::Bf16(v),
+            Owned::F16(v) => Slice::F16(v),
+        }
+    }
+}
+
 /// A buffer export of a Python object, checked to be usable by phub.
 ///
 /// Holding it keeps the object alive and its memory in place (an exporter
@@ -129,13 +173,73 @@ impl Array {
         a0 < b1 && b0 < a1
     }
 
-    /// The array as `f32` in place, if it is a non-empty, aligned `float32`
-    /// array.
-    pub(crate) fn f32_ptr(&self) -> Option<NonNull<f32>> {
-        let p = self.ptr().cast::<f32>();
-        (self.elem == Elem::F32 && self.len > 0 && p.is_aligned())
-            .then_some(())
-            .and_then(|()| NonNull::new(p))
+    /// The array's element type as phub exchanges it in place (`f32`, or
+    /// the job's 16-bit wire type), if it is non-empty and aligned for it.
+    pub(crate) fn native(&self) -> Option<Native> {
+        let p = self.ptr();
+        let align = match self.elem {
+            Elem::F32 => std::mem::align_of::<f32>(),
+            Elem::F16 | Elem::Bf16 => std::mem::align_of::<u16>(),
+        };
+        (self.len > 0 && (p as usize).is_multiple_of(align)).then_some(match self.elem {
+            Elem::F32 => Native::F32,
+            Elem::F16 => Native::F16,
+            Elem::Bf16 => Native::Bf16,
+        })
+    }
+
+    /// The array in place, as [`Array::native`] says.
+    ///
+    /// # Safety
+    /// The slice must not outlive `self` (the export keeps the memory in
+    /// place), and nothing may write that memory while it is in use.
+    pub(crate) unsafe fn slice<'a>(&self) -> Option<Slice<'a>> {
+        let (p, n) = (self.ptr(), self.len);
+        // SAFETY: the export holds `n` elements of the classified type at
+        // `p`, contiguous and (checked by `native`) aligned; lifetime and
+        // aliasing are the caller's contract.
+        Some(unsafe {
+            match self.native()? {
+                Native::F32 => Slice::F32(std::slice::from_raw_parts(p.cast(), n)),
+                Native::Bf16 => Slice::Bf16(std::slice::from_raw_parts(p.cast(), n)),
+                Native::F16 => Slice::F16(std::slice::from_raw_parts(p.cast(), n)),
+            }
+        })
+    }
+
+    /// The array in place, writable, as [`Array::native`] says.
+    ///
+    /// # Safety
+    /// The slice must not outlive `self`, the array must have been exported
+    /// writable, and nothing else may reference that memory while the slice
+    /// is in use.
+    pub(crate) unsafe fn slice_mut<'a>(&self) -> Option<SliceMut<'a>> {
+        let (p, n) = (self.ptr(), self.len);
+        // SAFETY: as in `slice`; exclusivity is the caller's contract.
+        Some(unsafe {
+            match self.native()? {
+                Native::F32 => SliceMut::F32(std::slice::from_raw_parts_mut(p.cast(), n)),
+                Native::Bf16 => SliceMut::Bf16(std::slice::from_raw_parts_mut(p.cast(), n)),
+                Native::F16 => SliceMut::F16(std::slice::from_raw_parts_mut(p.cast(), n)),
+            }
+        })
+    }
+
+    /// A copy of the values in their own element type (16-bit: the bits,
+    /// unconverted).
+    pub(crate) fn to_native_vec(&self) -> Owned {
+        let p = self.ptr();
+        let bits = || -> Vec<u16> {
+            (0..self.len)
+                // SAFETY: as in `to_f32_vec`.
+                .map(|i| unsafe { p.cast::<u16>().add(i).read_unaligned() })
+                .collect()
+        };
+        match self.elem {
+            Elem::F32 => Owned::F32(self.to_f32_vec()),
+            Elem::Bf16 => Owned::Bf16(bits().into_iter().map(bf16::from_bits).collect()),
+            Elem::F16 => Owned::F16(bits().into_iter().map(f16::from_bits).collect()),
+        }
     }
 
     /// A copy of the values, converted to `f32`.

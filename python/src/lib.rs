@@ -4,9 +4,11 @@
 //! Layer: a binding over the client library, no logic of its own beyond
 //! moving array memory in and out. Invariants:
 //! - Arrays arrive through the buffer protocol and are never copied into
-//!   Python objects. A C-contiguous, 4-byte aligned `float32` array is read
-//!   and written in place; 16-bit arrays (and unaligned ones) go through one
-//!   `f32` scratch buffer, converted on the way in and out.
+//!   Python objects. A C-contiguous, aligned array of `float32` or of the
+//!   job's 16-bit wire type is read and written in place (16-bit ones as
+//!   the wire's bits, never converted to `f32`); unaligned arrays, and a
+//!   16-bit output with a `float32` gradient (or the reverse), go through
+//!   one `f32` scratch buffer, converted on the way in and out.
 //! - A [`worker::Handle`] holds the output array (a strong reference and a
 //!   buffer export, so it can neither be freed nor resized) until the result
 //!   is written into it by `wait`, or until the handle is dropped.

@@ -9,7 +9,7 @@ use phub_worker::WorkerConfig;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-use crate::buffer::{Array, Elem, Scratch};
+use crate::buffer::{Array, Native, Scratch, Slice, SliceMut};
 use crate::errors::{to_py, usage};
 
 /// One rank of a phub job: joins through phub-control, then exchanges the
@@ -19,9 +19,10 @@ use crate::errors::{to_py, usage};
 /// thread. Arrays are NumPy arrays or any object with the buffer protocol:
 /// C-contiguous ``float32`` for every job; ``float16`` (or its bits as
 /// ``int16``/``uint16``) for ``f16`` jobs; bfloat16 bits as
-/// ``int16``/``uint16`` for ``bf16`` jobs. 16-bit arrays are converted
-/// through one ``float32`` scratch buffer; ``float32`` arrays are read and
-/// written in place.
+/// ``int16``/``uint16`` for ``bf16`` jobs. Arrays are read and written in
+/// place, 16-bit ones as the wire's bits (no ``float32`` conversion);
+/// only a 16-bit output with a ``float32`` gradient (or the reverse) goes
+/// through one ``float32`` scratch buffer.
 #[pyclass(module = "phub", name = "Worker", frozen)]
 pub(crate) struct Worker {
     inner: Arc<phub_worker::Worker>,
@@ -50,9 +51,22 @@ impl Drop for Claim {
     }
 }
 
+/// Calls `$f` with the slice inside a [`SliceMut`] (the library's methods
+/// are generic over the element type).
+macro_rules! on_mut {
+    ($s:expr, $v:ident => $f:expr) => {
+        match $s {
+            SliceMut::F32($v) => $f,
+            SliceMut::Bf16($v) => $f,
+            SliceMut::F16($v) => $f,
+        }
+    };
+}
+
 /// What a pending request writes its result into.
 enum Sink {
-    /// The caller's aligned `float32` array, in place.
+    /// The caller's array, in place (aligned `float32`, or aligned 16-bit
+    /// elements of the job's wire type).
     Direct,
     /// `scratch`, converted into the caller's array by `wait`.
     Convert(Scratch),
@@ -152,12 +166,14 @@ impl Worker {
         })
     }
 
-    /// Where the result for `out` goes: in place, or a scratch buffer
-    /// (holding `initial`, or zeros).
-    fn sink(out: &Array, initial: impl FnOnce() -> Vec<f32>) -> Sink {
-        match out.f32_ptr() {
-            Some(_) => Sink::Direct,
-            None => Sink::Convert(Scratch::new(initial())),
+    /// Where the result for `out` goes: in place, when it is native and
+    /// `grad` (if any) holds the same element type (one request exchanges
+    /// one type), or a `float32` scratch buffer (holding `initial`, or
+    /// zeros).
+    fn sink(out: &Array, grad: Option<&Array>, initial: impl FnOnce() -> Vec<f32>) -> Sink {
+        match out.native() {
+            Some(_) if grad.is_none_or(|g| g.elem() == out.elem()) => Sink::Direct,
+            _ => Sink::Convert(Scratch::new(initial())),
         }
     }
 
@@ -166,14 +182,17 @@ impl Worker {
     /// # Safety
     /// The slice must be dropped before `sink` and `out`, and nothing else may
     /// hold a reference into that memory while it is in use.
-    unsafe fn out_slice(sink: &Sink, out: &Array) -> &'static mut [f32] {
-        match (sink, out.f32_ptr()) {
-            // SAFETY: the export keeps `out.len()` aligned f32s in place while
-            // `out` lives; exclusivity is the caller's contract.
-            (Sink::Direct, Some(p)) => unsafe { std::slice::from_raw_parts_mut(p.as_ptr(), out.len()) },
+    unsafe fn out_slice(sink: &Sink, out: &Array) -> SliceMut<'static> {
+        match sink {
+            Sink::Direct => {
+                // SAFETY: the export keeps the array in place while `out`
+                // lives (and it was exported writable); exclusivity is the
+                // caller's contract.
+                let s = unsafe { out.slice_mut() };
+                s.expect("Sink::Direct is chosen only for a native array")
+            }
             // SAFETY: lifetime and exclusivity are the caller's contract.
-            (Sink::Convert(s), _) => unsafe { s.slice_mut() },
-            (Sink::Direct, None) => unreachable!("Sink::Direct is chosen only for an in-place f32 array"),
+            Sink::Convert(s) => SliceMut::F32(unsafe { s.slice_mut() }),
         }
     }
 
@@ -391,7 +410,7 @@ impl Worker {
         let claim = self.claim(key, &out, None)?;
         // Rank 0's values are sent from the slice itself, so a scratch starts
         // with them.
-        let sink = Worker::sink(&out, || out.to_f32_vec());
+        let sink = Worker::sink(&out, None, || out.to_f32_vec());
         // SAFETY: the slice goes into `Pending::handle`, dropped before
         // `sink` and `out` (field order); nothing else references the memory
         // from Rust, and the Python side is told not to touch it until wait.
@@ -399,7 +418,9 @@ impl Worker {
         // SAFETY: `Pending` keeps `self.inner` cloned and drops it after
         // `handle` (field order).
         let w = unsafe { self.static_worker() };
-        let handle = py.detach(|| w.init(key, params)).map_err(to_py)?;
+        let handle = py
+            .detach(|| on_mut!(params, p => w.init(key, p)))
+            .map_err(to_py)?;
         Ok(Handle::new(handle, sink, out, array, claim, &self.inner))
     }
 
@@ -424,44 +445,51 @@ impl Worker {
         let o = Array::get(out_obj, dtype, "out", true)?;
         self.check(key, &o, "out")?;
         let claim = self.claim(key, &o, Some(&g))?;
-        let sink = Worker::sink(&o, || vec![0.0; o.len()]);
+        let sink = Worker::sink(&o, Some(&g), || vec![0.0; o.len()]);
         // The gradient is read in place unless it must be converted, or it
-        // shares memory with an in-place output (a `&[f32]` and a `&mut
-        // [f32]` over the same memory may not coexist): then it is copied.
+        // shares memory with an in-place output (a `&[T]` and a `&mut [T]`
+        // over the same memory may not coexist): then it is copied.
         let in_place = matches!(sink, Sink::Direct) && g.overlaps(&o);
         // SAFETY: as in `init`.
         let w = unsafe { self.static_worker() };
-        if in_place && g.f32_ptr().is_some() {
+        if in_place && g.native().is_some() && g.byte_range() == o.byte_range() {
+            // The same memory in and out (the default, `out` = `grad`): the
+            // library reads the gradient once, no copy here.
+            drop(g);
             // SAFETY: as in `init`.
             let out_slice = unsafe { Worker::out_slice(&sink, &o) };
-            if g.f32_ptr().map(|p| p.as_ptr().cast_const()) == Some(out_slice.as_ptr())
-                && g.len() == out_slice.len()
-            {
-                // The same f32 memory in and out (the default, `out` =
-                // `grad`): the library reads the gradient once, no copy here.
-                drop(g);
-                let handle = py
-                    .detach(|| w.push_pull_in_place(key, out_slice))
-                    .map_err(to_py)?;
-                return Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner));
-            }
+            let handle = py
+                .detach(|| on_mut!(out_slice, b => w.push_pull_in_place(key, b)))
+                .map_err(to_py)?;
+            return Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner));
         }
-        let copied: Option<Vec<f32>> = match g.f32_ptr() {
-            Some(_) if !in_place => None,
-            _ => Some(g.to_f32_vec()),
+        // A copy of the gradient, where it cannot be read in place: in the
+        // output's element type (its own, then: `sink` chose in place only
+        // for one type), or as `float32` for a scratch output.
+        let copied = match (&sink, g.native()) {
+            (Sink::Direct, Some(_)) if !in_place => None,
+            (Sink::Direct, _) => Some(g.to_native_vec()),
+            (Sink::Convert(_), Some(Native::F32)) => None,
+            (Sink::Convert(_), _) => Some(crate::buffer::Owned::F32(g.to_f32_vec())),
         };
-        let grad_slice: &[f32] = match (&copied, g.f32_ptr()) {
-            (Some(v), _) => v,
-            // SAFETY: the export `g` keeps `g.len()` aligned f32s in place for
-            // this call, and they do not overlap the output slice.
-            (None, Some(p)) => unsafe { std::slice::from_raw_parts(p.as_ptr(), g.len()) },
-            (None, None) => unreachable!("copied is None only for an in-place f32 array"),
+        let grad_slice: Slice<'_> = match &copied {
+            Some(v) => v.as_slice(),
+            // SAFETY: the export `g` keeps the array in place for this call,
+            // and it does not overlap the output slice (`in_place` is false
+            // for a direct output; a scratch output is separate memory).
+            None => unsafe { g.slice() }.expect("read in place only when native"),
         };
         // SAFETY: as in `init`.
         let out_slice = unsafe { Worker::out_slice(&sink, &o) };
         let handle = py
-            .detach(|| w.push_pull(key, grad_slice, out_slice))
+            .detach(|| match (grad_slice, out_slice) {
+                (Slice::F32(g), SliceMut::F32(o)) => w.push_pull(key, g, o),
+                (Slice::Bf16(g), SliceMut::Bf16(o)) => w.push_pull(key, g, o),
+                (Slice::F16(g), SliceMut::F16(o)) => w.push_pull(key, g, o),
+                _ => unreachable!("the gradient is copied into the output's element type"),
+            })
             .map_err(to_py)?;
+        drop(copied);
         drop(g);
         Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner))
     }
@@ -479,12 +507,14 @@ impl Worker {
         let o = Array::get(out, self.dtype(), "out", true)?;
         self.check(key, &o, "out")?;
         let _claim = self.claim(key, &o, None)?;
-        let sink = Worker::sink(&o, || vec![0.0; o.len()]);
+        let sink = Worker::sink(&o, None, || vec![0.0; o.len()]);
         // SAFETY: the slice lives only for the blocking call below, while
         // `sink` and `o` are alive; nothing else references the memory.
         let out_slice = unsafe { Worker::out_slice(&sink, &o) };
         let w = &*self.inner;
-        let round = py.detach(|| w.pull(key, out_slice)).map_err(to_py)?;
+        let round = py
+            .detach(|| on_mut!(out_slice, p => w.pull(key, p)))
+            .map_err(to_py)?;
         if let Sink::Convert(s) = &sink {
             // SAFETY: `out_slice` is no longer used.
             o.write_from(unsafe { s.values() });
@@ -560,7 +590,6 @@ impl Handle {
             // SAFETY: the handle, and with it the slice into `s`, is gone.
             out.write_from(unsafe { s.values() });
         }
-        debug_assert!(matches!(sink, Sink::Convert(_)) || out.elem() == Elem::F32);
         // The output is written: another request may use its memory now.
         drop(claim);
         Ok(out_obj)

@@ -161,6 +161,43 @@ def test_bfloat16_job_takes_bits_as_int16(workers: Workers) -> None:
         w0.push_pull(0, np.zeros(1000, np.float16))
 
 
+def test_sixteen_bit_arrays_in_place_unaligned_overlapping_and_mixed(workers: Workers) -> None:
+    """16-bit arrays go in place as the wire's bits; the cases that cannot
+    (unaligned, a gradient overlapping another output, a float32 gradient
+    with a 16-bit output) give the same results through a copy."""
+    w0, w1 = workers([256], dtype="f16")
+    base = np.zeros(256, np.float16)
+    init_all([w0, w1], 0, [base.copy(), base.copy()])
+    want = np.arange(256, dtype=np.float32) % 32 + 1.0
+
+    # Unaligned: its own bytes at an odd address.
+    raw = bytearray(2 * 256 + 1)
+    unaligned = np.frombuffer(raw, dtype=np.float16, offset=1, count=256)
+    assert unaligned.ctypes.data % 2 != 0
+    unaligned[:] = (np.arange(256) % 32).astype(np.float16)
+    h0 = w0.push_pull(0, unaligned)
+    h1 = w1.push_pull(0, np.ones(256, np.float16))
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(unaligned.astype(np.float32), want)
+
+    # The gradient shifted by one element inside the output's memory.
+    buf = np.zeros(257, np.float16)
+    buf[1:] = (np.arange(256) % 32).astype(np.float16)
+    out, grad = buf[:256], buf[1:]
+    h0 = w0.push_pull(0, grad, out)
+    h1 = w1.push_pull(0, np.ones(256, np.float16))
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(out.astype(np.float32), want)
+
+    # float32 gradient, float16 output (and the reverse).
+    o0, o1 = np.zeros(256, np.float16), np.zeros(256, np.float32)
+    h0 = w0.push_pull(0, (np.arange(256) % 32).astype(np.float32), o0)
+    h1 = w1.push_pull(0, np.ones(256, np.float16), o1)
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(o0.astype(np.float32), want)
+    np.testing.assert_array_equal(o1, want)
+
+
 def test_pull_returns_the_last_result(workers: Workers) -> None:
     w0, w1 = workers([500])
     init_all([w0, w1], 0, [np.zeros(500, np.float32)] * 2)

@@ -67,6 +67,19 @@ pub enum WorkerError {
         /// Length of the slice given.
         got: usize,
     },
+    /// A slice's element type is not one the job takes: 16-bit slices
+    /// work only with a job of that wire type (`f32` with every job).
+    #[error(
+        "{elem} slices do not fit this job: its wire type is {dtype}, which takes {} (phub converts f32 \
+         to and from a 16-bit wire type, never one 16-bit type into another)",
+        takes(*.dtype)
+    )]
+    ElementType {
+        /// The slice's element type.
+        elem: &'static str,
+        /// The job's wire type.
+        dtype: phub_proto::Dtype,
+    },
     /// The key is not one of the job's keys.
     #[error("key {key} does not exist: the job has {keys} keys (0..{keys})")]
     UnknownKey {
@@ -145,4 +158,13 @@ fn fmt_addrs(addrs: &[SocketAddr]) -> String {
         s.push_str("(no address)");
     }
     s
+}
+
+/// The slices a job of wire type `dtype` takes, for [`WorkerError::ElementType`].
+fn takes(dtype: phub_proto::Dtype) -> &'static str {
+    match dtype {
+        phub_proto::Dtype::F32 => "f32 slices only",
+        phub_proto::Dtype::Bf16 => "f32 or bf16 slices",
+        phub_proto::Dtype::F16 => "f32 or f16 slices",
+    }
 }

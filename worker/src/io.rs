@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
+use crate::elem::Values;
 use crate::error::WorkerError;
 use crate::inject::Injector;
 use crate::net::{BatchSocket, Datagram};
@@ -52,7 +53,7 @@ pub(crate) struct KeyState {
     /// (no allocation, no page faults, no zeroing round after round).
     pub(crate) tx_spare: Vec<u8>,
     /// The result buffer of the key's last request, likewise.
-    pub(crate) values_spare: Vec<f32>,
+    pub(crate) values_spare: Values,
 }
 
 /// The shared key table.
@@ -67,7 +68,7 @@ pub(crate) struct Done {
     /// The key.
     pub(crate) key: u32,
     /// The key's values (result of the round).
-    pub(crate) values: Vec<f32>,
+    pub(crate) values: Values,
     /// The round they are the result of (for a pull, the lowest over chunks).
     pub(crate) round: u32,
     /// For a [`Sink::Direct`] request: where the results are, and the
@@ -455,7 +456,7 @@ impl IoThread {
         self.set_key(f.key, Some(out.round), !direct, f.tx);
         let (values, direct) = match out.values {
             Sink::Owned(v) => (v, None),
-            Sink::Borrowed(_) => (Vec::new(), None),
+            Sink::Borrowed(_) => (Values::default(), None),
             Sink::Direct {
                 values,
                 regions,

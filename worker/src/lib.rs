@@ -3,13 +3,19 @@
 //!
 //! Layer: client library, with I/O. A [`Worker`] joins a job through
 //! phub-control's HTTP API ([`Worker::join`]), learns where every chunk of
-//! every key lives, and then exchanges keys (tensors of `f32`) with the
-//! dataplane over UDP: [`Worker::init`] for the initial broadcast (round 0),
+//! every key lives, and then exchanges keys (tensors) with the dataplane
+//! over UDP: [`Worker::init`] for the initial broadcast (round 0),
 //! [`Worker::push_pull`] for each later round, [`Worker::pull`] to catch up
 //! after a rejoin. Calls return a [`Handle`] at once; [`Worker::wait`] blocks
 //! until the key's result is in, so several keys can be in flight together.
 //! [`Worker::exchange`] runs a whole step's `push_pull`s with the caller's
 //! buffers lent to the library instead of copied (the fast path).
+//!
+//! Values are `f32` slices for any job (encoded into the job's wire type
+//! and decoded back), or, for a bf16 or f16 job, slices of that type
+//! ([`half::bf16`], [`half::f16`]: see [`Element`]), whose bits are the
+//! wire's: a mixed-precision caller's gradients go out and its results come
+//! back without a conversion or a `float32` copy.
 //!
 //! I/O: one thread per worker, batched system calls with UDP GSO/GRO
 //! ([`net`]), a window sized from the job ([`auto_window`]). For tests and
@@ -68,6 +74,7 @@
 #![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 mod codec;
+mod elem;
 mod error;
 mod inject;
 mod io;
@@ -89,7 +96,11 @@ use phub_proto::spec::JobSpec;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN, MAX_PAYLOAD};
 use shm::Regions;
 
+pub use elem::Element;
 pub use error::WorkerError;
+/// The 16-bit element types ([`half::bf16`], [`half::f16`]) of the
+/// version this library is built with.
+pub use half;
 pub use inject::INJECT_ENV;
 pub use phub_proto::api::JoinResponse;
 pub use phub_proto::fault::FaultSpec;
@@ -97,8 +108,9 @@ pub use phub_proto::spec::Consistency;
 pub use shm::{ShmMode, SHM_ENV};
 pub use stats::WorkerStats;
 
+use elem::{Dst, Src, Values};
 use io::{Command, Completion, CurrentRegions, DirectDone, Done, KeyState, Keys, Request};
-use transport::{ChunkMsg, JobInfo, Kind, RawBytes, RawF32s, Sink, Transport, Tx};
+use transport::{ChunkMsg, JobInfo, Kind, RawBytes, RawDst, Sink, Transport, Tx};
 
 /// Tuning of a [`Worker`].
 #[derive(Debug, Clone, PartialEq)]
@@ -270,7 +282,7 @@ pub struct Handle<'a> {
     key: u32,
     round: u32,
     done: Receiver<Completion>,
-    out: &'a mut [f32],
+    out: Dst<'a>,
 }
 
 impl std::fmt::Debug for Handle<'_> {
@@ -322,8 +334,18 @@ impl<'b> Exchange<'_, 'b> {
     /// read and `out` written in place by the I/O thread: neither may be
     /// touched until [`Worker::exchange`] returns (the borrows enforce it).
     /// Returns at once; the exchange waits for the result.
-    pub fn push_pull(&self, key: u32, grad: &'b [f32], out: &'b mut [f32]) -> Result<(), WorkerError> {
-        let rx = self.worker.push_pull_lent(key, grad, out)?;
+    ///
+    /// `grad` and `out` are `f32` for any job, or the job's 16-bit wire
+    /// type (see [`Element`]): then their bits go out and come back as
+    /// they are, with no conversion and no copy on the caller's side.
+    pub fn push_pull<E: Element>(
+        &self,
+        key: u32,
+        grad: &'b [E],
+        out: &'b mut [E],
+    ) -> Result<(), WorkerError> {
+        self.worker.check_elem::<E>()?;
+        let rx = self.worker.push_pull_lent(key, Src::of(grad), Dst::of(out))?;
         self.waiting.borrow_mut().push((key, rx));
         Ok(())
     }
@@ -663,7 +685,11 @@ impl Worker {
     /// Round 0 for `key`: rank 0's `params` become everyone's initial values.
     /// Every rank must call it (other ranks' `params` are not sent); after
     /// [`Worker::wait`], `params` holds the broadcast values on every rank.
-    pub fn init<'a>(&'a self, key: u32, params: &'a mut [f32]) -> Result<Handle<'a>, WorkerError> {
+    ///
+    /// Like every method that takes values, it takes `f32` slices for any
+    /// job, or slices of the job's 16-bit wire type (see [`Element`]).
+    pub fn init<'a, E: Element>(&'a self, key: u32, params: &'a mut [E]) -> Result<Handle<'a>, WorkerError> {
+        self.check_elem::<E>()?;
         let elements = self.check_len(key, params.len())?;
         self.claim(key, |k| match k.round {
             Some(r) if r > 0 => Err(format!(
@@ -671,9 +697,9 @@ impl Worker {
             )),
             _ => Ok(0),
         })?;
-        let payload = (self.rank == 0).then_some(&params[..]);
-        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Init, 0, payload);
-        self.submit(key, 0, Kind::Init, chunks, tx, values, params)
+        let payload = (self.rank == 0).then_some(Src::of(&params[..]));
+        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Init, 0, payload, E::WIRE.is_some());
+        self.submit(key, 0, Kind::Init, chunks, tx, values, Dst::of(params))
     }
 
     /// The next round for `key`: pushes `grad` (copied at once, so the caller
@@ -691,16 +717,25 @@ impl Worker {
     /// straight into the staging region and `wait` decodes the result
     /// straight from the result regions into `out`; the key stays busy
     /// until then (or until the handle is dropped).
-    pub fn push_pull<'a>(
+    pub fn push_pull<'a, E: Element>(
         &'a self,
         key: u32,
-        grad: &[f32],
-        out: &'a mut [f32],
+        grad: &[E],
+        out: &'a mut [E],
     ) -> Result<Handle<'a>, WorkerError> {
+        self.check_elem::<E>()?;
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Push, round, Some(grad));
+        let (chunks, tx, values) = self.prepare(
+            key,
+            elements,
+            MsgType::Push,
+            round,
+            Some(Src::of(grad)),
+            E::WIRE.is_some(),
+        );
+        let out = Dst::of(out);
         self.submit(key, round, Kind::Push, chunks, tx, values, out)
     }
 
@@ -708,11 +743,24 @@ impl Worker {
     /// pushes `buf` (copied at once) and, after [`Worker::wait`], `buf`
     /// holds the round's result. Saves the caller a copy of the gradient
     /// when it exchanges in place (a DDP bucket, a NumPy array).
-    pub fn push_pull_in_place<'a>(&'a self, key: u32, buf: &'a mut [f32]) -> Result<Handle<'a>, WorkerError> {
+    pub fn push_pull_in_place<'a, E: Element>(
+        &'a self,
+        key: u32,
+        buf: &'a mut [E],
+    ) -> Result<Handle<'a>, WorkerError> {
+        self.check_elem::<E>()?;
         let elements = self.check_len(key, buf.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Push, round, Some(&buf[..]));
-        self.submit(key, round, Kind::Push, chunks, tx, values, buf)
+        let (chunks, tx, values) = self.prepare(
+            key,
+            elements,
+            MsgType::Push,
+            round,
+            Some(Src::of(&buf[..])),
+            E::WIRE.is_some(),
+        );
+        let out = Dst::of(buf);
+        self.submit(key, round, Kind::Push, chunks, tx, values, out)
     }
 
     /// Claims `key` for its next round (after init or pull): in a BSP job
@@ -734,7 +782,7 @@ impl Worker {
                 key, values, direct, ..
             })) => {
                 match &direct {
-                    None => h.out.copy_from_slice(&values),
+                    None => h.out.copy_from(values.as_src()),
                     Some(d) => self.copy_out(key, d, &values, h.out),
                 }
                 self.keep_values(key, values);
@@ -761,7 +809,8 @@ impl Worker {
     /// In an async or bounded-delay job the round returned is this rank's
     /// last answered clock on the key (PROTOCOL.md §5.8), and `out` gets
     /// the key's current values.
-    pub fn pull(&self, key: u32, out: &mut [f32]) -> Result<u32, WorkerError> {
+    pub fn pull<E: Element>(&self, key: u32, out: &mut [E]) -> Result<u32, WorkerError> {
+        self.check_elem::<E>()?;
         let elements = self.check_len(key, out.len())?;
         self.claim(key, |_| Ok(0))?;
         let (chunks, buf) = self.messages(key, elements, MsgType::Pull, 0, None);
@@ -772,12 +821,12 @@ impl Worker {
             kind: Kind::Pull,
             chunks,
             tx: Tx::Owned(buf),
-            values: Sink::Owned(self.take_values(key, elements)),
+            values: Sink::Owned(self.take_values(key, elements, E::WIRE.is_some())),
             done: tx,
         })?;
         match rx.recv() {
             Ok(Ok(done)) => {
-                out.copy_from_slice(&done.values);
+                Dst::of(out).copy_from(done.values.as_src());
                 self.keep_values(done.key, done.values);
                 Ok(done.round)
             }
@@ -802,6 +851,17 @@ impl Worker {
         Ok(got)
     }
 
+    /// Whether the job takes slices of `E` (see [`Element`]).
+    fn check_elem<E: Element>(&self) -> Result<(), WorkerError> {
+        if elem::fits::<E>(self.spec.dtype) {
+            return Ok(());
+        }
+        Err(WorkerError::ElementType {
+            elem: E::NAME,
+            dtype: self.spec.dtype,
+        })
+    }
+
     /// Marks `key` busy if it is free and `round` accepts its state.
     fn claim(
         &self,
@@ -822,18 +882,15 @@ impl Worker {
         self.lock_keys()[key as usize].busy = false;
     }
 
-    /// The key's spare result buffer, sized for `elements` (its contents
-    /// do not matter: every element is overwritten by a result).
-    fn take_values(&self, key: u32, elements: usize) -> Vec<f32> {
-        let mut v = std::mem::take(&mut self.lock_keys()[key as usize].values_spare);
-        if v.len() != elements {
-            v = vec![0f32; elements];
-        }
-        v
+    /// The key's spare result buffer, sized for `elements` `f32`s or
+    /// 16-bit elements (`wire16`); its contents do not matter: every
+    /// element is overwritten by a result.
+    fn take_values(&self, key: u32, elements: usize, wire16: bool) -> Values {
+        std::mem::take(&mut self.lock_keys()[key as usize].values_spare).sized(wire16, elements)
     }
 
     /// Keeps a result buffer for the key's next request.
-    fn keep_values(&self, key: u32, values: Vec<f32>) {
+    fn keep_values(&self, key: u32, values: Values) {
         if let Some(k) = self.lock_keys().get_mut(key as usize) {
             k.values_spare = values;
         }
@@ -848,7 +905,8 @@ impl Worker {
         elements: usize,
         kind: MsgType,
         round: u32,
-        payload: Option<&[f32]>,
+        payload: Option<Src<'_>>,
+        wire16: bool,
     ) -> (Vec<ChunkMsg>, Tx, Sink) {
         if let Some((chunks, headers, regions)) = self.staged(key, elements, kind, round, payload) {
             let in_region = vec![false; chunks.len()];
@@ -859,7 +917,7 @@ impl Worker {
                 copied: Vec::new(),
             };
             let values = Sink::Direct {
-                values: self.take_values(key, elements),
+                values: self.take_values(key, elements, wire16),
                 regions,
                 in_region,
             };
@@ -869,7 +927,7 @@ impl Worker {
         (
             chunks,
             Tx::Owned(buf),
-            Sink::Owned(self.take_values(key, elements)),
+            Sink::Owned(self.take_values(key, elements, wire16)),
         )
     }
 
@@ -898,7 +956,7 @@ impl Worker {
         elements: usize,
         kind: MsgType,
         round: u32,
-        payload: Option<&[f32]>,
+        payload: Option<Src<'_>>,
     ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
         let regions = self
             .shm
@@ -924,7 +982,7 @@ impl Worker {
                     return None;
                 }
             }
-            let count = values.map_or(0, <[f32]>::len);
+            let count = values.map_or(0, Src::len);
             let start = c * HEADER_LEN;
             let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
             repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
@@ -938,19 +996,19 @@ impl Worker {
     /// `values` otherwise. The key is still claimed (`d._claim`), so this
     /// rank has not pushed the next round of any of its chunks and no lcore
     /// can have written another result into those slots.
-    fn copy_out(&self, key: u32, d: &DirectDone, values: &[f32], out: &mut [f32]) {
+    fn copy_out(&self, key: u32, d: &DirectDone, values: &Values, mut out: Dst<'_>) {
         let ce = self.layout().chunk_elems as usize;
         let mut scratch = Vec::new();
         for (c, place) in self.places(key).iter().enumerate() {
             let start = c * ce;
             let end = start + self.layout().chunk_len(out.len() as u64, chunk_index(c)) as usize;
-            let dst = &mut out[start..end];
+            let dst = out.range(start, end);
             if d.in_region[c] {
                 let read = d.regions.read_result(place.lcore, place.slot, dst, &mut scratch);
                 // The I/O thread checked the slot (`Regions::holds_result`).
                 assert!(read, "key {key} chunk {c}: result slot outside its region");
             } else {
-                dst.copy_from_slice(&values[start..end]);
+                dst.copy_from(values.as_src().range(start, end - start));
             }
         }
     }
@@ -959,13 +1017,13 @@ impl Worker {
     /// in `payload` (none for a request that carries no values).
     fn chunk_values<'p>(
         &self,
-        payload: Option<&'p [f32]>,
+        payload: Option<Src<'p>>,
         elements: usize,
         c: usize,
-    ) -> (u32, Option<&'p [f32]>) {
+    ) -> (u32, Option<Src<'p>>) {
         let len = self.layout().chunk_len(elements as u64, chunk_index(c));
         let offset = c * self.layout().chunk_elems as usize;
-        (len, payload.map(|p| &p[offset..offset + len as usize]))
+        (len, payload.map(|p| p.range(offset, len as usize)))
     }
 
     /// The key's buffer from its previous request, `len` bytes long (reused
@@ -1014,13 +1072,13 @@ impl Worker {
         elements: usize,
         kind: MsgType,
         round: u32,
-        payload: Option<&[f32]>,
+        payload: Option<Src<'_>>,
     ) -> (Vec<ChunkMsg>, Vec<u8>) {
         let dtype = self.spec.dtype;
         let places = self.places(key);
         let total: usize = (0..places.len())
             .map(|c| {
-                let count = self.chunk_values(payload, elements, c).1.map_or(0, <[f32]>::len);
+                let count = self.chunk_values(payload, elements, c).1.map_or(0, Src::len);
                 HEADER_LEN + count * dtype.size()
             })
             .sum();
@@ -1031,14 +1089,14 @@ impl Worker {
             .enumerate()
             .map(|(c, place)| {
                 let (len, values) = self.chunk_values(payload, elements, c);
-                let count = values.map_or(0, <[f32]>::len);
+                let count = values.map_or(0, Src::len);
                 let bytes = HEADER_LEN + count * dtype.size();
                 let datagram = &mut buf[start..start + bytes];
                 let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
                 let mut h = Header::new_unchecked(datagram);
                 repr.emit(&mut h);
                 if let Some(v) = values {
-                    codec::encode(dtype, v, h.payload_mut());
+                    v.encode(dtype, h.payload_mut());
                 }
                 let m = self.chunk_msg(c, place, len, start, bytes);
                 start += bytes;
@@ -1050,7 +1108,7 @@ impl Worker {
 
     /// The headers of a PUSH of every chunk of `key` (HEADER_LEN bytes each,
     /// chunk c's at c * HEADER_LEN), for payloads sent from the caller's
-    /// own `f32`s (little-endian f32 jobs only).
+    /// own elements (already the wire's: see [`Src::wire_bytes`]).
     fn push_headers(&self, key: u32, elements: usize, round: u32) -> (Vec<ChunkMsg>, Vec<u8>) {
         let places = self.places(key);
         let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
@@ -1062,7 +1120,13 @@ impl Worker {
                 let start = c * HEADER_LEN;
                 let repr = self.chunk_repr(MsgType::Push, round, key, c, place.slot, len as usize);
                 repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
-                self.chunk_msg(c, place, len, start, HEADER_LEN + len as usize * 4)
+                self.chunk_msg(
+                    c,
+                    place,
+                    len,
+                    start,
+                    HEADER_LEN + len as usize * self.spec.dtype.size(),
+                )
             })
             .collect();
         (chunks, buf)
@@ -1077,19 +1141,27 @@ impl Worker {
     fn push_pull_lent(
         &self,
         key: u32,
-        grad: &[f32],
-        out: &mut [f32],
+        grad: Src<'_>,
+        mut out: Dst<'_>,
     ) -> Result<Receiver<Completion>, WorkerError> {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx) = if self.spec.dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") {
+        let (chunks, tx) = if let Some(bytes) = grad.wire_bytes(self.spec.dtype) {
             let (chunks, headers) = self.push_headers(key, elements, round);
             let payload = RawBytes {
-                ptr: grad.as_ptr().cast(),
-                len: std::mem::size_of_val(grad),
+                ptr: bytes.as_ptr(),
+                len: bytes.len(),
             };
-            (chunks, Tx::Borrowed { headers, payload })
+            let size = self.spec.dtype.size();
+            (
+                chunks,
+                Tx::Borrowed {
+                    headers,
+                    payload,
+                    size,
+                },
+            )
         } else {
             let (chunks, buf) = self.messages(key, elements, MsgType::Push, round, Some(grad));
             (chunks, Tx::Owned(buf))
@@ -1101,10 +1173,7 @@ impl Worker {
             kind: Kind::Push,
             chunks,
             tx,
-            values: Sink::Borrowed(RawF32s {
-                ptr: out.as_mut_ptr(),
-                len: out.len(),
-            }),
+            values: Sink::Borrowed(RawDst::new(&mut out)),
             done,
         })?;
         Ok(rx)
@@ -1117,9 +1186,11 @@ impl Worker {
     ///
     /// This saves the copies [`Worker::push_pull`] and [`Worker::wait`] make
     /// of every byte: results are written straight into the caller's output
-    /// (not into a buffer then copied), and with an `f32` job datagrams go
-    /// out as a header plus the caller's gradient (not encoded into a
-    /// buffer first). Other dtypes are still encoded. With shared memory
+    /// (not into a buffer then copied), and when the caller's elements are
+    /// the job's wire type (`f32` for an `f32` job, [`half::bf16`] or
+    /// [`half::f16`] for a 16-bit one) datagrams go out as a header plus
+    /// the caller's gradient (not encoded into a buffer first). `f32`
+    /// values for a 16-bit job are still encoded. With shared memory
     /// ([`WorkerConfig::shm`]) an `f32` gradient is copied once, from the
     /// caller's buffer into the staging region, and results are read from
     /// the result region straight into the caller's output, by the I/O
@@ -1173,7 +1244,7 @@ impl Worker {
         chunks: Vec<ChunkMsg>,
         tx: Tx,
         values: Sink,
-        out: &'a mut [f32],
+        out: Dst<'a>,
     ) -> Result<Handle<'a>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {

@@ -59,7 +59,7 @@ use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::wire::MAX_PAYLOAD;
 use phub_proto::Dtype;
 
-use crate::codec;
+use crate::elem::{Dst, Src};
 use crate::error::WorkerError;
 
 /// The environment variable that replaces [`ShmMode::Auto`]: `off`, `auto`
@@ -294,20 +294,21 @@ impl Regions {
 
     /// Encodes `values` (one chunk) into this rank's staging region of
     /// `lcore` at `slot`'s offset, in the job's wire type; `false` (nothing
-    /// written) when they do not fit there. 16-bit types are encoded into a
-    /// buffer on the stack first (one chunk, in L1), then copied.
-    pub(crate) fn write_values(&self, lcore: u16, slot: u32, values: &[f32]) -> bool {
+    /// written) when they do not fit there. `f32` values for a 16-bit job
+    /// are encoded into a buffer on the stack first (one chunk, in L1),
+    /// then copied; values already in the wire type are copied straight.
+    pub(crate) fn write_values(&self, lcore: u16, slot: u32, values: Src<'_>) -> bool {
         if values.len() > self.chunk_elems as usize {
             return false;
         }
-        if self.dtype == Dtype::F32 && cfg!(target_endian = "little") {
-            return self.write_chunk(lcore, slot, bytemuck::cast_slice(values));
+        if let Some(wire) = values.wire_bytes(self.dtype) {
+            return self.write_chunk(lcore, slot, wire);
         }
         let mut buf = [0u8; MAX_PAYLOAD];
         let Some(wire) = buf.get_mut(..values.len() * self.dtype.size()) else {
             return false;
         };
-        codec::encode(self.dtype, values, wire);
+        values.encode(self.dtype, wire);
         self.write_chunk(lcore, slot, wire)
     }
 
@@ -333,25 +334,28 @@ impl Regions {
 
     /// Decodes the result of `slot` on `lcore` (`dst.len()` elements) from
     /// the lcore's result region into `dst`; `scratch` holds the wire bytes
-    /// of 16-bit types on the way. `false` (nothing written) when the region
-    /// has no such slot.
-    pub(crate) fn read_result(&self, lcore: u16, slot: u32, dst: &mut [f32], scratch: &mut Vec<u8>) -> bool {
+    /// on the way when they must be converted. `false` (nothing written)
+    /// when the region has no such slot.
+    pub(crate) fn read_result(&self, lcore: u16, slot: u32, dst: Dst<'_>, scratch: &mut Vec<u8>) -> bool {
         let Some(r) = self.lcore(lcore) else {
             return false;
         };
-        if dst.len() > self.chunk_elems as usize {
+        let n = dst.len();
+        if n > self.chunk_elems as usize {
             return false;
         }
         let (region, off) = (&r.results.region, slot_offset(slot, self.chunk_elems, self.dtype));
-        if self.dtype == Dtype::F32 && cfg!(target_endian = "little") {
-            // Little-endian f32 is the wire format: straight into `dst`.
-            return region.read(off, bytemuck::cast_slice_mut(dst));
-        }
-        scratch.resize(dst.len() * self.dtype.size(), 0);
+        // Already the wire type (little-endian f32, or 16-bit elements of
+        // the job's type): straight into `dst`.
+        let dst = match dst.wire_bytes(self.dtype) {
+            Ok(bytes) => return region.read(off, bytes),
+            Err(d) => d,
+        };
+        scratch.resize(n * self.dtype.size(), 0);
         if !region.read(off, scratch) {
             return false;
         }
-        codec::decode(self.dtype, scratch, dst);
+        dst.decode(self.dtype, scratch);
         true
     }
 
@@ -411,6 +415,7 @@ pub(crate) fn decide(
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
+    use crate::codec;
     use phub_proto::layout::ChunkRange;
     use std::path::PathBuf;
 
@@ -503,12 +508,12 @@ mod tests {
             let mut scratch = Vec::new();
             for (l, slot) in [(2u16, 0u32), (0, 1)] {
                 let mut got = vec![0f32; 40];
-                assert!(r.read_result(l, slot, &mut got, &mut scratch));
+                assert!(r.read_result(l, slot, Dst::F32(&mut got), &mut scratch));
                 assert_eq!(got, values, "{dtype} lcore {l}");
             }
             let mut got = vec![0f32; 40];
-            assert!(!r.read_result(1, 0, &mut got, &mut scratch));
-            assert!(!r.read_result(2, 1, &mut got, &mut scratch));
+            assert!(!r.read_result(1, 0, Dst::F32(&mut got), &mut scratch));
+            assert!(!r.read_result(2, 1, Dst::F32(&mut got), &mut scratch));
             assert!(got.iter().all(|&x| x == 0.0), "nothing read from outside");
             assert_eq!(r.replaced(), None);
         }

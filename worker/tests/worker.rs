@@ -391,6 +391,53 @@ fn run_job_on(
     config: WorkerConfig,
     shm: bool,
 ) -> phub_worker::WorkerStats {
+    run_job_as::<f32>(spec, lcores, rounds, loss, exchange, config, shm)
+}
+
+/// An element type the workers of [`run_job_as`] hold their values in.
+trait TestElem: phub_worker::Element + PartialEq + std::fmt::Debug {
+    fn of(x: f32) -> Self;
+    fn f32(self) -> f32;
+}
+
+impl TestElem for f32 {
+    fn of(x: f32) -> f32 {
+        x
+    }
+    fn f32(self) -> f32 {
+        self
+    }
+}
+
+impl TestElem for half::bf16 {
+    fn of(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl TestElem for half::f16 {
+    fn of(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// As [`run_job_on`], the workers holding every value as `E` (`f32`, or
+/// the job's own 16-bit type: exchanged without conversion).
+fn run_job_as<E: TestElem>(
+    spec: &JobSpec,
+    lcores: usize,
+    rounds: u32,
+    loss: f64,
+    exchange: bool,
+    config: WorkerConfig,
+    shm: bool,
+) -> phub_worker::WorkerStats {
     let layout = layout(spec, &mut vec![0; lcores], u64::from);
     let app = FakeAppliance::start_with(spec, &layout, loss, 42, shm);
     let refs: Vec<Vec<Vec<f32>>> = (0..spec.keys.len()).map(|k| reference(spec, k, rounds)).collect();
@@ -406,15 +453,16 @@ fn run_job_on(
                     .map(|k| w.key_len(k).unwrap() as usize)
                     .collect();
                 // Round 0: only rank 0's values count.
-                let mut params: Vec<Vec<f32>> = lens
+                let mut params: Vec<Vec<E>> = lens
                     .iter()
                     .enumerate()
                     .map(|(k, &n)| {
                         (0..n)
-                            .map(|i| if rank == 0 { init_value(k, i) } else { -99.0 })
+                            .map(|i| E::of(if rank == 0 { init_value(k, i) } else { -99.0 }))
                             .collect()
                     })
                     .collect();
+                let f32s = |v: &[E]| v.iter().map(|&x| x.f32()).collect::<Vec<f32>>();
                 let handles: Vec<_> = params
                     .iter_mut()
                     .enumerate()
@@ -424,14 +472,17 @@ fn run_job_on(
                     w.wait(h).unwrap();
                 }
                 for (k, p) in params.iter().enumerate() {
-                    assert!(p == &refs[k][0], "rank {rank} key {k}: init broadcast differs");
+                    assert!(
+                        f32s(p) == refs[k][0],
+                        "rank {rank} key {k}: init broadcast differs"
+                    );
                 }
-                let mut outs: Vec<Vec<f32>> = lens.iter().map(|&n| vec![0f32; n]).collect();
+                let mut outs: Vec<Vec<E>> = lens.iter().map(|&n| vec![E::of(0.0); n]).collect();
                 for r in 1..=rounds {
-                    let grads: Vec<Vec<f32>> = lens
+                    let grads: Vec<Vec<E>> = lens
                         .iter()
                         .enumerate()
-                        .map(|(k, &n)| (0..n).map(|i| grad(rank, r, k, i)).collect())
+                        .map(|(k, &n)| (0..n).map(|i| E::of(grad(rank, r, k, i))).collect())
                         .collect();
                     if exchange {
                         w.exchange(|x| {
@@ -462,7 +513,8 @@ fn run_job_on(
                         }
                     }
                     for (k, o) in outs.iter().enumerate() {
-                        if o != &refs[k][r as usize] {
+                        let o = f32s(o);
+                        if o != refs[k][r as usize] {
                             let i = (0..o.len()).find(|&i| o[i] != refs[k][r as usize][i]).unwrap();
                             panic!(
                                 "rank {rank} key {k} round {r}: element {i} is {} but should be {}",
@@ -563,6 +615,68 @@ fn bf16_mean_and_sgd() {
 }
 
 /// A worker alone in a job of two: its pushes never complete.
+/// bf16 and f16 slices for jobs of that wire type: exchanged as the
+/// wire's bits (no f32 in between), through handles and through lent
+/// buffers, over datagrams under loss and over shared memory; the results
+/// are exactly the f32 path's.
+#[test]
+fn sixteen_bit_slices_exchange_exactly() {
+    for (dtype, opt, exchange, shm) in [
+        (Dtype::Bf16, Optimizer::Mean, false, false),
+        (Dtype::F16, sgd(), true, false),
+        (Dtype::Bf16, sgd(), true, true),
+        (Dtype::F16, Optimizer::Sum, false, true),
+    ] {
+        let sp = spec(3, &KEYS, dtype, opt);
+        let (loss, config) = if shm { (0.0, shm_on()) } else { (0.05, quick()) };
+        let s = match dtype {
+            Dtype::Bf16 => run_job_as::<half::bf16>(&sp, 2, 4, loss, exchange, config, shm),
+            Dtype::F16 => run_job_as::<half::f16>(&sp, 2, 4, loss, exchange, config, shm),
+            Dtype::F32 => unreachable!(),
+        };
+        let what = format!("{dtype} {} exchange={exchange} shm={shm}: {s:?}", opt.name());
+        assert_eq!(s.shm, shm, "{what}");
+        assert!(shm || s.retransmits > 0, "{what}");
+    }
+}
+
+/// A 16-bit slice works only with a job of its own wire type.
+#[test]
+fn a_sixteen_bit_slice_of_another_type_is_refused() {
+    let (_app, w) = lonely_worker(Duration::from_millis(300));
+    let mut p = vec![half::bf16::ZERO; 10];
+    match w.init(0, &mut p) {
+        Err(
+            e @ WorkerError::ElementType {
+                elem: "bf16",
+                dtype: Dtype::F32,
+            },
+        ) => {
+            assert!(
+                e.to_string().starts_with(
+                    "bf16 slices do not fit this job: its wire type is f32, which takes f32 slices only"
+                ),
+                "{e}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    let g = vec![half::f16::ZERO; 10];
+    let mut o = vec![half::f16::ZERO; 10];
+    assert!(matches!(
+        w.push_pull(0, &g, &mut o),
+        Err(WorkerError::ElementType { elem: "f16", .. })
+    ));
+    assert!(matches!(
+        w.exchange(|x| x.push_pull(0, &g, &mut o)).unwrap(),
+        Err(WorkerError::ElementType { elem: "f16", .. })
+    ));
+    assert!(matches!(w.pull(0, &mut o), Err(WorkerError::ElementType { .. })));
+    // Nothing was claimed: the key is free for f32.
+    let mut f = vec![0f32; 10];
+    drop(w.init(0, &mut f).unwrap());
+}
+
 #[test]
 fn exchange_lends_buffers_exactly_under_loss() {
     // f32: payloads sent from the caller's gradient, results written in place.

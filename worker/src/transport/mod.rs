@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 
-pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawF32s, Request, Sink, Tx};
+pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
 use rto::Rto;
 
 use crate::error::WorkerError;

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use phub_proto::wire::{flags, Header, HEADER_LEN};
 use phub_proto::Dtype;
 
-use crate::codec;
+use crate::elem::{Dst, Values};
 use crate::shm::Regions;
 
 /// A request for all chunks of one key; `done` is what the caller gets
@@ -82,13 +82,16 @@ pub(crate) enum Tx {
     /// Every chunk's datagram (header and payload) at the chunk's `start`.
     Owned(Vec<u8>),
     /// Every chunk's header at the chunk's `start` (HEADER_LEN bytes); the
-    /// payloads are the caller's `f32`s, little-endian as on the wire,
+    /// payloads are the caller's elements, already as on the wire (`f32`
+    /// for an `f32` job, or the job's 16-bit type, little-endian),
     /// borrowed for the whole request (see [`crate::Exchange`]).
     Borrowed {
         /// The headers.
         headers: Vec<u8>,
         /// The caller's gradient, as bytes.
         payload: RawBytes,
+        /// Bytes per element.
+        size: usize,
     },
     /// Every chunk's header at the chunk's `start` (HEADER_LEN bytes); the
     /// payloads were written by the caller's thread into the staging
@@ -146,8 +149,8 @@ impl Tx {
     fn payload(&self, m: &ChunkMsg) -> &[u8] {
         match self {
             Tx::Owned(b) => &b[m.start + HEADER_LEN..m.start + m.bytes],
-            Tx::Borrowed { payload, .. } => {
-                let at = m.offset * 4;
+            Tx::Borrowed { payload, size, .. } => {
+                let at = m.offset * size;
                 let len = m.bytes - HEADER_LEN;
                 // SAFETY: the Exchange that made this request keeps the
                 // caller's gradient borrowed (shared) until the request has
@@ -224,16 +227,16 @@ impl Tx {
 #[derive(Debug)]
 pub(crate) enum Sink {
     /// A buffer of the key's length, handed to the waiter at the end.
-    Owned(Vec<f32>),
+    Owned(Values),
     /// The caller's output slice, borrowed for the whole request (see
     /// [`crate::Exchange`]).
-    Borrowed(RawF32s),
+    Borrowed(RawDst),
     /// Results left in the result regions of `regions` for the waiter to
     /// copy out: chunk c's is there (at its slot) when `in_region[c]`, in
     /// `values` otherwise (it came as a datagram, or from another mapping).
     Direct {
         /// A buffer of the key's length for the chunks not in `regions`.
-        values: Vec<f32>,
+        values: Values,
         /// The mapping the request was staged into.
         regions: Arc<Regions>,
         /// Per chunk of the key: its result is in `regions`.
@@ -275,7 +278,7 @@ impl Sink {
         let dst = self.slice_mut(m.offset, m.offset + m.len as usize);
         match arrived {
             Arrived::Datagram(payload) => {
-                codec::decode(dtype, payload, dst);
+                dst.decode(dtype, payload);
                 true
             }
             // The lcore wrote this round's result before sending its
@@ -285,9 +288,9 @@ impl Sink {
         }
     }
 
-    fn slice_mut(&mut self, start: usize, end: usize) -> &mut [f32] {
+    fn slice_mut(&mut self, start: usize, end: usize) -> Dst<'_> {
         match self {
-            Sink::Owned(v) | Sink::Direct { values: v, .. } => &mut v[start..end],
+            Sink::Owned(v) | Sink::Direct { values: v, .. } => v.as_dst().into_range(start, end),
             // SAFETY: the Exchange that made this request keeps the
             // caller's output borrowed (exclusively) until the request has
             // ended, and only this thread writes it meanwhile; `end` is
@@ -326,23 +329,52 @@ impl RawBytes {
     }
 }
 
-/// A caller's output slice, lent to the I/O thread by an Exchange.
+/// A caller's output slice, lent to the I/O thread by an Exchange:
+/// `len` elements of `f32`, or of 16-bit elements when `wire16`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct RawF32s {
-    pub(crate) ptr: *mut f32,
-    pub(crate) len: usize,
+pub(crate) struct RawDst {
+    ptr: *mut u8,
+    len: usize,
+    wire16: bool,
 }
 
-impl RawF32s {
+impl RawDst {
+    /// The slice's address and kind, to be lent (the caller keeps it
+    /// borrowed while the request may use it).
+    pub(crate) fn new(out: &mut Dst<'_>) -> RawDst {
+        let len = out.len();
+        match out {
+            Dst::F32(v) => RawDst {
+                ptr: v.as_mut_ptr().cast(),
+                len,
+                wire16: false,
+            },
+            Dst::Wire16(b) => RawDst {
+                ptr: b.as_mut_ptr(),
+                len,
+                wire16: true,
+            },
+        }
+    }
+
     /// # Safety
     /// The slice must still be borrowed by the Exchange that lent it, with
     /// no other access to it meanwhile.
-    #[allow(clippy::mut_from_ref)]
-    unsafe fn slice_mut(&self, at: usize, len: usize) -> &mut [f32] {
+    unsafe fn slice_mut<'s>(&self, at: usize, len: usize) -> Dst<'s> {
         assert!(at + len <= self.len, "chunk outside the lent output");
-        // SAFETY: in bounds (checked above); live and exclusively ours per
-        // this function's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(at), len) }
+        // SAFETY: in bounds (checked above; an f32 output's pointer came
+        // from an f32 slice, so it is aligned for f32); live and
+        // exclusively ours per this function's contract.
+        unsafe {
+            if self.wire16 {
+                Dst::Wire16(std::slice::from_raw_parts_mut(self.ptr.add(at * 2), len * 2))
+            } else {
+                Dst::F32(std::slice::from_raw_parts_mut(
+                    self.ptr.cast::<f32>().add(at),
+                    len,
+                ))
+            }
+        }
     }
 }
 
@@ -352,4 +384,4 @@ impl RawF32s {
 // of the gradient, writes of the output).
 unsafe impl Send for RawBytes {}
 // SAFETY: as for RawBytes.
-unsafe impl Send for RawF32s {}
+unsafe impl Send for RawDst {}

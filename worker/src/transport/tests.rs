@@ -10,6 +10,7 @@ use phub_proto::wire::{Header, HEADER_LEN};
 
 use super::*;
 use crate::codec;
+use crate::elem::Values;
 
 const JOB: u16 = 7;
 const TOKEN: u64 = 0x5eed_f00d;
@@ -135,7 +136,7 @@ impl Harness {
             kind: Kind::Push,
             chunks,
             tx: Tx::Owned(buf),
-            values: Sink::Owned(vec![f32::NAN; lcores.len() * ELEMS]),
+            values: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
             done: key,
         };
         self.t.submit(self.now, request);
@@ -208,8 +209,8 @@ impl Harness {
         std::iter::from_fn(|| self.t.poll_done())
             .map(|f| {
                 let r = f.result.map(|o| match o.values {
-                    Sink::Owned(v) => (o.round, v),
-                    other => panic!("an owned sink came back as {other:?}"),
+                    Sink::Owned(Values::F32(v)) => (o.round, v),
+                    other => panic!("an owned f32 sink came back as {other:?}"),
                 });
                 (f.done, r)
             })
