@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -48,6 +47,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
+from bench_common import free_port
 from phub.local import LocalAppliance
 
 
@@ -204,12 +204,6 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
             f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)}\n")
     state.close()
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

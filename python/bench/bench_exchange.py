@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -45,37 +44,8 @@ import torch.nn as nn
 
 import phub
 import phub.torch
+from bench_common import free_port, profile_sizes
 from phub.local import LocalAppliance
-
-
-def resnet50_sizes() -> list[tuple[str, int]]:
-    """torchvision resnet50's trainable tensors, in parameters() order."""
-    t: list[tuple[str, int]] = [("conv1.weight", 64 * 3 * 7 * 7), ("bn1.weight", 64), ("bn1.bias", 64)]
-    inplanes = 64
-    for stage, (planes, blocks) in enumerate([(64, 3), (128, 4), (256, 6), (512, 3)], start=1):
-        for b in range(blocks):
-            p = f"layer{stage}.{b}"
-            t += [(f"{p}.conv1.weight", planes * inplanes), (f"{p}.bn1.weight", planes), (f"{p}.bn1.bias", planes),
-                  (f"{p}.conv2.weight", planes * planes * 9), (f"{p}.bn2.weight", planes), (f"{p}.bn2.bias", planes),
-                  (f"{p}.conv3.weight", planes * 4 * planes), (f"{p}.bn3.weight", planes * 4),
-                  (f"{p}.bn3.bias", planes * 4)]
-            if b == 0:
-                t += [(f"{p}.downsample.0.weight", planes * 4 * inplanes), (f"{p}.downsample.1.weight", planes * 4),
-                      (f"{p}.downsample.1.bias", planes * 4)]
-            inplanes = planes * 4
-    t += [("fc.weight", 1000 * 2048), ("fc.bias", 1000)]
-    return t
-
-
-def profile_sizes(name: str) -> list[tuple[str, int]]:
-    if name in ("resnet50", "resnet-50"):
-        sizes = resnet50_sizes()
-        assert len(sizes) == 161 and sum(n for _, n in sizes) == 25_557_032
-        return sizes
-    if name.startswith("uniform:"):
-        _, k, n = name.split(":")
-        return [(f"t{i}", int(float(n))) for i in range(int(k))]
-    raise SystemExit(f"--profile {name!r}: resnet50 or uniform:K:N")
 
 
 class Bag(nn.Module):
@@ -155,12 +125,6 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         with open(out + ".txt", "w") as f:
             f.write(f"{s['retransmits']} {s['chunks_sent']}\n")
     dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -197,6 +197,48 @@ impl<'a> Dst<'a> {
     }
 }
 
+/// A key's result buffers from its last requests, one of each kind, for
+/// its next one (no allocation, no page faults, no zeroing round after
+/// round, also when a caller alternates `f32` and 16-bit slices).
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Spares {
+    f32: Vec<f32>,
+    wire16: Vec<u8>,
+}
+
+impl Spares {
+    /// A buffer of `elements` `f32`s, or 16-bit elements when `wire16`:
+    /// the spare of that kind when it has that length (its contents do not
+    /// matter), else a new one.
+    pub(crate) fn take(&mut self, wire16: bool, elements: usize) -> Values {
+        if wire16 {
+            let b = std::mem::take(&mut self.wire16);
+            Values::Wire16(if b.len() == elements * 2 {
+                b
+            } else {
+                vec![0; elements * 2]
+            })
+        } else {
+            let v = std::mem::take(&mut self.f32);
+            Values::F32(if v.len() == elements {
+                v
+            } else {
+                vec![0.0; elements]
+            })
+        }
+    }
+
+    /// Keeps `values` as the spare of its kind (an empty one, from a
+    /// request whose results went straight to the caller, is not kept).
+    pub(crate) fn keep(&mut self, values: Values) {
+        match values {
+            Values::F32(v) if !v.is_empty() => self.f32 = v,
+            Values::Wire16(b) if !b.is_empty() => self.wire16 = b,
+            _ => {}
+        }
+    }
+}
+
 /// A result buffer the library owns: `f32`s, or the bytes of 16-bit
 /// elements (for a request made with [`half::bf16`] or [`half::f16`]
 /// slices).
@@ -215,18 +257,6 @@ impl Default for Values {
 }
 
 impl Values {
-    /// A buffer of `elements` `f32`s, or 16-bit elements when `wire16`,
-    /// reusing `self`'s allocation when it already is one (its contents
-    /// do not matter).
-    pub(crate) fn sized(self, wire16: bool, elements: usize) -> Values {
-        match (self, wire16) {
-            (Values::F32(v), false) if v.len() == elements => Values::F32(v),
-            (Values::Wire16(v), true) if v.len() == elements * 2 => Values::Wire16(v),
-            (_, false) => Values::F32(vec![0.0; elements]),
-            (_, true) => Values::Wire16(vec![0; elements * 2]),
-        }
-    }
-
     /// The buffer's values.
     pub(crate) fn as_src(&self) -> Src<'_> {
         match self {
@@ -310,11 +340,19 @@ mod tests {
     }
 
     #[test]
-    fn a_result_buffer_has_the_kind_asked() {
-        let v = Values::default().sized(true, 4);
-        assert_eq!(v, Values::Wire16(vec![0; 8]));
-        assert_eq!(v.sized(false, 4), Values::F32(vec![0.0; 4]));
-        let mut w = Values::Wire16(vec![7; 8]).sized(true, 4);
-        assert_eq!(w.as_dst().len(), 4, "reused as it is");
+    fn spares_keep_one_buffer_of_each_kind() {
+        let mut s = Spares::default();
+        assert_eq!(s.take(true, 4), Values::Wire16(vec![0; 8]));
+        s.keep(Values::Wire16(vec![7; 8]));
+        s.keep(Values::F32(vec![1.0; 4]));
+        // Alternating kinds reuses both (the contents show it).
+        assert_eq!(s.take(false, 4), Values::F32(vec![1.0; 4]));
+        assert_eq!(s.take(true, 4), Values::Wire16(vec![7; 8]));
+        // Another length: a new buffer; an empty one is not kept.
+        s.keep(Values::F32(vec![1.0; 4]));
+        assert_eq!(s.take(false, 3), Values::F32(vec![0.0; 3]));
+        s.keep(Values::F32(vec![2.0; 3]));
+        s.keep(Values::default());
+        assert_eq!(s.take(false, 3), Values::F32(vec![2.0; 3]));
     }
 }

@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
-use crate::elem::Values;
+use crate::elem::{Spares, Values};
 use crate::error::WorkerError;
 use crate::inject::Injector;
 use crate::net::{BatchSocket, Datagram};
@@ -52,8 +52,8 @@ pub(crate) struct KeyState {
     /// The datagram buffer of the key's last request, for the next one
     /// (no allocation, no page faults, no zeroing round after round).
     pub(crate) tx_spare: Vec<u8>,
-    /// The result buffer of the key's last request, likewise.
-    pub(crate) values_spare: Values,
+    /// The result buffers of the key's last requests (one of each kind), likewise.
+    pub(crate) values_spare: Spares,
 }
 
 /// The shared key table.

@@ -886,13 +886,13 @@ impl Worker {
     /// 16-bit elements (`wire16`); its contents do not matter: every
     /// element is overwritten by a result.
     fn take_values(&self, key: u32, elements: usize, wire16: bool) -> Values {
-        std::mem::take(&mut self.lock_keys()[key as usize].values_spare).sized(wire16, elements)
+        self.lock_keys()[key as usize].values_spare.take(wire16, elements)
     }
 
     /// Keeps a result buffer for the key's next request.
     fn keep_values(&self, key: u32, values: Values) {
         if let Some(k) = self.lock_keys().get_mut(key as usize) {
-            k.values_spare = values;
+            k.values_spare.keep(values);
         }
     }
 
