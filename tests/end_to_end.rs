@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{flood, train, Rack};
+use common::{flood, train, train_rank, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
 use phub_worker::Worker;
 
@@ -118,6 +118,73 @@ fn workers_keep_within_an_appliances_small_receive_buffer() {
 #[test]
 fn two_jobs_share_an_appliances_small_receive_buffer() {
     train_on_a_small_receive_buffer(2);
+}
+
+/// A job admitted onto the lcore after another job's workers joined: those
+/// workers' join answer gave them the whole buffer, and the lcore's RESULTs
+/// now state their share of it (PROTOCOL.md §6.1), so their windows shrink
+/// to the new job's (checked in the workers' stats; without the share in
+/// the RESULTs they stay at the whole buffer's), and nothing is turned
+/// away.
+#[test]
+fn workers_shrink_their_window_when_a_job_joins_their_lcore_later() {
+    let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
+    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
+        .call()
+        .unwrap()
+        .into_json()
+        .unwrap();
+    let rx = info.lcores[0]
+        .rx_buffer_bytes
+        .expect("the UDP backend states its buffer") as usize;
+    let keys = [2_000_000u64];
+    // 8 KiB chunks; the workers' own 32 MiB buffers do not bound it.
+    let window =
+        |share| phub_worker::auto_window(2, 1, 2_000_000usize.div_ceil(2048), 86 + 8192, 32 << 20, share);
+    assert!(
+        window(rx / 2) < window(rx),
+        "the test needs a buffer that bounds the window"
+    );
+    let a = rack.admit(&sum_spec("first", 2, &keys)).unwrap();
+    // a joined and initialised, then b admitted: a's next round learns its
+    // share; then b trains beside a.
+    let (a_joined, a_learned) = (std::sync::Barrier::new(3), std::sync::Barrier::new(3));
+    let windows = std::sync::Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for rank in 0..2u16 {
+            let (a, a_joined, a_learned, windows) = (&a, &a_joined, &a_learned, &windows);
+            let url = &rack.control_url;
+            s.spawn(move || {
+                let cfg = phub_worker::WorkerConfig::default();
+                let (rounds, stats) = train_rank(url, a.id, a.token, rank, 2, &keys, cfg, |r| {
+                    match r {
+                        1 => drop(a_joined.wait()),
+                        2 => drop(a_learned.wait()),
+                        _ => {}
+                    }
+                    r <= 10
+                });
+                assert_eq!(rounds, 10);
+                windows.lock().unwrap().push(stats.window);
+            });
+        }
+        a_joined.wait();
+        let b = rack.admit(&sum_spec("second", 2, &keys)).unwrap();
+        a_learned.wait();
+        train(&rack.control_url, &b, 2, &keys, 4);
+    });
+    // Each job has half of the buffer now.
+    let w = windows.into_inner().unwrap();
+    assert_eq!(
+        w,
+        [window(rx / 2) as u64; 2],
+        "first job's windows (alone: {})",
+        window(rx)
+    );
+    let stats: Stats = rack.get("/v1/stats");
+    let d = stats.dataplane.expect("dataplane stats");
+    let full: u64 = d.lcores.iter().filter_map(|l| l.drops.get("socket_full")).sum();
+    assert_eq!(full, 0, "datagrams turned away: {:?}", d.lcores[0].drops);
 }
 
 #[test]

@@ -931,6 +931,12 @@ pub struct Shard<A> {
     closing: bool,
     /// Turns other appliances' data addresses into this backend's.
     peers: Resolver<A>,
+    /// The lcore's socket receive buffer as its kernel charges it, where
+    /// the backend knows it ([`Shard::set_rx_buffer`]).
+    rx_buffer: Option<u64>,
+    /// The W of every job with slots here, summed: each job's RESULTs state
+    /// `rx_buffer` x its W / this as its share (PROTOCOL.md §6.1).
+    rx_workers: u64,
 }
 
 /// How long an evicted job's messages are answered with an ERROR
@@ -985,7 +991,36 @@ impl<A: Copy + Eq> Shard<A> {
             evicted: Vec::new(),
             closing: false,
             peers: Resolver(None),
+            rx_buffer: None,
+            rx_workers: 0,
         }
+    }
+
+    /// Tells the shard its lcore's socket receive buffer, as the kernel
+    /// charges it (`SO_RCVBUF`), or `None` where the backend does not know
+    /// one: every RESULT then states the job's share of it
+    /// ([`field::RX_SHARE`](phub_proto::wire::field::RX_SHARE)).
+    pub fn set_rx_buffer(&mut self, bytes: Option<u64>) {
+        self.rx_buffer = bytes;
+    }
+
+    /// Recounts [`Shard::rx_workers`] after a job came or went.
+    fn count_rx_workers(&mut self) {
+        self.rx_workers = self
+            .jobs
+            .iter()
+            .filter(|j| !j.slots.is_empty())
+            .map(|j| u64::from(j.workers))
+            .sum();
+    }
+
+    /// The receive-buffer share job `j`'s RESULTs state: the buffer times
+    /// its W over the W of every job with slots here; 0 (none stated)
+    /// without a buffer.
+    fn rx_share(&self, j: &Job<A>) -> u32 {
+        let Some(b) = self.rx_buffer else { return 0 };
+        let share = u128::from(b) * u128::from(j.workers) / u128::from(self.rx_workers.max(1));
+        u32::try_from(share).unwrap_or(u32::MAX).max(1)
     }
 
     /// Lets this shard install hierarchical jobs, whose appliances it
@@ -1130,6 +1165,7 @@ impl<A: Copy + Eq> Shard<A> {
             members: RankSet::of(0..job.workers),
             hier: None,
         });
+        self.count_rx_workers();
         Ok(())
     }
 
@@ -1409,6 +1445,7 @@ impl<A: Copy + Eq> Shard<A> {
             .retain(|p| !matches!(p, Pending::Result { job, .. } if *job == id));
         let before = self.jobs.len();
         self.jobs.retain(|j| j.id != id);
+        self.count_rx_workers();
         before != self.jobs.len()
     }
 
@@ -2341,18 +2378,23 @@ impl<A: Copy + Eq> Shard<A> {
             return [None, None];
         };
         let repr = answer(MsgType::Result, j, s, round.unwrap_or(s.completed), slot);
+        let share = self.rx_share(j);
+        let stamped = |r: Repr| {
+            let mut h = r.to_bytes();
+            wire::Header::new_unchecked(&mut h[..]).set_rx_share(share);
+            h
+        };
         let plain = |to| Transmit {
-            header: repr.to_bytes(),
+            header: stamped(repr),
             payload: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
             to,
         };
         // The result is in the result region: the header says so, alone.
         let shm = |to| Transmit {
-            header: Repr {
+            header: stamped(Repr {
                 flags: flags::SHM,
                 ..repr
-            }
-            .to_bytes(),
+            }),
             payload: &[],
             to,
         };
@@ -2828,6 +2870,37 @@ mod tests {
         assert_eq!(s.handle(9, &p, later), Verdict::Dropped(DropReason::UnknownJob));
         assert!(!s.has_transmits());
         assert_eq!(s.counters().drops_of(DropReason::Evicted), 2);
+    }
+
+    /// Every RESULT states its job's share of the lcore's receive buffer,
+    /// as it is now: by W among the jobs with slots here.
+    #[test]
+    fn results_state_the_jobs_current_share_of_the_receive_buffer() {
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37)).unwrap();
+        let vals = [1.0f32; 37];
+        // The share the next round's RESULT (slot 0, both ranks in) states.
+        let share = |s: &mut Shard<u32>, round: u32| {
+            for rank in 0..2 {
+                s.handle(9 + u32::from(rank), &push(Dtype::F32, rank, round, 0, &vals), 1);
+            }
+            let t = s.transmits().next().expect("a RESULT");
+            let h = wire::Header::new_unchecked(&t.header[..]);
+            assert_eq!(h.type_code(), MsgType::Result.code());
+            let share = h.rx_share();
+            s.clear_transmits();
+            share
+        };
+        assert_eq!(share(&mut s, 0), 0, "no buffer known: nothing stated");
+        s.set_rx_buffer(Some(1 << 20));
+        assert_eq!(share(&mut s, 1), 1 << 20, "alone: the whole buffer");
+        // Another job of W = 6 (ids apart, workers 6) with slots here.
+        let mut other = job(2, Dtype::F32, Optimizer::Sum, 1, 37);
+        other.workers = 6;
+        s.install(other).unwrap();
+        assert_eq!(share(&mut s, 2), (1 << 20) * 2 / 8);
+        assert!(s.remove(2));
+        assert_eq!(share(&mut s, 3), 1 << 20, "the whole buffer again");
     }
 
     #[test]

@@ -87,6 +87,10 @@ impl<Io: PacketIo> PacketIo for FaultyIo<Io> {
         self.inner.peer_resolver()
     }
 
+    fn stated_rx_buffer(&self) -> Option<u64> {
+        self.inner.stated_rx_buffer()
+    }
+
     fn rx_burst(&mut self, wait: Option<Duration>, f: &mut dyn FnMut(Io::Addr, &[u8])) -> io::Result<usize> {
         let now = Instant::now();
         // Never wait past the first delayed datagram's time (rounded up to

@@ -104,6 +104,7 @@ pub fn run<Io: PacketIo>(
     opts: LoopOptions,
 ) -> std::io::Result<()> {
     let counters = Arc::clone(shard.counters());
+    shard.set_rx_buffer(io.stated_rx_buffer());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {

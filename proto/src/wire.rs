@@ -47,8 +47,12 @@ pub mod field {
     pub const KEY: Range<usize> = 32..36;
     /// `u32`, chunk index within the key.
     pub const CHUNK: Range<usize> = 36..40;
+    /// `u32`, in a RESULT from an lcore that states its receive buffer:
+    /// the bytes of it this job's workers may fill together (0: not
+    /// stated; 0 in every other message).
+    pub const RX_SHARE: Range<usize> = 40..44;
     /// Reserved, sent as zero, ignored on receipt.
-    pub const RESERVED: Range<usize> = 40..86;
+    pub const RESERVED: Range<usize> = 44..86;
     /// First payload byte.
     pub const PAYLOAD: usize = 86;
 }
@@ -379,6 +383,12 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn chunk(&self) -> u32 {
         get_le!(self, u32, field::CHUNK)
     }
+    /// The receive-buffer share a RESULT states ([`field::RX_SHARE`]; 0:
+    /// none). Not part of [`Repr`]: only the appliance's lcore writes it,
+    /// after emitting the rest, and only the worker's window reads it.
+    pub fn rx_share(&self) -> u32 {
+        get_le!(self, u32, field::RX_SHARE)
+    }
     /// Bytes after the header.
     pub fn payload(&self) -> &[u8] {
         &self.buf.as_ref()[HEADER_LEN..]
@@ -392,11 +402,12 @@ macro_rules! set_le {
 }
 
 impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
-    /// Sets the magic and version fields and zeroes the reserved bytes.
+    /// Sets the magic and version fields and zeroes the receive-buffer
+    /// share and the reserved bytes.
     pub fn set_preamble(&mut self) {
         set_le!(self, field::MAGIC, MAGIC);
         self.buf.as_mut()[field::VERSION] = VERSION;
-        self.buf.as_mut()[field::RESERVED].fill(0);
+        self.buf.as_mut()[field::RX_SHARE.start..field::RESERVED.end].fill(0);
     }
     /// Sets the message type.
     pub fn set_type(&mut self, t: MsgType) {
@@ -445,6 +456,10 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the chunk index.
     pub fn set_chunk(&mut self, v: u32) {
         set_le!(self, field::CHUNK, v)
+    }
+    /// Sets the receive-buffer share a RESULT states.
+    pub fn set_rx_share(&mut self, v: u32) {
+        set_le!(self, field::RX_SHARE, v)
     }
     /// Bytes after the header, writable.
     pub fn payload_mut(&mut self) -> &mut [u8] {

@@ -66,7 +66,7 @@ fn num(s: &str) -> usize {
 #[test]
 fn field_table_matches_wire_field() {
     let one = |at: usize| at..at + 1;
-    let expected: [(&str, Range<usize>, &str); 15] = [
+    let expected: [(&str, Range<usize>, &str); 16] = [
         ("magic", field::MAGIC, "u32"),
         ("version", one(field::VERSION), "u8"),
         ("type", one(field::TYPE), "u8"),
@@ -81,7 +81,8 @@ fn field_table_matches_wire_field() {
         ("slot", field::SLOT, "u32"),
         ("key", field::KEY, "u32"),
         ("chunk", field::CHUNK, "u32"),
-        ("reserved", field::RESERVED, "u8[46]"),
+        ("rx_share", field::RX_SHARE, "u32"),
+        ("reserved", field::RESERVED, "u8[42]"),
     ];
     let rows = table(&doc(), "| offset | size | field | type | meaning |");
     let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();

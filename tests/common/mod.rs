@@ -356,4 +356,4 @@ impl Drop for Appliances {
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.
-pub use phub_hwtests::workload::{expected as expected_sum, flood, grad, init, train};
+pub use phub_hwtests::workload::{expected as expected_sum, flood, grad, init, train, train_rank};

@@ -110,7 +110,7 @@ pub use stats::WorkerStats;
 
 use elem::{Dst, Src, Values};
 use io::{Command, Completion, CurrentRegions, DirectDone, Done, KeyState, Keys, Request};
-use transport::{ChunkMsg, JobInfo, Kind, RawBytes, RawDst, Sink, Transport, Tx};
+use transport::{AutoWindow, ChunkMsg, JobInfo, Kind, RawBytes, RawDst, Sink, Transport, Tx};
 
 /// Tuning of a [`Worker`].
 #[derive(Debug, Clone, PartialEq)]
@@ -393,7 +393,6 @@ pub struct Worker {
     local: SocketAddr,
     /// The I/O thread waits in the kernel (see `send_request`).
     sleeping: Arc<std::sync::atomic::AtomicBool>,
-    window: usize,
     socket_info: net::SocketInfo,
     stats: Arc<stats::Counters>,
     /// The shared-memory mapping in use, when the join chose shared
@@ -520,7 +519,11 @@ impl Worker {
             .find(|a| !a.ip().is_loopback())
             .unwrap_or(&lcores[0]);
         let socket = Bound::new(far.ip(), &config)?;
-        let window = window_for(&join, &config, socket.info.rcvbuf);
+        let auto = auto_window_of(&join, socket.info.rcvbuf);
+        let window = match config.window {
+            0 => auto.window(auto.joined),
+            w => w,
+        };
         let stats = Arc::new(stats::Counters::default());
         let inject = fault_injector(&join, &config, &stats)?;
         let info = JobInfo {
@@ -530,7 +533,12 @@ impl Worker {
             dtype: join.spec.dtype,
         };
         let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
-        let transport = Transport::new(info, window, &config, Arc::clone(&stats), regions, Instant::now());
+        let mut transport =
+            Transport::new(info, window, &config, Arc::clone(&stats), regions, Instant::now());
+        if config.window == 0 {
+            // Remade as the lcores state their receive-buffer shares.
+            transport.set_auto_window(auto);
+        }
         let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
         let (cmds, cmd_rx) = crossbeam_channel::unbounded();
         let sleeping = Arc::new(AtomicBool::new(false));
@@ -580,7 +588,6 @@ impl Worker {
             waker: socket.waker,
             local,
             sleeping,
-            window,
             socket_info,
             stats,
             shm,
@@ -661,9 +668,13 @@ impl Worker {
         self.local
     }
 
-    /// The window in use: most chunks outstanding at once.
+    /// The window in use: most chunks outstanding at once. A window made
+    /// from the job's shape ([`WorkerConfig::window`] = 0) follows the
+    /// receive-buffer share the appliance's lcores state in their results
+    /// (PROTOCOL.md §6.1): it shrinks when other jobs come to them and grows
+    /// back when they leave.
     pub fn window(&self) -> usize {
-        self.window
+        usize::try_from(self.stats.window.load(std::sync::atomic::Ordering::Relaxed)).unwrap_or(usize::MAX)
     }
 
     /// What the UDP socket got (GSO, GRO, buffer sizes).
@@ -1405,19 +1416,29 @@ fn io_err(context: &str) -> impl FnOnce(std::io::Error) -> WorkerError {
     move |source| WorkerError::Io { context, source }
 }
 
+/// What [`auto_window`] makes the window from for `join`, with this
+/// socket's receive buffer `rcvbuf` and the appliances' stated shares.
+fn auto_window_of(join: &JoinResponse, rcvbuf: usize) -> AutoWindow {
+    AutoWindow {
+        workers: join.spec.workers,
+        lcores: join.layout.lcore_count().max(1),
+        chunks: usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
+        datagram: HEADER_LEN + join.spec.chunk_bytes as usize,
+        own_rcvbuf: rcvbuf,
+        joined: lcore_rcvbuf(join),
+    }
+}
+
 /// The window: [`WorkerConfig::window`], or [`auto_window`] from the job's
 /// shape, the socket's receive buffer `rcvbuf` and the appliances' when
 /// that is 0.
+#[cfg(test)]
 fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usize {
     match config.window {
-        0 => auto_window(
-            join.spec.workers,
-            join.layout.lcore_count().max(1),
-            usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
-            HEADER_LEN + join.spec.chunk_bytes as usize,
-            rcvbuf,
-            lcore_rcvbuf(join),
-        ),
+        0 => {
+            let auto = auto_window_of(join, rcvbuf);
+            auto.window(auto.joined)
+        }
         w => w,
     }
 }

@@ -28,6 +28,7 @@ phub_proto::counter_table! {
         timeouts: Count, Hidden, "Requests failed because the appliance stopped answering";
         srtt_us: Gauge, Hidden, "Smoothed round-trip time, in microseconds (0 before the first sample)";
         rto_us: Gauge, Hidden, "Current retransmission timeout, in microseconds";
+        window: Gauge, Hidden, "Window: chunks allowed outstanding across all keys (the set window, or the one made from the job's shape, remade when an appliance states another receive-buffer share in its results)";
         cwnd: Gauge, Hidden, "Congestion window: chunks allowed outstanding now; the window until a loss halves it, then grown back as results come";
         window_cuts: Count, Hidden, "Times a loss halved the congestion window (`WorkerConfig::congestion`; at most once per loss episode)";
         bytes_sent: Bytes, Hidden, "UDP payload bytes sent";

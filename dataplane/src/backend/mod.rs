@@ -29,6 +29,13 @@ pub trait PacketIo: Send + 'static {
         None
     }
 
+    /// The queue's receive buffer in bytes as its kernel charges it, where
+    /// there is one to overflow (a kernel socket's `SO_RCVBUF`); results
+    /// state each job's share of it (PROTOCOL.md §6.1).
+    fn stated_rx_buffer(&self) -> Option<u64> {
+        None
+    }
+
     /// Receives up to one burst, calling `f(from, datagram)` for each
     /// datagram, and returns how many there were. When nothing is waiting,
     /// waits up to `wait` for something to arrive (`None`: return at once).

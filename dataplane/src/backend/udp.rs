@@ -393,6 +393,10 @@ impl PacketIo for UdpQueue {
         Some(std::sync::Arc::new(Some))
     }
 
+    fn stated_rx_buffer(&self) -> Option<u64> {
+        self.rx_buffer_bytes().ok().and_then(|b| u64::try_from(b).ok())
+    }
+
     fn rx_burst(
         &mut self,
         wait: Option<Duration>,

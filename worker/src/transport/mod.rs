@@ -153,6 +153,38 @@ pub(crate) struct Output {
 pub(crate) struct Incoming<'d> {
     repr: Repr,
     payload: &'d [u8],
+    /// The receive-buffer share the datagram states (0: none).
+    rx_share: u32,
+}
+
+/// What the window is made from when the caller did not set one
+/// ([`crate::auto_window`]): it is remade whenever an lcore states another
+/// receive-buffer share in its RESULTs (PROTOCOL.md §6.1).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AutoWindow {
+    pub(crate) workers: u32,
+    pub(crate) lcores: usize,
+    pub(crate) chunks: usize,
+    pub(crate) datagram: usize,
+    /// This worker's own socket receive buffer.
+    pub(crate) own_rcvbuf: usize,
+    /// The lcores' share as the join answer gave it (for lcores that have
+    /// not stated one since).
+    pub(crate) joined: usize,
+}
+
+impl AutoWindow {
+    /// The window for an lcore receive-buffer share of `lcore_rcvbuf`.
+    pub(crate) fn window(&self, lcore_rcvbuf: usize) -> usize {
+        crate::auto_window(
+            self.workers,
+            self.lcores,
+            self.chunks,
+            self.datagram,
+            self.own_rcvbuf,
+            lcore_rcvbuf,
+        )
+    }
 }
 
 /// A request in flight.
@@ -268,6 +300,11 @@ pub(crate) struct Transport<D> {
     recover_until: u64,
     /// Whether losses cut `cwnd` ([`WorkerConfig::congestion`]).
     congestion: bool,
+    /// How `window` is made, when the caller did not set it.
+    auto: Option<AutoWindow>,
+    /// Per lcore, the receive-buffer share its RESULTs last stated (0:
+    /// none yet).
+    shares: Vec<u32>,
     timeout: Duration,
     stats: Arc<Counters>,
     rto: Rto,
@@ -375,6 +412,7 @@ impl<D> Transport<D> {
         let rto = Rto::new(config);
         stats.rto_us.store(micros(rto.rto), Ordering::Relaxed);
         stats.cwnd.store(window.max(1) as u64, Ordering::Relaxed);
+        stats.window.store(window.max(1) as u64, Ordering::Relaxed);
         Transport {
             info,
             window: window.max(1),
@@ -384,6 +422,8 @@ impl<D> Transport<D> {
             answers: 0,
             recover_until: 0,
             congestion: config.congestion,
+            auto: None,
+            shares: Vec::new(),
             timeout: config.timeout,
             stats,
             rto,
@@ -406,6 +446,59 @@ impl<D> Transport<D> {
                 scratch: Vec::new(),
             }),
         }
+    }
+
+    /// Lets the window follow the receive-buffer shares the lcores state:
+    /// it was made by `auto` from the job's shape (the caller set none).
+    pub(crate) fn set_auto_window(&mut self, auto: AutoWindow) {
+        self.auto = Some(auto);
+    }
+
+    /// The window in use: chunks outstanding at most.
+    #[cfg(test)]
+    pub(crate) fn window(&self) -> usize {
+        self.window
+    }
+
+    /// Lcore `lcore` stated a receive-buffer share of `share` bytes for
+    /// this job (0: none): with an automatic window, the window is remade
+    /// from the smallest share now known (the join answer's for lcores
+    /// that have stated none), shrinking when another job came to an
+    /// lcore and growing back when it left.
+    fn note_share(&mut self, lcore: u16, share: u32) {
+        let Some(auto) = self.auto else { return };
+        let l = usize::from(lcore);
+        if share == 0 || self.shares.get(l) == Some(&share) {
+            return;
+        }
+        if self.shares.len() <= l {
+            self.shares.resize(l + 1, 0);
+        }
+        self.shares[l] = share;
+        let known = self.shares.iter().filter(|&&s| s > 0).count();
+        let stated = self.shares.iter().filter(|&&s| s > 0).map(|&s| s as usize).min();
+        // Lcores that have stated nothing yet keep the join answer's share.
+        let rcvbuf = match stated {
+            Some(s) if known >= auto.lcores => s,
+            Some(s) => s.min(auto.joined),
+            None => auto.joined,
+        };
+        let window = auto.window(rcvbuf).max(1);
+        if window == self.window {
+            return;
+        }
+        log::debug!(
+            "phub-worker: lcore {lcore} states a receive-buffer share of {share} bytes: window {} -> {window}",
+            self.window
+        );
+        self.window = window;
+        self.cwnd = if self.congestion {
+            self.cwnd.min(window)
+        } else {
+            window
+        };
+        self.stats.window.store(window as u64, Ordering::Relaxed);
+        self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
     }
 
     /// Whether requests are in flight.
@@ -533,7 +626,12 @@ impl<D> Transport<D> {
                         _ => false,
                     } =>
             {
-                Some(Incoming { repr, payload })
+                let rx_share = Header::new_unchecked(d).rx_share();
+                Some(Incoming {
+                    repr,
+                    payload,
+                    rx_share,
+                })
             }
             _ => {
                 add(&self.stats.foreign_dropped, 1);
@@ -555,7 +653,11 @@ impl<D> Transport<D> {
     /// it refuses, a RESULT fills its chunk; one that no outstanding chunk
     /// waits for is counted as `results_ignored`.
     pub(crate) fn handle(&mut self, now: Instant, m: Incoming<'_>) {
-        let Incoming { repr, payload } = m;
+        let Incoming {
+            repr,
+            payload,
+            rx_share,
+        } = m;
         if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
             // A result in shared memory this worker has not mapped is malformed.
             add(&self.stats.foreign_dropped, 1);
@@ -571,7 +673,7 @@ impl<D> Transport<D> {
         };
         match repr.kind {
             MsgType::Error => self.on_error(id, &repr),
-            _ => self.on_result(now, id, &repr, payload),
+            _ => self.on_result(now, id, &repr, payload, rx_share),
         }
     }
 
@@ -648,7 +750,7 @@ impl<D> Transport<D> {
         }
     }
 
-    fn on_result(&mut self, now: Instant, id: u64, repr: &Repr, payload: &[u8]) {
+    fn on_result(&mut self, now: Instant, id: u64, repr: &Repr, payload: &[u8], rx_share: u32) {
         let k = (repr.key, repr.chunk);
         let (Some(o), Some(req)) = (self.outstanding.get(&k), self.requests.get_mut(&id)) else {
             return;
@@ -679,7 +781,9 @@ impl<D> Transport<D> {
         req.remaining -= 1;
         req.min_round = req.min_round.min(repr.round);
         let done = req.remaining == 0;
+        let lcore = o.msg.lcore;
         self.answered(now, k);
+        self.note_share(lcore, rx_share);
         if done {
             self.complete(id);
         }

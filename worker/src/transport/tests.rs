@@ -188,6 +188,15 @@ impl Harness {
         self.t.handle_datagram(self.now, &datagram(&r, values));
     }
 
+    /// The RESULT of chunk `c` of `key` in `round`, stating a receive-buffer
+    /// share of `share` bytes.
+    fn result_stating(&mut self, key: u32, c: u32, round: u32, share: u32) {
+        let r = repr(MsgType::Result, APPLIANCE_RANK, key, c, round, ELEMS);
+        let mut d = datagram(&r, &expected(key, c, round));
+        Header::new_unchecked(&mut d[..]).set_rx_share(share);
+        self.t.handle_datagram(self.now, &d);
+    }
+
     /// The RESULT of chunk `c` of `key` in `round`: its gradient times 2.
     fn result(&mut self, key: u32, c: u32, round: u32) {
         self.result_with(key, c, round, &expected(key, c, round));
@@ -900,4 +909,57 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
     assert_eq!(std::iter::from_fn(|| p.pop()).count(), 3);
+}
+
+/// A window made from the job's shape follows the receive-buffer share the
+/// lcores state: smaller when another job came, back when it left; one the
+/// caller set, or a share of 0, changes nothing.
+#[test]
+fn an_automatic_window_follows_the_stated_receive_buffer_share() {
+    // W = 2 workers, 2 lcores, 8 KiB datagrams, a 32 MiB own buffer and a
+    // join answer of 32 MiB: the cache bound gives 2 * 1 MiB / (2 * 8 KiB)
+    // = 128, capped by 64 chunks.
+    let auto = AutoWindow {
+        workers: 2,
+        lcores: 2,
+        chunks: 64,
+        datagram: 8192,
+        own_rcvbuf: 32 << 20,
+        joined: 32 << 20,
+    };
+    let full = auto.window(auto.joined);
+    assert_eq!(full, 64);
+    let mut h = Harness::new(full);
+    h.t.set_auto_window(auto);
+    h.push(1, 1, &[0, 1]);
+    assert_eq!(h.poll_chunks().len(), 2);
+    // Lcore 0 states 256 KiB: 2 lcores x 256 KiB / (2 x 2 x 8 KiB) = 16;
+    // lcore 1 has stated nothing, so the smaller of its join share and
+    // lcore 0's counts.
+    h.result_stating(1, 0, 1, 256 << 10);
+    assert_eq!(h.t.window(), 16);
+    assert_eq!(h.stats.window.load(Ordering::Relaxed), 16);
+    // A share of 0 states nothing.
+    h.result_stating(1, 1, 1, 0);
+    assert_eq!(h.t.window(), 16);
+    assert_eq!(h.completed().len(), 1);
+    // Lcore 0 states 64 KiB (more jobs came): 4.
+    h.push(1, 2, &[0, 1]);
+    h.poll();
+    h.result_stating(1, 0, 2, 64 << 10);
+    assert_eq!(h.t.window(), 4);
+    // Both lcores state the whole buffer again (the others left): back to 64.
+    h.result_stating(1, 1, 2, 32 << 20);
+    assert_eq!(h.t.window(), 4, "lcore 0 still states 64 KiB");
+    h.push(1, 3, &[0, 1]);
+    h.poll();
+    h.result_stating(1, 0, 3, 32 << 20);
+    assert_eq!(h.t.window(), 64);
+
+    // A window the caller set stays.
+    let mut set = Harness::new(40);
+    set.push(1, 1, &[0, 1]);
+    set.poll();
+    set.result_stating(1, 0, 1, 64 << 10);
+    assert_eq!(set.t.window(), 40);
 }
