@@ -368,7 +368,8 @@ impl Worker {
     /// A snapshot of the worker's counters, as a dict: ``chunks_sent``,
     /// ``retransmits``, ``results_accepted``, ``results_ignored``,
     /// ``foreign_dropped``, ``errors``, ``timeouts``, ``srtt_us``,
-    /// ``rto_us``, ``bytes_sent``, ``bytes_received``, and the datagrams
+    /// ``rto_us``, ``window`` (chunks outstanding at most, now),
+    /// ``bytes_sent``, ``bytes_received``, and the datagrams
     /// fault injection lost, duplicated, reordered and delayed
     /// (``injected_drops``, ``injected_dups``, ``injected_reorders``,
     /// ``injected_delays``; 0 unless
@@ -387,6 +388,7 @@ impl Worker {
             ("timeouts", s.timeouts),
             ("srtt_us", s.srtt_us),
             ("rto_us", s.rto_us),
+            ("window", s.window),
             ("bytes_sent", s.bytes_sent),
             ("bytes_received", s.bytes_received),
             ("injected_drops", s.injected_drops),
