@@ -67,10 +67,9 @@ fn many_keys_over_two_lcores_never_wait_on_each_other() {
     train(&rack.control_url, &job, 2, &keys, 3);
 }
 
-/// Trains `jobs` sum jobs at once, W = 2 each, 3 rounds of a 2 M-element
-/// key, on one lcore whose socket asks for a 256 KiB receive buffer, and
-/// asserts that the kernel turned no datagram away there (`socket_full`).
-fn train_on_a_small_receive_buffer(jobs: usize) {
+/// An appliance of one lcore whose socket asks for a 256 KiB receive
+/// buffer, and the buffer it states (as the kernel charges it).
+fn small_buffer_rack() -> (Rack, u64) {
     let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
     let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
         .call()
@@ -80,6 +79,14 @@ fn train_on_a_small_receive_buffer(jobs: usize) {
     let rx = info.lcores[0]
         .rx_buffer_bytes
         .expect("the UDP backend states its buffer");
+    (rack, rx)
+}
+
+/// Trains `jobs` sum jobs at once, W = 2 each, 3 rounds of a 2 M-element
+/// key, on one lcore whose socket asks for a 256 KiB receive buffer, and
+/// asserts that the kernel turned no datagram away there (`socket_full`).
+fn train_on_a_small_receive_buffer(jobs: usize) {
+    let (rack, rx) = small_buffer_rack();
     let keys = [2_000_000u64];
     let admitted: Vec<_> = (0..jobs)
         .map(|i| {
@@ -128,15 +135,8 @@ fn two_jobs_share_an_appliances_small_receive_buffer() {
 /// away.
 #[test]
 fn workers_shrink_their_window_when_a_job_joins_their_lcore_later() {
-    let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
-    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
-    let rx = info.lcores[0]
-        .rx_buffer_bytes
-        .expect("the UDP backend states its buffer") as usize;
+    let (rack, rx) = small_buffer_rack();
+    let rx = rx as usize;
     let keys = [2_000_000u64];
     // 8 KiB chunks; the workers' own 32 MiB buffers do not bound it.
     let window =

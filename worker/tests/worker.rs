@@ -376,22 +376,7 @@ fn run_job_config(
     exchange: bool,
     config: WorkerConfig,
 ) -> phub_worker::WorkerStats {
-    run_job_on(spec, lcores, rounds, loss, exchange, config, false)
-}
-
-/// As [`run_job_config`], with the job's shared-memory regions on the
-/// fake appliance when `shm`; the summed stats' `shm` says whether every
-/// worker used them.
-fn run_job_on(
-    spec: &JobSpec,
-    lcores: usize,
-    rounds: u32,
-    loss: f64,
-    exchange: bool,
-    config: WorkerConfig,
-    shm: bool,
-) -> phub_worker::WorkerStats {
-    run_job_as::<f32>(spec, lcores, rounds, loss, exchange, config, shm)
+    run_job_as::<f32>(spec, lcores, rounds, loss, exchange, config, false)
 }
 
 /// An element type the workers of [`run_job_as`] hold their values in.
@@ -427,8 +412,10 @@ impl TestElem for half::f16 {
     }
 }
 
-/// As [`run_job_on`], the workers holding every value as `E` (`f32`, or
-/// the job's own 16-bit type: exchanged without conversion).
+/// As [`run_job_config`], with the job's shared-memory regions on the
+/// fake appliance when `shm`, the workers holding every value as `E`
+/// (`f32`, or the job's own 16-bit type: exchanged without conversion);
+/// the summed stats' `shm` says whether every worker used them.
 fn run_job_as<E: TestElem>(
     spec: &JobSpec,
     lcores: usize,
@@ -987,7 +974,7 @@ fn shared_memory_carries_every_chunk_exactly() {
         (Dtype::Bf16, sgd(), true),
     ] {
         let sp = spec(3, &KEYS, dtype, opt);
-        let s = run_job_on(&sp, 3, 4, 0.0, exchange, shm_on(), true);
+        let s = run_job_as::<f32>(&sp, 3, 4, 0.0, exchange, shm_on(), true);
         let what = format!("{dtype} {} exchange={exchange}: {s:?}", opt.name());
         assert!(s.shm, "{what}");
         let chunks: u64 = KEYS.iter().map(|e| e.div_ceil(u64::from(sp.chunk_elems()))).sum();
@@ -1011,7 +998,7 @@ fn shared_memory_carries_every_chunk_exactly() {
 /// regions still hold the round's chunks.
 #[test]
 fn shared_memory_stays_exact_under_loss_and_injection() {
-    let s = run_job_on(
+    let s = run_job_as::<f32>(
         &spec(3, &KEYS, Dtype::F32, sgd()),
         2,
         5,
@@ -1025,7 +1012,7 @@ fn shared_memory_stays_exact_under_loss_and_injection() {
         inject: Some("loss=0.05,dup=0.02,reorder=0.02,seed=4".parse().unwrap()),
         ..shm_on()
     };
-    let s = run_job_on(
+    let s = run_job_as::<f32>(
         &spec(2, &KEYS, Dtype::F16, Optimizer::Sum),
         2,
         4,
