@@ -3,7 +3,8 @@
 //! Parsing must never panic. An accepted datagram must be exactly header plus
 //! the announced payload (none with the SHM flag: it is in shared memory),
 //! and emitting the parsed fields must give back the received header except
-//! the reserved bytes (which are emitted as zero).
+//! the receive-buffer share (a RESULT's, written apart from the fields) and
+//! the reserved bytes, which are emitted as zero.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -17,14 +18,16 @@ fuzz_target!(|data: &[u8]| {
             assert!(payload.len() <= MAX_PAYLOAD);
             assert_eq!(payload, &data[HEADER_LEN..]);
 
-            // Re-emitting the fields gives the input's header, reserved bytes zeroed.
+            // Re-emitting the fields gives the input's header, the share and
+            // the reserved bytes zeroed.
             let out = repr.to_bytes();
-            let fields = ..field::RESERVED.start;
+            let fields = ..field::RX_SHARE.start;
             assert_eq!(out[fields], data[fields]);
-            assert!(out[field::RESERVED].iter().all(|&b| b == 0));
+            assert!(out[field::RX_SHARE.start..field::RESERVED.end].iter().all(|&b| b == 0));
 
-            // Emitting over the input itself changes nothing but the reserved
-            // bytes, and the result parses to the same fields and payload.
+            // Emitting over the input itself changes nothing but the share and
+            // the reserved bytes, and the result parses to the same fields
+            // and payload.
             let mut copy = data.to_vec();
             repr.emit(&mut Header::new_unchecked(&mut copy[..]));
             assert_eq!(copy[fields], data[fields]);
@@ -45,6 +48,8 @@ fuzz_target!(|data: &[u8]| {
                 (h.round(), h.slot(), h.key(), h.chunk()),
                 (repr.round, repr.slot, repr.key, repr.chunk)
             );
+            let share = &data[field::RX_SHARE];
+            assert_eq!(h.rx_share(), u32::from_le_bytes([share[0], share[1], share[2], share[3]]));
         }
         Err(reason) => {
             // parse makes only the header checks; the rest are the engine's.
@@ -54,7 +59,7 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(h) = Header::new_checked(data) {
                 let _ = (h.magic(), h.version(), h.type_code(), h.dtype_code(), h.flags());
                 let _ = (h.token(), h.job(), h.rank(), h.count(), h.error());
-                let _ = (h.round(), h.slot(), h.key(), h.chunk(), h.payload());
+                let _ = (h.round(), h.slot(), h.key(), h.chunk(), h.rx_share(), h.payload());
             }
         }
     }

@@ -680,7 +680,7 @@ mod tests {
             let (back, payload) = parse(&buf).unwrap();
             prop_assert_eq!(back, repr);
             prop_assert_eq!(payload.len(), repr.datagram_payload_len());
-            prop_assert!(buf[field::RESERVED].iter().all(|&b| b == 0));
+            prop_assert!(buf[field::RX_SHARE.start..field::RESERVED.end].iter().all(|&b| b == 0));
         }
 
         #[test]
