@@ -3,15 +3,46 @@
 //! result, the JSON report; `--procs`; a sweep with its plot. No timed
 //! assertions: figures are only checked to be present and sane.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use serde_json::Value;
 
-fn scratch(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("phub-bench-test-{}", std::process::id()));
+/// A file `name` in a directory of its own under the temporary directory,
+/// which goes (with whatever else was written into it) when this is
+/// dropped.
+struct Scratch {
+    dir: PathBuf,
+    file: PathBuf,
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+
+    fn deref(&self) -> &Path {
+        &self.file
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        &self.file
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn scratch(name: &str) -> Scratch {
+    let dir = std::env::temp_dir().join(format!("phub-bench-test-{}-{name}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
-    dir.join(name)
+    Scratch {
+        file: dir.join(name),
+        dir,
+    }
 }
 
 fn bench(args: &[&str]) -> (bool, String) {
