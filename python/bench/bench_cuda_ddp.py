@@ -28,6 +28,9 @@ host-to-device), and reports how much of each exchange backward hides:
 Needs a CUDA device; tools/gpu-bench.sh runs it on the device machine.
 ``--device cpu`` runs the same script on the CPU, as a smoke test where
 there is no GPU (its figures mean nothing: ResNet-50 on a few cores).
+``--dtype bf16`` trains the models in bfloat16 (parameters, activations and
+gradients): phub's job is then a bf16 job whose gradients go out and come
+back as bf16, never float32; gloo all-reduces the bf16 buckets.
 """
 
 from __future__ import annotations
@@ -122,17 +125,19 @@ class FakeBucket:
         return ("bare", self.i)
 
 
-def buckets_of(params: list[torch.Tensor], cap_bytes: int, device: torch.device) -> list[FakeBucket]:
+def buckets_of(params: list[torch.Tensor], cap_bytes: int, device: torch.device,
+               dtype: torch.dtype) -> list[FakeBucket]:
     """DDP's layout, roughly: parameters in reverse order, ~cap_bytes per bucket."""
     out: list[FakeBucket] = []
     cur: list[torch.Tensor] = []
+    size = torch.finfo(dtype).bits // 8
     for p in reversed(params):
         cur.append(p)
-        if sum(q.numel() for q in cur) * 4 >= cap_bytes:
-            out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device)))
+        if sum(q.numel() for q in cur) * size >= cap_bytes:
+            out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device, dtype=dtype)))
             cur = []
     if cur:
-        out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device)))
+        out.append(FakeBucket(len(out), cur, torch.ones(sum(q.numel() for q in cur), device=device, dtype=dtype)))
     return out
 
 
@@ -149,19 +154,20 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     w = phub.Worker.join(control_url, job, token, rank)
     if a.shm and not w.shm:
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
+    dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float32
     torch.manual_seed(0)
     models = {}
     for name in ("no exchange", "gloo", "phub"):
         torch.manual_seed(0)
-        models[name] = nn.parallel.DistributedDataParallel(ResNet50().to(device), bucket_cap_mb=a.bucket_mb)
+        models[name] = nn.parallel.DistributedDataParallel(ResNet50().to(device, dtype), bucket_cap_mb=a.bucket_mb)
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
     state = phub.torch.register_comm_hook(models["phub"], w)
-    x = torch.randn(a.batch, 3, a.image, a.image, device=device)
+    x = torch.randn(a.batch, 3, a.image, a.image, device=device, dtype=dtype)
     y = torch.randint(0, 1000, (a.batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
     times: dict[str, list[float]] = {n: [] for n in ("no exchange", "gloo", "phub", "bare gloo", "bare phub")}
     params = phub.torch.key_parameters(models["phub"])
-    buckets = buckets_of(params, int(a.bucket_mb * 2**20), device)
+    buckets = buckets_of(params, int(a.bucket_mb * 2**20), device, dtype)
     for step in range(a.warmup + a.steps):
         for name, m in models.items():
             m.zero_grad(set_to_none=False)
@@ -194,9 +200,12 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
             times["bare phub"].append(time.perf_counter() - t)
         for b in buckets:  # every rank pushed ones: the mean is one
             assert torch.all(b.buf == 1.0), "phub: wrong averaged gradient"
-    # DDP's gradients after phub and after gloo are both the ranks' mean of the same batches.
+    # DDP's gradients after phub and after gloo are both the ranks' mean of
+    # the same batches (bf16: each rounds its sum to bf16 its own way).
+    tol = {"rtol": 2e-2, "atol": 1e-2} if a.dtype == "bf16" else {"rtol": 1e-4, "atol": 1e-5}
     for pg, pp in zip(models["gloo"].parameters(), models["phub"].parameters()):
-        torch.testing.assert_close(pg.grad, pp.grad, rtol=1e-4, atol=1e-5)
+        assert pp.grad.dtype == dtype, f"phub left a {pp.grad.dtype} gradient in a {dtype} model"
+        torch.testing.assert_close(pg.grad, pp.grad, **tol)
     if rank == 0:
         s = w.stats()
         np.save(out, np.array([times[k] for k in times], dtype=np.float64))
@@ -217,6 +226,8 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--shm", action="store_true", help="phub-dataplane with --shm (workers on this machine)")
     ap.add_argument("--busy-poll", action="store_true")
+    ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
+                    help="the models' and phub's job's element type (bf16: mixed precision's gradients)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke test of the script where there is no GPU (figures meaningless)")
     a = ap.parse_args()
@@ -228,13 +239,16 @@ def main() -> None:
     sizes = [(n, p.numel()) for n, p in ResNet50().named_parameters()]
     total = sum(n for _, n in sizes)
     gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if a.device == "cuda" else "the CPU"
-    print(f"ResNet-50 DDP on CUDA tensors ({len(sizes)} tensors, {total:,} parameters, {4 * total / 1e6:.1f} MB), "
+    size = 2 if a.dtype == "bf16" else 4
+    print(f"ResNet-50 DDP on CUDA tensors, {a.dtype} ({len(sizes)} tensors, {total:,} parameters, "
+          f"{size * total / 1e6:.1f} MB), "
           f"W={a.workers} processes on {gpu}, batch {a.batch} x {a.image}^2 "
           f"per rank, buckets {a.bucket_mb:g} MB; phub: {a.lcores} lcores, "
           f"{'shared memory' if a.shm else 'datagrams'}; torch {torch.__version__}, {os.cpu_count()} CPUs",
           flush=True)
     with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll, shm=a.shm) as app:
-        job, token = app.admit(phub.admin.job_spec("resnet50-cuda", a.workers, sizes, optimizer="mean"))
+        job, token = app.admit(phub.admin.job_spec("resnet50-cuda", a.workers, sizes, optimizer="mean",
+                                                   dtype=a.dtype))
         with tempfile.TemporaryDirectory(prefix="phub-gpu-bench-") as tmp:
             out = str(Path(tmp) / "times.npy")
             ctx = mp.get_context("spawn")
