@@ -66,6 +66,7 @@ impl Appliance {
                 BackendKind::Udp => cfg.busy_poll,
                 BackendKind::Dpdk => !cfg.dpdk.idle_backoff,
             },
+            spin: std::time::Duration::from_micros(cfg.spin_us),
             ..LoopOptions::default()
         };
         if let Some(f) = cfg.inject {

@@ -59,6 +59,12 @@ pub struct Config {
     /// Spin on empty queues instead of waiting in the kernel.
     #[arg(long)]
     pub busy_poll: bool,
+    /// Without --busy-poll (udp backend): keep polling for this many
+    /// microseconds after the last datagram before waiting in the kernel
+    /// (0: wait at once). A datagram that comes meanwhile is taken without
+    /// waking a sleeping thread; an idle lcore still sleeps.
+    #[arg(long, default_value_t = crate::lcore::DEFAULT_SPIN_US, value_name = "US")]
+    pub spin_us: u64,
     /// Inject faults on every queue, both directions (tests and soaks), e.g.
     /// `loss=0.05,dup=0.01,reorder=0.01,seed=7`. Off by default.
     #[arg(long, value_name = "FAULTS")]

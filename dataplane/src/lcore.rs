@@ -55,13 +55,25 @@ pub struct LoopOptions {
     /// Longest wait in the backend when idle (also how quickly management
     /// commands and shutdown are noticed).
     pub idle_wait: Duration,
+    /// Without `busy_poll`: keep polling without waiting for this long
+    /// after the last burst that brought something, before waiting in the
+    /// kernel. A datagram that arrives meanwhile is taken at once, rather
+    /// than after a sleeping thread (on a VM, a halted vCPU) is woken.
+    pub spin: Duration,
 }
+
+/// [`LoopOptions::spin`] unless told otherwise, in microseconds
+/// (BENCHMARKS.md, "Spinning before sleeping").
+pub const DEFAULT_SPIN_US: u64 = 200;
+/// [`DEFAULT_SPIN_US`] as a duration.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(DEFAULT_SPIN_US);
 
 impl Default for LoopOptions {
     fn default() -> LoopOptions {
         LoopOptions {
             busy_poll: false,
             idle_wait: Duration::from_millis(20),
+            spin: DEFAULT_SPIN,
         }
     }
 }
@@ -106,14 +118,23 @@ pub fn run<Io: PacketIo>(
     let counters = Arc::clone(shard.counters());
     shard.set_rx_buffer(io.stated_rx_buffer());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
+    // When the last burst that brought something was (spinning until
+    // `opts.spin` after it).
+    let mut last_busy: Option<Instant> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd, clock.now());
         }
         let now = clock.now();
-        let n = io.rx_burst(wait, &mut |from, datagram| {
+        let spinning = last_busy.is_some_and(|t| t.elapsed() < opts.spin);
+        let n = io.rx_burst(if spinning { None } else { wait }, &mut |from, datagram| {
             shard.handle(from, datagram, now);
         })?;
+        if n > 0 {
+            last_busy = (wait.is_some() && !opts.spin.is_zero()).then(Instant::now);
+        } else if spinning {
+            std::hint::spin_loop();
+        }
         // After a burst that brought something the timers see the burst's
         // instant (it took microseconds; their resolution is a
         // millisecond): one clock read per busy turn of the loop. An empty
@@ -189,5 +210,112 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
         Command::JobStats(reply) => {
             let _ = reply.send(shard.job_stats());
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::counters::ShardCounters;
+    use crate::kernels::Kernels;
+    use crate::transmit::{Destinations, Transmit};
+    use std::sync::Mutex;
+
+    /// A queue that brings one datagram on its first call and nothing
+    /// after, sleeping for the wait it is given as a socket would, records
+    /// each wait in `waits`, and stops the loop after `calls` calls.
+    struct Waits {
+        calls: usize,
+        waits: Arc<Mutex<Vec<Option<Duration>>>>,
+        stop: Arc<AtomicBool>,
+    }
+
+    impl PacketIo for Waits {
+        type Addr = u32;
+
+        fn rx_burst(
+            &mut self,
+            wait: Option<Duration>,
+            f: &mut dyn FnMut(u32, &[u8]),
+        ) -> std::io::Result<usize> {
+            let n = {
+                let mut w = self.waits.lock().unwrap();
+                w.push(wait);
+                w.len()
+            };
+            if n >= self.calls {
+                self.stop.store(true, Ordering::Relaxed);
+            }
+            if n == 1 {
+                f(9, b"not a phub datagram");
+                return Ok(1);
+            }
+            if let Some(d) = wait {
+                std::thread::sleep(d);
+            }
+            Ok(0)
+        }
+
+        fn tx_burst<'a, D>(
+            &mut self,
+            _transmits: impl Iterator<Item = Transmit<'a, D>>,
+            _counters: &ShardCounters,
+        ) -> std::io::Result<()>
+        where
+            D: Destinations<Item = u32>,
+        {
+            Ok(())
+        }
+    }
+
+    /// The waits an lcore loop with `opts` asks its queue for, turn by
+    /// turn, over `calls` turns.
+    fn waits(opts: LoopOptions, calls: usize) -> Vec<Option<Duration>> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let io = Waits {
+            calls,
+            waits: Arc::clone(&log),
+            stop: Arc::clone(&stop),
+        };
+        let (_tx, rx) = crossbeam_channel::bounded(1);
+        run(io, Shard::new(0, Kernels::best()), rx, stop, Clock::start(), opts).unwrap();
+        let w = log.lock().unwrap().clone();
+        w
+    }
+
+    /// After a burst that brought something, the loop polls without
+    /// waiting for `spin`, then waits again; with no spin it always waits,
+    /// busy polling never does.
+    #[test]
+    fn the_loop_spins_for_its_spin_after_traffic_then_waits() {
+        let idle = Duration::from_millis(1);
+        // A spin far longer than the test: every turn after the datagram polls.
+        let long = LoopOptions {
+            busy_poll: false,
+            idle_wait: idle,
+            spin: Duration::from_secs(3600),
+        };
+        let w = waits(long, 50);
+        assert_eq!(w[0], Some(idle), "no traffic yet: it waits");
+        assert!(w[1..].iter().all(Option::is_none), "{w:?}");
+        let none = LoopOptions {
+            spin: Duration::ZERO,
+            ..long
+        };
+        assert!(waits(none, 50).iter().all(|&x| x == Some(idle)));
+        let busy = LoopOptions {
+            busy_poll: true,
+            ..long
+        };
+        assert!(waits(busy, 50).iter().all(Option::is_none));
+        // A 1 us spin is over long before 200 turns are (each takes more
+        // than 5 ns): the last turns wait again.
+        let short = LoopOptions {
+            spin: Duration::from_micros(1),
+            ..long
+        };
+        let w = waits(short, 200);
+        assert_eq!(w.last(), Some(&Some(idle)), "{w:?}");
     }
 }

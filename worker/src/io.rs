@@ -237,6 +237,8 @@ pub(crate) struct IoThread {
     inject: Option<Injector>,
     /// Shared memory, when the join chose it.
     regions: Option<RegionWatch>,
+    /// [`crate::WorkerConfig::spin`].
+    spin: Duration,
 }
 
 /// What the I/O thread is made of, for [`IoThread::new`].
@@ -250,6 +252,7 @@ pub(crate) struct IoParts {
     pub(crate) stats: Arc<Counters>,
     pub(crate) inject: Option<Injector>,
     pub(crate) regions: Option<RegionWatch>,
+    pub(crate) spin: Duration,
 }
 
 impl IoThread {
@@ -266,12 +269,15 @@ impl IoThread {
             transport,
             inject: parts.inject,
             regions: parts.regions,
+            spin: parts.spin,
         }
     }
 
     /// The thread's body; returns when the worker is dropped.
     pub(crate) fn run(mut self) {
         let mut socket = self.socket.take().expect("the I/O thread runs once");
+        // When a datagram last came in (polling on until `spin` after it).
+        let mut last_rx: Option<Instant> = None;
         loop {
             if !self.take_commands() {
                 return;
@@ -302,6 +308,12 @@ impl IoThread {
                     continue;
                 }
             };
+            if n == 0 && self.transport.busy() && last_rx.is_some_and(|t| t.elapsed() < self.spin) {
+                // Results are coming: poll again rather than sleep (a
+                // sleeping thread, on a VM a halted vCPU, takes long to wake).
+                std::hint::spin_loop();
+                continue;
+            }
             if n == 0 {
                 // Dekker with send_request: either the API side sees
                 // `sleeping` and sends a wake-up, or this side sees its
@@ -314,6 +326,9 @@ impl IoThread {
                 self.sleeping.store(false, Ordering::SeqCst);
             }
             if n > 0 {
+                if !self.spin.is_zero() {
+                    last_rx = Some(Instant::now());
+                }
                 // Results may have freed the window or shown chunks lost.
                 self.transmit(&mut socket, Instant::now());
             }

@@ -178,6 +178,17 @@ pub struct WorkerConfig {
     /// job's control checks it against the rack the rank belongs to.
     /// [`RACK_ENV`] (`PHUB_WORKER_RACK`) gives it when this is None.
     pub rack: Option<String>,
+    /// While a request is in flight, the I/O thread polls its socket
+    /// again without sleeping for this long after the last datagram came
+    /// in, so that the next result is taken at once rather than after the
+    /// thread is woken (on a VM, a halted vCPU: tens of microseconds).
+    /// It costs CPU only while results are coming. **Off by default**
+    /// (`Duration::ZERO`: sleep at once): on the 2-vCPU development VM,
+    /// where the workers share their cores with the appliance, 200 us made
+    /// ResNet-50 rounds 1.4x slower (BENCHMARKS.md, "Spinning before
+    /// sleeping"); worth trying where the I/O thread has a core to itself.
+    /// [`SPIN_ENV`] (`PHUB_WORKER_SPIN_US`) overrides it.
+    pub spin: Duration,
 }
 
 /// The environment variable that gives [`WorkerConfig::rack`] when the
@@ -187,6 +198,10 @@ pub const RACK_ENV: &str = "PHUB_WORKER_RACK";
 /// The environment variable that turns [`WorkerConfig::congestion`] on
 /// (`on`) or off (`off`) whatever the configuration says.
 pub const CONGESTION_ENV: &str = "PHUB_WORKER_CONGESTION";
+
+/// The environment variable that sets [`WorkerConfig::spin`], in
+/// microseconds, whatever the configuration says.
+pub const SPIN_ENV: &str = "PHUB_WORKER_SPIN_US";
 
 impl Default for WorkerConfig {
     fn default() -> WorkerConfig {
@@ -203,6 +218,7 @@ impl Default for WorkerConfig {
             shm: ShmMode::Auto,
             congestion: false,
             rack: None,
+            spin: Duration::ZERO,
         }
     }
 }
@@ -504,6 +520,12 @@ impl Worker {
             Ok("off") => config.congestion = false,
             _ => {}
         }
+        if let Ok(v) = std::env::var(SPIN_ENV) {
+            let us: u64 = v.trim().parse().map_err(|_| WorkerError::Config {
+                message: format!("{SPIN_ENV}={v:?}: not a number of microseconds (0 sleeps at once)"),
+            })?;
+            config.spin = Duration::from_micros(us);
+        }
         let (lcores, placement) = check_join(&join)?;
         let places = (0..placement.chunks().total())
             .map(|seq| {
@@ -553,6 +575,7 @@ impl Worker {
                 stats: Arc::clone(&stats),
                 inject,
                 regions: watch,
+                spin: config.spin,
             },
             transport,
         );
