@@ -61,8 +61,10 @@ pub struct Config {
     pub busy_poll: bool,
     /// Without --busy-poll (udp backend): keep polling for this many
     /// microseconds after the last datagram before waiting in the kernel
-    /// (0: wait at once). A datagram that comes meanwhile is taken without
-    /// waking a sleeping thread; an idle lcore still sleeps.
+    /// (0, the default: wait at once). A datagram that comes meanwhile is
+    /// taken without waking a sleeping thread; an idle lcore still sleeps.
+    /// 200 pays where each lcore has a core of its own (not under a CPU
+    /// quota or beside busy processes, where it spins their time away).
     #[arg(long, default_value_t = crate::lcore::DEFAULT_SPIN_US, value_name = "US")]
     pub spin_us: u64,
     /// Inject faults on every queue, both directions (tests and soaks), e.g.
