@@ -1651,14 +1651,7 @@ mod tests {
         let mut x: u32 = 0x9e37_79b9;
         for len in (0..=64).chain([255, 256, 257, 1000, 8193, 9000]) {
             for fill in [None, Some(0xffu8), Some(0)] {
-                let d: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 17;
-                        x ^= x << 5;
-                        fill.unwrap_or(x as u8)
-                    })
-                    .collect();
+                let d = bytes(&mut x, len, fill);
                 assert_eq!(ip_checksum(&d), reference(&d), "len {len}, {d:?}");
             }
         }
@@ -1667,6 +1660,18 @@ mod tests {
             ip_checksum(&[0x00, 0x01, 0xf2, 0x03, 0xf4, 0xf5, 0xf6, 0xf7]),
             !0xddf2
         );
+    }
+
+    /// `len` bytes of `fill`, or of xorshift noise from the state `x`.
+    fn bytes(x: &mut u32, len: usize, fill: Option<u8>) -> Vec<u8> {
+        (0..len)
+            .map(|_| {
+                *x ^= *x << 13;
+                *x ^= *x >> 17;
+                *x ^= *x << 5;
+                fill.unwrap_or(*x as u8)
+            })
+            .collect()
     }
 
     /// AVX2's multiply-add sum (with and without the copy) against the
@@ -1684,14 +1689,7 @@ mod tests {
         let lens = (0..=70).chain([255, 256, 257, 8191, 8192, 9000, (1 << 11) * 32 * 3 + 17, 1 << 20]);
         for len in lens {
             for fill in [None, Some(0xffu8), Some(0)] {
-                let d: Vec<u8> = (0..len)
-                    .map(|_| {
-                        x ^= x << 13;
-                        x ^= x >> 17;
-                        x ^= x << 5;
-                        fill.unwrap_or(x as u8)
-                    })
-                    .collect();
+                let d = bytes(&mut x, len, fill);
                 let want = ones_sum_lanes(&d);
                 // SAFETY: the CPU has AVX2 (checked above).
                 let got = unsafe { x86::copy_ones_sum_madd(None, &d) };
