@@ -710,8 +710,9 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
 /// the buffer times the job's W over the W of every admitted job with
 /// chunks on that lcore (this one included), and the smallest of those.
 /// Each job's workers keeping within their share, all of them together fit
-/// the buffer, as long as no job is admitted onto the lcore after they
-/// joined. None when the appliance states no buffer for those lcores.
+/// the buffer. This is the share at join; jobs admitted or removed later
+/// are counted in the share each lcore states in its RESULTs (PROTOCOL.md
+/// §6.1). None when the appliance states no buffer for those lcores.
 fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<u64>]) -> Option<u64> {
     let mine = if job.racks.is_empty() {
         part_of(job, name)?

@@ -120,20 +120,26 @@ pub fn run<Io: PacketIo>(
     let counters = Arc::clone(shard.counters());
     shard.set_rx_buffer(io.stated_rx_buffer());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
-    // When the last burst that brought something was (spinning until
-    // `opts.spin` after it).
-    let mut last_busy: Option<Instant> = None;
+    // Nanoseconds to spin after a burst that brought something (none when
+    // the loop never waits anyway), and that burst's instant on `clock`:
+    // the turn's one clock read serves the spin too.
+    let spin_ns = if wait.is_some() {
+        u64::try_from(opts.spin.as_nanos()).unwrap_or(u64::MAX)
+    } else {
+        0
+    };
+    let mut last_busy: Option<u64> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd, clock.now());
         }
         let now = clock.now();
-        let spinning = last_busy.is_some_and(|t| t.elapsed() < opts.spin);
+        let spinning = last_busy.is_some_and(|t| now.saturating_sub(t) < spin_ns);
         let n = io.rx_burst(if spinning { None } else { wait }, &mut |from, datagram| {
             shard.handle(from, datagram, now);
         })?;
-        if n > 0 {
-            last_busy = (wait.is_some() && !opts.spin.is_zero()).then(Instant::now);
+        if n > 0 && spin_ns > 0 {
+            last_busy = Some(now);
         } else if spinning {
             std::hint::spin_loop();
         }

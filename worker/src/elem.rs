@@ -152,10 +152,11 @@ impl<'a> Dst<'a> {
 
     /// Elements `start..end`, reborrowed.
     pub(crate) fn range(&mut self, start: usize, end: usize) -> Dst<'_> {
-        match self {
-            Dst::F32(v) => Dst::F32(&mut v[start..end]),
-            Dst::Wire16(b) => Dst::Wire16(&mut b[start * 2..end * 2]),
-        }
+        let whole = match self {
+            Dst::F32(v) => Dst::F32(v),
+            Dst::Wire16(b) => Dst::Wire16(b),
+        };
+        whole.into_range(start, end)
     }
 
     /// Elements `start..end`.

@@ -541,11 +541,7 @@ impl Worker {
             .find(|a| !a.ip().is_loopback())
             .unwrap_or(&lcores[0]);
         let socket = Bound::new(far.ip(), &config)?;
-        let auto = auto_window_of(&join, socket.info.rcvbuf);
-        let window = match config.window {
-            0 => auto.window(auto.joined),
-            w => w,
-        };
+        let (window, auto) = window_for(&join, &config, socket.info.rcvbuf);
         let stats = Arc::new(stats::Counters::default());
         let inject = fault_injector(&join, &config, &stats)?;
         let info = JobInfo {
@@ -557,7 +553,7 @@ impl Worker {
         let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
         let mut transport =
             Transport::new(info, window, &config, Arc::clone(&stats), regions, Instant::now());
-        if config.window == 0 {
+        if let Some(auto) = auto {
             // Remade as the lcores state their receive-buffer shares.
             transport.set_auto_window(auto);
         }
@@ -1439,31 +1435,23 @@ fn io_err(context: &str) -> impl FnOnce(std::io::Error) -> WorkerError {
     move |source| WorkerError::Io { context, source }
 }
 
-/// What [`auto_window`] makes the window from for `join`, with this
-/// socket's receive buffer `rcvbuf` and the appliances' stated shares.
-fn auto_window_of(join: &JoinResponse, rcvbuf: usize) -> AutoWindow {
-    AutoWindow {
+/// The window: [`WorkerConfig::window`], or, when that is 0, [`auto_window`]
+/// from the job's shape, the socket's receive buffer `rcvbuf` and the
+/// appliances' stated shares, with what it was made from (to remake it
+/// as the shares change).
+fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usize, Option<AutoWindow>) {
+    if config.window != 0 {
+        return (config.window, None);
+    }
+    let auto = AutoWindow {
         workers: join.spec.workers,
         lcores: join.layout.lcore_count().max(1),
         chunks: usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
         datagram: HEADER_LEN + join.spec.chunk_bytes as usize,
         own_rcvbuf: rcvbuf,
         joined: lcore_rcvbuf(join),
-    }
-}
-
-/// The window: [`WorkerConfig::window`], or [`auto_window`] from the job's
-/// shape, the socket's receive buffer `rcvbuf` and the appliances' when
-/// that is 0.
-#[cfg(test)]
-fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> usize {
-    match config.window {
-        0 => {
-            let auto = auto_window_of(join, rcvbuf);
-            auto.window(auto.joined)
-        }
-        w => w,
-    }
+    };
+    (auto.window(auto.joined), Some(auto))
 }
 
 /// The smallest receive buffer of the job's appliances' lcores, as they
@@ -1741,10 +1729,10 @@ mod tests {
         };
         let cfg = WorkerConfig::default();
         let d = HEADER_LEN + 8192;
-        let unsaid = window_for(&join(vec![addr(None)]), &cfg, 64 << 20);
+        let unsaid = window_for(&join(vec![addr(None)]), &cfg, 64 << 20).0;
         assert_eq!(
             unsaid,
-            window_for(&join(vec![]), &cfg, 64 << 20),
+            window_for(&join(vec![]), &cfg, 64 << 20).0,
             "no figure: the assumed buffer"
         );
         assert_eq!(unsaid, (1 << 20) / (2 * d));
@@ -1752,7 +1740,8 @@ mod tests {
             &join(vec![addr(Some(1 << 20)), addr(Some(256 << 10))]),
             &cfg,
             64 << 20,
-        );
+        )
+        .0;
         assert_eq!(
             said,
             (256 << 10) / (2 * 2 * d),
@@ -1764,7 +1753,7 @@ mod tests {
         };
         assert_eq!(
             window_for(&join(vec![addr(Some(4096))]), &fixed, 64 << 20),
-            40,
+            (40, None),
             "a set window stands"
         );
     }
