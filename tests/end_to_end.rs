@@ -348,3 +348,168 @@ fn an_evicted_jobs_worker_fails_at_once_saying_so() {
     assert!(e.to_string().contains("evicted from the appliance"), "{e}");
     assert!(took < Duration::from_secs(10), "failed after {took:?}");
 }
+
+/// The CPU controller's cgroup `pid` is in (v1 `cpu` or v2), as (the
+/// directory, whether it is v2); None where neither is mounted writable.
+fn cpu_cgroup_of(pid: u32) -> Option<(std::path::PathBuf, bool)> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
+    for line in text.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let rel = path.trim_start_matches('/');
+        if controllers.split(',').any(|c| c == "cpu") {
+            for mount in ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"] {
+                let dir = std::path::Path::new(mount).join(rel);
+                if dir.join("cpu.cfs_quota_us").exists() {
+                    return Some((dir, false));
+                }
+            }
+        }
+        if controllers.is_empty() {
+            let dir = std::path::Path::new("/sys/fs/cgroup").join(rel);
+            let has_cpu = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+                .is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu"));
+            if has_cpu && dir.join("cgroup.procs").exists() {
+                return Some((dir, true));
+            }
+        }
+    }
+    None
+}
+
+/// A child cgroup with a CPU quota of half a CPU, removed when dropped
+/// (after whatever was moved into it is moved back out).
+struct HalfCpu {
+    dir: std::path::PathBuf,
+    parent: std::path::PathBuf,
+}
+
+impl HalfCpu {
+    fn make(parent: &std::path::Path, v2: bool) -> std::io::Result<HalfCpu> {
+        let dir = parent.join(format!("phub-spin-test-{}", std::process::id()));
+        if v2 {
+            // The controller must be enabled for the parent's children.
+            let _ = std::fs::write(parent.join("cgroup.subtree_control"), "+cpu");
+        }
+        std::fs::create_dir(&dir)?;
+        let cg = HalfCpu {
+            dir,
+            parent: parent.to_path_buf(),
+        };
+        if v2 {
+            std::fs::write(cg.dir.join("cpu.max"), "50000 100000")?;
+        } else {
+            std::fs::write(cg.dir.join("cpu.cfs_period_us"), "100000")?;
+            std::fs::write(cg.dir.join("cpu.cfs_quota_us"), "50000")?;
+        }
+        Ok(cg)
+    }
+
+    /// Moves process `pid`, every thread, into `to`.
+    fn move_to(to: &std::path::Path, pid: u32) {
+        std::fs::write(to.join("cgroup.procs"), pid.to_string()).unwrap();
+    }
+}
+
+impl Drop for HalfCpu {
+    fn drop(&mut self) {
+        if let Ok(procs) = std::fs::read_to_string(self.dir.join("cgroup.procs")) {
+            for p in procs.lines() {
+                let _ = std::fs::write(self.parent.join("cgroup.procs"), p);
+            }
+        }
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
+/// `--spin-us auto` (the default): the kernel-UDP lcores poll on for 200 us
+/// past traffic while nothing limits the dataplane, stop once it is moved
+/// into a cgroup whose CPU quota (half a CPU) is under one per lcore and
+/// one more, and spin again once it is moved back out; `/v1/stats` says
+/// which (`spin_us`). Needs root and a writable cgroup CPU controller (CI
+/// has both); says why it checked nothing otherwise.
+#[test]
+fn auto_spin_stops_under_a_cpu_quota_and_comes_back_without_one() {
+    let mut rack = Rack::start(1, "64MiB");
+    let spin = |rack: &Rack| -> Option<u64> {
+        let s: phub::proto::api::DataplaneStats = ureq::get(&format!("{}/v1/stats", rack.mgmt_url))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap();
+        s.spin_us
+    };
+    let wait_for = |rack: &Rack, want: u64, what: &str| {
+        let start = std::time::Instant::now();
+        let mut seen = spin(rack);
+        while seen != Some(want) && start.elapsed() < Duration::from_secs(8) {
+            std::thread::sleep(Duration::from_millis(100));
+            seen = spin(rack);
+        }
+        let log = rack.dataplane.as_ref().unwrap().log_text();
+        assert_eq!(seen, Some(want), "{what}; the dataplane's log:\n{log}");
+    };
+    let pid = rack.dataplane.as_ref().unwrap().pid();
+    let Some((home, v2)) = cpu_cgroup_of(pid) else {
+        eprintln!("SKIPPED: no writable cgroup CPU controller here");
+        return;
+    };
+    let quota_now = std::fs::read_to_string(home.join(if v2 { "cpu.max" } else { "cpu.cfs_quota_us" }))
+        .unwrap_or_default();
+    if !(quota_now.starts_with("max") || quota_now.trim() == "-1") {
+        eprintln!("SKIPPED: this test's own cgroup has a CPU quota ({quota_now:?})");
+        return;
+    }
+    wait_for(&rack, 200, "no quota: the lcore spins");
+    let cg = match HalfCpu::make(&home, v2) {
+        Ok(cg) => cg,
+        Err(e) if !nix_is_root() => {
+            eprintln!("SKIPPED: cannot make a cgroup without root ({e})");
+            return;
+        }
+        Err(e) => panic!("making a cgroup under {}: {e}", home.display()),
+    };
+    HalfCpu::move_to(&cg.dir, pid);
+    wait_for(&rack, 0, "moved under half a CPU: the lcore no longer spins");
+    let log = rack.dataplane.as_ref().unwrap().log_text();
+    assert!(
+        log.contains("now 0 us: CPU quota 0.50 CPUs"),
+        "the log names the quota:\n{log}"
+    );
+    HalfCpu::move_to(&home, pid);
+    // An idle dataplane is not throttled at half a CPU, so no hold-off: it
+    // spins again, unless the other tests running beside this one crowd
+    // the CPUs (`auto` then stays off, and says so).
+    let start = std::time::Instant::now();
+    let crowded = |log: &str| {
+        log.split("now 0 us: CPU quota 0.50 CPUs")
+            .nth(1)
+            .is_some_and(|after| after.contains("other threads ready to run"))
+    };
+    while spin(&rack) != Some(200) && start.elapsed() < Duration::from_secs(8) {
+        if crowded(&rack.dataplane.as_ref().unwrap().log_text()) {
+            eprintln!("moved back out: other threads crowd the CPUs, the spin stays off");
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let log = rack.dataplane.as_ref().unwrap().log_text();
+    assert!(
+        spin(&rack) == Some(200) || crowded(&log),
+        "moved back out: neither spinning again nor crowded; the log:\n{log}"
+    );
+    drop(cg);
+    rack.kill_dataplane();
+}
+
+fn nix_is_root() -> bool {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("Uid:")
+                    .map(|u| u.split_whitespace().next() == Some("0"))
+            })
+        })
+        .unwrap_or(false)
+}

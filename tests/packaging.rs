@@ -266,6 +266,7 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
     // /metrics as control renders it for a DPDK dataplane with a job live
     // and a drop counted, so that every family is present.
     let dp = DataplaneStats {
+        spin_us: None,
         port: Some(phub_proto::api::PortStats::default()),
         backend: "dpdk".into(),
         lcores: vec![LcoreStats {

@@ -1219,6 +1219,7 @@ mod tests {
             l.drops.insert("stale".into(), dropped);
             Stats {
                 dataplane: Some(DataplaneStats {
+                    spin_us: None,
                     backend: "udp".into(),
                     lcores: vec![l],
                     jobs: vec![JobLive {
@@ -1489,6 +1490,7 @@ mod tests {
         let s = Stats {
             appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
+                spin_us: None,
                 port: None,
                 backend: "udp".into(),
                 lcores: vec![
@@ -1569,6 +1571,7 @@ mod tests {
         let stats = |lcores| Stats {
             appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
+                spin_us: None,
                 backend: "udp".into(),
                 port: None,
                 lcores,
@@ -1604,6 +1607,7 @@ mod tests {
         let s = Stats {
             appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
+                spin_us: None,
                 backend: "dpdk".into(),
                 port: Some(PortStats {
                     ipackets: 1012,

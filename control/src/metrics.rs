@@ -343,6 +343,7 @@ mod tests {
             serde_json::from_value::<LcoreStats>(m.into()).unwrap()
         };
         let dp = DataplaneStats {
+            spin_us: None,
             backend: "dpdk".into(),
             port: Some(PortStats {
                 imissed: 3,
@@ -490,6 +491,7 @@ mod tests {
     #[test]
     fn renders_every_family() {
         let dp = DataplaneStats {
+            spin_us: None,
             port: None,
             backend: "udp".into(),
             lcores: vec![

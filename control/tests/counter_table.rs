@@ -19,6 +19,7 @@ fn stats() -> DataplaneStats {
         serde_json::from_value::<LcoreStats>(m.into()).unwrap()
     };
     DataplaneStats {
+        spin_us: None,
         backend: "udp".into(),
         lcores: vec![lcore(0), lcore(1)],
         jobs: vec![],

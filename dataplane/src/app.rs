@@ -24,6 +24,7 @@ use crate::inject;
 use crate::kernels::Kernels;
 use crate::lcore::{Clock, LoopOptions};
 use crate::mgmt::{self, LcoreHandle, Manager};
+use crate::spin::SpinSetting;
 use crate::topology::Topology;
 
 /// A running dataplane.
@@ -66,21 +67,28 @@ impl Appliance {
                 BackendKind::Udp => cfg.busy_poll,
                 BackendKind::Dpdk => !cfg.dpdk.idle_backoff,
             },
-            spin: std::time::Duration::from_micros(cfg.spin_us),
+            // `--spin-us auto` is governed below, once the lcore count is
+            // known; a DPDK lcore backing off (tests, small machines) does
+            // not spin unless given a number.
+            spin: crate::spin::gate(match (cfg.backend, cfg.spin_us) {
+                (BackendKind::Dpdk, SpinSetting::Auto) => SpinSetting::Fixed(0),
+                (_, s) => s,
+            }),
             ..LoopOptions::default()
         };
+        let spin = Arc::clone(&opts.spin);
         if let Some(f) = cfg.inject {
             log::warn!("injecting faults on every lcore, both directions: {f}");
         }
         let mut handles = Vec::new();
         let started = match cfg.backend {
             BackendKind::Udp => {
-                let mut make = job_maker(kernels, clock, &stop, opts, cfg.inject, &mut handles);
+                let mut make = job_maker(kernels, clock, &stop, opts.clone(), cfg.inject, &mut handles);
                 backend::udp::start(cfg, &mut make)?
             }
             #[cfg(feature = "dpdk")]
             BackendKind::Dpdk => {
-                let mut make = job_maker(kernels, clock, &stop, opts, cfg.inject, &mut handles);
+                let mut make = job_maker(kernels, clock, &stop, opts.clone(), cfg.inject, &mut handles);
                 backend::dpdk::start::start(cfg, &mut make, &stop)?
             }
             #[cfg(not(feature = "dpdk"))]
@@ -102,6 +110,13 @@ impl Appliance {
         } = started;
         for (h, t) in handles.iter_mut().zip(threads) {
             h.thread = t;
+        }
+        // Only a kernel-UDP lcore that waits when idle spins before it does.
+        let spins = cfg.backend == BackendKind::Udp && !opts.busy_poll;
+        if spins && cfg.spin_us == SpinSetting::Auto {
+            let counters: Vec<_> = handles.iter().map(|h| Arc::clone(&h.counters)).collect();
+            let traffic = move || counters.iter().map(|c| c.rx_packets.get()).sum();
+            crate::spin::govern(&spin, lcores.len(), traffic, &stop);
         }
         let info = DataplaneInfo {
             backend: backend.into(),
@@ -126,6 +141,9 @@ impl Appliance {
         }
         if let Some(reader) = socket_drops {
             manager = manager.with_socket_drops(mgmt::SocketDropsReader(reader));
+        }
+        if spins {
+            manager = manager.with_spin(spin);
         }
         let data = SocketAddrV4::new(cfg.host, base_port);
         match Appliance::serve(cfg, Arc::new(manager), Arc::clone(&stop), data) {
@@ -270,6 +288,7 @@ fn job_maker<'h, Io: PacketIo>(
             thread: None,
         });
         let stop = Arc::clone(&stop);
+        let opts = opts.clone();
         Box::new(move || inject::run_lcore(l.io, shard, rx, stop, clock, opts, faults))
     }
 }

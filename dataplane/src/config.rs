@@ -60,13 +60,15 @@ pub struct Config {
     #[arg(long)]
     pub busy_poll: bool,
     /// Without --busy-poll (udp backend): keep polling for this many
-    /// microseconds after the last datagram before waiting in the kernel
-    /// (0, the default: wait at once). A datagram that comes meanwhile is
-    /// taken without waking a sleeping thread; an idle lcore still sleeps.
-    /// 200 pays where each lcore has a core of its own (not under a CPU
-    /// quota or beside busy processes, where it spins their time away).
-    #[arg(long, default_value_t = crate::lcore::DEFAULT_SPIN_US, value_name = "US")]
-    pub spin_us: u64,
+    /// microseconds after the last datagram before waiting in the kernel (0:
+    /// wait at once). A datagram that comes meanwhile is taken without
+    /// waking a sleeping thread; an idle lcore still sleeps. `auto`, the
+    /// default: 200 while there is room for it (no CPU quota under one CPU
+    /// per lcore and one more on the dataplane's cgroups, no throttling
+    /// lately, no crowd of other threads waiting for the CPUs the lcores
+    /// leave), 0 otherwise, decided every second (docs/OPERATING.md).
+    #[arg(long, default_value = "auto", value_name = "US|auto")]
+    pub spin_us: crate::spin::SpinSetting,
     /// Inject faults on every queue, both directions (tests and soaks), e.g.
     /// `loss=0.05,dup=0.01,reorder=0.01,seed=7`. Off by default.
     #[arg(long, value_name = "FAULTS")]

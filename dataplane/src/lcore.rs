@@ -22,6 +22,7 @@ use crate::backend::PacketIo;
 
 use crate::engine::{EngineError, HierInstall, JobInstall, JobShardStats, Shard};
 use crate::shm::ShmSetup;
+use crate::spin::SpinGate;
 
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
@@ -48,7 +49,7 @@ pub enum Command {
 }
 
 /// How an lcore waits when there is nothing to do.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct LoopOptions {
     /// Spin without ever waiting in the kernel.
     pub busy_poll: bool,
@@ -59,23 +60,18 @@ pub struct LoopOptions {
     /// after the last burst that brought something, before waiting in the
     /// kernel. A datagram that arrives meanwhile is taken at once, rather
     /// than after a sleeping thread (on a VM, a halted vCPU) is woken.
-    pub spin: Duration,
+    /// Read every turn: `--spin-us auto` changes it as the dataplane's
+    /// cgroups allow ([`crate::spin`]).
+    pub spin: Arc<SpinGate>,
 }
 
-/// [`LoopOptions::spin`] unless told otherwise, in microseconds: none.
-/// 200 us made ResNet-50 rounds 15% faster on a VM where the lcore had its
-/// core, and 1.5x slower where the dataplane ran under a CPU quota (it
-/// spins its quota away): BENCHMARKS.md, "Spinning before sleeping".
-pub const DEFAULT_SPIN_US: u64 = 0;
-/// [`DEFAULT_SPIN_US`] as a duration.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(DEFAULT_SPIN_US);
-
 impl Default for LoopOptions {
+    /// Waits at once when idle, for up to 20 ms.
     fn default() -> LoopOptions {
         LoopOptions {
             busy_poll: false,
             idle_wait: Duration::from_millis(20),
-            spin: DEFAULT_SPIN,
+            spin: Arc::new(SpinGate::new(Duration::ZERO)),
         }
     }
 }
@@ -120,19 +116,17 @@ pub fn run<Io: PacketIo>(
     let counters = Arc::clone(shard.counters());
     shard.set_rx_buffer(io.stated_rx_buffer());
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
-    // Nanoseconds to spin after a burst that brought something (none when
-    // the loop never waits anyway), and that burst's instant on `clock`:
-    // the turn's one clock read serves the spin too.
-    let spin_ns = if wait.is_some() {
-        u64::try_from(opts.spin.as_nanos()).unwrap_or(u64::MAX)
-    } else {
-        0
-    };
+    // The instant on `clock` of the last burst that brought something: the
+    // turn's one clock read serves the spin too.
     let mut last_busy: Option<u64> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
             apply(&mut shard, cmd, clock.now());
         }
+        // Nanoseconds to spin after such a burst (none when the loop never
+        // waits anyway): one relaxed load of a line written once a second
+        // at most.
+        let spin_ns = if wait.is_some() { opts.spin.nanos() } else { 0 };
         let now = clock.now();
         let spinning = last_busy.is_some_and(|t| now.saturating_sub(t) < spin_ns);
         let n = io.rx_burst(if spinning { None } else { wait }, &mut |from, datagram| {
@@ -231,11 +225,14 @@ mod tests {
 
     /// A queue that brings one datagram on its first call and nothing
     /// after, sleeping for the wait it is given as a socket would, records
-    /// each wait in `waits`, and stops the loop after `calls` calls.
+    /// each wait in `waits`, and stops the loop after `calls` calls; at
+    /// call `close.0` it closes the gate `close.1` (as `--spin-us auto`'s
+    /// governor does).
     struct Waits {
         calls: usize,
         waits: Arc<Mutex<Vec<Option<Duration>>>>,
         stop: Arc<AtomicBool>,
+        close: Option<(usize, Arc<SpinGate>)>,
     }
 
     impl PacketIo for Waits {
@@ -253,6 +250,11 @@ mod tests {
             };
             if n >= self.calls {
                 self.stop.store(true, Ordering::Relaxed);
+            }
+            if let Some((at, gate)) = &self.close {
+                if n == *at {
+                    gate.set(Duration::ZERO);
+                }
             }
             if n == 1 {
                 f(9, b"not a phub datagram");
@@ -279,12 +281,18 @@ mod tests {
     /// The waits an lcore loop with `opts` asks its queue for, turn by
     /// turn, over `calls` turns.
     fn waits(opts: LoopOptions, calls: usize) -> Vec<Option<Duration>> {
+        waits_closing(opts, calls, None)
+    }
+
+    /// [`waits`], closing the loop's spin gate at call `close`.
+    fn waits_closing(opts: LoopOptions, calls: usize, close: Option<usize>) -> Vec<Option<Duration>> {
         let stop = Arc::new(AtomicBool::new(false));
         let log = Arc::new(Mutex::new(Vec::new()));
         let io = Waits {
             calls,
             waits: Arc::clone(&log),
             stop: Arc::clone(&stop),
+            close: close.map(|at| (at, Arc::clone(&opts.spin))),
         };
         let (_tx, rx) = crossbeam_channel::bounded(1);
         run(io, Shard::new(0, Kernels::best()), rx, stop, Clock::start(), opts).unwrap();
@@ -299,31 +307,37 @@ mod tests {
     fn the_loop_spins_for_its_spin_after_traffic_then_waits() {
         let idle = Duration::from_millis(1);
         // A spin far longer than the test: every turn after the datagram polls.
-        let long = LoopOptions {
+        let gate = |d| Arc::new(SpinGate::new(d));
+        let long = || LoopOptions {
             busy_poll: false,
             idle_wait: idle,
-            spin: Duration::from_secs(3600),
+            spin: gate(Duration::from_secs(3600)),
         };
-        let w = waits(long, 50);
+        let w = waits(long(), 50);
         assert_eq!(w[0], Some(idle), "no traffic yet: it waits");
         assert!(w[1..].iter().all(Option::is_none), "{w:?}");
         let none = LoopOptions {
-            spin: Duration::ZERO,
-            ..long
+            spin: gate(Duration::ZERO),
+            ..long()
         };
         assert!(waits(none, 50).iter().all(|&x| x == Some(idle)));
         let busy = LoopOptions {
             busy_poll: true,
-            ..long
+            ..long()
         };
         assert!(waits(busy, 50).iter().all(Option::is_none));
         // A 1 us spin is over long before 200 turns are (each takes more
         // than 5 ns): the last turns wait again.
         let short = LoopOptions {
-            spin: Duration::from_micros(1),
-            ..long
+            spin: gate(Duration::from_micros(1)),
+            ..long()
         };
         let w = waits(short, 200);
         assert_eq!(w.last(), Some(&Some(idle)), "{w:?}");
+        // The gate closed mid-spin (the governor saw a quota): the next
+        // turn waits, and every one after it.
+        let w = waits_closing(long(), 50, Some(20));
+        assert!(w[1..20].iter().all(Option::is_none), "{w:?}");
+        assert!(w[20..].iter().all(|&x| x == Some(idle)), "{w:?}");
     }
 }

@@ -26,6 +26,7 @@ pub mod mgmt;
 pub mod optim;
 pub mod shm;
 pub mod slotmem;
+pub mod spin;
 pub mod topology;
 pub mod transmit;
 

@@ -81,6 +81,9 @@ pub struct Manager {
     clock: Clock,
     port_stats: Option<PortStatsReader>,
     socket_drops: Option<SocketDropsReader>,
+    /// The lcores' spin before they sleep, where they spin (kernel UDP,
+    /// not busy polling).
+    spin: Option<Arc<crate::spin::SpinGate>>,
 }
 
 /// Reads how many datagrams the kernel dropped at lcore i's socket
@@ -112,6 +115,7 @@ impl Manager {
             clock,
             port_stats: None,
             socket_drops: None,
+            spin: None,
         }
     }
 
@@ -119,6 +123,12 @@ impl Manager {
     /// as the lcore's `socket_full` drops.
     pub fn with_socket_drops(mut self, reader: SocketDropsReader) -> Manager {
         self.socket_drops = Some(reader);
+        self
+    }
+
+    /// Reports the spin the lcores use now in `/v1/stats` (`spin_us`).
+    pub fn with_spin(mut self, gate: Arc<crate::spin::SpinGate>) -> Manager {
+        self.spin = Some(gate);
         self
     }
 
@@ -469,6 +479,7 @@ impl Manager {
         DataplaneStats {
             backend: self.info.backend.clone(),
             port: self.port_stats.as_ref().and_then(|r| (r.0)()),
+            spin_us: self.spin.as_ref().map(|g| g.micros()),
             lcores,
             jobs: jobs
                 .into_values()

@@ -64,7 +64,7 @@ impl Rig {
             mgmt_token_file: None,
             memory_budget: 64 << 20,
             busy_poll: false,
-            spin_us: 0,
+            spin_us: phub_dataplane::spin::SpinSetting::Fixed(0),
             inject: None,
             no_pin: true,
             socket_buffer: 0,

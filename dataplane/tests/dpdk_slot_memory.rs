@@ -168,7 +168,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         mgmt_token_file: None,
         memory_budget: 1 << 30,
         busy_poll: false,
-        spin_us: 0,
+        spin_us: phub_dataplane::spin::SpinSetting::Fixed(0),
         inject: None,
         no_pin: true,
         socket_buffer: 0,

@@ -737,6 +737,11 @@ pub struct DataplaneStats {
     /// The DPDK port's own counters (DPDK backend only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub port: Option<PortStats>,
+    /// How long the lcores poll on after traffic before they sleep now,
+    /// microseconds (kernel UDP without busy polling; `--spin-us auto`
+    /// changes it as the dataplane's cgroups allow).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spin_us: Option<u64>,
 }
 
 impl DataplaneStats {
@@ -790,6 +795,7 @@ mod tests {
             ..LcoreStats::default()
         };
         let d = DataplaneStats {
+            spin_us: None,
             backend: "udp".into(),
             lcores: vec![
                 lcore(0, &[("duplicate", 3)]),

@@ -1328,7 +1328,7 @@ fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
         mgmt_token_file: None,
         memory_budget: 64 << 20,
         busy_poll: false,
-        spin_us: 0,
+        spin_us: phub_dataplane::spin::SpinSetting::Fixed(0),
         inject: None,
         no_pin: true,
         socket_buffer: 4 << 20,

@@ -361,6 +361,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 req,
                 200,
                 &DataplaneStats {
+                    spin_us: None,
                     port: None,
                     backend: "fake".into(),
                     lcores,
