@@ -12,9 +12,11 @@
 //! that throttled it turns the spin off for a while, doubling each time),
 //! and no crowd of other threads waiting for the CPUs the lcores leave
 //! (spinning beside 4 or 8 busy workers on 2 vCPUs made rounds 5-10%
-//! slower): counted from `/proc/loadavg` every [`SAMPLE_EVERY`], with the
-//! spin off for one second in ten (a spinning lcore itself keeps others
-//! waiting). The governor decides every [`CHECK_EVERY`], so a dataplane
+//! slower): counted from `/proc/loadavg` with the spin off (a spinning
+//! lcore itself keeps others waiting): for [`PROBE_SPAN`] after
+//! [`PROBE_FIRST`] and then every [`PROBE_EVERY`] seconds of traffic, and
+//! all the time it is off. The governor decides every [`CHECK_EVERY`]
+//! (and at the end of each probe), so a dataplane
 //! moved into a limited cgroup after it started stops spinning within a
 //! second or two. Every lcore reads the spin it may use from one
 //! [`SpinGate`].
@@ -43,7 +45,7 @@ pub const CROWD_ENTER: f64 = 1.25;
 /// rounds 17% faster), 2.8-3.6 with 4 and 3.3-4.9 with 8 (5-10% slower).
 pub const CROWD_LEAVE: f64 = 1.0;
 /// Readings with traffic between `auto`'s probes (seconds of traffic).
-pub const PROBE_EVERY: u32 = 10;
+pub const PROBE_EVERY: u32 = 30;
 /// Readings with traffic before the first probe, and after the spin comes
 /// back on.
 pub const PROBE_FIRST: u32 = 2;
@@ -369,6 +371,12 @@ impl std::fmt::Display for Reason {
 }
 
 impl Governor {
+    /// Whether the next reading is a probe (the spin off to count the
+    /// others).
+    pub fn probing(&self) -> bool {
+        self.mode == Mode::Probe
+    }
+
     /// A governor for `lcores` lcores on a host of `cpus` CPUs; it spins
     /// from its first reading unless that says otherwise, and probes after
     /// [`PROBE_FIRST`] seconds of traffic.
@@ -503,22 +511,24 @@ pub fn govern(
     let spawned = std::thread::Builder::new()
         .name("phub-spin-gov".into())
         .spawn(move || {
-            let mut was = on;
+            let mut was = (on, std::mem::discriminant(&why));
             let mut seen = traffic();
-            let mut next = Instant::now() + CHECK_EVERY;
+            // A reading: its length and how often it samples (a probe is
+            // short and samples more often, to cost the lcore little).
+            let (mut span, mut every) = (CHECK_EVERY, SAMPLE_EVERY);
+            let mut start = Instant::now();
             let (mut sum, mut samples) = (0u64, 0u32);
             while !stop.load(Ordering::Relaxed) {
-                std::thread::sleep(SAMPLE_EVERY);
+                std::thread::sleep(every);
                 if let Some(n) = read_running() {
                     // Less this thread, reading, and the lcores.
                     sum += n.saturating_sub(1 + lcores as u64);
                     samples += 1;
                 }
                 let now = Instant::now();
-                if now < next {
+                if now < start + span {
                     continue;
                 }
-                next = now + CHECK_EVERY;
                 // Cast: at most a few thousand threads, 50 samples.
                 #[allow(clippy::cast_precision_loss)]
                 let others = (samples > 0).then(|| sum as f64 / f64::from(samples));
@@ -532,10 +542,18 @@ pub fn govern(
                 );
                 let (on, why) = gov.decide(limit, others, busy, now);
                 g.set(if on { auto } else { Duration::ZERO });
-                if on != was {
+                // Each change of the spin, or of why it is off.
+                let kind = (on, std::mem::discriminant(&why));
+                if kind != was {
                     log::info!("lcore spin (--spin-us auto): now {} us: {why}", g.micros());
-                    was = on;
+                    was = kind;
                 }
+                (span, every) = if gov.probing() {
+                    (PROBE_SPAN, PROBE_SAMPLE_EVERY)
+                } else {
+                    (CHECK_EVERY, SAMPLE_EVERY)
+                };
+                start = Instant::now();
             }
         });
     if let Err(e) = spawned {
@@ -546,6 +564,10 @@ pub fn govern(
 
 /// How often the governor counts the threads ready to run.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(20);
+/// How long a probe is (the spin off, the others counted)...
+pub const PROBE_SPAN: Duration = Duration::from_millis(250);
+/// ... and how often it counts them.
+pub const PROBE_SAMPLE_EVERY: Duration = Duration::from_millis(5);
 
 /// Threads ready to run on the host now (`/proc/loadavg`'s running count,
 /// the reader included).
@@ -778,36 +800,46 @@ mod tests {
         for t in 1..PROBE_EVERY {
             assert!(g.decide(free, Some(3.0), true, s(33 + u64::from(t))).0);
         }
-        assert_eq!(g.decide(free, Some(3.0), true, s(43)), (false, Reason::Probing));
+        let p = 33 + u64::from(PROBE_EVERY);
+        assert_eq!(g.decide(free, Some(3.0), true, s(p)), (false, Reason::Probing));
+        assert!(g.probing());
         // As with 4 workers (2.8): off, and off while they stay above 2.
         assert_eq!(
-            g.decide(free, Some(2.8), true, s(44)),
+            g.decide(free, Some(2.8), true, s(p + 1)),
             (false, Reason::Crowded(2.8, 1.0))
         );
+        assert!(!g.probing());
         assert_eq!(
-            g.decide(free, Some(2.1), true, s(45)),
+            g.decide(free, Some(2.1), true, s(p + 2)),
             (false, Reason::Crowded(2.1, 1.0))
         );
         // Under 2: on, and the next probe comes sooner.
-        assert_eq!(g.decide(free, Some(1.9), true, s(46)), (true, Reason::Unlimited));
-        assert!(g.decide(free, Some(3.0), true, s(47)).0);
-        assert_eq!(g.decide(free, Some(3.0), true, s(48)), (false, Reason::Probing));
+        assert_eq!(
+            g.decide(free, Some(1.9), true, s(p + 3)),
+            (true, Reason::Unlimited)
+        );
+        assert!(g.decide(free, Some(3.0), true, s(p + 4)).0);
+        assert_eq!(
+            g.decide(free, Some(3.0), true, s(p + 5)),
+            (false, Reason::Probing)
+        );
         // 16 CPUs, 4 lcores: 12 beside them, off above 13.25.
         let mut g = Governor::new(4, 16);
         assert!(g.decide(free, None, false, s(0)).0);
         assert!(g.decide(free, Some(20.0), true, s(1)).0);
         assert!(!g.decide(free, Some(20.0), true, s(2)).0);
         assert!(g.decide(free, Some(13.2), true, s(3)).0);
-        for t in 4..13 {
+        let p = 3 + u64::from(PROBE_EVERY);
+        for t in 4..p {
             assert!(g.decide(free, Some(20.0), true, s(t)).0);
         }
-        assert!(!g.decide(free, Some(20.0), true, s(13)).0);
+        assert!(!g.decide(free, Some(20.0), true, s(p)).0);
         assert_eq!(
-            g.decide(free, Some(13.3), true, s(14)),
+            g.decide(free, Some(13.3), true, s(p + 1)),
             (false, Reason::Crowded(13.3, 12.0))
         );
         // Nothing known while off: on.
-        assert!(g.decide(free, None, true, s(15)).0);
+        assert!(g.decide(free, None, true, s(p + 2)).0);
     }
 
     #[test]
