@@ -858,8 +858,12 @@ fn render_dataplane(
     let mut out = String::new();
     match (dataplane, error) {
         (Some(dp), _) => {
+            let spin = dp
+                .spin_us
+                .map(|us| format!(", lcores spin {us} us past traffic before they sleep"))
+                .unwrap_or_default();
             out.push_str(&format!(
-                "{title}: {} backend, {} lcores\n\n",
+                "{title}: {} backend, {} lcores{spin}\n\n",
                 dp.backend,
                 dp.lcores.len()
             ));
@@ -1627,6 +1631,17 @@ mod tests {
         };
         let t = render_stats(&s);
         assert!(t.starts_with("dataplane: dpdk backend, 2 lcores\n"), "{t}");
+        // A kernel-UDP dataplane says how long its lcores spin.
+        let mut udp = s.clone();
+        let d = udp.dataplane.as_mut().unwrap();
+        (d.backend, d.spin_us, d.port) = ("udp".into(), Some(200), None);
+        let u = render_stats(&udp);
+        assert!(
+            u.starts_with(
+                "dataplane: udp backend, 2 lcores, lcores spin 200 us past traffic before they sleep\n"
+            ),
+            "{u}"
+        );
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[3].ends_with("0          4    1      -"), "{t}");
         assert!(lines[4].ends_with("0          9    0      -"), "{t}");

@@ -245,6 +245,28 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
         }
     }
 
+    let spins: Vec<(&str, u64)> = appliances
+        .iter()
+        .filter_map(|(name, d)| Some((*name, (*d)?.spin_us?)))
+        .collect();
+    if !spins.is_empty() {
+        o.family(
+            "phub_dataplane_spin_seconds",
+            "gauge",
+            "How long the kernel-UDP lcores poll on after traffic before they sleep, now (--spin-us)",
+        );
+        for (appliance, us) in &spins {
+            // Cast: microseconds, at most 10^6.
+            #[allow(clippy::cast_precision_loss)]
+            let secs = *us as f64 / 1e6;
+            o.sample(
+                "phub_dataplane_spin_seconds",
+                &labels(labelled, appliance, &[]),
+                secs,
+            );
+        }
+    }
+
     o.family("phub_jobs", "gauge", "Jobs admitted by phub-control");
     o.sample("phub_jobs", &[], jobs.len() as u64);
     let ids: Vec<String> = jobs.iter().map(|j| j.id.to_string()).collect();
@@ -343,7 +365,7 @@ mod tests {
             serde_json::from_value::<LcoreStats>(m.into()).unwrap()
         };
         let dp = DataplaneStats {
-            spin_us: None,
+            spin_us: Some(200),
             backend: "dpdk".into(),
             port: Some(PortStats {
                 imissed: 3,
@@ -491,7 +513,7 @@ mod tests {
     #[test]
     fn renders_every_family() {
         let dp = DataplaneStats {
-            spin_us: None,
+            spin_us: Some(200),
             port: None,
             backend: "udp".into(),
             lcores: vec![
@@ -543,6 +565,7 @@ mod tests {
             "phub_job_workers_joined{job=\"1\",name=\"my \\\"net\\\"\"} 1",
             "phub_job_rounds_completed_total{job=\"1\"} 5",
             "phub_job_memory_bytes{job=\"1\"} 4096",
+            "phub_dataplane_spin_seconds 0.0002",
         ] {
             assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
         }
@@ -558,6 +581,7 @@ mod tests {
             "phub_lcore_drops_total{appliance=\"a\",lcore=\"0\",reason=\"bad_token\"} 3",
             "phub_job_rounds_completed_total{job=\"1\"} 10",
             "phub_job_pushes_total{job=\"1\"} 80",
+            "phub_dataplane_spin_seconds{appliance=\"b\"} 0.0002",
         ] {
             assert!(two.lines().any(|l| l == line), "missing {line:?} in\n{two}");
         }
