@@ -449,6 +449,10 @@ pub struct Counters {
     pub drops_by_reason: std::collections::BTreeMap<String, u64>,
     /// Faults the dataplane's injector caused (`--inject` with `--local`).
     pub injected: Injected,
+    /// The spin the kernel-UDP lcores used at the end of the rounds
+    /// (`--spin-us`; `auto` sets it as the machine allows), microseconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spin_us: Option<u64>,
 }
 
 fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
@@ -475,6 +479,7 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
             reorders: t.injected_reorders,
             delays: t.injected_delays,
         },
+        spin_us: dp.spin_us,
     };
     let backend = dp.backend;
     Some((backend, c))
@@ -506,6 +511,7 @@ impl Counters {
                 reorders: self.injected.reorders.saturating_sub(before.injected.reorders),
                 delays: self.injected.delays.saturating_sub(before.injected.delays),
             },
+            spin_us: self.spin_us,
         }
     }
 }
@@ -1302,6 +1308,17 @@ fn print_table(points: &[RunResult]) {
             "GB/s = 1e9 bytes/s; goodput = model bytes per worker / median round; in/out = dataplane counters / timed wall time;"
         );
         println!("dp cpu / wk cpu = CPU ms per timed round of the dataplane process / of all workers");
+        let spins: Vec<String> = points
+            .iter()
+            .filter_map(|r| r.appliance.as_ref()?.spin_us)
+            .map(|us| us.to_string())
+            .collect();
+        if !spins.is_empty() {
+            println!(
+                "lcore spin at the end of each row's rounds (kernel UDP, --spin-us): {} us",
+                spins.join(", ")
+            );
+        }
         if points.iter().any(|r| r.shm) {
             println!(
                 "shm = chunks and results through shared memory (--shm): in/out count datagram bytes, headers only; no cpu s/GB"
