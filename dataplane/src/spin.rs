@@ -454,7 +454,12 @@ impl Governor {
                 self.mode = Mode::Probe;
                 (false, Reason::Probing)
             }
-            Mode::Probe if !busy => (false, Reason::Probing),
+            // Traffic stopped: nothing to judge by; probe again at the
+            // next reading with traffic (not sampling fast while idle).
+            Mode::Probe if !busy => {
+                self.mode = Mode::On(1);
+                (true, free)
+            }
             Mode::Probe | Mode::Off => {
                 let most = room
                     + if was == Mode::Probe {
@@ -792,8 +797,10 @@ mod tests {
         // nothing until the probe, after PROBE_FIRST seconds of traffic.
         assert_eq!(g.decide(free, Some(3.2), true, s(30)), (true, Reason::Unlimited));
         assert_eq!(g.decide(free, Some(3.2), true, s(31)), (false, Reason::Probing));
-        // An idle reading in a probe waits for traffic to judge.
-        assert_eq!(g.decide(free, Some(0.1), false, s(32)), (false, Reason::Probing));
+        // An idle reading in a probe: on (it costs nothing idle), and the
+        // next reading with traffic probes.
+        assert_eq!(g.decide(free, Some(0.1), false, s(32)), (true, Reason::Unlimited));
+        assert_eq!(g.decide(free, Some(3.2), true, s(32)), (false, Reason::Probing));
         // As with 2 workers, the spin off (1.8 others): on, for
         // PROBE_EVERY seconds of traffic.
         assert_eq!(g.decide(free, Some(1.8), true, s(33)), (true, Reason::Unlimited));
