@@ -16,9 +16,10 @@
 //! lcore itself keeps others waiting): for [`PROBE_SPAN`] after
 //! [`PROBE_FIRST`] and then every [`PROBE_EVERY`] seconds of traffic, and
 //! all the time it is off. The governor decides every [`CHECK_EVERY`]
-//! (and at the end of each probe), so a dataplane
-//! moved into a limited cgroup after it started stops spinning within a
-//! second or two. Every lcore reads the spin it may use from one
+//! (and at the end of each probe), and at once when the process moved
+//! to other cgroups (looked at every [`MOVE_CHECK`]), so a dataplane moved
+//! into a limited cgroup after it started stops spinning within a tenth of
+//! a second. Every lcore reads the spin it may use from one
 //! [`SpinGate`].
 
 use std::path::{Path, PathBuf};
@@ -523,6 +524,10 @@ pub fn govern(
             let (mut span, mut every) = (CHECK_EVERY, SAMPLE_EVERY);
             let mut start = Instant::now();
             let (mut sum, mut samples) = (0u64, 0u32);
+            // Which cgroups the process is in, looked at every MOVE_CHECK:
+            // moved (into a limited one, say), it decides at once.
+            let cgroups = || std::fs::read_to_string("/proc/self/cgroup").ok();
+            let (mut member, mut looked) = (cgroups(), Instant::now());
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(every);
                 if let Some(n) = read_running() {
@@ -531,7 +536,13 @@ pub fn govern(
                     samples += 1;
                 }
                 let now = Instant::now();
-                if now < start + span {
+                let mut moved = false;
+                if now >= looked + MOVE_CHECK {
+                    let m = cgroups();
+                    moved = m != member;
+                    (member, looked) = (m, now);
+                }
+                if now < start + span && !moved {
                     continue;
                 }
                 // Cast: at most a few thousand threads, 50 samples.
@@ -569,6 +580,9 @@ pub fn govern(
 
 /// How often the governor counts the threads ready to run.
 pub const SAMPLE_EVERY: Duration = Duration::from_millis(20);
+/// How often it looks whether the process moved to other cgroups (then it
+/// decides at once, not at the end of the reading).
+pub const MOVE_CHECK: Duration = Duration::from_millis(100);
 /// How long a probe is (the spin off, the others counted)...
 pub const PROBE_SPAN: Duration = Duration::from_millis(250);
 /// ... and how often it counts them.
