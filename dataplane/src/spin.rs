@@ -225,13 +225,18 @@ fn mount_for(line: &str, v2: bool) -> Option<(String, String)> {
     ok.then(|| (unescape(root), unescape(mount)))
 }
 
-/// mountinfo escapes spaces and a few other bytes as `\ooo`.
+/// mountinfo escapes spaces and a few other bytes as `\ooo` (a byte: the
+/// first digit at most 3; anything else is kept as it is).
 fn unescape(s: &str) -> String {
     let b = s.as_bytes();
     let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
     while i < b.len() {
-        if b[i] == b'\\' && i + 3 < b.len() && b[i + 1..i + 4].iter().all(|c| (b'0'..=b'7').contains(c)) {
+        if b[i] == b'\\'
+            && i + 3 < b.len()
+            && (b'0'..=b'3').contains(&b[i + 1])
+            && b[i + 2..i + 4].iter().all(|c| (b'0'..=b'7').contains(c))
+        {
             out.push((b[i + 1] - b'0') * 64 + (b[i + 2] - b'0') * 8 + (b[i + 3] - b'0'));
             i += 4;
         } else {
@@ -685,6 +690,9 @@ mod tests {
         assert!(cpu_cgroup_dirs("2:cpuacct:/x\n", mountinfo).is_empty());
         assert!(cpu_cgroup_dirs("0::/x\n", "").is_empty());
         assert_eq!(unescape(r"/a\040b"), "/a b");
+        for kept in [r"\777", r"\04", r"a\"] {
+            assert_eq!(unescape(kept), kept);
+        }
     }
 
     #[test]
