@@ -124,8 +124,8 @@ pub fn run<Io: PacketIo>(
             apply(&mut shard, cmd, clock.now());
         }
         // Nanoseconds to spin after such a burst (none when the loop never
-        // waits anyway): one relaxed load of a line written once a second
-        // at most.
+        // waits anyway): one relaxed load of a line written only when the
+        // spin changes.
         let spin_ns = if wait.is_some() { opts.spin.nanos() } else { 0 };
         let now = clock.now();
         let spinning = last_busy.is_some_and(|t| now.saturating_sub(t) < spin_ns);

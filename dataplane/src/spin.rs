@@ -107,9 +107,13 @@ impl SpinGate {
         self.nanos() / 1000
     }
 
-    /// Lets `spin` through from the lcores' next turn on.
+    /// Lets `spin` through from the lcores' next turn on (the line the
+    /// lcores read is written only when the spin changes).
     pub fn set(&self, spin: Duration) {
-        self.0.store(nanos(spin), Ordering::Relaxed);
+        let ns = nanos(spin);
+        if self.nanos() != ns {
+            self.0.store(ns, Ordering::Relaxed);
+        }
     }
 }
 
