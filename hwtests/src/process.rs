@@ -10,20 +10,52 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-/// A free TCP port on 127.0.0.1 (for a daemon's HTTP API).
+/// Ports this process has handed out (TCP and UDP alike): a port is free
+/// once its probe socket closes, so two threads starting daemons at once
+/// (the tests of one binary) could otherwise both be given it, and one
+/// daemon's readiness check would then be answered by the other's.
+static GIVEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+
+/// Records `ports` as handed out; false (nothing recorded) if any already
+/// was.
+fn claim(ports: std::ops::Range<u32>) -> bool {
+    let mut given = GIVEN.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    // Cast: the range is within u16 (callers check).
+    #[allow(clippy::cast_possible_truncation)]
+    let ports: Vec<u16> = ports.map(|p| p as u16).collect();
+    if ports.iter().any(|p| given.contains(p)) {
+        return false;
+    }
+    given.extend(ports);
+    true
+}
+
+/// A free TCP port on 127.0.0.1 (for a daemon's HTTP API), never one this
+/// process handed out before.
 pub fn free_port() -> io::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    for _ in 0..200 {
+        let port = TcpListener::bind("127.0.0.1:0")?.local_addr()?.port();
+        if claim(u32::from(port)..u32::from(port) + 1) {
+            return Ok(port);
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AddrInUse,
+        "no free TCP port on 127.0.0.1 that this process has not handed out",
+    ))
 }
 
 /// A base port with `n` consecutive free UDP ports on 127.0.0.1 (for a
-/// dataplane's queues).
+/// dataplane's queues), none of them handed out by this process before.
 pub fn free_udp_ports(n: u16) -> io::Result<u16> {
     for _ in 0..200 {
         let base = UdpSocket::bind("127.0.0.1:0")?.local_addr()?.port();
         if base > u16::MAX - n {
             continue;
         }
-        if (0..n).all(|i| UdpSocket::bind(("127.0.0.1", base + i)).is_ok()) {
+        if (0..n).all(|i| UdpSocket::bind(("127.0.0.1", base + i)).is_ok())
+            && claim(u32::from(base)..u32::from(base) + u32::from(n))
+        {
             return Ok(base);
         }
     }
@@ -317,4 +349,34 @@ pub fn stop_on_signal(program: &'static str) -> Result<(), String> {
         std::process::exit(130);
     })
     .map_err(|e| format!("installing the SIGINT/SIGTERM/SIGHUP handler: {e}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Threads asking at once never get a port twice, TCP or UDP.
+    #[test]
+    fn no_port_is_handed_out_twice_in_a_process() {
+        let ports: Vec<u16> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| {
+                    s.spawn(|| {
+                        let mut mine = Vec::new();
+                        for _ in 0..50 {
+                            mine.push(free_port().unwrap());
+                            let base = free_udp_ports(3).unwrap();
+                            mine.extend([base, base + 1, base + 2]);
+                        }
+                        mine
+                    })
+                })
+                .collect();
+            hs.into_iter().flat_map(|h| h.join().unwrap()).collect()
+        });
+        let mut sorted = ports.clone();
+        sorted.sort_unstable();
+        sorted.dedup();
+        assert_eq!(sorted.len(), ports.len(), "a port handed out twice");
+    }
 }
