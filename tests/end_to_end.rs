@@ -349,34 +349,6 @@ fn an_evicted_jobs_worker_fails_at_once_saying_so() {
     assert!(took < Duration::from_secs(10), "failed after {took:?}");
 }
 
-/// The CPU controller's cgroup `pid` is in (v1 `cpu` or v2), as (the
-/// directory, whether it is v2); None where neither is mounted writable.
-fn cpu_cgroup_of(pid: u32) -> Option<(std::path::PathBuf, bool)> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-    for line in text.lines() {
-        let mut parts = line.splitn(3, ':');
-        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
-        let rel = path.trim_start_matches('/');
-        if controllers.split(',').any(|c| c == "cpu") {
-            for mount in ["/sys/fs/cgroup/cpu", "/sys/fs/cgroup/cpu,cpuacct"] {
-                let dir = std::path::Path::new(mount).join(rel);
-                if dir.join("cpu.cfs_quota_us").exists() {
-                    return Some((dir, false));
-                }
-            }
-        }
-        if controllers.is_empty() {
-            let dir = std::path::Path::new("/sys/fs/cgroup").join(rel);
-            let has_cpu = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
-                .is_ok_and(|c| c.split_whitespace().any(|c| c == "cpu"));
-            if has_cpu && dir.join("cgroup.procs").exists() {
-                return Some((dir, true));
-            }
-        }
-    }
-    None
-}
-
 /// A child cgroup with a CPU quota of half a CPU, removed when dropped
 /// (after whatever was moved into it is moved back out).
 struct HalfCpu {
@@ -450,8 +422,12 @@ fn auto_spin_stops_under_a_cpu_quota_and_comes_back_without_one() {
         assert_eq!(seen, Some(want), "{what}; the dataplane's log:\n{log}");
     };
     let pid = rack.dataplane.as_ref().unwrap().pid();
-    let Some((home, v2)) = cpu_cgroup_of(pid) else {
-        eprintln!("SKIPPED: no writable cgroup CPU controller here");
+    // The dataplane's CPU cgroup: v1's `cpu` controller where mounted
+    // (a hybrid host's v2 tree then has no CPU controller), else v2's.
+    let mut cgroups = phub::dataplane::spin::cpu_cgroups(&pid.to_string());
+    cgroups.sort_by_key(|d| d.v2);
+    let Some(phub::dataplane::spin::CgroupDir { path: home, v2, .. }) = cgroups.into_iter().next() else {
+        eprintln!("SKIPPED: no cgroup CPU controller mounted here");
         return;
     };
     let quota_now = std::fs::read_to_string(home.join(if v2 { "cpu.max" } else { "cpu.cfs_quota_us" }))

@@ -132,16 +132,10 @@ pub struct CpuLimit {
 }
 
 /// Reads the CPU quota and throttle counts of this process's cgroups,
-/// v1 and v2, from `/proc/self/cgroup` and `/proc/self/mountinfo`.
+/// v1 and v2 ([`cpu_cgroups`]).
 pub fn read_cpu_limit() -> CpuLimit {
-    let (Ok(cgroup), Ok(mountinfo)) = (
-        std::fs::read_to_string("/proc/self/cgroup"),
-        std::fs::read_to_string("/proc/self/mountinfo"),
-    ) else {
-        return CpuLimit::default();
-    };
     let mut limit = CpuLimit::default();
-    for dir in cpu_cgroup_dirs(&cgroup, &mountinfo) {
+    for dir in cpu_cgroups("self") {
         let here = read_tree(&dir);
         limit.cpus = min_cpus(limit.cpus, here.cpus);
         limit.throttled += here.throttled;
@@ -179,9 +173,26 @@ fn read_tree(dir: &CgroupDir) -> CpuLimit {
 /// A cgroup directory with the CPU controller, and where its hierarchy is
 /// mounted (the walk up stops there).
 #[derive(Debug, PartialEq)]
-struct CgroupDir {
-    mount: PathBuf,
-    path: PathBuf,
+pub struct CgroupDir {
+    /// Where the hierarchy is mounted.
+    pub mount: PathBuf,
+    /// The cgroup's directory.
+    pub path: PathBuf,
+    /// Whether it is the v2 hierarchy (`cpu.max`), not v1's `cpu`
+    /// controller (`cpu.cfs_quota_us`).
+    pub v2: bool,
+}
+
+/// The CPU cgroups of `process` (`self`, or a pid), from
+/// `/proc/<process>/cgroup` and its `mountinfo`: the v1 hierarchy with the
+/// `cpu` controller and the v2 one, where mounted (none when either file
+/// cannot be read).
+pub fn cpu_cgroups(process: &str) -> Vec<CgroupDir> {
+    let read = |f: &str| std::fs::read_to_string(format!("/proc/{process}/{f}"));
+    match (read("cgroup"), read("mountinfo")) {
+        (Ok(cgroup), Ok(mountinfo)) => cpu_cgroup_dirs(&cgroup, &mountinfo),
+        _ => Vec::new(),
+    }
 }
 
 /// The directories of the process's CPU cgroups: the v1 hierarchy with the
@@ -202,7 +213,7 @@ fn cpu_cgroup_dirs(cgroup: &str, mountinfo: &str) -> Vec<CgroupDir> {
         if let Some(dir) = mountinfo
             .lines()
             .find_map(|m| mount_for(m, v2))
-            .map(|(root, mount)| join_cgroup(&mount, &root, path))
+            .map(|(root, mount)| join_cgroup(&mount, &root, path, v2))
         {
             dirs.push(dir);
         }
@@ -253,7 +264,7 @@ fn unescape(s: &str) -> String {
 
 /// The directory of cgroup `path` in a hierarchy mounted at `mount` whose
 /// root there is `root` (a container sees its own cgroup as `/`).
-fn join_cgroup(mount: &str, root: &str, path: &str) -> CgroupDir {
+fn join_cgroup(mount: &str, root: &str, path: &str, v2: bool) -> CgroupDir {
     let rel = if root == "/" {
         path
     } else {
@@ -268,6 +279,7 @@ fn join_cgroup(mount: &str, root: &str, path: &str) -> CgroupDir {
             mount.join(rel)
         },
         mount,
+        v2,
     }
 }
 
@@ -673,11 +685,13 @@ mod tests {
             vec![
                 CgroupDir {
                     mount: "/sys/fs/cgroup/cpu,cpuacct".into(),
-                    path: "/sys/fs/cgroup/cpu,cpuacct/phub-throttled-1".into()
+                    path: "/sys/fs/cgroup/cpu,cpuacct/phub-throttled-1".into(),
+                    v2: false,
                 },
                 CgroupDir {
                     mount: "/sys/fs/cgroup/unified".into(),
-                    path: "/sys/fs/cgroup/unified/user.slice/x.scope".into()
+                    path: "/sys/fs/cgroup/unified/user.slice/x.scope".into(),
+                    v2: true,
                 },
             ]
         );
@@ -687,7 +701,8 @@ mod tests {
             cpu_cgroup_dirs("0::/kubepods/pod1/c\n", mountinfo),
             vec![CgroupDir {
                 mount: "/sys/fs/cgroup".into(),
-                path: "/sys/fs/cgroup/c".into()
+                path: "/sys/fs/cgroup/c".into(),
+                v2: true,
             }]
         );
         // `cpuacct` alone is not the `cpu` controller; no mount, no dir.
@@ -713,6 +728,7 @@ mod tests {
         let dir = CgroupDir {
             mount: root.join("outer"),
             path: leaf.clone(),
+            v2: true,
         };
         let limit = read_tree(&dir);
         std::fs::remove_dir_all(&root).unwrap();
