@@ -703,36 +703,60 @@ fn part_of(job: &StoredJob, name: &str) -> Option<Layout> {
     parts(job).into_iter().find(|(n, _)| *n == name).map(|(_, l)| l)
 }
 
+/// Who sends job `job`'s chunks to appliance `name`: each layout of the
+/// job there with how many send to its lcores: a flat job's part, from
+/// its W ranks; a hierarchical job's rack layout, from its rack's ranks,
+/// and its part of the home layout, from every rack's appliance.
+fn senders(job: &StoredJob, name: &str) -> Vec<(Layout, u64)> {
+    let part = part_of(job, name);
+    if job.racks.is_empty() {
+        return part
+            .map(|l| (l, u64::from(job.spec.workers)))
+            .into_iter()
+            .collect();
+    }
+    let home = part.map(|l| (l, job.parts.len() as u64));
+    home.into_iter().chain(rack_senders(job, name)).collect()
+}
+
+/// A hierarchical job's rack layout on appliance `name` and its rack's
+/// ranks, who send to it.
+fn rack_senders(job: &StoredJob, name: &str) -> Option<(Layout, u64)> {
+    let i = job.parts.iter().position(|p| p.appliance == name)?;
+    let ranks = job.spec.rack_ranks()?.get(i)?.len() as u64;
+    Some((job.racks.get(i)?.clone(), ranks))
+}
+
 /// Job `job`'s share of appliance `name`'s receive buffers (`rx`: per
 /// lcore, as the appliance states them), which its workers' windows must
 /// fit (phub-worker's `auto_window`): on each lcore the job's workers send
 /// to there (its part of the layout; a hierarchical job's rack layout),
-/// the buffer times the job's W over the W of every admitted job with
-/// chunks on that lcore (this one included), and the smallest of those.
-/// Each job's workers keeping within their share, all of them together fit
-/// the buffer. This is the share at join; jobs admitted or removed later
-/// are counted in the share each lcore states in its RESULTs (PROTOCOL.md
-/// §6.1). None when the appliance states no buffer for those lcores.
+/// the buffer times those workers (W; the rack's ranks) over everyone who
+/// sends to that lcore ([`senders`] of every admitted job, this one
+/// included), and the smallest of those. Each job's workers keeping
+/// within their share, all of them together fit the buffer. This is the
+/// share at join; jobs admitted or removed later are counted in the share
+/// each lcore states in its RESULTs (PROTOCOL.md §6.1). None when the
+/// appliance states no buffer for those lcores.
 fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<u64>]) -> Option<u64> {
-    let mine = if job.racks.is_empty() {
-        part_of(job, name)?
+    let (mine, w) = if job.racks.is_empty() {
+        (part_of(job, name)?, u64::from(job.spec.workers))
     } else {
-        rack_of(job, name)?.clone()
+        rack_senders(job, name)?
     };
-    let mut senders = vec![0u64; rx.len()];
+    let mut senders_to = vec![0u64; rx.len()];
     for j in inner.jobs.values().filter(|j| j.failed.is_none()) {
-        for layout in part_of(j, name).into_iter().chain(rack_of(j, name).cloned()) {
-            for (s, r) in senders.iter_mut().zip(&layout.lcores) {
+        for (layout, n) in senders(j, name) {
+            for (s, r) in senders_to.iter_mut().zip(&layout.lcores) {
                 if r.count > 0 {
-                    *s += u64::from(j.spec.workers);
+                    *s += n;
                 }
             }
         }
     }
-    let w = u64::from(job.spec.workers);
     mine.lcores
         .iter()
-        .zip(rx.iter().zip(&senders))
+        .zip(rx.iter().zip(&senders_to))
         .filter(|(r, _)| r.count > 0)
         .filter_map(|(_, (b, &s))| Some(b.as_ref()? * w / s.max(w)))
         .min()

@@ -361,6 +361,44 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     d.shutdown();
 }
 
+/// A hierarchical job's workers send to their rack's appliance only, so
+/// their share of its receive buffer counts the rack's ranks, beside the
+/// racks' appliances sending partial sums to its home slots, not all W.
+#[test]
+fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1));
+    let state = temp_state("hier-share");
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    let spec = "name = \"h\"\nworkers = 4\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
+                [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
+                hierarchical = true\nranks_per_rack = [1, 3]\n";
+    let r: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(spec));
+    let share = |rank: u16| {
+        let join: JoinResponse = ok(
+            &d,
+            "POST",
+            &format!("/v1/jobs/{}/join", r.id),
+            Some(&format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", r.token)),
+        );
+        assert_eq!(join.appliances.len(), 1, "a rank talks to its rack's appliance");
+        (
+            join.appliances[0].name.clone(),
+            join.appliances[0].rx_buffer_bytes,
+        )
+    };
+    // On each one-lcore appliance: its rack's ranks, and the 2 racks'
+    // partials to the home slots there.
+    let buf = fake::FAKE_RX_BUFFER;
+    assert_eq!(share(0), ("a".to_string(), Some(buf / 3)));
+    assert_eq!(share(1), ("b".to_string(), Some(buf * 3 / 5)));
+    d.shutdown();
+}
+
 /// An appliance that does not answer: job show names it per part.
 #[test]
 fn job_show_names_a_part_whose_appliance_is_down() {

@@ -811,6 +811,26 @@ struct Job<A> {
     hier: Option<Box<Hier<A>>>,
 }
 
+impl<A> Job<A> {
+    /// Who sends this job's chunks to this lcore, for the receive buffer's
+    /// shares: its ranks here ([`Job::quorum`]: W, or a hierarchical job's
+    /// rack ranks) if it has slots here, and its racks' appliances if this
+    /// lcore is home to some of its chunks.
+    fn rx_senders(&self) -> u64 {
+        let ranks = if self.slots.is_empty() {
+            0
+        } else {
+            u64::from(self.quorum)
+        };
+        let racks = self
+            .hier
+            .as_ref()
+            .filter(|h| h.home.is_some())
+            .map_or(0, |h| u64::from(h.racks));
+        ranks + racks
+    }
+}
+
 /// One job as one lcore sees it (for stats; computed on request).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JobShardStats {
@@ -1006,20 +1026,16 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// Recounts [`Shard::rx_workers`] after a job came or went.
     fn count_rx_workers(&mut self) {
-        self.rx_workers = self
-            .jobs
-            .iter()
-            .filter(|j| !j.slots.is_empty())
-            .map(|j| u64::from(j.workers))
-            .sum();
+        self.rx_workers = self.jobs.iter().map(Job::rx_senders).sum();
     }
 
     /// The receive-buffer share job `j`'s RESULTs state: the buffer times
-    /// its W over the W of every job with slots here; 0 (none stated)
-    /// without a buffer.
+    /// the ranks that send to its slots here (W; a hierarchical job's rack
+    /// ranks) over every sender to this lcore ([`Job::rx_senders`]); 0
+    /// (none stated) without a buffer.
     fn rx_share(&self, j: &Job<A>) -> u32 {
         let Some(b) = self.rx_buffer else { return 0 };
-        let share = u128::from(b) * u128::from(j.workers) / u128::from(self.rx_workers.max(1));
+        let share = u128::from(b) * u128::from(j.quorum) / u128::from(self.rx_workers.max(1));
         u32::try_from(share).unwrap_or(u32::MAX).max(1)
     }
 
@@ -1293,6 +1309,8 @@ impl<A: Copy + Eq> Shard<A> {
             rtt: hier::Rtt::default(),
             home,
         }));
+        // Its senders here are its rack's ranks and, to home slots, the racks.
+        self.count_rx_workers();
         Ok(())
     }
 
@@ -2901,6 +2919,53 @@ mod tests {
         assert_eq!(share(&mut s, 2), (1 << 20) * 2 / 8);
         assert!(s.remove(2));
         assert_eq!(share(&mut s, 3), 1 << 20, "the whole buffer again");
+    }
+
+    /// A hierarchical job's rack slots hear from its rack's ranks, and its
+    /// home slots from every rack's appliance: those are its senders here,
+    /// not its W.
+    #[test]
+    fn a_hierarchical_jobs_share_counts_its_rack_ranks_and_the_racks() {
+        use phub_proto::layout::ChunkRange;
+        use std::net::{Ipv4Addr, SocketAddrV4};
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.set_peer_resolver(std::sync::Arc::new(|a: SocketAddrV4| Some(u32::from(a.port()))));
+        s.set_rx_buffer(Some(1 << 20));
+        let at = |port| vec![SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)];
+        let runs = vec![ChunkRange { first: 0, count: 4 }];
+        let mut rack = job(1, Dtype::F32, Optimizer::Sum, 4, 37);
+        rack.workers = 8;
+        let hier = |home_slots: Vec<SlotChunk>| HierInstall {
+            rack: 1,
+            ranks: 5..8,
+            optimizer: Optimizer::Sum,
+            first: 0,
+            racks: vec![(at(1), runs.clone()), (at(2), runs.clone())],
+            homes: (at(1), runs.clone()),
+            home_first: 0,
+            home_slots,
+        };
+        s.install_hierarchical(rack.clone(), hier(Vec::new())).unwrap();
+        let share = |s: &Shard<u32>| s.rx_share(s.job(1).unwrap());
+        assert_eq!(share(&s), 1 << 20, "its 3 ranks alone: the whole buffer");
+        let mut flat = job(2, Dtype::F32, Optimizer::Sum, 1, 37);
+        flat.workers = 3;
+        s.install(flat).unwrap();
+        assert_eq!(share(&s), (1 << 20) * 3 / 6, "3 rack ranks beside a W = 3 job");
+        assert!(s.remove(1));
+        let home = (0..4)
+            .map(|chunk| SlotChunk {
+                key: 0,
+                chunk,
+                elems: 37,
+            })
+            .collect();
+        s.install_hierarchical(rack, hier(home)).unwrap();
+        assert_eq!(
+            share(&s),
+            (1 << 20) * 3 / 8,
+            "and the 2 racks' partials to its home slots here"
+        );
     }
 
     #[test]

@@ -456,10 +456,11 @@ pub struct ApplianceAddr {
     pub lcores: u32,
     /// This job's share of its lcores' receive buffers, in bytes: on each
     /// lcore the job's workers send to, the buffer
-    /// ([`LcoreInfo::rx_buffer_bytes`]) times the job's W over the W of
-    /// every admitted job with chunks there, and the smallest of those.
-    /// What this job's W workers' chunks in flight to one lcore must fit
-    /// in together. Absent where the appliance does not state a buffer.
+    /// ([`LcoreInfo::rx_buffer_bytes`]) times the job's W (a hierarchical
+    /// job: its rack's ranks) over everyone who sends to that lcore (each
+    /// admitted job's W, rack ranks, or racks to its home slots there;
+    /// PROTOCOL.md §4), and the smallest of those. What the chunks in
+    /// flight of this job's workers sending there must fit in together. Absent where the appliance does not state a buffer.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rx_buffer_bytes: Option<u64>,
 }

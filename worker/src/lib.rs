@@ -1444,7 +1444,7 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usi
         return (config.window, None);
     }
     let auto = AutoWindow {
-        workers: join.spec.workers,
+        workers: senders(join),
         lcores: join.layout.lcore_count().max(1),
         chunks: usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
         datagram: HEADER_LEN + join.spec.chunk_bytes as usize,
@@ -1452,6 +1452,16 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usi
         joined: lcore_rcvbuf(join),
     };
     (auto.window(auto.joined), Some(auto))
+}
+
+/// How many ranks send to the appliances this worker sends to, and share
+/// their buffers with it: the job's W, or a hierarchical job's rack's ranks
+/// (its workers send to their rack's appliance alone).
+fn senders(join: &JoinResponse) -> u32 {
+    join.spec
+        .rack_ranks()
+        .and_then(|racks| racks.into_iter().find(|r| r.contains(&join.rank)))
+        .map_or(join.spec.workers, |r| u32::from(r.end - r.start))
 }
 
 /// The smallest receive buffer of the job's appliances' lcores, as they
@@ -1756,6 +1766,20 @@ mod tests {
             (40, None),
             "a set window stands"
         );
+        // A hierarchical job's rank shares its rack appliance's buffer with
+        // its rack's ranks alone (W = 8, racks of 2 and 6; rank 5 is in
+        // the second).
+        let mut hier = join(vec![addr(Some(1 << 20))]);
+        hier.spec.workers = 8;
+        hier.spec.placement = Some(phub_proto::spec::PlacementSpec {
+            appliances: phub_proto::spec::Appliances::Count(2),
+            hierarchical: true,
+            ranks_per_rack: Some(vec![2, 6]),
+        });
+        hier.rank = 5;
+        assert_eq!(window_for(&hier, &cfg, 64 << 20).0, (1 << 20) / (6 * 2 * d));
+        hier.rank = 1;
+        assert_eq!(window_for(&hier, &cfg, 64 << 20).0, (1 << 20) / (2 * 2 * d));
     }
 
     #[test]
