@@ -36,6 +36,13 @@ int phub_pktmbuf_chain(struct rte_mbuf *head, struct rte_mbuf *tail) { return rt
 uint16_t phub_mbuf_refcnt_update(struct rte_mbuf *m, int16_t v) { return rte_mbuf_refcnt_update(m, v); }
 uint16_t phub_pktmbuf_tailroom(const struct rte_mbuf *m) { return rte_pktmbuf_tailroom(m); }
 uint16_t phub_pktmbuf_data_room_size(struct rte_mempool *mp) { return rte_pktmbuf_data_room_size(mp); }
+void phub_mbuf_tx_udp_cksum(struct rte_mbuf *m, uint16_t l2, uint16_t l3, uint16_t l4)
+{
+    m->ol_flags |= RTE_MBUF_F_TX_IPV4 | RTE_MBUF_F_TX_IP_CKSUM | RTE_MBUF_F_TX_UDP_CKSUM;
+    m->l2_len = l2;
+    m->l3_len = l3;
+    m->l4_len = l4;
+}
 
 int phub_errno(void) { return rte_errno; }
 unsigned int phub_lcore_id(void) { return rte_lcore_id(); }
@@ -57,6 +64,8 @@ uint64_t phub_rx_offload_udp_cksum(void) { return RTE_ETH_RX_OFFLOAD_UDP_CKSUM; 
 uint64_t phub_rx_offload_scatter(void) { return RTE_ETH_RX_OFFLOAD_SCATTER; }
 uint64_t phub_tx_offload_multi_segs(void) { return RTE_ETH_TX_OFFLOAD_MULTI_SEGS; }
 uint64_t phub_tx_offload_mbuf_fast_free(void) { return RTE_ETH_TX_OFFLOAD_MBUF_FAST_FREE; }
+uint64_t phub_tx_offload_ipv4_cksum(void) { return RTE_ETH_TX_OFFLOAD_IPV4_CKSUM; }
+uint64_t phub_tx_offload_udp_cksum(void) { return RTE_ETH_TX_OFFLOAD_UDP_CKSUM; }
 uint64_t phub_rss_ip_udp(void) { return RTE_ETH_RSS_IP | RTE_ETH_RSS_UDP; }
 uint64_t phub_rx_ip_cksum_mask(void) { return RTE_MBUF_F_RX_IP_CKSUM_MASK; }
 uint64_t phub_rx_ip_cksum_bad(void) { return RTE_MBUF_F_RX_IP_CKSUM_BAD; }

@@ -23,6 +23,10 @@ int phub_pktmbuf_chain(struct rte_mbuf *head, struct rte_mbuf *tail);
 uint16_t phub_mbuf_refcnt_update(struct rte_mbuf *m, int16_t v);
 uint16_t phub_pktmbuf_tailroom(const struct rte_mbuf *m);
 uint16_t phub_pktmbuf_data_room_size(struct rte_mempool *mp);
+/* Asks the device to fill in the IPv4 header checksum and the UDP checksum
+ * of the frame m starts (headers of l2, l3 and l4 bytes in its first
+ * segment; the UDP checksum field holding the pseudo-header's sum). */
+void phub_mbuf_tx_udp_cksum(struct rte_mbuf *m, uint16_t l2, uint16_t l3, uint16_t l4);
 
 int phub_errno(void);
 unsigned int phub_lcore_id(void);
@@ -37,6 +41,8 @@ uint64_t phub_rx_offload_udp_cksum(void);
 uint64_t phub_rx_offload_scatter(void);
 uint64_t phub_tx_offload_multi_segs(void);
 uint64_t phub_tx_offload_mbuf_fast_free(void);
+uint64_t phub_tx_offload_ipv4_cksum(void);
+uint64_t phub_tx_offload_udp_cksum(void);
 uint64_t phub_rss_ip_udp(void);
 uint64_t phub_rx_ip_cksum_mask(void);
 uint64_t phub_rx_ip_cksum_bad(void);

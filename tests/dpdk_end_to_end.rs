@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use phub::proto::api::Stats;
-use phub_hwtests::virt::{VirtualRack, APPLIANCE_IP, BASE_PORT};
+use phub_hwtests::virt::{Link, VirtualRack, APPLIANCE_IP, BASE_PORT};
 use phub_hwtests::workload::{admit, flood, sum_spec, train};
 
 #[test]
@@ -122,4 +122,66 @@ fn dpdk_two_jobs_at_once_neither_disturbs_the_other() {
         "{:?}",
         d.jobs
     );
+}
+
+/// Datagrams the calling thread's network namespace dropped for a bad
+/// checksum: IPv4 `InHdrErrors` (a bad header checksum lands there) and UDP
+/// `InCsumErrors`.
+fn checksum_errors() -> u64 {
+    let snmp = std::fs::read_to_string("/proc/thread-self/net/snmp").expect("reading snmp");
+    let counter = |proto: &str, name: &str| -> u64 {
+        let mut rows = snmp.lines().filter(|l| l.starts_with(proto));
+        let (names, values) = (rows.next().unwrap(), rows.next().unwrap());
+        let at = names
+            .split_whitespace()
+            .position(|n| n == name)
+            .unwrap_or_else(|| panic!("no {proto} {name} counter"));
+        values.split_whitespace().nth(at).unwrap().parse().unwrap()
+    };
+    counter("Ip: ", "InHdrErrors") + counter("Udp: ", "InCsumErrors")
+}
+
+/// On a port that fills in checksums (net_tap, whose driver does DPDK's
+/// IPv4 and UDP TX checksum offloads), results leave with the fields for
+/// the port to finish and the lcore copies them without summing; the
+/// workers' kernel, which verifies both checksums of every datagram the
+/// tap hands it, takes every result (exact sums, no checksum errors;
+/// results sent with those fields but without asking the port dropped
+/// them all, and the workers timed out). The same with
+/// `--software-tx-checksums`, where the lcore sums them. 1 KiB chunks:
+/// net_tap takes frames of MTU 1504 at most.
+#[test]
+fn dpdk_results_are_right_where_the_port_fills_in_their_checksums() {
+    for (args, said) in [
+        ("", "filled in by the port (TX checksum offload)"),
+        (
+            "--software-tx-checksums",
+            "summed by the lcores (--software-tx-checksums)",
+        ),
+    ] {
+        let rack = match VirtualRack::start_on("tapsum", 1, Link::Tap, args, "") {
+            Ok(r) => r,
+            Err(why) => {
+                println!("SKIPPED: DPDK tap test: {why}");
+                return;
+            }
+        };
+        let url = rack.control_url();
+        let token = rack.operator_token();
+        let keys = [30_000u64, 3];
+        let errors = rack.inside(|| {
+            let before = checksum_errors();
+            let job = admit(&url, token.as_deref(), &sum_spec("tap", 2, Some(1024), &keys));
+            train(&url, &job, 2, &keys, 4);
+            checksum_errors() - before
+        });
+        let log = std::fs::read_to_string(&rack.log).unwrap_or_default();
+        assert!(
+            log.contains(said),
+            "{args:?}: the log does not say {said:?}:\n{log}"
+        );
+        assert_eq!(errors, 0, "{args:?}: results dropped for bad checksums");
+        let d = rack.stats();
+        assert!(d.lcores[0].results_sent > 0, "{:?}", d.lcores[0]);
+    }
 }

@@ -49,6 +49,7 @@
 #   DEVICE=ring tools/bench-dpdk-memif.sh          # the same over a ring port
 #   DEVICE=ring RUNS=3 PAIRS=40 SECS=0.25 CHUNKS=8192 tools/bench-dpdk-memif.sh   # the steadiest ratio
 #   DEVICE=ring CHECKSUMS=1 tools/bench-dpdk-memif.sh   # pushes with UDP checksums (verified in software)
+#   DEVICE=ring NIC_CKSUM=1 tools/bench-dpdk-memif.sh   # results' checksums left to the port, as a NIC's offload
 #   RUNS=1 CHUNKS=8192 SECS=2 tools/bench-dpdk-memif.sh
 #   LCORE_CPU=2 MAIN_CPU=3 GEN_CPU=4 NO_BUILD=1 tools/bench-dpdk-memif.sh   # on more CPUs
 #
@@ -77,6 +78,10 @@ DIRECT=${DIRECT:-1}
 # CHECKSUMS=1: pushes carry UDP checksums, which the dataplane verifies in
 # software (neither a ring port nor memif checks them): what that costs.
 CHECKSUMS=${CHECKSUMS:-0}
+# NIC_CKSUM=1 (ring): the ring port is a NIC with TX checksum offload, which
+# fills in results' checksums: the dataplane copies results without summing
+# them (--ring-port-tx-checksums; the generator does not check them).
+NIC_CKSUM=${NIC_CKSUM:-0}
 SOCK=${SOCK:-/run/phub-bench-memif.sock}
 MGMT=${MGMT:-127.0.0.1:7877}
 DP_PREFIX=phub-memif-dp
@@ -164,6 +169,7 @@ generator() { # peer chunk log
 dataplane_step() { # chunk bsize log
   local dev=(--eal "--no-pci --no-huge -m 1024 --no-shconf --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU --vdev=net_memif0,role=server,socket=$SOCK,socket-abstract=no,bsize=$2")
   [ "$DEVICE" != ring ] || dev=(--ring-port "$RING" --idle-backoff --eal "--no-pci --no-telemetry --file-prefix $DP_PREFIX --lcores 0@$MAIN_CPU,1@$LCORE_CPU")
+  [ "$DEVICE" != ring ] || [ "$NIC_CKSUM" = 0 ] || dev+=(--ring-port-tx-checksums)
   rm -f "$SOCK"
   "$DP" --backend dpdk --lcores 1 --host 10.79.0.1 --base-port 7900 --mgmt "$MGMT" \
     --memory-budget 256MiB "${dev[@]}" >"$3.dp" 2>&1 &
@@ -214,7 +220,7 @@ if [ "$DEVICE" = ring ]; then
     [ "$(cat /proc/sys/vm/nr_hugepages)" -ge "$HUGEPAGES" ] || { echo "could not get $HUGEPAGES hugepages" >&2; exit 1; }
   fi
 fi
-echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')$([ "$DEVICE" = ring ] && [ "$DIRECT" != 0 ] && echo ', pushes are the template mbufs')$([ "$CHECKSUMS" != 0 ] && echo ', pushes carry UDP checksums (verified in software)')"
+echo "device: $DEVICE$([ "$DEVICE" = ring ] && [ "$COMPLETIONS" != 0 ] && echo ', results freed by the dataplane (completion ring)')$([ "$DEVICE" = ring ] && [ "$DIRECT" != 0 ] && echo ', pushes are the template mbufs')$([ "$CHECKSUMS" != 0 ] && echo ', pushes carry UDP checksums (verified in software)')$([ "$DEVICE" = ring ] && [ "$NIC_CKSUM" != 0 ] && echo ", results' checksums left to the port (--ring-port-tx-checksums)")"
 echo "machine: $(nproc) CPUs, $(lscpu | sed -n 's/^Model name: *//p'), commit ${COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet -- dataplane ffi || echo ' + uncommitted changes')}, logs in $LOGS"
 echo "W=8, $SLOTS slots, ${SECS} s windows, ${RT:+spinning threads SCHED_FIFO $RT}$([ -n "$RT" ] || echo "no chrt"); GB/s = gradient bytes (chunk payload) per second"
 rows=()

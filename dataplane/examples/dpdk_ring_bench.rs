@@ -84,6 +84,7 @@ fn main() {
             check_udp_checksum: true,
             nic_checksums: false,
             chains: true,
+            tx_checksums: false,
             idle_backoff: false,
         },
     );

@@ -116,6 +116,11 @@ pub struct DpdkOptions {
     /// them. NAME: 1 to 19 bytes. phub does not add --in-memory then.
     #[arg(long, value_name = "NAME", conflicts_with = "port")]
     pub ring_port: Option<String>,
+    /// With --ring-port: the peer on the rings takes results with their IPv4
+    /// and UDP checksums left for it to fill in, as a NIC with TX checksum
+    /// offload does (the lcores copy results without summing them).
+    #[arg(long, requires = "ring_port")]
+    pub ring_port_tx_checksums: bool,
     /// MAC address to answer ARP with and send from (default: the port's).
     #[arg(long)]
     pub mac: Option<String>,
@@ -152,6 +157,11 @@ pub struct DpdkOptions {
     /// (for tests and small machines; an appliance's lcores spin).
     #[arg(long)]
     pub idle_backoff: bool,
+    /// Sum the IPv4 and UDP checksums of results in software even where the
+    /// port would fill them in (by default a port with both TX checksum
+    /// offloads fills them in, and the lcore copies results without summing).
+    #[arg(long)]
+    pub software_tx_checksums: bool,
 }
 
 impl Default for Config {

@@ -90,6 +90,7 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
             check_udp_checksum: true,
             nic_checksums: false,
             chains: true,
+            tx_checksums: false,
             idle_backoff: false,
         },
     );

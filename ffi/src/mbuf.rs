@@ -215,6 +215,20 @@ impl Mbuf {
         }
     }
 
+    /// Asks the port to fill in the IPv4 header checksum and the UDP
+    /// checksum of the frame this mbuf starts: `l2`, `l3` and `l4` bytes
+    /// of Ethernet, IPv4 and UDP header in this first segment, the IPv4
+    /// checksum field 0 and the UDP one the pseudo-header's sum (not
+    /// complemented), as DPDK's TX checksum offload wants them. Only for a
+    /// port whose [`Offloads::tx_checksums`](crate::port::Offloads::tx_checksums) is on;
+    /// others send the fields as they are.
+    pub fn offload_udp_checksums(&mut self, l2: u16, l3: u16, l4: u16) {
+        // SAFETY: self owns a valid mbuf; the call writes only this
+        // segment's metadata (offload flags and header lengths), not data
+        // that another reference could be reading.
+        unsafe { sys::phub_mbuf_tx_udp_cksum(self.as_ptr(), l2, l3, l4) }
+    }
+
     /// The first segment's data, writable: `None` when the buffer is shared
     /// (refcount above 1, or indirect), since others read it.
     pub fn data_mut(&mut self) -> Option<&mut [u8]> {

@@ -54,6 +54,10 @@ pub struct Offloads {
     pub rx_scatter: bool,
     /// TX takes chains of mbufs (header + shared payload).
     pub tx_multi_segs: bool,
+    /// The device fills in IPv4 header and UDP checksums on TX for frames
+    /// that ask ([`Mbuf::offload_udp_checksums`](crate::mbuf::Mbuf::offload_udp_checksums)):
+    /// it has both offloads and [`PortBuilder::tx_checksums`] asked for them.
+    pub tx_checksums: bool,
     /// RSS spreads flows over the RX queues.
     pub rss: bool,
 }
@@ -143,6 +147,7 @@ pub struct PortBuilder {
     rx_pool: Option<Mempool>,
     keep: Vec<Mempool>,
     promiscuous: bool,
+    tx_checksums: bool,
 }
 
 struct Inner {
@@ -240,6 +245,7 @@ impl PortBuilder {
             rx_pool: None,
             keep: Vec::new(),
             promiscuous: false,
+            tx_checksums: false,
         }
     }
 
@@ -281,6 +287,13 @@ impl PortBuilder {
         self
     }
 
+    /// Enables the device's IPv4 and UDP TX checksum offloads where it has
+    /// both ([`Offloads::tx_checksums`] says whether it did).
+    pub fn tx_checksums(mut self, on: bool) -> PortBuilder {
+        self.tx_checksums = on;
+        self
+    }
+
     /// Configures, sets up the queues and starts the port. The queue
     /// handles come back once, in queue order.
     pub fn build(self) -> Result<(Port, Vec<RxQueue>, Vec<TxQueue>)> {
@@ -316,6 +329,8 @@ impl PortBuilder {
                 sys::phub_rss_ip_udp(),
             )
         };
+        // SAFETY: as above.
+        let tx_cksums = unsafe { sys::phub_tx_offload_ipv4_cksum() | sys::phub_tx_offload_udp_cksum() };
         let room = u32::from(pool.data_room()).saturating_sub(u32::from(crate::PKTMBUF_HEADROOM));
         let need_scatter = room < u32::from(mtu) + FRAME_OVERHEAD;
         if need_scatter && info.rx_offload_capa & rx_scatter == 0 {
@@ -330,6 +345,7 @@ impl PortBuilder {
             rx_udp_cksum: info.rx_offload_capa & rx_udp != 0,
             rx_scatter: need_scatter,
             tx_multi_segs: info.tx_offload_capa & tx_segs != 0,
+            tx_checksums: self.tx_checksums && info.tx_offload_capa & tx_cksums == tx_cksums,
             rss: q > 1 && info.rss_offloads & rss_ip_udp != 0,
         };
         let rx_offloads = (if offloads.rx_ipv4_cksum { rx_ip } else { 0 })
@@ -338,7 +354,8 @@ impl PortBuilder {
         // Never MBUF_FAST_FREE: it lets the driver put mbufs straight back
         // in their pool without looking at the refcount, and the frames
         // sent here share segments (Mbuf::chain_shared).
-        let tx_offloads = if offloads.tx_multi_segs { tx_segs } else { 0 };
+        let tx_offloads = (if offloads.tx_multi_segs { tx_segs } else { 0 })
+            | (if offloads.tx_checksums { tx_cksums } else { 0 });
 
         let mut conf = sys::rte_eth_conf::default();
         conf.rxmode.mtu = u32::from(mtu);

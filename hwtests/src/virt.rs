@@ -114,6 +114,24 @@ pub(crate) fn term(child: &mut Child) -> Option<std::process::ExitStatus> {
     process::terminate(child, Duration::from_secs(10))
 }
 
+/// What links the workers to the dataplane's DPDK port.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Link {
+    /// A veth pair, net_af_packet on the appliance's end ([`APPLIANCE_IF`]);
+    /// with `tx_qdisc` it sends through that end's qdisc.
+    AfPacket {
+        /// net_af_packet's `qdisc_bypass=0`.
+        tx_qdisc: bool,
+    },
+    /// net_tap: the dataplane's port is a tap interface ([`TAP_IF`]) whose
+    /// kernel side the workers use. It takes IPv4 and UDP TX checksum
+    /// offloads (computed by the driver), where af_packet has none.
+    Tap,
+}
+
+/// The kernel side of a [`Link::Tap`] rack's port.
+pub const TAP_IF: &str = "dpt0";
+
 /// The rack: namespace, veth pair, phub-dataplane on DPDK, phub-control.
 #[derive(Debug)]
 pub struct VirtualRack {
@@ -158,6 +176,17 @@ impl VirtualRack {
         dataplane: &str,
         control: &str,
     ) -> Result<VirtualRack, String> {
+        VirtualRack::start_on(tag, lcores, Link::AfPacket { tx_qdisc }, dataplane, control)
+    }
+
+    /// [`VirtualRack::start`] on `link`.
+    pub fn start_on(
+        tag: &str,
+        lcores: usize,
+        link: Link,
+        dataplane: &str,
+        control: &str,
+    ) -> Result<VirtualRack, String> {
         if let Some(why) = unavailable() {
             return Err(why);
         }
@@ -166,16 +195,19 @@ impl VirtualRack {
         let ns = Netns::create(tag)?;
         ns.ip(&["link", "set", "lo", "up"])?;
         let must = |r: Result<(), String>| r.unwrap_or_else(|e| panic!("setting up the virtual rack: {e}"));
-        must(ns.ip(&["link", "add", "dpv0", "type", "veth", "peer", "name", "dpv1"]));
-        for d in ["dpv0", "dpv1"] {
-            let _ = run(ns
-                .command("sysctl")
-                .args(["-qw", &format!("net.ipv6.conf.{d}.disable_ipv6=1")]));
-            must(ns.ip(&["link", "set", d, "mtu", "9000", "up"]));
+        let tx_qdisc = matches!(link, Link::AfPacket { tx_qdisc: true });
+        if let Link::AfPacket { .. } = link {
+            must(ns.ip(&["link", "add", "dpv0", "type", "veth", "peer", "name", "dpv1"]));
+            for d in ["dpv0", "dpv1"] {
+                let _ = run(ns
+                    .command("sysctl")
+                    .args(["-qw", &format!("net.ipv6.conf.{d}.disable_ipv6=1")]));
+                must(ns.ip(&["link", "set", d, "mtu", "9000", "up"]));
+            }
+            must(ns.ip(&["addr", "add", &format!("{WORKER_IP}/24"), "dev", "dpv0"]));
+            // veth passes GSO super-packets whole: af_packet would cut them.
+            must(ns.ip(&["link", "set", "dpv0", "gso_max_segs", "1"]));
         }
-        must(ns.ip(&["addr", "add", &format!("{WORKER_IP}/24"), "dev", "dpv0"]));
-        // veth passes GSO super-packets whole: af_packet would cut them.
-        must(ns.ip(&["link", "set", "dpv0", "gso_max_segs", "1"]));
         let dir = std::env::temp_dir().join(format!("{}-dir", ns.name));
         std::fs::create_dir_all(&dir).map_err(|e| e.to_string())?;
         let log = dir.join("dataplane.log");
@@ -190,10 +222,15 @@ impl VirtualRack {
             tx_qdisc,
             ns,
         };
+        let vdev = match link {
+            Link::AfPacket { tx_qdisc } => format!(
+                "net_af_packet0,iface=dpv1,blocksz=16384,framesz=16384,framecnt=4096,qpairs={lcores}{}",
+                if tx_qdisc { ",qdisc_bypass=0" } else { "" },
+            ),
+            Link::Tap => format!("net_tap0,iface={TAP_IF}"),
+        };
         let eal = format!(
-            "--no-pci --vdev=net_af_packet0,iface=dpv1,blocksz=16384,framesz=16384,framecnt=4096,qpairs={lcores}{} \
-             --no-huge -m 512 --no-shconf --file-prefix {} --log-level=warning",
-            if tx_qdisc { ",qdisc_bypass=0" } else { "" },
+            "--no-pci --vdev={vdev} --no-huge -m 512 --no-shconf --file-prefix {} --log-level=warning",
             rack.ns.name
         );
         rack.dataplane_args = [
@@ -256,6 +293,18 @@ impl VirtualRack {
         });
         rack.dataplane = Some(dp);
         rack.control = Some(ctl);
+        if link == Link::Tap {
+            // The dataplane made the tap interface: the workers' side.
+            let _ = run(rack
+                .ns
+                .command("sysctl")
+                .args(["-qw", &format!("net.ipv6.conf.{TAP_IF}.disable_ipv6=1")]));
+            must(rack.ns.ip(&["link", "set", TAP_IF, "mtu", "9000", "up"]));
+            must(
+                rack.ns
+                    .ip(&["addr", "add", &format!("{WORKER_IP}/24"), "dev", TAP_IF]),
+            );
+        }
         Ok(rack)
     }
 

@@ -56,7 +56,7 @@ use phub_ffi::{mbuf, Eal, HeapSlice, Mbuf, Mempool, Ring, RxQueue, TxQueue};
 use phub_proto::wire::HEADER_LEN;
 
 pub use frame::PeerAddr;
-use frame::{Frame, ParseOptions, L2_L4_LEN};
+use frame::{Frame, ParseOptions, ETH_LEN, IPV4_LEN, L2_L4_LEN, UDP_LEN};
 
 use super::PacketIo;
 use crate::counters::{NetDrop, ShardCounters};
@@ -238,6 +238,9 @@ pub struct QueueOptions {
     /// Send results as header + shared payload chains (the port takes
     /// multi-segment frames).
     pub chains: bool,
+    /// The port fills in results' IPv4 and UDP checksums (its TX checksum
+    /// offloads are on): results are copied without being summed.
+    pub tx_checksums: bool,
     /// Idle backoff (pause, then short sleeps) when polls come back empty.
     pub idle_backoff: bool,
 }
@@ -518,6 +521,11 @@ impl DpdkQueue {
         let l2: &mut [u8; L2_L4_LEN] = (&mut head[..L2_L4_LEN]).try_into().ok()?;
         common.write(l2, to);
         h.append(FRAME_HEADER)?.copy_from_slice(head);
+        if common.is_offloaded() {
+            // Cast: the header lengths are constants below 64.
+            #[allow(clippy::cast_possible_truncation)]
+            h.offload_udp_checksums(ETH_LEN as u16, IPV4_LEN as u16, UDP_LEN as u16);
+        }
         if whole {
             return h.extend_from_slice(bytes).then_some(h);
         }
@@ -655,17 +663,24 @@ impl PacketIo for DpdkQueue {
         D: Destinations<Item = PeerAddr>,
     {
         for t in transmits {
-            let bytes = (HEADER_LEN + t.payload.len()) as u64;
+            let len = HEADER_LEN + t.payload.len();
+            let bytes = len as u64;
             // Copy the result out of slot memory once, summing it for the
-            // UDP checksum on the way; every destination's header segment
-            // ends in that copy (a reference each, taken at once; a
-            // destination that fault injection repeats gets a copied frame).
+            // UDP checksum on the way unless the port fills the checksums
+            // in; every destination's header segment ends in that copy (a
+            // reference each, taken at once; a destination that fault
+            // injection repeats gets a copied frame).
+            let offload = self.opts.tx_checksums;
             let mut sum = None;
             let mut shared = if self.opts.chains && !t.payload.is_empty() {
                 let n = t.to.planned();
                 let copied = self.payloads.take().and_then(|mut p| {
                     let out = p.append(t.payload.len())?;
-                    sum = Some(frame::copy_payload_sum(&t.header, t.payload, out));
+                    if offload {
+                        out.copy_from_slice(t.payload);
+                    } else {
+                        sum = Some(frame::copy_payload_sum(&t.header, t.payload, out));
+                    }
                     p.into_shares(u16::try_from(n).ok()?).ok()
                 });
                 match copied {
@@ -680,17 +695,22 @@ impl PacketIo for DpdkQueue {
             } else {
                 None
             };
-            // The checksum's payload part, once for every destination.
-            let sum = sum.unwrap_or_else(|| frame::payload_sum(&t.header, t.payload));
-            // What every destination's headers have in common, once.
+            // What every destination's headers have in common, once (with
+            // the checksum's payload part, where the lcore sums it).
             let src_port = self.me.base_port.wrapping_add(self.lcore);
-            let common = frame::ResultHeaders::new(
-                self.me.mac,
-                self.me.ip,
-                src_port,
-                HEADER_LEN + t.payload.len(),
-                sum,
-            );
+            let me = self.me;
+            let summed = |sum: Option<u16>| {
+                let sum = sum.unwrap_or_else(|| frame::payload_sum(&t.header, t.payload));
+                frame::ResultHeaders::new(me.mac, me.ip, src_port, len, sum)
+            };
+            let common = if offload {
+                frame::ResultHeaders::offloaded(me.mac, me.ip, src_port, len)
+            } else {
+                summed(sum)
+            };
+            // Frames looped back to this appliance never reach the port:
+            // their checksums are summed here (made once, if any is).
+            let mut looped: Option<frame::ResultHeaders> = None;
             let mut head = [0u8; FRAME_HEADER];
             head[L2_L4_LEN..].copy_from_slice(&t.header);
             for to in t.to {
@@ -700,7 +720,8 @@ impl PacketIo for DpdkQueue {
                     // slots on one appliance): a whole frame, handed to the
                     // lcore that owns the port as if received.
                     drop(payload);
-                    self.loop_back(&mut head, &common, t.payload, &to, counters, bytes);
+                    let soft = *looped.get_or_insert_with(|| if offload { summed(None) } else { common });
+                    self.loop_back(&mut head, &soft, t.payload, &to, counters, bytes);
                     continue;
                 }
                 match self.result_frame(&mut head, &common, payload, t.payload, &to) {

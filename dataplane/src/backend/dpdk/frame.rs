@@ -973,7 +973,10 @@ pub fn copy_payload_sum(head: &[u8], tail: &[u8], out: &mut [u8]) -> u16 {
 /// only in where they go: everything else, and its part of both checksums,
 /// is worked out once per result ([`ResultHeaders::new`]), so each
 /// destination ([`ResultHeaders::write`]) adds only its MAC, address and
-/// port, and neither checksum reads a header back.
+/// port, and neither checksum reads a header back. For a port that
+/// computes checksums itself ([`ResultHeaders::offloaded`]) they carry what
+/// DPDK's TX checksum offload wants instead: the IPv4 checksum 0 and the
+/// UDP one the pseudo-header's sum.
 #[derive(Debug, Clone, Copy)]
 pub struct ResultHeaders {
     /// The headers with the destination's fields and both checksums 0.
@@ -981,8 +984,10 @@ pub struct ResultHeaders {
     /// One's-complement sum of `base`'s IPv4 header.
     ip: u64,
     /// Of the UDP pseudo-header's source address, protocol and length,
-    /// `base`'s UDP header and the payload.
+    /// and unless `offloaded`, `base`'s UDP header and the payload.
     udp: u64,
+    /// The port fills both checksums in.
+    offloaded: bool,
 }
 
 impl ResultHeaders {
@@ -1010,11 +1015,29 @@ impl ResultHeaders {
             udp: pseudo_header_sum(&src_ip.octets(), &nowhere.ip.octets(), UDP_LEN + udp_payload)
                 + u64::from(ones_sum(udp.header()))
                 + u64::from(payload),
+            offloaded: false,
         }
     }
 
+    /// Headers as [`ResultHeaders::new`] makes them, for a port that fills
+    /// in both checksums (`Mbuf::offload_udp_checksums`): nothing of the
+    /// payload is summed.
+    pub fn offloaded(src_mac: [u8; 6], src_ip: Ipv4Addr, src_port: u16, udp_payload: usize) -> ResultHeaders {
+        let mut h = ResultHeaders::new(src_mac, src_ip, src_port, udp_payload, 0);
+        h.udp = pseudo_header_sum(&src_ip.octets(), &[], UDP_LEN + udp_payload);
+        h.offloaded = true;
+        h
+    }
+
+    /// Whether the port is to fill in the checksums
+    /// ([`ResultHeaders::offloaded`]).
+    pub fn is_offloaded(&self) -> bool {
+        self.offloaded
+    }
+
     /// Writes the headers of the frame for `to` into `out`, checksums
-    /// filled in.
+    /// filled in (offloaded: the IPv4 one 0 and the UDP one the
+    /// pseudo-header's sum, for the port to finish).
     pub fn write(&self, out: &mut [u8; L2_L4_LEN], to: &PeerAddr) {
         *out = self.base;
         let (mut eth, mut ip, mut udp) = views_mut(out);
@@ -1022,6 +1045,10 @@ impl ResultHeaders {
         ip.set_dst_addr(to.ip);
         udp.set_dst_port(to.port);
         let dst = u64::from(ones_sum(&to.ip.octets()));
+        if self.offloaded {
+            udp.set_checksum(fold(self.udp + dst));
+            return;
+        }
         ip.set_checksum(!fold(self.ip + dst));
         udp.set_checksum(udp_field(self.udp + dst + u64::from(to.port)));
     }
@@ -1512,6 +1539,45 @@ mod tests {
         // pseudo 17 + 8, header length 8: 33; make the port field cancel it.
         u.set_src_port(0xffff - 33);
         assert_eq!(udp_checksum(a, b, &zero), 0xffff);
+    }
+
+    #[test]
+    fn offloaded_headers_finished_as_a_nic_does_equal_the_software_ones() {
+        let me = peer();
+        let to = PeerAddr {
+            mac: [2, 0, 0, 0, 0, 9],
+            ip: Ipv4Addr::new(10, 0, 0, 9),
+            port: 4242,
+        };
+        for n in [0usize, 1, 64, 8192] {
+            let payload: Vec<u8> = (0..n as u32).map(|i| (i * 7 + 3) as u8).collect();
+            let soft = ResultHeaders::new(me.mac, me.ip, me.port, n, payload_sum(&[], &payload));
+            let off = ResultHeaders::offloaded(me.mac, me.ip, me.port, n);
+            assert!(off.is_offloaded() && !soft.is_offloaded());
+            let (mut s, mut o) = ([0u8; L2_L4_LEN], [0u8; L2_L4_LEN]);
+            soft.write(&mut s, &to);
+            off.write(&mut o, &to);
+            // What DPDK's TX checksum offload is given: the IPv4 checksum
+            // 0, the UDP one the pseudo-header's sum (rte_ipv4_phdr_cksum).
+            assert_eq!(views(&o).1.checksum(), 0, "{n} bytes");
+            let pseudo = fold(
+                u64::from(ones_sum(&me.ip.octets()))
+                    + u64::from(ones_sum(&to.ip.octets()))
+                    + u64::from(IPPROTO_UDP)
+                    + (UDP_LEN + n) as u64,
+            );
+            assert_eq!(views(&o).2.checksum(), pseudo, "{n} bytes");
+            // What the NIC does: the IPv4 header's checksum, and the UDP
+            // datagram (its field holding the pseudo-header's sum) summed
+            // and complemented into the field.
+            let ip = ip_checksum(views(&o).1.header());
+            views_mut(&mut o).1.set_checksum(ip);
+            let mut datagram = o[ETH_LEN + IPV4_LEN..].to_vec();
+            datagram.extend_from_slice(&payload);
+            let udp = udp_field(u64::from(ones_sum(&datagram)));
+            views_mut(&mut o).2.set_checksum(udp);
+            assert_eq!(o, s, "{n} bytes: the frame a NIC finishes is the one phub sums");
+        }
     }
 
     #[test]

@@ -319,6 +319,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
         .keep_pool(pools.header.clone())
         .keep_pool(pools.payload.clone())
         .promiscuous(mac_override.is_some())
+        .tx_checksums(!d.software_tx_checksums)
         .build()
         .with_context(|| format!("setting up port {port_id} ({})", info.name))?;
     // Steering: one rte_flow rule per lcore where the device has rte_flow;
@@ -342,8 +343,22 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
         nic_checksums: offl.rx_ipv4_cksum || offl.rx_udp_cksum,
         // The ring PMD passes mbufs through as they are, chains included.
         chains: offl.tx_multi_segs || info.driver == "net_ring",
+        tx_checksums: offl.tx_checksums || (d.ring_port.is_some() && d.ring_port_tx_checksums),
         idle_backoff: d.idle_backoff,
     };
+    log::info!(
+        "port {port_id} ({}): results' IPv4 and UDP checksums {}",
+        info.driver,
+        if offl.tx_checksums {
+            "filled in by the port (TX checksum offload)"
+        } else if qopts.tx_checksums {
+            "left to the ring port's peer (--ring-port-tx-checksums)"
+        } else if d.software_tx_checksums {
+            "summed by the lcores (--software-tx-checksums)"
+        } else {
+            "summed by the lcores (the port has no IPv4 and UDP TX checksum offload)"
+        }
+    );
     if !qopts.chains {
         log::warn!(
             "port {port_id} ({}) cannot send multi-segment frames: each result is copied once per destination",
