@@ -80,6 +80,7 @@ mod inject;
 mod io;
 pub mod net;
 mod shm;
+mod staged;
 mod stats;
 mod transport;
 
@@ -106,6 +107,7 @@ pub use phub_proto::api::JoinResponse;
 pub use phub_proto::fault::FaultSpec;
 pub use phub_proto::spec::Consistency;
 pub use shm::{ShmMode, SHM_ENV};
+pub use staged::{Staged, StagingMemory, StagingSpan};
 pub use stats::WorkerStats;
 
 use elem::{Dst, Src, Values};
@@ -938,20 +940,8 @@ impl Worker {
         payload: Option<Src<'_>>,
         wire16: bool,
     ) -> (Vec<ChunkMsg>, Tx, Sink) {
-        if let Some((chunks, headers, regions)) = self.staged(key, elements, kind, round, payload) {
-            let in_region = vec![false; chunks.len()];
-            let tx = Tx::Staged {
-                headers,
-                regions: Arc::clone(&regions),
-                size: self.spec.dtype.size(),
-                copied: Vec::new(),
-            };
-            let values = Sink::Direct {
-                values: self.take_values(key, elements, wire16),
-                regions,
-                in_region,
-            };
-            return (chunks, tx, values);
+        if let Some(staged) = self.staged(key, elements, kind, round, payload) {
+            return self.staged_request(key, elements, wire16, staged);
         }
         let (chunks, buf) = self.messages(key, elements, kind, round, payload);
         (
@@ -959,6 +949,30 @@ impl Worker {
             Tx::Owned(buf),
             Sink::Owned(self.take_values(key, elements, wire16)),
         )
+    }
+
+    /// A staged request's transmit side (headers, the chunks in `regions`)
+    /// and its result sink (read from the result regions by `wait`).
+    fn staged_request(
+        &self,
+        key: u32,
+        elements: usize,
+        wire16: bool,
+        (chunks, headers, regions): (Vec<ChunkMsg>, Vec<u8>, Arc<Regions>),
+    ) -> (Vec<ChunkMsg>, Tx, Sink) {
+        let in_region = vec![false; chunks.len()];
+        let tx = Tx::Staged {
+            headers,
+            regions: Arc::clone(&regions),
+            size: self.spec.dtype.size(),
+            copied: Vec::new(),
+        };
+        let values = Sink::Direct {
+            values: self.take_values(key, elements, wire16),
+            regions,
+            in_region,
+        };
+        (chunks, tx, values)
     }
 
     /// With shared memory mapped: writes every chunk of `payload` (in the
@@ -988,12 +1002,33 @@ impl Worker {
         round: u32,
         payload: Option<Src<'_>>,
     ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
-        let regions = self
-            .shm
+        let regions = self.current_regions()?;
+        self.staged_in(key, elements, kind, round, payload, regions, false)
+    }
+
+    /// The shared-memory mapping in use, if any.
+    fn current_regions(&self) -> Option<Arc<Regions>> {
+        self.shm
             .as_ref()?
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .clone()?;
+            .clone()
+    }
+
+    /// [`Worker::staged`] into `regions`; with `in_place` the caller has
+    /// already written every chunk's values there ([`Worker::stage`]), and
+    /// the headers count them.
+    #[allow(clippy::too_many_arguments)]
+    fn staged_in(
+        &self,
+        key: u32,
+        elements: usize,
+        kind: MsgType,
+        round: u32,
+        payload: Option<Src<'_>>,
+        regions: Arc<Regions>,
+        in_place: bool,
+    ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
         let dtype = self.spec.dtype;
         let places = self.places(key);
         let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
@@ -1012,7 +1047,11 @@ impl Worker {
                     return None;
                 }
             }
-            let count = values.map_or(0, Src::len);
+            let count = if in_place {
+                len as usize
+            } else {
+                values.map_or(0, Src::len)
+            };
             let start = c * HEADER_LEN;
             let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
             repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));

@@ -312,6 +312,28 @@ impl Regions {
         self.write_chunk(lcore, slot, wire)
     }
 
+    /// Where `len` wire bytes of `slot`'s chunk go in this rank's staging
+    /// region of `lcore`, and the region's offset of them; `None` when
+    /// they do not fit there. Writers through it must hold the chunk's
+    /// key (see [`crate::Worker::stage`]).
+    pub(crate) fn staging_ptr(&self, lcore: u16, slot: u32, len: usize) -> Option<(*mut u8, usize)> {
+        let (region, at) = self.staging_at(lcore, slot, len)?;
+        Some((region.ptr(at, len)?, at))
+    }
+
+    /// This rank's staging regions, one per lcore of the job: the start
+    /// and length of each mapping.
+    pub(crate) fn staging_memory(&self) -> Vec<(*mut u8, usize)> {
+        self.lcores
+            .iter()
+            .flatten()
+            .filter_map(|l| {
+                let r = &l.staging.region;
+                Some((r.ptr(0, r.len())?, r.len()))
+            })
+            .collect()
+    }
+
     /// Copies back one chunk's wire bytes (`dst.len()`) from this rank's
     /// staging region of `lcore` at `slot`'s offset; `false` (nothing read)
     /// when the region has no such slot.

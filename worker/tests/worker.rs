@@ -1059,6 +1059,105 @@ fn without_regions_auto_uses_datagrams_and_on_refuses_to_join() {
     assert!(auto.shm() && auto.stats().shm);
 }
 
+/// Values written in place into the staging regions ([`Worker::stage`]):
+/// rank 0 writes its gradients into the spans (by `Staged::write`, and by
+/// hand as wire bytes through `span_mut`), rank 1 pushes as usual; the
+/// results are exact, only headers cross the sockets, and the spans cover
+/// each key once, in order. A staged key is busy until pushed or dropped;
+/// without shared memory there is nothing to stage. f32 and f16.
+#[test]
+fn values_written_in_place_into_the_staging_regions_are_pushed() {
+    for dtype in [Dtype::F32, Dtype::F16] {
+        let sp = spec(2, &[3000, 20_000], dtype, Optimizer::Sum);
+        let l = layout(&sp, &mut [0, 0], u64::from);
+        let app = FakeAppliance::start_with(&sp, &l, 0.0, 19, true);
+        let ws: Vec<Worker> = (0..2)
+            .map(|r| Worker::from_join(join_response(&sp, &l, r, app.base_port), TOKEN, shm_on()).unwrap())
+            .collect();
+        let lens = [3000usize, 20_000];
+        let round = |r: u32| {
+            std::thread::scope(|s| {
+                for (rank, w) in ws.iter().enumerate() {
+                    s.spawn(move || {
+                        for (k, &n) in lens.iter().enumerate() {
+                            let key = k as u32;
+                            let mut p = vec![0f32; n];
+                            if r == 0 {
+                                w.wait(w.init(key, &mut p).unwrap()).unwrap();
+                                continue;
+                            }
+                            let g: Vec<f32> = (0..n).map(|i| grad(rank as u16, r, k, i)).collect();
+                            if rank == 1 {
+                                w.wait(w.push_pull(key, &g, &mut p).unwrap()).unwrap();
+                            } else {
+                                let mut st = w.stage(key).unwrap().expect("a mapping to stage into");
+                                assert_eq!(st.key(), key);
+                                let mut at = 0;
+                                for sp in st.spans() {
+                                    assert_eq!(sp.first, at, "spans in order, without gaps");
+                                    assert_eq!(sp.bytes(), sp.elements * dtype.size());
+                                    at += sp.elements;
+                                }
+                                assert_eq!(at, n, "the spans cover the key");
+                                assert!(matches!(w.stage(key), Err(WorkerError::Busy { .. })));
+                                if dtype == Dtype::F32 && r.is_multiple_of(2) {
+                                    // By hand: little-endian f32 wire bytes.
+                                    for i in 0..st.spans().len() {
+                                        let sp = st.spans()[i];
+                                        let dst = st.span_mut(i).unwrap();
+                                        for (j, b) in dst.chunks_exact_mut(4).enumerate() {
+                                            b.copy_from_slice(&g[sp.first + j].to_le_bytes());
+                                        }
+                                    }
+                                } else {
+                                    st.write(&g).unwrap();
+                                }
+                                w.wait(w.push_pull_staged(st, &mut p).unwrap()).unwrap();
+                            }
+                            for (i, v) in p.iter().enumerate() {
+                                let want = grad(0, r, k, i) + grad(1, r, k, i);
+                                assert_eq!(*v, want, "{dtype:?} rank {rank} round {r} key {k} element {i}");
+                            }
+                        }
+                    });
+                }
+            })
+        };
+        for r in 0..4 {
+            round(r);
+        }
+        let s = ws[0].stats();
+        assert!(s.shm && s.shm_results > 0, "{s:?}");
+        // Every datagram was a header: 2 keys' chunks, 4 rounds, each way.
+        let chunks = l.chunk_count();
+        assert_eq!(s.bytes_sent, 4 * chunks * HEADER_LEN as u64, "{dtype:?}: {s:?}");
+        // Dropped unpushed: the key is free again, and wrong lengths are
+        // refused without writing.
+        let mut st = ws[0].stage(0).unwrap().unwrap();
+        let e = st.write(&[0f32; 10]).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                WorkerError::Length {
+                    key: 0,
+                    expected: 3000,
+                    got: 10
+                }
+            ),
+            "{e}"
+        );
+        drop(st);
+        drop(ws[0].stage(0).unwrap().unwrap());
+        assert!(matches!(ws[0].stage(9), Err(WorkerError::UnknownKey { .. })));
+    }
+    // Without shared memory: nothing to stage.
+    let sp = spec(1, &[100], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0], u64::from);
+    let app = FakeAppliance::start(&sp, &l, 0.0, 23);
+    let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, quick()).unwrap();
+    assert!(!w.shm() && w.stage(0).unwrap().is_none());
+}
+
 /// A RESULT that says its payload is in shared memory, to a worker that
 /// has none mapped, is malformed: counted and ignored.
 #[test]

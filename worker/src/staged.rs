@@ -1,0 +1,285 @@
+//! Pushes whose values the caller writes in place, straight into this
+//! rank's shared-memory staging regions ([`Worker::stage`]).
+//!
+//! [`Worker::push_pull`] copies the caller's values into the staging region
+//! itself. A caller whose values are produced elsewhere (a GPU: a
+//! device-to-host copy can land in the staging region directly once that
+//! memory is registered with the device's driver) saves that copy: it
+//! claims the key with [`Worker::stage`], writes the key's values, in the
+//! job's wire type, into the spans [`Staged::spans`] names (each a run of
+//! the key's elements contiguous in one lcore's staging region), and hands
+//! the claim to [`Worker::push_pull_staged`], which sends only the headers.
+//!
+//! The claim is what makes writing safe: while a key is claimed no request
+//! of it is in flight, so this rank holds the result of every chunk of its
+//! previous round and no lcore reads this rank's staged chunks of that round
+//! again (the rule [`Worker::push_pull`] stages by). A `Staged` dropped
+//! without being pushed gives the claim back. The mapping its spans point
+//! into stays mapped while the `Staged` (or a [`StagingMemory`] taken from
+//! it) lives, even if the dataplane replaces its regions meanwhile; a push
+//! staged into a replaced mapping is copied from it, as any staged request.
+
+use std::sync::Arc;
+
+use phub_proto::wire::MsgType;
+
+use crate::elem::Src;
+use crate::shm::Regions;
+use crate::{Element, Handle, Kind, Worker, WorkerError};
+
+/// A run of a key's elements that lies contiguous in one staging region.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StagingSpan {
+    /// The key's element the span starts with.
+    pub first: usize,
+    /// Elements in the span.
+    pub elements: usize,
+    /// Where the span's bytes start (elements × the wire type's size of
+    /// them), inside the mapping of the [`Staged`] it came from.
+    ptr: *mut u8,
+    /// Bytes in the span.
+    bytes: usize,
+}
+
+impl StagingSpan {
+    /// The address of the span's first byte, for a caller that writes it
+    /// by other means (a device copy): valid while the [`Staged`] or a
+    /// [`StagingMemory`] of its mapping lives, and to be written only
+    /// while the `Staged` holds the key.
+    pub fn address(&self) -> usize {
+        self.ptr as usize
+    }
+
+    /// The span's length in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+/// This rank's staging regions of one mapping, kept mapped while this
+/// lives: what a caller registers with a device driver (e.g. CUDA's
+/// `cudaHostRegister`) so that device copies land in them directly.
+#[derive(Debug, Clone)]
+pub struct StagingMemory(Arc<Regions>);
+
+// SAFETY: the regions are shared memory mapped for the process; this type
+// only keeps the mapping alive and reports addresses (no access through it).
+unsafe impl Send for StagingMemory {}
+// SAFETY: as above: nothing is read or written through a shared reference.
+unsafe impl Sync for StagingMemory {}
+
+impl StagingMemory {
+    /// Start address and length in bytes of each staging region (one per
+    /// lcore the job has chunks on).
+    pub fn regions(&self) -> Vec<(usize, usize)> {
+        self.0
+            .staging_memory()
+            .into_iter()
+            .map(|(p, len)| (p as usize, len))
+            .collect()
+    }
+
+    /// Whether `other` keeps the same mapping alive.
+    pub fn same(&self, other: &StagingMemory) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// A key claimed for a push whose values are written in place
+/// ([`Worker::stage`]); pushed with [`Worker::push_pull_staged`], or given
+/// back when dropped.
+#[must_use = "a staged key is pushed with Worker::push_pull_staged; dropping it gives the key back"]
+pub struct Staged<'a> {
+    worker: &'a Worker,
+    key: u32,
+    round: u32,
+    elements: usize,
+    regions: Arc<Regions>,
+    spans: Vec<StagingSpan>,
+    /// Still holds the key (not handed to a request).
+    claimed: bool,
+}
+
+impl std::fmt::Debug for Staged<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Staged")
+            .field("key", &self.key)
+            .field("round", &self.round)
+            .field("spans", &self.spans)
+            .finish()
+    }
+}
+
+impl Staged<'_> {
+    /// The key.
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round (or clock) the push will carry.
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Where the key's values go: its elements in order, run by run.
+    pub fn spans(&self) -> &[StagingSpan] {
+        &self.spans
+    }
+
+    /// The mapping the spans point into, kept mapped by what this returns.
+    pub fn memory(&self) -> StagingMemory {
+        StagingMemory(Arc::clone(&self.regions))
+    }
+
+    /// Span `i`'s bytes, to write the values of its elements into as the
+    /// wire carries them (little-endian `f32`, or the job's 16-bit type).
+    pub fn span_mut(&mut self, i: usize) -> Option<&mut [u8]> {
+        let s = self.spans.get(i)?;
+        // SAFETY: the span lies inside a staging region of `self.regions`
+        // (checked when it was made), mapped while `self` lives; this rank
+        // alone writes its staging regions, and only for a claimed key,
+        // which `self` holds, so nothing else in this process writes these
+        // bytes, and no lcore reads them before the push (module docs);
+        // `&mut self` keeps this the only reference made through `self`.
+        Some(unsafe { std::slice::from_raw_parts_mut(s.ptr, s.bytes) })
+    }
+
+    /// Writes the key's values (`values.len()` = the key's length) into its
+    /// spans, encoding `f32` for a 16-bit job; the one copy
+    /// [`Worker::push_pull`] would make.
+    pub fn write<E: Element>(&mut self, values: &[E]) -> Result<(), WorkerError> {
+        self.worker.check_elem::<E>()?;
+        if values.len() != self.elements {
+            return Err(WorkerError::Length {
+                key: self.key,
+                expected: self.elements as u64,
+                got: values.len(),
+            });
+        }
+        let dtype = self.worker.spec.dtype;
+        let src = Src::of(values);
+        for i in 0..self.spans.len() {
+            let s = self.spans[i];
+            let part = src.range(s.first, s.elements);
+            let dst = self.span_mut(i).expect("a span of this key");
+            match part.wire_bytes(dtype) {
+                Some(wire) => dst.copy_from_slice(wire),
+                None => part.encode(dtype, dst),
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for Staged<'_> {
+    fn drop(&mut self) {
+        if self.claimed {
+            self.worker.release(self.key);
+        }
+    }
+}
+
+impl Worker {
+    /// Claims `key` for its next push and says where its values go in this
+    /// rank's shared-memory staging regions, for a caller that writes them
+    /// there itself (see the module docs of `staged`); `None` when this
+    /// worker has no shared-memory mapping (it sends datagrams: use
+    /// [`Worker::push_pull`]). Errors as [`Worker::push_pull`] does for an
+    /// unknown or busy key.
+    pub fn stage(&self, key: u32) -> Result<Option<Staged<'_>>, WorkerError> {
+        let elements = self.key_len(key).ok_or(WorkerError::UnknownKey {
+            key,
+            keys: self.spec.keys.len(),
+        })?;
+        // Cast: a key's elements are in memory on both sides.
+        #[allow(clippy::cast_possible_truncation)]
+        let elements = elements as usize;
+        let Some(regions) = self.current_regions() else {
+            return Ok(None);
+        };
+        let round = self.claim_next_round(key)?;
+        let size = self.spec.dtype.size();
+        let mut spans: Vec<StagingSpan> = Vec::new();
+        // Chunks of the key in order, each at its lcore's slot; a chunk
+        // that starts where the previous one ended (same region, slots in
+        // a row, chunks a multiple of 64 bytes) extends its span.
+        let mut last: Option<(u16, usize)> = None;
+        for (c, place) in self.places(key).iter().enumerate() {
+            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let first = c * self.layout().chunk_elems as usize;
+            let Some((ptr, at)) = regions.staging_ptr(place.lcore, place.slot, len * size) else {
+                // The regions were opened for this layout: not expected.
+                self.release(key);
+                log::warn!(
+                    "phub-worker: key {key} chunk {c}: slot {} of lcore {} is not in the shared-memory regions",
+                    place.slot,
+                    place.lcore
+                );
+                return Ok(None);
+            };
+            match (spans.last_mut(), last) {
+                (Some(s), Some((lcore, end))) if lcore == place.lcore && end == at => {
+                    s.elements += len;
+                    s.bytes += len * size;
+                }
+                _ => spans.push(StagingSpan {
+                    first,
+                    elements: len,
+                    ptr,
+                    bytes: len * size,
+                }),
+            }
+            last = Some((place.lcore, at + len * size));
+        }
+        Ok(Some(Staged {
+            worker: self,
+            key,
+            round,
+            elements,
+            regions,
+            spans,
+            claimed: true,
+        }))
+    }
+
+    /// Pushes a key whose values `staged` holds (written into its spans)
+    /// and pulls the round's result into `out`, as [`Worker::push_pull`]
+    /// does with values it copies itself: [`Worker::wait`] on the handle
+    /// writes `out`.
+    pub fn push_pull_staged<'a, E: Element>(
+        &'a self,
+        mut staged: Staged<'a>,
+        out: &'a mut [E],
+    ) -> Result<Handle<'a>, WorkerError> {
+        if !std::ptr::eq(staged.worker, self) {
+            return Err(WorkerError::Sequence {
+                key: staged.key,
+                message: "staged by another worker: push it with the worker that staged it".into(),
+            });
+        }
+        self.check_elem::<E>()?;
+        let key = staged.key;
+        self.check_len(key, out.len())?;
+        let (elements, round) = (staged.elements, staged.round);
+        let Some(parts) = self.staged_in(
+            key,
+            elements,
+            MsgType::Push,
+            round,
+            None,
+            Arc::clone(&staged.regions),
+            true,
+        ) else {
+            // Not expected: `stage` found every slot (dropping `staged`
+            // gives the key back).
+            return Err(WorkerError::Sequence {
+                key,
+                message: "its slots are not in the shared-memory regions".into(),
+            });
+        };
+        let (chunks, tx, values) = self.staged_request(key, elements, E::WIRE.is_some(), parts);
+        // The request holds the key from here on.
+        staged.claimed = false;
+        self.submit(key, round, Kind::Push, chunks, tx, values, crate::Dst::of(out))
+    }
+}
