@@ -31,6 +31,8 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<worker::Worker>()?;
     m.add_class::<worker::Handle>()?;
+    m.add_class::<worker::Staged>()?;
+    m.add_class::<worker::StagingBuffer>()?;
     m.add("PhubError", py.get_type::<errors::PhubError>())?;
     m.add("JoinError", py.get_type::<errors::JoinError>())?;
     m.add("UsageError", py.get_type::<errors::UsageError>())?;

@@ -496,6 +496,54 @@ impl Worker {
         Ok(Handle::new(handle, sink, o, out_obj, claim, &self.inner))
     }
 
+    /// Claims ``key`` for its next push, for values written in place into
+    /// this rank's shared-memory staging regions: returns a
+    /// :class:`Staged` (write the key's values into its ``spans``, then
+    /// :meth:`push_pull_staged`), or ``None`` when this worker sends
+    /// datagrams (no shared memory: use :meth:`push_pull`). Saves the copy
+    /// ``push_pull`` makes into the regions, e.g. when a GPU copies a
+    /// gradient straight into them.
+    fn stage(&self, py: Python<'_>, key: u32) -> PyResult<Option<Staged>> {
+        // SAFETY: `Staged` keeps `self.inner` cloned and drops it after the
+        // staged key (field order).
+        let w = unsafe { self.static_worker() };
+        let staged = py.detach(|| w.stage(key)).map_err(to_py)?;
+        Ok(staged.map(|s| Staged {
+            key: s.key(),
+            round: s.round(),
+            staged: Mutex::new(Some(s)),
+            worker: Arc::clone(&self.inner),
+        }))
+    }
+
+    /// Pushes a key whose values ``staged`` holds (see :meth:`stage`) and
+    /// returns a :class:`Handle`; after its ``wait``, ``out`` holds the
+    /// round's result, as with :meth:`push_pull`.
+    fn push_pull_staged(&self, py: Python<'_>, staged: &Staged, out: &Bound<'_, PyAny>) -> PyResult<Handle> {
+        if !Arc::ptr_eq(&staged.worker, &self.inner) {
+            return Err(usage(format!(
+                "key {}: staged by another worker; push it with that worker",
+                staged.key
+            )));
+        }
+        let key = staged.key;
+        // Not pushed or released yet (checked before anything else is).
+        staged.with(|_| ())?;
+        let o = Array::get(out, self.dtype(), "out", true)?;
+        self.check(key, &o, "out")?;
+        let claim = self.claim(key, &o, None)?;
+        let sink = Worker::sink(&o, None, || vec![0.0; o.len()]);
+        let s = staged.take()?;
+        // SAFETY: as in `init`.
+        let w = unsafe { self.static_worker() };
+        // SAFETY: as in `init`.
+        let out_slice = unsafe { Worker::out_slice(&sink, &o) };
+        let handle = py
+            .detach(|| on_mut!(out_slice, p => w.push_pull_staged(s, p)))
+            .map_err(to_py)?;
+        Ok(Handle::new(handle, sink, o, out, claim, &self.inner))
+    }
+
     /// Waits for ``handle`` (same as ``handle.wait()``) and returns its
     /// output array.
     fn wait(&self, py: Python<'_>, handle: &Handle) -> PyResult<Py<PyAny>> {
@@ -626,5 +674,185 @@ impl Handle {
             self.round,
             if self.pending() { "True" } else { "False" }
         )
+    }
+}
+
+/// Bytes of this rank's shared-memory staging regions, writable through the
+/// buffer protocol (``memoryview(b)``, ``numpy.frombuffer(b, dtype)``,
+/// ``torch.frombuffer(b, dtype=...)``): a span of a staged key
+/// (:attr:`Staged.spans`) or a whole region (:attr:`Staged.regions`). The
+/// mapping stays mapped while this object, or anything made from its
+/// buffer, lives.
+#[pyclass(module = "phub", name = "StagingBuffer", frozen)]
+pub(crate) struct StagingBuffer {
+    memory: phub_worker::StagingMemory,
+    address: usize,
+    nbytes: usize,
+}
+
+#[pymethods]
+impl StagingBuffer {
+    /// The address of the first byte (e.g. for
+    /// ``torch.cuda.cudart().cudaHostRegister``).
+    #[getter]
+    fn address(&self) -> usize {
+        self.address
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.nbytes
+    }
+
+    /// Whether ``other`` lies in the same mapping of the regions (a
+    /// dataplane that recreated its regions makes a new one).
+    fn same_mapping(&self, other: &StagingBuffer) -> bool {
+        self.memory.same(&other.memory)
+    }
+
+    /// # Safety
+    /// Called by Python with a valid `view` to fill.
+    unsafe fn __getbuffer__(
+        slf: Bound<'_, Self>,
+        view: *mut pyo3::ffi::Py_buffer,
+        flags: std::os::raw::c_int,
+    ) -> PyResult<()> {
+        let (address, nbytes) = (slf.get().address, slf.get().nbytes);
+        let len = isize::try_from(nbytes).map_err(|_| usage("a staging buffer too large for Python"))?;
+        // SAFETY: `view` is Python's to fill; the memory lies inside the
+        // mapping `slf.memory` keeps mapped, and the view holds a reference
+        // to `slf` (FillInfo takes one) until it is released.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(
+                view,
+                slf.as_ptr(),
+                address as *mut std::ffi::c_void,
+                len,
+                0,
+                flags,
+            )
+        };
+        if rc != 0 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "phub.StagingBuffer(address=0x{:x}, nbytes={})",
+            self.address, self.nbytes
+        )
+    }
+}
+
+/// A key claimed for a push whose values the caller writes in place into
+/// this rank's shared-memory staging regions (:meth:`Worker.stage`): write
+/// the key's values, as the job's wire type (``float32``; the job's 16-bit
+/// type as its bits), into each of :attr:`spans`, then push with
+/// :meth:`Worker.push_pull_staged`. The key is busy until then, or until
+/// :meth:`release` (or garbage collection) gives it back.
+#[pyclass(module = "phub", name = "Staged", frozen)]
+pub(crate) struct Staged {
+    key: u32,
+    round: u32,
+    // Field order is drop order: `staged` borrows `worker`.
+    staged: Mutex<Option<phub_worker::Staged<'static>>>,
+    worker: Arc<phub_worker::Worker>,
+}
+
+impl Staged {
+    fn take(&self) -> PyResult<phub_worker::Staged<'static>> {
+        self.staged
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                usage(format!(
+                    "key {} round {} was already pushed or released",
+                    self.key, self.round
+                ))
+            })
+    }
+
+    fn with<T>(&self, f: impl FnOnce(&phub_worker::Staged<'static>) -> T) -> PyResult<T> {
+        let g = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
+        let s = g.as_ref().ok_or_else(|| {
+            usage(format!(
+                "key {} round {} was already pushed or released",
+                self.key, self.round
+            ))
+        })?;
+        Ok(f(s))
+    }
+}
+
+#[pymethods]
+impl Staged {
+    /// The key.
+    #[getter]
+    fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round (or clock) the push will carry.
+    #[getter]
+    fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Where the key's values go, in order: ``(buffer, first, elements)``
+    /// per run of elements contiguous in one region, ``buffer`` a
+    /// :class:`StagingBuffer` of ``elements`` values of the wire type
+    /// starting with the key's element ``first``.
+    #[getter]
+    fn spans(&self) -> PyResult<Vec<(StagingBuffer, usize, usize)>> {
+        self.with(|s| {
+            let memory = s.memory();
+            s.spans()
+                .iter()
+                .map(|sp| {
+                    (
+                        StagingBuffer {
+                            memory: memory.clone(),
+                            address: sp.address(),
+                            nbytes: sp.bytes(),
+                        },
+                        sp.first,
+                        sp.elements,
+                    )
+                })
+                .collect()
+        })
+    }
+
+    /// This rank's whole staging regions of the mapping the spans are in
+    /// (one per lcore of the job), to register once with a device driver
+    /// so that device-to-host copies land in them directly.
+    #[getter]
+    fn regions(&self) -> PyResult<Vec<StagingBuffer>> {
+        self.with(|s| {
+            let memory = s.memory();
+            memory
+                .regions()
+                .into_iter()
+                .map(|(address, nbytes)| StagingBuffer {
+                    memory: memory.clone(),
+                    address,
+                    nbytes,
+                })
+                .collect()
+        })
+    }
+
+    /// Gives the key back without pushing (what garbage collection does).
+    fn release(&self) -> PyResult<()> {
+        drop(self.take()?);
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!("phub.Staged(key={}, round={})", self.key, self.round)
     }
 }

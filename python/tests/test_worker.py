@@ -246,6 +246,54 @@ def test_shared_memory_with_a_shm_appliance() -> None:
         assert s1["shm"] is False and s1["shm_results"] == 0
 
 
+def test_values_staged_in_place_through_the_buffer_protocol() -> None:
+    """Worker.stage: rank 0 writes its gradient straight into its staging
+    regions (numpy views of the spans' buffers) and pushes headers only;
+    the results are exact. A staged key is busy until pushed or released;
+    a worker without shared memory stages nothing."""
+    from phub.local import LocalAppliance
+
+    with LocalAppliance(lcores=2, memory_budget="256MiB", shm=True) as app:
+        keys = [20000, 3]
+        jid, token = app.admit(admin.job_spec("pytest-staged", 2, keys, optimizer="sum"))
+        w0 = phub.Worker.join(app.control_url, jid, token, 0)
+        w1 = phub.Worker.join(app.control_url, jid, token, 1, shm="off")
+        assert w0.shm and not w1.shm
+        assert w1.stage(0) is None
+        for rnd in range(1, 4):
+            for k, n in enumerate(keys):
+                if rnd == 1:
+                    init_all([w0, w1], k, [np.zeros(n, np.float32)] * 2)
+                g0 = (np.arange(n) % 50).astype(np.float32) * rnd
+                st = w0.stage(k)
+                assert st is not None and st.key == k and st.round == rnd
+                with pytest.raises(phub.PhubError, match="already has a request in flight"):
+                    w0.stage(k)
+                covered = 0
+                for buf, first, count in st.spans:
+                    assert first == covered and buf.nbytes == 4 * count
+                    np.frombuffer(buf, dtype=np.float32)[:] = g0[first:first + count]
+                    covered += count
+                assert covered == n
+                regions = st.regions
+                assert regions and all(r.nbytes > 0 and r.same_mapping(regions[0]) for r in regions)
+                out0 = np.empty(n, np.float32)
+                h0 = w0.push_pull_staged(st, out0)
+                with pytest.raises(phub.UsageError, match="already pushed or released"):
+                    w0.push_pull_staged(st, out0)
+                h1 = w1.push_pull(k, np.full(n, 2.0, np.float32))
+                want = g0 + 2.0
+                np.testing.assert_array_equal(h0.wait(), want)
+                np.testing.assert_array_equal(h1.wait(), want)
+        s0 = w0.stats()
+        assert s0["shm_results"] == s0["results_accepted"] > 0
+        # Released without a push: the key is free again.
+        st = w0.stage(0)
+        assert st is not None
+        st.release()
+        w0.stage(0).release()
+
+
 def test_shm_on_without_a_shm_appliance_fails_the_join(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:
     jid, token = job([10])
     with pytest.raises(phub.JoinError, match="shm = on.*/dev/shm/phub-"):
