@@ -71,12 +71,13 @@ host-to-device on another side stream, and the default stream waits only
 for that copy (the hook's future is CUDA-aware), never for the network. A
 bucket's copies overlap the previous bucket's exchange. 16-bit gradients
 cross PCIe as 16 bits and go out as 16 bits (no ``float32`` copy on the GPU
-or on the host). With shared memory
-there are still two host copies (pinned buffer, then the staging region):
-the worker does not expose its staging region to Python, so it cannot be
-``cudaHostRegister``-ed and copied into directly. **This path has not run
-on a GPU yet** (python/tests/torch/test_cuda.py skips without one); CPU
-tensors take the code path they always did.
+or on the host). With shared memory the device-to-host copy goes straight
+into the appliance's staging regions (:meth:`phub.Worker.stage`; the regions
+are ``cudaHostRegister``-ed once per mapping) and the keys go out as
+headers only (:meth:`phub.Worker.push_pull_staged`): one copy, not two.
+**This path has not run on a GPU yet** (python/tests/torch/test_cuda.py
+skips without one; its stand-in tests run the bookkeeping on CPU tensors);
+CPU tensors take the code path they always did.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ import torch
 import torch.distributed
 
 from . import admin
-from ._native import Handle, UsageError, Worker
+from ._native import Handle, Staged, UsageError, Worker
 
 __all__ = [
     "CommHookState",
@@ -264,6 +265,13 @@ class _CudaStaging:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self._host: dict[Any, torch.Tensor] = {}
+        # The shared-memory staging regions registered with CUDA (address:
+        # the region's buffer, which keeps its mapping mapped while
+        # registered), all of one mapping.
+        self._registered: dict[int, Any] = {}
+        #: Regions CUDA refused to register (copies into them then go
+        #: through the driver's own staging: slower, still right).
+        self.register_failures = 0
 
     def host(self, slot: Any, like: torch.Tensor) -> torch.Tensor:
         """The pinned flat buffer of ``slot`` (a bucket index, a key), for
@@ -286,6 +294,82 @@ class _CudaStaging:
             ev = torch.cuda.Event()
             ev.record(self.d2h)
         return host, ev
+
+    def register(self, staged: Staged) -> None:
+        """Page-locks the staging regions of ``staged``'s mapping for CUDA
+        (``cudaHostRegister``), once per mapping, so that device-to-host
+        copies land in them directly. A new mapping (the dataplane recreated
+        its regions) replaces the old one: those are unregistered after the
+        copies in flight on the copy stream."""
+        regions = staged.regions
+        if not regions or regions[0].address in self._registered:
+            return
+        if self._registered:
+            self.d2h.synchronize()
+            for r in self._registered.values():
+                torch.cuda.cudart().cudaHostUnregister(r.address)
+            self._registered.clear()
+        for r in regions:
+            rc = torch.cuda.cudart().cudaHostRegister(r.address, r.nbytes, 0)
+            if int(rc) != 0:
+                self.register_failures += 1
+                continue
+            self._registered[r.address] = r
+
+    def to_staging(self, staged: Sequence[tuple[Staged, torch.Tensor]]) -> "torch.cuda.Event":
+        """Starts copying each gradient (on this device) straight into its
+        staged key's spans of the shared-memory staging regions, after the
+        current stream's work; returns the copies' event. One copy, where
+        :meth:`to_host` and ``push_pull`` make two."""
+        self.d2h.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.d2h):
+            for s, g in staged:
+                self.register(s)
+                flat = g.reshape(-1)
+                for buf, first, n in s.spans:
+                    torch.frombuffer(buf, dtype=g.dtype, count=n).copy_(flat[first:first + n], non_blocking=True)
+                g.record_stream(self.d2h)
+            ev = torch.cuda.Event()
+            ev.record(self.d2h)
+        return ev
+
+
+#: The torch dtype of each wire type: values staged in place are the wire's bytes.
+_WIRE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _stage_keys(worker: Worker, keys: Sequence[tuple[int, torch.Tensor]]
+                ) -> Optional[list[tuple[Staged, torch.Tensor]]]:
+    """Claims every key of ``keys`` for a push written in place into the
+    worker's shared-memory staging regions (:meth:`phub.Worker.stage`), or
+    none (``None``): without shared memory, or when the gradients are not
+    in the job's wire type."""
+    if not worker.shm or any(g.dtype != _WIRE_DTYPES.get(worker.dtype_name) for _, g in keys):
+        return None
+    staged: list[tuple[Staged, torch.Tensor]] = []
+    try:
+        for k, g in keys:
+            s = worker.stage(k)
+            if s is None:  # the mapping went (the dataplane is restarting)
+                break
+            staged.append((s, g))
+        else:
+            return staged
+    except BaseException:
+        for s, _ in staged:
+            _release(s)
+        raise
+    for s, _ in staged:
+        _release(s)
+    return None
+
+
+def _release(s: Staged) -> None:
+    """Gives a staged key back, if it was neither pushed nor released."""
+    try:
+        s.release()
+    except UsageError:
+        pass
 
 
 class _Completer:
@@ -443,6 +527,9 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
     fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future(devices=[buf.device])
     st = state.staging(buf.device)
     try:
+        staged = _stage_keys(state.worker, keys)
+        if staged is not None:
+            return _cuda_bucket_staged(state, bucket, buf, staged, scale, st, fut)
         host, copied = st.to_host(bucket.index(), buf)
     except BaseException as e:
         fut.set_exception(e)  # type: ignore[arg-type]
@@ -457,6 +544,40 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
             for k, h in views:
                 handles.append(state.worker.push_pull(k, to_numpy(h)))
         except BaseException as e:
+            state._completer.submit(lambda: _fail(handles, fut, e))
+            return
+        state._completer.submit(lambda: _complete_cuda(handles, host, buf, scale, fut, st))
+
+    state._pusher.submit(push)
+    return fut
+
+
+def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
+                        staged: list[tuple[Staged, torch.Tensor]], scale: float, st: _CudaStaging,
+                        fut: "torch.futures.Future[torch.Tensor]") -> "torch.futures.Future[torch.Tensor]":
+    """:func:`_cuda_bucket` with shared memory: each gradient is copied
+    device-to-host straight into its key's staging spans (registered with
+    CUDA), then pushed as headers only (:meth:`phub.Worker.push_pull_staged`);
+    the results come back through the bucket's pinned buffer as before."""
+    try:
+        copied = st.to_staging(staged)
+    except BaseException:
+        for s, _ in staged:
+            _release(s)
+        raise
+    host = st.host(bucket.index(), buf)
+    base, size = buf.data_ptr(), buf.element_size()
+    views = [(s, host[(g.data_ptr() - base) // size:(g.data_ptr() - base) // size + g.numel()]) for s, g in staged]
+
+    def push() -> None:
+        handles = []
+        try:
+            copied.synchronize()  # GIL released while the copies finish
+            for s, h in views:
+                handles.append(state.worker.push_pull_staged(s, to_numpy(h)))
+        except BaseException as e:
+            for s, _ in views[len(handles):]:
+                _release(s)
             state._completer.submit(lambda: _fail(handles, fut, e))
             return
         state._completer.submit(lambda: _complete_cuda(handles, host, buf, scale, fut, st))
@@ -599,12 +720,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # copy is done; each new parameter goes back on the other side stream
         # as soon as it is in, and the current stream waits for the last of
         # those copies (an event), not for the network.
-        copies = [st.to_host(("grad", k), self._grad(p)) for k, p in enumerate(self._params)]
+        # With shared memory each gradient is copied straight into its
+        # key's staging spans instead, and pushed as headers only.
+        grads = [(k, self._grad(p)) for k, p in enumerate(self._params)]
+        staged = _stage_keys(self.worker, grads)
         handles = []
-        for k, (p, (g, copied)) in enumerate(zip(self._params, copies)):
-            out = st.host(("param", k), p.data)
-            copied.synchronize()  # GIL released
-            handles.append((self.worker.push_pull(k, to_numpy(g), to_numpy(out)), p, out))
+        if staged is not None:
+            try:
+                events = [st.to_staging([sg]) for sg in staged]
+                for k, (p, (s, _), copied) in enumerate(zip(self._params, staged, events)):
+                    out = st.host(("param", k), p.data)
+                    copied.synchronize()  # GIL released
+                    handles.append((self.worker.push_pull_staged(s, to_numpy(out)), p, out))
+            except BaseException:
+                # The keys not pushed are given back; those pushed complete
+                # in the background (their handles are dropped).
+                for s, _ in staged[len(handles):]:
+                    _release(s)
+                raise
+        else:
+            copies = [st.to_host(("grad", k), g) for k, g in grads]
+            for k, (p, (g, copied)) in enumerate(zip(self._params, copies)):
+                out = st.host(("param", k), p.data)
+                copied.synchronize()  # GIL released
+                handles.append((self.worker.push_pull(k, to_numpy(g), to_numpy(out)), p, out))
         with torch.cuda.stream(st.h2d):
             for h, p, out in handles:
                 h.wait()

@@ -153,6 +153,9 @@ class _FakeStream:
     def wait_stream(self, _other: Any) -> None:
         pass
 
+    def synchronize(self) -> None:
+        pass
+
     def wait_event(self, _event: Any) -> None:
         pass
 
@@ -223,3 +226,104 @@ def test_cuda_optimizer_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: N
     for m in models:  # each step: p -= 0.5 * mean(grads)
         assert torch.allclose(m[0].data, torch.full((30,), 1.0 - 2 * 0.5 * 1.5))
         assert torch.allclose(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))
+
+
+class _FakeCudart:
+    """cudaHostRegister/cudaHostUnregister that record what they were given."""
+
+    def __init__(self) -> None:
+        self.registered: list[tuple[int, int]] = []
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802  # CUDA's name
+        assert flags == 0 and nbytes > 0
+        self.registered.append((address, nbytes))
+        return 0
+
+    def cudaHostUnregister(self, address: int) -> int:  # noqa: N802
+        self.unregistered.append(address)
+        return 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
+@pytest.mark.parametrize("dtype", ["f32", "bf16"])
+def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
+        fake_cuda: None, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+    """With shared memory, the hook's device-to-host copy goes straight into
+    the staging regions (registered with CUDA once) and the keys are pushed
+    as headers only; a gradient not in the job's wire type takes the pinned
+    buffer. Results exact (the sum of small integers), in place."""
+    from phub import admin
+    from phub.local import LocalAppliance
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    tdt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    with LocalAppliance(lcores=2, memory_budget="256MiB", shm=True) as app:
+        jid, token = app.admit(admin.job_spec(f"pytest-staged-hook-{dtype}", W, [3000, 2000], optimizer="sum",
+                                              dtype=dtype))
+        ws = [phub.Worker.join(app.control_url, jid, token, r) for r in range(W)]
+        assert all(w.shm for w in ws)
+        params = [[torch.nn.Parameter(torch.zeros(3000, dtype=tdt)), torch.nn.Parameter(torch.zeros(2000, dtype=tdt))]
+                  for _ in ws]
+        states = _in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, p) for w, p in zip(ws, params)])
+        try:
+            for rnd in range(3):
+                bufs = [((torch.arange(5000) % 64) * (r + 1) + rnd).to(tdt) for r in range(W)]
+                futs = []
+                for s, buf in zip(states, bufs):
+                    keys = [(1, buf[:2000]), (0, buf[2000:])]
+                    futs.append(phub.torch._cuda_bucket(s, _Bucket(s.params[0], buf), buf, keys, s.scale))
+                outs = [f.wait() for f in futs]
+                want = (((torch.arange(5000) % 64) * 3 + 2 * rnd).float() / W).to(tdt)
+                for o, buf in zip(outs, bufs):
+                    assert o is buf
+                    assert torch.equal(o, want), (rnd, o[:4], want[:4])
+            for w in ws:
+                s = w.stats()
+                # Every chunk went as a header: nothing but headers left this rank.
+                assert s["shm_results"] == s["results_accepted"] > 0, s
+            # Each rank's regions (2 lcores) registered once, none given back.
+            assert len(cudart.registered) == W * 2 and not cudart.unregistered, cudart.registered
+            # A gradient not in the wire type: the pinned buffer, as without shared memory.
+            other = torch.float32 if dtype == "bf16" else torch.float64
+            assert phub.torch._stage_keys(ws[0], [(0, torch.zeros(3000, dtype=other))]) is None
+            st = ws[0].stage(0)  # and the key was given back
+            assert st is not None
+            st.release()
+        finally:
+            for s in states:
+                s.close()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
+def test_cuda_optimizer_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
+        fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """DistributedOptimizer with shared memory: each gradient goes straight
+    into its key's staging spans and is pushed as headers only; the SGD
+    step on the appliance is the one of the mean gradient."""
+    from phub import admin
+    from phub.local import LocalAppliance
+
+    cudart = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with LocalAppliance(lcores=2, memory_budget="256MiB", shm=True) as app:
+        jid, token = app.admit(admin.job_spec("pytest-staged-opt", W, [3000, 20], optimizer={"kind": "sgd", "lr": 0.5}))
+        ws = [phub.Worker.join(app.control_url, jid, token, r) for r in range(W)]
+        models = [[torch.nn.Parameter(torch.full((3000,), 1.0)), torch.nn.Parameter(torch.full((20,), 2.0))]
+                  for _ in ws]
+        opts = _in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
+        for o in opts:
+            o._staging = phub.torch._CudaStaging(torch.device("cpu"))  # as for CUDA parameters
+        for _ in range(2):
+            for r, m in enumerate(models):
+                m[0].grad = torch.full((3000,), float(r + 1))
+                m[1].grad = None if r == 0 else torch.full((20,), 4.0)  # a missing gradient pushes zeros
+            _in_threads([o.step for o in opts])
+        for m in models:  # each step: p -= 0.5 * mean(grads)
+            assert torch.equal(m[0].data, torch.full((3000,), 1.0 - 2 * 0.5 * 1.5))
+            assert torch.equal(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))
+        assert cudart.registered and not cudart.unregistered
+        for w in ws:
+            s = w.stats()
+            assert s["shm_results"] == s["results_accepted"] > 0, s
