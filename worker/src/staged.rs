@@ -34,9 +34,9 @@ pub struct StagingSpan {
     pub first: usize,
     /// Elements in the span.
     pub elements: usize,
-    /// Where the span's bytes start (elements × the wire type's size of
-    /// them), inside the mapping of the [`Staged`] it came from.
-    ptr: *mut u8,
+    /// The address where the span's bytes start, inside the mapping of the
+    /// [`Staged`] it came from.
+    addr: usize,
     /// Bytes in the span.
     bytes: usize,
 }
@@ -47,7 +47,7 @@ impl StagingSpan {
     /// [`StagingMemory`] of its mapping lives, and to be written only
     /// while the `Staged` holds the key.
     pub fn address(&self) -> usize {
-        self.ptr as usize
+        self.addr
     }
 
     /// The span's length in bytes.
@@ -61,12 +61,6 @@ impl StagingSpan {
 /// `cudaHostRegister`) so that device copies land in them directly.
 #[derive(Debug, Clone)]
 pub struct StagingMemory(Arc<Regions>);
-
-// SAFETY: the regions are shared memory mapped for the process; this type
-// only keeps the mapping alive and reports addresses (no access through it).
-unsafe impl Send for StagingMemory {}
-// SAFETY: as above: nothing is read or written through a shared reference.
-unsafe impl Sync for StagingMemory {}
 
 impl StagingMemory {
     /// Start address and length in bytes of each staging region (one per
@@ -141,7 +135,7 @@ impl Staged<'_> {
         // which `self` holds, so nothing else in this process writes these
         // bytes, and no lcore reads them before the push (module docs);
         // `&mut self` keeps this the only reference made through `self`.
-        Some(unsafe { std::slice::from_raw_parts_mut(s.ptr, s.bytes) })
+        Some(unsafe { std::slice::from_raw_parts_mut(s.addr as *mut u8, s.bytes) })
     }
 
     /// Writes the key's values (`values.len()` = the key's length) into its
@@ -225,7 +219,7 @@ impl Worker {
                 _ => spans.push(StagingSpan {
                     first,
                     elements: len,
-                    ptr,
+                    addr: ptr as usize,
                     bytes: len * size,
                 }),
             }
