@@ -25,9 +25,11 @@
 #      CUDA parameters == torch.optim, each optimizer; bf16 CUDA gradients;
 #   3. python/bench/bench_cuda_ddp.py: ResNet-50 DDP steps on CUDA tensors,
 #      phub's hook (shared memory, 4 lcores) against gloo, W=2 sharing the
-#      GPU, medians, the exchange alone and its overlap with backward; then,
-#      if time is left, the same in bf16 (--dtype bf16: a bf16 job, the
-#      gradients never float32) and with datagrams (no --shm).
+#      GPU, medians, the exchange alone and its overlap with backward
+#      (gradients copied straight into the staging regions: one copy); then,
+#      if time is left, the same with two copies (--two-copies: the pinned
+#      buffer, then the worker's copy), in bf16 (--dtype bf16: a bf16 job,
+#      the gradients never float32) and with datagrams (no --shm).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -107,13 +109,20 @@ fi
 
 stamp "ResNet-50 DDP on CUDA: phub (shared memory, 4 lcores) vs gloo"
 timeout 180 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 10 >"$OUT/bench-shm.log" 2>&1
-say "bench_cuda_ddp.py --shm rc=$?"; tail -n 14 "$OUT/bench-shm.log" | tee -a "$SUM"
+say "bench_cuda_ddp.py --shm rc=$?"; tail -n 15 "$OUT/bench-shm.log" | tee -a "$SUM"
+
+if (( $(date +%s) - t0 < 230 )); then
+  stamp "The same with two host copies (pinned buffer, then the worker's copy): what the one copy saves"
+  timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --two-copies --lcores 4 --steps 8 \
+    >"$OUT/bench-two-copies.log" 2>&1
+  say "bench_cuda_ddp.py --shm --two-copies rc=$?"; tail -n 15 "$OUT/bench-two-copies.log" | tee -a "$SUM"
+fi
 
 if (( $(date +%s) - t0 < 260 )); then
   stamp "ResNet-50 DDP on CUDA, bf16: phub (shared memory, 4 lcores, a bf16 job) vs gloo"
   timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 --dtype bf16 \
     >"$OUT/bench-bf16.log" 2>&1
-  say "bench_cuda_ddp.py --shm --dtype bf16 rc=$?"; tail -n 14 "$OUT/bench-bf16.log" | tee -a "$SUM"
+  say "bench_cuda_ddp.py --shm --dtype bf16 rc=$?"; tail -n 15 "$OUT/bench-bf16.log" | tee -a "$SUM"
 fi
 
 if (( $(date +%s) - t0 < 360 )); then

@@ -161,7 +161,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         torch.manual_seed(0)
         models[name] = nn.parallel.DistributedDataParallel(ResNet50().to(device, dtype), bucket_cap_mb=a.bucket_mb)
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
-    state = phub.torch.register_comm_hook(models["phub"], w)
+    state = phub.torch.register_comm_hook(models["phub"], w, in_place=not a.two_copies)
     x = torch.randn(a.batch, 3, a.image, a.image, device=device, dtype=dtype)
     y = torch.randint(0, 1000, (a.batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
@@ -209,8 +209,11 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     if rank == 0:
         s = w.stats()
         np.save(out, np.array([times[k] for k in times], dtype=np.float64))
+        st = state._staging.get(device)
+        staged = int(bool(st and st._registered))
+        failures = st.register_failures if st else 0
         with open(out + ".txt", "w") as f:
-            f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)}\n")
+            f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)} {staged} {failures}\n")
     state.close()
     dist.destroy_process_group()
 
@@ -226,6 +229,9 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--shm", action="store_true", help="phub-dataplane with --shm (workers on this machine)")
     ap.add_argument("--busy-poll", action="store_true")
+    ap.add_argument("--two-copies", action="store_true",
+                    help="with --shm: CUDA gradients through the pinned buffer and the worker's copy, not straight "
+                         "into the staging regions (the comparison)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
                     help="the models' and phub's job's element type (bf16: mixed precision's gradients)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
@@ -262,7 +268,7 @@ def main() -> None:
             if any(p.exitcode != 0 for p in procs):
                 raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
             times = np.load(out)
-            retx, sent, shm = Path(out + ".txt").read_text().split()
+            retx, sent, shm, staged, failures = Path(out + ".txt").read_text().split()
     names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]
     med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
     lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
@@ -279,6 +285,10 @@ def main() -> None:
         print(f"{n}: exchange alone {bare:.1f} ms, exposed in the step {exposed:.1f} ms: "
               f"overlap with backward {100 * (1 - exposed / bare):.0f}%")
     print(f"phub rank 0: shared memory {'yes' if shm == '1' else 'no'}, {retx} retransmits of {sent} chunks sent")
+    if shm == "1" and a.device == "cuda":
+        print("phub rank 0: gradients copied " + ("straight into the staging regions (one copy)" if staged == "1" else
+                                                 "through the pinned buffer (two copies)")
+              + (f", {failures} regions CUDA would not register" if failures != "0" else ""))
 
 
 if __name__ == "__main__":

@@ -405,9 +405,12 @@ class CommHookState:
     not modified); every rank constructs the state at the same point. The
     job's optimizer must be ``sum`` or ``mean``, and its consistency BSP
     (``sync``, the default): an async or bounded-delay job is refused.
+    ``in_place``: with shared memory, copy CUDA gradients straight into the
+    staging regions (the default); ``False`` keeps the pinned buffer and
+    the worker's copy (two copies).
     """
 
-    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True) -> None:
+    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True, in_place: bool = True) -> None:
         if worker.consistency != "sync":
             mode = worker.consistency
             if worker.bounded_delay is not None:
@@ -423,6 +426,7 @@ class CommHookState:
                 "use phub.torch.DistributedOptimizer for that"
             )
         self.worker = worker
+        self.in_place = in_place
         self.params = key_parameters(model)
         _check_layout(worker, self.params)
         self.scale = 1.0 / worker.workers if worker.optimizer == "sum" else 1.0
@@ -527,7 +531,7 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
     fut: "torch.futures.Future[torch.Tensor]" = torch.futures.Future(devices=[buf.device])
     st = state.staging(buf.device)
     try:
-        staged = _stage_keys(state.worker, keys)
+        staged = _stage_keys(state.worker, keys) if state.in_place else None
         if staged is not None:
             return _cuda_bucket_staged(state, bucket, buf, staged, scale, st, fut)
         host, copied = st.to_host(bucket.index(), buf)
@@ -639,6 +643,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     pushes every key each round) and writes the appliance's new parameters
     into the parameters in place. ``broadcast``: start with
     :func:`broadcast_parameters` (rank 0's values everywhere).
+    ``in_place``: as :class:`CommHookState`'s, for CUDA parameters.
 
     Learning rate, momentum and so on are the job's: changing
     ``param_groups`` here changes nothing on the appliance, and there is no
@@ -652,7 +657,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Union[torch.optim.Optimizer, ParamsLike], worker: Worker, *,
-                 broadcast: bool = True) -> None:
+                 broadcast: bool = True, in_place: bool = True) -> None:
         if worker.optimizer in ("sum", "mean"):
             raise UsageError(
                 f"this job's optimizer is {worker.optimizer!r}: the appliance returns aggregated gradients, "
@@ -682,6 +687,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise UsageError(f"DistributedOptimizer: parameters on {sorted(map(str, devices))}; one device per rank")
         super().__init__(ps, {})
         self.worker = worker
+        self.in_place = in_place
         self._params = ps
         dev = next(iter(devices))
         self._staging = _CudaStaging(dev) if dev.type == "cuda" else None
@@ -723,7 +729,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # With shared memory each gradient is copied straight into its
         # key's staging spans instead, and pushed as headers only.
         grads = [(k, self._grad(p)) for k, p in enumerate(self._params)]
-        staged = _stage_keys(self.worker, grads)
+        staged = _stage_keys(self.worker, grads) if self.in_place else None
         handles = []
         if staged is not None:
             try:
