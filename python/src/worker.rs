@@ -763,28 +763,22 @@ pub(crate) struct Staged {
 }
 
 impl Staged {
+    /// The error for a staged key used after its push or release.
+    fn gone(&self) -> PyErr {
+        usage(format!(
+            "key {} round {} was already pushed or released",
+            self.key, self.round
+        ))
+    }
+
     fn take(&self) -> PyResult<phub_worker::Staged<'static>> {
-        self.staged
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| {
-                usage(format!(
-                    "key {} round {} was already pushed or released",
-                    self.key, self.round
-                ))
-            })
+        let mut g = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
+        g.take().ok_or_else(|| self.gone())
     }
 
     fn with<T>(&self, f: impl FnOnce(&phub_worker::Staged<'static>) -> T) -> PyResult<T> {
         let g = self.staged.lock().unwrap_or_else(PoisonError::into_inner);
-        let s = g.as_ref().ok_or_else(|| {
-            usage(format!(
-                "key {} round {} was already pushed or released",
-                self.key, self.round
-            ))
-        })?;
-        Ok(f(s))
+        Ok(f(g.as_ref().ok_or_else(|| self.gone())?))
     }
 }
 
