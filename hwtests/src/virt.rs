@@ -125,7 +125,9 @@ pub enum Link {
     },
     /// net_tap: the dataplane's port is a tap interface ([`TAP_IF`]) whose
     /// kernel side the workers use. It takes IPv4 and UDP TX checksum
-    /// offloads (computed by the driver), where af_packet has none.
+    /// offloads (computed by the driver), where af_packet has none, and
+    /// frames of MTU 1504 at most. The interface goes with the dataplane:
+    /// [`VirtualRack::start_dataplane`] does not set it up again.
     Tap,
 }
 
