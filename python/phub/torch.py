@@ -84,6 +84,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import numpy as np
@@ -269,6 +270,9 @@ class _CudaStaging:
         # the region's buffer, which keeps its mapping mapped while
         # registered), all of one mapping.
         self._registered: dict[int, Any] = {}
+        # Those of that mapping CUDA refused (kept, so that their addresses
+        # stay this mapping's: not tried again).
+        self._refused: dict[int, Any] = {}
         #: Regions CUDA refused to register (copies into them then go
         #: through the driver's own staging: slower, still right).
         self.register_failures = 0
@@ -302,17 +306,25 @@ class _CudaStaging:
         its regions) replaces the old one: those are unregistered after the
         copies in flight on the copy stream."""
         regions = staged.regions
-        if not regions or regions[0].address in self._registered:
+        if not regions or regions[0].address in self._registered or regions[0].address in self._refused:
             return
-        if self._registered:
+        if self._registered or self._refused:
             self.d2h.synchronize()
             for r in self._registered.values():
                 torch.cuda.cudart().cudaHostUnregister(r.address)
             self._registered.clear()
+            self._refused.clear()
         for r in regions:
             rc = torch.cuda.cudart().cudaHostRegister(r.address, r.nbytes, 0)
             if int(rc) != 0:
+                if self.register_failures == 0:
+                    warnings.warn(
+                        f"phub.torch: cudaHostRegister of a shared-memory staging region ({r.nbytes} bytes) "
+                        f"failed (CUDA error {int(rc)}): device-to-host copies into it go through the driver's "
+                        "own staging, slower; pass in_place=False to use pinned buffers instead",
+                        RuntimeWarning, stacklevel=2)
                 self.register_failures += 1
+                self._refused[r.address] = r
                 continue
             self._registered[r.address] = r
 

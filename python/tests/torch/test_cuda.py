@@ -229,14 +229,18 @@ def test_cuda_optimizer_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: N
 
 
 class _FakeCudart:
-    """cudaHostRegister/cudaHostUnregister that record what they were given."""
+    """cudaHostRegister/cudaHostUnregister that record what they were given
+    (and refuse with ``error``, when set)."""
 
-    def __init__(self) -> None:
+    def __init__(self, error: int = 0) -> None:
         self.registered: list[tuple[int, int]] = []
         self.unregistered: list[int] = []
+        self.error = error
 
     def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:  # noqa: N802  # CUDA's name
         assert flags == 0 and nbytes > 0
+        if self.error:
+            return self.error
         self.registered.append((address, nbytes))
         return 0
 
@@ -327,3 +331,27 @@ def test_cuda_optimizer_copies_straight_into_shared_memory_on_cpu_with_stand_ins
         for w in ws:
             s = w.stats()
             assert s["shm_results"] == s["results_accepted"] > 0, s
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
+def test_a_region_cuda_will_not_register_warns_once_and_still_works(
+        fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from phub import admin
+    from phub.local import LocalAppliance
+
+    cudart = _FakeCudart(error=801)  # cudaErrorNotSupported
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    with LocalAppliance(lcores=1, memory_budget="256MiB", shm=True) as app:
+        jid, token = app.admit(admin.job_spec("pytest-staged-noreg", 1, [1000], optimizer="sum"))
+        w = phub.Worker.join(app.control_url, jid, token, 0)
+        state = phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(1000))])
+        try:
+            with pytest.warns(RuntimeWarning, match="cudaHostRegister.*CUDA error 801.*in_place=False"):
+                for rnd in range(2):
+                    buf = torch.arange(1000, dtype=torch.float32) + rnd
+                    fut = phub.torch._cuda_bucket(state, _Bucket(state.params[0], buf), buf, [(0, buf)], state.scale)
+                    assert torch.equal(fut.wait(), torch.arange(1000, dtype=torch.float32) + rnd)
+            st = state._staging[torch.device("cpu")]
+            assert st.register_failures == 1 and not st._registered  # tried once, warned once
+        finally:
+            state.close()
