@@ -107,7 +107,7 @@ pub use phub_proto::api::JoinResponse;
 pub use phub_proto::fault::FaultSpec;
 pub use phub_proto::spec::Consistency;
 pub use shm::{ShmMode, SHM_ENV};
-pub use staged::{Staged, StagingMemory, StagingSpan};
+pub use staged::{Results, Staged, StagingMemory, StagingSpan};
 pub use stats::WorkerStats;
 
 use elem::{Dst, Src, Values};

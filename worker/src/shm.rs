@@ -321,6 +321,31 @@ impl Regions {
         Some((region.ptr(at, len)?, at))
     }
 
+    /// Where `len` wire bytes of `slot`'s result are in the result region
+    /// of `lcore`, and the region's offset of them; `None` when they are
+    /// not all inside it. Readers through it must hold the chunk's key
+    /// (see [`crate::Worker::wait_in_place`]).
+    pub(crate) fn result_ptr(&self, lcore: u16, slot: u32, len: usize) -> Option<(*mut u8, usize)> {
+        let r = self.lcore(lcore)?;
+        if len > self.chunk_elems as usize * self.dtype.size() {
+            return None;
+        }
+        let at = slot_offset(slot, self.chunk_elems, self.dtype);
+        Some((r.results.region.ptr(at, len)?, at))
+    }
+
+    /// The lcores' result regions: the start and length of each mapping.
+    pub(crate) fn result_memory(&self) -> Vec<(*mut u8, usize)> {
+        self.lcores
+            .iter()
+            .flatten()
+            .filter_map(|l| {
+                let r = &l.results.region;
+                Some((r.ptr(0, r.len())?, r.len()))
+            })
+            .collect()
+    }
+
     /// This rank's staging regions, one per lcore of the job: the start
     /// and length of each mapping.
     pub(crate) fn staging_memory(&self) -> Vec<(*mut u8, usize)> {

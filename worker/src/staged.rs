@@ -23,7 +23,8 @@ use std::sync::Arc;
 
 use phub_proto::wire::MsgType;
 
-use crate::elem::Src;
+use crate::elem::{Src, Values};
+use crate::io::{DirectDone, Done};
 use crate::shm::Regions;
 use crate::{Element, Handle, Kind, Worker, WorkerError};
 
@@ -76,6 +77,90 @@ impl StagingMemory {
     /// Whether `other` keeps the same mapping alive.
     pub fn same(&self, other: &StagingMemory) -> bool {
         Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Start address and length in bytes of each lcore's result region of
+    /// this mapping (what [`Results::spans`] point into, mostly).
+    pub fn result_regions(&self) -> Vec<(usize, usize)> {
+        self.0
+            .result_memory()
+            .into_iter()
+            .map(|(p, len)| (p as usize, len))
+            .collect()
+    }
+}
+
+/// A request's results left where they arrived ([`Worker::wait_in_place`]):
+/// in the lcores' result regions, or (chunks that came as datagrams) in a
+/// buffer this holds. While results are in the regions the key stays
+/// claimed as long as this lives, so no lcore writes another result over
+/// them; dropping it gives the key back.
+pub struct Results<'a> {
+    worker: &'a Worker,
+    key: u32,
+    round: u32,
+    spans: Vec<StagingSpan>,
+    /// The results that came as datagrams (and the buffer for the key's
+    /// next request, given back when dropped).
+    values: Option<Values>,
+    /// The mapping and the claim, for results in the regions.
+    direct: Option<DirectDone>,
+}
+
+impl std::fmt::Debug for Results<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Results")
+            .field("key", &self.key)
+            .field("round", &self.round)
+            .field("spans", &self.spans)
+            .finish()
+    }
+}
+
+impl Results<'_> {
+    /// The key.
+    pub fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round they are the result of.
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Where the key's results are: its elements in order, run by run, in
+    /// the wire type (little-endian `f32`, or the job's 16-bit type).
+    pub fn spans(&self) -> &[StagingSpan] {
+        &self.spans
+    }
+
+    /// The mapping of the result regions the spans point into (none when
+    /// every result came as a datagram), kept mapped by what this returns.
+    pub fn memory(&self) -> Option<StagingMemory> {
+        self.direct
+            .as_ref()
+            .map(|d| StagingMemory(Arc::clone(&d.regions)))
+    }
+
+    /// Span `i`'s bytes.
+    pub fn span(&self, i: usize) -> Option<&[u8]> {
+        let s = self.spans.get(i)?;
+        // SAFETY: the span lies in a result region of `self.direct`'s
+        // mapping (mapped while `self` lives) or in `self.values`, checked
+        // when it was made; the key is claimed while `self` lives, so no
+        // lcore writes these results again (module docs) and the worker
+        // writes `values` only for a request of the key.
+        Some(unsafe { std::slice::from_raw_parts(s.addr as *const u8, s.bytes) })
+    }
+}
+
+impl Drop for Results<'_> {
+    fn drop(&mut self) {
+        if let Some(v) = self.values.take() {
+            self.worker.keep_values(self.key, v);
+        }
+        // Frees the key.
+        self.direct = None;
     }
 }
 
@@ -275,5 +360,79 @@ impl Worker {
         // The request holds the key from here on.
         staged.claimed = false;
         self.submit(key, round, Kind::Push, chunks, tx, values, crate::Dst::of(out))
+    }
+
+    /// Waits for a request's results and leaves them where they arrived,
+    /// for a caller that copies them out by other means (a GPU's
+    /// host-to-device copy from the result regions, registered with its
+    /// driver): [`Worker::wait`] without its copy into the request's
+    /// output, which is left as it was. The request's output must have
+    /// been of the job's wire type (`f32`, or the 16-bit type itself), so
+    /// that results that came as datagrams are in it too.
+    pub fn wait_in_place(&self, h: Handle<'_>) -> Result<Results<'_>, WorkerError> {
+        let Done {
+            key,
+            values,
+            round,
+            direct,
+        } = match h.done.recv() {
+            Ok(Ok(d)) => d,
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Err(WorkerError::Closed),
+        };
+        let dtype = self.spec.dtype;
+        let size = dtype.size();
+        let Some(wire) = values.as_src().wire_bytes(dtype) else {
+            self.keep_values(key, values);
+            return Err(WorkerError::Sequence {
+                key,
+                message: format!(
+                    "wait_in_place: the request's output was not the job's wire type ({dtype}); use wait"
+                ),
+            });
+        };
+        let base = wire.as_ptr() as usize;
+        let ce = self.layout().chunk_elems as usize;
+        let elements = wire.len() / size;
+        let mut spans: Vec<StagingSpan> = Vec::new();
+        // Chunks in order, each where its result is; runs contiguous in
+        // one place (a region, or the buffer) make one span.
+        let mut last: Option<(Option<u16>, usize)> = None;
+        for (c, place) in self.places(key).iter().enumerate() {
+            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let first = c * ce;
+            let in_region = direct.as_ref().is_some_and(|d| d.in_region[c]);
+            let (addr, at, lcore) = if in_region {
+                let d = direct.as_ref().expect("in_region implies direct");
+                let (p, at) = d
+                    .regions
+                    .result_ptr(place.lcore, place.slot, len * size)
+                    .expect("the I/O thread checked the slot (Regions::holds_result)");
+                (p as usize, at, Some(place.lcore))
+            } else {
+                (base + first * size, first * size, None)
+            };
+            match (spans.last_mut(), last) {
+                (Some(s), Some((l, end))) if l == lcore && end == at => {
+                    s.elements += len;
+                    s.bytes += len * size;
+                }
+                _ => spans.push(StagingSpan {
+                    first,
+                    elements: len,
+                    addr,
+                    bytes: len * size,
+                }),
+            }
+            last = Some((lcore, at + len * size));
+        }
+        Ok(Results {
+            worker: self,
+            key,
+            round,
+            spans,
+            values: Some(values),
+            direct,
+        })
     }
 }

@@ -1158,6 +1158,83 @@ fn values_written_in_place_into_the_staging_regions_are_pushed() {
     assert!(!w.shm() && w.stage(0).unwrap().is_none());
 }
 
+/// Results left where they arrived (`Worker::wait_in_place`): read from
+/// the spans (in the result regions), exact; the key is busy until the
+/// results are dropped; a request whose output is not the wire type is
+/// told to use `wait`.
+#[test]
+fn results_left_in_the_result_regions_are_read_in_place() {
+    let sp = spec(2, &[3000, 20_000], Dtype::F32, Optimizer::Sum);
+    let l = layout(&sp, &mut [0, 0], u64::from);
+    let app = FakeAppliance::start_with(&sp, &l, 0.0, 29, true);
+    let ws: Vec<Worker> = (0..2)
+        .map(|r| Worker::from_join(join_response(&sp, &l, r, app.base_port), TOKEN, shm_on()).unwrap())
+        .collect();
+    let lens = [3000usize, 20_000];
+    for r in 0..3u32 {
+        std::thread::scope(|s| {
+            for (rank, w) in ws.iter().enumerate() {
+                s.spawn(move || {
+                    for (k, &n) in lens.iter().enumerate() {
+                        let key = k as u32;
+                        let mut p = vec![0f32; n];
+                        if r == 0 {
+                            w.wait(w.init(key, &mut p).unwrap()).unwrap();
+                            continue;
+                        }
+                        let g: Vec<f32> = (0..n).map(|i| grad(rank as u16, r, k, i)).collect();
+                        if rank == 1 {
+                            w.wait(w.push_pull(key, &g, &mut p).unwrap()).unwrap();
+                            continue;
+                        }
+                        let mut st = w.stage(key).unwrap().unwrap();
+                        st.write(&g).unwrap();
+                        let res = w.wait_in_place(w.push_pull_staged(st, &mut p).unwrap()).unwrap();
+                        assert!(p.iter().all(|&v| v == 0.0), "the output is left as it was");
+                        assert!(matches!(w.stage(key), Err(WorkerError::Busy { .. })));
+                        assert!(res.memory().is_some());
+                        let mut at = 0;
+                        for i in 0..res.spans().len() {
+                            let sp = res.spans()[i];
+                            assert_eq!(sp.first, at);
+                            for (j, b) in res.span(i).unwrap().chunks_exact(4).enumerate() {
+                                let e = sp.first + j;
+                                let want = grad(0, r, k, e) + grad(1, r, k, e);
+                                assert_eq!(
+                                    f32::from_le_bytes(b.try_into().unwrap()),
+                                    want,
+                                    "round {r} key {k} element {e}"
+                                );
+                            }
+                            at += sp.elements;
+                        }
+                        assert_eq!(at, n);
+                        drop(res);
+                        drop(w.stage(key).unwrap().unwrap());
+                    }
+                });
+            }
+        });
+    }
+    // A 16-bit job whose output was f32: the results are not in the wire type.
+    let sp = spec(1, &[100], Dtype::F16, Optimizer::Sum);
+    let l = layout(&sp, &mut [0], u64::from);
+    let app = FakeAppliance::start_with(&sp, &l, 0.0, 31, true);
+    let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, shm_on()).unwrap();
+    let mut p = vec![1f32; 100];
+    w.wait(w.init(0, &mut p).unwrap()).unwrap();
+    let mut st = w.stage(0).unwrap().unwrap();
+    st.write(&p).unwrap();
+    let e = w
+        .wait_in_place(w.push_pull_staged(st, &mut p).unwrap())
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("not the job's wire type (f16); use wait"),
+        "{e}"
+    );
+    drop(w.stage(0).unwrap().unwrap());
+}
+
 /// A RESULT that says its payload is in shared memory, to a worker that
 /// has none mapped, is malformed: counted and ignored.
 #[test]
