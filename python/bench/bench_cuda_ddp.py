@@ -210,7 +210,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         s = w.stats()
         np.save(out, np.array([times[k] for k in times], dtype=np.float64))
         st = state._staging.get(device)
-        staged = int(bool(st and st._registered))
+        staged = int(bool(st and st._staging_regions.registered))
         failures = st.register_failures if st else 0
         with open(out + ".txt", "w") as f:
             f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)} {staged} {failures}\n")

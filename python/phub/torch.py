@@ -72,9 +72,11 @@ for that copy (the hook's future is CUDA-aware), never for the network. A
 bucket's copies overlap the previous bucket's exchange. 16-bit gradients
 cross PCIe as 16 bits and go out as 16 bits (no ``float32`` copy on the GPU
 or on the host). With shared memory the device-to-host copy goes straight
-into the appliance's staging regions (:meth:`phub.Worker.stage`; the regions
-are ``cudaHostRegister``-ed once per mapping) and the keys go out as
-headers only (:meth:`phub.Worker.push_pull_staged`): one copy, not two.
+into the appliance's staging regions (:meth:`phub.Worker.stage`), the keys
+go out as headers only (:meth:`phub.Worker.push_pull_staged`), and the
+host-to-device copy reads the results straight from the result regions
+(:meth:`phub.Handle.wait_in_place`; both kinds of region are
+``cudaHostRegister``-ed once per mapping): one copy each way, not two.
 **This path has not run on a GPU yet** (python/tests/torch/test_cuda.py
 skips without one; its stand-in tests run the bookkeeping on CPU tensors);
 CPU tensors take the code path they always did.
@@ -92,7 +94,7 @@ import torch
 import torch.distributed
 
 from . import admin
-from ._native import Handle, Staged, UsageError, Worker
+from ._native import Handle, Results, Staged, UsageError, Worker
 
 __all__ = [
     "CommHookState",
@@ -266,16 +268,16 @@ class _CudaStaging:
         self.d2h = torch.cuda.Stream(device)
         self.h2d = torch.cuda.Stream(device)
         self._host: dict[Any, torch.Tensor] = {}
-        # The shared-memory staging regions registered with CUDA (address:
-        # the region's buffer, which keeps its mapping mapped while
-        # registered), all of one mapping.
-        self._registered: dict[int, Any] = {}
-        # Those of that mapping CUDA refused (kept, so that their addresses
-        # stay this mapping's: not tried again).
-        self._refused: dict[int, Any] = {}
-        #: Regions CUDA refused to register (copies into them then go
-        #: through the driver's own staging: slower, still right).
-        self.register_failures = 0
+        # The shared-memory staging regions (written by d2h copies) and
+        # result regions (read by h2d copies) registered with CUDA.
+        self._staging_regions = _HostRegistry(self.d2h, "staging")
+        self._result_regions = _HostRegistry(self.h2d, "result")
+
+    @property
+    def register_failures(self) -> int:
+        """Regions CUDA refused to register (copies into or out of them
+        then go through the driver's own staging: slower, still right)."""
+        return self._staging_regions.failures + self._result_regions.failures
 
     def host(self, slot: Any, like: torch.Tensor) -> torch.Tensor:
         """The pinned flat buffer of ``slot`` (a bucket index, a key), for
@@ -299,35 +301,6 @@ class _CudaStaging:
             ev.record(self.d2h)
         return host, ev
 
-    def register(self, staged: Staged) -> None:
-        """Page-locks the staging regions of ``staged``'s mapping for CUDA
-        (``cudaHostRegister``), once per mapping, so that device-to-host
-        copies land in them directly. A new mapping (the dataplane recreated
-        its regions) replaces the old one: those are unregistered after the
-        copies in flight on the copy stream."""
-        regions = staged.regions
-        if not regions or regions[0].address in self._registered or regions[0].address in self._refused:
-            return
-        if self._registered or self._refused:
-            self.d2h.synchronize()
-            for r in self._registered.values():
-                torch.cuda.cudart().cudaHostUnregister(r.address)
-            self._registered.clear()
-            self._refused.clear()
-        for r in regions:
-            rc = torch.cuda.cudart().cudaHostRegister(r.address, r.nbytes, 0)
-            if int(rc) != 0:
-                if self.register_failures == 0:
-                    warnings.warn(
-                        f"phub.torch: cudaHostRegister of a shared-memory staging region ({r.nbytes} bytes) "
-                        f"failed (CUDA error {int(rc)}): device-to-host copies into it go through the driver's "
-                        "own staging, slower; pass in_place=False to use pinned buffers instead",
-                        RuntimeWarning, stacklevel=2)
-                self.register_failures += 1
-                self._refused[r.address] = r
-                continue
-            self._registered[r.address] = r
-
     def to_staging(self, staged: Sequence[tuple[Staged, torch.Tensor]]) -> "torch.cuda.Event":
         """Starts copying each gradient (on this device) straight into its
         staged key's spans of the shared-memory staging regions, after the
@@ -336,7 +309,7 @@ class _CudaStaging:
         self.d2h.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.d2h):
             for s, g in staged:
-                self.register(s)
+                self._staging_regions.register(s.regions)
                 flat = g.reshape(-1)
                 for buf, first, n in s.spans:
                     torch.frombuffer(buf, dtype=g.dtype, count=n).copy_(flat[first:first + n], non_blocking=True)
@@ -344,6 +317,63 @@ class _CudaStaging:
             ev = torch.cuda.Event()
             ev.record(self.d2h)
         return ev
+
+    def from_results(self, results: Results, t: torch.Tensor) -> None:
+        """Copies a key's results, left where they arrived (the result
+        regions, registered with CUDA), host-to-device into ``t`` (on this
+        device, flat in the key's order) on the current stream, then lets
+        them go: the lcore writes those results again only after this
+        rank's next push of the key, which follows this copy on the GPU (its
+        gradients are computed after the streams that wait for it)."""
+        self._result_regions.register(results.regions)
+        flat = t.view(-1)
+        with warnings.catch_warnings():
+            # The result regions are read-only (every rank on the host reads them).
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            for buf, first, n in results.spans:
+                flat[first:first + n].copy_(torch.frombuffer(buf, dtype=t.dtype, count=n), non_blocking=True)
+        results.release()
+
+
+class _HostRegistry:
+    """Shared-memory regions of one mapping page-locked for CUDA
+    (``cudaHostRegister``), once per mapping, so that device copies go
+    straight into or out of them. A new mapping (the dataplane recreated its
+    regions) replaces the old one, whose regions are unregistered once
+    ``stream`` (the copies that use them) has finished."""
+
+    def __init__(self, stream: Any, what: str) -> None:
+        self.stream = stream
+        self.what = what
+        # address: the region's buffer, which keeps its mapping mapped while registered.
+        self.registered: dict[int, Any] = {}
+        # Regions of that mapping CUDA refused (kept, so that their
+        # addresses stay this mapping's: not tried again).
+        self.refused: dict[int, Any] = {}
+        self.failures = 0
+
+    def register(self, regions: Sequence[Any]) -> None:
+        if not regions or regions[0].address in self.registered or regions[0].address in self.refused:
+            return
+        if self.registered or self.refused:
+            self.stream.synchronize()
+            for r in self.registered.values():
+                torch.cuda.cudart().cudaHostUnregister(r.address)
+            self.registered.clear()
+            self.refused.clear()
+        for r in regions:
+            rc = torch.cuda.cudart().cudaHostRegister(r.address, r.nbytes, 0)
+            if int(rc) != 0:
+                if self.failures == 0:
+                    warnings.warn(
+                        f"phub.torch: cudaHostRegister of a shared-memory {self.what} region ({r.nbytes} bytes) "
+                        f"failed (CUDA error {int(rc)}): copies with it go through the driver's own staging, "
+                        "slower; pass in_place=False to use pinned buffers instead",
+                        RuntimeWarning, stacklevel=3)
+                self.failures += 1
+                self.refused[r.address] = r
+                continue
+            self.registered[r.address] = r
 
 
 #: The torch dtype of each wire type: values staged in place are the wire's bytes.
@@ -574,7 +604,9 @@ def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
     """:func:`_cuda_bucket` with shared memory: each gradient is copied
     device-to-host straight into its key's staging spans (registered with
     CUDA), then pushed as headers only (:meth:`phub.Worker.push_pull_staged`);
-    the results come back through the bucket's pinned buffer as before."""
+    each key's results are copied host-to-device straight from where they
+    arrived (the result regions, registered too) into its gradient's place
+    in the bucket (:meth:`phub.Handle.wait_in_place`), and scaled there."""
     try:
         copied = st.to_staging(staged)
     except BaseException:
@@ -596,10 +628,25 @@ def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
                 _release(s)
             state._completer.submit(lambda: _fail(handles, fut, e))
             return
-        state._completer.submit(lambda: _complete_cuda(handles, host, buf, scale, fut, st))
+        grads = [g for _, g in staged]
+        state._completer.submit(lambda: _complete_cuda_in_place(handles, grads, buf, scale, fut, st))
 
     state._pusher.submit(push)
     return fut
+
+
+def _complete_cuda_in_place(handles: list, grads: list, buf: torch.Tensor, scale: float,
+                            fut: "torch.futures.Future[torch.Tensor]", st: _CudaStaging) -> None:
+    try:
+        results = [h.wait_in_place() for h in handles]
+        with torch.cuda.device(st.device), torch.cuda.stream(st.h2d):
+            for res, g in zip(results, grads):
+                st.from_results(res, g)
+            if scale != 1.0:
+                buf.mul_(scale)  # on the device, after the copies
+            fut.set_result(buf)
+    except BaseException as e:
+        fut.set_exception(e)  # type: ignore[arg-type]
 
 
 def _complete_cuda(handles: list, host: torch.Tensor, buf: torch.Tensor, scale: float,
@@ -756,6 +803,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for s, _ in staged[len(handles):]:
                     _release(s)
                 raise
+            # The new parameters straight from where they arrived.
+            with torch.cuda.stream(st.h2d):
+                for h, p, _ in handles:
+                    st.from_results(h.wait_in_place(), p.data)
+                done = torch.cuda.Event()
+                done.record(st.h2d)
+            torch.cuda.current_stream(st.device).wait_event(done)
+            return
         else:
             copies = [st.to_host(("grad", k), g) for k, g in grads]
             for k, (p, (g, copied)) in enumerate(zip(self._params, copies)):

@@ -33,6 +33,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::Handle>()?;
     m.add_class::<worker::Staged>()?;
     m.add_class::<worker::StagingBuffer>()?;
+    m.add_class::<worker::Results>()?;
     m.add("PhubError", py.get_type::<errors::PhubError>())?;
     m.add("JoinError", py.get_type::<errors::JoinError>())?;
     m.add("UsageError", py.get_type::<errors::UsageError>())?;

@@ -645,6 +645,46 @@ impl Handle {
         Ok(out_obj)
     }
 
+    /// Blocks, with the GIL released, until the result is in, and leaves it
+    /// where it arrived (the output array is not written): returns the
+    /// :class:`Results`. For a request pushed with
+    /// :meth:`Worker.push_pull_staged` into an output of the job's wire
+    /// type, whose results a device copies out itself.
+    fn wait_in_place(&self, py: Python<'_>) -> PyResult<Results> {
+        let pending = self
+            .pending
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+            .ok_or_else(|| {
+                usage(format!(
+                    "the handle of key {} round {} was already waited",
+                    self.key, self.round
+                ))
+            })?;
+        let Pending {
+            handle,
+            sink,
+            out,
+            out_obj,
+            claim,
+            worker,
+        } = pending;
+        // SAFETY: `ResultsKeep` keeps `worker` and drops it after the
+        // results (field order).
+        let w: &'static phub_worker::Worker = unsafe { &*Arc::as_ptr(&worker) };
+        let results = py.detach(|| w.wait_in_place(handle)).map_err(to_py)?;
+        drop((sink, out, out_obj, claim));
+        Ok(Results {
+            key: self.key,
+            round: self.round,
+            keep: Mutex::new(Some(Arc::new(ResultsKeep {
+                results,
+                _worker: worker,
+            }))),
+        })
+    }
+
     /// The key this request exchanges.
     #[getter]
     fn key(&self) -> u32 {
@@ -677,17 +717,23 @@ impl Handle {
     }
 }
 
-/// Bytes of this rank's shared-memory staging regions, writable through the
-/// buffer protocol (``memoryview(b)``, ``numpy.frombuffer(b, dtype)``,
-/// ``torch.frombuffer(b, dtype=...)``): a span of a staged key
-/// (:attr:`Staged.spans`) or a whole region (:attr:`Staged.regions`). The
-/// mapping stays mapped while this object, or anything made from its
-/// buffer, lives.
+/// Bytes of the shared-memory regions through the buffer protocol
+/// (``memoryview(b)``, ``numpy.frombuffer(b, dtype)``,
+/// ``torch.frombuffer(b, dtype=...)``): writable for a span of a staged key
+/// (:attr:`Staged.spans`) or a whole staging region (:attr:`Staged.regions`),
+/// read-only for results left in place (:attr:`Results.spans`,
+/// :attr:`Results.regions`). What it points into stays there while this
+/// object, or anything made from its buffer, lives (for results: the key
+/// stays busy until then).
 #[pyclass(module = "phub", name = "StagingBuffer", frozen)]
 pub(crate) struct StagingBuffer {
-    memory: phub_worker::StagingMemory,
+    /// The mapping, when the bytes are in one.
+    memory: Option<phub_worker::StagingMemory>,
+    /// Results left in place, which the bytes may be part of.
+    _results: Option<Arc<ResultsKeep>>,
     address: usize,
     nbytes: usize,
+    readonly: bool,
 }
 
 #[pymethods]
@@ -708,7 +754,13 @@ impl StagingBuffer {
     /// Whether ``other`` lies in the same mapping of the regions (a
     /// dataplane that recreated its regions makes a new one).
     fn same_mapping(&self, other: &StagingBuffer) -> bool {
-        self.memory.same(&other.memory)
+        matches!((&self.memory, &other.memory), (Some(a), Some(b)) if a.same(b))
+    }
+
+    /// Whether the buffer is read-only (results).
+    #[getter]
+    fn readonly(&self) -> bool {
+        self.readonly
     }
 
     /// # Safety
@@ -721,15 +773,17 @@ impl StagingBuffer {
         let (address, nbytes) = (slf.get().address, slf.get().nbytes);
         let len = isize::try_from(nbytes).map_err(|_| usage("a staging buffer too large for Python"))?;
         // SAFETY: `view` is Python's to fill; the memory lies inside the
-        // mapping `slf.memory` keeps mapped, and the view holds a reference
-        // to `slf` (FillInfo takes one) until it is released.
+        // mapping `slf.memory` keeps mapped (or the results `slf.results`
+        // keeps), and the view holds a reference to `slf` (FillInfo takes
+        // one) until it is released. FillInfo refuses a writable request
+        // for a read-only buffer.
         let rc = unsafe {
             pyo3::ffi::PyBuffer_FillInfo(
                 view,
                 slf.as_ptr(),
                 address as *mut std::ffi::c_void,
                 len,
-                0,
+                i32::from(slf.get().readonly),
                 flags,
             )
         };
@@ -809,9 +863,11 @@ impl Staged {
                 .map(|sp| {
                     (
                         StagingBuffer {
-                            memory: memory.clone(),
+                            memory: Some(memory.clone()),
+                            _results: None,
                             address: sp.address(),
                             nbytes: sp.bytes(),
+                            readonly: false,
                         },
                         sp.first,
                         sp.elements,
@@ -832,9 +888,11 @@ impl Staged {
                 .regions()
                 .into_iter()
                 .map(|(address, nbytes)| StagingBuffer {
-                    memory: memory.clone(),
+                    memory: Some(memory.clone()),
+                    _results: None,
                     address,
                     nbytes,
+                    readonly: false,
                 })
                 .collect()
         })
@@ -848,5 +906,111 @@ impl Staged {
 
     fn __repr__(&self) -> String {
         format!("phub.Staged(key={}, round={})", self.key, self.round)
+    }
+}
+
+/// Results left in place and the worker they borrow (field order is drop
+/// order: the results first).
+pub(crate) struct ResultsKeep {
+    results: phub_worker::Results<'static>,
+    _worker: Arc<phub_worker::Worker>,
+}
+
+/// A request's results left where they arrived (:meth:`Handle.wait_in_place`):
+/// read them from :attr:`spans` (read-only buffers of the wire type), e.g.
+/// with a device copy from the result regions (:attr:`regions`, to register
+/// with the device's driver). The key stays busy while this object or any
+/// buffer from it lives, or until :meth:`release` and the buffers are gone.
+#[pyclass(module = "phub", name = "Results", frozen)]
+pub(crate) struct Results {
+    key: u32,
+    round: u32,
+    keep: Mutex<Option<Arc<ResultsKeep>>>,
+}
+
+impl Results {
+    fn keep(&self) -> PyResult<Arc<ResultsKeep>> {
+        let g = self.keep.lock().unwrap_or_else(PoisonError::into_inner);
+        g.clone().ok_or_else(|| {
+            usage(format!(
+                "the results of key {} round {} were already released",
+                self.key, self.round
+            ))
+        })
+    }
+}
+
+#[pymethods]
+impl Results {
+    /// The key.
+    #[getter]
+    fn key(&self) -> u32 {
+        self.key
+    }
+
+    /// The round they are the result of.
+    #[getter]
+    fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Where the key's results are, in order: ``(buffer, first, elements)``
+    /// per run of elements contiguous in one place, ``buffer`` a read-only
+    /// :class:`StagingBuffer` of ``elements`` values of the wire type
+    /// starting with the key's element ``first``.
+    #[getter]
+    fn spans(&self) -> PyResult<Vec<(StagingBuffer, usize, usize)>> {
+        let keep = self.keep()?;
+        let memory = keep.results.memory();
+        Ok(keep
+            .results
+            .spans()
+            .iter()
+            .map(|sp| {
+                (
+                    StagingBuffer {
+                        memory: memory.clone(),
+                        _results: Some(Arc::clone(&keep)),
+                        address: sp.address(),
+                        nbytes: sp.bytes(),
+                        readonly: true,
+                    },
+                    sp.first,
+                    sp.elements,
+                )
+            })
+            .collect())
+    }
+
+    /// The lcores' whole result regions of the mapping the spans are in
+    /// (empty when every result came as a datagram), to register once with
+    /// a device driver so that host-to-device copies read them directly.
+    #[getter]
+    fn regions(&self) -> PyResult<Vec<StagingBuffer>> {
+        let keep = self.keep()?;
+        let Some(memory) = keep.results.memory() else {
+            return Ok(Vec::new());
+        };
+        Ok(memory
+            .result_regions()
+            .into_iter()
+            .map(|(address, nbytes)| StagingBuffer {
+                memory: Some(memory.clone()),
+                _results: None,
+                address,
+                nbytes,
+                readonly: true,
+            })
+            .collect())
+    }
+
+    /// Lets the results go (the key is free once no buffer from
+    /// :attr:`spans` is left either).
+    fn release(&self) {
+        self.keep.lock().unwrap_or_else(PoisonError::into_inner).take();
+    }
+
+    fn __repr__(&self) -> String {
+        format!("phub.Results(key={}, round={})", self.key, self.round)
     }
 }

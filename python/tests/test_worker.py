@@ -292,6 +292,38 @@ def test_values_staged_in_place_through_the_buffer_protocol() -> None:
         assert st is not None
         st.release()
         w0.stage(0).release()
+        # Results left in place: read from the spans, exact; the key is
+        # busy until they and their buffers are gone; the output untouched.
+        for k, n in enumerate(keys):
+            st = w0.stage(k)
+            g0 = np.full(n, 3.0, np.float32)
+            for buf, first, count in st.spans:
+                np.frombuffer(buf, dtype=np.float32)[:] = g0[first:first + count]
+            out0 = np.zeros(n, np.float32)
+            h0 = w0.push_pull_staged(st, out0)
+            h1 = w1.push_pull(k, np.full(n, 2.0, np.float32))
+            res = h0.wait_in_place()
+            h1.wait()
+            got = np.empty(n, np.float32)
+            spans = res.spans
+            for buf, first, count in spans:
+                assert buf.readonly
+                view = np.frombuffer(buf, dtype=np.float32)
+                with pytest.raises(ValueError):
+                    view[0] = 1.0
+                got[first:first + count] = view
+            np.testing.assert_array_equal(got, np.full(n, 5.0, np.float32))
+            assert not out0.any()
+            assert res.regions and all(r.readonly for r in res.regions)
+            with pytest.raises(phub.PhubError, match="already has a request in flight"):
+                w0.stage(k)
+            res.release()
+            with pytest.raises(phub.UsageError, match="already released"):
+                res.spans
+            with pytest.raises(phub.PhubError, match="already has a request in flight"):
+                w0.stage(k)  # a span's buffer still holds the results
+            del spans, buf, view
+            w0.stage(k).release()
 
 
 def test_shm_on_without_a_shm_appliance_fails_the_join(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:

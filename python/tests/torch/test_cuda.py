@@ -287,8 +287,9 @@ def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
                 s = w.stats()
                 # Every chunk went as a header: nothing but headers left this rank.
                 assert s["shm_results"] == s["results_accepted"] > 0, s
-            # Each rank's regions (2 lcores) registered once, none given back.
-            assert len(cudart.registered) == W * 2 and not cudart.unregistered, cudart.registered
+            # Each rank's staging and result regions (2 lcores) registered
+            # once, none given back.
+            assert len(cudart.registered) == W * 2 * 2 and not cudart.unregistered, cudart.registered
             # A gradient not in the wire type: the pinned buffer, as without shared memory.
             other = torch.float32 if dtype == "bf16" else torch.float64
             assert phub.torch._stage_keys(ws[0], [(0, torch.zeros(3000, dtype=other))]) is None
@@ -346,12 +347,22 @@ def test_a_region_cuda_will_not_register_warns_once_and_still_works(
         w = phub.Worker.join(app.control_url, jid, token, 0)
         state = phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(1000))])
         try:
-            with pytest.warns(RuntimeWarning, match="cudaHostRegister.*CUDA error 801.*in_place=False"):
+            import warnings
+
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
                 for rnd in range(2):
                     buf = torch.arange(1000, dtype=torch.float32) + rnd
                     fut = phub.torch._cuda_bucket(state, _Bucket(state.params[0], buf), buf, [(0, buf)], state.scale)
                     assert torch.equal(fut.wait(), torch.arange(1000, dtype=torch.float32) + rnd)
+            said = sorted(str(w.message) for w in caught if issubclass(w.category, RuntimeWarning))
+            assert len(said) == 2, said  # one for each kind of region, once
+            for m, what in zip(said, ["result", "staging"]):
+                assert f"cudaHostRegister of a shared-memory {what} region" in m and "CUDA error 801" in m, m
+                assert "in_place=False" in m, m
             st = state._staging[torch.device("cpu")]
-            assert st.register_failures == 1 and not st._registered  # tried once, warned once
+            # Tried once per region (staging, result), warned once each.
+            assert st.register_failures == 2 and not st._staging_regions.registered
+            assert not st._result_regions.registered
         finally:
             state.close()
