@@ -326,13 +326,16 @@ class _CudaStaging:
         rank's next push of the key, which follows this copy on the GPU (its
         gradients are computed after the streams that wait for it)."""
         self._result_regions.register(results.regions)
-        flat = t.view(-1)
+        # A parameter that is not contiguous gets its values through a flat copy.
+        flat = t.view(-1) if t.is_contiguous() else torch.empty(t.numel(), dtype=t.dtype, device=t.device)
         with warnings.catch_warnings():
             # The result regions are read-only (every rank on the host reads them).
             warnings.filterwarnings("ignore", message="The given buffer is not writable")
             for buf, first, n in results.spans:
                 flat[first:first + n].copy_(torch.frombuffer(buf, dtype=t.dtype, count=n), non_blocking=True)
         results.release()
+        if not t.is_contiguous():
+            t.copy_(flat.view_as(t))
 
 
 class _HostRegistry:
