@@ -28,7 +28,8 @@ use crate::io::{DirectDone, Done};
 use crate::shm::Regions;
 use crate::{Element, Handle, Kind, Worker, WorkerError};
 
-/// A run of a key's elements that lies contiguous in one staging region.
+/// A run of a key's elements that lies contiguous in one region (or, for
+/// [`Results`], in the buffer of results that came as datagrams).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct StagingSpan {
     /// The key's element the span starts with.
@@ -43,10 +44,12 @@ pub struct StagingSpan {
 }
 
 impl StagingSpan {
-    /// The address of the span's first byte, for a caller that writes it
-    /// by other means (a device copy): valid while the [`Staged`] or a
-    /// [`StagingMemory`] of its mapping lives, and to be written only
-    /// while the `Staged` holds the key.
+    /// The address of the span's first byte, for a caller that copies by
+    /// other means (a device copy). A [`Staged`]'s span: valid while the
+    /// `Staged` or a [`StagingMemory`] of its mapping lives, to be written
+    /// only while the `Staged` holds the key. A [`Results`]' span: valid,
+    /// and to be read only, while the `Results` lives (a span of results
+    /// that came as datagrams is in its buffer, not in the mapping).
     pub fn address(&self) -> usize {
         self.addr
     }
