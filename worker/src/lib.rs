@@ -551,6 +551,7 @@ impl Worker {
             token,
             rank: join.rank,
             dtype: join.spec.dtype,
+            in_order: join.spec.rack_ranks().is_none(),
         };
         let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
         let mut transport =
@@ -1483,7 +1484,12 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usi
         return (config.window, None);
     }
     let auto = AutoWindow {
-        workers: senders(join),
+        // All W, also for a hierarchical job, whose rack appliance hears
+        // from its rack's ranks alone: their larger windows (63 chunks
+        // against 31 for R = 2, W = 4) made rounds over a 1 Gbit/s spine
+        // 12% slower, the deeper windows' partial sums queueing at the
+        // spine and timing out (BENCHMARKS.md "Hierarchical windows").
+        workers: join.spec.workers,
         lcores: join.layout.lcore_count().max(1),
         chunks: usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
         datagram: HEADER_LEN + join.spec.chunk_bytes as usize,
@@ -1491,16 +1497,6 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usi
         joined: lcore_rcvbuf(join),
     };
     (auto.window(auto.joined), Some(auto))
-}
-
-/// How many ranks send to the appliances this worker sends to, and share
-/// their buffers with it: the job's W, or a hierarchical job's rack's ranks
-/// (its workers send to their rack's appliance alone).
-fn senders(join: &JoinResponse) -> u32 {
-    join.spec
-        .rack_ranks()
-        .and_then(|racks| racks.into_iter().find(|r| r.contains(&join.rank)))
-        .map_or(join.spec.workers, |r| u32::from(r.end - r.start))
 }
 
 /// The smallest receive buffer of the job's appliances' lcores, as they
@@ -1805,9 +1801,9 @@ mod tests {
             (40, None),
             "a set window stands"
         );
-        // A hierarchical job's rank shares its rack appliance's buffer with
-        // its rack's ranks alone (W = 8, racks of 2 and 6; rank 5 is in
-        // the second).
+        // A hierarchical job's rank divides its rack appliance's stated
+        // share by all W, not by its rack's ranks (measured: see
+        // `window_for`), whichever rack it is in (W = 8, racks of 2 and 6).
         let mut hier = join(vec![addr(Some(1 << 20))]);
         hier.spec.workers = 8;
         hier.spec.placement = Some(phub_proto::spec::PlacementSpec {
@@ -1815,10 +1811,10 @@ mod tests {
             hierarchical: true,
             ranks_per_rack: Some(vec![2, 6]),
         });
-        hier.rank = 5;
-        assert_eq!(window_for(&hier, &cfg, 64 << 20).0, (1 << 20) / (6 * 2 * d));
-        hier.rank = 1;
-        assert_eq!(window_for(&hier, &cfg, 64 << 20).0, (1 << 20) / (2 * 2 * d));
+        for rank in [1, 5] {
+            hier.rank = rank;
+            assert_eq!(window_for(&hier, &cfg, 64 << 20).0, (1 << 20) / (8 * 2 * d));
+        }
     }
 
     #[test]

@@ -28,7 +28,8 @@
 //!   chunks sent once then grow it by one, up to `window` again.
 //! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
 //!   once when the result of a chunk sent [`REORDER`] or more places after
-//!   it to the same lcore is in (fast retransmission), otherwise when its
+//!   it to the same lcore is in (fast retransmission; not for a
+//!   hierarchical job, whose lcores answer out of order), otherwise when its
 //!   loss timer has expired and no result at all has come in for the loss
 //!   timeout ([`Rto::loss`]), a few chunks per silence, the silences
 //!   doubling.
@@ -90,6 +91,12 @@ pub(crate) struct JobInfo {
     pub(crate) token: u64,
     pub(crate) rank: u16,
     pub(crate) dtype: Dtype,
+    /// An lcore answers this rank's chunks in the order they were sent,
+    /// so a result overtaking a chunk means the chunk was lost (fast
+    /// retransmission). Not so for a hierarchical job: a rack slot answers
+    /// when its chunk's home answers it, and the chunks' homes are on
+    /// different appliances, some across the spine.
+    pub(crate) in_order: bool,
 }
 
 /// A fast hasher for the transport's integer keys (request ids, (key,
@@ -901,7 +908,7 @@ impl<D> Transport<D> {
     /// timeout, which with a deep window only fires after the stream of
     /// results has dried up.
     fn fast_retransmit(&mut self, now: Instant) {
-        if !std::mem::take(&mut self.acked) {
+        if !std::mem::take(&mut self.acked) || !self.info.in_order {
             return;
         }
         let mut resent = 0;

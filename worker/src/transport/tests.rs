@@ -82,12 +82,19 @@ impl Harness {
     }
 
     fn with(window: usize, config: WorkerConfig) -> Harness {
+        Harness::of(window, config, true)
+    }
+
+    /// A harness for a job whose lcores answer in order or (`in_order`
+    /// false: a hierarchical job) not.
+    fn of(window: usize, config: WorkerConfig, in_order: bool) -> Harness {
         let stats = Arc::new(Counters::default());
         let info = JobInfo {
             job: JOB,
             token: TOKEN,
             rank: RANK,
             dtype: Dtype::F32,
+            in_order,
         };
         let t0 = Instant::now();
         Harness {
@@ -333,6 +340,25 @@ fn a_duplicate_or_unasked_result_is_ignored_and_counted() {
         (s.results_accepted, s.results_ignored, s.foreign_dropped),
         (2, 5, 4)
     );
+}
+
+/// A hierarchical job's rack lcore answers a chunk when its home does, and
+/// homes differ: later results overtaking a chunk are not a loss there, so
+/// nothing is resent before its timer.
+#[test]
+fn results_out_of_order_in_a_hierarchical_job_resend_nothing_at_once() {
+    let mut h = Harness::of(16, WorkerConfig::default(), false);
+    h.push(0, 1, &[0, 0, 0, 0, 0, 0]);
+    assert_eq!(h.poll().len(), 6);
+    h.at(10);
+    for c in [1, 2, 3, 4, 5] {
+        h.result(0, c, 1);
+        assert_eq!(h.poll(), [], "after chunk {c}");
+    }
+    let s = h.stats.snapshot();
+    assert_eq!((s.retransmits, s.fast_retransmits), (0, 0));
+    h.result(0, 0, 1);
+    assert_eq!(h.completed(), [(0, 1, expected_key(0, 6, 1))]);
 }
 
 #[test]
