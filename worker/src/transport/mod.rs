@@ -28,8 +28,9 @@
 //!   chunks sent once then grow it by one, up to `window` again.
 //! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
 //!   once when the result of a chunk sent [`REORDER`] or more places after
-//!   it to the same lcore is in (fast retransmission; not for a
-//!   hierarchical job, whose lcores answer out of order), otherwise when its
+//!   it to the same lcore is in (fast retransmission; in a hierarchical
+//!   job, whose lcores answer out of order, once it has also been out for
+//!   an RTO), otherwise when its
 //!   loss timer has expired and no result at all has come in for the loss
 //!   timeout ([`Rto::loss`]), a few chunks per silence, the silences
 //!   doubling.
@@ -95,7 +96,8 @@ pub(crate) struct JobInfo {
     /// so a result overtaking a chunk means the chunk was lost (fast
     /// retransmission). Not so for a hierarchical job: a rack slot answers
     /// when its chunk's home answers it, and the chunks' homes are on
-    /// different appliances, some across the spine.
+    /// different appliances, some across the spine; there an overtaken
+    /// chunk is lost only once it has also been out for an RTO.
     pub(crate) in_order: bool,
 }
 
@@ -257,6 +259,8 @@ struct Outstanding {
     /// (its latest transmission's).
     seq: u64,
     first_sent: Instant,
+    /// When its latest transmission went out.
+    sent: Instant,
     deadline: Instant,
     /// Times sent again (Karn's rule: no RTT sample once non-zero).
     retries: u32,
@@ -862,6 +866,7 @@ impl<D> Transport<D> {
             let o = Outstanding {
                 id,
                 first_sent: now,
+                sent: now,
                 deadline,
                 seq,
                 retries: 0,
@@ -889,6 +894,7 @@ impl<D> Transport<D> {
         }
         o.retries += 1;
         o.seq = seq;
+        o.sent = now;
         if backoff {
             o.backoff += 1;
         }
@@ -907,15 +913,33 @@ impl<D> Transport<D> {
     /// appliance drops). It is resent at once, without waiting for a
     /// timeout, which with a deep window only fires after the stream of
     /// results has dried up.
+    ///
+    /// A hierarchical job's rack lcore answers a chunk when the chunk's
+    /// home does, and homes are on different appliances, so there later
+    /// results overtake a chunk that is merely waiting for a far home: it
+    /// counts as lost only once it has also been out for the retransmission
+    /// timeout (RTO), which its round trips, far homes' included, set.
     fn fast_retransmit(&mut self, now: Instant) {
-        if !std::mem::take(&mut self.acked) || !self.info.in_order {
+        if !std::mem::take(&mut self.acked) {
             return;
         }
+        // How long an overtaken chunk may still be on its way.
+        let patience = if self.info.in_order {
+            Duration::ZERO
+        } else {
+            self.rto.rto
+        };
         let mut resent = 0;
         for l in 0..self.lanes.len() {
             while let Some(&(seq, k)) = self.lanes[l].sent.front() {
-                let live = self.outstanding.get(&k).is_some_and(|o| o.seq == seq);
+                let o = self.outstanding.get(&k).filter(|o| o.seq == seq);
+                let live = o.is_some();
                 if live && seq + REORDER > self.lanes[l].acked_seq {
+                    break;
+                }
+                if o.is_some_and(|o| now.saturating_duration_since(o.sent) < patience) {
+                    // Not yet: looked at again with the next result.
+                    self.acked = true;
                     break;
                 }
                 self.lanes[l].sent.pop_front();

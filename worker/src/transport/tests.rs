@@ -343,10 +343,11 @@ fn a_duplicate_or_unasked_result_is_ignored_and_counted() {
 }
 
 /// A hierarchical job's rack lcore answers a chunk when its home does, and
-/// homes differ: later results overtaking a chunk are not a loss there, so
-/// nothing is resent before its timer.
+/// homes differ: later results overtaking a chunk are not a loss there
+/// until the chunk has also been out for an RTO; then it is resent at
+/// once, while results still stream in (not at the end of the round).
 #[test]
-fn results_out_of_order_in_a_hierarchical_job_resend_nothing_at_once() {
+fn results_out_of_order_in_a_hierarchical_job_resend_only_after_an_rto() {
     let mut h = Harness::of(16, WorkerConfig::default(), false);
     h.push(0, 1, &[0, 0, 0, 0, 0, 0]);
     assert_eq!(h.poll().len(), 6);
@@ -357,8 +358,33 @@ fn results_out_of_order_in_a_hierarchical_job_resend_nothing_at_once() {
     }
     let s = h.stats.snapshot();
     assert_eq!((s.retransmits, s.fast_retransmits), (0, 0));
+    // Results keep streaming in (a later chunk every 2 ms, answered at
+    // once): chunk 0 is resent as lost once it has been out for the RTO,
+    // not before, and not by the silence timer (results never stop).
+    let rto = h.t.rto.rto.as_millis() as u64;
+    let mut resent_at = None;
+    let mut t = 10;
+    for key in 1..=(rto / 2 + 3) as u32 {
+        t += 2;
+        h.at(t);
+        h.push(key, 1, &[0]);
+        let mut sent = h.poll();
+        h.result(key, 0, 1);
+        sent.extend(h.poll());
+        for s in sent.iter().filter(|s| s.chunk() == (0, 0)) {
+            assert!(
+                s.retransmit() && resent_at.is_none(),
+                "chunk 0 resent once: {sent:?}"
+            );
+            resent_at = Some(t);
+        }
+    }
+    let at = resent_at.expect("chunk 0 resent while results flow");
+    assert!(at >= rto, "resent at {at} ms, before the RTO ({rto} ms) was up");
+    let s = h.stats.snapshot();
+    assert_eq!((s.retransmits, s.fast_retransmits), (1, 1));
     h.result(0, 0, 1);
-    assert_eq!(h.completed(), [(0, 1, expected_key(0, 6, 1))]);
+    assert!(h.completed().iter().any(|d| d.0 == 0), "key 0 completes");
 }
 
 #[test]
