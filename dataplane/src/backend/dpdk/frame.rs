@@ -981,7 +981,7 @@ pub fn copy_payload_sum(head: &[u8], tail: &[u8], out: &mut [u8]) -> u16 {
 pub struct ResultHeaders {
     /// The headers with the destination's fields and both checksums 0.
     base: [u8; L2_L4_LEN],
-    /// One's-complement sum of `base`'s IPv4 header.
+    /// One's-complement sum of `base`'s IPv4 header (0 when `offloaded`).
     ip: u64,
     /// Of the UDP pseudo-header's source address, protocol and length,
     /// and unless `offloaded`, `base`'s UDP header and the payload.
@@ -1001,6 +1001,26 @@ impl ResultHeaders {
         udp_payload: usize,
         payload: u16,
     ) -> ResultHeaders {
+        ResultHeaders::with_sums(src_mac, src_ip, src_port, udp_payload, Some(payload))
+    }
+
+    /// Headers as [`ResultHeaders::new`] makes them, for a port that fills
+    /// in both checksums (`Mbuf::offload_udp_checksums`): nothing of the
+    /// payload is summed.
+    pub fn offloaded(src_mac: [u8; 6], src_ip: Ipv4Addr, src_port: u16, udp_payload: usize) -> ResultHeaders {
+        ResultHeaders::with_sums(src_mac, src_ip, src_port, udp_payload, None)
+    }
+
+    /// The headers and their checksums' common parts: with the payload's
+    /// sum, both checksums'; without (offloaded), the pseudo-header's
+    /// source, protocol and length alone, which is all the port needs.
+    fn with_sums(
+        src_mac: [u8; 6],
+        src_ip: Ipv4Addr,
+        src_port: u16,
+        udp_payload: usize,
+        payload: Option<u16>,
+    ) -> ResultHeaders {
         let mut base = [0u8; L2_L4_LEN];
         let nowhere = PeerAddr {
             mac: [0; 6],
@@ -1008,25 +1028,22 @@ impl ResultHeaders {
             port: 0,
         };
         write_unsummed_headers(&mut base, src_mac, src_ip, src_port, &nowhere, udp_payload);
+        let pseudo = pseudo_header_sum(&src_ip.octets(), &nowhere.ip.octets(), UDP_LEN + udp_payload);
+        let Some(payload) = payload else {
+            return ResultHeaders {
+                base,
+                ip: 0,
+                udp: pseudo,
+                offloaded: true,
+            };
+        };
         let (_, ip, udp) = views(&base);
         ResultHeaders {
             base,
             ip: u64::from(ones_sum(ip.header())),
-            udp: pseudo_header_sum(&src_ip.octets(), &nowhere.ip.octets(), UDP_LEN + udp_payload)
-                + u64::from(ones_sum(udp.header()))
-                + u64::from(payload),
+            udp: pseudo + u64::from(ones_sum(udp.header())) + u64::from(payload),
             offloaded: false,
         }
-    }
-
-    /// Headers as [`ResultHeaders::new`] makes them, for a port that fills
-    /// in both checksums (`Mbuf::offload_udp_checksums`): nothing of the
-    /// payload is summed.
-    pub fn offloaded(src_mac: [u8; 6], src_ip: Ipv4Addr, src_port: u16, udp_payload: usize) -> ResultHeaders {
-        let mut h = ResultHeaders::new(src_mac, src_ip, src_port, udp_payload, 0);
-        h.udp = pseudo_header_sum(&src_ip.octets(), &[], UDP_LEN + udp_payload);
-        h.offloaded = true;
-        h
     }
 
     /// Whether the port is to fill in the checksums
