@@ -60,6 +60,42 @@ impl StagingSpan {
     }
 }
 
+/// A key's spans, built chunk by chunk in the key's order: a chunk that
+/// starts where the previous one ended, in the same place (a region, or
+/// the buffer of results that came as datagrams), extends its span.
+struct Spans<P> {
+    spans: Vec<StagingSpan>,
+    /// The place of the last chunk and the offset where it ends there.
+    end: Option<(P, usize)>,
+}
+
+impl<P: PartialEq + Copy> Spans<P> {
+    fn new() -> Spans<P> {
+        Spans {
+            spans: Vec::new(),
+            end: None,
+        }
+    }
+
+    /// The chunk of `elements` elements (`bytes` long) starting with the
+    /// key's element `first`, at `addr`: offset `at` in `place`.
+    fn add(&mut self, place: P, at: usize, addr: usize, first: usize, elements: usize, bytes: usize) {
+        match (self.spans.last_mut(), self.end) {
+            (Some(s), Some((p, end))) if p == place && end == at => {
+                s.elements += elements;
+                s.bytes += bytes;
+            }
+            _ => self.spans.push(StagingSpan {
+                first,
+                elements,
+                addr,
+                bytes,
+            }),
+        }
+        self.end = Some((place, at + bytes));
+    }
+}
+
 /// This rank's staging regions of one mapping, kept mapped while this
 /// lives: what a caller registers with a device driver (e.g. CUDA's
 /// `cudaHostRegister`) so that device copies land in them directly.
@@ -281,11 +317,9 @@ impl Worker {
         };
         let round = self.claim_next_round(key)?;
         let size = self.spec.dtype.size();
-        let mut spans: Vec<StagingSpan> = Vec::new();
-        // Chunks of the key in order, each at its lcore's slot; a chunk
-        // that starts where the previous one ended (same region, slots in
-        // a row, chunks a multiple of 64 bytes) extends its span.
-        let mut last: Option<(u16, usize)> = None;
+        // Chunks of the key in order, each at its lcore's slot (slots in a
+        // row of chunks a multiple of 64 bytes make one span).
+        let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
             let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
             let first = c * self.layout().chunk_elems as usize;
@@ -299,19 +333,7 @@ impl Worker {
                 );
                 return Ok(None);
             };
-            match (spans.last_mut(), last) {
-                (Some(s), Some((lcore, end))) if lcore == place.lcore && end == at => {
-                    s.elements += len;
-                    s.bytes += len * size;
-                }
-                _ => spans.push(StagingSpan {
-                    first,
-                    elements: len,
-                    addr: ptr as usize,
-                    bytes: len * size,
-                }),
-            }
-            last = Some((place.lcore, at + len * size));
+            spans.add(place.lcore, at, ptr as usize, first, len, len * size);
         }
         Ok(Some(Staged {
             worker: self,
@@ -319,7 +341,7 @@ impl Worker {
             round,
             elements,
             regions,
-            spans,
+            spans: spans.spans,
             claimed: true,
         }))
     }
@@ -397,10 +419,9 @@ impl Worker {
         let base = wire.as_ptr() as usize;
         let ce = self.layout().chunk_elems as usize;
         let elements = wire.len() / size;
-        let mut spans: Vec<StagingSpan> = Vec::new();
-        // Chunks in order, each where its result is; runs contiguous in
-        // one place (a region, or the buffer) make one span.
-        let mut last: Option<(Option<u16>, usize)> = None;
+        // Chunks in order, each where its result is: an lcore's result
+        // region, or (`None`) the buffer.
+        let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
             let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
             let first = c * ce;
@@ -415,25 +436,13 @@ impl Worker {
             } else {
                 (base + first * size, first * size, None)
             };
-            match (spans.last_mut(), last) {
-                (Some(s), Some((l, end))) if l == lcore && end == at => {
-                    s.elements += len;
-                    s.bytes += len * size;
-                }
-                _ => spans.push(StagingSpan {
-                    first,
-                    elements: len,
-                    addr,
-                    bytes: len * size,
-                }),
-            }
-            last = Some((lcore, at + len * size));
+            spans.add(lcore, at, addr, first, len, len * size);
         }
         Ok(Results {
             worker: self,
             key,
             round,
-            spans,
+            spans: spans.spans,
             values: Some(values),
             direct,
         })
