@@ -583,8 +583,7 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
     except BaseException as e:
         fut.set_exception(e)  # type: ignore[arg-type]
         return fut
-    base, size = buf.data_ptr(), buf.element_size()
-    views = [(k, host[(g.data_ptr() - base) // size:(g.data_ptr() - base) // size + g.numel()]) for k, g in keys]
+    views = [(k, _place_of(g, buf, host)) for k, g in keys]
 
     def push() -> None:
         handles = []
@@ -599,6 +598,13 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
 
     state._pusher.submit(push)
     return fut
+
+
+def _place_of(g: torch.Tensor, buf: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """The slice of ``host`` (flat, like ``buf``) where gradient ``g``, a
+    view of the bucket ``buf``, lies in it."""
+    at = (g.data_ptr() - buf.data_ptr()) // buf.element_size()
+    return host[at:at + g.numel()]
 
 
 def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
@@ -617,8 +623,7 @@ def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
             _release(s)
         raise
     host = st.host(bucket.index(), buf)
-    base, size = buf.data_ptr(), buf.element_size()
-    views = [(s, host[(g.data_ptr() - base) // size:(g.data_ptr() - base) // size + g.numel()]) for s, g in staged]
+    views = [(s, _place_of(g, buf, host)) for s, g in staged]
 
     def push() -> None:
         handles = []

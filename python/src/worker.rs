@@ -609,6 +609,19 @@ impl Handle {
     }
 }
 
+impl Handle {
+    /// The request in flight, taken out to be waited for (once).
+    fn take_pending(&self) -> PyResult<Pending> {
+        let mut g = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
+        g.take().ok_or_else(|| {
+            usage(format!(
+                "the handle of key {} round {} was already waited",
+                self.key, self.round
+            ))
+        })
+    }
+}
+
 #[pymethods]
 impl Handle {
     /// Blocks, with the GIL released, until the result is in; writes it
@@ -616,17 +629,7 @@ impl Handle {
     /// :class:`PhubError` subclass on failure, :class:`UsageError` if the
     /// handle was already waited.
     fn wait(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let pending = self
-            .pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| {
-                usage(format!(
-                    "the handle of key {} round {} was already waited",
-                    self.key, self.round
-                ))
-            })?;
+        let pending = self.take_pending()?;
         let Pending {
             handle,
             sink,
@@ -651,17 +654,7 @@ impl Handle {
     /// :meth:`Worker.push_pull_staged` into an output of the job's wire
     /// type, whose results a device copies out itself.
     fn wait_in_place(&self, py: Python<'_>) -> PyResult<Results> {
-        let pending = self
-            .pending
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-            .ok_or_else(|| {
-                usage(format!(
-                    "the handle of key {} round {} was already waited",
-                    self.key, self.round
-                ))
-            })?;
+        let pending = self.take_pending()?;
         let Pending {
             handle,
             sink,
