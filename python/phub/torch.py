@@ -73,10 +73,11 @@ bucket's copies overlap the previous bucket's exchange. 16-bit gradients
 cross PCIe as 16 bits and go out as 16 bits (no ``float32`` copy on the GPU
 or on the host). With shared memory the device-to-host copy goes straight
 into the appliance's staging regions (:meth:`phub.Worker.stage`), the keys
-go out as headers only (:meth:`phub.Worker.push_pull_staged`), and the
+go out as headers only (:meth:`phub.Worker.push_staged`), and the
 host-to-device copy reads the results straight from the result regions
 (:meth:`phub.Handle.wait_in_place`; both kinds of region are
-``cudaHostRegister``-ed once per mapping): one copy each way, not two.
+``cudaHostRegister``-ed once per mapping): one copy each way, not two,
+and no pinned buffer of the rank's own.
 **This path has not run on a GPU yet** (python/tests/torch/test_cuda.py
 skips without one; its stand-in tests run the bookkeeping on CPU tensors);
 CPU tensors take the code path they always did.
@@ -578,7 +579,7 @@ def _cuda_bucket(state: CommHookState, bucket: Any, buf: torch.Tensor, keys: lis
     try:
         staged = _stage_keys(state.worker, keys) if state.in_place else None
         if staged is not None:
-            return _cuda_bucket_staged(state, bucket, buf, staged, scale, st, fut)
+            return _cuda_bucket_staged(state, buf, staged, scale, st, fut)
         host, copied = st.to_host(bucket.index(), buf)
     except BaseException as e:
         fut.set_exception(e)  # type: ignore[arg-type]
@@ -607,12 +608,12 @@ def _place_of(g: torch.Tensor, buf: torch.Tensor, host: torch.Tensor) -> torch.T
     return host[at:at + g.numel()]
 
 
-def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
+def _cuda_bucket_staged(state: CommHookState, buf: torch.Tensor,
                         staged: list[tuple[Staged, torch.Tensor]], scale: float, st: _CudaStaging,
                         fut: "torch.futures.Future[torch.Tensor]") -> "torch.futures.Future[torch.Tensor]":
     """:func:`_cuda_bucket` with shared memory: each gradient is copied
     device-to-host straight into its key's staging spans (registered with
-    CUDA), then pushed as headers only (:meth:`phub.Worker.push_pull_staged`);
+    CUDA), then pushed as headers only (:meth:`phub.Worker.push_staged`);
     each key's results are copied host-to-device straight from where they
     arrived (the result regions, registered too) into its gradient's place
     in the bucket (:meth:`phub.Handle.wait_in_place`), and scaled there."""
@@ -622,17 +623,15 @@ def _cuda_bucket_staged(state: CommHookState, bucket: Any, buf: torch.Tensor,
         for s, _ in staged:
             _release(s)
         raise
-    host = st.host(bucket.index(), buf)
-    views = [(s, _place_of(g, buf, host)) for s, g in staged]
 
     def push() -> None:
         handles = []
         try:
             copied.synchronize()  # GIL released while the copies finish
-            for s, h in views:
-                handles.append(state.worker.push_pull_staged(s, to_numpy(h)))
+            for s, _ in staged:
+                handles.append(state.worker.push_staged(s))
         except BaseException as e:
-            for s, _ in views[len(handles):]:
+            for s, _ in staged[len(handles):]:
                 _release(s)
             state._completer.submit(lambda: _fail(handles, fut, e))
             return
@@ -801,10 +800,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if staged is not None:
             try:
                 events = [st.to_staging([sg]) for sg in staged]
-                for k, (p, (s, _), copied) in enumerate(zip(self._params, staged, events)):
-                    out = st.host(("param", k), p.data)
+                for p, (s, _), copied in zip(self._params, staged, events):
                     copied.synchronize()  # GIL released
-                    handles.append((self.worker.push_pull_staged(s, to_numpy(out)), p, out))
+                    handles.append((self.worker.push_staged(s), p))
             except BaseException:
                 # The keys not pushed are given back; those pushed complete
                 # in the background (their handles are dropped).
@@ -813,7 +811,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 raise
             # The new parameters straight from where they arrived.
             with torch.cuda.stream(st.h2d):
-                for h, p, _ in handles:
+                for h, p in handles:
                     st.from_results(h.wait_in_place(), p.data)
                 done = torch.cuda.Event()
                 done.record(st.h2d)

@@ -74,15 +74,22 @@ enum Sink {
 
 /// A request in flight and everything its `phub_worker::Handle` borrows.
 struct Pending {
-    // Field order is drop order: `handle` borrows from `sink` (its scratch),
-    // from `out` (the caller's memory, kept in place by the export) and from
+    // Field order is drop order: `handle` borrows from `output` and from
     // `worker`, so it is dropped first.
     handle: phub_worker::Handle<'static>,
+    /// `None` for a push without an output (waited only in place).
+    output: Option<Output>,
+    worker: Arc<phub_worker::Worker>,
+}
+
+/// A pending request's output array and what keeps it.
+struct Output {
+    // `handle` borrows from `sink` (its scratch) and from `out` (the
+    // caller's memory, kept in place by the export).
     sink: Sink,
     out: Array,
     out_obj: Py<PyAny>,
     claim: Claim,
-    worker: Arc<phub_worker::Worker>,
 }
 
 /// A request in flight (``init`` or ``push_pull``).
@@ -206,6 +213,25 @@ impl Worker {
         // SAFETY: the pointee lives as long as any Arc; the caller keeps one
         // for longer than the reference.
         unsafe { &*Arc::as_ptr(&self.inner) }
+    }
+
+    /// Checks that `staged` was staged by this worker and is not pushed or
+    /// released yet.
+    fn own_staged(&self, staged: &Staged) -> PyResult<()> {
+        if !Arc::ptr_eq(&staged.worker, &self.inner) {
+            return Err(usage(format!(
+                "key {}: staged by another worker; push it with that worker",
+                staged.key
+            )));
+        }
+        staged.with(|_| ())
+    }
+
+    /// Takes the staged key out of `staged`, to be pushed, after
+    /// [`Worker::own_staged`]'s checks.
+    fn take_staged(&self, staged: &Staged) -> PyResult<phub_worker::Staged<'static>> {
+        self.own_staged(staged)?;
+        staged.take()
     }
 }
 
@@ -520,20 +546,14 @@ impl Worker {
     /// returns a :class:`Handle`; after its ``wait``, ``out`` holds the
     /// round's result, as with :meth:`push_pull`.
     fn push_pull_staged(&self, py: Python<'_>, staged: &Staged, out: &Bound<'_, PyAny>) -> PyResult<Handle> {
-        if !Arc::ptr_eq(&staged.worker, &self.inner) {
-            return Err(usage(format!(
-                "key {}: staged by another worker; push it with that worker",
-                staged.key
-            )));
-        }
         let key = staged.key;
         // Not pushed or released yet (checked before anything else is).
-        staged.with(|_| ())?;
+        self.own_staged(staged)?;
         let o = Array::get(out, self.dtype(), "out", true)?;
         self.check(key, &o, "out")?;
         let claim = self.claim(key, &o, None)?;
         let sink = Worker::sink(&o, None, || vec![0.0; o.len()]);
-        let s = staged.take()?;
+        let s = self.take_staged(staged)?;
         // SAFETY: as in `init`.
         let w = unsafe { self.static_worker() };
         // SAFETY: as in `init`.
@@ -542,6 +562,20 @@ impl Worker {
             .detach(|| on_mut!(out_slice, p => w.push_pull_staged(s, p)))
             .map_err(to_py)?;
         Ok(Handle::new(handle, sink, o, out, claim, &self.inner))
+    }
+
+    /// Pushes a key whose values ``staged`` holds (see :meth:`stage`)
+    /// without an output: the returned :class:`Handle` can only be waited
+    /// with :meth:`Handle.wait_in_place` (``wait`` raises
+    /// :class:`UsageError` and lets the results go). For a caller that
+    /// copies the results out of the regions itself, so no host array of
+    /// the key's length is needed.
+    fn push_staged(&self, py: Python<'_>, staged: &Staged) -> PyResult<Handle> {
+        let s = self.take_staged(staged)?;
+        // SAFETY: as in `init` (nothing else is borrowed).
+        let w = unsafe { self.static_worker() };
+        let handle = py.detach(|| w.push_staged(s)).map_err(to_py)?;
+        Ok(Handle::in_flight(handle, None, &self.inner))
     }
 
     /// Waits for ``handle`` (same as ``handle.wait()``) and returns its
@@ -594,15 +628,26 @@ impl Handle {
         claim: Claim,
         worker: &Arc<phub_worker::Worker>,
     ) -> Handle {
+        let output = Output {
+            sink,
+            out,
+            out_obj: out_obj.clone().unbind(),
+            claim,
+        };
+        Handle::in_flight(handle, Some(output), worker)
+    }
+
+    fn in_flight(
+        handle: phub_worker::Handle<'static>,
+        output: Option<Output>,
+        worker: &Arc<phub_worker::Worker>,
+    ) -> Handle {
         Handle {
             key: handle.key(),
             round: handle.round(),
             pending: Mutex::new(Some(Pending {
                 handle,
-                sink,
-                out,
-                out_obj: out_obj.clone().unbind(),
-                claim,
+                output,
                 worker: Arc::clone(worker),
             })),
         }
@@ -629,16 +674,22 @@ impl Handle {
     /// :class:`PhubError` subclass on failure, :class:`UsageError` if the
     /// handle was already waited.
     fn wait(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let pending = self.take_pending()?;
         let Pending {
             handle,
+            output,
+            worker,
+        } = self.take_pending()?;
+        // Without an output `wait` fails (and lets the results go).
+        py.detach(|| worker.wait(handle)).map_err(to_py)?;
+        let Some(Output {
             sink,
             out,
             out_obj,
             claim,
-            worker,
-        } = pending;
-        py.detach(|| worker.wait(handle)).map_err(to_py)?;
+        }) = output
+        else {
+            unreachable!("phub-worker's wait fails for a push without an output")
+        };
         if let Sink::Convert(s) = &sink {
             // SAFETY: the handle, and with it the slice into `s`, is gone.
             out.write_from(unsafe { s.values() });
@@ -651,23 +702,20 @@ impl Handle {
     /// Blocks, with the GIL released, until the result is in, and leaves it
     /// where it arrived (the output array is not written): returns the
     /// :class:`Results`. For a request pushed with
-    /// :meth:`Worker.push_pull_staged` into an output of the job's wire
-    /// type, whose results a device copies out itself.
+    /// :meth:`Worker.push_staged`, or with :meth:`Worker.push_pull_staged`
+    /// into an output of the job's wire type, whose results a device copies
+    /// out itself.
     fn wait_in_place(&self, py: Python<'_>) -> PyResult<Results> {
-        let pending = self.take_pending()?;
         let Pending {
             handle,
-            sink,
-            out,
-            out_obj,
-            claim,
+            output,
             worker,
-        } = pending;
+        } = self.take_pending()?;
         // SAFETY: `ResultsKeep` keeps `worker` and drops it after the
         // results (field order).
         let w: &'static phub_worker::Worker = unsafe { &*Arc::as_ptr(&worker) };
         let results = py.detach(|| w.wait_in_place(handle)).map_err(to_py)?;
-        drop((sink, out, out_obj, claim));
+        drop(output);
         Ok(Results {
             key: self.key,
             round: self.round,

@@ -324,6 +324,27 @@ def test_values_staged_in_place_through_the_buffer_protocol() -> None:
                 w0.stage(k)  # a span's buffer still holds the results
             del spans, buf, view
             w0.stage(k).release()
+        # Pushed without an output: only wait_in_place reads the results;
+        # wait says so, lets them go and frees the key.
+        for k, n in enumerate(keys):
+            for waited_in_place in (True, False):
+                st = w0.stage(k)
+                for buf, first, count in st.spans:
+                    np.frombuffer(buf, dtype=np.float32)[:] = 4.0
+                h0 = w0.push_staged(st)
+                with pytest.raises(phub.UsageError, match="already pushed or released"):
+                    w0.push_staged(st)
+                h1 = w1.push_pull(k, np.full(n, 1.0, np.float32))
+                if waited_in_place:
+                    res = h0.wait_in_place()
+                    got = np.concatenate([np.frombuffer(b, dtype=np.float32) for b, _, _ in res.spans])
+                    np.testing.assert_array_equal(got, np.full(n, 5.0, np.float32))
+                    res.release()
+                else:
+                    with pytest.raises(phub.UsageError, match="only be read in place"):
+                        h0.wait()
+                np.testing.assert_array_equal(h1.wait(), np.full(n, 5.0, np.float32))
+                w0.stage(k).release()
 
 
 def test_shm_on_without_a_shm_appliance_fails_the_join(appliance: Any, job: Callable[..., tuple[int, str]]) -> None:

@@ -300,7 +300,9 @@ pub struct Handle<'a> {
     key: u32,
     round: u32,
     done: Receiver<Completion>,
-    out: Dst<'a>,
+    /// Where [`Worker::wait`] writes the result; `None` for a push without
+    /// an output ([`Worker::push_staged`]), waited only in place.
+    out: Option<Dst<'a>>,
 }
 
 impl std::fmt::Debug for Handle<'_> {
@@ -308,7 +310,7 @@ impl std::fmt::Debug for Handle<'_> {
         f.debug_struct("Handle")
             .field("key", &self.key)
             .field("round", &self.round)
-            .field("elements", &self.out.len())
+            .field("elements", &self.out.as_ref().map(Dst::len))
             .finish()
     }
 }
@@ -732,7 +734,7 @@ impl Worker {
         })?;
         let payload = (self.rank == 0).then_some(Src::of(&params[..]));
         let (chunks, tx, values) = self.prepare(key, elements, MsgType::Init, 0, payload, E::WIRE.is_some());
-        self.submit(key, 0, Kind::Init, chunks, tx, values, Dst::of(params))
+        self.submit(key, 0, Kind::Init, chunks, tx, values, Some(Dst::of(params)))
     }
 
     /// The next round for `key`: pushes `grad` (copied at once, so the caller
@@ -769,7 +771,7 @@ impl Worker {
             E::WIRE.is_some(),
         );
         let out = Dst::of(out);
-        self.submit(key, round, Kind::Push, chunks, tx, values, out)
+        self.submit(key, round, Kind::Push, chunks, tx, values, Some(out))
     }
 
     /// [`Worker::push_pull`] with the gradient and the result in one buffer:
@@ -793,7 +795,7 @@ impl Worker {
             E::WIRE.is_some(),
         );
         let out = Dst::of(buf);
-        self.submit(key, round, Kind::Push, chunks, tx, values, out)
+        self.submit(key, round, Kind::Push, chunks, tx, values, Some(out))
     }
 
     /// Claims `key` for its next round (after init or pull): in a BSP job
@@ -812,11 +814,26 @@ impl Worker {
     pub fn wait(&self, h: Handle<'_>) -> Result<(), WorkerError> {
         match h.done.recv() {
             Ok(Ok(Done {
-                key, values, direct, ..
+                key,
+                values,
+                direct,
+                round,
             })) => {
+                let Some(out) = h.out else {
+                    // The round completed; its results are let go.
+                    self.keep_values(key, values);
+                    drop(direct);
+                    return Err(WorkerError::Sequence {
+                        key,
+                        message: format!(
+                            "round {round} was pushed without an output (push_staged): \
+                             its results can only be read in place (wait_in_place); they are let go"
+                        ),
+                    });
+                };
                 match &direct {
-                    None => h.out.copy_from(values.as_src()),
-                    Some(d) => self.copy_out(key, d, &values, h.out),
+                    None => out.copy_from(values.as_src()),
+                    Some(d) => self.copy_out(key, d, &values, out),
                 }
                 self.keep_values(key, values);
                 // Frees the key (for a direct request), now that its results
@@ -1314,7 +1331,7 @@ impl Worker {
         chunks: Vec<ChunkMsg>,
         tx: Tx,
         values: Sink,
-        out: Dst<'a>,
+        out: Option<Dst<'a>>,
     ) -> Result<Handle<'a>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {

@@ -8,7 +8,8 @@
 //! claims the key with [`Worker::stage`], writes the key's values, in the
 //! job's wire type, into the spans [`Staged::spans`] names (each a run of
 //! the key's elements contiguous in one lcore's staging region), and hands
-//! the claim to [`Worker::push_pull_staged`], which sends only the headers.
+//! the claim to [`Worker::push_pull_staged`] (or [`Worker::push_staged`], for
+//! results read in place), which sends only the headers.
 //!
 //! The claim is what makes writing safe: while a key is claimed no request
 //! of it is in flight, so this rank holds the result of every chunk of its
@@ -352,18 +353,46 @@ impl Worker {
     /// writes `out`.
     pub fn push_pull_staged<'a, E: Element>(
         &'a self,
-        mut staged: Staged<'a>,
+        staged: Staged<'a>,
         out: &'a mut [E],
     ) -> Result<Handle<'a>, WorkerError> {
-        if !std::ptr::eq(staged.worker, self) {
-            return Err(WorkerError::Sequence {
-                key: staged.key,
-                message: "staged by another worker: push it with the worker that staged it".into(),
-            });
-        }
+        self.check_staged(&staged)?;
         self.check_elem::<E>()?;
+        self.check_len(staged.key, out.len())?;
+        self.submit_staged(staged, E::WIRE.is_some(), Some(crate::Dst::of(out)))
+    }
+
+    /// Pushes a key whose values `staged` holds, for a caller that reads
+    /// the round's results where they arrive: the handle can only be
+    /// waited with [`Worker::wait_in_place`] ([`Worker::wait`] on it is an
+    /// error that lets the results go), so no output of the key's length
+    /// is needed. Results that come as datagrams (chunks the regions do not
+    /// hold) land in a buffer of the job's wire type the worker keeps.
+    pub fn push_staged<'a>(&'a self, staged: Staged<'a>) -> Result<Handle<'a>, WorkerError> {
+        self.check_staged(&staged)?;
+        let wire16 = self.spec.dtype != phub_proto::Dtype::F32;
+        self.submit_staged(staged, wire16, None)
+    }
+
+    fn check_staged(&self, staged: &Staged<'_>) -> Result<(), WorkerError> {
+        if std::ptr::eq(staged.worker, self) {
+            return Ok(());
+        }
+        Err(WorkerError::Sequence {
+            key: staged.key,
+            message: "staged by another worker: push it with the worker that staged it".into(),
+        })
+    }
+
+    /// Sends a staged key's headers; datagram results go into a buffer of
+    /// 16-bit wire values if `wire16`, else of `f32`.
+    fn submit_staged<'a>(
+        &'a self,
+        mut staged: Staged<'a>,
+        wire16: bool,
+        out: Option<crate::Dst<'a>>,
+    ) -> Result<Handle<'a>, WorkerError> {
         let key = staged.key;
-        self.check_len(key, out.len())?;
         let (elements, round) = (staged.elements, staged.round);
         let Some(parts) = self.staged_in(
             key,
@@ -381,10 +410,10 @@ impl Worker {
                 message: "its slots are not in the shared-memory regions".into(),
             });
         };
-        let (chunks, tx, values) = self.staged_request(key, elements, E::WIRE.is_some(), parts);
+        let (chunks, tx, values) = self.staged_request(key, elements, wire16, parts);
         // The request holds the key from here on.
         staged.claimed = false;
-        self.submit(key, round, Kind::Push, chunks, tx, values, crate::Dst::of(out))
+        self.submit(key, round, Kind::Push, chunks, tx, values, out)
     }
 
     /// Waits for a request's results and leaves them where they arrived,
@@ -393,7 +422,8 @@ impl Worker {
     /// driver): [`Worker::wait`] without its copy into the request's
     /// output, which is left as it was. The request's output must have
     /// been of the job's wire type (`f32`, or the 16-bit type itself), so
-    /// that results that came as datagrams are in it too.
+    /// that results that came as datagrams are in it too, or none
+    /// ([`Worker::push_staged`]).
     pub fn wait_in_place(&self, h: Handle<'_>) -> Result<Results<'_>, WorkerError> {
         let Done {
             key,

@@ -1189,7 +1189,13 @@ fn results_left_in_the_result_regions_are_read_in_place() {
                         }
                         let mut st = w.stage(key).unwrap().unwrap();
                         st.write(&g).unwrap();
-                        let res = w.wait_in_place(w.push_pull_staged(st, &mut p).unwrap()).unwrap();
+                        // Round 2 pushes without an output.
+                        let h = if r == 2 {
+                            w.push_staged(st).unwrap()
+                        } else {
+                            w.push_pull_staged(st, &mut p).unwrap()
+                        };
+                        let res = w.wait_in_place(h).unwrap();
                         assert!(p.iter().all(|&v| v == 0.0), "the output is left as it was");
                         assert!(matches!(w.stage(key), Err(WorkerError::Busy { .. })));
                         assert!(res.memory().is_some());
@@ -1230,6 +1236,32 @@ fn results_left_in_the_result_regions_are_read_in_place() {
         .unwrap_err();
     assert!(
         e.to_string().contains("not the job's wire type (f16); use wait"),
+        "{e}"
+    );
+    drop(w.stage(0).unwrap().unwrap());
+    // Pushed without an output: the results are there in the wire type
+    // (one rank's ones, summed) ...
+    let ones = vec![half::f16::ONE; 100];
+    let mut st = w.stage(0).unwrap().unwrap();
+    st.write(&ones).unwrap();
+    let res = w.wait_in_place(w.push_staged(st).unwrap()).unwrap();
+    let mut got = 0;
+    for i in 0..res.spans().len() {
+        for b in res.span(i).unwrap().chunks_exact(2) {
+            assert_eq!(half::f16::from_le_bytes([b[0], b[1]]), half::f16::ONE);
+            got += 1;
+        }
+    }
+    assert_eq!(got, 100);
+    drop(res);
+    // ... and `wait` on such a handle says why it cannot write them, and
+    // frees the key.
+    let mut st = w.stage(0).unwrap().unwrap();
+    st.write(&ones).unwrap();
+    let e = w.wait(w.push_staged(st).unwrap()).unwrap_err();
+    assert!(
+        matches!(e, WorkerError::Sequence { key: 0, .. })
+            && e.to_string().contains("only be read in place (wait_in_place)"),
         "{e}"
     );
     drop(w.stage(0).unwrap().unwrap());

@@ -290,6 +290,9 @@ def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
             # Each rank's staging and result regions (2 lcores) registered
             # once, none given back.
             assert len(cudart.registered) == W * 2 * 2 and not cudart.unregistered, cudart.registered
+            # Pushed without an output: no pinned buffer of the rank's own.
+            for s in states:
+                assert not s._staging[torch.device("cpu")]._host
             # A gradient not in the wire type: the pinned buffer, as without shared memory.
             other = torch.float32 if dtype == "bf16" else torch.float64
             assert phub.torch._stage_keys(ws[0], [(0, torch.zeros(3000, dtype=other))]) is None
@@ -329,6 +332,7 @@ def test_cuda_optimizer_copies_straight_into_shared_memory_on_cpu_with_stand_ins
             assert torch.equal(m[0].data, torch.full((3000,), 1.0 - 2 * 0.5 * 1.5))
             assert torch.equal(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))
         assert cudart.registered and not cudart.unregistered
+        assert not any(o._staging._host for o in opts)  # no pinned buffers of their own
         for w in ws:
             s = w.stats()
             assert s["shm_results"] == s["results_accepted"] > 0, s
