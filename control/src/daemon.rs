@@ -722,7 +722,7 @@ fn senders(job: &StoredJob, name: &str) -> Vec<(Layout, u64)> {
 /// A hierarchical job's rack layout on appliance `name` and its rack's
 /// ranks, who send to it.
 fn rack_senders(job: &StoredJob, name: &str) -> Option<(Layout, u64)> {
-    let i = job.parts.iter().position(|p| p.appliance == name)?;
+    let i = led_rack(job, name)?;
     let ranks = job.spec.rack_ranks()?.get(i)?.len() as u64;
     Some((job.racks.get(i)?.clone(), ranks))
 }
@@ -855,8 +855,13 @@ fn check_racks(inner: &Inner, chosen: &[(String, DataplaneInfo)]) -> Result<(), 
 
 /// A hierarchical job's rack layout on appliance `name`.
 fn rack_of<'a>(job: &'a StoredJob, name: &str) -> Option<&'a Layout> {
-    let i = job.parts.iter().position(|p| p.appliance == name)?;
-    job.racks.get(i)
+    job.racks.get(led_rack(job, name)?)
+}
+
+/// Which of a hierarchical job's racks appliance `name` leads (its part's
+/// place: rack i's layout is `racks[i]`, its ranks `rack_ranks()[i]`).
+fn led_rack(job: &StoredJob, name: &str) -> Option<usize> {
+    job.parts.iter().position(|p| p.appliance == name)
 }
 
 /// What `job` costs over all its appliances.
