@@ -20,6 +20,7 @@
 // lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
 #![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
+pub mod copy;
 pub mod shm;
 
 use std::io;

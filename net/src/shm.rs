@@ -224,6 +224,18 @@ impl ShmRegion {
         unsafe { std::ptr::copy_nonoverlapping(src, dst.as_mut_ptr(), dst.len()) };
         true
     }
+
+    /// [`ShmRegion::read`] into memory that is written once and not read
+    /// again soon (a caller's output), with streaming stores
+    /// ([`crate::copy::copy_streaming`]).
+    pub fn read_streaming(&self, off: usize, dst: &mut [u8]) -> bool {
+        let Some(src) = self.ptr(off, dst.len()) else {
+            return false;
+        };
+        // SAFETY: as in `read`: inside the mapping, and `dst` is not it.
+        unsafe { crate::copy::copy_streaming_from(dst, src) };
+        true
+    }
 }
 
 /// Bytes an unprivileged process may still write to the file system of

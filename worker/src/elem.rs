@@ -12,6 +12,8 @@
 
 use phub_proto::Dtype;
 
+use phub_net::copy::copy_streaming;
+
 use crate::codec;
 
 mod sealed {
@@ -168,11 +170,15 @@ impl<'a> Dst<'a> {
     }
 
     /// Writes the wire bytes `wire` (of exactly this many elements of
-    /// `dtype`) into the slice.
-    pub(crate) fn decode(self, dtype: Dtype, wire: &[u8]) {
-        match self {
-            Dst::F32(v) => codec::decode(dtype, wire, v),
-            Dst::Wire16(b) => copy_swapped16(wire, b),
+    /// `dtype`) into the slice: with streaming stores where the slice is
+    /// the caller's output (`to_caller`, see [`phub_net::copy`]) and the
+    /// wire's bytes are the elements' own.
+    pub(crate) fn decode(self, dtype: Dtype, wire: &[u8], to_caller: bool) {
+        match self.wire_bytes(dtype) {
+            Ok(b) if to_caller => copy_streaming(b, wire),
+            Ok(b) => b.copy_from_slice(wire),
+            Err(Dst::F32(v)) => codec::decode(dtype, wire, v),
+            Err(Dst::Wire16(b)) => copy_swapped16(wire, b),
         }
     }
 
@@ -188,11 +194,14 @@ impl<'a> Dst<'a> {
         }
     }
 
-    /// Copies `src` (the same kind and length) into the slice.
+    /// Copies `src` (the same kind and length) into the slice, the
+    /// caller's output (with streaming stores, see [`phub_net::copy`]).
     pub(crate) fn copy_from(self, src: Src<'_>) {
         match (self, src) {
-            (Dst::F32(d), Src::F32(s)) => d.copy_from_slice(s),
-            (Dst::Wire16(d), Src::Wire16(s)) => d.copy_from_slice(s),
+            (Dst::F32(d), Src::F32(s)) => {
+                copy_streaming(bytemuck::cast_slice_mut(d), bytemuck::cast_slice(s))
+            }
+            (Dst::Wire16(d), Src::Wire16(s)) => copy_streaming(d, s),
             _ => unreachable!("a request's result buffer has its output's element kind"),
         }
     }
@@ -304,7 +313,7 @@ mod tests {
         // Bit for bit, a NaN payload too (a conversion would not keep it).
         assert_eq!(bits, x.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
         let mut back = [bf16::ZERO; 3];
-        Dst::of(&mut back[..]).decode(Dtype::Bf16, &wire);
+        Dst::of(&mut back[..]).decode(Dtype::Bf16, &wire, false);
         assert_eq!(back.map(bf16::to_bits), x.map(bf16::to_bits));
 
         // The same values as f32 go through the codec.
@@ -313,7 +322,7 @@ mod tests {
         Src::of(&f[..]).encode(Dtype::Bf16, &mut w2);
         assert_eq!(&w2[..], &wire[..4]);
         let mut g = [0f32; 2];
-        Dst::of(&mut g[..]).decode(Dtype::Bf16, &w2);
+        Dst::of(&mut g[..]).decode(Dtype::Bf16, &w2, true);
         assert_eq!(g, [1.5, bf16::from_f32(-3.0e-3).to_f32()]);
     }
 
@@ -331,7 +340,7 @@ mod tests {
         let mut y = [f16::ZERO; 10];
         let mut d = Dst::of(&mut y[..]);
         assert_eq!(d.len(), 10);
-        d.range(8, 10).decode(Dtype::F16, &b);
+        d.range(8, 10).decode(Dtype::F16, &b, false);
         assert_eq!(y[8..], x[3..5]);
         assert!(Src::of(&x[..]).wire_bytes(Dtype::F16).is_some() == cfg!(target_endian = "little"));
         assert!(

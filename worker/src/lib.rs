@@ -1091,7 +1091,9 @@ impl Worker {
             let end = start + self.layout().chunk_len(out.len() as u64, chunk_index(c)) as usize;
             let dst = out.range(start, end);
             if d.in_region[c] {
-                let read = d.regions.read_result(place.lcore, place.slot, dst, &mut scratch);
+                let read = d
+                    .regions
+                    .read_result(place.lcore, place.slot, dst, &mut scratch, true);
                 // The I/O thread checked the slot (`Regions::holds_result`).
                 assert!(read, "key {key} chunk {c}: result slot outside its region");
             } else {

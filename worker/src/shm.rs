@@ -380,10 +380,18 @@ impl Regions {
     }
 
     /// Decodes the result of `slot` on `lcore` (`dst.len()` elements) from
-    /// the lcore's result region into `dst`; `scratch` holds the wire bytes
+    /// the lcore's result region into `dst` (with streaming stores when it
+    /// is the caller's output: `to_caller`); `scratch` holds the wire bytes
     /// on the way when they must be converted. `false` (nothing written)
     /// when the region has no such slot.
-    pub(crate) fn read_result(&self, lcore: u16, slot: u32, dst: Dst<'_>, scratch: &mut Vec<u8>) -> bool {
+    pub(crate) fn read_result(
+        &self,
+        lcore: u16,
+        slot: u32,
+        dst: Dst<'_>,
+        scratch: &mut Vec<u8>,
+        to_caller: bool,
+    ) -> bool {
         let Some(r) = self.lcore(lcore) else {
             return false;
         };
@@ -395,6 +403,7 @@ impl Regions {
         // Already the wire type (little-endian f32, or 16-bit elements of
         // the job's type): straight into `dst`.
         let dst = match dst.wire_bytes(self.dtype) {
+            Ok(bytes) if to_caller => return region.read_streaming(off, bytes),
             Ok(bytes) => return region.read(off, bytes),
             Err(d) => d,
         };
@@ -402,7 +411,7 @@ impl Regions {
         if !region.read(off, scratch) {
             return false;
         }
-        dst.decode(self.dtype, scratch);
+        dst.decode(self.dtype, scratch, to_caller);
         true
     }
 
@@ -555,12 +564,12 @@ mod tests {
             let mut scratch = Vec::new();
             for (l, slot) in [(2u16, 0u32), (0, 1)] {
                 let mut got = vec![0f32; 40];
-                assert!(r.read_result(l, slot, Dst::F32(&mut got), &mut scratch));
+                assert!(r.read_result(l, slot, Dst::F32(&mut got), &mut scratch, l == 0));
                 assert_eq!(got, values, "{dtype} lcore {l}");
             }
             let mut got = vec![0f32; 40];
-            assert!(!r.read_result(1, 0, Dst::F32(&mut got), &mut scratch));
-            assert!(!r.read_result(2, 1, Dst::F32(&mut got), &mut scratch));
+            assert!(!r.read_result(1, 0, Dst::F32(&mut got), &mut scratch, false));
+            assert!(!r.read_result(2, 1, Dst::F32(&mut got), &mut scratch, true));
             assert!(got.iter().all(|&x| x == 0.0), "nothing read from outside");
             assert_eq!(r.replaced(), None);
         }

@@ -275,16 +275,20 @@ impl Sink {
                 }
             }
         }
+        // The caller's output (lent by an Exchange) is written once per
+        // round: with streaming stores. The worker's own buffers are read
+        // again by `wait`'s copy: ordinary ones.
+        let to_caller = matches!(self, Sink::Borrowed(_));
         let dst = self.slice_mut(m.offset, m.offset + m.len as usize);
         match arrived {
             Arrived::Datagram(payload) => {
-                dst.decode(dtype, payload);
+                dst.decode(dtype, payload, to_caller);
                 true
             }
             // The lcore wrote this round's result before sending its
             // RESULT, and writes the slot again only after this rank pushed
             // the next round of the chunk.
-            Arrived::Region(regions) => regions.read_result(m.lcore, m.slot, dst, scratch),
+            Arrived::Region(regions) => regions.read_result(m.lcore, m.slot, dst, scratch, to_caller),
         }
     }
 
