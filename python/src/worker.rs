@@ -226,13 +226,6 @@ impl Worker {
         }
         staged.with(|_| ())
     }
-
-    /// Takes the staged key out of `staged`, to be pushed, after
-    /// [`Worker::own_staged`]'s checks.
-    fn take_staged(&self, staged: &Staged) -> PyResult<phub_worker::Staged<'static>> {
-        self.own_staged(staged)?;
-        staged.take()
-    }
 }
 
 #[pymethods]
@@ -553,7 +546,7 @@ impl Worker {
         self.check(key, &o, "out")?;
         let claim = self.claim(key, &o, None)?;
         let sink = Worker::sink(&o, None, || vec![0.0; o.len()]);
-        let s = self.take_staged(staged)?;
+        let s = staged.take()?;
         // SAFETY: as in `init`.
         let w = unsafe { self.static_worker() };
         // SAFETY: as in `init`.
@@ -571,7 +564,8 @@ impl Worker {
     /// copies the results out of the regions itself, so no host array of
     /// the key's length is needed.
     fn push_staged(&self, py: Python<'_>, staged: &Staged) -> PyResult<Handle> {
-        let s = self.take_staged(staged)?;
+        self.own_staged(staged)?;
+        let s = staged.take()?;
         // SAFETY: as in `init` (nothing else is borrowed).
         let w = unsafe { self.static_worker() };
         let handle = py.detach(|| w.push_staged(s)).map_err(to_py)?;
