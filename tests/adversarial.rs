@@ -591,3 +591,149 @@ fn full_and_read_only_state_directories_lose_nothing() {
         .collect();
     assert_eq!(listed, vec![first.id, second.id]);
 }
+
+/// Issue 36, finding 1, end to end: `phubctl appliance add a2 --url URL`
+/// for a dataplane already managed as `a` (the same URL, with a trailing
+/// `/`, or `localhost` for `127.0.0.1`) was accepted; a2's reconciliation
+/// then removed the flat job's part there as "not admitted there", a's
+/// reinstalled it empty, and the job was wedged (its parts at different
+/// rounds). Now every spelling is refused naming `a`, and the job, trained
+/// through the attempts, finishes every round exactly.
+#[test]
+fn a_second_name_for_a_dataplane_is_refused_and_its_job_loses_no_round() {
+    let rack = common::Appliances::start(&[1, 1], "64MiB");
+    let keys = [5000u64];
+    let job = rack
+        .admit(
+            "name = \"alias\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 5000\n\
+             [placement]\nappliances = [\"a\", \"b\"]\n",
+        )
+        .unwrap();
+    let url = rack.mgmt_urls[0].clone();
+    let port = url.rsplit(':').next().unwrap().to_string();
+    let spellings = [url.clone(), format!("{url}/"), format!("http://localhost:{port}")];
+    let attempts = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for rank in 0..2u16 {
+            let (rack, job, keys, spellings, attempts) = (&rack, &job, &keys, &spellings, &attempts);
+            s.spawn(move || {
+                let cfg = phub_worker::WorkerConfig::default();
+                common::train_rank(&rack.control_url, job.id, job.token, rank, 2, keys, cfg, |r| {
+                    if rank == 0 && r == 4 {
+                        for u in spellings {
+                            let out = rack.phubctl(&["appliance", "add", "a2", "--url", u, "--rack", "r9"]);
+                            attempts.lock().unwrap().push((u.clone(), out));
+                        }
+                        // Several reconcile periods (200 ms) pass.
+                        std::thread::sleep(Duration::from_millis(800));
+                    }
+                    r <= 8
+                })
+            });
+        }
+    });
+    for (u, (ok, _, err)) in attempts.into_inner().unwrap() {
+        assert!(!ok, "{u} was accepted as a second name for appliance a");
+        assert!(err.contains("appliance \"a\""), "{u}: {err}");
+    }
+    let (_, out, _) = rack.phubctl(&["appliance", "list"]);
+    assert!(!out.contains("a2"), "{out}");
+    let log = std::fs::read_to_string(rack.dir.join("phub-control.log")).unwrap();
+    assert!(
+        !log.contains("reinstalled job") && !log.contains("removed"),
+        "the job was moved: {log}"
+    );
+}
+
+/// Issue 36, finding 4: an appliance that accepts connections but never
+/// answers made every read (`GET /v1/jobs`, `/metrics`) take about 10 s,
+/// and twelve anonymous readers then held the 8 handlers: a worker's join
+/// took 9.7 s instead of milliseconds. Now reads never wait on a hung
+/// appliance (at most 300 ms for one that was answering, then not at all
+/// while its request hangs), so with a black hole registered and 50
+/// readers looping on both routes, joins answer at once. The figure is
+/// printed; the test holds it to 2 s only (these machines are shared),
+/// against today's ~10 s.
+#[test]
+fn a_hung_appliance_and_fifty_readers_do_not_hold_joins() {
+    let rack = Rack::start(1, "64MiB");
+    let job = rack.admit(SPEC).unwrap();
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hole_url = format!("http://{}", hole.local_addr().unwrap());
+    hole.set_nonblocking(true).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let holder = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                match hole.accept() {
+                    Ok((c, _)) => held.push(c),
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        })
+    };
+    let (ok, _, err) = rack.phubctl(&["appliance", "add", "hole", "--url", &hole_url, "--force"]);
+    assert!(ok, "{err}");
+    let worst = Arc::new(Mutex::new((Duration::ZERO, 0u64, Vec::<String>::new())));
+    let readers: Vec<_> = (0..50)
+        .map(|i| {
+            let (stop, worst) = (stop.clone(), worst.clone());
+            let url = format!(
+                "{}{}",
+                rack.control_url,
+                if i % 2 == 0 { "/v1/jobs" } else { "/metrics" }
+            );
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let t = Instant::now();
+                    let r = ureq::get(&url).timeout(Duration::from_secs(30)).call();
+                    let mut w = worst.lock().unwrap();
+                    w.0 = w.0.max(t.elapsed());
+                    w.1 += 1;
+                    if let Err(e) = r {
+                        w.2.push(e.to_string());
+                    }
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(500));
+    let join = format!(
+        "{{\"token\": \"{:016x}\", \"rank\": 0, \"rejoin\": true}}",
+        job.token
+    );
+    let mut took: Vec<Duration> = (0..20)
+        .map(|_| {
+            let t = Instant::now();
+            ureq::post(&format!("{}/v1/jobs/{}/join", rack.control_url, job.id))
+                .send_string(&join)
+                .unwrap();
+            let d = t.elapsed();
+            std::thread::sleep(Duration::from_millis(50));
+            d
+        })
+        .collect();
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().unwrap();
+    }
+    holder.join().unwrap();
+    took.sort();
+    let (worst_read, reads, errors) = worst.lock().unwrap().clone();
+    println!(
+        "joins with a black hole and 50 readers: median {:?}, max {:?}; {reads} reads, slowest {worst_read:?}",
+        took[took.len() / 2],
+        took[took.len() - 1]
+    );
+    assert!(errors.is_empty(), "{:?}", &errors[..errors.len().min(5)]);
+    assert!(
+        took[took.len() - 1] < Duration::from_secs(2),
+        "joins took {took:?}"
+    );
+    assert!(worst_read < Duration::from_secs(2), "a read took {worst_read:?}");
+    // The hole is shown down, saying for how long it has not answered.
+    let (_, out, _) = rack.phubctl(&["appliance", "list"]);
+    assert!(out.contains("hole"), "{out}");
+}

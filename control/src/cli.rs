@@ -117,6 +117,13 @@ enum ApplianceCmd {
         /// default for the URL's port, on control's host].
         #[arg(long, value_name = "FILE")]
         token_file: Option<String>,
+        /// Add it even though it does not answer now (control checks at
+        /// once that the URL is a phub dataplane that takes the token and
+        /// is not an appliance it manages already; with --force a dataplane
+        /// that is down is added unchecked, and reconciliation checks it
+        /// when it answers).
+        #[arg(long)]
+        force: bool,
     },
     /// Stop managing an appliance (refused while a job uses it).
     Remove {
@@ -285,6 +292,7 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 url,
                 rack,
                 token_file,
+                force,
             } => {
                 let body = serde_json::to_string(&ApplianceSpec {
                     name: name.clone(),
@@ -293,7 +301,12 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     token_file: token_file.clone(),
                 })
                 .expect("an appliance serialises");
-                let raw = ctl.call("POST", "/v1/appliances", Some((&body, true)))?;
+                let path = if *force {
+                    "/v1/appliances?force=true"
+                } else {
+                    "/v1/appliances"
+                };
+                let raw = ctl.call("POST", path, Some((&body, true)))?;
                 show(json, &raw, |a: ApplianceStatus| {
                     format!(
                         "added appliance {:?} at {}

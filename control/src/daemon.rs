@@ -42,12 +42,16 @@ use crate::dataplane::{Client, DataplaneError};
 use crate::metrics;
 use crate::refit::{self, Refit};
 use crate::state::{self, StateError, StoredJob, StoredPart, DEFAULT_APPLIANCE};
+use crate::watch::{self, View, Watch, READ_WAIT};
 
 /// Largest job spec accepted by `POST /v1/jobs`, in bytes (a spec lists
 /// every key: a 10^6-key spec is about 15 MB of TOML).
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// Largest body of any other request (a join), in bytes.
 pub const MAX_SMALL_BODY_BYTES: usize = 64 << 10;
+/// Longest an admission waits for an appliance's description before it
+/// takes it as down.
+const ADMIT_WAIT: Duration = Duration::from_secs(2);
 
 /// How the daemon runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -437,9 +441,9 @@ impl Daemon {
             std::thread::Builder::new()
                 .name("control-reconcile".into())
                 .spawn(move || {
-                    let mut log = ReconcileLog::default();
+                    let mut logs = BTreeMap::new();
                     loop {
-                        rs.reconcile(&mut log);
+                        rs.reconcile(&mut logs);
                         rs.periodic_checkpoints();
                         match sleep.recv_timeout(rs.interval) {
                             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -581,6 +585,12 @@ struct Appliance {
     client: Client,
     /// Its last answer to `GET /v1/info`.
     info: Option<DataplaneInfo>,
+    /// The requests of the read routes to it ([`watch`]).
+    watch: Arc<Watch>,
+    /// Set when reconciliation found it to be another appliance's
+    /// dataplane under a second name: which, and why; it is then neither
+    /// reconciled nor chosen for a job ([`watch::alias_of`]).
+    alias: Option<String>,
 }
 
 impl Appliance {
@@ -590,6 +600,8 @@ impl Appliance {
             spec,
             client,
             info: None,
+            watch: Arc::default(),
+            alias: None,
         }
     }
 }
@@ -625,6 +637,14 @@ impl Inner {
             .collect()
     }
 
+    /// Every appliance's name, client and watch.
+    fn watched(&self) -> Vec<(String, Client, Arc<Watch>)> {
+        self.appliances
+            .values()
+            .map(|a| (a.spec.name.clone(), a.client.clone(), a.watch.clone()))
+            .collect()
+    }
+
     /// Bytes on each lcore of appliance `name` (described by `info`) from
     /// the parts of admitted jobs in service there, but job `except`.
     fn load_on(&self, name: &str, info: &DataplaneInfo, except: Option<u16>) -> Vec<u64> {
@@ -656,9 +676,12 @@ impl Inner {
     }
 }
 
-/// What the reconcile thread remembers to log each problem once.
+/// What the reconcile thread remembers to log each problem once (one per
+/// appliance).
 #[derive(Debug, Default)]
 struct ReconcileLog {
+    /// Jobs the appliance holds that control admitted on other appliances.
+    foreign: BTreeSet<u16>,
     /// Appliances that did not answer last time.
     down: BTreeSet<String>,
     /// Job parts whose reinstall failed, by job and appliance.
@@ -879,6 +902,17 @@ fn memory_bytes(job: &StoredJob, inner: &Inner) -> u64 {
 /// ids, or why it did not answer.
 type Survey = BTreeMap<String, Result<BTreeSet<u16>, String>>;
 
+/// The jobs each appliance holds, by its view.
+fn survey_of(views: &BTreeMap<String, Result<View, String>>) -> Survey {
+    views
+        .iter()
+        .map(|(n, v)| {
+            let ids = v.as_ref().map(|v| v.stats.jobs.iter().map(|j| j.id).collect());
+            (n.clone(), ids.map_err(Clone::clone))
+        })
+        .collect()
+}
+
 /// Whether every part of `job` is installed, by `survey`.
 fn installed(job: &StoredJob, survey: &Survey) -> bool {
     job.parts.iter().all(|p| {
@@ -1088,7 +1122,11 @@ impl Shared {
                              \"token_file\": ...}}"
                         ))
                     })?;
-                    Ok(Reply::json(201, &self.add_appliance(a)?))
+                    let force = req.query.as_deref().is_some_and(|q| {
+                        q.split('&')
+                            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
+                    });
+                    Ok(Reply::json(201, &self.add_appliance(a, force)?))
                 }
                 _ => Err(wrong("GET, POST")),
             },
@@ -1148,26 +1186,52 @@ impl Shared {
         Ok(info)
     }
 
-    /// Which appliances hold which jobs now (one call to each).
-    fn survey(&self) -> Survey {
-        let clients = self.lock().clients();
-        clients
+    /// The views of the appliances named in `only` (all when `None`),
+    /// each fresh if it answers within `wait` ([`Watch::look`]: one asked
+    /// while a request to it is in flight since longer is not waited for);
+    /// all are asked at once. Fresh descriptions are remembered.
+    fn views(&self, only: Option<&[String]>, wait: Duration) -> BTreeMap<String, Result<View, String>> {
+        let watched: Vec<(String, Client, Arc<Watch>)> = self
+            .lock()
+            .watched()
             .into_iter()
-            .map(|(name, c)| {
-                let r = c
-                    .jobs()
-                    .map(|j| j.into_iter().map(|j| j.id).collect())
-                    .map_err(|e| e.to_string());
-                (name, r)
-            })
-            .collect()
+            .filter(|(n, ..)| only.is_none_or(|o| o.contains(n)))
+            .collect();
+        for (_, c, w) in &watched {
+            // A failure to start shows in `look`.
+            let _ = w.kick(c);
+        }
+        let views: BTreeMap<String, Result<View, String>> = watched
+            .iter()
+            .map(|(n, c, w)| (n.clone(), w.look(c, wait)))
+            .collect();
+        let mut inner = self.lock();
+        for (n, v) in &views {
+            if let (Some(a), Ok(v)) = (inner.appliances.get_mut(n), v) {
+                a.info = Some(v.info.clone());
+            }
+        }
+        views
+    }
+
+    /// Which appliances hold which jobs now, by [`Shared::views`].
+    fn survey(&self) -> Survey {
+        survey_of(&self.views(None, READ_WAIT))
     }
 
     /// The appliances `spec` goes on, with their fresh descriptions, in
     /// layout order: those it names, or the number it asks for (one by
     /// default) with the most free memory among those that answer.
     fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let clients = self.lock().clients();
+        let (clients, aliases): (Vec<(String, Client)>, BTreeMap<String, String>) = {
+            let inner = self.lock();
+            let aliases = inner
+                .appliances
+                .values()
+                .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
+                .collect();
+            (inner.clients(), aliases)
+        };
         let asked = spec.placement.as_ref().map(|p| &p.appliances);
         let chosen = match asked {
             Some(Appliances::Names(names)) => {
@@ -1181,6 +1245,11 @@ impl Shared {
                             known.join(", ")
                         )));
                     };
+                    if let Some(why) = aliases.get(n) {
+                        return Err(RequestError::Conflict(format!(
+                            "placement.appliances names {n:?}, which is {why}"
+                        )));
+                    }
                     out.push((n.clone(), c.info()?));
                 }
                 out
@@ -1189,10 +1258,23 @@ impl Shared {
                 let count = spec.placement.as_ref().map_or(1, |p| p.count());
                 let mut answer = Vec::new();
                 let mut down = None;
-                for (name, c) in &clients {
-                    match c.info() {
-                        Ok(info) => answer.push((name.clone(), info)),
-                        Err(e) => down = down.or(Some(e)),
+                // Every appliance asked at once; one that does not answer
+                // within ADMIT_WAIT is taken as down.
+                for (name, v) in self.views(None, ADMIT_WAIT) {
+                    match v {
+                        Ok(_) if aliases.contains_key(&name) => {}
+                        Ok(v) => answer.push((name, v.info)),
+                        Err(e) => {
+                            down = down.or(Some(RequestError::Dataplane(DataplaneError::Unreachable {
+                                appliance: name.clone(),
+                                base: clients
+                                    .iter()
+                                    .find(|(n, _)| *n == name)
+                                    .map(|(_, c)| c.base().to_string())
+                                    .unwrap_or_default(),
+                                reason: e,
+                            })));
+                        }
                     }
                 }
                 let free: Vec<(String, u64)> = answer
@@ -1207,7 +1289,7 @@ impl Shared {
                 let names = match admission::choose_appliances(count, &free) {
                     Ok(n) => n,
                     // Too few answer: say why one does not.
-                    Err(e) => return Err(down.map_or(RequestError::Capacity(e), RequestError::from)),
+                    Err(e) => return Err(down.unwrap_or(RequestError::Capacity(e))),
                 };
                 names
                     .into_iter()
@@ -1479,24 +1561,16 @@ impl Shared {
     }
 
     fn show(&self, id: u16) -> Result<JobDetail, RequestError> {
-        let clients: Vec<(String, Client)> = {
+        let names: Vec<String> = {
             let inner = self.lock();
             let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
-            job.parts
-                .iter()
-                .filter_map(|p| Some((p.appliance.clone(), inner.client(&p.appliance).ok()?)))
-                .collect()
+            job.parts.iter().map(|p| p.appliance.clone()).collect()
         };
         // Per appliance of the job: its view of the job, or why it is down.
-        let views: BTreeMap<String, Result<Option<JobLive>, String>> = clients
+        let views: BTreeMap<String, Result<Option<JobLive>, String>> = self
+            .views(Some(&names), READ_WAIT)
             .into_iter()
-            .map(|(n, c)| {
-                let v = c
-                    .stats()
-                    .map(|s| s.jobs.into_iter().find(|j| j.id == id))
-                    .map_err(|e| e.to_string());
-                (n, v)
-            })
+            .map(|(n, v)| (n, v.map(|v| v.stats.jobs.into_iter().find(|j| j.id == id))))
             .collect();
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
@@ -1713,28 +1787,23 @@ impl Shared {
     }
 
     fn stats(&self) -> Stats {
-        let clients = self.lock().clients();
-        let mut appliances = Vec::new();
-        let mut survey = Survey::new();
-        for (name, c) in clients {
-            let (dataplane, error) = match c.stats() {
-                Ok(s) => (Some(s), None),
-                Err(e) => (None, Some(e.to_string())),
-            };
-            survey.insert(
-                name.clone(),
-                dataplane
-                    .as_ref()
-                    .map(|s| s.jobs.iter().map(|j| j.id).collect())
-                    .ok_or_else(|| error.clone().unwrap_or_default()),
-            );
-            appliances.push(ApplianceStats {
-                name,
-                rack: String::new(),
-                dataplane,
-                error,
-            });
-        }
+        let views = self.views(None, READ_WAIT);
+        let survey = survey_of(&views);
+        let mut appliances: Vec<ApplianceStats> = views
+            .into_iter()
+            .map(|(name, v)| {
+                let (dataplane, error) = match v {
+                    Ok(v) => (Some(v.stats), None),
+                    Err(e) => (None, Some(e)),
+                };
+                ApplianceStats {
+                    name,
+                    rack: String::new(),
+                    dataplane,
+                    error,
+                }
+            })
+            .collect();
         let inner = self.lock();
         for a in &mut appliances {
             if let Some(x) = inner.appliances.get(&a.name) {
@@ -1881,14 +1950,64 @@ impl Shared {
         }
     }
 
-    /// Reconciles every appliance ([`Shared::reconcile_one`]).
-    fn reconcile(&self, log: &mut ReconcileLog) {
+    /// Reconciles every appliance ([`Shared::reconcile_one`]), all at
+    /// once, so that one that does not answer delays none of the others;
+    /// first asks each who it is, and leaves alone every appliance that is
+    /// another's dataplane under a second name ([`watch::alias_of`]).
+    fn reconcile(&self, logs: &mut BTreeMap<String, ReconcileLog>) {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let clients = self.lock().clients();
-        log.down.retain(|n| clients.iter().any(|(c, _)| c == n));
-        for (name, client) in clients {
-            self.reconcile_one(&name, &client, log);
+        logs.retain(|n, _| clients.iter().any(|(c, _)| c == n));
+        let infos: Vec<(String, Option<DataplaneInfo>)> = std::thread::scope(|s| {
+            let asked: Vec<_> = clients
+                .iter()
+                .map(|(n, c)| (n.clone(), s.spawn(move || c.info().ok())))
+                .collect();
+            asked
+                .into_iter()
+                .map(|(n, h)| (n, h.join().ok().flatten()))
+                .collect()
+        });
+        let aliases: BTreeSet<String> = {
+            let mut inner = self.lock();
+            let seen: Vec<(String, bool, DataplaneInfo)> = infos
+                .iter()
+                .filter_map(|(n, i)| Some((n.clone(), !inner.jobs_on(n).is_empty(), i.clone()?)))
+                .collect();
+            let found = watch::alias_of(&seen);
+            for (n, i) in infos {
+                let Some(a) = inner.appliances.get_mut(&n) else {
+                    continue;
+                };
+                let alias = found.iter().find(|(x, ..)| *x == n).map(|(_, other, why)| {
+                    format!(
+                        "the dataplane of appliance {other:?} under a second name ({why}): neither \
+                         reconciled nor given jobs; remove one of the two (phubctl appliance remove)"
+                    )
+                });
+                match (&a.alias, &alias) {
+                    (None, Some(why)) => log::error!("appliance {n:?} at {} is {why}", a.spec.url),
+                    (Some(_), None) => log::info!("appliance {n:?} is no longer another's dataplane"),
+                    _ => {}
+                }
+                a.alias = alias;
+                if i.is_some() {
+                    a.info = i;
+                }
+            }
+            found.into_iter().map(|(n, ..)| n).collect()
+        };
+        for (n, _) in &clients {
+            logs.entry(n.clone()).or_default();
         }
+        std::thread::scope(|s| {
+            for (name, log) in logs.iter_mut().filter(|(n, _)| !aliases.contains(*n)) {
+                let Some((_, client)) = clients.iter().find(|(c, _)| c == name) else {
+                    continue;
+                };
+                s.spawn(move || self.reconcile_one(name, client, log));
+            }
+        });
     }
 
     /// Reinstalls on appliance `name` every part of an admitted job it
@@ -1918,11 +2037,28 @@ impl Shared {
         let (unknown, missing): (Vec<u16>, Vec<u16>) = {
             let inner = self.lock();
             let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
-            let unknown = installed
+            // A job admitted on other appliances is left alone: this
+            // may be one of them under another name or address, which
+            // must not lose the job's state.
+            let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
                 .iter()
                 .copied()
                 .filter(|id| !here.contains(id))
-                .collect();
+                .partition(|id| inner.jobs.contains_key(id));
+            for id in foreign {
+                if log.foreign.insert(id) {
+                    let on: Vec<&str> = inner.jobs[&id]
+                        .parts
+                        .iter()
+                        .map(|p| p.appliance.as_str())
+                        .collect();
+                    log::error!(
+                        "appliance {name:?} holds job {id}, which is admitted on {} and not there: left \
+                         installed (is {name:?} one of those under another name or address?)",
+                        on.join(", ")
+                    );
+                }
+            }
             let missing = here
                 .iter()
                 .copied()
@@ -1941,6 +2077,7 @@ impl Shared {
             }
         }
         log.failed.retain(|(id, n)| n != name || !installed.contains(id));
+        log.foreign.retain(|id| installed.contains(id));
         if missing.is_empty() {
             return;
         }
@@ -2029,14 +2166,33 @@ impl Shared {
                 job.racks[index].lcores.len()
             );
             let before = job.clone();
+            let others: Vec<(String, Option<Client>)> = job
+                .parts
+                .iter()
+                .filter(|p| p.appliance != name)
+                .map(|p| (p.appliance.clone(), inner.client(&p.appliance).ok()))
+                .collect();
             if let Some(j) = inner.jobs.get_mut(&id) {
                 j.failed = Some(why.clone());
             }
             if let Err(e) = self.persist(&inner) {
                 inner.jobs.insert(id, before);
                 log::error!("job {id}: {why}; but that cannot be recorded ({e}): retrying");
-            } else {
-                log::error!("job {id} failed: {why}");
+                return None;
+            }
+            log::error!("job {id} failed: {why}");
+            drop(inner);
+            // Its other racks' parts would hold their memory and send
+            // partials to a home that is gone: removed.
+            for (other, client) in others {
+                match client.map(|c| c.remove(id)) {
+                    Some(Ok(_)) => log::warn!("job {id} failed: its part on appliance {other:?} is removed"),
+                    Some(Err(e)) => log::warn!(
+                        "job {id} failed; its part on appliance {other:?} could not be removed ({e}): remove it \
+                         by evicting the job"
+                    ),
+                    None => {}
+                }
             }
             return None;
         }
@@ -2155,17 +2311,12 @@ impl Shared {
 
     /// `GET /v1/appliances`: every appliance, asked for its description now.
     fn appliances(&self) -> Vec<ApplianceStatus> {
-        let clients = self.lock().clients();
-        let infos: BTreeMap<String, Result<DataplaneInfo, String>> = clients
+        let infos: BTreeMap<String, Result<DataplaneInfo, String>> = self
+            .views(None, READ_WAIT)
             .into_iter()
-            .map(|(n, c)| (n, c.info().map_err(|e| e.to_string())))
+            .map(|(n, v)| (n, v.map(|v| v.info)))
             .collect();
-        let mut inner = self.lock();
-        for (n, i) in &infos {
-            if let (Some(a), Ok(info)) = (inner.appliances.get_mut(n), i) {
-                a.info = Some(info.clone());
-            }
-        }
+        let inner = self.lock();
         inner
             .appliances
             .values()
@@ -2176,7 +2327,10 @@ impl Shared {
                     url: a.spec.url.clone(),
                     rack: a.spec.rack.clone(),
                     token_file: a.client.token_path().display().to_string(),
-                    down: infos.get(&a.spec.name).and_then(|r| r.as_ref().err().cloned()),
+                    down: a
+                        .alias
+                        .clone()
+                        .or_else(|| infos.get(&a.spec.name).and_then(|r| r.as_ref().err().cloned())),
                     data: info.map(|i| i.data.clone()),
                     lcores: info.map(|i| u32::try_from(i.lcores.len()).unwrap_or(u32::MAX)),
                     memory_budget_bytes: info.map(|i| i.memory_budget_bytes),
@@ -2187,20 +2341,91 @@ impl Shared {
             .collect()
     }
 
-    /// `POST /v1/appliances`: manages one more appliance, durably. It need
-    /// not answer yet; reconciliation finds it when it does.
-    fn add_appliance(&self, a: ApplianceSpec) -> Result<ApplianceStatus, RequestError> {
+    /// `POST /v1/appliances`: manages one more appliance, durably, once it
+    /// is known to be a phub dataplane that takes the management token and
+    /// that control does not manage already under another name (by its URL
+    /// in any spelling, its id or its data address). With `force`, one
+    /// that does not answer is added unchecked (reconciliation checks it
+    /// when it answers: an alias is then left alone, never reconciled).
+    fn add_appliance(&self, a: ApplianceSpec, force: bool) -> Result<ApplianceStatus, RequestError> {
         check_appliance(&a).map_err(RequestError::BadRequest)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let inner = self.lock();
+            if let Some(old) = inner.appliances.get(&a.name) {
+                return Err(RequestError::Conflict(format!(
+                    "appliance {:?} already exists (at {}); remove it first",
+                    a.name, old.spec.url
+                )));
+            }
+            if let Some(old) = inner.appliances.values().find(|o| same_url(&o.spec.url, &a.url)) {
+                return Err(RequestError::Conflict(format!(
+                    "appliance {:?}: {} is the management API of appliance {:?} (at {}), which control \
+                     manages already; one dataplane is managed under one name. Not added",
+                    a.name, a.url, old.spec.name, old.spec.url
+                )));
+            }
+        }
+        let client = Client::new(&a.name, &a.url, token_path_of(&a));
+        let info = match client.info() {
+            Ok(info) => Some(info),
+            Err(e) if e.is_unreachable() && force => {
+                log::warn!(
+                    "adding appliance {:?} at {}, which does not answer (--force): {e}",
+                    a.name,
+                    a.url
+                );
+                None
+            }
+            Err(e) if e.is_unreachable() => {
+                return Err(RequestError::BadRequest(format!(
+                    "{e}. Not added: give --force to add an appliance that is down (reconciliation checks \
+                     it once it answers)"
+                )))
+            }
+            Err(e) => return Err(RequestError::BadRequest(format!(
+                "appliance {:?}: {} does not answer as a phub dataplane's management API ({e}). Not added",
+                a.name, a.url
+            ))),
+        };
+        if let Some(info) = &info {
+            if let Err(e) = client.check_token() {
+                return Err(RequestError::BadRequest(format!(
+                    "appliance {:?}: the management token in {} does not open the dataplane at {} ({e}); give \
+                     the file its phub-dataplane wrote (token_file, phubctl --token-file). Not added",
+                    a.name,
+                    client.token_path().display(),
+                    a.url
+                )));
+            }
+            let views = self.views(None, READ_WAIT);
+            let inner = self.lock();
+            for other in inner.appliances.values() {
+                let now = views
+                    .get(&other.spec.name)
+                    .and_then(|v| v.as_ref().ok())
+                    .map(|v| &v.info);
+                let theirs = now.or(other.info.as_ref());
+                if let Some(why) = theirs.and_then(|t| watch::same_dataplane(info, t)) {
+                    return Err(RequestError::Conflict(format!(
+                        "appliance {:?} at {} is the dataplane control manages already as appliance {:?} (at \
+                         {}): {why}; one dataplane is managed under one name. Not added",
+                        a.name, a.url, other.spec.name, other.spec.url
+                    )));
+                }
+            }
+        }
         let mut inner = self.lock();
-        if let Some(old) = inner.appliances.get(&a.name) {
+        if inner.appliances.contains_key(&a.name) {
             return Err(RequestError::Conflict(format!(
-                "appliance {:?} already exists (at {}); remove it first",
-                a.name, old.spec.url
+                "appliance {:?} was added meanwhile; remove it first",
+                a.name
             )));
         }
         let name = a.name.clone();
-        inner.appliances.insert(name.clone(), Appliance::new(a));
+        let mut added = Appliance::new(a);
+        added.info = info;
+        inner.appliances.insert(name.clone(), added);
         if let Err(e) = self.persist(&inner) {
             inner.appliances.remove(&name);
             return Err(RequestError::State(format!(
@@ -2278,6 +2503,47 @@ impl Shared {
             jobs: Vec::new(),
         })
     }
+}
+
+/// Whether two management URLs name one API: the same scheme, path and
+/// port, on hosts that resolve to a common address (`localhost` and
+/// `127.0.0.1`), whatever their case or trailing `/`.
+fn same_url(a: &str, b: &str) -> bool {
+    use std::net::ToSocketAddrs as _;
+    /// (scheme, "host:port", path) of an http(s) URL, lower-cased.
+    fn split(url: &str) -> Option<(String, String, String)> {
+        let url = url.trim().to_ascii_lowercase();
+        let (scheme, rest) = url.split_once("://")?;
+        let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+        let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        let default = if scheme == "https" { 443 } else { 80 };
+        let has_port = authority.rsplit_once(':').is_some_and(|(h, p)| {
+            !h.ends_with(':') && p.bytes().all(|c| c.is_ascii_digit()) && !p.is_empty()
+        });
+        let hostport = if has_port {
+            authority.to_string()
+        } else {
+            format!("{authority}:{default}")
+        };
+        Some((
+            scheme.to_string(),
+            hostport,
+            path.trim_end_matches('/').to_string(),
+        ))
+    }
+    let (Some((sa, ha, pa)), Some((sb, hb, pb))) = (split(a), split(b)) else {
+        return a == b;
+    };
+    if sa != sb || pa != pb {
+        return false;
+    }
+    if ha == hb {
+        return true;
+    }
+    let resolve =
+        |h: &str| -> Vec<SocketAddr> { h.to_socket_addrs().map(Iterator::collect).unwrap_or_default() };
+    let ra = resolve(&ha);
+    resolve(&hb).iter().any(|x| ra.contains(x))
 }
 
 /// Where control keeps job `id`'s checkpoint of its part on appliance

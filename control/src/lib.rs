@@ -15,6 +15,9 @@
 //!   capacity, placement), unit-tested without I/O.
 //! - [`format`]: human byte sizes and aligned tables, pure.
 //! - [`metrics`]: the Prometheus text rendering, pure.
+//! - `watch`: what control last heard from each appliance, which its read
+//!   routes answer from without waiting on a hung one, and how two
+//!   registrations of one dataplane are told apart from two dataplanes.
 //! - `refit`: what reconciliation does with a job whose layout names lcores
 //!   a restarted dataplane no longer has (resize, place anew, or fail), pure.
 //!
@@ -35,3 +38,4 @@ pub mod format;
 pub mod metrics;
 mod refit;
 mod state;
+mod watch;

@@ -39,7 +39,9 @@
 //! /v1/appliances/{name}` need `Authorization: Bearer <operator
 //! token>` (401 without, 403 wrong); a join carries the job's token in its
 //! body. On the dataplane, every route but `GET /v1/info`, `GET /v1/jobs`
-//! and `GET /v1/stats` needs `Authorization: Bearer <management token>`.
+//! and `GET /v1/stats` needs `Authorization: Bearer <management token>`;
+//! `GET /v1/auth` does nothing else than check it (control calls it when
+//! an appliance is added, so that a wrong token is found then).
 //! Both check the header before reading a body, and both refuse what is
 //! over their limits (README, "Threat model").
 //!
@@ -502,6 +504,13 @@ pub struct LcoreInfo {
 /// `GET /v1/info` on the dataplane.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataplaneInfo {
+    /// This dataplane process's identity: 32 random hex digits it makes
+    /// when it starts (a restart makes a new one). Control tells two
+    /// registrations of one dataplane apart from two dataplanes by it and
+    /// by [`DataplaneInfo::data`], never by the spelling of a URL; empty
+    /// from a dataplane that does not say.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub id: String,
     /// `udp` or `dpdk`.
     pub backend: String,
     /// Where workers send.
