@@ -15,6 +15,9 @@
 //!   capacity, placement), unit-tested without I/O.
 //! - [`format`]: human byte sizes and aligned tables, pure.
 //! - [`metrics`]: the Prometheus text rendering, pure.
+//! - `ckpt_file`: a job part's checkpoint file: whether the one there is
+//!   the part's, and keeping a new one (never over a newer, fuller or
+//!   unusable one; the previous one kept until the new one reads back).
 //! - `refit`: what reconciliation does with a job whose layout names lcores
 //!   a restarted dataplane no longer has (resize, place anew, or fail), pure.
 //!
@@ -28,6 +31,7 @@
 #![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod admission;
+mod ckpt_file;
 pub mod cli;
 pub mod daemon;
 mod dataplane;
