@@ -879,3 +879,56 @@ fn an_empty_checkpoint_never_replaces_one_with_rounds() {
         "the checkpoint of round 3 was written over"
     );
 }
+
+/// Finding 2 of issue 36: the held state survives a control restart, and
+/// the operator may give the checkpoint up. Reproduction (before the fix):
+/// a checkpointed job's file is damaged while control is down; control
+/// started again logged "ignoring the checkpoint" and forgot it, and the
+/// next checkpoint wrote over it. Now control finds it unusable at start
+/// and holds the job (its part, still installed on the dataplane, keeps
+/// running); `job retry --discard-checkpoint` renames the file aside, keeps
+/// the dataplane's state, and checkpoints are taken again.
+#[test]
+fn a_checkpoint_found_corrupt_at_start_holds_the_job_until_given_up() {
+    let mut rack = Rack::start(1, "256MiB");
+    let keys = [3000u64, 5];
+    let job = rack
+        .admit(&phub_hwtests::workload::sum_spec("restart", 1, None, &keys))
+        .unwrap();
+    let id = job.id.to_string();
+    common::train(&rack.control_url, &job, 1, &keys, 2);
+    let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
+    assert!(ok && out.contains("round 2"), "{out}{err}");
+    let file = rack.dir.join(format!("state.json.job-{id}.ckpt"));
+    let mut bad = std::fs::read(&file).unwrap();
+    bad.truncate(bad.len() - 9);
+
+    rack.kill_control();
+    std::fs::write(&file, &bad).unwrap();
+    rack.start_control();
+
+    let (ok, out, err) = rack.phubctl(&["job", "show", &id]);
+    assert!(
+        ok && out.contains("HELD: part on appliance \"default\"") && out.contains("unusable"),
+        "{out}{err}"
+    );
+    let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
+    assert!(!ok && err.contains("is held"), "{out}{err}");
+    assert!(std::fs::read(&file).unwrap() == bad);
+
+    let (ok, out, err) = rack.phubctl(&["job", "retry", &id, "--discard-checkpoint"]);
+    assert!(
+        ok && out.contains("set aside as") && out.contains("still had the part"),
+        "{out}{err}"
+    );
+    assert!(!file.exists(), "the file was not set aside");
+    let aside: Vec<_> = std::fs::read_dir(&rack.dir)
+        .unwrap()
+        .filter_map(|e| e.ok())
+        .filter(|e| e.file_name().to_string_lossy().contains(".ckpt.discarded-"))
+        .collect();
+    assert_eq!(aside.len(), 1);
+    assert!(std::fs::read(aside[0].path()).unwrap() == bad);
+    let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
+    assert!(ok && out.contains("round 2"), "{out}{err}");
+}

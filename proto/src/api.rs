@@ -172,9 +172,10 @@ pub struct JobSummary {
     /// Why the job is held, if it is: a part's checkpoint file exists but
     /// cannot be restored (unreadable, corrupt, another job's or part's,
     /// not movable onto the part's layout, refused by its appliance), so
-    /// that part is not installed, joins and checkpoints are refused, and
-    /// the file is never written over, until the operator repairs it and
-    /// retries (`POST /v1/jobs/{id}/retry`, [`RetryRequest`]).
+    /// that part is not installed again (one its appliance still runs
+    /// keeps running), joins and checkpoints are refused, and the file is
+    /// never written over, until the operator repairs it and retries
+    /// (`POST /v1/jobs/{id}/retry`, [`RetryRequest`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held: Option<String>,
 }
