@@ -28,8 +28,8 @@ use clap::Parser;
 use phub_proto::api::{
     AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo, ClockStats,
     DataAddr, DataplaneInfo, DataplaneStats, Hierarchy, InstallJob, JobDetail, JobLive, JobMap, JobPart,
-    JobSummary, JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus, Stats,
-    DETAIL_KEYS,
+    JobSummary, JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus,
+    RetriedCheckpoint, RetriedInstall, RetriedPart, RetryRequest, RetryResponse, Stats, DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::{Layout, Placement};
@@ -38,6 +38,7 @@ use phub_proto::spec::{appliance_name_ok, Appliances, JobSpec, SpecError, APPLIA
 use serde::Serialize;
 
 use crate::admission::{self, AdmitError};
+use crate::ckpt_file::{self, KeepError, Owner, PartShape};
 use crate::dataplane::{Client, DataplaneError};
 use crate::metrics;
 use crate::refit::{self, Refit};
@@ -613,9 +614,47 @@ struct Inner {
     appliances: BTreeMap<String, Appliance>,
     /// Admitted jobs by id.
     jobs: BTreeMap<u16, StoredJob>,
-    /// Each job part's last checkpoint, by job and appliance (its file is
-    /// beside the state file).
-    checkpoints: BTreeMap<(u16, String), CheckpointInfo>,
+    /// Each job part's last checkpoint, and the parts held for an
+    /// unusable one.
+    checkpoints: Checkpoints,
+}
+
+/// What control knows of its job parts' checkpoint files (beside the
+/// state file), by job and appliance.
+#[derive(Debug, Default)]
+struct Checkpoints {
+    /// Each part's last usable checkpoint.
+    taken: BTreeMap<(u16, String), CheckpointInfo>,
+    /// Parts whose checkpoint file exists but cannot be restored: they are
+    /// not installed (their job is held) until `POST /v1/jobs/{id}/retry`.
+    held: BTreeMap<(u16, String), Held>,
+}
+
+/// Why a job part is held: its checkpoint file is there, but it cannot be
+/// read or decoded, is not the part's, cannot be moved onto the part's
+/// layout, or the appliance refuses it. Installing the part without it
+/// would lose the state the file may hold, and the next checkpoint would
+/// write over it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    /// The file.
+    file: PathBuf,
+    /// Why it cannot be used.
+    why: String,
+}
+
+impl Checkpoints {
+    /// Why job `id` is held ("part on appliance ...: checkpoint FILE
+    /// unusable: WHY", "; " between parts), if one of its parts is.
+    fn held_reason(&self, id: u16) -> Option<String> {
+        let parts: Vec<String> = self
+            .held
+            .range((id, String::new())..)
+            .take_while(|((j, _), _)| *j == id)
+            .map(|((_, name), h)| held_text(name, h))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
 }
 
 impl Inner {
@@ -936,6 +975,7 @@ fn summary(job: &StoredJob, installed: bool, inner: &Inner) -> JobSummary {
         appliances: job.parts.iter().map(|p| p.appliance.clone()).collect(),
         installed,
         failed: job.failed.clone(),
+        held: inner.checkpoints.held_reason(job.id),
     }
 }
 
@@ -994,6 +1034,15 @@ fn failed(id: u16, why: &str) -> RequestError {
     RequestError::Conflict(format!("job {id} failed: {why}; evict it and admit again"))
 }
 
+/// The answer to a join or checkpoint of a held job: 409 with its reason
+/// and the way out.
+fn held(id: u16, why: &str) -> RequestError {
+    RequestError::Conflict(format!(
+        "job {id} is held: {why}; repair or restore the file, then `phubctl job retry {id}` (or `phubctl job \
+         retry {id} --discard-checkpoint` to set the file aside and start the part over without it)"
+    ))
+}
+
 fn body_text(req: &phub_http::Request) -> Result<&str, RequestError> {
     std::str::from_utf8(&req.body)
         .map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
@@ -1006,6 +1055,7 @@ fn needs_operator(method: &str, segs: &[&str]) -> bool {
         ("POST", ["v1", "jobs"])
             | ("DELETE", ["v1", "jobs", _])
             | ("POST", ["v1", "jobs", _, "checkpoint"])
+            | ("POST", ["v1", "jobs", _, "retry"])
             | ("POST", ["v1", "appliances"])
             | ("DELETE", ["v1", "appliances", _])
     )
@@ -1090,6 +1140,24 @@ impl Shared {
             },
             ["v1", "jobs", id, "checkpoint"] => match method {
                 "POST" => Ok(Reply::json(200, &self.checkpoint(parse_id(id)?)?)),
+                _ => Err(wrong("POST")),
+            },
+            ["v1", "jobs", id, "retry"] => match method {
+                "POST" => {
+                    let id = parse_id(id)?;
+                    let body = body_text(req)?;
+                    let r: RetryRequest = if body.trim().is_empty() {
+                        RetryRequest::default()
+                    } else {
+                        serde_json::from_str(body).map_err(|e| {
+                            RequestError::BadRequest(format!(
+                                "invalid retry request: {e}; expected {{\"discard_checkpoint\": false}} (or true), \
+                                 or no body"
+                            ))
+                        })?
+                    };
+                    Ok(Reply::json(200, &self.retry(id, r.discard_checkpoint)?))
+                }
                 _ => Err(wrong("POST")),
             },
             ["v1", "jobs", id, "map"] => match method {
@@ -1430,6 +1498,9 @@ impl Shared {
         if let Some(why) = &job.failed {
             return Err(failed(id, why));
         }
+        if let Some(why) = inner.checkpoints.held_reason(id) {
+            return Err(held(id, &why));
+        }
         let w = job.spec.workers;
         if u32::from(req.rank) >= w {
             return Err(RequestError::BadRequest(format!(
@@ -1664,12 +1735,18 @@ impl Shared {
             log::error!("job {id} not evicted: {e}");
             return Err(RequestError::State(format!("job {id} not evicted: {e}")));
         }
-        let files: Vec<String> = job
-            .parts
-            .iter()
-            .filter_map(|p| inner.checkpoints.remove(&(id, p.appliance.clone())))
-            .map(|c| c.file)
-            .collect();
+        // Every part's checkpoint goes, usable or not, with any previous
+        // version a write left.
+        let sharded = job.parts.len() > 1;
+        let mut files = Vec::new();
+        for p in &job.parts {
+            let key = (id, p.appliance.clone());
+            inner.checkpoints.taken.remove(&key);
+            inner.checkpoints.held.remove(&key);
+            let f = checkpoint_path(&self.state_path, id, &p.appliance, sharded);
+            files.push(ckpt_file::prev_path(&f));
+            files.push(f);
+        }
         let clients: Vec<(String, Option<Client>)> = job
             .parts
             .iter()
@@ -1678,8 +1755,10 @@ impl Shared {
         let summary = summary(&job, false, &inner);
         drop(inner);
         for f in files {
-            if let Err(e) = std::fs::remove_file(&f) {
-                log::warn!("job {id} evicted, but its checkpoint {f} stays: {e}");
+            match std::fs::remove_file(&f) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => log::warn!("job {id} evicted, but its checkpoint {} stays: {e}", f.display()),
             }
         }
         for (name, c) in clients {
@@ -1840,10 +1919,14 @@ impl Shared {
     }
 
     /// Takes a checkpoint of every part of job `id` from its appliances and
-    /// keeps each (atomically replacing the previous one) beside the state
-    /// file. A part whose appliance fails keeps its previous checkpoint,
-    /// and the error names the appliance; the other parts are saved.
+    /// keeps each beside the state file ([`ckpt_file::keep`]: never over a
+    /// newer or fuller one, nor over one that is unusable, which holds the
+    /// job; the previous one kept as `.prev` until the new one reads back).
+    /// A part whose appliance fails keeps its previous checkpoint, and the
+    /// error names the appliance; the other parts are saved. A held job is
+    /// refused (409).
     fn checkpoint(&self, id: u16) -> Result<CheckpointInfo, RequestError> {
+        let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
         let clients: Vec<(String, Client)> = {
             let inner = self.lock();
             match inner.jobs.get(&id) {
@@ -1851,11 +1934,15 @@ impl Shared {
                 Some(StoredJob {
                     failed: Some(why), ..
                 }) => return Err(failed(id, why)),
-                Some(job) => job
-                    .parts
-                    .iter()
-                    .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
-                    .collect::<Result<_, RequestError>>()?,
+                Some(job) => {
+                    if let Some(why) = inner.checkpoints.held_reason(id) {
+                        return Err(held(id, &why));
+                    }
+                    job.parts
+                        .iter()
+                        .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
+                        .collect::<Result<_, RequestError>>()?
+                }
             }
         };
         let sharded = clients.len() > 1;
@@ -1881,6 +1968,8 @@ impl Shared {
         combined_checkpoint(&inner, job).ok_or_else(|| not_admitted(id))
     }
 
+    /// Takes job `id`'s part on appliance `name` from `client` and keeps it
+    /// ([`ckpt_file::keep`]). Caller holds [`CHECKPOINT_FILES`].
     fn checkpoint_part(
         &self,
         id: u16,
@@ -1895,7 +1984,37 @@ impl Shared {
             ))
         })?;
         let path = checkpoint_path(&self.state_path, id, name, sharded);
-        state::write_atomic(&path, &bytes).map_err(|e| RequestError::State(e.to_string()))?;
+        let job = self
+            .lock()
+            .jobs
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| not_admitted(id))?;
+        let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+        let owner = owner(&job, name, &part);
+        owner.check(&ckpt.job).map_err(|e| {
+            RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
+            ))
+        })?;
+        match ckpt_file::keep(&path, &bytes, &ckpt, &owner) {
+            Ok(()) => {}
+            Err(KeepError::Unusable { why, .. }) => {
+                let h = Held {
+                    file: path.clone(),
+                    why,
+                };
+                let text = held_text(name, &h);
+                self.hold(id, name, h);
+                return Err(held(id, &text));
+            }
+            Err(e @ KeepError::Older { .. }) => {
+                return Err(RequestError::Conflict(format!(
+                    "job {id}, part on appliance {name:?}: {e}"
+                )))
+            }
+            Err(KeepError::Write(e)) => return Err(RequestError::State(e)),
+        }
         let info = CheckpointInfo {
             id,
             round_range: ckpt.round_range(),
@@ -1905,7 +2024,10 @@ impl Shared {
         };
         let mut inner = self.lock();
         if inner.jobs.contains_key(&id) {
-            inner.checkpoints.insert((id, name.to_string()), info.clone());
+            inner
+                .checkpoints
+                .taken
+                .insert((id, name.to_string()), info.clone());
             Ok(info)
         } else {
             // Evicted meanwhile: the file must not outlive the job.
@@ -1915,7 +2037,8 @@ impl Shared {
     }
 
     /// Checkpoints every job whose spec asks for it and one of whose parts'
-    /// last checkpoint is older than its interval (or missing).
+    /// last checkpoint is older than its interval (or missing); never a
+    /// held job.
     fn periodic_checkpoints(&self) {
         let now = unix_ms();
         let due: Vec<u16> = {
@@ -1925,6 +2048,7 @@ impl Shared {
                 .values()
                 .filter(|j| {
                     j.failed.is_none()
+                        && inner.checkpoints.held_reason(j.id).is_none()
                         && j.spec.checkpoint_interval_s.is_some_and(|s| {
                             let last = j
                                 .parts
@@ -1932,6 +2056,7 @@ impl Shared {
                                 .map(|p| {
                                     inner
                                         .checkpoints
+                                        .taken
                                         .get(&(j.id, p.appliance.clone()))
                                         .map_or(0, |c| c.taken_unix_ms)
                                 })
@@ -2014,8 +2139,11 @@ impl Shared {
     /// lacks, fitted to the lcores it has now ([`Shared::refit`]), from the
     /// part's checkpoint when it has one; a job that cannot be placed on
     /// them, or whose install the appliance refuses as invalid (HTTP 400),
-    /// is marked failed instead of being retried for ever. Jobs it holds
-    /// that control has not admitted there are removed.
+    /// is marked failed instead of being retried for ever. A part whose
+    /// checkpoint file is there but unusable ([`Shared::checkpoint_for`],
+    /// or refused by the appliance) is held instead, and a held part is
+    /// not installed, until `POST /v1/jobs/{id}/retry`. Jobs it holds that
+    /// control has not admitted there are removed.
     fn reconcile_one(&self, name: &str, client: &Client, log: &mut ReconcileLog) {
         let installed: BTreeSet<u16> = match client.jobs() {
             Ok(j) => {
@@ -2062,7 +2190,11 @@ impl Shared {
             let missing = here
                 .iter()
                 .copied()
-                .filter(|id| !installed.contains(id) && inner.jobs[id].failed.is_none())
+                .filter(|id| {
+                    !installed.contains(id)
+                        && inner.jobs[id].failed.is_none()
+                        && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
+                })
                 .collect();
             (unknown, missing)
         };
@@ -2101,22 +2233,25 @@ impl Shared {
             let Some((job, sharded)) = self.refit(id, name, &info) else {
                 continue;
             };
-            let saved = self.lock().checkpoints.get(&(id, name.to_string())).cloned();
-            let restored = saved
-                .as_ref()
-                .and_then(|_| self.checkpoint_for(&job, name, sharded));
-            let result = match &restored {
-                Some(bytes) => client.restore(id, bytes),
+            let restore = match self.checkpoint_for(&job, name, sharded) {
+                Ok(r) => r,
+                Err(h) => {
+                    self.hold(id, name, h);
+                    continue;
+                }
+            };
+            let result = match &restore {
+                Some(r) => client.restore(id, &r.bytes),
                 None => client.install(&job),
             };
             match result {
                 Ok(()) => {
-                    match saved.filter(|_| restored.is_some()) {
-                        Some(c) => log::info!(
+                    match &restore {
+                        Some(r) => log::info!(
                             "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it, from its \
-                             checkpoint (rounds {:?})",
+                             checkpoint ({})",
                             job.spec.name,
-                            c.round_range
+                            rounds_text(r.round_range)
                         ),
                         None => log::info!(
                             "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it (no \
@@ -2127,17 +2262,27 @@ impl Shared {
                     log.failed.remove(&(id, name.to_string()));
                 }
                 // A refusal of the request itself does not change by
-                // retrying, unless the appliance restarted again meanwhile.
+                // retrying, unless the appliance restarted again meanwhile:
+                // a refused checkpoint holds the part (as any unusable
+                // one), a refused install fails the job.
                 Err(DataplaneError::Refused {
                     status: 400, message, ..
                 }) if client
                     .info()
                     .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
                 {
-                    self.fail(
-                        id,
-                        &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
-                    );
+                    if restore.is_some() {
+                        let h = Held {
+                            file: checkpoint_path(&self.state_path, id, name, sharded),
+                            why: format!("appliance {name:?} refuses to restore it: {message}"),
+                        };
+                        self.hold(id, name, h);
+                    } else {
+                        self.fail(
+                            id,
+                            &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
+                        );
+                    }
                 }
                 Err(e) => {
                     if log.failed.insert((id, name.to_string())) {
@@ -2280,33 +2425,216 @@ impl Shared {
 
     /// The checkpoint to restore `job`'s part on appliance `name` from,
     /// moved onto the part's layout when it was taken on another (the part
-    /// was placed anew since): `None`, logged, when it cannot be read,
-    /// decoded or moved (the part is then installed without it, as when it
-    /// has none).
-    fn checkpoint_for(&self, job: &InstallJob, name: &str, sharded: bool) -> Option<Vec<u8>> {
+    /// was placed anew since): `None` when the part has none (no file, and
+    /// control took none). A file that cannot be read or decoded, is not
+    /// the part's ([`Owner::check`]: another job's, another admission's,
+    /// another part's), or cannot be moved, is refused, and so is a
+    /// missing file control took a checkpoint into: the part must then be
+    /// held, not installed without it.
+    fn checkpoint_for(&self, job: &InstallJob, name: &str, sharded: bool) -> Result<Option<Restore>, Held> {
         let path = checkpoint_path(&self.state_path, job.id, name, sharded);
-        let unusable = |e: &dyn std::fmt::Display| {
-            log::error!(
-                "job {} on appliance {name:?}: cannot restore its checkpoint {}: {e}; installing it without",
-                job.id,
-                path.display()
-            );
+        let unusable = |why: String| Held {
+            file: path.clone(),
+            why,
         };
-        let bytes = std::fs::read(&path).map_err(|e| unusable(&e)).ok()?;
-        let ckpt = Checkpoint::decode(&bytes).map_err(|e| unusable(&e)).ok()?;
+        // The stored job is cloned so that the file is read unlocked.
+        let (stored, recorded) = {
+            let inner = self.lock();
+            let Some(stored) = inner.jobs.get(&job.id).cloned() else {
+                return Ok(None);
+            };
+            let recorded = inner.checkpoints.taken.get(&(job.id, name.to_string())).cloned();
+            (stored, recorded)
+        };
+        let Some(part) = part_of(&stored, name) else {
+            return Ok(None);
+        };
+        let found = ckpt_file::read(&path, &owner(&stored, name, &part)).map_err(unusable)?;
+        let Some((bytes, ckpt)) = found else {
+            return match recorded {
+                None => Ok(None),
+                Some(c) => Err(unusable(format!(
+                    "the file is gone (control took it: {}, {} bytes)",
+                    rounds_text(c.round_range),
+                    c.bytes
+                ))),
+            };
+        };
+        let round_range = ckpt.round_range();
         if ckpt.job.layout == job.layout {
-            return Some(bytes);
+            return Ok(Some(Restore { bytes, round_range }));
         }
         let moved = ckpt
             .relayout(job.layout.clone())
             .and_then(|c| c.encode())
-            .map_err(|e| unusable(&e))
-            .ok()?;
+            .map_err(|e| unusable(format!("it cannot be moved onto the part's layout: {e}")))?;
         log::info!(
             "job {} on appliance {name:?}: its checkpoint is moved onto its new layout, chunk by chunk",
             job.id
         );
-        Some(moved)
+        Ok(Some(Restore {
+            bytes: moved,
+            round_range,
+        }))
+    }
+
+    /// Holds job `id`'s part on appliance `name` for `h`: it is not
+    /// installed, its checkpoint is no longer listed, and the job says why
+    /// (logged once per reason).
+    fn hold(&self, id: u16, name: &str, h: Held) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get(&id) else {
+            return;
+        };
+        let job_name = job.spec.name.clone();
+        let key = (id, name.to_string());
+        inner.checkpoints.taken.remove(&key);
+        if inner.checkpoints.held.get(&key) != Some(&h) {
+            log::error!(
+                "job {id} ({job_name:?}) held: part on appliance {name:?}: checkpoint {} unusable: {}; the part \
+                 is not installed and the file is not written over: repair or restore it, then `phubctl job \
+                 retry {id}` (or `--discard-checkpoint` to set it aside and start the part over)",
+                h.file.display(),
+                h.why
+            );
+            inner.checkpoints.held.insert(key, h);
+        }
+    }
+
+    /// `POST /v1/jobs/{id}/retry`: each held part of job `id` is tried
+    /// again. Its checkpoint file is read again and, if it is usable now,
+    /// becomes the part's checkpoint and the part is restored from it at
+    /// once (as reconciliation would: fitted to the appliance, the
+    /// checkpoint moved onto the part's layout); if not, the job stays
+    /// held and the error says why. With `discard`, the file is renamed
+    /// aside instead and the part starts over without it. A part its
+    /// appliance still has installed keeps its state there.
+    fn retry(&self, id: u16, discard: bool) -> Result<RetryResponse, RequestError> {
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
+        let (job, held_parts) = {
+            let inner = self.lock();
+            let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+            if let Some(why) = &job.failed {
+                return Err(failed(id, why));
+            }
+            let held_parts: Vec<(String, Held)> = job
+                .parts
+                .iter()
+                .filter_map(|p| {
+                    let h = inner.checkpoints.held.get(&(id, p.appliance.clone()))?;
+                    Some((p.appliance.clone(), h.clone()))
+                })
+                .collect();
+            if held_parts.is_empty() {
+                return Err(RequestError::Conflict(format!(
+                    "job {id} is not held: nothing to retry (see phubctl job show {id})"
+                )));
+            }
+            (job.clone(), held_parts)
+        };
+        let mut files = Vec::new();
+        for (name, h) in &held_parts {
+            let key = (id, name.clone());
+            let checkpoint = if discard {
+                let aside = state::sibling(&h.file, &format!(".discarded-{}", unix_ms()));
+                let moved_to = match std::fs::rename(&h.file, &aside) {
+                    Ok(()) => Some(aside.display().to_string()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                    Err(e) => {
+                        return Err(RequestError::State(format!(
+                            "job {id}: cannot set the checkpoint {} aside as {}: {e}; the job stays held",
+                            h.file.display(),
+                            aside.display()
+                        )))
+                    }
+                };
+                let mut inner = self.lock();
+                inner.checkpoints.held.remove(&key);
+                inner.checkpoints.taken.remove(&key);
+                log::warn!(
+                    "job {id}: the operator gave up the checkpoint {} of its part on appliance {name:?} ({}): \
+                     the part starts over without it",
+                    h.file.display(),
+                    moved_to.as_deref().unwrap_or("the file was gone")
+                );
+                RetriedCheckpoint::SetAside { moved_to }
+            } else {
+                let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+                let usable = match ckpt_file::read(&h.file, &owner(&job, name, &part)) {
+                    Ok(Some(found)) => Ok(found),
+                    Ok(None) => {
+                        Err("the file is gone (restore it, or retry with --discard-checkpoint)".into())
+                    }
+                    Err(why) => Err(why),
+                };
+                let (bytes, ckpt) = match usable {
+                    Ok(found) => found,
+                    Err(why) => {
+                        let h = Held {
+                            file: h.file.clone(),
+                            why,
+                        };
+                        let text = held_text(name, &h);
+                        self.hold(id, name, h);
+                        return Err(held(id, &text));
+                    }
+                };
+                let info = CheckpointInfo {
+                    id,
+                    round_range: ckpt.round_range(),
+                    bytes: bytes.len() as u64,
+                    taken_unix_ms: modified_ms(&h.file),
+                    file: h.file.display().to_string(),
+                };
+                let mut inner = self.lock();
+                inner.checkpoints.held.remove(&key);
+                inner.checkpoints.taken.insert(key, info);
+                log::info!(
+                    "job {id}: the checkpoint {} of its part on appliance {name:?} is usable again ({})",
+                    h.file.display(),
+                    rounds_text(ckpt.round_range())
+                );
+                RetriedCheckpoint::Usable {
+                    round_range: ckpt.round_range(),
+                }
+            };
+            files.push((name.clone(), h.file.display().to_string(), checkpoint));
+        }
+        // Each part is installed now, as reconciliation would install it.
+        let mut parts = Vec::new();
+        for (name, file, checkpoint) in files {
+            let client = self.lock().client(&name)?;
+            let has = |c: &Client| c.jobs().map(|j| j.iter().any(|j| j.id == id));
+            let install = match has(&client) {
+                Ok(true) => RetriedInstall::StillInstalled,
+                Ok(false) => {
+                    self.reconcile_one(&name, &client, &mut ReconcileLog::default());
+                    if let Some(h) = self.lock().checkpoints.held.get(&(id, name.clone())) {
+                        return Err(held(id, &held_text(&name, h)));
+                    }
+                    match has(&client) {
+                        Ok(true) => RetriedInstall::Installed,
+                        Ok(false) => RetriedInstall::Pending {
+                            why: format!(
+                                "appliance {name:?} did not install it (see phub-control's log); reconciliation \
+                                 retries every {:?}",
+                                self.interval
+                            ),
+                        },
+                        Err(e) => RetriedInstall::Pending { why: e.to_string() },
+                    }
+                }
+                Err(e) => RetriedInstall::Pending { why: e.to_string() },
+            };
+            parts.push(RetriedPart {
+                appliance: name,
+                file,
+                checkpoint,
+                install,
+            });
+        }
+        Ok(RetryResponse { id, parts })
     }
 
     /// `GET /v1/appliances`: every appliance, asked for its description now.
@@ -2383,10 +2711,12 @@ impl Shared {
                      it once it answers)"
                 )))
             }
-            Err(e) => return Err(RequestError::BadRequest(format!(
+            Err(e) => {
+                return Err(RequestError::BadRequest(format!(
                 "appliance {:?}: {} does not answer as a phub dataplane's management API ({e}). Not added",
                 a.name, a.url
-            ))),
+            )))
+            }
         };
         if let Some(info) = &info {
             if let Err(e) = client.check_token() {
@@ -2557,13 +2887,73 @@ fn checkpoint_path(state: &std::path::Path, id: u16, name: &str, sharded: bool) 
     }
 }
 
+/// Held while a checkpoint file is written or set aside (`job checkpoint`,
+/// periodic checkpoints, `job retry`), so that two writers never race on
+/// one file, its temporary or its `.prev`. Taken after `Shared::ops` when
+/// both are.
+static CHECKPOINT_FILES: Mutex<()> = Mutex::new(());
+
+/// A checkpoint to restore a part from, on the part's layout.
+#[derive(Debug)]
+struct Restore {
+    /// The file's bytes (moved onto the part's layout if need be).
+    bytes: Vec<u8>,
+    /// Its lowest and highest completed round.
+    round_range: Option<(u32, u32)>,
+}
+
+/// What a checkpoint of job `job`'s part on appliance `name` must describe;
+/// `part` is that part's layout ([`part_of`]).
+fn owner<'a>(job: &'a StoredJob, name: &'a str, part: &'a Layout) -> Owner<'a> {
+    let rack = led_rack(job, name).and_then(|i| u16::try_from(i).ok());
+    let shape = match (rack_of(job, name), rack) {
+        (Some(layout), Some(rack)) => PartShape::Rack { rack, layout },
+        _ => PartShape::Flat(part),
+    };
+    Owner {
+        id: job.id,
+        token: job.token,
+        spec: &job.spec,
+        appliance: name,
+        part: shape,
+    }
+}
+
+/// "part on appliance "b": checkpoint FILE unusable: WHY".
+fn held_text(name: &str, h: &Held) -> String {
+    format!(
+        "part on appliance {name:?}: checkpoint {} unusable: {}",
+        h.file.display(),
+        h.why
+    )
+}
+
+/// "rounds 3..=5", "round 3", "no completed round".
+fn rounds_text(r: Option<(u32, u32)>) -> String {
+    match r {
+        None => "no completed round".into(),
+        Some((a, b)) if a == b => format!("round {a}"),
+        Some((a, b)) => format!("rounds {a}..={b}"),
+    }
+}
+
+/// When `path` was last written, in milliseconds since the Unix epoch (0
+/// if that cannot be told).
+fn modified_ms(path: &std::path::Path) -> u64 {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// A job's last checkpoint over all its parts: rounds spanned, bytes
 /// added up, the oldest part's time, the files listed (", "); `None`
 /// until every part has one.
 fn combined_checkpoint(inner: &Inner, job: &StoredJob) -> Option<CheckpointInfo> {
     let mut all: Option<CheckpointInfo> = None;
     for p in &job.parts {
-        let c = inner.checkpoints.get(&(job.id, p.appliance.clone()))?;
+        let c = inner.checkpoints.taken.get(&(job.id, p.appliance.clone()))?;
         all = Some(match all {
             None => c.clone(),
             Some(a) => CheckpointInfo {
@@ -2588,36 +2978,40 @@ fn unix_ms() -> u64 {
 }
 
 /// The checkpoints found beside the state file for the admitted jobs'
-/// parts.
-fn load_checkpoints(
-    state: &std::path::Path,
-    jobs: &BTreeMap<u16, StoredJob>,
-) -> BTreeMap<(u16, String), CheckpointInfo> {
-    let mut out = BTreeMap::new();
+/// parts: those usable, and the parts held for a file that is there but
+/// unusable ([`ckpt_file::read`]), so that a part held before a restart is
+/// held after it.
+fn load_checkpoints(state: &std::path::Path, jobs: &BTreeMap<u16, StoredJob>) -> Checkpoints {
+    let mut out = Checkpoints::default();
     for job in jobs.values() {
         let id = job.id;
-        for p in &job.parts {
-            let path = checkpoint_path(state, id, &p.appliance, job.parts.len() > 1);
-            let Ok(bytes) = std::fs::read(&path) else { continue };
-            match Checkpoint::decode(&bytes) {
-                Ok(c) => {
-                    let taken = std::fs::metadata(&path)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-                    out.insert(
-                        (id, p.appliance.clone()),
+        for (name, part) in parts(job) {
+            let path = checkpoint_path(state, id, name, job.parts.len() > 1);
+            let key = (id, name.to_string());
+            match ckpt_file::read(&path, &owner(job, name, &part)) {
+                Ok(None) => {}
+                Ok(Some((bytes, c))) => {
+                    out.taken.insert(
+                        key,
                         CheckpointInfo {
                             id,
                             round_range: c.round_range(),
                             bytes: bytes.len() as u64,
-                            taken_unix_ms: taken,
+                            taken_unix_ms: modified_ms(&path),
                             file: path.display().to_string(),
                         },
                     );
                 }
-                Err(e) => log::error!("ignoring the checkpoint {} of job {id}: {e}", path.display()),
+                Err(why) => {
+                    let h = Held { file: path, why };
+                    log::error!(
+                        "job {id} ({:?}) held: {}; the part is not installed and the file is not written \
+                         over: repair or restore it, then `phubctl job retry {id}` (or `--discard-checkpoint`)",
+                        job.spec.name,
+                        held_text(name, &h)
+                    );
+                    out.held.insert(key, h);
+                }
             }
         }
     }
