@@ -1,0 +1,237 @@
+//! The simulated network: every datagram between two nodes crosses one
+//! link, which delays it (a base delay per link plus jitter), loses it,
+//! duplicates it or holds it back behind later ones, each drawn from one
+//! seeded generator, so a run is a function of its seed.
+//!
+//! Invariants: a datagram sent is delivered zero, one or two times, never
+//! before `now + 1` µs; what is delivered at one instant goes in the order
+//! it was queued; the counts add up (`sent = lost + delivered - duplicated`
+//! once the queue is empty).
+
+use std::cmp::Reverse;
+use std::collections::{BTreeMap, BinaryHeap};
+use std::net::SocketAddr;
+
+use rand::{Rng, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+
+/// A node on the network.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Node {
+    /// A worker, by rank.
+    Worker(u16),
+    /// An lcore of an appliance: (appliance, lcore on it).
+    Lcore(u16, u16),
+}
+
+impl Node {
+    /// The node's address (what the worker transport and the engine see).
+    pub fn addr(self) -> SocketAddr {
+        let [hi, lo] = match self {
+            Node::Worker(r) => r.to_be_bytes(),
+            Node::Lcore(_, l) => l.to_be_bytes(),
+        };
+        match self {
+            Node::Worker(_) => SocketAddr::from(([10, 0, hi, lo], 5000)),
+            Node::Lcore(a, _) => SocketAddr::from(([10, 1, hi, lo], 9000 + a)),
+        }
+    }
+
+    /// The node at `addr`, if it is one of a simulated network's.
+    pub fn of(addr: SocketAddr) -> Option<Node> {
+        let SocketAddr::V4(v4) = addr else { return None };
+        let [net, kind, hi, lo] = v4.ip().octets();
+        let n = u16::from_be_bytes([hi, lo]);
+        match (net, kind, v4.port()) {
+            (10, 0, 5000) => Some(Node::Worker(n)),
+            (10, 1, p) if p >= 9000 => Some(Node::Lcore(p - 9000, n)),
+            _ => None,
+        }
+    }
+}
+
+/// The fault rates of a run, per datagram on every link.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Faults {
+    /// Probability a datagram is lost.
+    pub loss: f64,
+    /// Probability it is delivered twice (the copy with its own delay).
+    pub dup: f64,
+    /// Probability it is held back by up to ten times its link's delay
+    /// (behind later ones).
+    pub reorder: f64,
+    /// A link's base delay is drawn from this range, µs.
+    pub delay_us: (u64, u64),
+    /// Extra delay drawn per datagram up to this, µs (reorders too).
+    pub jitter_us: u64,
+}
+
+impl Faults {
+    /// No faults: 10 µs links, no jitter.
+    pub const NONE: Faults = Faults {
+        loss: 0.0,
+        dup: 0.0,
+        reorder: 0.0,
+        delay_us: (10, 10),
+        jitter_us: 0,
+    };
+}
+
+/// A datagram on its way.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct InFlight {
+    /// When it arrives, µs of virtual time.
+    pub at: u64,
+    /// Queue order (ties at one instant go in send order).
+    pub seq: u64,
+    /// Sender.
+    pub from: Node,
+    /// Receiver.
+    pub to: Node,
+    /// The datagram.
+    pub bytes: Vec<u8>,
+}
+
+/// What the network did, counted.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NetStats {
+    /// Datagrams sent.
+    pub sent: u64,
+    /// Lost.
+    pub lost: u64,
+    /// Delivered twice.
+    pub duplicated: u64,
+    /// Held back behind later ones.
+    pub reordered: u64,
+    /// Delivered (copies included).
+    pub delivered: u64,
+}
+
+/// The network.
+#[derive(Debug)]
+pub struct Net {
+    rng: ChaCha8Rng,
+    faults: Faults,
+    /// Base delay per (from, to) link, drawn at first use.
+    links: BTreeMap<(Node, Node), u64>,
+    queue: BinaryHeap<Reverse<InFlight>>,
+    seq: u64,
+    /// Counts.
+    pub stats: NetStats,
+}
+
+impl Net {
+    /// A network with `faults`, its draws seeded by `seed`.
+    pub fn new(seed: u64, faults: Faults) -> Net {
+        Net {
+            rng: ChaCha8Rng::seed_from_u64(seed),
+            faults,
+            links: BTreeMap::new(),
+            queue: BinaryHeap::new(),
+            seq: 0,
+            stats: NetStats::default(),
+        }
+    }
+
+    /// Sends `bytes` from `from` to `to` at `now`.
+    pub fn send(&mut self, now: u64, from: Node, to: Node, bytes: Vec<u8>) {
+        self.stats.sent += 1;
+        let f = self.faults;
+        let rng = &mut self.rng;
+        let base = *self
+            .links
+            .entry((from, to))
+            .or_insert_with(|| rng.gen_range(f.delay_us.0..=f.delay_us.1.max(f.delay_us.0)));
+        if self.rng.gen_bool(f.loss) {
+            self.stats.lost += 1;
+            return;
+        }
+        let copies = if self.rng.gen_bool(f.dup) {
+            self.stats.duplicated += 1;
+            2
+        } else {
+            1
+        };
+        for _ in 0..copies {
+            let mut delay = base + self.rng.gen_range(0..=f.jitter_us);
+            if self.rng.gen_bool(f.reorder) {
+                self.stats.reordered += 1;
+                delay += self.rng.gen_range(0..=10 * base);
+            }
+            self.seq += 1;
+            self.queue.push(Reverse(InFlight {
+                at: now + delay.max(1),
+                seq: self.seq,
+                from,
+                to,
+                bytes: bytes.clone(),
+            }));
+        }
+    }
+
+    /// When the next datagram arrives.
+    pub fn next_at(&self) -> Option<u64> {
+        self.queue.peek().map(|Reverse(d)| d.at)
+    }
+
+    /// The next datagram due at or before `now`.
+    pub fn pop_due(&mut self, now: u64) -> Option<InFlight> {
+        if self.next_at()? > now {
+            return None;
+        }
+        let Reverse(d) = self.queue.pop()?;
+        self.stats.delivered += 1;
+        Some(d)
+    }
+
+    /// Datagrams still on their way.
+    pub fn in_flight(&self) -> usize {
+        self.queue.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_map_back_to_their_nodes() {
+        for n in [
+            Node::Worker(0),
+            Node::Worker(300),
+            Node::Lcore(0, 2),
+            Node::Lcore(1, 257),
+        ] {
+            assert_eq!(Node::of(n.addr()), Some(n), "{n:?} at {}", n.addr());
+        }
+    }
+
+    #[test]
+    fn counts_add_up_and_nothing_arrives_early() {
+        let faults = Faults {
+            loss: 0.2,
+            dup: 0.2,
+            reorder: 0.2,
+            delay_us: (5, 50),
+            jitter_us: 20,
+        };
+        let mut net = Net::new(3, faults);
+        for i in 0..1000u64 {
+            net.send(
+                i,
+                Node::Worker(1),
+                Node::Lcore(0, 0),
+                vec![u8::try_from(i % 256).unwrap()],
+            );
+        }
+        let mut got = 0;
+        while let Some(d) = net.pop_due(u64::MAX) {
+            assert!(d.at > 0);
+            got += 1;
+        }
+        let s = net.stats;
+        assert_eq!(got, s.delivered);
+        assert_eq!(s.sent, s.lost + s.delivered - s.duplicated);
+        assert!(s.lost > 100 && s.duplicated > 100 && s.reordered > 100, "{s:?}");
+    }
+}
