@@ -130,3 +130,42 @@ pub fn optimizers() -> Vec<Optimizer> {
         },
     ]
 }
+
+/// Bounded delay τ = 0 with SGD (no weight decay): per key, per clock
+/// 0..=rounds, the values after every rank's pushes of clocks up to it,
+/// as BSP `sum` then `w -= lr * sum` computes them clock by clock
+/// (exact when `lr` is a power of two: every value is dyadic).
+pub fn sum_then_sgd(
+    dtype: Dtype,
+    lr: f32,
+    workers: u16,
+    init: &[Vec<f32>],
+    rounds: u32,
+) -> Vec<Vec<Vec<f32>>> {
+    init.iter()
+        .enumerate()
+        .map(|(k, init)| {
+            // Cast: keys are numbered by u32 on the wire.
+            #[allow(clippy::cast_possible_truncation)]
+            let key = k as u32;
+            let mut w = through_wire(dtype, init);
+            let mut out = vec![through_wire(dtype, &w)];
+            for c in 1..=rounds {
+                let mut sum = vec![0f32; w.len()];
+                for rank in 0..workers {
+                    for (s, g) in sum
+                        .iter_mut()
+                        .zip(through_wire(dtype, &grads(rank, key, w.len(), c)))
+                    {
+                        *s += g;
+                    }
+                }
+                for (x, s) in w.iter_mut().zip(&sum) {
+                    *x -= lr * s;
+                }
+                out.push(through_wire(dtype, &w));
+            }
+            out
+        })
+        .collect()
+}

@@ -1,16 +1,226 @@
-//! The simulator's seeds: each draws a job (workers, lcores, keys, dtype,
-//! optimizer, window, faults) and runs it through real worker transports
-//! and real engine shards over the simulated network, checking every
-//! invariant after every step (see the crate's doc).
+//! The simulator's cases: real worker transports and real engine shards
+//! over the simulated network, every invariant checked after every step
+//! (see the crate's doc).
 //!
-//! `PHUB_SIM_SEEDS=N` runs N seeds per test; `PHUB_SIM_SEED=N` replays one.
+//! `PHUB_SIM_SEEDS=N` runs N seeds in `random_jobs`; `PHUB_SIM_SEED=N`
+//! replays one seed (in every test: each draws its case from it).
 
-use phub_sim::{for_seeds, run, Case};
+use phub_proto::spec::{Consistency, Optimizer};
+use phub_proto::Dtype;
+use phub_sim::net::Faults;
+use phub_sim::reference::optimizers;
+use phub_sim::{for_seeds, run, Case, Outcome};
 
-/// Random BSP jobs, most over a faulty network.
+/// Seeds `random_jobs` runs by default: about 8 s in the test profile on
+/// the 2-core development VM (measured: see the README's test section).
+const SEEDS: u64 = 1000;
+
+/// Random jobs, one per seed: BSP, async or bounded delay (τ 0-3), every
+/// dtype and optimizer, 1-8 ranks, one or two appliances of 1-3 lcores,
+/// 1-4 keys, windows of 1-32 chunks, most over a faulty network.
 #[test]
-fn bsp_random_jobs() {
-    for_seeds(0, 300, "seeds", |seed| {
+fn random_jobs() {
+    for_seeds(0, SEEDS, "seeds", |seed| {
         run(&Case::draw(seed));
+    });
+}
+
+/// Faults that every fixed case below must see happen.
+fn lossy() -> Faults {
+    Faults {
+        loss: 0.1,
+        dup: 0.05,
+        reorder: 0.05,
+        delay_us: (20, 300),
+        jitter_us: 150,
+    }
+}
+
+fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype) -> Case {
+    Case {
+        seed,
+        workers: 5,
+        appliances: 2,
+        lcores: 2,
+        keys: vec![1, 700, 33, 256],
+        dtype,
+        chunk_bytes: 128,
+        optimizer,
+        consistency,
+        rounds: 6,
+        window: 8,
+        faults: lossy(),
+        compute_us: 500,
+    }
+}
+
+/// Every fault happened and was recovered from.
+fn assert_faults_happened(c: &Case, o: &Outcome) {
+    assert!(o.net.lost > 0, "{c:?}: no datagram was lost");
+    assert!(o.net.duplicated > 0, "{c:?}: no datagram was duplicated");
+    assert!(o.retransmits > 0, "{c:?}: nothing was sent again");
+    assert!(o.dropped > 0, "{c:?}: no duplicate was ever dropped");
+    if c.consistency == Consistency::Sync {
+        assert!(o.results_resent > 0, "{c:?}: no result was ever re-obtained");
+    } else {
+        assert!(o.duplicates_answered > 0, "{c:?}: no duplicate was ever answered");
+    }
+}
+
+/// Every optimizer in every dtype and every consistency mode, sharded
+/// over two appliances, through loss, duplication and reordering (what
+/// tests/simulation.rs's first case was for BSP, now with the real
+/// worker transport and all three modes).
+#[test]
+fn every_optimizer_dtype_and_mode_over_two_appliances() {
+    let modes = [
+        Consistency::Sync,
+        Consistency::Async,
+        Consistency::Bounded { delay: 1 },
+    ];
+    for_seeds(1, 1, "seeds", |base| {
+        let mut i = 0;
+        for consistency in modes {
+            for optimizer in optimizers() {
+                if consistency != Consistency::Sync && optimizer == Optimizer::Mean {
+                    continue;
+                }
+                for dtype in Dtype::ALL {
+                    let c = case(base * 1000 + i, consistency, optimizer, dtype);
+                    let o = run(&c);
+                    assert_faults_happened(&c, &o);
+                    i += 1;
+                }
+            }
+        }
+    });
+}
+
+/// 64 ranks through 20% loss, every optimizer (BSP).
+#[test]
+fn sixty_four_workers_with_heavy_loss() {
+    for_seeds(100, 1, "seeds", |base| {
+        for (i, optimizer) in optimizers().into_iter().enumerate() {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 64,
+                appliances: 1,
+                lcores: 4,
+                keys: vec![300, 5],
+                dtype: Dtype::F32,
+                chunk_bytes: 256,
+                optimizer,
+                consistency: Consistency::Sync,
+                rounds: 4,
+                window: 4,
+                faults: Faults {
+                    loss: 0.2,
+                    dup: 0.1,
+                    reorder: 0.05,
+                    delay_us: (20, 300),
+                    jitter_us: 300,
+                },
+                compute_us: 200,
+            };
+            assert_faults_happened(&c, &run(&c));
+        }
+    });
+}
+
+/// One rank without faults (nothing dropped, nothing sent again), and
+/// rank counts in between.
+#[test]
+fn one_worker_no_faults_and_worker_counts_in_between() {
+    for_seeds(200, 1, "seeds", |base| {
+        for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
+            let clean = workers == 1;
+            let c = Case {
+                seed: base + i as u64,
+                workers,
+                appliances: 1,
+                lcores: 2,
+                keys: vec![1000, 1],
+                dtype: Dtype::ALL[i % 3],
+                chunk_bytes: 512,
+                optimizer: optimizers()[i % 7],
+                consistency: Consistency::Sync,
+                rounds: 5,
+                window: 16,
+                faults: if clean { Faults::NONE } else { lossy() },
+                compute_us: 100,
+            };
+            let o = run(&c);
+            if clean {
+                assert_eq!((o.net.lost, o.dropped, o.retransmits), (0, 0, 0), "{o:?}");
+            }
+        }
+    });
+}
+
+/// Bounded delay: 16 ranks of unequal speed (rank 0 three times slower)
+/// over many clocks: answers are held (checked on every RESULT: none
+/// leaves a rank more than τ clocks past the slowest), the largest lead
+/// seen is τ + 1 at most and is reached.
+#[test]
+fn bounded_delay_holds_answers_within_tau() {
+    for_seeds(300, 1, "seeds", |base| {
+        for (i, (tau, optimizer, dtype)) in [
+            (1, Optimizer::Sum, Dtype::F32),
+            (2, Optimizer::Sum, Dtype::F16),
+            (3, optimizers()[5], Dtype::Bf16),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 16,
+                appliances: 1,
+                lcores: 3,
+                keys: vec![48 * 32],
+                dtype,
+                chunk_bytes: 32 * dtype.size() as u32,
+                optimizer,
+                consistency: Consistency::Bounded { delay: tau },
+                rounds: 40,
+                window: 64,
+                faults: lossy(),
+                compute_us: 300,
+            };
+            let o = run(&c);
+            eprintln!("τ = {tau}: {o:?}");
+            assert_faults_happened(&c, &o);
+            assert!(o.held > 0, "τ = {tau}: no answer was ever held");
+            assert_eq!(o.max_lead, tau + 1, "τ = {tau}: the largest lead");
+        }
+    });
+}
+
+/// τ = 0 with SGD is BSP: every answer (but a duplicate's) is the sum of
+/// the clock's gradients followed by `w -= lr * sum`, bit for bit.
+#[test]
+fn tau_zero_sgd_is_bsp_sum_then_sgd() {
+    for_seeds(400, 1, "seeds", |base| {
+        for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 8,
+                appliances: 2,
+                lcores: 2,
+                keys: vec![16 * 32, 7],
+                dtype,
+                chunk_bytes: 32 * dtype.size() as u32,
+                optimizer: Optimizer::Sgd {
+                    lr: 0.25,
+                    weight_decay: 0.0,
+                },
+                consistency: Consistency::Bounded { delay: 0 },
+                rounds: 20,
+                window: 16,
+                faults: lossy(),
+                compute_us: 300,
+            };
+            assert_faults_happened(&c, &run(&c));
+        }
     });
 }
