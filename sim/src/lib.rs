@@ -860,6 +860,35 @@ impl<'c> World<'c> {
         }
     }
 
+    /// BSP, at the end: every chunk's stored result is the reference's
+    /// last round.
+    fn check_stored(&self) {
+        if self.case.consistency != Consistency::Sync {
+            return;
+        }
+        for (k, rounds) in self.expect.iter().enumerate() {
+            for c in self.chunks(k) {
+                let l = usize::from(c.lcore);
+                let Some((round, bytes)) = self.lcores[l].shard.result(JOB, c.slot) else {
+                    panic!("key {k} chunk {}: no stored result at the end", c.chunk);
+                };
+                assert_eq!(
+                    round, self.case.rounds,
+                    "key {k} chunk {}: the stored round",
+                    c.chunk
+                );
+                let mut v = vec![0f32; c.len as usize];
+                decode(self.case.dtype, bytes, &mut v);
+                let want = &rounds[self.case.rounds as usize][c.offset..c.offset + v.len()];
+                assert!(
+                    v.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "key {k} chunk {}: the engine's stored result at the end is not the reference's",
+                    c.chunk
+                );
+            }
+        }
+    }
+
     fn finish(self) -> Outcome {
         let mut o = Outcome {
             net: self.net.stats,
@@ -886,6 +915,7 @@ impl<'c> World<'c> {
             1
         };
         self.check_models();
+        self.check_stored();
         // Round 0 is one INIT per rank (rank 0's values, the others' empty).
         assert_eq!(
             self.applied.len(),
