@@ -60,7 +60,7 @@ use phub_worker::WorkerConfig;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
-use net::{Faults, Net, Node};
+use net::{Faults, Net, Node, Spell};
 
 /// The job id every case installs.
 pub const JOB: u16 = 7;
@@ -97,6 +97,10 @@ pub struct Case {
     pub window: usize,
     /// The network's faults.
     pub faults: Faults,
+    /// A node cut off for a while (everything to or from it lost).
+    pub partition: Option<Spell>,
+    /// A node clogged for a while (everything to or from it held).
+    pub clog: Option<Spell>,
     /// A rank computes for up to this long between rounds, µs (rank 0
     /// three times as long: the slow rank of async and bounded delay).
     pub compute_us: u64,
@@ -119,11 +123,31 @@ impl Case {
             .filter(|o| consistency == Consistency::Sync || *o != Optimizer::Mean)
             .collect();
         let lossy = rng.gen_bool(0.8);
+        let workers = rng.gen_range(1..=8);
+        let appliances = rng.gen_range(1..=2);
+        let lcores = rng.gen_range(1..=3);
+        let spell = |rng: &mut ChaCha8Rng| {
+            rng.gen_bool(0.25).then(|| {
+                let node = if rng.gen_bool(0.5) {
+                    Node::Worker(rng.gen_range(0..workers))
+                } else {
+                    Node::Lcore(rng.gen_range(0..appliances), rng.gen_range(0..lcores))
+                };
+                let from_us = rng.gen_range(0..20_000);
+                Spell {
+                    node,
+                    from_us,
+                    until_us: from_us + rng.gen_range(1_000..200_000),
+                }
+            })
+        };
+        let partition = spell(&mut rng);
+        let clog = spell(&mut rng);
         Case {
             seed,
-            workers: rng.gen_range(1..=8),
-            appliances: rng.gen_range(1..=2),
-            lcores: rng.gen_range(1..=3),
+            workers,
+            appliances,
+            lcores,
             keys: (0..rng.gen_range(1..=4))
                 .map(|_| rng.gen_range(1..=300))
                 .collect(),
@@ -145,6 +169,8 @@ impl Case {
                 Faults::NONE
             },
             compute_us: rng.gen_range(0..2000),
+            partition,
+            clog,
         }
     }
 }
@@ -237,6 +263,8 @@ struct World<'c> {
     last_verdict: Option<Verdict>,
     /// Counts for the [`Outcome`].
     outcome: Outcome,
+    /// `PHUB_SIM_TRACE` is set: every delivery is printed.
+    trace: bool,
     base: Instant,
     now: u64,
 }
@@ -357,10 +385,9 @@ impl<'c> World<'c> {
         let tau0 =
             sum_then_sgd.map(|lr| reference::sum_then_sgd(case.dtype, lr, case.workers, &init, case.rounds));
         let base = Instant::now();
-        let config = WorkerConfig {
-            timeout: Duration::from_secs(10),
-            ..WorkerConfig::default()
-        };
+        // The worker's defaults: a request fails after 30 s without any
+        // result (virtual time costs nothing).
+        let config = WorkerConfig::default();
         let ranks = (0..case.workers)
             .map(|rank| Rank {
                 t: SimTransport::new(JOB, TOKEN, rank, case.dtype, true, case.window, &config, base),
@@ -377,7 +404,12 @@ impl<'c> World<'c> {
             placement,
             lcores,
             ranks,
-            net: Net::new(case.seed ^ 0xfa17, case.faults),
+            net: {
+                let mut net = Net::new(case.seed ^ 0xfa17, case.faults);
+                net.partitions.extend(case.partition);
+                net.clogs.extend(case.clog);
+                net
+            },
             rng,
             init,
             expect,
@@ -388,6 +420,7 @@ impl<'c> World<'c> {
             tau0,
             last_verdict: None,
             outcome: Outcome::default(),
+            trace: std::env::var_os("PHUB_SIM_TRACE").is_some(),
             base,
             now: 0,
         }
@@ -499,6 +532,15 @@ impl<'c> World<'c> {
     /// sends.
     fn step(&mut self) {
         while let Some(d) = self.net.pop_due(self.now) {
+            if self.trace {
+                eprintln!(
+                    "{:>10} µs {:?} -> {:?}: {}",
+                    self.now,
+                    d.from,
+                    d.to,
+                    describe(&d.bytes)
+                );
+            }
             match d.to {
                 Node::Lcore(_, _) => self.deliver_to_lcore(d.from, d.to, &d.bytes),
                 Node::Worker(r) => self.deliver_to_worker(usize::from(r), &d.bytes),
@@ -927,6 +969,17 @@ impl<'c> World<'c> {
             assert!(!r.t.busy(), "a finished rank has requests in flight");
         }
         o
+    }
+}
+
+/// A datagram's header in a line, for `PHUB_SIM_TRACE`.
+fn describe(bytes: &[u8]) -> String {
+    match wire::parse(bytes) {
+        Ok((r, _)) => format!(
+            "{:?} rank {} key {} chunk {} round {} slot {} count {} flags {:#x} error {}",
+            r.kind, r.rank, r.key, r.chunk, r.round, r.slot, r.count, r.flags, r.error
+        ),
+        Err(e) => format!("unparsable ({})", e.name()),
     }
 }
 

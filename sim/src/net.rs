@@ -1,7 +1,10 @@
 //! The simulated network: every datagram between two nodes crosses one
 //! link, which delays it (a base delay per link plus jitter), loses it,
 //! duplicates it or holds it back behind later ones, each drawn from one
-//! seeded generator, so a run is a function of its seed.
+//! seeded generator, so a run is a function of its seed. A node can be
+//! cut off for a while (a partition: everything to or from it is lost)
+//! or clogged (everything to or from it waits until the clog ends, then
+//! arrives, as TigerBeetle's simulator clogs a path).
 //!
 //! Invariants: a datagram sent is delivered zero, one or two times, never
 //! before `now + 1` µs; what is delivered at one instant goes in the order
@@ -77,6 +80,24 @@ impl Faults {
     };
 }
 
+/// A node cut off or clogged from `from_us` until `until_us` (virtual µs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Spell {
+    /// The node.
+    pub node: Node,
+    /// When it starts.
+    pub from_us: u64,
+    /// When it ends.
+    pub until_us: u64,
+}
+
+impl Spell {
+    /// Whether a datagram between `a` and `b` sent at `now` is caught.
+    fn catches(&self, now: u64, a: Node, b: Node) -> bool {
+        (self.node == a || self.node == b) && (self.from_us..self.until_us).contains(&now)
+    }
+}
+
 /// A datagram on its way.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct InFlight {
@@ -103,6 +124,10 @@ pub struct NetStats {
     pub duplicated: u64,
     /// Held back behind later ones.
     pub reordered: u64,
+    /// Lost to a partition.
+    pub partitioned: u64,
+    /// Held until a clog ended.
+    pub clogged: u64,
     /// Delivered (copies included).
     pub delivered: u64,
 }
@@ -116,6 +141,10 @@ pub struct Net {
     links: BTreeMap<(Node, Node), u64>,
     queue: BinaryHeap<Reverse<InFlight>>,
     seq: u64,
+    /// Nodes cut off for a while.
+    pub partitions: Vec<Spell>,
+    /// Nodes clogged for a while.
+    pub clogs: Vec<Spell>,
     /// Counts.
     pub stats: NetStats,
 }
@@ -129,6 +158,8 @@ impl Net {
             links: BTreeMap::new(),
             queue: BinaryHeap::new(),
             seq: 0,
+            partitions: Vec::new(),
+            clogs: Vec::new(),
             stats: NetStats::default(),
         }
     }
@@ -146,6 +177,18 @@ impl Net {
             self.stats.lost += 1;
             return;
         }
+        if self.partitions.iter().any(|p| p.catches(now, from, to)) {
+            self.stats.lost += 1;
+            self.stats.partitioned += 1;
+            return;
+        }
+        // A clogged path lets nothing through before the clog ends.
+        let clogged = self
+            .clogs
+            .iter()
+            .filter(|c| c.catches(now, from, to))
+            .map(|c| c.until_us)
+            .max();
         let copies = if self.rng.gen_bool(f.dup) {
             self.stats.duplicated += 1;
             2
@@ -159,8 +202,13 @@ impl Net {
                 delay += self.rng.gen_range(0..=10 * base);
             }
             self.seq += 1;
+            let mut at = now + delay.max(1);
+            if let Some(until) = clogged {
+                self.stats.clogged += 1;
+                at = at.max(until + delay);
+            }
             self.queue.push(Reverse(InFlight {
-                at: now + delay.max(1),
+                at,
                 seq: self.seq,
                 from,
                 to,
@@ -233,5 +281,28 @@ mod tests {
         assert_eq!(got, s.delivered);
         assert_eq!(s.sent, s.lost + s.delivered - s.duplicated);
         assert!(s.lost > 100 && s.duplicated > 100 && s.reordered > 100, "{s:?}");
+    }
+
+    #[test]
+    fn a_partition_loses_and_a_clog_holds_what_crosses_it() {
+        let mut net = Net::new(1, Faults::NONE);
+        let (w, l) = (Node::Worker(0), Node::Lcore(0, 0));
+        let spell = Spell {
+            node: l,
+            from_us: 100,
+            until_us: 200,
+        };
+        net.partitions.push(spell);
+        net.send(150, w, l, vec![1]);
+        net.send(200, l, w, vec![2]);
+        assert_eq!(net.stats.partitioned, 1);
+        let d = net.pop_due(u64::MAX).unwrap();
+        assert_eq!(d.bytes, vec![2]);
+        net.partitions.clear();
+        net.clogs.push(spell);
+        net.send(150, w, l, vec![3]);
+        assert!(net.pop_due(200).is_none(), "a clog holds until it ends");
+        assert_eq!(net.pop_due(210).unwrap().bytes, vec![3]);
+        assert_eq!(net.stats.clogged, 1);
     }
 }
