@@ -9,7 +9,7 @@ use phub_proto::spec::{Consistency, Optimizer};
 use phub_proto::Dtype;
 use phub_sim::net::{Faults, Node, Spell};
 use phub_sim::reference::optimizers;
-use phub_sim::{for_seeds, run, Case, Outcome};
+use phub_sim::{for_seeds, run, Case, Outcome, Rejoin};
 
 /// Seeds `random_jobs` runs by default: about 3.5 s in the test profile on
 /// the 2-core development VM (6000 took 9.8 s).
@@ -54,6 +54,7 @@ fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype)
         compute_us: 500,
         partition: None,
         clog: None,
+        rejoin: None,
     }
 }
 
@@ -126,6 +127,7 @@ fn sixty_four_workers_with_heavy_loss() {
                 compute_us: 200,
                 partition: None,
                 clog: None,
+                rejoin: None,
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -155,6 +157,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
                 compute_us: 100,
                 partition: None,
                 clog: None,
+                rejoin: None,
             };
             let o = run(&c);
             if clean {
@@ -195,6 +198,7 @@ fn bounded_delay_holds_answers_within_tau() {
                 compute_us: 300,
                 partition: None,
                 clog: None,
+                rejoin: None,
             };
             let o = run(&c);
             eprintln!("τ = {tau}: {o:?}");
@@ -230,6 +234,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
                 compute_us: 300,
                 partition: None,
                 clog: None,
+                rejoin: None,
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -269,6 +274,57 @@ fn partition_and_clog() {
                 o.virtual_us > 305_000,
                 "the job ended before the partition did: {o:?}"
             );
+        }
+    });
+}
+
+/// A rank leaves and rejoins, between rounds and with chunks in flight,
+/// in every mode: its requests in flight fail `Closed`, its new transport
+/// pulls every key (the reference's values, or a RESULT's sent to it, at
+/// the key's round or a chunk one above), and the job ends with the
+/// reference's results; what the old transport had in flight reaches the
+/// new one and is counted as ignored.
+#[test]
+fn a_rank_leaves_and_rejoins() {
+    for_seeds(600, 1, "seeds", |base| {
+        let modes = [
+            Consistency::Sync,
+            Consistency::Async,
+            Consistency::Bounded { delay: 2 },
+        ];
+        for (i, consistency) in modes.into_iter().enumerate() {
+            for (j, mid_round_us) in [None, Some(300)].into_iter().enumerate() {
+                // Rank 0, the slow one, is often the last to push a chunk:
+                // leaving mid-round, it finds its keys at different rounds.
+                // The window holds a whole round (see `Case::draw`).
+                let c = Case {
+                    rejoin: Some(Rejoin {
+                        rank: 0,
+                        round: 3,
+                        mid_round_us,
+                        away_us: 20_000,
+                    }),
+                    window: 32,
+                    ..case(
+                        base + 2 * i as u64 + j as u64,
+                        consistency,
+                        optimizers()[2],
+                        Dtype::Bf16,
+                    )
+                };
+                let o = run(&c);
+                eprintln!("{consistency} {mid_round_us:?}: {o:?}");
+                assert_eq!(o.rejoined, 1, "{o:?}");
+                if mid_round_us.is_some() {
+                    assert!(o.closed > 0, "the rank left with nothing in flight: {o:?}");
+                }
+                if mid_round_us.is_some() && consistency == Consistency::Sync {
+                    assert!(
+                        o.mixed_pulls > 0,
+                        "no pull found chunks at different rounds: {o:?}"
+                    );
+                }
+            }
         }
     });
 }
