@@ -9,7 +9,7 @@ use phub_proto::spec::{Consistency, Optimizer};
 use phub_proto::Dtype;
 use phub_sim::net::{Faults, Node, Spell};
 use phub_sim::reference::optimizers;
-use phub_sim::{for_seeds, run, Case, Outcome, Rejoin};
+use phub_sim::{for_seeds, run, Case, Crash, Outcome, Rejoin};
 
 /// Seeds `random_jobs` runs by default: about 3.5 s in the test profile on
 /// the 2-core development VM (6000 took 9.8 s).
@@ -55,6 +55,7 @@ fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype)
         partition: None,
         clog: None,
         rejoin: None,
+        crash: None,
     }
 }
 
@@ -128,6 +129,7 @@ fn sixty_four_workers_with_heavy_loss() {
                 partition: None,
                 clog: None,
                 rejoin: None,
+                crash: None,
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -158,6 +160,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
                 partition: None,
                 clog: None,
                 rejoin: None,
+                crash: None,
             };
             let o = run(&c);
             if clean {
@@ -199,6 +202,7 @@ fn bounded_delay_holds_answers_within_tau() {
                 partition: None,
                 clog: None,
                 rejoin: None,
+                crash: None,
             };
             let o = run(&c);
             eprintln!("τ = {tau}: {o:?}");
@@ -235,6 +239,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
                 partition: None,
                 clog: None,
                 rejoin: None,
+                crash: None,
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -378,6 +383,93 @@ fn loss_timer_starvation_after_a_rejoin() {
             mid_round_us: Some(26),
             away_us: 23_790,
         }),
+        crash: None,
         compute_us: 1648,
+    });
+}
+
+/// An appliance crashes mid-job (BSP, one appliance and one of two) and is
+/// restored from a checkpoint of its last completed rounds 30 ms later:
+/// what reached it meanwhile is lost, the rounds in progress are pushed
+/// again (each contribution applied once per incarnation of an lcore),
+/// and every result is still the reference's.
+#[test]
+fn an_appliance_crashes_and_is_restored_from_its_checkpoint() {
+    for_seeds(700, 1, "seeds", |base| {
+        for (i, appliances) in [1u16, 2].into_iter().enumerate() {
+            for (j, optimizer) in [optimizers()[0], optimizers()[5]].into_iter().enumerate() {
+                let c = Case {
+                    appliances,
+                    crash: Some(Crash {
+                        appliance: appliances - 1,
+                        checkpoint_us: 20_000,
+                        at_us: 20_000,
+                        down_us: 30_000,
+                    }),
+                    ..case(
+                        base + 2 * i as u64 + j as u64,
+                        Consistency::Sync,
+                        optimizer,
+                        Dtype::F16,
+                    )
+                };
+                let o = run(&c);
+                eprintln!("{appliances} appliances, {}: {o:?}", optimizer.name());
+                assert_eq!(o.restored, 1, "{o:?}");
+                assert!(
+                    o.lost_to_crash > 0,
+                    "nothing reached the crashed appliance: {o:?}"
+                );
+                assert!(o.virtual_us > 50_000, "the job ended before the restore: {o:?}");
+            }
+        }
+    });
+}
+
+/// Not yet understood, so not drawn: a checkpoint older than the crash
+/// (taken at 15 ms, crash at 19 ms, one appliance, 19% loss). A rank
+/// refused `ahead` by the restored appliance closes its requests and
+/// pulls every key (the README's "pull, and repeat the rounds since the
+/// checkpoint"); the pull gives key 1 at round 0 while one of its chunks
+/// has completed round 2 since the restore (pushes that reached it after
+/// the restore), and this rank's repeat of round 1 is dropped `stale` on
+/// that chunk, with no ERROR (PHUB_SIM_TRACE shows it): the rank waits
+/// until its 30 s timeout. Whether the real worker's recovery does what this one does
+/// is to be seen.
+#[test]
+#[ignore = "finding under study: restore from an older checkpoint, a pull two rounds apart, a stale repeat"]
+fn restore_from_an_older_checkpoint() {
+    run(&Case {
+        seed: 476,
+        workers: 2,
+        appliances: 1,
+        lcores: 1,
+        keys: vec![35, 297, 190],
+        dtype: Dtype::Bf16,
+        chunk_bytes: 192,
+        optimizer: Optimizer::Sgd {
+            lr: 0.01,
+            weight_decay: 0.001,
+        },
+        consistency: Consistency::Sync,
+        rounds: 4,
+        window: 16,
+        faults: Faults {
+            loss: 0.191_989_552_433_288_2,
+            dup: 0.060_633_795_251_000_815,
+            reorder: 0.070_407_146_542_460_65,
+            delay_us: (36, 226),
+            jitter_us: 12,
+        },
+        partition: None,
+        clog: None,
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 15_130,
+            at_us: 19_114,
+            down_us: 44_656,
+        }),
+        compute_us: 1950,
     });
 }
