@@ -13,7 +13,10 @@
 //!
 //! A job runs in BSP, async or bounded delay (PROTOCOL.md §5.8), in any
 //! dtype and optimizer, on one appliance or sharded over two (one layout
-//! over both appliances' lcores, split as control splits it). A node can
+//! over both appliances' lcores, split as control splits it), or
+//! hierarchical over R racks (PROTOCOL.md §9: each rack's appliance
+//! installed with `hierarchy_plan`'s parts, partial sums and their results
+//! between appliances over the same network). A node can
 //! be cut off or clogged for a while ([`net::Spell`]), a rank can leave
 //! and rejoin ([`Rejoin`]), and in BSP an appliance can crash and be
 //! restored from a checkpoint ([`Crash`]).
@@ -53,9 +56,10 @@ use std::time::{Duration, Instant};
 use phub_dataplane::kernels::Kernels;
 use phub_dataplane::optim::{self, ChunkBufs};
 use phub_dataplane::{JobInstall, Shard, Verdict};
+use phub_proto::api::{DataAddr, Hierarchy, InstallJob, RackPeer};
 use phub_proto::dtype::decode;
 use phub_proto::layout::{layout, Layout, Placement};
-use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use phub_proto::spec::{Appliances, Consistency, JobSpec, KeySpec, Optimizer, PlacementSpec};
 use phub_proto::wire::{self, DropReason, MsgType};
 use phub_proto::Dtype;
 use phub_worker::sim::{SimChunk, SimKind, SimTransport};
@@ -108,6 +112,10 @@ pub struct Case {
     pub rejoin: Option<Rejoin>,
     /// An appliance that crashes and is restored from a checkpoint (BSP).
     pub crash: Option<Crash>,
+    /// Hierarchical (PROTOCOL.md §9, BSP): this many racks (2 or more),
+    /// each of one appliance (`appliances` is then the rack count); 0: a
+    /// flat job.
+    pub racks: u16,
     /// A rank computes for up to this long between rounds, µs (rank 0
     /// three times as long: the slow rank of async and bounded delay).
     pub compute_us: u64,
@@ -168,6 +176,11 @@ impl Case {
                 down_us: rng.gen_range(0..50_000),
             }
         });
+        let racks = if consistency == Consistency::Sync && rng.gen_bool(0.2) {
+            rng.gen_range(2..=3).min(workers)
+        } else {
+            0
+        };
         let rejoin = rng.gen_bool(0.25).then(|| Rejoin {
             rank: rng.gen_range(0..workers),
             round: rng.gen_range(1..=3),
@@ -204,7 +217,21 @@ impl Case {
             clog,
             rejoin,
             crash,
+            racks: if racks >= 2 { racks } else { 0 },
         };
+        if case.racks >= 2 {
+            // One appliance per rack; no rejoin or crash drawn for a
+            // hierarchical job yet.
+            case.appliances = case.racks;
+            case.rejoin = None;
+            case.crash = None;
+            // A known hazard, not drawn: ranks of different racks send a
+            // round's chunks in different orders (interleaved over their
+            // own rack appliance's lcores, whose layouts differ), and a
+            // window smaller than a round deadlocks across racks
+            // (tests/seeds.rs, hierarchical_racks_send_in_different_orders).
+            case.window = case.window.max(case.round_chunks());
+        }
         // A known hazard, not drawn: a rank that rejoins after leaving
         // mid-round may find its keys at different rounds (it was the last
         // to push some chunks); its next requests (keys in order, each at
@@ -305,6 +332,9 @@ pub struct Outcome {
     pub refused_ahead: u64,
     /// Datagrams lost because their lcore was down.
     pub lost_to_crash: u64,
+    /// Hierarchical: partial sums a rack appliance sent again (its home
+    /// had not answered in time).
+    pub partials_resent: u64,
 }
 
 /// One rank: its transport and where its training loop stands.
@@ -350,6 +380,10 @@ struct Model {
     t: u32,
 }
 
+/// A contribution applied: (lcore, its incarnation, message type, key,
+/// chunk, round, rank or rack).
+type Contribution = (usize, u32, u8, u32, u32, u32, u16);
+
 /// One lcore: its shard and what the run saw it do.
 struct Lcore {
     shard: Shard<std::net::SocketAddr>,
@@ -370,6 +404,10 @@ struct World<'c> {
     case: &'c Case,
     lay: Layout,
     placement: Placement,
+    /// Hierarchical: per rack, where its appliance holds each chunk's rack
+    /// slot (what its workers send to), and each rank's rack.
+    racks: Vec<Placement>,
+    rack_of: Vec<usize>,
     lcores: Vec<Lcore>,
     ranks: Vec<Rank>,
     net: Net,
@@ -381,7 +419,7 @@ struct World<'c> {
     /// (BSP rounds, and round 0 in every mode): once per incarnation of
     /// the lcore (a restored one applies the rounds since its checkpoint
     /// again).
-    applied: HashSet<(u32, u32, u32, u32, u16)>,
+    applied: HashSet<Contribution>,
     /// Not BSP: per (key, chunk), the model.
     models: HashMap<(u32, u32), Model>,
     /// Not BSP: per (rank, key, chunk, clock), the values of every RESULT
@@ -434,7 +472,11 @@ impl<'c> World<'c> {
     fn new(case: &'c Case) -> World<'c> {
         let spec = JobSpec {
             checkpoint_interval_s: None,
-            placement: None,
+            placement: (case.racks >= 2).then(|| PlacementSpec {
+                appliances: Appliances::Count(u32::from(case.racks)),
+                hierarchical: true,
+                ranks_per_rack: None,
+            }),
             name: "sim".into(),
             workers: u32::from(case.workers),
             dtype: case.dtype,
@@ -459,10 +501,14 @@ impl<'c> World<'c> {
         let mut load = vec![0; usize::from(total)];
         let lay = layout(&spec, &mut load, u64::from);
         let placement = Placement::new(&spec, lay.clone()).expect("a layout of the spec places it");
+        let hier = (case.racks >= 2).then(|| Hier::new(case, &spec));
         let lcores = (0..total)
             .map(|g| {
                 let l = g % case.lcores;
-                let shard = new_shard(case, &lay, &placement, g);
+                let shard = match &hier {
+                    Some(h) => h.shard(case, &spec, g),
+                    None => new_shard(case, &lay, &placement, g),
+                };
                 Lcore {
                     shard,
                     down: false,
@@ -513,7 +559,16 @@ impl<'c> World<'c> {
         let config = WorkerConfig::default();
         let ranks = (0..case.workers)
             .map(|rank| Rank {
-                t: SimTransport::new(JOB, TOKEN, rank, case.dtype, true, case.window, &config, base),
+                t: SimTransport::new(
+                    JOB,
+                    TOKEN,
+                    rank,
+                    case.dtype,
+                    case.racks < 2,
+                    case.window,
+                    &config,
+                    base,
+                ),
                 next: vec![0; case.keys.len()],
                 waiting: 0,
                 ready_at: Some(rng.gen_range(0..=case.compute_us)),
@@ -523,10 +578,23 @@ impl<'c> World<'c> {
                 received: 0,
             })
             .collect();
+        let rack_of: Vec<usize> = match spec.rack_ranks() {
+            Some(ranks) => (0..case.workers)
+                .map(|r| {
+                    ranks
+                        .iter()
+                        .position(|rs| rs.contains(&r))
+                        .expect("every rank has a rack")
+                })
+                .collect(),
+            None => vec![0; usize::from(case.workers)],
+        };
         World {
             case,
             lay,
             placement,
+            racks: hier.map(|h| h.placements).unwrap_or_default(),
+            rack_of,
             lcores,
             ranks,
             net: {
@@ -620,6 +688,36 @@ impl<'c> World<'c> {
             .collect()
     }
 
+    /// The chunks of key `k` as rank `i`'s join answer places them: the
+    /// job's placement, or in a hierarchical job its rack's.
+    fn chunks_for(&self, k: usize, i: usize) -> Vec<SimChunk> {
+        let Some(p) = self.racks.get(self.rack_of[i]) else {
+            return self.chunks(k);
+        };
+        // Cast: keys are numbered by u32 on the wire.
+        #[allow(clippy::cast_possible_truncation)]
+        let key = k as u32;
+        // Cast: racks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rack = self.rack_of[i] as u16;
+        p.places(key)
+            .enumerate()
+            .map(|(c, place)| {
+                // Cast: a key's chunks are numbered by u32 on the wire.
+                #[allow(clippy::cast_possible_truncation)]
+                let c = c as u32;
+                SimChunk {
+                    chunk: c,
+                    slot: place.slot,
+                    offset: c as usize * self.lay.chunk_elems as usize,
+                    len: self.lay.chunk_len(self.case.keys[k], c),
+                    lcore: place.lcore,
+                    to: Node::Lcore(rack, place.lcore).addr(),
+                }
+            })
+            .collect()
+    }
+
     /// Rank `i` submits its round `ranks[i].round` for every key, in key order.
     fn submit_round(&mut self, i: usize) {
         let now = self.at(self.now);
@@ -645,7 +743,7 @@ impl<'c> World<'c> {
             if round > self.case.rounds {
                 continue;
             }
-            let chunks = self.chunks(k);
+            let chunks = self.chunks_for(k, i);
             let n = self.case.keys[k] as usize;
             #[allow(clippy::cast_possible_truncation)]
             let key = k as u32;
@@ -717,7 +815,7 @@ impl<'c> World<'c> {
         for k in 0..self.case.keys.len() {
             #[allow(clippy::cast_possible_truncation)]
             let key = k as u32;
-            let chunks = self.chunks(k);
+            let chunks = self.chunks_for(k, i);
             let n = self.case.keys[k] as usize;
             self.ranks[i]
                 .t
@@ -893,18 +991,24 @@ impl<'c> World<'c> {
                     c.drops[code].get()
                 );
             }
-            Verdict::Aggregated | Verdict::Completed => {
+            Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded => {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
-                let fresh =
-                    self.applied
-                        .insert((lc.incarnation, repr.key, repr.chunk, repr.round, repr.rank));
+                let fresh = self.applied.insert((
+                    l,
+                    lc.incarnation,
+                    repr.kind as u8,
+                    repr.key,
+                    repr.chunk,
+                    repr.round,
+                    repr.rank,
+                ));
                 assert!(
                     fresh,
-                    "lcore {l}: rank {}'s contribution to key {} chunk {} round {} applied twice",
-                    repr.rank, repr.key, repr.chunk, repr.round
+                    "lcore {l}: {:?} from rank (or rack) {} to key {} chunk {} round {} applied twice",
+                    repr.kind, repr.rank, repr.key, repr.chunk, repr.round
                 );
             }
-            Verdict::Applied | Verdict::Held | Verdict::Resent | Verdict::Pulled | Verdict::Forwarded => {}
+            Verdict::Applied | Verdict::Held | Verdict::Resent | Verdict::Pulled => {}
         }
         let total: u64 = lc.drops.iter().sum();
         assert_eq!(
@@ -1115,7 +1219,7 @@ impl<'c> World<'c> {
         // Cast: ranks are u16.
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
-        for c in self.chunks(k) {
+        for c in self.chunks_for(k, i) {
             let got = &values[c.offset..c.offset + c.len as usize];
             let same = |a: &[f32]| a.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits());
             // A pull's chunks may stand at different rounds: the key's
@@ -1213,10 +1317,51 @@ impl<'c> World<'c> {
         }
     }
 
+    /// Hierarchical, at the end: each rack's appliance sent one first
+    /// partial per chunk and round, every home took one partial per rack
+    /// per chunk and round, the optimizer ran once per chunk and round, and
+    /// no partial came from a wrong peer.
+    fn check_hierarchy(&self, chunks: usize, rounds: usize) {
+        let first = (chunks * rounds) as u64;
+        let per_rack = |rack: u16, f: &dyn Fn(&Lcore) -> u64| -> u64 {
+            self.lcores
+                .iter()
+                .filter(|lc| matches!(lc.node, Node::Lcore(a, _) if a == rack))
+                .map(f)
+                .sum()
+        };
+        for r in 0..self.case.racks {
+            let sent = per_rack(r, &|lc| lc.shard.counters().partials_sent.get());
+            assert_eq!(
+                sent, first,
+                "rack {r}: first partials sent, one per chunk and round"
+            );
+            let wrong = per_rack(r, &|lc| lc.shard.counters().drops_of(DropReason::WrongPeer));
+            assert_eq!(wrong, 0, "rack {r}: partials from a wrong peer");
+        }
+        let runs: u64 = self
+            .lcores
+            .iter()
+            .map(|lc| lc.shard.counters().rounds_completed.get())
+            .sum();
+        assert_eq!(runs, first, "the optimizer runs once per chunk and round");
+        let partials = self
+            .applied
+            .iter()
+            .filter(|a| a.2 == MsgType::Partial as u8)
+            .count();
+        assert_eq!(
+            partials,
+            chunks * rounds * usize::from(self.case.racks),
+            "partials applied at the homes"
+        );
+    }
+
     /// BSP, at the end: every chunk's stored result is the reference's
     /// last round.
     fn check_stored(&self) {
-        if self.case.consistency != Consistency::Sync {
+        // A hierarchical job's results are checked as the workers get them.
+        if self.case.consistency != Consistency::Sync || self.case.racks >= 2 {
             return;
         }
         for (k, rounds) in self.expect.iter().enumerate() {
@@ -1253,6 +1398,7 @@ impl<'c> World<'c> {
             assert_eq!(c.rx_packets.get(), lc.delivered, "lcore {l}");
             o.dropped += c.drops_total();
             o.results_resent += c.results_resent.get();
+            o.partials_resent += c.partials_resent.get();
         }
         // Every contribution of every round was applied once.
         let chunks: usize = (0..self.case.keys.len())
@@ -1271,11 +1417,16 @@ impl<'c> World<'c> {
         self.check_stored();
         // Round 0 is one INIT per rank (rank 0's values, the others' empty);
         // a restored lcore applies the rounds since its checkpoint again.
+        let worker = |kind: u8| kind == MsgType::Init as u8 || kind == MsgType::Push as u8;
         let distinct: HashSet<(u32, u32, u32, u16)> = self
             .applied
             .iter()
-            .map(|&(_, k, c, r, rank)| (k, c, r, rank))
+            .filter(|a| worker(a.2))
+            .map(|&(_, _, _, k, c, r, rank)| (k, c, r, rank))
             .collect();
+        if self.case.racks >= 2 {
+            self.check_hierarchy(chunks, rounds);
+        }
         assert_eq!(
             distinct.len(),
             chunks * rounds * usize::from(self.case.workers),
@@ -1286,6 +1437,91 @@ impl<'c> World<'c> {
             assert!(!r.t.busy(), "a finished rank has requests in flight");
         }
         o
+    }
+}
+
+/// A hierarchical job's appliances (PROTOCOL.md §9.1): each rack's layout
+/// (where its appliance holds each chunk's rack slot) and the home layout
+/// over every rack appliance's lcores, as control makes them.
+struct Hier {
+    placements: Vec<Placement>,
+    layouts: Vec<Layout>,
+    homes: Layout,
+}
+
+impl Hier {
+    fn new(case: &Case, spec: &JobSpec) -> Hier {
+        let l = usize::from(case.lcores);
+        // Any valid layout must do (byte balancing is admission's
+        // business), so racks start from different loads.
+        let layouts: Vec<Layout> = (0..case.racks)
+            .map(|r| {
+                let mut load = vec![0; l];
+                load[0] = u64::from(r) * 40;
+                layout(spec, &mut load, u64::from)
+            })
+            .collect();
+        let homes = layout(spec, &mut vec![0; usize::from(case.racks) * l], u64::from);
+        let placements = layouts
+            .iter()
+            .map(|lay| Placement::new(spec, lay.clone()).expect("a rack layout places the job"))
+            .collect();
+        Hier {
+            placements,
+            layouts,
+            homes,
+        }
+    }
+
+    /// Global lcore `g`'s shard (rack g / L's appliance, lcore g % L) with
+    /// its part of the job installed as the dataplane installs it.
+    fn shard(&self, case: &Case, spec: &JobSpec, g: u16) -> Shard<std::net::SocketAddr> {
+        let (rack, l) = (g / case.lcores, g % case.lcores);
+        let req = InstallJob {
+            id: JOB,
+            token: TOKEN,
+            spec: spec.clone(),
+            layout: self.layouts[usize::from(rack)].clone(),
+            hierarchy: Some(Hierarchy {
+                rack,
+                racks: (0..case.racks)
+                    .map(|r| RackPeer {
+                        name: format!("rack{r}"),
+                        data: DataAddr {
+                            host: Node::appliance_host(r),
+                            base_port: 9000,
+                        },
+                        layout: self.layouts[usize::from(r)].clone(),
+                    })
+                    .collect(),
+                homes: self.homes.clone(),
+            }),
+        };
+        let (_, mut per_lcore) = match phub_dataplane::mgmt::hierarchy_plan(&req, usize::from(case.lcores)) {
+            Ok(p) => p,
+            Err(e) => panic!("rack {rack}: the hierarchical install is refused: {e}"),
+        };
+        let kernels = Kernels::available()[usize::from(g) % Kernels::available().len()];
+        let mut shard = Shard::new(l, kernels);
+        shard.set_peer_resolver(std::sync::Arc::new(|a| Some(std::net::SocketAddr::V4(a))));
+        shard
+            .install_hierarchical(
+                JobInstall {
+                    id: JOB,
+                    token: TOKEN,
+                    workers: case.workers,
+                    dtype: case.dtype,
+                    // The rack slots sum; the home slots run the spec's
+                    // optimizer (the plan carries it).
+                    optimizer: Optimizer::Sum,
+                    consistency: case.consistency,
+                    chunk_elems: spec.chunk_elems(),
+                    slots: self.placements[usize::from(rack)].slots(usize::from(l)).collect(),
+                },
+                per_lcore.swap_remove(usize::from(l)),
+            )
+            .expect("the hierarchical job installs");
+        shard
     }
 }
 

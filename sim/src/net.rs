@@ -29,15 +29,25 @@ pub enum Node {
 
 impl Node {
     /// The node's address (what the worker transport and the engine see).
+    /// An appliance's lcores share its host, one port each from 9000 (its
+    /// data address, as control lists it to workers and peers).
     pub fn addr(self) -> SocketAddr {
-        let [hi, lo] = match self {
-            Node::Worker(r) => r.to_be_bytes(),
-            Node::Lcore(_, l) => l.to_be_bytes(),
-        };
         match self {
-            Node::Worker(_) => SocketAddr::from(([10, 0, hi, lo], 5000)),
-            Node::Lcore(a, _) => SocketAddr::from(([10, 1, hi, lo], 9000 + a)),
+            Node::Worker(r) => {
+                let [hi, lo] = r.to_be_bytes();
+                SocketAddr::from(([10, 0, hi, lo], 5000))
+            }
+            Node::Lcore(a, l) => {
+                let [hi, lo] = a.to_be_bytes();
+                SocketAddr::from(([10, 1, hi, lo], 9000 + l))
+            }
         }
+    }
+
+    /// The host of appliance `a` (its lcore i at port 9000 + i).
+    pub fn appliance_host(a: u16) -> String {
+        let [hi, lo] = a.to_be_bytes();
+        format!("10.1.{hi}.{lo}")
     }
 
     /// The node at `addr`, if it is one of a simulated network's.
@@ -47,7 +57,7 @@ impl Node {
         let n = u16::from_be_bytes([hi, lo]);
         match (net, kind, v4.port()) {
             (10, 0, 5000) => Some(Node::Worker(n)),
-            (10, 1, p) if p >= 9000 => Some(Node::Lcore(p - 9000, n)),
+            (10, 1, p) if p >= 9000 => Some(Node::Lcore(n, p - 9000)),
             _ => None,
         }
     }
@@ -128,6 +138,9 @@ pub struct NetStats {
     pub partitioned: u64,
     /// Held until a clog ended.
     pub clogged: u64,
+    /// Bytes sent from one appliance to another (a hierarchical job's
+    /// partial sums and their results, across the spine).
+    pub spine_bytes: u64,
     /// Delivered (copies included).
     pub delivered: u64,
 }
@@ -167,6 +180,11 @@ impl Net {
     /// Sends `bytes` from `from` to `to` at `now`.
     pub fn send(&mut self, now: u64, from: Node, to: Node, bytes: Vec<u8>) {
         self.stats.sent += 1;
+        if let (Node::Lcore(a, _), Node::Lcore(b, _)) = (from, to) {
+            if a != b {
+                self.stats.spine_bytes += bytes.len() as u64;
+            }
+        }
         let f = self.faults;
         let rng = &mut self.rng;
         let base = *self

@@ -52,6 +52,7 @@ fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype)
         window: 8,
         faults: lossy(),
         compute_us: 500,
+        racks: 0,
         partition: None,
         clog: None,
         rejoin: None,
@@ -126,6 +127,7 @@ fn sixty_four_workers_with_heavy_loss() {
                     jitter_us: 300,
                 },
                 compute_us: 200,
+                racks: 0,
                 partition: None,
                 clog: None,
                 rejoin: None,
@@ -157,6 +159,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
                 window: 16,
                 faults: if clean { Faults::NONE } else { lossy() },
                 compute_us: 100,
+                racks: 0,
                 partition: None,
                 clog: None,
                 rejoin: None,
@@ -199,6 +202,7 @@ fn bounded_delay_holds_answers_within_tau() {
                 window: 64,
                 faults: lossy(),
                 compute_us: 300,
+                racks: 0,
                 partition: None,
                 clog: None,
                 rejoin: None,
@@ -236,6 +240,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
                 window: 16,
                 faults: lossy(),
                 compute_us: 300,
+                racks: 0,
                 partition: None,
                 clog: None,
                 rejoin: None,
@@ -385,6 +390,7 @@ fn loss_timer_starvation_after_a_rejoin() {
         }),
         crash: None,
         compute_us: 1648,
+        racks: 0,
     });
 }
 
@@ -471,5 +477,80 @@ fn restore_from_an_older_checkpoint() {
             down_us: 44_656,
         }),
         compute_us: 1950,
+        racks: 0,
+    });
+}
+
+/// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
+/// appliance each, the workers spread over them, under loss, duplication
+/// and reordering on every hop (worker to rack appliance, rack appliance
+/// to home and back): every result is the reference's, each rack sent one
+/// first partial per chunk and round, each home took one partial per rack,
+/// the optimizer ran once per chunk and round (what
+/// dataplane/tests/hierarchy_sim.rs checked, now with real worker
+/// transports).
+#[test]
+fn hierarchical_jobs_over_two_and_three_racks() {
+    for_seeds(800, 1, "seeds", |base| {
+        let cases = [
+            (2, 5, optimizers()[0], Dtype::F32),
+            (2, 4, optimizers()[1], Dtype::F32),
+            (3, 6, optimizers()[2], Dtype::F32),
+            (3, 4, optimizers()[5], Dtype::F32),
+            (3, 7, optimizers()[0], Dtype::Bf16),
+            (2, 3, optimizers()[3], Dtype::F16),
+        ];
+        for (i, (racks, workers, optimizer, dtype)) in cases.into_iter().enumerate() {
+            let c = Case {
+                workers,
+                appliances: racks,
+                racks,
+                keys: vec![37, 100, 5],
+                chunk_bytes: 64,
+                ..case(base + i as u64, Consistency::Sync, optimizer, dtype)
+            };
+            let o = run(&c);
+            eprintln!("R = {racks}, {} {dtype}: {o:?}", optimizer.name());
+            assert_faults_happened(&c, &o);
+            assert!(
+                o.partials_resent > 0,
+                "loss on the spine made no partial go again: {o:?}"
+            );
+            // Up and down, each rack's chunks that are not at home: at
+            // least 2 (R - 1) / R of a round's payload per round crosses
+            // the spine (a partial carries f32 values).
+            let payload: u64 = c.keys.iter().sum::<u64>() * 4;
+            let r = u64::from(racks);
+            let least = u64::from(c.rounds) * payload * 2 * (r - 1) / r;
+            assert!(
+                o.net.spine_bytes >= least,
+                "{} bytes crossed the spine, fewer than {least}",
+                o.net.spine_bytes
+            );
+        }
+    });
+}
+
+/// A finding, not fixed here: in a hierarchical job each rank sends a
+/// round's chunks interleaved over the lcores of its rack's appliance
+/// (`Pending::push_request`), and racks' layouts differ (each appliance's
+/// lcores are placed by its own load), so ranks of different racks send
+/// the chunks in different orders. With a window smaller than a round,
+/// racks 0 and 1 wait on chunk 1 (its home needs rack 2's partial) while
+/// rack 2 waits on chunk 2 (its home needs theirs): every rank times out.
+/// Found as seed 450 (R = 3, window 1, under loss); it needs no fault.
+#[test]
+#[ignore = "finding: hierarchical ranks of different racks send in different orders; a small window deadlocks"]
+fn hierarchical_racks_send_in_different_orders() {
+    run(&Case {
+        workers: 6,
+        appliances: 3,
+        racks: 3,
+        lcores: 3,
+        keys: vec![297, 35],
+        chunk_bytes: 256,
+        window: 1,
+        faults: Faults::NONE,
+        ..case(450, Consistency::Sync, Optimizer::Sum, Dtype::F16)
     });
 }
