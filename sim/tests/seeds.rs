@@ -554,3 +554,14 @@ fn hierarchical_racks_send_in_different_orders() {
         ..case(450, Consistency::Sync, Optimizer::Sum, Dtype::F16)
     });
 }
+
+/// A run is a function of its case: the same seed twice gives the same
+/// outcome, every count and the virtual time it took (what makes
+/// `PHUB_SIM_SEED` a replay).
+#[test]
+fn a_seed_replays_exactly() {
+    for_seeds(0, 40, "seeds", |seed| {
+        let c = Case::draw(seed);
+        assert_eq!(run(&c), run(&c), "seed {seed} ran twice differently");
+    });
+}
