@@ -160,13 +160,11 @@ impl Case {
         let clog = spell(&mut rng);
         // The checkpoint is taken as the appliance crashes: it holds the
         // last completed rounds, and the workers push the rounds in
-        // progress again. An older one is not drawn yet: with one (one
-        // appliance, checkpoint at 15 ms, crash at 19 ms), a rank refused
-        // `ahead` pulled a key whose chunks stood two rounds apart, its
-        // repeat of the lower round was dropped `stale` without an ERROR,
-        // and it hung (seed 476); whether the simulated recovery (close
-        // every request, pull every key) is what a real one does is to be
-        // seen.
+        // progress again. An older one is not drawn: a checkpoint taken
+        // mid-round holds slots at different rounds, and after the
+        // restore a key's chunks can end two rounds apart, which a pull
+        // and the repeat of the lower round cannot mend (the repeat is
+        // dropped `stale`): tests/seeds.rs, restore_from_an_older_checkpoint.
         let crash = (consistency == Consistency::Sync && rng.gen_bool(0.2)).then(|| {
             let at_us = rng.gen_range(1_000..30_000);
             Crash {

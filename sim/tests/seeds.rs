@@ -432,18 +432,20 @@ fn an_appliance_crashes_and_is_restored_from_its_checkpoint() {
     });
 }
 
-/// Not yet understood, so not drawn: a checkpoint older than the crash
-/// (taken at 15 ms, crash at 19 ms, one appliance, 19% loss). A rank
-/// refused `ahead` by the restored appliance closes its requests and
-/// pulls every key (the README's "pull, and repeat the rounds since the
-/// checkpoint"); the pull gives key 1 at round 0 while one of its chunks
-/// has completed round 2 since the restore (pushes that reached it after
-/// the restore), and this rank's repeat of round 1 is dropped `stale` on
-/// that chunk, with no ERROR (PHUB_SIM_TRACE shows it): the rank waits
-/// until its 30 s timeout. Whether the real worker's recovery does what this one does
-/// is to be seen.
+/// A finding, not drawn: a checkpoint older than the crash (taken at
+/// 15 ms, crash at 19 ms, one appliance, two ranks, 19% loss;
+/// `PHUB_SIM_TRACE=1` shows it). The checkpoint holds key 1's chunks 0-2
+/// at round 1 and chunk 3 at round 0 (a checkpoint taken mid-round holds
+/// slots at different rounds). After the restore, rank 0's resent
+/// round-2 push of chunk 1 is applied (its request not yet refused); the
+/// request is then refused `ahead` by chunk 3, and rank 0 pulls key 1 as
+/// the README says ("pull, and repeat the rounds since the checkpoint"):
+/// round 0, the lowest. It repeats round 1; chunk 1's answer is lost, and
+/// before the resend rank 1's round-2 push completes chunk 1's round 2
+/// (with rank 0's own from before), so the resent round-1 push is dropped
+/// `stale`, with no ERROR: rank 0 waits until its 30 s timeout.
 #[test]
-#[ignore = "finding under study: restore from an older checkpoint, a pull two rounds apart, a stale repeat"]
+#[ignore = "finding: after a restore from an older checkpoint a key's chunks stand two rounds apart; the repeat is dropped stale"]
 fn restore_from_an_older_checkpoint() {
     run(&Case {
         seed: 476,
