@@ -80,6 +80,8 @@ mod inject;
 mod io;
 pub mod net;
 mod shm;
+#[cfg(feature = "sim")]
+pub mod sim;
 mod staged;
 mod stats;
 mod transport;

@@ -1,0 +1,569 @@
+//! The simulator's cases: real worker transports and real engine shards
+//! over the simulated network, every invariant checked after every step
+//! (see the crate's doc).
+//!
+//! `PHUB_SIM_SEEDS=N` runs N seeds in `random_jobs`; `PHUB_SIM_SEED=N`
+//! replays one seed (in every test: each draws its case from it).
+
+use phub_proto::spec::{Consistency, Optimizer};
+use phub_proto::Dtype;
+use phub_sim::net::{Faults, Node, Spell};
+use phub_sim::reference::optimizers;
+use phub_sim::{for_seeds, run, Case, Crash, Outcome, Rejoin};
+
+/// Seeds `random_jobs` runs by default: about 3.5 s in the test profile on
+/// the 2-core development VM (6000 took 9.8 s).
+const SEEDS: u64 = 2000;
+
+/// Random jobs, one per seed: BSP, async or bounded delay (τ 0-3), every
+/// dtype and optimizer, 1-8 ranks, one or two appliances of 1-3 lcores,
+/// 1-4 keys, windows of 1-32 chunks, most over a faulty network, a
+/// quarter with a node cut off and a quarter with one clogged.
+#[test]
+fn random_jobs() {
+    for_seeds(0, SEEDS, "seeds", |seed| {
+        run(&Case::draw(seed));
+    });
+}
+
+/// Faults that every fixed case below must see happen.
+fn lossy() -> Faults {
+    Faults {
+        loss: 0.1,
+        dup: 0.05,
+        reorder: 0.05,
+        delay_us: (20, 300),
+        jitter_us: 150,
+    }
+}
+
+fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype) -> Case {
+    Case {
+        seed,
+        workers: 5,
+        appliances: 2,
+        lcores: 2,
+        keys: vec![1, 700, 33, 256],
+        dtype,
+        chunk_bytes: 128,
+        optimizer,
+        consistency,
+        rounds: 6,
+        window: 8,
+        faults: lossy(),
+        compute_us: 500,
+        racks: 0,
+        partition: None,
+        clog: None,
+        rejoin: None,
+        crash: None,
+    }
+}
+
+/// Every fault happened and was recovered from.
+fn assert_faults_happened(c: &Case, o: &Outcome) {
+    assert!(o.net.lost > 0, "{c:?}: no datagram was lost");
+    assert!(o.net.duplicated > 0, "{c:?}: no datagram was duplicated");
+    assert!(o.retransmits > 0, "{c:?}: nothing was sent again");
+    assert!(o.dropped > 0, "{c:?}: no duplicate was ever dropped");
+    if c.consistency == Consistency::Sync {
+        assert!(o.results_resent > 0, "{c:?}: no result was ever re-obtained");
+    } else {
+        assert!(o.duplicates_answered > 0, "{c:?}: no duplicate was ever answered");
+    }
+}
+
+/// Every optimizer in every dtype and every consistency mode, sharded
+/// over two appliances, through loss, duplication and reordering (what
+/// tests/simulation.rs's first case was for BSP, now with the real
+/// worker transport and all three modes).
+#[test]
+fn every_optimizer_dtype_and_mode_over_two_appliances() {
+    let modes = [
+        Consistency::Sync,
+        Consistency::Async,
+        Consistency::Bounded { delay: 1 },
+    ];
+    for_seeds(1, 1, "seeds", |base| {
+        let mut i = 0;
+        for consistency in modes {
+            for optimizer in optimizers() {
+                if consistency != Consistency::Sync && optimizer == Optimizer::Mean {
+                    continue;
+                }
+                for dtype in Dtype::ALL {
+                    let c = case(base * 1000 + i, consistency, optimizer, dtype);
+                    let o = run(&c);
+                    assert_faults_happened(&c, &o);
+                    i += 1;
+                }
+            }
+        }
+    });
+}
+
+/// 64 ranks through 20% loss, every optimizer (BSP).
+#[test]
+fn sixty_four_workers_with_heavy_loss() {
+    for_seeds(100, 1, "seeds", |base| {
+        for (i, optimizer) in optimizers().into_iter().enumerate() {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 64,
+                appliances: 1,
+                lcores: 4,
+                keys: vec![300, 5],
+                dtype: Dtype::F32,
+                chunk_bytes: 256,
+                optimizer,
+                consistency: Consistency::Sync,
+                rounds: 4,
+                window: 4,
+                faults: Faults {
+                    loss: 0.2,
+                    dup: 0.1,
+                    reorder: 0.05,
+                    delay_us: (20, 300),
+                    jitter_us: 300,
+                },
+                compute_us: 200,
+                racks: 0,
+                partition: None,
+                clog: None,
+                rejoin: None,
+                crash: None,
+            };
+            assert_faults_happened(&c, &run(&c));
+        }
+    });
+}
+
+/// One rank without faults (nothing dropped, nothing sent again), and
+/// rank counts in between.
+#[test]
+fn one_worker_no_faults_and_worker_counts_in_between() {
+    for_seeds(200, 1, "seeds", |base| {
+        for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
+            let clean = workers == 1;
+            let c = Case {
+                seed: base + i as u64,
+                workers,
+                appliances: 1,
+                lcores: 2,
+                keys: vec![1000, 1],
+                dtype: Dtype::ALL[i % 3],
+                chunk_bytes: 512,
+                optimizer: optimizers()[i % 7],
+                consistency: Consistency::Sync,
+                rounds: 5,
+                window: 16,
+                faults: if clean { Faults::NONE } else { lossy() },
+                compute_us: 100,
+                racks: 0,
+                partition: None,
+                clog: None,
+                rejoin: None,
+                crash: None,
+            };
+            let o = run(&c);
+            if clean {
+                assert_eq!((o.net.lost, o.dropped, o.retransmits), (0, 0, 0), "{o:?}");
+            }
+        }
+    });
+}
+
+/// Bounded delay: 16 ranks of unequal speed (rank 0 three times slower)
+/// over many clocks: answers are held (checked on every RESULT: none
+/// leaves a rank more than τ clocks past the slowest), the largest lead
+/// seen is τ + 1 at most and is reached.
+#[test]
+fn bounded_delay_holds_answers_within_tau() {
+    for_seeds(300, 1, "seeds", |base| {
+        for (i, (tau, optimizer, dtype)) in [
+            (1, Optimizer::Sum, Dtype::F32),
+            (2, Optimizer::Sum, Dtype::F16),
+            (3, optimizers()[5], Dtype::Bf16),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 16,
+                appliances: 1,
+                lcores: 3,
+                keys: vec![48 * 32],
+                dtype,
+                chunk_bytes: 32 * dtype.size() as u32,
+                optimizer,
+                consistency: Consistency::Bounded { delay: tau },
+                rounds: 40,
+                window: 64,
+                faults: lossy(),
+                compute_us: 300,
+                racks: 0,
+                partition: None,
+                clog: None,
+                rejoin: None,
+                crash: None,
+            };
+            let o = run(&c);
+            eprintln!("τ = {tau}: {o:?}");
+            assert_faults_happened(&c, &o);
+            assert!(o.held > 0, "τ = {tau}: no answer was ever held");
+            assert_eq!(o.max_lead, tau + 1, "τ = {tau}: the largest lead");
+        }
+    });
+}
+
+/// τ = 0 with SGD is BSP: every answer (but a duplicate's) is the sum of
+/// the clock's gradients followed by `w -= lr * sum`, bit for bit.
+#[test]
+fn tau_zero_sgd_is_bsp_sum_then_sgd() {
+    for_seeds(400, 1, "seeds", |base| {
+        for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
+            let c = Case {
+                seed: base + i as u64,
+                workers: 8,
+                appliances: 2,
+                lcores: 2,
+                keys: vec![16 * 32, 7],
+                dtype,
+                chunk_bytes: 32 * dtype.size() as u32,
+                optimizer: Optimizer::Sgd {
+                    lr: 0.25,
+                    weight_decay: 0.0,
+                },
+                consistency: Consistency::Bounded { delay: 0 },
+                rounds: 20,
+                window: 16,
+                faults: lossy(),
+                compute_us: 300,
+                racks: 0,
+                partition: None,
+                clog: None,
+                rejoin: None,
+                crash: None,
+            };
+            assert_faults_happened(&c, &run(&c));
+        }
+    });
+}
+
+/// An lcore cut off for 300 ms in the middle of the job, and a worker's
+/// path clogged for 200 ms: nothing is lost for good, every request ends
+/// with the reference's result, in every mode.
+#[test]
+fn partition_and_clog() {
+    for_seeds(500, 1, "seeds", |base| {
+        for (i, consistency) in [
+            Consistency::Sync,
+            Consistency::Async,
+            Consistency::Bounded { delay: 1 },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let c = Case {
+                partition: Some(Spell {
+                    node: Node::Lcore(1, 0),
+                    from_us: 5_000,
+                    until_us: 305_000,
+                }),
+                clog: Some(Spell {
+                    node: Node::Worker(2),
+                    from_us: 2_000,
+                    until_us: 202_000,
+                }),
+                ..case(base + i as u64, consistency, Optimizer::Sum, Dtype::F32)
+            };
+            let o = run(&c);
+            assert!(o.net.partitioned > 0 && o.net.clogged > 0, "{o:?}");
+            assert!(
+                o.virtual_us > 305_000,
+                "the job ended before the partition did: {o:?}"
+            );
+        }
+    });
+}
+
+/// A rank leaves and rejoins, between rounds and with chunks in flight,
+/// in every mode: its requests in flight fail `Closed`, its new transport
+/// pulls every key (the reference's values, or a RESULT's sent to it, at
+/// the key's round or a chunk one above), and the job ends with the
+/// reference's results; what the old transport had in flight reaches the
+/// new one and is counted as ignored.
+#[test]
+fn a_rank_leaves_and_rejoins() {
+    for_seeds(600, 1, "seeds", |base| {
+        let modes = [
+            Consistency::Sync,
+            Consistency::Async,
+            Consistency::Bounded { delay: 2 },
+        ];
+        for (i, consistency) in modes.into_iter().enumerate() {
+            for (j, mid_round_us) in [None, Some(300)].into_iter().enumerate() {
+                // Rank 0, the slow one, is often the last to push a chunk:
+                // leaving mid-round, it finds its keys at different rounds.
+                // The window holds a whole round (see `Case::draw`).
+                let c = Case {
+                    rejoin: Some(Rejoin {
+                        rank: 0,
+                        round: 3,
+                        mid_round_us,
+                        away_us: 20_000,
+                    }),
+                    window: 32,
+                    ..case(
+                        base + 2 * i as u64 + j as u64,
+                        consistency,
+                        optimizers()[2],
+                        Dtype::Bf16,
+                    )
+                };
+                let o = run(&c);
+                eprintln!("{consistency} {mid_round_us:?}: {o:?}");
+                assert_eq!(o.rejoined, 1, "{o:?}");
+                if mid_round_us.is_some() {
+                    assert!(o.closed > 0, "the rank left with nothing in flight: {o:?}");
+                }
+                if mid_round_us.is_some() && consistency == Consistency::Sync {
+                    assert!(
+                        o.mixed_pulls > 0,
+                        "no pull found chunks at different rounds: {o:?}"
+                    );
+                }
+            }
+        }
+    });
+}
+
+/// A finding, not fixed here: the worker's loss timer probes the late
+/// chunks oldest first by first transmission, at most 16 per silence
+/// (for windows under 256), so a lost chunk behind 16 others that are
+/// late for another reason (waiting on a rank) is never sent again.
+/// Seed 7348 (bounded delay τ = 0, 5 ranks, 2 appliances, 4% loss, rank 0
+/// rejoins mid-round 1 and comes back with key 2 one clock ahead of its
+/// other keys): rank 3's push of key 2 chunk 1 clock 5 is lost; rank 3
+/// keeps probing 16 of its 21 chunks of keys 0, 1 and 3, which wait on
+/// rank 0's clock 5; rank 0 pushes those only once its key 2 clock 5 is
+/// answered, which is held for rank 3's lost push: every rank times out
+/// after 30 s. Probing by last transmission (`late.push((o.sent, *k))`
+/// in `Transport::resend_late`) makes it pass, and 10,000 seeds with it,
+/// but changes the probe order
+/// `the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result`
+/// specifies: left to the transport's owners.
+#[test]
+#[ignore = "finding: the loss timer starves a lost chunk behind 16 blocked ones (seed 7348)"]
+fn loss_timer_starvation_after_a_rejoin() {
+    // Case::draw(7348), written out so that it stays this case.
+    run(&Case {
+        seed: 7348,
+        workers: 5,
+        appliances: 2,
+        lcores: 3,
+        keys: vec![215, 207, 116, 218],
+        dtype: Dtype::F32,
+        chunk_bytes: 128,
+        optimizer: Optimizer::Sgd {
+            lr: 0.01,
+            weight_decay: 0.001,
+        },
+        consistency: Consistency::Bounded { delay: 0 },
+        rounds: 12,
+        window: 31,
+        faults: Faults {
+            loss: 0.039_998_264_702_314_49,
+            dup: 0.016_393_891_283_251_062,
+            reorder: 0.069_134_090_328_868_55,
+            delay_us: (26, 275),
+            jitter_us: 104,
+        },
+        partition: None,
+        clog: None,
+        rejoin: Some(Rejoin {
+            rank: 0,
+            round: 1,
+            mid_round_us: Some(26),
+            away_us: 23_790,
+        }),
+        crash: None,
+        compute_us: 1648,
+        racks: 0,
+    });
+}
+
+/// An appliance crashes mid-job (BSP, one appliance and one of two) and is
+/// restored from a checkpoint of its last completed rounds 30 ms later:
+/// what reached it meanwhile is lost, the rounds in progress are pushed
+/// again (each contribution applied once per incarnation of an lcore),
+/// and every result is still the reference's.
+#[test]
+fn an_appliance_crashes_and_is_restored_from_its_checkpoint() {
+    for_seeds(700, 1, "seeds", |base| {
+        for (i, appliances) in [1u16, 2].into_iter().enumerate() {
+            for (j, optimizer) in [optimizers()[0], optimizers()[5]].into_iter().enumerate() {
+                let c = Case {
+                    appliances,
+                    crash: Some(Crash {
+                        appliance: appliances - 1,
+                        checkpoint_us: 20_000,
+                        at_us: 20_000,
+                        down_us: 30_000,
+                    }),
+                    ..case(
+                        base + 2 * i as u64 + j as u64,
+                        Consistency::Sync,
+                        optimizer,
+                        Dtype::F16,
+                    )
+                };
+                let o = run(&c);
+                eprintln!("{appliances} appliances, {}: {o:?}", optimizer.name());
+                assert_eq!(o.restored, 1, "{o:?}");
+                assert!(
+                    o.lost_to_crash > 0,
+                    "nothing reached the crashed appliance: {o:?}"
+                );
+                assert!(o.virtual_us > 50_000, "the job ended before the restore: {o:?}");
+            }
+        }
+    });
+}
+
+/// A finding, not drawn: a checkpoint older than the crash (taken at
+/// 15 ms, crash at 19 ms, one appliance, two ranks, 19% loss;
+/// `PHUB_SIM_TRACE=1` shows it). The checkpoint holds key 1's chunks 0-2
+/// at round 1 and chunk 3 at round 0 (a checkpoint taken mid-round holds
+/// slots at different rounds). After the restore, rank 0's resent
+/// round-2 push of chunk 1 is applied (its request not yet refused); the
+/// request is then refused `ahead` by chunk 3, and rank 0 pulls key 1 as
+/// the README says ("pull, and repeat the rounds since the checkpoint"):
+/// round 0, the lowest. It repeats round 1; chunk 1's answer is lost, and
+/// before the resend rank 1's round-2 push completes chunk 1's round 2
+/// (with rank 0's own from before), so the resent round-1 push is dropped
+/// `stale`, with no ERROR: rank 0 waits until its 30 s timeout.
+#[test]
+#[ignore = "finding: after a restore from an older checkpoint a key's chunks stand two rounds apart; the repeat is dropped stale"]
+fn restore_from_an_older_checkpoint() {
+    run(&Case {
+        seed: 476,
+        workers: 2,
+        appliances: 1,
+        lcores: 1,
+        keys: vec![35, 297, 190],
+        dtype: Dtype::Bf16,
+        chunk_bytes: 192,
+        optimizer: Optimizer::Sgd {
+            lr: 0.01,
+            weight_decay: 0.001,
+        },
+        consistency: Consistency::Sync,
+        rounds: 4,
+        window: 16,
+        faults: Faults {
+            loss: 0.191_989_552_433_288_2,
+            dup: 0.060_633_795_251_000_815,
+            reorder: 0.070_407_146_542_460_65,
+            delay_us: (36, 226),
+            jitter_us: 12,
+        },
+        partition: None,
+        clog: None,
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 15_130,
+            at_us: 19_114,
+            down_us: 44_656,
+        }),
+        compute_us: 1950,
+        racks: 0,
+    });
+}
+
+/// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
+/// appliance each, the workers spread over them, under loss, duplication
+/// and reordering on every hop (worker to rack appliance, rack appliance
+/// to home and back): every result is the reference's, each rack sent one
+/// first partial per chunk and round, each home took one partial per rack,
+/// the optimizer ran once per chunk and round (what
+/// dataplane/tests/hierarchy_sim.rs checked, now with real worker
+/// transports).
+#[test]
+fn hierarchical_jobs_over_two_and_three_racks() {
+    for_seeds(800, 1, "seeds", |base| {
+        let cases = [
+            (2, 5, optimizers()[0], Dtype::F32),
+            (2, 4, optimizers()[1], Dtype::F32),
+            (3, 6, optimizers()[2], Dtype::F32),
+            (3, 4, optimizers()[5], Dtype::F32),
+            (3, 7, optimizers()[0], Dtype::Bf16),
+            (2, 3, optimizers()[3], Dtype::F16),
+        ];
+        for (i, (racks, workers, optimizer, dtype)) in cases.into_iter().enumerate() {
+            let c = Case {
+                workers,
+                appliances: racks,
+                racks,
+                keys: vec![37, 100, 5],
+                chunk_bytes: 64,
+                ..case(base + i as u64, Consistency::Sync, optimizer, dtype)
+            };
+            let o = run(&c);
+            eprintln!("R = {racks}, {} {dtype}: {o:?}", optimizer.name());
+            assert_faults_happened(&c, &o);
+            assert!(
+                o.partials_resent > 0,
+                "loss on the spine made no partial go again: {o:?}"
+            );
+            // Up and down, each rack's chunks that are not at home: at
+            // least 2 (R - 1) / R of a round's payload per round crosses
+            // the spine (a partial carries f32 values).
+            let payload: u64 = c.keys.iter().sum::<u64>() * 4;
+            let r = u64::from(racks);
+            let least = u64::from(c.rounds) * payload * 2 * (r - 1) / r;
+            assert!(
+                o.net.spine_bytes >= least,
+                "{} bytes crossed the spine, fewer than {least}",
+                o.net.spine_bytes
+            );
+        }
+    });
+}
+
+/// A finding, not fixed here: in a hierarchical job each rank sends a
+/// round's chunks interleaved over the lcores of its rack's appliance
+/// (`Pending::push_request`), and racks' layouts differ (each appliance's
+/// lcores are placed by its own load), so ranks of different racks send
+/// the chunks in different orders. With a window smaller than a round,
+/// racks 0 and 1 wait on chunk 1 (its home needs rack 2's partial) while
+/// rack 2 waits on chunk 2 (its home needs theirs): every rank times out.
+/// Found as seed 450 (R = 3, window 1, under loss); it needs no fault.
+#[test]
+#[ignore = "finding: hierarchical ranks of different racks send in different orders; a small window deadlocks"]
+fn hierarchical_racks_send_in_different_orders() {
+    run(&Case {
+        workers: 6,
+        appliances: 3,
+        racks: 3,
+        lcores: 3,
+        keys: vec![297, 35],
+        chunk_bytes: 256,
+        window: 1,
+        faults: Faults::NONE,
+        ..case(450, Consistency::Sync, Optimizer::Sum, Dtype::F16)
+    });
+}
+
+/// A run is a function of its case: the same seed twice gives the same
+/// outcome, every count and the virtual time it took (what makes
+/// `PHUB_SIM_SEED` a replay).
+#[test]
+fn a_seed_replays_exactly() {
+    for_seeds(0, 40, "seeds", |seed| {
+        let c = Case::draw(seed);
+        assert_eq!(run(&c), run(&c), "seed {seed} ran twice differently");
+    });
+}
