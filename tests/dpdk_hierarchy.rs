@@ -9,8 +9,8 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use phub::proto::api::DataplaneStats;
-use phub_hwtests::virt::{VirtualRack, WORKER_IF, WORKER_IP};
-use phub_hwtests::workload::train;
+use phub_hwtests::virt::{VirtualRack, APPLIANCE_IP, WORKER_IF, WORKER_IP};
+use phub_hwtests::workload::{forged_partial, train};
 
 /// The workers' end of the veth gets this address, which the DPDK
 /// appliance is told for the other appliance there.
@@ -44,6 +44,18 @@ fn totals(s: &DataplaneStats) -> (u64, u64, u64) {
     })
 }
 
+/// Before the workers start, one PARTIAL is forged with nothing but the
+/// job's token (which every worker holds), from an ordinary socket at the
+/// workers' address inside the namespace, to the DPDK appliance's lcore
+/// that is home to a chunk: rack 0's partial of round 0, every element
+/// 1000. The DPDK appliance takes a rack's partial only from the address
+/// of that rack appliance's lcore holding the chunk (PROTOCOL.md §9.4):
+/// here its own lcore, whose frames come back through its hand-off ring
+/// with its own address and port. Reproduction (issue 36, finding 3), on
+/// the code before: the forged partial was added as rack 0's, the real one
+/// was `duplicate`, and every rank got 1000 back as rank 0's initial values
+/// of that chunk (train panics at round 0). Now it is `wrong_peer`, once,
+/// and every round is exact.
 #[test]
 fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
     // The kernel-UDP appliance's management token: a file of this test's
@@ -119,6 +131,22 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
             Err(ureq::Error::Status(s, r)) => panic!("admission refused ({s}): {}", r.into_string().unwrap()),
             Err(e) => panic!("admission: {e}"),
         };
+        let (port, forged) = forged_partial(&url, &job, "default", 1000.0);
+        let s = std::net::UdpSocket::bind((WORKER_IP, 0)).unwrap();
+        s.send_to(&forged, (APPLIANCE_IP, port)).unwrap();
+        let t = Instant::now();
+        loop {
+            let st = stats(&rack.mgmt_url());
+            let taken: u64 = st.lcores.iter().map(|l| l.pushes_aggregated).sum();
+            if wrong_peer(&st) + taken > 0 {
+                break;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the forged partial was not handled: {st:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
         // Ranks 0 and 1 on the DPDK appliance (rack 0), 2 and 3 on the
         // kernel-UDP one; exact sums every round.
         train(&url, &job, 4, &keys, 6);
@@ -143,13 +171,12 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
     assert_eq!(o.0, 7 * chunks, "{other:?}");
     assert!(d.1 > 0 && o.1 > 0);
     assert_eq!(d.1 + o.1, 2 * 7 * chunks);
-    assert_eq!(
-        dpdk.lcores
-            .iter()
-            .filter_map(|l| l.drops.get("wrong_peer"))
-            .sum::<u64>(),
-        0
-    );
+    assert_eq!(wrong_peer(&dpdk), 1, "the forged partial alone");
+    assert_eq!(wrong_peer(&other), 0);
+}
+
+fn wrong_peer(s: &DataplaneStats) -> u64 {
+    s.lcores.iter().filter_map(|l| l.drops.get("wrong_peer")).sum()
 }
 
 /// Removes a file when dropped.

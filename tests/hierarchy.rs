@@ -108,6 +108,58 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
     );
 }
 
+/// The drops of `reason` over an appliance's lcores.
+fn drops(stats: &DataplaneStats, reason: &str) -> u64 {
+    stats.lcores.iter().filter_map(|l| l.drops.get(reason)).sum()
+}
+
+/// A PARTIAL forged with nothing but the job's token, which every worker
+/// holds, is refused: a home appliance takes a rack's partial only from the
+/// data address of that rack appliance's lcore holding the chunk
+/// (PROTOCOL.md §9.4). Reproduction (issue 36, finding 3), on the code
+/// before: two racks (appliances a, b), a 4-worker sum job; before any
+/// worker sends, one datagram from an ordinary socket on 127.0.0.1 to the
+/// lcore of b that is home to a chunk: a PARTIAL of round 0 naming rack 0,
+/// the job's token, every element 1000. b added it as rack 0's partial;
+/// a's real one was then `duplicate`, and every rank got 1000 back as rank
+/// 0's initial values of that chunk (train panics at round 0), with no
+/// counter naming it. Now it is counted `wrong_peer`, once, on b, and every
+/// round is exact.
+#[test]
+fn a_partial_forged_with_the_jobs_token_is_wrong_peer_and_the_job_stays_exact() {
+    let rack = Appliances::start(&[2, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let job = rack
+        .admit(&spec(
+            4,
+            &keys,
+            "appliances = [\"a\", \"b\"]\nhierarchical = true\n",
+        ))
+        .unwrap();
+    let (port, forged) = phub_hwtests::workload::forged_partial(&rack.control_url, &job, "b", 1000.0);
+    let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    s.send_to(&forged, ("127.0.0.1", port)).unwrap();
+    // Handled, one way or the other, before any worker sends.
+    let t = std::time::Instant::now();
+    loop {
+        let stats: DataplaneStats = rack.dataplane_get(1, "/v1/stats");
+        let taken: u64 = stats.lcores.iter().map(|l| l.pushes_aggregated).sum();
+        if drops(&stats, "wrong_peer") + taken > 0 {
+            break;
+        }
+        assert!(
+            t.elapsed().as_secs() < 10,
+            "the forged partial was not handled: {stats:?}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    train(&rack.control_url, &job, 4, &keys, 3);
+    for (i, forged) in [(0, 0), (1, 1)] {
+        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        assert_eq!(drops(&stats, "wrong_peer"), forged, "appliance {i}: {stats:?}");
+    }
+}
+
 #[test]
 fn three_racks_train_exactly_under_loss_on_every_hop() {
     let faults = "loss=0.05,dup=0.02,reorder=0.02,seed=9";

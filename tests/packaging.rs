@@ -296,6 +296,7 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
         appliances: vec!["default".into()],
         installed: true,
         failed: None,
+        held: None,
     };
     let metrics = phub_control::metrics::render(Some(&dp), &[job]);
     let ops =

@@ -462,6 +462,7 @@ mod tests {
 
     fn info(nodes: &[Option<u32>], nic: Option<u32>, budget: u64, used: u64) -> DataplaneInfo {
         DataplaneInfo {
+            id: String::new(),
             backend: "udp".into(),
             data: DataAddr {
                 host: "127.0.0.1".into(),

@@ -12,7 +12,7 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use phub_proto::api::{
     AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, CheckpointInfo, JobDetail, JobMap, JobSummary,
-    LcoreStats, Stats,
+    LcoreStats, RetriedCheckpoint, RetriedInstall, RetryRequest, RetryResponse, Stats,
 };
 use phub_proto::counters::{Column, Kind};
 use phub_proto::spec::{Consistency, JobSpec};
@@ -34,8 +34,8 @@ struct Args {
     /// Print control's answer as JSON.
     #[arg(long, global = true)]
     json: bool,
-    /// File holding the operator token that admission, eviction and
-    /// checkpoints need [default: $PHUB_OPERATOR_TOKEN (the token itself),
+    /// File holding the operator token that admission, eviction,
+    /// checkpoints and retries need [default: $PHUB_OPERATOR_TOKEN (the token itself),
     /// else ./phub-control.state.json.operator-token when it exists]
     #[arg(long, global = true, value_name = "FILE")]
     operator_token_file: Option<std::path::PathBuf>,
@@ -49,7 +49,7 @@ struct Args {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
-    /// Admit, list, show and evict jobs.
+    /// Admit, list, show, checkpoint, retry and evict jobs.
     Job {
         #[command(subcommand)]
         cmd: JobCmd,
@@ -92,10 +92,27 @@ enum JobCmd {
         id: u16,
     },
     /// Save the job's parameters and optimizer state now; after a dataplane
-    /// restart control reinstalls the job from its last checkpoint.
+    /// restart control reinstalls the job from its last checkpoint. Refused
+    /// while the job is held, and when the file there holds later rounds
+    /// than the appliance now (it is never written over by an older or
+    /// emptier state).
     Checkpoint {
         /// Job id.
         id: u16,
+    },
+    /// Retry a HELD job (`job show` says why it is held: a part's
+    /// checkpoint file is there but cannot be restored, so that part is
+    /// not installed and the file is left as it is). Once the file is
+    /// repaired or a good copy put in its place, this reads it again and
+    /// restores the part from it; if it is still unusable, says why.
+    Retry {
+        /// Job id.
+        id: u16,
+        /// Give up the held parts' checkpoints instead: each file is
+        /// renamed aside (FILE.discarded-<unix ms>, not deleted) and the
+        /// part starts over without it (its parameters are lost).
+        #[arg(long)]
+        discard_checkpoint: bool,
     },
 }
 
@@ -117,6 +134,13 @@ enum ApplianceCmd {
         /// default for the URL's port, on control's host].
         #[arg(long, value_name = "FILE")]
         token_file: Option<String>,
+        /// Add it even though it does not answer now (control checks at
+        /// once that the URL is a phub dataplane that takes the token and
+        /// is not an appliance it manages already; with --force a dataplane
+        /// that is down is added unchecked, and reconciliation checks it
+        /// when it answers).
+        #[arg(long)]
+        force: bool,
     },
     /// Stop managing an appliance (refused while a job uses it).
     Remove {
@@ -253,6 +277,17 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     )
                 })
             }
+            JobCmd::Retry {
+                id,
+                discard_checkpoint,
+            } => {
+                let body = serde_json::to_string(&RetryRequest {
+                    discard_checkpoint: *discard_checkpoint,
+                })
+                .expect("a retry request serialises");
+                let raw = ctl.call("POST", &format!("/v1/jobs/{id}/retry"), Some((&body, true)))?;
+                show(json, &raw, |r: RetryResponse| render_retry(&r))
+            }
             JobCmd::Evict { id } => {
                 let raw = ctl.call("DELETE", &format!("/v1/jobs/{id}"), None)?;
                 show(json, &raw, |r: JobSummary| {
@@ -285,6 +320,7 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 url,
                 rack,
                 token_file,
+                force,
             } => {
                 let body = serde_json::to_string(&ApplianceSpec {
                     name: name.clone(),
@@ -293,7 +329,12 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     token_file: token_file.clone(),
                 })
                 .expect("an appliance serialises");
-                let raw = ctl.call("POST", "/v1/appliances", Some((&body, true)))?;
+                let path = if *force {
+                    "/v1/appliances?force=true"
+                } else {
+                    "/v1/appliances"
+                };
+                let raw = ctl.call("POST", path, Some((&body, true)))?;
                 show(json, &raw, |a: ApplianceStatus| {
                     format!(
                         "added appliance {:?} at {}
@@ -557,6 +598,41 @@ fn yes(b: bool) -> String {
     if b { "yes" } else { "no" }.to_string()
 }
 
+/// `job retry`: per retried part, what became of its file and its install.
+pub fn render_retry(r: &RetryResponse) -> String {
+    let mut out = String::new();
+    for p in &r.parts {
+        let file = match &p.checkpoint {
+            RetriedCheckpoint::Usable { round_range } => {
+                let rounds = match round_range {
+                    Some((lo, hi)) if lo == hi => format!("round {lo}"),
+                    Some((lo, hi)) => format!("rounds {lo}..={hi}"),
+                    None => "no completed round yet".into(),
+                };
+                format!("checkpoint {} usable ({rounds})", p.file)
+            }
+            RetriedCheckpoint::SetAside { moved_to: Some(to) } => {
+                format!("checkpoint {} set aside as {to}", p.file)
+            }
+            RetriedCheckpoint::SetAside { moved_to: None } => format!("checkpoint {} was gone", p.file),
+        };
+        let restored = matches!(p.checkpoint, RetriedCheckpoint::Usable { .. });
+        let install = match (&p.install, restored) {
+            (RetriedInstall::Installed, true) => "restored from it".to_string(),
+            (RetriedInstall::Installed, false) => "installed without it (starts over)".to_string(),
+            (RetriedInstall::StillInstalled, _) => {
+                "the appliance still had the part: its state there is kept".to_string()
+            }
+            (RetriedInstall::Pending { why }, _) => format!("not installed yet ({why})"),
+        };
+        out.push_str(&format!(
+            "job {} part on appliance {:?}: {file}; {install}\n",
+            r.id, p.appliance
+        ));
+    }
+    out
+}
+
 /// `job list`.
 pub fn render_list(jobs: &[JobSummary]) -> String {
     if jobs.is_empty() {
@@ -577,6 +653,8 @@ pub fn render_list(jobs: &[JobSummary]) -> String {
                 human_bytes(j.memory_bytes),
                 if j.failed.is_some() {
                     "FAILED".to_string()
+                } else if j.held.is_some() {
+                    "HELD".to_string()
                 } else {
                     yes(j.installed)
                 },
@@ -621,6 +699,14 @@ pub fn render_show(d: &JobDetail) -> String {
     if let Some(why) = &s.failed {
         out.push_str(&format!(
             "FAILED: {why}\n  (joins are refused; evict the job and admit it again)\n"
+        ));
+    }
+    if let Some(why) = &s.held {
+        out.push_str(&format!(
+            "HELD: {why}\n  (that part is not installed, joins and checkpoints are refused, the file is left as \
+             it is: repair it or put a good copy in its place, then `phubctl job retry {}`; or `phubctl job \
+             retry {} --discard-checkpoint` to start the part over without it)\n",
+            s.id, s.id
         ));
     }
     out.push_str(&render_consistency(d));
@@ -1056,10 +1142,11 @@ pub fn render_stats(s: &Stats) -> String {
             j.name,
             j.joined.len(),
             j.workers,
-            match (&j.failed, j.installed) {
-                (Some(_), _) => "FAILED",
-                (None, true) => "installed",
-                (None, false) => "NOT installed",
+            match (&j.failed, &j.held, j.installed) {
+                (Some(_), _, _) => "FAILED",
+                (None, Some(_), _) => "HELD (see job show)",
+                (None, None, true) => "installed",
+                (None, None, false) => "NOT installed",
             },
             human_bytes(j.memory_bytes)
         ));
@@ -1274,6 +1361,7 @@ mod tests {
             appliances: vec!["default".into()],
             installed: true,
             failed: None,
+            held: None,
         }
     }
 
@@ -1292,6 +1380,45 @@ mod tests {
         failed.failed = Some("placed on 4 lcores (up to lcore 3), the dataplane now has 2".into());
         let t = render_list(&[failed]);
         assert!(t.lines().nth(1).is_some_and(|l| l.ends_with("  FAILED")), "{t}");
+        let mut held = summary(4, "kept", 512);
+        held.installed = false;
+        held.held = Some("part on appliance \"b\": checkpoint /s.job-4.b.ckpt unusable: checksum".into());
+        let t = render_list(&[held]);
+        assert!(t.lines().nth(1).is_some_and(|l| l.ends_with("  HELD")), "{t}");
+    }
+
+    #[test]
+    fn retry_says_what_each_part_got() {
+        let r = RetryResponse {
+            id: 4,
+            parts: vec![
+                phub_proto::api::RetriedPart {
+                    appliance: "b".into(),
+                    file: "/s.job-4.b.ckpt".into(),
+                    checkpoint: RetriedCheckpoint::Usable {
+                        round_range: Some((3, 3)),
+                    },
+                    install: RetriedInstall::Installed,
+                },
+                phub_proto::api::RetriedPart {
+                    appliance: "c".into(),
+                    file: "/s.job-4.c.ckpt".into(),
+                    checkpoint: RetriedCheckpoint::SetAside {
+                        moved_to: Some("/s.job-4.c.ckpt.discarded-1".into()),
+                    },
+                    install: RetriedInstall::Pending { why: "down".into() },
+                },
+            ],
+        };
+        let t = render_retry(&r);
+        assert!(
+            t.contains("appliance \"b\": checkpoint /s.job-4.b.ckpt usable (round 3); restored from it\n"),
+            "{t}"
+        );
+        assert!(
+            t.contains("set aside as /s.job-4.c.ckpt.discarded-1; not installed yet (down)"),
+            "{t}"
+        );
     }
 
     #[test]
@@ -1427,6 +1554,14 @@ mod tests {
         let t = render_show(&d);
         assert!(
             t.contains("FAILED: the dataplane refuses to install it: bad layout\n  (joins are refused"),
+            "{t}"
+        );
+        d.summary.failed = None;
+        d.summary.held = Some("part on appliance \"b\": checkpoint F unusable: checksum".into());
+        let t = render_show(&d);
+        assert!(
+            t.contains("HELD: part on appliance \"b\": checkpoint F unusable: checksum\n")
+                && t.contains("phubctl job retry"),
             "{t}"
         );
     }

@@ -28,8 +28,8 @@ use clap::Parser;
 use phub_proto::api::{
     AdmitResponse, ApplianceAddr, ApplianceSpec, ApplianceStats, ApplianceStatus, CheckpointInfo, ClockStats,
     DataAddr, DataplaneInfo, DataplaneStats, Hierarchy, InstallJob, JobDetail, JobLive, JobMap, JobPart,
-    JobSummary, JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus, Stats,
-    DETAIL_KEYS,
+    JobSummary, JoinRequest, JoinResponse, KeyMap, KeyRun, LcoreShare, RackPeer, RankStatus,
+    RetriedCheckpoint, RetriedInstall, RetriedPart, RetryRequest, RetryResponse, Stats, DETAIL_KEYS,
 };
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::{Layout, Placement};
@@ -38,16 +38,21 @@ use phub_proto::spec::{appliance_name_ok, Appliances, JobSpec, SpecError, APPLIA
 use serde::Serialize;
 
 use crate::admission::{self, AdmitError};
+use crate::ckpt_file::{self, KeepError, Owner, PartShape};
 use crate::dataplane::{Client, DataplaneError};
 use crate::metrics;
 use crate::refit::{self, Refit};
 use crate::state::{self, StateError, StoredJob, StoredPart, DEFAULT_APPLIANCE};
+use crate::watch::{self, View, Watch, READ_WAIT};
 
 /// Largest job spec accepted by `POST /v1/jobs`, in bytes (a spec lists
 /// every key: a 10^6-key spec is about 15 MB of TOML).
 pub const MAX_BODY_BYTES: usize = 64 << 20;
 /// Largest body of any other request (a join), in bytes.
 pub const MAX_SMALL_BODY_BYTES: usize = 64 << 10;
+/// Longest an admission waits for an appliance's description before it
+/// takes it as down.
+const ADMIT_WAIT: Duration = Duration::from_secs(2);
 
 /// How the daemon runs.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -437,9 +442,9 @@ impl Daemon {
             std::thread::Builder::new()
                 .name("control-reconcile".into())
                 .spawn(move || {
-                    let mut log = ReconcileLog::default();
+                    let mut logs = BTreeMap::new();
                     loop {
-                        rs.reconcile(&mut log);
+                        rs.reconcile(&mut logs);
                         rs.periodic_checkpoints();
                         match sleep.recv_timeout(rs.interval) {
                             Err(mpsc::RecvTimeoutError::Timeout) => {}
@@ -581,6 +586,12 @@ struct Appliance {
     client: Client,
     /// Its last answer to `GET /v1/info`.
     info: Option<DataplaneInfo>,
+    /// The requests of the read routes to it ([`watch`]).
+    watch: Arc<Watch>,
+    /// Set when reconciliation found it to be another appliance's
+    /// dataplane under a second name: which, and why; it is then neither
+    /// reconciled nor chosen for a job ([`watch::alias_of`]).
+    alias: Option<String>,
 }
 
 impl Appliance {
@@ -590,6 +601,8 @@ impl Appliance {
             spec,
             client,
             info: None,
+            watch: Arc::default(),
+            alias: None,
         }
     }
 }
@@ -601,9 +614,47 @@ struct Inner {
     appliances: BTreeMap<String, Appliance>,
     /// Admitted jobs by id.
     jobs: BTreeMap<u16, StoredJob>,
-    /// Each job part's last checkpoint, by job and appliance (its file is
-    /// beside the state file).
-    checkpoints: BTreeMap<(u16, String), CheckpointInfo>,
+    /// Each job part's last checkpoint, and the parts held for an
+    /// unusable one.
+    checkpoints: Checkpoints,
+}
+
+/// What control knows of its job parts' checkpoint files (beside the
+/// state file), by job and appliance.
+#[derive(Debug, Default)]
+struct Checkpoints {
+    /// Each part's last usable checkpoint.
+    taken: BTreeMap<(u16, String), CheckpointInfo>,
+    /// Parts whose checkpoint file exists but cannot be restored: they are
+    /// not installed (their job is held) until `POST /v1/jobs/{id}/retry`.
+    held: BTreeMap<(u16, String), Held>,
+}
+
+/// Why a job part is held: its checkpoint file is there, but it cannot be
+/// read or decoded, is not the part's, cannot be moved onto the part's
+/// layout, or the appliance refuses it. Installing the part without it
+/// would lose the state the file may hold, and the next checkpoint would
+/// write over it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Held {
+    /// The file.
+    file: PathBuf,
+    /// Why it cannot be used.
+    why: String,
+}
+
+impl Checkpoints {
+    /// Why job `id` is held ("part on appliance ...: checkpoint FILE
+    /// unusable: WHY", "; " between parts), if one of its parts is.
+    fn held_reason(&self, id: u16) -> Option<String> {
+        let parts: Vec<String> = self
+            .held
+            .range((id, String::new())..)
+            .take_while(|((j, _), _)| *j == id)
+            .map(|((_, name), h)| held_text(name, h))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
 }
 
 impl Inner {
@@ -622,6 +673,14 @@ impl Inner {
         self.appliances
             .values()
             .map(|a| (a.spec.name.clone(), a.client.clone()))
+            .collect()
+    }
+
+    /// Every appliance's name, client and watch.
+    fn watched(&self) -> Vec<(String, Client, Arc<Watch>)> {
+        self.appliances
+            .values()
+            .map(|a| (a.spec.name.clone(), a.client.clone(), a.watch.clone()))
             .collect()
     }
 
@@ -656,9 +715,12 @@ impl Inner {
     }
 }
 
-/// What the reconcile thread remembers to log each problem once.
+/// What the reconcile thread remembers to log each problem once (one per
+/// appliance).
 #[derive(Debug, Default)]
 struct ReconcileLog {
+    /// Jobs the appliance holds that control admitted on other appliances.
+    foreign: BTreeSet<u16>,
     /// Appliances that did not answer last time.
     down: BTreeSet<String>,
     /// Job parts whose reinstall failed, by job and appliance.
@@ -879,6 +941,17 @@ fn memory_bytes(job: &StoredJob, inner: &Inner) -> u64 {
 /// ids, or why it did not answer.
 type Survey = BTreeMap<String, Result<BTreeSet<u16>, String>>;
 
+/// The jobs each appliance holds, by its view.
+fn survey_of(views: &BTreeMap<String, Result<View, String>>) -> Survey {
+    views
+        .iter()
+        .map(|(n, v)| {
+            let ids = v.as_ref().map(|v| v.stats.jobs.iter().map(|j| j.id).collect());
+            (n.clone(), ids.map_err(Clone::clone))
+        })
+        .collect()
+}
+
 /// Whether every part of `job` is installed, by `survey`.
 fn installed(job: &StoredJob, survey: &Survey) -> bool {
     job.parts.iter().all(|p| {
@@ -902,6 +975,7 @@ fn summary(job: &StoredJob, installed: bool, inner: &Inner) -> JobSummary {
         appliances: job.parts.iter().map(|p| p.appliance.clone()).collect(),
         installed,
         failed: job.failed.clone(),
+        held: inner.checkpoints.held_reason(job.id),
     }
 }
 
@@ -960,6 +1034,15 @@ fn failed(id: u16, why: &str) -> RequestError {
     RequestError::Conflict(format!("job {id} failed: {why}; evict it and admit again"))
 }
 
+/// The answer to a join or checkpoint of a held job: 409 with its reason
+/// and the way out.
+fn held(id: u16, why: &str) -> RequestError {
+    RequestError::Conflict(format!(
+        "job {id} is held: {why}; repair or restore the file, then `phubctl job retry {id}` (or `phubctl job \
+         retry {id} --discard-checkpoint` to set the file aside and start the part over without it)"
+    ))
+}
+
 fn body_text(req: &phub_http::Request) -> Result<&str, RequestError> {
     std::str::from_utf8(&req.body)
         .map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
@@ -972,6 +1055,7 @@ fn needs_operator(method: &str, segs: &[&str]) -> bool {
         ("POST", ["v1", "jobs"])
             | ("DELETE", ["v1", "jobs", _])
             | ("POST", ["v1", "jobs", _, "checkpoint"])
+            | ("POST", ["v1", "jobs", _, "retry"])
             | ("POST", ["v1", "appliances"])
             | ("DELETE", ["v1", "appliances", _])
     )
@@ -1079,6 +1163,24 @@ impl Shared {
                 "POST" => Ok(Reply::json(200, &self.checkpoint(parse_id(id)?)?)),
                 _ => Err(wrong("POST")),
             },
+            ["v1", "jobs", id, "retry"] => match method {
+                "POST" => {
+                    let id = parse_id(id)?;
+                    let body = body_text(req)?;
+                    let r: RetryRequest = if body.trim().is_empty() {
+                        RetryRequest::default()
+                    } else {
+                        serde_json::from_str(body).map_err(|e| {
+                            RequestError::BadRequest(format!(
+                                "invalid retry request: {e}; expected {{\"discard_checkpoint\": false}} (or true), \
+                                 or no body"
+                            ))
+                        })?
+                    };
+                    Ok(Reply::json(200, &self.retry(id, r.discard_checkpoint)?))
+                }
+                _ => Err(wrong("POST")),
+            },
             ["v1", "jobs", id, "map"] => match method {
                 "GET" => Ok(Reply::json(200, &self.map(parse_id(id)?, None)?)),
                 _ => Err(wrong("GET")),
@@ -1109,7 +1211,11 @@ impl Shared {
                              \"token_file\": ...}}"
                         ))
                     })?;
-                    Ok(Reply::json(201, &self.add_appliance(a)?))
+                    let force = req.query.as_deref().is_some_and(|q| {
+                        q.split('&')
+                            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
+                    });
+                    Ok(Reply::json(201, &self.add_appliance(a, force)?))
                 }
                 _ => Err(wrong("GET, POST")),
             },
@@ -1169,26 +1275,52 @@ impl Shared {
         Ok(info)
     }
 
-    /// Which appliances hold which jobs now (one call to each).
-    fn survey(&self) -> Survey {
-        let clients = self.lock().clients();
-        clients
+    /// The views of the appliances named in `only` (all when `None`),
+    /// each fresh if it answers within `wait` ([`Watch::look`]: one asked
+    /// while a request to it is in flight since longer is not waited for);
+    /// all are asked at once. Fresh descriptions are remembered.
+    fn views(&self, only: Option<&[String]>, wait: Duration) -> BTreeMap<String, Result<View, String>> {
+        let watched: Vec<(String, Client, Arc<Watch>)> = self
+            .lock()
+            .watched()
             .into_iter()
-            .map(|(name, c)| {
-                let r = c
-                    .jobs()
-                    .map(|j| j.into_iter().map(|j| j.id).collect())
-                    .map_err(|e| e.to_string());
-                (name, r)
-            })
-            .collect()
+            .filter(|(n, ..)| only.is_none_or(|o| o.contains(n)))
+            .collect();
+        for (_, c, w) in &watched {
+            // A failure to start shows in `look`.
+            let _ = w.kick(c);
+        }
+        let views: BTreeMap<String, Result<View, String>> = watched
+            .iter()
+            .map(|(n, c, w)| (n.clone(), w.look(c, wait)))
+            .collect();
+        let mut inner = self.lock();
+        for (n, v) in &views {
+            if let (Some(a), Ok(v)) = (inner.appliances.get_mut(n), v) {
+                a.info = Some(v.info.clone());
+            }
+        }
+        views
+    }
+
+    /// Which appliances hold which jobs now, by [`Shared::views`].
+    fn survey(&self) -> Survey {
+        survey_of(&self.views(None, READ_WAIT))
     }
 
     /// The appliances `spec` goes on, with their fresh descriptions, in
     /// layout order: those it names, or the number it asks for (one by
     /// default) with the most free memory among those that answer.
     fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let clients = self.lock().clients();
+        let (clients, aliases): (Vec<(String, Client)>, BTreeMap<String, String>) = {
+            let inner = self.lock();
+            let aliases = inner
+                .appliances
+                .values()
+                .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
+                .collect();
+            (inner.clients(), aliases)
+        };
         let asked = spec.placement.as_ref().map(|p| &p.appliances);
         let chosen = match asked {
             Some(Appliances::Names(names)) => {
@@ -1202,6 +1334,11 @@ impl Shared {
                             known.join(", ")
                         )));
                     };
+                    if let Some(why) = aliases.get(n) {
+                        return Err(RequestError::Conflict(format!(
+                            "placement.appliances names {n:?}, which is {why}"
+                        )));
+                    }
                     out.push((n.clone(), c.info()?));
                 }
                 out
@@ -1210,10 +1347,23 @@ impl Shared {
                 let count = spec.placement.as_ref().map_or(1, |p| p.count());
                 let mut answer = Vec::new();
                 let mut down = None;
-                for (name, c) in &clients {
-                    match c.info() {
-                        Ok(info) => answer.push((name.clone(), info)),
-                        Err(e) => down = down.or(Some(e)),
+                // Every appliance asked at once; one that does not answer
+                // within ADMIT_WAIT is taken as down.
+                for (name, v) in self.views(None, ADMIT_WAIT) {
+                    match v {
+                        Ok(_) if aliases.contains_key(&name) => {}
+                        Ok(v) => answer.push((name, v.info)),
+                        Err(e) => {
+                            down = down.or(Some(RequestError::Dataplane(DataplaneError::Unreachable {
+                                appliance: name.clone(),
+                                base: clients
+                                    .iter()
+                                    .find(|(n, _)| *n == name)
+                                    .map(|(_, c)| c.base().to_string())
+                                    .unwrap_or_default(),
+                                reason: e,
+                            })));
+                        }
                     }
                 }
                 let free: Vec<(String, u64)> = answer
@@ -1228,7 +1378,7 @@ impl Shared {
                 let names = match admission::choose_appliances(count, &free) {
                     Ok(n) => n,
                     // Too few answer: say why one does not.
-                    Err(e) => return Err(down.map_or(RequestError::Capacity(e), RequestError::from)),
+                    Err(e) => return Err(down.unwrap_or(RequestError::Capacity(e))),
                 };
                 names
                     .into_iter()
@@ -1369,6 +1519,9 @@ impl Shared {
         if let Some(why) = &job.failed {
             return Err(failed(id, why));
         }
+        if let Some(why) = inner.checkpoints.held_reason(id) {
+            return Err(held(id, &why));
+        }
         let w = job.spec.workers;
         if u32::from(req.rank) >= w {
             return Err(RequestError::BadRequest(format!(
@@ -1500,24 +1653,16 @@ impl Shared {
     }
 
     fn show(&self, id: u16) -> Result<JobDetail, RequestError> {
-        let clients: Vec<(String, Client)> = {
+        let names: Vec<String> = {
             let inner = self.lock();
             let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
-            job.parts
-                .iter()
-                .filter_map(|p| Some((p.appliance.clone(), inner.client(&p.appliance).ok()?)))
-                .collect()
+            job.parts.iter().map(|p| p.appliance.clone()).collect()
         };
         // Per appliance of the job: its view of the job, or why it is down.
-        let views: BTreeMap<String, Result<Option<JobLive>, String>> = clients
+        let views: BTreeMap<String, Result<Option<JobLive>, String>> = self
+            .views(Some(&names), READ_WAIT)
             .into_iter()
-            .map(|(n, c)| {
-                let v = c
-                    .stats()
-                    .map(|s| s.jobs.into_iter().find(|j| j.id == id))
-                    .map_err(|e| e.to_string());
-                (n, v)
-            })
+            .map(|(n, v)| (n, v.map(|v| v.stats.jobs.into_iter().find(|j| j.id == id))))
             .collect();
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
@@ -1611,12 +1756,18 @@ impl Shared {
             log::error!("job {id} not evicted: {e}");
             return Err(RequestError::State(format!("job {id} not evicted: {e}")));
         }
-        let files: Vec<String> = job
-            .parts
-            .iter()
-            .filter_map(|p| inner.checkpoints.remove(&(id, p.appliance.clone())))
-            .map(|c| c.file)
-            .collect();
+        // Every part's checkpoint goes, usable or not, with any previous
+        // version a write left.
+        let sharded = job.parts.len() > 1;
+        let mut files = Vec::new();
+        for p in &job.parts {
+            let key = (id, p.appliance.clone());
+            inner.checkpoints.taken.remove(&key);
+            inner.checkpoints.held.remove(&key);
+            let f = checkpoint_path(&self.state_path, id, &p.appliance, sharded);
+            files.push(ckpt_file::prev_path(&f));
+            files.push(f);
+        }
         let clients: Vec<(String, Option<Client>)> = job
             .parts
             .iter()
@@ -1625,8 +1776,10 @@ impl Shared {
         let summary = summary(&job, false, &inner);
         drop(inner);
         for f in files {
-            if let Err(e) = std::fs::remove_file(&f) {
-                log::warn!("job {id} evicted, but its checkpoint {f} stays: {e}");
+            match std::fs::remove_file(&f) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => log::warn!("job {id} evicted, but its checkpoint {} stays: {e}", f.display()),
             }
         }
         for (name, c) in clients {
@@ -1734,28 +1887,23 @@ impl Shared {
     }
 
     fn stats(&self) -> Stats {
-        let clients = self.lock().clients();
-        let mut appliances = Vec::new();
-        let mut survey = Survey::new();
-        for (name, c) in clients {
-            let (dataplane, error) = match c.stats() {
-                Ok(s) => (Some(s), None),
-                Err(e) => (None, Some(e.to_string())),
-            };
-            survey.insert(
-                name.clone(),
-                dataplane
-                    .as_ref()
-                    .map(|s| s.jobs.iter().map(|j| j.id).collect())
-                    .ok_or_else(|| error.clone().unwrap_or_default()),
-            );
-            appliances.push(ApplianceStats {
-                name,
-                rack: String::new(),
-                dataplane,
-                error,
-            });
-        }
+        let views = self.views(None, READ_WAIT);
+        let survey = survey_of(&views);
+        let mut appliances: Vec<ApplianceStats> = views
+            .into_iter()
+            .map(|(name, v)| {
+                let (dataplane, error) = match v {
+                    Ok(v) => (Some(v.stats), None),
+                    Err(e) => (None, Some(e)),
+                };
+                ApplianceStats {
+                    name,
+                    rack: String::new(),
+                    dataplane,
+                    error,
+                }
+            })
+            .collect();
         let inner = self.lock();
         for a in &mut appliances {
             if let Some(x) = inner.appliances.get(&a.name) {
@@ -1792,10 +1940,14 @@ impl Shared {
     }
 
     /// Takes a checkpoint of every part of job `id` from its appliances and
-    /// keeps each (atomically replacing the previous one) beside the state
-    /// file. A part whose appliance fails keeps its previous checkpoint,
-    /// and the error names the appliance; the other parts are saved.
+    /// keeps each beside the state file ([`ckpt_file::keep`]: never over a
+    /// newer or fuller one, nor over one that is unusable, which holds the
+    /// job; the previous one kept as `.prev` until the new one reads back).
+    /// A part whose appliance fails keeps its previous checkpoint, and the
+    /// error names the appliance; the other parts are saved. A held job is
+    /// refused (409).
     fn checkpoint(&self, id: u16) -> Result<CheckpointInfo, RequestError> {
+        let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
         let clients: Vec<(String, Client)> = {
             let inner = self.lock();
             match inner.jobs.get(&id) {
@@ -1803,11 +1955,15 @@ impl Shared {
                 Some(StoredJob {
                     failed: Some(why), ..
                 }) => return Err(failed(id, why)),
-                Some(job) => job
-                    .parts
-                    .iter()
-                    .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
-                    .collect::<Result<_, RequestError>>()?,
+                Some(job) => {
+                    if let Some(why) = inner.checkpoints.held_reason(id) {
+                        return Err(held(id, &why));
+                    }
+                    job.parts
+                        .iter()
+                        .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
+                        .collect::<Result<_, RequestError>>()?
+                }
             }
         };
         let sharded = clients.len() > 1;
@@ -1833,6 +1989,8 @@ impl Shared {
         combined_checkpoint(&inner, job).ok_or_else(|| not_admitted(id))
     }
 
+    /// Takes job `id`'s part on appliance `name` from `client` and keeps it
+    /// ([`ckpt_file::keep`]). Caller holds [`CHECKPOINT_FILES`].
     fn checkpoint_part(
         &self,
         id: u16,
@@ -1847,7 +2005,37 @@ impl Shared {
             ))
         })?;
         let path = checkpoint_path(&self.state_path, id, name, sharded);
-        state::write_atomic(&path, &bytes).map_err(|e| RequestError::State(e.to_string()))?;
+        let job = self
+            .lock()
+            .jobs
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| not_admitted(id))?;
+        let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+        let owner = owner(&job, name, &part);
+        owner.check(&ckpt.job).map_err(|e| {
+            RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
+            ))
+        })?;
+        match ckpt_file::keep(&path, &bytes, &ckpt, &owner) {
+            Ok(()) => {}
+            Err(KeepError::Unusable { why, .. }) => {
+                let h = Held {
+                    file: path.clone(),
+                    why,
+                };
+                let text = held_text(name, &h);
+                self.hold(id, name, h);
+                return Err(held(id, &text));
+            }
+            Err(e @ KeepError::Older { .. }) => {
+                return Err(RequestError::Conflict(format!(
+                    "job {id}, part on appliance {name:?}: {e}"
+                )))
+            }
+            Err(KeepError::Write(e)) => return Err(RequestError::State(e)),
+        }
         let info = CheckpointInfo {
             id,
             round_range: ckpt.round_range(),
@@ -1857,7 +2045,10 @@ impl Shared {
         };
         let mut inner = self.lock();
         if inner.jobs.contains_key(&id) {
-            inner.checkpoints.insert((id, name.to_string()), info.clone());
+            inner
+                .checkpoints
+                .taken
+                .insert((id, name.to_string()), info.clone());
             Ok(info)
         } else {
             // Evicted meanwhile: the file must not outlive the job.
@@ -1867,7 +2058,8 @@ impl Shared {
     }
 
     /// Checkpoints every job whose spec asks for it and one of whose parts'
-    /// last checkpoint is older than its interval (or missing).
+    /// last checkpoint is older than its interval (or missing); never a
+    /// held job.
     fn periodic_checkpoints(&self) {
         let now = unix_ms();
         let due: Vec<u16> = {
@@ -1877,6 +2069,7 @@ impl Shared {
                 .values()
                 .filter(|j| {
                     j.failed.is_none()
+                        && inner.checkpoints.held_reason(j.id).is_none()
                         && j.spec.checkpoint_interval_s.is_some_and(|s| {
                             let last = j
                                 .parts
@@ -1884,6 +2077,7 @@ impl Shared {
                                 .map(|p| {
                                     inner
                                         .checkpoints
+                                        .taken
                                         .get(&(j.id, p.appliance.clone()))
                                         .map_or(0, |c| c.taken_unix_ms)
                                 })
@@ -1902,22 +2096,75 @@ impl Shared {
         }
     }
 
-    /// Reconciles every appliance ([`Shared::reconcile_one`]).
-    fn reconcile(&self, log: &mut ReconcileLog) {
+    /// Reconciles every appliance ([`Shared::reconcile_one`]), all at
+    /// once, so that one that does not answer delays none of the others;
+    /// first asks each who it is, and leaves alone every appliance that is
+    /// another's dataplane under a second name ([`watch::alias_of`]).
+    fn reconcile(&self, logs: &mut BTreeMap<String, ReconcileLog>) {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let clients = self.lock().clients();
-        log.down.retain(|n| clients.iter().any(|(c, _)| c == n));
-        for (name, client) in clients {
-            self.reconcile_one(&name, &client, log);
+        logs.retain(|n, _| clients.iter().any(|(c, _)| c == n));
+        let infos: Vec<(String, Option<DataplaneInfo>)> = std::thread::scope(|s| {
+            let asked: Vec<_> = clients
+                .iter()
+                .map(|(n, c)| (n.clone(), s.spawn(move || c.info().ok())))
+                .collect();
+            asked
+                .into_iter()
+                .map(|(n, h)| (n, h.join().ok().flatten()))
+                .collect()
+        });
+        let aliases: BTreeSet<String> = {
+            let mut inner = self.lock();
+            let seen: Vec<(String, bool, DataplaneInfo)> = infos
+                .iter()
+                .filter_map(|(n, i)| Some((n.clone(), !inner.jobs_on(n).is_empty(), i.clone()?)))
+                .collect();
+            let found = watch::alias_of(&seen);
+            for (n, i) in infos {
+                let Some(a) = inner.appliances.get_mut(&n) else {
+                    continue;
+                };
+                let alias = found.iter().find(|(x, ..)| *x == n).map(|(_, other, why)| {
+                    format!(
+                        "the dataplane of appliance {other:?} under a second name ({why}): neither \
+                         reconciled nor given jobs; remove one of the two (phubctl appliance remove)"
+                    )
+                });
+                match (&a.alias, &alias) {
+                    (None, Some(why)) => log::error!("appliance {n:?} at {} is {why}", a.spec.url),
+                    (Some(_), None) => log::info!("appliance {n:?} is no longer another's dataplane"),
+                    _ => {}
+                }
+                a.alias = alias;
+                if i.is_some() {
+                    a.info = i;
+                }
+            }
+            found.into_iter().map(|(n, ..)| n).collect()
+        };
+        for (n, _) in &clients {
+            logs.entry(n.clone()).or_default();
         }
+        std::thread::scope(|s| {
+            for (name, log) in logs.iter_mut().filter(|(n, _)| !aliases.contains(*n)) {
+                let Some((_, client)) = clients.iter().find(|(c, _)| c == name) else {
+                    continue;
+                };
+                s.spawn(move || self.reconcile_one(name, client, log));
+            }
+        });
     }
 
     /// Reinstalls on appliance `name` every part of an admitted job it
     /// lacks, fitted to the lcores it has now ([`Shared::refit`]), from the
     /// part's checkpoint when it has one; a job that cannot be placed on
     /// them, or whose install the appliance refuses as invalid (HTTP 400),
-    /// is marked failed instead of being retried for ever. Jobs it holds
-    /// that control has not admitted there are removed.
+    /// is marked failed instead of being retried for ever. A part whose
+    /// checkpoint file is there but unusable ([`Shared::checkpoint_for`],
+    /// or refused by the appliance) is held instead, and a held part is
+    /// not installed, until `POST /v1/jobs/{id}/retry`. Jobs it holds that
+    /// control has not admitted there are removed.
     fn reconcile_one(&self, name: &str, client: &Client, log: &mut ReconcileLog) {
         let installed: BTreeSet<u16> = match client.jobs() {
             Ok(j) => {
@@ -1939,15 +2186,36 @@ impl Shared {
         let (unknown, missing): (Vec<u16>, Vec<u16>) = {
             let inner = self.lock();
             let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
-            let unknown = installed
+            // A job admitted on other appliances is left alone: this
+            // may be one of them under another name or address, which
+            // must not lose the job's state.
+            let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
                 .iter()
                 .copied()
                 .filter(|id| !here.contains(id))
-                .collect();
+                .partition(|id| inner.jobs.contains_key(id));
+            for id in foreign {
+                if log.foreign.insert(id) {
+                    let on: Vec<&str> = inner.jobs[&id]
+                        .parts
+                        .iter()
+                        .map(|p| p.appliance.as_str())
+                        .collect();
+                    log::error!(
+                        "appliance {name:?} holds job {id}, which is admitted on {} and not there: left \
+                         installed (is {name:?} one of those under another name or address?)",
+                        on.join(", ")
+                    );
+                }
+            }
             let missing = here
                 .iter()
                 .copied()
-                .filter(|id| !installed.contains(id) && inner.jobs[id].failed.is_none())
+                .filter(|id| {
+                    !installed.contains(id)
+                        && inner.jobs[id].failed.is_none()
+                        && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
+                })
                 .collect();
             (unknown, missing)
         };
@@ -1962,6 +2230,7 @@ impl Shared {
             }
         }
         log.failed.retain(|(id, n)| n != name || !installed.contains(id));
+        log.foreign.retain(|id| installed.contains(id));
         if missing.is_empty() {
             return;
         }
@@ -1985,22 +2254,25 @@ impl Shared {
             let Some((job, sharded)) = self.refit(id, name, &info) else {
                 continue;
             };
-            let saved = self.lock().checkpoints.get(&(id, name.to_string())).cloned();
-            let restored = saved
-                .as_ref()
-                .and_then(|_| self.checkpoint_for(&job, name, sharded));
-            let result = match &restored {
-                Some(bytes) => client.restore(id, bytes),
+            let restore = match self.checkpoint_for(&job, name, sharded) {
+                Ok(r) => r,
+                Err(h) => {
+                    self.hold(id, name, h);
+                    continue;
+                }
+            };
+            let result = match &restore {
+                Some(r) => client.restore(id, &r.bytes),
                 None => client.install(&job),
             };
             match result {
                 Ok(()) => {
-                    match saved.filter(|_| restored.is_some()) {
-                        Some(c) => log::info!(
+                    match &restore {
+                        Some(r) => log::info!(
                             "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it, from its \
-                             checkpoint (rounds {:?})",
+                             checkpoint ({})",
                             job.spec.name,
-                            c.round_range
+                            rounds_text(r.round_range)
                         ),
                         None => log::info!(
                             "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it (no \
@@ -2011,17 +2283,27 @@ impl Shared {
                     log.failed.remove(&(id, name.to_string()));
                 }
                 // A refusal of the request itself does not change by
-                // retrying, unless the appliance restarted again meanwhile.
+                // retrying, unless the appliance restarted again meanwhile:
+                // a refused checkpoint holds the part (as any unusable
+                // one), a refused install fails the job.
                 Err(DataplaneError::Refused {
                     status: 400, message, ..
                 }) if client
                     .info()
                     .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
                 {
-                    self.fail(
-                        id,
-                        &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
-                    );
+                    if restore.is_some() {
+                        let h = Held {
+                            file: checkpoint_path(&self.state_path, id, name, sharded),
+                            why: format!("appliance {name:?} refuses to restore it: {message}"),
+                        };
+                        self.hold(id, name, h);
+                    } else {
+                        self.fail(
+                            id,
+                            &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
+                        );
+                    }
                 }
                 Err(e) => {
                     if log.failed.insert((id, name.to_string())) {
@@ -2050,14 +2332,33 @@ impl Shared {
                 job.racks[index].lcores.len()
             );
             let before = job.clone();
+            let others: Vec<(String, Option<Client>)> = job
+                .parts
+                .iter()
+                .filter(|p| p.appliance != name)
+                .map(|p| (p.appliance.clone(), inner.client(&p.appliance).ok()))
+                .collect();
             if let Some(j) = inner.jobs.get_mut(&id) {
                 j.failed = Some(why.clone());
             }
             if let Err(e) = self.persist(&inner) {
                 inner.jobs.insert(id, before);
                 log::error!("job {id}: {why}; but that cannot be recorded ({e}): retrying");
-            } else {
-                log::error!("job {id} failed: {why}");
+                return None;
+            }
+            log::error!("job {id} failed: {why}");
+            drop(inner);
+            // Its other racks' parts would hold their memory and send
+            // partials to a home that is gone: removed.
+            for (other, client) in others {
+                match client.map(|c| c.remove(id)) {
+                    Some(Ok(_)) => log::warn!("job {id} failed: its part on appliance {other:?} is removed"),
+                    Some(Err(e)) => log::warn!(
+                        "job {id} failed; its part on appliance {other:?} could not be removed ({e}): remove it \
+                         by evicting the job"
+                    ),
+                    None => {}
+                }
             }
             return None;
         }
@@ -2145,48 +2446,226 @@ impl Shared {
 
     /// The checkpoint to restore `job`'s part on appliance `name` from,
     /// moved onto the part's layout when it was taken on another (the part
-    /// was placed anew since): `None`, logged, when it cannot be read,
-    /// decoded or moved (the part is then installed without it, as when it
-    /// has none).
-    fn checkpoint_for(&self, job: &InstallJob, name: &str, sharded: bool) -> Option<Vec<u8>> {
+    /// was placed anew since): `None` when the part has none (no file, and
+    /// control took none). A file that cannot be read or decoded, is not
+    /// the part's ([`Owner::check`]: another job's, another admission's,
+    /// another part's), or cannot be moved, is refused, and so is a
+    /// missing file control took a checkpoint into: the part must then be
+    /// held, not installed without it.
+    fn checkpoint_for(&self, job: &InstallJob, name: &str, sharded: bool) -> Result<Option<Restore>, Held> {
         let path = checkpoint_path(&self.state_path, job.id, name, sharded);
-        let unusable = |e: &dyn std::fmt::Display| {
-            log::error!(
-                "job {} on appliance {name:?}: cannot restore its checkpoint {}: {e}; installing it without",
-                job.id,
-                path.display()
-            );
+        let unusable = |why: String| Held {
+            file: path.clone(),
+            why,
         };
-        let bytes = std::fs::read(&path).map_err(|e| unusable(&e)).ok()?;
-        let ckpt = Checkpoint::decode(&bytes).map_err(|e| unusable(&e)).ok()?;
+        // The stored job is cloned so that the file is read unlocked.
+        let (stored, recorded) = {
+            let inner = self.lock();
+            let Some(stored) = inner.jobs.get(&job.id).cloned() else {
+                return Ok(None);
+            };
+            let recorded = inner.checkpoints.taken.get(&(job.id, name.to_string())).cloned();
+            (stored, recorded)
+        };
+        let Some(part) = part_of(&stored, name) else {
+            return Ok(None);
+        };
+        let found = ckpt_file::read(&path, &owner(&stored, name, &part)).map_err(unusable)?;
+        let Some((bytes, ckpt)) = found else {
+            return match recorded {
+                None => Ok(None),
+                Some(c) => Err(unusable(format!(
+                    "the file is gone (control took it: {}, {} bytes)",
+                    rounds_text(c.round_range),
+                    c.bytes
+                ))),
+            };
+        };
+        let round_range = ckpt.round_range();
         if ckpt.job.layout == job.layout {
-            return Some(bytes);
+            return Ok(Some(Restore { bytes, round_range }));
         }
         let moved = ckpt
             .relayout(job.layout.clone())
             .and_then(|c| c.encode())
-            .map_err(|e| unusable(&e))
-            .ok()?;
+            .map_err(|e| unusable(format!("it cannot be moved onto the part's layout: {e}")))?;
         log::info!(
             "job {} on appliance {name:?}: its checkpoint is moved onto its new layout, chunk by chunk",
             job.id
         );
-        Some(moved)
+        Ok(Some(Restore {
+            bytes: moved,
+            round_range,
+        }))
+    }
+
+    /// Holds job `id`'s part on appliance `name` for `h`: it is not
+    /// installed, its checkpoint is no longer listed, and the job says why
+    /// (logged once per reason).
+    fn hold(&self, id: u16, name: &str, h: Held) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get(&id) else {
+            return;
+        };
+        let job_name = job.spec.name.clone();
+        let key = (id, name.to_string());
+        inner.checkpoints.taken.remove(&key);
+        if inner.checkpoints.held.get(&key) != Some(&h) {
+            log::error!(
+                "job {id} ({job_name:?}) held: part on appliance {name:?}: checkpoint {} unusable: {}; the part \
+                 is not installed and the file is not written over: repair or restore it, then `phubctl job \
+                 retry {id}` (or `--discard-checkpoint` to set it aside and start the part over)",
+                h.file.display(),
+                h.why
+            );
+            inner.checkpoints.held.insert(key, h);
+        }
+    }
+
+    /// `POST /v1/jobs/{id}/retry`: each held part of job `id` is tried
+    /// again. Its checkpoint file is read again and, if it is usable now,
+    /// becomes the part's checkpoint and the part is restored from it at
+    /// once (as reconciliation would: fitted to the appliance, the
+    /// checkpoint moved onto the part's layout); if not, the job stays
+    /// held and the error says why. With `discard`, the file is renamed
+    /// aside instead and the part starts over without it. A part its
+    /// appliance still has installed keeps its state there.
+    fn retry(&self, id: u16, discard: bool) -> Result<RetryResponse, RequestError> {
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
+        let (job, held_parts) = {
+            let inner = self.lock();
+            let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+            if let Some(why) = &job.failed {
+                return Err(failed(id, why));
+            }
+            let held_parts: Vec<(String, Held)> = job
+                .parts
+                .iter()
+                .filter_map(|p| {
+                    let h = inner.checkpoints.held.get(&(id, p.appliance.clone()))?;
+                    Some((p.appliance.clone(), h.clone()))
+                })
+                .collect();
+            if held_parts.is_empty() {
+                return Err(RequestError::Conflict(format!(
+                    "job {id} is not held: nothing to retry (see phubctl job show {id})"
+                )));
+            }
+            (job.clone(), held_parts)
+        };
+        let mut files = Vec::new();
+        for (name, h) in &held_parts {
+            let key = (id, name.clone());
+            let checkpoint = if discard {
+                let aside = state::sibling(&h.file, &format!(".discarded-{}", unix_ms()));
+                let moved_to = match std::fs::rename(&h.file, &aside) {
+                    Ok(()) => Some(aside.display().to_string()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+                    Err(e) => {
+                        return Err(RequestError::State(format!(
+                            "job {id}: cannot set the checkpoint {} aside as {}: {e}; the job stays held",
+                            h.file.display(),
+                            aside.display()
+                        )))
+                    }
+                };
+                let mut inner = self.lock();
+                inner.checkpoints.held.remove(&key);
+                inner.checkpoints.taken.remove(&key);
+                log::warn!(
+                    "job {id}: the operator gave up the checkpoint {} of its part on appliance {name:?} ({}): \
+                     the part starts over without it",
+                    h.file.display(),
+                    moved_to.as_deref().unwrap_or("the file was gone")
+                );
+                RetriedCheckpoint::SetAside { moved_to }
+            } else {
+                let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+                let usable = match ckpt_file::read(&h.file, &owner(&job, name, &part)) {
+                    Ok(Some(found)) => Ok(found),
+                    Ok(None) => {
+                        Err("the file is gone (restore it, or retry with --discard-checkpoint)".into())
+                    }
+                    Err(why) => Err(why),
+                };
+                let (bytes, ckpt) = match usable {
+                    Ok(found) => found,
+                    Err(why) => {
+                        let h = Held {
+                            file: h.file.clone(),
+                            why,
+                        };
+                        let text = held_text(name, &h);
+                        self.hold(id, name, h);
+                        return Err(held(id, &text));
+                    }
+                };
+                let info = CheckpointInfo {
+                    id,
+                    round_range: ckpt.round_range(),
+                    bytes: bytes.len() as u64,
+                    taken_unix_ms: modified_ms(&h.file),
+                    file: h.file.display().to_string(),
+                };
+                let mut inner = self.lock();
+                inner.checkpoints.held.remove(&key);
+                inner.checkpoints.taken.insert(key, info);
+                log::info!(
+                    "job {id}: the checkpoint {} of its part on appliance {name:?} is usable again ({})",
+                    h.file.display(),
+                    rounds_text(ckpt.round_range())
+                );
+                RetriedCheckpoint::Usable {
+                    round_range: ckpt.round_range(),
+                }
+            };
+            files.push((name.clone(), h.file.display().to_string(), checkpoint));
+        }
+        // Each part is installed now, as reconciliation would install it.
+        let mut parts = Vec::new();
+        for (name, file, checkpoint) in files {
+            let client = self.lock().client(&name)?;
+            let has = |c: &Client| c.jobs().map(|j| j.iter().any(|j| j.id == id));
+            let install = match has(&client) {
+                Ok(true) => RetriedInstall::StillInstalled,
+                Ok(false) => {
+                    self.reconcile_one(&name, &client, &mut ReconcileLog::default());
+                    if let Some(h) = self.lock().checkpoints.held.get(&(id, name.clone())) {
+                        return Err(held(id, &held_text(&name, h)));
+                    }
+                    match has(&client) {
+                        Ok(true) => RetriedInstall::Installed,
+                        Ok(false) => RetriedInstall::Pending {
+                            why: format!(
+                                "appliance {name:?} did not install it (see phub-control's log); reconciliation \
+                                 retries every {:?}",
+                                self.interval
+                            ),
+                        },
+                        Err(e) => RetriedInstall::Pending { why: e.to_string() },
+                    }
+                }
+                Err(e) => RetriedInstall::Pending { why: e.to_string() },
+            };
+            parts.push(RetriedPart {
+                appliance: name,
+                file,
+                checkpoint,
+                install,
+            });
+        }
+        Ok(RetryResponse { id, parts })
     }
 
     /// `GET /v1/appliances`: every appliance, asked for its description now.
     fn appliances(&self) -> Vec<ApplianceStatus> {
-        let clients = self.lock().clients();
-        let infos: BTreeMap<String, Result<DataplaneInfo, String>> = clients
+        let infos: BTreeMap<String, Result<DataplaneInfo, String>> = self
+            .views(None, READ_WAIT)
             .into_iter()
-            .map(|(n, c)| (n, c.info().map_err(|e| e.to_string())))
+            .map(|(n, v)| (n, v.map(|v| v.info)))
             .collect();
-        let mut inner = self.lock();
-        for (n, i) in &infos {
-            if let (Some(a), Ok(info)) = (inner.appliances.get_mut(n), i) {
-                a.info = Some(info.clone());
-            }
-        }
+        let inner = self.lock();
         inner
             .appliances
             .values()
@@ -2197,7 +2676,10 @@ impl Shared {
                     url: a.spec.url.clone(),
                     rack: a.spec.rack.clone(),
                     token_file: a.client.token_path().display().to_string(),
-                    down: infos.get(&a.spec.name).and_then(|r| r.as_ref().err().cloned()),
+                    down: a
+                        .alias
+                        .clone()
+                        .or_else(|| infos.get(&a.spec.name).and_then(|r| r.as_ref().err().cloned())),
                     data: info.map(|i| i.data.clone()),
                     lcores: info.map(|i| u32::try_from(i.lcores.len()).unwrap_or(u32::MAX)),
                     memory_budget_bytes: info.map(|i| i.memory_budget_bytes),
@@ -2208,20 +2690,93 @@ impl Shared {
             .collect()
     }
 
-    /// `POST /v1/appliances`: manages one more appliance, durably. It need
-    /// not answer yet; reconciliation finds it when it does.
-    fn add_appliance(&self, a: ApplianceSpec) -> Result<ApplianceStatus, RequestError> {
+    /// `POST /v1/appliances`: manages one more appliance, durably, once it
+    /// is known to be a phub dataplane that takes the management token and
+    /// that control does not manage already under another name (by its URL
+    /// in any spelling, its id or its data address). With `force`, one
+    /// that does not answer is added unchecked (reconciliation checks it
+    /// when it answers: an alias is then left alone, never reconciled).
+    fn add_appliance(&self, a: ApplianceSpec, force: bool) -> Result<ApplianceStatus, RequestError> {
         check_appliance(&a).map_err(RequestError::BadRequest)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        {
+            let inner = self.lock();
+            if let Some(old) = inner.appliances.get(&a.name) {
+                return Err(RequestError::Conflict(format!(
+                    "appliance {:?} already exists (at {}); remove it first",
+                    a.name, old.spec.url
+                )));
+            }
+            if let Some(old) = inner.appliances.values().find(|o| same_url(&o.spec.url, &a.url)) {
+                return Err(RequestError::Conflict(format!(
+                    "appliance {:?}: {} is the management API of appliance {:?} (at {}), which control \
+                     manages already; one dataplane is managed under one name. Not added",
+                    a.name, a.url, old.spec.name, old.spec.url
+                )));
+            }
+        }
+        let client = Client::new(&a.name, &a.url, token_path_of(&a));
+        let info = match client.info() {
+            Ok(info) => Some(info),
+            Err(e) if e.is_unreachable() && force => {
+                log::warn!(
+                    "adding appliance {:?} at {}, which does not answer (--force): {e}",
+                    a.name,
+                    a.url
+                );
+                None
+            }
+            Err(e) if e.is_unreachable() => {
+                return Err(RequestError::BadRequest(format!(
+                    "{e}. Not added: give --force to add an appliance that is down (reconciliation checks \
+                     it once it answers)"
+                )))
+            }
+            Err(e) => {
+                return Err(RequestError::BadRequest(format!(
+                "appliance {:?}: {} does not answer as a phub dataplane's management API ({e}). Not added",
+                a.name, a.url
+            )))
+            }
+        };
+        if let Some(info) = &info {
+            if let Err(e) = client.check_token() {
+                return Err(RequestError::BadRequest(format!(
+                    "appliance {:?}: the management token in {} does not open the dataplane at {} ({e}); give \
+                     the file its phub-dataplane wrote (token_file, phubctl --token-file). Not added",
+                    a.name,
+                    client.token_path().display(),
+                    a.url
+                )));
+            }
+            let views = self.views(None, READ_WAIT);
+            let inner = self.lock();
+            for other in inner.appliances.values() {
+                let now = views
+                    .get(&other.spec.name)
+                    .and_then(|v| v.as_ref().ok())
+                    .map(|v| &v.info);
+                let theirs = now.or(other.info.as_ref());
+                if let Some(why) = theirs.and_then(|t| watch::same_dataplane(info, t)) {
+                    return Err(RequestError::Conflict(format!(
+                        "appliance {:?} at {} is the dataplane control manages already as appliance {:?} (at \
+                         {}): {why}; one dataplane is managed under one name. Not added",
+                        a.name, a.url, other.spec.name, other.spec.url
+                    )));
+                }
+            }
+        }
         let mut inner = self.lock();
-        if let Some(old) = inner.appliances.get(&a.name) {
+        if inner.appliances.contains_key(&a.name) {
             return Err(RequestError::Conflict(format!(
-                "appliance {:?} already exists (at {}); remove it first",
-                a.name, old.spec.url
+                "appliance {:?} was added meanwhile; remove it first",
+                a.name
             )));
         }
         let name = a.name.clone();
-        inner.appliances.insert(name.clone(), Appliance::new(a));
+        let mut added = Appliance::new(a);
+        added.info = info;
+        inner.appliances.insert(name.clone(), added);
         if let Err(e) = self.persist(&inner) {
             inner.appliances.remove(&name);
             return Err(RequestError::State(format!(
@@ -2301,6 +2856,47 @@ impl Shared {
     }
 }
 
+/// Whether two management URLs name one API: the same scheme, path and
+/// port, on hosts that resolve to a common address (`localhost` and
+/// `127.0.0.1`), whatever their case or trailing `/`.
+fn same_url(a: &str, b: &str) -> bool {
+    use std::net::ToSocketAddrs as _;
+    /// (scheme, "host:port", path) of an http(s) URL, lower-cased.
+    fn split(url: &str) -> Option<(String, String, String)> {
+        let url = url.trim().to_ascii_lowercase();
+        let (scheme, rest) = url.split_once("://")?;
+        let (authority, path) = rest.split_once('/').map_or((rest, ""), |(a, p)| (a, p));
+        let authority = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+        let default = if scheme == "https" { 443 } else { 80 };
+        let has_port = authority.rsplit_once(':').is_some_and(|(h, p)| {
+            !h.ends_with(':') && p.bytes().all(|c| c.is_ascii_digit()) && !p.is_empty()
+        });
+        let hostport = if has_port {
+            authority.to_string()
+        } else {
+            format!("{authority}:{default}")
+        };
+        Some((
+            scheme.to_string(),
+            hostport,
+            path.trim_end_matches('/').to_string(),
+        ))
+    }
+    let (Some((sa, ha, pa)), Some((sb, hb, pb))) = (split(a), split(b)) else {
+        return a == b;
+    };
+    if sa != sb || pa != pb {
+        return false;
+    }
+    if ha == hb {
+        return true;
+    }
+    let resolve =
+        |h: &str| -> Vec<SocketAddr> { h.to_socket_addrs().map(Iterator::collect).unwrap_or_default() };
+    let ra = resolve(&ha);
+    resolve(&hb).iter().any(|x| ra.contains(x))
+}
+
 /// Where control keeps job `id`'s checkpoint of its part on appliance
 /// `name`: beside the state file; one file for a job on one appliance (as
 /// before sharding), one per appliance for a sharded job.
@@ -2312,13 +2908,73 @@ fn checkpoint_path(state: &std::path::Path, id: u16, name: &str, sharded: bool) 
     }
 }
 
+/// Held while a checkpoint file is written or set aside (`job checkpoint`,
+/// periodic checkpoints, `job retry`), so that two writers never race on
+/// one file, its temporary or its `.prev`. Taken after `Shared::ops` when
+/// both are.
+static CHECKPOINT_FILES: Mutex<()> = Mutex::new(());
+
+/// A checkpoint to restore a part from, on the part's layout.
+#[derive(Debug)]
+struct Restore {
+    /// The file's bytes (moved onto the part's layout if need be).
+    bytes: Vec<u8>,
+    /// Its lowest and highest completed round.
+    round_range: Option<(u32, u32)>,
+}
+
+/// What a checkpoint of job `job`'s part on appliance `name` must describe;
+/// `part` is that part's layout ([`part_of`]).
+fn owner<'a>(job: &'a StoredJob, name: &'a str, part: &'a Layout) -> Owner<'a> {
+    let rack = led_rack(job, name).and_then(|i| u16::try_from(i).ok());
+    let shape = match (rack_of(job, name), rack) {
+        (Some(layout), Some(rack)) => PartShape::Rack { rack, layout },
+        _ => PartShape::Flat(part),
+    };
+    Owner {
+        id: job.id,
+        token: job.token,
+        spec: &job.spec,
+        appliance: name,
+        part: shape,
+    }
+}
+
+/// "part on appliance "b": checkpoint FILE unusable: WHY".
+fn held_text(name: &str, h: &Held) -> String {
+    format!(
+        "part on appliance {name:?}: checkpoint {} unusable: {}",
+        h.file.display(),
+        h.why
+    )
+}
+
+/// "rounds 3..=5", "round 3", "no completed round".
+fn rounds_text(r: Option<(u32, u32)>) -> String {
+    match r {
+        None => "no completed round".into(),
+        Some((a, b)) if a == b => format!("round {a}"),
+        Some((a, b)) => format!("rounds {a}..={b}"),
+    }
+}
+
+/// When `path` was last written, in milliseconds since the Unix epoch (0
+/// if that cannot be told).
+fn modified_ms(path: &std::path::Path) -> u64 {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 /// A job's last checkpoint over all its parts: rounds spanned, bytes
 /// added up, the oldest part's time, the files listed (", "); `None`
 /// until every part has one.
 fn combined_checkpoint(inner: &Inner, job: &StoredJob) -> Option<CheckpointInfo> {
     let mut all: Option<CheckpointInfo> = None;
     for p in &job.parts {
-        let c = inner.checkpoints.get(&(job.id, p.appliance.clone()))?;
+        let c = inner.checkpoints.taken.get(&(job.id, p.appliance.clone()))?;
         all = Some(match all {
             None => c.clone(),
             Some(a) => CheckpointInfo {
@@ -2343,36 +2999,40 @@ fn unix_ms() -> u64 {
 }
 
 /// The checkpoints found beside the state file for the admitted jobs'
-/// parts.
-fn load_checkpoints(
-    state: &std::path::Path,
-    jobs: &BTreeMap<u16, StoredJob>,
-) -> BTreeMap<(u16, String), CheckpointInfo> {
-    let mut out = BTreeMap::new();
+/// parts: those usable, and the parts held for a file that is there but
+/// unusable ([`ckpt_file::read`]), so that a part held before a restart is
+/// held after it.
+fn load_checkpoints(state: &std::path::Path, jobs: &BTreeMap<u16, StoredJob>) -> Checkpoints {
+    let mut out = Checkpoints::default();
     for job in jobs.values() {
         let id = job.id;
-        for p in &job.parts {
-            let path = checkpoint_path(state, id, &p.appliance, job.parts.len() > 1);
-            let Ok(bytes) = std::fs::read(&path) else { continue };
-            match Checkpoint::decode(&bytes) {
-                Ok(c) => {
-                    let taken = std::fs::metadata(&path)
-                        .and_then(|m| m.modified())
-                        .ok()
-                        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
-                        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-                    out.insert(
-                        (id, p.appliance.clone()),
+        for (name, part) in parts(job) {
+            let path = checkpoint_path(state, id, name, job.parts.len() > 1);
+            let key = (id, name.to_string());
+            match ckpt_file::read(&path, &owner(job, name, &part)) {
+                Ok(None) => {}
+                Ok(Some((bytes, c))) => {
+                    out.taken.insert(
+                        key,
                         CheckpointInfo {
                             id,
                             round_range: c.round_range(),
                             bytes: bytes.len() as u64,
-                            taken_unix_ms: taken,
+                            taken_unix_ms: modified_ms(&path),
                             file: path.display().to_string(),
                         },
                     );
                 }
-                Err(e) => log::error!("ignoring the checkpoint {} of job {id}: {e}", path.display()),
+                Err(why) => {
+                    let h = Held { file: path, why };
+                    log::error!(
+                        "job {id} ({:?}) held: {}; the part is not installed and the file is not written \
+                         over: repair or restore it, then `phubctl job retry {id}` (or `--discard-checkpoint`)",
+                        job.spec.name,
+                        held_text(name, &h)
+                    );
+                    out.held.insert(key, h);
+                }
             }
         }
     }

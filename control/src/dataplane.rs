@@ -68,6 +68,16 @@ impl DataplaneError {
     }
 }
 
+/// Longest wait for a connection to a dataplane's management API.
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// Longest wait for the answer to a read (`GET /v1/info`, `/v1/jobs`,
+/// `/v1/stats`, `/v1/auth`): small answers that a live dataplane gives at
+/// once.
+pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(2);
+/// Longest wait for the answer to a change or a checkpoint, which carry a
+/// job's memory.
+pub(crate) const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// A blocking client; cheap to clone.
 #[derive(Clone)]
 pub(crate) struct Client {
@@ -101,8 +111,8 @@ impl Client {
         // on a half-dead peer until the timeout).
         let agent = ureq::AgentBuilder::new()
             .max_idle_connections(0)
-            .timeout_connect(Duration::from_secs(2))
-            .timeout(Duration::from_secs(10))
+            .timeout_connect(CONNECT_TIMEOUT)
+            .timeout(CHANGE_TIMEOUT)
             .build();
         Client {
             name: name.to_string(),
@@ -164,6 +174,9 @@ impl Client {
         // one (a dataplane that is down removed its file), such a call still
         // tells whether the dataplane answers.
         let open = phub_proto::api::mgmt_route_is_open(method, path);
+        if open || (method, path) == ("GET", AUTH) {
+            req = req.timeout(READ_TIMEOUT);
+        }
         match self.token(fresh) {
             Ok(t) => req = req.set("Authorization", &format!("Bearer {t}")),
             Err(_) if open => {}
@@ -216,6 +229,12 @@ impl Client {
         self.get("/v1/info")
     }
 
+    /// `GET /v1/auth`: whether the management token is the dataplane's
+    /// (a `Refused` 401 or 403 if not).
+    pub(crate) fn check_token(&self) -> Result<(), DataplaneError> {
+        self.call_with("GET", AUTH, Body::None, true).map(drop)
+    }
+
     /// `GET /v1/jobs`.
     pub(crate) fn jobs(&self) -> Result<Vec<InstalledJob>, DataplaneError> {
         self.get("/v1/jobs")
@@ -262,6 +281,9 @@ impl Client {
             .map(drop)
     }
 }
+
+/// The route that checks the management token and does nothing else.
+const AUTH: &str = "/v1/auth";
 
 /// A request body.
 #[derive(Clone, Copy)]

@@ -15,6 +15,12 @@
 //!   capacity, placement), unit-tested without I/O.
 //! - [`format`]: human byte sizes and aligned tables, pure.
 //! - [`metrics`]: the Prometheus text rendering, pure.
+//! - `ckpt_file`: a job part's checkpoint file: whether the one there is
+//!   the part's, and keeping a new one (never over a newer, fuller or
+//!   unusable one; the previous one kept until the new one reads back).
+//! - `watch`: what control last heard from each appliance, which its read
+//!   routes answer from without waiting on a hung one, and how two
+//!   registrations of one dataplane are told apart from two dataplanes.
 //! - `refit`: what reconciliation does with a job whose layout names lcores
 //!   a restarted dataplane no longer has (resize, place anew, or fail), pure.
 //!
@@ -28,6 +34,7 @@
 #![warn(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 
 pub mod admission;
+mod ckpt_file;
 pub mod cli;
 pub mod daemon;
 mod dataplane;
@@ -35,3 +42,4 @@ pub mod format;
 pub mod metrics;
 mod refit;
 mod state;
+mod watch;

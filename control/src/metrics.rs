@@ -169,7 +169,8 @@ const PORT: &[PortCounter] = &[
 /// [`LcoreStats::COUNTERS`] ([`LcoreFamily`]: `phub_lcore_<name>_total{lcore}`,
 /// its help text the table's), `phub_lcore_drops_total{lcore,reason}`,
 /// `phub_jobs`, and per job `phub_job_workers`, `phub_job_workers_joined`,
-/// `phub_job_installed`, `phub_job_memory_bytes` and, when a dataplane
+/// `phub_job_installed`, `phub_job_held`, `phub_job_failed`,
+/// `phub_job_memory_bytes` and, when a dataplane
 /// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`
 /// (added up over the job's appliances); with the DPDK backend, the port's
 /// counters (`phub_port_<name>_total`, [`PORT`]). With more than one
@@ -299,6 +300,23 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
         o.sample("phub_job_installed", &[("job", id)], u64::from(j.installed));
     }
     o.family(
+        "phub_job_held",
+        "gauge",
+        "Whether the job is held (1): a part's checkpoint file is there but unusable, so that part is not \
+         installed until the operator repairs the file and runs phubctl job retry (the reason: phubctl job show)",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_held", &[("job", id)], u64::from(j.held.is_some()));
+    }
+    o.family(
+        "phub_job_failed",
+        "gauge",
+        "Whether the job failed (1): it is never reinstalled; evict it and admit it again",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_failed", &[("job", id)], u64::from(j.failed.is_some()));
+    }
+    o.family(
         "phub_job_memory_bytes",
         "gauge",
         "Slot memory the job holds, in bytes",
@@ -394,6 +412,7 @@ mod tests {
             appliances: vec!["a".into(), "b".into()],
             installed: true,
             failed: None,
+            held: None,
         };
         render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job])
     }
@@ -551,6 +570,7 @@ mod tests {
             appliances: vec!["default".into()],
             installed: true,
             failed: None,
+            held: None,
         }];
         let text = render(Some(&dp), &jobs);
         for line in [

@@ -100,6 +100,7 @@ mod tests {
 
     fn info(lcores: usize, budget: u64, used: u64) -> DataplaneInfo {
         DataplaneInfo {
+            id: String::new(),
             backend: "udp".into(),
             data: DataAddr {
                 host: "127.0.0.1".into(),

@@ -113,7 +113,7 @@ fn puts(fake: &Fake) -> usize {
 #[test]
 fn appliances_are_added_listed_removed_and_recorded() {
     let a = Fake::start(FakeConfig::lcores(2));
-    let b = Fake::start(FakeConfig::lcores(3));
+    let b = Fake::start(FakeConfig::lcores(3).at(9200));
     let state = temp_state("crud");
     let d = daemon(vec![appliance("a", &a, "r1")], "http://127.0.0.1:1", &state);
     let l = list(&d);
@@ -230,7 +230,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         budget: 1 << 20,
         ..FakeConfig::lcores(2)
     });
-    let b = Fake::start(FakeConfig::lcores(3));
+    let b = Fake::start(FakeConfig::lcores(3).at(9200));
     let state = temp_state("shard");
     let d = daemon(
         vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
@@ -367,7 +367,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
 #[test]
 fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
     let a = Fake::start(FakeConfig::lcores(1));
-    let b = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1).at(9200));
     let state = temp_state("hier-share");
     let d = daemon(
         vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
@@ -403,7 +403,7 @@ fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
 #[test]
 fn job_show_names_a_part_whose_appliance_is_down() {
     let a = Fake::start(FakeConfig::lcores(1));
-    let b = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1).at(9200));
     let state = temp_state("down");
     let d = daemon(
         vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
@@ -439,5 +439,189 @@ fn job_show_names_a_part_whose_appliance_is_down() {
         text.contains("DOWN (") && text.contains("reinstalled when it answers"),
         "{text}"
     );
+    d.shutdown();
+}
+
+/// Issue 36, finding 1: one dataplane managed under two names (given as
+/// `--appliance a=...` and `--appliance a2=...` with one URL, or kept so
+/// in the state file) lost its jobs: within one reconcile period the
+/// second name's reconciliation removed every job as "not admitted
+/// there", the first's reinstalled them empty, and the two looped. Now
+/// the second name is known by the dataplane's id and data address for
+/// an alias of the first: it is neither reconciled nor chosen for a job,
+/// and `appliance list` says so; the job is never removed nor reinstalled.
+#[test]
+fn one_dataplane_under_two_names_loses_no_job() {
+    let a = Fake::start(FakeConfig::lcores(2));
+    let state = temp_state("alias");
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("a2", &a, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    let r: AdmitResponse = ok(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("kept", 5000, "[placement]\nappliances = [\"a\"]\n")),
+    );
+    wait_for("a2 shown as a's dataplane", || {
+        list(&d).iter().any(|x| {
+            x.name == "a2"
+                && x.down
+                    .as_deref()
+                    .is_some_and(|w| w.contains("dataplane of appliance \"a\" under a second name"))
+        })
+    });
+    let puts_before = puts(&a);
+    // Several reconcile periods (100 ms each).
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(a.jobs().contains_key(&r.id), "the job stays installed");
+    assert_eq!(puts(&a), puts_before, "and is not reinstalled");
+    let deletes: Vec<String> = a
+        .state
+        .lock()
+        .unwrap()
+        .log
+        .iter()
+        .filter(|l| l.starts_with("DELETE"))
+        .cloned()
+        .collect();
+    assert!(deletes.is_empty(), "{deletes:?}");
+    let e = err(
+        &d,
+        "POST",
+        "/v1/jobs",
+        Some(&spec("x", 256, "[placement]\nappliances = [\"a2\"]\n")),
+        409,
+    );
+    assert!(e.contains("\"a2\"") && e.contains("second name"), "{e}");
+    d.shutdown();
+}
+
+/// Issue 36, findings 1 and 5: `appliance add` took any URL: a second name
+/// for a managed dataplane (the same URL with a trailing `/`, `localhost`
+/// for `127.0.0.1`), a wrong management token (shown "up": only the open
+/// `/v1/info` was called), a URL where nothing answers, and control's own
+/// URL, each with exit 0. Now each is refused, naming why (the first
+/// appliance, the token file, `--force`, "not a phub dataplane"); only a
+/// dataplane that is down may be added, with `--force`.
+#[test]
+fn appliance_add_checks_what_it_adds() {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1).at(9200));
+    let state = temp_state("add-checks");
+    let d = daemon(vec![appliance("a", &a, "r1")], "http://127.0.0.1:1", &state);
+    let add = |spec: &ApplianceSpec, query: &str, status: u16| -> String {
+        let body = serde_json::to_string(spec).unwrap();
+        err(&d, "POST", &format!("/v1/appliances{query}"), Some(&body), status)
+    };
+    let port = a.addr.port();
+    for url in [
+        format!("http://127.0.0.1:{port}/"),
+        format!("http://localhost:{port}"),
+        format!("http://LOCALHOST:{port}//"),
+    ] {
+        let spec = ApplianceSpec {
+            url: url.clone(),
+            ..appliance("a2", &a, "r2")
+        };
+        let e = add(&spec, "", 409);
+        assert!(
+            e.contains("appliance \"a\"") && e.contains("one name"),
+            "{url}: {e}"
+        );
+        let e = add(&spec, "?force=true", 409);
+        assert!(e.contains("appliance \"a\""), "{url} --force: {e}");
+    }
+    // Another dataplane whose data address is a's: one of the two is
+    // wrong, and workers would send to the other.
+    let c = Fake::start(FakeConfig::lcores(1));
+    let e = add(&appliance("c", &c, "r3"), "", 409);
+    assert!(
+        e.contains("appliance \"a\"") && e.contains("same data address 127.0.0.1:9100"),
+        "{e}"
+    );
+    let wrong = state.with_extension("wrong-token");
+    std::fs::write(&wrong, "0123456789abcdef0123456789abcdef\n").unwrap();
+    let mut perms = std::fs::metadata(&wrong).unwrap().permissions();
+    std::os::unix::fs::PermissionsExt::set_mode(&mut perms, 0o600);
+    std::fs::set_permissions(&wrong, perms).unwrap();
+    let e = add(
+        &ApplianceSpec {
+            token_file: Some(wrong.display().to_string()),
+            ..appliance("b", &b, "r2")
+        },
+        "",
+        400,
+    );
+    assert!(
+        e.contains("management token in") && e.contains("does not open the dataplane"),
+        "{e}"
+    );
+    let nothing = format!("http://127.0.0.1:{}", free_port());
+    let down = ApplianceSpec {
+        url: nothing.clone(),
+        ..appliance("gone", &b, "r3")
+    };
+    let e = add(&down, "", 400);
+    assert!(e.contains("cannot reach") && e.contains("--force"), "{e}");
+    let own = ApplianceSpec {
+        url: format!("http://{}", d.addr()),
+        ..appliance("me", &b, "r3")
+    };
+    let e = add(&own, "", 400);
+    assert!(e.contains("does not answer as a phub dataplane"), "{e}");
+    assert_eq!(list(&d).len(), 1, "nothing was added");
+    let body = serde_json::to_string(&down).unwrap();
+    let added: ApplianceStatus = ok(&d, "POST", "/v1/appliances?force=true", Some(&body));
+    assert_eq!(added.name, "gone");
+    assert!(added.down.is_some());
+    let _: ApplianceStatus = ok(
+        &d,
+        "POST",
+        "/v1/appliances",
+        Some(&serde_json::to_string(&appliance("b", &b, "r2")).unwrap()),
+    );
+    let names: Vec<String> = list(&d).into_iter().map(|a| a.name).collect();
+    assert_eq!(names, ["a", "b", "gone"]);
+    let _ = std::fs::remove_file(&wrong);
+    d.shutdown();
+}
+
+/// A free TCP port on 127.0.0.1 (nothing listens there once it returns).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Issue 36, finding 6: a hierarchical job failed because one of its
+/// appliances came back with another lcore count kept its part on the
+/// other appliance installed, holding memory and sending partials to a
+/// home that is gone. Now that part is removed when the job fails.
+#[test]
+fn a_failed_hierarchical_job_leaves_no_part_behind() {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1).at(9200));
+    let state = temp_state("hier-fail");
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    let spec = "name = \"h\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
+                [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
+                hierarchical = true\n";
+    let r: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(spec));
+    assert!(a.jobs().contains_key(&r.id) && b.jobs().contains_key(&r.id));
+    b.restart_as(FakeConfig::lcores(2).at(9200));
+    wait_for("the job failed", || jobs(&d)[0].failed.is_some());
+    let why = jobs(&d)[0].failed.clone().unwrap();
+    assert!(why.contains("came back with 2 lcores"), "{why}");
+    wait_for("its part on a removed", || a.jobs().is_empty());
+    assert!(b.jobs().is_empty());
     d.shutdown();
 }

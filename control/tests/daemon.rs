@@ -455,6 +455,7 @@ fn numa_keeps_jobs_on_the_nics_node() {
         numa: vec![Some(0), Some(0), Some(1), Some(1)],
         nic: Some(1),
         budget: 1 << 30,
+        base_port: BASE_PORT,
     });
     let state = temp_state("numa");
     let d = daemon(&fake.url(), &state);

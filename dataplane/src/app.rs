@@ -118,7 +118,9 @@ impl Appliance {
             let traffic = move || counters.iter().map(|c| c.rx_packets.get()).sum();
             crate::spin::govern(&spin, lcores.len(), traffic, &stop);
         }
+        let id = phub_http::secret::random_token().context("cannot make the dataplane's id")?;
         let info = DataplaneInfo {
+            id,
             backend: backend.into(),
             data: DataAddr {
                 host: cfg.host.to_string(),

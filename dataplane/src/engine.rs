@@ -1847,7 +1847,7 @@ impl<A: Copy + Eq> Shard<A> {
                 Err(r) => Verdict::Dropped(r),
             };
         }
-        match Self::on_partial(&self.kernels, job, repr, payload) {
+        match Self::on_partial(&self.kernels, job, from, repr, payload) {
             Ok(Step::Open) => {
                 c.pushes_aggregated.inc();
                 Verdict::Aggregated
@@ -1879,18 +1879,34 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// A rack's PARTIAL at a home slot: the slot rules of §5 with the racks
     /// as ranks (§9.4). `Step::Resend` asks for the stored result to go to
-    /// the sending rack again.
-    fn on_partial(k: &Kernels, job: &mut Job<A>, repr: &Repr, payload: &[u8]) -> Result<Step, DropReason> {
+    /// the sending rack again. Only the lcore of rack `repr.rank`'s
+    /// appliance that holds the chunk's rack slot (the one that sends its
+    /// partials, from its own port) may speak for that rack: a partial from
+    /// any other address is `wrong_peer`, whatever token it carries, so a
+    /// worker cannot stand in for a whole rack.
+    fn on_partial(
+        k: &Kernels,
+        job: &mut Job<A>,
+        from: A,
+        repr: &Repr,
+        payload: &[u8],
+    ) -> Result<Step, DropReason> {
         let dtype = job.dtype;
         let h = job.hier.as_deref_mut().ok_or(DropReason::WrongPeer)?;
         if repr.rank >= h.racks {
             return Err(DropReason::RankOutOfRange);
         }
+        // Where the rack's slot of this chunk is: its sender (None for a
+        // slot that is no home slot here; slot_for refuses that first).
+        let sender = h.rack_slot_of(repr.rank, repr.slot).map(|(at, _)| at);
         let home = h.home.as_mut().ok_or(DropReason::SlotOutOfRange)?;
         let slot = slot_for(&mut home.slots, repr, Dtype::F32)?;
         let carries = repr.round != 0 || repr.rank == 0;
         if u32::from(repr.count) != if carries { slot.elems } else { 0 } {
             return Err(DropReason::CountMismatch);
+        }
+        if sender != Some(from) {
+            return Err(DropReason::WrongPeer);
         }
         if repr.round == NO_ROUND {
             return Err(DropReason::Ahead);
@@ -2966,6 +2982,92 @@ mod tests {
             (1 << 20) * 3 / 8,
             "and the 2 racks' partials to its home slots here"
         );
+    }
+
+    /// A home slot takes a rack's PARTIAL only from the address of that
+    /// rack appliance's lcore holding the chunk's rack slot (PROTOCOL.md
+    /// §9.4). Reproduction (issue 36, finding 3), on the code before: after
+    /// round 0, one PARTIAL of round 1 naming rack 1, with the job's token
+    /// but from another address (99, say a worker's), was added as rack
+    /// 1's partial; the real rack 1's partial was then `duplicate`, and the
+    /// round's result was 2 + 1000 instead of 2 + 3, for every rank of both
+    /// racks, with no counter showing it.
+    #[test]
+    fn a_partial_from_other_than_its_racks_address_is_wrong_peer() {
+        use phub_proto::layout::ChunkRange;
+        use std::net::{Ipv4Addr, SocketAddrV4};
+        // Addresses are the install's ports: rack 0's lcore at 1 (this
+        // one, home of the chunk), rack 1's at 2.
+        let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+        s.set_peer_resolver(Arc::new(|a: SocketAddrV4| Some(u32::from(a.port()))));
+        let at = |port| vec![SocketAddrV4::new(Ipv4Addr::LOCALHOST, port)];
+        let runs = vec![ChunkRange { first: 0, count: 1 }];
+        let mut rack = job(1, Dtype::F32, Optimizer::Sum, 1, 4);
+        rack.workers = 2;
+        let chunk = SlotChunk {
+            key: 0,
+            chunk: 0,
+            elems: 4,
+        };
+        s.install_hierarchical(
+            rack,
+            HierInstall {
+                rack: 0,
+                ranks: 0..1,
+                optimizer: Optimizer::Sum,
+                first: 0,
+                racks: vec![(at(1), runs.clone()), (at(2), runs.clone())],
+                homes: (at(1), runs),
+                home_first: 0,
+                home_slots: vec![chunk],
+            },
+        )
+        .unwrap();
+        let partial = |rack: u16, round: u32, vals: &[f32]| {
+            let repr = Repr::request(MsgType::Partial, 1, 7, rack, round, 0)
+                .with_payload(Dtype::F32, vals.len() as u16)
+                .with_chunk(0, 0);
+            let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
+            repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
+            kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
+            b
+        };
+        let wrong = Verdict::Dropped(DropReason::WrongPeer);
+        // Round 0: rack 0 carries the initial values, rack 1 says it is in;
+        // a forged round-0 partial of rack 0 is refused first.
+        assert_eq!(s.handle(99, &partial(0, 0, &[9.0; 4]), 1), wrong);
+        assert_eq!(s.handle(1, &partial(0, 0, &[0.5; 4]), 2), Verdict::Aggregated);
+        assert_eq!(s.handle(2, &partial(1, 0, &[]), 3), Verdict::Completed);
+        s.clear_transmits();
+        // Round 1: rack 1's partial forged from a worker's address, and
+        // from rack 0's (an appliance speaking for another rack).
+        assert_eq!(s.handle(99, &partial(1, 1, &[1000.0; 4]), 4), wrong);
+        assert_eq!(s.handle(1, &partial(1, 1, &[1000.0; 4]), 5), wrong);
+        assert!(!s.has_transmits());
+        assert_eq!(s.handle(1, &partial(0, 1, &[2.0; 4]), 6), Verdict::Aggregated);
+        assert_eq!(s.handle(2, &partial(1, 1, &[3.0; 4]), 7), Verdict::Completed);
+        let mut to = Vec::new();
+        for t in s.transmits() {
+            let mut d = t.header.to_vec();
+            d.extend_from_slice(t.payload);
+            let (r, payload) = wire::parse(&d).unwrap();
+            assert_eq!((r.kind, r.round), (MsgType::PartialResult, 1));
+            assert_eq!(
+                payload,
+                bytemuck::cast_slice::<f32, u8>(&[5.0; 4]),
+                "2 + 3, exact"
+            );
+            to.extend(t.to);
+        }
+        assert_eq!(to, [1, 2], "to each rack's slot, from the install");
+        s.clear_transmits();
+        // A forged copy of the completed round gets no resend of the result;
+        // the rack's own copy does.
+        assert_eq!(s.handle(99, &partial(1, 1, &[1000.0; 4]), 8), wrong);
+        assert!(!s.has_transmits());
+        assert_eq!(s.handle(2, &partial(1, 1, &[3.0; 4]), 9), Verdict::Resent);
+        assert_eq!(s.counters().drops_of(DropReason::WrongPeer), 4);
+        assert_eq!(s.counters().drops_of(DropReason::Duplicate), 0);
     }
 
     #[test]

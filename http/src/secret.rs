@@ -185,8 +185,9 @@ pub fn load_or_create(path: &Path) -> Result<(String, bool), SecretError> {
     Ok((token, true))
 }
 
-/// 32 hex digits from the kernel's random source.
-fn random_token() -> Result<String, SecretError> {
+/// 32 hex digits from the kernel's random source (a token, or an id no
+/// other process will have).
+pub fn random_token() -> Result<String, SecretError> {
     use std::io::Read as _;
     let mut bytes = [0u8; 16];
     std::fs::File::open("/dev/urandom")

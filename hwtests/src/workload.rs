@@ -83,6 +83,64 @@ pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitRespon
     req.send_string(spec).unwrap().into_json().unwrap()
 }
 
+/// A PARTIAL (PROTOCOL.md §9.2) forged by someone who holds only
+/// hierarchical job `job`'s token, as a worker does: rack 0's partial of
+/// round 0, every element `value` in place of rank 0's initial values, for
+/// the first chunk whose home slot is on appliance `appliance`. Returns the
+/// UDP port of that home lcore and the datagram. The home is read from
+/// control's map of the job (`GET /v1/jobs/{id}/map`: a hierarchical job's
+/// layout is its home layout) and the chunk from its keys' maps.
+pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f32) -> (u16, Vec<u8>) {
+    use phub_proto::api::JobMap;
+    use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+    let get = |path: String| -> JobMap {
+        ureq::get(&format!("{url}/v1/jobs/{}/map{path}", job.id))
+            .call()
+            .unwrap()
+            .into_json()
+            .unwrap()
+    };
+    let map = get(String::new());
+    let home = map
+        .lcores
+        .iter()
+        .find(|l| l.appliance == appliance && l.slots > 0)
+        .unwrap_or_else(|| {
+            panic!(
+                "appliance {appliance} is home to no chunk of job {}: {map:?}",
+                job.id
+            )
+        });
+    for k in 0..map.keys_total {
+        let key = get(format!("/keys/{k}")).keys.remove(0);
+        let Some(run) = key
+            .runs
+            .iter()
+            .find(|r| r.appliance == appliance && r.lcore == home.lcore && r.slot == 0)
+        else {
+            continue;
+        };
+        let elems = (key.elements - u64::from(run.chunk) * u64::from(map.chunk_elems))
+            .min(u64::from(map.chunk_elems));
+        let values = vec![value; elems as usize];
+        // Cast: a chunk's elements fit one datagram (JobSpec::validate).
+        #[allow(clippy::cast_possible_truncation)]
+        let repr = Repr::request(MsgType::Partial, job.id, job.token, 0, 0, 0)
+            .with_payload(phub_proto::Dtype::F32, elems as u16)
+            .with_chunk(key.key, run.chunk);
+        let mut d = vec![0u8; HEADER_LEN + 4 * values.len()];
+        repr.emit(&mut wire::Header::new_unchecked(&mut d[..]));
+        for (out, v) in d[HEADER_LEN..].chunks_exact_mut(4).zip(&values) {
+            out.copy_from_slice(&v.to_le_bytes());
+        }
+        return (home.port, d);
+    }
+    panic!(
+        "no key of job {} has a chunk in home slot 0 of {appliance}'s lcore {}",
+        job.id, home.lcore
+    )
+}
+
 /// Runs `workers` worker threads through `rounds` rounds of a sum job
 /// over `keys`, checking every element of every result exactly.
 pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds: u32) {

@@ -14,6 +14,7 @@
 //! | `GET /v1/jobs/{id}` | | [`JobDetail`] |
 //! | `DELETE /v1/jobs/{id}` | | [`JobSummary`] of the evicted job |
 //! | `POST /v1/jobs/{id}/checkpoint` | | [`CheckpointInfo`] |
+//! | `POST /v1/jobs/{id}/retry` | [`RetryRequest`] or none | [`RetryResponse`] |
 //! | `GET /v1/jobs/{id}/map` | | [`JobMap`]: per lcore its run of chunks, no keys |
 //! | `GET /v1/jobs/{id}/map/keys/{k}` | | [`JobMap`] with key k's chunks ([`KeyMap`]) |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
@@ -35,11 +36,14 @@
 //! | `GET /v1/stats` | | [`DataplaneStats`] |
 //!
 //! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`,
-//! `POST /v1/jobs/{id}/checkpoint`, `POST /v1/appliances` and `DELETE
-//! /v1/appliances/{name}` need `Authorization: Bearer <operator
-//! token>` (401 without, 403 wrong); a join carries the job's token in its
+//! `POST /v1/jobs/{id}/checkpoint`, `POST /v1/jobs/{id}/retry`, `POST
+//! /v1/appliances` and `DELETE /v1/appliances/{name}` need
+//! `Authorization: Bearer <operator token>` (401 without, 403 wrong); a
+//! join carries the job's token in its
 //! body. On the dataplane, every route but `GET /v1/info`, `GET /v1/jobs`
-//! and `GET /v1/stats` needs `Authorization: Bearer <management token>`.
+//! and `GET /v1/stats` needs `Authorization: Bearer <management token>`;
+//! `GET /v1/auth` does nothing else than check it (control calls it when
+//! an appliance is added, so that a wrong token is found then).
 //! Both check the header before reading a body, and both refuse what is
 //! over their limits (README, "Threat model").
 //!
@@ -167,6 +171,84 @@ pub struct JobSummary {
     /// reason; it can still be evicted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failed: Option<String>,
+    /// Why the job is held, if it is: a part's checkpoint file exists but
+    /// cannot be restored (unreadable, corrupt, another job's or part's,
+    /// not movable onto the part's layout, refused by its appliance), so
+    /// that part is not installed again (one its appliance still runs
+    /// keeps running), joins and checkpoints are refused, and the file is
+    /// never written over, until the operator repairs it and retries
+    /// (`POST /v1/jobs/{id}/retry`, [`RetryRequest`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held: Option<String>,
+}
+
+/// `POST /v1/jobs/{id}/retry` on control: retry a held job's parts
+/// ([`JobSummary::held`]). No body is the default.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryRequest {
+    /// Give up each held part's checkpoint: its file is renamed aside
+    /// (`<file>.discarded-<unix ms>`, never deleted) and the part starts
+    /// over without it. Without it, each file is read again and the part
+    /// restored from it if it is usable now.
+    #[serde(default)]
+    pub discard_checkpoint: bool,
+}
+
+/// The answer to `POST /v1/jobs/{id}/retry`: per part that was held.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetryResponse {
+    /// Job id.
+    pub id: u16,
+    /// Each part that was held, in layout order.
+    pub parts: Vec<RetriedPart>,
+}
+
+/// One held part, retried.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RetriedPart {
+    /// Its appliance.
+    pub appliance: String,
+    /// Its checkpoint file.
+    pub file: String,
+    /// What became of the file.
+    pub checkpoint: RetriedCheckpoint,
+    /// What the appliance holds of the part now.
+    pub install: RetriedInstall,
+}
+
+/// A retried part's checkpoint file.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RetriedCheckpoint {
+    /// Usable now: the part's checkpoint again, with these rounds.
+    Usable {
+        /// Its lowest and highest completed round (`None`: none yet).
+        round_range: Option<(u32, u32)>,
+    },
+    /// Set aside by `discard_checkpoint`: renamed to `moved_to` (`None`:
+    /// the file was already gone).
+    SetAside {
+        /// Where it is now.
+        moved_to: Option<String>,
+    },
+}
+
+/// What a retried part's appliance holds now.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum RetriedInstall {
+    /// Installed now: restored from a usable checkpoint, or empty after
+    /// one was set aside.
+    Installed,
+    /// The appliance had the part installed all along (only control's
+    /// view of the file was in question): its state there is kept.
+    StillInstalled,
+    /// Not installed yet (its appliance is down or refused it for now):
+    /// reconciliation installs it when it can; the part is not held.
+    Pending {
+        /// Why not now.
+        why: String,
+    },
 }
 
 /// What phub-control knows of one rank of a job.
@@ -502,6 +584,13 @@ pub struct LcoreInfo {
 /// `GET /v1/info` on the dataplane.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataplaneInfo {
+    /// This dataplane process's identity: 32 random hex digits it makes
+    /// when it starts (a restart makes a new one). Control tells two
+    /// registrations of one dataplane apart from two dataplanes by it and
+    /// by [`DataplaneInfo::data`], never by the spelling of a URL; empty
+    /// from a dataplane that does not say.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub id: String,
     /// `udp` or `dpdk`.
     pub backend: String,
     /// Where workers send.

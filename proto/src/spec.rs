@@ -220,7 +220,9 @@ fn default_chunk_bytes() -> u32 {
 pub struct KeySpec {
     /// Optional name (unique within the job when given); left out of
     /// the JSON when empty, so a spec of a million unnamed keys stays
-    /// small.
+    /// small. `name = ""` is the same as no name (state files of earlier
+    /// versions wrote unnamed keys so, and must still load): a key is
+    /// addressed by its index, its name is only shown.
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub name: String,
     /// Number of elements, 1..=2^32-1.
@@ -1020,6 +1022,13 @@ elements = 1
             e.contains("`keys[0].name`") && e.contains("129 characters"),
             "{e}"
         );
+        // `name = ""` is no name (documented on KeySpec::name): two such
+        // keys do not collide, and the name is not written back.
+        let json = r#"{"name":"x","workers":1,"optimizer":{"kind":"sum"},
+                       "keys":[{"elements":4,"name":""},{"elements":4,"name":""}]}"#;
+        let s = JobSpec::parse(json, Some("application/json")).unwrap();
+        assert!(s.keys.iter().all(|k| k.name.is_empty()));
+        assert!(!serde_json::to_string(&s).unwrap().contains("\"name\":\"\""));
     }
 
     #[test]

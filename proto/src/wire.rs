@@ -252,9 +252,11 @@ drop_reasons! {
     /// this, and tells every rank it knows once, so that no worker waits
     /// out its timeout for an answer that will not come.
     ShuttingDown = 23, "shutting_down";
-    /// A PARTIAL_RESULT from an address other than the chunk's home
-    /// appliance's (PROTOCOL.md §9.4), or appliance-to-appliance traffic
-    /// for a job this appliance holds no such part of.
+    /// A PARTIAL from an address other than that of the claimed rack
+    /// appliance's lcore holding the chunk, a PARTIAL_RESULT from an
+    /// address other than the chunk's home lcore's (PROTOCOL.md §9.3,
+    /// §9.4), or appliance-to-appliance traffic for a job this appliance
+    /// holds no such part of.
     WrongPeer = 24, "wrong_peer";
 }
 

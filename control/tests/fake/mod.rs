@@ -34,6 +34,9 @@ pub(crate) struct FakeConfig {
     pub(crate) nic: Option<u32>,
     /// Slot memory budget.
     pub(crate) budget: u64,
+    /// Base port of its data address ([`BASE_PORT`] unless a test gives
+    /// several fakes, which control tells apart by it).
+    pub(crate) base_port: u16,
 }
 
 impl FakeConfig {
@@ -43,7 +46,15 @@ impl FakeConfig {
             numa: vec![None; n],
             nic: None,
             budget: 1 << 30,
+            base_port: BASE_PORT,
         }
+    }
+
+    /// The same with its data address at `base_port` (a second fake beside
+    /// another: control refuses two appliances with one data address).
+    #[allow(dead_code)] // Not every test file runs several fakes.
+    pub(crate) fn at(self, base_port: u16) -> FakeConfig {
+        FakeConfig { base_port, ..self }
     }
 }
 
@@ -68,6 +79,8 @@ pub(crate) struct FakeState {
     pub(crate) token: String,
     /// Requests refused for a missing or wrong token.
     pub(crate) unauthorized: u32,
+    /// Its id in `/v1/info`: random, as a dataplane's (new at a restart).
+    pub(crate) id: String,
 }
 
 /// A running fake.
@@ -98,6 +111,7 @@ impl Fake {
         let (token, _) = phub_http::secret::load_or_create(&token_path).unwrap();
         let state = Arc::new(Mutex::new(FakeState {
             token,
+            id: phub_http::secret::random_token().unwrap(),
             ..FakeState::default()
         }));
         let config = Arc::new(Mutex::new(config));
@@ -187,14 +201,18 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
         return error(req, 401, "the fake dataplane needs its management token");
     }
     match (method.as_str(), segs.as_slice()) {
+        ("GET", ["v1", "auth"]) => {
+            let _ = req.respond(tiny_http::Response::empty(204));
+        }
         ("GET", ["v1", "info"]) => json(
             req,
             200,
             &DataplaneInfo {
+                id: st.id.clone(),
                 backend: "fake".into(),
                 data: DataAddr {
                     host: "127.0.0.1".into(),
-                    base_port: BASE_PORT,
+                    base_port: config.base_port,
                 },
                 lcores: config
                     .numa

@@ -16,7 +16,9 @@
 //!   rack alone.
 //! - Appliance-to-appliance messages go to the addresses of the install,
 //!   never to a message's source; a PARTIAL_RESULT is taken only from the
-//!   chunk's home address.
+//!   chunk's home address, and a rack's PARTIAL only from the address of
+//!   that rack's lcore holding the chunk (the job's token alone, which
+//!   workers hold, never speaks for an appliance).
 
 use std::net::SocketAddrV4;
 use std::ops::Range;
