@@ -2,13 +2,19 @@
 //! the real binaries: slow and huge requests, many connections, the
 //! dataplane's management API without credentials, racing admits and
 //! evictions, a second control on one state file, TLS, and shutdown with
-//! clients still connected. Throughout, control must answer a plain
-//! `GET /v1/jobs` within a second and lose nothing it admitted.
+//! clients still connected, an appliance that never answers, guessed
+//! tokens and one address holding many connections. Throughout, control
+//! must answer a plain `GET /v1/jobs` within a second and lose nothing it
+//! admitted.
+//!
+//! Linux answers all of 127.0.0.0/8 on the loopback interface: a test that
+//! needs several client hosts binds its sockets to 127.0.0.2, 127.0.0.3, ...
+//! ([`connect_from`]).
 
 mod common;
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -81,12 +87,26 @@ impl Prober {
     }
 }
 
-/// Opens `n` connections that send part of a request and then a byte now
-/// and then, from a thread, until `stop`.
+/// The loopback address 127.0.0.`n`: one client host of a test.
+fn host(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 0, n)
+}
+
+/// A connection to `to` from the loopback address `from`.
+fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(&SocketAddr::from((from, 0)).into())?;
+    s.connect(&to.into())?;
+    Ok(s.into())
+}
+
+/// Opens `n` connections from `from` that send part of a request and then
+/// a byte now and then, from a thread, until `stop`.
 fn tricklers(
     addr: SocketAddr,
     n: usize,
     start: &'static [u8],
+    from: Ipv4Addr,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
@@ -94,7 +114,7 @@ fn tricklers(
         while !stop.load(Ordering::Relaxed) {
             conns.retain_mut(|c| c.write_all(b"x").is_ok());
             while conns.len() < n {
-                match TcpStream::connect(addr) {
+                match connect_from(from, addr) {
                     Ok(mut c) => {
                         let _ = c.write_all(start);
                         conns.push(c);
@@ -105,6 +125,16 @@ fn tricklers(
             std::thread::sleep(Duration::from_millis(200));
         }
     })
+}
+
+/// Sends raw bytes from `from`; the whole answer (empty when none came).
+fn raw_from(from: Ipv4Addr, addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = connect_from(from, addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let _ = s.write_all(bytes);
+    let mut out = Vec::new();
+    let _ = s.read_to_end(&mut out);
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Sends raw bytes; the answer's status line (empty when none came).
@@ -129,16 +159,37 @@ fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
     let prober = Prober::start(&rack.control_url);
     let stop = Arc::new(AtomicBool::new(false));
     // On both listeners: clients that trickle headers, and clients that
-    // declare a body and trickle it.
+    // declare a body and trickle it, from hosts other than the prober's
+    // (one host holds at most `max_connections_per_source`).
     let threads = vec![
-        tricklers(control, 100, b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ", stop.clone()),
+        tricklers(
+            control,
+            50,
+            b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ",
+            host(2),
+            stop.clone(),
+        ),
+        tricklers(
+            control,
+            50,
+            b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ",
+            host(3),
+            stop.clone(),
+        ),
         tricklers(
             control,
             20,
             b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{",
+            host(4),
             stop.clone(),
         ),
-        tricklers(mgmt, 50, b"GET /v1/info HTTP/1.1\r\nX-Slow: ", stop.clone()),
+        tricklers(
+            mgmt,
+            50,
+            b"GET /v1/info HTTP/1.1\r\nX-Slow: ",
+            host(5),
+            stop.clone(),
+        ),
     ];
     std::thread::sleep(Duration::from_millis(500));
 
@@ -440,6 +491,7 @@ fn sigterm_stops_control_at_once_with_clients_connected() {
         control,
         50,
         b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 9000\r\n\r\n",
+        host(1),
         stop.clone(),
     );
     std::thread::sleep(Duration::from_millis(500));
@@ -1077,4 +1129,265 @@ fn a_checkpoint_found_corrupt_at_start_holds_the_job_until_given_up() {
     assert!(std::fs::read(aside[0].path()).unwrap() == bad);
     let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
     assert!(ok && out.contains("round 2"), "{out}{err}");
+}
+
+/// An appliance that accepts connections and never answers: a listener on
+/// 127.0.0.1 whose connections are held, unread, until it is dropped.
+struct BlackHole {
+    url: String,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl BlackHole {
+    fn start() -> BlackHole {
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((c, _)) => held.push(c),
+                    Err(_) => std::thread::sleep(Duration::from_millis(10)),
+                }
+            }
+        });
+        BlackHole {
+            url,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for BlackHole {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Finding 4 of issue 36: readers could take every handler, and a worker's
+/// join then waited behind them.
+///
+/// Reproduction: register an appliance that accepts connections and never
+/// answers (`phubctl appliance add --force`, a listener that never reads),
+/// then loop `GET /v1/jobs` and `GET /metrics`
+/// from 50 clients. Each read waited about 10 s on that appliance, the
+/// readers filled control's 8 handlers, and `POST /v1/jobs/{id}/join` of a
+/// job on a healthy appliance took 9.7 s. Joins and the operator's routes
+/// now run in handlers of their own that reads cannot take (whether reads
+/// are slow because an appliance hangs or because many are in flight), so
+/// the join answers in under 100 ms.
+#[test]
+fn readers_cannot_take_the_handlers_joins_need() {
+    let rack = Rack::start(1, "64MiB");
+    let job = rack.admit(SPEC).unwrap();
+    let hole = BlackHole::start();
+    // Added though it does not answer (--force).
+    let (ok, _, err) = rack.phubctl(&["appliance", "add", "hole", "--url", &hole.url, "--force"]);
+    assert!(ok, "{err}");
+    let stop = Arc::new(AtomicBool::new(false));
+    let readers: Vec<_> = (0..50)
+        .map(|i| {
+            let path = if i % 2 == 0 { "/v1/jobs" } else { "/metrics" };
+            let (url, stop) = (format!("{}{path}", rack.control_url), stop.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    let _ = ureq::get(&url).timeout(Duration::from_secs(30)).call();
+                }
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_secs(1));
+    let join_url = format!("{}/v1/jobs/{}/join", rack.control_url, job.id);
+    let join = format!(r#"{{"token": "{:016x}", "rank": 0, "rejoin": true}}"#, job.token);
+    let mut took = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        let r = ureq::post(&join_url)
+            .timeout(Duration::from_secs(30))
+            .send_string(&join);
+        took.push(t.elapsed());
+        if let Err(e) = r {
+            panic!(
+                "a join while readers wait on the hole failed after {:?}: {e}",
+                t.elapsed()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Control goes first: the readers' calls then fail at once.
+    stop.store(true, Ordering::Relaxed);
+    drop(rack);
+    for r in readers {
+        r.join().unwrap();
+    }
+    let worst = took.iter().max().copied().unwrap_or_default();
+    eprintln!("joins while 50 readers wait on an appliance that never answers: {took:?}");
+    assert!(
+        worst < Duration::from_millis(100),
+        "joins took {took:?} while 50 readers waited on an appliance that never answers"
+    );
+}
+
+/// Tries `guess` from `from` against `addr`, one request after another, for
+/// `span`: the answers' status codes, and the first `429` answer whole.
+fn guesses(from: Ipv4Addr, addr: SocketAddr, guess: &[u8], span: Duration) -> (Vec<u16>, Option<String>) {
+    let (mut codes, mut refusal) = (Vec::new(), None);
+    let t = Instant::now();
+    while t.elapsed() < span {
+        let out = raw_from(from, addr, guess);
+        let code = out
+            .split(' ')
+            .nth(1)
+            .and_then(|c| c.parse::<u16>().ok())
+            .unwrap_or(0);
+        if code == 429 && refusal.is_none() {
+            refusal = Some(out);
+        }
+        codes.push(code);
+    }
+    (codes, refusal)
+}
+
+/// The lines of `log` that report a refused credential from `source`.
+fn credential_lines(log: &std::path::Path, source: &str) -> Vec<String> {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("credential") && l.contains(source))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Finding 6 of issue 36 (tokens): failed checks of the operator token and
+/// of the dataplane's management token were neither logged nor slowed.
+///
+/// Reproduction: loop `DELETE /v1/jobs/1` with a wrong `Authorization:
+/// Bearer` from one host: control answered `403` to about 3,200 guesses a
+/// second and logged none of them; the dataplane's management API the same.
+/// Now a source with ten failed checks within ten seconds is answered `429`
+/// with `Retry-After`, without its token being checked, until those ten
+/// seconds pass; each source's failures are logged at WARN, at most two
+/// lines per window; other sources with the right token are served
+/// throughout.
+#[test]
+fn wrong_tokens_are_logged_and_slowed_per_source() {
+    let rack = Rack::start(1, "64MiB");
+    let control = addr_of(&rack.control_url);
+    let mgmt = addr_of(&rack.mgmt_url);
+    let wrong = "Bearer 0123456789abcdef0123456789abcdef";
+
+    // Control's operator token, guessed from 127.0.0.1 for two seconds.
+    let guess = format!("DELETE /v1/jobs/1 HTTP/1.1\r\nAuthorization: {wrong}\r\n\r\n");
+    let (codes, refusal) = guesses(host(1), control, guess.as_bytes(), Duration::from_secs(2));
+    let checked = codes.iter().filter(|&&c| c == 403).count();
+    let refused = codes.iter().filter(|&&c| c == 429).count();
+    eprintln!(
+        "control, 2 s of wrong tokens from one host: {} tries, {checked} checked, {refused} refused",
+        codes.len()
+    );
+    // At most ten failed checks per host in ten seconds (the defaults).
+    assert!(
+        checked <= 10 && refused > 0,
+        "control checked {checked} wrong tokens from one host in 2 s and refused {refused} ({} tries)",
+        codes.len()
+    );
+    let refusal = refusal.unwrap();
+    assert!(
+        refusal.to_ascii_lowercase().contains("retry-after: "),
+        "{refusal}"
+    );
+    assert!(refusal.contains("failed credential checks"), "{refusal}");
+    // The right token from the same host is not checked either...
+    let token = rack.operator_token();
+    let right = format!("DELETE /v1/jobs/999 HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n");
+    assert!(raw_from(host(1), control, right.as_bytes()).starts_with("HTTP/1.1 429"));
+    // ... from another host it is (no job 999: 404), and reads stay open.
+    let out = raw_from(host(2), control, right.as_bytes());
+    assert!(out.starts_with("HTTP/1.1 404"), "{out}");
+    let out = raw_from(host(1), control, b"GET /v1/jobs HTTP/1.1\r\n\r\n");
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    let lines = credential_lines(&rack.dir.join("phub-control.log"), "127.0.0.1");
+    eprintln!("control's log: {lines:#?}");
+    assert!(
+        !lines.is_empty() && lines.len() <= 3,
+        "control's log has {} lines on refused credentials from 127.0.0.1: {lines:#?}",
+        lines.len()
+    );
+
+    // The dataplane's management token, guessed from 127.0.0.3; control
+    // (from 127.0.0.1) still installs a job with the right one.
+    let guess = format!("DELETE /v1/jobs/7 HTTP/1.1\r\nAuthorization: {wrong}\r\n\r\n");
+    let (codes, _) = guesses(host(3), mgmt, guess.as_bytes(), Duration::from_secs(1));
+    let checked = codes.iter().filter(|&&c| c == 403).count();
+    eprintln!(
+        "the dataplane, 1 s of wrong tokens from one host: {} tries, {checked} checked",
+        codes.len()
+    );
+    assert!(
+        checked <= 10 && codes.contains(&429),
+        "the dataplane checked {checked} wrong tokens from one host in 1 s ({} tries)",
+        codes.len()
+    );
+    // (Admitted from 127.0.0.2: 127.0.0.1 is still refused by control.)
+    let admit = format!(
+        "POST /v1/jobs HTTP/1.1\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\n\r\n{SPEC}",
+        SPEC.len()
+    );
+    let out = raw_from(host(2), control, admit.as_bytes());
+    assert!(
+        out.starts_with("HTTP/1.1 201"),
+        "admission while another host guesses the management token: {out}"
+    );
+    let lines = credential_lines(&rack.dir.join("phub-dataplane.log"), "127.0.0.3");
+    assert!(
+        !lines.is_empty(),
+        "the dataplane's log names no refused credential from 127.0.0.3"
+    );
+}
+
+/// Finding 6 of issue 36 (connections): the connection limit was global, so
+/// one host could hold every connection.
+///
+/// Reproduction: open 300 connections to control from one host, each
+/// sending half a request head and then nothing; every other client was
+/// answered `503 too many connections` until they timed out. The same on
+/// the dataplane's management API. Now one source holds at most
+/// `max_connections_per_source` (64) connections: its next one is answered
+/// `503` naming that limit, and other hosts are served.
+#[test]
+fn one_host_cannot_hold_every_connection() {
+    let rack = Rack::start(1, "64MiB");
+    for (what, addr) in [
+        ("control", addr_of(&rack.control_url)),
+        ("the dataplane", addr_of(&rack.mgmt_url)),
+    ] {
+        let held: Vec<TcpStream> = (0..300)
+            .filter_map(|_| {
+                let mut c = connect_from(host(1), addr).ok()?;
+                let _ = c.write_all(b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ");
+                Some(c)
+            })
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let get = b"GET /v1/jobs HTTP/1.1\r\n\r\n";
+        let out = raw_from(host(2), addr, get);
+        assert!(
+            out.starts_with("HTTP/1.1 200"),
+            "{what}, with 300 connections held from 127.0.0.1, answered 127.0.0.2: {out}"
+        );
+        let out = raw_from(host(1), addr, get);
+        assert!(
+            out.starts_with("HTTP/1.1 503") && out.contains("at most 64 at once from one address"),
+            "{what}: {out}"
+        );
+        drop(held);
+    }
 }

@@ -1073,7 +1073,28 @@ fn error_response(e: &RequestError) -> phub_http::Response {
     r
 }
 
+/// Joins and the operator's routes run in handlers of their own, which
+/// reads (anyone may make them, and a hung appliance may slow them) cannot
+/// take; everything else is a read.
+fn class_of(method: &str, segs: &[&str]) -> phub_http::Class {
+    if needs_operator(method, segs) || matches!((method, segs), ("POST", ["v1", "jobs", _, "join"])) {
+        phub_http::Class::Write
+    } else {
+        phub_http::Class::Read
+    }
+}
+
 impl phub_http::Handler for Shared {
+    fn class(&self, head: &phub_http::Request) -> phub_http::Class {
+        class_of(&head.method, &segments(&head.path))
+    }
+
+    /// The operator token; failed checks are logged and limited per source
+    /// by the listener.
+    fn needs_credential(&self, head: &phub_http::Request) -> bool {
+        needs_operator(&head.method, &segments(&head.path))
+    }
+
     fn check_head(&self, head: &phub_http::Request) -> Result<(), phub_http::Response> {
         if needs_operator(&head.method, &segments(&head.path)) {
             self.check_operator(head).map_err(|e| error_response(&e))?;

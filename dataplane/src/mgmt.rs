@@ -13,7 +13,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crossbeam_channel::{bounded, Sender};
-use phub_http::{Handler, Request, Response};
+use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
@@ -564,6 +564,22 @@ impl Api {
 const MIN_BODY_LIMIT: usize = 64 << 20;
 
 impl Handler for Api {
+    /// The routes that need the token (installs, removals, checkpoints:
+    /// control's calls) run in handlers the open reads cannot take.
+    fn class(&self, head: &Request) -> Class {
+        if phub_proto::api::mgmt_route_is_open(&head.method, &head.path) {
+            Class::Read
+        } else {
+            Class::Write
+        }
+    }
+
+    /// The management token; failed checks are logged and limited per
+    /// source by the listener.
+    fn needs_credential(&self, head: &Request) -> bool {
+        !phub_proto::api::mgmt_route_is_open(&head.method, &head.path)
+    }
+
     fn check_head(&self, head: &Request) -> Result<(), Response> {
         if phub_proto::api::mgmt_route_is_open(&head.method, &head.path) {
             return Ok(());

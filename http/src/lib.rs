@@ -2,27 +2,48 @@
 //! management API, and the TLS settings of phub's HTTP clients.
 //!
 //! The listener is hyper 1 on a tokio runtime of its own (one thread for
-//! every connection's I/O, a bounded pool for the handlers), so that no
-//! client, however slow or large, can hold the API:
+//! every connection's I/O, two bounded pools for the handlers), so that no
+//! client, however slow, large or numerous, can hold the API:
 //!
-//! - at most [`Limits::max_connections`] connections at once; one more is
-//!   answered `503` and closed at once;
+//! - at most [`Limits::max_connections`] (256) connections at once, and at
+//!   most [`Limits::max_connections_per_source`] (64) from one source (an
+//!   IPv4 address, or an IPv6 /64); one more is answered `503`, naming the
+//!   limit, and closed at once;
 //! - the request head (line and headers) must arrive within
-//!   [`Limits::header_timeout`] and fit [`Limits::header_bytes`] (`431`
-//!   otherwise); one request per connection (no keep-alive);
-//! - the body must fit [`Limits::body_bytes`] (`413`, decided from
+//!   [`Limits::header_timeout`] (5 s) and fit [`Limits::header_bytes`]
+//!   (16 KiB; `431` otherwise); one request per connection (no
+//!   keep-alive);
+//! - the body must fit [`Limits::body_bytes`] (1 MiB; `413`, decided from
 //!   `Content-Length` before a byte of it is read) and arrive within
-//!   [`Limits::body_timeout`] (`408`); all bodies being received at once
-//!   share [`Limits::inflight_body_bytes`] (`503` when a body cannot get its
-//!   share in time);
-//! - at most [`Limits::handlers`] handlers run at once, on blocking threads;
-//!   a connection lives at most [`Limits::connection_timeout`] in all;
+//!   [`Limits::body_timeout`] (30 s; `408`); all bodies being received at
+//!   once share [`Limits::inflight_body_bytes`] (64 MiB; `503` when a body
+//!   cannot get its share in time);
+//! - handlers run on blocking threads in two pools: the daemon classes
+//!   each request from its head ([`Handler::class`]), reads get at most
+//!   [`Limits::read_handlers`] (8) at once, and what reads must not hold
+//!   up (joins, the operator's and control's changes) has
+//!   [`Limits::write_handlers`] (8) of its own, which reads never take;
+//!   a connection lives at most [`Limits::connection_timeout`] (120 s) in
+//!   all;
+//! - a request that needs a credential ([`Handler::needs_credential`])
+//!   and fails its check (`401`, `403`) is logged at WARN with its source,
+//!   at most two lines per source and window; after
+//!   [`Limits::credential_failures`] (10) such failures within
+//!   [`Limits::credential_window`] (10 s) of the first, the source's
+//!   requests that need a credential are answered `429` with
+//!   `Retry-After`, without their credential being checked, until the
+//!   window ends (the checks already running when the limit is reached may
+//!   pass it by as many). Other sources are not affected, but every
+//!   local client that connects from 127.0.0.1 is one source: a local
+//!   guesser locks out a local client (control calling its dataplane on
+//!   loopback) for as long as it keeps guessing;
 //! - [`Server::shutdown`] stops accepting, gives requests in progress
-//!   [`Limits::shutdown_grace`] to finish, then drops every connection: it
-//!   never waits on a client.
+//!   [`Limits::shutdown_grace`] (1 s) to finish, then drops every
+//!   connection: it never waits on a client.
 //!
-//! Every refusal by the listener is a JSON body `{"error": "..."}` that says
-//! which limit was hit, the same shape the APIs use for their own errors.
+//! The figures are [`Limits::default`]'s. Every refusal by the listener is
+//! a JSON body `{"error": "..."}` that says which limit was hit, the same
+//! shape the APIs use for their own errors.
 //!
 //! Handlers are plain synchronous functions of a buffered [`Request`]; the
 //! routing stays in the daemons.
@@ -30,10 +51,12 @@
 pub mod secret;
 #[cfg(feature = "server")]
 mod server;
+#[cfg(feature = "server")]
+mod source;
 mod tls;
 
 #[cfg(feature = "server")]
-pub use server::{Handler, Limits, Request, Response, Server};
+pub use server::{Class, Handler, Limits, Request, Response, Server};
 pub use tls::{agent, client_config, server_config, TlsError, CA_FILE_ENV};
 
 /// A re-export, so that users name the same rustls as this crate.

@@ -1,9 +1,10 @@
-//! The listener: accept loop, per-connection limits, handlers on a bounded
-//! blocking pool, shutdown that does not wait on clients.
+//! The listener: accept loop, per-connection and per-source limits,
+//! handlers on two bounded blocking pools (reads, and what reads cannot
+//! hold up), shutdown that does not wait on clients.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -20,12 +21,17 @@ use tokio::sync::{watch, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
+use crate::source::{Connections, Failures, Report, Source};
+
 /// What one listener allows; see the crate documentation for what happens
 /// when each is exceeded.
 #[derive(Debug, Clone)]
 pub struct Limits {
     /// Connections open at once.
     pub max_connections: usize,
+    /// Connections open at once from one source (an IPv4 address, or an
+    /// IPv6 /64), so that one host cannot hold them all.
+    pub max_connections_per_source: usize,
     /// Bytes of the request line and headers (at least 8 KiB).
     pub header_bytes: usize,
     /// Time from accepting a connection (and its TLS handshake) to the end
@@ -37,8 +43,20 @@ pub struct Limits {
     pub body_timeout: Duration,
     /// Bytes of all bodies being received or handled at once.
     pub inflight_body_bytes: usize,
-    /// Handlers running at once.
-    pub handlers: usize,
+    /// Handlers of [`Class::Read`] requests running at once (their head
+    /// checks included).
+    pub read_handlers: usize,
+    /// Handlers of [`Class::Write`] requests running at once: a pool of
+    /// its own, which reads cannot take.
+    pub write_handlers: usize,
+    /// Failed credential checks allowed per source in
+    /// [`Limits::credential_window`]; past them, the source's requests
+    /// that need a credential are answered `429` unchecked until that
+    /// window ends.
+    pub credential_failures: u32,
+    /// The window of [`Limits::credential_failures`], from a source's
+    /// first failure in it.
+    pub credential_window: Duration,
     /// Longest life of one connection, answer included.
     pub connection_timeout: Duration,
     /// How long [`Server::shutdown`] lets requests in progress finish.
@@ -49,12 +67,16 @@ impl Default for Limits {
     fn default() -> Limits {
         Limits {
             max_connections: 256,
+            max_connections_per_source: 64,
             header_bytes: 16 << 10,
             header_timeout: Duration::from_secs(5),
             body_bytes: 1 << 20,
             body_timeout: Duration::from_secs(30),
             inflight_body_bytes: 64 << 20,
-            handlers: 8,
+            read_handlers: 8,
+            write_handlers: 8,
+            credential_failures: 10,
+            credential_window: Duration::from_secs(10),
             connection_timeout: Duration::from_secs(120),
             shutdown_grace: Duration::from_secs(1),
         }
@@ -141,9 +163,43 @@ impl Response {
     }
 }
 
+/// Which handler pool a request runs in: requests of one class never wait
+/// for handlers of the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Class {
+    /// Reads: at most [`Limits::read_handlers`] at once.
+    Read,
+    /// Requests that reads must not hold up (joins, the operator's
+    /// changes): at most [`Limits::write_handlers`] at once.
+    Write,
+}
+
 /// What answers requests. Runs on a blocking thread; may block (file
-/// writes, calls to other daemons).
+/// writes, calls to other daemons), except [`Handler::class`] and
+/// [`Handler::needs_credential`], which the listener asks on its I/O
+/// thread.
 pub trait Handler: Send + Sync + 'static {
+    /// The pool this request's head check and handler run in, decided from
+    /// its head alone; must not block. By default `GET` and `HEAD` are
+    /// [`Class::Read`], every other method [`Class::Write`].
+    fn class(&self, head: &Request) -> Class {
+        match head.method.as_str() {
+            "GET" | "HEAD" => Class::Read,
+            _ => Class::Write,
+        }
+    }
+
+    /// Whether [`Handler::check_head`] checks a credential (a token) for
+    /// this request; must not block. A `401` or `403` from that check is a
+    /// failed credential check of the client's source, logged at WARN (a
+    /// line or two per source and window); a source with
+    /// [`Limits::credential_failures`] of them in
+    /// [`Limits::credential_window`] is answered `429` with `Retry-After`,
+    /// unchecked, until the window ends. By default no request needs one.
+    fn needs_credential(&self, _head: &Request) -> bool {
+        false
+    }
+
     /// Checks a request's head before its body is read (authentication,
     /// route, method): an `Err` is the answer, and the body is never read.
     /// The [`Request`] given here has an empty body.
@@ -181,7 +237,24 @@ struct Ctx {
     handler: Arc<dyn Handler>,
     limits: Limits,
     bodies: Arc<Semaphore>,
-    handlers: Arc<Semaphore>,
+    read_handlers: Arc<Semaphore>,
+    write_handlers: Arc<Semaphore>,
+    failures: Mutex<Failures>,
+}
+
+impl Ctx {
+    fn pool(&self, class: Class) -> &Arc<Semaphore> {
+        match class {
+            Class::Read => &self.read_handlers,
+            Class::Write => &self.write_handlers,
+        }
+    }
+
+    fn failures(&self) -> MutexGuard<'_, Failures> {
+        // Every change to the table is one insert or one field: a panic
+        // while it was held left nothing half-done.
+        self.failures.lock().unwrap_or_else(|p| p.into_inner())
+    }
 }
 
 impl Server {
@@ -208,11 +281,11 @@ impl Server {
     ) -> std::io::Result<Server> {
         std_listener.set_nonblocking(true)?;
         let addr = std_listener.local_addr()?;
-        let handlers = limits.handlers.max(1);
+        let (read, write) = (limits.read_handlers.max(1), limits.write_handlers.max(1));
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_io()
             .enable_time()
-            .max_blocking_threads(handlers)
+            .max_blocking_threads(read + write)
             .thread_name(format!("{name}-handler"))
             .build()?;
         let listener = {
@@ -226,7 +299,12 @@ impl Server {
             bodies: Arc::new(Semaphore::new(
                 limits.inflight_body_bytes.max(limits.body_bytes).max(1),
             )),
-            handlers: Arc::new(Semaphore::new(handlers)),
+            read_handlers: Arc::new(Semaphore::new(read)),
+            write_handlers: Arc::new(Semaphore::new(write)),
+            failures: Mutex::new(Failures::new(
+                limits.credential_failures,
+                limits.credential_window,
+            )),
             limits,
         });
         let thread = std::thread::Builder::new()
@@ -281,6 +359,9 @@ async fn accept_loop(
     let max = ctx.limits.max_connections.max(1);
     let conns = Arc::new(Semaphore::new(max));
     let rejects = Arc::new(Semaphore::new(max));
+    let by_source = Arc::new(Mutex::new(Connections::new(
+        ctx.limits.max_connections_per_source,
+    )));
     let mut last_accept_error: Option<Instant> = None;
     loop {
         let accepted = tokio::select! {
@@ -301,22 +382,43 @@ async fn accept_loop(
             }
         };
         let _ = stream.set_nodelay(true);
-        match conns.clone().try_acquire_owned() {
-            Ok(permit) => {
+        let source = Source::of(peer.ip());
+        // The source's share first, so that a source over its own limit
+        // takes nothing from the others.
+        let admitted = SourceSlot::take(&by_source, source)
+            .ok_or(Refusal::Source(source))
+            .and_then(|slot| {
+                let permit = conns.clone().try_acquire_owned().map_err(|_| Refusal::Listener)?;
+                Ok((slot, permit))
+            });
+        match admitted {
+            Ok((slot, permit)) => {
                 let (ctx, tls, stop) = (ctx.clone(), tls.clone(), stop.clone());
                 tokio::spawn(async move {
                     connection(stream, peer, ctx, tls, stop).await;
                     drop(permit);
+                    drop(slot);
                 });
             }
-            Err(_) => {
-                // Over the limit: say so and close, within a second; beyond
-                // twice the limit, close without a word.
+            Err(refusal) => {
+                // Over a limit: say so and close, within a second; beyond
+                // twice the listener's limit, close without a word.
                 if let Ok(p) = rejects.clone().try_acquire_owned() {
+                    let message = match refusal {
+                        Refusal::Listener => {
+                            format!("too many connections: this listener serves at most {max} at once")
+                        }
+                        Refusal::Source(s) => format!(
+                            "too many connections from {s}: this listener serves at most {} at once from one \
+                             address",
+                            ctx.limits.max_connections_per_source.max(1)
+                        ),
+                    };
                     let plain = tls.is_none();
                     tokio::spawn(async move {
                         if plain {
-                            let _ = tokio::time::timeout(Duration::from_secs(1), reject(stream, max)).await;
+                            let _ =
+                                tokio::time::timeout(Duration::from_secs(1), reject(stream, message)).await;
                         }
                         drop(p);
                     });
@@ -331,11 +433,46 @@ async fn accept_loop(
     let _ = tokio::time::timeout(grace, conns.acquire_many(all)).await;
 }
 
-async fn reject(mut stream: TcpStream, max: usize) {
-    let body = Response::error(
-        503,
-        format!("too many connections: this listener serves at most {max} at once"),
-    );
+/// Which connection limit a refused connection hit.
+enum Refusal {
+    /// [`Limits::max_connections`].
+    Listener,
+    /// [`Limits::max_connections_per_source`], by this source.
+    Source(Source),
+}
+
+/// A connection counted against its source's limit until dropped.
+struct SourceSlot {
+    table: Arc<Mutex<Connections>>,
+    source: Source,
+}
+
+impl SourceSlot {
+    /// Counts a connection from `source`; `None` when it holds its limit.
+    fn take(table: &Arc<Mutex<Connections>>, source: Source) -> Option<SourceSlot> {
+        let opened = lock_connections(table).open(source);
+        opened.then(|| SourceSlot {
+            table: table.clone(),
+            source,
+        })
+    }
+}
+
+impl Drop for SourceSlot {
+    fn drop(&mut self) {
+        let mut t = lock_connections(&self.table);
+        t.close(self.source);
+        debug_assert!(t.held_by(self.source) < t.per_source());
+    }
+}
+
+fn lock_connections(t: &Mutex<Connections>) -> MutexGuard<'_, Connections> {
+    // Each change is one counter: a panic cannot leave it half-done.
+    t.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+async fn reject(mut stream: TcpStream, message: String) {
+    let body = Response::error(503, message);
     let head = format!(
         "HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
         body.body.len()
@@ -415,8 +552,17 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         body: Bytes::new(),
         peer,
     };
+    let class = ctx.handler.class(&head);
+    let guarded = ctx.handler.needs_credential(&head);
+    let source = Source::of(peer.ip());
+    if guarded {
+        let admitted = ctx.failures().admit(source, std::time::Instant::now());
+        if let Err(wait) = admitted {
+            return too_many_failures(ctx, source, wait);
+        }
+    }
     // The head is checked on a blocking thread too: checks may read files.
-    let (head, checked) = match run_handler(ctx, move |h| {
+    let (head, checked) = match run_handler(ctx, class, move |h| {
         let r = h.check_head(&head);
         (head, r)
     })
@@ -426,6 +572,12 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         Err(resp) => return resp,
     };
     if let Err(resp) = checked {
+        if guarded && matches!(resp.status, 401 | 403) {
+            let report = ctx.failures().failed(source, std::time::Instant::now());
+            if let Some(r) = report {
+                log_failure(ctx, &head, &resp, &r);
+            }
+        }
         return resp;
     }
     let (body, permit) = match read_body(ctx, body, &head).await {
@@ -433,23 +585,81 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         Err(resp) => return resp,
     };
     let req = Request { body, ..head };
-    let resp = run_handler(ctx, move |h| h.handle(req))
+    let resp = run_handler(ctx, class, move |h| h.handle(req))
         .await
         .unwrap_or_else(|r| r);
     drop(permit);
     resp
 }
 
-/// Runs `f` on a blocking thread once a handler slot is free.
+/// The answer to a request that needs a credential from a source that has
+/// used up its failed checks: `429`, with when to try again.
+fn too_many_failures(ctx: &Ctx, source: Source, wait: Duration) -> Response {
+    let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    Response::error(
+        429,
+        format!(
+            "too many failed credential checks from {source}: at most {} in {:?}; try again in {secs} s",
+            ctx.limits.credential_failures.max(1),
+            ctx.limits.credential_window
+        ),
+    )
+    .with_header("Retry-After", secs.max(1).to_string())
+}
+
+/// Logs a failed credential check that [`Failures::failed`] found worth a
+/// line.
+fn log_failure(ctx: &Ctx, head: &Request, resp: &Response, r: &Report) {
+    let why = serde_json::from_slice::<serde_json::Value>(&resp.body)
+        .ok()
+        .and_then(|v| v.get("error")?.as_str().map(str::to_string))
+        .unwrap_or_default();
+    let earlier = match r.refused_since {
+        0 => String::new(),
+        n => format!("; {n} requests refused unchecked (429) since the last line on this source"),
+    };
+    match r.locked_for {
+        None => log::warn!(
+            "credential refused to {} {} from {} ({}: {why}){earlier}",
+            head.method,
+            head.path,
+            r.source,
+            resp.status
+        ),
+        Some(d) => log::warn!(
+            "{} failed credential checks from {} within {:?} (the latest {} {}: {why}); its requests that need \
+             a credential are refused (429) for {} s{earlier}",
+            r.failures,
+            r.source,
+            ctx.limits.credential_window,
+            head.method,
+            head.path,
+            d.as_secs_f64().ceil()
+        ),
+    }
+}
+
+/// Runs `f` on a blocking thread once a handler slot of `class` is free.
+/// The slot goes with `f` and is given back when `f` ends, not when the
+/// client goes: a handler whose client left still counts, so the handlers
+/// running are never more than the slots, nor more than the blocking
+/// threads, and no request waits in the runtime's queue behind another
+/// class.
 async fn run_handler<T: Send + 'static>(
     ctx: &Ctx,
+    class: Class,
     f: impl FnOnce(&dyn Handler) -> T + Send + 'static,
 ) -> Result<T, Response> {
-    let Ok(_slot) = ctx.handlers.clone().acquire_owned().await else {
+    let Ok(slot) = ctx.pool(class).clone().acquire_owned().await else {
         return Err(Response::error(503, "the server is shutting down"));
     };
     let handler = ctx.handler.clone();
-    match tokio::task::spawn_blocking(move || f(handler.as_ref())).await {
+    let work = move || {
+        let t = f(handler.as_ref());
+        drop(slot);
+        t
+    };
+    match tokio::task::spawn_blocking(work).await {
         Ok(t) => Ok(t),
         Err(e) => {
             log::error!("a request handler failed: {e}");

@@ -1,19 +1,36 @@
-//! The listener under slow, large, many and early-closing clients, its
-//! shutdown, and TLS. Loopback only.
+//! The listener under slow, large, many and early-closing clients, slow
+//! handlers, guessed tokens, its shutdown, and TLS. Loopback only; several
+//! client hosts are loopback addresses 127.0.0.2, 127.0.0.3, ... (Linux
+//! answers all of 127.0.0.0/8 on the loopback interface).
 
 use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_http::{Handler, Limits, Request, Response, Server};
+use phub_http::{Class, Handler, Limits, Request, Response, Server};
 
 struct Echo;
 
 impl Handler for Echo {
+    fn class(&self, head: &Request) -> Class {
+        match head.path.as_str() {
+            "/write" | "/secret" => Class::Write,
+            _ => Class::Read,
+        }
+    }
+
+    fn needs_credential(&self, head: &Request) -> bool {
+        head.path == "/secret"
+    }
+
     fn check_head(&self, head: &Request) -> Result<(), Response> {
-        if head.path == "/secret" && head.header("Authorization") != Some("Bearer ok") {
-            return Err(Response::error(401, "needs a token"));
+        if head.path == "/secret" {
+            match head.header("Authorization") {
+                Some("Bearer ok") => {}
+                Some(_) => return Err(Response::error(403, "wrong token")),
+                None => return Err(Response::error(401, "needs a token")),
+            }
         }
         Ok(())
     }
@@ -37,12 +54,16 @@ impl Handler for Echo {
 fn limits() -> Limits {
     Limits {
         max_connections: 32,
+        max_connections_per_source: 32,
         header_bytes: 16 << 10,
         header_timeout: Duration::from_millis(800),
         body_bytes: 64 << 10,
         body_timeout: Duration::from_millis(800),
         inflight_body_bytes: 1 << 20,
-        handlers: 4,
+        read_handlers: 4,
+        write_handlers: 2,
+        credential_failures: 5,
+        credential_window: Duration::from_secs(2),
         connection_timeout: Duration::from_secs(10),
         shutdown_grace: Duration::from_millis(300),
     }
@@ -53,9 +74,27 @@ fn server(limits: Limits) -> Server {
     Server::bind("test-http", addr, limits, None, Arc::new(Echo)).unwrap()
 }
 
+/// The loopback address 127.0.0.`n`: one client host of a test.
+fn host(n: u8) -> Ipv4Addr {
+    Ipv4Addr::new(127, 0, 0, n)
+}
+
+/// A connection to `to` from the loopback address `from`.
+fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
+    let s = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    s.bind(&SocketAddr::from((from, 0)).into())?;
+    s.connect(&to.into())?;
+    Ok(s.into())
+}
+
 /// Sends raw bytes and reads the whole answer (until the server closes).
 fn raw(addr: SocketAddr, bytes: &[u8]) -> String {
-    let mut s = TcpStream::connect(addr).unwrap();
+    raw_from(host(1), addr, bytes)
+}
+
+/// [`raw`] from the loopback address `from`.
+fn raw_from(from: Ipv4Addr, addr: SocketAddr, bytes: &[u8]) -> String {
+    let mut s = connect_from(from, addr).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     let _ = s.write_all(bytes);
     let mut out = Vec::new();
@@ -209,6 +248,149 @@ fn connections_over_the_limit_get_503_and_the_rest_are_served() {
     drop(idle);
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(get(addr, "/ok").0, 200);
+}
+
+/// Reads cannot take the handlers of the other class. Reproduction (one
+/// pool of `handlers`, before classes): fill it with slow reads and any
+/// other request waits until one of them ends, here 3 s.
+#[test]
+fn slow_reads_do_not_hold_up_writes() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    // Twice the read handlers, each taking 3 s.
+    let sleepers: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                let _ = ureq::get(&format!("http://{addr}/sleep"))
+                    .timeout(Duration::from_secs(10))
+                    .call();
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    // Reads wait...
+    let r = ureq::get(&format!("http://{addr}/ok"))
+        .timeout(Duration::from_millis(500))
+        .call();
+    assert!(r.is_err(), "a read was answered while the read handlers slept");
+    // ... writes do not.
+    let t = Instant::now();
+    assert_eq!(get(addr, "/write"), (200, "GET /write 0".to_string()));
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "a write took {:?} while the reads slept",
+        t.elapsed()
+    );
+    for s in sleepers {
+        s.join().unwrap();
+    }
+}
+
+/// A handler whose client left still holds its slot until it ends.
+/// Reproduction (slots given back when the client went): clients that ask
+/// for slow reads and leave at once have more handlers started than the
+/// read pool holds; they take every blocking thread, and a write waits in
+/// the runtime's queue behind them.
+#[test]
+fn reads_whose_clients_left_still_hold_their_handlers() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    // For 600 ms, 8 clients at a time ask for a 3 s read and leave after
+    // 100 ms.
+    let impatient: Vec<_> = (0..8)
+        .map(|_| {
+            std::thread::spawn(move || {
+                for _ in 0..6 {
+                    let _ = ureq::get(&format!("http://{addr}/sleep"))
+                        .timeout(Duration::from_millis(100))
+                        .call();
+                }
+            })
+        })
+        .collect();
+    for t in impatient {
+        t.join().unwrap();
+    }
+    let t = Instant::now();
+    assert_eq!(get(addr, "/write").0, 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(300),
+        "a write took {:?} behind reads whose clients had left",
+        t.elapsed()
+    );
+}
+
+/// Failed credential checks are limited per source. Reproduction (before):
+/// a client could try wrong tokens as fast as the listener answered, each
+/// checked.
+#[test]
+fn a_source_that_keeps_failing_is_refused_unchecked() {
+    let srv = server(limits());
+    let addr = srv.local_addr();
+    let wrong = b"POST /secret HTTP/1.1\r\nAuthorization: Bearer no\r\nContent-Length: 0\r\n\r\n";
+    let right = b"POST /secret HTTP/1.1\r\nAuthorization: Bearer ok\r\nContent-Length: 0\r\n\r\n";
+    let none = b"POST /secret HTTP/1.1\r\nContent-Length: 0\r\n\r\n";
+    // Open routes do not count, nor are they refused.
+    for _ in 0..10 {
+        assert!(raw_from(host(2), addr, b"GET /ok HTTP/1.1\r\n\r\n").ends_with("GET /ok 0"));
+    }
+    // Five failures (401 and 403 alike) are checked, then refused.
+    assert!(raw_from(host(2), addr, none).starts_with("HTTP/1.1 401"));
+    for _ in 0..4 {
+        let out = raw_from(host(2), addr, wrong);
+        assert!(out.starts_with("HTTP/1.1 403"), "{out}");
+    }
+    let t = Instant::now();
+    let out = raw_from(host(2), addr, wrong);
+    assert!(out.starts_with("HTTP/1.1 429"), "{out}");
+    assert!(out.to_ascii_lowercase().contains("retry-after: 2"), "{out}");
+    assert!(
+        out.contains("too many failed credential checks from 127.0.0.2"),
+        "{out}"
+    );
+    // The right token from that source is not checked either...
+    assert!(raw_from(host(2), addr, right).starts_with("HTTP/1.1 429"));
+    assert!(raw_from(host(2), addr, b"GET /ok HTTP/1.1\r\n\r\n").ends_with("GET /ok 0"));
+    // ... from another source it is.
+    assert!(raw_from(host(3), addr, right).ends_with("POST /secret 0"));
+    assert!(raw_from(host(3), addr, wrong).starts_with("HTTP/1.1 403"));
+    // Once the window has passed, the source is checked again.
+    std::thread::sleep(Duration::from_secs(2).saturating_sub(t.elapsed()) + Duration::from_millis(100));
+    assert!(raw_from(host(2), addr, right).ends_with("POST /secret 0"));
+}
+
+/// One source holds at most `max_connections_per_source`. Reproduction
+/// (before): one host holding `max_connections` connections turned every
+/// other client away with `503`.
+#[test]
+fn one_source_cannot_hold_every_connection() {
+    let mut l = limits();
+    l.max_connections = 6;
+    l.max_connections_per_source = 3;
+    l.header_timeout = Duration::from_secs(3);
+    let srv = server(l);
+    let addr = srv.local_addr();
+    let held: Vec<TcpStream> = (0..3).map(|_| connect_from(host(2), addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let get = b"GET /ok HTTP/1.1\r\n\r\n";
+    let out = raw_from(host(2), addr, get);
+    assert!(out.starts_with("HTTP/1.1 503"), "{out}");
+    assert!(
+        out.contains("too many connections from 127.0.0.2")
+            && out.contains("at most 3 at once from one address"),
+        "{out}"
+    );
+    assert!(raw_from(host(3), addr, get).ends_with("GET /ok 0"));
+    // The listener's own limit still holds across sources.
+    let more: Vec<TcpStream> = (0..3).map(|_| connect_from(host(3), addr).unwrap()).collect();
+    std::thread::sleep(Duration::from_millis(100));
+    let out = raw_from(host(4), addr, get);
+    assert!(out.contains("at most 6 at once"), "{out}");
+    // Closed connections give the source its share back.
+    drop(held);
+    std::thread::sleep(Duration::from_millis(100));
+    assert!(raw_from(host(2), addr, get).ends_with("GET /ok 0"));
+    drop(more);
 }
 
 #[test]
