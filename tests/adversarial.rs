@@ -700,35 +700,22 @@ fn a_second_name_for_a_dataplane_is_refused_and_its_job_loses_no_round() {
 }
 
 /// Issue 36, finding 4: an appliance that accepts connections but never
-/// answers made every read (`GET /v1/jobs`, `/metrics`) take about 10 s,
-/// and twelve anonymous readers then held the 8 handlers: a worker's join
-/// took 9.7 s instead of milliseconds. Now reads never wait on a hung
-/// appliance (at most 300 ms for one that was answering, then not at all
-/// while its request hangs), so with a black hole registered and 50
-/// readers looping on both routes, joins answer at once. The figure is
-/// printed; the test holds it to 2 s only (these machines are shared),
-/// against today's ~10 s.
+/// answers (`phubctl appliance add --force`, a listener that never reads)
+/// made every read (`GET /v1/jobs`, `/metrics`) take about 10 s, and
+/// twelve anonymous readers then held the 8 handlers: a worker's join took
+/// 9.7 s instead of milliseconds (with 50 readers, 30 s and a timeout).
+/// Now reads never wait on a hung appliance (at most 300 ms for one that
+/// was answering, then not at all while its request hangs), and joins and
+/// the operator's routes run in handlers of their own that reads cannot
+/// take; with a black hole registered and 50 readers looping on both
+/// routes, every join answers within 100 ms and every read within 2 s.
 #[test]
 fn a_hung_appliance_and_fifty_readers_do_not_hold_joins() {
     let rack = Rack::start(1, "64MiB");
     let job = rack.admit(SPEC).unwrap();
-    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let hole_url = format!("http://{}", hole.local_addr().unwrap());
-    hole.set_nonblocking(true).unwrap();
+    let hole = BlackHole::start();
     let stop = Arc::new(AtomicBool::new(false));
-    let holder = {
-        let stop = stop.clone();
-        std::thread::spawn(move || {
-            let mut held = Vec::new();
-            while !stop.load(Ordering::Relaxed) {
-                match hole.accept() {
-                    Ok((c, _)) => held.push(c),
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
-                }
-            }
-        })
-    };
-    let (ok, _, err) = rack.phubctl(&["appliance", "add", "hole", "--url", &hole_url, "--force"]);
+    let (ok, _, err) = rack.phubctl(&["appliance", "add", "hole", "--url", &hole.url, "--force"]);
     assert!(ok, "{err}");
     let worst = Arc::new(Mutex::new((Duration::ZERO, 0u64, Vec::<String>::new())));
     let readers: Vec<_> = (0..50)
@@ -773,7 +760,6 @@ fn a_hung_appliance_and_fifty_readers_do_not_hold_joins() {
     for r in readers {
         r.join().unwrap();
     }
-    holder.join().unwrap();
     took.sort();
     let (worst_read, reads, errors) = worst.lock().unwrap().clone();
     println!(
@@ -1172,70 +1158,6 @@ impl Drop for BlackHole {
     }
 }
 
-/// Finding 4 of issue 36: readers could take every handler, and a worker's
-/// join then waited behind them.
-///
-/// Reproduction: register an appliance that accepts connections and never
-/// answers (`phubctl appliance add --force`, a listener that never reads),
-/// then loop `GET /v1/jobs` and `GET /metrics`
-/// from 50 clients. Each read waited about 10 s on that appliance, the
-/// readers filled control's 8 handlers, and `POST /v1/jobs/{id}/join` of a
-/// job on a healthy appliance took 9.7 s. Joins and the operator's routes
-/// now run in handlers of their own that reads cannot take (whether reads
-/// are slow because an appliance hangs or because many are in flight), so
-/// the join answers in under 100 ms.
-#[test]
-fn readers_cannot_take_the_handlers_joins_need() {
-    let rack = Rack::start(1, "64MiB");
-    let job = rack.admit(SPEC).unwrap();
-    let hole = BlackHole::start();
-    // Added though it does not answer (--force).
-    let (ok, _, err) = rack.phubctl(&["appliance", "add", "hole", "--url", &hole.url, "--force"]);
-    assert!(ok, "{err}");
-    let stop = Arc::new(AtomicBool::new(false));
-    let readers: Vec<_> = (0..50)
-        .map(|i| {
-            let path = if i % 2 == 0 { "/v1/jobs" } else { "/metrics" };
-            let (url, stop) = (format!("{}{path}", rack.control_url), stop.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    let _ = ureq::get(&url).timeout(Duration::from_secs(30)).call();
-                }
-            })
-        })
-        .collect();
-    std::thread::sleep(Duration::from_secs(1));
-    let join_url = format!("{}/v1/jobs/{}/join", rack.control_url, job.id);
-    let join = format!(r#"{{"token": "{:016x}", "rank": 0, "rejoin": true}}"#, job.token);
-    let mut took = Vec::new();
-    for _ in 0..5 {
-        let t = Instant::now();
-        let r = ureq::post(&join_url)
-            .timeout(Duration::from_secs(30))
-            .send_string(&join);
-        took.push(t.elapsed());
-        if let Err(e) = r {
-            panic!(
-                "a join while readers wait on the hole failed after {:?}: {e}",
-                t.elapsed()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    // Control goes first: the readers' calls then fail at once.
-    stop.store(true, Ordering::Relaxed);
-    drop(rack);
-    for r in readers {
-        r.join().unwrap();
-    }
-    let worst = took.iter().max().copied().unwrap_or_default();
-    eprintln!("joins while 50 readers wait on an appliance that never answers: {took:?}");
-    assert!(
-        worst < Duration::from_millis(100),
-        "joins took {took:?} while 50 readers waited on an appliance that never answers"
-    );
-}
-
 /// Tries `guess` from `from` against `addr`, one request after another, for
 /// `span`: the answers' status codes, and the first `429` answer whole.
 fn guesses(from: Ipv4Addr, addr: SocketAddr, guess: &[u8], span: Duration) -> (Vec<u16>, Option<String>) {
@@ -1272,10 +1194,10 @@ fn credential_lines(log: &std::path::Path, source: &str) -> Vec<String> {
 /// Reproduction: loop `DELETE /v1/jobs/1` with a wrong `Authorization:
 /// Bearer` from one host: control answered `403` to about 3,200 guesses a
 /// second and logged none of them; the dataplane's management API the same.
-/// Now a source with ten failed checks within ten seconds is answered `429`
-/// with `Retry-After`, without its token being checked, until those ten
-/// seconds pass; each source's failures are logged at WARN, at most two
-/// lines per window; other sources with the right token are served
+/// Now a source with ten failed checks within ten seconds gets `429` with
+/// `Retry-After` for every further wrong token until those ten seconds
+/// pass (a right one is still served); each source's failures are logged
+/// at WARN, at most two lines per window; other sources are served
 /// throughout.
 #[test]
 fn wrong_tokens_are_logged_and_slowed_per_source() {
@@ -1305,11 +1227,14 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
         "{refusal}"
     );
     assert!(refusal.contains("failed credential checks"), "{refusal}");
-    // The right token from the same host is not checked either...
+    // The right token from the same host is still served (no job 999:
+    // 404): every local client is one host on loopback, and a guesser must
+    // not lock out the others; so it is from another host, and reads stay
+    // open.
     let token = rack.operator_token();
     let right = format!("DELETE /v1/jobs/999 HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n");
-    assert!(raw_from(host(1), control, right.as_bytes()).starts_with("HTTP/1.1 429"));
-    // ... from another host it is (no job 999: 404), and reads stay open.
+    let out = raw_from(host(1), control, right.as_bytes());
+    assert!(out.starts_with("HTTP/1.1 404"), "{out}");
     let out = raw_from(host(2), control, right.as_bytes());
     assert!(out.starts_with("HTTP/1.1 404"), "{out}");
     let out = raw_from(host(1), control, b"GET /v1/jobs HTTP/1.1\r\n\r\n");
@@ -1336,7 +1261,6 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
         "the dataplane checked {checked} wrong tokens from one host in 1 s ({} tries)",
         codes.len()
     );
-    // (Admitted from 127.0.0.2: 127.0.0.1 is still refused by control.)
     let admit = format!(
         "POST /v1/jobs HTTP/1.1\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\n\r\n{SPEC}",
         SPEC.len()

@@ -30,13 +30,13 @@
 //!   at most two lines per source and window; after
 //!   [`Limits::credential_failures`] (10) such failures within
 //!   [`Limits::credential_window`] (10 s) of the first, the source's
-//!   requests that need a credential are answered `429` with
-//!   `Retry-After`, without their credential being checked, until the
-//!   window ends (the checks already running when the limit is reached may
-//!   pass it by as many). Other sources are not affected, but every
-//!   local client that connects from 127.0.0.1 is one source: a local
-//!   guesser locks out a local client (control calling its dataplane on
-//!   loopback) for as long as it keeps guessing;
+//!   failed checks are answered `429` with `Retry-After` (neither logged
+//!   nor counted as failures, only told as a count in the source's next
+//!   line) until the window ends. A right credential from that source is
+//!   still served: every local client that connects from 127.0.0.1 is one
+//!   source, and a local guesser must not lock out control calling its
+//!   dataplane on loopback. The guesses are not slowed: the tokens are
+//!   128 random bits;
 //! - [`Server::shutdown`] stops accepting, gives requests in progress
 //!   [`Limits::shutdown_grace`] (1 s) to finish, then drops every
 //!   connection: it never waits on a client.

@@ -50,9 +50,9 @@ pub struct Limits {
     /// its own, which reads cannot take.
     pub write_handlers: usize,
     /// Failed credential checks allowed per source in
-    /// [`Limits::credential_window`]; past them, the source's requests
-    /// that need a credential are answered `429` unchecked until that
-    /// window ends.
+    /// [`Limits::credential_window`]; past them, the source's failed
+    /// checks are answered `429` (a right credential still passes) until
+    /// that window ends.
     pub credential_failures: u32,
     /// The window of [`Limits::credential_failures`], from a source's
     /// first failure in it.
@@ -194,8 +194,9 @@ pub trait Handler: Send + Sync + 'static {
     /// failed credential check of the client's source, logged at WARN (a
     /// line or two per source and window); a source with
     /// [`Limits::credential_failures`] of them in
-    /// [`Limits::credential_window`] is answered `429` with `Retry-After`,
-    /// unchecked, until the window ends. By default no request needs one.
+    /// [`Limits::credential_window`] gets `429` with `Retry-After` for each
+    /// further failed check (a right credential still passes) until the
+    /// window ends. By default no request needs one.
     fn needs_credential(&self, _head: &Request) -> bool {
         false
     }
@@ -555,12 +556,14 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
     let class = ctx.handler.class(&head);
     let guarded = ctx.handler.needs_credential(&head);
     let source = Source::of(peer.ip());
-    if guarded {
-        let admitted = ctx.failures().admit(source, std::time::Instant::now());
-        if let Err(wait) = admitted {
-            return too_many_failures(ctx, source, wait);
-        }
-    }
+    // A source past its allowance of failed checks is still checked: a
+    // right credential is served (every local client is one source on
+    // loopback), a wrong one gets 429 instead of 401 or 403.
+    let locked = if guarded {
+        ctx.failures().admit(source, std::time::Instant::now()).err()
+    } else {
+        None
+    };
     // The head is checked on a blocking thread too: checks may read files.
     let (head, checked) = match run_handler(ctx, class, move |h| {
         let r = h.check_head(&head);
@@ -573,6 +576,10 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
     };
     if let Err(resp) = checked {
         if guarded && matches!(resp.status, 401 | 403) {
+            if let Some(wait) = locked {
+                ctx.failures().refused(source, std::time::Instant::now());
+                return too_many_failures(ctx, source, wait);
+            }
             let report = ctx.failures().failed(source, std::time::Instant::now());
             if let Some(r) = report {
                 log_failure(ctx, &head, &resp, &r);
@@ -616,7 +623,7 @@ fn log_failure(ctx: &Ctx, head: &Request, resp: &Response, r: &Report) {
         .unwrap_or_default();
     let earlier = match r.refused_since {
         0 => String::new(),
-        n => format!("; {n} requests refused unchecked (429) since the last line on this source"),
+        n => format!("; {n} more failed checks answered 429 since the last line on this source"),
     };
     match r.locked_for {
         None => log::warn!(

@@ -133,13 +133,15 @@ pub(crate) struct Report {
     /// Set when this failure used up the allowance: how long the source's
     /// requests that need a credential are refused from now.
     pub(crate) locked_for: Option<Duration>,
-    /// Requests refused unchecked since the source's last line.
+    /// Failed checks answered `429` since the source's last line.
     pub(crate) refused_since: u64,
 }
 
 /// Failed credential checks per source: at most `allowed` in a window of
 /// `window` from a source's first failure; until that window ends, the
-/// source's requests that need a credential are refused unchecked. Two log
+/// source's failed checks are answered `429` (a right credential is still
+/// served: on loopback every local client, control included, is one
+/// source, and a guesser must not lock the others out). Two log
 /// lines per source and window at most: its first failure, and the one
 /// that used up its allowance.
 #[derive(Debug)]
@@ -160,18 +162,26 @@ impl Failures {
         }
     }
 
-    /// Whether a request from `source` that needs a credential may be
-    /// checked at `now`: `Err(how long until it may)` when the source has
-    /// used up its allowance in its current window.
+    /// Whether `source` has used up its allowance of failed checks in its
+    /// current window at `now`: `Err(how long until its window ends)` if
+    /// so. A further failed check from it is then answered `429` and only
+    /// counted ([`Failures::refused`]), neither logged nor counted as a
+    /// failure; a right credential is still served.
     pub(crate) fn admit(&mut self, source: Source, now: Instant) -> Result<(), Duration> {
         let key = self.key(source, now);
         let (allowed, window) = (self.allowed, self.window);
-        match self.table.get_mut(&key) {
-            Some(w) if w.failures >= allowed && now < w.start + window => {
-                w.refused += 1;
-                Err(w.start + window - now)
-            }
+        match self.table.get(&key) {
+            Some(w) if w.failures >= allowed && now < w.start + window => Err(w.start + window - now),
             _ => Ok(()),
+        }
+    }
+
+    /// Counts a failed check from a source past its allowance (told in its
+    /// next log line).
+    pub(crate) fn refused(&mut self, source: Source, now: Instant) {
+        let key = self.key(source, now);
+        if let Some(w) = self.table.get_mut(&key) {
+            w.refused += 1;
         }
     }
 
@@ -284,7 +294,9 @@ mod tests {
         let third = f.failed(v4(1), s(1000)).expect("the one that locks is told");
         assert_eq!(third.locked_for, Some(Duration::from_secs(9)));
         assert_eq!(f.admit(v4(1), s(1000)), Err(Duration::from_secs(9)));
+        f.refused(v4(1), s(1000));
         assert_eq!(f.admit(v4(1), s(9999)), Err(Duration::from_millis(1)));
+        f.refused(v4(1), s(9999));
         assert_eq!(f.admit(v4(2), s(5000)), Ok(()), "another source is not held back");
         // The window over: checked again, and the refusals are told.
         assert_eq!(f.admit(v4(1), s(10_000)), Ok(()));
