@@ -339,23 +339,19 @@ fn a_rank_leaves_and_rejoins() {
     });
 }
 
-/// A finding, not fixed here: the worker's loss timer probes the late
-/// chunks oldest first by first transmission, at most 16 per silence
-/// (for windows under 256), so a lost chunk behind 16 others that are
-/// late for another reason (waiting on a rank) is never sent again.
+/// A finding of the simulator, fixed: the worker's loss timer probed the
+/// late chunks oldest first by first transmission, at most 16 per silence
+/// (for windows under 256), so a lost chunk behind 16 others that were
+/// late for another reason (waiting on a rank) was never sent again.
 /// Seed 7348 (bounded delay τ = 0, 5 ranks, 2 appliances, 4% loss, rank 0
 /// rejoins mid-round 1 and comes back with key 2 one clock ahead of its
 /// other keys): rank 3's push of key 2 chunk 1 clock 5 is lost; rank 3
-/// keeps probing 16 of its 21 chunks of keys 0, 1 and 3, which wait on
+/// kept probing 16 of its 21 chunks of keys 0, 1 and 3, which wait on
 /// rank 0's clock 5; rank 0 pushes those only once its key 2 clock 5 is
-/// answered, which is held for rank 3's lost push: every rank times out
-/// after 30 s. Probing by last transmission (`late.push((o.sent, *k))`
-/// in `Transport::resend_late`) makes it pass, and 10,000 seeds with it,
-/// but changes the probe order
-/// `the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result`
-/// specifies: left to the transport's owners.
+/// answered, which is held for rank 3's lost push: every rank timed out
+/// after 30 s. The probes now go by last transmission
+/// (`Transport::resend_late`), so they go round every late chunk.
 #[test]
-#[ignore = "finding: the loss timer starves a lost chunk behind 16 blocked ones (seed 7348)"]
 fn loss_timer_starvation_after_a_rejoin() {
     // Case::draw(7348), written out so that it stays this case.
     run(&Case {

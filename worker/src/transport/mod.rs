@@ -334,8 +334,9 @@ pub(crate) struct Transport<D> {
     /// Chunks to transmit at the next [`Transport::poll_transmit`], in the
     /// order their sequence numbers were given.
     queue: Vec<(u64, ChunkMsg)>,
-    /// Late chunks found by the last scan (kept for its allocation).
-    late: Vec<(Instant, (u32, u32))>,
+    /// Late chunks found by the last scan, with when each was last and
+    /// first sent (kept for its allocation).
+    late: Vec<((Instant, Instant), (u32, u32))>,
     finished: VecDeque<Finished<D>>,
     /// Last accepted result, or when work started after an idle spell.
     last_progress: Instant,
@@ -1033,11 +1034,16 @@ impl<D> Transport<D> {
                 o.deadline = o.deadline.min(now + self.rto.loss(0));
             }
             if now >= o.deadline {
-                late.push((o.first_sent, *k));
+                late.push(((o.sent, o.first_sent), *k));
             }
         }
         // As TCP's tail loss probe resends only its last segment, resend only
-        // the oldest late chunk on the first silence, two on the next, four...
+        // the late chunk sent longest ago on the first silence, two on the
+        // next, four... By last transmission, not first: the probes then go
+        // round every late chunk, where by first transmission up to `cap`
+        // chunks that are late only because they wait on another rank
+        // would be probed every silence and a lost one behind them never
+        // (the simulator's seed 7348: every rank timed out).
         // When the silence is a slow rank (or a descheduled lcore) rather
         // than loss, the probes are few duplicates the appliance drops; when
         // it is loss, each probe's result resets the count, and the chunks

@@ -526,7 +526,7 @@ fn without_loss_the_congestion_window_stays_the_window() {
 }
 
 #[test]
-fn the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result() {
+fn the_loss_timer_probes_the_chunks_sent_longest_ago_and_backs_off_until_a_result() {
     // Before any sample the loss timer is the initial RTO: 50 ms, then
     // 100, 200, 400 ms.
     let mut h = Harness::new(16);
@@ -549,8 +549,9 @@ fn the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result() {
     assert_eq!(probes(&mut h, 50), [0]);
     assert_eq!(h.t.poll_timeout(), Some(h.t0 + 150 * MS));
     assert_eq!(probes(&mut h, 149), [] as [u32; 0]);
-    // The second: the two oldest; the third: four.
-    assert_eq!(probes(&mut h, 150), [0, 1]);
+    // The second: the two sent longest ago (key 0 went at 50 ms; keys 1
+    // and 2 at 1 and 2 ms); the third: four.
+    assert_eq!(probes(&mut h, 150), [1, 2]);
     assert_eq!(h.t.poll_timeout(), Some(h.t0 + 350 * MS));
     assert_eq!(probes(&mut h, 349), [] as [u32; 0]);
     assert_eq!(probes(&mut h, 350), [0, 1, 2, 3]);
@@ -558,15 +559,15 @@ fn the_loss_timer_probes_the_oldest_chunks_and_backs_off_until_a_result() {
     assert_eq!(h.stats.snapshot().retransmits, 7);
     assert!(h.t.silent());
     // A result ends the silence: the timer is back to 50 ms after it, one
-    // probe again, of the oldest chunk whose own timer has run out (keys 2
-    // and 3 were last sent with 100 ms, key 1 with 200 ms).
+    // probe again, of the chunk sent longest ago whose own timer has run
+    // out (keys 1 and 2 were last sent with 200 ms, key 3 with 100 ms).
     h.at(400);
     h.result(0, 0, 1);
     assert!(!h.t.silent());
     assert_eq!(h.completed(), [(0, 1, expected_key(0, 1, 1))]);
     assert_eq!(h.t.poll_timeout(), Some(h.t0 + 450 * MS));
     assert_eq!(probes(&mut h, 449), [] as [u32; 0]);
-    assert_eq!(probes(&mut h, 450), [2]);
+    assert_eq!(probes(&mut h, 450), [3]);
     assert_eq!(h.stats.snapshot().retransmits, 8);
     assert_eq!(h.stats.snapshot().fast_retransmits, 0);
 }
