@@ -223,12 +223,6 @@ impl Case {
             case.appliances = case.racks;
             case.rejoin = None;
             case.crash = None;
-            // A known hazard, not drawn: ranks of different racks send a
-            // round's chunks in different orders (interleaved over their
-            // own rack appliance's lcores, whose layouts differ), and a
-            // window smaller than a round deadlocks across racks
-            // (tests/seeds.rs, hierarchical_racks_send_in_different_orders).
-            case.window = case.window.max(case.round_chunks());
         }
         // A known hazard, not drawn: a rank that rejoins after leaving
         // mid-round may find its keys at different rounds (it was the last

@@ -351,9 +351,19 @@ pub(crate) struct Transport<D> {
     shm: Option<ShmState>,
 }
 
+/// A key's chunk `i`'s place in the order a hierarchical job's ranks send
+/// it: the bits of `i` reversed (chunks 0, 2^31, 2^30, 3 x 2^30, ...
+/// compared as numbers), which visits any contiguous run of a key's chunks
+/// (an lcore's share of it, on any rack's layout) early and evenly, and
+/// depends on `i` alone.
+fn spread_order(i: u32) -> u32 {
+    i.reverse_bits()
+}
+
 /// Chunks not sent yet, in the order they go out: requests first come,
 /// first sent, and within a request its chunks interleaved over their lcores
-/// (the first chunk of each lcore, then the second of each, ...).
+/// (the first chunk of each lcore, then the second of each, ...), or in a
+/// hierarchical job by [`spread_order`].
 ///
 /// The order is a function of the requests and their order alone, never of
 /// when they reached this thread: every rank submits the same requests in
@@ -372,10 +382,22 @@ struct Pending {
 }
 
 impl Pending {
-    /// Queues request `id`'s chunks, interleaved over their lcores (each
+    /// Queues request `id`'s chunks: interleaved over their lcores (each
     /// lcore's in their order; lcores in the order their first chunk
-    /// comes).
-    fn push_request(&mut self, id: u64, chunks: Vec<ChunkMsg>) {
+    /// comes) when `by_lcore`, else in an order of their indices alone
+    /// ([`spread_order`]).
+    ///
+    /// A hierarchical job's ranks send to their own rack's appliance,
+    /// whose layout differs from rack to rack, so an order by lcores
+    /// differs too, and racks whose windows hold different chunks wait on
+    /// each other's partial sums for ever (the simulator's finding, seed
+    /// 450): its chunks go in an order every rack shares.
+    fn push_request(&mut self, id: u64, mut chunks: Vec<ChunkMsg>, by_lcore: bool) {
+        if !by_lcore {
+            chunks.sort_by_key(|c| spread_order(c.chunk));
+            self.queue.extend(chunks.into_iter().map(|c| (id, c)));
+            return;
+        }
         let mut lanes: Vec<(u16, VecDeque<ChunkMsg>)> = Vec::new();
         for c in chunks {
             match lanes.iter_mut().find(|(l, _)| *l == c.lcore) {
@@ -551,7 +573,7 @@ impl<D> Transport<D> {
                 done: r.done,
             },
         );
-        self.pending.push_request(id, r.chunks);
+        self.pending.push_request(id, r.chunks, self.info.in_order);
         if chunks == 0 {
             self.complete(id);
         }

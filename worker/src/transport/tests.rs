@@ -929,6 +929,7 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
             .map(|c| msg(0, c))
             .chain((4..6).map(|c| msg(2, c)))
             .collect(),
+        true,
     );
     assert_eq!(
         order(&mut p),
@@ -944,20 +945,20 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
         (0..4).map(|c| msg(1, c)).collect(),
     );
     let mut at_once = Pending::default();
-    at_once.push_request(1, a.clone());
-    at_once.push_request(2, b.clone());
+    at_once.push_request(1, a.clone(), true);
+    at_once.push_request(2, b.clone(), true);
     let mut later = Pending::default();
-    later.push_request(1, a);
+    later.push_request(1, a, true);
     let mut seen: Vec<(u64, u16, u32)> = (0..2)
         .filter_map(|_| later.pop())
         .map(|(id, m)| (id, m.lcore, m.chunk))
         .collect();
-    later.push_request(2, b);
+    later.push_request(2, b, true);
     seen.extend(order(&mut later));
     assert_eq!(seen, order(&mut at_once));
     for c in 0..3 {
-        p.push_request(1, vec![msg(1, c)]);
-        p.push_request(2, vec![msg(0, c)]);
+        p.push_request(1, vec![msg(1, c)], true);
+        p.push_request(2, vec![msg(0, c)], true);
     }
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
@@ -1015,4 +1016,33 @@ fn an_automatic_window_follows_the_stated_receive_buffer_share() {
     set.poll();
     set.result_stating(1, 0, 1, 64 << 10);
     assert_eq!(set.t.window(), 40);
+}
+
+/// A hierarchical job's ranks send each key's chunks in one order whatever
+/// their rack's layout (by the chunk index alone, spread over the key), so
+/// no two racks fill their windows with chunks the other has not sent.
+#[test]
+fn hierarchical_ranks_send_in_an_order_that_does_not_depend_on_their_rack() {
+    let msg = |lcore: u16, chunk: u32| ChunkMsg {
+        chunk,
+        slot: chunk,
+        offset: 0,
+        len: 1,
+        to: lcore_addr(lcore),
+        lcore,
+        start: 0,
+        bytes: HEADER_LEN,
+    };
+    let order = |by: &dyn Fn(u32) -> u16| {
+        let mut p = Pending::default();
+        p.push_request(1, (0..8).map(|c| msg(by(c), c)).collect(), false);
+        std::iter::from_fn(|| p.pop())
+            .map(|(_, m)| m.chunk)
+            .collect::<Vec<u32>>()
+    };
+    // Rack 0: one lcore; rack 1: chunks 0..3 on lcore 0, 3..8 on lcore 1.
+    let rack0 = order(&|_| 0);
+    let rack1 = order(&|c| u16::from(c >= 3));
+    assert_eq!(rack0, rack1);
+    assert_eq!(rack0, [0, 4, 2, 6, 1, 5, 3, 7]);
 }
