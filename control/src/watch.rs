@@ -65,22 +65,23 @@ impl Watch {
 
     /// Sends the appliance a request unless one is in flight.
     pub(crate) fn kick(self: &Arc<Self>, client: &Client) -> Result<(), String> {
-        let mut st = self.lock();
-        if st.asking_since.is_none() {
-            st.asking_since = Some(Instant::now());
-            let (me, c) = (Arc::clone(self), client.clone());
-            let spawned = std::thread::Builder::new()
-                .name("control-watch".into())
-                .spawn(move || me.ask(&c));
-            if let Err(e) = spawned {
-                st.asking_since = None;
-                return Err(format!(
-                    "cannot start a thread to ask appliance {}: {e}",
-                    client.base()
-                ));
-            }
+        self.ask_unless_asking(&mut self.lock(), client).map(drop)
+    }
+
+    /// Sends the appliance a request (on a thread of its own) unless one
+    /// is in flight, with `st` locked: when the one in flight was sent.
+    fn ask_unless_asking(self: &Arc<Self>, st: &mut State, client: &Client) -> Result<Instant, String> {
+        if let Some(since) = st.asking_since {
+            return Ok(since);
         }
-        Ok(())
+        let (me, c) = (Arc::clone(self), client.clone());
+        std::thread::Builder::new()
+            .name("control-watch".into())
+            .spawn(move || me.ask(&c))
+            .map_err(|e| format!("cannot start a thread to ask appliance {}: {e}", client.base()))?;
+        let now = Instant::now();
+        st.asking_since = Some(now);
+        Ok(now)
     }
 
     /// The appliance's view now: a fresh answer if one comes within
@@ -88,18 +89,8 @@ impl Watch {
     /// than that already), else why not, with the age of the last answer.
     pub(crate) fn look(self: &Arc<Self>, client: &Client, wait: Duration) -> Result<View, String> {
         let mut st = self.lock();
-        if st.asking_since.is_none() {
-            drop(st);
-            self.kick(client)?;
-            st = self.lock();
-        }
-        // Kicked by this call or by another: its outcome is the next one.
-        let Some(since) = st.asking_since else {
-            return st
-                .last
-                .as_ref()
-                .map_or_else(|| Err("no answer yet".into()), |(_, r)| r.clone());
-        };
+        // Sent by this call or by another: its outcome is the next one.
+        let since = self.ask_unless_asking(&mut st, client)?;
         // An appliance whose last request failed is not waited for: the
         // read says why, and the request in flight tells the next read
         // whether it is back.

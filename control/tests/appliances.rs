@@ -92,6 +92,20 @@ fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     }
 }
 
+/// Two one-lcore fakes, `a` in rack r1 and `b` in r2, under a daemon on
+/// a state file tagged `tag`.
+fn two_appliances(tag: &str) -> (Fake, Fake, TempState, Daemon) {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let b = Fake::start(FakeConfig::lcores(1).at(9200));
+    let state = temp_state(tag);
+    let d = daemon(
+        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
+        "http://127.0.0.1:1",
+        &state,
+    );
+    (a, b, state, d)
+}
+
 /// A sum job of one key of `elements` f32 in 1 KiB chunks, on `placement`.
 fn spec(name: &str, elements: u64, placement: &str) -> String {
     format!(
@@ -366,14 +380,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
 /// racks' appliances sending partial sums to its home slots, not all W.
 #[test]
 fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
-    let a = Fake::start(FakeConfig::lcores(1));
-    let b = Fake::start(FakeConfig::lcores(1).at(9200));
-    let state = temp_state("hier-share");
-    let d = daemon(
-        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
-        "http://127.0.0.1:1",
-        &state,
-    );
+    let (_a, _b, _state, d) = two_appliances("hier-share");
     let spec = "name = \"h\"\nworkers = 4\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
                 [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
                 hierarchical = true\nranks_per_rack = [1, 3]\n";
@@ -402,14 +409,7 @@ fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
 /// An appliance that does not answer: job show names it per part.
 #[test]
 fn job_show_names_a_part_whose_appliance_is_down() {
-    let a = Fake::start(FakeConfig::lcores(1));
-    let b = Fake::start(FakeConfig::lcores(1).at(9200));
-    let state = temp_state("down");
-    let d = daemon(
-        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
-        "http://127.0.0.1:1",
-        &state,
-    );
+    let (_a, b, _state, d) = two_appliances("down");
     let r: AdmitResponse = ok(
         &d,
         "POST",
@@ -604,14 +604,7 @@ fn free_port() -> u16 {
 /// home that is gone. Now that part is removed when the job fails.
 #[test]
 fn a_failed_hierarchical_job_leaves_no_part_behind() {
-    let a = Fake::start(FakeConfig::lcores(1));
-    let b = Fake::start(FakeConfig::lcores(1).at(9200));
-    let state = temp_state("hier-fail");
-    let d = daemon(
-        vec![appliance("a", &a, "r1"), appliance("b", &b, "r2")],
-        "http://127.0.0.1:1",
-        &state,
-    );
+    let (a, b, _state, d) = two_appliances("hier-fail");
     let spec = "name = \"h\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
                 [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
                 hierarchical = true\n";

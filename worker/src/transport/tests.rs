@@ -903,9 +903,9 @@ fn a_lossy_duplicating_reordering_path_completes_every_round() {
     assert_eq!((s.retransmits, s.results_ignored), (0, 0));
 }
 
-#[test]
-fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
-    let msg = |lcore: u16, chunk: u32| ChunkMsg {
+/// A one-element chunk `chunk` of lcore `lcore`, for [`Pending`]'s order.
+fn pending_msg(lcore: u16, chunk: u32) -> ChunkMsg {
+    ChunkMsg {
         chunk,
         slot: chunk,
         offset: 0,
@@ -914,7 +914,11 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
         lcore,
         start: 0,
         bytes: HEADER_LEN,
-    };
+    }
+}
+
+#[test]
+fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     let order = |p: &mut Pending| -> Vec<(u64, u16, u32)> {
         std::iter::from_fn(|| p.pop())
             .map(|(id, m)| (id, m.lcore, m.chunk))
@@ -926,8 +930,8 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     p.push_request(
         1,
         (0..4)
-            .map(|c| msg(0, c))
-            .chain((4..6).map(|c| msg(2, c)))
+            .map(|c| pending_msg(0, c))
+            .chain((4..6).map(|c| pending_msg(2, c)))
             .collect(),
         true,
     );
@@ -941,8 +945,8 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     // fill their windows with chunks the other has not sent, and wait for
     // each other forever).
     let (a, b): (Vec<ChunkMsg>, Vec<ChunkMsg>) = (
-        (0..4).map(|c| msg(0, c)).collect(),
-        (0..4).map(|c| msg(1, c)).collect(),
+        (0..4).map(|c| pending_msg(0, c)).collect(),
+        (0..4).map(|c| pending_msg(1, c)).collect(),
     );
     let mut at_once = Pending::default();
     at_once.push_request(1, a.clone(), true);
@@ -957,8 +961,8 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     seen.extend(order(&mut later));
     assert_eq!(seen, order(&mut at_once));
     for c in 0..3 {
-        p.push_request(1, vec![msg(1, c)], true);
-        p.push_request(2, vec![msg(0, c)], true);
+        p.push_request(1, vec![pending_msg(1, c)], true);
+        p.push_request(2, vec![pending_msg(0, c)], true);
     }
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
@@ -1023,19 +1027,9 @@ fn an_automatic_window_follows_the_stated_receive_buffer_share() {
 /// no two racks fill their windows with chunks the other has not sent.
 #[test]
 fn hierarchical_ranks_send_in_an_order_that_does_not_depend_on_their_rack() {
-    let msg = |lcore: u16, chunk: u32| ChunkMsg {
-        chunk,
-        slot: chunk,
-        offset: 0,
-        len: 1,
-        to: lcore_addr(lcore),
-        lcore,
-        start: 0,
-        bytes: HEADER_LEN,
-    };
     let order = |by: &dyn Fn(u32) -> u16| {
         let mut p = Pending::default();
-        p.push_request(1, (0..8).map(|c| msg(by(c), c)).collect(), false);
+        p.push_request(1, (0..8).map(|c| pending_msg(by(c), c)).collect(), false);
         std::iter::from_fn(|| p.pop())
             .map(|(_, m)| m.chunk)
             .collect::<Vec<u32>>()
