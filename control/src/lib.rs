@@ -39,6 +39,7 @@ pub mod cli;
 pub mod daemon;
 mod dataplane;
 pub mod format;
+mod job;
 pub mod metrics;
 mod refit;
 mod state;

@@ -1,0 +1,244 @@
+//! Admission (`POST /v1/jobs`): the appliances a job goes on
+//! ([`Shared::choose`]), its placement over their lcores
+//! ([`crate::admission`]), and its install on each, recorded only once
+//! every appliance installed its part.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use phub_proto::api::{AdmitResponse, DataplaneInfo};
+use phub_proto::spec::{Appliances, JobSpec};
+
+use super::http::RequestError;
+use super::registry::{Inner, Shared};
+use crate::admission;
+use crate::dataplane::{Client, DataplaneError};
+use crate::job::install_of;
+use crate::state::{StoredJob, StoredPart};
+
+/// Longest an admission waits for an appliance's description before it
+/// takes it as down.
+pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
+
+/// A hierarchical job's appliances must each be a different rack's.
+pub(super) fn check_racks(inner: &Inner, chosen: &[(String, DataplaneInfo)]) -> Result<(), RequestError> {
+    let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
+    for (name, _) in chosen {
+        let rack = inner.appliances.get(name).map_or("", |a| a.spec.rack.as_str());
+        if let Some(other) = seen.insert(rack, name) {
+            return Err(RequestError::BadRequest(format!(
+                "placement.hierarchical: appliances {other:?} and {name:?} are both in rack {rack:?}; a \
+                 hierarchical job takes one appliance per rack"
+            )));
+        }
+    }
+    Ok(())
+}
+impl Shared {
+    /// The appliances `spec` goes on, with their fresh descriptions, in
+    /// layout order: those it names, or the number it asks for (one by
+    /// default) with the most free memory among those that answer.
+    pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
+        let (clients, aliases): (Vec<(String, Client)>, BTreeMap<String, String>) = {
+            let inner = self.lock();
+            let aliases = inner
+                .appliances
+                .values()
+                .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
+                .collect();
+            (inner.clients(), aliases)
+        };
+        let asked = spec.placement.as_ref().map(|p| &p.appliances);
+        let chosen = match asked {
+            Some(Appliances::Names(names)) => {
+                let mut out = Vec::new();
+                for n in names {
+                    let Some((_, c)) = clients.iter().find(|(name, _)| name == n) else {
+                        let known: Vec<&str> = clients.iter().map(|(n, _)| n.as_str()).collect();
+                        return Err(RequestError::BadRequest(format!(
+                            "placement.appliances names {n:?}, which control does not manage; its \
+                             appliances: {}",
+                            known.join(", ")
+                        )));
+                    };
+                    if let Some(why) = aliases.get(n) {
+                        return Err(RequestError::Conflict(format!(
+                            "placement.appliances names {n:?}, which is {why}"
+                        )));
+                    }
+                    out.push((n.clone(), c.info()?));
+                }
+                out
+            }
+            _ => {
+                let count = spec.placement.as_ref().map_or(1, |p| p.count());
+                let mut answer = Vec::new();
+                let mut down = None;
+                // Every appliance asked at once; one that does not answer
+                // within ADMIT_WAIT is taken as down.
+                for (name, v) in self.views(None, ADMIT_WAIT) {
+                    match v {
+                        Ok(_) if aliases.contains_key(&name) => {}
+                        Ok(v) => answer.push((name, v.info)),
+                        Err(e) => {
+                            down = down.or(Some(RequestError::Dataplane(DataplaneError::Unreachable {
+                                appliance: name.clone(),
+                                base: clients
+                                    .iter()
+                                    .find(|(n, _)| *n == name)
+                                    .map(|(_, c)| c.base().to_string())
+                                    .unwrap_or_default(),
+                                reason: e,
+                            })));
+                        }
+                    }
+                }
+                let free: Vec<(String, u64)> = answer
+                    .iter()
+                    .map(|(n, i)| {
+                        (
+                            n.clone(),
+                            i.memory_budget_bytes.saturating_sub(i.memory_used_bytes),
+                        )
+                    })
+                    .collect();
+                let names = match admission::choose_appliances(count, &free) {
+                    Ok(n) => n,
+                    // Too few answer: say why one does not.
+                    Err(e) => return Err(down.unwrap_or(RequestError::Capacity(e))),
+                };
+                names
+                    .into_iter()
+                    .filter_map(|n| answer.iter().find(|(a, _)| *a == n).cloned())
+                    .collect()
+            }
+        };
+        let mut inner = self.lock();
+        for (name, info) in &chosen {
+            if let Some(a) = inner.appliances.get_mut(name) {
+                a.info = Some(info.clone());
+            }
+        }
+        Ok(chosen)
+    }
+
+    pub(super) fn admit(
+        &self,
+        body: &str,
+        content_type: Option<&str>,
+    ) -> Result<AdmitResponse, RequestError> {
+        let spec = JobSpec::parse(body, content_type)?;
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut chosen = self.choose(&spec)?;
+        if spec.hierarchical()
+            && matches!(
+                spec.placement.as_ref().map(|p| &p.appliances),
+                Some(Appliances::Count(_))
+            )
+        {
+            // Racks are numbered in the order of their appliances' names.
+            chosen.sort_by(|a, b| a.0.cmp(&b.0));
+        }
+        // Ids the appliances hold without control knowing them (a lost
+        // state file) are skipped rather than clashed with.
+        let mut foreign = BTreeSet::new();
+        let mut clients = Vec::new();
+        for (name, _) in &chosen {
+            let c = self.lock().client(name)?;
+            foreign.extend(c.jobs()?.into_iter().map(|j| j.id));
+            clients.push(c);
+        }
+        let (id, plan, racks) = {
+            let inner = self.lock();
+            if spec.hierarchical() {
+                check_racks(&inner, &chosen)?;
+            }
+            let targets: Vec<admission::Target<'_>> = chosen
+                .iter()
+                .map(|(name, info)| admission::Target {
+                    name,
+                    info,
+                    load: inner.load_on(name, info, None),
+                })
+                .collect();
+            let (plan, racks) = if spec.hierarchical() {
+                let h = admission::plan_hierarchical(&spec, &targets)?;
+                (h.homes, h.racks)
+            } else {
+                (admission::plan_over(&spec, &targets)?, Vec::new())
+            };
+            let id = admission::free_id(|id| inner.jobs.contains_key(&id) || foreign.contains(&id))?;
+            (id, plan, racks)
+        };
+        let token = loop {
+            let t: u64 = rand::random();
+            if t != 0 {
+                break t;
+            }
+        };
+        let name = spec.name.clone();
+        let chunks = plan.layout.chunk_count();
+        let lcores = plan.layout.used_lcores();
+        let memory: u64 = plan.parts.iter().map(|p| p.memory_bytes).sum();
+        let shm: u64 = plan.parts.iter().map(|p| p.cost.shm).sum();
+        let names: Vec<String> = chosen.iter().map(|(n, _)| n.clone()).collect();
+        let job = StoredJob {
+            id,
+            token,
+            spec,
+            layout: plan.layout,
+            joined: BTreeSet::new(),
+            parts: chosen
+                .iter()
+                .map(|(n, info)| StoredPart {
+                    appliance: n.clone(),
+                    lcores: u32::try_from(info.lcores.len()).unwrap_or(u32::MAX),
+                })
+                .collect(),
+            failed: None,
+            racks,
+        };
+        let data = |n: &str| chosen.iter().find(|(c, _)| c == n).map(|(_, i)| i.data.clone());
+        // Each appliance installs its part; one that fails undoes the
+        // others.
+        for (i, (c, appliance)) in clients.iter().zip(&names).enumerate() {
+            let install =
+                install_of(&job, appliance, data).expect("the job's parts are the chosen appliances");
+            if let Err(e) = c.install(&install) {
+                let undo = if e.is_unreachable() { i + 1 } else { i };
+                // The PUT may have landed before the connection broke.
+                for c in &clients[..undo] {
+                    let _ = c.remove(id);
+                }
+                log::warn!("job {name:?} not admitted: {e}");
+                return Err(e.into());
+            }
+        }
+        let mut inner = self.lock();
+        inner.jobs.insert(id, job);
+        if let Err(e) = self.persist(&inner) {
+            inner.jobs.remove(&id);
+            drop(inner);
+            for c in &clients {
+                let _ = c.remove(id);
+            }
+            log::error!("job {name:?} not admitted: {e}");
+            return Err(RequestError::State(format!("{e}; the job was not admitted")));
+        }
+        drop(inner);
+        log::info!(
+            "admitted job {id} ({name:?}): {chunks} chunks, {memory} bytes ({shm} in shared memory) on {} \
+             over lcores {lcores:?} of their union",
+            names.join(", ")
+        );
+        Ok(AdmitResponse {
+            id,
+            token,
+            chunks,
+            memory_bytes: memory,
+            shm_bytes: shm,
+            lcores,
+            appliances: names,
+        })
+    }
+}

@@ -1,0 +1,440 @@
+//! Job parts' checkpoints: taken from the appliances on request and
+//! periodically, kept beside the state file ([`crate::ckpt_file`]), found
+//! again at start, and read back to restore a part a restarted appliance
+//! lost; a part whose file is there but unusable is held ([`Held`]).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use phub_proto::api::{CheckpointInfo, InstallJob};
+use phub_proto::checkpoint::Checkpoint;
+use phub_proto::layout::Layout;
+
+use super::http::{failed, held, not_admitted, RequestError};
+use super::registry::{Inner, Shared};
+use crate::ckpt_file::{self, KeepError, Owner, PartShape};
+use crate::dataplane::Client;
+use crate::job::{led_rack, part_of, parts, rack_of};
+use crate::state::{self, StoredJob};
+
+/// What control knows of its job parts' checkpoint files (beside the
+/// state file), by job and appliance.
+#[derive(Debug, Default)]
+pub(super) struct Checkpoints {
+    /// Each part's last usable checkpoint.
+    pub(super) taken: BTreeMap<(u16, String), CheckpointInfo>,
+    /// Parts whose checkpoint file exists but cannot be restored: they are
+    /// not installed (their job is held) until `POST /v1/jobs/{id}/retry`.
+    pub(super) held: BTreeMap<(u16, String), Held>,
+}
+
+impl Checkpoints {
+    /// Why job `id` is held ("part on appliance ...: checkpoint FILE
+    /// unusable: WHY", "; " between parts), if one of its parts is.
+    pub(super) fn held_reason(&self, id: u16) -> Option<String> {
+        let parts: Vec<String> = self
+            .held
+            .range((id, String::new())..)
+            .take_while(|((j, _), _)| *j == id)
+            .map(|((_, name), h)| held_text(name, h))
+            .collect();
+        (!parts.is_empty()).then(|| parts.join("; "))
+    }
+}
+
+/// Why a job part is held: its checkpoint file is there, but it cannot be
+/// read or decoded, is not the part's, cannot be moved onto the part's
+/// layout, or the appliance refuses it. Installing the part without it
+/// would lose the state the file may hold, and the next checkpoint would
+/// write over it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct Held {
+    /// The file.
+    pub(super) file: PathBuf,
+    /// Why it cannot be used.
+    pub(super) why: String,
+}
+impl Shared {
+    /// Takes a checkpoint of every part of job `id` from its appliances and
+    /// keeps each beside the state file ([`ckpt_file::keep`]: never over a
+    /// newer or fuller one, nor over one that is unusable, which holds the
+    /// job; the previous one kept as `.prev` until the new one reads back).
+    /// A part whose appliance fails keeps its previous checkpoint, and the
+    /// error names the appliance; the other parts are saved. A held job is
+    /// refused (409).
+    pub(super) fn checkpoint(&self, id: u16) -> Result<CheckpointInfo, RequestError> {
+        let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
+        let clients: Vec<(String, Client)> = {
+            let inner = self.lock();
+            match inner.jobs.get(&id) {
+                None => return Err(not_admitted(id)),
+                Some(StoredJob {
+                    failed: Some(why), ..
+                }) => return Err(failed(id, why)),
+                Some(job) => {
+                    if let Some(why) = inner.checkpoints.held_reason(id) {
+                        return Err(held(id, &why));
+                    }
+                    job.parts
+                        .iter()
+                        .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
+                        .collect::<Result<_, RequestError>>()?
+                }
+            }
+        };
+        let sharded = clients.len() > 1;
+        let mut first_error = None;
+        for (name, c) in clients {
+            match self.checkpoint_part(id, &name, &c, sharded) {
+                Ok(info) => log::info!(
+                    "checkpoint of job {id} on appliance {name:?}: rounds {:?}, {} bytes",
+                    info.round_range,
+                    info.bytes
+                ),
+                Err(e) => {
+                    log::warn!("checkpoint of job {id} on appliance {name:?}: {e}");
+                    first_error.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        let inner = self.lock();
+        let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+        combined_checkpoint(&inner, job).ok_or_else(|| not_admitted(id))
+    }
+
+    /// Takes job `id`'s part on appliance `name` from `client` and keeps it
+    /// ([`ckpt_file::keep`]). Caller holds [`CHECKPOINT_FILES`].
+    pub(super) fn checkpoint_part(
+        &self,
+        id: u16,
+        name: &str,
+        client: &Client,
+        sharded: bool,
+    ) -> Result<CheckpointInfo, RequestError> {
+        let bytes = client.checkpoint(id)?;
+        let ckpt = Checkpoint::decode(&bytes).map_err(|e| {
+            RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is unreadable: {e}"
+            ))
+        })?;
+        let path = checkpoint_path(&self.state_path, id, name, sharded);
+        let job = self
+            .lock()
+            .jobs
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| not_admitted(id))?;
+        let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+        let owner = owner(&job, name, &part);
+        owner.check(&ckpt.job).map_err(|e| {
+            RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
+            ))
+        })?;
+        match ckpt_file::keep(&path, &bytes, &ckpt, &owner) {
+            Ok(()) => {}
+            Err(KeepError::Unusable { why, .. }) => {
+                let h = Held {
+                    file: path.clone(),
+                    why,
+                };
+                let text = held_text(name, &h);
+                self.hold(id, name, h);
+                return Err(held(id, &text));
+            }
+            Err(e @ KeepError::Older { .. }) => {
+                return Err(RequestError::Conflict(format!(
+                    "job {id}, part on appliance {name:?}: {e}"
+                )))
+            }
+            Err(KeepError::Write(e)) => return Err(RequestError::State(e)),
+        }
+        let info = CheckpointInfo {
+            id,
+            round_range: ckpt.round_range(),
+            bytes: bytes.len() as u64,
+            taken_unix_ms: unix_ms(),
+            file: path.display().to_string(),
+        };
+        let mut inner = self.lock();
+        if inner.jobs.contains_key(&id) {
+            inner
+                .checkpoints
+                .taken
+                .insert((id, name.to_string()), info.clone());
+            Ok(info)
+        } else {
+            // Evicted meanwhile: the file must not outlive the job.
+            let _ = std::fs::remove_file(&path);
+            Err(not_admitted(id))
+        }
+    }
+
+    /// Checkpoints every job whose spec asks for it and one of whose parts'
+    /// last checkpoint is older than its interval (or missing); never a
+    /// held job.
+    pub(super) fn periodic_checkpoints(&self) {
+        let now = unix_ms();
+        let due: Vec<u16> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .values()
+                .filter(|j| {
+                    j.failed.is_none()
+                        && inner.checkpoints.held_reason(j.id).is_none()
+                        && j.spec.checkpoint_interval_s.is_some_and(|s| {
+                            let last = j
+                                .parts
+                                .iter()
+                                .map(|p| {
+                                    inner
+                                        .checkpoints
+                                        .taken
+                                        .get(&(j.id, p.appliance.clone()))
+                                        .map_or(0, |c| c.taken_unix_ms)
+                                })
+                                .min()
+                                .unwrap_or(0);
+                            now.saturating_sub(last) >= u64::from(s) * 1000
+                        })
+                })
+                .map(|j| j.id)
+                .collect()
+        };
+        for id in due {
+            if let Err(e) = self.checkpoint(id) {
+                log::warn!("periodic checkpoint of job {id}: {e}");
+            }
+        }
+    }
+
+    /// The checkpoint to restore `job`'s part on appliance `name` from,
+    /// moved onto the part's layout when it was taken on another (the part
+    /// was placed anew since): `None` when the part has none (no file, and
+    /// control took none). A file that cannot be read or decoded, is not
+    /// the part's ([`Owner::check`]: another job's, another admission's,
+    /// another part's), or cannot be moved, is refused, and so is a
+    /// missing file control took a checkpoint into: the part must then be
+    /// held, not installed without it.
+    pub(super) fn checkpoint_for(
+        &self,
+        job: &InstallJob,
+        name: &str,
+        sharded: bool,
+    ) -> Result<Option<Restore>, Held> {
+        let path = checkpoint_path(&self.state_path, job.id, name, sharded);
+        let unusable = |why: String| Held {
+            file: path.clone(),
+            why,
+        };
+        // The stored job is cloned so that the file is read unlocked.
+        let (stored, recorded) = {
+            let inner = self.lock();
+            let Some(stored) = inner.jobs.get(&job.id).cloned() else {
+                return Ok(None);
+            };
+            let recorded = inner.checkpoints.taken.get(&(job.id, name.to_string())).cloned();
+            (stored, recorded)
+        };
+        let Some(part) = part_of(&stored, name) else {
+            return Ok(None);
+        };
+        let found = ckpt_file::read(&path, &owner(&stored, name, &part)).map_err(unusable)?;
+        let Some((bytes, ckpt)) = found else {
+            return match recorded {
+                None => Ok(None),
+                Some(c) => Err(unusable(format!(
+                    "the file is gone (control took it: {}, {} bytes)",
+                    rounds_text(c.round_range),
+                    c.bytes
+                ))),
+            };
+        };
+        let round_range = ckpt.round_range();
+        if ckpt.job.layout == job.layout {
+            return Ok(Some(Restore { bytes, round_range }));
+        }
+        let moved = ckpt
+            .relayout(job.layout.clone())
+            .and_then(|c| c.encode())
+            .map_err(|e| unusable(format!("it cannot be moved onto the part's layout: {e}")))?;
+        log::info!(
+            "job {} on appliance {name:?}: its checkpoint is moved onto its new layout, chunk by chunk",
+            job.id
+        );
+        Ok(Some(Restore {
+            bytes: moved,
+            round_range,
+        }))
+    }
+
+    /// Holds job `id`'s part on appliance `name` for `h`: it is not
+    /// installed, its checkpoint is no longer listed, and the job says why
+    /// (logged once per reason).
+    pub(super) fn hold(&self, id: u16, name: &str, h: Held) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get(&id) else {
+            return;
+        };
+        let job_name = job.spec.name.clone();
+        let key = (id, name.to_string());
+        inner.checkpoints.taken.remove(&key);
+        if inner.checkpoints.held.get(&key) != Some(&h) {
+            log::error!(
+                "job {id} ({job_name:?}) held: part on appliance {name:?}: checkpoint {} unusable: {}; the part \
+                 is not installed and the file is not written over: repair or restore it, then `phubctl job \
+                 retry {id}` (or `--discard-checkpoint` to set it aside and start the part over)",
+                h.file.display(),
+                h.why
+            );
+            inner.checkpoints.held.insert(key, h);
+        }
+    }
+}
+
+/// Where control keeps job `id`'s checkpoint of its part on appliance
+/// `name`: beside the state file; one file for a job on one appliance (as
+/// before sharding), one per appliance for a sharded job.
+pub(super) fn checkpoint_path(state: &std::path::Path, id: u16, name: &str, sharded: bool) -> PathBuf {
+    if sharded {
+        state::sibling(state, &format!(".job-{id}.{name}.ckpt"))
+    } else {
+        state::sibling(state, &format!(".job-{id}.ckpt"))
+    }
+}
+
+/// Held while a checkpoint file is written or set aside (`job checkpoint`,
+/// periodic checkpoints, `job retry`), so that two writers never race on
+/// one file, its temporary or its `.prev`. Taken after `Shared::ops` when
+/// both are.
+pub(super) static CHECKPOINT_FILES: Mutex<()> = Mutex::new(());
+
+/// A checkpoint to restore a part from, on the part's layout.
+#[derive(Debug)]
+pub(super) struct Restore {
+    /// The file's bytes (moved onto the part's layout if need be).
+    pub(super) bytes: Vec<u8>,
+    /// Its lowest and highest completed round.
+    pub(super) round_range: Option<(u32, u32)>,
+}
+
+/// What a checkpoint of job `job`'s part on appliance `name` must describe;
+/// `part` is that part's layout ([`part_of`]).
+pub(super) fn owner<'a>(job: &'a StoredJob, name: &'a str, part: &'a Layout) -> Owner<'a> {
+    let rack = led_rack(job, name).and_then(|i| u16::try_from(i).ok());
+    let shape = match (rack_of(job, name), rack) {
+        (Some(layout), Some(rack)) => PartShape::Rack { rack, layout },
+        _ => PartShape::Flat(part),
+    };
+    Owner {
+        id: job.id,
+        token: job.token,
+        spec: &job.spec,
+        appliance: name,
+        part: shape,
+    }
+}
+
+/// "part on appliance "b": checkpoint FILE unusable: WHY".
+pub(super) fn held_text(name: &str, h: &Held) -> String {
+    format!(
+        "part on appliance {name:?}: checkpoint {} unusable: {}",
+        h.file.display(),
+        h.why
+    )
+}
+
+/// "rounds 3..=5", "round 3", "no completed round".
+pub(super) fn rounds_text(r: Option<(u32, u32)>) -> String {
+    match r {
+        None => "no completed round".into(),
+        Some((a, b)) if a == b => format!("round {a}"),
+        Some((a, b)) => format!("rounds {a}..={b}"),
+    }
+}
+
+/// When `path` was last written, in milliseconds since the Unix epoch (0
+/// if that cannot be told).
+pub(super) fn modified_ms(path: &std::path::Path) -> u64 {
+    std::fs::metadata(path)
+        .and_then(|m| m.modified())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// A job's last checkpoint over all its parts: rounds spanned, bytes
+/// added up, the oldest part's time, the files listed (", "); `None`
+/// until every part has one.
+pub(super) fn combined_checkpoint(inner: &Inner, job: &StoredJob) -> Option<CheckpointInfo> {
+    let mut all: Option<CheckpointInfo> = None;
+    for p in &job.parts {
+        let c = inner.checkpoints.taken.get(&(job.id, p.appliance.clone()))?;
+        all = Some(match all {
+            None => c.clone(),
+            Some(a) => CheckpointInfo {
+                id: a.id,
+                round_range: match (a.round_range, c.round_range) {
+                    (Some((x, y)), Some((u, v))) => Some((x.min(u), y.max(v))),
+                    (x, y) => x.or(y),
+                },
+                bytes: a.bytes + c.bytes,
+                taken_unix_ms: a.taken_unix_ms.min(c.taken_unix_ms),
+                file: format!("{}, {}", a.file, c.file),
+            },
+        });
+    }
+    all
+}
+
+pub(super) fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
+/// The checkpoints found beside the state file for the admitted jobs'
+/// parts: those usable, and the parts held for a file that is there but
+/// unusable ([`ckpt_file::read`]), so that a part held before a restart is
+/// held after it.
+pub(super) fn load_checkpoints(state: &std::path::Path, jobs: &BTreeMap<u16, StoredJob>) -> Checkpoints {
+    let mut out = Checkpoints::default();
+    for job in jobs.values() {
+        let id = job.id;
+        for (name, part) in parts(job) {
+            let path = checkpoint_path(state, id, name, job.parts.len() > 1);
+            let key = (id, name.to_string());
+            match ckpt_file::read(&path, &owner(job, name, &part)) {
+                Ok(None) => {}
+                Ok(Some((bytes, c))) => {
+                    out.taken.insert(
+                        key,
+                        CheckpointInfo {
+                            id,
+                            round_range: c.round_range(),
+                            bytes: bytes.len() as u64,
+                            taken_unix_ms: modified_ms(&path),
+                            file: path.display().to_string(),
+                        },
+                    );
+                }
+                Err(why) => {
+                    let h = Held { file: path, why };
+                    log::error!(
+                        "job {id} ({:?}) held: {}; the part is not installed and the file is not written \
+                         over: repair or restore it, then `phubctl job retry {id}` (or `--discard-checkpoint`)",
+                        job.spec.name,
+                        held_text(name, &h)
+                    );
+                    out.held.insert(key, h);
+                }
+            }
+        }
+    }
+    out
+}

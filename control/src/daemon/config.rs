@@ -1,0 +1,222 @@
+//! How the daemon runs: its command line ([`Args`]), the [`Config`] it
+//! becomes, the token files' default paths, and the appliances as the
+//! operator writes them (`--appliance`, `POST /v1/appliances`).
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::Parser;
+use phub_proto::api::ApplianceSpec;
+use phub_proto::spec::{appliance_name_ok, APPLIANCE_NAME_RULE};
+
+use crate::state::{self, DEFAULT_APPLIANCE};
+
+/// How the daemon runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Address the HTTP API listens on; port 0 picks a free one.
+    pub listen: SocketAddr,
+    /// Base URL of the management API of the appliance "default", used
+    /// when neither `appliances` nor the state file names any appliance.
+    pub dataplane: String,
+    /// Appliances given at start (`--appliance`, and `--dataplane` as the
+    /// one named "default"). They join those the state file records; one
+    /// of the same name replaces the recorded one.
+    pub appliances: Vec<ApplianceSpec>,
+    /// The state file.
+    pub state: PathBuf,
+    /// How often the dataplanes' jobs are compared with the admitted ones.
+    pub reconcile_interval: Duration,
+    /// The operator token file (default: the state file's path with
+    /// `.operator-token` appended). Created with a random token, readable by
+    /// its owner only, when missing.
+    pub operator_token: Option<PathBuf>,
+    /// The management token file of `dataplane` (default: the dataplane's
+    /// default for its port; see [`phub_http::secret::mgmt_token_path`]).
+    pub dataplane_token: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain and private key.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    /// Listen beyond loopback in clear text (refused without it).
+    pub insecure_listen: bool,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            listen: SocketAddr::from(([127, 0, 0, 1], 7700)),
+            dataplane: "http://127.0.0.1:7800".into(),
+            appliances: Vec::new(),
+            state: PathBuf::from("phub-control.state.json"),
+            reconcile_interval: Duration::from_secs(2),
+            operator_token: None,
+            dataplane_token: None,
+            tls: None,
+            insecure_listen: false,
+        }
+    }
+}
+
+impl Config {
+    /// Where the operator token lives.
+    pub fn operator_token_path(&self) -> PathBuf {
+        self.operator_token
+            .clone()
+            .unwrap_or_else(|| default_token_path(&self.state))
+    }
+
+    /// Where the management token of `dataplane` lives.
+    pub fn dataplane_token_path(&self) -> PathBuf {
+        self.dataplane_token
+            .clone()
+            .unwrap_or_else(|| default_mgmt_token_path(&self.dataplane))
+    }
+
+    /// The appliance "default" that `dataplane` names.
+    pub(super) fn default_appliance(&self) -> ApplianceSpec {
+        ApplianceSpec {
+            name: DEFAULT_APPLIANCE.into(),
+            url: self.dataplane.clone(),
+            rack: String::new(),
+            token_file: self.dataplane_token.as_ref().map(|p| p.display().to_string()),
+        }
+    }
+}
+
+/// The management token file a dataplane at `url` keeps by default: the
+/// dataplane's default for the URL's port.
+pub fn default_mgmt_token_path(url: &str) -> PathBuf {
+    // The port of the URL: what follows the host's last colon.
+    let authority = url.split("://").nth(1).unwrap_or(url);
+    let authority = authority.split('/').next().unwrap_or(authority);
+    let port = authority
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .unwrap_or(80);
+    phub_http::secret::mgmt_token_path(port)
+}
+
+/// The management token file control reads for `a`.
+pub(super) fn token_path_of(a: &ApplianceSpec) -> PathBuf {
+    a.token_file
+        .as_ref()
+        .map_or_else(|| default_mgmt_token_path(&a.url), PathBuf::from)
+}
+
+/// Checks an appliance as the operator gives it: its name and URL.
+pub fn check_appliance(a: &ApplianceSpec) -> Result<(), String> {
+    if !appliance_name_ok(&a.name) {
+        return Err(format!(
+            "appliance name {:?}: expected {APPLIANCE_NAME_RULE}",
+            a.name
+        ));
+    }
+    if !(a.url.starts_with("http://") || a.url.starts_with("https://")) || a.url.len() > 2048 {
+        return Err(format!(
+            "appliance {:?}: url {:?} is not an http:// or https:// URL of its management API",
+            a.name, a.url
+        ));
+    }
+    if a.rack.chars().count() > 128 || a.rack.chars().any(char::is_control) {
+        return Err(format!(
+            "appliance {:?}: rack {:?}: expected at most 128 characters, none of them a control character",
+            a.name, a.rack
+        ));
+    }
+    Ok(())
+}
+
+/// Parses `--appliance name=a,url=http://127.0.0.1:7800[,rack=r1][,token-file=PATH]`.
+pub fn parse_appliance(text: &str) -> Result<ApplianceSpec, String> {
+    let (mut name, mut url, mut rack, mut token_file) = (None, None, String::new(), None);
+    for field in text.split(',') {
+        let (k, v) = field
+            .split_once('=')
+            .ok_or_else(|| format!("{field:?} in {text:?}: expected key=value"))?;
+        match k.trim() {
+            "name" => name = Some(v.trim().to_string()),
+            "url" => url = Some(v.trim().to_string()),
+            "rack" => rack = v.trim().to_string(),
+            "token-file" => token_file = Some(v.trim().to_string()),
+            other => {
+                return Err(format!(
+                    "{other:?} in {text:?}: expected name=, url=, rack= or token-file="
+                ))
+            }
+        }
+    }
+    let a = ApplianceSpec {
+        name: name.ok_or_else(|| format!("{text:?}: name= is missing"))?,
+        url: url.ok_or_else(|| format!("{text:?}: url= is missing"))?,
+        rack,
+        token_file,
+    };
+    check_appliance(&a)?;
+    Ok(a)
+}
+
+/// The operator token file that goes with a state file.
+pub fn default_token_path(state: &std::path::Path) -> PathBuf {
+    state::sibling(state, ".operator-token")
+}
+
+/// Reads the operator token, or creates the file with a new random one
+/// (mode 0600, created exclusively so a racing start cannot clobber it).
+pub(super) fn load_or_create_token(path: &std::path::Path) -> anyhow::Result<String> {
+    let (token, made) = phub_http::secret::load_or_create(path).context("the operator token file")?;
+    if made {
+        log::info!("generated the operator token in {} (owner-only)", path.display());
+    }
+    Ok(token)
+}
+
+/// The configuration file read when `--config` is not given, if it exists
+/// (see `phub_appliance::config`).
+pub const CONFIG_FILE: &str = "/etc/phub/control.toml";
+
+/// phub-control: admits jobs, maps chunks to lcores, answers workers.
+#[derive(Debug, Parser)]
+#[command(name = "phub-control", version)]
+pub(super) struct Args {
+    /// Address the HTTP API listens on.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    pub(super) listen: SocketAddr,
+    /// Base URL of the management API of the appliance named "default"
+    /// [default: http://127.0.0.1:7800 when neither --appliance nor the
+    /// state file names an appliance].
+    #[arg(long)]
+    pub(super) dataplane: Option<String>,
+    /// An appliance: `name=a,url=http://127.0.0.1:7800[,rack=r1][,token-file=PATH]`
+    /// (repeat for several). Appliances given here join those the state
+    /// file records; `phubctl appliance add|remove` changes them at run time.
+    #[arg(long, value_name = "SPEC", value_parser = parse_appliance)]
+    pub(super) appliance: Vec<ApplianceSpec>,
+    /// The state file (appliances and admitted jobs), written atomically
+    /// after every change.
+    #[arg(long, default_value = "phub-control.state.json")]
+    pub(super) state: PathBuf,
+    /// Milliseconds between reconciliations with the dataplanes.
+    #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
+    pub(super) reconcile_ms: u64,
+    /// Operator token file (admission, eviction, checkpoints and appliance
+    /// changes need the token); default: the state file's path +
+    /// `.operator-token`.
+    #[arg(long)]
+    pub(super) operator_token_file: Option<PathBuf>,
+    /// The management token file of --dataplane (its --mgmt-token-file);
+    /// default: the dataplane's default for the port of --dataplane.
+    #[arg(long, value_name = "FILE")]
+    pub(super) dataplane_token_file: Option<PathBuf>,
+    /// Serve HTTPS with this PEM certificate chain (with --tls-key).
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    pub(super) tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    pub(super) tls_key: Option<PathBuf>,
+    /// Listen beyond loopback in clear text (tokens and job specs then
+    /// cross the network unprotected). Without it, a non-loopback --listen
+    /// needs --tls-cert and --tls-key.
+    #[arg(long)]
+    pub(super) insecure_listen: bool,
+}

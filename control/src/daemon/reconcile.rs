@@ -1,0 +1,379 @@
+//! Reconciliation: every interval, each appliance's jobs are compared
+//! with those admitted on it; a part it lost is fitted to its lcores now
+//! ([`crate::refit`]) and installed again, from its checkpoint when it
+//! has one; a job it holds that control did not admit there is removed.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use phub_proto::api::{DataplaneInfo, InstallJob};
+use phub_proto::layout::Layout;
+use phub_proto::spec::JobSpec;
+
+use super::checkpoints::{checkpoint_path, rounds_text, Held};
+use super::registry::Shared;
+use crate::dataplane::{Client, DataplaneError};
+use crate::job::{install_of, part_of};
+use crate::refit::{self, Refit};
+use crate::state::StoredJob;
+use crate::watch;
+
+/// What the reconcile thread remembers to log each problem once (one per
+/// appliance).
+#[derive(Debug, Default)]
+pub(super) struct ReconcileLog {
+    /// Jobs the appliance holds that control admitted on other appliances.
+    pub(super) foreign: BTreeSet<u16>,
+    /// Appliances that did not answer last time.
+    pub(super) down: BTreeSet<String>,
+    /// Job parts whose reinstall failed, by job and appliance.
+    pub(super) failed: BTreeSet<(u16, String)>,
+}
+impl Shared {
+    /// Reconciles every appliance ([`Shared::reconcile_one`]), all at
+    /// once, so that one that does not answer delays none of the others;
+    /// first asks each who it is, and leaves alone every appliance that is
+    /// another's dataplane under a second name ([`watch::alias_of`]).
+    pub(super) fn reconcile(&self, logs: &mut BTreeMap<String, ReconcileLog>) {
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let clients = self.lock().clients();
+        logs.retain(|n, _| clients.iter().any(|(c, _)| c == n));
+        let infos: Vec<(String, Option<DataplaneInfo>)> = std::thread::scope(|s| {
+            let asked: Vec<_> = clients
+                .iter()
+                .map(|(n, c)| (n.clone(), s.spawn(move || c.info().ok())))
+                .collect();
+            asked
+                .into_iter()
+                .map(|(n, h)| (n, h.join().ok().flatten()))
+                .collect()
+        });
+        let aliases: BTreeSet<String> = {
+            let mut inner = self.lock();
+            let seen: Vec<(String, bool, DataplaneInfo)> = infos
+                .iter()
+                .filter_map(|(n, i)| Some((n.clone(), !inner.jobs_on(n).is_empty(), i.clone()?)))
+                .collect();
+            let found = watch::alias_of(&seen);
+            for (n, i) in infos {
+                let Some(a) = inner.appliances.get_mut(&n) else {
+                    continue;
+                };
+                let alias = found.iter().find(|(x, ..)| *x == n).map(|(_, other, why)| {
+                    format!(
+                        "the dataplane of appliance {other:?} under a second name ({why}): neither \
+                         reconciled nor given jobs; remove one of the two (phubctl appliance remove)"
+                    )
+                });
+                match (&a.alias, &alias) {
+                    (None, Some(why)) => log::error!("appliance {n:?} at {} is {why}", a.spec.url),
+                    (Some(_), None) => log::info!("appliance {n:?} is no longer another's dataplane"),
+                    _ => {}
+                }
+                a.alias = alias;
+                if i.is_some() {
+                    a.info = i;
+                }
+            }
+            found.into_iter().map(|(n, ..)| n).collect()
+        };
+        for (n, _) in &clients {
+            logs.entry(n.clone()).or_default();
+        }
+        std::thread::scope(|s| {
+            for (name, log) in logs.iter_mut().filter(|(n, _)| !aliases.contains(*n)) {
+                let Some((_, client)) = clients.iter().find(|(c, _)| c == name) else {
+                    continue;
+                };
+                s.spawn(move || self.reconcile_one(name, client, log));
+            }
+        });
+    }
+
+    /// Reinstalls on appliance `name` every part of an admitted job it
+    /// lacks, fitted to the lcores it has now ([`Shared::refit`]), from the
+    /// part's checkpoint when it has one; a job that cannot be placed on
+    /// them, or whose install the appliance refuses as invalid (HTTP 400),
+    /// is marked failed instead of being retried for ever. A part whose
+    /// checkpoint file is there but unusable ([`Shared::checkpoint_for`],
+    /// or refused by the appliance) is held instead, and a held part is
+    /// not installed, until `POST /v1/jobs/{id}/retry`. Jobs it holds that
+    /// control has not admitted there are removed.
+    pub(super) fn reconcile_one(&self, name: &str, client: &Client, log: &mut ReconcileLog) {
+        let installed: BTreeSet<u16> = match client.jobs() {
+            Ok(j) => {
+                if log.down.remove(name) {
+                    log::info!("appliance {name:?} at {} answers again", client.base());
+                }
+                j.into_iter().map(|j| j.id).collect()
+            }
+            Err(e) => {
+                if log.down.insert(name.to_string()) {
+                    log::warn!("{e}; retrying every {:?}", self.interval);
+                }
+                return;
+            }
+        };
+        // Jobs the appliance holds that control has not admitted there
+        // (evicted while it was down, or installed by someone else) are
+        // removed.
+        let (unknown, missing): (Vec<u16>, Vec<u16>) = {
+            let inner = self.lock();
+            let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
+            // A job admitted on other appliances is left alone: this
+            // may be one of them under another name or address, which
+            // must not lose the job's state.
+            let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
+                .iter()
+                .copied()
+                .filter(|id| !here.contains(id))
+                .partition(|id| inner.jobs.contains_key(id));
+            for id in foreign {
+                if log.foreign.insert(id) {
+                    let on: Vec<&str> = inner.jobs[&id]
+                        .parts
+                        .iter()
+                        .map(|p| p.appliance.as_str())
+                        .collect();
+                    log::error!(
+                        "appliance {name:?} holds job {id}, which is admitted on {} and not there: left \
+                         installed (is {name:?} one of those under another name or address?)",
+                        on.join(", ")
+                    );
+                }
+            }
+            let missing = here
+                .iter()
+                .copied()
+                .filter(|id| {
+                    !installed.contains(id)
+                        && inner.jobs[id].failed.is_none()
+                        && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
+                })
+                .collect();
+            (unknown, missing)
+        };
+        for id in unknown {
+            match client.remove(id) {
+                Ok(_) => log::warn!(
+                    "job {id} was installed on appliance {name:?} but is not admitted there: removed"
+                ),
+                Err(e) => log::warn!(
+                    "job {id} is installed on appliance {name:?} but not admitted there; removing it: {e}"
+                ),
+            }
+        }
+        log.failed.retain(|(id, n)| n != name || !installed.contains(id));
+        log.foreign.retain(|id| installed.contains(id));
+        if missing.is_empty() {
+            return;
+        }
+        // The appliance restarted: its settings may have changed, and the
+        // jobs are fitted to its lcores before they are installed.
+        let info = match client.info() {
+            Ok(info) => {
+                if let Some(a) = self.lock().appliances.get_mut(name) {
+                    a.info = Some(info.clone());
+                }
+                info
+            }
+            Err(e) => {
+                if log.down.insert(name.to_string()) {
+                    log::warn!("{e}; retrying every {:?}", self.interval);
+                }
+                return;
+            }
+        };
+        for id in missing {
+            let Some((job, sharded)) = self.refit(id, name, &info) else {
+                continue;
+            };
+            let restore = match self.checkpoint_for(&job, name, sharded) {
+                Ok(r) => r,
+                Err(h) => {
+                    self.hold(id, name, h);
+                    continue;
+                }
+            };
+            let result = match &restore {
+                Some(r) => client.restore(id, &r.bytes),
+                None => client.install(&job),
+            };
+            match result {
+                Ok(()) => {
+                    match &restore {
+                        Some(r) => log::info!(
+                            "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it, from its \
+                             checkpoint ({})",
+                            job.spec.name,
+                            rounds_text(r.round_range)
+                        ),
+                        None => log::info!(
+                            "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it (no \
+                             checkpoint: its parameters there start over)",
+                            job.spec.name
+                        ),
+                    }
+                    log.failed.remove(&(id, name.to_string()));
+                }
+                // A refusal of the request itself does not change by
+                // retrying, unless the appliance restarted again meanwhile:
+                // a refused checkpoint holds the part (as any unusable
+                // one), a refused install fails the job.
+                Err(DataplaneError::Refused {
+                    status: 400, message, ..
+                }) if client
+                    .info()
+                    .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
+                {
+                    if restore.is_some() {
+                        let h = Held {
+                            file: checkpoint_path(&self.state_path, id, name, sharded),
+                            why: format!("appliance {name:?} refuses to restore it: {message}"),
+                        };
+                        self.hold(id, name, h);
+                    } else {
+                        self.fail(
+                            id,
+                            &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
+                        );
+                    }
+                }
+                Err(e) => {
+                    if log.failed.insert((id, name.to_string())) {
+                        log::warn!("cannot reinstall job {id} on appliance {name:?}: {e}; retrying");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Fits job `id`'s part on appliance `name` to the appliance `info`
+    /// describes before it is installed again ([`refit::refit`]): a new
+    /// layout, or the job's failure, is made durable first. Returns what to
+    /// install and whether the job is sharded; `None` when the job failed,
+    /// is gone, or its change could not be written (then nothing changed
+    /// and the next reconciliation tries again).
+    pub(super) fn refit(&self, id: u16, name: &str, info: &DataplaneInfo) -> Option<(InstallJob, bool)> {
+        let mut inner = self.lock();
+        let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
+        let index = job.parts.iter().position(|p| p.appliance == name)?;
+        if !job.racks.is_empty() && job.racks[index].lcores.len() != info.lcores.len() {
+            let why = format!(
+                "appliance {name:?} came back with {} lcores, not the {} its rack layout has; a hierarchical \
+                 job is not refitted (admit it again)",
+                info.lcores.len(),
+                job.racks[index].lcores.len()
+            );
+            let before = job.clone();
+            let others: Vec<(String, Option<Client>)> = job
+                .parts
+                .iter()
+                .filter(|p| p.appliance != name)
+                .map(|p| (p.appliance.clone(), inner.client(&p.appliance).ok()))
+                .collect();
+            if let Some(j) = inner.jobs.get_mut(&id) {
+                j.failed = Some(why.clone());
+            }
+            if let Err(e) = self.persist(&inner) {
+                inner.jobs.insert(id, before);
+                log::error!("job {id}: {why}; but that cannot be recorded ({e}): retrying");
+                return None;
+            }
+            log::error!("job {id} failed: {why}");
+            drop(inner);
+            // Its other racks' parts would hold their memory and send
+            // partials to a home that is gone: removed.
+            for (other, client) in others {
+                match client.map(|c| c.remove(id)) {
+                    Some(Ok(_)) => log::warn!("job {id} failed: its part on appliance {other:?} is removed"),
+                    Some(Err(e)) => log::warn!(
+                        "job {id} failed; its part on appliance {other:?} could not be removed ({e}): remove it \
+                         by evicting the job"
+                    ),
+                    None => {}
+                }
+            }
+            return None;
+        }
+        let part = part_of(job, name)?;
+        let others: Vec<(&JobSpec, Layout)> = inner
+            .jobs
+            .values()
+            .filter(|j| j.id != id && j.failed.is_none())
+            .filter_map(|j| part_of(j, name).map(|p| (&j.spec, p)))
+            .collect();
+        let decision = refit::refit(&job.spec, &part, info, others.iter().map(|(s, l)| (*s, l)));
+        drop(others);
+        let before = job.clone();
+        let n = info.lcores.len();
+        let job = inner.jobs.get_mut(&id)?;
+        let replace = |job: &mut StoredJob, new: Layout| {
+            // The part's lcores in the job's layout give way to the new ones.
+            let at: usize = job.parts[..index].iter().map(|p| p.lcores as usize).sum();
+            let len = job.parts[index].lcores as usize;
+            job.parts[index].lcores = u32::try_from(new.lcores.len()).unwrap_or(u32::MAX);
+            job.layout.lcores.splice(at..at + len, new.lcores);
+        };
+        let what = match decision {
+            Refit::AsIs => None,
+            Refit::Resized(layout) => {
+                replace(job, layout);
+                Some(format!(
+                    "its layout on appliance {name:?} is sized for its {n} lcores (its chunks stay where they were)"
+                ))
+            }
+            Refit::Replaced(layout) => {
+                replace(job, layout);
+                job.joined.clear();
+                Some(format!(
+                    "appliance {name:?} has {n} lcores, fewer than its layout used there: its chunks there \
+                     are placed anew over them; its ranks must join again (with a stale layout they get an \
+                     ERROR slot_out_of_range or chunk_mismatch, or time out on an lcore that is gone)"
+                ))
+            }
+            Refit::Failed(why) => {
+                let why = format!("appliance {name:?}: {why}");
+                job.failed = Some(why.clone());
+                Some(why)
+            }
+        };
+        let job = job.clone();
+        if let Some(what) = what {
+            if let Err(e) = self.persist(&inner) {
+                inner.jobs.insert(id, before);
+                log::error!("job {id}: {what}; but that cannot be recorded ({e}): retrying");
+                return None;
+            }
+            if job.failed.is_some() {
+                log::error!("job {id} ({:?}) failed: {what}", job.spec.name);
+                return None;
+            }
+            log::warn!("job {id} ({:?}): {what}", job.spec.name);
+        }
+        if !job.racks.is_empty() {
+            // Reinstalled as it was: its rack and home layouts stay.
+            return Some((install_of(&job, name, |n| inner.data_of(n))?, true));
+        }
+        Some((install_of(&job, name, |n| inner.data_of(n))?, job.parts.len() > 1))
+    }
+
+    /// Marks job `id` failed for `why`, durably; if that cannot be written,
+    /// nothing changes (the next reconciliation tries the job again).
+    pub(super) fn fail(&self, id: u16, why: &str) {
+        let mut inner = self.lock();
+        let Some(job) = inner.jobs.get_mut(&id) else {
+            return;
+        };
+        job.failed = Some(why.to_string());
+        let name = job.spec.name.clone();
+        match self.persist(&inner) {
+            Ok(()) => log::error!("job {id} ({name:?}) failed: {why}"),
+            Err(e) => {
+                if let Some(job) = inner.jobs.get_mut(&id) {
+                    job.failed = None;
+                }
+                log::error!("job {id}: {why}; but its failure cannot be recorded ({e}): retrying");
+            }
+        }
+    }
+}
