@@ -7,7 +7,7 @@
 //! Control manages a set of appliances (dataplanes), each with a name, a
 //! rack label, a management client and its last description. A job lives on
 //! one or several of them: its layout spans their lcores in order, and each
-//! holds its part ([`crate::job`]). The appliances and jobs live behind one
+//! holds its part (`crate::job`). The appliances and jobs live behind one
 //! mutex that is never held across an HTTP call to a dataplane. Calls that
 //! change the dataplanes' sets of jobs or control's set of appliances
 //! (admission, eviction, reconcile, appliance add and remove) take a second
@@ -18,9 +18,11 @@
 //! This file starts and stops the daemon; the rest is one file per concept:
 //!
 //! - `config`: the command line, [`Config`], token paths, `--appliance`;
-//! - `http`: auth, body limits, the route table, errors as statuses;
+//! - `http`: auth, body limits, the route table (a match on the path),
+//!   errors as statuses;
 //! - `registry`: the appliances and jobs behind the lock, the state file
-//!   they are saved to, the appliances' last descriptions;
+//!   they are saved to (every change through `Shared::commit`: saved, or
+//!   undone in memory), the appliances' last descriptions;
 //! - `admit`, `join`, `evict`: the job's use cases that change it;
 //! - `views`: the read routes (list, show, map, stats, metrics);
 //! - `checkpoints`, `retry`: checkpoint files, held parts, their retry;

@@ -1,5 +1,6 @@
-//! The state file: every admitted job with its id, token, spec, layout and
-//! joined ranks, as JSON. Written atomically (temporary file, fsync, rename,
+//! The state file: the appliances control manages and every admitted job
+//! with its id, token, spec, layout and joined ranks, as JSON, under the
+//! format version [`FORMAT_VERSION`]. Written atomically (temporary file, fsync, rename,
 //! fsync of the directory) so a crash leaves the old or the new state, never
 //! a torn one; created 0600, since it holds every job's token (so are
 //! checkpoints, written the same way). One phub-control at a time uses a
@@ -15,7 +16,23 @@ use std::path::{Path, PathBuf};
 use phub_proto::api::{hex_u64, ApplianceSpec};
 use phub_proto::layout::{Layout, Placement, PER_CHUNK_FORM};
 use phub_proto::spec::JobSpec;
+use serde::de::IgnoredAny;
 use serde::{Deserialize, Serialize};
+
+/// The format version this phub-control writes (`"version": 1`) and reads.
+///
+/// - Without a `version`: written before the file stated one. Such a file
+///   is read as version 1, its appliances and job parts filled in when it
+///   predates sharding ([`load`]), unless its layouts are in the per-chunk
+///   form of the versions before layouts were described by rule: that one
+///   is refused by name, never converted (its chunks would move to other
+///   slots, while the dataplanes and the checkpoints hold them where the
+///   old layout put them).
+/// - 1: the appliances, and per job its parts and, for a hierarchical
+///   job, its rack layouts.
+///
+/// A file of any other version is refused, naming it.
+pub(crate) const FORMAT_VERSION: u32 = 1;
 
 /// One admitted job as stored.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -42,11 +59,57 @@ pub(crate) struct StoredJob {
     /// it is then never reinstalled and joins are refused with the reason.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) failed: Option<String>,
-    /// A hierarchical job's rack layouts, one per part in order (each the
-    /// whole job over that appliance's lcores); `layout` is then the home
-    /// layout (PROTOCOL.md §9.1). Empty for any other job.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub(crate) racks: Vec<Layout>,
+    /// Flat, or hierarchical with its rack layouts; stored as `racks`
+    /// (absent for a flat job).
+    #[serde(default, rename = "racks", skip_serializing_if = "JobShape::is_flat")]
+    pub(crate) shape: JobShape,
+}
+
+/// How a job aggregates: flat, or in a hierarchy of racks. Stored as the
+/// list of rack layouts, empty (and left out) for a flat job.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(from = "Vec<Layout>", into = "Vec<Layout>")]
+pub(crate) enum JobShape {
+    /// Every rank sends to every part of the job's layout.
+    #[default]
+    Flat,
+    /// PROTOCOL.md §9.1: each part's appliance leads a rack, whose ranks
+    /// send to it alone; the job's `layout` is the home layout, over which
+    /// the racks' appliances exchange partial sums.
+    Hierarchical {
+        /// The rack layouts, one per part in order, each the whole job
+        /// over that appliance's lcores. Never empty.
+        racks: Vec<Layout>,
+    },
+}
+
+impl JobShape {
+    /// Whether the job is flat (what the state file leaves out).
+    pub(crate) fn is_flat(&self) -> bool {
+        matches!(self, JobShape::Flat)
+    }
+}
+
+impl From<Vec<Layout>> for JobShape {
+    fn from(racks: Vec<Layout>) -> JobShape {
+        if racks.is_empty() {
+            JobShape::Flat
+        } else {
+            JobShape::Hierarchical { racks }
+        }
+    }
+}
+
+impl From<JobShape> for Vec<Layout> {
+    fn from(shape: JobShape) -> Vec<Layout> {
+        match shape {
+            JobShape::Flat => Vec::new(),
+            JobShape::Hierarchical { racks } => {
+                assert!(!racks.is_empty(), "a hierarchical job has racks");
+                racks
+            }
+        }
+    }
 }
 
 /// One appliance's part of a job: the next `lcores` lcores of its layout.
@@ -67,6 +130,10 @@ pub(crate) const DEFAULT_APPLIANCE: &str = "default";
 #[derive(Debug, Clone, Default, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub(crate) struct StateFile {
+    /// The format version ([`FORMAT_VERSION`]); `None` in a file written
+    /// before the file stated one.
+    #[serde(default)]
+    pub(crate) version: Option<u32>,
     /// The appliances control manages; `None` in a state file written
     /// before sharding (its appliance is `--dataplane`'s).
     #[serde(default)]
@@ -78,6 +145,7 @@ pub(crate) struct StateFile {
 /// The whole file, borrowed for writing.
 #[derive(Serialize)]
 struct StateRef<'a> {
+    version: u32,
     appliances: &'a [&'a ApplianceSpec],
     jobs: &'a [&'a StoredJob],
 }
@@ -177,20 +245,26 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
         path: path.to_owned(),
         reason,
     };
-    let mut state: StateFile = serde_json::from_str(&text).map_err(|e| {
-        let e = e.to_string();
-        if e.contains(PER_CHUNK_FORM) {
-            // Refused rather than converted: its chunks would move to
-            // other slots, and the dataplane and the checkpoints hold them
-            // where the old layout put them.
-            unusable(format!(
-                "it holds {e}. Evict its jobs with the phub-control that wrote it, or move the file \
-                 away and admit the jobs again"
-            ))
-        } else {
-            corrupt(e)
+    let head: Head = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    match head.version {
+        Some(FORMAT_VERSION) => {}
+        Some(v) => {
+            return Err(unusable(format!(
+                "format version {v}; this phub-control reads version {FORMAT_VERSION} and files without a \
+                 version (written before the file stated one)"
+            )))
         }
-    })?;
+        None => {
+            if let Some(id) = per_chunk_job(&text) {
+                return Err(unusable(format!(
+                    "job {id} has {PER_CHUNK_FORM}. Evict its jobs with the phub-control that wrote it, or \
+                     move the file away and admit the jobs again"
+                )));
+            }
+        }
+    }
+    let mut state: StateFile = serde_json::from_str(&text).map_err(|e| corrupt(e.to_string()))?;
+    assert_eq!(state.version, head.version, "one file, read twice");
     let mut names = BTreeSet::new();
     for a in state.appliances.iter().flatten() {
         if !phub_proto::spec::appliance_name_ok(&a.name) {
@@ -258,6 +332,51 @@ pub(crate) fn load(path: &Path) -> Result<Option<StateFile>, StateError> {
     Ok(Some(state))
 }
 
+/// The state file's version, read before the rest (every other field is
+/// skipped).
+#[derive(Deserialize)]
+struct Head {
+    #[serde(default)]
+    version: Option<u32>,
+}
+
+/// A job of a file without a version, as far as telling its layout's form
+/// needs: the per-chunk form had `keys` beside `lcores`, and a list of
+/// chunks per lcore where the form by rule has one `{"first", "count"}`
+/// run. Only what is needed is read; the rest is checked by [`StateFile`].
+#[derive(Deserialize)]
+struct OldJob {
+    #[serde(default)]
+    id: Option<u16>,
+    layout: OldLayout,
+}
+
+#[derive(Deserialize)]
+struct OldLayout {
+    #[serde(default)]
+    keys: Option<IgnoredAny>,
+    #[serde(default)]
+    lcores: Vec<serde_json::Value>,
+}
+
+#[derive(Deserialize)]
+struct OldFile {
+    #[serde(default)]
+    jobs: Vec<OldJob>,
+}
+
+/// The id of the first job of `text` (a file without a version) whose
+/// layout is in the per-chunk form, if one is (0 if it has no id); `None`
+/// too when `text` does not read as such a file at all (then parsing it
+/// as a [`StateFile`] says what is wrong).
+fn per_chunk_job(text: &str) -> Option<u16> {
+    let old: OldFile = serde_json::from_str(text).ok()?;
+    old.jobs
+        .iter()
+        .find(|j| j.layout.keys.is_some() || j.layout.lcores.iter().any(serde_json::Value::is_array))
+        .map(|j| j.id.unwrap_or(0))
+}
+
 /// Writes the state of `appliances` and `jobs` to `path` atomically:
 /// `path.tmp` is written and synced, renamed over `path`, and the directory
 /// is synced.
@@ -267,7 +386,12 @@ pub(crate) fn save(
     jobs: &[&StoredJob],
 ) -> Result<(), StateError> {
     // Compact: a spec may list a million keys, and every join rewrites it.
-    let mut text = serde_json::to_vec(&StateRef { appliances, jobs }).expect("state serialises");
+    let state = StateRef {
+        version: FORMAT_VERSION,
+        appliances,
+        jobs,
+    };
+    let mut text = serde_json::to_vec(&state).expect("state serialises");
     text.push(b'\n');
     write_atomic(path, &text)
 }
@@ -390,9 +514,10 @@ mod tests {
             token_file: Some("/run/phub/b.token".into()),
         };
         let state = StateFile {
+            version: Some(FORMAT_VERSION),
             appliances: Some(vec![a, b]),
             jobs: vec![StoredJob {
-                racks: Vec::new(),
+                shape: JobShape::Flat,
                 id: 3,
                 token: 0xdead_beef,
                 spec,
@@ -474,6 +599,28 @@ mod tests {
             e.contains("per-chunk form") && e.contains("Evict its jobs with the phub-control that wrote it"),
             "{e}"
         );
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    /// The file states its format version; one it does not know is
+    /// refused naming the version, not read as if it were this one.
+    #[test]
+    fn the_format_version_is_written_and_an_unknown_one_refused() {
+        let dir = temp_dir("version");
+        let path = dir.join("s.json");
+        save(&path, &[], &[]).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(text.starts_with("{\"version\":1,"), "{text}");
+        assert_eq!(load(&path).unwrap().unwrap().version, Some(FORMAT_VERSION));
+        fs::write(&path, "{\"version\": 2, \"appliances\": [], \"jobs\": []}").unwrap();
+        let e = load(&path).unwrap_err().to_string();
+        assert!(
+            e.contains("s.json cannot be used: format version 2; this phub-control reads version 1"),
+            "{e}"
+        );
+        // Without a version: written before the file stated one, read.
+        fs::write(&path, "{\"jobs\": []}").unwrap();
+        assert_eq!(load(&path).unwrap().unwrap().version, None);
         let _ = fs::remove_dir_all(&dir);
     }
 

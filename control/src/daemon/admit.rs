@@ -10,11 +10,10 @@ use phub_proto::api::{AdmitResponse, DataplaneInfo};
 use phub_proto::spec::{Appliances, JobSpec};
 
 use super::http::RequestError;
-use super::registry::{Inner, Shared};
+use super::registry::{Entry, Inner, Shared};
 use crate::admission;
 use crate::dataplane::{Client, DataplaneError};
-use crate::job::install_of;
-use crate::state::{StoredJob, StoredPart};
+use crate::state::{JobShape, StoredJob, StoredPart};
 
 /// Longest an admission waits for an appliance's description before it
 /// takes it as down.
@@ -122,6 +121,9 @@ impl Shared {
         Ok(chosen)
     }
 
+    /// `POST /v1/jobs`: parses the spec, chooses its appliances, places
+    /// it over them, installs its part on each, and records it once every
+    /// one did (or undoes the installs and says why).
     pub(super) fn admit(
         &self,
         body: &str,
@@ -148,28 +150,7 @@ impl Shared {
             foreign.extend(c.jobs()?.into_iter().map(|j| j.id));
             clients.push(c);
         }
-        let (id, plan, racks) = {
-            let inner = self.lock();
-            if spec.hierarchical() {
-                check_racks(&inner, &chosen)?;
-            }
-            let targets: Vec<admission::Target<'_>> = chosen
-                .iter()
-                .map(|(name, info)| admission::Target {
-                    name,
-                    info,
-                    load: inner.load_on(name, info, None),
-                })
-                .collect();
-            let (plan, racks) = if spec.hierarchical() {
-                let h = admission::plan_hierarchical(&spec, &targets)?;
-                (h.homes, h.racks)
-            } else {
-                (admission::plan_over(&spec, &targets)?, Vec::new())
-            };
-            let id = admission::free_id(|id| inner.jobs.contains_key(&id) || foreign.contains(&id))?;
-            (id, plan, racks)
-        };
+        let Placed { id, plan, shape } = self.place(&spec, &chosen, &foreign)?;
         let token = loop {
             let t: u64 = rand::random();
             if t != 0 {
@@ -196,36 +177,22 @@ impl Shared {
                 })
                 .collect(),
             failed: None,
-            racks,
+            shape,
         };
-        let data = |n: &str| chosen.iter().find(|(c, _)| c == n).map(|(_, i)| i.data.clone());
-        // Each appliance installs its part; one that fails undoes the
-        // others.
-        for (i, (c, appliance)) in clients.iter().zip(&names).enumerate() {
-            let install =
-                install_of(&job, appliance, data).expect("the job's parts are the chosen appliances");
-            if let Err(e) = c.install(&install) {
-                let undo = if e.is_unreachable() { i + 1 } else { i };
-                // The PUT may have landed before the connection broke.
-                for c in &clients[..undo] {
-                    let _ = c.remove(id);
-                }
-                log::warn!("job {name:?} not admitted: {e}");
-                return Err(e.into());
-            }
+        if let Err(e) = install_everywhere(&job, &clients, &chosen) {
+            log::warn!("job {name:?} not admitted: {e}");
+            return Err(e.into());
         }
         let mut inner = self.lock();
-        inner.jobs.insert(id, job);
-        if let Err(e) = self.persist(&inner) {
-            inner.jobs.remove(&id);
-            drop(inner);
+        let recorded = self.commit(&mut inner, Entry::Job(id), |inner| inner.jobs.insert(id, job));
+        drop(inner);
+        if let Err(e) = recorded {
             for c in &clients {
                 let _ = c.remove(id);
             }
             log::error!("job {name:?} not admitted: {e}");
             return Err(RequestError::State(format!("{e}; the job was not admitted")));
         }
-        drop(inner);
         log::info!(
             "admitted job {id} ({name:?}): {chunks} chunks, {memory} bytes ({shm} in shared memory) on {} \
              over lcores {lcores:?} of their union",
@@ -241,4 +208,74 @@ impl Shared {
             appliances: names,
         })
     }
+
+    /// Places `spec` over the appliances `chosen` (in layout order, with
+    /// their fresh descriptions), beside the jobs admitted there, and
+    /// picks its id among those neither control nor the appliances
+    /// (`foreign`) use.
+    fn place(
+        &self,
+        spec: &JobSpec,
+        chosen: &[(String, DataplaneInfo)],
+        foreign: &BTreeSet<u16>,
+    ) -> Result<Placed, RequestError> {
+        let inner = self.lock();
+        if spec.hierarchical() {
+            check_racks(&inner, chosen)?;
+        }
+        let targets: Vec<admission::Target<'_>> = chosen
+            .iter()
+            .map(|(name, info)| admission::Target {
+                name,
+                info,
+                load: inner.load_on(name, info, None),
+            })
+            .collect();
+        let (plan, shape) = if spec.hierarchical() {
+            let h = admission::plan_hierarchical(spec, &targets)?;
+            assert_eq!(h.racks.len(), chosen.len(), "one rack per appliance");
+            (h.homes, JobShape::Hierarchical { racks: h.racks })
+        } else {
+            (admission::plan_over(spec, &targets)?, JobShape::Flat)
+        };
+        let id = admission::free_id(|id| inner.jobs.contains_key(&id) || foreign.contains(&id))?;
+        Ok(Placed { id, plan, shape })
+    }
+}
+
+/// Where admission places a job.
+struct Placed {
+    /// Its id.
+    id: u16,
+    /// Its layout over the chosen appliances, with each one's part and cost.
+    plan: admission::ShardPlan,
+    /// Flat, or hierarchical with its rack layouts.
+    shape: JobShape,
+}
+
+/// Installs `job`'s part on each appliance (`clients` and `chosen` in its
+/// parts' order); if one fails, those installed are removed again (and the
+/// one whose connection broke, since its install may have landed) and the
+/// error is its.
+fn install_everywhere(
+    job: &StoredJob,
+    clients: &[Client],
+    chosen: &[(String, DataplaneInfo)],
+) -> Result<(), DataplaneError> {
+    assert_eq!(clients.len(), job.parts.len(), "one client per part");
+    let data = |n: &str| chosen.iter().find(|(c, _)| c == n).map(|(_, i)| i.data.clone());
+    for (i, (c, (appliance, _))) in clients.iter().zip(chosen).enumerate() {
+        let install = job
+            .install_for(appliance, data)
+            .expect("the job's parts are the chosen appliances");
+        if let Err(e) = c.install(&install) {
+            let undo = if e.is_unreachable() { i + 1 } else { i };
+            // The PUT may have landed before the connection broke.
+            for c in &clients[..undo] {
+                let _ = c.remove(job.id);
+            }
+            return Err(e);
+        }
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@ use phub_proto::api::{ApplianceSpec, ApplianceStatus, DataplaneInfo};
 
 use super::config::{check_appliance, token_path_of};
 use super::http::RequestError;
-use super::registry::{Appliance, Shared};
+use super::registry::{Appliance, Entry, Shared};
 use crate::dataplane::Client;
 use crate::watch::{self, READ_WAIT};
 
@@ -136,9 +136,10 @@ impl Shared {
         let name = a.name.clone();
         let mut added = Appliance::new(a);
         added.info = info;
-        inner.appliances.insert(name.clone(), added);
-        if let Err(e) = self.persist(&inner) {
-            inner.appliances.remove(&name);
+        let recorded = self.commit(&mut inner, Entry::Appliance(&name), |inner| {
+            inner.appliances.insert(name.clone(), added)
+        });
+        if let Err(e) = recorded {
             return Err(RequestError::State(format!(
                 "{e}; appliance {name:?} was not added"
             )));
@@ -190,13 +191,16 @@ impl Shared {
                 ids.join(", ")
             )));
         }
-        let gone = inner.appliances.remove(name).expect("checked above");
-        if let Err(e) = self.persist(&inner) {
-            inner.appliances.insert(name.to_string(), gone);
-            return Err(RequestError::State(format!(
-                "{e}; appliance {name:?} was not removed"
-            )));
-        }
+        let gone = match self.commit(&mut inner, Entry::Appliance(name), |inner| {
+            inner.appliances.remove(name)
+        }) {
+            Ok(gone) => gone.expect("managed, checked under the same lock"),
+            Err(e) => {
+                return Err(RequestError::State(format!(
+                    "{e}; appliance {name:?} was not removed"
+                )))
+            }
+        };
         log::info!("removed appliance {name:?} at {}", gone.spec.url);
         Ok(ApplianceStatus {
             name: gone.spec.name.clone(),

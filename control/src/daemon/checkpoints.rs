@@ -11,11 +11,10 @@ use phub_proto::api::{CheckpointInfo, InstallJob};
 use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::Layout;
 
-use super::http::{failed, held, not_admitted, RequestError};
-use super::registry::{Inner, Shared};
+use super::http::{held, not_admitted, RequestError};
+use super::registry::{Inner, Shared, Standing};
 use crate::ckpt_file::{self, KeepError, Owner, PartShape};
 use crate::dataplane::Client;
-use crate::job::{led_rack, part_of, parts, rack_of};
 use crate::state::{self, StoredJob};
 
 /// What control knows of its job parts' checkpoint files (beside the
@@ -67,26 +66,16 @@ impl Shared {
         let _files = CHECKPOINT_FILES.lock().unwrap_or_else(|p| p.into_inner());
         let clients: Vec<(String, Client)> = {
             let inner = self.lock();
-            match inner.jobs.get(&id) {
-                None => return Err(not_admitted(id)),
-                Some(StoredJob {
-                    failed: Some(why), ..
-                }) => return Err(failed(id, why)),
-                Some(job) => {
-                    if let Some(why) = inner.checkpoints.held_reason(id) {
-                        return Err(held(id, &why));
-                    }
-                    job.parts
-                        .iter()
-                        .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
-                        .collect::<Result<_, RequestError>>()?
-                }
-            }
+            let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+            inner.standing(job).check(id)?;
+            job.parts
+                .iter()
+                .map(|p| Ok((p.appliance.clone(), inner.client(&p.appliance)?)))
+                .collect::<Result<_, RequestError>>()?
         };
-        let sharded = clients.len() > 1;
         let mut first_error = None;
         for (name, c) in clients {
-            match self.checkpoint_part(id, &name, &c, sharded) {
+            match self.checkpoint_part(id, &name, &c) {
                 Ok(info) => log::info!(
                     "checkpoint of job {id} on appliance {name:?}: rounds {:?}, {} bytes",
                     info.round_range,
@@ -113,7 +102,6 @@ impl Shared {
         id: u16,
         name: &str,
         client: &Client,
-        sharded: bool,
     ) -> Result<CheckpointInfo, RequestError> {
         let bytes = client.checkpoint(id)?;
         let ckpt = Checkpoint::decode(&bytes).map_err(|e| {
@@ -121,14 +109,14 @@ impl Shared {
                 "appliance {name:?}'s checkpoint of job {id} is unreadable: {e}"
             ))
         })?;
-        let path = checkpoint_path(&self.state_path, id, name, sharded);
         let job = self
             .lock()
             .jobs
             .get(&id)
             .cloned()
             .ok_or_else(|| not_admitted(id))?;
-        let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+        let path = checkpoint_path(&self.state_path, &job, name);
+        let part = job.part_on(name).ok_or_else(|| not_admitted(id))?;
         let owner = owner(&job, name, &part);
         owner.check(&ckpt.job).map_err(|e| {
             RequestError::State(format!(
@@ -185,8 +173,7 @@ impl Shared {
                 .jobs
                 .values()
                 .filter(|j| {
-                    j.failed.is_none()
-                        && inner.checkpoints.held_reason(j.id).is_none()
+                    inner.standing(j) == Standing::InService
                         && j.spec.checkpoint_interval_s.is_some_and(|s| {
                             let last = j
                                 .parts
@@ -221,17 +208,7 @@ impl Shared {
     /// another part's), or cannot be moved, is refused, and so is a
     /// missing file control took a checkpoint into: the part must then be
     /// held, not installed without it.
-    pub(super) fn checkpoint_for(
-        &self,
-        job: &InstallJob,
-        name: &str,
-        sharded: bool,
-    ) -> Result<Option<Restore>, Held> {
-        let path = checkpoint_path(&self.state_path, job.id, name, sharded);
-        let unusable = |why: String| Held {
-            file: path.clone(),
-            why,
-        };
+    pub(super) fn checkpoint_for(&self, job: &InstallJob, name: &str) -> Result<Option<Restore>, Held> {
         // The stored job is cloned so that the file is read unlocked.
         let (stored, recorded) = {
             let inner = self.lock();
@@ -241,8 +218,13 @@ impl Shared {
             let recorded = inner.checkpoints.taken.get(&(job.id, name.to_string())).cloned();
             (stored, recorded)
         };
-        let Some(part) = part_of(&stored, name) else {
+        let Some(part) = stored.part_on(name) else {
             return Ok(None);
+        };
+        let path = checkpoint_path(&self.state_path, &stored, name);
+        let unusable = |why: String| Held {
+            file: path.clone(),
+            why,
         };
         let found = ckpt_file::read(&path, &owner(&stored, name, &part)).map_err(unusable)?;
         let Some((bytes, ckpt)) = found else {
@@ -257,7 +239,11 @@ impl Shared {
         };
         let round_range = ckpt.round_range();
         if ckpt.job.layout == job.layout {
-            return Ok(Some(Restore { bytes, round_range }));
+            return Ok(Some(Restore {
+                bytes,
+                round_range,
+                file: path,
+            }));
         }
         let moved = ckpt
             .relayout(job.layout.clone())
@@ -270,6 +256,7 @@ impl Shared {
         Ok(Some(Restore {
             bytes: moved,
             round_range,
+            file: path,
         }))
     }
 
@@ -297,13 +284,19 @@ impl Shared {
     }
 }
 
-/// Where control keeps job `id`'s checkpoint of its part on appliance
-/// `name`: beside the state file; one file for a job on one appliance (as
-/// before sharding), one per appliance for a sharded job.
-pub(super) fn checkpoint_path(state: &std::path::Path, id: u16, name: &str, sharded: bool) -> PathBuf {
-    if sharded {
+/// Where control keeps `job`'s checkpoint of its part on appliance
+/// `name`: beside the state file; one file for a job on one appliance
+/// (`.job-ID.ckpt`, as before sharding), one per appliance for a job over
+/// several, flat or hierarchical (`.job-ID.NAME.ckpt`).
+pub(super) fn checkpoint_path(state: &std::path::Path, job: &StoredJob, name: &str) -> PathBuf {
+    let id = job.id;
+    if job.parts.len() > 1 {
         state::sibling(state, &format!(".job-{id}.{name}.ckpt"))
     } else {
+        debug_assert!(
+            job.parts.iter().all(|p| p.appliance == name),
+            "job {id} has no part on {name:?}"
+        );
         state::sibling(state, &format!(".job-{id}.ckpt"))
     }
 }
@@ -321,13 +314,15 @@ pub(super) struct Restore {
     pub(super) bytes: Vec<u8>,
     /// Its lowest and highest completed round.
     pub(super) round_range: Option<(u32, u32)>,
+    /// The part's checkpoint file it was read from.
+    pub(super) file: PathBuf,
 }
 
 /// What a checkpoint of job `job`'s part on appliance `name` must describe;
-/// `part` is that part's layout ([`part_of`]).
+/// `part` is that part's layout ([`StoredJob::part_on`]).
 pub(super) fn owner<'a>(job: &'a StoredJob, name: &'a str, part: &'a Layout) -> Owner<'a> {
-    let rack = led_rack(job, name).and_then(|i| u16::try_from(i).ok());
-    let shape = match (rack_of(job, name), rack) {
+    let rack = job.part_index(name).and_then(|i| u16::try_from(i).ok());
+    let shape = match (job.rack_layout_on(name), rack) {
         (Some(layout), Some(rack)) => PartShape::Rack { rack, layout },
         _ => PartShape::Flat(part),
     };
@@ -406,8 +401,8 @@ pub(super) fn load_checkpoints(state: &std::path::Path, jobs: &BTreeMap<u16, Sto
     let mut out = Checkpoints::default();
     for job in jobs.values() {
         let id = job.id;
-        for (name, part) in parts(job) {
-            let path = checkpoint_path(state, id, name, job.parts.len() > 1);
+        for (name, part) in job.part_layouts() {
+            let path = checkpoint_path(state, job, name);
             let key = (id, name.to_string());
             match ckpt_file::read(&path, &owner(job, name, &part)) {
                 Ok(None) => {}

@@ -5,7 +5,7 @@ use phub_proto::api::JobSummary;
 
 use super::checkpoints::checkpoint_path;
 use super::http::{not_admitted, RequestError};
-use super::registry::Shared;
+use super::registry::{Entry, Shared};
 use super::views::summary;
 use crate::ckpt_file;
 use crate::dataplane::Client;
@@ -19,21 +19,24 @@ impl Shared {
     pub(super) fn evict(&self, id: u16) -> Result<JobSummary, RequestError> {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let mut inner = self.lock();
-        let job = inner.jobs.remove(&id).ok_or_else(|| not_admitted(id))?;
-        if let Err(e) = self.persist(&inner) {
-            inner.jobs.insert(id, job);
-            log::error!("job {id} not evicted: {e}");
-            return Err(RequestError::State(format!("job {id} not evicted: {e}")));
+        if !inner.jobs.contains_key(&id) {
+            return Err(not_admitted(id));
         }
+        let job = match self.commit(&mut inner, Entry::Job(id), |inner| inner.jobs.remove(&id)) {
+            Ok(job) => job.expect("admitted, checked under the same lock"),
+            Err(e) => {
+                log::error!("job {id} not evicted: {e}");
+                return Err(RequestError::State(format!("job {id} not evicted: {e}")));
+            }
+        };
         // Every part's checkpoint goes, usable or not, with any previous
         // version a write left.
-        let sharded = job.parts.len() > 1;
         let mut files = Vec::new();
         for p in &job.parts {
             let key = (id, p.appliance.clone());
             inner.checkpoints.taken.remove(&key);
             inner.checkpoints.held.remove(&key);
-            let f = checkpoint_path(&self.state_path, id, &p.appliance, sharded);
+            let f = checkpoint_path(&self.state_path, &job, &p.appliance);
             files.push(ckpt_file::prev_path(&f));
             files.push(f);
         }

@@ -6,9 +6,8 @@ use std::collections::BTreeMap;
 
 use phub_proto::api::{ApplianceAddr, JoinRequest, JoinResponse};
 
-use super::http::{failed, held, not_admitted, RequestError};
-use super::registry::{Inner, Shared};
-use crate::job::{part_of, rack_assignment, rack_index, rack_senders, senders};
+use super::http::{not_admitted, RequestError};
+use super::registry::{Entry, Inner, Shared};
 use crate::state::StoredJob;
 
 /// Job `job`'s share of appliance `name`'s receive buffers (`rx`: per
@@ -16,22 +15,18 @@ use crate::state::StoredJob;
 /// fit (phub-worker's `auto_window`): on each lcore the job's workers send
 /// to there (its part of the layout; a hierarchical job's rack layout),
 /// the buffer times those workers (W; the rack's ranks) over everyone who
-/// sends to that lcore ([`senders`] of every admitted job, this one
+/// sends to that lcore ([`StoredJob::senders_to`] of every admitted job, this one
 /// included), and the smallest of those. Each job's workers keeping
 /// within their share, all of them together fit the buffer. This is the
 /// share at join; jobs admitted or removed later are counted in the share
 /// each lcore states in its RESULTs (PROTOCOL.md §6.1). None when the
 /// appliance states no buffer for those lcores.
 pub(super) fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<u64>]) -> Option<u64> {
-    let (mine, w) = if job.racks.is_empty() {
-        (part_of(job, name)?, u64::from(job.spec.workers))
-    } else {
-        rack_senders(job, name)?
-    };
-    let mut senders_to = vec![0u64; rx.len()];
+    let (mine, w) = job.workers_to(name)?;
+    let mut senders = vec![0u64; rx.len()];
     for j in inner.jobs.values().filter(|j| j.failed.is_none()) {
-        for (layout, n) in senders(j, name) {
-            for (s, r) in senders_to.iter_mut().zip(&layout.lcores) {
+        for (layout, n) in j.senders_to(name) {
+            for (s, r) in senders.iter_mut().zip(&layout.lcores) {
                 if r.count > 0 {
                     *s += n;
                 }
@@ -40,23 +35,19 @@ pub(super) fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<
     }
     mine.lcores
         .iter()
-        .zip(rx.iter().zip(&senders_to))
+        .zip(rx.iter().zip(&senders))
         .filter(|(r, _)| r.count > 0)
         .filter_map(|(_, (b, &s))| Some(b.as_ref()? * w / s.max(w)))
         .min()
 }
+
 impl Shared {
     pub(super) fn check_join(inner: &Inner, id: u16, req: &JoinRequest) -> Result<(), RequestError> {
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
         if job.token != req.token {
             return Err(RequestError::Forbidden(format!("wrong token for job {id}")));
         }
-        if let Some(why) = &job.failed {
-            return Err(failed(id, why));
-        }
-        if let Some(why) = inner.checkpoints.held_reason(id) {
-            return Err(held(id, &why));
-        }
+        inner.standing(job).check(id)?;
         let w = job.spec.workers;
         if u32::from(req.rank) >= w {
             return Err(RequestError::BadRequest(format!(
@@ -65,8 +56,8 @@ impl Shared {
                 w - 1
             )));
         }
-        if let (Some(said), Some(r)) = (&req.rack, rack_index(job, req.rank)) {
-            let part = &job.parts[r].appliance;
+        if let (Some(said), Some(rack)) = (&req.rack, job.rack_of_rank(req.rank)) {
+            let (r, part) = (rack.index, rack.appliance);
             let label = inner
                 .appliances
                 .get(part)
@@ -77,7 +68,7 @@ impl Shared {
                     "rank {} of job {id} belongs to rack {r} (appliance {part:?}, rack label {label:?}), not \
                      rack {said:?}: a hierarchical job's ranks are assigned to racks in order ({})",
                     req.rank,
-                    rack_assignment(job)
+                    job.rack_assignment()
                 )));
             }
         }
@@ -121,7 +112,7 @@ impl Shared {
                 .map(|(n, (_, rx))| (n.clone(), rx_share(&inner, job, n, rx)))
                 .collect()
         };
-        let job = inner.jobs.get_mut(&id).ok_or_else(|| not_admitted(id))?;
+        let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
         let appliances = job
             .parts
             .iter()
@@ -141,19 +132,18 @@ impl Shared {
                 })
             })
             .collect::<Result<Vec<_>, RequestError>>()?;
-        job.joined.insert(req.rank);
-        let answer = match rack_index(job, req.rank) {
+        let answer = match job.rack_of_rank(req.rank) {
             // A hierarchical job's worker talks to its rack's appliance
             // alone, in the single-appliance form (PROTOCOL.md §9.1).
-            Some(r) => JoinResponse {
+            Some(rack) => JoinResponse {
                 job: id,
                 rank: req.rank,
                 spec: job.spec.clone(),
-                layout: job.racks[r].clone(),
-                dataplane: datas[&job.parts[r].appliance].0.clone(),
+                layout: rack.layout.clone(),
+                dataplane: datas[rack.appliance].0.clone(),
                 appliances: vec![ApplianceAddr {
-                    lcores: u32::try_from(job.racks[r].lcores.len()).unwrap_or(u32::MAX),
-                    ..appliances[r].clone()
+                    lcores: u32::try_from(rack.layout.lcores.len()).unwrap_or(u32::MAX),
+                    ..appliances[rack.index].clone()
                 }],
             },
             None => JoinResponse {
@@ -165,10 +155,12 @@ impl Shared {
                 appliances,
             },
         };
-        if let Err(e) = self.persist(&inner) {
+        let joined = self.commit(&mut inner, Entry::Job(id), |inner| {
             if let Some(job) = inner.jobs.get_mut(&id) {
-                job.joined.remove(&req.rank);
+                job.joined.insert(req.rank);
             }
+        });
+        if let Err(e) = joined {
             log::error!("rank {} could not join job {id}: {e}", req.rank);
             return Err(RequestError::State(format!("{e}; the rank has not joined")));
         }

@@ -9,10 +9,9 @@ use phub_proto::api::{DataplaneInfo, InstallJob};
 use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
-use super::checkpoints::{checkpoint_path, rounds_text, Held};
-use super::registry::Shared;
+use super::checkpoints::{rounds_text, Held};
+use super::registry::{Entry, Shared};
 use crate::dataplane::{Client, DataplaneError};
-use crate::job::{install_of, part_of};
 use crate::refit::{self, Refit};
 use crate::state::StoredJob;
 use crate::watch;
@@ -28,6 +27,15 @@ pub(super) struct ReconcileLog {
     /// Job parts whose reinstall failed, by job and appliance.
     pub(super) failed: BTreeSet<(u16, String)>,
 }
+/// How an appliance's jobs differ from those admitted on it.
+struct Differences {
+    /// Jobs it holds that control did not admit anywhere: removed.
+    unknown: Vec<u16>,
+    /// Jobs admitted on it, in service and not held, that it lacks:
+    /// installed again.
+    missing: Vec<u16>,
+}
+
 impl Shared {
     /// Reconciles every appliance ([`Shared::reconcile_one`]), all at
     /// once, so that one that does not answer delays none of the others;
@@ -113,45 +121,7 @@ impl Shared {
                 return;
             }
         };
-        // Jobs the appliance holds that control has not admitted there
-        // (evicted while it was down, or installed by someone else) are
-        // removed.
-        let (unknown, missing): (Vec<u16>, Vec<u16>) = {
-            let inner = self.lock();
-            let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
-            // A job admitted on other appliances is left alone: this
-            // may be one of them under another name or address, which
-            // must not lose the job's state.
-            let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
-                .iter()
-                .copied()
-                .filter(|id| !here.contains(id))
-                .partition(|id| inner.jobs.contains_key(id));
-            for id in foreign {
-                if log.foreign.insert(id) {
-                    let on: Vec<&str> = inner.jobs[&id]
-                        .parts
-                        .iter()
-                        .map(|p| p.appliance.as_str())
-                        .collect();
-                    log::error!(
-                        "appliance {name:?} holds job {id}, which is admitted on {} and not there: left \
-                         installed (is {name:?} one of those under another name or address?)",
-                        on.join(", ")
-                    );
-                }
-            }
-            let missing = here
-                .iter()
-                .copied()
-                .filter(|id| {
-                    !installed.contains(id)
-                        && inner.jobs[id].failed.is_none()
-                        && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
-                })
-                .collect();
-            (unknown, missing)
-        };
+        let Differences { unknown, missing } = self.differences(name, &installed, log);
         for id in unknown {
             match client.remove(id) {
                 Ok(_) => log::warn!(
@@ -184,64 +154,115 @@ impl Shared {
             }
         };
         for id in missing {
-            let Some((job, sharded)) = self.refit(id, name, &info) else {
-                continue;
-            };
-            let restore = match self.checkpoint_for(&job, name, sharded) {
-                Ok(r) => r,
-                Err(h) => {
-                    self.hold(id, name, h);
-                    continue;
+            self.reinstall(name, client, &info, id, log);
+        }
+    }
+
+    /// What appliance `name`, which holds the jobs `installed`, has that
+    /// control did not admit there, and lacks of what it did; logs, once,
+    /// each job it holds that control admitted on other appliances (left
+    /// alone).
+    fn differences(&self, name: &str, installed: &BTreeSet<u16>, log: &mut ReconcileLog) -> Differences {
+        // Jobs the appliance holds that control has not admitted there
+        // (evicted while it was down, or installed by someone else) are
+        // removed.
+        let inner = self.lock();
+        let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
+        // A job admitted on other appliances is left alone: this
+        // may be one of them under another name or address, which
+        // must not lose the job's state.
+        let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
+            .iter()
+            .copied()
+            .filter(|id| !here.contains(id))
+            .partition(|id| inner.jobs.contains_key(id));
+        for id in foreign {
+            if log.foreign.insert(id) {
+                let on: Vec<&str> = inner.jobs[&id]
+                    .parts
+                    .iter()
+                    .map(|p| p.appliance.as_str())
+                    .collect();
+                log::error!(
+                    "appliance {name:?} holds job {id}, which is admitted on {} and not there: left \
+                     installed (is {name:?} one of those under another name or address?)",
+                    on.join(", ")
+                );
+            }
+        }
+        let missing = here
+            .iter()
+            .copied()
+            .filter(|id| {
+                !installed.contains(id)
+                    && inner.jobs[id].failed.is_none()
+                    && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
+            })
+            .collect();
+        Differences { unknown, missing }
+    }
+
+    /// Reinstalls job `id`'s part on appliance `name` (described by `info`
+    /// now), which lacks it ([`Shared::reconcile_one`]).
+    fn reinstall(&self, name: &str, client: &Client, info: &DataplaneInfo, id: u16, log: &mut ReconcileLog) {
+        let Some(job) = self.refit(id, name, info) else {
+            return;
+        };
+        let restore = match self.checkpoint_for(&job, name) {
+            Ok(r) => r,
+            Err(h) => {
+                self.hold(id, name, h);
+                return;
+            }
+        };
+        let result = match &restore {
+            Some(r) => client.restore(id, &r.bytes),
+            None => client.install(&job),
+        };
+        match result {
+            Ok(()) => {
+                match &restore {
+                    Some(r) => log::info!(
+                        "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it, from its \
+                         checkpoint ({})",
+                        job.spec.name,
+                        rounds_text(r.round_range)
+                    ),
+                    None => log::info!(
+                        "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it (no \
+                         checkpoint: its parameters there start over)",
+                        job.spec.name
+                    ),
                 }
-            };
-            let result = match &restore {
-                Some(r) => client.restore(id, &r.bytes),
-                None => client.install(&job),
-            };
-            match result {
-                Ok(()) => {
-                    match &restore {
-                        Some(r) => log::info!(
-                            "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it, from its \
-                             checkpoint ({})",
-                            job.spec.name,
-                            rounds_text(r.round_range)
-                        ),
-                        None => log::info!(
-                            "reinstalled job {id} ({:?}) on appliance {name:?}, which had lost it (no \
-                             checkpoint: its parameters there start over)",
-                            job.spec.name
-                        ),
-                    }
-                    log.failed.remove(&(id, name.to_string()));
-                }
-                // A refusal of the request itself does not change by
-                // retrying, unless the appliance restarted again meanwhile:
-                // a refused checkpoint holds the part (as any unusable
-                // one), a refused install fails the job.
-                Err(DataplaneError::Refused {
-                    status: 400, message, ..
-                }) if client
-                    .info()
-                    .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
-                {
-                    if restore.is_some() {
+                log.failed.remove(&(id, name.to_string()));
+            }
+            // A refusal of the request itself does not change by
+            // retrying, unless the appliance restarted again meanwhile:
+            // a refused checkpoint holds the part (as any unusable
+            // one), a refused install fails the job.
+            Err(DataplaneError::Refused {
+                status: 400, message, ..
+            }) if client
+                .info()
+                .is_ok_and(|now| now.lcores.len() == info.lcores.len()) =>
+            {
+                match restore {
+                    Some(r) => {
                         let h = Held {
-                            file: checkpoint_path(&self.state_path, id, name, sharded),
+                            file: r.file,
                             why: format!("appliance {name:?} refuses to restore it: {message}"),
                         };
                         self.hold(id, name, h);
-                    } else {
-                        self.fail(
-                            id,
-                            &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
-                        );
                     }
+                    None => self.fail(
+                        id,
+                        &format!("the dataplane refuses to install it (appliance {name:?}): {message}"),
+                    ),
                 }
-                Err(e) => {
-                    if log.failed.insert((id, name.to_string())) {
-                        log::warn!("cannot reinstall job {id} on appliance {name:?}: {e}; retrying");
-                    }
+            }
+            Err(e) => {
+                if log.failed.insert((id, name.to_string())) {
+                    log::warn!("cannot reinstall job {id} on appliance {name:?}: {e}; retrying");
                 }
             }
         }
@@ -250,32 +271,32 @@ impl Shared {
     /// Fits job `id`'s part on appliance `name` to the appliance `info`
     /// describes before it is installed again ([`refit::refit`]): a new
     /// layout, or the job's failure, is made durable first. Returns what to
-    /// install and whether the job is sharded; `None` when the job failed,
-    /// is gone, or its change could not be written (then nothing changed
-    /// and the next reconciliation tries again).
-    pub(super) fn refit(&self, id: u16, name: &str, info: &DataplaneInfo) -> Option<(InstallJob, bool)> {
+    /// install; `None` when the job failed, is gone, or its change could
+    /// not be written (then nothing changed and the next reconciliation
+    /// tries again).
+    pub(super) fn refit(&self, id: u16, name: &str, info: &DataplaneInfo) -> Option<InstallJob> {
         let mut inner = self.lock();
         let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
-        let index = job.parts.iter().position(|p| p.appliance == name)?;
-        if !job.racks.is_empty() && job.racks[index].lcores.len() != info.lcores.len() {
+        let index = job.part_index(name)?;
+        let n = info.lcores.len();
+        if let Some(rack) = job.rack_layout_on(name).filter(|r| r.lcores.len() != n) {
             let why = format!(
-                "appliance {name:?} came back with {} lcores, not the {} its rack layout has; a hierarchical \
+                "appliance {name:?} came back with {n} lcores, not the {} its rack layout has; a hierarchical \
                  job is not refitted (admit it again)",
-                info.lcores.len(),
-                job.racks[index].lcores.len()
+                rack.lcores.len()
             );
-            let before = job.clone();
             let others: Vec<(String, Option<Client>)> = job
                 .parts
                 .iter()
                 .filter(|p| p.appliance != name)
                 .map(|p| (p.appliance.clone(), inner.client(&p.appliance).ok()))
                 .collect();
-            if let Some(j) = inner.jobs.get_mut(&id) {
-                j.failed = Some(why.clone());
-            }
-            if let Err(e) = self.persist(&inner) {
-                inner.jobs.insert(id, before);
+            let failed = self.commit(&mut inner, Entry::Job(id), |inner| {
+                if let Some(j) = inner.jobs.get_mut(&id) {
+                    j.failed = Some(why.clone());
+                }
+            });
+            if let Err(e) = failed {
                 log::error!("job {id}: {why}; but that cannot be recorded ({e}): retrying");
                 return None;
             }
@@ -295,85 +316,90 @@ impl Shared {
             }
             return None;
         }
-        let part = part_of(job, name)?;
+        let part = job.part_on(name)?;
         let others: Vec<(&JobSpec, Layout)> = inner
             .jobs
             .values()
             .filter(|j| j.id != id && j.failed.is_none())
-            .filter_map(|j| part_of(j, name).map(|p| (&j.spec, p)))
+            .filter_map(|j| j.part_on(name).map(|p| (&j.spec, p)))
             .collect();
         let decision = refit::refit(&job.spec, &part, info, others.iter().map(|(s, l)| (*s, l)));
         drop(others);
-        let before = job.clone();
-        let n = info.lcores.len();
-        let job = inner.jobs.get_mut(&id)?;
-        let replace = |job: &mut StoredJob, new: Layout| {
-            // The part's lcores in the job's layout give way to the new ones.
-            let at: usize = job.parts[..index].iter().map(|p| p.lcores as usize).sum();
-            let len = job.parts[index].lcores as usize;
-            job.parts[index].lcores = u32::try_from(new.lcores.len()).unwrap_or(u32::MAX);
-            job.layout.lcores.splice(at..at + len, new.lcores);
-        };
-        let what = match decision {
-            Refit::AsIs => None,
-            Refit::Resized(layout) => {
-                replace(job, layout);
-                Some(format!(
-                    "its layout on appliance {name:?} is sized for its {n} lcores (its chunks stay where they were)"
-                ))
-            }
-            Refit::Replaced(layout) => {
-                replace(job, layout);
-                job.joined.clear();
-                Some(format!(
-                    "appliance {name:?} has {n} lcores, fewer than its layout used there: its chunks there \
-                     are placed anew over them; its ranks must join again (with a stale layout they get an \
-                     ERROR slot_out_of_range or chunk_mismatch, or time out on an lcore that is gone)"
-                ))
-            }
-            Refit::Failed(why) => {
-                let why = format!("appliance {name:?}: {why}");
-                job.failed = Some(why.clone());
-                Some(why)
-            }
-        };
-        let job = job.clone();
-        if let Some(what) = what {
-            if let Err(e) = self.persist(&inner) {
-                inner.jobs.insert(id, before);
+        if let Some(what) = change_text(&decision, name, n) {
+            let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
+                if let Some(job) = inner.jobs.get_mut(&id) {
+                    apply_refit(job, index, decision, &what);
+                }
+            });
+            if let Err(e) = recorded {
                 log::error!("job {id}: {what}; but that cannot be recorded ({e}): retrying");
                 return None;
             }
+            let job = inner.jobs.get(&id)?;
             if job.failed.is_some() {
                 log::error!("job {id} ({:?}) failed: {what}", job.spec.name);
                 return None;
             }
             log::warn!("job {id} ({:?}): {what}", job.spec.name);
         }
-        if !job.racks.is_empty() {
-            // Reinstalled as it was: its rack and home layouts stay.
-            return Some((install_of(&job, name, |n| inner.data_of(n))?, true));
-        }
-        Some((install_of(&job, name, |n| inner.data_of(n))?, job.parts.len() > 1))
+        // A hierarchical job is reinstalled as it was: its rack and home
+        // layouts stay.
+        inner.jobs.get(&id)?.install_for(name, |n| inner.data_of(n))
     }
 
     /// Marks job `id` failed for `why`, durably; if that cannot be written,
     /// nothing changes (the next reconciliation tries the job again).
     pub(super) fn fail(&self, id: u16, why: &str) {
         let mut inner = self.lock();
-        let Some(job) = inner.jobs.get_mut(&id) else {
+        let Some(name) = inner.jobs.get(&id).map(|j| j.spec.name.clone()) else {
             return;
         };
-        job.failed = Some(why.to_string());
-        let name = job.spec.name.clone();
-        match self.persist(&inner) {
-            Ok(()) => log::error!("job {id} ({name:?}) failed: {why}"),
-            Err(e) => {
-                if let Some(job) = inner.jobs.get_mut(&id) {
-                    job.failed = None;
-                }
-                log::error!("job {id}: {why}; but its failure cannot be recorded ({e}): retrying");
+        let failed = self.commit(&mut inner, Entry::Job(id), |inner| {
+            if let Some(job) = inner.jobs.get_mut(&id) {
+                job.failed = Some(why.to_string());
             }
+        });
+        match failed {
+            Ok(()) => log::error!("job {id} ({name:?}) failed: {why}"),
+            Err(e) => log::error!("job {id}: {why}; but its failure cannot be recorded ({e}): retrying"),
         }
+    }
+}
+
+/// What `decision` changes of a job's part on appliance `name`, which
+/// has `n` lcores now; `None` for [`Refit::AsIs`], which changes nothing.
+fn change_text(decision: &Refit, name: &str, n: usize) -> Option<String> {
+    Some(match decision {
+        Refit::AsIs => return None,
+        Refit::Resized(_) => {
+            format!("its layout on appliance {name:?} is sized for its {n} lcores (its chunks stay where they were)")
+        }
+        Refit::Replaced(_) => format!(
+            "appliance {name:?} has {n} lcores, fewer than its layout used there: its chunks there are placed \
+             anew over them; its ranks must join again (with a stale layout they get an ERROR \
+             slot_out_of_range or chunk_mismatch, or time out on an lcore that is gone)"
+        ),
+        Refit::Failed(why) => format!("appliance {name:?}: {why}"),
+    })
+}
+
+/// Applies `decision` to `job`'s part `index`; `what` is its
+/// [`change_text`], which a failed job keeps as its reason.
+fn apply_refit(job: &mut StoredJob, index: usize, decision: Refit, what: &str) {
+    let replace = |job: &mut StoredJob, new: Layout| {
+        // The part's lcores in the job's layout give way to the new ones.
+        let at: usize = job.parts[..index].iter().map(|p| p.lcores as usize).sum();
+        let len = job.parts[index].lcores as usize;
+        job.parts[index].lcores = u32::try_from(new.lcores.len()).unwrap_or(u32::MAX);
+        job.layout.lcores.splice(at..at + len, new.lcores);
+    };
+    match decision {
+        Refit::AsIs => {}
+        Refit::Resized(layout) => replace(job, layout),
+        Refit::Replaced(layout) => {
+            replace(job, layout);
+            job.joined.clear();
+        }
+        Refit::Failed(_) => job.failed = Some(what.to_string()),
     }
 }

@@ -15,15 +15,14 @@ use phub_proto::spec::JobSpec;
 
 use super::checkpoints::Checkpoints;
 use super::config::token_path_of;
-use super::http::RequestError;
+use super::http::{failed, held, RequestError};
 use crate::admission;
 use crate::dataplane::Client;
-use crate::job::{part_of, rack_of};
 use crate::state::{self, StateError, StoredJob};
 use crate::watch::{View, Watch, READ_WAIT};
 
 /// One appliance control manages.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub(super) struct Appliance {
     /// As given and recorded.
     pub(super) spec: ApplianceSpec,
@@ -100,8 +99,8 @@ impl Inner {
             .filter(|j| j.failed.is_none() && Some(j.id) != except)
             .flat_map(|j| {
                 // A hierarchical job's rack slots weigh on the appliance too.
-                let rack = rack_of(j, name).map(|r| (&j.spec, r.clone()));
-                part_of(j, name).map(|p| (&j.spec, p)).into_iter().chain(rack)
+                let rack = j.rack_layout_on(name).map(|r| (&j.spec, r.clone()));
+                j.part_on(name).map(|p| (&j.spec, p)).into_iter().chain(rack)
             })
             .collect();
         admission::loads(info, held.iter().map(|(s, l)| (*s, l)))
@@ -110,6 +109,15 @@ impl Inner {
     /// Appliance `name`'s data address, as control last heard it.
     pub(super) fn data_of(&self, name: &str) -> Option<DataAddr> {
         Some(self.appliances.get(name)?.info.as_ref()?.data.clone())
+    }
+
+    /// Where `job` stands in its life ([`Standing`]).
+    pub(super) fn standing<'a>(&self, job: &'a StoredJob) -> Standing<'a> {
+        match (&job.failed, self.checkpoints.held_reason(job.id)) {
+            (Some(why), _) => Standing::Failed(why),
+            (None, Some(why)) => Standing::Held(why),
+            (None, None) => Standing::InService,
+        }
     }
 
     /// The admitted jobs with a part on appliance `name`.
@@ -122,6 +130,55 @@ impl Inner {
     }
 }
 
+/// Where an admitted job stands in its life. Admission records it in
+/// service; a part whose checkpoint file is there but unusable holds it
+/// until `POST /v1/jobs/{id}/retry` (or a restart that finds the file
+/// usable); an appliance that can no longer hold it fails it for good;
+/// eviction ends it, whatever it stands at. Whether its parts are
+/// installed now is the appliances' to say ([`Survey`]), not a state of
+/// the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) enum Standing<'a> {
+    /// Installed, and reinstalled by reconciliation where an appliance
+    /// lost it.
+    InService,
+    /// A part is not installed for its unusable checkpoint file: joins
+    /// and checkpoints are refused. Why, part by part.
+    Held(String),
+    /// Never reinstalled; everything but eviction is refused. Why (a held
+    /// part of a failed job is moot).
+    Failed(&'a str),
+}
+
+impl Standing<'_> {
+    /// Whether job `id` is in service, as a request that needs it to be
+    /// asks: 409 with why not, and the way out.
+    pub(super) fn check(&self, id: u16) -> Result<(), RequestError> {
+        match self {
+            Standing::InService => Ok(()),
+            Standing::Held(why) => Err(held(id, why)),
+            Standing::Failed(why) => Err(failed(id, why)),
+        }
+    }
+}
+
+/// The one entry of [`Inner`] a change touches ([`Shared::commit`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Entry<'a> {
+    /// The admitted job of this id (there or not).
+    Job(u16),
+    /// The appliance of this name (managed or not).
+    Appliance(&'a str),
+}
+
+/// An entry as it was before a change, to put back.
+enum Before {
+    Job(u16, Option<StoredJob>),
+    Appliance(String, Option<Appliance>),
+}
+
+/// The daemon's state, shared by the HTTP handlers and the reconcile
+/// thread.
 pub(super) struct Shared {
     /// Admission, eviction, checkpoints and appliance changes need it
     /// (`Authorization: Bearer`).
@@ -143,6 +200,7 @@ impl std::fmt::Debug for Shared {
             .finish_non_exhaustive()
     }
 }
+
 impl Shared {
     pub(super) fn lock(&self) -> MutexGuard<'_, Inner> {
         // A handler that panicked cannot have left the maps half-changed:
@@ -150,10 +208,71 @@ impl Shared {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Writes what `inner` holds to the state file.
     pub(super) fn persist(&self, inner: &Inner) -> Result<(), StateError> {
         let appliances: Vec<&ApplianceSpec> = inner.appliances.values().map(|a| &a.spec).collect();
         let jobs: Vec<&StoredJob> = inner.jobs.values().collect();
         state::save(&self.state_path, &appliances, &jobs)
+    }
+
+    /// Changes `inner` by `change`, which touches `entry` alone, and saves
+    /// the state file: a change is recorded or it did not happen. Returns
+    /// what `change` returned; if the file cannot be written, `entry` is
+    /// put back as it was (inserted again, removed, or restored) and the
+    /// error says why. The copy kept to undo costs O(that job's spec), less
+    /// than the save, which writes every job.
+    pub(super) fn commit<R>(
+        &self,
+        inner: &mut Inner,
+        entry: Entry<'_>,
+        change: impl FnOnce(&mut Inner) -> R,
+    ) -> Result<R, StateError> {
+        let before = match entry {
+            Entry::Job(id) => Before::Job(id, inner.jobs.get(&id).cloned()),
+            Entry::Appliance(name) => {
+                Before::Appliance(name.to_string(), inner.appliances.get(name).cloned())
+            }
+        };
+        let others = |inner: &Inner| {
+            let jobs: Vec<u16> = inner
+                .jobs
+                .keys()
+                .copied()
+                .filter(|id| Entry::Job(*id) != entry)
+                .collect();
+            let appliances: Vec<String> = inner
+                .appliances
+                .keys()
+                .filter(|n| Entry::Appliance(n) != entry)
+                .cloned()
+                .collect();
+            (jobs, appliances)
+        };
+        let untouched = cfg!(debug_assertions).then(|| others(inner));
+        let out = change(inner);
+        if let Some(untouched) = untouched {
+            debug_assert!(others(inner) == untouched, "a commit changes only {entry:?}");
+        }
+        match self.persist(inner) {
+            Ok(()) => Ok(out),
+            Err(e) => {
+                match before {
+                    Before::Job(id, Some(job)) => {
+                        inner.jobs.insert(id, job);
+                    }
+                    Before::Job(id, None) => {
+                        inner.jobs.remove(&id);
+                    }
+                    Before::Appliance(name, Some(a)) => {
+                        inner.appliances.insert(name, a);
+                    }
+                    Before::Appliance(name, None) => {
+                        inner.appliances.remove(&name);
+                    }
+                }
+                Err(e)
+            }
+        }
     }
 
     /// Appliance `name`'s cached description, or a fresh one.
@@ -223,4 +342,133 @@ pub(super) fn survey_of(views: &BTreeMap<String, Result<View, String>>) -> Surve
             (n.clone(), ids.map_err(Clone::clone))
         })
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use phub_proto::layout::layout;
+
+    fn job(id: u16) -> StoredJob {
+        let spec = JobSpec::from_toml(
+            "name = \"a\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 64\n",
+        )
+        .unwrap();
+        StoredJob {
+            id,
+            token: 7,
+            layout: layout(&spec, &mut [0], u64::from),
+            spec,
+            joined: BTreeSet::new(),
+            parts: vec![state::StoredPart {
+                appliance: "a".into(),
+                lcores: 1,
+            }],
+            failed: None,
+            shape: state::JobShape::Flat,
+        }
+    }
+
+    fn appliance(name: &str) -> Appliance {
+        Appliance::new(ApplianceSpec {
+            name: name.into(),
+            url: "http://127.0.0.1:1".into(),
+            rack: String::new(),
+            token_file: Some("/nonexistent/token".into()),
+        })
+    }
+
+    /// What the state file holds: its job ids with their joined ranks,
+    /// and its appliances.
+    fn saved(path: &std::path::Path) -> (Vec<(u16, Vec<u16>)>, Vec<String>) {
+        let s = state::load(path).unwrap().unwrap();
+        let jobs = s
+            .jobs
+            .iter()
+            .map(|j| (j.id, j.joined.iter().copied().collect()))
+            .collect();
+        (
+            jobs,
+            s.appliances
+                .unwrap_or_default()
+                .into_iter()
+                .map(|a| a.name)
+                .collect(),
+        )
+    }
+
+    /// A change is recorded or it did not happen: when the state file
+    /// cannot be written, every kind of change (insert, change, remove;
+    /// jobs and appliances) is undone in memory, and the file keeps what
+    /// it had.
+    #[test]
+    fn a_change_that_cannot_be_saved_is_undone() {
+        let dir = std::env::temp_dir().join(format!("phub-control-commit-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.json");
+        let shared = Shared {
+            operator_token: String::new(),
+            token_path: dir.join("token"),
+            state_path: path.clone(),
+            interval: Duration::from_secs(1),
+            inner: Mutex::new(Inner {
+                appliances: BTreeMap::new(),
+                jobs: BTreeMap::new(),
+                checkpoints: Checkpoints::default(),
+            }),
+            ops: Mutex::new(()),
+        };
+        let mut inner = shared.lock();
+        shared
+            .commit(&mut inner, Entry::Job(1), |i| i.jobs.insert(1, job(1)))
+            .unwrap();
+        shared
+            .commit(&mut inner, Entry::Appliance("a"), |i| {
+                i.appliances.insert("a".into(), appliance("a"))
+            })
+            .unwrap();
+        let before = (vec![(1, vec![])], vec!["a".to_string()]);
+        assert_eq!(saved(&path), before);
+
+        // A directory where the state's temporary goes: every save fails.
+        std::fs::create_dir(dir.join("s.json.tmp")).unwrap();
+        let join = shared.commit(&mut inner, Entry::Job(1), |i| {
+            i.jobs.get_mut(&1).unwrap().joined.insert(1)
+        });
+        assert!(join.unwrap_err().to_string().contains("s.json.tmp"));
+        assert_eq!(inner.jobs[&1], job(1), "the rank is not joined");
+        assert!(shared
+            .commit(&mut inner, Entry::Job(1), |i| i.jobs.remove(&1))
+            .is_err());
+        assert_eq!(inner.jobs[&1], job(1), "the job is not evicted");
+        assert!(shared
+            .commit(&mut inner, Entry::Job(2), |i| i.jobs.insert(2, job(2)))
+            .is_err());
+        assert!(!inner.jobs.contains_key(&2), "the job is not admitted");
+        assert!(shared
+            .commit(&mut inner, Entry::Appliance("a"), |i| i.appliances.remove("a"))
+            .is_err());
+        assert_eq!(
+            inner.appliances["a"].spec.url, "http://127.0.0.1:1",
+            "the appliance stays"
+        );
+        assert!(shared
+            .commit(&mut inner, Entry::Appliance("b"), |i| i
+                .appliances
+                .insert("b".into(), appliance("b")))
+            .is_err());
+        assert!(!inner.appliances.contains_key("b"), "the appliance is not added");
+        assert_eq!(saved(&path), before);
+
+        // Writable again: the change is kept, in memory and in the file.
+        std::fs::remove_dir(dir.join("s.json.tmp")).unwrap();
+        let joined = shared.commit(&mut inner, Entry::Job(1), |i| {
+            i.jobs.get_mut(&1).unwrap().joined.insert(1)
+        });
+        assert!(joined.unwrap());
+        assert_eq!(saved(&path), (vec![(1, vec![1])], vec!["a".to_string()]));
+        drop(inner);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -9,7 +9,6 @@ use super::reconcile::ReconcileLog;
 use super::registry::Shared;
 use crate::ckpt_file;
 use crate::dataplane::Client;
-use crate::job::part_of;
 use crate::state;
 
 impl Shared {
@@ -72,7 +71,7 @@ impl Shared {
                 );
                 RetriedCheckpoint::SetAside { moved_to }
             } else {
-                let part = part_of(&job, name).ok_or_else(|| not_admitted(id))?;
+                let part = job.part_on(name).ok_or_else(|| not_admitted(id))?;
                 let usable = match ckpt_file::read(&h.file, &owner(&job, name, &part)) {
                     Ok(Some(found)) => Ok(found),
                     Ok(None) => {

@@ -15,9 +15,8 @@ use super::checkpoints::combined_checkpoint;
 use super::http::{not_admitted, RequestError};
 use super::registry::{survey_of, Inner, Shared, Survey};
 use crate::admission;
-use crate::job::{part_bytes, parts};
 use crate::metrics;
-use crate::state::StoredJob;
+use crate::state::{JobShape, StoredJob};
 use crate::watch::READ_WAIT;
 
 /// Whether every part of `job` is installed, by `survey`.
@@ -49,11 +48,11 @@ pub(super) fn summary(job: &StoredJob, installed: bool, inner: &Inner) -> JobSum
 
 /// What `job` costs over all its appliances.
 pub(super) fn memory_bytes(job: &StoredJob, inner: &Inner) -> u64 {
-    parts(job)
+    job.part_layouts()
         .iter()
         .map(|(name, part)| {
             let info = inner.appliances.get(*name).and_then(|a| a.info.as_ref());
-            part_bytes(job, name, part, info)
+            job.part_bytes(name, part, info)
         })
         .sum()
 }
@@ -122,8 +121,12 @@ impl Shared {
             .parts
             .iter()
             .all(|p| matches!(views.get(&p.appliance), Some(Ok(Some(_)))));
-        let rack_ranks = (!job.racks.is_empty()).then(|| job.spec.rack_ranks()).flatten();
-        let parts_detail = parts(job)
+        let rack_ranks = match job.shape {
+            JobShape::Flat => None,
+            JobShape::Hierarchical { .. } => job.spec.rack_ranks(),
+        };
+        let parts_detail = job
+            .part_layouts()
             .into_iter()
             .enumerate()
             .map(|(i, (name, part))| {
@@ -136,7 +139,7 @@ impl Shared {
                     rack: a.map(|a| a.spec.rack.clone()).unwrap_or_default(),
                     lcores: u32::try_from(part.lcores.len()).unwrap_or(u32::MAX),
                     chunks: (span.start, span.end),
-                    memory_bytes: part_bytes(job, name, &part, a.and_then(|a| a.info.as_ref())),
+                    memory_bytes: job.part_bytes(name, &part, a.and_then(|a| a.info.as_ref())),
                     installed: l.is_some(),
                     down: match view {
                         Some(Err(e)) => Some(e.clone()),
@@ -212,7 +215,7 @@ impl Shared {
         let mut owners: Vec<(&str, u16, u16)> = Vec::with_capacity(job.layout.lcores.len());
         let mut lcores = Vec::new();
         let mut memory = 0;
-        for (name, part) in parts(job) {
+        for (name, part) in job.part_layouts() {
             let info = infos.get(name).ok_or_else(|| not_admitted(id))?;
             let cost = admission::cost(&job.spec, &part, info);
             memory += cost.total();
