@@ -293,6 +293,11 @@ pub(super) struct Slot {
     pub(super) mem: SlotMem,
 }
 
+// What admission charges a slot's record (`memory_model`'s `slot_bytes`,
+// per chunk): a change here changes every job's admitted size, so it is
+// made on purpose. `Round` keeps the sentinel in the `u32` it replaced.
+const _: () = assert!(std::mem::size_of::<Slot>() == 136);
+
 impl Slot {
     /// Where the result of a slot of a job with this dtype and optimizer,
     /// whose f32 sums may be stored in `store`, is stored.
