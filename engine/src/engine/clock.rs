@@ -26,7 +26,7 @@ pub struct RankClock {
     /// answer to it is held.
     pub clock: u32,
     /// When its answer was held (caller's clock / 1000, wrapping), or
-    /// [`SINCE_UNKNOWN`] (restored from a checkpoint).
+    /// `SINCE_UNKNOWN` (`u32::MAX`: restored from a checkpoint).
     pub since: u32,
 }
 

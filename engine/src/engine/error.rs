@@ -35,7 +35,7 @@ pub enum EngineError {
         bytes: u64,
         /// The job's slots on this lcore.
         slots: usize,
-        /// Where slot memory comes from ([`SlotAllocator::describe`]).
+        /// Where slot memory comes from ([`SlotAllocator::describe`](crate::SlotAllocator::describe)).
         from: String,
         /// What the allocator said.
         reason: String,

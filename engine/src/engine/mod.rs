@@ -86,9 +86,11 @@
 //! - `install.rs`: installing a job ([`Shard::install`], [`InstallKind`]),
 //!   what it costs ([`memory_model`]), removing, evicting, shutting down;
 //! - `checkpoint.rs`: [`Shard::snapshot`] and [`Shard::restore`];
-//! - `hier.rs`: hierarchical jobs (PROTOCOL.md §9): their install, partials
+//! - `hier.rs`: hierarchical jobs (PROTOCOL.md §9): their plan
+//!   ([`hierarchy_plan`]), their install, partials
 //!   and their timers;
-//! - `outbox.rs`: queued messages and the [`Transmit`]s made from them;
+//! - `outbox.rs`: queued messages and the [`Transmit`](crate::Transmit)s made
+//!   from them;
 //! - `stats.rs`: a job's counters (`JobCounters`) and [`JobShardStats`];
 //! - `error.rs`: [`EngineError`]; `tests.rs`: unit tests.
 
