@@ -1,11 +1,13 @@
 //! phub: a rack-scale parameter server appliance.
 //!
 //! This umbrella crate re-exports the layers (the wire protocol and job specs
-//! in [`proto`], the aggregation engine in [`dataplane`]) and carries the
+//! in [`proto`], the sans-IO aggregation engine in [`engine`], the appliance's
+//! data path around it in [`dataplane`]) and carries the
 //! build stamp. The workspace-level integration tests live beside it in
 //! `tests/`.
 
 pub use phub_dataplane as dataplane;
+pub use phub_engine as engine;
 pub use phub_proto as proto;
 
 /// phub's version.

@@ -25,9 +25,9 @@ use phub_dataplane::backend::dpdk::frame::PeerAddr;
 use phub_dataplane::backend::dpdk::{
     handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools,
 };
-use phub_dataplane::kernels::Kernels;
 use phub_dataplane::lcore::{self, Clock, LoopOptions};
-use phub_dataplane::Shard;
+use phub_engine::kernels::Kernels;
+use phub_engine::{InstallKind, Shard};
 use phub_ffi::{Mbuf, Mempool, PortBuilder, Ring};
 
 fn main() {
@@ -65,7 +65,9 @@ fn main() {
         .build()
         .unwrap();
     let mut shard: Shard<PeerAddr> = Shard::new(0, Kernels::best());
-    shard.install(common::job(elems as u32, S)).unwrap();
+    shard
+        .install(common::job(elems as u32, S), InstallKind::Plain)
+        .unwrap();
     let counters = Arc::clone(shard.counters());
     let q = DpdkQueue::new(
         0,

@@ -3,7 +3,7 @@
 //! the management thread, and runs until SIGINT or SIGTERM.
 //!
 //! With `--shm` (udp backend only) every job installed gets shared-memory
-//! regions on every lcore that has slots of it ([`crate::shm`]); they are
+//! regions on every lcore that has slots of it ([`phub_engine::shm`]); they are
 //! removed with the job and when the lcores stop at shutdown.
 
 use std::net::{SocketAddr, SocketAddrV4};
@@ -19,13 +19,13 @@ use phub_proto::fault::FaultSpec;
 pub use crate::config::{parse_bytes, BackendKind, Config, DpdkOptions};
 
 use crate::backend::{self, LcoreJob, LcoreStart, PacketIo, Started};
-use crate::engine::Shard;
 use crate::inject;
-use crate::kernels::Kernels;
 use crate::lcore::{Clock, LoopOptions};
 use crate::mgmt::{self, LcoreHandle, Manager};
 use crate::spin::SpinSetting;
 use crate::topology::Topology;
+use phub_engine::engine::Shard;
+use phub_engine::kernels::Kernels;
 
 /// A running dataplane.
 pub struct Appliance {

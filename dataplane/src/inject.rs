@@ -21,10 +21,10 @@ use phub_proto::fault::{Fate, FaultSpec, Faults, Injector};
 use crossbeam_channel::Receiver;
 
 use crate::backend::PacketIo;
-use crate::counters::ShardCounters;
-use crate::engine::Shard;
 use crate::lcore::{self, Clock, Command, LoopOptions};
-use crate::transmit::{Destinations, Transmit};
+use phub_engine::counters::ShardCounters;
+use phub_engine::engine::Shard;
+use phub_engine::transmit::{Destinations, Transmit};
 
 /// Runs an lcore's poll loop ([`lcore::run`]) over `io`, wrapped in a
 /// [`FaultyIo`] when `faults` asks for injection.
@@ -83,7 +83,7 @@ impl<Io: PacketIo> FaultyIo<Io> {
 impl<Io: PacketIo> PacketIo for FaultyIo<Io> {
     type Addr = Io::Addr;
 
-    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<Io::Addr>> {
+    fn peer_resolver(&self) -> Option<phub_engine::transmit::PeerResolver<Io::Addr>> {
         self.inner.peer_resolver()
     }
 

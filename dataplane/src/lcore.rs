@@ -18,27 +18,33 @@ use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
 
-use crate::backend::PacketIo;
+use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard};
 
-use crate::engine::{EngineError, HierInstall, JobInstall, JobShardStats, Shard};
-use crate::shm::ShmSetup;
+use crate::backend::PacketIo;
 use crate::spin::SpinGate;
+
+/// Install a job's slots on an lcore, as `kind` says (plain, with its
+/// shared-memory regions, or as a hierarchical job's part), restored from
+/// saved state when given: all in one step, so no packet sees the job half
+/// installed or half restored.
+#[derive(Debug)]
+pub struct Install {
+    /// The job as this lcore sees it.
+    pub job: JobInstall,
+    /// What it gets beside its slots.
+    pub kind: InstallKind,
+    /// Its slots' saved state, from a checkpoint.
+    pub restore: Option<Vec<SlotState>>,
+    /// Answered with the memory the job holds here, or why it was refused
+    /// (nothing of it is left installed then).
+    pub reply: Sender<Result<u64, EngineError>>,
+}
 
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
 pub enum Command {
-    /// Install a job's slots, with its shared-memory regions when set up
-    /// for them, or as a hierarchical job's part when that is given,
-    /// restored from saved state when given (all in one step, so no packet
-    /// sees the job half installed or half restored); answers the slot
-    /// memory allocated.
-    Install(
-        JobInstall,
-        Option<ShmSetup>,
-        Option<Box<HierInstall>>,
-        Option<Vec<SlotState>>,
-        Sender<Result<u64, EngineError>>,
-    ),
+    /// Install a job ([`Install`]).
+    Install(Install),
     /// Save a job's slots (None when the job is not installed here).
     Snapshot(u16, Sender<Option<Vec<SlotState>>>),
     /// Evict a job (its ranks' messages get an ERROR `evicted` for a
@@ -175,7 +181,11 @@ pub fn run<Io: PacketIo>(
 }
 
 /// Sends what the shard queued.
-fn flush<Io: PacketIo>(io: &mut Io, shard: &mut Shard<Io::Addr>, counters: &crate::counters::ShardCounters) {
+fn flush<Io: PacketIo>(
+    io: &mut Io,
+    shard: &mut Shard<Io::Addr>,
+    counters: &phub_engine::counters::ShardCounters,
+) {
     if shard.has_transmits() {
         let r = io.tx_burst(shard.transmits(), counters);
         shard.clear_transmits();
@@ -188,13 +198,14 @@ fn flush<Io: PacketIo>(io: &mut Io, shard: &mut Shard<Io::Addr>, counters: &crat
 fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
-        Command::Install(job, shm, hier, restore, reply) => {
+        Command::Install(Install {
+            job,
+            kind,
+            restore,
+            reply,
+        }) => {
             let id = job.id;
-            let mut r = match (shm, hier) {
-                (_, Some(hier)) => shard.install_hierarchical(job, *hier),
-                (Some(setup), None) => shard.install_shared(job, setup),
-                (None, None) => shard.install(job),
-            };
+            let mut r = shard.install(job, kind);
             if let (Ok(()), Some(state)) = (&r, restore) {
                 r = shard.restore(id, &state);
                 if r.is_err() {
@@ -218,9 +229,9 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::counters::ShardCounters;
-    use crate::kernels::Kernels;
-    use crate::transmit::{Destinations, Transmit};
+    use phub_engine::counters::ShardCounters;
+    use phub_engine::kernels::Kernels;
+    use phub_engine::transmit::{Destinations, Transmit};
     use std::sync::Mutex;
 
     /// A queue that brings one datagram on its first call and nothing

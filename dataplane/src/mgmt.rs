@@ -6,7 +6,6 @@
 //! through their bounded command queues and waits for each to acknowledge.
 
 use std::collections::BTreeMap;
-use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -18,14 +17,15 @@ use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
-use phub_proto::layout::{Chunks, Layout, Placement};
+use phub_proto::layout::Placement;
 use phub_proto::memory::MemoryModel;
 use phub_proto::spec::Optimizer;
 
-use crate::counters::{NetDrop, ShardCounters};
-use crate::engine::{self, EngineError, HierInstall, JobInstall};
-use crate::lcore::{Clock, Command};
-use crate::shm::ShmSetup;
+use phub_engine::counters::{NetDrop, ShardCounters};
+use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
+use phub_engine::shm::ShmSetup;
+
+use crate::lcore::{Clock, Command, Install};
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -60,16 +60,26 @@ fn err(status: u16, message: impl Into<String>) -> MgmtError {
 /// What this dataplane allocates for a job ([`DataplaneInfo::memory_model`]):
 /// the engine's figures for slot memory from `mem` and the registry's for
 /// the job's entry and its spec's keys.
-pub fn memory_model(mem: &dyn crate::slotmem::SlotAllocator) -> MemoryModel {
+pub fn memory_model(mem: &dyn phub_engine::slotmem::SlotAllocator) -> MemoryModel {
     // Cast (each): sizes of small structs, far below 2^32.
     #[allow(clippy::cast_possible_truncation)]
     MemoryModel {
         // The registry's entry: its map node and the job's description,
         // and the spec's name and optimizer; the keys are counted apart.
-        job_bytes: (std::mem::size_of::<(u16, (InstalledJob, InstallJob))>() + 256) as u32,
+        job_bytes: (std::mem::size_of::<(u16, Registered)>() + 256) as u32,
         key_bytes: std::mem::size_of::<phub_proto::spec::KeySpec>() as u32,
         ..engine::memory_model(mem)
     }
+}
+
+/// An installed job in the registry: what `GET /v1/jobs` lists, and the
+/// install it came from (a checkpoint holds it).
+#[derive(Debug)]
+struct Registered {
+    /// The job as listed, with the memory it holds.
+    installed: InstalledJob,
+    /// Its install request, the spec's spare capacity shrunk away.
+    request: InstallJob,
 }
 
 /// The management state of a running dataplane.
@@ -77,7 +87,7 @@ pub fn memory_model(mem: &dyn crate::slotmem::SlotAllocator) -> MemoryModel {
 pub struct Manager {
     info: DataplaneInfo,
     lcores: Vec<LcoreHandle>,
-    jobs: Mutex<BTreeMap<u16, (InstalledJob, InstallJob)>>,
+    jobs: Mutex<BTreeMap<u16, Registered>>,
     clock: Clock,
     port_stats: Option<PortStatsReader>,
     socket_drops: Option<SocketDropsReader>,
@@ -138,20 +148,20 @@ impl Manager {
         self
     }
 
-    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, (InstalledJob, InstallJob)>> {
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, Registered>> {
         self.jobs.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// `GET /v1/info`.
     pub fn info(&self) -> DataplaneInfo {
         let mut i = self.info.clone();
-        i.memory_used_bytes = self.jobs().values().map(|j| j.0.memory_bytes).sum();
+        i.memory_used_bytes = self.jobs().values().map(|j| j.installed.memory_bytes).sum();
         i
     }
 
     /// `GET /v1/jobs`.
     pub fn list(&self) -> Vec<InstalledJob> {
-        self.jobs().values().map(|j| j.0.clone()).collect()
+        self.jobs().values().map(|j| j.installed.clone()).collect()
     }
 
     /// `PUT /v1/jobs/{id}`: installs on every lcore or on none.
@@ -173,7 +183,7 @@ impl Manager {
         let job = self
             .jobs()
             .get(&id)
-            .map(|j| j.1.clone())
+            .map(|j| j.request.clone())
             .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
         let mut lcores = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {
@@ -242,7 +252,7 @@ impl Manager {
                 &req.spec,
                 &req.layout,
                 home,
-                per_lcore.first().map_or(0, |h| h.homes.0.len()),
+                per_lcore.first().map_or(0, |h| h.homes.addrs.len()),
             ),
             None => {
                 self.info
@@ -255,7 +265,7 @@ impl Manager {
         if jobs.contains_key(&id) {
             return Err(err(409, format!("job {id} is already installed")));
         }
-        let used: u64 = jobs.values().map(|j| j.0.memory_bytes).sum();
+        let used: u64 = jobs.values().map(|j| j.installed.memory_bytes).sum();
         if used + need > self.info.memory_budget_bytes {
             return Err(err(
                 507,
@@ -320,18 +330,24 @@ impl Manager {
                 slots: placement.slots(i).collect(),
             };
             let state = restore.as_mut().map(|r| std::mem::take(&mut r[i]));
+            // A hierarchical job's lcores get their part of it; the other
+            // jobs, with --shm, their shared-memory regions.
+            let kind = match (hier.as_mut().and_then(Iterator::next), shm) {
+                (Some(part), _) => InstallKind::Hierarchical(Box::new(part)),
+                (None, Some(setup)) => InstallKind::Shared(setup),
+                (None, None) => InstallKind::Plain,
+            };
             // Slot memory that runs out is the budget's 507; anything else
             // is the dataplane's fault.
             let answer = l
                 .commands
                 .send_timeout(
-                    Command::Install(
+                    Command::Install(Install {
                         job,
-                        shm,
-                        hier.as_mut().and_then(Iterator::next).map(Box::new),
-                        state,
-                        tx,
-                    ),
+                        kind,
+                        restore: state,
+                        reply: tx,
+                    }),
                     ACK_TIMEOUT,
                 )
                 .map_err(|_| (500, format!("lcore {i} did not take the command")))
@@ -382,7 +398,13 @@ impl Manager {
             req.layout.chunk_count(),
             cost.shm
         );
-        jobs.insert(id, (job.clone(), req));
+        jobs.insert(
+            id,
+            Registered {
+                installed: job.clone(),
+                request: req,
+            },
+        );
         Ok(job)
     }
 
@@ -641,80 +663,4 @@ fn parse_id(s: &str) -> Result<u16, MgmtError> {
         .ok()
         .filter(|&id| id != 0)
         .ok_or_else(|| err(400, format!("job id {s:?}: expected an integer from 1 to 65535")))
-}
-
-/// Checks a hierarchical job's install against its spec (PROTOCOL.md §9.1)
-/// and makes what each of this appliance's `n` lcores is told, with this
-/// appliance's part of the home layout.
-pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierInstall>), String> {
-    let spec = &req.spec;
-    let (Some(h), Some(ranks)) = (&req.hierarchy, spec.rack_ranks()) else {
-        return Err("not a hierarchical job".into());
-    };
-    if h.racks.len() != ranks.len() {
-        return Err(format!(
-            "{} racks in the hierarchy; the spec's placement has {}",
-            h.racks.len(),
-            ranks.len()
-        ));
-    }
-    let rack = usize::from(h.rack);
-    let me = h
-        .racks
-        .get(rack)
-        .ok_or_else(|| format!("rack {} of {}", h.rack, h.racks.len()))?;
-    if me.layout != req.layout {
-        return Err(format!(
-            "the layout is not rack {}'s ({}) in the hierarchy",
-            h.rack, me.name
-        ));
-    }
-    let mut all = Vec::new();
-    let mut racks = Vec::with_capacity(h.racks.len());
-    for (r, p) in h.racks.iter().enumerate() {
-        let at = |e: String| format!("rack {r} ({}): {e}", p.name);
-        Placement::new(spec, p.layout.clone()).map_err(|e| at(e.to_string()))?;
-        let ip: Ipv4Addr = p
-            .data
-            .host
-            .parse()
-            .map_err(|_| at(format!("data host {:?} is not an IPv4 address", p.data.host)))?;
-        let addrs = (0..p.layout.lcores.len())
-            .map(|l| {
-                u16::try_from(l)
-                    .ok()
-                    .and_then(|l| p.data.base_port.checked_add(l))
-                    .map(|port| SocketAddrV4::new(ip, port))
-                    .ok_or_else(|| at(format!("lcore {l} has no UDP port above {}", p.data.base_port)))
-            })
-            .collect::<Result<Vec<_>, _>>()?;
-        all.extend(addrs.iter().copied());
-        racks.push((addrs, p.layout.lcores.clone()));
-    }
-    Placement::new(spec, h.homes.clone()).map_err(|e| format!("home layout: {e}"))?;
-    if h.homes.lcores.len() != all.len() {
-        return Err(format!(
-            "the home layout spans {} lcores; the racks' appliances have {}",
-            h.homes.lcores.len(),
-            all.len()
-        ));
-    }
-    let home = h
-        .home_part()
-        .ok_or_else(|| "the home layout does not cover this rack".to_string())?;
-    let home_runs = &home.lcores;
-    let chunks = Chunks::new(spec);
-    let per_lcore = (0..n)
-        .map(|i| HierInstall {
-            rack: h.rack,
-            ranks: ranks[rack].clone(),
-            optimizer: spec.optimizer,
-            first: req.layout.lcores[i].first,
-            racks: racks.clone(),
-            homes: (all.clone(), h.homes.lcores.clone()),
-            home_first: home_runs[i].first,
-            home_slots: chunks.iter(home_runs[i].range()).collect(),
-        })
-        .collect();
-    Ok((home, per_lcore))
 }

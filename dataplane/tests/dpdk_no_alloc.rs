@@ -16,12 +16,12 @@ use phub_dataplane::backend::dpdk::{
     handoff_rings, DpdkQueue, DpdkSlotMemory, Identity, QueueOptions, TxPools,
 };
 use phub_dataplane::backend::PacketIo;
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{JobInstall, Shard};
+use phub_engine::kernels::{self, Kernels};
+use phub_engine::{InstallKind, JobInstall, Shard};
 use phub_ffi::{Mbuf, Mempool, PortBuilder, Ring};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{MsgType, Repr};
 use phub_proto::Dtype;
 
 #[global_allocator]
@@ -57,20 +57,23 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
     let mem = Arc::new(DpdkSlotMemory::new(eal, None));
     let mut shard: Shard<PeerAddr> = Shard::with_slot_memory(0, Kernels::best(), mem);
     shard
-        .install(JobInstall {
-            id: 3,
-            token: 5,
-            workers: W,
-            dtype: Dtype::F32,
-            optimizer: Optimizer::Sum,
-            consistency: Default::default(),
-            chunk_elems: N as u32,
-            slots: vec![SlotChunk {
-                key: 0,
-                chunk: 0,
-                elems: N as u32,
-            }],
-        })
+        .install(
+            JobInstall {
+                id: 3,
+                token: 5,
+                workers: W,
+                dtype: Dtype::F32,
+                optimizer: Optimizer::Sum,
+                consistency: Default::default(),
+                chunk_elems: N as u32,
+                slots: vec![SlotChunk {
+                    key: 0,
+                    chunk: 0,
+                    elems: N as u32,
+                }],
+            },
+            InstallKind::Plain,
+        )
         .unwrap();
     let counters = Arc::clone(shard.counters());
     let mut q = DpdkQueue::new(
@@ -111,9 +114,7 @@ fn dpdk_receive_aggregate_and_send_allocates_nothing() {
                         0,
                     )
                     .with_payload(Dtype::F32, n as u16);
-                    let mut b = vec![0u8; HEADER_LEN + 4 * n];
-                    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                    kernels::encode(Dtype::F32, &vals[..n], &mut b[HEADER_LEN..]);
+                    let b = repr.to_datagram(&vals[..n]);
                     let from = PeerAddr {
                         mac: [2, 0, 0, 0, 9, rank as u8],
                         ip: Ipv4Addr::new(10, 78, 0, 10 + rank as u8),

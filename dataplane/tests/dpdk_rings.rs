@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 
 use phub_dataplane::app::{Appliance, BackendKind, Config, DpdkOptions};
 use phub_dataplane::backend::dpdk::frame::{self, Frame, ParseOptions, PeerAddr};
-use phub_dataplane::kernels;
+use phub_engine::kernels;
 use phub_ffi::{Eal, Mbuf, Mempool, Ring};
 use phub_proto::api::InstallJob;
 use phub_proto::layout::{layout, Place, Placement};
 use phub_proto::spec::JobSpec;
-use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, MsgType, Repr};
 use phub_proto::Dtype;
 
 const APPLIANCE: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 1);
@@ -135,9 +135,7 @@ impl Drop for Rig {
 }
 
 fn push_frame(rank: u16, repr: &Repr, vals: &[f32]) -> Vec<u8> {
-    let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
+    let b = repr.to_datagram(vals);
     with_udp_checksum(frame::udp_frame(
         &worker(rank),
         [2, 0, 0, 0, 0, 1],

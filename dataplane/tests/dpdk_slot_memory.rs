@@ -20,7 +20,7 @@ use std::sync::Arc;
 use phub_dataplane::app::{Appliance, BackendKind, Config, DpdkOptions};
 use phub_dataplane::backend::dpdk::frame::PeerAddr;
 use phub_dataplane::backend::dpdk::DpdkSlotMemory;
-use phub_dataplane::{EngineError, JobInstall, Kernels, Shard, SlotAllocator};
+use phub_engine::{EngineError, InstallKind, JobInstall, Kernels, Shard, SlotAllocator};
 use phub_ffi::malloc::{heap_stats, HeapStats};
 use phub_ffi::{Eal, HeapSlice, Ring};
 use phub_proto::api::InstallJob;
@@ -98,10 +98,10 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
             .collect(),
     };
     let before = heap(eal);
-    shard.install(job(1, 64)).unwrap();
+    shard.install(job(1, 64), InstallKind::Plain).unwrap();
     // Acc, params and two moments per slot, 32 KiB: 64 slots to a 2 MiB block.
     let data = 64 * 4 * 4 * 2048;
-    let model = phub_dataplane::engine::memory_model(&*mem);
+    let model = phub_engine::engine::memory_model(&*mem);
     let bytes = shard.job_memory_bytes(1).unwrap();
     assert_eq!(
         bytes,
@@ -119,7 +119,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         "removing the job gave every block back"
     );
     // 32 KiB per slot: 4096 slots are more than the whole 128 MiB heap.
-    let e = shard.install(job(2, 4096)).unwrap_err();
+    let e = shard.install(job(2, 4096), InstallKind::Plain).unwrap_err();
     let text = e.to_string();
     assert!(
         matches!(

@@ -7,7 +7,7 @@ use std::net::UdpSocket;
 use std::time::Duration;
 
 use phub_dataplane::app::{Appliance, BackendKind, Config};
-use phub_dataplane::kernels;
+use phub_engine::kernels;
 use phub_net::shm::ShmRegion;
 use phub_proto::api::InstallJob;
 use phub_proto::layout::{layout, Place, Placement};
@@ -99,9 +99,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 )
                 .with_payload(Dtype::F32, vals.len() as u16)
                 .with_chunk(0, c as u32);
-                let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
-                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
+                let b = repr.to_datagram(&vals);
                 let to = std::net::SocketAddrV4::new(*base.ip(), base.port() + place.lcore);
                 s.send_to(&b, to).unwrap();
                 garbage.send_to(&b[..b.len() / 2], to).unwrap();
@@ -272,15 +270,14 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
                 .with_payload(Dtype::F32, vals.len() as u16)
                 .with_chunk(0, c as u32)
                 .with_flags(if shm { flags::SHM } else { 0 });
-                let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
-                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                let mut bytes = vec![0u8; 4 * vals.len()];
-                kernels::encode(Dtype::F32, &vals, &mut bytes);
-                if shm {
+                let b = if shm {
+                    let mut bytes = vec![0u8; 4 * vals.len()];
+                    kernels::encode(Dtype::F32, &vals, &mut bytes);
                     assert!(staging[usize::from(place.lcore)].0.write(off, &bytes));
+                    repr.to_datagram(&[])
                 } else {
-                    b[HEADER_LEN..].copy_from_slice(&bytes);
-                }
+                    repr.to_datagram(&vals)
+                };
                 let to = std::net::SocketAddrV4::new(*base.ip(), base.port() + place.lcore);
                 s.send_to(&b, to).unwrap();
             }
@@ -366,10 +363,7 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
     // Rank 0's INIT of chunk 0 (lcore 0, slot 0).
     let init = |job: u16| {
         let repr = Repr::request(MsgType::Init, job, 0x77, 0, 0, 0).with_payload(Dtype::F32, 16);
-        let mut b = vec![0u8; HEADER_LEN + 64];
-        repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-        kernels::encode(Dtype::F32, &vals, &mut b[HEADER_LEN..]);
-        (repr, b)
+        (repr, repr.to_datagram(&vals))
     };
     let answer = |s: &UdpSocket| {
         let mut buf = [0u8; 9000];

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use phub_dataplane::backend::udp::UdpQueue;
 use phub_dataplane::backend::PacketIo;
-use phub_dataplane::{JobInstall, Kernels, Shard};
+use phub_engine::{InstallKind, JobInstall, Kernels, Shard};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
@@ -34,7 +34,7 @@ fn shm_results_to_one_worker_arrive_as_headers_with_the_values_in_shared_memory(
 /// A worker of a one-rank job pushes 20 chunks a round (through shared
 /// memory with `shm`) and gets 20 results back in order.
 fn results_to_one_worker(shm: bool) {
-    use phub_dataplane::ShmSetup;
+    use phub_engine::ShmSetup;
     use phub_net::shm::ShmRegion;
     use phub_proto::shm::{region_len, region_path, slot_offset, Part};
     let (mut q, to) = queue();
@@ -60,19 +60,19 @@ fn results_to_one_worker(shm: bool) {
     // Named after this queue's port: no other test shares the files.
     let regions = if shm {
         shard
-            .install_shared(
+            .install(
                 job,
-                ShmSetup {
+                InstallKind::Shared(ShmSetup {
                     base_port: to.port(),
                     chunk_elems: ELEMS,
-                },
+                }),
             )
             .unwrap();
         let len = region_len(CHUNKS as usize, ELEMS, Dtype::F32);
         let open = |part| ShmRegion::open(&region_path(to.port(), 9, 99, 0, part), len).unwrap();
         Some((open(Part::Staging(0)), open(Part::Results)))
     } else {
-        shard.install(job).unwrap();
+        shard.install(job, InstallKind::Plain).unwrap();
         None
     };
     let c = UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -95,7 +95,7 @@ fn results_to_one_worker(shm: bool) {
             .with_chunk(0, slot)
             .with_flags(if shm { wire::flags::SHM } else { 0 });
             let mut bytes = vec![0u8; 4 * n];
-            phub_dataplane::kernels::encode(Dtype::F32, &vals, &mut bytes);
+            phub_engine::kernels::encode(Dtype::F32, &vals, &mut bytes);
             let mut b = repr.to_bytes().to_vec();
             match &regions {
                 Some((staging, _)) => {

@@ -92,7 +92,7 @@ pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitRespon
 /// layout is its home layout) and the chunk from its keys' maps.
 pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f32) -> (u16, Vec<u8>) {
     use phub_proto::api::JobMap;
-    use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+    use phub_proto::wire::{MsgType, Repr};
     let get = |path: String| -> JobMap {
         ureq::get(&format!("{url}/v1/jobs/{}/map{path}", job.id))
             .call()
@@ -128,12 +128,7 @@ pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f3
         let repr = Repr::request(MsgType::Partial, job.id, job.token, 0, 0, 0)
             .with_payload(phub_proto::Dtype::F32, elems as u16)
             .with_chunk(key.key, run.chunk);
-        let mut d = vec![0u8; HEADER_LEN + 4 * values.len()];
-        repr.emit(&mut wire::Header::new_unchecked(&mut d[..]));
-        for (out, v) in d[HEADER_LEN..].chunks_exact_mut(4).zip(&values) {
-            out.copy_from_slice(&v.to_le_bytes());
-        }
-        return (home.port, d);
+        return (home.port, repr.to_datagram(&values));
     }
     panic!(
         "no key of job {} has a chunk in home slot 0 of {appliance}'s lcore {}",

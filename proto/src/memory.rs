@@ -92,18 +92,42 @@ pub fn name_bytes(len: usize) -> u64 {
     }
 }
 
+/// Where a slot keeps the result of an f32 sum/mean job (the other jobs'
+/// results are their parameters or a bf16/f16 buffer, in slot memory
+/// either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResultStore {
+    /// In slot memory: a second `f32` buffer that trades places with the
+    /// accumulator at each round's end.
+    Slot,
+    /// In the slot's chunk of the job's shared-memory result region
+    /// (PROTOCOL.md §3.4): no second buffer.
+    SharedRegion,
+}
+
+impl ResultStore {
+    /// The store of a job with shared-memory regions (`shm`) or without.
+    pub fn of(shm: bool) -> ResultStore {
+        if shm {
+            ResultStore::SharedRegion
+        } else {
+            ResultStore::Slot
+        }
+    }
+}
+
 /// Elements (`f32`) of each buffer of one slot of `elems` elements, in the
 /// engine's block order: the accumulator; the second `f32` buffer that
-/// trades places with it (f32 sum/mean without shared memory); the
+/// trades places with it (f32 sum/mean stored in slot memory); the
 /// parameters (server-side optimizer); the optimizer's two states; and the
 /// bf16/f16 result (as pairs of `u16` per `f32`). Absent buffers are 0.
-pub fn slot_buffers(dtype: Dtype, optimizer: &Optimizer, elems: u32, shm: bool) -> [usize; 6] {
+pub fn slot_buffers(dtype: Dtype, optimizer: &Optimizer, elems: u32, store: ResultStore) -> [usize; 6] {
     let n = elems as usize;
     let keeps = optimizer.keeps_params();
     let states = optimizer.state_buffers();
     [
         n,
-        if dtype == Dtype::F32 && !keeps && !shm {
+        if dtype == Dtype::F32 && !keeps && store == ResultStore::Slot {
             n
         } else {
             0
@@ -121,7 +145,7 @@ pub fn slot_buffers(dtype: Dtype, optimizer: &Optimizer, elems: u32, shm: bool) 
 /// counted every byte).
 pub fn data_bytes(spec: &JobSpec, shm: bool) -> u64 {
     let per = |elems: u32| -> u64 {
-        let b = slot_buffers(spec.dtype, &spec.optimizer, elems, shm);
+        let b = slot_buffers(spec.dtype, &spec.optimizer, elems, ResultStore::of(shm));
         let f32s: usize = b[..5].iter().sum();
         4 * f32s as u64 + if b[5] > 0 { 2 * u64::from(elems) } else { 0 }
     };
@@ -172,9 +196,15 @@ impl MemoryModel {
 
     /// Bytes of the buffers of one slot of `elems` elements, each padded to
     /// whole lines.
-    pub fn slot_data_bytes(&self, dtype: Dtype, optimizer: &Optimizer, elems: u32, shm: bool) -> u64 {
+    pub fn slot_data_bytes(
+        &self,
+        dtype: Dtype,
+        optimizer: &Optimizer,
+        elems: u32,
+        store: ResultStore,
+    ) -> u64 {
         let line = self.line_f32();
-        let f32s: usize = slot_buffers(dtype, optimizer, elems, shm)
+        let f32s: usize = slot_buffers(dtype, optimizer, elems, store)
             .iter()
             .map(|&u| u.next_multiple_of(line))
             .sum();
@@ -186,14 +216,20 @@ impl MemoryModel {
     /// balances.
     pub fn chunk_cost<'a>(&'a self, spec: &'a JobSpec, shm: bool) -> impl Fn(u32) -> u64 + Copy + 'a {
         move |elems| {
-            self.slot_data_bytes(spec.dtype, &spec.optimizer, elems, shm) + u64::from(self.slot_bytes)
+            self.slot_data_bytes(spec.dtype, &spec.optimizer, elems, ResultStore::of(shm))
+                + u64::from(self.slot_bytes)
         }
     }
 
     /// Slots packed into one block: as many full chunks' buffers as
     /// [`MemoryModel::block_bytes`] holds, at least one.
     pub fn slots_per_block(&self, spec: &JobSpec, shm: bool) -> u64 {
-        let full = self.slot_data_bytes(spec.dtype, &spec.optimizer, spec.chunk_elems(), shm);
+        let full = self.slot_data_bytes(
+            spec.dtype,
+            &spec.optimizer,
+            spec.chunk_elems(),
+            ResultStore::of(shm),
+        );
         (self.block_bytes / full.max(1)).max(1)
     }
 
@@ -247,7 +283,7 @@ impl MemoryModel {
 
     /// Prefix sums of the slot buffers' bytes over the job's chunk sequence.
     pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, shm: bool) -> Weights {
-        chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, shm))
+        chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, ResultStore::of(shm)))
     }
 
     /// What a hierarchical job's part on one appliance costs (PROTOCOL.md
@@ -333,13 +369,28 @@ mod tests {
             weight_decay: 0.0,
         };
         // One element: accumulator and result, a line each.
-        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 1, false), 128);
+        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 1, ResultStore::Slot), 128);
         // With shared memory the result region holds the result.
-        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 1, true), 64);
-        assert_eq!(m.slot_data_bytes(Dtype::F32, &sum, 2048, false), 2 * 8192);
-        assert_eq!(m.slot_data_bytes(Dtype::Bf16, &sum, 100, false), 448 + 256);
-        assert_eq!(m.slot_data_bytes(Dtype::F32, &adam, 100, false), 4 * 448);
-        assert_eq!(m.slot_data_bytes(Dtype::F16, &adam, 100, false), 4 * 448 + 256);
+        assert_eq!(
+            m.slot_data_bytes(Dtype::F32, &sum, 1, ResultStore::SharedRegion),
+            64
+        );
+        assert_eq!(
+            m.slot_data_bytes(Dtype::F32, &sum, 2048, ResultStore::Slot),
+            2 * 8192
+        );
+        assert_eq!(
+            m.slot_data_bytes(Dtype::Bf16, &sum, 100, ResultStore::Slot),
+            448 + 256
+        );
+        assert_eq!(
+            m.slot_data_bytes(Dtype::F32, &adam, 100, ResultStore::Slot),
+            4 * 448
+        );
+        assert_eq!(
+            m.slot_data_bytes(Dtype::F16, &adam, 100, ResultStore::Slot),
+            4 * 448 + 256
+        );
     }
 
     #[test]

@@ -617,6 +617,20 @@ impl Repr {
         self.emit(&mut Header::new_unchecked(&mut b[..]));
         b
     }
+
+    /// A whole datagram, for tests and simulations: this header, then
+    /// `values` encoded as its dtype (pass none for a header alone, as with
+    /// [`flags::SHM`]). `count` is written as the header says, not taken
+    /// from `values`, so a test can build a datagram whose lengths
+    /// disagree. Allocates; not for the data path.
+    #[cfg(feature = "testing")]
+    pub fn to_datagram(&self, values: &[f32]) -> Vec<u8> {
+        let mut d = vec![0u8; HEADER_LEN + values.len() * self.dtype.size()];
+        let mut h = Header::new_unchecked(&mut d[..]);
+        self.emit(&mut h);
+        crate::dtype::encode(self.dtype, values, h.payload_mut());
+        d
+    }
 }
 
 /// Classifies a received datagram: its header fields and payload, or why it

@@ -5,7 +5,7 @@
 //! serialises to, its layout what [`layout`] computes), and the hex example
 //! (byte for byte what [`Repr::to_bytes`] emits for the values the example
 //! states). §5.6's optimizer formulas and worked examples need the engine:
-//! dataplane/tests/protocol_optimizers.rs checks them.
+//! engine/tests/protocol_optimizers.rs checks them.
 
 use std::ops::Range;
 

@@ -4,7 +4,7 @@
 //! Layer: test support. W *real* worker transports
 //! (`phub_worker::sim::SimTransport`, the state machine the worker's I/O
 //! thread drives) exchange datagrams with *real* engine shards
-//! (`phub_dataplane::Shard`, one per lcore) over one seeded simulated
+//! (`phub_engine::Shard`, one per lcore) over one seeded simulated
 //! network ([`net`]: per-link delay and jitter, loss, duplication,
 //! reordering) on a virtual clock: an event queue whose instants are a
 //! base `Instant` plus virtual microseconds. Nothing sleeps, nothing reads
@@ -22,7 +22,7 @@
 //! restored from a checkpoint ([`Crash`]).
 //!
 //! After every step the run checks the invariants stated at the heads of
-//! `dataplane/src/engine.rs` and `worker/src/transport/mod.rs`, and panics
+//! `engine/src/engine/` and `worker/src/transport/mod.rs`, and panics
 //! naming the one broken:
 //! - BSP: every RESULT that leaves an lcore, and every result a worker
 //!   accepts, is bit-identical to [`reference`]'s (computed apart from the
@@ -53,9 +53,9 @@ pub mod reference;
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
 
-use phub_dataplane::kernels::Kernels;
-use phub_dataplane::optim::{self, ChunkBufs};
-use phub_dataplane::{JobInstall, Shard, Verdict};
+use phub_engine::kernels::Kernels;
+use phub_engine::optim::{self, ChunkBufs};
+use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
 use phub_proto::api::{DataAddr, Hierarchy, InstallJob, RackPeer};
 use phub_proto::dtype::decode;
 use phub_proto::layout::{layout, Layout, Placement};
@@ -1489,7 +1489,7 @@ impl Hier {
                 homes: self.homes.clone(),
             }),
         };
-        let (_, mut per_lcore) = match phub_dataplane::mgmt::hierarchy_plan(&req, usize::from(case.lcores)) {
+        let (_, mut per_lcore) = match phub_engine::engine::hierarchy_plan(&req, usize::from(case.lcores)) {
             Ok(p) => p,
             Err(e) => panic!("rack {rack}: the hierarchical install is refused: {e}"),
         };
@@ -1497,7 +1497,7 @@ impl Hier {
         let mut shard = Shard::new(l, kernels);
         shard.set_peer_resolver(std::sync::Arc::new(|a| Some(std::net::SocketAddr::V4(a))));
         shard
-            .install_hierarchical(
+            .install(
                 JobInstall {
                     id: JOB,
                     token: TOKEN,
@@ -1510,7 +1510,7 @@ impl Hier {
                     chunk_elems: spec.chunk_elems(),
                     slots: self.placements[usize::from(rack)].slots(usize::from(l)).collect(),
                 },
-                per_lcore.swap_remove(usize::from(l)),
+                InstallKind::Hierarchical(Box::new(per_lcore.swap_remove(usize::from(l)))),
             )
             .expect("the hierarchical job installs");
         shard
@@ -1522,16 +1522,19 @@ fn new_shard(case: &Case, lay: &Layout, placement: &Placement, g: u16) -> Shard<
     let kernels = Kernels::available()[usize::from(g) % Kernels::available().len()];
     let mut shard = Shard::new(g % case.lcores, kernels);
     shard
-        .install(JobInstall {
-            id: JOB,
-            token: TOKEN,
-            workers: case.workers,
-            dtype: case.dtype,
-            optimizer: case.optimizer,
-            consistency: case.consistency,
-            chunk_elems: lay.chunk_elems,
-            slots: placement.slots(usize::from(g)).collect(),
-        })
+        .install(
+            JobInstall {
+                id: JOB,
+                token: TOKEN,
+                workers: case.workers,
+                dtype: case.dtype,
+                optimizer: case.optimizer,
+                consistency: case.consistency,
+                chunk_elems: lay.chunk_elems,
+                slots: placement.slots(usize::from(g)).collect(),
+            },
+            InstallKind::Plain,
+        )
         .expect("the job installs");
     shard
 }

@@ -6,7 +6,7 @@
 //! the reference need not know the order datagrams arrived in, and results
 //! must match it bit for bit.
 
-use phub_dataplane::optim::{self, ChunkBufs};
+use phub_engine::optim::{self, ChunkBufs};
 use phub_proto::dtype::{decode, encode};
 use phub_proto::spec::Optimizer;
 use phub_proto::Dtype;

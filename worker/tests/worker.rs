@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use phub_dataplane::{JobInstall, Kernels, Shard};
+use phub_engine::{InstallKind, JobInstall, Kernels, Shard};
 use phub_net::shm::ShmRegion;
 use phub_proto::api::{DataAddr, JoinRequest, JoinResponse};
 use phub_proto::layout::{layout, Layout, Placement};
@@ -153,16 +153,19 @@ impl FakeAppliance {
             .map(|(i, sock)| {
                 let mut shard: Shard<SocketAddr> = Shard::new(i as u16, Kernels::best());
                 shard
-                    .install(JobInstall {
-                        id: JOB,
-                        token: TOKEN,
-                        workers: spec.workers as u16,
-                        dtype: spec.dtype,
-                        optimizer: spec.optimizer,
-                        consistency: spec.consistency,
-                        chunk_elems: layout.chunk_elems,
-                        slots: placement.slots(i).collect(),
-                    })
+                    .install(
+                        JobInstall {
+                            id: JOB,
+                            token: TOKEN,
+                            workers: spec.workers as u16,
+                            dtype: spec.dtype,
+                            optimizer: spec.optimizer,
+                            consistency: spec.consistency,
+                            chunk_elems: layout.chunk_elems,
+                            slots: placement.slots(i).collect(),
+                        },
+                        InstallKind::Plain,
+                    )
                     .unwrap();
                 let stop = Arc::clone(&stop);
                 let mut rng = StdRng::seed_from_u64(seed.wrapping_add(i as u64));

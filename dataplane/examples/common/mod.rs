@@ -10,13 +10,12 @@ use std::net::Ipv4Addr;
 use std::time::Instant;
 
 use phub_dataplane::backend::dpdk::frame::{self, PeerAddr};
-use phub_dataplane::kernels;
-use phub_dataplane::{JobInstall, Shard};
+use phub_engine::{InstallKind, JobInstall, Shard};
 use phub_ffi::mbuf::Shares;
 use phub_ffi::{Mbuf, Mempool};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, field, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{field, MsgType, Repr};
 use phub_proto::Dtype;
 
 /// Workers.
@@ -86,10 +85,13 @@ pub(crate) fn push(slot: usize, rank: u16, round: u32, vals: &[f32]) -> Vec<u8> 
     )
     .with_payload(Dtype::F32, vals.len() as u16)
     .with_chunk(0, slot as u32);
-    let mut b = vec![0u8; HEADER_LEN + 4 * vals.len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    kernels::encode(Dtype::F32, vals, &mut b[HEADER_LEN..]);
-    frame::udp_frame(&from(rank), [2, 0, 0, 0, 0, 1], US, BASE_PORT, &b)
+    frame::udp_frame(
+        &from(rank),
+        [2, 0, 0, 0, 0, 1],
+        US,
+        BASE_PORT,
+        &repr.to_datagram(vals),
+    )
 }
 
 /// A chunk's gradient values.
@@ -241,7 +243,7 @@ impl Generator {
         let slots = self.templates.len() / usize::from(W);
         let elems = chunk / 4;
         let vals = values(elems);
-        k.install(job(elems as u32, slots))
+        k.install(job(elems as u32, slots), InstallKind::Plain)
             .expect("installing the kernel-only job");
         for f in init_frames(slots, &vals) {
             k.handle(from(0), &f[L2_L4..], 1);

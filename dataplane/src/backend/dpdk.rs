@@ -59,9 +59,9 @@ pub use frame::PeerAddr;
 use frame::{Frame, ParseOptions, ETH_LEN, IPV4_LEN, L2_L4_LEN, UDP_LEN};
 
 use super::PacketIo;
-use crate::counters::{NetDrop, ShardCounters};
-use crate::slotmem::{SlotAllocator, SlotBlock, LINE_BYTES};
-use crate::transmit::{Destinations, Transmit};
+use phub_engine::counters::{NetDrop, ShardCounters};
+use phub_engine::slotmem::{SlotAllocator, SlotBlock, LINE_BYTES};
+use phub_engine::transmit::{Destinations, Transmit};
 
 /// Frames per RX burst.
 pub const RX_BURST: usize = 32;
@@ -190,19 +190,24 @@ impl DpdkSlotMemory {
     }
 }
 
-impl SlotBlock for HeapSlice<f32> {
+/// A block of slot memory on DPDK's heap (the engine's [`SlotBlock`] over
+/// phub-ffi's [`HeapSlice`]).
+#[derive(Debug)]
+struct DpdkBlock(HeapSlice<f32>);
+
+impl SlotBlock for DpdkBlock {
     fn as_slice(&self) -> &[f32] {
-        HeapSlice::as_slice(self)
+        self.0.as_slice()
     }
     fn as_mut_slice(&mut self) -> &mut [f32] {
-        HeapSlice::as_mut_slice(self)
+        self.0.as_mut_slice()
     }
 }
 
 impl SlotAllocator for DpdkSlotMemory {
     fn zeroed(&self, len: usize) -> Result<Box<dyn SlotBlock>, String> {
         HeapSlice::<f32>::zeroed(self.eal, len, LINE_BYTES, self.socket)
-            .map(|s| Box::new(s) as Box<dyn SlotBlock>)
+            .map(|s| Box::new(DpdkBlock(s)) as Box<dyn SlotBlock>)
             .map_err(|e| e.to_string())
     }
 
@@ -586,7 +591,7 @@ impl DpdkQueue {
 impl PacketIo for DpdkQueue {
     type Addr = PeerAddr;
 
-    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<PeerAddr>> {
+    fn peer_resolver(&self) -> Option<phub_engine::transmit::PeerResolver<PeerAddr>> {
         let n = Arc::clone(&self.neighbors);
         let me = self.me;
         Some(Arc::new(move |a: std::net::SocketAddrV4| {

@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use phub_proto::api::{LcoreInfo, PortStats};
 
-use crate::counters::ShardCounters;
-use crate::slotmem::SlotAllocator;
-use crate::transmit::{Destinations, Transmit};
+use phub_engine::counters::ShardCounters;
+use phub_engine::slotmem::SlotAllocator;
+use phub_engine::transmit::{Destinations, Transmit};
 
 #[cfg(feature = "dpdk")]
 pub mod dpdk;
@@ -25,7 +25,7 @@ pub trait PacketIo: Send + 'static {
 
     /// How this queue reaches other appliances' lcores (a hierarchical
     /// job's peers), if it can reach other appliances at all.
-    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<Self::Addr>> {
+    fn peer_resolver(&self) -> Option<phub_engine::transmit::PeerResolver<Self::Addr>> {
         None
     }
 
@@ -94,7 +94,7 @@ pub struct Started {
     /// Reads the device's own counters, where there is a device.
     pub port_stats: Option<Box<dyn Fn() -> Option<PortStats> + Send + Sync>>,
     /// Reads how many datagrams the kernel dropped at lcore i's socket
-    /// (kernel-UDP backend: [`crate::counters::NetDrop::SocketFull`]).
+    /// (kernel-UDP backend: [`phub_engine::counters::NetDrop::SocketFull`]).
     pub socket_drops: Option<Box<dyn Fn(usize) -> Option<u64> + Send + Sync>>,
     /// Releases what the backend holds once every lcore was told to stop
     /// (DPDK: waits for its lcores, then lets the port go).

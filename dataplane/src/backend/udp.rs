@@ -7,7 +7,7 @@
 //! segment size in a control message. Each message gets a 64 KiB slot;
 //! [`PacketIo::rx_burst`] hands the engine one datagram at a time, cutting
 //! trains at their segment size, and never more than
-//! [`MAX_BURST`](crate::transmit::MAX_BURST) datagrams per call (what is left
+//! [`MAX_BURST`](phub_engine::transmit::MAX_BURST) datagrams per call (what is left
 //! of a `recvmmsg` batch is delivered by the next call, before any new
 //! receive), so the engine's transmit queue never grows. Each slot starts
 //! at offset 42 of a 64-byte aligned block, so the payload of a message's
@@ -26,7 +26,7 @@
 //!
 //! Shared memory (`phub-dataplane --shm`, PROTOCOL.md §3.4): for workers on
 //! this host the engine reads chunks from their staging regions and writes
-//! results into the lcore's result region ([`crate::shm`]); what crosses
+//! results into the lcore's result region ([`phub_engine::shm`]); what crosses
 //! this socket for them is headers alone. A RESULT with the SHM flag is a
 //! header without payload; consecutive ones to the same destination go out
 //! as GSO trains of 86-byte datagrams like any other results (ERRORs, also
@@ -52,10 +52,10 @@ use phub_proto::api::LcoreInfo;
 
 use super::{LcoreStart, MakeJob, PacketIo, Started};
 use crate::config::Config;
-use crate::counters::ShardCounters;
-use crate::slotmem::{RustHeap, SlotAllocator};
 use crate::topology::Topology;
-use crate::transmit::{Destinations, Transmit, MAX_BURST};
+use phub_engine::counters::ShardCounters;
+use phub_engine::slotmem::{RustHeap, SlotAllocator};
+use phub_engine::transmit::{Destinations, Transmit, MAX_BURST};
 
 /// Messages (datagrams, or GRO trains of datagrams) per `recvmmsg` call.
 pub const RX_BURST: usize = 64;
@@ -389,7 +389,7 @@ impl UdpQueue {
 impl PacketIo for UdpQueue {
     type Addr = SocketAddrV4;
 
-    fn peer_resolver(&self) -> Option<crate::transmit::PeerResolver<SocketAddrV4>> {
+    fn peer_resolver(&self) -> Option<phub_engine::transmit::PeerResolver<SocketAddrV4>> {
         Some(std::sync::Arc::new(Some))
     }
 

@@ -22,8 +22,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{ensure, Context, Result};
 use clap::{Args, Parser, Subcommand};
-use phub_dataplane::kernels::Kernels;
-use phub_dataplane::optim::{self, ChunkBufs};
+use phub_engine::kernels::Kernels;
+use phub_engine::optim::{self, ChunkBufs};
 use phub_proto::spec::Optimizer;
 use phub_proto::Dtype;
 use phub_tools::bench::{local, run};

@@ -41,11 +41,7 @@ fn repr(kind: MsgType, rank: u16, key: u32, chunk: u32, round: u32, count: usize
 
 /// A datagram as the appliance sends it: `repr` and `values`.
 fn datagram(repr: &Repr, values: &[f32]) -> Vec<u8> {
-    let mut d = vec![0u8; HEADER_LEN + values.len() * 4];
-    let mut h = Header::new_unchecked(&mut d[..]);
-    repr.emit(&mut h);
-    codec::encode(Dtype::F32, values, h.payload_mut());
-    d
+    repr.to_datagram(values)
 }
 
 /// A datagram the transport sent, parsed.

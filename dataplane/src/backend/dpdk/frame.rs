@@ -27,7 +27,7 @@
 use std::net::Ipv4Addr;
 use std::ops::Range;
 
-use crate::counters::NetDrop;
+use phub_engine::counters::NetDrop;
 
 use self::arp::ArpPacket;
 use self::ethernet::EthernetFrame;
@@ -70,7 +70,7 @@ fn set_u16(b: &mut [u8], at: Range<usize>, v: u16) {
 /// Ethernet II frames (no VLAN tag).
 pub mod ethernet {
     use super::{get_bytes, get_u16, set_u16};
-    use crate::counters::NetDrop;
+    use phub_engine::counters::NetDrop;
 
     /// Named byte ranges of the Ethernet header.
     pub mod field {
@@ -169,7 +169,7 @@ pub mod ipv4 {
     use std::net::Ipv4Addr;
 
     use super::{get_bytes, get_u16, set_u16};
-    use crate::counters::NetDrop;
+    use phub_engine::counters::NetDrop;
 
     /// Named byte ranges of the IPv4 header (options, if any, follow).
     pub mod field {
@@ -369,7 +369,7 @@ pub mod ipv4 {
 /// UDP datagrams.
 pub mod udp {
     use super::{get_u16, set_u16};
-    use crate::counters::NetDrop;
+    use phub_engine::counters::NetDrop;
 
     /// Named byte ranges of the UDP header.
     pub mod field {
@@ -493,7 +493,7 @@ pub mod arp {
     use std::net::Ipv4Addr;
 
     use super::{get_bytes, get_u16, set_u16};
-    use crate::counters::NetDrop;
+    use phub_engine::counters::NetDrop;
 
     /// Named byte ranges of an ARP packet (Ethernet and IPv4 addresses).
     pub mod field {

@@ -21,7 +21,7 @@ use super::{
 };
 use crate::backend::{LcoreStart, MakeJob, Started};
 use crate::config::{Config, DpdkOptions, DEFAULT_BASE_PORT};
-use crate::counters::ShardCounters;
+use phub_engine::counters::ShardCounters;
 
 /// The running lcores and the port.
 #[derive(Debug)]

@@ -10,16 +10,16 @@
 //! (Adam's `m / (1 - b1^t)`, AdamW's `w -= lr * wd * w`, `g / W`, `b^t` as a
 //! running product) disagree with the engine and with the examples.
 //!
-//! It lives in phub-dataplane, not beside proto/tests/protocol_doc.rs,
+//! It lives in phub-engine, not beside proto/tests/protocol_doc.rs,
 //! because it needs the engine; phub-proto stays free of it.
 
 use std::collections::HashMap;
 
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{JobInstall, Shard, Verdict};
+use phub_engine::kernels::{self, Kernels};
+use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, MsgType, Repr};
 use phub_proto::Dtype;
 use rand::{Rng, SeedableRng};
 
@@ -439,20 +439,23 @@ impl Engine {
     fn new(kernels: Kernels, opt: Optimizer, workers: u16, n: usize) -> Engine {
         let mut shard = Shard::new(0, kernels);
         shard
-            .install(JobInstall {
-                id: JOB,
-                token: TOKEN,
-                workers,
-                dtype: Dtype::F32,
-                optimizer: opt,
-                consistency: Default::default(),
-                chunk_elems: n as u32,
-                slots: vec![SlotChunk {
-                    key: 0,
-                    chunk: 0,
-                    elems: n as u32,
-                }],
-            })
+            .install(
+                JobInstall {
+                    id: JOB,
+                    token: TOKEN,
+                    workers,
+                    dtype: Dtype::F32,
+                    optimizer: opt,
+                    consistency: Default::default(),
+                    chunk_elems: n as u32,
+                    slots: vec![SlotChunk {
+                        key: 0,
+                        chunk: 0,
+                        elems: n as u32,
+                    }],
+                },
+                InstallKind::Plain,
+            )
             .unwrap();
         Engine {
             shard,
@@ -465,10 +468,7 @@ impl Engine {
     fn send(&mut self, kind: MsgType, rank: u16, round: u32, values: &[f32]) -> Verdict {
         let repr =
             Repr::request(kind, JOB, TOKEN, rank, round, 0).with_payload(Dtype::F32, values.len() as u16);
-        let mut b = vec![0u8; HEADER_LEN + 4 * values.len()];
-        repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-        kernels::encode(Dtype::F32, values, &mut b[HEADER_LEN..]);
-        self.shard.handle(u32::from(rank), &b, 0)
+        self.shard.handle(u32::from(rank), &repr.to_datagram(values), 0)
     }
 
     /// The result every rank got for `round`, which must have just completed.

@@ -2,12 +2,12 @@
 //! packet at a time: what is applied, what is answered, to whom, with which
 //! clock, and what a checkpoint keeps.
 
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{EngineError, JobInstall, Shard, Verdict};
+use phub_engine::kernels::{self, Kernels};
+use phub_engine::{EngineError, InstallKind, JobInstall, Shard, Verdict};
 use phub_proto::checkpoint::CLOCK_HELD;
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::{Consistency, Optimizer};
-use phub_proto::wire::{self, DropReason, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
 
 const TOKEN: u64 = 0x5151;
@@ -31,8 +31,11 @@ fn install(workers: u16, dtype: Dtype, optimizer: Optimizer, consistency: Consis
 
 fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer, consistency: Consistency) -> Shard<u32> {
     let mut s = Shard::new(0, Kernels::best());
-    s.install(install(workers, dtype, optimizer, consistency))
-        .unwrap();
+    s.install(
+        install(workers, dtype, optimizer, consistency),
+        InstallKind::Plain,
+    )
+    .unwrap();
     s
 }
 
@@ -40,10 +43,7 @@ fn msg(dtype: Dtype, kind: MsgType, rank: u16, round: u32, values: &[f32]) -> Ve
     let repr = Repr::request(kind, 1, TOKEN, rank, round, 0)
         .with_payload(dtype, values.len() as u16)
         .with_chunk(0, 0);
-    let mut b = vec![0u8; HEADER_LEN + dtype.size() * values.len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    kernels::encode(dtype, values, &mut b[HEADER_LEN..]);
-    b
+    repr.to_datagram(values)
 }
 
 /// Everything queued to send, as (destination rank, round field, values).
@@ -255,7 +255,10 @@ fn a_snapshot_keeps_the_clocks_and_held_answers() {
 fn modes_that_do_not_fit_are_refused_at_install() {
     let mut s: Shard<u32> = Shard::new(0, Kernels::best());
     let e = s
-        .install(install(2, Dtype::F32, Optimizer::Mean, Consistency::Async))
+        .install(
+            install(2, Dtype::F32, Optimizer::Mean, Consistency::Async),
+            InstallKind::Plain,
+        )
         .unwrap_err();
     assert!(
         e.to_string().contains("consistency async") && e.to_string().contains("sum"),
@@ -270,14 +273,20 @@ fn modes_that_do_not_fit_are_refused_at_install() {
 fn clocks_are_charged_what_they_take() {
     let mut a: Shard<u32> = Shard::new(0, Kernels::best());
     let mut b: Shard<u32> = Shard::new(0, Kernels::best());
-    a.install(install(5, Dtype::F32, Optimizer::Sum, Consistency::Sync))
-        .unwrap();
-    b.install(install(5, Dtype::F32, Optimizer::Sum, Consistency::Async))
-        .unwrap();
-    let per = phub_dataplane::engine::memory_model(a.slot_memory()).clock_bytes;
+    a.install(
+        install(5, Dtype::F32, Optimizer::Sum, Consistency::Sync),
+        InstallKind::Plain,
+    )
+    .unwrap();
+    b.install(
+        install(5, Dtype::F32, Optimizer::Sum, Consistency::Async),
+        InstallKind::Plain,
+    )
+    .unwrap();
+    let per = phub_engine::engine::memory_model(a.slot_memory()).clock_bytes;
     assert_eq!(
         per as usize,
-        std::mem::size_of::<phub_dataplane::engine::RankClock>()
+        std::mem::size_of::<phub_engine::engine::RankClock>()
     );
     assert_eq!(
         b.job_memory_bytes(1).unwrap() - a.job_memory_bytes(1).unwrap(),

@@ -7,13 +7,13 @@
 
 use std::path::PathBuf;
 
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{EngineError, JobInstall, Shard, ShmSetup, Verdict};
+use phub_engine::kernels::{self, Kernels};
+use phub_engine::{EngineError, InstallKind, JobInstall, Shard, ShmSetup, Verdict};
 use phub_net::shm::ShmRegion;
 use phub_proto::layout::SlotChunk;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
+use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 
 const TOKEN: u64 = 0x5eed_0000_1234;
@@ -114,12 +114,11 @@ fn msg_with(
         .with_payload(dtype, count as u16)
         .with_chunk(0, slot)
         .with_flags(if shm { flags::SHM } else { 0 });
-    let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    if !shm && carries {
-        kernels::encode(dtype, payload.expect("a datagram payload"), &mut b[HEADER_LEN..]);
-    }
-    b
+    repr.to_datagram(if !shm && carries {
+        payload.expect("a datagram payload")
+    } else {
+        &[]
+    })
 }
 
 /// Everything queued to send, as (destination, header, payload bytes).
@@ -157,7 +156,7 @@ fn pushes_through_shared_memory_sum_exactly_into_the_result_region() {
     for (id, dtype) in [(11, Dtype::F32), (12, Dtype::Bf16)] {
         const W: u16 = 3;
         let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-        s.install_shared(job(id, W, dtype, Optimizer::Sum), setup())
+        s.install(job(id, W, dtype, Optimizer::Sum), InstallKind::Shared(setup()))
             .unwrap();
         let workers: Vec<Worker> = (0..W).map(|r| Worker::open(id, r, dtype)).collect();
         for round in 0..3u32 {
@@ -215,7 +214,8 @@ fn ranks_with_and_without_shared_memory_each_get_their_form() {
         lr: 0.5,
         weight_decay: 0.0,
     };
-    s.install_shared(job(id, 2, dtype, opt), setup()).unwrap();
+    s.install(job(id, 2, dtype, opt), InstallKind::Shared(setup()))
+        .unwrap();
     let w0 = Worker::open(id, 0, dtype);
     for round in 0..3u32 {
         let kind = if round == 0 { MsgType::Init } else { MsgType::Push };
@@ -263,7 +263,8 @@ fn ranks_with_and_without_shared_memory_each_get_their_form() {
 fn the_shm_flag_on_a_job_without_regions_is_dropped_after_the_token_check() {
     let dtype = Dtype::F32;
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-    s.install(job(31, 2, dtype, Optimizer::Sum)).unwrap();
+    s.install(job(31, 2, dtype, Optimizer::Sum), InstallKind::Plain)
+        .unwrap();
     assert_eq!(s.shm_paths(31), None);
     assert!(
         !path(31, Part::Results).exists(),
@@ -284,7 +285,7 @@ fn the_shm_flag_on_a_job_without_regions_is_dropped_after_the_token_check() {
     assert_eq!(c.drops_of(DropReason::NoSharedMemory), 2);
     assert_eq!(c.shm_rx.get(), 0);
     // A job with regions checks the rank after the flag.
-    s.install_shared(job(33, 2, dtype, Optimizer::Sum), setup())
+    s.install(job(33, 2, dtype, Optimizer::Sum), InstallKind::Shared(setup()))
         .unwrap();
     let m = msg(33, MsgType::Init, 2, 0, 0, true, dtype);
     assert_eq!(s.handle(1, &m, 1), Verdict::Dropped(DropReason::RankOutOfRange));
@@ -295,7 +296,7 @@ fn a_duplicate_shm_push_is_dropped_and_a_lost_result_is_resent_as_a_header() {
     let id = 41;
     let dtype = Dtype::F32;
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-    s.install_shared(job(id, 2, dtype, Optimizer::Sum), setup())
+    s.install(job(id, 2, dtype, Optimizer::Sum), InstallKind::Shared(setup()))
         .unwrap();
     let w: Vec<Worker> = (0..2).map(|r| Worker::open(id, r, dtype)).collect();
     assert_eq!(
@@ -376,7 +377,7 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
             .collect()
     };
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-    s.install_shared(job(id, 3, dtype, Optimizer::Mean), setup())
+    s.install(job(id, 3, dtype, Optimizer::Mean), InstallKind::Shared(setup()))
         .unwrap();
     assert_eq!(s.shm_paths(id), Some(all(id)));
     for p in all(id) {
@@ -397,7 +398,7 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
         ..setup()
     };
     let e = s
-        .install_shared(job(id, 3, dtype, Optimizer::Mean), short)
+        .install(job(id, 3, dtype, Optimizer::Mean), InstallKind::Shared(short))
         .unwrap_err();
     assert!(
         e.to_string()
@@ -411,7 +412,7 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
     let blocker = path(id, Part::Results);
     std::fs::create_dir(&blocker).unwrap();
     let e = s
-        .install_shared(job(id, 3, dtype, Optimizer::Mean), setup())
+        .install(job(id, 3, dtype, Optimizer::Mean), InstallKind::Shared(setup()))
         .unwrap_err();
     std::fs::remove_dir(&blocker).unwrap();
     assert!(matches!(e, EngineError::SharedMemory { id: 51, .. }), "{e:?}");
@@ -423,7 +424,7 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
     // this port that died, a job of another shape) is replaced; dropping
     // the shard removes the files.
     std::fs::write(path(id, Part::Staging(1)), b"stale").unwrap();
-    s.install_shared(job(id, 3, dtype, Optimizer::Mean), setup())
+    s.install(job(id, 3, dtype, Optimizer::Mean), InstallKind::Shared(setup()))
         .unwrap();
     assert_eq!(
         std::fs::metadata(path(id, Part::Staging(1))).unwrap().len() as usize,
@@ -437,7 +438,7 @@ fn regions_exist_while_the_job_is_installed_and_a_failed_install_leaves_none() {
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
     let mut empty = job(id, 3, dtype, Optimizer::Mean);
     empty.slots.clear();
-    s.install_shared(empty, setup()).unwrap();
+    s.install(empty, InstallKind::Shared(setup())).unwrap();
     assert_eq!(s.shm_paths(id), Some(vec![]));
     assert!(all(id).iter().all(|p| !p.exists()));
     let mut m = msg(id, MsgType::Pull, 0, 0, 0, true, dtype);
@@ -458,7 +459,7 @@ fn a_restored_job_has_its_results_in_the_result_region() {
     };
     // Two rounds on a plain shard, in datagrams.
     let mut a: Shard<u32> = Shard::new(3, Kernels::best());
-    a.install(job(id, 2, dtype, adam)).unwrap();
+    a.install(job(id, 2, dtype, adam), InstallKind::Plain).unwrap();
     for round in 0..2u32 {
         for slot in 0..2 {
             for rank in 0..2u16 {
@@ -482,7 +483,8 @@ fn a_restored_job_has_its_results_in_the_result_region() {
     }
     let saved = a.snapshot(id).unwrap();
     let mut b: Shard<u32> = Shard::new(3, Kernels::best());
-    b.install_shared(job(id, 2, dtype, adam), setup()).unwrap();
+    b.install(job(id, 2, dtype, adam), InstallKind::Shared(setup()))
+        .unwrap();
     b.restore(id, &saved).unwrap();
     let w = Worker::open(id, 1, dtype);
     for slot in 0..2 {
@@ -527,9 +529,10 @@ fn against_plain(
     let dtype = Dtype::F32;
     let w = shm.len() as u16;
     let mut plain: Shard<u32> = Shard::new(3, Kernels::best());
-    plain.install(job(id, w, dtype, opt)).unwrap();
+    plain.install(job(id, w, dtype, opt), InstallKind::Plain).unwrap();
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-    s.install_shared(job(id, w, dtype, opt), setup()).unwrap();
+    s.install(job(id, w, dtype, opt), InstallKind::Shared(setup()))
+        .unwrap();
     let workers: Vec<Worker> = (0..w).map(|r| Worker::open(id, r, dtype)).collect();
     let what = format!("{} shm {shm:?} order {order:?}", opt.name());
     for round in 0..rounds {
@@ -642,7 +645,8 @@ fn a_snapshot_of_a_job_with_its_results_in_the_region_restores_them_there() {
         let results: Vec<Vec<u8>> = (0..2).map(|sl| s.result(id, sl).unwrap().1.to_vec()).collect();
         drop(s); // its files go; the restored job makes them anew.
         let mut b: Shard<u32> = Shard::new(3, Kernels::best());
-        b.install_shared(job(id, 3, dtype, opt), setup()).unwrap();
+        b.install(job(id, 3, dtype, opt), InstallKind::Shared(setup()))
+            .unwrap();
         b.restore(id, &saved).unwrap();
         assert_eq!(b.snapshot(id).unwrap(), saved);
         let w: Vec<Worker> = (0..3).map(|r| Worker::open(id, r, dtype)).collect();
@@ -725,7 +729,7 @@ fn a_deferred_first_contribution_is_read_once_with_the_second_and_its_duplicates
     // result changes nothing but its own contribution.
     let id = 94;
     let mut s: Shard<u32> = Shard::new(3, Kernels::best());
-    s.install_shared(job(id, 2, dtype, Optimizer::Sum), setup())
+    s.install(job(id, 2, dtype, Optimizer::Sum), InstallKind::Shared(setup()))
         .unwrap();
     let w: Vec<Worker> = (0..2).map(|r| Worker::open(id, r, dtype)).collect();
     for rank in 0..2u16 {

@@ -2,17 +2,16 @@
 //! and drops, handled and drained, leave the allocation count where it was;
 //! also with shared-memory regions, half the ranks pushing through them.
 
-mod common;
-
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{JobInstall, Shard, ShmSetup};
+use phub_engine::kernels::Kernels;
+use phub_engine::testing::{allocations, Counting};
+use phub_engine::{InstallKind, JobInstall, Shard, ShmSetup};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
-use phub_proto::wire::{self, flags, MsgType, Repr, HEADER_LEN};
+use phub_proto::wire::{self, flags, MsgType, Repr};
 use phub_proto::Dtype;
 
 #[global_allocator]
-static GLOBAL: common::Counting = common::Counting;
+static GLOBAL: Counting = Counting;
 
 #[test]
 fn handling_and_draining_allocates_nothing() {
@@ -46,9 +45,9 @@ fn handling_and_draining_allocates_nothing() {
                 base_port: (20_000 + std::process::id() % 40_000) as u16,
                 chunk_elems: N as u32,
             };
-            shard.install_shared(job, setup).unwrap();
+            shard.install(job, InstallKind::Shared(setup)).unwrap();
         } else {
-            shard.install(job).unwrap();
+            shard.install(job, InstallKind::Plain).unwrap();
         }
         // Every packet of 20 rounds, built before counting starts.
         let n = N.min(wire::MAX_PAYLOAD / dtype.size());
@@ -70,17 +69,13 @@ fn handling_and_draining_allocates_nothing() {
                 )
                 .with_payload(dtype, count as u16)
                 .with_flags(if rank_shm { flags::SHM } else { 0 });
-                let mut b = vec![0u8; HEADER_LEN + repr.datagram_payload_len()];
-                repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-                if !rank_shm {
-                    kernels::encode(dtype, &values[..count], &mut b[HEADER_LEN..]);
-                }
+                let b = repr.to_datagram(if rank_shm { &[] } else { &values[..count] });
                 packets.push((rank, b.clone()));
                 packets.push((rank, b)); // a duplicate of each, resent or dropped
             }
             packets.push((0, vec![0u8; 10])); // truncated garbage
         }
-        let before = common::allocations();
+        let before = allocations();
         let mut sent = 0u64;
         for (rank, p) in &packets {
             shard.handle(*rank, p, 0);
@@ -89,7 +84,7 @@ fn handling_and_draining_allocates_nothing() {
             }
             shard.clear_transmits();
         }
-        let after = common::allocations();
+        let after = allocations();
         assert!(sent > 0);
         assert_eq!(shard.counters().rounds_completed.get(), 20);
         assert_eq!(shard.counters().shm_rx.get() > 0, shm);

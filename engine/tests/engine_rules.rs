@@ -1,8 +1,9 @@
 //! The engine's round rules and drop reasons, one packet at a time.
 
-use phub_dataplane::kernels::{self, Kernels};
-use phub_dataplane::{JobInstall, Shard, Verdict};
+use phub_engine::kernels::{self, Kernels};
+use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
 use phub_proto::layout::SlotChunk;
+use phub_proto::memory::ResultStore;
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, DropReason, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 use phub_proto::Dtype;
@@ -11,27 +12,30 @@ const TOKEN: u64 = 0xabcdef;
 
 fn shard(workers: u16, dtype: Dtype, optimizer: Optimizer) -> Shard<u32> {
     let mut s = Shard::new(0, Kernels::best());
-    s.install(JobInstall {
-        id: 1,
-        token: TOKEN,
-        workers,
-        dtype,
-        optimizer,
-        consistency: Default::default(),
-        chunk_elems: 4,
-        slots: vec![
-            SlotChunk {
-                key: 0,
-                chunk: 0,
-                elems: 4,
-            },
-            SlotChunk {
-                key: 0,
-                chunk: 1,
-                elems: 2,
-            },
-        ],
-    })
+    s.install(
+        JobInstall {
+            id: 1,
+            token: TOKEN,
+            workers,
+            dtype,
+            optimizer,
+            consistency: Default::default(),
+            chunk_elems: 4,
+            slots: vec![
+                SlotChunk {
+                    key: 0,
+                    chunk: 0,
+                    elems: 4,
+                },
+                SlotChunk {
+                    key: 0,
+                    chunk: 1,
+                    elems: 2,
+                },
+            ],
+        },
+        InstallKind::Plain,
+    )
     .unwrap();
     s
 }
@@ -40,10 +44,7 @@ fn msg(kind: MsgType, rank: u16, round: u32, slot: u32, values: &[f32]) -> Vec<u
     let repr = Repr::request(kind, 1, TOKEN, rank, round, slot)
         .with_payload(Dtype::F32, values.len() as u16)
         .with_chunk(0, slot);
-    let mut b = vec![0u8; HEADER_LEN + 4 * values.len()];
-    repr.emit(&mut wire::Header::new_unchecked(&mut b[..]));
-    kernels::encode(Dtype::F32, values, &mut b[HEADER_LEN..]);
-    b
+    repr.to_datagram(values)
 }
 
 /// Everything queued to send, as (destination, header, payload as f32).
@@ -276,20 +277,23 @@ fn another_jobs_packets_never_touch_a_victim() {
             weight_decay: 0.0,
         },
     );
-    s.install(JobInstall {
-        id: 2,
-        token: 99,
-        workers: 1,
-        dtype: Dtype::F32,
-        optimizer: Optimizer::Sum,
-        consistency: Default::default(),
-        chunk_elems: 4,
-        slots: vec![SlotChunk {
-            key: 0,
-            chunk: 0,
-            elems: 4,
-        }],
-    })
+    s.install(
+        JobInstall {
+            id: 2,
+            token: 99,
+            workers: 1,
+            dtype: Dtype::F32,
+            optimizer: Optimizer::Sum,
+            consistency: Default::default(),
+            chunk_elems: 4,
+            slots: vec![SlotChunk {
+                key: 0,
+                chunk: 0,
+                elems: 4,
+            }],
+        },
+        InstallKind::Plain,
+    )
     .unwrap();
     s.handle(1, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 0);
     let before = s.params(1, 0).unwrap().to_vec();
@@ -334,9 +338,9 @@ fn slot_memory_is_what_admission_counts() {
             let s = shard(3, dtype, opt);
             // Two slots (4 and 2 elements) in one block, a record each; the
             // job's record and three ranks' entries.
-            let m = phub_dataplane::engine::memory_model(s.slot_memory());
-            let want = m.slot_data_bytes(dtype, &opt, 4, false)
-                + m.slot_data_bytes(dtype, &opt, 2, false)
+            let m = phub_engine::engine::memory_model(s.slot_memory());
+            let want = m.slot_data_bytes(dtype, &opt, 4, ResultStore::Slot)
+                + m.slot_data_bytes(dtype, &opt, 2, ResultStore::Slot)
                 + 2 * u64::from(m.slot_bytes)
                 + u64::from(m.block_overhead_bytes)
                 + u64::from(m.lcore_job_bytes)
@@ -364,22 +368,22 @@ fn bad_installs_are_refused() {
         }],
     };
     assert!(s
-        .install(job(1, 1, 4))
+        .install(job(1, 1, 4), InstallKind::Plain)
         .unwrap_err()
         .to_string()
         .contains("already installed"));
     assert!(s
-        .install(job(3, 0, 4))
+        .install(job(3, 0, 4), InstallKind::Plain)
         .unwrap_err()
         .to_string()
         .contains("worker count 0"));
     assert!(s
-        .install(job(3, 1, 0))
+        .install(job(3, 1, 0), InstallKind::Plain)
         .unwrap_err()
         .to_string()
         .contains("0 elements"));
     assert!(s
-        .install(job(3, 1, 5000))
+        .install(job(3, 1, 5000), InstallKind::Plain)
         .unwrap_err()
         .to_string()
         .contains("1..=2208"));
@@ -387,7 +391,7 @@ fn bad_installs_are_refused() {
     let mut long = job(3, 1, 5);
     long.chunk_elems = 4;
     assert!(s
-        .install(long)
+        .install(long, InstallKind::Plain)
         .unwrap_err()
         .to_string()
         .contains("5 elements; accepted: 1..=4"));

@@ -1,0 +1,92 @@
+//! Why a job could not be installed or restored.
+
+use phub_proto::spec::{Consistency, MAX_WORKERS};
+use phub_proto::Dtype;
+
+/// Why a job could not be installed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum EngineError {
+    /// A job with this id is already installed.
+    #[error("job {0} is already installed on this lcore")]
+    JobExists(u16),
+    /// The worker count is outside 1..=[`MAX_WORKERS`].
+    #[error("job {id}: worker count {workers} is outside 1..={max}", max = MAX_WORKERS)]
+    BadWorkers {
+        /// Job id.
+        id: u16,
+        /// Worker count given.
+        workers: u16,
+    },
+    /// A checkpoint could not be restored into the job.
+    #[error("job {id}: cannot restore the checkpoint: {reason}")]
+    Restore {
+        /// Job id.
+        id: u16,
+        /// What did not fit.
+        reason: String,
+    },
+    /// The slot memory allocator had no room for the job's slots; nothing
+    /// of the job is installed on this lcore.
+    #[error("job {id}: {bytes} bytes of slot memory for {slots} slots do not fit ({from}): {reason}")]
+    SlotMemory {
+        /// Job id.
+        id: u16,
+        /// Bytes the job's slots need on this lcore (line padding included).
+        bytes: u64,
+        /// The job's slots on this lcore.
+        slots: usize,
+        /// Where slot memory comes from ([`SlotAllocator::describe`](crate::SlotAllocator::describe)).
+        from: String,
+        /// What the allocator said.
+        reason: String,
+    },
+    /// The job's shared-memory regions could not be created; nothing of the
+    /// job is installed on this lcore and no region file is left.
+    #[error("job {id}: shared-memory regions not created: {reason}")]
+    SharedMemory {
+        /// Job id.
+        id: u16,
+        /// What failed (the file and the system's answer).
+        reason: String,
+    },
+    /// The consistency mode does not go with the rest of the install.
+    #[error("job {id}: consistency {mode}: {reason}")]
+    Consistency {
+        /// Job id.
+        id: u16,
+        /// The job's consistency mode.
+        mode: Consistency,
+        /// What does not go with it.
+        reason: &'static str,
+    },
+    /// A slot's element count is zero or does not fit a packet.
+    #[error("job {id}: slot {slot} has {elems} elements; accepted: 1..={max} for {dtype}")]
+    BadSlot {
+        /// Job id.
+        id: u16,
+        /// Slot index.
+        slot: u32,
+        /// Elements given.
+        elems: u32,
+        /// Most elements a packet carries for this dtype.
+        max: u32,
+        /// The job's dtype.
+        dtype: Dtype,
+    },
+    /// A hierarchical job's install does not fit this shard.
+    #[error("job {id}: hierarchical install refused: {reason}")]
+    Hierarchy {
+        /// Job id.
+        id: u16,
+        /// What is wrong.
+        reason: String,
+    },
+    /// More slots than a `u32` slot index can name.
+    #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
+    TooManySlots {
+        /// Job id.
+        id: u16,
+        /// Slots given.
+        slots: usize,
+    },
+}

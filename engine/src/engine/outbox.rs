@@ -1,0 +1,219 @@
+//! The outbox: messages queued while handling packets ([`Pending`]) and
+//! the [`Transmit`]s the backend sends from them, with their destination
+//! lists ([`Ranks`]).
+
+use phub_proto::wire;
+use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK};
+
+use crate::transmit::{Destinations, Transmit};
+
+use super::slot::{RankSet, Slot};
+use super::{Job, Shard};
+
+/// Who gets a queued result.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum To {
+    /// Every rank (a completed BSP round).
+    All,
+    /// One rank.
+    One(u16),
+    /// These ranks (released bounded-delay answers).
+    Set(RankSet),
+}
+
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Pending<A> {
+    /// The stored result (current values) of a slot, with the round field
+    /// `round` (BSP: the slot's last completed round when sent).
+    Result {
+        job: u16,
+        slot: u32,
+        to: To,
+        round: Option<u32>,
+    },
+    /// A refusal notice to a token-authenticated sender.
+    Error { repr: Repr, to: A },
+    /// A rack slot's partial sum, to the chunk's home.
+    Partial { job: u16, slot: u32, attempt: Attempt },
+    /// A home slot's stored result, to rack `rack`'s slot of the chunk.
+    PartialResult { job: u16, slot: u32, rack: u16 },
+}
+
+/// Whether a queued message goes for the first time or again, its timer
+/// having gone off (the header then has [`flags::RETRANSMIT`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Attempt {
+    /// The first time.
+    First,
+    /// Again.
+    Again,
+}
+
+/// The destinations of a queued message: every known rank's endpoint (or
+/// those of the ranks that do, or do not, use shared memory), or one. A
+/// round's result to ranks of both kinds is two transmits: the header with
+/// the SHM flag and no payload to the ranks using shared memory, the header
+/// and payload to the others.
+#[derive(Debug, Clone)]
+pub struct Ranks<'a, A> {
+    all: std::iter::Enumerate<std::slice::Iter<'a, Option<A>>>,
+    /// Only the ranks whose membership in the set is the flag.
+    only: Option<(RankSet, bool)>,
+    one: Option<A>,
+}
+
+impl<'a, A: Copy> Ranks<'a, A> {
+    pub(super) fn new(all: &'a [Option<A>], only: Option<(RankSet, bool)>, one: Option<A>) -> Ranks<'a, A> {
+        Ranks {
+            all: all.iter().enumerate(),
+            only,
+            one,
+        }
+    }
+}
+
+impl<A: Copy> Iterator for Ranks<'_, A> {
+    type Item = A;
+    // Cast: r indexes a job's endpoints, one per rank, fewer than
+    // MAX_WORKERS (256, checked in Shard::install_with).
+    #[allow(clippy::cast_possible_truncation)]
+    fn next(&mut self) -> Option<A> {
+        if let Some(a) = self.one.take() {
+            return Some(a);
+        }
+        let only = self.only;
+        self.all
+            .by_ref()
+            .filter(|(r, _)| only.is_none_or(|(set, member)| set.contains(*r as u16) == member))
+            .find_map(|(_, e)| *e)
+    }
+}
+
+impl<A: Copy> Destinations for Ranks<'_, A> {
+    fn planned(&self) -> usize {
+        self.clone().count()
+    }
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// What must be sent now, in the order it was queued.
+    pub fn transmits(&self) -> impl Iterator<Item = Transmit<'_, Ranks<'_, A>>> + '_ {
+        self.pending.iter().flat_map(move |p| {
+            let [a, b] = self.transmits_of(p);
+            a.into_iter().chain(b)
+        })
+    }
+
+    /// The one or two transmits of a queued message: a result to ranks of
+    /// both kinds (shared memory or not) is two.
+    pub(super) fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, Ranks<'_, A>>>; 2] {
+        let (job, slot, to, round) = match *p {
+            Pending::Result { job, slot, to, round } => (job, slot, to, round),
+            Pending::Error { repr, to } => {
+                let t = Transmit {
+                    header: repr.to_bytes(),
+                    payload: &[],
+                    to: Ranks::new(&[], None, Some(to)),
+                };
+                return [Some(t), None];
+            }
+            Pending::Partial { job, slot, attempt } => {
+                return [self.partial_transmit(job, slot, attempt), None]
+            }
+            Pending::PartialResult { job, slot, rack } => {
+                return [self.partial_result_transmit(job, slot, rack), None];
+            }
+        };
+        let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
+            return [None, None];
+        };
+        // A BSP result goes once its round completed.
+        let Some(round) = round.or(s.completed.get()) else {
+            return [None, None];
+        };
+        let repr = answer(MsgType::Result, j, s, round, slot);
+        let payload = s.result_bytes(slot, j.shm.as_ref(), &j.blocks);
+        // What a worker checks first (`length_mismatch`): the stored result
+        // is as long as the header says, in every result kind.
+        debug_assert_eq!(
+            payload.len(),
+            repr.payload_len(),
+            "job {job} slot {slot}: a result of the wrong length"
+        );
+        let share = self.rx_share(j);
+        let stamped = |r: Repr| {
+            let mut h = r.to_bytes();
+            wire::Header::new_unchecked(&mut h[..]).set_rx_share(share);
+            h
+        };
+        let plain = |to| Transmit {
+            header: stamped(repr),
+            payload,
+            to,
+        };
+        // The result is in the result region: the header says so, alone.
+        let shm = |to| Transmit {
+            header: stamped(Repr {
+                flags: flags::SHM,
+                ..repr
+            }),
+            payload: &[],
+            to,
+        };
+        let ranks = |only| Ranks::new(&j.endpoints, only, None);
+        match to {
+            // Non-BSP jobs have no shared-memory regions: datagrams alone.
+            To::Set(set) => [Some(plain(ranks(Some((set, true))))), None],
+            To::One(r) => {
+                let one = Ranks::new(&[], None, j.endpoints.get(usize::from(r)).copied().flatten());
+                if j.shm_ranks.contains(r) {
+                    [Some(shm(one)), None]
+                } else {
+                    [Some(plain(one)), None]
+                }
+            }
+            To::All => match j.shm_ranks.len() {
+                0 => [Some(plain(ranks(None))), None],
+                n if n == u32::from(j.workers) => [Some(shm(ranks(None))), None],
+                _ => [
+                    Some(plain(ranks(Some((j.shm_ranks, false))))),
+                    Some(shm(ranks(Some((j.shm_ranks, true))))),
+                ],
+            },
+        }
+    }
+
+    /// Whether anything is waiting to be sent.
+    pub fn has_transmits(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Forgets what [`Shard::transmits`] returned, once it has been sent.
+    pub fn clear_transmits(&mut self) {
+        self.pending.clear();
+    }
+}
+
+/// The header of the appliance's answer of `kind` (RESULT, PARTIAL_RESULT)
+/// carrying slot `s`'s stored result of `round` of job `j`, addressed to
+/// `slot` at the receiving end.
+pub(super) fn answer<A>(kind: MsgType, j: &Job<A>, s: &Slot, round: u32, slot: u32) -> Repr {
+    // Cast: s.elems <= MAX_PAYLOAD / dtype size (checked at install; a
+    // home slot's, MAX_PAYLOAD / 4).
+    #[allow(clippy::cast_possible_truncation)]
+    let count = s.elems as u16;
+    Repr {
+        kind,
+        dtype: j.dtype,
+        flags: 0,
+        token: j.token,
+        job: j.id,
+        rank: APPLIANCE_RANK,
+        count,
+        error: 0,
+        round,
+        slot,
+        key: s.key,
+        chunk: s.chunk,
+    }
+}
