@@ -16,11 +16,12 @@ use std::time::Instant;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
+use crate::config::WorkerConfig;
 use crate::elem::Values;
 use crate::error::WorkerError;
 use crate::stats::Counters;
+use crate::stats::WorkerStats;
 use crate::transport::{ChunkMsg, JobInfo, Kind, Request, Sink, Transport, Tx};
-use crate::{WorkerConfig, WorkerStats};
 
 /// One chunk of a key as the join answer places it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

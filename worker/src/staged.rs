@@ -24,10 +24,13 @@ use std::sync::Arc;
 
 use phub_proto::wire::MsgType;
 
-use crate::elem::{Src, Values};
+use crate::elem::{Dst, Element, Src, Values};
+use crate::encode::chunk_index;
+use crate::error::WorkerError;
 use crate::io::{DirectDone, Done};
 use crate::shm::Regions;
-use crate::{Element, Handle, Kind, Worker, WorkerError};
+use crate::transport::Kind;
+use crate::worker::{Handle, Worker};
 
 /// A run of a key's elements that lies contiguous in one region (or, for
 /// [`Results`], in the buffer of results that came as datagrams).
@@ -322,7 +325,7 @@ impl Worker {
         // row of chunks a multiple of 64 bytes make one span).
         let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
-            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let len = self.layout().chunk_len(elements as u64, chunk_index(c)) as usize;
             let first = c * self.layout().chunk_elems as usize;
             let Some((ptr, at)) = regions.staging_ptr(place.lcore, place.slot, len * size) else {
                 // The regions were opened for this layout: not expected.
@@ -359,7 +362,7 @@ impl Worker {
         self.check_staged(&staged)?;
         self.check_elem::<E>()?;
         self.check_len(staged.key, out.len())?;
-        self.submit_staged(staged, E::WIRE.is_some(), Some(crate::Dst::of(out)))
+        self.submit_staged(staged, E::WIRE.is_some(), Some(Dst::of(out)))
     }
 
     /// Pushes a key whose values `staged` holds, for a caller that reads
@@ -390,7 +393,7 @@ impl Worker {
         &'a self,
         mut staged: Staged<'a>,
         wire16: bool,
-        out: Option<crate::Dst<'a>>,
+        out: Option<Dst<'a>>,
     ) -> Result<Handle<'a>, WorkerError> {
         let key = staged.key;
         let (elements, round) = (staged.elements, staged.round);
@@ -453,7 +456,7 @@ impl Worker {
         // region, or (`None`) the buffer.
         let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
-            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let len = self.layout().chunk_len(elements as u64, chunk_index(c)) as usize;
             let first = c * ce;
             let in_region = direct.as_ref().is_some_and(|d| d.in_region[c]);
             let (addr, at, lcore) = if in_region {

@@ -67,11 +67,11 @@ use phub_proto::Dtype;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
 use rto::Rto;
 
+use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::net::Datagram;
 use crate::shm::Regions;
 use crate::stats::{add, Counters};
-use crate::WorkerConfig;
 
 /// A chunk still waiting when the result of one sent this many places
 /// after it to the same lcore is in counts as lost (TCP's duplicate-ACK
@@ -167,7 +167,7 @@ pub(crate) struct Incoming<'d> {
 }
 
 /// What the window is made from when the caller did not set one
-/// ([`crate::auto_window`]): it is remade whenever an lcore states another
+/// ([`crate::config::auto_window`]): it is remade whenever an lcore states another
 /// receive-buffer share in its RESULTs (PROTOCOL.md §6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct AutoWindow {
@@ -185,7 +185,7 @@ pub(crate) struct AutoWindow {
 impl AutoWindow {
     /// The window for an lcore receive-buffer share of `lcore_rcvbuf`.
     pub(crate) fn window(&self, lcore_rcvbuf: usize) -> usize {
-        crate::auto_window(
+        crate::config::auto_window(
             self.workers,
             self.lcores,
             self.chunks,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::WorkerConfig;
+use crate::config::WorkerConfig;
 
 /// Round-trip state: the RFC 6298 estimator (reported as `srtt_us` and
 /// `rto_us`) and the smallest round trip seen, which sets the loss timer.

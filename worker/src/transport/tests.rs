@@ -806,7 +806,7 @@ fn simulate(
     jitter_us: u64,
     rounds: u32,
     keys: u32,
-) -> (crate::WorkerStats, Duration) {
+) -> (crate::stats::WorkerStats, Duration) {
     const STEP: Duration = Duration::from_micros(100);
     let mut h = Harness::new(6);
     let mut rng = Rng(seed | 1);
