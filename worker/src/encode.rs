@@ -9,16 +9,46 @@ use std::sync::{Arc, PoisonError};
 use phub_proto::layout::Place;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN};
 
-use crate::elem::{Dst, Src, Values};
-use crate::io::DirectDone;
+use crate::elem::{Dst, Src, ValueType};
 use crate::shm::Regions;
 use crate::transport::{ChunkMsg, Sink, Tx};
 use crate::worker::Worker;
 
+/// A request as encoded for the I/O thread: its chunks, where their
+/// datagrams come from and where their results go.
+#[derive(Debug)]
+pub(crate) struct Encoded {
+    pub(crate) chunks: Vec<ChunkMsg>,
+    pub(crate) tx: Tx,
+    pub(crate) sink: Sink,
+}
+
+/// A key's chunks staged into a shared-memory mapping: the chunks, their
+/// headers (HEADER_LEN bytes each, chunk c's at c * HEADER_LEN) and the
+/// mapping their payloads are in.
+#[derive(Debug)]
+pub(crate) struct StagedChunks {
+    chunks: Vec<ChunkMsg>,
+    headers: Vec<u8>,
+    regions: Arc<Regions>,
+}
+
+/// What a staged request's chunks carry.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum StagedValues<'p> {
+    /// These values (none for a request that carries no values), copied
+    /// into the staging regions here.
+    Copy(Option<Src<'p>>),
+    /// The values the caller already wrote into the staging regions
+    /// ([`Worker::stage`]): every chunk carries its full length.
+    InPlace,
+}
+
 impl Worker {
-    /// A request's chunks, datagrams and result buffer: staged into the
-    /// shared-memory mapping in use when there is one ([`Worker::staged`]),
-    /// encoded into datagrams otherwise. `key` is claimed.
+    /// A request's chunks, datagrams and result buffer (of `ty`): staged
+    /// into the shared-memory mapping in use when there is one
+    /// ([`Worker::staged`]), encoded into datagrams otherwise. `key` is
+    /// claimed.
     pub(crate) fn prepare(
         &self,
         key: u32,
@@ -26,28 +56,34 @@ impl Worker {
         kind: MsgType,
         round: u32,
         payload: Option<Src<'_>>,
-        wire16: bool,
-    ) -> (Vec<ChunkMsg>, Tx, Sink) {
+        ty: ValueType,
+    ) -> Encoded {
         if let Some(staged) = self.staged(key, elements, kind, round, payload) {
-            return self.staged_request(key, elements, wire16, staged);
+            return self.staged_request(key, elements, ty, staged);
         }
         let (chunks, buf) = self.messages(key, elements, kind, round, payload);
-        (
+        Encoded {
             chunks,
-            Tx::Owned(buf),
-            Sink::Owned(self.take_values(key, elements, wire16)),
-        )
+            tx: Tx::Owned(buf),
+            sink: Sink::Owned(self.keys.take_values(key, elements, ty)),
+        }
     }
 
-    /// A staged request's transmit side (headers, the chunks in `regions`)
-    /// and its result sink (read from the result regions by `wait`).
+    /// A staged request's transmit side (headers, the chunks in their
+    /// mapping) and its result sink (read from the result regions by
+    /// `wait`; results that come as datagrams in a buffer of `ty`).
     pub(crate) fn staged_request(
         &self,
         key: u32,
         elements: usize,
-        wire16: bool,
-        (chunks, headers, regions): (Vec<ChunkMsg>, Vec<u8>, Arc<Regions>),
-    ) -> (Vec<ChunkMsg>, Tx, Sink) {
+        ty: ValueType,
+        staged: StagedChunks,
+    ) -> Encoded {
+        let StagedChunks {
+            chunks,
+            headers,
+            regions,
+        } = staged;
         let in_region = vec![false; chunks.len()];
         let tx = Tx::Staged {
             headers,
@@ -55,12 +91,12 @@ impl Worker {
             size: self.spec.dtype.size(),
             copied: Vec::new(),
         };
-        let values = Sink::Direct {
-            values: self.take_values(key, elements, wire16),
+        let sink = Sink::Direct {
+            values: self.keys.take_values(key, elements, ty),
             regions,
             in_region,
         };
-        (chunks, tx, values)
+        Encoded { chunks, tx, sink }
     }
 
     /// With shared memory mapped: writes every chunk of `payload` (in the
@@ -89,9 +125,9 @@ impl Worker {
         kind: MsgType,
         round: u32,
         payload: Option<Src<'_>>,
-    ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
+    ) -> Option<StagedChunks> {
         let regions = self.current_regions()?;
-        self.staged_in(key, elements, kind, round, payload, regions, false)
+        self.staged_in(key, elements, kind, round, StagedValues::Copy(payload), regions)
     }
 
     /// The shared-memory mapping in use, if any.
@@ -103,27 +139,27 @@ impl Worker {
             .clone()
     }
 
-    /// [`Worker::staged`] into `regions`; with `in_place` the caller has
-    /// already written every chunk's values there ([`Worker::stage`]), and
-    /// the headers count them.
-    #[allow(clippy::too_many_arguments)]
+    /// [`Worker::staged`] of `values` into `regions`.
     pub(crate) fn staged_in(
         &self,
         key: u32,
         elements: usize,
         kind: MsgType,
         round: u32,
-        payload: Option<Src<'_>>,
+        values: StagedValues<'_>,
         regions: Arc<Regions>,
-        in_place: bool,
-    ) -> Option<(Vec<ChunkMsg>, Vec<u8>, Arc<Regions>)> {
+    ) -> Option<StagedChunks> {
         let dtype = self.spec.dtype;
         let places = self.places(key);
-        let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
+        let mut buf = self.keys.take_tx(key, places.len() * HEADER_LEN);
         let mut chunks = Vec::with_capacity(places.len());
+        let payload = match values {
+            StagedValues::Copy(payload) => payload,
+            StagedValues::InPlace => None,
+        };
         for (c, place) in places.iter().enumerate() {
-            let (len, values) = self.chunk_values(payload, elements, c);
-            if let Some(v) = values {
+            let (len, values_c) = self.chunk_values(payload, elements, c);
+            if let Some(v) = values_c {
                 if !regions.write_values(place.lcore, place.slot, v) {
                     // The regions were opened for this layout: not expected.
                     log::warn!(
@@ -135,35 +171,46 @@ impl Worker {
                     return None;
                 }
             }
-            let count = if in_place {
-                len as usize
-            } else {
-                values.map_or(0, Src::len)
+            let count = match values {
+                StagedValues::InPlace => len as usize,
+                StagedValues::Copy(_) => values_c.map_or(0, Src::len),
             };
             let start = c * HEADER_LEN;
             let repr = self.chunk_repr(kind, round, key, c, place.slot, count);
             repr.emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
             chunks.push(self.chunk_msg(c, place, len, start, HEADER_LEN + count * dtype.size()));
         }
-        Some((chunks, buf, regions))
+        Some(StagedChunks {
+            chunks,
+            headers: buf,
+            regions,
+        })
     }
 
-    /// Copies a direct request's results into `out`: each chunk from the
-    /// result region of its lcore in `d.regions` when it is there, from
-    /// `values` otherwise. The key is still claimed (`d._claim`), so this
-    /// rank has not pushed the next round of any of its chunks and no lcore
-    /// can have written another result into those slots.
-    pub(crate) fn copy_out(&self, key: u32, d: &DirectDone, values: &Values, mut out: Dst<'_>) {
+    /// Copies a request's results out of `sink` into `out`: an owned
+    /// buffer's at once; a direct request's chunk by chunk, from the result
+    /// region of its lcore when it is there, from the buffer otherwise. A
+    /// direct request's key is still claimed (its waiter holds the claim),
+    /// so this rank has not pushed the next round of any of its chunks and
+    /// no lcore can have written another result into those slots.
+    pub(crate) fn copy_out(&self, key: u32, sink: &Sink, mut out: Dst<'_>) {
+        let (values, regions, in_region) = match sink {
+            Sink::Owned(values) => return out.copy_from(values.as_src()),
+            Sink::Direct {
+                values,
+                regions,
+                in_region,
+            } => (values, regions, in_region),
+            Sink::Borrowed(_) => unreachable!("a lent output is written by the I/O thread, never copied out"),
+        };
         let ce = self.layout().chunk_elems as usize;
         let mut scratch = Vec::new();
         for (c, place) in self.places(key).iter().enumerate() {
             let start = c * ce;
             let end = start + self.layout().chunk_len(out.len() as u64, chunk_index(c)) as usize;
             let dst = out.range(start, end);
-            if d.in_region[c] {
-                let read = d
-                    .regions
-                    .read_result(place.lcore, place.slot, dst, &mut scratch, true);
+            if in_region[c] {
+                let read = regions.read_result(place.lcore, place.slot, dst, &mut scratch, true);
                 // The I/O thread checked the slot (`Regions::holds_result`).
                 assert!(read, "key {key} chunk {c}: result slot outside its region");
             } else {
@@ -183,17 +230,6 @@ impl Worker {
         let len = self.layout().chunk_len(elements as u64, chunk_index(c));
         let offset = c * self.layout().chunk_elems as usize;
         (len, payload.map(|p| p.range(offset, len as usize)))
-    }
-
-    /// The key's buffer from its previous request, `len` bytes long (reused
-    /// when it has that length, else a new zeroed one).
-    pub(crate) fn tx_buffer(&self, key: u32, len: usize) -> Vec<u8> {
-        let buf = std::mem::take(&mut self.lock_keys()[key as usize].tx_spare);
-        if buf.len() == len {
-            buf
-        } else {
-            vec![0u8; len]
-        }
     }
 
     /// Chunk `c` of a key, at `place`, with `len` elements; its datagram is
@@ -256,7 +292,7 @@ impl Worker {
                 HEADER_LEN + count * dtype.size()
             })
             .sum();
-        let mut buf = self.tx_buffer(key, total);
+        let mut buf = self.keys.take_tx(key, total);
         let mut start = 0;
         let chunks = places
             .iter()
@@ -285,7 +321,7 @@ impl Worker {
     /// own elements (already the wire's: see [`Src::wire_bytes`]).
     pub(crate) fn push_headers(&self, key: u32, elements: usize, round: u32) -> (Vec<ChunkMsg>, Vec<u8>) {
         let places = self.places(key);
-        let mut buf = self.tx_buffer(key, places.len() * HEADER_LEN);
+        let mut buf = self.keys.take_tx(key, places.len() * HEADER_LEN);
         let chunks = places
             .iter()
             .enumerate()

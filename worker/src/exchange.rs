@@ -9,7 +9,7 @@ use crate::elem::{Dst, Element, Src};
 use crate::error::WorkerError;
 use crate::io::{Completion, Request};
 use crate::transport::{Kind, RawBytes, RawDst, Sink, Tx};
-use crate::worker::Worker;
+use crate::worker::{recv, Worker};
 
 /// Requests whose buffers are lent to the I/O thread rather than copied;
 /// see [`Worker::exchange`].
@@ -59,11 +59,8 @@ impl<'b> Exchange<'_, 'b> {
         let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
         let mut first = Ok(());
         for (_, rx) in waiting {
-            let r = match rx.recv() {
-                Ok(Ok(_)) => Ok(()),
-                Ok(Err(e)) => Err(e),
-                Err(_) => Err(WorkerError::Closed),
-            };
+            // The results are in the caller's output already.
+            let r = recv(&rx).map(drop);
             if first.is_ok() {
                 first = r;
             }
@@ -79,7 +76,7 @@ impl Worker {
     /// `grad` itself (other dtypes are encoded into datagrams first; with
     /// shared memory the I/O thread copies the payloads into the staging
     /// regions).
-    pub(crate) fn push_pull_lent(
+    fn push_pull_lent(
         &self,
         key: u32,
         grad: Src<'_>,
@@ -114,7 +111,7 @@ impl Worker {
             kind: Kind::Push,
             chunks,
             tx,
-            values: Sink::Borrowed(RawDst::new(&mut out)),
+            sink: Sink::Borrowed(RawDst::new(&mut out)),
             done,
         })?;
         Ok(rx)

@@ -4,7 +4,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, ToSocketAddrs, UdpSocket};
 use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phub_proto::api::{ApiError, ApplianceAddr, JoinRequest, JoinResponse};
@@ -18,7 +18,8 @@ use crate::config::auto_window;
 use crate::config::{WorkerConfig, ASSUMED_LCORE_RCVBUF, CONGESTION_ENV, RACK_ENV, SPIN_ENV};
 use crate::error::WorkerError;
 use crate::inject::{self, INJECT_ENV};
-use crate::io::{self, CurrentRegions, KeyState, Keys};
+use crate::io::{self, CurrentRegions};
+use crate::keys::KeyTable;
 use crate::net;
 use crate::shm::{self, SHM_ENV};
 use crate::stats;
@@ -165,7 +166,7 @@ impl Worker {
             // Remade as the lcores state their receive-buffer shares.
             transport.set_auto_window(auto);
         }
-        let keys: Keys = Arc::new(Mutex::new(vec![KeyState::default(); join.spec.keys.len()]));
+        let keys = KeyTable::new(join.spec.keys.len());
         let (cmds, cmd_rx) = crossbeam_channel::unbounded();
         let sleeping = Arc::new(AtomicBool::new(false));
         let (watch, shm) = shm.unzip();
@@ -175,7 +176,7 @@ impl Worker {
                 own: socket.local,
                 sleeping: Arc::clone(&sleeping),
                 cmds: cmd_rx,
-                keys: Arc::clone(&keys),
+                keys: keys.clone(),
                 stats: Arc::clone(&stats),
                 inject,
                 regions: watch,

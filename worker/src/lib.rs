@@ -68,6 +68,51 @@
 //! All ranks must start requests for their keys in the same order (as a
 //! training loop does): with a bounded window, two ranks that each fill their
 //! window with a different key would wait on each other until the timeout.
+//!
+//! # Which path a call takes, and who copies
+//!
+//! Every call claims its key (`keys.rs`: one request per key in flight),
+//! has its chunks encoded on the caller's thread (`encode.rs`), and hands
+//! the request to the I/O thread (`io.rs`), whose sans-IO transport
+//! (`transport/`) sends, resends and matches results. What differs is
+//! where a request's datagrams come from (`Tx`, `transport/request.rs`)
+//! and where its results go (`Sink`); "datagram" is a chunk that crosses
+//! the socket with its payload, "shm" one whose payload goes through the
+//! dataplane's shared-memory regions ([`WorkerConfig::shm`]) while its
+//! header crosses the socket.
+//!
+//! | call | path | send (`Tx`): the gradient is copied | receive (`Sink`): the result is copied |
+//! | --- | --- | --- | --- |
+//! | [`Worker::init`], [`Worker::push_pull`], [`Worker::push_pull_in_place`] | datagram | `Owned`: encoded into a buffer by the caller's thread | `Owned`: decoded into a buffer by the I/O thread, then into `out` by [`Worker::wait`] |
+//! | the same | shm | `Staged`: encoded into the staging region by the caller's thread | `Direct`: left in the result regions; decoded into `out` by [`Worker::wait`] on the caller's thread |
+//! | [`Worker::pull`] | datagram (also with shm) | `Owned`: headers only, no payload | `Owned`: decoded (from the datagram, or with shm from the result region) into a buffer by the I/O thread, then into `out` by `pull` |
+//! | [`Exchange::push_pull`] ([`Worker::exchange`]) | datagram | `Borrowed`: not copied when the caller's elements are the wire's (sent from the caller's buffer); otherwise `Owned`, encoded by the caller's thread | `Borrowed`: decoded straight into the caller's `out` by the I/O thread |
+//! | the same | shm | as above, then copied into the staging region by the I/O thread when first sent | `Borrowed`: read from the result region into `out` by the I/O thread |
+//! | [`Worker::stage`] + [`Worker::push_pull_staged`] | shm only | `Staged`: the caller writes the staging region itself (no copy by the library) | `Direct`: decoded into `out` by [`Worker::wait`] |
+//! | [`Worker::stage`] + [`Worker::push_staged`] | shm only | the same | `Direct`: left where it arrived; [`Worker::wait_in_place`] names the spans ([`Results`]) |
+//!
+//! A chunk of a `Staged` request whose mapping was replaced meanwhile (the
+//! dataplane restarted) is copied back out of its own mapping by the I/O
+//! thread and sent into the new one or as a datagram; a RESULT that comes as
+//! a datagram for a `Direct` request lands in its buffer. `push_pull_in_place`
+//! stays a method of its own: one slice cannot be lent as both `&[E]` and
+//! `&mut [E]` to `push_pull`.
+//!
+//! # Layout
+//!
+//! | file | what |
+//! | --- | --- |
+//! | `config.rs` | [`WorkerConfig`], the environment variables that override it, [`auto_window`] |
+//! | `join.rs` | [`Worker::join`], [`Worker::rejoin`], [`Worker::from_join`]: the HTTP join, the checks of its answer, the socket, window, shared memory and I/O thread it sets up |
+//! | `worker.rs` | [`Worker`], [`Handle`]: accessors, `init`, `push_pull`, `pull`, `wait`, handing requests to the I/O thread |
+//! | `keys.rs` | where each key stands: claims, rounds, spare buffers (the one owner of a key's state) |
+//! | `encode.rs` | a key's chunks as datagrams, headers or staged chunks; direct results copied out |
+//! | `exchange.rs` | [`Exchange`]: the lent path |
+//! | `staged.rs` | [`Staged`], [`Results`]: values written and results read in place |
+//! | `io.rs` | the I/O thread: socket, commands, shared-memory watch, outcomes to waiters |
+//! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`) |
+//! | `elem.rs`, `codec.rs` | element types and wire encoding (f32, bf16, f16) |
+//! | `net.rs`, `shm.rs`, `inject.rs`, `stats.rs` | batched UDP, the shared-memory regions, fault injection, counters |
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
 // lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
@@ -82,6 +127,7 @@ mod exchange;
 mod inject;
 mod io;
 mod join;
+mod keys;
 pub mod net;
 mod shm;
 #[cfg(feature = "sim")]

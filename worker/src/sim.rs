@@ -176,7 +176,7 @@ impl SimTransport {
                 kind,
                 chunks: msgs,
                 tx: Tx::Owned(buf),
-                values: Sink::Owned(Values::F32(vec![f32::NAN; elements])),
+                sink: Sink::Owned(Values::F32(vec![f32::NAN; elements])),
                 done: tag,
             },
         );
@@ -215,7 +215,7 @@ impl SimTransport {
     pub fn poll_done(&mut self) -> Option<SimDone> {
         let f = self.t.poll_done()?;
         let result = f.result.map(|o| {
-            let v = match o.values {
+            let v = match o.sink {
                 Sink::Owned(Values::F32(v)) => v,
                 // `submit` makes every sink an owned f32 buffer.
                 other => unreachable!("a simulated request's sink is owned f32, not {other:?}"),

@@ -1,9 +1,11 @@
 //! The joined [`Worker`]: its accessors, the request calls (`init`,
-//! `push_pull`, `push_pull_in_place`, `pull`, `wait`), the claims on keys
-//! and the hand-over of requests to the I/O thread.
+//! `push_pull`, `push_pull_in_place`, `pull`, `wait`) and the hand-over of
+//! requests to the I/O thread. Keys are claimed, and their results kept
+//! for the next request, through the key table (`keys.rs`); chunks are
+//! encoded by `encode.rs`.
 
 use std::net::{SocketAddr, UdpSocket};
-use std::sync::{Arc, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use crossbeam_channel::{Receiver, Sender};
@@ -11,12 +13,14 @@ use phub_proto::layout::{Layout, Place, Placement};
 use phub_proto::spec::{Consistency, JobSpec};
 use phub_proto::wire::MsgType;
 
-use crate::elem::{self, Dst, Element, Src, Values};
+use crate::elem::{self, Dst, Element, Src, ValueType};
+use crate::encode::Encoded;
 use crate::error::WorkerError;
-use crate::io::{Command, Completion, CurrentRegions, Done, KeyState, Keys, Request};
+use crate::io::{Command, Completion, CurrentRegions, Done, Request};
+use crate::keys::KeyTable;
 use crate::net;
 use crate::stats::{self, WorkerStats};
-use crate::transport::{ChunkMsg, Kind, Sink, Tx};
+use crate::transport::{Kind, Sink, Tx};
 #[cfg(doc)]
 use crate::{config::WorkerConfig, exchange::Exchange};
 
@@ -75,7 +79,8 @@ pub struct Worker {
     pub(crate) places: Vec<Place>,
     /// Per lcore, where its chunks go.
     pub(crate) lcores: Vec<SocketAddr>,
-    pub(crate) keys: Keys,
+    /// Where each key stands (shared with the I/O thread).
+    pub(crate) keys: KeyTable,
     pub(crate) cmds: Sender<Command>,
     /// A handle on the socket, to wake the I/O thread with an empty datagram.
     pub(crate) waker: UdpSocket,
@@ -138,7 +143,7 @@ impl Worker {
     /// of `push_pull`s of the key whose answers this rank holds (every
     /// chunk of a key carries the same clock, PROTOCOL.md §5.8).
     pub fn key_round(&self, key: u32) -> Option<u32> {
-        self.lock_keys().get(key as usize).and_then(|k| k.round)
+        self.keys.round(key)
     }
 
     /// This rank's clock: the lowest [`Worker::key_round`] over the job's
@@ -149,8 +154,7 @@ impl Worker {
     /// with bounded delay τ a rank's clock is never more than τ + 1 ahead
     /// of the slowest rank's (PROTOCOL.md §5.8).
     pub fn clock(&self) -> Option<u32> {
-        let keys = self.lock_keys();
-        keys.iter().map(|k| k.round).min().flatten()
+        self.keys.clock()
     }
 
     /// The job's consistency mode (its spec's `consistency`): BSP, async
@@ -199,15 +203,15 @@ impl Worker {
     pub fn init<'a, E: Element>(&'a self, key: u32, params: &'a mut [E]) -> Result<Handle<'a>, WorkerError> {
         self.check_elem::<E>()?;
         let elements = self.check_len(key, params.len())?;
-        self.claim(key, |k| match k.round {
+        self.keys.claim(key, |held| match held {
             Some(r) if r > 0 => Err(format!(
                 "init is round 0 but this worker already holds round {r}; use push_pull (or pull to catch up)"
             )),
             _ => Ok(0),
         })?;
         let payload = (self.rank == 0).then_some(Src::of(&params[..]));
-        let (chunks, tx, values) = self.prepare(key, elements, MsgType::Init, 0, payload, E::WIRE.is_some());
-        self.submit(key, 0, Kind::Init, chunks, tx, values, Some(Dst::of(params)))
+        let encoded = self.prepare(key, elements, MsgType::Init, 0, payload, ValueType::of::<E>());
+        self.submit(key, 0, Kind::Init, encoded, Some(Dst::of(params)))
     }
 
     /// The next round for `key`: pushes `grad` (copied at once, so the caller
@@ -235,16 +239,15 @@ impl Worker {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx, values) = self.prepare(
+        let encoded = self.prepare(
             key,
             elements,
             MsgType::Push,
             round,
             Some(Src::of(grad)),
-            E::WIRE.is_some(),
+            ValueType::of::<E>(),
         );
-        let out = Dst::of(out);
-        self.submit(key, round, Kind::Push, chunks, tx, values, Some(out))
+        self.submit(key, round, Kind::Push, encoded, Some(Dst::of(out)))
     }
 
     /// [`Worker::push_pull`] with the gradient and the result in one buffer:
@@ -259,23 +262,22 @@ impl Worker {
         self.check_elem::<E>()?;
         let elements = self.check_len(key, buf.len())?;
         let round = self.claim_next_round(key)?;
-        let (chunks, tx, values) = self.prepare(
+        let encoded = self.prepare(
             key,
             elements,
             MsgType::Push,
             round,
             Some(Src::of(&buf[..])),
-            E::WIRE.is_some(),
+            ValueType::of::<E>(),
         );
-        let out = Dst::of(buf);
-        self.submit(key, round, Kind::Push, chunks, tx, values, Some(out))
+        self.submit(key, round, Kind::Push, encoded, Some(Dst::of(buf)))
     }
 
     /// Claims `key` for its next round (after init or pull): in a BSP job
     /// the next round, in the other modes this rank's next clock.
     pub(crate) fn claim_next_round(&self, key: u32) -> Result<u32, WorkerError> {
         let consistency = self.spec.consistency;
-        self.claim(key, |k| next_round(consistency, k.round))
+        self.keys.claim(key, |held| next_round(consistency, held))
     }
 
     /// Waits for a request's result and writes it into the slice the
@@ -285,38 +287,26 @@ impl Worker {
     /// types) here, on the caller's thread, straight from the lcores'
     /// result regions into that slice.
     pub fn wait(&self, h: Handle<'_>) -> Result<(), WorkerError> {
-        match h.done.recv() {
-            Ok(Ok(Done {
+        let Done { key, output, claim } = recv(&h.done)?;
+        let Some(out) = h.out else {
+            // The round completed; its results are let go.
+            self.keys.keep_values(key, output.sink.into_values());
+            drop(claim);
+            return Err(WorkerError::Sequence {
                 key,
-                values,
-                direct,
-                round,
-            })) => {
-                let Some(out) = h.out else {
-                    // The round completed; its results are let go.
-                    self.keep_values(key, values);
-                    drop(direct);
-                    return Err(WorkerError::Sequence {
-                        key,
-                        message: format!(
-                            "round {round} was pushed without an output (push_staged): \
-                             its results can only be read in place (wait_in_place); they are let go"
-                        ),
-                    });
-                };
-                match &direct {
-                    None => out.copy_from(values.as_src()),
-                    Some(d) => self.copy_out(key, d, &values, out),
-                }
-                self.keep_values(key, values);
-                // Frees the key (for a direct request), now that its results
-                // are out of the result regions.
-                drop(direct);
-                Ok(())
-            }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(WorkerError::Closed),
-        }
+                message: format!(
+                    "round {} was pushed without an output (push_staged): \
+                     its results can only be read in place (wait_in_place); they are let go",
+                    output.round
+                ),
+            });
+        };
+        self.copy_out(key, &output.sink, out);
+        self.keys.keep_values(key, output.sink.into_values());
+        // Frees the key (for a direct request), now that its results are
+        // out of the result regions.
+        drop(claim);
+        Ok(())
     }
 
     /// Fetches the last completed result of every chunk of `key` into `out`
@@ -335,7 +325,7 @@ impl Worker {
     pub fn pull<E: Element>(&self, key: u32, out: &mut [E]) -> Result<u32, WorkerError> {
         self.check_elem::<E>()?;
         let elements = self.check_len(key, out.len())?;
-        self.claim(key, |_| Ok(0))?;
+        self.keys.claim(key, |_| Ok(0))?;
         let (chunks, buf) = self.messages(key, elements, MsgType::Pull, 0, None);
         let (tx, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {
@@ -344,22 +334,14 @@ impl Worker {
             kind: Kind::Pull,
             chunks,
             tx: Tx::Owned(buf),
-            values: Sink::Owned(self.take_values(key, elements, E::WIRE.is_some())),
+            sink: Sink::Owned(self.keys.take_values(key, elements, ValueType::of::<E>())),
             done: tx,
         })?;
-        match rx.recv() {
-            Ok(Ok(done)) => {
-                Dst::of(out).copy_from(done.values.as_src());
-                self.keep_values(done.key, done.values);
-                Ok(done.round)
-            }
-            Ok(Err(e)) => Err(e),
-            Err(_) => Err(WorkerError::Closed),
-        }
-    }
-
-    pub(crate) fn lock_keys(&self) -> std::sync::MutexGuard<'_, Vec<KeyState>> {
-        self.keys.lock().unwrap_or_else(PoisonError::into_inner)
+        let Done { key, output, claim } = recv(&rx)?;
+        self.copy_out(key, &output.sink, Dst::of(out));
+        self.keys.keep_values(key, output.sink.into_values());
+        drop(claim);
+        Ok(output.round)
     }
 
     /// The key's element count, checked against a slice length.
@@ -385,59 +367,26 @@ impl Worker {
         })
     }
 
-    /// Marks `key` busy if it is free and `round` accepts its state.
-    pub(crate) fn claim(
-        &self,
-        key: u32,
-        round: impl FnOnce(&KeyState) -> Result<u32, String>,
-    ) -> Result<u32, WorkerError> {
-        let mut keys = self.lock_keys();
-        let k = &mut keys[key as usize];
-        if k.busy {
-            return Err(WorkerError::Busy { key });
-        }
-        let r = round(k).map_err(|message| WorkerError::Sequence { key, message })?;
-        k.busy = true;
-        Ok(r)
-    }
-
-    pub(crate) fn release(&self, key: u32) {
-        self.lock_keys()[key as usize].busy = false;
-    }
-
-    /// The key's spare result buffer, sized for `elements` `f32`s or
-    /// 16-bit elements (`wire16`); its contents do not matter: every
-    /// element is overwritten by a result.
-    pub(crate) fn take_values(&self, key: u32, elements: usize, wire16: bool) -> Values {
-        self.lock_keys()[key as usize].values_spare.take(wire16, elements)
-    }
-
-    /// Keeps a result buffer for the key's next request.
-    pub(crate) fn keep_values(&self, key: u32, values: Values) {
-        if let Some(k) = self.lock_keys().get_mut(key as usize) {
-            k.values_spare.keep(values);
-        }
-    }
-
-    #[allow(clippy::too_many_arguments)]
+    /// Hands `key`'s `encoded` request of `kind` for `round` to the I/O
+    /// thread (the key is claimed); [`Worker::wait`] on the handle writes
+    /// `out`.
     pub(crate) fn submit<'a>(
         &'a self,
         key: u32,
         round: u32,
         kind: Kind,
-        chunks: Vec<ChunkMsg>,
-        tx: Tx,
-        values: Sink,
+        encoded: Encoded,
         out: Option<Dst<'a>>,
     ) -> Result<Handle<'a>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
+        let Encoded { chunks, tx, sink } = encoded;
         self.send_request(Request {
             key,
             round,
             kind,
             chunks,
             tx,
-            values,
+            sink,
             done,
         })?;
         Ok(Handle {
@@ -452,7 +401,7 @@ impl Worker {
     pub(crate) fn send_request(&self, r: Request) -> Result<(), WorkerError> {
         let key = r.key;
         if self.cmds.send(Command::Submit(r)).is_err() {
-            self.release(key);
+            self.keys.release(key);
             return Err(WorkerError::Closed);
         }
         // The I/O thread checks the channel before it waits; it only needs
@@ -471,6 +420,12 @@ impl Worker {
             log::debug!("phub-worker: waking the I/O thread: {e}");
         }
     }
+}
+
+/// A request's outcome from its channel ([`WorkerError::Closed`] when the
+/// I/O thread is gone).
+pub(crate) fn recv(done: &Receiver<Completion>) -> Result<Done, WorkerError> {
+    done.recv().unwrap_or(Err(WorkerError::Closed))
 }
 
 impl Drop for Worker {
@@ -507,6 +462,15 @@ fn next_round(consistency: Consistency, held: Option<u32>) -> Result<u32, String
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_callers_hold_can_be_shared_between_threads() {
+        // The Python binding keeps these in objects any thread may use.
+        fn shared<T: Send + Sync>() {}
+        shared::<Worker>();
+        shared::<Handle<'_>>();
+        shared::<crate::staged::Results<'_>>();
+    }
 
     #[test]
     fn the_next_clock_ends_at_the_mode_s_limit_and_says_so() {

@@ -59,6 +59,12 @@ impl Rto {
         self.rto = (s + self.rttvar * 4).clamp(self.min, self.max);
     }
 
+    /// The smoothed round trip, or the RTO before any sample: how long a
+    /// loss episode lasts at least.
+    pub(crate) fn smoothed(&self) -> Duration {
+        self.srtt.unwrap_or(self.rto)
+    }
+
     /// The RFC 6298 timeout after `retries` doublings (reported, and the
     /// unit test's reference).
     #[cfg(test)]
