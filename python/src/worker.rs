@@ -34,18 +34,34 @@ pub(crate) struct Worker {
 /// them: two pending results writing the same memory, or a gradient read
 /// from memory a result is pending for, is a caller's mistake, refused
 /// (it would also alias a `&mut` in Rust).
-type Inflight = Arc<Mutex<Vec<(usize, usize, u32)>>>;
+type Inflight = Arc<Mutex<Vec<InflightOutput>>>;
+
+/// The output array of a request in flight: its bytes `start..end` in
+/// memory, and the request's key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct InflightOutput {
+    start: usize,
+    end: usize,
+    key: u32,
+}
+
+impl InflightOutput {
+    /// Whether the bytes `start..end` overlap this output's.
+    fn overlaps(&self, (start, end): (usize, usize)) -> bool {
+        self.start < end && start < self.end
+    }
+}
 
 /// One entry of [`Inflight`], removed when dropped.
 struct Claim {
     inflight: Inflight,
-    range: (usize, usize),
+    output: InflightOutput,
 }
 
 impl Drop for Claim {
     fn drop(&mut self) {
         let mut v = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(i) = v.iter().position(|&(s, e, _)| (s, e) == self.range) {
+        if let Some(i) = v.iter().position(|o| *o == self.output) {
             v.swap_remove(i);
         }
     }
@@ -157,7 +173,7 @@ impl Worker {
     fn claim(&self, key: u32, out: &Array, grad: Option<&Array>) -> PyResult<Claim> {
         let range = out.byte_range();
         let mut v = self.inflight.lock().unwrap_or_else(PoisonError::into_inner);
-        let hit = |r: (usize, usize)| v.iter().find(|&&(s, e, _)| s < r.1 && r.0 < e).map(|x| x.2);
+        let hit = |r: (usize, usize)| v.iter().find(|o| o.overlaps(r)).map(|o| o.key);
         for (what, r) in [("out", Some(range)), ("grad", grad.map(Array::byte_range))] {
             if let Some(k) = r.and_then(hit) {
                 return Err(usage(format!(
@@ -166,10 +182,15 @@ impl Worker {
                 )));
             }
         }
-        v.push((range.0, range.1, key));
+        let output = InflightOutput {
+            start: range.0,
+            end: range.1,
+            key,
+        };
+        v.push(output);
         Ok(Claim {
             inflight: Arc::clone(&self.inflight),
-            range,
+            output,
         })
     }
 

@@ -207,6 +207,35 @@ impl<'a> Dst<'a> {
     }
 }
 
+/// The element kind of a result buffer ([`Values`]): `f32`, or the job's
+/// 16-bit wire type, as the request's output (or, for a push without one,
+/// the job's wire type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ValueType {
+    /// `f32` values.
+    F32,
+    /// 16-bit elements of the job's wire type.
+    Wire16,
+}
+
+impl ValueType {
+    /// The kind of a buffer of `E`s.
+    pub(crate) fn of<E: Element>() -> ValueType {
+        match E::WIRE {
+            None => ValueType::F32,
+            Some(_) => ValueType::Wire16,
+        }
+    }
+
+    /// The kind that holds `dtype`'s elements as the wire carries them.
+    pub(crate) fn wire(dtype: Dtype) -> ValueType {
+        match dtype {
+            Dtype::F32 => ValueType::F32,
+            Dtype::Bf16 | Dtype::F16 => ValueType::Wire16,
+        }
+    }
+}
+
 /// A key's result buffers from its last requests, one of each kind, for
 /// its next one (no allocation, no page faults, no zeroing round after
 /// round, also when a caller alternates `f32` and 16-bit slices).
@@ -217,24 +246,26 @@ pub(crate) struct Spares {
 }
 
 impl Spares {
-    /// A buffer of `elements` `f32`s, or 16-bit elements when `wire16`:
-    /// the spare of that kind when it has that length (its contents do not
-    /// matter), else a new one.
-    pub(crate) fn take(&mut self, wire16: bool, elements: usize) -> Values {
-        if wire16 {
-            let b = std::mem::take(&mut self.wire16);
-            Values::Wire16(if b.len() == elements * 2 {
-                b
-            } else {
-                vec![0; elements * 2]
-            })
-        } else {
-            let v = std::mem::take(&mut self.f32);
-            Values::F32(if v.len() == elements {
-                v
-            } else {
-                vec![0.0; elements]
-            })
+    /// A buffer of `elements` elements of `ty`: the spare of that kind
+    /// when it has that length (its contents do not matter), else a new one.
+    pub(crate) fn take(&mut self, ty: ValueType, elements: usize) -> Values {
+        match ty {
+            ValueType::Wire16 => {
+                let b = std::mem::take(&mut self.wire16);
+                Values::Wire16(if b.len() == elements * 2 {
+                    b
+                } else {
+                    vec![0; elements * 2]
+                })
+            }
+            ValueType::F32 => {
+                let v = std::mem::take(&mut self.f32);
+                Values::F32(if v.len() == elements {
+                    v
+                } else {
+                    vec![0.0; elements]
+                })
+            }
         }
     }
 
@@ -352,17 +383,17 @@ mod tests {
     #[test]
     fn spares_keep_one_buffer_of_each_kind() {
         let mut s = Spares::default();
-        assert_eq!(s.take(true, 4), Values::Wire16(vec![0; 8]));
+        assert_eq!(s.take(ValueType::Wire16, 4), Values::Wire16(vec![0; 8]));
         s.keep(Values::Wire16(vec![7; 8]));
         s.keep(Values::F32(vec![1.0; 4]));
         // Alternating kinds reuses both (the contents show it).
-        assert_eq!(s.take(false, 4), Values::F32(vec![1.0; 4]));
-        assert_eq!(s.take(true, 4), Values::Wire16(vec![7; 8]));
+        assert_eq!(s.take(ValueType::F32, 4), Values::F32(vec![1.0; 4]));
+        assert_eq!(s.take(ValueType::Wire16, 4), Values::Wire16(vec![7; 8]));
         // Another length: a new buffer; an empty one is not kept.
         s.keep(Values::F32(vec![1.0; 4]));
-        assert_eq!(s.take(false, 3), Values::F32(vec![0.0; 3]));
+        assert_eq!(s.take(ValueType::F32, 3), Values::F32(vec![0.0; 3]));
         s.keep(Values::F32(vec![2.0; 3]));
         s.keep(Values::default());
-        assert_eq!(s.take(false, 3), Values::F32(vec![2.0; 3]));
+        assert_eq!(s.take(ValueType::F32, 3), Values::F32(vec![2.0; 3]));
     }
 }

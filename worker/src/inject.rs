@@ -405,6 +405,6 @@ mod tests {
         let want: Vec<u32> = (0..1000).collect();
         assert_eq!(send_through(&mut inj, 1000, 7), want);
         assert_eq!(receive_through(&mut inj, 1000, 7), want);
-        assert_eq!(stats.snapshot(), crate::WorkerStats::default());
+        assert_eq!(stats.snapshot(), crate::stats::WorkerStats::default());
     }
 }

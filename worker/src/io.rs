@@ -1,7 +1,7 @@
 //! The I/O thread: the socket and the command channel around the
 //! [`Transport`].
 //!
-//! One thread per [`Worker`](crate::Worker) owns the UDP socket's receive
+//! One thread per [`Worker`](crate::worker::Worker) owns the UDP socket's receive
 //! side. Requests arrive over a channel with their datagrams already encoded
 //! (one buffer per request, reused round after round for the same key). Each
 //! turn of the loop takes the waiting requests, sends what the transport
@@ -34,77 +34,30 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
-use crate::elem::{Spares, Values};
 use crate::error::WorkerError;
 use crate::inject::Injector;
+use crate::keys::{KeyClaim, KeyTable};
 use crate::net::{BatchSocket, Datagram};
 use crate::shm::{RegionSpec, Regions};
 use crate::stats::{add, Counters};
-use crate::transport::{Finished, Sink, Transport, TICK};
-
-/// Where a key stands, shared between the API and the I/O thread.
-#[derive(Debug, Clone, Default)]
-pub(crate) struct KeyState {
-    /// Last round whose result this worker holds, `None` before init/pull.
-    pub(crate) round: Option<u32>,
-    /// A request is in flight.
-    pub(crate) busy: bool,
-    /// The datagram buffer of the key's last request, for the next one
-    /// (no allocation, no page faults, no zeroing round after round).
-    pub(crate) tx_spare: Vec<u8>,
-    /// The result buffers of the key's last requests (one of each kind), likewise.
-    pub(crate) values_spare: Spares,
-}
-
-/// The shared key table.
-pub(crate) type Keys = Arc<Mutex<Vec<KeyState>>>;
+use crate::transport::{Finished, Output, Sink, Transport, TICK};
 
 /// A request as the API side hands it to the I/O thread.
 pub(crate) type Request = crate::transport::Request<Sender<Completion>>;
 
-/// A finished request.
+/// A completed request as its waiter gets it: the transport's [`Output`]
+/// as it ended, and, while its results are still in the result regions
+/// (a [`Sink::Direct`] request), the key's claim.
 #[derive(Debug)]
 pub(crate) struct Done {
     /// The key.
     pub(crate) key: u32,
-    /// The key's values (result of the round).
-    pub(crate) values: Values,
-    /// The round they are the result of (for a pull, the lowest over chunks).
-    pub(crate) round: u32,
-    /// For a [`Sink::Direct`] request: where the results are, and the
-    /// key's claim, held until they are copied out.
-    pub(crate) direct: Option<DirectDone>,
-}
-
-/// Where a [`Sink::Direct`] request's results are.
-#[derive(Debug)]
-pub(crate) struct DirectDone {
-    /// The mapping whose result regions hold chunk c's result when
-    /// `in_region[c]`; `Done::values` holds the others.
-    pub(crate) regions: Arc<Regions>,
-    /// Per chunk of the key.
-    pub(crate) in_region: Vec<bool>,
+    /// The round and the results.
+    pub(crate) output: Output,
     /// Frees the key when dropped: after the waiter copied the results out
-    /// of the regions, or unread when the handle is dropped without a wait.
-    pub(crate) _claim: KeyClaim,
-}
-
-/// The claim on a key whose results still sit in the result regions:
-/// frees the key when dropped. Until then no new request can push the
-/// key's chunks, so the lcores cannot overwrite their results.
-#[derive(Debug)]
-pub(crate) struct KeyClaim {
-    keys: Keys,
-    key: u32,
-}
-
-impl Drop for KeyClaim {
-    fn drop(&mut self) {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(k) = keys.get_mut(self.key as usize) {
-            k.busy = false;
-        }
-    }
+    /// of the regions, or unread when the handle is dropped without a
+    /// wait. `None`: the key was freed when the request ended.
+    pub(crate) claim: Option<KeyClaim>,
 }
 
 /// How a request ends.
@@ -178,25 +131,24 @@ impl RegionWatch {
 
     /// Checks that the mapped files are still the dataplane's regions,
     /// every [`SHM_CHECK`] (or, unmapped, tries to open them every
-    /// [`SHM_REOPEN`]), and whenever `force`d. A dataplane that restarted
-    /// (or reinstalled the job) made new files: they are opened instead.
-    /// Returns the mapping in use when it checked and found the files
-    /// changed, or tried to open them (`None`: they cannot be opened);
-    /// `None` when there was nothing to do.
-    #[allow(clippy::option_option)]
-    fn check(&mut self, now: Instant, force: bool) -> Option<Option<Arc<Regions>>> {
+    /// [`SHM_REOPEN`]) when `when` is [`When::Due`], at once when it is
+    /// [`When::Now`]. A dataplane that restarted (or reinstalled the job)
+    /// made new files: they are opened instead.
+    fn check(&mut self, now: Instant, when: When) -> RegionCheck {
         let every = if self.regions.is_some() {
             SHM_CHECK
         } else {
             SHM_REOPEN
         };
-        if !force && now.saturating_duration_since(self.checked) < every {
-            return None;
+        if when == When::Due && now.saturating_duration_since(self.checked) < every {
+            return RegionCheck::Unchanged;
         }
         self.checked = now;
         let (job, rank) = (self.job, self.rank);
         if let Some(r) = &self.regions {
-            let why = r.replaced()?;
+            let Some(why) = r.replaced() else {
+                return RegionCheck::Unchanged;
+            };
             log::warn!(
                 "phub-worker: job {job} rank {rank}: the dataplane's shared-memory regions changed ({why}); \
                  opening them again, datagrams meanwhile"
@@ -210,7 +162,10 @@ impl RegionWatch {
             }
             Err(e) => log::debug!("phub-worker: job {job} rank {rank}: shared memory: {e}"),
         }
-        Some(self.regions.clone())
+        match &self.regions {
+            Some(r) => RegionCheck::Remapped(Arc::clone(r)),
+            None => RegionCheck::Unavailable,
+        }
     }
 
     /// Replaces the mapping in use, on both sides.
@@ -218,6 +173,39 @@ impl RegionWatch {
         *self.current.lock().unwrap_or_else(PoisonError::into_inner) = regions.clone();
         self.regions = regions;
     }
+}
+
+/// When [`RegionWatch::check`] checks the regions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum When {
+    /// If [`SHM_CHECK`] (mapped) or [`SHM_REOPEN`] (unmapped) has passed
+    /// since the last check.
+    Due,
+    /// At once.
+    Now,
+}
+
+impl When {
+    /// At once if `now`, else when due.
+    fn now_if(now: bool) -> When {
+        if now {
+            When::Now
+        } else {
+            When::Due
+        }
+    }
+}
+
+/// What [`RegionWatch::check`] found.
+#[derive(Debug)]
+enum RegionCheck {
+    /// Not checked (not due), or the mapped files are still the
+    /// dataplane's: the mapping in use stays.
+    Unchanged,
+    /// The regions were opened (again): this is the mapping in use now.
+    Remapped(Arc<Regions>),
+    /// The regions cannot be opened now: chunks go as datagrams.
+    Unavailable,
 }
 
 /// The I/O thread's state.
@@ -230,14 +218,14 @@ pub(crate) struct IoThread {
     sleeping: Arc<AtomicBool>,
     own: SocketAddr,
     cmds: Receiver<Command>,
-    keys: Keys,
+    keys: KeyTable,
     stats: Arc<Counters>,
     transport: Transport<Sender<Completion>>,
     /// The fault injector, when configured (tests and soaks).
     inject: Option<Injector>,
     /// Shared memory, when the join chose it.
     regions: Option<RegionWatch>,
-    /// [`crate::WorkerConfig::spin`].
+    /// [`crate::config::WorkerConfig::spin`].
     spin: Duration,
 }
 
@@ -248,7 +236,7 @@ pub(crate) struct IoParts {
     pub(crate) own: SocketAddr,
     pub(crate) sleeping: Arc<AtomicBool>,
     pub(crate) cmds: Receiver<Command>,
-    pub(crate) keys: Keys,
+    pub(crate) keys: KeyTable,
     pub(crate) stats: Arc<Counters>,
     pub(crate) inject: Option<Injector>,
     pub(crate) regions: Option<RegionWatch>,
@@ -286,11 +274,11 @@ impl IoThread {
             if self.transport.busy() {
                 // While nothing answers (the dataplane may be restarting),
                 // every send is preceded by a check.
-                self.check_regions(now, self.transport.silent());
+                self.check_regions(now, When::now_if(self.transport.silent()));
             }
             self.transmit(&mut socket, now);
             if self.transport.handle_timeout(now) {
-                self.check_regions(now, true);
+                self.check_regions(now, When::Now);
                 self.transmit(&mut socket, now);
             }
             self.deliver();
@@ -425,7 +413,7 @@ impl IoThread {
             return;
         };
         if self.transport.checks_regions_first(&m) {
-            self.check_regions(now, true);
+            self.check_regions(now, When::Now);
         }
         self.transport.handle(now, m);
         self.deliver();
@@ -435,14 +423,17 @@ impl IoThread {
     /// [`RegionWatch::check`]) and, when the mapping changed or opening it
     /// was tried, tells the transport (which writes every outstanding
     /// chunk into the mapping in use, or sends it as a datagram).
-    fn check_regions(&mut self, now: Instant, force: bool) {
+    fn check_regions(&mut self, now: Instant, when: When) {
         let Some(watch) = self.regions.as_mut() else {
             return;
         };
-        if let Some(regions) = watch.check(now, force) {
-            self.stats.shm.store(regions.is_some(), Ordering::Relaxed);
-            self.transport.set_regions(regions);
-        }
+        let regions = match watch.check(now, when) {
+            RegionCheck::Unchanged => return,
+            RegionCheck::Remapped(r) => Some(r),
+            RegionCheck::Unavailable => None,
+        };
+        self.stats.shm.store(regions.is_some(), Ordering::Relaxed);
+        self.transport.set_regions(regions);
     }
 
     /// Sends every ended request's outcome to its waiter.
@@ -454,63 +445,32 @@ impl IoThread {
 
     /// Records `f`'s outcome in the key table and sends it to its waiter.
     fn finish(&self, f: Finished<Sender<Completion>>) {
-        let out = match f.result {
-            Ok(out) => out,
+        let Finished {
+            key,
+            done,
+            tx,
+            result,
+        } = f;
+        let completion = match result {
+            Ok(output) => {
+                let claim = self.keys.end(key, Some(output.round), tx);
+                // A direct request's results may still be in the result
+                // regions: the key stays claimed until the waiter copied
+                // them out; any other frees it here.
+                let claim = matches!(output.sink, Sink::Direct { .. }).then_some(claim);
+                Ok(Done { key, output, claim })
+            }
             Err(e) => {
                 if matches!(e, WorkerError::Timeout { .. }) {
                     log::warn!("phub-worker: {e}");
                 }
-                self.set_key(f.key, None, true, f.tx);
-                let _ = f.done.send(Err(e));
-                return;
+                drop(self.keys.end(key, None, tx));
+                Err(e)
             }
-        };
-        // A direct request's results may still be in the result regions:
-        // the key stays claimed until the waiter copied them out.
-        let direct = matches!(out.values, Sink::Direct { .. });
-        self.set_key(f.key, Some(out.round), !direct, f.tx);
-        let (values, direct) = match out.values {
-            Sink::Owned(v) => (v, None),
-            Sink::Borrowed(_) => (Values::default(), None),
-            Sink::Direct {
-                values,
-                regions,
-                in_region,
-            } => (
-                values,
-                Some(DirectDone {
-                    regions,
-                    in_region,
-                    _claim: KeyClaim {
-                        keys: Arc::clone(&self.keys),
-                        key: f.key,
-                    },
-                }),
-            ),
         };
         // The caller may have dropped its handle; the key is free either way
         // (a direct request's claim is dropped with the unread completion).
-        let _ = f.done.send(Ok(Done {
-            key: f.key,
-            values,
-            round: out.round,
-            direct,
-        }));
-    }
-
-    /// Sets `key`'s new round, if any, frees it if `free`, and keeps the
-    /// request's datagram buffer for the key's next request.
-    fn set_key(&self, key: u32, round: Option<u32>, free: bool, tx: Vec<u8>) {
-        let mut keys = self.keys.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(k) = keys.get_mut(key as usize) {
-            if round.is_some() {
-                k.round = round;
-            }
-            if free {
-                k.busy = false;
-            }
-            k.tx_spare = tx;
-        }
+        let _ = done.send(completion);
     }
 }
 

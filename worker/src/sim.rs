@@ -16,11 +16,12 @@ use std::time::Instant;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
+use crate::config::WorkerConfig;
 use crate::elem::Values;
 use crate::error::WorkerError;
 use crate::stats::Counters;
+use crate::stats::WorkerStats;
 use crate::transport::{ChunkMsg, JobInfo, Kind, Request, Sink, Transport, Tx};
-use crate::{WorkerConfig, WorkerStats};
 
 /// One chunk of a key as the join answer places it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,7 +176,7 @@ impl SimTransport {
                 kind,
                 chunks: msgs,
                 tx: Tx::Owned(buf),
-                values: Sink::Owned(Values::F32(vec![f32::NAN; elements])),
+                sink: Sink::Owned(Values::F32(vec![f32::NAN; elements])),
                 done: tag,
             },
         );
@@ -214,7 +215,7 @@ impl SimTransport {
     pub fn poll_done(&mut self) -> Option<SimDone> {
         let f = self.t.poll_done()?;
         let result = f.result.map(|o| {
-            let v = match o.values {
+            let v = match o.sink {
                 Sink::Owned(Values::F32(v)) => v,
                 // `submit` makes every sink an owned f32 buffer.
                 other => unreachable!("a simulated request's sink is owned f32, not {other:?}"),

@@ -24,10 +24,14 @@ use std::sync::Arc;
 
 use phub_proto::wire::MsgType;
 
-use crate::elem::{Src, Values};
-use crate::io::{DirectDone, Done};
+use crate::elem::{Dst, Element, Src, ValueType, Values};
+use crate::encode::{chunk_index, StagedValues};
+use crate::error::WorkerError;
+use crate::io::Done;
+use crate::keys::KeyClaim;
 use crate::shm::Regions;
-use crate::{Element, Handle, Kind, Worker, WorkerError};
+use crate::transport::{Kind, Sink};
+use crate::worker::{recv, Handle, Worker};
 
 /// A run of a key's elements that lies contiguous in one region (or, for
 /// [`Results`], in the buffer of results that came as datagrams).
@@ -143,8 +147,11 @@ pub struct Results<'a> {
     /// The results that came as datagrams (and the buffer for the key's
     /// next request, given back when dropped).
     values: Option<Values>,
-    /// The mapping and the claim, for results in the regions.
-    direct: Option<DirectDone>,
+    /// For a direct request, the mapping whose result regions hold the
+    /// others.
+    regions: Option<Arc<Regions>>,
+    /// Holds the key while results are in the regions.
+    claim: Option<KeyClaim>,
 }
 
 impl std::fmt::Debug for Results<'_> {
@@ -177,16 +184,14 @@ impl Results<'_> {
     /// The mapping of the result regions the spans point into (none when
     /// every result came as a datagram), kept mapped by what this returns.
     pub fn memory(&self) -> Option<StagingMemory> {
-        self.direct
-            .as_ref()
-            .map(|d| StagingMemory(Arc::clone(&d.regions)))
+        self.regions.as_ref().map(|r| StagingMemory(Arc::clone(r)))
     }
 
     /// Span `i`'s bytes.
     pub fn span(&self, i: usize) -> Option<&[u8]> {
         let s = self.spans.get(i)?;
-        // SAFETY: the span lies in a result region of `self.direct`'s
-        // mapping (mapped while `self` lives) or in `self.values`, checked
+        // SAFETY: the span lies in a result region of `self.regions`
+        // (mapped while `self` lives) or in `self.values`, checked
         // when it was made; the key is claimed while `self` lives, so no
         // lcore writes these results again (module docs) and the worker
         // writes `values` only for a request of the key.
@@ -197,10 +202,10 @@ impl Results<'_> {
 impl Drop for Results<'_> {
     fn drop(&mut self) {
         if let Some(v) = self.values.take() {
-            self.worker.keep_values(self.key, v);
+            self.worker.keys.keep_values(self.key, v);
         }
         // Frees the key.
-        self.direct = None;
+        self.claim = None;
     }
 }
 
@@ -293,7 +298,7 @@ impl Staged<'_> {
 impl Drop for Staged<'_> {
     fn drop(&mut self) {
         if self.claimed {
-            self.worker.release(self.key);
+            self.worker.keys.release(self.key);
         }
     }
 }
@@ -322,11 +327,11 @@ impl Worker {
         // row of chunks a multiple of 64 bytes make one span).
         let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
-            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let len = self.layout().chunk_len(elements as u64, chunk_index(c)) as usize;
             let first = c * self.layout().chunk_elems as usize;
             let Some((ptr, at)) = regions.staging_ptr(place.lcore, place.slot, len * size) else {
                 // The regions were opened for this layout: not expected.
-                self.release(key);
+                self.keys.release(key);
                 log::warn!(
                     "phub-worker: key {key} chunk {c}: slot {} of lcore {} is not in the shared-memory regions",
                     place.slot,
@@ -359,7 +364,7 @@ impl Worker {
         self.check_staged(&staged)?;
         self.check_elem::<E>()?;
         self.check_len(staged.key, out.len())?;
-        self.submit_staged(staged, E::WIRE.is_some(), Some(crate::Dst::of(out)))
+        self.submit_staged(staged, ValueType::of::<E>(), Some(Dst::of(out)))
     }
 
     /// Pushes a key whose values `staged` holds, for a caller that reads
@@ -370,8 +375,7 @@ impl Worker {
     /// hold) land in a buffer of the job's wire type the worker keeps.
     pub fn push_staged<'a>(&'a self, staged: Staged<'a>) -> Result<Handle<'a>, WorkerError> {
         self.check_staged(&staged)?;
-        let wire16 = self.spec.dtype != phub_proto::Dtype::F32;
-        self.submit_staged(staged, wire16, None)
+        self.submit_staged(staged, ValueType::wire(self.spec.dtype), None)
     }
 
     fn check_staged(&self, staged: &Staged<'_>) -> Result<(), WorkerError> {
@@ -385,12 +389,12 @@ impl Worker {
     }
 
     /// Sends a staged key's headers; datagram results go into a buffer of
-    /// 16-bit wire values if `wire16`, else of `f32`.
+    /// `ty`.
     fn submit_staged<'a>(
         &'a self,
         mut staged: Staged<'a>,
-        wire16: bool,
-        out: Option<crate::Dst<'a>>,
+        ty: ValueType,
+        out: Option<Dst<'a>>,
     ) -> Result<Handle<'a>, WorkerError> {
         let key = staged.key;
         let (elements, round) = (staged.elements, staged.round);
@@ -399,9 +403,8 @@ impl Worker {
             elements,
             MsgType::Push,
             round,
-            None,
+            StagedValues::InPlace,
             Arc::clone(&staged.regions),
-            true,
         ) else {
             // Not expected: `stage` found every slot (dropping `staged`
             // gives the key back).
@@ -410,10 +413,10 @@ impl Worker {
                 message: "its slots are not in the shared-memory regions".into(),
             });
         };
-        let (chunks, tx, values) = self.staged_request(key, elements, wire16, parts);
+        let encoded = self.staged_request(key, elements, ty, parts);
         // The request holds the key from here on.
         staged.claimed = false;
-        self.submit(key, round, Kind::Push, chunks, tx, values, out)
+        self.submit(key, round, Kind::Push, encoded, out)
     }
 
     /// Waits for a request's results and leaves them where they arrived,
@@ -425,20 +428,22 @@ impl Worker {
     /// that results that came as datagrams are in it too, or none
     /// ([`Worker::push_staged`]).
     pub fn wait_in_place(&self, h: Handle<'_>) -> Result<Results<'_>, WorkerError> {
-        let Done {
-            key,
-            values,
-            round,
-            direct,
-        } = match h.done.recv() {
-            Ok(Ok(d)) => d,
-            Ok(Err(e)) => return Err(e),
-            Err(_) => return Err(WorkerError::Closed),
+        let Done { key, output, claim } = recv(&h.done)?;
+        let round = output.round;
+        // Per chunk of the key, whether its result is in `regions`.
+        let (values, regions, in_region) = match output.sink {
+            Sink::Owned(values) => (values, None, Vec::new()),
+            Sink::Direct {
+                values,
+                regions,
+                in_region,
+            } => (values, Some(regions), in_region),
+            Sink::Borrowed(_) => unreachable!("a lent output is written by the I/O thread, never waited"),
         };
         let dtype = self.spec.dtype;
         let size = dtype.size();
         let Some(wire) = values.as_src().wire_bytes(dtype) else {
-            self.keep_values(key, values);
+            self.keys.keep_values(key, values);
             return Err(WorkerError::Sequence {
                 key,
                 message: format!(
@@ -453,13 +458,11 @@ impl Worker {
         // region, or (`None`) the buffer.
         let mut spans = Spans::new();
         for (c, place) in self.places(key).iter().enumerate() {
-            let len = self.layout().chunk_len(elements as u64, crate::chunk_index(c)) as usize;
+            let len = self.layout().chunk_len(elements as u64, chunk_index(c)) as usize;
             let first = c * ce;
-            let in_region = direct.as_ref().is_some_and(|d| d.in_region[c]);
-            let (addr, at, lcore) = if in_region {
-                let d = direct.as_ref().expect("in_region implies direct");
-                let (p, at) = d
-                    .regions
+            let held = regions.as_ref().filter(|_| in_region[c]);
+            let (addr, at, lcore) = if let Some(regions) = held {
+                let (p, at) = regions
                     .result_ptr(place.lcore, place.slot, len * size)
                     .expect("the I/O thread checked the slot (Regions::holds_result)");
                 (p as usize, at, Some(place.lcore))
@@ -474,7 +477,8 @@ impl Worker {
             round,
             spans: spans.spans,
             values: Some(values),
-            direct,
+            regions,
+            claim,
         })
     }
 }

@@ -13,7 +13,9 @@
 //!
 //! Invariants:
 //! - At most `cwnd` chunks are outstanding (sent, no result yet) across
-//!   all requests; pending chunks go out requests first come, first sent,
+//!   all requests (`fill_window` never sends past it; a window that shrank
+//!   lets nothing new out until results bring the count under it), and a
+//!   chunk is outstanding once (one request per key); pending chunks go out requests first come, first sent,
 //!   each request's chunks interleaved over their lcores (so that a job's
 //!   lcores, and the appliances of a job sharded over several, all get
 //!   chunks from the start rather than one after the other in the chunk
@@ -24,8 +26,9 @@
 //!   default), a loss found by fast retransmission (later results overtook
 //!   a chunk; a silence is not taken for loss) halves it once per episode
 //!   (a smoothed round trip, and until the chunks outstanding at the cut
-//!   have come back), never below [`MIN_CWND`]; every ⌈cwnd/16⌉ results of
-//!   chunks sent once then grow it by one, up to `window` again.
+//!   have come back), never below [`congestion::MIN_CWND`]; every ⌈cwnd/16⌉
+//!   results of chunks sent once then grow it by one, up to `window` again;
+//!   `1 <= cwnd <= window` (`congestion.rs`, `window.rs`).
 //! - A late chunk is sent again unchanged but for the RETRANSMIT flag: at
 //!   once when the result of a chunk sent [`REORDER`] or more places after
 //!   it to the same lcore is in (fast retransmission; in a hierarchical
@@ -40,7 +43,20 @@
 //!   `foreign_dropped`), never an error.
 //! - Every request ends: with its result, with the appliance's refusal,
 //!   with [`WorkerError::Timeout`] once no result has come in for
-//!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]).
+//!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]); it
+//!   completes once every chunk's result is in, each counted once.
+//!
+//! The invariants are `debug_assert!`ed where they must hold (never on what
+//! comes from the network, which is counted instead).
+//!
+//! State, grouped by concern as quinn groups its path state: the flow
+//! window ([`window::FlowWindow`], `window.rs`), the congestion window
+//! ([`congestion::Congestion`], `congestion.rs`), loss detection
+//! ([`LossDetection`]: round trips in `rto.rs`, the lanes of fast
+//! retransmission, the loss timer), the request table ([`RequestTable`]:
+//! requests, pending, outstanding and queued chunks, ended requests) and
+//! shared memory ([`ShmState`]). What a request carries and how its
+//! results are written is `request.rs`.
 //!
 //! Shared memory: the caller maps the dataplane's regions and checks them
 //! (file system calls); the transport is told which mapping is in use
@@ -49,10 +65,12 @@
 //! ([`Transport::checks_regions_first`]) and after a silence
 //! ([`Transport::silent`], [`Transport::handle_timeout`]'s answer).
 
+mod congestion;
 mod request;
 mod rto;
 #[cfg(test)]
 mod tests;
+mod window;
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -64,14 +82,19 @@ use std::time::{Duration, Instant};
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 
+use congestion::Congestion;
+#[cfg(test)]
+use congestion::MIN_CWND;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
 use rto::Rto;
+pub(crate) use window::AutoWindow;
+use window::FlowWindow;
 
+use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::net::Datagram;
 use crate::shm::Regions;
 use crate::stats::{add, Counters};
-use crate::WorkerConfig;
 
 /// A chunk still waiting when the result of one sent this many places
 /// after it to the same lcore is in counts as lost (TCP's duplicate-ACK
@@ -80,10 +103,6 @@ pub(crate) const REORDER: u64 = 3;
 /// The loss timer's resolution: the outstanding chunks are scanned for
 /// late ones at most this often.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
-
-/// The congestion window never shrinks below this many chunks (or the
-/// window, if smaller).
-pub(crate) const MIN_CWND: usize = 8;
 
 /// What the transport needs to know about the job.
 #[derive(Debug, Clone)]
@@ -154,7 +173,7 @@ pub(crate) struct Output {
     /// chunks; 0 for a pull of no chunks).
     pub(crate) round: u32,
     /// The values, as the request's sink holds them.
-    pub(crate) values: Sink,
+    pub(crate) sink: Sink,
 }
 
 /// A received datagram that is this job's, for [`Transport::handle`].
@@ -166,33 +185,21 @@ pub(crate) struct Incoming<'d> {
     rx_share: u32,
 }
 
-/// What the window is made from when the caller did not set one
-/// ([`crate::auto_window`]): it is remade whenever an lcore states another
-/// receive-buffer share in its RESULTs (PROTOCOL.md §6.1).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct AutoWindow {
-    pub(crate) workers: u32,
-    pub(crate) lcores: usize,
-    pub(crate) chunks: usize,
-    pub(crate) datagram: usize,
-    /// This worker's own socket receive buffer.
-    pub(crate) own_rcvbuf: usize,
-    /// The lcores' share as the join answer gave it (for lcores that have
-    /// not stated one since).
-    pub(crate) joined: usize,
+/// A chunk of a key: what names an outstanding chunk (a RESULT carries
+/// both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+struct ChunkId {
+    key: u32,
+    chunk: u32,
 }
 
-impl AutoWindow {
-    /// The window for an lcore receive-buffer share of `lcore_rcvbuf`.
-    pub(crate) fn window(&self, lcore_rcvbuf: usize) -> usize {
-        crate::auto_window(
-            self.workers,
-            self.lcores,
-            self.chunks,
-            self.datagram,
-            self.own_rcvbuf,
-            lcore_rcvbuf,
-        )
+impl ChunkId {
+    /// The chunk a datagram names.
+    fn of(repr: &Repr) -> ChunkId {
+        ChunkId {
+            key: repr.key,
+            chunk: repr.chunk,
+        }
     }
 }
 
@@ -202,7 +209,7 @@ struct Active<D> {
     key: u32,
     round: u32,
     kind: Kind,
-    values: Sink,
+    sink: Sink,
     tx: Tx,
     chunks: usize,
     remaining: usize,
@@ -277,9 +284,25 @@ struct Lane {
     /// The highest sequence number whose result was accepted (first
     /// transmissions only).
     acked_seq: u64,
-    /// Outstanding chunks in the order sent, (seq, (key, chunk)); entries
-    /// whose chunk is gone or was sent again are skipped lazily.
-    sent: VecDeque<(u64, (u32, u32))>,
+    /// Outstanding chunks in the order sent; entries whose chunk is gone
+    /// or was sent again are skipped lazily.
+    sent: VecDeque<LaneEntry>,
+}
+
+/// A transmission to an lcore: its sequence number and its chunk.
+#[derive(Debug, Clone, Copy)]
+struct LaneEntry {
+    seq: u64,
+    id: ChunkId,
+}
+
+/// A late chunk found by the loss timer's scan.
+#[derive(Debug, Clone, Copy)]
+struct Late {
+    /// When it was last sent: probes go oldest first (then by `first_sent`).
+    sent: Instant,
+    first_sent: Instant,
+    id: ChunkId,
 }
 
 /// Shared memory as the transport sees it.
@@ -292,52 +315,35 @@ struct ShmState {
     scratch: Vec<u8>,
 }
 
-/// The transport's state; `D` is what a request's caller gets back when
-/// it ends ([`Request::done`]).
+/// The requests in flight and their chunks: pending (not sent yet),
+/// outstanding (sent, no result yet), queued for the next transmit, and
+/// the requests that ended.
 #[derive(Debug)]
-pub(crate) struct Transport<D> {
-    info: JobInfo,
-    window: usize,
-    /// The congestion window: chunks outstanding at most now (<= window).
-    cwnd: usize,
-    /// Results of chunks sent once since `cwnd` last grew.
-    grown: usize,
-    /// When `cwnd` was last halved.
-    last_cut: Option<Instant>,
-    /// Results accepted so far (of chunks sent once or again).
-    answers: u64,
-    /// A loss found before `answers` passes this belongs to the last cut's
-    /// episode (the chunks outstanding then have not all come back).
-    recover_until: u64,
-    /// Whether losses cut `cwnd` ([`WorkerConfig::congestion`]).
-    congestion: bool,
-    /// How `window` is made, when the caller did not set it.
-    auto: Option<AutoWindow>,
-    /// Per lcore, the receive-buffer share its RESULTs last stated (0:
-    /// none yet).
-    shares: Vec<u32>,
-    timeout: Duration,
-    stats: Arc<Counters>,
-    rto: Rto,
+struct RequestTable<D> {
     next_id: u64,
     requests: IntMap<u64, Active<D>>,
-    /// Chunks not sent yet, per lcore in the order submitted: (request
-    /// id, chunk).
+    /// Chunks not sent yet, in the order they go out: (request id, chunk).
     pending: Pending,
-    /// Chunks sent and waiting, by (key, chunk).
-    outstanding: IntMap<(u32, u32), Outstanding>,
-    /// Per lcore.
-    lanes: Vec<Lane>,
-    /// A result raised an lane's `acked_seq` since the last fast
-    /// retransmission scan.
-    acked: bool,
+    /// Chunks sent and waiting.
+    outstanding: IntMap<ChunkId, Outstanding>,
     /// Chunks to transmit at the next [`Transport::poll_transmit`], in the
     /// order their sequence numbers were given.
     queue: Vec<(u64, ChunkMsg)>,
-    /// Late chunks found by the last scan, with when each was last and
-    /// first sent (kept for its allocation).
-    late: Vec<((Instant, Instant), (u32, u32))>,
     finished: VecDeque<Finished<D>>,
+}
+
+/// Loss detection: the round-trip estimator, what each lcore has
+/// answered (fast retransmission) and the loss timer's state.
+#[derive(Debug)]
+struct LossDetection {
+    rto: Rto,
+    /// Per lcore.
+    lanes: Vec<Lane>,
+    /// A result raised a lane's `acked_seq` since the last fast
+    /// retransmission scan.
+    acked: bool,
+    /// Late chunks found by the last scan (kept for its allocation).
+    late: Vec<Late>,
     /// Last accepted result, or when work started after an idle spell.
     last_progress: Instant,
     last_scan: Instant,
@@ -347,6 +353,33 @@ pub(crate) struct Transport<D> {
     last_resend: Instant,
     /// Batches of retransmissions since the last accepted result.
     quiet_backoff: u32,
+}
+
+/// Whether a retransmission doubles the chunk's loss timer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backoff {
+    /// The timer restarts as it was (fast retransmission: results flow).
+    Keep,
+    /// The timer doubles (the loss timer fired: nothing comes back).
+    Double,
+}
+
+/// The transport's state; `D` is what a request's caller gets back when
+/// it ends ([`Request::done`]).
+#[derive(Debug)]
+pub(crate) struct Transport<D> {
+    info: JobInfo,
+    /// Requests fail once no result has come in for this long.
+    timeout: Duration,
+    stats: Arc<Counters>,
+    /// How many chunks the appliance takes at once.
+    flow: FlowWindow,
+    /// How many of those are let out now.
+    congestion: Congestion,
+    /// Round trips, loss timers and fast retransmission.
+    loss: LossDetection,
+    /// Requests, and their chunks pending, outstanding and ended.
+    table: RequestTable<D>,
     /// Shared memory, when the join chose it.
     shm: Option<ShmState>,
 }
@@ -447,34 +480,32 @@ impl<D> Transport<D> {
         stats.rto_us.store(micros(rto.rto), Ordering::Relaxed);
         stats.cwnd.store(window.max(1) as u64, Ordering::Relaxed);
         stats.window.store(window.max(1) as u64, Ordering::Relaxed);
+        let flow = FlowWindow::new(window);
         Transport {
             info,
-            window: window.max(1),
-            cwnd: window.max(1),
-            grown: 0,
-            last_cut: None,
-            answers: 0,
-            recover_until: 0,
-            congestion: config.congestion,
-            auto: None,
-            shares: Vec::new(),
+            congestion: Congestion::new(flow.window, config.congestion),
+            flow,
             timeout: config.timeout,
             stats,
-            rto,
-            next_id: 0,
-            requests: IntMap::default(),
-            pending: Pending::default(),
-            outstanding: IntMap::default(),
-            lanes: Vec::new(),
-            acked: false,
-            queue: Vec::new(),
-            late: Vec::new(),
-            finished: VecDeque::new(),
-            last_progress: now,
-            last_scan: now,
-            progressed: false,
-            last_resend: now,
-            quiet_backoff: 0,
+            loss: LossDetection {
+                rto,
+                lanes: Vec::new(),
+                acked: false,
+                late: Vec::new(),
+                last_progress: now,
+                last_scan: now,
+                progressed: false,
+                last_resend: now,
+                quiet_backoff: 0,
+            },
+            table: RequestTable {
+                next_id: 0,
+                requests: IntMap::default(),
+                pending: Pending::default(),
+                outstanding: IntMap::default(),
+                queue: Vec::new(),
+                finished: VecDeque::new(),
+            },
             shm: regions.map(|r| ShmState {
                 regions: Some(r),
                 scratch: Vec::new(),
@@ -485,66 +516,43 @@ impl<D> Transport<D> {
     /// Lets the window follow the receive-buffer shares the lcores state:
     /// it was made by `auto` from the job's shape (the caller set none).
     pub(crate) fn set_auto_window(&mut self, auto: AutoWindow) {
-        self.auto = Some(auto);
+        self.flow.set_auto(auto);
     }
 
     /// The window in use: chunks outstanding at most.
     #[cfg(test)]
     pub(crate) fn window(&self) -> usize {
-        self.window
+        self.flow.window
     }
 
     /// Lcore `lcore` stated a receive-buffer share of `share` bytes for
-    /// this job (0: none): with an automatic window, the window is remade
-    /// from the smallest share now known (the join answer's for lcores
-    /// that have stated none), shrinking when another job came to an
-    /// lcore and growing back when it left.
+    /// this job (0: none): the flow window may change
+    /// ([`FlowWindow::note_share`]), and the congestion window follows it.
     fn note_share(&mut self, lcore: u16, share: u32) {
-        let Some(auto) = self.auto else { return };
-        let l = usize::from(lcore);
-        if share == 0 || self.shares.get(l) == Some(&share) {
+        let before = self.flow.window;
+        let Some(window) = self.flow.note_share(lcore, share) else {
             return;
-        }
-        if self.shares.len() <= l {
-            self.shares.resize(l + 1, 0);
-        }
-        self.shares[l] = share;
-        let known = self.shares.iter().filter(|&&s| s > 0).count();
-        let stated = self.shares.iter().filter(|&&s| s > 0).map(|&s| s as usize).min();
-        // Lcores that have stated nothing yet keep the join answer's share.
-        let rcvbuf = match stated {
-            Some(s) if known >= auto.lcores => s,
-            Some(s) => s.min(auto.joined),
-            None => auto.joined,
         };
-        let window = auto.window(rcvbuf).max(1);
-        if window == self.window {
-            return;
-        }
         log::debug!(
-            "phub-worker: lcore {lcore} states a receive-buffer share of {share} bytes: window {} -> {window}",
-            self.window
+            "phub-worker: lcore {lcore} states a receive-buffer share of {share} bytes: window {before} -> {window}"
         );
-        self.window = window;
-        self.cwnd = if self.congestion {
-            self.cwnd.min(window)
-        } else {
-            window
-        };
+        self.congestion.on_window(window);
         self.stats.window.store(window as u64, Ordering::Relaxed);
-        self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
+        self.stats
+            .cwnd
+            .store(self.congestion.cwnd as u64, Ordering::Relaxed);
     }
 
     /// Whether requests are in flight.
     pub(crate) fn busy(&self) -> bool {
-        !self.requests.is_empty()
+        !self.table.requests.is_empty()
     }
 
     /// Whether chunks were sent again and no result has come in since: the
     /// appliance may be gone or restarting (its shared-memory regions with
     /// it), so every send is preceded by a check of them.
     pub(crate) fn silent(&self) -> bool {
-        self.quiet_backoff > 0
+        self.loss.quiet_backoff > 0
     }
 
     /// Takes a request at `now`; its chunks are sent by the following
@@ -553,19 +561,19 @@ impl<D> Transport<D> {
     pub(crate) fn submit(&mut self, now: Instant, r: Request<D>) {
         if !self.busy() {
             // Idle time does not count towards the timeout.
-            self.last_progress = now;
-            self.quiet_backoff = 0;
+            self.loss.last_progress = now;
+            self.loss.quiet_backoff = 0;
         }
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.table.next_id;
+        self.table.next_id += 1;
         let chunks = r.chunks.len();
-        self.requests.insert(
+        self.table.requests.insert(
             id,
             Active {
                 key: r.key,
                 round: r.round,
                 kind: r.kind,
-                values: r.values,
+                sink: r.sink,
                 tx: r.tx,
                 chunks,
                 remaining: chunks,
@@ -573,7 +581,7 @@ impl<D> Transport<D> {
                 done: r.done,
             },
         );
-        self.pending.push_request(id, r.chunks, self.info.in_order);
+        self.table.pending.push_request(id, r.chunks, self.info.in_order);
         if chunks == 0 {
             self.complete(id);
         }
@@ -586,8 +594,8 @@ impl<D> Transport<D> {
     pub(crate) fn poll_transmit<'a>(&'a mut self, now: Instant, out: &mut Vec<Datagram<'a>>) {
         self.fast_retransmit(now);
         self.fill_window(now);
-        let requests = &self.requests;
-        out.extend(self.queue.drain(..).filter_map(|(id, m)| {
+        let requests = &self.table.requests;
+        out.extend(self.table.queue.drain(..).filter_map(|(id, m)| {
             requests.get(&id).map(|r| {
                 let (head, body) = r.tx.parts(&m);
                 Datagram { to: m.to, head, body }
@@ -601,9 +609,9 @@ impl<D> Transport<D> {
         if !self.busy() {
             return None;
         }
-        let since = self.last_progress.max(self.last_resend);
-        let loss = (since + self.rto.loss(self.quiet_backoff)).max(self.last_scan + TICK);
-        Some(loss.min(self.last_progress + self.timeout))
+        let since = self.loss.last_progress.max(self.loss.last_resend);
+        let loss = (since + self.loss.rto.loss(self.loss.quiet_backoff)).max(self.loss.last_scan + TICK);
+        Some(loss.min(self.loss.last_progress + self.timeout))
     }
 
     /// Runs the timers at `now`: queues late chunks for retransmission and
@@ -612,11 +620,11 @@ impl<D> Transport<D> {
     /// shared-memory regions before it polls them.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = false;
-        if now.saturating_duration_since(self.last_scan) >= TICK {
-            self.last_scan = now;
+        if now.saturating_duration_since(self.loss.last_scan) >= TICK {
+            self.loss.last_scan = now;
             resent = self.resend_late(now);
         }
-        if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
+        if self.busy() && now.saturating_duration_since(self.loss.last_progress) >= self.timeout {
             self.time_out(now);
         }
         resent
@@ -624,12 +632,12 @@ impl<D> Transport<D> {
 
     /// The next request that ended, if any.
     pub(crate) fn poll_done(&mut self) -> Option<Finished<D>> {
-        self.finished.pop_front()
+        self.table.finished.pop_front()
     }
 
     /// Fails every request with [`WorkerError::Closed`].
     pub(crate) fn close(&mut self) {
-        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
         for id in ids {
             self.fail(id, WorkerError::Closed);
         }
@@ -721,8 +729,8 @@ impl<D> Transport<D> {
             return;
         };
         shm.regions = regions;
-        for o in self.outstanding.values() {
-            if let Some(req) = self.requests.get_mut(&o.id) {
+        for o in self.table.outstanding.values() {
+            if let Some(req) = self.table.requests.get_mut(&o.id) {
                 req.tx.stage(&o.msg, shm.regions.as_ref());
             }
         }
@@ -730,12 +738,12 @@ impl<D> Transport<D> {
 
     /// The request whose outstanding chunk `repr` names, at its slot.
     fn waiting_for(&self, repr: &Repr) -> Option<u64> {
-        let o = self.outstanding.get(&(repr.key, repr.chunk))?;
-        (repr.slot == o.msg.slot && self.requests.contains_key(&o.id)).then_some(o.id)
+        let o = self.table.outstanding.get(&ChunkId::of(repr))?;
+        (repr.slot == o.msg.slot && self.table.requests.contains_key(&o.id)).then_some(o.id)
     }
 
     fn on_error(&mut self, id: u64, repr: &Repr) {
-        if !self.requests.get(&id).is_some_and(|r| r.refused_by(repr)) {
+        if !self.table.requests.get(&id).is_some_and(|r| r.refused_by(repr)) {
             add(&self.stats.results_ignored, 1);
             return;
         }
@@ -757,20 +765,21 @@ impl<D> Transport<D> {
     /// none of them will be answered. Each names its key, its round and
     /// its first chunk still waiting.
     fn appliance_stopping(&mut self, repr: &Repr) {
-        if self.requests.is_empty() {
+        if self.table.requests.is_empty() {
             add(&self.stats.results_ignored, 1);
             return;
         }
         add(&self.stats.errors, 1);
         let (reason, hint) = describe(repr.error);
-        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
         for id in ids {
-            let req = &self.requests[&id];
+            let req = &self.table.requests[&id];
             let chunk = self
+                .table
                 .outstanding
                 .iter()
                 .filter(|(_, o)| o.id == id)
-                .map(|(&(_, c), _)| c)
+                .map(|(c, _)| c.chunk)
                 .min()
                 .unwrap_or(0);
             let err = WorkerError::Refused {
@@ -785,8 +794,8 @@ impl<D> Transport<D> {
     }
 
     fn on_result(&mut self, now: Instant, id: u64, repr: &Repr, payload: &[u8], rx_share: u32) {
-        let k = (repr.key, repr.chunk);
-        let (Some(o), Some(req)) = (self.outstanding.get(&k), self.requests.get_mut(&id)) else {
+        let k = ChunkId::of(repr);
+        let (Some(o), Some(req)) = (self.table.outstanding.get(&k), self.table.requests.get_mut(&id)) else {
             return;
         };
         if !req.answered_by(repr, o.msg.len) {
@@ -805,13 +814,18 @@ impl<D> Transport<D> {
             // `handle` dropped a shared-memory result without a mapping.
             _ => (Arrived::Datagram(payload), &mut no_scratch),
         };
-        if !req.values.write(&o.msg, arrived, self.info.dtype, scratch) {
+        if !req.sink.write(&o.msg, arrived, self.info.dtype, scratch) {
             add(&self.stats.foreign_dropped, 1);
             return;
         }
         if repr.shm() {
             add(&self.stats.shm_results, 1);
         }
+        debug_assert!(
+            req.remaining > 0,
+            "key {}: a result past the request's last chunk",
+            req.key
+        );
         req.remaining -= 1;
         req.min_round = req.min_round.min(repr.round);
         let done = req.remaining == 0;
@@ -826,55 +840,65 @@ impl<D> Transport<D> {
     /// Chunk `k`'s result was accepted at `now`: it leaves the window, and
     /// if it was sent once only, its round trip is a sample and its
     /// sequence number says how far its lcore has got.
-    fn answered(&mut self, now: Instant, k: (u32, u32)) {
-        let Some(o) = self.outstanding.remove(&k) else {
+    fn answered(&mut self, now: Instant, k: ChunkId) {
+        let Some(o) = self.table.outstanding.remove(&k) else {
             return;
         };
         // Only first transmissions count (Karn's rule), and only they say
         // how far the lcore has got: a resent chunk's result may overtake
         // chunks that are merely waiting for a slow rank (with W > 1),
         // which must not count as lost.
-        if o.retries == 0 {
-            self.rto.sample(now.saturating_duration_since(o.first_sent));
-            let srtt = micros(self.rto.srtt.unwrap_or_default());
+        let first = o.retries == 0;
+        if first {
+            self.loss.rto.sample(now.saturating_duration_since(o.first_sent));
+            let srtt = micros(self.loss.rto.srtt.unwrap_or_default());
             self.stats.srtt_us.store(srtt, Ordering::Relaxed);
-            self.stats.rto_us.store(micros(self.rto.rto), Ordering::Relaxed);
-            if let Some(lane) = self.lanes.get_mut(usize::from(o.msg.lcore)) {
+            self.stats
+                .rto_us
+                .store(micros(self.loss.rto.rto), Ordering::Relaxed);
+            if let Some(lane) = self.loss.lanes.get_mut(usize::from(o.msg.lcore)) {
                 if o.seq > lane.acked_seq {
                     lane.acked_seq = o.seq;
-                    self.acked = true;
+                    self.loss.acked = true;
                 }
             }
-            self.grow(now);
         }
+        let rtt = self.loss.rto.smoothed();
+        self.congestion
+            .on_answer(now, first, self.flow.window, rtt, &self.stats);
         add(&self.stats.results_accepted, 1);
-        self.answers += 1;
-        self.last_progress = now;
-        self.progressed = true;
-        self.quiet_backoff = 0;
+        self.loss.last_progress = now;
+        self.loss.progressed = true;
+        self.loss.quiet_backoff = 0;
     }
 
-    /// The next sequence number towards `lcore`, remembering that
-    /// `(key, chunk)` was sent with it.
-    fn sequence(&mut self, lcore: u16, k: (u32, u32)) -> u64 {
+    /// The next sequence number towards `lcore`, remembering that chunk
+    /// `id` was sent with it.
+    fn sequence(&mut self, lcore: u16, id: ChunkId) -> u64 {
         let l = usize::from(lcore);
-        if self.lanes.len() <= l {
-            self.lanes.resize_with(l + 1, Lane::default);
+        if self.loss.lanes.len() <= l {
+            self.loss.lanes.resize_with(l + 1, Lane::default);
         }
-        let lane = &mut self.lanes[l];
+        let lane = &mut self.loss.lanes[l];
         lane.next_seq += 1;
-        lane.sent.push_back((lane.next_seq, k));
+        lane.sent.push_back(LaneEntry {
+            seq: lane.next_seq,
+            id,
+        });
         lane.next_seq
     }
 
     /// Moves pending chunks into the window, as far as it has room.
     fn fill_window(&mut self, now: Instant) {
-        let deadline = now + self.rto.loss(0);
-        while self.outstanding.len() < self.cwnd {
-            let Some((id, msg)) = self.pending.pop() else {
+        let deadline = now + self.loss.rto.loss(0);
+        // The window may have shrunk below what is out (a share stated, a
+        // cut): then nothing new goes until results bring it under.
+        let before = self.table.outstanding.len();
+        while self.table.outstanding.len() < self.congestion.cwnd {
+            let Some((id, msg)) = self.table.pending.pop() else {
                 break;
             };
-            let Some(req) = self.requests.get_mut(&id) else {
+            let Some(req) = self.table.requests.get_mut(&id) else {
                 continue;
             };
             let key = req.key;
@@ -883,9 +907,13 @@ impl<D> Transport<D> {
                 // lcore no longer reads the slot, and this rank may write it.
                 req.tx.stage(&msg, shm.regions.as_ref());
             }
-            self.queue.push((id, msg));
+            self.table.queue.push((id, msg));
             add(&self.stats.chunks_sent, 1);
-            let seq = self.sequence(msg.lcore, (key, msg.chunk));
+            let chunk = ChunkId {
+                key,
+                chunk: msg.chunk,
+            };
+            let seq = self.sequence(msg.lcore, chunk);
             let o = Outstanding {
                 id,
                 first_sent: now,
@@ -896,33 +924,47 @@ impl<D> Transport<D> {
                 backoff: 0,
                 msg,
             };
-            self.outstanding.insert((key, msg.chunk), o);
+            let again = self.table.outstanding.insert(chunk, o);
+            // At most one request per key is in flight, so a chunk of it
+            // is outstanding once.
+            debug_assert!(
+                again.is_none(),
+                "key {key} chunk {} sent twice at once",
+                msg.chunk
+            );
         }
+        debug_assert!(
+            self.table.outstanding.len() <= self.congestion.cwnd.max(before),
+            "{} chunks outstanding, cwnd {}",
+            self.table.outstanding.len(),
+            self.congestion.cwnd
+        );
+        debug_assert!(self.congestion.cwnd <= self.flow.window);
     }
 
     /// Queues chunk `k` for sending again at `now`, with a new sequence
     /// number and the RETRANSMIT flag; returns whether it was outstanding.
-    fn resend(&mut self, k: (u32, u32), now: Instant, backoff: bool) -> bool {
-        let Some(lcore) = self.outstanding.get(&k).map(|o| o.msg.lcore) else {
+    fn resend(&mut self, k: ChunkId, now: Instant, backoff: Backoff) -> bool {
+        let Some(lcore) = self.table.outstanding.get(&k).map(|o| o.msg.lcore) else {
             return false;
         };
         let seq = self.sequence(lcore, k);
-        let Some(o) = self.outstanding.get_mut(&k) else {
+        let Some(o) = self.table.outstanding.get_mut(&k) else {
             return false;
         };
         if o.retries == 0 {
-            if let Some(r) = self.requests.get_mut(&o.id) {
+            if let Some(r) = self.table.requests.get_mut(&o.id) {
                 mark_retransmit(&mut r.tx.headers_mut()[o.msg.header_range()]);
             }
         }
         o.retries += 1;
         o.seq = seq;
         o.sent = now;
-        if backoff {
+        if backoff == Backoff::Double {
             o.backoff += 1;
         }
-        o.deadline = now + self.rto.loss(o.backoff);
-        self.queue.push((o.id, o.msg));
+        o.deadline = now + self.loss.rto.loss(o.backoff);
+        self.table.queue.push((o.id, o.msg));
         true
     }
 
@@ -943,30 +985,30 @@ impl<D> Transport<D> {
     /// counts as lost only once it has also been out for the retransmission
     /// timeout (RTO), which its round trips, far homes' included, set.
     fn fast_retransmit(&mut self, now: Instant) {
-        if !std::mem::take(&mut self.acked) {
+        if !std::mem::take(&mut self.loss.acked) {
             return;
         }
         // How long an overtaken chunk may still be on its way.
         let patience = if self.info.in_order {
             Duration::ZERO
         } else {
-            self.rto.rto
+            self.loss.rto.rto
         };
         let mut resent = 0;
-        for l in 0..self.lanes.len() {
-            while let Some(&(seq, k)) = self.lanes[l].sent.front() {
-                let o = self.outstanding.get(&k).filter(|o| o.seq == seq);
+        for l in 0..self.loss.lanes.len() {
+            while let Some(&LaneEntry { seq, id: k }) = self.loss.lanes[l].sent.front() {
+                let o = self.table.outstanding.get(&k).filter(|o| o.seq == seq);
                 let live = o.is_some();
-                if live && seq + REORDER > self.lanes[l].acked_seq {
+                if live && seq + REORDER > self.loss.lanes[l].acked_seq {
                     break;
                 }
                 if o.is_some_and(|o| now.saturating_duration_since(o.sent) < patience) {
                     // Not yet: looked at again with the next result.
-                    self.acked = true;
+                    self.loss.acked = true;
                     break;
                 }
-                self.lanes[l].sent.pop_front();
-                if live && self.resend(k, now, false) {
+                self.loss.lanes[l].sent.pop_front();
+                if live && self.resend(k, now, Backoff::Keep) {
                     resent += 1;
                 }
             }
@@ -974,52 +1016,10 @@ impl<D> Transport<D> {
         add(&self.stats.retransmits, resent);
         add(&self.stats.fast_retransmits, resent);
         if resent > 0 {
-            self.cut(now);
-        }
-    }
-
-    /// A chunk sent once came back at `now`: the congestion window grows by
-    /// one every ⌈cwnd/16⌉ such results, up to `window`; not within a round
-    /// trip of a cut (those results were sent before it).
-    fn grow(&mut self, now: Instant) {
-        if self.cwnd >= self.window || self.within_rtt_of_cut(now) {
-            return;
-        }
-        self.grown += 1;
-        if self.grown >= self.cwnd.div_ceil(16) {
-            self.grown = 0;
-            self.cwnd += 1;
-            self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
-        }
-    }
-
-    /// Whether the last cut's episode goes on at `now`: less than a
-    /// smoothed round trip since it, or the chunks outstanding at the cut
-    /// not all answered yet.
-    fn within_rtt_of_cut(&self, now: Instant) -> bool {
-        let rtt = self.rto.srtt.unwrap_or(self.rto.rto);
-        self.last_cut
-            .is_some_and(|t| now.saturating_duration_since(t) < rtt || self.answers < self.recover_until)
-    }
-
-    /// A loss was found at `now`: the congestion window halves, once per
-    /// smoothed round trip (the chunks lost in one burst are one event).
-    fn cut(&mut self, now: Instant) {
-        if !self.congestion {
-            return;
-        }
-        if self.within_rtt_of_cut(now) {
-            return;
-        }
-        self.last_cut = Some(now);
-        self.recover_until = self.answers + self.outstanding.len() as u64;
-        let floor = MIN_CWND.min(self.window);
-        let cut = (self.cwnd / 2).max(floor);
-        if cut < self.cwnd {
-            self.cwnd = cut;
-            self.grown = 0;
-            add(&self.stats.window_cuts, 1);
-            self.stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
+            let rtt = self.loss.rto.smoothed();
+            let out = self.table.outstanding.len();
+            self.congestion
+                .on_loss(now, out, self.flow.window, rtt, &self.stats);
         }
     }
 
@@ -1038,8 +1038,8 @@ impl<D> Transport<D> {
         // While the silence goes on, the resends themselves back off (as
         // TCP's single timer does): one batch of the oldest late chunks per
         // RTO, then per 2 RTO, 4 RTO...
-        let since = self.last_progress.max(self.last_resend);
-        if now.saturating_duration_since(since) < self.rto.loss(self.quiet_backoff) {
+        let since = self.loss.last_progress.max(self.loss.last_resend);
+        if now.saturating_duration_since(since) < self.loss.rto.loss(self.loss.quiet_backoff) {
             return false;
         }
         // Results came back since the last scan: the appliance answers and the
@@ -1047,16 +1047,20 @@ impl<D> Transport<D> {
         // the base timeout again (as TCP's backoff ends with a new ACK).
         // Without this a result lost after a long wait for a slow rank would
         // cost up to `max_rto`, and slow ranks would slow each other down.
-        let reset = std::mem::take(&mut self.progressed);
-        let mut late = std::mem::take(&mut self.late);
+        let reset = std::mem::take(&mut self.loss.progressed);
+        let mut late = std::mem::take(&mut self.loss.late);
         late.clear();
-        for (k, o) in self.outstanding.iter_mut() {
+        for (k, o) in self.table.outstanding.iter_mut() {
             if reset && o.backoff > 0 {
                 o.backoff = 0;
-                o.deadline = o.deadline.min(now + self.rto.loss(0));
+                o.deadline = o.deadline.min(now + self.loss.rto.loss(0));
             }
             if now >= o.deadline {
-                late.push(((o.sent, o.first_sent), *k));
+                late.push(Late {
+                    sent: o.sent,
+                    first_sent: o.first_sent,
+                    id: *k,
+                });
             }
         }
         // As TCP's tail loss probe resends only its last segment, resend only
@@ -1070,37 +1074,38 @@ impl<D> Transport<D> {
         // than loss, the probes are few duplicates the appliance drops; when
         // it is loss, each probe's result resets the count, and the chunks
         // still missing behind it follow one silence each.
-        let cap = (1usize << self.quiet_backoff.min(16)).min((self.window / 16).max(16));
+        let cap = (1usize << self.loss.quiet_backoff.min(16)).min((self.flow.window / 16).max(16));
         if late.len() > cap {
-            late.sort_unstable_by_key(|l| l.0);
+            late.sort_unstable_by_key(|l| (l.sent, l.first_sent));
             late.truncate(cap);
         }
-        for &(_, k) in &late {
-            self.resend(k, now, true);
+        for l in &late {
+            self.resend(l.id, now, Backoff::Double);
         }
         let resent = !late.is_empty();
         if resent {
-            self.last_resend = now;
-            self.quiet_backoff += 1;
+            self.loss.last_resend = now;
+            self.loss.quiet_backoff += 1;
         }
         add(&self.stats.retransmits, late.len() as u64);
-        self.late = late;
+        self.loss.late = late;
         resent
     }
 
     /// Request `id` is complete: its result goes to [`Transport::poll_done`].
     fn complete(&mut self, id: u64) {
-        let Some(req) = self.requests.remove(&id) else {
+        let Some(req) = self.table.requests.remove(&id) else {
             return;
         };
+        debug_assert_eq!(req.remaining, 0, "key {}: completed with chunks missing", req.key);
         let round = req.result_round();
-        self.finished.push_back(Finished {
+        self.table.finished.push_back(Finished {
             key: req.key,
             done: req.done,
             tx: req.tx.into_spare(),
             result: Ok(Output {
                 round,
-                values: req.values,
+                sink: req.sink,
             }),
         });
     }
@@ -1108,12 +1113,12 @@ impl<D> Transport<D> {
     /// Request `id` failed with `err`: its chunks are dropped, and the
     /// failure goes to [`Transport::poll_done`].
     fn fail(&mut self, id: u64, err: WorkerError) {
-        let Some(req) = self.requests.remove(&id) else {
+        let Some(req) = self.table.requests.remove(&id) else {
             return;
         };
-        self.outstanding.retain(|_, o| o.id != id);
-        self.pending.remove(id);
-        self.finished.push_back(Finished {
+        self.table.outstanding.retain(|_, o| o.id != id);
+        self.table.pending.remove(id);
+        self.table.finished.push_back(Finished {
             key: req.key,
             done: req.done,
             tx: req.tx.into_spare(),
@@ -1123,19 +1128,20 @@ impl<D> Transport<D> {
 
     /// Fails every request with [`WorkerError::Timeout`].
     fn time_out(&mut self, now: Instant) {
-        let waited = now.saturating_duration_since(self.last_progress);
-        let ids: Vec<u64> = self.requests.keys().copied().collect();
+        let waited = now.saturating_duration_since(self.loss.last_progress);
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
         for id in ids {
             let mut addrs: Vec<SocketAddr> = self
+                .table
                 .outstanding
                 .values()
                 .filter(|o| o.id == id)
                 .map(|o| o.msg.to)
-                .chain(self.pending.of(id).map(|m| m.to))
+                .chain(self.table.pending.of(id).map(|m| m.to))
                 .collect();
             addrs.sort();
             addrs.dedup();
-            let req = &self.requests[&id];
+            let req = &self.table.requests[&id];
             let err = WorkerError::Timeout {
                 key: req.key,
                 round: req.round,

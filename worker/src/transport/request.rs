@@ -5,7 +5,8 @@
 //! transport only flips flags in their headers (RETRANSMIT, SHM) and, with
 //! shared memory, copies payloads into the staging region. Results are
 //! written through [`Sink::write`], whether they came in a datagram or in a
-//! result region.
+//! result region. Which API call makes which `Tx` and `Sink`, and who
+//! copies what, is tabled in the crate's docs ("Which path a call takes").
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -27,7 +28,7 @@ pub(crate) struct Request<D> {
     /// The datagrams.
     pub(crate) tx: Tx,
     /// Where the result goes (the key's length).
-    pub(crate) values: Sink,
+    pub(crate) sink: Sink,
     pub(crate) done: D,
 }
 
@@ -84,7 +85,7 @@ pub(crate) enum Tx {
     /// Every chunk's header at the chunk's `start` (HEADER_LEN bytes); the
     /// payloads are the caller's elements, already as on the wire (`f32`
     /// for an `f32` job, or the job's 16-bit type, little-endian),
-    /// borrowed for the whole request (see [`crate::Exchange`]).
+    /// borrowed for the whole request (see [`crate::exchange::Exchange`]).
     Borrowed {
         /// The headers.
         headers: Vec<u8>,
@@ -96,7 +97,7 @@ pub(crate) enum Tx {
     /// Every chunk's header at the chunk's `start` (HEADER_LEN bytes); the
     /// payloads were written by the caller's thread into the staging
     /// region of `regions`, the mapping current when the key was claimed
-    /// (see [`crate::Worker::push_pull`]).
+    /// (see [`crate::worker::Worker::push_pull`]).
     Staged {
         /// The headers.
         headers: Vec<u8>,
@@ -229,7 +230,7 @@ pub(crate) enum Sink {
     /// A buffer of the key's length, handed to the waiter at the end.
     Owned(Values),
     /// The caller's output slice, borrowed for the whole request (see
-    /// [`crate::Exchange`]).
+    /// [`crate::exchange::Exchange`]).
     Borrowed(RawDst),
     /// Results left in the result regions of `regions` for the waiter to
     /// copy out: chunk c's is there (at its slot) when `in_region[c]`, in
@@ -245,12 +246,21 @@ pub(crate) enum Sink {
 }
 
 impl Sink {
+    /// The result buffer, for the key's next request (an empty one for a
+    /// lent output).
+    pub(crate) fn into_values(self) -> Values {
+        match self {
+            Sink::Owned(v) | Sink::Direct { values: v, .. } => v,
+            Sink::Borrowed(_) => Values::default(),
+        }
+    }
+
     /// Takes chunk `m`'s accepted result from where it `arrived`: decoded
     /// from the datagram's payload (in the job's `dtype`), read from the
     /// lcore's result region (16-bit types through `scratch`), or, for a
     /// [`Sink::Direct`] request whose mapping is the one the result is in,
     /// left there for the waiter to copy out (see
-    /// [`DirectDone`](crate::io::DirectDone)). Returns false, writing
+    /// [`Done`](crate::io::Done)). Returns false, writing
     /// nothing, when the chunk's slot is not in the region.
     pub(crate) fn write(
         &mut self,

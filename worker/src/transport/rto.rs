@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::WorkerConfig;
+use crate::config::WorkerConfig;
 
 /// Round-trip state: the RFC 6298 estimator (reported as `srtt_us` and
 /// `rto_us`) and the smallest round trip seen, which sets the loss timer.
@@ -57,6 +57,12 @@ impl Rto {
         }
         let s = self.srtt.unwrap_or(r);
         self.rto = (s + self.rttvar * 4).clamp(self.min, self.max);
+    }
+
+    /// The smoothed round trip, or the RTO before any sample: how long a
+    /// loss episode lasts at least.
+    pub(crate) fn smoothed(&self) -> Duration {
+        self.srtt.unwrap_or(self.rto)
     }
 
     /// The RFC 6298 timeout after `retries` doublings (reported, and the

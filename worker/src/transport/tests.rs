@@ -139,7 +139,7 @@ impl Harness {
             kind: Kind::Push,
             chunks,
             tx: Tx::Owned(buf),
-            values: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
+            sink: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
             done: key,
         };
         self.t.submit(self.now, request);
@@ -165,12 +165,15 @@ impl Harness {
             })
             .collect();
         assert!(
-            self.t.outstanding.len() <= self.t.window,
+            self.t.table.outstanding.len() <= self.t.flow.window,
             "{} chunks outstanding, window {}",
-            self.t.outstanding.len(),
-            self.t.window
+            self.t.table.outstanding.len(),
+            self.t.flow.window
         );
-        assert!(self.t.cwnd <= self.t.window && self.t.cwnd >= MIN_CWND.min(self.t.window));
+        assert!(
+            self.t.congestion.cwnd <= self.t.flow.window
+                && self.t.congestion.cwnd >= MIN_CWND.min(self.t.flow.window)
+        );
         sent
     }
 
@@ -220,7 +223,7 @@ impl Harness {
     fn ended(&mut self) -> Vec<Ended> {
         std::iter::from_fn(|| self.t.poll_done())
             .map(|f| {
-                let r = f.result.map(|o| match o.values {
+                let r = f.result.map(|o| match o.sink {
                     Sink::Owned(Values::F32(v)) => (o.round, v),
                     other => panic!("an owned f32 sink came back as {other:?}"),
                 });
@@ -357,7 +360,7 @@ fn results_out_of_order_in_a_hierarchical_job_resend_only_after_an_rto() {
     // Results keep streaming in (a later chunk every 2 ms, answered at
     // once): chunk 0 is resent as lost once it has been out for the RTO,
     // not before, and not by the silence timer (results never stop).
-    let rto = h.t.rto.rto.as_millis() as u64;
+    let rto = h.t.loss.rto.rto.as_millis() as u64;
     let mut resent_at = None;
     let mut t = 10;
     for key in 1..=(rto / 2 + 3) as u32 {
@@ -410,7 +413,7 @@ fn a_lost_chunk_is_resent_once_three_later_results_are_in_and_not_sampled() {
     assert_eq!((s.retransmits, s.fast_retransmits), (1, 1));
     assert_eq!(s.srtt_us, 10_000);
     // Congestion control is off by default: the loss leaves the window.
-    assert_eq!((h.t.cwnd, s.window_cuts), (16, 0));
+    assert_eq!((h.t.congestion.cwnd, s.window_cuts), (16, 0));
     // Its result, much later, is not a round-trip sample (Karn's rule).
     h.at(500);
     h.result(0, 0, 1);
@@ -439,7 +442,7 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
         "{:?}",
         first.len()
     );
-    assert_eq!(h.t.cwnd, 32, "the first loss halves the window");
+    assert_eq!(h.t.congestion.cwnd, 32, "the first loss halves the window");
     assert_eq!(h.stats.snapshot().window_cuts, 1);
     for c in (4..14).filter(|&c| c != 10) {
         h.result(0, c, 1);
@@ -447,7 +450,7 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
     let second = h.poll();
     assert!(second.iter().any(|d| d.chunk() == (0, 10) && d.retransmit()));
     assert_eq!(
-        h.t.cwnd, 32,
+        h.t.congestion.cwnd, 32,
         "a second loss within one round trip is the same event"
     );
     assert_eq!(h.stats.snapshot().window_cuts, 1);
@@ -463,14 +466,14 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
     }
     let out = h.poll();
     assert!(
-        h.t.outstanding.len() <= h.t.cwnd,
+        h.t.table.outstanding.len() <= h.t.congestion.cwnd,
         "{} out, cwnd {}",
-        h.t.outstanding.len(),
-        h.t.cwnd
+        h.t.table.outstanding.len(),
+        h.t.congestion.cwnd
     );
     assert!(new_chunks(&out) > 0, "below the window again, new chunks go");
     // Results of chunks sent once grow it back, to the window at most.
-    let cwnd_before = h.t.cwnd;
+    let cwnd_before = h.t.congestion.cwnd;
     let mut t = 20;
     let mut next = 40;
     while next < 200 {
@@ -484,9 +487,13 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
         }
         h.poll();
     }
-    assert!(h.t.cwnd > cwnd_before, "grew from {cwnd_before} to {}", h.t.cwnd);
-    assert!(h.t.cwnd <= 64);
-    assert_eq!(h.stats.snapshot().cwnd, h.t.cwnd as u64);
+    assert!(
+        h.t.congestion.cwnd > cwnd_before,
+        "grew from {cwnd_before} to {}",
+        h.t.congestion.cwnd
+    );
+    assert!(h.t.congestion.cwnd <= 64);
+    assert_eq!(h.stats.snapshot().cwnd, h.t.congestion.cwnd as u64);
     // A later loss, more than a round trip after the first, halves it again.
     h.push(1, 1, &[0; 40]);
     h.poll();
@@ -494,9 +501,9 @@ fn a_loss_halves_the_congestion_window_once_per_round_trip_and_results_grow_it_b
     for c in 1..4 {
         h.result(1, c, 1);
     }
-    let before = h.t.cwnd;
+    let before = h.t.congestion.cwnd;
     h.poll();
-    assert_eq!(h.t.cwnd, (before / 2).max(MIN_CWND));
+    assert_eq!(h.t.congestion.cwnd, (before / 2).max(MIN_CWND));
     assert_eq!(h.stats.snapshot().window_cuts, 2);
 }
 
@@ -516,7 +523,7 @@ fn without_loss_the_congestion_window_stays_the_window() {
         }
         h.completed();
     }
-    assert_eq!(h.t.cwnd, 16);
+    assert_eq!(h.t.congestion.cwnd, 16);
     let s = h.stats.snapshot();
     assert_eq!((s.window_cuts, s.cwnd, s.retransmits), (0, 16, 0));
 }
@@ -802,7 +809,7 @@ fn simulate(
     jitter_us: u64,
     rounds: u32,
     keys: u32,
-) -> (crate::WorkerStats, Duration) {
+) -> (crate::stats::WorkerStats, Duration) {
     const STEP: Duration = Duration::from_micros(100);
     let mut h = Harness::new(6);
     let mut rng = Rng(seed | 1);

@@ -1,0 +1,175 @@
+//! The lent path: [`Worker::exchange`] runs a step's `push_pull`s with the
+//! caller's buffers lent to the I/O thread instead of copied
+//! ([`Exchange`]).
+
+use crossbeam_channel::Receiver;
+use phub_proto::wire::MsgType;
+
+use crate::elem::{Dst, Element, Src};
+use crate::error::WorkerError;
+use crate::io::{Completion, Request};
+use crate::transport::{Kind, RawBytes, RawDst, Sink, Tx};
+use crate::worker::{recv, Worker};
+
+/// Requests whose buffers are lent to the I/O thread rather than copied;
+/// see [`Worker::exchange`].
+///
+/// `'b` is the lifetime of the lent buffers: it outlives the whole
+/// `exchange` call, which does not return before every request started
+/// here has ended, so the I/O thread never touches a buffer after it is
+/// released. `'b` is invariant (as `std::thread::scope`'s `'env`), so
+/// buffers with a shorter life cannot be passed in.
+pub struct Exchange<'x, 'b> {
+    worker: &'x Worker,
+    waiting: std::cell::RefCell<Vec<(u32, Receiver<Completion>)>>,
+    _lent: std::marker::PhantomData<fn(&'b ()) -> &'b ()>,
+}
+
+impl std::fmt::Debug for Exchange<'_, '_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Exchange")
+            .field("requests", &self.waiting.borrow().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<'b> Exchange<'_, 'b> {
+    /// The next round for `key`, like [`Worker::push_pull`], but `grad` is
+    /// read and `out` written in place by the I/O thread: neither may be
+    /// touched until [`Worker::exchange`] returns (the borrows enforce it).
+    /// Returns at once; the exchange waits for the result.
+    ///
+    /// `grad` and `out` are `f32` for any job, or the job's 16-bit wire
+    /// type (see [`Element`]): then their bits go out and come back as
+    /// they are, with no conversion and no copy on the caller's side.
+    pub fn push_pull<E: Element>(
+        &self,
+        key: u32,
+        grad: &'b [E],
+        out: &'b mut [E],
+    ) -> Result<(), WorkerError> {
+        self.worker.check_elem::<E>()?;
+        let rx = self.worker.push_pull_lent(key, Src::of(grad), Dst::of(out))?;
+        self.waiting.borrow_mut().push((key, rx));
+        Ok(())
+    }
+
+    /// Waits for every request started here; the first error, if any.
+    fn wait_all(&self) -> Result<(), WorkerError> {
+        let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
+        let mut first = Ok(());
+        for (_, rx) in waiting {
+            // The results are in the caller's output already.
+            let r = recv(&rx).map(drop);
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+}
+
+impl Worker {
+    /// Starts every chunk of a round for `key` with the caller's buffers
+    /// lent, not copied (see [`Exchange`]): the result is written into
+    /// `out` in place, and with an `f32` job the datagrams' payloads are
+    /// `grad` itself (other dtypes are encoded into datagrams first; with
+    /// shared memory the I/O thread copies the payloads into the staging
+    /// regions).
+    fn push_pull_lent(
+        &self,
+        key: u32,
+        grad: Src<'_>,
+        mut out: Dst<'_>,
+    ) -> Result<Receiver<Completion>, WorkerError> {
+        let elements = self.check_len(key, grad.len())?;
+        self.check_len(key, out.len())?;
+        let round = self.claim_next_round(key)?;
+        let (chunks, tx) = if let Some(bytes) = grad.wire_bytes(self.spec.dtype) {
+            let (chunks, headers) = self.push_headers(key, elements, round);
+            let payload = RawBytes {
+                ptr: bytes.as_ptr(),
+                len: bytes.len(),
+            };
+            let size = self.spec.dtype.size();
+            (
+                chunks,
+                Tx::Borrowed {
+                    headers,
+                    payload,
+                    size,
+                },
+            )
+        } else {
+            let (chunks, buf) = self.messages(key, elements, MsgType::Push, round, Some(grad));
+            (chunks, Tx::Owned(buf))
+        };
+        let (done, rx) = crossbeam_channel::bounded(1);
+        self.send_request(Request {
+            key,
+            round,
+            kind: Kind::Push,
+            chunks,
+            tx,
+            sink: Sink::Borrowed(RawDst::new(&mut out)),
+            done,
+        })?;
+        Ok(rx)
+    }
+
+    /// Runs `f` with an [`Exchange`]: every `push_pull` started on it lends
+    /// its gradient and output buffers to the I/O thread instead of copying
+    /// them, and `exchange` returns only once every one of them has ended
+    /// (also when `f` panics), with the first error if any failed.
+    ///
+    /// This saves the copies [`Worker::push_pull`] and [`Worker::wait`] make
+    /// of every byte: results are written straight into the caller's output
+    /// (not into a buffer then copied), and when the caller's elements are
+    /// the job's wire type (`f32` for an `f32` job, [`half::bf16`] or
+    /// [`half::f16`] for a 16-bit one) datagrams go out as a header plus
+    /// the caller's gradient (not encoded into a buffer first). `f32`
+    /// values for a 16-bit job are still encoded. With shared memory
+    /// ([`WorkerConfig::shm`]) an `f32` gradient is copied once, from the
+    /// caller's buffer into the staging region, and results are read from
+    /// the result region straight into the caller's output, by the I/O
+    /// thread (`push_pull` and `wait` make the same single copies, on the
+    /// caller's thread).
+    ///
+    /// ```no_run
+    /// # fn main() -> Result<(), phub_worker::WorkerError> {
+    /// # let w = phub_worker::Worker::join("http://127.0.0.1:7700", 1, 7, 0)?;
+    /// # let (grads, mut params): (Vec<Vec<f32>>, Vec<Vec<f32>>) = (vec![], vec![]);
+    /// w.exchange(|x| {
+    ///     for (k, (g, p)) in grads.iter().zip(params.iter_mut()).enumerate() {
+    ///         x.push_pull(k as u32, g, p)?;
+    ///     }
+    ///     Ok::<(), phub_worker::WorkerError>(())
+    /// })??;
+    /// // params now hold the round's results.
+    /// # Ok(())
+    /// # }
+    /// ```
+    pub fn exchange<'b, R>(
+        &self,
+        f: impl for<'x> FnOnce(&'x Exchange<'x, 'b>) -> R,
+    ) -> Result<R, WorkerError> {
+        let x = Exchange {
+            worker: self,
+            waiting: std::cell::RefCell::new(Vec::new()),
+            _lent: std::marker::PhantomData,
+        };
+        // Waits for every lent request if `f` unwinds: the buffers must not
+        // be released while the I/O thread may still use them.
+        struct Guard<'g, 'x, 'b>(&'g Exchange<'x, 'b>);
+        impl Drop for Guard<'_, '_, '_> {
+            fn drop(&mut self) {
+                let _ = self.0.wait_all();
+            }
+        }
+        let guard = Guard(&x);
+        let r = f(&x);
+        let ended = x.wait_all();
+        drop(guard);
+        ended.map(|()| r)
+    }
+}
