@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu test-package-ubuntu-22.04
+.PHONY: demo test setup build lint fmt unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu test-package-ubuntu-22.04
 
 setup:
 	./tools/setup.sh
@@ -26,28 +26,42 @@ demo: setup
 	$(CARGO) build --release -p phub --bins
 	./target/release/phub-demo --workers $(DEMO_WORKERS) --backend $(DEMO_BACKEND) --consistency $(DEMO_CONSISTENCY)
 
-lint: setup
-	$(CARGO) fmt --all -- --check
+lint: setup fmt
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+fmt: setup
+	$(CARGO) fmt --all -- --check
 
 # PHUB_RACK=virtual: hwtests/ runs its lab-rack suite on a virtual rack of
 # namespaces and veth pairs (needs root, as CI has; skips with a reason
 # without it). The tests run the binaries this cargo test builds
 # (target/debug), never a release build left from earlier.
+#
+# The test build is also the lint: clippy-driver compiles the workspace's
+# own crates (RUSTC_WORKSPACE_WRAPPER, as `cargo clippy` sets it for `cargo
+# check`) with clippy's lints and -D warnings, all targets, so that `make
+# test` compiles every dependency once instead of once to check and once to
+# build (`make lint` is the same gate on its own). A plain `cargo test`
+# afterwards recompiles the workspace's crates (not the dependencies): the
+# wrapper is part of their fingerprint.
+CLIPPY_DRIVER ?= clippy-driver
 unit: export PHUB_BIN_DIR = $(CURDIR)/target/debug
 # The daemons the tests start must not read an installed /etc/phub.
 unit: export PHUB_NO_SYSTEM_CONFIG = 1
+unit: export RUSTC_WORKSPACE_WRAPPER = $(CLIPPY_DRIVER)
+unit: export CLIPPY_ARGS = -Dwarnings__CLIPPY_HACKERY__
 unit: setup
+	$(CARGO) test --workspace --all-targets --no-run
 	PHUB_RACK=virtual $(CARGO) test --workspace
 
-test: lint unit test-python-ci fuzz-ci test-package-ci
+test: fmt unit test-python-ci fuzz-ci test-package-ci
 
 # The install test in `make test`: as root (CI), with the binaries `cargo
-# test` just built (PHUB_DEB_PROFILE=debug: no release build; about two
-# minutes on a fresh machine, most of it making the Debian root); without
-# root it says it skips.
-test-package-ci: setup
-	@if [ "$$(id -u)" -eq 0 ]; then PHUB_DEB_PROFILE=debug ./packaging/test-package.sh; \
+# test` just built (PHUB_DEB_PROFILE=debug, PHUB_PKGTEST_NO_BUILD=1: no
+# other build; about two minutes on a fresh machine, most of it making the
+# Debian root); without root it says it skips.
+test-package-ci: unit
+	@if [ "$$(id -u)" -eq 0 ]; then PHUB_DEB_PROFILE=debug PHUB_PKGTEST_NO_BUILD=1 ./packaging/test-package.sh; \
 	else echo "test-package: skipped (needs root: chroot, mounts, network namespaces)"; fi
 
 # Runs each fuzz target for FUZZ_SECONDS from the committed seeds (the

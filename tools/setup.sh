@@ -13,7 +13,7 @@ set -euo pipefail
 # DPDK tests' network namespaces and veth pairs; dpdk-dev: dpdk-testpmd,
 # which `phub-bench run --local --backend dpdk` measures the veth ceiling with.
 # dpdk: DPDK's dpdk-hugepages.py and dpdk-devbind.py, which phub-setup runs
-# (tests/packaging.rs runs `phub-setup hugepages` as root).
+# (tests/it/packaging.rs runs `phub-setup hugepages` as root).
 # nftables: `phub-bench run --local --racks R --spine-loss PCT` drops datagrams
 # on the spine hop alone (netem does not exist on these kernels).
 # python3, python3-venv, python3-dev: the Python package (python/): PyO3's
@@ -23,7 +23,8 @@ set -euo pipefail
 # dpkg-dev, binutils: `make deb` (dpkg-shlibdeps computes the package's
 # Depends; objcopy strips the binaries). `make test-package` installs its own
 # (mmdebstrap).
-PACKAGES=(pkg-config libhwloc-dev libudev-dev libdpdk-dev dpdk-dev dpdk libclang-dev iproute2 nftables python3 python3-venv python3-dev fonts-dejavu-core dpkg-dev binutils)
+# mold: the linker (.cargo/config.toml, tools/link-gcc; GNU ld where missing).
+PACKAGES=(pkg-config mold libhwloc-dev libudev-dev libdpdk-dev dpdk-dev dpdk libclang-dev iproute2 nftables python3 python3-venv python3-dev fonts-dejavu-core dpkg-dev binutils)
 
 need=()
 for p in "${PACKAGES[@]}"; do

@@ -4,4 +4,4 @@
 # retransmissions, drops and the dataplane's memory at start and end.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PHUB_SOAK_SECS="${1:-60}" cargo test --release --test soak -- --ignored --nocapture
+PHUB_SOAK_SECS="${1:-60}" cargo test --release -p phub --test it soak:: -- --ignored --nocapture

@@ -1,5 +1,5 @@
 //! Fault scenarios that run unchanged on both backends: the kernel-UDP
-//! appliance on loopback (`tests/common::Rack`) and the DPDK one on the
+//! appliance on loopback (`tests/it/common::Rack`) and the DPDK one on the
 //! virtual rack ([`crate::virt::VirtualRack`]). Each takes an
 //! [`Appliance`] (where phub-control and the dataplane's management API are,
 //! the operator token, and how a thread gets to where they can be reached);

@@ -5,11 +5,11 @@
 //! exactly; the dataplane's `shm_rx` counter shows the messages came
 //! through shared memory.
 
-mod common;
+use crate::common;
 
 use std::sync::Mutex;
 
-use common::Rack;
+use crate::common::Rack;
 use phub::proto::api::{AdmitResponse, Stats};
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_hwtests::workload::{sum_spec, train_rank};

@@ -1,6 +1,5 @@
 //! A whole appliance on loopback for integration tests: phub-dataplane and
 //! phub-control as real processes on free ports, stopped when dropped.
-#![allow(dead_code, unreachable_pub, unused_imports)]
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

@@ -11,12 +11,12 @@
 //! rank is below c − τ. A second key of many chunks carries the shared
 //! small-integer gradients, whose sums are exact in any order.
 
-mod common;
+use crate::common;
 
 use std::sync::Barrier;
 use std::time::Duration;
 
-use common::{grad, init, Rack};
+use crate::common::{grad, init, Rack};
 use phub::proto::api::{AdmitResponse, JobDetail, Stats};
 use phub_worker::{Consistency, FaultSpec, Worker, WorkerConfig, WorkerStats};
 

@@ -4,12 +4,12 @@
 //! done, retransmissions, drops and the dataplane's resident memory at the
 //! start and the end; fails on a wrong result, a hang or memory growth.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use common::{flood, Rack};
+use crate::common::{flood, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
 use phub_hwtests::workload::{sum_spec, train_rank};
 use phub_worker::WorkerConfig;

@@ -2,11 +2,11 @@
 //! processes under one phub-control, workers on the phub-worker library
 //! sending each chunk to its home appliance, phubctl as the operator.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
-use common::{train, Appliances};
+use crate::common::{train, Appliances};
 use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JobMap};
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {

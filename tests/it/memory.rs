@@ -6,11 +6,11 @@
 //! runs, and a job over the budget by its bookkeeping alone is refused
 //! with the figure.
 
-mod common;
+use crate::common;
 
 use std::time::{Duration, Instant};
 
-use common::Rack;
+use crate::common::Rack;
 use phub::proto::api::{AdmitResponse, DataplaneInfo, JobDetail, JobMap, JoinRequest, JoinResponse};
 use phub_worker::{Worker, WorkerConfig};
 

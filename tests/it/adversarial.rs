@@ -11,7 +11,7 @@
 //! needs several client hosts binds its sockets to 127.0.0.2, 127.0.0.3, ...
 //! ([`connect_from`]).
 
-mod common;
+use crate::common;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -20,7 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{Appliances, Rack};
+use crate::common::{Appliances, Rack};
 use phub::proto::api::{AdmitResponse, InstalledJob, JobSummary};
 use phub_hwtests::workload::{grad, init_values, sgd_reference};
 use phub_worker::{Worker, WorkerConfig};

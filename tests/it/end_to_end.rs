@@ -1,13 +1,13 @@
 //! The whole appliance on loopback: phub-dataplane and phub-control as real
 //! processes, workers on the phub-worker library, phubctl as the operator.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{flood, train, train_rank, Rack};
+use crate::common::{flood, train, train_rank, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
 use phub_worker::Worker;
 

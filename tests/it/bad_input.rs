@@ -4,13 +4,13 @@
 //! counted under its reason, and its memory stays flat. And another
 //! tenant's forged datagrams never change a victim job's parameters.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
-use common::{expected_sum, grad, init, Rack};
+use crate::common::{expected_sum, grad, init, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
 use phub::proto::wire::{MsgType, Repr, HEADER_LEN, VERSION};
 use phub_worker::Worker;
@@ -207,7 +207,7 @@ fn a_million_bad_datagrams_during_training() {
 
 /// Another tenant's forged datagrams (the victim's job id with wrong tokens,
 /// its own token with slots outside its job) never change the victim's
-/// parameters: the shared scenario, on kernel UDP (tests/dpdk_faults.rs runs
+/// parameters: the shared scenario, on kernel UDP (tests/it/dpdk_faults.rs runs
 /// it on DPDK).
 #[test]
 fn another_tenant_never_changes_a_victims_parameters() {

@@ -3,14 +3,14 @@
 //! workers train, a worker killed mid-round that rejoins, and
 //! the other job going on meanwhile; loss, duplication, reordering and
 //! delay injected in the dataplane and in the workers. The scenario bodies are
-//! `phub_hwtests::scenarios`, which `tests/dpdk_faults.rs` runs on the DPDK
+//! `phub_hwtests::scenarios`, which `tests/it/dpdk_faults.rs` runs on the DPDK
 //! backend too.
 
-mod common;
+use crate::common;
 
 use std::sync::Mutex;
 
-use common::Rack;
+use crate::common::Rack;
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_worker::{FaultSpec, WorkerStats};
 

@@ -3,9 +3,9 @@
 //! phub-worker library each talking to its rack's appliance only, the
 //! appliances exchanging one partial sum and one result per chunk.
 
-mod common;
+use crate::common;
 
-use common::{train, Appliances};
+use crate::common::{train, Appliances};
 use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JoinRequest};
 
 fn totals(stats: &DataplaneStats) -> (u64, u64, u64, u64) {

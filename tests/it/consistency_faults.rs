@@ -3,18 +3,18 @@
 //! dataplane killed after a checkpoint and the job reinstalled from it, and
 //! a worker that leaves and rejoins. Each keeps every rank's own clock.
 //!
-//! As in `tests/consistency.rs`, every job has a **census** key of W
+//! As in `tests/it/consistency.rs`, every job has a **census** key of W
 //! elements (rank r pushes 1 into element r), so an answer's element j is
 //! the number of rank j's clocks applied when it was sent, and a key of
 //! small-integer gradients whose sums are exact in any order: a (rank,
 //! clock) lost with the crash and pushed again, or applied twice, shows.
 
-mod common;
+use crate::common;
 
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use common::{grad, init, Rack};
+use crate::common::{grad, init, Rack};
 use phub::proto::api::{AdmitResponse, JobDetail};
 use phub_worker::{Worker, WorkerConfig, WorkerError};
 
