@@ -6,7 +6,6 @@
 //! runs, and a job over the budget by its bookkeeping alone is refused
 //! with the figure.
 
-use crate::common;
 
 use std::time::{Duration, Instant};
 

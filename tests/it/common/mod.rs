@@ -8,24 +8,24 @@ use std::time::Duration;
 use phub::proto::api::{AdmitResponse, ApiError};
 use phub_hwtests::process::{self, Daemon};
 
-pub struct Rack {
-    pub dataplane: Option<Daemon>,
-    pub control: Option<Daemon>,
-    pub mgmt_url: String,
-    pub control_url: String,
+pub(crate) struct Rack {
+    pub(crate) dataplane: Option<Daemon>,
+    pub(crate) control: Option<Daemon>,
+    pub(crate) mgmt_url: String,
+    pub(crate) control_url: String,
     control_port: u16,
     dataplane_args: Vec<String>,
     /// Extra phub-control arguments (TLS, say).
-    pub control_args: Vec<String>,
-    pub dir: PathBuf,
+    pub(crate) control_args: Vec<String>,
+    pub(crate) dir: PathBuf,
 }
 
 /// A base port with `n` consecutive free UDP ports on 127.0.0.1.
-pub fn free_udp_ports(n: u16) -> u16 {
+pub(crate) fn free_udp_ports(n: u16) -> u16 {
     process::free_udp_ports(n).unwrap()
 }
 
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     process::free_port().unwrap()
 }
 
@@ -44,12 +44,12 @@ fn start(name: &str, program: &str, args: &[String], dir: &Path, url: &str) -> D
 }
 
 impl Rack {
-    pub fn start(lcores: usize, budget: &str) -> Rack {
+    pub(crate) fn start(lcores: usize, budget: &str) -> Rack {
         Rack::start_with(lcores, budget, &[])
     }
 
     /// Like [`Rack::start`], with extra phub-dataplane arguments.
-    pub fn start_with(lcores: usize, budget: &str, extra: &[&str]) -> Rack {
+    pub(crate) fn start_with(lcores: usize, budget: &str, extra: &[&str]) -> Rack {
         let dir = std::env::temp_dir().join(format!("phub-test-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let mgmt = free_port();
@@ -83,7 +83,7 @@ impl Rack {
     }
 
     /// Starts phub-dataplane (again), on the same ports.
-    pub fn start_dataplane(&mut self) {
+    pub(crate) fn start_dataplane(&mut self) {
         self.dataplane = Some(start(
             "phub-dataplane",
             env!("CARGO_BIN_EXE_phub-dataplane"),
@@ -94,13 +94,13 @@ impl Rack {
     }
 
     /// Kills phub-dataplane outright (SIGKILL), as a crash would.
-    pub fn kill_dataplane(&mut self) {
+    pub(crate) fn kill_dataplane(&mut self) {
         if let Some(mut d) = self.dataplane.take() {
             d.kill();
         }
     }
 
-    pub fn start_control(&mut self) {
+    pub(crate) fn start_control(&mut self) {
         let mut args = vec![
             "--listen".to_string(),
             format!("127.0.0.1:{}", self.control_port),
@@ -122,19 +122,19 @@ impl Rack {
     }
 
     /// Kills phub-control outright (SIGKILL), as a crash would.
-    pub fn kill_control(&mut self) {
+    pub(crate) fn kill_control(&mut self) {
         if let Some(mut c) = self.control.take() {
             c.kill();
         }
     }
 
     /// The operator token phub-control generated beside its state file.
-    pub fn operator_token(&self) -> String {
+    pub(crate) fn operator_token(&self) -> String {
         operator_token(&self.dir)
     }
 
     /// The dataplane's management token (in the rack's runtime directory).
-    pub fn mgmt_token(&self) -> String {
+    pub(crate) fn mgmt_token(&self) -> String {
         let port: u16 = self.mgmt_url.rsplit(':').next().unwrap().parse().unwrap();
         std::fs::read_to_string(self.dir.join(format!("dataplane-{port}.token")))
             .unwrap()
@@ -142,28 +142,15 @@ impl Rack {
             .to_string()
     }
 
-    fn bearer(&self) -> String {
-        format!("Bearer {}", self.operator_token())
-    }
-
-    pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+    pub(crate) fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
         admit(&self.control_url, &self.operator_token(), spec)
     }
 
-    pub fn post<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        ureq::post(&format!("{}{path}", self.control_url))
-            .set("Authorization", &self.bearer())
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
-    }
-
-    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+    pub(crate) fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
         get_json(&format!("{}{path}", self.control_url))
     }
 
-    pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
+    pub(crate) fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
         phubctl(&self.control_url, &self.operator_token(), args)
     }
 }
@@ -220,15 +207,15 @@ impl Drop for Rack {
 /// Several appliances on loopback under one phub-control: one
 /// phub-dataplane each (named `a`, `b`, ..., in racks `r1`, `r2`, ...),
 /// given to control with `--appliance`, stopped when dropped.
-pub struct Appliances {
+pub(crate) struct Appliances {
     /// Each appliance's dataplane, `None` while killed.
-    pub dataplanes: Vec<Option<Daemon>>,
-    pub names: Vec<String>,
-    pub mgmt_urls: Vec<String>,
+    pub(crate) dataplanes: Vec<Option<Daemon>>,
+    pub(crate) names: Vec<String>,
+    pub(crate) mgmt_urls: Vec<String>,
     dataplane_args: Vec<Vec<String>>,
-    pub control: Option<Daemon>,
-    pub control_url: String,
-    pub dir: PathBuf,
+    pub(crate) control: Option<Daemon>,
+    pub(crate) control_url: String,
+    pub(crate) dir: PathBuf,
 }
 
 impl Appliances {
@@ -236,12 +223,12 @@ impl Appliances {
     /// `budget`. The second and later appliances' management tokens are
     /// given to control with `token-file=` (the first's by its default
     /// path), so both ways are exercised.
-    pub fn start(lcores: &[usize], budget: &str) -> Appliances {
+    pub(crate) fn start(lcores: &[usize], budget: &str) -> Appliances {
         Appliances::start_with(lcores, budget, &[])
     }
 
     /// As [`Appliances::start`], each phub-dataplane also given `extra`.
-    pub fn start_with(lcores: &[usize], budget: &str, extra: &[&str]) -> Appliances {
+    pub(crate) fn start_with(lcores: &[usize], budget: &str, extra: &[&str]) -> Appliances {
         let dir = std::env::temp_dir().join(format!("phub-test-appl-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut a = Appliances {
@@ -303,7 +290,7 @@ impl Appliances {
     }
 
     /// Starts appliance `i`'s phub-dataplane (again), on the same ports.
-    pub fn start_dataplane(&mut self, i: usize) {
+    pub(crate) fn start_dataplane(&mut self, i: usize) {
         self.dataplanes[i] = Some(start(
             &format!("phub-dataplane-{}", self.names[i]),
             env!("CARGO_BIN_EXE_phub-dataplane"),
@@ -314,30 +301,30 @@ impl Appliances {
     }
 
     /// Kills appliance `i`'s phub-dataplane outright (SIGKILL).
-    pub fn kill_dataplane(&mut self, i: usize) {
+    pub(crate) fn kill_dataplane(&mut self, i: usize) {
         if let Some(mut d) = self.dataplanes[i].take() {
             d.kill();
         }
     }
 
     /// GET `path` on appliance `i`'s management API (an open route).
-    pub fn dataplane_get<T: serde::de::DeserializeOwned>(&self, i: usize, path: &str) -> T {
+    pub(crate) fn dataplane_get<T: serde::de::DeserializeOwned>(&self, i: usize, path: &str) -> T {
         get_json(&format!("{}{path}", self.mgmt_urls[i]))
     }
 
-    pub fn operator_token(&self) -> String {
+    pub(crate) fn operator_token(&self) -> String {
         operator_token(&self.dir)
     }
 
-    pub fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+    pub(crate) fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
         admit(&self.control_url, &self.operator_token(), spec)
     }
 
-    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
+    pub(crate) fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
         get_json(&format!("{}{path}", self.control_url))
     }
 
-    pub fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
+    pub(crate) fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
         phubctl(&self.control_url, &self.operator_token(), args)
     }
 }
@@ -355,4 +342,4 @@ impl Drop for Appliances {
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.
-pub use phub_hwtests::workload::{expected as expected_sum, flood, grad, init, train, train_rank};
+pub(crate) use phub_hwtests::workload::{expected as expected_sum, flood, grad, init, train, train_rank};
