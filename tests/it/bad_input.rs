@@ -4,7 +4,6 @@
 //! counted under its reason, and its memory stays flat. And another
 //! tenant's forged datagrams never change a victim job's parameters.
 
-
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};

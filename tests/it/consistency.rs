@@ -11,7 +11,6 @@
 //! rank is below c − τ. A second key of many chunks carries the shared
 //! small-integer gradients, whose sums are exact in any order.
 
-
 use std::sync::Barrier;
 use std::time::Duration;
 

@@ -9,7 +9,6 @@
 //! small-integer gradients whose sums are exact in any order: a (rank,
 //! clock) lost with the crash and pushed again, or applied twice, shows.
 
-
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 

@@ -1,7 +1,6 @@
 //! The whole appliance on loopback: phub-dataplane and phub-control as real
 //! processes, workers on the phub-worker library, phubctl as the operator.
 
-
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -6,7 +6,6 @@
 //! `phub_hwtests::scenarios`, which `tests/it/dpdk_faults.rs` runs on the DPDK
 //! backend too.
 
-
 use std::sync::Mutex;
 
 use crate::common::Rack;

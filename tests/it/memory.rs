@@ -6,7 +6,6 @@
 //! runs, and a job over the budget by its bookkeeping alone is refused
 //! with the figure.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::Rack;

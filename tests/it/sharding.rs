@@ -2,7 +2,6 @@
 //! processes under one phub-control, workers on the phub-worker library
 //! sending each chunk to its home appliance, phubctl as the operator.
 
-
 use std::time::{Duration, Instant};
 
 use crate::common::{train, Appliances};

@@ -5,7 +5,6 @@
 //! exactly; the dataplane's `shm_rx` counter shows the messages came
 //! through shared memory.
 
-
 use std::sync::Mutex;
 
 use crate::common::Rack;

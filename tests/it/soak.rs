@@ -4,7 +4,6 @@
 //! done, retransmissions, drops and the dataplane's resident memory at the
 //! start and the end; fails on a wrong result, a hang or memory growth.
 
-
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
