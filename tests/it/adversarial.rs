@@ -469,7 +469,8 @@ fn control_over_tls_is_verified_by_phubctl_and_workers() {
     assert!(!ok);
     assert!(err.to_lowercase().contains("certificate"), "{err}");
     // A worker joins over HTTPS with PHUB_CA_FILE; without it, it cannot.
-    // (Only this test of this binary reads the variable.)
+    // (Only https clients read the variable, and this is the one test in
+    // this binary, tests/it, whose in-process clients use https.)
     std::env::remove_var(phub_http::CA_FILE_ENV);
     let e = phub_worker::Worker::join(&url, admitted.id, admitted.token, 0).unwrap_err();
     assert!(e.to_string().to_lowercase().contains("certificate"), "{e}");
