@@ -22,6 +22,7 @@ pub mod kernels;
 pub mod optim;
 pub mod shm;
 pub mod slotmem;
+pub mod table;
 pub mod testing;
 pub mod transmit;
 

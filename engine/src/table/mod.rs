@@ -1,0 +1,31 @@
+//! Sparse tables (issue 32): rows of `dim` values keyed by arbitrary u64
+//! ids, stored only once touched.
+//!
+//! Layer: pure, as the rest of the engine. A table lives on an lcore as a
+//! row store (ids to row slots in 2 MiB blocks); a row slot holds the row's
+//! `dim` f32 values followed by its optimizer state. What a row's values
+//! are before it is stored is a [`RowInit`]; how a round's aggregated
+//! gradient changes a stored row is a [`RowUpdate`]. The two traits are the
+//! seam between the store and the row optimizers and initial values, so
+//! that each can be written and tested alone.
+//!
+//! Not served yet: the engine does not route table messages to a store, and
+//! control refuses table keys. PROTOCOL.md says what is specified so far.
+
+/// The values of a row that was never stored (or was evicted): the same on
+/// every lcore, restart and checkpoint, so untouched rows need no memory.
+pub trait RowInit {
+    /// Fill `values` (the row's `dim` values) for row `id`.
+    fn fill(&self, id: u64, values: &mut [f32]);
+}
+
+/// A row optimizer: what one aggregated gradient does to a stored row.
+pub trait RowUpdate {
+    /// The f32 words of state a stored row keeps after its `dim` values.
+    fn state_len(&self, dim: usize) -> usize;
+    /// The state of a row being stored for the first time.
+    fn init_state(&self, state: &mut [f32]);
+    /// Apply `grad` (the round's aggregate for this row, `dim` values) to a
+    /// stored row: `values` (`dim`) and `state` (`state_len(dim)`).
+    fn apply(&self, values: &mut [f32], state: &mut [f32], grad: &[f32]);
+}
