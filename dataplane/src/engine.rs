@@ -1812,7 +1812,8 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(Step::Resend(round)) => {
                 // The stored result to this rank alone: the answer to a
                 // PULL, or a result resent to a rank that lost it (an INIT
-                // or PUSH for the last completed round), each counted
+                // or PUSH for the last completed round, or an older one),
+                // each counted
                 // under its own counter.
                 self.counters.results_sent.inc();
                 self.pending.push(Pending::Result {
@@ -2083,6 +2084,13 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 return Ok(step);
             }
+        }
+        // PROTOCOL.md §5.4 rule 5: a round older than the last completed
+        // one comes from a rank repeating rounds (after a pull); every
+        // round since completed with its contribution, so the stored result
+        // (with its own round) answers it, as it does a lost result.
+        if slot.completed != NO_ROUND && repr.round < slot.completed {
+            return Ok(Step::Resend(None));
         }
         if slot.in_window(repr.round, repr.rank)? {
             return Ok(Step::Resend(None));
