@@ -306,7 +306,7 @@ fn a_rank_leaves_and_rejoins() {
             for (j, mid_round_us) in [None, Some(300)].into_iter().enumerate() {
                 // Rank 0, the slow one, is often the last to push a chunk:
                 // leaving mid-round, it finds its keys at different rounds.
-                // The window holds a whole round (see `Case::draw`).
+                // The window holds a whole round.
                 let c = Case {
                     rejoin: Some(Rejoin {
                         rank: 0,
