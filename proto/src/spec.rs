@@ -22,6 +22,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::memory::ResultStore;
 use crate::wire::MAX_PAYLOAD;
 use crate::Dtype;
 
@@ -583,11 +584,11 @@ impl JobSpec {
     }
 
     /// Whether the job gets shared-memory regions on a dataplane started
-    /// with `--shm` (`dataplane_shm`): BSP jobs only. Results written once
-    /// per round into a region fit BSP; a job whose values change with
-    /// every push goes by datagrams.
-    pub fn shared_memory(&self, dataplane_shm: bool) -> bool {
-        dataplane_shm && self.consistency == Consistency::Sync && !self.hierarchical()
+    /// with `--shm` (`dataplane_shm`): BSP jobs only, not hierarchical.
+    /// Results written once per round into a region fit BSP; a job whose
+    /// values change with every push goes by datagrams.
+    pub fn result_store(&self, dataplane_shm: bool) -> ResultStore {
+        ResultStore::of(dataplane_shm && self.consistency == Consistency::Sync && !self.hierarchical())
     }
 
     /// Parses and validates a JSON spec.

@@ -662,8 +662,15 @@ impl Job {
     pub(super) fn budget(&self, lcores: usize, shm: bool) -> u64 {
         let model = phub_proto::memory::MemoryModel::default();
         let mut load = vec![0; lcores.max(1)];
-        let lay = phub_proto::layout::layout(&self.parsed, &mut load, model.chunk_cost(&self.parsed, shm));
-        model.job_cost(&self.parsed, &lay, shm).total() + (64 << 20)
+        let lay = phub_proto::layout::layout(
+            &self.parsed,
+            &mut load,
+            model.chunk_cost(&self.parsed, self.parsed.result_store(shm)),
+        );
+        model
+            .job_cost(&self.parsed, &lay, self.parsed.result_store(shm))
+            .total()
+            + (64 << 20)
     }
 }
 
