@@ -317,9 +317,9 @@ fn max(x: f32, y: f32) -> f32 {
     }
 }
 
-/// §10.5's `sum8(a * a)`: eight partial sums, p[j] = +0 + x[j] + x[j + 8]
-/// + ... in increasing index, then ((p0 + p4) + (p2 + p6)) + ((p1 + p5) +
-/// (p3 + p7)): the order of an 8-lane vector sum and its halving
+/// §10.5's `sum8(a * a)`: eight partial sums, `p[j] = +0 + x[j] + x[j +
+/// 8] + ...` in increasing index, then `((p0 + p4) + (p2 + p6)) + ((p1 +
+/// p5) + (p3 + p7))`: the order of an 8-lane vector sum and its halving
 /// reduction, fixed so that every build gets the same bits.
 #[inline(always)]
 fn sum8_squares(a: &[f32]) -> f32 {
@@ -337,7 +337,14 @@ fn sum8_squares(a: &[f32]) -> f32 {
 }
 
 #[cfg(test)]
-#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+// The reference below is written as the document writes it (`w = w - x`,
+// indexed element by element), not as idiomatic Rust.
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::assign_op_pattern,
+    clippy::needless_range_loop
+)]
 mod tests {
     use super::*;
     use rand::{Rng, SeedableRng};
