@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::Rack;
+use common::{Operator, Rack};
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_worker::{FaultSpec, WorkerStats};
 
