@@ -203,18 +203,18 @@ mod tests {
             [
                 "--backend",
                 "dpdk",
-                "--eal",
-                "-a 0000:3b:00.0 --lcores 0@1,1@2,2@3,3@4,4@5 --in-memory",
                 "--host",
                 "192.168.50.1",
                 "--base-port",
                 "7900",
                 "--lcores",
                 "4",
-                "--mtu",
-                "9000",
                 "--mgmt",
-                "127.0.0.1:7800"
+                "127.0.0.1:7800",
+                "--eal",
+                "-a 0000:3b:00.0 --lcores 0@1,1@2,2@3,3@4,4@5 --in-memory",
+                "--mtu",
+                "9000"
             ]
         );
         // Spinning lcores, pinned by the EAL map: no backoff, no --no-pin.
