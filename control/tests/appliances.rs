@@ -17,6 +17,7 @@ use phub_proto::api::{
     Stats,
 };
 use phub_proto::layout::Placement;
+use phub_proto::spec::{Appliances as Placed, JobSpec};
 
 fn temp_state(tag: &str) -> TempState {
     TempState::new("phub-control-appl", tag)
@@ -107,11 +108,13 @@ fn two_appliances(tag: &str) -> (Fake, Fake, TempState, Daemon) {
 }
 
 /// A sum job of one key of `elements` f32 in 1 KiB chunks, on `placement`.
-fn spec(name: &str, elements: u64, placement: &str) -> String {
-    format!(
-        "name = \"{name}\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
-         [[keys]]\nelements = {elements}\n{placement}"
-    )
+fn spec(name: &str, elements: u64, placement: Option<Placed>) -> String {
+    let spec = JobSpec::new(name, 2, &[elements]).with_chunk_bytes(1024);
+    match placement {
+        Some(p) => spec.sharded_over(p),
+        None => spec,
+    }
+    .to_toml()
 }
 
 fn puts(fake: &Fake) -> usize {
@@ -161,11 +164,7 @@ fn appliances_are_added_listed_removed_and_recorded() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec(
-            "both",
-            256 * 10,
-            "[placement]\nappliances = [\"a\", \"b\"]\n",
-        )),
+        Some(&spec("both", 256 * 10, Some(Placed::named(&["a", "b"])))),
     );
     assert_eq!(r.appliances, ["a", "b"]);
     let e = err(&d, "DELETE", "/v1/appliances/b", None, 409);
@@ -206,7 +205,7 @@ fn a_state_file_without_appliances_means_one_appliance_default() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("old");
     let d = daemon(vec![], &fake.url(), &state);
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("old", 5000, "")));
+    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("old", 5000, None)));
     d.shutdown();
     let mut old: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
     assert_eq!(old["appliances"][0]["name"], "default");
@@ -252,7 +251,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &state,
     );
     // One appliance by default: the one with the most free memory.
-    let one: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("one", 1000, "")));
+    let one: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("one", 1000, None)));
     assert_eq!(one.appliances, ["b"]);
     assert!(b.jobs().contains_key(&one.id) && !a.jobs().contains_key(&one.id));
     let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", one.id), None);
@@ -261,7 +260,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("x", 1000, "[placement]\nappliances = 3\n")),
+        Some(&spec("x", 1000, Some(Placed::Count(3)))),
         507,
     );
     assert_eq!(e, "the job asks for 3 appliances; 2 answer: a, b");
@@ -269,7 +268,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("x", 1000, "[placement]\nappliances = [\"c\"]\n")),
+        Some(&spec("x", 1000, Some(Placed::named(&["c"])))),
         400,
     );
     assert!(
@@ -281,7 +280,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("big", 1 << 20, "[placement]\nappliances = 2\n")),
+        Some(&spec("big", 1 << 20, Some(Placed::Count(2)))),
         507,
     );
     assert!(
@@ -294,7 +293,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("both", 256 * 10, "[placement]\nappliances = 2\n")),
+        Some(&spec("both", 256 * 10, Some(Placed::Count(2)))),
     );
     assert_eq!(r.appliances, ["b", "a"], "most free memory first");
     let (on_a, on_b) = (a.jobs()[&r.id].layout.clone(), b.jobs()[&r.id].layout.clone());
@@ -414,11 +413,7 @@ fn job_show_names_a_part_whose_appliance_is_down() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec(
-            "both",
-            256 * 4,
-            "[placement]\nappliances = [\"a\", \"b\"]\n",
-        )),
+        Some(&spec("both", 256 * 4, Some(Placed::named(&["a", "b"])))),
     );
     drop(b);
     let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", r.id), None);
@@ -463,7 +458,7 @@ fn one_dataplane_under_two_names_loses_no_job() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("kept", 5000, "[placement]\nappliances = [\"a\"]\n")),
+        Some(&spec("kept", 5000, Some(Placed::named(&["a"])))),
     );
     wait_for("a2 shown as a's dataplane", || {
         list(&d).iter().any(|x| {
@@ -492,7 +487,7 @@ fn one_dataplane_under_two_names_loses_no_job() {
         &d,
         "POST",
         "/v1/jobs",
-        Some(&spec("x", 256, "[placement]\nappliances = [\"a2\"]\n")),
+        Some(&spec("x", 256, Some(Placed::named(&["a2"])))),
         409,
     );
     assert!(e.contains("\"a2\"") && e.contains("second name"), "{e}");

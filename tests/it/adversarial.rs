@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common::{Appliances, Rack};
+use crate::common::{client, Appliances, Operator, Rack};
 use phub::proto::api::{AdmitResponse, InstalledJob, JobSummary};
+use phub::proto::routes::{control, mgmt};
 use phub_hwtests::workload::{grad, init_values, sgd_reference};
 use phub_worker::{Worker, WorkerConfig};
 
@@ -229,7 +230,7 @@ fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
         t.join().unwrap();
     }
     prober.finish("slow and huge clients");
-    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    let jobs: Vec<JobSummary> = rack.send(&control::jobs());
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![job.id]);
 }
 
@@ -304,9 +305,8 @@ fn racing_admits_and_evictions_lose_nothing() {
                     let job: AdmitResponse = rack.admit(SPEC).expect("admission");
                     // Every other job is evicted at once, racing the others.
                     if (t + i) % 2 == 0 {
-                        let r = ureq::delete(&format!("{}/v1/jobs/{}", rack.control_url, job.id))
-                            .set("Authorization", &format!("Bearer {}", rack.operator_token()))
-                            .call();
+                        let r = client(&rack.control_url, Some(&rack.operator_token()))
+                            .send(&control::evict(job.id));
                         assert!(r.is_ok(), "evicting {}: {r:?}", job.id);
                     } else {
                         kept.lock().unwrap().push(job.id);
@@ -321,20 +321,12 @@ fn racing_admits_and_evictions_lose_nothing() {
     prober.finish("racing admits and evictions");
     let mut kept = kept.lock().unwrap().clone();
     kept.sort_unstable();
-    let listed: Vec<u16> = rack
-        .get::<Vec<JobSummary>>("/v1/jobs")
-        .iter()
-        .map(|j| j.id)
-        .collect();
+    let listed: Vec<u16> = rack.send(&control::jobs()).iter().map(|j| j.id).collect();
     assert_eq!(
         listed, kept,
         "control's jobs are exactly those admitted and not evicted"
     );
-    let installed: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let installed: Vec<InstalledJob> = rack.dataplane(&mgmt::jobs());
     let installed: Vec<u16> = installed.iter().map(|j| j.id).collect();
     assert_eq!(installed, kept, "the dataplane holds exactly those jobs");
 }
@@ -558,7 +550,7 @@ fn full_and_read_only_state_directories_lose_nothing() {
     let (mut child, port) = spawn_control(&rack, &dir.join("state.json"), &extra, "small-control.log");
     let url = format!("http://127.0.0.1:{port}");
     phub_hwtests::process::wait_http(
-        &format!("{url}/v1/jobs"),
+        &phub_hwtests::process::control_ready(&url),
         &mut child,
         Duration::from_secs(20),
         || false,
@@ -566,22 +558,9 @@ fn full_and_read_only_state_directories_lose_nothing() {
     .unwrap();
     guard.1 = Some(child);
     let token = std::fs::read_to_string(&token_file).unwrap().trim().to_string();
-    let admit = || -> Result<AdmitResponse, (u16, String)> {
-        match ureq::post(&format!("{url}/v1/jobs"))
-            .set("Authorization", &format!("Bearer {token}"))
-            .send_string(SPEC)
-        {
-            Ok(r) => Ok(r.into_json().unwrap()),
-            Err(ureq::Error::Status(c, r)) => Err((c, r.into_string().unwrap())),
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let admit = || -> Result<AdmitResponse, (u16, String)> { common::admit(&url, &token, SPEC) };
     let installed = || -> Vec<u16> {
-        let v: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap();
+        let v: Vec<InstalledJob> = rack.dataplane(&mgmt::jobs());
         v.iter().map(|j| j.id).collect()
     };
     let first = admit().expect("admission with room for the state file");
@@ -607,13 +586,9 @@ fn full_and_read_only_state_directories_lose_nothing() {
     // An eviction that cannot be written changes nothing.
     // The status of an eviction of the first job.
     let evict = || -> u16 {
-        match ureq::delete(&format!("{url}/v1/jobs/{}", first.id))
-            .set("Authorization", &format!("Bearer {token}"))
-            .call()
-        {
-            Ok(r) => r.status(),
-            Err(ureq::Error::Status(c, _)) => c,
-            Err(e) => panic!("eviction: {e}"),
+        match client(&url, Some(&token)).send(&control::evict(first.id)) {
+            Ok(_) => 200,
+            Err(e) => e.status().unwrap_or_else(|| panic!("eviction: {e}")),
         }
     };
     assert_eq!(evict(), 500);
@@ -636,10 +611,8 @@ fn full_and_read_only_state_directories_lose_nothing() {
     // Writable again: everything works, nothing was lost.
     let second = admit().expect("admission once the state directory is writable");
     prober.finish("full and read-only state directories");
-    let listed: Vec<u16> = ureq::get(&format!("{url}/v1/jobs"))
-        .call()
-        .unwrap()
-        .into_json::<Vec<JobSummary>>()
+    let listed: Vec<u16> = client(&url, None)
+        .send(&control::jobs())
         .unwrap()
         .iter()
         .map(|j| j.id)
@@ -831,21 +804,21 @@ fn part_file(rack: &Appliances, id: u16, name: &str) -> std::path::PathBuf {
     rack.dir.join(format!("state.json.job-{id}.{name}.ckpt"))
 }
 
-/// Waits up to 20 s for job `id`'s `held` reason in `GET /v1/jobs` (read
-/// as JSON: control without the field never shows one).
+/// Waits up to 20 s for job `id`'s `held` reason in `GET /v1/jobs` (a
+/// control without the field never shows one).
 fn wait_held(rack: &Appliances, id: u16) -> String {
     let t = Instant::now();
     loop {
-        let jobs: Vec<serde_json::Value> = rack.get("/v1/jobs");
-        let job = jobs.iter().find(|j| j["id"] == id).unwrap();
-        if let Some(why) = job["held"].as_str() {
-            assert_eq!(job["installed"], false, "{job}");
-            return why.to_string();
+        let jobs = rack.send(&control::jobs());
+        let job = jobs.iter().find(|j| j.id == id).unwrap();
+        if let Some(why) = &job.held {
+            assert!(!job.installed, "{job:?}");
+            return why.clone();
         }
         assert!(
             t.elapsed() < Duration::from_secs(20),
             "job {id} is not shown held (installed: {}); phubctl job list:\n{}",
-            job["installed"],
+            job.installed,
             rack.phubctl(&["job", "list"]).1
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -893,7 +866,7 @@ fn stays_held(rack: &Appliances, i: usize, job: &AdmitResponse, file: &std::path
         "{} was written over",
         file.display()
     );
-    let installed: Vec<InstalledJob> = rack.dataplane_get(i, "/v1/jobs");
+    let installed: Vec<InstalledJob> = rack.dataplane(i, &mgmt::jobs());
     assert!(
         installed.iter().all(|j| j.id != job.id),
         "the held part was installed: {installed:?}"
@@ -962,14 +935,11 @@ fn a_corrupt_part_checkpoint_holds_the_job_until_the_file_is_repaired() {
         ok && out.contains("appliance \"b\"") && out.contains("usable (round 3); restored from it"),
         "{out}{err}"
     );
-    let stats: phub::proto::api::DataplaneStats = rack.dataplane_get(1, "/v1/stats");
+    let stats: phub::proto::api::DataplaneStats = rack.dataplane(1, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range, Some((3, 3)), "{live:?}");
-    let listed: Vec<serde_json::Value> = rack.get("/v1/jobs");
-    assert!(
-        listed[0]["installed"] == true && listed[0]["held"].is_null(),
-        "{listed:?}"
-    );
+    let listed = rack.send(&control::jobs());
+    assert!(listed[0].installed && listed[0].held.is_none(), "{listed:?}");
     sgd_rounds(&w, &mut params, 4..=6);
     let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
     assert!(ok && out.contains("round 6"), "{out}{err}");

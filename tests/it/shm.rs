@@ -7,8 +7,9 @@
 
 use std::sync::Mutex;
 
-use crate::common::Rack;
+use crate::common::{Operator, Rack};
 use phub::proto::api::{AdmitResponse, Stats};
+use phub::proto::routes::control;
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_hwtests::workload::{sum_spec, train_rank};
 use phub_worker::{ShmMode, Worker, WorkerConfig, WorkerError, WorkerStats};
@@ -58,7 +59,7 @@ fn train(
 
 /// Messages the dataplane took from shared memory, over its lcores.
 fn shm_rx(rack: &Rack) -> u64 {
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     stats
         .dataplane
         .expect("dataplane stats")
