@@ -17,7 +17,7 @@ use phub_proto::api::{
 };
 use phub_proto::counters::{Column, Kind};
 use phub_proto::routes::control::{self, ControlCall};
-use phub_proto::routes::AddMode;
+use phub_proto::routes::{AddMode, ControlRoute, Route};
 use phub_proto::spec::{Consistency, JobSpec};
 use serde::Serialize;
 
@@ -460,8 +460,9 @@ pub fn render_admit(r: &AdmitResponse, control: &str, workers: Option<u32>) -> S
         "admitted job {id}: {chunks} chunks, {mem} on lcores {lcores}{on}\n\
          id     {id}\n\
          token  {token:016x}\n\
-         workers join with: POST {control}/v1/jobs/{id}/join {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
+         workers join with: POST {control}{join} {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
         id = r.id,
+        join = Route::path(&ControlRoute::Join { job: r.id }),
         chunks = r.chunks,
         mem = human_bytes(r.memory_bytes),
         lcores = lcore_ranges(&r.lcores),

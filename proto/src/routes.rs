@@ -258,6 +258,91 @@ impl ControlRoute {
     }
 }
 
+impl ControlRoute {
+    /// The route a request's method and path have the shape of, reading a
+    /// malformed job id or key index as a well-formed one
+    /// (`DELETE /v1/jobs/01` has the shape of [`ControlRoute::Evict`]);
+    /// None when no route has it. A server asks this of a request's head
+    /// to know whether it needs the operator token before it reads the
+    /// ids, so that an operator's route with a bad id is refused for want
+    /// of the token as it would be with a good one.
+    pub fn shape(method: &str, path: &str, query: Option<&str>) -> Option<ControlRoute> {
+        match ControlRoute::parse(method, path, query) {
+            Ok(route) => Some(route),
+            Err(RouteError::JobId { .. } | RouteError::Key { .. }) => {
+                let mut segs = segments(path);
+                // The ids' places: /v1/jobs/{job}/map/keys/{key}.
+                if let Some(job) = segs.get_mut(2) {
+                    *job = "1";
+                }
+                if let Some(key) = segs.get_mut(5) {
+                    *key = "0";
+                }
+                ControlRoute::parse(method, &segs.join("/"), query).ok()
+            }
+            Err(RouteError::NotFound { .. } | RouteError::Method { .. }) => None,
+        }
+    }
+
+    /// Whether a request with this method and path needs the operator
+    /// token, by its [`ControlRoute::shape`]: what names no route needs
+    /// none (anyone is told it is not found).
+    pub fn needs_token_at(method: &str, path: &str, query: Option<&str>) -> bool {
+        ControlRoute::shape(method, path, query).is_some_and(|r| r.needs_token())
+    }
+
+    /// One of every route, for job `job`, key 0 and appliance `appliance`
+    /// (both modes of [`ControlRoute::AddAppliance`], the map with and
+    /// without a key): what a test walks to see that a server handles
+    /// every route, and what the route table other languages mirror is
+    /// written from. The match below has no catch-all arm: a route added
+    /// to [`ControlRoute`] does not build until it is listed here too.
+    pub fn every(job: u16, appliance: &str) -> Vec<ControlRoute> {
+        use ControlRoute as R;
+        let all = vec![
+            R::Admit,
+            R::Jobs,
+            R::Job { job },
+            R::Evict { job },
+            R::Checkpoint { job },
+            R::Retry { job },
+            R::Map { job, key: None },
+            R::Map { job, key: Some(0) },
+            R::Join { job },
+            R::Stats,
+            R::Appliances,
+            R::AddAppliance {
+                mode: AddMode::Checked,
+            },
+            R::AddAppliance {
+                mode: AddMode::Forced,
+            },
+            R::RemoveAppliance {
+                name: appliance.to_string(),
+            },
+            R::Metrics,
+        ];
+        for r in &all {
+            match r {
+                R::Admit
+                | R::Jobs
+                | R::Job { .. }
+                | R::Evict { .. }
+                | R::Checkpoint { .. }
+                | R::Retry { .. }
+                | R::Map { .. }
+                | R::Join { .. }
+                | R::Stats
+                | R::Appliances
+                | R::AddAppliance { .. }
+                | R::RemoveAppliance { .. }
+                | R::Metrics => {}
+            }
+        }
+        all
+    }
+}
+
 impl Route for ControlRoute {
     fn method(&self) -> Method {
         use ControlRoute as R;
@@ -792,6 +877,54 @@ mod tests {
                 mode: AddMode::Forced
             })
         );
+    }
+
+    /// An operator's route needs the token whatever its ids say; a read,
+    /// a join and what names no route need none.
+    #[test]
+    fn the_operator_s_routes_need_the_token_even_with_a_malformed_id() {
+        for (m, p, q) in [
+            ("DELETE", "/v1/jobs/01", None),
+            ("DELETE", "/v1/jobs/abc", None),
+            ("POST", "/v1/jobs/0/checkpoint", None),
+            ("POST", "/v1/jobs/+1/retry", None),
+            ("POST", "/v1/jobs", None),
+            ("POST", "/v1/appliances", Some("force=true")),
+            ("DELETE", "/v1/appliances/a", None),
+        ] {
+            assert!(ControlRoute::needs_token_at(m, p, q), "{m} {p}");
+        }
+        for (m, p) in [
+            ("GET", "/v1/jobs/01"),
+            ("GET", "/v1/jobs/1/map/keys/x"),
+            ("POST", "/v1/jobs/x/join"),
+            ("GET", "/v1/nothing"),
+            ("PATCH", "/v1/jobs/1"),
+        ] {
+            assert!(!ControlRoute::needs_token_at(m, p, None), "{m} {p}");
+        }
+        assert_eq!(
+            ControlRoute::shape("GET", "/v1/jobs/x/map/keys/y", None),
+            Some(ControlRoute::Map { job: 1, key: Some(0) })
+        );
+    }
+
+    /// `every` lists each kind of route once with its own arguments, and
+    /// they parse back.
+    #[test]
+    fn every_lists_each_route_once() {
+        let all = ControlRoute::every(9, "b");
+        let shown: std::collections::BTreeSet<String> = all
+            .iter()
+            .map(|r| format!("{} {}", r.method(), r.path()))
+            .collect();
+        assert_eq!(shown.len(), all.len());
+        assert_eq!(
+            all.len(),
+            control_routes().len() - 1,
+            "the map with key 12 is the only extra"
+        );
+        assert!(shown.contains("DELETE /v1/appliances/b") && shown.contains("GET /v1/jobs/9/map/keys/0"));
     }
 
     #[test]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use crate::common::{Operator, Rack};
 use phub::proto::api::{AdmitResponse, DataplaneInfo, JobDetail, JobMap, JoinRequest, JoinResponse};
-use phub::proto::routes::{control, mgmt};
+use phub::proto::routes::{control, mgmt, ControlRoute, Route};
 use phub_worker::{Worker, WorkerConfig};
 
 /// What the dataplane may keep resident beyond what admission charged:
@@ -106,15 +106,19 @@ fn a_million_one_element_keys_are_charged_what_they_cost_and_run_a_round() {
         spec.len()
     );
     let t = Instant::now();
-    let answer = ureq::post(&format!("{}/v1/jobs/{}/join", rack.control_url, job.id))
-        .send_json(JoinRequest {
-            token: job.token,
-            rank: 0,
-            rejoin: false,
-            rack: None,
-        })
-        .unwrap()
-        .into_string_limited();
+    let answer = ureq::post(&format!(
+        "{}{}",
+        rack.control_url,
+        ControlRoute::Join { job: job.id }.path()
+    ))
+    .send_json(JoinRequest {
+        token: job.token,
+        rank: 0,
+        rejoin: false,
+        rack: None,
+    })
+    .unwrap()
+    .into_string_limited();
     println!(
         "join answer: {} bytes in {:?}; state file {state} bytes; spec {} bytes",
         answer.len(),
