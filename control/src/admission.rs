@@ -494,12 +494,7 @@ mod tests {
     }
 
     fn spec_with(keys: &[u64], chunk_bytes: u32) -> JobSpec {
-        let mut text =
-            format!("name = \"t\"\nworkers = 2\nchunk_bytes = {chunk_bytes}\n[optimizer]\nkind = \"sum\"\n");
-        for k in keys {
-            text.push_str(&format!("[[keys]]\nelements = {k}\n"));
-        }
-        JobSpec::from_toml(&text).unwrap()
+        JobSpec::new("t", 2, keys).with_chunk_bytes(chunk_bytes)
     }
 
     #[test]

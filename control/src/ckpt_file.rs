@@ -291,10 +291,7 @@ mod tests {
     use phub_proto::layout::{layout, Placement};
 
     fn spec() -> JobSpec {
-        JobSpec::from_toml(
-            "name = \"k\"\nworkers = 1\nchunk_bytes = 128\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 100\n",
-        )
-        .unwrap()
+        JobSpec::new("k", 1, &[100]).with_chunk_bytes(128)
     }
 
     /// Job 4's checkpoint on 2 lcores, every slot at `round`.

@@ -10,13 +10,15 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
+use phub_http::{Client, ClientError};
 use phub_proto::api::{
-    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, CheckpointInfo, JobDetail, JobMap, JobSummary,
-    LcoreStats, RetriedCheckpoint, RetriedInstall, RetryRequest, RetryResponse, Stats,
+    AdmitResponse, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, LcoreStats,
+    RetriedCheckpoint, RetriedInstall, RetryRequest, RetryResponse, Stats,
 };
 use phub_proto::counters::{Column, Kind};
+use phub_proto::routes::control::{self, ControlCall};
+use phub_proto::routes::{AddMode, ControlRoute, Route};
 use phub_proto::spec::{Consistency, JobSpec};
-use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::format::{human_bytes, human_ms, table, Align};
@@ -246,75 +248,50 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
         Cmd::Job { cmd } => match cmd {
             JobCmd::Admit { spec } => {
                 let text = read_spec(spec)?;
-                let is_json = JobSpec::looks_like_json(&text);
-                let raw = ctl.call("POST", "/v1/jobs", Some((&text, is_json)))?;
-                show(json, &raw, |r: AdmitResponse| {
+                let r = ctl.send(&control::admit(&text))?;
+                show(json, r, |r| {
                     let workers = JobSpec::parse(&text, None).ok().map(|s| s.workers);
-                    render_admit(&r, &ctl.base, workers)
+                    render_admit(&r, ctl.base(), workers)
                 })
             }
-            JobCmd::List => {
-                let raw = ctl.call("GET", "/v1/jobs", None)?;
-                show(json, &raw, |r: Vec<JobSummary>| render_list(&r))
-            }
-            JobCmd::Show { id } => {
-                let raw = ctl.call("GET", &format!("/v1/jobs/{id}"), None)?;
-                show(json, &raw, |r: JobDetail| render_show(&r))
-            }
-            JobCmd::Checkpoint { id } => {
-                let raw = ctl.call("POST", &format!("/v1/jobs/{id}/checkpoint"), None)?;
-                show(json, &raw, |c: CheckpointInfo| {
-                    let rounds = match c.round_range {
-                        Some((lo, hi)) if lo == hi => format!("round {lo}"),
-                        Some((lo, hi)) => format!("rounds {lo}..={hi}"),
-                        None => "no completed round yet".into(),
-                    };
-                    format!(
-                        "checkpoint of job {}: {rounds}, {} in {}\n",
-                        c.id,
-                        human_bytes(c.bytes),
-                        c.file
-                    )
-                })
-            }
+            JobCmd::List => show(json, ctl.send(&control::jobs())?, |r| render_list(&r)),
+            JobCmd::Show { id } => show(json, ctl.send(&control::job(*id))?, |r| render_show(&r)),
+            JobCmd::Checkpoint { id } => show(json, ctl.send(&control::checkpoint(*id))?, |c| {
+                let rounds = match c.round_range {
+                    Some((lo, hi)) if lo == hi => format!("round {lo}"),
+                    Some((lo, hi)) => format!("rounds {lo}..={hi}"),
+                    None => "no completed round yet".into(),
+                };
+                format!(
+                    "checkpoint of job {}: {rounds}, {} in {}\n",
+                    c.id,
+                    human_bytes(c.bytes),
+                    c.file
+                )
+            }),
             JobCmd::Retry {
                 id,
                 discard_checkpoint,
             } => {
-                let body = serde_json::to_string(&RetryRequest {
+                let req = RetryRequest {
                     discard_checkpoint: *discard_checkpoint,
-                })
-                .expect("a retry request serialises");
-                let raw = ctl.call("POST", &format!("/v1/jobs/{id}/retry"), Some((&body, true)))?;
-                show(json, &raw, |r: RetryResponse| render_retry(&r))
+                };
+                show(json, ctl.send(&control::retry(*id, &req))?, |r| render_retry(&r))
             }
-            JobCmd::Evict { id } => {
-                let raw = ctl.call("DELETE", &format!("/v1/jobs/{id}"), None)?;
-                show(json, &raw, |r: JobSummary| {
-                    format!(
-                        "evicted job {} {:?} ({} freed)\n",
-                        r.id,
-                        r.name,
-                        human_bytes(r.memory_bytes)
-                    )
-                })
-            }
+            JobCmd::Evict { id } => show(json, ctl.send(&control::evict(*id))?, |r| {
+                format!(
+                    "evicted job {} {:?} ({} freed)\n",
+                    r.id,
+                    r.name,
+                    human_bytes(r.memory_bytes)
+                )
+            }),
         },
         Cmd::Map {
             cmd: MapCmd::Show { id, key },
-        } => {
-            let path = match key {
-                None => format!("/v1/jobs/{id}/map"),
-                Some(k) => format!("/v1/jobs/{id}/map/keys/{k}"),
-            };
-            let raw = ctl.call("GET", &path, None)?;
-            show(json, &raw, |r: JobMap| render_map(&r))
-        }
+        } => show(json, ctl.send(&control::map(*id, *key))?, |r| render_map(&r)),
         Cmd::Appliance { cmd } => match cmd {
-            ApplianceCmd::List => {
-                let raw = ctl.call("GET", "/v1/appliances", None)?;
-                show(json, &raw, |r: Vec<ApplianceStatus>| render_appliances(&r))
-            }
+            ApplianceCmd::List => show(json, ctl.send(&control::appliances())?, |r| render_appliances(&r)),
             ApplianceCmd::Add {
                 name,
                 url,
@@ -322,20 +299,14 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 token_file,
                 force,
             } => {
-                let body = serde_json::to_string(&ApplianceSpec {
+                let spec = ApplianceSpec {
                     name: name.clone(),
                     url: url.clone(),
                     rack: rack.clone(),
                     token_file: token_file.clone(),
-                })
-                .expect("an appliance serialises");
-                let path = if *force {
-                    "/v1/appliances?force=true"
-                } else {
-                    "/v1/appliances"
                 };
-                let raw = ctl.call("POST", path, Some((&body, true)))?;
-                show(json, &raw, |a: ApplianceStatus| {
+                let mode = if *force { AddMode::Forced } else { AddMode::Checked };
+                show(json, ctl.send(&control::add_appliance(&spec, mode))?, |a| {
                     format!(
                         "added appliance {:?} at {}
 {}",
@@ -345,21 +316,15 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     )
                 })
             }
-            ApplianceCmd::Remove { name } => {
-                let raw = ctl.call("DELETE", &format!("/v1/appliances/{name}"), None)?;
-                show(json, &raw, |a: ApplianceStatus| {
-                    format!(
-                        "removed appliance {:?} ({})
+            ApplianceCmd::Remove { name } => show(json, ctl.send(&control::remove_appliance(name))?, |a| {
+                format!(
+                    "removed appliance {:?} ({})
 ",
-                        a.name, a.url
-                    )
-                })
-            }
+                    a.name, a.url
+                )
+            }),
         },
-        Cmd::Stats { watch: None } => {
-            let raw = ctl.call("GET", "/v1/stats", None)?;
-            show(json, &raw, |r: Stats| render_stats(&r))
-        }
+        Cmd::Stats { watch: None } => show(json, ctl.send(&control::stats())?, |r| render_stats(&r)),
         Cmd::Stats { watch: Some(secs) } => {
             if !(secs.is_finite() && *secs > 0.0) {
                 return Err(CliError::Local(format!(
@@ -370,10 +335,10 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
             // The previous answer and when it came, for the rates.
             let mut prev: Option<(Stats, std::time::Instant)> = None;
             loop {
-                let raw = ctl.call("GET", "/v1/stats", None);
+                let answer = ctl.send(&control::stats());
                 let at = std::time::Instant::now();
-                let text = raw.and_then(|raw| {
-                    render(json, &raw, |r: Stats| {
+                let text = answer.map(|r| {
+                    render(json, r, |r| {
                         let mut t = match &prev {
                             Some((p, then)) => render_rates(p, &r, at.duration_since(*then).as_secs_f64()),
                             None => "rates: from the next refresh on\n\n".to_string(),
@@ -384,7 +349,7 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     })
                 });
                 print!("\x1b[2J\x1b[H");
-                println!("phubctl stats, every {secs} s, from {}\n", ctl.base);
+                println!("phubctl stats, every {secs} s, from {}\n", ctl.base());
                 match text {
                     Ok(t) => print!("{t}"),
                     Err(e) => println!("phubctl: {e}"),
@@ -408,36 +373,27 @@ fn read_spec(path: &str) -> Result<String, CliError> {
     }
 }
 
-fn render<T: DeserializeOwned + Serialize>(
-    json: bool,
-    raw: &str,
-    f: impl FnOnce(T) -> String,
-) -> Result<String, CliError> {
-    let v: T = serde_json::from_str(raw).map_err(|e| CliError::BadAnswer(e.to_string()))?;
+/// Control's answer as JSON (`--json`) or as `f` renders it.
+fn render<T: Serialize>(json: bool, v: T, f: impl FnOnce(T) -> String) -> String {
     if json {
         // Through the typed answer, so fields keep the API's order.
         let mut s = serde_json::to_string_pretty(&v).expect("API types serialise");
         s.push('\n');
-        Ok(s)
+        s
     } else {
-        Ok(f(v))
+        f(v)
     }
 }
 
-fn show<T: DeserializeOwned + Serialize>(
-    json: bool,
-    raw: &str,
-    f: impl FnOnce(T) -> String,
-) -> Result<(), CliError> {
-    print!("{}", render(json, raw, f)?);
+fn show<T: Serialize>(json: bool, v: T, f: impl FnOnce(T) -> String) -> Result<(), CliError> {
+    print!("{}", render(json, v, f));
     Ok(())
 }
 
-/// A connection to control.
+/// A connection to control: the shared typed client, with phubctl's
+/// timeouts and its errors.
 struct Ctl {
-    base: String,
-    agent: ureq::Agent,
-    operator_token: Option<String>,
+    client: Client,
 }
 
 impl Ctl {
@@ -449,57 +405,25 @@ impl Ctl {
         let builder = ureq::AgentBuilder::new()
             .timeout_connect(Duration::from_secs(3))
             .timeout(Duration::from_secs(30));
-        let agent = phub_http::agent(base, ca_file, builder)
-            .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?;
-        Ok(Ctl {
-            operator_token,
-            base: base.trim_end_matches('/').to_string(),
-            agent,
-        })
+        let client = Client::new(base, ca_file, builder)
+            .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?
+            .with_token(operator_token);
+        Ok(Ctl { client })
     }
 
-    /// Sends a request; the answer's body on success.
-    fn call(&self, method: &str, path: &str, body: Option<(&str, bool)>) -> Result<String, CliError> {
-        let url = format!("{}{path}", self.base);
-        let mut req = self.agent.request(method, &url);
-        if let Some(t) = &self.operator_token {
-            req = req.set("Authorization", &format!("Bearer {t}"));
-        }
-        let res = match body {
-            Some((text, is_json)) => req
-                .set(
-                    "Content-Type",
-                    if is_json {
-                        "application/json"
-                    } else {
-                        "application/toml"
-                    },
-                )
-                .send_string(text),
-            None => req.call(),
-        };
-        match res {
-            Ok(r) => r
-                .into_string()
-                .map_err(|e| CliError::BadAnswer(format!("reading the answer: {e}"))),
-            Err(ureq::Error::Status(code, r)) => {
-                let body = r.into_string().unwrap_or_default();
-                Err(CliError::Api(match serde_json::from_str::<ApiError>(&body) {
-                    Ok(e) => e.error,
-                    Err(_) => format!("HTTP {code} from {url}: {}", ApiError::message_of(&body)),
-                }))
-            }
-            Err(ureq::Error::Transport(t)) => {
-                let text = t.to_string();
-                Err(CliError::Unreachable {
-                    url: self.base.clone(),
-                    reason: text
-                        .strip_prefix(&format!("{url}: "))
-                        .unwrap_or(&text)
-                        .to_string(),
-                })
-            }
-        }
+    /// Control's base URL.
+    fn base(&self) -> &str {
+        self.client.base()
+    }
+
+    /// Sends a call; its answer on success.
+    fn send<A>(&self, call: &ControlCall<'_, A>) -> Result<A, CliError> {
+        self.client.send(call).map_err(|e| match e {
+            ClientError::Api { message, .. } => CliError::Api(message),
+            e @ ClientError::Http { .. } => CliError::Api(e.to_string()),
+            ClientError::Unreachable { base, reason } => CliError::Unreachable { url: base, reason },
+            ClientError::BadAnswer { reason, .. } => CliError::BadAnswer(reason),
+        })
     }
 }
 
@@ -536,8 +460,9 @@ pub fn render_admit(r: &AdmitResponse, control: &str, workers: Option<u32>) -> S
         "admitted job {id}: {chunks} chunks, {mem} on lcores {lcores}{on}\n\
          id     {id}\n\
          token  {token:016x}\n\
-         workers join with: POST {control}/v1/jobs/{id}/join {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
+         workers join with: POST {control}{join} {{\"token\": \"{token:016x}\", \"rank\": R}}{ranks}\n",
         id = r.id,
+        join = Route::path(&ControlRoute::Join { job: r.id }),
         chunks = r.chunks,
         mem = human_bytes(r.memory_bytes),
         lcores = lcore_ranges(&r.lcores),
@@ -1795,10 +1720,7 @@ mod tests {
             "{t}"
         );
         // The JSON form carries the port counters as the API has them.
-        let json = render(true, &serde_json::to_string(&s).unwrap(), |_: Stats| {
-            String::new()
-        })
-        .unwrap();
+        let json = render(true, s, |_| String::new());
         assert!(
             json.contains("\"rx_nombuf\": 3") && json.contains("\"arp_replies\": 1"),
             "{json}"

@@ -18,8 +18,8 @@
 //! This file starts and stops the daemon; the rest is one file per concept:
 //!
 //! - `config`: the command line, [`Config`], token paths, `--appliance`;
-//! - `http`: auth, body limits, the route table (a match on the path),
-//!   errors as statuses;
+//! - `http`: auth, body limits, each `phub_proto::routes::ControlRoute`
+//!   to its handler (one arm per route), errors as statuses;
 //! - `registry`: the appliances and jobs behind the lock, the state file
 //!   they are saved to (every change through `Shared::commit`: saved, or
 //!   undone in memory), the appliances' last descriptions;

@@ -1,4 +1,6 @@
-//! Client of the dataplane's management API (see `phub_proto::api`).
+//! Client of the dataplane's management API: the calls of
+//! `phub_proto::routes::mgmt`, with the management token read from its file
+//! (and read again when the dataplane made a new one).
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -6,7 +8,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use phub_proto::api::{ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob};
-use serde::de::DeserializeOwned;
+use phub_proto::routes::mgmt::{self, MgmtCall};
+use phub_proto::routes::Route;
 
 /// What went wrong talking to the dataplane.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -151,50 +154,54 @@ impl Client {
         &self.token_path
     }
 
-    fn call(&self, method: &str, path: &str, body: Body<'_>) -> Result<ureq::Response, DataplaneError> {
-        match self.call_with(method, path, body, false) {
+    fn send<A>(&self, call: &MgmtCall<'_, A>) -> Result<A, DataplaneError> {
+        match self.send_with(call, false) {
             // The dataplane restarted and made a new token: read it again.
             Err(DataplaneError::Refused {
                 status: 401 | 403, ..
-            }) => self.call_with(method, path, body, true),
+            }) => self.send_with(call, true),
             r => r,
         }
     }
 
-    fn call_with(
-        &self,
-        method: &str,
-        path: &str,
-        body: Body<'_>,
-        fresh: bool,
-    ) -> Result<ureq::Response, DataplaneError> {
-        let url = format!("{}{path}", self.base);
-        let mut req = self.agent.request(method, &url);
+    fn send_with<A>(&self, call: &MgmtCall<'_, A>, fresh: bool) -> Result<A, DataplaneError> {
+        let route = call.route;
+        let url = format!("{}{}", self.base, route.path());
+        let mut req = self.agent.request(route.method().as_str(), &url);
+        if route.is_quick() {
+            req = req.timeout(READ_TIMEOUT);
+        }
         // Reading the description, jobs and counters needs no token: without
         // one (a dataplane that is down removed its file), such a call still
         // tells whether the dataplane answers.
-        let open = phub_proto::api::mgmt_route_is_open(method, path);
-        if open || (method, path) == ("GET", AUTH) {
-            req = req.timeout(READ_TIMEOUT);
-        }
         match self.token(fresh) {
             Ok(t) => req = req.set("Authorization", &format!("Bearer {t}")),
-            Err(_) if open => {}
+            Err(_) if !route.needs_token() => {}
             Err(e) => return Err(e),
         }
-        let res = match body {
-            Body::Json(b) => req.send_json(b),
-            Body::Bytes(b) => req.set("Content-Type", "application/octet-stream").send_bytes(b),
-            Body::None => req.call(),
+        let res = match call.body.content_type() {
+            Some(ct) => req.set("Content-Type", ct).send_bytes(call.body.bytes()),
+            None => req.call(),
+        };
+        let bad = |reason: String| DataplaneError::BadAnswer {
+            appliance: self.name.clone(),
+            what: call.what(),
+            reason,
         };
         match res {
-            Ok(r) => Ok(r),
+            Ok(r) => {
+                let mut bytes = Vec::new();
+                r.into_reader()
+                    .read_to_end(&mut bytes)
+                    .map_err(|e| bad(e.to_string()))?;
+                call.answer(&bytes).map_err(bad)
+            }
             Err(ureq::Error::Status(status, r)) => {
                 let body = r.into_string().unwrap_or_default();
                 let message = ApiError::message_of(&body);
                 Err(DataplaneError::Refused {
                     appliance: self.name.clone(),
-                    what: format!("{method} {path}"),
+                    what: call.what(),
                     status,
                     message,
                 })
@@ -214,47 +221,36 @@ impl Client {
         }
     }
 
-    fn get<T: DeserializeOwned>(&self, path: &str) -> Result<T, DataplaneError> {
-        self.call("GET", path, Body::None)?
-            .into_json()
-            .map_err(|e| DataplaneError::BadAnswer {
-                appliance: self.name.clone(),
-                what: format!("GET {path}"),
-                reason: e.to_string(),
-            })
-    }
-
     /// `GET /v1/info`.
     pub(crate) fn info(&self) -> Result<DataplaneInfo, DataplaneError> {
-        self.get("/v1/info")
+        self.send(&mgmt::info())
     }
 
     /// `GET /v1/auth`: whether the management token is the dataplane's
     /// (a `Refused` 401 or 403 if not).
     pub(crate) fn check_token(&self) -> Result<(), DataplaneError> {
-        self.call_with("GET", AUTH, Body::None, true).map(drop)
+        self.send_with(&mgmt::auth(), true)
     }
 
     /// `GET /v1/jobs`.
     pub(crate) fn jobs(&self) -> Result<Vec<InstalledJob>, DataplaneError> {
-        self.get("/v1/jobs")
+        self.send(&mgmt::jobs())
     }
 
     /// `GET /v1/stats`.
     pub(crate) fn stats(&self) -> Result<DataplaneStats, DataplaneError> {
-        self.get("/v1/stats")
+        self.send(&mgmt::stats())
     }
 
     /// `PUT /v1/jobs/{id}`; any 2xx (the API says 201) means installed.
     pub(crate) fn install(&self, job: &InstallJob) -> Result<(), DataplaneError> {
-        self.call("PUT", &format!("/v1/jobs/{}", job.id), Body::Json(job))
-            .map(drop)
+        self.send(&mgmt::install(job))
     }
 
     /// `DELETE /v1/jobs/{id}`; `Ok(false)` when the dataplane did not have it (404).
     pub(crate) fn remove(&self, id: u16) -> Result<bool, DataplaneError> {
-        match self.call("DELETE", &format!("/v1/jobs/{id}"), Body::None) {
-            Ok(_) => Ok(true),
+        match self.send(&mgmt::remove(id)) {
+            Ok(()) => Ok(true),
             Err(DataplaneError::Refused { status: 404, .. }) => Ok(false),
             Err(e) => Err(e),
         }
@@ -262,33 +258,11 @@ impl Client {
 
     /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file.
     pub(crate) fn checkpoint(&self, id: u16) -> Result<Vec<u8>, DataplaneError> {
-        let what = format!("GET /v1/jobs/{id}/checkpoint");
-        let r = self.call("GET", &format!("/v1/jobs/{id}/checkpoint"), Body::None)?;
-        let mut bytes = Vec::new();
-        r.into_reader()
-            .read_to_end(&mut bytes)
-            .map_err(|e| DataplaneError::BadAnswer {
-                appliance: self.name.clone(),
-                what,
-                reason: e.to_string(),
-            })?;
-        Ok(bytes)
+        self.send(&mgmt::checkpoint(id))
     }
 
     /// `PUT /v1/jobs/{id}` with a checkpoint file: installs the job restored.
     pub(crate) fn restore(&self, id: u16, ckpt: &[u8]) -> Result<(), DataplaneError> {
-        self.call("PUT", &format!("/v1/jobs/{id}"), Body::Bytes(ckpt))
-            .map(drop)
+        self.send(&mgmt::restore(id, ckpt))
     }
-}
-
-/// The route that checks the management token and does nothing else.
-const AUTH: &str = "/v1/auth";
-
-/// A request body.
-#[derive(Clone, Copy)]
-enum Body<'a> {
-    None,
-    Json(&'a InstallJob),
-    Bytes(&'a [u8]),
 }

@@ -126,10 +126,7 @@ mod tests {
     }
 
     fn spec(elements: u64) -> JobSpec {
-        JobSpec::from_toml(&format!(
-            "name = \"t\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = {elements}\n"
-        ))
-        .unwrap()
+        JobSpec::new("t", 2, &[elements]).with_chunk_bytes(1024)
     }
 
     /// One appliance's part of a sharded job keeps its share of the chunk

@@ -17,6 +17,8 @@ use phub_proto::api::{
     Stats,
 };
 use phub_proto::layout::Placement;
+use phub_proto::routes::{AddMode, ControlRoute as R, Route, RouteError};
+use phub_proto::spec::{Appliances as Placed, JobSpec};
 
 fn temp_state(tag: &str) -> TempState {
     TempState::new("phub-control-appl", tag)
@@ -61,10 +63,18 @@ fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>, token: bool) -
     }
 }
 
-fn ok<T: serde::de::DeserializeOwned>(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> T {
-    let (s, text) = call(d, method, path, body, true);
+/// Sends `route` as a client does (its method, path and query) with the
+/// operator token; its answer.
+fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
+    let (method, path) = (route.method(), route.path());
+    let (s, text) = call(d, method.as_str(), &path, body, true);
     assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// Sends `route`, expecting an error status; returns its message.
+fn err_at(d: &Daemon, route: &R, body: Option<&str>, status: u16) -> String {
+    err(d, route.method().as_str(), &route.path(), body, status)
 }
 
 fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) -> String {
@@ -74,11 +84,11 @@ fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) ->
 }
 
 fn list(d: &Daemon) -> Vec<ApplianceStatus> {
-    ok(d, "GET", "/v1/appliances", None)
+    ok_at(d, &R::Appliances, None)
 }
 
 fn jobs(d: &Daemon) -> Vec<JobSummary> {
-    ok(d, "GET", "/v1/jobs", None)
+    ok_at(d, &R::Jobs, None)
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -107,11 +117,13 @@ fn two_appliances(tag: &str) -> (Fake, Fake, TempState, Daemon) {
 }
 
 /// A sum job of one key of `elements` f32 in 1 KiB chunks, on `placement`.
-fn spec(name: &str, elements: u64, placement: &str) -> String {
-    format!(
-        "name = \"{name}\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
-         [[keys]]\nelements = {elements}\n{placement}"
-    )
+fn spec(name: &str, elements: u64, placement: Option<Placed>) -> String {
+    let spec = JobSpec::new(name, 2, &[elements]).with_chunk_bytes(1024);
+    match placement {
+        Some(p) => spec.sharded_over(p),
+        None => spec,
+    }
+    .to_toml()
 }
 
 fn puts(fake: &Fake) -> usize {
@@ -139,42 +151,66 @@ fn appliances_are_added_listed_removed_and_recorded() {
     assert!(l[0].down.is_none());
 
     let body = serde_json::to_string(&appliance("b", &b, "r2")).unwrap();
-    let (s, _) = call(&d, "POST", "/v1/appliances", Some(&body), false);
+    let (s, _) = call(
+        &d,
+        "POST",
+        &R::AddAppliance {
+            mode: AddMode::Checked,
+        }
+        .path(),
+        Some(&body),
+        false,
+    );
     assert_eq!(s, 401, "adding an appliance needs the operator token");
-    let added: ApplianceStatus = ok(&d, "POST", "/v1/appliances", Some(&body));
+    let added: ApplianceStatus = ok_at(
+        &d,
+        &R::AddAppliance {
+            mode: AddMode::Checked,
+        },
+        Some(&body),
+    );
     assert_eq!((added.name.as_str(), added.lcores), ("b", Some(3)));
-    let e = err(&d, "POST", "/v1/appliances", Some(&body), 409);
+    let e = err_at(
+        &d,
+        &R::AddAppliance {
+            mode: AddMode::Checked,
+        },
+        Some(&body),
+        409,
+    );
     assert!(e.contains("appliance \"b\" already exists"), "{e}");
     let bad = serde_json::to_string(&ApplianceSpec {
         name: "../x".into(),
         ..appliance("x", &b, "")
     })
     .unwrap();
-    let e = err(&d, "POST", "/v1/appliances", Some(&bad), 400);
+    let e = err_at(
+        &d,
+        &R::AddAppliance {
+            mode: AddMode::Checked,
+        },
+        Some(&bad),
+        400,
+    );
     assert!(
         e.contains("appliance name \"../x\"") && e.contains("ASCII letters"),
         "{e}"
     );
     assert_eq!(list(&d).len(), 2);
 
-    let r: AdmitResponse = ok(
+    let r: AdmitResponse = ok_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec(
-            "both",
-            256 * 10,
-            "[placement]\nappliances = [\"a\", \"b\"]\n",
-        )),
+        &R::Admit,
+        Some(&spec("both", 256 * 10, Some(Placed::named(&["a", "b"])))),
     );
     assert_eq!(r.appliances, ["a", "b"]);
-    let e = err(&d, "DELETE", "/v1/appliances/b", None, 409);
+    let e = err_at(&d, &R::RemoveAppliance { name: "b".into() }, None, 409);
     assert!(
         e.contains("appliance \"b\" holds jobs 1 (\"both\"); evict them first"),
         "{e}"
     );
     assert_eq!(
-        err(&d, "DELETE", "/v1/appliances/zz", None, 404),
+        err_at(&d, &R::RemoveAppliance { name: "zz".into() }, None, 404),
         "no appliance \"zz\"; see phubctl appliance list"
     );
 
@@ -188,9 +224,9 @@ fn appliances_are_added_listed_removed_and_recorded() {
     wait_for("the job installed on both", || jobs(&d)[0].installed);
     assert_eq!(jobs(&d)[0].appliances, ["a", "b"]);
 
-    let _: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: 1 }, None);
     assert!(a.jobs().is_empty() && b.jobs().is_empty(), "evicted from both");
-    let gone: ApplianceStatus = ok(&d, "DELETE", "/v1/appliances/b", None);
+    let gone: ApplianceStatus = ok_at(&d, &R::RemoveAppliance { name: "b".into() }, None);
     assert_eq!(gone.name, "b");
     d.shutdown();
     let d = daemon(vec![], "http://127.0.0.1:1", &state);
@@ -206,7 +242,7 @@ fn a_state_file_without_appliances_means_one_appliance_default() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("old");
     let d = daemon(vec![], &fake.url(), &state);
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("old", 5000, "")));
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec("old", 5000, None)));
     d.shutdown();
     let mut old: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
     assert_eq!(old["appliances"][0]["name"], "default");
@@ -252,24 +288,17 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         &state,
     );
     // One appliance by default: the one with the most free memory.
-    let one: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec("one", 1000, "")));
+    let one: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec("one", 1000, None)));
     assert_eq!(one.appliances, ["b"]);
     assert!(b.jobs().contains_key(&one.id) && !a.jobs().contains_key(&one.id));
-    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", one.id), None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: one.id }, None);
 
-    let e = err(
-        &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("x", 1000, "[placement]\nappliances = 3\n")),
-        507,
-    );
+    let e = err_at(&d, &R::Admit, Some(&spec("x", 1000, Some(Placed::Count(3)))), 507);
     assert_eq!(e, "the job asks for 3 appliances; 2 answer: a, b");
-    let e = err(
+    let e = err_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("x", 1000, "[placement]\nappliances = [\"c\"]\n")),
+        &R::Admit,
+        Some(&spec("x", 1000, Some(Placed::named(&["c"])))),
         400,
     );
     assert!(
@@ -277,11 +306,10 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
         "{e}"
     );
     // Too big for a's 1 MiB: refused, naming a, and nothing left anywhere.
-    let e = err(
+    let e = err_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("big", 1 << 20, "[placement]\nappliances = 2\n")),
+        &R::Admit,
+        Some(&spec("big", 1 << 20, Some(Placed::Count(2)))),
         507,
     );
     assert!(
@@ -290,11 +318,10 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     );
     assert!(a.jobs().is_empty() && b.jobs().is_empty());
 
-    let r: AdmitResponse = ok(
+    let r: AdmitResponse = ok_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("both", 256 * 10, "[placement]\nappliances = 2\n")),
+        &R::Admit,
+        Some(&spec("both", 256 * 10, Some(Placed::Count(2)))),
     );
     assert_eq!(r.appliances, ["b", "a"], "most free memory first");
     let (on_a, on_b) = (a.jobs()[&r.id].layout.clone(), b.jobs()[&r.id].layout.clone());
@@ -304,10 +331,9 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     assert!(on_a.chunk_count() > 0 && on_b.chunk_count() > 0);
 
     // A worker learns both appliances and a layout over their 5 lcores.
-    let join: JoinResponse = ok(
+    let join: JoinResponse = ok_at(
         &d,
-        "POST",
-        &format!("/v1/jobs/{}/join", r.id),
+        &R::Join { job: r.id },
         Some(&format!("{{\"token\": \"{:016x}\", \"rank\": 0}}", r.token)),
     );
     let names: Vec<(&str, u32)> = join
@@ -329,13 +355,20 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     assert_eq!(join.layout.lcores[3..], on_a.lcores[..]);
     assert_eq!(whole.chunks().total(), 10);
 
-    let map: JobMap = ok(&d, "GET", &format!("/v1/jobs/{}/map/keys/0", r.id), None);
+    let map: JobMap = ok_at(
+        &d,
+        &R::Map {
+            job: r.id,
+            key: Some(0),
+        },
+        None,
+    );
     let owners: Vec<&str> = map.lcores.iter().map(|l| l.appliance.as_str()).collect();
     assert!(owners.contains(&"a") && owners.contains(&"b"), "{owners:?}");
     assert_eq!(map.keys[0].runs.iter().map(|r| r.count).sum::<u32>(), 10);
     assert!(map.keys[0].runs.iter().any(|r| r.appliance == "a" && r.slot == 0));
 
-    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", r.id), None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: r.id }, None);
     assert!(show.summary.installed);
     let parts: Vec<(&str, &str, bool)> = show
         .parts
@@ -345,11 +378,11 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     assert_eq!(parts, [("b", "r2", true), ("a", "r1", true)]);
     // The fake says 42 rounds per job: both parts count.
     assert_eq!(show.rounds_completed, 84);
-    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    let stats: Stats = ok_at(&d, &R::Stats, None);
     assert_eq!(stats.appliances.len(), 2);
 
     // Checkpoints: one file per part.
-    let c: phub_proto::api::CheckpointInfo = ok(&d, "POST", &format!("/v1/jobs/{}/checkpoint", r.id), None);
+    let c: phub_proto::api::CheckpointInfo = ok_at(&d, &R::Checkpoint { job: r.id }, None);
     for name in ["a", "b"] {
         let f = state.with_file_name(format!("state.json.job-{}.{name}.ckpt", r.id));
         assert!(
@@ -369,7 +402,7 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     assert_eq!(a.jobs()[&r.id].layout, on_a);
     assert_eq!(puts(&b), b_puts);
     // Evicted: from both.
-    let evicted: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", r.id), None);
+    let evicted: JobSummary = ok_at(&d, &R::Evict { job: r.id }, None);
     assert_eq!(evicted.appliances, ["b", "a"]);
     assert!(a.jobs().is_empty() && b.jobs().is_empty());
     d.shutdown();
@@ -384,12 +417,11 @@ fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
     let spec = "name = \"h\"\nworkers = 4\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
                 [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
                 hierarchical = true\nranks_per_rack = [1, 3]\n";
-    let r: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(spec));
+    let r: AdmitResponse = ok_at(&d, &R::Admit, Some(spec));
     let share = |rank: u16| {
-        let join: JoinResponse = ok(
+        let join: JoinResponse = ok_at(
             &d,
-            "POST",
-            &format!("/v1/jobs/{}/join", r.id),
+            &R::Join { job: r.id },
             Some(&format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", r.token)),
         );
         assert_eq!(join.appliances.len(), 1, "a rank talks to its rack's appliance");
@@ -410,18 +442,13 @@ fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
 #[test]
 fn job_show_names_a_part_whose_appliance_is_down() {
     let (_a, b, _state, d) = two_appliances("down");
-    let r: AdmitResponse = ok(
+    let r: AdmitResponse = ok_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec(
-            "both",
-            256 * 4,
-            "[placement]\nappliances = [\"a\", \"b\"]\n",
-        )),
+        &R::Admit,
+        Some(&spec("both", 256 * 4, Some(Placed::named(&["a", "b"])))),
     );
     drop(b);
-    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", r.id), None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: r.id }, None);
     assert!(!show.summary.installed);
     let down = &show.parts[1];
     assert_eq!(down.appliance, "b");
@@ -459,11 +486,10 @@ fn one_dataplane_under_two_names_loses_no_job() {
         "http://127.0.0.1:1",
         &state,
     );
-    let r: AdmitResponse = ok(
+    let r: AdmitResponse = ok_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("kept", 5000, "[placement]\nappliances = [\"a\"]\n")),
+        &R::Admit,
+        Some(&spec("kept", 5000, Some(Placed::named(&["a"])))),
     );
     wait_for("a2 shown as a's dataplane", || {
         list(&d).iter().any(|x| {
@@ -488,11 +514,10 @@ fn one_dataplane_under_two_names_loses_no_job() {
         .cloned()
         .collect();
     assert!(deletes.is_empty(), "{deletes:?}");
-    let e = err(
+    let e = err_at(
         &d,
-        "POST",
-        "/v1/jobs",
-        Some(&spec("x", 256, "[placement]\nappliances = [\"a2\"]\n")),
+        &R::Admit,
+        Some(&spec("x", 256, Some(Placed::named(&["a2"])))),
         409,
     );
     assert!(e.contains("\"a2\"") && e.contains("second name"), "{e}");
@@ -512,9 +537,9 @@ fn appliance_add_checks_what_it_adds() {
     let b = Fake::start(FakeConfig::lcores(1).at(9200));
     let state = temp_state("add-checks");
     let d = daemon(vec![appliance("a", &a, "r1")], "http://127.0.0.1:1", &state);
-    let add = |spec: &ApplianceSpec, query: &str, status: u16| -> String {
+    let add = |spec: &ApplianceSpec, mode: AddMode, status: u16| -> String {
         let body = serde_json::to_string(spec).unwrap();
-        err(&d, "POST", &format!("/v1/appliances{query}"), Some(&body), status)
+        err_at(&d, &R::AddAppliance { mode }, Some(&body), status)
     };
     let port = a.addr.port();
     for url in [
@@ -526,18 +551,18 @@ fn appliance_add_checks_what_it_adds() {
             url: url.clone(),
             ..appliance("a2", &a, "r2")
         };
-        let e = add(&spec, "", 409);
+        let e = add(&spec, AddMode::Checked, 409);
         assert!(
             e.contains("appliance \"a\"") && e.contains("one name"),
             "{url}: {e}"
         );
-        let e = add(&spec, "?force=true", 409);
+        let e = add(&spec, AddMode::Forced, 409);
         assert!(e.contains("appliance \"a\""), "{url} --force: {e}");
     }
     // Another dataplane whose data address is a's: one of the two is
     // wrong, and workers would send to the other.
     let c = Fake::start(FakeConfig::lcores(1));
-    let e = add(&appliance("c", &c, "r3"), "", 409);
+    let e = add(&appliance("c", &c, "r3"), AddMode::Checked, 409);
     assert!(
         e.contains("appliance \"a\"") && e.contains("same data address 127.0.0.1:9100"),
         "{e}"
@@ -552,7 +577,7 @@ fn appliance_add_checks_what_it_adds() {
             token_file: Some(wrong.display().to_string()),
             ..appliance("b", &b, "r2")
         },
-        "",
+        AddMode::Checked,
         400,
     );
     assert!(
@@ -564,23 +589,30 @@ fn appliance_add_checks_what_it_adds() {
         url: nothing.clone(),
         ..appliance("gone", &b, "r3")
     };
-    let e = add(&down, "", 400);
+    let e = add(&down, AddMode::Checked, 400);
     assert!(e.contains("cannot reach") && e.contains("--force"), "{e}");
     let own = ApplianceSpec {
         url: format!("http://{}", d.addr()),
         ..appliance("me", &b, "r3")
     };
-    let e = add(&own, "", 400);
+    let e = add(&own, AddMode::Checked, 400);
     assert!(e.contains("does not answer as a phub dataplane"), "{e}");
     assert_eq!(list(&d).len(), 1, "nothing was added");
     let body = serde_json::to_string(&down).unwrap();
-    let added: ApplianceStatus = ok(&d, "POST", "/v1/appliances?force=true", Some(&body));
+    let added: ApplianceStatus = ok_at(
+        &d,
+        &R::AddAppliance {
+            mode: AddMode::Forced,
+        },
+        Some(&body),
+    );
     assert_eq!(added.name, "gone");
     assert!(added.down.is_some());
-    let _: ApplianceStatus = ok(
+    let _: ApplianceStatus = ok_at(
         &d,
-        "POST",
-        "/v1/appliances",
+        &R::AddAppliance {
+            mode: AddMode::Checked,
+        },
         Some(&serde_json::to_string(&appliance("b", &b, "r2")).unwrap()),
     );
     let names: Vec<String> = list(&d).into_iter().map(|a| a.name).collect();
@@ -608,7 +640,7 @@ fn a_failed_hierarchical_job_leaves_no_part_behind() {
     let spec = "name = \"h\"\nworkers = 2\nchunk_bytes = 1024\n[optimizer]\nkind = \"sum\"\n\
                 [[keys]]\nelements = 2560\n[placement]\nappliances = [\"a\", \"b\"]\n\
                 hierarchical = true\n";
-    let r: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(spec));
+    let r: AdmitResponse = ok_at(&d, &R::Admit, Some(spec));
     assert!(a.jobs().contains_key(&r.id) && b.jobs().contains_key(&r.id));
     b.restart_as(FakeConfig::lcores(2).at(9200));
     wait_for("the job failed", || jobs(&d)[0].failed.is_some());
@@ -616,5 +648,76 @@ fn a_failed_hierarchical_job_leaves_no_part_behind() {
     assert!(why.contains("came back with 2 lcores"), "{why}");
     wait_for("its part on a removed", || a.jobs().is_empty());
     assert!(b.jobs().is_empty());
+    d.shutdown();
+}
+
+/// Every route `phub_proto::routes::ControlRoute` knows reaches its
+/// handler in the daemon: sent as a client sends it (method, path and
+/// query), each gets its handler's answer, never the router's refusal (404
+/// "no route", 405, or a malformed id's 400). The forced add's 201 shows
+/// the query reaches the route too (without `?force=true` the same add is
+/// refused: the appliance does not answer).
+#[test]
+fn every_route_reaches_its_handler() {
+    let a = Fake::start(FakeConfig::lcores(1));
+    let state = temp_state("every-route");
+    let d = daemon(vec![appliance("a", &a, "r1")], "http://127.0.0.1:1", &state);
+    let spec = "name = \"r\"\nworkers = 1\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 64\n";
+    let job: AdmitResponse = ok_at(&d, &R::Admit, Some(spec));
+    let down = serde_json::to_string(&ApplianceSpec {
+        url: "http://127.0.0.1:1".into(),
+        ..appliance("gone", &a, "r9")
+    })
+    .unwrap();
+    let join = format!("{{\"token\": \"{:016x}\", \"rank\": 0}}", job.token);
+    let second = spec.replace("\"r\"", "\"r2\"");
+    let mut routes = R::every(job.id, "gone");
+    // The eviction last, the forced add before the removal it makes room for.
+    routes.sort_by_key(|r| match r {
+        R::Evict { .. } => 2,
+        R::RemoveAppliance { .. } => 1,
+        _ => 0,
+    });
+    assert_eq!(routes.len(), 15);
+    for route in routes {
+        let (body, expected) = match &route {
+            R::Admit => (Some(second.as_str()), 201),
+            R::Join { .. } => (Some(join.as_str()), 200),
+            R::AddAppliance {
+                mode: AddMode::Checked,
+            } => (Some(down.as_str()), 400),
+            R::AddAppliance {
+                mode: AddMode::Forced,
+            } => (Some(down.as_str()), 201),
+            // The job is not held: nothing to retry.
+            R::Retry { .. } => (None, 409),
+            R::Jobs
+            | R::Job { .. }
+            | R::Evict { .. }
+            | R::Checkpoint { .. }
+            | R::Map { .. }
+            | R::Stats
+            | R::Appliances
+            | R::RemoveAppliance { .. }
+            | R::Metrics => (None, 200),
+        };
+        let (method, path) = (route.method().as_str(), route.path());
+        let (status, text) = call(&d, method, &path, body, true);
+        let refusal = RouteError::NotFound {
+            method: method.into(),
+            path: path.clone(),
+        }
+        .to_string();
+        assert!(
+            status != 405 && !text.contains(&refusal) && !text.contains("is not an integer from 1"),
+            "{route:?}: the router refused {method} {path}: {status} {text}"
+        );
+        assert_eq!(status, expected, "{route:?}: {method} {path}: {text}");
+    }
+    let left: Vec<u16> = jobs(&d).iter().map(|j| j.id).collect();
+    assert!(
+        !left.contains(&job.id) && left.len() == 1,
+        "the eviction went through: {left:?}"
+    );
     d.shutdown();
 }

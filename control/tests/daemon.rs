@@ -11,6 +11,7 @@ use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
 use phub_proto::layout::{Place, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
+use phub_proto::routes::{ControlRoute as R, MgmtRoute, Route};
 use phub_proto::spec::JobSpec;
 
 const SPEC: &str = r#"
@@ -75,10 +76,17 @@ fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> (u16, Strin
     }
 }
 
-fn ok<T: serde::de::DeserializeOwned>(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> T {
-    let (s, text) = call(d, method, path, body);
+/// Sends `route` as a client does (its method and path); its answer.
+fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
+    let (method, path) = (route.method(), route.path());
+    let (s, text) = call(d, method.as_str(), &path, body);
     assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+/// Sends `route`, expecting an error status; returns its message.
+fn err_at(d: &Daemon, route: &R, body: Option<&str>, status: u16) -> String {
+    err(d, route.method().as_str(), &route.path(), body, status)
 }
 
 /// Expects an error status; returns its message.
@@ -91,7 +99,7 @@ fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) ->
 }
 
 fn list(d: &Daemon) -> Vec<JobSummary> {
-    ok(d, "GET", "/v1/jobs", None)
+    ok_at(d, &R::Jobs, None)
 }
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
@@ -111,12 +119,12 @@ fn admit_toml_and_json_then_list_show_map() {
     let state = temp_state("admit");
     let d = daemon(&fake.url(), &state);
 
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     assert_eq!(a.id, 1);
     assert_ne!(a.token, 0);
     assert_eq!(a.chunks, 4 + 20 + 2);
     assert_eq!(a.lcores, vec![0, 1, 2, 3]);
-    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("js", 2, 2560)));
+    let b: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("js", 2, 2560)));
     assert_eq!(b.id, 2);
     assert_eq!(b.chunks, 10);
 
@@ -157,7 +165,7 @@ fn admit_toml_and_json_then_list_show_map() {
     assert_eq!(l[1].optimizer, "sgd");
     assert!(l.iter().all(|j| j.installed));
 
-    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: 1 }, None);
     assert_eq!(show.summary, l[0]);
     assert_eq!(show.spec, JobSpec::from_toml(SPEC).unwrap());
     assert_eq!(show.ranks.len(), 4);
@@ -166,7 +174,7 @@ fn admit_toml_and_json_then_list_show_map() {
     assert_eq!(show.rounds_completed, 42);
     assert_eq!(show.round_range, Some((3, 5)));
 
-    let map: JobMap = ok(&d, "GET", "/v1/jobs/1/map", None);
+    let map: JobMap = ok_at(&d, &R::Map { job: 1, key: None }, None);
     assert_eq!(map.chunk_elems, 256);
     assert_eq!(map.lcores.len(), 4);
     for (i, l) in map.lcores.iter().enumerate() {
@@ -179,7 +187,7 @@ fn admit_toml_and_json_then_list_show_map() {
     );
     assert!(map.keys.is_empty(), "keys only when one is asked for");
     // One key's chunks, as runs on lcores: where the layout's rule puts them.
-    let key: JobMap = ok(&d, "GET", "/v1/jobs/1/map/keys/1", None);
+    let key: JobMap = ok_at(&d, &R::Map { job: 1, key: Some(1) }, None);
     assert_eq!(key.lcores, map.lcores);
     let k = &key.keys[0];
     assert_eq!((k.key, k.name.as_str(), k.elements, k.first), (1, "b", 5000, 4));
@@ -197,12 +205,12 @@ fn admit_toml_and_json_then_list_show_map() {
     assert_eq!(chunks, (0..20).collect::<Vec<_>>());
     let placed = Placement::new(&jobs[&1].spec, jobs[&1].layout.clone()).unwrap();
     assert_eq!(places, placed.places(1).collect::<Vec<_>>());
-    let e = err(&d, "GET", "/v1/jobs/1/map/keys/3", None, 404);
+    let e = err_at(&d, &R::Map { job: 1, key: Some(3) }, None, 404);
     assert_eq!(e, "job 1 has no key 3; its keys are 0 to 2");
     let e = err(&d, "GET", "/v1/jobs/1/map/keys/x", None, 400);
     assert!(e.contains("\"x\" is not a key index"), "{e}");
 
-    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    let stats: Stats = ok_at(&d, &R::Stats, None);
     assert!(stats.dataplane.is_some() && stats.dataplane_error.is_none());
     assert_eq!(stats.jobs.len(), 2);
     d.shutdown();
@@ -213,15 +221,14 @@ fn bad_requests_are_named() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("bad");
     let d = daemon(&fake.url(), &state);
-    let e = err(
+    let e = err_at(
         &d,
-        "POST",
-        "/v1/jobs",
+        &R::Admit,
         Some(&SPEC.replace("workers = 4", "workers = 0")),
         400,
     );
     assert!(e.contains("`workers` = 0") && e.contains("1 to 256"), "{e}");
-    let e = err(&d, "POST", "/v1/jobs", Some("{\"name\": 1"), 400);
+    let e = err_at(&d, &R::Admit, Some("{\"name\": 1"), 400);
     assert!(e.contains("invalid job spec"), "{e}");
     let e = err(&d, "GET", "/v1/jobs/abc", None, 400);
     assert!(e.contains("\"abc\"") && e.contains("1 to 65535"), "{e}");
@@ -231,17 +238,19 @@ fn bad_requests_are_named() {
     assert!(e.contains("no route for GET /v1/nothing"), "{e}");
     let e = err(&d, "PATCH", "/v1/jobs", None, 405);
     assert!(e.contains("GET, POST"), "{e}");
-    let e = err(&d, "GET", "/v1/jobs/9", None, 404);
+    let e = err_at(&d, &R::Job { job: 9 }, None, 404);
     assert_eq!(e, "job 9 is not admitted");
-    let e = err(&d, "GET", "/v1/jobs/9/map", None, 404);
+    let e = err_at(&d, &R::Map { job: 9, key: None }, None, 404);
     assert_eq!(e, "job 9 is not admitted");
-    let e = err(&d, "DELETE", "/v1/jobs/9", None, 404);
+    let e = err_at(&d, &R::Evict { job: 9 }, None, 404);
     assert_eq!(e, "job 9 is not admitted");
     // A body over the limit is refused from its Content-Length, before it
     // is read (a client that goes on writing it then finds the connection
     // closed: only the head is sent here).
     let head = format!(
-        "POST /v1/jobs HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+        "{} {} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {}\r\nContent-Length: {}\r\n\r\n",
+        R::Admit.method(),
+        R::Admit.path(),
         operator_token(&d),
         phub_control::daemon::MAX_BODY_BYTES + 1
     );
@@ -264,7 +273,7 @@ fn over_budget_is_refused_and_nothing_installed() {
     });
     let state = temp_state("budget");
     let d = daemon(&fake.url(), &state);
-    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 507);
+    let e = err_at(&d, &R::Admit, Some(SPEC), 507);
     assert!(
         e.starts_with("job needs ")
             && e.contains("of memory (49.2 KiB of chunk data;")
@@ -274,7 +283,7 @@ fn over_budget_is_refused_and_nothing_installed() {
     assert!(fake.jobs().is_empty());
     assert!(list(&d).is_empty());
     // A job that fits still goes in.
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("small", 1, 256)));
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("small", 1, 256)));
     assert_eq!(fake.jobs().len(), 1);
 }
 
@@ -286,14 +295,14 @@ fn dataplane_down_or_refusing_records_nothing() {
     };
     let state = temp_state("down");
     let d = daemon(&format!("http://127.0.0.1:{port}"), &state);
-    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 502);
+    let e = err_at(&d, &R::Admit, Some(SPEC), 502);
     assert!(
         e.contains("cannot reach the dataplane at http://127.0.0.1:"),
         "{e}"
     );
     assert!(list(&d).is_empty());
     assert!(!state.exists());
-    let stats: Stats = ok(&d, "GET", "/v1/stats", None);
+    let stats: Stats = ok_at(&d, &R::Stats, None);
     assert!(stats.dataplane.is_none());
     assert!(stats
         .dataplane_error
@@ -304,9 +313,10 @@ fn dataplane_down_or_refusing_records_nothing() {
     let fake = Fake::start(FakeConfig::lcores(2));
     fake.state.lock().unwrap().refuse = Some("ring allocation failed".into());
     let d = daemon(&fake.url(), &state);
-    let e = err(&d, "POST", "/v1/jobs", Some(SPEC), 502);
+    let e = err_at(&d, &R::Admit, Some(SPEC), 502);
     assert!(
-        e.contains("ring allocation failed") && e.contains("PUT /v1/jobs/1"),
+        e.contains("ring allocation failed")
+            && e.contains(&format!("PUT {}", MgmtRoute::Install { job: 1 }.path())),
         "{e}"
     );
     assert!(list(&d).is_empty());
@@ -318,10 +328,10 @@ fn join_checks_job_token_and_rank() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("join");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     let join = |token: u64, rank: u16| format!("{{\"token\": \"{token:016x}\", \"rank\": {rank}}}");
 
-    let j: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 2)));
+    let j: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join(a.token, 2)));
     assert_eq!((j.job, j.rank), (1, 2));
     assert_eq!(j.spec.name, "toy");
     assert_eq!(j.layout, fake.jobs()[&1].layout);
@@ -330,23 +340,23 @@ fn join_checks_job_token_and_rank() {
         ("127.0.0.1", BASE_PORT)
     );
 
-    let e = err(&d, "POST", "/v1/jobs/7/join", Some(&join(a.token, 0)), 404);
+    let e = err_at(&d, &R::Join { job: 7 }, Some(&join(a.token, 0)), 404);
     assert_eq!(e, "job 7 is not admitted");
-    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token ^ 1, 0)), 403);
+    let e = err_at(&d, &R::Join { job: 1 }, Some(&join(a.token ^ 1, 0)), 403);
     assert_eq!(e, "wrong token for job 1");
-    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 5)), 400);
+    let e = err_at(&d, &R::Join { job: 1 }, Some(&join(a.token, 5)), 400);
     assert_eq!(e, "rank 5 is outside 0..=3 for job 1 (workers = 4)");
-    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join(a.token, 2)), 409);
+    let e = err_at(&d, &R::Join { job: 1 }, Some(&join(a.token, 2)), 409);
     assert_eq!(
         e,
         "rank 2 has already joined job 1 (a restarted worker rejoins with \"rejoin\": true)"
     );
-    let e = err(&d, "POST", "/v1/jobs/1/join", Some("{\"rank\": 1}"), 400);
+    let e = err_at(&d, &R::Join { job: 1 }, Some("{\"rank\": 1}"), 400);
     assert!(e.contains("invalid join request") && e.contains("token"), "{e}");
 
     let l = list(&d);
     assert_eq!(l[0].joined, vec![2]);
-    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: 1 }, None);
     assert!(show.ranks[2].joined && !show.ranks[0].joined);
 }
 
@@ -360,20 +370,20 @@ fn the_join_answer_shares_the_receive_buffer_among_the_jobs_on_an_lcore() {
     let d = daemon(&fake.url(), &state);
     let join = |job: u16, token: u64, rank: u16, rejoin: bool| -> Option<u64> {
         let body = format!("{{\"token\": \"{token:016x}\", \"rank\": {rank}, \"rejoin\": {rejoin}}}");
-        let j: JoinResponse = ok(&d, "POST", &format!("/v1/jobs/{job}/join"), Some(&body));
+        let j: JoinResponse = ok_at(&d, &R::Join { job }, Some(&body));
         j.appliances[0].rx_buffer_bytes
     };
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("a", 2, 100)));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("a", 2, 100)));
     assert_eq!(
         join(a.id, a.token, 0, false),
         Some(fake::FAKE_RX_BUFFER),
         "alone: the whole buffer"
     );
-    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 6, 100)));
+    let b: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("b", 6, 100)));
     assert_eq!(join(b.id, b.token, 0, false), Some(fake::FAKE_RX_BUFFER * 6 / 8));
     assert_eq!(join(a.id, a.token, 1, false), Some(fake::FAKE_RX_BUFFER * 2 / 8));
     // Once b is gone, a worker of a that joins again gets the whole buffer.
-    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", b.id), None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: b.id }, None);
     assert_eq!(join(a.id, a.token, 0, true), Some(fake::FAKE_RX_BUFFER));
 }
 
@@ -382,19 +392,19 @@ fn evict_removes_from_both() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("evict");
     let d = daemon(&fake.url(), &state);
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
-    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 1, 10)));
-    let gone: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
+    let b: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("b", 1, 10)));
+    let gone: JobSummary = ok_at(&d, &R::Evict { job: 1 }, None);
     assert_eq!((gone.id, gone.name.as_str(), gone.installed), (1, "toy", false));
     assert_eq!(fake.jobs().keys().copied().collect::<Vec<_>>(), vec![b.id]);
     assert_eq!(list(&d).iter().map(|j| j.id).collect::<Vec<_>>(), vec![b.id]);
-    err(&d, "DELETE", "/v1/jobs/1", None, 404);
+    err_at(&d, &R::Evict { job: 1 }, None, 404);
     // The smallest free id is reused.
-    let c: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let c: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     assert_eq!(c.id, 1);
     // A job the dataplane already lost is still evicted.
     fake.state.lock().unwrap().jobs.remove(&b.id);
-    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", b.id), None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: b.id }, None);
     assert_eq!(list(&d).len(), 1);
 }
 
@@ -403,16 +413,16 @@ fn restart_keeps_jobs_and_joined_ranks() {
     let fake = Fake::start(FakeConfig::lcores(3));
     let state = temp_state("restart");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     let join = format!("{{\"token\": \"{:016x}\", \"rank\": 1}}", a.token);
-    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join));
+    let _: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join));
     let before = list(&d);
     d.shutdown();
 
     let d = daemon(&fake.url(), &state);
     assert_eq!(list(&d), before);
     assert_eq!(list(&d)[0].joined, vec![1]);
-    let e = err(&d, "POST", "/v1/jobs/1/join", Some(&join), 409);
+    let e = err_at(&d, &R::Join { job: 1 }, Some(&join), 409);
     assert_eq!(
         e,
         "rank 1 has already joined job 1 (a restarted worker rejoins with \"rejoin\": true)"
@@ -441,8 +451,8 @@ fn reconcile_reinstalls_what_a_restarted_dataplane_lost() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("reconcile");
     let d = daemon(&fake.url(), &state);
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&spec_json("b", 2, 1000)));
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("b", 2, 1000)));
     let before = fake.jobs();
     fake.forget_all();
     wait_for("reinstallation", || fake.jobs().len() == 2);
@@ -459,7 +469,7 @@ fn numa_keeps_jobs_on_the_nics_node() {
     });
     let state = temp_state("numa");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     assert_eq!(a.lcores, vec![2, 3]);
     let job = &fake.jobs()[&1];
     assert_eq!(job.layout.lcores.len(), 4);
@@ -468,7 +478,7 @@ fn numa_keeps_jobs_on_the_nics_node() {
         job.layout.lcores[2].count + job.layout.lcores[3].count,
         job.layout.chunk_count()
     );
-    let map: JobMap = ok(&d, "GET", "/v1/jobs/1/map", None);
+    let map: JobMap = ok_at(&d, &R::Map { job: 1, key: None }, None);
     assert_eq!(
         map.lcores.iter().map(|l| (l.lcore, l.port)).collect::<Vec<_>>(),
         vec![(2, BASE_PORT + 2), (3, BASE_PORT + 3)]
@@ -480,10 +490,12 @@ fn metrics_in_prometheus_text_format() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("metrics");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     let join = format!("{{\"token\": \"{:016x}\", \"rank\": 0}}", a.token);
-    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join));
-    let r = ureq::get(&format!("http://{}/metrics", d.addr())).call().unwrap();
+    let _: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join));
+    let r = ureq::get(&format!("http://{}{}", d.addr(), R::Metrics.path()))
+        .call()
+        .unwrap();
     assert_eq!(r.header("Content-Type"), Some("text/plain; version=0.0.4"));
     let text = r.into_string().unwrap();
     for line in [
@@ -500,7 +512,7 @@ fn metrics_in_prometheus_text_format() {
         assert!(text.lines().any(|l| l == line), "missing {line:?} in\n{text}");
     }
     drop(fake);
-    let text = ureq::get(&format!("http://{}/metrics", d.addr()))
+    let text = ureq::get(&format!("http://{}{}", d.addr(), R::Metrics.path()))
         .call()
         .unwrap()
         .into_string()
@@ -536,15 +548,15 @@ fn job_ids_are_canonical_and_the_operator_token_needs_its_bearer() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("ids");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     assert_eq!(a.id, 1);
-    let _: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    let _: JobDetail = ok_at(&d, &R::Job { job: 1 }, None);
     for id in ["+1", "01", "1.0", " 1"] {
         let path = format!("/v1/jobs/{}", id.replace(' ', "%20"));
         let e = err(&d, "GET", &path, None, 400);
         assert!(e.contains("not an integer from 1 to 65535"), "{id}: {e}");
     }
-    let url = format!("http://{}/v1/jobs/1", d.addr());
+    let url = format!("http://{}{}", d.addr(), R::Evict { job: 1 }.path());
     for header in [
         "Bearer",
         "Bearer  ",
@@ -572,11 +584,11 @@ fn an_eviction_that_cannot_be_written_changes_nothing() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("durable");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     // A directory where the state's temporary goes: the write fails.
     let tmp = state.with_extension("json.tmp");
     std::fs::create_dir(&tmp).unwrap();
-    let e = err(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None, 500);
+    let e = err_at(&d, &R::Evict { job: a.id }, None, 500);
     assert!(
         e.contains("not evicted") && e.contains(&tmp.display().to_string()),
         "{e}"
@@ -584,7 +596,7 @@ fn an_eviction_that_cannot_be_written_changes_nothing() {
     assert_eq!(list(&d).len(), 1, "still admitted");
     assert!(fake.jobs().contains_key(&a.id), "still installed");
     std::fs::remove_dir(&tmp).unwrap();
-    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: a.id }, None);
     assert!(list(&d).is_empty() && !fake.jobs().contains_key(&a.id));
     d.shutdown();
     // It stays evicted across a restart.
@@ -601,9 +613,9 @@ fn reconciliation_removes_jobs_control_has_not_admitted() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("unknown");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     fake.state.lock().unwrap().refuse_delete = Some("down for maintenance".into());
-    let _: JobSummary = ok(&d, "DELETE", &format!("/v1/jobs/{}", a.id), None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: a.id }, None);
     assert!(list(&d).is_empty());
     assert!(fake.jobs().contains_key(&a.id), "the dataplane refused");
     // A job nobody admitted, installed behind control's back.
@@ -613,7 +625,8 @@ fn reconciliation_removes_jobs_control_has_not_admitted() {
     fake.state.lock().unwrap().refuse_delete = None;
     wait_for("reconciliation to remove both", || fake.jobs().is_empty());
     let log = fake.state.lock().unwrap().log.clone();
-    assert!(log.iter().any(|l| l == "DELETE /v1/jobs/77"), "{log:?}");
+    let removal = format!("DELETE {}", MgmtRoute::Remove { job: 77 }.path());
+    assert!(log.contains(&removal), "{log:?}");
     d.shutdown();
 }
 
@@ -625,9 +638,9 @@ fn admission_reads_the_spec_in_the_format_it_is_in() {
     let state = temp_state("format");
     let d = daemon(&fake.url(), &state);
     let bom = format!("\u{feff}{}", spec_json("bom", 2, 100));
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&bom));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(&bom));
     assert_eq!(a.id, 1);
-    let url = format!("http://{}/v1/jobs", d.addr());
+    let url = format!("http://{}{}", d.addr(), R::Admit.path());
     let bearer = format!("Bearer {}", operator_token(&d));
     let r = ureq::post(&url)
         .set("Authorization", &bearer)
@@ -674,10 +687,10 @@ fn a_dataplane_back_with_fewer_lcores_gets_its_jobs_placed_anew() {
     let fake = Fake::start(FakeConfig::lcores(4));
     let state = temp_state("fewer");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     assert_eq!(a.lcores, vec![0, 1, 2, 3]);
     let join = |rank: u16| format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", a.token);
-    let before: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    let before: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join(0)));
     assert_eq!(before.layout.lcore_count(), 4);
 
     fake.restart_as(FakeConfig::lcores(2));
@@ -691,13 +704,13 @@ fn a_dataplane_back_with_fewer_lcores_gets_its_jobs_placed_anew() {
     assert!(jobs[0].joined.is_empty(), "rank 0 holds a stale layout: {jobs:?}");
     assert!(jobs[0].installed && jobs[0].failed.is_none(), "{jobs:?}");
     // Rank 0 joins again (no `rejoin` needed) and learns the new layout.
-    let after: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    let after: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join(0)));
     assert_eq!(after.layout, installed.layout);
     d.shutdown();
 
     // Durable: a restarted control hands out the new layout.
     let d = daemon(&fake.url(), &state);
-    let again: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(1)));
+    let again: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join(1)));
     assert_eq!(again.layout, installed.layout);
     d.shutdown();
 }
@@ -710,8 +723,8 @@ fn a_checkpoint_moves_onto_the_new_placement() {
     let fake = Fake::start(FakeConfig::lcores(4));
     let state = temp_state("moved");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
-    let _: serde_json::Value = ok(&d, "POST", &format!("/v1/jobs/{}/checkpoint", a.id), None);
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
+    let _: serde_json::Value = ok_at(&d, &R::Checkpoint { job: a.id }, None);
     fake.restart_as(FakeConfig::lcores(3));
     wait_for("the job restored over 3 lcores", || {
         fake.state.lock().unwrap().restored.contains_key(&a.id)
@@ -745,9 +758,9 @@ fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
     let fake = Fake::start(FakeConfig::lcores(4));
     let state = temp_state("failed");
     let d = daemon(&fake.url(), &state);
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     let join = |rank: u16| format!("{{\"token\": \"{:016x}\", \"rank\": {rank}}}", a.token);
-    let _: JoinResponse = ok(&d, "POST", "/v1/jobs/1/join", Some(&join(0)));
+    let _: JoinResponse = ok_at(&d, &R::Join { job: 1 }, Some(&join(0)));
     fake.restart_as(FakeConfig {
         budget: 1,
         ..FakeConfig::lcores(2)
@@ -759,10 +772,10 @@ fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
             && why.contains("job needs"),
         "{why}"
     );
-    let show: JobDetail = ok(&d, "GET", "/v1/jobs/1", None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: 1 }, None);
     assert_eq!(show.summary.failed.as_deref(), Some(why.as_str()));
     assert!(!show.summary.installed);
-    let raw = call(&d, "GET", "/v1/jobs", None).1;
+    let raw = call(&d, "GET", &R::Jobs.path(), None).1;
     assert!(raw.contains("\"failed\":"), "{raw}");
     for body in [
         join(1),
@@ -771,10 +784,10 @@ fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
             a.token
         ),
     ] {
-        let e = err(&d, "POST", "/v1/jobs/1/join", Some(&body), 409);
+        let e = err_at(&d, &R::Join { job: 1 }, Some(&body), 409);
         assert_eq!(e, format!("job 1 failed: {why}; evict it and admit again"));
     }
-    let e = err(&d, "POST", "/v1/jobs/1/checkpoint", None, 409);
+    let e = err_at(&d, &R::Checkpoint { job: 1 }, None, 409);
     assert!(e.starts_with("job 1 failed: "), "{e}");
     // Reconciliation no longer tries it.
     let puts = seen(&fake, "PUT");
@@ -786,7 +799,7 @@ fn a_job_that_no_longer_fits_fails_with_its_reason_and_can_be_evicted() {
     // Durable; and evictable.
     let d = daemon(&fake.url(), &state);
     assert_eq!(list(&d)[0].failed.as_deref(), Some(why.as_str()));
-    let _: JobSummary = ok(&d, "DELETE", "/v1/jobs/1", None);
+    let _: JobSummary = ok_at(&d, &R::Evict { job: 1 }, None);
     assert!(list(&d).is_empty());
     d.shutdown();
 }
@@ -799,7 +812,7 @@ fn an_install_refused_as_invalid_fails_the_job() {
     let fake = Fake::start(FakeConfig::lcores(2));
     let state = temp_state("invalid");
     let d = daemon(&fake.url(), &state);
-    let _: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(SPEC));
+    let _: AdmitResponse = ok_at(&d, &R::Admit, Some(SPEC));
     fake.state.lock().unwrap().refuse = Some("out of hugepages".into());
     fake.forget_all();
     wait_for("two refused reinstalls", || seen(&fake, "PUT") >= 3);
@@ -831,14 +844,14 @@ fn async_and_bounded_delay_jobs_are_admitted_and_shown_with_their_clocks() {
         "workers = 4\n",
         "workers = 4\nconsistency = { mode = \"async\" }\n",
     );
-    let a: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(&toml));
+    let a: AdmitResponse = ok_at(&d, &R::Admit, Some(&toml));
     let json = r#"{"name": "ssp", "workers": 3, "consistency": {"bounded_delay": 4},
         "optimizer": {"kind": "sgd", "lr": 0.1}, "keys": [{"elements": 5000}]}"#;
-    let b: AdmitResponse = ok(&d, "POST", "/v1/jobs", Some(json));
+    let b: AdmitResponse = ok_at(&d, &R::Admit, Some(json));
     let jobs = fake.jobs();
     assert_eq!(jobs[&a.id].spec.consistency, Consistency::Async);
     assert_eq!(jobs[&b.id].spec.consistency, Consistency::Bounded { delay: 4 });
-    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", b.id), None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: b.id }, None);
     assert_eq!(show.spec.consistency, Consistency::Bounded { delay: 4 });
     assert_eq!(show.clock.clocks, vec![(3, 4), (4, 5), (5, 6)]);
     assert_eq!((show.clock.max_lead, show.clock.held), (Some(5), 1));
@@ -860,7 +873,7 @@ fn async_and_bounded_delay_jobs_are_admitted_and_shown_with_their_clocks() {
         "{t}"
     );
     assert!(t.contains("   2  no      5..=6  never heard from"), "{t}");
-    let show: JobDetail = ok(&d, "GET", &format!("/v1/jobs/{}", a.id), None);
+    let show: JobDetail = ok_at(&d, &R::Job { job: a.id }, None);
     assert_eq!(
         (show.clock.clocks.len(), show.clock.max_lead, show.clock.held),
         (4, Some(2), 0)
@@ -868,13 +881,12 @@ fn async_and_bounded_delay_jobs_are_admitted_and_shown_with_their_clocks() {
     assert!(phub_control::cli::render_show(&show).contains("consistency async"));
     // `mean` divides by W, which only BSP has: refused with the mode.
     let mean = toml.replace("kind = \"sum\"", "kind = \"mean\"");
-    let e = err(&d, "POST", "/v1/jobs", Some(&mean), 400);
+    let e = err_at(&d, &R::Admit, Some(&mean), 400);
     assert!(e.contains("mean") && e.contains("async"), "{e}");
     // A bound beyond 1024 is refused naming the accepted range.
-    let e = err(
+    let e = err_at(
         &d,
-        "POST",
-        "/v1/jobs",
+        &R::Admit,
         Some(&json.replace("\"bounded_delay\": 4", "\"bounded_delay\": 5000")),
         400,
     );

@@ -34,8 +34,7 @@
 mod common;
 
 use std::cell::Cell;
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpStream};
+use std::net::SocketAddr;
 use std::rc::Rc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -47,8 +46,10 @@ use phub_dataplane::backend::dpdk::DpdkSlotMemory;
 use phub_engine::kernels::Kernels;
 use phub_engine::Shard;
 use phub_ffi::{Mbuf, Mempool, Port, PortBuilder, Ring, RxQueue, TxQueue};
+use phub_http::Client;
 use phub_proto::api::{DataplaneStats, InstallJob, LcoreStats};
 use phub_proto::layout;
+use phub_proto::routes::mgmt;
 use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
 use phub_proto::Dtype;
 
@@ -184,42 +185,20 @@ fn realtime(prio: i32) -> Result<()> {
     Ok(())
 }
 
-/// One HTTP/1.1 request to the management API; returns status and body.
-fn http(addr: SocketAddr, method: &str, path: &str, body: &str) -> Result<(u16, String)> {
-    let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(5))
-        .with_context(|| format!("connecting to the management API at {addr}"))?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))?;
-    // Changes need the dataplane's management token, from its default file.
-    let auth = if method == "GET" {
-        String::new()
-    } else {
-        let token = phub_http::secret::read(&phub_http::secret::mgmt_token_path(addr.port()))
-            .context("the dataplane's management token")?;
-        format!("Authorization: Bearer {token}\r\n")
-    };
-    write!(
-        s,
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n{auth}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )?;
-    let mut resp = String::new();
-    s.read_to_string(&mut resp)
-        .with_context(|| format!("reading the answer to {method} {path}"))?;
-    let status = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .with_context(|| format!("{method} {path}: no HTTP status in {resp:?}"))?;
-    let body = resp.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_string();
-    Ok((status, body))
+/// The management API's client, with the management token (changes need
+/// it).
+fn mgmt_client(addr: SocketAddr) -> Result<Client> {
+    // The token from the dataplane's default file.
+    let token = phub_http::secret::read(&phub_http::secret::mgmt_token_path(addr.port()))
+        .context("the dataplane's management token")?;
+    let builder = ureq::AgentBuilder::new()
+        .timeout_connect(Duration::from_secs(5))
+        .timeout(Duration::from_secs(10));
+    Ok(Client::new(&format!("http://{addr}"), None, builder)?.with_token(Some(token)))
 }
 
 fn stats(mgmt: SocketAddr) -> Result<LcoreStats> {
-    let (status, body) = http(mgmt, "GET", "/v1/stats", "")?;
-    if status != 200 {
-        bail!("GET /v1/stats: {status} {body}");
-    }
-    let s: DataplaneStats = serde_json::from_str(&body).context("parsing /v1/stats")?;
+    let s: DataplaneStats = Client::plain(&format!("http://{mgmt}"))?.send(&mgmt::stats())?;
     if s.lcores.len() != 1 {
         bail!(
             "the dataplane has {} lcores; this benchmark drives one (--lcores 1)",
@@ -260,16 +239,9 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         layout,
         hierarchy: None,
     };
-    let (status, body) = http(
-        mgmt,
-        "PUT",
-        &format!("/v1/jobs/{JOB}"),
-        &serde_json::to_string(&req)?,
-    )?;
-    if status != 201 {
-        bail!("installing job {JOB}: {status} {body}");
-    }
-    Ok(())
+    mgmt_client(mgmt)?
+        .send(&mgmt::install(&req))
+        .with_context(|| format!("installing job {JOB}"))
 }
 
 /// Where frames go and come back from.
@@ -703,9 +675,8 @@ fn main() -> Result<()> {
                 pps / 1e6,
                 back_pps / 1e6,
             );
-            let (status, body) = http(a.mgmt, "DELETE", &format!("/v1/jobs/{JOB}"), "")?;
-            if status != 204 {
-                log::warn!("removing job {JOB}: {status} {body}");
+            if let Err(e) = mgmt_client(a.mgmt)?.send(&mgmt::remove(JOB)) {
+                log::warn!("removing job {JOB}: {e}");
             }
         }
         (Peer::Testpmd, _, _) => {

@@ -1,6 +1,6 @@
 //! The management side of a running dataplane: the lcore threads' command
 //! queues, the installed-job registry, and the HTTP/JSON management API that
-//! phub-control talks to (routes in `phub_proto::api`).
+//! phub-control talks to (routes: `phub_proto::routes::MgmtRoute`).
 //!
 //! Runs on its own thread, never on a data core. It reaches lcores only
 //! through their bounded command queues and waits for each to acknowledge.
@@ -19,6 +19,7 @@ use phub_proto::api::{
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::{MemoryModel, ResultStore};
+use phub_proto::routes::{MgmtRoute, RouteError};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
@@ -589,7 +590,7 @@ impl Handler for Api {
     /// The routes that need the token (installs, removals, checkpoints:
     /// control's calls) run in handlers the open reads cannot take.
     fn class(&self, head: &Request) -> Class {
-        if phub_proto::api::mgmt_route_is_open(&head.method, &head.path) {
+        if MgmtRoute::is_open(&head.method, &head.path) {
             Class::Read
         } else {
             Class::Write
@@ -599,11 +600,11 @@ impl Handler for Api {
     /// The management token; failed checks are logged and limited per
     /// source by the listener.
     fn needs_credential(&self, head: &Request) -> bool {
-        !phub_proto::api::mgmt_route_is_open(&head.method, &head.path)
+        !MgmtRoute::is_open(&head.method, &head.path)
     }
 
     fn check_head(&self, head: &Request) -> Result<(), Response> {
-        if phub_proto::api::mgmt_route_is_open(&head.method, &head.path) {
+        if MgmtRoute::is_open(&head.method, &head.path) {
             return Ok(());
         }
         let given = phub_http::bearer(head.header("Authorization")).map_err(|why| {
@@ -626,41 +627,39 @@ impl Handler for Api {
 
     fn handle(&self, req: Request) -> Response {
         let mgr = &self.mgr;
-        let parts: Vec<&str> = req.path.trim_matches('/').split('/').collect();
         let body = &req.body;
-        let result: Result<Response, MgmtError> = match (req.method.as_str(), parts.as_slice()) {
-            ("GET", ["v1", "info"]) => Ok(json(200, &mgr.info())),
+        let route = MgmtRoute::parse(&req.method, &req.path).map_err(|e| match e {
+            RouteError::JobId { given } => err(
+                400,
+                format!("job id {given:?}: expected an integer from 1 to 65535"),
+            ),
+            // A known path with another method is no route here either.
+            _ => err(404, format!("no route for {} {}", req.method, req.path)),
+        });
+        let result: Result<Response, MgmtError> = route.and_then(|route| match route {
+            MgmtRoute::Info => Ok(json(200, &mgr.info())),
             // The token was checked before the request was handled.
-            ("GET", ["v1", "auth"]) => Ok(Response::new(204, "application/json", Vec::new())),
-            ("GET", ["v1", "jobs"]) => Ok(json(200, &mgr.list())),
-            ("GET", ["v1", "stats"]) => Ok(json(200, &mgr.stats())),
-            ("GET", ["v1", "jobs", id, "checkpoint"]) => parse_id(id).and_then(|id| {
+            MgmtRoute::Auth => Ok(Response::new(204, "application/json", Vec::new())),
+            MgmtRoute::Jobs => Ok(json(200, &mgr.list())),
+            MgmtRoute::Stats => Ok(json(200, &mgr.stats())),
+            MgmtRoute::Checkpoint { job: id } => {
                 let c = mgr.checkpoint(id)?;
                 let bytes = c.encode().map_err(|e| err(500, format!("job {id}: {e}")))?;
                 Ok(Response::new(200, "application/octet-stream", bytes))
-            }),
-            ("PUT", ["v1", "jobs", id]) if body.starts_with(CKPT_MAGIC) => parse_id(id).and_then(|id| {
+            }
+            MgmtRoute::Install { job: id } if body.starts_with(CKPT_MAGIC) => {
                 let c = Checkpoint::decode(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
                 mgr.restore(id, c).map(|j| json(201, &j))
-            }),
-            ("PUT", ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
+            }
+            MgmtRoute::Install { job: id } => {
                 let r: InstallJob = serde_json::from_slice(body)
                     .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
                 mgr.install(id, r).map(|j| json(201, &j))
-            }),
-            ("DELETE", ["v1", "jobs", id]) => parse_id(id).and_then(|id| {
-                mgr.remove(id)
-                    .map(|()| Response::new(204, "application/json", Vec::new()))
-            }),
-            (m, _) => Err(err(404, format!("no route for {m} {}", req.path))),
-        };
+            }
+            MgmtRoute::Remove { job: id } => mgr
+                .remove(id)
+                .map(|()| Response::new(204, "application/json", Vec::new())),
+        });
         result.unwrap_or_else(error)
     }
-}
-
-fn parse_id(s: &str) -> Result<u16, MgmtError> {
-    s.parse::<u16>()
-        .ok()
-        .filter(|&id| id != 0)
-        .ok_or_else(|| err(400, format!("job id {s:?}: expected an integer from 1 to 65535")))
 }

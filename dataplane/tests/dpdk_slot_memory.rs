@@ -223,7 +223,9 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
         info.memory_model.chunk_cost(&spec, ResultStore::Slot),
     );
     let cost = info.memory_model.job_cost(&spec, &lay, ResultStore::Slot);
-    let w = info.memory_model.data_weights(&spec, &Chunks::new(&spec), ResultStore::Slot);
+    let w = info
+        .memory_model
+        .data_weights(&spec, &Chunks::new(&spec), ResultStore::Slot);
     // Acc and result per element, each buffer a whole number of lines.
     let data = w.total();
     assert!((2 * 4 * 103_000..2 * 4 * 103_000 + 51 * 2 * 64).contains(&data));

@@ -1,5 +1,6 @@
 //! phub's HTTP listener, shared by phub-control's API and the dataplane's
-//! management API, and the TLS settings of phub's HTTP clients.
+//! management API, the TLS settings of phub's HTTP clients, and the typed
+//! client of both APIs.
 //!
 //! The listener is hyper 1 on a tokio runtime of its own (one thread for
 //! every connection's I/O, two bounded pools for the handlers), so that no
@@ -46,8 +47,11 @@
 //! shape the APIs use for their own errors.
 //!
 //! Handlers are plain synchronous functions of a buffered [`Request`]; the
-//! routing stays in the daemons.
+//! routing stays in the daemons (over `phub_proto::routes`).
+//!
+//! [`client`] is the other side: the one typed client of both APIs.
 
+pub mod client;
 pub mod secret;
 #[cfg(feature = "server")]
 mod server;
@@ -55,6 +59,7 @@ mod server;
 mod source;
 mod tls;
 
+pub use client::{Client, ClientError};
 #[cfg(feature = "server")]
 pub use server::{Class, Handler, Limits, Request, Response, Server};
 pub use tls::{agent, client_config, server_config, TlsError, CA_FILE_ENV};

@@ -11,8 +11,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
 use phub_proto::api::{DataplaneInfo, DataplaneStats};
+use phub_proto::routes::mgmt;
 
+use crate::dataplane_args::{Backend, DataplaneArgs};
 use crate::launch::Launcher;
+use crate::process::{control_ready, dataplane_ready};
 use crate::rack::RackFile;
 use crate::scenarios::Appliance;
 use crate::virt::{term, wait_http};
@@ -41,25 +44,17 @@ pub struct LabRack {
 /// IP, spinning lcores.
 pub fn dataplane_args(rack: &RackFile) -> Vec<String> {
     let a = &rack.appliance;
-    [
-        "--backend",
-        "dpdk",
-        "--eal",
-        rack.eal_args().trim(),
-        "--host",
-        &a.ip,
-        "--base-port",
-        &a.base_port.to_string(),
-        "--lcores",
-        &a.cores.len().to_string(),
-        "--mtu",
-        &a.mtu.to_string(),
-        "--mgmt",
-        LAB_MGMT,
-    ]
-    .into_iter()
-    .map(String::from)
-    .collect()
+    DataplaneArgs {
+        backend: Some(Backend::Dpdk),
+        eal: Some(rack.eal_args().trim().to_string()),
+        host: Some(a.ip.clone()),
+        base_port: Some(a.base_port),
+        lcores: Some(a.cores.len()),
+        mtu: Some(a.mtu),
+        mgmt: Some(LAB_MGMT.into()),
+        ..DataplaneArgs::default()
+    }
+    .to_args()
 }
 
 /// phub-control's command line for `rack`, its state in `state`.
@@ -123,13 +118,13 @@ impl LabRack {
             "phub-dataplane",
             &dataplane_args(&lab.rack),
             &lab.log,
-            &format!("{}/v1/info", lab.mgmt_url()),
+            &dataplane_ready(&lab.mgmt_url()),
         )?);
         lab.control = Some(start_and_wait(
             "phub-control",
             &control_args(&lab.rack, &lab.dir.join("state.json")),
             &lab.dir.join("control.log"),
-            &format!("{}/v1/jobs", lab.control_url()),
+            &control_ready(&lab.control_url()),
         )?);
         Ok(lab)
     }
@@ -169,7 +164,7 @@ impl LabRack {
 
     /// What the dataplane says about itself.
     pub fn info(&self) -> DataplaneInfo {
-        self.appliance().mgmt_get("/v1/info")
+        self.appliance().dataplane(&mgmt::info())
     }
 
     /// phubctl against control; returns (success, stdout, stderr).
@@ -208,18 +203,18 @@ mod tests {
             [
                 "--backend",
                 "dpdk",
-                "--eal",
-                "-a 0000:3b:00.0 --lcores 0@1,1@2,2@3,3@4,4@5 --in-memory",
                 "--host",
                 "192.168.50.1",
                 "--base-port",
                 "7900",
                 "--lcores",
                 "4",
-                "--mtu",
-                "9000",
                 "--mgmt",
-                "127.0.0.1:7800"
+                "127.0.0.1:7800",
+                "--eal",
+                "-a 0000:3b:00.0 --lcores 0@1,1@2,2@3,3@4,4@5 --in-memory",
+                "--mtu",
+                "9000"
             ]
         );
         // Spinning lcores, pinned by the EAL map: no backoff, no --no-pin.

@@ -13,6 +13,8 @@
 //! ssh to the rack file's worker hosts, or `ip netns exec` into the virtual
 //! rack's namespace; on a lab rack it starts the appliance here
 //! ([`lab::LabRack`]).
+//! [`dataplane_args`] is phub-dataplane's command line as a typed value,
+//! for every harness that starts one.
 //! [`scenarios`] holds the fault scenarios the workspace's tests run on both
 //! backends (kernel UDP on loopback, DPDK on the virtual rack).
 //!
@@ -22,6 +24,7 @@
 use std::path::PathBuf;
 
 pub mod agent;
+pub mod dataplane_args;
 pub mod lab;
 pub mod launch;
 pub mod process;

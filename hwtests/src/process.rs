@@ -10,6 +10,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use phub_proto::routes::{ControlRoute, MgmtRoute, Route};
+
 /// Ports this process has handed out (TCP and UDP alike): a port is free
 /// once its probe socket closes, so two threads starting daemons at once
 /// (the tests of one binary) could otherwise both be given it, and one
@@ -84,6 +86,18 @@ impl std::fmt::Display for NotUp {
             NotUp::Cancelled => f.write_str("was given up on"),
         }
     }
+}
+
+/// The URL that a dataplane's management API at `base` answers once it is
+/// up (`GET /v1/info`), for [`wait_http`] and [`Daemon::wait_up`].
+pub fn dataplane_ready(base: &str) -> String {
+    format!("{}{}", base.trim_end_matches('/'), MgmtRoute::Info.path())
+}
+
+/// The URL that phub-control at `base` answers once it is up (`GET
+/// /v1/jobs`).
+pub fn control_ready(base: &str) -> String {
+    format!("{}{}", base.trim_end_matches('/'), ControlRoute::Jobs.path())
 }
 
 /// Waits until `url` answers a GET (any status), polling, while `child`

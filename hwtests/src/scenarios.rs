@@ -13,10 +13,14 @@ use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
 use phub_proto::api::{AdmitResponse, DataplaneStats, JobDetail, JobMap, JoinRequest, JoinResponse};
+use phub_proto::routes::control::{self, ControlCall};
+use phub_proto::routes::mgmt::{self, MgmtCall};
 use phub_proto::wire::{MsgType, Repr};
 use phub_worker::{FaultSpec, Worker, WorkerConfig, WorkerError, WorkerStats};
 
-use crate::workload::{admit, expected, grad, init_values, sgd_reference, sgd_spec, sum_spec, train};
+use crate::workload::{
+    admit, client, expected, grad, init_values, key_index, sgd_reference, sgd_spec, sum_spec, train,
+};
 
 /// A running appliance as a scenario sees it.
 pub struct Appliance<'a> {
@@ -60,19 +64,25 @@ impl Appliance<'_> {
         admit(&self.control_url, self.operator_token.as_deref(), spec)
     }
 
-    /// `GET` on control's API.
-    pub fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        get_json(&format!("{}{path}", self.control_url))
+    /// `call` to control, with the operator token; panics saying why it
+    /// failed.
+    pub fn send<A>(&self, call: &ControlCall<'_, A>) -> A {
+        client(&self.control_url, self.operator_token.as_deref())
+            .send(call)
+            .unwrap_or_else(|e| panic!("{} at {}: {e}", call.what(), self.control_url))
     }
 
-    /// `GET` on the dataplane's management API.
-    pub fn mgmt_get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        get_json(&format!("{}{path}", self.mgmt_url))
+    /// `call` to the dataplane's management API (an open route); panics
+    /// saying why it failed.
+    pub fn dataplane<A>(&self, call: &MgmtCall<'_, A>) -> A {
+        client(&self.mgmt_url, None)
+            .send(call)
+            .unwrap_or_else(|e| panic!("{} at {}: {e}", call.what(), self.mgmt_url))
     }
 
     /// The dataplane's counters from its management API.
     pub fn dataplane_stats(&self) -> DataplaneStats {
-        self.mgmt_get("/v1/stats")
+        self.dataplane(&mgmt::stats())
     }
 
     /// Runs phubctl against control; returns (success, stdout, stderr).
@@ -93,15 +103,6 @@ impl Appliance<'_> {
             String::from_utf8_lossy(&out.stderr).into_owned(),
         )
     }
-}
-
-/// `GET url` as JSON; panics naming the URL.
-fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> T {
-    ureq::get(url)
-        .call()
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
-        .into_json()
-        .unwrap_or_else(|e| panic!("GET {url}: {e}"))
 }
 
 /// A worker configuration that gives up after `secs` without any result.
@@ -361,7 +362,7 @@ pub fn checkpoint_and_restore(app: &Appliance, kill: &(dyn Fn() + Sync), start: 
             at_checkpoint.wait();
             let (ok, out, err) = app.phubctl(&["job", "checkpoint", &job.id.to_string()]);
             assert!(ok && out.contains("checkpoint of job"), "{out}{err}");
-            let show: JobDetail = app.get(&format!("/v1/jobs/{}", job.id));
+            let show: JobDetail = app.send(&control::job(job.id));
             assert_eq!(show.checkpoint.map(|c| c.round_range), Some(Some((5, 5))));
             checkpointed.wait();
             at_crash.wait();
@@ -383,7 +384,7 @@ pub fn checkpoint_and_restore(app: &Appliance, kill: &(dyn Fn() + Sync), start: 
                 );
             }
         }
-        let show: JobDetail = app.get(&format!("/v1/jobs/{}", job.id));
+        let show: JobDetail = app.send(&control::job(job.id));
         assert_eq!(show.round_range, Some((TOTAL, TOTAL)));
         assert_eq!(show.checkpoint.unwrap().round_range, Some((5, 5)));
     });
@@ -414,7 +415,7 @@ pub fn control_killed_mid_training(app: &Appliance, kill: &(dyn Fn() + Sync), st
             std::thread::sleep(Duration::from_millis(300));
             start();
         });
-        let show: JobDetail = app.get(&format!("/v1/jobs/{}", job.id));
+        let show: JobDetail = app.send(&control::job(job.id));
         assert_eq!(show.summary.joined, vec![0, 1]);
         assert_eq!(show.round_range, Some((ROUNDS, ROUNDS)));
     });
@@ -484,7 +485,7 @@ pub fn killed_worker_stalls_only_its_job(app: &Appliance) {
             // retransmitting, so they are heard from).
             let deadline = Instant::now() + Duration::from_secs(15);
             loop {
-                let show: JobDetail = app.get(&format!("/v1/jobs/{}", stalled.id));
+                let show: JobDetail = app.send(&control::job(stalled.id));
                 let silent: Vec<u64> = show.ranks.iter().map(|r| r.silent_ms.unwrap_or(0)).collect();
                 if silent[2] >= 500 && silent[0] < silent[2] && silent[1] < silent[2] {
                     break;
@@ -534,7 +535,7 @@ pub fn killed_worker_stalls_only_its_job(app: &Appliance) {
                 h.join().unwrap();
             }
         });
-        let show: JobDetail = app.get(&format!("/v1/jobs/{}", stalled.id));
+        let show: JobDetail = app.send(&control::job(stalled.id));
         assert_eq!(show.round_range, Some((10, 10)));
     });
 }
@@ -600,22 +601,20 @@ pub fn tenant_isolation(app: &Appliance) {
 
         // The attacker joins its own job, and learns where the victim's
         // chunks are from control's (unauthenticated) map.
-        let join: JoinResponse = ureq::post(&format!("{url}/v1/jobs/{}/join", attacker.id))
-            .send_json(JoinRequest {
-                token: attacker.token,
-                rank: 0,
-                rejoin: false,
-                rack: None,
-            })
-            .expect("the attacker joins its own job")
-            .into_json()
-            .unwrap();
-        let map: JobMap = app.get(&format!("/v1/jobs/{}/map", victim.id));
+        let join: JoinResponse = client(url, None)
+            .send(&control::join(
+                attacker.id,
+                &JoinRequest {
+                    token: attacker.token,
+                    rank: 0,
+                    rejoin: false,
+                    rack: None,
+                },
+            ))
+            .expect("the attacker joins its own job");
+        let map: JobMap = app.send(&control::map(victim.id, None));
         let victim_keys: Vec<_> = (0..map.keys_total)
-            .flat_map(|k| {
-                app.get::<JobMap>(&format!("/v1/jobs/{}/map/keys/{k}", victim.id))
-                    .keys
-            })
+            .flat_map(|k| app.send(&control::map(victim.id, Some(key_index(k)))).keys)
             .collect();
         let host = join.dataplane.host.as_str();
         let port = |lcore: u16| join.dataplane.base_port + lcore;

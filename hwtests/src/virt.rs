@@ -10,7 +10,10 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-use crate::process;
+use phub_proto::routes::mgmt::{self, MgmtCall};
+
+use crate::dataplane_args::{Backend, DataplaneArgs};
+use crate::process::{self, control_ready, dataplane_ready};
 
 /// The appliance's address on the veth link (exists only in the namespace).
 pub const APPLIANCE_IP: &str = "10.77.0.1";
@@ -235,37 +238,26 @@ impl VirtualRack {
             "--no-pci --vdev={vdev} --no-huge -m 512 --no-shconf --file-prefix {} --log-level=warning",
             rack.ns.name
         );
-        rack.dataplane_args = [
-            "--backend",
-            "dpdk",
-            "--host",
-            APPLIANCE_IP,
-            "--base-port",
-            &BASE_PORT.to_string(),
-            "--lcores",
-            &lcores.to_string(),
-            "--no-pin",
-            "--idle-backoff",
-            "--mgmt",
-            MGMT,
-            "--memory-budget",
-            "1GiB",
-            "--eal",
-            &eal,
-        ]
-        .into_iter()
-        .map(String::from)
-        // The management token in the rack's own directory: the default
-        // (`/run/phub/dataplane-<port>.token`) is the same path for every
-        // rack's dataplane, each on the same port in its own namespace, so
-        // racks running at once took each other's token (or lost it when
-        // the other stopped: control answered 502).
-        .chain([
-            "--mgmt-token-file".to_string(),
-            rack.token_file().display().to_string(),
-        ])
-        .chain(dataplane.split_whitespace().map(String::from))
-        .collect();
+        rack.dataplane_args = DataplaneArgs {
+            backend: Some(Backend::Dpdk),
+            host: Some(APPLIANCE_IP.into()),
+            base_port: Some(BASE_PORT),
+            lcores: Some(lcores),
+            no_pin: true,
+            idle_backoff: true,
+            mgmt: Some(MGMT.into()),
+            memory_budget: Some("1GiB".into()),
+            eal: Some(eal),
+            // The management token in the rack's own directory: the default
+            // (`/run/phub/dataplane-<port>.token`) is the same path for every
+            // rack's dataplane, each on the same port in its own namespace, so
+            // racks running at once took each other's token (or lost it when
+            // the other stopped: control answered 502).
+            mgmt_token_file: Some(rack.token_file()),
+            extra: dataplane.split_whitespace().map(String::from).collect(),
+            ..DataplaneArgs::default()
+        }
+        .to_args();
         let logf = std::fs::File::create(&rack.log).map_err(|e| e.to_string())?;
         let mut dp = rack
             .ns
@@ -281,8 +273,16 @@ impl VirtualRack {
             let ns = &rack.ns;
             s.spawn(move || {
                 ns.enter();
-                wait_http(&format!("http://{MGMT}/v1/info"), &mut dp, "phub-dataplane");
-                wait_http(&format!("http://{CONTROL}/v1/jobs"), &mut ctl, "phub-control");
+                wait_http(
+                    &dataplane_ready(&format!("http://{MGMT}")),
+                    &mut dp,
+                    "phub-dataplane",
+                );
+                wait_http(
+                    &control_ready(&format!("http://{CONTROL}")),
+                    &mut ctl,
+                    "phub-control",
+                );
                 (dp, ctl)
             })
             .join()
@@ -360,25 +360,22 @@ impl VirtualRack {
 
     /// The dataplane's counters (`GET /v1/stats` on its management API).
     pub fn stats(&self) -> phub_proto::api::DataplaneStats {
-        let url = format!("{}/v1/stats", self.mgmt_url());
-        self.inside(|| {
-            ureq::get(&url)
-                .call()
-                .expect("dataplane stats")
-                .into_json()
-                .expect("stats JSON")
-        })
+        self.mgmt(&mgmt::stats())
     }
 
     /// What the dataplane says about itself (`GET /v1/info`).
     pub fn info(&self) -> phub_proto::api::DataplaneInfo {
-        let url = format!("{}/v1/info", self.mgmt_url());
+        self.mgmt(&mgmt::info())
+    }
+
+    /// `call` to the dataplane's management API (an open route), from
+    /// inside the namespace; panics saying why it failed.
+    fn mgmt<A: Send>(&self, call: &MgmtCall<'_, A>) -> A {
+        let url = self.mgmt_url();
         self.inside(|| {
-            ureq::get(&url)
-                .call()
-                .expect("dataplane info")
-                .into_json()
-                .expect("info JSON")
+            crate::workload::client(&url, None)
+                .send(call)
+                .unwrap_or_else(|e| panic!("{} at {url}: {e}", call.what()))
         })
     }
 
@@ -429,7 +426,7 @@ impl VirtualRack {
             .stderr(logf)
             .spawn()
             .expect("spawning phub-dataplane");
-        let url = format!("{}/v1/info", self.mgmt_url());
+        let url = dataplane_ready(&self.mgmt_url());
         let up = std::thread::scope(|s| {
             s.spawn(|| {
                 self.ns.enter();
@@ -490,7 +487,7 @@ impl VirtualRack {
             s.spawn(|| {
                 self.ns.enter();
                 wait_http(
-                    &format!("http://{CONTROL}/v1/jobs"),
+                    &control_ready(&format!("http://{CONTROL}")),
                     &mut ctl,
                     "phub-control (restarted)",
                 );

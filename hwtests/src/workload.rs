@@ -5,20 +5,20 @@ use std::net::UdpSocket;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use phub_http::Client;
 use phub_proto::api::AdmitResponse;
+use phub_proto::routes::control;
+use phub_proto::spec::{JobSpec, Optimizer};
 use phub_worker::{Worker, WorkerConfig, WorkerStats};
 
 /// A sum job's spec with these keys.
 pub fn sum_spec(name: &str, workers: u16, chunk_bytes: Option<u32>, keys: &[u64]) -> String {
-    let mut s = format!("name = \"{name}\"\nworkers = {workers}\n");
-    if let Some(c) = chunk_bytes {
-        s += &format!("chunk_bytes = {c}\n");
+    let spec = JobSpec::new(name, u32::from(workers), keys);
+    match chunk_bytes {
+        Some(c) => spec.with_chunk_bytes(c),
+        None => spec,
     }
-    s += "[optimizer]\nkind = \"sum\"\n";
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s
+    .to_toml()
 }
 
 /// Small-integer gradient: sums are exact in f32 in any order.
@@ -42,12 +42,12 @@ pub fn expected(workers: u16, key: u32, elem: usize, round: u32) -> f32 {
 
 /// An SGD job's spec (learning rate [`SGD_LR`]) with these keys.
 pub fn sgd_spec(name: &str, workers: u16, keys: &[u64]) -> String {
-    let mut s =
-        format!("name = \"{name}\"\nworkers = {workers}\n[optimizer]\nkind = \"sgd\"\nlr = {SGD_LR}\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s
+    JobSpec::new(name, u32::from(workers), keys)
+        .with_optimizer(Optimizer::Sgd {
+            lr: SGD_LR,
+            weight_decay: 0.0,
+        })
+        .to_toml()
 }
 
 /// The learning rate of [`sgd_spec`]: a power of two, so `lr * mean` is
@@ -73,14 +73,21 @@ pub fn sgd_reference(workers: u16, key: u32, init: &[f32], rounds: u32) -> Vec<f
     w
 }
 
+/// The client of the server at `url` (phub-control, a dataplane's
+/// management API), sending `token` when given; panics on a TLS setting it
+/// cannot use.
+pub fn client(url: &str, token: Option<&str>) -> Client {
+    Client::plain(url)
+        .unwrap_or_else(|e| panic!("a client of {url}: {e}"))
+        .with_token(token.map(str::to_string))
+}
+
 /// Admits a job through phub-control, with the operator token when control
-/// has one.
+/// has one; panics with control's answer if it refuses.
 pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitResponse {
-    let mut req = ureq::post(&format!("{url}/v1/jobs"));
-    if let Some(t) = operator_token {
-        req = req.set("Authorization", &format!("Bearer {t}"));
-    }
-    req.send_string(spec).unwrap().into_json().unwrap()
+    client(url, operator_token)
+        .send(&control::admit(spec))
+        .unwrap_or_else(|e| panic!("admitting at {url}: {e}"))
 }
 
 /// A PARTIAL (PROTOCOL.md §9.2) forged by someone who holds only
@@ -93,14 +100,13 @@ pub fn admit(url: &str, operator_token: Option<&str>, spec: &str) -> AdmitRespon
 pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f32) -> (u16, Vec<u8>) {
     use phub_proto::api::JobMap;
     use phub_proto::wire::{MsgType, Repr};
-    let get = |path: String| -> JobMap {
-        ureq::get(&format!("{url}/v1/jobs/{}/map{path}", job.id))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
+    let control = client(url, None);
+    let get = |key: Option<u32>| -> JobMap {
+        control
+            .send(&control::map(job.id, key))
+            .unwrap_or_else(|e| panic!("the map of job {}: {e}", job.id))
     };
-    let map = get(String::new());
+    let map = get(None);
     let home = map
         .lcores
         .iter()
@@ -112,7 +118,7 @@ pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f3
             )
         });
     for k in 0..map.keys_total {
-        let key = get(format!("/keys/{k}")).keys.remove(0);
+        let key = get(Some(key_index(k))).keys.remove(0);
         let Some(run) = key
             .runs
             .iter()
@@ -134,6 +140,11 @@ pub fn forged_partial(url: &str, job: &AdmitResponse, appliance: &str, value: f3
         "no key of job {} has a chunk in home slot 0 of {appliance}'s lcore {}",
         job.id, home.lcore
     )
+}
+
+/// Key `k` of a map's `keys_total` as the map's route names it.
+pub fn key_index(k: u64) -> u32 {
+    u32::try_from(k).expect("key indices are u32 on the wire")
 }
 
 /// Runs `workers` worker threads through `rounds` rounds of a sum job

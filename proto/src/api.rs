@@ -49,6 +49,11 @@
 //!
 //! Every error answer (4xx, 5xx) is an [`ApiError`] with a message that names
 //! the problem.
+//!
+//! The routes as typed values, for servers to parse and clients to build
+//! calls with (method, path, body and answer types), are
+//! [`crate::routes`]'s [`ControlRoute`](crate::routes::ControlRoute) and
+//! [`MgmtRoute`](crate::routes::MgmtRoute).
 
 use std::collections::BTreeMap;
 
@@ -57,15 +62,6 @@ use serde::{Deserialize, Serialize};
 use crate::layout::Layout;
 use crate::memory::MemoryModel;
 use crate::spec::JobSpec;
-
-/// Whether a request to the dataplane's management API needs no
-/// management token: reading its description, job list and counters
-/// (`GET /v1/info`, `/v1/jobs`, `/v1/stats`), which hold no secret. The
-/// dataplane checks by it, control's client sends no token to such a route
-/// when it has none.
-pub fn mgmt_route_is_open(method: &str, path: &str) -> bool {
-    method == "GET" && matches!(path.trim_matches('/'), "v1/info" | "v1/jobs" | "v1/stats")
-}
 
 /// Serde for `u64` tokens as 16 hex digits.
 pub mod hex_u64 {
@@ -98,14 +94,19 @@ pub struct ApiError {
 }
 
 impl ApiError {
+    /// An error answer's body read as an [`ApiError`], if it is one.
+    pub fn parse(body: &str) -> Option<ApiError> {
+        serde_json::from_str(body).ok()
+    }
+
     /// The message of an error answer's body: its `error` when the body is
     /// an [`ApiError`], else the body itself (trimmed, at most 500
     /// characters), or "(no error message in the answer)" when empty.
     pub fn message_of(body: &str) -> String {
-        match serde_json::from_str::<ApiError>(body) {
-            Ok(e) => e.error,
-            Err(_) if body.trim().is_empty() => "(no error message in the answer)".to_string(),
-            Err(_) => body.trim().chars().take(500).collect(),
+        match ApiError::parse(body) {
+            Some(e) => e.error,
+            None if body.trim().is_empty() => "(no error message in the answer)".to_string(),
+            None => body.trim().chars().take(500).collect(),
         }
     }
 }

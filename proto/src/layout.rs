@@ -659,31 +659,18 @@ fn water_fill(load: &[u64], total: u64) -> Vec<u64> {
 #[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
 mod tests {
     use super::*;
-    use crate::spec::{Consistency, KeySpec, Optimizer};
+    use crate::spec::Optimizer;
     use crate::Dtype;
     use proptest::prelude::*;
 
     fn spec(keys: &[u64], dtype: Dtype, chunk_bytes: u32) -> JobSpec {
-        JobSpec {
-            checkpoint_interval_s: None,
-            name: "t".into(),
-            workers: 2,
-            dtype,
-            chunk_bytes,
-            optimizer: Optimizer::Sgd {
+        JobSpec::new("t", 2, keys)
+            .with_dtype(dtype)
+            .with_chunk_bytes(chunk_bytes)
+            .with_optimizer(Optimizer::Sgd {
                 lr: 0.1,
                 weight_decay: 0.0,
-            },
-            consistency: Consistency::Sync,
-            placement: None,
-            keys: keys
-                .iter()
-                .map(|&e| KeySpec {
-                    name: String::new(),
-                    elements: e,
-                })
-                .collect(),
-        }
+            })
     }
 
     /// The naive reference: every chunk in sequence order, with its place.

@@ -2,7 +2,8 @@
 //!
 //! Layer: pure. No I/O, no clock, no `unsafe`. Holds the wire header views
 //! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]), the
-//! chunk layout ([`layout`]) and what a job costs ([`memory`]). Parsing
+//! chunk layout ([`layout`]), what a job costs ([`memory`]) and the HTTP
+//! APIs' bodies ([`api`]) and routes ([`routes`]). Parsing
 //! received bytes never panics and never allocates.
 #![forbid(unsafe_code)]
 // Casts that may truncate or drop a sign are checked here rather than in
@@ -17,8 +18,10 @@ pub mod dtype;
 pub mod fault;
 pub mod layout;
 pub mod memory;
+pub mod routes;
 pub mod shm;
 pub mod spec;
+pub mod spec_builder;
 pub mod wire;
 
 pub use dtype::Dtype;

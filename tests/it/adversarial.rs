@@ -20,8 +20,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common::{Appliances, Rack};
+use crate::common::{client, Appliances, Operator, Rack};
 use phub::proto::api::{AdmitResponse, InstalledJob, JobSummary};
+use phub::proto::routes::{control, mgmt, ControlRoute as R, MgmtRoute as M, Route};
 use phub_hwtests::workload::{grad, init_values, sgd_reference};
 use phub_worker::{Worker, WorkerConfig};
 
@@ -52,7 +53,7 @@ impl Prober {
             Arc::new(AtomicBool::new(false)),
             Arc::new(Mutex::new((Duration::ZERO, vec![]))),
         );
-        let (s, w, url) = (stop.clone(), worst.clone(), format!("{url}/v1/jobs"));
+        let (s, w, url) = (stop.clone(), worst.clone(), format!("{url}{}", R::Jobs.path()));
         let thread = std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
                 let t = Instant::now();
@@ -100,12 +101,18 @@ fn connect_from(from: Ipv4Addr, to: SocketAddr) -> std::io::Result<TcpStream> {
     Ok(s.into())
 }
 
+/// `route`'s request line, `GET /v1/jobs HTTP/1.1\r\n`, then `rest` (raw
+/// requests: headers trickled, bodies over the limit, guessed tokens).
+fn raw(route: &impl Route, rest: &str) -> Vec<u8> {
+    format!("{} {} HTTP/1.1\r\n{rest}", route.method(), route.path()).into_bytes()
+}
+
 /// Opens `n` connections from `from` that send part of a request and then
 /// a byte now and then, from a thread, until `stop`.
 fn tricklers(
     addr: SocketAddr,
     n: usize,
-    start: &'static [u8],
+    start: Vec<u8>,
     from: Ipv4Addr,
     stop: Arc<AtomicBool>,
 ) -> std::thread::JoinHandle<()> {
@@ -116,7 +123,7 @@ fn tricklers(
             while conns.len() < n {
                 match connect_from(from, addr) {
                     Ok(mut c) => {
-                        let _ = c.write_all(start);
+                        let _ = c.write_all(&start);
                         conns.push(c);
                     }
                     Err(_) => break,
@@ -162,39 +169,21 @@ fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
     // declare a body and trickle it, from hosts other than the prober's
     // (one host holds at most `max_connections_per_source`).
     let threads = vec![
-        tricklers(
-            control,
-            50,
-            b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ",
-            host(2),
-            stop.clone(),
-        ),
-        tricklers(
-            control,
-            50,
-            b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ",
-            host(3),
-            stop.clone(),
-        ),
+        tricklers(control, 50, raw(&R::Jobs, "X-Slow: "), host(2), stop.clone()),
+        tricklers(control, 50, raw(&R::Jobs, "X-Slow: "), host(3), stop.clone()),
         tricklers(
             control,
             20,
-            b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 100000\r\n\r\n{",
+            raw(&R::Join { job: 1 }, "Content-Length: 100000\r\n\r\n{"),
             host(4),
             stop.clone(),
         ),
-        tricklers(
-            mgmt,
-            50,
-            b"GET /v1/info HTTP/1.1\r\nX-Slow: ",
-            host(5),
-            stop.clone(),
-        ),
+        tricklers(mgmt, 50, raw(&M::Info, "X-Slow: "), host(5), stop.clone()),
     ];
     std::thread::sleep(Duration::from_millis(500));
 
     // Huge headers: refused, memory not taken.
-    let mut big = b"GET /v1/jobs HTTP/1.1\r\nX-Big: ".to_vec();
+    let mut big = raw(&R::Jobs, "X-Big: ");
     big.extend(std::iter::repeat_n(b'a', 4 << 20));
     big.extend_from_slice(b"\r\n\r\n");
     for _ in 0..3 {
@@ -202,15 +191,18 @@ fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
     }
     // Bodies over the limit: refused before they are read, with or without
     // the operator token (without, the token is asked for first).
-    let huge = b"POST /v1/jobs HTTP/1.1\r\nContent-Length: 1000000000\r\n\r\n";
-    assert!(raw_status(control, huge).contains("401"));
-    let with_token = format!(
-        "POST /v1/jobs HTTP/1.1\r\nAuthorization: Bearer {}\r\nContent-Length: 1000000000\r\n\r\n",
-        rack.operator_token()
+    let huge = raw(&R::Admit, "Content-Length: 1000000000\r\n\r\n");
+    assert!(raw_status(control, &huge).contains("401"));
+    let with_token = raw(
+        &R::Admit,
+        &format!(
+            "Authorization: Bearer {}\r\nContent-Length: 1000000000\r\n\r\n",
+            rack.operator_token()
+        ),
     );
-    assert!(raw_status(control, with_token.as_bytes()).contains("413"));
-    let join = b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 10000000\r\n\r\n";
-    assert!(raw_status(control, join).contains("413"));
+    assert!(raw_status(control, &with_token).contains("413"));
+    let join = raw(&R::Join { job: 1 }, "Content-Length: 10000000\r\n\r\n");
+    assert!(raw_status(control, &join).contains("413"));
 
     // Meanwhile admission (control -> dataplane) works, promptly.
     let t = Instant::now();
@@ -229,7 +221,7 @@ fn slow_huge_and_many_clients_do_not_hold_control_or_the_dataplane() {
         t.join().unwrap();
     }
     prober.finish("slow and huge clients");
-    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    let jobs: Vec<JobSummary> = rack.send(&control::jobs());
     assert_eq!(jobs.iter().map(|j| j.id).collect::<Vec<_>>(), vec![job.id]);
 }
 
@@ -251,16 +243,17 @@ fn the_dataplane_api_refuses_changes_and_secrets_without_the_token() {
         }
     };
     // Reading what holds no secret is open.
-    assert_eq!(call("GET", "/v1/info", None, "").0, 200);
-    assert_eq!(call("GET", "/v1/stats", None, "").0, 200);
+    assert_eq!(call("GET", &M::Info.path(), None, "").0, 200);
+    assert_eq!(call("GET", &M::Stats.path(), None, "").0, 200);
     // A checkpoint (token and parameters), a removal, a hidden install:
     // refused without the token, naming the file; refused with a wrong one.
     let hidden = r#"{"id": 9, "token": 0, "spec": {}, "layout": {}}"#;
-    for (method, path, body) in [
-        ("GET", format!("/v1/jobs/{id}/checkpoint"), ""),
-        ("DELETE", format!("/v1/jobs/{id}"), ""),
-        ("PUT", "/v1/jobs/9".to_string(), hidden),
+    for (route, body) in [
+        (M::Checkpoint { job: id }, ""),
+        (M::Remove { job: id }, ""),
+        (M::Install { job: 9 }, hidden),
     ] {
+        let (method, path) = (route.method().as_str(), route.path());
         let (code, msg) = call(method, &path, None, body);
         assert_eq!(code, 401, "{method} {path}: {msg}");
         assert!(
@@ -271,7 +264,7 @@ fn the_dataplane_api_refuses_changes_and_secrets_without_the_token() {
         assert_eq!(code, 403, "{method} {path}: {msg}");
     }
     // The job is still installed, the hidden one is not.
-    let installed: Vec<InstalledJob> = ureq::get(&format!("{base}/v1/jobs"))
+    let installed: Vec<InstalledJob> = ureq::get(&format!("{base}{}", M::Jobs.path()))
         .call()
         .unwrap()
         .into_json()
@@ -279,7 +272,7 @@ fn the_dataplane_api_refuses_changes_and_secrets_without_the_token() {
     assert_eq!(installed.iter().map(|j| j.id).collect::<Vec<_>>(), vec![id]);
     // With the token, an install is still validated: token 0 is refused.
     let bearer = format!("Bearer {}", rack.mgmt_token());
-    let (code, msg) = call("PUT", "/v1/jobs/9", Some(&bearer), hidden);
+    let (code, msg) = call("PUT", &M::Install { job: 9 }.path(), Some(&bearer), hidden);
     assert_eq!(code, 400, "{msg}");
     // The token file is the owner's only.
     use std::os::unix::fs::PermissionsExt;
@@ -304,9 +297,8 @@ fn racing_admits_and_evictions_lose_nothing() {
                     let job: AdmitResponse = rack.admit(SPEC).expect("admission");
                     // Every other job is evicted at once, racing the others.
                     if (t + i) % 2 == 0 {
-                        let r = ureq::delete(&format!("{}/v1/jobs/{}", rack.control_url, job.id))
-                            .set("Authorization", &format!("Bearer {}", rack.operator_token()))
-                            .call();
+                        let r = client(&rack.control_url, Some(&rack.operator_token()))
+                            .send(&control::evict(job.id));
                         assert!(r.is_ok(), "evicting {}: {r:?}", job.id);
                     } else {
                         kept.lock().unwrap().push(job.id);
@@ -321,20 +313,12 @@ fn racing_admits_and_evictions_lose_nothing() {
     prober.finish("racing admits and evictions");
     let mut kept = kept.lock().unwrap().clone();
     kept.sort_unstable();
-    let listed: Vec<u16> = rack
-        .get::<Vec<JobSummary>>("/v1/jobs")
-        .iter()
-        .map(|j| j.id)
-        .collect();
+    let listed: Vec<u16> = rack.send(&control::jobs()).iter().map(|j| j.id).collect();
     assert_eq!(
         listed, kept,
         "control's jobs are exactly those admitted and not evicted"
     );
-    let installed: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let installed: Vec<InstalledJob> = rack.dataplane(&mgmt::jobs());
     let installed: Vec<u16> = installed.iter().map(|j| j.id).collect();
     assert_eq!(installed, kept, "the dataplane holds exactly those jobs");
 }
@@ -422,7 +406,7 @@ fn tls_control(
         .tls_config(phub_http::client_config(Some(ca)).unwrap())
         .build();
     let t = Instant::now();
-    while agent.get(&format!("{url}/v1/jobs")).call().is_err() {
+    while agent.get(&format!("{url}{}", R::Jobs.path())).call().is_err() {
         assert!(
             t.elapsed() < Duration::from_secs(20),
             "TLS control did not come up"
@@ -491,7 +475,7 @@ fn sigterm_stops_control_at_once_with_clients_connected() {
     let t = tricklers(
         control,
         50,
-        b"POST /v1/jobs/1/join HTTP/1.1\r\nContent-Length: 9000\r\n\r\n",
+        raw(&R::Join { job: 1 }, "Content-Length: 9000\r\n\r\n"),
         host(1),
         stop.clone(),
     );
@@ -558,7 +542,7 @@ fn full_and_read_only_state_directories_lose_nothing() {
     let (mut child, port) = spawn_control(&rack, &dir.join("state.json"), &extra, "small-control.log");
     let url = format!("http://127.0.0.1:{port}");
     phub_hwtests::process::wait_http(
-        &format!("{url}/v1/jobs"),
+        &phub_hwtests::process::control_ready(&url),
         &mut child,
         Duration::from_secs(20),
         || false,
@@ -566,22 +550,9 @@ fn full_and_read_only_state_directories_lose_nothing() {
     .unwrap();
     guard.1 = Some(child);
     let token = std::fs::read_to_string(&token_file).unwrap().trim().to_string();
-    let admit = || -> Result<AdmitResponse, (u16, String)> {
-        match ureq::post(&format!("{url}/v1/jobs"))
-            .set("Authorization", &format!("Bearer {token}"))
-            .send_string(SPEC)
-        {
-            Ok(r) => Ok(r.into_json().unwrap()),
-            Err(ureq::Error::Status(c, r)) => Err((c, r.into_string().unwrap())),
-            Err(e) => panic!("{e}"),
-        }
-    };
+    let admit = || -> Result<AdmitResponse, (u16, String)> { common::admit(&url, &token, SPEC) };
     let installed = || -> Vec<u16> {
-        let v: Vec<InstalledJob> = ureq::get(&format!("{}/v1/jobs", rack.mgmt_url))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap();
+        let v: Vec<InstalledJob> = rack.dataplane(&mgmt::jobs());
         v.iter().map(|j| j.id).collect()
     };
     let first = admit().expect("admission with room for the state file");
@@ -607,13 +578,9 @@ fn full_and_read_only_state_directories_lose_nothing() {
     // An eviction that cannot be written changes nothing.
     // The status of an eviction of the first job.
     let evict = || -> u16 {
-        match ureq::delete(&format!("{url}/v1/jobs/{}", first.id))
-            .set("Authorization", &format!("Bearer {token}"))
-            .call()
-        {
-            Ok(r) => r.status(),
-            Err(ureq::Error::Status(c, _)) => c,
-            Err(e) => panic!("eviction: {e}"),
+        match client(&url, Some(&token)).send(&control::evict(first.id)) {
+            Ok(_) => 200,
+            Err(e) => e.status().unwrap_or_else(|| panic!("eviction: {e}")),
         }
     };
     assert_eq!(evict(), 500);
@@ -636,10 +603,8 @@ fn full_and_read_only_state_directories_lose_nothing() {
     // Writable again: everything works, nothing was lost.
     let second = admit().expect("admission once the state directory is writable");
     prober.finish("full and read-only state directories");
-    let listed: Vec<u16> = ureq::get(&format!("{url}/v1/jobs"))
-        .call()
-        .unwrap()
-        .into_json::<Vec<JobSummary>>()
+    let listed: Vec<u16> = client(&url, None)
+        .send(&control::jobs())
         .unwrap()
         .iter()
         .map(|j| j.id)
@@ -722,11 +687,8 @@ fn a_hung_appliance_and_fifty_readers_do_not_hold_joins() {
     let readers: Vec<_> = (0..50)
         .map(|i| {
             let (stop, worst) = (stop.clone(), worst.clone());
-            let url = format!(
-                "{}{}",
-                rack.control_url,
-                if i % 2 == 0 { "/v1/jobs" } else { "/metrics" }
-            );
+            let route = if i % 2 == 0 { R::Jobs } else { R::Metrics };
+            let url = format!("{}{}", rack.control_url, route.path());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
                     let t = Instant::now();
@@ -749,7 +711,7 @@ fn a_hung_appliance_and_fifty_readers_do_not_hold_joins() {
     let mut took: Vec<Duration> = (0..20)
         .map(|_| {
             let t = Instant::now();
-            ureq::post(&format!("{}/v1/jobs/{}/join", rack.control_url, job.id))
+            ureq::post(&format!("{}{}", rack.control_url, R::Join { job: job.id }.path()))
                 .send_string(&join)
                 .unwrap();
             let d = t.elapsed();
@@ -831,21 +793,21 @@ fn part_file(rack: &Appliances, id: u16, name: &str) -> std::path::PathBuf {
     rack.dir.join(format!("state.json.job-{id}.{name}.ckpt"))
 }
 
-/// Waits up to 20 s for job `id`'s `held` reason in `GET /v1/jobs` (read
-/// as JSON: control without the field never shows one).
+/// Waits up to 20 s for job `id`'s `held` reason in `GET /v1/jobs` (a
+/// control without the field never shows one).
 fn wait_held(rack: &Appliances, id: u16) -> String {
     let t = Instant::now();
     loop {
-        let jobs: Vec<serde_json::Value> = rack.get("/v1/jobs");
-        let job = jobs.iter().find(|j| j["id"] == id).unwrap();
-        if let Some(why) = job["held"].as_str() {
-            assert_eq!(job["installed"], false, "{job}");
-            return why.to_string();
+        let jobs = rack.send(&control::jobs());
+        let job = jobs.iter().find(|j| j.id == id).unwrap();
+        if let Some(why) = &job.held {
+            assert!(!job.installed, "{job:?}");
+            return why.clone();
         }
         assert!(
             t.elapsed() < Duration::from_secs(20),
             "job {id} is not shown held (installed: {}); phubctl job list:\n{}",
-            job["installed"],
+            job.installed,
             rack.phubctl(&["job", "list"]).1
         );
         std::thread::sleep(Duration::from_millis(100));
@@ -862,7 +824,7 @@ fn stays_held(rack: &Appliances, i: usize, job: &AdmitResponse, file: &std::path
         ok && out.lines().nth(1).is_some_and(|l| l.ends_with("  HELD")),
         "{out}{err}"
     );
-    let metrics = ureq::get(&format!("{}/metrics", rack.control_url))
+    let metrics = ureq::get(&format!("{}{}", rack.control_url, R::Metrics.path()))
         .call()
         .unwrap()
         .into_string()
@@ -876,7 +838,8 @@ fn stays_held(rack: &Appliances, i: usize, job: &AdmitResponse, file: &std::path
         !ok && err.contains("is held") && err.contains("job retry"),
         "{out}{err}"
     );
-    let join = ureq::post(&format!("{}/v1/jobs/{id}/join", rack.control_url)).send_string(&format!(
+    let join_path = R::Join { job: job.id }.path();
+    let join = ureq::post(&format!("{}{join_path}", rack.control_url)).send_string(&format!(
         "{{\"token\": \"{:016x}\", \"rank\": 0, \"rejoin\": true}}",
         job.token
     ));
@@ -893,7 +856,7 @@ fn stays_held(rack: &Appliances, i: usize, job: &AdmitResponse, file: &std::path
         "{} was written over",
         file.display()
     );
-    let installed: Vec<InstalledJob> = rack.dataplane_get(i, "/v1/jobs");
+    let installed: Vec<InstalledJob> = rack.dataplane(i, &mgmt::jobs());
     assert!(
         installed.iter().all(|j| j.id != job.id),
         "the held part was installed: {installed:?}"
@@ -962,14 +925,11 @@ fn a_corrupt_part_checkpoint_holds_the_job_until_the_file_is_repaired() {
         ok && out.contains("appliance \"b\"") && out.contains("usable (round 3); restored from it"),
         "{out}{err}"
     );
-    let stats: phub::proto::api::DataplaneStats = rack.dataplane_get(1, "/v1/stats");
+    let stats: phub::proto::api::DataplaneStats = rack.dataplane(1, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range, Some((3, 3)), "{live:?}");
-    let listed: Vec<serde_json::Value> = rack.get("/v1/jobs");
-    assert!(
-        listed[0]["installed"] == true && listed[0]["held"].is_null(),
-        "{listed:?}"
-    );
+    let listed = rack.send(&control::jobs());
+    assert!(listed[0].installed && listed[0].held.is_none(), "{listed:?}");
     sgd_rounds(&w, &mut params, 4..=6);
     let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
     assert!(ok && out.contains("round 6"), "{out}{err}");
@@ -1043,10 +1003,13 @@ fn an_empty_checkpoint_never_replaces_one_with_rounds() {
 
     rack.kill_control();
     let install = phub::proto::checkpoint::Checkpoint::decode(&good).unwrap().job;
-    let url = format!("{}/v1/jobs/{id}", rack.mgmt_url);
+    let url = |route: M| format!("{}{}", rack.mgmt_url, route.path());
     let bearer = format!("Bearer {}", rack.mgmt_token());
-    ureq::delete(&url).set("Authorization", &bearer).call().unwrap();
-    ureq::put(&url)
+    ureq::delete(&url(M::Remove { job: job.id }))
+        .set("Authorization", &bearer)
+        .call()
+        .unwrap();
+    ureq::put(&url(M::Install { job: job.id }))
         .set("Authorization", &bearer)
         .send_string(&serde_json::to_string(&install).unwrap())
         .unwrap();
@@ -1208,8 +1171,8 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
     let wrong = "Bearer 0123456789abcdef0123456789abcdef";
 
     // Control's operator token, guessed from 127.0.0.1 for two seconds.
-    let guess = format!("DELETE /v1/jobs/1 HTTP/1.1\r\nAuthorization: {wrong}\r\n\r\n");
-    let (codes, refusal) = guesses(host(1), control, guess.as_bytes(), Duration::from_secs(2));
+    let guess = raw(&R::Evict { job: 1 }, &format!("Authorization: {wrong}\r\n\r\n"));
+    let (codes, refusal) = guesses(host(1), control, &guess, Duration::from_secs(2));
     let checked = codes.iter().filter(|&&c| c == 403).count();
     let refused = codes.iter().filter(|&&c| c == 429).count();
     eprintln!(
@@ -1233,12 +1196,15 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
     // not lock out the others; so it is from another host, and reads stay
     // open.
     let token = rack.operator_token();
-    let right = format!("DELETE /v1/jobs/999 HTTP/1.1\r\nAuthorization: Bearer {token}\r\n\r\n");
-    let out = raw_from(host(1), control, right.as_bytes());
+    let right = raw(
+        &R::Evict { job: 999 },
+        &format!("Authorization: Bearer {token}\r\n\r\n"),
+    );
+    let out = raw_from(host(1), control, &right);
     assert!(out.starts_with("HTTP/1.1 404"), "{out}");
-    let out = raw_from(host(2), control, right.as_bytes());
+    let out = raw_from(host(2), control, &right);
     assert!(out.starts_with("HTTP/1.1 404"), "{out}");
-    let out = raw_from(host(1), control, b"GET /v1/jobs HTTP/1.1\r\n\r\n");
+    let out = raw_from(host(1), control, &raw(&R::Jobs, "\r\n"));
     assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     let lines = credential_lines(&rack.dir.join("phub-control.log"), "127.0.0.1");
     eprintln!("control's log: {lines:#?}");
@@ -1250,8 +1216,8 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
 
     // The dataplane's management token, guessed from 127.0.0.3; control
     // (from 127.0.0.1) still installs a job with the right one.
-    let guess = format!("DELETE /v1/jobs/7 HTTP/1.1\r\nAuthorization: {wrong}\r\n\r\n");
-    let (codes, _) = guesses(host(3), mgmt, guess.as_bytes(), Duration::from_secs(1));
+    let guess = raw(&M::Remove { job: 7 }, &format!("Authorization: {wrong}\r\n\r\n"));
+    let (codes, _) = guesses(host(3), mgmt, &guess, Duration::from_secs(1));
     let checked = codes.iter().filter(|&&c| c == 403).count();
     eprintln!(
         "the dataplane, 1 s of wrong tokens from one host: {} tries, {checked} checked",
@@ -1262,11 +1228,14 @@ fn wrong_tokens_are_logged_and_slowed_per_source() {
         "the dataplane checked {checked} wrong tokens from one host in 1 s ({} tries)",
         codes.len()
     );
-    let admit = format!(
-        "POST /v1/jobs HTTP/1.1\r\nAuthorization: Bearer {token}\r\nContent-Length: {}\r\n\r\n{SPEC}",
-        SPEC.len()
+    let admit = raw(
+        &R::Admit,
+        &format!(
+            "Authorization: Bearer {token}\r\nContent-Length: {}\r\n\r\n{SPEC}",
+            SPEC.len()
+        ),
     );
-    let out = raw_from(host(2), control, admit.as_bytes());
+    let out = raw_from(host(2), control, &admit);
     assert!(
         out.starts_with("HTTP/1.1 201"),
         "admission while another host guesses the management token: {out}"
@@ -1297,18 +1266,19 @@ fn one_host_cannot_hold_every_connection() {
         let held: Vec<TcpStream> = (0..300)
             .filter_map(|_| {
                 let mut c = connect_from(host(1), addr).ok()?;
-                let _ = c.write_all(b"GET /v1/jobs HTTP/1.1\r\nX-Slow: ");
+                let _ = c.write_all(&raw(&R::Jobs, "X-Slow: "));
                 Some(c)
             })
             .collect();
         std::thread::sleep(Duration::from_millis(300));
-        let get = b"GET /v1/jobs HTTP/1.1\r\n\r\n";
-        let out = raw_from(host(2), addr, get);
+        // `GET /v1/jobs` is a route of both APIs.
+        let get = raw(&R::Jobs, "\r\n");
+        let out = raw_from(host(2), addr, &get);
         assert!(
             out.starts_with("HTTP/1.1 200"),
             "{what}, with 300 connections held from 127.0.0.1, answered 127.0.0.2: {out}"
         );
-        let out = raw_from(host(1), addr, get);
+        let out = raw_from(host(1), addr, &get);
         assert!(
             out.starts_with("HTTP/1.1 503") && out.contains("at most 64 at once from one address"),
             "{what}: {out}"

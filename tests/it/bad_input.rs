@@ -8,8 +8,9 @@ use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
-use crate::common::{expected_sum, grad, init, Rack};
+use crate::common::{expected_sum, grad, init, Operator, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
+use phub::proto::routes::{control, mgmt};
 use phub::proto::wire::{MsgType, Repr, HEADER_LEN, VERSION};
 use phub_worker::Worker;
 
@@ -52,16 +53,12 @@ fn a_million_bad_datagrams_during_training() {
         keys[0], keys[1]
     );
     let job = rack.admit(&spec).unwrap();
-    let info: DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let info: DataplaneInfo = rack.dataplane(&mgmt::info());
     let ports: Vec<u16> = (0..info.lcores.len() as u16)
         .map(|i| info.data.base_port + i)
         .collect();
     let pid = rack.dataplane.as_ref().unwrap().pid();
-    let before: Stats = rack.get("/v1/stats");
+    let before: Stats = rack.send(&control::stats());
     let rss_before = rss_kib(pid);
     let kernel_before = kernel_drops(&ports);
 
@@ -164,7 +161,7 @@ fn a_million_bad_datagrams_during_training() {
     // Let the dataplane drain what is queued, then compare.
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let after: Stats = rack.get("/v1/stats");
+        let after: Stats = rack.send(&control::stats());
         let count = |s: &Stats, reason: &str| -> u64 {
             s.dataplane
                 .as_ref()

@@ -14,18 +14,17 @@
 use std::sync::Barrier;
 use std::time::Duration;
 
-use crate::common::{grad, init, Rack};
+use crate::common;
+use crate::common::{grad, init, Operator, Rack};
 use phub::proto::api::{AdmitResponse, JobDetail, Stats};
+use phub::proto::routes::control;
 use phub_worker::{Consistency, FaultSpec, Worker, WorkerConfig, WorkerStats};
 
 /// Elements of the gradient key (three chunks of 8 KiB).
 const BIG: u64 = 5000;
 
-fn spec(name: &str, workers: u16, consistency: &str) -> String {
-    format!(
-        "name = \"{name}\"\nworkers = {workers}\nconsistency = {consistency}\n[optimizer]\nkind = \"sum\"\n\
-         [[keys]]\nname = \"census\"\nelements = {workers}\n[[keys]]\nname = \"grads\"\nelements = {BIG}\n"
-    )
+fn spec(name: &str, workers: u16, consistency: Consistency) -> String {
+    common::census_spec(name, workers, BIG, consistency)
 }
 
 /// What each rank saw: per answer to clock c, the census (clocks applied
@@ -137,13 +136,13 @@ fn run(
 /// Every rank's clocks as control reports them: (lowest, highest) over
 /// the job's chunks.
 fn detail(rack: &Rack, job: &AdmitResponse) -> JobDetail {
-    rack.get(&format!("/v1/jobs/{}", job.id))
+    rack.send(&control::job(job.id))
 }
 
 #[test]
 fn async_sum_applies_every_clock_once_and_ends_exact() {
     let rack = Rack::start(2, "256MiB");
-    let job = rack.admit(&spec("async", 3, "{ mode = \"async\" }")).unwrap();
+    let job = rack.admit(&spec("async", 3, Consistency::Async)).unwrap();
     // Ranks at different paces: async never waits for the slow one.
     let pauses = [
         Duration::ZERO,
@@ -177,7 +176,7 @@ fn bounded_delay_2_keeps_every_rank_within_3_clocks_of_a_slow_one() {
     const TAU: u32 = 2;
     let rack = Rack::start(2, "256MiB");
     let job = rack
-        .admit(&spec("ssp", 3, &format!("{{ bounded_delay = {TAU} }}")))
+        .admit(&spec("ssp", 3, Consistency::Bounded { delay: TAU }))
         .unwrap();
     let pauses = [Duration::ZERO, Duration::ZERO, Duration::from_millis(25)];
     // Each rank's census says, per answer, how far behind the slowest
@@ -207,7 +206,7 @@ fn bounded_delay_2_keeps_every_rank_within_3_clocks_of_a_slow_one() {
     assert_eq!(d.clock.clocks, vec![(15, 15); 3]);
     assert_eq!(d.clock.max_lead, Some(TAU + 1));
     assert_eq!(d.clock.held, 0, "every held answer was released");
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let held: u64 = stats
         .dataplane
         .unwrap()
@@ -243,7 +242,7 @@ fn bounded_delay_under_injected_faults_applies_each_clock_once() {
     let faults = "loss=0.05,dup=0.03,reorder=0.03,seed=5";
     let rack = Rack::start_with(2, "256MiB", &["--inject", faults]);
     let job = rack
-        .admit(&spec("faults", 3, &format!("{{ bounded_delay = {TAU} }}")))
+        .admit(&spec("faults", 3, Consistency::Bounded { delay: TAU }))
         .unwrap();
     let config = WorkerConfig {
         inject: Some(faults.replace("seed=5", "seed=6").parse::<FaultSpec>().unwrap()),
@@ -267,7 +266,7 @@ fn bounded_delay_under_injected_faults_applies_each_clock_once() {
         }
     }
     assert!(injected > 0 && retransmits > 0, "the faults were not exercised");
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let d = stats.dataplane.unwrap();
     let dropped: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
     assert!(dropped > 0, "the dataplane's injector lost nothing");

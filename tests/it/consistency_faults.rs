@@ -12,8 +12,11 @@
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::common::{grad, init, Rack};
+use crate::common;
+use crate::common::{grad, init, Operator, Rack};
 use phub::proto::api::{AdmitResponse, JobDetail};
+use phub::proto::routes::control;
+use phub::proto::spec::Consistency;
 use phub_worker::{Worker, WorkerConfig, WorkerError};
 
 /// Elements of the gradient key (three chunks of 8 KiB).
@@ -24,11 +27,8 @@ const CHUNKS: u64 = 4;
 /// Clocks every rank ends at.
 const TOTAL: u32 = 10;
 
-fn spec(name: &str, consistency: &str) -> String {
-    format!(
-        "name = \"{name}\"\nworkers = 3\nconsistency = {consistency}\n[optimizer]\nkind = \"sum\"\n\
-         [[keys]]\nname = \"census\"\nelements = 3\n[[keys]]\nname = \"grads\"\nelements = {BIG}\n"
-    )
+fn spec(name: &str, consistency: Consistency) -> String {
+    common::census_spec(name, 3, BIG, consistency)
 }
 
 /// Retries for as long as a dataplane restart and a reinstall take.
@@ -79,7 +79,7 @@ impl Gate {
 }
 
 fn detail(rack: &Rack, job: &AdmitResponse) -> JobDetail {
-    rack.get(&format!("/v1/jobs/{}", job.id))
+    rack.send(&control::job(job.id))
 }
 
 /// Polls control's view of the job until `ok` holds (20 s at most).
@@ -220,7 +220,7 @@ impl Rank {
 /// reinstalls the job from the checkpoint with each rank's clock (and the
 /// held answer held), the ranks are told they are `ahead`, pull their own
 /// clocks back, push the lost clocks once more and end exact at TOTAL.
-fn restored_from_a_checkpoint(name: &str, consistency: &str, tau: Option<u32>) {
+fn restored_from_a_checkpoint(name: &str, consistency: Consistency, tau: Option<u32>) {
     let rack = Mutex::new(Rack::start(2, "256MiB"));
     let control_url = rack.lock().unwrap().control_url.clone();
     let job = rack.lock().unwrap().admit(&spec(name, consistency)).unwrap();
@@ -335,19 +335,19 @@ fn restored_from_a_checkpoint(name: &str, consistency: &str, tau: Option<u32>) {
 
 #[test]
 fn bounded_delay_job_restored_from_a_checkpoint_keeps_each_rank_clock() {
-    restored_from_a_checkpoint("ssp-durable", "{ bounded_delay = 1 }", Some(1));
+    restored_from_a_checkpoint("ssp-durable", Consistency::Bounded { delay: 1 }, Some(1));
 }
 
 #[test]
 fn async_job_restored_from_a_checkpoint_keeps_each_rank_clock() {
-    restored_from_a_checkpoint("async-durable", "{ mode = \"async\" }", None);
+    restored_from_a_checkpoint("async-durable", Consistency::Async, None);
 }
 
 /// Rank 1 of three leaves after clock 2 (its worker dropped) while the
 /// others go on: with bounded delay τ = 1 the leader's answers are held
 /// while it is away, in async nobody waits. It rejoins (`Worker::rejoin`),
 /// pulls its own clock back (2), and every rank ends exact at TOTAL.
-fn worker_leaves_and_rejoins(name: &str, consistency: &str, tau: Option<u32>) {
+fn worker_leaves_and_rejoins(name: &str, consistency: Consistency, tau: Option<u32>) {
     let rack = Rack::start(2, "256MiB");
     let job = rack.admit(&spec(name, consistency)).unwrap();
     const LEFT_AT: u32 = 2;
@@ -397,10 +397,10 @@ fn worker_leaves_and_rejoins(name: &str, consistency: &str, tau: Option<u32>) {
 
 #[test]
 fn bounded_delay_worker_leaves_and_rejoins_with_its_clock() {
-    worker_leaves_and_rejoins("ssp-rejoin", "{ bounded_delay = 1 }", Some(1));
+    worker_leaves_and_rejoins("ssp-rejoin", Consistency::Bounded { delay: 1 }, Some(1));
 }
 
 #[test]
 fn async_worker_leaves_and_rejoins_with_its_clock() {
-    worker_leaves_and_rejoins("async-rejoin", "{ mode = \"async\" }", None);
+    worker_leaves_and_rejoins("async-rejoin", Consistency::Async, None);
 }

@@ -11,8 +11,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use phub::proto::api::Stats;
+use phub::proto::routes::control;
 use phub_hwtests::virt::{Link, VirtualRack, APPLIANCE_IP, BASE_PORT};
-use phub_hwtests::workload::{admit, flood, sum_spec, train};
+use phub_hwtests::workload::{admit, client, flood, sum_spec, train};
 
 #[test]
 fn dpdk_three_workers_keys_and_rounds_under_a_flood_then_a_clean_shutdown() {
@@ -38,13 +39,7 @@ fn dpdk_three_workers_keys_and_rounds_under_a_flood_then_a_clean_shutdown() {
         })
     });
     std::thread::sleep(Duration::from_millis(300));
-    let stats: Stats = rack.inside(|| {
-        ureq::get(&format!("{url}/v1/stats"))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap()
-    });
+    let stats: Stats = rack.inside(|| client(&url, None).send(&control::stats()).unwrap());
     let d = stats.dataplane.expect("dataplane stats");
     assert_eq!(d.backend, "dpdk");
     let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();

@@ -9,8 +9,11 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use phub::proto::api::DataplaneStats;
+use phub::proto::routes::mgmt;
+use phub_hwtests::dataplane_args::DataplaneArgs;
+use phub_hwtests::process::dataplane_ready;
 use phub_hwtests::virt::{VirtualRack, APPLIANCE_IP, WORKER_IF, WORKER_IP};
-use phub_hwtests::workload::{forged_partial, train};
+use phub_hwtests::workload::{admit, client, forged_partial, sum_spec, train};
 
 /// The workers' end of the veth gets this address, which the DPDK
 /// appliance is told for the other appliance there.
@@ -27,11 +30,7 @@ impl Drop for Kill {
 }
 
 fn stats(url: &str) -> DataplaneStats {
-    ureq::get(&format!("{url}/v1/stats"))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap()
+    client(url, None).send(&mgmt::stats()).unwrap()
 }
 
 fn totals(s: &DataplaneStats) -> (u64, u64, u64) {
@@ -85,21 +84,19 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
     let udp = Kill(
         rack.ns
             .command(&bin)
-            .args([
-                "--host",
-                WORKER_IP,
-                "--base-port",
-                "7950",
-                "--lcores",
-                "1",
-                "--no-pin",
-                "--mgmt",
-                UDP_MGMT,
-                "--memory-budget",
-                "256MiB",
-            ])
-            .arg("--mgmt-token-file")
-            .arg(&udp_token.0)
+            .args(
+                DataplaneArgs {
+                    host: Some(WORKER_IP.into()),
+                    base_port: Some(7950),
+                    lcores: Some(1),
+                    no_pin: true,
+                    mgmt: Some(UDP_MGMT.into()),
+                    memory_budget: Some("256MiB".into()),
+                    mgmt_token_file: Some(udp_token.0.clone()),
+                    ..DataplaneArgs::default()
+                }
+                .to_args(),
+            )
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -108,29 +105,21 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
     let url = rack.control_url();
     let token = rack.operator_token();
     let keys = [20_000u64, 3, 4097];
-    let mut spec = "name = \"hier-dpdk\"\nworkers = 4\n[optimizer]\nkind = \"sum\"\n".to_string();
-    for k in keys {
-        spec += &format!("[[keys]]\nelements = {k}\n");
-    }
+    let mut spec = sum_spec("hier-dpdk", 4, None, &keys);
     spec += "[placement]\nappliances = [\"default\", \"u\"]\nhierarchical = true\n";
     let (dpdk, other) = rack.inside(|| {
         let t = Instant::now();
-        while ureq::get(&format!("http://{UDP_MGMT}/v1/info")).call().is_err() {
+        while ureq::get(&dataplane_ready(&format!("http://{UDP_MGMT}")))
+            .call()
+            .is_err()
+        {
             assert!(
                 t.elapsed() < Duration::from_secs(20),
                 "the kernel-UDP appliance did not come up"
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let mut req = ureq::post(&format!("{url}/v1/jobs")).set("Content-Type", "application/toml");
-        if let Some(t) = &token {
-            req = req.set("Authorization", &format!("Bearer {t}"));
-        }
-        let job: phub::proto::api::AdmitResponse = match req.send_string(&spec) {
-            Ok(r) => r.into_json().unwrap(),
-            Err(ureq::Error::Status(s, r)) => panic!("admission refused ({s}): {}", r.into_string().unwrap()),
-            Err(e) => panic!("admission: {e}"),
-        };
+        let job = admit(&url, token.as_deref(), &spec);
         let (port, forged) = forged_partial(&url, &job, "default", 1000.0);
         let s = std::net::UdpSocket::bind((WORKER_IP, 0)).unwrap();
         s.send_to(&forged, (APPLIANCE_IP, port)).unwrap();

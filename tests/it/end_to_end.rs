@@ -5,16 +5,15 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::common::{flood, train, train_rank, Rack};
+use crate::common;
+use crate::common::{client, flood, train, train_rank, Operator, Rack};
 use phub::proto::api::{JobDetail, JobSummary, Stats};
+use phub::proto::routes::{control, mgmt};
+use phub_http::ClientError;
 use phub_worker::Worker;
 
 fn sum_spec(name: &str, workers: u16, keys: &[u64]) -> String {
-    let mut s = format!("name = \"{name}\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s
+    common::sum_spec(name, workers, None, keys)
 }
 
 #[test]
@@ -24,11 +23,7 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
     let job = rack.admit(&sum_spec("big", 3, &keys)).unwrap();
     // A flood of random and truncated datagrams at every data port while training.
     let stop = Arc::new(AtomicBool::new(false));
-    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let info: phub::proto::api::DataplaneInfo = rack.dataplane(&mgmt::info());
     let flood = {
         let stop = Arc::clone(&stop);
         let (base, n) = (info.data.base_port, info.lcores.len() as u16);
@@ -38,7 +33,7 @@ fn three_workers_big_and_tiny_keys_twenty_rounds_with_a_flood() {
     stop.store(true, Ordering::Relaxed);
     let flooded = flood.join().unwrap();
     std::thread::sleep(Duration::from_millis(300));
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let d = stats.dataplane.expect("dataplane stats");
     let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
     let bad_token: u64 = d.lcores.iter().filter_map(|l| l.drops.get("bad_token")).sum();
@@ -69,11 +64,7 @@ fn many_keys_over_two_lcores_never_wait_on_each_other() {
 /// buffer, and the buffer it states (as the kernel charges it).
 fn small_buffer_rack() -> (Rack, u64) {
     let rack = Rack::start_with(1, "1GiB", &["--socket-buffer", "262144"]);
-    let info: phub::proto::api::DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let info: phub::proto::api::DataplaneInfo = rack.dataplane(&mgmt::info());
     let rx = info.lcores[0]
         .rx_buffer_bytes
         .expect("the UDP backend states its buffer");
@@ -97,7 +88,7 @@ fn train_on_a_small_receive_buffer(jobs: usize) {
             s.spawn(|| train(&rack.control_url, job, 2, &keys, 3));
         }
     });
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let d = stats.dataplane.expect("dataplane stats");
     let full: u64 = d.lcores.iter().filter_map(|l| l.drops.get("socket_full")).sum();
     assert_eq!(
@@ -179,7 +170,7 @@ fn workers_shrink_their_window_when_a_job_joins_their_lcore_later() {
         "first job's windows (alone: {})",
         window(rx)
     );
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let d = stats.dataplane.expect("dataplane stats");
     let full: u64 = d.lcores.iter().filter_map(|l| l.drops.get("socket_full")).sum();
     assert_eq!(full, 0, "datagrams turned away: {:?}", d.lcores[0].drops);
@@ -195,9 +186,9 @@ fn two_jobs_at_once_neither_disturbs_the_other() {
         s.spawn(|| train(&rack.control_url, &a, 2, &[5000, 3], 10));
         s.spawn(|| train(&rack.control_url, &b, 3, &[7000], 10));
     });
-    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    let jobs: Vec<JobSummary> = rack.send(&control::jobs());
     assert_eq!(jobs.len(), 2);
-    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", b.id));
+    let show: JobDetail = rack.send(&control::job(b.id));
     assert_eq!(show.round_range, Some((10, 10)));
     assert!(show.ranks.iter().all(|r| r.joined && r.silent_ms.is_some()));
 }
@@ -212,18 +203,18 @@ fn bad_specs_and_bad_joins_are_refused_with_their_reason() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o777, 0o600);
-    let url = format!("{}/v1/jobs", rack.control_url);
-    match ureq::post(&url).send_string(&sum_spec("x", 1, &[10])) {
-        Err(ureq::Error::Status(401, r)) => {
-            let e: phub::proto::api::ApiError = r.into_json().unwrap();
-            assert!(e.error.contains("operator token"), "{}", e.error);
+    let spec = sum_spec("x", 1, &[10]);
+    match client(&rack.control_url, None).send(&control::admit(&spec)) {
+        Err(ClientError::Api { status: 401, message }) => {
+            assert!(message.contains("operator token"), "{message}");
         }
         other => panic!("admission without the operator token: {other:?}"),
     }
-    let wrong = ureq::post(&url)
-        .set("Authorization", "Bearer 0000000000000000")
-        .send_string(&sum_spec("x", 1, &[10]));
-    assert!(matches!(wrong, Err(ureq::Error::Status(403, _))), "{wrong:?}");
+    let wrong = client(&rack.control_url, Some("0000000000000000")).send(&control::admit(&spec));
+    assert!(
+        matches!(wrong, Err(ClientError::Api { status: 403, .. })),
+        "{wrong:?}"
+    );
     let (code, msg) = rack.admit(&sum_spec("x", 0, &[10])).unwrap_err();
     assert_eq!(code, 400);
     assert!(msg.contains("`workers` = 0"), "{msg}");
@@ -234,7 +225,7 @@ fn bad_specs_and_bad_joins_are_refused_with_their_reason() {
     assert!(msg.contains("lamb"), "{msg}");
     let (code, msg) = rack.admit(&sum_spec("huge", 2, &[10_000_000])).unwrap_err();
     assert!(code >= 400 && msg.contains("memory"), "{code} {msg}");
-    let jobs: Vec<JobSummary> = rack.get("/v1/jobs");
+    let jobs: Vec<JobSummary> = rack.send(&control::jobs());
     assert!(jobs.is_empty(), "a refused job was recorded: {jobs:?}");
     let job = rack.admit(&sum_spec("ok", 2, &[10])).unwrap();
     let e = Worker::join(&rack.control_url, job.id, job.token ^ 1, 0)
@@ -402,11 +393,7 @@ impl Drop for HalfCpu {
 fn auto_spin_stops_under_a_cpu_quota_and_comes_back_without_one() {
     let mut rack = Rack::start(1, "64MiB");
     let spin = |rack: &Rack| -> Option<u64> {
-        let s: phub::proto::api::DataplaneStats = ureq::get(&format!("{}/v1/stats", rack.mgmt_url))
-            .call()
-            .unwrap()
-            .into_json()
-            .unwrap();
+        let s: phub::proto::api::DataplaneStats = rack.dataplane(&mgmt::stats());
         s.spin_us
     };
     let wait_for = |rack: &Rack, want: u64, what: &str| {

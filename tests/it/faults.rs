@@ -8,7 +8,7 @@
 
 use std::sync::Mutex;
 
-use crate::common::Rack;
+use crate::common::{Operator, Rack};
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_worker::{FaultSpec, WorkerStats};
 

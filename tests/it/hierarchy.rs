@@ -5,8 +5,11 @@
 
 use crate::common;
 
-use crate::common::{train, Appliances};
+use crate::common::{client, train, Appliances, Operator};
 use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JoinRequest};
+use phub::proto::routes::{control, mgmt};
+use phub::proto::spec::{Appliances as Placed, Consistency, JobSpec};
+use phub_http::ClientError;
 
 fn totals(stats: &DataplaneStats) -> (u64, u64, u64, u64) {
     stats.lcores.iter().fold((0, 0, 0, 0), |t, l| {
@@ -19,43 +22,36 @@ fn totals(stats: &DataplaneStats) -> (u64, u64, u64, u64) {
     })
 }
 
-fn spec(workers: u32, keys: &[u64], placement: &str) -> String {
-    let mut spec = format!("name = \"hier\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        spec += &format!("[[keys]]\nelements = {k}\n");
-    }
-    spec + "[placement]\n" + placement
-}
-
 #[test]
 fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
     let rack = Appliances::start(&[2, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let job = rack
-        .admit(&spec(
-            4,
-            &keys,
-            "appliances = [\"a\", \"b\"]\nhierarchical = true\n",
-        ))
+        .admit(
+            &JobSpec::new("hier", 4, &keys)
+                .hierarchical_over(Placed::named(&["a", "b"]))
+                .to_toml(),
+        )
         .unwrap();
     assert_eq!(job.appliances, ["a", "b"]);
     // 2048-element chunks: 3 + 1 + 10.
     assert_eq!(job.chunks, 14);
 
     // A worker that says the wrong rack is told which one its rank is in.
-    let url = format!("{}/v1/jobs/{}/join", rack.control_url, job.id);
-    let wrong = ureq::post(&url).send_json(JoinRequest {
-        token: job.token,
-        rank: 0,
-        rejoin: false,
-        rack: Some("r2".into()),
-    });
+    let wrong = client(&rack.control_url, None).send(&control::join(
+        job.id,
+        &JoinRequest {
+            token: job.token,
+            rank: 0,
+            rejoin: false,
+            rack: Some("r2".into()),
+        },
+    ));
     match wrong {
-        Err(ureq::Error::Status(400, r)) => {
-            let body = r.into_string().unwrap();
+        Err(ClientError::Api { status: 400, message }) => {
             assert!(
-                body.contains("rack 0") && body.contains("ranks 0..2 on a"),
-                "{body}"
+                message.contains("rack 0") && message.contains("ranks 0..2 on a"),
+                "{message}"
             );
         }
         other => panic!("a join from the wrong rack was not refused: {other:?}"),
@@ -69,7 +65,7 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
     // those alone.
     let mut optimizer_runs = 0;
     for i in 0..2 {
-        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(i, &mgmt::stats());
         let (partials, _, results, rounds) = totals(&stats);
         assert_eq!(partials, 7 * 14, "appliance {i}: {stats:?}");
         assert!(results > 0 && rounds > 0, "appliance {i} is home to some chunks");
@@ -90,9 +86,9 @@ fn two_racks_train_exactly_with_one_partial_per_chunk_and_round() {
 
     // Admission charged each appliance exactly what it holds: rack slots,
     // home slots, pending-partial records and peers.
-    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
+    let show: JobDetail = rack.send(&control::job(job.id));
     for (i, part) in show.parts.iter().enumerate() {
-        let held: Vec<InstalledJob> = rack.dataplane_get(i, "/v1/jobs");
+        let held: Vec<InstalledJob> = rack.dataplane(i, &mgmt::jobs());
         assert_eq!(
             held[0].memory_bytes, part.memory_bytes,
             "appliance {}",
@@ -130,11 +126,11 @@ fn a_partial_forged_with_the_jobs_token_is_wrong_peer_and_the_job_stays_exact() 
     let rack = Appliances::start(&[2, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let job = rack
-        .admit(&spec(
-            4,
-            &keys,
-            "appliances = [\"a\", \"b\"]\nhierarchical = true\n",
-        ))
+        .admit(
+            &JobSpec::new("hier", 4, &keys)
+                .hierarchical_over(Placed::named(&["a", "b"]))
+                .to_toml(),
+        )
         .unwrap();
     let (port, forged) = phub_hwtests::workload::forged_partial(&rack.control_url, &job, "b", 1000.0);
     let s = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
@@ -142,7 +138,7 @@ fn a_partial_forged_with_the_jobs_token_is_wrong_peer_and_the_job_stays_exact() 
     // Handled, one way or the other, before any worker sends.
     let t = std::time::Instant::now();
     loop {
-        let stats: DataplaneStats = rack.dataplane_get(1, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(1, &mgmt::stats());
         let taken: u64 = stats.lcores.iter().map(|l| l.pushes_aggregated).sum();
         if drops(&stats, "wrong_peer") + taken > 0 {
             break;
@@ -155,7 +151,7 @@ fn a_partial_forged_with_the_jobs_token_is_wrong_peer_and_the_job_stays_exact() 
     }
     train(&rack.control_url, &job, 4, &keys, 3);
     for (i, forged) in [(0, 0), (1, 1)] {
-        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(i, &mgmt::stats());
         assert_eq!(drops(&stats, "wrong_peer"), forged, "appliance {i}: {stats:?}");
     }
 }
@@ -166,17 +162,18 @@ fn three_racks_train_exactly_under_loss_on_every_hop() {
     let rack = Appliances::start_with(&[1, 2, 1], "256MiB", &["--inject", faults]);
     let keys = [3000u64, 7, 9000];
     let job = rack
-        .admit(&spec(
-            5,
-            &keys,
-            "appliances = 3\nhierarchical = true\nranks_per_rack = [1, 3, 1]\n",
-        ))
+        .admit(
+            &JobSpec::new("hier", 5, &keys)
+                .hierarchical_over(Placed::Count(3))
+                .with_ranks_per_rack(&[1, 3, 1])
+                .to_toml(),
+        )
         .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     train(&rack.control_url, &job, 5, &keys, 5);
     let mut resent = 0;
     for i in 0..3 {
-        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(i, &mgmt::stats());
         let (partials, again, _, _) = totals(&stats);
         assert_eq!(partials, 6 * job.chunks, "appliance {i}: first sends only");
         resent += again;
@@ -188,17 +185,28 @@ fn three_racks_train_exactly_under_loss_on_every_hop() {
 fn a_hierarchical_job_needs_one_appliance_per_rack_and_bsp() {
     let rack = Appliances::start(&[1, 1], "64MiB");
     let e = rack
-        .admit(&spec(2, &[10], "appliances = 1\nhierarchical = true\n"))
+        .admit(
+            &JobSpec::new("hier", 2, &[10])
+                .hierarchical_over(Placed::Count(1))
+                .to_toml(),
+        )
         .unwrap_err();
     assert!(e.0 == 400 && e.1.contains("2 or more appliances"), "{e:?}");
     let e = rack
         .admit(
-            &(spec(2, &[10], "appliances = 2\nhierarchical = true\n") + "[consistency]\nmode = \"async\"\n"),
+            &JobSpec::new("hier", 2, &[10])
+                .hierarchical_over(Placed::Count(2))
+                .with_consistency(Consistency::Async)
+                .to_toml(),
         )
         .unwrap_err();
     assert!(e.0 == 400 && e.1.contains("BSP"), "{e:?}");
     let e = rack
-        .admit(&spec(1, &[10], "appliances = 2\nhierarchical = true\n"))
+        .admit(
+            &JobSpec::new("hier", 1, &[10])
+                .hierarchical_over(Placed::Count(2))
+                .to_toml(),
+        )
         .unwrap_err();
     assert!(e.0 == 400 && e.1.contains("one worker per rack"), "{e:?}");
 }
@@ -214,11 +222,11 @@ fn an_appliance_killed_between_rounds_is_restored_and_the_job_finishes_exactly()
     let mut rack = Appliances::start(&[2, 1], "256MiB");
     let keys = [4000u64, 5, 9000];
     let job = rack
-        .admit(&spec(
-            4,
-            &keys,
-            "appliances = [\"a\", \"b\"]\nhierarchical = true\n",
-        ))
+        .admit(
+            &JobSpec::new("hier", 4, &keys)
+                .hierarchical_over(Placed::named(&["a", "b"]))
+                .to_toml(),
+        )
         .unwrap();
     let (paused, resume) = (Barrier::new(5), Barrier::new(5));
     let control_url = rack.control_url.clone();
@@ -248,7 +256,7 @@ fn an_appliance_killed_between_rounds_is_restored_and_the_job_finishes_exactly()
             rack.start_dataplane(kill);
             let t = std::time::Instant::now();
             loop {
-                let stats: DataplaneStats = rack.dataplane_get(kill, "/v1/stats");
+                let stats: DataplaneStats = rack.dataplane(kill, &mgmt::stats());
                 if let Some(live) = stats.jobs.iter().find(|j| j.id == job.id) {
                     assert_eq!(
                         live.round_range,
@@ -264,7 +272,7 @@ fn an_appliance_killed_between_rounds_is_restored_and_the_job_finishes_exactly()
         }
     });
     for i in 0..2 {
-        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(i, &mgmt::stats());
         let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
         assert_eq!(live.round_range, Some((7, 7)), "appliance {i}");
     }

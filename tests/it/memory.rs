@@ -8,8 +8,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::Rack;
+use crate::common::{Operator, Rack};
 use phub::proto::api::{AdmitResponse, DataplaneInfo, JobDetail, JobMap, JoinRequest, JoinResponse};
+use phub::proto::routes::{control, mgmt, ControlRoute, Route};
 use phub_worker::{Worker, WorkerConfig};
 
 /// What the dataplane may keep resident beyond what admission charged:
@@ -44,11 +45,7 @@ fn spec_json(name: &str, workers: u32, chunk_bytes: u32, keys: impl Iterator<Ite
 }
 
 fn info(rack: &Rack) -> DataplaneInfo {
-    ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap()
+    rack.dataplane(&mgmt::info())
 }
 
 /// Admits `spec` and returns the answer, the dataplane's resident set
@@ -109,15 +106,19 @@ fn a_million_one_element_keys_are_charged_what_they_cost_and_run_a_round() {
         spec.len()
     );
     let t = Instant::now();
-    let answer = ureq::post(&format!("{}/v1/jobs/{}/join", rack.control_url, job.id))
-        .send_json(JoinRequest {
-            token: job.token,
-            rank: 0,
-            rejoin: false,
-            rack: None,
-        })
-        .unwrap()
-        .into_string_limited();
+    let answer = ureq::post(&format!(
+        "{}{}",
+        rack.control_url,
+        ControlRoute::Join { job: job.id }.path()
+    ))
+    .send_json(JoinRequest {
+        token: job.token,
+        rank: 0,
+        rejoin: false,
+        rack: None,
+    })
+    .unwrap()
+    .into_string_limited();
     println!(
         "join answer: {} bytes in {:?}; state file {state} bytes; spec {} bytes",
         answer.len(),
@@ -134,13 +135,13 @@ fn a_million_one_element_keys_are_charged_what_they_cost_and_run_a_round() {
 
     // phubctl's views answer within the response limit: per-lcore runs,
     // one key's chunks, a show listing the first keys.
-    let map: JobMap = rack.get(&format!("/v1/jobs/{}/map", job.id));
+    let map: JobMap = rack.send(&control::map(job.id, None));
     assert_eq!((map.keys_total, map.chunks), (u64::from(KEYS), u64::from(KEYS)));
     assert_eq!(map.lcores.iter().map(|l| l.slots).sum::<u64>(), u64::from(KEYS));
-    let key: JobMap = rack.get(&format!("/v1/jobs/{}/map/keys/{}", job.id, KEYS - 1));
+    let key: JobMap = rack.send(&control::map(job.id, Some(KEYS - 1)));
     assert_eq!(key.keys[0].runs.len(), 1);
     assert_eq!(key.keys[0].runs[0].lcore, 1);
-    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
+    let show: JobDetail = rack.send(&control::job(job.id));
     assert_eq!(show.spec.keys.len() as u64 + show.keys_omitted, u64::from(KEYS));
     let (ok, out, err) = rack.phubctl(&["map", "show", &job.id.to_string()]);
     assert!(ok, "{err}");
@@ -236,7 +237,7 @@ fn a_job_over_the_budget_by_its_bookkeeping_alone_is_refused_with_the_figure() {
     assert_eq!(info(&rack).memory_used_bytes, 0);
     let deadline = Instant::now() + Duration::from_secs(1);
     while Instant::now() < deadline {
-        let jobs: Vec<serde_json::Value> = rack.get("/v1/jobs");
+        let jobs = rack.send(&control::jobs());
         assert!(jobs.is_empty());
         std::thread::sleep(Duration::from_millis(100));
     }

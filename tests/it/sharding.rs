@@ -4,8 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use crate::common::{train, Appliances};
+use crate::common::{train, Appliances, Operator};
 use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JobMap};
+use phub::proto::routes::{control, mgmt};
 
 fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
     let t = Instant::now();
@@ -36,7 +37,7 @@ fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
     train(&rack.control_url, &job, 2, &keys, 6);
 
     // Each appliance holds the job, and only its share of the chunks.
-    let show: JobDetail = rack.get(&format!("/v1/jobs/{}", job.id));
+    let show: JobDetail = rack.send(&control::job(job.id));
     let shares: Vec<(String, u64)> = show
         .parts
         .iter()
@@ -46,9 +47,9 @@ fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
     assert!(shares.iter().all(|s| s.1 > 0), "{shares:?}");
     for (i, (name, chunks)) in shares.iter().enumerate() {
         assert_eq!(name, &rack.names[i]);
-        let installed: Vec<InstalledJob> = rack.dataplane_get(i, "/v1/jobs");
+        let installed: Vec<InstalledJob> = rack.dataplane(i, &mgmt::jobs());
         assert_eq!(installed.iter().map(|j| j.id).collect::<Vec<_>>(), [job.id]);
-        let stats: DataplaneStats = rack.dataplane_get(i, "/v1/stats");
+        let stats: DataplaneStats = rack.dataplane(i, &mgmt::stats());
         let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
         // Each of its chunks ran rounds 1..=6 (round 0 is the initial
         // broadcast), and no other chunk did here.
@@ -64,7 +65,7 @@ fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
     assert_eq!(show.round_range, Some((6, 6)));
 
     // phubctl: the map names each lcore's appliance, the list both.
-    let map: JobMap = rack.get(&format!("/v1/jobs/{}/map", job.id));
+    let map: JobMap = rack.send(&control::map(job.id, None));
     assert_eq!(map.lcores.iter().map(|l| l.slots).sum::<u64>(), 14);
     let (ok, out, err) = rack.phubctl(&["map", "show", &job.id.to_string(), "--key", "2"]);
     assert!(ok, "{err}");
@@ -91,10 +92,10 @@ fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
     assert!(out.contains("DOWN (") && out.contains("installed"), "{out}");
     rack.start_dataplane(1);
     wait_for("b's part reinstalled", || {
-        let installed: Vec<InstalledJob> = rack.dataplane_get(1, "/v1/jobs");
+        let installed: Vec<InstalledJob> = rack.dataplane(1, &mgmt::jobs());
         installed.iter().any(|j| j.id == job.id)
     });
-    let stats: DataplaneStats = rack.dataplane_get(1, "/v1/stats");
+    let stats: DataplaneStats = rack.dataplane(1, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range, Some((6, 6)), "restored from its checkpoint");
 }

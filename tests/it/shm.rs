@@ -7,8 +7,11 @@
 
 use std::sync::Mutex;
 
-use crate::common::Rack;
+use crate::common::{Operator, Rack};
 use phub::proto::api::{AdmitResponse, Stats};
+use phub::proto::routes::control;
+use phub::proto::spec::JobSpec;
+use phub::proto::Dtype;
 use phub_hwtests::scenarios::{self, Appliance};
 use phub_hwtests::workload::{sum_spec, train_rank};
 use phub_worker::{ShmMode, Worker, WorkerConfig, WorkerError, WorkerStats};
@@ -58,7 +61,7 @@ fn train(
 
 /// Messages the dataplane took from shared memory, over its lcores.
 fn shm_rx(rack: &Rack) -> u64 {
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     stats
         .dataplane
         .expect("dataplane stats")
@@ -96,7 +99,7 @@ fn two_workers_sum_exactly_through_shared_memory() {
 fn f16_job_mixes_shared_memory_and_datagrams() {
     let rack = Rack::start_with(1, "256MiB", &["--shm"]);
     let keys = [20_000u64, 5];
-    let spec = sum_spec("shm-f16", 2, None, &keys).replace("[optimizer]", "dtype = \"f16\"\n[optimizer]");
+    let spec = JobSpec::new("shm-f16", 2, &keys).with_dtype(Dtype::F16).to_toml();
     let job = rack.admit(&spec).unwrap();
     let stats = train(&rack, &job, &keys, 5, &[with(ShmMode::On), with(ShmMode::Off)]);
     assert!(

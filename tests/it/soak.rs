@@ -7,8 +7,9 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{flood, Rack};
+use crate::common::{flood, Operator, Rack};
 use phub::proto::api::{DataplaneInfo, Stats};
+use phub::proto::routes::{control, mgmt};
 use phub_hwtests::workload::{sum_spec, train_rank};
 use phub_worker::WorkerConfig;
 
@@ -38,11 +39,7 @@ fn soak() {
         rack.admit(&sum_spec("soak-a", 2, None, &keys)).unwrap(),
         rack.admit(&sum_spec("soak-b", 2, None, &keys)).unwrap(),
     ];
-    let info: DataplaneInfo = ureq::get(&format!("{}/v1/info", rack.mgmt_url))
-        .call()
-        .unwrap()
-        .into_json()
-        .unwrap();
+    let info: DataplaneInfo = rack.dataplane(&mgmt::info());
     let pid = rack.dataplane.as_ref().unwrap().pid();
     let rss_start = rss_kib(pid);
     let stop = AtomicBool::new(false);
@@ -97,7 +94,7 @@ fn soak() {
         stop.store(true, Ordering::Relaxed);
     });
     let rss_end = rss_kib(pid);
-    let stats: Stats = rack.get("/v1/stats");
+    let stats: Stats = rack.send(&control::stats());
     let d = stats.dataplane.unwrap();
     let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
     let injected: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();

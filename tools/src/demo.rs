@@ -38,14 +38,17 @@ use std::time::{Duration, Instant};
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
+use phub_hwtests::dataplane_args::{Backend, DataplaneArgs};
 use phub_hwtests::process;
 use phub_hwtests::virt::{self, Netns};
-use phub_proto::api::{AdmitResponse, ApiError, JobDetail, Stats};
+use phub_proto::api::{AdmitResponse, JobDetail};
+use phub_proto::routes::control;
 use phub_proto::spec::Consistency;
 use phub_worker::Worker;
 use serde::{Deserialize, Serialize};
 
 use crate::bench::emulate::{parse_exp_jitter, Compute, Spike};
+use crate::bench::local;
 use crate::model::{batch_indices, reference_sgd, steps_per_epoch, Dataset, Mlp};
 
 /// phub-demo: train a small model through a local phub appliance.
@@ -664,34 +667,25 @@ fn start_appliance(
     let (mgmt, ctl) = (port()?, port()?);
     let mgmt_url = format!("http://127.0.0.1:{mgmt}");
     let control_url = format!("http://127.0.0.1:{ctl}");
-    let mut args: Vec<String> = vec![
-        "--lcores".into(),
-        a.lcores.to_string(),
-        "--mgmt".into(),
-        format!("127.0.0.1:{mgmt}"),
-        "--memory-budget".into(),
-        "256MiB".into(),
-    ];
+    let mut args = DataplaneArgs {
+        lcores: Some(a.lcores),
+        mgmt: Some(format!("127.0.0.1:{mgmt}")),
+        memory_budget: Some("256MiB".into()),
+        ..DataplaneArgs::default()
+    };
     let (backend, what, limit) = match net {
         Net::Loopback => {
-            args.extend(["--backend".into(), "udp".into(), "--base-port".into(), "0".into()]);
+            args.backend = Some(Backend::Udp);
+            args.base_port = Some(0);
             ("udp", "kernel UDP queues on loopback", Duration::from_secs(15))
         }
         Net::Veth(ns) => {
-            args.extend(
-                [
-                    "--backend",
-                    "dpdk",
-                    "--host",
-                    virt::APPLIANCE_IP,
-                    "--base-port",
-                    "7900",
-                    "--no-pin",
-                    "--idle-backoff",
-                ]
-                .map(String::from),
-            );
-            args.extend(["--eal".into(), virt::af_packet_eal(a.lcores, &ns.name)]);
+            args.backend = Some(Backend::Dpdk);
+            args.host = Some(virt::APPLIANCE_IP.into());
+            args.base_port = Some(virt::BASE_PORT);
+            args.no_pin = true;
+            args.idle_backoff = true;
+            args.eal = Some(virt::af_packet_eal(a.lcores, &ns.name));
             // The EAL and the af_packet port take a few seconds.
             (
                 "dpdk",
@@ -702,12 +696,16 @@ fn start_appliance(
     };
     let dp_log = dir.join("phub-dataplane.log");
     let mut dataplane = Tracked::new(
-        process::Daemon::spawn("phub-dataplane", dataplane_bin, &args, &[], &dp_log)
+        process::Daemon::spawn("phub-dataplane", dataplane_bin, &args.to_args(), &[], &dp_log)
             .map_err(|e| dataplane_failed(e.into()))?,
     );
     dataplane
         .0
-        .wait_up(&format!("{mgmt_url}/v1/info"), limit, Interrupt::interrupted)
+        .wait_up(
+            &process::dataplane_ready(&mgmt_url),
+            limit,
+            Interrupt::interrupted,
+        )
         .map_err(|e| dataplane_failed(anyhow!(e)))?;
     println!(
         "  phub-dataplane up: {} {what}, management API {mgmt_url}",
@@ -729,7 +727,7 @@ fn start_appliance(
     control
         .0
         .wait_up(
-            &format!("{control_url}/v1/jobs"),
+            &process::control_ready(&control_url),
             Duration::from_secs(15),
             Interrupt::interrupted,
         )
@@ -869,18 +867,8 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     let token_file = dir.join("control-state.json.operator-token");
     let operator = std::fs::read_to_string(&token_file)
         .with_context(|| format!("reading the operator token {}", token_file.display()))?;
-    let operator = format!("Bearer {}", operator.trim());
-    let admit: AdmitResponse = match ureq::post(&format!("{control_url}/v1/jobs"))
-        .set("Authorization", &operator)
-        .send_string(&t.spec_toml(a.workers))
-    {
-        Ok(r) => r.into_json()?,
-        Err(ureq::Error::Status(code, r)) => {
-            let body = r.into_string().unwrap_or_default();
-            bail!("admission refused (HTTP {code}): {}", ApiError::message_of(&body));
-        }
-        Err(e) => bail!("admission: {e}"),
-    };
+    let operator = operator.trim().to_string();
+    let admit: AdmitResponse = local::admit(&control_url, &t.spec_toml(a.workers), Some(&operator))?;
     println!(
         "  job {} admitted: {} chunks over lcores {:?}, {} KiB of slot memory",
         admit.id,
@@ -1036,10 +1024,9 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
             None => println!("  loss {target} not reached in {} steps", last.step),
         }
     }
-    let detail: Option<JobDetail> = ureq::get(&format!("{control_url}/v1/jobs/{}", admit.id))
-        .call()
+    let detail: Option<JobDetail> = local::control_client(&control_url, None, Duration::from_secs(30))
         .ok()
-        .and_then(|r| r.into_json().ok());
+        .and_then(|c| c.send(&control::job(admit.id)).ok());
     if let (Some(d), Consistency::Bounded { .. } | Consistency::Async) = (&detail, t.consistency) {
         let k = &d.clock;
         let lead = k.max_lead.map_or("-".into(), |l| l.to_string());
@@ -1098,9 +1085,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     // evicted, the daemons stopped.
     let finish = |app: &mut Appliance| {
         print_appliance_stats(&control_url, app.backend);
-        let _ = ureq::delete(&format!("{control_url}/v1/jobs/{}", admit.id))
-            .set("Authorization", &operator)
-            .call();
+        local::evict(&control_url, admit.id, Some(&operator));
         app.control.stop();
         app.dataplane.stop();
         println!("  job evicted, phub-control and phub-dataplane stopped");
@@ -1150,8 +1135,9 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
 
 /// The appliance's packet counts and drops, from control's `/v1/stats`.
 fn print_appliance_stats(control_url: &str, backend: &str) {
-    if let Ok(r) = ureq::get(&format!("{control_url}/v1/stats")).call() {
-        if let Ok(s) = r.into_json::<Stats>() {
+    let client = local::control_client(control_url, None, Duration::from_secs(30));
+    if let Ok(c) = client {
+        if let Ok(s) = c.send(&control::stats()) {
             if let Some(d) = s.dataplane {
                 let t = d.total();
                 let (rx, tx, resent) = (t.rx_packets, t.tx_packets, t.results_resent);

@@ -69,7 +69,8 @@ impl Worker {
         rejoin: bool,
         config: WorkerConfig,
     ) -> Result<Worker, WorkerError> {
-        let url = format!("{}/v1/jobs/{job}/join", control_url.trim_end_matches('/'));
+        let join_path = phub_proto::routes::Route::path(&phub_proto::routes::ControlRoute::Join { job });
+        let url = format!("{}{join_path}", control_url.trim_end_matches('/'));
         // https: control's certificate is checked against $PHUB_CA_FILE, or
         // the system's roots.
         let builder = ureq::AgentBuilder::new().timeout(Duration::from_secs(10));

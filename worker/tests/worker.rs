@@ -15,8 +15,9 @@ use phub_engine::{InstallKind, JobInstall, Kernels, Shard};
 use phub_net::shm::ShmRegion;
 use phub_proto::api::{DataAddr, JoinRequest, JoinResponse};
 use phub_proto::layout::{layout, Layout, Placement};
+use phub_proto::routes::ControlRoute;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
-use phub_proto::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use phub_proto::spec::{Consistency, JobSpec, Optimizer};
 use phub_proto::wire::{self, flags, Header, MsgType, HEADER_LEN};
 use phub_proto::Dtype;
 use phub_worker::{ShmMode, Worker, WorkerConfig, WorkerError};
@@ -263,23 +264,10 @@ fn bind_consecutive(n: usize) -> Vec<UdpSocket> {
 }
 
 fn spec(workers: u32, keys: &[u64], dtype: Dtype, optimizer: Optimizer) -> JobSpec {
-    JobSpec {
-        checkpoint_interval_s: None,
-        placement: None,
-        name: "worker-test".into(),
-        workers,
-        dtype,
-        chunk_bytes: 8192,
-        optimizer,
-        consistency: Consistency::Sync,
-        keys: keys
-            .iter()
-            .map(|&e| KeySpec {
-                name: String::new(),
-                elements: e,
-            })
-            .collect(),
-    }
+    JobSpec::new("worker-test", workers, keys)
+        .with_dtype(dtype)
+        .with_chunk_bytes(8192)
+        .with_optimizer(optimizer)
 }
 
 fn join_response(spec: &JobSpec, layout: &Layout, rank: u16, base_port: u16) -> JoinResponse {
@@ -875,7 +863,7 @@ fn rejoined_worker_pulls_and_continues() {
     assert_eq!(o1, refs[3]);
 }
 
-/// A fake phub-control answering `POST /v1/jobs/7/join`.
+/// A fake phub-control answering job 7's joins (`POST /v1/jobs/7/join`).
 fn fake_control(answer: JoinResponse) -> (String, JoinHandle<()>) {
     let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
     let url = format!("http://{}", server.server_addr().to_ip().unwrap());
@@ -887,8 +875,9 @@ fn fake_control(answer: JoinResponse) -> (String, JoinHandle<()>) {
             let mut body = String::new();
             req.as_reader().read_to_string(&mut body).unwrap();
             let json = tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap();
-            let (status, text) = match (req.method(), req.url()) {
-                (tiny_http::Method::Post, "/v1/jobs/7/join") => {
+            let route = ControlRoute::parse(req.method().as_str(), req.url(), None);
+            let (status, text) = match route {
+                Ok(ControlRoute::Join { job: 7 }) => {
                     let j: JoinRequest = serde_json::from_str(&body).unwrap();
                     if j.token == TOKEN {
                         let mut a = answer.clone();

@@ -1,9 +1,11 @@
 //! The HTTP boundary: which routes need the operator token and which take
-//! a large body, the route table (a match on the path, method by method),
-//! and how each [`RequestError`] becomes a status. Everything behind a
-//! route is a method of [`Shared`] in the module of its use case.
+//! a large body, the dispatch of each [`ControlRoute`] (parsed by
+//! `phub_proto::routes`, the one route table) to its handler, and how each
+//! [`RequestError`] becomes a status. Everything behind a route is a
+//! method of [`Shared`] in the module of its use case.
 
 use phub_proto::api::{ApplianceSpec, RetryRequest};
+use phub_proto::routes::{AddMode, ControlRoute, Route, RouteError};
 use phub_proto::spec::SpecError;
 use serde::Serialize;
 
@@ -31,19 +33,14 @@ pub(super) enum RequestError {
     /// Wrong token: 403.
     #[error("{0}")]
     Forbidden(String),
-    /// Unknown job or route: 404.
+    /// Unknown job or appliance: 404.
     #[error("{0}")]
     NotFound(String),
-    /// Known path, wrong method: 405.
-    #[error("method {method} is not allowed on {path}; allowed: {allowed}")]
-    Method {
-        /// The method used.
-        method: String,
-        /// The path.
-        path: String,
-        /// The methods the path takes.
-        allowed: &'static str,
-    },
+    /// The method and path name no route: 404 for an unknown path, 405
+    /// for a known path with another method, 400 for a malformed job id or
+    /// key index.
+    #[error(transparent)]
+    Route(#[from] RouteError),
     /// Duplicate rank: 409.
     #[error("{0}")]
     Conflict(String),
@@ -64,8 +61,9 @@ impl RequestError {
             RequestError::BadRequest(_) => 400,
             RequestError::Unauthorized(_) => 401,
             RequestError::Forbidden(_) => 403,
-            RequestError::NotFound(_) => 404,
-            RequestError::Method { .. } => 405,
+            RequestError::NotFound(_) | RequestError::Route(RouteError::NotFound { .. }) => 404,
+            RequestError::Route(RouteError::Method { .. }) => 405,
+            RequestError::Route(RouteError::JobId { .. } | RouteError::Key { .. }) => 400,
             RequestError::Conflict(_) => 409,
             RequestError::Capacity(_) => 507,
             RequestError::Dataplane(_) => 502,
@@ -99,18 +97,6 @@ impl Reply {
     }
 }
 
-/// A job id as control writes them: decimal digits, no sign, no leading
-/// zero ("+1" and "01" name no job).
-pub(super) fn parse_id(s: &str) -> Result<u16, RequestError> {
-    let canonical = !s.starts_with('0') && s.bytes().all(|b| b.is_ascii_digit());
-    match s.parse::<u16>() {
-        Ok(id) if id > 0 && canonical => Ok(id),
-        _ => Err(RequestError::BadRequest(format!(
-            "job id {s:?} is not an integer from 1 to 65535"
-        ))),
-    }
-}
-
 pub(super) fn not_admitted(id: u16) -> RequestError {
     RequestError::NotFound(format!("job {id} is not admitted"))
 }
@@ -134,21 +120,11 @@ pub(super) fn body_text(req: &phub_http::Request) -> Result<&str, RequestError> 
         .map_err(|e| RequestError::BadRequest(format!("request body is not UTF-8: {e}")))
 }
 
-/// The routes that need the operator token.
-pub(super) fn needs_operator(method: &str, segs: &[&str]) -> bool {
-    matches!(
-        (method, segs),
-        ("POST", ["v1", "jobs"])
-            | ("DELETE", ["v1", "jobs", _])
-            | ("POST", ["v1", "jobs", _, "checkpoint"])
-            | ("POST", ["v1", "jobs", _, "retry"])
-            | ("POST", ["v1", "appliances"])
-            | ("DELETE", ["v1", "appliances", _])
-    )
-}
-
-pub(super) fn segments(path: &str) -> Vec<&str> {
-    path.trim_matches('/').split('/').collect()
+/// Whether a request needs the operator token, by its route's shape
+/// ([`ControlRoute::needs_token_at`]: an operator's route with a malformed
+/// id needs it too).
+fn needs_operator(head: &phub_http::Request) -> bool {
+    ControlRoute::needs_token_at(&head.method, &head.path, head.query.as_deref())
 }
 
 pub(super) fn error_response(e: &RequestError) -> phub_http::Response {
@@ -162,27 +138,26 @@ pub(super) fn error_response(e: &RequestError) -> phub_http::Response {
 /// Joins and the operator's routes run in handlers of their own, which
 /// reads (anyone may make them, and a hung appliance may slow them) cannot
 /// take; everything else is a read.
-pub(super) fn class_of(method: &str, segs: &[&str]) -> phub_http::Class {
-    if needs_operator(method, segs) || matches!((method, segs), ("POST", ["v1", "jobs", _, "join"])) {
-        phub_http::Class::Write
-    } else {
-        phub_http::Class::Read
+fn class_of(head: &phub_http::Request) -> phub_http::Class {
+    match ControlRoute::shape(&head.method, &head.path, head.query.as_deref()) {
+        Some(r) if r.needs_token() || matches!(r, ControlRoute::Join { .. }) => phub_http::Class::Write,
+        _ => phub_http::Class::Read,
     }
 }
 
 impl phub_http::Handler for Shared {
     fn class(&self, head: &phub_http::Request) -> phub_http::Class {
-        class_of(&head.method, &segments(&head.path))
+        class_of(head)
     }
 
     /// The operator token; failed checks are logged and limited per source
     /// by the listener.
     fn needs_credential(&self, head: &phub_http::Request) -> bool {
-        needs_operator(&head.method, &segments(&head.path))
+        needs_operator(head)
     }
 
     fn check_head(&self, head: &phub_http::Request) -> Result<(), phub_http::Response> {
-        if needs_operator(&head.method, &segments(&head.path)) {
+        if needs_operator(head) {
             self.check_operator(head).map_err(|e| error_response(&e))?;
         }
         Ok(())
@@ -190,10 +165,9 @@ impl phub_http::Handler for Shared {
 
     fn body_limit(&self, head: &phub_http::Request) -> usize {
         // Only the operator, checked above, may send a large body.
-        if head.method == "POST" && segments(&head.path) == ["v1", "jobs"] {
-            MAX_BODY_BYTES
-        } else {
-            MAX_SMALL_BODY_BYTES
+        match ControlRoute::parse(&head.method, &head.path, head.query.as_deref()) {
+            Ok(ControlRoute::Admit) => MAX_BODY_BYTES,
+            _ => MAX_SMALL_BODY_BYTES,
         }
     }
 
@@ -204,113 +178,74 @@ impl phub_http::Handler for Shared {
         }
     }
 }
+
 impl Shared {
+    /// Answers a request: checks the operator token where its route needs
+    /// it, parses its route and [`Shared::dispatch`]es it.
     pub(super) fn route(&self, req: &phub_http::Request) -> Result<Reply, RequestError> {
-        let (method, path) = (req.method.as_str(), req.path.as_str());
-        let segs = segments(path);
-        let wrong = |allowed| RequestError::Method {
-            method: method.to_string(),
-            path: path.to_string(),
-            allowed,
-        };
         // Checked before the body was read too ([`Handler::check_head`]);
         // again here so that no route depends on the listener for it.
-        if needs_operator(method, &segs) {
+        if needs_operator(req) {
             self.check_operator(req)?;
         }
-        match segs.as_slice() {
-            ["v1", "jobs"] => match method {
-                "GET" => Ok(Reply::json(200, &self.list())),
-                "POST" => {
-                    let body = body_text(req)?;
-                    Ok(Reply::json(201, &self.admit(body, req.header("Content-Type"))?))
-                }
-                _ => Err(wrong("GET, POST")),
-            },
-            ["v1", "jobs", id] => match method {
-                "GET" => Ok(Reply::json(200, &self.show(parse_id(id)?)?)),
-                "DELETE" => Ok(Reply::json(200, &self.evict(parse_id(id)?)?)),
-                _ => Err(wrong("GET, DELETE")),
-            },
-            ["v1", "jobs", id, "checkpoint"] => match method {
-                "POST" => Ok(Reply::json(200, &self.checkpoint(parse_id(id)?)?)),
-                _ => Err(wrong("POST")),
-            },
-            ["v1", "jobs", id, "retry"] => match method {
-                "POST" => {
-                    let id = parse_id(id)?;
-                    let body = body_text(req)?;
-                    let r: RetryRequest = if body.trim().is_empty() {
-                        RetryRequest::default()
-                    } else {
-                        serde_json::from_str(body).map_err(|e| {
-                            RequestError::BadRequest(format!(
-                                "invalid retry request: {e}; expected {{\"discard_checkpoint\": false}} (or true), \
-                                 or no body"
-                            ))
-                        })?
-                    };
-                    Ok(Reply::json(200, &self.retry(id, r.discard_checkpoint)?))
-                }
-                _ => Err(wrong("POST")),
-            },
-            ["v1", "jobs", id, "map"] => match method {
-                "GET" => Ok(Reply::json(200, &self.map(parse_id(id)?, None)?)),
-                _ => Err(wrong("GET")),
-            },
-            ["v1", "jobs", id, "map", "keys", key] => match method {
-                "GET" => {
-                    let key = key.parse::<u32>().map_err(|_| {
-                        RequestError::BadRequest(format!("key {key:?} is not a key index (0, 1, ...)"))
-                    })?;
-                    Ok(Reply::json(200, &self.map(parse_id(id)?, Some(key))?))
-                }
-                _ => Err(wrong("GET")),
-            },
-            ["v1", "jobs", id, "join"] => match method {
-                "POST" => {
-                    let id = parse_id(id)?;
-                    let body = body_text(req)?;
-                    Ok(Reply::json(200, &self.join(id, body)?))
-                }
-                _ => Err(wrong("POST")),
-            },
-            ["v1", "appliances"] => match method {
-                "GET" => Ok(Reply::json(200, &self.appliances())),
-                "POST" => {
-                    let a: ApplianceSpec = serde_json::from_str(body_text(req)?).map_err(|e| {
+        let route = ControlRoute::parse(&req.method, &req.path, req.query.as_deref())?;
+        self.dispatch(route, req)
+    }
+
+    /// Runs `route`'s handler with `req`'s body. One arm per route and no
+    /// catch-all: a route added to [`ControlRoute`] does not build until
+    /// it has its handler here.
+    pub(super) fn dispatch(
+        &self,
+        route: ControlRoute,
+        req: &phub_http::Request,
+    ) -> Result<Reply, RequestError> {
+        use ControlRoute as R;
+        match route {
+            R::Jobs => Ok(Reply::json(200, &self.list())),
+            R::Admit => {
+                let body = body_text(req)?;
+                Ok(Reply::json(201, &self.admit(body, req.header("Content-Type"))?))
+            }
+            R::Job { job } => Ok(Reply::json(200, &self.show(job)?)),
+            R::Evict { job } => Ok(Reply::json(200, &self.evict(job)?)),
+            R::Checkpoint { job } => Ok(Reply::json(200, &self.checkpoint(job)?)),
+            R::Retry { job } => {
+                let body = body_text(req)?;
+                let r: RetryRequest = if body.trim().is_empty() {
+                    RetryRequest::default()
+                } else {
+                    serde_json::from_str(body).map_err(|e| {
                         RequestError::BadRequest(format!(
-                            "invalid appliance: {e}; expected {{\"name\": ..., \"url\": ..., \"rack\": ..., \
-                             \"token_file\": ...}}"
+                            "invalid retry request: {e}; expected {{\"discard_checkpoint\": false}} (or true), or \
+                             no body"
                         ))
-                    })?;
-                    let force = req.query.as_deref().is_some_and(|q| {
-                        q.split('&')
-                            .any(|kv| matches!(kv, "force" | "force=true" | "force=1"))
-                    });
-                    Ok(Reply::json(201, &self.add_appliance(a, force)?))
-                }
-                _ => Err(wrong("GET, POST")),
-            },
-            ["v1", "appliances", name] => match method {
-                "DELETE" => Ok(Reply::json(200, &self.remove_appliance(name)?)),
-                _ => Err(wrong("DELETE")),
-            },
-            ["v1", "stats"] => match method {
-                "GET" => Ok(Reply::json(200, &self.stats())),
-                _ => Err(wrong("GET")),
-            },
-            ["metrics"] => match method {
-                "GET" => Ok(Reply {
-                    status: 200,
-                    content_type: metrics::CONTENT_TYPE,
-                    body: self.metrics().into_bytes(),
-                }),
-                _ => Err(wrong("GET")),
-            },
-            _ => Err(RequestError::NotFound(format!(
-                "no route for {method} {path}; see the route table in phub_proto::api"
-            ))),
+                    })?
+                };
+                Ok(Reply::json(200, &self.retry(job, r.discard_checkpoint)?))
+            }
+            R::Map { job, key } => Ok(Reply::json(200, &self.map(job, key)?)),
+            R::Join { job } => {
+                let body = body_text(req)?;
+                Ok(Reply::json(200, &self.join(job, body)?))
+            }
+            R::Appliances => Ok(Reply::json(200, &self.appliances())),
+            R::AddAppliance { mode } => {
+                let a: ApplianceSpec = serde_json::from_str(body_text(req)?).map_err(|e| {
+                    RequestError::BadRequest(format!(
+                        "invalid appliance: {e}; expected {{\"name\": ..., \"url\": ..., \"rack\": ..., \
+                         \"token_file\": ...}}"
+                    ))
+                })?;
+                Ok(Reply::json(201, &self.add_appliance(a, mode == AddMode::Forced)?))
+            }
+            R::RemoveAppliance { name } => Ok(Reply::json(200, &self.remove_appliance(&name)?)),
+            R::Stats => Ok(Reply::json(200, &self.stats())),
+            R::Metrics => Ok(Reply {
+                status: 200,
+                content_type: metrics::CONTENT_TYPE,
+                body: self.metrics().into_bytes(),
+            }),
         }
     }
 

@@ -190,7 +190,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
     st.log.push(format!("{method} {path}"));
     let used: u64 = st.jobs.values().map(job_bytes).sum();
     let segs: Vec<&str> = path.trim_matches('/').split('/').collect();
-    let open = phub_proto::api::mgmt_route_is_open(&method, &path);
+    let open = phub_proto::routes::MgmtRoute::is_open(&method, &path);
     let bearer = format!("Bearer {}", st.token);
     let authorized = req
         .headers()

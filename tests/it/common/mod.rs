@@ -5,8 +5,14 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use phub::proto::api::{AdmitResponse, ApiError};
+use phub::proto::api::AdmitResponse;
+use phub::proto::routes::control::{self, ControlCall};
+use phub::proto::routes::mgmt::MgmtCall;
+use phub::proto::routes::{Call, ControlRoute, MgmtRoute, Route};
+use phub::proto::spec::{Consistency, JobSpec};
+use phub_hwtests::dataplane_args::DataplaneArgs;
 use phub_hwtests::process::{self, Daemon};
+pub(crate) use phub_hwtests::workload::client;
 
 pub(crate) struct Rack {
     pub(crate) dataplane: Option<Daemon>,
@@ -54,18 +60,7 @@ impl Rack {
         std::fs::create_dir_all(&dir).unwrap();
         let mgmt = free_port();
         let base = free_udp_ports(lcores as u16);
-        let mut dataplane_args = vec![
-            "--base-port".to_string(),
-            base.to_string(),
-            "--lcores".into(),
-            lcores.to_string(),
-            "--no-pin".into(),
-            "--mgmt".into(),
-            format!("127.0.0.1:{mgmt}"),
-            "--memory-budget".into(),
-            budget.into(),
-        ];
-        dataplane_args.extend(extra.iter().map(|a| a.to_string()));
+        let dataplane_args = loopback_dataplane(base, lcores, mgmt, budget, extra).to_args();
         let mut rack = Rack {
             dataplane: None,
             control: None,
@@ -89,7 +84,7 @@ impl Rack {
             env!("CARGO_BIN_EXE_phub-dataplane"),
             &self.dataplane_args,
             &self.dir,
-            &format!("{}/v1/info", self.mgmt_url),
+            &format!("{}{}", self.mgmt_url, MgmtRoute::Info.path()),
         ));
     }
 
@@ -117,7 +112,7 @@ impl Rack {
             env!("CARGO_BIN_EXE_phub-control"),
             &args,
             &self.dir,
-            &format!("{}/v1/jobs", self.control_url),
+            &format!("{}{}", self.control_url, ControlRoute::Jobs.path()),
         ));
     }
 
@@ -126,11 +121,6 @@ impl Rack {
         if let Some(mut c) = self.control.take() {
             c.kill();
         }
-    }
-
-    /// The operator token phub-control generated beside its state file.
-    pub(crate) fn operator_token(&self) -> String {
-        operator_token(&self.dir)
     }
 
     /// The dataplane's management token (in the rack's runtime directory).
@@ -142,57 +132,100 @@ impl Rack {
             .to_string()
     }
 
-    pub(crate) fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-        admit(&self.control_url, &self.operator_token(), spec)
-    }
-
-    pub(crate) fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        get_json(&format!("{}{path}", self.control_url))
-    }
-
-    pub(crate) fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
-        phubctl(&self.control_url, &self.operator_token(), args)
+    /// `call` to the dataplane's management API (an open route).
+    pub(crate) fn dataplane<A>(&self, call: &MgmtCall<'_, A>) -> A {
+        send(&self.mgmt_url, call)
     }
 }
 
-/// The operator token phub-control generated beside `dir/state.json`.
-fn operator_token(dir: &Path) -> String {
-    std::fs::read_to_string(dir.join("state.json.operator-token"))
-        .unwrap()
-        .trim()
-        .to_string()
+impl Operator for Rack {
+    fn control_url(&self) -> &str {
+        &self.control_url
+    }
+
+    fn state_dir(&self) -> &Path {
+        &self.dir
+    }
+}
+
+/// What a test does as the operator of a [`Rack`]'s or [`Appliances`]'
+/// phub-control, with the token control wrote beside its state file.
+pub(crate) trait Operator {
+    /// Control's URL.
+    fn control_url(&self) -> &str;
+
+    /// The directory of control's state file.
+    fn state_dir(&self) -> &Path;
+
+    /// The operator token phub-control generated beside its state file.
+    fn operator_token(&self) -> String {
+        std::fs::read_to_string(self.state_dir().join("state.json.operator-token"))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+
+    /// Admits `spec`: its answer, or the error's status and message.
+    fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+        admit(self.control_url(), &self.operator_token(), spec)
+    }
+
+    /// `call` to control with the operator token; panics saying why it
+    /// failed.
+    fn send<A>(&self, call: &ControlCall<'_, A>) -> A {
+        client(self.control_url(), Some(&self.operator_token()))
+            .send(call)
+            .unwrap_or_else(|e| panic!("{}: {e}", call.what()))
+    }
+
+    /// Runs phubctl against control as the operator: (success, stdout,
+    /// stderr).
+    fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .env("PHUB_OPERATOR_TOKEN", self.operator_token())
+            .args(["--control", self.control_url()])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    }
+}
+
+/// A phub-dataplane on loopback: kernel UDP from port `base`, `lcores`
+/// unpinned, its management API on 127.0.0.1:`mgmt`, and `extra`.
+fn loopback_dataplane(base: u16, lcores: usize, mgmt: u16, budget: &str, extra: &[&str]) -> DataplaneArgs {
+    DataplaneArgs {
+        base_port: Some(base),
+        lcores: Some(lcores),
+        no_pin: true,
+        mgmt: Some(format!("127.0.0.1:{mgmt}")),
+        memory_budget: Some(budget.into()),
+        extra: extra.iter().map(|a| a.to_string()).collect(),
+        ..DataplaneArgs::default()
+    }
 }
 
 /// Admits `spec` through the control at `control_url` with the operator
 /// `token`: its answer, or the error's status and message.
-fn admit(control_url: &str, token: &str, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-    let req = ureq::post(&format!("{control_url}/v1/jobs")).set("Authorization", &format!("Bearer {token}"));
-    match req.send_string(spec) {
-        Ok(r) => Ok(r.into_json().unwrap()),
-        Err(ureq::Error::Status(code, r)) => Err((code, ApiError::message_of(&r.into_string().unwrap()))),
-        Err(e) => panic!("admission: {e}"),
-    }
+pub(crate) fn admit(control_url: &str, token: &str, spec: &str) -> Result<AdmitResponse, (u16, String)> {
+    client(control_url, Some(token))
+        .send(&control::admit(spec))
+        .map_err(|e| match e.status() {
+            Some(status) => (status, e.message().to_string()),
+            None => panic!("admission: {e}"),
+        })
 }
 
-/// GET `url`, its JSON answer.
-fn get_json<T: serde::de::DeserializeOwned>(url: &str) -> T {
-    ureq::get(url).call().unwrap().into_json().unwrap()
-}
-
-/// Runs phubctl against `control_url` with the operator `token`: (success,
-/// stdout, stderr).
-fn phubctl(control_url: &str, token: &str, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
-        .env("PHUB_OPERATOR_TOKEN", token)
-        .args(["--control", control_url])
-        .args(args)
-        .output()
-        .unwrap();
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
+/// `call` to the server at `base`, without a token; panics saying why it
+/// failed.
+fn send<Rt: Route, A>(base: &str, call: &Call<'_, Rt, A>) -> A {
+    client(base, None)
+        .send(call)
+        .unwrap_or_else(|e| panic!("{} at {base}: {e}", call.what()))
 }
 
 impl Drop for Rack {
@@ -252,18 +285,8 @@ impl Appliances {
             let name = ((b'a' + i as u8) as char).to_string();
             let mgmt = free_port();
             let base = free_udp_ports(n as u16);
-            a.dataplane_args.push(vec![
-                "--base-port".to_string(),
-                base.to_string(),
-                "--lcores".into(),
-                n.to_string(),
-                "--no-pin".into(),
-                "--mgmt".into(),
-                format!("127.0.0.1:{mgmt}"),
-                "--memory-budget".into(),
-                budget.into(),
-            ]);
-            a.dataplane_args[i].extend(extra.iter().map(|s| s.to_string()));
+            a.dataplane_args
+                .push(loopback_dataplane(base, n, mgmt, budget, extra).to_args());
             let url = format!("http://127.0.0.1:{mgmt}");
             let mut spec = format!("name={name},url={url},rack=r{}", i + 1);
             if i > 0 {
@@ -284,7 +307,7 @@ impl Appliances {
             env!("CARGO_BIN_EXE_phub-control"),
             &control_args,
             &a.dir,
-            &format!("{}/v1/jobs", a.control_url),
+            &format!("{}{}", a.control_url, ControlRoute::Jobs.path()),
         ));
         a
     }
@@ -296,7 +319,7 @@ impl Appliances {
             env!("CARGO_BIN_EXE_phub-dataplane"),
             &self.dataplane_args[i],
             &self.dir,
-            &format!("{}/v1/info", self.mgmt_urls[i]),
+            &format!("{}{}", self.mgmt_urls[i], MgmtRoute::Info.path()),
         ));
     }
 
@@ -307,25 +330,19 @@ impl Appliances {
         }
     }
 
-    /// GET `path` on appliance `i`'s management API (an open route).
-    pub(crate) fn dataplane_get<T: serde::de::DeserializeOwned>(&self, i: usize, path: &str) -> T {
-        get_json(&format!("{}{path}", self.mgmt_urls[i]))
+    /// `call` to appliance `i`'s management API (an open route).
+    pub(crate) fn dataplane<A>(&self, i: usize, call: &MgmtCall<'_, A>) -> A {
+        send(&self.mgmt_urls[i], call)
+    }
+}
+
+impl Operator for Appliances {
+    fn control_url(&self) -> &str {
+        &self.control_url
     }
 
-    pub(crate) fn operator_token(&self) -> String {
-        operator_token(&self.dir)
-    }
-
-    pub(crate) fn admit(&self, spec: &str) -> Result<AdmitResponse, (u16, String)> {
-        admit(&self.control_url, &self.operator_token(), spec)
-    }
-
-    pub(crate) fn get<T: serde::de::DeserializeOwned>(&self, path: &str) -> T {
-        get_json(&format!("{}{path}", self.control_url))
-    }
-
-    pub(crate) fn phubctl(&self, args: &[&str]) -> (bool, String, String) {
-        phubctl(&self.control_url, &self.operator_token(), args)
+    fn state_dir(&self) -> &Path {
+        &self.dir
     }
 }
 
@@ -339,7 +356,18 @@ impl Drop for Appliances {
     }
 }
 
+/// The consistency suites' job: `workers` ranks over two keys, "census"
+/// (one element per rank) and "grads" (`grads` elements), summed.
+pub(crate) fn census_spec(name: &str, workers: u16, grads: u64, consistency: Consistency) -> String {
+    JobSpec::new(name, u32::from(workers), &[u64::from(workers), grads])
+        .with_key_names(&["census", "grads"])
+        .with_consistency(consistency)
+        .to_toml()
+}
+
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.
-pub(crate) use phub_hwtests::workload::{expected as expected_sum, flood, grad, init, train, train_rank};
+pub(crate) use phub_hwtests::workload::{
+    expected as expected_sum, flood, grad, init, sum_spec, train, train_rank,
+};

@@ -18,9 +18,12 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
+use phub_http::Client;
+use phub_hwtests::dataplane_args::{Backend, DataplaneArgs};
 use phub_hwtests::process::{self, Daemon};
 use phub_hwtests::virt::{self, Netns};
-use phub_proto::api::{AdmitResponse, ApiError};
+use phub_proto::api::AdmitResponse;
+use phub_proto::routes::control;
 
 /// How to start the local appliance.
 #[derive(Debug, Clone)]
@@ -156,50 +159,40 @@ impl Local {
         let (mgmt, ctl) = (process::free_port()?, process::free_port()?);
         let mgmt_url = format!("http://127.0.0.1:{mgmt}");
         let control_url = format!("http://127.0.0.1:{ctl}");
-        let mut args = dp_pre;
-        match (&o.veth, o.backend.as_str()) {
-            (Some(ns), "dpdk") => args.extend([
-                "--host".into(),
-                virt::APPLIANCE_IP.into(),
-                "--base-port".into(),
-                virt::BASE_PORT.to_string(),
-                "--eal".into(),
-                virt::af_packet_eal(o.lcores, ns),
-            ]),
-            _ => args.extend(["--base-port".into(), "0".into()]),
-        }
-        args.extend([
-            "--backend".into(),
-            o.backend.clone(),
-            "--lcores".into(),
-            o.lcores.to_string(),
-            "--mgmt".into(),
-            format!("127.0.0.1:{mgmt}"),
-            "--memory-budget".into(),
-            o.memory_budget.to_string(),
-        ]);
-        if o.busy_poll {
-            args.push("--busy-poll".into());
-        }
-        if o.no_pin {
-            args.push("--no-pin".into());
-        }
-        if let Some(b) = o.socket_buffer {
-            args.extend(["--socket-buffer".into(), b.to_string()]);
-        }
-        if o.shm {
+        let backend = match o.backend.as_str() {
+            "udp" => Backend::Udp,
+            "dpdk" => Backend::Dpdk,
+            other => bail!("backend {other:?}: expected udp or dpdk"),
+        };
+        let mut dp = DataplaneArgs {
+            backend: Some(backend),
+            base_port: Some(0),
+            lcores: Some(o.lcores),
+            mgmt: Some(format!("127.0.0.1:{mgmt}")),
+            memory_budget: Some(o.memory_budget.to_string()),
+            busy_poll: o.busy_poll,
+            no_pin: o.no_pin,
+            socket_buffer: o.socket_buffer,
             // Both ways of running it take the flag: serve-dataplane parses
             // phub-dataplane's own options.
-            args.push("--shm".into());
+            shm: o.shm,
+            extra: o.extra_args.clone(),
+            ..DataplaneArgs::default()
+        };
+        if let (Some(ns), Backend::Dpdk) = (&o.veth, backend) {
+            dp.host = Some(virt::APPLIANCE_IP.into());
+            dp.base_port = Some(virt::BASE_PORT);
+            dp.eal = Some(virt::af_packet_eal(o.lcores, ns));
         }
-        args.extend(o.extra_args.iter().cloned());
+        let mut args = dp_pre;
+        args.extend(dp.to_args());
         let dataplane = start_daemon(
             "phub-dataplane",
             &dp_prog,
             &args,
             &o.env,
             &dir.join("phub-dataplane.log"),
-            &format!("{mgmt_url}/v1/info"),
+            &process::dataplane_ready(&mgmt_url),
         )?;
         let mut args = ctl_pre;
         args.extend([
@@ -216,7 +209,7 @@ impl Local {
             &args,
             &[],
             &dir.join("phub-control.log"),
-            &format!("{control_url}/v1/jobs"),
+            &process::control_ready(&control_url),
         )?;
         Ok(Local {
             control_url,
@@ -258,35 +251,31 @@ pub fn env_operator_token() -> Option<String> {
         .filter(|t| !t.is_empty())
 }
 
-fn authorized(req: ureq::Request, token: Option<&str>) -> ureq::Request {
-    match token {
-        Some(t) => req.set("Authorization", &format!("Bearer {t}")),
-        None => req,
-    }
+/// The client of phub-control at `control_url` with the operator token,
+/// calls answered within `timeout`.
+pub fn control_client(control_url: &str, token: Option<&str>, timeout: Duration) -> Result<Client> {
+    Ok(
+        Client::new(control_url, None, ureq::AgentBuilder::new().timeout(timeout))
+            .with_context(|| format!("a client of {control_url}"))?
+            .with_token(token.map(str::to_string)),
+    )
 }
 
-/// Admits a job (JSON spec) through phub-control, with the operator token.
-pub fn admit(control_url: &str, spec: &serde_json::Value, token: Option<&str>) -> Result<AdmitResponse> {
-    let url = format!("{}/v1/jobs", control_url.trim_end_matches('/'));
-    match authorized(ureq::post(&url), token)
-        .timeout(Duration::from_secs(120))
-        .send_string(&spec.to_string())
-    {
-        Ok(r) => Ok(r.into_json()?),
-        Err(ureq::Error::Status(code, r)) => {
-            let body = r.into_string().unwrap_or_default();
-            bail!("admission refused (HTTP {code}): {}", ApiError::message_of(&body))
-        }
-        Err(e) => bail!("admission at {url}: {e}"),
-    }
+/// Admits a job (a spec, TOML or JSON) through phub-control, with the
+/// operator token.
+pub fn admit(control_url: &str, spec: &str, token: Option<&str>) -> Result<AdmitResponse> {
+    let client = control_client(control_url, token, Duration::from_secs(120))?;
+    client.send(&control::admit(spec)).map_err(|e| match e.status() {
+        Some(code) => anyhow::anyhow!("admission refused (HTTP {code}): {}", e.message()),
+        None => anyhow::anyhow!("admission at {control_url}: {e}"),
+    })
 }
 
 /// Evicts a job; errors are ignored (the run is over either way).
 pub fn evict(control_url: &str, job: u16, token: Option<&str>) {
-    let url = format!("{}/v1/jobs/{job}", control_url.trim_end_matches('/'));
-    let _ = authorized(ureq::delete(&url), token)
-        .timeout(Duration::from_secs(30))
-        .call();
+    if let Ok(c) = control_client(control_url, token, Duration::from_secs(30)) {
+        let _ = c.send(&control::evict(job));
+    }
 }
 
 /// `phub-bench serve-dataplane ARGS`: phub-dataplane's program (same flags).

@@ -30,6 +30,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use anyhow::{anyhow, bail, ensure, Context, Result};
+use phub_hwtests::dataplane_args::{Backend as DataplaneBackend, DataplaneArgs};
 use phub_hwtests::process::{self, Daemon};
 use phub_hwtests::virt::{self, Netns};
 use serde::Serialize;
@@ -504,42 +505,31 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         let host = appliance_ip(r);
         let token = dir.join(format!("appl{r}.token"));
         let mut args = dp_pre.clone();
-        args.extend([
-            "--backend".into(),
-            "udp".into(),
-            "--host".into(),
-            host.clone(),
-            "--base-port".into(),
-            BASE_PORT.to_string(),
-            "--lcores".into(),
-            a.lcores.to_string(),
-            "--mgmt".into(),
-            format!("{host}:{MGMT_PORT}"),
-            "--mgmt-token-file".into(),
-            token.display().to_string(),
-            "--memory-budget".into(),
-            budget.to_string(),
-        ]);
-        if a.busy_poll {
-            args.push("--busy-poll".into());
-        }
-        if a.no_pin {
-            args.push("--no-pin".into());
-        }
-        if let Some(b) = a.socket_buffer {
-            args.extend(["--socket-buffer".into(), b.to_string()]);
-        }
-        if let Some(spec) = &a.inject {
-            args.extend(["--inject".into(), spec.to_string()]);
-        }
-        args.extend(a.dataplane_arg.iter().cloned());
+        args.extend(
+            DataplaneArgs {
+                backend: Some(DataplaneBackend::Udp),
+                host: Some(host.clone()),
+                base_port: Some(BASE_PORT),
+                lcores: Some(a.lcores),
+                mgmt: Some(format!("{host}:{MGMT_PORT}")),
+                mgmt_token_file: Some(token.clone()),
+                memory_budget: Some(budget.to_string()),
+                busy_poll: a.busy_poll,
+                no_pin: a.no_pin,
+                socket_buffer: a.socket_buffer,
+                inject: a.inject.as_ref().map(ToString::to_string),
+                extra: a.dataplane_arg.clone(),
+                ..DataplaneArgs::default()
+            }
+            .to_args(),
+        );
         let log = dir.join(format!("phub-dataplane-{r}.log"));
         let mut d = RackNet::inside(ns, || {
             Daemon::spawn(&format!("phub-dataplane (rack {r})"), &dp_prog, &args, &env, &log)
                 .map_err(anyhow::Error::from)
         })?;
         let url = format!("http://{host}:{MGMT_PORT}");
-        d.wait_up(&format!("{url}/v1/info"), Duration::from_secs(20), || false)
+        d.wait_up(&process::dataplane_ready(&url), Duration::from_secs(20), || false)
             .map_err(|e| anyhow!(e))?;
         dataplanes.push(d);
         control_args.extend([
@@ -561,9 +551,11 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         &dir.join("phub-control.log"),
     )?;
     control
-        .wait_up(&format!("{control_url}/v1/jobs"), Duration::from_secs(20), || {
-            false
-        })
+        .wait_up(
+            &process::control_ready(&control_url),
+            Duration::from_secs(20),
+            || false,
+        )
         .map_err(|e| anyhow!(e))?;
     let path = dir.join("state.json.operator-token");
     let token = std::fs::read_to_string(&path)
@@ -736,7 +728,7 @@ fn run_in_spine(
         workers_per_rack[x] += 1;
     }
     let exchange = |p: &Placement| -> Result<RunResult> {
-        let admitted = local::admit(&appl.control_url, &p.spec(&job.json), token)?;
+        let admitted = local::admit(&appl.control_url, &p.spec(&job.json).to_string(), token)?;
         let r = run::drive(
             a,
             profile,

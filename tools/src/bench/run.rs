@@ -11,6 +11,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use phub_proto::routes::control;
 use phub_proto::spec::Consistency;
 use phub_worker::FaultSpec;
 use serde::Serialize;
@@ -490,14 +491,8 @@ pub struct Counters {
 }
 
 fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
-    let url = format!("{}/v1/stats", control_url.trim_end_matches('/'));
-    let v: serde_json::Value = ureq::get(&url)
-        .timeout(Duration::from_secs(10))
-        .call()
-        .ok()?
-        .into_json()
-        .ok()?;
-    let dp: phub_proto::api::DataplaneStats = serde_json::from_value(v.get("dataplane")?.clone()).ok()?;
+    let client = local::control_client(control_url, None, Duration::from_secs(10)).ok()?;
+    let dp = client.send(&control::stats()).ok()?.dataplane?;
     let t = dp.total();
     let c = Counters {
         rx_packets: t.rx_packets,
@@ -763,7 +758,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         Some(l) => Some(l.operator_token()?),
         None => local::env_operator_token(),
     };
-    let admitted = local::admit(&control_url, spec, token.as_deref())?;
+    let admitted = local::admit(&control_url, &spec.to_string(), token.as_deref())?;
     let r = drive(
         a,
         profile,
@@ -1220,13 +1215,8 @@ pub(super) fn drive(
 /// The largest lead the dataplane allowed in job `id`, from control's
 /// `GET /v1/jobs/{id}`; None when it cannot be read.
 fn max_lead(control_url: &str, id: u16) -> Option<u32> {
-    let d: phub_proto::api::JobDetail = ureq::get(&format!("{control_url}/v1/jobs/{id}"))
-        .timeout(Duration::from_secs(5))
-        .call()
-        .ok()?
-        .into_json()
-        .ok()?;
-    d.clock.max_lead
+    let client = local::control_client(control_url, None, Duration::from_secs(5)).ok()?;
+    client.send(&control::job(id)).ok()?.clock.max_lead
 }
 
 /// CPU seconds of the worker threads' process (threads mode only).
