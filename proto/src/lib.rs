@@ -2,8 +2,10 @@
 //!
 //! Layer: pure. No I/O, no clock, no `unsafe`. Holds the wire header views
 //! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]), the
-//! chunk layout ([`layout`]) and what a job costs ([`memory`]). Parsing
-//! received bytes never panics and never allocates.
+//! chunk layout ([`layout`]) and what a job costs ([`memory`]); for table
+//! keys (PROTOCOL.md §10), the placement of rows ([`placement`]) and the
+//! row messages ([`rows`]). Parsing received bytes never panics and never
+//! allocates.
 #![forbid(unsafe_code)]
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
@@ -17,6 +19,8 @@ pub mod dtype;
 pub mod fault;
 pub mod layout;
 pub mod memory;
+pub mod placement;
+pub mod rows;
 pub mod shm;
 pub mod spec;
 pub mod wire;

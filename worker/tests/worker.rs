@@ -272,13 +272,7 @@ fn spec(workers: u32, keys: &[u64], dtype: Dtype, optimizer: Optimizer) -> JobSp
         chunk_bytes: 8192,
         optimizer,
         consistency: Consistency::Sync,
-        keys: keys
-            .iter()
-            .map(|&e| KeySpec {
-                name: String::new(),
-                elements: e,
-            })
-            .collect(),
+        keys: keys.iter().map(|&e| KeySpec::dense("", e)).collect(),
     }
 }
 
