@@ -11,7 +11,7 @@ use std::ops::Range;
 
 use phub_proto::api::DataplaneInfo;
 use phub_proto::layout::{layout_part, Chunks, Layout};
-use phub_proto::memory::{data_bytes, JobCost};
+use phub_proto::memory::{data_bytes, JobCost, ResultStore};
 use phub_proto::spec::JobSpec;
 
 use crate::format::human_bytes;
@@ -131,7 +131,7 @@ pub fn choose_lcores(info: &DataplaneInfo) -> Vec<u16> {
 /// (its memory model; shared-memory regions when it gives jobs them).
 pub fn cost(spec: &JobSpec, layout: &Layout, info: &DataplaneInfo) -> JobCost {
     info.memory_model
-        .job_cost(spec, layout, spec.shared_memory(info.shm))
+        .job_cost(spec, layout, spec.result_store(info.shm))
 }
 
 /// Heap bytes `layout` puts on each lcore (`layout.lcores.len()` entries).
@@ -290,7 +290,7 @@ fn place_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<Layout, AdmitErr
         spec,
         &load,
         &chosen,
-        first.memory_model.chunk_cost(spec, first.shm),
+        first.memory_model.chunk_cost(spec, spec.result_store(first.shm)),
     ))
 }
 
@@ -339,7 +339,7 @@ pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierP
             &relay,
             &load,
             &choose_lcores(info),
-            info.memory_model.chunk_cost(&relay, false),
+            info.memory_model.chunk_cost(&relay, ResultStore::Slot),
         );
         let cost = info.memory_model.hierarchical_cost(spec, &rack, &part, peers);
         let need = cost.total();
@@ -348,7 +348,7 @@ pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierP
             return Err(AdmitError::Memory {
                 appliance: t.name.to_string(),
                 need,
-                data: data_bytes(&relay, false).min(need),
+                data: data_bytes(&relay, ResultStore::Slot).min(need),
                 shm: 0,
                 free,
                 budget: info.memory_budget_bytes,
@@ -392,7 +392,7 @@ pub fn plan_part(spec: &JobSpec, seqs: Range<u64>, target: &Target<'_>) -> Resul
         seqs,
         &load,
         &choose_lcores(info),
-        info.memory_model.chunk_cost(spec, info.shm),
+        info.memory_model.chunk_cost(spec, spec.result_store(info.shm)),
     );
     let elems = Chunks::new(spec).weigh(u64::from);
     charge(spec, target, layout, &elems)
@@ -413,7 +413,7 @@ fn charge(
     if need > free {
         // The part's share of the job's data: every element costs the same.
         let all = elems.total().max(1);
-        let data = data_bytes(spec, info.shm) / all * elems.of(part.span());
+        let data = data_bytes(spec, spec.result_store(info.shm)) / all * elems.of(part.span());
         return Err(AdmitError::Memory {
             appliance: target.name.to_string(),
             need,
@@ -605,6 +605,26 @@ mod tests {
         assert!(e.contains("48.0 KiB of shared-memory regions"), "{e}");
     }
 
+    /// A job that gets no regions (here: async) on a dataplane that gives
+    /// BSP jobs regions is charged and described as on a dataplane without
+    /// them: its f32 results live in slot memory. Before the job's result
+    /// store had one source, the refusal's data figure was computed with the
+    /// dataplane's `--shm` alone and left the second buffer out.
+    #[test]
+    fn a_job_without_regions_costs_the_same_on_a_dataplane_that_gives_them() {
+        let mut s = spec_with(&vec![1; 1_000_000], 64);
+        s.consistency = phub_proto::spec::Consistency::Async;
+        let mut dp = info(&[None, None], None, 64 << 20, 0);
+        let plain = plan(&s, &dp, []).unwrap_err();
+        dp.shm = true;
+        let with = plan(&s, &dp, []).unwrap_err();
+        assert_eq!(with, plain);
+        let AdmitError::Memory { data, shm, .. } = with else {
+            panic!("{with:?}")
+        };
+        assert_eq!((data, shm), (8_000_000, 0));
+    }
+
     #[test]
     fn placement_balances_over_every_job_and_remaps_lcores() {
         let dp = info(&[Some(0), Some(0), Some(1), Some(1)], Some(1), 1 << 30, 0);
@@ -682,7 +702,7 @@ mod tests {
         let mut union_load = vec![0, 0];
         union_load.extend(&b_load);
         let chosen: Vec<u16> = (0..5).collect();
-        let cost = union.memory_model.chunk_cost(&s, false);
+        let cost = union.memory_model.chunk_cost(&s, ResultStore::Slot);
         assert_eq!(p.layout, place(&s, &union_load, &chosen, cost));
         // Balanced: every lcore ends within about one chunk of the others.
         let mut after = loads(&a, [(&s, &p.parts[0].layout)]);

@@ -11,7 +11,7 @@
 
 use phub_proto::api::{DataAddr, DataplaneInfo, Hierarchy, InstallJob, RackPeer};
 use phub_proto::layout::Layout;
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, ResultStore};
 
 use crate::admission;
 use crate::state::{JobShape, StoredJob};
@@ -151,7 +151,7 @@ impl StoredJob {
         }
         match info {
             Some(info) => admission::cost(&self.spec, part, info).total(),
-            None => model.job_cost(&self.spec, part, false).total(),
+            None => model.job_cost(&self.spec, part, ResultStore::Slot).total(),
         }
     }
 

@@ -10,7 +10,7 @@ use fake::{Fake, FakeConfig, TempState, BASE_PORT};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
 use phub_proto::layout::{Place, Placement};
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::spec::JobSpec;
 
 const SPEC: &str = r#"
@@ -139,11 +139,11 @@ fn admit_toml_and_json_then_list_show_map() {
         let model = MemoryModel::default();
         for (t, b) in total
             .iter_mut()
-            .zip(model.job_cost(&j.spec, &j.layout, false).lcores)
+            .zip(model.job_cost(&j.spec, &j.layout, ResultStore::Slot).lcores)
         {
             *t += b;
         }
-        biggest = biggest.max(model.chunk_cost(&j.spec, false)(j.spec.chunk_elems()));
+        biggest = biggest.max(model.chunk_cost(&j.spec, ResultStore::Slot)(j.spec.chunk_elems()));
     }
     // Each job's runs are cut to the nearest chunk: within a chunk a job.
     let (lo, hi) = (total.iter().min().unwrap(), total.iter().max().unwrap());

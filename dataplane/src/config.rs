@@ -22,6 +22,23 @@ pub enum BackendKind {
     Dpdk,
 }
 
+impl BackendKind {
+    /// The name `--backend` takes and `/v1/info` and `/v1/stats` show:
+    /// `udp` or `dpdk`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BackendKind::Udp => "udp",
+            BackendKind::Dpdk => "dpdk",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// phub-dataplane: aggregates gradient chunks and runs the optimizer.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "phub-dataplane", version)]

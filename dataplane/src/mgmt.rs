@@ -18,7 +18,7 @@ use phub_proto::api::{
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
@@ -257,7 +257,7 @@ impl Manager {
             None => {
                 self.info
                     .memory_model
-                    .job_cost(&req.spec, &req.layout, req.spec.shared_memory(self.info.shm))
+                    .job_cost(&req.spec, &req.layout, req.spec.result_store(self.info.shm))
             }
         };
         let need = cost.total();
@@ -303,7 +303,7 @@ impl Manager {
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
         // With --shm every lcore gives the job its shared-memory regions.
-        let shm = req.spec.shared_memory(self.info.shm).then_some(ShmSetup {
+        let shm = (req.spec.result_store(self.info.shm) == ResultStore::SharedRegion).then_some(ShmSetup {
             base_port: self.info.data.base_port,
             chunk_elems: req.layout.chunk_elems,
         });

@@ -25,6 +25,7 @@ use phub_ffi::malloc::{heap_stats, HeapStats};
 use phub_ffi::{Eal, HeapSlice, Ring};
 use phub_proto::api::InstallJob;
 use phub_proto::layout::{layout, Chunks, SlotChunk};
+use phub_proto::memory::ResultStore;
 use phub_proto::spec::{JobSpec, Optimizer};
 use phub_proto::Dtype;
 
@@ -195,7 +196,11 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     );
     let install = |id: u16, spec: JobSpec| {
         let mut load = vec![0; 2];
-        let lay = layout(&spec, &mut load, info.memory_model.chunk_cost(&spec, false));
+        let lay = layout(
+            &spec,
+            &mut load,
+            info.memory_model.chunk_cost(&spec, ResultStore::Slot),
+        );
         mgr.install(
             id,
             InstallJob {
@@ -212,13 +217,17 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     // slot bytes, and shrinks back when it is removed.
     let before = heap(eal);
     let spec = sum_spec(&[100_000, 3000], 8192);
-    let lay = layout(&spec, &mut [0, 0], info.memory_model.chunk_cost(&spec, false));
-    let cost = info.memory_model.job_cost(&spec, &lay, false);
+    let lay = layout(
+        &spec,
+        &mut [0, 0],
+        info.memory_model.chunk_cost(&spec, ResultStore::Slot),
+    );
+    let cost = info.memory_model.job_cost(&spec, &lay, ResultStore::Slot);
     let w = info.memory_model.data_weights(&spec, &Chunks::new(&spec), false);
     // Acc and result per element, each buffer a whole number of lines.
     let data = w.total();
     assert!((2 * 4 * 103_000..2 * 4 * 103_000 + 51 * 2 * 64).contains(&data));
-    let per_block = info.memory_model.slots_per_block(&spec, false);
+    let per_block = info.memory_model.slots_per_block(&spec, ResultStore::Slot);
     let blocks: u64 = lay.lcores.iter().map(|r| r.count.div_ceil(per_block)).sum();
     let j = install(3, spec).unwrap();
     assert_eq!(j.memory_bytes, cost.total(), "what admission charges");
@@ -244,9 +253,13 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
     let ballast = HeapSlice::<u8>::zeroed(eal, (f0 - 3 * per_lcore / 2) as usize, 64, Some(0)).unwrap();
     let elements = 2 * per_lcore / 8;
     let s5 = sum_spec(&[elements], 8192);
-    let l5 = layout(&s5, &mut [0, 0], info.memory_model.chunk_cost(&s5, false));
+    let l5 = layout(
+        &s5,
+        &mut [0, 0],
+        info.memory_model.chunk_cost(&s5, ResultStore::Slot),
+    );
     assert!(
-        info.memory_model.job_cost(&s5, &l5, false).total() < info.memory_budget_bytes,
+        info.memory_model.job_cost(&s5, &l5, ResultStore::Slot).total() < info.memory_budget_bytes,
         "the job is within the budget"
     );
     let before = heap(eal);

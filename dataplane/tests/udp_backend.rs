@@ -11,6 +11,7 @@ use phub_engine::kernels;
 use phub_net::shm::ShmRegion;
 use phub_proto::api::InstallJob;
 use phub_proto::layout::{layout, Place, Placement};
+use phub_proto::memory::ResultStore;
 use phub_proto::shm::{region_len, region_path, slot_offset, Part};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::{self, flags, DropReason, MsgType, Repr, HEADER_LEN};
@@ -163,8 +164,12 @@ fn with_shm_regions_beyond_dev_shms_free_space_are_refused_naming_it() {
          [[keys]]\nelements = 4294967295\n",
     )
     .unwrap();
-    let lay = layout(&spec, &mut [0, 0], info.memory_model.chunk_cost(&spec, true));
-    let cost = info.memory_model.job_cost(&spec, &lay, true);
+    let lay = layout(
+        &spec,
+        &mut [0, 0],
+        info.memory_model.chunk_cost(&spec, ResultStore::SharedRegion),
+    );
+    let cost = info.memory_model.job_cost(&spec, &lay, ResultStore::SharedRegion);
     let free = phub_net::shm::free_bytes(std::path::Path::new("/dev/shm")).unwrap();
     assert!(cost.shm > free && cost.total() < info.memory_budget_bytes);
     let e = mgr

@@ -176,7 +176,7 @@ fn adam(
 /// computes on x86-64 (compiler-builtins' `__powisf2`, a unit test checks
 /// it), but `powi`'s precision is unspecified and its exponent an `i32`,
 /// which rounds from 2^31 on would turn negative.
-fn pow(mut x: f32, mut e: u32) -> f32 {
+pub(crate) fn pow(mut x: f32, mut e: u32) -> f32 {
     let mut p = 1.0f32;
     loop {
         if e & 1 == 1 {

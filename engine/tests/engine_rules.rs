@@ -128,6 +128,38 @@ fn a_round_completes_once_and_reaches_every_rank() {
     assert_eq!(c.drops_of(DropReason::Duplicate), 1);
 }
 
+/// PROTOCOL.md §5.4 rule 5: a PUSH for a round older than the last
+/// completed one (a rank repeating rounds after a pull, whose later
+/// contributions are in) gets the stored result, with its own round, to
+/// that rank alone; nothing else changes. It was dropped `stale`, with
+/// nothing sent, and the rank waited for ever (the simulator's finding:
+/// a restore from a checkpoint older than the crash).
+#[test]
+fn a_round_older_than_the_last_completed_gets_the_stored_result() {
+    let mut s = shard(2, Dtype::F32, Optimizer::Sum);
+    s.handle(10, &msg(MsgType::Init, 0, 0, 0, &[1., 2., 3., 4.]), 1);
+    s.handle(11, &msg(MsgType::Init, 1, 0, 0, &[]), 1);
+    for round in 1..=2 {
+        s.handle(10, &msg(MsgType::Push, 0, round, 0, &[1.; 4]), 2);
+        s.handle(11, &msg(MsgType::Push, 1, round, 0, &[1.; 4]), 2);
+    }
+    drain(&mut s);
+    assert_eq!(
+        s.handle(10, &msg(MsgType::Push, 0, 1, 0, &[9.; 4]), 3),
+        Verdict::Resent
+    );
+    let out = drain(&mut s);
+    assert_eq!(out.len(), 1, "{out:?}");
+    assert_eq!(
+        (out[0].0, out[0].1.kind, out[0].1.round),
+        (10, MsgType::Result, 2)
+    );
+    assert_eq!(out[0].2, vec![2.; 4], "round 2's sum");
+    assert_eq!(s.result(1, 0).unwrap().0, 2, "nothing else changes");
+    let c = s.counters();
+    assert_eq!((c.results_resent.get(), c.drops_total()), (1, 0));
+}
+
 #[test]
 fn every_refusal_is_counted_under_its_reason() {
     let mut s = shard(2, Dtype::F32, Optimizer::Mean);
@@ -205,7 +237,9 @@ fn every_refusal_is_counted_under_its_reason() {
     ok(&mut s, &msg(MsgType::Push, 0, 1, 0, &[1.; 4]));
     ok(&mut s, &msg(MsgType::Push, 1, 1, 0, &[1.; 4]));
     ok(&mut s, &msg(MsgType::Push, 0, 2, 0, &[1.; 4]));
-    refuse(&mut s, &msg(MsgType::Init, 1, 0, 0, &[]), DropReason::Stale);
+    // A round older than the last completed one is answered (PROTOCOL.md
+    // §5.4 rule 5): `stale` is a partial's (§9), not a rank's.
+    ok(&mut s, &msg(MsgType::Init, 1, 0, 0, &[]));
     refuse(
         &mut s,
         &msg(MsgType::Push, 0, 2, 0, &[1.; 4]),
@@ -241,7 +275,8 @@ fn every_refusal_is_counted_under_its_reason() {
             | DropReason::UnknownType
             | DropReason::UnknownDtype
             | DropReason::CountTooLarge
-            | DropReason::LengthMismatch => 0,
+            | DropReason::LengthMismatch
+            | DropReason::Stale => 0,
             _ => 1,
         };
         assert_eq!(c.drops_of(*r) + d.drops_of(*r), expect, "{r}");

@@ -9,7 +9,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use phub_proto::layout::layout;
-use phub_proto::memory::{data_bytes, MemoryModel};
+use phub_proto::memory::{data_bytes, MemoryModel, ResultStore};
 use phub_proto::spec::JobSpec;
 use phub_proto::wire::MAX_PAYLOAD;
 
@@ -21,10 +21,10 @@ fn check(spec: &JobSpec) {
     let elems = spec.chunk_elems() as usize;
     assert!(elems >= 1 && elems * spec.dtype.size() <= MAX_PAYLOAD);
     assert!(elems <= usize::from(u16::MAX), "a chunk's count fits the header");
-    let _ = data_bytes(spec, false);
+    let _ = data_bytes(spec, ResultStore::Slot);
     let model = MemoryModel::default();
-    let lay = layout(spec, &mut [0, 0], model.chunk_cost(spec, false));
-    let _ = model.job_cost(spec, &lay, false).total();
+    let lay = layout(spec, &mut [0, 0], model.chunk_cost(spec, ResultStore::Slot));
+    let _ = model.job_cost(spec, &lay, ResultStore::Slot).total();
 }
 
 fuzz_target!(|data: &[u8]| {

@@ -92,16 +92,18 @@ pub fn name_bytes(len: usize) -> u64 {
     }
 }
 
-/// Where a slot keeps the result of an f32 sum/mean job (the other jobs'
-/// results are their parameters or a bf16/f16 buffer, in slot memory
-/// either way).
+/// Whether a job has shared-memory regions (PROTOCOL.md §3.4), and so where
+/// a slot keeps the result of an f32 sum/mean job (the other jobs' results
+/// are their parameters or a bf16/f16 buffer, in slot memory either way).
+/// A job's store is [`JobSpec::result_store`] of what its dataplane offers:
+/// the one place that decides it, for the engine and for admission alike.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResultStore {
-    /// In slot memory: a second `f32` buffer that trades places with the
-    /// accumulator at each round's end.
+    /// No regions; in slot memory: a second `f32` buffer that trades places
+    /// with the accumulator at each round's end.
     Slot,
-    /// In the slot's chunk of the job's shared-memory result region
-    /// (PROTOCOL.md §3.4): no second buffer.
+    /// The job has shared-memory regions; in the slot's chunk of the job's
+    /// result region: no second buffer.
     SharedRegion,
 }
 
@@ -143,9 +145,9 @@ pub fn slot_buffers(dtype: Dtype, optimizer: &Optimizer, elems: u32, store: Resu
 /// element its accumulator, stored result, parameters and optimizer state,
 /// as [`slot_buffers`] lists them (what admission charged before it
 /// counted every byte).
-pub fn data_bytes(spec: &JobSpec, shm: bool) -> u64 {
+pub fn data_bytes(spec: &JobSpec, store: ResultStore) -> u64 {
     let per = |elems: u32| -> u64 {
-        let b = slot_buffers(spec.dtype, &spec.optimizer, elems, ResultStore::of(shm));
+        let b = slot_buffers(spec.dtype, &spec.optimizer, elems, store);
         let f32s: usize = b[..5].iter().sum();
         4 * f32s as u64 + if b[5] > 0 { 2 * u64::from(elems) } else { 0 }
     };
@@ -214,32 +216,30 @@ impl MemoryModel {
     /// What a chunk of `elems` elements of `spec` puts on its lcore (its
     /// buffers and its slot record): the cost [`crate::layout::layout`]
     /// balances.
-    pub fn chunk_cost<'a>(&'a self, spec: &'a JobSpec, shm: bool) -> impl Fn(u32) -> u64 + Copy + 'a {
+    pub fn chunk_cost<'a>(
+        &'a self,
+        spec: &'a JobSpec,
+        store: ResultStore,
+    ) -> impl Fn(u32) -> u64 + Copy + 'a {
         move |elems| {
-            self.slot_data_bytes(spec.dtype, &spec.optimizer, elems, ResultStore::of(shm))
-                + u64::from(self.slot_bytes)
+            self.slot_data_bytes(spec.dtype, &spec.optimizer, elems, store) + u64::from(self.slot_bytes)
         }
     }
 
     /// Slots packed into one block: as many full chunks' buffers as
     /// [`MemoryModel::block_bytes`] holds, at least one.
-    pub fn slots_per_block(&self, spec: &JobSpec, shm: bool) -> u64 {
-        let full = self.slot_data_bytes(
-            spec.dtype,
-            &spec.optimizer,
-            spec.chunk_elems(),
-            ResultStore::of(shm),
-        );
+    pub fn slots_per_block(&self, spec: &JobSpec, store: ResultStore) -> u64 {
+        let full = self.slot_data_bytes(spec.dtype, &spec.optimizer, spec.chunk_elems(), store);
         (self.block_bytes / full.max(1)).max(1)
     }
 
     /// Heap bytes of a job on one lcore holding `slots` slots whose buffers
     /// take `data` bytes (and, for a job that is not BSP, a clock per slot
     /// and rank).
-    pub fn lcore_bytes(&self, spec: &JobSpec, shm: bool, slots: u64, data: u64) -> u64 {
-        let blocks = slots.div_ceil(self.slots_per_block(spec, shm));
+    pub fn lcore_bytes(&self, spec: &JobSpec, store: ResultStore, slots: u64, data: u64) -> u64 {
+        let blocks = slots.div_ceil(self.slots_per_block(spec, store));
         let ranks = u64::from(spec.workers) * u64::from(self.rank_bytes);
-        let regions = if shm && slots > 0 {
+        let regions = if store == ResultStore::SharedRegion && slots > 0 {
             (u64::from(spec.workers) + 1) * u64::from(self.region_bytes)
         } else {
             0
@@ -282,8 +282,8 @@ impl MemoryModel {
     }
 
     /// Prefix sums of the slot buffers' bytes over the job's chunk sequence.
-    pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, shm: bool) -> Weights {
-        chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, ResultStore::of(shm)))
+    pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, store: ResultStore) -> Weights {
+        chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, store))
     }
 
     /// What a hierarchical job's part on one appliance costs (PROTOCOL.md
@@ -303,10 +303,10 @@ impl MemoryModel {
             optimizer: Optimizer::Sum,
             ..spec.clone()
         };
-        let mut cost = self.job_cost(&relay, rack, false);
+        let mut cost = self.job_cost(&relay, rack, ResultStore::Slot);
         let chunks = Chunks::new(spec);
-        let data = self.data_weights(spec, &chunks, false);
-        let per_block = self.slots_per_block(spec, false);
+        let data = self.data_weights(spec, &chunks, ResultStore::Slot);
+        let per_block = self.slots_per_block(spec, ResultStore::Slot);
         for ((c, h), r) in cost.lcores.iter_mut().zip(&home.lcores).zip(&rack.lcores) {
             // Home slots: their buffers, records and blocks (the job's
             // record and ranks are the rack slots'); a pending-partial
@@ -323,15 +323,15 @@ impl MemoryModel {
 
     /// What `spec` placed by `layout` costs, with shared-memory regions or
     /// not: O(keys + lcores).
-    pub fn job_cost(&self, spec: &JobSpec, layout: &Layout, shm: bool) -> JobCost {
+    pub fn job_cost(&self, spec: &JobSpec, layout: &Layout, store: ResultStore) -> JobCost {
         let chunks = Chunks::new(spec);
-        let data = self.data_weights(spec, &chunks, shm);
+        let data = self.data_weights(spec, &chunks, store);
         let lcores = layout
             .lcores
             .iter()
-            .map(|r| self.lcore_bytes(spec, shm, r.count, data.of(r.range())))
+            .map(|r| self.lcore_bytes(spec, store, r.count, data.of(r.range())))
             .collect();
-        let shm = if shm {
+        let shm = if store == ResultStore::SharedRegion {
             layout
                 .lcores
                 .iter()
@@ -402,8 +402,8 @@ mod tests {
         }
         let s = spec(&text);
         let m = MemoryModel::default();
-        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, false));
-        let c = m.job_cost(&s, &l, false);
+        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, ResultStore::Slot));
+        let c = m.job_cost(&s, &l, ResultStore::Slot);
         // Per chunk: two padded lines and a slot record; per key its entry.
         let per_chunk = 128 + u64::from(m.slot_bytes);
         let at_least = 1_000_000 * (per_chunk + u64::from(m.key_bytes));
@@ -420,8 +420,8 @@ mod tests {
             "name = \"k\"\nworkers = 2\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4000000\n",
         );
         let m = MemoryModel::default();
-        let l = layout(&s, &mut [0], m.chunk_cost(&s, false));
-        let c = m.job_cost(&s, &l, false);
+        let l = layout(&s, &mut [0], m.chunk_cost(&s, ResultStore::Slot));
+        let c = m.job_cost(&s, &l, ResultStore::Slot);
         // 250,000 chunks of 16 elements: accumulator and result a line each.
         let chunks = 250_000u64;
         let want = chunks * (128 + u64::from(m.slot_bytes));
@@ -436,11 +436,11 @@ mod tests {
             "name = \"s\"\nworkers = 3\nchunk_bytes = 64\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 100\n",
         );
         let m = MemoryModel::default();
-        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, true));
-        let c = m.job_cost(&s, &l, true);
+        let l = layout(&s, &mut [0, 0], m.chunk_cost(&s, ResultStore::SharedRegion));
+        let c = m.job_cost(&s, &l, ResultStore::SharedRegion);
         // 7 chunks, 4 and 3 per lcore, each 64 bytes: one page per file,
         // four files (three ranks and the results) per lcore.
         assert_eq!(c.shm, 2 * 4 * 4096);
-        assert_eq!(m.job_cost(&s, &l, false).shm, 0);
+        assert_eq!(m.job_cost(&s, &l, ResultStore::Slot).shm, 0);
     }
 }

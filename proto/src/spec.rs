@@ -22,6 +22,7 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::memory::ResultStore;
 use crate::wire::MAX_PAYLOAD;
 use crate::Dtype;
 
@@ -467,11 +468,41 @@ impl Consistency {
     }
 }
 
+/// The short spelling every tool's command line takes and prints: `bsp`,
+/// `async` or `ssp:τ` (bounded delay τ); [`FromStr`](std::str::FromStr)
+/// reads it back.
 impl std::fmt::Display for Consistency {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Consistency::Bounded { delay } => write!(f, "bounded_delay {delay}"),
-            c => f.write_str(c.mode()),
+            Consistency::Sync => f.write_str("bsp"),
+            Consistency::Async => f.write_str("async"),
+            Consistency::Bounded { delay } => write!(f, "ssp:{delay}"),
+        }
+    }
+}
+
+/// A consistency mode on a command line that is none of `bsp` (or `sync`),
+/// `async` and `ssp:τ` with τ from 0 to [`MAX_BOUNDED_DELAY`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "consistency {value:?}: expected bsp (or sync), async, or ssp:TAU with TAU from 0 to {MAX_BOUNDED_DELAY}"
+)]
+pub struct ConsistencyError {
+    /// The text given (cut to 64 characters).
+    pub value: String,
+}
+
+impl std::str::FromStr for Consistency {
+    type Err = ConsistencyError;
+
+    fn from_str(s: &str) -> Result<Consistency, ConsistencyError> {
+        match s {
+            "bsp" | "sync" => Ok(Consistency::Sync),
+            "async" => Ok(Consistency::Async),
+            _ => match s.strip_prefix("ssp:").map(str::parse::<u32>) {
+                Some(Ok(delay)) if delay <= MAX_BOUNDED_DELAY => Ok(Consistency::Bounded { delay }),
+                _ => Err(ConsistencyError { value: cut(s, 64) }),
+            },
         }
     }
 }
@@ -542,12 +573,26 @@ fn bad(field: impl Into<String>, value: impl std::fmt::Display, accepted: impl I
     }
 }
 
-/// A TOML error that names where it is: the line, the table it is in and
-/// the line's text (toml's own message alone names no field: "number too
-/// large to fit in target type").
-fn toml_error(text: &str, e: &toml::de::Error) -> SpecError {
+/// Where in the spec a parse error is, as a prefix: `keys[2].consistency: `
+/// (nothing at the top level).
+fn at_path(path: &serde_path_to_error::Path) -> String {
+    let p = path.to_string();
+    if p.is_empty() || p == "." {
+        String::new()
+    } else {
+        format!("{p}: ")
+    }
+}
+
+/// A TOML error that names where it is: the field's path, the line, the
+/// table it is in and the line's text (toml's own message alone names no
+/// field: "number too large to fit in target type"; nor, in an inline
+/// table, which table).
+fn toml_error(text: &str, e: &serde_path_to_error::Error<toml::de::Error>) -> SpecError {
+    let path = at_path(e.path());
+    let e = e.inner();
     let Some(span) = e.span() else {
-        return SpecError::Parse(e.message().to_string());
+        return SpecError::Parse(format!("{path}{}", e.message()));
     };
     let before = text.get(..span.start).unwrap_or(text);
     let line_no = before.matches('\n').count() + 1;
@@ -560,9 +605,9 @@ fn toml_error(text: &str, e: &toml::de::Error) -> SpecError {
         .map(|t| format!(" (in {})", cut(t, 40)))
         .unwrap_or_default();
     SpecError::Parse(format!(
-        "line {line_no}{table}, `{}`: {}",
-        cut(line, 80),
-        e.message()
+        "{path}{} (line {line_no}{table}, `{}`)",
+        e.message(),
+        cut(line, 80)
     ))
 }
 
@@ -598,22 +643,26 @@ fn printable_name(name: &str) -> bool {
 impl JobSpec {
     /// Parses and validates a TOML spec.
     pub fn from_toml(text: &str) -> Result<JobSpec, SpecError> {
-        let spec: JobSpec = toml::from_str(text).map_err(|e| toml_error(text, &e))?;
+        let spec: JobSpec = serde_path_to_error::deserialize(toml::Deserializer::new(text))
+            .map_err(|e| toml_error(text, &e))?;
         spec.validate()?;
         Ok(spec)
     }
 
     /// Whether the job gets shared-memory regions on a dataplane started
-    /// with `--shm` (`dataplane_shm`): BSP jobs only. Results written once
-    /// per round into a region fit BSP; a job whose values change with
-    /// every push goes by datagrams.
-    pub fn shared_memory(&self, dataplane_shm: bool) -> bool {
-        dataplane_shm && self.consistency == Consistency::Sync && !self.hierarchical()
+    /// with `--shm` (`dataplane_shm`): BSP jobs only, not hierarchical.
+    /// Results written once per round into a region fit BSP; a job whose
+    /// values change with every push goes by datagrams.
+    pub fn result_store(&self, dataplane_shm: bool) -> ResultStore {
+        ResultStore::of(dataplane_shm && self.consistency == Consistency::Sync && !self.hierarchical())
     }
 
     /// Parses and validates a JSON spec.
     pub fn from_json(text: &str) -> Result<JobSpec, SpecError> {
-        let spec: JobSpec = serde_json::from_str(text).map_err(|e| SpecError::Parse(e.to_string()))?;
+        let mut de = serde_json::Deserializer::from_str(text);
+        let spec: JobSpec = serde_path_to_error::deserialize(&mut de)
+            .map_err(|e| SpecError::Parse(format!("{}{}", at_path(e.path()), e.inner())))?;
+        de.end().map_err(|e| SpecError::Parse(e.to_string()))?;
         spec.validate()?;
         Ok(spec)
     }
@@ -1028,7 +1077,25 @@ elements = 1
         }
         let json = serde_json::to_string(&Consistency::Bounded { delay: 8 }).unwrap();
         assert_eq!(json, r#"{"mode":"bounded_delay","bounded_delay":8}"#);
-        assert_eq!(Consistency::Bounded { delay: 8 }.to_string(), "bounded_delay 8");
+        for (text, c) in [
+            ("bsp", Consistency::Sync),
+            ("async", Consistency::Async),
+            ("ssp:0", Consistency::Bounded { delay: 0 }),
+            ("ssp:1024", Consistency::Bounded { delay: 1024 }),
+        ] {
+            assert_eq!(c.to_string(), text);
+            assert_eq!(text.parse::<Consistency>(), Ok(c));
+        }
+        assert_eq!("sync".parse::<Consistency>(), Ok(Consistency::Sync));
+        for wrong in ["ssp:1025", "ssp:", "ssp:-1", "bounded", "BSP", ""] {
+            let e = wrong.parse::<Consistency>().unwrap_err().to_string();
+            assert!(
+                e.contains(&format!("{wrong:?}"))
+                    && e.contains("bsp (or sync), async, or ssp:TAU")
+                    && e.contains("0 to 1024"),
+                "{e}"
+            );
+        }
         let e = err(&with("consistency = { bounded_delay = 1025 }"));
         assert!(
             e.contains("`consistency.bounded_delay` = 1025") && e.contains("0 to 1024"),
@@ -1153,6 +1220,33 @@ elements = 1
         );
         assert!(
             e.contains("line 6 (in [[keys]])") && e.contains("`elements = 99999999999999999999`"),
+            "{e}"
+        );
+    }
+
+    /// What a user writes is refused with the path of the field at fault,
+    /// in TOML and in a one-line JSON body alike (issue 31, part 5: a
+    /// one-line JSON body's "line 1 column 136" names no table).
+    #[test]
+    fn spec_errors_name_the_path_of_the_field() {
+        let unknown = "consistency.delay: unknown field `delay`, expected `mode` or `bounded_delay`";
+        let toml = GOOD.replacen(
+            "[optimizer]",
+            "consistency = { mode = \"bounded\", delay = 2 }\n[optimizer]",
+            1,
+        );
+        let e = JobSpec::from_toml(&toml).unwrap_err().to_string();
+        assert!(e.contains(unknown) && e.contains("(line "), "{e}");
+        let json = r#"{"name":"x","workers":2,"optimizer":{"kind":"sum"},"consistency":{"mode":"bounded","delay":2},"keys":[{"elements":4}]}"#;
+        let e = JobSpec::from_json(json).unwrap_err().to_string();
+        assert!(e.contains(unknown) && e.contains("at line 1 column"), "{e}");
+        let json = r#"{"name":"x","workers":2,"optimizer":{"kind":"sum"},"keys":[{"elements":4},{"elements":4},{"elements":4,"nme":"w"}]}"#;
+        let e = JobSpec::from_json(json).unwrap_err().to_string();
+        assert!(e.contains("keys[2].nme: unknown field `nme`"), "{e}");
+        let toml = "name = \"x\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 4\n[[keys]]\nelements = \"many\"\n";
+        let e = JobSpec::from_toml(toml).unwrap_err().to_string();
+        assert!(
+            e.contains("keys[1].elements: invalid type") && e.contains("line 8 (in [[keys]])"),
             "{e}"
         );
     }

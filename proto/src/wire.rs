@@ -236,7 +236,9 @@ drop_reasons! {
     WrongTypeForRound = 16, "wrong_type_for_round";
     /// A second contribution of the same worker to the round in progress.
     Duplicate = 17, "duplicate";
-    /// A round older than the last completed one.
+    /// A PARTIAL or PARTIAL_RESULT of a round older than the last completed
+    /// one (a rank's INIT or PUSH of an older round is answered with the
+    /// stored result: PROTOCOL.md §5.4 rule 5).
     Stale = 18, "stale";
     /// A round beyond the one in progress.
     Ahead = 19, "ahead";

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use phub_proto::api::JoinResponse;
 use phub_proto::layout::{layout, Placement};
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::placement::{row_hash, table_key, RowPlacement};
 use phub_proto::rows::{RowDropReason, RowMsgType, MAX_ROW_MESSAGES};
 use phub_proto::spec::rows_per_datagram;
@@ -250,7 +250,7 @@ fn join_response_json_is_what_the_api_sends() {
     let model = MemoryModel::default();
     assert_eq!(
         r.layout,
-        layout(&r.spec, &mut [0, 0], model.chunk_cost(&r.spec, false))
+        layout(&r.spec, &mut [0, 0], model.chunk_cost(&r.spec, ResultStore::Slot))
     );
     // Every chunk is where the rule puts it: key 0's three chunks, then key 1's.
     let p = Placement::new(&r.spec, r.layout.clone()).unwrap();
@@ -284,9 +284,18 @@ fn sharded_join_response_json_is_what_the_api_sends_and_the_rule_places_it() {
     let model = MemoryModel::default();
     assert_eq!(
         r.layout,
-        layout(&r.spec, &mut [0, 0, 0], model.chunk_cost(&r.spec, false)),
+        layout(
+            &r.spec,
+            &mut [0, 0, 0],
+            model.chunk_cost(&r.spec, ResultStore::Slot)
+        ),
         "{}",
-        serde_json::to_string(&layout(&r.spec, &mut [0, 0, 0], model.chunk_cost(&r.spec, false))).unwrap()
+        serde_json::to_string(&layout(
+            &r.spec,
+            &mut [0, 0, 0],
+            model.chunk_cost(&r.spec, ResultStore::Slot)
+        ))
+        .unwrap()
     );
     let counts: Vec<usize> = r.appliances.iter().map(|a| a.lcores as usize).collect();
     assert_eq!(counts.iter().sum::<usize>(), r.layout.lcores.len());
@@ -425,7 +434,11 @@ fn table_join_response_is_what_the_api_sends_and_rows_go_where_the_example_says(
     let model = MemoryModel::default();
     assert_eq!(
         r.layout,
-        layout(&r.spec, &mut [0, 0, 0], model.chunk_cost(&r.spec, false))
+        layout(
+            &r.spec,
+            &mut [0, 0, 0],
+            model.chunk_cost(&r.spec, ResultStore::Slot)
+        )
     );
     let p = Placement::new(&r.spec, r.layout.clone()).unwrap();
     let seq: Vec<(u32, usize)> = (0..3u32).map(|k| (k, p.places(k).count())).collect();

@@ -77,8 +77,7 @@ struct ConvergeArgs {
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "bsp,async,ssp:0,ssp:1,ssp:2,ssp:4,ssp:8,ssp:16",
-        value_parser = parse_consistency
+        default_value = "bsp,async,ssp:0,ssp:1,ssp:2,ssp:4,ssp:8,ssp:16"
     )]
     modes: Vec<Consistency>,
     /// Runs of each mode.
@@ -127,7 +126,7 @@ pub struct TrainArgs {
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
     /// The job's consistency: bsp, async or ssp:TAU (bounded delay TAU).
-    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
+    #[arg(long, default_value = "bsp")]
     pub consistency: Consistency,
     /// Emulated compute before each step's exchange, ms per worker.
     #[arg(long, default_value_t = 0.0)]
@@ -174,32 +173,6 @@ impl Default for TrainArgs {
             eval_every: 0,
             compute_seed: 0,
         }
-    }
-}
-
-/// `--consistency`: `bsp`, `async` or `ssp:TAU`.
-fn parse_consistency(s: &str) -> Result<Consistency, String> {
-    match s {
-        "bsp" | "sync" => Ok(Consistency::Sync),
-        "async" => Ok(Consistency::Async),
-        _ => match s.strip_prefix("ssp:").map(str::parse::<u32>) {
-            Some(Ok(delay)) if delay <= phub_proto::spec::MAX_BOUNDED_DELAY => {
-                Ok(Consistency::Bounded { delay })
-            }
-            _ => Err(format!(
-                "{s:?}: expected bsp, async or ssp:TAU with TAU from 0 to {}",
-                phub_proto::spec::MAX_BOUNDED_DELAY
-            )),
-        },
-    }
-}
-
-/// `--consistency`'s spelling of `c` (what [`parse_consistency`] reads).
-fn consistency_arg(c: Consistency) -> String {
-    match c {
-        Consistency::Sync => "bsp".into(),
-        Consistency::Async => "async".into(),
-        Consistency::Bounded { delay } => format!("ssp:{delay}"),
     }
 }
 
@@ -943,7 +916,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
             ("lr", t.lr.to_string()),
             ("epochs", t.epochs.to_string()),
             ("seed", t.seed.to_string()),
-            ("consistency", consistency_arg(t.consistency)),
+            ("consistency", t.consistency.to_string()),
             ("compute-ms", t.compute_ms.to_string()),
             ("slow-rank0", t.slow_rank0.to_string()),
             ("eval-every", t.eval_every.to_string()),
@@ -1074,7 +1047,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
             Consistency::Bounded { .. } => println!(
                 "  {}: largest lead allowed {lead} steps; {} chunk answers held, {:.1} ms of waiting in all, \
                  {:.1} ms at most",
-                consistency_arg(t.consistency),
+                t.consistency,
                 k.held_total,
                 k.held_wait_us as f64 / 1e3,
                 k.held_wait_max_us as f64 / 1e3
@@ -1085,7 +1058,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     if let Some(path) = &a.summary {
         let final_point = curve.last();
         let s = Summary {
-            consistency: consistency_arg(t.consistency),
+            consistency: t.consistency.to_string(),
             workers: a.workers,
             lr: t.appliance_lr(a.workers),
             compute_ms: t.compute_ms,
@@ -1135,7 +1108,7 @@ fn train(a: &RunArgs, mut app: Appliance) -> Result<()> {
     if t.consistency != Consistency::Sync {
         println!(
             "  {}: no single-process reference (each push is applied alone, in arrival order)",
-            consistency_arg(t.consistency)
+            t.consistency
         );
         finish(&mut app);
         return Ok(());
@@ -1255,7 +1228,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
     }
     for run in (1..=c.runs).filter(|_| !c.replot) {
         for &mode in &c.modes {
-            let name = consistency_arg(mode);
+            let name = mode.to_string();
             let path = c.out.join(format!("{}-run{run}.json", name.replace(':', "")));
             let mut a = c.run.clone();
             a.train.consistency = mode;
@@ -1288,7 +1261,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
     for &mode in &c.modes {
         let runs: Vec<&ConvergeRun> = all
             .iter()
-            .filter(|r| r.summary.consistency == consistency_arg(mode))
+            .filter(|r| r.summary.consistency == mode.to_string())
             .collect();
         let col = |f: &dyn Fn(&Summary) -> Option<f64>| -> Vec<f64> {
             runs.iter().filter_map(|r| f(&r.summary)).collect()
@@ -1301,7 +1274,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
         let leads: Vec<f64> = col(&|s| s.clock.as_ref().and_then(|k| k.max_lead).map(f64::from));
         println!(
             "| {} | {}/{} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
-            consistency_arg(mode),
+            mode,
             secs.len(),
             runs.len(),
             spread(&col(&|s| s.steps_to_target.map(|n| n as f64)), 0),
@@ -1337,7 +1310,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
         };
         let runs_of = |m: Consistency| {
             all.iter()
-                .filter(move |r| r.summary.consistency == consistency_arg(m))
+                .filter(move |r| r.summary.consistency == m.to_string())
                 .map(|r| &r.summary)
         };
         // Per mode, the median over its runs of `f`; none unless every
@@ -1368,7 +1341,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
             for &m in &c.modes {
                 if let (Consistency::Sync | Consistency::Async, Some(y)) = (m, median_of(m, f)) {
                     lines.push(Line {
-                        name: consistency_arg(m),
+                        name: m.to_string(),
                         color: color(m),
                         dashed: true,
                         points: vec![(span.0, y), (span.1, y)],
@@ -1394,7 +1367,7 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
             .filter_map(|&m| {
                 let s = runs_of(m).next()?;
                 Some(Line {
-                    name: consistency_arg(m),
+                    name: m.to_string(),
                     color: color(m),
                     dashed: false,
                     points: s
@@ -1483,11 +1456,22 @@ mod tests {
 
     #[test]
     fn consistency_flag_and_spec() {
-        for s in ["bsp", "async", "ssp:0", "ssp:16"] {
-            assert_eq!(consistency_arg(parse_consistency(s).unwrap()), s);
+        // The flag is read by Consistency's FromStr (phub-proto).
+        #[derive(Parser)]
+        struct Flags {
+            #[command(flatten)]
+            train: TrainArgs,
         }
-        assert!(parse_consistency("ssp:2000").unwrap_err().contains("0 to 1024"));
-        assert!(parse_consistency("eventual").is_err());
+        for s in ["bsp", "async", "ssp:0", "ssp:16"] {
+            let a = Flags::try_parse_from(["demo", "--consistency", s]).unwrap();
+            assert_eq!(a.train.consistency.to_string(), s);
+        }
+        for wrong in ["ssp:2000", "eventual"] {
+            let e = Flags::try_parse_from(["demo", "--consistency", wrong])
+                .err()
+                .unwrap();
+            assert!(e.to_string().contains("0 to 1024"), "{e}");
+        }
         let t = TrainArgs {
             consistency: Consistency::Bounded { delay: 4 },
             ..TrainArgs::default()

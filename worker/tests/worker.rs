@@ -1698,7 +1698,7 @@ fn shared_memory_is_refused_for_a_job_that_is_not_bsp() {
         let msg = e.to_string();
         assert!(matches!(e, WorkerError::SharedMemory { .. }), "{e:?}");
         assert!(
-            msg.contains("BSP jobs only") && msg.contains(consistency.mode()),
+            msg.contains("BSP jobs only") && msg.contains(&consistency.to_string()),
             "{msg}"
         );
         let w = Worker::from_join(join_response(&sp, &l, 0, app.base_port), TOKEN, quick()).unwrap();

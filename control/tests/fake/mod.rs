@@ -13,7 +13,7 @@ use phub_proto::api::{
     LcoreInfo, LcoreStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC};
-use phub_proto::memory::MemoryModel;
+use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::spec::Consistency;
 use serde::Serialize;
 
@@ -21,7 +21,7 @@ use serde::Serialize;
 /// fake reports.
 fn job_bytes(job: &InstallJob) -> u64 {
     MemoryModel::default()
-        .job_cost(&job.spec, &job.layout, false)
+        .job_cost(&job.spec, &job.layout, ResultStore::Slot)
         .total()
 }
 

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use phub_proto::api::{LcoreInfo, PortStats};
 
+use crate::config::BackendKind;
 use phub_engine::counters::ShardCounters;
 use phub_engine::slotmem::SlotAllocator;
 use phub_engine::transmit::{Destinations, Transmit};
@@ -75,8 +76,8 @@ pub type MakeJob<'a, Io> = &'a mut dyn FnMut(LcoreStart<Io>) -> LcoreJob;
 
 /// What a started backend hands to the appliance.
 pub struct Started {
-    /// `udp` or `dpdk`.
-    pub backend: &'static str,
+    /// Which backend it is.
+    pub backend: BackendKind,
     /// UDP port of lcore 0 (lcore i is on the next ports).
     pub base_port: u16,
     /// The lcores, as `/v1/info` shows them.

@@ -51,7 +51,7 @@ use phub_proto::wire::{self, flags, HEADER_LEN};
 use phub_proto::api::LcoreInfo;
 
 use super::{LcoreStart, MakeJob, PacketIo, Started};
-use crate::config::Config;
+use crate::config::{BackendKind, Config};
 use crate::topology::Topology;
 use phub_engine::counters::ShardCounters;
 use phub_engine::slotmem::{RustHeap, SlotAllocator};
@@ -526,7 +526,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
         });
     }
     Ok(Started {
-        backend: "udp",
+        backend: BackendKind::Udp,
         base_port: base,
         lcores,
         threads,

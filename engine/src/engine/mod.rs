@@ -506,8 +506,8 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(Step::Resend(round)) => {
                 // The stored result to this rank alone: the answer to a
                 // PULL, or a result resent to a rank that lost it (an INIT
-                // or PUSH for the last completed round), each counted
-                // under its own counter.
+                // or PUSH for the last completed round, or an older one),
+                // each counted under its own counter.
                 self.counters.results_sent.inc();
                 self.pending.push(Pending::Result {
                     job: job.id,

@@ -553,6 +553,13 @@ impl<A: Copy + Eq> Shard<A> {
                 return Ok(step);
             }
         }
+        // PROTOCOL.md §5.4 rule 5: a round older than the last completed
+        // one comes from a rank repeating rounds (after a pull); every
+        // round since completed with its contribution, so the stored result
+        // (with its own round) answers it, as it does a lost result.
+        if slot.completed.is_after(repr.round) {
+            return Ok(Step::Resend(None));
+        }
         if slot.in_window(repr.round, repr.rank)? {
             return Ok(Step::Resend(None));
         }

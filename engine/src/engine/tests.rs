@@ -184,8 +184,8 @@ fn a_job_holds_what_the_memory_model_charges() {
             ))
             .unwrap();
             let o = spec.optimizer;
-            let l = layout(&spec, &mut [0, 0, 0], model.chunk_cost(&spec, false));
-            let cost = model.job_cost(&spec, &l, false);
+            let l = layout(&spec, &mut [0, 0, 0], model.chunk_cost(&spec, ResultStore::Slot));
+            let cost = model.job_cost(&spec, &l, ResultStore::Slot);
             let p = Placement::new(&spec, l.clone()).unwrap();
             for (lcore, want) in cost.lcores.iter().enumerate() {
                 let mut s: Shard<u32> = Shard::with_slot_memory(lcore as u16, Kernels::best(), mem.clone());

@@ -29,3 +29,9 @@ pub trait RowUpdate {
     /// stored row: `values` (`dim`) and `state` (`state_len(dim)`).
     fn apply(&self, values: &mut [f32], state: &mut [f32], grad: &[f32]);
 }
+
+pub mod init;
+pub mod optim;
+
+pub use init::{Init, InitError, TableInit};
+pub use optim::{RowOptimizer, RowOptimizerError};

@@ -718,23 +718,27 @@ mod tests {
     #[test]
     fn a_table_takes_no_chunk_in_the_layout() {
         use crate::layout::{layout, Chunks};
-        use crate::memory::{data_bytes, MemoryModel};
+        use crate::memory::{data_bytes, MemoryModel, ResultStore};
         let only = JobSpec::from_toml(
             "name = \"t\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 8\n",
         )
         .unwrap();
         let model = MemoryModel::default();
-        let lay = layout(&only, &mut [0, 0], model.chunk_cost(&only, false));
+        let lay = layout(&only, &mut [0, 0], model.chunk_cost(&only, ResultStore::Slot));
         assert!(lay.lcores.iter().all(|r| r.count == 0), "{lay:?}");
         assert_eq!(Chunks::new(&only).total(), 0);
-        let _ = model.job_cost(&only, &lay, false).total();
-        assert_eq!(data_bytes(&only, false), 0);
+        let _ = model.job_cost(&only, &lay, ResultStore::Slot).total();
+        assert_eq!(data_bytes(&only, ResultStore::Slot), 0);
         let with = JobSpec::from_toml(&job("name = \"emb\"\nkind = \"table\"\ndim = 4")).unwrap();
         let mut without = with.clone();
         without.keys.pop();
         assert_eq!(
-            layout(&with, &mut [0, 0, 0], model.chunk_cost(&with, false)),
-            layout(&without, &mut [0, 0, 0], model.chunk_cost(&without, false))
+            layout(&with, &mut [0, 0, 0], model.chunk_cost(&with, ResultStore::Slot)),
+            layout(
+                &without,
+                &mut [0, 0, 0],
+                model.chunk_cost(&without, ResultStore::Slot)
+            )
         );
     }
 

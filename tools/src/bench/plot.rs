@@ -15,7 +15,7 @@ use resvg::tiny_skia;
 use resvg::usvg;
 use resvg::usvg::fontdb;
 
-use super::run::{RunResult, Sweep};
+use super::run::{RunResult, Sweep, SweepVariable};
 
 /// One series of points.
 struct Series<'a> {
@@ -197,22 +197,22 @@ fn panel(
 
 /// The x value of a point and the axis label.
 fn x_of(sweep: &Sweep, r: &RunResult) -> f64 {
-    match sweep.variable.as_str() {
-        "workers" => r.workers as f64,
-        "chunk" => f64::from(r.chunk_bytes),
-        "lcores" => r.lcores as f64,
-        "window" => r.window as f64,
-        _ => r.model_bytes as f64 / 1e6,
+    match sweep.variable {
+        SweepVariable::Workers => r.workers as f64,
+        SweepVariable::Chunk => f64::from(r.chunk_bytes),
+        SweepVariable::Lcores => r.lcores as f64,
+        SweepVariable::Window => r.window as f64,
+        SweepVariable::Model => r.model_bytes as f64 / 1e6,
     }
 }
 
 fn x_label(sweep: &Sweep) -> &'static str {
-    match sweep.variable.as_str() {
-        "workers" => "workers W",
-        "chunk" => "chunk payload (bytes)",
-        "lcores" => "dataplane lcores L",
-        "window" => "worker window (chunks)",
-        _ => "model size (MB per worker per round)",
+    match sweep.variable {
+        SweepVariable::Workers => "workers W",
+        SweepVariable::Chunk => "chunk payload (bytes)",
+        SweepVariable::Lcores => "dataplane lcores L",
+        SweepVariable::Window => "worker window (chunks)",
+        SweepVariable::Model => "model size (MB per worker per round)",
     }
 }
 
@@ -235,22 +235,22 @@ pub fn svg(sweep: &Sweep, points: &[RunResult]) -> String {
     let caption = first.map_or(String::new(), |r| {
         format!(
             "phub-bench run: {} W={} L={} chunk={} B, backend {} (median of {} rounds; p99 dashed)",
-            if sweep.variable == "model" {
+            if sweep.variable == SweepVariable::Model {
                 "models"
             } else {
                 &r.model
             },
-            if sweep.variable == "workers" {
+            if sweep.variable == SweepVariable::Workers {
                 "*".into()
             } else {
                 r.workers.to_string()
             },
-            if sweep.variable == "lcores" {
+            if sweep.variable == SweepVariable::Lcores {
                 "*".into()
             } else {
                 r.lcores.to_string()
             },
-            if sweep.variable == "chunk" {
+            if sweep.variable == SweepVariable::Chunk {
                 "*".into()
             } else {
                 r.chunk_bytes.to_string()

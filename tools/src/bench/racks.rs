@@ -530,7 +530,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
             args.extend(["--socket-buffer".into(), b.to_string()]);
         }
         if let Some(spec) = &a.inject {
-            args.extend(["--inject".into(), spec.clone()]);
+            args.extend(["--inject".into(), spec.to_string()]);
         }
         args.extend(a.dataplane_arg.iter().cloned());
         let log = dir.join(format!("phub-dataplane-{r}.log"));
@@ -638,7 +638,7 @@ fn check(a: &RunArgs) -> Result<(usize, usize)> {
          (two racks or more); drop --appliances"
     );
     ensure!(
-        !ra.hierarchical || a.consistency == "bsp",
+        !ra.hierarchical || a.consistency == phub_proto::spec::Consistency::Sync,
         "--hierarchical with --consistency {}: hierarchical jobs are BSP only",
         a.consistency
     );

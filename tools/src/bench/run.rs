@@ -11,6 +11,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, ensure, Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
+use phub_proto::spec::Consistency;
+use phub_worker::FaultSpec;
 use serde::Serialize;
 
 use super::ceiling::{self, Ceilings, Forward, VethCeiling};
@@ -54,10 +56,62 @@ pub enum Api {
 /// What `--sweep` varies.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Sweep {
-    /// `workers`, `chunk`, `lcores` or `model`.
-    pub variable: String,
+    /// The variable.
+    pub variable: SweepVariable,
     /// The values, as given.
     pub values: Vec<String>,
+}
+
+/// A variable `--sweep` can vary (serialised and shown in lower case).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SweepVariable {
+    /// `--workers`.
+    Workers,
+    /// `--chunk-bytes`.
+    Chunk,
+    /// `--lcores`.
+    Lcores,
+    /// `--window`.
+    Window,
+    /// `--model`.
+    Model,
+}
+
+impl SweepVariable {
+    /// The name, as `--sweep` takes it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            SweepVariable::Workers => "workers",
+            SweepVariable::Chunk => "chunk",
+            SweepVariable::Lcores => "lcores",
+            SweepVariable::Window => "window",
+            SweepVariable::Model => "model",
+        }
+    }
+}
+
+impl std::fmt::Display for SweepVariable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for SweepVariable {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<SweepVariable, String> {
+        match s.trim() {
+            "workers" | "w" => Ok(SweepVariable::Workers),
+            "chunk" | "chunk-bytes" | "chunk_bytes" => Ok(SweepVariable::Chunk),
+            "lcores" => Ok(SweepVariable::Lcores),
+            "model" => Ok(SweepVariable::Model),
+            "window" => Ok(SweepVariable::Window),
+            v => Err(format!(
+                "--sweep {v:?}: accepted variables: workers, chunk, lcores, window, model"
+            )),
+        }
+    }
 }
 
 /// Parses `workers=1,2,4`, `chunk=1024,8192`, `lcores=1,2` or `model=a,b`.
@@ -65,18 +119,7 @@ pub fn parse_sweep(s: &str) -> Result<Sweep, String> {
     let (var, list) = s.split_once('=').ok_or_else(|| {
         format!("{s:?}: expected VARIABLE=V1,V2,... (workers, chunk, lcores, window or model)")
     })?;
-    let variable = match var.trim() {
-        "workers" | "w" => "workers",
-        "chunk" | "chunk-bytes" | "chunk_bytes" => "chunk",
-        "lcores" => "lcores",
-        "model" => "model",
-        "window" => "window",
-        v => {
-            return Err(format!(
-                "--sweep {v:?}: accepted variables: workers, chunk, lcores, window, model"
-            ))
-        }
-    };
+    let variable: SweepVariable = var.parse()?;
     let values: Vec<String> = list
         .split(',')
         .map(|v| v.trim().to_string())
@@ -85,23 +128,29 @@ pub fn parse_sweep(s: &str) -> Result<Sweep, String> {
     if values.is_empty() {
         return Err(format!("--sweep {s:?}: no values"));
     }
-    if variable != "model" {
+    if variable != SweepVariable::Model {
         for v in &values {
             if v.parse::<u64>().map_or(true, |n| n == 0) {
                 return Err(format!("--sweep {variable}={v}: expected positive integers"));
             }
         }
     }
-    Ok(Sweep {
-        variable: variable.to_string(),
-        values,
-    })
+    Ok(Sweep { variable, values })
 }
 
-/// Checks a `--inject` fault spec and writes it out in full.
-pub fn parse_inject(s: &str) -> Result<String, String> {
-    let spec: phub_worker::FaultSpec = s.parse()?;
-    Ok(spec.to_string())
+/// Serialises a value as its `Display` text (how `--consistency` and
+/// `--inject` are written in the JSON's `arguments`).
+fn as_text<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+    s.collect_str(v)
+}
+
+/// [`as_text`] of an optional value (null when `None`).
+#[allow(clippy::ref_option)] // serde's serialize_with hands a &Option.
+fn as_text_opt<T: std::fmt::Display, S: serde::Serializer>(v: &Option<T>, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        Some(v) => s.collect_str(v),
+        None => s.serialize_none(),
+    }
 }
 
 /// `phub-bench run` options.
@@ -193,8 +242,9 @@ pub struct RunArgs {
     /// Inject faults: every emulated worker loses, duplicates and reorders
     /// what it sends and receives at these rates, and with --local so does
     /// the dataplane (both directions); e.g. `loss=0.05,dup=0.01,reorder=0.01,seed=3`.
-    #[arg(long, value_name = "SPEC", value_parser = parse_inject)]
-    pub inject: Option<String>,
+    #[arg(long, value_name = "SPEC")]
+    #[serde(serialize_with = "as_text_opt")]
+    pub inject: Option<FaultSpec>,
     /// Workers pass chunks and results through shared memory with the
     /// dataplane on this host, sending headers only: with --local the
     /// dataplane starts with --shm; with --control it must run here with
@@ -209,8 +259,9 @@ pub struct RunArgs {
     pub baseline: Option<BaselineKind>,
     /// The job's consistency: `bsp` (default), `async`, or `ssp:TAU`
     /// (bounded delay TAU). Not with --verify outside bsp.
-    #[arg(long, default_value = "bsp", value_parser = parse_consistency)]
-    pub consistency: String,
+    #[arg(long, default_value = "bsp")]
+    #[serde(serialize_with = "as_text")]
+    pub consistency: Consistency,
     /// Emulated compute before each round's exchange, ms per worker.
     #[arg(long, default_value_t = 0.0)]
     pub compute_ms: f64,
@@ -232,27 +283,10 @@ pub struct RunArgs {
     pub rack: RackArgs,
 }
 
-fn parse_consistency(s: &str) -> Result<String, String> {
-    match s {
-        "bsp" | "async" => Ok(s.to_string()),
-        _ => match s.strip_prefix("ssp:").map(str::parse::<u32>) {
-            Some(Ok(t)) if t <= 1024 => Ok(s.to_string()),
-            _ => Err(format!(
-                "{s:?}: expected bsp, async or ssp:TAU with TAU from 0 to 1024"
-            )),
-        },
-    }
-}
-
-/// The spec's `consistency` value for `--consistency`.
-fn consistency_json(c: &str) -> Option<serde_json::Value> {
-    match c {
-        "async" => Some(serde_json::json!({ "mode": "async" })),
-        _ => c
-            .strip_prefix("ssp:")
-            .and_then(|t| t.parse::<u32>().ok())
-            .map(|t| serde_json::json!({ "bounded_delay": t })),
-    }
+/// The spec's `consistency` value for `--consistency` (none for BSP, the
+/// default).
+fn consistency_json(c: Consistency) -> Option<serde_json::Value> {
+    (c != Consistency::Sync).then(|| serde_json::json!(c))
 }
 
 /// The same-run peers `--baseline` runs.
@@ -628,8 +662,15 @@ impl Job {
     pub(super) fn budget(&self, lcores: usize, shm: bool) -> u64 {
         let model = phub_proto::memory::MemoryModel::default();
         let mut load = vec![0; lcores.max(1)];
-        let lay = phub_proto::layout::layout(&self.parsed, &mut load, model.chunk_cost(&self.parsed, shm));
-        model.job_cost(&self.parsed, &lay, shm).total() + (64 << 20)
+        let lay = phub_proto::layout::layout(
+            &self.parsed,
+            &mut load,
+            model.chunk_cost(&self.parsed, self.parsed.result_store(shm)),
+        );
+        model
+            .job_cost(&self.parsed, &lay, self.parsed.result_store(shm))
+            .total()
+            + (64 << 20)
     }
 }
 
@@ -646,7 +687,7 @@ pub(super) fn job_spec(a: &RunArgs, profile: &Profile, label: &str) -> Result<Jo
         a.lcores
     );
     let mut json = profile.job_json(&format!("phub-bench {label}"), a.workers, a.chunk_bytes);
-    if let (Some(c), Some(o)) = (consistency_json(&a.consistency), json.as_object_mut()) {
+    if let (Some(c), Some(o)) = (consistency_json(a.consistency), json.as_object_mut()) {
         o.insert("consistency".into(), c);
     }
     let parsed =
@@ -694,7 +735,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
             let budget = job.budget(a.lcores, a.shm);
             let mut extra_args = a.dataplane_arg.clone();
             if let Some(spec) = &a.inject {
-                extra_args.extend(["--inject".to_string(), spec.clone()]);
+                extra_args.extend(["--inject".to_string(), spec.to_string()]);
             }
             let l = Local::start(&LocalOptions {
                 lcores: a.lcores,
@@ -848,7 +889,7 @@ pub(super) fn drive(
             exchange: a.api == Api::Exchange,
             gso: !a.no_gso,
             gro: !a.no_gro,
-            inject: a.inject.clone(),
+            inject: a.inject.as_ref().map(ToString::to_string),
             shm: a.shm,
             compute_ms: a.compute_ms,
             jitter_exp_ms: a.jitter.unwrap_or(0.0),
@@ -1114,7 +1155,7 @@ pub(super) fn drive(
         baseline_round_ms_median: None,
         speedup_vs_baseline: None,
         baseline_detail: None,
-        consistency: a.consistency.clone(),
+        consistency: a.consistency.to_string(),
         compute_ms: a.compute_ms,
         jitter_exp_ms: a.jitter.unwrap_or(0.0),
         spike: a.spike,
@@ -1142,7 +1183,7 @@ pub(super) fn drive(
                 0.0
             }
         },
-        max_lead_observed: if a.consistency == "bsp" {
+        max_lead_observed: if a.consistency == Consistency::Sync {
             None
         } else {
             max_lead(control_url, admitted.id)
@@ -1154,7 +1195,7 @@ pub(super) fn drive(
         mismatches: outcomes.iter().map(|o| o.mismatches).sum(),
         first_mismatch: outcomes.iter().find_map(|o| o.first_mismatch.clone()),
         window: outcomes.first().map_or(0, |o| o.window),
-        inject: a.inject.clone(),
+        inject: a.inject.as_ref().map(ToString::to_string),
         worker_injected: Injected {
             drops: outcomes.iter().map(|o| o.stats.injected_drops).sum(),
             dups: outcomes.iter().map(|o| o.stats.injected_dups).sum(),
@@ -1412,14 +1453,14 @@ pub fn run(a: &RunArgs) -> Result<()> {
         // removes its scratch directory, instead of orphaning them.
         phub_hwtests::process::stop_on_signal("phub-bench").map_err(|e| anyhow::anyhow!(e))?;
     }
-    if a.verify && a.consistency != "bsp" {
+    if a.verify && a.consistency != Consistency::Sync {
         bail!(
             "--verify with --consistency {}: the check knows BSP's sums only (in other modes a result \
              holds whichever pushes were applied when it left); drop one of them",
             a.consistency
         );
     }
-    if a.shm && a.consistency != "bsp" {
+    if a.shm && a.consistency != Consistency::Sync {
         bail!(
             "--shm with --consistency {}: shared memory is for BSP jobs only",
             a.consistency
@@ -1443,19 +1484,19 @@ pub fn run(a: &RunArgs) -> Result<()> {
     let points: Vec<(String, RunArgs)> = match &a.sweep {
         None => vec![(a.model.clone(), a.clone())],
         Some(s) => {
-            if a.control.is_some() && s.variable == "lcores" {
+            if a.control.is_some() && s.variable == SweepVariable::Lcores {
                 bail!("--sweep lcores needs --local (a running appliance's lcores are fixed)");
             }
             s.values
                 .iter()
                 .map(|v| {
                     let mut p = a.clone();
-                    match s.variable.as_str() {
-                        "workers" => p.workers = v.parse().unwrap_or(1),
-                        "chunk" => p.chunk_bytes = v.parse().unwrap_or(8192),
-                        "lcores" => p.lcores = v.parse().unwrap_or(1),
-                        "window" => p.window = v.parse().ok(),
-                        _ => p.model = v.clone(),
+                    match s.variable {
+                        SweepVariable::Workers => p.workers = v.parse().unwrap_or(1),
+                        SweepVariable::Chunk => p.chunk_bytes = v.parse().unwrap_or(8192),
+                        SweepVariable::Lcores => p.lcores = v.parse().unwrap_or(1),
+                        SweepVariable::Window => p.window = v.parse().ok(),
+                        SweepVariable::Model => p.model = v.clone(),
                     }
                     (format!("{}={v}", s.variable), p)
                 })
@@ -1535,19 +1576,14 @@ pub fn run(a: &RunArgs) -> Result<()> {
 mod tests {
     #[test]
     fn consistency_and_jitter_flags() {
-        assert_eq!(parse_consistency("bsp").unwrap(), "bsp");
-        assert_eq!(parse_consistency("ssp:8").unwrap(), "ssp:8");
-        assert!(parse_consistency("ssp:").is_err());
-        assert!(parse_consistency("ssp:2000").unwrap_err().contains("0 to 1024"));
-        assert!(parse_consistency("eventual").is_err());
-        assert_eq!(consistency_json("bsp"), None);
+        assert_eq!(consistency_json(Consistency::Sync), None);
         assert_eq!(
-            consistency_json("async"),
+            consistency_json(Consistency::Async),
             Some(serde_json::json!({ "mode": "async" }))
         );
         assert_eq!(
-            consistency_json("ssp:4"),
-            Some(serde_json::json!({ "bounded_delay": 4 }))
+            consistency_json(Consistency::Bounded { delay: 4 }),
+            Some(serde_json::json!({ "mode": "bounded_delay", "bounded_delay": 4 }))
         );
         use crate::bench::emulate::parse_exp_jitter;
         assert_eq!(parse_exp_jitter("exp:2.5").unwrap(), 2.5);
@@ -1560,7 +1596,7 @@ mod tests {
     #[test]
     fn sweeps_parse() {
         let s = parse_sweep("workers=1,2,4").unwrap();
-        assert_eq!((s.variable.as_str(), s.values.len()), ("workers", 3));
+        assert_eq!((s.variable, s.values.len()), (SweepVariable::Workers, 3));
         assert_eq!(parse_sweep("chunk=1024, 8192").unwrap().values, ["1024", "8192"]);
         assert_eq!(
             parse_sweep("model=resnet50,synthetic:10").unwrap().values.len(),
@@ -1574,13 +1610,41 @@ mod tests {
 
     #[test]
     fn inject_specs_are_checked_and_written_in_full() {
+        // `--inject` is read by FaultSpec's FromStr and written (the JSON's
+        // `arguments`, the dataplane's and the workers' flags) in full.
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        use clap::Parser;
+        let parse = |s: &str| {
+            Flags::try_parse_from(["run", "--model", "resnet50", "--inject", s])
+                .map(|f| f.run.inject.map(|i| i.to_string()))
+        };
         assert_eq!(
-            parse_inject("loss=0.05,seed=3").unwrap(),
-            "loss=0.05,dup=0,reorder=0,seed=3"
+            parse("loss=0.05,seed=3").unwrap().as_deref(),
+            Some("loss=0.05,dup=0,reorder=0,seed=3")
         );
-        let full = parse_inject("loss=0.05,dup=0.01,reorder=0.01,seed=3").unwrap();
-        assert_eq!(parse_inject(&full).unwrap(), full);
-        assert!(parse_inject("loss=2").unwrap_err().contains("[0, 1)"));
-        assert!(parse_inject("jitter=1").unwrap_err().contains("accepted"));
+        let full = parse("loss=0.05,dup=0.01,reorder=0.01,seed=3").unwrap().unwrap();
+        assert_eq!(parse(&full).unwrap().as_deref(), Some(full.as_str()));
+        assert!(parse("loss=2").unwrap_err().to_string().contains("[0, 1)"));
+        assert!(parse("jitter=1").unwrap_err().to_string().contains("accepted"));
+        let args = Flags::try_parse_from([
+            "run",
+            "--model",
+            "resnet50",
+            "--inject",
+            "loss=0.05,seed=3",
+            "--consistency",
+            "ssp:4",
+        ])
+        .unwrap();
+        let json = serde_json::to_value(&args.run).unwrap();
+        assert_eq!(json["inject"], "loss=0.05,dup=0,reorder=0,seed=3");
+        assert_eq!(
+            json["consistency"], "ssp:4",
+            "written as before, not as a spec's table"
+        );
     }
 }

@@ -15,8 +15,9 @@
 //! - At most `cwnd` chunks are outstanding (sent, no result yet) across
 //!   all requests (`fill_window` never sends past it; a window that shrank
 //!   lets nothing new out until results bring the count under it), and a
-//!   chunk is outstanding once (one request per key); pending chunks go out requests first come, first sent,
-//!   each request's chunks interleaved over their lcores (so that a job's
+//!   chunk is outstanding once (one request per key); pending chunks go out
+//!   requests by round (lowest first), then first come, first sent, each
+//!   request's chunks interleaved over their lcores (so that a job's
 //!   lcores, and the appliances of a job sharded over several, all get
 //!   chunks from the start rather than one after the other in the chunk
 //!   sequence's order), in an order that does not depend on when requests
@@ -38,9 +39,10 @@
 //!   timeout ([`Rto::loss`]), a few chunks per silence, the silences
 //!   doubling.
 //! - Only a RESULT for this job (id, token, dtype, from the appliance), for
-//!   a chunk outstanding at that slot, with its element count and round, is
-//!   accepted, once; anything else is counted (`results_ignored`,
-//!   `foreign_dropped`), never an error.
+//!   a chunk outstanding at that slot, with its element count and round (or
+//!   a later one: a rank repeating rounds after a pull), is accepted, once;
+//!   anything else is counted (`results_ignored`, `foreign_dropped`), never
+//!   an error.
 //! - Every request ends: with its result, with the appliance's refusal,
 //!   with [`WorkerError::Timeout`] once no result has come in for
 //!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]); it
@@ -170,7 +172,8 @@ pub(crate) struct Finished<D> {
 #[derive(Debug)]
 pub(crate) struct Output {
     /// The round the values are the result of (for a pull, the lowest over
-    /// chunks; 0 for a pull of no chunks).
+    /// chunks; 0 for a pull of no chunks). A push's chunks may stand at a
+    /// later round ([`Active::answered_by`]).
     pub(crate) round: u32,
     /// The values, as the request's sink holds them.
     pub(crate) sink: Sink,
@@ -220,9 +223,12 @@ struct Active<D> {
 impl<D> Active<D> {
     /// Whether a RESULT with `repr` answers this request's chunk of `len`
     /// elements: its count, and its round unless this is a pull (any round
-    /// answers a pull).
+    /// answers a pull). A later round answers an INIT or PUSH too
+    /// (PROTOCOL.md §6.2): the chunk completed rounds past it with this
+    /// rank's contributions, which a rank repeating rounds after a pull
+    /// made before it.
     fn answered_by(&self, repr: &Repr, len: u32) -> bool {
-        u32::from(repr.count) == len && (self.kind == Kind::Pull || repr.round == self.round)
+        u32::from(repr.count) == len && (self.kind == Kind::Pull || repr.round >= self.round)
     }
 
     /// Whether an ERROR with `repr` refuses this request (not an earlier
@@ -393,10 +399,10 @@ fn spread_order(i: u32) -> u32 {
     i.reverse_bits()
 }
 
-/// Chunks not sent yet, in the order they go out: requests first come,
-/// first sent, and within a request its chunks interleaved over their lcores
-/// (the first chunk of each lcore, then the second of each, ...), or in a
-/// hierarchical job by [`spread_order`].
+/// Chunks not sent yet, in the order they go out: requests by round, lowest
+/// first, then first come, first sent, and within a request its chunks
+/// interleaved over their lcores (the first chunk of each lcore, then the
+/// second of each, ...), or in a hierarchical job by [`spread_order`].
 ///
 /// The order is a function of the requests and their order alone, never of
 /// when they reached this thread: every rank submits the same requests in
@@ -409,9 +415,24 @@ fn spread_order(i: u32) -> u32 {
 /// when the window had room: two ranks could fill their windows with
 /// chunks of different lcores that the other had not sent, and wait for
 /// each other forever: a 2-lcore ResNet-50 job hung in its first round.)
+///
+/// A rank that rejoined, or pulled after `ahead`, can hold its keys at
+/// different rounds, and submits them in key order; the others wait for
+/// its chunks of the lowest round, so those go first (the simulator's
+/// finding, seed 133: with a window smaller than a round, a rejoined rank
+/// filled it with chunks of a round the others could not reach before it
+/// sent the ones they waited for).
 #[derive(Debug, Default)]
 struct Pending {
-    queue: VecDeque<(u64, ChunkMsg)>,
+    queue: VecDeque<Queued>,
+}
+
+/// A chunk of request `id`, of round `round`, waiting to go out.
+#[derive(Debug)]
+struct Queued {
+    id: u64,
+    round: u32,
+    msg: ChunkMsg,
 }
 
 impl Pending {
@@ -425,42 +446,52 @@ impl Pending {
     /// differs too, and racks whose windows hold different chunks wait on
     /// each other's partial sums for ever (the simulator's finding, seed
     /// 450): its chunks go in an order every rack shares.
-    fn push_request(&mut self, id: u64, mut chunks: Vec<ChunkMsg>, by_lcore: bool) {
+    fn push_request(&mut self, id: u64, round: u32, mut chunks: Vec<ChunkMsg>, by_lcore: bool) {
+        // After the last request of this round or a lower one (at the end
+        // but after a rejoin or a pull).
+        let at = self
+            .queue
+            .iter()
+            .rposition(|q| q.round <= round)
+            .map_or(0, |p| p + 1);
+        let later = self.queue.split_off(at);
+        let queued = |msg| Queued { id, round, msg };
         if !by_lcore {
             chunks.sort_by_key(|c| spread_order(c.chunk));
-            self.queue.extend(chunks.into_iter().map(|c| (id, c)));
-            return;
-        }
-        let mut lanes: Vec<(u16, VecDeque<ChunkMsg>)> = Vec::new();
-        for c in chunks {
-            match lanes.iter_mut().find(|(l, _)| *l == c.lcore) {
-                Some((_, q)) => q.push_back(c),
-                None => lanes.push((c.lcore, VecDeque::from([c]))),
-            }
-        }
-        while !lanes.is_empty() {
-            for (_, q) in &mut lanes {
-                if let Some(c) = q.pop_front() {
-                    self.queue.push_back((id, c));
+            self.queue.extend(chunks.into_iter().map(queued));
+        } else {
+            let mut lanes: Vec<(u16, VecDeque<ChunkMsg>)> = Vec::new();
+            for c in chunks {
+                match lanes.iter_mut().find(|(l, _)| *l == c.lcore) {
+                    Some((_, q)) => q.push_back(c),
+                    None => lanes.push((c.lcore, VecDeque::from([c]))),
                 }
             }
-            lanes.retain(|(_, q)| !q.is_empty());
+            while !lanes.is_empty() {
+                for (_, q) in &mut lanes {
+                    if let Some(c) = q.pop_front() {
+                        self.queue.push_back(queued(c));
+                    }
+                }
+                lanes.retain(|(_, q)| !q.is_empty());
+            }
         }
+        self.queue.extend(later);
     }
 
-    /// The next chunk.
+    /// The next chunk, with its request's id.
     fn pop(&mut self) -> Option<(u64, ChunkMsg)> {
-        self.queue.pop_front()
+        self.queue.pop_front().map(|q| (q.id, q.msg))
     }
 
     /// Drops request `id`'s chunks.
     fn remove(&mut self, id: u64) {
-        self.queue.retain(|(i, _)| *i != id);
+        self.queue.retain(|q| q.id != id);
     }
 
     /// Request `id`'s chunks.
     fn of(&self, id: u64) -> impl Iterator<Item = &ChunkMsg> {
-        self.queue.iter().filter(move |(i, _)| *i == id).map(|(_, m)| m)
+        self.queue.iter().filter(move |q| q.id == id).map(|q| &q.msg)
     }
 }
 
@@ -581,7 +612,9 @@ impl<D> Transport<D> {
                 done: r.done,
             },
         );
-        self.table.pending.push_request(id, r.chunks, self.info.in_order);
+        self.table
+            .pending
+            .push_request(id, r.round, r.chunks, self.info.in_order);
         if chunks == 0 {
             self.complete(id);
         }

@@ -297,6 +297,28 @@ fn a_reordered_result_completes_its_own_chunk() {
     assert_eq!(s.srtt_us, 2000, "four samples of 2 ms");
 }
 
+/// PROTOCOL.md §6.2: a RESULT of a later round answers a PUSH (the chunk
+/// completed rounds past it with this rank's contributions: a rank
+/// repeating rounds after a pull, as after a restore from an older
+/// checkpoint); before, it was ignored and the request waited for ever.
+#[test]
+fn a_later_rounds_result_answers_a_push() {
+    let mut h = Harness::new(16);
+    h.push(0, 1, &[0, 0]);
+    h.poll();
+    h.result(0, 0, 1);
+    h.result(0, 1, 3);
+    let done = h.completed();
+    assert_eq!(done.len(), 1, "{done:?}");
+    assert_eq!(done[0].1, 1, "the request's round");
+    assert_eq!(
+        done[0].2[ELEMS..],
+        expected(0, 1, 3)[..],
+        "chunk 1 as round 3 left it"
+    );
+    assert_eq!(h.stats.snapshot().results_accepted, 2);
+}
+
 #[test]
 fn a_duplicate_or_unasked_result_is_ignored_and_counted() {
     let mut h = Harness::new(16);
@@ -306,8 +328,9 @@ fn a_duplicate_or_unasked_result_is_ignored_and_counted() {
     // The same chunk again, with other values: counted, not written.
     h.result_with(0, 0, 1, &[9.0; ELEMS]);
     assert_eq!(h.stats.snapshot().results_ignored, 1);
-    // Another round, another element count, another slot: not this chunk's.
-    h.result(0, 1, 2);
+    // An earlier round, another element count, another slot: not this
+    // chunk's.
+    h.result(0, 1, 0);
     h.result_with(0, 1, 1, &[1.0; ELEMS - 1]);
     let mut r = repr(MsgType::Result, APPLIANCE_RANK, 0, 1, 1, ELEMS);
     r.slot += 1;
@@ -932,6 +955,7 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     let mut p = Pending::default();
     p.push_request(
         1,
+        1,
         (0..4)
             .map(|c| pending_msg(0, c))
             .chain((4..6).map(|c| pending_msg(2, c)))
@@ -952,24 +976,40 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
         (0..4).map(|c| pending_msg(1, c)).collect(),
     );
     let mut at_once = Pending::default();
-    at_once.push_request(1, a.clone(), true);
-    at_once.push_request(2, b.clone(), true);
+    at_once.push_request(1, 1, a.clone(), true);
+    at_once.push_request(2, 1, b.clone(), true);
     let mut later = Pending::default();
-    later.push_request(1, a, true);
+    later.push_request(1, 1, a, true);
     let mut seen: Vec<(u64, u16, u32)> = (0..2)
         .filter_map(|_| later.pop())
         .map(|(id, m)| (id, m.lcore, m.chunk))
         .collect();
-    later.push_request(2, b, true);
+    later.push_request(2, 1, b, true);
     seen.extend(order(&mut later));
     assert_eq!(seen, order(&mut at_once));
     for c in 0..3 {
-        p.push_request(1, vec![pending_msg(1, c)], true);
-        p.push_request(2, vec![pending_msg(0, c)], true);
+        p.push_request(1, 1, vec![pending_msg(1, c)], true);
+        p.push_request(2, 1, vec![pending_msg(0, c)], true);
     }
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
     assert_eq!(std::iter::from_fn(|| p.pop()).count(), 3);
+}
+
+/// A rank whose keys stand at different rounds (after a rejoin) submits
+/// them in key order; its chunks of the lowest round go first, as the
+/// other ranks wait for those (the simulator's seed 133: a window smaller
+/// than a round filled with chunks of the later round, and every rank
+/// waited for ever). Requests of one round keep their order.
+#[test]
+fn pending_chunks_of_a_lower_round_go_first() {
+    let mut p = Pending::default();
+    p.push_request(1, 4, vec![pending_msg(0, 0), pending_msg(0, 1)], true);
+    p.push_request(2, 3, vec![pending_msg(0, 0)], true);
+    p.push_request(3, 4, vec![pending_msg(0, 0)], true);
+    p.push_request(4, 3, vec![pending_msg(0, 1)], true);
+    let ids: Vec<u64> = std::iter::from_fn(|| p.pop()).map(|(id, _)| id).collect();
+    assert_eq!(ids, [2, 4, 1, 1, 3]);
 }
 
 /// A window made from the job's shape follows the receive-buffer share the
@@ -1032,7 +1072,7 @@ fn an_automatic_window_follows_the_stated_receive_buffer_share() {
 fn hierarchical_ranks_send_in_an_order_that_does_not_depend_on_their_rack() {
     let order = |by: &dyn Fn(u32) -> u16| {
         let mut p = Pending::default();
-        p.push_request(1, (0..8).map(|c| pending_msg(by(c), c)).collect(), false);
+        p.push_request(1, 1, (0..8).map(|c| pending_msg(by(c), c)).collect(), false);
         std::iter::from_fn(|| p.pop())
             .map(|(_, m)| m.chunk)
             .collect::<Vec<u32>>()

@@ -20,7 +20,7 @@ use super::{
     RX_BURST,
 };
 use crate::backend::{LcoreStart, MakeJob, Started};
-use crate::config::{Config, DpdkOptions, DEFAULT_BASE_PORT};
+use crate::config::{BackendKind, Config, DpdkOptions, DEFAULT_BASE_PORT};
 use phub_engine::counters::ShardCounters;
 
 /// The running lcores and the port.
@@ -442,7 +442,7 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, DpdkQueue>, stop: &Arc<AtomicBo
     let runtime = Runtime { launched, port };
     let reader = port_stats_reader(runtime.port());
     Ok(Started {
-        backend: "dpdk",
+        backend: BackendKind::Dpdk,
         base_port: base,
         threads: infos.iter().map(|_| None).collect(),
         lcores: infos,

@@ -1,0 +1,84 @@
+//! The simulator's soak: random jobs from a range of seeds, on every core
+//! or `--threads N`, until all ran; prints the figures (seeds, steps,
+//! virtual and wall time, datagrams) and every seed that failed, with the
+//! command that replays it. `cargo run --release -p phub-sim --example
+//! soak -- --seeds 10000 [--from 0] [--threads 2]`; exits 1 if a seed
+//! failed.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::Instant;
+
+fn main() {
+    let mut seeds = 10_000u64;
+    let mut from = 0u64;
+    let mut threads = std::thread::available_parallelism().map_or(1, usize::from);
+    let mut args = std::env::args().skip(1);
+    while let Some(flag) = args.next() {
+        let value = args.next().and_then(|v| v.parse::<u64>().ok());
+        match (flag.as_str(), value) {
+            ("--seeds", Some(v)) => seeds = v,
+            ("--from", Some(v)) => from = v,
+            ("--threads", Some(v)) if v > 0 => threads = usize::try_from(v).unwrap_or(1),
+            _ => {
+                eprintln!("usage: soak [--seeds N (10000)] [--from FIRST (0)] [--threads N (every core)]; got {flag}");
+                std::process::exit(2);
+            }
+        }
+    }
+    // Failing seeds print their own panic; the summary names them.
+    let next = AtomicU64::new(from);
+    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new()));
+    let start = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| loop {
+                let seed = next.fetch_add(1, Ordering::Relaxed);
+                if seed >= from + seeds {
+                    break;
+                }
+                let case = phub_sim::Case::draw(seed);
+                let run = std::panic::catch_unwind(|| phub_sim::run(&case));
+                let mut t = totals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                match run {
+                    Ok(o) => {
+                        t.0.steps += o.steps;
+                        t.0.virtual_us += o.virtual_us;
+                        t.0.net.sent += o.net.sent;
+                        t.0.net.lost += o.net.lost;
+                        t.0.retransmits += o.retransmits;
+                        t.0.restored += o.restored;
+                        t.0.rejoined += o.rejoined;
+                    }
+                    Err(_) => t.1.push(seed),
+                }
+            });
+        }
+    });
+    let wall = start.elapsed();
+    let (o, mut failed) = totals
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    failed.sort_unstable();
+    println!(
+        "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
+         ({} lost, {} chunks sent again), {} restores, {} rejoins; {:.1} s wall on {threads} threads",
+        from + seeds,
+        seeds - failed.len() as u64,
+        failed.len(),
+        o.steps,
+        o.virtual_us as f64 / 1e6,
+        o.net.sent,
+        o.net.lost,
+        o.retransmits,
+        o.restored,
+        o.rejoined,
+        wall.as_secs_f64()
+    );
+    for seed in &failed {
+        println!("failed: seed {seed}: PHUB_SIM_SEED={seed} cargo test -p phub-sim --test seeds random_jobs");
+    }
+    if !failed.is_empty() {
+        std::process::exit(1);
+    }
+}
