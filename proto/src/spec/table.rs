@@ -244,10 +244,10 @@ pub fn rows_per_datagram(chunk_bytes: u32, dim: u32, dtype: Dtype) -> u32 {
 
 /// Largest `dim` whose row and id fit `chunk_bytes` in `dtype`.
 pub fn max_dim(chunk_bytes: u32, dtype: Dtype) -> u32 {
-    // Cast: a dtype's size is 2 or 4.
+    // Cast: a dtype's size is 2 or 4, an id's 8.
     #[allow(clippy::cast_possible_truncation)]
-    let size = dtype.size() as u32;
-    chunk_bytes.saturating_sub(ROW_ID_BYTES as u32) / size
+    let (size, id) = (dtype.size() as u32, ROW_ID_BYTES as u32);
+    chunk_bytes.saturating_sub(id) / size
 }
 
 /// A key's fields as a spec writes them, dense or table: what
