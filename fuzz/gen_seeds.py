@@ -2,7 +2,9 @@
 """Writes the committed seed corpora under fuzz/seeds/ from PROTOCOL.md's format.
 
 seeds/parse: a few well-formed datagrams of every message type and dtype
-(small payloads), plus a truncated one. seeds/spec: job specs in TOML and JSON.
+(small payloads), plus a truncated one. seeds/rows: the same for the table
+messages (PROTOCOL.md §10.2). seeds/spec: job specs in TOML and JSON, table
+keys among them.
 Run from anywhere; it rewrites the seed files in place.
 """
 import json
@@ -42,6 +44,50 @@ PARSE = {
     "truncated": msg(PUSH, F32, 0)[:40],
 }
 
+ROW_PUSH, ROW_END, ROW_PULL, ROW_RESULT, ROW_DONE, ROW_PULL_RESULT = 8, 9, 10, 11, 12, 13
+
+
+def row_msg(kind, dtype, ids, dim, rank=0, rnd=1, seq=0, flags=0):
+    """A table message (PROTOCOL.md §10.2): slot carries dim, chunk the
+    sequence number; the payload is the ids, then (for rows) the rows."""
+    payload = b"".join(struct.pack("<Q", i) for i in ids)
+    if kind in (ROW_PUSH, ROW_RESULT, ROW_PULL_RESULT):
+        payload += bytes((i * 5 + 3) & 0xFF for i in range(len(ids) * dim * SIZE[dtype]))
+    return header(kind, dtype, flags, 0x0123456789ABCDEF, 1, rank, len(ids), 0,
+                  rnd, dim, 1, seq) + payload
+
+
+ROWS = {
+    "row_push_f32": row_msg(ROW_PUSH, F32, [0, 42, 2**64 - 1], 4, rank=1, rnd=3, seq=2),
+    "row_push_bf16_retransmit": row_msg(ROW_PUSH, BF16, [7, 9], 16, flags=1),
+    "row_end": row_msg(ROW_END, F32, [], 4, seq=3),
+    "row_end_empty_round": row_msg(ROW_END, F16, [], 8, seq=0),
+    "row_pull": row_msg(ROW_PULL, F32, [1, 2, 3, 4], 4, rnd=0),
+    "row_result": row_msg(ROW_RESULT, F32, [0, 42], 4, rank=0xFFFF, seq=1),
+    "row_done": row_msg(ROW_DONE, F32, [], 4, rank=0xFFFF, seq=3),
+    "row_pull_result_f16": row_msg(ROW_PULL_RESULT, F16, [5], 8, rank=0xFFFF),
+    "row_truncated": row_msg(ROW_PUSH, F32, [1], 4)[:90],
+}
+
+TABLE_TOML = '''name = "emb"
+workers = 2
+[optimizer]
+kind = "sum"
+[[keys]]
+name = "w"
+elements = 40
+[[keys]]
+name = "emb"
+kind = "table"
+dim = 16
+rows = 1000000
+seed = 7
+init = { kind = "uniform", a = -0.05, b = 0.05 }
+optimizer = { kind = "adagrad", lr = 0.05, rowwise = true }
+evict = { idle_rounds = 100 }
+admit_after = 2
+'''
+
 TOML = '''name = "toy"
 workers = 3
 dtype = "bf16"
@@ -80,7 +126,13 @@ def write(d, name, data):
 def main():
     for name, data in PARSE.items():
         write(os.path.join(HERE, "seeds", "parse"), name + ".bin", data)
+    for name, data in ROWS.items():
+        write(os.path.join(HERE, "seeds", "rows"), name + ".bin", data)
     spec = os.path.join(HERE, "seeds", "spec")
+    write(spec, "table.toml", TABLE_TOML.encode())
+    write(spec, "table_ftrl.toml", TABLE_TOML.replace(
+        'optimizer = { kind = "adagrad", lr = 0.05, rowwise = true }',
+        'optimizer = { kind = "ftrl", alpha = 0.1, l1 = 1.0 }').encode())
     write(spec, "adam.toml", TOML.encode())
     write(spec, "adamw.toml", TOML.replace('"adam"', '"adamw"\nweight_decay = 0.01')
           .replace('"bf16"', '"f32"').encode())

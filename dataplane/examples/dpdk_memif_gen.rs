@@ -218,10 +218,7 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         chunk_bytes: chunk as u32,
         optimizer: Optimizer::Sum,
         consistency: Consistency::Sync,
-        keys: vec![KeySpec {
-            name: "g".into(),
-            elements: (slots * chunk / 4) as u64,
-        }],
+        keys: vec![KeySpec::dense("g", (slots * chunk / 4) as u64)],
         checkpoint_interval_s: None,
         placement: None,
     };

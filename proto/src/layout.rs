@@ -222,8 +222,9 @@ pub struct Chunks {
 }
 
 impl Chunks {
-    /// The chunk sequence of `spec` (a validated spec: every key has 1 to
-    /// 2^32 - 1 elements, so a key's chunks are numbered by a `u32`).
+    /// The chunk sequence of `spec` (a validated spec: every dense key has
+    /// 1 to 2^32 - 1 elements, so a key's chunks are numbered by a `u32`;
+    /// a table key has 0, so no chunk, PROTOCOL.md §10.1).
     pub fn new(spec: &JobSpec) -> Chunks {
         let chunk_elems = spec.chunk_elems().max(1);
         let mut first = Vec::with_capacity(spec.keys.len() + 1);
@@ -277,8 +278,9 @@ impl Chunks {
         if seq >= self.total() {
             return None;
         }
-        // The last key whose first chunk is at or before `seq` (keys have at
-        // least one chunk each, so firsts strictly increase).
+        // The last key whose first chunk is at or before `seq`: the one
+        // holding it (a table key has no chunk and the same first as the
+        // key after it, so the search passes over it).
         let k = self.first.partition_point(|&f| f <= seq) - 1;
         let c = seq - self.first[k];
         let elems = if seq + 1 == self.first[k + 1] {
@@ -322,8 +324,11 @@ impl Chunks {
         let mut at = 0u64;
         for (k, w) in self.first.windows(2).enumerate() {
             before.push(at);
+            // A table key has no chunk (PROTOCOL.md §10.1), so no cost.
             let n = w[1] - w[0];
-            at += (n - 1) * full + cost(self.last[k]);
+            if n > 0 {
+                at += (n - 1) * full + cost(self.last[k]);
+            }
         }
         before.push(at);
         Weights {

@@ -2,9 +2,10 @@
 //!
 //! Layer: pure. No I/O, no clock, no `unsafe`. Holds the wire header views
 //! ([`wire`]), the element types ([`Dtype`]), the job spec ([`spec`]), the
-//! chunk layout ([`layout`]), what a job costs ([`memory`]) and the HTTP
-//! APIs' bodies ([`api`]) and routes ([`routes`]). Parsing
-//! received bytes never panics and never allocates.
+//! chunk layout ([`layout`]), what a job costs ([`memory`]), the HTTP APIs'
+//! bodies ([`api`]) and routes ([`routes`]); for table keys (PROTOCOL.md
+//! §10), the placement of rows ([`placement`]) and the row messages
+//! ([`rows`]). Parsing received bytes never panics and never allocates.
 #![forbid(unsafe_code)]
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
@@ -18,7 +19,9 @@ pub mod dtype;
 pub mod fault;
 pub mod layout;
 pub mod memory;
+pub mod placement;
 pub mod routes;
+pub mod rows;
 pub mod shm;
 pub mod spec;
 pub mod spec_builder;

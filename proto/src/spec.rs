@@ -26,6 +26,11 @@ use crate::memory::ResultStore;
 use crate::wire::MAX_PAYLOAD;
 use crate::Dtype;
 
+mod table;
+pub use table::{
+    max_dim, rows_per_datagram, Evict, RowInitSpec, RowOptimizerSpec, TableSpec, MAX_TABLE_ROWS, ROW_ID_BYTES,
+};
+
 /// Most workers a job may have (ranks fit the header's `u16`, bitmaps 256 bits).
 pub const MAX_WORKERS: u32 = 256;
 /// Most keys one job may declare.
@@ -215,19 +220,80 @@ fn default_chunk_bytes() -> u32 {
     DEFAULT_CHUNK_BYTES
 }
 
-/// One tensor of a job.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
+/// One key of a job: a dense tensor, or a sparse table (`kind = "table"`,
+/// a [`TableSpec`]; PROTOCOL.md §10.1).
+///
+/// Written flat, as `{ name, elements }` or `{ name, kind = "table", dim,
+/// ... }`; a key with neither `kind` nor a table field is dense, as every
+/// spec before tables.
+#[derive(Debug, Clone, PartialEq)]
 pub struct KeySpec {
-    /// Optional name (unique within the job when given); left out of
-    /// the JSON when empty, so a spec of a million unnamed keys stays
-    /// small. `name = ""` is the same as no name (state files of earlier
-    /// versions wrote unnamed keys so, and must still load): a key is
-    /// addressed by its index, its name is only shown.
-    #[serde(default, skip_serializing_if = "String::is_empty")]
+    /// Optional name of a dense key, required of a table (unique within
+    /// the job when given); left out of the JSON when empty, so a spec of
+    /// a million unnamed keys stays small. `name = ""` is the same as no
+    /// name (state files of earlier versions wrote unnamed keys so, and
+    /// must still load): a key is addressed by its index, its name is only
+    /// shown.
     pub name: String,
-    /// Number of elements, 1..=2^32-1.
+    /// Number of elements of a dense key, 1..=2^32-1; 0 for a table, which
+    /// has no dense chunks (so the layout, the memory model and every
+    /// reader of `elements` give it none).
     pub elements: u64,
+    /// `Some` for a table key (and then `elements` is 0), `None` for a
+    /// dense key.
+    pub table: Option<TableSpec>,
+}
+
+impl KeySpec {
+    /// A dense key of `elements` elements (unnamed when `name` is empty).
+    pub fn dense(name: &str, elements: u64) -> KeySpec {
+        KeySpec {
+            name: name.to_string(),
+            elements,
+            table: None,
+        }
+    }
+
+    /// A table key named `name`.
+    pub fn table(name: &str, table: TableSpec) -> KeySpec {
+        KeySpec {
+            name: name.to_string(),
+            elements: 0,
+            table: Some(table),
+        }
+    }
+}
+
+impl Serialize for KeySpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        table::KeyFieldsRef {
+            name: &self.name,
+            kind: self.table.as_ref().map(|_| "table"),
+            elements: self.table.is_none().then_some(self.elements),
+            table: self.table.as_ref(),
+        }
+        .serialize(s)
+    }
+}
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<KeySpec, D::Error> {
+        table::KeyFields::deserialize(d)?
+            .into_key()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+/// A table key of a job, as [`JobSpec::tables`] lists them.
+#[derive(Debug, Clone, Copy)]
+pub struct TableKey<'a> {
+    /// The key's index in the job's keys: what the header's `key` field
+    /// carries (PROTOCOL.md §10.2) and what the placement mixes in.
+    pub key: u32,
+    /// The key's name.
+    pub name: &'a str,
+    /// The table.
+    pub spec: &'a TableSpec,
 }
 
 /// The per-chunk update the appliance runs once a round is complete.
@@ -715,7 +781,23 @@ impl JobSpec {
         }
         let mut names = std::collections::HashSet::new();
         for (i, k) in self.keys.iter().enumerate() {
-            if k.elements == 0 || k.elements > MAX_KEY_ELEMENTS {
+            if let Some(t) = &k.table {
+                if !printable_name(&k.name) {
+                    return Err(bad(
+                        format!("keys[{i}].name"),
+                        shown(&k.name),
+                        "a table key needs a name of 1 to 128 characters, none of them a control character",
+                    ));
+                }
+                if k.elements != 0 {
+                    return Err(bad(
+                        format!("keys[{i}].elements"),
+                        k.elements,
+                        "0 for a table key (its size is `dim` and `rows`)",
+                    ));
+                }
+                table::validate_table(i, &k.name, t, self.dtype, self.chunk_bytes)?;
+            } else if k.elements == 0 || k.elements > MAX_KEY_ELEMENTS {
                 return Err(bad(
                     format!("keys[{i}].elements"),
                     k.elements,
@@ -746,7 +828,38 @@ impl JobSpec {
         Ok(())
     }
 
+    /// The job's table keys (PROTOCOL.md §10), in key order, with their
+    /// key indices.
+    pub fn tables(&self) -> impl Iterator<Item = TableKey<'_>> {
+        self.keys.iter().enumerate().filter_map(|(i, k)| {
+            // Cast: a validated spec has at most MAX_KEYS (2^20) keys.
+            #[allow(clippy::cast_possible_truncation)]
+            let key = i as u32;
+            k.table.as_ref().map(|spec| TableKey {
+                key,
+                name: &k.name,
+                spec,
+            })
+        })
+    }
+
+    /// Whether the job has a table key.
+    pub fn has_tables(&self) -> bool {
+        self.keys.iter().any(|k| k.table.is_some())
+    }
+
     fn validate_hierarchy(&self, p: &PlacementSpec) -> Result<(), SpecError> {
+        if let Some(t) = self.tables().next() {
+            return Err(bad(
+                "placement.hierarchical",
+                true,
+                format!(
+                    "a job without table keys (key {} is a table): hierarchical aggregation of rows is \
+                     not specified; shard it flat (hierarchical = false)",
+                    shown(t.name)
+                ),
+            ));
+        }
         let racks = p.count();
         if racks < 2 {
             return Err(bad(

@@ -25,10 +25,7 @@ impl JobSpec {
             consistency: Consistency::Sync,
             keys: elements
                 .iter()
-                .map(|&elements| KeySpec {
-                    name: String::new(),
-                    elements,
-                })
+                .map(|&elements| KeySpec::dense("", elements))
                 .collect(),
             checkpoint_interval_s: None,
             placement: None,

@@ -417,6 +417,10 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     pub fn set_type(&mut self, t: MsgType) {
         self.buf.as_mut()[field::TYPE] = t.code();
     }
+    /// Sets the raw message type byte (a row message's, [`crate::rows`]).
+    pub fn set_type_code(&mut self, code: u8) {
+        self.buf.as_mut()[field::TYPE] = code;
+    }
     /// Sets the element type.
     pub fn set_dtype(&mut self, d: Dtype) {
         self.buf.as_mut()[field::DTYPE] = d.code();

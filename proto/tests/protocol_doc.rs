@@ -4,7 +4,9 @@
 //! constants, the join response's JSON (§4: what [`JoinResponse`]
 //! serialises to, its layout what [`layout`] computes), and the hex example
 //! (byte for byte what [`Repr::to_bytes`] emits for the values the example
-//! states). §5.6's optimizer formulas and worked examples need the engine:
+//! states), and §10's tables of table keys: their spec fields, message
+//! types and drop reasons, their join answer and the worked example of
+//! row placement. §5.6's optimizer formulas and worked examples need the engine:
 //! engine/tests/protocol_optimizers.rs checks them.
 
 use std::ops::Range;
@@ -12,6 +14,9 @@ use std::ops::Range;
 use phub_proto::api::JoinResponse;
 use phub_proto::layout::{layout, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
+use phub_proto::placement::{row_hash, table_key, RowPlacement};
+use phub_proto::rows::{RowDropReason, RowMsgType, MAX_ROW_MESSAGES};
+use phub_proto::spec::rows_per_datagram;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
 
@@ -320,4 +325,152 @@ fn sharded_join_response_json_is_what_the_api_sends_and_the_rule_places_it() {
     for part in r.layout.split(&counts) {
         assert!(Placement::part(&r.spec, part).is_ok());
     }
+}
+
+/// The one fenced block tagged `tag`.
+fn block<'a>(d: &'a str, tag: &str) -> &'a str {
+    let blocks: Vec<&str> = d
+        .split(&format!("```{tag}\n"))
+        .skip(1)
+        .map(|b| b.split("```").next().unwrap())
+        .collect();
+    assert_eq!(blocks.len(), 1, "exactly one ```{tag} block");
+    blocks[0]
+}
+
+#[test]
+fn table_message_types_match() {
+    let rows = table(&doc(), "| code | message | direction | payload |");
+    let listed: Vec<(u8, String)> = rows.iter().map(|r| (num(&r[0]) as u8, r[1].clone())).collect();
+    let want: Vec<(u8, String)> = RowMsgType::ALL
+        .iter()
+        .map(|t| (t.code(), t.name().to_string()))
+        .collect();
+    assert_eq!(listed, want);
+    for r in &rows {
+        let t = RowMsgType::from_code(num(&r[0]) as u8).unwrap();
+        let dir = if t.from_worker() {
+            "worker → appliance"
+        } else {
+            "appliance → worker"
+        };
+        assert_eq!(r[2], dir, "direction of {}", t.name());
+        // Codes of table messages are no dense message's.
+        assert_eq!(MsgType::from_code(t.code()), None);
+    }
+    let d = doc();
+    assert!(d.contains(&format!("(n at most {MAX_ROW_MESSAGES},\n`MAX_ROW_MESSAGES`)")));
+    // The figures of "How many fit".
+    let r = |dim, dtype| rows_per_datagram(8192, dim, dtype);
+    assert!(d.contains(&format!(
+        "R = {} for D = 8, {} for\nD = 16 and {} for D = 64 in `f32`; {} for D = 16 in `bf16`.",
+        r(8, Dtype::F32),
+        r(16, Dtype::F32),
+        r(64, Dtype::F32),
+        r(16, Dtype::Bf16)
+    )));
+}
+
+#[test]
+fn table_drop_reasons_match() {
+    let rows = table(&doc(), "| code | name | meaning (table messages) | ERROR sent |");
+    let listed: Vec<(u16, String)> = rows.iter().map(|r| (num(&r[0]) as u16, r[1].clone())).collect();
+    let want: Vec<(u16, String)> = RowDropReason::ALL
+        .iter()
+        .map(|r| (r.code(), r.name().to_string()))
+        .collect();
+    assert_eq!(listed, want, "every table reason, in code order, none extra");
+    for r in &rows {
+        let reason = RowDropReason::from_code(num(&r[0]) as u16).unwrap();
+        assert_eq!(
+            r[3],
+            if reason.notifies_sender() { "yes" } else { "no" },
+            "{reason}"
+        );
+        assert!(!r[2].is_empty());
+    }
+}
+
+#[test]
+fn table_spec_fields_are_those_the_spec_reads() {
+    let rows = table(&doc(), "| field | default | accepted | meaning |");
+    let names: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    assert_eq!(
+        names,
+        [
+            "name",
+            "kind",
+            "dim",
+            "rows",
+            "seed",
+            "init",
+            "optimizer",
+            "evict",
+            "admit_after"
+        ]
+    );
+    // The TOML example of §10.1 is a table key the spec reads.
+    let d = doc();
+    let example = block(&d, "toml");
+    let text = format!("name = \"x\"\nworkers = 1\n[optimizer]\nkind = \"sum\"\n{example}");
+    let spec = phub_proto::spec::JobSpec::from_toml(&text).unwrap();
+    let t = spec.keys[0].table.as_ref().unwrap();
+    assert_eq!(
+        (t.dim, t.rows, t.seed, t.admit_after),
+        (16, Some(1_000_000), 7, Some(2))
+    );
+}
+
+#[test]
+fn table_join_response_is_what_the_api_sends_and_rows_go_where_the_example_says() {
+    let d = doc();
+    let stated: serde_json::Value = serde_json::from_str(block(&d, "json join-response-table")).unwrap();
+    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
+    let sent = serde_json::to_string(&r).unwrap();
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
+    r.spec.validate().unwrap();
+    // The table takes no chunk: the layout is §4.1's, the dense keys placed
+    // as without it.
+    let model = MemoryModel::default();
+    assert_eq!(
+        r.layout,
+        layout(
+            &r.spec,
+            &mut [0, 0, 0],
+            model.chunk_cost(&r.spec, ResultStore::Slot)
+        )
+    );
+    let p = Placement::new(&r.spec, r.layout.clone()).unwrap();
+    let seq: Vec<(u32, usize)> = (0..3u32).map(|k| (k, p.places(k).count())).collect();
+    assert_eq!(seq, [(0, 3), (1, 0), (2, 1)]);
+    assert!(d.contains("key 0's chunks are 0, 1, 2 and key 2's\n  chunk is 3"));
+    let emb = r.spec.tables().next().unwrap();
+    assert_eq!((emb.key, emb.name, emb.spec.seed), (1, "emb", 7));
+    assert!(d.contains("(seed 7, k = 1, L = 3: `a` with two\nlcores, `b` with one)"));
+    // The worked example's rows, each where the code puts it.
+    let place = RowPlacement::from_join(&r, 1).unwrap();
+    assert!(RowPlacement::from_join(&r, 0).is_err(), "key 0 is dense");
+    let rows = table(&d, "| id | entry | appliance | port |");
+    assert!(rows.len() >= 6);
+    let mut entries = std::collections::BTreeSet::new();
+    for row in &rows {
+        let id: u64 = row[0].parse().unwrap();
+        let pl = place.place(id);
+        let a = &r.appliances[pl.appliance as usize];
+        assert_eq!(num(&row[1]) as u32, pl.entry, "id {id}");
+        assert_eq!(row[2], a.name, "id {id}");
+        assert_eq!(
+            num(&row[3]),
+            usize::from(a.base_port) + pl.lcore as usize,
+            "id {id}"
+        );
+        entries.insert(pl.entry);
+    }
+    assert_eq!(entries.len(), 3, "the example reaches every lcore");
+    let tk = table_key(7, 1);
+    let h = row_hash(tk, 42);
+    assert!(d.contains(&format!(
+        "For id 42: tk = {tk:#018x}, h = {h:#018x}, entry = (h × 3) >> 64 = {}.",
+        place.entry(42)
+    )));
 }

@@ -502,10 +502,7 @@ impl<'c> World<'c> {
             keys: case
                 .keys
                 .iter()
-                .map(|&elements| KeySpec {
-                    name: String::new(),
-                    elements,
-                })
+                .map(|&elements| KeySpec::dense("", elements))
                 .collect(),
         };
         if let Err(e) = spec.validate() {

@@ -525,10 +525,7 @@ mod tests {
             chunk_bytes: 8192,
             optimizer: phub_proto::spec::Optimizer::Sum,
             consistency: Consistency::Sync,
-            keys: vec![phub_proto::spec::KeySpec {
-                name: "k".into(),
-                elements: 1 << 22,
-            }],
+            keys: vec![phub_proto::spec::KeySpec::dense("k", 1 << 22)],
         };
         let layout = phub_proto::layout::layout(&spec, &mut [0], |_| 1);
         let addr = |rx| ApplianceAddr {
