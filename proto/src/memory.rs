@@ -11,6 +11,10 @@
 //! dataplane refuses an install over it, and the dataplane's `used` is the
 //! sum of what its lcores report having allocated, which its tests hold equal
 //! to this figure.
+//!
+//! A sparse table's store on an lcore ([`table_bytes`]) is charged by its
+//! `rows` cap, whatever it holds: its id index is allocated whole at
+//! creation and its row blocks are allocated as it grows, up to the cap.
 
 use serde::{Deserialize, Serialize};
 
@@ -348,6 +352,100 @@ impl MemoryModel {
     }
 }
 
+// Sparse tables (issue 32): what one lcore's row store of a table costs.
+
+/// Bytes of one block of a table's rows (at most; a table whose cap needs
+/// less gets one smaller block). Rows are packed whole into blocks, never
+/// split across two; a row of more than this gets a block of its own.
+pub const TABLE_BLOCK_BYTES: u64 = 2 << 20;
+
+/// Every row block is a whole number of lines of this many bytes.
+pub const TABLE_LINE_BYTES: u64 = 64;
+
+/// Bytes of one entry of a row store's id index: the id (8), the row's
+/// slot plus one (4; 0 marks an empty entry) and its touch word (4: the
+/// round it was last updated and its CLOCK bit).
+pub const TABLE_INDEX_ENTRY_BYTES: u64 = 16;
+
+/// Bytes of one block's handle in the store's block table (a pointer and
+/// a length); the table is reserved at creation for the blocks of the cap.
+pub const TABLE_BLOCK_HANDLE_BYTES: u64 = 16;
+
+/// Bytes of one admission counter (a saturating u16).
+pub const TABLE_ADMIT_COUNTER_BYTES: u64 = 2;
+
+/// Most rows one lcore's store of a table may hold: a row's slot plus one
+/// is a u32.
+pub const TABLE_MAX_ROWS: u64 = u32::MAX as u64;
+
+/// The shape of one lcore's store of a table, as admission charges it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TableShape {
+    /// Most rows stored at once (the `rows` cap on this lcore).
+    pub rows_cap: u64,
+    /// f32 values per row.
+    pub dim: u32,
+    /// f32 words of optimizer state per row.
+    pub state_len: u32,
+    /// Whether admission counting (`admit_after`) is on: one counter per
+    /// row of the cap.
+    pub admission: bool,
+}
+
+impl TableShape {
+    /// f32 words of one row slot: its values, then its state.
+    pub fn row_words(&self) -> u64 {
+        u64::from(self.dim) + u64::from(self.state_len)
+    }
+
+    /// Entries of the id index: a third more than the cap, so that the
+    /// index is at most three quarters full.
+    pub fn index_entries(&self) -> u64 {
+        self.rows_cap + self.rows_cap.div_ceil(3)
+    }
+
+    /// Rows per block: as many whole rows as fit in
+    /// [`TABLE_BLOCK_BYTES`], at least one, at most the cap.
+    pub fn rows_per_block(&self) -> u64 {
+        (TABLE_BLOCK_BYTES / (4 * self.row_words()).max(1))
+            .max(1)
+            .min(self.rows_cap.max(1))
+    }
+
+    /// Bytes of one block: its rows, rounded up to whole lines.
+    pub fn block_bytes(&self) -> u64 {
+        (self.rows_per_block() * 4 * self.row_words()).next_multiple_of(TABLE_LINE_BYTES)
+    }
+
+    /// Blocks the store holds at its cap.
+    pub fn blocks(&self) -> u64 {
+        self.rows_cap.div_ceil(self.rows_per_block())
+    }
+
+    /// Admission counters: one per row of the cap when admission is on.
+    pub fn admit_counters(&self) -> u64 {
+        if self.admission {
+            self.rows_cap
+        } else {
+            0
+        }
+    }
+}
+
+/// Exactly the bytes one lcore's row store of a table has allocated when
+/// it holds `rows_cap` rows: the id index (allocated whole at creation),
+/// the row blocks (allocated one at a time as the table grows, every one
+/// allocated at the cap), the block table and the admission counters. The
+/// store's own record and the heap's headers (one per allocation: at most
+/// one per 2 MiB block) are not in it. Admission charges this figure per
+/// lcore; phub-engine's row store reports the same sum of what it
+/// allocated, and its tests hold the two equal.
+pub fn table_bytes(shape: &TableShape) -> u64 {
+    shape.index_entries() * TABLE_INDEX_ENTRY_BYTES
+        + shape.blocks() * (shape.block_bytes() + TABLE_BLOCK_HANDLE_BYTES)
+        + shape.admit_counters() * TABLE_ADMIT_COUNTER_BYTES
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -442,5 +540,46 @@ mod tests {
         // four files (three ranks and the results) per lcore.
         assert_eq!(c.shm, 2 * 4 * 4096);
         assert_eq!(m.job_cost(&s, &l, ResultStore::Slot).shm, 0);
+    }
+
+    #[test]
+    fn table_bytes_counts_index_blocks_handles_and_counters() {
+        // D = 16 with 16 words of state: 128-byte rows, 16,384 to a block.
+        let shape = TableShape {
+            rows_cap: 100_000,
+            dim: 16,
+            state_len: 16,
+            admission: false,
+        };
+        assert_eq!(shape.rows_per_block(), 16_384);
+        assert_eq!(shape.blocks(), 7);
+        assert_eq!(shape.index_entries(), 133_334);
+        assert_eq!(table_bytes(&shape), 133_334 * 16 + 7 * ((2 << 20) + 16));
+        let admitting = TableShape {
+            admission: true,
+            ..shape
+        };
+        assert_eq!(table_bytes(&admitting), table_bytes(&shape) + 200_000);
+        // A small table gets one block of its rows, whole lines.
+        let small = TableShape {
+            rows_cap: 3,
+            dim: 5,
+            state_len: 0,
+            admission: false,
+        };
+        assert_eq!(small.block_bytes(), 64);
+        assert_eq!(table_bytes(&small), 4 * 16 + 64 + 16);
+        // A row over a block gets a block of its own.
+        let wide = TableShape {
+            rows_cap: 2,
+            dim: 1 << 20,
+            state_len: 0,
+            admission: false,
+        };
+        assert_eq!(
+            (wide.rows_per_block(), wide.blocks(), wide.block_bytes()),
+            (1, 2, 4 << 20)
+        );
+        assert_eq!(table_bytes(&TableShape { rows_cap: 0, ..shape }), 0);
     }
 }

@@ -9,8 +9,21 @@
 //! seam between the store and the row optimizers and initial values, so
 //! that each can be written and tested alone.
 //!
+//! The store: [`store::RowStore`] (one lcore's store of one table; its
+//! parts in [`index`], [`blocks`], [`evict`], [`admit`], [`checkpoint`]).
+//!
 //! Not served yet: the engine does not route table messages to a store, and
 //! control refuses table keys. PROTOCOL.md says what is specified so far.
+
+mod admit;
+mod blocks;
+pub mod checkpoint;
+mod evict;
+mod index;
+mod prefetch;
+pub mod store;
+
+pub use store::{Admission, Pushed, RowStore, StoreConfig, StoreError, StoreStats};
 
 /// The values of a row that was never stored (or was evicted): the same on
 /// every lcore, restart and checkpoint, so untouched rows need no memory.

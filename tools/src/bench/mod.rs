@@ -10,6 +10,8 @@
 //! - [`tcp_ps`]: the same-run TCP parameter server of `--baseline tcp-ps`.
 //! - [`racks`]: virtual racks (`--racks R`): namespaces, veth links, tbf
 //!   limits, an appliance per rack, the bytes across the spine.
+//! - [`sparse`]: `phub-bench sparse`: sparse tables' row store
+//!   (`--engine-only`).
 
 pub mod ceiling;
 pub mod emulate;
@@ -17,4 +19,5 @@ pub mod local;
 pub mod plot;
 pub mod racks;
 pub mod run;
+pub mod sparse;
 pub mod tcp_ps;

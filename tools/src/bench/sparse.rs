@@ -1,0 +1,378 @@
+//! `phub-bench sparse --engine-only`: the row store of sparse tables alone,
+//! no network (issue 32's "Engine alone").
+//!
+//! Each of `--lcores` threads owns one [`RowStore`] of `rows / lcores`
+//! rows of `--dim` values with element-wise Adagrad state, as an lcore
+//! would. Ids are hashed ranks (splitmix64 of the rank), drawn uniformly
+//! or, with `--zipf S`, from a Zipf law of exponent S over the lcore's
+//! ranks (by inverting the continuous law x^-S on [1, n + 1)). Every store
+//! is filled to its rows first (timed apart, as `preload_rows_per_s`);
+//! then each thread times `--ops` row updates in batches of `--batch`
+//! ([`RowStore::update_batch`]) and as many lookups
+//! ([`RowStore::read_batch`]) over the same drawn ids. Rates are summed
+//! over the threads. `rss_bytes` is the process's VmRSS after the runs;
+//! `charged_bytes` is what admission charges for the stores
+//! ([`table_bytes`]), summed.
+//!
+//! The optimizer is an element-wise Adagrad written here (`acc += g * g;
+//! w -= lr * g / (sqrt(acc) + eps)`), the workload the issue names.
+
+use std::path::PathBuf;
+use std::sync::Barrier;
+use std::time::Instant;
+
+use anyhow::{ensure, Context, Result};
+use clap::Args;
+use phub_engine::table::{Admission, RowInit, RowStore, RowUpdate, StoreConfig};
+use phub_proto::memory::table_bytes;
+use serde::Serialize;
+
+use crate::sys::Machine;
+
+/// `phub-bench sparse`'s options.
+#[derive(Args, Debug, Clone, Serialize)]
+pub struct SparseArgs {
+    /// The row store alone, no network (the only mode so far).
+    #[arg(long)]
+    pub engine_only: bool,
+    /// Rows stored, over all lcores.
+    #[arg(long, value_name = "R", default_value_t = 1_000_000)]
+    pub rows: u64,
+    /// f32 values per row.
+    #[arg(long, value_name = "D", default_value_t = 16)]
+    pub dim: u32,
+    /// Ids per batch.
+    #[arg(long, value_name = "K", default_value_t = 4096)]
+    pub batch: usize,
+    /// Zipf exponent of the ids drawn (uniform without it).
+    #[arg(long, value_name = "S")]
+    pub zipf: Option<f64>,
+    /// Threads, one store each.
+    #[arg(long, value_name = "N", default_value_t = 1)]
+    pub lcores: usize,
+    /// Updates (and lookups) timed per lcore.
+    #[arg(long, value_name = "N", default_value_t = 20_000_000)]
+    pub ops: u64,
+    /// Also write the figures as JSON to this file.
+    #[arg(long, value_name = "FILE")]
+    pub json: Option<PathBuf>,
+}
+
+/// What one run measured.
+#[derive(Debug, Serialize)]
+pub struct SparseReport {
+    /// Threads, one store each.
+    pub lcores: usize,
+    /// Rows asked for, over all lcores.
+    pub rows: u64,
+    /// Values per row.
+    pub dim: u32,
+    /// Ids per batch.
+    pub batch: usize,
+    /// Zipf exponent, or none (uniform).
+    pub zipf: Option<f64>,
+    /// Rows stored after the runs, over all lcores.
+    pub rows_stored: u64,
+    /// Row updates per second, summed over the lcores.
+    pub row_updates_per_s: f64,
+    /// Row lookups per second, summed over the lcores.
+    pub row_lookups_per_s: f64,
+    /// Row updates per second of each lcore.
+    pub row_updates_per_s_per_lcore: Vec<f64>,
+    /// Row lookups per second of each lcore.
+    pub row_lookups_per_s_per_lcore: Vec<f64>,
+    /// Rows created per second while filling the stores, summed.
+    pub preload_rows_per_s: f64,
+    /// Updates (and lookups) timed per lcore.
+    pub ops_per_lcore: u64,
+    /// VmRSS after the runs.
+    pub rss_bytes: u64,
+    /// What admission charges for the stores ([`table_bytes`]), summed.
+    pub charged_bytes: u64,
+    /// `rss_bytes / charged_bytes`.
+    pub rss_over_charge: f64,
+    /// /proc/loadavg's 1-minute figure before the run.
+    pub loadavg_1m_before: f64,
+    /// The machine.
+    pub machine: Machine,
+}
+
+/// Initial values: zeros.
+struct Zeros;
+
+impl RowInit for Zeros {
+    fn fill(&self, _id: u64, values: &mut [f32]) {
+        values.fill(0.0);
+    }
+}
+
+/// Element-wise Adagrad (module head).
+struct Adagrad {
+    lr: f32,
+    eps: f32,
+}
+
+impl RowUpdate for Adagrad {
+    fn state_len(&self, dim: usize) -> usize {
+        dim
+    }
+    fn init_state(&self, state: &mut [f32]) {
+        state.fill(0.0);
+    }
+    fn apply(&self, values: &mut [f32], state: &mut [f32], grad: &[f32]) {
+        for ((w, acc), g) in values.iter_mut().zip(state.iter_mut()).zip(grad) {
+            *acc += g * g;
+            *w -= self.lr * g / (acc.sqrt() + self.eps);
+        }
+    }
+}
+
+/// splitmix64: the benchmark's ids and random numbers.
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// The id of global rank `rank`.
+fn id_of(rank: u64) -> u64 {
+    splitmix(rank ^ 0x5EED_0F1D_5EED_0F1D)
+}
+
+/// A rank in `0..n` from the uniform `u` in [0, 1): uniform, or Zipf.
+// Cast: a float in [0, n) to an integer rank.
+#[allow(
+    clippy::cast_possible_truncation,
+    clippy::cast_sign_loss,
+    clippy::cast_precision_loss
+)]
+fn rank(u: f64, n: u64, zipf: Option<f64>) -> u64 {
+    let x = match zipf {
+        None => u * n as f64,
+        Some(s) if (s - 1.0).abs() < 1e-9 => ((n + 1) as f64).powf(u) - 1.0,
+        Some(s) => {
+            let top = ((n + 1) as f64).powf(1.0 - s);
+            (1.0 + u * (top - 1.0)).powf(1.0 / (1.0 - s)) - 1.0
+        }
+    };
+    (x as u64).min(n - 1)
+}
+
+fn vm_rss() -> Result<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").context("reading /proc/self/status")?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .context("no VmRSS in /proc/self/status")?;
+    Ok(kb * 1024)
+}
+
+fn loadavg() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+/// What one lcore measured.
+struct LcoreFigures {
+    preload_s: f64,
+    created: u64,
+    updates_per_s: f64,
+    lookups_per_s: f64,
+    rows_stored: u64,
+    charged: u64,
+}
+
+// Cast: counts to f64 for rates.
+#[allow(clippy::cast_precision_loss)]
+fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures, RowStore<Zeros, Adagrad>)> {
+    let lcores = args.lcores as u64;
+    let l64 = l as u64;
+    // This lcore's ranks: l, l + lcores, ...
+    let n = (args.rows - l64).div_ceil(lcores);
+    let config = StoreConfig {
+        dim: args.dim,
+        rows_cap: n,
+        admission: Admission::Always,
+        idle_rounds: None,
+        hash_key: splitmix(0xC0FF_EE00 ^ l64),
+    };
+    let mut store = RowStore::new(config, Zeros, Adagrad { lr: 0.01, eps: 1e-8 })?;
+    let charged = table_bytes(&store.shape());
+    let d = args.dim as usize;
+    let k = args.batch;
+    let grads: Vec<f32> = (0..k * d)
+        .map(|i| (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .collect();
+    // Fill: every rank once, in order (ids hashed, so index order is not).
+    barrier.wait();
+    let t = Instant::now();
+    let mut ids = Vec::with_capacity(k);
+    let mut r = 0;
+    while r < n {
+        ids.clear();
+        ids.extend((r..n.min(r + k as u64)).map(|i| id_of(i * lcores + l64)));
+        store.update_batch(&ids, &grads[..ids.len() * d]);
+        r += k as u64;
+    }
+    let preload_s = t.elapsed().as_secs_f64();
+    let created = store.stats().created;
+    // The ids timed: drawn once, outside the timing.
+    let pool_len = (args.ops as usize).clamp(k, 1 << 24).next_multiple_of(k);
+    let pool: Vec<u64> = (0..pool_len as u64)
+        .map(|i| {
+            let u = (splitmix(i ^ (l64 << 48) ^ 0xABCD) >> 11) as f64 / (1u64 << 53) as f64;
+            id_of(rank(u, n, args.zipf) * lcores + l64)
+        })
+        .collect();
+    let batches = args.ops.div_ceil(k as u64) as usize;
+    barrier.wait();
+    let t = Instant::now();
+    for b in 0..batches {
+        let at = (b * k) % pool_len;
+        store.update_batch(&pool[at..at + k], &grads);
+    }
+    let updates_per_s = (batches * k) as f64 / t.elapsed().as_secs_f64();
+    let mut out = vec![0f32; k * d];
+    let mut check = 0f32;
+    barrier.wait();
+    let t = Instant::now();
+    for b in 0..batches {
+        let at = (b * k) % pool_len;
+        store.read_batch(&pool[at..at + k], &mut out);
+        check += out[b % out.len()];
+    }
+    let lookups_per_s = (batches * k) as f64 / t.elapsed().as_secs_f64();
+    std::hint::black_box(check);
+    let figures = LcoreFigures {
+        preload_s,
+        created,
+        updates_per_s,
+        lookups_per_s,
+        rows_stored: store.rows_stored(),
+        charged,
+    };
+    Ok((figures, store))
+}
+
+/// Run `phub-bench sparse`.
+// Cast: counts to f64 for rates and ratios.
+#[allow(clippy::cast_precision_loss)]
+pub fn run(args: &SparseArgs) -> Result<()> {
+    ensure!(
+        args.engine_only,
+        "phub-bench sparse: only --engine-only (the row store alone) is implemented so far"
+    );
+    ensure!(args.lcores >= 1, "--lcores {}: accepted 1 or more", args.lcores);
+    ensure!(
+        args.rows >= args.lcores as u64,
+        "--rows {}: accepted at least one per lcore ({})",
+        args.rows,
+        args.lcores
+    );
+    ensure!(args.batch >= 1, "--batch 0: accepted 1 or more");
+    ensure!(args.dim >= 1, "--dim 0: accepted 1 or more");
+    if let Some(s) = args.zipf {
+        ensure!(
+            s > 0.0 && s.is_finite(),
+            "--zipf {s}: accepted a positive exponent"
+        );
+    }
+    let load = loadavg();
+    let barrier = Barrier::new(args.lcores);
+    let results: Vec<Result<(LcoreFigures, RowStore<Zeros, Adagrad>)>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..args.lcores)
+            .map(|l| {
+                let barrier = &barrier;
+                scope.spawn(move || lcore(args, l, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("an lcore thread panicked")))
+            })
+            .collect()
+    });
+    let mut figures = Vec::new();
+    let mut stores = Vec::new();
+    for r in results {
+        let (f, s) = r?;
+        figures.push(f);
+        stores.push(s);
+    }
+    // Stores are alive: RSS holds them.
+    let rss = vm_rss()?;
+    let charged: u64 = figures.iter().map(|f| f.charged).sum();
+    let report = SparseReport {
+        lcores: args.lcores,
+        rows: args.rows,
+        dim: args.dim,
+        batch: args.batch,
+        zipf: args.zipf,
+        rows_stored: figures.iter().map(|f| f.rows_stored).sum(),
+        row_updates_per_s: figures.iter().map(|f| f.updates_per_s).sum(),
+        row_lookups_per_s: figures.iter().map(|f| f.lookups_per_s).sum(),
+        row_updates_per_s_per_lcore: figures.iter().map(|f| f.updates_per_s).collect(),
+        row_lookups_per_s_per_lcore: figures.iter().map(|f| f.lookups_per_s).collect(),
+        preload_rows_per_s: figures.iter().map(|f| f.created as f64 / f.preload_s).sum(),
+        ops_per_lcore: args.ops.div_ceil(args.batch as u64) * args.batch as u64,
+        rss_bytes: rss,
+        charged_bytes: charged,
+        rss_over_charge: rss as f64 / charged as f64,
+        loadavg_1m_before: load,
+        machine: Machine::detect(),
+    };
+    drop(stores);
+    println!(
+        "sparse engine-only: {} lcore(s), {} rows stored, dim {}, batch {}, ids {}",
+        report.lcores,
+        report.rows_stored,
+        report.dim,
+        report.batch,
+        report.zipf.map_or("uniform".to_string(), |s| format!("zipf {s}"))
+    );
+    println!(
+        "  row updates/s {:.3e} (Adagrad)   row lookups/s {:.3e}   preload rows/s {:.3e}",
+        report.row_updates_per_s, report.row_lookups_per_s, report.preload_rows_per_s
+    );
+    println!(
+        "  rss {:.3} GB   charged {:.3} GB   rss/charge {:.3}   load before {:.2}",
+        rss as f64 / 1e9,
+        charged as f64 / 1e9,
+        report.rss_over_charge,
+        load
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zipf_ranks_stay_in_range_and_favour_the_first() {
+        for s in [None, Some(0.8), Some(1.0), Some(1.05)] {
+            let mut low = 0;
+            for i in 0..10_000u64 {
+                let u = (splitmix(i) >> 11) as f64 / (1u64 << 53) as f64;
+                let r = rank(u, 1000, s);
+                assert!(r < 1000);
+                low += u64::from(r < 10);
+            }
+            if s.is_some() {
+                assert!(low > 1_500, "zipf {s:?}: {low} of 10,000 in the first 10 ranks");
+            } else {
+                assert!(low < 300, "uniform: {low} of 10,000 in the first 10 ranks");
+            }
+        }
+    }
+}
