@@ -11,6 +11,8 @@
 //!
 //! The store: [`store::RowStore`] (one lcore's store of one table; its
 //! parts in [`index`], [`blocks`], [`evict`], [`admit`], [`checkpoint`]).
+//! Initial values: [`init`] (PROTOCOL.md §10.4); row optimizers: [`optim`]
+//! (§10.5).
 //!
 //! Not served yet: the engine does not route table messages to a store, and
 //! control refuses table keys. PROTOCOL.md says what is specified so far.
@@ -20,9 +22,13 @@ mod blocks;
 pub mod checkpoint;
 mod evict;
 mod index;
+pub mod init;
+pub mod optim;
 mod prefetch;
 pub mod store;
 
+pub use init::{Init, InitError, TableInit};
+pub use optim::{RowOptimizer, RowOptimizerError};
 pub use store::{Admission, Pushed, RowStore, StoreConfig, StoreError, StoreStats};
 
 /// The values of a row that was never stored (or was evicted): the same on
@@ -42,9 +48,3 @@ pub trait RowUpdate {
     /// stored row: `values` (`dim`) and `state` (`state_len(dim)`).
     fn apply(&self, values: &mut [f32], state: &mut [f32], grad: &[f32]);
 }
-
-pub mod init;
-pub mod optim;
-
-pub use init::{Init, InitError, TableInit};
-pub use optim::{RowOptimizer, RowOptimizerError};

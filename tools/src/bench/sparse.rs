@@ -14,8 +14,9 @@
 //! `charged_bytes` is what admission charges for the stores
 //! ([`table_bytes`]), summed.
 //!
-//! The optimizer is an element-wise Adagrad written here (`acc += g * g;
-//! w -= lr * g / (sqrt(acc) + eps)`), the workload the issue names.
+//! The optimizer is the engine's element-wise Adagrad
+//! ([`RowOptimizer::Adagrad`], PROTOCOL.md §10.5; lr 0.01, eps 1e-8), the
+//! workload the issue names; rows start as zeros ([`Init::Zeros`]).
 
 use std::path::PathBuf;
 use std::sync::Barrier;
@@ -23,7 +24,8 @@ use std::time::Instant;
 
 use anyhow::{ensure, Context, Result};
 use clap::Args;
-use phub_engine::table::{Admission, RowInit, RowStore, RowUpdate, StoreConfig};
+
+use phub_engine::table::{Admission, Init, RowOptimizer, RowStore, StoreConfig, TableInit};
 use phub_proto::memory::table_bytes;
 use serde::Serialize;
 
@@ -97,35 +99,16 @@ pub struct SparseReport {
     pub machine: Machine,
 }
 
-/// Initial values: zeros.
-struct Zeros;
+/// The store the benchmark times: zeros, element-wise Adagrad.
+type Store = RowStore<TableInit, RowOptimizer>;
 
-impl RowInit for Zeros {
-    fn fill(&self, _id: u64, values: &mut [f32]) {
-        values.fill(0.0);
-    }
-}
-
-/// Element-wise Adagrad (module head).
-struct Adagrad {
-    lr: f32,
-    eps: f32,
-}
-
-impl RowUpdate for Adagrad {
-    fn state_len(&self, dim: usize) -> usize {
-        dim
-    }
-    fn init_state(&self, state: &mut [f32]) {
-        state.fill(0.0);
-    }
-    fn apply(&self, values: &mut [f32], state: &mut [f32], grad: &[f32]) {
-        for ((w, acc), g) in values.iter_mut().zip(state.iter_mut()).zip(grad) {
-            *acc += g * g;
-            *w -= self.lr * g / (acc.sqrt() + self.eps);
-        }
-    }
-}
+/// The optimizer the benchmark applies (module head).
+const ADAGRAD: RowOptimizer = RowOptimizer::Adagrad {
+    lr: 0.01,
+    eps: 1e-8,
+    initial_accumulator: 0.0,
+    rowwise: false,
+};
 
 /// splitmix64: the benchmark's ids and random numbers.
 fn splitmix(x: u64) -> u64 {
@@ -188,7 +171,7 @@ struct LcoreFigures {
 
 // Cast: counts to f64 for rates.
 #[allow(clippy::cast_precision_loss)]
-fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures, RowStore<Zeros, Adagrad>)> {
+fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures, Store)> {
     let lcores = args.lcores as u64;
     let l64 = l as u64;
     // This lcore's ranks: l, l + lcores, ...
@@ -200,7 +183,7 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
         idle_rounds: None,
         hash_key: splitmix(0xC0FF_EE00 ^ l64),
     };
-    let mut store = RowStore::new(config, Zeros, Adagrad { lr: 0.01, eps: 1e-8 })?;
+    let mut store = RowStore::new(config, TableInit::new(Init::Zeros, 0, 0)?, ADAGRAD)?;
     let charged = table_bytes(&store.shape());
     let d = args.dim as usize;
     let k = args.batch;
@@ -283,7 +266,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     }
     let load = loadavg();
     let barrier = Barrier::new(args.lcores);
-    let results: Vec<Result<(LcoreFigures, RowStore<Zeros, Adagrad>)>> = std::thread::scope(|scope| {
+    let results: Vec<Result<(LcoreFigures, Store)>> = std::thread::scope(|scope| {
         let handles: Vec<_> = (0..args.lcores)
             .map(|l| {
                 let barrier = &barrier;
