@@ -463,7 +463,7 @@ mod tests {
     fn info(nodes: &[Option<u32>], nic: Option<u32>, budget: u64, used: u64) -> DataplaneInfo {
         DataplaneInfo {
             id: String::new(),
-            backend: "udp".into(),
+            backend: phub_proto::api::BackendKind::Udp,
             data: DataAddr {
                 host: "127.0.0.1".into(),
                 base_port: 9000,

@@ -891,7 +891,7 @@ fn render_dataplane(
                 .collect();
             let (columns, rows) = lcore_table(&all, &names);
             out.push_str(&table(&columns, &rows));
-            out.push_str(&render_port(&dp.backend, dp.port.as_ref(), &total));
+            out.push_str(&render_port(dp.backend.name(), dp.port.as_ref(), &total));
             let drops: Vec<Vec<String>> = dp
                 .lcores
                 .iter()
@@ -1236,7 +1236,7 @@ mod tests {
             Stats {
                 dataplane: Some(DataplaneStats {
                     spin_us: None,
-                    backend: "udp".into(),
+                    backend: phub_proto::api::BackendKind::Udp,
                     lcores: vec![l],
                     jobs: vec![JobLive {
                         id: 3,
@@ -1556,7 +1556,7 @@ mod tests {
             dataplane: Some(DataplaneStats {
                 spin_us: None,
                 port: None,
-                backend: "udp".into(),
+                backend: phub_proto::api::BackendKind::Udp,
                 lcores: vec![
                     LcoreStats {
                         lcore: 0,
@@ -1636,7 +1636,7 @@ mod tests {
             appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
                 spin_us: None,
-                backend: "udp".into(),
+                backend: phub_proto::api::BackendKind::Udp,
                 port: None,
                 lcores,
                 jobs: vec![],
@@ -1672,7 +1672,7 @@ mod tests {
             appliances: Vec::new(),
             dataplane: Some(DataplaneStats {
                 spin_us: None,
-                backend: "dpdk".into(),
+                backend: phub_proto::api::BackendKind::Dpdk,
                 port: Some(PortStats {
                     ipackets: 1012,
                     opackets: 3001,
@@ -1694,7 +1694,7 @@ mod tests {
         // A kernel-UDP dataplane says how long its lcores spin.
         let mut udp = s.clone();
         let d = udp.dataplane.as_mut().unwrap();
-        (d.backend, d.spin_us, d.port) = ("udp".into(), Some(200), None);
+        (d.backend, d.spin_us, d.port) = (phub_proto::api::BackendKind::Udp, Some(200), None);
         let u = render_stats(&udp);
         assert!(
             u.starts_with(

@@ -384,7 +384,7 @@ mod tests {
         };
         let dp = DataplaneStats {
             spin_us: Some(200),
-            backend: "dpdk".into(),
+            backend: phub_proto::api::BackendKind::Dpdk,
             port: Some(PortStats {
                 imissed: 3,
                 ..Default::default()
@@ -534,7 +534,7 @@ mod tests {
         let dp = DataplaneStats {
             spin_us: Some(200),
             port: None,
-            backend: "udp".into(),
+            backend: phub_proto::api::BackendKind::Udp,
             lcores: vec![
                 LcoreStats {
                     lcore: 0,

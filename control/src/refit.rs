@@ -101,7 +101,7 @@ mod tests {
     fn info(lcores: usize, budget: u64, used: u64) -> DataplaneInfo {
         DataplaneInfo {
             id: String::new(),
-            backend: "udp".into(),
+            backend: phub_proto::api::BackendKind::Udp,
             data: DataAddr {
                 host: "127.0.0.1".into(),
                 base_port: 9000,

@@ -215,7 +215,7 @@ mod tests {
     fn info(id: &str, port: u16) -> DataplaneInfo {
         DataplaneInfo {
             id: id.into(),
-            backend: "udp".into(),
+            backend: phub_proto::api::BackendKind::Udp,
             data: DataAddr {
                 host: "127.0.0.1".into(),
                 base_port: port,

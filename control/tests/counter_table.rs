@@ -20,7 +20,7 @@ fn stats() -> DataplaneStats {
     };
     DataplaneStats {
         spin_us: None,
-        backend: "udp".into(),
+        backend: phub_proto::api::BackendKind::Udp,
         lcores: vec![lcore(0), lcore(1)],
         jobs: vec![],
         port: None,

@@ -121,7 +121,7 @@ impl Appliance {
         let id = phub_http::secret::random_token().context("cannot make the dataplane's id")?;
         let info = DataplaneInfo {
             id,
-            backend: backend.name().into(),
+            backend,
             data: DataAddr {
                 host: cfg.host.to_string(),
                 base_port,

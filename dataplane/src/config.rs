@@ -4,7 +4,7 @@
 
 use std::net::{Ipv4Addr, SocketAddr};
 
-use clap::{Args, Parser, ValueEnum};
+use clap::{Args, Parser};
 
 /// The UDP port of queue 0 unless `--base-port` says otherwise.
 pub const DEFAULT_BASE_PORT: u16 = 7900;
@@ -12,31 +12,13 @@ pub const DEFAULT_BASE_PORT: u16 = 7900;
 /// The most lcores (queues) one dataplane runs.
 pub const MAX_LCORES: usize = 256;
 
-/// Packet I/O backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BackendKind {
-    /// Kernel UDP sockets: runs anywhere.
-    Udp,
-    /// DPDK poll-mode driver: the port and lcores given by `--eal` and
-    /// `--port` (needs the build's `dpdk` feature, on by default).
-    Dpdk,
-}
+pub use phub_proto::api::BackendKind;
 
-impl BackendKind {
-    /// The name `--backend` takes and `/v1/info` and `/v1/stats` show:
-    /// `udp` or `dpdk`.
-    pub const fn name(self) -> &'static str {
-        match self {
-            BackendKind::Udp => "udp",
-            BackendKind::Dpdk => "dpdk",
-        }
-    }
-}
-
-impl std::fmt::Display for BackendKind {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
+/// `--backend`'s parser: the names [`BackendKind`] has, listed in `--help`.
+fn backend_parser() -> impl clap::builder::TypedValueParser<Value = BackendKind> {
+    use clap::builder::TypedValueParser as _;
+    clap::builder::PossibleValuesParser::new(BackendKind::ALL.map(BackendKind::name))
+        .try_map(|s| s.parse::<BackendKind>())
 }
 
 /// phub-dataplane: aggregates gradient chunks and runs the optimizer.
@@ -44,7 +26,7 @@ impl std::fmt::Display for BackendKind {
 #[command(name = "phub-dataplane", version)]
 pub struct Config {
     /// Packet I/O backend.
-    #[arg(long, value_enum, default_value_t = BackendKind::Udp)]
+    #[arg(long, value_parser = backend_parser(), default_value_t = BackendKind::Udp)]
     pub backend: BackendKind,
     /// IPv4 address the data queues listen on (what workers send to).
     #[arg(long, default_value = "127.0.0.1")]

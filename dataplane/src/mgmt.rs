@@ -500,7 +500,7 @@ impl Manager {
             }
         }
         DataplaneStats {
-            backend: self.info.backend.clone(),
+            backend: self.info.backend,
             port: self.port_stats.as_ref().and_then(|r| (r.0)()),
             spin_us: self.spin.as_ref().map(|g| g.micros()),
             lcores,

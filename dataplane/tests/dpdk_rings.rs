@@ -386,8 +386,8 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
     assert_eq!(rounds, 4 * chunks as u64);
     let port = stats.port.expect("DPDK port stats");
     assert!(port.ipackets > 0 && port.opackets > 0, "{port:?}");
-    assert_eq!(stats.backend, "dpdk");
+    assert_eq!(stats.backend, phub_proto::api::BackendKind::Dpdk);
     let info = rig.app().manager().info();
-    assert_eq!(info.backend, "dpdk");
+    assert_eq!(info.backend, phub_proto::api::BackendKind::Dpdk);
     assert_eq!(info.data.base_port, BASE);
 }

@@ -13,24 +13,9 @@
 
 use std::path::PathBuf;
 
-/// `--backend`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// `udp`: kernel UDP sockets.
-    Udp,
-    /// `dpdk`: the DPDK poll-mode driver (`--eal`, `--port`).
-    Dpdk,
-}
-
-impl Backend {
-    /// The value phub-dataplane takes.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Backend::Udp => "udp",
-            Backend::Dpdk => "dpdk",
-        }
-    }
-}
+/// `--backend`: the API's [`BackendKind`], under the name the harnesses
+/// use.
+pub use phub_proto::api::BackendKind as Backend;
 
 /// phub-dataplane's options that harnesses set; None (or false, or empty)
 /// leaves the dataplane's default. [`DataplaneArgs::to_args`] writes the
@@ -82,7 +67,7 @@ impl DataplaneArgs {
                 a.push(v);
             }
         };
-        opt("--backend", self.backend.map(|b| b.as_str().to_string()));
+        opt("--backend", self.backend.map(|b| b.name().to_string()));
         opt("--host", self.host.clone());
         opt("--base-port", self.base_port.map(|p| p.to_string()));
         opt("--lcores", self.lcores.map(|n| n.to_string()));

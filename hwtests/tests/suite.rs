@@ -166,7 +166,7 @@ fn numa_placement_lcores_on_the_nic_node() {
     };
     let info = rack.info();
     println!("NIC node {:?}, lcores {:?}", info.nic_numa_node, info.lcores);
-    assert_eq!(info.backend, "dpdk");
+    assert_eq!(info.backend, phub_proto::api::BackendKind::Dpdk);
     assert_eq!(info.lcores.len(), rack.lcores());
     if let Some(nic) = info.nic_numa_node {
         for l in &info.lcores {

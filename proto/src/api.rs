@@ -593,7 +593,7 @@ pub struct DataplaneInfo {
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub id: String,
     /// `udp` or `dpdk`.
-    pub backend: String,
+    pub backend: BackendKind,
     /// Where workers send.
     pub data: DataAddr,
     /// The lcores.
@@ -816,11 +816,53 @@ impl ClockStats {
     }
 }
 
+/// A dataplane's packet I/O backend: what `phub-dataplane --backend` takes
+/// and `/v1/info` and `/v1/stats` show, as `udp` or `dpdk`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendKind {
+    /// Kernel UDP sockets: runs anywhere.
+    Udp,
+    /// DPDK poll-mode driver: the port and lcores given by `--eal` and
+    /// `--port` (needs phub-dataplane's `dpdk` feature, on by default).
+    Dpdk,
+}
+
+impl BackendKind {
+    /// Every backend, in the order `--help` lists them.
+    pub const ALL: [BackendKind; 2] = [BackendKind::Udp, BackendKind::Dpdk];
+
+    /// `udp` or `dpdk`.
+    pub const fn name(self) -> &'static str {
+        match self {
+            BackendKind::Udp => "udp",
+            BackendKind::Dpdk => "dpdk",
+        }
+    }
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for BackendKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<BackendKind, String> {
+        BackendKind::ALL
+            .into_iter()
+            .find(|b| b.name() == s)
+            .ok_or_else(|| format!("backend `{s}`: want `udp` or `dpdk`"))
+    }
+}
+
 /// `GET /v1/stats` on the dataplane.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct DataplaneStats {
     /// `udp` or `dpdk`.
-    pub backend: String,
+    pub backend: BackendKind,
     /// Per lcore.
     pub lcores: Vec<LcoreStats>,
     /// Per installed job.
@@ -875,6 +917,23 @@ pub struct PortStats {
 mod tests {
     use super::*;
 
+    /// `/v1/info` and `/v1/stats` carry the backend as the word the command
+    /// line takes; any other word is refused naming it and the choices.
+    #[test]
+    fn a_backend_reads_and_writes_as_its_name() {
+        for b in BackendKind::ALL {
+            let json = serde_json::to_string(&b).unwrap();
+            assert_eq!(json, format!("\"{}\"", b.name()));
+            assert_eq!(serde_json::from_str::<BackendKind>(&json).unwrap(), b);
+            assert_eq!(b.name().parse::<BackendKind>(), Ok(b));
+        }
+        assert_eq!(
+            "netmap".parse::<BackendKind>(),
+            Err("backend `netmap`: want `udp` or `dpdk`".to_string())
+        );
+        assert!(serde_json::from_str::<BackendKind>("\"fake\"").is_err());
+    }
+
     #[test]
     fn a_total_adds_every_lcore_and_every_drop_reason() {
         let lcore = |i: u16, drops: &[(&str, u64)]| LcoreStats {
@@ -887,7 +946,7 @@ mod tests {
         };
         let d = DataplaneStats {
             spin_us: None,
-            backend: "udp".into(),
+            backend: BackendKind::Udp,
             lcores: vec![
                 lcore(0, &[("duplicate", 3)]),
                 lcore(1, &[("duplicate", 4), ("bad_magic", 1)]),

@@ -41,7 +41,7 @@ fn dpdk_three_workers_keys_and_rounds_under_a_flood_then_a_clean_shutdown() {
     std::thread::sleep(Duration::from_millis(300));
     let stats: Stats = rack.inside(|| client(&url, None).send(&control::stats()).unwrap());
     let d = stats.dataplane.expect("dataplane stats");
-    assert_eq!(d.backend, "dpdk");
+    assert_eq!(d.backend, phub_proto::api::BackendKind::Dpdk);
     let drops: u64 = d.lcores.iter().flat_map(|l| l.drops.values()).sum();
     let bad_token: u64 = d.lcores.iter().filter_map(|l| l.drops.get("bad_token")).sum();
     let rx: u64 = d.lcores.iter().map(|l| l.rx_packets).sum();

@@ -47,7 +47,7 @@ fn dpdk_loss_duplication_and_reordering_leave_the_result_exact() {
         let enter = rack.enterer();
         let app = appliance(&rack, &enter);
         let (d, phubctl) = scenarios::sgd_exact_through_faults(&app, &faults, &[50_000, 1, 4097], 8);
-        assert_eq!(d.backend, "dpdk");
+        assert_eq!(d.backend, phub_proto::api::BackendKind::Dpdk);
         let injected: u64 = d.lcores.iter().map(|l| l.injected_drops).sum();
         let dups: u64 = d.lcores.iter().map(|l| l.injected_dups).sum();
         let reorders: u64 = d.lcores.iter().map(|l| l.injected_reorders).sum();

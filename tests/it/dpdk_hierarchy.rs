@@ -153,7 +153,7 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
         reasons(&dpdk),
         reasons(&other)
     );
-    assert_eq!(dpdk.backend, "dpdk");
+    assert_eq!(dpdk.backend, phub_proto::api::BackendKind::Dpdk);
     // One partial per chunk and round (0 to 6) from each rack appliance;
     // each is home to some chunks and answers both racks for them.
     assert_eq!(d.0, 7 * chunks, "{dpdk:?}");

@@ -268,7 +268,7 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
     let dp = DataplaneStats {
         spin_us: None,
         port: Some(phub_proto::api::PortStats::default()),
-        backend: "dpdk".into(),
+        backend: phub_proto::api::BackendKind::Dpdk,
         lcores: vec![LcoreStats {
             lcore: 0,
             drops: [("bad_token".to_string(), 1)].into(),

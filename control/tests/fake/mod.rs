@@ -209,7 +209,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             200,
             &DataplaneInfo {
                 id: st.id.clone(),
-                backend: "fake".into(),
+                backend: phub_proto::api::BackendKind::Udp,
                 data: DataAddr {
                     host: "127.0.0.1".into(),
                     base_port: config.base_port,
@@ -381,7 +381,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 &DataplaneStats {
                     spin_us: None,
                     port: None,
-                    backend: "fake".into(),
+                    backend: phub_proto::api::BackendKind::Udp,
                     lcores,
                     jobs,
                 },

@@ -510,7 +510,7 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
         },
         spin_us: dp.spin_us,
     };
-    let backend = dp.backend;
+    let backend = dp.backend.name().to_string();
     Some((backend, c))
 }
 
