@@ -276,6 +276,7 @@ impl DropReason {
                 | DropReason::DtypeMismatch
                 | DropReason::WrongTypeForRound
                 | DropReason::Ahead
+                | DropReason::NothingToPull
                 | DropReason::Evicted
                 | DropReason::ShuttingDown
         )

@@ -316,8 +316,11 @@ impl Worker {
     /// If the chunks stand at different rounds (this worker left in the
     /// middle of a round), the lowest is returned and becomes the key's
     /// round: the next `push_pull` completes the round the other ranks are
-    /// waiting for. A key that never completed round 0 has nothing to pull,
-    /// and the call ends in [`WorkerError::Timeout`].
+    /// waiting for. A key with a chunk that never completed round 0 has
+    /// nothing to pull: the appliance refuses it (`nothing_to_pull`,
+    /// PROTOCOL.md §5.5) and the call ends in [`WorkerError::Refused`]: the
+    /// appliance restarted before round 0 completed, and the job's ranks
+    /// send the key's INIT again (§6.1).
     ///
     /// In an async or bounded-delay job the round returned is this rank's
     /// last answered clock on the key (PROTOCOL.md §5.8), and `out` gets

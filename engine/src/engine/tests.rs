@@ -335,6 +335,36 @@ fn an_evicted_jobs_ranks_get_an_error_for_a_minute() {
     assert_eq!(s.counters().drops_of(DropReason::Evicted), 2);
 }
 
+/// A PULL of a chunk with no completed round is refused with an ERROR
+/// `nothing_to_pull` (PROTOCOL.md §5.5): a rank past round 0 that pulls
+/// from an appliance restored from a checkpoint taken before round 0
+/// completed learns that it must send its INIT again (unanswered, it
+/// waited for ever). Once round 0 completes, the PULL is answered.
+#[test]
+fn a_pull_before_round_0_completed_is_refused_with_an_error() {
+    let mut s: Shard<u32> = Shard::new(0, Kernels::best());
+    s.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37), InstallKind::Plain)
+        .unwrap();
+    let pull = Repr::request(MsgType::Pull, 1, 7, 1, 3, 0)
+        .with_payload(Dtype::F32, 0)
+        .with_chunk(0, 0)
+        .to_datagram(&[]);
+    assert_eq!(s.handle(9, &pull, 1), Verdict::Dropped(DropReason::NothingToPull));
+    let t = s.transmits().next().expect("an ERROR");
+    let (e, _) = wire::parse(&t.header).unwrap();
+    assert_eq!(
+        (e.kind, e.error, e.rank, e.round, e.slot),
+        (MsgType::Error, DropReason::NothingToPull.code(), 1, 3, 0)
+    );
+    assert_eq!(t.to.collect::<Vec<_>>(), [9]);
+    s.clear_transmits();
+    // The rank's INIT again completes round 0 with rank 0's; the PULL is
+    // then answered.
+    rounds(&mut s, Dtype::F32, 0, 1);
+    assert_eq!(s.handle(9, &pull, 2), Verdict::Pulled);
+    assert_eq!(s.counters().pulls_answered.get(), 1);
+}
+
 /// Every RESULT states its job's share of the lcore's receive buffer,
 /// as it is now: by W among the jobs with slots here.
 #[test]

@@ -249,7 +249,14 @@ impl<D> Active<D> {
             DropReason::from_code(repr.error),
             Some(DropReason::Ahead | DropReason::WrongTypeForRound | DropReason::Stale)
         );
-        repr.round == sent_round && !(self.kind == Kind::Pull && about_round)
+        // `nothing_to_pull` refuses only a PULL: one that reaches an INIT
+        // or PUSH of the key is a late copy for a PULL before it (a rank
+        // told `nothing_to_pull` sends its INIT, whose round 0 a PULL's
+        // echo can carry).
+        let pull_only = DropReason::from_code(repr.error) == Some(DropReason::NothingToPull);
+        repr.round == sent_round
+            && !(self.kind == Kind::Pull && about_round)
+            && !(self.kind != Kind::Pull && pull_only)
     }
 
     /// The round the request's result stands at once complete.
@@ -1210,6 +1217,10 @@ fn describe(code: u16) -> (String, &'static str) {
                     " (the appliance is behind this worker: it may have restarted and lost the job's state)"
                 }
                 DropReason::WrongTypeForRound => " (INIT is for round 0 only, PUSH for rounds >= 1)",
+                DropReason::NothingToPull => {
+                    " (the chunk has no completed round: the appliance restarted before round 0 \
+                     completed; send the INIT again)"
+                }
                 DropReason::Evicted => {
                     " (the job was evicted from the appliance: it is gone, and rejoining cannot help)"
                 }

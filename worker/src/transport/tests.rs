@@ -757,6 +757,26 @@ fn an_error_fails_its_request_and_one_for_another_round_is_ignored() {
     assert_eq!(h.stats.snapshot().results_ignored, 2);
 }
 
+/// An ERROR `nothing_to_pull` refuses only a PULL: a late copy (of a PULL
+/// retransmitted before the first copy's ERROR came back) reaching the
+/// INIT or PUSH the rank sent next for the key, with the round 0 the
+/// PULL's echo carries, is ignored (PROTOCOL.md §5.5, §6.1: the INIT is
+/// what the refusal asked for; the simulator's seed 1270 failed on it).
+#[test]
+fn nothing_to_pull_does_not_refuse_an_init_or_push() {
+    let mut h = Harness::new(2);
+    h.push(0, 0, &[0]);
+    assert_eq!(h.poll().len(), 1);
+    let mut e = repr(MsgType::Error, RANK, 0, 0, 0, 0);
+    e.error = DropReason::NothingToPull.code();
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    let ended = h.ended();
+    assert!(ended.is_empty(), "{ended:?}");
+    assert_eq!(h.stats.snapshot().results_ignored, 1);
+    h.result(0, 0, 0);
+    assert!(matches!(&h.ended()[..], [(0, Ok(_))]));
+}
+
 /// The ERROR an appliance sends each rank as it stops (round, slot, key
 /// and chunk 0) fails every request in flight, those still waiting to be
 /// sent included, at once; with none in flight it is ignored.
