@@ -14,8 +14,9 @@ pub const MAX_LCORES: usize = 256;
 
 pub use phub_proto::api::BackendKind;
 
-/// `--backend`'s parser: the names [`BackendKind`] has, listed in `--help`.
-fn backend_parser() -> impl clap::builder::TypedValueParser<Value = BackendKind> {
+/// `--backend`'s parser: the names [`BackendKind`] has, listed in `--help`
+/// (phub-bench's `--backend` takes the same).
+pub fn backend_parser() -> impl clap::builder::TypedValueParser<Value = BackendKind> {
     use clap::builder::TypedValueParser as _;
     clap::builder::PossibleValuesParser::new(BackendKind::ALL.map(BackendKind::name))
         .try_map(|s| s.parse::<BackendKind>())

@@ -159,11 +159,7 @@ impl Local {
         let (mgmt, ctl) = (process::free_port()?, process::free_port()?);
         let mgmt_url = format!("http://127.0.0.1:{mgmt}");
         let control_url = format!("http://127.0.0.1:{ctl}");
-        let backend = match o.backend.as_str() {
-            "udp" => Backend::Udp,
-            "dpdk" => Backend::Dpdk,
-            other => bail!("backend {other:?}: expected udp or dpdk"),
-        };
+        let backend: Backend = o.backend.parse().map_err(anyhow::Error::msg)?;
         let mut dp = DataplaneArgs {
             backend: Some(backend),
             base_port: Some(0),

@@ -25,24 +25,8 @@ use crate::profiles::{self, Profile};
 use crate::stats::summarize;
 use crate::sys::{self, Machine};
 
-/// Packet I/O backend of a local appliance.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Backend {
-    /// Kernel UDP sockets.
-    Udp,
-    /// DPDK (only where the dataplane was built with it).
-    Dpdk,
-}
-
-impl Backend {
-    fn name(self) -> &'static str {
-        match self {
-            Backend::Udp => "udp",
-            Backend::Dpdk => "dpdk",
-        }
-    }
-}
+/// Packet I/O backend of a local appliance: the dataplane's own type.
+pub use phub_proto::api::BackendKind as Backend;
 
 /// How the emulated workers call the worker library.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
@@ -161,7 +145,7 @@ pub struct RunArgs {
     #[arg(long, conflicts_with = "control")]
     pub local: bool,
     /// Packet I/O backend of the local dataplane.
-    #[arg(long, value_enum, default_value_t = Backend::Udp)]
+    #[arg(long, value_parser = phub_dataplane::config::backend_parser(), default_value_t = Backend::Udp)]
     pub backend: Backend,
     /// Use a running appliance through phub-control at URL.
     #[arg(long, value_name = "URL")]
