@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-from ._native import PhubError
+from ._native import PhubError, control_route
 
 __all__ = ["AdminError", "admit", "admit_full", "evict", "job", "job_spec", "jobs"]
 
@@ -73,6 +73,15 @@ def _base(control_url: str) -> str:
     return control_url.rstrip("/")
 
 
+def _call(control_url: str, route: Tuple[str, str], body: Optional[bytes] = None,
+          content_type: Optional[str] = None, timeout: float = 10.0,
+          operator_token: Optional[str] = None) -> Any:
+    """One call of a control route, ``(method, path)`` from the route table
+    phub-control's router parses (``phub._native.control_route``)."""
+    method, path = route
+    return _request(method, f"{_base(control_url)}{path}", body, content_type, timeout, operator_token)
+
+
 def admit_full(control_url: str, spec: Spec, timeout: float = 10.0,
                operator_token: Optional[str] = None) -> dict[str, Any]:
     """Admits ``spec`` (a dict, or the text of a TOML or JSON spec) and
@@ -84,7 +93,7 @@ def admit_full(control_url: str, spec: Spec, timeout: float = 10.0,
             ctype = "application/json"
     else:
         body, ctype = json.dumps(dict(spec)).encode("utf-8"), "application/json"
-    return _request("POST", f"{_base(control_url)}/v1/jobs", body, ctype, timeout, operator_token)
+    return _call(control_url, control_route("admit"), body, ctype, timeout, operator_token)
 
 
 def admit(control_url: str, spec: Spec, timeout: float = 10.0,
@@ -100,19 +109,19 @@ def admit(control_url: str, spec: Spec, timeout: float = 10.0,
 
 def jobs(control_url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The admitted jobs (``GET /v1/jobs``)."""
-    return _request("GET", f"{_base(control_url)}/v1/jobs", timeout=timeout)
+    return _call(control_url, control_route("jobs"), timeout=timeout)
 
 
 def job(control_url: str, job_id: int, timeout: float = 10.0) -> dict[str, Any]:
     """One job's details: summary, spec, ranks, rounds (``GET /v1/jobs/{id}``)."""
-    return _request("GET", f"{_base(control_url)}/v1/jobs/{int(job_id)}", timeout=timeout)
+    return _call(control_url, control_route("job", int(job_id)), timeout=timeout)
 
 
 def evict(control_url: str, job_id: int, timeout: float = 10.0,
           operator_token: Optional[str] = None) -> dict[str, Any]:
     """Evicts a job (``DELETE /v1/jobs/{id}``) and returns its summary."""
-    return _request("DELETE", f"{_base(control_url)}/v1/jobs/{int(job_id)}", timeout=timeout,
-                    operator_token=operator_token)
+    return _call(control_url, control_route("evict", int(job_id)), timeout=timeout,
+                 operator_token=operator_token)
 
 
 def job_spec(

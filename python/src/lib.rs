@@ -20,6 +20,7 @@
 
 mod buffer;
 mod errors;
+mod routes;
 mod worker;
 
 use pyo3::prelude::*;
@@ -40,6 +41,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RefusedError", py.get_type::<errors::RefusedError>())?;
     m.add("PhubTimeoutError", py.get_type::<errors::PhubTimeoutError>())?;
     m.add("ClosedError", py.get_type::<errors::ClosedError>())?;
+    m.add_function(wrap_pyfunction!(routes::control_route, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

@@ -626,3 +626,20 @@ def test_stub_matches_the_module() -> None:
         assert declared == actual, (name, declared ^ actual)
         for n in actual:
             assert getattr(getattr(native, name), n).__doc__, f"{name}.{n} has no docstring"
+
+
+def test_admin_paths_come_from_the_route_table() -> None:
+    """phub.admin spells no path: each comes from phub-proto's routes, which
+    phub-control's router parses."""
+    from phub import _native
+
+    assert _native.control_route("admit") == ("POST", "/v1/jobs")
+    assert _native.control_route("jobs") == ("GET", "/v1/jobs")
+    assert _native.control_route("job", 3) == ("GET", "/v1/jobs/3")
+    assert _native.control_route("evict", 65535) == ("DELETE", "/v1/jobs/65535")
+    with pytest.raises(phub.UsageError, match="want 0..=65535"):
+        _native.control_route("job", 65536)
+    with pytest.raises(phub.UsageError, match="want admit, jobs, job or evict"):
+        _native.control_route("stats")
+    with pytest.raises(phub.UsageError, match="give its id"):
+        _native.control_route("evict")
