@@ -11,7 +11,7 @@ use crate::errors::UsageError;
 /// `evict`) for job `job` where the route names one.
 #[pyfunction]
 #[pyo3(signature = (name, job = None))]
-pub fn control_route(name: &str, job: Option<u64>) -> PyResult<(String, String)> {
+pub(crate) fn control_route(name: &str, job: Option<u64>) -> PyResult<(String, String)> {
     let job = || -> PyResult<u16> {
         let j = job.ok_or_else(|| UsageError::new_err(format!("route `{name}` names a job: give its id")))?;
         u16::try_from(j).map_err(|_| UsageError::new_err(format!("job id {j}: want 0..=65535")))
