@@ -11,6 +11,10 @@ _Array = Union[np.ndarray[Any, Any], Buffer]
 
 __version__: str
 
+def _control_route(name: str, job: int | None = None) -> tuple[str, str]:
+    """``(method, path)`` of a control route phub.admin calls (phub-proto's route table)."""
+    ...
+
 class PhubError(RuntimeError):
     """Base class of every error phub raises; the message is phub-worker's own."""
 

@@ -26,7 +26,8 @@ import urllib.error
 import urllib.request
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
 
-from ._native import PhubError, control_route
+from ._native import PhubError
+from ._native import _control_route
 
 __all__ = ["AdminError", "admit", "admit_full", "evict", "job", "job_spec", "jobs"]
 
@@ -77,7 +78,7 @@ def _call(control_url: str, route: Tuple[str, str], body: Optional[bytes] = None
           content_type: Optional[str] = None, timeout: float = 10.0,
           operator_token: Optional[str] = None) -> Any:
     """One call of a control route, ``(method, path)`` from the route table
-    phub-control's router parses (``phub._native.control_route``)."""
+    phub-control's router parses (``phub._native._control_route``)."""
     method, path = route
     return _request(method, f"{_base(control_url)}{path}", body, content_type, timeout, operator_token)
 
@@ -93,7 +94,7 @@ def admit_full(control_url: str, spec: Spec, timeout: float = 10.0,
             ctype = "application/json"
     else:
         body, ctype = json.dumps(dict(spec)).encode("utf-8"), "application/json"
-    return _call(control_url, control_route("admit"), body, ctype, timeout, operator_token)
+    return _call(control_url, _control_route("admit"), body, ctype, timeout, operator_token)
 
 
 def admit(control_url: str, spec: Spec, timeout: float = 10.0,
@@ -109,18 +110,18 @@ def admit(control_url: str, spec: Spec, timeout: float = 10.0,
 
 def jobs(control_url: str, timeout: float = 10.0) -> list[dict[str, Any]]:
     """The admitted jobs (``GET /v1/jobs``)."""
-    return _call(control_url, control_route("jobs"), timeout=timeout)
+    return _call(control_url, _control_route("jobs"), timeout=timeout)
 
 
 def job(control_url: str, job_id: int, timeout: float = 10.0) -> dict[str, Any]:
     """One job's details: summary, spec, ranks, rounds (``GET /v1/jobs/{id}``)."""
-    return _call(control_url, control_route("job", int(job_id)), timeout=timeout)
+    return _call(control_url, _control_route("job", int(job_id)), timeout=timeout)
 
 
 def evict(control_url: str, job_id: int, timeout: float = 10.0,
           operator_token: Optional[str] = None) -> dict[str, Any]:
     """Evicts a job (``DELETE /v1/jobs/{id}``) and returns its summary."""
-    return _call(control_url, control_route("evict", int(job_id)), timeout=timeout,
+    return _call(control_url, _control_route("evict", int(job_id)), timeout=timeout,
                  operator_token=operator_token)
 
 

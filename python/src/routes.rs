@@ -1,6 +1,6 @@
 //! The control routes `phub.admin` calls, from phub-proto's route table
 //! (`proto/src/routes.rs`), so that the Python client spells no path of
-//! its own.
+//! its own. Private to the package (`phub._native._control_route`).
 
 use phub_proto::routes::{ControlRoute, Route};
 use pyo3::prelude::*;
@@ -10,7 +10,7 @@ use crate::errors::UsageError;
 /// `(method, path)` of the control route `name` (`admit`, `jobs`, `job`,
 /// `evict`) for job `job` where the route names one.
 #[pyfunction]
-#[pyo3(signature = (name, job = None))]
+#[pyo3(name = "_control_route", signature = (name, job = None))]
 pub(crate) fn control_route(name: &str, job: Option<u64>) -> PyResult<(String, String)> {
     let job = || -> PyResult<u16> {
         let j = job.ok_or_else(|| UsageError::new_err(format!("route `{name}` names a job: give its id")))?;

@@ -633,13 +633,13 @@ def test_admin_paths_come_from_the_route_table() -> None:
     phub-control's router parses."""
     from phub import _native
 
-    assert _native.control_route("admit") == ("POST", "/v1/jobs")
-    assert _native.control_route("jobs") == ("GET", "/v1/jobs")
-    assert _native.control_route("job", 3) == ("GET", "/v1/jobs/3")
-    assert _native.control_route("evict", 65535) == ("DELETE", "/v1/jobs/65535")
+    assert _native._control_route("admit") == ("POST", "/v1/jobs")
+    assert _native._control_route("jobs") == ("GET", "/v1/jobs")
+    assert _native._control_route("job", 3) == ("GET", "/v1/jobs/3")
+    assert _native._control_route("evict", 65535) == ("DELETE", "/v1/jobs/65535")
     with pytest.raises(phub.UsageError, match="want 0..=65535"):
-        _native.control_route("job", 65536)
+        _native._control_route("job", 65536)
     with pytest.raises(phub.UsageError, match="want admit, jobs, job or evict"):
-        _native.control_route("stats")
+        _native._control_route("stats")
     with pytest.raises(phub.UsageError, match="give its id"):
-        _native.control_route("evict")
+        _native._control_route("evict")
