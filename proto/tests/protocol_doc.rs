@@ -231,20 +231,8 @@ fn hex_example_is_what_repr_emits() {
 #[test]
 fn join_response_json_is_what_the_api_sends() {
     let d = doc();
-    let blocks: Vec<&str> = d
-        .split("```json join-response\n")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap())
-        .collect();
-    assert_eq!(blocks.len(), 1, "exactly one ```json join-response block");
-    let stated: serde_json::Value = serde_json::from_str(blocks[0]).unwrap();
-    // The API's type reads it, and writes back exactly the same fields and
-    // numbers (an `f32` as the shortest decimal that reads back as it).
-    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
-    let sent = serde_json::to_string(&r).unwrap();
+    let (r, sent) = stated_join_response(&d, "json join-response");
     assert!(sent.contains(r#""lr":0.1,"#), "{sent}");
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
-    r.spec.validate().unwrap();
     // The layout is the one placement gives on the two lcores the text names.
     assert!(d.contains("on an appliance with two lcores"));
     let model = MemoryModel::default();
@@ -269,17 +257,7 @@ fn join_response_json_is_what_the_api_sends() {
 #[test]
 fn sharded_join_response_json_is_what_the_api_sends_and_the_rule_places_it() {
     let d = doc();
-    let blocks: Vec<&str> = d
-        .split("```json join-response-sharded\n")
-        .skip(1)
-        .map(|b| b.split("```").next().unwrap())
-        .collect();
-    assert_eq!(blocks.len(), 1, "exactly one ```json join-response-sharded block");
-    let stated: serde_json::Value = serde_json::from_str(blocks[0]).unwrap();
-    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
-    let sent = serde_json::to_string(&r).unwrap();
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
-    r.spec.validate().unwrap();
+    let (r, _) = stated_join_response(&d, "json join-response-sharded");
     // The layout is placement over the union of a's two lcores and b's one.
     let model = MemoryModel::default();
     assert_eq!(
@@ -328,6 +306,19 @@ fn sharded_join_response_json_is_what_the_api_sends_and_the_rule_places_it() {
 }
 
 /// The one fenced block tagged `tag`.
+/// The join answer of the doc's one block tagged `tag`: the API's type
+/// reads it and writes back exactly the same fields and numbers (an `f32`
+/// as the shortest decimal that reads back as it), and its spec is valid.
+/// Also what the API writes, for checks of its text.
+fn stated_join_response(d: &str, tag: &str) -> (JoinResponse, String) {
+    let stated: serde_json::Value = serde_json::from_str(block(d, tag)).unwrap();
+    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
+    let sent = serde_json::to_string(&r).unwrap();
+    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
+    r.spec.validate().unwrap();
+    (r, sent)
+}
+
 fn block<'a>(d: &'a str, tag: &str) -> &'a str {
     let blocks: Vec<&str> = d
         .split(&format!("```{tag}\n"))
@@ -424,11 +415,7 @@ fn table_spec_fields_are_those_the_spec_reads() {
 #[test]
 fn table_join_response_is_what_the_api_sends_and_rows_go_where_the_example_says() {
     let d = doc();
-    let stated: serde_json::Value = serde_json::from_str(block(&d, "json join-response-table")).unwrap();
-    let r: JoinResponse = serde_json::from_value(stated.clone()).unwrap();
-    let sent = serde_json::to_string(&r).unwrap();
-    assert_eq!(serde_json::from_str::<serde_json::Value>(&sent).unwrap(), stated);
-    r.spec.validate().unwrap();
+    let (r, _) = stated_join_response(&d, "json join-response-table");
     // The table takes no chunk: the layout is §4.1's, the dense keys placed
     // as without it.
     let model = MemoryModel::default();
