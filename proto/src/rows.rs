@@ -21,7 +21,7 @@
 //! engine's; their table-specific reasons are [`RowDropReason`].
 
 use crate::spec::ROW_ID_BYTES;
-use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAGIC, MAX_PAYLOAD, VERSION};
+use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
 use crate::Dtype;
 
 /// The most ROW_PUSH messages one rank may send to one lcore for one
@@ -392,12 +392,7 @@ pub fn is_row_message(datagram: &[u8]) -> bool {
 /// have `count` 0 and no payload). Never panics, never allocates.
 pub fn parse(datagram: &[u8]) -> Result<(RowRepr, RowPayload<'_>), DropReason> {
     let h = Header::new_checked(datagram)?;
-    if h.magic() != MAGIC {
-        return Err(DropReason::BadMagic);
-    }
-    if h.version() != VERSION {
-        return Err(DropReason::BadVersion);
-    }
+    h.check_phub_v1()?;
     let kind = RowMsgType::from_code(h.type_code()).ok_or(DropReason::UnknownType)?;
     let dtype = Dtype::from_code(h.dtype_code()).ok_or(DropReason::UnknownDtype)?;
     let (count, dim) = (h.count(), h.slot());

@@ -340,6 +340,17 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn version(&self) -> u8 {
         self.buf.as_ref()[field::VERSION]
     }
+    /// Whether the header is phub's, of this version: the checks every
+    /// message kind starts with (dense chunks and table rows alike).
+    pub fn check_phub_v1(&self) -> Result<(), DropReason> {
+        if self.magic() != MAGIC {
+            return Err(DropReason::BadMagic);
+        }
+        if self.version() != VERSION {
+            return Err(DropReason::BadVersion);
+        }
+        Ok(())
+    }
     /// Raw message type byte.
     pub fn type_code(&self) -> u8 {
         self.buf.as_ref()[field::TYPE]
@@ -511,12 +522,7 @@ impl Repr {
     /// Checks, in order: magic, version, type, dtype, count bound, payload
     /// length. Job-level checks (token, slot, ...) are the engine's.
     pub fn parse<T: AsRef<[u8]>>(h: &Header<T>) -> Result<Repr, DropReason> {
-        if h.magic() != MAGIC {
-            return Err(DropReason::BadMagic);
-        }
-        if h.version() != VERSION {
-            return Err(DropReason::BadVersion);
-        }
+        h.check_phub_v1()?;
         let kind = MsgType::from_code(h.type_code()).ok_or(DropReason::UnknownType)?;
         let dtype = Dtype::from_code(h.dtype_code()).ok_or(DropReason::UnknownDtype)?;
         let count = h.count();
