@@ -135,8 +135,12 @@ fn workers_shrink_their_window_when_a_job_joins_their_lcore_later() {
         "the test needs a buffer that bounds the window"
     );
     let a = rack.admit(&sum_spec("first", 2, &keys)).unwrap();
-    // a joined and initialised, then b admitted: a's next round learns its
-    // share; then b trains beside a.
+    // a joined and initialised, then b admitted while a runs round 1 (whose
+    // RESULTs may leave before b is installed, so they need not state the
+    // share); round 2 starts only once b is installed, so its RESULTs state
+    // a's share, and b trains only after it: with b starting after round 1
+    // the first job's window could still be the whole buffer's when b's
+    // datagrams arrived (2 `socket_full` drops seen once under load).
     let (a_joined, a_learned) = (std::sync::Barrier::new(3), std::sync::Barrier::new(3));
     let windows = std::sync::Mutex::new(Vec::new());
     std::thread::scope(|s| {
@@ -148,7 +152,7 @@ fn workers_shrink_their_window_when_a_job_joins_their_lcore_later() {
                 let (rounds, stats) = train_rank(url, a.id, a.token, rank, 2, &keys, cfg, |r| {
                     match r {
                         1 => drop(a_joined.wait()),
-                        2 => drop(a_learned.wait()),
+                        3 => drop(a_learned.wait()),
                         _ => {}
                     }
                     r <= 10
