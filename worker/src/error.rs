@@ -161,24 +161,22 @@ pub enum WorkerError {
     },
     /// The appliance refused one of a table request's messages with an
     /// ERROR (PROTOCOL.md §10.3). Retrying the same request will not help.
-    #[error(
-        "appliance at {to} refused table {table:?} (key {key}) {message} of round {round}: {reason}{hint}"
-    )]
+    #[error("the appliance refused table {table:?} (key {key}) round {round}: {message}: {reason}{hint}")]
     TableRefused {
         /// The table's name.
         table: String,
         /// The table's key index.
         key: u32,
-        /// The refused message: `ROW_PUSH 3`, `ROW_END 4`, `ROW_PULL`.
+        /// The refused message and the lcore it went to: `ROW_PUSH 3 of
+        /// 12 rows to 10.0.0.1:9001`, `ROW_END (n = 4) to ...`, `ROW_PULL of
+        /// 7 ids to ...`.
         message: String,
         /// Its round (clock).
         round: u32,
-        /// The lcore it went to.
-        to: SocketAddr,
         /// The drop reason's name (`dim_mismatch`, `ahead`, ...).
         reason: String,
         /// A hint on the likely cause (may be empty).
-        hint: String,
+        hint: &'static str,
     },
     /// No answer at all came back for a table request for `waited`.
     #[error(

@@ -134,6 +134,7 @@ mod shm;
 pub mod sim;
 mod staged;
 mod stats;
+mod tables;
 mod transport;
 mod worker;
 

@@ -71,7 +71,7 @@ mod congestion;
 mod request;
 mod row_plan;
 #[cfg(test)]
-mod row_tests;
+pub(crate) mod row_tests;
 mod rows;
 mod rto;
 #[cfg(test)]
@@ -92,7 +92,7 @@ use congestion::Congestion;
 #[cfg(test)]
 use congestion::MIN_CWND;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
-pub(crate) use row_plan::{plan_pull, plan_push, TableInfo};
+pub(crate) use row_plan::{plan_pull, plan_push, RowPlan, TableInfo};
 pub(crate) use rows::{RowFinished, RowOutput, RowRequest, RowTransport};
 use rto::Rto;
 pub(crate) use window::AutoWindow;

@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use phub_proto::placement::RowPlacement;
 use phub_proto::rows::{self, RowDropReason, RowMsgType, RowPayload, RowRepr};
@@ -25,10 +25,10 @@ use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::stats::Counters;
 
-const JOB: u16 = 5;
-const TOKEN: u64 = 0x7ab1_e5ee_d000_0001;
+pub(crate) const JOB: u16 = 5;
+pub(crate) const TOKEN: u64 = 0x7ab1_e5ee_d000_0001;
 const RANK: u16 = 0;
-const KEY: u32 = 1;
+pub(crate) const KEY: u32 = 1;
 
 fn addr(entry: u32) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], 9000 + entry as u16))
@@ -46,14 +46,31 @@ fn table(lcores: u32, dim: u32, per: u32) -> TableInfo {
 
 /// A message the transport sent, parsed.
 #[derive(Debug, Clone)]
-struct Sent {
-    to: SocketAddr,
-    repr: RowRepr,
-    ids: Vec<u64>,
-    rows: Vec<f32>,
+pub(crate) struct Sent {
+    pub(crate) to: SocketAddr,
+    pub(crate) repr: RowRepr,
+    pub(crate) ids: Vec<u64>,
+    pub(crate) rows: Vec<f32>,
 }
 
 impl Sent {
+    /// A row message a worker sent to `to`, parsed.
+    pub(crate) fn parse(to: SocketAddr, d: &[u8]) -> Sent {
+        let (repr, payload) = rows::parse(d).expect("the transport sends well-formed row messages");
+        let (ids, rows) = match payload {
+            RowPayload::Rows(r) => {
+                let mut v = vec![0f32; r.len() * repr.dim as usize];
+                for (i, row) in v.chunks_exact_mut(repr.dim as usize).enumerate() {
+                    assert!(r.decode_row(i, row));
+                }
+                (r.ids().iter().collect(), v)
+            }
+            RowPayload::Ids(ids) => (ids.iter().collect(), Vec::new()),
+            RowPayload::Empty => (Vec::new(), Vec::new()),
+        };
+        Sent { to, repr, ids, rows }
+    }
+
     fn retransmit(&self) -> bool {
         self.repr.flags & flags::RETRANSMIT != 0
     }
@@ -102,7 +119,7 @@ fn error_for(m: &Sent, reason: u16) -> Vec<u8> {
 /// One lcore of the appliance, for one rank (W = 1), BSP, `sum`, rows
 /// starting at zero: §10.3's rules as the worker sees them.
 #[derive(Debug, Default)]
-struct FakeLcore {
+pub(crate) struct FakeLcore {
     dim: usize,
     stored: HashMap<u64, Vec<f32>>,
     /// The last completed round.
@@ -113,6 +130,14 @@ struct FakeLcore {
 }
 
 impl FakeLcore {
+    /// An lcore of a table of `dim` whose rows all start at zero.
+    pub(crate) fn new(dim: u32) -> FakeLcore {
+        FakeLcore {
+            dim: dim as usize,
+            ..FakeLcore::default()
+        }
+    }
+
     fn row(&self, id: u64) -> Vec<f32> {
         self.stored
             .get(&id)
@@ -125,7 +150,7 @@ impl FakeLcore {
     }
 
     /// The answers to `m`.
-    fn handle(&mut self, m: &Sent) -> Vec<Vec<u8>> {
+    pub(crate) fn handle(&mut self, m: &Sent) -> Vec<Vec<u8>> {
         let (t, dim) = (m.repr.round, m.repr.dim);
         match m.repr.kind {
             RowMsgType::RowPull => {
@@ -234,12 +259,7 @@ impl Harness {
             Arc::clone(&stats),
             now,
         );
-        let lcores = (0..lcores)
-            .map(|_| FakeLcore {
-                dim: dim as usize,
-                ..FakeLcore::default()
-            })
-            .collect();
+        let lcores = (0..lcores).map(|_| FakeLcore::new(dim)).collect();
         Harness {
             t,
             table,
@@ -266,29 +286,12 @@ impl Harness {
         out.iter()
             .map(|d| {
                 assert!(d.body.is_empty());
-                let (repr, payload) =
-                    rows::parse(d.head).expect("the transport sends well-formed row messages");
+                let m = Sent::parse(d.to, d.head);
                 assert_eq!(
-                    (repr.job, repr.token, repr.rank, repr.key),
+                    (m.repr.job, m.repr.token, m.repr.rank, m.repr.key),
                     (JOB, TOKEN, RANK, KEY)
                 );
-                let (ids, rows) = match payload {
-                    RowPayload::Rows(r) => {
-                        let mut v = vec![0f32; r.len() * repr.dim as usize];
-                        for (i, row) in v.chunks_exact_mut(repr.dim as usize).enumerate() {
-                            assert!(r.decode_row(i, row));
-                        }
-                        (r.ids().iter().collect(), v)
-                    }
-                    RowPayload::Ids(ids) => (ids.iter().collect(), Vec::new()),
-                    RowPayload::Empty => (Vec::new(), Vec::new()),
-                };
-                Sent {
-                    to: d.to,
-                    repr,
-                    ids,
-                    rows,
-                }
+                m
             })
             .collect()
     }
@@ -393,7 +396,9 @@ fn every_row_goes_to_its_lcore_in_sorted_messages_of_at_most_r_and_every_lcore_g
     let g = grads(&ids, dim, 0.0);
     h.push(1, 1, &ids, &g);
     let sent = h.sent();
-    let mut per_lcore: BTreeMap<u32, (Vec<u32>, Vec<u64>, Option<u32>)> = BTreeMap::new();
+    // Per lcore: its ROW_PUSH sequence numbers, their ids, its ROW_END's n.
+    type Lane = (Vec<u32>, Vec<u64>, Option<u32>);
+    let mut per_lcore: BTreeMap<u32, Lane> = BTreeMap::new();
     for m in &sent {
         let e = u32::from(m.to.port() - 9000);
         let lane = per_lcore.entry(e).or_default();

@@ -554,9 +554,9 @@ impl<D> RowTransport<D> {
         let a = &self.active[&repr.key];
         let m = &a.plan.msgs[i];
         let message = match m.kind {
-            RowMsgType::RowPull => format!("ROW_PULL of {} ids", m.rows.len()),
-            RowMsgType::RowEnd => format!("ROW_END (n = {})", m.seq),
-            k => format!("{} {} of {} rows", k.name(), m.seq, m.rows.len()),
+            RowMsgType::RowPull => format!("ROW_PULL of {} ids to {from}", m.rows.len()),
+            RowMsgType::RowEnd => format!("ROW_END (n = {}) to {from}", m.seq),
+            k => format!("{} {} of {} rows to {from}", k.name(), m.seq, m.rows.len()),
         };
         let (reason, hint) = describe_row(repr.error);
         let err = WorkerError::TableRefused {
@@ -564,9 +564,8 @@ impl<D> RowTransport<D> {
             key: repr.key,
             message,
             round: repr.round,
-            to: from,
             reason,
-            hint: hint.to_string(),
+            hint,
         };
         self.fail(repr.key, err);
     }
@@ -583,11 +582,10 @@ impl<D> RowTransport<D> {
             let err = WorkerError::TableRefused {
                 table: self.table_name(key),
                 key,
-                message: "every message".to_string(),
+                message: "every message in flight".to_string(),
                 round: a.round,
-                to: self.lcores[0],
                 reason: reason.clone(),
-                hint: hint.to_string(),
+                hint,
             };
             self.fail(key, err);
         }
