@@ -724,11 +724,18 @@ fn a_lost_row_pull_is_resent_and_an_earlier_pull_s_answer_is_not_taken() {
     }
     let out = h.ended().remove(0).1.unwrap();
     assert_eq!((out.round, out.rows.clone()), (1, g.clone()));
-    // The second pull (of the ids in another order, one twice) loses its
-    // first ROW_PULL.
-    let ids2 = [7u64, 0, 3, 7, 1];
-    h.pull(3, &ids2);
+    // Round 2 changes every row.
+    h.push(3, 2, &ids, &g);
+    assert!(h.run(|_, _| false)[0].1.is_ok());
+    // The second pull asks for the same rows (in another order, one
+    // twice: the same messages) and loses its first ROW_PULL; the first
+    // pull's answers, replayed, carry the same ids but older rows.
+    let ids2 = [7u64, 6, 5, 4, 3, 2, 1, 0, 7];
+    h.pull(4, &ids2);
     let sent = h.sent();
+    assert_eq!(sent.len(), first.len());
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let ignored = load(&h.stats.row_answers_ignored);
     for (from, d) in &old {
         h.deliver(*from, d);
     }
@@ -736,6 +743,7 @@ fn a_lost_row_pull_is_resent_and_an_earlier_pull_s_answer_is_not_taken() {
         h.ended().is_empty(),
         "the first pull's answers do not answer the second"
     );
+    assert_eq!(load(&h.stats.row_answers_ignored), ignored + old.len() as u64);
     let kept = &sent[1..];
     for (from, d) in h.answers(kept) {
         h.deliver(from, &d);
@@ -751,9 +759,9 @@ fn a_lost_row_pull_is_resent_and_an_earlier_pull_s_answer_is_not_taken() {
     let out = h.ended().remove(0).1.unwrap();
     let want: Vec<f32> = ids2
         .iter()
-        .flat_map(|&id| g[id as usize * 2..id as usize * 2 + 2].to_vec())
+        .flat_map(|&id| g[id as usize * 2..][..2].iter().map(|x| 2.0 * x))
         .collect();
-    assert_eq!(out.rows, want);
+    assert_eq!((out.round, out.rows), (2, want));
 }
 
 #[test]
