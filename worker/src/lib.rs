@@ -32,7 +32,8 @@
 //! addressed by name, their rows by `u64` ids: [`Worker::push_pull_rows`]
 //! pushes one round's gradient rows and returns each id's row after the
 //! update, [`Worker::push_rows`] pushes without the rows,
-//! [`Worker::pull_rows`] reads rows at any time. Rows go by datagrams over
+//! [`Worker::pull_rows`] reads rows at any time, [`Worker::catch_up_rows`]
+//! learns a table's round after a rejoin. Rows go by datagrams over
 //! the same socket and I/O thread, each id to the lcore the table's
 //! placement puts it on (`transport/row_plan.rs`, `transport/rows.rs`).
 //!
@@ -119,7 +120,7 @@
 //! | `staged.rs` | [`Staged`], [`Results`]: values written and results read in place |
 //! | `io.rs` | the I/O thread: socket, commands, shared-memory watch, outcomes to waiters |
 //! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`); table rows: what a push or pull of rows sends (`row_plan.rs`), their sending, resending and answers (`rows.rs`) |
-//! | `tables.rs` | the table calls by name: [`Worker::push_pull_rows`], [`Worker::push_rows`], [`Worker::pull_rows`], each table's round |
+//! | `tables.rs` | the table calls by name: [`Worker::push_pull_rows`], [`Worker::push_rows`], [`Worker::pull_rows`], [`Worker::catch_up_rows`], each table's round |
 //! | `elem.rs`, `codec.rs` | element types and wire encoding (f32, bf16, f16) |
 //! | `net.rs`, `shm.rs`, `inject.rs`, `stats.rs` | batched UDP, the shared-memory regions, fault injection, counters |
 //! | `sim.rs`, `sim_rows.rs` | the dense and row transports for the simulator (feature `sim`) |

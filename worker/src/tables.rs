@@ -224,6 +224,26 @@ impl Worker {
         Ok(o.round)
     }
 
+    /// For a rank that rejoined a running job (or lost track of a table's
+    /// rounds): asks every lcore of the table for its last completed round
+    /// (BSP; in async and bounded delay, this rank's last applied clock
+    /// there) with a ROW_PULL of one id placed on it, makes the lowest the
+    /// table's round here, and returns it. The next push carries the round
+    /// after it: lcores that completed that round already (this rank had
+    /// pushed it before it left) answer it with their current rows and add
+    /// nothing (PROTOCOL.md §10.3, rule 3); the others complete it with
+    /// this push. Blocks.
+    pub fn catch_up_rows(&self, table: &str) -> Result<u32, WorkerError> {
+        let t = self.table_named(table)?;
+        let ids = one_id_per_lcore(t)?;
+        let (mut claim, _) = self.table_claims.claim(t.key, Ok)?;
+        let plan = plan_pull(t, &ids)?;
+        let rx = self.send_rows(plan)?;
+        let o = wait_rows(&rx)?;
+        claim.done = Some(o.round);
+        Ok(o.round)
+    }
+
     fn push_rows_inner(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowOutput, WorkerError> {
         check_rows(t, "grads", ids.len(), grads.len())?;
         let consistency = self.spec.consistency;
@@ -261,6 +281,34 @@ impl Worker {
 /// thread is gone).
 fn wait_rows(rx: &Receiver<RowCompletion>) -> Result<RowOutput, WorkerError> {
     rx.recv().unwrap_or(Err(WorkerError::Closed))
+}
+
+/// An id placed on each lcore of `t`: the smallest, found by trying ids
+/// from 0 on (each lcore gets about 1/L of them, §10.1, so a few times L
+/// tries cover all L lcores).
+fn one_id_per_lcore(t: &TableInfo) -> Result<Vec<u64>, WorkerError> {
+    let lcores = t.placement.lcores() as usize;
+    let mut found: Vec<Option<u64>> = vec![None; lcores];
+    let mut missing = lcores;
+    // Far beyond need: L ln L + O(L) tries on average.
+    let tries = (lcores as u64).saturating_mul(1024).max(1 << 20);
+    for id in 0..tries {
+        let e = &mut found[t.placement.entry(id) as usize];
+        if e.is_none() {
+            *e = Some(id);
+            missing -= 1;
+            if missing == 0 {
+                break;
+            }
+        }
+    }
+    found
+        .into_iter()
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| WorkerError::Rows {
+            table: t.name.clone(),
+            message: format!("no id below {tries} is placed on some of its {lcores} lcores"),
+        })
 }
 
 /// `got` values in `what` for `ids` ids of table `t`: exactly `ids * dim`.
@@ -413,6 +461,14 @@ mod tests {
         let e = w.pull(KEY, &mut [0f32; 0]).unwrap_err().to_string();
         assert!(e.contains("table \"emb\"") && e.contains("push_pull_rows"), "{e}");
         assert_eq!(w.table_round("emb").unwrap(), 2, "failed calls leave the round");
+        // A second worker of the rank (a rejoin) learns the rounds and goes on.
+        let w2 = Worker::from_join(join(ports[0], ports[2]), TOKEN, WorkerConfig::default()).unwrap();
+        assert_eq!(w2.table_round("emb").unwrap(), 0);
+        assert_eq!(w2.catch_up_rows("emb").unwrap(), 2);
+        assert_eq!(w2.table_round("emb").unwrap(), 2);
+        let mut again = vec![f32::NAN; 4];
+        assert_eq!(w2.push_pull_rows("emb", &[3], &[1.0; 4], &mut again).unwrap(), 3);
+        assert_eq!(again, want[12..16].iter().map(|x| x + 1.0).collect::<Vec<_>>());
         stop.store(true, Ordering::Relaxed);
         fake.join().unwrap();
     }
