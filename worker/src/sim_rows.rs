@@ -18,7 +18,7 @@ use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::stats::{Counters, WorkerStats};
 use crate::tables::table_infos;
-use crate::transport::{plan_pull, plan_push, JobInfo, RowRequest, RowTransport, TableInfo};
+use crate::transport::{plan_pull, plan_push, unknown_table, JobInfo, RowRequest, RowTransport, TableInfo};
 
 /// A table request that ended.
 #[derive(Debug)]
@@ -91,10 +91,7 @@ impl SimRowTransport {
         self.tables
             .iter()
             .find(|t| t.key == key)
-            .ok_or(WorkerError::UnknownKey {
-                key,
-                keys: self.tables.len(),
-            })
+            .ok_or_else(|| unknown_table(key, &self.tables))
     }
 
     /// Submits round (clock) `round` of table `key`: `grads` holds
@@ -168,5 +165,71 @@ impl SimRowTransport {
     /// The transport's counters.
     pub fn stats(&self) -> WorkerStats {
         self.stats.snapshot()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::row_tests::{FakeLcore, Sent, JOB, KEY, TOKEN};
+
+    #[test]
+    fn a_simulated_rank_pushes_and_pulls_rows_through_the_row_transport() {
+        let join: JoinResponse = serde_json::from_str(&format!(
+            r#"{{"job": {JOB}, "rank": 0,
+            "spec": {{"name": "s", "workers": 1, "dtype": "f32", "chunk_bytes": 64,
+              "optimizer": {{"kind": "sum"}}, "consistency": {{"mode": "sync"}},
+              "keys": [{{"name": "w", "elements": 8}},
+                       {{"name": "emb", "kind": "table", "dim": 4, "seed": 7}}]}},
+            "layout": {{"chunk_elems": 16, "lcores": [{{"first": 0, "count": 1}}, {{"first": 1, "count": 0}}]}},
+            "dataplane": {{"host": "10.0.0.1", "base_port": 9000}}, "appliances": []}}"#
+        ))
+        .unwrap();
+        let lcores: Vec<SocketAddr> =
+            vec!["10.0.0.1:9000".parse().unwrap(), "10.0.0.1:9001".parse().unwrap()];
+        let now = Instant::now();
+        let mut t =
+            SimRowTransport::new(&join, TOKEN, lcores.clone(), 16, &WorkerConfig::default(), now).unwrap();
+        let e = t.push(now, 1, 0, 1, &[1], &[0.0; 4]).unwrap_err().to_string();
+        assert!(e.contains("key 0") && e.contains("\"emb\" (key 1)"), "{e}");
+        let mut fake = [FakeLcore::new(4), FakeLcore::new(4)];
+        let ids = [5u64, 9, 5, 1 << 40];
+        let grads: Vec<f32> = (0..16).map(|i| i as f32).collect();
+        t.push(now, 7, KEY, 1, &ids, &grads).unwrap();
+        // One request per table: a pull while the push is out is refused.
+        t.pull(now, 8, KEY, &[1 << 40]).unwrap();
+        let busy = t.poll_done().unwrap();
+        assert!(matches!(
+            (busy.tag, busy.result),
+            (8, Err(WorkerError::Busy { key: KEY }))
+        ));
+        let mut exchange = |t: &mut SimRowTransport| {
+            let mut out = Vec::new();
+            t.poll_transmit(now, &mut out);
+            for (to, d) in &out {
+                let e = lcores.iter().position(|a| a == to).unwrap();
+                for a in fake[e].handle(&Sent::parse(*to, d)) {
+                    assert!(t.handle_datagram(now, *to, &a));
+                }
+            }
+            t.poll_done().unwrap()
+        };
+        let done = exchange(&mut t);
+        let (round, rows) = done.result.unwrap();
+        assert_eq!((done.tag, done.key, round), (7, KEY, 1));
+        let five: Vec<f32> = (0..4).map(|i| (i + i + 8) as f32).collect();
+        let want = [
+            five.clone(),
+            (4..8).map(|i| i as f32).collect(),
+            five,
+            (12..16).map(|i| i as f32).collect(),
+        ]
+        .concat();
+        assert_eq!(rows, want);
+        t.pull(now, 9, KEY, &[1 << 40, 9]).unwrap();
+        let pulled = exchange(&mut t);
+        assert_eq!(pulled.tag, 9);
+        assert_eq!(pulled.result.unwrap(), (1, [&want[12..16], &want[4..8]].concat()));
+        assert!(!t.busy() && t.stats().row_answers_accepted > 0);
     }
 }

@@ -242,11 +242,11 @@ impl<D> RowTransport<D> {
         let RowRequest { plan, done } = r;
         let key = plan.key;
         let Some(table) = self.table(key) else {
-            let tables = self.tables.len();
+            let err = unknown_table(key, &self.tables);
             self.finished.push_back(RowFinished {
                 key,
                 done,
-                result: Err(WorkerError::UnknownKey { key, keys: tables }),
+                result: Err(err),
             });
             return;
         };
@@ -660,6 +660,22 @@ impl<D> RowTransport<D> {
             add(&self.stats.timeouts, 1);
             self.fail(key, err);
         }
+    }
+}
+
+/// The error for key `key`, which is none of `tables`.
+pub(crate) fn unknown_table(key: u32, tables: &[TableInfo]) -> WorkerError {
+    let names: Vec<String> = tables
+        .iter()
+        .map(|t| format!("{:?} (key {})", t.name, t.key))
+        .collect();
+    WorkerError::UnknownTable {
+        name: format!("key {key}"),
+        tables: if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        },
     }
 }
 
