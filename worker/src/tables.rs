@@ -184,8 +184,12 @@ impl Worker {
     /// no table of that name, more distinct ids for one lcore than one
     /// round carries (1024 datagrams of R rows), the appliance's refusal
     /// ([`WorkerError::TableRefused`]) or silence
-    /// ([`WorkerError::TableTimeout`]); after a failed push the table's
-    /// round stays where it was.
+    /// ([`WorkerError::TableTimeout`]). After a failed push the table's
+    /// round stays where it was, and some of its messages may be in: try
+    /// again with the same ids and gradients, which make the same messages
+    /// (the plan depends on them alone), each taken once by the appliance;
+    /// other rows for that round would make messages whose sequence numbers
+    /// it already holds with other ids, and never be answered.
     pub fn push_pull_rows(
         &self,
         table: &str,
