@@ -297,8 +297,9 @@ impl IoThread {
                 self.check_regions(now, When::Now);
                 self.transmit(&mut socket, now);
             }
-            self.rows.handle_timeout(now);
-            self.transmit(&mut socket, now);
+            if self.rows.handle_timeout(now) {
+                self.transmit(&mut socket, now);
+            }
             self.deliver();
             if let Some(inj) = self.inject.as_mut() {
                 let stats = &self.stats;

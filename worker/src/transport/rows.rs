@@ -390,8 +390,8 @@ impl<D> RowTransport<D> {
 
     /// Runs the timers at `now`: queues every message past its deadline
     /// for sending again, and fails every request once no answer at all
-    /// has come for `timeout`.
-    pub(crate) fn handle_timeout(&mut self, now: Instant) {
+    /// has come for `timeout`. Returns whether it queued messages.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = 0;
         for (&key, a) in &mut self.active {
             for (i, s) in a.states.iter_mut().enumerate() {
@@ -416,6 +416,7 @@ impl<D> RowTransport<D> {
         if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
+        resent > 0
     }
 
     /// The next request that ended, if any.
