@@ -497,6 +497,7 @@ impl<'c> World<'c> {
                 appliances: Appliances::Count(u32::from(case.racks)),
                 hierarchical: true,
                 ranks_per_rack: None,
+                replicas: 1,
             }),
             name: "sim".into(),
             workers: u32::from(case.workers),
