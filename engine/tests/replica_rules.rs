@@ -748,3 +748,68 @@ fn only_bsp_jobs_are_replicated() {
         .to_string();
     assert!(e.contains("BSP"), "{e}");
 }
+
+/// A primary restored from its checkpoint while an aggregate was pending
+/// waits for no acknowledgement: the restored round is a completed one,
+/// an ACK of the lost round is `ahead`, and the workers' resent pushes
+/// make the round again, replicated as any other.
+#[test]
+fn a_restore_forgets_pending_aggregates() {
+    let sp = spec(
+        Optimizer::Sgd {
+            lr: 0.5,
+            weight_decay: 0.0,
+        },
+        Dtype::F32,
+        2,
+        2,
+    );
+    let none = Faults {
+        replica_loss: 0.0,
+        loss: 0.0,
+        dup: 0.0,
+    };
+    let mut w = World::new(sp, &[1, 1], &["", ""], 5, none);
+    let total = w.total();
+    let values: HashMap<(u16, u64), Vec<f32>> = (0..3u16)
+        .flat_map(|r| (0..total).map(move |g| (r, g)))
+        .map(|(r, g)| ((r, g), vec![0.5 + f32::from(r); w.chunk(g).elems as usize]))
+        .collect();
+    round(&mut w, 0, &values);
+    let c = w.chunk(0);
+    let s = &mut w.shards[0][0];
+    for rank in 0..3u16 {
+        let d = Repr::request(MsgType::Push, JOB, TOKEN, rank, 1, 0)
+            .with_payload(Dtype::F32, c.elems as u16)
+            .with_chunk(c.key, c.chunk)
+            .to_datagram(&values[&(rank, 0)]);
+        s.handle(worker_addr(rank), &d, 10);
+    }
+    s.clear_transmits();
+    let saved = s.snapshot(JOB).unwrap();
+    s.restore(JOB, &saved).unwrap();
+    let ack = replica::ReplicaRepr {
+        kind: ReplicaMsgType::ReplicateAck,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        from: 1,
+        count: 0,
+        round: 1,
+        slot: 0,
+        key: c.key,
+        chunk: c.chunk,
+        epoch: 0,
+    };
+    assert_eq!(
+        s.handle(lcore_addr(1, 0), &ack.to_bytes(), 11),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    assert!(!s.has_transmits());
+    w.now += 1_000 * MS;
+    w.poll();
+    assert!(w.net.is_empty(), "no aggregate is resent after the restore");
+    round(&mut w, 1, &values);
+    assert_replicas_equal(&w, 1);
+}

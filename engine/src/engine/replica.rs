@@ -175,6 +175,13 @@ impl<A: Copy> Replica<A> {
         true
     }
 
+    /// Forgets every pending aggregate (after a restore, whose slots have
+    /// no round in progress).
+    pub(super) fn clear_pending(&mut self) {
+        self.pushed.fill(Pushed::default());
+        self.next_deadline = u64::MAX;
+    }
+
     /// Where backup `k` keeps primary slot `slot`.
     fn backup_of(&self, k: usize, slot: u32) -> Option<(A, u32)> {
         self.backups.get(k)?.1.place(self.first + u64::from(slot))
