@@ -465,7 +465,7 @@ fn backups_stay_bit_identical_under_loss_duplication_and_reordering() {
 /// last push, as on an appliance without replicas.
 #[test]
 fn one_replica_completes_at_the_last_push() {
-    let w = train(
+    let mut w = train(
         spec(
             Optimizer::Sgd {
                 lr: 0.1,
@@ -488,6 +488,27 @@ fn one_replica_completes_at_the_last_push() {
     for s in w.shards.iter().flatten() {
         assert_eq!(s.replica_stats(JOB).unwrap(), Default::default());
     }
+    // Nor is a replication message taken.
+    let c = w.chunk(0);
+    let ack = replica::ReplicaRepr {
+        kind: ReplicaMsgType::ReplicateAck,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        from: 1,
+        count: 0,
+        round: 4,
+        slot: 0,
+        key: c.key,
+        chunk: c.chunk,
+        epoch: 0,
+    };
+    let s = &mut w.shards[0][0];
+    assert_eq!(
+        s.handle(lcore_addr(1, 0), &ack.to_bytes(), w.now),
+        Verdict::Dropped(DropReason::WrongPeer)
+    );
 }
 
 /// A primary whose REPLICATEs are all lost answers nobody: the round is

@@ -51,6 +51,11 @@
 //! - PULL, in those modes, answers the current values with the rank's last
 //!   answered clock (its applied clock, minus one while held).
 //!
+//! - A replicated job's primary slot (PROTOCOL.md §11) completes a round
+//!   only once every backup of the chunk acknowledged its aggregate, so no
+//!   RESULT of a round leaves before every backup holds it; a backup slot
+//!   applies each round once, with the primary's completion code.
+//!
 //! The round rules are written out normatively in PROTOCOL.md §5.
 //!
 //! Shared memory (PROTOCOL.md §3.4): a job installed with

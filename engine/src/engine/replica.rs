@@ -631,6 +631,10 @@ impl<A: Copy + Eq> Shard<A> {
     /// the pending aggregate waited for, and the round is completed now.
     fn on_ack(job: &mut Job<A>, from: A, repr: &ReplicaRepr, now: u64) -> Result<bool, DropReason> {
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        if rep.backups.is_empty() {
+            // No chunk here has a backup: no appliance acknowledges one.
+            return Err(DropReason::WrongPeer);
+        }
         if repr.dtype != Dtype::F32 {
             return Err(DropReason::DtypeMismatch);
         }
