@@ -262,7 +262,7 @@ drop_reasons! {
     /// appliance's lcore holding the chunk, a PARTIAL_RESULT from an
     /// address other than the chunk's home lcore's (PROTOCOL.md §9.3,
     /// §9.4), or appliance-to-appliance traffic for a job this appliance
-    /// holds no such part of.
+    /// holds no such part of; likewise for replication messages (§11.4).
     WrongPeer = 24, "wrong_peer";
 }
 
