@@ -602,6 +602,7 @@ mod tests {
             appliances: phub_proto::spec::Appliances::Count(2),
             hierarchical: true,
             ranks_per_rack: Some(vec![2, 6]),
+            replicas: 1,
         });
         for rank in [1, 5] {
             hier.rank = rank;

@@ -16,6 +16,7 @@ use super::clock::RankClock;
 use super::error::EngineError;
 use super::hier::HierInstall;
 use super::outbox::Pending;
+use super::replica::ReplicaInstall;
 use super::slot::{RankSet, Slot};
 use super::stats::JobCounters;
 use super::{Job, Shard};
@@ -57,6 +58,10 @@ pub enum InstallKind {
     /// slots, and this says where the homes and the other racks are and
     /// which home slots this lcore keeps.
     Hierarchical(Box<HierInstall>),
+    /// A replicated job's part (PROTOCOL.md §11): the slots are the
+    /// primary slots of their chunks, and this says where their backups
+    /// are and which backup slots this lcore keeps. BSP jobs only.
+    Replicated(Box<ReplicaInstall>),
 }
 
 /// Most bytes of slot buffers in one block of slot memory (a 2 MiB huge
@@ -132,6 +137,7 @@ impl<A: Copy + Eq> Shard<A> {
             InstallKind::Plain => self.install_with(job, None),
             InstallKind::Shared(setup) => self.install_with(job, Some(setup)),
             InstallKind::Hierarchical(hier) => self.install_hierarchical(job, *hier),
+            InstallKind::Replicated(rep) => self.install_replicated(job, *rep),
         }
     }
 
@@ -229,6 +235,7 @@ impl<A: Copy + Eq> Shard<A> {
             quorum: job.workers,
             members: RankSet::of(0..job.workers),
             hier: None,
+            replica: None,
         });
         self.count_rx_workers();
         Ok(())
@@ -405,7 +412,10 @@ impl<A: Copy + Eq> Shard<A> {
                 + JOB_RECORD_BYTES as u64
                 + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
                 + regions * REGION_BYTES as u64
-                + hier,
+                + hier
+                + j.replica
+                    .as_ref()
+                    .map_or(0, |r| r.memory_bytes(u64::from(model.block_overhead_bytes))),
         )
     }
 }
