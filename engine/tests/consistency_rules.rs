@@ -229,6 +229,19 @@ fn a_snapshot_keeps_the_clocks_and_held_answers() {
         assert_eq!(snap[0].clocks, [1 | CLOCK_HELD, 0]);
         let mut t = shard(2, dtype, Optimizer::Sum, mode);
         t.restore(1, &snap).unwrap();
+        // Each rank pulls first (PROTOCOL.md §5.4 rule 0): rank 0, held,
+        // learns clock 0, rank 1 clock 0.
+        for rank in 0..2 {
+            assert_eq!(
+                t.handle(u32::from(rank), &msg(dtype, MsgType::Pull, rank, 0, &[]), 0),
+                Verdict::Pulled
+            );
+        }
+        let pulled: Vec<(u32, u32)> = drain(&mut t, dtype)
+            .into_iter()
+            .map(|(to, r, _)| (to, r))
+            .collect();
+        assert_eq!(pulled, [(0, 0), (1, 0)]);
         // The held answer stays held after the restart, and goes when rank
         // 1 pushes, with the values summed on the restored ones.
         assert_eq!(

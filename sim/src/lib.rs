@@ -284,8 +284,10 @@ pub struct Rejoin {
 /// `at_us` its shards are gone (what reaches them is lost), and `down_us`
 /// later new shards install the job (its part of the hierarchy) and
 /// restore the checkpoint, as control reinstalls a restarted dataplane's
-/// parts. Workers that were ahead get an ERROR `ahead`, pull every key and
-/// repeat the rounds since (README, "phub-dataplane dies"); their
+/// parts. Each rank's first INIT or PUSH to a restored lcore of a flat job
+/// is refused `ahead` (PROTOCOL.md §5.4 rule 0), as are a hierarchical
+/// job's pushes past it; the rank pulls every key and repeats the rounds
+/// since (README, "phub-dataplane dies"); their
 /// gradients are a function of the round, so BSP results are still the
 /// reference's, and the models of async and bounded-delay chunks go back
 /// to the checkpoint with the engine. A checkpoint older than the crash is
@@ -917,7 +919,6 @@ impl<'c> World<'c> {
         let Some(c) = self.crash() else { return };
         let on = |lc: &Lcore| matches!(lc.node, Node::Lcore(a, _) if a == c.appliance);
         if self.now >= c.checkpoint_us && self.outcome.restored == 0 {
-            let mut taken = false;
             let snaps: Vec<(usize, Vec<phub_proto::checkpoint::SlotState>)> = (0..self.lcores.len())
                 .filter(|&g| on(&self.lcores[g]) && self.lcores[g].checkpoint.is_none())
                 .map(|g| {
@@ -927,31 +928,14 @@ impl<'c> World<'c> {
                     )
                 })
                 .collect();
-            // Not before round 0 completed on every slot of the appliance
-            // (unless it crashes first): a finding, narrowed, not fixed
-            // (README, the simulator). The ranks past round 0 are refused
-            // `ahead` by the restored appliance and pull; the PULL of a
-            // slot with no round was dropped with nothing sent, and the
-            // round 0 it waited for needed their INITs (seed 316 of
-            // `random_jobs` with this guard lifted). An ERROR
-            // `nothing_to_pull` now tells them to send their INITs again
-            // (PROTOCOL.md §5.5, §6.1), and seed 316 passes; but with the
-            // guard lifted the soak's seeds 2317 (BSP, 3 workers, window
-            // 19, clog, checkpoint at 14 µs) and 3284 (BSP, 6 workers,
-            // window 6, clog, checkpoint at 1000 µs) still hang: a rank's
-            // INIT of a key waits out its timeout at round 0, 1 chunk
-            // missing, with no `ahead` nor `nothing_to_pull` counted for
-            // it; and in async and bounded delay seed 900 of
-            // `an_appliance_crashes_in_async_and_bounded_delay` (ssp:1,
-            // checkpoint at 0 µs) the same way. Cause not found.
-            let early = snaps
-                .iter()
-                .any(|(_, st)| st.iter().any(|s| s.completed.is_none()));
-            if !early || self.now >= c.at_us {
-                for (g, st) in snaps {
-                    self.lcores[g].checkpoint = Some(st);
-                    taken = true;
-                }
+            // Even before round 0 completed on every slot: the restored
+            // appliance refuses each rank's first INIT or PUSH `ahead`, and
+            // the rank pulls (PROTOCOL.md §5.4 rule 0; a chunk with no
+            // round answers `nothing_to_pull`, §5.5, and the rank sends its
+            // INIT again).
+            let taken = !snaps.is_empty();
+            for (g, st) in snaps {
+                self.lcores[g].checkpoint = Some(st);
             }
             // Not BSP: the models of its chunks as they stand now.
             if taken {

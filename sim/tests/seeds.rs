@@ -554,6 +554,104 @@ fn restore_from_an_older_checkpoint() {
     });
 }
 
+/// A finding of the simulator, fixed: a checkpoint taken before round 0
+/// completed on every slot (seeds 2317 and 3284 of the soak). Seed 2317:
+/// three ranks, one appliance of two lcores, checkpoint at 14 µs (no
+/// round anywhere), crash at 15.4 ms. Before it, rank 1 had completed
+/// round 0 of key 1 (both chunks) and waited for key 3 chunk 3's RESULT
+/// (lost); rank 2 had completed key 3 chunk 3 and, clogged from 10 ms to
+/// 84 ms, waited for key 1 chunk 0's. The restored appliance had lost
+/// those rounds. Rank 0, pushing round 1, was refused `ahead`, pulled and
+/// sent its INITs again; rank 1's resent INIT of key 3 chunk 3 and rank
+/// 2's of key 1 chunk 0 were taken as contributions, and each round then
+/// waited for the INIT of the other rank, which held its result and was
+/// told to send it again (only a PUSH ahead of a slot was refused, and
+/// neither rank had one): both waited out their 30 s timeout. Now a
+/// restored lcore refuses each rank's INITs and PUSHes `ahead` until it
+/// pulls (PROTOCOL.md §5.4 rule 0): the ranks pull, are told
+/// `nothing_to_pull`, and send their INITs again.
+#[test]
+fn a_checkpoint_before_round_0_completed() {
+    let seed_2317 = Case {
+        seed: 2317,
+        workers: 3,
+        appliances: 1,
+        lcores: 2,
+        keys: vec![261, 55, 102, 188],
+        dtype: Dtype::F32,
+        chunk_bytes: 192,
+        optimizer: Optimizer::Mean,
+        consistency: Consistency::Sync,
+        rounds: 5,
+        window: 19,
+        faults: Faults {
+            loss: 0.062_847_273_406_484_04,
+            dup: 0.060_832_792_856_486_35,
+            reorder: 0.016_031_476_507_677,
+            delay_us: (14, 392),
+            jitter_us: 133,
+        },
+        partition: None,
+        clog: Some(Spell {
+            node: Node::Worker(2),
+            from_us: 10_124,
+            until_us: 84_270,
+        }),
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 14,
+            at_us: 15_410,
+            down_us: 6_534,
+        }),
+        compute_us: 805,
+        racks: 0,
+    };
+    let seed_3284 = Case {
+        seed: 3284,
+        workers: 6,
+        keys: vec![17, 221],
+        dtype: Dtype::F16,
+        optimizer: Optimizer::Adamw {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        window: 6,
+        faults: Faults {
+            loss: 0.171_614_372_978_619_1,
+            dup: 0.000_906_753_590_860_609_5,
+            reorder: 0.011_809_701_164_432_963,
+            delay_us: (35, 235),
+            jitter_us: 171,
+        },
+        clog: Some(Spell {
+            node: Node::Worker(2),
+            from_us: 15_651,
+            until_us: 17_072,
+        }),
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 1000,
+            at_us: 3423,
+            down_us: 24_897,
+        }),
+        compute_us: 1767,
+        ..seed_2317.clone()
+    };
+    for c in [seed_2317, seed_3284] {
+        let o = run(&c);
+        eprintln!("seed {}: {o:?}", c.seed);
+        assert_eq!(o.restored, 1, "{o:?}");
+        assert!(
+            o.refused_nothing_to_pull > 0,
+            "no rank sent its INIT again: {o:?}"
+        );
+    }
+}
+
 /// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
 /// appliance each, the workers spread over them, under loss, duplication
 /// and reordering on every hop (worker to rack appliance, rack appliance
