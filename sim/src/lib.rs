@@ -263,7 +263,8 @@ impl Case {
 /// A rank leaves the job and rejoins it: its transport is closed (what it
 /// had in flight fails with `Closed`), and after `away_us` a new one pulls
 /// every key (PROTOCOL.md: the last completed result of every chunk; the
-/// lowest round over chunks becomes the key's) and goes on from there.
+/// lowest round over chunks becomes the key's) and goes on from there,
+/// keys at the lowest round first (§6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejoin {
     /// The rank.
@@ -764,7 +765,13 @@ impl<'c> World<'c> {
         }
         for k in 0..self.case.keys.len() {
             let round = self.ranks[i].next[k];
-            if round > self.case.rounds {
+            // A key ahead of the others (after a pull: a rejoin, or
+            // `ahead`) waits for them (PROTOCOL.md §6.1): pushed now, the
+            // rank would wait for its result before pushing the others'
+            // next round, which the other ranks may send first with a
+            // window smaller than a round: each then waits on the other
+            // (seed 9773).
+            if round > self.case.rounds || round > lowest {
                 continue;
             }
             if round == self.case.rounds && self.last_round_at.is_none() {

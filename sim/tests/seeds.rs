@@ -652,6 +652,75 @@ fn a_checkpoint_before_round_0_completed() {
     }
 }
 
+/// A finding of the soak, fixed: seed 9773 (BSP, three ranks, window 5,
+/// keys of 5, 1 and 3 chunks). Rank 0 left mid-round 1 and rejoined; its
+/// pull found key 1 at round 1 and keys 0 and 2 at round 0 (its round-1
+/// pushes of those were lost as it left). It pushed round 2 of key 1 with
+/// round 1 of keys 0 and 2 and waited for all three before its next
+/// round; ranks 1 and 2, at round 2, filled their windows of 5 with key
+/// 0's five chunks, which waited for rank 0's round 2 of key 0, and their
+/// round 2 of key 1 waited behind them: rank 0 timed out on key 1 round
+/// 2. Now a rank whose keys stand at different rounds pushes the lowest
+/// first (PROTOCOL.md §6.1), as a training loop that goes on from the
+/// lowest round over its keys does. (Since the restore's rule 0,
+/// PROTOCOL.md §5.4, the restore at 2.7 ms shifts this run enough that it
+/// passes without the rank's change too; on the code before both it
+/// failed.)
+#[test]
+fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
+    let o = run(&Case {
+        seed: 9773,
+        workers: 3,
+        appliances: 1,
+        lcores: 1,
+        keys: vec![259, 51, 179],
+        dtype: Dtype::F16,
+        chunk_bytes: 128,
+        optimizer: Optimizer::Adamw {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        consistency: Consistency::Sync,
+        rounds: 3,
+        window: 5,
+        faults: Faults {
+            loss: 0.034_165_206_826_344_184,
+            dup: 0.068_237_374_057_909_96,
+            reorder: 0.024_924_522_786_918_948,
+            delay_us: (8, 253),
+            jitter_us: 181,
+        },
+        partition: Some(Spell {
+            node: Node::Worker(2),
+            from_us: 8629,
+            until_us: 79_834,
+        }),
+        clog: Some(Spell {
+            node: Node::Lcore(0, 0),
+            from_us: 17_247,
+            until_us: 74_703,
+        }),
+        rejoin: Some(Rejoin {
+            rank: 0,
+            round: 1,
+            mid_round_us: Some(391),
+            away_us: 15_033,
+        }),
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 2671,
+            at_us: 2671,
+            down_us: 23_184,
+        }),
+        compute_us: 751,
+        racks: 0,
+    });
+    assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
+}
+
 /// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
 /// appliance each, the workers spread over them, under loss, duplication
 /// and reordering on every hop (worker to rack appliance, rack appliance
