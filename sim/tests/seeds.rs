@@ -721,6 +721,64 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
 }
 
+/// A finding of the soak with `Case::draw`'s guard lifted that keeps
+/// checkpoints older than the crash from windows smaller than a round,
+/// fixed: seed 4155 (bounded delay
+/// τ = 0, eight ranks over two appliances, key 0 of 15 chunks, window
+/// 10). Appliance 0 came back at its checkpoint, 10 ms older than the
+/// crash; the ranks were refused `ahead`, pulled key 0 (its lowest clock
+/// over chunks, on appliance 0) and repeated clocks from there. On
+/// appliance 1, which had not crashed, the answers to clock 5 of chunk 7
+/// (and others) were held for every rank but rank 2, the slowest at 4
+/// (τ = 0): their repeated clock 3 there was dropped `duplicate`, waiting
+/// for the release, which needed rank 2's clock 5; rank 2 sent it only
+/// once its clocks 3 and 4 were answered on every chunk, appliance 0's
+/// included, where with τ = 0 they waited for the other ranks' clock 3,
+/// held up behind those duplicates in their windows of 10. Rank 1 timed
+/// out on key 0 clock 3, 4 of 15 chunks
+/// missing. Now a clock older than the held one is answered when within τ
+/// of the slowest (PROTOCOL.md §5.8 rule 1).
+#[test]
+fn a_held_answer_and_a_rank_repeating_older_clocks() {
+    let o = run(&Case {
+        seed: 4155,
+        workers: 8,
+        appliances: 2,
+        lcores: 3,
+        keys: vec![227],
+        dtype: Dtype::F32,
+        chunk_bytes: 64,
+        optimizer: Optimizer::Momentum {
+            lr: 0.01,
+            momentum: 0.9,
+            weight_decay: 0.001,
+        },
+        consistency: Consistency::Bounded { delay: 0 },
+        rounds: 12,
+        window: 10,
+        faults: Faults {
+            loss: 0.010_916_113_564_779_062,
+            dup: 0.080_835_641_331_613_2,
+            reorder: 0.036_343_904_024_829_21,
+            delay_us: (48, 100),
+            jitter_us: 198,
+        },
+        partition: None,
+        clog: None,
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 16_807,
+            at_us: 26_501,
+            down_us: 27_926,
+        }),
+        compute_us: 685,
+        racks: 0,
+    });
+    assert_eq!(o.restored, 1, "{o:?}");
+    assert!(o.held > 0, "no answer was held: {o:?}");
+}
+
 /// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
 /// appliance each, the workers spread over them, under loss, duplication
 /// and reordering on every hop (worker to rack appliance, rack appliance
