@@ -218,13 +218,6 @@ impl Case {
             if let Some(c) = &mut case.crash {
                 c.appliance %= case.racks;
             }
-            // A hierarchical rank leaves and rejoins only where its window
-            // holds a round: a finding, not fixed (seed 388 before this
-            // guard: R = 3, window 2, a rank left between rounds 1 and 2
-            // and every rank waited for ever on round 2).
-            if case.window < case.round_chunks() {
-                case.rejoin = None;
-            }
         }
         // Half the checkpoints are older than the crash (taken mid-round:
         // slots at different rounds; the workers pull and repeat rounds
@@ -843,12 +836,17 @@ impl<'c> World<'c> {
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
         let config = WorkerConfig::default();
+        // A hierarchical rank's transport sends its chunks in the order
+        // every rack shares, as it did before it left (phub-worker's join
+        // sets it from the job's spec each time): with `true` here the
+        // rejoined rank of seed 388 sent them by lcore, and with a window
+        // smaller than a round it and its rack waited on each other.
         let t = SimTransport::new(
             JOB,
             TOKEN,
             rank,
             self.case.dtype,
-            true,
+            self.case.racks < 2,
             self.case.window,
             &config,
             now,

@@ -779,6 +779,52 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
     assert!(o.held > 0, "no answer was held: {o:?}");
 }
 
+/// A finding of the simulator, fixed: seed 388 (R = 3 racks of one
+/// appliance, seven ranks, window 2, keys of 7 and 6 chunks). Rank 0 left
+/// mid-round 2 and rejoined; the simulator gave its new transport a flat
+/// job's order (chunks interleaved over lcores) instead of the order every
+/// rack of a hierarchical job shares (PROTOCOL.md §6.1, `spread_order`):
+/// at round 3 it sent key 0's chunks 0, 1 and 6, while the other ranks,
+/// in the shared order (0, 4, 2, 6, ...), waited with chunks 2 and 4 out
+/// for its pushes of them, which it would send only once its own were
+/// answered: every rank timed out. (phub-worker's join sets the order from the job's spec
+/// each time; the simulator's rejoin did not.)
+#[test]
+fn a_hierarchical_rank_rejoining_with_a_small_window() {
+    let o = run(&Case {
+        seed: 388,
+        workers: 7,
+        appliances: 3,
+        lcores: 2,
+        keys: vec![297, 281],
+        dtype: Dtype::F32,
+        chunk_bytes: 192,
+        optimizer: Optimizer::Sum,
+        consistency: Consistency::Sync,
+        rounds: 5,
+        window: 2,
+        faults: Faults {
+            loss: 0.041_772_292_942_514_08,
+            dup: 0.057_093_484_030_321_995,
+            reorder: 0.014_882_595_288_973_911,
+            delay_us: (16, 328),
+            jitter_us: 48,
+        },
+        partition: None,
+        clog: None,
+        rejoin: Some(Rejoin {
+            rank: 0,
+            round: 2,
+            mid_round_us: Some(335),
+            away_us: 12_830,
+        }),
+        crash: None,
+        compute_us: 976,
+        racks: 3,
+    });
+    assert_eq!(o.rejoined, 1, "{o:?}");
+}
+
 /// Hierarchical jobs (PROTOCOL.md §9) over R = 2 and 3 racks of one
 /// appliance each, the workers spread over them, under loss, duplication
 /// and reordering on every hop (worker to rack appliance, rack appliance
