@@ -217,6 +217,43 @@ fn bounded_delay_zero_gives_every_rank_the_same_values_each_clock() {
     }
 }
 
+/// PROTOCOL.md §5.8 rule 1: a rank whose answer is held and that repeats
+/// an older clock (after a pull) is answered when that clock is within τ
+/// of the slowest; the held clock itself stays a duplicate. Dropped, the
+/// older clock waited for a release that needed this rank's later clocks
+/// on other chunks (the simulator's seed 4155).
+#[test]
+fn an_older_clock_of_a_held_rank_is_answered_within_tau() {
+    let dtype = Dtype::F32;
+    let mut s = shard(2, dtype, Optimizer::Sum, Consistency::Bounded { delay: 0 });
+    init(&mut s, dtype, 2, &[1.0, 1.0]);
+    for rank in 0..2 {
+        s.handle(
+            u32::from(rank),
+            &msg(dtype, MsgType::Push, rank, 1, &[1.0, 1.0]),
+            0,
+        );
+    }
+    assert_eq!(drain(&mut s, dtype).len(), 2, "clock 1 answered to both");
+    // Rank 0's clock 2 is held: rank 1 is at 1.
+    assert_eq!(
+        s.handle(0, &msg(dtype, MsgType::Push, 0, 2, &[1.0, 1.0]), 0),
+        Verdict::Held
+    );
+    // Its clock 1 again: within τ of the slowest (1), answered.
+    assert_eq!(
+        s.handle(0, &msg(dtype, MsgType::Push, 0, 1, &[1.0, 1.0]), 0),
+        Verdict::Resent
+    );
+    assert_eq!(drain(&mut s, dtype), [(0, 1, vec![4.0, 4.0])]);
+    // Its clock 2 again: the held one, a duplicate, nothing sent.
+    assert_eq!(
+        s.handle(0, &msg(dtype, MsgType::Push, 0, 2, &[1.0, 1.0]), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+    assert!(drain(&mut s, dtype).is_empty());
+}
+
 #[test]
 fn a_snapshot_keeps_the_clocks_and_held_answers() {
     for dtype in [Dtype::F32, Dtype::Bf16] {
@@ -229,6 +266,19 @@ fn a_snapshot_keeps_the_clocks_and_held_answers() {
         assert_eq!(snap[0].clocks, [1 | CLOCK_HELD, 0]);
         let mut t = shard(2, dtype, Optimizer::Sum, mode);
         t.restore(1, &snap).unwrap();
+        // Each rank pulls first (PROTOCOL.md §5.4 rule 0): rank 0, held,
+        // learns clock 0, rank 1 clock 0.
+        for rank in 0..2 {
+            assert_eq!(
+                t.handle(u32::from(rank), &msg(dtype, MsgType::Pull, rank, 0, &[]), 0),
+                Verdict::Pulled
+            );
+        }
+        let pulled: Vec<(u32, u32)> = drain(&mut t, dtype)
+            .into_iter()
+            .map(|(to, r, _)| (to, r))
+            .collect();
+        assert_eq!(pulled, [(0, 0), (1, 0)]);
         // The held answer stays held after the restart, and goes when rank
         // 1 pushes, with the values summed on the restored ones.
         assert_eq!(

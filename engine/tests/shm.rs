@@ -654,7 +654,13 @@ fn a_snapshot_of_a_job_with_its_results_in_the_region_restores_them_there() {
             assert_eq!(b.result(id, slot).unwrap(), (2, &results[slot as usize][..]));
             assert_eq!(encoded(dtype, &w[0].result(slot)), results[slot as usize]);
         }
-        // The restored job goes on exactly as the plain one does.
+        // The restored job goes on exactly as the plain one does, once each
+        // rank pulled (PROTOCOL.md §5.4 rule 0).
+        for rank in 0..3u16 {
+            let m = msg(id, MsgType::Pull, rank, 0, 0, rank != 0, dtype);
+            assert_eq!(b.handle(u32::from(rank), &m, 1), Verdict::Pulled);
+        }
+        drain(&mut b);
         for slot in 0..2 {
             for rank in [0u16, 2, 1] {
                 let g = rough(rank, 3, slot);

@@ -244,7 +244,8 @@ drop_reasons! {
     /// one (a rank's INIT or PUSH of an older round is answered with the
     /// stored result: PROTOCOL.md §5.4 rule 5).
     Stale = 18, "stale";
-    /// A round beyond the one in progress.
+    /// A round beyond the one in progress, or an INIT or PUSH to an lcore
+    /// restored from a checkpoint from a rank that has not pulled since.
     Ahead = 19, "ahead";
     /// A PULL for a chunk with no completed round yet.
     NothingToPull = 20, "nothing_to_pull";

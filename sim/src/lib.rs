@@ -218,27 +218,35 @@ impl Case {
             if let Some(c) = &mut case.crash {
                 c.appliance %= case.racks;
             }
-            // A hierarchical rank leaves and rejoins only where its window
-            // holds a round: a finding, not fixed (seed 388 before this
-            // guard: R = 3, window 2, a rank left between rounds 1 and 2
-            // and every rank waited for ever on round 2).
-            if case.window < case.round_chunks() {
-                case.rejoin = None;
-            }
         }
         // Half the checkpoints are older than the crash (taken mid-round:
         // slots at different rounds; the workers pull and repeat rounds
         // the restored appliance has completed past). Not in a
         // hierarchical job: the other racks' slots are then ahead of a
         // restored home, whose partials of the rounds it lost they do not
-        // send again (PROTOCOL.md §9, "Restarts": not built). Nor with a
-        // window smaller than a round, nor with a rejoin: a finding, not
-        // fixed (seed 1002 before this guard; README): a rank whose
-        // pushes in flight the restored appliance takes is never told
-        // that rounds it had finished were lost, so it never repeats
-        // them; the ranks told (`ahead`) fill their small windows with
-        // those rounds, and the round it waits on never completes.
-        let older = case.racks < 2 && case.window >= case.round_chunks() && case.rejoin.is_none();
+        // send again (PROTOCOL.md §9, "Restarts": not built). Nor, over
+        // several appliances, with a window smaller than a round: a
+        // finding, narrowed, not fixed (README). A restored lcore now
+        // tells each rank at its first INIT or PUSH (`ahead`, PROTOCOL.md
+        // §5.4 rule 0; seed 1002 failed before this guard) and
+        // answers a held rank's older clocks (§5.8 rule 1: seed 4155);
+        // but a rank that sends the restored appliance nothing is never
+        // told. Seed 15317 with the guard lifted (BSP, 2 ranks, 2
+        // appliances, window 15, 42 chunks a round, checkpoint at 7.4 ms,
+        // appliance 1 crashed at 24.9 ms and back at 62 ms): rank 0, at
+        // round 3, had filled its window with key 0's round-3 chunks on
+        // appliance 0, which waited for rank 1; rank 1, refused `ahead`
+        // by appliance 1, pulled and went back to round 0 of key 3 (the
+        // checkpoint held no round of its chunk 9), whose INIT needed rank
+        // 0's again; rank 0 sent appliance 1 nothing after the crash (its
+        // chunks there wait behind the window) and was never told. Seeds 11567, 12062 and 14434 (BSP with a
+        // rejoin, bounded delay, async; windows 2, 3 and 1, two
+        // appliances) also fail with the guard lifted (not traced: a
+        // rank times out). Telling such a rank needs the
+        // restored appliance to reach ranks it has not heard from (their
+        // addresses are learnt from their messages, §6.3), or a window
+        // per appliance.
+        let older = case.racks < 2 && (case.appliances == 1 || case.window >= case.round_chunks());
         if let Some(c) = case.crash.as_mut().filter(|_| older) {
             if rng.gen_bool(0.5) {
                 c.checkpoint_us = rng.gen_range(0..c.at_us);
@@ -263,7 +271,8 @@ impl Case {
 /// A rank leaves the job and rejoins it: its transport is closed (what it
 /// had in flight fails with `Closed`), and after `away_us` a new one pulls
 /// every key (PROTOCOL.md: the last completed result of every chunk; the
-/// lowest round over chunks becomes the key's) and goes on from there.
+/// lowest round over chunks becomes the key's) and goes on from there,
+/// keys at the lowest round first (§6.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Rejoin {
     /// The rank.
@@ -284,8 +293,10 @@ pub struct Rejoin {
 /// `at_us` its shards are gone (what reaches them is lost), and `down_us`
 /// later new shards install the job (its part of the hierarchy) and
 /// restore the checkpoint, as control reinstalls a restarted dataplane's
-/// parts. Workers that were ahead get an ERROR `ahead`, pull every key and
-/// repeat the rounds since (README, "phub-dataplane dies"); their
+/// parts. Each rank's first INIT or PUSH to a restored lcore of a flat job
+/// is refused `ahead` (PROTOCOL.md §5.4 rule 0), as are a hierarchical
+/// job's pushes past it; the rank pulls every key and repeats the rounds
+/// since (README, "phub-dataplane dies"); their
 /// gradients are a function of the round, so BSP results are still the
 /// reference's, and the models of async and bounded-delay chunks go back
 /// to the checkpoint with the engine. A checkpoint older than the crash is
@@ -763,7 +774,13 @@ impl<'c> World<'c> {
         }
         for k in 0..self.case.keys.len() {
             let round = self.ranks[i].next[k];
-            if round > self.case.rounds {
+            // A key ahead of the others (after a pull: a rejoin, or
+            // `ahead`) waits for them (PROTOCOL.md §6.1): pushed now, the
+            // rank would wait for its result before pushing the others'
+            // next round, which the other ranks may send first with a
+            // window smaller than a round: each then waits on the other
+            // (seed 9773).
+            if round > self.case.rounds || round > lowest {
                 continue;
             }
             if round == self.case.rounds && self.last_round_at.is_none() {
@@ -820,12 +837,17 @@ impl<'c> World<'c> {
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
         let config = WorkerConfig::default();
+        // A hierarchical rank's transport sends its chunks in the order
+        // every rack shares, as it did before it left (phub-worker's join
+        // sets it from the job's spec each time): with `true` here the
+        // rejoined rank of seed 388 sent them by lcore, and with a window
+        // smaller than a round it and its rack waited on each other.
         let t = SimTransport::new(
             JOB,
             TOKEN,
             rank,
             self.case.dtype,
-            true,
+            self.case.racks < 2,
             self.case.window,
             &config,
             now,
@@ -918,7 +940,6 @@ impl<'c> World<'c> {
         let Some(c) = self.crash() else { return };
         let on = |lc: &Lcore| matches!(lc.node, Node::Lcore(a, _) if a == c.appliance);
         if self.now >= c.checkpoint_us && self.outcome.restored == 0 {
-            let mut taken = false;
             let snaps: Vec<(usize, Vec<phub_proto::checkpoint::SlotState>)> = (0..self.lcores.len())
                 .filter(|&g| on(&self.lcores[g]) && self.lcores[g].checkpoint.is_none())
                 .map(|g| {
@@ -928,31 +949,14 @@ impl<'c> World<'c> {
                     )
                 })
                 .collect();
-            // Not before round 0 completed on every slot of the appliance
-            // (unless it crashes first): a finding, narrowed, not fixed
-            // (README, the simulator). The ranks past round 0 are refused
-            // `ahead` by the restored appliance and pull; the PULL of a
-            // slot with no round was dropped with nothing sent, and the
-            // round 0 it waited for needed their INITs (seed 316 of
-            // `random_jobs` with this guard lifted). An ERROR
-            // `nothing_to_pull` now tells them to send their INITs again
-            // (PROTOCOL.md §5.5, §6.1), and seed 316 passes; but with the
-            // guard lifted the soak's seeds 2317 (BSP, 3 workers, window
-            // 19, clog, checkpoint at 14 µs) and 3284 (BSP, 6 workers,
-            // window 6, clog, checkpoint at 1000 µs) still hang: a rank's
-            // INIT of a key waits out its timeout at round 0, 1 chunk
-            // missing, with no `ahead` nor `nothing_to_pull` counted for
-            // it; and in async and bounded delay seed 900 of
-            // `an_appliance_crashes_in_async_and_bounded_delay` (ssp:1,
-            // checkpoint at 0 µs) the same way. Cause not found.
-            let early = snaps
-                .iter()
-                .any(|(_, st)| st.iter().any(|s| s.completed.is_none()));
-            if !early || self.now >= c.at_us {
-                for (g, st) in snaps {
-                    self.lcores[g].checkpoint = Some(st);
-                    taken = true;
-                }
+            // Even before round 0 completed on every slot: the restored
+            // appliance refuses each rank's first INIT or PUSH `ahead`, and
+            // the rank pulls (PROTOCOL.md §5.4 rule 0; a chunk with no
+            // round answers `nothing_to_pull`, §5.5, and the rank sends its
+            // INIT again).
+            let taken = !snaps.is_empty();
+            for (g, st) in snaps {
+                self.lcores[g].checkpoint = Some(st);
             }
             // Not BSP: the models of its chunks as they stand now.
             if taken {

@@ -788,6 +788,21 @@ fn sgd_rounds(w: &Worker, params: &mut [Vec<f32>], rounds: std::ops::RangeInclus
     }
 }
 
+/// After a part was restored from its checkpoint: the worker pulls every
+/// key (a restored lcore refuses a rank's pushes `ahead` until it pulled,
+/// PROTOCOL.md §5.4 rule 0), and each stands at `round` with the values the
+/// worker holds.
+fn pull_after_restore(w: &Worker, params: &mut [Vec<f32>], round: u32) {
+    for (k, p) in params.iter_mut().enumerate() {
+        let held = p.clone();
+        let at = w
+            .pull(k as u32, p)
+            .unwrap_or_else(|e| panic!("pull key {k}: {e}"));
+        assert_eq!(at, round, "key {k} pulled at round {at}");
+        assert!(*p == held, "key {k}: pulled values differ from round {round}'s");
+    }
+}
+
 /// Job `id`'s part on appliance `name`'s checkpoint file.
 fn part_file(rack: &Appliances, id: u16, name: &str) -> std::path::PathBuf {
     rack.dir.join(format!("state.json.job-{id}.{name}.ckpt"))
@@ -930,6 +945,7 @@ fn a_corrupt_part_checkpoint_holds_the_job_until_the_file_is_repaired() {
     assert_eq!(live.round_range, Some((3, 3)), "{live:?}");
     let listed = rack.send(&control::jobs());
     assert!(listed[0].installed && listed[0].held.is_none(), "{listed:?}");
+    pull_after_restore(&w, &mut params, 3);
     sgd_rounds(&w, &mut params, 4..=6);
     let (ok, out, err) = rack.phubctl(&["job", "checkpoint", &id]);
     assert!(ok && out.contains("round 6"), "{out}{err}");
@@ -976,6 +992,7 @@ fn swapped_part_checkpoints_hold_the_job_until_put_back() {
         ok && out.contains("usable (round 2); restored from it"),
         "{out}{err}"
     );
+    pull_after_restore(&w, &mut params, 2);
     sgd_rounds(&w, &mut params, 3..=4);
 }
 

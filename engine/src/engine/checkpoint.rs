@@ -213,6 +213,17 @@ impl<A: Copy + Eq> Shard<A> {
             }
         }
         j.counters.held = j.clocks.iter().filter(|c| c.held()).count() as u64;
+        // The checkpoint may be older than the state the ranks hold: rounds
+        // completed after it are lost, and a rank that holds the result of
+        // one such round will not push that round again unless told. Each
+        // rank is told at its first INIT or PUSH (`ahead`) and pulls
+        // (PROTOCOL.md §5.4 rule 0). A hierarchical part's checkpoint must
+        // hold the last round completed (§9, "Restarts"): its ranks go on.
+        j.unsynced = if j.hier.is_none() {
+            j.members
+        } else {
+            RankSet::default()
+        };
         if let Some(shm) = &mut j.shm {
             #[allow(clippy::cast_possible_truncation)]
             for (i, slot) in j.slots.iter().enumerate() {

@@ -81,8 +81,18 @@ impl<A: Copy + Eq> Shard<A> {
         if c <= mine.applied() {
             // A duplicate (or a late INIT): never applied again. Answered
             // with the current values unless this rank's answer is held,
-            // which the release will send.
-            return if mine.held() {
+            // which the release will send. An older clock than the held
+            // one (a rank repeating clocks after a pull) is answered when
+            // within τ of the slowest, as its release would have been:
+            // held, the rank would wait for a release that may need its
+            // own later clocks on other chunks (PROTOCOL.md §5.8 rule 1).
+            let within = match consistency {
+                Consistency::Bounded { delay } => {
+                    u64::from(c) <= u64::from(slowest(clocks)) + u64::from(delay)
+                }
+                _ => true,
+            };
+            return if mine.held() && (c == mine.applied() || !within) {
                 Err(DropReason::Duplicate)
             } else {
                 Ok(Step::Resend(Some(c)))

@@ -234,6 +234,7 @@ impl<A: Copy + Eq> Shard<A> {
             counters: JobCounters::default(),
             quorum: job.workers,
             members: RankSet::of(0..job.workers),
+            unsynced: RankSet::default(),
             hier: None,
             replica: None,
         });

@@ -221,6 +221,10 @@ struct Job<A> {
     quorum: u16,
     /// Ranks that may send to this lcore: all W, or a rack's.
     members: RankSet,
+    /// A flat job restored from a checkpoint: the ranks not heard pulling
+    /// since, whose INITs and PUSHes are refused `ahead` (PROTOCOL.md §5.4
+    /// rule 0). Empty otherwise.
+    unsynced: RankSet,
     /// A hierarchical job's rack and home state (PROTOCOL.md §9).
     hier: Option<Box<Hier<A>>>,
     /// A replicated job's backups, pending aggregates and backup slots

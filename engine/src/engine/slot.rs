@@ -516,11 +516,19 @@ impl<A: Copy + Eq> Shard<A> {
         let at = repr.slot as usize * w;
         let clocks = job.clocks.get_mut(at..at + w);
         if repr.kind == MsgType::Pull {
+            // After a restore, a rank that pulls learns where the chunks
+            // stand (PROTOCOL.md §5.4 rule 0).
+            job.unsynced.remove(repr.rank);
             return if slot.completed.is_none() {
                 Err(DropReason::NothingToPull)
             } else {
                 Ok(Step::Resend(clocks.map(|c| c[usize::from(repr.rank)].answered())))
             };
+        }
+        // PROTOCOL.md §5.4 rule 0: restored from a checkpoint, this lcore
+        // may have lost rounds the rank holds results of; it pulls first.
+        if job.unsynced.contains(repr.rank) {
+            return Err(DropReason::Ahead);
         }
         if (repr.kind == MsgType::Init) != (repr.round == 0) {
             return Err(DropReason::WrongTypeForRound);

@@ -219,6 +219,26 @@ fn push(dtype: Dtype, rank: u16, round: u32, slot: u32, vals: &[f32]) -> Vec<u8>
     repr.to_datagram(&vals[..n])
 }
 
+fn pull(dtype: Dtype, rank: u16, slot: u32) -> Vec<u8> {
+    Repr::request(MsgType::Pull, 1, 7, rank, 0, slot)
+        .with_payload(dtype, 0)
+        .with_chunk(0, slot)
+        .to_datagram(&[])
+}
+
+/// Each of `ranks` pulls each of the two slots, answered.
+fn pull_every_slot(s: &mut Shard<u32>, dtype: Dtype, ranks: u16) {
+    for rank in 0..ranks {
+        for slot in 0..2 {
+            assert_eq!(
+                s.handle(u32::from(rank), &pull(dtype, rank, slot), 1),
+                Verdict::Pulled
+            );
+        }
+    }
+    s.clear_transmits();
+}
+
 fn rounds(s: &mut Shard<u32>, dtype: Dtype, from: u32, to: u32) {
     for round in from..to {
         for slot in 0..2 {
@@ -269,7 +289,9 @@ fn a_snapshot_restores_every_result_kind_exactly() {
                 assert_eq!(a.params(1, slot), b.params(1, slot));
             }
             assert_eq!(b.snapshot(1).unwrap(), saved);
-            // The restored shard goes on exactly as the original does.
+            // The restored shard goes on exactly as the original does, once
+            // each rank pulled (PROTOCOL.md §5.4 rule 0).
+            pull_every_slot(&mut b, dtype, 2);
             rounds(&mut a, dtype, done, done + 2);
             rounds(&mut b, dtype, done, done + 2);
             for slot in 0..2 {
@@ -363,6 +385,62 @@ fn a_pull_before_round_0_completed_is_refused_with_an_error() {
     rounds(&mut s, Dtype::F32, 0, 1);
     assert_eq!(s.handle(9, &pull, 2), Verdict::Pulled);
     assert_eq!(s.counters().pulls_answered.get(), 1);
+}
+
+/// PROTOCOL.md §5.4 rule 0: an lcore restored from a checkpoint refuses
+/// each rank's INITs and PUSHes `ahead`, with an ERROR, until that rank
+/// pulls: the checkpoint may be older than the rounds the rank holds
+/// results of, and a rank that holds one would never push it again (the
+/// simulator's seed 2317: two ranks each waited for a round 0 that needed
+/// the other's INIT). A PULL of any slot of the lcore lifts it for that
+/// rank alone; a round then completes as before.
+#[test]
+fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
+    let mut a: Shard<u32> = Shard::new(0, Kernels::best());
+    a.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37), InstallKind::Plain)
+        .unwrap();
+    rounds(&mut a, Dtype::F32, 0, 2);
+    let saved = a.snapshot(1).unwrap();
+    let mut b: Shard<u32> = Shard::new(0, Kernels::best());
+    b.install(job(1, Dtype::F32, Optimizer::Sum, 2, 37), InstallKind::Plain)
+        .unwrap();
+    b.restore(1, &saved).unwrap();
+    let vals = [1.0f32; 37];
+    // Round 2 is the round in progress; round 1 the last completed: both
+    // refused before a pull, the INIT too.
+    for (round, slot) in [(2, 0), (1, 1), (0, 0)] {
+        let v = b.handle(5, &push(Dtype::F32, 1, round, slot, &vals), 1);
+        assert_eq!(v, Verdict::Dropped(DropReason::Ahead), "round {round}");
+        let t = b.transmits().next().expect("an ERROR");
+        let (e, _) = wire::parse(&t.header).unwrap();
+        assert_eq!(
+            (e.kind, e.error, e.rank, e.round, e.slot),
+            (MsgType::Error, DropReason::Ahead.code(), 1, round, slot)
+        );
+        assert_eq!(t.to.collect::<Vec<_>>(), [5]);
+        b.clear_transmits();
+    }
+    // Rank 1 pulls slot 1: answered, and its pushes to either slot are
+    // taken; rank 0's are still refused.
+    assert_eq!(b.handle(5, &pull(Dtype::F32, 1, 1), 1), Verdict::Pulled);
+    b.clear_transmits();
+    assert_eq!(
+        b.handle(5, &push(Dtype::F32, 1, 2, 0, &vals), 1),
+        Verdict::Aggregated
+    );
+    assert_eq!(
+        b.handle(4, &push(Dtype::F32, 0, 2, 0, &vals), 1),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    b.clear_transmits();
+    assert_eq!(b.handle(4, &pull(Dtype::F32, 0, 0), 1), Verdict::Pulled);
+    assert_eq!(
+        b.handle(4, &push(Dtype::F32, 0, 2, 0, &vals), 1),
+        Verdict::Completed
+    );
+    assert_eq!(b.result(1, 0).map(|(r, _)| r), Some(2));
+    // A shard that was never restored refuses nothing of the kind.
+    rounds(&mut a, Dtype::F32, 2, 3);
 }
 
 /// Every RESULT states its job's share of the lcore's receive buffer,
