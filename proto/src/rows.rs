@@ -18,7 +18,8 @@
 //! valid message with its payload read in place, or the
 //! [`DropReason`](crate::wire::DropReason) of the header checks. The
 //! checks that need the job (token, table, dim, placement, rounds) are the
-//! engine's; their table-specific reasons are [`RowDropReason`].
+//! engine's; their table-specific reasons are [`DropReason`]'s codes 25
+//! to 28 ([`DropReason::TABLE`]), counted beside the others.
 
 use crate::spec::ROW_ID_BYTES;
 use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
@@ -128,76 +129,6 @@ impl RowMsgType {
     }
 }
 
-/// Why the appliance drops a row message, beyond the reasons of
-/// [`DropReason`] that row messages share with dense ones (PROTOCOL.md
-/// §10.3). The codes continue [`DropReason`]'s; an engine that serves
-/// tables counts them beside those.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum RowDropReason {
-    /// `key` is not the index of a table key of the job (beyond its keys,
-    /// or a dense key).
-    UnknownTable = 25,
-    /// The header's dim (`slot` field) is not the table's `dim`.
-    DimMismatch = 26,
-    /// More rows or ids than fit one datagram of the job's `chunk_bytes`
-    /// at the table's dim, a sequence number or message count beyond
-    /// [`MAX_ROW_MESSAGES`], a ROW_PUSH sequence number not below the
-    /// message count its round's ROW_END stated, or a ROW_END stating
-    /// another count than an earlier one of the same round.
-    BadRowCount = 27,
-    /// An id the placement (PROTOCOL.md §10.1) does not put on this lcore.
-    RowOutOfPlace = 28,
-}
-
-impl RowDropReason {
-    /// Every reason, in code order.
-    pub const ALL: [RowDropReason; 4] = [
-        RowDropReason::UnknownTable,
-        RowDropReason::DimMismatch,
-        RowDropReason::BadRowCount,
-        RowDropReason::RowOutOfPlace,
-    ];
-
-    /// Wire code (what an ERROR carries in `error`).
-    pub const fn code(self) -> u16 {
-        self as u16
-    }
-
-    /// The reason for a code, if it names one.
-    pub const fn from_code(code: u16) -> Option<RowDropReason> {
-        match code {
-            25 => Some(RowDropReason::UnknownTable),
-            26 => Some(RowDropReason::DimMismatch),
-            27 => Some(RowDropReason::BadRowCount),
-            28 => Some(RowDropReason::RowOutOfPlace),
-            _ => None,
-        }
-    }
-
-    /// Stable snake_case name, used in stats and metrics.
-    pub const fn name(self) -> &'static str {
-        match self {
-            RowDropReason::UnknownTable => "unknown_table",
-            RowDropReason::DimMismatch => "dim_mismatch",
-            RowDropReason::BadRowCount => "bad_row_count",
-            RowDropReason::RowOutOfPlace => "row_out_of_place",
-        }
-    }
-
-    /// Whether the appliance answers a token-authenticated sender with an
-    /// ERROR: all four mean the worker's view of the job is wrong.
-    pub const fn notifies_sender(self) -> bool {
-        true
-    }
-}
-
-impl std::fmt::Display for RowDropReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
 /// A row message's header fields, decoded and validated.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct RowRepr {
@@ -296,7 +227,7 @@ impl<'a> Ids<'a> {
     }
 
     /// The ids in order.
-    pub fn iter(&self) -> impl Iterator<Item = u64> + 'a {
+    pub fn iter(&self) -> impl Iterator<Item = u64> + Clone + 'a {
         self.bytes.chunks_exact(ROW_ID_BYTES).map(|c| {
             let mut b = [0u8; ROW_ID_BYTES];
             b.copy_from_slice(c);
@@ -710,11 +641,12 @@ mod tests {
             assert_eq!(RowMsgType::from_code(t.code()), Some(*t));
             assert_eq!(crate::wire::MsgType::from_code(t.code()), None);
         }
-        // The row reasons follow DropReason's codes, without a gap.
-        for (i, r) in RowDropReason::ALL.iter().enumerate() {
-            assert_eq!(usize::from(r.code()), DropReason::COUNT + 1 + i);
-            assert_eq!(RowDropReason::from_code(r.code()), Some(*r));
-            assert_eq!(DropReason::from_code(r.code()), None);
+        // The table reasons are DropReason's 25 to 28, each told to the
+        // sender.
+        for (i, r) in DropReason::TABLE.iter().enumerate() {
+            assert_eq!(usize::from(r.code()), 25 + i);
+            assert_eq!(DropReason::from_code(r.code()), Some(*r));
+            assert!(r.notifies_sender(), "{r}");
         }
         assert_eq!(messages_for(0, 122), 0);
         assert_eq!(messages_for(122, 122), 1);

@@ -15,7 +15,7 @@ use phub_proto::api::JoinResponse;
 use phub_proto::layout::{layout, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::placement::{row_hash, table_key, RowPlacement};
-use phub_proto::rows::{RowDropReason, RowMsgType, MAX_ROW_MESSAGES};
+use phub_proto::rows::{RowMsgType, MAX_ROW_MESSAGES};
 use phub_proto::spec::rows_per_datagram;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
@@ -366,13 +366,13 @@ fn table_message_types_match() {
 fn table_drop_reasons_match() {
     let rows = table(&doc(), "| code | name | meaning (table messages) | ERROR sent |");
     let listed: Vec<(u16, String)> = rows.iter().map(|r| (num(&r[0]) as u16, r[1].clone())).collect();
-    let want: Vec<(u16, String)> = RowDropReason::ALL
+    let want: Vec<(u16, String)> = DropReason::TABLE
         .iter()
         .map(|r| (r.code(), r.name().to_string()))
         .collect();
     assert_eq!(listed, want, "every table reason, in code order, none extra");
     for r in &rows {
-        let reason = RowDropReason::from_code(num(&r[0]) as u16).unwrap();
+        let reason = DropReason::from_code(num(&r[0]) as u16).unwrap();
         assert_eq!(
             r[3],
             if reason.notifies_sender() { "yes" } else { "no" },

@@ -3,7 +3,7 @@
 //! lists ([`Ranks`]).
 
 use phub_proto::wire;
-use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK};
+use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 
 use crate::transmit::{Destinations, Transmit};
 
@@ -37,6 +37,10 @@ pub(super) enum Pending<A> {
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
     PartialResult { job: u16, slot: u32, rack: u16 },
+    /// A table answer (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT), built
+    /// whole: bytes `at .. at + len` of the shard's row outbox, header
+    /// first.
+    Row { at: u32, len: u32, to: A },
 }
 
 /// Whether a queued message goes for the first time or again, its timer
@@ -123,6 +127,21 @@ impl<A: Copy + Eq> Shard<A> {
             Pending::PartialResult { job, slot, rack } => {
                 return [self.partial_result_transmit(job, slot, rack), None];
             }
+            Pending::Row { at, len, to } => {
+                let (at, len) = (at as usize, len as usize);
+                let msg = self.rows_out.get(at..at + len);
+                debug_assert!(msg.is_some(), "a queued table answer inside the row outbox");
+                let Some(msg) = msg else { return [None, None] };
+                let (head, payload) = msg.split_at(HEADER_LEN);
+                let mut header = [0u8; HEADER_LEN];
+                header.copy_from_slice(head);
+                let t = Transmit {
+                    header,
+                    payload,
+                    to: Ranks::new(&[], None, Some(to)),
+                };
+                return [Some(t), None];
+            }
         };
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];
@@ -191,6 +210,7 @@ impl<A: Copy + Eq> Shard<A> {
     /// Forgets what [`Shard::transmits`] returned, once it has been sent.
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
+        self.rows_out.clear();
     }
 }
 
