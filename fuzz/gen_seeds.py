@@ -3,7 +3,8 @@
 
 seeds/parse: a few well-formed datagrams of every message type and dtype
 (small payloads), plus a truncated one. seeds/rows: the same for the table
-messages (PROTOCOL.md §10.2). seeds/spec: job specs in TOML and JSON, table
+messages (PROTOCOL.md §10.2). seeds/replica: the replication messages
+(PROTOCOL.md §11.3). seeds/spec: job specs in TOML and JSON, table
 keys among them.
 Run from anywhere; it rewrites the seed files in place.
 """
@@ -116,6 +117,24 @@ JSON = [
      "keys": [{"elements": 1}]},
 ]
 
+REPLICATE, REPLICATE_ACK = 14, 15
+
+
+def replica_msg(kind, count, rnd=3, epoch=0, flags=0, rank=1):
+    """A replication message (PROTOCOL.md §11.3): f32, rank is the sending
+    appliance's index, the epoch at offset 44."""
+    h = header(kind, F32, flags, 0x0123456789ABCDEF, 1, rank, count, 0, rnd, 3, 1, 2)
+    h = h[:44] + struct.pack("<I", epoch) + h[48:]
+    return h + bytes((i * 3 + 1) & 0xFF for i in range(count * 4))
+
+
+REPLICAS = {
+    "replicate_round0": replica_msg(REPLICATE, 16, rnd=0),
+    "replicate_retransmit_epoch2": replica_msg(REPLICATE, 8, epoch=2, flags=1),
+    "replicate_ack": replica_msg(REPLICATE_ACK, 0, rank=2),
+    "replicate_ack_with_payload": replica_msg(REPLICATE_ACK, 1),
+}
+
 
 def write(d, name, data):
     os.makedirs(d, exist_ok=True)
@@ -128,6 +147,8 @@ def main():
         write(os.path.join(HERE, "seeds", "parse"), name + ".bin", data)
     for name, data in ROWS.items():
         write(os.path.join(HERE, "seeds", "rows"), name + ".bin", data)
+    for name, data in REPLICAS.items():
+        write(os.path.join(HERE, "seeds", "replica"), name + ".bin", data)
     spec = os.path.join(HERE, "seeds", "spec")
     write(spec, "table.toml", TABLE_TOML.encode())
     write(spec, "table_ftrl.toml", TABLE_TOML.replace(

@@ -32,7 +32,7 @@ if ! cargo fuzz --version >/dev/null 2>&1; then
     cargo install cargo-fuzz --locked
 fi
 
-targets=(parse spec rows)
+targets=(parse spec rows replica)
 failed=()
 for t in "${targets[@]}"; do
     corpus="$root/fuzz/corpus/$t"

@@ -5,7 +5,9 @@
 //! chunk layout ([`layout`]), what a job costs ([`memory`]), the HTTP APIs'
 //! bodies ([`api`]) and routes ([`routes`]); for table keys (PROTOCOL.md
 //! §10), the placement of rows ([`placement`]) and the row messages
-//! ([`rows`]). Parsing received bytes never panics and never allocates.
+//! ([`rows`]); for replicas (PROTOCOL.md §11), the replica sets and the
+//! replication messages ([`replica`]). Parsing received bytes never
+//! panics and never allocates.
 #![forbid(unsafe_code)]
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
@@ -20,6 +22,7 @@ pub mod fault;
 pub mod layout;
 pub mod memory;
 pub mod placement;
+pub mod replica;
 pub mod routes;
 pub mod rows;
 pub mod shm;

@@ -100,6 +100,23 @@ pub struct PlacementSpec {
     /// evenly, the first W mod R racks one more.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ranks_per_rack: Option<Vec<u32>>,
+    /// `replicas = R` (PROTOCOL.md §11): every chunk is held by R of the
+    /// job's appliances, its primary and R − 1 backups that apply the same
+    /// rounds ([`crate::replica::replica_set`]). 1 (the default) to
+    /// [`MAX_REPLICAS`](crate::replica::MAX_REPLICAS), at most the job's
+    /// appliance count; more than 1 needs a flat BSP job of dense keys.
+    #[serde(default = "one_replica", skip_serializing_if = "is_one_replica")]
+    pub replicas: u32,
+}
+
+fn one_replica() -> u32 {
+    1
+}
+
+// serde's skip_serializing_if passes a reference.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_one_replica(r: &u32) -> bool {
+    *r == 1
 }
 
 /// Largest `chunk_bytes` of a hierarchical job whose dtype is 2 bytes wide:
@@ -824,8 +841,70 @@ impl JobSpec {
             if p.hierarchical {
                 self.validate_hierarchy(p)?;
             }
+            self.validate_replicas(p)?;
         }
         Ok(())
+    }
+
+    /// `[placement] replicas` (PROTOCOL.md §11.1).
+    fn validate_replicas(&self, p: &PlacementSpec) -> Result<(), SpecError> {
+        let r = p.replicas;
+        let max = crate::replica::MAX_REPLICAS;
+        if r == 0 || r > u32::from(max) {
+            return Err(bad(
+                "placement.replicas",
+                r,
+                format!("1 to {max}: the chunk's primary and up to {} backups", max - 1),
+            ));
+        }
+        if r as usize > p.count() {
+            return Err(bad(
+                "placement.replicas",
+                r,
+                format!(
+                    "at most the job's appliance count ({}, placement.appliances): each replica is on \
+                     another appliance",
+                    p.count()
+                ),
+            ));
+        }
+        if r == 1 {
+            return Ok(());
+        }
+        let unspecified = |what: String| {
+            Err(bad(
+                "placement.replicas",
+                r,
+                format!("1 for {what}: replication of it is not specified (PROTOCOL.md §11)"),
+            ))
+        };
+        if self.consistency != Consistency::Sync {
+            return unspecified(format!("a job of consistency {}", self.consistency.mode()));
+        }
+        if p.hierarchical {
+            return unspecified("a hierarchical job".into());
+        }
+        if let Some(t) = self.tables().next() {
+            return unspecified(format!("a job with a table key ({})", shown(t.name)));
+        }
+        if self.dtype.size() == 2 && self.chunk_bytes > MAX_HIERARCHICAL_HALF_CHUNK_BYTES {
+            return Err(bad(
+                "chunk_bytes",
+                self.chunk_bytes,
+                format!(
+                    "at most {MAX_HIERARCHICAL_HALF_CHUNK_BYTES} for a replicated {} job: a round's \
+                     aggregate travels to the backups as f32 and must fit one datagram",
+                    self.dtype
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// How many appliances hold each chunk (`[placement] replicas`, 1
+    /// without a placement).
+    pub fn replicas(&self) -> usize {
+        self.placement.as_ref().map_or(1, |p| p.replicas as usize)
     }
 
     /// The job's table keys (PROTOCOL.md §10), in key order, with their
@@ -1273,6 +1352,74 @@ elements = 1
             .unwrap_err()
             .to_string();
         assert!(e.contains("at line 1 column"), "a JSON error: {e}");
+    }
+
+    #[test]
+    fn replicas_default_to_one_and_are_checked_naming_the_field() {
+        let with = |p: &str| JobSpec::from_toml(&format!("{GOOD}\n[placement]\n{p}\n"));
+        let one = with("appliances = 3").unwrap();
+        assert_eq!((one.placement.as_ref().unwrap().replicas, one.replicas()), (1, 1));
+        assert_eq!(JobSpec::from_toml(GOOD).unwrap().replicas(), 1);
+        // Written only when not the default, read back the same.
+        assert!(!serde_json::to_string(&one).unwrap().contains("replicas"));
+        let two = with("appliances = 3\nreplicas = 2").unwrap();
+        assert_eq!(two.replicas(), 2);
+        let json = serde_json::to_string(&two).unwrap();
+        assert!(json.contains("\"replicas\":2"), "{json}");
+        assert_eq!(JobSpec::from_json(&json).unwrap(), two);
+        let built = JobSpec::new("b", 2, &[10])
+            .sharded_over(Appliances::Count(2))
+            .with_replicas(2);
+        assert_eq!(built.validate().map(|()| built.replicas()), Ok(2));
+        for (p, field, says) in [
+            (
+                "appliances = 3\nreplicas = 0",
+                "`placement.replicas` = 0",
+                "1 to 3",
+            ),
+            (
+                "appliances = 4\nreplicas = 4",
+                "`placement.replicas` = 4",
+                "1 to 3",
+            ),
+            (
+                "appliances = 2\nreplicas = 3",
+                "`placement.replicas` = 3",
+                "appliance count (2",
+            ),
+            (
+                "appliances = 2\nreplicas = 2\nhierarchical = true",
+                "`placement.replicas` = 2",
+                "hierarchical",
+            ),
+        ] {
+            let e = with(p).unwrap_err().to_string();
+            assert!(e.contains(field) && e.contains(says), "{p}: {e}");
+        }
+        let e = JobSpec::new("a", 2, &[10])
+            .with_consistency(Consistency::Async)
+            .sharded_over(Appliances::Count(2))
+            .with_replicas(2)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`placement.replicas` = 2") && e.contains("consistency async"),
+            "{e}"
+        );
+        // A 2-byte dtype's aggregate travels as f32: half the largest chunk.
+        let e = JobSpec::new("a", 2, &[10])
+            .with_dtype(Dtype::F16)
+            .with_chunk_bytes(8192)
+            .sharded_over(Appliances::Count(2))
+            .with_replicas(2)
+            .validate()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("`chunk_bytes` = 8192") && e.contains("at most 4416"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -70,6 +70,7 @@ impl JobSpec {
             appliances,
             hierarchical: false,
             ranks_per_rack: None,
+            replicas: 1,
         });
         self
     }
@@ -82,6 +83,7 @@ impl JobSpec {
             appliances,
             hierarchical: true,
             ranks_per_rack: None,
+            replicas: 1,
         });
         self
     }
@@ -94,6 +96,18 @@ impl JobSpec {
             .as_mut()
             .expect("ranks per rack are set on a placement: call hierarchical_over first");
         p.ranks_per_rack = Some(ranks.to_vec());
+        self
+    }
+
+    /// With every chunk on `replicas` appliances (`[placement] replicas`,
+    /// PROTOCOL.md §11); after [`JobSpec::sharded_over`] (panics without a
+    /// placement).
+    pub fn with_replicas(mut self, replicas: u32) -> JobSpec {
+        let p = self
+            .placement
+            .as_mut()
+            .expect("replicas are set on a placement: call sharded_over first");
+        p.replicas = replicas;
         self
     }
 

@@ -51,8 +51,12 @@ pub mod field {
     /// the bytes of it this job's workers may fill together (0: not
     /// stated; 0 in every other message).
     pub const RX_SHARE: Range<usize> = 40..44;
+    /// `u32`, the job layout's epoch (PROTOCOL.md §11.5): what replication
+    /// messages carry; 0 in every other message, and not checked in them
+    /// yet.
+    pub const EPOCH: Range<usize> = 44..48;
     /// Reserved, sent as zero, ignored on receipt.
-    pub const RESERVED: Range<usize> = 44..86;
+    pub const RESERVED: Range<usize> = 48..86;
     /// First payload byte.
     pub const PAYLOAD: usize = 86;
 }
@@ -258,7 +262,7 @@ drop_reasons! {
     /// appliance's lcore holding the chunk, a PARTIAL_RESULT from an
     /// address other than the chunk's home lcore's (PROTOCOL.md §9.3,
     /// §9.4), or appliance-to-appliance traffic for a job this appliance
-    /// holds no such part of.
+    /// holds no such part of; likewise for replication messages (§11.4).
     WrongPeer = 24, "wrong_peer";
     /// A table message (PROTOCOL.md §10.3) whose `key` is not the index of
     /// a table key of the job (a dense key, or beyond the keys).
@@ -432,6 +436,12 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn rx_share(&self) -> u32 {
         get_le!(self, u32, field::RX_SHARE)
     }
+    /// The layout epoch the sender holds ([`field::EPOCH`]). Not part of
+    /// [`Repr`]: only replication messages carry one yet
+    /// ([`crate::replica::ReplicaRepr`]).
+    pub fn epoch(&self) -> u32 {
+        get_le!(self, u32, field::EPOCH)
+    }
     /// Bytes after the header.
     pub fn payload(&self) -> &[u8] {
         &self.buf.as_ref()[HEADER_LEN..]
@@ -446,7 +456,7 @@ macro_rules! set_le {
 
 impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the magic and version fields and zeroes the receive-buffer
-    /// share and the reserved bytes.
+    /// share, the epoch and the reserved bytes.
     pub fn set_preamble(&mut self) {
         set_le!(self, field::MAGIC, MAGIC);
         self.buf.as_mut()[field::VERSION] = VERSION;
@@ -507,6 +517,10 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the receive-buffer share a RESULT states.
     pub fn set_rx_share(&mut self, v: u32) {
         set_le!(self, field::RX_SHARE, v)
+    }
+    /// Sets the layout epoch.
+    pub fn set_epoch(&mut self, v: u32) {
+        set_le!(self, field::EPOCH, v)
     }
     /// Bytes after the header, writable.
     pub fn payload_mut(&mut self) -> &mut [u8] {

@@ -6,16 +6,20 @@
 //! (byte for byte what [`Repr::to_bytes`] emits for the values the example
 //! states), and §10's tables of table keys: their spec fields, message
 //! types and drop reasons, their join answer and the worked example of
-//! row placement. §5.6's optimizer formulas and worked examples need the engine:
+//! row placement; and §11's replicas: the placement field, the message
+//! types and drop reason, the replica sets and backup runs of its examples.
+//! §5.6's optimizer formulas and worked examples need the engine:
 //! engine/tests/protocol_optimizers.rs checks them.
 
 use std::ops::Range;
 
 use phub_proto::api::JoinResponse;
+use phub_proto::layout::ChunkRange;
 use phub_proto::layout::{layout, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::placement::{row_hash, table_key, RowPlacement};
-use phub_proto::rows::{RowMsgType, MAX_ROW_MESSAGES};
+use phub_proto::replica::{backup_runs, replica_set, ReplicaDropReason, ReplicaMsgType, MAX_REPLICAS};
+use phub_proto::rows::{RowDropReason, RowMsgType, MAX_ROW_MESSAGES};
 use phub_proto::spec::rows_per_datagram;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
@@ -71,7 +75,7 @@ fn num(s: &str) -> usize {
 #[test]
 fn field_table_matches_wire_field() {
     let one = |at: usize| at..at + 1;
-    let expected: [(&str, Range<usize>, &str); 16] = [
+    let expected: [(&str, Range<usize>, &str); 17] = [
         ("magic", field::MAGIC, "u32"),
         ("version", one(field::VERSION), "u8"),
         ("type", one(field::TYPE), "u8"),
@@ -87,7 +91,8 @@ fn field_table_matches_wire_field() {
         ("key", field::KEY, "u32"),
         ("chunk", field::CHUNK, "u32"),
         ("rx_share", field::RX_SHARE, "u32"),
-        ("reserved", field::RESERVED, "u8[42]"),
+        ("epoch", field::EPOCH, "u32"),
+        ("reserved", field::RESERVED, "u8[38]"),
     ];
     let rows = table(&doc(), "| offset | size | field | type | meaning |");
     let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();
@@ -460,4 +465,104 @@ fn table_join_response_is_what_the_api_sends_and_rows_go_where_the_example_says(
         "For id 42: tk = {tk:#018x}, h = {h:#018x}, entry = (h × 3) >> 64 = {}.",
         place.entry(42)
     )));
+}
+
+#[test]
+fn replica_message_types_and_drop_reason_match() {
+    let d = doc();
+    let rows = table(&d, "| code | message | from → to | payload (replication) |");
+    let listed: Vec<(u8, String)> = rows.iter().map(|r| (num(&r[0]) as u8, r[1].clone())).collect();
+    let want: Vec<(u8, String)> = ReplicaMsgType::ALL
+        .iter()
+        .map(|t| (t.code(), t.name().to_string()))
+        .collect();
+    assert_eq!(listed, want);
+    for r in &rows {
+        let t = ReplicaMsgType::from_code(num(&r[0]) as u8).unwrap();
+        let dir = match t {
+            ReplicaMsgType::Replicate => "primary → backup",
+            ReplicaMsgType::ReplicateAck => "backup → primary",
+        };
+        assert_eq!(r[2], dir, "direction of {}", t.name());
+        // No dense or table message has these codes.
+        assert_eq!(MsgType::from_code(t.code()), None);
+        assert_eq!(RowMsgType::from_code(t.code()), None);
+    }
+    let rows = table(
+        &d,
+        "| code | name | meaning (replication and epochs) | ERROR sent |",
+    );
+    let listed: Vec<(u16, String)> = rows.iter().map(|r| (num(&r[0]) as u16, r[1].clone())).collect();
+    let want: Vec<(u16, String)> = ReplicaDropReason::ALL
+        .iter()
+        .map(|r| (r.code(), r.name().to_string()))
+        .collect();
+    assert_eq!(
+        listed, want,
+        "every replication reason, in code order, none extra"
+    );
+    for r in &rows {
+        let reason = ReplicaDropReason::from_code(num(&r[0]) as u16).unwrap();
+        assert_eq!(
+            r[3],
+            if reason.notifies_sender() { "yes" } else { "no" },
+            "{reason}"
+        );
+        // Codes continue the dense and the table reasons'.
+        assert_eq!(DropReason::from_code(reason.code()), None);
+        assert_eq!(RowDropReason::from_code(reason.code()), None);
+        assert!(u16::try_from(DropReason::COUNT).unwrap() < reason.code());
+    }
+}
+
+#[test]
+fn replicas_field_is_what_the_spec_checks() {
+    let rows = table(&doc(), "| placement field | default | accepted | meaning |");
+    assert_eq!(rows.len(), 1);
+    assert_eq!(rows[0][0], "replicas");
+    assert_eq!(rows[0][1], "1");
+    assert!(
+        rows[0][2].starts_with(&format!("1 to {MAX_REPLICAS},")),
+        "{:?}",
+        rows[0][2]
+    );
+    let half = phub_proto::spec::MAX_HIERARCHICAL_HALF_CHUNK_BYTES;
+    assert!(
+        rows[0][2].contains(&format!("at most {half}")),
+        "{:?}",
+        rows[0][2]
+    );
+}
+
+#[test]
+fn replica_set_example_is_what_the_rule_computes() {
+    let rows = table(
+        &doc(),
+        "| primary | rack | backups (replicas = 2) | backups (replicas = 3) |",
+    );
+    let names: Vec<&str> = rows.iter().map(|r| r[0].as_str()).collect();
+    let racks: Vec<&str> = rows.iter().map(|r| r[1].as_str()).collect();
+    assert_eq!(names, ["a", "b", "c", "d"]);
+    for (p, r) in rows.iter().enumerate() {
+        for (col, replicas) in [(2, 2), (3, 3)] {
+            let set = replica_set(&racks, p, replicas);
+            let backups: Vec<&str> = set[1..].iter().map(|&a| names[a]).collect();
+            assert_eq!(
+                r[col],
+                backups.join(", "),
+                "primary {}, replicas = {replicas}",
+                names[p]
+            );
+        }
+    }
+    assert!(doc().contains("the ring is\n`a`, `c`, `b`, `d`"));
+}
+
+#[test]
+fn backup_runs_example_is_what_the_rule_computes() {
+    let v: serde_json::Value = serde_json::from_str(block(&doc(), "json backup-runs")).unwrap();
+    let part: ChunkRange = serde_json::from_value(v["part"].clone()).unwrap();
+    let lcores = v["lcores"].as_u64().unwrap() as usize;
+    let runs: Vec<ChunkRange> = serde_json::from_value(v["runs"].clone()).unwrap();
+    assert_eq!(backup_runs(part, lcores), runs);
 }

@@ -497,6 +497,7 @@ impl<'c> World<'c> {
                 appliances: Appliances::Count(u32::from(case.racks)),
                 hierarchical: true,
                 ranks_per_rack: None,
+                replicas: 1,
             }),
             name: "sim".into(),
             workers: u32::from(case.workers),
@@ -1108,7 +1109,13 @@ impl<'c> World<'c> {
                     repr.kind, repr.rank, repr.key, repr.chunk, repr.round
                 );
             }
-            Verdict::Applied | Verdict::Held | Verdict::Resent | Verdict::Pulled => {}
+            // The simulator installs no replicated job (PROTOCOL.md §11).
+            Verdict::Applied
+            | Verdict::Held
+            | Verdict::Resent
+            | Verdict::Pulled
+            | Verdict::Replicated
+            | Verdict::Refused(_) => {}
         }
         let total: u64 = lc.drops.iter().sum();
         assert_eq!(

@@ -141,6 +141,63 @@ pub enum WorkerError {
         /// Chunks of the request.
         chunks: usize,
     },
+    /// A table call's arguments cannot be sent: a slice of the wrong
+    /// length, or more rows than the protocol carries in one call.
+    #[error("table {table:?}: {message}")]
+    Rows {
+        /// The table's name.
+        table: String,
+        /// What is wrong, naming the argument, its value and what is
+        /// accepted.
+        message: String,
+    },
+    /// No table key of the job has this name.
+    #[error("the job has no table named {name:?}; its tables: {tables}")]
+    UnknownTable {
+        /// The name asked for.
+        name: String,
+        /// The job's table names, or "none".
+        tables: String,
+    },
+    /// The appliance refused one of a table request's messages with an
+    /// ERROR (PROTOCOL.md §10.3). Retrying the same request will not help.
+    #[error("the appliance refused table {table:?} (key {key}) round {round}: {message}: {reason}{hint}")]
+    TableRefused {
+        /// The table's name.
+        table: String,
+        /// The table's key index.
+        key: u32,
+        /// The refused message and the lcore it went to: `ROW_PUSH 3 of
+        /// 12 rows to 10.0.0.1:9001`, `ROW_END (n = 4) to ...`, `ROW_PULL of
+        /// 7 ids to ...`.
+        message: String,
+        /// Its round (clock).
+        round: u32,
+        /// The drop reason's name (`dim_mismatch`, `ahead`, ...).
+        reason: String,
+        /// A hint on the likely cause (may be empty).
+        hint: &'static str,
+    },
+    /// No answer at all came back for a table request for `waited`.
+    #[error(
+        "table {table:?} round {round}: no answer from the appliance at {} for {} ms \
+         ({missing} of {messages} messages unanswered); the appliance or another worker of the job stopped answering",
+        fmt_addrs(.addrs), .waited.as_millis()
+    )]
+    TableTimeout {
+        /// The table's name.
+        table: String,
+        /// The round (clock) waited for; 0 for a pull.
+        round: u32,
+        /// The lcores the unanswered messages went to.
+        addrs: Vec<SocketAddr>,
+        /// How long no answer at all had arrived.
+        waited: Duration,
+        /// Messages without an answer.
+        missing: usize,
+        /// Messages of the request.
+        messages: usize,
+    },
     /// The worker is shutting down (or its I/O thread died).
     #[error("the worker's I/O thread has stopped")]
     Closed,

@@ -40,7 +40,7 @@ use crate::keys::{KeyClaim, KeyTable};
 use crate::net::{BatchSocket, Datagram};
 use crate::shm::{RegionSpec, Regions};
 use crate::stats::{add, Counters};
-use crate::transport::{Finished, Output, Sink, Transport, TICK};
+use crate::transport::{Finished, Output, RowFinished, RowOutput, RowTransport, Sink, Transport, TICK};
 
 /// A request as the API side hands it to the I/O thread.
 pub(crate) type Request = crate::transport::Request<Sender<Completion>>;
@@ -63,11 +63,19 @@ pub(crate) struct Done {
 /// How a request ends.
 pub(crate) type Completion = Result<Done, WorkerError>;
 
+/// A table request as the API side hands it to the I/O thread.
+pub(crate) type RowRequest = crate::transport::RowRequest<Sender<RowCompletion>>;
+
+/// How a table request ends: each id's row, or why not.
+pub(crate) type RowCompletion = Result<RowOutput, WorkerError>;
+
 /// Messages to the I/O thread.
 #[derive(Debug)]
 pub(crate) enum Command {
     /// Start a request.
     Submit(Request),
+    /// Start a table request.
+    SubmitRows(RowRequest),
     /// Fail everything with `Closed` and exit.
     Shutdown,
 }
@@ -221,6 +229,8 @@ pub(crate) struct IoThread {
     keys: KeyTable,
     stats: Arc<Counters>,
     transport: Transport<Sender<Completion>>,
+    /// Table rows (PROTOCOL.md §10), beside the dense chunks.
+    rows: RowTransport<Sender<RowCompletion>>,
     /// The fault injector, when configured (tests and soaks).
     inject: Option<Injector>,
     /// Shared memory, when the join chose it.
@@ -244,8 +254,13 @@ pub(crate) struct IoParts {
 }
 
 impl IoThread {
-    /// The thread around `transport` (which counts into `parts.stats` too).
-    pub(crate) fn new(parts: IoParts, transport: Transport<Sender<Completion>>) -> IoThread {
+    /// The thread around `transport` and `rows` (which count into
+    /// `parts.stats` too).
+    pub(crate) fn new(
+        parts: IoParts,
+        transport: Transport<Sender<Completion>>,
+        rows: RowTransport<Sender<RowCompletion>>,
+    ) -> IoThread {
         parts.stats.shm.store(parts.regions.is_some(), Ordering::Relaxed);
         IoThread {
             socket: Some(parts.socket),
@@ -255,6 +270,7 @@ impl IoThread {
             keys: parts.keys,
             stats: parts.stats,
             transport,
+            rows,
             inject: parts.inject,
             regions: parts.regions,
             spin: parts.spin,
@@ -281,6 +297,9 @@ impl IoThread {
                 self.check_regions(now, When::Now);
                 self.transmit(&mut socket, now);
             }
+            if self.rows.handle_timeout(now) {
+                self.transmit(&mut socket, now);
+            }
             self.deliver();
             if let Some(inj) = self.inject.as_mut() {
                 let stats = &self.stats;
@@ -296,7 +315,7 @@ impl IoThread {
                     continue;
                 }
             };
-            if n == 0 && self.transport.busy() && last_rx.is_some_and(|t| t.elapsed() < self.spin) {
+            if n == 0 && self.busy() && last_rx.is_some_and(|t| t.elapsed() < self.spin) {
                 // Results are coming: poll again rather than sleep (a
                 // sleeping thread, on a VM a halted vCPU, takes long to wake).
                 std::hint::spin_loop();
@@ -329,8 +348,10 @@ impl IoThread {
         let open = loop {
             match self.cmds.try_recv() {
                 Ok(Command::Submit(r)) => self.transport.submit(Instant::now(), r),
+                Ok(Command::SubmitRows(r)) => self.rows.submit(Instant::now(), r),
                 Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => {
                     self.transport.close();
+                    self.rows.close();
                     break false;
                 }
                 Err(TryRecvError::Empty) => break true,
@@ -345,24 +366,29 @@ impl IoThread {
     /// or the injector's next release.
     fn wait(&self) -> Duration {
         let holds = self.inject.as_ref().is_some_and(Injector::holds_sends);
-        let mut wait = if self.transport.busy() || holds {
-            TICK
-        } else {
-            IDLE
-        };
+        let mut wait = if self.busy() || holds { TICK } else { IDLE };
         // Delayed datagrams are released by the first turn after they are
         // due: do not sleep past the first.
         let due = self.inject.as_ref().and_then(Injector::next_due);
-        for at in [self.transport.poll_timeout(), due].into_iter().flatten() {
+        for at in [self.transport.poll_timeout(), self.rows.poll_timeout(), due]
+            .into_iter()
+            .flatten()
+        {
             wait = wait.min(at.saturating_duration_since(Instant::now()));
         }
         wait
     }
 
-    /// Sends what the transport has to send at `now`, in one batch.
+    /// Whether dense or table requests are in flight.
+    fn busy(&self) -> bool {
+        self.transport.busy() || self.rows.busy()
+    }
+
+    /// Sends what the transports have to send at `now`, in one batch.
     fn transmit(&mut self, socket: &mut BatchSocket, now: Instant) {
         let mut dgrams = Vec::new();
         self.transport.poll_transmit(now, &mut dgrams);
+        self.rows.poll_transmit(now, &mut dgrams);
         if dgrams.is_empty() {
             return;
         }
@@ -393,7 +419,7 @@ impl IoThread {
                 Some(inj) => inj.incoming(from, d, now),
             };
             for _ in 0..copies {
-                self.on_datagram(d, Instant::now());
+                self.on_datagram(from, d, Instant::now());
             }
         })?;
         let held = self
@@ -401,14 +427,21 @@ impl IoThread {
             .as_mut()
             .map_or_else(Vec::new, |inj| inj.released(Instant::now()));
         for h in &held {
-            self.on_datagram(&h.bytes, Instant::now());
+            self.on_datagram(h.addr, &h.bytes, Instant::now());
         }
         Ok(n + held.len())
     }
 
-    /// Hands a datagram received at `now` to the transport, checking the
-    /// shared-memory regions first when it asks, and delivers what it ended.
-    fn on_datagram(&mut self, d: &[u8], now: Instant) {
+    /// Hands a datagram from `from` received at `now` to the row transport
+    /// if it is a table answer or a table's ERROR, else to the dense
+    /// transport, checking the shared-memory regions first when it asks,
+    /// and delivers what they ended.
+    fn on_datagram(&mut self, from: SocketAddr, d: &[u8], now: Instant) {
+        let taken = self.rows.handle(now, from, d);
+        self.deliver_rows();
+        if taken {
+            return;
+        }
         let Some(m) = self.transport.accept(d) else {
             return;
         };
@@ -440,6 +473,18 @@ impl IoThread {
     fn deliver(&mut self) {
         while let Some(f) = self.transport.poll_done() {
             self.finish(f);
+        }
+        self.deliver_rows();
+    }
+
+    /// Sends every ended table request's outcome to its waiter.
+    fn deliver_rows(&mut self) {
+        while let Some(RowFinished { key, done, result }) = self.rows.poll_done() {
+            if let Err(e @ WorkerError::TableTimeout { .. }) = &result {
+                log::warn!("phub-worker: key {key}: {e}");
+            }
+            // The caller may be gone; the table's claim is its own.
+            let _ = done.send(result);
         }
     }
 

@@ -23,7 +23,8 @@ use crate::keys::KeyTable;
 use crate::net;
 use crate::shm::{self, SHM_ENV};
 use crate::stats;
-use crate::transport::{AutoWindow, JobInfo, Transport};
+use crate::tables::{table_infos, TableClaims};
+use crate::transport::{AutoWindow, JobInfo, RowTransport, Transport};
 use crate::worker::Worker;
 
 impl Worker {
@@ -161,6 +162,17 @@ impl Worker {
             in_order: join.spec.rack_ranks().is_none(),
         };
         let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
+        let tables = table_infos(&join)?;
+        // Table rows go by datagrams, with the dense window (PROTOCOL.md §10).
+        let rows = RowTransport::new(
+            info.clone(),
+            lcores.clone(),
+            tables.clone(),
+            window,
+            &config,
+            Arc::clone(&stats),
+            Instant::now(),
+        );
         let mut transport =
             Transport::new(info, window, &config, Arc::clone(&stats), regions, Instant::now());
         if let Some(auto) = auto {
@@ -168,6 +180,9 @@ impl Worker {
             transport.set_auto_window(auto);
         }
         let keys = KeyTable::new(join.spec.keys.len());
+        for t in &tables {
+            keys.set_table(t.key);
+        }
         let (cmds, cmd_rx) = crossbeam_channel::unbounded();
         let sleeping = Arc::new(AtomicBool::new(false));
         let (watch, shm) = shm.unzip();
@@ -184,6 +199,7 @@ impl Worker {
                 spin: config.spin,
             },
             transport,
+            rows,
         );
         let thread = std::thread::Builder::new()
             .name(format!("phub-worker-{}-{}", join.job, join.rank))
@@ -220,6 +236,8 @@ impl Worker {
             socket_info,
             stats,
             shm,
+            table_claims: TableClaims::new(&tables),
+            tables,
             thread: Some(thread),
         })
     }
@@ -434,7 +452,7 @@ fn check_join(join: &JoinResponse) -> Result<(Vec<SocketAddr>, Placement), Worke
         .keys
         .iter()
         .enumerate()
-        .find(|(_, ks)| ks.elements == 0 || ks.elements > usize::MAX as u64)
+        .find(|(_, ks)| ks.table.is_none() && (ks.elements == 0 || ks.elements > usize::MAX as u64))
     {
         return bad(format!("key {k} has {} elements", ks.elements));
     }
@@ -584,6 +602,7 @@ mod tests {
             appliances: phub_proto::spec::Appliances::Count(2),
             hierarchical: true,
             ranks_per_rack: Some(vec![2, 6]),
+            replicas: 1,
         });
         for rank in [1, 5] {
             hier.rank = rank;

@@ -31,6 +31,9 @@ struct KeyState {
     tx_spare: Vec<u8>,
     /// The result buffers of the key's last requests (one of each kind), likewise.
     values_spare: Spares,
+    /// A table key (PROTOCOL.md §10): no dense request claims it, and
+    /// [`KeyTable::clock`] passes over it (`tables.rs` keeps its rounds).
+    table: bool,
 }
 
 /// The job's keys, shared between the API side and the I/O thread.
@@ -53,10 +56,28 @@ impl KeyTable {
         self.lock().get(key as usize).and_then(|k| k.round)
     }
 
-    /// The lowest [`KeyTable::round`] over the keys (`None` while a key
-    /// holds none).
+    /// The lowest [`KeyTable::round`] over the dense keys (`None` while
+    /// one holds none, or the job has none).
     pub(crate) fn clock(&self) -> Option<u32> {
-        self.lock().iter().map(|k| k.round).min().flatten()
+        self.lock()
+            .iter()
+            .filter(|k| !k.table)
+            .map(|k| k.round)
+            .min()
+            .flatten()
+    }
+
+    /// Marks `key` a table key: dense calls refuse it, and the clock is
+    /// the dense keys'.
+    pub(crate) fn set_table(&self, key: u32) {
+        if let Some(k) = self.lock().get_mut(key as usize) {
+            k.table = true;
+        }
+    }
+
+    /// Whether `key` is a table key.
+    pub(crate) fn is_table(&self, key: u32) -> bool {
+        self.lock().get(key as usize).is_some_and(|k| k.table)
     }
 
     /// Marks `key` busy if it is free and `round`, given the key's last

@@ -28,6 +28,15 @@
 //! dataplane creates per job) while only headers cross the socket:
 //! [`WorkerConfig::shm`], [`ShmMode`] (automatic by default).
 //!
+//! Sparse tables (keys of `kind = "table"`, PROTOCOL.md §10) are
+//! addressed by name, their rows by `u64` ids: [`Worker::push_pull_rows`]
+//! pushes one round's gradient rows and returns each id's row after the
+//! update, [`Worker::push_rows`] pushes without the rows,
+//! [`Worker::pull_rows`] reads rows at any time, [`Worker::catch_up_rows`]
+//! learns a table's round after a rejoin. Rows go by datagrams over
+//! the same socket and I/O thread, each id to the lcore the table's
+//! placement puts it on (`transport/row_plan.rs`, `transport/rows.rs`).
+//!
 //! The same calls serve every consistency mode ([`Worker::consistency`],
 //! PROTOCOL.md §5.8): in an async or bounded-delay job a key's round is
 //! this rank's clock on it ([`Worker::key_round`], [`Worker::clock`]), each
@@ -110,9 +119,11 @@
 //! | `exchange.rs` | [`Exchange`]: the lent path |
 //! | `staged.rs` | [`Staged`], [`Results`]: values written and results read in place |
 //! | `io.rs` | the I/O thread: socket, commands, shared-memory watch, outcomes to waiters |
-//! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`) |
+//! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`); table rows: what a push or pull of rows sends (`row_plan.rs`), their sending, resending and answers (`rows.rs`) |
+//! | `tables.rs` | the table calls by name: [`Worker::push_pull_rows`], [`Worker::push_rows`], [`Worker::pull_rows`], [`Worker::catch_up_rows`], each table's round |
 //! | `elem.rs`, `codec.rs` | element types and wire encoding (f32, bf16, f16) |
 //! | `net.rs`, `shm.rs`, `inject.rs`, `stats.rs` | batched UDP, the shared-memory regions, fault injection, counters |
+//! | `sim.rs`, `sim_rows.rs` | the dense and row transports for the simulator (feature `sim`) |
 // Casts that may truncate or drop a sign are checked here rather than in
 // Cargo.toml: `[lints] workspace = true` cannot be mixed with crate-level
 // lint keys there. Each remaining `as` names its bound in a `// Cast:` note.
@@ -132,8 +143,11 @@ pub mod net;
 mod shm;
 #[cfg(feature = "sim")]
 pub mod sim;
+#[cfg(feature = "sim")]
+pub mod sim_rows;
 mod staged;
 mod stats;
+mod tables;
 mod transport;
 mod worker;
 

@@ -37,6 +37,11 @@ phub_proto::counter_table! {
         injected_dups: Count, Hidden, "Datagrams the fault injector duplicated, both directions";
         injected_reorders: Count, Hidden, "Datagrams the fault injector held back behind later ones, both directions";
         injected_delays: Count, Hidden, "Datagrams the fault injector held back for its `delay_ms`, both directions";
+        row_messages_sent: Count, Hidden, "Table messages (ROW_PUSH, ROW_END, ROW_PULL) sent for the first time";
+        row_retransmits: Count, Hidden, "Table messages sent again after their retransmission timeout";
+        row_answers_accepted: Count, Hidden, "Table answers (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT) accepted for an outstanding message";
+        row_answers_ignored: Count, Hidden, "Table answers and ERRORs of this job ignored: duplicates, or for a round or message not waited for";
+        row_answers_malformed: Count, Hidden, "Table answers dropped as malformed: unparsable, or with another dim, sequence number, count or ids than the message they answer";
         shm_results: Count, Hidden, "RESULTs whose payload was read from the dataplane's result region (shared memory, `WorkerConfig::shm`)";
     }
 }

@@ -20,7 +20,8 @@ use crate::io::{Command, Completion, CurrentRegions, Done, Request};
 use crate::keys::KeyTable;
 use crate::net;
 use crate::stats::{self, WorkerStats};
-use crate::transport::{Kind, Sink, Tx};
+use crate::tables::TableClaims;
+use crate::transport::{Kind, Sink, TableInfo, Tx};
 #[cfg(doc)]
 use crate::{config::WorkerConfig, exchange::Exchange};
 
@@ -93,6 +94,10 @@ pub struct Worker {
     /// memory: `init` and `push_pull` stage chunks into it and `wait`
     /// reads results from it on the caller's thread.
     pub(crate) shm: Option<CurrentRegions>,
+    /// The job's table keys (PROTOCOL.md §10), in key order.
+    pub(crate) tables: Vec<TableInfo>,
+    /// Each table's round (clock) and whether a request of it is in flight.
+    pub(crate) table_claims: TableClaims,
     pub(crate) thread: Option<JoinHandle<()>>,
 }
 
@@ -349,6 +354,16 @@ impl Worker {
 
     /// The key's element count, checked against a slice length.
     pub(crate) fn check_len(&self, key: u32, got: usize) -> Result<usize, WorkerError> {
+        if self.keys.is_table(key) {
+            return Err(WorkerError::Sequence {
+                key,
+                message: format!(
+                    "key {key} is the table {:?}, which has rows, not elements: use push_pull_rows, push_rows \
+                     and pull_rows",
+                    self.spec.keys[key as usize].name
+                ),
+            });
+        }
         let expected = self.key_len(key).ok_or(WorkerError::UnknownKey {
             key,
             keys: self.spec.keys.len(),
@@ -448,7 +463,7 @@ pub const MAX_CLOCK: u32 = phub_proto::checkpoint::CLOCK_HELD - 1;
 
 /// The round (BSP) or clock (the other modes) a key's next `push_pull`
 /// carries, after `held`, the last one whose result this worker holds.
-fn next_round(consistency: Consistency, held: Option<u32>) -> Result<u32, String> {
+pub(crate) fn next_round(consistency: Consistency, held: Option<u32>) -> Result<u32, String> {
     match (held, consistency) {
         (None, _) => Err("push_pull before the key was initialised: call init (or pull) first".to_string()),
         (Some(r), Consistency::Sync) if r >= u32::MAX - 1 => {

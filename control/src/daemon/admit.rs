@@ -51,6 +51,20 @@ fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
     Ok(())
 }
 
+/// Until control installs replicas (issue 33: the engine has the rules of
+/// PROTOCOL.md §11, control gives no appliance a replica role yet), a spec
+/// asking for more than one is refused, naming the field, rather than
+/// admitted without the backups it asked for.
+fn refuse_replicas(spec: &JobSpec) -> Result<(), RequestError> {
+    match spec.replicas() {
+        1 => Ok(()),
+        r => Err(RequestError::BadRequest(format!(
+            "placement.replicas = {r}: replicas are specified (PROTOCOL.md §11) but control does not \
+             install them yet (issue 33); submit the job with replicas = 1"
+        ))),
+    }
+}
+
 /// A hierarchical job's appliances must each be a different rack's.
 pub(super) fn check_racks(inner: &Inner, chosen: &[(String, DataplaneInfo)]) -> Result<(), RequestError> {
     let mut seen: BTreeMap<&str, &str> = BTreeMap::new();
@@ -163,6 +177,7 @@ impl Shared {
     ) -> Result<AdmitResponse, RequestError> {
         let spec = JobSpec::parse(body, content_type)?;
         check_tables(&spec)?;
+        refuse_replicas(&spec)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let mut chosen = self.choose(&spec)?;
         if spec.hierarchical()
@@ -344,5 +359,20 @@ mod tests {
             "placement.appliances = 2",
         );
         check_tables(&JobSpec::parse(dense, None).unwrap()).unwrap();
+    }
+
+    /// A spec asking for replicas validates but is refused at admission,
+    /// naming the field; with one replica it is let through.
+    #[test]
+    fn a_spec_with_replicas_is_refused_naming_the_field() {
+        let spec = JobSpec::new("j", 2, &[8]).sharded_over(Appliances::Count(2));
+        refuse_replicas(&spec).unwrap();
+        let two = spec.with_replicas(2);
+        two.validate().unwrap();
+        let e = refuse_replicas(&two).unwrap_err().to_string();
+        assert!(
+            e.contains("placement.replicas = 2") && e.contains("issue 33"),
+            "{e}"
+        );
     }
 }

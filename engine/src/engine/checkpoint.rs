@@ -181,6 +181,10 @@ impl<A: Copy + Eq> Shard<A> {
             h.partials.fill(Partial::default());
             h.next_deadline = u64::MAX;
         }
+        if let Some(r) = &mut j.replica {
+            // Nor to a backup: the restored rounds are completed ones.
+            r.clear_pending();
+        }
         // Cast (here and in the loop below): i < j.slots.len(), which fits
         // a u32 (checked in install_with).
         #[allow(clippy::cast_possible_truncation)]

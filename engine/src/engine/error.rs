@@ -81,6 +81,14 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// A replicated job's install does not fit this shard.
+    #[error("job {id}: replicated install refused: {reason}")]
+    Replica {
+        /// Job id.
+        id: u16,
+        /// What is wrong.
+        reason: String,
+    },
     /// More slots than a `u32` slot index can name.
     #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
     TooManySlots {

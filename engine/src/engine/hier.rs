@@ -513,8 +513,9 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// Resends the partial sums whose home has not answered in time
-    /// (PROTOCOL.md §9.3 rule 4), at most [`MAX_BURST`] per call (the rest
-    /// at the next); cheap when none is due. Call between bursts with the
+    /// (PROTOCOL.md §9.3 rule 4), and the aggregates whose backups have
+    /// not all acknowledged in time (§11.4 rule 4), at most [`MAX_BURST`]
+    /// messages per call (the rest at the next); cheap when none is due. Call between bursts with the
     /// clock `handle` gets.
     pub fn poll_timers(&mut self, now: u64) {
         let mut budget = MAX_BURST;
@@ -555,6 +556,8 @@ impl<A: Copy + Eq> Shard<A> {
             h.next_deadline = next;
             h.rtt = rtt;
         }
+        // What is left of the budget goes to replicated jobs' aggregates.
+        self.poll_replicas(now, budget);
     }
 
     /// Rack slot `slot`'s partial sum, to its home (None once answered).

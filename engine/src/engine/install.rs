@@ -16,6 +16,7 @@ use super::clock::RankClock;
 use super::error::EngineError;
 use super::hier::HierInstall;
 use super::outbox::Pending;
+use super::replica::ReplicaInstall;
 use super::slot::{RankSet, Slot};
 use super::stats::JobCounters;
 use super::table::{Table, TableInstall, TABLE_RANK_BYTES, TABLE_RECORD_BYTES};
@@ -58,6 +59,10 @@ pub enum InstallKind {
     /// slots, and this says where the homes and the other racks are and
     /// which home slots this lcore keeps.
     Hierarchical(Box<HierInstall>),
+    /// A replicated job's part (PROTOCOL.md §11): the slots are the
+    /// primary slots of their chunks, and this says where their backups
+    /// are and which backup slots this lcore keeps. BSP jobs only.
+    Replicated(Box<ReplicaInstall>),
 }
 
 /// Most bytes of slot buffers in one block of slot memory (a 2 MiB huge
@@ -149,12 +154,23 @@ impl<A: Copy + Eq> Shard<A> {
         if self.jobs.iter().any(|j| j.id == job.id) {
             return Err(EngineError::JobExists(job.id));
         }
-        if let (Some(t), InstallKind::Hierarchical(_)) = (tables.first(), &kind) {
-            return Err(EngineError::Table {
-                id: job.id,
-                key: t.key,
-                reason: "a hierarchical job may not have a table key (PROTOCOL.md §10.1)".into(),
-            });
+        if let Some(t) = tables.first() {
+            let refused = match &kind {
+                InstallKind::Hierarchical(_) => {
+                    Some("a hierarchical job may not have a table key (PROTOCOL.md §10.1)")
+                }
+                InstallKind::Replicated(_) => {
+                    Some("a replicated job's tables are not replicated: replicas = 1 for a job with a table")
+                }
+                InstallKind::Plain | InstallKind::Shared(_) => None,
+            };
+            if let Some(reason) = refused {
+                return Err(EngineError::Table {
+                    id: job.id,
+                    key: t.key,
+                    reason: reason.into(),
+                });
+            }
         }
         let mut made = Vec::with_capacity(tables.len());
         for t in &tables {
@@ -172,6 +188,7 @@ impl<A: Copy + Eq> Shard<A> {
             InstallKind::Plain => self.install_with(job, None)?,
             InstallKind::Shared(setup) => self.install_with(job, Some(setup))?,
             InstallKind::Hierarchical(hier) => self.install_hierarchical(job, *hier)?,
+            InstallKind::Replicated(rep) => self.install_replicated(job, *rep)?,
         }
         if !made.is_empty() {
             made.sort_unstable_by_key(|t| t.key);
@@ -278,6 +295,7 @@ impl<A: Copy + Eq> Shard<A> {
             members: RankSet::of(0..job.workers),
             hier: None,
             tables: Vec::new(),
+            replica: None,
         });
         self.count_rx_workers();
         Ok(())
@@ -457,7 +475,10 @@ impl<A: Copy + Eq> Shard<A> {
                 + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
                 + regions * REGION_BYTES as u64
                 + hier
-                + j.tables.iter().map(Table::memory_bytes).sum::<u64>(),
+                + j.tables.iter().map(Table::memory_bytes).sum::<u64>()
+                + j.replica
+                    .as_ref()
+                    .map_or(0, |r| r.memory_bytes(u64::from(model.block_overhead_bytes))),
         )
     }
 }

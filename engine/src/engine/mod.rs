@@ -51,6 +51,11 @@
 //! - PULL, in those modes, answers the current values with the rank's last
 //!   answered clock (its applied clock, minus one while held).
 //!
+//! - A replicated job's primary slot (PROTOCOL.md §11) completes a round
+//!   only once every backup of the chunk acknowledged its aggregate, so no
+//!   RESULT of a round leaves before every backup holds it; a backup slot
+//!   applies each round once, with the primary's completion code.
+//!
 //! The round rules are written out normatively in PROTOCOL.md §5.
 //!
 //! Shared memory (PROTOCOL.md §3.4): a job installed with
@@ -94,6 +99,9 @@
 //! - `hier.rs`: hierarchical jobs (PROTOCOL.md §9): their plan
 //!   ([`hierarchy_plan`]), their install, partials
 //!   and their timers;
+//! - `replica.rs`: replicated jobs (PROTOCOL.md §11): their plan
+//!   ([`replica_plan`]), primary slots that complete a round once every
+//!   backup acknowledged it, backup slots, and the REPLICATE timers;
 //! - `outbox.rs`: queued messages and the [`Transmit`](crate::Transmit)s made
 //!   from them;
 //! - `stats.rs`: a job's counters (`JobCounters`) and [`JobShardStats`];
@@ -102,6 +110,7 @@
 use std::sync::Arc;
 
 use phub_proto::memory::{PARTIAL_RECORD_BYTES, PEER_LCORE_BYTES};
+use phub_proto::replica::ReplicaDropReason;
 use phub_proto::spec::{Consistency, Optimizer};
 use phub_proto::wire::{self, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
@@ -118,6 +127,7 @@ mod hier;
 mod install;
 mod outbox;
 mod region;
+mod replica;
 mod row_clock;
 mod rows;
 mod slot;
@@ -132,12 +142,14 @@ pub use error::EngineError;
 pub use hier::{hierarchy_plan, HierInstall, Peers};
 pub use install::{memory_model, InstallKind, JobInstall, BLOCK_BYTES, EVICTED_FOR_NS};
 pub use outbox::Ranks;
+pub use replica::{replica_plan, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
 pub use table::{row_init, row_optimizer, TableInstall};
 
 use hier::{Hier, Partial};
 use install::{Evicted, RANK_BYTES};
 use outbox::{Attempt, Pending, To};
+use replica::Replica;
 use slot::{RankSet, Slot};
 use stats::JobCounters;
 use table::Table;
@@ -173,8 +185,17 @@ pub enum Verdict {
     /// slowest rank catches up.
     Held,
     /// Hierarchical job, rack slot: the rack's last contribution; its
-    /// partial sum is queued for the chunk's home.
+    /// partial sum is queued for the chunk's home. Replicated job, primary
+    /// slot: the round's last contribution; its aggregate is queued for
+    /// the chunk's backups (PROTOCOL.md §11.4).
     Forwarded,
+    /// A replication message was taken (PROTOCOL.md §11.4): a backup
+    /// applied a round, or acknowledged one again; a primary counted an
+    /// acknowledgement that was not the last of its round.
+    Replicated,
+    /// The packet was dropped for a reason of replication (PROTOCOL.md
+    /// §11.5), counted in the job's [`ReplicaStats`].
+    Refused(ReplicaDropReason),
     /// The packet was dropped and counted under this reason.
     Dropped(DropReason),
 }
@@ -214,6 +235,9 @@ struct Job<A> {
     hier: Option<Box<Hier<A>>>,
     /// Its table keys on this lcore (PROTOCOL.md §10), in key order.
     tables: Vec<Table>,
+    /// A replicated job's backups, pending aggregates and backup slots
+    /// (PROTOCOL.md §11).
+    replica: Option<Box<Replica<A>>>,
 }
 
 impl<A> Job<A> {
@@ -435,6 +459,9 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     fn classify(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
+        if phub_proto::replica::is_replica_message(datagram) {
+            return self.replica_message(from, datagram, now);
+        }
         if phub_proto::rows::is_row_message(datagram) {
             return self.classify_row(from, datagram, now);
         }
@@ -502,6 +529,11 @@ impl<A: Copy + Eq> Shard<A> {
                     attempt: Attempt::First,
                 });
                 Verdict::Forwarded
+            }
+            Ok(Step::Replicate) => {
+                job.counters.pushes += 1;
+                self.counters.pushes_aggregated.inc();
+                Self::queue_replicates(&mut self.pending, job, repr.slot)
             }
             Ok(Step::Applied { held, slowest_rose }) => {
                 job.counters.pushes += 1;
@@ -593,6 +625,9 @@ enum Step {
     /// A rack slot's round has every contribution of its rack: the partial
     /// sum is to go to the chunk's home.
     Forward,
+    /// A replicated primary slot's round has every contribution: its
+    /// aggregate is to go to the chunk's backups (PROTOCOL.md §11.4).
+    Replicate,
     /// The stored result to the sender alone, with this round field (BSP:
     /// the slot's last completed round).
     Resend(Option<u32>),

@@ -41,6 +41,17 @@ pub(super) enum Pending<A> {
     /// whole: bytes `at .. at + len` of the shard's row outbox, header
     /// first.
     Row { at: u32, len: u32, to: A },
+    /// A primary slot's pending aggregate, to its backup `backup` (an
+    /// index into the chunk's backups).
+    Replicate {
+        job: u16,
+        slot: u32,
+        backup: u8,
+        attempt: Attempt,
+    },
+    /// The ACK of backup slot `slot` of appliance `from`'s chunks, for
+    /// its last completed round.
+    ReplicaAck { job: u16, from: u16, slot: u32 },
 }
 
 /// Whether a queued message goes for the first time or again, its timer
@@ -142,6 +153,13 @@ impl<A: Copy + Eq> Shard<A> {
                 };
                 return [Some(t), None];
             }
+            Pending::Replicate {
+                job,
+                slot,
+                backup,
+                attempt,
+            } => return [self.replicate_transmit(job, slot, backup, attempt), None],
+            Pending::ReplicaAck { job, from, slot } => return [self.ack_transmit(job, from, slot), None],
         };
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];

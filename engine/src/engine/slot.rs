@@ -588,6 +588,13 @@ impl<A: Copy + Eq> Shard<A> {
         debug_assert!(slot.ncontrib < job.quorum, "a contribution beyond the quorum");
         slot.contributed.insert(repr.rank);
         slot.ncontrib += 1;
+        if let (true, Some(rep)) = (last, job.replica.as_deref_mut()) {
+            // A primary slot: the round completes once every backup holds
+            // its aggregate (PROTOCOL.md §11.4).
+            if rep.begin(repr.slot, slot.in_progress(), now) {
+                return Ok(Step::Replicate);
+            }
+        }
         if let (true, Some(h)) = (last, &mut job.hier) {
             // A rack slot: the rack's sum goes to the chunk's home, and the
             // round completes when its result comes back (PROTOCOL.md §9.3).

@@ -69,6 +69,10 @@
 
 mod congestion;
 mod request;
+mod row_plan;
+#[cfg(test)]
+pub(crate) mod row_tests;
+mod rows;
 mod rto;
 #[cfg(test)]
 mod tests;
@@ -88,6 +92,10 @@ use congestion::Congestion;
 #[cfg(test)]
 use congestion::MIN_CWND;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
+pub(crate) use row_plan::{plan_pull, plan_push, RowPlan, TableInfo};
+#[cfg(feature = "sim")]
+pub(crate) use rows::unknown_table;
+pub(crate) use rows::{RowFinished, RowOutput, RowRequest, RowTransport};
 use rto::Rto;
 pub(crate) use window::AutoWindow;
 use window::FlowWindow;

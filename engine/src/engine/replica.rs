@@ -1,0 +1,825 @@
+//! A replicated job's part on one lcore (PROTOCOL.md §11): its slots are
+//! the primary slots of their chunks, whose rounds complete only once
+//! every backup holds them, and it may keep backup slots of other
+//! appliances' chunks, which apply the primaries' aggregates.
+//!
+//! Invariants (on top of the engine's):
+//! - A primary slot whose W contributions to round r are in holds their sum
+//!   in its accumulator, untouched, until every backup of the chunk has
+//!   acknowledged round r: only then does the optimizer run, the stored
+//!   result change and a RESULT of round r leave (§11.4 rule 2). Until
+//!   then it resends the aggregate to the backups that have not
+//!   acknowledged it, on its timer, never giving up while installed.
+//! - A backup slot applies a round's aggregate with the same code as the
+//!   primary ([`Slot::complete`], the job's optimizer, W and round), so
+//!   its parameters, optimizer state and stored result are the primary's
+//!   bits; it applies each round at most once, the next after its last
+//!   completed, and answers a copy of the last with its ACK again.
+//! - Replication messages are taken only from the address of the lcore
+//!   that sends them by the install (a token alone, which workers hold,
+//!   never speaks for an appliance), and only in the install's epoch.
+//! - BSP jobs only; no shared-memory regions, no hierarchy.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+
+use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
+use phub_proto::memory::ResultStore;
+use phub_proto::replica::{self, ReplicaDropReason, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
+use phub_proto::spec::{Consistency, JobSpec};
+use phub_proto::wire::{flags, DropReason, MAX_PAYLOAD};
+use phub_proto::Dtype;
+
+use crate::kernels::Kernels;
+use crate::slotmem::SlotBlock;
+use crate::transmit::{Transmit, MAX_BURST};
+
+use super::error::EngineError;
+use super::hier::{Peers, Rtt};
+use super::install::JobInstall;
+use super::outbox::{Attempt, Pending, Ranks};
+use super::slot::{RankSet, Round, Slot};
+use super::{round_done, Job, Shard, Verdict};
+
+/// What an lcore is told of a replicated job beside its primary slots (the
+/// [`JobInstall`]'s slots).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReplicaInstall {
+    /// The job layout's epoch (PROTOCOL.md §11.5).
+    pub epoch: u32,
+    /// This appliance's index in the job's appliance list.
+    pub me: u16,
+    /// Sequence number of this lcore's primary slot 0.
+    pub first: u64,
+    /// Per appliance of the job, in layout order: its lcores' data
+    /// addresses, in lcore order.
+    pub appliances: Vec<Vec<SocketAddrV4>>,
+    /// The job's layout over every appliance's lcores (appliance 0's
+    /// first), as §4.1 writes it.
+    pub runs: Vec<ChunkRange>,
+    /// Per appliance: its rack label (all equal: one rack).
+    pub racks: Vec<String>,
+    /// Appliances holding each chunk, 1 to [`MAX_REPLICAS`].
+    pub replicas: u8,
+    /// The backup slots this lcore keeps, per appliance it backs up.
+    pub backups: Vec<BackupInstall>,
+}
+
+/// The backup slots of one primary appliance's chunks on one lcore.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackupInstall {
+    /// The primary appliance's index.
+    pub primary: u16,
+    /// Sequence number of backup slot 0.
+    pub first: u64,
+    /// The chunks, in slot order.
+    pub slots: Vec<SlotChunk>,
+}
+
+/// A primary slot's aggregate waiting for its backups' acknowledgements.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Pushed {
+    /// The round it belongs to; none when none is waiting.
+    round: Round,
+    /// Bit k: backup k has acknowledged it.
+    acked: u8,
+    /// When it was first sent (caller's clock).
+    sent: u64,
+    /// When to resend it.
+    deadline: u64,
+    /// Resends so far.
+    resends: u8,
+}
+
+impl Default for Pushed {
+    fn default() -> Pushed {
+        Pushed {
+            round: Round::NONE,
+            acked: 0,
+            sent: 0,
+            deadline: u64::MAX,
+            resends: 0,
+        }
+    }
+}
+
+/// One appliance's chunks, backed up on this lcore.
+#[derive(Debug)]
+pub(super) struct Part<A> {
+    /// The primary appliance's index.
+    primary: u16,
+    /// Sequence number of backup slot 0.
+    first: u64,
+    /// Where the primary's lcores are and the runs they hold.
+    at: Peers<A>,
+    slots: Vec<Slot>,
+    blocks: Vec<Box<dyn SlotBlock>>,
+}
+
+/// What a job's replication did on this lcore.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplicaStats {
+    /// REPLICATEs sent the first time.
+    pub replicates_sent: u64,
+    /// REPLICATEs resent on a timer.
+    pub replicates_resent: u64,
+    /// REPLICATE_ACKs sent for a round applied here.
+    pub acks_sent: u64,
+    /// REPLICATE_ACKs sent again, for a copy of a round applied before.
+    pub acks_resent: u64,
+    /// Rounds a primary slot completed once every backup acknowledged.
+    pub rounds_replicated: u64,
+    /// Rounds a backup slot applied.
+    pub rounds_applied: u64,
+    /// Replication messages of another epoch (`wrong_epoch`).
+    pub wrong_epoch: u64,
+}
+
+/// A replicated job's state on one lcore.
+#[derive(Debug)]
+pub(super) struct Replica<A> {
+    epoch: u32,
+    me: u16,
+    /// Sequence number of primary slot 0.
+    first: u64,
+    /// Per backup of this appliance's chunks, in set order: its index and
+    /// where it keeps them.
+    backups: Vec<(u16, Peers<A>)>,
+    /// Per primary slot.
+    pushed: Vec<Pushed>,
+    /// The earliest deadline of `pushed` (u64::MAX: none).
+    next_deadline: u64,
+    rtt: Rtt,
+    parts: Vec<Part<A>>,
+    stats: ReplicaStats,
+}
+
+impl<A: Copy> Replica<A> {
+    /// Primary slot `slot` has all its contributions to `round`: its
+    /// aggregate is to go to every backup before the round completes
+    /// (PROTOCOL.md §11.4). False when the chunk has no backup (the round
+    /// completes at once).
+    pub(super) fn begin(&mut self, slot: u32, round: u32, now: u64) -> bool {
+        if self.backups.is_empty() {
+            return false;
+        }
+        let p = &mut self.pushed[slot as usize];
+        debug_assert!(p.round.is_none(), "a second aggregate while one is pending");
+        *p = Pushed {
+            round: Round::new(round),
+            acked: 0,
+            sent: now,
+            deadline: now.saturating_add(self.rtt.rto(0)),
+            resends: 0,
+        };
+        self.next_deadline = self.next_deadline.min(p.deadline);
+        true
+    }
+
+    /// Forgets every pending aggregate (after a restore, whose slots have
+    /// no round in progress).
+    pub(super) fn clear_pending(&mut self) {
+        self.pushed.fill(Pushed::default());
+        self.next_deadline = u64::MAX;
+    }
+
+    /// Where backup `k` keeps primary slot `slot`.
+    fn backup_of(&self, k: usize, slot: u32) -> Option<(A, u32)> {
+        self.backups.get(k)?.1.place(self.first + u64::from(slot))
+    }
+
+    /// Bytes this holds beside the job's own slots: the backup slots'
+    /// buffers, block overheads (`block_overhead` each) and records, a
+    /// pending-aggregate record per primary slot and the peers' addresses
+    /// and runs. Admission does not charge them yet (control installs no
+    /// replicas, PROTOCOL.md §11).
+    pub(super) fn memory_bytes(&self, block_overhead: u64) -> u64 {
+        let parts: u64 = self
+            .parts
+            .iter()
+            .map(|p| {
+                let data: u64 = p.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
+                data + p.blocks.len() as u64 * block_overhead
+                    + (p.slots.len() * std::mem::size_of::<Slot>()) as u64
+                    + (p.at.addrs.len() * (std::mem::size_of::<A>() + std::mem::size_of::<ChunkRange>()))
+                        as u64
+            })
+            .sum();
+        let backups: usize = self.backups.iter().map(|(_, p)| p.addrs.len()).sum();
+        parts
+            + (self.pushed.len() * std::mem::size_of::<Pushed>()) as u64
+            + (backups * (std::mem::size_of::<A>() + std::mem::size_of::<ChunkRange>())) as u64
+    }
+
+    /// Whether all `n` backups are in `acked`.
+    fn all(n: usize, acked: u8) -> bool {
+        u32::from(acked).count_ones() as usize == n
+    }
+}
+
+/// Checks a replicated job's install and makes what each of appliance
+/// `me`'s lcores is told: its [`JobInstall`] slots (the chunks of its runs)
+/// and its [`ReplicaInstall`]. `appliances[i]` is appliance i's data
+/// address and base port and `lcores[i]` its lcore count; `runs` the job's
+/// layout over all of them (PROTOCOL.md §4.1).
+pub fn replica_plan(
+    spec: &JobSpec,
+    runs: &[ChunkRange],
+    appliances: &[(Ipv4Addr, u16, u16)],
+    racks: &[String],
+    me: u16,
+    epoch: u32,
+) -> Result<Vec<(Vec<SlotChunk>, ReplicaInstall)>, String> {
+    let n = appliances.len();
+    let r = spec.replicas();
+    if racks.len() != n || usize::from(me) >= n || r == 0 || r > n || r > usize::from(MAX_REPLICAS) {
+        return Err(format!(
+            "{r} replicas, appliance {me}, {} rack labels, over {n} appliances",
+            racks.len()
+        ));
+    }
+    let total: usize = appliances.iter().map(|a| usize::from(a.2)).sum();
+    if total != runs.len() {
+        return Err(format!("{} runs for {total} lcores", runs.len()));
+    }
+    let addrs: Vec<Vec<SocketAddrV4>> = appliances
+        .iter()
+        .map(|&(ip, base, l)| {
+            (0..l)
+                .map(|j| base.checked_add(j).map(|p| SocketAddrV4::new(ip, p)))
+                .collect::<Option<Vec<_>>>()
+                .ok_or_else(|| format!("{ip}: lcore ports above {base} overflow"))
+        })
+        .collect::<Result<_, _>>()?;
+    let mut at = 0;
+    let mut parts = Vec::with_capacity(n);
+    for a in appliances {
+        let own = &runs[at..at + usize::from(a.2)];
+        at += usize::from(a.2);
+        let first = own.first().map_or(0, |r| r.first);
+        parts.push(ChunkRange {
+            first,
+            count: own.iter().map(|r| r.count).sum(),
+        });
+    }
+    let chunks = Chunks::new(spec);
+    let mine: usize = appliances[..usize::from(me)]
+        .iter()
+        .map(|a| usize::from(a.2))
+        .sum();
+    let lcores = usize::from(appliances[usize::from(me)].2);
+    // Cast: r <= MAX_REPLICAS (checked above).
+    #[allow(clippy::cast_possible_truncation)]
+    let replicas = r as u8;
+    Ok((0..lcores)
+        .map(|j| {
+            let run = runs[mine + j];
+            let backups = (0..n)
+                .filter(|&p| {
+                    p != usize::from(me) && replica::replica_set(racks, p, r).contains(&usize::from(me))
+                })
+                .map(|p| {
+                    let b = replica::backup_runs(parts[p], lcores)[j];
+                    // Cast: p < n, the appliance count, which fits a u16.
+                    #[allow(clippy::cast_possible_truncation)]
+                    BackupInstall {
+                        primary: p as u16,
+                        first: b.first,
+                        slots: chunks.iter(b.range()).collect(),
+                    }
+                })
+                .collect();
+            (
+                chunks.iter(run.range()).collect(),
+                ReplicaInstall {
+                    epoch,
+                    me,
+                    first: run.first,
+                    appliances: addrs.clone(),
+                    runs: runs.to_vec(),
+                    racks: racks.to_vec(),
+                    replicas,
+                    backups,
+                },
+            )
+        })
+        .collect())
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Installs a replicated job's part on this lcore (PROTOCOL.md §11):
+    /// `job`'s slots are its primary slots, `rep` says where the backups
+    /// of its chunks are and which backup slots this lcore keeps. Whole or
+    /// refused, as [`Shard::install`] ([`super::InstallKind::Replicated`]).
+    pub(super) fn install_replicated(
+        &mut self,
+        job: JobInstall,
+        rep: ReplicaInstall,
+    ) -> Result<(), EngineError> {
+        let id = job.id;
+        let refuse = |reason: String| EngineError::Replica { id, reason };
+        let Some(resolve) = self.peers.0.clone() else {
+            return Err(refuse(
+                "this backend does not send to other appliances (kernel UDP does)".into(),
+            ));
+        };
+        if job.consistency != Consistency::Sync {
+            return Err(refuse(
+                "replicas of BSP jobs only are specified (PROTOCOL.md §11)".into(),
+            ));
+        }
+        let n = rep.appliances.len();
+        let r = usize::from(rep.replicas);
+        if rep.racks.len() != n || usize::from(rep.me) >= n || r == 0 || r > n || rep.replicas > MAX_REPLICAS
+        {
+            return Err(refuse(format!(
+                "{r} replicas, appliance {}, {} rack labels, over {n} appliances",
+                rep.me,
+                rep.racks.len()
+            )));
+        }
+        if rep.appliances.iter().map(Vec::len).sum::<usize>() != rep.runs.len() {
+            return Err(refuse(format!(
+                "{} runs for the appliances' lcores",
+                rep.runs.len()
+            )));
+        }
+        let resolved = rep
+            .appliances
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|&a| resolve(a).ok_or_else(|| format!("this backend cannot address appliance {a}")))
+                    .collect::<Result<Vec<A>, String>>()
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(refuse)?;
+        // Each appliance's runs and the part they make.
+        let mut own: Vec<&[ChunkRange]> = Vec::with_capacity(n);
+        let mut at = 0;
+        for l in &rep.appliances {
+            own.push(&rep.runs[at..at + l.len()]);
+            at += l.len();
+        }
+        let part = |p: usize| ChunkRange {
+            first: own[p].first().map_or(0, |r| r.first),
+            count: own[p].iter().map(|r| r.count).sum(),
+        };
+        let me = usize::from(rep.me);
+        let set = replica::replica_set(&rep.racks, me, r);
+        let backups = set[1..]
+            .iter()
+            .map(|&b| {
+                // Cast: b < n, whose indices the install's u16 `me` spans.
+                #[allow(clippy::cast_possible_truncation)]
+                let index = b as u16;
+                (
+                    index,
+                    Peers {
+                        addrs: resolved[b].clone(),
+                        runs: replica::backup_runs(part(me), resolved[b].len()),
+                    },
+                )
+            })
+            .collect::<Vec<_>>();
+        // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
+        #[allow(clippy::cast_possible_truncation)]
+        let max = ((MAX_PAYLOAD / 4) as u32).min(job.chunk_elems);
+        if let Some(c) = job
+            .slots
+            .iter()
+            .chain(rep.backups.iter().flat_map(|b| &b.slots))
+            .find(|c| c.elems == 0 || c.elems > max)
+        {
+            return Err(refuse(format!(
+                "a slot of {} elements; an aggregate carries 1..={max} f32s",
+                c.elems
+            )));
+        }
+        let mut parts = Vec::with_capacity(rep.backups.len());
+        for b in &rep.backups {
+            let p = usize::from(b.primary);
+            if p >= n || p == me || !replica::replica_set(&rep.racks, p, r).contains(&me) {
+                return Err(refuse(format!(
+                    "backup slots of appliance {p}, whose replica set {} is not in",
+                    rep.me
+                )));
+            }
+            let (slots, blocks) = self
+                .alloc_slots(
+                    &b.slots,
+                    job.dtype,
+                    &job.optimizer,
+                    job.chunk_elems,
+                    ResultStore::Slot,
+                )
+                .map_err(|reason| EngineError::SlotMemory {
+                    id,
+                    bytes: b
+                        .slots
+                        .iter()
+                        .map(|c| {
+                            4 * Slot::block_len(c.elems, job.dtype, &job.optimizer, ResultStore::Slot) as u64
+                        })
+                        .sum(),
+                    slots: b.slots.len(),
+                    from: self.mem.describe(),
+                    reason,
+                })?;
+            parts.push(Part {
+                primary: b.primary,
+                first: b.first,
+                at: Peers {
+                    addrs: resolved[p].clone(),
+                    runs: own[p].to_vec(),
+                },
+                slots,
+                blocks,
+            });
+        }
+        let nslots = job.slots.len();
+        self.install_with(job, None)?;
+        // A completed round queues a REPLICATE per backup.
+        self.pending.reserve(backups.len() * MAX_BURST);
+        let j = self.jobs.last_mut().expect("installed just now");
+        j.replica = Some(Box::new(Replica {
+            epoch: rep.epoch,
+            me: rep.me,
+            first: rep.first,
+            backups,
+            pushed: vec![Pushed::default(); nslots],
+            next_deadline: u64::MAX,
+            rtt: Rtt::default(),
+            parts,
+            stats: ReplicaStats::default(),
+        }));
+        Ok(())
+    }
+
+    /// What job `id`'s replication did on this lcore (None: not replicated
+    /// here).
+    pub fn replica_stats(&self, id: u16) -> Option<ReplicaStats> {
+        Some(self.job(id)?.replica.as_ref()?.stats)
+    }
+
+    /// A backup slot's last completed round and its parameters (`f32`,
+    /// with a server-side optimizer) and optimizer state, by the chunk's
+    /// sequence number `seq` in the job: what a test compares with the
+    /// primary's bit for bit.
+    pub fn backup_state(&self, id: u16, seq: u64) -> Option<BackupState<'_>> {
+        let j = self.job(id)?;
+        let rep = j.replica.as_ref()?;
+        let part = rep
+            .parts
+            .iter()
+            .find(|p| (p.first..p.first + p.slots.len() as u64).contains(&seq))?;
+        let slot = u32::try_from(seq - part.first).ok()?;
+        let s = &part.slots[slot as usize];
+        Some(BackupState {
+            round: s.completed.get(),
+            result: s.result_bytes(slot, None, &part.blocks),
+            state: s.mem.all(&part.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
+        })
+    }
+
+    /// A primary slot's parameters and optimizer state, as
+    /// [`Shard::backup_state`] gives a backup's.
+    pub fn primary_state(&self, id: u16, slot: u32) -> Option<BackupState<'_>> {
+        let j = self.job(id)?;
+        let s = j.slots.get(slot as usize)?;
+        Some(BackupState {
+            round: s.completed.get(),
+            result: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
+            state: s.mem.all(&j.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
+        })
+    }
+
+    /// Queues the first REPLICATE of `slot`'s aggregate to each backup.
+    pub(super) fn queue_replicates(pending: &mut Vec<Pending<A>>, j: &mut Job<A>, slot: u32) -> Verdict {
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return Verdict::Aggregated;
+        };
+        for k in 0..rep.backups.len() {
+            rep.stats.replicates_sent += 1;
+            // Cast: at most MAX_REPLICAS - 1 backups.
+            #[allow(clippy::cast_possible_truncation)]
+            pending.push(Pending::Replicate {
+                job: j.id,
+                slot,
+                backup: k as u8,
+                attempt: Attempt::First,
+            });
+        }
+        Verdict::Forwarded
+    }
+
+    /// A REPLICATE or REPLICATE_ACK (PROTOCOL.md §11.4). Refusals are
+    /// counted, never answered: the sender is an appliance.
+    pub(super) fn replica_message(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
+        let (repr, payload) = match replica::parse(datagram) {
+            Ok(p) => p,
+            Err(r) => return Verdict::Dropped(r),
+        };
+        let Some(i) = self.jobs.iter().position(|j| j.id == repr.job) else {
+            return Verdict::Dropped(if self.was_evicted(repr.job, repr.token, now) {
+                DropReason::Evicted
+            } else {
+                DropReason::UnknownJob
+            });
+        };
+        if self.jobs[i].token != repr.token {
+            return Verdict::Dropped(DropReason::BadToken);
+        }
+        if self.closing {
+            return Verdict::Dropped(DropReason::ShuttingDown);
+        }
+        let job = &mut self.jobs[i];
+        let Some(rep) = job.replica.as_deref_mut() else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        if repr.epoch != rep.epoch {
+            rep.stats.wrong_epoch += 1;
+            return Verdict::Refused(ReplicaDropReason::WrongEpoch);
+        }
+        match repr.kind {
+            ReplicaMsgType::Replicate => match Self::on_replicate(&self.kernels, job, from, &repr, payload) {
+                Ok(fresh) => {
+                    let rep = job.replica.as_deref_mut().expect("checked above");
+                    if fresh {
+                        rep.stats.acks_sent += 1;
+                        rep.stats.rounds_applied += 1;
+                    } else {
+                        rep.stats.acks_resent += 1;
+                    }
+                    self.pending.push(Pending::ReplicaAck {
+                        job: job.id,
+                        from: repr.from,
+                        slot: repr.slot,
+                    });
+                    Verdict::Replicated
+                }
+                Err(r) => Verdict::Dropped(r),
+            },
+            ReplicaMsgType::ReplicateAck => match Self::on_ack(job, from, &repr, now) {
+                Ok(true) => {
+                    self.counters.rounds_completed.inc();
+                    round_done(&mut self.pending, &self.counters, job, repr.slot)
+                }
+                Ok(false) => Verdict::Replicated,
+                Err(r) => Verdict::Dropped(r),
+            },
+        }
+    }
+
+    /// A primary's REPLICATE at a backup slot: applied if it is the slot's
+    /// next round (`Ok(true)`), acknowledged again if it is its last
+    /// (`Ok(false)`), else refused.
+    fn on_replicate(
+        k: &Kernels,
+        job: &mut Job<A>,
+        from: A,
+        repr: &ReplicaRepr,
+        payload: &[u8],
+    ) -> Result<bool, DropReason> {
+        let (dtype, workers) = (job.dtype, job.workers);
+        let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        let part = rep
+            .parts
+            .iter_mut()
+            .find(|p| p.primary == repr.from)
+            .ok_or(DropReason::WrongPeer)?;
+        if repr.dtype != Dtype::F32 {
+            return Err(DropReason::DtypeMismatch);
+        }
+        let slot = part
+            .slots
+            .get_mut(repr.slot as usize)
+            .ok_or(DropReason::SlotOutOfRange)?;
+        if repr.key != slot.key || repr.chunk != slot.chunk {
+            return Err(DropReason::ChunkMismatch);
+        }
+        if u32::from(repr.count) != slot.elems {
+            return Err(DropReason::CountMismatch);
+        }
+        let seq = part.first + u64::from(repr.slot);
+        if part.at.place(seq).is_none_or(|(at, _)| at != from) {
+            return Err(DropReason::WrongPeer);
+        }
+        if slot.completed.is(repr.round) {
+            return Ok(false);
+        }
+        if repr.round != slot.in_progress() || !Round::completable(repr.round) {
+            return Err(if slot.completed.is_after(repr.round) {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        }
+        // The aggregate stands for the round's W contributions: the
+        // primary's accumulator, bit for bit; the same completion follows.
+        k.copy(Dtype::F32, slot.mem.acc_mut(&mut part.blocks), payload);
+        slot.contributed = RankSet::of(0..workers);
+        slot.ncontrib = workers;
+        slot.complete(dtype, &job.optimizer, workers, workers, &mut part.blocks);
+        debug_assert!(
+            slot.completed.is(repr.round),
+            "a backup completes the round it applied"
+        );
+        Ok(true)
+    }
+
+    /// A backup's ACK at a primary slot: `Ok(true)` when it was the last
+    /// the pending aggregate waited for, and the round is completed now.
+    fn on_ack(job: &mut Job<A>, from: A, repr: &ReplicaRepr, now: u64) -> Result<bool, DropReason> {
+        let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        if rep.backups.is_empty() {
+            // No chunk here has a backup: no appliance acknowledges one.
+            return Err(DropReason::WrongPeer);
+        }
+        if repr.dtype != Dtype::F32 {
+            return Err(DropReason::DtypeMismatch);
+        }
+        let k = rep
+            .backups
+            .iter()
+            .position(|(b, _)| *b == repr.from)
+            .ok_or(DropReason::RankOutOfRange)?;
+        let slot = job
+            .slots
+            .get_mut(repr.slot as usize)
+            .ok_or(DropReason::SlotOutOfRange)?;
+        if repr.key != slot.key || repr.chunk != slot.chunk {
+            return Err(DropReason::ChunkMismatch);
+        }
+        if rep.backup_of(k, repr.slot).is_none_or(|(at, _)| at != from) {
+            return Err(DropReason::WrongPeer);
+        }
+        let p = &mut rep.pushed[repr.slot as usize];
+        if !p.round.is(repr.round) {
+            let done = slot.completed.get().is_some_and(|c| repr.round <= c);
+            return Err(if done || p.round.is_after(repr.round) {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        }
+        if p.acked & (1 << k) != 0 {
+            return Err(DropReason::Duplicate);
+        }
+        p.acked |= 1 << k;
+        if !Replica::<A>::all(rep.backups.len(), p.acked) {
+            return Ok(false);
+        }
+        if p.resends == 0 {
+            rep.rtt.sample(now.saturating_sub(p.sent));
+        }
+        *p = Pushed::default();
+        rep.stats.rounds_replicated += 1;
+        // Every backup holds the round: it completes here too, with the
+        // same operations on the same aggregate.
+        slot.complete(
+            job.dtype,
+            &job.optimizer,
+            job.workers,
+            job.quorum,
+            &mut job.blocks,
+        );
+        Ok(true)
+    }
+
+    /// Resends the aggregates whose backups have not all acknowledged in
+    /// time (PROTOCOL.md §11.4 rule 4), at most `budget` messages; returns
+    /// what is left of it.
+    pub(super) fn poll_replicas(&mut self, now: u64, mut budget: usize) -> usize {
+        for j in &mut self.jobs {
+            let Some(rep) = j.replica.as_deref_mut() else {
+                continue;
+            };
+            if now < rep.next_deadline {
+                continue;
+            }
+            let nb = rep.backups.len();
+            let mut timed_out = false;
+            let mut next = u64::MAX;
+            // Cast: i indexes the job's slots, which fit a u32 (install).
+            #[allow(clippy::cast_possible_truncation)]
+            for (i, p) in rep.pushed.iter_mut().enumerate() {
+                if p.round.is_none() {
+                    continue;
+                }
+                let missing = nb - u32::from(p.acked).count_ones() as usize;
+                if p.deadline <= now && budget >= missing {
+                    budget -= missing;
+                    if !timed_out {
+                        rep.rtt.back_off();
+                        timed_out = true;
+                    }
+                    p.resends = p.resends.saturating_add(1);
+                    p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                    for k in (0..nb).filter(|&k| p.acked & (1 << k) == 0) {
+                        rep.stats.replicates_resent += 1;
+                        self.pending.push(Pending::Replicate {
+                            job: j.id,
+                            slot: i as u32,
+                            backup: k as u8,
+                            attempt: Attempt::Again,
+                        });
+                    }
+                }
+                next = next.min(p.deadline);
+            }
+            rep.next_deadline = next;
+        }
+        budget
+    }
+
+    /// Primary slot `slot`'s pending aggregate, to backup `backup` (None
+    /// once that backup acknowledged it, or the round completed).
+    pub(super) fn replicate_transmit(
+        &self,
+        job: u16,
+        slot: u32,
+        backup: u8,
+        attempt: Attempt,
+    ) -> Option<Transmit<'_, Ranks<'_, A>>> {
+        let j = self.job(job)?;
+        let rep = j.replica.as_deref()?;
+        let s = j.slots.get(slot as usize)?;
+        let p = rep.pushed.get(slot as usize)?;
+        let round = p.round.get()?;
+        if p.acked & (1 << backup) != 0 {
+            return None;
+        }
+        let (to, backup_slot) = rep.backup_of(usize::from(backup), slot)?;
+        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
+        #[allow(clippy::cast_possible_truncation)]
+        let repr = ReplicaRepr {
+            kind: ReplicaMsgType::Replicate,
+            dtype: Dtype::F32,
+            flags: match attempt {
+                Attempt::First => 0,
+                Attempt::Again => flags::RETRANSMIT,
+            },
+            token: j.token,
+            job: j.id,
+            from: rep.me,
+            count: s.elems as u16,
+            round,
+            slot: backup_slot,
+            key: s.key,
+            chunk: s.chunk,
+            epoch: rep.epoch,
+        };
+        let payload: &[u8] = bytemuck::cast_slice(s.mem.acc(&j.blocks));
+        debug_assert_eq!(
+            payload.len(),
+            repr.payload_len(),
+            "an aggregate of the wrong length"
+        );
+        Some(Transmit {
+            header: repr.to_bytes(),
+            payload,
+            to: Ranks::new(&[], None, Some(to)),
+        })
+    }
+
+    /// The ACK of backup slot `slot` of appliance `from`'s part, for its
+    /// last completed round, to the primary's lcore holding the chunk.
+    pub(super) fn ack_transmit(&self, job: u16, from: u16, slot: u32) -> Option<Transmit<'_, Ranks<'_, A>>> {
+        let j = self.job(job)?;
+        let rep = j.replica.as_deref()?;
+        let part = rep.parts.iter().find(|p| p.primary == from)?;
+        let s = part.slots.get(slot as usize)?;
+        let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
+        let repr = ReplicaRepr {
+            kind: ReplicaMsgType::ReplicateAck,
+            dtype: Dtype::F32,
+            flags: 0,
+            token: j.token,
+            job: j.id,
+            from: rep.me,
+            count: 0,
+            round: s.completed.get()?,
+            slot: primary_slot,
+            key: s.key,
+            chunk: s.chunk,
+            epoch: rep.epoch,
+        };
+        Some(Transmit {
+            header: repr.to_bytes(),
+            payload: &[],
+            to: Ranks::new(&[], None, Some(to)),
+        })
+    }
+}
+
+/// A slot's state, for comparing replicas bit for bit.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BackupState<'a> {
+    /// Its last completed round (none before round 0).
+    pub round: Option<u32>,
+    /// Its stored result, wire bytes.
+    pub result: &'a [u8],
+    /// Its parameters and the optimizer's two states (each empty where
+    /// the optimizer keeps none).
+    pub state: Vec<&'a [f32]>,
+}

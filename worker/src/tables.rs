@@ -1,0 +1,479 @@
+//! Table keys (PROTOCOL.md §10) as a caller sees them: rows of `dim`
+//! values keyed by `u64` ids, pushed and pulled a few at a time by the
+//! table's name ([`Worker::push_pull_rows`], [`Worker::push_rows`],
+//! [`Worker::pull_rows`]).
+//!
+//! Layer: client API. A call checks its slices, claims the table (one
+//! request per table in flight, [`TableClaims`]), plans its messages on the
+//! caller's thread (`transport/row_plan.rs`: duplicates merged, rows split
+//! by lcore), hands them to the I/O thread's row transport
+//! (`transport/rows.rs`) and blocks until every message is answered.
+//!
+//! Invariant: a table's round (BSP) or this rank's clock on it (async,
+//! bounded delay) advances by one with each push whose every answer came
+//! back, and only then may the next push go (§10.3, "The worker's side").
+
+use std::collections::HashMap;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use crossbeam_channel::Receiver;
+use phub_proto::api::JoinResponse;
+use phub_proto::placement::RowPlacement;
+use phub_proto::spec::rows_per_datagram;
+
+use crate::error::WorkerError;
+use crate::io::{Command, RowCompletion, RowRequest};
+use crate::transport::{plan_pull, plan_push, RowOutput, TableInfo};
+use crate::worker::{next_round, Worker};
+
+/// The job's table keys from its join answer, in key order.
+pub(crate) fn table_infos(join: &JoinResponse) -> Result<Vec<TableInfo>, WorkerError> {
+    let spec = &join.spec;
+    let mut tables = Vec::new();
+    for (k, ks) in (0u32..).zip(&spec.keys) {
+        let Some(t) = &ks.table else {
+            continue;
+        };
+        let per = rows_per_datagram(spec.chunk_bytes, t.dim, spec.dtype);
+        if per == 0 {
+            return Err(WorkerError::BadJoin {
+                message: format!(
+                    "table {:?} (key {k}): dim {} does not fit one row of {} in chunk_bytes {}",
+                    ks.name, t.dim, spec.dtype, spec.chunk_bytes
+                ),
+            });
+        }
+        let placement = RowPlacement::from_join(join, k).map_err(|e| WorkerError::BadJoin {
+            message: e.to_string(),
+        })?;
+        tables.push(TableInfo {
+            key: k,
+            name: ks.name.clone(),
+            dim: t.dim,
+            per,
+            placement,
+        });
+    }
+    Ok(tables)
+}
+
+/// Where a table stands.
+#[derive(Debug, Clone, Copy, Default)]
+struct TableState {
+    /// The last round (clock) whose every answer this worker holds; 0
+    /// before its first push (a table's first round is 1, §10.3).
+    round: u32,
+    /// A request is in flight.
+    busy: bool,
+}
+
+/// Each table's round and claim, by key index.
+#[derive(Debug)]
+pub(crate) struct TableClaims(Mutex<HashMap<u32, TableState>>);
+
+impl TableClaims {
+    /// Every table free, at round 0.
+    pub(crate) fn new(tables: &[TableInfo]) -> TableClaims {
+        TableClaims(Mutex::new(
+            tables.iter().map(|t| (t.key, TableState::default())).collect(),
+        ))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<u32, TableState>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Claims table `key` if free, `next` picking the request's round from
+    /// the table's; the claim is given back when the returned guard drops.
+    fn claim(
+        &self,
+        key: u32,
+        next: impl FnOnce(u32) -> Result<u32, String>,
+    ) -> Result<(Claim<'_>, u32), WorkerError> {
+        let mut tables = self.lock();
+        // Callers pass a key of `Worker::tables`, from which this was made.
+        let t = tables.get_mut(&key).expect("every table of the job has a claim");
+        if t.busy {
+            return Err(WorkerError::Busy { key });
+        }
+        let round = next(t.round).map_err(|message| WorkerError::Sequence { key, message })?;
+        t.busy = true;
+        Ok((
+            Claim {
+                claims: self,
+                key,
+                done: None,
+            },
+            round,
+        ))
+    }
+
+    fn round(&self, key: u32) -> Option<u32> {
+        self.lock().get(&key).map(|t| t.round)
+    }
+}
+
+/// A claimed table; dropping it frees the table, recording `done` as its
+/// round when set.
+struct Claim<'a> {
+    claims: &'a TableClaims,
+    key: u32,
+    done: Option<u32>,
+}
+
+impl Drop for Claim<'_> {
+    fn drop(&mut self) {
+        if let Some(t) = self.claims.lock().get_mut(&self.key) {
+            debug_assert!(t.busy, "table {} freed without a claim", self.key);
+            t.busy = false;
+            if let Some(r) = self.done {
+                t.round = r;
+            }
+        }
+    }
+}
+
+impl Worker {
+    /// The job's table named `name`.
+    fn table_named(&self, name: &str) -> Result<&TableInfo, WorkerError> {
+        self.tables.iter().find(|t| t.name == name).ok_or_else(|| {
+            let names: Vec<String> = self.tables.iter().map(|t| format!("{:?}", t.name)).collect();
+            WorkerError::UnknownTable {
+                name: name.to_string(),
+                tables: if names.is_empty() {
+                    "none".to_string()
+                } else {
+                    names.join(", ")
+                },
+            }
+        })
+    }
+
+    /// The key index of the table named `name` (what its messages carry).
+    pub fn table_key(&self, name: &str) -> Result<u32, WorkerError> {
+        self.table_named(name).map(|t| t.key)
+    }
+
+    /// Values per row of the table named `name` (its spec's `dim`).
+    pub fn table_dim(&self, name: &str) -> Result<u32, WorkerError> {
+        self.table_named(name).map(|t| t.dim)
+    }
+
+    /// The last round (BSP) or this rank's clock (async, bounded delay) of
+    /// the table named `name` whose push this worker completed; 0 before
+    /// its first.
+    pub fn table_round(&self, name: &str) -> Result<u32, WorkerError> {
+        let t = self.table_named(name)?;
+        Ok(self.table_claims.round(t.key).unwrap_or(0))
+    }
+
+    /// One round (clock) of the table named `table`: pushes `grads` (row i,
+    /// `dim` values, is id `ids[i]`'s gradient; rows of a repeated id are
+    /// summed) and, when every lcore has answered, writes into `out` each
+    /// id's row after the round's update (`ids.len() * dim` values, in
+    /// `ids`' order, a repeated id's row at each of its positions).
+    /// Returns the round. Blocks.
+    ///
+    /// Every rank of the job pushes every round of the table, with as
+    /// many ids as it has (none is fine): an lcore completes a round once
+    /// every rank said it sent all its rows there (PROTOCOL.md §10.2). In
+    /// an async or bounded-delay job the round is this rank's clock and
+    /// the rows are those after its own push (§10.3).
+    ///
+    /// Errors: `grads` or `out` of another length than `ids.len() * dim`,
+    /// no table of that name, more distinct ids for one lcore than one
+    /// round carries (1024 datagrams of R rows), the appliance's refusal
+    /// ([`WorkerError::TableRefused`]) or silence
+    /// ([`WorkerError::TableTimeout`]). After a failed push the table's
+    /// round stays where it was, and some of its messages may be in: try
+    /// again with the same ids and gradients, which make the same messages
+    /// (the plan depends on them alone), each taken once by the appliance;
+    /// other rows for that round would make messages whose sequence numbers
+    /// it already holds with other ids, and never be answered.
+    pub fn push_pull_rows(
+        &self,
+        table: &str,
+        ids: &[u64],
+        grads: &[f32],
+        out: &mut [f32],
+    ) -> Result<u32, WorkerError> {
+        let t = self.table_named(table)?;
+        check_rows(t, "out", ids.len(), out.len())?;
+        let out_rows = self.push_rows_inner(t, ids, grads)?;
+        out.copy_from_slice(&out_rows.rows);
+        Ok(out_rows.round)
+    }
+
+    /// [`Worker::push_pull_rows`] without the rows after the update: one
+    /// round (clock) of pushes. Returns the round.
+    pub fn push_rows(&self, table: &str, ids: &[u64], grads: &[f32]) -> Result<u32, WorkerError> {
+        let t = self.table_named(table)?;
+        self.push_rows_inner(t, ids, grads).map(|o| o.round)
+    }
+
+    /// The current rows of `ids` of the table named `table` into `out`
+    /// (`ids.len() * dim` values, in `ids`' order): the rows of the last
+    /// completed round (BSP; a row never pushed reads as its initial
+    /// value, §10.4). Any time, any ids; changes nothing. Returns the
+    /// lowest round the answering lcores stated (0 for no ids). Blocks.
+    pub fn pull_rows(&self, table: &str, ids: &[u64], out: &mut [f32]) -> Result<u32, WorkerError> {
+        let t = self.table_named(table)?;
+        check_rows(t, "out", ids.len(), out.len())?;
+        let (claim, _) = self.table_claims.claim(t.key, Ok)?;
+        let plan = plan_pull(t, ids)?;
+        let rx = self.send_rows(plan)?;
+        let o = wait_rows(&rx)?;
+        drop(claim);
+        out.copy_from_slice(&o.rows);
+        Ok(o.round)
+    }
+
+    /// For a rank that rejoined a running job (or lost track of a table's
+    /// rounds): asks every lcore of the table for its last completed round
+    /// (BSP; in async and bounded delay, this rank's last applied clock
+    /// there) with a ROW_PULL of one id placed on it, makes the lowest the
+    /// table's round here, and returns it. The next push carries the round
+    /// after it: lcores that completed that round already (this rank had
+    /// pushed it before it left) answer it with their current rows and add
+    /// nothing (PROTOCOL.md §10.3, rule 3); the others complete it with
+    /// this push. Blocks.
+    pub fn catch_up_rows(&self, table: &str) -> Result<u32, WorkerError> {
+        let t = self.table_named(table)?;
+        let ids = one_id_per_lcore(t)?;
+        let (mut claim, _) = self.table_claims.claim(t.key, Ok)?;
+        let plan = plan_pull(t, &ids)?;
+        let rx = self.send_rows(plan)?;
+        let o = wait_rows(&rx)?;
+        claim.done = Some(o.round);
+        Ok(o.round)
+    }
+
+    fn push_rows_inner(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowOutput, WorkerError> {
+        check_rows(t, "grads", ids.len(), grads.len())?;
+        let consistency = self.spec.consistency;
+        let (mut claim, round) = self
+            .table_claims
+            .claim(t.key, |r| next_round(consistency, Some(r)))?;
+        let plan = plan_push(t, round, ids, grads)?;
+        let rx = self.send_rows(plan)?;
+        let o = wait_rows(&rx)?;
+        debug_assert_eq!(o.round, round);
+        claim.done = Some(round);
+        Ok(o)
+    }
+
+    /// Hands a planned table request to the I/O thread.
+    fn send_rows(&self, plan: crate::transport::RowPlan) -> Result<Receiver<RowCompletion>, WorkerError> {
+        let (done, rx) = crossbeam_channel::bounded(1);
+        if self
+            .cmds
+            .send(Command::SubmitRows(RowRequest { plan, done }))
+            .is_err()
+        {
+            return Err(WorkerError::Closed);
+        }
+        // As `send_request`: a wake-up only when the thread may be waiting.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.sleeping.load(std::sync::atomic::Ordering::SeqCst) {
+            self.wake();
+        }
+        Ok(rx)
+    }
+}
+
+/// A table request's outcome ([`WorkerError::Closed`] when the I/O
+/// thread is gone).
+fn wait_rows(rx: &Receiver<RowCompletion>) -> Result<RowOutput, WorkerError> {
+    rx.recv().unwrap_or(Err(WorkerError::Closed))
+}
+
+/// An id placed on each lcore of `t`: the smallest, found by trying ids
+/// from 0 on (each lcore gets about 1/L of them, §10.1, so a few times L
+/// tries cover all L lcores).
+fn one_id_per_lcore(t: &TableInfo) -> Result<Vec<u64>, WorkerError> {
+    let lcores = t.placement.lcores() as usize;
+    let mut found: Vec<Option<u64>> = vec![None; lcores];
+    let mut missing = lcores;
+    // Far beyond need: L ln L + O(L) tries on average.
+    let tries = (lcores as u64).saturating_mul(1024).max(1 << 20);
+    for id in 0..tries {
+        let e = &mut found[t.placement.entry(id) as usize];
+        if e.is_none() {
+            *e = Some(id);
+            missing -= 1;
+            if missing == 0 {
+                break;
+            }
+        }
+    }
+    found
+        .into_iter()
+        .collect::<Option<Vec<u64>>>()
+        .ok_or_else(|| WorkerError::Rows {
+            table: t.name.clone(),
+            message: format!("no id below {tries} is placed on some of its {lcores} lcores"),
+        })
+}
+
+/// `got` values in `what` for `ids` ids of table `t`: exactly `ids * dim`.
+fn check_rows(t: &TableInfo, what: &str, ids: usize, got: usize) -> Result<(), WorkerError> {
+    let dim = t.dim as usize;
+    if ids.checked_mul(dim) == Some(got) {
+        return Ok(());
+    }
+    Err(WorkerError::Rows {
+        table: t.name.clone(),
+        message: format!(
+            "{what} has {got} values; expected ids.len() * dim = {ids} * {dim} = {}",
+            ids.saturating_mul(dim)
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::UdpSocket;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use phub_proto::rows::RowMsgType;
+
+    use super::*;
+    use crate::config::WorkerConfig;
+    use crate::transport::row_tests::{FakeLcore, Sent, JOB, KEY, TOKEN};
+
+    /// PROTOCOL.md §10.1's join answer (table `emb`, key 1, between two
+    /// dense keys; appliance `a` with two lcores, `b` with one), for one
+    /// worker, its appliances at `a` and `b` on loopback.
+    fn join(a: u16, b: u16) -> JoinResponse {
+        let json = format!(
+            r#"{{"job": {JOB}, "rank": 0,
+            "spec": {{"name": "demo", "workers": 1, "dtype": "f32", "chunk_bytes": 64,
+              "optimizer": {{"kind": "sum"}}, "consistency": {{"mode": "sync"}},
+              "keys": [{{"name": "w", "elements": 40}},
+                       {{"name": "emb", "kind": "table", "dim": 4, "rows": 1000, "seed": 7,
+                         "init": {{"kind": "zeros"}}, "optimizer": {{"kind": "sum"}}}},
+                       {{"name": "b", "elements": 8}}],
+              "placement": {{"appliances": ["a", "b"]}}}},
+            "layout": {{"chunk_elems": 16, "lcores": [{{"first": 0, "count": 1}}, {{"first": 1, "count": 2}},
+              {{"first": 3, "count": 1}}]}},
+            "dataplane": {{"host": "127.0.0.1", "base_port": {a}}},
+            "appliances": [
+              {{"name": "a", "host": "127.0.0.1", "base_port": {a}, "lcores": 2}},
+              {{"name": "b", "host": "127.0.0.1", "base_port": {b}, "lcores": 1}}]}}"#
+        );
+        serde_json::from_str(&json).unwrap()
+    }
+
+    /// Three loopback sockets, the first two on consecutive ports.
+    fn lcore_sockets() -> Vec<UdpSocket> {
+        for _ in 0..200 {
+            let a = UdpSocket::bind("127.0.0.1:0").unwrap();
+            let p = a.local_addr().unwrap().port();
+            let Some(next) = p.checked_add(1) else {
+                continue;
+            };
+            if let Ok(a1) = UdpSocket::bind(("127.0.0.1", next)) {
+                let b = UdpSocket::bind("127.0.0.1:0").unwrap();
+                return vec![a, a1, b];
+            }
+        }
+        panic!("no two consecutive free ports on loopback");
+    }
+
+    /// Plays the job's three lcores on `sockets` (loopback) until `stop`,
+    /// losing the first ROW_PUSH and the first ROW_DONE.
+    fn appliance(sockets: Vec<UdpSocket>, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || {
+            let mut lcores: Vec<FakeLcore> = sockets.iter().map(|_| FakeLcore::new(4)).collect();
+            for s in &sockets {
+                s.set_read_timeout(Some(Duration::from_millis(1))).unwrap();
+            }
+            let (mut lost_push, mut lost_done) = (false, false);
+            let mut buf = vec![0u8; 9000];
+            while !stop.load(Ordering::Relaxed) {
+                for (s, lcore) in sockets.iter().zip(&mut lcores) {
+                    let Ok((n, from)) = s.recv_from(&mut buf) else {
+                        continue;
+                    };
+                    let m = Sent::parse(s.local_addr().unwrap(), &buf[..n]);
+                    if m.repr.kind == RowMsgType::RowPush && !lost_push {
+                        lost_push = true;
+                        continue;
+                    }
+                    for a in lcore.handle(&m) {
+                        let done = phub_proto::rows::parse(&a).unwrap().0.kind == RowMsgType::RowDone;
+                        if done && !lost_done {
+                            lost_done = true;
+                            continue;
+                        }
+                        s.send_to(&a, from).unwrap();
+                    }
+                }
+            }
+        })
+    }
+
+    #[test]
+    fn a_worker_pushes_and_pulls_rows_by_table_name_over_udp() {
+        let sockets = lcore_sockets();
+        let ports: Vec<u16> = sockets.iter().map(|s| s.local_addr().unwrap().port()).collect();
+        let w = Worker::from_join(join(ports[0], ports[2]), TOKEN, WorkerConfig::default()).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let fake = appliance(sockets, Arc::clone(&stop));
+        assert_eq!(
+            (w.table_key("emb").unwrap(), w.table_dim("emb").unwrap()),
+            (KEY, 4)
+        );
+        assert_eq!(w.table_round("emb").unwrap(), 0);
+        // Ids over all three lcores (§10.1's example: 0 and 3 on entry 0,
+        // 1 on entry 1, 2 on entry 2), one repeated.
+        let ids = [0u64, 1, 2, 3, 42, 1];
+        let grads: Vec<f32> = (0..24).map(|i| i as f32).collect();
+        let mut out = vec![f32::NAN; 24];
+        assert_eq!(w.push_pull_rows("emb", &ids, &grads, &mut out).unwrap(), 1);
+        let row = |i: usize| grads[i * 4..i * 4 + 4].to_vec();
+        let one: Vec<f32> = row(1).iter().zip(row(5)).map(|(a, b)| a + b).collect();
+        let want: Vec<f32> = [row(0), one.clone(), row(2), row(3), row(4), one].concat();
+        assert_eq!(out, want);
+        assert_eq!(w.table_round("emb").unwrap(), 1);
+        // Round 2, no rows at all: every lcore still gets its ROW_END.
+        assert_eq!(w.push_rows("emb", &[], &[]).unwrap(), 2);
+        let mut pulled = vec![f32::NAN; 8];
+        assert_eq!(w.pull_rows("emb", &[1, 77], &mut pulled).unwrap(), 2);
+        assert_eq!(pulled, [want[4..8].to_vec(), vec![0.0; 4]].concat());
+        let s = w.stats();
+        assert!(
+            s.row_retransmits >= 2,
+            "the lost ROW_PUSH and ROW_DONE were resent: {s:?}"
+        );
+        assert!(s.row_answers_accepted > 0 && s.row_answers_malformed == 0);
+        // Mistakes are named.
+        let e = w.push_rows("emb", &ids, &grads[..20]).unwrap_err().to_string();
+        assert!(
+            e.contains("grads has 20 values") && e.contains("6 * 4 = 24"),
+            "{e}"
+        );
+        let e = w
+            .push_pull_rows("emb", &ids, &grads, &mut out[..4])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("out has 4 values"), "{e}");
+        let e = w.pull_rows("w", &ids, &mut out).unwrap_err().to_string();
+        assert!(e.contains("no table named \"w\"") && e.contains("\"emb\""), "{e}");
+        let e = w.pull(KEY, &mut [0f32; 0]).unwrap_err().to_string();
+        assert!(e.contains("table \"emb\"") && e.contains("push_pull_rows"), "{e}");
+        assert_eq!(w.table_round("emb").unwrap(), 2, "failed calls leave the round");
+        // A second worker of the rank (a rejoin) learns the rounds and goes on.
+        let w2 = Worker::from_join(join(ports[0], ports[2]), TOKEN, WorkerConfig::default()).unwrap();
+        assert_eq!(w2.table_round("emb").unwrap(), 0);
+        assert_eq!(w2.catch_up_rows("emb").unwrap(), 2);
+        assert_eq!(w2.table_round("emb").unwrap(), 2);
+        let mut again = vec![f32::NAN; 4];
+        assert_eq!(w2.push_pull_rows("emb", &[3], &[1.0; 4], &mut again).unwrap(), 3);
+        assert_eq!(again, want[12..16].iter().map(|x| x + 1.0).collect::<Vec<_>>());
+        stop.store(true, Ordering::Relaxed);
+        fake.join().unwrap();
+    }
+}

@@ -1,0 +1,795 @@
+//! The worker's transport for table rows, without I/O (PROTOCOL.md §10.2,
+//! §10.3 "The worker's side"): sends a planned request's ROW_PUSH,
+//! ROW_END and ROW_PULL messages, resends those unanswered after a
+//! timeout, matches ROW_RESULT, ROW_DONE and ROW_PULL_RESULT answers and
+//! ERRORs to them, and hands back each id's row.
+//!
+//! Layer: protocol state machine, in the shape of the dense transport
+//! ([`super::Transport`]): the caller passes the time and the datagrams
+//! with their source addresses, and polls what to send, when to call
+//! again and which requests ended. The I/O thread drives it beside the
+//! dense one; the unit tests (`row_tests.rs`) play the appliance by hand.
+//!
+//! Invariants:
+//! - At most one request per table is in flight (a second is refused with
+//!   [`WorkerError::Busy`]), and a request ends only once every message of
+//!   it is answered: round t + 1 of a table goes to no lcore before this
+//!   rank holds round t's ROW_DONE and every ROW_RESULT from every lcore.
+//! - Messages go out in the order of submission, each request lcore by
+//!   lcore (so every rank sends the same sequence); at most `window` are
+//!   outstanding, except that an lcore's messages of a request, once its
+//!   first is out, all go (an lcore answers a push only when all of every
+//!   rank's messages of the round are in: a window that split them could
+//!   leave every rank waiting with half of them sent).
+//! - A message unanswered at its deadline is sent again unchanged but for
+//!   RETRANSMIT; its deadline then doubles ([`Rto::loss`]).
+//! - An answer is matched by its source address (the lcore it came from:
+//!   the appliance answers from the port the message went to, §1, §6.3),
+//!   its table, its round and its sequence number (a ROW_PULL's `chunk`
+//!   carries [`PULL_TAG`], a per-table generation and the message's
+//!   index). It is taken once, and only if its dim, count and ids are the
+//!   message's; anything else is counted (`row_answers_ignored`,
+//!   `row_answers_malformed`, `foreign_dropped`), never an error, never a
+//!   panic.
+//! - Every request ends: with its rows, with the appliance's refusal
+//!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
+//!   once no answer at all has come for `timeout`, or with
+//!   [`WorkerError::Closed`].
+
+use std::collections::{HashMap, VecDeque};
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use phub_proto::rows::{self, RowDropReason, RowMsgType, RowPayload, RowRepr, Rows};
+use phub_proto::wire::{self, flags, DropReason, Header, MsgType, APPLIANCE_RANK, HEADER_LEN};
+
+use super::row_plan::{PlanKind, RowPlan, TableInfo};
+use super::rto::Rto;
+use super::{describe, micros, JobInfo};
+use crate::config::WorkerConfig;
+use crate::error::WorkerError;
+use crate::net::Datagram;
+use crate::stats::{add, Counters};
+
+/// The top bit of a ROW_PULL's `chunk`: no ROW_PUSH or ROW_END has it (their
+/// `chunk` is at most [`rows::MAX_ROW_MESSAGES`]), so an ERROR echoing it
+/// is known to be a pull's.
+pub(crate) const PULL_TAG: u32 = 1 << 31;
+/// Below it, a ROW_PULL's `chunk` holds the pull's generation (11 bits,
+/// counting the table's pulls) above the message's index (20 bits): an
+/// answer to an earlier pull of the table is not taken for this one's.
+const GEN_SHIFT: u32 = 20;
+const INDEX_MASK: u32 = (1 << GEN_SHIFT) - 1;
+const GEN_MASK: u32 = (1 << 11) - 1;
+
+/// A planned table request and what its caller gets back when it ends.
+#[derive(Debug)]
+pub(crate) struct RowRequest<D> {
+    pub(crate) plan: RowPlan,
+    pub(crate) done: D,
+}
+
+/// A completed table request's result.
+#[derive(Debug, Clone, PartialEq)]
+pub(crate) struct RowOutput {
+    /// A push: its round (clock). A pull: the lowest round the answering
+    /// lcores stated (0 for a pull of no ids).
+    pub(crate) round: u32,
+    /// Each of the caller's ids' row, in the caller's order (`ids.len() *
+    /// dim`).
+    pub(crate) rows: Vec<f32>,
+}
+
+/// A table request that ended.
+#[derive(Debug)]
+pub(crate) struct RowFinished<D> {
+    /// The table's key index.
+    pub(crate) key: u32,
+    pub(crate) done: D,
+    pub(crate) result: Result<RowOutput, WorkerError>,
+}
+
+/// Where one message of a request stands.
+#[derive(Debug, Clone, Copy)]
+enum MsgState {
+    /// Not sent yet.
+    Pending,
+    /// Sent, no answer yet.
+    Out(Sent),
+    /// Its answer is in.
+    Answered,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    first_sent: Instant,
+    deadline: Instant,
+    /// Times sent again (Karn's rule: no round-trip sample once non-zero).
+    retries: u32,
+}
+
+/// A request in flight.
+#[derive(Debug)]
+struct Active<D> {
+    plan: RowPlan,
+    /// A push's round (clock); 0 for a pull.
+    round: u32,
+    /// A pull's `chunk` bits above the index; 0 for a push.
+    tag: u32,
+    /// Every message's datagram, one after the other.
+    bytes: Vec<u8>,
+    /// Message i is `bytes[offsets[i]..offsets[i + 1]]`.
+    offsets: Vec<usize>,
+    states: Vec<MsgState>,
+    /// The answered rows, in the plan's id order.
+    rows: Vec<f32>,
+    remaining: usize,
+    /// A pull: the lowest round its answers stated.
+    min_round: u32,
+    done: D,
+}
+
+impl<D> Active<D> {
+    /// Whether message `i`'s lcore has a message of this request out or
+    /// answered (then the rest of its messages go regardless of the window).
+    fn lane_started(&self, i: usize) -> bool {
+        let entry = self.plan.msgs[i].entry;
+        let first = self.plan.lanes[entry as usize].first;
+        first < i && !matches!(self.states[first], MsgState::Pending)
+    }
+}
+
+/// The row transport's state; `D` is what a request's caller gets back.
+#[derive(Debug)]
+pub(crate) struct RowTransport<D> {
+    info: JobInfo,
+    /// Per entry (§10.1), the lcore's address.
+    lcores: Vec<SocketAddr>,
+    entry_of: HashMap<SocketAddr, u32>,
+    tables: Vec<TableInfo>,
+    timeout: Duration,
+    window: usize,
+    rto: Rto,
+    stats: Arc<Counters>,
+    /// By table key.
+    active: HashMap<u32, Active<D>>,
+    /// Messages not sent yet, in the order they go: (key, message).
+    pending: VecDeque<(u32, usize)>,
+    /// Messages out and unanswered, over all requests.
+    outstanding: usize,
+    /// To transmit at the next [`RowTransport::poll_transmit`].
+    queue: Vec<(u32, usize)>,
+    finished: VecDeque<RowFinished<D>>,
+    /// The last accepted answer, or when work started after an idle spell.
+    last_progress: Instant,
+    /// Per table key, its pulls so far.
+    pulls: HashMap<u32, u32>,
+}
+
+impl<D> RowTransport<D> {
+    /// A row transport for `info`'s job, whose lcores (entries, §10.1)
+    /// are at `lcores`, serving `tables`, with at most `window` messages
+    /// outstanding (see the module's invariants) and `config`'s timers.
+    pub(crate) fn new(
+        info: JobInfo,
+        lcores: Vec<SocketAddr>,
+        tables: Vec<TableInfo>,
+        window: usize,
+        config: &WorkerConfig,
+        stats: Arc<Counters>,
+        now: Instant,
+    ) -> RowTransport<D> {
+        for t in &tables {
+            assert_eq!(
+                t.placement.lcores() as usize,
+                lcores.len(),
+                "table {:?} placed over {} lcores, the job has {}",
+                t.name,
+                t.placement.lcores(),
+                lcores.len()
+            );
+            assert!(
+                t.per >= 1 && t.dim >= 1,
+                "table {:?}: R = {}, D = {}",
+                t.name,
+                t.per,
+                t.dim
+            );
+        }
+        let entry_of = (0u32..).zip(&lcores).map(|(e, a)| (*a, e)).collect();
+        RowTransport {
+            info,
+            lcores,
+            entry_of,
+            tables,
+            timeout: config.timeout,
+            window: window.max(1),
+            rto: Rto::new(config),
+            stats,
+            active: HashMap::new(),
+            pending: VecDeque::new(),
+            outstanding: 0,
+            queue: Vec::new(),
+            finished: VecDeque::new(),
+            last_progress: now,
+            pulls: HashMap::new(),
+        }
+    }
+
+    /// The table of key index `key`, if it is one of the job's tables.
+    pub(crate) fn table(&self, key: u32) -> Option<&TableInfo> {
+        self.tables.iter().find(|t| t.key == key)
+    }
+
+    /// Whether requests are in flight.
+    pub(crate) fn busy(&self) -> bool {
+        !self.active.is_empty()
+    }
+
+    /// Messages sent and not answered.
+    #[cfg(test)]
+    pub(crate) fn outstanding(&self) -> usize {
+        self.outstanding
+    }
+
+    /// Takes a request at `now`; its messages go with the following
+    /// [`RowTransport::poll_transmit`]s. One for a table that has one in
+    /// flight fails with [`WorkerError::Busy`]; a pull of no ids is done at
+    /// once.
+    pub(crate) fn submit(&mut self, now: Instant, r: RowRequest<D>) {
+        let RowRequest { plan, done } = r;
+        let key = plan.key;
+        let Some(table) = self.table(key) else {
+            let err = unknown_table(key, &self.tables);
+            self.finished.push_back(RowFinished {
+                key,
+                done,
+                result: Err(err),
+            });
+            return;
+        };
+        assert_eq!(plan.dim, table.dim, "a plan for table {key} with another dim");
+        if self.active.contains_key(&key) {
+            self.finished.push_back(RowFinished {
+                key,
+                done,
+                result: Err(WorkerError::Busy { key }),
+            });
+            return;
+        }
+        if !self.busy() {
+            // Idle time does not count towards the timeout.
+            self.last_progress = now;
+        }
+        let (round, tag) = match plan.kind {
+            PlanKind::Push { round } => (round, 0),
+            PlanKind::Pull => {
+                let g = self.pulls.entry(key).or_insert(0);
+                *g = g.wrapping_add(1);
+                (0, PULL_TAG | ((*g & GEN_MASK) << GEN_SHIFT))
+            }
+        };
+        let (bytes, offsets) = self.encode(&plan, round, tag);
+        let n = plan.msgs.len();
+        let a = Active {
+            rows: vec![0f32; plan.ids.len() * plan.dim as usize],
+            round,
+            tag,
+            bytes,
+            offsets,
+            states: vec![MsgState::Pending; n],
+            remaining: n,
+            min_round: u32::MAX,
+            plan,
+            done,
+        };
+        self.active.insert(key, a);
+        self.pending.extend((0..n).map(|i| (key, i)));
+        if n == 0 {
+            self.complete(key);
+        }
+    }
+
+    /// Every message of `plan` as a datagram.
+    fn encode(&self, plan: &RowPlan, round: u32, tag: u32) -> (Vec<u8>, Vec<usize>) {
+        let dim = plan.dim as usize;
+        let mut bytes = Vec::new();
+        let mut offsets = vec![0];
+        for m in &plan.msgs {
+            let count = m.rows.len();
+            let repr = RowRepr {
+                kind: m.kind,
+                dtype: self.info.dtype,
+                flags: 0,
+                token: self.info.token,
+                job: self.info.job,
+                rank: self.info.rank,
+                // Cast: at most R rows a message, R < 2^16 (8832 bytes).
+                #[allow(clippy::cast_possible_truncation)]
+                count: count as u16,
+                round,
+                dim: plan.dim,
+                key: plan.key,
+                seq: tag | m.seq,
+            };
+            let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
+            let at = bytes.len();
+            bytes.resize(at + len, 0);
+            let values = match m.kind {
+                RowMsgType::RowPush => &plan.grads[m.rows.start * dim..m.rows.end * dim],
+                _ => &[][..],
+            };
+            let ids = match m.kind {
+                RowMsgType::RowEnd => &[][..],
+                _ => &plan.ids[m.rows.clone()],
+            };
+            let written = rows::write(&repr, ids, values, &mut bytes[at..]);
+            debug_assert_eq!(written, len);
+            offsets.push(bytes.len());
+        }
+        (bytes, offsets)
+    }
+
+    /// Appends to `out` what to send at `now`: messages resent by
+    /// [`RowTransport::handle_timeout`] and first transmissions as the
+    /// window allows, each in one datagram borrowed from its request.
+    pub(crate) fn poll_transmit<'a>(&'a mut self, now: Instant, out: &mut Vec<Datagram<'a>>) {
+        self.fill_window(now);
+        let (active, lcores) = (&self.active, &self.lcores);
+        out.extend(self.queue.drain(..).filter_map(|(key, i)| {
+            let a = active.get(&key)?;
+            Some(Datagram {
+                to: lcores[a.plan.msgs[i].entry as usize],
+                head: &a.bytes[a.offsets[i]..a.offsets[i + 1]],
+                body: &[],
+            })
+        }));
+    }
+
+    fn fill_window(&mut self, now: Instant) {
+        let deadline = now + self.rto.loss(0);
+        while let Some(&(key, i)) = self.pending.front() {
+            let Some(a) = self.active.get_mut(&key) else {
+                self.pending.pop_front();
+                continue;
+            };
+            if self.outstanding >= self.window && !a.lane_started(i) {
+                break;
+            }
+            self.pending.pop_front();
+            debug_assert!(matches!(a.states[i], MsgState::Pending));
+            a.states[i] = MsgState::Out(Sent {
+                first_sent: now,
+                deadline,
+                retries: 0,
+            });
+            self.outstanding += 1;
+            self.queue.push((key, i));
+            add(&self.stats.row_messages_sent, 1);
+        }
+    }
+
+    /// The next instant [`RowTransport::handle_timeout`] has something to
+    /// do; `None` while idle.
+    pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        if !self.busy() {
+            return None;
+        }
+        let mut at = self.last_progress + self.timeout;
+        for a in self.active.values() {
+            for s in &a.states {
+                if let MsgState::Out(s) = s {
+                    at = at.min(s.deadline);
+                }
+            }
+        }
+        Some(at)
+    }
+
+    /// Runs the timers at `now`: queues every message past its deadline
+    /// for sending again, and fails every request once no answer at all
+    /// has come for `timeout`. Returns whether it queued messages.
+    pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
+        let mut resent = 0;
+        for (&key, a) in &mut self.active {
+            for (i, s) in a.states.iter_mut().enumerate() {
+                let MsgState::Out(sent) = s else {
+                    continue;
+                };
+                if now < sent.deadline {
+                    continue;
+                }
+                if sent.retries == 0 {
+                    let mut h = Header::new_unchecked(&mut a.bytes[a.offsets[i]..a.offsets[i] + HEADER_LEN]);
+                    let f = h.flags();
+                    h.set_flags(f | flags::RETRANSMIT);
+                }
+                sent.retries += 1;
+                sent.deadline = now + self.rto.loss(sent.retries);
+                self.queue.push((key, i));
+                resent += 1;
+            }
+        }
+        add(&self.stats.row_retransmits, resent);
+        if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
+            self.time_out(now);
+        }
+        resent > 0
+    }
+
+    /// The next request that ended, if any.
+    pub(crate) fn poll_done(&mut self) -> Option<RowFinished<D>> {
+        self.finished.pop_front()
+    }
+
+    /// Fails every request with [`WorkerError::Closed`].
+    pub(crate) fn close(&mut self) {
+        let keys: Vec<u32> = self.active.keys().copied().collect();
+        for key in keys {
+            self.fail(key, WorkerError::Closed);
+        }
+    }
+
+    /// Handles a datagram from `from` received at `now`, if it is the row
+    /// transport's: a table answer (types 11 to 13, or any row type, which
+    /// is counted and dropped when it is not an answer of this job), or an
+    /// ERROR of this job and rank about one of its tables. Returns false
+    /// for anything else, which is the dense transport's; an ERROR
+    /// `shutting_down` fails every table request and is the dense
+    /// transport's too.
+    pub(crate) fn handle(&mut self, now: Instant, from: SocketAddr, d: &[u8]) -> bool {
+        if rows::is_row_message(d) {
+            self.on_row_message(now, from, d);
+            return true;
+        }
+        let Ok((repr, _)) = wire::parse(d) else {
+            return false;
+        };
+        let info = &self.info;
+        if repr.kind != MsgType::Error
+            || repr.job != info.job
+            || repr.token != info.token
+            || repr.dtype != info.dtype
+            || repr.rank != info.rank
+        {
+            return false;
+        }
+        if repr.error == DropReason::ShuttingDown.code() {
+            self.appliance_stopping(&repr);
+            return false;
+        }
+        if self.table(repr.key).is_none() {
+            return false;
+        }
+        self.on_error(from, &repr);
+        true
+    }
+
+    fn on_row_message(&mut self, now: Instant, from: SocketAddr, d: &[u8]) {
+        let Ok((repr, payload)) = rows::parse(d) else {
+            add(&self.stats.row_answers_malformed, 1);
+            return;
+        };
+        let info = &self.info;
+        if repr.job != info.job
+            || repr.token != info.token
+            || repr.dtype != info.dtype
+            || repr.rank != APPLIANCE_RANK
+            || repr.kind.from_worker()
+        {
+            add(&self.stats.foreign_dropped, 1);
+            return;
+        }
+        let Some(&entry) = self.entry_of.get(&from) else {
+            add(&self.stats.foreign_dropped, 1);
+            return;
+        };
+        let dim_ok = self.table(repr.key).is_some_and(|t| t.dim == repr.dim);
+        if !dim_ok {
+            add(&self.stats.row_answers_malformed, 1);
+            return;
+        }
+        let verdict = match self.active.get_mut(&repr.key) {
+            None => Verdict::Ignored,
+            Some(a) => match (repr.kind, payload) {
+                (RowMsgType::RowResult, RowPayload::Rows(r)) => on_result(a, entry, &repr, r),
+                (RowMsgType::RowPullResult, RowPayload::Rows(r)) => on_pull_result(a, entry, &repr, r),
+                (RowMsgType::RowDone, _) => on_done(a, entry, &repr),
+                _ => Verdict::Malformed,
+            },
+        };
+        match verdict {
+            Verdict::Ignored => add(&self.stats.row_answers_ignored, 1),
+            Verdict::Malformed => add(&self.stats.row_answers_malformed, 1),
+            Verdict::Answers(i) => self.answered(now, repr.key, i),
+        }
+    }
+
+    /// Message `i` of `key`'s request is answered (its rows, if any, are
+    /// written).
+    fn answered(&mut self, now: Instant, key: u32, i: usize) {
+        let Some(a) = self.active.get_mut(&key) else {
+            return;
+        };
+        let MsgState::Out(sent) = std::mem::replace(&mut a.states[i], MsgState::Answered) else {
+            unreachable!("only an outstanding message is answered");
+        };
+        if sent.retries == 0 {
+            self.rto.sample(now.saturating_duration_since(sent.first_sent));
+            let srtt = micros(self.rto.srtt.unwrap_or_default());
+            self.stats.srtt_us.store(srtt, Ordering::Relaxed);
+        }
+        debug_assert!(a.remaining > 0 && self.outstanding > 0);
+        a.remaining -= 1;
+        self.outstanding -= 1;
+        self.last_progress = now;
+        add(&self.stats.row_answers_accepted, 1);
+        if a.remaining == 0 {
+            self.complete(key);
+        }
+    }
+
+    fn on_error(&mut self, from: SocketAddr, repr: &wire::Repr) {
+        let at = self.entry_of.get(&from).and_then(|&entry| {
+            let a = self.active.get(&repr.key)?;
+            let i = if repr.chunk & PULL_TAG != 0 {
+                if a.plan.kind != PlanKind::Pull || repr.chunk & !INDEX_MASK != a.tag {
+                    return None;
+                }
+                a.plan.msg_index(entry, repr.chunk & INDEX_MASK)?
+            } else {
+                if a.plan.kind == PlanKind::Pull || repr.round != a.round {
+                    return None;
+                }
+                a.plan.msg_index(entry, repr.chunk)?
+            };
+            matches!(a.states[i], MsgState::Out(_)).then_some(i)
+        });
+        let Some(i) = at else {
+            add(&self.stats.row_answers_ignored, 1);
+            return;
+        };
+        add(&self.stats.errors, 1);
+        let a = &self.active[&repr.key];
+        let m = &a.plan.msgs[i];
+        let message = match m.kind {
+            RowMsgType::RowPull => format!("ROW_PULL of {} ids to {from}", m.rows.len()),
+            RowMsgType::RowEnd => format!("ROW_END (n = {}) to {from}", m.seq),
+            k => format!("{} {} of {} rows to {from}", k.name(), m.seq, m.rows.len()),
+        };
+        let (reason, hint) = describe_row(repr.error);
+        let err = WorkerError::TableRefused {
+            table: self.table_name(repr.key),
+            key: repr.key,
+            message,
+            round: repr.round,
+            reason,
+            hint,
+        };
+        self.fail(repr.key, err);
+    }
+
+    /// An ERROR `shutting_down`: every table request fails with it.
+    fn appliance_stopping(&mut self, repr: &wire::Repr) {
+        let (reason, hint) = describe(repr.error);
+        let keys: Vec<u32> = self.active.keys().copied().collect();
+        if !keys.is_empty() {
+            add(&self.stats.errors, 1);
+        }
+        for key in keys {
+            let a = &self.active[&key];
+            let err = WorkerError::TableRefused {
+                table: self.table_name(key),
+                key,
+                message: "every message in flight".to_string(),
+                round: a.round,
+                reason: reason.clone(),
+                hint,
+            };
+            self.fail(key, err);
+        }
+    }
+
+    fn table_name(&self, key: u32) -> String {
+        self.table(key).map_or_else(String::new, |t| t.name.clone())
+    }
+
+    /// `key`'s request is complete: its rows go to [`RowTransport::poll_done`]
+    /// in the caller's order.
+    fn complete(&mut self, key: u32) {
+        let Some(a) = self.active.remove(&key) else {
+            return;
+        };
+        debug_assert_eq!(a.remaining, 0);
+        let dim = a.plan.dim as usize;
+        let mut rows = vec![0f32; a.plan.slot_of.len() * dim];
+        for (dst, &s) in rows.chunks_exact_mut(dim).zip(&a.plan.slot_of) {
+            dst.copy_from_slice(&a.rows[s as usize * dim..][..dim]);
+        }
+        let round = match a.plan.kind {
+            PlanKind::Push { round } => round,
+            PlanKind::Pull if a.plan.msgs.is_empty() => 0,
+            PlanKind::Pull => a.min_round,
+        };
+        self.finished.push_back(RowFinished {
+            key,
+            done: a.done,
+            result: Ok(RowOutput { round, rows }),
+        });
+    }
+
+    /// `key`'s request failed with `err`.
+    fn fail(&mut self, key: u32, err: WorkerError) {
+        let Some(a) = self.active.remove(&key) else {
+            return;
+        };
+        let out = a.states.iter().filter(|s| matches!(s, MsgState::Out(_))).count();
+        self.outstanding -= out;
+        self.pending.retain(|&(k, _)| k != key);
+        self.queue.retain(|&(k, _)| k != key);
+        self.finished.push_back(RowFinished {
+            key,
+            done: a.done,
+            result: Err(err),
+        });
+    }
+
+    fn time_out(&mut self, now: Instant) {
+        let waited = now.saturating_duration_since(self.last_progress);
+        let keys: Vec<u32> = self.active.keys().copied().collect();
+        for key in keys {
+            let a = &self.active[&key];
+            let mut addrs: Vec<SocketAddr> = a
+                .states
+                .iter()
+                .zip(&a.plan.msgs)
+                .filter(|(s, _)| !matches!(s, MsgState::Answered))
+                .map(|(_, m)| self.lcores[m.entry as usize])
+                .collect();
+            addrs.sort();
+            addrs.dedup();
+            let err = WorkerError::TableTimeout {
+                table: self.table_name(key),
+                round: a.round,
+                addrs,
+                waited,
+                missing: a.remaining,
+                messages: a.plan.msgs.len(),
+            };
+            add(&self.stats.timeouts, 1);
+            self.fail(key, err);
+        }
+    }
+}
+
+/// The error for key `key`, which is none of `tables`.
+pub(crate) fn unknown_table(key: u32, tables: &[TableInfo]) -> WorkerError {
+    let names: Vec<String> = tables
+        .iter()
+        .map(|t| format!("{:?} (key {})", t.name, t.key))
+        .collect();
+    WorkerError::UnknownTable {
+        name: format!("key {key}"),
+        tables: if names.is_empty() {
+            "none".to_string()
+        } else {
+            names.join(", ")
+        },
+    }
+}
+
+/// What an answer does.
+enum Verdict {
+    /// It answers message i (its rows, if any, written).
+    Answers(usize),
+    /// A duplicate, or for a round or message not waited for.
+    Ignored,
+    /// Not what the message asked: another sequence number, count or ids.
+    Malformed,
+}
+
+/// A ROW_RESULT for `a`.
+fn on_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Rows<'_>) -> Verdict {
+    let PlanKind::Push { round } = a.plan.kind else {
+        return Verdict::Ignored;
+    };
+    if repr.round != round {
+        return Verdict::Ignored;
+    }
+    match a.plan.lanes.get(entry as usize) {
+        Some(lane) if repr.seq < lane.n => take_rows(a, lane.first + repr.seq as usize, r),
+        _ => Verdict::Malformed,
+    }
+}
+
+/// A ROW_PULL_RESULT for `a`.
+fn on_pull_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Rows<'_>) -> Verdict {
+    if a.plan.kind != PlanKind::Pull || repr.seq & !INDEX_MASK != a.tag {
+        return Verdict::Ignored;
+    }
+    let Some(i) = a.plan.msg_index(entry, repr.seq & INDEX_MASK) else {
+        return Verdict::Malformed;
+    };
+    let v = take_rows(a, i, r);
+    if matches!(v, Verdict::Answers(_)) {
+        a.min_round = a.min_round.min(repr.round);
+    }
+    v
+}
+
+/// A ROW_DONE for `a`.
+fn on_done<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr) -> Verdict {
+    let PlanKind::Push { round } = a.plan.kind else {
+        return Verdict::Ignored;
+    };
+    if repr.round != round {
+        return Verdict::Ignored;
+    }
+    let Some(lane) = a.plan.lanes.get(entry as usize) else {
+        return Verdict::Malformed;
+    };
+    if repr.seq != lane.n {
+        return Verdict::Malformed;
+    }
+    let i = lane.first + lane.n as usize;
+    match a.states[i] {
+        MsgState::Out(_) => Verdict::Answers(i),
+        _ => Verdict::Ignored,
+    }
+}
+
+/// Writes `r`'s rows as message `i`'s answer, if it is still out and `r`
+/// carries exactly its ids.
+fn take_rows<D>(a: &mut Active<D>, i: usize, r: Rows<'_>) -> Verdict {
+    if !matches!(a.states[i], MsgState::Out(_)) {
+        return Verdict::Ignored;
+    }
+    let span = a.plan.msgs[i].rows.clone();
+    let asked = &a.plan.ids[span.clone()];
+    if r.len() != asked.len() || !r.ids().iter().eq(asked.iter().copied()) {
+        return Verdict::Malformed;
+    }
+    let dim = a.plan.dim as usize;
+    let dst = &mut a.rows[span.start * dim..span.end * dim];
+    for (j, row) in dst.chunks_exact_mut(dim).enumerate() {
+        if !r.decode_row(j, row) {
+            return Verdict::Malformed;
+        }
+    }
+    Verdict::Answers(i)
+}
+
+/// The name of an ERROR's drop reason for a table message, and a hint.
+fn describe_row(code: u16) -> (String, &'static str) {
+    let Some(r) = RowDropReason::from_code(code) else {
+        return match DropReason::from_code(code) {
+            Some(DropReason::Ahead) => (
+                "ahead".to_string(),
+                " (the appliance is behind this worker on this table: it may have restarted and lost the table's \
+                 rounds)",
+            ),
+            Some(DropReason::WrongTypeForRound) => (
+                "wrong_type_for_round".to_string(),
+                " (a table's rounds start at 1: round 0 is never pushed)",
+            ),
+            _ => describe(code),
+        };
+    };
+    let hint = match r {
+        RowDropReason::UnknownTable => {
+            " (the appliance does not serve this key as a table: it runs another spec of the job, or predates tables)"
+        }
+        RowDropReason::DimMismatch => " (this worker's dim for the table is not the appliance's: rejoin the job)",
+        RowDropReason::BadRowCount => {
+            " (more rows or ids than a datagram carries, or more than 1024 messages, or a ROW_END count that \
+             changed within a round: this worker and the appliance disagree on the job's chunk_bytes or dim)"
+        }
+        RowDropReason::RowOutOfPlace => {
+            " (this worker places rows on other lcores than the appliance does: its view of the job's lcores or \
+             the table's seed is stale; rejoin the job)"
+        }
+    };
+    (r.name().to_string(), hint)
+}
