@@ -196,3 +196,73 @@ fn a_table_is_admitted_installed_and_served() {
         "{e:?}"
     );
 }
+
+/// The worker library's row calls against the real appliance: two ranks
+/// `push_pull_rows` the same ids (placed over both lcores) for three
+/// rounds, each getting the rows SGD made of both ranks' sums, round
+/// after round; `pull_rows` then reads the same.
+#[test]
+fn workers_push_and_pull_rows_through_the_appliance() {
+    let rack = Rack::start(2, "256MiB");
+    let job = rack.admit(&spec("rows = 1000\n")).unwrap();
+    let ids: Vec<u64> = (0..40).map(|i| i * 7 + 3).collect();
+    let d = DIM as usize;
+    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
+        (rank + 1) as f32 * 0.25 + (round as f32) - (id % 3) as f32 + e as f32 * 0.5
+    };
+    let rounds = 3u32;
+    // What SGD with lr 0.5 makes of zeros after `t` rounds of both ranks.
+    let want = |t: u32| -> Vec<f32> {
+        ids.iter()
+            .flat_map(|&id| {
+                (0..d).map(move |e| {
+                    let mut w = 0f32;
+                    for r in 1..=t {
+                        w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
+                    }
+                    w
+                })
+            })
+            .collect()
+    };
+    #[allow(clippy::type_complexity)]
+    let got: Vec<(Vec<Vec<f32>>, u32, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u16)
+            .map(|rank| {
+                let url = rack.control_url.clone();
+                let ids = &ids;
+                s.spawn(move || {
+                    let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
+                    let outs: Vec<Vec<f32>> = (1..=rounds)
+                        .map(|round| {
+                            let grads: Vec<f32> = ids
+                                .iter()
+                                .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
+                                .collect();
+                            let mut out = vec![0f32; ids.len() * d];
+                            let r = w.push_pull_rows("emb", ids, &grads, &mut out).unwrap();
+                            assert_eq!(r, round, "rank {rank}");
+                            out
+                        })
+                        .collect();
+                    // Every round this rank pushed is complete: a pull
+                    // reads the last one's rows.
+                    let mut pulled = vec![0f32; ids.len() * d];
+                    let r = w.pull_rows("emb", ids, &mut pulled).unwrap();
+                    (outs, r, pulled)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (per_round, pulled_round, pulled)) in got.iter().enumerate() {
+        for (t, out) in per_round.iter().enumerate() {
+            assert_eq!(out, &want(t as u32 + 1), "rank {rank} round {}", t + 1);
+        }
+        assert_eq!(
+            (*pulled_round, pulled),
+            (rounds, &want(rounds)),
+            "rank {rank}'s pull"
+        );
+    }
+}
