@@ -18,7 +18,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
 
-use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard};
+use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall};
 
 use crate::backend::PacketIo;
 use crate::spin::SpinGate;
@@ -33,6 +33,8 @@ pub struct Install {
     pub job: JobInstall,
     /// What it gets beside its slots.
     pub kind: InstallKind,
+    /// Its table keys on this lcore (PROTOCOL.md §10).
+    pub tables: Vec<TableInstall>,
     /// Its slots' saved state, from a checkpoint.
     pub restore: Option<Vec<SlotState>>,
     /// Answered with the memory the job holds here, or why it was refused
@@ -201,11 +203,12 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
         Command::Install(Install {
             job,
             kind,
+            tables,
             restore,
             reply,
         }) => {
             let id = job.id;
-            let mut r = shard.install(job, kind);
+            let mut r = shard.install_with_tables(job, kind, tables);
             if let (Ok(()), Some(state)) = (&r, restore) {
                 r = shard.restore(id, &state);
                 if r.is_err() {

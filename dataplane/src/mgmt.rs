@@ -23,7 +23,7 @@ use phub_proto::routes::{MgmtRoute, RouteError};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
-use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
+use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall, TableInstall};
 use phub_engine::shm::ShmSetup;
 
 use crate::lcore::{Clock, Command, Install};
@@ -303,6 +303,35 @@ impl Manager {
             }
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
+        // Table keys: every lcore holds a part of every table (PROTOCOL.md
+        // §10.1). Its entry among the job's L lcores is its index here: an
+        // install does not say which entries other appliances hold, so a
+        // job with tables is served on one appliance only.
+        let appliances = req.spec.placement.as_ref().map_or(1, |p| p.count());
+        if let (Some(t), true) = (req.spec.tables().next(), appliances > 1) {
+            return Err(err(
+                400,
+                format!(
+                    "job {id}: keys[{}] {:?} is a table and placement.appliances names {appliances} \
+                     appliances; tables are served on one appliance (placement.appliances = 1)",
+                    t.key, t.name
+                ),
+            ));
+        }
+        // Cast: n <= MAX_LCORES (checked by the layout above).
+        #[allow(clippy::cast_possible_truncation)]
+        let tables = |entry: usize| -> Vec<TableInstall> {
+            req.spec
+                .tables()
+                .map(|t| TableInstall {
+                    key: t.key,
+                    spec: t.spec.clone(),
+                    chunk_bytes: req.spec.chunk_bytes,
+                    lcores: n as u32,
+                    entry: entry as u32,
+                })
+                .collect()
+        };
         // With --shm every lcore gives the job its shared-memory regions.
         let shm = (req.spec.result_store(self.info.shm) == ResultStore::SharedRegion).then_some(ShmSetup {
             base_port: self.info.data.base_port,
@@ -346,6 +375,7 @@ impl Manager {
                     Command::Install(Install {
                         job,
                         kind,
+                        tables: tables(i),
                         restore: state,
                         reply: tx,
                     }),
@@ -358,10 +388,12 @@ impl Manager {
                 })
                 .and_then(|r| {
                     r.map_err(|e| {
-                        let status = if matches!(e, EngineError::SlotMemory { .. }) {
-                            507
-                        } else {
-                            500
+                        let status = match e {
+                            EngineError::SlotMemory { .. } => 507,
+                            // A table the spec declares but this engine
+                            // cannot serve: the submitter's to change.
+                            EngineError::Table { .. } => 400,
+                            _ => 500,
                         };
                         (status, format!("lcore {i}: {e}"))
                     })

@@ -20,7 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::layout::{ChunkRange, Chunks, Layout, Weights};
 use crate::shm::region_len;
-use crate::spec::{Consistency, JobSpec, KeySpec, Optimizer};
+use crate::spec::{Consistency, JobSpec, KeySpec, Optimizer, TableSpec};
 use crate::Dtype;
 
 /// What the dataplane allocates for a job, as the dataplane reports it.
@@ -61,6 +61,17 @@ pub struct MemoryModel {
     /// held, since when. 0 from a dataplane that does not say.
     #[serde(default)]
     pub clock_bytes: u32,
+    /// Per table key of a job on every lcore: the engine's record of the
+    /// table there (its store's record and its round's buffers' headers),
+    /// beside [`table_bytes`] of its store. 0 from a dataplane that does
+    /// not say.
+    #[serde(default)]
+    pub table_record_bytes: u32,
+    /// Per table key, lcore and rank: the rank's round state there (the
+    /// bitmap of its ROW_PUSH sequence numbers, its ROW_END count, its
+    /// clock). 0 from a dataplane that does not say.
+    #[serde(default)]
+    pub table_rank_bytes: u32,
 }
 
 impl Default for MemoryModel {
@@ -81,6 +92,8 @@ impl Default for MemoryModel {
             region_bytes: 512,
             page_bytes: 4096,
             clock_bytes: 16,
+            table_record_bytes: 1024,
+            table_rank_bytes: 192,
         }
     }
 }
@@ -261,6 +274,22 @@ impl MemoryModel {
             + regions
     }
 
+    /// Bytes of `spec`'s table keys on each of its `lcores` lcores (the
+    /// job's L, PROTOCOL.md §10.1): per table, [`table_bytes`] of its
+    /// store at its share of the `rows` cap ([`table_shape`]), its record
+    /// and its ranks' round state. A table without a `rows` cap is charged
+    /// no store (admission refuses it before it gets here).
+    pub fn tables_lcore_bytes(&self, spec: &JobSpec, lcores: usize) -> u64 {
+        let lcores = u32::try_from(lcores).unwrap_or(u32::MAX);
+        spec.tables()
+            .map(|t| {
+                table_shape(t.spec, lcores).map_or(0, |s| table_bytes(&s))
+                    + u64::from(self.table_record_bytes)
+                    + u64::from(spec.workers) * u64::from(self.table_rank_bytes)
+            })
+            .sum()
+    }
+
     /// Bytes of the region files of a job on one lcore holding `slots`
     /// slots: a staging region per rank and a result region, whole pages.
     pub fn shm_lcore_bytes(&self, spec: &JobSpec, slots: u64) -> u64 {
@@ -334,6 +363,7 @@ impl MemoryModel {
             .lcores
             .iter()
             .map(|r| self.lcore_bytes(spec, store, r.count, data.of(r.range())))
+            .map(|b| b + self.tables_lcore_bytes(spec, layout.lcores.len()))
             .collect();
         let shm = if store == ResultStore::SharedRegion {
             layout
@@ -432,6 +462,26 @@ impl TableShape {
     }
 }
 
+/// One lcore's share of a table's `rows` cap over the job's `lcores`
+/// lcores: `ceil(rows / lcores)` (placement gives each lcore 1/L of the
+/// ids, PROTOCOL.md §10.1); `None` without a cap or without lcores. It may
+/// exceed [`TABLE_MAX_ROWS`], which an appliance then refuses.
+pub fn lcore_rows_cap(table: &TableSpec, lcores: u32) -> Option<u64> {
+    let rows = table.rows?;
+    (lcores > 0).then(|| rows.div_ceil(u64::from(lcores)))
+}
+
+/// The shape of one lcore's store of `table` over the job's `lcores`
+/// lcores ([`lcore_rows_cap`]); `None` without a cap.
+pub fn table_shape(table: &TableSpec, lcores: u32) -> Option<TableShape> {
+    Some(TableShape {
+        rows_cap: lcore_rows_cap(table, lcores)?,
+        dim: table.dim,
+        state_len: table.optimizer.state_len(table.dim),
+        admission: table.admit_after.is_some_and(|n| n >= 2),
+    })
+}
+
 /// Exactly the bytes one lcore's row store of a table has allocated when
 /// it holds `rows_cap` rows: the id index (allocated whole at creation),
 /// the row blocks (allocated one at a time as the table grows, every one
@@ -453,6 +503,43 @@ mod tests {
 
     fn spec(text: &str) -> JobSpec {
         JobSpec::from_toml(text).unwrap()
+    }
+
+    /// Each lcore of a job is charged, per table, its store at its share
+    /// of the cap (ceil(rows / L)), its record and its ranks' state; a
+    /// table without a cap is charged no store.
+    #[test]
+    fn tables_are_charged_at_their_share_of_the_cap_on_every_lcore() {
+        let t = |rows: &str| {
+            spec(&format!(
+                "name = \"t\"\nworkers = 3\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"w\"\nelements = 8\n\
+                 [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 8\n{rows}\
+                 optimizer = {{ kind = \"adam\", lr = 0.1 }}\n"
+            ))
+        };
+        let m = MemoryModel::default();
+        let capped = t("rows = 1000\n");
+        let table = capped.tables().next().unwrap().spec;
+        assert_eq!(lcore_rows_cap(table, 3), Some(334));
+        assert_eq!(lcore_rows_cap(table, 0), None);
+        let shape = table_shape(table, 3).unwrap();
+        assert_eq!(
+            (shape.rows_cap, shape.dim, shape.state_len, shape.admission),
+            (334, 8, 17, false)
+        );
+        let per_table = u64::from(m.table_record_bytes) + 3 * u64::from(m.table_rank_bytes);
+        assert_eq!(m.tables_lcore_bytes(&capped, 3), table_bytes(&shape) + per_table);
+        let uncapped = t("");
+        assert_eq!(m.tables_lcore_bytes(&uncapped, 3), per_table);
+        // job_cost adds it on each of the layout's lcores.
+        let lay = crate::layout::layout(&capped, &mut [0, 0, 0], m.chunk_cost(&capped, ResultStore::Slot));
+        let mut dense = capped.clone();
+        dense.keys.pop();
+        let with = m.job_cost(&capped, &lay, ResultStore::Slot);
+        let without = m.job_cost(&dense, &lay, ResultStore::Slot);
+        for (a, b) in with.lcores.iter().zip(&without.lcores) {
+            assert_eq!(a - b, m.tables_lcore_bytes(&capped, 3));
+        }
     }
 
     #[test]

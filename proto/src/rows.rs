@@ -18,7 +18,9 @@
 //! valid message with its payload read in place, or the
 //! [`DropReason`](crate::wire::DropReason) of the header checks. The
 //! checks that need the job (token, table, dim, placement, rounds) are the
-//! engine's; their table-specific reasons are [`RowDropReason`].
+//! engine's; their table-specific reasons are [`DropReason`]'s codes 25
+//! to 28 ([`DropReason::TABLE`]; [`RowDropReason`] is a view of those
+//! four), counted beside the others.
 
 use crate::spec::ROW_ID_BYTES;
 use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
@@ -128,26 +130,21 @@ impl RowMsgType {
     }
 }
 
-/// Why the appliance drops a row message, beyond the reasons of
-/// [`DropReason`] that row messages share with dense ones (PROTOCOL.md
-/// §10.3). The codes continue [`DropReason`]'s; an engine that serves
-/// tables counts them beside those.
+/// The table messages' own drop reasons as a closed set, for code that
+/// matches on them alone (a worker's hints). They are [`DropReason`]'s
+/// codes 25 to 28 ([`DropReason::TABLE`]), which the engine counts and
+/// sends: this is a view of those, not a second numbering.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum RowDropReason {
-    /// `key` is not the index of a table key of the job (beyond its keys,
-    /// or a dense key).
-    UnknownTable = 25,
-    /// The header's dim (`slot` field) is not the table's `dim`.
-    DimMismatch = 26,
-    /// More rows or ids than fit one datagram of the job's `chunk_bytes`
-    /// at the table's dim, a sequence number or message count beyond
-    /// [`MAX_ROW_MESSAGES`], a ROW_PUSH sequence number not below the
-    /// message count its round's ROW_END stated, or a ROW_END stating
-    /// another count than an earlier one of the same round.
-    BadRowCount = 27,
-    /// An id the placement (PROTOCOL.md §10.1) does not put on this lcore.
-    RowOutOfPlace = 28,
+    /// [`DropReason::UnknownTable`].
+    UnknownTable = DropReason::UnknownTable.code(),
+    /// [`DropReason::DimMismatch`].
+    DimMismatch = DropReason::DimMismatch.code(),
+    /// [`DropReason::BadRowCount`].
+    BadRowCount = DropReason::BadRowCount.code(),
+    /// [`DropReason::RowOutOfPlace`].
+    RowOutOfPlace = DropReason::RowOutOfPlace.code(),
 }
 
 impl RowDropReason {
@@ -159,36 +156,40 @@ impl RowDropReason {
         RowDropReason::RowOutOfPlace,
     ];
 
+    /// The [`DropReason`] it is.
+    pub const fn reason(self) -> DropReason {
+        match self {
+            RowDropReason::UnknownTable => DropReason::UnknownTable,
+            RowDropReason::DimMismatch => DropReason::DimMismatch,
+            RowDropReason::BadRowCount => DropReason::BadRowCount,
+            RowDropReason::RowOutOfPlace => DropReason::RowOutOfPlace,
+        }
+    }
+
     /// Wire code (what an ERROR carries in `error`).
     pub const fn code(self) -> u16 {
         self as u16
     }
 
-    /// The reason for a code, if it names one.
+    /// The table reason for a code, if it names one.
     pub const fn from_code(code: u16) -> Option<RowDropReason> {
-        match code {
-            25 => Some(RowDropReason::UnknownTable),
-            26 => Some(RowDropReason::DimMismatch),
-            27 => Some(RowDropReason::BadRowCount),
-            28 => Some(RowDropReason::RowOutOfPlace),
+        match DropReason::from_code(code) {
+            Some(DropReason::UnknownTable) => Some(RowDropReason::UnknownTable),
+            Some(DropReason::DimMismatch) => Some(RowDropReason::DimMismatch),
+            Some(DropReason::BadRowCount) => Some(RowDropReason::BadRowCount),
+            Some(DropReason::RowOutOfPlace) => Some(RowDropReason::RowOutOfPlace),
             _ => None,
         }
     }
 
-    /// Stable snake_case name, used in stats and metrics.
+    /// Stable snake_case name ([`DropReason::name`]).
     pub const fn name(self) -> &'static str {
-        match self {
-            RowDropReason::UnknownTable => "unknown_table",
-            RowDropReason::DimMismatch => "dim_mismatch",
-            RowDropReason::BadRowCount => "bad_row_count",
-            RowDropReason::RowOutOfPlace => "row_out_of_place",
-        }
+        self.reason().name()
     }
 
-    /// Whether the appliance answers a token-authenticated sender with an
-    /// ERROR: all four mean the worker's view of the job is wrong.
+    /// Whether the appliance answers with an ERROR: always.
     pub const fn notifies_sender(self) -> bool {
-        true
+        self.reason().notifies_sender()
     }
 }
 
@@ -296,7 +297,7 @@ impl<'a> Ids<'a> {
     }
 
     /// The ids in order.
-    pub fn iter(&self) -> impl Iterator<Item = u64> + 'a {
+    pub fn iter(&self) -> impl Iterator<Item = u64> + Clone + 'a {
         self.bytes.chunks_exact(ROW_ID_BYTES).map(|c| {
             let mut b = [0u8; ROW_ID_BYTES];
             b.copy_from_slice(c);
@@ -710,12 +711,16 @@ mod tests {
             assert_eq!(RowMsgType::from_code(t.code()), Some(*t));
             assert_eq!(crate::wire::MsgType::from_code(t.code()), None);
         }
-        // The row reasons follow DropReason's codes, without a gap.
-        for (i, r) in RowDropReason::ALL.iter().enumerate() {
-            assert_eq!(usize::from(r.code()), DropReason::COUNT + 1 + i);
-            assert_eq!(RowDropReason::from_code(r.code()), Some(*r));
-            assert_eq!(DropReason::from_code(r.code()), None);
+        // The table reasons are DropReason's 25 to 28, each told to the
+        // sender.
+        for (i, r) in DropReason::TABLE.iter().enumerate() {
+            assert_eq!(usize::from(r.code()), 25 + i);
+            assert_eq!(DropReason::from_code(r.code()), Some(*r));
+            assert!(r.notifies_sender(), "{r}");
+            assert_eq!(RowDropReason::ALL[i].reason(), *r);
+            assert_eq!(RowDropReason::from_code(r.code()), Some(RowDropReason::ALL[i]));
         }
+        assert_eq!(RowDropReason::from_code(DropReason::Ahead.code()), None);
         assert_eq!(messages_for(0, 122), 0);
         assert_eq!(messages_for(122, 122), 1);
         assert_eq!(messages_for(123, 122), 2);

@@ -265,6 +265,20 @@ drop_reasons! {
     /// §9.4), or appliance-to-appliance traffic for a job this appliance
     /// holds no such part of; likewise for replication messages (§11.4).
     WrongPeer = 24, "wrong_peer";
+    /// A table message (PROTOCOL.md §10.3) whose `key` is not the index of
+    /// a table key of the job (a dense key, or beyond the keys).
+    UnknownTable = 25, "unknown_table";
+    /// A table message whose dim (`slot` field) is not the table's `dim`.
+    DimMismatch = 26, "dim_mismatch";
+    /// A table message with more rows or ids than fit one datagram of the
+    /// job's `chunk_bytes` at the table's dim, a sequence number or message
+    /// count beyond [`crate::rows::MAX_ROW_MESSAGES`], a ROW_PUSH sequence
+    /// number not below the count its round's ROW_END stated, or a ROW_END
+    /// stating another count than an earlier one of the same round.
+    BadRowCount = 27, "bad_row_count";
+    /// A table message with an id the placement (PROTOCOL.md §10.1) puts
+    /// on another lcore (or another appliance).
+    RowOutOfPlace = 28, "row_out_of_place";
 }
 
 impl DropReason {
@@ -284,8 +298,21 @@ impl DropReason {
                 | DropReason::NothingToPull
                 | DropReason::Evicted
                 | DropReason::ShuttingDown
+                | DropReason::UnknownTable
+                | DropReason::DimMismatch
+                | DropReason::BadRowCount
+                | DropReason::RowOutOfPlace
         )
     }
+
+    /// The reasons only table messages are dropped for (PROTOCOL.md
+    /// §10.3's table), in code order.
+    pub const TABLE: [DropReason; 4] = [
+        DropReason::UnknownTable,
+        DropReason::DimMismatch,
+        DropReason::BadRowCount,
+        DropReason::RowOutOfPlace,
+    ];
 
     /// Number of reasons; counters are indexed by `code()`, so arrays of
     /// counters have `COUNT + 1` entries (code 0 is unused).

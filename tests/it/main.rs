@@ -26,3 +26,4 @@ mod packaging;
 mod sharding;
 mod shm;
 mod soak;
+mod tables;

@@ -7,7 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use phub_proto::api::{AdmitResponse, DataplaneInfo};
-use phub_proto::spec::{Appliances, JobSpec};
+use phub_proto::spec::{Appliances, Evict, JobSpec};
 
 use super::http::RequestError;
 use super::registry::{Entry, Inner, Shared};
@@ -19,18 +19,36 @@ use crate::state::{JobShape, StoredJob, StoredPart};
 /// takes it as down.
 pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
 
-/// Until the appliances serve table keys (issue 32: no engine routes row
-/// messages yet), a spec with one is refused, naming it, rather than
-/// admitted with tables no appliance would answer.
-fn refuse_tables(spec: &JobSpec) -> Result<(), RequestError> {
-    match spec.tables().next() {
-        None => Ok(()),
-        Some(t) => Err(RequestError::BadRequest(format!(
-            "keys[{}] {:?}: a table key (kind = \"table\"): tables parse but are not served yet (issue 32); \
-             submit the job with dense keys only",
-            t.key, t.name
-        ))),
+/// The table keys an appliance serves (PROTOCOL.md §10): each with a
+/// `rows` cap (admission charges its store at the cap, on every lcore:
+/// an uncapped table has no figure to charge), rows evicted by rounds
+/// rather than seconds, and the job on one appliance (an install does not
+/// tell an appliance which of the job's lcore entries it holds). A spec
+/// outside that is refused naming the key, the field and what is accepted.
+fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
+    let appliances = spec.placement.as_ref().map_or(1, |p| p.count());
+    for t in spec.tables() {
+        let at = format!("keys[{}] {:?} (a table)", t.key, t.name);
+        if t.spec.rows.is_none() {
+            return Err(RequestError::BadRequest(format!(
+                "{at}: rows = none: a served table needs a rows cap, 1 to 2^40 (its memory is charged at \
+                 the cap when the job is admitted)"
+            )));
+        }
+        if let Some(Evict::IdleSeconds(s)) = t.spec.evict {
+            return Err(RequestError::BadRequest(format!(
+                "{at}: evict = {{ idle_s = {s} }}: not served yet; accepted: evict = {{ idle_rounds = N }} \
+                 or no evict"
+            )));
+        }
+        if appliances > 1 {
+            return Err(RequestError::BadRequest(format!(
+                "{at}: placement.appliances = {appliances}: a job with a table is served on one appliance; \
+                 accepted: placement.appliances = 1 (or no placement)"
+            )));
+        }
     }
+    Ok(())
 }
 
 /// Until control installs replicas (issue 33: the engine has the rules of
@@ -158,7 +176,7 @@ impl Shared {
         content_type: Option<&str>,
     ) -> Result<AdmitResponse, RequestError> {
         let spec = JobSpec::parse(body, content_type)?;
-        refuse_tables(&spec)?;
+        check_tables(&spec)?;
         refuse_replicas(&spec)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let mut chosen = self.choose(&spec)?;
@@ -316,23 +334,31 @@ mod tests {
 
     use super::*;
 
-    /// A spec with a table key parses (the spec knows tables) but is
-    /// refused at admission, naming the key; the same job without it is
-    /// let through.
+    /// A table key is admitted when the appliance can serve it; one
+    /// without a `rows` cap, with `evict = { idle_s }` or on several
+    /// appliances is refused, naming the key and the field.
     #[test]
-    fn a_spec_with_a_table_key_is_refused_naming_the_key() {
+    fn table_keys_are_admitted_when_served_and_refused_naming_the_key() {
         let dense =
             "name = \"j\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"w\"\nelements = 8\n";
-        let with_table = format!("{dense}[[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 16\n");
-        let spec = JobSpec::parse(&with_table, None).unwrap();
-        let e = refuse_tables(&spec).unwrap_err();
-        assert!(matches!(e, RequestError::BadRequest(_)), "{e:?}");
-        let e = e.to_string();
-        assert!(
-            e.contains("keys[1] \"emb\"") && e.contains("not served yet (issue 32)"),
-            "{e}"
+        let table = format!("{dense}[[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 16\n");
+        let refused = |text: &str, field: &str| {
+            let e = check_tables(&JobSpec::parse(text, None).unwrap()).unwrap_err();
+            assert!(matches!(e, RequestError::BadRequest(_)), "{e:?}");
+            let e = e.to_string();
+            assert!(e.contains("keys[1] \"emb\"") && e.contains(field), "{e}");
+        };
+        refused(&table, "rows = none");
+        let capped = format!("{table}rows = 1000\n");
+        check_tables(&JobSpec::parse(&capped, None).unwrap()).unwrap();
+        refused(&format!("{capped}evict = {{ idle_s = 5 }}\n"), "idle_s = 5");
+        check_tables(&JobSpec::parse(&format!("{capped}evict = {{ idle_rounds = 5 }}\n"), None).unwrap())
+            .unwrap();
+        refused(
+            &format!("{capped}[placement]\nappliances = 2\n"),
+            "placement.appliances = 2",
         );
-        refuse_tables(&JobSpec::parse(dense, None).unwrap()).unwrap();
+        check_tables(&JobSpec::parse(dense, None).unwrap()).unwrap();
     }
 
     /// A spec asking for replicas validates but is refused at admission,

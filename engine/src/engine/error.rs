@@ -97,4 +97,14 @@ pub enum EngineError {
         /// Slots given.
         slots: usize,
     },
+    /// A table key of the job cannot be served on this lcore.
+    #[error("job {id}: table key {key}: {reason}")]
+    Table {
+        /// Job id.
+        id: u16,
+        /// The table's key index.
+        key: u32,
+        /// The field, its value and what would be accepted.
+        reason: String,
+    },
 }

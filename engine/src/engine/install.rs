@@ -1,5 +1,5 @@
 //! A job's life on an lcore: what it is told ([`JobInstall`],
-//! [`InstallKind`]), what it costs ([`memory_model`],
+//! [`InstallKind`], its tables' [`TableInstall`]s), what it costs ([`memory_model`],
 //! [`Shard::job_memory_bytes`]), installing it whole or not at all, and
 //! removing, evicting and shutting down.
 
@@ -19,6 +19,7 @@ use super::outbox::Pending;
 use super::replica::ReplicaInstall;
 use super::slot::{RankSet, Slot};
 use super::stats::JobCounters;
+use super::table::{Table, TableInstall, TABLE_RANK_BYTES, TABLE_RECORD_BYTES};
 use super::{Job, Shard};
 
 /// What a job looks like to one lcore.
@@ -92,6 +93,8 @@ pub fn memory_model(mem: &dyn SlotAllocator) -> MemoryModel {
         rank_bytes: RANK_BYTES,
         region_bytes: REGION_BYTES as u32,
         clock_bytes: std::mem::size_of::<RankClock>() as u32,
+        table_record_bytes: TABLE_RECORD_BYTES,
+        table_rank_bytes: TABLE_RANK_BYTES,
         ..MemoryModel::default()
     }
 }
@@ -133,12 +136,68 @@ impl<A: Copy + Eq> Shard<A> {
     ///
     /// Allocates (and creates files); call between bursts.
     pub fn install(&mut self, job: JobInstall, kind: InstallKind) -> Result<(), EngineError> {
-        match kind {
-            InstallKind::Plain => self.install_with(job, None),
-            InstallKind::Shared(setup) => self.install_with(job, Some(setup)),
-            InstallKind::Hierarchical(hier) => self.install_hierarchical(job, *hier),
-            InstallKind::Replicated(rep) => self.install_replicated(job, *rep),
+        self.install_with_tables(job, kind, Vec::new())
+    }
+
+    /// Installs a job as [`Shard::install`] does, with its table keys on
+    /// this lcore (PROTOCOL.md §10): a row store per table, sized by its
+    /// share of the `rows` cap, and each rank's round state. A table that
+    /// cannot be served here ([`EngineError::Table`]: no `rows` cap,
+    /// `evict = { idle_s }`, a store the heap refuses, an entry beyond L)
+    /// refuses the whole job; a hierarchical job has no tables.
+    pub fn install_with_tables(
+        &mut self,
+        job: JobInstall,
+        kind: InstallKind,
+        tables: Vec<TableInstall>,
+    ) -> Result<(), EngineError> {
+        if self.jobs.iter().any(|j| j.id == job.id) {
+            return Err(EngineError::JobExists(job.id));
         }
+        if let Some(t) = tables.first() {
+            let refused = match &kind {
+                InstallKind::Hierarchical(_) => {
+                    Some("a hierarchical job may not have a table key (PROTOCOL.md §10.1)")
+                }
+                InstallKind::Replicated(_) => {
+                    Some("a replicated job's tables are not replicated: replicas = 1 for a job with a table")
+                }
+                InstallKind::Plain | InstallKind::Shared(_) => None,
+            };
+            if let Some(reason) = refused {
+                return Err(EngineError::Table {
+                    id: job.id,
+                    key: t.key,
+                    reason: reason.into(),
+                });
+            }
+        }
+        let mut made = Vec::with_capacity(tables.len());
+        for t in &tables {
+            if made.iter().any(|m: &Table| m.key == t.key) {
+                return Err(EngineError::Table {
+                    id: job.id,
+                    key: t.key,
+                    reason: "key = the key of another table of the install: one table per key".into(),
+                });
+            }
+            made.push(Table::new(job.id, t, job.workers, job.dtype, job.consistency)?);
+        }
+        let id = job.id;
+        match kind {
+            InstallKind::Plain => self.install_with(job, None)?,
+            InstallKind::Shared(setup) => self.install_with(job, Some(setup))?,
+            InstallKind::Hierarchical(hier) => self.install_hierarchical(job, *hier)?,
+            InstallKind::Replicated(rep) => self.install_replicated(job, *rep)?,
+        }
+        if !made.is_empty() {
+            made.sort_unstable_by_key(|t| t.key);
+            if let Some(j) = self.jobs.iter_mut().find(|j| j.id == id) {
+                j.tables = made;
+            }
+            self.count_rx_workers();
+        }
+        Ok(())
     }
 
     pub(super) fn install_with(&mut self, job: JobInstall, shm: Option<ShmSetup>) -> Result<(), EngineError> {
@@ -236,6 +295,7 @@ impl<A: Copy + Eq> Shard<A> {
             members: RankSet::of(0..job.workers),
             unsynced: RankSet::default(),
             hier: None,
+            tables: Vec::new(),
             replica: None,
         });
         self.count_rx_workers();
@@ -388,7 +448,9 @@ impl<A: Copy + Eq> Shard<A> {
     /// Bytes a job holds on this lcore, counted from what was allocated
     /// as [`memory_model`] tells admission: its blocks' buffers and each
     /// block's overhead, its slot records, its record and its ranks'
-    /// entries, its regions' handles (the region files apart).
+    /// entries, its regions' handles (the region files apart), and its
+    /// tables as admission charges them (each store at its cap,
+    /// [`phub_proto::memory::table_bytes`], its record and ranks').
     pub fn job_memory_bytes(&self, id: u16) -> Option<u64> {
         let j = self.job(id)?;
         let model = memory_model(&*self.mem);
@@ -414,6 +476,7 @@ impl<A: Copy + Eq> Shard<A> {
                 + (j.endpoints.capacity().max(j.last_seen.capacity()) as u64) * u64::from(RANK_BYTES)
                 + regions * REGION_BYTES as u64
                 + hier
+                + j.tables.iter().map(Table::memory_bytes).sum::<u64>()
                 + j.replica
                     .as_ref()
                     .map_or(0, |r| r.memory_bytes(u64::from(model.block_overhead_bytes))),

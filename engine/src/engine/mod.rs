@@ -90,7 +90,12 @@
 //!   path of a slot whose result is its chunk of the result region;
 //! - `install.rs`: installing a job ([`Shard::install`], [`InstallKind`]),
 //!   what it costs ([`memory_model`]), removing, evicting, shutting down;
-//! - `checkpoint.rs`: [`Shard::snapshot`] and [`Shard::restore`];
+//! - `checkpoint.rs`: [`Shard::snapshot`] and [`Shard::restore`] (dense
+//!   slots only: a job's tables are not in its checkpoint yet);
+//! - `table.rs`: a job's table keys on this lcore ([`TableInstall`], the
+//!   row store and each rank's round state); `rows.rs`: table messages,
+//!   their checks and the BSP round rules (PROTOCOL.md §10.3);
+//!   `row_clock.rs`: table messages in async and bounded delay;
 //! - `hier.rs`: hierarchical jobs (PROTOCOL.md §9): their plan
 //!   ([`hierarchy_plan`]), their install, partials
 //!   and their timers;
@@ -123,8 +128,11 @@ mod install;
 mod outbox;
 mod region;
 mod replica;
+mod row_clock;
+mod rows;
 mod slot;
 mod stats;
+mod table;
 #[cfg(test)]
 mod tests;
 
@@ -136,6 +144,7 @@ pub use install::{memory_model, InstallKind, JobInstall, BLOCK_BYTES, EVICTED_FO
 pub use outbox::Ranks;
 pub use replica::{replica_plan, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
+pub use table::{row_init, row_optimizer, TableInstall};
 
 use hier::{Hier, Partial};
 use install::{Evicted, RANK_BYTES};
@@ -143,6 +152,7 @@ use outbox::{Attempt, Pending, To};
 use replica::Replica;
 use slot::{RankSet, Slot};
 use stats::JobCounters;
+use table::Table;
 
 /// A [`PeerResolver`], or none (no hierarchical job can be installed).
 #[derive(Clone)]
@@ -227,6 +237,8 @@ struct Job<A> {
     unsynced: RankSet,
     /// A hierarchical job's rack and home state (PROTOCOL.md §9).
     hier: Option<Box<Hier<A>>>,
+    /// Its table keys on this lcore (PROTOCOL.md §10), in key order.
+    tables: Vec<Table>,
     /// A replicated job's backups, pending aggregates and backup slots
     /// (PROTOCOL.md §11).
     replica: Option<Box<Replica<A>>>,
@@ -238,7 +250,7 @@ impl<A> Job<A> {
     /// rack ranks) if it has slots here, and its racks' appliances if this
     /// lcore is home to some of its chunks.
     fn rx_senders(&self) -> u64 {
-        let ranks = if self.slots.is_empty() {
+        let ranks = if self.slots.is_empty() && self.tables.is_empty() {
             0
         } else {
             u64::from(self.quorum)
@@ -274,6 +286,9 @@ pub struct Shard<A> {
     /// The W of every job with slots here, summed: each job's RESULTs state
     /// `rx_buffer` x its W / this as its share (PROTOCOL.md §6.1).
     rx_workers: u64,
+    /// The bytes (header and payload) of the queued table answers
+    /// (`Pending::Row`), cleared with the transmits.
+    rows_out: Vec<u8>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -310,6 +325,14 @@ impl<A: Copy + Eq> Shard<A> {
             std::mem::size_of::<Option<A>>() + std::mem::size_of::<u64>() <= RANK_BYTES as usize,
             "a rank's entries outgrow RANK_BYTES"
         );
+        // What memory_model tells admission a table and its ranks cost
+        // beside the store.
+        assert!(
+            std::mem::size_of::<Table>() + std::mem::size_of::<table::BspRound>()
+                <= table::TABLE_RECORD_BYTES as usize
+                && std::mem::size_of::<table::RowRank>() <= table::TABLE_RANK_BYTES as usize,
+            "a table's records outgrow the memory model"
+        );
         Shard {
             lcore,
             kernels,
@@ -324,6 +347,7 @@ impl<A: Copy + Eq> Shard<A> {
             peers: Resolver(None),
             rx_buffer: None,
             rx_workers: 0,
+            rows_out: Vec::new(),
         }
     }
 
@@ -441,6 +465,9 @@ impl<A: Copy + Eq> Shard<A> {
     fn classify(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
         if phub_proto::replica::is_replica_message(datagram) {
             return self.replica_message(from, datagram, now);
+        }
+        if phub_proto::rows::is_row_message(datagram) {
+            return self.classify_row(from, datagram, now);
         }
         let (repr, payload) = match wire::parse(datagram) {
             Ok(p) => p,

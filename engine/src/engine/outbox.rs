@@ -3,7 +3,7 @@
 //! lists ([`Ranks`]).
 
 use phub_proto::wire;
-use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK};
+use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 
 use crate::transmit::{Destinations, Transmit};
 
@@ -37,6 +37,10 @@ pub(super) enum Pending<A> {
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
     PartialResult { job: u16, slot: u32, rack: u16 },
+    /// A table answer (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT), built
+    /// whole: bytes `at .. at + len` of the shard's row outbox, header
+    /// first.
+    Row { at: u32, len: u32, to: A },
     /// A primary slot's pending aggregate, to its backup `backup` (an
     /// index into the chunk's backups).
     Replicate {
@@ -134,6 +138,21 @@ impl<A: Copy + Eq> Shard<A> {
             Pending::PartialResult { job, slot, rack } => {
                 return [self.partial_result_transmit(job, slot, rack), None];
             }
+            Pending::Row { at, len, to } => {
+                let (at, len) = (at as usize, len as usize);
+                let msg = self.rows_out.get(at..at + len);
+                debug_assert!(msg.is_some(), "a queued table answer inside the row outbox");
+                let Some(msg) = msg else { return [None, None] };
+                let (head, payload) = msg.split_at(HEADER_LEN);
+                let mut header = [0u8; HEADER_LEN];
+                header.copy_from_slice(head);
+                let t = Transmit {
+                    header,
+                    payload,
+                    to: Ranks::new(&[], None, Some(to)),
+                };
+                return [Some(t), None];
+            }
             Pending::Replicate {
                 job,
                 slot,
@@ -209,6 +228,7 @@ impl<A: Copy + Eq> Shard<A> {
     /// Forgets what [`Shard::transmits`] returned, once it has been sent.
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
+        self.rows_out.clear();
     }
 }
 

@@ -14,8 +14,9 @@
 //! Initial values: [`init`] (PROTOCOL.md §10.4); row optimizers: [`optim`]
 //! (§10.5).
 //!
-//! Not served yet: the engine does not route table messages to a store, and
-//! control refuses table keys. PROTOCOL.md says what is specified so far.
+//! Served by the engine's `table.rs`, `rows.rs` and `row_clock.rs`
+//! (`crate::engine`), which route table messages to one store per (table,
+//! lcore) by PROTOCOL.md §10.3's rules.
 
 mod admit;
 mod blocks;

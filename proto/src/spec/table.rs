@@ -165,6 +165,21 @@ fn default_ftrl_beta() -> f32 {
 }
 
 impl RowOptimizerSpec {
+    /// `f32` words of state a stored row keeps after its `dim` values
+    /// (PROTOCOL.md §10.5): none for `sum` and `sgd`; `adagrad` one per
+    /// element (one per row when `rowwise`); `adam` two per element and a
+    /// step count; `ftrl` two per element. The engine's row optimizers
+    /// keep exactly this (its tests hold the two equal).
+    pub const fn state_len(&self, dim: u32) -> u32 {
+        match self {
+            RowOptimizerSpec::Sum | RowOptimizerSpec::Sgd { .. } => 0,
+            RowOptimizerSpec::Adagrad { rowwise: false, .. } => dim,
+            RowOptimizerSpec::Adagrad { rowwise: true, .. } => 1,
+            RowOptimizerSpec::Adam { .. } => dim.saturating_mul(2).saturating_add(1),
+            RowOptimizerSpec::Ftrl { .. } => dim.saturating_mul(2),
+        }
+    }
+
     /// The spec name: `sum`, `sgd`, `adagrad`, `adam` or `ftrl`.
     pub const fn name(&self) -> &'static str {
         match self {

@@ -1,0 +1,593 @@
+//! Table messages (PROTOCOL.md §10.2, §10.3): their checks, in §10.3's
+//! order, and the BSP round rules; the answers (ROW_RESULT, ROW_DONE,
+//! ROW_PULL_RESULT) built whole into the shard's row outbox.
+//!
+//! Checks, dropping at the first failure: the header checks of §7 step 1
+//! with §10.2's lengths ([`phub_proto::rows::parse`]); `not_for_appliance`;
+//! `evicted`, `unknown_job`, `bad_token`, `shutting_down`, then the SHM
+//! flag (`no_shared_memory`: table messages always carry their payload);
+//! `rank_out_of_range`, `dtype_mismatch`, `unknown_table`, `dim_mismatch`,
+//! `bad_row_count` (more than R rows or ids), `row_out_of_place` (every id
+//! checked before any is used); then the round rules, here for BSP and in
+//! `row_clock.rs` for async and bounded delay.
+//!
+//! BSP, per (table, lcore), a ROW_PUSH of round t, sequence s from rank r:
+//! t = 0 is `wrong_type_for_round`; t = the round in progress adds each
+//! pair into its id's accumulator row unless s is beyond 1024 or `n[r]`
+//! (`bad_row_count`) or already in `got[r]` (`duplicate`); t = the last
+//! completed round is answered again (the message's own ids with their
+//! current rows); older is `stale`, beyond is `ahead`. A ROW_END sets
+//! `n[r]` (a second, other count is `bad_row_count`, the same count
+//! `duplicate`). When every rank is complete, each accumulated row goes
+//! through the table's optimizer once, in the order its id first arrived,
+//! and every rank gets its ROW_RESULTs and its ROW_DONE.
+//!
+//! The answers' bytes (header and payload) are written into
+//! `Shard::rows_out` as they are queued and sent from there; it keeps its
+//! capacity between bursts, as the pending list does.
+
+use phub_proto::rows::{self, Ids, RowMsgType, RowPayload, RowRepr, Rows, MAX_ROW_MESSAGES};
+use phub_proto::spec::ROW_ID_BYTES;
+use phub_proto::wire::{flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
+
+use crate::counters::ShardCounters;
+
+use super::outbox::Pending;
+use super::table::{PushIds, Table, TableRounds, TableStore};
+use super::{Job, Shard, Verdict};
+
+/// Where row answers go while one message is handled: the row outbox,
+/// the pending list, the job's endpoints and the header fields every
+/// answer of the table shares.
+pub(super) struct Answers<'a, A> {
+    pub(super) out: &'a mut Vec<u8>,
+    pub(super) pending: &'a mut Vec<Pending<A>>,
+    pub(super) counters: &'a ShardCounters,
+    pub(super) endpoints: &'a [Option<A>],
+    /// The job's dtype, token and id, the table's dim and key.
+    pub(super) head: RowRepr,
+    /// The receive-buffer share the answers state.
+    pub(super) share: u32,
+}
+
+impl<A: Copy> Answers<'_, A> {
+    /// Queues an answer of `kind` to `rank` with `ids` and their rows as
+    /// `table` holds them now (a row not stored reads as its initial
+    /// value).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rows<I>(
+        &mut self,
+        store: &mut TableStore,
+        buf: &mut [f32],
+        kind: RowMsgType,
+        rank: u16,
+        round: u32,
+        seq: u32,
+        ids: I,
+    ) where
+        I: Iterator<Item = u64> + Clone,
+    {
+        let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
+            return;
+        };
+        let count = ids.clone().count();
+        // Cast: at most R rows, R < 2^16 (a datagram's payload).
+        #[allow(clippy::cast_possible_truncation)]
+        let repr = RowRepr {
+            kind,
+            count: count as u16,
+            round,
+            seq,
+            ..self.head
+        };
+        let dtype = repr.dtype;
+        let len = repr.payload_len();
+        debug_assert!(len.is_some(), "an answer as long as its request fits a datagram");
+        let Some(len) = len else { return };
+        let at = self.out.len();
+        self.out.resize(at + HEADER_LEN + len, 0);
+        let msg = &mut self.out[at..];
+        let (head, payload) = msg.split_at_mut(HEADER_LEN);
+        let mut h = Header::new_unchecked(head);
+        repr.emit(&mut h);
+        h.set_rx_share(self.share);
+        let (id_bytes, row_bytes) = payload.split_at_mut(count * ROW_ID_BYTES);
+        let row_len = buf.len() * dtype.size();
+        for ((id, dst), values) in ids
+            .zip(id_bytes.chunks_exact_mut(ROW_ID_BYTES))
+            .zip(row_bytes.chunks_exact_mut(row_len.max(1)))
+        {
+            dst.copy_from_slice(&id.to_le_bytes());
+            store.read(id, buf);
+            phub_proto::dtype::encode(dtype, buf, values);
+        }
+        self.queue(at, to);
+    }
+
+    /// Queues a ROW_DONE of `round` with count `n` to `rank`.
+    pub(super) fn done(&mut self, rank: u16, round: u32, n: u16) {
+        let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
+            return;
+        };
+        let repr = RowRepr {
+            kind: RowMsgType::RowDone,
+            count: 0,
+            round,
+            seq: u32::from(n),
+            ..self.head
+        };
+        let at = self.out.len();
+        self.out.resize(at + HEADER_LEN, 0);
+        let mut h = Header::new_unchecked(&mut self.out[at..]);
+        repr.emit(&mut h);
+        h.set_rx_share(self.share);
+        self.queue(at, to);
+    }
+
+    fn queue(&mut self, at: usize, to: A) {
+        self.counters.results_sent.inc();
+        // Cast: the outbox holds a burst's answers, far below 4 GiB.
+        #[allow(clippy::cast_possible_truncation)]
+        self.pending.push(Pending::Row {
+            at: at as u32,
+            len: (self.out.len() - at) as u32,
+            to,
+        });
+    }
+}
+
+/// The ERROR answering a refused table message: its header, type ERROR,
+/// no payload, the reason's code (PROTOCOL.md §5.7, §10.2).
+pub(super) fn row_error(repr: &RowRepr, reason: DropReason) -> Repr {
+    Repr {
+        kind: MsgType::Error,
+        dtype: repr.dtype,
+        flags: 0,
+        token: repr.token,
+        job: repr.job,
+        rank: repr.rank,
+        count: 0,
+        error: reason.code(),
+        round: repr.round,
+        slot: repr.dim,
+        key: repr.key,
+        chunk: repr.seq,
+    }
+}
+
+/// The ids of a message's payload (none for ROW_END).
+fn ids_of<'a>(payload: &RowPayload<'a>) -> Option<Ids<'a>> {
+    match payload {
+        RowPayload::Rows(r) => Some(r.ids()),
+        RowPayload::Ids(i) => Some(*i),
+        RowPayload::Empty => None,
+    }
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Handles one table message (module head): the checks, then the
+    /// round rules of the job's consistency mode.
+    pub(super) fn classify_row(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
+        let (repr, payload) = match rows::parse(datagram) {
+            Ok(p) => p,
+            Err(r) => return Verdict::Dropped(r),
+        };
+        if !repr.kind.from_worker() {
+            return Verdict::Dropped(DropReason::NotForAppliance);
+        }
+        let known = self.jobs.iter().position(|j| j.id == repr.job);
+        let token_ok = known.is_some_and(|i| self.jobs[i].token == repr.token);
+        if !token_ok && !self.evicted.is_empty() && self.was_evicted(repr.job, repr.token, now) {
+            return self.refuse_row(from, &repr, DropReason::Evicted);
+        }
+        let Some(i) = known else {
+            return Verdict::Dropped(DropReason::UnknownJob);
+        };
+        if !token_ok {
+            return Verdict::Dropped(DropReason::BadToken);
+        }
+        if self.closing {
+            return self.refuse_row(from, &repr, DropReason::ShuttingDown);
+        }
+        if repr.flags & flags::SHM != 0 {
+            return Verdict::Dropped(DropReason::NoSharedMemory);
+        }
+        let share = self.rx_share(&self.jobs[i]);
+        let job = &mut self.jobs[i];
+        if repr.rank >= job.workers || !job.members.contains(repr.rank) {
+            return Verdict::Dropped(DropReason::RankOutOfRange);
+        }
+        // Authenticated from here on: remember where this rank lives.
+        let rank = usize::from(repr.rank);
+        job.endpoints[rank] = Some(from);
+        job.last_seen[rank] = now;
+        match Self::check_row(job, &repr, &payload) {
+            Ok(t) => {
+                let Shard {
+                    jobs,
+                    pending,
+                    rows_out,
+                    counters,
+                    ..
+                } = self;
+                let job = &mut jobs[i];
+                let Job {
+                    tables,
+                    endpoints,
+                    counters: job_counters,
+                    dtype,
+                    token,
+                    id,
+                    ..
+                } = job;
+                let table = &mut tables[t];
+                let mut answers = Answers {
+                    out: rows_out,
+                    pending,
+                    counters,
+                    endpoints,
+                    head: RowRepr {
+                        kind: RowMsgType::RowDone,
+                        dtype: *dtype,
+                        flags: 0,
+                        token: *token,
+                        job: *id,
+                        rank: APPLIANCE_RANK,
+                        count: 0,
+                        round: 0,
+                        dim: table.dim,
+                        key: table.key,
+                        seq: 0,
+                    },
+                    share,
+                };
+                let done = match (repr.kind, &table.rounds) {
+                    (RowMsgType::RowPull, _) => Ok(pull(table, &repr, &payload, &mut answers)),
+                    (_, TableRounds::Bsp(_)) => bsp(table, &repr, &payload, &mut answers),
+                    (_, TableRounds::Clocked { .. }) => table.clocked(&repr, &payload, &mut answers),
+                };
+                match done {
+                    Ok(v) => {
+                        let push = repr.kind == RowMsgType::RowPush;
+                        match v {
+                            Verdict::Aggregated | Verdict::Applied if push => {
+                                job_counters.pushes += 1;
+                                counters.pushes_aggregated.inc();
+                            }
+                            Verdict::Completed | Verdict::Held => {
+                                job_counters.rounds += 1;
+                                counters.rounds_completed.inc();
+                                if push {
+                                    job_counters.pushes += 1;
+                                    counters.pushes_aggregated.inc();
+                                }
+                                if v == Verdict::Held {
+                                    counters.answers_held.inc();
+                                }
+                            }
+                            Verdict::Resent => counters.results_resent.inc(),
+                            Verdict::Pulled => counters.pulls_answered.inc(),
+                            _ => {}
+                        }
+                        v
+                    }
+                    Err(r) => self.refuse_row(from, &repr, r),
+                }
+            }
+            Err(r) => self.refuse_row(from, &repr, r),
+        }
+    }
+
+    /// Step (4) of §10.3's checks past the rank: the table this message
+    /// is for (its index in the job's tables), or why it is dropped.
+    fn check_row(job: &Job<A>, repr: &RowRepr, payload: &RowPayload<'_>) -> Result<usize, DropReason> {
+        if repr.dtype != job.dtype {
+            return Err(DropReason::DtypeMismatch);
+        }
+        let t = job
+            .tables
+            .iter()
+            .position(|t| t.key == repr.key)
+            .ok_or(DropReason::UnknownTable)?;
+        let table = &job.tables[t];
+        if repr.dim != table.dim {
+            return Err(DropReason::DimMismatch);
+        }
+        if u32::from(repr.count) > table.per {
+            return Err(DropReason::BadRowCount);
+        }
+        if let Some(ids) = ids_of(payload) {
+            if !ids.iter().all(|id| table.holds(id)) {
+                return Err(DropReason::RowOutOfPlace);
+            }
+        }
+        Ok(t)
+    }
+
+    /// Refuses a table message: an ERROR back where the reason tells the
+    /// sender ([`DropReason::notifies_sender`]).
+    fn refuse_row(&mut self, from: A, repr: &RowRepr, reason: DropReason) -> Verdict {
+        if reason.notifies_sender() {
+            self.counters.errors_sent.inc();
+            self.pending.push(Pending::Error {
+                repr: row_error(repr, reason),
+                to: from,
+            });
+        }
+        Verdict::Dropped(reason)
+    }
+}
+
+/// A ROW_PULL: its ids with their current rows, `round` the last
+/// completed round (BSP) or the rank's last answered clock.
+fn pull<A: Copy>(
+    table: &mut Table,
+    repr: &RowRepr,
+    payload: &RowPayload<'_>,
+    answers: &mut Answers<'_, A>,
+) -> Verdict {
+    let Some(ids) = ids_of(payload) else {
+        return Verdict::Dropped(DropReason::LengthMismatch);
+    };
+    let round = match &table.rounds {
+        TableRounds::Bsp(b) => b.completed,
+        TableRounds::Clocked { .. } => {
+            let r = table.ranks[usize::from(repr.rank)];
+            if r.held.is_some() {
+                r.applied.saturating_sub(1)
+            } else {
+                r.applied
+            }
+        }
+    };
+    answers.rows(
+        &mut table.store,
+        &mut table.row,
+        RowMsgType::RowPullResult,
+        repr.rank,
+        round,
+        repr.seq,
+        ids.iter(),
+    );
+    Verdict::Pulled
+}
+
+/// Where a BSP message's round stands against the table's.
+enum Age {
+    Zero,
+    InProgress,
+    LastCompleted,
+    Stale,
+    Ahead,
+}
+
+fn age(t: u32, completed: u32) -> Age {
+    if t == 0 {
+        Age::Zero
+    } else if Some(t) == completed.checked_add(1) {
+        Age::InProgress
+    } else if t == completed {
+        Age::LastCompleted
+    } else if t < completed {
+        Age::Stale
+    } else {
+        Age::Ahead
+    }
+}
+
+/// The BSP rules of a ROW_PUSH or ROW_END (module head).
+fn bsp<A: Copy>(
+    table: &mut Table,
+    repr: &RowRepr,
+    payload: &RowPayload<'_>,
+    answers: &mut Answers<'_, A>,
+) -> Result<Verdict, DropReason> {
+    let TableRounds::Bsp(round) = &table.rounds else {
+        unreachable!("bsp() is called for BSP tables");
+    };
+    let r = usize::from(repr.rank);
+    let (t, s) = (repr.round, repr.seq);
+    let verdict = match (repr.kind, age(t, round.completed)) {
+        (_, Age::Zero) => return Err(DropReason::WrongTypeForRound),
+        (_, Age::Stale) => return Err(DropReason::Stale),
+        (_, Age::Ahead) => return Err(DropReason::Ahead),
+        (RowMsgType::RowPush, Age::LastCompleted) => {
+            let RowPayload::Rows(rows) = payload else {
+                return Err(DropReason::LengthMismatch);
+            };
+            answers.rows(
+                &mut table.store,
+                &mut table.row,
+                RowMsgType::RowResult,
+                repr.rank,
+                t,
+                s,
+                rows.ids().iter(),
+            );
+            return Ok(Verdict::Resent);
+        }
+        (_, Age::LastCompleted) => {
+            // A ROW_END of the last completed round: its ROW_DONE again.
+            // Cast: s <= 1024 was the count of that round.
+            #[allow(clippy::cast_possible_truncation)]
+            answers.done(repr.rank, t, s.min(MAX_ROW_MESSAGES) as u16);
+            return Ok(Verdict::Resent);
+        }
+        (RowMsgType::RowPush, Age::InProgress) => {
+            let rank = table.ranks[r];
+            if s >= MAX_ROW_MESSAGES || rank.n.is_some_and(|n| s >= u32::from(n)) {
+                return Err(DropReason::BadRowCount);
+            }
+            if rank.got.contains(s) {
+                return Err(DropReason::Duplicate);
+            }
+            let RowPayload::Rows(rows) = payload else {
+                return Err(DropReason::LengthMismatch);
+            };
+            accumulate(table, repr.rank, s, rows);
+            table.ranks[r].got.insert(s);
+            Verdict::Aggregated
+        }
+        (_, Age::InProgress) => {
+            end_round(&mut table.ranks[r], s)?;
+            Verdict::Aggregated
+        }
+    };
+    if table.ranks.iter().all(|r| r.complete()) {
+        complete(table, t, answers);
+        return Ok(Verdict::Completed);
+    }
+    Ok(verdict)
+}
+
+/// A ROW_END of count `n` for the round (clock) in progress: `n[r]` is
+/// set, or the message is refused (PROTOCOL.md §10.3).
+pub(super) fn end_round(rank: &mut super::table::RowRank, n: u32) -> Result<(), DropReason> {
+    if n > MAX_ROW_MESSAGES {
+        return Err(DropReason::BadRowCount);
+    }
+    match rank.n {
+        Some(m) if u32::from(m) == n => return Err(DropReason::Duplicate),
+        Some(_) => return Err(DropReason::BadRowCount),
+        None => {}
+    }
+    // A ROW_PUSH already taken with a sequence number the count leaves
+    // out: the count contradicts the pushes (`bad_row_count`).
+    if rank.got.any_at_or_above(n) {
+        return Err(DropReason::BadRowCount);
+    }
+    // Cast: n <= 1024, checked above.
+    #[allow(clippy::cast_possible_truncation)]
+    let n = n as u16;
+    rank.n = Some(n);
+    Ok(())
+}
+
+/// Adds a ROW_PUSH's pairs into the round's accumulator, in order: an
+/// id's first row of the round is converted and copied, later ones
+/// converted and added element by element.
+fn accumulate(table: &mut Table, rank: u16, seq: u32, rows: &Rows<'_>) {
+    let TableRounds::Bsp(round) = &mut table.rounds else {
+        unreachable!("accumulate() is called for BSP tables");
+    };
+    let d = table.dim as usize;
+    let start = round.push_ids.len();
+    for (i, id) in rows.ids().iter().enumerate() {
+        let decoded = rows.decode_row(i, &mut table.row);
+        debug_assert!(decoded, "parse() checked the rows' length");
+        round.push_ids.push(id);
+        // Cast: a round holds at most W x 1024 x R rows, far below 2^32.
+        #[allow(clippy::cast_possible_truncation)]
+        let next = round.ids.len() as u32;
+        let at = *round.index.entry(id).or_insert(next) as usize;
+        if at == round.ids.len() {
+            round.ids.push(id);
+            round.rows.extend_from_slice(&table.row);
+        } else {
+            for (a, g) in round.rows[at * d..(at + 1) * d].iter_mut().zip(&table.row) {
+                *a += *g;
+            }
+        }
+    }
+    // Casts: s < 1024; a message has at most R < 2^16 rows; the round's
+    // ids fit a u32 (above).
+    #[allow(clippy::cast_possible_truncation)]
+    round.pushes.push(PushIds {
+        rank,
+        seq: seq as u16,
+        start: start as u32,
+        len: (round.push_ids.len() - start) as u16,
+    });
+}
+
+/// Round `t` completes (every rank complete): each accumulated row goes
+/// through the optimizer once, in first-arrival order; then each rank gets
+/// its ROW_RESULTs in sequence order and its ROW_DONE; the round's state
+/// is cleared.
+fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
+    let Table {
+        store,
+        row,
+        rounds,
+        ranks,
+        dim,
+        ..
+    } = table;
+    let TableRounds::Bsp(round) = rounds else {
+        unreachable!("complete() is called for BSP tables");
+    };
+    let d = *dim as usize;
+    for (k, &id) in round.ids.iter().enumerate() {
+        store.update(id, &round.rows[k * d..(k + 1) * d]);
+    }
+    store.advance_round();
+    round.pushes.sort_unstable_by_key(|p| (p.rank, p.seq));
+    for p in &round.pushes {
+        let ids = &round.push_ids[p.start as usize..p.start as usize + usize::from(p.len)];
+        answers.rows(
+            store,
+            row,
+            RowMsgType::RowResult,
+            p.rank,
+            t,
+            u32::from(p.seq),
+            ids.iter().copied(),
+        );
+    }
+    // Cast: r < W <= 256.
+    #[allow(clippy::cast_possible_truncation)]
+    for (r, rank) in ranks.iter_mut().enumerate() {
+        answers.done(r as u16, t, rank.n.unwrap_or(0));
+        rank.clear_round();
+    }
+    round.clear();
+    round.completed = t;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::table::SeqSet;
+    use super::*;
+    use phub_proto::Dtype;
+
+    #[test]
+    fn a_seq_set_is_first_n_exactly() {
+        let mut s = SeqSet::default();
+        assert!(s.is_first(0));
+        s.insert(1);
+        assert!(!s.is_first(1) && !s.is_first(2));
+        s.insert(0);
+        assert!(s.is_first(2));
+        s.insert(1023);
+        assert!(!s.is_first(3) && s.any_at_or_above(2) && !s.contains(1024));
+    }
+
+    #[test]
+    fn ages_of_rounds() {
+        assert!(matches!(age(0, 0), Age::Zero));
+        assert!(matches!(age(1, 0), Age::InProgress));
+        assert!(matches!(age(2, 0), Age::Ahead));
+        assert!(matches!(age(3, 3), Age::LastCompleted));
+        assert!(matches!(age(2, 3), Age::Stale));
+    }
+
+    #[test]
+    fn an_error_echoes_the_table_header() {
+        let repr = RowRepr {
+            kind: RowMsgType::RowPush,
+            dtype: Dtype::Bf16,
+            flags: 1,
+            token: 9,
+            job: 3,
+            rank: 2,
+            count: 5,
+            round: 7,
+            dim: 16,
+            key: 4,
+            seq: 11,
+        };
+        let e = row_error(&repr, DropReason::DimMismatch);
+        assert_eq!((e.kind, e.count, e.error, e.flags), (MsgType::Error, 0, 26, 0));
+        assert_eq!((e.round, e.slot, e.key, e.chunk, e.rank), (7, 16, 4, 11, 2));
+    }
+}

@@ -1,0 +1,365 @@
+//! A job's table keys on one lcore (PROTOCOL.md §10): what the lcore is
+//! told of each ([`TableInstall`]), its record ([`Table`]: the row store,
+//! the placement check, each rank's round state) and what it costs.
+//!
+//! Every (table, lcore) keeps its own rounds (BSP, `rows.rs`) or each
+//! rank's clock (async and bounded delay, `row_clock.rs`). The state per
+//! rank is a [`RowRank`]: the bitmap `got[r]` of the sequence numbers of
+//! its ROW_PUSH messages of the round (clock) in progress, the count
+//! `n[r]` its ROW_END stated, and, not BSP, its applied clock and whether
+//! its ROW_DONE is held. A BSP round's accumulator ([`BspRound`]) holds one
+//! `f32` row per id pushed in the round, in the order the ids first
+//! arrived, and each ROW_PUSH's ids until the round completes; its buffers
+//! keep their capacity from round to round, so a steady load allocates
+//! nothing.
+//!
+//! Invariants:
+//! - every stored or answered row is one this lcore's entry holds under
+//!   the placement (PROTOCOL.md §10.1): a message with one id placed
+//!   elsewhere is dropped whole before any id is used;
+//! - BSP: `got[r]` holds no sequence number at or above `n[r]`, and a
+//!   round completes exactly when every rank's `got[r]` is `0 .. n[r]`;
+//! - not BSP: a rank's ROW_DONE is held only in bounded delay, for its
+//!   applied clock, and then its `got[r]` and `n[r]` are empty.
+
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::num::NonZeroU32;
+
+use phub_proto::memory::{lcore_rows_cap, table_bytes};
+use phub_proto::placement::{mix64, reduce, row_hash, table_key};
+use phub_proto::rows::MAX_ROW_MESSAGES;
+use phub_proto::spec::{rows_per_datagram, Consistency, Evict, RowInitSpec, RowOptimizerSpec, TableSpec};
+use phub_proto::Dtype;
+
+use crate::table::{Admission, Init, RowOptimizer, RowStore, StoreConfig, TableInit};
+
+use super::error::EngineError;
+
+/// What an lcore is told of one table key of a job at install.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TableInstall {
+    /// The table's key index k in the spec's keys (dense and table keys
+    /// counted alike): what its messages carry in `key`.
+    pub key: u32,
+    /// The table as the spec declares it.
+    pub spec: TableSpec,
+    /// The job's `chunk_bytes`: a datagram carries at most
+    /// `rows_per_datagram(chunk_bytes, dim, dtype)` rows (R).
+    pub chunk_bytes: u32,
+    /// L, the job's lcores over all its appliances (PROTOCOL.md §10.1).
+    pub lcores: u32,
+    /// This lcore's entry e among them: appliance i's lcore j is the sum
+    /// of the earlier appliances' lcores plus j.
+    pub entry: u32,
+}
+
+/// The bitmap of the sequence numbers 0 .. [`MAX_ROW_MESSAGES`] of one
+/// rank's ROW_PUSH messages of a round: 128 bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(super) struct SeqSet([u64; MAX_ROW_MESSAGES as usize / 64]);
+
+impl SeqSet {
+    /// Whether `s` is in the set (false for `s` >= [`MAX_ROW_MESSAGES`]).
+    pub(super) fn contains(&self, s: u32) -> bool {
+        s < MAX_ROW_MESSAGES && self.0[(s / 64) as usize] & (1 << (s % 64)) != 0
+    }
+    pub(super) fn insert(&mut self, s: u32) {
+        debug_assert!(s < MAX_ROW_MESSAGES, "sequence number {s} checked before");
+        self.0[(s / 64) as usize % self.0.len()] |= 1 << (s % 64);
+    }
+    pub(super) fn len(&self) -> u32 {
+        self.0.iter().map(|w| w.count_ones()).sum()
+    }
+    /// Whether some member is `n` or more.
+    pub(super) fn any_at_or_above(&self, n: u32) -> bool {
+        (n..MAX_ROW_MESSAGES).any(|s| self.contains(s))
+    }
+    /// Whether the set is exactly 0 .. n.
+    pub(super) fn is_first(&self, n: u32) -> bool {
+        self.len() == n && (n == 0 || self.contains(n - 1)) && !self.any_at_or_above(n)
+    }
+}
+
+/// One rank's round state on one (table, lcore).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct RowRank {
+    /// `got[r]`: the sequence numbers of its ROW_PUSH messages of the
+    /// round (clock) in progress.
+    pub(super) got: SeqSet,
+    /// `n[r]`: the count its ROW_END of that round stated.
+    pub(super) n: Option<u16>,
+    /// Not BSP: its applied clock a[r] (0 at install).
+    pub(super) applied: u32,
+    /// Bounded delay: the count of its applied clock's ROW_END while its
+    /// ROW_DONE is held.
+    pub(super) held: Option<u16>,
+}
+
+impl RowRank {
+    /// Whether the rank has sent all its rows of the round: `n[r]` is set
+    /// and `got[r]` is 0 .. `n[r]`.
+    pub(super) fn complete(&self) -> bool {
+        self.n.is_some_and(|n| self.got.is_first(u32::from(n)))
+    }
+    pub(super) fn clear_round(&mut self) {
+        self.got = SeqSet::default();
+        self.n = None;
+    }
+}
+
+/// The hasher of the accumulator's id map: ids are mixed once
+/// ([`mix64`]), as the placement mixes them.
+#[derive(Debug, Default, Clone, Copy)]
+pub(super) struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = mix64(self.0 ^ u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, id: u64) {
+        self.0 = mix64(id ^ 0x9e37_79b9_7f4a_7c15);
+    }
+}
+
+/// One ROW_PUSH of a BSP round in progress: whose, which, and where its
+/// ids are in [`BspRound::push_ids`].
+#[derive(Debug, Clone, Copy)]
+pub(super) struct PushIds {
+    pub(super) rank: u16,
+    pub(super) seq: u16,
+    pub(super) start: u32,
+    pub(super) len: u16,
+}
+
+/// A BSP (table, lcore)'s rounds: the last completed one and the
+/// accumulator of the one in progress.
+#[derive(Debug, Default)]
+pub(super) struct BspRound {
+    /// The last completed round c (0 at install: a table has no round 0).
+    pub(super) completed: u32,
+    /// Each id of the round to its row in `acc_rows`.
+    pub(super) index: HashMap<u64, u32, BuildHasherDefault<IdHasher>>,
+    /// The round's ids in the order they first arrived.
+    pub(super) ids: Vec<u64>,
+    /// Their accumulated rows, `dim` values each, in that order.
+    pub(super) rows: Vec<f32>,
+    /// The round's ROW_PUSH messages as they arrived.
+    pub(super) pushes: Vec<PushIds>,
+    /// Their ids, message after message.
+    pub(super) push_ids: Vec<u64>,
+}
+
+impl BspRound {
+    /// Forgets the round in progress, keeping the buffers' capacity.
+    pub(super) fn clear(&mut self) {
+        self.index.clear();
+        self.ids.clear();
+        self.rows.clear();
+        self.pushes.clear();
+        self.push_ids.clear();
+    }
+}
+
+/// How a table's rounds go, by the job's consistency mode.
+#[derive(Debug)]
+pub(super) enum TableRounds {
+    /// BSP: rounds complete when every rank has sent its rows.
+    Bsp(Box<BspRound>),
+    /// Async (`delay` none) or bounded delay τ: each push applied at once,
+    /// clocks per rank.
+    Clocked {
+        /// τ, in bounded delay.
+        delay: Option<u32>,
+    },
+}
+
+/// One lcore's store of one table.
+pub(super) type TableStore = RowStore<TableInit, RowOptimizer>;
+
+/// One table of a job on one lcore (module head).
+#[derive(Debug)]
+pub(super) struct Table {
+    /// Its key index k.
+    pub(super) key: u32,
+    /// D.
+    pub(super) dim: u32,
+    /// R: the most rows (or ROW_PULL ids) one message carries.
+    pub(super) per: u32,
+    /// Placement: the table's key `tk`, L and this lcore's entry.
+    tk: u64,
+    lcores: u32,
+    entry: u32,
+    /// The rows.
+    pub(super) store: TableStore,
+    /// Each rank's round state, W of them.
+    pub(super) ranks: Vec<RowRank>,
+    pub(super) rounds: TableRounds,
+    /// One row in `f32`, `dim` long (decoding and reading).
+    pub(super) row: Vec<f32>,
+}
+
+/// The row optimizer a table's spec names.
+pub fn row_optimizer(spec: &RowOptimizerSpec) -> RowOptimizer {
+    match *spec {
+        RowOptimizerSpec::Sum => RowOptimizer::Sum,
+        RowOptimizerSpec::Sgd { lr } => RowOptimizer::Sgd { lr },
+        RowOptimizerSpec::Adagrad {
+            lr,
+            eps,
+            initial_accumulator,
+            rowwise,
+        } => RowOptimizer::Adagrad {
+            lr,
+            eps,
+            initial_accumulator,
+            rowwise,
+        },
+        RowOptimizerSpec::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        } => RowOptimizer::Adam {
+            lr,
+            beta1,
+            beta2,
+            eps,
+        },
+        RowOptimizerSpec::Ftrl { alpha, beta, l1, l2 } => RowOptimizer::Ftrl { alpha, beta, l1, l2 },
+    }
+}
+
+/// The initial values a table's spec names.
+pub fn row_init(spec: &RowInitSpec) -> Init {
+    match *spec {
+        RowInitSpec::Zeros => Init::Zeros,
+        RowInitSpec::Uniform { a, b } => Init::Uniform { a, b },
+        RowInitSpec::Normal { std } => Init::Normal { std },
+    }
+}
+
+/// What a table's record and a rank's round state cost beside the store
+/// ([`phub_proto::memory::MemoryModel::table_record_bytes`] and
+/// `table_rank_bytes`): checked against the types in the shard's
+/// constructor.
+pub(super) const TABLE_RECORD_BYTES: u32 = 1024;
+pub(super) const TABLE_RANK_BYTES: u32 = 192;
+
+impl Table {
+    /// Table `t` of job `id` with `workers` ranks of `dtype` on this lcore,
+    /// in `consistency`, or why it cannot be served here.
+    pub(super) fn new(
+        id: u16,
+        t: &TableInstall,
+        workers: u16,
+        dtype: Dtype,
+        consistency: Consistency,
+    ) -> Result<Table, EngineError> {
+        let refuse = |field: &str, value: String, want: &str| EngineError::Table {
+            id,
+            key: t.key,
+            reason: format!("{field} = {value}: {want}"),
+        };
+        let spec = &t.spec;
+        if t.lcores == 0 || t.entry >= t.lcores {
+            return Err(refuse(
+                "entry",
+                format!("{} of {} lcores", t.entry, t.lcores),
+                "an entry below the job's lcore count L >= 1",
+            ));
+        }
+        let per = rows_per_datagram(t.chunk_bytes, spec.dim, dtype);
+        if per == 0 {
+            return Err(refuse(
+                "dim",
+                spec.dim.to_string(),
+                "a row and its id that fit one datagram of chunk_bytes",
+            ));
+        }
+        let Some(rows_cap) = lcore_rows_cap(spec, t.lcores) else {
+            return Err(refuse(
+                "rows",
+                "none".into(),
+                "a cap, 1 to 2^40: a served table's store is sized by it",
+            ));
+        };
+        let idle_rounds = match spec.evict {
+            None => None,
+            Some(Evict::IdleRounds(n)) => NonZeroU32::new(n),
+            Some(Evict::IdleSeconds(s)) => {
+                return Err(refuse(
+                    "evict.idle_s",
+                    s.to_string(),
+                    "evict = { idle_rounds = N } (rows evicted after idle seconds are not served yet)",
+                ))
+            }
+        };
+        let admission = match spec.admit_after {
+            None | Some(0 | 1) => Admission::Always,
+            Some(n) => Admission::AfterPushes(
+                u16::try_from(n).map_err(|_| refuse("admit_after", n.to_string(), "1 to 65535"))?,
+            ),
+        };
+        let opt = row_optimizer(&spec.optimizer);
+        opt.check()
+            .map_err(|e| refuse("optimizer", spec.optimizer.name().into(), &e.to_string()))?;
+        let init = TableInit::new(row_init(&spec.init), spec.seed, t.key)
+            .map_err(|e| refuse("init", format!("{:?}", spec.init), &e.to_string()))?;
+        let tk = table_key(spec.seed, t.key);
+        let config = StoreConfig {
+            dim: spec.dim,
+            rows_cap,
+            admission,
+            idle_rounds,
+            // Keyed by the table and this lcore, so two lcores' indexes
+            // (and two tables') hash the same ids differently.
+            hash_key: mix64(tk ^ u64::from(t.entry)),
+        };
+        let store = RowStore::new(config, init, opt).map_err(|e| EngineError::Table {
+            id,
+            key: t.key,
+            reason: e.to_string(),
+        })?;
+        let rounds = match consistency {
+            Consistency::Sync => TableRounds::Bsp(Box::default()),
+            Consistency::Async => TableRounds::Clocked { delay: None },
+            Consistency::Bounded { delay } => TableRounds::Clocked { delay: Some(delay) },
+        };
+        Ok(Table {
+            key: t.key,
+            dim: spec.dim,
+            per,
+            tk,
+            lcores: t.lcores,
+            entry: t.entry,
+            store,
+            ranks: vec![RowRank::default(); usize::from(workers)],
+            rounds,
+            row: vec![0.0; spec.dim as usize],
+        })
+    }
+
+    /// Whether the placement puts row `id` on this lcore.
+    pub(super) fn holds(&self, id: u64) -> bool {
+        reduce(row_hash(self.tk, id), self.lcores) == self.entry
+    }
+
+    /// Bytes this table holds on the lcore as admission charges them: its
+    /// store at its cap ([`table_bytes`]), its record and its ranks'.
+    pub(super) fn memory_bytes(&self) -> u64 {
+        table_bytes(&self.store.shape())
+            + u64::from(TABLE_RECORD_BYTES)
+            + self.ranks.len() as u64 * u64::from(TABLE_RANK_BYTES)
+    }
+
+    /// The slowest applied clock over the ranks (not BSP).
+    pub(super) fn slowest(&self) -> u32 {
+        self.ranks.iter().map(|r| r.applied).min().unwrap_or(0)
+    }
+}

@@ -1,0 +1,827 @@
+//! The engine's table rules (PROTOCOL.md §10.3), one datagram at a time:
+//! a Shard with a job's table key, driven by messages built with
+//! `phub_proto::rows::write`, its answers parsed back, its rows checked
+//! against the row optimizers and initial values applied directly in the
+//! same arrival order.
+
+use std::collections::HashMap;
+
+use phub_engine::engine::{memory_model, row_init, row_optimizer, TableInstall};
+use phub_engine::table::{RowInit, RowOptimizer, RowUpdate, TableInit};
+use phub_engine::{EngineError, InstallKind, JobInstall, Kernels, RustHeap, Shard, Verdict};
+use phub_proto::placement::RowPlacement;
+use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr};
+use phub_proto::spec::{Consistency, Evict, JobSpec, Optimizer, RowInitSpec, RowOptimizerSpec, TableSpec};
+use phub_proto::wire::{self, flags, DropReason, MsgType, HEADER_LEN};
+use phub_proto::Dtype;
+
+const TOKEN: u64 = 0x7ab1e;
+const JOB: u16 = 3;
+const KEY: u32 = 1;
+const SEED: u64 = 7;
+const DIM: u32 = 4;
+/// The job's lcores L; the shard under test is entry 0.
+const L: u32 = 2;
+
+fn table_spec() -> TableSpec {
+    TableSpec {
+        dim: DIM,
+        rows: Some(1000),
+        seed: SEED,
+        init: RowInitSpec::Uniform { a: -0.5, b: 0.5 },
+        optimizer: RowOptimizerSpec::Adagrad {
+            lr: 0.25,
+            eps: 1e-8,
+            initial_accumulator: 0.1,
+            rowwise: false,
+        },
+        evict: None,
+        admit_after: None,
+    }
+}
+
+fn job(workers: u16, consistency: Consistency) -> JobInstall {
+    JobInstall {
+        id: JOB,
+        token: TOKEN,
+        workers,
+        dtype: Dtype::F32,
+        optimizer: Optimizer::Sum,
+        consistency,
+        chunk_elems: 16,
+        slots: Vec::new(),
+    }
+}
+
+fn table(spec: TableSpec, chunk_bytes: u32) -> TableInstall {
+    TableInstall {
+        key: KEY,
+        spec,
+        chunk_bytes,
+        lcores: L,
+        entry: 0,
+    }
+}
+
+fn shard_with(workers: u16, consistency: Consistency, chunk_bytes: u32) -> Shard<u32> {
+    let mut s = Shard::new(0, Kernels::best());
+    s.install_with_tables(
+        job(workers, consistency),
+        InstallKind::Plain,
+        vec![table(table_spec(), chunk_bytes)],
+    )
+    .unwrap();
+    s
+}
+
+fn shard(workers: u16, consistency: Consistency) -> Shard<u32> {
+    shard_with(workers, consistency, 8192)
+}
+
+/// Ids the placement puts on entry `entry` of the L lcores, in order.
+fn ids_on(entry: u32, n: usize) -> Vec<u64> {
+    let p = RowPlacement::new(SEED, KEY, &[L]).unwrap();
+    (0u64..).filter(|&id| p.entry(id) == entry).take(n).collect()
+}
+
+/// The address rank r sends from.
+fn addr(rank: u16) -> u32 {
+    100 + u32::from(rank)
+}
+
+fn head(kind: RowMsgType, rank: u16, round: u32, seq: u32, count: usize) -> RowRepr {
+    RowRepr {
+        kind,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        rank,
+        count: count as u16,
+        round,
+        dim: DIM,
+        key: KEY,
+        seq,
+    }
+}
+
+fn build(repr: RowRepr, ids: &[u64], rows: &[f32]) -> Vec<u8> {
+    let mut b = vec![0u8; HEADER_LEN + 9000];
+    let n = rows::write(&repr, ids, rows, &mut b);
+    b.truncate(n);
+    b
+}
+
+fn push(rank: u16, round: u32, seq: u32, ids: &[u64], rows: &[f32]) -> Vec<u8> {
+    build(head(RowMsgType::RowPush, rank, round, seq, ids.len()), ids, rows)
+}
+
+fn end(rank: u16, round: u32, n: u32) -> Vec<u8> {
+    build(head(RowMsgType::RowEnd, rank, round, n, 0), &[], &[])
+}
+
+fn pull(rank: u16, seq: u32, ids: &[u64]) -> Vec<u8> {
+    build(head(RowMsgType::RowPull, rank, 0, seq, ids.len()), ids, &[])
+}
+
+/// A gradient row for (id, salt): small, distinct values.
+fn grad(id: u64, salt: u32) -> Vec<f32> {
+    (0..DIM)
+        .map(|e| ((id % 13) as f32 - 6.0) * 0.125 + salt as f32 * 0.5 - e as f32 * 0.25)
+        .collect()
+}
+
+fn grads(ids: &[u64], salt: u32) -> Vec<f32> {
+    ids.iter().flat_map(|&id| grad(id, salt)).collect()
+}
+
+/// What the shard sent, in order.
+#[derive(Debug, Clone, PartialEq)]
+enum Sent {
+    Rows {
+        to: u32,
+        kind: RowMsgType,
+        round: u32,
+        seq: u32,
+        ids: Vec<u64>,
+        rows: Vec<f32>,
+    },
+    Error {
+        to: u32,
+        code: u16,
+        round: u32,
+        seq: u32,
+    },
+}
+
+fn drain(s: &mut Shard<u32>) -> Vec<Sent> {
+    let mut out = Vec::new();
+    for t in s.transmits() {
+        let mut b = t.header.to_vec();
+        b.extend_from_slice(t.payload);
+        let to: Vec<u32> = t.to.collect();
+        assert_eq!(to.len(), 1, "table answers go to one rank each");
+        if b[wire::field::TYPE] == MsgType::Error.code() {
+            let (r, _) = wire::parse(&b).unwrap();
+            out.push(Sent::Error {
+                to: to[0],
+                code: r.error,
+                round: r.round,
+                seq: r.chunk,
+            });
+            continue;
+        }
+        let (r, payload) = rows::parse(&b).unwrap();
+        assert_eq!(
+            (r.job, r.token, r.key, r.dim, r.rank),
+            (JOB, TOKEN, KEY, DIM, 0xffff)
+        );
+        let (ids, rows) = match payload {
+            RowPayload::Rows(rows) => {
+                let mut v = vec![0f32; rows.len() * DIM as usize];
+                for i in 0..rows.len() {
+                    assert!(rows.decode_row(i, &mut v[i * DIM as usize..(i + 1) * DIM as usize]));
+                }
+                (rows.ids().iter().collect(), v)
+            }
+            RowPayload::Empty => (Vec::new(), Vec::new()),
+            RowPayload::Ids(_) => panic!("the appliance sends no ids alone"),
+        };
+        out.push(Sent::Rows {
+            to: to[0],
+            kind: r.kind,
+            round: r.round,
+            seq: r.seq,
+            ids,
+            rows,
+        });
+    }
+    s.clear_transmits();
+    out
+}
+
+/// The table's rows computed with its initial values and optimizer
+/// applied directly: gradients in the order given.
+struct Reference {
+    init: TableInit,
+    opt: RowOptimizer,
+    rows: HashMap<u64, (Vec<f32>, Vec<f32>)>,
+}
+
+impl Reference {
+    fn new(spec: &TableSpec) -> Reference {
+        Reference {
+            init: TableInit::new(row_init(&spec.init), spec.seed, KEY).unwrap(),
+            opt: row_optimizer(&spec.optimizer),
+            rows: HashMap::new(),
+        }
+    }
+
+    fn initial(&self, id: u64) -> Vec<f32> {
+        let mut v = vec![0f32; DIM as usize];
+        self.init.fill(id, &mut v);
+        v
+    }
+
+    fn apply(&mut self, id: u64, g: &[f32]) {
+        let d = DIM as usize;
+        let (init, opt) = (self.init, self.opt);
+        let (values, state) = self.rows.entry(id).or_insert_with(|| {
+            let mut v = vec![0f32; d];
+            init.fill(id, &mut v);
+            let mut st = vec![0f32; opt.state_len(d)];
+            opt.init_state(&mut st);
+            (v, st)
+        });
+        opt.apply(values, state, g);
+    }
+
+    fn row(&self, id: u64) -> Vec<f32> {
+        self.rows
+            .get(&id)
+            .map_or_else(|| self.initial(id), |(v, _)| v.clone())
+    }
+
+    fn rows_of(&self, ids: &[u64]) -> Vec<f32> {
+        ids.iter().flat_map(|&id| self.row(id)).collect()
+    }
+}
+
+fn rows_sent(to: u32, kind: RowMsgType, round: u32, seq: u32, ids: &[u64], reference: &Reference) -> Sent {
+    Sent::Rows {
+        to,
+        kind,
+        round,
+        seq,
+        ids: ids.to_vec(),
+        rows: reference.rows_of(ids),
+    }
+}
+
+fn done(to: u32, round: u32, n: u32) -> Sent {
+    Sent::Rows {
+        to,
+        kind: RowMsgType::RowDone,
+        round,
+        seq: n,
+        ids: Vec::new(),
+        rows: Vec::new(),
+    }
+}
+
+fn error(to: u32, reason: DropReason, round: u32, seq: u32) -> Sent {
+    Sent::Error {
+        to,
+        code: reason.code(),
+        round,
+        seq,
+    }
+}
+
+/// Three ranks push overlapping ids (one repeated inside a message) in two
+/// messages and one; rank 2's ROW_END comes before its pushes. Nothing is
+/// answered until the last rank completes; then each accumulated row goes
+/// through Adagrad once, in the order its id first arrived, and every rank
+/// gets its ROW_RESULTs, with the rows after the update, and its ROW_DONE.
+#[test]
+fn a_bsp_round_sums_each_row_then_applies_the_optimizer_once() {
+    let mut s = shard(3, Consistency::Sync);
+    let ids = ids_on(0, 6);
+    let (a, b, c) = (&ids[0..3], &ids[2..5], [ids[5], ids[0], ids[5]]);
+    // (rank, seq, ids, salt) in arrival order.
+    let msgs: [(u16, u32, &[u64], u32); 4] = [(0, 0, a, 1), (1, 0, b, 2), (0, 1, &c, 3), (2, 0, a, 4)];
+    assert_eq!(s.handle(addr(2), &end(2, 1, 1), 0), Verdict::Aggregated);
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Aggregated);
+    let mut sums: Vec<(u64, Vec<f32>)> = Vec::new();
+    for (i, &(r, seq, m, salt)) in msgs.iter().enumerate() {
+        let v = s.handle(addr(r), &push(r, 1, seq, m, &grads(m, salt)), 0);
+        for &id in m {
+            let g = grad(id, salt);
+            match sums.iter_mut().find(|(x, _)| *x == id) {
+                Some((_, acc)) => acc.iter_mut().zip(&g).for_each(|(a, g)| *a += g),
+                None => sums.push((id, g)),
+            }
+        }
+        assert_eq!(v, Verdict::Aggregated, "message {i}");
+        assert!(drain(&mut s).is_empty(), "no answer before the round completes");
+    }
+    assert_eq!(s.handle(addr(0), &end(0, 1, 2), 0), Verdict::Completed);
+    let mut reference = Reference::new(&table_spec());
+    for (id, g) in &sums {
+        reference.apply(*id, g);
+    }
+    let want = vec![
+        rows_sent(addr(0), RowMsgType::RowResult, 1, 0, a, &reference),
+        rows_sent(addr(0), RowMsgType::RowResult, 1, 1, &c, &reference),
+        rows_sent(addr(1), RowMsgType::RowResult, 1, 0, b, &reference),
+        rows_sent(addr(2), RowMsgType::RowResult, 1, 0, a, &reference),
+        done(addr(0), 1, 2),
+        done(addr(1), 1, 1),
+        done(addr(2), 1, 1),
+    ];
+    assert_eq!(drain(&mut s), want);
+    let c = s.counters();
+    assert_eq!((c.pushes_aggregated.get(), c.rounds_completed.get()), (4, 1));
+    assert_eq!(c.results_sent.get(), 7);
+}
+
+/// Loss and duplicates: a copy of a push (same s) or of a ROW_END is
+/// dropped as a duplicate while the round is open; once it completed, a
+/// resent push of it gets its ROW_RESULT (current rows, nothing added) and
+/// a resent ROW_END its ROW_DONE; a round older than that is stale; round
+/// 0 and a round beyond the one in progress are refused with an ERROR.
+#[test]
+fn duplicates_are_dropped_and_lost_answers_resent() {
+    let mut s = shard(2, Consistency::Sync);
+    let ids = ids_on(0, 3);
+    let mut reference = Reference::new(&table_spec());
+    let p0 = push(0, 1, 0, &ids, &grads(&ids, 1));
+    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Aggregated);
+    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Dropped(DropReason::Duplicate));
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(0), &end(0, 1, 1), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+    assert!(drain(&mut s).is_empty(), "duplicates are only counted");
+    assert_eq!(
+        s.handle(addr(1), &push(1, 0, 0, &ids, &grads(&ids, 2)), 0),
+        Verdict::Dropped(DropReason::WrongTypeForRound)
+    );
+    assert_eq!(
+        s.handle(addr(1), &push(1, 2, 0, &ids, &grads(&ids, 2)), 0),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            error(addr(1), DropReason::WrongTypeForRound, 0, 0),
+            error(addr(1), DropReason::Ahead, 2, 0)
+        ]
+    );
+    assert_eq!(s.handle(addr(1), &end(1, 1, 0), 0), Verdict::Completed);
+    for &id in &ids {
+        reference.apply(id, &grad(id, 1));
+    }
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &ids, &reference),
+            done(addr(0), 1, 1),
+            done(addr(1), 1, 0),
+        ]
+    );
+    // Rank 0 lost its answers: the copy of its push is answered with the
+    // rows as they are, and not added again.
+    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Resent);
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Resent);
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &ids, &reference),
+            done(addr(0), 1, 1),
+        ]
+    );
+    // Round 2, empty for both: round 1's messages are then stale.
+    assert_eq!(s.handle(addr(0), &end(0, 2, 0), 0), Verdict::Aggregated);
+    assert_eq!(s.handle(addr(1), &end(1, 2, 0), 0), Verdict::Completed);
+    assert_eq!(drain(&mut s), vec![done(addr(0), 2, 0), done(addr(1), 2, 0)]);
+    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Dropped(DropReason::Stale));
+    assert!(drain(&mut s).is_empty(), "stale is only counted");
+    // The rows did not move in the empty round.
+    assert_eq!(s.handle(addr(1), &pull(1, 9, &ids), 0), Verdict::Pulled);
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(
+            addr(1),
+            RowMsgType::RowPullResult,
+            2,
+            9,
+            &ids,
+            &reference
+        )]
+    );
+    let c = s.counters();
+    assert_eq!(c.drops_of(DropReason::Duplicate), 2);
+    assert_eq!(c.drops_of(DropReason::Stale), 1);
+    assert_eq!(c.results_resent.get(), 2);
+}
+
+/// A ROW_PULL answers initial values for ids never pushed and the rows of
+/// the last completed round for the others (a round's updates apply at its
+/// completion), with that round in `round`.
+#[test]
+fn a_pull_reads_initial_values_then_completed_rounds() {
+    let mut s = shard(2, Consistency::Sync);
+    let ids = ids_on(0, 4);
+    let reference0 = Reference::new(&table_spec());
+    assert_eq!(s.handle(addr(0), &pull(0, 5, &ids), 0), Verdict::Pulled);
+    let initial = vec![rows_sent(
+        addr(0),
+        RowMsgType::RowPullResult,
+        0,
+        5,
+        &ids,
+        &reference0,
+    )];
+    assert_eq!(drain(&mut s), initial);
+    // Uniform init: not all zeros.
+    assert!(reference0.rows_of(&ids).iter().any(|&v| v != 0.0));
+    let pushed = &ids[..2];
+    assert_eq!(
+        s.handle(addr(0), &push(0, 1, 0, pushed, &grads(pushed, 1)), 0),
+        Verdict::Aggregated
+    );
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Aggregated);
+    // Round 1 is open: a pull still reads round 0's rows.
+    assert_eq!(s.handle(addr(1), &pull(1, 6, &ids), 0), Verdict::Pulled);
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(
+            addr(1),
+            RowMsgType::RowPullResult,
+            0,
+            6,
+            &ids,
+            &reference0
+        )]
+    );
+    assert_eq!(s.handle(addr(1), &end(1, 1, 0), 0), Verdict::Completed);
+    drain(&mut s);
+    let mut reference = Reference::new(&table_spec());
+    for &id in pushed {
+        reference.apply(id, &grad(id, 1));
+    }
+    assert_eq!(s.handle(addr(1), &pull(1, 7, &ids), 0), Verdict::Pulled);
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(
+            addr(1),
+            RowMsgType::RowPullResult,
+            1,
+            7,
+            &ids,
+            &reference
+        )]
+    );
+    assert_ne!(reference.rows_of(pushed), reference0.rows_of(pushed));
+    assert_eq!(reference.rows_of(&ids[2..]), reference0.rows_of(&ids[2..]));
+}
+
+/// Every check of §10.3 step (4) and the table reasons 25 to 28, each with
+/// its ERROR; a message with one misplaced id is dropped whole.
+#[test]
+fn every_table_drop_reason_is_counted_and_told() {
+    // chunk_bytes 64 at dim 4 in f32: R = 64 / 24 = 2 rows a message.
+    let mut s = shard_with(2, Consistency::Sync, 64);
+    let here = ids_on(0, 3);
+    let there = ids_on(1, 1);
+    let refuse = |s: &mut Shard<u32>, b: Vec<u8>, reason: DropReason, round: u32, seq: u32| {
+        assert_eq!(s.handle(addr(0), &b, 0), Verdict::Dropped(reason), "{reason}");
+        assert_eq!(drain(s), vec![error(addr(0), reason, round, seq)], "{reason}");
+    };
+    let two = &here[..2];
+    let mut b = push(0, 1, 0, two, &grads(two, 1));
+    b[wire::field::KEY].copy_from_slice(&0u32.to_le_bytes());
+    refuse(&mut s, b, DropReason::UnknownTable, 1, 0);
+    let mut b = push(0, 1, 0, two, &grads(two, 1));
+    b[wire::field::KEY].copy_from_slice(&9u32.to_le_bytes());
+    refuse(&mut s, b, DropReason::UnknownTable, 1, 0);
+    // Dim 2 with the same bytes: 2 rows of (8 + 8) no longer match, so
+    // send one of dim 2 whose length is right.
+    let mut r = head(RowMsgType::RowPush, 0, 1, 0, 1);
+    r.dim = 2;
+    refuse(
+        &mut s,
+        build(r, &here[..1], &[1.0, 2.0]),
+        DropReason::DimMismatch,
+        1,
+        0,
+    );
+    refuse(
+        &mut s,
+        push(0, 1, 0, &here, &grads(&here, 1)),
+        DropReason::BadRowCount,
+        1,
+        0,
+    );
+    refuse(&mut s, pull(0, 4, &here), DropReason::BadRowCount, 0, 4);
+    let mixed = [here[0], there[0]];
+    refuse(
+        &mut s,
+        push(0, 1, 0, &mixed, &grads(&mixed, 1)),
+        DropReason::RowOutOfPlace,
+        1,
+        0,
+    );
+    refuse(&mut s, pull(0, 3, &there), DropReason::RowOutOfPlace, 0, 3);
+    refuse(
+        &mut s,
+        push(0, 1, 1024, two, &grads(two, 1)),
+        DropReason::BadRowCount,
+        1,
+        1024,
+    );
+    refuse(&mut s, end(0, 1, 1025), DropReason::BadRowCount, 1, 1025);
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Aggregated);
+    refuse(&mut s, end(0, 1, 2), DropReason::BadRowCount, 1, 2);
+    refuse(
+        &mut s,
+        push(0, 1, 1, two, &grads(two, 1)),
+        DropReason::BadRowCount,
+        1,
+        1,
+    );
+    // A ROW_END whose count leaves out a push already taken.
+    assert_eq!(
+        s.handle(addr(1), &push(1, 1, 3, two, &grads(two, 1)), 0),
+        Verdict::Aggregated
+    );
+    assert_eq!(
+        s.handle(addr(1), &end(1, 1, 2), 0),
+        Verdict::Dropped(DropReason::BadRowCount)
+    );
+    drain(&mut s);
+    // The common checks: dtype, SHM, rank, a message only the appliance
+    // sends, a wrong token.
+    let mut r = head(RowMsgType::RowPull, 0, 0, 1, 1);
+    r.dtype = Dtype::Bf16;
+    refuse(&mut s, build(r, &here[..1], &[]), DropReason::DtypeMismatch, 0, 1);
+    let mut b = pull(0, 1, &here[..1]);
+    b[wire::field::FLAGS] = flags::SHM;
+    assert_eq!(
+        s.handle(addr(0), &b, 0),
+        Verdict::Dropped(DropReason::NoSharedMemory)
+    );
+    assert_eq!(
+        s.handle(addr(0), &pull(2, 1, &here[..1]), 0),
+        Verdict::Dropped(DropReason::RankOutOfRange)
+    );
+    let r = head(RowMsgType::RowDone, 0, 1, 0, 0);
+    assert_eq!(
+        s.handle(addr(0), &build(r, &[], &[]), 0),
+        Verdict::Dropped(DropReason::NotForAppliance)
+    );
+    let mut b = pull(0, 1, &here[..1]);
+    b[wire::field::TOKEN].copy_from_slice(&1u64.to_le_bytes());
+    assert_eq!(s.handle(addr(0), &b, 0), Verdict::Dropped(DropReason::BadToken));
+    assert!(drain(&mut s).is_empty(), "none of these is told");
+    let c = s.counters();
+    for (reason, n) in [
+        (DropReason::UnknownTable, 2),
+        (DropReason::DimMismatch, 1),
+        (DropReason::BadRowCount, 7),
+        (DropReason::RowOutOfPlace, 2),
+        (DropReason::DtypeMismatch, 1),
+        (DropReason::NoSharedMemory, 1),
+        (DropReason::RankOutOfRange, 1),
+        (DropReason::NotForAppliance, 1),
+        (DropReason::BadToken, 1),
+        (DropReason::UnknownType, 0),
+    ] {
+        assert_eq!(c.drops_of(reason), n, "{reason}");
+    }
+    // Nothing of the refused pushes was added: rank 0's round holds no
+    // push, rank 1's the one taken.
+    assert_eq!(s.handle(addr(0), &pull(0, 1, two), 0), Verdict::Pulled);
+    let reference = Reference::new(&table_spec());
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(
+            addr(0),
+            RowMsgType::RowPullResult,
+            0,
+            1,
+            two,
+            &reference
+        )]
+    );
+}
+
+/// Async: each push is applied at once, pair by pair with its own row as
+/// the gradient, and answered at once with the rows after it; a copy is
+/// answered with the current rows and not applied again; a ROW_END
+/// completes the rank's clock at once; a clock beyond the next is ahead.
+#[test]
+fn async_applies_each_push_at_once() {
+    let mut s = shard(2, Consistency::Async);
+    let ids = ids_on(0, 3);
+    let mut reference = Reference::new(&table_spec());
+    let m = [ids[0], ids[1], ids[0]];
+    let p = push(1, 1, 0, &m, &grads(&m, 1));
+    assert_eq!(s.handle(addr(1), &p, 0), Verdict::Applied);
+    for (&id, salt) in m.iter().zip([1, 1, 1]) {
+        reference.apply(id, &grad(id, salt));
+    }
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(addr(1), RowMsgType::RowResult, 1, 0, &m, &reference)]
+    );
+    assert_eq!(s.handle(addr(1), &p, 0), Verdict::Resent);
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(addr(1), RowMsgType::RowResult, 1, 0, &m, &reference)]
+    );
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Completed);
+    assert_eq!(drain(&mut s), vec![done(addr(1), 1, 1)]);
+    // Rank 0 at clock 1 reads rank 1's update.
+    let q = [ids[1], ids[2]];
+    assert_eq!(
+        s.handle(addr(0), &push(0, 1, 0, &q, &grads(&q, 2)), 0),
+        Verdict::Applied
+    );
+    for &id in &q {
+        reference.apply(id, &grad(id, 2));
+    }
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &q, &reference)]
+    );
+    // Rank 1: clock 3 is ahead, clock 1 again is answered.
+    assert_eq!(
+        s.handle(addr(1), &push(1, 3, 0, &q, &grads(&q, 3)), 0),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Resent);
+    assert_eq!(
+        drain(&mut s),
+        vec![error(addr(1), DropReason::Ahead, 3, 0), done(addr(1), 1, 1)]
+    );
+    assert_eq!(s.handle(addr(0), &pull(0, 2, &ids), 0), Verdict::Pulled);
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(
+            addr(0),
+            RowMsgType::RowPullResult,
+            0,
+            2,
+            &ids,
+            &reference
+        )]
+    );
+}
+
+/// Bounded delay τ = 1: a rank's ROW_DONE of clock c leaves at once while
+/// c <= slowest + 1, else it is held (its next clock is ahead, its
+/// ROW_END's copy a duplicate, its pulls report c − 1) until the slowest
+/// rank's clock rises; its ROW_RESULTs are never held.
+#[test]
+fn bounded_delay_holds_row_done_until_the_slowest_rises() {
+    let mut s = shard(2, Consistency::Bounded { delay: 1 });
+    let ids = ids_on(0, 2);
+    let mut reference = Reference::new(&table_spec());
+    for clock in 1..=2 {
+        assert_eq!(
+            s.handle(addr(0), &push(0, clock, 0, &ids, &grads(&ids, clock)), 0),
+            Verdict::Applied
+        );
+        for &id in &ids {
+            reference.apply(id, &grad(id, clock));
+        }
+        let result = rows_sent(addr(0), RowMsgType::RowResult, clock, 0, &ids, &reference);
+        let v = s.handle(addr(0), &end(0, clock, 1), 0);
+        if clock == 1 {
+            assert_eq!(v, Verdict::Completed);
+            assert_eq!(drain(&mut s), vec![result, done(addr(0), 1, 1)]);
+        } else {
+            assert_eq!(v, Verdict::Held, "clock 2 > slowest 0 + 1");
+            assert_eq!(drain(&mut s), vec![result]);
+        }
+    }
+    assert_eq!(
+        s.handle(addr(0), &push(0, 3, 0, &ids, &grads(&ids, 3)), 0),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    assert_eq!(
+        s.handle(addr(0), &end(0, 2, 1), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+    assert_eq!(s.handle(addr(0), &pull(0, 1, &ids), 0), Verdict::Pulled);
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            error(addr(0), DropReason::Ahead, 3, 0),
+            rows_sent(addr(0), RowMsgType::RowPullResult, 1, 1, &ids, &reference)
+        ]
+    );
+    // The slowest rank completes clock 1 (empty): slowest 1, and rank 0's
+    // held ROW_DONE of clock 2 <= 1 + 1 goes.
+    assert_eq!(s.handle(addr(1), &end(1, 1, 0), 0), Verdict::Completed);
+    assert_eq!(drain(&mut s), vec![done(addr(1), 1, 0), done(addr(0), 2, 1)]);
+    assert_eq!(s.counters().answers_held.get(), 1);
+    // Released: clock 3 is taken.
+    assert_eq!(
+        s.handle(addr(0), &push(0, 3, 0, &ids, &grads(&ids, 3)), 0),
+        Verdict::Applied
+    );
+}
+
+/// A job's tables count in its memory as admission charges them: the
+/// engine's figure grows by exactly what the memory model adds for the
+/// spec's tables on L lcores.
+#[test]
+fn table_memory_is_what_admission_charges() {
+    let spec = JobSpec::from_toml(
+        "name = \"t\"\nworkers = 2\nchunk_bytes = 8192\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nname = \"w\"\nelements = 8\n\
+         [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 1000\nseed = 7\nadmit_after = 2\n\
+         init = { kind = \"uniform\", a = -0.5, b = 0.5 }\n\
+         optimizer = { kind = \"adagrad\", lr = 0.25, initial_accumulator = 0.1 }\n",
+    )
+    .unwrap();
+    let t = spec.tables().next().unwrap();
+    let mut plain = Shard::<u32>::new(0, Kernels::best());
+    plain
+        .install(job(2, Consistency::Sync), InstallKind::Plain)
+        .unwrap();
+    let mut with = Shard::<u32>::new(0, Kernels::best());
+    with.install_with_tables(
+        job(2, Consistency::Sync),
+        InstallKind::Plain,
+        vec![table(t.spec.clone(), spec.chunk_bytes)],
+    )
+    .unwrap();
+    let extra = with.job_memory_bytes(JOB).unwrap() - plain.job_memory_bytes(JOB).unwrap();
+    let model = memory_model(&RustHeap);
+    assert_eq!(extra, model.tables_lcore_bytes(&spec, L as usize));
+    assert!(extra > 500 * 16, "the index of 500 rows at least: {extra}");
+}
+
+/// A table the engine cannot serve refuses the whole install, naming the
+/// key and the field; the state each row optimizer keeps is what the spec
+/// says admission charges for it.
+#[test]
+fn unservable_tables_are_refused_and_state_lengths_agree() {
+    let mut s = Shard::<u32>::new(0, Kernels::best());
+    for (spec, field) in [
+        (
+            TableSpec {
+                rows: None,
+                ..table_spec()
+            },
+            "rows",
+        ),
+        (
+            TableSpec {
+                evict: Some(Evict::IdleSeconds(5)),
+                ..table_spec()
+            },
+            "idle_s",
+        ),
+    ] {
+        let e = s
+            .install_with_tables(
+                job(2, Consistency::Sync),
+                InstallKind::Plain,
+                vec![table(spec, 8192)],
+            )
+            .unwrap_err();
+        assert!(
+            matches!(&e, EngineError::Table { key: KEY, reason, .. } if reason.contains(field)),
+            "{e}"
+        );
+        assert!(s.job_ids().next().is_none(), "nothing installed");
+    }
+    let mut wrong = table(table_spec(), 8192);
+    wrong.entry = L;
+    assert!(s
+        .install_with_tables(job(2, Consistency::Sync), InstallKind::Plain, vec![wrong])
+        .is_err());
+    for spec in [
+        RowOptimizerSpec::Sum,
+        RowOptimizerSpec::Sgd { lr: 0.1 },
+        RowOptimizerSpec::Adagrad {
+            lr: 0.1,
+            eps: 1e-8,
+            initial_accumulator: 0.0,
+            rowwise: false,
+        },
+        RowOptimizerSpec::Adagrad {
+            lr: 0.1,
+            eps: 1e-8,
+            initial_accumulator: 0.0,
+            rowwise: true,
+        },
+        RowOptimizerSpec::Adam {
+            lr: 0.1,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+        },
+        RowOptimizerSpec::Ftrl {
+            alpha: 0.1,
+            beta: 1.0,
+            l1: 0.0,
+            l2: 0.0,
+        },
+    ] {
+        for dim in [1, 4, 17] {
+            assert_eq!(
+                spec.state_len(dim) as usize,
+                row_optimizer(&spec).state_len(dim as usize),
+                "{}",
+                spec.name()
+            );
+        }
+    }
+}

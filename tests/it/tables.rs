@@ -1,0 +1,268 @@
+//! Sparse tables through the real daemons (PROTOCOL.md §10): phub-control
+//! admits a job with a table key (and refuses one it cannot serve, naming
+//! the key), the kernel-UDP dataplane installs the table on every lcore,
+//! and two ranks' ROW_PUSH / ROW_END rounds sent to each lcore by the
+//! placement come back as ROW_RESULTs and ROW_DONEs with the rows the
+//! table's optimizer made of their sum; a ROW_PULL reads them back.
+
+use std::net::UdpSocket;
+use std::time::Duration;
+
+use crate::common::{Operator, Rack};
+use phub::proto::api::DataplaneInfo;
+use phub::proto::memory::{table_bytes, table_shape};
+use phub::proto::placement::RowPlacement;
+use phub::proto::routes::mgmt;
+use phub::proto::rows::{self, RowMsgType, RowPayload, RowRepr};
+use phub::proto::spec::JobSpec;
+use phub::proto::wire::HEADER_LEN;
+use phub::proto::Dtype;
+
+const DIM: u32 = 4;
+const KEY: u32 = 1;
+
+fn spec(table_fields: &str) -> String {
+    format!(
+        "name = \"tables\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nname = \"w\"\nelements = 64\n\
+         [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = {DIM}\nseed = 11\n\
+         optimizer = {{ kind = \"sgd\", lr = 0.5 }}\n{table_fields}"
+    )
+}
+
+fn send(s: &UdpSocket, port: u16, repr: RowRepr, ids: &[u64], rows: &[f32]) {
+    let mut b = vec![0u8; HEADER_LEN + 9000];
+    let n = rows::write(&repr, ids, rows, &mut b);
+    s.send_to(&b[..n], ("127.0.0.1", port)).unwrap();
+}
+
+/// The next `n` table answers on `s`: (kind, round, seq, ids, rows).
+#[allow(clippy::type_complexity)]
+fn receive(s: &UdpSocket, n: usize) -> Vec<(RowMsgType, u32, u32, Vec<u64>, Vec<f32>)> {
+    let mut buf = vec![0u8; 65536];
+    (0..n)
+        .map(|_| {
+            let len = s.recv(&mut buf).expect("an answer within the timeout");
+            let (r, payload) = rows::parse(&buf[..len]).unwrap_or_else(|e| panic!("not a row answer: {e}"));
+            let (ids, values) = match payload {
+                RowPayload::Rows(rows) => {
+                    let d = DIM as usize;
+                    let mut v = vec![0f32; rows.len() * d];
+                    for i in 0..rows.len() {
+                        assert!(rows.decode_row(i, &mut v[i * d..(i + 1) * d]));
+                    }
+                    (rows.ids().iter().collect(), v)
+                }
+                _ => (Vec::new(), Vec::new()),
+            };
+            (r.kind, r.round, r.seq, ids, values)
+        })
+        .collect()
+}
+
+#[test]
+fn a_table_is_admitted_installed_and_served() {
+    let rack = Rack::start(2, "256MiB");
+    // Without a rows cap there is nothing to charge: refused, naming it.
+    let (status, why) = rack.admit(&spec("")).unwrap_err();
+    assert_eq!(status, 400, "{why}");
+    assert!(
+        why.contains("keys[1] \"emb\"") && why.contains("rows = none"),
+        "{why}"
+    );
+
+    let text = spec("rows = 1000\n");
+    let job = rack.admit(&text).unwrap();
+    let info: DataplaneInfo = rack.dataplane(&mgmt::info());
+    let l = info.lcores.len() as u32;
+    assert_eq!(l, 2);
+    let parsed = JobSpec::from_toml(&text).unwrap();
+    let shape = table_shape(parsed.tables().next().unwrap().spec, l).unwrap();
+    assert!(
+        job.memory_bytes >= u64::from(l) * table_bytes(&shape),
+        "admission charged {} bytes; the stores alone take {} on each of {l} lcores",
+        job.memory_bytes,
+        table_bytes(&shape)
+    );
+
+    let place = RowPlacement::new(11, KEY, &[l]).unwrap();
+    let ids: Vec<Vec<u64>> = (0..l)
+        .map(|e| (0u64..).filter(|&id| place.entry(id) == e).take(3).collect())
+        .collect();
+    let head = |kind, rank, round, seq, count: usize| RowRepr {
+        kind,
+        dtype: Dtype::F32,
+        flags: 0,
+        token: job.token,
+        job: job.id,
+        rank,
+        count: count as u16,
+        round,
+        dim: DIM,
+        key: KEY,
+        seq,
+    };
+    let socks: Vec<UdpSocket> = (0..2)
+        .map(|_| {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            s
+        })
+        .collect();
+    let grad = |rank: u16, id: u64| -> Vec<f32> {
+        (0..DIM)
+            .map(|e| (rank + 1) as f32 * (id % 5 + e as u64) as f32)
+            .collect()
+    };
+    // Round 1: both ranks push their rows to each lcore, then ROW_END
+    // (rank 1 pushes nothing to entry 1: its ROW_END there says 0).
+    for (rank, s) in socks.iter().enumerate() {
+        let rank = rank as u16;
+        for e in 0..l {
+            let port = info.data.base_port + e as u16;
+            let n = if rank == 1 && e == 1 { 0 } else { 1 };
+            if n == 1 {
+                let m = &ids[e as usize];
+                let rows: Vec<f32> = m.iter().flat_map(|&id| grad(rank, id)).collect();
+                send(s, port, head(RowMsgType::RowPush, rank, 1, 0, m.len()), m, &rows);
+            }
+            send(s, port, head(RowMsgType::RowEnd, rank, 1, n, 0), &[], &[]);
+        }
+    }
+    // What SGD with lr 0.5 makes of zeros and the round's sum.
+    let want = |e: u32, id: u64| -> Vec<f32> {
+        let pushers: &[u16] = if e == 1 { &[0] } else { &[0, 1] };
+        (0..DIM as usize)
+            .map(|k| {
+                let sum: f32 = pushers.iter().map(|&r| grad(r, id)[k]).sum();
+                0.0 - 0.5 * sum
+            })
+            .collect()
+    };
+    for (rank, s) in socks.iter().enumerate() {
+        let mut got = receive(s, if rank == 0 { 4 } else { 3 });
+        let mut expect = Vec::new();
+        for e in 0..l {
+            if rank == 0 || e == 0 {
+                let m = &ids[e as usize];
+                let rows: Vec<f32> = m.iter().flat_map(|&id| want(e, id)).collect();
+                expect.push((RowMsgType::RowResult, 1, 0, m.clone(), rows));
+            }
+        }
+        for e in 0..l {
+            let n = if rank == 1 && e == 1 { 0 } else { 1 };
+            expect.push((RowMsgType::RowDone, 1, n, Vec::new(), Vec::new()));
+        }
+        expect.sort_by_key(|(kind, _, seq, ids, _)| {
+            (kind.code(), ids.first().map(|&id| place.entry(id)), *seq)
+        });
+        got.sort_by_key(|(kind, _, seq, ids, _)| (kind.code(), ids.first().map(|&id| place.entry(id)), *seq));
+        assert_eq!(got, expect, "rank {rank}");
+    }
+    // A pull reads the rows of round 1 back, with round 1 in `round`.
+    let s = &socks[1];
+    for e in 0..l {
+        let m = &ids[e as usize];
+        send(
+            s,
+            info.data.base_port + e as u16,
+            head(RowMsgType::RowPull, 1, 0, 40 + e, m.len()),
+            m,
+            &[],
+        );
+        let got = receive(s, 1).remove(0);
+        let rows: Vec<f32> = m.iter().flat_map(|&id| want(e, id)).collect();
+        assert_eq!(
+            got,
+            (RowMsgType::RowPullResult, 1, 40 + e, m.clone(), rows),
+            "entry {e}"
+        );
+    }
+    // A row sent to the wrong lcore is refused there (row_out_of_place):
+    // the ERROR is no row answer, so it is read raw.
+    send(
+        s,
+        info.data.base_port + 1,
+        head(RowMsgType::RowPull, 1, 0, 9, 1),
+        &ids[0][..1],
+        &[],
+    );
+    let mut buf = [0u8; 256];
+    let len = s.recv(&mut buf).unwrap();
+    let (e, _) = phub::proto::wire::parse(&buf[..len]).unwrap();
+    assert_eq!(
+        e.error,
+        phub::proto::wire::DropReason::RowOutOfPlace.code(),
+        "{e:?}"
+    );
+}
+
+/// The worker library's row calls against the real appliance: two ranks
+/// `push_pull_rows` the same ids (placed over both lcores) for three
+/// rounds, each getting the rows SGD made of both ranks' sums, round
+/// after round; `pull_rows` then reads the same.
+#[test]
+fn workers_push_and_pull_rows_through_the_appliance() {
+    let rack = Rack::start(2, "256MiB");
+    let job = rack.admit(&spec("rows = 1000\n")).unwrap();
+    let ids: Vec<u64> = (0..40).map(|i| i * 7 + 3).collect();
+    let d = DIM as usize;
+    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
+        (rank + 1) as f32 * 0.25 + (round as f32) - (id % 3) as f32 + e as f32 * 0.5
+    };
+    let rounds = 3u32;
+    // What SGD with lr 0.5 makes of zeros after `t` rounds of both ranks.
+    let want = |t: u32| -> Vec<f32> {
+        ids.iter()
+            .flat_map(|&id| {
+                (0..d).map(move |e| {
+                    let mut w = 0f32;
+                    for r in 1..=t {
+                        w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
+                    }
+                    w
+                })
+            })
+            .collect()
+    };
+    #[allow(clippy::type_complexity)]
+    let got: Vec<(Vec<Vec<f32>>, u32, Vec<f32>)> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u16)
+            .map(|rank| {
+                let url = rack.control_url.clone();
+                let ids = &ids;
+                s.spawn(move || {
+                    let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
+                    let outs: Vec<Vec<f32>> = (1..=rounds)
+                        .map(|round| {
+                            let grads: Vec<f32> = ids
+                                .iter()
+                                .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
+                                .collect();
+                            let mut out = vec![0f32; ids.len() * d];
+                            let r = w.push_pull_rows("emb", ids, &grads, &mut out).unwrap();
+                            assert_eq!(r, round, "rank {rank}");
+                            out
+                        })
+                        .collect();
+                    // Every round this rank pushed is complete: a pull
+                    // reads the last one's rows.
+                    let mut pulled = vec![0f32; ids.len() * d];
+                    let r = w.pull_rows("emb", ids, &mut pulled).unwrap();
+                    (outs, r, pulled)
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, (per_round, pulled_round, pulled)) in got.iter().enumerate() {
+        for (t, out) in per_round.iter().enumerate() {
+            assert_eq!(out, &want(t as u32 + 1), "rank {rank} round {}", t + 1);
+        }
+        assert_eq!(
+            (*pulled_round, pulled),
+            (rounds, &want(rounds)),
+            "rank {rank}'s pull"
+        );
+    }
+}
