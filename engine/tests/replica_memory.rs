@@ -16,11 +16,20 @@ use phub_proto::memory::ResultStore;
 use phub_proto::replica::backup_runs;
 use phub_proto::spec::JobSpec;
 
+/// Appliances' lcore counts, their rack labels, replicas, optimizer, dtype.
+type Case = (
+    &'static [usize],
+    &'static [&'static str],
+    u32,
+    &'static str,
+    &'static str,
+);
+
 #[test]
 fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
     let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
     let model = memory_model(&*mem);
-    let cases: &[(&[usize], &[&str], u32, &str, &str)] = &[
+    let cases: &[Case] = &[
         (&[2, 1], &["", ""], 2, "kind = \"sum\"", "f32"),
         (
             &[1, 2, 3],
