@@ -89,3 +89,85 @@ pub fn lcore_bytes(model: &MemoryModel, req: &InstallJob, r: &Replication) -> Ve
     let racks: Vec<&str> = r.appliances.iter().map(|a| a.rack.as_str()).collect();
     model.replica_cost(&req.spec, &parts, &racks, usize::from(r.appliance))
 }
+
+#[cfg(test)]
+mod tests {
+    use phub_proto::api::{DataAddr, ReplicaPeer};
+    use phub_proto::spec::{Appliances, JobSpec};
+
+    use super::*;
+
+    /// Job `spec` of 12 chunks over appliances of 2 and 1 lcores, as
+    /// appliance `me` is told it.
+    fn install(me: u16) -> InstallJob {
+        let spec = JobSpec::new("j", 2, &[12 * 2048])
+            .sharded_over(Appliances::Count(2))
+            .with_replicas(2);
+        let chunk_elems = spec.chunk_elems();
+        let run = |first, count| ChunkRange { first, count };
+        let parts = [vec![run(0, 4), run(4, 4)], vec![run(8, 4)]];
+        let appliances: Vec<ReplicaPeer> = parts
+            .iter()
+            .enumerate()
+            .map(|(i, l)| ReplicaPeer {
+                name: format!("a{i}"),
+                data: DataAddr {
+                    host: format!("127.0.0.{}", i + 1),
+                    base_port: 9000,
+                },
+                rack: String::new(),
+                layout: Layout {
+                    chunk_elems,
+                    lcores: l.clone(),
+                },
+            })
+            .collect();
+        InstallJob {
+            id: 1,
+            token: 7,
+            layout: appliances[usize::from(me)].layout.clone(),
+            spec,
+            hierarchy: None,
+            replication: Some(Replication {
+                epoch: 0,
+                appliance: me,
+                appliances,
+            }),
+        }
+    }
+
+    /// Each appliance's lcores get their own runs as primary slots and
+    /// the other appliance's part cut over them as backup slots; a body
+    /// that does not fit is refused naming the field and the value.
+    #[test]
+    fn each_lcore_gets_its_part_and_a_body_that_does_not_fit_is_refused() {
+        let a = plan(&install(0), 2).unwrap();
+        assert_eq!(a.iter().map(|(s, _)| s.len()).collect::<Vec<_>>(), [4, 4]);
+        // b's 4 chunks cut over a's 2 lcores.
+        let backups: Vec<(u16, u64, usize)> = a
+            .iter()
+            .flat_map(|(_, r)| r.backups.iter().map(|b| (b.primary, b.first, b.slots.len())))
+            .collect();
+        assert_eq!(backups, [(1, 8, 2), (1, 10, 2)]);
+        let b = plan(&install(1), 1).unwrap();
+        assert_eq!(b[0].1.backups[0].slots.len(), 8);
+
+        let e = plan(&install(1), 2).unwrap_err();
+        assert!(e.contains("1 lcores") && e.contains("has 2"), "{e}");
+        let mut far = install(0);
+        far.replication.as_mut().unwrap().appliance = 2;
+        let e = plan(&far, 2).unwrap_err();
+        assert!(e.contains("replication.appliance = 2"), "{e}");
+        let mut later = install(0);
+        later.replication.as_mut().unwrap().epoch = 1;
+        let e = plan(&later, 2).unwrap_err();
+        assert!(e.contains("replication.epoch = 1"), "{e}");
+        let mut named = install(0);
+        named.replication.as_mut().unwrap().appliances[1].data.host = "b.example".into();
+        let e = plan(&named, 2).unwrap_err();
+        assert!(e.contains("data.host = \"b.example\""), "{e}");
+        let mut none = install(0);
+        none.replication = None;
+        assert!(plan(&none, 2).unwrap_err().contains("replication: absent"));
+    }
+}
