@@ -250,14 +250,42 @@ pub struct ShardPlan {
 /// # Panics
 /// If `targets` is empty.
 pub fn plan_over(spec: &JobSpec, targets: &[Target<'_>]) -> Result<ShardPlan, AdmitError> {
+    let racks = vec![""; targets.len()];
+    plan_replicated(spec, targets, &racks)
+}
+
+/// [`plan_over`] for a job that may be replicated (`[placement] replicas`
+/// above 1, PROTOCOL.md §11), `racks[i]` being target i's rack label: each
+/// target is charged, beside its part, the backup slots it keeps of the
+/// other targets' parts, as primary slots of the job's optimizer
+/// ([`phub_proto::memory::MemoryModel::replica_cost`]).
+///
+/// # Panics
+/// If `targets` is empty or `racks` is not as long.
+pub fn plan_replicated(
+    spec: &JobSpec,
+    targets: &[Target<'_>],
+    racks: &[&str],
+) -> Result<ShardPlan, AdmitError> {
+    assert_eq!(racks.len(), targets.len(), "a rack label per target");
     let layout = place_over(spec, targets)?;
     let counts: Vec<usize> = targets.iter().map(|t| t.info.lcores.len()).collect();
     let chunks = Chunks::new(spec);
     let elems = chunks.weigh(u64::from);
+    let split = layout.split(&counts);
+    let all: Vec<&Layout> = split.iter().collect();
     let parts = targets
         .iter()
-        .zip(layout.split(&counts))
-        .map(|(t, part)| charge(spec, t, part, &elems))
+        .zip(&split)
+        .enumerate()
+        .map(|(i, (t, part))| {
+            let backups = if spec.replicas() > 1 {
+                t.info.memory_model.replica_cost(spec, &all, racks, i)
+            } else {
+                Vec::new()
+            };
+            charge(spec, t, part.clone(), &elems, &backups)
+        })
         .collect::<Result<_, _>>()?;
     Ok(ShardPlan { layout, parts })
 }
@@ -395,7 +423,7 @@ pub fn plan_part(spec: &JobSpec, seqs: Range<u64>, target: &Target<'_>) -> Resul
         info.memory_model.chunk_cost(spec, spec.result_store(info.shm)),
     );
     let elems = Chunks::new(spec).weigh(u64::from);
-    charge(spec, target, layout, &elems)
+    charge(spec, target, layout, &elems, &[])
 }
 
 /// Charges `target` what `part` of `spec` costs on it, or says it does not
@@ -405,9 +433,13 @@ fn charge(
     target: &Target<'_>,
     part: Layout,
     elems: &phub_proto::layout::Weights,
+    backups: &[u64],
 ) -> Result<Plan, AdmitError> {
     let info = target.info;
-    let cost = cost(spec, &part, info);
+    let mut cost = cost(spec, &part, info);
+    for (c, b) in cost.lcores.iter_mut().zip(backups) {
+        *c += b;
+    }
     let need = cost.total();
     let free = info.memory_budget_bytes.saturating_sub(info.memory_used_bytes);
     if need > free {

@@ -321,6 +321,7 @@ mod tests {
                 spec,
                 layout,
                 hierarchy: None,
+                replication: None,
             },
             lcores,
         }

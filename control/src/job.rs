@@ -9,7 +9,7 @@
 //! `spec.rack_ranks()[i]`, and `layout` is the home layout (PROTOCOL.md
 //! §9.1).
 
-use phub_proto::api::{DataAddr, DataplaneInfo, Hierarchy, InstallJob, RackPeer};
+use phub_proto::api::{DataAddr, DataplaneInfo, Hierarchy, InstallJob, RackPeer, ReplicaPeer, Replication};
 use phub_proto::layout::Layout;
 use phub_proto::memory::{MemoryModel, ResultStore};
 
@@ -94,20 +94,47 @@ impl StoredJob {
     /// What appliance `name` installs of it; for a hierarchical job, its
     /// rack layout and the hierarchy, with each appliance's data address
     /// as `data` gives it (None if it has none).
+    ///
+    /// A replicated flat job's install also carries every appliance's
+    /// data address, rack label (as `rack` gives it) and part, and this
+    /// one's index among them (PROTOCOL.md §11), at epoch 0.
     pub(crate) fn install_for(
         &self,
         name: &str,
         data: impl Fn(&str) -> Option<DataAddr>,
+        rack: impl Fn(&str) -> String,
     ) -> Option<InstallJob> {
         let racks = match &self.shape {
             JobShape::Flat => {
+                let replication = if self.spec.replicas() > 1 {
+                    let appliances = self
+                        .part_layouts()
+                        .into_iter()
+                        .map(|(n, layout)| {
+                            Some(ReplicaPeer {
+                                name: n.to_string(),
+                                data: data(n)?,
+                                rack: rack(n),
+                                layout,
+                            })
+                        })
+                        .collect::<Option<Vec<_>>>()?;
+                    Some(Replication {
+                        epoch: 0,
+                        appliance: u16::try_from(self.part_index(name)?).ok()?,
+                        appliances,
+                    })
+                } else {
+                    None
+                };
                 return Some(InstallJob {
                     id: self.id,
                     token: self.token,
                     spec: self.spec.clone(),
                     layout: self.part_on(name)?,
                     hierarchy: None,
-                })
+                    replication,
+                });
             }
             JobShape::Hierarchical { racks } => racks,
         };
@@ -134,14 +161,23 @@ impl StoredJob {
                 racks: peers,
                 homes: self.layout.clone(),
             }),
+            replication: None,
         })
     }
 
     /// What `part` of it (on its appliance `name`) costs on the appliance
     /// `info` describes (the last one control heard from), or by
     /// [`MemoryModel::default`]'s upper bounds before it heard from one; a
-    /// hierarchical job's part with its rack slots. O(keys + lcores).
-    pub(crate) fn part_bytes(&self, name: &str, part: &Layout, info: Option<&DataplaneInfo>) -> u64 {
+    /// hierarchical job's part with its rack slots; a replicated job's
+    /// with the backup slots it keeps, the appliances' racks as `rack`
+    /// gives them. O(keys + lcores).
+    pub(crate) fn part_bytes(
+        &self,
+        name: &str,
+        part: &Layout,
+        info: Option<&DataplaneInfo>,
+        rack: impl Fn(&str) -> String,
+    ) -> u64 {
         let default = MemoryModel::default();
         let model = info.map_or(&default, |i| &i.memory_model);
         if let Some(rack) = self.rack_layout_on(name) {
@@ -149,10 +185,20 @@ impl StoredJob {
                 .hierarchical_cost(&self.spec, rack, part, self.layout.lcores.len())
                 .total();
         }
-        match info {
-            Some(info) => admission::cost(&self.spec, part, info).total(),
-            None => model.job_cost(&self.spec, part, ResultStore::Slot).total(),
-        }
+        let backups: u64 = match (self.spec.replicas() > 1, self.part_index(name)) {
+            (true, Some(me)) => {
+                let layouts = self.part_layouts();
+                let parts: Vec<&Layout> = layouts.iter().map(|(_, l)| l).collect();
+                let racks: Vec<String> = layouts.iter().map(|(n, _)| rack(n)).collect();
+                model.replica_cost(&self.spec, &parts, &racks, me).iter().sum()
+            }
+            _ => 0,
+        };
+        backups
+            + match info {
+                Some(info) => admission::cost(&self.spec, part, info).total(),
+                None => model.job_cost(&self.spec, part, ResultStore::Slot).total(),
+            }
     }
 
     /// The rack of a hierarchical job's rank; `None` for a flat job.

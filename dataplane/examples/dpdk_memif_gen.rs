@@ -235,6 +235,7 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         spec,
         layout,
         hierarchy: None,
+        replication: None,
     };
     mgmt_client(mgmt)?
         .send(&mgmt::install(&req))

@@ -19,5 +19,6 @@ pub mod config;
 pub mod inject;
 pub mod lcore;
 pub mod mgmt;
+pub mod replication;
 pub mod spin;
 pub mod topology;

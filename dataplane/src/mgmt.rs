@@ -248,7 +248,25 @@ impl Manager {
                 ))
             }
         };
-        let cost = match &hier {
+        // A replicated job's lcores get their primary and backup slots.
+        let replicated = match (&req.replication, req.spec.replicas()) {
+            (None, 1) => None,
+            (Some(r), n) if n > 1 => Some((
+                crate::replication::plan(&req, self.lcores.len())
+                    .map_err(|e| err(400, format!("job {id}: {e}")))?,
+                crate::replication::lcore_bytes(&self.info.memory_model, &req, r),
+            )),
+            (r, n) => {
+                return Err(err(
+                    400,
+                    format!(
+                        "job {id}: the spec says placement.replicas = {n} but the install {} replication",
+                        if r.is_some() { "has" } else { "has no" }
+                    ),
+                ))
+            }
+        };
+        let mut cost = match &hier {
             Some((home, per_lcore)) => self.info.memory_model.hierarchical_cost(
                 &req.spec,
                 &req.layout,
@@ -261,6 +279,11 @@ impl Manager {
                     .job_cost(&req.spec, &req.layout, req.spec.result_store(self.info.shm))
             }
         };
+        if let Some((_, extra)) = &replicated {
+            for (c, e) in cost.lcores.iter_mut().zip(extra) {
+                *c += e;
+            }
+        }
         let need = cost.total();
         let mut jobs = self.jobs();
         if jobs.contains_key(&id) {
@@ -341,6 +364,7 @@ impl Manager {
         let mut total = cost.registry + cost.shm;
         let hierarchical = hier.is_some();
         let mut hier = hier.map(|(_, per_lcore)| per_lcore.into_iter());
+        let mut replicated = replicated.map(|(plan, _)| plan.into_iter());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
             let job = JobInstall {
@@ -366,6 +390,15 @@ impl Manager {
                 (Some(part), _) => InstallKind::Hierarchical(Box::new(part)),
                 (None, Some(setup)) => InstallKind::Shared(setup),
                 (None, None) => InstallKind::Plain,
+            };
+            // A replicated job's lcore: its primary slots are its part's
+            // (the plan computes them from the same runs).
+            let kind = match replicated.as_mut().and_then(Iterator::next) {
+                Some((slots, rep)) => {
+                    debug_assert_eq!(slots, job.slots, "lcore {i}: the replica plan's slots");
+                    InstallKind::Replicated(Box::new(rep))
+                }
+                None => kind,
             };
             // Slot memory that runs out is the budget's 507; anything else
             // is the dataplane's fault.

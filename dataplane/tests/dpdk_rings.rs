@@ -209,6 +209,7 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
                 spec,
                 layout: lay.clone(),
                 hierarchy: None,
+                replication: None,
             },
         )
         .unwrap();

@@ -209,6 +209,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
                 spec,
                 layout: lay,
                 hierarchy: None,
+                replication: None,
             },
         )
     };

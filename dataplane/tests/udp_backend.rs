@@ -56,6 +56,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 spec: spec.clone(),
                 layout: lay.clone(),
                 hierarchy: None,
+                replication: None,
             },
         )
         .unwrap();
@@ -69,6 +70,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 spec,
                 layout: lay.clone(),
                 hierarchy: None,
+                replication: None,
             },
         )
         .unwrap_err();
@@ -181,6 +183,7 @@ fn with_shm_regions_beyond_dev_shms_free_space_are_refused_naming_it() {
                 spec,
                 layout: lay,
                 hierarchy: None,
+                replication: None,
             },
         )
         .unwrap_err();
@@ -230,6 +233,7 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
                 spec,
                 layout: lay.clone(),
                 hierarchy: None,
+                replication: None,
             },
         )
         .unwrap();
@@ -358,6 +362,7 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
                     spec,
                     layout: lay,
                     hierarchy: None,
+                    replication: None,
                 },
             )
             .unwrap();

@@ -647,6 +647,42 @@ pub struct InstallJob {
     /// each chunk's home is. Absent for any other job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub hierarchy: Option<Hierarchy>,
+    /// A replicated job's (`[placement] replicas` above 1, PROTOCOL.md
+    /// §11): every appliance of the job, its index among them and the
+    /// layout's epoch. Absent for any other job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<Replication>,
+}
+
+/// What an appliance of a replicated job is told at install beyond its
+/// part (PROTOCOL.md §11): from it, the appliance computes which chunks it
+/// is primary of, which backups they have and which backup slots each of
+/// its lcores keeps (§11.1, §11.2).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Replication {
+    /// The job layout's epoch (§11.5): 0 when admitted.
+    pub epoch: u32,
+    /// This appliance's index in `appliances`.
+    pub appliance: u16,
+    /// Every appliance of the job, in layout order (§4.1).
+    pub appliances: Vec<ReplicaPeer>,
+}
+
+/// One appliance of a replicated job, as the others see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ReplicaPeer {
+    /// The appliance's name.
+    pub name: String,
+    /// Its data address (IPv4) and first UDP port: its lcore i listens on
+    /// `base_port + i`.
+    pub data: DataAddr,
+    /// Its rack label (empty: the one rack of appliances without one).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub rack: String,
+    /// Its part of the job's layout: one run per lcore, in lcore order.
+    pub layout: Layout,
 }
 
 /// What a rack appliance of a hierarchical job is told at install beyond
@@ -737,6 +773,11 @@ crate::counter_table! {
         partials_resent: Count, IfAny("PART RESENT"), "Partial sums sent again because the home's answer did not come in time";
         partial_results_sent: Count, Hidden, "Results a home appliance sent to the racks' appliances (one per rack)";
         partial_results_resent: Count, Hidden, "Stored results a home sent again to a rack whose partial of a completed round came again";
+        replicates_sent: Count, IfAny("REPL"), "Aggregates a primary sent its backups (replicated jobs, REPLICATE first sends, one per backup)";
+        replicates_resent: Count, IfAny("REPL RESENT"), "Aggregates a primary sent again because a backup's REPLICATE_ACK did not come in time";
+        replicate_acks_sent: Count, IfAny("REPL ACKS"), "REPLICATE_ACKs a backup sent for a round it applied to a backup slot";
+        replicate_acks_resent: Count, Hidden, "REPLICATE_ACKs a backup sent again for a copy of a round it had applied";
+        rounds_replicated: Count, Hidden, "Rounds a primary completed once every backup acknowledged them (also counted in rounds_completed)";
         shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
         busy_loops: Count, Hidden, "Poll-loop iterations that found work";
         idle_loops: Count, Hidden, "Poll-loop iterations that found none";

@@ -368,6 +368,7 @@ mod tests {
                 spec,
                 layout,
                 hierarchy: None,
+                replication: None,
             },
             lcores,
         }

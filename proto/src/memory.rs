@@ -180,6 +180,11 @@ pub const PARTIAL_RECORD_BYTES: u64 = 32;
 /// chunks and its address), counted twice: as a rack and as a home; at
 /// least what the engine keeps (checked there).
 pub const PEER_LCORE_BYTES: u64 = 64;
+/// Bytes an lcore keeps per primary slot of a replicated job for the
+/// aggregate waiting for its backups' acknowledgements (round, acked set,
+/// send time, deadline, resends; PROTOCOL.md §11.4): at least the engine's
+/// record (checked there).
+pub const REPLICA_RECORD_BYTES: u64 = 32;
 
 /// What one job costs, in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -317,6 +322,77 @@ impl MemoryModel {
     /// Prefix sums of the slot buffers' bytes over the job's chunk sequence.
     pub fn data_weights(&self, spec: &JobSpec, chunks: &Chunks, store: ResultStore) -> Weights {
         chunks.weigh(|e| self.slot_data_bytes(spec.dtype, &spec.optimizer, e, store))
+    }
+
+    /// What a replicated job (PROTOCOL.md §11) holds on one lcore beyond
+    /// its primary slots ([`MemoryModel::job_cost`]): its backup slots
+    /// (`backups`, one run per primary appliance it backs up, §11.2),
+    /// charged as primary slots of the job's optimizer (buffers, records,
+    /// blocks); a pending-aggregate record per primary slot
+    /// (`primary_slots`); and `peer_lcores` peer lcores' runs and
+    /// addresses (the lcores of the appliances it backs up and of its own
+    /// chunks' backups). O(keys + backups).
+    pub fn replica_lcore_bytes(
+        &self,
+        spec: &JobSpec,
+        primary_slots: u64,
+        backups: &[ChunkRange],
+        peer_lcores: u64,
+    ) -> u64 {
+        let chunks = Chunks::new(spec);
+        let data = self.data_weights(spec, &chunks, ResultStore::Slot);
+        let per_block = self.slots_per_block(spec, ResultStore::Slot);
+        let slots: u64 = backups
+            .iter()
+            .map(|b| {
+                data.of(b.range())
+                    + b.count * u64::from(self.slot_bytes)
+                    + b.count.div_ceil(per_block) * u64::from(self.block_overhead_bytes)
+            })
+            .sum();
+        slots + primary_slots * REPLICA_RECORD_BYTES + peer_lcores * PEER_LCORE_BYTES
+    }
+
+    /// What appliance `me` of a replicated job holds on each of its lcores
+    /// beyond its primary slots ([`MemoryModel::replica_lcore_bytes`]),
+    /// `parts[i]` being appliance i's part of the layout (one run per
+    /// lcore) and `racks[i]` its rack label: the backup slots of every
+    /// appliance whose replica set (§11.1) it is in, cut as §11.2 cuts
+    /// them. Empty if `me` names no part.
+    pub fn replica_cost<R: Eq>(&self, spec: &JobSpec, parts: &[&Layout], racks: &[R], me: usize) -> Vec<u64> {
+        let r = spec.replicas();
+        let Some(mine) = parts.get(me) else {
+            return Vec::new();
+        };
+        let whole = |l: &Layout| ChunkRange {
+            first: l.lcores.first().map_or(0, |r| r.first),
+            count: l.lcores.iter().map(|r| r.count).sum(),
+        };
+        let lcores = mine.lcores.len();
+        if lcores == 0 {
+            return Vec::new();
+        }
+        let backed: Vec<usize> = (0..parts.len())
+            .filter(|&p| p != me && crate::replica::replica_set(racks, p, r).contains(&me))
+            .collect();
+        let cut: Vec<Vec<ChunkRange>> = backed
+            .iter()
+            .map(|&p| crate::replica::backup_runs(whole(parts[p]), lcores))
+            .collect();
+        let peers: usize = crate::replica::replica_set(racks, me, r)
+            .iter()
+            .skip(1)
+            .chain(&backed)
+            .map(|&p| parts[p].lcores.len())
+            .sum();
+        mine.lcores
+            .iter()
+            .enumerate()
+            .map(|(j, run)| {
+                let backups: Vec<ChunkRange> = cut.iter().map(|c| c[j]).collect();
+                self.replica_lcore_bytes(spec, run.count, &backups, peers as u64)
+            })
+            .collect()
     }
 
     /// What a hierarchical job's part on one appliance costs (PROTOCOL.md

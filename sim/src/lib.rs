@@ -1644,6 +1644,7 @@ impl Hier {
                     .collect(),
                 homes: self.homes.clone(),
             }),
+            replication: None,
         };
         let (_, mut per_lcore) = match phub_engine::engine::hierarchy_plan(&req, usize::from(case.lcores)) {
             Ok(p) => p,

@@ -23,6 +23,7 @@ mod faults;
 mod hierarchy;
 mod memory;
 mod packaging;
+mod replication;
 mod sharding;
 mod shm;
 mod soak;

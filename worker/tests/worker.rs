@@ -1551,6 +1551,7 @@ fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
         spec: spec.clone(),
         layout: lay.clone(),
         hierarchy: None,
+        replication: None,
     };
     app.manager().install(JOB, job).unwrap();
     let config = WorkerConfig {

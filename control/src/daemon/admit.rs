@@ -51,18 +51,18 @@ fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
     Ok(())
 }
 
-/// Until control installs replicas (issue 33: the engine has the rules of
-/// PROTOCOL.md §11, control gives no appliance a replica role yet), a spec
-/// asking for more than one is refused, naming the field, rather than
-/// admitted without the backups it asked for.
-fn refuse_replicas(spec: &JobSpec) -> Result<(), RequestError> {
-    match spec.replicas() {
-        1 => Ok(()),
-        r => Err(RequestError::BadRequest(format!(
-            "placement.replicas = {r}: replicas are specified (PROTOCOL.md §11) but control does not \
-             install them yet (issue 33); submit the job with replicas = 1"
-        ))),
+/// A replicated job (PROTOCOL.md §11.1) needs as many appliances as it
+/// has replicas: the spec checks its own count (`placement.appliances`);
+/// this checks the appliances chosen for it.
+fn check_replicas(spec: &JobSpec, appliances: usize) -> Result<(), RequestError> {
+    let r = spec.replicas();
+    if r > appliances {
+        return Err(RequestError::BadRequest(format!(
+            "placement.replicas = {r}: at most the job's appliance count ({appliances}): each replica \
+             is on another appliance"
+        )));
     }
+    Ok(())
 }
 
 /// A hierarchical job's appliances must each be a different rack's.
@@ -177,9 +177,9 @@ impl Shared {
     ) -> Result<AdmitResponse, RequestError> {
         let spec = JobSpec::parse(body, content_type)?;
         check_tables(&spec)?;
-        refuse_replicas(&spec)?;
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let mut chosen = self.choose(&spec)?;
+        check_replicas(&spec, chosen.len())?;
         if spec.hierarchical()
             && matches!(
                 spec.placement.as_ref().map(|p| &p.appliances),
@@ -227,7 +227,14 @@ impl Shared {
             failed: None,
             shape,
         };
-        if let Err(e) = install_everywhere(&job, &clients, &chosen) {
+        let racks: BTreeMap<String, String> = {
+            let inner = self.lock();
+            chosen
+                .iter()
+                .map(|(n, _)| (n.clone(), inner.rack_of(n)))
+                .collect()
+        };
+        if let Err(e) = install_everywhere(&job, &clients, &chosen, &racks) {
             log::warn!("job {name:?} not admitted: {e}");
             return Err(e.into());
         }
@@ -284,7 +291,12 @@ impl Shared {
             assert_eq!(h.racks.len(), chosen.len(), "one rack per appliance");
             (h.homes, JobShape::Hierarchical { racks: h.racks })
         } else {
-            (admission::plan_over(spec, &targets)?, JobShape::Flat)
+            let racks: Vec<String> = chosen.iter().map(|(n, _)| inner.rack_of(n)).collect();
+            let racks: Vec<&str> = racks.iter().map(String::as_str).collect();
+            (
+                admission::plan_replicated(spec, &targets, &racks)?,
+                JobShape::Flat,
+            )
         };
         let id = admission::free_id(|id| inner.jobs.contains_key(&id) || foreign.contains(&id))?;
         Ok(Placed { id, plan, shape })
@@ -309,12 +321,13 @@ fn install_everywhere(
     job: &StoredJob,
     clients: &[Client],
     chosen: &[(String, DataplaneInfo)],
+    racks: &BTreeMap<String, String>,
 ) -> Result<(), DataplaneError> {
     assert_eq!(clients.len(), job.parts.len(), "one client per part");
     let data = |n: &str| chosen.iter().find(|(c, _)| c == n).map(|(_, i)| i.data.clone());
     for (i, (c, (appliance, _))) in clients.iter().zip(chosen).enumerate() {
         let install = job
-            .install_for(appliance, data)
+            .install_for(appliance, data, |n| racks.get(n).cloned().unwrap_or_default())
             .expect("the job's parts are the chosen appliances");
         if let Err(e) = c.install(&install) {
             let undo = if e.is_unreachable() { i + 1 } else { i };
@@ -361,17 +374,20 @@ mod tests {
         check_tables(&JobSpec::parse(dense, None).unwrap()).unwrap();
     }
 
-    /// A spec asking for replicas validates but is refused at admission,
-    /// naming the field; with one replica it is let through.
+    /// A replicated job goes on at least as many appliances as it has
+    /// replicas: fewer chosen is refused naming the field, the value and
+    /// the appliances there are.
     #[test]
-    fn a_spec_with_replicas_is_refused_naming_the_field() {
-        let spec = JobSpec::new("j", 2, &[8]).sharded_over(Appliances::Count(2));
-        refuse_replicas(&spec).unwrap();
-        let two = spec.with_replicas(2);
+    fn replicas_beyond_the_chosen_appliances_are_refused_naming_the_field() {
+        let two = JobSpec::new("j", 2, &[8])
+            .sharded_over(Appliances::Count(2))
+            .with_replicas(2);
         two.validate().unwrap();
-        let e = refuse_replicas(&two).unwrap_err().to_string();
+        check_replicas(&two, 2).unwrap();
+        check_replicas(&two, 3).unwrap();
+        let e = check_replicas(&two, 1).unwrap_err().to_string();
         assert!(
-            e.contains("placement.replicas = 2") && e.contains("issue 33"),
+            e.contains("placement.replicas = 2") && e.contains("appliance count (1)"),
             "{e}"
         );
     }

@@ -279,11 +279,20 @@ impl Shared {
         let job = inner.jobs.get(&id).filter(|j| j.failed.is_none())?;
         let index = job.part_index(name)?;
         let n = info.lcores.len();
-        if let Some(rack) = job.rack_layout_on(name).filter(|r| r.lcores.len() != n) {
+        // A hierarchical job's rack layout, and a replicated job's part
+        // (which its other appliances' backups follow, PROTOCOL.md §11.2),
+        // are not refitted.
+        let kept = match job.rack_layout_on(name) {
+            Some(rack) => Some((rack.lcores.len(), "its rack layout", "a hierarchical")),
+            None if job.spec.replicas() > 1 => job
+                .part_on(name)
+                .map(|p| (p.lcores.len(), "its part of the layout", "a replicated")),
+            None => None,
+        };
+        if let Some((had, what, kind)) = kept.filter(|k| k.0 != n) {
             let why = format!(
-                "appliance {name:?} came back with {n} lcores, not the {} its rack layout has; a hierarchical \
-                 job is not refitted (admit it again)",
-                rack.lcores.len()
+                "appliance {name:?} came back with {n} lcores, not the {had} {what} has; {kind} job is not \
+                 refitted (admit it again)"
             );
             let others: Vec<(String, Option<Client>)> = job
                 .parts
@@ -302,8 +311,8 @@ impl Shared {
             }
             log::error!("job {id} failed: {why}");
             drop(inner);
-            // Its other racks' parts would hold their memory and send
-            // partials to a home that is gone: removed.
+            // Its other parts would hold their memory and send partials
+            // (or aggregates) to a part that is gone: removed.
             for (other, client) in others {
                 match client.map(|c| c.remove(id)) {
                     Some(Ok(_)) => log::warn!("job {id} failed: its part on appliance {other:?} is removed"),
@@ -344,7 +353,10 @@ impl Shared {
         }
         // A hierarchical job is reinstalled as it was: its rack and home
         // layouts stay.
-        inner.jobs.get(&id)?.install_for(name, |n| inner.data_of(n))
+        inner
+            .jobs
+            .get(&id)?
+            .install_for(name, |n| inner.data_of(n), |n| inner.rack_of(n))
     }
 
     /// Marks job `id` failed for `why`, durably; if that cannot be written,

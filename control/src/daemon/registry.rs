@@ -111,6 +111,14 @@ impl Inner {
         Some(self.appliances.get(name)?.info.as_ref()?.data.clone())
     }
 
+    /// Appliance `name`'s rack label (empty: none, or not managed).
+    pub(super) fn rack_of(&self, name: &str) -> String {
+        self.appliances
+            .get(name)
+            .map(|a| a.spec.rack.clone())
+            .unwrap_or_default()
+    }
+
     /// Where `job` stands in its life ([`Standing`]).
     pub(super) fn standing<'a>(&self, job: &'a StoredJob) -> Standing<'a> {
         match (&job.failed, self.checkpoints.held_reason(job.id)) {

@@ -52,7 +52,7 @@ pub(super) fn memory_bytes(job: &StoredJob, inner: &Inner) -> u64 {
         .iter()
         .map(|(name, part)| {
             let info = inner.appliances.get(*name).and_then(|a| a.info.as_ref());
-            job.part_bytes(name, part, info)
+            job.part_bytes(name, part, info, |n| inner.rack_of(n))
         })
         .sum()
 }
@@ -139,7 +139,8 @@ impl Shared {
                     rack: a.map(|a| a.spec.rack.clone()).unwrap_or_default(),
                     lcores: u32::try_from(part.lcores.len()).unwrap_or(u32::MAX),
                     chunks: (span.start, span.end),
-                    memory_bytes: job.part_bytes(name, &part, a.and_then(|a| a.info.as_ref())),
+                    memory_bytes: job
+                        .part_bytes(name, &part, a.and_then(|a| a.info.as_ref()), |n| inner.rack_of(n)),
                     installed: l.is_some(),
                     down: match view {
                         Some(Err(e)) => Some(e.clone()),

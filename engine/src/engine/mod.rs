@@ -537,7 +537,7 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(Step::Replicate) => {
                 job.counters.pushes += 1;
                 self.counters.pushes_aggregated.inc();
-                Self::queue_replicates(&mut self.pending, job, repr.slot)
+                Self::queue_replicates(&mut self.pending, &self.counters, job, repr.slot)
             }
             Ok(Step::Applied { held, slowest_rose }) => {
                 job.counters.pushes += 1;

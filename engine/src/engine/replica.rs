@@ -23,12 +23,13 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
-use phub_proto::memory::ResultStore;
+use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaDropReason, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
 use phub_proto::spec::{Consistency, JobSpec};
 use phub_proto::wire::{flags, DropReason, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
+use crate::counters::ShardCounters;
 use crate::kernels::Kernels;
 use crate::slotmem::SlotBlock;
 use crate::transmit::{Transmit, MAX_BURST};
@@ -101,6 +102,9 @@ impl Default for Pushed {
         }
     }
 }
+
+// What MemoryModel::replica_lcore_bytes charges per primary slot.
+const _: () = assert!(std::mem::size_of::<Pushed>() as u64 <= REPLICA_RECORD_BYTES);
 
 /// One appliance's chunks, backed up on this lcore.
 #[derive(Debug)]
@@ -187,11 +191,11 @@ impl<A: Copy> Replica<A> {
         self.backups.get(k)?.1.place(self.first + u64::from(slot))
     }
 
-    /// Bytes this holds beside the job's own slots: the backup slots'
-    /// buffers, block overheads (`block_overhead` each) and records, a
-    /// pending-aggregate record per primary slot and the peers' addresses
-    /// and runs. Admission does not charge them yet (control installs no
-    /// replicas, PROTOCOL.md §11).
+    /// Bytes this holds beside the job's own slots, as
+    /// [`phub_proto::memory::MemoryModel::replica_lcore_bytes`] charges
+    /// them: the backup slots' buffers, block overheads (`block_overhead`
+    /// each) and records, a pending-aggregate record per primary slot and
+    /// every peer lcore's run and address.
     pub(super) fn memory_bytes(&self, block_overhead: u64) -> u64 {
         let parts: u64 = self
             .parts
@@ -200,14 +204,11 @@ impl<A: Copy> Replica<A> {
                 let data: u64 = p.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
                 data + p.blocks.len() as u64 * block_overhead
                     + (p.slots.len() * std::mem::size_of::<Slot>()) as u64
-                    + (p.at.addrs.len() * (std::mem::size_of::<A>() + std::mem::size_of::<ChunkRange>()))
-                        as u64
             })
             .sum();
-        let backups: usize = self.backups.iter().map(|(_, p)| p.addrs.len()).sum();
-        parts
-            + (self.pushed.len() * std::mem::size_of::<Pushed>()) as u64
-            + (backups * (std::mem::size_of::<A>() + std::mem::size_of::<ChunkRange>())) as u64
+        let peers: usize = self.backups.iter().map(|(_, p)| p.addrs.len()).sum::<usize>()
+            + self.parts.iter().map(|p| p.at.addrs.len()).sum::<usize>();
+        parts + self.pushed.len() as u64 * REPLICA_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
     }
 
     /// Whether all `n` backups are in `acked`.
@@ -494,12 +495,18 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// Queues the first REPLICATE of `slot`'s aggregate to each backup.
-    pub(super) fn queue_replicates(pending: &mut Vec<Pending<A>>, j: &mut Job<A>, slot: u32) -> Verdict {
+    pub(super) fn queue_replicates(
+        pending: &mut Vec<Pending<A>>,
+        counters: &ShardCounters,
+        j: &mut Job<A>,
+        slot: u32,
+    ) -> Verdict {
         let Some(rep) = j.replica.as_deref_mut() else {
             return Verdict::Aggregated;
         };
         for k in 0..rep.backups.len() {
             rep.stats.replicates_sent += 1;
+            counters.replicates_sent.inc();
             // Cast: at most MAX_REPLICAS - 1 backups.
             #[allow(clippy::cast_possible_truncation)]
             pending.push(Pending::Replicate {
@@ -547,8 +554,10 @@ impl<A: Copy + Eq> Shard<A> {
                     if fresh {
                         rep.stats.acks_sent += 1;
                         rep.stats.rounds_applied += 1;
+                        self.counters.replicate_acks_sent.inc();
                     } else {
                         rep.stats.acks_resent += 1;
+                        self.counters.replicate_acks_resent.inc();
                     }
                     self.pending.push(Pending::ReplicaAck {
                         job: job.id,
@@ -562,6 +571,7 @@ impl<A: Copy + Eq> Shard<A> {
             ReplicaMsgType::ReplicateAck => match Self::on_ack(job, from, &repr, now) {
                 Ok(true) => {
                     self.counters.rounds_completed.inc();
+                    self.counters.rounds_replicated.inc();
                     round_done(&mut self.pending, &self.counters, job, repr.slot)
                 }
                 Ok(false) => Verdict::Replicated,
@@ -717,6 +727,7 @@ impl<A: Copy + Eq> Shard<A> {
                     p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
                     for k in (0..nb).filter(|&k| p.acked & (1 << k) == 0) {
                         rep.stats.replicates_resent += 1;
+                        self.counters.replicates_resent.inc();
                         self.pending.push(Pending::Replicate {
                             job: j.id,
                             slot: i as u32,

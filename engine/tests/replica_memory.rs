@@ -1,0 +1,111 @@
+//! What a replicated job holds on each lcore (PROTOCOL.md §11.2) is what
+//! admission charges it: the engine's count of an installed lcore
+//! ([`Shard::job_memory_bytes`]) equals the memory model's charge for its
+//! primary slots ([`MemoryModel::job_cost`]) plus its backup slots,
+//! pending records and peers ([`MemoryModel::replica_cost`]), for
+//! appliances of unequal lcore counts, one rack or several, 2 and 3
+//! replicas, and optimizers with and without state.
+
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::sync::Arc;
+
+use phub_engine::engine::{memory_model, replica_plan};
+use phub_engine::{InstallKind, JobInstall, Kernels, RustHeap, Shard, SlotAllocator};
+use phub_proto::layout::{ChunkRange, Chunks, Layout};
+use phub_proto::memory::ResultStore;
+use phub_proto::replica::backup_runs;
+use phub_proto::spec::JobSpec;
+
+/// Appliances' lcore counts, their rack labels, replicas, optimizer, dtype.
+type Case = (
+    &'static [usize],
+    &'static [&'static str],
+    u32,
+    &'static str,
+    &'static str,
+);
+
+#[test]
+fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
+    let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
+    let model = memory_model(&*mem);
+    let cases: &[Case] = &[
+        (&[2, 1], &["", ""], 2, "kind = \"sum\"", "f32"),
+        (
+            &[1, 2, 3],
+            &["r1", "r1", "r2"],
+            2,
+            "kind = \"adam\"\nlr = 0.01",
+            "bf16",
+        ),
+        (
+            &[3, 1, 2],
+            &["", "", ""],
+            3,
+            "kind = \"momentum\"\nlr = 0.1",
+            "f32",
+        ),
+    ];
+    for &(lcores, racks, replicas, opt, dtype) in cases {
+        let spec = JobSpec::from_toml(&format!(
+            "name = \"m\"\nworkers = 3\nchunk_bytes = 256\ndtype = \"{dtype}\"\n[optimizer]\n{opt}\n\
+             [[keys]]\nelements = 5\n[[keys]]\nelements = 3000\n[[keys]]\nelements = 77\n\
+             [placement]\nappliances = {}\nreplicas = {replicas}\n",
+            lcores.len()
+        ))
+        .unwrap();
+        let what = format!("{lcores:?} {racks:?} replicas {replicas} {opt} {dtype}");
+        let total = Chunks::new(&spec).total();
+        let runs = backup_runs(
+            ChunkRange {
+                first: 0,
+                count: total,
+            },
+            lcores.iter().sum(),
+        );
+        let mut parts = Vec::new();
+        let mut at = 0;
+        for &l in lcores {
+            parts.push(Layout {
+                chunk_elems: spec.chunk_elems(),
+                lcores: runs[at..at + l].to_vec(),
+            });
+            at += l;
+        }
+        let part_refs: Vec<&Layout> = parts.iter().collect();
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (Ipv4Addr::new(10, 0, i as u8, 1), 9000, l as u16))
+            .collect();
+        let labels: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
+        for (me, part) in parts.iter().enumerate() {
+            let primary = model.job_cost(&spec, part, ResultStore::Slot).lcores;
+            let backups = model.replica_cost(&spec, &part_refs, racks, me);
+            assert_eq!(backups.len(), lcores[me], "{what}");
+            let plan = replica_plan(&spec, &runs, &appliances, &labels, me as u16, 0).unwrap();
+            for (j, (slots, rep)) in plan.into_iter().enumerate() {
+                let mut s: Shard<SocketAddrV4> =
+                    Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
+                s.set_peer_resolver(Arc::new(Some));
+                let job = JobInstall {
+                    id: 1,
+                    token: 7,
+                    workers: 3,
+                    dtype: spec.dtype,
+                    optimizer: spec.optimizer,
+                    consistency: spec.consistency,
+                    chunk_elems: spec.chunk_elems(),
+                    slots,
+                };
+                s.install(job, InstallKind::Replicated(Box::new(rep))).unwrap();
+                assert!(backups[j] > 0, "{what}: appliance {me} lcore {j}");
+                assert_eq!(
+                    s.job_memory_bytes(1),
+                    Some(primary[j] + backups[j]),
+                    "{what}: appliance {me} lcore {j}"
+                );
+            }
+        }
+    }
+}
