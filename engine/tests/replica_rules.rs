@@ -773,7 +773,8 @@ fn only_bsp_jobs_are_replicated() {
 /// A primary restored from its checkpoint while an aggregate was pending
 /// waits for no acknowledgement: the restored round is a completed one,
 /// an ACK of the lost round is `ahead`, and the workers' resent pushes
-/// make the round again, replicated as any other.
+/// (after each pulled, PROTOCOL.md §5.4 rule 0) make the round again,
+/// replicated as any other.
 #[test]
 fn a_restore_forgets_pending_aggregates() {
     let sp = spec(
@@ -828,6 +829,17 @@ fn a_restore_forgets_pending_aggregates() {
         Verdict::Dropped(DropReason::Ahead)
     );
     assert!(!s.has_transmits());
+    // The restored lcore refuses each rank's pushes (`ahead`) until it
+    // pulled (PROTOCOL.md §5.4 rule 0): each pulls, as phub-worker does
+    // when told `ahead`.
+    for rank in 0..3u16 {
+        let pull = Repr::request(MsgType::Pull, JOB, TOKEN, rank, 0, 0)
+            .with_payload(Dtype::F32, 0)
+            .with_chunk(c.key, c.chunk)
+            .to_datagram(&[]);
+        assert_eq!(s.handle(worker_addr(rank), &pull, 11), Verdict::Pulled);
+    }
+    s.clear_transmits();
     w.now += 1_000 * MS;
     w.poll();
     assert!(w.net.is_empty(), "no aggregate is resent after the restore");
