@@ -64,9 +64,9 @@ impl ReplicaMsgType {
     }
 }
 
-/// Why an appliance drops a message, beyond [`DropReason`]'s and
-/// [`crate::rows::RowDropReason`]'s (PROTOCOL.md §11.5); the codes
-/// continue theirs.
+/// Why an appliance drops a message, beyond [`DropReason`]'s (the dense
+/// and the table messages', PROTOCOL.md §11.5); the codes continue
+/// theirs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum ReplicaDropReason {
@@ -338,7 +338,6 @@ mod tests {
         for r in ReplicaDropReason::ALL {
             assert_eq!(ReplicaDropReason::from_code(r.code()), Some(r));
             assert_eq!(DropReason::from_code(r.code()), None);
-            assert_eq!(crate::rows::RowDropReason::from_code(r.code()), None);
         }
     }
 

@@ -19,8 +19,7 @@
 //! [`DropReason`](crate::wire::DropReason) of the header checks. The
 //! checks that need the job (token, table, dim, placement, rounds) are the
 //! engine's; their table-specific reasons are [`DropReason`]'s codes 25
-//! to 28 ([`DropReason::TABLE`]; [`RowDropReason`] is a view of those
-//! four), counted beside the others.
+//! to 28 ([`DropReason::TABLE`]), counted beside the others.
 
 use crate::spec::ROW_ID_BYTES;
 use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
@@ -127,75 +126,6 @@ impl RowMsgType {
             self,
             RowMsgType::RowPush | RowMsgType::RowEnd | RowMsgType::RowPull
         )
-    }
-}
-
-/// The table messages' own drop reasons as a closed set, for code that
-/// matches on them alone (a worker's hints). They are [`DropReason`]'s
-/// codes 25 to 28 ([`DropReason::TABLE`]), which the engine counts and
-/// sends: this is a view of those, not a second numbering.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum RowDropReason {
-    /// [`DropReason::UnknownTable`].
-    UnknownTable = DropReason::UnknownTable.code(),
-    /// [`DropReason::DimMismatch`].
-    DimMismatch = DropReason::DimMismatch.code(),
-    /// [`DropReason::BadRowCount`].
-    BadRowCount = DropReason::BadRowCount.code(),
-    /// [`DropReason::RowOutOfPlace`].
-    RowOutOfPlace = DropReason::RowOutOfPlace.code(),
-}
-
-impl RowDropReason {
-    /// Every reason, in code order.
-    pub const ALL: [RowDropReason; 4] = [
-        RowDropReason::UnknownTable,
-        RowDropReason::DimMismatch,
-        RowDropReason::BadRowCount,
-        RowDropReason::RowOutOfPlace,
-    ];
-
-    /// The [`DropReason`] it is.
-    pub const fn reason(self) -> DropReason {
-        match self {
-            RowDropReason::UnknownTable => DropReason::UnknownTable,
-            RowDropReason::DimMismatch => DropReason::DimMismatch,
-            RowDropReason::BadRowCount => DropReason::BadRowCount,
-            RowDropReason::RowOutOfPlace => DropReason::RowOutOfPlace,
-        }
-    }
-
-    /// Wire code (what an ERROR carries in `error`).
-    pub const fn code(self) -> u16 {
-        self as u16
-    }
-
-    /// The table reason for a code, if it names one.
-    pub const fn from_code(code: u16) -> Option<RowDropReason> {
-        match DropReason::from_code(code) {
-            Some(DropReason::UnknownTable) => Some(RowDropReason::UnknownTable),
-            Some(DropReason::DimMismatch) => Some(RowDropReason::DimMismatch),
-            Some(DropReason::BadRowCount) => Some(RowDropReason::BadRowCount),
-            Some(DropReason::RowOutOfPlace) => Some(RowDropReason::RowOutOfPlace),
-            _ => None,
-        }
-    }
-
-    /// Stable snake_case name ([`DropReason::name`]).
-    pub const fn name(self) -> &'static str {
-        self.reason().name()
-    }
-
-    /// Whether the appliance answers with an ERROR: always.
-    pub const fn notifies_sender(self) -> bool {
-        self.reason().notifies_sender()
-    }
-}
-
-impl std::fmt::Display for RowDropReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }
 
@@ -717,10 +647,7 @@ mod tests {
             assert_eq!(usize::from(r.code()), 25 + i);
             assert_eq!(DropReason::from_code(r.code()), Some(*r));
             assert!(r.notifies_sender(), "{r}");
-            assert_eq!(RowDropReason::ALL[i].reason(), *r);
-            assert_eq!(RowDropReason::from_code(r.code()), Some(RowDropReason::ALL[i]));
         }
-        assert_eq!(RowDropReason::from_code(DropReason::Ahead.code()), None);
         assert_eq!(messages_for(0, 122), 0);
         assert_eq!(messages_for(122, 122), 1);
         assert_eq!(messages_for(123, 122), 2);

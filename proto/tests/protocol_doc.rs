@@ -19,7 +19,7 @@ use phub_proto::layout::{layout, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::placement::{row_hash, table_key, RowPlacement};
 use phub_proto::replica::{backup_runs, replica_set, ReplicaDropReason, ReplicaMsgType, MAX_REPLICAS};
-use phub_proto::rows::{RowDropReason, RowMsgType, MAX_ROW_MESSAGES};
+use phub_proto::rows::{RowMsgType, MAX_ROW_MESSAGES};
 use phub_proto::spec::rows_per_datagram;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
@@ -508,9 +508,9 @@ fn replica_message_types_and_drop_reason_match() {
             if reason.notifies_sender() { "yes" } else { "no" },
             "{reason}"
         );
-        // Codes continue the dense and the table reasons'.
+        // Codes continue the dense and the table reasons' (all of them
+        // DropReason's).
         assert_eq!(DropReason::from_code(reason.code()), None);
-        assert_eq!(RowDropReason::from_code(reason.code()), None);
         assert!(u16::try_from(DropReason::COUNT).unwrap() < reason.code());
     }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use phub_proto::placement::RowPlacement;
-use phub_proto::rows::{self, RowDropReason, RowMsgType, RowPayload, RowRepr};
+use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr};
 use phub_proto::wire::{flags, DropReason, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 use rand::rngs::StdRng;
@@ -633,7 +633,7 @@ fn an_error_is_matched_to_its_message_and_named() {
     h.deliver(push1.to, &error_for(&other, DropReason::Ahead.code()));
     assert!(h.ended().is_empty());
     // From an address that is no lcore of the job: not it either.
-    let e = error_for(&push1, RowDropReason::RowOutOfPlace.code());
+    let e = error_for(&push1, DropReason::RowOutOfPlace.code());
     h.deliver(addr(40), &e);
     assert!(h.ended().is_empty());
     h.deliver(push1.to, &e);
@@ -658,10 +658,7 @@ fn an_error_is_matched_to_its_message_and_named() {
     h.pull(3, &ids);
     let sent = h.sent();
     assert!(sent.iter().all(|m| m.repr.seq & PULL_TAG != 0));
-    h.deliver(
-        sent[0].to,
-        &error_for(&sent[0], RowDropReason::DimMismatch.code()),
-    );
+    h.deliver(sent[0].to, &error_for(&sent[0], DropReason::DimMismatch.code()));
     let err = h.ended()[0].1.as_ref().unwrap_err().to_string();
     assert!(err.contains("dim_mismatch") && err.contains("ROW_PULL"), "{err}");
 }

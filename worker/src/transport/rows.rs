@@ -42,7 +42,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_proto::rows::{self, RowDropReason, RowMsgType, RowPayload, RowRepr, Rows};
+use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr, Rows};
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, APPLIANCE_RANK, HEADER_LEN};
 
 use super::row_plan::{PlanKind, RowPlan, TableInfo};
@@ -763,33 +763,25 @@ fn take_rows<D>(a: &mut Active<D>, i: usize, r: Rows<'_>) -> Verdict {
 
 /// The name of an ERROR's drop reason for a table message, and a hint.
 fn describe_row(code: u16) -> (String, &'static str) {
-    let Some(r) = RowDropReason::from_code(code) else {
-        return match DropReason::from_code(code) {
-            Some(DropReason::Ahead) => (
-                "ahead".to_string(),
-                " (the appliance is behind this worker on this table: it may have restarted and lost the table's \
-                 rounds)",
-            ),
-            Some(DropReason::WrongTypeForRound) => (
-                "wrong_type_for_round".to_string(),
-                " (a table's rounds start at 1: round 0 is never pushed)",
-            ),
-            _ => describe(code),
-        };
-    };
-    let hint = match r {
-        RowDropReason::UnknownTable => {
+    let hint = match DropReason::from_code(code) {
+        Some(DropReason::Ahead) => {
+            " (the appliance is behind this worker on this table: it may have restarted and lost the table's \
+             rounds)"
+        }
+        Some(DropReason::WrongTypeForRound) => " (a table's rounds start at 1: round 0 is never pushed)",
+        Some(DropReason::UnknownTable) => {
             " (the appliance does not serve this key as a table: it runs another spec of the job, or predates tables)"
         }
-        RowDropReason::DimMismatch => " (this worker's dim for the table is not the appliance's: rejoin the job)",
-        RowDropReason::BadRowCount => {
+        Some(DropReason::DimMismatch) => " (this worker's dim for the table is not the appliance's: rejoin the job)",
+        Some(DropReason::BadRowCount) => {
             " (more rows or ids than a datagram carries, or more than 1024 messages, or a ROW_END count that \
              changed within a round: this worker and the appliance disagree on the job's chunk_bytes or dim)"
         }
-        RowDropReason::RowOutOfPlace => {
+        Some(DropReason::RowOutOfPlace) => {
             " (this worker places rows on other lcores than the appliance does: its view of the job's lcores or \
              the table's seed is stale; rejoin the job)"
         }
+        _ => return describe(code),
     };
-    (r.name().to_string(), hint)
+    (describe(code).0, hint)
 }
