@@ -678,7 +678,7 @@ fn every_route_reaches_its_handler() {
         R::RemoveAppliance { .. } => 1,
         _ => 0,
     });
-    assert_eq!(routes.len(), 15);
+    assert_eq!(routes.len(), 16);
     for route in routes {
         let (body, expected) = match &route {
             R::Admit => (Some(second.as_str()), 201),
@@ -696,6 +696,7 @@ fn every_route_reaches_its_handler() {
             | R::Evict { .. }
             | R::Checkpoint { .. }
             | R::Map { .. }
+            | R::Epoch { .. }
             | R::Stats
             | R::Appliances
             | R::RemoveAppliance { .. }

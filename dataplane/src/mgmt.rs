@@ -707,6 +707,11 @@ impl Handler for Api {
             MgmtRoute::Auth => Ok(Response::new(204, "application/json", Vec::new())),
             MgmtRoute::Jobs => Ok(json(200, &mgr.list())),
             MgmtRoute::Stats => Ok(json(200, &mgr.stats())),
+            // Epoch changes are not built yet (PROTOCOL.md §11.6).
+            MgmtRoute::Epoch { job: id } => Err(err(
+                501,
+                format!("job {id}: this dataplane does not take epoch changes yet (PROTOCOL.md §11.6)"),
+            )),
             MgmtRoute::Checkpoint { job: id } => {
                 let c = mgr.checkpoint(id)?;
                 let bytes = c.encode().map_err(|e| err(500, format!("job {id}: {e}")))?;

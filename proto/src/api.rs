@@ -18,6 +18,7 @@
 //! | `GET /v1/jobs/{id}/map` | | [`JobMap`]: per lcore its run of chunks, no keys |
 //! | `GET /v1/jobs/{id}/map/keys/{k}` | | [`JobMap`] with key k's chunks ([`KeyMap`]) |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
+//! | `GET /v1/jobs/{id}/epoch` | | [`crate::failover::EpochView`]: the layout's epoch and who is down (PROTOCOL.md §11.6) |
 //! | `GET /v1/stats` | | [`Stats`] |
 //! | `GET /v1/appliances` | | `Vec<`[`ApplianceStatus`]`>` |
 //! | `POST /v1/appliances` | [`ApplianceSpec`] | [`ApplianceStatus`] (201) |
@@ -32,6 +33,7 @@
 //! | `PUT /v1/jobs/{id}` | [`InstallJob`], or a checkpoint file ([`crate::checkpoint`]) to install it restored | [`InstalledJob`] (201) |
 //! | `GET /v1/jobs/{id}/checkpoint` | | a checkpoint file (`application/octet-stream`) |
 //! | `DELETE /v1/jobs/{id}` | | 204 |
+//! | `PUT /v1/jobs/{id}/epoch` | [`crate::failover::EpochView`] | 204: a replicated job's new epoch installed (PROTOCOL.md §11.6) |
 //! | `GET /v1/jobs` | | `Vec<`[`InstalledJob`]`>` |
 //! | `GET /v1/stats` | | [`DataplaneStats`] |
 //!
@@ -524,6 +526,26 @@ pub struct JoinResponse {
     /// `dataplane`'s.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub appliances: Vec<ApplianceAddr>,
+    /// A replicated job's (PROTOCOL.md §11): what a worker needs to find
+    /// each chunk's primary in any epoch ([`crate::failover`]). Absent for
+    /// any other job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replication: Option<JoinReplication>,
+}
+
+/// What a worker of a replicated job is told at join (PROTOCOL.md §11.6):
+/// with the layout and `appliances`, enough to compute where each chunk is
+/// served in an epoch ([`crate::failover::ReplicaLayout::serve`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinReplication {
+    /// Appliances holding each chunk (`[placement] replicas`).
+    pub replicas: u8,
+    /// Per appliance of `appliances`, its rack label (empty: the one rack
+    /// of appliances without one).
+    pub racks: Vec<String>,
+    /// The epoch at the time of the join.
+    pub epoch: crate::failover::EpochView,
 }
 
 /// One appliance of a job, as a worker sees it at join.

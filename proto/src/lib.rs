@@ -18,6 +18,7 @@ pub mod api;
 pub mod checkpoint;
 pub mod counters;
 pub mod dtype;
+pub mod failover;
 pub mod fault;
 pub mod layout;
 pub mod memory;

@@ -24,6 +24,7 @@ use crate::api::{
     InstalledJob, JobDetail, JobMap, JobSummary, JoinRequest, JoinResponse, RetryRequest, RetryResponse,
     Stats,
 };
+use crate::failover::EpochView;
 
 /// An HTTP method the APIs use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -186,6 +187,12 @@ pub enum ControlRoute {
         /// The job.
         job: u16,
     },
+    /// `GET /v1/jobs/{job}/epoch`: a replicated job's epoch and the
+    /// appliances down in it (PROTOCOL.md §11.6); needs no token.
+    Epoch {
+        /// The job.
+        job: u16,
+    },
     /// `GET /v1/stats`.
     Stats,
     /// `GET /v1/appliances`.
@@ -220,6 +227,8 @@ impl ControlRoute {
             (["v1", "jobs", id, "retry"], "POST") => Ok(R::Retry { job: job_id(id)? }),
             (["v1", "jobs", id, "join"], "POST") => Ok(R::Join { job: job_id(id)? }),
             (["v1", "jobs", _, "checkpoint" | "retry" | "join"], _) => wrong("POST"),
+            (["v1", "jobs", id, "epoch"], "GET") => Ok(R::Epoch { job: job_id(id)? }),
+            (["v1", "jobs", _, "epoch"], _) => wrong("GET"),
             (["v1", "jobs", id, "map"], "GET") => Ok(R::Map {
                 job: job_id(id)?,
                 key: None,
@@ -309,6 +318,7 @@ impl ControlRoute {
             R::Map { job, key: None },
             R::Map { job, key: Some(0) },
             R::Join { job },
+            R::Epoch { job },
             R::Stats,
             R::Appliances,
             R::AddAppliance {
@@ -332,6 +342,7 @@ impl ControlRoute {
                 | R::Retry { .. }
                 | R::Map { .. }
                 | R::Join { .. }
+                | R::Epoch { .. }
                 | R::Stats
                 | R::Appliances
                 | R::AddAppliance { .. }
@@ -347,7 +358,13 @@ impl Route for ControlRoute {
     fn method(&self) -> Method {
         use ControlRoute as R;
         match self {
-            R::Jobs | R::Job { .. } | R::Map { .. } | R::Stats | R::Appliances | R::Metrics => Method::Get,
+            R::Jobs
+            | R::Job { .. }
+            | R::Map { .. }
+            | R::Epoch { .. }
+            | R::Stats
+            | R::Appliances
+            | R::Metrics => Method::Get,
             R::Admit | R::Checkpoint { .. } | R::Retry { .. } | R::Join { .. } | R::AddAppliance { .. } => {
                 Method::Post
             }
@@ -365,6 +382,7 @@ impl Route for ControlRoute {
             R::Map { job, key: None } => format!("/v1/jobs/{job}/map"),
             R::Map { job, key: Some(k) } => format!("/v1/jobs/{job}/map/keys/{k}"),
             R::Join { job } => format!("/v1/jobs/{job}/join"),
+            R::Epoch { job } => format!("/v1/jobs/{job}/epoch"),
             R::Stats => "/v1/stats".into(),
             R::Appliances => "/v1/appliances".into(),
             R::AddAppliance {
@@ -420,6 +438,12 @@ pub enum MgmtRoute {
         /// The job.
         job: u16,
     },
+    /// `PUT /v1/jobs/{job}/epoch`: a replicated job's new epoch
+    /// (PROTOCOL.md §11.6), its body an [`crate::failover::EpochView`].
+    Epoch {
+        /// The job.
+        job: u16,
+    },
 }
 
 impl MgmtRoute {
@@ -438,6 +462,8 @@ impl MgmtRoute {
             (["v1", "jobs", _], _) => wrong("PUT, DELETE"),
             (["v1", "jobs", id, "checkpoint"], "GET") => Ok(R::Checkpoint { job: job_id(id)? }),
             (["v1", "jobs", _, "checkpoint"], _) => wrong("GET"),
+            (["v1", "jobs", id, "epoch"], "PUT") => Ok(R::Epoch { job: job_id(id)? }),
+            (["v1", "jobs", _, "epoch"], _) => wrong("PUT"),
             _ => Err(RouteError::NotFound {
                 method: method.into(),
                 path: path.into(),
@@ -470,7 +496,7 @@ impl Route for MgmtRoute {
             | MgmtRoute::Jobs
             | MgmtRoute::Stats
             | MgmtRoute::Checkpoint { .. } => Method::Get,
-            MgmtRoute::Install { .. } => Method::Put,
+            MgmtRoute::Install { .. } | MgmtRoute::Epoch { .. } => Method::Put,
             MgmtRoute::Remove { .. } => Method::Delete,
         }
     }
@@ -483,6 +509,7 @@ impl Route for MgmtRoute {
             MgmtRoute::Stats => "/v1/stats".into(),
             MgmtRoute::Install { job } | MgmtRoute::Remove { job } => format!("/v1/jobs/{job}"),
             MgmtRoute::Checkpoint { job } => format!("/v1/jobs/{job}/checkpoint"),
+            MgmtRoute::Epoch { job } => format!("/v1/jobs/{job}/epoch"),
         }
     }
 
@@ -635,6 +662,12 @@ pub mod control {
         Call::new(ControlRoute::Join { job }, Body::json(req), json)
     }
 
+    /// `GET /v1/jobs/{job}/epoch`: a replicated job's epoch and who is
+    /// down in it (PROTOCOL.md §11.6).
+    pub fn epoch(job: u16) -> ControlCall<'static, EpochView> {
+        Call::new(ControlRoute::Epoch { job }, Body::Empty, json)
+    }
+
     /// `GET /v1/stats`.
     pub fn stats() -> ControlCall<'static, Stats> {
         Call::new(ControlRoute::Stats, Body::Empty, json)
@@ -715,6 +748,12 @@ pub mod mgmt {
     pub fn remove(job: u16) -> MgmtCall<'static, ()> {
         Call::new(MgmtRoute::Remove { job }, Body::Empty, nothing)
     }
+
+    /// `PUT /v1/jobs/{job}/epoch`: installs a replicated job's new epoch
+    /// (PROTOCOL.md §11.6). The answer's body is not read.
+    pub fn epoch(job: u16, view: &EpochView) -> MgmtCall<'static, ()> {
+        Call::new(MgmtRoute::Epoch { job }, Body::json(view), nothing)
+    }
 }
 
 #[cfg(test)]
@@ -737,6 +776,7 @@ mod tests {
                 key: Some(12),
             },
             R::Join { job: 300 },
+            R::Epoch { job: 4 },
             R::Stats,
             R::Appliances,
             R::AddAppliance {
@@ -762,6 +802,7 @@ mod tests {
             R::Install { job: 3 },
             R::Checkpoint { job: 3 },
             R::Remove { job: 65535 },
+            R::Epoch { job: 2 },
         ]
     }
 
@@ -809,6 +850,7 @@ mod tests {
                 "GET /v1/jobs/7/map/keys/0 false",
                 "GET /v1/jobs/7/map/keys/12 false",
                 "POST /v1/jobs/300/join false",
+                "GET /v1/jobs/4/epoch false",
                 "GET /v1/stats false",
                 "GET /v1/appliances false",
                 "POST /v1/appliances true",
@@ -831,6 +873,7 @@ mod tests {
                 "PUT /v1/jobs/3 true",
                 "GET /v1/jobs/3/checkpoint true",
                 "DELETE /v1/jobs/65535 true",
+                "PUT /v1/jobs/2/epoch true",
             ]
         );
     }

@@ -563,6 +563,7 @@ mod tests {
                 base_port: 9000,
             },
             appliances,
+            replication: None,
         };
         let cfg = WorkerConfig::default();
         let d = HEADER_LEN + 8192;

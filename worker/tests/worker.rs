@@ -281,6 +281,7 @@ fn join_response(spec: &JobSpec, layout: &Layout, rank: u16, base_port: u16) -> 
             base_port,
         },
         appliances: Vec::new(),
+        replication: None,
     }
 }
 

@@ -145,6 +145,7 @@ impl Shared {
                     lcores: u32::try_from(rack.layout.lcores.len()).unwrap_or(u32::MAX),
                     ..appliances[rack.index].clone()
                 }],
+                replication: None,
             },
             None => JoinResponse {
                 job: id,
@@ -153,6 +154,7 @@ impl Shared {
                 layout: job.layout.clone(),
                 dataplane: datas[&job.parts[0].appliance].0.clone(),
                 appliances,
+                replication: None,
             },
         };
         let joined = self.commit(&mut inner, Entry::Job(id), |inner| {
