@@ -283,10 +283,11 @@ impl Daemon {
             threads.push(
                 std::thread::Builder::new()
                     .name("control-elect".into())
-                    .spawn(move || loop {
-                        match elect_sleep.recv_timeout(es.lead.tick()) {
-                            Err(mpsc::RecvTimeoutError::Timeout) => es.elect(),
-                            _ => break,
+                    .spawn(move || {
+                        while let Err(mpsc::RecvTimeoutError::Timeout) =
+                            elect_sleep.recv_timeout(es.lead.tick())
+                        {
+                            es.elect();
                         }
                     })
                     .context("cannot start the election thread")?,
