@@ -179,11 +179,16 @@ impl Daemon {
         for job in jobs.values() {
             if let Some(p) = job.parts.iter().find(|p| !specs.contains_key(&p.appliance)) {
                 anyhow::bail!(
-                    "{}: job {} is on appliance {:?}, which neither the state nor the command line names; \
+                    "{}: job {} is on appliance {:?}, which neither the {} nor the command line names; \
                      give it with --appliance name={},url=<its management URL>",
                     store.describe(),
                     job.id,
                     p.appliance,
+                    if store.etcd().is_some() {
+                        "state in etcd"
+                    } else {
+                        "state file"
+                    },
                     p.appliance
                 );
             }

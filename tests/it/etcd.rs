@@ -4,7 +4,8 @@
 //! prefix. The state survives a restart; one control leads and the other
 //! turns writes away naming it; a follower leads after the leader is
 //! killed, jobs and tokens intact; a leader paused past its lease is
-//! fenced: its write fails and it steps down.
+//! fenced: its write fails and it steps down; phubctl given several
+//! controls reaches the leader.
 //!
 //! Needs the `etcd` binary (Debian's etcd-server, which tools/setup.sh
 //! installs); without it each test says it skips.
@@ -281,6 +282,30 @@ fn state_survives_a_restart_and_a_follower_names_the_leader() {
     );
     let refused = join(&b.url, job.id, job.token, 1).unwrap_err();
     assert_eq!(refused.0, Some(503), "{refused:?}");
+
+    // phubctl given both controls, the follower first: the write reaches
+    // the leader; given the follower alone, it fails naming the leader.
+    let phubctl = |control: &str, args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .env("PHUB_OPERATOR_TOKEN", &token)
+            .args(["--control", control])
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let id = job.id.to_string();
+    let (ok, err) = phubctl(&b.url, &["job", "evict", &id]);
+    assert!(!ok && err.contains(&a.url), "{err}");
+    let (ok, err) = phubctl(&format!("{},{}", b.url, a.url), &["job", "evict", &id]);
+    assert!(ok, "{err}");
+    assert!(client(&a.url, Some(&token))
+        .send(&control::jobs())
+        .unwrap()
+        .is_empty());
 }
 
 #[test]
