@@ -68,11 +68,37 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ApplianceCmd,
     },
+    /// Copy a state between a state file and etcd, with no control running
+    /// on the target (local: phub-control is not asked).
+    State {
+        #[command(subcommand)]
+        cmd: StateCmd,
+    },
     /// Dataplane counters and jobs.
     Stats {
         /// Repeat every SECS seconds (default 1), clearing the screen.
         #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
         watch: Option<f64>,
+    },
+}
+
+/// Both take FROM and TO, each a state file or
+/// `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`; TO must be empty.
+#[derive(Debug, Subcommand)]
+enum StateCmd {
+    /// Copy the state in etcd (FROM) to a new state file (TO).
+    Export {
+        /// etcd://HOST:PORT[,...]/PREFIX (or a state file).
+        from: String,
+        /// A new state file (or an unused etcd prefix).
+        to: String,
+    },
+    /// Copy a state file (FROM) into an unused etcd prefix (TO).
+    Import {
+        /// A state file (or etcd://...).
+        from: String,
+        /// etcd://HOST:PORT[,...]/PREFIX, nothing under it yet (or a new file).
+        to: String,
     },
 }
 
@@ -326,6 +352,14 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 )
             }),
         },
+        Cmd::State {
+            cmd: StateCmd::Export { from, to } | StateCmd::Import { from, to },
+        } => {
+            let (jobs, appliances) =
+                crate::state::transfer::copy(from, to).map_err(|e| CliError::Local(e.to_string()))?;
+            println!("copied {jobs} jobs and {appliances} appliances from {from} to {to}");
+            Ok(())
+        }
         Cmd::Stats { watch: None } => show(json, ctl.send(&control::stats())?, |r| render_stats(&r)),
         Cmd::Stats { watch: Some(secs) } => {
             if !(secs.is_finite() && *secs > 0.0) {

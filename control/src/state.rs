@@ -12,6 +12,7 @@
 
 pub(crate) mod etcd;
 pub(crate) mod store;
+pub(crate) mod transfer;
 
 use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};

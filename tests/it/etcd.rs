@@ -396,3 +396,60 @@ fn a_leader_paused_past_its_lease_is_fenced_and_steps_down() {
     join(&b.url, job.id, job.token, 0).unwrap();
     assert_eq!(joined(&b.url, &token, job.id), [0]);
 }
+
+#[test]
+fn a_state_file_moves_into_etcd_and_back_without_loss() {
+    let mut rack = Rack::start(1, "64MiB");
+    let dir = rack.dir.join("controls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let Some(etcd) = Etcd::start(&rack.dir) else {
+        return;
+    };
+    let operator = std::fs::read_to_string(rack.dir.join("state.json.operator-token")).unwrap();
+    let job = admit(
+        &rack.control_url,
+        operator.trim(),
+        &census_spec("m", 2, 64, Consistency::Sync),
+    )
+    .unwrap();
+    join(&rack.control_url, job.id, job.token, 0).unwrap();
+    rack.kill_control();
+
+    let phubctl = |args: &[&str]| {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let file = rack.dir.join("state.json").display().to_string();
+    let prefix = etcd.state("phub-moved");
+    let (ok, err) = phubctl(&["state", "import", &file, &prefix]);
+    assert!(ok, "{err}");
+    let (ok, err) = phubctl(&["state", "import", &file, &prefix]);
+    assert!(
+        !ok && err.contains("holds a state already"),
+        "a second import overwrites nothing: {err}"
+    );
+    let back = rack.dir.join("back.json").display().to_string();
+    let (ok, err) = phubctl(&["state", "export", &prefix, &back]);
+    assert!(ok, "{err}");
+    let json = |p: &str| -> serde_json::Value {
+        serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+    };
+    assert_eq!(
+        json(&file),
+        json(&back),
+        "the state comes back from etcd as it went in"
+    );
+
+    // A control on the imported prefix holds the job, its token and its joined rank.
+    let c = Control::start(&rack, &prefix, &dir, "control-moved");
+    let token = operator_token(&dir);
+    wait_leads(&c.url, &token, Duration::from_secs(10));
+    assert_eq!(joined(&c.url, &token, job.id), [0]);
+    join(&c.url, job.id, job.token, 1).expect("the job's token works after the move");
+}

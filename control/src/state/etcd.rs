@@ -531,6 +531,52 @@ impl EtcdStore {
         Err(EtcdError::Conflict { key, read, now })
     }
 
+    /// Writes `appliances` and `jobs` under the prefix, each key in a
+    /// transaction that requires it absent (`phubctl state import`, no
+    /// control running): an [`EtcdError::Conflict`] names a key that is
+    /// there already.
+    pub(crate) fn import(&self, appliances: &[&ApplianceSpec], jobs: &[&StoredJob]) -> Result<(), EtcdError> {
+        let mut entries: Vec<(String, Vec<u8>)> =
+            vec![(self.key("version"), FORMAT_VERSION.to_string().into_bytes())];
+        for a in appliances {
+            let v = serde_json::to_vec(a).expect("state entries serialise");
+            entries.push((self.key(&format!("appliances/{}", a.name)), v));
+        }
+        for j in jobs {
+            let v = serde_json::to_vec(j).expect("state entries serialise");
+            entries.push((self.key(&format!("jobs/{:05}", j.id)), v));
+        }
+        for (key, value) in entries {
+            if value.len() > MAX_VALUE_BYTES {
+                return Err(EtcdError::TooLarge {
+                    key,
+                    bytes: value.len(),
+                    limit: MAX_VALUE_BYTES,
+                });
+            }
+            let k = b64(key.as_bytes());
+            let answer = self.gateway.call(
+                "an import",
+                "/v3/kv/txn",
+                &json!({
+                    "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                    "success": [{"request_put": {"key": k, "value": b64(&value)}}],
+                    "failure": [{"request_range": {"key": k}}],
+                }),
+            )?;
+            if answer["succeeded"].as_bool() != Some(true) {
+                let now = answer["responses"]
+                    .get(0)
+                    .map(|r| kvs(&r["response_range"]))
+                    .transpose()?
+                    .and_then(|l| l.into_iter().next())
+                    .map_or(0, |kv| kv.mod_revision);
+                return Err(EtcdError::Conflict { key, read: 0, now });
+            }
+        }
+        Ok(())
+    }
+
     fn not_leader(&self, leader: Option<String>) -> EtcdError {
         EtcdError::NotLeader {
             prefix: self.target.url(),
