@@ -254,9 +254,9 @@ impl Daemon {
                 .map(|a| format!("{} at {}", a.spec.name, a.spec.url))
                 .collect();
             log::info!(
-                "phub-control listening on {scheme}://{addr}; appliances: {}; {} ({} jobs)",
+                "phub-control listening on {scheme}://{addr}; appliances: {}; state {} ({} jobs)",
                 names.join(", "),
-                shared.store.describe(),
+                shared.store.place(),
                 inner.jobs.len()
             );
         }

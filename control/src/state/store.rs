@@ -73,11 +73,20 @@ impl Store {
         }
     }
 
-    /// Where the state is, for logs and errors.
+    /// Where the state is, for errors: `state file PATH` or `state in
+    /// etcd://...`.
     pub(crate) fn describe(&self) -> String {
         match self {
             Store::File { path, .. } => format!("state file {}", path.display()),
-            Store::Etcd(e) => format!("state {}", e.target().url()),
+            Store::Etcd(_) => format!("state in {}", self.place()),
+        }
+    }
+
+    /// The file's path or the etcd URL.
+    pub(crate) fn place(&self) -> String {
+        match self {
+            Store::File { path, .. } => path.display().to_string(),
+            Store::Etcd(e) => e.target().url(),
         }
     }
 }
