@@ -24,7 +24,9 @@ set -euo pipefail
 # Depends; objcopy strips the binaries). `make test-package` installs its own
 # (mmdebstrap).
 # mold: the linker (.cargo/config.toml, tools/link-gcc; GNU ld where missing).
-PACKAGES=(pkg-config mold libhwloc-dev libudev-dev libdpdk-dev dpdk-dev dpdk libclang-dev iproute2 nftables python3 python3-venv python3-dev fonts-dejavu-core dpkg-dev binutils)
+# etcd-server: etcd, which tests/it/etcd.rs starts on loopback (phub-control
+# --state etcd://...).
+PACKAGES=(pkg-config mold libhwloc-dev libudev-dev libdpdk-dev dpdk-dev dpdk libclang-dev iproute2 nftables python3 python3-venv python3-dev fonts-dejavu-core dpkg-dev binutils etcd-server)
 
 need=()
 for p in "${PACKAGES[@]}"; do

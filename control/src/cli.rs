@@ -30,7 +30,9 @@ pub const DEFAULT_CONTROL: &str = "http://127.0.0.1:7700";
 #[derive(Debug, Parser)]
 #[command(name = "phubctl", version)]
 struct Args {
-    /// Base URL of phub-control [default: $PHUB_CONTROL, else http://127.0.0.1:7700]
+    /// Base URL of phub-control, or of several controls on one etcd
+    /// prefix separated by commas (each tried in turn while one does not
+    /// answer or answers 503) [default: $PHUB_CONTROL, else http://127.0.0.1:7700]
     #[arg(long, global = true, value_name = "URL")]
     control: Option<String>,
     /// Print control's answer as JSON.
@@ -66,11 +68,37 @@ enum Cmd {
         #[command(subcommand)]
         cmd: ApplianceCmd,
     },
+    /// Copy a state between a state file and etcd, with no control running
+    /// on the target (local: phub-control is not asked).
+    State {
+        #[command(subcommand)]
+        cmd: StateCmd,
+    },
     /// Dataplane counters and jobs.
     Stats {
         /// Repeat every SECS seconds (default 1), clearing the screen.
         #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "1")]
         watch: Option<f64>,
+    },
+}
+
+/// Both take FROM and TO, each a state file or
+/// `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`; TO must be empty.
+#[derive(Debug, Subcommand)]
+enum StateCmd {
+    /// Copy the state in etcd (FROM) to a new state file (TO).
+    Export {
+        /// etcd://HOST:PORT[,...]/PREFIX (or a state file).
+        from: String,
+        /// A new state file (or an unused etcd prefix).
+        to: String,
+    },
+    /// Copy a state file (FROM) into an unused etcd prefix (TO).
+    Import {
+        /// A state file (or etcd://...).
+        from: String,
+        /// etcd://HOST:PORT[,...]/PREFIX, nothing under it yet (or a new file).
+        to: String,
     },
 }
 
@@ -324,6 +352,14 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 )
             }),
         },
+        Cmd::State {
+            cmd: StateCmd::Export { from, to } | StateCmd::Import { from, to },
+        } => {
+            let (jobs, appliances) =
+                crate::state::transfer::copy(from, to).map_err(|e| CliError::Local(e.to_string()))?;
+            println!("copied {jobs} jobs and {appliances} appliances from {from} to {to}");
+            Ok(())
+        }
         Cmd::Stats { watch: None } => show(json, ctl.send(&control::stats())?, |r| render_stats(&r)),
         Cmd::Stats { watch: Some(secs) } => {
             if !(secs.is_finite() && *secs > 0.0) {
@@ -390,35 +426,76 @@ fn show<T: Serialize>(json: bool, v: T, f: impl FnOnce(T) -> String) -> Result<(
     Ok(())
 }
 
-/// A connection to control: the shared typed client, with phubctl's
-/// timeouts and its errors.
+/// A connection to control: the shared typed client of each control
+/// given (`--control URL1,URL2,...`), with phubctl's timeouts and its
+/// errors.
+///
+/// Several controls (state in etcd, one leading): a call goes to the one
+/// that answered last, then to each next one in turn while the one asked
+/// does not answer (refused, timed out) or answers `503` (a follower, or
+/// no leader now); each is asked once, so the wait is bounded by the
+/// number of controls times the timeouts (3 s to connect, 30 s in all).
+/// The last one's error is the answer.
 struct Ctl {
-    client: Client,
+    clients: Vec<Client>,
+    /// The control that answered last.
+    current: std::cell::Cell<usize>,
 }
 
 impl Ctl {
     fn new(
-        base: &str,
+        bases: &str,
         operator_token: Option<String>,
         ca_file: Option<&std::path::Path>,
     ) -> Result<Ctl, String> {
-        let builder = ureq::AgentBuilder::new()
-            .timeout_connect(Duration::from_secs(3))
-            .timeout(Duration::from_secs(30));
-        let client = Client::new(base, ca_file, builder)
-            .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?
-            .with_token(operator_token);
-        Ok(Ctl { client })
+        let mut clients = Vec::new();
+        for base in bases.split(',').map(str::trim).filter(|b| !b.is_empty()) {
+            let builder = ureq::AgentBuilder::new()
+                .timeout_connect(Duration::from_secs(3))
+                .timeout(Duration::from_secs(30));
+            let client = Client::new(base, ca_file, builder)
+                .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?
+                .with_token(operator_token.clone());
+            clients.push(client);
+        }
+        if clients.is_empty() {
+            return Err(format!(
+                "--control {bases:?}: expected a URL of phub-control, or several separated by commas"
+            ));
+        }
+        Ok(Ctl {
+            clients,
+            current: std::cell::Cell::new(0),
+        })
     }
 
-    /// Control's base URL.
+    /// The base URL of the control that answered last.
     fn base(&self) -> &str {
-        self.client.base()
+        self.clients[self.current.get()].base()
     }
 
     /// Sends a call; its answer on success.
     fn send<A>(&self, call: &ControlCall<'_, A>) -> Result<A, CliError> {
-        self.client.send(call).map_err(|e| match e {
+        let first = self.current.get();
+        let n = self.clients.len();
+        let mut last = None;
+        for i in 0..n {
+            let at = (first + i) % n;
+            match self.clients[at].send(call) {
+                Ok(a) => {
+                    self.current.set(at);
+                    return Ok(a);
+                }
+                Err(e @ ClientError::Unreachable { .. }) => last = Some(e),
+                Err(e) if e.status() == Some(503) => last = Some(e),
+                Err(e) => {
+                    self.current.set(at);
+                    last = Some(e);
+                    break;
+                }
+            }
+        }
+        Err(match last.expect("one control at least was asked") {
             ClientError::Api { message, .. } => CliError::Api(message),
             e @ ClientError::Http { .. } => CliError::Api(e.to_string()),
             ClientError::Unreachable { base, reason } => CliError::Unreachable { url: base, reason },

@@ -36,6 +36,7 @@ mod config;
 mod evict;
 mod http;
 mod join;
+mod leader;
 mod reconcile;
 mod registry;
 mod retry;
@@ -54,12 +55,15 @@ use phub_proto::api::ApplianceSpec;
 pub use self::config::{
     check_appliance, default_mgmt_token_path, default_token_path, parse_appliance, Config, CONFIG_FILE,
 };
-pub use self::http::{MAX_BODY_BYTES, MAX_SMALL_BODY_BYTES};
+pub use self::http::{LEADER_HEADER, MAX_BODY_BYTES, MAX_SMALL_BODY_BYTES};
+pub use crate::state::etcd::EtcdTarget;
 
 use self::checkpoints::load_checkpoints;
-use self::config::{load_or_create_token, Args};
-use self::registry::{Appliance, Inner, Shared};
-use crate::state::{self, StoredJob, DEFAULT_APPLIANCE};
+use self::config::{load_or_create_token, Args, StateArg};
+use self::registry::{Appliance, Entry, Inner, Shared};
+use crate::state::etcd::EtcdStore;
+use crate::state::store::Store;
+use crate::state::{StoredJob, DEFAULT_APPLIANCE};
 
 /// Entry point of the `phub-control` binary: parses flags, runs until
 /// SIGINT or SIGTERM, then shuts down cleanly.
@@ -70,10 +74,17 @@ pub fn main() -> ExitCode {
         log::info!("configuration file {}", f.display());
     }
     let explicit = args.dataplane.is_some() || args.dataplane_token_file.is_some();
+    let (state, etcd) = match args.state {
+        StateArg::File(path) => (path, None),
+        StateArg::Etcd(target) => (args.state_dir.join("phub-control"), Some(target)),
+    };
     let mut config = Config {
         listen: args.listen,
         appliances: args.appliance,
-        state: args.state,
+        state,
+        etcd,
+        advertise: args.advertise_url,
+        lease_ttl: Duration::from_secs(args.lease_ttl),
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
         operator_token: args.operator_token_file,
         dataplane_token: args.dataplane_token_file,
@@ -116,8 +127,10 @@ fn run(config: Config) -> anyhow::Result<()> {
 
 /// A running daemon: the HTTP listener and the reconcile thread.
 pub struct Daemon {
-    // Held for the daemon's life: no second phub-control on this state file.
-    _state_lock: state::StateLock,
+    // Holds the store (a state file's lock for the daemon's life).
+    shared: Arc<Shared>,
+    // Dropping the sender stops the election thread.
+    elect_wake: Option<mpsc::Sender<()>>,
     operator_token: String,
     addr: SocketAddr,
     server: Option<phub_http::Server>,
@@ -141,40 +154,41 @@ impl Daemon {
     /// `config`), binds the API and starts the threads. The first
     /// reconciliation with the dataplanes runs at once, in the background.
     pub fn start(config: Config) -> anyhow::Result<Daemon> {
-        let state_lock = state::lock(&config.state)?;
-        let loaded = state::load(&config.state)?.unwrap_or_default();
+        let store = match &config.etcd {
+            None => Store::file(config.state.clone())?,
+            Some(target) => Store::Etcd(EtcdStore::new(target.clone())),
+        };
+        let loaded = store.load()?.unwrap_or_default();
         let token_path = config.operator_token_path();
         let operator_token = load_or_create_token(&token_path)?;
         let recorded = loaded.appliances.clone().unwrap_or_default();
-        let mut specs: BTreeMap<String, ApplianceSpec> =
-            recorded.iter().map(|a| (a.name.clone(), a.clone())).collect();
         for a in &config.appliances {
             check_appliance(a).map_err(anyhow::Error::msg)?;
-            if let Some(old) = specs.get(&a.name).filter(|old| *old != a) {
-                log::warn!(
-                    "appliance {:?}: the state file has it at {} (rack {:?}); now at {} (rack {:?})",
-                    a.name,
-                    old.url,
-                    old.rack,
-                    a.url,
-                    a.rack
-                );
-            }
-            specs.insert(a.name.clone(), a.clone());
         }
+        let mut specs = leader::merged(&recorded, &config.appliances);
         if specs.is_empty() {
             let a = config.default_appliance();
             specs.insert(a.name.clone(), a);
         }
+        let given: Vec<ApplianceSpec> = if recorded.is_empty() {
+            specs.values().cloned().collect()
+        } else {
+            config.appliances.clone()
+        };
         let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
         for job in jobs.values() {
             if let Some(p) = job.parts.iter().find(|p| !specs.contains_key(&p.appliance)) {
                 anyhow::bail!(
-                    "state file {}: job {} is on appliance {:?}, which neither the state file nor the \
-                     command line names; give it with --appliance name={},url=<its management URL>",
-                    config.state.display(),
+                    "{}: job {} is on appliance {:?}, which neither the {} nor the command line names; \
+                     give it with --appliance name={},url=<its management URL>",
+                    store.describe(),
                     job.id,
                     p.appliance,
+                    if store.etcd().is_some() {
+                        "state in etcd"
+                    } else {
+                        "state file"
+                    },
                     p.appliance
                 );
             }
@@ -196,6 +210,8 @@ impl Daemon {
             .collect();
         let shared = Arc::new(Shared {
             state_path: config.state.clone(),
+            store,
+            lead: leader::Leadership::new(config.lease_ttl, given),
             interval: config.reconcile_interval,
             operator_token,
             token_path: token_path.clone(),
@@ -206,11 +222,14 @@ impl Daemon {
             }),
             ops: Mutex::new(()),
         });
-        if changed && !shared.lock().jobs.is_empty() {
+        if changed && !shared.lock().jobs.is_empty() && shared.store.etcd().is_none() {
             // The appliances given at start are recorded (with the jobs on
             // them), so a restart without them still knows where the jobs
-            // are; without jobs, the first change records them.
-            shared.persist(&shared.lock())?;
+            // are; without jobs, the first change records them. In etcd,
+            // the leader records them when it wins (`leader`).
+            let inner = shared.lock();
+            let first = inner.jobs.keys().next().copied().expect("jobs are there");
+            shared.persist(&inner, Entry::Job(first))?;
         }
         let limits = phub_http::Limits {
             body_bytes: MAX_BODY_BYTES,
@@ -220,6 +239,13 @@ impl Daemon {
         let server = phub_http::Server::bind("control-http", config.listen, limits, tls, shared.clone())
             .with_context(|| format!("cannot listen on {}", config.listen))?;
         let addr = server.local_addr();
+        let me = config
+            .advertise
+            .clone()
+            .unwrap_or_else(|| format!("{scheme}://{addr}"));
+        shared.lead.me.set(me).expect("set once, here");
+        // The first campaign before the threads: a lone control leads at once.
+        shared.elect();
         {
             let inner = shared.lock();
             let names: Vec<String> = inner
@@ -230,7 +256,7 @@ impl Daemon {
             log::info!(
                 "phub-control listening on {scheme}://{addr}; appliances: {}; state {} ({} jobs)",
                 names.join(", "),
-                config.state.display(),
+                shared.store.place(),
                 inner.jobs.len()
             );
         }
@@ -243,8 +269,11 @@ impl Daemon {
                 .spawn(move || {
                     let mut logs = BTreeMap::new();
                     loop {
-                        rs.reconcile(&mut logs);
-                        rs.periodic_checkpoints();
+                        // A follower neither reconciles nor checkpoints.
+                        if rs.acts() {
+                            rs.reconcile(&mut logs);
+                            rs.periodic_checkpoints();
+                        }
                         match sleep.recv_timeout(rs.interval) {
                             Err(mpsc::RecvTimeoutError::Timeout) => {}
                             _ => break,
@@ -253,9 +282,26 @@ impl Daemon {
                 })
                 .context("cannot start the reconcile thread")?,
         );
+        let (elect_wake, elect_sleep) = mpsc::channel::<()>();
+        if shared.store.etcd().is_some() {
+            let es = shared.clone();
+            threads.push(
+                std::thread::Builder::new()
+                    .name("control-elect".into())
+                    .spawn(move || {
+                        while let Err(mpsc::RecvTimeoutError::Timeout) =
+                            elect_sleep.recv_timeout(es.lead.tick())
+                        {
+                            es.elect();
+                        }
+                    })
+                    .context("cannot start the election thread")?,
+            );
+        }
         Ok(Daemon {
-            _state_lock: state_lock,
             operator_token: shared.operator_token.clone(),
+            shared,
+            elect_wake: Some(elect_wake),
             addr,
             server: Some(server),
             reconcile_wake: Some(wake),
@@ -284,9 +330,12 @@ impl Daemon {
             s.shutdown();
         }
         self.reconcile_wake.take();
+        self.elect_wake.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }
+        // A follower takes over at once rather than after the lease's TTL.
+        self.shared.resign();
     }
 }
 

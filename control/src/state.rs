@@ -6,6 +6,13 @@
 //! checkpoints, written the same way). One phub-control at a time uses a
 //! state file ([`lock`]); only a regular file of at most
 //! [`MAX_STATE_BYTES`] is read.
+//!
+//! The same content may instead live in etcd ([`etcd`]); [`store`] is the
+//! seam between the two.
+
+pub(crate) mod etcd;
+pub(crate) mod store;
+pub(crate) mod transfer;
 
 use std::collections::BTreeSet;
 use std::fs::{self, OpenOptions};
@@ -197,6 +204,9 @@ pub(crate) enum StateError {
         /// The I/O error.
         source: std::io::Error,
     },
+    /// The state is in etcd, which could not be read or written.
+    #[error(transparent)]
+    Etcd(#[from] etcd::EtcdError),
 }
 
 /// The largest state file read (1 GiB): a FIFO, a device or a runaway file

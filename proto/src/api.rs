@@ -52,6 +52,12 @@
 //! Every error answer (4xx, 5xx) is an [`ApiError`] with a message that names
 //! the problem.
 //!
+//! Several phub-controls on one etcd prefix (`--state etcd://...`): only
+//! the leader takes writes (the token-guarded routes above and the join);
+//! a follower answers them `503` with the leader's URL in the header
+//! `X-Phub-Leader` (absent while none leads) and in the message, and never
+//! forwards them. Reads are answered by any control.
+//!
 //! The routes as typed values, for servers to parse and clients to build
 //! calls with (method, path, body and answer types), are
 //! [`crate::routes`]'s [`ControlRoute`](crate::routes::ControlRoute) and

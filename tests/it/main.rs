@@ -19,6 +19,7 @@ mod dpdk_end_to_end;
 mod dpdk_faults;
 mod dpdk_hierarchy;
 mod end_to_end;
+mod etcd;
 mod faults;
 mod hierarchy;
 mod memory;

@@ -11,6 +11,7 @@ use clap::Parser;
 use phub_proto::api::ApplianceSpec;
 use phub_proto::spec::{appliance_name_ok, APPLIANCE_NAME_RULE};
 
+use crate::state::etcd::EtcdTarget;
 use crate::state::{self, DEFAULT_APPLIANCE};
 
 /// How the daemon runs.
@@ -25,8 +26,17 @@ pub struct Config {
     /// one named "default"). They join those the state file records; one
     /// of the same name replaces the recorded one.
     pub appliances: Vec<ApplianceSpec>,
-    /// The state file.
+    /// The state file; with `etcd`, the path whose siblings are the
+    /// checkpoint files and, by default, the operator token file.
     pub state: PathBuf,
+    /// The state in etcd instead of the file `state` (several controls on
+    /// one prefix, one leading; see `daemon::leader`).
+    pub etcd: Option<EtcdTarget>,
+    /// The URL this control's API is reached at, which followers name to
+    /// clients (default: the address it is bound to).
+    pub advertise: Option<String>,
+    /// The time to live of the leader lease (etcd only).
+    pub lease_ttl: Duration,
     /// How often the dataplanes' jobs are compared with the admitted ones.
     pub reconcile_interval: Duration,
     /// The operator token file (default: the state file's path with
@@ -49,6 +59,9 @@ impl Default for Config {
             dataplane: "http://127.0.0.1:7800".into(),
             appliances: Vec::new(),
             state: PathBuf::from("phub-control.state.json"),
+            etcd: None,
+            advertise: None,
+            lease_ttl: Duration::from_secs(2),
             reconcile_interval: Duration::from_secs(2),
             operator_token: None,
             dataplane_token: None,
@@ -192,10 +205,28 @@ pub(super) struct Args {
     /// file records; `phubctl appliance add|remove` changes them at run time.
     #[arg(long, value_name = "SPEC", value_parser = parse_appliance)]
     pub(super) appliance: Vec<ApplianceSpec>,
-    /// The state file (appliances and admitted jobs), written atomically
-    /// after every change.
-    #[arg(long, default_value = "phub-control.state.json")]
-    pub(super) state: PathBuf,
+    /// Where the state (appliances and admitted jobs) is kept: a file,
+    /// written atomically after every change, or
+    /// `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`, where several controls
+    /// share it and one leads (plain http endpoints; TLS and credentials
+    /// for etcd are not supported yet).
+    #[arg(long, value_name = "FILE|etcd://...", default_value = "phub-control.state.json", value_parser = parse_state)]
+    pub(super) state: StateArg,
+    /// With --state etcd://: the directory of the checkpoint files and of
+    /// the operator token file (default); every control of the prefix
+    /// needs the same token file and, to restore checkpoints another
+    /// control took, the same (shared) directory.
+    #[arg(long, value_name = "DIR", default_value = ".")]
+    pub(super) state_dir: PathBuf,
+    /// With --state etcd://: the URL of this control's API that followers
+    /// name to clients [default: http(s)://the address it is bound to].
+    #[arg(long, value_name = "URL")]
+    pub(super) advertise_url: Option<String>,
+    /// With --state etcd://: seconds the leader lease lives without renewal
+    /// (renewed every quarter of it); etcd raises a TTL below its minimum
+    /// (2 s with its default election timeout).
+    #[arg(long, value_name = "SECONDS", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub(super) lease_ttl: u64,
     /// Milliseconds between reconciliations with the dataplanes.
     #[arg(long, default_value_t = 2000, value_parser = clap::value_parser!(u64).range(1..))]
     pub(super) reconcile_ms: u64,
@@ -219,4 +250,21 @@ pub(super) struct Args {
     /// needs --tls-cert and --tls-key.
     #[arg(long)]
     pub(super) insecure_listen: bool,
+}
+
+/// `--state` as given: a file or etcd.
+#[derive(Debug, Clone)]
+pub(super) enum StateArg {
+    /// The state file.
+    File(PathBuf),
+    /// The prefix in etcd.
+    Etcd(EtcdTarget),
+}
+
+fn parse_state(text: &str) -> Result<StateArg, String> {
+    if EtcdTarget::is_etcd(text) {
+        EtcdTarget::parse(text).map(StateArg::Etcd)
+    } else {
+        Ok(StateArg::File(PathBuf::from(text)))
+    }
 }

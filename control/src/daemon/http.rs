@@ -53,6 +53,16 @@ pub(super) enum RequestError {
     /// The state file could not be written: 500.
     #[error("{0}")]
     State(String),
+    /// A write sent to a follower (state in etcd, another control
+    /// leads): 503, with the leader's URL in `X-Phub-Leader` when one
+    /// leads.
+    #[error("{message}")]
+    NotLeader {
+        /// What to do, naming the leader.
+        message: String,
+        /// The leader's URL.
+        leader: Option<String>,
+    },
 }
 
 impl RequestError {
@@ -68,6 +78,7 @@ impl RequestError {
             RequestError::Capacity(_) => 507,
             RequestError::Dataplane(_) => 502,
             RequestError::State(_) => 500,
+            RequestError::NotLeader { .. } => 503,
         }
     }
 }
@@ -132,7 +143,19 @@ pub(super) fn error_response(e: &RequestError) -> phub_http::Response {
     if e.status() == 401 {
         r = r.with_header("WWW-Authenticate", "Bearer");
     }
+    if let RequestError::NotLeader { leader: Some(l), .. } = e {
+        r = r.with_header(LEADER_HEADER, l.clone());
+    }
     r
+}
+
+/// The header of a follower's `503` that names the leader's URL.
+pub const LEADER_HEADER: &str = "X-Phub-Leader";
+
+/// Whether `route` changes state (joins and the operator's routes): a
+/// follower turns it away.
+fn is_write(route: &ControlRoute) -> bool {
+    route.needs_token() || matches!(route, ControlRoute::Join { .. })
 }
 
 /// Joins and the operator's routes run in handlers of their own, which
@@ -140,7 +163,7 @@ pub(super) fn error_response(e: &RequestError) -> phub_http::Response {
 /// take; everything else is a read.
 fn class_of(head: &phub_http::Request) -> phub_http::Class {
     match ControlRoute::shape(&head.method, &head.path, head.query.as_deref()) {
-        Some(r) if r.needs_token() || matches!(r, ControlRoute::Join { .. }) => phub_http::Class::Write,
+        Some(r) if is_write(&r) => phub_http::Class::Write,
         _ => phub_http::Class::Read,
     }
 }
@@ -189,6 +212,9 @@ impl Shared {
             self.check_operator(req)?;
         }
         let route = ControlRoute::parse(&req.method, &req.path, req.query.as_deref())?;
+        if is_write(&route) {
+            self.check_leader()?;
+        }
         self.dispatch(route, req)
     }
 

@@ -16,9 +16,11 @@ use phub_proto::spec::JobSpec;
 use super::checkpoints::Checkpoints;
 use super::config::token_path_of;
 use super::http::{failed, held, RequestError};
+use super::leader::Leadership;
 use crate::admission;
 use crate::dataplane::Client;
-use crate::state::{self, StateError, StoredJob};
+use crate::state::store::{Change, Store};
+use crate::state::{StateError, StoredJob};
 use crate::watch::{View, Watch, READ_WAIT};
 
 /// One appliance control manages.
@@ -192,7 +194,13 @@ pub(super) struct Shared {
     /// (`Authorization: Bearer`).
     pub(super) operator_token: String,
     pub(super) token_path: PathBuf,
+    /// The state file; with the state in etcd, the path whose siblings
+    /// are the checkpoint files (`--state-dir`/phub-control).
     pub(super) state_path: PathBuf,
+    /// Where the state is saved.
+    pub(super) store: Store,
+    /// The election, when the state is in etcd.
+    pub(super) lead: Leadership,
     pub(super) interval: Duration,
     pub(super) inner: Mutex<Inner>,
     /// Held across every call that changes the dataplanes' sets of jobs
@@ -216,11 +224,16 @@ impl Shared {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Writes what `inner` holds to the state file.
-    pub(super) fn persist(&self, inner: &Inner) -> Result<(), StateError> {
+    /// Saves `entry` as `inner` holds it (a state file gets all of
+    /// `inner`).
+    pub(super) fn persist(&self, inner: &Inner, entry: Entry<'_>) -> Result<(), StateError> {
         let appliances: Vec<&ApplianceSpec> = inner.appliances.values().map(|a| &a.spec).collect();
         let jobs: Vec<&StoredJob> = inner.jobs.values().collect();
-        state::save(&self.state_path, &appliances, &jobs)
+        let change = match entry {
+            Entry::Job(id) => Change::Job(id, inner.jobs.get(&id)),
+            Entry::Appliance(name) => Change::Appliance(name, inner.appliances.get(name).map(|a| &a.spec)),
+        };
+        self.store.save(change, &appliances, &jobs)
     }
 
     /// Changes `inner` by `change`, which touches `entry` alone, and saves
@@ -261,7 +274,7 @@ impl Shared {
         if let Some(untouched) = untouched {
             debug_assert!(others(inner) == untouched, "a commit changes only {entry:?}");
         }
-        match self.persist(inner) {
+        match self.persist(inner, entry) {
             Ok(()) => Ok(out),
             Err(e) => {
                 match before {
@@ -355,6 +368,7 @@ pub(super) fn survey_of(views: &BTreeMap<String, Result<View, String>>) -> Surve
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::state;
     use phub_proto::layout::layout;
 
     fn job(id: u16) -> StoredJob {
@@ -419,6 +433,8 @@ mod tests {
             operator_token: String::new(),
             token_path: dir.join("token"),
             state_path: path.clone(),
+            store: Store::file(path.clone()).unwrap(),
+            lead: Leadership::new(Duration::from_secs(2), Vec::new()),
             interval: Duration::from_secs(1),
             inner: Mutex::new(Inner {
                 appliances: BTreeMap::new(),

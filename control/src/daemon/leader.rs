@@ -1,0 +1,243 @@
+//! Several phub-controls on one etcd prefix, one leader.
+//!
+//! The leader holds the key `PREFIX/leader` (its advertised URL), created
+//! in a transaction that requires it absent and bound to a lease of
+//! [`Leadership::ttl`] (`--lease-ttl`, 2 s by default), which a thread
+//! renews every quarter of the TTL. The leader alone writes (every write
+//! also compares the leader key: fencing, `state::etcd`), reconciles the
+//! appliances and takes checkpoints. A follower campaigns on the same
+//! tick, reloads the state from etcd each time (its reads are at most one
+//! tick old) and turns every write away with `503` naming the leader
+//! (`X-Phub-Leader: URL` and the message); see `http`.
+//!
+//! A leader steps down at once when etcd says its lease is gone (a
+//! renewal answered without a TTL), when a fenced write fails, or when it
+//! could not renew for a whole TTL; it then follows. On winning, a control
+//! reloads the whole state before it serves a write, and records the
+//! appliances given on its command line. With the state in a file there is
+//! no election: the one control always acts.
+
+use std::collections::BTreeMap;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use phub_proto::api::ApplianceSpec;
+
+use super::checkpoints::load_checkpoints;
+use super::http::RequestError;
+use super::registry::{Appliance, Entry, Shared};
+use crate::state::etcd::Campaign;
+use crate::state::{StateError, StoredJob};
+
+/// This control's part in the election.
+#[derive(Debug)]
+pub(super) struct Leadership {
+    /// The URL other controls and clients are told to send writes to
+    /// (`--advertise-url`; default: the address the API is bound to).
+    pub(super) me: OnceLock<String>,
+    /// The lease's time to live.
+    pub(super) ttl: Duration,
+    /// The appliances given at start, which join those stored.
+    pub(super) given: Vec<ApplianceSpec>,
+    /// What the election thread last saw.
+    seen: Mutex<Seen>,
+}
+
+/// What the election thread last saw.
+#[derive(Debug)]
+struct Seen {
+    /// The leader's URL, when another leads.
+    leader: Option<String>,
+    /// When the lease was last renewed (while leading).
+    renewed: Instant,
+    /// The last error logged, so that a failing etcd is logged once.
+    error: Option<String>,
+}
+
+impl Leadership {
+    pub(super) fn new(ttl: Duration, given: Vec<ApplianceSpec>) -> Leadership {
+        Leadership {
+            me: OnceLock::new(),
+            ttl,
+            given,
+            seen: Mutex::new(Seen {
+                leader: None,
+                renewed: Instant::now(),
+                error: None,
+            }),
+        }
+    }
+
+    fn seen(&self) -> std::sync::MutexGuard<'_, Seen> {
+        self.seen.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// How often the election thread runs: a quarter of the TTL.
+    pub(super) fn tick(&self) -> Duration {
+        self.ttl / 4
+    }
+}
+
+/// The appliances stored (`recorded`) with those `given` at start: one
+/// given replaces the stored one of its name.
+pub(super) fn merged(recorded: &[ApplianceSpec], given: &[ApplianceSpec]) -> BTreeMap<String, ApplianceSpec> {
+    let mut specs: BTreeMap<String, ApplianceSpec> =
+        recorded.iter().map(|a| (a.name.clone(), a.clone())).collect();
+    for a in given {
+        if let Some(old) = specs.get(&a.name).filter(|old| *old != a) {
+            log::warn!(
+                "appliance {:?}: the state has it at {} (rack {:?}); now at {} (rack {:?})",
+                a.name,
+                old.url,
+                old.rack,
+                a.url,
+                a.rack
+            );
+        }
+        specs.insert(a.name.clone(), a.clone());
+    }
+    specs
+}
+
+impl Shared {
+    /// Whether this control acts: the state is in a file, or it leads.
+    pub(super) fn acts(&self) -> bool {
+        self.store.etcd().is_none_or(|e| e.leads())
+    }
+
+    /// A write may go on here: this control acts, or `503` naming the
+    /// leader.
+    pub(super) fn check_leader(&self) -> Result<(), RequestError> {
+        if self.acts() {
+            return Ok(());
+        }
+        let leader = self.lead.seen().leader.clone();
+        let me = self.lead.me.get().map_or("", String::as_str);
+        let message = match &leader {
+            Some(l) => format!("this phub-control ({me}) is a follower; send writes to the leader at {l}"),
+            None => format!(
+                "this phub-control ({me}) is a follower and no control leads now; try again within {} s",
+                self.lead.ttl.as_secs()
+            ),
+        };
+        Err(RequestError::NotLeader { message, leader })
+    }
+
+    /// One tick of the election (state in etcd only): a leader renews its
+    /// lease, a follower campaigns and, losing, reloads the state.
+    pub(super) fn elect(&self) {
+        let Some(etcd) = self.store.etcd() else {
+            return;
+        };
+        let me = self.lead.me.get().cloned().unwrap_or_default();
+        if etcd.leads() {
+            match etcd.renew() {
+                Ok(true) => {
+                    let mut seen = self.lead.seen();
+                    seen.renewed = Instant::now();
+                    seen.error = None;
+                }
+                Ok(false) => log::warn!("{me}: etcd says the leader lease is gone; following"),
+                Err(e) => {
+                    let late = self.lead.seen().renewed.elapsed();
+                    if late > self.lead.ttl {
+                        etcd.drop_lead();
+                        log::warn!(
+                            "{me}: could not renew the leader lease for {late:?} (over its {:?} TTL): {e}; following",
+                            self.lead.ttl
+                        );
+                    } else {
+                        self.log_once(format!("cannot renew the leader lease: {e}"));
+                    }
+                }
+            }
+            return;
+        }
+        match etcd.campaign(&me, self.lead.ttl) {
+            Ok(Campaign::Won) => {
+                self.lead.seen().renewed = Instant::now();
+                match self.take_over() {
+                    Ok(()) => {
+                        self.lead.seen().leader = None;
+                        log::info!("{me} leads {}", etcd.target().url());
+                    }
+                    Err(e) => {
+                        etcd.resign();
+                        log::error!("{me} won the election but cannot load the state: {e}; resigned");
+                    }
+                }
+            }
+            Ok(Campaign::Lost(leader)) => {
+                let changed = {
+                    let mut seen = self.lead.seen();
+                    let changed = seen.leader != leader;
+                    seen.leader = leader.clone();
+                    seen.error = None;
+                    changed
+                };
+                if changed {
+                    log::info!("{me} follows {}", leader.as_deref().unwrap_or("(no leader)"));
+                }
+                if let Err(e) = self.reload() {
+                    self.log_once(format!("cannot reload the state: {e}"));
+                }
+            }
+            Err(e) => self.log_once(format!("cannot campaign for the leader key: {e}")),
+        }
+    }
+
+    fn log_once(&self, message: String) {
+        let mut seen = self.lead.seen();
+        if seen.error.as_ref() != Some(&message) {
+            log::warn!("{message}");
+            seen.error = Some(message);
+        }
+    }
+
+    /// Reloads the state, then records the appliances given at start
+    /// that it lacks or holds otherwise.
+    fn take_over(&self) -> Result<(), StateError> {
+        let stored = self.reload()?;
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
+        for a in &self.lead.given {
+            if stored.get(&a.name) != Some(a) {
+                self.commit(&mut inner, Entry::Appliance(&a.name), |_| ())?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Replaces the appliances and jobs held with what is stored (the
+    /// appliances given at start joining them); an appliance whose spec
+    /// did not change keeps its client and last description. Returns the
+    /// stored appliances.
+    pub(super) fn reload(&self) -> Result<BTreeMap<String, ApplianceSpec>, StateError> {
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let loaded = self.store.load()?.unwrap_or_default();
+        let recorded = loaded.appliances.unwrap_or_default();
+        let specs = merged(&recorded, &self.lead.given);
+        let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
+        let checkpoints = load_checkpoints(&self.state_path, &jobs);
+        let mut inner = self.lock();
+        let mut old = std::mem::take(&mut inner.appliances);
+        inner.appliances = specs
+            .into_values()
+            .map(|spec| {
+                let kept = old.remove(&spec.name).filter(|a| a.spec == spec);
+                (spec.name.clone(), kept.unwrap_or_else(|| Appliance::new(spec)))
+            })
+            .collect();
+        inner.jobs = jobs;
+        inner.checkpoints = checkpoints;
+        Ok(recorded.into_iter().map(|a| (a.name.clone(), a)).collect())
+    }
+
+    /// Gives the leader key up, if held (at shutdown: a follower takes
+    /// over at once rather than after the TTL).
+    pub(super) fn resign(&self) {
+        if let Some(e) = self.store.etcd() {
+            e.resign();
+        }
+    }
+}

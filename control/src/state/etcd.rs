@@ -1,0 +1,712 @@
+//! The state in etcd: what the state file holds, one key per entry under a
+//! prefix (`--state etcd://HOST:PORT[,HOST:PORT...]/PREFIX`), and the
+//! leader key several phub-controls on one prefix elect their leader by.
+//!
+//! Keys under PREFIX (`/phub` in `etcd://127.0.0.1:2379/phub`):
+//!
+//! - `PREFIX/version`: the format version ([`FORMAT_VERSION`]), as text;
+//! - `PREFIX/appliances/NAME`: one appliance, JSON as in the state file;
+//! - `PREFIX/jobs/ID`: one admitted job (`ID` zero-padded to 5 digits),
+//!   JSON as in the state file, token included (etcd's access control
+//!   guards it, as the file's mode 0600 does);
+//! - `PREFIX/leader`: the leader's advertised URL, bound to its lease.
+//!
+//! Every write is one transaction that compares the key's mod revision
+//! with the one this control last read or wrote (two controls never
+//! overwrite each other), and, as fencing, the leader key's create
+//! revision with the one this control created when it won: a leader whose
+//! lease ran out (paused, partitioned) has its write refused by etcd
+//! itself, however late it sends it, and steps down at once.
+//!
+//! Values are not split: a transaction is bounded by etcd's request limit
+//! (`--max-request-bytes`, 1.5 MiB by default) and parts written in several
+//! transactions would not be atomic. A value over [`MAX_VALUE_BYTES`] is
+//! refused, naming the key, its size and the bound.
+//!
+//! How control talks to etcd: etcd's JSON gateway (`/v3/kv/range`,
+//! `/v3/kv/txn`, `/v3/lease/grant`, `/v3/lease/keepalive`,
+//! `/v3/lease/revoke`; keys and values base64, 64-bit integers as strings),
+//! served by etcd 3.4 and later on its client port, over ureq, which
+//! phub's HTTP client already uses. The gRPC client crate (etcd-client)
+//! would bring tonic, prost, tower and tokio-stream (none of them in
+//! phub's lock file) and a build script that runs `protoc`, a system
+//! package phub does not otherwise need; the gateway adds no crate (base64
+//! was already built for rustls). Plain `http://` endpoints only for now:
+//! TLS and credentials for etcd are not implemented yet.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use phub_proto::api::ApplianceSpec;
+use serde_json::{json, Value};
+
+use super::store::Change;
+use super::{StateFile, StoredJob, FORMAT_VERSION};
+
+/// The largest value written (1 MiB), under etcd's default request limit
+/// (1.5 MiB) with room for the transaction around it.
+pub(crate) const MAX_VALUE_BYTES: usize = 1 << 20;
+
+/// How long one request to an etcd endpoint may take before the next is
+/// tried.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Why etcd could not be used.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum EtcdError {
+    /// The `--state` URL is not `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`.
+    #[error("--state {url:?}: {reason}; expected etcd://HOST:PORT[,HOST:PORT...]/PREFIX")]
+    BadUrl {
+        /// As given.
+        url: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// No endpoint answered.
+    #[error("etcd unreachable at {endpoints}: {reason}")]
+    Unreachable {
+        /// Every endpoint tried.
+        endpoints: String,
+        /// The last endpoint's error.
+        reason: String,
+    },
+    /// An endpoint answered with an error.
+    #[error("etcd at {endpoint} refused {what}: {message}")]
+    Refused {
+        /// The endpoint.
+        endpoint: String,
+        /// The request.
+        what: &'static str,
+        /// etcd's message.
+        message: String,
+    },
+    /// A stored value is not what phub-control wrote.
+    #[error("etcd key {key:?} is corrupt: {reason}")]
+    Corrupt {
+        /// The key.
+        key: String,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The key changed since this control read it: another control wrote.
+    #[error(
+        "etcd key {key:?} changed since this phub-control read it (revision {read}, now {now}): another \
+         phub-control wrote it; nothing was written"
+    )]
+    Conflict {
+        /// The key.
+        key: String,
+        /// The mod revision read.
+        read: i64,
+        /// The mod revision now (0: deleted).
+        now: i64,
+    },
+    /// This control does not hold the leader key (any more): nothing was
+    /// written.
+    #[error(
+        "this phub-control is not the leader of {prefix}{}; nothing was written",
+        leader_text(leader)
+    )]
+    NotLeader {
+        /// The prefix.
+        prefix: String,
+        /// The leader's URL, if one leads.
+        leader: Option<String>,
+    },
+    /// A value over [`MAX_VALUE_BYTES`].
+    #[error(
+        "etcd key {key:?}: its value is {bytes} bytes, over the {limit} bytes phub-control writes in one \
+         etcd request (etcd's --max-request-bytes is 1.5 MiB by default); nothing was written"
+    )]
+    TooLarge {
+        /// The key.
+        key: String,
+        /// The value's size.
+        bytes: usize,
+        /// [`MAX_VALUE_BYTES`].
+        limit: usize,
+    },
+}
+
+fn leader_text(leader: &Option<String>) -> String {
+    match leader {
+        Some(l) => format!(" (the leader is {l})"),
+        None => " (no leader now)".into(),
+    }
+}
+
+/// Where the state lives in etcd: the endpoints and the prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EtcdTarget {
+    /// `http://HOST:PORT` of each endpoint, in the order given.
+    pub endpoints: Vec<String>,
+    /// `/PREFIX`, without a trailing slash.
+    pub prefix: String,
+}
+
+impl EtcdTarget {
+    /// Whether `text` names etcd (rather than a state file).
+    pub fn is_etcd(text: &str) -> bool {
+        text.starts_with("etcd://")
+    }
+
+    /// Parses `etcd://HOST:PORT[,HOST:PORT...]/PREFIX`.
+    pub fn parse(text: &str) -> Result<EtcdTarget, String> {
+        let bad = |reason: &str| {
+            EtcdError::BadUrl {
+                url: text.into(),
+                reason: reason.into(),
+            }
+            .to_string()
+        };
+        let rest = text.strip_prefix("etcd://").ok_or_else(|| bad("not etcd://"))?;
+        let (hosts, prefix) = rest.split_once('/').ok_or_else(|| bad("no /PREFIX"))?;
+        let prefix = prefix.trim_end_matches('/');
+        if prefix.is_empty() || prefix.len() > 200 || prefix.chars().any(|c| c.is_control() || c == ' ') {
+            return Err(bad(
+                "the prefix must be 1 to 200 characters, no spaces or control characters",
+            ));
+        }
+        let mut endpoints = Vec::new();
+        for h in hosts.split(',') {
+            let port_ok = h
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p > 0));
+            if !port_ok || h.contains(['@', '?', '#']) {
+                return Err(bad(&format!("endpoint {h:?} is not HOST:PORT")));
+            }
+            endpoints.push(format!("http://{h}"));
+        }
+        Ok(EtcdTarget {
+            endpoints,
+            prefix: format!("/{prefix}"),
+        })
+    }
+
+    /// The URL as given (for logs).
+    pub fn url(&self) -> String {
+        let hosts: Vec<&str> = self
+            .endpoints
+            .iter()
+            .map(|e| e.trim_start_matches("http://"))
+            .collect();
+        format!("etcd://{}{}", hosts.join(","), self.prefix)
+    }
+}
+
+/// One etcd cluster over its JSON gateway.
+#[derive(Debug)]
+struct Gateway {
+    endpoints: Vec<String>,
+    agent: ureq::Agent,
+    /// The endpoint that answered last, tried first.
+    preferred: AtomicUsize,
+}
+
+impl Gateway {
+    fn new(endpoints: Vec<String>) -> Gateway {
+        assert!(!endpoints.is_empty(), "an etcd target has an endpoint");
+        Gateway {
+            endpoints,
+            agent: ureq::AgentBuilder::new().timeout(REQUEST_TIMEOUT).build(),
+            preferred: AtomicUsize::new(0),
+        }
+    }
+
+    /// POSTs `body` to `path` on the preferred endpoint, then each other
+    /// one while they cannot be reached.
+    fn call(&self, what: &'static str, path: &str, body: &Value) -> Result<Value, EtcdError> {
+        let first = self.preferred.load(Ordering::Relaxed);
+        let mut last = String::new();
+        for i in 0..self.endpoints.len() {
+            let at = (first + i) % self.endpoints.len();
+            let endpoint = &self.endpoints[at];
+            match self.agent.post(&format!("{endpoint}{path}")).send_json(body) {
+                Ok(r) => {
+                    self.preferred.store(at, Ordering::Relaxed);
+                    let text = r.into_string().map_err(|e| EtcdError::Refused {
+                        endpoint: endpoint.clone(),
+                        what,
+                        message: format!("unreadable answer: {e}"),
+                    })?;
+                    return serde_json::from_str(&text).map_err(|e| EtcdError::Refused {
+                        endpoint: endpoint.clone(),
+                        what,
+                        message: format!("answer is not JSON ({e}): {text:.200}"),
+                    });
+                }
+                Err(ureq::Error::Status(status, r)) => {
+                    let text = r.into_string().unwrap_or_default();
+                    let message = serde_json::from_str::<Value>(&text)
+                        .ok()
+                        .and_then(|v| v["error"].as_str().map(str::to_string))
+                        .unwrap_or_else(|| format!("HTTP {status}: {text:.200}"));
+                    // An endpoint without a quorum says so; another may have one.
+                    if status >= 500 {
+                        last = format!("{endpoint}: {message}");
+                        continue;
+                    }
+                    return Err(EtcdError::Refused {
+                        endpoint: endpoint.clone(),
+                        what,
+                        message,
+                    });
+                }
+                Err(e) => last = format!("{endpoint}: {e}"),
+            }
+        }
+        Err(EtcdError::Unreachable {
+            endpoints: self.endpoints.join(","),
+            reason: last,
+        })
+    }
+}
+
+fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+/// A 64-bit integer of a gateway answer (a string, or absent for 0).
+fn int(v: &Value) -> i64 {
+    match v {
+        Value::String(s) => s.parse().unwrap_or(0),
+        Value::Number(n) => n.as_i64().unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// One key-value of a range answer.
+struct Kv {
+    key: String,
+    value: Vec<u8>,
+    create_revision: i64,
+    mod_revision: i64,
+}
+
+fn kvs(range: &Value) -> Result<Vec<Kv>, EtcdError> {
+    let Some(list) = range["kvs"].as_array() else {
+        return Ok(Vec::new());
+    };
+    list.iter()
+        .map(|kv| {
+            let raw = |field: &str| {
+                B64.decode(kv[field].as_str().unwrap_or_default())
+                    .map_err(|e| EtcdError::Corrupt {
+                        key: kv["key"].to_string(),
+                        reason: format!("{field} is not base64: {e}"),
+                    })
+            };
+            let key = String::from_utf8(raw("key")?).map_err(|e| EtcdError::Corrupt {
+                key: kv["key"].to_string(),
+                reason: format!("the key is not UTF-8: {e}"),
+            })?;
+            Ok(Kv {
+                key,
+                value: raw("value")?,
+                create_revision: int(&kv["create_revision"]),
+                mod_revision: int(&kv["mod_revision"]),
+            })
+        })
+        .collect()
+}
+
+/// The range end that covers every key starting with `prefix`.
+fn prefix_end(prefix: &str) -> Vec<u8> {
+    let mut end = prefix.as_bytes().to_vec();
+    // The prefix ends in '/', never in 0xff.
+    *end.last_mut().expect("a prefix is not empty") += 1;
+    end
+}
+
+/// The lease and leader key this control holds while it leads.
+#[derive(Debug, Clone, Copy)]
+struct Lead {
+    lease: i64,
+    /// The leader key's create revision: what every write compares.
+    create_revision: i64,
+}
+
+/// How a campaign for the leader key ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Campaign {
+    /// This control leads.
+    Won,
+    /// Another leads (its URL, if its key could be read).
+    Lost(Option<String>),
+}
+
+/// The state under one prefix of one etcd cluster.
+#[derive(Debug)]
+pub(crate) struct EtcdStore {
+    target: EtcdTarget,
+    gateway: Gateway,
+    /// Each entry's key with the mod revision this control last read or
+    /// wrote (absent: the key was absent).
+    revisions: Mutex<BTreeMap<String, i64>>,
+    /// Set while this control leads.
+    lead: Mutex<Option<Lead>>,
+}
+
+impl EtcdStore {
+    pub(crate) fn new(target: EtcdTarget) -> EtcdStore {
+        EtcdStore {
+            gateway: Gateway::new(target.endpoints.clone()),
+            target,
+            revisions: Mutex::default(),
+            lead: Mutex::default(),
+        }
+    }
+
+    pub(crate) fn target(&self) -> &EtcdTarget {
+        &self.target
+    }
+
+    fn key(&self, rest: &str) -> String {
+        format!("{}/{rest}", self.target.prefix)
+    }
+
+    fn leader_key(&self) -> String {
+        self.key("leader")
+    }
+
+    fn lead(&self) -> Option<Lead> {
+        *self.lead.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn set_lead(&self, lead: Option<Lead>) {
+        *self.lead.lock().unwrap_or_else(|p| p.into_inner()) = lead;
+    }
+
+    /// Whether this control holds the leader key, as far as it knows.
+    pub(crate) fn leads(&self) -> bool {
+        self.lead().is_some()
+    }
+
+    /// Everything under the prefix, as the state file would hold it;
+    /// `None` when nothing is stored yet. Remembers each entry's revision.
+    pub(crate) fn load(&self) -> Result<Option<StateFile>, EtcdError> {
+        let dir = self.key("");
+        let answer = self.gateway.call(
+            "a range read",
+            "/v3/kv/range",
+            &json!({"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(&dir))}),
+        )?;
+        let mut state = StateFile::default();
+        let mut appliances = Vec::new();
+        let mut revisions = BTreeMap::new();
+        for kv in kvs(&answer)? {
+            let rest = &kv.key[dir.len()..];
+            let corrupt = |reason: String| EtcdError::Corrupt {
+                key: kv.key.clone(),
+                reason,
+            };
+            if rest == "version" {
+                let v = std::str::from_utf8(&kv.value)
+                    .ok()
+                    .and_then(|v| v.trim().parse().ok());
+                if v != Some(FORMAT_VERSION) {
+                    return Err(corrupt(format!(
+                        "format version {:?}; this phub-control reads version {FORMAT_VERSION}",
+                        String::from_utf8_lossy(&kv.value)
+                    )));
+                }
+                state.version = v;
+            } else if let Some(name) = rest.strip_prefix("appliances/") {
+                let a: ApplianceSpec =
+                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(e.to_string()))?;
+                if a.name != name {
+                    return Err(corrupt(format!("holds appliance {:?}", a.name)));
+                }
+                appliances.push(a);
+            } else if let Some(id) = rest.strip_prefix("jobs/") {
+                let job: StoredJob = serde_json::from_slice(&kv.value).map_err(|e| corrupt(e.to_string()))?;
+                if id.parse::<u16>().ok() != Some(job.id) {
+                    return Err(corrupt(format!("holds job {}", job.id)));
+                }
+                state.jobs.push(job);
+            } else if rest == "leader" {
+                continue;
+            } else {
+                return Err(corrupt("not a key phub-control writes".into()));
+            }
+            revisions.insert(kv.key, kv.mod_revision);
+        }
+        if revisions.is_empty() {
+            *self.revisions.lock().unwrap_or_else(|p| p.into_inner()) = revisions;
+            return Ok(None);
+        }
+        state.appliances = Some(appliances);
+        state.jobs.sort_by_key(|j| j.id);
+        *self.revisions.lock().unwrap_or_else(|p| p.into_inner()) = revisions;
+        Ok(Some(state))
+    }
+
+    /// Writes `entry` (or deletes it) in one transaction that compares the
+    /// key's revision with the one last read or written and the leader key
+    /// with this control's ([`EtcdError::NotLeader`]: then this control
+    /// no longer leads). The version key is written with it.
+    pub(crate) fn write(&self, entry: Change<'_>) -> Result<(), EtcdError> {
+        let (key, value) = match entry {
+            Change::Job(id, job) => (self.key(&format!("jobs/{id:05}")), job.map(serde_json::to_vec)),
+            Change::Appliance(name, a) => {
+                (self.key(&format!("appliances/{name}")), a.map(serde_json::to_vec))
+            }
+        };
+        let value = value.transpose().expect("state entries serialise");
+        if let Some(v) = &value {
+            if v.len() > MAX_VALUE_BYTES {
+                return Err(EtcdError::TooLarge {
+                    key,
+                    bytes: v.len(),
+                    limit: MAX_VALUE_BYTES,
+                });
+            }
+        }
+        let Some(lead) = self.lead() else {
+            return Err(self.not_leader(None));
+        };
+        let read = self
+            .revisions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&key)
+            .copied()
+            .unwrap_or(0);
+        let leader_key = self.leader_key();
+        let compare = vec![
+            json!({"key": b64(key.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": read.to_string()}),
+            // Fencing: the leader key is still the one this control created.
+            json!({"key": b64(leader_key.as_bytes()), "target": "CREATE", "result": "EQUAL",
+                   "create_revision": lead.create_revision.to_string()}),
+        ];
+        let change = match &value {
+            Some(v) => json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(v)}}),
+            None => json!({"request_delete_range": {"key": b64(key.as_bytes())}}),
+        };
+        let version = self.key("version");
+        let success = vec![
+            change,
+            json!({"request_put": {"key": b64(version.as_bytes()), "value": b64(FORMAT_VERSION.to_string().as_bytes())}}),
+        ];
+        let failure = vec![
+            json!({"request_range": {"key": b64(leader_key.as_bytes())}}),
+            json!({"request_range": {"key": b64(key.as_bytes())}}),
+        ];
+        let answer = self.gateway.call(
+            "a write",
+            "/v3/kv/txn",
+            &json!({"compare": compare, "success": success, "failure": failure}),
+        )?;
+        if answer["succeeded"].as_bool() == Some(true) {
+            let revision = int(&answer["header"]["revision"]);
+            let mut revisions = self.revisions.lock().unwrap_or_else(|p| p.into_inner());
+            match value {
+                Some(_) => revisions.insert(key, revision),
+                None => revisions.remove(&key),
+            };
+            revisions.insert(version, revision);
+            return Ok(());
+        }
+        let responses = answer["responses"].as_array().cloned().unwrap_or_default();
+        let range = |i: usize| {
+            responses
+                .get(i)
+                .map(|r| kvs(&r["response_range"]))
+                .unwrap_or(Ok(Vec::new()))
+        };
+        let leader = range(0)?;
+        if leader.first().map(|kv| kv.create_revision) != Some(lead.create_revision) {
+            // Another leads, or none: this control steps down at once.
+            self.set_lead(None);
+            let url = leader
+                .first()
+                .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+            return Err(self.not_leader(url));
+        }
+        let now = range(1)?.first().map_or(0, |kv| kv.mod_revision);
+        Err(EtcdError::Conflict { key, read, now })
+    }
+
+    /// Writes `appliances` and `jobs` under the prefix, each key in a
+    /// transaction that requires it absent (`phubctl state import`, no
+    /// control running): an [`EtcdError::Conflict`] names a key that is
+    /// there already.
+    pub(crate) fn import(&self, appliances: &[&ApplianceSpec], jobs: &[&StoredJob]) -> Result<(), EtcdError> {
+        let mut entries: Vec<(String, Vec<u8>)> =
+            vec![(self.key("version"), FORMAT_VERSION.to_string().into_bytes())];
+        for a in appliances {
+            let v = serde_json::to_vec(a).expect("state entries serialise");
+            entries.push((self.key(&format!("appliances/{}", a.name)), v));
+        }
+        for j in jobs {
+            let v = serde_json::to_vec(j).expect("state entries serialise");
+            entries.push((self.key(&format!("jobs/{:05}", j.id)), v));
+        }
+        for (key, value) in entries {
+            if value.len() > MAX_VALUE_BYTES {
+                return Err(EtcdError::TooLarge {
+                    key,
+                    bytes: value.len(),
+                    limit: MAX_VALUE_BYTES,
+                });
+            }
+            let k = b64(key.as_bytes());
+            let answer = self.gateway.call(
+                "an import",
+                "/v3/kv/txn",
+                &json!({
+                    "compare": [{"key": k, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                    "success": [{"request_put": {"key": k, "value": b64(&value)}}],
+                    "failure": [{"request_range": {"key": k}}],
+                }),
+            )?;
+            if answer["succeeded"].as_bool() != Some(true) {
+                let now = answer["responses"]
+                    .get(0)
+                    .map(|r| kvs(&r["response_range"]))
+                    .transpose()?
+                    .and_then(|l| l.into_iter().next())
+                    .map_or(0, |kv| kv.mod_revision);
+                return Err(EtcdError::Conflict { key, read: 0, now });
+            }
+        }
+        Ok(())
+    }
+
+    fn not_leader(&self, leader: Option<String>) -> EtcdError {
+        EtcdError::NotLeader {
+            prefix: self.target.url(),
+            leader,
+        }
+    }
+
+    /// Tries to create the leader key with a new lease of `ttl`, holding
+    /// `me` (this control's URL), if no key is there.
+    pub(crate) fn campaign(&self, me: &str, ttl: Duration) -> Result<Campaign, EtcdError> {
+        let granted = self.gateway.call(
+            "a lease grant",
+            "/v3/lease/grant",
+            &json!({"TTL": ttl.as_secs().max(1).to_string()}),
+        )?;
+        let lease = int(&granted["ID"]);
+        let key = b64(self.leader_key().as_bytes());
+        let answer = self.gateway.call(
+            "the leader campaign",
+            "/v3/kv/txn",
+            &json!({
+                "compare": [{"key": key, "target": "CREATE", "result": "EQUAL", "create_revision": "0"}],
+                "success": [{"request_put": {"key": key, "value": b64(me.as_bytes()), "lease": lease.to_string()}}],
+                "failure": [{"request_range": {"key": key}}],
+            }),
+        );
+        let answer = match answer {
+            Ok(a) => a,
+            Err(e) => {
+                self.revoke(lease);
+                return Err(e);
+            }
+        };
+        if answer["succeeded"].as_bool() == Some(true) {
+            self.set_lead(Some(Lead {
+                lease,
+                create_revision: int(&answer["header"]["revision"]),
+            }));
+            return Ok(Campaign::Won);
+        }
+        self.revoke(lease);
+        let leader = answer["responses"]
+            .get(0)
+            .map(|r| kvs(&r["response_range"]))
+            .transpose()?
+            .and_then(|l| l.into_iter().next())
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+        Ok(Campaign::Lost(leader))
+    }
+
+    /// Renews the lease of the leader key: `Ok(false)` (and this control no
+    /// longer leads) when etcd says the lease is gone.
+    pub(crate) fn renew(&self) -> Result<bool, EtcdError> {
+        let Some(lead) = self.lead() else {
+            return Ok(false);
+        };
+        let answer = self.gateway.call(
+            "a lease renewal",
+            "/v3/lease/keepalive",
+            &json!({"ID": lead.lease.to_string()}),
+        )?;
+        if int(&answer["result"]["TTL"]) > 0 {
+            return Ok(true);
+        }
+        self.set_lead(None);
+        Ok(false)
+    }
+
+    /// Gives the leader key up (its lease revoked, so the key goes with
+    /// it), if this control holds it.
+    pub(crate) fn resign(&self) {
+        let lead = self.lead.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(lead) = lead {
+            self.revoke(lead.lease);
+        }
+    }
+
+    /// Steps down without telling etcd (the lease is known lost).
+    pub(crate) fn drop_lead(&self) {
+        self.set_lead(None);
+    }
+
+    fn revoke(&self, lease: i64) {
+        if let Err(e) = self.gateway.call(
+            "a lease revocation",
+            "/v3/lease/revoke",
+            &json!({"ID": lease.to_string()}),
+        ) {
+            log::warn!("{e}; the lease expires by itself");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_state_url_is_parsed_or_refused_by_name() {
+        let t = EtcdTarget::parse("etcd://127.0.0.1:2379,10.0.0.2:2379/phub/rack1/").unwrap();
+        assert_eq!(t.endpoints, ["http://127.0.0.1:2379", "http://10.0.0.2:2379"]);
+        assert_eq!(t.prefix, "/phub/rack1");
+        assert_eq!(t.url(), "etcd://127.0.0.1:2379,10.0.0.2:2379/phub/rack1");
+        for (bad, why) in [
+            ("etcd://127.0.0.1:2379", "no /PREFIX"),
+            ("etcd://127.0.0.1:2379/", "the prefix"),
+            ("etcd://127.0.0.1/phub", "not HOST:PORT"),
+            ("etcd://127.0.0.1:0/phub", "not HOST:PORT"),
+            ("etcd://a:1,/phub", "not HOST:PORT"),
+            ("http://127.0.0.1:2379/phub", "not etcd://"),
+        ] {
+            let e = EtcdTarget::parse(bad).unwrap_err();
+            assert!(
+                e.contains(why) && e.contains(bad) && e.contains("expected etcd://"),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_prefix_range_covers_its_keys_alone() {
+        assert_eq!(prefix_end("/phub/"), b"/phub0");
+        assert!(b"/phub/jobs/00001".as_slice() < prefix_end("/phub/").as_slice());
+        assert!(b"/phub0".as_slice() >= prefix_end("/phub/").as_slice());
+    }
+
+    #[test]
+    fn gateway_integers_are_strings_or_absent() {
+        assert_eq!(int(&json!("42")), 42);
+        assert_eq!(int(&json!(7)), 7);
+        assert_eq!(int(&Value::Null), 0);
+    }
+}
