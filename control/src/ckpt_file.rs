@@ -314,6 +314,7 @@ mod tests {
                     .collect()
             })
             .collect();
+        let tables = vec![Vec::new(); layout.lcores.len()];
         Checkpoint {
             job: InstallJob {
                 id: 4,
@@ -324,6 +325,7 @@ mod tests {
                 replication: None,
             },
             lcores,
+            tables,
         }
     }
 

@@ -16,7 +16,7 @@ use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
-use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
+use phub_proto::checkpoint::{Checkpoint, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::routes::{MgmtRoute, RouteError};
@@ -26,7 +26,7 @@ use phub_engine::counters::{NetDrop, ShardCounters};
 use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall, TableInstall};
 use phub_engine::shm::ShmSetup;
 
-use crate::lcore::{Clock, Command, Install};
+use crate::lcore::{Clock, Command, Install, Saved};
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -173,8 +173,17 @@ impl Manager {
     /// `PUT /v1/jobs/{id}` with a checkpoint body: installs the job it
     /// describes with every slot restored, on every lcore or on none.
     pub fn restore(&self, id: u16, ckpt: Checkpoint) -> Result<InstalledJob, MgmtError> {
-        let Checkpoint { job, lcores } = ckpt;
-        let r = self.install_with(id, job, Some(lcores))?;
+        let Checkpoint { job, lcores, tables } = ckpt;
+        // A file of format 1 or 2 saved no table: every lcore's list empty.
+        let mut tables = tables.into_iter();
+        let saved = lcores
+            .into_iter()
+            .map(|slots| Saved {
+                slots,
+                tables: tables.next().unwrap_or_default(),
+            })
+            .collect();
+        let r = self.install_with(id, job, Some(saved))?;
         log::info!("job {id} restored from a checkpoint");
         Ok(r)
     }
@@ -187,6 +196,7 @@ impl Manager {
             .map(|j| j.request.clone())
             .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
         let mut lcores = Vec::with_capacity(self.lcores.len());
+        let mut tables = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
             let state = l
@@ -196,16 +206,17 @@ impl Manager {
                 .and_then(|()| rx.recv_timeout(ACK_TIMEOUT).ok())
                 .ok_or_else(|| err(500, format!("lcore {i} did not answer the checkpoint request")))?
                 .ok_or_else(|| err(404, format!("job {id} is not installed on lcore {i}")))?;
-            lcores.push(state);
+            lcores.push(state.slots);
+            tables.push(state.tables);
         }
-        Ok(Checkpoint { job, lcores })
+        Ok(Checkpoint { job, lcores, tables })
     }
 
     fn install_with(
         &self,
         id: u16,
         req: InstallJob,
-        mut restore: Option<Vec<Vec<SlotState>>>,
+        mut restore: Option<Vec<Saved>>,
     ) -> Result<InstalledJob, MgmtError> {
         if req.id != id {
             return Err(err(

@@ -330,7 +330,8 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                         .collect()
                 })
                 .collect();
-            let bytes = Checkpoint { job, lcores }.encode().unwrap();
+            let tables = vec![Vec::new(); lcores.len()];
+            let bytes = Checkpoint { job, lcores, tables }.encode().unwrap();
             let _ = req.respond(tiny_http::Response::from_data(bytes));
         }
         ("GET", ["v1", "stats"]) => {

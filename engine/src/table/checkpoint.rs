@@ -284,6 +284,17 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         opt: U,
     ) -> Result<RowStore<I, U>, CheckpointError> {
         let mut store = RowStore::new(config, init, opt)?;
+        store.read_into(r)?;
+        Ok(store)
+    }
+
+    /// Puts the rows of checkpoint `r` into this store, which must hold no
+    /// row yet (as installed), as [`RowStore::read_from`] would; on an
+    /// error the store holds part of them and is to be dropped.
+    pub fn read_into(&mut self, r: impl Read) -> Result<(), CheckpointError> {
+        assert_eq!(self.rows_stored(), 0, "a checkpoint is read into an empty store");
+        let config = self.config;
+        let store = self;
         let mut r = Reader {
             r: BufReader::with_capacity(1 << 20, r),
             offset: 0,
@@ -383,7 +394,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             }
         }
         store.now = h.round;
-        Ok(store)
+        Ok(())
     }
 }
 
