@@ -323,6 +323,7 @@ mod tests {
                 layout,
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
             lcores,
             tables,

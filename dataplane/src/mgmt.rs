@@ -23,10 +23,11 @@ use phub_proto::routes::{MgmtRoute, RouteError};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
-use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall, TableInstall};
+use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
 use phub_engine::shm::ShmSetup;
 
 use crate::lcore::{Clock, Command, Install, Saved};
+use crate::tables;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -277,6 +278,8 @@ impl Manager {
                 ))
             }
         };
+        // Table keys: where this appliance's lcores are among the job's.
+        let entries = tables::entries(&req, n).map_err(|e| err(400, format!("job {id}: {e}")))?;
         let mut cost = match &hier {
             Some((home, per_lcore)) => self.info.memory_model.hierarchical_cost(
                 &req.spec,
@@ -285,9 +288,13 @@ impl Manager {
                 per_lcore.first().map_or(0, |h| h.homes.addrs.len()),
             ),
             None => {
-                self.info
-                    .memory_model
-                    .job_cost(&req.spec, &req.layout, req.spec.result_store(self.info.shm))
+                // A sharded job's tables are spread over all its lcores.
+                self.info.memory_model.part_cost(
+                    &req.spec,
+                    &req.layout,
+                    req.spec.result_store(self.info.shm),
+                    entries.total as usize,
+                )
             }
         };
         if let Some((_, extra)) = &replicated {
@@ -337,35 +344,6 @@ impl Manager {
             }
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
-        // Table keys: every lcore holds a part of every table (PROTOCOL.md
-        // §10.1). Its entry among the job's L lcores is its index here: an
-        // install does not say which entries other appliances hold, so a
-        // job with tables is served on one appliance only.
-        let appliances = req.spec.placement.as_ref().map_or(1, |p| p.count());
-        if let (Some(t), true) = (req.spec.tables().next(), appliances > 1) {
-            return Err(err(
-                400,
-                format!(
-                    "job {id}: keys[{}] {:?} is a table and placement.appliances names {appliances} \
-                     appliances; tables are served on one appliance (placement.appliances = 1)",
-                    t.key, t.name
-                ),
-            ));
-        }
-        // Cast: n <= MAX_LCORES (checked by the layout above).
-        #[allow(clippy::cast_possible_truncation)]
-        let tables = |entry: usize| -> Vec<TableInstall> {
-            req.spec
-                .tables()
-                .map(|t| TableInstall {
-                    key: t.key,
-                    spec: t.spec.clone(),
-                    chunk_bytes: req.spec.chunk_bytes,
-                    lcores: n as u32,
-                    entry: entry as u32,
-                })
-                .collect()
-        };
         // With --shm every lcore gives the job its shared-memory regions.
         let shm = (req.spec.result_store(self.info.shm) == ResultStore::SharedRegion).then_some(ShmSetup {
             base_port: self.info.data.base_port,
@@ -419,7 +397,7 @@ impl Manager {
                     Command::Install(Install {
                         job,
                         kind,
-                        tables: tables(i),
+                        tables: tables::installs(&req, entries, i),
                         restore: state,
                         reply: tx,
                     }),
