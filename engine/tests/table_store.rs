@@ -473,7 +473,7 @@ fn a_restored_store_evicts_and_admits_as_the_saved_one_would() {
     };
     let mut live = store(c);
     let mut x = 7u64;
-    let mut step = |s: &mut RowStore<Seeded, SumCount>, x: &mut u64, n: u32| {
+    let step = |s: &mut RowStore<Seeded, SumCount>, x: &mut u64, n: u32| {
         for k in 0..n {
             *x = x
                 .wrapping_mul(6_364_136_223_846_793_005)

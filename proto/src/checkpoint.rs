@@ -563,7 +563,7 @@ mod tests {
             .map(|l| {
                 let rounds = if bsp {
                     TableRoundsState::Bsp {
-                        completed: 3 + l as u32,
+                        completed: 3 + u32::try_from(l).unwrap(),
                     }
                 } else {
                     let mut got = [0u64; table_checkpoint::GOT_WORDS];
@@ -589,7 +589,7 @@ mod tests {
                 vec![TableState {
                     key: 1,
                     rounds,
-                    rows: (0..=l as u8 * 13).collect(),
+                    rows: (0..=u8::try_from(l).unwrap() * 13).collect(),
                 }]
             })
             .collect();

@@ -313,7 +313,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             // Each slot's last completed round is its chunk's sequence
             // number, so a test sees where each chunk's state went. (A sum
             // job keeps no parameters, and its stored result may be empty.)
-            let lcores = job
+            let lcores: Vec<Vec<SlotState>> = job
                 .layout
                 .lcores
                 .iter()
