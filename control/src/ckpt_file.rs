@@ -314,6 +314,7 @@ mod tests {
                     .collect()
             })
             .collect();
+        let tables = vec![Vec::new(); layout.lcores.len()];
         Checkpoint {
             job: InstallJob {
                 id: 4,
@@ -322,8 +323,10 @@ mod tests {
                 layout,
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
             lcores,
+            tables,
         }
     }
 

@@ -9,11 +9,12 @@
 //! `spec.rack_ranks()[i]`, and `layout` is the home layout (PROTOCOL.md
 //! §9.1).
 
-use phub_proto::api::{DataAddr, DataplaneInfo, Hierarchy, InstallJob, RackPeer, ReplicaPeer, Replication};
+use phub_proto::api::{
+    DataAddr, DataplaneInfo, Entries, Hierarchy, InstallJob, RackPeer, ReplicaPeer, Replication,
+};
 use phub_proto::layout::Layout;
 use phub_proto::memory::{MemoryModel, ResultStore};
 
-use crate::admission;
 use crate::state::{JobShape, StoredJob};
 
 /// One rack of a hierarchical job.
@@ -134,6 +135,7 @@ impl StoredJob {
                     layout: self.part_on(name)?,
                     hierarchy: None,
                     replication,
+                    entries: self.entries_of(name),
                 });
             }
             JobShape::Hierarchical { racks } => racks,
@@ -162,6 +164,23 @@ impl StoredJob {
                 homes: self.layout.clone(),
             }),
             replication: None,
+            entries: None,
+        })
+    }
+
+    /// Where part `name`'s lcores are among the job's (PROTOCOL.md §10.1),
+    /// for a flat job with tables over several appliances; `None` for any
+    /// other job (an appliance's lcores are then the job's).
+    fn entries_of(&self, name: &str) -> Option<Entries> {
+        let layouts = self.part_layouts();
+        if layouts.len() < 2 || self.spec.tables().next().is_none() {
+            return None;
+        }
+        let me = self.part_index(name)?;
+        let count = |l: &Layout| u32::try_from(l.lcores.len()).unwrap_or(u32::MAX);
+        Some(Entries {
+            first: layouts[..me].iter().map(|(_, l)| count(l)).sum(),
+            total: layouts.iter().map(|(_, l)| count(l)).sum(),
         })
     }
 
@@ -194,10 +213,17 @@ impl StoredJob {
             }
             _ => 0,
         };
+        // A table's rows are spread over the job's lcores on every
+        // appliance: each part is charged its lcores' share.
+        let job_lcores = self.layout.lcores.len();
         backups
             + match info {
-                Some(info) => admission::cost(&self.spec, part, info).total(),
-                None => model.job_cost(&self.spec, part, ResultStore::Slot).total(),
+                Some(info) => model
+                    .part_cost(&self.spec, part, self.spec.result_store(info.shm), job_lcores)
+                    .total(),
+                None => model
+                    .part_cost(&self.spec, part, ResultStore::Slot, job_lcores)
+                    .total(),
             }
     }
 

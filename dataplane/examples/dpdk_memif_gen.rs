@@ -236,6 +236,7 @@ fn install(mgmt: SocketAddr, chunk: usize, slots: usize) -> Result<()> {
         layout,
         hierarchy: None,
         replication: None,
+        entries: None,
     };
     mgmt_client(mgmt)?
         .send(&mgmt::install(&req))

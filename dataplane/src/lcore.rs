@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
+use phub_proto::table_checkpoint::TableState;
 
 use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall};
 
@@ -35,11 +36,20 @@ pub struct Install {
     pub kind: InstallKind,
     /// Its table keys on this lcore (PROTOCOL.md §10).
     pub tables: Vec<TableInstall>,
-    /// Its slots' saved state, from a checkpoint.
-    pub restore: Option<Vec<SlotState>>,
+    /// Its saved state on this lcore, from a checkpoint.
+    pub restore: Option<Saved>,
     /// Answered with the memory the job holds here, or why it was refused
     /// (nothing of it is left installed then).
     pub reply: Sender<Result<u64, EngineError>>,
+}
+
+/// A job's saved state on one lcore: what a checkpoint holds of it.
+#[derive(Debug, Default)]
+pub struct Saved {
+    /// Its slots, in slot order.
+    pub slots: Vec<SlotState>,
+    /// Its tables, in key order (empty: none saved, PROTOCOL.md §10.6).
+    pub tables: Vec<TableState>,
 }
 
 /// A management request for one lcore, answered on its reply channel.
@@ -47,8 +57,9 @@ pub struct Install {
 pub enum Command {
     /// Install a job ([`Install`]).
     Install(Install),
-    /// Save a job's slots (None when the job is not installed here).
-    Snapshot(u16, Sender<Option<Vec<SlotState>>>),
+    /// Save a job's slots and tables (None when the job is not installed
+    /// here).
+    Snapshot(u16, Sender<Option<Saved>>),
     /// Evict a job (its ranks' messages get an ERROR `evicted` for a
     /// minute, [`Shard::evict`]); answers whether it was installed.
     Remove(u16, Sender<bool>),
@@ -210,7 +221,9 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
             let id = job.id;
             let mut r = shard.install_with_tables(job, kind, tables);
             if let (Ok(()), Some(state)) = (&r, restore) {
-                r = shard.restore(id, &state);
+                r = shard
+                    .restore(id, &state.slots)
+                    .and_then(|()| shard.restore_tables(id, &state.tables));
                 if r.is_err() {
                     shard.remove(id);
                 }
@@ -218,7 +231,11 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
             let _ = reply.send(r.map(|()| shard.job_memory_bytes(id).unwrap_or(0)));
         }
         Command::Snapshot(id, reply) => {
-            let _ = reply.send(shard.snapshot(id));
+            let saved = shard.snapshot(id).and_then(|slots| {
+                let tables = shard.snapshot_tables(id)?;
+                Some(Saved { slots, tables })
+            });
+            let _ = reply.send(saved);
         }
         Command::Remove(id, reply) => {
             let _ = reply.send(shard.evict(id, now));

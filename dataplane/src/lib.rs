@@ -21,4 +21,5 @@ pub mod lcore;
 pub mod mgmt;
 pub mod replication;
 pub mod spin;
+pub mod tables;
 pub mod topology;

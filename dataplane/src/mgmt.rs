@@ -16,17 +16,18 @@ use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
-use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC as CKPT_MAGIC};
+use phub_proto::checkpoint::{Checkpoint, MAGIC as CKPT_MAGIC};
 use phub_proto::layout::Placement;
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::routes::{MgmtRoute, RouteError};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
-use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall, TableInstall};
+use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
 use phub_engine::shm::ShmSetup;
 
-use crate::lcore::{Clock, Command, Install};
+use crate::lcore::{Clock, Command, Install, Saved};
+use crate::tables;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -173,8 +174,17 @@ impl Manager {
     /// `PUT /v1/jobs/{id}` with a checkpoint body: installs the job it
     /// describes with every slot restored, on every lcore or on none.
     pub fn restore(&self, id: u16, ckpt: Checkpoint) -> Result<InstalledJob, MgmtError> {
-        let Checkpoint { job, lcores } = ckpt;
-        let r = self.install_with(id, job, Some(lcores))?;
+        let Checkpoint { job, lcores, tables } = ckpt;
+        // A file of format 1 or 2 saved no table: every lcore's list empty.
+        let mut tables = tables.into_iter();
+        let saved = lcores
+            .into_iter()
+            .map(|slots| Saved {
+                slots,
+                tables: tables.next().unwrap_or_default(),
+            })
+            .collect();
+        let r = self.install_with(id, job, Some(saved))?;
         log::info!("job {id} restored from a checkpoint");
         Ok(r)
     }
@@ -187,6 +197,7 @@ impl Manager {
             .map(|j| j.request.clone())
             .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
         let mut lcores = Vec::with_capacity(self.lcores.len());
+        let mut tables = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
             let state = l
@@ -196,16 +207,17 @@ impl Manager {
                 .and_then(|()| rx.recv_timeout(ACK_TIMEOUT).ok())
                 .ok_or_else(|| err(500, format!("lcore {i} did not answer the checkpoint request")))?
                 .ok_or_else(|| err(404, format!("job {id} is not installed on lcore {i}")))?;
-            lcores.push(state);
+            lcores.push(state.slots);
+            tables.push(state.tables);
         }
-        Ok(Checkpoint { job, lcores })
+        Ok(Checkpoint { job, lcores, tables })
     }
 
     fn install_with(
         &self,
         id: u16,
         req: InstallJob,
-        mut restore: Option<Vec<Vec<SlotState>>>,
+        mut restore: Option<Vec<Saved>>,
     ) -> Result<InstalledJob, MgmtError> {
         if req.id != id {
             return Err(err(
@@ -266,6 +278,8 @@ impl Manager {
                 ))
             }
         };
+        // Table keys: where this appliance's lcores are among the job's.
+        let entries = tables::entries(&req, n).map_err(|e| err(400, format!("job {id}: {e}")))?;
         let mut cost = match &hier {
             Some((home, per_lcore)) => self.info.memory_model.hierarchical_cost(
                 &req.spec,
@@ -274,9 +288,13 @@ impl Manager {
                 per_lcore.first().map_or(0, |h| h.homes.addrs.len()),
             ),
             None => {
-                self.info
-                    .memory_model
-                    .job_cost(&req.spec, &req.layout, req.spec.result_store(self.info.shm))
+                // A sharded job's tables are spread over all its lcores.
+                self.info.memory_model.part_cost(
+                    &req.spec,
+                    &req.layout,
+                    req.spec.result_store(self.info.shm),
+                    entries.total as usize,
+                )
             }
         };
         if let Some((_, extra)) = &replicated {
@@ -326,35 +344,6 @@ impl Manager {
             }
         }
         let workers = u16::try_from(req.spec.workers).unwrap_or(u16::MAX);
-        // Table keys: every lcore holds a part of every table (PROTOCOL.md
-        // §10.1). Its entry among the job's L lcores is its index here: an
-        // install does not say which entries other appliances hold, so a
-        // job with tables is served on one appliance only.
-        let appliances = req.spec.placement.as_ref().map_or(1, |p| p.count());
-        if let (Some(t), true) = (req.spec.tables().next(), appliances > 1) {
-            return Err(err(
-                400,
-                format!(
-                    "job {id}: keys[{}] {:?} is a table and placement.appliances names {appliances} \
-                     appliances; tables are served on one appliance (placement.appliances = 1)",
-                    t.key, t.name
-                ),
-            ));
-        }
-        // Cast: n <= MAX_LCORES (checked by the layout above).
-        #[allow(clippy::cast_possible_truncation)]
-        let tables = |entry: usize| -> Vec<TableInstall> {
-            req.spec
-                .tables()
-                .map(|t| TableInstall {
-                    key: t.key,
-                    spec: t.spec.clone(),
-                    chunk_bytes: req.spec.chunk_bytes,
-                    lcores: n as u32,
-                    entry: entry as u32,
-                })
-                .collect()
-        };
         // With --shm every lcore gives the job its shared-memory regions.
         let shm = (req.spec.result_store(self.info.shm) == ResultStore::SharedRegion).then_some(ShmSetup {
             base_port: self.info.data.base_port,
@@ -408,7 +397,7 @@ impl Manager {
                     Command::Install(Install {
                         job,
                         kind,
-                        tables: tables(i),
+                        tables: tables::installs(&req, entries, i),
                         restore: state,
                         reply: tx,
                     }),

@@ -133,6 +133,7 @@ mod tests {
                 appliance: me,
                 appliances,
             }),
+            entries: None,
         }
     }
 

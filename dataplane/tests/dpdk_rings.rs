@@ -210,6 +210,7 @@ fn a_ring_port_aggregates_exactly_hands_over_misrouted_and_drops_by_reason() {
                 layout: lay.clone(),
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
         .unwrap();

@@ -210,6 +210,7 @@ fn slots_live_in_the_dpdk_heap_and_an_install_it_cannot_hold_is_refused_whole() 
                 layout: lay,
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
     };

@@ -57,6 +57,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 layout: lay.clone(),
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
         .unwrap();
@@ -71,6 +72,7 @@ fn three_workers_sum_over_udp_and_garbage_is_counted() {
                 layout: lay.clone(),
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
         .unwrap_err();
@@ -184,6 +186,7 @@ fn with_shm_regions_beyond_dev_shms_free_space_are_refused_naming_it() {
                 layout: lay,
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
         .unwrap_err();
@@ -234,6 +237,7 @@ fn with_shm_a_local_worker_sends_and_gets_headers_only() {
                 layout: lay.clone(),
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
         )
         .unwrap();
@@ -363,6 +367,7 @@ fn a_message_sent_to_another_lcores_port_is_refused_there_with_an_error() {
                     layout: lay,
                     hierarchy: None,
                     replication: None,
+                    entries: None,
                 },
             )
             .unwrap();

@@ -403,8 +403,8 @@ fn a_bad_checkpoint_is_an_error_that_says_what_is_wrong() {
     }
     let mut file = Vec::new();
     s.write_to(&mut file).unwrap();
-    // 32-byte header, 4 rows of 8 + 4 x 4 bytes, an 8-byte checksum.
-    assert_eq!(file.len(), 32 + 4 * 24 + 8);
+    // 56-byte header, 4 rows of 8 + 4 + 4 x 4 bytes, an 8-byte checksum.
+    assert_eq!(file.len(), 56 + 4 * 28 + 8);
     let err = |bytes: &[u8], c: StoreConfig| match RowStore::read_from(bytes, c, Seeded, SumCount) {
         Ok(_) => panic!("restored a bad checkpoint"),
         Err(e) => e.to_string(),
@@ -415,15 +415,15 @@ fn a_bad_checkpoint_is_an_error_that_says_what_is_wrong() {
         e.contains("truncated") && e.contains("after 20 bytes") && e.contains("the header"),
         "{e}"
     );
-    let e = err(&file[..32 + 24 + 5], c);
+    let e = err(&file[..56 + 28 + 5], c);
     assert!(
-        e.contains("row 1 of 4") && e.contains("expected 136 bytes"),
+        e.contains("row 1 of 4") && e.contains("expected 176 bytes"),
         "{e}"
     );
     let e = err(&file[..file.len() - 1], c);
     assert!(e.contains("the checksum"), "{e}");
     let mut bad = file.clone();
-    bad[40] ^= 1;
+    bad[70] ^= 1;
     assert!(err(&bad, c).contains("checksum"), "{}", err(&bad, c));
     let mut bad = file.clone();
     bad[0] = b'X';
@@ -435,7 +435,7 @@ fn a_bad_checkpoint_is_an_error_that_says_what_is_wrong() {
     // The same id twice (row 1 made a copy of row 0, checksum fixed by
     // rewriting: the duplicate is found before the checksum).
     let mut dup = file.clone();
-    dup.copy_within(32..56, 56);
+    dup.copy_within(56..84, 84);
     assert!(err(&dup, c).contains("twice"), "{}", err(&dup, c));
 }
 
@@ -456,4 +456,63 @@ fn a_bad_config_says_which_field_and_what_is_accepted() {
         .unwrap_err()
         .to_string()
         .contains("admit_after = 1"));
+}
+
+/// A store restored from a checkpoint goes on exactly as the saved one:
+/// the same rows, the same CLOCK victims at the cap, the same idle
+/// evictions and the same admissions, bit for bit (the round, touch words,
+/// both hands, the index's positions and the admission counters are
+/// saved). Version 1 saved none of these: the restored store evicted
+/// other rows.
+#[test]
+fn a_restored_store_evicts_and_admits_as_the_saved_one_would() {
+    let c = StoreConfig {
+        admission: Admission::AfterPushes(2),
+        idle_rounds: NonZeroU32::new(3),
+        ..config(2, 24)
+    };
+    let mut live = store(c);
+    let mut x = 7u64;
+    let step = |s: &mut RowStore<Seeded, SumCount>, x: &mut u64, n: u32| {
+        for k in 0..n {
+            *x = x
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            let id = (*x >> 40) % 60;
+            s.update(id, &grad(2, (*x >> 20) as u8));
+            if k % 9 == 8 {
+                s.advance_round();
+            }
+        }
+    };
+    step(&mut live, &mut x, 400);
+    assert!(live.stats().evicted_cap > 0 && live.stats().evicted_idle > 0 && live.stats().not_admitted > 0);
+    let mut file = Vec::new();
+    live.write_to(&mut file).unwrap();
+    let mut restored = RowStore::read_from(&file[..], c, Seeded, SumCount).unwrap();
+    assert_eq!(dump(&restored), dump(&live));
+    assert_eq!(restored.round(), live.round());
+    let (before, mut y) = (live.stats(), x);
+    step(&mut live, &mut x, 400);
+    step(&mut restored, &mut y, 400);
+    assert_eq!(dump(&restored), dump(&live));
+    let (a, b) = (live.stats(), restored.stats());
+    assert_eq!(
+        (
+            a.evicted_cap - before.evicted_cap,
+            a.evicted_idle - before.evicted_idle,
+            a.not_admitted - before.not_admitted
+        ),
+        (b.evicted_cap, b.evicted_idle, b.not_admitted)
+    );
+    // The store's own shape is checked: the counters of another
+    // admit_after are not this store's.
+    let other = StoreConfig {
+        admission: Admission::Always,
+        ..c
+    };
+    let e = RowStore::read_from(&file[..], other, Seeded, SumCount)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("admission counters"), "{e}");
 }

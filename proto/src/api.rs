@@ -680,6 +680,23 @@ pub struct InstallJob {
     /// layout's epoch. Absent for any other job.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replication: Option<Replication>,
+    /// A flat job with tables sharded over several appliances (PROTOCOL.md
+    /// §4.1, §10.1): where this appliance's lcores are among the job's L.
+    /// Absent: the job's lcores are this appliance's alone (entry i is its
+    /// lcore i).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub entries: Option<Entries>,
+}
+
+/// Where one appliance's lcores are among a sharded job's (PROTOCOL.md
+/// §10.1): its lcore j is the job's entry `first + j` of `total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Entries {
+    /// The entry of its lcore 0: the lcores of the appliances before it.
+    pub first: u32,
+    /// L, the job's lcores over all its appliances.
+    pub total: u32,
 }
 
 /// What an appliance of a replicated job is told at install beyond its

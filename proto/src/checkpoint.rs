@@ -6,7 +6,7 @@
 //! | bytes | what |
 //! | --- | --- |
 //! | 8 | magic `PHUBCKPT` |
-//! | 4 | format version (2; version 1, which lacks the clocks, is read too) |
+//! | 4 | format version (3; version 2, which lacks the tables, and 1, which lacks the clocks too, are read too) |
 //! | 4 | length J of the JSON that follows |
 //! | J | [`InstallJob`] as JSON: id, token, spec, layout (of one appliance's part, for a sharded job) |
 //! | 4 | number of lcores L (must equal the layout's) |
@@ -16,19 +16,23 @@
 //! | per slot | the four arrays, little-endian |
 //! | per slot: 4 | number of clocks K: 0 for a BSP job, W otherwise (version 2 only) |
 //! | per slot: K x 4 | each rank's last applied clock on the chunk, bit 31 set while its answer is held |
+//! | per lcore (version 3 only) | its tables: a count T (the spec's table keys), then each (table, lcore)'s state, [`crate::table_checkpoint`] |
 //! | 4 | CRC-32 (IEEE) of every byte before it |
 //!
 //! Decoding checks every length against the layout and the checksum, so a
 //! truncated or corrupted file is refused with a reason, never half-loaded.
+//! A file of version 1 or 2 reads with no table state: its job's tables, if
+//! any, start empty, as they did when it was written.
 
 use crate::api::InstallJob;
 use crate::layout::{Layout, Placement};
 use crate::spec::{Consistency, Optimizer};
+use crate::table_checkpoint::{self, Source, TableState};
 
 /// First bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
-/// Format version this code writes (it reads this one and 1).
-pub const VERSION: u32 = 2;
+/// Format version this code writes (it reads this one, 2 and 1).
+pub const VERSION: u32 = 3;
 /// The bit of a saved clock that says the rank's answer is held.
 pub const CLOCK_HELD: u32 = 1 << 31;
 
@@ -57,6 +61,10 @@ pub struct Checkpoint {
     pub job: InstallJob,
     /// Per lcore, per slot in slot order.
     pub lcores: Vec<Vec<SlotState>>,
+    /// Per lcore, its tables' state in the order of the spec's table keys
+    /// (PROTOCOL.md §10.6); every list empty in a file of version 1 or 2
+    /// (the tables start empty).
+    pub tables: Vec<Vec<TableState>>,
 }
 
 /// Why a checkpoint could not be read (or, [`CheckpointError::TooLarge`], written).
@@ -69,7 +77,7 @@ pub enum CheckpointError {
     #[error("not a phub checkpoint (no PHUBCKPT magic)")]
     BadMagic,
     /// A phub checkpoint of a format version this code does not read.
-    #[error("checkpoint format version {0}: this phub reads versions 1 and {VERSION}")]
+    #[error("checkpoint format version {0}: this phub reads versions 1 to {VERSION}")]
     BadVersion(u32),
     /// The checksum does not match.
     #[error("checkpoint checksum mismatch (file corrupted)")]
@@ -109,7 +117,7 @@ impl Checkpoint {
     /// slots taken lcore by lcore are the sequence in both. Fails if the
     /// layouts do not cut the same sequence.
     pub fn relayout(self, layout: Layout) -> Result<Checkpoint, CheckpointError> {
-        let Checkpoint { job, lcores } = self;
+        let Checkpoint { job, lcores, tables } = self;
         if job.hierarchy.is_some() {
             return Err(CheckpointError::Mismatch(
                 "a hierarchical job's checkpoint is restored onto the layouts it was taken with only".into(),
@@ -123,6 +131,21 @@ impl Checkpoint {
                 layout.chunk_elems, job.layout.chunk_elems
             )));
         }
+        // A table's rows are placed by the job's lcore count and each
+        // lcore's entry (§10.1): they stay with their lcore, which exists
+        // only on a layout of as many lcores.
+        if tables.iter().any(|t| !t.is_empty()) && layout.lcores.len() != job.layout.lcores.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "the job's tables were saved over {} lcores and are restored onto as many only, not {}",
+                job.layout.lcores.len(),
+                layout.lcores.len()
+            )));
+        }
+        let tables = if tables.len() == layout.lcores.len() {
+            tables
+        } else {
+            vec![Vec::new(); layout.lcores.len()]
+        };
         let mut states = lcores.into_iter().flatten();
         let moved = layout
             .lcores
@@ -137,6 +160,7 @@ impl Checkpoint {
         Ok(Checkpoint {
             job: InstallJob { layout, ..job },
             lcores: moved,
+            tables,
         })
     }
 
@@ -173,6 +197,16 @@ impl Checkpoint {
                 }
             }
         }
+        if self.tables.len() != self.lcores.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "tables of {} lcores for {} lcores of slots",
+                self.tables.len(),
+                self.lcores.len()
+            )));
+        }
+        for tables in &self.tables {
+            table_checkpoint::encode(&mut out, tables)?;
+        }
         let crc = crc32fast::hash(&out);
         out.extend_from_slice(&crc.to_le_bytes());
         Ok(out)
@@ -186,7 +220,7 @@ impl Checkpoint {
         let (body, crc) = bytes.split_at(bytes.len() - 4);
         let mut r = Reader { b: body, at: 8 };
         let version = r.u32()?;
-        if version != 1 && version != VERSION {
+        if !(1..=VERSION).contains(&version) {
             return Err(CheckpointError::BadVersion(version));
         }
         if crc32fast::hash(body) != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
@@ -299,13 +333,22 @@ impl Checkpoint {
             }
             lcores.push(slots);
         }
+        let tables = (0..nl)
+            .map(|l| {
+                if version >= 3 {
+                    table_checkpoint::decode(&mut r, &job.spec, l)
+                } else {
+                    Ok(Vec::new())
+                }
+            })
+            .collect::<Result<_, _>>()?;
         if r.at != body.len() {
             return Err(CheckpointError::Mismatch(format!(
                 "{} bytes left over",
                 body.len() - r.at
             )));
         }
-        Ok(Checkpoint { job, lcores })
+        Ok(Checkpoint { job, lcores, tables })
     }
 }
 
@@ -314,17 +357,13 @@ struct Reader<'a> {
     at: usize,
 }
 
-impl<'a> Reader<'a> {
+impl<'a> Source<'a> for Reader<'a> {
     fn take(&mut self, n: usize) -> Result<&'a [u8], CheckpointError> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
         let end = end.ok_or(CheckpointError::Truncated(self.at))?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
-    }
-    fn u32(&mut self) -> Result<u32, CheckpointError> {
-        let s = self.take(4)?;
-        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
     }
 }
 
@@ -333,6 +372,7 @@ mod tests {
     use super::*;
     use crate::layout::layout;
     use crate::spec::JobSpec;
+    use crate::table_checkpoint::{RankClockState, TableRoundsState};
 
     fn sample() -> Checkpoint {
         let spec = JobSpec::from_toml(
@@ -361,6 +401,7 @@ mod tests {
                     .collect()
             })
             .collect();
+        let tables = vec![Vec::new(); layout.lcores.len()];
         Checkpoint {
             job: InstallJob {
                 id: 3,
@@ -369,8 +410,10 @@ mod tests {
                 layout,
                 hierarchy: None,
                 replication: None,
+                entries: None,
             },
             lcores,
+            tables,
         }
     }
 
@@ -394,10 +437,10 @@ mod tests {
         let e = Checkpoint::decode(&other.encode().unwrap()).unwrap_err();
         assert!(matches!(e, CheckpointError::Mismatch(_)), "{e}");
         let mut future = bytes.clone();
-        future[8..12].copy_from_slice(&3u32.to_le_bytes());
+        future[8..12].copy_from_slice(&4u32.to_le_bytes());
         let e = Checkpoint::decode(&future).unwrap_err();
-        assert_eq!(e, CheckpointError::BadVersion(3));
-        assert!(e.to_string().contains("reads versions 1 and 2"), "{e}");
+        assert_eq!(e, CheckpointError::BadVersion(4));
+        assert!(e.to_string().contains("reads versions 1 to 3"), "{e}");
     }
 
     /// Version 1 wrote no clock count: the same bytes without them read as
@@ -433,7 +476,8 @@ mod tests {
                 at += 4;
             }
         }
-        assert_eq!(at, v2.len() - 4);
+        // Version 3's tables: a count of 0 per lcore, then the checksum.
+        assert_eq!(at, v2.len() - 4 - 4 * nl as usize);
         let crc = crc32fast::hash(&v1);
         v1.extend_from_slice(&crc.to_le_bytes());
         assert_eq!(Checkpoint::decode(&v1).unwrap(), c);
@@ -485,5 +529,212 @@ mod tests {
         assert_eq!(moved.relayout(c.job.layout.clone()).unwrap(), c);
         let e = c.relayout(all_on_one(total - 1)).unwrap_err().to_string();
         assert!(e.contains(&format!("{} chunks", total - 1)), "{e}");
+    }
+
+    /// A job with a table between its dense keys: BSP.
+    fn with_table(consistency: &str) -> Checkpoint {
+        let spec = JobSpec::from_toml(&format!(
+            "name = \"t\"\nworkers = 2\nchunk_bytes = 64\nconsistency = {consistency}\noptimizer = {{ kind = \"sum\" }}\n\
+             [[keys]]\nelements = 40\n\
+             [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 100\n\
+             [[keys]]\nelements = 8\n"
+        ))
+        .unwrap();
+        let mut load = vec![0; 2];
+        let layout = layout(&spec, &mut load, u64::from);
+        let placement = Placement::new(&spec, layout.clone()).unwrap();
+        let bsp = spec.consistency == Consistency::Sync;
+        let lcores = (0..layout.lcores.len())
+            .map(|l| {
+                placement
+                    .slots(l)
+                    .map(|s| SlotState {
+                        completed: Some(4),
+                        params: Vec::new(),
+                        s1: Vec::new(),
+                        s2: Vec::new(),
+                        result: vec![1; 4 * s.elems as usize],
+                        clocks: if bsp { Vec::new() } else { vec![4, 4] },
+                    })
+                    .collect()
+            })
+            .collect();
+        let tables = (0..layout.lcores.len())
+            .map(|l| {
+                let rounds = if bsp {
+                    TableRoundsState::Bsp {
+                        completed: 3 + u32::try_from(l).unwrap(),
+                    }
+                } else {
+                    let mut got = [0u64; table_checkpoint::GOT_WORDS];
+                    got[0] = 0b101;
+                    got[15] = 1 << 63;
+                    TableRoundsState::Clocked {
+                        ranks: vec![
+                            RankClockState {
+                                applied: 5,
+                                n: Some(3),
+                                held: None,
+                                got,
+                            },
+                            RankClockState {
+                                applied: 7,
+                                n: None,
+                                held: Some(1024),
+                                got: [0; table_checkpoint::GOT_WORDS],
+                            },
+                        ],
+                    }
+                };
+                vec![TableState {
+                    key: 1,
+                    rounds,
+                    rows: (0..=u8::try_from(l).unwrap() * 13).collect(),
+                }]
+            })
+            .collect();
+        Checkpoint {
+            job: InstallJob {
+                id: 8,
+                token: 5,
+                spec,
+                layout,
+                hierarchy: None,
+                replication: None,
+                entries: None,
+            },
+            lcores,
+            tables,
+        }
+    }
+
+    /// Tables round-trip in every mode; a file whose tables do not fit the
+    /// spec (another key, another mode, another W, a count beyond 1024) or
+    /// that is cut inside them is refused saying so.
+    #[test]
+    fn tables_round_trip_and_are_checked_against_the_spec() {
+        for mode in [
+            "{ mode = \"sync\" }",
+            "{ mode = \"async\" }",
+            "{ bounded_delay = 2 }",
+        ] {
+            let c = with_table(mode);
+            let bytes = c.encode().unwrap();
+            assert_eq!(Checkpoint::decode(&bytes).unwrap(), c, "{mode}");
+            let cut = bytes.len() - 4 - 3;
+            assert!(matches!(
+                Checkpoint::decode(&refit_crc(&bytes[..cut])),
+                Err(CheckpointError::Truncated(_))
+            ));
+        }
+        let mut c = with_table("{ mode = \"sync\" }");
+        c.tables[0][0].key = 2;
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("lcore 0: a table saved as key 2, the spec's next table key is 1"),
+            "{e}"
+        );
+        let mut c = with_table("{ mode = \"sync\" }");
+        c.tables[1].clear();
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("lcore 1: 0 tables saved, the spec has 1 table keys"),
+            "{e}"
+        );
+        let mut c = with_table("{ mode = \"async\" }");
+        c.tables[0][0].rounds = TableRoundsState::Bsp { completed: 1 };
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("rounds of kind 0") && e.contains("the job is async"),
+            "{e}"
+        );
+        let mut c = with_table("{ mode = \"async\" }");
+        if let TableRoundsState::Clocked { ranks } = &mut c.tables[0][0].rounds {
+            ranks[1].held = Some(1025);
+        }
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("rank 1: held ROW_DONE count 1025, accepted 0 to 1024"),
+            "{e}"
+        );
+        let mut c = with_table("{ mode = \"async\" }");
+        if let TableRoundsState::Clocked { ranks } = &mut c.tables[1][0].rounds {
+            ranks.pop();
+        }
+        let e = Checkpoint::decode(&c.encode().unwrap()).unwrap_err().to_string();
+        assert!(
+            e.contains("table 1: 1 rank clocks saved, the job has 2 workers"),
+            "{e}"
+        );
+    }
+
+    /// `bytes` with its last 4 bytes replaced by the CRC of the rest.
+    fn refit_crc(bytes: &[u8]) -> Vec<u8> {
+        let body = &bytes[..bytes.len() - 4];
+        let mut v = body.to_vec();
+        v.extend_from_slice(&crc32fast::hash(body).to_le_bytes());
+        v
+    }
+
+    /// A version-2 file (no tables section) of a job with a table reads,
+    /// its tables empty: they start empty, as before version 3.
+    #[test]
+    fn version_two_files_of_a_job_with_tables_are_read_with_empty_tables() {
+        let mut c = with_table("{ mode = \"sync\" }");
+        for t in &mut c.tables {
+            t.clear();
+        }
+        // Version 3 with empty table lists would be refused (the spec has a
+        // table): build the version-2 bytes from the version-3 encoding.
+        let full = with_table("{ mode = \"sync\" }");
+        let v3 = full.encode().unwrap();
+        let tables_len: usize = full
+            .tables
+            .iter()
+            .map(|t| {
+                let mut out = Vec::new();
+                table_checkpoint::encode(&mut out, t).unwrap();
+                out.len()
+            })
+            .sum();
+        let mut v2 = v3[..v3.len() - 4 - tables_len].to_vec();
+        v2[8..12].copy_from_slice(&2u32.to_le_bytes());
+        let crc = crc32fast::hash(&v2);
+        v2.extend_from_slice(&crc.to_le_bytes());
+        assert_eq!(Checkpoint::decode(&v2).unwrap(), c);
+    }
+
+    /// A checkpoint with tables moves onto a layout of as many lcores (the
+    /// tables stay with their lcores) and not onto one of another count.
+    #[test]
+    fn relayout_keeps_tables_with_their_lcores() {
+        use crate::layout::ChunkRange;
+        let c = with_table("{ mode = \"sync\" }");
+        let total = c.job.layout.chunk_count();
+        let chunk_elems = c.job.layout.chunk_elems;
+        let on_first = Layout {
+            chunk_elems,
+            lcores: vec![
+                ChunkRange {
+                    first: 0,
+                    count: total,
+                },
+                ChunkRange {
+                    first: total,
+                    count: 0,
+                },
+            ],
+        };
+        let moved = c.clone().relayout(on_first).unwrap();
+        assert_eq!(moved.tables, c.tables);
+        let one = Layout {
+            chunk_elems,
+            lcores: vec![ChunkRange {
+                first: 0,
+                count: total,
+            }],
+        };
+        let e = c.relayout(one).unwrap_err().to_string();
+        assert!(e.contains("saved over 2 lcores") && e.contains("not 1"), "{e}");
     }
 }

@@ -29,6 +29,7 @@ pub mod rows;
 pub mod shm;
 pub mod spec;
 pub mod spec_builder;
+pub mod table_checkpoint;
 pub mod wire;
 
 pub use dtype::Dtype;

@@ -431,15 +431,31 @@ impl MemoryModel {
     }
 
     /// What `spec` placed by `layout` costs, with shared-memory regions or
-    /// not: O(keys + lcores).
+    /// not: O(keys + lcores). Its tables are spread over the layout's
+    /// lcores.
     pub fn job_cost(&self, spec: &JobSpec, layout: &Layout, store: ResultStore) -> JobCost {
+        self.part_cost(spec, layout, store, layout.lcores.len())
+    }
+
+    /// What the part `layout` of a job sharded over several appliances
+    /// costs on its appliance: as [`MemoryModel::job_cost`], but its
+    /// tables' rows are spread over the job's `job_lcores` lcores on every
+    /// appliance (PROTOCOL.md §10.1), so each lcore holds its share of
+    /// them, not the part's.
+    pub fn part_cost(
+        &self,
+        spec: &JobSpec,
+        layout: &Layout,
+        store: ResultStore,
+        job_lcores: usize,
+    ) -> JobCost {
         let chunks = Chunks::new(spec);
         let data = self.data_weights(spec, &chunks, store);
         let lcores = layout
             .lcores
             .iter()
             .map(|r| self.lcore_bytes(spec, store, r.count, data.of(r.range())))
-            .map(|b| b + self.tables_lcore_bytes(spec, layout.lcores.len()))
+            .map(|b| b + self.tables_lcore_bytes(spec, job_lcores))
             .collect();
         let shm = if store == ResultStore::SharedRegion {
             layout
@@ -616,6 +632,19 @@ mod tests {
         for (a, b) in with.lcores.iter().zip(&without.lcores) {
             assert_eq!(a - b, m.tables_lcore_bytes(&capped, 3));
         }
+        // A part of two of those three lcores, on an appliance of its own:
+        // each lcore is charged its share of the job's three (ceil(1000 /
+        // 3) rows), as in the whole layout, not ceil(1000 / 2).
+        let part = Layout {
+            chunk_elems: lay.chunk_elems,
+            lcores: lay.lcores[..2].to_vec(),
+        };
+        let shared = m.part_cost(&capped, &part, ResultStore::Slot, 3);
+        assert_eq!(shared.lcores, with.lcores[..2]);
+        let alone = m.job_cost(&capped, &part, ResultStore::Slot);
+        let more = m.tables_lcore_bytes(&capped, 2) - m.tables_lcore_bytes(&capped, 3);
+        assert!(more > 0);
+        assert_eq!(alone.total() - shared.total(), 2 * more);
     }
 
     #[test]

@@ -1645,6 +1645,7 @@ impl Hier {
                 homes: self.homes.clone(),
             }),
             replication: None,
+            entries: None,
         };
         let (_, mut per_lcore) = match phub_engine::engine::hierarchy_plan(&req, usize::from(case.lcores)) {
             Ok(p) => p,

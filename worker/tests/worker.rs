@@ -1553,6 +1553,7 @@ fn a_dataplane_stopping_cleanly_fails_the_request_in_flight_at_once() {
         layout: lay.clone(),
         hierarchy: None,
         replication: None,
+        entries: None,
     };
     app.manager().install(JOB, job).unwrap();
     let config = WorkerConfig {

@@ -22,11 +22,11 @@ pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
 /// The table keys an appliance serves (PROTOCOL.md §10): each with a
 /// `rows` cap (admission charges its store at the cap, on every lcore:
 /// an uncapped table has no figure to charge), rows evicted by rounds
-/// rather than seconds, and the job on one appliance (an install does not
-/// tell an appliance which of the job's lcore entries it holds). A spec
-/// outside that is refused naming the key, the field and what is accepted.
+/// rather than seconds, on one appliance or several (each is told where
+/// its lcores are among the job's; the spec refuses a replicated one). A
+/// spec outside that is refused naming the key, the field and what is
+/// accepted.
 fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
-    let appliances = spec.placement.as_ref().map_or(1, |p| p.count());
     for t in spec.tables() {
         let at = format!("keys[{}] {:?} (a table)", t.key, t.name);
         if t.spec.rows.is_none() {
@@ -39,12 +39,6 @@ fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
             return Err(RequestError::BadRequest(format!(
                 "{at}: evict = {{ idle_s = {s} }}: not served yet; accepted: evict = {{ idle_rounds = N }} \
                  or no evict"
-            )));
-        }
-        if appliances > 1 {
-            return Err(RequestError::BadRequest(format!(
-                "{at}: placement.appliances = {appliances}: a job with a table is served on one appliance; \
-                 accepted: placement.appliances = 1 (or no placement)"
             )));
         }
     }
@@ -347,9 +341,9 @@ mod tests {
 
     use super::*;
 
-    /// A table key is admitted when the appliance can serve it; one
-    /// without a `rows` cap, with `evict = { idle_s }` or on several
-    /// appliances is refused, naming the key and the field.
+    /// A table key is admitted when the appliance can serve it, on one
+    /// appliance or several; one without a `rows` cap or with `evict = {
+    /// idle_s }` is refused, naming the key and the field.
     #[test]
     fn table_keys_are_admitted_when_served_and_refused_naming_the_key() {
         let dense =
@@ -367,10 +361,8 @@ mod tests {
         refused(&format!("{capped}evict = {{ idle_s = 5 }}\n"), "idle_s = 5");
         check_tables(&JobSpec::parse(&format!("{capped}evict = {{ idle_rounds = 5 }}\n"), None).unwrap())
             .unwrap();
-        refused(
-            &format!("{capped}[placement]\nappliances = 2\n"),
-            "placement.appliances = 2",
-        );
+        check_tables(&JobSpec::parse(&format!("{capped}[placement]\nappliances = 2\n"), None).unwrap())
+            .unwrap();
         check_tables(&JobSpec::parse(dense, None).unwrap()).unwrap();
     }
 

@@ -313,7 +313,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             // Each slot's last completed round is its chunk's sequence
             // number, so a test sees where each chunk's state went. (A sum
             // job keeps no parameters, and its stored result may be empty.)
-            let lcores = job
+            let lcores: Vec<Vec<SlotState>> = job
                 .layout
                 .lcores
                 .iter()
@@ -330,7 +330,8 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                         .collect()
                 })
                 .collect();
-            let bytes = Checkpoint { job, lcores }.encode().unwrap();
+            let tables = vec![Vec::new(); lcores.len()];
+            let bytes = Checkpoint { job, lcores, tables }.encode().unwrap();
             let _ = req.respond(tiny_http::Response::from_data(bytes));
         }
         ("GET", ["v1", "stats"]) => {

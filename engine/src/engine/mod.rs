@@ -91,7 +91,8 @@
 //! - `install.rs`: installing a job ([`Shard::install`], [`InstallKind`]),
 //!   what it costs ([`memory_model`]), removing, evicting, shutting down;
 //! - `checkpoint.rs`: [`Shard::snapshot`] and [`Shard::restore`] (dense
-//!   slots only: a job's tables are not in its checkpoint yet);
+//!   slots); `table_checkpoint.rs`: [`Shard::snapshot_tables`] and
+//!   [`Shard::restore_tables`] (each table's rows and round state);
 //! - `table.rs`: a job's table keys on this lcore ([`TableInstall`], the
 //!   row store and each rank's round state); `rows.rs`: table messages,
 //!   their checks and the BSP round rules (PROTOCOL.md §10.3);
@@ -133,6 +134,7 @@ mod rows;
 mod slot;
 mod stats;
 mod table;
+mod table_checkpoint;
 #[cfg(test)]
 mod tests;
 

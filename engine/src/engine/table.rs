@@ -75,6 +75,13 @@ impl SeqSet {
     pub(super) fn any_at_or_above(&self, n: u32) -> bool {
         (n..MAX_ROW_MESSAGES).any(|s| self.contains(s))
     }
+    /// The bitmap's words (bit s of word s / 64), as a checkpoint keeps them.
+    pub(super) fn words(&self) -> [u64; MAX_ROW_MESSAGES as usize / 64] {
+        self.0
+    }
+    pub(super) fn from_words(words: [u64; MAX_ROW_MESSAGES as usize / 64]) -> SeqSet {
+        SeqSet(words)
+    }
     /// Whether the set is exactly 0 .. n.
     pub(super) fn is_first(&self, n: u32) -> bool {
         self.len() == n && (n == 0 || self.contains(n - 1)) && !self.any_at_or_above(n)

@@ -80,6 +80,16 @@ impl AdmitCounts {
         self.counts[a].min(self.counts[b])
     }
 
+    /// The counters (a checkpoint keeps them).
+    pub(crate) fn counts(&self) -> &[u16] {
+        &self.counts
+    }
+
+    /// The counters, to put saved ones back.
+    pub(crate) fn counts_mut(&mut self) -> &mut [u16] {
+        &mut self.counts
+    }
+
     /// Bytes allocated.
     pub(crate) fn bytes(&self) -> u64 {
         std::mem::size_of_val(&*self.counts) as u64

@@ -2,29 +2,39 @@
 //! [`Write`] and back from any [`Read`] (time and size O(index entries +
 //! rows stored); no copy of the table is made in memory).
 //!
-//! Format (version 1), every field little-endian:
+//! Format (version 2), every field little-endian:
 //!
 //! | offset | bytes | field                                            |
 //! |--------|-------|--------------------------------------------------|
 //! | 0      | 8     | magic `PHUBROWS`                                 |
-//! | 8      | 4     | version, 1                                       |
+//! | 8      | 4     | version, 2                                       |
 //! | 12     | 4     | `dim`: f32 values per row                        |
 //! | 16     | 4     | `state_len`: f32 words of optimizer state per row |
-//! | 20     | 4     | 0 (reserved)                                     |
+//! | 20     | 4     | the store's round, modulo 2^31 (idle eviction's clock) |
 //! | 24     | 8     | `rows`: the rows that follow                     |
-//! | 32     | `rows` x (8 + 4 (dim + state_len)) | per row: its id (u64), its values, its state (f32 bits) |
+//! | 32     | 8     | the CLOCK hand: an index position                |
+//! | 40     | 8     | the idle sweep's hand (0 without `idle_rounds`)  |
+//! | 48     | 8     | `counters`: admission counters that follow the rows (0 without `admit_after`) |
+//! | 56     | `rows` x (12 + 4 (dim + state_len)) | per row: its id (u64), its touch word (u32: CLOCK bit, round of its last update), its values, its state (f32 bits) |
+//! | then   | 2 `counters`, rounded up to 4 | the admission counters (u16), a 0 after an odd count |
 //! | end    | 8     | checksum                                         |
 //!
 //! The checksum folds every 4-byte word before it, read as a
 //! little-endian u32 `w`, into `h` (from 0): `h = (rotl(h, 5) ^ w) *
-//! 0x517CC1B727220A95` (wrapping). Rows come in index order. A restore
-//! checks the header against the store it builds (same dim and state
-//! length, rows within the cap), reads exactly `rows` rows and the
-//! checksum, and fails with an error naming what is wrong (a truncated
-//! file says where it ended) rather than panicking; values and state come
-//! back bit for bit. What is not saved: the rows' recency (restored rows
-//! count as updated in the store's first round), the admission counters,
-//! and the counters.
+//! 0x517CC1B727220A95` (wrapping). Rows come in index order from the
+//! index's first empty entry on, so that a restore, inserting them in
+//! that order, puts each at its position (the index is restored as it
+//! was, not only its contents). With the round, the touch words, both
+//! hands and the admission counters, the restored store evicts and admits
+//! exactly as the saved one would have: what it answers next is bit for
+//! bit what the saved store would have answered. A restore checks the
+//! header against the store it builds (same dim, state length and
+//! admission counters, rows within the cap), reads exactly `rows` rows,
+//! the counters and the checksum, then the hands against the index size,
+//! and fails with an error naming what is wrong (a truncated file says
+//! where it ended) rather than panicking. What is not saved: the counters
+//! ([`super::StoreStats`]), and where each row sits in the row blocks
+//! (slots are handed out again; nothing a store answers depends on them).
 
 use std::io::{self, BufReader, BufWriter, Read, Write};
 
@@ -34,9 +44,9 @@ use super::{RowInit, RowUpdate};
 /// The first 8 bytes of a row store checkpoint.
 pub const MAGIC: [u8; 8] = *b"PHUBROWS";
 /// The format version written.
-pub const VERSION: u32 = 1;
+pub const VERSION: u32 = 2;
 /// Bytes of the header.
-pub const HEADER_BYTES: usize = 32;
+pub const HEADER_BYTES: usize = 56;
 
 const CHECKSUM_MUL: u64 = 0x517C_C1B7_2722_0A95;
 
@@ -83,6 +93,17 @@ pub enum CheckpointError {
         found: u64,
         /// In the table.
         expected: u64,
+    },
+    /// A hand beyond the index, or a round of 2^31 or more (the file is of
+    /// another store, or corrupt past what the checksum tells).
+    #[error("row store checkpoint {field} = {found}: accepted 0 to {limit}")]
+    Position {
+        /// `clock hand`, `idle hand` or `round`.
+        field: &'static str,
+        /// In the checkpoint.
+        found: u64,
+        /// The largest accepted.
+        limit: u64,
     },
     /// More rows than the store's cap.
     #[error("row store checkpoint holds {rows} rows, over the table's rows cap of {cap} on this lcore")]
@@ -133,54 +154,129 @@ impl Checksum {
     }
 }
 
-fn header(dim: usize, state_len: usize, rows: u64) -> [u8; HEADER_BYTES] {
-    let mut h = [0u8; HEADER_BYTES];
-    h[0..8].copy_from_slice(&MAGIC);
-    h[8..12].copy_from_slice(&VERSION.to_le_bytes());
-    // Cast: a store's dim and state length are u32s.
-    #[allow(clippy::cast_possible_truncation)]
-    {
-        h[12..16].copy_from_slice(&(dim as u32).to_le_bytes());
-        h[16..20].copy_from_slice(&(state_len as u32).to_le_bytes());
+/// What the header says beyond magic and version.
+struct Head {
+    dim: usize,
+    state_len: usize,
+    round: u32,
+    rows: u64,
+    clock_hand: u64,
+    idle_hand: u64,
+    counters: u64,
+}
+
+impl Head {
+    fn bytes(&self) -> [u8; HEADER_BYTES] {
+        let mut h = [0u8; HEADER_BYTES];
+        h[0..8].copy_from_slice(&MAGIC);
+        h[8..12].copy_from_slice(&VERSION.to_le_bytes());
+        // Cast: a store's dim and state length are u32s.
+        #[allow(clippy::cast_possible_truncation)]
+        {
+            h[12..16].copy_from_slice(&(self.dim as u32).to_le_bytes());
+            h[16..20].copy_from_slice(&(self.state_len as u32).to_le_bytes());
+        }
+        h[20..24].copy_from_slice(&self.round.to_le_bytes());
+        h[24..32].copy_from_slice(&self.rows.to_le_bytes());
+        h[32..40].copy_from_slice(&self.clock_hand.to_le_bytes());
+        h[40..48].copy_from_slice(&self.idle_hand.to_le_bytes());
+        h[48..56].copy_from_slice(&self.counters.to_le_bytes());
+        h
     }
-    h[24..32].copy_from_slice(&rows.to_le_bytes());
-    h
+
+    fn parse(h: &[u8; HEADER_BYTES]) -> Head {
+        let u32_at = |at: usize| u32::from_le_bytes([h[at], h[at + 1], h[at + 2], h[at + 3]]);
+        let u64_at = |at: usize| {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[at..at + 8]);
+            u64::from_le_bytes(b)
+        };
+        Head {
+            dim: u32_at(12) as usize,
+            state_len: u32_at(16) as usize,
+            round: u32_at(20),
+            rows: u64_at(24),
+            clock_hand: u64_at(32),
+            idle_hand: u64_at(40),
+            counters: u64_at(48),
+        }
+    }
+}
+
+/// Bytes of `n` admission counters in the file (u16s, padded to 4).
+fn counter_bytes(n: u64) -> u64 {
+    (2 * n).next_multiple_of(4)
 }
 
 impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
-    /// Bytes [`RowStore::write_to`] writes for this store.
-    pub fn checkpoint_bytes(&self) -> u64 {
-        HEADER_BYTES as u64 + self.rows_stored() * (8 + 4 * (self.dim + self.state_len) as u64) + 8
+    fn admit_counters(&self) -> u64 {
+        self.admit.as_ref().map_or(0, |a| a.counts().len() as u64)
     }
 
-    /// Write the stored rows (module head's format); returns the bytes
-    /// written.
+    fn record_bytes(&self) -> usize {
+        12 + 4 * (self.dim + self.state_len)
+    }
+
+    /// Bytes [`RowStore::write_to`] writes for this store.
+    pub fn checkpoint_bytes(&self) -> u64 {
+        HEADER_BYTES as u64
+            + self.rows_stored() * self.record_bytes() as u64
+            + counter_bytes(self.admit_counters())
+            + 8
+    }
+
+    /// Write the stored rows and what decides the store's next evictions
+    /// and admissions (module head's format); returns the bytes written.
     pub fn write_to(&self, w: impl Write) -> io::Result<u64> {
         let mut w = BufWriter::with_capacity(1 << 20, w);
         let mut sum = Checksum::default();
-        let head = header(self.dim, self.state_len, self.rows_stored());
+        let head = Head {
+            dim: self.dim,
+            state_len: self.state_len,
+            round: self.now,
+            rows: self.rows_stored(),
+            clock_hand: self.clock.hand as u64,
+            idle_hand: self.idle.as_ref().map_or(0, |i| i.hand as u64),
+            counters: self.admit_counters(),
+        }
+        .bytes();
         sum.add(&head);
         w.write_all(&head)?;
-        let mut record = Vec::with_capacity(8 + 4 * (self.dim + self.state_len));
+        let mut record = Vec::with_capacity(self.record_bytes());
         let mut rows = 0u64;
-        for (id, values, state) in self.rows() {
+        for (_, e) in self.index.full_from_gap() {
+            let row = self.blocks.row(e.slot());
             record.clear();
-            record.extend_from_slice(&id.to_le_bytes());
-            for v in values.iter().chain(state) {
+            record.extend_from_slice(&e.id.to_le_bytes());
+            record.extend_from_slice(&e.touch.to_le_bytes());
+            for v in row {
                 record.extend_from_slice(&v.to_bits().to_le_bytes());
             }
+            debug_assert_eq!(record.len(), self.record_bytes());
             sum.add(&record);
             w.write_all(&record)?;
             rows += 1;
         }
         assert_eq!(rows, self.rows_stored(), "rows written and rows stored differ");
+        if let Some(admit) = &self.admit {
+            record.clear();
+            for c in admit.counts() {
+                record.extend_from_slice(&c.to_le_bytes());
+            }
+            if record.len() % 4 != 0 {
+                record.extend_from_slice(&[0, 0]);
+            }
+            sum.add(&record);
+            w.write_all(&record)?;
+        }
         w.write_all(&sum.0.to_le_bytes())?;
         w.flush()?;
         Ok(self.checkpoint_bytes())
     }
 
     /// A store set up by `config`, `init` and `opt` holding the rows of
-    /// the checkpoint `r` (module head's format), bit for bit.
+    /// the checkpoint `r` (module head's format), bit for bit, with the
+    /// saved round, hands and admission counters.
     pub fn read_from(
         r: impl Read,
         config: StoreConfig,
@@ -188,36 +284,47 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         opt: U,
     ) -> Result<RowStore<I, U>, CheckpointError> {
         let mut store = RowStore::new(config, init, opt)?;
+        store.read_into(r)?;
+        Ok(store)
+    }
+
+    /// Puts the rows of checkpoint `r` into this store, which must hold no
+    /// row yet (as installed), as [`RowStore::read_from`] would; on an
+    /// error the store holds part of them and is to be dropped.
+    pub fn read_into(&mut self, r: impl Read) -> Result<(), CheckpointError> {
+        assert_eq!(self.rows_stored(), 0, "a checkpoint is read into an empty store");
+        let config = self.config;
+        let store = self;
         let mut r = Reader {
             r: BufReader::with_capacity(1 << 20, r),
             offset: 0,
         };
         let mut head = [0u8; HEADER_BYTES];
         r.fill(&mut head, || "the header".to_string(), HEADER_BYTES as u64)?;
-        let u32_at = |at: usize| u32::from_le_bytes([head[at], head[at + 1], head[at + 2], head[at + 3]]);
         let mut magic = [0u8; 8];
         magic.copy_from_slice(&head[0..8]);
         if magic != MAGIC {
             return Err(CheckpointError::Magic { found: magic });
         }
-        if u32_at(8) != VERSION {
-            return Err(CheckpointError::Version { found: u32_at(8) });
+        let version = u32::from_le_bytes([head[8], head[9], head[10], head[11]]);
+        if version != VERSION {
+            return Err(CheckpointError::Version { found: version });
         }
+        let h = Head::parse(&head);
         for (field, found, expected) in [
-            ("dim", u32_at(12), store.dim),
-            ("state_len", u32_at(16), store.state_len),
+            ("dim", h.dim as u64, store.dim as u64),
+            ("state_len", h.state_len as u64, store.state_len as u64),
+            ("admission counters", h.counters, store.admit_counters()),
         ] {
-            if found as usize != expected {
+            if found != expected {
                 return Err(CheckpointError::Shape {
                     field,
-                    found: u64::from(found),
-                    expected: expected as u64,
+                    found,
+                    expected,
                 });
             }
         }
-        let mut rows_bytes = [0u8; 8];
-        rows_bytes.copy_from_slice(&head[24..32]);
-        let rows = u64::from_le_bytes(rows_bytes);
+        let rows = h.rows;
         if rows > config.rows_cap {
             return Err(CheckpointError::TooManyRows {
                 rows,
@@ -225,8 +332,8 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             });
         }
         let (dim, state_len) = (store.dim, store.state_len);
-        let record_bytes = 8 + 4 * (dim + state_len);
-        let total = HEADER_BYTES as u64 + rows * record_bytes as u64 + 8;
+        let record_bytes = store.record_bytes();
+        let total = HEADER_BYTES as u64 + rows * record_bytes as u64 + counter_bytes(h.counters) + 8;
         let mut sum = Checksum::default();
         sum.add(&head);
         let mut record = vec![0u8; record_bytes];
@@ -237,14 +344,25 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             let mut id = [0u8; 8];
             id.copy_from_slice(&record[..8]);
             let id = u64::from_le_bytes(id);
-            for (v, b) in values.iter_mut().zip(record[8..].chunks_exact(4)) {
+            let touch = u32::from_le_bytes([record[8], record[9], record[10], record[11]]);
+            for (v, b) in values.iter_mut().zip(record[12..].chunks_exact(4)) {
                 *v = f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
             }
             if store.get(id).is_some() {
                 return Err(CheckpointError::DuplicateId { id, row });
             }
-            if !store.insert_exact(id, &values[..dim], &values[dim..]) {
+            if !store.insert_exact(id, &values[..dim], &values[dim..], touch) {
                 return Err(CheckpointError::NoMemory { row });
+            }
+        }
+        if let Some(admit) = &mut store.admit {
+            // Cast: the counters are allocated, so their bytes fit a usize.
+            #[allow(clippy::cast_possible_truncation)]
+            let mut bytes = vec![0u8; counter_bytes(h.counters) as usize];
+            r.fill(&mut bytes, || "the admission counters".to_string(), total)?;
+            sum.add(&bytes);
+            for (c, b) in admit.counts_mut().iter_mut().zip(bytes.chunks_exact(2)) {
+                *c = u16::from_le_bytes([b[0], b[1]]);
             }
         }
         let mut found = [0u8; 8];
@@ -256,7 +374,27 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 computed: sum.0,
             });
         }
-        Ok(store)
+        let entries = store.index.capacity() as u64;
+        for (field, found, limit) in [
+            // A hand at the entry count wraps to 0 before its next step.
+            ("clock hand", h.clock_hand, entries),
+            ("idle hand", h.idle_hand, entries),
+            ("round", u64::from(h.round), u64::from(u32::MAX >> 1)),
+        ] {
+            if found > limit {
+                return Err(CheckpointError::Position { field, found, limit });
+            }
+        }
+        // Casts: both hands are at most the index's entry count, a usize.
+        #[allow(clippy::cast_possible_truncation)]
+        {
+            store.clock.hand = h.clock_hand as usize;
+            if let Some(idle) = &mut store.idle {
+                idle.hand = h.idle_hand as usize;
+            }
+        }
+        store.now = h.round;
+        Ok(())
     }
 }
 

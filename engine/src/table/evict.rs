@@ -28,7 +28,8 @@ use super::index::{touch_age, Index};
 /// The CLOCK hand.
 #[derive(Debug, Default)]
 pub(crate) struct Clock {
-    hand: usize,
+    /// The entry the hand is on (a checkpoint keeps it).
+    pub(crate) hand: usize,
 }
 
 impl Clock {
@@ -57,7 +58,8 @@ impl Clock {
 /// The idle sweep.
 #[derive(Debug)]
 pub(crate) struct IdleSweep {
-    hand: usize,
+    /// The entry the sweep goes on from (a checkpoint keeps it).
+    pub(crate) hand: usize,
     idle_rounds: u32,
     per_round: usize,
 }

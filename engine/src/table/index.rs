@@ -238,6 +238,21 @@ impl Index {
     pub(crate) fn full(&self) -> impl Iterator<Item = (usize, &Entry)> + '_ {
         self.entries.iter().enumerate().filter(|(_, e)| e.is_full())
     }
+
+    /// Every full entry's (position, entry), in index order from the first
+    /// empty entry on, wrapping: each cluster comes whole, first entry
+    /// first, so inserting the ids in this order into an empty index of
+    /// the same size and key puts each at the position it has here (an
+    /// entry's probe path, from its home to it, lies in its cluster before
+    /// it). A restore relies on it to give CLOCK the same order.
+    pub(crate) fn full_from_gap(&self) -> impl Iterator<Item = (usize, &Entry)> + '_ {
+        let n = self.entries.len();
+        let gap = self.entries.iter().position(|e| !e.is_full()).unwrap_or(0);
+        (gap..n)
+            .chain(0..gap)
+            .map(|p| (p, &self.entries[p]))
+            .filter(|(_, e)| e.is_full())
+    }
 }
 
 #[cfg(test)]

@@ -148,11 +148,11 @@ pub struct RowStore<I, U> {
     /// Slots handed out so far (those below are stored or free).
     fresh: u32,
     cap: u32,
-    clock: Clock,
-    idle: Option<IdleSweep>,
-    admit: Option<AdmitCounts>,
+    pub(super) clock: Clock,
+    pub(super) idle: Option<IdleSweep>,
+    pub(super) admit: Option<AdmitCounts>,
     /// The current round, modulo 2^31.
-    now: u32,
+    pub(super) now: u32,
     stats: StoreStats,
 }
 
@@ -425,10 +425,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         Some((slot, true))
     }
 
-    /// Store row `id` with `values` and `state` as they are (a restore);
-    /// false when it is already stored or the store is full or out of
-    /// memory.
-    pub(super) fn insert_exact(&mut self, id: u64, values: &[f32], state: &[f32]) -> bool {
+    /// Store row `id` with `values`, `state` and touch word `touch` as
+    /// they are (a restore); false when it is already stored or the store
+    /// is full or out of memory.
+    pub(super) fn insert_exact(&mut self, id: u64, values: &[f32], state: &[f32], touch: u32) -> bool {
         let h = self.index.hash(id);
         let Probe::Vacant(pos) = self.index.probe(id, h) else {
             return false;
@@ -440,7 +440,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             return false;
         };
         debug_assert!(!evicted);
-        self.index.insert(pos, id, slot, touch_word(self.now));
+        self.index.insert(pos, id, slot, touch);
         let row = self.blocks.row_mut(slot);
         row[..values.len()].copy_from_slice(values);
         row[values.len()..].copy_from_slice(state);
