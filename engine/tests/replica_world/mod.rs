@@ -7,7 +7,7 @@
 //! (PROTOCOL.md §11.6), with that epoch in the header. An appliance marked
 //! dead neither sends nor receives.
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 pub(crate) use std::collections::HashMap;
 pub(crate) use std::net::{Ipv4Addr, SocketAddrV4};
@@ -28,10 +28,10 @@ pub(crate) const TOKEN: u64 = 0x5eed_0f4e_11ca_5eed;
 pub(crate) const MS: u64 = 1_000_000;
 
 /// A seeded generator (SplitMix64): the same faults for the same seed.
-pub(crate) struct Rng(u64);
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next(&mut self) -> u64 {
+    pub(crate) fn next(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -44,7 +44,7 @@ impl Rng {
     fn below(&mut self, n: usize) -> usize {
         (self.next() % n as u64) as usize
     }
-    fn value(&mut self) -> f32 {
+    pub(crate) fn value(&mut self) -> f32 {
         ((self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
     }
 }
