@@ -103,7 +103,9 @@ fn a_primary_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
         // Round FAIL_IN: every push sent, `kill_after` datagrams delivered,
         // then appliance 1 is gone.
         let v = values(&w, FAIL_IN);
-        let all: Vec<(u16, u64)> = (0..2u16).flat_map(|r| (0..w.total()).map(move |g| (r, g))).collect();
+        let all: Vec<(u16, u64)> = (0..2u16)
+            .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
+            .collect();
         send_round(&mut w, FAIL_IN, &v, &all, false);
         let mut delivered = 0;
         while delivered < kill_after && w.step() {
@@ -197,7 +199,9 @@ fn an_old_primary_left_in_the_old_epoch_completes_no_round() {
     }
     // Workers still in epoch 0 push round FAIL_IN of 1's chunks to it.
     let part = w.layout.part(1);
-    let theirs: Vec<(u16, u64)> = (0..2u16).flat_map(|r| part.range().map(move |g| (r, g))).collect();
+    let theirs: Vec<(u16, u64)> = (0..2u16)
+        .flat_map(|r| part.range().map(move |g| (r, g)))
+        .collect();
     let v = values(&w, FAIL_IN);
     for t in 0..20 {
         send_round(&mut w, FAIL_IN, &v, &theirs, t > 0);
@@ -217,9 +221,16 @@ fn an_old_primary_left_in_the_old_epoch_completes_no_round() {
         dropped > part.count,
         "{dropped} REPLICATEs dropped as wrong_epoch"
     );
-    assert_eq!(w.shards[1][0].primary_state(JOB, 0).unwrap().round, Some(FAIL_IN - 1));
+    assert_eq!(
+        w.shards[1][0].primary_state(JOB, 0).unwrap().round,
+        Some(FAIL_IN - 1)
+    );
     for k in &theirs {
-        assert_eq!(w.got[k].0, FAIL_IN - 1, "{k:?} was answered by the fenced primary");
+        assert_eq!(
+            w.got[k].0,
+            FAIL_IN - 1,
+            "{k:?} was answered by the fenced primary"
+        );
         // Adopted by appliance 2: its slot there is a primary slot now.
         let at = w.layout.serve(k.1, &epoch1).unwrap();
         assert_eq!((at.appliance, at.adopted), (2, true));
@@ -285,7 +296,10 @@ fn an_epoch_change_is_checked_whole() {
     assert!(c && why.contains("this appliance (2)"), "{why}");
     assert_eq!(s.change_epoch(JOB, &e1), Ok(true));
     let (c, why) = refused(s.change_epoch(JOB, &EpochView::default()));
-    assert!(c && why.contains("epoch 1 is installed; epochs only grow"), "{why}");
+    assert!(
+        c && why.contains("epoch 1 is installed; epochs only grow"),
+        "{why}"
+    );
     let (c, why) = refused(s.change_epoch(
         JOB,
         &EpochView {
@@ -305,5 +319,8 @@ fn an_epoch_change_is_checked_whole() {
     let (c, _) = refused(s.change_epoch(JOB + 1, &e1));
     assert!(c);
     let st = s.replica_stats(JOB).unwrap();
-    assert_eq!((st.epoch_changes, st.slots_adopted), (1, backup_runs(w.layout.part(1), 2)[0].count));
+    assert_eq!(
+        (st.epoch_changes, st.slots_adopted),
+        (1, backup_runs(w.layout.part(1), 2)[0].count)
+    );
 }

@@ -141,6 +141,7 @@ impl<A: Copy + Eq> Shard<A> {
         rep.epoch = view.epoch;
         rep.down.clone_from(&view.down);
         rep.stats.epoch_changes += 1;
+        self.counters.epoch_changes.inc();
         // Down backups leave this appliance's set; each pending aggregate's
         // acknowledgements are renumbered over the backups left.
         let kept: Vec<bool> = rep
