@@ -50,9 +50,13 @@ fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
     v
 }
 
+/// Per (rank, chunk): the last round whose RESULT the rank holds, and its
+/// payload ([`World::got`]).
+type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
+
 /// Every (rank, chunk)'s result after each round, from a run without
 /// failure.
-fn reference() -> Vec<HashMap<(u16, u64), (u32, Vec<u8>)>> {
+fn reference() -> Vec<Got> {
     let mut w = World::new(spec2(), &LCORES, &RACKS, 1, CLEAN);
     (0..=ROUNDS)
         .map(|r| {
