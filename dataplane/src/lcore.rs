@@ -18,6 +18,7 @@ use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
 use phub_proto::table_checkpoint::TableState;
+use phub_proto::failover::EpochView;
 
 use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall};
 
@@ -65,6 +66,10 @@ pub enum Command {
     Remove(u16, Sender<bool>),
     /// Report every installed job's stats.
     JobStats(Sender<Vec<JobShardStats>>),
+    /// Apply a replicated job's epoch ([`Shard::change_epoch`]): answers
+    /// whether it changed anything, or why it was refused (nothing
+    /// changed then).
+    Epoch(u16, EpochView, Sender<Result<bool, EngineError>>),
 }
 
 /// How an lcore waits when there is nothing to do.
@@ -242,6 +247,9 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
         }
         Command::JobStats(reply) => {
             let _ = reply.send(shard.job_stats());
+        }
+        Command::Epoch(id, view, reply) => {
+            let _ = reply.send(shard.change_epoch(id, &view));
         }
     }
 }

@@ -17,6 +17,7 @@ use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
 };
 use phub_proto::checkpoint::{Checkpoint, MAGIC as CKPT_MAGIC};
+use phub_proto::failover::EpochView;
 use phub_proto::layout::Placement;
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::routes::{MgmtRoute, RouteError};
@@ -472,6 +473,50 @@ impl Manager {
             && rx.recv_timeout(ACK_TIMEOUT).unwrap_or(false)
     }
 
+    /// `PUT /v1/jobs/{id}/epoch` (PROTOCOL.md §11.6): applies a replicated
+    /// job's epoch on every lcore. `Ok(true)` when it changed something,
+    /// `Ok(false)` when it is the installed epoch with the same down list;
+    /// 404 for a job not installed, 409 for a job not replicated, an
+    /// older epoch than installed or what the engine does not build, 400
+    /// for a malformed view. Every lcore checks the view against the same
+    /// install, so all take it or all refuse it.
+    pub fn epoch(&self, id: u16, view: EpochView) -> Result<bool, MgmtError> {
+        // Held across the lcores: no install or removal of the job between.
+        let jobs = self.jobs();
+        if !jobs.contains_key(&id) {
+            return Err(err(404, format!("job {id} is not installed")));
+        }
+        let mut changed = false;
+        for (i, l) in self.lcores.iter().enumerate() {
+            let (tx, rx) = bounded(1);
+            let r = l
+                .commands
+                .send_timeout(Command::Epoch(id, view.clone(), tx), ACK_TIMEOUT)
+                .ok()
+                .and_then(|()| rx.recv_timeout(ACK_TIMEOUT).ok())
+                .ok_or_else(|| {
+                    err(
+                        500,
+                        format!(
+                            "job {id}: lcore {i} did not answer the change to epoch {}",
+                            view.epoch
+                        ),
+                    )
+                })?;
+            match r {
+                Ok(c) => changed |= c,
+                Err(e @ EngineError::Epoch { conflict, .. }) => {
+                    return Err(err(if conflict { 409 } else { 400 }, format!("lcore {i}: {e}")))
+                }
+                Err(e) => return Err(err(500, format!("lcore {i}: {e}"))),
+            }
+        }
+        if changed {
+            log::info!("job {id}: epoch {} installed, down {:?}", view.epoch, view.down);
+        }
+        Ok(changed)
+    }
+
     /// `DELETE /v1/jobs/{id}`.
     pub fn remove(&self, id: u16) -> Result<(), MgmtError> {
         let mut jobs = self.jobs();
@@ -696,11 +741,18 @@ impl Handler for Api {
             MgmtRoute::Auth => Ok(Response::new(204, "application/json", Vec::new())),
             MgmtRoute::Jobs => Ok(json(200, &mgr.list())),
             MgmtRoute::Stats => Ok(json(200, &mgr.stats())),
-            // Epoch changes are not built yet (PROTOCOL.md §11.6).
-            MgmtRoute::Epoch { job: id } => Err(err(
-                501,
-                format!("job {id}: this dataplane does not take epoch changes yet (PROTOCOL.md §11.6)"),
-            )),
+            MgmtRoute::Epoch { job: id } => {
+                let view: EpochView = serde_json::from_slice(body).map_err(|e| {
+                    err(
+                        400,
+                        format!(
+                            "epoch of job {id}: {e}; expected {{\"epoch\": <u32>, \"down\": [<appliance index>, ...]}}"
+                        ),
+                    )
+                })?;
+                mgr.epoch(id, view)
+                    .map(|_| Response::new(204, "application/json", Vec::new()))
+            }
             MgmtRoute::Checkpoint { job: id } => {
                 let c = mgr.checkpoint(id)?;
                 let bytes = c.encode().map_err(|e| err(500, format!("job {id}: {e}")))?;

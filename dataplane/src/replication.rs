@@ -37,7 +37,7 @@ pub fn plan(req: &InstallJob, lcores: usize) -> Result<Plan, String> {
     }
     if r.epoch != 0 {
         return Err(format!(
-            "replication.epoch = {}: 0 (epochs change with failover, which is not built, PROTOCOL.md §11.6)",
+            "replication.epoch = {}: 0 (a job is installed in epoch 0; later epochs come with PUT /v1/jobs/{{id}}/epoch, PROTOCOL.md §11.6; an install in a later epoch, which needs its down list, is not built)",
             r.epoch
         ));
     }

@@ -823,6 +823,7 @@ crate::counter_table! {
         replicate_acks_sent: Count, IfAny("REPL ACKS"), "REPLICATE_ACKs a backup sent for a round it applied to a backup slot";
         replicate_acks_resent: Count, Hidden, "REPLICATE_ACKs a backup sent again for a copy of a round it had applied";
         rounds_replicated: Count, Hidden, "Rounds a primary completed once every backup acknowledged them (also counted in rounds_completed)";
+        epoch_changes: Count, IfAny("EPOCHS"), "Epoch changes of replicated jobs applied on this lcore (PUT /v1/jobs/{id}/epoch; worker messages of another epoch are counted as drops, wrong_epoch)";
         shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
         busy_loops: Count, Hidden, "Poll-loop iterations that found work";
         idle_loops: Count, Hidden, "Poll-loop iterations that found none";

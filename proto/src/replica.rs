@@ -14,7 +14,7 @@
 //! `rank` is the sending appliance's index in the job's appliance list and
 //! its `epoch` ([`crate::wire::field::EPOCH`]) the job layout's epoch; the
 //! checks that need the job (token, epoch, roles, addresses, rounds) are
-//! the engine's, with the one reason of their own in [`ReplicaDropReason`].
+//! the engine's, with one reason of their own, [`DropReason::WrongEpoch`].
 
 use crate::layout::ChunkRange;
 use crate::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
@@ -61,55 +61,6 @@ impl ReplicaMsgType {
             ReplicaMsgType::Replicate => "REPLICATE",
             ReplicaMsgType::ReplicateAck => "REPLICATE_ACK",
         }
-    }
-}
-
-/// Why an appliance drops a message, beyond [`DropReason`]'s (the dense
-/// and the table messages', PROTOCOL.md §11.5); the codes continue
-/// theirs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum ReplicaDropReason {
-    /// The message's `epoch` is not the epoch of the job's layout this
-    /// appliance has installed.
-    WrongEpoch = 29,
-}
-
-impl ReplicaDropReason {
-    /// Every reason, in code order.
-    pub const ALL: [ReplicaDropReason; 1] = [ReplicaDropReason::WrongEpoch];
-
-    /// Wire code (what an ERROR carries in `error`).
-    pub const fn code(self) -> u16 {
-        self as u16
-    }
-
-    /// The reason for a code, if it names one.
-    pub const fn from_code(code: u16) -> Option<ReplicaDropReason> {
-        match code {
-            29 => Some(ReplicaDropReason::WrongEpoch),
-            _ => None,
-        }
-    }
-
-    /// Stable snake_case name, used in stats and metrics.
-    pub const fn name(self) -> &'static str {
-        match self {
-            ReplicaDropReason::WrongEpoch => "wrong_epoch",
-        }
-    }
-
-    /// Whether a worker's message refused for it is answered with an ERROR
-    /// (PROTOCOL.md §11.6): yes, it tells the worker its layout is stale.
-    /// An appliance's message never is (§9's rule).
-    pub const fn notifies_sender(self) -> bool {
-        true
-    }
-}
-
-impl std::fmt::Display for ReplicaDropReason {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
     }
 }
 
@@ -334,10 +285,6 @@ mod tests {
             assert_eq!(ReplicaMsgType::from_code(t.code()), Some(t));
             assert_eq!(crate::wire::MsgType::from_code(t.code()), None);
             assert_eq!(crate::rows::RowMsgType::from_code(t.code()), None);
-        }
-        for r in ReplicaDropReason::ALL {
-            assert_eq!(ReplicaDropReason::from_code(r.code()), Some(r));
-            assert_eq!(DropReason::from_code(r.code()), None);
         }
     }
 

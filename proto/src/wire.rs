@@ -279,6 +279,11 @@ drop_reasons! {
     /// A table message with an id the placement (PROTOCOL.md §10.1) puts
     /// on another lcore (or another appliance).
     RowOutOfPlace = 28, "row_out_of_place";
+    /// The message's `epoch` (header offset 44) is not the epoch of the
+    /// replicated job's layout this appliance has installed (PROTOCOL.md
+    /// §11.5): a replication message's is counted only, a worker's is
+    /// answered with an ERROR carrying the appliance's epoch.
+    WrongEpoch = 29, "wrong_epoch";
 }
 
 impl DropReason {
@@ -302,6 +307,7 @@ impl DropReason {
                 | DropReason::DimMismatch
                 | DropReason::BadRowCount
                 | DropReason::RowOutOfPlace
+                | DropReason::WrongEpoch
         )
     }
 

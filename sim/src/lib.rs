@@ -1114,12 +1114,7 @@ impl<'c> World<'c> {
                 );
             }
             // The simulator installs no replicated job (PROTOCOL.md §11).
-            Verdict::Applied
-            | Verdict::Held
-            | Verdict::Resent
-            | Verdict::Pulled
-            | Verdict::Replicated
-            | Verdict::Refused(_) => {}
+            Verdict::Applied | Verdict::Held | Verdict::Resent | Verdict::Pulled | Verdict::Replicated => {}
         }
         let total: u64 = lc.drops.iter().sum();
         assert_eq!(

@@ -89,6 +89,20 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// An epoch change refused (PROTOCOL.md §11.6); nothing changed.
+    #[error("job {id}: epoch {epoch} refused: {reason}")]
+    Epoch {
+        /// Job id.
+        id: u16,
+        /// The epoch offered.
+        epoch: u32,
+        /// The view disagrees with the job as installed here (not
+        /// replicated, an older epoch, another down list for the same
+        /// epoch, what is not built) rather than being malformed.
+        conflict: bool,
+        /// What is wrong, and what would be accepted.
+        reason: String,
+    },
     /// More slots than a `u32` slot index can name.
     #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
     TooManySlots {

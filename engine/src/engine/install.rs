@@ -425,7 +425,8 @@ impl<A: Copy + Eq> Shard<A> {
                     key: 0,
                     chunk: 0,
                 };
-                self.pending.push(Pending::Error { repr, to });
+                let epoch = job.replica.as_deref().map_or(0, super::replica::Replica::epoch);
+                self.pending.push(Pending::Error { repr, epoch, to });
                 queued += 1;
             }
         }

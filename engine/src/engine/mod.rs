@@ -103,6 +103,9 @@
 //! - `replica.rs`: replicated jobs (PROTOCOL.md §11): their plan
 //!   ([`replica_plan`]), primary slots that complete a round once every
 //!   backup acknowledged it, backup slots, and the REPLICATE timers;
+//! - `epoch.rs`: a replicated job's epoch changes (PROTOCOL.md §11.6):
+//!   down backups leave the replica sets, the parts of down homes are
+//!   adopted ([`Shard::change_epoch`]);
 //! - `outbox.rs`: queued messages and the [`Transmit`](crate::Transmit)s made
 //!   from them;
 //! - `stats.rs`: a job's counters (`JobCounters`) and [`JobShardStats`];
@@ -111,7 +114,6 @@
 use std::sync::Arc;
 
 use phub_proto::memory::{PARTIAL_RECORD_BYTES, PEER_LCORE_BYTES};
-use phub_proto::replica::ReplicaDropReason;
 use phub_proto::spec::{Consistency, Optimizer};
 use phub_proto::wire::{self, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
@@ -123,6 +125,7 @@ use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock};
 
 mod checkpoint;
 mod clock;
+mod epoch;
 mod error;
 mod hier;
 mod install;
@@ -195,9 +198,6 @@ pub enum Verdict {
     /// applied a round, or acknowledged one again; a primary counted an
     /// acknowledgement that was not the last of its round.
     Replicated,
-    /// The packet was dropped for a reason of replication (PROTOCOL.md
-    /// §11.5), counted in the job's [`ReplicaStats`].
-    Refused(ReplicaDropReason),
     /// The packet was dropped and counted under this reason.
     Dropped(DropReason),
 }
@@ -495,6 +495,15 @@ impl<A: Copy + Eq> Shard<A> {
         if self.closing {
             return self.refuse(from, repr, DropReason::ShuttingDown);
         }
+        if let Some(rep) = self.jobs[i].replica.as_deref_mut() {
+            // A replicated job's worker names the layout's epoch it routes
+            // by (PROTOCOL.md §11.5, §11.6): another one gets ours back.
+            let epoch = rep.epoch();
+            if wire::Header::new_unchecked(datagram).epoch() != epoch {
+                rep.count_worker_wrong_epoch();
+                return self.refuse_in_epoch(from, repr, DropReason::WrongEpoch, epoch);
+            }
+        }
         let job = &mut self.jobs[i];
         if repr.shm() && job.shm.is_none() {
             return Verdict::Dropped(DropReason::NoSharedMemory);
@@ -596,6 +605,16 @@ impl<A: Copy + Eq> Shard<A> {
     /// message's header, type ERROR, no payload, the reason's code) goes
     /// back where the reason tells the sender ([`DropReason::notifies_sender`]).
     fn refuse(&mut self, from: A, repr: Repr, reason: DropReason) -> Verdict {
+        let epoch = self
+            .job(repr.job)
+            .and_then(|j| j.replica.as_deref())
+            .map_or(0, Replica::epoch);
+        self.refuse_in_epoch(from, repr, reason, epoch)
+    }
+
+    /// [`Shard::refuse`], the ERROR's `epoch` field `epoch` (a replicated
+    /// job's install's, PROTOCOL.md §11.5; 0 for every other job).
+    fn refuse_in_epoch(&mut self, from: A, repr: Repr, reason: DropReason, epoch: u32) -> Verdict {
         if reason.notifies_sender() {
             self.counters.errors_sent.inc();
             let e = Repr {
@@ -605,7 +624,11 @@ impl<A: Copy + Eq> Shard<A> {
                 flags: 0,
                 ..repr
             };
-            self.pending.push(Pending::Error { repr: e, to: from });
+            self.pending.push(Pending::Error {
+                repr: e,
+                epoch,
+                to: from,
+            });
         }
         Verdict::Dropped(reason)
     }

@@ -31,8 +31,9 @@ pub(super) enum Pending<A> {
         to: To,
         round: Option<u32>,
     },
-    /// A refusal notice to a token-authenticated sender.
-    Error { repr: Repr, to: A },
+    /// A refusal notice to a token-authenticated sender; `epoch` goes in
+    /// the header's epoch field (a replicated job's, PROTOCOL.md §11.5).
+    Error { repr: Repr, epoch: u32, to: A },
     /// A rack slot's partial sum, to the chunk's home.
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
@@ -124,9 +125,11 @@ impl<A: Copy + Eq> Shard<A> {
     pub(super) fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, Ranks<'_, A>>>; 2] {
         let (job, slot, to, round) = match *p {
             Pending::Result { job, slot, to, round } => (job, slot, to, round),
-            Pending::Error { repr, to } => {
+            Pending::Error { repr, epoch, to } => {
+                let mut header = repr.to_bytes();
+                wire::Header::new_unchecked(&mut header[..]).set_epoch(epoch);
                 let t = Transmit {
-                    header: repr.to_bytes(),
+                    header,
                     payload: &[],
                     to: Ranks::new(&[], None, Some(to)),
                 };

@@ -24,7 +24,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
-use phub_proto::replica::{self, ReplicaDropReason, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
+use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
 use phub_proto::spec::{Consistency, JobSpec};
 use phub_proto::wire::{flags, DropReason, MAX_PAYLOAD};
 use phub_proto::Dtype;
@@ -80,13 +80,13 @@ pub struct BackupInstall {
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Pushed {
     /// The round it belongs to; none when none is waiting.
-    round: Round,
+    pub(super) round: Round,
     /// Bit k: backup k has acknowledged it.
-    acked: u8,
+    pub(super) acked: u8,
     /// When it was first sent (caller's clock).
     sent: u64,
     /// When to resend it.
-    deadline: u64,
+    pub(super) deadline: u64,
     /// Resends so far.
     resends: u8,
 }
@@ -110,13 +110,13 @@ const _: () = assert!(std::mem::size_of::<Pushed>() as u64 <= REPLICA_RECORD_BYT
 #[derive(Debug)]
 pub(super) struct Part<A> {
     /// The primary appliance's index.
-    primary: u16,
+    pub(super) primary: u16,
     /// Sequence number of backup slot 0.
     first: u64,
     /// Where the primary's lcores are and the runs they hold.
     at: Peers<A>,
-    slots: Vec<Slot>,
-    blocks: Vec<Box<dyn SlotBlock>>,
+    pub(super) slots: Vec<Slot>,
+    pub(super) blocks: Vec<Box<dyn SlotBlock>>,
 }
 
 /// What a job's replication did on this lcore.
@@ -136,25 +136,42 @@ pub struct ReplicaStats {
     pub rounds_applied: u64,
     /// Replication messages of another epoch (`wrong_epoch`).
     pub wrong_epoch: u64,
+    /// Worker messages of another epoch, answered with an ERROR
+    /// `wrong_epoch` (PROTOCOL.md §11.6).
+    pub worker_wrong_epoch: u64,
+    /// Epoch changes applied here ([`Shard::change_epoch`]).
+    pub epoch_changes: u64,
+    /// Pending aggregates completed by an epoch change, which took their
+    /// last missing backups out of the chunk's set.
+    pub rounds_released: u64,
+    /// Backup slots adopted as primary slots (their home is down).
+    pub slots_adopted: u64,
 }
 
 /// A replicated job's state on one lcore.
 #[derive(Debug)]
 pub(super) struct Replica<A> {
-    epoch: u32,
-    me: u16,
+    pub(super) epoch: u32,
+    /// The appliances down in `epoch` (ascending).
+    pub(super) down: Vec<u16>,
+    pub(super) me: u16,
+    /// Per appliance of the job: its replica set (§11.1), itself first.
+    pub(super) sets: Vec<Vec<u16>>,
     /// Sequence number of primary slot 0.
     first: u64,
-    /// Per backup of this appliance's chunks, in set order: its index and
-    /// where it keeps them.
-    backups: Vec<(u16, Peers<A>)>,
-    /// Per primary slot.
-    pushed: Vec<Pushed>,
+    /// Per live backup of this appliance's chunks, in set order: its index
+    /// and where it keeps them.
+    pub(super) backups: Vec<(u16, Peers<A>)>,
+    /// Per own primary slot (slots adopted in an epoch change, which
+    /// follow them, have no backup and no record).
+    pub(super) pushed: Vec<Pushed>,
     /// The earliest deadline of `pushed` (u64::MAX: none).
-    next_deadline: u64,
+    pub(super) next_deadline: u64,
     rtt: Rtt,
-    parts: Vec<Part<A>>,
-    stats: ReplicaStats,
+    /// The parts backed up here, in ascending order of their home; a part
+    /// adopted in an epoch change leaves for the job's slots.
+    pub(super) parts: Vec<Part<A>>,
+    pub(super) stats: ReplicaStats,
 }
 
 impl<A: Copy> Replica<A> {
@@ -166,7 +183,10 @@ impl<A: Copy> Replica<A> {
         if self.backups.is_empty() {
             return false;
         }
-        let p = &mut self.pushed[slot as usize];
+        // An adopted slot (past the own ones) has no live backup.
+        let Some(p) = self.pushed.get_mut(slot as usize) else {
+            return false;
+        };
         debug_assert!(p.round.is_none(), "a second aggregate while one is pending");
         *p = Pushed {
             round: Round::new(round),
@@ -177,6 +197,16 @@ impl<A: Copy> Replica<A> {
         };
         self.next_deadline = self.next_deadline.min(p.deadline);
         true
+    }
+
+    /// The layout's epoch this lcore has installed.
+    pub(super) fn epoch(&self) -> u32 {
+        self.epoch
+    }
+
+    /// Counts a worker's message of another epoch.
+    pub(super) fn count_worker_wrong_epoch(&mut self) {
+        self.stats.worker_wrong_epoch += 1;
     }
 
     /// Forgets every pending aggregate (after a restore, whose slots have
@@ -212,7 +242,7 @@ impl<A: Copy> Replica<A> {
     }
 
     /// Whether all `n` backups are in `acked`.
-    fn all(n: usize, acked: u8) -> bool {
+    pub(super) fn all(n: usize, acked: u8) -> bool {
         u32::from(acked).count_ones() as usize == n
     }
 }
@@ -442,9 +472,21 @@ impl<A: Copy + Eq> Shard<A> {
         // A completed round queues a REPLICATE per backup.
         self.pending.reserve(backups.len() * MAX_BURST);
         let j = self.jobs.last_mut().expect("installed just now");
+        // Cast: p < n, whose indices the install's u16 `me` spans.
+        #[allow(clippy::cast_possible_truncation)]
+        let sets = (0..n)
+            .map(|p| {
+                replica::replica_set(&rep.racks, p, r)
+                    .into_iter()
+                    .map(|a| a as u16)
+                    .collect()
+            })
+            .collect();
         j.replica = Some(Box::new(Replica {
             epoch: rep.epoch,
+            down: Vec::new(),
             me: rep.me,
+            sets,
             first: rep.first,
             backups,
             pushed: vec![Pushed::default(); nslots],
@@ -545,7 +587,7 @@ impl<A: Copy + Eq> Shard<A> {
         };
         if repr.epoch != rep.epoch {
             rep.stats.wrong_epoch += 1;
-            return Verdict::Refused(ReplicaDropReason::WrongEpoch);
+            return Verdict::Dropped(DropReason::WrongEpoch);
         }
         match repr.kind {
             ReplicaMsgType::Replicate => match Self::on_replicate(&self.kernels, job, from, &repr, payload) {
@@ -663,7 +705,11 @@ impl<A: Copy + Eq> Shard<A> {
         if rep.backup_of(k, repr.slot).is_none_or(|(at, _)| at != from) {
             return Err(DropReason::WrongPeer);
         }
-        let p = &mut rep.pushed[repr.slot as usize];
+        // An adopted slot (past the own ones) has no backup.
+        let p = rep
+            .pushed
+            .get_mut(repr.slot as usize)
+            .ok_or(DropReason::RankOutOfRange)?;
         if !p.round.is(repr.round) {
             let done = slot.completed.get().is_some_and(|c| repr.round <= c);
             return Err(if done || p.round.is_after(repr.round) {

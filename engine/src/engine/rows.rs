@@ -311,6 +311,7 @@ impl<A: Copy + Eq> Shard<A> {
             self.counters.errors_sent.inc();
             self.pending.push(Pending::Error {
                 repr: row_error(repr, reason),
+                epoch: 0,
                 to: from,
             });
         }

@@ -1,0 +1,330 @@
+//! Failover (PROTOCOL.md §11.6) on hand-wired appliances: three
+//! appliances, replicas 2, BSP, W = 2. Appliance 1 dies (its datagrams go
+//! nowhere) at every point of a round in turn; the survivors get epoch
+//! {1, [1]}, the workers re-address their pending pushes by
+//! `ReplicaLayout::serve` in epoch 1 and resend them. Every round must be
+//! answered with one result, bit-identical to a run without the failure.
+//! Fencing: an old primary left alive in epoch 0 completes no new round.
+
+mod replica_world;
+
+use replica_world::*;
+
+/// One rack; lcores 2, 1, 2; sets 0 → 1, 1 → 2, 2 → 0.
+const LCORES: [usize; 3] = [2, 1, 2];
+const RACKS: [&str; 3] = ["", "", ""];
+const ROUNDS: u32 = 4;
+/// The round during which appliance 1 dies.
+const FAIL_IN: u32 = 2;
+
+fn spec2() -> JobSpec {
+    let s = JobSpec::new("fail", 2, &[40, 24, 8, 33])
+        .with_optimizer(Optimizer::Momentum {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.01,
+        })
+        .with_chunk_bytes(64)
+        .sharded_over(Appliances::Count(3))
+        .with_replicas(2);
+    s.validate().unwrap();
+    s
+}
+
+const CLEAN: Faults = Faults {
+    replica_loss: 0.0,
+    loss: 0.0,
+    dup: 0.0,
+};
+
+/// Every rank's values of every chunk in `round`: the same in every run.
+fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
+    let mut rng = Rng(0xfa11 + u64::from(round));
+    let mut v = HashMap::new();
+    for rank in 0..w.spec.workers as u16 {
+        for g in 0..w.total() {
+            let n = w.chunk(g).elems as usize;
+            v.insert((rank, g), (0..n).map(|_| rng.value()).collect());
+        }
+    }
+    v
+}
+
+/// Per (rank, chunk): the last round whose RESULT the rank holds, and its
+/// payload ([`World::got`]).
+type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
+
+/// Every (rank, chunk)'s result after each round, from a run without
+/// failure.
+fn reference() -> Vec<Got> {
+    let mut w = World::new(spec2(), &LCORES, &RACKS, 1, CLEAN);
+    (0..=ROUNDS)
+        .map(|r| {
+            let v = values(&w, r);
+            round(&mut w, r, &v);
+            w.got.clone()
+        })
+        .collect()
+}
+
+/// Installs `view` on every lcore of every appliance not dead and sends
+/// what it released; the workers take it too.
+fn change_epoch(w: &mut World, view: &EpochView) {
+    w.epoch = view.clone();
+    for i in 0..w.shards.len() {
+        if w.dead[i] {
+            continue;
+        }
+        for j in 0..w.shards[i].len() {
+            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(true));
+            // Again: the same epoch changes nothing.
+            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(false));
+            w.drain(i, j);
+        }
+    }
+}
+
+fn sum_stats(w: &World, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
+    w.shards
+        .iter()
+        .flatten()
+        .map(|s| f(&s.replica_stats(JOB).unwrap()))
+        .sum()
+}
+
+#[test]
+fn a_primary_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
+    let want = reference();
+    let epoch1 = EpochView::default().with_down(1).unwrap();
+    let mut kill_points = 0;
+    for kill_after in 0.. {
+        let mut w = World::new(spec2(), &LCORES, &RACKS, 1, CLEAN);
+        for r in 0..FAIL_IN {
+            let v = values(&w, r);
+            round(&mut w, r, &v);
+            assert_eq!(w.got, want[r as usize], "round {r}");
+        }
+        // Round FAIL_IN: every push sent, `kill_after` datagrams delivered,
+        // then appliance 1 is gone.
+        let v = values(&w, FAIL_IN);
+        let all: Vec<(u16, u64)> = (0..2u16)
+            .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
+            .collect();
+        send_round(&mut w, FAIL_IN, &v, &all, false);
+        let mut delivered = 0;
+        while delivered < kill_after && w.step() {
+            delivered += 1;
+        }
+        if delivered < kill_after {
+            // Every point of the round has been a kill point.
+            break;
+        }
+        kill_points += 1;
+        w.dead[1] = true;
+        w.run();
+        change_epoch(&mut w, &epoch1);
+        w.run();
+        // The workers resend what is unanswered, where epoch 1 serves it.
+        round(&mut w, FAIL_IN, &v);
+        assert_eq!(
+            w.got, want[FAIL_IN as usize],
+            "round {FAIL_IN}, appliance 1 killed after {kill_after} deliveries"
+        );
+        for r in FAIL_IN + 1..=ROUNDS {
+            let v = values(&w, r);
+            round(&mut w, r, &v);
+            assert_eq!(
+                w.got, want[r as usize],
+                "round {r}, appliance 1 killed after {kill_after} deliveries in round {FAIL_IN}"
+            );
+        }
+        assert!(w.errors.is_empty(), "{:?}", w.errors);
+        // Appliance 1's part was adopted by appliance 2, its first backup.
+        assert_eq!(sum_stats(&w, |s| s.slots_adopted), w.layout.part(1).count);
+    }
+    // Delivered datagrams of one round: 2 pushes, a REPLICATE and its ACK,
+    // 2 RESULTs per chunk.
+    assert!(kill_points >= 6 * 9, "only {kill_points} kill points");
+}
+
+#[test]
+fn a_round_pending_only_on_the_down_backup_completes_at_the_epoch_change() {
+    let mut w = World::new(spec2(), &LCORES, &RACKS, 2, CLEAN);
+    for r in 0..FAIL_IN {
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+    }
+    // Appliance 1 (appliance 0's backup) dies first: 0's REPLICATEs vanish.
+    w.dead[1] = true;
+    let v = values(&w, FAIL_IN);
+    let mine: Vec<(u16, u64)> = (0..2u16)
+        .flat_map(|r| w.layout.part(0).range().map(move |g| (r, g)))
+        .collect();
+    send_round(&mut w, FAIL_IN, &v, &mine, false);
+    w.run();
+    assert!(
+        mine.iter().all(|k| w.got[k].0 < FAIL_IN),
+        "a RESULT left before the backup acknowledged"
+    );
+    // The epoch change takes 1 out of 0's set: the rounds complete and
+    // their RESULTs leave at once, nothing resent.
+    change_epoch(&mut w, &EpochView::default().with_down(1).unwrap());
+    w.run();
+    assert!(mine.iter().all(|k| w.got[k].0 == FAIL_IN));
+    let released: u64 = w.shards[0]
+        .iter()
+        .map(|s| s.replica_stats(JOB).unwrap().rounds_released)
+        .sum();
+    assert_eq!(released, w.layout.part(0).count);
+    // Later rounds complete at the last push: no backup is left.
+    let sent = sum_stats(&w, |s| s.replicates_sent);
+    let v = values(&w, FAIL_IN + 1);
+    let mine_next = mine.clone();
+    send_round(&mut w, FAIL_IN + 1, &v, &mine_next, false);
+    w.run();
+    assert!(mine.iter().all(|k| w.got[k].0 == FAIL_IN + 1));
+    assert_eq!(sum_stats(&w, |s| s.replicates_sent), sent);
+}
+
+#[test]
+fn an_old_primary_left_in_the_old_epoch_completes_no_round() {
+    let mut w = World::new(spec2(), &LCORES, &RACKS, 3, CLEAN);
+    for r in 0..FAIL_IN {
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+    }
+    // Appliance 1 is declared down but lives on, in epoch 0: only 0 and
+    // 2 take epoch 1.
+    let epoch1 = EpochView::default().with_down(1).unwrap();
+    for i in [0, 2] {
+        for j in 0..w.shards[i].len() {
+            w.shards[i][j].change_epoch(JOB, &epoch1).unwrap();
+        }
+    }
+    // Workers still in epoch 0 push round FAIL_IN of 1's chunks to it.
+    let part = w.layout.part(1);
+    let theirs: Vec<(u16, u64)> = (0..2u16)
+        .flat_map(|r| part.range().map(move |g| (r, g)))
+        .collect();
+    let v = values(&w, FAIL_IN);
+    for t in 0..20 {
+        send_round(&mut w, FAIL_IN, &v, &theirs, t > 0);
+        w.run();
+        w.now += 30 * MS;
+        w.poll();
+        w.run();
+    }
+    // Its REPLICATEs were dropped by appliance 2, now in epoch 1: no round
+    // completed there, and it answered nothing beyond what 2 holds.
+    let dropped: u64 = w.shards[2]
+        .iter()
+        .map(|s| s.replica_stats(JOB).unwrap().wrong_epoch)
+        .sum();
+    // Each chunk's first REPLICATE and its resends, on the timer.
+    assert!(
+        dropped > part.count,
+        "{dropped} REPLICATEs dropped as wrong_epoch"
+    );
+    assert_eq!(
+        w.shards[1][0].primary_state(JOB, 0).unwrap().round,
+        Some(FAIL_IN - 1)
+    );
+    for k in &theirs {
+        assert_eq!(
+            w.got[k].0,
+            FAIL_IN - 1,
+            "{k:?} was answered by the fenced primary"
+        );
+        // Adopted by appliance 2: its slot there is a primary slot now.
+        let at = w.layout.serve(k.1, &epoch1).unwrap();
+        assert_eq!((at.appliance, at.adopted), (2, true));
+        let held = w.shards[2][at.lcore].primary_state(JOB, at.slot as u32).unwrap();
+        assert_eq!(held.round, Some(FAIL_IN - 1));
+    }
+    assert!(w.errors.is_empty());
+    // A worker message of epoch 0 to an appliance of epoch 1 is refused
+    // with an ERROR wrong_epoch carrying epoch 1 ...
+    let g = w.layout.part(2).first;
+    send_round(&mut w, FAIL_IN, &v, &[(0, g)], true);
+    w.run();
+    let (from, e, epoch) = w.errors.pop().unwrap();
+    assert_eq!(*from.ip(), *lcore_addr(2, 0).ip());
+    assert_eq!(e.error, DropReason::WrongEpoch.code());
+    assert_eq!(epoch, 1);
+    assert_eq!(e.slot, 0);
+    // ... and one of epoch 1 to the fenced appliance gets its epoch 0.
+    w.epoch = epoch1;
+    let to = lcore_addr(1, 0);
+    let c = w.chunk(part.first);
+    let mut d = Repr::request(MsgType::Pull, JOB, TOKEN, 0, 0, 0)
+        .with_chunk(c.key, c.chunk)
+        .to_datagram(&[]);
+    wire::Header::new_unchecked(&mut d[..]).set_epoch(1);
+    w.send(worker_addr(0), to, d);
+    w.run();
+    let (from, e, epoch) = w.errors.pop().unwrap();
+    assert_eq!(from, to);
+    assert_eq!((e.error, epoch), (DropReason::WrongEpoch.code(), 0));
+    assert!(w.errors.is_empty());
+}
+
+#[test]
+fn an_epoch_change_is_checked_whole() {
+    let mut w = World::new(spec2(), &LCORES, &RACKS, 4, CLEAN);
+    let v = values(&w, 0);
+    round(&mut w, 0, &v);
+    let s = &mut w.shards[2][0];
+    let e1 = EpochView {
+        epoch: 1,
+        down: vec![1],
+    };
+    let refused = |r: Result<bool, phub_engine::EngineError>| match r {
+        Err(phub_engine::EngineError::Epoch { conflict, reason, .. }) => (conflict, reason),
+        other => panic!("{other:?}"),
+    };
+    let (c, why) = refused(s.change_epoch(
+        JOB,
+        &EpochView {
+            epoch: 1,
+            down: vec![3],
+        },
+    ));
+    assert!(!c && why.contains("down [3]") && why.contains("0..3"), "{why}");
+    let (c, why) = refused(s.change_epoch(
+        JOB,
+        &EpochView {
+            epoch: 1,
+            down: vec![2],
+        },
+    ));
+    assert!(c && why.contains("this appliance (2)"), "{why}");
+    assert_eq!(s.change_epoch(JOB, &e1), Ok(true));
+    let (c, why) = refused(s.change_epoch(JOB, &EpochView::default()));
+    assert!(
+        c && why.contains("epoch 1 is installed; epochs only grow"),
+        "{why}"
+    );
+    let (c, why) = refused(s.change_epoch(
+        JOB,
+        &EpochView {
+            epoch: 1,
+            down: vec![0],
+        },
+    ));
+    assert!(c && why.contains("with down [1], not [0]"), "{why}");
+    let (c, why) = refused(s.change_epoch(
+        JOB,
+        &EpochView {
+            epoch: 2,
+            down: vec![0],
+        },
+    ));
+    assert!(c && why.contains("appliance 1 is down in epoch 1"), "{why}");
+    let (c, _) = refused(s.change_epoch(JOB + 1, &e1));
+    assert!(c);
+    let st = s.replica_stats(JOB).unwrap();
+    assert_eq!(
+        (st.epoch_changes, st.slots_adopted),
+        (1, backup_runs(w.layout.part(1), 2)[0].count)
+    );
+}

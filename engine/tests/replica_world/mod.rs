@@ -1,0 +1,482 @@
+//! A hand-wired replicated job, shared by the replica tests
+//! (`replica_rules.rs`, `failover_rules.rs`): every lcore of every
+//! appliance is a [`Shard`], datagrams between them and the workers go
+//! through one seeded network that loses, duplicates and reorders them,
+//! and the workers run BSP rounds with retransmission, each chunk sent
+//! where [`ReplicaLayout::serve`] says it is served in the workers' epoch
+//! (PROTOCOL.md §11.6), with that epoch in the header. An appliance marked
+//! dead neither sends nor receives.
+
+#![allow(dead_code, unused_imports)]
+
+pub(crate) use std::collections::HashMap;
+pub(crate) use std::net::{Ipv4Addr, SocketAddrV4};
+pub(crate) use std::sync::Arc;
+
+pub(crate) use phub_engine::engine::{replica_plan, ReplicaInstall};
+pub(crate) use phub_engine::kernels::Kernels;
+pub(crate) use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
+pub(crate) use phub_proto::failover::{EpochView, ReplicaLayout};
+pub(crate) use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
+pub(crate) use phub_proto::replica::{self, backup_runs, replica_set, ReplicaMsgType};
+pub(crate) use phub_proto::spec::{Appliances, Consistency, JobSpec, Optimizer};
+pub(crate) use phub_proto::wire::{self, flags, DropReason, MsgType, Repr};
+pub(crate) use phub_proto::Dtype;
+
+pub(crate) const JOB: u16 = 7;
+pub(crate) const TOKEN: u64 = 0x5eed_0f4e_11ca_5eed;
+pub(crate) const MS: u64 = 1_000_000;
+
+/// A seeded generator (SplitMix64): the same faults for the same seed.
+pub(crate) struct Rng(pub(crate) u64);
+
+impl Rng {
+    pub(crate) fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+    fn chance(&mut self, p: f64) -> bool {
+        ((self.next() >> 11) as f64 / (1u64 << 53) as f64) < p
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    pub(crate) fn value(&mut self) -> f32 {
+        ((self.next() >> 40) as f32 / (1u64 << 24) as f32 - 0.5) * 4.0
+    }
+}
+
+/// What the network does to datagrams.
+#[derive(Clone, Copy)]
+pub(crate) struct Faults {
+    /// Chance each copy of a replication message (REPLICATE, ACK) is lost.
+    pub(crate) replica_loss: f64,
+    /// Chance any other datagram is lost.
+    pub(crate) loss: f64,
+    /// Chance a datagram is sent twice.
+    pub(crate) dup: f64,
+}
+
+/// Appliance i's lcore j listens at 10.0.i.1, port 9000 + j.
+pub(crate) fn lcore_addr(i: usize, j: usize) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::new(10, 0, i as u8, 1), 9000 + j as u16)
+}
+
+pub(crate) fn worker_addr(rank: u16) -> SocketAddrV4 {
+    SocketAddrV4::new(Ipv4Addr::new(10, 9, 0, rank as u8 + 1), 5000)
+}
+
+pub(crate) struct World {
+    pub(crate) spec: JobSpec,
+    pub(crate) racks: Vec<String>,
+    pub(crate) lcores: Vec<usize>,
+    pub(crate) runs: Vec<ChunkRange>,
+    /// shards[i][j]: appliance i's lcore j.
+    pub(crate) shards: Vec<Vec<Shard<SocketAddrV4>>>,
+    /// In flight: (from, to, datagram).
+    pub(crate) net: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
+    pub(crate) rng: Rng,
+    pub(crate) faults: Faults,
+    pub(crate) now: u64,
+    /// Per (rank, chunk): the last round whose RESULT the rank holds, and
+    /// its payload.
+    pub(crate) got: HashMap<(u16, u64), (u32, Vec<u8>)>,
+    /// RESULTs seen leaving a primary, by round.
+    pub(crate) results: u64,
+    /// Verdicts of every replication message handled.
+    pub(crate) verdicts: Vec<Verdict>,
+    /// Where chunks are served, by epoch (PROTOCOL.md §11.6).
+    pub(crate) layout: ReplicaLayout<String>,
+    /// The workers' epoch: where they send, and what their headers say.
+    pub(crate) epoch: EpochView,
+    /// Per appliance: dead (its datagrams go nowhere, both ways).
+    pub(crate) dead: Vec<bool>,
+    /// ERRORs the workers received: from, header, header epoch.
+    pub(crate) errors: Vec<(SocketAddrV4, Repr, u32)>,
+}
+
+impl World {
+    /// Appliances with these lcore counts and rack labels, `spec`'s job
+    /// installed on them (epoch 0), its chunks spread over all their
+    /// lcores by count.
+    pub(crate) fn new(spec: JobSpec, lcores: &[usize], racks: &[&str], seed: u64, faults: Faults) -> World {
+        let chunks = Chunks::new(&spec);
+        let total = chunks.total();
+        let nl: usize = lcores.iter().sum();
+        // Runs by count over every lcore, in layout order.
+        let runs: Vec<ChunkRange> = backup_runs(
+            ChunkRange {
+                first: 0,
+                count: total,
+            },
+            nl,
+        );
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (*lcore_addr(i, 0).ip(), 9000, l as u16))
+            .collect();
+        let racks: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
+        let mut shards = Vec::new();
+        for (i, &l) in lcores.iter().enumerate() {
+            let plan = replica_plan(&spec, &runs, &appliances, &racks, i as u16, 0).unwrap();
+            assert_eq!(plan.len(), l);
+            let mut mine = Vec::new();
+            for (j, (slots, rep)) in plan.into_iter().enumerate() {
+                let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+                s.set_peer_resolver(Arc::new(Some));
+                s.install(job(&spec, slots), InstallKind::Replicated(Box::new(rep)))
+                    .unwrap();
+                mine.push(s);
+            }
+            shards.push(mine);
+        }
+        let layout = ReplicaLayout::new(runs.clone(), lcores, racks.clone(), spec.replicas()).unwrap();
+        World {
+            layout,
+            epoch: EpochView::default(),
+            dead: vec![false; lcores.len()],
+            errors: Vec::new(),
+            spec,
+            racks,
+            lcores: lcores.to_vec(),
+            runs,
+            shards,
+            net: Vec::new(),
+            rng: Rng(seed),
+            faults,
+            now: 1,
+            got: HashMap::new(),
+            results: 0,
+            verdicts: Vec::new(),
+        }
+    }
+
+    pub(crate) fn total(&self) -> u64 {
+        self.runs.iter().map(|r| r.count).sum()
+    }
+
+    /// Appliance and lcore of layout entry `l`.
+    pub(crate) fn entry(&self, l: usize) -> (usize, usize) {
+        let mut at = l;
+        for (i, &n) in self.lcores.iter().enumerate() {
+            if at < n {
+                return (i, at);
+            }
+            at -= n;
+        }
+        unreachable!("entry {l}")
+    }
+
+    /// Chunk g's primary: appliance, lcore, slot.
+    pub(crate) fn primary(&self, g: u64) -> (usize, usize, u32) {
+        let (l, slot) = replica::place(&self.runs, g).unwrap();
+        let (i, j) = self.entry(l);
+        (i, j, slot as u32)
+    }
+
+    pub(crate) fn chunk(&self, g: u64) -> SlotChunk {
+        Chunks::new(&self.spec).iter(g..g + 1).next().unwrap()
+    }
+
+    /// The appliances backing up appliance i's chunks.
+    pub(crate) fn backups_of(&self, i: usize) -> Vec<usize> {
+        replica_set(&self.racks, i, self.spec.replicas())[1..].to_vec()
+    }
+
+    pub(crate) fn send(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: Vec<u8>) {
+        let appliance = |a: &SocketAddrV4| (a.ip().octets()[1] == 0).then(|| usize::from(a.ip().octets()[2]));
+        if [appliance(&from), appliance(&to)]
+            .into_iter()
+            .flatten()
+            .any(|i| self.dead[i])
+        {
+            return;
+        }
+        let replication = replica::is_replica_message(&d);
+        let loss = if replication {
+            self.faults.replica_loss
+        } else {
+            self.faults.loss
+        };
+        if self.rng.chance(loss) {
+            return;
+        }
+        if self.rng.chance(self.faults.dup) {
+            self.net.push((from, to, d.clone()));
+        }
+        self.net.push((from, to, d));
+    }
+
+    /// Sends what appliance i's lcore j queued, checking every RESULT
+    /// against the backups first.
+    pub(crate) fn drain(&mut self, i: usize, j: usize) {
+        let from = lcore_addr(i, j);
+        let mut out = Vec::new();
+        for t in self.shards[i][j].transmits() {
+            let mut d = t.header.to_vec();
+            d.extend_from_slice(t.payload);
+            for to in t.to {
+                out.push((to, d.clone()));
+            }
+        }
+        self.shards[i][j].clear_transmits();
+        for (to, d) in out {
+            if !replica::is_replica_message(&d) {
+                let (repr, _) = wire::parse(&d).unwrap();
+                if repr.kind == MsgType::Result {
+                    self.check_backups_hold(i, j, repr.slot, repr.round);
+                }
+            }
+            self.send(from, to, d);
+        }
+    }
+
+    /// Chunk served at appliance i's lcore j, slot `slot`: its own slot,
+    /// else an adopted one in the workers' epoch.
+    pub(crate) fn served_chunk(&self, i: usize, j: usize, slot: u32) -> u64 {
+        let l: usize = self.lcores[..i].iter().sum::<usize>() + j;
+        let run = self.runs[l];
+        if u64::from(slot) < run.count {
+            return run.first + u64::from(slot);
+        }
+        (0..self.total())
+            .find(|&g| {
+                self.layout
+                    .serve(g, &self.epoch)
+                    .is_some_and(|s| (s.appliance, s.lcore, s.slot) == (i, j, u64::from(slot)))
+            })
+            .unwrap_or_else(|| panic!("appliance {i} lcore {j} slot {slot} serves no chunk"))
+    }
+
+    /// The rule under test: a RESULT of `round` for slot `slot` of
+    /// appliance i's lcore j leaves only once every backup of the chunk
+    /// after i in its set, and not down in the workers' epoch, completed it.
+    fn check_backups_hold(&mut self, i: usize, j: usize, slot: u32, round: u32) {
+        self.results += 1;
+        let g = self.served_chunk(i, j, slot);
+        let home = self.layout.home(g).unwrap();
+        let set = self.layout.set(home);
+        let after = set.iter().position(|&a| a == i).unwrap();
+        for &b in &set[after + 1..] {
+            if self.epoch.is_down(b) {
+                continue;
+            }
+            let held = self.shards[b]
+                .iter()
+                .find_map(|s| s.backup_state(JOB, g))
+                .unwrap_or_else(|| panic!("appliance {b} keeps no backup of chunk {g}"));
+            assert!(
+                held.round.is_some_and(|r| r >= round),
+                "a RESULT of round {round} of chunk {g} left appliance {i} while its backup {b} holds round {:?}",
+                held.round
+            );
+        }
+    }
+
+    /// Delivers what is in flight, in a random order, until nothing is.
+    pub(crate) fn run(&mut self) {
+        while self.step() {}
+    }
+
+    /// Delivers one datagram in flight, picked at random; false when none is.
+    pub(crate) fn step(&mut self) -> bool {
+        {
+            if self.net.is_empty() {
+                return false;
+            }
+            let k = self.rng.below(self.net.len());
+            let (from, to, d) = self.net.swap_remove(k);
+            if to.ip().octets()[1] == 9 {
+                self.deliver_to_worker(from, to, &d);
+                return true;
+            }
+            let i = to.ip().octets()[2] as usize;
+            let j = usize::from(to.port() - 9000);
+            let v = self.shards[i][j].handle(from, &d, self.now);
+            if replica::is_replica_message(&d) {
+                self.verdicts.push(v);
+            }
+            self.drain(i, j);
+            self.now += 1_000;
+        }
+        true
+    }
+
+    /// A datagram reaches worker `to` from appliance lcore `from`.
+    fn deliver_to_worker(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: &[u8]) {
+        let (repr, payload) = wire::parse(d).unwrap();
+        if repr.kind == MsgType::Error {
+            let epoch = wire::Header::new_checked(d).unwrap().epoch();
+            self.errors.push((from, repr, epoch));
+            return;
+        }
+        assert_eq!(repr.kind, MsgType::Result, "{repr:?}");
+        let rank = u16::from(to.ip().octets()[3]) - 1;
+        let i = from.ip().octets()[2] as usize;
+        let g = self.served_chunk(i, usize::from(from.port() - 9000), repr.slot);
+        let c = self.chunk(g);
+        assert_eq!((repr.key, repr.chunk), (c.key, c.chunk));
+        match self.got.get(&(rank, g)) {
+            // A round is answered with one result, however often.
+            Some((r, p)) if *r == repr.round => {
+                assert_eq!(p, payload, "chunk {g}, round {r}: two different RESULTs")
+            }
+            Some((r, _)) if *r > repr.round => {}
+            _ => {
+                self.got.insert((rank, g), (repr.round, payload.to_vec()));
+            }
+        }
+    }
+
+    pub(crate) fn poll(&mut self) {
+        for i in 0..self.shards.len() {
+            for j in 0..self.shards[i].len() {
+                self.shards[i][j].poll_timers(self.now);
+                self.drain(i, j);
+            }
+        }
+    }
+}
+
+pub(crate) fn job(spec: &JobSpec, slots: Vec<SlotChunk>) -> JobInstall {
+    JobInstall {
+        id: JOB,
+        token: TOKEN,
+        workers: spec.workers as u16,
+        dtype: spec.dtype,
+        optimizer: spec.optimizer,
+        consistency: spec.consistency,
+        chunk_elems: spec.chunk_elems(),
+        slots,
+    }
+}
+
+/// Round `round` of every rank, every chunk, to its primary (INIT for
+/// round 0, rank 0's with values), resent until every RESULT is in.
+pub(crate) fn round(w: &mut World, round: u32, values: &HashMap<(u16, u64), Vec<f32>>) {
+    let total = w.total();
+    let mut sends = 0;
+    loop {
+        let missing: Vec<(u16, u64)> = (0..w.spec.workers as u16)
+            .flat_map(|r| (0..total).map(move |g| (r, g)))
+            .filter(|k| w.got.get(k).is_none_or(|e| e.0 < round))
+            .collect();
+        // A rank resends its push of a chunk until it holds the round's
+        // RESULT (a resent push of a round the primary completed is
+        // answered with its stored result, §5.4 rule 4).
+        if missing.is_empty() {
+            break;
+        }
+        assert!(sends < 400, "round {round}: chunks {missing:?} never answered");
+        send_round(w, round, values, &missing, sends > 0);
+        sends += 1;
+        w.run();
+        w.now += 30 * MS;
+        w.poll();
+        w.run();
+    }
+}
+
+/// Every rank's push (INIT for round 0) of each of `chunks` (rank,
+/// chunk), where the workers' epoch serves it, with that epoch.
+pub(crate) fn send_round(
+    w: &mut World,
+    round: u32,
+    values: &HashMap<(u16, u64), Vec<f32>>,
+    chunks: &[(u16, u64)],
+    again: bool,
+) {
+    {
+        for &(rank, g) in chunks {
+            let s = w.layout.serve(g, &w.epoch).unwrap();
+            let (i, j, slot) = (s.appliance, s.lcore, s.slot as u32);
+            let c = w.chunk(g);
+            let kind = if round == 0 { MsgType::Init } else { MsgType::Push };
+            let v: &[f32] = if round == 0 && rank != 0 {
+                &[]
+            } else {
+                &values[&(rank, g)]
+            };
+            let repr = Repr::request(kind, JOB, TOKEN, rank, round, slot)
+                .with_payload(w.spec.dtype, v.len() as u16)
+                .with_chunk(c.key, c.chunk)
+                .with_flags(if again { flags::RETRANSMIT } else { 0 });
+            let mut d = repr.to_datagram(v);
+            wire::Header::new_unchecked(&mut d[..]).set_epoch(w.epoch.epoch);
+            w.send(worker_addr(rank), lcore_addr(i, j), d);
+        }
+    }
+}
+
+/// Every backup of every chunk holds its primary's bits.
+pub(crate) fn assert_replicas_equal(w: &World, round: u32) {
+    for g in 0..w.total() {
+        let (i, j, slot) = w.primary(g);
+        let p = w.shards[i][j].primary_state(JOB, slot).unwrap();
+        assert_eq!(p.round, Some(round), "chunk {g}'s primary");
+        for b in w.backups_of(i) {
+            let s = w.shards[b].iter().find_map(|s| s.backup_state(JOB, g)).unwrap();
+            assert_eq!(s.round, p.round, "chunk {g}, backup {b}: round");
+            assert_eq!(
+                s.result, p.result,
+                "chunk {g}, backup {b}: stored result, round {round}"
+            );
+            assert_eq!(s.state.len(), p.state.len());
+            for (k, (a, b2)) in p.state.iter().zip(&s.state).enumerate() {
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(a),
+                    bits(b2),
+                    "chunk {g}, backup {b}: state buffer {k}, round {round}"
+                );
+            }
+        }
+    }
+}
+
+pub(crate) fn spec(opt: Optimizer, dtype: Dtype, replicas: u32, appliances: u32) -> JobSpec {
+    let s = JobSpec::new("rep", 3, &[40, 24, 8, 33])
+        .with_optimizer(opt)
+        .with_dtype(dtype)
+        .with_chunk_bytes(64)
+        .sharded_over(Appliances::Count(appliances))
+        .with_replicas(replicas);
+    s.validate().unwrap();
+    s
+}
+
+/// Runs `rounds` BSP rounds of `spec` under `faults`; returns the world.
+pub(crate) fn train(
+    spec: JobSpec,
+    lcores: &[usize],
+    racks: &[&str],
+    seed: u64,
+    faults: Faults,
+    rounds: u32,
+) -> World {
+    let mut w = World::new(spec, lcores, racks, seed, faults);
+    let total = w.total();
+    for r in 0..=rounds {
+        let mut values = HashMap::new();
+        for rank in 0..w.spec.workers as u16 {
+            for g in 0..total {
+                let n = w.chunk(g).elems as usize;
+                values.insert((rank, g), (0..n).map(|_| w.rng.value()).collect());
+            }
+        }
+        round(&mut w, r, &values);
+        assert_replicas_equal(&w, r);
+    }
+    assert!(w.errors.is_empty(), "ERRORs: {:?}", w.errors);
+    w
+}
+
+pub(crate) const LOSSY: Faults = Faults {
+    replica_loss: 0.3,
+    loss: 0.05,
+    dup: 0.2,
+};
