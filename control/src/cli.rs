@@ -723,6 +723,24 @@ pub fn render_show(d: &JobDetail) -> String {
         }
         out.push_str(&format!(", {} ({})", human_bytes(c.bytes), c.file));
     }
+    if let Some(e) = &d.epoch {
+        let down: Vec<&str> = e
+            .down
+            .iter()
+            .filter_map(|&i| d.parts.get(usize::from(i)))
+            .map(|p| p.appliance.as_str())
+            .collect();
+        out.push_str(&format!(
+            "\nreplicas {}, epoch {}, appliances down: {}",
+            d.spec.replicas(),
+            e.epoch,
+            if down.is_empty() {
+                "none".to_string()
+            } else {
+                down.join(", ")
+            }
+        ));
+    }
     out.push_str("\n\n");
     let hierarchical = d.parts.iter().any(|p| p.ranks.is_some());
     if hierarchical {
@@ -735,7 +753,9 @@ pub fn render_show(d: &JobDetail) -> String {
         let rows: Vec<Vec<String>> = d
             .parts
             .iter()
-            .map(|p| {
+            .enumerate()
+            .map(|(i, p)| {
+                let out_of_job = d.epoch.as_ref().is_some_and(|e| e.is_down(i));
                 vec![
                     p.appliance.clone(),
                     match p.ranks {
@@ -750,6 +770,7 @@ pub fn render_show(d: &JobDetail) -> String {
                         None => p.rounds_completed.to_string(),
                     },
                     match (&p.down, p.installed) {
+                        (Some(why), _) if out_of_job => format!("OUT ({why})"),
                         (Some(why), _) => format!("DOWN ({why}); reinstalled when it answers"),
                         (None, true) => "installed".into(),
                         (None, false) => "NOT installed; reconciliation reinstalls it".into(),
@@ -1538,6 +1559,7 @@ mod tests {
             clock: ClockStats::default(),
             checkpoint: None,
             parts: Vec::new(),
+            epoch: None,
         };
         let t = render_show(&d);
         assert!(
@@ -1551,7 +1573,41 @@ mod tests {
             "{t}"
         );
         assert!(!t.contains("FAILED"), "{t}");
+        assert!(!t.contains("epoch"), "not replicated: no epoch line: {t}");
         let mut d = d;
+        // A replicated job after failover: its epoch, who is down, and
+        // the down part out of the job (not waited for).
+        d.spec.placement = Some(phub_proto::spec::PlacementSpec {
+            appliances: phub_proto::spec::Appliances::Count(2),
+            hierarchical: false,
+            ranks_per_rack: None,
+            replicas: 2,
+        });
+        let part = |name: &str, down: Option<&str>| phub_proto::api::JobPart {
+            appliance: name.into(),
+            rack: String::new(),
+            lcores: 1,
+            chunks: (0, 1),
+            memory_bytes: 0,
+            installed: down.is_none(),
+            down: down.map(String::from),
+            rounds_completed: 0,
+            round_range: None,
+            ranks: None,
+        };
+        d.parts = vec![part("a", None), part("b", Some("declared down"))];
+        d.epoch = Some(phub_proto::failover::EpochView {
+            epoch: 1,
+            down: vec![1],
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains("replicas 2, epoch 1, appliances down: b\n") && t.contains("OUT (declared down)"),
+            "{t}"
+        );
+        d.epoch = None;
+        d.parts.clear();
+        d.spec.placement = None;
         d.summary.failed = Some("the dataplane refuses to install it: bad layout".into());
         let t = render_show(&d);
         assert!(
@@ -1597,6 +1653,7 @@ mod tests {
             },
             checkpoint: None,
             parts: Vec::new(),
+            epoch: None,
         };
         let t = render_show(&d);
         assert!(

@@ -2,8 +2,10 @@
 //! rendezvous, the appliances, the state file and the reconcile loop.
 //!
 //! Threads: the HTTP listener (phub-http: bounded connections, header and
-//! body limits, timeouts, TLS) with its handler pool, and one reconcile
-//! thread.
+//! body limits, timeouts, TLS) with its handler pool, one reconcile
+//! thread, and one heartbeat thread (with a short-lived thread per
+//! heartbeat in flight and per epoch install), which nothing slow (an
+//! install, a checkpoint, a reconciliation) holds up.
 //! Control manages a set of appliances (dataplanes), each with a name, a
 //! rack label, a management client and its last description. A job lives on
 //! one or several of them: its layout spans their lcores in order, and each
@@ -27,6 +29,9 @@
 //! - `views`: the read routes (list, show, map, stats, metrics);
 //! - `checkpoints`, `retry`: checkpoint files, held parts, their retry;
 //! - `reconcile`: the loop that installs again what a dataplane lost;
+//! - `heartbeat`: the thread that declares an appliance down when it
+//!   stops answering, and `failover`: what that does to the replicated
+//!   jobs on it (their new epoch, or their failure);
 //! - `appliances`: the appliances' routes (list, add, remove).
 
 mod admit;
@@ -34,6 +39,8 @@ mod appliances;
 mod checkpoints;
 mod config;
 mod evict;
+mod failover;
+mod heartbeat;
 mod http;
 mod join;
 mod leader;
@@ -53,7 +60,8 @@ use anyhow::Context as _;
 use phub_proto::api::ApplianceSpec;
 
 pub use self::config::{
-    check_appliance, default_mgmt_token_path, default_token_path, parse_appliance, Config, CONFIG_FILE,
+    check_appliance, default_mgmt_token_path, default_token_path, parse_appliance, Config, Heartbeat,
+    CONFIG_FILE, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS, MAX_HEARTBEAT_DEADLINE_MS,
 };
 pub use self::http::{LEADER_HEADER, MAX_BODY_BYTES, MAX_SMALL_BODY_BYTES};
 pub use crate::state::etcd::EtcdTarget;
@@ -90,6 +98,10 @@ pub fn main() -> ExitCode {
         dataplane_token: args.dataplane_token_file,
         tls: args.tls_cert.zip(args.tls_key),
         insecure_listen: args.insecure_listen,
+        heartbeat: Heartbeat {
+            interval: Duration::from_millis(args.heartbeat_ms),
+            deadline: Duration::from_millis(args.heartbeat_deadline_ms),
+        },
         ..Config::default()
     };
     if let Some(url) = args.dataplane {
@@ -136,6 +148,8 @@ pub struct Daemon {
     server: Option<phub_http::Server>,
     // Dropping the sender wakes the reconcile thread, which then exits.
     reconcile_wake: Option<mpsc::Sender<()>>,
+    // Dropping the sender stops the heartbeat thread.
+    heartbeat_stop: Option<mpsc::Sender<()>>,
     threads: Vec<JoinHandle<()>>,
 }
 
@@ -154,6 +168,7 @@ impl Daemon {
     /// `config`), binds the API and starts the threads. The first
     /// reconciliation with the dataplanes runs at once, in the background.
     pub fn start(config: Config) -> anyhow::Result<Daemon> {
+        config.heartbeat.check().map_err(anyhow::Error::msg)?;
         let store = match &config.etcd {
             None => Store::file(config.state.clone())?,
             Some(target) => Store::Etcd(EtcdStore::new(target.clone())),
@@ -298,6 +313,15 @@ impl Daemon {
                     .context("cannot start the election thread")?,
             );
         }
+        let (beat_stop, beat_sleep) = mpsc::channel::<()>();
+        let hs = shared.clone();
+        let timing = config.heartbeat;
+        threads.push(
+            std::thread::Builder::new()
+                .name("control-heartbeat".into())
+                .spawn(move || hs.heartbeats(timing, &beat_sleep))
+                .context("cannot start the heartbeat thread")?,
+        );
         Ok(Daemon {
             operator_token: shared.operator_token.clone(),
             shared,
@@ -305,6 +329,7 @@ impl Daemon {
             addr,
             server: Some(server),
             reconcile_wake: Some(wake),
+            heartbeat_stop: Some(beat_stop),
             threads,
         })
     }
@@ -331,6 +356,7 @@ impl Daemon {
         }
         self.reconcile_wake.take();
         self.elect_wake.take();
+        self.heartbeat_stop.take();
         for t in self.threads.drain(..) {
             let _ = t.join();
         }

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use phub_proto::api::{ApiError, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob};
+use phub_proto::failover::EpochView;
 use phub_proto::routes::mgmt::{self, MgmtCall};
 use phub_proto::routes::Route;
 
@@ -155,20 +156,33 @@ impl Client {
     }
 
     fn send<A>(&self, call: &MgmtCall<'_, A>) -> Result<A, DataplaneError> {
-        match self.send_with(call, false) {
+        self.send_within(call, None)
+    }
+
+    /// [`Client::send`], the whole request (connection included) within
+    /// `limit` when given.
+    fn send_within<A>(&self, call: &MgmtCall<'_, A>, limit: Option<Duration>) -> Result<A, DataplaneError> {
+        match self.send_with(call, false, limit) {
             // The dataplane restarted and made a new token: read it again.
             Err(DataplaneError::Refused {
                 status: 401 | 403, ..
-            }) => self.send_with(call, true),
+            }) => self.send_with(call, true, limit),
             r => r,
         }
     }
 
-    fn send_with<A>(&self, call: &MgmtCall<'_, A>, fresh: bool) -> Result<A, DataplaneError> {
+    fn send_with<A>(
+        &self,
+        call: &MgmtCall<'_, A>,
+        fresh: bool,
+        limit: Option<Duration>,
+    ) -> Result<A, DataplaneError> {
         let route = call.route;
         let url = format!("{}{}", self.base, route.path());
         let mut req = self.agent.request(route.method().as_str(), &url);
-        if route.is_quick() {
+        if let Some(limit) = limit {
+            req = req.timeout(limit);
+        } else if route.is_quick() {
             req = req.timeout(READ_TIMEOUT);
         }
         // Reading the description, jobs and counters needs no token: without
@@ -229,7 +243,22 @@ impl Client {
     /// `GET /v1/auth`: whether the management token is the dataplane's
     /// (a `Refused` 401 or 403 if not).
     pub(crate) fn check_token(&self) -> Result<(), DataplaneError> {
-        self.send_with(&mgmt::auth(), true)
+        self.send_with(&mgmt::auth(), true, None)
+    }
+
+    /// A heartbeat: `GET /v1/auth`, which the dataplane answers without
+    /// touching its jobs, answered within `limit`. `Ok` for any answer
+    /// (even a refusal: the dataplane is there); `Err` when none came.
+    pub(crate) fn heartbeat(&self, limit: Duration) -> Result<(), DataplaneError> {
+        match self.send_within(&mgmt::auth(), Some(limit)) {
+            Ok(()) | Err(DataplaneError::Refused { .. } | DataplaneError::BadAnswer { .. }) => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// `PUT /v1/jobs/{id}/epoch`: installs a replicated job's epoch.
+    pub(crate) fn epoch(&self, id: u16, view: &EpochView) -> Result<(), DataplaneError> {
+        self.send(&mgmt::epoch(id, view))
     }
 
     /// `GET /v1/jobs`.

@@ -55,6 +55,49 @@ impl Out {
     }
 }
 
+/// One appliance's heartbeats, as `/metrics` exports them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Liveness<'a> {
+    /// The appliance.
+    pub name: &'a str,
+    /// Whether control declares it down now (PROTOCOL.md §11.6).
+    pub declared_down: bool,
+    /// Times control declared it down since it started.
+    pub declarations: u64,
+}
+
+/// The heartbeat's families, labelled by appliance:
+/// `phub_appliance_declared_down` (a gauge, 1 while declared down) and
+/// `phub_appliance_down_declarations_total`.
+pub fn render_liveness(appliances: &[Liveness<'_>]) -> String {
+    let mut o = Out(String::new());
+    o.family(
+        "phub_appliance_declared_down",
+        "gauge",
+        "Whether phub-control declares the appliance down (1: no answer to a heartbeat for the deadline) or not (0)",
+    );
+    for a in appliances {
+        o.sample(
+            "phub_appliance_declared_down",
+            &[("appliance", a.name)],
+            u64::from(a.declared_down),
+        );
+    }
+    o.family(
+        "phub_appliance_down_declarations_total",
+        "counter",
+        "Times phub-control declared the appliance down since it started",
+    );
+    for a in appliances {
+        o.sample(
+            "phub_appliance_down_declarations_total",
+            &[("appliance", a.name)],
+            a.declarations,
+        );
+    }
+    o.0
+}
+
 /// The JSON name suffixes of time units that Prometheus names spell in
 /// seconds: the suffix and how many of the unit make a second.
 const TIME_UNITS: &[(&str, f64)] = &[("_ns", 1e9), ("_us", 1e6), ("_ms", 1e3)];
@@ -414,7 +457,12 @@ mod tests {
             failed: None,
             held: None,
         };
-        render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job])
+        let liveness = [Liveness {
+            name: "a",
+            declared_down: true,
+            declarations: 2,
+        }];
+        render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job]) + &render_liveness(&liveness)
     }
 
     /// Every family follows Prometheus' naming: a counter's name ends in

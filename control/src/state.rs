@@ -21,6 +21,7 @@ use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use phub_proto::api::{hex_u64, ApplianceSpec};
+use phub_proto::failover::EpochView;
 use phub_proto::layout::{Layout, Placement, PER_CHUNK_FORM};
 use phub_proto::spec::JobSpec;
 use serde::de::IgnoredAny;
@@ -70,6 +71,17 @@ pub(crate) struct StoredJob {
     /// (absent for a flat job).
     #[serde(default, rename = "racks", skip_serializing_if = "JobShape::is_flat")]
     pub(crate) shape: JobShape,
+    /// A replicated job's epoch (PROTOCOL.md §11.6): its number and the
+    /// appliances declared down since admission. Left out at epoch 0
+    /// (every job when admitted, and every job of a file written before
+    /// failover), which is read back as that.
+    #[serde(default, skip_serializing_if = "is_epoch_zero")]
+    pub(crate) epoch: EpochView,
+}
+
+/// Whether `e` is epoch 0 with nobody down (what the file leaves out).
+fn is_epoch_zero(e: &EpochView) -> bool {
+    *e == EpochView::default()
 }
 
 /// How a job aggregates: flat, or in a hierarchy of racks. Stored as the
@@ -544,6 +556,10 @@ mod tests {
                     },
                 ],
                 failed: Some("placed on 4 lcores".into()),
+                epoch: EpochView {
+                    epoch: 2,
+                    down: vec![0],
+                },
             }],
         };
         let appliances: Vec<&ApplianceSpec> = state.appliances.iter().flatten().collect();
@@ -552,6 +568,13 @@ mod tests {
         let text = fs::read_to_string(&path).unwrap();
         assert!(text.contains("\"00000000deadbeef\""), "{text}");
         assert_eq!(load(&path).unwrap(), Some(state));
+
+        // A state file written before failover: its job is at epoch 0,
+        // nobody down.
+        let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();
+        old["jobs"][0].as_object_mut().unwrap().remove("epoch");
+        fs::write(&path, old.to_string()).unwrap();
+        assert_eq!(load(&path).unwrap().unwrap().jobs[0].epoch, EpochView::default());
 
         // A state file written before sharding: its jobs are on "default".
         let mut old: serde_json::Value = serde_json::from_str(&text).unwrap();

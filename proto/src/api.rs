@@ -302,6 +302,11 @@ pub struct JobDetail {
     /// installed there now.
     #[serde(default)]
     pub parts: Vec<JobPart>,
+    /// A replicated job's epoch (PROTOCOL.md §11.6): its number and the
+    /// appliances declared down (indices into `parts`); `None` for a job
+    /// that is not replicated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub epoch: Option<crate::failover::EpochView>,
 }
 
 /// One appliance's part of a job (`phubctl job show`).

@@ -7,6 +7,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use phub_proto::api::{AdmitResponse, DataplaneInfo};
+use phub_proto::failover::EpochView;
 use phub_proto::spec::{Appliances, Evict, JobSpec};
 
 use super::http::RequestError;
@@ -220,6 +221,7 @@ impl Shared {
                 .collect(),
             failed: None,
             shape,
+            epoch: EpochView::default(),
         };
         let racks: BTreeMap<String, String> = {
             let inner = self.lock();

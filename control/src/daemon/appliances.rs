@@ -35,6 +35,7 @@ impl Shared {
                     down: a
                         .alias
                         .clone()
+                        .or_else(|| a.liveness.down.clone())
                         .or_else(|| infos.get(&a.spec.name).and_then(|r| r.as_ref().err().cloned())),
                     data: info.map(|i| i.data.clone()),
                     lcores: info.map(|i| u32::try_from(i.lcores.len()).unwrap_or(u32::MAX)),

@@ -50,6 +50,9 @@ pub struct Config {
     pub tls: Option<(PathBuf, PathBuf)>,
     /// Listen beyond loopback in clear text (refused without it).
     pub insecure_listen: bool,
+    /// How often every appliance is sent a heartbeat, and how long one
+    /// may go unanswered before it is declared down ([`Heartbeat`]).
+    pub heartbeat: Heartbeat,
 }
 
 impl Default for Config {
@@ -67,7 +70,69 @@ impl Default for Config {
             dataplane_token: None,
             tls: None,
             insecure_listen: false,
+            heartbeat: Heartbeat::default(),
         }
+    }
+}
+
+/// The heartbeat's timing (PROTOCOL.md §11.6, detection): every
+/// `interval`, control asks every appliance `GET /v1/auth` on its
+/// management API; one that has answered none for `deadline` is declared
+/// down. Refused, naming the key, unless `0 < interval < deadline`
+/// ([`Heartbeat::check`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Heartbeat {
+    /// Between two heartbeats to an appliance.
+    pub interval: Duration,
+    /// Without an answer for this long, an appliance is declared down.
+    pub deadline: Duration,
+}
+
+/// [`Heartbeat::interval`]'s default, in milliseconds.
+pub const HEARTBEAT_MS: u64 = 100;
+/// [`Heartbeat::deadline`]'s default, in milliseconds: failover within
+/// about 0.6 s of a death (the deadline and one interval), 3 missed
+/// heartbeats, and above the slowest management round trip measured on a
+/// loaded 2-core machine (README.md, "Failover").
+pub const HEARTBEAT_DEADLINE_MS: u64 = 500;
+/// The longest deadline accepted, in milliseconds (an hour): beyond it an
+/// appliance's death would go unnoticed for good.
+pub const MAX_HEARTBEAT_DEADLINE_MS: u64 = 3_600_000;
+
+impl Default for Heartbeat {
+    fn default() -> Heartbeat {
+        Heartbeat {
+            interval: Duration::from_millis(HEARTBEAT_MS),
+            deadline: Duration::from_millis(HEARTBEAT_DEADLINE_MS),
+        }
+    }
+}
+
+impl Heartbeat {
+    /// Checks the timing: an interval of at least 1 ms, a deadline longer
+    /// than the interval (a deadline within one interval declares an
+    /// appliance down between two heartbeats it answers) and at most
+    /// [`MAX_HEARTBEAT_DEADLINE_MS`]. The error names the key and value and
+    /// says what is accepted.
+    pub fn check(&self) -> Result<(), String> {
+        let (i, d) = (self.interval.as_millis(), self.deadline.as_millis());
+        if i == 0 {
+            return Err(format!(
+                "heartbeat-ms = {i}: expected at least 1 (milliseconds between heartbeats; default {HEARTBEAT_MS})"
+            ));
+        }
+        if d <= i {
+            return Err(format!(
+                "heartbeat-deadline-ms = {d}: expected more than heartbeat-ms ({i}), so that an appliance \
+                 misses at least one heartbeat before it is declared down (default {HEARTBEAT_DEADLINE_MS})"
+            ));
+        }
+        if d > u128::from(MAX_HEARTBEAT_DEADLINE_MS) {
+            return Err(format!(
+                "heartbeat-deadline-ms = {d}: expected at most {MAX_HEARTBEAT_DEADLINE_MS} (an hour)"
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -250,6 +315,60 @@ pub(super) struct Args {
     /// needs --tls-cert and --tls-key.
     #[arg(long)]
     pub(super) insecure_listen: bool,
+    /// Milliseconds between heartbeats to each appliance (PROTOCOL.md
+    /// §11.6).
+    #[arg(long, default_value_t = HEARTBEAT_MS)]
+    pub(super) heartbeat_ms: u64,
+    /// Milliseconds without an answer to a heartbeat after which an
+    /// appliance is declared down and each replicated job on it fails
+    /// over; more than --heartbeat-ms.
+    #[arg(long, default_value_t = HEARTBEAT_DEADLINE_MS)]
+    pub(super) heartbeat_deadline_ms: u64,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The heartbeat's keys take their defaults, are read from the
+    /// command line (and so from control.toml, whose keys are its flags),
+    /// and nonsense is refused naming the key, the value and what is
+    /// accepted.
+    #[test]
+    fn heartbeat_timing_is_parsed_and_nonsense_refused() {
+        let a = Args::try_parse_from(["phub-control"]).unwrap();
+        assert_eq!(
+            (a.heartbeat_ms, a.heartbeat_deadline_ms),
+            (HEARTBEAT_MS, HEARTBEAT_DEADLINE_MS)
+        );
+        Heartbeat::default().check().unwrap();
+        let a = Args::try_parse_from([
+            "phub-control",
+            "--heartbeat-ms",
+            "20",
+            "--heartbeat-deadline-ms",
+            "90",
+        ])
+        .unwrap();
+        assert_eq!((a.heartbeat_ms, a.heartbeat_deadline_ms), (20, 90));
+        let h = |i, d| Heartbeat {
+            interval: Duration::from_millis(i),
+            deadline: Duration::from_millis(d),
+        };
+        h(20, 90).check().unwrap();
+        let e = h(100, 100).check().unwrap_err();
+        assert!(
+            e.contains("heartbeat-deadline-ms = 100") && e.contains("more than heartbeat-ms (100)"),
+            "{e}"
+        );
+        let e = h(200, 50).check().unwrap_err();
+        assert!(e.contains("heartbeat-deadline-ms = 50"), "{e}");
+        let e = h(0, 500).check().unwrap_err();
+        assert!(e.contains("heartbeat-ms = 0") && e.contains("at least 1"), "{e}");
+        let e = h(100, MAX_HEARTBEAT_DEADLINE_MS + 1).check().unwrap_err();
+        assert!(e.contains("at most 3600000"), "{e}");
+        assert!(Args::try_parse_from(["phub-control", "--heartbeat-ms", "-1"]).is_err());
+    }
 }
 
 /// `--state` as given: a file or etcd.

@@ -255,12 +255,7 @@ impl Shared {
                 let body = body_text(req)?;
                 Ok(Reply::json(200, &self.join(job, body)?))
             }
-            // No epoch changes yet (PROTOCOL.md §11.6): every job is in
-            // its epoch 0, nobody down.
-            R::Epoch { job } => {
-                self.show(job)?;
-                Ok(Reply::json(200, &phub_proto::failover::EpochView::default()))
-            }
+            R::Epoch { job } => Ok(Reply::json(200, &self.epoch(job)?)),
             R::Appliances => Ok(Reply::json(200, &self.appliances())),
             R::AddAppliance { mode } => {
                 let a: ApplianceSpec = serde_json::from_str(body_text(req)?).map_err(|e| {

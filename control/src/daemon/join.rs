@@ -1,10 +1,11 @@
 //! Rendezvous (`POST /v1/jobs/{id}/join`): a worker's rank, checked, gets
 //! the job's spec, layout and appliances, with its share of each lcore's
-//! receive buffer.
+//! receive buffer, and for a replicated job its replicas, racks and
+//! epoch.
 
 use std::collections::BTreeMap;
 
-use phub_proto::api::{ApplianceAddr, JoinRequest, JoinResponse};
+use phub_proto::api::{ApplianceAddr, JoinReplication, JoinRequest, JoinResponse};
 
 use super::http::{not_admitted, RequestError};
 use super::registry::{Entry, Inner, Shared};
@@ -39,6 +40,20 @@ pub(super) fn rx_share(inner: &Inner, job: &StoredJob, name: &str, rx: &[Option<
         .filter(|(r, _)| r.count > 0)
         .filter_map(|(_, (b, &s))| Some(b.as_ref()? * w / s.max(w)))
         .min()
+}
+
+/// What a worker of `job` needs to follow its epochs (PROTOCOL.md §11.6):
+/// for a replicated job, the replica count, every appliance's rack label
+/// in the job's appliance order, and the epoch now; `None` for any other.
+fn replication_of(inner: &Inner, job: &StoredJob) -> Option<JoinReplication> {
+    if !job.is_replicated() {
+        return None;
+    }
+    Some(JoinReplication {
+        replicas: u8::try_from(job.spec.replicas()).ok()?,
+        racks: job.parts.iter().map(|p| inner.rack_of(&p.appliance)).collect(),
+        epoch: job.epoch.clone(),
+    })
 }
 
 impl Shared {
@@ -154,7 +169,7 @@ impl Shared {
                 layout: job.layout.clone(),
                 dataplane: datas[&job.parts[0].appliance].0.clone(),
                 appliances,
-                replication: None,
+                replication: replication_of(&inner, job),
             },
         };
         let joined = self.commit(&mut inner, Entry::Job(id), |inner| {

@@ -1,7 +1,10 @@
 //! Reconciliation: every interval, each appliance's jobs are compared
 //! with those admitted on it; a part it lost is fitted to its lcores now
 //! ([`crate::refit`]) and installed again, from its checkpoint when it
-//! has one; a job it holds that control did not admit there is removed.
+//! has one; a job it holds that control did not admit there is removed,
+//! and so is a replicated job it was declared down from (it is out of
+//! that job's replica sets for good: `failover`); a replicated job past
+//! epoch 0 is sent its epoch until the appliance has answered it.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -26,6 +29,9 @@ pub(super) struct ReconcileLog {
     pub(super) down: BTreeSet<String>,
     /// Job parts whose reinstall failed, by job and appliance.
     pub(super) failed: BTreeSet<(u16, String)>,
+    /// Replicated jobs whose epoch the appliance answered (installed, or
+    /// refused for good): by job, that epoch.
+    pub(super) epochs: BTreeMap<u16, u32>,
 }
 /// How an appliance's jobs differ from those admitted on it.
 struct Differences {
@@ -34,6 +40,8 @@ struct Differences {
     /// Jobs admitted on it, in service and not held, that it lacks:
     /// installed again.
     missing: Vec<u16>,
+    /// Replicated jobs it holds that it was declared down from: removed.
+    fenced: Vec<u16>,
 }
 
 impl Shared {
@@ -121,7 +129,24 @@ impl Shared {
                 return;
             }
         };
-        let Differences { unknown, missing } = self.differences(name, &installed, log);
+        let Differences {
+            unknown,
+            missing,
+            fenced,
+        } = self.differences(name, &installed, log);
+        for id in fenced {
+            match client.remove(id) {
+                Ok(_) => log::warn!(
+                    "job {id} failed over without appliance {name:?}, which still held it: removed (it stays out \
+                     of the job: re-replication is not built)"
+                ),
+                Err(e) => log::warn!(
+                    "job {id} failed over without appliance {name:?}, which still holds it; removing it: {e}"
+                ),
+            }
+        }
+        log.epochs.retain(|id, _| installed.contains(id));
+        self.send_epochs(name, client, &installed, log);
         for id in unknown {
             match client.remove(id) {
                 Ok(_) => log::warn!(
@@ -153,9 +178,11 @@ impl Shared {
                 return;
             }
         };
-        for id in missing {
+        for &id in &missing {
             self.reinstall(name, client, &info, id, log);
         }
+        // Reinstalled at epoch 0: a replicated job's epoch follows.
+        self.send_epochs(name, client, &missing.into_iter().collect(), log);
     }
 
     /// What appliance `name`, which holds the jobs `installed`, has that
@@ -167,7 +194,12 @@ impl Shared {
         // (evicted while it was down, or installed by someone else) are
         // removed.
         let inner = self.lock();
-        let here: BTreeSet<u16> = inner.jobs_on(name).into_iter().collect();
+        let fenced_here: BTreeSet<u16> = inner.fenced_jobs_on(name).into_iter().collect();
+        let here: BTreeSet<u16> = inner
+            .jobs_on(name)
+            .into_iter()
+            .filter(|id| !fenced_here.contains(id))
+            .collect();
         // A job admitted on other appliances is left alone: this
         // may be one of them under another name or address, which
         // must not lose the job's state.
@@ -175,6 +207,7 @@ impl Shared {
             .iter()
             .copied()
             .filter(|id| !here.contains(id))
+            .filter(|id| !fenced_here.contains(id))
             .partition(|id| inner.jobs.contains_key(id));
         for id in foreign {
             if log.foreign.insert(id) {
@@ -199,7 +232,45 @@ impl Shared {
                     && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
             })
             .collect();
-        Differences { unknown, missing }
+        let fenced = fenced_here.intersection(installed).copied().collect();
+        Differences {
+            unknown,
+            missing,
+            fenced,
+        }
+    }
+
+    /// Sends appliance `name`, which holds the jobs `installed`, the
+    /// epoch of each replicated job there past epoch 0 that it has not
+    /// answered yet ([`ReconcileLog::epochs`]): one the failover's own
+    /// sends missed, or a job it lost and got again at epoch 0.
+    fn send_epochs(&self, name: &str, client: &Client, installed: &BTreeSet<u16>, log: &mut ReconcileLog) {
+        let due: Vec<(u16, phub_proto::failover::EpochView)> = {
+            let inner = self.lock();
+            installed
+                .iter()
+                .filter_map(|id| inner.jobs.get(id))
+                .filter(|j| j.is_replicated() && j.failed.is_none() && j.epoch.epoch > 0)
+                .filter(|j| !j.is_down_on(name) && log.epochs.get(&j.id) != Some(&j.epoch.epoch))
+                .map(|j| (j.id, j.epoch.clone()))
+                .collect()
+        };
+        for (id, view) in due {
+            match client.epoch(id, &view) {
+                Ok(()) => {
+                    log::info!("job {id}: epoch {} installed on appliance {name:?}", view.epoch);
+                    log.epochs.insert(id, view.epoch);
+                }
+                // Not there (yet): reinstalled, then sent again.
+                Err(DataplaneError::Refused { status: 404, .. }) => {}
+                // Any other answer would be the same again.
+                Err(e @ DataplaneError::Refused { .. }) => {
+                    log::warn!("job {id}: epoch {} not installed: {e}", view.epoch);
+                    log.epochs.insert(id, view.epoch);
+                }
+                Err(e) => log::warn!("job {id}: epoch {} not installed yet: {e}; retrying", view.epoch),
+            }
+        }
     }
 
     /// Reinstalls job `id`'s part on appliance `name` (described by `info`

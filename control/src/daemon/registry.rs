@@ -15,6 +15,7 @@ use phub_proto::spec::JobSpec;
 
 use super::checkpoints::Checkpoints;
 use super::config::token_path_of;
+use super::heartbeat::Liveness;
 use super::http::{failed, held, RequestError};
 use super::leader::Leadership;
 use crate::admission;
@@ -38,6 +39,8 @@ pub(super) struct Appliance {
     /// dataplane under a second name: which, and why; it is then neither
     /// reconciled nor chosen for a job ([`watch::alias_of`](crate::watch::alias_of)).
     pub(super) alias: Option<String>,
+    /// Its heartbeats: whether it is declared down ([`Liveness`]).
+    pub(super) liveness: Liveness,
 }
 
 impl Appliance {
@@ -49,6 +52,7 @@ impl Appliance {
             info: None,
             watch: Arc::default(),
             alias: None,
+            liveness: Liveness::default(),
         }
     }
 }
@@ -388,6 +392,7 @@ mod tests {
             }],
             failed: None,
             shape: state::JobShape::Flat,
+            epoch: phub_proto::failover::EpochView::default(),
         }
     }
 

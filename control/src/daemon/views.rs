@@ -117,10 +117,13 @@ impl Shared {
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
         let lives: Vec<&JobLive> = views.values().filter_map(|v| v.as_ref().ok()?.as_ref()).collect();
         let live = merge_live(&lives);
+        // A part down in a replicated job's epoch is out of it for good.
         let all_installed = job
             .parts
             .iter()
-            .all(|p| matches!(views.get(&p.appliance), Some(Ok(Some(_)))));
+            .enumerate()
+            .filter(|(i, _)| !job.epoch.is_down(*i))
+            .all(|(_, p)| matches!(views.get(&p.appliance), Some(Ok(Some(_)))));
         let rack_ranks = match job.shape {
             JobShape::Flat => None,
             JobShape::Hierarchical { .. } => job.spec.rack_ranks(),
@@ -143,6 +146,11 @@ impl Shared {
                         .part_bytes(name, &part, a.and_then(|a| a.info.as_ref()), |n| inner.rack_of(n)),
                     installed: l.is_some(),
                     down: match view {
+                        _ if job.epoch.is_down(i) => Some(format!(
+                            "declared down; out of the job since epoch {} (not reinstalled: re-replication is \
+                             not built)",
+                            job.epoch.epoch
+                        )),
                         Some(Err(e)) => Some(e.clone()),
                         None => Some(format!("appliance {name:?} is not managed")),
                         Some(Ok(_)) => None,
@@ -193,6 +201,7 @@ impl Shared {
             clock: live.as_ref().map(|l| l.clock.clone()).unwrap_or_default(),
             checkpoint: combined_checkpoint(&inner, job),
             parts: parts_detail,
+            epoch: job.is_replicated().then(|| job.epoch.clone()),
         })
     }
 
@@ -339,6 +348,26 @@ impl Shared {
             .iter()
             .map(|a| (a.name.as_str(), a.dataplane.as_ref()))
             .collect();
-        metrics::render_all(&appliances, &s.jobs)
+        let liveness: Vec<(String, bool, u64)> = self
+            .lock()
+            .appliances
+            .values()
+            .map(|a| {
+                (
+                    a.spec.name.clone(),
+                    a.liveness.down.is_some(),
+                    a.liveness.declarations,
+                )
+            })
+            .collect();
+        let liveness: Vec<metrics::Liveness<'_>> = liveness
+            .iter()
+            .map(|(name, declared_down, declarations)| metrics::Liveness {
+                name,
+                declared_down: *declared_down,
+                declarations: *declarations,
+            })
+            .collect();
+        metrics::render_all(&appliances, &s.jobs) + &metrics::render_liveness(&liveness)
     }
 }

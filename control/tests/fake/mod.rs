@@ -13,6 +13,7 @@ use phub_proto::api::{
     LcoreInfo, LcoreStats,
 };
 use phub_proto::checkpoint::{Checkpoint, SlotState, MAGIC};
+use phub_proto::failover::EpochView;
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::spec::Consistency;
 use serde::Serialize;
@@ -81,6 +82,8 @@ pub(crate) struct FakeState {
     pub(crate) unauthorized: u32,
     /// Its id in `/v1/info`: random, as a dataplane's (new at a restart).
     pub(crate) id: String,
+    /// Epochs installed (`PUT /v1/jobs/{id}/epoch`), by job, in order.
+    pub(crate) epochs: BTreeMap<u16, Vec<EpochView>>,
 }
 
 /// A running fake.
@@ -91,6 +94,9 @@ pub(crate) struct Fake {
     pub(crate) state: Arc<Mutex<FakeState>>,
     /// What it looks like (a restart may change it).
     config: Arc<Mutex<FakeConfig>>,
+    /// While set, the fake answers nothing (requests wait), as a hung
+    /// dataplane or one behind a partition.
+    silent: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -116,9 +122,14 @@ impl Fake {
         }));
         let config = Arc::new(Mutex::new(config));
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, cf, sp) = (state.clone(), config.clone(), stop.clone());
+        let silent = Arc::new(AtomicBool::new(false));
+        let (st, cf, sp, si) = (state.clone(), config.clone(), stop.clone(), silent.clone());
         let thread = std::thread::spawn(move || {
             while !sp.load(Ordering::Relaxed) {
+                if si.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(10));
+                    continue;
+                }
                 if let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(20)) {
                     let config = cf.lock().unwrap().clone();
                     handle(&config, &st, req);
@@ -129,9 +140,16 @@ impl Fake {
             addr,
             state,
             config,
+            silent,
             stop,
             thread: Some(thread),
         }
+    }
+
+    /// Stops answering (`true`) or answers again (`false`).
+    #[allow(dead_code)] // Only the failover tests hang a fake.
+    pub(crate) fn set_silent(&self, silent: bool) {
+        self.silent.store(silent, Ordering::Relaxed);
     }
 
     /// Base URL for `--dataplane`.
@@ -293,6 +311,18 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                     shm_bytes: 0,
                 },
             )
+        }
+        ("PUT", ["v1", "jobs", id, "epoch"]) => {
+            let id: u16 = id.parse().unwrap();
+            let view: EpochView = match serde_json::from_str(&body) {
+                Ok(v) => v,
+                Err(e) => return error(req, 400, &format!("bad EpochView: {e}")),
+            };
+            if !st.jobs.contains_key(&id) {
+                return error(req, 404, &format!("job {id} is not installed"));
+            }
+            st.epochs.entry(id).or_default().push(view);
+            let _ = req.respond(tiny_http::Response::empty(204));
         }
         ("DELETE", ["v1", "jobs", id]) => {
             let id: u16 = id.parse().unwrap();

@@ -1,0 +1,164 @@
+//! Heartbeats (PROTOCOL.md §11.6, detection): every interval, control
+//! asks every appliance `GET /v1/auth` on its management API (answered
+//! without touching the dataplane's jobs); an appliance that has answered
+//! none for the deadline is **declared down**: logged, shown in its
+//! status (`phubctl appliance list`), counted in `/metrics`, and each
+//! replicated job on it fails over ([`Shared::fail_over`]).
+//!
+//! The heartbeat thread never waits on an appliance: each heartbeat runs
+//! in a short-lived thread of its own, bounded by the deadline, and at
+//! most one per appliance is in flight; answers come back over a channel
+//! and the thread judges at each tick. Nothing else (installs,
+//! checkpoints, reconciliation, which hold [`Shared::ops`]) holds it up:
+//! it takes only the registry's lock, briefly. An appliance is declared
+//! down at most once per silence, within the deadline and one interval of
+//! its last answer; one that answers again is logged and shown up again,
+//! but stays out of the replica sets of the jobs it left (re-replication
+//! is not built; reconciliation removes such a job from it,
+//! `reconcile.rs`).
+
+use std::collections::BTreeMap;
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::config::Heartbeat;
+use super::registry::Shared;
+use crate::dataplane::Client;
+
+/// What control knows of an appliance's heartbeats, as its status and
+/// metrics show it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(super) struct Liveness {
+    /// Set while it is declared down: why (how long it had not
+    /// answered).
+    pub(super) down: Option<String>,
+    /// Times it was declared down since control started.
+    pub(super) declarations: u64,
+}
+
+/// The heartbeat thread's view of one appliance.
+#[derive(Debug)]
+struct Pulse {
+    /// Its last answer, or when the thread first saw it.
+    last: Instant,
+    /// A heartbeat to it is in flight.
+    in_flight: bool,
+    /// Declared down, and not heard from since.
+    declared: bool,
+}
+
+/// A heartbeat's outcome: the appliance, and when it answered (`None`:
+/// no answer within the deadline).
+type Answer = (String, Option<Instant>);
+
+impl Shared {
+    /// The heartbeat thread's loop, until `stop` is dropped (or sent to).
+    pub(super) fn heartbeats(self: &Arc<Self>, timing: Heartbeat, stop: &mpsc::Receiver<()>) {
+        debug_assert!(timing.check().is_ok(), "the daemon checks the timing at start");
+        let (tx, rx) = mpsc::channel::<Answer>();
+        let mut pulses: BTreeMap<String, Pulse> = BTreeMap::new();
+        loop {
+            let tick = Instant::now();
+            while let Ok((name, answered)) = rx.try_recv() {
+                if let Some(p) = pulses.get_mut(&name) {
+                    p.in_flight = false;
+                    if let Some(at) = answered {
+                        p.last = p.last.max(at);
+                    }
+                }
+            }
+            let clients: Vec<(String, Client)> = self.lock().clients();
+            pulses.retain(|n, _| clients.iter().any(|(c, _)| c == n));
+            for (name, client) in clients {
+                let p = pulses.entry(name.clone()).or_insert(Pulse {
+                    last: tick,
+                    in_flight: false,
+                    declared: false,
+                });
+                if p.in_flight {
+                    continue;
+                }
+                let tx = tx.clone();
+                let limit = timing.deadline;
+                let spawned = std::thread::Builder::new()
+                    .name("control-beat".into())
+                    .spawn(move || {
+                        let answered = client.heartbeat(limit).ok().map(|()| Instant::now());
+                        let _ = tx.send((name, answered));
+                    });
+                // A thread that cannot start is a heartbeat unanswered.
+                p.in_flight = spawned.is_ok();
+            }
+            let now = Instant::now();
+            for (name, p) in &mut pulses {
+                let silent = now.saturating_duration_since(p.last);
+                match (p.declared, silent >= timing.deadline) {
+                    (false, true) => {
+                        p.declared = true;
+                        self.declare_down(name, silent, timing);
+                    }
+                    (true, false) => {
+                        p.declared = false;
+                        self.answers_again(name);
+                    }
+                    _ => {}
+                }
+            }
+            let next = tick + timing.interval;
+            match stop.recv_timeout(next.saturating_duration_since(Instant::now())) {
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                _ => return,
+            }
+        }
+    }
+
+    /// Declares appliance `name` down, `silent` after its last answer:
+    /// logged, recorded in its [`Liveness`], and its replicated jobs fail
+    /// over in a thread of their own.
+    fn declare_down(self: &Arc<Self>, name: &str, silent: Duration, timing: Heartbeat) {
+        let why = format!(
+            "declared down: no answer to a heartbeat for {} ms (deadline {} ms)",
+            silent.as_millis(),
+            timing.deadline.as_millis()
+        );
+        {
+            let mut inner = self.lock();
+            let Some(a) = inner.appliances.get_mut(name) else {
+                return;
+            };
+            a.liveness.down = Some(why.clone());
+            a.liveness.declarations += 1;
+            log::error!("appliance {name:?} at {}: {why}", a.spec.url);
+        }
+        let shared = self.clone();
+        let name = name.to_string();
+        let started = std::thread::Builder::new()
+            .name("control-failover".into())
+            .spawn(move || shared.fail_over(&name, timing.interval));
+        if let Err(e) = started {
+            log::error!("cannot start the failover thread: {e}; its jobs do not fail over");
+        }
+    }
+
+    /// Appliance `name`, declared down, answers a heartbeat again.
+    fn answers_again(&self, name: &str) {
+        let mut inner = self.lock();
+        let fenced = inner.fenced_jobs_on(name);
+        let Some(a) = inner.appliances.get_mut(name) else {
+            return;
+        };
+        a.liveness.down = None;
+        if fenced.is_empty() {
+            log::info!("appliance {name:?} at {} answers heartbeats again", a.spec.url);
+        } else {
+            let ids: Vec<String> = fenced.iter().map(u16::to_string).collect();
+            log::warn!(
+                "appliance {name:?} at {} answers heartbeats again; it stays out of jobs {}, which failed over \
+                 without it (re-replication is not built): reconciliation removes them from it",
+                a.spec.url,
+                ids.join(", ")
+            );
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! Failover on control's side (PROTOCOL.md §11.6): a real `Daemon` on
+//! 127.0.0.1:0 with its default heartbeat timing, over three fake
+//! dataplanes (`fake/`), each one lcore in one rack. A replicated job
+//! (replicas 2) is admitted over all three; one fake stops (its listener
+//! closes, as a killed dataplane's) or hangs, and control declares it
+//! down, moves the job to epoch 1 without it, sends that epoch to the
+//! two others and serves it; a second death that takes both replicas of
+//! a part fails the job, naming the part.
+
+// Not every test file uses every part of the fake.
+#[allow(dead_code)]
+mod fake;
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use fake::{Fake, FakeConfig, TempState};
+use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
+use phub_proto::api::{AdmitResponse, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse};
+use phub_proto::failover::{EpochView, ReplicaLayout};
+use phub_proto::routes::{ControlRoute as R, Route};
+use phub_proto::spec::{Appliances as Placed, JobSpec};
+
+const NAMES: [&str; 3] = ["a", "b", "c"];
+
+/// Slack on a loaded 2-core machine beyond what the timing allows: a
+/// heartbeat thread woken late, the state file's fsync, the fake's
+/// 20 ms poll.
+const MARGIN: Duration = Duration::from_millis(1500);
+
+fn daemon(fakes: &[&Fake], state: &Path) -> Daemon {
+    let appliances = NAMES
+        .iter()
+        .zip(fakes)
+        .map(|(n, f)| ApplianceSpec {
+            name: (*n).into(),
+            url: f.url(),
+            rack: String::new(),
+            token_file: None,
+        })
+        .collect();
+    Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: "http://127.0.0.1:1".into(),
+        appliances,
+        state: state.to_path_buf(),
+        reconcile_interval: Duration::from_millis(200),
+        ..Config::default()
+    })
+    .unwrap()
+}
+
+fn call(d: &Daemon, route: &R, body: Option<&str>) -> (u16, String) {
+    let url = format!("http://{}{}", d.addr(), route.path());
+    let req = ureq::request(route.method().as_str(), &url)
+        .set("Authorization", &format!("Bearer {}", d.operator_token()));
+    let res = match body {
+        Some(b) => req.send_string(b),
+        None => req.call(),
+    };
+    match res {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+        Err(e) => panic!("{url}: {e}"),
+    }
+}
+
+fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
+    let (s, text) = call(d, route, body);
+    assert!((200..300).contains(&s), "{}: {s} {text}", route.path());
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
+}
+
+fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Duration {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < within,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    t.elapsed()
+}
+
+/// Three one-lcore fakes with distinct data ports.
+fn three_fakes() -> [Fake; 3] {
+    [9100, 9200, 9300].map(|p| Fake::start(FakeConfig::lcores(1).at(p)))
+}
+
+/// Admits a sum job of 24 chunks over the three appliances, replicas 2.
+fn admit_replicated(d: &Daemon) -> AdmitResponse {
+    let spec = JobSpec::new("r", 2, &[24 * 256])
+        .with_chunk_bytes(1024)
+        .sharded_over(Placed::Count(3))
+        .with_replicas(2)
+        .to_toml();
+    ok_at(d, &R::Admit, Some(&spec))
+}
+
+fn join(d: &Daemon, job: &AdmitResponse, rank: u16) -> JoinResponse {
+    let body = format!(
+        "{{\"token\": \"{:016x}\", \"rank\": {rank}, \"rejoin\": true}}",
+        job.token
+    );
+    ok_at(d, &R::Join { job: job.id }, Some(&body))
+}
+
+/// The epochs fake `f` was sent for `job`.
+fn epochs(f: &Fake, job: u16) -> Vec<EpochView> {
+    f.state
+        .lock()
+        .unwrap()
+        .epochs
+        .get(&job)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// The job's layout as failover sees it, from a worker's join.
+fn replica_layout(j: &JoinResponse) -> ReplicaLayout<String> {
+    let r = j
+        .replication
+        .as_ref()
+        .expect("a replicated job's join carries its replication");
+    let lcores: Vec<usize> = j.appliances.iter().map(|a| a.lcores as usize).collect();
+    ReplicaLayout::new(
+        j.layout.lcores.clone(),
+        &lcores,
+        r.racks.clone(),
+        usize::from(r.replicas),
+    )
+    .unwrap()
+}
+
+/// The defaults are the documented ones, and give failover well under a
+/// second; a deadline not beyond the interval is refused naming the key.
+#[test]
+fn heartbeat_defaults_and_nonsense_timing_refused() {
+    let h = Heartbeat::default();
+    assert_eq!(h.interval, Duration::from_millis(HEARTBEAT_MS));
+    assert_eq!(h.deadline, Duration::from_millis(HEARTBEAT_DEADLINE_MS));
+    assert_eq!((HEARTBEAT_MS, HEARTBEAT_DEADLINE_MS), (100, 500));
+    assert!(h.interval + h.deadline < Duration::from_secs(1));
+    let state = TempState::new("phub-control-failover", "timing");
+    let e = Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        state: state.to_path_buf(),
+        heartbeat: Heartbeat {
+            interval: Duration::from_millis(300),
+            deadline: Duration::from_millis(300),
+        },
+        ..Config::default()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.contains("heartbeat-deadline-ms = 300") && e.contains("more than heartbeat-ms (300)"),
+        "{e}"
+    );
+}
+
+/// A killed appliance of a replicated job: declared down within the
+/// deadline (and one interval, and the margin); epoch 1 with it down is
+/// sent to the other two, served on `GET /v1/jobs/{id}/epoch`, given at
+/// join, shown by `job show`, the appliance list and `/metrics`, and kept
+/// across a restart of control. A second death that leaves a part with
+/// no live replica fails the job, naming the part.
+#[test]
+fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fails_it() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "kill");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let e0: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e0, EpochView::default());
+    let j = join(&d, &job, 0);
+    let r = j.replication.as_ref().expect("replication at join");
+    assert_eq!((r.replicas, r.racks.len(), &r.epoch), (2, 3, &e0));
+    let names: Vec<&str> = j.appliances.iter().map(|x| x.name.as_str()).collect();
+    assert_eq!(names, NAMES, "the job's appliances in layout order");
+    // Let a few heartbeats be answered: nobody is declared down.
+    std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));
+    assert!(epochs(&a, job.id).is_empty() && epochs(&c, job.id).is_empty());
+
+    // b dies: its listener closes, as a dataplane's killed with -9.
+    let killed = Instant::now();
+    drop(b);
+    let want = EpochView {
+        epoch: 1,
+        down: vec![1],
+    };
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_for("epoch 1 on a and c", within, || {
+        epochs(&a, job.id).contains(&want) && epochs(&c, job.id).contains(&want)
+    });
+    let took = killed.elapsed();
+    eprintln!("epoch 1 installed on both survivors {took:?} after the kill");
+    // The deadline runs from the last answer, up to an interval before
+    // the kill.
+    assert!(
+        took >= Duration::from_millis(HEARTBEAT_DEADLINE_MS - HEARTBEAT_MS),
+        "{took:?}: declared before the deadline"
+    );
+    let e1: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e1, want);
+    assert_eq!(join(&d, &job, 1).replication.unwrap().epoch, want);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!(show.epoch.as_ref(), Some(&want));
+    assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
+    let bpart = &show.parts[1];
+    assert!(
+        bpart
+            .down
+            .as_deref()
+            .is_some_and(|w| w.contains("declared down") && w.contains("epoch 1")),
+        "{bpart:?}"
+    );
+    let list: Vec<ApplianceStatus> = ok_at(&d, &R::Appliances, None);
+    let bs = list.iter().find(|s| s.name == "b").unwrap();
+    assert!(
+        bs.down.as_deref().is_some_and(|w| w.contains("declared down")),
+        "{bs:?}"
+    );
+    let (_, metrics) = call(&d, &R::Metrics, None);
+    assert!(
+        metrics.contains("phub_appliance_declared_down{appliance=\"b\"} 1")
+            && metrics.contains("phub_appliance_declared_down{appliance=\"a\"} 0")
+            && metrics.contains("phub_appliance_down_declarations_total{appliance=\"b\"} 1"),
+        "{metrics}"
+    );
+
+    // The epoch is kept with the job: a restarted control serves it.
+    d.shutdown();
+    // b's dataplane comes back at another address, empty.
+    let b2 = Fake::start(FakeConfig::lcores(1).at(9400));
+    let d = daemon(&[&a, &b2, &c], &state);
+    let again: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(again, want);
+
+    // The member of part 0's set other than b dies too... unless part 0
+    // is b's own: then part 1's. Either way a part has no replica left.
+    let layout = replica_layout(&j);
+    let (part, second) = (0..3)
+        .filter(|&p| layout.set(p).contains(&1))
+        .map(|p| (p, *layout.set(p).iter().find(|&&x| x != 1).unwrap()))
+        .next()
+        .unwrap();
+    let gone = if second == 0 { &a } else { &c };
+    gone.set_silent(true);
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_for(
+        "the job to fail",
+        within + Duration::from_millis(HEARTBEAT_DEADLINE_MS),
+        || {
+            let (_, text) = call(&d, &R::Epoch { job: job.id }, None);
+            serde_json::from_str::<EpochView>(&text).is_ok_and(|e| e.epoch == 2)
+        },
+    );
+    gone.set_silent(false);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    let why = show.summary.failed.expect("the job failed");
+    assert!(
+        why.contains(&format!("part {part} "))
+            && why.contains("\"b\"")
+            && why.contains(&format!("{:?}", NAMES[second])),
+        "{why}"
+    );
+    let e2: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e2.down, {
+        let mut v = vec![1u16, u16::try_from(second).unwrap()];
+        v.sort_unstable();
+        v
+    });
+    d.shutdown();
+}
+
+/// An appliance that hangs is declared down; when it answers again it
+/// stays out of the job: reconciliation removes the job from it and never
+/// installs it there again, and it is sent no epoch.
+#[test]
+fn an_appliance_declared_down_that_answers_again_stays_out_of_the_job() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "back");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    assert!(b.jobs().contains_key(&job.id));
+    b.set_silent(true);
+    let want = EpochView {
+        epoch: 1,
+        down: vec![1],
+    };
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_for("epoch 1 on a and c", within, || {
+        epochs(&a, job.id).contains(&want) && epochs(&c, job.id).contains(&want)
+    });
+    b.set_silent(false);
+    wait_for("the job removed from b", Duration::from_secs(5), || {
+        !b.jobs().contains_key(&job.id)
+    });
+    // Several reconciliations later, b still does not hold the job.
+    std::thread::sleep(Duration::from_millis(1000));
+    assert!(
+        !b.jobs().contains_key(&job.id),
+        "reinstalled on a fenced appliance"
+    );
+    assert!(epochs(&b, job.id).is_empty());
+    let list: Vec<ApplianceStatus> = ok_at(&d, &R::Appliances, None);
+    let bs = list.iter().find(|s| s.name == "b").unwrap();
+    assert!(bs.down.is_none(), "it answers again: {bs:?}");
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert!(
+        show.summary.installed,
+        "installed where it belongs: {:?}",
+        show.parts
+    );
+    assert_eq!(show.epoch, Some(want));
+    d.shutdown();
+}
+
+/// A job that is not replicated does not change when an appliance of it
+/// dies: no epoch, nothing sent; it waits for the appliance.
+#[test]
+fn a_job_that_is_not_replicated_waits_for_its_appliance() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "plain");
+    let d = daemon(&[&a, &b, &c], &state);
+    let spec = JobSpec::new("p", 2, &[24 * 256])
+        .with_chunk_bytes(1024)
+        .sharded_over(Placed::Count(3))
+        .to_toml();
+    let job: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec));
+    b.set_silent(true);
+    let list = || -> Vec<ApplianceStatus> { ok_at(&d, &R::Appliances, None) };
+    wait_for("b declared down", Duration::from_secs(5), || {
+        list()
+            .iter()
+            .any(|s| s.name == "b" && s.down.as_deref().is_some_and(|w| w.contains("declared down")))
+    });
+    let e: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e, EpochView::default());
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!(show.epoch, None);
+    assert!(show.summary.failed.is_none());
+    b.set_silent(false);
+    assert!(epochs(&a, job.id).is_empty() && epochs(&b, job.id).is_empty());
+    d.shutdown();
+}
