@@ -133,6 +133,7 @@ mod codec;
 mod config;
 mod elem;
 mod encode;
+mod epoch;
 mod error;
 mod exchange;
 mod inject;
