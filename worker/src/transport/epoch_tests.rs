@@ -14,7 +14,7 @@ use crate::codec;
 use crate::elem::Values;
 
 const JOB: u16 = 9;
-const TOKEN: u64 = 0xe90c_4;
+const TOKEN: u64 = 0x000e_90c4;
 const RANK: u16 = 0;
 const ELEMS: usize = 4;
 const MS: Duration = Duration::from_millis(1);

@@ -48,6 +48,16 @@
 //!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]); it
 //!   completes once every chunk's result is in, each counted once.
 //!
+//! - A replicated job's chunk goes where its epoch serves it
+//!   ([`Routing`], `route.rs`), with the epoch in its header. An ERROR
+//!   `wrong_epoch` is never a failure: one naming a newer epoch asks the
+//!   caller for it ([`Transport::poll_epoch`]), one naming an older epoch
+//!   is ignored (the loss timer resends); a chunk retransmitted
+//!   [`SILENT_SENDS`] times asks too. A newer epoch given
+//!   ([`Transport::set_epoch`]) re-addresses and resends every
+//!   outstanding chunk at once; a RESULT at a slot the chunk was sent to
+//!   in an earlier epoch still answers it.
+//!
 //! The invariants are `debug_assert!`ed where they must hold (never on what
 //! comes from the network, which is counted instead).
 //!
