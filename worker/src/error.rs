@@ -141,6 +141,28 @@ pub enum WorkerError {
         /// Chunks of the request.
         chunks: usize,
     },
+    /// A replicated job's appliance named a newer epoch (PROTOCOL.md
+    /// §11.6) than control served within the wait: the worker cannot
+    /// learn where its chunks are served now.
+    #[error(
+        "job {job}: an appliance is in epoch {wanted}, this worker in epoch {held}; control at {url} \
+         did not serve epoch {wanted} or later within {} ms: {message}",
+        .waited.as_millis()
+    )]
+    Epoch {
+        /// The job.
+        job: u16,
+        /// The epoch an appliance named.
+        wanted: u32,
+        /// The epoch this worker holds.
+        held: u32,
+        /// Control's epoch route, as asked.
+        url: String,
+        /// How long it was asked.
+        waited: Duration,
+        /// Control's last answer, or why there was none.
+        message: String,
+    },
     /// A table call's arguments cannot be sent: a slice of the wrong
     /// length, or more rows than the protocol carries in one call.
     #[error("table {table:?}: {message}")]

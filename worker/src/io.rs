@@ -34,6 +34,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender, TryRecvError};
 
+use crate::epoch::{EpochFetch, Fetched};
 use crate::error::WorkerError;
 use crate::inject::Injector;
 use crate::keys::{KeyClaim, KeyTable};
@@ -237,6 +238,8 @@ pub(crate) struct IoThread {
     regions: Option<RegionWatch>,
     /// [`crate::config::WorkerConfig::spin`].
     spin: Duration,
+    /// A replicated job's epoch, fetched from control off this thread.
+    epoch: EpochFetch,
 }
 
 /// What the I/O thread is made of, for [`IoThread::new`].
@@ -251,6 +254,7 @@ pub(crate) struct IoParts {
     pub(crate) inject: Option<Injector>,
     pub(crate) regions: Option<RegionWatch>,
     pub(crate) spin: Duration,
+    pub(crate) epoch: EpochFetch,
 }
 
 impl IoThread {
@@ -274,6 +278,7 @@ impl IoThread {
             inject: parts.inject,
             regions: parts.regions,
             spin: parts.spin,
+            epoch: parts.epoch,
         }
     }
 
@@ -287,6 +292,7 @@ impl IoThread {
                 return;
             }
             let now = Instant::now();
+            self.follow_epoch(now);
             if self.transport.busy() {
                 // While nothing answers (the dataplane may be restarting),
                 // every send is preceded by a check.
@@ -359,6 +365,45 @@ impl IoThread {
         };
         self.deliver();
         open
+    }
+
+    /// A replicated job's epoch (PROTOCOL.md §11.6): hands the transport's
+    /// question to the fetch (a helper thread asks control), and the
+    /// fetch's answer to the transport, which re-addresses its chunks
+    /// when the epoch is new. When control did not serve an epoch an
+    /// appliance named, every request fails with the reason; when a
+    /// silence asked and control did not answer, the chunks go on being
+    /// retransmitted.
+    fn follow_epoch(&mut self, now: Instant) {
+        if let Some(wanted) = self.transport.poll_epoch() {
+            let held = self.transport.epoch().map_or(0, |e| e.epoch);
+            self.epoch.ask(wanted, held);
+        }
+        match self.epoch.poll() {
+            None => {}
+            Some(Fetched::View(view)) => {
+                self.transport.set_epoch(now, view);
+            }
+            Some(Fetched::Failed {
+                wanted,
+                held,
+                waited,
+                message,
+            }) => {
+                let current = self.transport.epoch().map_or(0, |e| e.epoch);
+                if wanted > current {
+                    let err = || self.epoch.error(wanted, held, waited, &message);
+                    log::error!("phub-worker: {}", err());
+                    self.transport.epoch_unavailable(err);
+                    self.deliver();
+                } else {
+                    log::warn!(
+                        "phub-worker: asking control at {} whether epoch {held} is current (chunks unanswered): {message}",
+                        self.epoch.url()
+                    );
+                }
+            }
+        }
     }
 
     /// How long to wait for a datagram: until the transport's next timer

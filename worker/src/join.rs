@@ -16,6 +16,7 @@ use phub_proto::wire::{HEADER_LEN, MAX_PAYLOAD};
 #[cfg(doc)]
 use crate::config::auto_window;
 use crate::config::{WorkerConfig, ASSUMED_LCORE_RCVBUF, CONGESTION_ENV, RACK_ENV, SPIN_ENV};
+use crate::epoch::EpochFetch;
 use crate::error::WorkerError;
 use crate::inject::{self, INJECT_ENV};
 use crate::io::{self, CurrentRegions};
@@ -24,7 +25,7 @@ use crate::net;
 use crate::shm::{self, SHM_ENV};
 use crate::stats;
 use crate::tables::{table_infos, TableClaims};
-use crate::transport::{AutoWindow, JobInfo, RowTransport, Transport};
+use crate::transport::{AutoWindow, JobInfo, Routing, RowTransport, Transport};
 use crate::worker::Worker;
 
 impl Worker {
@@ -114,16 +115,29 @@ impl Worker {
                 ),
             });
         }
-        Worker::from_join(join, token, config)
+        Worker::from_join_at(join, token, config, Some(control_url))
     }
 
     /// Builds a worker from an already obtained [`JoinResponse`] (for tests
     /// and embedding): checks it, decides on shared memory, binds a UDP
     /// socket, sizes the window and starts the I/O thread.
-    pub fn from_join(
+    ///
+    /// A replicated job's worker made this way cannot ask control for a
+    /// new epoch (PROTOCOL.md §11.6): [`Worker::from_join_at`] names
+    /// control.
+    pub fn from_join(join: JoinResponse, token: u64, config: WorkerConfig) -> Result<Worker, WorkerError> {
+        Worker::from_join_at(join, token, config, None)
+    }
+
+    /// [`Worker::from_join`], with the URL of the phub-control that
+    /// answered the join: a replicated job's worker asks it for the job's
+    /// epoch when an appliance names a newer one or stops answering
+    /// (`GET /v1/jobs/{id}/epoch`, PROTOCOL.md §11.6).
+    pub fn from_join_at(
         join: JoinResponse,
         token: u64,
         mut config: WorkerConfig,
+        control_url: Option<&str>,
     ) -> Result<Worker, WorkerError> {
         match std::env::var(CONGESTION_ENV).as_deref().map(str::trim) {
             Ok("on") => config.congestion = true,
@@ -179,6 +193,9 @@ impl Worker {
             // Remade as the lcores state their receive-buffer shares.
             transport.set_auto_window(auto);
         }
+        if let Some(routing) = routing_for(&join, &placement, &lcores)? {
+            transport.set_routing(routing);
+        }
         let keys = KeyTable::new(join.spec.keys.len());
         for t in &tables {
             keys.set_table(t.key);
@@ -197,6 +214,7 @@ impl Worker {
                 inject,
                 regions: watch,
                 spin: config.spin,
+                epoch: EpochFetch::new(control_url, join.job),
             },
             transport,
             rows,
@@ -289,6 +307,43 @@ fn shared_memory(
     );
     let regions = shm::decide(mode, join.job, join.rank, lcores, || spec.open())?;
     Ok(regions.map(|r| io::RegionWatch::new(spec, r, join.job, join.rank)))
+}
+
+/// A replicated job's routing by epoch (PROTOCOL.md §11.6), from its
+/// join answer; `None` for a job without replication.
+fn routing_for(
+    join: &JoinResponse,
+    placement: &Placement,
+    lcores: &[SocketAddr],
+) -> Result<Option<Routing>, WorkerError> {
+    let Some(rep) = &join.replication else {
+        return Ok(None);
+    };
+    let bad = |message: String| WorkerError::BadJoin {
+        message: format!("job {}: replication: {message}", join.job),
+    };
+    let per_appliance: Vec<usize> = if join.appliances.is_empty() {
+        vec![join.layout.lcore_count()]
+    } else {
+        join.appliances
+            .iter()
+            .map(|a| usize::try_from(a.lcores).unwrap_or(usize::MAX))
+            .collect()
+    };
+    let key_first = (0..join.spec.keys.len())
+        .map(|k| u32::try_from(k).map_or(0, |k| placement.chunks().of_key(k).start))
+        .collect();
+    Routing::new(
+        join.layout.lcores.clone(),
+        &per_appliance,
+        rep.racks.clone(),
+        usize::from(rep.replicas),
+        rep.epoch.clone(),
+        lcores.to_vec(),
+        key_first,
+    )
+    .map(Some)
+    .map_err(bad)
 }
 
 /// A worker's UDP socket, bound and set up.

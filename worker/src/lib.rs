@@ -59,6 +59,16 @@
 //! - Only RESULTs carrying this job's id and token, for the round and chunk
 //!   waited for, are accepted.
 //!
+//! Failover (a replicated job, PROTOCOL.md §11.6): every chunk goes where
+//! [`phub_proto::failover::ReplicaLayout::serve`] puts it in the epoch the
+//! worker holds, with that epoch in its header. An ERROR `wrong_epoch`
+//! naming a newer epoch, or a chunk retransmitted three times unanswered,
+//! has the I/O thread ask control for the epoch (`epoch.rs`, on a helper
+//! thread); a newer one re-addresses every chunk still unanswered and
+//! sends it at once, same round, as a first transmission on a fresh path.
+//! An ERROR naming an older epoch leaves the chunk to the loss timer; a
+//! RESULT from the old primary for the round waited for still answers.
+//!
 //! ```no_run
 //! use phub_worker::Worker;
 //!
@@ -118,8 +128,9 @@
 //! | `encode.rs` | a key's chunks as datagrams, headers or staged chunks; direct results copied out |
 //! | `exchange.rs` | [`Exchange`]: the lent path |
 //! | `staged.rs` | [`Staged`], [`Results`]: values written and results read in place |
-//! | `io.rs` | the I/O thread: socket, commands, shared-memory watch, outcomes to waiters |
-//! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`); table rows: what a push or pull of rows sends (`row_plan.rs`), their sending, resending and answers (`rows.rs`) |
+//! | `io.rs` | the I/O thread: socket, commands, shared-memory watch, a replicated job's epoch, outcomes to waiters |
+//! | `epoch.rs` | a replicated job's epoch fetched from control (`GET /v1/jobs/{id}/epoch`) on a helper thread, for the I/O thread |
+//! | `transport/` | the sans-IO transport: requests (`request.rs`), the flow window (`window.rs`), congestion (`congestion.rs`), round trips (`rto.rs`), a replicated job's routing by epoch (`route.rs`); table rows: what a push or pull of rows sends (`row_plan.rs`), their sending, resending and answers (`rows.rs`) |
 //! | `tables.rs` | the table calls by name: [`Worker::push_pull_rows`], [`Worker::push_rows`], [`Worker::pull_rows`], [`Worker::catch_up_rows`], each table's round |
 //! | `elem.rs`, `codec.rs` | element types and wire encoding (f32, bf16, f16) |
 //! | `net.rs`, `shm.rs`, `inject.rs`, `stats.rs` | batched UDP, the shared-memory regions, fault injection, counters |
@@ -133,6 +144,7 @@ mod codec;
 mod config;
 mod elem;
 mod encode;
+mod epoch;
 mod error;
 mod exchange;
 mod inject;

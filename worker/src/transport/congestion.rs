@@ -58,6 +58,14 @@ impl Congestion {
         }
     }
 
+    /// Starts again as a fresh path of `window` chunks: the chunks in
+    /// flight were re-addressed to other appliances (a new epoch), whose
+    /// losses say nothing of the old path's.
+    pub(super) fn fresh(&mut self, window: usize, stats: &Counters) {
+        *self = Congestion::new(window, self.enabled);
+        stats.cwnd.store(self.cwnd as u64, Ordering::Relaxed);
+    }
+
     /// A result was accepted at `now`; `first` if its chunk was sent once
     /// only. Such results grow the window by one every ⌈cwnd/16⌉, up to
     /// `window`; not within a round trip (`rtt`) of a cut (those results

@@ -48,6 +48,16 @@
 //!   `timeout`, or with [`WorkerError::Closed`] ([`Transport::close`]); it
 //!   completes once every chunk's result is in, each counted once.
 //!
+//! - A replicated job's chunk goes where its epoch serves it
+//!   ([`Routing`], `route.rs`), with the epoch in its header. An ERROR
+//!   `wrong_epoch` is never a failure: one naming a newer epoch asks the
+//!   caller for it ([`Transport::poll_epoch`]), one naming an older epoch
+//!   is ignored (the loss timer resends); a chunk retransmitted
+//!   [`SILENT_SENDS`] times asks too. A newer epoch given
+//!   ([`Transport::set_epoch`]) re-addresses and resends every
+//!   outstanding chunk at once; a RESULT at a slot the chunk was sent to
+//!   in an earlier epoch still answers it.
+//!
 //! The invariants are `debug_assert!`ed where they must hold (never on what
 //! comes from the network, which is counted instead).
 //!
@@ -68,7 +78,10 @@
 //! ([`Transport::silent`], [`Transport::handle_timeout`]'s answer).
 
 mod congestion;
+#[cfg(test)]
+mod epoch_tests;
 mod request;
+mod route;
 mod row_plan;
 #[cfg(test)]
 pub(crate) mod row_tests;
@@ -85,6 +98,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use phub_proto::failover::EpochView;
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 
@@ -92,6 +106,7 @@ use congestion::Congestion;
 #[cfg(test)]
 use congestion::MIN_CWND;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
+pub(crate) use route::Routing;
 pub(crate) use row_plan::{plan_pull, plan_push, RowPlan, TableInfo};
 #[cfg(feature = "sim")]
 pub(crate) use rows::unknown_table;
@@ -113,6 +128,21 @@ pub(crate) const REORDER: u64 = 3;
 /// The loss timer's resolution: the outstanding chunks are scanned for
 /// late ones at most this often.
 pub(crate) const TICK: Duration = Duration::from_millis(1);
+/// A replicated job's chunk retransmitted this many times without an answer makes
+/// the worker ask control for the job's epoch (its serving appliance may
+/// be dead, and a worker learns of a new epoch only from an appliance
+/// that is alive). Three: the loss timer's first resends are probes of a
+/// chunk that waits on a slow rank as often as of a lost one, and each
+/// doubles the wait, so the third comes several RTOs into a silence (by
+/// then loss alone is unlikely), while an appliance's death costs at most
+/// those few RTOs before the question is asked.
+pub(crate) const SILENT_SENDS: u32 = 3;
+/// A silence asks control for the epoch at most this often.
+pub(crate) const EPOCH_ASK_GAP: Duration = Duration::from_millis(100);
+/// The drop reason `wrong_epoch` (PROTOCOL.md §11.6): an appliance refused
+/// a message of a replicated job whose header's epoch is not the one it
+/// installed; its ERROR's header carries the appliance's epoch.
+pub(crate) const WRONG_EPOCH: u16 = 29;
 
 /// What the transport needs to know about the job.
 #[derive(Debug, Clone)]
@@ -194,6 +224,8 @@ pub(crate) struct Incoming<'d> {
     payload: &'d [u8],
     /// The receive-buffer share the datagram states (0: none).
     rx_share: u32,
+    /// The epoch its header carries.
+    epoch: u32,
 }
 
 /// A chunk of a key: what names an outstanding chunk (a RESULT carries
@@ -295,6 +327,11 @@ struct Outstanding {
     /// Doublings of the loss timer for this chunk; reset when results flow
     /// again.
     backoff: u32,
+    /// Slots the chunk was sent to before it was re-addressed in a new
+    /// epoch (empty, unallocated, in any other case): a RESULT from its
+    /// old place for the round it waits for answers it too (PROTOCOL.md
+    /// §11.4 (a)).
+    earlier: Vec<u32>,
 }
 
 /// The datagrams sent to one lcore, in order.
@@ -403,6 +440,15 @@ pub(crate) struct Transport<D> {
     table: RequestTable<D>,
     /// Shared memory, when the join chose it.
     shm: Option<ShmState>,
+    /// A replicated job's routing by epoch ([`route`]); `None` for any
+    /// other job.
+    routing: Option<Routing>,
+    /// The epoch control is to be asked for, at least, by the caller
+    /// ([`Transport::poll_epoch`]): an ERROR `wrong_epoch` named a newer
+    /// one, or chunks went unanswered [`SILENT_SENDS`] times.
+    epoch_wanted: Option<u32>,
+    /// When a silence last asked for the epoch.
+    epoch_asked: Option<Instant>,
 }
 
 /// A key's chunk `i`'s place in the order a hierarchical job's ranks send
@@ -556,6 +602,120 @@ impl<D> Transport<D> {
                 regions: Some(r),
                 scratch: Vec::new(),
             }),
+            routing: None,
+            epoch_wanted: None,
+            epoch_asked: None,
+        }
+    }
+
+    /// Routes every chunk by `routing`'s epoch from now on (a replicated
+    /// job). Set before the first request.
+    pub(crate) fn set_routing(&mut self, routing: Routing) {
+        self.routing = Some(routing);
+    }
+
+    /// The epoch this transport holds (a replicated job's; `None` for any
+    /// other).
+    pub(crate) fn epoch(&self) -> Option<&EpochView> {
+        self.routing.as_ref().map(Routing::epoch)
+    }
+
+    /// The epoch the caller is to fetch from control, at least (taken:
+    /// asked once): an ERROR `wrong_epoch` named it, or a silence asks
+    /// whether the held one is still current (then it is the held one).
+    /// The caller answers with [`Transport::set_epoch`] once control has
+    /// it, or [`Transport::epoch_unavailable`] if control never does.
+    pub(crate) fn poll_epoch(&mut self) -> Option<u32> {
+        self.epoch_wanted.take()
+    }
+
+    /// Control says the job is in `view` (fetched at `now`). An epoch not
+    /// newer than the one held changes nothing (the chunks go on being
+    /// retransmitted on the timer). A newer one is held from now on:
+    /// every chunk sent and still unanswered is re-addressed to where the
+    /// new epoch serves it and sent again at once, with the new epoch and
+    /// the same round, as a first transmission on a fresh path (its loss
+    /// timer, retransmission count and the congestion window start over);
+    /// chunks not yet sent go to their new places when they go. Returns
+    /// how many chunks were re-sent.
+    pub(crate) fn set_epoch(&mut self, now: Instant, view: EpochView) -> usize {
+        let Some(routing) = self.routing.as_mut() else {
+            return 0;
+        };
+        if view.epoch <= routing.epoch().epoch {
+            return 0;
+        }
+        log::info!(
+            "phub-worker: job {} rank {}: epoch {} -> {} (down: {:?}); {} chunks in flight re-addressed",
+            self.info.job,
+            self.info.rank,
+            routing.epoch().epoch,
+            view.epoch,
+            view.down,
+            self.table.outstanding.len()
+        );
+        routing.set_epoch(view);
+        // Taken while the chunks are re-addressed (`sequence` borrows the
+        // whole transport), and put back below.
+        let routing = self.routing.take().expect("checked above");
+        // Oldest transmissions first, as they went out.
+        let mut order: Vec<(Instant, u64, ChunkId)> = self
+            .table
+            .outstanding
+            .iter()
+            .map(|(k, o)| (o.sent, o.seq, *k))
+            .collect();
+        order.sort_unstable_by_key(|&(sent, seq, k)| (sent, seq, k.key, k.chunk));
+        let deadline = now + self.loss.rto.loss(0);
+        let mut sent = 0;
+        for (_, _, k) in order {
+            let Some(o) = self.table.outstanding.get_mut(&k) else {
+                continue;
+            };
+            let Some(req) = self.table.requests.get_mut(&o.id) else {
+                continue;
+            };
+            let header = &mut req.tx.headers_mut()[o.msg.header_range()];
+            let slot = o.msg.slot;
+            if routing.route(k.key, &mut o.msg, header) && !o.earlier.contains(&slot) {
+                o.earlier.push(slot);
+            }
+            // A first transmission on its new path.
+            let mut h = Header::new_unchecked(header);
+            let f = h.flags();
+            h.set_flags(f & !flags::RETRANSMIT);
+            o.retries = 0;
+            o.backoff = 0;
+            o.first_sent = now;
+            o.sent = now;
+            o.deadline = deadline;
+            let (id, msg) = (o.id, o.msg);
+            let seq = self.sequence(msg.lcore, k);
+            if let Some(o) = self.table.outstanding.get_mut(&k) {
+                o.seq = seq;
+            }
+            self.table.queue.push((id, msg));
+            sent += 1;
+        }
+        self.routing = Some(routing);
+        // Sent again, if to a new place.
+        add(&self.stats.retransmits, sent as u64);
+        self.congestion.fresh(self.flow.window, &self.stats);
+        // A new epoch is progress: the requests' timeout and the loss
+        // timer's backoff start over.
+        self.loss.last_progress = now;
+        self.loss.quiet_backoff = 0;
+        self.loss.last_resend = now;
+        sent
+    }
+
+    /// Control did not come to hold the epoch wanted: every request in
+    /// flight fails with `err` (which names the job, the epochs and
+    /// control).
+    pub(crate) fn epoch_unavailable(&mut self, err: impl Fn() -> WorkerError) {
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
+        for id in ids {
+            self.fail(id, err());
         }
     }
 
@@ -716,11 +876,12 @@ impl<D> Transport<D> {
                         _ => false,
                     } =>
             {
-                let rx_share = Header::new_unchecked(d).rx_share();
+                let h = Header::new_unchecked(d);
                 Some(Incoming {
                     repr,
                     payload,
-                    rx_share,
+                    rx_share: h.rx_share(),
+                    epoch: h.epoch(),
                 })
             }
             _ => {
@@ -747,6 +908,7 @@ impl<D> Transport<D> {
             repr,
             payload,
             rx_share,
+            epoch,
         } = m;
         if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
             // A result in shared memory this worker has not mapped is malformed.
@@ -756,6 +918,19 @@ impl<D> Transport<D> {
         if repr.kind == MsgType::Error && repr.error == DropReason::ShuttingDown.code() {
             self.appliance_stopping(&repr);
             return;
+        }
+        if repr.kind == MsgType::Error && repr.error == WRONG_EPOCH {
+            if let Some(routing) = &self.routing {
+                // Newer than ours: control is asked for it, and the chunks
+                // are re-addressed once it is held. Not newer: the
+                // appliance has not installed ours yet, and the chunk is
+                // sent again on the timer.
+                if epoch > routing.epoch().epoch {
+                    self.epoch_wanted = self.epoch_wanted.max(Some(epoch));
+                }
+                add(&self.stats.results_ignored, 1);
+                return;
+            }
         }
         let Some(id) = self.waiting_for(&repr) else {
             add(&self.stats.results_ignored, 1);
@@ -787,7 +962,8 @@ impl<D> Transport<D> {
     /// The request whose outstanding chunk `repr` names, at its slot.
     fn waiting_for(&self, repr: &Repr) -> Option<u64> {
         let o = self.table.outstanding.get(&ChunkId::of(repr))?;
-        (repr.slot == o.msg.slot && self.table.requests.contains_key(&o.id)).then_some(o.id)
+        let slot = repr.slot == o.msg.slot || o.earlier.contains(&repr.slot);
+        (slot && self.table.requests.contains_key(&o.id)).then_some(o.id)
     }
 
     fn on_error(&mut self, id: u64, repr: &Repr) {
@@ -943,13 +1119,17 @@ impl<D> Transport<D> {
         // cut): then nothing new goes until results bring it under.
         let before = self.table.outstanding.len();
         while self.table.outstanding.len() < self.congestion.cwnd {
-            let Some((id, msg)) = self.table.pending.pop() else {
+            let Some((id, mut msg)) = self.table.pending.pop() else {
                 break;
             };
             let Some(req) = self.table.requests.get_mut(&id) else {
                 continue;
             };
             let key = req.key;
+            if let Some(routing) = &self.routing {
+                let header = msg.header_range();
+                routing.route(key, &mut msg, &mut req.tx.headers_mut()[header]);
+            }
             if let Some(shm) = &self.shm {
                 // The key's previous round of this chunk has its result: the
                 // lcore no longer reads the slot, and this rank may write it.
@@ -971,6 +1151,7 @@ impl<D> Transport<D> {
                 retries: 0,
                 backoff: 0,
                 msg,
+                earlier: Vec::new(),
             };
             let again = self.table.outstanding.insert(chunk, o);
             // At most one request per key is in flight, so a chunk of it
@@ -1134,10 +1315,37 @@ impl<D> Transport<D> {
         if resent {
             self.loss.last_resend = now;
             self.loss.quiet_backoff += 1;
+            self.ask_epoch_if_silent(now, &late);
         }
         add(&self.stats.retransmits, late.len() as u64);
         self.loss.late = late;
         resent
+    }
+
+    /// A replicated job's chunk of `late` (just resent) has now been
+    /// retransmitted [`SILENT_SENDS`] times without an answer: its appliance may be dead,
+    /// and control is asked whether the epoch is still the one held (at
+    /// most every [`EPOCH_ASK_GAP`]). If it is, the chunks go on being
+    /// retransmitted as before.
+    fn ask_epoch_if_silent(&mut self, now: Instant, late: &[Late]) {
+        let Some(routing) = &self.routing else {
+            return;
+        };
+        if self
+            .epoch_asked
+            .is_some_and(|t| now.saturating_duration_since(t) < EPOCH_ASK_GAP)
+        {
+            return;
+        }
+        let outstanding = &self.table.outstanding;
+        if late
+            .iter()
+            .any(|l| outstanding.get(&l.id).is_some_and(|o| o.retries >= SILENT_SENDS))
+        {
+            self.epoch_asked = Some(now);
+            let held = routing.epoch().epoch;
+            self.epoch_wanted = self.epoch_wanted.max(Some(held));
+        }
     }
 
     /// Request `id` is complete: its result goes to [`Transport::poll_done`].

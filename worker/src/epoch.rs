@@ -1,0 +1,209 @@
+//! Fetching a replicated job's epoch from control, off the I/O thread
+//! (PROTOCOL.md §11.6).
+//!
+//! Layer: I/O helper of the I/O thread ([`crate::io`]). When the transport
+//! asks for an epoch ([`crate::transport::Transport::poll_epoch`]: an
+//! appliance named a newer one, or chunks went unanswered), the I/O thread
+//! hands the question to [`EpochFetch::ask`], which runs
+//! `GET /v1/jobs/{id}/epoch` on a helper thread, again and again, until
+//! control serves the epoch wanted or a later one, for
+//! [`EPOCH_WAIT`] at most. The I/O thread never blocks on it: it takes the
+//! answer with [`EpochFetch::poll`] on a later turn of its loop.
+//!
+//! Invariants: at most one fetch runs at a time; a question asked while
+//! one runs is kept (the highest epoch wanted) and asked when it ends.
+
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, TryRecvError};
+use phub_proto::failover::EpochView;
+use phub_proto::routes::Route;
+
+use crate::error::WorkerError;
+
+/// How long control is asked for an epoch before the worker gives up on
+/// it. Control persists a new epoch before it installs it on any
+/// appliance, so an appliance naming an epoch means control serves it
+/// already; the wait covers control restarting or being slow.
+pub(crate) const EPOCH_WAIT: Duration = Duration::from_secs(10);
+/// The pause between two questions to control within one fetch.
+const RETRY: Duration = Duration::from_millis(20);
+/// The HTTP timeout of one question.
+const HTTP_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// A fetch's outcome.
+#[derive(Debug)]
+pub(crate) enum Fetched {
+    /// Control serves this epoch (at least the one wanted).
+    View(EpochView),
+    /// Control did not serve the epoch wanted within the wait.
+    Failed {
+        /// The epoch wanted.
+        wanted: u32,
+        /// The epoch the worker held when it asked.
+        held: u32,
+        /// How long control was asked.
+        waited: Duration,
+        /// Control's last answer, or why there was none.
+        message: String,
+    },
+}
+
+/// Fetches of one job's epoch from control.
+#[derive(Debug)]
+pub(crate) struct EpochFetch {
+    /// Control's epoch route for the job; `None` when the worker was made
+    /// without a control URL ([`crate::Worker::from_join`]).
+    url: Option<String>,
+    job: u16,
+    /// The fetch running, if any.
+    running: Option<Receiver<Fetched>>,
+    /// Asked while a fetch ran: (wanted, held).
+    next: Option<(u32, u32)>,
+}
+
+impl EpochFetch {
+    /// Fetches of `job`'s epoch from control at `control_url` (none: every
+    /// fetch fails at once, saying so).
+    pub(crate) fn new(control_url: Option<&str>, job: u16) -> EpochFetch {
+        let url = control_url.map(|c| {
+            let path = phub_proto::routes::control::epoch(job).route.path();
+            format!("{}{path}", c.trim_end_matches('/'))
+        });
+        EpochFetch {
+            url,
+            job,
+            running: None,
+            next: None,
+        }
+    }
+
+    /// Control's epoch route, for messages.
+    pub(crate) fn url(&self) -> &str {
+        self.url
+            .as_deref()
+            .unwrap_or("(none: the worker was made from a join answer, without control's URL)")
+    }
+
+    /// Asks control for epoch `wanted` or later; the worker holds `held`.
+    pub(crate) fn ask(&mut self, wanted: u32, held: u32) {
+        if self.running.is_some() {
+            self.next = Some(match self.next {
+                Some((w, _)) => (w.max(wanted), held),
+                None => (wanted, held),
+            });
+            return;
+        }
+        let (tx, rx) = crossbeam_channel::bounded(1);
+        let Some(url) = self.url.clone() else {
+            let _ = tx.send(Fetched::Failed {
+                wanted,
+                held,
+                waited: Duration::ZERO,
+                message: "no control URL to ask".into(),
+            });
+            self.running = Some(rx);
+            return;
+        };
+        let job = self.job;
+        let spawned = std::thread::Builder::new()
+            .name(format!("phub-epoch-{}", self.job))
+            .spawn(move || {
+                let _ = tx.send(fetch(&url, job, wanted, held));
+            });
+        if let Err(e) = spawned {
+            let (tx, rx) = crossbeam_channel::bounded(1);
+            let _ = tx.send(Fetched::Failed {
+                wanted,
+                held,
+                waited: Duration::ZERO,
+                message: format!("starting the thread that asks control: {e}"),
+            });
+            self.running = Some(rx);
+            return;
+        }
+        self.running = Some(rx);
+    }
+
+    /// The outcome of the fetch that ran, once it has ended; then the
+    /// question asked meanwhile, if any, is asked.
+    pub(crate) fn poll(&mut self) -> Option<Fetched> {
+        let rx = self.running.as_ref()?;
+        let got = match rx.try_recv() {
+            Ok(f) => f,
+            Err(TryRecvError::Empty) => return None,
+            Err(TryRecvError::Disconnected) => Fetched::Failed {
+                wanted: 0,
+                held: 0,
+                waited: Duration::ZERO,
+                message: "the thread that asks control ended without an answer".into(),
+            },
+        };
+        self.running = None;
+        if let Some((wanted, held)) = self.next.take() {
+            self.ask(wanted, held);
+        }
+        Some(got)
+    }
+
+    /// The error a failed fetch of an epoch an appliance named ends the
+    /// job's requests with.
+    pub(crate) fn error(&self, wanted: u32, held: u32, waited: Duration, message: &str) -> WorkerError {
+        WorkerError::Epoch {
+            job: self.job,
+            wanted,
+            held,
+            url: self.url().to_string(),
+            waited,
+            message: message.to_string(),
+        }
+    }
+}
+
+/// Asks `url` for the job's epoch until it is `wanted` or later, for
+/// [`EPOCH_WAIT`] at most.
+fn fetch(url: &str, job: u16, wanted: u32, held: u32) -> Fetched {
+    let start = Instant::now();
+    let call = phub_proto::routes::control::epoch(job);
+    let agent = match phub_http::agent(url, None, ureq::AgentBuilder::new().timeout(HTTP_TIMEOUT)) {
+        Ok(a) => a,
+        Err(e) => {
+            return Fetched::Failed {
+                wanted,
+                held,
+                waited: Duration::ZERO,
+                message: e.to_string(),
+            }
+        }
+    };
+    loop {
+        let message = match agent.get(url).call() {
+            Ok(resp) => {
+                let mut body = Vec::new();
+                match std::io::Read::read_to_end(&mut resp.into_reader(), &mut body) {
+                    Ok(_) => match call.answer(&body) {
+                        Ok(view) if view.epoch >= wanted => return Fetched::View(view),
+                        Ok(view) => format!("control serves epoch {}", view.epoch),
+                        Err(e) => format!("control's answer is not an epoch: {e}"),
+                    },
+                    Err(e) => format!("reading control's answer: {e}"),
+                }
+            }
+            Err(ureq::Error::Status(status, resp)) => {
+                let body = resp.into_string().unwrap_or_default();
+                format!("HTTP {status}: {}", phub_proto::api::ApiError::message_of(&body))
+            }
+            Err(e) => e.to_string(),
+        };
+        let waited = start.elapsed();
+        if waited >= EPOCH_WAIT {
+            return Fetched::Failed {
+                wanted,
+                held,
+                waited,
+                message,
+            };
+        }
+        std::thread::sleep(RETRY);
+    }
+}

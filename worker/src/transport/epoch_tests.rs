@@ -1,0 +1,426 @@
+//! A replicated job's transport across epochs (PROTOCOL.md §11.6), driven
+//! without a socket: three appliances of one lcore each, every part held
+//! by two of them, appliances played by hand (RESULTs and ERRORs crafted
+//! with [`Repr`]).
+// Test data: small numbers cast freely.
+#![allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+
+use phub_proto::failover::{ReplicaLayout, Served};
+use phub_proto::layout::ChunkRange;
+use phub_proto::wire::{Header, HEADER_LEN};
+
+use super::*;
+use crate::codec;
+use crate::elem::Values;
+
+const JOB: u16 = 9;
+const TOKEN: u64 = 0x000e_90c4;
+const RANK: u16 = 0;
+const ELEMS: usize = 4;
+const MS: Duration = Duration::from_millis(1);
+/// Chunks per appliance (each appliance has one lcore).
+const PART: u64 = 2;
+const APPLIANCES: usize = 3;
+/// The one key's chunks: every appliance's part.
+const CHUNKS: u32 = (PART as u32) * APPLIANCES as u32;
+
+/// Appliance `a`'s lcore (lcore `a` of the layout).
+fn addr(a: usize) -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], 9100 + a as u16))
+}
+
+fn runs() -> Vec<ChunkRange> {
+    (0..APPLIANCES as u64)
+        .map(|a| ChunkRange {
+            first: a * PART,
+            count: PART,
+        })
+        .collect()
+}
+
+/// The layout the tests check the transport against (built apart from
+/// the transport's).
+fn layout() -> ReplicaLayout<String> {
+    ReplicaLayout::new(runs(), &[1; APPLIANCES], vec![String::new(); APPLIANCES], 2).unwrap()
+}
+
+fn routing(epoch: EpochView) -> Routing {
+    Routing::new(
+        runs(),
+        &[1; APPLIANCES],
+        vec![String::new(); APPLIANCES],
+        2,
+        epoch,
+        (0..APPLIANCES).map(addr).collect(),
+        vec![0],
+    )
+    .unwrap()
+}
+
+fn down(epoch: u32, down: &[u16]) -> EpochView {
+    EpochView {
+        epoch,
+        down: down.to_vec(),
+    }
+}
+
+fn grad(c: u32) -> [f32; ELEMS] {
+    std::array::from_fn(|i| (c * 10) as f32 + i as f32)
+}
+
+/// A datagram the transport sent, parsed, with its header's epoch.
+#[derive(Debug, Clone, PartialEq)]
+struct Sent {
+    to: SocketAddr,
+    repr: Repr,
+    epoch: u32,
+}
+
+struct Harness {
+    t: Transport<u32>,
+    stats: Arc<Counters>,
+    t0: Instant,
+    now: Instant,
+}
+
+impl Harness {
+    /// A transport for the job in `epoch`; `None`: the job is not
+    /// replicated (no routing).
+    fn new(epoch: Option<EpochView>) -> Harness {
+        let stats = Arc::new(Counters::default());
+        let info = JobInfo {
+            job: JOB,
+            token: TOKEN,
+            rank: RANK,
+            dtype: Dtype::F32,
+            in_order: true,
+        };
+        let t0 = Instant::now();
+        let mut t = Transport::new(info, 64, &WorkerConfig::default(), Arc::clone(&stats), None, t0);
+        if let Some(e) = epoch {
+            t.set_routing(routing(e));
+        }
+        Harness {
+            t,
+            stats,
+            t0,
+            now: t0,
+        }
+    }
+
+    fn at(&mut self, ms: u64) {
+        let to = self.t0 + MS * ms as u32;
+        assert!(to >= self.now, "the clock goes forward");
+        self.now = to;
+    }
+
+    /// Round `round` of key 0 (`chunks` chunks), encoded as the API side
+    /// encodes it: each chunk for its home lcore and slot, epoch 0.
+    fn push(&mut self, round: u32, chunks: u32) {
+        let bytes = HEADER_LEN + ELEMS * 4;
+        let mut buf = vec![0u8; chunks as usize * bytes];
+        let mut msgs = Vec::new();
+        for c in 0..chunks {
+            let start = c as usize * bytes;
+            let home = layout().serve(u64::from(c), &EpochView::default()).unwrap();
+            let r = Repr::request(MsgType::Push, JOB, TOKEN, RANK, round, home.slot as u32)
+                .with_payload(Dtype::F32, ELEMS as u16)
+                .with_chunk(0, c);
+            let mut h = Header::new_unchecked(&mut buf[start..start + bytes]);
+            r.emit(&mut h);
+            codec::encode(Dtype::F32, &grad(c), h.payload_mut());
+            msgs.push(ChunkMsg {
+                chunk: c,
+                slot: home.slot as u32,
+                offset: c as usize * ELEMS,
+                len: ELEMS as u32,
+                to: addr(home.appliance),
+                lcore: home.appliance as u16,
+                start,
+                bytes,
+            });
+        }
+        self.t.submit(
+            self.now,
+            Request {
+                key: 0,
+                round,
+                kind: Kind::Push,
+                chunks: msgs,
+                tx: Tx::Owned(buf),
+                sink: Sink::Owned(Values::F32(vec![f32::NAN; chunks as usize * ELEMS])),
+                done: 0,
+            },
+        );
+    }
+
+    fn poll(&mut self) -> Vec<Sent> {
+        let mut out = Vec::new();
+        self.t.poll_transmit(self.now, &mut out);
+        out.iter()
+            .map(|d| {
+                let mut bytes = d.head.to_vec();
+                bytes.extend_from_slice(d.body);
+                let (repr, _) = wire::parse(&bytes).expect("well-formed");
+                Sent {
+                    to: d.to,
+                    repr,
+                    epoch: Header::new_unchecked(&bytes[..]).epoch(),
+                }
+            })
+            .collect()
+    }
+
+    /// A RESULT of chunk `c` in `round` at `slot`, from an appliance in
+    /// `epoch`.
+    fn result(&mut self, c: u32, round: u32, slot: u32, epoch: u32) {
+        let r = Repr::request(MsgType::Result, JOB, TOKEN, APPLIANCE_RANK, round, slot)
+            .with_payload(Dtype::F32, ELEMS as u16)
+            .with_chunk(0, c);
+        let mut d = r.to_datagram(&grad(c));
+        Header::new_unchecked(&mut d[..]).set_epoch(epoch);
+        self.t.handle_datagram(self.now, &d);
+    }
+
+    /// An ERROR `wrong_epoch` refusing chunk `c` of `round` sent at
+    /// `slot`, from an appliance in `epoch`.
+    fn wrong_epoch(&mut self, c: u32, round: u32, slot: u32, epoch: u32) {
+        let mut r = Repr::request(MsgType::Error, JOB, TOKEN, RANK, round, slot).with_chunk(0, c);
+        r.dtype = Dtype::F32;
+        r.error = WRONG_EPOCH;
+        let mut d = r.to_datagram(&[]);
+        Header::new_unchecked(&mut d[..]).set_epoch(epoch);
+        self.t.handle_datagram(self.now, &d);
+    }
+
+    /// Ended requests: (round, values) or the error.
+    fn ended(&mut self) -> Vec<Result<(u32, Vec<f32>), WorkerError>> {
+        std::iter::from_fn(|| self.t.poll_done())
+            .map(|f| {
+                f.result.map(|o| match o.sink {
+                    Sink::Owned(Values::F32(v)) => (o.round, v),
+                    other => panic!("an owned f32 sink came back as {other:?}"),
+                })
+            })
+            .collect()
+    }
+}
+
+/// Where `layout()` serves chunk `c` in `epoch`, as a destination.
+fn served(c: u32, epoch: &EpochView) -> (SocketAddr, u32, Served) {
+    let s = layout().serve(u64::from(c), epoch).unwrap();
+    (addr(s.appliance), s.slot as u32, s)
+}
+
+#[test]
+fn every_chunk_goes_where_serve_puts_it_with_the_epoch_in_its_header() {
+    // Joined in epoch 1, appliance 1 down: its part is served by its
+    // backup, in that appliance's backup slots.
+    let e1 = down(1, &[1]);
+    let mut h = Harness::new(Some(e1.clone()));
+    h.push(1, CHUNKS);
+    let sent = h.poll();
+    assert_eq!(sent.len(), CHUNKS as usize);
+    let mut adopted = 0;
+    for s in &sent {
+        let (to, slot, place) = served(s.repr.chunk, &e1);
+        assert_eq!(
+            (s.to, s.repr.slot, s.epoch),
+            (to, slot, 1),
+            "chunk {}",
+            s.repr.chunk
+        );
+        adopted += usize::from(place.adopted);
+    }
+    assert_eq!(adopted, PART as usize, "appliance 1's part, served elsewhere");
+    assert!(
+        sent.iter().all(|s| s.to != addr(1)),
+        "nothing to the down appliance"
+    );
+}
+
+#[test]
+fn a_job_without_replication_keeps_its_homes_and_epoch_0() {
+    let mut h = Harness::new(None);
+    h.push(1, CHUNKS);
+    for s in h.poll() {
+        let (to, slot, _) = served(s.repr.chunk, &EpochView::default());
+        assert_eq!((s.to, s.repr.slot, s.epoch), (to, slot, 0));
+    }
+}
+
+/// PROTOCOL.md §11.6: an ERROR `wrong_epoch` naming a newer epoch makes
+/// the transport ask for it; once given, every chunk still unanswered goes
+/// at once to its new primary with the new epoch, the same round, as a
+/// first transmission; one answered before the switch is not sent again,
+/// and a RESULT from the old primary still answers (§11.4 (a)).
+#[test]
+fn a_newer_wrong_epoch_re_addresses_every_unanswered_chunk_to_its_new_primary() {
+    let e0 = EpochView::default();
+    let mut h = Harness::new(Some(e0.clone()));
+    h.push(4, CHUNKS);
+    assert_eq!(h.poll().len(), CHUNKS as usize);
+    h.at(1);
+    // Appliance 0 answers chunk 0 in epoch 0, then appliance 1 dies.
+    let (_, slot0, _) = served(0, &e0);
+    h.result(0, 4, slot0, 0);
+    assert_eq!(h.t.poll_epoch(), None, "nothing asked yet");
+    // Appliance 2 has installed epoch 1 and refuses chunk 4.
+    h.at(2);
+    let (_, slot4, _) = served(4, &e0);
+    h.wrong_epoch(4, 4, slot4, 1);
+    assert_eq!(
+        h.t.poll_epoch(),
+        Some(1),
+        "the epoch the ERROR named is asked for"
+    );
+    assert_eq!(h.t.poll_epoch(), None, "asked once");
+    assert_eq!(h.poll(), [], "nothing moves before the epoch is known");
+    assert!(h.ended().is_empty(), "the ERROR fails nothing");
+    // Control serves epoch 1: appliance 1 down.
+    h.at(3);
+    let e1 = down(1, &[1]);
+    assert_eq!(h.t.set_epoch(h.now, e1.clone()), CHUNKS as usize - 1);
+    let sent = h.poll();
+    let mut chunks: Vec<u32> = sent.iter().map(|s| s.repr.chunk).collect();
+    chunks.sort_unstable();
+    assert_eq!(
+        chunks,
+        [1, 2, 3, 4, 5],
+        "every unanswered chunk, once; chunk 0 not again"
+    );
+    for s in &sent {
+        let (to, slot, _) = served(s.repr.chunk, &e1);
+        assert_eq!(
+            (s.to, s.repr.slot, s.epoch, s.repr.round),
+            (to, slot, 1, 4),
+            "chunk {}",
+            s.repr.chunk
+        );
+        assert_eq!(
+            s.repr.flags & flags::RETRANSMIT,
+            0,
+            "a first transmission on its new path"
+        );
+    }
+    let (to2, _, p2) = served(2, &e1);
+    assert!(
+        p2.adopted && to2 != addr(1),
+        "chunk 2 moved off the dead appliance"
+    );
+    // The new primary answers in epoch 1 at the extended slot; the old
+    // primary's late RESULT of chunk 3 (sent before it died) answers too.
+    h.at(4);
+    for c in [1, 2, 4, 5] {
+        let (_, slot, _) = served(c, &e1);
+        h.result(c, 4, slot, 1);
+    }
+    let (_, old3, _) = served(3, &e0);
+    h.result(3, 4, old3, 0);
+    let done = h.ended();
+    assert_eq!(done.len(), 1, "{done:?}");
+    let (round, values) = done[0].as_ref().expect("completed");
+    assert_eq!(*round, 4);
+    let want: Vec<f32> = (0..CHUNKS).flat_map(grad).collect();
+    assert_eq!(values, &want);
+    assert_eq!(h.stats.snapshot().results_accepted, u64::from(CHUNKS));
+    assert_eq!(h.t.epoch(), Some(&e1));
+}
+
+/// An ERROR `wrong_epoch` naming an older epoch than the worker's: the
+/// appliance has not installed the worker's yet. Nothing is asked, nothing
+/// moves; the chunk is sent again on the timer, to the same place.
+#[test]
+fn an_older_wrong_epoch_keeps_the_chunk_pending_and_resends_it_on_the_timer() {
+    let e2 = down(2, &[1]);
+    let mut h = Harness::new(Some(e2.clone()));
+    h.push(1, CHUNKS);
+    let first = h.poll();
+    h.at(1);
+    let (to2, slot2, _) = served(2, &e2);
+    h.wrong_epoch(2, 1, slot2, 1);
+    assert_eq!(h.t.poll_epoch(), None);
+    assert_eq!(h.poll(), [], "not resent at once");
+    assert!(h.ended().is_empty(), "not failed");
+    // The others answer; chunk 2 is resent by the loss timer, unchanged.
+    for s in first.iter().filter(|s| s.repr.chunk != 2) {
+        h.result(s.repr.chunk, 1, s.repr.slot, 2);
+    }
+    let mut resent = Vec::new();
+    for ms in 2..5_000 {
+        h.at(ms);
+        h.t.handle_timeout(h.now);
+        resent = h.poll();
+        if !resent.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(resent.len(), 1, "{resent:?}");
+    let r = &resent[0];
+    assert_eq!((r.repr.chunk, r.to, r.repr.slot, r.epoch), (2, to2, slot2, 2));
+    assert_ne!(r.repr.flags & flags::RETRANSMIT, 0);
+}
+
+/// A chunk retransmitted [`SILENT_SENDS`] times without an answer makes
+/// the transport ask whether the epoch held is still current; told it is,
+/// it goes on retransmitting to the same place.
+#[test]
+fn silence_asks_for_the_epoch_after_silent_sends_retransmissions() {
+    let e0 = EpochView::default();
+    let mut h = Harness::new(Some(e0.clone()));
+    h.push(1, 1);
+    assert_eq!(h.poll().len(), 1);
+    let mut resends = 0;
+    let mut asked_after = None;
+    for ms in 1..120_000 {
+        h.at(ms);
+        h.t.handle_timeout(h.now);
+        resends += h.poll().len() as u32;
+        if let Some(e) = h.t.poll_epoch() {
+            assert_eq!(e, 0, "the epoch held: is it still current?");
+            asked_after = Some(resends);
+            break;
+        }
+    }
+    assert_eq!(asked_after, Some(SILENT_SENDS));
+    // Unchanged: nothing moves, and the chunk is resent on the timer.
+    assert_eq!(h.t.set_epoch(h.now, e0.clone()), 0);
+    assert_eq!(h.poll(), []);
+    let (to, slot, _) = served(0, &e0);
+    let start = h.now.duration_since(h.t0).as_millis() as u64;
+    let mut again = Vec::new();
+    for ms in start + 1..start + 120_000 {
+        h.at(ms);
+        h.t.handle_timeout(h.now);
+        again = h.poll();
+        if !again.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(again.len(), 1);
+    assert_eq!((again[0].to, again[0].repr.slot, again[0].epoch), (to, slot, 0));
+}
+
+/// Control never served the epoch an appliance named: every request fails
+/// with the reason, naming the job and both epochs.
+#[test]
+fn an_epoch_control_never_serves_fails_the_requests_naming_it() {
+    let mut h = Harness::new(Some(EpochView::default()));
+    h.push(1, CHUNKS);
+    h.poll();
+    h.t.epoch_unavailable(|| WorkerError::Epoch {
+        job: JOB,
+        wanted: 3,
+        held: 0,
+        url: "http://127.0.0.1:1/v1/jobs/9/epoch".into(),
+        waited: Duration::from_secs(10),
+        message: "control serves epoch 2".into(),
+    });
+    let done = h.ended();
+    assert_eq!(done.len(), 1);
+    let e = done[0].as_ref().unwrap_err().to_string();
+    for part in ["job 9", "epoch 3", "epoch 0", "127.0.0.1:1", "epoch 2"] {
+        assert!(e.contains(part), "{e:?} names {part}");
+    }
+    assert!(!h.t.busy());
+}
