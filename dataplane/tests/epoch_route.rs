@@ -67,6 +67,7 @@ fn replicated(id: u16, base_port: u16) -> InstallJob {
         layout: appliances[0].layout.clone(),
         spec,
         hierarchy: None,
+        entries: None,
         replication: Some(Replication {
             epoch: 0,
             appliance: 0,

@@ -20,6 +20,7 @@ mod dpdk_faults;
 mod dpdk_hierarchy;
 mod end_to_end;
 mod etcd;
+mod failover;
 mod faults;
 mod hierarchy;
 mod memory;

@@ -1,0 +1,113 @@
+//! Failover of a replicated job (PROTOCOL.md §11.6), end to end: three
+//! phub-dataplane processes under one phub-control, a job with two
+//! replicas of every chunk, workers on the phub-worker library training
+//! it; one appliance is killed (SIGKILL) between two rounds while a rank
+//! is already pushing the next. Control declares it down, installs the
+//! next epoch on the two others, the workers follow it, and every element
+//! of every result of every round stays exact (each is checked by
+//! `train_rank` against the formula) — nothing answered is lost or
+//! applied twice.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::common::{train_rank, Appliances, Operator};
+use phub::proto::failover::EpochView;
+use phub::proto::routes::{control, mgmt};
+use phub_worker::WorkerConfig;
+
+/// `keys` summed by `workers` ranks over appliances a, b and c, two
+/// copies of each chunk.
+fn spec(workers: u16, keys: &[u64]) -> String {
+    let mut s = format!("name = \"failover\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
+    for k in keys {
+        s += &format!("[[keys]]\nelements = {k}\n");
+    }
+    s + "[placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n"
+}
+
+#[test]
+fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack.admit(&spec(workers, &keys)).unwrap();
+    assert_eq!(job.appliances, ["a", "b", "c"]);
+    let (rounds, kill_after) = (10u32, 4u32);
+    let url = rack.control_url.clone();
+    // Rank 0 stops before round kill_after + 1 until b is dead; rank 1
+    // goes on, so b dies with pushes of that round in flight.
+    let reached = AtomicU32::new(0);
+    let killed = AtomicBool::new(false);
+    let mut resumed_at = None;
+    let kill_time = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..workers)
+            .map(|rank| {
+                let (url, keys, reached, killed) = (&url, &keys, &reached, &killed);
+                s.spawn(move || {
+                    let mut first_after = None;
+                    let done = train_rank(
+                        url,
+                        job.id,
+                        job.token,
+                        rank,
+                        workers,
+                        keys,
+                        WorkerConfig::default(),
+                        |r| {
+                            if rank == 0 {
+                                reached.store(r, Ordering::SeqCst);
+                                if r == kill_after + 1 {
+                                    while !killed.load(Ordering::SeqCst) {
+                                        std::thread::sleep(Duration::from_millis(1));
+                                    }
+                                }
+                                if r == kill_after + 2 {
+                                    first_after = Some(Instant::now());
+                                }
+                            }
+                            r <= rounds
+                        },
+                    );
+                    (done, first_after)
+                })
+            })
+            .collect();
+        while reached.load(Ordering::SeqCst) < kill_after + 1 {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        rack.kill_dataplane(1);
+        let at = Instant::now();
+        killed.store(true, Ordering::SeqCst);
+        for (rank, h) in ranks.into_iter().enumerate() {
+            let ((done, _stats), first_after) = h.join().unwrap();
+            assert_eq!(done, rounds, "rank {rank}");
+            if rank == 0 {
+                resumed_at = first_after;
+            }
+        }
+        at
+    });
+    let failover = resumed_at.expect("rank 0 completed a round after the kill") - kill_time;
+    eprintln!("failover: the kill to the first round completed after it: {failover:?}");
+    // Control moved the job to epoch 1 with b down, and both survivors
+    // hold it.
+    let epoch: EpochView = rack.send(&control::epoch(job.id));
+    assert_eq!(
+        epoch,
+        EpochView {
+            epoch: 1,
+            down: vec![1]
+        }
+    );
+    for i in [0, 2] {
+        let stats: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+        let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
+        assert_eq!(
+            live.round_range.map(|r| r.1),
+            Some(rounds),
+            "{}: {live:?}",
+            rack.names[i]
+        );
+    }
+}
