@@ -17,8 +17,8 @@ use std::time::{Duration, Instant};
 use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
-use phub_proto::table_checkpoint::TableState;
 use phub_proto::failover::EpochView;
+use phub_proto::table_checkpoint::TableState;
 
 use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall};
 
