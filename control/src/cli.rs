@@ -1599,6 +1599,7 @@ mod tests {
         d.epoch = Some(phub_proto::failover::EpochView {
             epoch: 1,
             down: vec![1],
+            ..Default::default()
         });
         let t = render_show(&d);
         assert!(

@@ -559,6 +559,7 @@ mod tests {
                 epoch: EpochView {
                     epoch: 2,
                     down: vec![0],
+                    ..Default::default()
                 },
             }],
         };

@@ -189,6 +189,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
     let want = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("epoch 1 on a and c", within, || {
@@ -289,6 +290,7 @@ fn an_appliance_declared_down_that_answers_again_stays_out_of_the_job() {
     let want = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("epoch 1 on a and c", within, || {

@@ -101,6 +101,7 @@ fn an_epoch_is_taken_on_every_lcore_or_refused_naming_job_and_epoch() {
     let e1 = serde_json::to_string(&EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     })
     .unwrap();
     assert_eq!(put(&app, "/v1/jobs/3/epoch", &e1).0, 204);

@@ -277,6 +277,7 @@ fn an_epoch_change_is_checked_whole() {
     let e1 = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let refused = |r: Result<bool, phub_engine::EngineError>| match r {
         Err(phub_engine::EngineError::Epoch { conflict, reason, .. }) => (conflict, reason),
@@ -287,6 +288,7 @@ fn an_epoch_change_is_checked_whole() {
         &EpochView {
             epoch: 1,
             down: vec![3],
+            ..Default::default()
         },
     ));
     assert!(!c && why.contains("down [3]") && why.contains("0..3"), "{why}");
@@ -295,6 +297,7 @@ fn an_epoch_change_is_checked_whole() {
         &EpochView {
             epoch: 1,
             down: vec![2],
+            ..Default::default()
         },
     ));
     assert!(c && why.contains("this appliance (2)"), "{why}");
@@ -309,14 +312,19 @@ fn an_epoch_change_is_checked_whole() {
         &EpochView {
             epoch: 1,
             down: vec![0],
+            ..Default::default()
         },
     ));
-    assert!(c && why.contains("with down [1], not [0]"), "{why}");
+    assert!(
+        c && why.contains("with down [1] and joined [], not [0] and []"),
+        "{why}"
+    );
     let (c, why) = refused(s.change_epoch(
         JOB,
         &EpochView {
             epoch: 2,
             down: vec![0],
+            ..Default::default()
         },
     ));
     assert!(c && why.contains("appliance 1 is down in epoch 1"), "{why}");

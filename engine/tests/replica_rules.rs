@@ -121,6 +121,8 @@ fn one_replica_completes_at_the_last_push() {
         key: c.key,
         chunk: c.chunk,
         epoch: 0,
+        fragment: 0,
+        fragments: 0,
     };
     let s = &mut w.shards[0][0];
     assert_eq!(
@@ -269,6 +271,8 @@ fn replication_messages_are_checked_and_idempotent() {
             key: c.key,
             chunk: c.chunk,
             epoch,
+            fragment: 0,
+            fragments: 0,
         };
         let mut d = r.to_bytes().to_vec();
         for _ in 0..c.elems {
@@ -344,6 +348,8 @@ fn replication_messages_are_checked_and_idempotent() {
         key: c.key,
         chunk: c.chunk,
         epoch: 0,
+        fragment: 0,
+        fragments: 0,
     };
     let p = &mut w.shards[0][0];
     assert_eq!(
@@ -441,6 +447,8 @@ fn a_restore_forgets_pending_aggregates() {
         key: c.key,
         chunk: c.chunk,
         epoch: 0,
+        fragment: 0,
+        fragments: 0,
     };
     assert_eq!(
         s.handle(lcore_addr(1, 0), &ack.to_bytes(), 11),

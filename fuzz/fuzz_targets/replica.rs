@@ -3,7 +3,8 @@
 //!
 //! Parsing must never panic. An accepted datagram must be exactly the
 //! header plus the `count` elements its dtype announces (none for a
-//! REPLICATE_ACK); writing the parsed fields back gives the same header
+//! REPLICATE_ACK or REPLICATE_STATE_ACK), the fragment fields read from a
+//! REPLICATE_STATE only; writing the parsed fields back gives the same header
 //! except the error, receive-buffer share and reserved fields (written as
 //! zero); and a dense parse refuses it as `unknown_type`.
 #![no_main]
@@ -18,8 +19,15 @@ fuzz_target!(|data: &[u8]| {
             assert!(repr.payload_len() <= MAX_PAYLOAD);
             assert_eq!(payload.len(), repr.payload_len());
             assert_eq!(data.len(), HEADER_LEN + repr.payload_len());
-            if repr.kind == ReplicaMsgType::ReplicateAck {
+            if repr.kind.is_ack() {
                 assert!(payload.is_empty());
+            }
+            // Only a REPLICATE_STATE reads the fragment fields.
+            if repr.kind == ReplicaMsgType::ReplicateState {
+                assert_eq!(repr.fragment, data[field::FRAGMENT]);
+                assert_eq!(repr.fragments, data[field::FRAGMENTS]);
+            } else {
+                assert_eq!((repr.fragment, repr.fragments), (0, 0));
             }
             assert!(replica::is_replica_message(data));
             assert_eq!(wire::parse(data).unwrap_err(), DropReason::UnknownType);

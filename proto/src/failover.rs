@@ -7,6 +7,15 @@
 //! the epoch's down list ([`EpochView`]), so a new epoch is a few bytes:
 //! its number and who is down.
 //!
+//! **Re-joined appliances** (§11.7). An appliance declared down that comes
+//! back (empty) is listed in the view's `joined` with the epoch it came
+//! back at; in every replica set it is a member of it goes to the end,
+//! after the members that kept their state, in the order of those epochs
+//! ([`ReplicaLayout::set_in`]). So it is never made primary while a member
+//! that kept the part's state is live; it becomes a backup, filled by a
+//! state copy from the part's primary. A view without `joined` means what
+//! it meant before re-joins existed.
+//!
 //! **Extended slot numbers.** A worker names a chunk by (appliance, lcore,
 //! slot). On lcore j of appliance q, slots `0 .. own` are q's own slots
 //! (§4.1, `own` = the length of q's run on j), and the backup slots follow:
@@ -21,23 +30,48 @@ use serde::{Deserialize, Serialize};
 use crate::layout::ChunkRange;
 use crate::replica::{backup_runs, place, replica_set};
 
-/// A replicated job's epoch as control publishes it: its number and the
-/// appliances declared down (indices in layout order, ascending, each
-/// once). Epoch 0, nobody down, when admitted.
+/// A replicated job's epoch as control publishes it: its number, the
+/// appliances down (indices in layout order, ascending, each once) and
+/// those that came back after being declared down. Epoch 0, nobody down,
+/// when admitted.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EpochView {
     /// The layout's epoch (§11.5).
     pub epoch: u32,
-    /// Appliances declared down since admission.
+    /// Appliances down in this epoch: declared down and not come back
+    /// since.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub down: Vec<u16>,
+    /// Appliances that came back after being declared down (PROTOCOL.md
+    /// §11.7), ascending by appliance, each once, with the epoch each last
+    /// came back at. One also in `down` went down again and is down.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joined: Vec<Joined>,
+}
+
+/// An appliance that came back into a replicated job (PROTOCOL.md §11.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Joined {
+    /// Its index in layout order.
+    pub appliance: u16,
+    /// The epoch it came back at (at least 1, at most the view's).
+    pub epoch: u32,
 }
 
 impl EpochView {
     /// Whether appliance `a` is down in this epoch.
     pub fn is_down(&self, a: usize) -> bool {
         self.down.iter().any(|&d| usize::from(d) == a)
+    }
+
+    /// The epoch appliance `a` last came back at, if it ever did.
+    pub fn joined_at(&self, a: usize) -> Option<u32> {
+        self.joined
+            .iter()
+            .find(|j| usize::from(j.appliance) == a)
+            .map(|j| j.epoch)
     }
 
     /// The next epoch, with `a` also down (`None` if it already is).
@@ -51,7 +85,48 @@ impl EpochView {
         Some(EpochView {
             epoch: self.epoch + 1,
             down,
+            joined: self.joined.clone(),
         })
+    }
+
+    /// The next epoch, with down appliance `a` back (`None` if it is not
+    /// down): it leaves `down` and is `joined` at the new epoch, which puts
+    /// it at the end of its replica sets ([`ReplicaLayout::set_in`]).
+    pub fn with_joined(&self, a: u16) -> Option<EpochView> {
+        if !self.is_down(usize::from(a)) {
+            return None;
+        }
+        let epoch = self.epoch + 1;
+        let down = self.down.iter().copied().filter(|&d| d != a).collect();
+        let mut joined: Vec<Joined> = self.joined.iter().copied().filter(|j| j.appliance != a).collect();
+        joined.push(Joined { appliance: a, epoch });
+        joined.sort_unstable_by_key(|j| j.appliance);
+        Some(EpochView { epoch, down, joined })
+    }
+
+    /// Whether the view is well formed for a job of `n` appliances: `down`
+    /// ascending indices below `n`, each once; `joined` ascending by
+    /// appliance below `n`, each once, each at an epoch from 1 to the
+    /// view's. The error names the list, its value and what is accepted.
+    pub fn check(&self, n: usize) -> Result<(), String> {
+        if self.down.windows(2).any(|w| w[0] >= w[1]) || self.down.iter().any(|&d| usize::from(d) >= n) {
+            return Err(format!(
+                "down {:?}: appliance indices 0..{n}, ascending, each once",
+                self.down
+            ));
+        }
+        if self.joined.windows(2).any(|w| w[0].appliance >= w[1].appliance)
+            || self
+                .joined
+                .iter()
+                .any(|j| usize::from(j.appliance) >= n || j.epoch == 0 || j.epoch > self.epoch)
+        {
+            return Err(format!(
+                "joined {:?}: appliance indices 0..{n}, ascending, each once, each at an epoch 1..={}",
+                self.joined, self.epoch
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -151,10 +226,22 @@ impl<R: Eq> ReplicaLayout<R> {
         (0..self.appliances()).find(|&p| self.part(p).range().contains(&seq))
     }
 
+    /// `p`'s replica set in an epoch (PROTOCOL.md §11.7): the set of
+    /// §11.1 without its down members, those that came back moved to the
+    /// end in the order of the epochs they came back at (set order among
+    /// equals). Its first member serves the part, the others back it up.
+    pub fn set_in(&self, p: usize, epoch: &EpochView) -> Vec<usize> {
+        let mut live: Vec<usize> = self.set(p).into_iter().filter(|&a| !epoch.is_down(a)).collect();
+        // Stable: members that never came back keep set order, first.
+        live.sort_by_key(|&a| epoch.joined_at(a).unwrap_or(0));
+        live
+    }
+
     /// Who serves `p`'s part in an epoch: the first member of its replica
-    /// set not down; `None` when all are (the part is lost).
+    /// set in that epoch ([`ReplicaLayout::set_in`]); `None` when all are
+    /// down (the part is lost).
     pub fn primary(&self, p: usize, epoch: &EpochView) -> Option<usize> {
-        self.set(p).into_iter().find(|&a| !epoch.is_down(a))
+        self.set_in(p, epoch).first().copied()
     }
 
     /// The parts appliance `q` keeps backup slots of (their homes), in
@@ -269,7 +356,8 @@ mod tests {
             e1,
             EpochView {
                 epoch: 1,
-                down: vec![1]
+                down: vec![1],
+                ..Default::default()
             }
         );
         assert_eq!(l.backs_up(2), [1]);
@@ -340,6 +428,7 @@ mod tests {
         let both = EpochView {
             epoch: 2,
             down: vec![1, 2],
+            ..Default::default()
         };
         assert_eq!(l.serve(2, &both).unwrap().slot, 2);
         assert_eq!(l.serve(8, &both).unwrap().slot, 8);
@@ -348,10 +437,146 @@ mod tests {
         let one = EpochView {
             epoch: 1,
             down: vec![1],
+            ..Default::default()
         };
         assert_eq!(l.serve(5, &one).unwrap().appliance, 2);
         let next = l.set(1)[1];
         assert_eq!(l.serve(2, &one).unwrap().appliance, next);
+    }
+
+    #[test]
+    fn an_appliance_that_comes_back_goes_to_the_end_of_its_sets_and_is_never_made_primary() {
+        // One lcore each, one rack, replicas 2: sets 0 → 1, 1 → 2, 2 → 0.
+        let l = ReplicaLayout::new(runs(&[2, 3, 4]), &[1, 1, 1], vec![""; 3], 2).unwrap();
+        let e1 = EpochView::default().with_down(1).unwrap();
+        let e2 = e1.with_joined(1).unwrap();
+        assert_eq!(
+            e2,
+            EpochView {
+                epoch: 2,
+                down: vec![],
+                joined: vec![Joined {
+                    appliance: 1,
+                    epoch: 2
+                }],
+            }
+        );
+        assert_eq!(e2.with_joined(1), None, "only a down appliance comes back");
+        // 1's part stays with 2, 1 is its backup; 0's part keeps 1 as backup.
+        assert_eq!(l.set_in(1, &e2), [2, 1]);
+        assert_eq!(l.set_in(0, &e2), [0, 1]);
+        assert_eq!(l.serve(2, &e2).unwrap().appliance, 2);
+        assert!(l.serve(2, &e2).unwrap().adopted);
+        // 2 dies: 1, the only live member of its own part's set, serves it
+        // in its own slots again.
+        let e3 = e2.with_down(2).unwrap();
+        assert_eq!(e3.joined, e2.joined);
+        assert_eq!(l.set_in(1, &e3), [1]);
+        assert_eq!(
+            l.serve(2, &e3).unwrap(),
+            Served {
+                appliance: 1,
+                lcore: 0,
+                slot: 0,
+                adopted: false
+            }
+        );
+        // 2's part goes to 0, its first live member.
+        assert_eq!(l.primary(2, &e3), Some(0));
+        // Two came back: in the order of their epochs, at the end.
+        let l3 = ReplicaLayout::new(runs(&[2, 3, 4]), &[1, 1, 1], vec![""; 3], 3).unwrap();
+        let e = EpochView {
+            epoch: 5,
+            down: vec![],
+            joined: vec![
+                Joined {
+                    appliance: 0,
+                    epoch: 4,
+                },
+                Joined {
+                    appliance: 1,
+                    epoch: 3,
+                },
+            ],
+        };
+        assert_eq!(l3.set(0), [0, 1, 2]);
+        assert_eq!(l3.set_in(0, &e), [2, 1, 0]);
+        assert_eq!(l3.primary(0, &e), Some(2));
+        // Without `joined`, every set is as before.
+        let plain = EpochView {
+            epoch: 1,
+            down: vec![2],
+            ..Default::default()
+        };
+        for p in 0..3 {
+            let old: Vec<usize> = l3.set(p).into_iter().filter(|&a| !plain.is_down(a)).collect();
+            assert_eq!(l3.set_in(p, &plain), old);
+        }
+    }
+
+    #[test]
+    fn a_view_is_checked_naming_the_list_and_what_is_accepted() {
+        let ok = EpochView {
+            epoch: 3,
+            down: vec![2],
+            joined: vec![
+                Joined {
+                    appliance: 0,
+                    epoch: 2,
+                },
+                Joined {
+                    appliance: 2,
+                    epoch: 3,
+                },
+            ],
+        };
+        assert_eq!(ok.check(3), Ok(()));
+        let e = ok.check(2).unwrap_err();
+        assert!(e.contains("down [2]") && e.contains("0..2"), "{e}");
+        let late = EpochView {
+            epoch: 1,
+            joined: vec![Joined {
+                appliance: 0,
+                epoch: 2,
+            }],
+            ..Default::default()
+        };
+        let e = late.check(3).unwrap_err();
+        assert!(e.contains("joined") && e.contains("epoch 1..=1"), "{e}");
+        let twice = EpochView {
+            epoch: 4,
+            joined: vec![
+                Joined {
+                    appliance: 1,
+                    epoch: 2,
+                },
+                Joined {
+                    appliance: 1,
+                    epoch: 3,
+                },
+            ],
+            ..Default::default()
+        };
+        assert!(twice.check(3).is_err());
+    }
+
+    #[test]
+    fn a_view_with_joins_reads_and_writes_as_documented() {
+        let v: EpochView =
+            serde_json::from_str(r#"{ "epoch": 2, "joined": [ { "appliance": 1, "epoch": 2 } ] }"#).unwrap();
+        assert_eq!(
+            v,
+            EpochView::default().with_down(1).unwrap().with_joined(1).unwrap()
+        );
+        assert_eq!(
+            serde_json::to_string(&v).unwrap(),
+            r#"{"epoch":2,"joined":[{"appliance":1,"epoch":2}]}"#
+        );
+        // A view of before re-joins writes as it did.
+        assert_eq!(
+            serde_json::to_string(&EpochView::default().with_down(1).unwrap()).unwrap(),
+            r#"{"epoch":1,"down":[1]}"#
+        );
     }
 
     #[test]
@@ -371,7 +596,8 @@ mod tests {
             v,
             EpochView {
                 epoch: 3,
-                down: vec![0, 2]
+                down: vec![0, 2],
+                ..Default::default()
             }
         );
         assert_eq!(
@@ -403,7 +629,7 @@ mod tests {
             }
             let l = ReplicaLayout::new(all, &lcores, racks, r).unwrap();
             let down: Vec<u16> = (0..u16::try_from(n).unwrap()).filter(|&a| down_mask & (1 << a) != 0).collect();
-            let e = EpochView { epoch: u32::try_from(down.len()).unwrap(), down };
+            let e = EpochView { epoch: u32::try_from(down.len()).unwrap(), down, ..Default::default() };
             let mut seen = std::collections::HashSet::new();
             for seq in 0..first {
                 let p = l.home(seq).unwrap();

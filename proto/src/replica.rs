@@ -1,15 +1,17 @@
 //! Replicas of a job's chunks (PROTOCOL.md §11): which appliances hold a
 //! chunk besides its primary ([`replica_set`], the **replica ring**), where
 //! a backup appliance keeps the chunks it backs up ([`backup_runs`]), and
-//! the two appliance-to-appliance messages that keep backups bit-identical
-//! to their primary, REPLICATE and REPLICATE_ACK ([`ReplicaMsgType`]), as
-//! zero-copy views over UDP payloads in the manner of [`crate::rows`].
+//! the appliance-to-appliance messages that keep backups bit-identical
+//! to their primary, REPLICATE and REPLICATE_ACK, and that bring a new
+//! backup level, REPLICATE_STATE and REPLICATE_STATE_ACK (§11.7)
+//! ([`ReplicaMsgType`]), as zero-copy views over UDP payloads in the
+//! manner of [`crate::rows`].
 //!
 //! Layer: pure. [`parse`] never panics and never allocates; the placement
 //! functions allocate their answer only.
 //!
 //! A replication message has the common 86-byte header of [`crate::wire`]
-//! with a type code [`crate::wire::MsgType`] does not name (14, 15), so an
+//! with a type code [`crate::wire::MsgType`] does not name (14 to 17), so an
 //! appliance that does not replicate drops it as `unknown_type`. Its
 //! `rank` is the sending appliance's index in the job's appliance list and
 //! its `epoch` ([`crate::wire::field::EPOCH`]) the job layout's epoch; the
@@ -32,17 +34,31 @@ pub enum ReplicaMsgType {
     Replicate,
     /// Backup to primary: the backup applied that round of that chunk.
     ReplicateAck,
+    /// Primary to a new backup: one fragment of a chunk's full state
+    /// (its last completed round's parameters, optimizer state and stored
+    /// result), PROTOCOL.md §11.7.
+    ReplicateState,
+    /// New backup to primary: the backup installed the whole state copy
+    /// of that chunk at that round.
+    StateAck,
 }
 
 impl ReplicaMsgType {
     /// Both, in code order.
-    pub const ALL: [ReplicaMsgType; 2] = [ReplicaMsgType::Replicate, ReplicaMsgType::ReplicateAck];
+    pub const ALL: [ReplicaMsgType; 4] = [
+        ReplicaMsgType::Replicate,
+        ReplicaMsgType::ReplicateAck,
+        ReplicaMsgType::ReplicateState,
+        ReplicaMsgType::StateAck,
+    ];
 
     /// Wire code.
     pub const fn code(self) -> u8 {
         match self {
             ReplicaMsgType::Replicate => 14,
             ReplicaMsgType::ReplicateAck => 15,
+            ReplicaMsgType::ReplicateState => 16,
+            ReplicaMsgType::StateAck => 17,
         }
     }
 
@@ -51,6 +67,8 @@ impl ReplicaMsgType {
         match code {
             14 => Some(ReplicaMsgType::Replicate),
             15 => Some(ReplicaMsgType::ReplicateAck),
+            16 => Some(ReplicaMsgType::ReplicateState),
+            17 => Some(ReplicaMsgType::StateAck),
             _ => None,
         }
     }
@@ -60,7 +78,14 @@ impl ReplicaMsgType {
         match self {
             ReplicaMsgType::Replicate => "REPLICATE",
             ReplicaMsgType::ReplicateAck => "REPLICATE_ACK",
+            ReplicaMsgType::ReplicateState => "REPLICATE_STATE",
+            ReplicaMsgType::StateAck => "REPLICATE_STATE_ACK",
         }
+    }
+
+    /// Whether a message of this type carries no payload (`count` 0).
+    pub const fn is_ack(self) -> bool {
+        matches!(self, ReplicaMsgType::ReplicateAck | ReplicaMsgType::StateAck)
     }
 }
 
@@ -94,6 +119,12 @@ pub struct ReplicaRepr {
     pub chunk: u32,
     /// The job layout's epoch the sender holds. Header field `epoch`.
     pub epoch: u32,
+    /// REPLICATE_STATE: this fragment's index in the copy (header field
+    /// `fragment`); 0 in the others.
+    pub fragment: u8,
+    /// REPLICATE_STATE: the copy's fragment count (header field
+    /// `fragments`); 0 in the others.
+    pub fragments: u8,
 }
 
 impl ReplicaRepr {
@@ -119,6 +150,7 @@ impl ReplicaRepr {
         h.set_key(self.key);
         h.set_chunk(self.chunk);
         h.set_epoch(self.epoch);
+        h.set_fragment(self.fragment, self.fragments);
     }
 
     /// The header as a fresh array.
@@ -134,7 +166,7 @@ impl ReplicaRepr {
     }
 }
 
-/// Whether a datagram's type byte is a replication message's (14 or 15).
+/// Whether a datagram's type byte is a replication message's (14 to 17).
 pub fn is_replica_message(datagram: &[u8]) -> bool {
     datagram.len() >= HEADER_LEN
         && datagram
@@ -146,7 +178,10 @@ pub fn is_replica_message(datagram: &[u8]) -> bool {
 /// payload read in place, or why it must be dropped. Checks, in §7's
 /// order: truncated, magic, version, type, dtype, `count` within
 /// [`MAX_PAYLOAD`] (`count_too_large`), the datagram's length against it
-/// (`length_mismatch`; a REPLICATE_ACK has `count` 0 and no payload).
+/// (`length_mismatch`; a REPLICATE_ACK or REPLICATE_STATE_ACK has `count`
+/// 0 and no payload). The fragment fields are read from a REPLICATE_STATE
+/// only (0 in the others' representation); whether they fit the chunk's
+/// state is the engine's check (`count_mismatch`).
 /// Never panics, never allocates.
 pub fn parse(datagram: &[u8]) -> Result<(ReplicaRepr, &[u8]), DropReason> {
     let h = Header::new_checked(datagram)?;
@@ -159,7 +194,7 @@ pub fn parse(datagram: &[u8]) -> Result<(ReplicaRepr, &[u8]), DropReason> {
         return Err(DropReason::CountTooLarge);
     }
     let payload = &datagram[HEADER_LEN..];
-    if payload.len() != len || (kind == ReplicaMsgType::ReplicateAck && count != 0) {
+    if payload.len() != len || (kind.is_ack() && count != 0) {
         return Err(DropReason::LengthMismatch);
     }
     let repr = ReplicaRepr {
@@ -175,6 +210,17 @@ pub fn parse(datagram: &[u8]) -> Result<(ReplicaRepr, &[u8]), DropReason> {
         key: h.key(),
         chunk: h.chunk(),
         epoch: h.epoch(),
+        fragment: 0,
+        fragments: 0,
+    };
+    let repr = if kind == ReplicaMsgType::ReplicateState {
+        ReplicaRepr {
+            fragment: h.fragment(),
+            fragments: h.fragments(),
+            ..repr
+        }
+    } else {
+        repr
     };
     Ok((repr, payload))
 }
@@ -380,6 +426,8 @@ mod tests {
                 key: 2,
                 chunk: 5,
                 epoch,
+                fragment: 0,
+                fragments: 0,
             };
             let mut d = r.to_bytes().to_vec();
             d.resize(HEADER_LEN + r.payload_len(), 0);
@@ -395,6 +443,46 @@ mod tests {
             let mut d = bad.to_bytes().to_vec();
             d.extend_from_slice(&[0; 4]);
             prop_assert_eq!(parse(&d).err(), Some(DropReason::LengthMismatch));
+        }
+
+        #[test]
+        fn a_state_fragment_keeps_its_index_and_count_and_an_ack_carries_none(
+            round in any::<u32>(), fragment in any::<u8>(), fragments in any::<u8>(),
+            count in 0u16..40, half in any::<bool>(),
+        ) {
+            let dtype = if half { Dtype::Bf16 } else { Dtype::F32 };
+            let r = ReplicaRepr {
+                kind: ReplicaMsgType::ReplicateState,
+                dtype,
+                flags: 0,
+                token: 9,
+                job: 4,
+                from: 2,
+                count,
+                round,
+                slot: 3,
+                key: 1,
+                chunk: 0,
+                epoch: 2,
+                fragment,
+                fragments,
+            };
+            let mut d = r.to_bytes().to_vec();
+            prop_assert_eq!(d[crate::wire::field::FRAGMENT], fragment);
+            prop_assert_eq!(d[crate::wire::field::FRAGMENTS], fragments);
+            d.resize(HEADER_LEN + r.payload_len(), 0);
+            let (back, payload) = parse(&d).unwrap();
+            prop_assert_eq!(back, r);
+            prop_assert_eq!(payload.len(), usize::from(count) * dtype.size());
+            // The fragment bytes of any other type are not read.
+            let mut ack = d[..HEADER_LEN].to_vec();
+            ack[crate::wire::field::TYPE] = ReplicaMsgType::StateAck.code();
+            ack[crate::wire::field::COUNT].fill(0);
+            let (back, _) = parse(&ack).unwrap();
+            prop_assert_eq!((back.kind, back.fragment, back.fragments), (ReplicaMsgType::StateAck, 0, 0));
+            ack.extend_from_slice(&[0; 2]);
+            ack[crate::wire::field::COUNT.start] = 1;
+            prop_assert!(parse(&ack).is_err());
         }
     }
 }

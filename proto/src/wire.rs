@@ -55,8 +55,14 @@ pub mod field {
     /// messages carry; 0 in every other message, and not checked in them
     /// yet.
     pub const EPOCH: Range<usize> = 44..48;
+    /// `u8`, in a REPLICATE_STATE (PROTOCOL.md §11.7): this fragment's
+    /// index in the chunk's state copy; 0 in every other message.
+    pub const FRAGMENT: usize = 48;
+    /// `u8`, in a REPLICATE_STATE: how many fragments the copy has; 0 in
+    /// every other message.
+    pub const FRAGMENTS: usize = 49;
     /// Reserved, sent as zero, ignored on receipt.
-    pub const RESERVED: Range<usize> = 48..86;
+    pub const RESERVED: Range<usize> = 50..86;
     /// First payload byte.
     pub const PAYLOAD: usize = 86;
 }
@@ -449,6 +455,14 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn epoch(&self) -> u32 {
         get_le!(self, u32, field::EPOCH)
     }
+    /// A state copy's fragment index ([`field::FRAGMENT`]).
+    pub fn fragment(&self) -> u8 {
+        self.buf.as_ref()[field::FRAGMENT]
+    }
+    /// A state copy's fragment count ([`field::FRAGMENTS`]).
+    pub fn fragments(&self) -> u8 {
+        self.buf.as_ref()[field::FRAGMENTS]
+    }
     /// Bytes after the header.
     pub fn payload(&self) -> &[u8] {
         &self.buf.as_ref()[HEADER_LEN..]
@@ -463,7 +477,7 @@ macro_rules! set_le {
 
 impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the magic and version fields and zeroes the receive-buffer
-    /// share, the epoch and the reserved bytes.
+    /// share, the epoch, the fragment fields and the reserved bytes.
     pub fn set_preamble(&mut self) {
         set_le!(self, field::MAGIC, MAGIC);
         self.buf.as_mut()[field::VERSION] = VERSION;
@@ -528,6 +542,11 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the layout epoch.
     pub fn set_epoch(&mut self, v: u32) {
         set_le!(self, field::EPOCH, v)
+    }
+    /// Sets a state copy's fragment index and count.
+    pub fn set_fragment(&mut self, index: u8, count: u8) {
+        self.buf.as_mut()[field::FRAGMENT] = index;
+        self.buf.as_mut()[field::FRAGMENTS] = count;
     }
     /// Bytes after the header, writable.
     pub fn payload_mut(&mut self) -> &mut [u8] {

@@ -75,7 +75,7 @@ fn num(s: &str) -> usize {
 #[test]
 fn field_table_matches_wire_field() {
     let one = |at: usize| at..at + 1;
-    let expected: [(&str, Range<usize>, &str); 17] = [
+    let expected: [(&str, Range<usize>, &str); 19] = [
         ("magic", field::MAGIC, "u32"),
         ("version", one(field::VERSION), "u8"),
         ("type", one(field::TYPE), "u8"),
@@ -92,7 +92,9 @@ fn field_table_matches_wire_field() {
         ("chunk", field::CHUNK, "u32"),
         ("rx_share", field::RX_SHARE, "u32"),
         ("epoch", field::EPOCH, "u32"),
-        ("reserved", field::RESERVED, "u8[38]"),
+        ("fragment", one(field::FRAGMENT), "u8"),
+        ("fragments", one(field::FRAGMENTS), "u8"),
+        ("reserved", field::RESERVED, "u8[36]"),
     ];
     let rows = table(&doc(), "| offset | size | field | type | meaning |");
     let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();
@@ -481,7 +483,8 @@ fn replica_message_types_and_drop_reason_match() {
         let t = ReplicaMsgType::from_code(num(&r[0]) as u8).unwrap();
         let dir = match t {
             ReplicaMsgType::Replicate => "primary → backup",
-            ReplicaMsgType::ReplicateAck => "backup → primary",
+            ReplicaMsgType::ReplicateAck | ReplicaMsgType::StateAck => "backup → primary",
+            ReplicaMsgType::ReplicateState => "primary → backup",
         };
         assert_eq!(r[2], dir, "direction of {}", t.name());
         // No dense or table message has these codes.
@@ -561,4 +564,26 @@ fn backup_runs_example_is_what_the_rule_computes() {
     let lcores = v["lcores"].as_u64().unwrap() as usize;
     let runs: Vec<ChunkRange> = serde_json::from_value(v["runs"].clone()).unwrap();
     assert_eq!(backup_runs(part, lcores), runs);
+}
+
+#[test]
+fn epoch_joined_example_is_what_a_return_makes_and_its_sets_are_as_stated() {
+    use phub_proto::failover::{EpochView, ReplicaLayout};
+    let v: EpochView = serde_json::from_str(block(&doc(), "json epoch-joined")).unwrap();
+    let e1 = EpochView::default().with_down(1).unwrap();
+    assert_eq!(e1.with_joined(1).unwrap(), v);
+    // The example of §11.7: 3 appliances of one lcore, one rack, R = 2.
+    let runs = vec![
+        ChunkRange { first: 0, count: 2 },
+        ChunkRange { first: 2, count: 2 },
+        ChunkRange { first: 4, count: 2 },
+    ];
+    let l = ReplicaLayout::new(runs, &[1, 1, 1], vec![""; 3], 2).unwrap();
+    assert_eq!(l.set_in(1, &v), [2, 1]);
+    assert_eq!(l.set_in(0, &v), [0, 1]);
+    let e3 = v.with_down(2).unwrap();
+    assert_eq!(l.set_in(1, &e3), [1]);
+    assert_eq!(l.set_in(2, &e3), [0]);
+    let d = doc();
+    assert!(d.contains("epoch 2: 1's part is set [2, 1] (2 serves it, 1 backs it up), 0's is\n[0, 1]"));
 }

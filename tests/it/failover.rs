@@ -97,7 +97,8 @@ fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
         epoch,
         EpochView {
             epoch: 1,
-            down: vec![1]
+            down: vec![1],
+            ..Default::default()
         }
     );
     for i in [0, 2] {

@@ -106,6 +106,7 @@ fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
     let e1 = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let (url, asked) = fake_control(e1, Arc::clone(&stop));
 

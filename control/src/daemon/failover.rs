@@ -299,6 +299,7 @@ mod tests {
         let next = EpochView {
             epoch: 1,
             down: vec![1],
+            ..Default::default()
         };
         assert_eq!(j.decide("b", one_rack), Some(Decision::Next(next.clone())));
         j.epoch = next;

@@ -1,42 +1,54 @@
-//! A replicated job's epoch changes on one lcore (PROTOCOL.md §11.6).
+//! A replicated job's epoch changes on one lcore (PROTOCOL.md §11.6,
+//! §11.7).
 //!
-//! An epoch change is control's [`EpochView`]: the layout's new epoch and
-//! every appliance declared down since admission. Applying it:
+//! An epoch change is control's [`EpochView`]: the layout's new epoch,
+//! every appliance down and every appliance that came back. Applying it:
 //! - the install's epoch becomes the view's: replication messages of any
 //!   other are dropped `wrong_epoch`, worker messages of any other are
 //!   refused with an ERROR `wrong_epoch` carrying the new one (fencing);
-//! - down appliances leave this appliance's replica set: a pending
-//!   aggregate that waited only for them completes now and its RESULTs
-//!   are queued; later rounds wait for the live backups only;
-//! - the backup slots of each part whose home is down and whose first live
-//!   set member is this appliance are **adopted**: they become primary
-//!   slots with the state they hold, at their extended slot numbers
+//! - each part served here gets its backups of the new epoch (its set in
+//!   the epoch after this appliance, [`phub_proto::failover::ReplicaLayout::set_in`]): down ones
+//!   leave, and a pending aggregate that waited only for them completes
+//!   now, its RESULTs queued; backups that were not backups of the part
+//!   here before (they came back, or the part is adopted now) are **new**:
+//!   each gets a state copy of every chunk and is counted at once
+//!   ([`super::copy`]);
+//! - the backup slots of each part whose first member in the new epoch is
+//!   this appliance are **adopted**: they become primary slots with the
+//!   state they hold, at their extended slot numbers
 //!   ([`phub_proto::failover`]); their round in progress has no
-//!   contributors, so workers resend their pushes of it.
+//!   contributors, so workers resend their pushes of it;
+//! - the backup slots of each part whose primary changed await a copy
+//!   from the new one.
 //!
-//! Invariants: epochs only grow and down lists only grow; an epoch is
-//! applied whole or not at all; the same epoch with the same down list
-//! again changes nothing. Adopted slots are appended to the job's slots in
-//! the order of their parts, so an adopted slot's index is its extended
-//! slot number: an adoption that would leave a gap (a backup part of a
-//! lower home not adopted) or a live backup of the adopted part (replicas
-//! 3: it would need REPLICATEs from the new primary) is refused, not built.
+//! Invariants: epochs only grow; an appliance leaves the down list only
+//! by coming back (joined at a newer epoch than the installed one); an
+//! epoch is applied whole or not at all; the same view again changes
+//! nothing. Adopted slots are appended to the job's slots in the order of
+//! their parts, so an adopted slot's index is its extended slot number: an
+//! adoption that would leave a gap (a backup part before it not adopted)
+//! is refused, not built, and so is one of a part whose state copy is not
+//! all here (the part is lost).
 
 use phub_proto::failover::EpochView;
 
+use super::copy::{Fill, Where};
 use super::error::EngineError;
-use super::replica::{Pushed, Replica};
+use super::replica::{Group, Pushed, Replica};
+use super::slot::Round;
 use super::{round_done, Shard};
 
 impl<A: Copy + Eq> Shard<A> {
     /// Applies `view` to job `id`'s part on this lcore (PROTOCOL.md
-    /// §11.6): `Ok(true)` when it changed something, `Ok(false)` when it
-    /// is the installed epoch with the same down list; refused, nothing
-    /// changed, when the job is not a replicated one installed here, the
-    /// view is malformed, older than the installed epoch, takes an
-    /// appliance out of the down list, names this appliance down, or needs
-    /// what is not built (module head). RESULTs of rounds it completes are
-    /// queued ([`Shard::transmits`]).
+    /// §11.6, §11.7): `Ok(true)` when it changed something, `Ok(false)`
+    /// when it is the installed view; refused, nothing changed, when the
+    /// job is not a replicated one installed here, the view is malformed,
+    /// older than the installed epoch, takes an appliance out of the down
+    /// list without it joining after the installed epoch, names this
+    /// appliance down or come back, would have it serve a part whose state
+    /// copy is not here, or needs what is not built (module head). RESULTs
+    /// of rounds it completes and state copies to new backups are queued
+    /// ([`Shard::transmits`]).
     pub fn change_epoch(&mut self, id: u16, view: &EpochView) -> Result<bool, EngineError> {
         let refuse = |conflict: bool, reason: String| EngineError::Epoch {
             id,
@@ -54,150 +66,239 @@ impl<A: Copy + Eq> Shard<A> {
                 "the job is not replicated (epochs are a replicated job's, PROTOCOL.md §11.5)".into(),
             ));
         };
-        let n = rep.sets.len();
-        if view.down.windows(2).any(|w| w[0] >= w[1]) || view.down.iter().any(|&d| usize::from(d) >= n) {
-            return Err(refuse(
-                false,
-                format!(
-                    "down {:?}: appliance indices 0..{n}, ascending, each once",
-                    view.down
-                ),
-            ));
-        }
-        if view.epoch < rep.epoch {
+        let n = rep.layout.appliances();
+        view.check(n).map_err(|reason| refuse(false, reason))?;
+        let old = rep.view.clone();
+        if view.epoch < old.epoch {
             return Err(refuse(
                 true,
-                format!("epoch {} is installed; epochs only grow", rep.epoch),
+                format!("epoch {} is installed; epochs only grow", old.epoch),
             ));
         }
-        if view.epoch == rep.epoch {
-            return if view.down == rep.down {
+        if view.epoch == old.epoch {
+            return if *view == old {
                 Ok(false)
             } else {
                 Err(refuse(
                     true,
                     format!(
-                        "epoch {} is installed with down {:?}, not {:?}",
-                        rep.epoch, rep.down, view.down
+                        "epoch {} is installed with down {:?} and joined {:?}, not {:?} and {:?}",
+                        old.epoch, old.down, old.joined, view.down, view.joined
                     ),
                 ))
             };
         }
-        if let Some(d) = rep.down.iter().find(|d| !view.down.contains(d)) {
+        if let Some(d) = old.down.iter().find(|&&d| {
+            !view.is_down(usize::from(d)) && view.joined_at(usize::from(d)).is_none_or(|e| e <= old.epoch)
+        }) {
             return Err(refuse(
                 true,
                 format!(
-                    "appliance {d} is down in epoch {} and not in this one; an appliance does not come back",
-                    rep.epoch
+                    "appliance {d} is down in epoch {} and not in this one, but not joined after it; \
+                     an appliance comes back only joined (PROTOCOL.md §11.7)",
+                    old.epoch
                 ),
             ));
         }
-        if view.is_down(usize::from(rep.me)) {
-            return Err(refuse(true, format!("it names this appliance ({}) down", rep.me)));
+        if let Some(j) = old
+            .joined
+            .iter()
+            .find(|j| view.joined_at(usize::from(j.appliance)) < Some(j.epoch))
+        {
+            return Err(refuse(
+                true,
+                format!(
+                    "appliance {} joined at epoch {} is not joined then or later in this one",
+                    j.appliance, j.epoch
+                ),
+            ));
+        }
+        let me = usize::from(rep.me);
+        if view.is_down(me) {
+            return Err(refuse(true, format!("it names this appliance ({me}) down")));
+        }
+        if view.joined_at(me) > old.joined_at(me) {
+            return Err(refuse(
+                true,
+                format!(
+                    "it names this appliance ({me}) come back at epoch {:?}: one that comes back is installed anew",
+                    view.joined_at(me)
+                ),
+            ));
         }
         // The parts to adopt: a prefix of the backed-up parts (module head).
         let mut adopt = 0;
-        for part in &rep.parts {
-            let set = &rep.sets[usize::from(part.primary)];
-            let first_live = set.iter().find(|&&a| !view.is_down(usize::from(a)));
-            if first_live != Some(&rep.me) {
+        for (k, part) in rep.parts.iter().enumerate() {
+            let p = usize::from(part.home);
+            if rep.layout.primary(p, view) != Some(me) {
                 continue;
             }
-            if let Some(b) = set
-                .iter()
-                .skip_while(|&&a| a != rep.me)
-                .skip(1)
-                .find(|&&a| !view.is_down(usize::from(a)))
-            {
+            if adopt != k {
                 return Err(refuse(
                     true,
                     format!(
-                        "this appliance would adopt appliance {}'s part, whose backup {b} is live: \
-                         replicating an adopted part is not built (replicas 2, or 3 with both others down)",
-                        part.primary
+                        "this appliance would adopt appliance {p}'s part while keeping the backup slots \
+                         of a part before it: extended slot numbers past a gap are not built"
                     ),
                 ));
             }
-            if adopt
-                != rep
-                    .parts
-                    .iter()
-                    .position(|p| p.primary == part.primary)
-                    .unwrap_or(usize::MAX)
-            {
+            if !part.fill.is_empty() {
                 return Err(refuse(
                     true,
                     format!(
-                        "this appliance would adopt appliance {}'s part while keeping the backup slots \
-                         of a part before it: extended slot numbers past a gap are not built",
-                        part.primary
+                        "this appliance would serve appliance {p}'s part, whose state copy is not \
+                         all here: the part is lost (PROTOCOL.md §11.7)"
                     ),
                 ));
             }
             adopt += 1;
         }
+        // Every part served here stays served here: its members before
+        // this appliance were down, and come back only at the end.
+        for g in &rep.groups {
+            let p = usize::from(g.home);
+            assert_eq!(
+                rep.layout.primary(p, view),
+                Some(me),
+                "appliance {me} serves part {p} in epoch {} and not in {}",
+                old.epoch,
+                view.epoch
+            );
+        }
 
         // Applied from here on, whole.
-        rep.epoch = view.epoch;
-        rep.down.clone_from(&view.down);
+        rep.view = view.clone();
         rep.stats.epoch_changes += 1;
         self.counters.epoch_changes.inc();
-        // Down backups leave this appliance's set; each pending aggregate's
-        // acknowledgements are renumbered over the backups left.
-        let kept: Vec<bool> = rep
-            .backups
-            .iter()
-            .map(|(b, _)| !view.is_down(usize::from(*b)))
-            .collect();
-        if kept.iter().any(|k| !k) {
-            let mut k = 0;
-            rep.backups.retain(|_| {
-                k += 1;
-                kept[k - 1]
-            });
-            for p in &mut rep.pushed {
-                let mut acked = 0u8;
-                let mut at = 0;
-                for (old, &keep) in kept.iter().enumerate() {
-                    if keep {
-                        acked |= ((p.acked >> old) & 1) << at;
-                        at += 1;
+        // Each served part's backups in the new epoch; acknowledgements
+        // renumbered over them; the new ones to copy to.
+        let mut copies: Vec<(std::ops::Range<u32>, u8)> = Vec::new();
+        let Replica {
+            groups,
+            pushed,
+            layout,
+            addrs,
+            ..
+        } = &mut *rep;
+        for g in groups.iter_mut() {
+            let p = usize::from(g.home);
+            let set = layout.set_in(p, view);
+            let mut backups = Vec::with_capacity(set.len().saturating_sub(1));
+            // Per new backup: its old index, if it is kept.
+            let mut from_old = Vec::with_capacity(set.len().saturating_sub(1));
+            for &b in &set[1..] {
+                // Cast: b < n, whose indices the install's u16 `me` spans.
+                #[allow(clippy::cast_possible_truncation)]
+                let b16 = b as u16;
+                let kept = g
+                    .backups
+                    .iter()
+                    .position(|(x, _)| *x == b16)
+                    .filter(|_| view.joined_at(b).is_none_or(|e| e <= old.epoch));
+                from_old.push(kept);
+                backups.push((b16, Where::of_backup(layout, addrs, p, b)));
+            }
+            let mut new = 0u8;
+            for (k, o) in from_old.iter().enumerate() {
+                if o.is_none() {
+                    new |= 1 << k;
+                }
+            }
+            for s in &mut pushed[g.base as usize..(g.base + g.count) as usize] {
+                let (mut acked, mut copying) = (0u8, 0u8);
+                for (k, o) in from_old.iter().enumerate() {
+                    if let Some(o) = o {
+                        acked |= ((s.acked >> o) & 1) << k;
+                        copying |= ((s.copying >> o) & 1) << k;
                     }
                 }
-                p.acked = acked;
+                s.acked = acked;
+                s.copying = copying;
+            }
+            g.backups = backups;
+            copies.push((g.base..g.base + g.count, new));
+        }
+        // Rounds whose aggregates no backup still owes complete now.
+        let mut released = Vec::new();
+        for g in groups.iter() {
+            let left = g.backups.len();
+            for s in g.base..g.base + g.count {
+                let p = &mut pushed[s as usize];
+                if !p.round.is_none() && p.copying == 0 && Replica::<A>::all(left, p.acked) {
+                    // No new backup here: new ones have not acknowledged.
+                    *p = Pushed::default();
+                    released.push(s);
+                }
             }
         }
-        // Rounds whose aggregates no live backup still owes complete now.
-        let left = rep.backups.len();
-        let mut released = Vec::new();
-        for (s, p) in rep.pushed.iter_mut().enumerate() {
-            if !p.round.is_none() && Replica::<A>::all(left, p.acked) {
-                *p = Pushed::default();
-                // Cast: s indexes the job's slots, which fit a u32 (install).
-                #[allow(clippy::cast_possible_truncation)]
-                released.push(s as u32);
+        rep.stats.rounds_released += released.len() as u64;
+        rep.stats.rounds_replicated += released.len() as u64;
+        // Adopted parts: their backup slots follow the job's slots, with
+        // the state they hold; their memory blocks follow the job's. Their
+        // backups are all new.
+        let adopted: Vec<_> = rep.parts.drain(..adopt).collect();
+        for part in adopted {
+            let p = usize::from(part.home);
+            rep.stats.slots_adopted += part.slots.len() as u64;
+            // Cast: the job's slots fit a u32 (install_with checks).
+            #[allow(clippy::cast_possible_truncation)]
+            let (base, count) = (job.slots.len() as u32, part.slots.len() as u32);
+            let set = rep.layout.set_in(p, view);
+            // Cast: b < n, whose indices the install's u16 `me` spans.
+            #[allow(clippy::cast_possible_truncation)]
+            let backups: Vec<_> = set[1..]
+                .iter()
+                .map(|&b| (b as u16, Where::of_backup(&rep.layout, &rep.addrs, p, b)))
+                .collect();
+            // Cast: fewer than MAX_REPLICAS backups.
+            #[allow(clippy::cast_possible_truncation)]
+            let new = ((1u16 << backups.len()) - 1) as u8;
+            rep.groups.push(Group {
+                home: part.home,
+                base,
+                first: part.first,
+                count,
+                backups,
+            });
+            copies.push((base..base + count, new));
+            let at = job.blocks.len();
+            job.slots.extend(part.slots.into_iter().map(|mut s| {
+                s.mem.block += at;
+                s
+            }));
+            job.blocks.extend(part.blocks);
+            rep.pushed.resize(job.slots.len(), Pushed::default());
+        }
+        // Parts backed up here whose primary changed: their slots await a
+        // copy from the new one.
+        for part in &mut rep.parts {
+            let p = usize::from(part.home);
+            let q = rep
+                .layout
+                .primary(p, view)
+                .expect("a part backed up here has a live member: this appliance");
+            if q == usize::from(part.from) {
+                continue;
+            }
+            // Cast: q < n, whose indices the install's u16 `me` spans.
+            #[allow(clippy::cast_possible_truncation)]
+            let from = q as u16;
+            part.from = from;
+            part.at = Where::of_primary(&rep.layout, &rep.addrs, p, q);
+            part.fill = vec![Fill::awaiting(); part.slots.len()];
+            for s in &mut part.slots {
+                s.completed = Round::NONE;
             }
         }
         rep.next_deadline = rep
             .pushed
             .iter()
-            .filter(|p| !p.round.is_none())
+            .filter(|p| p.waiting())
             .map(|p| p.deadline)
             .min()
             .unwrap_or(u64::MAX);
-        rep.stats.rounds_released += released.len() as u64;
-        rep.stats.rounds_replicated += released.len() as u64;
-        // Adopted parts: their backup slots follow the job's slots, with
-        // the state they hold; their memory blocks follow the job's.
-        let adopted: Vec<_> = rep.parts.drain(..adopt).collect();
-        for part in adopted {
-            rep.stats.slots_adopted += part.slots.len() as u64;
-            let base = job.blocks.len();
-            job.slots.extend(part.slots.into_iter().map(|mut s| {
-                s.mem.block += base;
-                s
-            }));
-            job.blocks.extend(part.blocks);
+        for (slots, new) in copies {
+            Self::queue_copies(&mut self.pending, job, slots, new);
         }
         for s in released {
             let slot = &mut job.slots[s as usize];

@@ -125,6 +125,7 @@ use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock};
 
 mod checkpoint;
 mod clock;
+mod copy;
 mod epoch;
 mod error;
 mod hier;
@@ -147,7 +148,7 @@ pub use error::EngineError;
 pub use hier::{hierarchy_plan, HierInstall, Peers};
 pub use install::{memory_model, InstallKind, JobInstall, BLOCK_BYTES, EVICTED_FOR_NS};
 pub use outbox::Ranks;
-pub use replica::{replica_plan, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
+pub use replica::{replica_plan, replica_plan_at, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
 pub use table::{row_init, row_optimizer, TableInstall};
 

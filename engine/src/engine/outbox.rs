@@ -50,9 +50,21 @@ pub(super) enum Pending<A> {
         backup: u8,
         attempt: Attempt,
     },
-    /// The ACK of backup slot `slot` of appliance `from`'s chunks, for
-    /// its last completed round.
+    /// The ACK of backup slot `slot` of the part of home `from`, for its
+    /// last completed round.
     ReplicaAck { job: u16, from: u16, slot: u32 },
+    /// Fragment `fragment` of a primary slot's state copy, to its new
+    /// backup `backup` (PROTOCOL.md §11.7).
+    State {
+        job: u16,
+        slot: u32,
+        backup: u8,
+        fragment: u8,
+        attempt: Attempt,
+    },
+    /// The ACK of backup slot `slot` of the part of home `home`'s
+    /// installed state copy.
+    StateAck { job: u16, home: u16, slot: u32 },
 }
 
 /// Whether a queued message goes for the first time or again, its timer
@@ -163,6 +175,14 @@ impl<A: Copy + Eq> Shard<A> {
                 attempt,
             } => return [self.replicate_transmit(job, slot, backup, attempt), None],
             Pending::ReplicaAck { job, from, slot } => return [self.ack_transmit(job, from, slot), None],
+            Pending::State {
+                job,
+                slot,
+                backup,
+                fragment,
+                attempt,
+            } => return [self.state_transmit(job, slot, backup, fragment, attempt), None],
+            Pending::StateAck { job, home, slot } => return [self.state_ack_transmit(job, home, slot), None],
         };
         let Some((j, s)) = self.job(job).and_then(|j| Some((j, j.slots.get(slot as usize)?))) else {
             return [None, None];

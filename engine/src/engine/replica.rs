@@ -16,12 +16,17 @@
 //!   bits; it applies each round at most once, the next after its last
 //!   completed, and answers a copy of the last with its ACK again.
 //! - Replication messages are taken only from the address of the lcore
-//!   that sends them by the install (a token alone, which workers hold,
-//!   never speaks for an appliance), and only in the install's epoch.
+//!   that sends them in the installed epoch (a token alone, which workers
+//!   hold, never speaks for an appliance), and only in that epoch.
+//! - A new backup of a chunk (PROTOCOL.md §11.7) is counted at once: no
+//!   round of the chunk completes before it installed the chunk's state
+//!   copy and acknowledged the round; no aggregate goes to it before its
+//!   copy is acknowledged ([`super::copy`]).
 //! - BSP jobs only; no shared-memory regions, no hierarchy.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
+use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
@@ -34,8 +39,9 @@ use crate::kernels::Kernels;
 use crate::slotmem::SlotBlock;
 use crate::transmit::{Transmit, MAX_BURST};
 
+use super::copy::{Fill, Where};
 use super::error::EngineError;
-use super::hier::{Peers, Rtt};
+use super::hier::Rtt;
 use super::install::JobInstall;
 use super::outbox::{Attempt, Pending, Ranks};
 use super::slot::{RankSet, Round, Slot};
@@ -45,8 +51,11 @@ use super::{round_done, Job, Shard, Verdict};
 /// [`JobInstall`]'s slots).
 #[derive(Debug, Clone, PartialEq)]
 pub struct ReplicaInstall {
-    /// The job layout's epoch (PROTOCOL.md §11.5).
-    pub epoch: u32,
+    /// The job layout's epoch (PROTOCOL.md §11.5), with who is down and
+    /// who came back (§11.7): an appliance the view names joined at its
+    /// epoch is installed empty, every part it is a member of (its own
+    /// too) kept as backup slots awaiting a copy.
+    pub view: EpochView,
     /// This appliance's index in the job's appliance list.
     pub me: u16,
     /// Sequence number of this lcore's primary slot 0.
@@ -61,14 +70,16 @@ pub struct ReplicaInstall {
     pub racks: Vec<String>,
     /// Appliances holding each chunk, 1 to [`MAX_REPLICAS`].
     pub replicas: u8,
-    /// The backup slots this lcore keeps, per appliance it backs up.
+    /// The backup slots this lcore keeps, per part it backs up: in the
+    /// order of extended slot numbers (its own part first where it keeps
+    /// it as a backup, then the others by home).
     pub backups: Vec<BackupInstall>,
 }
 
-/// The backup slots of one primary appliance's chunks on one lcore.
+/// The backup slots of one part (one appliance's chunks) on one lcore.
 #[derive(Debug, Clone, PartialEq)]
 pub struct BackupInstall {
-    /// The primary appliance's index.
+    /// The part's home appliance (its primary at admission).
     pub primary: u16,
     /// Sequence number of backup slot 0.
     pub first: u64,
@@ -83,12 +94,17 @@ pub(super) struct Pushed {
     pub(super) round: Round,
     /// Bit k: backup k has acknowledged it.
     pub(super) acked: u8,
+    /// Bit k: backup k is new and has not acknowledged the slot's state
+    /// copy yet (PROTOCOL.md §11.7); it gets no aggregate before.
+    pub(super) copying: u8,
     /// When it was first sent (caller's clock).
-    sent: u64,
-    /// When to resend it.
+    pub(super) sent: u64,
+    /// When to resend it (and the state copies); 0: a state copy queued
+    /// by an epoch change, which has no clock, whose timer the next poll
+    /// arms.
     pub(super) deadline: u64,
     /// Resends so far.
-    resends: u8,
+    pub(super) resends: u8,
 }
 
 impl Default for Pushed {
@@ -96,6 +112,7 @@ impl Default for Pushed {
         Pushed {
             round: Round::NONE,
             acked: 0,
+            copying: 0,
             sent: 0,
             deadline: u64::MAX,
             resends: 0,
@@ -103,20 +120,71 @@ impl Default for Pushed {
     }
 }
 
+impl Pushed {
+    /// Whether the slot waits for anything of its backups: an aggregate's
+    /// ACKs or a state copy's.
+    pub(super) fn waiting(&self) -> bool {
+        !self.round.is_none() || self.copying != 0
+    }
+}
+
 // What MemoryModel::replica_lcore_bytes charges per primary slot.
 const _: () = assert!(std::mem::size_of::<Pushed>() as u64 <= REPLICA_RECORD_BYTES);
 
-/// One appliance's chunks, backed up on this lcore.
+/// One part (an appliance's chunks), backed up on this lcore.
 #[derive(Debug)]
 pub(super) struct Part<A> {
-    /// The primary appliance's index.
-    pub(super) primary: u16,
+    /// The part's home appliance.
+    pub(super) home: u16,
     /// Sequence number of backup slot 0.
-    first: u64,
-    /// Where the primary's lcores are and the runs they hold.
-    at: Peers<A>,
+    pub(super) first: u64,
+    /// The part's primary in the installed epoch.
+    pub(super) from: u16,
+    /// Where that primary's lcores hold the chunks (its slot numbers).
+    pub(super) at: Where<A>,
     pub(super) slots: Vec<Slot>,
     pub(super) blocks: Vec<Box<dyn SlotBlock>>,
+    /// Per slot, while some slot awaits a state copy (§11.7); empty when
+    /// every slot holds its chunk's state.
+    pub(super) fill: Vec<Fill>,
+}
+
+impl<A> Part<A> {
+    /// Whether backup slot `slot` holds its chunk's state (no copy
+    /// awaited).
+    pub(super) fn holds(&self, slot: usize) -> bool {
+        self.fill.get(slot).is_none_or(|f| *f == Fill::Held)
+    }
+}
+
+/// A part served on this lcore (its own, or one adopted): its slots are
+/// a run of the job's, and its live backups get their aggregates.
+#[derive(Debug)]
+pub(super) struct Group<A> {
+    /// The part's home appliance.
+    pub(super) home: u16,
+    /// The job's slot index of its first chunk here.
+    pub(super) base: u32,
+    /// Sequence number of that chunk.
+    pub(super) first: u64,
+    /// Its slots here.
+    pub(super) count: u32,
+    /// Its backups in this epoch, in set order (PROTOCOL.md §11.7): each
+    /// appliance and where its lcores keep the chunks.
+    pub(super) backups: Vec<(u16, Where<A>)>,
+}
+
+impl<A: Copy> Group<A> {
+    /// Whether the job's slot `slot` is one of this group's.
+    pub(super) fn has(&self, slot: u32) -> bool {
+        (self.base..self.base + self.count).contains(&slot)
+    }
+
+    /// Where backup `k` keeps the chunk of the job's slot `slot`.
+    pub(super) fn backup_of(&self, k: usize, slot: u32) -> Option<(A, u32)> {
+        let seq = self.first + u64::from(slot.checked_sub(self.base)?);
+        self.backups.get(k)?.1.place(seq)
+    }
 }
 
 /// What a job's replication did on this lcore.
@@ -146,30 +214,42 @@ pub struct ReplicaStats {
     pub rounds_released: u64,
     /// Backup slots adopted as primary slots (their home is down).
     pub slots_adopted: u64,
+    /// REPLICATE_STATE fragments sent the first time (PROTOCOL.md §11.7).
+    pub states_sent: u64,
+    /// REPLICATE_STATE fragments resent on a timer.
+    pub states_resent: u64,
+    /// REPLICATE_STATE fragments taken at a backup slot awaiting a copy.
+    pub states_received: u64,
+    /// State copies installed whole at a backup slot.
+    pub states_installed: u64,
+    /// REPLICATE_STATE_ACKs sent (again too, for a copy installed before).
+    pub state_acks_sent: u64,
+    /// New backups that joined a chunk's chain (their copy acknowledged).
+    pub backups_joined: u64,
 }
 
 /// A replicated job's state on one lcore.
 #[derive(Debug)]
 pub(super) struct Replica<A> {
-    pub(super) epoch: u32,
-    /// The appliances down in `epoch` (ascending).
-    pub(super) down: Vec<u16>,
+    /// The installed epoch (its number is `view.epoch`).
+    pub(super) view: EpochView,
     pub(super) me: u16,
-    /// Per appliance of the job: its replica set (§11.1), itself first.
-    pub(super) sets: Vec<Vec<u16>>,
-    /// Sequence number of primary slot 0.
-    first: u64,
-    /// Per live backup of this appliance's chunks, in set order: its index
-    /// and where it keeps them.
-    pub(super) backups: Vec<(u16, Peers<A>)>,
-    /// Per own primary slot (slots adopted in an epoch change, which
-    /// follow them, have no backup and no record).
+    /// The job's layout, rack labels and replica count: replica sets,
+    /// parts and where each appliance keeps each chunk (§11.1, §11.6).
+    pub(super) layout: ReplicaLayout<String>,
+    /// Per appliance of the job: its lcores' addresses.
+    pub(super) addrs: Vec<Vec<A>>,
+    /// The parts served here, in the order of their slots in the job's.
+    pub(super) groups: Vec<Group<A>>,
+    /// Per primary slot (the job's slots).
     pub(super) pushed: Vec<Pushed>,
     /// The earliest deadline of `pushed` (u64::MAX: none).
     pub(super) next_deadline: u64,
     rtt: Rtt,
-    /// The parts backed up here, in ascending order of their home; a part
-    /// adopted in an epoch change leaves for the job's slots.
+    /// The parts backed up here, in the order of extended slot numbers
+    /// (its own part first where this appliance came back, then the others
+    /// by home); a part adopted in an epoch change leaves for the job's
+    /// slots.
     pub(super) parts: Vec<Part<A>>,
     pub(super) stats: ReplicaStats,
 }
@@ -180,10 +260,9 @@ impl<A: Copy> Replica<A> {
     /// (PROTOCOL.md §11.4). False when the chunk has no backup (the round
     /// completes at once).
     pub(super) fn begin(&mut self, slot: u32, round: u32, now: u64) -> bool {
-        if self.backups.is_empty() {
+        if self.group_of(slot).is_none_or(|g| g.backups.is_empty()) {
             return false;
         }
-        // An adopted slot (past the own ones) has no live backup.
         let Some(p) = self.pushed.get_mut(slot as usize) else {
             return false;
         };
@@ -191,6 +270,7 @@ impl<A: Copy> Replica<A> {
         *p = Pushed {
             round: Round::new(round),
             acked: 0,
+            copying: p.copying,
             sent: now,
             deadline: now.saturating_add(self.rtt.rto(0)),
             resends: 0,
@@ -201,7 +281,12 @@ impl<A: Copy> Replica<A> {
 
     /// The layout's epoch this lcore has installed.
     pub(super) fn epoch(&self) -> u32 {
-        self.epoch
+        self.view.epoch
+    }
+
+    /// The part served here that job slot `slot` belongs to.
+    pub(super) fn group_of(&self, slot: u32) -> Option<&Group<A>> {
+        self.groups.iter().find(|g| g.has(slot))
     }
 
     /// Counts a worker's message of another epoch.
@@ -210,15 +295,26 @@ impl<A: Copy> Replica<A> {
     }
 
     /// Forgets every pending aggregate (after a restore, whose slots have
-    /// no round in progress).
+    /// no round in progress); state copies still owed stay owed, their
+    /// timers armed at the next poll.
     pub(super) fn clear_pending(&mut self) {
-        self.pushed.fill(Pushed::default());
-        self.next_deadline = u64::MAX;
+        for p in &mut self.pushed {
+            *p = Pushed {
+                copying: p.copying,
+                deadline: if p.copying != 0 { 0 } else { u64::MAX },
+                ..Pushed::default()
+            };
+        }
+        self.next_deadline = if self.pushed.iter().any(|p| p.copying != 0) {
+            0
+        } else {
+            u64::MAX
+        };
     }
 
-    /// Where backup `k` keeps primary slot `slot`.
-    fn backup_of(&self, k: usize, slot: u32) -> Option<(A, u32)> {
-        self.backups.get(k)?.1.place(self.first + u64::from(slot))
+    /// Where backup `k` of slot `slot`'s part keeps its chunk.
+    pub(super) fn backup_of(&self, k: usize, slot: u32) -> Option<(A, u32)> {
+        self.group_of(slot)?.backup_of(k, slot)
     }
 
     /// Bytes this holds beside the job's own slots, as
@@ -234,14 +330,21 @@ impl<A: Copy> Replica<A> {
                 let data: u64 = p.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
                 data + p.blocks.len() as u64 * block_overhead
                     + (p.slots.len() * std::mem::size_of::<Slot>()) as u64
+                    + (p.fill.capacity() * std::mem::size_of::<Fill>()) as u64
             })
             .sum();
-        let peers: usize = self.backups.iter().map(|(_, p)| p.addrs.len()).sum::<usize>()
+        let peers: usize = self
+            .groups
+            .iter()
+            .flat_map(|g| &g.backups)
+            .map(|(_, p)| p.addrs.len())
+            .sum::<usize>()
             + self.parts.iter().map(|p| p.at.addrs.len()).sum::<usize>();
         parts + self.pushed.len() as u64 * REPLICA_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
     }
 
-    /// Whether all `n` backups are in `acked`.
+    /// Whether all `n` backups are in `acked` (bits at and above `n` are
+    /// never set).
     pub(super) fn all(n: usize, acked: u8) -> bool {
         u32::from(acked).count_ones() as usize == n
     }
@@ -251,7 +354,8 @@ impl<A: Copy> Replica<A> {
 /// `me`'s lcores is told: its [`JobInstall`] slots (the chunks of its runs)
 /// and its [`ReplicaInstall`]. `appliances[i]` is appliance i's data
 /// address and base port and `lcores[i]` its lcore count; `runs` the job's
-/// layout over all of them (PROTOCOL.md §4.1).
+/// layout over all of them (PROTOCOL.md §4.1). In `epoch` with nobody
+/// down ([`replica_plan_at`] for any view).
 pub fn replica_plan(
     spec: &JobSpec,
     runs: &[ChunkRange],
@@ -260,7 +364,27 @@ pub fn replica_plan(
     me: u16,
     epoch: u32,
 ) -> Result<Vec<(Vec<SlotChunk>, ReplicaInstall)>, String> {
+    let view = EpochView {
+        epoch,
+        ..EpochView::default()
+    };
+    replica_plan_at(spec, runs, appliances, racks, me, &view)
+}
+
+/// [`replica_plan`] in epoch `view`. An appliance the view names joined
+/// at its epoch (it came back, PROTOCOL.md §11.7) gets no primary slots:
+/// its own part is among its backup slots, first, at its own slot numbers.
+pub fn replica_plan_at(
+    spec: &JobSpec,
+    runs: &[ChunkRange],
+    appliances: &[(Ipv4Addr, u16, u16)],
+    racks: &[String],
+    me: u16,
+    view: &EpochView,
+) -> Result<Vec<(Vec<SlotChunk>, ReplicaInstall)>, String> {
     let n = appliances.len();
+    view.check(n)?;
+    let back = view.joined_at(usize::from(me)) == Some(view.epoch);
     let r = spec.replicas();
     if racks.len() != n || usize::from(me) >= n || r == 0 || r > n || r > usize::from(MAX_REPLICAS) {
         return Err(format!(
@@ -304,25 +428,41 @@ pub fn replica_plan(
     Ok((0..lcores)
         .map(|j| {
             let run = runs[mine + j];
-            let backups = (0..n)
-                .filter(|&p| {
-                    p != usize::from(me) && replica::replica_set(racks, p, r).contains(&usize::from(me))
-                })
-                .map(|p| {
-                    let b = replica::backup_runs(parts[p], lcores)[j];
-                    // Cast: p < n, the appliance count, which fits a u16.
-                    #[allow(clippy::cast_possible_truncation)]
-                    BackupInstall {
-                        primary: p as u16,
-                        first: b.first,
-                        slots: chunks.iter(b.range()).collect(),
-                    }
-                })
+            // Came back: its own part is kept as backup slots, first.
+            let own = back.then(|| BackupInstall {
+                primary: me,
+                first: run.first,
+                slots: chunks.iter(run.range()).collect(),
+            });
+            let backups = own
+                .into_iter()
+                .chain(
+                    (0..n)
+                        .filter(|&p| {
+                            p != usize::from(me)
+                                && replica::replica_set(racks, p, r).contains(&usize::from(me))
+                        })
+                        .map(|p| {
+                            let b = replica::backup_runs(parts[p], lcores)[j];
+                            // Cast: p < n, the appliance count, which fits a u16.
+                            #[allow(clippy::cast_possible_truncation)]
+                            BackupInstall {
+                                primary: p as u16,
+                                first: b.first,
+                                slots: chunks.iter(b.range()).collect(),
+                            }
+                        }),
+                )
                 .collect();
+            let own_slots = if back {
+                Vec::new()
+            } else {
+                chunks.iter(run.range()).collect()
+            };
             (
-                chunks.iter(run.range()).collect(),
+                own_slots,
                 ReplicaInstall {
-                    epoch,
+                    view: view.clone(),
                     me,
                     first: run.first,
                     appliances: addrs.clone(),
@@ -384,34 +524,18 @@ impl<A: Copy + Eq> Shard<A> {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(refuse)?;
-        // Each appliance's runs and the part they make.
-        let mut own: Vec<&[ChunkRange]> = Vec::with_capacity(n);
-        let mut at = 0;
-        for l in &rep.appliances {
-            own.push(&rep.runs[at..at + l.len()]);
-            at += l.len();
-        }
-        let part = |p: usize| ChunkRange {
-            first: own[p].first().map_or(0, |r| r.first),
-            count: own[p].iter().map(|r| r.count).sum(),
-        };
+        let lcores: Vec<usize> = rep.appliances.iter().map(Vec::len).collect();
+        let layout = ReplicaLayout::new(rep.runs.clone(), &lcores, rep.racks.clone(), r).map_err(refuse)?;
+        let view = rep.view.clone();
+        view.check(n).map_err(refuse)?;
         let me = usize::from(rep.me);
-        let set = replica::replica_set(&rep.racks, me, r);
-        let backups = set[1..]
-            .iter()
-            .map(|&b| {
-                // Cast: b < n, whose indices the install's u16 `me` spans.
-                #[allow(clippy::cast_possible_truncation)]
-                let index = b as u16;
-                (
-                    index,
-                    Peers {
-                        addrs: resolved[b].clone(),
-                        runs: replica::backup_runs(part(me), resolved[b].len()),
-                    },
-                )
-            })
-            .collect::<Vec<_>>();
+        if view.is_down(me) {
+            return Err(refuse(format!(
+                "epoch {} names this appliance ({me}) down",
+                view.epoch
+            )));
+        }
+        let back = view.joined_at(me) == Some(view.epoch);
         // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
         #[allow(clippy::cast_possible_truncation)]
         let max = ((MAX_PAYLOAD / 4) as u32).min(job.chunk_elems);
@@ -426,15 +550,29 @@ impl<A: Copy + Eq> Shard<A> {
                 c.elems
             )));
         }
+        if back && !job.slots.is_empty() {
+            return Err(refuse(format!(
+                "{} primary slots: an appliance that came back at epoch {} serves nothing until it is \
+                 a part's primary (PROTOCOL.md §11.7)",
+                job.slots.len(),
+                view.epoch
+            )));
+        }
         let mut parts = Vec::with_capacity(rep.backups.len());
         for b in &rep.backups {
             let p = usize::from(b.primary);
-            if p >= n || p == me || !replica::replica_set(&rep.racks, p, r).contains(&me) {
+            if p >= n || (p == me && !back) || !layout.set(p).contains(&me) {
                 return Err(refuse(format!(
-                    "backup slots of appliance {p}, whose replica set {} is not in",
-                    rep.me
+                    "backup slots of appliance {p}, whose replica set {me} is not in"
                 )));
             }
+            let Some(q) = layout.primary(p, &view).filter(|&q| q != me) else {
+                return Err(refuse(format!(
+                    "epoch {} would have this appliance serve appliance {p}'s part at install: \
+                     an install takes no part over (PROTOCOL.md §11.7)",
+                    view.epoch
+                )));
+            };
             let (slots, blocks) = self
                 .alloc_slots(
                     &b.slots,
@@ -456,39 +594,66 @@ impl<A: Copy + Eq> Shard<A> {
                     from: self.mem.describe(),
                     reason,
                 })?;
+            // Came back empty: every slot awaits its copy (§11.7).
+            let fill = if back {
+                vec![Fill::awaiting(); slots.len()]
+            } else {
+                Vec::new()
+            };
             parts.push(Part {
-                primary: b.primary,
+                home: b.primary,
                 first: b.first,
-                at: Peers {
-                    addrs: resolved[p].clone(),
-                    runs: own[p].to_vec(),
-                },
+                // Cast: q < n, whose indices the install's u16 `me` spans.
+                #[allow(clippy::cast_possible_truncation)]
+                from: q as u16,
+                at: Where::of_primary(&layout, &resolved, p, q),
                 slots,
                 blocks,
+                fill,
             });
         }
         let nslots = job.slots.len();
+        // This appliance's own part, when it serves it.
+        let groups = if back {
+            Vec::new()
+        } else {
+            if layout.primary(me, &view) != Some(me) {
+                return Err(refuse(format!(
+                    "epoch {} has another appliance serve this one's part: an install takes \
+                     nothing over and gives nothing away",
+                    view.epoch
+                )));
+            }
+            let backups = layout.set_in(me, &view)[1..]
+                .iter()
+                .map(|&b| {
+                    // Cast: b < n, whose indices the install's u16 `me` spans.
+                    #[allow(clippy::cast_possible_truncation)]
+                    (b as u16, Where::of_backup(&layout, &resolved, me, b))
+                })
+                .collect::<Vec<_>>();
+            // Cast: the job's slots fit a u32 (install_with checks).
+            #[allow(clippy::cast_possible_truncation)]
+            let count = nslots as u32;
+            vec![Group {
+                home: rep.me,
+                base: 0,
+                first: rep.first,
+                count,
+                backups,
+            }]
+        };
+        let nbackups = groups.first().map_or(0, |g| g.backups.len());
         self.install_with(job, None)?;
         // A completed round queues a REPLICATE per backup.
-        self.pending.reserve(backups.len() * MAX_BURST);
+        self.pending.reserve(nbackups * MAX_BURST);
         let j = self.jobs.last_mut().expect("installed just now");
-        // Cast: p < n, whose indices the install's u16 `me` spans.
-        #[allow(clippy::cast_possible_truncation)]
-        let sets = (0..n)
-            .map(|p| {
-                replica::replica_set(&rep.racks, p, r)
-                    .into_iter()
-                    .map(|a| a as u16)
-                    .collect()
-            })
-            .collect();
         j.replica = Some(Box::new(Replica {
-            epoch: rep.epoch,
-            down: Vec::new(),
+            view,
             me: rep.me,
-            sets,
-            first: rep.first,
-            backups,
+            layout,
+            addrs: resolved,
+            groups,
             pushed: vec![Pushed::default(); nslots],
             next_deadline: u64::MAX,
             rtt: Rtt::default(),
@@ -518,7 +683,8 @@ impl<A: Copy + Eq> Shard<A> {
         let slot = u32::try_from(seq - part.first).ok()?;
         let s = &part.slots[slot as usize];
         Some(BackupState {
-            round: s.completed.get(),
+            // A slot awaiting its state copy holds no round (§11.7).
+            round: s.completed.get().filter(|_| part.holds(slot as usize)),
             result: s.result_bytes(slot, None, &part.blocks),
             state: s.mem.all(&part.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
         })
@@ -536,7 +702,9 @@ impl<A: Copy + Eq> Shard<A> {
         })
     }
 
-    /// Queues the first REPLICATE of `slot`'s aggregate to each backup.
+    /// Queues the first REPLICATE of `slot`'s aggregate to each backup
+    /// (a new backup still owing its copy's ACK gets it once that comes,
+    /// PROTOCOL.md §11.7).
     pub(super) fn queue_replicates(
         pending: &mut Vec<Pending<A>>,
         counters: &ShardCounters,
@@ -546,7 +714,9 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(rep) = j.replica.as_deref_mut() else {
             return Verdict::Aggregated;
         };
-        for k in 0..rep.backups.len() {
+        let nb = rep.group_of(slot).map_or(0, |g| g.backups.len());
+        let copying = rep.pushed.get(slot as usize).map_or(0, |p| p.copying);
+        for k in (0..nb).filter(|&k| copying & (1 << k) == 0) {
             rep.stats.replicates_sent += 1;
             counters.replicates_sent.inc();
             // Cast: at most MAX_REPLICAS - 1 backups.
@@ -561,7 +731,7 @@ impl<A: Copy + Eq> Shard<A> {
         Verdict::Forwarded
     }
 
-    /// A REPLICATE or REPLICATE_ACK (PROTOCOL.md §11.4). Refusals are
+    /// A replication message (PROTOCOL.md §11.4, §11.7). Refusals are
     /// counted, never answered: the sender is an appliance.
     pub(super) fn replica_message(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
         let (repr, payload) = match replica::parse(datagram) {
@@ -585,7 +755,7 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(rep) = job.replica.as_deref_mut() else {
             return Verdict::Dropped(DropReason::WrongPeer);
         };
-        if repr.epoch != rep.epoch {
+        if repr.epoch != rep.view.epoch {
             rep.stats.wrong_epoch += 1;
             return Verdict::Dropped(DropReason::WrongEpoch);
         }
@@ -619,7 +789,71 @@ impl<A: Copy + Eq> Shard<A> {
                 Ok(false) => Verdict::Replicated,
                 Err(r) => Verdict::Dropped(r),
             },
+            ReplicaMsgType::ReplicateState => {
+                match Self::on_state(&self.kernels, job, from, &repr, payload) {
+                    Ok(ack) => {
+                        if ack {
+                            let rep = job.replica.as_deref_mut().expect("checked above");
+                            rep.stats.state_acks_sent += 1;
+                            self.pending.push(Pending::StateAck {
+                                job: job.id,
+                                home: repr.from,
+                                slot: repr.slot,
+                            });
+                        }
+                        Verdict::Replicated
+                    }
+                    Err(r) => Verdict::Dropped(r),
+                }
+            }
+            ReplicaMsgType::StateAck => match Self::on_state_ack(job, from, &repr) {
+                Ok(replicate) => {
+                    if let Some(k) = replicate {
+                        let rep = job.replica.as_deref_mut().expect("checked above");
+                        rep.stats.replicates_sent += 1;
+                        self.counters.replicates_sent.inc();
+                        self.pending.push(Pending::Replicate {
+                            job: job.id,
+                            slot: repr.slot,
+                            backup: k,
+                            attempt: Attempt::First,
+                        });
+                    }
+                    Verdict::Replicated
+                }
+                Err(r) => Verdict::Dropped(r),
+            },
         }
+    }
+
+    /// Checks a message from the part's primary to one of its backup
+    /// slots (REPLICATE, REPLICATE_STATE): the part of home `repr.from`,
+    /// the slot, its chunk, and the sender's address. Gives the part's
+    /// index here.
+    pub(super) fn backup_slot_of(rep: &Replica<A>, from: A, repr: &ReplicaRepr) -> Result<usize, DropReason> {
+        let k = rep
+            .parts
+            .iter()
+            .position(|p| p.home == repr.from)
+            .ok_or(DropReason::WrongPeer)?;
+        let part = &rep.parts[k];
+        let slot = part
+            .slots
+            .get(repr.slot as usize)
+            .ok_or(DropReason::SlotOutOfRange)?;
+        if repr.key != slot.key || repr.chunk != slot.chunk {
+            return Err(DropReason::ChunkMismatch);
+        }
+        if u32::from(repr.count) != slot.elems
+            && !(repr.kind == ReplicaMsgType::ReplicateState && repr.count == 0)
+        {
+            return Err(DropReason::CountMismatch);
+        }
+        let seq = part.first + u64::from(repr.slot);
+        if part.at.place(seq).is_none_or(|(at, _)| at != from) {
+            return Err(DropReason::WrongPeer);
+        }
+        Ok(k)
     }
 
     /// A primary's REPLICATE at a backup slot: applied if it is the slot's
@@ -634,28 +868,19 @@ impl<A: Copy + Eq> Shard<A> {
     ) -> Result<bool, DropReason> {
         let (dtype, workers) = (job.dtype, job.workers);
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
-        let part = rep
-            .parts
-            .iter_mut()
-            .find(|p| p.primary == repr.from)
-            .ok_or(DropReason::WrongPeer)?;
+        if !rep.parts.iter().any(|p| p.home == repr.from) {
+            return Err(DropReason::WrongPeer);
+        }
         if repr.dtype != Dtype::F32 {
             return Err(DropReason::DtypeMismatch);
         }
-        let slot = part
-            .slots
-            .get_mut(repr.slot as usize)
-            .ok_or(DropReason::SlotOutOfRange)?;
-        if repr.key != slot.key || repr.chunk != slot.chunk {
-            return Err(DropReason::ChunkMismatch);
+        let at = Self::backup_slot_of(rep, from, repr)?;
+        let part = &mut rep.parts[at];
+        if !part.holds(repr.slot as usize) {
+            // Its state copy is not in: no round to follow (§11.7).
+            return Err(DropReason::Ahead);
         }
-        if u32::from(repr.count) != slot.elems {
-            return Err(DropReason::CountMismatch);
-        }
-        let seq = part.first + u64::from(repr.slot);
-        if part.at.place(seq).is_none_or(|(at, _)| at != from) {
-            return Err(DropReason::WrongPeer);
-        }
+        let slot = &mut part.slots[repr.slot as usize];
         if slot.completed.is(repr.round) {
             return Ok(false);
         }
@@ -679,25 +904,25 @@ impl<A: Copy + Eq> Shard<A> {
         Ok(true)
     }
 
-    /// A backup's ACK at a primary slot: `Ok(true)` when it was the last
-    /// the pending aggregate waited for, and the round is completed now.
-    fn on_ack(job: &mut Job<A>, from: A, repr: &ReplicaRepr, now: u64) -> Result<bool, DropReason> {
-        let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
-        if rep.backups.is_empty() {
+    /// Checks a backup's message to a primary slot (REPLICATE_ACK,
+    /// REPLICATE_STATE_ACK): the backup's index among the slot's part's
+    /// backups, after the slot, its chunk and the sender's address.
+    pub(super) fn backup_index(job: &Job<A>, from: A, repr: &ReplicaRepr) -> Result<usize, DropReason> {
+        let rep = job.replica.as_deref().ok_or(DropReason::WrongPeer)?;
+        if rep.groups.iter().all(|g| g.backups.is_empty()) {
             // No chunk here has a backup: no appliance acknowledges one.
             return Err(DropReason::WrongPeer);
         }
         if repr.dtype != Dtype::F32 {
             return Err(DropReason::DtypeMismatch);
         }
-        let k = rep
-            .backups
-            .iter()
-            .position(|(b, _)| *b == repr.from)
+        let g = rep.group_of(repr.slot);
+        let k = g
+            .and_then(|g| g.backups.iter().position(|(b, _)| *b == repr.from))
             .ok_or(DropReason::RankOutOfRange)?;
         let slot = job
             .slots
-            .get_mut(repr.slot as usize)
+            .get(repr.slot as usize)
             .ok_or(DropReason::SlotOutOfRange)?;
         if repr.key != slot.key || repr.chunk != slot.chunk {
             return Err(DropReason::ChunkMismatch);
@@ -705,7 +930,16 @@ impl<A: Copy + Eq> Shard<A> {
         if rep.backup_of(k, repr.slot).is_none_or(|(at, _)| at != from) {
             return Err(DropReason::WrongPeer);
         }
-        // An adopted slot (past the own ones) has no backup.
+        Ok(k)
+    }
+
+    /// A backup's ACK at a primary slot: `Ok(true)` when it was the last
+    /// the pending aggregate waited for, and the round is completed now.
+    fn on_ack(job: &mut Job<A>, from: A, repr: &ReplicaRepr, now: u64) -> Result<bool, DropReason> {
+        let k = Self::backup_index(job, from, repr)?;
+        let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
+        let nb = rep.group_of(repr.slot).map_or(0, |g| g.backups.len());
+        let slot = &mut job.slots[repr.slot as usize];
         let p = rep
             .pushed
             .get_mut(repr.slot as usize)
@@ -718,17 +952,25 @@ impl<A: Copy + Eq> Shard<A> {
                 DropReason::Ahead
             });
         }
+        if p.copying & (1 << k) != 0 {
+            // No aggregate went to it before its copy's ACK (§11.7).
+            return Err(DropReason::Ahead);
+        }
         if p.acked & (1 << k) != 0 {
             return Err(DropReason::Duplicate);
         }
         p.acked |= 1 << k;
-        if !Replica::<A>::all(rep.backups.len(), p.acked) {
+        if !Replica::<A>::all(nb, p.acked) {
             return Ok(false);
         }
         if p.resends == 0 {
             rep.rtt.sample(now.saturating_sub(p.sent));
         }
-        *p = Pushed::default();
+        *p = Pushed {
+            copying: p.copying,
+            ..Pushed::default()
+        };
+        debug_assert_eq!(p.copying, 0, "a round completed with a backup still copying");
         rep.stats.rounds_replicated += 1;
         // Every backup holds the round: it completes here too, with the
         // same operations on the same aggregate.
@@ -743,7 +985,8 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// Resends the aggregates whose backups have not all acknowledged in
-    /// time (PROTOCOL.md §11.4 rule 4), at most `budget` messages; returns
+    /// time (PROTOCOL.md §11.4 rule 4), and the state copies new backups
+    /// have not acknowledged (§11.7), at most `budget` messages; returns
     /// what is left of it.
     pub(super) fn poll_replicas(&mut self, now: u64, mut budget: usize) -> usize {
         for j in &mut self.jobs {
@@ -753,36 +996,63 @@ impl<A: Copy + Eq> Shard<A> {
             if now < rep.next_deadline {
                 continue;
             }
-            let nb = rep.backups.len();
             let mut timed_out = false;
             let mut next = u64::MAX;
-            // Cast: i indexes the job's slots, which fit a u32 (install).
-            #[allow(clippy::cast_possible_truncation)]
-            for (i, p) in rep.pushed.iter_mut().enumerate() {
-                if p.round.is_none() {
-                    continue;
-                }
-                let missing = nb - u32::from(p.acked).count_ones() as usize;
-                if p.deadline <= now && budget >= missing {
-                    budget -= missing;
-                    if !timed_out {
-                        rep.rtt.back_off();
-                        timed_out = true;
+            for g in &rep.groups {
+                let nb = g.backups.len();
+                // Cast: i indexes the job's slots, which fit a u32 (install).
+                #[allow(clippy::cast_possible_truncation)]
+                for i in g.base..g.base + g.count {
+                    let p = &mut rep.pushed[i as usize];
+                    if !p.waiting() {
+                        continue;
                     }
-                    p.resends = p.resends.saturating_add(1);
-                    p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
-                    for k in (0..nb).filter(|&k| p.acked & (1 << k) == 0) {
-                        rep.stats.replicates_resent += 1;
-                        self.counters.replicates_resent.inc();
-                        self.pending.push(Pending::Replicate {
-                            job: j.id,
-                            slot: i as u32,
-                            backup: k as u8,
-                            attempt: Attempt::Again,
-                        });
+                    if p.deadline == 0 {
+                        // A copy queued by an epoch change: its timer starts.
+                        p.sent = now;
+                        p.deadline = now.saturating_add(rep.rtt.rto(0));
+                        next = next.min(p.deadline);
+                        continue;
                     }
+                    let fragments = usize::from(super::copy::fragments(&j.slots[i as usize]));
+                    let pending = if p.round.is_none() { 0 } else { nb };
+                    let replicates = (0..pending)
+                        .filter(|&k| (p.acked | p.copying) & (1 << k) == 0)
+                        .count();
+                    let states = u32::from(p.copying).count_ones() as usize * fragments;
+                    if p.deadline <= now && budget >= replicates + states {
+                        budget -= replicates + states;
+                        if !timed_out {
+                            rep.rtt.back_off();
+                            timed_out = true;
+                        }
+                        p.resends = p.resends.saturating_add(1);
+                        p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                        for k in (0..pending).filter(|&k| (p.acked | p.copying) & (1 << k) == 0) {
+                            rep.stats.replicates_resent += 1;
+                            self.counters.replicates_resent.inc();
+                            self.pending.push(Pending::Replicate {
+                                job: j.id,
+                                slot: i,
+                                backup: k as u8,
+                                attempt: Attempt::Again,
+                            });
+                        }
+                        for k in (0..nb).filter(|&k| p.copying & (1 << k) != 0) {
+                            for f in 0..fragments {
+                                rep.stats.states_resent += 1;
+                                self.pending.push(Pending::State {
+                                    job: j.id,
+                                    slot: i,
+                                    backup: k as u8,
+                                    fragment: f as u8,
+                                    attempt: Attempt::Again,
+                                });
+                            }
+                        }
+                    }
+                    next = next.min(p.deadline);
                 }
-                next = next.min(p.deadline);
             }
             rep.next_deadline = next;
         }
@@ -803,10 +1073,11 @@ impl<A: Copy + Eq> Shard<A> {
         let s = j.slots.get(slot as usize)?;
         let p = rep.pushed.get(slot as usize)?;
         let round = p.round.get()?;
-        if p.acked & (1 << backup) != 0 {
+        if (p.acked | p.copying) & (1 << backup) != 0 {
             return None;
         }
-        let (to, backup_slot) = rep.backup_of(usize::from(backup), slot)?;
+        let g = rep.group_of(slot)?;
+        let (to, backup_slot) = g.backup_of(usize::from(backup), slot)?;
         // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
         #[allow(clippy::cast_possible_truncation)]
         let repr = ReplicaRepr {
@@ -818,13 +1089,16 @@ impl<A: Copy + Eq> Shard<A> {
             },
             token: j.token,
             job: j.id,
-            from: rep.me,
+            // The part's home: the backup keeps its slots by it (§11.6).
+            from: g.home,
             count: s.elems as u16,
             round,
             slot: backup_slot,
             key: s.key,
             chunk: s.chunk,
-            epoch: rep.epoch,
+            epoch: rep.view.epoch,
+            fragment: 0,
+            fragments: 0,
         };
         let payload: &[u8] = bytemuck::cast_slice(s.mem.acc(&j.blocks));
         debug_assert_eq!(
@@ -839,12 +1113,13 @@ impl<A: Copy + Eq> Shard<A> {
         })
     }
 
-    /// The ACK of backup slot `slot` of appliance `from`'s part, for its
-    /// last completed round, to the primary's lcore holding the chunk.
-    pub(super) fn ack_transmit(&self, job: u16, from: u16, slot: u32) -> Option<Transmit<'_, Ranks<'_, A>>> {
+    /// The ACK of backup slot `slot` of the part of home `home`, for its
+    /// last completed round, to the part's primary's lcore holding the
+    /// chunk.
+    pub(super) fn ack_transmit(&self, job: u16, home: u16, slot: u32) -> Option<Transmit<'_, Ranks<'_, A>>> {
         let j = self.job(job)?;
         let rep = j.replica.as_deref()?;
-        let part = rep.parts.iter().find(|p| p.primary == from)?;
+        let part = rep.parts.iter().find(|p| p.home == home)?;
         let s = part.slots.get(slot as usize)?;
         let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
         let repr = ReplicaRepr {
@@ -859,7 +1134,9 @@ impl<A: Copy + Eq> Shard<A> {
             slot: primary_slot,
             key: s.key,
             chunk: s.chunk,
-            epoch: rep.epoch,
+            epoch: rep.view.epoch,
+            fragment: 0,
+            fragments: 0,
         };
         Some(Transmit {
             header: repr.to_bytes(),

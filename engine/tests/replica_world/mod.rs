@@ -5,7 +5,8 @@
 //! and the workers run BSP rounds with retransmission, each chunk sent
 //! where [`ReplicaLayout::serve`] says it is served in the workers' epoch
 //! (PROTOCOL.md §11.6), with that epoch in the header. An appliance marked
-//! dead neither sends nor receives.
+//! dead neither sends nor receives; one brought back is installed anew,
+//! empty ([`World::reinstall`], §11.7).
 
 #![allow(dead_code, unused_imports)]
 
@@ -13,7 +14,7 @@ pub(crate) use std::collections::HashMap;
 pub(crate) use std::net::{Ipv4Addr, SocketAddrV4};
 pub(crate) use std::sync::Arc;
 
-pub(crate) use phub_engine::engine::{replica_plan, ReplicaInstall};
+pub(crate) use phub_engine::engine::{replica_plan, replica_plan_at, ReplicaInstall};
 pub(crate) use phub_engine::kernels::Kernels;
 pub(crate) use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
 pub(crate) use phub_proto::failover::{EpochView, ReplicaLayout};
@@ -114,11 +115,7 @@ impl World {
             },
             nl,
         );
-        let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (*lcore_addr(i, 0).ip(), 9000, l as u16))
-            .collect();
+        let appliances = appliance_list(lcores);
         let racks: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
         let mut shards = Vec::new();
         for (i, &l) in lcores.iter().enumerate() {
@@ -153,6 +150,31 @@ impl World {
             results: 0,
             verdicts: Vec::new(),
         }
+    }
+
+    /// Appliance i, declared down before, back in `view` (which names it
+    /// joined): installed anew, empty, as control installs it (§11.7).
+    pub(crate) fn reinstall(&mut self, i: usize, view: &EpochView) {
+        let plan = replica_plan_at(
+            &self.spec,
+            &self.runs,
+            &appliance_list(&self.lcores),
+            &self.racks,
+            i as u16,
+            view,
+        )
+        .unwrap();
+        let mut mine = Vec::new();
+        for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            assert!(slots.is_empty(), "an appliance back serves nothing at first");
+            let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+            s.set_peer_resolver(Arc::new(Some));
+            s.install(job(&self.spec, slots), InstallKind::Replicated(Box::new(rep)))
+                .unwrap();
+            mine.push(s);
+        }
+        self.shards[i] = mine;
+        self.dead[i] = false;
     }
 
     pub(crate) fn total(&self) -> u64 {
@@ -254,17 +276,20 @@ impl World {
 
     /// The rule under test: a RESULT of `round` for slot `slot` of
     /// appliance i's lcore j leaves only once every backup of the chunk
-    /// after i in its set, and not down in the workers' epoch, completed it.
+    /// after i in its set in the workers' epoch (§11.7: down ones out,
+    /// those back at the end, new ones counted) completed it.
     fn check_backups_hold(&mut self, i: usize, j: usize, slot: u32, round: u32) {
         self.results += 1;
         let g = self.served_chunk(i, j, slot);
         let home = self.layout.home(g).unwrap();
-        let set = self.layout.set(home);
-        let after = set.iter().position(|&a| a == i).unwrap();
+        let set = self.layout.set_in(home, &self.epoch);
+        let Some(after) = set.iter().position(|&a| a == i) else {
+            // A primary fenced in an older epoch: only a round every
+            // replica holds can leave it (§11.6 rule 4), checked by the
+            // tests that make one.
+            return;
+        };
         for &b in &set[after + 1..] {
-            if self.epoch.is_down(b) {
-                continue;
-            }
             let held = self.shards[b]
                 .iter()
                 .find_map(|s| s.backup_state(JOB, g))
@@ -340,6 +365,15 @@ impl World {
             }
         }
     }
+}
+
+/// Appliance i's data address, base port and lcore count.
+pub(crate) fn appliance_list(lcores: &[usize]) -> Vec<(Ipv4Addr, u16, u16)> {
+    lcores
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (*lcore_addr(i, 0).ip(), 9000, l as u16))
+        .collect()
 }
 
 pub(crate) fn job(spec: &JobSpec, slots: Vec<SlotChunk>) -> JobInstall {

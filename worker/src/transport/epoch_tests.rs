@@ -61,6 +61,7 @@ fn down(epoch: u32, down: &[u16]) -> EpochView {
     EpochView {
         epoch,
         down: down.to_vec(),
+        ..Default::default()
     }
 }
 
