@@ -39,6 +39,7 @@ fn lossy() -> Faults {
 
 fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype) -> Case {
     Case {
+        tables: Vec::new(),
         seed,
         workers: 5,
         appliances: 2,
@@ -108,6 +109,7 @@ fn sixty_four_workers_with_heavy_loss() {
     for_seeds(100, 1, "seeds", |base| {
         for (i, optimizer) in optimizers().into_iter().enumerate() {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 64,
                 appliances: 1,
@@ -146,6 +148,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
         for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
             let clean = workers == 1;
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers,
                 appliances: 1,
@@ -189,6 +192,7 @@ fn bounded_delay_holds_answers_within_tau() {
         .enumerate()
         {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 16,
                 appliances: 1,
@@ -224,6 +228,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
     for_seeds(400, 1, "seeds", |base| {
         for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 8,
                 appliances: 2,
@@ -355,6 +360,7 @@ fn a_rank_leaves_and_rejoins() {
 fn loss_timer_starvation_after_a_rejoin() {
     // Case::draw(7348), written out so that it stays this case.
     run(&Case {
+        tables: Vec::new(),
         seed: 7348,
         workers: 5,
         appliances: 2,
@@ -519,6 +525,7 @@ fn a_rack_appliance_crashes_in_a_hierarchical_job() {
 #[test]
 fn restore_from_an_older_checkpoint() {
     run(&Case {
+        tables: Vec::new(),
         seed: 476,
         workers: 2,
         appliances: 1,
@@ -573,6 +580,7 @@ fn restore_from_an_older_checkpoint() {
 #[test]
 fn a_checkpoint_before_round_0_completed() {
     let seed_2317 = Case {
+        tables: Vec::new(),
         seed: 2317,
         workers: 3,
         appliances: 1,
@@ -669,6 +677,7 @@ fn a_checkpoint_before_round_0_completed() {
 #[test]
 fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 9773,
         workers: 3,
         appliances: 1,
@@ -741,6 +750,7 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
 #[test]
 fn a_held_answer_and_a_rank_repeating_older_clocks() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 4155,
         workers: 8,
         appliances: 2,
@@ -792,6 +802,7 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
 #[test]
 fn a_hierarchical_rank_rejoining_with_a_small_window() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 388,
         workers: 7,
         appliances: 3,
