@@ -28,7 +28,8 @@ fn main() {
     }
     // Failing seeds print their own panic; the summary names them.
     let next = AtomicU64::new(from);
-    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new()));
+    // (totals, failed seeds, seeds with tables)
+    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64));
     let start = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -49,6 +50,11 @@ fn main() {
                         t.0.retransmits += o.retransmits;
                         t.0.restored += o.restored;
                         t.0.rejoined += o.rejoined;
+                        t.0.table_pushes += o.table_pushes;
+                        t.0.rows_checked += o.rows_checked;
+                        if !case.tables.is_empty() {
+                            t.2 += 1;
+                        }
                     }
                     Err(_) => t.1.push(seed),
                 }
@@ -56,13 +62,14 @@ fn main() {
         }
     });
     let wall = start.elapsed();
-    let (o, mut failed) = totals
+    let (o, mut failed, with_tables) = totals
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     failed.sort_unstable();
     println!(
         "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
-         ({} lost, {} chunks sent again), {} restores, {} rejoins; {:.1} s wall on {threads} threads",
+         ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
+         {} table pushes, {} rows checked; {:.1} s wall on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64,
         failed.len(),
@@ -73,6 +80,8 @@ fn main() {
         o.retransmits,
         o.restored,
         o.rejoined,
+        o.table_pushes,
+        o.rows_checked,
         wall.as_secs_f64()
     );
     for seed in &failed {

@@ -5,10 +5,11 @@
 //! `PHUB_SIM_SEEDS=N` runs N seeds in `random_jobs`; `PHUB_SIM_SEED=N`
 //! replays one seed (in every test: each draws its case from it).
 
-use phub_proto::spec::{Consistency, Optimizer};
+use phub_proto::spec::{Consistency, Optimizer, RowInitSpec, RowOptimizerSpec};
 use phub_proto::Dtype;
 use phub_sim::net::{Faults, Node, Spell};
 use phub_sim::reference::optimizers;
+use phub_sim::rows::{row_optimizers, TableCase};
 use phub_sim::{for_seeds, run, Case, Crash, Outcome, Rejoin};
 
 /// Seeds `random_jobs` runs by default: about 3.5 s in the test profile on
@@ -39,6 +40,7 @@ fn lossy() -> Faults {
 
 fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype) -> Case {
     Case {
+        tables: Vec::new(),
         seed,
         workers: 5,
         appliances: 2,
@@ -108,6 +110,7 @@ fn sixty_four_workers_with_heavy_loss() {
     for_seeds(100, 1, "seeds", |base| {
         for (i, optimizer) in optimizers().into_iter().enumerate() {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 64,
                 appliances: 1,
@@ -146,6 +149,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
         for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
             let clean = workers == 1;
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers,
                 appliances: 1,
@@ -189,6 +193,7 @@ fn bounded_delay_holds_answers_within_tau() {
         .enumerate()
         {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 16,
                 appliances: 1,
@@ -224,6 +229,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
     for_seeds(400, 1, "seeds", |base| {
         for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
             let c = Case {
+                tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 8,
                 appliances: 2,
@@ -355,6 +361,7 @@ fn a_rank_leaves_and_rejoins() {
 fn loss_timer_starvation_after_a_rejoin() {
     // Case::draw(7348), written out so that it stays this case.
     run(&Case {
+        tables: Vec::new(),
         seed: 7348,
         workers: 5,
         appliances: 2,
@@ -519,6 +526,7 @@ fn a_rack_appliance_crashes_in_a_hierarchical_job() {
 #[test]
 fn restore_from_an_older_checkpoint() {
     run(&Case {
+        tables: Vec::new(),
         seed: 476,
         workers: 2,
         appliances: 1,
@@ -573,6 +581,7 @@ fn restore_from_an_older_checkpoint() {
 #[test]
 fn a_checkpoint_before_round_0_completed() {
     let seed_2317 = Case {
+        tables: Vec::new(),
         seed: 2317,
         workers: 3,
         appliances: 1,
@@ -669,6 +678,7 @@ fn a_checkpoint_before_round_0_completed() {
 #[test]
 fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 9773,
         workers: 3,
         appliances: 1,
@@ -741,6 +751,7 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
 #[test]
 fn a_held_answer_and_a_rank_repeating_older_clocks() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 4155,
         workers: 8,
         appliances: 2,
@@ -792,6 +803,7 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
 #[test]
 fn a_hierarchical_rank_rejoining_with_a_small_window() {
     let o = run(&Case {
+        tables: Vec::new(),
         seed: 388,
         workers: 7,
         appliances: 3,
@@ -909,4 +921,135 @@ fn a_seed_replays_exactly() {
         let c = Case::draw(seed);
         assert_eq!(run(&c), run(&c), "seed {seed} ran twice differently");
     });
+}
+
+/// Seed 543 of the soak once tables were drawn with checkpoints older
+/// than the crash: an appliance restored from its state of 1.75 ms (round
+/// 1 of the tables) refused the ranks' later pushes `ahead`, and each push
+/// failed. The worker now asks the lcore where the table stands, sends it
+/// an empty round for each round it lost and pushes again (PROTOCOL.md
+/// §10.6, "The worker after `ahead`").
+#[test]
+fn a_table_push_after_a_restore_from_an_older_checkpoint() {
+    let o = run(&Case {
+        seed: 543,
+        workers: 2,
+        appliances: 2,
+        lcores: 2,
+        keys: vec![207, 162, 133, 291],
+        dtype: Dtype::F16,
+        chunk_bytes: 192,
+        optimizer: Optimizer::Adamw {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        consistency: Consistency::Sync,
+        rounds: 3,
+        window: 17,
+        faults: Faults::NONE,
+        partition: Some(Spell {
+            node: Node::Lcore(0, 0),
+            from_us: 18019,
+            until_us: 36277,
+        }),
+        clog: Some(Spell {
+            node: Node::Lcore(1, 1),
+            from_us: 15628,
+            until_us: 157_462,
+        }),
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 1750,
+            at_us: 14892,
+            down_us: 40538,
+        }),
+        racks: 0,
+        compute_us: 1597,
+        tables: vec![
+            TableCase {
+                dim: 1,
+                seed: 2_826_719_746_596_553_809,
+                init: RowInitSpec::Zeros,
+                optimizer: RowOptimizerSpec::Adagrad {
+                    lr: 0.1,
+                    eps: 1e-8,
+                    initial_accumulator: 0.1,
+                    rowwise: false,
+                },
+                ids: 188,
+                touch: 5,
+            },
+            TableCase {
+                dim: 6,
+                seed: 440_348_603_343_959_270,
+                init: RowInitSpec::Zeros,
+                optimizer: RowOptimizerSpec::Adagrad {
+                    lr: 0.1,
+                    eps: 0.001,
+                    initial_accumulator: 0.0,
+                    rowwise: true,
+                },
+                ids: 215,
+                touch: 4,
+            },
+        ],
+    });
+    assert_eq!(o.restored, 1);
+    assert!(o.table_rounds_caught_up > 0, "{o:?}");
+    assert_eq!(o.table_pushes, 12);
+}
+
+/// Every row optimizer in BSP, async and bounded delay, with tables over
+/// two appliances through loss, duplication and reordering, and in BSP
+/// an appliance restored from a checkpoint older than its crash (the
+/// ranks bring its lcores up with empty rounds, PROTOCOL.md §10.6).
+#[test]
+fn tables_with_every_row_optimizer_in_every_mode() {
+    let mut caught_up = 0;
+    for (i, opt) in row_optimizers().into_iter().enumerate() {
+        for (j, consistency) in [
+            Consistency::Sync,
+            Consistency::Async,
+            Consistency::Bounded { delay: 1 },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let seed = 9000 + (i * 3 + j) as u64;
+            let c = Case {
+                keys: vec![40],
+                rounds: 5,
+                tables: vec![TableCase {
+                    dim: 3,
+                    seed: 77 + seed,
+                    init: if j == 0 {
+                        RowInitSpec::Zeros
+                    } else {
+                        RowInitSpec::Uniform { a: -0.5, b: 0.25 }
+                    },
+                    optimizer: opt,
+                    ids: 40,
+                    touch: 12,
+                }],
+                crash: (consistency == Consistency::Sync).then_some(Crash {
+                    appliance: 1,
+                    checkpoint_us: 500,
+                    at_us: 4000,
+                    down_us: 3000,
+                }),
+                ..case(seed, consistency, Optimizer::Sum, Dtype::F32)
+            };
+            let o = run(&c);
+            assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
+            caught_up += o.table_rounds_caught_up;
+        }
+    }
+    assert!(
+        caught_up > 0,
+        "no restored lcore was brought up with empty rounds"
+    );
 }

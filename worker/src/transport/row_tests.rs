@@ -118,7 +118,7 @@ fn error_for(m: &Sent, reason: u16) -> Vec<u8> {
 
 /// One lcore of the appliance, for one rank (W = 1), BSP, `sum`, rows
 /// starting at zero: §10.3's rules as the worker sees them.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub(crate) struct FakeLcore {
     dim: usize,
     stored: HashMap<u64, Vec<f32>>,
@@ -196,6 +196,11 @@ impl FakeLcore {
             }
             RowMsgType::RowEnd if t == self.done => {
                 vec![answer(RowMsgType::RowDone, t, dim, m.repr.seq, &[], &[])]
+            }
+            // Beyond the round in progress (an lcore restored from an
+            // older checkpoint): rule 5.
+            RowMsgType::RowPush | RowMsgType::RowEnd if t > self.done + 1 => {
+                vec![error_for(m, DropReason::Ahead.code())]
             }
             _ => panic!("the fake appliance got {:?} while at round {}", m.repr, self.done),
         }
@@ -661,6 +666,69 @@ fn an_error_is_matched_to_its_message_and_named() {
     h.deliver(sent[0].to, &error_for(&sent[0], DropReason::DimMismatch.code()));
     let err = h.ended()[0].1.as_ref().unwrap_err().to_string();
     assert!(err.contains("dim_mismatch") && err.contains("ROW_PULL"), "{err}");
+}
+
+/// PROTOCOL.md §10.6: an lcore restored from a checkpoint older than the
+/// rounds this rank completed there refuses its next push `ahead`. The
+/// worker asks it where the table stands, sends it an empty round for
+/// each round it lost, then the push's messages again; the push ends with
+/// the rows the lcore holds (the lost rounds' rows gone with the
+/// checkpoint), and the other lcore is not touched. Before this rule the
+/// push failed naming `ahead`.
+#[test]
+fn a_push_refused_ahead_by_a_restored_lcore_brings_it_up_to_the_round() {
+    let dim = 2;
+    let mut h = Harness::new(2, dim, 2, 4);
+    let ids: Vec<u64> = (0..12).collect();
+    let mut saved = None;
+    for round in 1..=3u32 {
+        h.push(round, round, &ids, &grads(&ids, dim, round as f32));
+        let ended = h.run(|_, _| false);
+        assert!(ended[0].1.is_ok(), "round {round}: {:?}", ended[0].1);
+        if round == 1 {
+            saved = Some(h.lcores[1].clone());
+        }
+    }
+    // Lcore 1 restarts from its checkpoint of round 1: rounds 2 and 3 lost.
+    h.lcores[1] = saved.unwrap();
+    let sent_before = h
+        .stats
+        .row_messages_sent
+        .load(std::sync::atomic::Ordering::Relaxed);
+    h.push(4, 4, &ids, &grads(&ids, dim, 4.0));
+    let ended = h.run(|_, _| false);
+    let out = match &ended[0].1 {
+        Ok(o) => o,
+        Err(e) => panic!("the push after the restore failed: {e}"),
+    };
+    assert_eq!(out.round, 4);
+    assert_eq!((h.lcores[0].done, h.lcores[1].done), (4, 4));
+    let d = dim as usize;
+    for (i, &id) in ids.iter().enumerate() {
+        let rounds: &[u32] = if h.table.placement.entry(id) == 1 {
+            &[1, 4]
+        } else {
+            &[1, 2, 3, 4]
+        };
+        let want: Vec<f32> = (0..d)
+            .map(|e| {
+                rounds
+                    .iter()
+                    .map(|&r| grads(&ids, dim, r as f32)[i * d + e])
+                    .sum()
+            })
+            .collect();
+        assert_eq!(&out.rows[i * d..(i + 1) * d], &want[..], "id {id}");
+    }
+    let s = h.stats.snapshot();
+    assert_eq!(
+        s.row_rounds_caught_up, 2,
+        "empty rounds 2 and 3 to lcore 1: {s:?}"
+    );
+    assert!(s.row_messages_sent > sent_before);
+    assert!(!h.t.busy() && h.t.outstanding() == 0);
+    // Round 1 refused `ahead` is no restore's: the push fails, naming it
+    // (an_error_is_matched_to_its_message_and_named).
 }
 
 #[test]

@@ -31,6 +31,12 @@
 //!   message's; anything else is counted (`row_answers_ignored`,
 //!   `row_answers_malformed`, `foreign_dropped`), never an error, never a
 //!   panic.
+//! - A ROW_PUSH or ROW_END of round t ≥ 2 refused `ahead` does not end its
+//!   request: its lcore was restored from an older checkpoint
+//!   (PROTOCOL.md §10.6). That lcore's messages of the request are parked
+//!   (answered ones too), a ROW_PULL of one id asks its round c, an empty
+//!   round (ROW_END, n = 0) goes for each of c + 1 .. t − 1, one at a time,
+//!   and then the parked messages go again ([`CatchUp`]).
 //! - Every request ends: with its rows, with the appliance's refusal
 //!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
 //!   once no answer at all has come for `timeout`, or with
@@ -91,6 +97,10 @@ pub(crate) struct RowFinished<D> {
     pub(crate) result: Result<RowOutput, WorkerError>,
 }
 
+/// A ROW_PULL's `chunk` that asks a restored lcore where a table stands
+/// there (below): no pull of a request has this index.
+const CATCH_UP_TAG: u32 = PULL_TAG | INDEX_MASK;
+
 /// Where one message of a request stands.
 #[derive(Debug, Clone, Copy)]
 enum MsgState {
@@ -100,6 +110,25 @@ enum MsgState {
     Out(Sent),
     /// Its answer is in.
     Answered,
+    /// Its lcore refused the request's round `ahead` and is being brought
+    /// up to it ([`CatchUp`]): sent again once it is.
+    Parked,
+}
+
+/// A lane whose lcore refused a push `ahead` (PROTOCOL.md §10.6): it was
+/// restored from a checkpoint older than the rounds this rank completed
+/// there. The worker asks where the table stands there (a ROW_PULL of one
+/// id placed there, whose answer states the lcore's round), sends it an
+/// empty round (a ROW_END with n = 0) for each round between that and the
+/// push's, each once the last is done, then the push's messages again.
+#[derive(Debug, Clone, Copy)]
+struct CatchUp {
+    /// The message out: the ROW_PULL (`round` = None) or the empty round's
+    /// ROW_END.
+    round: Option<u32>,
+    sent: Sent,
+    /// The ROW_PULL's id.
+    id: u64,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -128,6 +157,8 @@ struct Active<D> {
     remaining: usize,
     /// A pull: the lowest round its answers stated.
     min_round: u32,
+    /// Per entry, its lcore's catching up, while one is (a push only).
+    catch_up: HashMap<u32, CatchUp>,
     done: D,
 }
 
@@ -161,6 +192,11 @@ pub(crate) struct RowTransport<D> {
     outstanding: usize,
     /// To transmit at the next [`RowTransport::poll_transmit`].
     queue: Vec<(u32, usize)>,
+    /// Catch-up messages to transmit then (a lane's ROW_PULL or empty
+    /// round, [`CatchUp`]): (key, entry).
+    catch_up_queue: Vec<(u32, u32)>,
+    /// Their datagrams with their entries, made at each send.
+    catch_up_out: Vec<(u32, Vec<u8>)>,
     finished: VecDeque<RowFinished<D>>,
     /// The last accepted answer, or when work started after an idle spell.
     last_progress: Instant,
@@ -212,6 +248,8 @@ impl<D> RowTransport<D> {
             pending: VecDeque::new(),
             outstanding: 0,
             queue: Vec::new(),
+            catch_up_queue: Vec::new(),
+            catch_up_out: Vec::new(),
             finished: VecDeque::new(),
             last_progress: now,
             pulls: HashMap::new(),
@@ -282,6 +320,7 @@ impl<D> RowTransport<D> {
             states: vec![MsgState::Pending; n],
             remaining: n,
             min_round: u32::MAX,
+            catch_up: HashMap::new(),
             plan,
             done,
         };
@@ -337,7 +376,18 @@ impl<D> RowTransport<D> {
     /// window allows, each in one datagram borrowed from its request.
     pub(crate) fn poll_transmit<'a>(&'a mut self, now: Instant, out: &mut Vec<Datagram<'a>>) {
         self.fill_window(now);
+        self.catch_up_out.clear();
+        for (key, entry) in std::mem::take(&mut self.catch_up_queue) {
+            if let Some(d) = self.catch_up_datagram(key, entry) {
+                self.catch_up_out.push((entry, d));
+            }
+        }
         let (active, lcores) = (&self.active, &self.lcores);
+        out.extend(self.catch_up_out.iter().map(|(e, d)| Datagram {
+            to: lcores[*e as usize],
+            head: d,
+            body: &[],
+        }));
         out.extend(self.queue.drain(..).filter_map(|(key, i)| {
             let a = active.get(&key)?;
             Some(Datagram {
@@ -384,6 +434,9 @@ impl<D> RowTransport<D> {
                     at = at.min(s.deadline);
                 }
             }
+            for c in a.catch_up.values() {
+                at = at.min(c.sent.deadline);
+            }
         }
         Some(at)
     }
@@ -410,6 +463,14 @@ impl<D> RowTransport<D> {
                 sent.deadline = now + self.rto.loss(sent.retries);
                 self.queue.push((key, i));
                 resent += 1;
+            }
+            for (&entry, c) in &mut a.catch_up {
+                if now >= c.sent.deadline {
+                    c.sent.retries += 1;
+                    c.sent.deadline = now + self.rto.loss(c.sent.retries);
+                    self.catch_up_queue.push((key, entry));
+                    resent += 1;
+                }
             }
         }
         add(&self.stats.row_retransmits, resent);
@@ -463,7 +524,7 @@ impl<D> RowTransport<D> {
         if self.table(repr.key).is_none() {
             return false;
         }
-        self.on_error(from, &repr);
+        self.on_error(now, from, &repr);
         true
     }
 
@@ -489,6 +550,9 @@ impl<D> RowTransport<D> {
         let dim_ok = self.table(repr.key).is_some_and(|t| t.dim == repr.dim);
         if !dim_ok {
             add(&self.stats.row_answers_malformed, 1);
+            return;
+        }
+        if self.caught_up(now, entry, &repr) {
             return;
         }
         let verdict = match self.active.get_mut(&repr.key) {
@@ -531,7 +595,10 @@ impl<D> RowTransport<D> {
         }
     }
 
-    fn on_error(&mut self, from: SocketAddr, repr: &wire::Repr) {
+    fn on_error(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) {
+        if self.catch_up_refused(from, repr) {
+            return;
+        }
         let at = self.entry_of.get(&from).and_then(|&entry| {
             let a = self.active.get(&repr.key)?;
             let i = if repr.chunk & PULL_TAG != 0 {
@@ -552,6 +619,9 @@ impl<D> RowTransport<D> {
             return;
         };
         add(&self.stats.errors, 1);
+        if repr.error == DropReason::Ahead.code() && self.start_catch_up(now, repr.key, i) {
+            return;
+        }
         let a = &self.active[&repr.key];
         let m = &a.plan.msgs[i];
         let message = match m.kind {
@@ -590,6 +660,160 @@ impl<D> RowTransport<D> {
             };
             self.fail(key, err);
         }
+    }
+
+    /// Message `i` of `key`'s request, a ROW_PUSH or ROW_END of round
+    /// t ≥ 2, was refused `ahead`: its lcore was restored from an older
+    /// checkpoint (PROTOCOL.md §10.6). Parks that lcore's messages of the
+    /// request (those answered too: the restored lcore lost them) and asks
+    /// the lcore where the table stands there. False when the refusal
+    /// cannot be a restore's (round 1, a pull): the request fails.
+    fn start_catch_up(&mut self, now: Instant, key: u32, i: usize) -> bool {
+        let Some(a) = self.active.get(&key) else {
+            return false;
+        };
+        let entry = a.plan.msgs[i].entry;
+        let round = match a.plan.kind {
+            PlanKind::Push { round } if round >= 2 => round,
+            _ => return false,
+        };
+        let Some(id) = self.table(key).and_then(|t| id_on(t, entry)) else {
+            return false;
+        };
+        let rto = self.rto.loss(0);
+        let a = self.active.get_mut(&key).expect("looked up above");
+        let lane = a.plan.lanes[entry as usize];
+        let span = lane.first..lane.first + lane.n as usize + 1;
+        for j in span.clone() {
+            match a.states[j] {
+                MsgState::Out(_) => self.outstanding -= 1,
+                MsgState::Answered => a.remaining += 1,
+                MsgState::Pending | MsgState::Parked => {}
+            }
+            a.states[j] = MsgState::Parked;
+        }
+        self.pending.retain(|&(k, j)| k != key || !span.contains(&j));
+        self.queue.retain(|&(k, j)| k != key || !span.contains(&j));
+        a.catch_up.insert(
+            entry,
+            CatchUp {
+                round: None,
+                sent: Sent {
+                    first_sent: now,
+                    deadline: now + rto,
+                    retries: 0,
+                },
+                id,
+            },
+        );
+        debug_assert!(round >= 2);
+        self.catch_up_queue.push((key, entry));
+        true
+    }
+
+    /// An answer to a lane's catch-up message ([`CatchUp`]): the ROW_PULL's
+    /// (the lcore's round c: its empty rounds start at c + 1) or an empty
+    /// round's ROW_DONE (of any count: a held one is released with the
+    /// count the lcore kept). Once the lcore stands at the push's round,
+    /// the lane's messages go again. True when `repr` was one.
+    fn caught_up(&mut self, now: Instant, entry: u32, repr: &RowRepr) -> bool {
+        let Some(a) = self.active.get_mut(&repr.key) else {
+            return false;
+        };
+        let PlanKind::Push { round } = a.plan.kind else {
+            return false;
+        };
+        let Some(c) = a.catch_up.get_mut(&entry) else {
+            return false;
+        };
+        let next = match (c.round, repr.kind) {
+            (None, RowMsgType::RowPullResult) if repr.seq == CATCH_UP_TAG => repr.round.saturating_add(1),
+            (Some(u), RowMsgType::RowDone) if repr.round == u => u + 1,
+            _ => return false,
+        };
+        add(&self.stats.row_answers_accepted, 1);
+        self.last_progress = now;
+        if next < round {
+            c.round = Some(next);
+            c.sent = Sent {
+                first_sent: now,
+                deadline: now + self.rto.loss(0),
+                retries: 0,
+            };
+            add(&self.stats.row_rounds_caught_up, 1);
+            self.catch_up_queue.push((repr.key, entry));
+            return true;
+        }
+        // The lcore stands at the push's round: its messages go first.
+        a.catch_up.remove(&entry);
+        let lane = a.plan.lanes[entry as usize];
+        for j in (lane.first..=lane.first + lane.n as usize).rev() {
+            a.states[j] = MsgState::Pending;
+            self.pending.push_front((repr.key, j));
+        }
+        true
+    }
+
+    /// An ERROR refusing a lane's catch-up message: the request fails
+    /// with it (the lcore cannot be brought up to the push's round: an
+    /// async clock it holds part of, or another refusal). True when
+    /// `repr` was one.
+    fn catch_up_refused(&mut self, from: SocketAddr, repr: &wire::Repr) -> bool {
+        let Some(&entry) = self.entry_of.get(&from) else {
+            return false;
+        };
+        let Some(c) = self.active.get(&repr.key).and_then(|a| a.catch_up.get(&entry)) else {
+            return false;
+        };
+        let message = match c.round {
+            None if repr.chunk == CATCH_UP_TAG => {
+                format!("ROW_PULL of id {} to {from}, asking its round", c.id)
+            }
+            Some(u) if repr.round == u && repr.chunk == 0 => {
+                format!("ROW_END (n = 0) of round {u} to {from}, bringing the lcore restored behind this worker up")
+            }
+            _ => return false,
+        };
+        add(&self.stats.errors, 1);
+        let (reason, hint) = describe_row(repr.error);
+        let err = WorkerError::TableRefused {
+            table: self.table_name(repr.key),
+            key: repr.key,
+            message,
+            round: repr.round,
+            reason,
+            hint,
+        };
+        self.fail(repr.key, err);
+        true
+    }
+
+    /// A lane's catch-up message ([`CatchUp`]) as a datagram.
+    fn catch_up_datagram(&self, key: u32, entry: u32) -> Option<Vec<u8>> {
+        let a = self.active.get(&key)?;
+        let c = a.catch_up.get(&entry)?;
+        let (kind, count, round, seq, ids) = match c.round {
+            None => (RowMsgType::RowPull, 1, 0, CATCH_UP_TAG, &[c.id][..]),
+            Some(u) => (RowMsgType::RowEnd, 0, u, 0, &[][..]),
+        };
+        let repr = RowRepr {
+            kind,
+            dtype: self.info.dtype,
+            flags: if c.sent.retries > 0 { flags::RETRANSMIT } else { 0 },
+            token: self.info.token,
+            job: self.info.job,
+            rank: self.info.rank,
+            count,
+            round,
+            dim: a.plan.dim,
+            key,
+            seq,
+        };
+        let mut bytes = vec![0u8; HEADER_LEN + repr.payload_len()?];
+        let written = rows::write(&repr, ids, &[], &mut bytes);
+        debug_assert_eq!(written, bytes.len());
+        add(&self.stats.row_messages_sent, u64::from(c.sent.retries == 0));
+        Some(bytes)
     }
 
     fn table_name(&self, key: u32) -> String {
@@ -662,6 +886,13 @@ impl<D> RowTransport<D> {
             self.fail(key, err);
         }
     }
+}
+
+/// The smallest id the placement puts on `entry` (each entry gets about
+/// 1 / L of the ids, so a few times L tries find one).
+fn id_on(t: &TableInfo, entry: u32) -> Option<u64> {
+    let tries = u64::from(t.placement.lcores()).saturating_mul(1024).max(1 << 16);
+    (0..tries).find(|&id| t.placement.entry(id) == entry)
 }
 
 /// The error for key `key`, which is none of `tables`.

@@ -1,0 +1,333 @@
+//! A run's table keys (PROTOCOL.md §10): each rank pushes every table
+//! round by round through its real row transport
+//! (`phub_worker::sim_rows::SimRowTransport`), apart from its dense keys
+//! (tables keep their own rounds, §10.3), and the run checks what the
+//! lcores take and send against the tables' models ([`crate::rows`]).
+//!
+//! Checks, after every datagram:
+//! - a ROW_PUSH is taken once per (lcore incarnation, rank, round,
+//!   sequence), for the round in progress (BSP) or the rank's next clock;
+//! - BSP: a round completes once, in order; without a restore its
+//!   accumulator is every rank's rows on that lcore summed;
+//! - every ROW_RESULT and ROW_PULL_RESULT carries the model's rows, bit
+//!   for bit, and every row a worker's push ends with is one a
+//!   ROW_RESULT of that round carried to it;
+//! - at the end, every (table, lcore) completed every round (every rank's
+//!   every clock) and no row transport has a request in flight.
+
+use phub_engine::Verdict;
+use phub_proto::rows::{self, RowMsgType, RowPayload};
+use phub_proto::spec::Consistency;
+use rand::Rng;
+
+use super::{rows as model, Lcore, World};
+
+impl World<'_> {
+    /// Rank `i`'s row transport: its timers, its ended pushes, and the
+    /// tables whose next round is ready.
+    pub(super) fn step_tables(&mut self, i: usize) {
+        let now = self.at(self.now);
+        let Some(rt) = self.ranks[i].rt.as_mut() else {
+            return;
+        };
+        if rt.poll_timeout().is_some_and(|t| t <= now) {
+            rt.handle_timeout(now);
+        }
+        let mut ended = Vec::new();
+        while let Some(d) = rt.poll_done() {
+            ended.push(d);
+        }
+        for d in ended {
+            self.on_table_done(i, d);
+        }
+        // Every table's round together, in table order, as a training
+        // step calls them: ranks that submitted tables in different
+        // orders could each fill their window with a table the others
+        // send later (seed 4 did, before this).
+        if self.ranks[i].tables.iter().all(|t| t.ids.is_none())
+            && self.ranks[i]
+                .tables
+                .iter()
+                .any(|t| t.ready_at.is_some_and(|at| at <= self.now))
+        {
+            for t in 0..self.case.tables.len() {
+                if self.ranks[i].tables[t].ready_at.is_some() {
+                    self.submit_table(i, t);
+                }
+            }
+        }
+    }
+
+    /// Rank `i` pushes its next round of table `t`.
+    fn submit_table(&mut self, i: usize, t: usize) {
+        let now = self.at(self.now);
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rank = i as u16;
+        let key = super::table_key(self.case, t);
+        let tc = &self.case.tables[t];
+        let round = self.ranks[i].tables[t].next;
+        let ids = tc.round_ids(self.case.seed, key, rank, round);
+        let grads = tc.grads(key, rank, round, &ids);
+        if round == self.case.rounds && self.last_round_at.is_none() {
+            self.last_round_at = Some(self.now);
+        }
+        let r = &mut self.ranks[i];
+        let rt =
+            r.rt.as_mut()
+                .expect("a case with tables gives each rank a row transport");
+        if let Err(e) = rt.push(now, t as u64, key, round, &ids, &grads) {
+            panic!("rank {i}: table {t} round {round} is refused before it is sent: {e}");
+        }
+        r.tables[t].ids = Some(ids);
+        r.tables[t].ready_at = None;
+    }
+
+    /// Rank `i`'s push of a table ended: its rows are those ROW_RESULTs
+    /// of its round carried to it.
+    fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
+        // Cast: the tag is the table's index.
+        #[allow(clippy::cast_possible_truncation)]
+        let t = d.tag as usize;
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rank = i as u16;
+        let round = self.ranks[i].tables[t].next;
+        let ids = self.ranks[i].tables[t]
+            .ids
+            .take()
+            .unwrap_or_else(|| panic!("rank {i}: table {t} ended a push it did not make"));
+        let (got, values) = match d.result {
+            Ok(v) => v,
+            Err(e) => panic!("rank {i}: table {t} (key {}) round {round} failed: {e}", d.key),
+        };
+        assert_eq!(got, round, "rank {i}: table {t} answered for another round");
+        let dim = self.case.tables[t].dim as usize;
+        for (j, id) in ids.iter().enumerate() {
+            let row = &values[j * dim..(j + 1) * dim];
+            let sent = self.row_answers.get(&(rank, d.key, round, *id));
+            let ok = sent.is_some_and(|s| {
+                s.iter()
+                    .any(|a| a.iter().zip(row).all(|(x, y)| x.to_bits() == y.to_bits()))
+            });
+            assert!(
+                ok,
+                "rank {i}: table {t} round {round} id {id:#x}: the row {row:?} is none a ROW_RESULT carried to it ({sent:?})"
+            );
+        }
+        self.outcome.table_pushes += 1;
+        self.ranks[i].tables[t].next += 1;
+        // Once every table's round ended, the next is computed.
+        if self.ranks[i].tables.iter().all(|t| t.ids.is_none()) {
+            let slow = if i == 0 { 3 } else { 1 };
+            let at = self.now + slow * self.rng.gen_range(0..=self.case.compute_us);
+            let rounds = self.case.rounds;
+            for tr in &mut self.ranks[i].tables {
+                if tr.next <= rounds {
+                    tr.ready_at = Some(at);
+                }
+            }
+        }
+    }
+
+    /// Lcore `l` handled the table message `bytes` with `verdict`: the
+    /// model of its (table, lcore) takes what the lcore took.
+    pub(super) fn row_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
+        let Ok((repr, payload)) = rows::parse(bytes) else {
+            assert!(
+                matches!(verdict, Verdict::Dropped(_)),
+                "lcore {l}: a table message that does not parse was {verdict:?}"
+            );
+            return;
+        };
+        let Some(t) = (repr.key as usize).checked_sub(self.case.keys.len()) else {
+            return;
+        };
+        if t >= self.case.tables.len() {
+            return;
+        }
+        let sync = self.case.consistency == Consistency::Sync;
+        let took = matches!(
+            verdict,
+            Verdict::Aggregated | Verdict::Completed | Verdict::Applied | Verdict::Held
+        );
+        let r = usize::from(repr.rank);
+        let tc = &self.case.tables[t];
+        let m = &mut self.tmodels[t][l];
+        if repr.kind == RowMsgType::RowPush && took {
+            let fresh = self.row_applied.insert((
+                l,
+                self.lcores[l].incarnation,
+                repr.key,
+                repr.rank,
+                repr.round,
+                repr.seq,
+            ));
+            assert!(
+                fresh,
+                "lcore {l}: ROW_PUSH {} of rank {} round {} of table key {} taken twice",
+                repr.seq, repr.rank, repr.round, repr.key
+            );
+            let want = if sync { m.completed + 1 } else { m.applied[r] + 1 };
+            assert_eq!(
+                repr.round, want,
+                "lcore {l}: table key {} took rank {r}'s ROW_PUSH of round {} (round in progress or next clock {want})",
+                repr.key, repr.round
+            );
+            let RowPayload::Rows(rs) = payload else {
+                panic!("lcore {l}: a ROW_PUSH without rows was taken");
+            };
+            let mut a = vec![0f32; tc.dim as usize];
+            for (j, id) in rs.ids().iter().enumerate() {
+                assert!(rs.decode_row(j, &mut a), "a taken ROW_PUSH decodes");
+                if sync {
+                    m.accumulate(id, &a);
+                } else {
+                    m.apply(tc, id, &a);
+                }
+            }
+        }
+        if !matches!(verdict, Verdict::Completed | Verdict::Held) {
+            return;
+        }
+        if !sync {
+            assert_eq!(
+                repr.round,
+                m.applied[r] + 1,
+                "lcore {l}: table key {}: rank {r}'s clock {} completed after clock {}",
+                repr.key,
+                repr.round,
+                m.applied[r]
+            );
+            m.applied[r] = repr.round;
+            return;
+        }
+        assert_eq!(
+            repr.round,
+            m.completed + 1,
+            "lcore {l}: table key {} completed round {} after round {}",
+            repr.key,
+            repr.round,
+            m.completed
+        );
+        let acc = m.complete(tc);
+        if self.outcome.restored > 0 {
+            return;
+        }
+        // Cast: lcores are few.
+        #[allow(clippy::cast_possible_truncation)]
+        let entry = l as u32;
+        let want = model::expected_round(self.case, t, &self.tplace[t], entry, repr.round);
+        assert_eq!(
+            acc.len(),
+            want.len(),
+            "lcore {l}: table key {} round {}: {} rows summed, every rank's pushes have {}",
+            repr.key,
+            repr.round,
+            acc.len(),
+            want.len()
+        );
+        for (id, a) in &acc {
+            let same = want
+                .get(id)
+                .is_some_and(|w| w.iter().zip(a).all(|(x, y)| x.to_bits() == y.to_bits()));
+            assert!(
+                same,
+                "lcore {l}: table key {} round {} id {id:#x}: summed {a:?}, every rank's rows sum to {:?}",
+                repr.key,
+                repr.round,
+                want.get(id)
+            );
+        }
+    }
+
+    /// A table answer leaving lcore `l` for `rank` carries the model's rows.
+    pub(super) fn check_row_answer(&mut self, l: usize, rank: u16, bytes: &[u8]) {
+        let Ok((repr, payload)) = rows::parse(bytes) else {
+            panic!("lcore {l} sent a table message that does not parse");
+        };
+        let RowPayload::Rows(rs) = payload else {
+            return;
+        };
+        let t = (repr.key as usize)
+            .checked_sub(self.case.keys.len())
+            .filter(|&t| t < self.case.tables.len())
+            .unwrap_or_else(|| {
+                panic!(
+                    "lcore {l} answered rows of key {}, no table of the case",
+                    repr.key
+                )
+            });
+        let tc = &self.case.tables[t];
+        let m = &self.tmodels[t][l];
+        let mut got = vec![0f32; tc.dim as usize];
+        for (j, id) in rs.ids().iter().enumerate() {
+            assert!(rs.decode_row(j, &mut got), "an answer's row decodes");
+            let want = m.answer(tc, self.case.dtype, id);
+            if let Some(e) = (0..got.len()).find(|&e| got[e].to_bits() != want[e].to_bits()) {
+                panic!(
+                    "lcore {l}: {} of table key {} round {} to rank {rank}: id {id:#x} has {} at element {e}, the model {}",
+                    repr.kind.name(),
+                    repr.key,
+                    repr.round,
+                    got[e],
+                    want[e]
+                );
+            }
+            self.outcome.rows_checked += 1;
+            if repr.kind == RowMsgType::RowResult {
+                self.row_answers
+                    .entry((rank, repr.key, repr.round, id))
+                    .or_default()
+                    .push(got.clone());
+            }
+        }
+    }
+
+    /// The crashed appliance's table models as its checkpoint is taken.
+    pub(super) fn checkpoint_tables(&mut self, on: &dyn Fn(&Lcore) -> bool) {
+        for (t, models) in self.tmodels.iter().enumerate() {
+            for (g, m) in models.iter().enumerate() {
+                if on(&self.lcores[g]) {
+                    self.tmodel_checkpoint.insert((t, g), m.clone());
+                }
+            }
+        }
+    }
+
+    /// The models go back to the checkpoint with the engine; a BSP round
+    /// in progress is not saved (PROTOCOL.md §10.6).
+    pub(super) fn restore_tables(&mut self) {
+        for ((t, g), mut m) in self.tmodel_checkpoint.drain() {
+            m.clear_round();
+            self.tmodels[t][g] = m;
+        }
+    }
+
+    /// At the end: every (table, lcore) completed every round (BSP) or
+    /// took every rank's every clock.
+    pub(super) fn check_tables(&self) {
+        let rounds = self.case.rounds;
+        for (t, models) in self.tmodels.iter().enumerate() {
+            for (g, m) in models.iter().enumerate() {
+                if self.case.consistency == Consistency::Sync {
+                    assert_eq!(m.completed, rounds, "table {t} lcore {g}: rounds completed");
+                } else {
+                    assert!(
+                        m.applied.iter().all(|&a| a == rounds),
+                        "table {t} lcore {g}: clocks {:?} at the end, not all {rounds}",
+                        m.applied
+                    );
+                }
+            }
+        }
+        for (i, r) in self.ranks.iter().enumerate() {
+            if let Some(rt) = &r.rt {
+                assert!(
+                    !rt.busy(),
+                    "rank {i}: a finished rank has table requests in flight"
+                );
+            }
+        }
+    }
+}
