@@ -22,6 +22,7 @@ mod end_to_end;
 mod etcd;
 mod failover;
 mod faults;
+mod fencing;
 mod hierarchy;
 mod memory;
 mod packaging;

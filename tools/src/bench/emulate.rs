@@ -224,6 +224,10 @@ pub struct Outcome {
     pub mismatches: u64,
     /// The first difference, described.
     pub first_mismatch: Option<String>,
+    /// Rounds (0: the initial values) in which some element differed, in
+    /// order (`--verify`; empty when every round was exact).
+    #[serde(default)]
+    pub mismatched_rounds: Vec<u32>,
     /// The worker library's counters at the end.
     pub stats: WorkerStats,
     /// The window the worker used (chunks).
@@ -330,10 +334,14 @@ pub fn run(
             w.wait(h)?;
         }
     }
+    let mut mismatched_rounds = Vec::new();
     if plan.verify {
         for (k, p) in params.iter().enumerate() {
             let k = k as u32;
             check(k, 0, p, |p| init_value(k, p), &mut mismatches, &mut first);
+        }
+        if mismatches > 0 {
+            mismatched_rounds.push(0);
         }
     }
     let factor = (plan.rank as f32) + 1.0;
@@ -404,6 +412,7 @@ pub fn run(
             round_ms.push(ms);
         }
         if plan.verify {
+            let before = mismatches;
             let c = workers as f32 * round_term(round);
             for (k, p) in params.iter().enumerate() {
                 check(
@@ -414,6 +423,9 @@ pub fn run(
                     &mut mismatches,
                     &mut first,
                 );
+            }
+            if mismatches > before {
+                mismatched_rounds.push(round);
             }
         }
         on_event(Event::Round { round, timed, ms });
@@ -435,6 +447,7 @@ pub fn run(
         verified: plan.verify.then_some(mismatches == 0),
         mismatches,
         first_mismatch: first,
+        mismatched_rounds,
         stats,
         window,
         cpu_s,

@@ -296,6 +296,10 @@ pub fn serve_control(args: &ControlArgs) -> Result<()> {
         reconcile_interval: Duration::from_millis(args.reconcile_ms),
         appliances: args.appliance.clone(),
         insecure_listen: args.insecure_listen,
+        heartbeat: phub_control::daemon::Heartbeat {
+            interval: Duration::from_millis(args.heartbeat_ms),
+            deadline: Duration::from_millis(args.heartbeat_deadline_ms),
+        },
         ..phub_control::daemon::Config::default()
     })?;
     wait_for_signal()?;
@@ -326,6 +330,12 @@ pub struct ControlArgs {
     /// listens on the spine namespace's private address).
     #[arg(long)]
     pub insecure_listen: bool,
+    /// Milliseconds between heartbeats to each appliance (as phub-control's).
+    #[arg(long, default_value_t = phub_control::daemon::HEARTBEAT_MS)]
+    pub heartbeat_ms: u64,
+    /// An appliance silent this long is declared down (as phub-control's).
+    #[arg(long, default_value_t = phub_control::daemon::HEARTBEAT_DEADLINE_MS)]
+    pub heartbeat_deadline_ms: u64,
 }
 
 fn wait_for_signal() -> Result<()> {

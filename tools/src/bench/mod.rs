@@ -8,6 +8,8 @@
 //!   against.
 //! - [`plot`]: the sweep's plot (SVG, or PNG rendered from it).
 //! - [`tcp_ps`]: the same-run TCP parameter server of `--baseline tcp-ps`.
+//! - [`failover`]: `--replicas` and `--kill-appliance`: a replicated
+//!   job's failover measured on the virtual racks.
 //! - [`racks`]: virtual racks (`--racks R`): namespaces, veth links, tbf
 //!   limits, an appliance per rack, the bytes across the spine.
 //! - [`sparse`]: `phub-bench sparse`: sparse tables' row store
@@ -15,6 +17,7 @@
 
 pub mod ceiling;
 pub mod emulate;
+pub mod failover;
 pub mod local;
 pub mod plot;
 pub mod racks;

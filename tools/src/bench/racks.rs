@@ -35,6 +35,7 @@ use phub_hwtests::process::{self, Daemon};
 use phub_hwtests::virt::{self, Netns};
 use serde::Serialize;
 
+use super::failover::{self, Kill};
 use super::local;
 use super::run::{self, Backend, RunArgs, RunResult};
 use crate::profiles::Profile;
@@ -500,6 +501,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         "--state".into(),
         dir.join("state.json").display().to_string(),
     ]);
+    control_args.extend(a.failover.control_args());
     for (i, ns) in net.appliances.iter().enumerate() {
         let r = i + 1;
         let host = appliance_ip(r);
@@ -643,6 +645,13 @@ fn check(a: &RunArgs) -> Result<(usize, usize)> {
 /// appliance alone), and removes it all.
 pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResult> {
     let (racks, n) = check(a)?;
+    let kill_index = failover::check(
+        &a.failover,
+        n,
+        a.rounds,
+        a.rack.hierarchical,
+        a.rack.compare_single || a.rack.compare_flat,
+    )?;
     let ra = &a.rack;
     let net = RackNet::create(racks, ra.spine_gbps, ra.appliance_gbps, ra.link_queue_ms)?;
     if let Some(pct) = ra.spine_loss {
@@ -652,7 +661,7 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     process::track_dir(&dir);
     let r = RackNet::inside(&net.spine, || {
-        run_in_spine(a, profile, label, &net, &dir, racks, n)
+        run_in_spine(a, profile, label, &net, &dir, racks, n, kill_index)
     });
     if r.is_err() {
         eprintln!("phub-bench: the racks' logs were in {} (removed)", dir.display());
@@ -672,9 +681,9 @@ enum Placement {
 }
 
 impl Placement {
-    /// `spec` with its `[placement]`.
-    fn spec(&self, spec: &serde_json::Value) -> serde_json::Value {
-        let placement = match self {
+    /// `spec` with its `[placement]` (and `replicas`, when given).
+    fn spec(&self, spec: &serde_json::Value, replicas: Option<u32>) -> serde_json::Value {
+        let mut placement = match self {
             Placement::Flat(n) => serde_json::json!({
                 "appliances": (1..=*n).map(appliance_name).collect::<Vec<_>>(),
             }),
@@ -684,6 +693,9 @@ impl Placement {
                 "ranks_per_rack": per_rack,
             }),
         };
+        if let (Some(r), Some(o)) = (replicas, placement.as_object_mut()) {
+            o.insert("replicas".into(), r.into());
+        }
         let mut s = spec.clone();
         if let Some(o) = s.as_object_mut() {
             o.insert("placement".into(), placement);
@@ -701,6 +713,7 @@ impl Placement {
     }
 }
 
+#[allow(clippy::too_many_arguments)] // the run's parts, each owned elsewhere
 fn run_in_spine(
     a: &RunArgs,
     profile: &Profile,
@@ -709,12 +722,13 @@ fn run_in_spine(
     dir: &Path,
     racks: usize,
     n: usize,
+    kill_index: Option<usize>,
 ) -> Result<RunResult> {
     let job = run::job_spec(a, profile, label)?;
     // A hierarchical rack appliance holds a slot for every chunk and its
     // part of the homes: room for the whole job twice.
     let budget = 2 * job.budget(a.lcores, false);
-    let appl = start(a, net, dir, budget)?;
+    let mut appl = start(a, net, dir, budget)?;
     let of = rack_of_ranks(a.workers, racks);
     let fabric_bytes = || net.spine_rx_bytes();
     let fabric = Fabric {
@@ -727,8 +741,8 @@ fn run_in_spine(
     for &x in &of {
         workers_per_rack[x] += 1;
     }
-    let exchange = |p: &Placement| -> Result<RunResult> {
-        let admitted = local::admit(&appl.control_url, &p.spec(&job.json).to_string(), token)?;
+    let exchange = |p: &Placement, replicas: Option<u32>, kill: Option<&mut Kill<'_>>| -> Result<RunResult> {
+        let admitted = local::admit(&appl.control_url, &p.spec(&job.json, replicas).to_string(), token)?;
         let r = run::drive(
             a,
             profile,
@@ -738,6 +752,7 @@ fn run_in_spine(
             job.chunks,
             None,
             &fabric,
+            kill,
         );
         local::evict(&appl.control_url, admitted.id, token);
         r
@@ -747,16 +762,28 @@ fn run_in_spine(
     } else {
         Placement::Flat(n)
     };
-    let mut r = exchange(&placement)?;
+    let mut kill = kill_index.map(|i| {
+        let dataplanes = &mut appl.dataplanes;
+        Kill::new(
+            &appliance_name(i + 1),
+            a.failover.kill_at_round.unwrap_or(1),
+            a.warmup,
+            a.workers,
+            Some(appl.token.clone()),
+            move || dataplanes[i].kill(),
+        )
+    });
+    let mut r = exchange(&placement, a.failover.replicas, kill.as_mut())?;
+    drop(kill);
     let flat = if a.rack.compare_flat {
         eprintln!("phub-bench: the same job flat over the same appliances (--compare-flat)");
-        Some(exchange(&Placement::Flat(n))?)
+        Some(exchange(&Placement::Flat(n), a.failover.replicas, None)?)
     } else {
         None
     };
     let single = if a.rack.compare_single {
         eprintln!("phub-bench: the same job on rack 1's appliance alone (--compare-single)");
-        Some(exchange(&Placement::Flat(1))?)
+        Some(exchange(&Placement::Flat(1), None, None)?)
     } else {
         None
     };

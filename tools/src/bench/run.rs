@@ -18,6 +18,7 @@ use serde::Serialize;
 
 use super::ceiling::{self, Ceilings, Forward, VethCeiling};
 use super::emulate::{self, Event, Outcome, Plan};
+use super::failover::{FailoverArgs, FailoverFigures, Kill};
 use super::local::{self, Local, LocalOptions};
 use super::plot;
 use super::racks::{Fabric, RackArgs, RackFigures};
@@ -266,6 +267,10 @@ pub struct RunArgs {
     #[command(flatten)]
     #[serde(flatten)]
     pub rack: RackArgs,
+    /// Replicas and a kill of one appliance (virtual racks only).
+    #[command(flatten)]
+    #[serde(flatten)]
+    pub failover: FailoverArgs,
 }
 
 /// The spec's `consistency` value for `--consistency` (none for BSP, the
@@ -424,6 +429,9 @@ pub struct RunResult {
     /// The virtual racks' figures (`--racks`).
     #[serde(flatten)]
     pub racks: RackFigures,
+    /// `--replicas` and `--kill-appliance`'s figures.
+    #[serde(flatten)]
+    pub failover: FailoverFigures,
 }
 
 /// Datagrams a fault injector lost, duplicated and held back.
@@ -752,6 +760,7 @@ fn run_point_here(a: &RunArgs, profile: &Profile, label: &str, veth: Option<&str
         chunks,
         ceilings,
         &Fabric::default(),
+        None,
     );
     local::evict(&control_url, admitted.id, token.as_deref());
     if let Some(l) = local {
@@ -828,7 +837,8 @@ fn with_veth_ceiling(
 }
 
 /// Starts the workers (each in its `fabric` namespace, if any), runs the
-/// rounds, collects the figures.
+/// rounds, collects the figures; with `kill`, kills an appliance when the
+/// workers reach its round and measures the failover.
 #[allow(clippy::too_many_arguments)] // the run's parts, each owned elsewhere
 pub(super) fn drive(
     a: &RunArgs,
@@ -839,6 +849,7 @@ pub(super) fn drive(
     chunks: u64,
     ceilings: Option<Ceilings>,
     fabric: &Fabric<'_>,
+    mut kill: Option<&mut Kill<'_>>,
 ) -> Result<RunResult> {
     let w = a.workers;
     let total_rounds = u64::from(a.warmup + a.rounds) * w as u64;
@@ -976,7 +987,21 @@ pub(super) fn drive(
     };
     let (mut spine0, mut spine1) = (None, None);
     while outcomes.len() + usize::from(failure.is_some()) < w {
-        let Ok(msg) = rx.recv() else { break };
+        // After a kill, control's epoch is asked for between messages.
+        let msg = match kill.as_deref_mut() {
+            Some(k) if k.awaits_epoch() => {
+                k.poll_epoch(control_url, admitted.id);
+                match rx.recv_timeout(Duration::from_millis(5)) {
+                    Ok(m) => m,
+                    Err(mpsc::RecvTimeoutError::Timeout) => continue,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                }
+            }
+            _ => match rx.recv() {
+                Ok(m) => m,
+                Err(_) => break,
+            },
+        };
         match msg {
             Msg::Event(Event::Ready) => {
                 ready += 1;
@@ -1003,6 +1028,9 @@ pub(super) fn drive(
                 }
             }
             Msg::Event(Event::Round { round, timed, ms }) => {
+                if let Some(k) = kill.as_deref_mut() {
+                    k.on_round(round);
+                }
                 bar.inc(1);
                 let phase = if timed { "timed" } else { "warm-up" };
                 bar.set_message(format!("{phase} round {round}: {ms:.1} ms"));
@@ -1083,6 +1111,19 @@ pub(super) fn drive(
         Some(outcomes.iter().all(|o| o.verified == Some(true)))
     } else {
         None
+    };
+    let failover = match kill {
+        Some(k) => {
+            let mismatched: Vec<u32> = outcomes
+                .iter()
+                .flat_map(|o| o.mismatched_rounds.iter().copied())
+                .collect();
+            k.figures(control_url, admitted.id, a.warmup + a.rounds, &mismatched)?
+        }
+        None => FailoverFigures {
+            replicas: a.failover.replicas,
+            ..FailoverFigures::default()
+        },
     };
     let (bound_round_ms, mut efficiency_bound) = match &ceilings {
         Some(c) => (Some(c.udp_echo_round_ms), c.describe_bound()),
@@ -1193,6 +1234,7 @@ pub(super) fn drive(
                 .map(|(x, y)| y.saturating_sub(x) as f64 / rounds_f),
             ..RackFigures::default()
         },
+        failover,
     })
 }
 

@@ -1,0 +1,379 @@
+//! A replicated job's failover, measured by `phub-bench run --local --racks
+//! R --replicas 2 --kill-appliance NAME --kill-at-round N` (PROTOCOL.md
+//! §11.6): the job is placed with `[placement] replicas`, and when every
+//! worker has completed timed round N the coordinator kills (SIGKILL) the
+//! named appliance's dataplane; control declares it down, the survivors
+//! take the next epoch and the workers follow it.
+//!
+//! Figures ([`FailoverFigures`]):
+//!
+//! - `failover_ms`: from the kill to the first round a worker completed
+//!   after it (a round beyond the highest any worker had reported when the
+//!   kill was sent), both as the coordinator saw them;
+//! - `epoch_served_ms`: from the kill to control serving the job's next
+//!   epoch (asked every 5 ms): detection (`--heartbeat-ms`,
+//!   `--heartbeat-deadline-ms`, control's defaults 100 and 500) and the
+//!   new epoch's making; the rest of `failover_ms` is the workers'
+//!   learning it and resending;
+//! - `rounds_lost`: rounds that some worker saw answered with anything but
+//!   that round's exact sum (`--verify`), plus the rounds the workers
+//!   completed that a surviving appliance had not (its chunks' lowest last
+//!   completed round, from control, below the workers' last round);
+//! - `rounds_repeated`: the rounds a surviving appliance completed beyond
+//!   the workers' last (an aggregate applied twice advances its round
+//!   twice);
+//! - `verified` (the run's own field): every element of every round equal
+//!   to the closed form of the sum (`emulate`'s pattern), which is what the
+//!   same seed's run without the kill gives bit for bit (small integers sum
+//!   exactly in `f32` in any order): the reference is computed, not run.
+//!
+//! Kills are on the virtual racks only (`--racks`): they are the only
+//! `--local` set-up with several appliances.
+
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Result};
+use phub_proto::api::JobDetail;
+use phub_proto::failover::EpochView;
+use phub_proto::routes::control;
+use serde::Serialize;
+
+use super::local;
+
+/// `phub-bench run`'s replica and kill options.
+#[derive(Debug, Clone, Default, clap::Args, Serialize)]
+pub struct FailoverArgs {
+    /// Copies of every chunk (`[placement] replicas`, PROTOCOL.md §11): 1
+    /// to 3, at most --appliances (virtual racks only).
+    #[arg(long, value_name = "R", requires = "racks")]
+    pub replicas: Option<u32>,
+    /// Kill (SIGKILL) this appliance's dataplane mid-run, named as control
+    /// names it (`rack2`); needs --replicas 2 and --kill-at-round.
+    #[arg(long, value_name = "NAME", requires_all = ["racks", "kill_at_round"])]
+    pub kill_appliance: Option<String>,
+    /// The kill comes when every worker has completed timed round N (1 to
+    /// --rounds - 1, so that a round follows it).
+    #[arg(long, value_name = "N", requires = "kill_appliance")]
+    pub kill_at_round: Option<u32>,
+    /// Control's heartbeat interval, ms (phub-control's `--heartbeat-ms`;
+    /// default its own, 100).
+    #[arg(long, value_name = "MS", requires = "racks")]
+    pub heartbeat_ms: Option<u64>,
+    /// Control's heartbeat deadline, ms (phub-control's
+    /// `--heartbeat-deadline-ms`; default its own, 500).
+    #[arg(long, value_name = "MS", requires = "racks")]
+    pub heartbeat_deadline_ms: Option<u64>,
+}
+
+impl FailoverArgs {
+    /// phub-control's arguments for the heartbeat timing asked for.
+    pub fn control_args(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if let Some(ms) = self.heartbeat_ms {
+            v.extend(["--heartbeat-ms".to_string(), ms.to_string()]);
+        }
+        if let Some(ms) = self.heartbeat_deadline_ms {
+            v.extend(["--heartbeat-deadline-ms".to_string(), ms.to_string()]);
+        }
+        v
+    }
+}
+
+/// What a run with `--kill-appliance` measured (all null without it;
+/// `replicas` is set whenever `--replicas` was given).
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct FailoverFigures {
+    /// `--replicas`.
+    pub replicas: Option<u32>,
+    /// `--kill-appliance`.
+    pub killed_appliance: Option<String>,
+    /// `--kill-at-round` (a timed round).
+    pub kill_at_round: Option<u32>,
+    /// The kill to the first round a worker completed after it, ms.
+    pub failover_ms: Option<f64>,
+    /// The kill to control serving the job's next epoch (`GET
+    /// /v1/jobs/{id}/epoch`, asked every 5 ms from the kill on), ms: the
+    /// detection's share of `failover_ms`.
+    pub epoch_served_ms: Option<f64>,
+    /// Rounds a surviving appliance completed beyond the workers' last.
+    pub rounds_repeated: Option<u32>,
+    /// Rounds answered inexactly to some worker, plus rounds the workers
+    /// completed that a surviving appliance had not.
+    pub rounds_lost: Option<u32>,
+    /// The job's epoch after the run, as control has it.
+    pub epoch_after: Option<EpochView>,
+    /// Lowest and highest last completed round over the surviving
+    /// appliances' chunks at the end (the workers' last round is
+    /// warm-up + rounds).
+    pub survivors_round_range: Option<(u32, u32)>,
+    /// What `verified` compares with: `computed` (the closed form of the
+    /// sum, equal bit for bit to the same run without the kill).
+    pub verified_against: Option<&'static str>,
+}
+
+/// The job's appliances' names on `n` virtual racks (control's names).
+fn names(n: usize) -> Vec<String> {
+    (1..=n).map(super::racks::appliance_name).collect()
+}
+
+/// Why these options cannot run a kill, if they cannot; `n` is the job's
+/// appliance count, `rounds` the timed rounds, `hierarchical` whether the
+/// job is. Returns the index (0-based) of the appliance to kill, if any.
+pub fn check(
+    f: &FailoverArgs,
+    n: usize,
+    rounds: u32,
+    hierarchical: bool,
+    compare: bool,
+) -> Result<Option<usize>> {
+    if let Some(r) = f.replicas {
+        ensure!(
+            (1..=3).contains(&r) && r as usize <= n,
+            "--replicas {r}: expected 1 to {} (at most 3 and at most the job's {n} appliance(s))",
+            n.min(3)
+        );
+        ensure!(
+            r == 1 || !hierarchical,
+            "--replicas {r} with --hierarchical: replicas are built for flat jobs only \
+             (PROTOCOL.md §11.1); drop one of them"
+        );
+    }
+    let Some(name) = &f.kill_appliance else {
+        return Ok(None);
+    };
+    let replicas = f.replicas.unwrap_or(1);
+    ensure!(
+        replicas == 2,
+        "--kill-appliance {name} with --replicas {replicas}: expected --replicas 2 (with 1 there is \
+         no backup to fail over to; with 3, adopting a part whose set keeps another live backup is \
+         not built, PROTOCOL.md §11.6 rule 4)"
+    );
+    let all = names(n);
+    let index = all.iter().position(|a| a == name).ok_or_else(|| {
+        anyhow::anyhow!(
+            "--kill-appliance {name}: not one of the job's appliances; expected one of {}",
+            all.join(", ")
+        )
+    })?;
+    let at = f.kill_at_round.unwrap_or(0);
+    ensure!(
+        (1..rounds).contains(&at),
+        "--kill-at-round {at} with --rounds {rounds}: expected 1 to {} (a timed round with one \
+         after it)",
+        rounds.saturating_sub(1)
+    );
+    ensure!(
+        !compare,
+        "--kill-appliance with --compare-single or --compare-flat: the comparison would run on \
+         the appliances left; drop one of them"
+    );
+    Ok(Some(index))
+}
+
+/// A kill to send mid-run, and what the coordinator saw around it.
+pub struct Kill<'a> {
+    name: String,
+    /// The timed round given (`--kill-at-round`).
+    timed_round: u32,
+    /// The round (as the workers number them, warm-up first) whose
+    /// completion at every worker triggers the kill.
+    after_round: u32,
+    workers: usize,
+    kill: Box<dyn FnMut() + 'a>,
+    token: Option<String>,
+    /// Workers that have completed `after_round`.
+    reached: usize,
+    /// The highest round any worker has reported.
+    highest: u32,
+    /// When the kill was sent, and the highest round reported then.
+    sent: Option<(Instant, u32)>,
+    /// The first report of a round beyond it.
+    first_after: Option<Instant>,
+    /// When control was first seen serving an epoch beyond 0.
+    epoch_served: Option<Instant>,
+    /// When control was last asked for the epoch.
+    asked: Option<Instant>,
+}
+
+impl<'a> Kill<'a> {
+    /// `kill` (which sends SIGKILL to `name`'s dataplane) runs when all
+    /// `workers` have completed timed round `timed_round` (after `warmup`
+    /// rounds); `token` reads control's view of the job at the end.
+    pub fn new(
+        name: &str,
+        timed_round: u32,
+        warmup: u32,
+        workers: usize,
+        token: Option<String>,
+        kill: impl FnMut() + 'a,
+    ) -> Kill<'a> {
+        assert!(workers >= 1 && timed_round >= 1);
+        Kill {
+            name: name.to_string(),
+            timed_round,
+            after_round: warmup + timed_round,
+            workers,
+            kill: Box::new(kill),
+            token,
+            reached: 0,
+            highest: 0,
+            sent: None,
+            first_after: None,
+            epoch_served: None,
+            asked: None,
+        }
+    }
+
+    /// A worker reported round `round` completed (now).
+    pub fn on_round(&mut self, round: u32) {
+        let now = Instant::now();
+        if let Some((_, before)) = self.sent {
+            if self.first_after.is_none() && round > before {
+                self.first_after = Some(now);
+            }
+        }
+        self.highest = self.highest.max(round);
+        if self.sent.is_none() && round == self.after_round {
+            self.reached += 1;
+            assert!(
+                self.reached <= self.workers,
+                "a worker reported round {round} twice"
+            );
+            if self.reached == self.workers {
+                (self.kill)();
+                self.sent = Some((Instant::now(), self.highest));
+                eprintln!(
+                    "phub-bench: killed {} (SIGKILL) after round {} (timed round {})",
+                    self.name, self.after_round, self.timed_round
+                );
+            }
+        }
+    }
+
+    /// Whether the kill was sent and control has not yet been seen
+    /// serving the next epoch: [`Kill::poll_epoch`] is due.
+    pub fn awaits_epoch(&self) -> bool {
+        self.sent.is_some() && self.epoch_served.is_none()
+    }
+
+    /// Asks control for job `job`'s epoch, at most every 5 ms, and notes
+    /// when it first serves one beyond 0.
+    pub fn poll_epoch(&mut self, control_url: &str, job: u16) {
+        if !self.awaits_epoch() || self.asked.is_some_and(|t| t.elapsed() < Duration::from_millis(5)) {
+            return;
+        }
+        self.asked = Some(Instant::now());
+        let Ok(client) = local::control_client(control_url, self.token.as_deref(), Duration::from_secs(2))
+        else {
+            return;
+        };
+        if let Ok(e) = client.send(&control::epoch(job)) {
+            if e.epoch > 0 {
+                self.epoch_served = Some(Instant::now());
+            }
+        }
+    }
+
+    /// The figures, once every worker is done: `last_round` is the
+    /// workers' last round, `mismatched` the rounds some worker saw
+    /// inexact; the survivors' rounds and the epoch come from control.
+    pub fn figures(
+        &self,
+        control_url: &str,
+        job: u16,
+        last_round: u32,
+        mismatched: &[u32],
+    ) -> Result<FailoverFigures> {
+        let (sent, _) = self.sent.ok_or_else(|| {
+            anyhow::anyhow!(
+                "the kill of {} was never sent: the workers never all completed round {}",
+                self.name,
+                self.after_round
+            )
+        })?;
+        let client = local::control_client(control_url, self.token.as_deref(), Duration::from_secs(30))?;
+        let detail: JobDetail = client
+            .send(&control::job(job))
+            .map_err(|e| anyhow::anyhow!("reading job {job} from control at the end: {e}"))?;
+        let live: Vec<(u32, u32)> = detail
+            .parts
+            .iter()
+            .filter(|p| p.appliance != self.name)
+            .filter_map(|p| p.round_range)
+            .collect();
+        ensure!(
+            !live.is_empty(),
+            "control reports no round of job {job} on the appliances other than {}",
+            self.name
+        );
+        let lo = live.iter().map(|r| r.0).min().unwrap_or(0);
+        let hi = live.iter().map(|r| r.1).max().unwrap_or(0);
+        let mut bad: Vec<u32> = mismatched.to_vec();
+        bad.sort_unstable();
+        bad.dedup();
+        Ok(FailoverFigures {
+            replicas: Some(2),
+            killed_appliance: Some(self.name.clone()),
+            kill_at_round: Some(self.timed_round),
+            failover_ms: self
+                .first_after
+                .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
+            epoch_served_ms: self
+                .epoch_served
+                .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
+            rounds_repeated: Some(hi.saturating_sub(last_round)),
+            rounds_lost: Some(bad.len() as u32 + last_round.saturating_sub(lo)),
+            epoch_after: detail.epoch,
+            survivors_round_range: Some((lo, hi)),
+            verified_against: Some("computed"),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(replicas: u32, name: &str, at: u32) -> FailoverArgs {
+        FailoverArgs {
+            replicas: Some(replicas),
+            kill_appliance: Some(name.into()),
+            kill_at_round: Some(at),
+            ..FailoverArgs::default()
+        }
+    }
+
+    #[test]
+    fn kills_that_cannot_run_are_refused_naming_the_flag() {
+        assert_eq!(check(&args(2, "rack2", 3), 3, 10, false, false).unwrap(), Some(1));
+        let e = |a: &FailoverArgs, n| check(a, n, 10, false, false).unwrap_err().to_string();
+        assert!(e(&args(1, "rack2", 3), 3).contains("expected --replicas 2"));
+        assert!(e(&args(3, "rack2", 3), 3).contains("rule 4"));
+        assert!(e(&args(2, "rack4", 3), 3).contains("expected one of rack1, rack2, rack3"));
+        assert!(e(&args(2, "rack2", 10), 3).contains("expected 1 to 9"));
+        assert!(e(&args(2, "rack2", 0), 3).contains("expected 1 to 9"));
+        assert!(e(&args(4, "rack2", 3), 3).contains("--replicas 4: expected 1 to 3"));
+        assert!(check(&args(2, "rack2", 3), 3, 10, true, false).is_err());
+        assert!(check(&args(2, "rack2", 3), 3, 10, false, true).is_err());
+    }
+
+    #[test]
+    fn the_kill_comes_when_every_worker_has_the_round_and_times_the_next() {
+        let mut killed = 0;
+        let mut k = Kill::new("rack2", 2, 1, 2, None, || killed += 1);
+        // Rank 0's round 4 reaches the coordinator before rank 1's round 3.
+        for r in [1, 1, 2, 2, 3, 4] {
+            k.on_round(r);
+        }
+        assert!(k.sent.is_none(), "round 3 is not yet complete at both workers");
+        k.on_round(3);
+        let (_, highest) = k.sent.expect("sent");
+        assert_eq!(highest, 4);
+        k.on_round(4);
+        assert!(k.first_after.is_none(), "round 4 was completed before the kill");
+        k.on_round(5);
+        assert!(k.first_after.is_some());
+        drop(k);
+        assert_eq!(killed, 1);
+    }
+}
