@@ -10,7 +10,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Parser, Subcommand};
-use phub_http::{Client, ClientError};
+use phub_http::{ClientError, Controls, Timeouts, CONTROL_ENV};
 use phub_proto::api::{
     AdmitResponse, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, LcoreStats,
     RetriedCheckpoint, RetriedInstall, RetryRequest, RetryResponse, Stats,
@@ -32,7 +32,7 @@ pub const DEFAULT_CONTROL: &str = "http://127.0.0.1:7700";
 struct Args {
     /// Base URL of phub-control, or of several controls on one etcd
     /// prefix separated by commas (each tried in turn while one does not
-    /// answer or answers 503) [default: $PHUB_CONTROL, else http://127.0.0.1:7700]
+    /// answer or answers 503, for 10 s at most) [default: $PHUB_CONTROL, else http://127.0.0.1:7700]
     #[arg(long, global = true, value_name = "URL")]
     control: Option<String>,
     /// Print control's answer as JSON.
@@ -220,7 +220,7 @@ pub fn main() -> ExitCode {
     let url = args
         .control
         .clone()
-        .or_else(|| std::env::var("PHUB_CONTROL").ok().filter(|s| !s.is_empty()))
+        .or_else(|| std::env::var(CONTROL_ENV).ok().filter(|s| !s.trim().is_empty()))
         .unwrap_or_else(|| DEFAULT_CONTROL.to_string());
     let token = match operator_token(args.operator_token_file.as_deref()) {
         Ok(t) => t,
@@ -279,7 +279,7 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                 let r = ctl.send(&control::admit(&text))?;
                 show(json, r, |r| {
                     let workers = JobSpec::parse(&text, None).ok().map(|s| s.workers);
-                    render_admit(&r, ctl.base(), workers)
+                    render_admit(&r, &ctl.base(), workers)
                 })
             }
             JobCmd::List => show(json, ctl.send(&control::jobs())?, |r| render_list(&r)),
@@ -426,20 +426,13 @@ fn show<T: Serialize>(json: bool, v: T, f: impl FnOnce(T) -> String) -> Result<(
     Ok(())
 }
 
-/// A connection to control: the shared typed client of each control
-/// given (`--control URL1,URL2,...`), with phubctl's timeouts and its
-/// errors.
-///
-/// Several controls (state in etcd, one leading): a call goes to the one
-/// that answered last, then to each next one in turn while the one asked
-/// does not answer (refused, timed out) or answers `503` (a follower, or
-/// no leader now); each is asked once, so the wait is bounded by the
-/// number of controls times the timeouts (3 s to connect, 30 s in all).
-/// The last one's error is the answer.
+/// A connection to control: the shared client of one or several controls
+/// (`--control URL1,URL2,...`, [`phub_http::Controls`]: a call goes on to
+/// the next control while the one asked does not take it or answers `503`,
+/// following `X-Phub-Leader`, for 10 s at most), with phubctl's timeouts
+/// (3 s to connect, 30 s a call) and its errors.
 struct Ctl {
-    clients: Vec<Client>,
-    /// The control that answered last.
-    current: std::cell::Cell<usize>,
+    controls: Controls,
 }
 
 impl Ctl {
@@ -448,58 +441,26 @@ impl Ctl {
         operator_token: Option<String>,
         ca_file: Option<&std::path::Path>,
     ) -> Result<Ctl, String> {
-        let mut clients = Vec::new();
-        for base in bases.split(',').map(str::trim).filter(|b| !b.is_empty()) {
-            let builder = ureq::AgentBuilder::new()
-                .timeout_connect(Duration::from_secs(3))
-                .timeout(Duration::from_secs(30));
-            let client = Client::new(base, ca_file, builder)
-                .map_err(|e| format!("cannot talk TLS to {base}: {e}"))?
-                .with_token(operator_token.clone());
-            clients.push(client);
-        }
-        if clients.is_empty() {
-            return Err(format!(
-                "--control {bases:?}: expected a URL of phub-control, or several separated by commas"
-            ));
-        }
-        Ok(Ctl {
-            clients,
-            current: std::cell::Cell::new(0),
-        })
+        let controls = Controls::new(bases, ca_file, Timeouts::default())
+            .map_err(|e| format!("--control: {e}"))?
+            .with_token(operator_token);
+        Ok(Ctl { controls })
     }
 
     /// The base URL of the control that answered last.
-    fn base(&self) -> &str {
-        self.clients[self.current.get()].base()
+    fn base(&self) -> String {
+        self.controls.base()
     }
 
     /// Sends a call; its answer on success.
     fn send<A>(&self, call: &ControlCall<'_, A>) -> Result<A, CliError> {
-        let first = self.current.get();
-        let n = self.clients.len();
-        let mut last = None;
-        for i in 0..n {
-            let at = (first + i) % n;
-            match self.clients[at].send(call) {
-                Ok(a) => {
-                    self.current.set(at);
-                    return Ok(a);
-                }
-                Err(e @ ClientError::Unreachable { .. }) => last = Some(e),
-                Err(e) if e.status() == Some(503) => last = Some(e),
-                Err(e) => {
-                    self.current.set(at);
-                    last = Some(e);
-                    break;
-                }
-            }
-        }
-        Err(match last.expect("one control at least was asked") {
+        self.controls.send(call).map_err(|e| match e {
             ClientError::Api { message, .. } => CliError::Api(message),
-            e @ ClientError::Http { .. } => CliError::Api(e.to_string()),
             ClientError::Unreachable { base, reason } => CliError::Unreachable { url: base, reason },
             ClientError::BadAnswer { reason, .. } => CliError::BadAnswer(reason),
+            e @ (ClientError::Http { .. }
+            | ClientError::Unanswered { .. }
+            | ClientError::NoneServed { .. }) => CliError::Api(e.to_string()),
         })
     }
 }

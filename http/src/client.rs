@@ -6,10 +6,12 @@
 
 use std::io::Read;
 use std::path::Path;
+use std::time::Duration;
 
 use phub_proto::api::ApiError;
 use phub_proto::routes::{Call, Route};
 
+use crate::controls::Asked;
 use crate::TlsError;
 
 /// What went wrong with a call.
@@ -50,23 +52,57 @@ pub enum ClientError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A request that changes state left and the connection ended without
+    /// an answer (reset, timed out): it may have been carried out, so
+    /// [`crate::Controls`] asks no other control.
+    #[error(
+        "{what} was sent to {base} and no answer came ({reason}); it may have been carried out: \
+         look (list the jobs, show the job) before sending it again"
+    )]
+    Unanswered {
+        /// The request, e.g. `POST /v1/jobs`.
+        what: String,
+        /// The server's base URL.
+        base: String,
+        /// What the transport said.
+        reason: String,
+    },
+    /// None of several controls served the call within the wait
+    /// ([`crate::Controls`]): each did not answer or answered `503`.
+    #[error("no phub-control served {what} within {:.1} s; asked {}", waited.as_secs_f64(), crate::controls::list(asked))]
+    NoneServed {
+        /// The request, e.g. `POST /v1/jobs`.
+        what: String,
+        /// How long the controls were asked.
+        waited: Duration,
+        /// Each control asked, in the order first asked, with its last answer.
+        asked: Vec<Asked>,
+    },
 }
 
 impl ClientError {
-    /// The error answer's status code; None when there was no answer or it
-    /// was a success not understood.
+    /// The error answer's status code (of several controls, the last one
+    /// asked's); None when there was no answer or it was a success not
+    /// understood.
     pub fn status(&self) -> Option<u16> {
         match self {
             ClientError::Api { status, .. } | ClientError::Http { status, .. } => Some(*status),
-            ClientError::Unreachable { .. } | ClientError::BadAnswer { .. } => None,
+            ClientError::NoneServed { asked, .. } => asked.last().and_then(|a| a.status),
+            ClientError::Unreachable { .. }
+            | ClientError::BadAnswer { .. }
+            | ClientError::Unanswered { .. } => None,
         }
     }
 
-    /// What the server or the transport said, without the URL.
+    /// What the server or the transport said, without the URL (of
+    /// several controls, the last one asked).
     pub fn message(&self) -> &str {
         match self {
             ClientError::Api { message, .. } | ClientError::Http { message, .. } => message,
-            ClientError::Unreachable { reason, .. } | ClientError::BadAnswer { reason, .. } => reason,
+            ClientError::Unreachable { reason, .. }
+            | ClientError::BadAnswer { reason, .. }
+            | ClientError::Unanswered { reason, .. } => reason,
+            ClientError::NoneServed { asked, .. } => asked.last().map_or("", |a| a.answer.as_str()),
         }
     }
 }
@@ -122,6 +158,12 @@ impl Client {
 
     /// Sends `call`; its answer read into the call's type.
     pub fn send<Rt: Route, A>(&self, call: &Call<'_, Rt, A>) -> Result<A, ClientError> {
+        self.exchange(call).map_err(Failure::into_error)
+    }
+
+    /// Sends `call` and says how it failed: before the request left,
+    /// after, or with an answer (and the leader it names, if any).
+    pub(crate) fn exchange<Rt: Route, A>(&self, call: &Call<'_, Rt, A>) -> Result<A, Failure> {
         let route = &call.route;
         let url = format!("{}{}", self.base, route.path());
         let mut req = self.agent.request(route.method().as_str(), &url);
@@ -132,9 +174,12 @@ impl Client {
             Some(ct) => req.set("Content-Type", ct).send_bytes(call.body.bytes()),
             None => req.call(),
         };
-        let bad = |reason: String| ClientError::BadAnswer {
-            what: call.what(),
-            reason,
+        let bad = |reason: String| Failure::Answered {
+            error: ClientError::BadAnswer {
+                what: call.what(),
+                reason,
+            },
+            leader: None,
         };
         match res {
             Ok(r) => {
@@ -145,8 +190,13 @@ impl Client {
                 call.answer(&body).map_err(bad)
             }
             Err(ureq::Error::Status(status, r)) => {
+                let leader = r
+                    .header(crate::LEADER_HEADER)
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty())
+                    .map(str::to_string);
                 let body = r.into_string().unwrap_or_default();
-                Err(match ApiError::parse(&body) {
+                let error = match ApiError::parse(&body) {
                     Some(e) => ClientError::Api {
                         status,
                         message: e.error,
@@ -156,18 +206,53 @@ impl Client {
                         url,
                         message: ApiError::message_of(&body),
                     },
-                })
+                };
+                Err(Failure::Answered { error, leader })
             }
             Err(ureq::Error::Transport(t)) => {
                 let text = t.to_string();
-                Err(ClientError::Unreachable {
+                let error = ClientError::Unreachable {
                     base: self.base.clone(),
                     reason: text
                         .strip_prefix(&format!("{url}: "))
                         .unwrap_or(&text)
                         .to_string(),
+                };
+                // ureq names a failure to resolve or connect so; anything
+                // else (reset, timed out reading, TLS) may come after the
+                // request left.
+                Err(match t.kind() {
+                    ureq::ErrorKind::Dns | ureq::ErrorKind::ConnectionFailed => Failure::NotSent(error),
+                    _ => Failure::MaybeSent(error),
                 })
             }
+        }
+    }
+}
+
+/// How a call failed, for [`crate::Controls`] to decide whether another
+/// control may be asked.
+#[derive(Debug)]
+pub(crate) enum Failure {
+    /// The request never left: the name did not resolve, the connection
+    /// was refused or not made in time.
+    NotSent(ClientError),
+    /// The connection failed after it was made: the request may have been
+    /// carried out.
+    MaybeSent(ClientError),
+    /// The server answered (an error, or a success not understood).
+    Answered {
+        /// The error.
+        error: ClientError,
+        /// The `X-Phub-Leader` header of the answer, if any.
+        leader: Option<String>,
+    },
+}
+
+impl Failure {
+    pub(crate) fn into_error(self) -> ClientError {
+        match self {
+            Failure::NotSent(e) | Failure::MaybeSent(e) | Failure::Answered { error: e, .. } => e,
         }
     }
 }

@@ -49,9 +49,11 @@
 //! Handlers are plain synchronous functions of a buffered [`Request`]; the
 //! routing stays in the daemons (over `phub_proto::routes`).
 //!
-//! [`client`] is the other side: the one typed client of both APIs.
+//! [`client`] is the other side: the one typed client of both APIs;
+//! [`controls`] puts it in front of several phub-controls, one leading.
 
 pub mod client;
+pub mod controls;
 pub mod secret;
 #[cfg(feature = "server")]
 mod server;
@@ -60,6 +62,7 @@ mod source;
 mod tls;
 
 pub use client::{Client, ClientError};
+pub use controls::{Asked, Controls, ControlsError, Timeouts, CONTROL_ENV, LEADER_HEADER};
 #[cfg(feature = "server")]
 pub use server::{Class, Handler, Limits, Request, Response, Server};
 pub use tls::{agent, client_config, server_config, TlsError, CA_FILE_ENV};

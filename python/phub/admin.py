@@ -8,6 +8,10 @@ given: the ``operator_token`` argument, else ``$PHUB_OPERATOR_TOKEN``
 (phub-control keeps it in the file ``<state file>.operator-token``).
 An ``https://`` control URL is verified against the CA file that
 ``$PHUB_CA_FILE`` names, else the system's roots, as the worker library does.
+Every ``control_url`` may name several controls on one etcd prefix,
+separated by commas (``PHUB_CONTROL=URL1,URL2``): a call goes on to the
+next while one does not take it or answers 503, following the leader a
+follower names, for :data:`WAIT` seconds at most (see ``_call``).
 
 Example::
 
@@ -22,6 +26,7 @@ from __future__ import annotations
 import json
 import os
 import ssl
+import time
 import urllib.error
 import urllib.request
 from typing import Any, Iterable, Mapping, Optional, Sequence, Tuple, Union
@@ -43,8 +48,30 @@ class AdminError(PhubError):
         self.status = status
 
 
-def _request(method: str, url: str, body: Optional[bytes] = None, content_type: Optional[str] = None,
-             timeout: float = 10.0, operator_token: Optional[str] = None) -> Any:
+#: The header of a follower's 503 that names the leader's URL.
+LEADER_HEADER = "X-Phub-Leader"
+#: The pause after each round of controls that did not serve a call, in seconds.
+PAUSE = 0.2
+#: How long the controls given are tried, in seconds.
+WAIT = 10.0
+
+
+class _Failure(Exception):
+    """How one request failed: ``sent`` says whether it may have been
+    carried out (False: it never left); ``status`` and ``leader`` come
+    from an answer."""
+
+    def __init__(self, message: str, sent: bool, status: Optional[int] = None,
+                 leader: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.sent = sent
+        self.status = status
+        self.leader = leader
+
+
+def _exchange(method: str, url: str, body: Optional[bytes], content_type: Optional[str],
+              timeout: float, operator_token: Optional[str]) -> Any:
     req = urllib.request.Request(url, data=body, method=method)
     if content_type:
         req.add_header("Content-Type", content_type)
@@ -63,24 +90,108 @@ def _request(method: str, url: str, body: Optional[bytes] = None, content_type: 
             message = json.loads(text)["error"]
         except (ValueError, KeyError, TypeError):
             message = text.strip() or f"HTTP {e.code}"
-        raise AdminError(f"{method} {url} failed (HTTP {e.code}): {message}", e.code) from None
-    except (urllib.error.URLError, OSError) as e:
-        reason = getattr(e, "reason", e)
-        raise AdminError(f"{method} {url} failed: {reason}") from None
+        leader = (e.headers.get(LEADER_HEADER) or "").strip() or None
+        raise _Failure(message, True, e.code, leader) from None
+    except urllib.error.URLError as e:
+        # urllib wraps what fails while connecting and sending: the
+        # request was not taken.
+        raise _Failure(str(getattr(e, "reason", e)), False) from None
+    except OSError as e:
+        # Reading the answer failed (reset, timed out): the request left.
+        raise _Failure(str(e) or type(e).__name__, True) from None
     return json.loads(text) if text.strip() else None
 
 
-def _base(control_url: str) -> str:
-    return control_url.rstrip("/")
+def _request(method: str, url: str, body: Optional[bytes] = None, content_type: Optional[str] = None,
+             timeout: float = 10.0, operator_token: Optional[str] = None) -> Any:
+    """One request to one URL; its JSON answer, or :class:`AdminError`."""
+    try:
+        return _exchange(method, url, body, content_type, timeout, operator_token)
+    except _Failure as f:
+        if f.status is not None:
+            raise AdminError(f"{method} {url} failed (HTTP {f.status}): {f.message}", f.status) from None
+        raise AdminError(f"{method} {url} failed: {f.message}") from None
+
+
+def _bases(control_url: str) -> list[str]:
+    """The controls of ``control_url`` (``URL1,URL2,...``), each once, in order."""
+    bases: list[str] = []
+    for b in control_url.split(","):
+        b = b.strip().rstrip("/")
+        if b and b not in bases:
+            bases.append(b)
+    if not bases:
+        raise AdminError(f"control URL {control_url!r}: expected the URL of phub-control "
+                         "(http://HOST:PORT), or several separated by commas")
+    return bases
 
 
 def _call(control_url: str, route: Tuple[str, str], body: Optional[bytes] = None,
           content_type: Optional[str] = None, timeout: float = 10.0,
-          operator_token: Optional[str] = None) -> Any:
+          operator_token: Optional[str] = None, wait: Optional[float] = None) -> Any:
     """One call of a control route, ``(method, path)`` from the route table
-    phub-control's router parses (``phub._native._control_route``)."""
+    phub-control's router parses (``phub._native._control_route``).
+
+    ``control_url`` is one URL, or several controls on one etcd prefix
+    separated by commas, tried as the Rust client (``phub_http::Controls``)
+    does: the call goes on to the next control while the one asked does
+    not take it (connection refused or not made) or answers 503, following
+    the leader a follower names in ``X-Phub-Leader``; a read (GET) also
+    when the connection fails after it left. A write that left without an
+    answer is not sent again (it may have been carried out). No control is
+    asked after ``wait`` seconds (:data:`WAIT`); then the error names every
+    control asked and its last answer. With one control, a failed
+    connection is the answer at once."""
     method, path = route
-    return _request(method, f"{_base(control_url)}{path}", body, content_type, timeout, operator_token)
+    what = f"{method} {path}"
+    known = _bases(control_url)
+    wait = WAIT if wait is None else wait
+    start = time.monotonic()
+    asked: dict[str, Tuple[int, Optional[int], str]] = {}
+    in_round: set[str] = set()
+    cursor, detour = 0, None
+    while True:
+        if detour is not None:
+            base, detour = detour, None
+        else:
+            while known[cursor] in in_round:
+                cursor = (cursor + 1) % len(known)
+            base = known[cursor]
+        url = f"{base}{path}"
+        try:
+            return _exchange(method, url, body, content_type, timeout, operator_token)
+        except _Failure as f:
+            failure = f
+        in_round.add(base)
+        if failure.status is None and len(known) == 1:
+            raise AdminError(f"{method} {url} failed: {failure.message}") from None
+        if failure.status is None and failure.sent and method != "GET":
+            raise AdminError(f"{what} was sent to {base} and no answer came ({failure.message}); it may "
+                             "have been carried out: look (list the jobs, show the job) before sending "
+                             "it again") from None
+        if failure.status is not None and failure.status != 503:
+            raise AdminError(f"{method} {url} failed (HTTP {failure.status}): {failure.message}",
+                             failure.status) from None
+        if failure.leader and failure.leader.lower().startswith(("http://", "https://")):
+            leader = failure.leader.rstrip("/")
+            if leader not in known and len(known) < 16:
+                known.append(leader)
+            if leader in known and leader not in in_round:
+                detour = leader
+        times = asked.get(base, (0, None, ""))[0] + 1
+        asked[base] = (times, failure.status, failure.message)
+        waited = time.monotonic() - start
+        if waited >= wait:
+            parts = []
+            for b, (n, status, message) in asked.items():
+                more = f", {n} times" if n > 1 else ""
+                parts.append(f"{b} ({status if status is not None else 'no answer'}{more}: {message})")
+            last = list(asked.values())[-1][1]
+            raise AdminError(f"no phub-control served {what} within {waited:.1f} s; asked "
+                             + "; ".join(parts), last)
+        if all(b in in_round for b in known):
+            in_round.clear()
+            time.sleep(min(PAUSE, wait - waited))
 
 
 def admit_full(control_url: str, spec: Spec, timeout: float = 10.0,

@@ -252,8 +252,10 @@ impl Worker {
 #[pymethods]
 impl Worker {
     /// Joins job ``job`` as ``rank`` through phub-control at ``control_url``
-    /// (e.g. ``"http://127.0.0.1:7700"``), with the ``token`` admission
-    /// returned (16 hex digits, or an int).
+    /// (e.g. ``"http://127.0.0.1:7700"``, or several controls on one etcd
+    /// prefix separated by commas, tried in turn while one does not take
+    /// the join or answers 503, for 10 s at most), with the ``token``
+    /// admission returned (16 hex digits, or an int).
     ///
     /// Keyword arguments tune the worker: ``window`` (chunks outstanding
     /// across all keys; by default picked from the job: its workers, lcores

@@ -16,6 +16,7 @@
 use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, TryRecvError};
+use phub_http::{Controls, Timeouts};
 use phub_proto::failover::EpochView;
 use phub_proto::routes::Route;
 
@@ -52,8 +53,11 @@ pub(crate) enum Fetched {
 /// Fetches of one job's epoch from control.
 #[derive(Debug)]
 pub(crate) struct EpochFetch {
-    /// Control's epoch route for the job; `None` when the worker was made
-    /// without a control URL ([`crate::Worker::from_join`]).
+    /// The control, or controls separated by commas, asked for the
+    /// job's epoch; `None` when the worker was made without a control URL
+    /// ([`crate::Worker::from_join`]).
+    control: Option<String>,
+    /// Control's epoch route, for messages.
     url: Option<String>,
     job: u16,
     /// The fetch running, if any.
@@ -63,14 +67,17 @@ pub(crate) struct EpochFetch {
 }
 
 impl EpochFetch {
-    /// Fetches of `job`'s epoch from control at `control_url` (none: every
-    /// fetch fails at once, saying so).
+    /// Fetches of `job`'s epoch from control at `control_url` (one URL, or
+    /// several separated by commas; none: every fetch fails at once,
+    /// saying so).
     pub(crate) fn new(control_url: Option<&str>, job: u16) -> EpochFetch {
-        let url = control_url.map(|c| {
-            let path = phub_proto::routes::control::epoch(job).route.path();
-            format!("{}{path}", c.trim_end_matches('/'))
+        let path = phub_proto::routes::control::epoch(job).route.path();
+        let url = control_url.map(|c| match c.contains(',') {
+            false => format!("{}{path}", c.trim().trim_end_matches('/')),
+            true => format!("{path} at {c}"),
         });
         EpochFetch {
+            control: control_url.map(str::to_string),
             url,
             job,
             running: None,
@@ -95,7 +102,7 @@ impl EpochFetch {
             return;
         }
         let (tx, rx) = crossbeam_channel::bounded(1);
-        let Some(url) = self.url.clone() else {
+        let Some(control) = self.control.clone() else {
             let _ = tx.send(Fetched::Failed {
                 wanted,
                 held,
@@ -109,7 +116,7 @@ impl EpochFetch {
         let spawned = std::thread::Builder::new()
             .name(format!("phub-epoch-{}", self.job))
             .spawn(move || {
-                let _ = tx.send(fetch(&url, job, wanted, held));
+                let _ = tx.send(fetch(&control, job, wanted, held));
             });
         if let Err(e) = spawned {
             let (tx, rx) = crossbeam_channel::bounded(1);
@@ -160,13 +167,19 @@ impl EpochFetch {
     }
 }
 
-/// Asks `url` for the job's epoch until it is `wanted` or later, for
-/// [`EPOCH_WAIT`] at most.
-fn fetch(url: &str, job: u16, wanted: u32, held: u32) -> Fetched {
+/// Asks `control` (one URL, or several separated by commas: each call
+/// goes through [`phub_http::Controls`]) for the job's epoch until it is
+/// `wanted` or later, for [`EPOCH_WAIT`] at most.
+fn fetch(control: &str, job: u16, wanted: u32, held: u32) -> Fetched {
     let start = Instant::now();
     let call = phub_proto::routes::control::epoch(job);
-    let agent = match phub_http::agent(url, None, ureq::AgentBuilder::new().timeout(HTTP_TIMEOUT)) {
-        Ok(a) => a,
+    let timeouts = Timeouts {
+        connect: HTTP_TIMEOUT,
+        call: HTTP_TIMEOUT,
+        wait: HTTP_TIMEOUT,
+    };
+    let controls = match Controls::new(control, None, timeouts) {
+        Ok(c) => c,
         Err(e) => {
             return Fetched::Failed {
                 wanted,
@@ -177,22 +190,9 @@ fn fetch(url: &str, job: u16, wanted: u32, held: u32) -> Fetched {
         }
     };
     loop {
-        let message = match agent.get(url).call() {
-            Ok(resp) => {
-                let mut body = Vec::new();
-                match std::io::Read::read_to_end(&mut resp.into_reader(), &mut body) {
-                    Ok(_) => match call.answer(&body) {
-                        Ok(view) if view.epoch >= wanted => return Fetched::View(view),
-                        Ok(view) => format!("control serves epoch {}", view.epoch),
-                        Err(e) => format!("control's answer is not an epoch: {e}"),
-                    },
-                    Err(e) => format!("reading control's answer: {e}"),
-                }
-            }
-            Err(ureq::Error::Status(status, resp)) => {
-                let body = resp.into_string().unwrap_or_default();
-                format!("HTTP {status}: {}", phub_proto::api::ApiError::message_of(&body))
-            }
+        let message = match controls.send(&call) {
+            Ok(view) if view.epoch >= wanted => return Fetched::View(view),
+            Ok(view) => format!("control serves epoch {}", view.epoch),
             Err(e) => e.to_string(),
         };
         let waited = start.elapsed();

@@ -7,7 +7,8 @@ use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_proto::api::{ApiError, ApplianceAddr, JoinRequest, JoinResponse};
+use phub_http::{ClientError, Timeouts};
+use phub_proto::api::{ApplianceAddr, JoinRequest, JoinResponse};
 use phub_proto::fault::FaultSpec;
 use phub_proto::layout::Placement;
 use phub_proto::spec::Consistency;
@@ -28,14 +29,26 @@ use crate::tables::{table_infos, TableClaims};
 use crate::transport::{AutoWindow, JobInfo, Routing, RowTransport, Transport};
 use crate::worker::Worker;
 
+/// The join's timeouts: 3 s to connect to a control, 10 s for its answer,
+/// 10 s of trying the controls given.
+const JOIN_TIMEOUTS: Timeouts = Timeouts {
+    connect: Duration::from_secs(3),
+    call: Duration::from_secs(10),
+    wait: Duration::from_secs(10),
+};
+
 impl Worker {
     /// Joins `job` as `rank` through phub-control at `control_url` (e.g.
-    /// `http://127.0.0.1:7700`), with the default [`WorkerConfig`].
+    /// `http://127.0.0.1:7700`, or several controls on one etcd prefix:
+    /// `http://a:7700,http://b:7700`), with the default [`WorkerConfig`].
     pub fn join(control_url: &str, job: u16, token: u64, rank: u16) -> Result<Worker, WorkerError> {
         Worker::join_with(control_url, job, token, rank, WorkerConfig::default())
     }
 
-    /// Joins `job` as `rank` through phub-control at `control_url`.
+    /// Joins `job` as `rank` through phub-control at `control_url` (one
+    /// URL, or several separated by commas: [`phub_http::Controls`] tries
+    /// the next while one does not take the join or answers `503`, for
+    /// 10 s at most).
     ///
     /// A refusal by control (wrong token, unknown job, rank out of range...)
     /// is a [`WorkerError::Join`] carrying control's message verbatim.
@@ -71,38 +84,39 @@ impl Worker {
         rejoin: bool,
         config: WorkerConfig,
     ) -> Result<Worker, WorkerError> {
-        let join_path = phub_proto::routes::Route::path(&phub_proto::routes::ControlRoute::Join { job });
-        let url = format!("{}{join_path}", control_url.trim_end_matches('/'));
-        // https: control's certificate is checked against $PHUB_CA_FILE, or
-        // the system's roots.
-        let builder = ureq::AgentBuilder::new().timeout(Duration::from_secs(10));
-        let agent = phub_http::agent(&url, None, builder).map_err(|e| WorkerError::Http {
-            url: url.clone(),
-            message: e.to_string(),
-        })?;
+        // One control, or several on one etcd prefix (`URL1,URL2,...`): a
+        // join goes on to the next while one does not take it or answers
+        // 503, following the leader a follower names (phub_http::Controls).
+        // https: control's certificate is checked against $PHUB_CA_FILE,
+        // or the system's roots.
+        let controls =
+            phub_http::Controls::new(control_url, None, JOIN_TIMEOUTS).map_err(|e| WorkerError::Http {
+                url: control_url.to_string(),
+                message: e.to_string(),
+            })?;
         let rack = config
             .rack
             .clone()
             .or_else(|| std::env::var(RACK_ENV).ok().filter(|r| !r.trim().is_empty()));
-        let answer = agent.post(&url).send_json(JoinRequest {
+        let request = JoinRequest {
             token,
             rank,
             rejoin,
             rack,
-        });
-        let join: JoinResponse = match answer {
-            Ok(resp) => resp.into_json().map_err(|e| WorkerError::Http {
-                url: url.clone(),
-                message: format!("reading the join response: {e}"),
-            })?,
-            Err(ureq::Error::Status(status, resp)) => {
-                let body = resp.into_string().unwrap_or_default();
-                let message = ApiError::message_of(&body);
-                return Err(WorkerError::Join { url, status, message });
+        };
+        let join_path = phub_proto::routes::Route::path(&phub_proto::routes::ControlRoute::Join { job });
+        let join: JoinResponse = match controls.send(&phub_proto::routes::control::join(job, &request)) {
+            Ok(j) => j,
+            Err(ClientError::Api { status, message } | ClientError::Http { status, message, .. }) => {
+                return Err(WorkerError::Join {
+                    url: format!("{}{join_path}", controls.base()),
+                    status,
+                    message,
+                })
             }
             Err(e) => {
                 return Err(WorkerError::Http {
-                    url,
+                    url: format!("{}{join_path}", controls.base()),
                     message: e.to_string(),
                 })
             }

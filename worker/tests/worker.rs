@@ -923,6 +923,53 @@ fn join_through_control() {
     }
 }
 
+/// A fake follower: answers one request 503 naming `leader` in
+/// `X-Phub-Leader`.
+fn fake_follower(leader: String) -> (String, JoinHandle<()>) {
+    let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", server.server_addr().to_ip().unwrap());
+    let t = std::thread::spawn(move || {
+        let Ok(Some(req)) = server.recv_timeout(Duration::from_secs(5)) else {
+            return;
+        };
+        let text = format!(r#"{{"error":"a follower; send writes to the leader at {leader}"}}"#);
+        let resp = tiny_http::Response::from_string(text)
+            .with_status_code(503)
+            .with_header(tiny_http::Header::from_bytes("Content-Type", "application/json").unwrap())
+            .with_header(tiny_http::Header::from_bytes(phub_http::LEADER_HEADER, leader.as_bytes()).unwrap());
+        req.respond(resp).unwrap();
+    });
+    (url, t)
+}
+
+#[test]
+fn join_through_several_controls_reaches_the_leader() {
+    let s = spec(2, &[10, 20_000], Dtype::Bf16, Optimizer::Sum);
+    let l = layout(&s, &mut [0, 0], u64::from);
+    let (leader, t) = fake_control(join_response(&s, &l, 0, 40_000));
+    let (follower, f) = fake_follower(leader.clone());
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    // Refused, then a follower naming the leader, which was not given.
+    let w = Worker::join(&format!("{dead},{follower}"), JOB, TOKEN, 1).unwrap();
+    assert_eq!((w.rank(), w.job()), (1, JOB));
+    f.join().unwrap();
+    // A refusal by the leader is the join's answer, naming it.
+    match Worker::join(&format!("{dead},{leader}"), JOB, TOKEN ^ 1, 1) {
+        Err(e @ WorkerError::Join { status: 403, .. }) => {
+            assert!(
+                e.to_string()
+                    .starts_with(&format!("joining at {leader}/v1/jobs/7/join")),
+                "{e}"
+            )
+        }
+        other => panic!("{other:?}"),
+    }
+    t.join().unwrap();
+}
+
 #[test]
 fn bad_join_responses_are_refused() {
     let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);

@@ -149,8 +149,9 @@ pub(super) fn error_response(e: &RequestError) -> phub_http::Response {
     r
 }
 
-/// The header of a follower's `503` that names the leader's URL.
-pub const LEADER_HEADER: &str = "X-Phub-Leader";
+/// The header of a follower's `503` that names the leader's URL (the one
+/// [`phub_http::Controls`] follows).
+pub use phub_http::LEADER_HEADER;
 
 /// Whether `route` changes state (joins and the operator's routes): a
 /// follower turns it away.
