@@ -197,15 +197,13 @@ impl<A: Copy + Eq> Shard<A> {
             p.copying |= new;
             p.deadline = 0;
             let n = fragments(&j.slots[i as usize]);
-            // Cast: k < 8 (bits of a u8).
-            #[allow(clippy::cast_possible_truncation)]
-            for k in (0..8).filter(|&k| new & (1 << k) != 0) {
+            for k in (0..8u8).filter(|&k| new & (1 << k) != 0) {
                 for f in 0..n {
                     rep.stats.states_sent += 1;
                     pending.push(Pending::State {
                         job: j.id,
                         slot: i,
-                        backup: k as u8,
+                        backup: k,
                         fragment: f,
                         attempt: Attempt::First,
                     });
@@ -284,7 +282,10 @@ impl<A: Copy + Eq> Shard<A> {
             Fragment::Nothing => {}
         }
         let got = got | bit;
-        if got != (1u16 << n).wrapping_sub(1) as u8 {
+        // Cast: a slot has at most 4 fragments (fragments_at), so the mask fits a u8.
+        #[allow(clippy::cast_possible_truncation)]
+        let all = (1u16 << n).wrapping_sub(1) as u8;
+        if got != all {
             part.fill[index] = Fill::Awaiting {
                 round: Some(repr.round),
                 got,
