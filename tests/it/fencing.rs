@@ -165,7 +165,8 @@ fn a_primary_stopped_past_its_failover_answers_no_round_of_its_old_epoch() {
         epoch,
         EpochView {
             epoch: 1,
-            down: vec![1]
+            down: vec![1],
+            ..Default::default()
         }
     );
     for i in [0, 2] {
