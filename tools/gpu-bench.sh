@@ -8,7 +8,8 @@
 # `bundle` packs what the device machine lacks and can be carried (the run
 # tool carries 64 MiB at most): stripped phub-dataplane and phub-control from
 # target/release, and the Python package phub (abi3, with its compiled
-# extension) from target/torch-venv (`make release-bins torch-venv` first).
+# extension) from target/torch-venv or, without torch here, target/python-venv
+# (`make release-bins python-venv` first: the bundle needs no torch).
 # Add `/.gpubench/` to .git/info/exclude so it stays out of git.
 #
 # torch is NOT in the bundle: torch with CUDA is about 5 GB, far over what
@@ -26,7 +27,9 @@
 #   3. python/bench/bench_cuda_ddp.py: ResNet-50 DDP steps on CUDA tensors,
 #      phub's hook (shared memory, 4 lcores) against gloo, W=2 sharing the
 #      GPU, medians, the exchange alone and its overlap with backward
-#      (gradients copied straight into the staging regions: one copy); then,
+#      (gradients copied straight into the staging regions: one copy);
+#   4. the same with --nccl: NCCL as a third exchange (it refuses two ranks
+#      on one GPU; the run then says so and measures the others); then,
 #      if time is left, the same with two copies (--two-copies: the pinned
 #      buffer, then the worker's copy), in bf16 (--dtype bf16: a bf16 job,
 #      the gradients never float32) and with datagrams (no --shm).
@@ -43,8 +46,17 @@ if [[ "$cmd" == bundle ]]; then
     test -x "target/release/$b" || { echo "target/release/$b missing: make release-bins" >&2; exit 1; }
     strip -o "$STAGE/bin/$b" "target/release/$b"
   done
-  site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub 2>/dev/null | head -1)
-  test -n "$site" || { echo "phub is not installed in target/torch-venv: make torch-venv" >&2; exit 1; }
+  # Every shared library they load but the C library's (DPDK's above all:
+  # the device machine has none); \`run\` puts them on LD_LIBRARY_PATH.
+  mkdir -p "$STAGE/lib"
+  for f in "$STAGE"/bin/*; do
+    ldd "$f" 2>/dev/null | awk '/=> \//{print $3}'
+  done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|libgcc_s|ld-linux[^/]*)\.so' | while read -r l; do
+    cp -L "$l" "$STAGE/lib/"
+  done
+  site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub target/python-venv/lib/python3*/site-packages/phub \
+    2>/dev/null | head -1 || true)
+  test -n "$site" || { echo "phub is installed in neither target/torch-venv nor target/python-venv: make python-venv" >&2; exit 1; }
   cp -r "$site" "$STAGE/py/"
   rm -rf "$STAGE/py/phub/__pycache__"
   mkdir -p .gpubench
@@ -71,7 +83,17 @@ if ! tar -C "$ROOT" -xJf .gpubench/bundle.tar.xz 2>/dev/null; then
   say "no .gpubench/bundle.tar.xz: run \`tools/gpu-bench.sh bundle\` here and carry .gpubench"
   exit 2
 fi
-export PHUB_BIN_DIR="$ROOT/bin" PYTHONPATH="$ROOT/py:$(pwd)/python/examples${PYTHONPATH:+:$PYTHONPATH}"
+# Only the libraries the machine lacks go to /usr/local/lib (not
+# LD_LIBRARY_PATH: torch must keep the machine's own libstdc++ and others).
+ldconfig -p >"$ROOT/ldcache"
+for l in "$ROOT"/lib/*; do
+  grep -q "^[[:space:]]$(basename "$l") " "$ROOT/ldcache" || cp "$l" /usr/local/lib/
+done
+ldconfig
+for b in "$ROOT"/bin/*; do
+  ldd "$b" | grep -q "not found" && say "MISSING for $(basename "$b"): $(ldd "$b" | grep 'not found' | tr '\n' ' ')"
+done
+export PYTHONUNBUFFERED=1 PHUB_BIN_DIR="$ROOT/bin" PYTHONPATH="$ROOT/py:$(pwd)/python/examples${PYTHONPATH:+:$PYTHONPATH}"
 
 has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; }
 PY=""
@@ -112,20 +134,27 @@ timeout 180 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --
 say "bench_cuda_ddp.py --shm rc=$?"; tail -n 15 "$OUT/bench-shm.log" | tee -a "$SUM"
 
 if (( $(date +%s) - t0 < 230 )); then
+  stamp "ResNet-50 DDP on CUDA: phub (shared memory) vs gloo vs NCCL"
+  timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 --nccl >"$OUT/bench-nccl.log" 2>&1
+  say "bench_cuda_ddp.py --shm --nccl rc=$?"; grep -m2 -i "nccl" "$OUT/bench-nccl.log" | cut -c1-400 | tee -a "$SUM"
+  tail -n 15 "$OUT/bench-nccl.log" | tee -a "$SUM"
+fi
+
+if (( $(date +%s) - t0 < 300 )); then
   stamp "The same with two host copies (pinned buffer, then the worker's copy): what the one copy saves"
   timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --two-copies --lcores 4 --steps 8 \
     >"$OUT/bench-two-copies.log" 2>&1
   say "bench_cuda_ddp.py --shm --two-copies rc=$?"; tail -n 15 "$OUT/bench-two-copies.log" | tee -a "$SUM"
 fi
 
-if (( $(date +%s) - t0 < 260 )); then
+if (( $(date +%s) - t0 < 330 )); then
   stamp "ResNet-50 DDP on CUDA, bf16: phub (shared memory, 4 lcores, a bf16 job) vs gloo"
   timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 --dtype bf16 \
     >"$OUT/bench-bf16.log" 2>&1
   say "bench_cuda_ddp.py --shm --dtype bf16 rc=$?"; tail -n 15 "$OUT/bench-bf16.log" | tee -a "$SUM"
 fi
 
-if (( $(date +%s) - t0 < 360 )); then
+if (( $(date +%s) - t0 < 380 )); then
   stamp "ResNet-50 DDP on CUDA: phub (datagrams, 4 lcores) vs gloo"
   timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --lcores 4 --steps 8 >"$OUT/bench-udp.log" 2>&1
   say "bench_cuda_ddp.py (datagrams) rc=$?"; tail -n 14 "$OUT/bench-udp.log" | tee -a "$SUM"

@@ -598,11 +598,15 @@ pub fn veth_link(ns: &Netns) -> Result<(), String> {
 /// EAL arguments for DPDK's af_packet driver on [`APPLIANCE_IF`] with
 /// `qpairs` queue pairs (8 KiB chunks need `framesz=16384`), without
 /// hugepages, for a process inside `ns`; `prefix` keeps its runtime files
-/// apart from another DPDK process's.
-pub fn af_packet_eal(qpairs: usize, prefix: &str) -> String {
+/// apart from another DPDK process's. Without hugepages DPDK's heap is the
+/// `-m` area and nothing grows it, and slot memory comes from that heap:
+/// `slot_bytes` (the dataplane's memory budget, 0 where there is none) is
+/// added to the 512 MiB that the ports' mempools and rings take.
+pub fn af_packet_eal(qpairs: usize, prefix: &str, slot_bytes: u64) -> String {
+    let mib = 512 + slot_bytes.div_ceil(1 << 20);
     format!(
         "--no-pci --vdev=net_af_packet0,iface={APPLIANCE_IF},blocksz=16384,framesz=16384,framecnt=4096,\
-         qpairs={qpairs} --no-huge -m 512 --no-shconf --file-prefix {prefix} --log-level=warning"
+         qpairs={qpairs} --no-huge -m {mib} --no-shconf --file-prefix {prefix} --log-level=warning"
     )
 }
 

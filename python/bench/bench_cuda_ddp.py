@@ -13,7 +13,11 @@ gloo process group):
   through the host itself);
 - ``phub``: phub.torch's comm hook (pinned staging buffers, side streams)
   through a local appliance (a ``mean`` job, one key per tensor; ``--shm``:
-  shared memory, ``--lcores``: dataplane queues).
+  shared memory, ``--lcores``: dataplane queues);
+- ``nccl`` (with ``--nccl``): DDP's all-reduce over an NCCL process group.
+  NCCL refuses two ranks on one GPU, so on a one-GPU machine this run
+  reports NCCL's error and measures the three others; a separate run
+  because a failed NCCL communicator can take its process down.
 
 A step is forward + backward on a random batch, between
 ``torch.cuda.synchronize()`` calls, after a barrier; medians over
@@ -141,16 +145,30 @@ def buckets_of(params: list[torch.Tensor], cap_bytes: int, device: torch.device,
     return out
 
 
+NAMES = ["no exchange", "gloo", "phub", "bare gloo", "bare phub", "nccl", "bare nccl"]
+
+
 def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
     torch.set_num_threads(2)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=a.workers)
+    nccl_pg, nccl_error = None, ""
     if a.device == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
         sync = torch.cuda.synchronize
     else:  # a smoke test of this script without a GPU
         device, sync = torch.device("cpu"), (lambda: None)
+    if a.nccl:
+        try:
+            nccl_pg = dist.new_group(backend="nccl")
+            probe = torch.ones(1, device=device)
+            dist.all_reduce(probe, group=nccl_pg)
+            sync()
+            assert probe.item() == a.workers, f"NCCL all-reduce of ones gave {probe.item()}"
+        except Exception as e:  # noqa: BLE001 -- reported, then the run goes on without NCCL
+            nccl_pg, nccl_error = None, " ".join(f"{type(e).__name__}: {e}".split())[:400]
+            print(f"rank {rank}: NCCL: {nccl_error}", flush=True)
     w = phub.Worker.join(control_url, job, token, rank)
     if a.shm and not w.shm:
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
@@ -160,12 +178,16 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     for name in ("no exchange", "gloo", "phub"):
         torch.manual_seed(0)
         models[name] = nn.parallel.DistributedDataParallel(ResNet50().to(device, dtype), bucket_cap_mb=a.bucket_mb)
+    if nccl_pg is not None:
+        torch.manual_seed(0)
+        models["nccl"] = nn.parallel.DistributedDataParallel(ResNet50().to(device, dtype), bucket_cap_mb=a.bucket_mb,
+                                                             process_group=nccl_pg)
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
     state = phub.torch.register_comm_hook(models["phub"], w, in_place=not a.two_copies)
     x = torch.randn(a.batch, 3, a.image, a.image, device=device, dtype=dtype)
     y = torch.randint(0, 1000, (a.batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
-    times: dict[str, list[float]] = {n: [] for n in ("no exchange", "gloo", "phub", "bare gloo", "bare phub")}
+    times: dict[str, list[float]] = {n: [] for n in NAMES}
     params = phub.torch.key_parameters(models["phub"])
     buckets = buckets_of(params, int(a.bucket_mb * 2**20), device, dtype)
     for step in range(a.warmup + a.steps):
@@ -187,6 +209,16 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         sync()
         if step >= a.warmup:
             times["bare gloo"].append(time.perf_counter() - t)
+        if nccl_pg is not None:
+            sync()
+            dist.barrier()
+            t = time.perf_counter()
+            works = [dist.all_reduce(b.buf, group=nccl_pg, async_op=True) for b in buckets]
+            for wk in works:
+                wk.wait()
+            sync()
+            if step >= a.warmup:
+                times["bare nccl"].append(time.perf_counter() - t)
         for b in buckets:
             b.buf.fill_(1.0)
         sync()
@@ -206,14 +238,18 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     for pg, pp in zip(models["gloo"].parameters(), models["phub"].parameters()):
         assert pp.grad.dtype == dtype, f"phub left a {pp.grad.dtype} gradient in a {dtype} model"
         torch.testing.assert_close(pg.grad, pp.grad, **tol)
+    if nccl_pg is not None:
+        for pg, pn in zip(models["gloo"].parameters(), models["nccl"].parameters()):
+            torch.testing.assert_close(pg.grad, pn.grad, **tol)
     if rank == 0:
         s = w.stats()
-        np.save(out, np.array([times[k] for k in times], dtype=np.float64))
+        steps = len(times["gloo"])
+        np.save(out, np.array([times[k] or [float("nan")] * steps for k in NAMES], dtype=np.float64))
         st = state._staging.get(device)
         staged = int(bool(st and st._staging_regions.registered))
         failures = st.register_failures if st else 0
         with open(out + ".txt", "w") as f:
-            f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)} {staged} {failures}\n")
+            f.write(f"{s['retransmits']} {s['chunks_sent']} {int(w.shm)} {staged} {failures}\n{nccl_error}\n")
     state.close()
     dist.destroy_process_group()
 
@@ -234,6 +270,8 @@ def main() -> None:
                          "into the staging regions (the comparison)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
                     help="the models' and phub's job's element type (bf16: mixed precision's gradients)")
+    ap.add_argument("--nccl", action="store_true",
+                    help="also DDP over NCCL (one GPU per rank: NCCL refuses two ranks on one GPU, and says so)")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                     help="cpu: a smoke test of the script where there is no GPU (figures meaningless)")
     a = ap.parse_args()
@@ -268,18 +306,24 @@ def main() -> None:
             if any(p.exitcode != 0 for p in procs):
                 raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
             times = np.load(out)
-            retx, sent, shm, staged, failures = Path(out + ".txt").read_text().split()
-    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]
-    med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
-    lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
+            first, nccl_error = (Path(out + ".txt").read_text().split("\n") + [""])[:2]
+            retx, sent, shm, staged, failures = first.split()
+    names = [n for i, n in enumerate(NAMES) if not np.isnan(times[i]).any()]
+    med = {n: statistics.median(times[NAMES.index(n)]) * 1000 for n in names}
+    lo = {n: min(times[NAMES.index(n)]) * 1000 for n in names}
     print(f"{'':32}{'median ms':>10}{'min ms':>10}")
     labels = {"no exchange": "step, no exchange (baseline)", "gloo": "step, DDP + gloo", "phub": "step, DDP + phub hook",
-              "bare gloo": "exchange alone, gloo", "bare phub": "exchange alone, phub"}
+              "bare gloo": "exchange alone, gloo", "bare phub": "exchange alone, phub", "nccl": "step, DDP + nccl",
+              "bare nccl": "exchange alone, nccl"}
     for n in names:
         print(f"  {labels[n]:30}{med[n]:10.1f}{lo[n]:10.1f}")
     base = med["no exchange"]
     print(f"step: phub {med['phub']:.1f} ms, gloo {med['gloo']:.1f} ms: phub/gloo = {med['phub'] / med['gloo']:.2f}")
-    for n in ("gloo", "phub"):
+    if "nccl" in med:
+        print(f"step: phub {med['phub']:.1f} ms, nccl {med['nccl']:.1f} ms: phub/nccl = {med['phub'] / med['nccl']:.2f}")
+    elif a.nccl:
+        print(f"nccl: not measured: {nccl_error or 'no error reported'}")
+    for n in [n for n in ("gloo", "phub", "nccl") if n in med]:
         exposed = max(med[n] - base, 0.0)
         bare = med[f"bare {n}"]
         print(f"{n}: exchange alone {bare:.1f} ms, exposed in the step {exposed:.1f} ms: "

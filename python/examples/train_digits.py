@@ -271,21 +271,24 @@ def train_single(cfg: Config, workers: int, averaged: bool = False) -> np.ndarra
     workers' batches (the mean loss over W*batch samples has the W workers'
     averaged gradient, up to rounding). ``averaged``: on the W workers'
     gradients, each computed on its own batch as the workers do, summed and
-    divided by W (the same arithmetic as the appliance's mean)."""
+    divided by W (the same arithmetic as the appliance's mean). On
+    ``cfg.device`` (cuda: the same kernels as the workers' on the GPU)."""
     torch.set_num_threads(1)
+    device = torch.device(cfg.device)
     x, y, _, _, _ = load_data()
-    model = make_model(cfg.seed)
+    x, y = x.to(device), y.to(device)
+    model = make_model(cfg.seed).to(device)
     opt = make_optimizer(cfg, model.parameters())
     params = list(model.parameters())
     for step in range(total_steps(cfg, len(y), workers)):
         opt.zero_grad()
         if not averaged:
-            idx = torch.from_numpy(step_indices(len(y), workers, cfg.batch, step))
+            idx = torch.from_numpy(step_indices(len(y), workers, cfg.batch, step)).to(device)
             F.cross_entropy(model(x[idx]), y[idx]).backward()
         else:
             total = [torch.zeros_like(p) for p in params]
             for r in range(workers):
-                idx = torch.from_numpy(rank_indices(len(y), workers, cfg.batch, step, r))
+                idx = torch.from_numpy(rank_indices(len(y), workers, cfg.batch, step, r)).to(device)
                 grads = torch.autograd.grad(F.cross_entropy(model(x[idx]), y[idx]), params)
                 for t, g in zip(total, grads):
                     t.add_(g)

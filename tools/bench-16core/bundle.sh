@@ -9,7 +9,7 @@
 #
 #   cargo build --release -p phub-dataplane --example dpdk_memif_gen
 #   cargo build --release -p phub -p phub-tools -p phub-hwtests --bins
-#   make torch-venv        # for the phub Python package (target/torch-venv)
+#   make python-venv       # for the phub Python package (or make torch-venv)
 #   tools/bench-16core/bundle.sh
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -32,7 +32,10 @@ for f in "$STAGE"/bin/* "$STAGE"/pmds/*; do
 done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' | while read -r l; do
   cp -L "$l" "$STAGE/lib/"
 done
-cp -r target/torch-venv/lib/python3.11/site-packages/phub "$STAGE/py/"
+site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub target/python-venv/lib/python3*/site-packages/phub \
+  2>/dev/null | head -1 || true)
+test -n "$site" || { echo "phub is installed in neither target/torch-venv nor target/python-venv: make python-venv" >&2; exit 1; }
+cp -r "$site" "$STAGE/py/"
 rm -rf "$STAGE/py/phub/__pycache__"
 mkdir -p "$OUTDIR"
 tar -C "$STAGE" -cJf "$OUTDIR/bundle.tar.xz" .

@@ -20,7 +20,9 @@
 # Results go to $OUT (or OUT=DIR): summary.txt and results.tar.xz (the JSON
 # files and logs). STEPS="memif dpdk udp torch" picks steps; "shm" and
 # "torch-shm" run the shared-memory transport (phub-bench --shm;
-# bench_exchange.py --shm at W=2 on 1 and 4 lcores and W=4 on 4).
+# bench_exchange.py --shm at W=2 on 1 and 4 lcores and W=4 on 4); "lcores"
+# sweeps the dataplane's lcores (1, 2, 4, 8) on the ResNet-50 exchange, W=8
+# over loopback UDP and over shared memory, W=4 over DPDK af_packet.
 #
 #   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
 set -uo pipefail
@@ -114,6 +116,16 @@ if [[ " $STEPS " == *" udp "* ]]; then
     --no-ceiling --plot "$R/udp-w8-lcores.svg"
   bench udp-l4-workers --local --model resnet50 --lcores 4 --rounds 6 --warmup 1 --sweep workers=1,2,4,8 \
     --no-ceiling --plot "$R/udp-l4-workers.svg"
+fi
+
+if [[ " $STEPS " == *" lcores "* ]]; then
+  stamp "lcore scaling, ResNet-50"
+  bench lcores-udp-w8 --local --model resnet50 --workers 8 --rounds 6 --warmup 1 --sweep lcores=1,2,4,8 \
+    --no-ceiling --plot "$R/lcores-udp-w8.svg"
+  bench lcores-shm-w8 --local --shm --model resnet50 --workers 8 --rounds 6 --warmup 1 --sweep lcores=1,2,4,8 \
+    --no-ceiling --plot "$R/lcores-shm-w8.svg"
+  bench lcores-dpdk-w4 --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
+    --sweep lcores=1,2,4,8 --no-ceiling --plot "$R/lcores-dpdk-w4.svg"
 fi
 
 if [[ " $STEPS " == *" shm "* ]]; then

@@ -685,7 +685,7 @@ fn start_appliance(
             args.base_port = Some(virt::BASE_PORT);
             args.no_pin = true;
             args.idle_backoff = true;
-            args.eal = Some(virt::af_packet_eal(a.lcores, &ns.name));
+            args.eal = Some(virt::af_packet_eal(a.lcores, &ns.name, 0));
             // The EAL and the af_packet port take a few seconds.
             (
                 "dpdk",

@@ -663,7 +663,7 @@ pub fn veth_testpmd(s: &VethSetup, mode: Forward) -> Result<VethCeiling> {
         .collect();
     let mut args = testpmd_eal(
         &phub_dataplane::app::DpdkOptions {
-            eal: Some(virt::af_packet_eal(lcores, &prefix)),
+            eal: Some(virt::af_packet_eal(lcores, &prefix, 0)),
             ..Default::default()
         },
         lcores,

@@ -178,7 +178,7 @@ impl Local {
         if let (Some(ns), Backend::Dpdk) = (&o.veth, backend) {
             dp.host = Some(virt::APPLIANCE_IP.into());
             dp.base_port = Some(virt::BASE_PORT);
-            dp.eal = Some(virt::af_packet_eal(o.lcores, ns));
+            dp.eal = Some(virt::af_packet_eal(o.lcores, ns, o.memory_budget));
         }
         let mut args = dp_pre;
         args.extend(dp.to_args());
