@@ -283,8 +283,8 @@ fn state_survives_a_restart_and_a_follower_names_the_leader() {
     let refused = join(&b.url, job.id, job.token, 1).unwrap_err();
     assert_eq!(refused.0, Some(503), "{refused:?}");
 
-    // phubctl given both controls, the follower first: the write reaches
-    // the leader; given the follower alone, it fails naming the leader.
+    // phubctl given the follower alone: its 503 names the leader
+    // (X-Phub-Leader), and phubctl's client sends the write on to it.
     let phubctl = |control: &str, args: &[&str]| {
         let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
             .env("PHUB_OPERATOR_TOKEN", &token)
@@ -299,8 +299,6 @@ fn state_survives_a_restart_and_a_follower_names_the_leader() {
     };
     let id = job.id.to_string();
     let (ok, err) = phubctl(&b.url, &["job", "evict", &id]);
-    assert!(!ok && err.contains(&a.url), "{err}");
-    let (ok, err) = phubctl(&format!("{},{}", b.url, a.url), &["job", "evict", &id]);
     assert!(ok, "{err}");
     assert!(client(&a.url, Some(&token))
         .send(&control::jobs())
@@ -370,8 +368,10 @@ fn a_leader_paused_past_its_lease_is_fenced_and_steps_down() {
     a.signal(libc::SIGCONT);
     let stale = stale.join().unwrap();
     let (status, msg) = stale.expect_err("the stale leader's write must fail (fencing)");
+    // Fenced (500, its write to etcd refused) or already stepped down (503,
+    // a follower): either way nothing was written.
     assert!(
-        matches!(status, Some(500 | 503)) && msg.contains("leader"),
+        matches!(status, Some(500 | 503)) && (msg.contains("leader") || msg.contains("follower")),
         "{status:?} {msg}\n{}",
         a.log()
     );
