@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use fake::{Fake, FakeConfig, TempState};
 use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
-use phub_proto::api::{AdmitResponse, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse};
+use phub_proto::api::{AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse};
 use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::routes::{ControlRoute as R, Route};
 use phub_proto::spec::{Appliances as Placed, JobSpec};
@@ -317,6 +317,44 @@ fn an_appliance_declared_down_that_answers_again_stays_out_of_the_job() {
         show.parts
     );
     assert_eq!(show.epoch, Some(want));
+    d.shutdown();
+}
+
+/// An appliance declared down is chosen for no new job while it stays
+/// silent: a spec naming it is refused saying so (not after waiting for
+/// its description), and a spec asking for a count gets the others.
+#[test]
+fn an_appliance_declared_down_is_not_chosen_for_a_new_job() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "admit");
+    let d = daemon(&[&a, &b, &c], &state);
+    b.set_silent(true);
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_for("b declared down", within, || {
+        let list: Vec<ApplianceStatus> = ok_at(&d, &R::Appliances, None);
+        list.iter().any(|s| s.name == "b" && s.down.is_some())
+    });
+    let named = JobSpec::new("named", 1, &[1024])
+        .sharded_over(Placed::Names(vec!["a".into(), "b".into()]))
+        .to_toml();
+    let (status, text) = call(&d, &R::Admit, Some(&named));
+    assert_eq!(status, 409, "{text}");
+    let e = serde_json::from_str::<ApiError>(&text)
+        .unwrap_or_else(|e| panic!("not an ApiError ({e}): {text}"))
+        .error;
+    assert!(
+        e.contains("\"b\", which is declared down") && e.contains("not declared down: a, c"),
+        "{e}"
+    );
+    assert!(!a.jobs().values().any(|j| j.spec.name == "named"), "{e}");
+    let counted = JobSpec::new("counted", 1, &[1024])
+        .sharded_over(Placed::Count(2))
+        .to_toml();
+    let job: AdmitResponse = ok_at(&d, &R::Admit, Some(&counted));
+    let mut chosen = job.appliances.clone();
+    chosen.sort();
+    assert_eq!(chosen, ["a", "c"]);
+    assert!(!b.jobs().contains_key(&job.id));
     d.shutdown();
 }
 

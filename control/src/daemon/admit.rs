@@ -77,16 +77,25 @@ pub(super) fn check_racks(inner: &Inner, chosen: &[(String, DataplaneInfo)]) -> 
 impl Shared {
     /// The appliances `spec` goes on, with their fresh descriptions, in
     /// layout order: those it names, or the number it asks for (one by
-    /// default) with the most free memory among those that answer.
+    /// default) with the most free memory among those that answer. An
+    /// appliance declared down (heartbeats) is never chosen: a spec naming
+    /// one is refused at once, and a count is taken from the others
+    /// without asking it (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let (clients, aliases): (Vec<(String, Client)>, BTreeMap<String, String>) = {
+        let (clients, aliases, down): (Vec<(String, Client)>, BTreeMap<String, String>, Vec<String>) = {
             let inner = self.lock();
             let aliases = inner
                 .appliances
                 .values()
                 .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
                 .collect();
-            (inner.clients(), aliases)
+            let down = inner
+                .appliances
+                .values()
+                .filter(|a| a.liveness.down.is_some())
+                .map(|a| a.spec.name.clone())
+                .collect();
+            (inner.clients(), aliases, down)
         };
         let asked = spec.placement.as_ref().map(|p| &p.appliances);
         let chosen = match asked {
@@ -106,6 +115,18 @@ impl Shared {
                             "placement.appliances names {n:?}, which is {why}"
                         )));
                     }
+                    if down.contains(n) {
+                        let up: Vec<&str> = clients
+                            .iter()
+                            .map(|(n, _)| n.as_str())
+                            .filter(|n| !down.iter().any(|d| d == n))
+                            .collect();
+                        return Err(RequestError::Conflict(format!(
+                            "placement.appliances names {n:?}, which is declared down (it answers no \
+                             heartbeat); appliances not declared down: {}",
+                            up.join(", ")
+                        )));
+                    }
                     out.push((n.clone(), c.info()?));
                 }
                 out
@@ -114,9 +135,14 @@ impl Shared {
                 let count = spec.placement.as_ref().map_or(1, |p| p.count());
                 let mut answer = Vec::new();
                 let mut down = None;
-                // Every appliance asked at once; one that does not answer
-                // within ADMIT_WAIT is taken as down.
-                for (name, v) in self.views(None, ADMIT_WAIT) {
+                // Every appliance not declared down asked at once; one that
+                // does not answer within ADMIT_WAIT is taken as down.
+                let up: Vec<String> = clients
+                    .iter()
+                    .map(|(n, _)| n.clone())
+                    .filter(|n| !down.contains(n))
+                    .collect();
+                for (name, v) in self.views(Some(&up), ADMIT_WAIT) {
                     match v {
                         Ok(_) if aliases.contains_key(&name) => {}
                         Ok(v) => answer.push((name, v.info)),

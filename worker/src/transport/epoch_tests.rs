@@ -188,7 +188,7 @@ impl Harness {
     fn wrong_epoch(&mut self, c: u32, round: u32, slot: u32, epoch: u32) {
         let mut r = Repr::request(MsgType::Error, JOB, TOKEN, RANK, round, slot).with_chunk(0, c);
         r.dtype = Dtype::F32;
-        r.error = WRONG_EPOCH;
+        r.error = DropReason::WrongEpoch.code();
         let mut d = r.to_datagram(&[]);
         Header::new_unchecked(&mut d[..]).set_epoch(epoch);
         self.t.handle_datagram(self.now, &d);

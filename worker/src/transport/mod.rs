@@ -139,10 +139,6 @@ pub(crate) const TICK: Duration = Duration::from_millis(1);
 pub(crate) const SILENT_SENDS: u32 = 3;
 /// A silence asks control for the epoch at most this often.
 pub(crate) const EPOCH_ASK_GAP: Duration = Duration::from_millis(100);
-/// The drop reason `wrong_epoch` (PROTOCOL.md §11.6): an appliance refused
-/// a message of a replicated job whose header's epoch is not the one it
-/// installed; its ERROR's header carries the appliance's epoch.
-pub(crate) const WRONG_EPOCH: u16 = 29;
 
 /// What the transport needs to know about the job.
 #[derive(Debug, Clone)]
@@ -919,7 +915,10 @@ impl<D> Transport<D> {
             self.appliance_stopping(&repr);
             return;
         }
-        if repr.kind == MsgType::Error && repr.error == WRONG_EPOCH {
+        if repr.kind == MsgType::Error && repr.error == DropReason::WrongEpoch.code() {
+            // The appliance refused a message of a replicated job whose
+            // header's epoch is not the one it installed; its ERROR's
+            // header carries the appliance's epoch (PROTOCOL.md §11.6).
             if let Some(routing) = &self.routing {
                 // Newer than ours: control is asked for it, and the chunks
                 // are re-addressed once it is held. Not newer: the
