@@ -7,11 +7,21 @@
 //! fenced: its write fails and it steps down; phubctl given several
 //! controls reaches the leader.
 //!
+//! With three etcd members: one killed goes unnoticed (admit, join, show
+//! through the controls); two killed, the controls answer `503` naming
+//! etcd while the workers' rounds go on, and all resumes when they come
+//! back. Three controls with work in a loop (admit, join, checkpoint)
+//! through the multi-control client while the leader is killed: a
+//! follower leads, no job is lost or made twice, tokens still work and a
+//! job's workers never stop exchanging rounds.
+//!
 //! Needs the `etcd` binary (Debian's etcd-server, which tools/setup.sh
 //! installs); without it each test says it skips.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phub::proto::api::JoinRequest;
@@ -20,8 +30,9 @@ use phub::proto::routes::ControlRoute;
 use phub::proto::routes::Route;
 use phub::proto::spec::Consistency;
 use phub_hwtests::process::Daemon;
+use phub_worker::Worker;
 
-use crate::common::{admit, census_spec, client, free_port, Rack};
+use crate::common::{admit, census_spec, client, expected_sum, free_port, grad, init, sum_spec, Rack};
 
 /// The lease TTL the controls run with, in seconds.
 const TTL: u64 = 2;
@@ -452,4 +463,342 @@ fn a_state_file_moves_into_etcd_and_back_without_loss() {
     wait_leads(&c.url, &token, Duration::from_secs(10));
     assert_eq!(joined(&c.url, &token, job.id), [0]);
     join(&c.url, job.id, job.token, 1).expect("the job's token works after the move");
+}
+
+/// The args of etcd member `name` of a cluster on loopback.
+fn member_args(name: &str, data: &Path, client: u16, peer: u16, cluster: &str) -> Vec<String> {
+    [
+        "--name",
+        name,
+        "--data-dir",
+        &data.display().to_string(),
+        "--listen-client-urls",
+        &format!("http://127.0.0.1:{client}"),
+        "--advertise-client-urls",
+        &format!("http://127.0.0.1:{client}"),
+        "--listen-peer-urls",
+        &format!("http://127.0.0.1:{peer}"),
+        "--initial-advertise-peer-urls",
+        &format!("http://127.0.0.1:{peer}"),
+        "--initial-cluster",
+        cluster,
+        "--initial-cluster-token",
+        "phub-test-three",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// Three etcd members on free loopback ports, each with its data
+/// directory; a member killed starts again on its data.
+struct Etcd3 {
+    members: Vec<(Option<Daemon>, Vec<String>, u16)>,
+    dir: PathBuf,
+    starts: u32,
+}
+
+impl Etcd3 {
+    fn start(dir: &Path) -> Option<Etcd3> {
+        if Command::new("etcd").arg("--version").output().is_err() {
+            eprintln!(
+                "SKIP: no etcd binary on PATH (Debian: apt-get install etcd-server; tools/setup.sh does)"
+            );
+            return None;
+        }
+        let dir = dir.join("etcd3");
+        let ports: Vec<(u16, u16)> = (0..3).map(|_| (free_port(), free_port())).collect();
+        let cluster = ports
+            .iter()
+            .enumerate()
+            .map(|(i, (_, peer))| format!("m{i}=http://127.0.0.1:{peer}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut e = Etcd3 {
+            members: ports
+                .iter()
+                .enumerate()
+                .map(|(i, &(client, peer))| {
+                    let args = member_args(&format!("m{i}"), &dir.join(format!("m{i}")), client, peer, &cluster);
+                    (None, args, client)
+                })
+                .collect(),
+            dir,
+            starts: 0,
+        };
+        std::fs::create_dir_all(&e.dir).unwrap();
+        for i in 0..3 {
+            e.spawn(i);
+        }
+        for i in 0..3 {
+            e.wait_healthy(i);
+        }
+        Some(e)
+    }
+
+    fn spawn(&mut self, i: usize) {
+        self.starts += 1;
+        let log = self.dir.join(format!("m{i}-{}.log", self.starts));
+        let d = Daemon::spawn(&format!("etcd-m{i}"), Path::new("etcd"), &self.members[i].1, &[], &log).unwrap();
+        self.members[i].0 = Some(d);
+    }
+
+    /// Waits for member `i` to say it is healthy (it has a leader).
+    fn wait_healthy(&mut self, i: usize) {
+        let url = format!("http://127.0.0.1:{}/health", self.members[i].2);
+        let d = self.members[i].0.as_mut().unwrap();
+        if let Err(e) = d.wait_up(&url, Duration::from_secs(30), || false) {
+            panic!("etcd member m{i} did not come up: {e}");
+        }
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut d) = self.members[i].0.take() {
+            d.kill();
+        }
+    }
+
+    fn restart(&mut self, i: usize) {
+        self.spawn(i);
+    }
+
+    fn state(&self, prefix: &str) -> String {
+        let hosts: Vec<String> = self.members.iter().map(|m| format!("127.0.0.1:{}", m.2)).collect();
+        format!("etcd://{}/{prefix}", hosts.join(","))
+    }
+}
+
+impl Drop for Etcd3 {
+    fn drop(&mut self) {
+        for i in 0..self.members.len() {
+            self.kill(i);
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The multi-control client of `controls` (`URL1,URL2,...`) with the
+/// operator token, trying for `wait`.
+fn controls(controls: &str, token: &str, wait: Duration) -> phub_http::Controls {
+    let timeouts = phub_http::Timeouts {
+        wait,
+        ..phub_http::Timeouts::default()
+    };
+    phub_http::Controls::new(controls, None, timeouts)
+        .unwrap()
+        .with_token(Some(token.to_string()))
+}
+
+/// Keys of the job the workers train in [`Training`].
+const TRAIN_KEYS: [u64; 2] = [64, 4096];
+
+/// Two workers of a sum job joined through the controls given
+/// (`URL1,URL2,...`) exchanging rounds, every element checked, until
+/// stopped; rank 0 notes when each round ends.
+struct Training {
+    done: [Arc<AtomicU32>; 2],
+    stop_at: Arc<AtomicU32>,
+    threads: Vec<std::thread::JoinHandle<Result<Vec<Instant>, String>>>,
+}
+
+impl Training {
+    fn start(control: &str, job: &phub::proto::api::AdmitResponse) -> Training {
+        let done = [Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0))];
+        let stop_at = Arc::new(AtomicU32::new(u32::MAX));
+        let threads = (0..2u16)
+            .map(|rank| {
+                let (control, id, token) = (control.to_string(), job.id, job.token);
+                let (done, stop_at) = (Arc::clone(&done[usize::from(rank)]), Arc::clone(&stop_at));
+                std::thread::spawn(move || -> Result<Vec<Instant>, String> {
+                    let w = Worker::join(&control, id, token, rank).map_err(|e| e.to_string())?;
+                    let mut params: Vec<Vec<f32>> = TRAIN_KEYS
+                        .iter()
+                        .enumerate()
+                        .map(|(k, &n)| (0..n as usize).map(|e| init(k as u32, e)).collect())
+                        .collect();
+                    for (k, p) in params.iter_mut().enumerate() {
+                        w.wait(w.init(k as u32, p).map_err(|e| e.to_string())?)
+                            .map_err(|e| e.to_string())?;
+                    }
+                    let mut ends = Vec::new();
+                    for r in 1.. {
+                        for (k, p) in params.iter_mut().enumerate() {
+                            let g: Vec<f32> = (0..p.len()).map(|e| grad(rank, k as u32, e, r)).collect();
+                            w.wait(w.push_pull(k as u32, &g, p).map_err(|e| e.to_string())?)
+                                .map_err(|e| e.to_string())?;
+                            if let Some(e) = (0..p.len()).find(|&e| p[e] != expected_sum(2, k as u32, e, r)) {
+                                return Err(format!("rank {rank} round {r} key {k} element {e}: {}", p[e]));
+                            }
+                        }
+                        ends.push(Instant::now());
+                        done.store(r, Ordering::SeqCst);
+                        if r >= stop_at.load(Ordering::SeqCst) {
+                            return Ok(ends);
+                        }
+                    }
+                    unreachable!("the rounds end at stop_at")
+                })
+            })
+            .collect();
+        Training {
+            done,
+            stop_at,
+            threads,
+        }
+    }
+
+    /// Rounds both ranks have ended.
+    fn rounds(&self) -> u32 {
+        self.done.iter().map(|d| d.load(Ordering::SeqCst)).min().unwrap()
+    }
+
+    /// Waits up to `within` for `more` rounds past those ended now.
+    fn wait_more(&self, more: u32, within: Duration) {
+        let (from, t0) = (self.rounds(), Instant::now());
+        while self.rounds() < from + more {
+            assert!(
+                t0.elapsed() < within && !self.threads.iter().any(|t| t.is_finished()),
+                "the workers did {} rounds in {within:?} (wanted {more})",
+                self.rounds() - from
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Stops both ranks after the same round; rank 0's round ends.
+    fn stop(self) -> Vec<Instant> {
+        let most = self.done.iter().map(|d| d.load(Ordering::SeqCst)).max().unwrap();
+        self.stop_at.store(most + 2, Ordering::SeqCst);
+        let mut ends = Vec::new();
+        for (rank, t) in self.threads.into_iter().enumerate() {
+            match t.join().unwrap() {
+                Ok(e) if rank == 0 => ends = e,
+                Ok(_) => {}
+                Err(e) => panic!("worker: {e}"),
+            }
+        }
+        ends
+    }
+}
+
+/// The longest and the median gap between consecutive round ends.
+fn gaps(ends: &[Instant]) -> (Duration, Duration) {
+    let mut g: Vec<Duration> = ends.windows(2).map(|w| w[1] - w[0]).collect();
+    g.sort();
+    (*g.last().unwrap(), g[g.len() / 2])
+}
+
+/// A rack whose file control is killed, and three etcd members.
+fn setup3() -> Option<(Rack, Etcd3, PathBuf)> {
+    let mut rack = Rack::start(1, "64MiB");
+    rack.kill_control();
+    let dir = rack.dir.join("controls");
+    std::fs::create_dir_all(&dir).unwrap();
+    let etcd = Etcd3::start(&rack.dir)?;
+    Some((rack, etcd, dir))
+}
+
+#[test]
+fn three_etcd_members_one_lost_unnoticed_two_lost_503_naming_etcd_then_back() {
+    let t_test = Instant::now();
+    let Some((rack, mut etcd, dir)) = setup3() else { return };
+    let state = etcd.state("phub-three");
+    let a = Control::start(&rack, &state, &dir, "control-a");
+    let token = operator_token(&dir);
+    wait_leads(&a.url, &token, Duration::from_secs(10));
+    let b = Control::start(&rack, &state, &dir, "control-b");
+    let both = format!("{},{}", b.url, a.url);
+    let ctl = controls(&both, &token, Duration::from_secs(10));
+    let job = ctl.send(&control::admit(&sum_spec("three", 2, None, &TRAIN_KEYS))).unwrap();
+    let training = Training::start(&both, &job);
+    training.wait_more(5, Duration::from_secs(20));
+
+    // One member lost: users notice nothing.
+    etcd.kill(0);
+    let t0 = Instant::now();
+    let two = ctl.send(&control::admit(&census_spec("two", 2, 64, Consistency::Sync))).unwrap();
+    ctl.send(&control::join(
+        two.id,
+        &JoinRequest {
+            token: two.token,
+            rank: 0,
+            rejoin: false,
+            rack: None,
+        },
+    ))
+    .unwrap();
+    let shown = ctl.send(&control::job(two.id)).unwrap();
+    assert_eq!(shown.summary.joined, [0]);
+    println!(
+        "one etcd member of three killed: admit, join and show took {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
+    training.wait_more(5, Duration::from_secs(10));
+
+    // Two lost: no quorum. The controls answer writes 503 naming etcd;
+    // the workers' rounds go on.
+    etcd.kill(1);
+    let t0 = Instant::now();
+    for url in [&a.url, &b.url] {
+        loop {
+            let (status, _, msg) = probe(url, &token);
+            if status == 503 && msg.contains("etcd") {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(20),
+                "{url} does not answer 503 naming etcd: {status} {msg}"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+    println!(
+        "two etcd members of three killed: both controls answer 503 naming etcd after {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let e = controls(&both, &token, Duration::from_secs(1))
+        .send(&control::admit(&census_spec("none", 2, 64, Consistency::Sync)))
+        .unwrap_err();
+    let text = e.to_string();
+    assert!(
+        text.starts_with("no phub-control served POST /v1/jobs")
+            && text.contains(&a.url)
+            && text.contains(&b.url)
+            && text.contains("etcd"),
+        "{text}"
+    );
+    let listed: Vec<u16> = ctl.send(&control::jobs()).unwrap().iter().map(|j| j.id).collect();
+    assert_eq!(listed, [job.id, two.id], "reads are answered from the last state");
+    training.wait_more(10, Duration::from_secs(10));
+
+    // Back: a control leads again and takes writes; nothing was lost.
+    etcd.restart(0);
+    etcd.restart(1);
+    let t0 = Instant::now();
+    let three = ctl.send(&control::admit(&census_spec("three-b", 2, 64, Consistency::Sync)));
+    let three = match three {
+        Ok(t) => t,
+        // The 10 s of the client's wait may not cover etcd's own election
+        // and the lease: ask again (nothing was admitted: all were 503s).
+        Err(e @ phub_http::ClientError::NoneServed { .. }) => {
+            eprintln!("{e}; asking again");
+            ctl.send(&control::admit(&census_spec("three-b", 2, 64, Consistency::Sync)))
+                .unwrap()
+        }
+        Err(e) => panic!("{e}"),
+    };
+    println!(
+        "two etcd members back: a write served after {:.3} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let listed: Vec<u16> = ctl.send(&control::jobs()).unwrap().iter().map(|j| j.id).collect();
+    assert_eq!(listed, [job.id, two.id, three.id], "no job lost or made twice");
+    training.wait_more(5, Duration::from_secs(10));
+    let (longest, median) = gaps(&training.stop());
+    println!(
+        "rounds throughout: longest gap {:.1} ms, median {:.2} ms; test took {:.1} s",
+        longest.as_secs_f64() * 1e3,
+        median.as_secs_f64() * 1e3,
+        t_test.elapsed().as_secs_f64()
+    );
 }

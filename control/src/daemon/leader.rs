@@ -10,6 +10,10 @@
 //! tick old) and turns every write away with `503` naming the leader
 //! (`X-Phub-Leader: URL` and the message); see `http`.
 //!
+//! While etcd does not serve the election (out of reach, no quorum), a
+//! follower knows no leader, and its `503` says why, naming etcd and its
+//! error.
+//!
 //! A leader steps down at once when etcd says its lease is gone (a
 //! renewal answered without a TTL), when a fenced write fails, or when it
 //! could not renew for a whole TTL; it then follows. On winning, a control
@@ -111,11 +115,18 @@ impl Shared {
         if self.acts() {
             return Ok(());
         }
-        let leader = self.lead.seen().leader.clone();
+        let (leader, error) = {
+            let seen = self.lead.seen();
+            (seen.leader.clone(), seen.error.clone())
+        };
         let me = self.lead.me.get().map_or("", String::as_str);
-        let message = match &leader {
-            Some(l) => format!("this phub-control ({me}) is a follower; send writes to the leader at {l}"),
-            None => format!(
+        let message = match (&leader, error) {
+            (Some(l), _) => format!("this phub-control ({me}) is a follower; send writes to the leader at {l}"),
+            (None, Some(e)) => format!(
+                "this phub-control ({me}) is a follower and no control can lead while etcd does not serve \
+                 the election: {e}"
+            ),
+            (None, None) => format!(
                 "this phub-control ({me}) is a follower and no control leads now; try again within {} s",
                 self.lead.ttl.as_secs()
             ),
@@ -155,7 +166,11 @@ impl Shared {
         }
         match etcd.campaign(&me, self.lead.ttl) {
             Ok(Campaign::Won) => {
-                self.lead.seen().renewed = Instant::now();
+                {
+                    let mut seen = self.lead.seen();
+                    seen.renewed = Instant::now();
+                    seen.error = None;
+                }
                 match self.take_over() {
                     Ok(()) => {
                         self.lead.seen().leader = None;
@@ -182,7 +197,11 @@ impl Shared {
                     self.log_once(format!("cannot reload the state: {e}"));
                 }
             }
-            Err(e) => self.log_once(format!("cannot campaign for the leader key: {e}")),
+            Err(e) => {
+                // Who leads is not known while etcd does not answer.
+                self.lead.seen().leader = None;
+                self.log_once(format!("cannot campaign for the leader key: {e}"));
+            }
         }
     }
 
