@@ -519,7 +519,13 @@ impl Etcd3 {
                 .iter()
                 .enumerate()
                 .map(|(i, &(client, peer))| {
-                    let args = member_args(&format!("m{i}"), &dir.join(format!("m{i}")), client, peer, &cluster);
+                    let args = member_args(
+                        &format!("m{i}"),
+                        &dir.join(format!("m{i}")),
+                        client,
+                        peer,
+                        &cluster,
+                    );
                     (None, args, client)
                 })
                 .collect(),
@@ -539,7 +545,14 @@ impl Etcd3 {
     fn spawn(&mut self, i: usize) {
         self.starts += 1;
         let log = self.dir.join(format!("m{i}-{}.log", self.starts));
-        let d = Daemon::spawn(&format!("etcd-m{i}"), Path::new("etcd"), &self.members[i].1, &[], &log).unwrap();
+        let d = Daemon::spawn(
+            &format!("etcd-m{i}"),
+            Path::new("etcd"),
+            &self.members[i].1,
+            &[],
+            &log,
+        )
+        .unwrap();
         self.members[i].0 = Some(d);
     }
 
@@ -563,7 +576,11 @@ impl Etcd3 {
     }
 
     fn state(&self, prefix: &str) -> String {
-        let hosts: Vec<String> = self.members.iter().map(|m| format!("127.0.0.1:{}", m.2)).collect();
+        let hosts: Vec<String> = self
+            .members
+            .iter()
+            .map(|m| format!("127.0.0.1:{}", m.2))
+            .collect();
         format!("etcd://{}/{prefix}", hosts.join(","))
     }
 }
@@ -701,7 +718,9 @@ fn setup3() -> Option<(Rack, Etcd3, PathBuf)> {
 #[test]
 fn three_etcd_members_one_lost_unnoticed_two_lost_503_naming_etcd_then_back() {
     let t_test = Instant::now();
-    let Some((rack, mut etcd, dir)) = setup3() else { return };
+    let Some((rack, mut etcd, dir)) = setup3() else {
+        return;
+    };
     let state = etcd.state("phub-three");
     let a = Control::start(&rack, &state, &dir, "control-a");
     let token = operator_token(&dir);
@@ -709,14 +728,18 @@ fn three_etcd_members_one_lost_unnoticed_two_lost_503_naming_etcd_then_back() {
     let b = Control::start(&rack, &state, &dir, "control-b");
     let both = format!("{},{}", b.url, a.url);
     let ctl = controls(&both, &token, Duration::from_secs(10));
-    let job = ctl.send(&control::admit(&sum_spec("three", 2, None, &TRAIN_KEYS))).unwrap();
+    let job = ctl
+        .send(&control::admit(&sum_spec("three", 2, None, &TRAIN_KEYS)))
+        .unwrap();
     let training = Training::start(&both, &job);
     training.wait_more(5, Duration::from_secs(20));
 
     // One member lost: users notice nothing.
     etcd.kill(0);
     let t0 = Instant::now();
-    let two = ctl.send(&control::admit(&census_spec("two", 2, 64, Consistency::Sync))).unwrap();
+    let two = ctl
+        .send(&control::admit(&census_spec("two", 2, 64, Consistency::Sync)))
+        .unwrap();
     ctl.send(&control::join(
         two.id,
         &JoinRequest {
