@@ -82,20 +82,20 @@ impl Shared {
     /// one is refused at once, and a count is taken from the others
     /// without asking it (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let (clients, aliases, down): (Vec<(String, Client)>, BTreeMap<String, String>, Vec<String>) = {
+        let (clients, aliases, declared_down) = {
             let inner = self.lock();
-            let aliases = inner
+            let aliases: BTreeMap<String, String> = inner
                 .appliances
                 .values()
                 .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
                 .collect();
-            let down = inner
+            let declared_down: Vec<String> = inner
                 .appliances
                 .values()
                 .filter(|a| a.liveness.down.is_some())
                 .map(|a| a.spec.name.clone())
                 .collect();
-            (inner.clients(), aliases, down)
+            (inner.clients(), aliases, declared_down)
         };
         let asked = spec.placement.as_ref().map(|p| &p.appliances);
         let chosen = match asked {
@@ -115,11 +115,11 @@ impl Shared {
                             "placement.appliances names {n:?}, which is {why}"
                         )));
                     }
-                    if down.contains(n) {
+                    if declared_down.contains(n) {
                         let up: Vec<&str> = clients
                             .iter()
                             .map(|(n, _)| n.as_str())
-                            .filter(|n| !down.iter().any(|d| d == n))
+                            .filter(|n| !declared_down.iter().any(|d| d == n))
                             .collect();
                         return Err(RequestError::Conflict(format!(
                             "placement.appliances names {n:?}, which is declared down (it answers no \
@@ -140,7 +140,7 @@ impl Shared {
                 let up: Vec<String> = clients
                     .iter()
                     .map(|(n, _)| n.clone())
-                    .filter(|n| !down.contains(n))
+                    .filter(|n| !declared_down.contains(n))
                     .collect();
                 for (name, v) in self.views(Some(&up), ADMIT_WAIT) {
                     match v {
