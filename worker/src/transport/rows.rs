@@ -42,7 +42,7 @@
 //!   once no answer at all has come for `timeout`, or with
 //!   [`WorkerError::Closed`].
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -158,7 +158,7 @@ struct Active<D> {
     /// A pull: the lowest round its answers stated.
     min_round: u32,
     /// Per entry, its lcore's catching up, while one is (a push only).
-    catch_up: HashMap<u32, CatchUp>,
+    catch_up: BTreeMap<u32, CatchUp>,
     done: D,
 }
 
@@ -185,7 +185,7 @@ pub(crate) struct RowTransport<D> {
     rto: Rto,
     stats: Arc<Counters>,
     /// By table key.
-    active: HashMap<u32, Active<D>>,
+    active: BTreeMap<u32, Active<D>>,
     /// Messages not sent yet, in the order they go: (key, message).
     pending: VecDeque<(u32, usize)>,
     /// Messages out and unanswered, over all requests.
@@ -244,7 +244,7 @@ impl<D> RowTransport<D> {
             window: window.max(1),
             rto: Rto::new(config),
             stats,
-            active: HashMap::new(),
+            active: BTreeMap::new(),
             pending: VecDeque::new(),
             outstanding: 0,
             queue: Vec::new(),
@@ -320,7 +320,7 @@ impl<D> RowTransport<D> {
             states: vec![MsgState::Pending; n],
             remaining: n,
             min_round: u32::MAX,
-            catch_up: HashMap::new(),
+            catch_up: BTreeMap::new(),
             plan,
             done,
         };
