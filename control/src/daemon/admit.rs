@@ -19,6 +19,9 @@ use crate::state::{JobShape, StoredJob, StoredPart};
 /// Longest an admission waits for an appliance's description before it
 /// takes it as down.
 pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
+/// How long admission looks at an appliance declared down that a spec
+/// names, in case it came back since its last heartbeat.
+pub(super) const DOWN_LOOK: Duration = Duration::from_millis(300);
 
 /// The table keys an appliance serves (PROTOCOL.md §10): each with a
 /// `rows` cap (admission charges its store at the cap, on every lcore:
@@ -78,9 +81,11 @@ impl Shared {
     /// The appliances `spec` goes on, with their fresh descriptions, in
     /// layout order: those it names, or the number it asks for (one by
     /// default) with the most free memory among those that answer. An
-    /// appliance declared down (heartbeats) is never chosen: a spec naming
-    /// one is refused at once, and a count is taken from the others
-    /// without asking it (PROTOCOL.md §11.6).
+    /// appliance declared down (heartbeats) is not chosen while it stays
+    /// silent: a spec naming one is refused after one short look
+    /// ([`DOWN_LOOK`]: one that just came back, before its next heartbeat,
+    /// is taken), and a count is taken from the others without asking it,
+    /// unless too few of them answer (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
         let (clients, aliases, declared_down) = {
             let inner = self.lock();
@@ -115,7 +120,12 @@ impl Shared {
                             "placement.appliances names {n:?}, which is {why}"
                         )));
                     }
-                    if declared_down.contains(n) {
+                    if declared_down.contains(n)
+                        && !matches!(
+                            self.views(Some(std::slice::from_ref(n)), DOWN_LOOK).get(n),
+                            Some(Ok(_))
+                        )
+                    {
                         let up: Vec<&str> = clients
                             .iter()
                             .map(|(n, _)| n.as_str())
@@ -136,13 +146,22 @@ impl Shared {
                 let mut answer = Vec::new();
                 let mut down = None;
                 // Every appliance not declared down asked at once; one that
-                // does not answer within ADMIT_WAIT is taken as down.
+                // does not answer within ADMIT_WAIT is taken as down. Those
+                // declared down are asked only if too few others answer.
                 let up: Vec<String> = clients
                     .iter()
                     .map(|(n, _)| n.clone())
                     .filter(|n| !declared_down.contains(n))
                     .collect();
-                for (name, v) in self.views(Some(&up), ADMIT_WAIT) {
+                let mut views = self.views(Some(&up), ADMIT_WAIT);
+                let answering = views
+                    .iter()
+                    .filter(|(n, v)| v.is_ok() && !aliases.contains_key(*n))
+                    .count();
+                if answering < count && !declared_down.is_empty() {
+                    views.extend(self.views(Some(&declared_down), ADMIT_WAIT));
+                }
+                for (name, v) in views {
                     match v {
                         Ok(_) if aliases.contains_key(&name) => {}
                         Ok(v) => answer.push((name, v.info)),
