@@ -321,8 +321,9 @@ fn an_appliance_declared_down_that_answers_again_stays_out_of_the_job() {
 }
 
 /// An appliance declared down is chosen for no new job while it stays
-/// silent: a spec naming it is refused saying so (not after waiting for
-/// its description), and a spec asking for a count gets the others.
+/// silent: a spec naming it is refused saying so (once it did not answer
+/// for its description either), and a spec asking for a count gets the
+/// others without asking it.
 #[test]
 fn an_appliance_declared_down_is_not_chosen_for_a_new_job() {
     let [a, b, c] = three_fakes();

@@ -19,9 +19,6 @@ use crate::state::{JobShape, StoredJob, StoredPart};
 /// Longest an admission waits for an appliance's description before it
 /// takes it as down.
 pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
-/// How long admission looks at an appliance declared down that a spec
-/// names, in case it came back since its last heartbeat.
-pub(super) const DOWN_LOOK: Duration = Duration::from_millis(300);
 
 /// The table keys an appliance serves (PROTOCOL.md §10): each with a
 /// `rows` cap (admission charges its store at the cap, on every lcore:
@@ -82,10 +79,11 @@ impl Shared {
     /// layout order: those it names, or the number it asks for (one by
     /// default) with the most free memory among those that answer. An
     /// appliance declared down (heartbeats) is not chosen while it stays
-    /// silent: a spec naming one is refused after one short look
-    /// ([`DOWN_LOOK`]: one that just came back, before its next heartbeat,
-    /// is taken), and a count is taken from the others without asking it,
-    /// unless too few of them answer (PROTOCOL.md §11.6).
+    /// silent: a spec naming one is asked as any other (one just back,
+    /// before its next heartbeat, is taken) and refused with a 409 saying
+    /// it is declared down if it does not answer; a count is taken from
+    /// the others without asking it, unless too few of them answer
+    /// (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
         let (clients, aliases, declared_down) = {
             let inner = self.lock();
@@ -120,24 +118,22 @@ impl Shared {
                             "placement.appliances names {n:?}, which is {why}"
                         )));
                     }
-                    if declared_down.contains(n)
-                        && !matches!(
-                            self.views(Some(std::slice::from_ref(n)), DOWN_LOOK).get(n),
-                            Some(Ok(_))
-                        )
-                    {
-                        let up: Vec<&str> = clients
-                            .iter()
-                            .map(|(n, _)| n.as_str())
-                            .filter(|n| !declared_down.iter().any(|d| d == n))
-                            .collect();
-                        return Err(RequestError::Conflict(format!(
-                            "placement.appliances names {n:?}, which is declared down (it answers no \
-                             heartbeat); appliances not declared down: {}",
-                            up.join(", ")
-                        )));
+                    match c.info() {
+                        Ok(info) => out.push((n.clone(), info)),
+                        Err(e) if declared_down.contains(n) => {
+                            let up: Vec<&str> = clients
+                                .iter()
+                                .map(|(n, _)| n.as_str())
+                                .filter(|n| !declared_down.iter().any(|d| d == n))
+                                .collect();
+                            return Err(RequestError::Conflict(format!(
+                                "placement.appliances names {n:?}, which is declared down and does not \
+                                 answer ({e}); appliances not declared down: {}",
+                                up.join(", ")
+                            )));
+                        }
+                        Err(e) => return Err(e.into()),
                     }
-                    out.push((n.clone(), c.info()?));
                 }
                 out
             }
