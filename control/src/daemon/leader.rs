@@ -121,7 +121,9 @@ impl Shared {
         };
         let me = self.lead.me.get().map_or("", String::as_str);
         let message = match (&leader, error) {
-            (Some(l), _) => format!("this phub-control ({me}) is a follower; send writes to the leader at {l}"),
+            (Some(l), _) => {
+                format!("this phub-control ({me}) is a follower; send writes to the leader at {l}")
+            }
             (None, Some(e)) => format!(
                 "this phub-control ({me}) is a follower and no control can lead while etcd does not serve \
                  the election: {e}"
