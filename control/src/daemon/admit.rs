@@ -82,14 +82,14 @@ impl Shared {
     /// one is refused at once, and a count is taken from the others
     /// without asking it (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let (clients, aliases, down): (Vec<(String, Client)>, BTreeMap<String, String>, Vec<String>) = {
+        let (clients, aliases, down) = {
             let inner = self.lock();
-            let aliases = inner
+            let aliases: BTreeMap<String, String> = inner
                 .appliances
                 .values()
                 .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
                 .collect();
-            let down = inner
+            let down: Vec<String> = inner
                 .appliances
                 .values()
                 .filter(|a| a.liveness.down.is_some())
@@ -134,7 +134,7 @@ impl Shared {
             _ => {
                 let count = spec.placement.as_ref().map_or(1, |p| p.count());
                 let mut answer = Vec::new();
-                let mut down = None;
+                let mut unreachable = None;
                 // Every appliance not declared down asked at once; one that
                 // does not answer within ADMIT_WAIT is taken as down.
                 let up: Vec<String> = clients
@@ -147,15 +147,16 @@ impl Shared {
                         Ok(_) if aliases.contains_key(&name) => {}
                         Ok(v) => answer.push((name, v.info)),
                         Err(e) => {
-                            down = down.or(Some(RequestError::Dataplane(DataplaneError::Unreachable {
-                                appliance: name.clone(),
-                                base: clients
-                                    .iter()
-                                    .find(|(n, _)| *n == name)
-                                    .map(|(_, c)| c.base().to_string())
-                                    .unwrap_or_default(),
-                                reason: e,
-                            })));
+                            unreachable =
+                                unreachable.or(Some(RequestError::Dataplane(DataplaneError::Unreachable {
+                                    appliance: name.clone(),
+                                    base: clients
+                                        .iter()
+                                        .find(|(n, _)| *n == name)
+                                        .map(|(_, c)| c.base().to_string())
+                                        .unwrap_or_default(),
+                                    reason: e,
+                                })));
                         }
                     }
                 }
@@ -170,8 +171,18 @@ impl Shared {
                     .collect();
                 let names = match admission::choose_appliances(count, &free) {
                     Ok(n) => n,
-                    // Too few answer: say why one does not.
-                    Err(e) => return Err(down.unwrap_or(RequestError::Capacity(e))),
+                    // Too few answer: say why one does not; too few
+                    // are not declared down: name those that are.
+                    Err(e) => {
+                        return Err(match (unreachable, down.is_empty()) {
+                            (Some(why), _) => why,
+                            (None, true) => RequestError::Capacity(e),
+                            (None, false) => RequestError::Conflict(format!(
+                                "{e}; declared down (no new job is placed on them): {}",
+                                down.join(", ")
+                            )),
+                        })
+                    }
                 };
                 names
                     .into_iter()
