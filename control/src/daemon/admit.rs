@@ -185,7 +185,14 @@ impl Shared {
                     .collect();
                 let names = match admission::choose_appliances(count, &free) {
                     Ok(n) => n,
-                    // Too few answer: say why one does not.
+                    // Too few answer: name those declared down (asked too,
+                    // silent), else say why one does not answer.
+                    Err(e) if !declared_down.is_empty() => {
+                        return Err(RequestError::Conflict(format!(
+                            "{e}; declared down (no new job is placed on them): {}",
+                            declared_down.join(", ")
+                        )))
+                    }
                     Err(e) => return Err(down.unwrap_or(RequestError::Capacity(e))),
                 };
                 names
