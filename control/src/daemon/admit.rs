@@ -134,7 +134,6 @@ impl Shared {
             _ => {
                 let count = spec.placement.as_ref().map_or(1, |p| p.count());
                 let mut answer = Vec::new();
-                let mut down = None;
                 // Every appliance not declared down asked at once; one that
                 // does not answer within ADMIT_WAIT is taken as down.
                 let up: Vec<String> = clients
@@ -142,6 +141,7 @@ impl Shared {
                     .map(|(n, _)| n.clone())
                     .filter(|n| !down.contains(n))
                     .collect();
+                let mut down = None;
                 for (name, v) in self.views(Some(&up), ADMIT_WAIT) {
                     match v {
                         Ok(_) if aliases.contains_key(&name) => {}
