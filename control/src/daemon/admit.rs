@@ -82,14 +82,14 @@ impl Shared {
     /// one is refused at once, and a count is taken from the others
     /// without asking it (PROTOCOL.md §11.6).
     pub(super) fn choose(&self, spec: &JobSpec) -> Result<Vec<(String, DataplaneInfo)>, RequestError> {
-        let (clients, aliases, down): (Vec<(String, Client)>, BTreeMap<String, String>, Vec<String>) = {
+        let (clients, aliases, down) = {
             let inner = self.lock();
-            let aliases = inner
+            let aliases: BTreeMap<String, String> = inner
                 .appliances
                 .values()
                 .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
                 .collect();
-            let down = inner
+            let down: Vec<String> = inner
                 .appliances
                 .values()
                 .filter(|a| a.liveness.down.is_some())

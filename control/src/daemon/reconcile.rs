@@ -286,10 +286,11 @@ impl Shared {
         // An appliance that came back to a replicated job is installed
         // empty: its primaries copy it the state (PROTOCOL.md §11.7).
         let returning = job.replication.as_ref().is_some_and(|r| r.epoch > 0);
-        let restore = match returning
-            .then_some(Ok(None))
-            .unwrap_or_else(|| self.checkpoint_for(&job, name))
-        {
+        let restore = match if returning {
+            Ok(None)
+        } else {
+            self.checkpoint_for(&job, name)
+        } {
             Ok(r) => r,
             Err(h) => {
                 self.hold(id, name, h);
