@@ -702,6 +702,30 @@ pub fn render_show(d: &JobDetail) -> String {
             }
         ));
     }
+    if let Some(r) = &d.replicas {
+        out.push_str(&format!(
+            "\nreplicas live {} of {} ({})",
+            r.live,
+            r.wanted,
+            r.state.name()
+        ));
+        if let Some(x) = &r.rereplication {
+            out.push_str(&format!(
+                "\nre-replication to {} at epoch {}: ",
+                x.appliance, x.epoch
+            ));
+            match (x.full_strength_ms(), &x.abandoned) {
+                (Some(ms), _) => {
+                    out.push_str(&format!("full strength {ms} ms after it answered again"));
+                    if let Some(b) = x.bytes_copied {
+                        out.push_str(&format!(", {} copied", human_bytes(b)));
+                    }
+                }
+                (None, Some(why)) => out.push_str(&format!("stopped: {why}")),
+                (None, None) => out.push_str("under way"),
+            }
+        }
+    }
     out.push_str("\n\n");
     let hierarchical = d.parts.iter().any(|p| p.ranks.is_some());
     if hierarchical {
@@ -1118,6 +1142,7 @@ pub fn render_stats(s: &Stats) -> String {
                 held: lives.iter().map(|l| l.clock.held).sum(),
                 ..Default::default()
             },
+            copies: None,
         });
         let live = live.as_ref();
         out.push_str(&format!(
@@ -1304,6 +1329,7 @@ mod tests {
                         round_range: None,
                         silent_ms: Vec::new(),
                         clock: ClockStats::default(),
+                        copies: None,
                     }],
                     port: None,
                 }),
@@ -1521,6 +1547,7 @@ mod tests {
             checkpoint: None,
             parts: Vec::new(),
             epoch: None,
+            replicas: None,
         };
         let t = render_show(&d);
         assert!(
@@ -1567,6 +1594,44 @@ mod tests {
             t.contains("replicas 2, epoch 1, appliances down: b\n") && t.contains("OUT (declared down)"),
             "{t}"
         );
+        // Re-replication (PROTOCOL.md §11.7): replicas live and wanted,
+        // the state, and once done the time to full strength and bytes.
+        let mut x = phub_proto::api::Rereplication {
+            appliance: "b".into(),
+            epoch: 2,
+            started_unix_ms: 10_000,
+            ended_unix_ms: None,
+            bytes_copied: None,
+            abandoned: None,
+        };
+        d.replicas = Some(phub_proto::api::ReplicaStrength {
+            wanted: 2,
+            live: 1,
+            state: phub_proto::api::Strength::Rereplicating,
+            rereplication: Some(x.clone()),
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains("replicas live 1 of 2 (re-replicating)\nre-replication to b at epoch 2: under way"),
+            "{t}"
+        );
+        x.ended_unix_ms = Some(10_250);
+        x.bytes_copied = Some(4096);
+        d.replicas = Some(phub_proto::api::ReplicaStrength {
+            wanted: 2,
+            live: 2,
+            state: phub_proto::api::Strength::FullStrength,
+            rereplication: Some(x),
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains(
+                "replicas live 2 of 2 (full strength)\nre-replication to b at epoch 2: full strength 250 ms \
+                        after it answered again, 4.0 KiB copied"
+            ),
+            "{t}"
+        );
+        d.replicas = None;
         d.epoch = None;
         d.parts.clear();
         d.spec.placement = None;
@@ -1616,6 +1681,7 @@ mod tests {
             checkpoint: None,
             parts: Vec::new(),
             epoch: None,
+            replicas: None,
         };
         let t = render_show(&d);
         assert!(
@@ -1675,6 +1741,7 @@ mod tests {
                     round_range: Some((1, 2)),
                     silent_ms: vec![],
                     clock: ClockStats::default(),
+                    copies: None,
                 }],
             }),
             dataplane_error: None,

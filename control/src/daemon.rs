@@ -232,6 +232,7 @@ impl Daemon {
             token_path: token_path.clone(),
             inner: Mutex::new(Inner {
                 checkpoints: load_checkpoints(&config.state, &jobs),
+                rejoining: std::collections::BTreeSet::new(),
                 appliances,
                 jobs,
             }),

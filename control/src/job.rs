@@ -98,7 +98,8 @@ impl StoredJob {
     ///
     /// A replicated flat job's install also carries every appliance's
     /// data address, rack label (as `rack` gives it) and part, and this
-    /// one's index among them (PROTOCOL.md §11), at epoch 0.
+    /// one's index among them (PROTOCOL.md §11), at epoch 0, or at the
+    /// job's epoch for an appliance that came back at it (§11.7).
     pub(crate) fn install_for(
         &self,
         name: &str,
@@ -120,10 +121,21 @@ impl StoredJob {
                             })
                         })
                         .collect::<Option<Vec<_>>>()?;
+                    let me = self.part_index(name)?;
+                    // An appliance that came back at the job's epoch is
+                    // installed at that epoch, joined (PROTOCOL.md §11.7);
+                    // every other install is at epoch 0.
+                    let back = self.is_returning(me);
                     Some(Replication {
-                        epoch: 0,
-                        appliance: u16::try_from(self.part_index(name)?).ok()?,
+                        epoch: if back { self.epoch.epoch } else { 0 },
+                        appliance: u16::try_from(me).ok()?,
                         appliances,
+                        down: if back { self.epoch.down.clone() } else { Vec::new() },
+                        joined: if back {
+                            self.epoch.joined.clone()
+                        } else {
+                            Vec::new()
+                        },
                     })
                 } else {
                     None

@@ -66,6 +66,77 @@ pub struct Liveness<'a> {
     pub declarations: u64,
 }
 
+/// A replicated job's strength, as `/metrics` exports it (PROTOCOL.md
+/// §11.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strength {
+    /// The job's id.
+    pub job: u16,
+    /// Replicas live (the fewest over its parts).
+    pub live: u32,
+    /// Replicas wanted (`[placement] replicas`).
+    pub wanted: u32,
+    /// Whether a re-replication is under way.
+    pub rereplicating: bool,
+    /// The last re-replication's time to full strength, ms, once done.
+    pub full_strength_ms: Option<u64>,
+}
+
+/// Per replicated job: `phub_job_replicas_live`,
+/// `phub_job_replicas_wanted`, `phub_job_rereplicating` (gauges) and,
+/// once a re-replication is done, `phub_job_rereplication_seconds` (its
+/// time to full strength).
+pub fn render_strength(jobs: &[Strength]) -> String {
+    let mut o = Out(String::new());
+    if jobs.is_empty() {
+        return o.0;
+    }
+    let ids: Vec<String> = jobs.iter().map(|j| j.job.to_string()).collect();
+    o.family(
+        "phub_job_replicas_live",
+        "gauge",
+        "Replicas of a replicated job holding state, the fewest over its parts",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_replicas_live", &[("job", id)], j.live);
+    }
+    o.family(
+        "phub_job_replicas_wanted",
+        "gauge",
+        "Replicas a replicated job's spec asks for",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_replicas_wanted", &[("job", id)], j.wanted);
+    }
+    o.family(
+        "phub_job_rereplicating",
+        "gauge",
+        "Whether an appliance that came back is being given the job's state (1) or not (0)",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample(
+            "phub_job_rereplicating",
+            &[("job", id)],
+            u64::from(j.rereplicating),
+        );
+    }
+    o.family(
+        "phub_job_rereplication_seconds",
+        "gauge",
+        "The job's last re-replication: from the appliance answering again to full strength",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        if let Some(ms) = j.full_strength_ms {
+            o.sample(
+                "phub_job_rereplication_seconds",
+                &[("job", id)],
+                format!("{:.3}", ms as f64 / 1000.0),
+            );
+        }
+    }
+    o.0
+}
+
 /// The heartbeat's families, labelled by appliance:
 /// `phub_appliance_declared_down` (a gauge, 1 while declared down) and
 /// `phub_appliance_down_declarations_total`.
@@ -440,6 +511,7 @@ mod tests {
                 round_range: None,
                 silent_ms: vec![],
                 clock: Default::default(),
+                copies: None,
             }],
         };
         let job = JobSummary {
@@ -462,7 +534,21 @@ mod tests {
             declared_down: true,
             declarations: 2,
         }];
-        render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job]) + &render_liveness(&liveness)
+        let strength = [Strength {
+            job: 1,
+            live: 2,
+            wanted: 2,
+            rereplicating: false,
+            full_strength_ms: Some(1250),
+        }];
+        let text = render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job])
+            + &render_liveness(&liveness)
+            + &render_strength(&strength);
+        assert!(
+            text.contains("phub_job_rereplication_seconds{job=\"1\"} 1.250\n"),
+            "{text}"
+        );
+        text
     }
 
     /// Every family follows Prometheus' naming: a counter's name ends in
@@ -603,6 +689,7 @@ mod tests {
                 round_range: Some((4, 5)),
                 silent_ms: vec![Some(1), None],
                 clock: Default::default(),
+                copies: None,
             }],
         };
         let jobs = vec![JobSummary {

@@ -20,7 +20,7 @@ use std::io::{Read, Write};
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
-use phub_proto::api::{hex_u64, ApplianceSpec};
+use phub_proto::api::{hex_u64, ApplianceSpec, Rereplication};
 use phub_proto::failover::EpochView;
 use phub_proto::layout::{Layout, Placement, PER_CHUNK_FORM};
 use phub_proto::spec::JobSpec;
@@ -77,6 +77,11 @@ pub(crate) struct StoredJob {
     /// failover), which is read back as that.
     #[serde(default, skip_serializing_if = "is_epoch_zero")]
     pub(crate) epoch: EpochView,
+    /// A replicated job's last re-replication (PROTOCOL.md §11.7): the
+    /// appliance given the job again, at which epoch, when it started and
+    /// when the job was back to full strength. Absent before any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) rereplication: Option<Rereplication>,
 }
 
 /// Whether `e` is epoch 0 with nobody down (what the file leaves out).
@@ -561,6 +566,7 @@ mod tests {
                     down: vec![0],
                     ..Default::default()
                 },
+                rereplication: None,
             }],
         };
         let appliances: Vec<&ApplianceSpec> = state.appliances.iter().flatten().collect();

@@ -5,7 +5,8 @@
 //! closes, as a killed dataplane's) or hangs, and control declares it
 //! down, moves the job to epoch 1 without it, sends that epoch to the
 //! two others and serves it; a second death that takes both replicas of
-//! a part fails the job, naming the part.
+//! a part fails the job, naming the part; an appliance that answers
+//! again gets the job back (§11.7).
 
 // Not every test file uses every part of the fake.
 #[allow(dead_code)]
@@ -14,10 +15,12 @@ mod fake;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig, TempState};
+use fake::{Fake, FakeConfig, TempState, FAKE_COPY_BYTES};
 use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
-use phub_proto::api::{AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse};
-use phub_proto::failover::{EpochView, ReplicaLayout};
+use phub_proto::api::{
+    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse, Rereplication, Strength,
+};
+use phub_proto::failover::{EpochView, Joined, ReplicaLayout};
 use phub_proto::routes::{ControlRoute as R, Route};
 use phub_proto::spec::{Appliances as Placed, JobSpec};
 
@@ -275,46 +278,110 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
     d.shutdown();
 }
 
-/// An appliance that hangs is declared down; when it answers again it
-/// stays out of the job: reconciliation removes the job from it and never
-/// installs it there again, and it is sent no epoch.
+/// An appliance declared down that answers again (restarted: it holds
+/// no job) gets each replicated job back (PROTOCOL.md §11.7): the job
+/// moves to epoch 2 with it joined, is installed on it at that epoch,
+/// empty (never from a checkpoint), epoch 2 is put on the two others, and
+/// `job show` says re-replicating, one replica live of two, until the
+/// appliances' stats say no state copy is awaited; then full strength,
+/// with the time it took and the bytes copied, kept across a restart of
+/// control and exported in `/metrics`.
 #[test]
-fn an_appliance_declared_down_that_answers_again_stays_out_of_the_job() {
+fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joined() {
     let [a, b, c] = three_fakes();
     let state = TempState::new("phub-control-failover", "back");
     let d = daemon(&[&a, &b, &c], &state);
     let job = admit_replicated(&d);
     assert!(b.jobs().contains_key(&job.id));
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    let r = show.replicas.expect("a replicated job reports its replicas");
+    assert_eq!((r.live, r.wanted, r.state), (2, 2, Strength::FullStrength));
     b.set_silent(true);
-    let want = EpochView {
+    let e1 = EpochView {
         epoch: 1,
         down: vec![1],
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("epoch 1 on a and c", within, || {
-        epochs(&a, job.id).contains(&want) && epochs(&c, job.id).contains(&want)
+        epochs(&a, job.id).contains(&e1) && epochs(&c, job.id).contains(&e1)
     });
-    b.set_silent(false);
-    wait_for("the job removed from b", Duration::from_secs(5), || {
-        !b.jobs().contains_key(&job.id)
-    });
-    // Several reconciliations later, b still does not hold the job.
-    std::thread::sleep(Duration::from_millis(1000));
-    assert!(
-        !b.jobs().contains_key(&job.id),
-        "reinstalled on a fenced appliance"
-    );
-    assert!(epochs(&b, job.id).is_empty());
-    let list: Vec<ApplianceStatus> = ok_at(&d, &R::Appliances, None);
-    let bs = list.iter().find(|s| s.name == "b").unwrap();
-    assert!(bs.down.is_none(), "it answers again: {bs:?}");
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    let r = show.replicas.unwrap();
+    assert_eq!((r.live, r.wanted, r.state), (1, 2, Strength::Degraded));
+    // b restarts (it forgets its jobs) and answers again; its copies are
+    // not done until the test says so.
+    {
+        let mut st = b.state.lock().unwrap();
+        st.jobs.clear();
+        st.copies_awaiting = 3;
+    }
+    b.set_silent(false);
+    let e2 = EpochView {
+        epoch: 2,
+        down: vec![],
+        joined: vec![Joined {
+            appliance: 1,
+            epoch: 2,
+        }],
+    };
+    wait_for("the job installed on b at epoch 2, joined", within, || {
+        b.jobs().get(&job.id).is_some_and(|j| {
+            j.replication
+                .as_ref()
+                .is_some_and(|r| (r.epoch, &r.down, &r.joined) == (2, &e2.down, &e2.joined))
+        })
+    });
     assert!(
-        show.summary.installed,
-        "installed where it belongs: {:?}",
-        show.parts
+        b.state.lock().unwrap().restored.is_empty(),
+        "an appliance that came back is installed empty, not from a checkpoint"
     );
-    assert_eq!(show.epoch, Some(want));
+    wait_for("epoch 2 on a and c", within, || {
+        epochs(&a, job.id).last() == Some(&e2) && epochs(&c, job.id).last() == Some(&e2)
+    });
+    let e: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e, e2);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!(show.epoch.as_ref(), Some(&e2));
+    assert!(show.parts[1].down.is_none(), "{:?}", show.parts[1]);
+    let r = show.replicas.unwrap();
+    assert_eq!((r.live, r.wanted, r.state), (1, 2, Strength::Rereplicating));
+    let x = r.rereplication.expect("the re-replication is reported");
+    assert_eq!((x.appliance.as_str(), x.epoch, x.ended_unix_ms), ("b", 2, None));
+    // Several polls later, still under way while b awaits copies.
+    std::thread::sleep(Duration::from_millis(5 * HEARTBEAT_MS));
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!(show.replicas.unwrap().state, Strength::Rereplicating);
+
+    b.state.lock().unwrap().copies_awaiting = 0;
+    let full = || -> Option<Rereplication> {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        let r = show.replicas?;
+        (r.state == Strength::FullStrength && r.live == 2).then_some(r.rereplication?)
+    };
+    wait_for("full strength", within, || full().is_some());
+    let x = full().unwrap();
+    assert_eq!(x.bytes_copied, Some(FAKE_COPY_BYTES));
+    assert!(x.full_strength_ms().is_some(), "{x:?}");
+    let (_, metrics) = call(&d, &R::Metrics, None);
+    let id = job.id;
+    assert!(
+        metrics.contains(&format!("phub_job_replicas_live{{job=\"{id}\"}} 2"))
+            && metrics.contains(&format!("phub_job_replicas_wanted{{job=\"{id}\"}} 2"))
+            && metrics.contains(&format!("phub_job_rereplicating{{job=\"{id}\"}} 0"))
+            && metrics.contains(&format!("phub_job_rereplication_seconds{{job=\"{id}\"}}")),
+        "{metrics}"
+    );
+    // Kept with the job: a restarted control reports the same.
+    d.shutdown();
+    let d = daemon(&[&a, &b, &c], &state);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!(show.epoch.as_ref(), Some(&e2));
+    let r = show.replicas.unwrap();
+    assert_eq!((r.live, r.state), (2, Strength::FullStrength));
+    assert_eq!(r.rereplication, Some(x));
+    // And reconciliation leaves b's install as it is.
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(b.jobs().contains_key(&job.id));
     d.shutdown();
 }
 
@@ -395,6 +462,16 @@ fn a_job_that_is_not_replicated_waits_for_its_appliance() {
     assert_eq!(show.epoch, None);
     assert!(show.summary.failed.is_none());
     b.set_silent(false);
+    // Answering again changes nothing either: no epoch, no new install,
+    // no removal, nothing reported of replicas.
+    let installed = b.jobs().get(&job.id).cloned();
+    assert!(installed.is_some());
+    std::thread::sleep(Duration::from_millis(1000));
     assert!(epochs(&a, job.id).is_empty() && epochs(&b, job.id).is_empty());
+    assert_eq!(b.jobs().get(&job.id), installed.as_ref());
+    let deleted = format!("DELETE /v1/jobs/{}", job.id);
+    assert!(!b.state.lock().unwrap().log.contains(&deleted));
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert_eq!((show.epoch, show.replicas), (None, None));
     d.shutdown();
 }

@@ -575,6 +575,7 @@ impl Manager {
                             round_range: None,
                             silent_ms: Vec::new(),
                             clock: ClockStats::default(),
+                            copies: None,
                         },
                         vec![0; s.last_seen.len()],
                     )
@@ -586,6 +587,12 @@ impl Manager {
                 }
                 for (m, t) in e.1.iter_mut().zip(&s.last_seen) {
                     *m = (*m).max(*t);
+                }
+                if let Some(c) = s.copies {
+                    match &mut e.0.copies {
+                        Some(m) => m.merge(&c),
+                        None => e.0.copies = Some(c),
+                    }
                 }
                 // Lcores without the job's slots report no clocks.
                 e.0.clock.merge(&ClockStats {

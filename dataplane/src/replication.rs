@@ -9,7 +9,7 @@
 
 use std::net::Ipv4Addr;
 
-use phub_engine::engine::{replica_plan, ReplicaInstall};
+use phub_engine::engine::{replica_plan_at, ReplicaInstall};
 use phub_proto::api::{InstallJob, Replication};
 use phub_proto::layout::{ChunkRange, Layout, Placement, SlotChunk};
 use phub_proto::memory::MemoryModel;
@@ -35,9 +35,17 @@ pub fn plan(req: &InstallJob, lcores: usize) -> Result<Plan, String> {
             mine.name
         ));
     }
-    if r.epoch != 0 {
+    // At epoch 0 nobody is down or back; above it the install is an
+    // appliance's return (PROTOCOL.md §11.7): the view must name it joined
+    // at that epoch, since an install takes no part over.
+    let view = r.view();
+    view.check(n)
+        .map_err(|e| format!("replication (epoch {}): {e}", r.epoch))?;
+    if r.epoch != 0 && view.joined_at(me) != Some(r.epoch) {
         return Err(format!(
-            "replication.epoch = {}: 0 (a job is installed in epoch 0; later epochs come with PUT /v1/jobs/{{id}}/epoch, PROTOCOL.md §11.6; an install in a later epoch, which needs its down list, is not built)",
+            "replication.epoch = {}: 0, or an epoch whose joined list has this appliance ({me}) at it (an \
+             appliance installed again after being declared down, PROTOCOL.md §11.7); later epochs of an \
+             installed job come with PUT /v1/jobs/{{id}}/epoch",
             r.epoch
         ));
     }
@@ -72,7 +80,7 @@ pub fn plan(req: &InstallJob, lcores: usize) -> Result<Plan, String> {
         },
     )
     .map_err(|e| format!("replication.appliances: their layouts together: {e}"))?;
-    let plan = replica_plan(&req.spec, &runs, &appliances, &racks, r.appliance, r.epoch)?;
+    let plan = replica_plan_at(&req.spec, &runs, &appliances, &racks, r.appliance, &view)?;
     if plan.len() != lcores {
         return Err(format!(
             "replication: {} lcores of this appliance's part; this dataplane has {lcores}",
@@ -132,6 +140,8 @@ mod tests {
                 epoch: 0,
                 appliance: me,
                 appliances,
+                down: Vec::new(),
+                joined: Vec::new(),
             }),
             entries: None,
         }
@@ -159,10 +169,31 @@ mod tests {
         far.replication.as_mut().unwrap().appliance = 2;
         let e = plan(&far, 2).unwrap_err();
         assert!(e.contains("replication.appliance = 2"), "{e}");
+        // An install above epoch 0 is an appliance's return: the view
+        // must name it joined at that epoch.
         let mut later = install(0);
         later.replication.as_mut().unwrap().epoch = 1;
         let e = plan(&later, 2).unwrap_err();
         assert!(e.contains("replication.epoch = 1"), "{e}");
+        let back = |me: u16| {
+            let mut b = install(me);
+            let r = b.replication.as_mut().unwrap();
+            r.epoch = 2;
+            r.joined = vec![phub_proto::failover::Joined {
+                appliance: me,
+                epoch: 2,
+            }];
+            b
+        };
+        // Appliance 1 back at epoch 2: no primary slots, its own part and
+        // appliance 0's as backup slots.
+        let b = plan(&back(1), 1).unwrap();
+        assert!(b[0].0.is_empty(), "{:?}", b[0].0);
+        assert_eq!(b[0].1.view.epoch, 2);
+        let mut bad = back(1);
+        bad.replication.as_mut().unwrap().joined[0].epoch = 3;
+        let e = plan(&bad, 1).unwrap_err();
+        assert!(e.contains("epoch 2") && e.contains("joined"), "{e}");
         let mut named = install(0);
         named.replication.as_mut().unwrap().appliances[1].data.host = "b.example".into();
         let e = plan(&named, 2).unwrap_err();

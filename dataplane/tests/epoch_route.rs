@@ -72,6 +72,8 @@ fn replicated(id: u16, base_port: u16) -> InstallJob {
             epoch: 0,
             appliance: 0,
             appliances,
+            down: Vec::new(),
+            joined: Vec::new(),
         }),
     }
 }

@@ -98,6 +98,10 @@ fn change_epoch(w: &mut World, view: &EpochView) {
 fn bring_back(w: &mut World, i: usize) -> EpochView {
     let view = w.epoch.with_joined(i as u16).unwrap();
     w.reinstall(i, &view);
+    // Installed empty: every backup slot awaits its copy, none taken.
+    let c = copies(w, i);
+    assert!(c.awaiting > 0 && c.owed == 0 && c.bytes_received == 0, "{c:?}");
+    assert_eq!(c.epoch, view.epoch);
     w.epoch = view.clone();
     for a in 0..w.shards.len() {
         if w.dead[a] || a == i {
@@ -109,6 +113,25 @@ fn bring_back(w: &mut World, i: usize) -> EpochView {
         }
     }
     view
+}
+
+/// Appliance `i`'s state copies of the job as its stats report them
+/// (what control watches, PROTOCOL.md §11.7), over its lcores.
+fn copies(w: &World, i: usize) -> phub_proto::api::CopyProgress {
+    let mut all: Option<phub_proto::api::CopyProgress> = None;
+    for s in &w.shards[i] {
+        let c = s
+            .job_stats()
+            .into_iter()
+            .find(|j| j.id == JOB)
+            .and_then(|j| j.copies)
+            .expect("a replicated job reports its copies");
+        match &mut all {
+            Some(a) => a.merge(&c),
+            None => all = Some(c),
+        }
+    }
+    all.expect("an appliance has lcores")
 }
 
 fn stat(w: &World, i: usize, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
@@ -183,6 +206,13 @@ fn an_appliance_back_empty_is_filled_while_rounds_go_on_and_takes_over_exactly()
             copied
         );
         assert!(stat(&w, 0, |s| s.states_sent) + stat(&w, 2, |s| s.states_sent) >= copied);
+        // Their stats say so: nothing awaited or owed anywhere, and the
+        // bytes appliance 1 took.
+        for a in 0..3 {
+            let c = copies(&w, a);
+            assert_eq!((c.epoch, c.awaiting, c.owed), (2, 0, 0), "appliance {a}: {c:?}");
+        }
+        assert!(copies(&w, 1).bytes_received > 0);
         // The adopter dies: appliance 1 serves its own part again, from
         // the state it was copied and the rounds since; 0 adopts 2's part.
         w.dead[2] = true;

@@ -307,6 +307,83 @@ pub struct JobDetail {
     /// that is not replicated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub epoch: Option<crate::failover::EpochView>,
+    /// A replicated job's strength (PROTOCOL.md §11.7): replicas live and
+    /// wanted, and its last re-replication; `None` for a job that is not
+    /// replicated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<ReplicaStrength>,
+}
+
+/// How many replicas a replicated job has (`phubctl job show`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReplicaStrength {
+    /// `[placement] replicas`.
+    pub wanted: u32,
+    /// Replicas holding state of the part with the fewest in the job's
+    /// epoch (an appliance whose state copy is not done is not counted).
+    pub live: u32,
+    /// `full_strength` (live = wanted), `degraded` (fewer, nothing under
+    /// way) or `rereplicating` (an appliance that came back is being
+    /// copied to).
+    pub state: Strength,
+    /// The last re-replication, if there was one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rereplication: Option<Rereplication>,
+}
+
+/// A replicated job's state (`ReplicaStrength::state`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Strength {
+    /// Every part has all its replicas.
+    FullStrength,
+    /// Some part has fewer, and none is being copied.
+    Degraded,
+    /// An appliance that came back is being given its state copies.
+    Rereplicating,
+}
+
+impl Strength {
+    /// As `phubctl job show` writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Strength::FullStrength => "full strength",
+            Strength::Degraded => "degraded",
+            Strength::Rereplicating => "re-replicating",
+        }
+    }
+}
+
+/// One re-replication of a job (PROTOCOL.md §11.7): an appliance that
+/// came back, given the job again at `epoch`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Rereplication {
+    /// The appliance that came back.
+    pub appliance: String,
+    /// The epoch it joined at.
+    pub epoch: u32,
+    /// When control decided it (Unix time, ms).
+    pub started_unix_ms: u64,
+    /// When every state copy of the epoch was acknowledged (Unix time,
+    /// ms): the job was back to full strength.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ended_unix_ms: Option<u64>,
+    /// Bytes of state copies the appliance took, as it reported them when
+    /// the copies were done.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_copied: Option<u64>,
+    /// Why it stopped short, if it did (the appliance down again, the job
+    /// failed or moved on).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abandoned: Option<String>,
+}
+
+impl Rereplication {
+    /// From its start to full strength, in ms (`None` while under way).
+    pub fn full_strength_ms(&self) -> Option<u64> {
+        Some(self.ended_unix_ms?.saturating_sub(self.started_unix_ms))
+    }
 }
 
 /// One appliance's part of a job (`phubctl job show`).
@@ -711,12 +788,32 @@ pub struct Entries {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct Replication {
-    /// The job layout's epoch (§11.5): 0 when admitted.
+    /// The job layout's epoch (§11.5): 0 when admitted; above 0 when an
+    /// appliance that came back is installed again (§11.7).
     pub epoch: u32,
     /// This appliance's index in `appliances`.
     pub appliance: u16,
     /// Every appliance of the job, in layout order (§4.1).
     pub appliances: Vec<ReplicaPeer>,
+    /// The epoch's down list ([`crate::failover::EpochView::down`]);
+    /// absent (empty) at epoch 0.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub down: Vec<u16>,
+    /// The epoch's joined list ([`crate::failover::EpochView::joined`]);
+    /// absent (empty) at epoch 0.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub joined: Vec<crate::failover::Joined>,
+}
+
+impl Replication {
+    /// The epoch the install is at, whole.
+    pub fn view(&self) -> crate::failover::EpochView {
+        crate::failover::EpochView {
+            epoch: self.epoch,
+            down: self.down.clone(),
+            joined: self.joined.clone(),
+        }
+    }
 }
 
 /// One appliance of a replicated job, as the others see it.
@@ -855,6 +952,37 @@ pub struct JobLive {
     /// Jobs that are not BSP: clocks, lead and held answers.
     #[serde(flatten)]
     pub clock: ClockStats,
+    /// A replicated job's: its epoch here and its state copies
+    /// (PROTOCOL.md §11.7); absent for a job that is not replicated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copies: Option<CopyProgress>,
+}
+
+/// A replicated job's state copies on an appliance (PROTOCOL.md §11.7):
+/// what control watches to tell when the job is back to full strength.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CopyProgress {
+    /// The epoch installed (the lowest over the lcores).
+    pub epoch: u32,
+    /// Backup slots awaiting a state copy.
+    pub awaiting: u64,
+    /// Copies owed: per primary slot, its new backups that have not
+    /// acknowledged its state copy yet.
+    pub owed: u64,
+    /// Bytes of REPLICATE_STATE fragments taken here (payloads, since the
+    /// job was installed here).
+    pub bytes_received: u64,
+}
+
+impl CopyProgress {
+    /// Adds another lcore's or appliance's: counts added up, the lowest
+    /// epoch kept.
+    pub fn merge(&mut self, o: &CopyProgress) {
+        self.epoch = self.epoch.min(o.epoch);
+        self.awaiting += o.awaiting;
+        self.owed += o.owed;
+        self.bytes_received += o.bytes_received;
+    }
 }
 
 /// A job's consistency state (PROTOCOL.md §5.8), in [`JobLive`] and
@@ -1091,6 +1219,7 @@ mod tests {
             round_range: None,
             silent_ms: vec![],
             clock: a.clone(),
+            copies: None,
         };
         let v = serde_json::to_value(&live).unwrap();
         assert_eq!(v["held_wait_max_us"], 300);

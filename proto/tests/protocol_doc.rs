@@ -587,3 +587,18 @@ fn epoch_joined_example_is_what_a_return_makes_and_its_sets_are_as_stated() {
     let d = doc();
     assert!(d.contains("epoch 2: 1's part is set [2, 1] (2 serves it, 1 backs it up), 0's is\n[0, 1]"));
 }
+
+#[test]
+fn replica_strength_example_reads_as_a_job_detail_s_replicas() {
+    use phub_proto::api::{ReplicaStrength, Strength};
+    let stated: serde_json::Value = serde_json::from_str(block(&doc(), "json replica-strength")).unwrap();
+    let r: ReplicaStrength = serde_json::from_value(stated.clone()).unwrap();
+    assert_eq!((r.wanted, r.live, r.state), (2, 2, Strength::FullStrength));
+    let x = r.rereplication.as_ref().unwrap();
+    assert_eq!(
+        (x.appliance.as_str(), x.epoch, x.full_strength_ms()),
+        ("b", 2, Some(250))
+    );
+    let sent = serde_json::to_value(&r).unwrap();
+    assert_eq!(sent, stated);
+}

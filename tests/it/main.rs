@@ -27,6 +27,7 @@ mod hierarchy;
 mod memory;
 mod packaging;
 mod replication;
+mod rereplication;
 mod sharding;
 mod shm;
 mod soak;

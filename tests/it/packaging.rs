@@ -281,6 +281,7 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
             round_range: Some((1, 2)),
             silent_ms: vec![Some(1), Some(1)],
             clock: Default::default(),
+            copies: None,
         }],
     };
     let job = JobSummary {

@@ -13,14 +13,25 @@
 //! naming the part and its appliances. A job that is not replicated is
 //! left as it is: it waits for the appliance, as before failover existed.
 //!
-//! An appliance down in a job's epoch is **fenced** from that job for
-//! good (re-replication is not built): reconciliation never installs the
-//! job on it again and removes it from it if it still holds it
-//! (`reconcile.rs`), so it serves none of the job's workers.
+//! An appliance down in a job's epoch is **fenced** from that job:
+//! reconciliation never installs the job on it and removes it from it if
+//! it still holds it (`reconcile.rs`), so it serves none of the job's
+//! workers; until it answers heartbeats again. Then the job
+//! **re-replicates** (PROTOCOL.md §11.7, [`Shared::rereplicate`]): it
+//! moves to the next epoch with the appliance joined (at the end of its
+//! parts' sets), recorded with the job before anyone is told; the job is
+//! installed on the appliance, empty, at that epoch; the epoch is put on
+//! the job's other live appliances; their primaries copy every chunk's
+//! state to it; and control polls the appliances' stats until no copy is
+//! awaited or owed, when the job is back to **full strength** (the time
+//! and bytes recorded with the job, `phubctl job show`). If the install
+//! cannot be done (refused, the appliance down again), the appliance is
+//! taken out of the job again ([`Shared::fail_over`]).
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use phub_proto::api::{ReplicaStrength, Rereplication, Strength};
 use phub_proto::failover::{EpochView, ReplicaLayout};
 
 use super::http::{not_admitted, RequestError};
@@ -102,6 +113,68 @@ impl StoredJob {
         Some(Decision::Lost(next, why))
     }
 
+    /// Whether its appliance `me` (index in layout order) came back at its
+    /// epoch: installed empty, joined, at that epoch (PROTOCOL.md §11.7).
+    pub(crate) fn is_returning(&self, me: usize) -> bool {
+        self.epoch.epoch > 0 && !self.epoch.is_down(me) && self.epoch.joined_at(me) == Some(self.epoch.epoch)
+    }
+
+    /// What appliance `name`, down in its epoch, answering heartbeats again
+    /// does to it: the next epoch, with `name` joined; `None` when nothing
+    /// (not replicated, failed, not on `name`, or `name` not down in its
+    /// epoch).
+    pub(super) fn decide_return(&self, name: &str) -> Option<EpochView> {
+        if !self.is_replicated() || self.failed.is_some() {
+            return None;
+        }
+        let index = u16::try_from(self.part_index(name)?).ok()?;
+        self.epoch.with_joined(index)
+    }
+
+    /// The appliance its re-replication is copying to, while one is under
+    /// way.
+    pub(super) fn copying_to(&self) -> Option<&str> {
+        let r = self.rereplication.as_ref()?;
+        (r.ended_unix_ms.is_none() && r.abandoned.is_none() && self.failed.is_none())
+            .then_some(r.appliance.as_str())
+    }
+
+    /// A replicated job's strength in its epoch: replicas wanted, and
+    /// live (the fewest over its parts' sets, an appliance whose copy is
+    /// under way not counted); `None` for a job that is not replicated.
+    pub(super) fn strength(&self, rack: impl Fn(&str) -> String) -> Option<ReplicaStrength> {
+        if !self.is_replicated() {
+            return None;
+        }
+        let wanted = u32::try_from(self.spec.replicas()).unwrap_or(u32::MAX);
+        let copying = self.copying_to().and_then(|n| self.part_index(n));
+        let live = self.replica_layout(rack).ok().map_or(0, |l| {
+            (0..l.appliances())
+                .map(|p| {
+                    l.set_in(p, &self.epoch)
+                        .into_iter()
+                        .filter(|&a| Some(a) != copying)
+                        .count()
+                })
+                .min()
+                .unwrap_or(0)
+        });
+        let live = u32::try_from(live).unwrap_or(u32::MAX);
+        let state = if copying.is_some() {
+            Strength::Rereplicating
+        } else if live >= wanted {
+            Strength::FullStrength
+        } else {
+            Strength::Degraded
+        };
+        Some(ReplicaStrength {
+            wanted,
+            live,
+            state,
+            rereplication: self.rereplication.clone(),
+        })
+    }
+
     /// The appliances of its parts that are not down in its epoch.
     pub(super) fn live_appliances(&self) -> Vec<String> {
         self.parts
@@ -149,10 +222,19 @@ impl Shared {
     /// lost. Jobs whose change cannot be written are logged and left as
     /// they were.
     pub(super) fn fail_over(self: &Arc<Self>, name: &str, retry: Duration) {
+        self.fail_over_jobs(name, None, retry);
+    }
+
+    /// [`Shared::fail_over`] for every job on `name`, or job `only`.
+    fn fail_over_jobs(self: &Arc<Self>, name: &str, only: Option<u16>, retry: Duration) {
         let mut installs: Vec<(u16, EpochView, Vec<String>)> = Vec::new();
         {
             let mut inner = self.lock();
-            for id in inner.jobs_on(name) {
+            for id in inner
+                .jobs_on(name)
+                .into_iter()
+                .filter(|&id| only.is_none_or(|o| o == id))
+            {
                 let Some(job) = inner.jobs.get(&id) else {
                     continue;
                 };
@@ -177,7 +259,10 @@ impl Shared {
                         job.spec.name,
                         view.epoch
                     ),
-                    (Ok(()), Some(why)) => log::error!("job {id} ({:?}) failed: {why}", job.spec.name),
+                    (Ok(()), Some(why)) => {
+                        log::error!("job {id} ({:?}) failed: {why}", job.spec.name);
+                        self.end_rereplication(&mut inner, id, Some(why));
+                    }
                     (Ok(()), None) => {
                         log::warn!(
                             "job {id} ({:?}) fails over to epoch {} without appliance {name:?} (down: {down})",
@@ -185,23 +270,306 @@ impl Shared {
                             view.epoch
                         );
                         installs.push((id, view, job.live_appliances()));
+                        if job.copying_to() == Some(name) {
+                            let why = format!("appliance {name:?} was declared down again");
+                            self.end_rereplication(&mut inner, id, Some(why));
+                        }
                     }
                 }
             }
         }
         for (id, view, names) in installs {
-            for n in names {
-                let (shared, sent) = (self.clone(), view.clone());
-                let started = std::thread::Builder::new()
-                    .name("control-epoch".into())
-                    .spawn(move || shared.install_epoch(id, &sent, &n, retry));
-                if let Err(e) = started {
-                    log::error!(
-                        "job {id}: cannot start a thread to install epoch {}: {e}",
+            self.put_epoch(id, &view, names, retry);
+        }
+    }
+
+    /// Puts job `id`'s epoch `view` on each appliance of `names`, each in
+    /// a thread of its own ([`Shared::install_epoch`]).
+    fn put_epoch(self: &Arc<Self>, id: u16, view: &EpochView, names: Vec<String>, retry: Duration) {
+        for n in names {
+            let (shared, sent) = (self.clone(), view.clone());
+            let started = std::thread::Builder::new()
+                .name("control-epoch".into())
+                .spawn(move || shared.install_epoch(id, &sent, &n, retry));
+            if let Err(e) = started {
+                log::error!(
+                    "job {id}: cannot start a thread to install epoch {}: {e}",
+                    view.epoch
+                );
+            }
+        }
+    }
+
+    /// Appliance `name`, declared down, answers heartbeats again: each
+    /// replicated job that failed over without it moves to its next
+    /// epoch with it joined, durably (with the start of its
+    /// [`Rereplication`]), and is given back to it in a thread of its own
+    /// ([`Shared::rejoin`]). Jobs whose change cannot be written are
+    /// logged and stay as they were (without it).
+    pub(super) fn rereplicate(self: &Arc<Self>, name: &str, retry: Duration) {
+        let mut started: Vec<(u16, EpochView)> = Vec::new();
+        {
+            let mut inner = self.lock();
+            for id in inner.fenced_jobs_on(name) {
+                let Some(view) = inner.jobs.get(&id).and_then(|j| j.decide_return(name)) else {
+                    continue;
+                };
+                let record = Rereplication {
+                    appliance: name.to_string(),
+                    epoch: view.epoch,
+                    started_unix_ms: unix_ms(),
+                    ended_unix_ms: None,
+                    bytes_copied: None,
+                    abandoned: None,
+                };
+                let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
+                    let job = inner.jobs.get_mut(&id).expect("looked up under the same lock");
+                    job.epoch = view.clone();
+                    job.rereplication = Some(record);
+                });
+                let job = &inner.jobs[&id];
+                match recorded {
+                    Err(e) => log::error!(
+                        "job {id} ({:?}): appliance {name:?} answers again, but its epoch {} with it joined \
+                         cannot be recorded ({e}): it stays out of the job",
+                        job.spec.name,
                         view.epoch
-                    );
+                    ),
+                    Ok(()) => {
+                        log::warn!(
+                            "job {id} ({:?}) re-replicates: appliance {name:?} answers again and joins it at \
+                             epoch {}; installing it there",
+                            job.spec.name,
+                            view.epoch
+                        );
+                        inner.rejoining.insert((id, name.to_string()));
+                        started.push((id, view));
+                    }
                 }
             }
+        }
+        for (id, view) in started {
+            let (shared, n) = (self.clone(), name.to_string());
+            let spawned = std::thread::Builder::new()
+                .name("control-rejoin".into())
+                .spawn(move || shared.rejoin(id, &view, &n, retry));
+            if let Err(e) = spawned {
+                log::error!("job {id}: cannot start a thread to re-replicate it: {e}");
+                self.lock().rejoining.remove(&(id, name.to_string()));
+            }
+        }
+    }
+
+    /// Gives job `id`, moved to epoch `view` with appliance `name` joined,
+    /// back to `name`: installs it there at `view`, puts `view` on its
+    /// other live appliances, and watches the state copies until the job
+    /// is at full strength (every `retry`). An install that cannot be
+    /// done takes `name` out of the job again.
+    fn rejoin(self: &Arc<Self>, id: u16, view: &EpochView, name: &str, retry: Duration) {
+        let installed = self.install_returning(id, view, name, retry);
+        self.lock().rejoining.remove(&(id, name.to_string()));
+        if let Err(why) = installed {
+            log::error!(
+                "job {id}: appliance {name:?} is not given the job again at epoch {}: {why}",
+                view.epoch
+            );
+            {
+                let mut inner = self.lock();
+                self.end_rereplication(&mut inner, id, Some(why));
+            }
+            // Out of it again, unless it already is or the job is gone.
+            self.fail_over_jobs(name, Some(id), retry);
+            return;
+        }
+        log::info!(
+            "job {id}: installed on appliance {name:?} at epoch {}, joined",
+            view.epoch
+        );
+        let others: Vec<String> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .get(&id)
+                .map(|j| j.live_appliances().into_iter().filter(|n| n != name).collect())
+                .unwrap_or_default()
+        };
+        self.put_epoch(id, view, others, retry);
+        self.watch_copies(id, view, name, retry);
+    }
+
+    /// Installs job `id` on appliance `name`, which came back at epoch
+    /// `view`, retrying every `retry` while it does not answer; removes
+    /// the job there first (a dataplane behind a healed partition still
+    /// holds it at an older epoch; a restarted one has none). An error
+    /// says why it stopped: the appliance refused, is down again, or the
+    /// job moved on, failed or was evicted.
+    fn install_returning(
+        &self,
+        id: u16,
+        view: &EpochView,
+        name: &str,
+        retry: Duration,
+    ) -> Result<(), String> {
+        let mut warned = false;
+        loop {
+            let (client, req) = {
+                let inner = self.lock();
+                let job = inner.jobs.get(&id).ok_or("the job was evicted")?;
+                if let Some(why) = &job.failed {
+                    return Err(format!("the job failed ({why})"));
+                }
+                if job.epoch != *view {
+                    return Err(format!("the job moved on to epoch {}", job.epoch.epoch));
+                }
+                let a = inner.appliances.get(name).ok_or("the appliance was removed")?;
+                if a.liveness.down.is_some() {
+                    return Err("it is declared down again".into());
+                }
+                let req = job
+                    .install_for(name, |n| inner.data_of(n), |n| inner.rack_of(n))
+                    .ok_or("an appliance of the job has no known data address")?;
+                (a.client.clone(), req)
+            };
+            match client.remove(id).and_then(|_| client.install(&req)) {
+                Ok(()) => return Ok(()),
+                Err(DataplaneError::Refused { status, message, .. }) if status != 409 => {
+                    return Err(format!("it refuses the install (HTTP {status}): {message}"));
+                }
+                Err(e) => {
+                    if !warned {
+                        log::warn!("job {id}: not installed on appliance {name:?} yet: {e}; retrying");
+                        warned = true;
+                    }
+                    std::thread::sleep(retry);
+                }
+            }
+        }
+    }
+
+    /// Polls the stats of job `id`'s live appliances every `retry` until
+    /// each has epoch `view` (or later) and no state copy awaited or owed:
+    /// the job is at full strength, recorded with the bytes `name` took.
+    /// Stops when `name` is out of the job again, or the job failed or
+    /// was evicted, or another re-replication took over.
+    fn watch_copies(&self, id: u16, view: &EpochView, name: &str, retry: Duration) {
+        loop {
+            std::thread::sleep(retry);
+            let clients = {
+                let mut inner = self.lock();
+                let ours = inner.jobs.get(&id).and_then(|j| {
+                    let r = j.rereplication.as_ref()?;
+                    (r.epoch == view.epoch && r.appliance == name && j.copying_to().is_some()).then_some(j)
+                });
+                let Some(job) = ours else {
+                    return;
+                };
+                if job.is_down_on(name) {
+                    let why = format!("appliance {name:?} is down again in epoch {}", job.epoch.epoch);
+                    self.end_rereplication(&mut inner, id, Some(why));
+                    return;
+                }
+                let live = job.live_appliances();
+                live.into_iter()
+                    .filter_map(|n| Some((inner.appliances.get(&n)?.client.clone(), n)))
+                    .collect::<Vec<_>>()
+            };
+            let mut done = !clients.is_empty();
+            let mut bytes = None;
+            for (client, n) in clients {
+                let copies = client
+                    .stats()
+                    .ok()
+                    .and_then(|s| s.jobs.into_iter().find(|j| j.id == id))
+                    .and_then(|j| j.copies);
+                match copies {
+                    Some(c) if c.epoch >= view.epoch && c.awaiting == 0 && c.owed == 0 => {
+                        if n == name {
+                            bytes = Some(c.bytes_received);
+                        }
+                    }
+                    _ => done = false,
+                }
+                if !done {
+                    break;
+                }
+            }
+            if done {
+                let mut inner = self.lock();
+                let at = unix_ms();
+                let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
+                    if let Some(r) = inner.jobs.get_mut(&id).and_then(|j| j.rereplication.as_mut()) {
+                        r.ended_unix_ms = Some(at);
+                        r.bytes_copied = bytes;
+                    }
+                });
+                let r = inner.jobs.get(&id).and_then(|j| j.rereplication.clone());
+                match (recorded, r) {
+                    (Err(e), _) => {
+                        log::error!(
+                            "job {id}: back to full strength, but that cannot be recorded ({e}); retrying"
+                        );
+                        continue;
+                    }
+                    (Ok(()), Some(r)) => log::info!(
+                        "job {id} is back to full strength: appliance {name:?} holds every state copy of \
+                         epoch {} ({} ms after it answered again, {} bytes copied)",
+                        view.epoch,
+                        r.full_strength_ms().unwrap_or(0),
+                        r.bytes_copied.unwrap_or(0)
+                    ),
+                    (Ok(()), None) => {}
+                }
+                return;
+            }
+        }
+    }
+
+    /// Watches, each in a thread of its own, the re-replications a
+    /// previous run of control left under way (recorded with their jobs):
+    /// reconciliation installs a job an appliance that came back lacks.
+    pub(super) fn resume_rereplications(self: &Arc<Self>, retry: Duration) {
+        let under_way: Vec<(u16, EpochView, String)> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .values()
+                .filter_map(|j| {
+                    let name = j.copying_to()?.to_string();
+                    let view = EpochView {
+                        epoch: j.rereplication.as_ref()?.epoch,
+                        ..EpochView::default()
+                    };
+                    Some((j.id, view, name))
+                })
+                .collect()
+        };
+        for (id, view, name) in under_way {
+            log::info!(
+                "job {id}: its re-replication to appliance {name:?} is under way; watching its copies"
+            );
+            let shared = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("control-rejoin".into())
+                .spawn(move || shared.watch_copies(id, &view, &name, retry));
+            if let Err(e) = spawned {
+                log::error!("job {id}: cannot start a thread to watch its re-replication: {e}");
+            }
+        }
+    }
+
+    /// Records that job `id`'s re-replication under way, if any, stopped
+    /// short for `why` (logged if it cannot be written).
+    fn end_rereplication(&self, inner: &mut Inner, id: u16, why: Option<String>) {
+        if inner.jobs.get(&id).and_then(StoredJob::copying_to).is_none() {
+            return;
+        }
+        let recorded = self.commit(inner, Entry::Job(id), |inner| {
+            if let Some(r) = inner.jobs.get_mut(&id).and_then(|j| j.rereplication.as_mut()) {
+                r.abandoned = why.or_else(|| Some("stopped".into()));
+            }
+        });
+        if let Err(e) = recorded {
+            log::error!("job {id}: the end of its re-replication cannot be recorded ({e})");
         }
     }
 
@@ -254,6 +622,13 @@ impl Shared {
     }
 }
 
+/// Now, in ms since the Unix epoch.
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -285,6 +660,7 @@ mod tests {
             failed: None,
             shape: JobShape::Flat,
             epoch: EpochView::default(),
+            rereplication: None,
         }
     }
 
@@ -332,6 +708,50 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn an_appliance_back_joins_at_the_next_epoch_and_the_strength_follows() {
+        let strength = |j: &StoredJob| j.strength(one_rack).map(|s| (s.live, s.wanted, s.state));
+        let mut j = job(2);
+        assert_eq!(j.decide_return("b"), None, "not down");
+        assert_eq!(strength(&j), Some((2, 2, Strength::FullStrength)));
+        let Some(Decision::Next(e1)) = j.decide("b", one_rack) else {
+            panic!("one down of three, replicas 2: the job goes on");
+        };
+        j.epoch = e1;
+        assert_eq!(strength(&j), Some((1, 2, Strength::Degraded)));
+        let e2 = j.decide_return("b").expect("b is down: it comes back");
+        assert_eq!(
+            e2,
+            EpochView {
+                epoch: 2,
+                down: vec![],
+                joined: vec![phub_proto::failover::Joined {
+                    appliance: 1,
+                    epoch: 2
+                }],
+            }
+        );
+        j.epoch = e2;
+        assert!(j.is_returning(1) && !j.is_returning(0) && !j.is_down_on("b"));
+        assert_eq!(j.decide_return("b"), None, "back already");
+        j.rereplication = Some(Rereplication {
+            appliance: "b".into(),
+            epoch: 2,
+            started_unix_ms: 1000,
+            ended_unix_ms: None,
+            bytes_copied: None,
+            abandoned: None,
+        });
+        assert_eq!(j.copying_to(), Some("b"));
+        assert_eq!(strength(&j), Some((1, 2, Strength::Rereplicating)));
+        j.rereplication.as_mut().unwrap().ended_unix_ms = Some(1250);
+        assert_eq!(strength(&j), Some((2, 2, Strength::FullStrength)));
+        assert_eq!(j.rereplication.as_ref().unwrap().full_strength_ms(), Some(250));
+        // A job without replicas has no epochs and is not touched.
+        assert_eq!(job(1).decide_return("b"), None);
+        assert_eq!(job(1).strength(one_rack), None);
     }
 
     #[test]

@@ -13,9 +13,8 @@
 //! it takes only the registry's lock, briefly. An appliance is declared
 //! down at most once per silence, within the deadline and one interval of
 //! its last answer; one that answers again is logged and shown up again,
-//! but stays out of the replica sets of the jobs it left (re-replication
-//! is not built; reconciliation removes such a job from it,
-//! `reconcile.rs`).
+//! and each replicated job that failed over without it is given back to
+//! it ([`Shared::rereplicate`], PROTOCOL.md §11.7).
 
 use std::collections::BTreeMap;
 use std::sync::mpsc;
@@ -56,6 +55,7 @@ impl Shared {
     /// The heartbeat thread's loop, until `stop` is dropped (or sent to).
     pub(super) fn heartbeats(self: &Arc<Self>, timing: Heartbeat, stop: &mpsc::Receiver<()>) {
         debug_assert!(timing.check().is_ok(), "the daemon checks the timing at start");
+        self.resume_rereplications(timing.interval);
         let (tx, rx) = mpsc::channel::<Answer>();
         let mut pulses: BTreeMap<String, Pulse> = BTreeMap::new();
         loop {
@@ -100,7 +100,7 @@ impl Shared {
                     }
                     (true, false) => {
                         p.declared = false;
-                        self.answers_again(name);
+                        self.answers_again(name, timing);
                     }
                     _ => {}
                 }
@@ -141,24 +141,40 @@ impl Shared {
         }
     }
 
-    /// Appliance `name`, declared down, answers a heartbeat again.
-    fn answers_again(&self, name: &str) {
-        let mut inner = self.lock();
-        let fenced = inner.fenced_jobs_on(name);
-        let Some(a) = inner.appliances.get_mut(name) else {
-            return;
+    /// Appliance `name`, declared down, answers a heartbeat again: shown
+    /// up, and the jobs that failed over without it re-replicate to it in
+    /// a thread of their own.
+    fn answers_again(self: &Arc<Self>, name: &str, timing: Heartbeat) {
+        let fenced = {
+            let mut inner = self.lock();
+            let fenced = inner.fenced_jobs_on(name);
+            let Some(a) = inner.appliances.get_mut(name) else {
+                return;
+            };
+            a.liveness.down = None;
+            if fenced.is_empty() {
+                log::info!("appliance {name:?} at {} answers heartbeats again", a.spec.url);
+            } else {
+                let ids: Vec<String> = fenced.iter().map(u16::to_string).collect();
+                log::warn!(
+                    "appliance {name:?} at {} answers heartbeats again; jobs {}, which failed over without it, \
+                     re-replicate to it",
+                    a.spec.url,
+                    ids.join(", ")
+                );
+            }
+            fenced
         };
-        a.liveness.down = None;
         if fenced.is_empty() {
-            log::info!("appliance {name:?} at {} answers heartbeats again", a.spec.url);
-        } else {
-            let ids: Vec<String> = fenced.iter().map(u16::to_string).collect();
-            log::warn!(
-                "appliance {name:?} at {} answers heartbeats again; it stays out of jobs {}, which failed over \
-                 without it (re-replication is not built): reconciliation removes them from it",
-                a.spec.url,
-                ids.join(", ")
-            );
+            return;
+        }
+        let shared = self.clone();
+        let name = name.to_string();
+        let started = std::thread::Builder::new()
+            .name("control-rereplicate".into())
+            .spawn(move || shared.rereplicate(&name, timing.interval));
+        if let Err(e) = started {
+            log::error!("cannot start the re-replication thread: {e}; the jobs stay without the appliance");
         }
     }
 }

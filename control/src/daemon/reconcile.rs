@@ -2,9 +2,12 @@
 //! with those admitted on it; a part it lost is fitted to its lcores now
 //! ([`crate::refit`]) and installed again, from its checkpoint when it
 //! has one; a job it holds that control did not admit there is removed,
-//! and so is a replicated job it was declared down from (it is out of
-//! that job's replica sets for good: `failover`); a replicated job past
-//! epoch 0 is sent its epoch until the appliance has answered it.
+//! and so is a replicated job it is down in (out of that job's replica
+//! sets until it re-replicates: `failover`); a replicated job past epoch
+//! 0 is sent its epoch until the appliance has answered it. An appliance
+//! that came back at a job's epoch is installed at that epoch, empty,
+//! never from a checkpoint (PROTOCOL.md §11.7), and not while the
+//! re-replication installs it itself.
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -137,8 +140,8 @@ impl Shared {
         for id in fenced {
             match client.remove(id) {
                 Ok(_) => log::warn!(
-                    "job {id} failed over without appliance {name:?}, which still held it: removed (it stays out \
-                     of the job: re-replication is not built)"
+                    "job {id} failed over without appliance {name:?}, which still held it: removed (it is given \
+                     the job again when it answers heartbeats again)"
                 ),
                 Err(e) => log::warn!(
                     "job {id} failed over without appliance {name:?}, which still holds it; removing it: {e}"
@@ -229,6 +232,7 @@ impl Shared {
             .filter(|id| {
                 !installed.contains(id)
                     && inner.jobs[id].failed.is_none()
+                    && !inner.rejoining.contains(&(*id, name.to_string()))
                     && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
             })
             .collect();
@@ -279,7 +283,14 @@ impl Shared {
         let Some(job) = self.refit(id, name, info) else {
             return;
         };
-        let restore = match self.checkpoint_for(&job, name) {
+        // An appliance that came back to a replicated job is installed
+        // empty: its primaries copy it the state (PROTOCOL.md §11.7).
+        let returning = job.replication.as_ref().is_some_and(|r| r.epoch > 0);
+        let restore = match if returning {
+            Ok(None)
+        } else {
+            self.checkpoint_for(&job, name)
+        } {
             Ok(r) => r,
             Err(h) => {
                 self.hold(id, name, h);

@@ -67,6 +67,10 @@ pub(super) struct Inner {
     /// Each job part's last checkpoint, and the parts held for an
     /// unusable one.
     pub(super) checkpoints: Checkpoints,
+    /// Replicated jobs being installed on an appliance that came back
+    /// (PROTOCOL.md §11.7), by job and appliance: reconciliation leaves
+    /// those installs to the re-replication (`failover.rs`).
+    pub(super) rejoining: BTreeSet<(u16, String)>,
 }
 
 impl Inner {
@@ -393,6 +397,7 @@ mod tests {
             failed: None,
             shape: state::JobShape::Flat,
             epoch: phub_proto::failover::EpochView::default(),
+            rereplication: None,
         }
     }
 
@@ -445,6 +450,7 @@ mod tests {
                 appliances: BTreeMap::new(),
                 jobs: BTreeMap::new(),
                 checkpoints: Checkpoints::default(),
+                rejoining: BTreeSet::new(),
             }),
             ops: Mutex::new(()),
         };

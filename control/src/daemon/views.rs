@@ -69,6 +69,7 @@ pub(super) fn merge_live(lives: &[&JobLive]) -> Option<JobLive> {
         round_range: None,
         silent_ms: vec![None; first.silent_ms.len()],
         clock: ClockStats::default(),
+        copies: None,
     };
     for l in lives {
         m.pushes += l.pushes;
@@ -147,8 +148,8 @@ impl Shared {
                     installed: l.is_some(),
                     down: match view {
                         _ if job.epoch.is_down(i) => Some(format!(
-                            "declared down; out of the job since epoch {} (not reinstalled: re-replication is \
-                             not built)",
+                            "declared down; out of the job since epoch {} (given the job again when it answers \
+                             heartbeats again)",
                             job.epoch.epoch
                         )),
                         Some(Err(e)) => Some(e.clone()),
@@ -202,6 +203,7 @@ impl Shared {
             checkpoint: combined_checkpoint(&inner, job),
             parts: parts_detail,
             epoch: job.is_replicated().then(|| job.epoch.clone()),
+            replicas: job.strength(|n| inner.rack_of(n)),
         })
     }
 
@@ -368,6 +370,25 @@ impl Shared {
                 declarations: *declarations,
             })
             .collect();
-        metrics::render_all(&appliances, &s.jobs) + &metrics::render_liveness(&liveness)
+        let strength: Vec<metrics::Strength> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .values()
+                .filter_map(|j| {
+                    let r = j.strength(|n| inner.rack_of(n))?;
+                    Some(metrics::Strength {
+                        job: j.id,
+                        live: r.live,
+                        wanted: r.wanted,
+                        rereplicating: r.state == phub_proto::api::Strength::Rereplicating,
+                        full_strength_ms: r.rereplication.as_ref().and_then(|x| x.full_strength_ms()),
+                    })
+                })
+                .collect()
+        };
+        metrics::render_all(&appliances, &s.jobs)
+            + &metrics::render_liveness(&liveness)
+            + &metrics::render_strength(&strength)
     }
 }

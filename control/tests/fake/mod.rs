@@ -84,7 +84,14 @@ pub(crate) struct FakeState {
     pub(crate) id: String,
     /// Epochs installed (`PUT /v1/jobs/{id}/epoch`), by job, in order.
     pub(crate) epochs: BTreeMap<u16, Vec<EpochView>>,
+    /// What a replicated job's stats say of its state copies (PROTOCOL.md
+    /// §11.7): backup slots awaiting one (0 unless a test sets it).
+    pub(crate) copies_awaiting: u64,
 }
+
+/// Bytes of state copies the fake reports for a replicated job installed
+/// above epoch 0 (an appliance that came back).
+pub(crate) const FAKE_COPY_BYTES: u64 = 4096;
 
 /// A running fake.
 pub(crate) struct Fake {
@@ -381,6 +388,18 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                 .jobs
                 .values()
                 .map(|j| JobLive {
+                    // A replicated job: the epoch it was installed at or
+                    // last put, and the copies the test says.
+                    copies: j.replication.as_ref().map(|r| phub_proto::api::CopyProgress {
+                        epoch: st
+                            .epochs
+                            .get(&j.id)
+                            .and_then(|e| e.last())
+                            .map_or(r.epoch, |e| e.epoch.max(r.epoch)),
+                        awaiting: st.copies_awaiting,
+                        owed: 0,
+                        bytes_received: if r.epoch > 0 { FAKE_COPY_BYTES } else { 0 },
+                    }),
                     id: j.id,
                     pushes: 10,
                     rounds_completed: 42,

@@ -263,6 +263,7 @@ impl<A: Copy + Eq> Shard<A> {
             return Ok(false);
         }
         stats.states_received += 1;
+        stats.state_bytes_received += payload.len() as u64;
         let slot = &mut part.slots[index];
         match kind {
             Fragment::Params => k.copy(Dtype::F32, slot.mem.bufs(&mut part.blocks).params, payload),

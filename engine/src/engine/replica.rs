@@ -26,6 +26,7 @@
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
+use phub_proto::api::CopyProgress;
 use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
@@ -226,6 +227,9 @@ pub struct ReplicaStats {
     pub state_acks_sent: u64,
     /// New backups that joined a chunk's chain (their copy acknowledged).
     pub backups_joined: u64,
+    /// Payload bytes of the REPLICATE_STATE fragments taken
+    /// (`states_received`).
+    pub state_bytes_received: u64,
 }
 
 /// A replicated job's state on one lcore.
@@ -282,6 +286,25 @@ impl<A: Copy> Replica<A> {
     /// The layout's epoch this lcore has installed.
     pub(super) fn epoch(&self) -> u32 {
         self.view.epoch
+    }
+
+    /// Its state copies (PROTOCOL.md §11.7): backup slots awaiting one,
+    /// copies owed to new backups, bytes taken.
+    pub(super) fn copy_progress(&self) -> CopyProgress {
+        CopyProgress {
+            epoch: self.view.epoch,
+            awaiting: self
+                .parts
+                .iter()
+                .map(|p| p.fill.iter().filter(|f| **f != Fill::Held).count() as u64)
+                .sum(),
+            owed: self
+                .pushed
+                .iter()
+                .map(|p| u64::from(p.copying.count_ones()))
+                .sum(),
+            bytes_received: self.stats.state_bytes_received,
+        }
     }
 
     /// The part served here that job slot `slot` belongs to.

@@ -51,6 +51,9 @@ pub struct JobShardStats {
     pub held_wait_us: u64,
     /// Bounded delay: the longest any released answer was held, µs.
     pub held_wait_max_us: u64,
+    /// A replicated job: its epoch and state copies here (PROTOCOL.md
+    /// §11.7).
+    pub copies: Option<phub_proto::api::CopyProgress>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -86,6 +89,7 @@ impl<A: Copy + Eq> Shard<A> {
                     held_total: j.counters.held_total,
                     held_wait_us: j.counters.held_wait_us,
                     held_wait_max_us: j.counters.held_wait_max_us,
+                    copies: j.replica.as_ref().map(|r| r.copy_progress()),
                 }
             })
             .collect()

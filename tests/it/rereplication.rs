@@ -1,0 +1,146 @@
+//! Re-replication of a replicated job (PROTOCOL.md §11.7), end to end:
+//! three phub-dataplane processes under one phub-control, a job with two
+//! replicas of every chunk, workers on the phub-worker library training
+//! it. Appliance b, a primary, is killed (SIGKILL) mid-training; once
+//! control has failed the job over without it, b's dataplane is started
+//! again on the same ports, empty; control gives it the job back at the
+//! next epoch, its primaries copy it the state, and `job show` reports
+//! full strength. Then c, the other member of b's part's replica set, is
+//! killed: b serves its part again from the copy, and every element of
+//! every result of every round stays exact (each is checked by
+//! `train_rank` against the formula).
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::common::{train_rank, Appliances, Operator};
+use phub::proto::api::{JobDetail, Strength};
+use phub::proto::failover::{EpochView, Joined};
+use phub::proto::routes::{control, mgmt};
+use phub_worker::WorkerConfig;
+
+/// `keys` summed by `workers` ranks over appliances a, b and c (racks r1,
+/// r2, r3: b's part is backed up on c), two copies of each chunk.
+fn spec(workers: u16, keys: &[u64]) -> String {
+    let mut s = format!("name = \"rereplication\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
+    for k in keys {
+        s += &format!("[[keys]]\nelements = {k}\n");
+    }
+    s + "[placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n"
+}
+
+/// Waits up to `within` for `ok`, polling every 20 ms.
+fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
+    let t = Instant::now();
+    while !ok() {
+        assert!(
+            t.elapsed() < within,
+            "timed out after {within:?} waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_killed_primary_restarted_is_brought_back_to_full_strength_and_survives_its_partner_s_kill() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack.admit(&spec(workers, &keys)).unwrap();
+    assert_eq!(job.appliances, ["a", "b", "c"]);
+    let (rounds, first_kill, second_kill) = (16u32, 4u32, 10u32);
+    let url = rack.control_url.clone();
+    // Rank 0 stops before round first_kill + 1 until b is dead, and before
+    // second_kill + 1 until c is: each dies with rank 1's pushes of the
+    // next round in flight.
+    let reached = AtomicU32::new(0);
+    let (b_killed, c_killed) = (AtomicBool::new(false), AtomicBool::new(false));
+    let full_ms = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..workers)
+            .map(|rank| {
+                let (url, keys, reached) = (&url, &keys, &reached);
+                let (b_killed, c_killed) = (&b_killed, &c_killed);
+                s.spawn(move || {
+                    train_rank(
+                        url,
+                        job.id,
+                        job.token,
+                        rank,
+                        workers,
+                        keys,
+                        WorkerConfig::default(),
+                        |r| {
+                            if rank == 0 {
+                                reached.store(r, Ordering::SeqCst);
+                                for (at, gate) in [(first_kill, b_killed), (second_kill, c_killed)] {
+                                    if r == at + 1 {
+                                        while !gate.load(Ordering::SeqCst) {
+                                            std::thread::sleep(Duration::from_millis(1));
+                                        }
+                                    }
+                                }
+                            }
+                            r <= rounds
+                        },
+                    )
+                })
+            })
+            .collect();
+        until("rank 0 at the first kill", Duration::from_secs(60), || {
+            reached.load(Ordering::SeqCst) > first_kill
+        });
+        rack.kill_dataplane(1);
+        b_killed.store(true, Ordering::SeqCst);
+        // Control fails the job over without b before b answers again.
+        until("epoch 1 without b", Duration::from_secs(20), || {
+            rack.send(&control::epoch(job.id)).down == [1]
+        });
+        rack.start_dataplane(1);
+        let back = Instant::now();
+        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+        until("full strength", Duration::from_secs(30), || {
+            detail(&rack)
+                .replicas
+                .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2)
+        });
+        let took = back.elapsed();
+        let r = detail(&rack).replicas.unwrap();
+        let x = r.rereplication.clone().expect("the re-replication is reported");
+        assert_eq!((x.appliance.as_str(), x.epoch), ("b", 2), "{r:?}");
+        assert!(x.bytes_copied.is_some_and(|b| b > 0), "{x:?}");
+        eprintln!(
+            "b back: full strength {:?} ms after control decided it ({took:?} after the restart), {:?} bytes copied",
+            x.full_strength_ms(),
+            x.bytes_copied
+        );
+        assert_eq!(
+            rack.send(&control::epoch(job.id)),
+            EpochView {
+                epoch: 2,
+                down: vec![],
+                joined: vec![Joined {
+                    appliance: 1,
+                    epoch: 2
+                }],
+            }
+        );
+        // Now the other member of b's part's set dies: b serves it again.
+        until("rank 0 at the second kill", Duration::from_secs(60), || {
+            reached.load(Ordering::SeqCst) > second_kill
+        });
+        rack.kill_dataplane(2);
+        c_killed.store(true, Ordering::SeqCst);
+        for (rank, h) in ranks.into_iter().enumerate() {
+            let (done, _stats) = h.join().unwrap();
+            assert_eq!(done, rounds, "rank {rank}");
+        }
+        x.full_strength_ms()
+    });
+    assert!(full_ms.is_some());
+    let epoch: EpochView = rack.send(&control::epoch(job.id));
+    assert_eq!((epoch.epoch, &epoch.down), (3, &vec![2]), "{epoch:?}");
+    // b completed every round of its own part again, from the copy.
+    let stats: phub::proto::api::DataplaneStats = rack.dataplane(1, &mgmt::stats());
+    let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
+    assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "b: {live:?}");
+}
