@@ -270,6 +270,7 @@ impl Shared {
             failed: None,
             shape,
             epoch: EpochView::default(),
+            rereplication: None,
         };
         let racks: BTreeMap<String, String> = {
             let inner = self.lock();
