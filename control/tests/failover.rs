@@ -192,6 +192,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
     let want = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("epoch 1 on a and c", within, || {
@@ -300,6 +301,7 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
     let e1 = EpochView {
         epoch: 1,
         down: vec![1],
+        ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("epoch 1 on a and c", within, || {
@@ -386,9 +388,9 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
 }
 
 /// An appliance declared down is chosen for no new job while it stays
-/// silent: a spec naming it is refused saying so (not after waiting for
-/// its description), a spec asking for more than the others is refused
-/// naming it, and a spec asking for a count gets the others.
+/// silent: a spec naming it is refused saying so (once it did not answer
+/// for its description either), a spec asking for more than the others
+/// is refused naming it, and a spec asking for a count gets the others.
 #[test]
 fn an_appliance_declared_down_is_not_chosen_for_a_new_job() {
     let [a, b, c] = three_fakes();
