@@ -412,34 +412,8 @@ impl<A: Copy + Eq> Shard<A> {
         home: u16,
         slot: u32,
     ) -> Option<Transmit<'_, Ranks<'_, A>>> {
-        let j = self.job(job)?;
-        let rep = j.replica.as_deref()?;
-        let part = rep.parts.iter().find(|p| p.home == home)?;
-        if !part.holds(slot as usize) {
-            return None;
-        }
-        let s = part.slots.get(slot as usize)?;
-        let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
-        let repr = ReplicaRepr {
-            kind: ReplicaMsgType::StateAck,
-            dtype: Dtype::F32,
-            flags: 0,
-            token: j.token,
-            job: j.id,
-            from: rep.me,
-            count: 0,
-            round: copy_round(s),
-            slot: primary_slot,
-            key: s.key,
-            chunk: s.chunk,
-            epoch: rep.view.epoch,
-            fragment: 0,
-            fragments: 0,
-        };
-        Some(Transmit {
-            header: repr.to_bytes(),
-            payload: &[],
-            to: Ranks::new(&[], None, Some(to)),
+        self.ack_to_primary(job, home, slot, ReplicaMsgType::StateAck, |part, s| {
+            part.holds(slot as usize).then(|| copy_round(s))
         })
     }
 }

@@ -1140,20 +1140,37 @@ impl<A: Copy + Eq> Shard<A> {
     /// last completed round, to the part's primary's lcore holding the
     /// chunk.
     pub(super) fn ack_transmit(&self, job: u16, home: u16, slot: u32) -> Option<Transmit<'_, Ranks<'_, A>>> {
+        self.ack_to_primary(job, home, slot, ReplicaMsgType::ReplicateAck, |_, s| {
+            s.completed.get()
+        })
+    }
+
+    /// An acknowledgement of `kind` (no payload) of backup slot `slot` of
+    /// the part of home `home`, to the part's primary's lcore holding the
+    /// chunk, for the round `round` gives (`None`: nothing to send).
+    pub(super) fn ack_to_primary(
+        &self,
+        job: u16,
+        home: u16,
+        slot: u32,
+        kind: ReplicaMsgType,
+        round: impl FnOnce(&Part<A>, &Slot) -> Option<u32>,
+    ) -> Option<Transmit<'_, Ranks<'_, A>>> {
         let j = self.job(job)?;
         let rep = j.replica.as_deref()?;
         let part = rep.parts.iter().find(|p| p.home == home)?;
         let s = part.slots.get(slot as usize)?;
+        let round = round(part, s)?;
         let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
         let repr = ReplicaRepr {
-            kind: ReplicaMsgType::ReplicateAck,
+            kind,
             dtype: Dtype::F32,
             flags: 0,
             token: j.token,
             job: j.id,
             from: rep.me,
             count: 0,
-            round: s.completed.get()?,
+            round,
             slot: primary_slot,
             key: s.key,
             chunk: s.chunk,
