@@ -47,18 +47,11 @@ if [[ "$cmd" == bundle ]]; then
     strip -o "$STAGE/bin/$b" "target/release/$b"
   done
   # Every shared library they load but the C library's (DPDK's above all:
-  # the device machine has none); \`run\` puts them on LD_LIBRARY_PATH.
+  # the device machine has none); `run` installs those the machine lacks.
+  . tools/bundle-common.sh
   mkdir -p "$STAGE/lib"
-  for f in "$STAGE"/bin/*; do
-    ldd "$f" 2>/dev/null | awk '/=> \//{print $3}'
-  done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|libgcc_s|ld-linux[^/]*)\.so' | while read -r l; do
-    cp -L "$l" "$STAGE/lib/"
-  done
-  site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub target/python-venv/lib/python3*/site-packages/phub \
-    2>/dev/null | head -1 || true)
-  test -n "$site" || { echo "phub is installed in neither target/torch-venv nor target/python-venv: make python-venv" >&2; exit 1; }
-  cp -r "$site" "$STAGE/py/"
-  rm -rf "$STAGE/py/phub/__pycache__"
+  bundle_libs "$STAGE/lib" "$STAGE"/bin/*
+  bundle_phub_py "$STAGE/py"
   mkdir -p .gpubench
   tar -C "$STAGE" -cJf .gpubench/bundle.tar.xz .
   ls -la .gpubench/bundle.tar.xz

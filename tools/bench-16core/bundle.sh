@@ -27,16 +27,9 @@ for d in net_af_packet net_memif net_ring mempool_ring mempool_stack bus_vdev; d
   cp -L "$PMDS/librte_$d.so.23" "$STAGE/pmds/"
 done
 # Every library the binaries and drivers load, except the C library itself.
-for f in "$STAGE"/bin/* "$STAGE"/pmds/*; do
-  ldd "$f" 2>/dev/null | awk '/=> \//{print $3}'
-done | sort -u | grep -vE '/(libc|libm|libdl|libpthread|librt|ld-linux[^/]*)\.so' | while read -r l; do
-  cp -L "$l" "$STAGE/lib/"
-done
-site=$(ls -d target/torch-venv/lib/python3*/site-packages/phub target/python-venv/lib/python3*/site-packages/phub \
-  2>/dev/null | head -1 || true)
-test -n "$site" || { echo "phub is installed in neither target/torch-venv nor target/python-venv: make python-venv" >&2; exit 1; }
-cp -r "$site" "$STAGE/py/"
-rm -rf "$STAGE/py/phub/__pycache__"
+. tools/bundle-common.sh
+bundle_libs "$STAGE/lib" "$STAGE"/bin/* "$STAGE"/pmds/*
+bundle_phub_py "$STAGE/py"
 mkdir -p "$OUTDIR"
 tar -C "$STAGE" -cJf "$OUTDIR/bundle.tar.xz" .
 ls -la "$OUTDIR/bundle.tar.xz"
