@@ -6,7 +6,9 @@
 # exchange) and, if time is left, STEPS="ring" (the DPDK ring port). Each
 # part runs under its own timeout and the results are packed into four
 # files, since the tool brings back at most eight (PARTS="lcores ring" by
-# default: which of the 16-core parts run after the GPU's):
+# default: which of the 16-core parts run after the GPU's; "lcores-ab
+# lcores-dpdk" instead of "lcores" runs run.sh's steps of those names;
+# PLAN=repeat goes to gpu-bench.sh):
 #
 #   $OUT/gpu-summary.txt  $OUT/gpu-logs.tar.xz
 #   $OUT/cores-summary.txt  $OUT/cores-results.tar.xz
@@ -32,8 +34,10 @@ cp "$G/summary.txt" "$OUT/gpu-summary.txt"
 tar -C "$G" -cJf "$OUT/gpu-logs.tar.xz" .
 
 left=$(( ${TOTAL_S:-520} - ($(date +%s) - t0) ))
-if [[ " ${PARTS:-lcores ring} " == *" lcores "* ]] && (( left > 60 )); then
-  timeout "$((left > 170 ? 170 : left))" env OUT="$C" STEPS=lcores COMMIT="${COMMIT:-?}" tools/bench-16core/run.sh
+if [[ " ${PARTS:-lcores ring} " == *" lcores"* ]] && (( left > 60 )); then
+  # "lcores", or "lcores-ab lcores-dpdk" (run.sh's steps of those names)
+  steps=$(tr ' ' '\n' <<<"${PARTS:-lcores ring}" | grep '^lcores' | tr '\n' ' ')
+  timeout "$((left > ${CORES_S:-170} ? ${CORES_S:-170} : left))" env OUT="$C" STEPS="$steps" COMMIT="${COMMIT:-?}" tools/bench-16core/run.sh
   echo "== bench-16core lcores rc=$? after $(($(date +%s) - t0)) s" >>"$C/summary.txt"
 fi
 left=$(( ${TOTAL_S:-520} - ($(date +%s) - t0) ))

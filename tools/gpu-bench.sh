@@ -33,6 +33,8 @@
 #      if time is left, the same with two copies (--two-copies: the pinned
 #      buffer, then the worker's copy), in bf16 (--dtype bf16: a bf16 job,
 #      the gradients never float32) and with datagrams (no --shm).
+# PLAN=repeat: test_cuda.py, then only the shared-memory step DDP_RUNS
+# times (default 3) and the bf16 one BF16_RUNS times (default 2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -120,6 +122,24 @@ if [[ $HAVE_PYTEST == 1 ]]; then
   say "test_cuda.py rc=$?"; tail -n 15 "$OUT/test_cuda.log" | tee -a "$SUM"
 else
   say "pytest is not installed for $PY: test_cuda.py skipped"
+fi
+
+if [[ "${PLAN:-all}" == repeat ]]; then
+  # The medians and spread the single runs lack: the shared-memory step
+  # DDP_RUNS times, then bf16 BF16_RUNS times, nothing else.
+  for i in $(seq 1 "${DDP_RUNS:-3}"); do
+    stamp "ResNet-50 DDP on CUDA: phub (shared memory, 4 lcores) vs gloo, run $i"
+    timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 10 >"$OUT/bench-shm-$i.log" 2>&1
+    say "bench_cuda_ddp.py --shm rc=$?"; tail -n 15 "$OUT/bench-shm-$i.log" | tee -a "$SUM"
+  done
+  for i in $(seq 1 "${BF16_RUNS:-2}"); do
+    stamp "ResNet-50 DDP on CUDA, bf16: phub (shared memory, 4 lcores) vs gloo, run $i"
+    timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 --dtype bf16 \
+      >"$OUT/bench-bf16-$i.log" 2>&1
+    say "bench_cuda_ddp.py --shm --dtype bf16 rc=$?"; tail -n 15 "$OUT/bench-bf16-$i.log" | tee -a "$SUM"
+  done
+  stamp "done"
+  exit 0
 fi
 
 stamp "ResNet-50 DDP on CUDA: phub (shared memory, 4 lcores) vs gloo"

@@ -11,6 +11,10 @@
 #   cargo build --release -p phub -p phub-tools -p phub-hwtests --bins
 #   make python-venv       # for the phub Python package (or make torch-venv)
 #   tools/bench-16core/bundle.sh
+#
+# OLD_BINS=DIR (with OLD_COMMIT=sha) also packs DIR's phub-bench and
+# phub-dataplane as old/bin (another commit's build): run.sh's "lcores-ab"
+# step runs the lcore sweep with both, alternating, on the same machine.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 OUTDIR=.bench16
@@ -22,13 +26,18 @@ mkdir -p "$STAGE/bin" "$STAGE/lib" "$STAGE/pmds" "$STAGE/py"
 for b in phub-dataplane phub-control phubctl phub-bench phub-rack-agent examples/dpdk_memif_gen; do
   strip -o "$STAGE/bin/$(basename "$b")" "target/release/$b"
 done
+if [[ -n "${OLD_BINS:-}" ]]; then
+  mkdir -p "$STAGE/old/bin"
+  for b in phub-bench phub-dataplane; do strip -o "$STAGE/old/bin/$b" "$OLD_BINS/$b"; done
+  echo "${OLD_COMMIT:-?}" >"$STAGE/old/COMMIT"
+fi
 cp "$(command -v dpdk-testpmd)" "$(command -v ip)" "$STAGE/bin/"
 for d in net_af_packet net_memif net_ring mempool_ring mempool_stack bus_vdev; do
   cp -L "$PMDS/librte_$d.so.23" "$STAGE/pmds/"
 done
 # Every library the binaries and drivers load, except the C library itself.
 . tools/bundle-common.sh
-bundle_libs "$STAGE/lib" "$STAGE"/bin/* "$STAGE"/pmds/*
+bundle_libs "$STAGE/lib" "$STAGE"/bin/* "$STAGE"/pmds/* $(ls "$STAGE"/old/bin/* 2>/dev/null)
 bundle_phub_py "$STAGE/py"
 mkdir -p "$OUTDIR"
 tar -C "$STAGE" -cJf "$OUTDIR/bundle.tar.xz" .

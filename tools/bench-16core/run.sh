@@ -22,7 +22,11 @@
 # "torch-shm" run the shared-memory transport (phub-bench --shm;
 # bench_exchange.py --shm at W=2 on 1 and 4 lcores and W=4 on 4); "lcores"
 # sweeps the dataplane's lcores (1, 2, 4, 8) on the ResNet-50 exchange, W=8
-# over loopback UDP and over shared memory, W=4 over DPDK af_packet.
+# over loopback UDP and over shared memory, W=4 over DPDK af_packet;
+# "lcores-ab" runs the UDP W=8 sweep AB_RUNS times (default 3) with this
+# build and with the bundle's old/bin (OLD_BINS at bundle time), alternating,
+# to tell a change of machine from a change of code; "lcores-dpdk" the
+# DPDK af_packet sweep alone.
 #
 #   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
 set -uo pipefail
@@ -126,6 +130,27 @@ if [[ " $STEPS " == *" lcores "* ]]; then
     --no-ceiling --plot "$R/lcores-shm-w8.svg"
   bench lcores-dpdk-w4 --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
     --sweep lcores=1,2,4,8 --no-ceiling --plot "$R/lcores-dpdk-w4.svg"
+fi
+
+if [[ " $STEPS " == *" lcores-ab "* ]]; then
+  old=$(cat "$ROOT/old/COMMIT" 2>/dev/null || echo none)
+  stamp "lcore scaling, UDP W=8: ${COMMIT:-?} against $old, alternating"
+  for i in $(seq 1 "${AB_RUNS:-3}"); do
+    bench "lcores-udp-w8-new-$i" --local --model resnet50 --workers 8 --rounds 6 --warmup 1 --sweep lcores=1,2,4,8 \
+      --no-ceiling
+    if [[ -x "$ROOT/old/bin/phub-bench" ]]; then
+      PATH="$ROOT/old/bin:$PATH" PHUB_BIN_DIR="$ROOT/old/bin" \
+        bench "lcores-udp-w8-old-$i" --local --model resnet50 --workers 8 --rounds 6 --warmup 1 \
+        --sweep lcores=1,2,4,8 --no-ceiling
+    fi
+    say "steal ticks so far: $(awk '/^cpu /{print $9}' /proc/stat)"
+  done
+fi
+
+if [[ " $STEPS " == *" lcores-dpdk "* ]]; then
+  stamp "lcore scaling, DPDK af_packet W=4"
+  bench lcores-dpdk-w4 --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
+    --sweep lcores=1,2,4,8 --no-ceiling
 fi
 
 if [[ " $STEPS " == *" shm "* ]]; then
