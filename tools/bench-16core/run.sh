@@ -26,7 +26,9 @@
 # "lcores-ab" runs the UDP W=8 sweep AB_RUNS times (default 3) with this
 # build and with the bundle's old/bin (OLD_BINS at bundle time), alternating,
 # to tell a change of machine from a change of code; "lcores-dpdk" the
-# DPDK af_packet sweep alone.
+# DPDK af_packet sweep alone; "bisect" runs the UDP W=8 sweep over lcores
+# BISECT_LCORES (default 1,8) once with each build the bundle packed under
+# bisect/ (bundle.sh BISECT_DIRS), then with this one.
 #
 #   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
 set -uo pipefail
@@ -144,6 +146,16 @@ if [[ " $STEPS " == *" lcores-ab "* ]]; then
         --sweep lcores=1,2,4,8 --no-ceiling
     fi
     say "steal ticks so far: $(awk '/^cpu /{print $9}' /proc/stat)"
+  done
+fi
+
+if [[ " $STEPS " == *" bisect "* ]]; then
+  stamp "bisect: UDP W=8, lcores ${BISECT_LCORES:-1,8}, each packed build"
+  for d in "$ROOT"/bisect/*/ "$ROOT/bin/"; do
+    n=$(basename "$d"); [[ "$d" == "$ROOT/bin/" ]] && n="this-${COMMIT:-?}"
+    PATH="$d:$PATH" PHUB_BIN_DIR="$d" \
+      bench "bisect-$n" --local --model resnet50 --workers 8 --rounds 6 --warmup 1 \
+      --sweep "lcores=${BISECT_LCORES:-1,8}" --no-ceiling
   done
 fi
 
