@@ -12,16 +12,19 @@
 //! clock they advance.
 //!
 //! Invariants:
-//! - At most `cwnd` chunks are outstanding (sent, no result yet) across
-//!   all requests (`fill_window` never sends past it; a window that shrank
-//!   lets nothing new out until results bring the count under it), and a
-//!   chunk is outstanding once (one request per key); pending chunks go out
-//!   requests by round (lowest first), then first come, first sent, each
-//!   request's chunks interleaved over their lcores (so that a job's
-//!   lcores, and the appliances of a job sharded over several, all get
-//!   chunks from the start rather than one after the other in the chunk
-//!   sequence's order), in an order that does not depend on when requests
-//!   arrived, so that every rank sends the same sequence ([`Pending`]). `cwnd`
+//! - Pending chunks wait in lanes, one per lcore (one in a hierarchical
+//!   job), each request's chunks in its lcores' lanes; in a lane, requests
+//!   by round (lowest first), then first come, first sent, in an order
+//!   that does not depend on when requests arrived, so that every rank
+//!   sends each lcore the same sequence ([`Pending`]). Each lane has a
+//!   window of its own, `cwnd` shared over the lanes with chunks waiting
+//!   or out (at least one each), so that all of a job's lcores, and the
+//!   appliances of a job sharded over several, work at once and no lane
+//!   waits on another; at most `cwnd` chunks are outstanding (sent, no
+//!   result yet) in all, but for a lane with none out, which may always
+//!   send one (a window that shrank lets nothing new out until results
+//!   bring the count under it, but there); a chunk is outstanding once
+//!   (one request per key). `cwnd`
 //!   (the congestion window) starts at `window`, the most the appliance's
 //!   receive buffers take. With [`WorkerConfig::congestion`] (off by
 //!   default), a loss found by fast retransmission (later results overtook
@@ -91,9 +94,10 @@ mod rto;
 mod tests;
 mod window;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 use std::net::SocketAddr;
+use std::ops::Bound;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -310,6 +314,8 @@ impl<D> Active<D> {
 #[derive(Debug)]
 struct Outstanding {
     id: u64,
+    /// Its lane in [`Pending`].
+    lane: u16,
     msg: ChunkMsg,
     /// Position in the sequence of datagrams sent to the chunk's lcore
     /// (its latest transmission's).
@@ -456,22 +462,32 @@ fn spread_order(i: u32) -> u32 {
     i.reverse_bits()
 }
 
-/// Chunks not sent yet, in the order they go out: requests by round, lowest
-/// first, then first come, first sent, and within a request its chunks
-/// interleaved over their lcores (the first chunk of each lcore, then the
-/// second of each, ...), or in a hierarchical job by [`spread_order`].
+/// Chunks not sent yet, in lanes, one per lcore (one for all in a
+/// hierarchical job): in each lane requests by round, lowest first, then
+/// first come, first sent, each request's chunks of that lcore in their
+/// order, or in a hierarchical job by [`spread_order`]. Each lane has a
+/// window of its own: at most `cap` of its chunks out, and all lanes
+/// together at most the transport's window, except that a lane with none
+/// out may always send one.
 ///
-/// The order is a function of the requests and their order alone, never of
-/// when they reached this thread: every rank submits the same requests in
-/// the same order, so every rank sends the same sequence, and the chunks one
-/// rank has sent are a prefix of what another has sent or the other way
-/// round. A round's chunk completes only once every rank has sent it, so
-/// the rank furthest behind always has a window of chunks the others have
-/// sent too, and the job moves on. (A queue per lcore taken in turn, as
-/// this was before, made the order depend on which requests had arrived
-/// when the window had room: two ranks could fill their windows with
-/// chunks of different lcores that the other had not sent, and wait for
-/// each other forever: a 2-lcore ResNet-50 job hung in its first round.)
+/// A lane's order is a function of the requests and their order alone,
+/// never of when they reached this thread: every rank submits the same
+/// requests in the same order, so every rank sends each lcore the same
+/// sequence, and the chunks one rank has sent an lcore are a prefix of
+/// what another has sent it or the other way round. A round's chunk
+/// completes only once every rank has sent it, so in each lane the rank
+/// furthest behind has nothing out there that the others have not sent
+/// too, may send there (a lane with none out always may), and the job
+/// moves on. Lanes never wait on each other. (One queue for all lcores,
+/// as this was before, sent the chunk sequence in its order: a layout
+/// gives each lcore one run of it, so all ranks' windows went to one
+/// lcore at a time and the job ran at one lcore's speed whatever L: 2.5
+/// GB/s at L = 1 to 8 on 16 cores, BENCHMARKS.md. A queue per lcore taken
+/// in turn under one shared window, as it was before that, made what each
+/// rank sent depend on which requests had arrived when the window had
+/// room: two ranks could fill their windows with chunks of different
+/// lcores that the other had not sent, and wait for each other forever: a
+/// 2-lcore ResNet-50 job hung in its first round.)
 ///
 /// A rank that rejoined, or pulled after `ahead`, can hold its keys at
 /// different rounds, and submits them in key order; the others wait for
@@ -479,9 +495,21 @@ fn spread_order(i: u32) -> u32 {
 /// finding, seed 133: with a window smaller than a round, a rejoined rank
 /// filled it with chunks of a round the others could not reach before it
 /// sent the ones they waited for).
+///
+/// A hierarchical job's ranks send to their own rack's appliance, whose
+/// layout differs from rack to rack, so lanes by lcore differ too, and
+/// racks whose windows hold different chunks wait on each other's partial
+/// sums for ever (the simulator's finding, seed 450): its chunks go in one
+/// lane, in an order every rack shares.
 #[derive(Debug, Default)]
 struct Pending {
-    queue: VecDeque<Queued>,
+    /// Per lane, its chunks not sent yet, in order.
+    lanes: BTreeMap<u16, VecDeque<Queued>>,
+    /// Per lane, its chunks sent and not answered (lanes with none absent).
+    out: BTreeMap<u16, usize>,
+    /// The lane the last chunk was taken from (lanes are served in turn,
+    /// from the lowest).
+    turn: Option<u16>,
 }
 
 /// A chunk of request `id`, of round `round`, waiting to go out.
@@ -492,63 +520,115 @@ struct Queued {
     msg: ChunkMsg,
 }
 
+/// The lane of hierarchical jobs' chunks (they have one).
+const ONE_LANE: u16 = 0;
+
 impl Pending {
-    /// Queues request `id`'s chunks: interleaved over their lcores (each
-    /// lcore's in their order; lcores in the order their first chunk
-    /// comes) when `by_lcore`, else in an order of their indices alone
-    /// ([`spread_order`]).
-    ///
-    /// A hierarchical job's ranks send to their own rack's appliance,
-    /// whose layout differs from rack to rack, so an order by lcores
-    /// differs too, and racks whose windows hold different chunks wait on
-    /// each other's partial sums for ever (the simulator's finding, seed
-    /// 450): its chunks go in an order every rack shares.
+    /// Queues request `id`'s chunks, each in its lcore's lane when
+    /// `by_lcore`, else in the one lane in [`spread_order`].
     fn push_request(&mut self, id: u64, round: u32, mut chunks: Vec<ChunkMsg>, by_lcore: bool) {
-        // After the last request of this round or a lower one (at the end
-        // but after a rejoin or a pull).
-        let at = self
-            .queue
-            .iter()
-            .rposition(|q| q.round <= round)
-            .map_or(0, |p| p + 1);
-        let later = self.queue.split_off(at);
-        let queued = |msg| Queued { id, round, msg };
         if !by_lcore {
             chunks.sort_by_key(|c| spread_order(c.chunk));
-            self.queue.extend(chunks.into_iter().map(queued));
-        } else {
-            let mut lanes: Vec<(u16, VecDeque<ChunkMsg>)> = Vec::new();
-            for c in chunks {
-                match lanes.iter_mut().find(|(l, _)| *l == c.lcore) {
-                    Some((_, q)) => q.push_back(c),
-                    None => lanes.push((c.lcore, VecDeque::from([c]))),
-                }
-            }
-            while !lanes.is_empty() {
-                for (_, q) in &mut lanes {
-                    if let Some(c) = q.pop_front() {
-                        self.queue.push_back(queued(c));
-                    }
-                }
-                lanes.retain(|(_, q)| !q.is_empty());
-            }
+            let lane = self.lanes.entry(ONE_LANE).or_default();
+            Self::insert(
+                lane,
+                round,
+                chunks.into_iter().map(|msg| Queued { id, round, msg }),
+            );
+            return;
         }
-        self.queue.extend(later);
+        let mut by: BTreeMap<u16, Vec<ChunkMsg>> = BTreeMap::new();
+        for c in chunks {
+            by.entry(c.lcore).or_default().push(c);
+        }
+        for (l, cs) in by {
+            let lane = self.lanes.entry(l).or_default();
+            Self::insert(lane, round, cs.into_iter().map(|msg| Queued { id, round, msg }));
+        }
     }
 
-    /// The next chunk, with its request's id.
-    fn pop(&mut self) -> Option<(u64, ChunkMsg)> {
-        self.queue.pop_front().map(|q| (q.id, q.msg))
+    /// Puts `items` (of round `round`) after the last chunk of this round
+    /// or a lower one in `lane` (at the end but after a rejoin or a pull).
+    fn insert(lane: &mut VecDeque<Queued>, round: u32, items: impl Iterator<Item = Queued>) {
+        let at = lane.iter().rposition(|q| q.round <= round).map_or(0, |p| p + 1);
+        let later = lane.split_off(at);
+        lane.extend(items);
+        lane.extend(later);
+    }
+
+    /// Lanes with chunks waiting or out.
+    fn active(&self) -> usize {
+        self.lanes
+            .keys()
+            .chain(self.out.keys())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    }
+
+    /// The next chunk, with its request's id and its lane, from the lanes
+    /// in turn: one with fewer than `cap` out while fewer than `window`
+    /// are out in all (`total`), or one with none out. The caller counts
+    /// it out with [`Pending::sent`] once it went.
+    fn pop(&mut self, cap: usize, window: usize, total: usize) -> Option<(u64, ChunkMsg, u16)> {
+        let may = |l: &u16, out: &BTreeMap<u16, usize>| {
+            let n = out.get(l).copied().unwrap_or(0);
+            n == 0 || (n < cap && total < window)
+        };
+        let (after, upto) = match self.turn {
+            Some(t) => (
+                (Bound::Excluded(t), Bound::Unbounded),
+                (Bound::Unbounded, Bound::Included(t)),
+            ),
+            None => (
+                (Bound::Unbounded, Bound::Unbounded),
+                (Bound::Unbounded, Bound::Excluded(0)),
+            ),
+        };
+        let lane = self
+            .lanes
+            .range(after)
+            .chain(self.lanes.range(upto))
+            .find(|(l, q)| !q.is_empty() && may(l, &self.out))
+            .map(|(l, _)| *l)?;
+        self.turn = Some(lane);
+        let q = self.lanes.get_mut(&lane)?;
+        let item = q.pop_front()?;
+        if q.is_empty() {
+            self.lanes.remove(&lane);
+        }
+        Some((item.id, item.msg, lane))
+    }
+
+    /// A chunk of `lane` went out.
+    fn sent(&mut self, lane: u16) {
+        *self.out.entry(lane).or_default() += 1;
+    }
+
+    /// A chunk of `lane` is no longer out (answered, or its request ended).
+    fn settled(&mut self, lane: u16) {
+        if let Some(n) = self.out.get_mut(&lane) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                self.out.remove(&lane);
+            }
+        }
     }
 
     /// Drops request `id`'s chunks.
     fn remove(&mut self, id: u64) {
-        self.queue.retain(|q| q.id != id);
+        for q in self.lanes.values_mut() {
+            q.retain(|q| q.id != id);
+        }
+        self.lanes.retain(|_, q| !q.is_empty());
     }
 
     /// Request `id`'s chunks.
     fn of(&self, id: u64) -> impl Iterator<Item = &ChunkMsg> {
-        self.queue.iter().filter(move |q| q.id == id).map(|q| &q.msg)
+        self.lanes
+            .values()
+            .flatten()
+            .filter(move |q| q.id == id)
+            .map(|q| &q.msg)
     }
 }
 
@@ -1067,6 +1147,7 @@ impl<D> Transport<D> {
         let Some(o) = self.table.outstanding.remove(&k) else {
             return;
         };
+        self.table.pending.settled(o.lane);
         // Only first transmissions count (Karn's rule), and only they say
         // how far the lcore has got: a resent chunk's result may overtake
         // chunks that are merely waiting for a slow rank (with W > 1),
@@ -1115,10 +1196,18 @@ impl<D> Transport<D> {
     fn fill_window(&mut self, now: Instant) {
         let deadline = now + self.loss.rto.loss(0);
         // The window may have shrunk below what is out (a share stated, a
-        // cut): then nothing new goes until results bring it under.
+        // cut): then nothing new goes until results bring it under, but
+        // in a lane with none out (Pending).
         let before = self.table.outstanding.len();
-        while self.table.outstanding.len() < self.congestion.cwnd {
-            let Some((id, mut msg)) = self.table.pending.pop() else {
+        let window = self.congestion.cwnd;
+        let cap = if self.info.in_order {
+            (window / self.table.pending.active().max(1)).max(1)
+        } else {
+            window
+        };
+        loop {
+            let total = self.table.outstanding.len();
+            let Some((id, mut msg, lane)) = self.table.pending.pop(cap, window, total) else {
                 break;
             };
             let Some(req) = self.table.requests.get_mut(&id) else {
@@ -1141,8 +1230,10 @@ impl<D> Transport<D> {
                 chunk: msg.chunk,
             };
             let seq = self.sequence(msg.lcore, chunk);
+            self.table.pending.sent(lane);
             let o = Outstanding {
                 id,
+                lane,
                 first_sent: now,
                 sent: now,
                 deadline,
@@ -1162,10 +1253,10 @@ impl<D> Transport<D> {
             );
         }
         debug_assert!(
-            self.table.outstanding.len() <= self.congestion.cwnd.max(before),
+            self.table.outstanding.len() <= window.max(before) + self.table.pending.active(),
             "{} chunks outstanding, cwnd {}",
             self.table.outstanding.len(),
-            self.congestion.cwnd
+            window
         );
         debug_assert!(self.congestion.cwnd <= self.flow.window);
     }
@@ -1371,8 +1462,14 @@ impl<D> Transport<D> {
         let Some(req) = self.table.requests.remove(&id) else {
             return;
         };
-        self.table.outstanding.retain(|_, o| o.id != id);
-        self.table.pending.remove(id);
+        let pending = &mut self.table.pending;
+        self.table.outstanding.retain(|_, o| {
+            if o.id == id {
+                pending.settled(o.lane);
+            }
+            o.id != id
+        });
+        pending.remove(id);
         self.table.finished.push_back(Finished {
             key: req.key,
             done: req.done,

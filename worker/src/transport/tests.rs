@@ -164,8 +164,9 @@ impl Harness {
                 }
             })
             .collect();
+        // A lane with none out may send one past the window (Pending).
         assert!(
-            self.t.table.outstanding.len() <= self.t.flow.window,
+            self.t.table.outstanding.len() <= self.t.flow.window + self.t.table.pending.out.len(),
             "{} chunks outstanding, window {}",
             self.t.table.outstanding.len(),
             self.t.flow.window
@@ -692,9 +693,10 @@ fn a_timeout_names_the_ports_still_waited_for() {
         ..WorkerConfig::default()
     };
     let mut h = Harness::with(2, config);
-    // Chunk 0 answered; chunk 1 (lcore 1) outstanding, chunk 2 (lcore 2)
-    // never sent: the window holds two.
-    h.push(0, 4, &[0, 1, 2]);
+    // Chunk 0 answered; chunk 1 (lcore 1) outstanding; chunk 2 (lcore 1
+    // too) sent once chunk 0's result left lcore 1's lane the whole window
+    // of two, and answered.
+    h.push(0, 4, &[0, 1, 1]);
     h.poll();
     h.result(0, 0, 4);
     assert_eq!(h.poll_chunks(), [(0, 2)]);
@@ -963,13 +965,24 @@ fn pending_msg(lcore: u16, chunk: u32) -> ChunkMsg {
     }
 }
 
+/// Every pending chunk, lanes unbounded: (request, lcore, chunk).
+fn drain(p: &mut Pending) -> Vec<(u64, u16, u32)> {
+    std::iter::from_fn(|| p.pop(usize::MAX, usize::MAX, 0))
+        .map(|(id, m, _)| (id, m.lcore, m.chunk))
+        .collect()
+}
+
+/// `sent` by lane: each lcore's sequence of (request, chunk).
+fn by_lane(sent: &[(u64, u16, u32)]) -> BTreeMap<u16, Vec<(u64, u32)>> {
+    let mut lanes: BTreeMap<u16, Vec<(u64, u32)>> = BTreeMap::new();
+    for &(id, l, c) in sent {
+        lanes.entry(l).or_default().push((id, c));
+    }
+    lanes
+}
+
 #[test]
 fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
-    let order = |p: &mut Pending| -> Vec<(u64, u16, u32)> {
-        std::iter::from_fn(|| p.pop())
-            .map(|(id, m)| (id, m.lcore, m.chunk))
-            .collect()
-    };
     // A key whose first chunks live on lcore 0 (one appliance of a sharded
     // job), the rest on lcore 2: interleaved, each lcore's in its order.
     let mut p = Pending::default();
@@ -983,16 +996,19 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
         true,
     );
     assert_eq!(
-        order(&mut p),
+        drain(&mut p),
         [(1, 0, 0), (1, 2, 4), (1, 0, 1), (1, 2, 5), (1, 0, 2), (1, 0, 3)]
     );
-    // The order does not depend on when requests arrive: a rank whose
-    // second request came after it had sent part of the first sends the
-    // same sequence as one that had both at once (otherwise two ranks can
-    // fill their windows with chunks the other has not sent, and wait for
-    // each other forever).
+    // Each lcore's sequence does not depend on when requests arrive: a
+    // rank whose second request came after it had sent part of the first
+    // sends every lcore the same sequence as one that had both at once
+    // (otherwise two ranks can fill an lcore's window with chunks the
+    // other has not sent, and wait for each other forever).
     let (a, b): (Vec<ChunkMsg>, Vec<ChunkMsg>) = (
-        (0..4).map(|c| pending_msg(0, c)).collect(),
+        (0..4)
+            .map(|c| pending_msg(0, c))
+            .chain([pending_msg(1, 9)])
+            .collect(),
         (0..4).map(|c| pending_msg(1, c)).collect(),
     );
     let mut at_once = Pending::default();
@@ -1001,19 +1017,67 @@ fn pending_chunks_go_to_the_lcores_in_turn_each_in_its_order() {
     let mut later = Pending::default();
     later.push_request(1, 1, a, true);
     let mut seen: Vec<(u64, u16, u32)> = (0..2)
-        .filter_map(|_| later.pop())
-        .map(|(id, m)| (id, m.lcore, m.chunk))
+        .filter_map(|_| later.pop(usize::MAX, usize::MAX, 0))
+        .map(|(id, m, _)| (id, m.lcore, m.chunk))
         .collect();
     later.push_request(2, 1, b, true);
-    seen.extend(order(&mut later));
-    assert_eq!(seen, order(&mut at_once));
+    seen.extend(drain(&mut later));
+    assert_eq!(by_lane(&seen), by_lane(&drain(&mut at_once)));
     for c in 0..3 {
         p.push_request(1, 1, vec![pending_msg(1, c)], true);
         p.push_request(2, 1, vec![pending_msg(0, c)], true);
     }
     p.remove(1);
     assert_eq!(p.of(1).count(), 0);
-    assert_eq!(std::iter::from_fn(|| p.pop()).count(), 3);
+    assert_eq!(drain(&mut p).len(), 3);
+}
+
+/// Keys each on one lcore (a layout gives each lcore one run of the chunk
+/// sequence): the window is shared over the lanes, so every lcore has
+/// chunks out at once, not one after the other in the keys' order (which
+/// ran ResNet-50 at one lcore's speed at any L, BENCHMARKS.md); a lane
+/// full or the window full stops a lane, but a lane with none out may
+/// always send one, so no lane waits on another.
+#[test]
+fn the_window_is_shared_over_the_lanes_and_none_waits_on_another() {
+    let mut p = Pending::default();
+    for l in 0..4u16 {
+        p.push_request(
+            u64::from(l),
+            1,
+            (0..10).map(|c| pending_msg(l, c)).collect(),
+            true,
+        );
+    }
+    assert_eq!(p.active(), 4);
+    // A window of 8 over 4 lanes: 2 each.
+    let (window, cap) = (8, 8 / p.active());
+    let mut out = 0;
+    let mut sent = Vec::new();
+    while let Some((id, m, lane)) = p.pop(cap, window, out) {
+        assert_eq!(lane, m.lcore);
+        p.sent(lane);
+        out += 1;
+        sent.push((id, m.lcore, m.chunk));
+    }
+    assert_eq!(out, 8);
+    for (l, s) in by_lane(&sent) {
+        assert_eq!(s, [(u64::from(l), 0), (u64::from(l), 1)], "lane {l}");
+    }
+    // A result of lane 2 lets lane 2 (only) send its next chunk.
+    p.settled(2);
+    let next = p
+        .pop(cap, window, out - 1)
+        .map(|(id, m, _)| (id, m.lcore, m.chunk));
+    assert_eq!(next, Some((2, 2, 2)));
+    p.sent(2);
+    assert!(p.pop(cap, window, out).is_none(), "every lane full");
+    // A fifth lane with none out sends one though the window is full.
+    p.push_request(9, 1, vec![pending_msg(7, 0), pending_msg(7, 1)], true);
+    let fifth = p.pop(cap, window, out).map(|(id, m, _)| (id, m.lcore, m.chunk));
+    assert_eq!(fifth, Some((9, 7, 0)));
+    p.sent(7);
+    assert!(p.pop(cap, window, out + 1).is_none());
 }
 
 /// A rank whose keys stand at different rounds (after a rejoin) submits
@@ -1028,7 +1092,7 @@ fn pending_chunks_of_a_lower_round_go_first() {
     p.push_request(2, 3, vec![pending_msg(0, 0)], true);
     p.push_request(3, 4, vec![pending_msg(0, 0)], true);
     p.push_request(4, 3, vec![pending_msg(0, 1)], true);
-    let ids: Vec<u64> = std::iter::from_fn(|| p.pop()).map(|(id, _)| id).collect();
+    let ids: Vec<u64> = drain(&mut p).into_iter().map(|(id, _, _)| id).collect();
     assert_eq!(ids, [2, 4, 1, 1, 3]);
 }
 
@@ -1093,9 +1157,7 @@ fn hierarchical_ranks_send_in_an_order_that_does_not_depend_on_their_rack() {
     let order = |by: &dyn Fn(u32) -> u16| {
         let mut p = Pending::default();
         p.push_request(1, 1, (0..8).map(|c| pending_msg(by(c), c)).collect(), false);
-        std::iter::from_fn(|| p.pop())
-            .map(|(_, m)| m.chunk)
-            .collect::<Vec<u32>>()
+        drain(&mut p).into_iter().map(|(_, _, c)| c).collect::<Vec<u32>>()
     };
     // Rack 0: one lcore; rack 1: chunks 0..3 on lcore 0, 3..8 on lcore 1.
     let rack0 = order(&|_| 0);
