@@ -357,7 +357,7 @@ impl Manager {
         let mut replicated = replicated.map(|(plan, _)| plan.into_iter());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
-            let job = JobInstall {
+            let mut job = JobInstall {
                 id,
                 token: req.token,
                 workers,
@@ -381,11 +381,17 @@ impl Manager {
                 (None, Some(setup)) => InstallKind::Shared(setup),
                 (None, None) => InstallKind::Plain,
             };
-            // A replicated job's lcore: its primary slots are its part's
-            // (the plan computes them from the same runs).
+            // A replicated job's lcore: its primary slots are the plan's,
+            // its run's (the same runs), or none for an appliance that came
+            // back (its own part is then among its backup slots, at its own
+            // slot numbers, PROTOCOL.md §11.7).
             let kind = match replicated.as_mut().and_then(Iterator::next) {
                 Some((slots, rep)) => {
-                    debug_assert_eq!(slots, job.slots, "lcore {i}: the replica plan's slots");
+                    debug_assert!(
+                        slots.is_empty() || slots == job.slots,
+                        "lcore {i}: the replica plan's slots"
+                    );
+                    job.slots = slots;
                     InstallKind::Replicated(Box::new(rep))
                 }
                 None => kind,
