@@ -11,27 +11,19 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{train_rank, Appliances, Operator};
+use crate::common::{replicated_spec, train_rank, Appliances, Operator};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
 use phub_worker::WorkerConfig;
-
-/// `keys` summed by `workers` ranks over appliances a, b and c, two
-/// copies of each chunk.
-fn spec(workers: u16, keys: &[u64]) -> String {
-    let mut s = format!("name = \"failover\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s + "[placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n"
-}
 
 #[test]
 fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
-    let job = rack.admit(&spec(workers, &keys)).unwrap();
+    let job = rack
+        .admit(&replicated_spec("failover", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (rounds, kill_after) = (10u32, 4u32);
     let url = rack.control_url.clone();

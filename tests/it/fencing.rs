@@ -18,23 +18,13 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{train_rank, Appliances, Operator};
+use crate::common::{replicated_spec, train_rank, Appliances, Operator};
 use phub::proto::api::{AdmitResponse, DataplaneStats, JobMap};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
 use phub::proto::wire::{self, MsgType, Repr};
 use phub::proto::Dtype;
 use phub_worker::WorkerConfig;
-
-/// `keys` summed by `workers` ranks over appliances a, b and c, two copies
-/// of each chunk (b's backup is c: PROTOCOL.md §11.1 with one rack each).
-fn spec(workers: u16, keys: &[u64]) -> String {
-    let mut s = format!("name = \"fencing\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s + "[placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n"
-}
 
 /// A process held stopped (SIGSTOP) until this is dropped (SIGCONT), so
 /// that a failing test leaves nothing stopped.
@@ -113,7 +103,10 @@ fn a_primary_stopped_past_its_failover_answers_no_round_of_its_old_epoch() {
     let rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
-    let job = rack.admit(&spec(workers, &keys)).unwrap();
+    // b's backup is c (PROTOCOL.md §11.1 with one rack each).
+    let job = rack
+        .admit(&replicated_spec("fencing", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (port, key, chunk, elems) = home_chunk(&rack, &job, "b");
     let url = rack.control_url.clone();

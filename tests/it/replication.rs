@@ -4,19 +4,9 @@
 //! phub-worker library train it and check every result exactly, and the
 //! dataplanes' counters show every round of every chunk replicated.
 
-use crate::common::{train, Appliances, Operator};
+use crate::common::{replicated_spec, train, Appliances, Operator};
 use phub::proto::api::{DataplaneStats, JobDetail};
 use phub::proto::routes::{control, mgmt};
-
-/// `keys` summed by `workers` ranks on appliances a and b, `replicas`
-/// copies of each chunk.
-fn spec(workers: u16, keys: &[u64], replicas: u32) -> String {
-    let mut s = format!("name = \"replicated\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s + &format!("[placement]\nappliances = [\"a\", \"b\"]\nreplicas = {replicas}\n")
-}
 
 #[test]
 fn a_job_with_two_replicas_over_two_appliances_trains_exactly_and_replicates_every_round() {
@@ -24,7 +14,9 @@ fn a_job_with_two_replicas_over_two_appliances_trains_exactly_and_replicates_eve
     // a's two (PROTOCOL.md §11.2).
     let rack = Appliances::start(&[2, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
-    let job = rack.admit(&spec(3, &keys, 2)).unwrap();
+    let job = rack
+        .admit(&replicated_spec("replicated", 3, &keys, &["a", "b"], 2))
+        .unwrap();
     assert_eq!(job.appliances, ["a", "b"]);
     // 2048-element chunks: 3 + 1 + 10.
     assert_eq!(job.chunks, 14);
@@ -85,7 +77,9 @@ fn a_job_with_two_replicas_over_two_appliances_trains_exactly_and_replicates_eve
     // job costs about twice what it costs without replicas.
     let replicated: u64 = show.parts.iter().map(|p| p.memory_bytes).sum();
     let again = rack
-        .admit(&spec(3, &keys, 1).replace("\"replicated\"", "\"plain\""))
+        .admit(
+            &replicated_spec("replicated", 3, &keys, &["a", "b"], 1).replace("\"replicated\"", "\"plain\""),
+        )
         .unwrap();
     let plain: JobDetail = rack.send(&control::job(again.id));
     let plain: u64 = plain.parts.iter().map(|p| p.memory_bytes).sum();
@@ -98,7 +92,9 @@ fn a_job_with_two_replicas_over_two_appliances_trains_exactly_and_replicates_eve
 #[test]
 fn a_job_with_more_replicas_than_appliances_is_refused_naming_the_field() {
     let rack = Appliances::start(&[1, 1], "64MiB");
-    let (status, message) = rack.admit(&spec(2, &[100], 3)).unwrap_err();
+    let (status, message) = rack
+        .admit(&replicated_spec("replicated", 2, &[100], &["a", "b"], 3))
+        .unwrap_err();
     assert_eq!(status, 400, "{message}");
     assert!(
         message.contains("placement.replicas")

@@ -13,40 +13,27 @@
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{train_rank, Appliances, Operator};
+use crate::common::{replicated_spec, train_rank, try_until, until, Appliances, Operator};
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
 use phub::proto::routes::{control, mgmt};
 use phub_worker::WorkerConfig;
-
-/// `keys` summed by `workers` ranks over appliances a, b and c (racks r1,
-/// r2, r3: b's part is backed up on c), two copies of each chunk.
-fn spec(workers: u16, keys: &[u64]) -> String {
-    let mut s = format!("name = \"rereplication\"\nworkers = {workers}\n[optimizer]\nkind = \"sum\"\n");
-    for k in keys {
-        s += &format!("[[keys]]\nelements = {k}\n");
-    }
-    s + "[placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n"
-}
-
-/// Waits up to `within` for `ok`, polling every 20 ms.
-fn until(what: &str, within: Duration, mut ok: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !ok() {
-        assert!(
-            t.elapsed() < within,
-            "timed out after {within:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 #[test]
 fn a_killed_primary_restarted_is_brought_back_to_full_strength_and_survives_its_partner_s_kill() {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
-    let job = rack.admit(&spec(workers, &keys)).unwrap();
+    // Racks r1, r2, r3: b's part is backed up on c (PROTOCOL.md §11.1).
+    let job = rack
+        .admit(&replicated_spec(
+            "rereplication",
+            workers,
+            &keys,
+            &["a", "b", "c"],
+            2,
+        ))
+        .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (rounds, first_kill, second_kill) = (16u32, 4u32, 10u32);
     let url = rack.control_url.clone();
@@ -100,27 +87,25 @@ fn a_killed_primary_restarted_is_brought_back_to_full_strength_and_survives_its_
         rack.start_dataplane(1);
         let back = Instant::now();
         let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
-        let t = Instant::now();
-        while !detail(&rack)
-            .replicas
-            .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2)
-        {
-            if t.elapsed() > Duration::from_secs(30) {
-                // What control and each appliance say, for the diagnosis.
-                let views: Vec<String> = (0..3)
-                    .map(|i| {
-                        let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
-                        let j = s.jobs.iter().find(|j| j.id == job.id);
-                        format!("{}: {:?}", rack.names[i], j.map(|j| (j.round_range, j.copies)))
-                    })
-                    .collect();
-                panic!(
-                    "not at full strength 30 s after b's restart: {:?}; epoch {:?}; appliances {views:?}",
-                    detail(&rack).replicas,
-                    rack.send(&control::epoch(job.id))
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let full = || {
+            detail(&rack)
+                .replicas
+                .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2)
+        };
+        if !try_until(Duration::from_secs(30), full) {
+            // What control and each appliance say, for the diagnosis.
+            let views: Vec<String> = (0..3)
+                .map(|i| {
+                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+                    let j = s.jobs.iter().find(|j| j.id == job.id);
+                    format!("{}: {:?}", rack.names[i], j.map(|j| (j.round_range, j.copies)))
+                })
+                .collect();
+            panic!(
+                "not at full strength 30 s after b's restart: {:?}; epoch {:?}; appliances {views:?}",
+                detail(&rack).replicas,
+                rack.send(&control::epoch(job.id))
+            );
         }
         let took = back.elapsed();
         let r = detail(&rack).replicas.unwrap();

@@ -2,22 +2,11 @@
 //! processes under one phub-control, workers on the phub-worker library
 //! sending each chunk to its home appliance, phubctl as the operator.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use crate::common::{train, Appliances, Operator};
+use crate::common::{train, until, Appliances, Operator};
 use phub::proto::api::{DataplaneStats, InstalledJob, JobDetail, JobMap};
 use phub::proto::routes::{control, mgmt};
-
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 #[test]
 fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
@@ -91,7 +80,7 @@ fn a_job_over_two_appliances_trains_exactly_and_each_holds_only_its_part() {
     assert!(ok, "{err}");
     assert!(out.contains("DOWN (") && out.contains("installed"), "{out}");
     rack.start_dataplane(1);
-    wait_for("b's part reinstalled", || {
+    until("b's part reinstalled", Duration::from_secs(20), || {
         let installed: Vec<InstalledJob> = rack.dataplane(1, &mgmt::jobs());
         installed.iter().any(|j| j.id == job.id)
     });

@@ -365,6 +365,43 @@ pub(crate) fn census_spec(name: &str, workers: u16, grads: u64, consistency: Con
         .to_toml()
 }
 
+/// Whether `ok` held within `within`, polled every 20 ms.
+pub(crate) fn try_until(within: Duration, mut ok: impl FnMut() -> bool) -> bool {
+    let t = std::time::Instant::now();
+    while !ok() {
+        if t.elapsed() >= within {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+/// Waits up to `within` for `ok` ([`try_until`]); panics naming `what`.
+pub(crate) fn until(what: &str, within: Duration, ok: impl FnMut() -> bool) {
+    assert!(
+        try_until(within, ok),
+        "timed out after {within:?} waiting for {what}"
+    );
+}
+
+/// A sum job of `workers` ranks over `keys`, sharded over the named
+/// appliances with `replicas` copies of every chunk (PROTOCOL.md §11): the
+/// replication suites' job.
+pub(crate) fn replicated_spec(
+    name: &str,
+    workers: u16,
+    keys: &[u64],
+    appliances: &[&str],
+    replicas: u32,
+) -> String {
+    let names = appliances.iter().map(|a| (*a).to_string()).collect();
+    JobSpec::new(name, u32::from(workers), keys)
+        .sharded_over(phub::proto::spec::Appliances::Names(names))
+        .with_replicas(replicas)
+        .to_toml()
+}
+
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.
