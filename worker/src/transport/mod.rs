@@ -558,11 +558,8 @@ impl Pending {
 
     /// Lanes with chunks waiting or out.
     fn active(&self) -> usize {
-        self.lanes
-            .keys()
-            .chain(self.out.keys())
-            .collect::<std::collections::BTreeSet<_>>()
-            .len()
+        // Without allocating: fill_window asks on every transmit.
+        self.lanes.len() + self.out.keys().filter(|l| !self.lanes.contains_key(l)).count()
     }
 
     /// The next chunk, with its request's id and its lane, from the lanes
