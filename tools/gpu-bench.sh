@@ -35,6 +35,10 @@
 #      the gradients never float32) and with datagrams (no --shm).
 # PLAN=repeat: test_cuda.py, then only the shared-memory step DDP_RUNS
 # times (default 3) and the bf16 one BF16_RUNS times (default 2).
+# PLAN=bf16 (no test_cuda.py): where the bf16 job's time goes, each once:
+# bench_wire16.py --f32-job (host arrays, no CUDA: the bf16 job against a
+# float32 job of the same keys), then bench_cuda_ddp.py in f32, in bf16
+# with one copy and in bf16 with two copies.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -115,6 +119,23 @@ nvidia-smi -L 2>&1 | tee -a "$SUM"
 "$PY" -c 'import torch, phub; print("python", __import__("sys").version.split()[0], "torch", torch.__version__,
   "cuda", torch.version.cuda, torch.cuda.get_device_name(0), "phub", phub.__version__)' 2>&1 | tee -a "$SUM"
 "$PY" -c 'import pytest' 2>/dev/null && HAVE_PYTEST=1 || HAVE_PYTEST=0
+
+if [[ "${PLAN:-all}" == bf16 ]]; then
+  stamp "bf16 job against f32 job, host arrays (bench_wire16.py --f32-job), 4 lcores, shared memory"
+  timeout 120 "$PY" python/bench/bench_wire16.py --workers 2 --lcores 4 --shm --f32-job --trials 8 \
+    >"$OUT/wire16-shm.log" 2>&1
+  say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm.log" | tee -a "$SUM"
+  for c in "f32:" "bf16:--dtype bf16" "bf16-two-copies:--dtype bf16 --two-copies"; do
+    n=${c%%:*}
+    stamp "ResNet-50 DDP on CUDA ($n): phub (shared memory, 4 lcores) vs gloo"
+    # shellcheck disable=SC2086 # the case's arguments
+    timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 ${c#*:} \
+      >"$OUT/bench-$n.log" 2>&1
+    say "bench_cuda_ddp.py --shm ${c#*:} rc=$?"; tail -n 15 "$OUT/bench-$n.log" | tee -a "$SUM"
+  done
+  stamp "done"
+  exit 0
+fi
 
 stamp "test_cuda.py (correctness on the GPU)"
 if [[ $HAVE_PYTEST == 1 ]]; then

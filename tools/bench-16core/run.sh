@@ -26,7 +26,11 @@
 # "lcores-ab" runs the UDP W=8 sweep AB_RUNS times (default 3) with this
 # build and with the bundle's old/bin (OLD_BINS at bundle time), alternating,
 # to tell a change of machine from a change of code; "lcores-dpdk" the
-# DPDK af_packet sweep alone; "bisect" runs the UDP W=8 sweep over lcores
+# DPDK af_packet sweep alone; "lcores-var" runs the UDP W=8 sweep over
+# lcores VAR_LCORES (default 4,8) once per variant of VARIANTS (extra
+# phub-bench arguments, variants separated by ";", e.g. "--window 252;
+# --dataplane-arg=--spin-us=0"), with this build and with old/bin,
+# alternating; "bisect" runs the UDP W=8 sweep over lcores
 # BISECT_LCORES (default 1,8) once with each build the bundle packed under
 # bisect/ (bundle.sh BISECT_DIRS), then with this one.
 #
@@ -146,6 +150,24 @@ if [[ " $STEPS " == *" lcores-ab "* ]]; then
         --sweep lcores=1,2,4,8 --no-ceiling
     fi
     say "steal ticks so far: $(awk '/^cpu /{print $9}' /proc/stat)"
+  done
+fi
+
+if [[ " $STEPS " == *" lcores-var "* ]]; then
+  stamp "lcore scaling, UDP W=8, variants: ${VARIANTS:-}"
+  IFS=';' read -r -a vars <<<"${VARIANTS:-}"
+  i=0
+  for v in "${vars[@]}"; do
+    i=$((i + 1))
+    # shellcheck disable=SC2086 # a variant is a list of arguments
+    bench "var$i-new" --local --model resnet50 --workers 8 --rounds 6 --warmup 1 \
+      --sweep "lcores=${VAR_LCORES:-4,8}" --no-ceiling $v
+    if [[ -x "$ROOT/old/bin/phub-bench" ]]; then
+      # shellcheck disable=SC2086
+      PATH="$ROOT/old/bin:$PATH" PHUB_BIN_DIR="$ROOT/old/bin" \
+        bench "var$i-old" --local --model resnet50 --workers 8 --rounds 6 --warmup 1 \
+        --sweep "lcores=${VAR_LCORES:-4,8}" --no-ceiling $v
+    fi
   done
 fi
 
