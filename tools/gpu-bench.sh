@@ -38,7 +38,7 @@
 # PLAN=bf16 (no test_cuda.py): where the bf16 job's time goes, each once:
 # bench_wire16.py --f32-job (host arrays, no CUDA: the bf16 job against a
 # float32 job of the same keys), then bench_cuda_ddp.py in f32, in bf16
-# with one copy and in bf16 with two copies.
+# with one copy and in bf16 with two copies (BF16_PLAN_RUNS times, default 1).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -121,17 +121,20 @@ nvidia-smi -L 2>&1 | tee -a "$SUM"
 "$PY" -c 'import pytest' 2>/dev/null && HAVE_PYTEST=1 || HAVE_PYTEST=0
 
 if [[ "${PLAN:-all}" == bf16 ]]; then
-  stamp "bf16 job against f32 job, host arrays (bench_wire16.py --f32-job), 4 lcores, shared memory"
-  timeout 120 "$PY" python/bench/bench_wire16.py --workers 2 --lcores 4 --shm --f32-job --trials 8 \
-    >"$OUT/wire16-shm.log" 2>&1
-  say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm.log" | tee -a "$SUM"
-  for c in "f32:" "bf16:--dtype bf16" "bf16-two-copies:--dtype bf16 --two-copies"; do
-    n=${c%%:*}
-    stamp "ResNet-50 DDP on CUDA ($n): phub (shared memory, 4 lcores) vs gloo"
-    # shellcheck disable=SC2086 # the case's arguments
-    timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 ${c#*:} \
-      >"$OUT/bench-$n.log" 2>&1
-    say "bench_cuda_ddp.py --shm ${c#*:} rc=$?"; tail -n 15 "$OUT/bench-$n.log" | tee -a "$SUM"
+  # BF16_PLAN_RUNS (default 1) rounds of every case, the cases alternating.
+  for i in $(seq 1 "${BF16_PLAN_RUNS:-1}"); do
+    stamp "bf16 job against f32 job, host arrays (bench_wire16.py --f32-job), 4 lcores, shared memory, run $i"
+    timeout 120 "$PY" python/bench/bench_wire16.py --workers 2 --lcores 4 --shm --f32-job --trials 8 \
+      >"$OUT/wire16-shm-$i.log" 2>&1
+    say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm-$i.log" | tee -a "$SUM"
+    for c in "f32:" "bf16:--dtype bf16" "bf16-two-copies:--dtype bf16 --two-copies"; do
+      n=${c%%:*}
+      stamp "ResNet-50 DDP on CUDA ($n): phub (shared memory, 4 lcores) vs gloo, run $i"
+      # shellcheck disable=SC2086 # the case's arguments
+      timeout 120 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --lcores 4 --steps 8 ${c#*:} \
+        >"$OUT/bench-$n-$i.log" 2>&1
+      say "bench_cuda_ddp.py --shm ${c#*:} rc=$?"; tail -n 15 "$OUT/bench-$n-$i.log" | tee -a "$SUM"
+    done
   done
   stamp "done"
   exit 0

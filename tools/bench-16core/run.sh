@@ -26,7 +26,7 @@
 # "lcores-ab" runs the UDP W=8 sweep AB_RUNS times (default 3) with this
 # build and with the bundle's old/bin (OLD_BINS at bundle time), alternating,
 # to tell a change of machine from a change of code; "lcores-dpdk" the
-# DPDK af_packet sweep alone; "lcores-var" runs the UDP W=8 sweep over
+# DPDK af_packet sweep alone (DPDK_RUNS times, default 1); "lcores-var" runs the UDP W=8 sweep over
 # lcores VAR_LCORES (default 4,8) once per variant of VARIANTS (extra
 # phub-bench arguments, variants separated by ";", e.g. "--window 252;
 # --dataplane-arg=--spin-us=0"), with this build and with old/bin,
@@ -182,9 +182,11 @@ if [[ " $STEPS " == *" bisect "* ]]; then
 fi
 
 if [[ " $STEPS " == *" lcores-dpdk "* ]]; then
-  stamp "lcore scaling, DPDK af_packet W=4"
-  bench lcores-dpdk-w4 --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
-    --sweep lcores=1,2,4,8 --no-ceiling
+  stamp "lcore scaling, DPDK af_packet W=4, ${DPDK_RUNS:-1} run(s)"
+  for i in $(seq 1 "${DPDK_RUNS:-1}"); do
+    bench "lcores-dpdk-w4-$i" --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
+      --sweep lcores=1,2,4,8 --no-ceiling
+  done
 fi
 
 if [[ " $STEPS " == *" shm "* ]]; then
