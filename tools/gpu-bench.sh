@@ -38,7 +38,9 @@
 # PLAN=bf16 (no test_cuda.py): where the bf16 job's time goes, each once:
 # bench_wire16.py --f32-job (host arrays, no CUDA: the bf16 job against a
 # float32 job of the same keys), then bench_cuda_ddp.py in f32, in bf16
-# with one copy and in bf16 with two copies (BF16_PLAN_RUNS times, default 1).
+# with one copy and in bf16 with two copies (BF16_PLAN_RUNS times, default 1;
+# BF16_CASES="NAME:ARGS;..." other cases of bench_cuda_ddp.py, WIRE16=0 no
+# bench_wire16.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 cmd=${1:-}
@@ -123,11 +125,14 @@ nvidia-smi -L 2>&1 | tee -a "$SUM"
 if [[ "${PLAN:-all}" == bf16 ]]; then
   # BF16_PLAN_RUNS (default 1) rounds of every case, the cases alternating.
   for i in $(seq 1 "${BF16_PLAN_RUNS:-1}"); do
-    stamp "bf16 job against f32 job, host arrays (bench_wire16.py --f32-job), 4 lcores, shared memory, run $i"
-    timeout 120 "$PY" python/bench/bench_wire16.py --workers 2 --lcores 4 --shm --f32-job --trials 8 \
-      >"$OUT/wire16-shm-$i.log" 2>&1
-    say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm-$i.log" | tee -a "$SUM"
-    for c in "f32:" "bf16:--dtype bf16" "bf16-two-copies:--dtype bf16 --two-copies"; do
+    if [[ "${WIRE16:-1}" == 1 ]]; then
+      stamp "bf16 job against f32 job, host arrays (bench_wire16.py --f32-job), 4 lcores, shared memory, run $i"
+      timeout 120 "$PY" python/bench/bench_wire16.py --workers 2 --lcores 4 --shm --f32-job --trials 8 \
+        >"$OUT/wire16-shm-$i.log" 2>&1
+      say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm-$i.log" | tee -a "$SUM"
+    fi
+    IFS=';' read -r -a cases <<<"${BF16_CASES:-f32:;bf16:--dtype bf16;bf16-two-copies:--dtype bf16 --two-copies}"
+    for c in "${cases[@]}"; do
       n=${c%%:*}
       stamp "ResNet-50 DDP on CUDA ($n): phub (shared memory, 4 lcores) vs gloo, run $i"
       # shellcheck disable=SC2086 # the case's arguments
