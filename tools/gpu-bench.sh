@@ -27,18 +27,18 @@
 #   3. python/bench/bench_cuda_ddp.py: ResNet-50 DDP steps on CUDA tensors,
 #      phub's hook (shared memory, 4 lcores) against gloo, W=2 sharing the
 #      GPU, medians, the exchange alone and its overlap with backward
-#      (gradients copied straight into the staging regions: one copy);
+#      (the hook's default: the pinned buffer, then the worker's copy);
 #   4. the same with --nccl: NCCL as a third exchange (it refuses two ranks
 #      on one GPU; the run then says so and measures the others); then,
-#      if time is left, the same with two copies (--two-copies: the pinned
-#      buffer, then the worker's copy), in bf16 (--dtype bf16: a bf16 job,
+#      if time is left, the same with one copy (--one-copy: straight into
+#      the staging regions), in bf16 (--dtype bf16: a bf16 job,
 #      the gradients never float32) and with datagrams (no --shm).
 # PLAN=repeat: test_cuda.py, then only the shared-memory step DDP_RUNS
 # times (default 3) and the bf16 one BF16_RUNS times (default 2).
 # PLAN=bf16 (no test_cuda.py): where the bf16 job's time goes, each once:
 # bench_wire16.py --f32-job (host arrays, no CUDA: the bf16 job against a
-# float32 job of the same keys), then bench_cuda_ddp.py in f32, in bf16
-# with one copy and in bf16 with two copies (BF16_PLAN_RUNS times, default 1;
+# float32 job of the same keys), then bench_cuda_ddp.py in f32 and bf16,
+# each with one copy and with two (BF16_PLAN_RUNS times, default 1;
 # BF16_CASES="NAME:ARGS;..." other cases of bench_cuda_ddp.py, WIRE16=0 no
 # bench_wire16.py).
 set -uo pipefail
@@ -131,7 +131,7 @@ if [[ "${PLAN:-all}" == bf16 ]]; then
         >"$OUT/wire16-shm-$i.log" 2>&1
       say "bench_wire16.py --shm --f32-job rc=$?"; tail -n 8 "$OUT/wire16-shm-$i.log" | tee -a "$SUM"
     fi
-    IFS=';' read -r -a cases <<<"${BF16_CASES:-f32:;bf16:--dtype bf16;bf16-two-copies:--dtype bf16 --two-copies}"
+    IFS=';' read -r -a cases <<<"${BF16_CASES:-f32-one:--one-copy;f32-two:--two-copies;bf16-one:--dtype bf16 --one-copy;bf16-two:--dtype bf16 --two-copies}"
     for c in "${cases[@]}"; do
       n=${c%%:*}
       stamp "ResNet-50 DDP on CUDA ($n): phub (shared memory, 4 lcores) vs gloo, run $i"
@@ -183,10 +183,10 @@ if (( $(date +%s) - t0 < 230 )); then
 fi
 
 if (( $(date +%s) - t0 < 300 )); then
-  stamp "The same with two host copies (pinned buffer, then the worker's copy): what the one copy saves"
-  timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --two-copies --lcores 4 --steps 8 \
-    >"$OUT/bench-two-copies.log" 2>&1
-  say "bench_cuda_ddp.py --shm --two-copies rc=$?"; tail -n 15 "$OUT/bench-two-copies.log" | tee -a "$SUM"
+  stamp "The same with one copy (straight into the staging regions): what the second copy costs"
+  timeout 150 "$PY" python/bench/bench_cuda_ddp.py --workers 2 --shm --one-copy --lcores 4 --steps 8 \
+    >"$OUT/bench-one-copy.log" 2>&1
+  say "bench_cuda_ddp.py --shm --one-copy rc=$?"; tail -n 15 "$OUT/bench-one-copy.log" | tee -a "$SUM"
 fi
 
 if (( $(date +%s) - t0 < 330 )); then

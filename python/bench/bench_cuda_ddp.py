@@ -183,7 +183,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         models["nccl"] = nn.parallel.DistributedDataParallel(ResNet50().to(device, dtype), bucket_cap_mb=a.bucket_mb,
                                                              process_group=nccl_pg)
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
-    state = phub.torch.register_comm_hook(models["phub"], w, in_place=not a.two_copies)
+    state = phub.torch.register_comm_hook(models["phub"], w, in_place=a.one_copy)
     x = torch.randn(a.batch, 3, a.image, a.image, device=device, dtype=dtype)
     y = torch.randint(0, 1000, (a.batch,), device=device)
     loss_fn = nn.CrossEntropyLoss()
@@ -265,9 +265,11 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=25.0)
     ap.add_argument("--shm", action="store_true", help="phub-dataplane with --shm (workers on this machine)")
     ap.add_argument("--busy-poll", action="store_true")
-    ap.add_argument("--two-copies", action="store_true",
-                    help="with --shm: CUDA gradients through the pinned buffer and the worker's copy, not straight "
-                         "into the staging regions (the comparison)")
+    copies = ap.add_mutually_exclusive_group()
+    copies.add_argument("--one-copy", action="store_true",
+                        help="with --shm: CUDA gradients straight into the staging regions (the hook's in_place=True)")
+    copies.add_argument("--two-copies", action="store_true",
+                        help="with --shm: through the pinned buffer and the worker's copy (the hook's default)")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16"],
                     help="the models' and phub's job's element type (bf16: mixed precision's gradients)")
     ap.add_argument("--nccl", action="store_true",

@@ -71,15 +71,16 @@ host-to-device on another side stream, and the default stream waits only
 for that copy (the hook's future is CUDA-aware), never for the network. A
 bucket's copies overlap the previous bucket's exchange. 16-bit gradients
 cross PCIe as 16 bits and go out as 16 bits (no ``float32`` copy on the GPU
-or on the host). With shared memory the device-to-host copy goes straight
-into the appliance's staging regions (:meth:`phub.Worker.stage`), the keys
-go out as headers only (:meth:`phub.Worker.push_staged`), and the
-host-to-device copy reads the results straight from the result regions
-(:meth:`phub.Handle.wait_in_place`; both kinds of region are
-``cudaHostRegister``-ed once per mapping): one copy each way, not two,
-and no pinned buffer of the rank's own.
-**This path has not run on a GPU yet** (python/tests/torch/test_cuda.py
-skips without one; its stand-in tests run the bookkeeping on CPU tensors);
+or on the host). With shared memory and ``in_place=True`` (the
+optimizer's default; the hook's is ``False``, see :class:`CommHookState`)
+the device-to-host copy goes straight into the appliance's staging regions
+(:meth:`phub.Worker.stage`), the keys go out as headers only
+(:meth:`phub.Worker.push_staged`), and the host-to-device copy reads the
+results straight from the result regions (:meth:`phub.Handle.wait_in_place`;
+both kinds of region are ``cudaHostRegister``-ed once per mapping): one
+copy each way, not two, and no pinned buffer of the rank's own.
+These paths have run on an H200 (python/tests/torch/test_cuda.py, which
+skips without a GPU, and python/bench/bench_cuda_ddp.py; BENCHMARKS.md);
 CPU tensors take the code path they always did.
 """
 
@@ -452,11 +453,15 @@ class CommHookState:
     job's optimizer must be ``sum`` or ``mean``, and its consistency BSP
     (``sync``, the default): an async or bounded-delay job is refused.
     ``in_place``: with shared memory, copy CUDA gradients straight into the
-    staging regions (the default); ``False`` keeps the pinned buffer and
-    the worker's copy (two copies).
+    staging regions (one copy); the default, ``False``, keeps the pinned
+    buffer and the worker's copy (two copies). On an H200 with two ranks
+    the two copies made the DDP step faster (f32 0.80x gloo's against 0.86x,
+    bf16 1.06-1.10x against 1.21-1.26x; BENCHMARKS.md, "Third lease"): the
+    one-copy path issues a copy per span of each key while backward runs,
+    and backward hid half as much of the exchange.
     """
 
-    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True, in_place: bool = True) -> None:
+    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True, in_place: bool = False) -> None:
         if worker.consistency != "sync":
             mode = worker.consistency
             if worker.bounded_delay is not None:

@@ -284,7 +284,7 @@ def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
         assert all(w.shm for w in ws)
         params = [[torch.nn.Parameter(torch.zeros(3000, dtype=tdt)), torch.nn.Parameter(torch.zeros(2000, dtype=tdt))]
                   for _ in ws]
-        states = _in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, p) for w, p in zip(ws, params)])
+        states = _in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, p, in_place=True) for w, p in zip(ws, params)])
         try:
             for rnd in range(3):
                 bufs = [((torch.arange(5000) % 64) * (r + 1) + rnd).to(tdt) for r in range(W)]
@@ -363,7 +363,7 @@ def test_a_region_cuda_will_not_register_warns_once_and_still_works(
     with LocalAppliance(lcores=1, memory_budget="256MiB", shm=True) as app:
         jid, token = app.admit(admin.job_spec("pytest-staged-noreg", 1, [1000], optimizer="sum"))
         w = phub.Worker.join(app.control_url, jid, token, 0)
-        state = phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(1000))])
+        state = phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(1000))], in_place=True)
         try:
             import warnings
 
