@@ -714,7 +714,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     pushes every key each round) and writes the appliance's new parameters
     into the parameters in place. ``broadcast``: start with
     :func:`broadcast_parameters` (rank 0's values everywhere).
-    ``in_place``: as :class:`CommHookState`'s, for CUDA parameters.
+    ``in_place``: as :class:`CommHookState`'s, for CUDA parameters, but
+    one copy by default here (``step`` stages after backward, so it takes
+    nothing from backward's overlap; not measured against two copies yet).
 
     Learning rate, momentum and so on are the job's: changing
     ``param_groups`` here changes nothing on the appliance, and there is no
