@@ -228,6 +228,7 @@ impl Daemon {
             store,
             lead: leader::Leadership::new(config.lease_ttl, given),
             interval: config.reconcile_interval,
+            beat: config.heartbeat.interval,
             operator_token,
             token_path: token_path.clone(),
             inner: Mutex::new(Inner {

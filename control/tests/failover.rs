@@ -387,6 +387,66 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
     d.shutdown();
 }
 
+/// An appliance that restarts within the heartbeat deadline (it loses
+/// its jobs but never misses a heartbeat) is not given a replicated job
+/// again at the epoch it served it in, where it would serve its parts
+/// empty: the job fails over without it (epoch 1) and re-replicates to it
+/// (epoch 2, joined), installed there empty and filled by state copies.
+#[test]
+fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "restart");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    assert_eq!(b.state.lock().unwrap().installs, vec![(job.id, 0)]);
+    // b restarts at once: it holds nothing, and answers every heartbeat.
+    b.forget_all();
+    let e2 = EpochView {
+        epoch: 2,
+        down: vec![],
+        joined: vec![Joined {
+            appliance: 1,
+            epoch: 2,
+        }],
+    };
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_for("the job installed on b at epoch 2, joined", within, || {
+        b.jobs().get(&job.id).is_some_and(|j| {
+            j.replication
+                .as_ref()
+                .is_some_and(|r| (r.epoch, &r.down, &r.joined) == (2, &e2.down, &e2.joined))
+        })
+    });
+    {
+        let st = b.state.lock().unwrap();
+        assert_eq!(
+            st.installs,
+            vec![(job.id, 0), (job.id, 2)],
+            "b is given the job again only at epoch 2 (never at epoch 0, where it would serve its parts empty)"
+        );
+        assert!(st.restored.is_empty(), "installed empty, not from a checkpoint");
+    }
+    let e1 = EpochView {
+        epoch: 1,
+        down: vec![1],
+        ..Default::default()
+    };
+    wait_for("epochs 1 then 2 on a and c", within, || {
+        [&a, &c].iter().all(|f| epochs(f, job.id) == vec![e1.clone(), e2.clone()])
+    });
+    let full = || -> bool {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        show.replicas
+            .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2 && r.rereplication.is_some())
+    };
+    wait_for("full strength", within, full);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
+    let (_, appliances) = call(&d, &R::Appliances, None);
+    assert!(!appliances.contains("declared down"), "b was never declared down: {appliances}");
+    d.shutdown();
+}
+
 /// An appliance declared down is chosen for no new job while it stays
 /// silent: a spec naming it is refused saying so (once it did not answer
 /// for its description either), a spec asking for more than the others

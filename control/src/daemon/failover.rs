@@ -28,6 +28,7 @@
 //! cannot be done (refused, the appliance down again), the appliance is
 //! taken out of the job again ([`Shared::fail_over`]).
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -111,6 +112,34 @@ impl StoredJob {
             names(&next.down.iter().map(|&d| usize::from(d)).collect::<Vec<_>>())
         );
         Some(Decision::Lost(next, why))
+    }
+
+    /// Whether losing appliance `name`'s state leaves it whole: it is
+    /// replicated, in service, `name` serves it in its epoch, and in the
+    /// next epoch without `name` every part's replica set keeps a member
+    /// that holds the job (`held`: the jobs each appliance holds), not one
+    /// a state copy is still filling.
+    pub(super) fn survives_without(
+        &self,
+        name: &str,
+        held: &BTreeMap<String, BTreeSet<u16>>,
+        rack: impl Fn(&str) -> String,
+    ) -> bool {
+        let Some(Decision::Next(next)) = self.decide(name, &rack) else {
+            return false;
+        };
+        let Ok(layout) = self.replica_layout(&rack) else {
+            return false;
+        };
+        let copying = self.copying_to();
+        (0..layout.appliances()).all(|p| {
+            layout.set_in(p, &next).into_iter().any(|a| {
+                self.parts.get(a).is_some_and(|part| {
+                    Some(part.appliance.as_str()) != copying
+                        && held.get(&part.appliance).is_some_and(|ids| ids.contains(&self.id))
+                })
+            })
+        })
     }
 
     /// Whether its appliance `me` (index in layout order) came back at its
@@ -226,7 +255,7 @@ impl Shared {
     }
 
     /// [`Shared::fail_over`] for every job on `name`, or job `only`.
-    fn fail_over_jobs(self: &Arc<Self>, name: &str, only: Option<u16>, retry: Duration) {
+    pub(super) fn fail_over_jobs(self: &Arc<Self>, name: &str, only: Option<u16>, retry: Duration) {
         let mut installs: Vec<(u16, EpochView, Vec<String>)> = Vec::new();
         {
             let mut inner = self.lock();

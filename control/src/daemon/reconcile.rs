@@ -8,8 +8,19 @@
 //! that came back at a job's epoch is installed at that epoch, empty,
 //! never from a checkpoint (PROTOCOL.md §11.7), and not while the
 //! re-replication installs it itself.
+//!
+//! An appliance that lost a replicated job it serves in the job's epoch
+//! (it restarted within the heartbeat deadline, so it was never declared
+//! down) is not given the job again at that epoch: it would serve its
+//! parts empty, or from a checkpoint older than its backups' state. The
+//! job fails over without it and re-replicates to it, as if it had been
+//! declared down and had come back ([`Shared::fail_over`],
+//! [`Shared::rereplicate`]), when every part keeps a member that holds
+//! the job; when none does (every replica lost its state) it is
+//! reinstalled as before.
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::sync::Arc;
 
 use phub_proto::api::{DataplaneInfo, InstallJob};
 use phub_proto::layout::Layout;
@@ -43,6 +54,11 @@ struct Differences {
     /// Jobs admitted on it, in service and not held, that it lacks:
     /// installed again.
     missing: Vec<u16>,
+    /// Replicated jobs it serves in their epoch and lacks (it lost their
+    /// state without being declared down), each of whose parts keeps a
+    /// member that holds the job: failed over without it, then
+    /// re-replicated to it.
+    lost: Vec<u16>,
     /// Replicated jobs it holds that it was declared down from: removed.
     fenced: Vec<u16>,
 }
@@ -52,20 +68,37 @@ impl Shared {
     /// once, so that one that does not answer delays none of the others;
     /// first asks each who it is, and leaves alone every appliance that is
     /// another's dataplane under a second name ([`watch::alias_of`]).
-    pub(super) fn reconcile(&self, logs: &mut BTreeMap<String, ReconcileLog>) {
+    pub(super) fn reconcile(self: &Arc<Self>, logs: &mut BTreeMap<String, ReconcileLog>) {
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         let clients = self.lock().clients();
         logs.retain(|n, _| clients.iter().any(|(c, _)| c == n));
-        let infos: Vec<(String, Option<DataplaneInfo>)> = std::thread::scope(|s| {
+        type Asked = (String, Option<DataplaneInfo>, Option<BTreeSet<u16>>);
+        let asked: Vec<Asked> = std::thread::scope(|s| {
             let asked: Vec<_> = clients
                 .iter()
-                .map(|(n, c)| (n.clone(), s.spawn(move || c.info().ok())))
+                .map(|(n, c)| {
+                    let ask = move || {
+                        let jobs = c.jobs().ok().map(|j| j.into_iter().map(|j| j.id).collect());
+                        (c.info().ok(), jobs)
+                    };
+                    (n.clone(), s.spawn(ask))
+                })
                 .collect();
             asked
                 .into_iter()
-                .map(|(n, h)| (n, h.join().ok().flatten()))
+                .map(|(n, h)| {
+                    let (info, jobs) = h.join().unwrap_or_default();
+                    (n, info, jobs)
+                })
                 .collect()
         });
+        // Who holds which jobs, as of now: whether a replicated job one
+        // appliance lost still has its state elsewhere.
+        let held: BTreeMap<String, BTreeSet<u16>> = asked
+            .iter()
+            .filter_map(|(n, _, j)| Some((n.clone(), j.clone()?)))
+            .collect();
+        let infos: Vec<(String, Option<DataplaneInfo>)> = asked.into_iter().map(|(n, i, _)| (n, i)).collect();
         let aliases: BTreeSet<String> = {
             let mut inner = self.lock();
             let seen: Vec<(String, bool, DataplaneInfo)> = infos
@@ -98,14 +131,23 @@ impl Shared {
         for (n, _) in &clients {
             logs.entry(n.clone()).or_default();
         }
-        std::thread::scope(|s| {
+        let lost: Vec<(String, Vec<u16>)> = std::thread::scope(|s| {
+            let mut asked = Vec::new();
             for (name, log) in logs.iter_mut().filter(|(n, _)| !aliases.contains(*n)) {
                 let Some((_, client)) = clients.iter().find(|(c, _)| c == name) else {
                     continue;
                 };
-                s.spawn(move || self.reconcile_one(name, client, log));
+                let held = &held;
+                asked.push((name.clone(), s.spawn(move || self.reconcile_one(name, client, held, log))));
             }
+            asked
+                .into_iter()
+                .map(|(n, h)| (n, h.join().unwrap_or_default()))
+                .collect()
         });
+        for (name, ids) in lost.into_iter().filter(|(_, ids)| !ids.is_empty()) {
+            self.restarted(&name, &ids);
+        }
     }
 
     /// Reinstalls on appliance `name` every part of an admitted job it
@@ -116,8 +158,18 @@ impl Shared {
     /// checkpoint file is there but unusable ([`Shared::checkpoint_for`],
     /// or refused by the appliance) is held instead, and a held part is
     /// not installed, until `POST /v1/jobs/{id}/retry`. Jobs it holds that
-    /// control has not admitted there are removed.
-    pub(super) fn reconcile_one(&self, name: &str, client: &Client, log: &mut ReconcileLog) {
+    /// control has not admitted there are removed. Returns the replicated
+    /// jobs it lost while serving them, not installed here: the caller
+    /// fails them over and re-replicates them to it ([`Shared::restarted`];
+    /// `held`: the jobs each appliance held when asked; with none known,
+    /// every lost job is reinstalled).
+    pub(super) fn reconcile_one(
+        &self,
+        name: &str,
+        client: &Client,
+        held: &BTreeMap<String, BTreeSet<u16>>,
+        log: &mut ReconcileLog,
+    ) -> Vec<u16> {
         let installed: BTreeSet<u16> = match client.jobs() {
             Ok(j) => {
                 if log.down.remove(name) {
@@ -129,14 +181,15 @@ impl Shared {
                 if log.down.insert(name.to_string()) {
                     log::warn!("{e}; retrying every {:?}", self.interval);
                 }
-                return;
+                return Vec::new();
             }
         };
         let Differences {
             unknown,
             missing,
+            lost,
             fenced,
-        } = self.differences(name, &installed, log);
+        } = self.differences(name, &installed, held, log);
         for id in fenced {
             match client.remove(id) {
                 Ok(_) => log::warn!(
@@ -163,7 +216,7 @@ impl Shared {
         log.failed.retain(|(id, n)| n != name || !installed.contains(id));
         log.foreign.retain(|id| installed.contains(id));
         if missing.is_empty() {
-            return;
+            return lost;
         }
         // The appliance restarted: its settings may have changed, and the
         // jobs are fitted to its lcores before they are installed.
@@ -178,7 +231,7 @@ impl Shared {
                 if log.down.insert(name.to_string()) {
                     log::warn!("{e}; retrying every {:?}", self.interval);
                 }
-                return;
+                return lost;
             }
         };
         for &id in &missing {
@@ -186,13 +239,20 @@ impl Shared {
         }
         // Reinstalled at epoch 0: a replicated job's epoch follows.
         self.send_epochs(name, client, &missing.into_iter().collect(), log);
+        lost
     }
 
     /// What appliance `name`, which holds the jobs `installed`, has that
     /// control did not admit there, and lacks of what it did; logs, once,
     /// each job it holds that control admitted on other appliances (left
     /// alone).
-    fn differences(&self, name: &str, installed: &BTreeSet<u16>, log: &mut ReconcileLog) -> Differences {
+    fn differences(
+        &self,
+        name: &str,
+        installed: &BTreeSet<u16>,
+        held: &BTreeMap<String, BTreeSet<u16>>,
+        log: &mut ReconcileLog,
+    ) -> Differences {
         // Jobs the appliance holds that control has not admitted there
         // (evicted while it was down, or installed by someone else) are
         // removed.
@@ -226,7 +286,7 @@ impl Shared {
                 );
             }
         }
-        let missing = here
+        let (lost, missing): (Vec<u16>, Vec<u16>) = here
             .iter()
             .copied()
             .filter(|id| {
@@ -235,12 +295,34 @@ impl Shared {
                     && !inner.rejoining.contains(&(*id, name.to_string()))
                     && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
             })
-            .collect();
+            .partition(|id| inner.jobs[id].survives_without(name, held, |n| inner.rack_of(n)));
         let fenced = fenced_here.intersection(installed).copied().collect();
         Differences {
             unknown,
             missing,
+            lost,
             fenced,
+        }
+    }
+
+    /// Appliance `name` lost the replicated jobs `ids` while serving them
+    /// (module head): each fails over without it, durably, and then
+    /// re-replicates to it, in threads of their own.
+    fn restarted(self: &Arc<Self>, name: &str, ids: &[u16]) {
+        for &id in ids {
+            log::warn!(
+                "appliance {name:?} lost replicated job {id} without being declared down (it restarted): the job \
+                 fails over without it and re-replicates to it, rather than serve its parts there empty"
+            );
+            self.fail_over_jobs(name, Some(id), self.beat);
+        }
+        let shared = self.clone();
+        let name = name.to_string();
+        let started = std::thread::Builder::new()
+            .name("control-rereplicate".into())
+            .spawn(move || shared.rereplicate(&name, shared.beat));
+        if let Err(e) = started {
+            log::error!("cannot start the re-replication thread: {e}; the jobs stay without the appliance");
         }
     }
 

@@ -210,6 +210,9 @@ pub(super) struct Shared {
     /// The election, when the state is in etcd.
     pub(super) lead: Leadership,
     pub(super) interval: Duration,
+    /// The heartbeat interval: how often failover and re-replication
+    /// retry and poll when reconciliation starts them.
+    pub(super) beat: Duration,
     pub(super) inner: Mutex<Inner>,
     /// Held across every call that changes the dataplanes' sets of jobs
     /// or control's set of appliances.
@@ -446,6 +449,7 @@ mod tests {
             store: Store::file(path.clone()).unwrap(),
             lead: Leadership::new(Duration::from_secs(2), Vec::new()),
             interval: Duration::from_secs(1),
+            beat: Duration::from_millis(100),
             inner: Mutex::new(Inner {
                 appliances: BTreeMap::new(),
                 jobs: BTreeMap::new(),

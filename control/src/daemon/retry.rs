@@ -1,6 +1,8 @@
 //! `POST /v1/jobs/{id}/retry`: a held job's parts tried again, with their
 //! checkpoint files read again or set aside.
 
+use std::collections::BTreeMap;
+
 use phub_proto::api::{CheckpointInfo, RetriedCheckpoint, RetriedInstall, RetriedPart, RetryResponse};
 
 use super::checkpoints::{held_text, modified_ms, owner, rounds_text, unix_ms, Held, CHECKPOINT_FILES};
@@ -120,7 +122,9 @@ impl Shared {
             let install = match has(&client) {
                 Ok(true) => RetriedInstall::StillInstalled,
                 Ok(false) => {
-                    self.reconcile_one(&name, &client, &mut ReconcileLog::default());
+                    // No other appliance's jobs known: a replicated job is
+                    // installed, not failed over (reconciliation does that).
+                    self.reconcile_one(&name, &client, &BTreeMap::new(), &mut ReconcileLog::default());
                     if let Some(h) = self.lock().checkpoints.held.get(&(id, name.clone())) {
                         return Err(held(id, &held_text(&name, h)));
                     }

@@ -84,6 +84,9 @@ pub(crate) struct FakeState {
     pub(crate) id: String,
     /// Epochs installed (`PUT /v1/jobs/{id}/epoch`), by job, in order.
     pub(crate) epochs: BTreeMap<u16, Vec<EpochView>>,
+    /// Every install it accepted, in order: the job and the epoch it was
+    /// installed at (0 for a job that is not replicated).
+    pub(crate) installs: Vec<(u16, u32)>,
     /// What a replicated job's stats say of its state copies (PROTOCOL.md
     /// §11.7): backup slots awaiting one (0 unless a test sets it).
     pub(crate) copies_awaiting: u64,
@@ -305,6 +308,8 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             if used + need > config.budget {
                 return error(req, 507, "over budget");
             }
+            let epoch = job.replication.as_ref().map_or(0, |r| r.epoch);
+            st.installs.push((id, epoch));
             st.jobs.insert(id, job);
             if let Some(c) = restored {
                 st.restored.insert(id, c);
