@@ -27,13 +27,29 @@
 //!   same seed's run without the kill gives bit for bit (small integers sum
 //!   exactly in `f32` in any order): the reference is computed, not run.
 //!
+//! With `--restart-after-ms MS` the killed appliance's dataplane is
+//! started again (empty, same addresses) MS after the kill, and control
+//! brings the job back to full strength while it trains (PROTOCOL.md
+//! §11.7):
+//!
+//! - `full_strength_ms`: control's time from giving the job back to the
+//!   appliance to full strength (`phubctl job show`), and
+//!   `rereplication_bytes` the state it copied;
+//! - `full_strength_seen_ms`: from the restart to the coordinator seeing
+//!   full strength (control asked every 20 ms);
+//! - `longest_round_during_ms`, `rounds_during`: the longest round (from
+//!   one round's completion at the last worker to the next's) among those
+//!   completed from the restart to the first completed after full strength
+//!   was seen, against the run's median round.
+//!
 //! Kills are on the virtual racks only (`--racks`): they are the only
 //! `--local` set-up with several appliances.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Result};
-use phub_proto::api::JobDetail;
+use phub_proto::api::{JobDetail, Strength};
 use phub_proto::failover::EpochView;
 use phub_proto::routes::control;
 use serde::Serialize;
@@ -55,6 +71,11 @@ pub struct FailoverArgs {
     /// --rounds - 1, so that a round follows it).
     #[arg(long, value_name = "N", requires = "kill_appliance")]
     pub kill_at_round: Option<u32>,
+    /// Start the killed appliance's dataplane again MS after the kill
+    /// (empty, same addresses): control re-replicates the job to it while
+    /// it trains (PROTOCOL.md §11.7).
+    #[arg(long, value_name = "MS", requires = "kill_appliance")]
+    pub restart_after_ms: Option<u64>,
     /// Control's heartbeat interval, ms (phub-control's `--heartbeat-ms`;
     /// default its own, 100).
     #[arg(long, value_name = "MS", requires = "racks")]
@@ -109,6 +130,31 @@ pub struct FailoverFigures {
     /// What `verified` compares with: `computed` (the closed form of the
     /// sum, equal bit for bit to the same run without the kill).
     pub verified_against: Option<&'static str>,
+    /// `--restart-after-ms`.
+    pub restart_after_ms: Option<u64>,
+    /// The kill to the restarted dataplane answering, ms.
+    pub restarted_ms: Option<f64>,
+    /// Control's time from giving the job back to the restarted appliance
+    /// to full strength, ms.
+    pub full_strength_ms: Option<u64>,
+    /// The restart to the coordinator seeing full strength, ms.
+    pub full_strength_seen_ms: Option<f64>,
+    /// Bytes of state the restarted appliance was copied.
+    pub rereplication_bytes: Option<u64>,
+    /// The longest round completed from the restart to the first round
+    /// completed after full strength was seen, ms (module head).
+    pub longest_round_during_ms: Option<f64>,
+    /// How many rounds that covers.
+    pub rounds_during: Option<u32>,
+}
+
+/// What [`Kill`] asks of the appliance it kills.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Act {
+    /// SIGKILL its dataplane.
+    Kill,
+    /// Start its dataplane again, empty; `false` if it could not.
+    Restart,
 }
 
 /// The job's appliances' names on `n` virtual racks (control's names).
@@ -179,8 +225,22 @@ pub struct Kill<'a> {
     /// completion at every worker triggers the kill.
     after_round: u32,
     workers: usize,
-    kill: Box<dyn FnMut() + 'a>,
+    /// Kills, or restarts, the appliance; a restart says whether it came up.
+    act: Box<dyn FnMut(Act) -> bool + 'a>,
     token: Option<String>,
+    /// `--restart-after-ms`.
+    restart_after: Option<Duration>,
+    /// When the restarted dataplane answered (or the restart failed: `None`
+    /// then, with `restart_failed`).
+    restarted: Option<Instant>,
+    restart_failed: bool,
+    /// When control was first seen with the job at full strength after
+    /// the restart.
+    full_seen: Option<Instant>,
+    /// When the job's detail was last asked for.
+    asked_full: Option<Instant>,
+    /// Per round, when its last worker reported it.
+    done_at: BTreeMap<u32, Instant>,
     /// Workers that have completed `after_round`.
     reached: usize,
     /// The highest round any worker has reported.
@@ -196,16 +256,18 @@ pub struct Kill<'a> {
 }
 
 impl<'a> Kill<'a> {
-    /// `kill` (which sends SIGKILL to `name`'s dataplane) runs when all
-    /// `workers` have completed timed round `timed_round` (after `warmup`
-    /// rounds); `token` reads control's view of the job at the end.
+    /// `act(Act::Kill)` (which sends SIGKILL to `name`'s dataplane) runs
+    /// when all `workers` have completed timed round `timed_round` (after
+    /// `warmup` rounds), and `act(Act::Restart)` `restart_after` later if
+    /// given; `token` reads control's view of the job.
     pub fn new(
         name: &str,
         timed_round: u32,
         warmup: u32,
         workers: usize,
         token: Option<String>,
-        kill: impl FnMut() + 'a,
+        restart_after: Option<Duration>,
+        act: impl FnMut(Act) -> bool + 'a,
     ) -> Kill<'a> {
         assert!(workers >= 1 && timed_round >= 1);
         Kill {
@@ -213,8 +275,14 @@ impl<'a> Kill<'a> {
             timed_round,
             after_round: warmup + timed_round,
             workers,
-            kill: Box::new(kill),
+            act: Box::new(act),
             token,
+            restart_after,
+            restarted: None,
+            restart_failed: false,
+            full_seen: None,
+            asked_full: None,
+            done_at: BTreeMap::new(),
             reached: 0,
             highest: 0,
             sent: None,
@@ -233,6 +301,8 @@ impl<'a> Kill<'a> {
             }
         }
         self.highest = self.highest.max(round);
+        // The last report of a round is its completion at every worker.
+        self.done_at.insert(round, now);
         if self.sent.is_none() && round == self.after_round {
             self.reached += 1;
             assert!(
@@ -240,7 +310,7 @@ impl<'a> Kill<'a> {
                 "a worker reported round {round} twice"
             );
             if self.reached == self.workers {
-                (self.kill)();
+                (self.act)(Act::Kill);
                 self.sent = Some((Instant::now(), self.highest));
                 eprintln!(
                     "phub-bench: killed {} (SIGKILL) after round {} (timed round {})",
@@ -251,15 +321,50 @@ impl<'a> Kill<'a> {
     }
 
     /// Whether the kill was sent and control has not yet been seen
-    /// serving the next epoch: [`Kill::poll_epoch`] is due.
-    pub fn awaits_epoch(&self) -> bool {
-        self.sent.is_some() && self.epoch_served.is_none()
+    /// serving the next epoch, or a restart is due or its full strength
+    /// not yet seen: [`Kill::poll`] is due.
+    pub fn awaits_control(&self) -> bool {
+        let restarting = self.restart_after.is_some() && !self.restart_failed && self.full_seen.is_none();
+        self.sent.is_some() && (self.epoch_served.is_none() || restarting)
     }
 
-    /// Asks control for job `job`'s epoch, at most every 5 ms, and notes
-    /// when it first serves one beyond 0.
-    pub fn poll_epoch(&mut self, control_url: &str, job: u16) {
-        if !self.awaits_epoch() || self.asked.is_some_and(|t| t.elapsed() < Duration::from_millis(5)) {
+    /// After the kill: restarts the appliance once `restart_after` has
+    /// passed; asks control for job `job`'s epoch, at most every 5 ms,
+    /// noting when it first serves one beyond 0; after the restart, asks
+    /// for the job every 20 ms, noting when it is first at full strength
+    /// with the re-replication ended.
+    pub fn poll(&mut self, control_url: &str, job: u16) {
+        let Some((sent, _)) = self.sent else {
+            return;
+        };
+        if let Some(after) = self.restart_after {
+            if self.restarted.is_none() && !self.restart_failed && sent.elapsed() >= after {
+                if (self.act)(Act::Restart) {
+                    self.restarted = Some(Instant::now());
+                    eprintln!("phub-bench: started {} again, empty", self.name);
+                } else {
+                    self.restart_failed = true;
+                }
+            }
+        }
+        if self.restarted.is_some()
+            && self.full_seen.is_none()
+            && self.asked_full.is_none_or(|t| t.elapsed() >= Duration::from_millis(20))
+        {
+            self.asked_full = Some(Instant::now());
+            if let Ok(client) = local::control_client(control_url, self.token.as_deref(), Duration::from_secs(2)) {
+                if let Ok(d) = client.send(&control::job(job)) {
+                    let full = d.replicas.is_some_and(|r| {
+                        r.state == Strength::FullStrength
+                            && r.rereplication.is_some_and(|x| x.ended_unix_ms.is_some())
+                    });
+                    if full {
+                        self.full_seen = Some(Instant::now());
+                    }
+                }
+            }
+        }
+        if self.epoch_served.is_some() || self.asked.is_some_and(|t| t.elapsed() < Duration::from_millis(5)) {
             return;
         }
         self.asked = Some(Instant::now());
@@ -272,6 +377,29 @@ impl<'a> Kill<'a> {
                 self.epoch_served = Some(Instant::now());
             }
         }
+    }
+
+    /// The lengths of the rounds completed from the restart to the first
+    /// completed after full strength was seen (to the end of the run if
+    /// it never was), each from the previous round's completion, ms.
+    fn rounds_during(&self) -> Vec<f64> {
+        let Some(from) = self.restarted else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        let mut prev: Option<Instant> = None;
+        for &at in self.done_at.values() {
+            if at >= from {
+                if let Some(p) = prev {
+                    out.push(at.duration_since(p).as_secs_f64() * 1e3);
+                }
+                if self.full_seen.is_some_and(|f| at >= f) {
+                    break;
+                }
+            }
+            prev = Some(at);
+        }
+        out
     }
 
     /// The figures, once every worker is done: `last_round` is the
@@ -311,7 +439,19 @@ impl<'a> Kill<'a> {
         let mut bad: Vec<u32> = mismatched.to_vec();
         bad.sort_unstable();
         bad.dedup();
+        let copy = detail.replicas.as_ref().and_then(|r| r.rereplication.as_ref());
+        let during = self.rounds_during();
         Ok(FailoverFigures {
+            restart_after_ms: self.restart_after.map(|d| d.as_millis() as u64),
+            restarted_ms: self.restarted.map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
+            full_strength_ms: copy.and_then(|x| x.full_strength_ms()),
+            full_strength_seen_ms: self
+                .restarted
+                .zip(self.full_seen)
+                .map(|(r, f)| f.duration_since(r).as_secs_f64() * 1e3),
+            rereplication_bytes: copy.and_then(|x| x.bytes_copied),
+            longest_round_during_ms: during.iter().copied().reduce(f64::max),
+            rounds_during: self.restarted.map(|_| during.len() as u32),
             replicas: Some(2),
             killed_appliance: Some(self.name.clone()),
             kill_at_round: Some(self.timed_round),
@@ -360,7 +500,11 @@ mod tests {
     #[test]
     fn the_kill_comes_when_every_worker_has_the_round_and_times_the_next() {
         let mut killed = 0;
-        let mut k = Kill::new("rack2", 2, 1, 2, None, || killed += 1);
+        let mut k = Kill::new("rack2", 2, 1, 2, None, None, |act| {
+            assert_eq!(act, Act::Kill);
+            killed += 1;
+            true
+        });
         // Rank 0's round 4 reaches the coordinator before rank 1's round 3.
         for r in [1, 1, 2, 2, 3, 4] {
             k.on_round(r);
@@ -375,5 +519,39 @@ mod tests {
         assert!(k.first_after.is_some());
         drop(k);
         assert_eq!(killed, 1);
+    }
+
+    #[test]
+    fn the_restart_comes_once_after_its_delay_and_the_rounds_until_full_strength_are_timed() {
+        let mut acts = Vec::new();
+        let mut k = Kill::new("rack2", 1, 0, 1, None, Some(Duration::ZERO), |act| {
+            acts.push(act);
+            true
+        });
+        assert!(!k.awaits_control());
+        k.on_round(1);
+        assert!(k.awaits_control(), "after the kill: the epoch, the restart");
+        // No control at this address: nothing is seen served, the restart runs once.
+        k.poll("http://127.0.0.1:1", 1);
+        k.poll("http://127.0.0.1:1", 1);
+        let restarted = k.restarted.expect("restarted");
+        assert!(k.awaits_control(), "full strength not seen yet");
+        // Rounds 2 to 4 complete after the restart; full strength is seen
+        // after round 3: rounds 2, 3 and 4 (the first after it) count.
+        let t = |ms: u64| restarted + Duration::from_millis(ms);
+        k.done_at.insert(2, t(10));
+        k.done_at.insert(3, t(40));
+        k.full_seen = Some(t(45));
+        k.done_at.insert(4, t(50));
+        k.done_at.insert(5, t(60));
+        let d = k.rounds_during();
+        assert_eq!(d.len(), 3, "{d:?}");
+        assert!((d[1] - 30.0).abs() < 1e-6 && (d[2] - 10.0).abs() < 1e-6, "{d:?}");
+        assert!(d[0] >= 10.0, "round 2 runs from round 1's completion, before the restart: {d:?}");
+        assert!(k.awaits_control(), "the epoch was never seen served");
+        k.epoch_served = Some(t(5));
+        assert!(!k.awaits_control());
+        drop(k);
+        assert_eq!(acts, [Act::Kill, Act::Restart]);
     }
 }

@@ -35,7 +35,7 @@ use phub_hwtests::process::{self, Daemon};
 use phub_hwtests::virt::{self, Netns};
 use serde::Serialize;
 
-use super::failover::{self, Kill};
+use super::failover::{self, Act, Kill};
 use super::local;
 use super::run::{self, Backend, RunArgs, RunResult};
 use crate::profiles::Profile;
@@ -417,9 +417,14 @@ impl RackNet {
     /// Runs `f` on a thread inside namespace `ns`: the processes and
     /// threads it starts are in it too.
     fn inside<T: Send>(ns: &Netns, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+        Self::inside_named(&ns.name, f)
+    }
+
+    /// [`RackNet::inside`] for the namespace named `ns`.
+    fn inside_named<T: Send>(ns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
         std::thread::scope(|s| {
             s.spawn(|| {
-                ns.try_enter().map_err(|e| anyhow!(e))?;
+                virt::try_enter_netns(ns).map_err(|e| anyhow!(e))?;
                 f()
             })
             .join()
@@ -439,11 +444,48 @@ struct Appliances {
     // Control stops first, then the dataplanes (Daemon's Drop, on an error).
     control: Daemon,
     dataplanes: Vec<Daemon>,
+    /// How each dataplane was started, to start it again (`--restart-after-ms`).
+    launches: Vec<Launch>,
     control_url: String,
     token: String,
 }
 
+/// How a dataplane of the virtual racks is started: in its namespace, its
+/// program, arguments, environment and log, and the management URL it
+/// answers on once up.
+struct Launch {
+    ns: String,
+    name: String,
+    program: PathBuf,
+    args: Vec<String>,
+    env: Vec<(String, String)>,
+    log: PathBuf,
+    url: String,
+}
+
+impl Launch {
+    /// Starts it (its log at `log`) and waits for its management API.
+    fn spawn(&self, log: &Path) -> Result<Daemon> {
+        let mut d = RackNet::inside_named(&self.ns, || {
+            Daemon::spawn(&self.name, &self.program, &self.args, &self.env, log).map_err(anyhow::Error::from)
+        })?;
+        d.wait_up(&process::dataplane_ready(&self.url), Duration::from_secs(20), || false)
+            .map_err(|e| anyhow!(e))?;
+        Ok(d)
+    }
+}
+
 impl Appliances {
+    /// Starts dataplane `i` again (after it was killed), empty, on the
+    /// same namespace, addresses and ports; its log is the first one's
+    /// with `.restart` appended.
+    fn restart(&mut self, i: usize) -> Result<()> {
+        let l = &self.launches[i];
+        let log = l.log.with_extension("log.restart");
+        self.dataplanes[i] = l.spawn(&log)?;
+        Ok(())
+    }
+
     /// Stops control, then the dataplanes, saying which did not stop on
     /// SIGTERM.
     fn stop(mut self) {
@@ -493,6 +535,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         .map(|(k, _)| (k.to_string(), "0".to_string()))
         .collect();
     let mut dataplanes = Vec::new();
+    let mut launches = Vec::new();
     let mut control_args = ctl_pre;
     control_args.extend([
         "--listen".into(),
@@ -525,15 +568,18 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
             }
             .to_args(),
         );
-        let log = dir.join(format!("phub-dataplane-{r}.log"));
-        let mut d = RackNet::inside(ns, || {
-            Daemon::spawn(&format!("phub-dataplane (rack {r})"), &dp_prog, &args, &env, &log)
-                .map_err(anyhow::Error::from)
-        })?;
         let url = format!("http://{host}:{MGMT_PORT}");
-        d.wait_up(&process::dataplane_ready(&url), Duration::from_secs(20), || false)
-            .map_err(|e| anyhow!(e))?;
-        dataplanes.push(d);
+        let launch = Launch {
+            ns: ns.name.clone(),
+            name: format!("phub-dataplane (rack {r})"),
+            program: dp_prog.clone(),
+            args,
+            env: env.clone(),
+            log: dir.join(format!("phub-dataplane-{r}.log")),
+            url: url.clone(),
+        };
+        dataplanes.push(launch.spawn(&launch.log)?);
+        launches.push(launch);
         control_args.extend([
             "--appliance".into(),
             format!(
@@ -567,6 +613,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
     Ok(Appliances {
         control,
         dataplanes,
+        launches,
         control_url,
         token,
     })
@@ -736,17 +783,19 @@ fn run_in_spine(
         rank_rack: of.iter().map(|&r| rack_label(r + 1)).collect(),
         spine_bytes: Some(&fabric_bytes),
     };
-    let token = Some(appl.token.as_str());
+    // Owned copies: the kill below holds the appliances mutably.
+    let (control_url, token_text) = (appl.control_url.clone(), appl.token.clone());
+    let token = Some(token_text.as_str());
     let mut workers_per_rack = vec![0; racks];
     for &x in &of {
         workers_per_rack[x] += 1;
     }
     let exchange = |p: &Placement, replicas: Option<u32>, kill: Option<&mut Kill<'_>>| -> Result<RunResult> {
-        let admitted = local::admit(&appl.control_url, &p.spec(&job.json, replicas).to_string(), token)?;
+        let admitted = local::admit(&control_url, &p.spec(&job.json, replicas).to_string(), token)?;
         let r = run::drive(
             a,
             profile,
-            &appl.control_url,
+            &control_url,
             &admitted,
             None,
             job.chunks,
@@ -754,7 +803,7 @@ fn run_in_spine(
             &fabric,
             kill,
         );
-        local::evict(&appl.control_url, admitted.id, token);
+        local::evict(&control_url, admitted.id, token);
         r
     };
     let placement = if a.rack.hierarchical {
@@ -763,14 +812,24 @@ fn run_in_spine(
         Placement::Flat(n)
     };
     let mut kill = kill_index.map(|i| {
-        let dataplanes = &mut appl.dataplanes;
+        let appl = &mut appl;
         Kill::new(
             &appliance_name(i + 1),
             a.failover.kill_at_round.unwrap_or(1),
             a.warmup,
             a.workers,
-            Some(appl.token.clone()),
-            move || dataplanes[i].kill(),
+            Some(token_text.clone()),
+            a.failover.restart_after_ms.map(Duration::from_millis),
+            move |act| match act {
+                Act::Kill => {
+                    appl.dataplanes[i].kill();
+                    true
+                }
+                Act::Restart => appl
+                    .restart(i)
+                    .map_err(|e| eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1)))
+                    .is_ok(),
+            },
         )
     });
     let mut r = exchange(&placement, a.failover.replicas, kill.as_mut())?;

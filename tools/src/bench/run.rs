@@ -987,10 +987,11 @@ pub(super) fn drive(
     };
     let (mut spine0, mut spine1) = (None, None);
     while outcomes.len() + usize::from(failure.is_some()) < w {
-        // After a kill, control's epoch is asked for between messages.
+        // After a kill, control is asked for the epoch (and, with a
+        // restart, for full strength) between messages.
         let msg = match kill.as_deref_mut() {
-            Some(k) if k.awaits_epoch() => {
-                k.poll_epoch(control_url, admitted.id);
+            Some(k) if k.awaits_control() => {
+                k.poll(control_url, admitted.id);
                 match rx.recv_timeout(Duration::from_millis(5)) {
                     Ok(m) => m,
                     Err(mpsc::RecvTimeoutError::Timeout) => continue,
