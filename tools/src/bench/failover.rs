@@ -37,10 +37,10 @@
 //!   `rereplication_bytes` the state it copied;
 //! - `full_strength_seen_ms`: from the restart to the coordinator seeing
 //!   full strength (control asked every 20 ms);
-//! - `longest_round_during_ms`, `rounds_during`: the longest round (from
-//!   one round's completion at the last worker to the next's) among those
-//!   completed from the restart to the first completed after full strength
-//!   was seen, against the run's median round.
+//! - `longest_round_during_ms`, `rounds_during`: the longest round (as
+//!   its slowest worker timed it) among those reported from the restart's
+//!   start to the first reported after full strength was seen, against
+//!   the run's median round.
 //!
 //! Kills are on the virtual racks only (`--racks`): they are the only
 //! `--local` set-up with several appliances.
@@ -141,8 +141,9 @@ pub struct FailoverFigures {
     pub full_strength_seen_ms: Option<f64>,
     /// Bytes of state the restarted appliance was copied.
     pub rereplication_bytes: Option<u64>,
-    /// The longest round completed from the restart to the first round
-    /// completed after full strength was seen, ms (module head).
+    /// The longest round reported from the restart to the first round
+    /// reported after full strength was seen, as its slowest worker timed
+    /// it, ms (module head).
     pub longest_round_during_ms: Option<f64>,
     /// How many rounds that covers.
     pub rounds_during: Option<u32>,
@@ -230,8 +231,9 @@ pub struct Kill<'a> {
     token: Option<String>,
     /// `--restart-after-ms`.
     restart_after: Option<Duration>,
-    /// When the restarted dataplane answered (or the restart failed: `None`
-    /// then, with `restart_failed`).
+    /// When the restart began, and when the restarted dataplane answered
+    /// (or the restart failed: `None` then, with `restart_failed`).
+    restart_begun: Option<Instant>,
     restarted: Option<Instant>,
     restart_failed: bool,
     /// When control was first seen with the job at full strength after
@@ -239,8 +241,9 @@ pub struct Kill<'a> {
     full_seen: Option<Instant>,
     /// When the job's detail was last asked for.
     asked_full: Option<Instant>,
-    /// Per round, when its last worker reported it.
-    done_at: BTreeMap<u32, Instant>,
+    /// Per round, when its last worker reported it, and its slowest
+    /// worker's time for it (ms).
+    done_at: BTreeMap<u32, (Instant, f64)>,
     /// Workers that have completed `after_round`.
     reached: usize,
     /// The highest round any worker has reported.
@@ -278,6 +281,7 @@ impl<'a> Kill<'a> {
             act: Box::new(act),
             token,
             restart_after,
+            restart_begun: None,
             restarted: None,
             restart_failed: false,
             full_seen: None,
@@ -292,8 +296,8 @@ impl<'a> Kill<'a> {
         }
     }
 
-    /// A worker reported round `round` completed (now).
-    pub fn on_round(&mut self, round: u32) {
+    /// A worker reported round `round` completed (now), in `ms`.
+    pub fn on_round(&mut self, round: u32, ms: f64) {
         let now = Instant::now();
         if let Some((_, before)) = self.sent {
             if self.first_after.is_none() && round > before {
@@ -302,7 +306,8 @@ impl<'a> Kill<'a> {
         }
         self.highest = self.highest.max(round);
         // The last report of a round is its completion at every worker.
-        self.done_at.insert(round, now);
+        let e = self.done_at.entry(round).or_insert((now, ms));
+        *e = (now, e.1.max(ms));
         if self.sent.is_none() && round == self.after_round {
             self.reached += 1;
             assert!(
@@ -339,6 +344,7 @@ impl<'a> Kill<'a> {
         };
         if let Some(after) = self.restart_after {
             if self.restarted.is_none() && !self.restart_failed && sent.elapsed() >= after {
+                self.restart_begun = Some(Instant::now());
                 if (self.act)(Act::Restart) {
                     self.restarted = Some(Instant::now());
                     eprintln!("phub-bench: started {} again, empty", self.name);
@@ -379,25 +385,23 @@ impl<'a> Kill<'a> {
         }
     }
 
-    /// The lengths of the rounds completed from the restart to the first
-    /// completed after full strength was seen (to the end of the run if
-    /// it never was), each from the previous round's completion, ms.
+    /// The times (ms, the slowest worker's) of the rounds reported from
+    /// the restart's start to the first reported after full strength was
+    /// seen (to the end of the run if it never was). The coordinator's
+    /// clock only places them: it does not time them (it is busy while it
+    /// starts the appliance, and reports wait meanwhile).
     fn rounds_during(&self) -> Vec<f64> {
-        let Some(from) = self.restarted else {
+        let (Some(from), Some(_)) = (self.restart_begun, self.restarted) else {
             return Vec::new();
         };
         let mut out = Vec::new();
-        let mut prev: Option<Instant> = None;
-        for &at in self.done_at.values() {
+        for &(at, ms) in self.done_at.values() {
             if at >= from {
-                if let Some(p) = prev {
-                    out.push(at.duration_since(p).as_secs_f64() * 1e3);
-                }
+                out.push(ms);
                 if self.full_seen.is_some_and(|f| at >= f) {
                     break;
                 }
             }
-            prev = Some(at);
         }
         out
     }
@@ -507,15 +511,15 @@ mod tests {
         });
         // Rank 0's round 4 reaches the coordinator before rank 1's round 3.
         for r in [1, 1, 2, 2, 3, 4] {
-            k.on_round(r);
+            k.on_round(r, 1.0);
         }
         assert!(k.sent.is_none(), "round 3 is not yet complete at both workers");
-        k.on_round(3);
+        k.on_round(3, 1.0);
         let (_, highest) = k.sent.expect("sent");
         assert_eq!(highest, 4);
-        k.on_round(4);
+        k.on_round(4, 1.0);
         assert!(k.first_after.is_none(), "round 4 was completed before the kill");
-        k.on_round(5);
+        k.on_round(5, 1.0);
         assert!(k.first_after.is_some());
         drop(k);
         assert_eq!(killed, 1);
@@ -529,25 +533,23 @@ mod tests {
             true
         });
         assert!(!k.awaits_control());
-        k.on_round(1);
+        k.on_round(1, 5.0);
         assert!(k.awaits_control(), "after the kill: the epoch, the restart");
         // No control at this address: nothing is seen served, the restart runs once.
         k.poll("http://127.0.0.1:1", 1);
         k.poll("http://127.0.0.1:1", 1);
         let restarted = k.restarted.expect("restarted");
         assert!(k.awaits_control(), "full strength not seen yet");
-        // Rounds 2 to 4 complete after the restart; full strength is seen
-        // after round 3: rounds 2, 3 and 4 (the first after it) count.
+        // Rounds 2 to 4 are reported after the restart; full strength is
+        // seen after round 3: rounds 2, 3 and 4 (the first after it)
+        // count, each at its slowest worker's time.
         let t = |ms: u64| restarted + Duration::from_millis(ms);
-        k.done_at.insert(2, t(10));
-        k.done_at.insert(3, t(40));
+        k.done_at.insert(2, (t(10), 9.0));
+        k.done_at.insert(3, (t(40), 30.0));
         k.full_seen = Some(t(45));
-        k.done_at.insert(4, t(50));
-        k.done_at.insert(5, t(60));
-        let d = k.rounds_during();
-        assert_eq!(d.len(), 3, "{d:?}");
-        assert!((d[1] - 30.0).abs() < 1e-6 && (d[2] - 10.0).abs() < 1e-6, "{d:?}");
-        assert!(d[0] >= 10.0, "round 2 runs from round 1's completion, before the restart: {d:?}");
+        k.done_at.insert(4, (t(50), 10.0));
+        k.done_at.insert(5, (t(60), 10.0));
+        assert_eq!(k.rounds_during(), [9.0, 30.0, 10.0]);
         assert!(k.awaits_control(), "the epoch was never seen served");
         k.epoch_served = Some(t(5));
         assert!(!k.awaits_control());

@@ -1030,7 +1030,7 @@ pub(super) fn drive(
             }
             Msg::Event(Event::Round { round, timed, ms }) => {
                 if let Some(k) = kill.as_deref_mut() {
-                    k.on_round(round);
+                    k.on_round(round, ms);
                 }
                 bar.inc(1);
                 let phase = if timed { "timed" } else { "warm-up" };
