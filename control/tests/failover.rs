@@ -253,13 +253,12 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
     let gone = if second == 0 { &a } else { &c };
     gone.set_silent(true);
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    // A failed job's epoch route answers 409 with the reason (its workers
+    // stop with it); `job show` keeps the epoch it failed in.
     wait_for(
         "the job to fail",
         within + Duration::from_millis(HEARTBEAT_DEADLINE_MS),
-        || {
-            let (_, text) = call(&d, &R::Epoch { job: job.id }, None);
-            serde_json::from_str::<EpochView>(&text).is_ok_and(|e| e.epoch == 2)
-        },
+        || call(&d, &R::Epoch { job: job.id }, None).0 == 409,
     );
     gone.set_silent(false);
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
@@ -270,7 +269,9 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
             && why.contains(&format!("{:?}", NAMES[second])),
         "{why}"
     );
-    let e2: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    let (_, text) = call(&d, &R::Epoch { job: job.id }, None);
+    assert!(text.contains(&format!("part {part} ")), "{text}");
+    let e2: EpochView = show.epoch.expect("a failed job keeps its epoch");
     assert_eq!(e2.down, {
         let mut v = vec![1u16, u16::try_from(second).unwrap()];
         v.sort_unstable();
@@ -444,6 +445,37 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
     assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
     let (_, appliances) = call(&d, &R::Appliances, None);
     assert!(!appliances.contains("declared down"), "b was never declared down: {appliances}");
+    d.shutdown();
+}
+
+/// A survivor that answers the new epoch 410 (it would serve a part whose
+/// state copy it has not all received: the part is lost) fails the job
+/// with its reason, and control's epoch route then answers 409 with it, so
+/// that workers stop with the reason instead of waiting.
+#[test]
+fn a_survivor_that_cannot_serve_the_new_epoch_fails_the_job_naming_it() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "gone");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let lost = "lcore 0: this appliance would serve appliance 1's part, whose state copy is not all here";
+    c.state.lock().unwrap().part_lost = Some(lost.into());
+    b.set_silent(true);
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    let failed = || -> Option<String> {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        show.summary.failed
+    };
+    wait_for("the job failed", within, || failed().is_some());
+    let why = failed().unwrap();
+    assert!(
+        why.contains("appliance \"c\" cannot serve epoch 1 (HTTP 410)") && why.contains(lost),
+        "{why}"
+    );
+    let (status, text) = call(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(status, 409, "{text}");
+    assert!(text.contains("failed") && text.contains(lost), "{text}");
+    b.set_silent(false);
     d.shutdown();
 }
 

@@ -484,7 +484,9 @@ impl Manager {
     /// `Ok(false)` when it is the installed epoch with the same down list;
     /// 404 for a job not installed, 409 for a job not replicated, an
     /// older epoch than installed or what the engine does not build, 400
-    /// for a malformed view. Every lcore checks the view against the same
+    /// for a malformed view, 410 when it would have this appliance serve
+    /// a part whose state copy it has not all received (the part is
+    /// lost, PROTOCOL.md §11.7). Every lcore checks the view against the same
     /// install, so all take it or all refuse it.
     pub fn epoch(&self, id: u16, view: EpochView) -> Result<bool, MgmtError> {
         // Held across the lcores: no install or removal of the job between.
@@ -514,6 +516,8 @@ impl Manager {
                 Err(e @ EngineError::Epoch { conflict, .. }) => {
                     return Err(err(if conflict { 409 } else { 400 }, format!("lcore {i}: {e}")))
                 }
+                // Gone: the part's state is nowhere any more.
+                Err(e @ EngineError::PartLost { .. }) => return Err(err(410, format!("lcore {i}: {e}"))),
                 Err(e) => return Err(err(500, format!("lcore {i}: {e}"))),
             }
         }

@@ -47,6 +47,9 @@ pub(crate) enum Fetched {
         waited: Duration,
         /// Control's last answer, or why there was none.
         message: String,
+        /// Control answered that the job failed (409): nothing will
+        /// change it, the requests end with `message`.
+        job_failed: bool,
     },
 }
 
@@ -108,6 +111,7 @@ impl EpochFetch {
                 held,
                 waited: Duration::ZERO,
                 message: "no control URL to ask".into(),
+                job_failed: false,
             });
             self.running = Some(rx);
             return;
@@ -125,6 +129,7 @@ impl EpochFetch {
                 held,
                 waited: Duration::ZERO,
                 message: format!("starting the thread that asks control: {e}"),
+                job_failed: false,
             });
             self.running = Some(rx);
             return;
@@ -144,6 +149,7 @@ impl EpochFetch {
                 held: 0,
                 waited: Duration::ZERO,
                 message: "the thread that asks control ended without an answer".into(),
+                job_failed: false,
             },
         };
         self.running = None;
@@ -186,6 +192,7 @@ fn fetch(control: &str, job: u16, wanted: u32, held: u32) -> Fetched {
                 held,
                 waited: Duration::ZERO,
                 message: e.to_string(),
+                job_failed: false,
             }
         }
     };
@@ -193,6 +200,16 @@ fn fetch(control: &str, job: u16, wanted: u32, held: u32) -> Fetched {
         let message = match controls.send(&call) {
             Ok(view) if view.epoch >= wanted => return Fetched::View(view),
             Ok(view) => format!("control serves epoch {}", view.epoch),
+            // The job failed (PROTOCOL.md §11.6): control says why.
+            Err(e) if e.status() == Some(409) => {
+                return Fetched::Failed {
+                    wanted,
+                    held,
+                    waited: start.elapsed(),
+                    message: e.to_string(),
+                    job_failed: true,
+                }
+            }
             Err(e) => e.to_string(),
         };
         let waited = start.elapsed();
@@ -202,6 +219,7 @@ fn fetch(control: &str, job: u16, wanted: u32, held: u32) -> Fetched {
                 held,
                 waited,
                 message,
+                job_failed: false,
             };
         }
         std::thread::sleep(RETRY);

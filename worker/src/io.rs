@@ -371,9 +371,9 @@ impl IoThread {
     /// question to the fetch (a helper thread asks control), and the
     /// fetch's answer to the transport, which re-addresses its chunks
     /// when the epoch is new. When control did not serve an epoch an
-    /// appliance named, every request fails with the reason; when a
-    /// silence asked and control did not answer, the chunks go on being
-    /// retransmitted.
+    /// appliance named, or answered that the job failed, every request
+    /// fails with the reason; when a silence asked and control did not
+    /// answer, the chunks go on being retransmitted.
     fn follow_epoch(&mut self, now: Instant) {
         if let Some(wanted) = self.transport.poll_epoch() {
             let held = self.transport.epoch().map_or(0, |e| e.epoch);
@@ -389,9 +389,10 @@ impl IoThread {
                 held,
                 waited,
                 message,
+                job_failed,
             }) => {
                 let current = self.transport.epoch().map_or(0, |e| e.epoch);
-                if wanted > current {
+                if wanted > current || job_failed {
                     let err = || self.epoch.error(wanted, held, waited, &message);
                     log::error!("phub-worker: {}", err());
                     self.transport.epoch_unavailable(err);

@@ -62,8 +62,9 @@ fn appliance(sock: UdpSocket, answers: bool, stop: Arc<AtomicBool>) -> Seen {
     seen
 }
 
-/// A fake control serving job [`JOB`]'s epoch as `view`; counts requests.
-fn fake_control(view: EpochView, stop: Arc<AtomicBool>) -> (String, Arc<Mutex<u32>>) {
+/// A fake control answering job [`JOB`]'s epoch route with `status` and
+/// `text` (200 and an `EpochView`, or an error); counts requests.
+fn fake_control(status: u16, text: String, stop: Arc<AtomicBool>) -> (String, Arc<Mutex<u32>>) {
     let server = tiny_http::Server::http("127.0.0.1:0").unwrap();
     let url = format!("http://{}", server.server_addr().to_ip().unwrap());
     let asked: Arc<Mutex<u32>> = Arc::default();
@@ -77,7 +78,7 @@ fn fake_control(view: EpochView, stop: Arc<AtomicBool>) -> (String, Arc<Mutex<u3
             let (status, text) = match route {
                 Ok(ControlRoute::Epoch { job: JOB }) => {
                     *count.lock().unwrap() += 1;
-                    (200, serde_json::to_string(&view).unwrap())
+                    (status, text.clone())
                 }
                 _ => (404, r#"{"error":"no such route"}"#.to_string()),
             };
@@ -91,6 +92,42 @@ fn fake_control(view: EpochView, stop: Arc<AtomicBool>) -> (String, Arc<Mutex<u3
         }
     });
     (url, asked)
+}
+
+/// The join answer of a one-rank job of two chunks over two one-lcore
+/// appliances on ports `p0` and `p1`, replicas 2, epoch 0.
+fn two_appliances(p0: u16, p1: u16) -> JoinResponse {
+    let spec = JobSpec::new("failover-test", 1, &[2 * ELEMS as u64]).with_chunk_bytes(8192);
+    let layout = Layout {
+        chunk_elems: ELEMS as u32,
+        lcores: vec![
+            ChunkRange { first: 0, count: 1 },
+            ChunkRange { first: 1, count: 1 },
+        ],
+    };
+    let at = |name: &str, base_port| ApplianceAddr {
+        name: name.into(),
+        host: "127.0.0.1".into(),
+        base_port,
+        lcores: 1,
+        rx_buffer_bytes: None,
+    };
+    JoinResponse {
+        job: JOB,
+        rank: 0,
+        spec,
+        layout,
+        dataplane: DataAddr {
+            host: "127.0.0.1".into(),
+            base_port: p0,
+        },
+        appliances: vec![at("a0", p0), at("a1", p1)],
+        replication: Some(JoinReplication {
+            replicas: 2,
+            racks: vec![String::new(); 2],
+            epoch: EpochView::default(),
+        }),
+    }
 }
 
 #[test]
@@ -108,39 +145,8 @@ fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
         down: vec![1],
         ..Default::default()
     };
-    let (url, asked) = fake_control(e1, Arc::clone(&stop));
-
-    let spec = JobSpec::new("failover-test", 1, &[2 * ELEMS as u64]).with_chunk_bytes(8192);
-    let layout = Layout {
-        chunk_elems: ELEMS as u32,
-        lcores: vec![
-            ChunkRange { first: 0, count: 1 },
-            ChunkRange { first: 1, count: 1 },
-        ],
-    };
-    let at = |name: &str, base_port| ApplianceAddr {
-        name: name.into(),
-        host: "127.0.0.1".into(),
-        base_port,
-        lcores: 1,
-        rx_buffer_bytes: None,
-    };
-    let join = JoinResponse {
-        job: JOB,
-        rank: 0,
-        spec,
-        layout,
-        dataplane: DataAddr {
-            host: "127.0.0.1".into(),
-            base_port: p0,
-        },
-        appliances: vec![at("a0", p0), at("a1", p1)],
-        replication: Some(JoinReplication {
-            replicas: 2,
-            racks: vec![String::new(); 2],
-            epoch: EpochView::default(),
-        }),
-    };
+    let (url, asked) = fake_control(200, serde_json::to_string(&e1).unwrap(), Arc::clone(&stop));
+    let join = two_appliances(p0, p1);
     let config = WorkerConfig {
         timeout: Duration::from_secs(20),
         ..WorkerConfig::default()
@@ -165,4 +171,31 @@ fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
     assert!(seen0.contains(&(0, 0, 0)), "{seen0:?}");
     assert!(seen0.contains(&(1, 1, 1)), "{seen0:?}");
     assert!(seen0.iter().all(|&(c, _, _)| c == 0 || c == 1), "{seen0:?}");
+}
+
+/// Control answers that the job failed (409, PROTOCOL.md §11.6): the
+/// request ends at once with control's reason, not after the timeout.
+#[test]
+fn a_failed_job_s_worker_stops_with_control_s_reason() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let a0 = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let a1 = UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = |s: &UdpSocket| s.local_addr().unwrap().port();
+    let (p0, p1) = (port(&a0), port(&a1));
+    let _seen0 = appliance(a0, true, Arc::clone(&stop));
+    let _seen1 = appliance(a1, false, Arc::clone(&stop));
+    let why = "job 11 failed: part 1 (chunks 1..2, home appliance a1) is lost; evict it and admit again";
+    let (url, asked) = fake_control(409, format!("{{\"error\": \"{why}\"}}"), Arc::clone(&stop));
+    let config = WorkerConfig {
+        timeout: Duration::from_secs(20),
+        ..WorkerConfig::default()
+    };
+    let w = Worker::from_join_at(two_appliances(p0, p1), TOKEN, config, Some(&url)).unwrap();
+    let mut params: Vec<f32> = (0..2 * ELEMS).map(|i| i as f32 * 0.5).collect();
+    let t = std::time::Instant::now();
+    let err = w.wait(w.init(0, &mut params).unwrap()).unwrap_err().to_string();
+    stop.store(true, Ordering::Relaxed);
+    assert!(t.elapsed() < Duration::from_secs(10), "failed after {:?}", t.elapsed());
+    assert!(err.contains("part 1") && err.contains("is lost"), "{err}");
+    assert_eq!(*asked.lock().unwrap(), 1, "asked once: a failed job does not come back");
 }

@@ -35,7 +35,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use phub_proto::api::{ReplicaStrength, Rereplication, Strength};
 use phub_proto::failover::{EpochView, ReplicaLayout};
 
-use super::http::{not_admitted, RequestError};
+use super::http::{failed, not_admitted, RequestError};
 use super::registry::{Entry, Inner, Shared};
 use crate::dataplane::DataplaneError;
 use crate::state::StoredJob;
@@ -238,10 +238,14 @@ impl Inner {
 
 impl Shared {
     /// `GET /v1/jobs/{id}/epoch`: the job's epoch (epoch 0, nobody down,
-    /// for a job that is not replicated).
+    /// for a job that is not replicated); 409 with its reason for a job
+    /// that failed (its workers, asking, stop with the reason).
     pub(super) fn epoch(&self, id: u16) -> Result<EpochView, RequestError> {
         let inner = self.lock();
         let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+        if let Some(why) = &job.failed {
+            return Err(failed(id, why));
+        }
         Ok(job.epoch.clone())
     }
 
@@ -630,6 +634,21 @@ impl Shared {
             match client.epoch(id, view) {
                 Ok(()) => {
                     log::info!("job {id}: epoch {} installed on appliance {name:?}", view.epoch);
+                    return;
+                }
+                // Gone: the appliance would serve a part whose state copy
+                // it has not all received, and no other member holds it
+                // (killed during a re-replication, PROTOCOL.md §11.7).
+                Err(DataplaneError::Refused {
+                    status: 410, message, ..
+                }) => {
+                    self.fail(
+                        id,
+                        &format!(
+                            "appliance {name:?} cannot serve epoch {} (HTTP 410): {message}",
+                            view.epoch
+                        ),
+                    );
                     return;
                 }
                 Err(e @ DataplaneError::Refused { .. }) => {

@@ -87,6 +87,10 @@ pub(crate) struct FakeState {
     /// Every install it accepted, in order: the job and the epoch it was
     /// installed at (0 for a job that is not replicated).
     pub(crate) installs: Vec<(u16, u32)>,
+    /// When set, every epoch PUT is answered 410 with this message, as a
+    /// dataplane that would serve a part whose state copy is not all
+    /// there (PROTOCOL.md §11.7).
+    pub(crate) part_lost: Option<String>,
     /// What a replicated job's stats say of its state copies (PROTOCOL.md
     /// §11.7): backup slots awaiting one (0 unless a test sets it).
     pub(crate) copies_awaiting: u64,
@@ -332,6 +336,9 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
             };
             if !st.jobs.contains_key(&id) {
                 return error(req, 404, &format!("job {id} is not installed"));
+            }
+            if let Some(m) = st.part_lost.clone() {
+                return error(req, 410, &m);
             }
             st.epochs.entry(id).or_default().push(view);
             let _ = req.respond(tiny_http::Response::empty(204));

@@ -143,13 +143,11 @@ impl<A: Copy + Eq> Shard<A> {
                 ));
             }
             if !part.fill.is_empty() {
-                return Err(refuse(
-                    true,
-                    format!(
-                        "this appliance would serve appliance {p}'s part, whose state copy is not \
-                         all here: the part is lost (PROTOCOL.md §11.7)"
-                    ),
-                ));
+                return Err(EngineError::PartLost {
+                    id,
+                    epoch: view.epoch,
+                    part: p,
+                });
             }
             adopt += 1;
         }

@@ -103,6 +103,21 @@ pub enum EngineError {
         /// What is wrong, and what would be accepted.
         reason: String,
     },
+    /// An epoch change refused because this appliance would serve a part
+    /// whose state copy it has not all received (PROTOCOL.md §11.7): no
+    /// live member holds the part's state, which is lost; nothing changed.
+    #[error(
+        "job {id}: epoch {epoch} refused: this appliance would serve appliance {part}'s part, whose state \
+         copy is not all here: the part is lost (PROTOCOL.md §11.7)"
+    )]
+    PartLost {
+        /// Job id.
+        id: u16,
+        /// The epoch offered.
+        epoch: u32,
+        /// The part (its home appliance's index in layout order).
+        part: usize,
+    },
     /// More slots than a `u32` slot index can name.
     #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
     TooManySlots {
