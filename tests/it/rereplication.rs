@@ -12,9 +12,14 @@
 //! within the heartbeat deadline, so that it may never be declared down:
 //! control's reconciliation finds it without the job and takes the same
 //! way back (failover, then re-replication), never giving it the job at
-//! the epoch it served it in, where it would serve its part empty.
+//! the epoch it served it in, where it would serve its part empty. The
+//! third kills c while b's copy may be under way: either b's copy of its
+//! part was whole and every round stays exact, or the part is lost (b
+//! answers the epoch without c 410) and the job fails, its workers ending
+//! with control's reason; never a wrong result, never a hang.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{replicated_spec, train_rank, try_until, until, Appliances, Operator};
@@ -169,4 +174,80 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(1, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "b: {live:?}");
+}
+
+#[test]
+fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_saying_why() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack
+        .admit(&replicated_spec("copy-kill", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    let (rounds, kill_at) = (12u32, 4u32);
+    let url = rack.control_url.clone();
+    let reached = AtomicU32::new(0);
+    let killed = AtomicBool::new(false);
+    let outcomes: Mutex<Vec<Result<u32, String>>> = Mutex::new(Vec::new());
+    std::thread::scope(|s| {
+        for rank in 0..workers {
+            let (url, keys, reached, killed, outcomes) = (&url, &keys, &reached, &killed, &outcomes);
+            s.spawn(move || {
+                let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    train_rank(url, job.id, job.token, rank, workers, keys, WorkerConfig::default(), |r| {
+                        if rank == 0 {
+                            reached.store(r, Ordering::SeqCst);
+                            if r == kill_at + 1 {
+                                until("the kills", Duration::from_secs(120), || killed.load(Ordering::SeqCst));
+                            }
+                        }
+                        r <= rounds
+                    })
+                    .0
+                }));
+                let outcome = run.map_err(|p| {
+                    p.downcast_ref::<String>()
+                        .cloned()
+                        .or_else(|| p.downcast_ref::<&str>().map(|m| (*m).to_string()))
+                        .unwrap_or_default()
+                });
+                outcomes.lock().unwrap().push(outcome);
+            });
+        }
+        until("rank 0 at the first kill", Duration::from_secs(60), || {
+            reached.load(Ordering::SeqCst) > kill_at
+        });
+        rack.kill_dataplane(1);
+        until("epoch 1 without b", Duration::from_secs(20), || {
+            rack.send(&control::epoch(job.id)).down == [1]
+        });
+        rack.start_dataplane(1);
+        // As soon as control gives b the job back, before its copies can
+        // be done, c (the source of b's own part) dies.
+        until("b joined at epoch 2", Duration::from_secs(20), || {
+            rack.send(&control::epoch(job.id)).epoch >= 2
+        });
+        rack.kill_dataplane(2);
+        killed.store(true, Ordering::SeqCst);
+    });
+    let outcomes = outcomes.into_inner().unwrap();
+    let detail: JobDetail = rack.send(&control::job(job.id));
+    match &detail.summary.failed {
+        None => {
+            // b's copy was whole: it serves its part from it, exactly.
+            assert!(outcomes.iter().all(|o| o == &Ok(rounds)), "{outcomes:?}");
+            eprintln!("c killed during the copy: b's copy was whole, every round exact");
+        }
+        Some(why) => {
+            // The part was lost: the job failed saying so, and every
+            // worker stopped with control's reason (no wrong result: each
+            // round a worker completed was checked exact).
+            assert!(why.contains("state copy is not all here") && why.contains("410"), "{why}");
+            for o in &outcomes {
+                let e = o.as_ref().expect_err("a worker of a failed job completed every round");
+                assert!(e.contains("failed") && e.contains("state copy is not all here"), "{e}");
+            }
+            eprintln!("c killed during the copy: the part was lost and the job failed: {why}");
+        }
+    }
 }

@@ -159,6 +159,16 @@ impl EpochFetch {
         Some(got)
     }
 
+    /// The error control's answer that the job failed ends the job's
+    /// requests with.
+    pub(crate) fn job_failed(&self, message: &str) -> WorkerError {
+        WorkerError::JobFailed {
+            job: self.job,
+            url: self.url().to_string(),
+            message: message.to_string(),
+        }
+    }
+
     /// The error a failed fetch of an epoch an appliance named ends the
     /// job's requests with.
     pub(crate) fn error(&self, wanted: u32, held: u32, waited: Duration, message: &str) -> WorkerError {

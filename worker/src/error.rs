@@ -141,6 +141,18 @@ pub enum WorkerError {
         /// Chunks of the request.
         chunks: usize,
     },
+    /// Control answered that the job failed (PROTOCOL.md §11.6: a part
+    /// of a replicated job lost); nothing the worker can do brings it
+    /// back.
+    #[error("job {job} failed, says control at {url}: {message}")]
+    JobFailed {
+        /// The job.
+        job: u16,
+        /// Control's epoch route, as asked.
+        url: String,
+        /// Control's answer.
+        message: String,
+    },
     /// A replicated job's appliance named a newer epoch (PROTOCOL.md
     /// §11.6) than control served within the wait: the worker cannot
     /// learn where its chunks are served now.

@@ -392,7 +392,12 @@ impl IoThread {
                 job_failed,
             }) => {
                 let current = self.transport.epoch().map_or(0, |e| e.epoch);
-                if wanted > current || job_failed {
+                if job_failed {
+                    let err = || self.epoch.job_failed(&message);
+                    log::error!("phub-worker: {}", err());
+                    self.transport.epoch_unavailable(err);
+                    self.deliver();
+                } else if wanted > current {
                     let err = || self.epoch.error(wanted, held, waited, &message);
                     log::error!("phub-worker: {}", err());
                     self.transport.epoch_unavailable(err);
