@@ -777,6 +777,45 @@ pub fn render_show(d: &JobDetail) -> String {
         ));
         out.push('\n');
     }
+    if !d.tables.is_empty() {
+        // Each table's rows over the appliances (PROTOCOL.md §10): counters
+        // since each appliance installed or restored it.
+        let rows: Vec<Vec<String>> = d
+            .tables
+            .iter()
+            .map(|t| {
+                let name = d
+                    .spec
+                    .keys
+                    .get(t.key as usize)
+                    .map_or_else(|| format!("key {}", t.key), |k| format!("{} ({})", t.key, k.name));
+                vec![
+                    name,
+                    t.rows_stored.to_string(),
+                    t.created.to_string(),
+                    format!("{} / {}", t.evicted_cap, t.evicted_idle),
+                    t.updates.to_string(),
+                    t.lookups.to_string(),
+                    (t.not_admitted + t.no_memory).to_string(),
+                    human_bytes(t.bytes),
+                ]
+            })
+            .collect();
+        out.push_str(&table(
+            &[
+                ("TABLE", Align::Left),
+                ("ROWS", Align::Right),
+                ("CREATED", Align::Right),
+                ("EVICTED CAP / IDLE", Align::Right),
+                ("UPDATES", Align::Right),
+                ("LOOKUPS", Align::Right),
+                ("DROPPED", Align::Right),
+                ("BYTES", Align::Right),
+            ],
+            &rows,
+        ));
+        out.push('\n');
+    }
     // Jobs that are not BSP: each rank's applied clock, lowest..=highest
     // over the job's chunks (one number when they agree).
     let clocked = d.spec.consistency != Consistency::Sync;
@@ -1143,6 +1182,7 @@ pub fn render_stats(s: &Stats) -> String {
                 ..Default::default()
             },
             copies: None,
+            tables: Vec::new(),
         });
         let live = live.as_ref();
         out.push_str(&format!(
@@ -1330,6 +1370,7 @@ mod tests {
                         silent_ms: Vec::new(),
                         clock: ClockStats::default(),
                         copies: None,
+                        tables: Vec::new(),
                     }],
                     port: None,
                 }),
@@ -1548,6 +1589,7 @@ mod tests {
             parts: Vec::new(),
             epoch: None,
             replicas: None,
+            tables: Vec::new(),
         };
         let t = render_show(&d);
         assert!(
@@ -1649,6 +1691,36 @@ mod tests {
                 && t.contains("phubctl job retry"),
             "{t}"
         );
+        // A job's tables: one line each, named by key and name.
+        d.summary.held = None;
+        assert!(
+            !render_show(&d).contains("TABLE"),
+            "no table section without tables"
+        );
+        d.tables = vec![phub_proto::api::TableLive {
+            key: 0,
+            rows_stored: 1200,
+            created: 1500,
+            evicted_cap: 300,
+            evicted_idle: 0,
+            updates: 4000,
+            lookups: 2500,
+            not_admitted: 2,
+            no_memory: 1,
+            bytes: 3 << 20,
+        }];
+        let t = render_show(&d);
+        let name = &d.spec.keys[0].name;
+        let line = t
+            .lines()
+            .find(|l| l.starts_with(&format!("0 ({name})")))
+            .unwrap_or_else(|| panic!("{t}"));
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        assert!(t.contains("TABLE") && t.contains("EVICTED CAP / IDLE"), "{t}");
+        assert!(
+            cols.ends_with(&["1200", "1500", "300", "/", "0", "4000", "2500", "3", "3.0", "MiB"]),
+            "{line}"
+        );
     }
 
     #[test]
@@ -1682,6 +1754,7 @@ mod tests {
             parts: Vec::new(),
             epoch: None,
             replicas: None,
+            tables: Vec::new(),
         };
         let t = render_show(&d);
         assert!(
@@ -1742,6 +1815,7 @@ mod tests {
                     silent_ms: vec![],
                     clock: ClockStats::default(),
                     copies: None,
+                    tables: Vec::new(),
                 }],
             }),
             dataplane_error: None,

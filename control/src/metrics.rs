@@ -10,7 +10,7 @@
 
 use std::fmt::{Display, Write};
 
-use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats, PortStats};
+use phub_proto::api::{DataplaneStats, JobSummary, LcoreStats, PortStats, TableLive};
 use phub_proto::counters::CounterDef;
 
 /// The content type of [`render`]'s output.
@@ -286,7 +286,11 @@ const PORT: &[PortCounter] = &[
 /// `phub_job_installed`, `phub_job_held`, `phub_job_failed`,
 /// `phub_job_memory_bytes` and, when a dataplane
 /// knows the job, `phub_job_pushes_total` and `phub_job_rounds_completed_total`
-/// (added up over the job's appliances); with the DPDK backend, the port's
+/// (added up over the job's appliances), and per table of a job
+/// `phub_table_rows`, `_bytes`, `_rows_created_total`,
+/// `_rows_evicted_cap_total`, `_rows_evicted_idle_total`,
+/// `_row_updates_total`, `_row_lookups_total` and
+/// `_row_pushes_dropped_total` (labels `job`, `key`); with the DPDK backend, the port's
 /// counters (`phub_port_<name>_total`, [`PORT`]). With more than one
 /// appliance, `phub_dataplane_up`, the lcore and the port families carry an
 /// `appliance` label.
@@ -468,6 +472,74 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
         for (id, (_, rounds)) in &live {
             o.sample("phub_job_rounds_completed_total", &[("job", id)], *rounds);
         }
+        // Per table (PROTOCOL.md §10) of each job, over every appliance.
+        let tables: Vec<(&String, String, TableLive)> = jobs
+            .iter()
+            .zip(&ids)
+            .flat_map(|(j, id)| {
+                let mut merged: Vec<TableLive> = Vec::new();
+                for l in up.iter().flat_map(|d| &d.jobs).filter(|l| l.id == j.id) {
+                    TableLive::merge_all(&mut merged, &l.tables);
+                }
+                merged.into_iter().map(move |t| (id, t.key.to_string(), t))
+            })
+            .collect();
+        if !tables.is_empty() {
+            type Field = fn(&TableLive) -> u64;
+            let families: [(&str, &str, &str, Field); 8] = [
+                ("phub_table_rows", "gauge", "Rows a table stores now", |t| {
+                    t.rows_stored
+                }),
+                (
+                    "phub_table_bytes",
+                    "gauge",
+                    "Bytes a table's row stores hold now",
+                    |t| t.bytes,
+                ),
+                (
+                    "phub_table_rows_created_total",
+                    "counter",
+                    "Rows created (a first push, or the first after an eviction)",
+                    |t| t.created,
+                ),
+                (
+                    "phub_table_rows_evicted_cap_total",
+                    "counter",
+                    "Rows evicted to make room at the table's rows cap",
+                    |t| t.evicted_cap,
+                ),
+                (
+                    "phub_table_rows_evicted_idle_total",
+                    "counter",
+                    "Rows evicted after evict.idle_rounds rounds untouched",
+                    |t| t.evicted_idle,
+                ),
+                (
+                    "phub_table_row_updates_total",
+                    "counter",
+                    "Row updates applied (pushes of a row)",
+                    |t| t.updates,
+                ),
+                (
+                    "phub_table_row_lookups_total",
+                    "counter",
+                    "Row lookups (ids read by pulls and push-pulls)",
+                    |t| t.lookups,
+                ),
+                (
+                    "phub_table_row_pushes_dropped_total",
+                    "counter",
+                    "Row pushes dropped: the id not admitted yet, or no memory for a new row",
+                    |t| t.not_admitted + t.no_memory,
+                ),
+            ];
+            for (name, kind, help, field) in families {
+                o.family(name, kind, help);
+                for (id, key, t) in &tables {
+                    o.sample(name, &[("job", id), ("key", key)], field(t));
+                }
+            }
+        }
     }
     o.0
 }
@@ -512,6 +584,18 @@ mod tests {
                 silent_ms: vec![],
                 clock: Default::default(),
                 copies: None,
+                tables: vec![TableLive {
+                    key: 0,
+                    rows_stored: 5,
+                    created: 7,
+                    evicted_cap: 2,
+                    evicted_idle: 1,
+                    updates: 9,
+                    lookups: 4,
+                    not_admitted: 1,
+                    no_memory: 1,
+                    bytes: 4096,
+                }],
             }],
         };
         let job = JobSummary {
@@ -548,6 +632,19 @@ mod tests {
             text.contains("phub_job_rereplication_seconds{job=\"1\"} 1.250\n"),
             "{text}"
         );
+        // The table's counters added up over both appliances.
+        for line in [
+            "phub_table_rows{job=\"1\",key=\"0\"} 10\n",
+            "phub_table_bytes{job=\"1\",key=\"0\"} 8192\n",
+            "phub_table_rows_created_total{job=\"1\",key=\"0\"} 14\n",
+            "phub_table_rows_evicted_cap_total{job=\"1\",key=\"0\"} 4\n",
+            "phub_table_rows_evicted_idle_total{job=\"1\",key=\"0\"} 2\n",
+            "phub_table_row_updates_total{job=\"1\",key=\"0\"} 18\n",
+            "phub_table_row_lookups_total{job=\"1\",key=\"0\"} 8\n",
+            "phub_table_row_pushes_dropped_total{job=\"1\",key=\"0\"} 4\n",
+        ] {
+            assert!(text.contains(line), "{line}: {text}");
+        }
         text
     }
 
@@ -690,6 +787,7 @@ mod tests {
                 silent_ms: vec![Some(1), None],
                 clock: Default::default(),
                 copies: None,
+                tables: Vec::new(),
             }],
         };
         let jobs = vec![JobSummary {

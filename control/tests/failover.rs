@@ -433,7 +433,9 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
         ..Default::default()
     };
     wait_for("epochs 1 then 2 on a and c", within, || {
-        [&a, &c].iter().all(|f| epochs(f, job.id) == vec![e1.clone(), e2.clone()])
+        [&a, &c]
+            .iter()
+            .all(|f| epochs(f, job.id) == vec![e1.clone(), e2.clone()])
     });
     let full = || -> bool {
         let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
@@ -444,7 +446,10 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
     let (_, appliances) = call(&d, &R::Appliances, None);
-    assert!(!appliances.contains("declared down"), "b was never declared down: {appliances}");
+    assert!(
+        !appliances.contains("declared down"),
+        "b was never declared down: {appliances}"
+    );
     d.shutdown();
 }
 

@@ -14,7 +14,7 @@ use std::time::Duration;
 use crossbeam_channel::{bounded, Sender};
 use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
-    ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats,
+    ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats, TableLive,
 };
 use phub_proto::checkpoint::{Checkpoint, MAGIC as CKPT_MAGIC};
 use phub_proto::failover::EpochView;
@@ -586,6 +586,7 @@ impl Manager {
                             silent_ms: Vec::new(),
                             clock: ClockStats::default(),
                             copies: None,
+                            tables: Vec::new(),
                         },
                         vec![0; s.last_seen.len()],
                     )
@@ -598,6 +599,7 @@ impl Manager {
                 for (m, t) in e.1.iter_mut().zip(&s.last_seen) {
                     *m = (*m).max(*t);
                 }
+                TableLive::merge_all(&mut e.0.tables, &s.tables);
                 if let Some(c) = s.copies {
                     match &mut e.0.copies {
                         Some(m) => m.merge(&c),

@@ -312,6 +312,10 @@ pub struct JobDetail {
     /// replicated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub replicas: Option<ReplicaStrength>,
+    /// Its tables (PROTOCOL.md §10), by key, over its appliances; absent
+    /// for a job without table keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<TableLive>,
 }
 
 /// How many replicas a replicated job has (`phubctl job show`).
@@ -956,6 +960,63 @@ pub struct JobLive {
     /// (PROTOCOL.md §11.7); absent for a job that is not replicated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub copies: Option<CopyProgress>,
+    /// Its tables (PROTOCOL.md §10), by key, over the lcores; absent for
+    /// a job without table keys.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tables: Vec<TableLive>,
+}
+
+/// One table of a job (PROTOCOL.md §10): its rows and what was done to
+/// them, summed over the lcores (and appliances) that hold its rows.
+/// Counters count from the install (or the restore) on each appliance.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TableLive {
+    /// The table's key index.
+    pub key: u32,
+    /// Rows stored now.
+    pub rows_stored: u64,
+    /// Rows created (a first push, or the first after an eviction).
+    pub created: u64,
+    /// Rows evicted to make room at the `rows` cap.
+    pub evicted_cap: u64,
+    /// Rows evicted after `evict = { idle_rounds }` rounds untouched.
+    pub evicted_idle: u64,
+    /// Row updates applied (pushes of a row, creations included).
+    pub updates: u64,
+    /// Row lookups (ids read by pulls and push-pulls).
+    pub lookups: u64,
+    /// Row pushes dropped before their id was admitted.
+    pub not_admitted: u64,
+    /// Row pushes dropped: a new row's memory could not be allocated.
+    pub no_memory: u64,
+    /// Bytes the rows' stores hold now.
+    pub bytes: u64,
+}
+
+impl TableLive {
+    /// Adds another lcore's or appliance's share of the same table.
+    pub fn merge(&mut self, o: &TableLive) {
+        self.rows_stored += o.rows_stored;
+        self.created += o.created;
+        self.evicted_cap += o.evicted_cap;
+        self.evicted_idle += o.evicted_idle;
+        self.updates += o.updates;
+        self.lookups += o.lookups;
+        self.not_admitted += o.not_admitted;
+        self.no_memory += o.no_memory;
+        self.bytes += o.bytes;
+    }
+
+    /// `into`'s tables with `from`'s merged in, by key, in key order.
+    pub fn merge_all(into: &mut Vec<TableLive>, from: &[TableLive]) {
+        for t in from {
+            match into.iter_mut().find(|x| x.key == t.key) {
+                Some(x) => x.merge(t),
+                None => into.push(*t),
+            }
+        }
+        into.sort_by_key(|t| t.key);
+    }
 }
 
 /// A replicated job's state copies on an appliance (PROTOCOL.md §11.7):
@@ -1220,6 +1281,7 @@ mod tests {
             silent_ms: vec![],
             clock: a.clone(),
             copies: None,
+            tables: Vec::new(),
         };
         let v = serde_json::to_value(&live).unwrap();
         assert_eq!(v["held_wait_max_us"], 300);

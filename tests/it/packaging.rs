@@ -282,6 +282,7 @@ fn every_series_the_dashboard_plots_is_exported_and_documented() {
             silent_ms: vec![Some(1), Some(1)],
             clock: Default::default(),
             copies: None,
+            tables: Vec::new(),
         }],
     };
     let job = JobSummary {

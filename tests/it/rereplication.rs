@@ -194,15 +194,26 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
             let (url, keys, reached, killed, outcomes) = (&url, &keys, &reached, &killed, &outcomes);
             s.spawn(move || {
                 let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    train_rank(url, job.id, job.token, rank, workers, keys, WorkerConfig::default(), |r| {
-                        if rank == 0 {
-                            reached.store(r, Ordering::SeqCst);
-                            if r == kill_at + 1 {
-                                until("the kills", Duration::from_secs(120), || killed.load(Ordering::SeqCst));
+                    train_rank(
+                        url,
+                        job.id,
+                        job.token,
+                        rank,
+                        workers,
+                        keys,
+                        WorkerConfig::default(),
+                        |r| {
+                            if rank == 0 {
+                                reached.store(r, Ordering::SeqCst);
+                                if r == kill_at + 1 {
+                                    until("the kills", Duration::from_secs(120), || {
+                                        killed.load(Ordering::SeqCst)
+                                    });
+                                }
                             }
-                        }
-                        r <= rounds
-                    })
+                            r <= rounds
+                        },
+                    )
                     .0
                 }));
                 let outcome = run.map_err(|p| {
@@ -242,10 +253,18 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
             // The part was lost: the job failed saying so, and every
             // worker stopped with control's reason (no wrong result: each
             // round a worker completed was checked exact).
-            assert!(why.contains("state copy is not all here") && why.contains("410"), "{why}");
+            assert!(
+                why.contains("state copy is not all here") && why.contains("410"),
+                "{why}"
+            );
             for o in &outcomes {
-                let e = o.as_ref().expect_err("a worker of a failed job completed every round");
-                assert!(e.contains("failed") && e.contains("state copy is not all here"), "{e}");
+                let e = o
+                    .as_ref()
+                    .expect_err("a worker of a failed job completed every round");
+                assert!(
+                    e.contains("failed") && e.contains("state copy is not all here"),
+                    "{e}"
+                );
             }
             eprintln!("c killed during the copy: the part was lost and the job failed: {why}");
         }

@@ -9,7 +9,7 @@ use std::net::UdpSocket;
 use std::time::Duration;
 
 use crate::common::{Appliances, Operator, Rack};
-use phub::proto::api::{DataplaneInfo, DataplaneStats};
+use phub::proto::api::{DataplaneInfo, DataplaneStats, JobDetail};
 use phub::proto::memory::{table_bytes, table_shape};
 use phub::proto::placement::RowPlacement;
 use phub::proto::routes::{control, mgmt};
@@ -265,6 +265,29 @@ fn workers_push_and_pull_rows_through_the_appliance() {
             "rank {rank}'s pull"
         );
     }
+    // `job show` and /metrics count the table's rows, over both lcores.
+    let detail: JobDetail = rack.send(&control::job(job.id));
+    let [t] = detail.tables.as_slice() else {
+        panic!("one table: {:?}", detail.tables)
+    };
+    assert_eq!((t.key, t.rows_stored, t.created), (KEY, 40, 40), "{t:?}");
+    assert_eq!(
+        (t.evicted_cap, t.evicted_idle, t.not_admitted, t.no_memory),
+        (0, 0, 0, 0),
+        "{t:?}"
+    );
+    assert!(
+        t.updates >= 40 * u64::from(rounds) && t.lookups >= 40 && t.bytes > 0,
+        "{t:?}"
+    );
+    let metrics: String = rack.send(&control::metrics());
+    assert!(
+        metrics.contains(&format!(
+            "phub_table_rows{{job=\"{}\",key=\"{KEY}\"}} 40\n",
+            job.id
+        )),
+        "{metrics}"
+    );
 }
 
 /// A table's rows and rounds survive a checkpoint and a crash of the

@@ -195,7 +195,15 @@ fn a_failed_job_s_worker_stops_with_control_s_reason() {
     let t = std::time::Instant::now();
     let err = w.wait(w.init(0, &mut params).unwrap()).unwrap_err().to_string();
     stop.store(true, Ordering::Relaxed);
-    assert!(t.elapsed() < Duration::from_secs(10), "failed after {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(10),
+        "failed after {:?}",
+        t.elapsed()
+    );
     assert!(err.contains("part 1") && err.contains("is lost"), "{err}");
-    assert_eq!(*asked.lock().unwrap(), 1, "asked once: a failed job does not come back");
+    assert_eq!(
+        *asked.lock().unwrap(),
+        1,
+        "asked once: a failed job does not come back"
+    );
 }

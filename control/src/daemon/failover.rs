@@ -136,7 +136,9 @@ impl StoredJob {
             layout.set_in(p, &next).into_iter().any(|a| {
                 self.parts.get(a).is_some_and(|part| {
                     Some(part.appliance.as_str()) != copying
-                        && held.get(&part.appliance).is_some_and(|ids| ids.contains(&self.id))
+                        && held
+                            .get(&part.appliance)
+                            .is_some_and(|ids| ids.contains(&self.id))
                 })
             })
         })

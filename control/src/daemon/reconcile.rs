@@ -138,7 +138,10 @@ impl Shared {
                     continue;
                 };
                 let held = &held;
-                asked.push((name.clone(), s.spawn(move || self.reconcile_one(name, client, held, log))));
+                asked.push((
+                    name.clone(),
+                    s.spawn(move || self.reconcile_one(name, client, held, log)),
+                ));
             }
             asked
                 .into_iter()

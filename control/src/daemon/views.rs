@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use phub_proto::api::{
     ApplianceStats, ClockStats, DataplaneStats, JobDetail, JobLive, JobMap, JobPart, JobSummary, KeyMap,
-    KeyRun, LcoreShare, RankStatus, Stats, DETAIL_KEYS,
+    KeyRun, LcoreShare, RankStatus, Stats, TableLive, DETAIL_KEYS,
 };
 use phub_proto::layout::Placement;
 use phub_proto::spec::JobSpec;
@@ -70,9 +70,11 @@ pub(super) fn merge_live(lives: &[&JobLive]) -> Option<JobLive> {
         silent_ms: vec![None; first.silent_ms.len()],
         clock: ClockStats::default(),
         copies: None,
+        tables: Vec::new(),
     };
     for l in lives {
         m.pushes += l.pushes;
+        TableLive::merge_all(&mut m.tables, &l.tables);
         m.clock.merge(&l.clock);
         m.rounds_completed += l.rounds_completed;
         m.round_range = match (m.round_range, l.round_range) {
@@ -204,6 +206,7 @@ impl Shared {
             parts: parts_detail,
             epoch: job.is_replicated().then(|| job.epoch.clone()),
             replicas: job.strength(|n| inner.rack_of(n)),
+            tables: live.as_ref().map(|l| l.tables.clone()).unwrap_or_default(),
         })
     }
 

@@ -412,6 +412,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                         owed: 0,
                         bytes_received: if r.epoch > 0 { FAKE_COPY_BYTES } else { 0 },
                     }),
+                    tables: Vec::new(),
                     id: j.id,
                     pushes: 10,
                     rounds_completed: 42,

@@ -54,6 +54,8 @@ pub struct JobShardStats {
     /// A replicated job: its epoch and state copies here (PROTOCOL.md
     /// §11.7).
     pub copies: Option<phub_proto::api::CopyProgress>,
+    /// Its tables' rows on this lcore (PROTOCOL.md §10), in key order.
+    pub tables: Vec<phub_proto::api::TableLive>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -90,6 +92,25 @@ impl<A: Copy + Eq> Shard<A> {
                     held_wait_us: j.counters.held_wait_us,
                     held_wait_max_us: j.counters.held_wait_max_us,
                     copies: j.replica.as_ref().map(|r| r.copy_progress()),
+                    tables: j
+                        .tables
+                        .iter()
+                        .map(|t| {
+                            let s = t.store.stats();
+                            phub_proto::api::TableLive {
+                                key: t.key,
+                                rows_stored: s.rows_stored,
+                                created: s.created,
+                                evicted_cap: s.evicted_cap,
+                                evicted_idle: s.evicted_idle,
+                                updates: s.updates,
+                                lookups: s.lookups,
+                                not_admitted: s.not_admitted,
+                                no_memory: s.no_memory,
+                                bytes: s.bytes,
+                            }
+                        })
+                        .collect(),
                 }
             })
             .collect()

@@ -355,10 +355,14 @@ impl<'a> Kill<'a> {
         }
         if self.restarted.is_some()
             && self.full_seen.is_none()
-            && self.asked_full.is_none_or(|t| t.elapsed() >= Duration::from_millis(20))
+            && self
+                .asked_full
+                .is_none_or(|t| t.elapsed() >= Duration::from_millis(20))
         {
             self.asked_full = Some(Instant::now());
-            if let Ok(client) = local::control_client(control_url, self.token.as_deref(), Duration::from_secs(2)) {
+            if let Ok(client) =
+                local::control_client(control_url, self.token.as_deref(), Duration::from_secs(2))
+            {
                 if let Ok(d) = client.send(&control::job(job)) {
                     let full = d.replicas.is_some_and(|r| {
                         r.state == Strength::FullStrength

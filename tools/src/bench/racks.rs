@@ -469,8 +469,12 @@ impl Launch {
         let mut d = RackNet::inside_named(&self.ns, || {
             Daemon::spawn(&self.name, &self.program, &self.args, &self.env, log).map_err(anyhow::Error::from)
         })?;
-        d.wait_up(&process::dataplane_ready(&self.url), Duration::from_secs(20), || false)
-            .map_err(|e| anyhow!(e))?;
+        d.wait_up(
+            &process::dataplane_ready(&self.url),
+            Duration::from_secs(20),
+            || false,
+        )
+        .map_err(|e| anyhow!(e))?;
         Ok(d)
     }
 }
