@@ -395,6 +395,19 @@ impl Shared {
         }
     }
 
+    /// [`Shared::rereplicate`] in a thread of its own (logged if it
+    /// cannot start: the jobs then stay without the appliance).
+    pub(super) fn rereplicate_in_thread(self: &Arc<Self>, name: &str, retry: Duration) {
+        let shared = self.clone();
+        let name = name.to_string();
+        let started = std::thread::Builder::new()
+            .name("control-rereplicate".into())
+            .spawn(move || shared.rereplicate(&name, retry));
+        if let Err(e) = started {
+            log::error!("cannot start the re-replication thread: {e}; the jobs stay without the appliance");
+        }
+    }
+
     /// Gives job `id`, moved to epoch `view` with appliance `name` joined,
     /// back to `name`: installs it there at `view`, puts `view` on its
     /// other live appliances, and watches the state copies until the job

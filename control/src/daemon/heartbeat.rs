@@ -168,13 +168,6 @@ impl Shared {
         if fenced.is_empty() {
             return;
         }
-        let shared = self.clone();
-        let name = name.to_string();
-        let started = std::thread::Builder::new()
-            .name("control-rereplicate".into())
-            .spawn(move || shared.rereplicate(&name, timing.interval));
-        if let Err(e) = started {
-            log::error!("cannot start the re-replication thread: {e}; the jobs stay without the appliance");
-        }
+        self.rereplicate_in_thread(name, timing.interval);
     }
 }

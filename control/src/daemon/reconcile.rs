@@ -319,14 +319,7 @@ impl Shared {
             );
             self.fail_over_jobs(name, Some(id), self.beat);
         }
-        let shared = self.clone();
-        let name = name.to_string();
-        let started = std::thread::Builder::new()
-            .name("control-rereplicate".into())
-            .spawn(move || shared.rereplicate(&name, shared.beat));
-        if let Err(e) = started {
-            log::error!("cannot start the re-replication thread: {e}; the jobs stay without the appliance");
-        }
+        self.rereplicate_in_thread(name, self.beat);
     }
 
     /// Sends appliance `name`, which holds the jobs `installed`, the
