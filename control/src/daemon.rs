@@ -64,7 +64,7 @@ pub use self::config::{
     CONFIG_FILE, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS, MAX_HEARTBEAT_DEADLINE_MS,
 };
 pub use self::http::{LEADER_HEADER, MAX_BODY_BYTES, MAX_SMALL_BODY_BYTES};
-pub use crate::state::etcd::EtcdTarget;
+pub use crate::state::etcd::{EtcdSecurity, EtcdTarget};
 
 use self::checkpoints::load_checkpoints;
 use self::config::{load_or_create_token, Args, StateArg};
@@ -82,9 +82,22 @@ pub fn main() -> ExitCode {
         log::info!("configuration file {}", f.display());
     }
     let explicit = args.dataplane.is_some() || args.dataplane_token_file.is_some();
+    let security = args.etcd_security().unwrap_or_else(|e| {
+        eprintln!("phub-control: {e}");
+        std::process::exit(2)
+    });
     let (state, etcd) = match args.state {
-        StateArg::File(path) => (path, None),
-        StateArg::Etcd(target) => (args.state_dir.join("phub-control"), Some(target)),
+        StateArg::File(path) => {
+            if security != EtcdSecurity::default() {
+                eprintln!("phub-control: --etcd-ca, --etcd-cert, --etcd-user and their kin go with --state etcd://...");
+                std::process::exit(2)
+            }
+            (path, None)
+        }
+        StateArg::Etcd(target) => (
+            args.state_dir.join("phub-control"),
+            Some(target.with_security(security)),
+        ),
     };
     let mut config = Config {
         listen: args.listen,
@@ -171,7 +184,7 @@ impl Daemon {
         config.heartbeat.check().map_err(anyhow::Error::msg)?;
         let store = match &config.etcd {
             None => Store::file(config.state.clone())?,
-            Some(target) => Store::Etcd(EtcdStore::new(target.clone())),
+            Some(target) => Store::Etcd(Box::new(EtcdStore::new(target.clone())?)),
         };
         let loaded = store.load()?.unwrap_or_default();
         let token_path = config.operator_token_path();

@@ -65,7 +65,7 @@ pub use client::{Client, ClientError};
 pub use controls::{Asked, Controls, ControlsError, Timeouts, CONTROL_ENV, LEADER_HEADER};
 #[cfg(feature = "server")]
 pub use server::{Class, Handler, Limits, Request, Response, Server};
-pub use tls::{agent, client_config, server_config, TlsError, CA_FILE_ENV};
+pub use tls::{agent, client_config, client_config_with_identity, server_config, TlsError, CA_FILE_ENV};
 
 /// A re-export, so that users name the same rustls as this crate.
 pub use rustls;

@@ -146,6 +146,16 @@ pub fn server_config(cert: &Path, key: &Path) -> Result<Arc<rustls::ServerConfig
 /// A client's TLS settings: trust the certificates of `ca_file` (PEM) if
 /// given, else the system's roots.
 pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+    client_config_with_identity(ca_file, None)
+}
+
+/// [`client_config`], presenting the certificate chain and private key of
+/// `identity` (PEM files: certificate, key) when the server asks for one
+/// (mutual TLS).
+pub fn client_config_with_identity(
+    ca_file: Option<&Path>,
+    identity: Option<(&Path, &Path)>,
+) -> Result<Arc<rustls::ClientConfig>, TlsError> {
     let mut roots = rustls::RootCertStore::empty();
     match ca_file {
         Some(path) => {
@@ -171,10 +181,21 @@ pub fn client_config(ca_file: Option<&Path>) -> Result<Arc<rustls::ClientConfig>
             }
         }
     }
-    let config = rustls::ClientConfig::builder_with_provider(provider())
+    let builder = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+        .with_root_certificates(roots);
+    let config = match identity {
+        None => builder.with_no_client_auth(),
+        Some((cert, key)) => {
+            let chain = certs("client certificate", cert)?;
+            let key = PrivateKeyDer::from_pem_file(key).map_err(|e| TlsError::Pem {
+                what: "client private key",
+                path: key.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            builder.with_client_auth_cert(chain, key)?
+        }
+    };
     Ok(Arc::new(config))
 }
 

@@ -31,8 +31,16 @@
 //! would bring tonic, prost, tower and tokio-stream (none of them in
 //! phub's lock file) and a build script that runs `protoc`, a system
 //! package phub does not otherwise need; the gateway adds no crate (base64
-//! was already built for rustls). Plain `http://` endpoints only for now:
-//! TLS and credentials for etcd are not implemented yet.
+//! was already built for rustls).
+//!
+//! TLS and credentials ([`EtcdSecurity`]: `--etcd-ca`, `--etcd-cert` and
+//! `--etcd-key`, `--etcd-user` and `--etcd-password-file`): with a CA or a
+//! client certificate the endpoints are `https://` (the server's
+//! certificate checked against the CA file, else the system's roots; the
+//! client certificate presented when etcd asks, `--client-cert-auth`);
+//! with a user, control authenticates (`/v3/auth/authenticate`) and sends
+//! etcd's token with every request, authenticating again once when etcd
+//! says the token is no longer valid.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -84,6 +92,10 @@ pub(crate) enum EtcdError {
         /// etcd's message.
         message: String,
     },
+    /// A TLS or credential setting that cannot be used (a file, etcd's
+    /// answer to the user).
+    #[error("{0}")]
+    Security(String),
     /// A stored value is not what phub-control wrote.
     #[error("etcd key {key:?} is corrupt: {reason}")]
     Corrupt {
@@ -139,13 +151,35 @@ fn leader_text(leader: &Option<String>) -> String {
     }
 }
 
-/// Where the state lives in etcd: the endpoints and the prefix.
+/// Where the state lives in etcd: the endpoints and the prefix, and how
+/// to reach them.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EtcdTarget {
-    /// `http://HOST:PORT` of each endpoint, in the order given.
+    /// `http://HOST:PORT` of each endpoint, in the order given
+    /// (`https://` with TLS: [`EtcdTarget::with_security`]).
     pub endpoints: Vec<String>,
     /// `/PREFIX`, without a trailing slash.
     pub prefix: String,
+    /// TLS and credentials (none: plain http, no authentication).
+    pub security: EtcdSecurity,
+}
+
+/// How control talks to etcd beyond plain http (module head).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EtcdSecurity {
+    /// PEM file of the CA that signed etcd's certificate (TLS).
+    pub ca: Option<std::path::PathBuf>,
+    /// PEM files of the client certificate and its key (mutual TLS).
+    pub identity: Option<(std::path::PathBuf, std::path::PathBuf)>,
+    /// etcd user name, and the file holding its password (first line).
+    pub user: Option<(String, std::path::PathBuf)>,
+}
+
+impl EtcdSecurity {
+    /// Whether the endpoints are `https://`.
+    pub fn tls(&self) -> bool {
+        self.ca.is_some() || self.identity.is_some()
+    }
 }
 
 impl EtcdTarget {
@@ -184,7 +218,20 @@ impl EtcdTarget {
         Ok(EtcdTarget {
             endpoints,
             prefix: format!("/{prefix}"),
+            security: EtcdSecurity::default(),
         })
+    }
+
+    /// The same target reached as `security` says: `https://` endpoints
+    /// with TLS.
+    pub fn with_security(mut self, security: EtcdSecurity) -> EtcdTarget {
+        let scheme = if security.tls() { "https://" } else { "http://" };
+        for e in &mut self.endpoints {
+            let host = e.trim_start_matches("http://").trim_start_matches("https://");
+            *e = format!("{scheme}{host}");
+        }
+        self.security = security;
+        self
     }
 
     /// The URL as given (for logs).
@@ -192,9 +239,10 @@ impl EtcdTarget {
         let hosts: Vec<&str> = self
             .endpoints
             .iter()
-            .map(|e| e.trim_start_matches("http://"))
+            .map(|e| e.trim_start_matches("http://").trim_start_matches("https://"))
             .collect();
-        format!("etcd://{}{}", hosts.join(","), self.prefix)
+        let tls = if self.security.tls() { " (TLS)" } else { "" };
+        format!("etcd://{}{}{tls}", hosts.join(","), self.prefix)
     }
 }
 
@@ -205,27 +253,110 @@ struct Gateway {
     agent: ureq::Agent,
     /// The endpoint that answered last, tried first.
     preferred: AtomicUsize,
+    /// With a user: its name and password, and etcd's token once
+    /// authenticated.
+    user: Option<(String, String)>,
+    token: Mutex<Option<String>>,
 }
 
 impl Gateway {
-    fn new(endpoints: Vec<String>) -> Gateway {
+    /// A gateway to `endpoints` as `security` says; an error names the
+    /// file that cannot be used.
+    fn new(endpoints: Vec<String>, security: &EtcdSecurity) -> Result<Gateway, EtcdError> {
         assert!(!endpoints.is_empty(), "an etcd target has an endpoint");
-        Gateway {
-            endpoints,
-            agent: ureq::AgentBuilder::new().timeout(REQUEST_TIMEOUT).build(),
-            preferred: AtomicUsize::new(0),
+        let mut builder = ureq::AgentBuilder::new().timeout(REQUEST_TIMEOUT);
+        if security.tls() {
+            let identity = security
+                .identity
+                .as_ref()
+                .map(|(c, k)| (c.as_path(), k.as_path()));
+            let tls = phub_http::client_config_with_identity(security.ca.as_deref(), identity)
+                .map_err(|e| EtcdError::Security(format!("etcd TLS: {e}")))?;
+            builder = builder.tls_config(tls);
         }
+        let user = match &security.user {
+            None => None,
+            Some((name, file)) => {
+                let text = std::fs::read_to_string(file).map_err(|e| {
+                    EtcdError::Security(format!("--etcd-password-file {}: {e}", file.display()))
+                })?;
+                let password = text.lines().next().unwrap_or_default().to_string();
+                if password.is_empty() {
+                    return Err(EtcdError::Security(format!(
+                        "--etcd-password-file {}: empty (the password is its first line)",
+                        file.display()
+                    )));
+                }
+                Some((name.clone(), password))
+            }
+        };
+        Ok(Gateway {
+            endpoints,
+            agent: builder.build(),
+            preferred: AtomicUsize::new(0),
+            user,
+            token: Mutex::new(None),
+        })
+    }
+
+    /// POSTs `body` to `path` (authenticated when a user is configured:
+    /// once more with a new token if etcd refuses the one held).
+    fn call(&self, what: &'static str, path: &str, body: &Value) -> Result<Value, EtcdError> {
+        if self.user.is_none() {
+            return self.send(what, path, body, None);
+        }
+        let held = self.token.lock().unwrap_or_else(|p| p.into_inner()).clone();
+        let token = match held {
+            Some(t) => t,
+            None => self.authenticate()?,
+        };
+        match self.send(what, path, body, Some(&token)) {
+            Err(EtcdError::Refused { message, .. }) if message.contains("invalid auth token") => {
+                let token = self.authenticate()?;
+                self.send(what, path, body, Some(&token))
+            }
+            r => r,
+        }
+    }
+
+    /// Asks etcd for a token as the configured user, and keeps it.
+    fn authenticate(&self) -> Result<String, EtcdError> {
+        let (name, password) = self.user.as_ref().expect("called with a user");
+        let answer = self.send(
+            "authenticate",
+            "/v3/auth/authenticate",
+            &json!({ "name": name, "password": password }),
+            None,
+        )?;
+        let token = answer["token"].as_str().unwrap_or_default().to_string();
+        if token.is_empty() {
+            return Err(EtcdError::Security(format!(
+                "etcd gave user {name:?} no token (is authentication enabled there?)"
+            )));
+        }
+        *self.token.lock().unwrap_or_else(|p| p.into_inner()) = Some(token.clone());
+        Ok(token)
     }
 
     /// POSTs `body` to `path` on the preferred endpoint, then each other
     /// one while they cannot be reached.
-    fn call(&self, what: &'static str, path: &str, body: &Value) -> Result<Value, EtcdError> {
+    fn send(
+        &self,
+        what: &'static str,
+        path: &str,
+        body: &Value,
+        token: Option<&str>,
+    ) -> Result<Value, EtcdError> {
         let first = self.preferred.load(Ordering::Relaxed);
         let mut last = String::new();
         for i in 0..self.endpoints.len() {
             let at = (first + i) % self.endpoints.len();
             let endpoint = &self.endpoints[at];
-            match self.agent.post(&format!("{endpoint}{path}")).send_json(body) {
+            let mut req = self.agent.post(&format!("{endpoint}{path}"));
+            if let Some(t) = token {
+                req = req.set("Authorization", t);
+            }
+            match req.send_json(body) {
                 Ok(r) => {
                     self.preferred.store(at, Ordering::Relaxed);
                     let text = r.into_string().map_err(|e| EtcdError::Refused {
@@ -352,13 +483,13 @@ pub(crate) struct EtcdStore {
 }
 
 impl EtcdStore {
-    pub(crate) fn new(target: EtcdTarget) -> EtcdStore {
-        EtcdStore {
-            gateway: Gateway::new(target.endpoints.clone()),
+    pub(crate) fn new(target: EtcdTarget) -> Result<EtcdStore, EtcdError> {
+        Ok(EtcdStore {
+            gateway: Gateway::new(target.endpoints.clone(), &target.security)?,
             target,
             revisions: Mutex::default(),
             lead: Mutex::default(),
-        }
+        })
     }
 
     pub(crate) fn target(&self) -> &EtcdTarget {
@@ -694,6 +825,29 @@ mod tests {
                 "{bad}: {e}"
             );
         }
+    }
+
+    #[test]
+    fn tls_makes_the_endpoints_https_and_a_bad_setting_is_named() {
+        let t = EtcdTarget::parse("etcd://127.0.0.1:2379,10.0.0.2:2379/phub").unwrap();
+        let ca = std::path::PathBuf::from("/nonexistent/ca.pem");
+        let tls = t.clone().with_security(EtcdSecurity {
+            ca: Some(ca.clone()),
+            ..EtcdSecurity::default()
+        });
+        assert_eq!(tls.endpoints, ["https://127.0.0.1:2379", "https://10.0.0.2:2379"]);
+        assert_eq!(tls.url(), "etcd://127.0.0.1:2379,10.0.0.2:2379/phub (TLS)");
+        // A user alone keeps plain http.
+        let user = t.with_security(EtcdSecurity {
+            user: Some(("root".into(), "/nonexistent/pw".into())),
+            ..EtcdSecurity::default()
+        });
+        assert_eq!(user.endpoints[0], "http://127.0.0.1:2379");
+        // Files that cannot be used are named.
+        let e = EtcdStore::new(tls).unwrap_err().to_string();
+        assert!(e.contains("etcd TLS") && e.contains("/nonexistent/ca.pem"), "{e}");
+        let e = EtcdStore::new(user).unwrap_err().to_string();
+        assert!(e.contains("--etcd-password-file /nonexistent/pw"), "{e}");
     }
 
     #[test]

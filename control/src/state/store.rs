@@ -32,7 +32,7 @@ pub(crate) enum Store {
         _lock: StateLock,
     },
     /// Entries under a prefix of an etcd cluster.
-    Etcd(EtcdStore),
+    Etcd(Box<EtcdStore>),
 }
 
 impl Store {

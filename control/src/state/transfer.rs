@@ -31,13 +31,14 @@ pub(crate) enum TransferError {
 /// One side of a copy, as given.
 enum Side<'a> {
     File(&'a Path),
-    Etcd(EtcdStore),
+    Etcd(Box<EtcdStore>),
 }
 
 fn side(text: &str) -> Result<Side<'_>, TransferError> {
     if EtcdTarget::is_etcd(text) {
-        Ok(Side::Etcd(EtcdStore::new(
-            EtcdTarget::parse(text).map_err(TransferError::Url)?,
+        let target = EtcdTarget::parse(text).map_err(TransferError::Url)?;
+        Ok(Side::Etcd(Box::new(
+            EtcdStore::new(target).map_err(|e| TransferError::Url(e.to_string()))?,
         )))
     } else {
         Ok(Side::File(Path::new(text)))
