@@ -1242,6 +1242,24 @@ fn etcd_over_tls_with_a_client_certificate_or_a_user_s_password() {
         join(&a.url, job.id, job.token, 0).unwrap();
         assert_eq!(joined(&a.url, &token, job.id), [0], "{case}");
         assert!(a.log().contains("(TLS)"), "{}", a.log());
+        // phubctl state export reaches the same etcd with the same flags.
+        let exported = rack.dir.join(format!("exported-{case}.json"));
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .args(["state", "export", &state])
+            .arg(&exported)
+            .args(&extra)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{case}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let text = std::fs::read_to_string(&exported).unwrap();
+        assert!(
+            text.contains("\"tls\""),
+            "{case}: the job is in the export: {text:.300}"
+        );
         drop(a);
         etcd.kill();
     }

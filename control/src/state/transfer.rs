@@ -8,7 +8,7 @@ use std::path::Path;
 
 use phub_proto::api::ApplianceSpec;
 
-use super::etcd::{EtcdStore, EtcdTarget};
+use super::etcd::{EtcdSecurity, EtcdStore, EtcdTarget};
 use super::{StateError, StateFile, StoredJob};
 
 /// Why a state could not be copied.
@@ -34,9 +34,11 @@ enum Side<'a> {
     Etcd(Box<EtcdStore>),
 }
 
-fn side(text: &str) -> Result<Side<'_>, TransferError> {
+fn side<'a>(text: &'a str, security: &EtcdSecurity) -> Result<Side<'a>, TransferError> {
     if EtcdTarget::is_etcd(text) {
-        let target = EtcdTarget::parse(text).map_err(TransferError::Url)?;
+        let target = EtcdTarget::parse(text)
+            .map_err(TransferError::Url)?
+            .with_security(security.clone());
         Ok(Side::Etcd(Box::new(
             EtcdStore::new(target).map_err(|e| TransferError::Url(e.to_string()))?,
         )))
@@ -52,11 +54,11 @@ fn read(side: &Side<'_>) -> Result<Option<StateFile>, StateError> {
     }
 }
 
-/// Copies the state at `from` to the empty `to`: the number of jobs and
-/// appliances copied.
-pub(crate) fn copy(from: &str, to: &str) -> Result<(usize, usize), TransferError> {
-    let source = side(from)?;
-    let target = side(to)?;
+/// Copies the state at `from` to the empty `to`, reaching etcd (either
+/// side) as `security` says: the number of jobs and appliances copied.
+pub(crate) fn copy(from: &str, to: &str, security: &EtcdSecurity) -> Result<(usize, usize), TransferError> {
+    let source = side(from, security)?;
+    let target = side(to, security)?;
     let state = read(&source)?.ok_or_else(|| TransferError::Empty(from.to_string()))?;
     let appliances: Vec<&ApplianceSpec> = state.appliances.iter().flatten().collect();
     let jobs: Vec<&StoredJob> = state.jobs.iter().collect();
