@@ -9,12 +9,12 @@
 //! applied twice.
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_rank, Appliances, Operator};
+use crate::common::{replicated_spec, train_ranks, Appliances, Operator};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
-use phub_worker::WorkerConfig;
 
 #[test]
 fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
@@ -31,40 +31,24 @@ fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
     // goes on, so b dies with pushes of that round in flight.
     let reached = AtomicU32::new(0);
     let killed = AtomicBool::new(false);
-    let mut resumed_at = None;
+    // When rank 0 completed the first round after the kill.
+    let first_after: Mutex<Option<Instant>> = Mutex::new(None);
+    let more = |rank: u16, r: u32| {
+        if rank == 0 {
+            reached.store(r, Ordering::SeqCst);
+            if r == kill_after + 1 {
+                while !killed.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+            if r == kill_after + 2 {
+                *first_after.lock().unwrap() = Some(Instant::now());
+            }
+        }
+        r <= rounds
+    };
     let kill_time = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..workers)
-            .map(|rank| {
-                let (url, keys, reached, killed) = (&url, &keys, &reached, &killed);
-                s.spawn(move || {
-                    let mut first_after = None;
-                    let done = train_rank(
-                        url,
-                        job.id,
-                        job.token,
-                        rank,
-                        workers,
-                        keys,
-                        WorkerConfig::default(),
-                        |r| {
-                            if rank == 0 {
-                                reached.store(r, Ordering::SeqCst);
-                                if r == kill_after + 1 {
-                                    while !killed.load(Ordering::SeqCst) {
-                                        std::thread::sleep(Duration::from_millis(1));
-                                    }
-                                }
-                                if r == kill_after + 2 {
-                                    first_after = Some(Instant::now());
-                                }
-                            }
-                            r <= rounds
-                        },
-                    );
-                    (done, first_after)
-                })
-            })
-            .collect();
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         while reached.load(Ordering::SeqCst) < kill_after + 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -72,14 +56,12 @@ fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
         let at = Instant::now();
         killed.store(true, Ordering::SeqCst);
         for (rank, h) in ranks.into_iter().enumerate() {
-            let ((done, _stats), first_after) = h.join().unwrap();
+            let (done, _stats) = h.join().unwrap();
             assert_eq!(done, rounds, "rank {rank}");
-            if rank == 0 {
-                resumed_at = first_after;
-            }
         }
         at
     });
+    let resumed_at = first_after.into_inner().unwrap();
     let failover = resumed_at.expect("rank 0 completed a round after the kill") - kill_time;
     eprintln!("failover: the kill to the first round completed after it: {failover:?}");
     // Control moved the job to epoch 1 with b down, and both survivors

@@ -18,13 +18,12 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_rank, Appliances, Operator};
+use crate::common::{replicated_spec, train_ranks, Appliances, Operator};
 use phub::proto::api::{AdmitResponse, DataplaneStats, JobMap};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
 use phub::proto::wire::{self, MsgType, Repr};
 use phub::proto::Dtype;
-use phub_worker::WorkerConfig;
 
 /// A process held stopped (SIGSTOP) until this is dropped (SIGCONT), so
 /// that a failing test leaves nothing stopped.
@@ -117,32 +116,18 @@ fn a_primary_stopped_past_its_failover_answers_no_round_of_its_old_epoch() {
     let reached = AtomicU32::new(0);
     let stopped_b = AtomicBool::new(false);
     let b_pid = rack.dataplanes[1].as_ref().unwrap().pid();
+    // Every rank stops at the probe round until b is stopped.
+    let more = |_rank: u16, r: u32| {
+        if r == probe_round {
+            reached.fetch_add(1, Ordering::SeqCst);
+            while !stopped_b.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        r <= probe_round
+    };
     let b_stop = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..workers)
-            .map(|rank| {
-                let (url, keys, reached, stopped_b) = (&url, &keys, &reached, &stopped_b);
-                s.spawn(move || {
-                    train_rank(
-                        url,
-                        job.id,
-                        job.token,
-                        rank,
-                        workers,
-                        keys,
-                        WorkerConfig::default(),
-                        |r| {
-                            if r == probe_round {
-                                reached.fetch_add(1, Ordering::SeqCst);
-                                while !stopped_b.load(Ordering::SeqCst) {
-                                    std::thread::sleep(Duration::from_millis(1));
-                                }
-                            }
-                            r <= probe_round
-                        },
-                    )
-                })
-            })
-            .collect();
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         while reached.load(Ordering::SeqCst) < u32::from(workers) {
             std::thread::sleep(Duration::from_millis(1));
         }

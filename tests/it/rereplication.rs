@@ -22,7 +22,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_rank, try_until, until, Appliances, Operator};
+use crate::common::{replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Operator};
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
 use phub::proto::routes::{control, mgmt};
@@ -63,39 +63,23 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
     // next round in flight.
     let reached = AtomicU32::new(0);
     let (b_killed, c_killed) = (AtomicBool::new(false), AtomicBool::new(false));
+    // Bounded: a failing main thread never opens a gate, and the scope
+    // waits for rank 0.
+    let more = |rank: u16, r: u32| {
+        if rank == 0 {
+            reached.store(r, Ordering::SeqCst);
+            for (at, gate) in [(first_kill, &b_killed), (second_kill, &c_killed)] {
+                if r == at + 1 {
+                    until("the kill", Duration::from_secs(120), || {
+                        gate.load(Ordering::SeqCst)
+                    });
+                }
+            }
+        }
+        r <= rounds
+    };
     let full_ms = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..workers)
-            .map(|rank| {
-                let (url, keys, reached) = (&url, &keys, &reached);
-                let (b_killed, c_killed) = (&b_killed, &c_killed);
-                s.spawn(move || {
-                    train_rank(
-                        url,
-                        job.id,
-                        job.token,
-                        rank,
-                        workers,
-                        keys,
-                        WorkerConfig::default(),
-                        |r| {
-                            if rank == 0 {
-                                reached.store(r, Ordering::SeqCst);
-                                for (at, gate) in [(first_kill, b_killed), (second_kill, c_killed)] {
-                                    if r == at + 1 {
-                                        // Bounded: a failing main thread never opens
-                                        // the gate, and the scope waits for this one.
-                                        until("the kill", Duration::from_secs(120), || {
-                                            gate.load(Ordering::SeqCst)
-                                        });
-                                    }
-                                }
-                            }
-                            r <= rounds
-                        },
-                    )
-                })
-            })
-            .collect();
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         until("rank 0 at the first kill", Duration::from_secs(60), || {
             reached.load(Ordering::SeqCst) > first_kill
         });

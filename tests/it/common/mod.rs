@@ -402,6 +402,37 @@ pub(crate) fn replicated_spec(
         .to_toml()
 }
 
+/// Starts one [`train_rank`] thread per rank of `job` in scope `s` (the
+/// default worker config), each training `keys` while `more(rank, round)`
+/// says so: the replication suites' ranks, whose `more` holds them at the
+/// gates the test opens (a kill, a restart) and records what they reached.
+pub(crate) fn train_ranks<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    url: &'env str,
+    job: &AdmitResponse,
+    workers: u16,
+    keys: &'env [u64],
+    more: &'env (dyn Fn(u16, u32) -> bool + Sync),
+) -> Vec<std::thread::ScopedJoinHandle<'scope, (u32, phub_worker::WorkerStats)>> {
+    let (id, token) = (job.id, job.token);
+    (0..workers)
+        .map(|rank| {
+            s.spawn(move || {
+                train_rank(
+                    url,
+                    id,
+                    token,
+                    rank,
+                    workers,
+                    keys,
+                    phub_worker::WorkerConfig::default(),
+                    |r| more(rank, r),
+                )
+            })
+        })
+        .collect()
+}
+
 // The workload every suite shares (small-integer gradients whose sums are
 // exact in any order, rank 0's initial values, the expected sums) lives in
 // phub-hwtests, which runs the same scenarios on a rack.
