@@ -93,7 +93,7 @@ enum StateCmd {
         /// A new state file (or an unused etcd prefix).
         to: String,
         #[command(flatten)]
-        etcd: EtcdFlags,
+        etcd: crate::state::etcd::EtcdFlags,
     },
     /// Copy a state file (FROM) into an unused etcd prefix (TO).
     Import {
@@ -102,39 +102,8 @@ enum StateCmd {
         /// etcd://HOST:PORT[,...]/PREFIX, nothing under it yet (or a new file).
         to: String,
         #[command(flatten)]
-        etcd: EtcdFlags,
+        etcd: crate::state::etcd::EtcdFlags,
     },
-}
-
-/// How `phubctl state` reaches etcd: phub-control's flags of the same
-/// names (docs/OPERATING.md).
-#[derive(Debug, clap::Args)]
-struct EtcdFlags {
-    /// PEM file of the CA that signed etcd's certificate (https endpoints).
-    #[arg(long, value_name = "FILE")]
-    etcd_ca: Option<std::path::PathBuf>,
-    /// PEM client certificate for etcd (with --etcd-key; https endpoints).
-    #[arg(long, value_name = "FILE", requires = "etcd_key")]
-    etcd_cert: Option<std::path::PathBuf>,
-    /// The PEM private key of --etcd-cert.
-    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
-    etcd_key: Option<std::path::PathBuf>,
-    /// etcd user to authenticate as (with --etcd-password-file).
-    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
-    etcd_user: Option<String>,
-    /// The file whose first line is --etcd-user's password.
-    #[arg(long, value_name = "FILE", requires = "etcd_user")]
-    etcd_password_file: Option<std::path::PathBuf>,
-}
-
-impl EtcdFlags {
-    fn security(&self) -> crate::state::etcd::EtcdSecurity {
-        crate::state::etcd::EtcdSecurity {
-            ca: self.etcd_ca.clone(),
-            identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
-            user: self.etcd_user.clone().zip(self.etcd_password_file.clone()),
-        }
-    }
 }
 
 #[derive(Debug, Subcommand)]
@@ -390,7 +359,8 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
         Cmd::State {
             cmd: StateCmd::Export { from, to, etcd } | StateCmd::Import { from, to, etcd },
         } => {
-            let (jobs, appliances) = crate::state::transfer::copy(from, to, &etcd.security())
+            let security = etcd.security().map_err(CliError::Local)?;
+            let (jobs, appliances) = crate::state::transfer::copy(from, to, &security)
                 .map_err(|e| CliError::Local(e.to_string()))?;
             println!("copied {jobs} jobs and {appliances} appliances from {from} to {to}");
             Ok(())

@@ -82,7 +82,7 @@ pub fn main() -> ExitCode {
         log::info!("configuration file {}", f.display());
     }
     let explicit = args.dataplane.is_some() || args.dataplane_token_file.is_some();
-    let security = args.etcd_security().unwrap_or_else(|e| {
+    let security = args.etcd.security().unwrap_or_else(|e| {
         eprintln!("phub-control: {e}");
         std::process::exit(2)
     });

@@ -11,7 +11,7 @@ use clap::Parser;
 use phub_proto::api::ApplianceSpec;
 use phub_proto::spec::{appliance_name_ok, APPLIANCE_NAME_RULE};
 
-use crate::state::etcd::{EtcdSecurity, EtcdTarget};
+use crate::state::etcd::{EtcdFlags, EtcdTarget};
 use crate::state::{self, DEFAULT_APPLIANCE};
 
 /// How the daemon runs.
@@ -304,26 +304,8 @@ pub(super) struct Args {
     /// default: the dataplane's default for the port of --dataplane.
     #[arg(long, value_name = "FILE")]
     pub(super) dataplane_token_file: Option<PathBuf>,
-    /// With --state etcd://: the PEM file of the CA that signed etcd's
-    /// certificate; the endpoints are then https:// [default with
-    /// --etcd-cert: the system's roots].
-    #[arg(long, value_name = "FILE")]
-    pub(super) etcd_ca: Option<PathBuf>,
-    /// With --state etcd://: a PEM client certificate for etcd's
-    /// `--client-cert-auth` (with --etcd-key; the endpoints are https://).
-    #[arg(long, value_name = "FILE", requires = "etcd_key")]
-    pub(super) etcd_cert: Option<PathBuf>,
-    /// The PEM private key of --etcd-cert.
-    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
-    pub(super) etcd_key: Option<PathBuf>,
-    /// With --state etcd://: the etcd user to authenticate as (with
-    /// --etcd-password-file), when etcd's authentication is enabled.
-    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
-    pub(super) etcd_user: Option<String>,
-    /// The file whose first line is --etcd-user's password (keep it
-    /// owner-only).
-    #[arg(long, value_name = "FILE", requires = "etcd_user")]
-    pub(super) etcd_password_file: Option<PathBuf>,
+    #[command(flatten)]
+    pub(super) etcd: EtcdFlags,
     /// Serve HTTPS with this PEM certificate chain (with --tls-key).
     #[arg(long, value_name = "FILE", requires = "tls_key")]
     pub(super) tls_cert: Option<PathBuf>,
@@ -388,28 +370,6 @@ mod tests {
         let e = h(100, MAX_HEARTBEAT_DEADLINE_MS + 1).check().unwrap_err();
         assert!(e.contains("at most 3600000"), "{e}");
         assert!(Args::try_parse_from(["phub-control", "--heartbeat-ms", "-1"]).is_err());
-    }
-}
-
-impl Args {
-    /// The etcd TLS and credential settings given; an error names a file
-    /// that cannot be read.
-    pub(super) fn etcd_security(&self) -> Result<EtcdSecurity, String> {
-        for (flag, f) in [
-            ("--etcd-ca", &self.etcd_ca),
-            ("--etcd-cert", &self.etcd_cert),
-            ("--etcd-key", &self.etcd_key),
-            ("--etcd-password-file", &self.etcd_password_file),
-        ] {
-            if let Some(p) = f {
-                std::fs::metadata(p).map_err(|e| format!("{flag} {}: {e}", p.display()))?;
-            }
-        }
-        Ok(EtcdSecurity {
-            ca: self.etcd_ca.clone(),
-            identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
-            user: self.etcd_user.clone().zip(self.etcd_password_file.clone()),
-        })
     }
 }
 

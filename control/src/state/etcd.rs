@@ -182,6 +182,53 @@ impl EtcdSecurity {
     }
 }
 
+/// The flags (and control.toml keys) that make an [`EtcdSecurity`]:
+/// phub-control's and `phubctl state`'s alike.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub(crate) struct EtcdFlags {
+    /// With --state etcd://: the PEM file of the CA that signed etcd's
+    /// certificate; the endpoints are then https:// [default with
+    /// --etcd-cert: the system's roots].
+    #[arg(long, value_name = "FILE")]
+    pub(crate) etcd_ca: Option<std::path::PathBuf>,
+    /// With --state etcd://: a PEM client certificate for etcd's
+    /// `--client-cert-auth` (with --etcd-key; the endpoints are https://).
+    #[arg(long, value_name = "FILE", requires = "etcd_key")]
+    pub(crate) etcd_cert: Option<std::path::PathBuf>,
+    /// The PEM private key of --etcd-cert.
+    #[arg(long, value_name = "FILE", requires = "etcd_cert")]
+    pub(crate) etcd_key: Option<std::path::PathBuf>,
+    /// With --state etcd://: the etcd user to authenticate as (with
+    /// --etcd-password-file), when etcd's authentication is enabled.
+    #[arg(long, value_name = "NAME", requires = "etcd_password_file")]
+    pub(crate) etcd_user: Option<String>,
+    /// The file whose first line is --etcd-user's password (keep it
+    /// owner-only).
+    #[arg(long, value_name = "FILE", requires = "etcd_user")]
+    pub(crate) etcd_password_file: Option<std::path::PathBuf>,
+}
+
+impl EtcdFlags {
+    /// The settings given; an error names a file that cannot be read.
+    pub(crate) fn security(&self) -> Result<EtcdSecurity, String> {
+        for (flag, f) in [
+            ("--etcd-ca", &self.etcd_ca),
+            ("--etcd-cert", &self.etcd_cert),
+            ("--etcd-key", &self.etcd_key),
+            ("--etcd-password-file", &self.etcd_password_file),
+        ] {
+            if let Some(p) = f {
+                std::fs::metadata(p).map_err(|e| format!("{flag} {}: {e}", p.display()))?;
+            }
+        }
+        Ok(EtcdSecurity {
+            ca: self.etcd_ca.clone(),
+            identity: self.etcd_cert.clone().zip(self.etcd_key.clone()),
+            user: self.etcd_user.clone().zip(self.etcd_password_file.clone()),
+        })
+    }
+}
+
 impl EtcdTarget {
     /// Whether `text` names etcd (rather than a state file).
     pub fn is_etcd(text: &str) -> bool {
