@@ -164,8 +164,9 @@ impl Shared {
     /// control has not admitted there are removed. Returns the replicated
     /// jobs it lost while serving them, not installed here: the caller
     /// fails them over and re-replicates them to it ([`Shared::restarted`];
-    /// `held`: the jobs each appliance held when asked; with none known,
-    /// every lost job is reinstalled).
+    /// `held`: the jobs each appliance held when the pass asked, this
+    /// one's included, which is asked again only when missing; with none
+    /// known, every lost job is reinstalled).
     pub(super) fn reconcile_one(
         &self,
         name: &str,
@@ -173,12 +174,17 @@ impl Shared {
         held: &BTreeMap<String, BTreeSet<u16>>,
         log: &mut ReconcileLog,
     ) -> Vec<u16> {
-        let installed: BTreeSet<u16> = match client.jobs() {
-            Ok(j) => {
+        // The jobs it held when the pass asked (not asked twice), else ask.
+        let asked = match held.get(name) {
+            Some(ids) => Ok(ids.clone()),
+            None => client.jobs().map(|j| j.into_iter().map(|j| j.id).collect()),
+        };
+        let installed: BTreeSet<u16> = match asked {
+            Ok(ids) => {
                 if log.down.remove(name) {
                     log::info!("appliance {name:?} at {} answers again", client.base());
                 }
-                j.into_iter().map(|j| j.id).collect()
+                ids
             }
             Err(e) => {
                 if log.down.insert(name.to_string()) {
