@@ -120,6 +120,27 @@ fn epochs(f: &Fake, job: u16) -> Vec<EpochView> {
         .unwrap_or_default()
 }
 
+/// Epoch 2 with appliance 1 (b) joined at it: b back after epoch 1.
+fn b_joined_at_2() -> EpochView {
+    EpochView {
+        epoch: 2,
+        down: vec![],
+        joined: vec![Joined {
+            appliance: 1,
+            epoch: 2,
+        }],
+    }
+}
+
+/// Whether fake `f` holds `job` installed at epoch `view`.
+fn installed_at(f: &Fake, job: u16, view: &EpochView) -> bool {
+    f.jobs().get(&job).is_some_and(|j| {
+        j.replication
+            .as_ref()
+            .is_some_and(|r| (r.epoch, &r.down, &r.joined) == (view.epoch, &view.down, &view.joined))
+    })
+}
+
 /// The job's layout as failover sees it, from a worker's join.
 fn replica_layout(j: &JoinResponse) -> ReplicaLayout<String> {
     let r = j
@@ -319,20 +340,9 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
         st.copies_awaiting = 3;
     }
     b.set_silent(false);
-    let e2 = EpochView {
-        epoch: 2,
-        down: vec![],
-        joined: vec![Joined {
-            appliance: 1,
-            epoch: 2,
-        }],
-    };
+    let e2 = b_joined_at_2();
     wait_for("the job installed on b at epoch 2, joined", within, || {
-        b.jobs().get(&job.id).is_some_and(|j| {
-            j.replication
-                .as_ref()
-                .is_some_and(|r| (r.epoch, &r.down, &r.joined) == (2, &e2.down, &e2.joined))
-        })
+        installed_at(&b, job.id, &e2)
     });
     assert!(
         b.state.lock().unwrap().restored.is_empty(),
@@ -402,21 +412,10 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
     assert_eq!(b.state.lock().unwrap().installs, vec![(job.id, 0)]);
     // b restarts at once: it holds nothing, and answers every heartbeat.
     b.forget_all();
-    let e2 = EpochView {
-        epoch: 2,
-        down: vec![],
-        joined: vec![Joined {
-            appliance: 1,
-            epoch: 2,
-        }],
-    };
+    let e2 = b_joined_at_2();
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     wait_for("the job installed on b at epoch 2, joined", within, || {
-        b.jobs().get(&job.id).is_some_and(|j| {
-            j.replication
-                .as_ref()
-                .is_some_and(|r| (r.epoch, &r.down, &r.joined) == (2, &e2.down, &e2.joined))
-        })
+        installed_at(&b, job.id, &e2)
     });
     {
         let st = b.state.lock().unwrap();

@@ -130,23 +130,31 @@ fn two_appliances(p0: u16, p1: u16) -> JoinResponse {
     }
 }
 
-#[test]
-fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
-    let stop = Arc::new(AtomicBool::new(false));
+/// Two appliances until `stop`: 0 answering, 1 dead (it takes datagrams
+/// and answers none); the join answer over them ([`two_appliances`]) and
+/// what each saw.
+fn live_and_dead(stop: &Arc<AtomicBool>) -> (JoinResponse, Seen, Seen) {
     let a0 = UdpSocket::bind("127.0.0.1:0").unwrap();
     let a1 = UdpSocket::bind("127.0.0.1:0").unwrap();
     let port = |s: &UdpSocket| s.local_addr().unwrap().port();
-    let (p0, p1) = (port(&a0), port(&a1));
-    // Appliance 1 is dead: it takes datagrams and answers none.
-    let seen0 = appliance(a0, true, Arc::clone(&stop));
-    let seen1 = appliance(a1, false, Arc::clone(&stop));
+    let join = two_appliances(port(&a0), port(&a1));
+    (
+        join,
+        appliance(a0, true, Arc::clone(stop)),
+        appliance(a1, false, Arc::clone(stop)),
+    )
+}
+
+#[test]
+fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
+    let stop = Arc::new(AtomicBool::new(false));
+    let (join, seen0, seen1) = live_and_dead(&stop);
     let e1 = EpochView {
         epoch: 1,
         down: vec![1],
         ..Default::default()
     };
     let (url, asked) = fake_control(200, serde_json::to_string(&e1).unwrap(), Arc::clone(&stop));
-    let join = two_appliances(p0, p1);
     let config = WorkerConfig {
         timeout: Duration::from_secs(20),
         ..WorkerConfig::default()
@@ -178,19 +186,14 @@ fn a_silent_primary_makes_the_worker_follow_control_to_the_adopting_backup() {
 #[test]
 fn a_failed_job_s_worker_stops_with_control_s_reason() {
     let stop = Arc::new(AtomicBool::new(false));
-    let a0 = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let a1 = UdpSocket::bind("127.0.0.1:0").unwrap();
-    let port = |s: &UdpSocket| s.local_addr().unwrap().port();
-    let (p0, p1) = (port(&a0), port(&a1));
-    let _seen0 = appliance(a0, true, Arc::clone(&stop));
-    let _seen1 = appliance(a1, false, Arc::clone(&stop));
+    let (join, _, _) = live_and_dead(&stop);
     let why = "job 11 failed: part 1 (chunks 1..2, home appliance a1) is lost; evict it and admit again";
     let (url, asked) = fake_control(409, format!("{{\"error\": \"{why}\"}}"), Arc::clone(&stop));
     let config = WorkerConfig {
         timeout: Duration::from_secs(20),
         ..WorkerConfig::default()
     };
-    let w = Worker::from_join_at(two_appliances(p0, p1), TOKEN, config, Some(&url)).unwrap();
+    let w = Worker::from_join_at(join, TOKEN, config, Some(&url)).unwrap();
     let mut params: Vec<f32> = (0..2 * ELEMS).map(|i| i as f32 * 0.5).collect();
     let t = std::time::Instant::now();
     let err = w.wait(w.init(0, &mut params).unwrap()).unwrap_err().to_string();
