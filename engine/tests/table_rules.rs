@@ -407,6 +407,74 @@ fn duplicates_are_dropped_and_lost_answers_resent() {
     assert_eq!(c.results_resent.get(), 2);
 }
 
+/// A restored lcore took copies of some of rank 0's round-1 messages (a
+/// push and its ROW_END of count 2; push 1 not), then rank 0 learnt from
+/// the lcore's answers before its restart that round 1 had completed,
+/// moved on, was refused `ahead` and catches the lcore up with an empty
+/// round 1 (PROTOCOL.md §10.6). The empty round closes rank 0's part with
+/// the push taken: its later copies are duplicates, and round 1 completes
+/// once rank 1 is complete, answering rank 0's push taken and its ROW_DONE
+/// with the count it stated. Before, the empty round was refused
+/// `bad_row_count` (the count changed) and the worker's push failed
+/// (simulator seed 10066).
+#[test]
+fn an_empty_round_over_a_rank_s_own_copies_closes_its_part() {
+    let mut s = shard(2, Consistency::Sync);
+    let ids = ids_on(0, 4);
+    let (a, b) = (&ids[0..2], &ids[2..4]);
+    let mut reference = Reference::new(&table_spec());
+    assert_eq!(
+        s.handle(addr(0), &push(0, 1, 0, a, &grads(a, 1)), 0),
+        Verdict::Aggregated
+    );
+    assert_eq!(s.handle(addr(0), &end(0, 1, 2), 0), Verdict::Aggregated);
+    assert_eq!(s.handle(addr(0), &end(0, 1, 0), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(0), &push(0, 1, 1, b, &grads(b, 1)), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+    assert_eq!(
+        s.handle(addr(0), &end(0, 1, 2), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+    assert!(
+        drain(&mut s).is_empty(),
+        "nothing is answered before rank 1 is complete"
+    );
+    // A count other than the first, not empty, is still refused.
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(1), &end(1, 1, 3), 0),
+        Verdict::Dropped(DropReason::BadRowCount)
+    );
+    assert_eq!(
+        s.handle(addr(1), &push(1, 1, 0, b, &grads(b, 2)), 0),
+        Verdict::Completed
+    );
+    for &id in a {
+        reference.apply(id, &grad(id, 1));
+    }
+    for &id in b {
+        reference.apply(id, &grad(id, 2));
+    }
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            error(addr(1), DropReason::BadRowCount, 1, 3),
+            rows_sent(addr(0), RowMsgType::RowResult, 1, 0, a, &reference),
+            rows_sent(addr(1), RowMsgType::RowResult, 1, 0, b, &reference),
+            done(addr(0), 1, 2),
+            done(addr(1), 1, 1),
+        ]
+    );
+    // Round 2 is as any round: the closing is gone with round 1.
+    assert_eq!(s.handle(addr(0), &end(0, 2, 0), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(0), &end(0, 2, 0), 0),
+        Verdict::Dropped(DropReason::Duplicate)
+    );
+}
+
 /// A ROW_PULL answers initial values for ids never pushed and the rows of
 /// the last completed round for the others (a round's updates apply at its
 /// completion), with that round in `round`.

@@ -1053,3 +1053,147 @@ fn tables_with_every_row_optimizer_in_every_mode() {
         "no restored lcore was brought up with empty rounds"
     );
 }
+
+/// A finding of the soak, fixed: seed 6816 (BSP, two ranks, one lcore, a
+/// table; checkpoint at 0.46 ms, crash at 1.5 ms for 39 ms). Round 1 of
+/// the table completed before the crash; of its answers rank 1 received
+/// one ROW_RESULT only. The restored lcore (at round 0) took rank 1's
+/// unanswered messages again as round 1 in progress and waited for the
+/// answered one, which rank 1 never sent again: it timed out. Now a BSP
+/// lane sends its answered messages again from its second resend on
+/// (PROTOCOL.md §10.6, "The worker's side").
+#[test]
+fn a_table_round_answered_in_part_before_an_older_restore() {
+    let o = run(&Case {
+        seed: 6816,
+        workers: 2,
+        appliances: 1,
+        lcores: 1,
+        keys: vec![220, 94],
+        dtype: Dtype::Bf16,
+        chunk_bytes: 64,
+        optimizer: Optimizer::Adamw {
+            lr: 0.001,
+            beta1: 0.9,
+            beta2: 0.999,
+            eps: 1e-8,
+            weight_decay: 0.01,
+        },
+        consistency: Consistency::Sync,
+        rounds: 5,
+        window: 30,
+        faults: Faults {
+            loss: 0.121_100_238_766_076_95,
+            dup: 0.034_628_183_122_123_256,
+            reorder: 0.023_075_274_827_096_33,
+            delay_us: (46, 371),
+            jitter_us: 188,
+        },
+        partition: None,
+        clog: None,
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 459,
+            at_us: 1493,
+            down_us: 39_013,
+        }),
+        racks: 0,
+        compute_us: 1689,
+        tables: vec![TableCase {
+            dim: 4,
+            seed: 3_971_595_150_616_155_677,
+            init: RowInitSpec::Zeros,
+            optimizer: RowOptimizerSpec::Sum,
+            ids: 230,
+            touch: 23,
+        }],
+    });
+    assert_eq!(o.restored, 1);
+    assert!(o.table_rounds_caught_up > 0, "{o:?}");
+}
+
+/// A finding of the soak, fixed: seed 10066 (BSP, two ranks, three lcores,
+/// window 3, two tables; checkpoint at 9.1 ms, crash at 14 ms; rank 1
+/// clogged from 9.8 to 185 ms). Two things: (1) round 2 of table key 4
+/// completed on lcore 0 before the crash, its answers to rank 1 held by
+/// the clog; rank 1's resends of round 2 reached the restored lcore (at
+/// round 1) first, then the old answers came and rank 1 moved on; refused
+/// `ahead` at round 3, its empty round 2 contradicted the count the lcore
+/// held from its own copies and was refused `bad_row_count` (now the empty
+/// round closes the rank's part with what the lcore took, PROTOCOL.md
+/// §10.6). (2) Then each rank's lane to the lcore it had caught up waited
+/// behind a window of 3 full of lanes waiting on the other rank: a lane
+/// brought up now goes again at once, past the window.
+#[test]
+fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
+    let o = run(&Case {
+        seed: 10_066,
+        workers: 2,
+        appliances: 1,
+        lcores: 3,
+        keys: vec![212, 53, 177, 70],
+        dtype: Dtype::Bf16,
+        chunk_bytes: 64,
+        optimizer: Optimizer::Momentum {
+            lr: 0.01,
+            momentum: 0.9,
+            weight_decay: 0.001,
+        },
+        consistency: Consistency::Sync,
+        rounds: 5,
+        window: 3,
+        faults: Faults {
+            loss: 0.034_194_357_083_465_08,
+            dup: 0.041_538_791_344_014_33,
+            reorder: 0.028_976_846_215_073_505,
+            delay_us: (19, 135),
+            jitter_us: 180,
+        },
+        partition: None,
+        clog: Some(Spell {
+            node: Node::Worker(1),
+            from_us: 9781,
+            until_us: 184_998,
+        }),
+        rejoin: None,
+        crash: Some(Crash {
+            appliance: 0,
+            checkpoint_us: 9103,
+            at_us: 14_038,
+            down_us: 5455,
+        }),
+        racks: 0,
+        compute_us: 1910,
+        tables: vec![
+            TableCase {
+                dim: 5,
+                seed: 2_493_478_650_870_348_211,
+                init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+                optimizer: RowOptimizerSpec::Adagrad {
+                    lr: 0.1,
+                    eps: 1e-8,
+                    initial_accumulator: 0.1,
+                    rowwise: false,
+                },
+                ids: 32,
+                touch: 22,
+            },
+            TableCase {
+                dim: 8,
+                seed: 18_111_958_490_923_179_028,
+                init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+                optimizer: RowOptimizerSpec::Adam {
+                    lr: 0.01,
+                    beta1: 0.9,
+                    beta2: 0.999,
+                    eps: 1e-8,
+                },
+                ids: 163,
+                touch: 21,
+            },
+        ],
+    });
+    assert_eq!(o.restored, 1);
+    assert!(o.table_rounds_caught_up > 0, "{o:?}");
+}

@@ -18,7 +18,10 @@
 //! completed round is answered again (the message's own ids with their
 //! current rows); older is `stale`, beyond is `ahead`. A ROW_END sets
 //! `n[r]` (a second, other count is `bad_row_count`, the same count
-//! `duplicate`). When every rank is complete, each accumulated row goes
+//! `duplicate`), but an empty one (n = 0) from a rank the lcore already
+//! holds part of the round of closes that rank's part with what it took
+//! (a worker catching a restored lcore up, PROTOCOL.md §10.6; later
+//! messages of its round are `duplicate`). When every rank is complete, each accumulated row goes
 //! through the table's optimizer once, in the order its id first arrived,
 //! and every rank gets its ROW_RESULTs and its ROW_DONE.
 //!
@@ -414,6 +417,7 @@ fn bsp<A: Copy>(
             answers.done(repr.rank, t, s.min(MAX_ROW_MESSAGES) as u16);
             return Ok(Verdict::Resent);
         }
+        (_, Age::InProgress) if table.ranks[r].closed => return Err(DropReason::Duplicate),
         (RowMsgType::RowPush, Age::InProgress) => {
             let rank = table.ranks[r];
             if s >= MAX_ROW_MESSAGES || rank.n.is_some_and(|n| s >= u32::from(n)) {
@@ -427,6 +431,14 @@ fn bsp<A: Copy>(
             };
             accumulate(table, repr.rank, s, rows);
             table.ranks[r].got.insert(s);
+            Verdict::Aggregated
+        }
+        (_, Age::InProgress) if s == 0 && table.ranks[r].holds_part() => {
+            // An empty round (a worker catching a restored lcore up,
+            // PROTOCOL.md §10.6) over copies of the rank's own messages of
+            // this round that the lcore took after its restore: the rank's
+            // part closes with what was taken.
+            table.ranks[r].closed = true;
             Verdict::Aggregated
         }
         (_, Age::InProgress) => {

@@ -101,17 +101,28 @@ pub(super) struct RowRank {
     /// Bounded delay: the count of its applied clock's ROW_END while its
     /// ROW_DONE is held.
     pub(super) held: Option<u16>,
+    /// BSP: its part of the round in progress was closed by an empty
+    /// round (a ROW_END with n = 0) over copies of its own messages the
+    /// lcore had already taken (PROTOCOL.md §10.6): complete with what
+    /// was taken; later messages of the round are duplicates.
+    pub(super) closed: bool,
 }
 
 impl RowRank {
     /// Whether the rank has sent all its rows of the round: `n[r]` is set
     /// and `got[r]` is 0 .. `n[r]`.
     pub(super) fn complete(&self) -> bool {
-        self.n.is_some_and(|n| self.got.is_first(u32::from(n)))
+        self.closed || self.n.is_some_and(|n| self.got.is_first(u32::from(n)))
+    }
+    /// Whether the lcore holds part of the rank's round in progress that
+    /// an empty round (n = 0) contradicts: a push, or a count other than 0.
+    pub(super) fn holds_part(&self) -> bool {
+        self.n.is_some_and(|n| n != 0) || self.got.len() > 0
     }
     pub(super) fn clear_round(&mut self) {
         self.got = SeqSet::default();
         self.n = None;
+        self.closed = false;
     }
 }
 

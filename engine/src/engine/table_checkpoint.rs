@@ -120,6 +120,7 @@ impl Table {
                         n: s.n,
                         applied: s.applied,
                         held: s.held,
+                        closed: false,
                     };
                 }
             }

@@ -38,6 +38,9 @@ pub(crate) struct TableInfo {
     pub(crate) per: u32,
     /// Where each row lives.
     pub(crate) placement: RowPlacement,
+    /// The job is BSP: an lcore answers a round's messages only once the
+    /// round completes there (PROTOCOL.md §10.3).
+    pub(crate) bsp: bool,
 }
 
 /// What a planned request does.

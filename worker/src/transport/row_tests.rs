@@ -41,6 +41,7 @@ fn table(lcores: u32, dim: u32, per: u32) -> TableInfo {
         dim,
         per,
         placement: RowPlacement::new(7, KEY, &[lcores]).unwrap(),
+        bsp: true,
     }
 }
 
@@ -729,6 +730,35 @@ fn a_push_refused_ahead_by_a_restored_lcore_brings_it_up_to_the_round() {
     assert!(!h.t.busy() && h.t.outstanding() == 0);
     // Round 1 refused `ahead` is no restore's: the push fails, naming it
     // (an_error_is_matched_to_its_message_and_named).
+}
+
+/// A BSP round completes on its lcore, but of its answers only the first
+/// arrives before the lcore restarts from a checkpoint older than the
+/// round: the restored lcore takes the unanswered messages as the round in
+/// progress and needs the answered one too, which goes again with the
+/// lane's later resends (PROTOCOL.md §10.6; simulator seed 6816). Before,
+/// it never went again and the push timed out.
+#[test]
+fn a_bsp_lane_sends_its_answered_messages_again_for_a_restored_lcore() {
+    let dim = 2;
+    let mut h = Harness::new(1, dim, 2, 64);
+    let ids: Vec<u64> = (0..6).collect();
+    let g = grads(&ids, dim, 1.0);
+    let saved = h.lcores[0].clone();
+    h.push(1, 1, &ids, &g);
+    let sent = h.sent();
+    let answers = h.answers(&sent);
+    assert_eq!(answers.len(), 4, "three ROW_RESULTs and a ROW_DONE");
+    let (from, d) = answers[0].clone();
+    h.deliver(from, &d);
+    h.lcores[0] = saved;
+    let ended = h.run(|_, _| false);
+    let out = match &ended[..] {
+        [(1, Ok(out))] => out,
+        other => panic!("the push after the restore: {other:?}"),
+    };
+    assert_eq!(out.rows, g);
+    assert_eq!(h.lcores[0].done, 1, "the restored lcore completed round 1 again");
 }
 
 #[test]

@@ -36,7 +36,11 @@
 //!   (PROTOCOL.md §10.6). That lcore's messages of the request are parked
 //!   (answered ones too), a ROW_PULL of one id asks its round c, an empty
 //!   round (ROW_END, n = 0) goes for each of c + 1 .. t − 1, one at a time,
-//!   and then the parked messages go again ([`CatchUp`]).
+//!   and then the parked messages go again at once, past the window
+//!   ([`CatchUp`]).
+//! - BSP: a lane resent twice sends its answered messages again with the
+//!   unanswered ones (an lcore restored behind a round it completed waits
+//!   for them, PROTOCOL.md §10.6; [`RowTransport::handle_timeout`]).
 //! - Every request ends: with its rows, with the appliance's refusal
 //!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
 //!   once no answer at all has come for `timeout`, or with
@@ -95,6 +99,18 @@ pub(crate) struct RowFinished<D> {
     pub(crate) key: u32,
     pub(crate) done: D,
     pub(crate) result: Result<RowOutput, WorkerError>,
+}
+
+/// A BSP push's lane sends its answered messages again, with its
+/// unanswered ones, from this many sends of one of those on
+/// ([`RowTransport::handle_timeout`]).
+const RESEND_ANSWERED_AFTER: u32 = 2;
+
+/// Sets RETRANSMIT in the header at the start of `d`.
+fn set_retransmit(d: &mut [u8]) {
+    let mut h = Header::new_unchecked(&mut d[..HEADER_LEN]);
+    let f = h.flags();
+    h.set_flags(f | flags::RETRANSMIT);
 }
 
 /// A ROW_PULL's `chunk` that asks a restored lcore where a table stands
@@ -159,6 +175,8 @@ struct Active<D> {
     min_round: u32,
     /// Per entry, its lcore's catching up, while one is (a push only).
     catch_up: BTreeMap<u32, CatchUp>,
+    /// A push of a BSP table (its lcores answer a round at completion).
+    bsp_push: bool,
     done: D,
 }
 
@@ -289,6 +307,7 @@ impl<D> RowTransport<D> {
             return;
         };
         assert_eq!(plan.dim, table.dim, "a plan for table {key} with another dim");
+        let bsp_push = table.bsp && matches!(plan.kind, PlanKind::Push { .. });
         if self.active.contains_key(&key) {
             self.finished.push_back(RowFinished {
                 key,
@@ -321,6 +340,7 @@ impl<D> RowTransport<D> {
             remaining: n,
             min_round: u32::MAX,
             catch_up: BTreeMap::new(),
+            bsp_push,
             plan,
             done,
         };
@@ -447,6 +467,9 @@ impl<D> RowTransport<D> {
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = 0;
         for (&key, a) in &mut self.active {
+            // BSP lanes whose answered messages go again with this send
+            // (below), by entry.
+            let mut again = Vec::new();
             for (i, s) in a.states.iter_mut().enumerate() {
                 let MsgState::Out(sent) = s else {
                     continue;
@@ -455,14 +478,35 @@ impl<D> RowTransport<D> {
                     continue;
                 }
                 if sent.retries == 0 {
-                    let mut h = Header::new_unchecked(&mut a.bytes[a.offsets[i]..a.offsets[i] + HEADER_LEN]);
-                    let f = h.flags();
-                    h.set_flags(f | flags::RETRANSMIT);
+                    set_retransmit(&mut a.bytes[a.offsets[i]..]);
                 }
                 sent.retries += 1;
                 sent.deadline = now + self.rto.loss(sent.retries);
                 self.queue.push((key, i));
                 resent += 1;
+                if sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push {
+                    again.push(a.plan.msgs[i].entry);
+                }
+            }
+            // A BSP lcore answers a round only once it completes, so a lane
+            // with answers in and others missing after two sends had its
+            // round complete and those answers lost; an lcore restored
+            // since from a checkpoint older than that round takes the
+            // unanswered messages as the round in progress and waits for
+            // the answered ones, which would never go again (PROTOCOL.md
+            // §10.6: simulator seed 6816). They go again with the lane's
+            // resends; a copy the lcore already took is a duplicate, one of
+            // a completed round is answered again and ignored here.
+            again.dedup();
+            for entry in again {
+                let lane = a.plan.lanes[entry as usize];
+                for i in lane.first..=lane.first + lane.n as usize {
+                    if matches!(a.states[i], MsgState::Answered) {
+                        set_retransmit(&mut a.bytes[a.offsets[i]..]);
+                        self.queue.push((key, i));
+                        resent += 1;
+                    }
+                }
             }
             for (&entry, c) in &mut a.catch_up {
                 if now >= c.sent.deadline {
@@ -744,13 +788,26 @@ impl<D> RowTransport<D> {
             self.catch_up_queue.push((repr.key, entry));
             return true;
         }
-        // The lcore stands at the push's round: its messages go first.
+        // The lcore stands at the push's round: the lane goes again at
+        // once, whole, past the window, as a lane already started does
+        // (`fill_window`). It was out before it was parked, and the lcore
+        // now waits for it while this rank's other lanes may wait there for
+        // ranks that wait on this lcore: held behind the window, two ranks
+        // each with a window full of lanes the other's parked lane
+        // completes waited for ever (simulator seed 10066).
         a.catch_up.remove(&entry);
         let lane = a.plan.lanes[entry as usize];
-        for j in (lane.first..=lane.first + lane.n as usize).rev() {
-            a.states[j] = MsgState::Pending;
-            self.pending.push_front((repr.key, j));
+        let deadline = now + self.rto.loss(0);
+        for j in lane.first..=lane.first + lane.n as usize {
+            a.states[j] = MsgState::Out(Sent {
+                first_sent: now,
+                deadline,
+                retries: 0,
+            });
+            self.outstanding += 1;
+            self.queue.push((repr.key, j));
         }
+        add(&self.stats.row_messages_sent, u64::from(lane.n) + 1);
         true
     }
 
