@@ -1124,7 +1124,10 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
 /// round closes the rank's part with what the lcore took, PROTOCOL.md
 /// §10.6). (2) Then each rank's lane to the lcore it had caught up waited
 /// behind a window of 3 full of lanes waiting on the other rank: a lane
-/// brought up now goes again at once, past the window.
+/// brought up now goes again at once, past the window. (Since a push
+/// resent twice sends its answered messages too, rank 1 completes round
+/// 2 on the restored lcore before it moves on, and this run no longer
+/// reaches either; the engine's `table_rules` tests the closing.)
 #[test]
 fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
     let o = run(&Case {
@@ -1194,6 +1197,34 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
             },
         ],
     });
-    assert_eq!(o.restored, 1);
-    assert!(o.table_rounds_caught_up > 0, "{o:?}");
+    assert_eq!(o.restored, 1, "{o:?}");
+}
+
+/// Findings of a 50,000-seed soak, fixed: BSP jobs with tables restored
+/// from a checkpoint older than the crash. Seed 29233 (three ranks, two
+/// appliances): round 1 of a table completed on two restored lcores
+/// before the crash; rank 0 had all the answers of one lane, ranks 1 and
+/// 2 all of the other's; each restored lcore waited for the ranks whose
+/// lane there was answered, which resent only their other lane: now a
+/// push resent twice sends its answered messages too. Seed 35557 (six
+/// ranks, one appliance, window 4): table key 4's round 1 on the restored
+/// lcore waited for the empty round of four ranks that had moved on, whose
+/// round 2 there, which would have told them, was held behind windows
+/// full of key 3's round 2, which waited for the fifth rank, whose key 4
+/// round 1 waited on that lcore: now lanes held while no answer comes ask
+/// their lcore where the table stands. Seed 22249 (two appliances) is of
+/// the second kind. Drawn by `Case::draw`; the assertions keep them the
+/// cases they were.
+#[test]
+fn restored_tables_whose_ranks_had_moved_on() {
+    for seed in [22_249, 29_233, 35_557] {
+        let c = Case::draw(seed);
+        let crash = c.crash.expect("a crash");
+        assert!(
+            c.consistency == Consistency::Sync && !c.tables.is_empty() && crash.checkpoint_us < crash.at_us,
+            "seed {seed} is no longer a BSP job with tables and an older checkpoint: {c:?}"
+        );
+        let o = run(&c);
+        assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+    }
 }

@@ -42,6 +42,7 @@ phub_proto::counter_table! {
         row_answers_accepted: Count, Hidden, "Table answers (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT) accepted for an outstanding message";
         row_answers_ignored: Count, Hidden, "Table answers and ERRORs of this job ignored: duplicates, or for a round or message not waited for";
         row_rounds_caught_up: Count, Hidden, "Empty table rounds (a ROW_END of no rows) sent to an lcore restored from an older checkpoint, which refused a push `ahead`, to bring it up to the push's round (PROTOCOL.md §10.6)";
+        row_lanes_probed: Count, Hidden, "Table lanes held behind the window that asked their lcore where the table stands after no answer came for a while, in case it was restored behind them (PROTOCOL.md §10.6)";
         row_answers_malformed: Count, Hidden, "Table answers dropped as malformed: unparsable, or with another dim, sequence number, count or ids than the message they answer";
         shm_results: Count, Hidden, "RESULTs whose payload was read from the dataplane's result region (shared memory, `WorkerConfig::shm`)";
     }

@@ -761,6 +761,49 @@ fn a_bsp_lane_sends_its_answered_messages_again_for_a_restored_lcore() {
     assert_eq!(h.lcores[0].done, 1, "the restored lcore completed round 1 again");
 }
 
+/// Round 2 with a window of one: the lane to lcore 0 goes, the lane to
+/// lcore 1 is held behind the window. Lcore 0 never answers (it waits on
+/// other ranks) and lcore 1 was restored from before round 1, so it waits
+/// for this rank's empty round 1, which the rank would only learn from
+/// round 2's `ahead` there. Once no answer has come for a while the held
+/// lane asks lcore 1 where the table stands, brings it up and goes (then
+/// lcore 0 answers and the push completes). Before, nothing went to lcore
+/// 1 until lcore 0 answered (simulator seed 35557: four ranks' windows
+/// full of one table's lanes, a fifth waiting on the restored lcore).
+#[test]
+fn a_lane_held_behind_the_window_asks_a_restored_lcore_where_it_stands() {
+    let dim = 2;
+    let mut h = Harness::new(2, dim, 2, 1);
+    let ids: Vec<u64> = (0..12).collect();
+    let saved = h.lcores[1].clone();
+    h.push(1, 1, &ids, &grads(&ids, dim, 1.0));
+    assert!(h.run(|_, _| false)[0].1.is_ok());
+    h.lcores[1] = saved;
+    h.push(2, 2, &ids, &grads(&ids, dim, 2.0));
+    let mut to_lcore_1 = 0;
+    for _ in 0..40 {
+        for m in h.sent() {
+            if m.to == addr(0) {
+                continue; // lcore 0 waits on other ranks
+            }
+            to_lcore_1 += 1;
+            for (from, d) in h.answers(std::slice::from_ref(&m)) {
+                h.deliver(from, &d);
+            }
+        }
+        if h.lcores[1].done == 2 {
+            break;
+        }
+        h.advance();
+    }
+    assert_eq!(h.lcores[1].done, 2, "lcore 1 brought up and given round 2");
+    assert!(to_lcore_1 >= 3, "a ROW_PULL, an empty round and the lane");
+    let s = h.stats.snapshot();
+    assert_eq!((s.row_lanes_probed, s.row_rounds_caught_up), (1, 1), "{s:?}");
+    let ended = h.run(|_, _| false);
+    assert!(matches!(&ended[..], [(2, Ok(_))]), "{ended:?}");
+}
+
 #[test]
 fn malformed_answers_are_counted_and_dropped() {
     let dim = 2;

@@ -38,9 +38,12 @@
 //!   round (ROW_END, n = 0) goes for each of c + 1 .. t − 1, one at a time,
 //!   and then the parked messages go again at once, past the window
 //!   ([`CatchUp`]).
-//! - BSP: a lane resent twice sends its answered messages again with the
-//!   unanswered ones (an lcore restored behind a round it completed waits
-//!   for them, PROTOCOL.md §10.6; [`RowTransport::handle_timeout`]).
+//! - BSP: a push with a message resent twice sends its answered messages
+//!   again with the unanswered ones (an lcore restored behind a round it
+//!   completed waits for them, PROTOCOL.md §10.6;
+//!   [`RowTransport::handle_timeout`]). A transport without an answer for
+//!   a while asks where the tables of the lanes held behind its window
+//!   stand ([`RowTransport::probe_held_lanes`]).
 //! - Every request ends: with its rows, with the appliance's refusal
 //!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
 //!   once no answer at all has come for `timeout`, or with
@@ -101,10 +104,15 @@ pub(crate) struct RowFinished<D> {
     pub(crate) result: Result<RowOutput, WorkerError>,
 }
 
-/// A BSP push's lane sends its answered messages again, with its
-/// unanswered ones, from this many sends of one of those on
+/// A BSP push sends its answered messages again, with its unanswered
+/// ones, from this many sends of one of those on
 /// ([`RowTransport::handle_timeout`]).
 const RESEND_ANSWERED_AFTER: u32 = 2;
+
+/// A transport with no answer for the loss timeout after this many
+/// backoffs asks where the tables of its held lanes stand
+/// ([`RowTransport::probe_held_lanes`]).
+const STALL_AFTER: u32 = 2;
 
 /// Sets RETRANSMIT in the header at the start of `d`.
 fn set_retransmit(d: &mut [u8]) {
@@ -467,9 +475,9 @@ impl<D> RowTransport<D> {
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = 0;
         for (&key, a) in &mut self.active {
-            // BSP lanes whose answered messages go again with this send
-            // (below), by entry.
-            let mut again = Vec::new();
+            // Whether the request's answered messages go again with this
+            // send (below).
+            let mut again = false;
             for (i, s) in a.states.iter_mut().enumerate() {
                 let MsgState::Out(sent) = s else {
                     continue;
@@ -484,24 +492,23 @@ impl<D> RowTransport<D> {
                 sent.deadline = now + self.rto.loss(sent.retries);
                 self.queue.push((key, i));
                 resent += 1;
-                if sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push {
-                    again.push(a.plan.msgs[i].entry);
-                }
+                again |= sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push;
             }
-            // A BSP lcore answers a round only once it completes, so a lane
-            // with answers in and others missing after two sends had its
-            // round complete and those answers lost; an lcore restored
-            // since from a checkpoint older than that round takes the
-            // unanswered messages as the round in progress and waits for
-            // the answered ones, which would never go again (PROTOCOL.md
-            // §10.6: simulator seed 6816). They go again with the lane's
-            // resends; a copy the lcore already took is a duplicate, one of
-            // a completed round is answered again and ignored here.
-            again.dedup();
-            for entry in again {
-                let lane = a.plan.lanes[entry as usize];
-                for i in lane.first..=lane.first + lane.n as usize {
-                    if matches!(a.states[i], MsgState::Answered) {
+            // A BSP lcore answers a round only once it completes, so a
+            // message of a round whose other answers are in, or whose
+            // other lanes are answered, has only lost its answer, or its
+            // lcore was restored since from a checkpoint older than that
+            // round: then the lcore takes what it is sent again as the
+            // round in progress and waits for the rest of the round from
+            // every rank, answered messages too, which a rank resending
+            // only unanswered ones never sends (PROTOCOL.md §10.6:
+            // simulator seeds 6816 and 29233). They go again with the
+            // request's resends from the second on; a copy the lcore
+            // already took is a duplicate, one of a completed round is
+            // answered again and ignored here.
+            if again {
+                for (i, st) in a.states.iter().enumerate() {
+                    if matches!(st, MsgState::Answered) {
                         set_retransmit(&mut a.bytes[a.offsets[i]..]);
                         self.queue.push((key, i));
                         resent += 1;
@@ -518,10 +525,48 @@ impl<D> RowTransport<D> {
             }
         }
         add(&self.stats.row_retransmits, resent);
+        let mut probed = 0;
+        if now.saturating_duration_since(self.last_progress) >= self.rto.loss(STALL_AFTER) {
+            probed = self.probe_held_lanes(now);
+        }
         if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
-        resent > 0
+        resent > 0 || probed > 0
+    }
+
+    /// No answer for a while: every lane of a push of round t ≥ 2 still
+    /// held behind the window asks its lcore where the table stands, as
+    /// after `ahead` ([`CatchUp`]): one restored behind is brought up,
+    /// one at round t − 1 gets the lane at once. An lcore restored from a
+    /// checkpoint older than a round it completed waits for the empty
+    /// round of every rank that moved on, and such a rank learns it only
+    /// from a message of its next round there: held behind a window full
+    /// of lanes that wait on the ranks that wait on that lcore, it sent
+    /// none (simulator seed 35557: table key 4's round 1 on the restored
+    /// lcore waited for four ranks whose windows were full of key 3's
+    /// round 2, which waited for the fifth, whose key 4 round 1 waited on
+    /// that lcore). Returns the lanes asked.
+    fn probe_held_lanes(&mut self, now: Instant) -> u64 {
+        let held: Vec<(u32, usize)> = self
+            .pending
+            .iter()
+            .copied()
+            .filter(|&(key, i)| {
+                self.active.get(&key).is_some_and(|a| {
+                    matches!(a.plan.kind, PlanKind::Push { round } if round >= 2)
+                        && a.plan.lanes[a.plan.msgs[i].entry as usize].first == i
+                })
+            })
+            .collect();
+        let mut asked = 0;
+        for (key, i) in held {
+            if self.start_catch_up(now, key, i) {
+                asked += 1;
+            }
+        }
+        add(&self.stats.row_lanes_probed, asked);
+        asked
     }
 
     /// The next request that ended, if any.
