@@ -101,6 +101,8 @@ from ._native import Handle, Results, Staged, UsageError, Worker
 __all__ = [
     "CommHookState",
     "DistributedOptimizer",
+    "Embedding",
+    "EmbeddingBag",
     "Session",
     "broadcast_parameters",
     "comm_hook",
@@ -837,6 +839,98 @@ class DistributedOptimizer(torch.optim.Optimizer):
             done = torch.cuda.Event()
             done.record(st.h2d)
         torch.cuda.current_stream(st.device).wait_event(done)
+
+
+# -- sparse tables: Embedding and EmbeddingBag ------------------------------
+
+
+class _TableLookup(torch.nn.Module):
+    """What :class:`Embedding` and :class:`EmbeddingBag` share: the table's
+    rows of a batch's distinct ids, pulled, as a leaf tensor whose gradient
+    is pushed as the table's next round."""
+
+    def __init__(self, worker: Worker, table: str) -> None:
+        super().__init__()
+        self.worker = worker
+        self.table = table
+        #: Values per row (the table's ``dim``).
+        self.dim = worker.table_dim(table)
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``ids``' distinct ids and each id's index among them."""
+        if ids.dtype not in (torch.int64, torch.int32):
+            raise UsageError(f"table {self.table!r}: ids are int64 or int32, got {ids.dtype}")
+        uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
+        ids_np = np.ascontiguousarray(uniq.detach().cpu().numpy().astype(np.int64, copy=False))
+        out = np.empty((len(ids_np), self.dim), dtype=np.float32)
+        self.worker.pull_rows(self.table, ids_np, out)
+        rows = torch.from_numpy(out).to(ids.device)
+        if self.training and torch.is_grad_enabled():
+            rows.requires_grad_(True)
+            rows.register_hook(lambda g: self._push(ids_np, g))
+        return rows, inverse.reshape(ids.shape)
+
+    def _push(self, ids_np: np.ndarray, grad: torch.Tensor) -> torch.Tensor:
+        g = np.ascontiguousarray(grad.detach().to("cpu", torch.float32).numpy())
+        self.worker.push_rows(self.table, ids_np, g)
+        return grad
+
+    def skip_round(self) -> int:
+        """Pushes a round with no rows, for a rank with nothing to look up
+        this step (every rank pushes every round of a table). Returns the
+        round."""
+        return self.worker.push_rows(self.table, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
+
+    def extra_repr(self) -> str:
+        return f"table={self.table!r}, dim={self.dim}"
+
+
+class Embedding(_TableLookup):
+    """``torch.nn.Embedding`` whose table lives on the appliance: the sparse
+    table ``table`` of ``worker``'s job (a key of ``kind = "table"``,
+    PROTOCOL.md §10), ids any non-negative int64 (no ``num_embeddings``).
+
+    ``forward(ids)`` pulls the rows of the batch's distinct ids (the rows of
+    the table's last completed round) and returns ``ids.shape + (dim,)``;
+    its backward pushes their gradients (a repeated id's summed) as the
+    table's next round, and the table's optimizer (the spec's, e.g.
+    ``{"kind": "adagrad", "lr": 0.1}``) updates those rows on the appliance,
+    summed over the ranks in BSP. The module has no parameters: keep it out
+    of ``torch.optim``. A dense part of the same model may use the DDP comm
+    hook or :class:`DistributedOptimizer` as usual.
+
+    Every rank does one forward and one backward per step (a round
+    completes once every rank pushed it); a rank with no ids calls
+    :meth:`skip_round` instead. In ``eval()`` or under ``torch.no_grad()``
+    forward only pulls."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows, inverse = self._rows(ids)
+        return torch.nn.functional.embedding(inverse, rows)
+
+
+class EmbeddingBag(_TableLookup):
+    """``torch.nn.EmbeddingBag`` over a table on the appliance (see
+    :class:`Embedding`): ``forward(input, offsets=None,
+    per_sample_weights=None)`` reduces each bag's rows with ``mode``
+    (``"sum"``, ``"mean"`` or ``"max"``) as ``torch.nn.functional.embedding_bag``
+    does, over the rows of the batch's distinct ids pulled from the table;
+    backward pushes those rows' gradients as the table's next round."""
+
+    def __init__(self, worker: Worker, table: str, mode: str = "mean") -> None:
+        super().__init__(worker, table)
+        if mode not in ("sum", "mean", "max"):
+            raise UsageError(f"EmbeddingBag mode {mode!r}: one of 'sum', 'mean', 'max'")
+        self.mode = mode
+
+    def forward(self, input: torch.Tensor, offsets: Optional[torch.Tensor] = None,
+                per_sample_weights: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows, inverse = self._rows(input)
+        return torch.nn.functional.embedding_bag(inverse, rows, offsets, mode=self.mode,
+                                                 per_sample_weights=per_sample_weights)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mode={self.mode!r}"
 
 
 # -- torchrun: phub.torch.init() ---------------------------------------------

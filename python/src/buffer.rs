@@ -328,3 +328,46 @@ impl Drop for Scratch {
         drop(unsafe { Box::from_raw(self.ptr.as_ptr()) });
     }
 }
+
+/// A table's row ids from `obj`'s buffer: C-contiguous `uint64`, or
+/// `int64` with no negative id (a torch `LongTensor`'s `.numpy()`), one
+/// dimension or any (read in order); copied. `what` names the argument.
+pub(crate) fn row_ids(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<Vec<u64>> {
+    let buf = PyUntypedBuffer::get(obj).map_err(|e| {
+        usage(format!(
+            "`{what}` does not export a buffer ({e}); pass a NumPy array of uint64 or int64 ids"
+        ))
+    })?;
+    if !buf.is_c_contiguous() {
+        return Err(usage(format!(
+            "`{what}` is not C-contiguous; pass numpy.ascontiguousarray(...)"
+        )));
+    }
+    let format = buf.format().to_string_lossy().into_owned();
+    let signed = match ElementType::from_format(buf.format()) {
+        _ if format.starts_with(['>', '!']) => None,
+        ElementType::UnsignedInteger { bytes: 8 } => Some(false),
+        ElementType::SignedInteger { bytes: 8 } => Some(true),
+        _ => None,
+    };
+    let Some(signed) = signed else {
+        return Err(usage(format!(
+            "`{what}` holds elements of format {format:?}; row ids are native uint64 or int64"
+        )));
+    };
+    let p = buf.buf_ptr().cast::<u64>();
+    let ids: Vec<u64> = (0..buf.item_count())
+        // SAFETY: the export holds `item_count` 8-byte elements at `p`,
+        // contiguous, alive while `buf` is; reads tolerate misalignment.
+        .map(|i| unsafe { p.add(i).read_unaligned() })
+        .collect();
+    if signed {
+        if let Some(at) = ids.iter().position(|&id| id >> 63 != 0) {
+            // Cast: the bits of an int64 id, shown as the caller wrote it.
+            #[allow(clippy::cast_possible_wrap)]
+            let id = ids[at] as i64;
+            return Err(usage(format!("`{what}`[{at}] = {id}: row ids are >= 0")));
+        }
+    }
+    Ok(ids)
+}

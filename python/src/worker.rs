@@ -9,7 +9,7 @@ use phub_worker::WorkerConfig;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-use crate::buffer::{Array, Native, Scratch, Slice, SliceMut};
+use crate::buffer::{row_ids, Array, Native, Scratch, Slice, SliceMut};
 use crate::errors::{to_py, usage};
 
 /// One rank of a phub job: joins through phub-control, then exchanges the
@@ -621,6 +621,90 @@ impl Worker {
             o.write_from(unsafe { s.values() });
         }
         Ok(round)
+    }
+
+    /// Values per row (``dim``) of the sparse table named ``table``.
+    fn table_dim(&self, table: &str) -> PyResult<u32> {
+        self.inner.table_dim(table).map_err(to_py)
+    }
+
+    /// The last round (BSP) or this rank's clock (async, bounded delay) of
+    /// the table named ``table`` whose push this worker completed; 0
+    /// before its first.
+    fn table_round(&self, table: &str) -> PyResult<u32> {
+        self.inner.table_round(table).map_err(to_py)
+    }
+
+    /// One round (clock) of the table named ``table``: pushes ``grads``
+    /// (``float32``, ``len(ids) * dim`` values: row i is id ``ids[i]``'s
+    /// gradient; a repeated id's rows are summed) and writes into ``out``
+    /// (``float32``, as long) each id's row after the round's update, in
+    /// ``ids``' order. ``ids``: ``uint64`` or non-negative ``int64``.
+    /// Every rank pushes every round of a table, with no ids if it has
+    /// none. Returns the round. Blocks, with the GIL released.
+    fn push_pull_rows(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let ids = row_ids(ids, "ids")?;
+        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
+        let o = Array::get(out, Dtype::F32, "out", true)?;
+        let mut rows = vec![0f32; o.len()];
+        let w = &*self.inner;
+        let round = py
+            .detach(|| w.push_pull_rows(table, &ids, &g, &mut rows))
+            .map_err(to_py)?;
+        o.write_from(&rows);
+        Ok(round)
+    }
+
+    /// :meth:`push_pull_rows` without the rows after the update: one round
+    /// (clock) of pushes. Returns the round. Blocks, with the GIL released.
+    fn push_rows(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let ids = row_ids(ids, "ids")?;
+        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
+        let w = &*self.inner;
+        py.detach(|| w.push_rows(table, &ids, &g)).map_err(to_py)
+    }
+
+    /// The current rows of ``ids`` of the table named ``table`` into
+    /// ``out`` (``float32``, ``len(ids) * dim`` values, in ``ids``' order;
+    /// a row never pushed reads as its initial value). Any time; changes
+    /// nothing. Returns the lowest round the answering lcores stated.
+    /// Blocks, with the GIL released.
+    fn pull_rows(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<u32> {
+        let ids = row_ids(ids, "ids")?;
+        let o = Array::get(out, Dtype::F32, "out", true)?;
+        let mut rows = vec![0f32; o.len()];
+        let w = &*self.inner;
+        let round = py.detach(|| w.pull_rows(table, &ids, &mut rows)).map_err(to_py)?;
+        o.write_from(&rows);
+        Ok(round)
+    }
+
+    /// For a rank that rejoined a running job: asks every lcore where the
+    /// table named ``table`` stands, makes the lowest round its round here
+    /// and returns it (the next push carries the round after it). Blocks,
+    /// with the GIL released.
+    fn catch_up_rows(&self, py: Python<'_>, table: &str) -> PyResult<u32> {
+        let w = &*self.inner;
+        py.detach(|| w.catch_up_rows(table)).map_err(to_py)
     }
 
     fn __repr__(&self) -> String {

@@ -606,6 +606,74 @@ def test_admission_errors(appliance: Any) -> None:
         assert e.value.status == 403
 
 
+# -- sparse tables ----------------------------------------------------------
+
+def table_key(name: str = "emb", dim: int = 4, **kw: Any) -> dict[str, Any]:
+    return {"name": name, "kind": "table", "dim": dim, "rows": 10_000, **kw}
+
+
+def both(ws: list[phub.Worker], f: Callable[[int, phub.Worker], Any]) -> list[Any]:
+    """f(rank, worker) on every rank at once (a table round needs every rank)."""
+    out: list[Any] = [None] * len(ws)
+    errors: list[BaseException] = []
+
+    def run(r: int) -> None:
+        try:
+            out[r] = f(r, ws[r])
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(r,)) for r in range(len(ws))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return out
+
+
+def test_table_rows_push_pull_from_numpy(workers: Workers) -> None:
+    """Two ranks push rows of a `sum` table from NumPy (uint64 and int64 ids,
+    a repeated id summed on the worker); each gets the rows after the round,
+    and a pull reads them; a rank with nothing pushes an empty round."""
+    ws = workers([8, table_key(optimizer={"kind": "sum"})])
+    assert [w.table_dim("emb") for w in ws] == [4, 4]
+    ids = [np.array([3, 1_000_000_007, 3], np.uint64), np.array([3, 42], np.int64)]
+    grads = [np.arange(12, dtype=np.float32).reshape(3, 4), np.full((2, 4), 0.5, np.float32)]
+    outs = [np.zeros((3, 4), np.float32), np.zeros((2, 4), np.float32)]
+    rounds = both(ws, lambda r, w: w.push_pull_rows("emb", ids[r], grads[r], outs[r]))
+    assert rounds == [1, 1]
+    row3 = grads[0][0] + grads[0][2] + 0.5
+    np.testing.assert_array_equal(outs[0], np.stack([row3, grads[0][1], row3]))
+    np.testing.assert_array_equal(outs[1], np.stack([row3, np.full(4, 0.5, np.float32)]))
+    got = np.zeros((3, 4), np.float32)
+    assert ws[1].pull_rows("emb", np.array([42, 3, 7], np.uint64), got) == 1
+    np.testing.assert_array_equal(got, np.stack([np.full(4, 0.5, np.float32), row3, np.zeros(4, np.float32)]))
+    # Round 2: rank 0 pushes one row, rank 1 nothing.
+    both(ws, lambda r, w: w.push_rows("emb", ids[0][:1] if r == 0 else np.empty(0, np.uint64),
+                                      np.ones((1 - r, 4), np.float32)))
+    assert [w.table_round("emb") for w in ws] == [2, 2]
+    ws[0].pull_rows("emb", np.array([3], np.uint64), got[:1])
+    np.testing.assert_array_equal(got[0], row3 + 1)
+    assert ws[0].catch_up_rows("emb") == 2
+
+
+def test_table_row_errors_name_the_problem(workers: Workers) -> None:
+    w0, _ = workers([table_key()])
+    out = np.zeros((2, 4), np.float32)
+    with pytest.raises(phub.UsageError, match="row ids are native uint64 or int64"):
+        w0.pull_rows("emb", np.array([1.0, 2.0]), out)
+    with pytest.raises(phub.UsageError, match=r"`ids`\[1\] = -5: row ids are >= 0"):
+        w0.pull_rows("emb", np.array([1, -5], np.int64), out)
+    with pytest.raises(phub.PhubError, match="nope"):
+        w0.pull_rows("nope", np.array([1, 2], np.uint64), out)
+    with pytest.raises(phub.PhubError, match="out"):
+        w0.pull_rows("emb", np.array([1, 2, 3], np.uint64), out)
+    with pytest.raises(phub.UsageError, match="float32"):
+        w0.push_rows("emb", np.array([1], np.uint64), np.ones(4, np.float64))
+
+
 # -- typing -----------------------------------------------------------------
 
 def test_stub_matches_the_module() -> None:

@@ -112,6 +112,72 @@ def test_bfloat16_tensors(workers: Any) -> None:
         assert torch.equal(g.float(), want)
 
 
+def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any) -> None:
+    """Two ranks train phub.torch.Embedding and EmbeddingBag (sum) over two
+    tables whose optimizer (SGD) runs on the appliance; after every step the
+    tables hold exactly what torch.nn.Embedding / EmbeddingBag with
+    torch.optim.SGD hold when trained on both ranks' losses summed (integer
+    targets: every value is exact), and each forward reads the rows of the
+    steps before it."""
+    lr = 0.5
+    table = {"kind": "table", "dim": 3, "rows": 1000, "optimizer": {"kind": "sgd", "lr": lr}}
+    ws = workers([{"name": "emb", **table}, {"name": "bag", **table}], W)
+    embs = [phub.torch.Embedding(w, "emb") for w in ws]
+    bags = [phub.torch.EmbeddingBag(w, "bag", mode="sum") for w in ws]
+    ref_emb = torch.nn.Embedding(16, 3)
+    ref_bag = torch.nn.EmbeddingBag(16, 3, mode="sum")
+    for m in (ref_emb, ref_bag):
+        torch.nn.init.zeros_(m.weight)
+    ref_opt = torch.optim.SGD([ref_emb.weight, ref_bag.weight], lr=lr)
+    gen = torch.Generator().manual_seed(7)
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = torch.randint(0, 16, (3, 2), generator=gen)
+        bag_ids = torch.randint(0, 16, (5,), generator=gen)
+        offsets = torch.tensor([0, 2])
+        tgt = torch.randint(-3, 4, (3, 2, 3), generator=gen).float()
+        return ids, bag_ids, offsets, tgt
+
+    for step in range(3):
+        data = [batch() for _ in range(W)]
+        outs: list[Any] = [None] * W
+        errors: list[BaseException] = []
+
+        def rank_step(r: int) -> None:
+            try:
+                ids, bag_ids, offsets, tgt = data[r]
+                e = embs[r](ids)
+                b = bags[r](bag_ids, offsets)
+                outs[r] = (e.detach().clone(), b.detach().clone())
+                ((e * tgt).sum() + (b * tgt[0, :2]).sum()).backward()
+            except BaseException as ex:  # noqa: BLE001 - re-raised below
+                errors.append(ex)
+
+        ts = [threading.Thread(target=rank_step, args=(r,)) for r in range(W)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+        assert not errors, errors
+        ref_opt.zero_grad()
+        loss = torch.zeros(())
+        for r, (ids, bag_ids, offsets, tgt) in enumerate(data):
+            e, b = ref_emb(ids), ref_bag(bag_ids, offsets)
+            assert torch.equal(outs[r][0], e.detach()) and torch.equal(outs[r][1], b.detach()), (step, r)
+            loss = loss + (e * tgt).sum() + (b * tgt[0, :2]).sum()
+        loss.backward()
+        ref_opt.step()
+        every = np.arange(16, dtype=np.int64)
+        for name, ref in (("emb", ref_emb), ("bag", ref_bag)):
+            got = np.zeros((16, 3), np.float32)
+            ws[step % W].pull_rows(name, every, got)
+            np.testing.assert_array_equal(got, ref.weight.detach().numpy(), err_msg=f"{name} step {step}")
+    assert [w.table_round("emb") for w in ws] == [3, 3]
+    with torch.no_grad():
+        embs[0](torch.tensor([1]))  # pulls only: no round
+    assert ws[0].table_round("emb") == 3
+
+
 def test_optimizer_spec_translation() -> None:
     p = [torch.nn.Parameter(torch.zeros(3))]
     assert phub.torch.optimizer_spec(torch.optim.SGD(p, lr=0.1)) == {"kind": "sgd", "lr": 0.1, "weight_decay": 0.0}
