@@ -511,7 +511,7 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
                 (
                     "phub_table_rows_evicted_idle_total",
                     "counter",
-                    "Rows evicted after evict.idle_rounds rounds untouched",
+                    "Rows evicted after evict.idle_rounds rounds (or evict.idle_s seconds) untouched",
                     |t| t.evicted_idle,
                 ),
                 (

@@ -815,41 +815,77 @@ fn table_memory_is_what_admission_charges() {
     assert!(extra > 500 * 16, "the index of 500 rows at least: {extra}");
 }
 
+/// `evict = { idle_s = 2 }`, one rank, a round every half second by the
+/// clock `handle` is given: the rows pushed only in round 1 stay while
+/// round 1 is under 2 s old and are evicted within about a lap (2 s)
+/// after; the rows pushed every round stay. Before, an install with
+/// `idle_s` was refused.
+#[test]
+fn rows_idle_for_seconds_are_evicted_by_the_clock_handle_gets() {
+    const HALF_S: u64 = 500_000_000;
+    let spec = TableSpec {
+        evict: Some(Evict::IdleSeconds(2)),
+        ..table_spec()
+    };
+    let mut s = Shard::<u32>::new(0, Kernels::best());
+    s.install_with_tables(
+        job(1, Consistency::Sync),
+        InstallKind::Plain,
+        vec![table(spec, 8192)],
+    )
+    .unwrap();
+    let ids = ids_on(0, 12);
+    let (cold, hot) = (&ids[..8], &ids[8..]);
+    let rows = |s: &Shard<u32>| s.job_stats()[0].tables[0];
+    let mut gone_at = None;
+    for round in 1..=16u32 {
+        let now = u64::from(round) * HALF_S;
+        let m = if round == 1 { &ids[..] } else { hot };
+        assert_eq!(
+            s.handle(addr(0), &push(0, round, 0, m, &grads(m, round)), now),
+            Verdict::Aggregated
+        );
+        assert_eq!(s.handle(addr(0), &end(0, round, 1), now), Verdict::Completed);
+        drain(&mut s);
+        let t = rows(&s);
+        if round <= 4 {
+            assert_eq!(t.rows_stored, 12, "round {round}: evicted before 2 s");
+        }
+        if gone_at.is_none() && t.rows_stored == hot.len() as u64 {
+            gone_at = Some(round);
+        }
+    }
+    let gone_at = gone_at.expect("the cold rows went");
+    assert!((5..=12).contains(&gone_at), "cold rows gone at round {gone_at}");
+    let t = rows(&s);
+    assert_eq!(
+        (t.evicted_idle, t.rows_stored),
+        (cold.len() as u64, hot.len() as u64)
+    );
+}
+
 /// A table the engine cannot serve refuses the whole install, naming the
 /// key and the field; the state each row optimizer keeps is what the spec
 /// says admission charges for it.
 #[test]
 fn unservable_tables_are_refused_and_state_lengths_agree() {
     let mut s = Shard::<u32>::new(0, Kernels::best());
-    for (spec, field) in [
-        (
-            TableSpec {
-                rows: None,
-                ..table_spec()
-            },
-            "rows",
-        ),
-        (
-            TableSpec {
-                evict: Some(Evict::IdleSeconds(5)),
-                ..table_spec()
-            },
-            "idle_s",
-        ),
-    ] {
-        let e = s
-            .install_with_tables(
-                job(2, Consistency::Sync),
-                InstallKind::Plain,
-                vec![table(spec, 8192)],
-            )
-            .unwrap_err();
-        assert!(
-            matches!(&e, EngineError::Table { key: KEY, reason, .. } if reason.contains(field)),
-            "{e}"
-        );
-        assert!(s.job_ids().next().is_none(), "nothing installed");
-    }
+    let uncapped = TableSpec {
+        rows: None,
+        ..table_spec()
+    };
+    let e = s
+        .install_with_tables(
+            job(2, Consistency::Sync),
+            InstallKind::Plain,
+            vec![table(uncapped, 8192)],
+        )
+        .unwrap_err();
+    assert!(
+        matches!(&e, EngineError::Table { key: KEY, reason, .. } if reason.contains("rows")),
+        "{e}"
+    );
+    assert!(s.job_ids().next().is_none(), "nothing installed");
     let mut wrong = table(table_spec(), 8192);
     wrong.entry = L;
     assert!(s

@@ -49,6 +49,7 @@ fn config(dim: u32, rows_cap: u64) -> StoreConfig {
         rows_cap,
         admission: Admission::Always,
         idle_rounds: None,
+        idle_seconds: None,
         hash_key: 0x1234_5678,
     }
 }
@@ -322,6 +323,56 @@ fn idle_rows_go_between_n_and_2n_rounds_after_their_last_update() {
         assert_eq!(s.update(id, &g), Pushed::Created);
     }
     assert_eq!(s.blocks_allocated(), blocks);
+}
+
+/// `idle_s = 10` with a round a second: rows updated only in round 0 are
+/// kept while round 0 is under 10 s old, and gone within a lap (about
+/// 10 s) after; rows updated every round stay; a round given no clock
+/// (`advance_round`) evicts nothing; samples are kept in a fixed ring,
+/// so nothing allocates per round. Before, `idle_s` was refused.
+#[test]
+fn idle_seconds_evict_rows_by_the_time_of_their_last_update() {
+    const S: u64 = 1_000_000_000;
+    let c = StoreConfig {
+        idle_seconds: NonZeroU32::new(10),
+        ..config(4, 1000)
+    };
+    let mut s = store(c);
+    let g = grad(4, 1);
+    let hot: Vec<u64> = (0..10).collect();
+    for id in 0..100u64 {
+        s.update(id, &g);
+    }
+    let mut gone_at = None;
+    for round in 1..=30u64 {
+        s.advance_round_at(round * S);
+        for id in &hot {
+            s.update(*id, &g);
+        }
+        if round < 10 {
+            assert_eq!(s.rows_stored(), 100, "evicted before 10 s ({round} s)");
+        }
+        if gone_at.is_none() && s.rows_stored() == 10 {
+            gone_at = Some(round);
+        }
+    }
+    let gone_at = gone_at.expect("the idle rows went");
+    assert!((10..=23).contains(&gone_at), "idle rows gone at {gone_at} s");
+    assert_eq!(s.stats().evicted_idle, 90);
+    assert!(hot.iter().all(|id| s.get(*id).is_some()));
+    // Rounds without a clock evict nothing more.
+    for id in 200..210u64 {
+        s.update(id, &g);
+    }
+    for _ in 0..50 {
+        s.advance_round();
+    }
+    assert_eq!(s.rows_stored(), 20);
+    let both = StoreConfig {
+        idle_rounds: NonZeroU32::new(3),
+        ..c
+    };
+    assert!(RowStore::new(both, Seeded, SumCount).is_err());
 }
 
 #[test]

@@ -979,7 +979,8 @@ pub struct TableLive {
     pub created: u64,
     /// Rows evicted to make room at the `rows` cap.
     pub evicted_cap: u64,
-    /// Rows evicted after `evict = { idle_rounds }` rounds untouched.
+    /// Rows evicted after `evict = { idle_rounds }` rounds (or `{ idle_s }`
+    /// seconds) untouched.
     pub evicted_idle: u64,
     /// Row updates applied (pushes of a row, creations included).
     pub updates: u64,

@@ -92,7 +92,7 @@ impl Default for MemoryModel {
             region_bytes: 512,
             page_bytes: 4096,
             clock_bytes: 16,
-            table_record_bytes: 1024,
+            table_record_bytes: 2048,
             table_rank_bytes: 192,
         }
     }

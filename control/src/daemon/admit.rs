@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use phub_proto::api::{AdmitResponse, DataplaneInfo};
 use phub_proto::failover::EpochView;
-use phub_proto::spec::{Appliances, Evict, JobSpec};
+use phub_proto::spec::{Appliances, JobSpec};
 
 use super::http::RequestError;
 use super::registry::{Entry, Inner, Shared};
@@ -22,8 +22,7 @@ pub(super) const ADMIT_WAIT: Duration = Duration::from_secs(2);
 
 /// The table keys an appliance serves (PROTOCOL.md §10): each with a
 /// `rows` cap (admission charges its store at the cap, on every lcore:
-/// an uncapped table has no figure to charge), rows evicted by rounds
-/// rather than seconds, on one appliance or several (each is told where
+/// an uncapped table has no figure to charge), on one appliance or several (each is told where
 /// its lcores are among the job's; the spec refuses a replicated one). A
 /// spec outside that is refused naming the key, the field and what is
 /// accepted.
@@ -34,12 +33,6 @@ fn check_tables(spec: &JobSpec) -> Result<(), RequestError> {
             return Err(RequestError::BadRequest(format!(
                 "{at}: rows = none: a served table needs a rows cap, 1 to 2^40 (its memory is charged at \
                  the cap when the job is admitted)"
-            )));
-        }
-        if let Some(Evict::IdleSeconds(s)) = t.spec.evict {
-            return Err(RequestError::BadRequest(format!(
-                "{at}: evict = {{ idle_s = {s} }}: not served yet; accepted: evict = {{ idle_rounds = N }} \
-                 or no evict"
             )));
         }
     }
@@ -393,8 +386,8 @@ mod tests {
     use super::*;
 
     /// A table key is admitted when the appliance can serve it, on one
-    /// appliance or several; one without a `rows` cap or with `evict = {
-    /// idle_s }` is refused, naming the key and the field.
+    /// appliance or several, evicting by rounds or seconds; one without a
+    /// `rows` cap is refused, naming the key and the field.
     #[test]
     fn table_keys_are_admitted_when_served_and_refused_naming_the_key() {
         let dense =
@@ -409,7 +402,7 @@ mod tests {
         refused(&table, "rows = none");
         let capped = format!("{table}rows = 1000\n");
         check_tables(&JobSpec::parse(&capped, None).unwrap()).unwrap();
-        refused(&format!("{capped}evict = {{ idle_s = 5 }}\n"), "idle_s = 5");
+        check_tables(&JobSpec::parse(&format!("{capped}evict = {{ idle_s = 5 }}\n"), None).unwrap()).unwrap();
         check_tables(&JobSpec::parse(&format!("{capped}evict = {{ idle_rounds = 5 }}\n"), None).unwrap())
             .unwrap();
         check_tables(&JobSpec::parse(&format!("{capped}[placement]\nappliances = 2\n"), None).unwrap())

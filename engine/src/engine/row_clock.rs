@@ -146,7 +146,7 @@ impl Table {
             }
         };
         if slowest > before {
-            self.store.advance_round();
+            self.store.advance_round_at(answers.now);
             if let Some(tau) = delay {
                 // Cast: q < W <= 256.
                 #[allow(clippy::cast_possible_truncation)]

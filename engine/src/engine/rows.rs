@@ -51,6 +51,8 @@ pub(super) struct Answers<'a, A> {
     pub(super) head: RowRepr,
     /// The receive-buffer share the answers state.
     pub(super) share: u32,
+    /// The clock `handle` got (a completed round's time, for `idle_s`).
+    pub(super) now: u64,
 }
 
 impl<A: Copy> Answers<'_, A> {
@@ -243,6 +245,7 @@ impl<A: Copy + Eq> Shard<A> {
                         seq: 0,
                     },
                     share,
+                    now,
                 };
                 let done = match (repr.kind, &table.rounds) {
                     (RowMsgType::RowPull, _) => Ok(pull(table, &repr, &payload, &mut answers)),
@@ -533,7 +536,7 @@ fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
     for (k, &id) in round.ids.iter().enumerate() {
         store.update(id, &round.rows[k * d..(k + 1) * d]);
     }
-    store.advance_round();
+    store.advance_round_at(answers.now);
     round.pushes.sort_unstable_by_key(|p| (p.rank, p.seq));
     for p in &round.pushes {
         let ids = &round.push_ids[p.start as usize..p.start as usize + usize::from(p.len)];

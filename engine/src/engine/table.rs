@@ -266,7 +266,7 @@ pub fn row_init(spec: &RowInitSpec) -> Init {
 /// ([`phub_proto::memory::MemoryModel::table_record_bytes`] and
 /// `table_rank_bytes`): checked against the types in the shard's
 /// constructor.
-pub(super) const TABLE_RECORD_BYTES: u32 = 1024;
+pub(super) const TABLE_RECORD_BYTES: u32 = 2048;
 pub(super) const TABLE_RANK_BYTES: u32 = 192;
 
 impl Table {
@@ -307,16 +307,10 @@ impl Table {
                 "a cap, 1 to 2^40: a served table's store is sized by it",
             ));
         };
-        let idle_rounds = match spec.evict {
-            None => None,
-            Some(Evict::IdleRounds(n)) => NonZeroU32::new(n),
-            Some(Evict::IdleSeconds(s)) => {
-                return Err(refuse(
-                    "evict.idle_s",
-                    s.to_string(),
-                    "evict = { idle_rounds = N } (rows evicted after idle seconds are not served yet)",
-                ))
-            }
+        let (idle_rounds, idle_seconds) = match spec.evict {
+            None => (None, None),
+            Some(Evict::IdleRounds(n)) => (NonZeroU32::new(n), None),
+            Some(Evict::IdleSeconds(s)) => (None, NonZeroU32::new(s)),
         };
         let admission = match spec.admit_after {
             None | Some(0 | 1) => Admission::Always,
@@ -335,6 +329,7 @@ impl Table {
             rows_cap,
             admission,
             idle_rounds,
+            idle_seconds,
             // Keyed by the table and this lcore, so two lcores' indexes
             // (and two tables') hash the same ids differently.
             hash_key: mix64(tk ^ u64::from(t.entry)),

@@ -33,7 +33,7 @@ use phub_proto::memory::{table_bytes, TableShape, TABLE_MAX_ROWS};
 
 use super::admit::AdmitCounts;
 use super::blocks::Blocks;
-use super::evict::{Clock, IdleSweep};
+use super::evict::{Clock, IdleSweep, RoundTimes};
 use super::index::{touch_word, Index, Probe};
 use super::{RowInit, RowUpdate};
 
@@ -68,6 +68,10 @@ pub struct StoreConfig {
     /// Evict rows not updated for this many rounds (`evict = { idle_rounds
     /// = N }`); `None`: only at the cap.
     pub idle_rounds: Option<NonZeroU32>,
+    /// Evict rows not updated for this many seconds (`evict = { idle_s = S
+    /// }`, by the clock [`RowStore::advance_round_at`] is given); `None`:
+    /// not by time. At most one of `idle_rounds` and `idle_seconds`.
+    pub idle_seconds: Option<NonZeroU32>,
     /// The index's hash key (e.g. from the job seed, table and lcore).
     pub hash_key: u64,
 }
@@ -87,6 +91,9 @@ pub enum StoreError {
     /// `idle_rounds` is 2^30 or more (rounds are kept modulo 2^31).
     #[error("evict idle_rounds = {0}: accepted 1 to {max}", max = 1u32 << 30)]
     IdleRounds(u32),
+    /// Both `idle_rounds` and `idle_seconds`.
+    #[error("evict by idle rounds and idle seconds both: accepted one of them")]
+    IdleBoth,
     /// The heap refused the index, block table or counters.
     #[error("the heap refused a table store of {bytes} bytes at its cap ({what})")]
     NoMemory {
@@ -119,7 +126,8 @@ pub struct StoreStats {
     pub created: u64,
     /// Rows evicted to make room at the cap.
     pub evicted_cap: u64,
-    /// Rows evicted after `idle_rounds` rounds without an update.
+    /// Rows evicted after `idle_rounds` rounds (or `idle_s` seconds)
+    /// without an update.
     pub evicted_idle: u64,
     /// Ids read ([`RowStore::read`], [`RowStore::read_batch`]).
     pub lookups: u64,
@@ -150,6 +158,8 @@ pub struct RowStore<I, U> {
     cap: u32,
     pub(super) clock: Clock,
     pub(super) idle: Option<IdleSweep>,
+    /// With `idle_seconds`: when rounds completed ([`RoundTimes`]).
+    times: Option<RoundTimes>,
     pub(super) admit: Option<AdmitCounts>,
     /// The current round, modulo 2^31.
     pub(super) now: u32,
@@ -185,6 +195,9 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 return Err(StoreError::IdleRounds(n.get()));
             }
         }
+        if config.idle_rounds.is_some() && config.idle_seconds.is_some() {
+            return Err(StoreError::IdleBoth);
+        }
         let dim = config.dim as usize;
         let state_len = opt.state_len(dim);
         let shape = Self::shape_of(&config, state_len);
@@ -201,7 +214,13 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 Some(AdmitCounts::new(counters, n, config.hash_key).ok_or(no_memory("admission counters"))?)
             }
         };
-        let idle = config.idle_rounds.map(|n| IdleSweep::new(entries, n.get()));
+        // By seconds, the sweep's rounds are set each round from the
+        // round times (`advance_round_at`).
+        let idle = config
+            .idle_rounds
+            .or(config.idle_seconds.map(|_| NonZeroU32::MIN))
+            .map(|n| IdleSweep::new(entries, n.get()));
+        let times = config.idle_seconds.map(|s| RoundTimes::new(s.get()));
         // Cast: checked against TABLE_MAX_ROWS (u32::MAX) above.
         #[allow(clippy::cast_possible_truncation)]
         let cap = config.rows_cap as u32;
@@ -218,6 +237,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             cap,
             clock: Clock::default(),
             idle,
+            times,
             admit,
             now: 0,
             stats: StoreStats::default(),
@@ -449,9 +469,31 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
 
     /// End the round: the next pushes belong to the next one; with
     /// `idle_rounds`, this round's share of the idle sweep (rows evicted
-    /// returned).
+    /// returned). A store evicting by `idle_seconds` takes the time from
+    /// [`RowStore::advance_round_at`]; here it evicts nothing.
     pub fn advance_round(&mut self) -> u64 {
+        self.advance_round_at(None)
+    }
+
+    /// [`RowStore::advance_round`] at `now_ns` (nanoseconds of a monotonic
+    /// clock, as the engine's `handle` gets): with `idle_seconds`, this
+    /// round's share of a sweep evicting the rows whose last update was in
+    /// a round that completed `idle_s` or more before `now_ns` (a lap
+    /// takes about `idle_s`, so a row goes between `idle_s` and about twice
+    /// that after its last update, plus `idle_s` / 16 of sampling; rounds
+    /// that go faster or slower change each round's share).
+    pub fn advance_round_at(&mut self, now_ns: impl Into<Option<u64>>) -> u64 {
+        let completed = self.now;
         self.now = self.now.wrapping_add(1) & ROUND_MASK;
+        if let Some(times) = &mut self.times {
+            let rounds = now_ns
+                .into()
+                .and_then(|t| times.completed(completed, t, self.now));
+            let (Some(rounds), Some(sweep)) = (rounds, &mut self.idle) else {
+                return 0;
+            };
+            sweep.set_idle_rounds(self.index.capacity(), rounds);
+        }
         let Some(mut sweep) = self.idle.take() else {
             return 0;
         };

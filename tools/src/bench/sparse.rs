@@ -181,6 +181,7 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
         rows_cap: n,
         admission: Admission::Always,
         idle_rounds: None,
+        idle_seconds: None,
         hash_key: splitmix(0xC0FF_EE00 ^ l64),
     };
     let mut store = RowStore::new(config, TableInit::new(Init::Zeros, 0, 0)?, ADAGRAD)?;
