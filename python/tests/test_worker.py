@@ -674,6 +674,23 @@ def test_table_row_errors_name_the_problem(workers: Workers) -> None:
         w0.push_rows("emb", np.array([1], np.uint64), np.ones(4, np.float64))
 
 
+def test_sparse_logistic_regression_example_matches_one_process(appliance: Any) -> None:
+    """python/examples/sparse_lr.py, small: FTRL on a phub table trained by
+    two workers reaches the held-out log-loss of the same FTRL in one
+    process on the same steps, well below the click rate's alone."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import sparse_lr
+
+    cfg = sparse_lr.Config(examples=8192, test=4096, vocab=2000, epochs=2)
+    out = sparse_lr.run(cfg, 2, appliance, quiet=True)
+    assert abs(out["phub_log_loss"] - out["one_process_log_loss"]) < 1e-4, out
+    assert out["phub_log_loss"] < out["prior_log_loss"] - 0.05, out
+    assert out["test_features_nonzero"] > 0, out
+
+
 # -- typing -----------------------------------------------------------------
 
 def test_stub_matches_the_module() -> None:
