@@ -891,6 +891,39 @@ fn work_loop(
     Ok(w)
 }
 
+/// Waits until the work loop has done `more` turns more; false if it
+/// ended first (an error: [`loop_stopped`] says which). Panics after
+/// `within`.
+fn wait_turns(
+    done: &AtomicU32,
+    work: &std::thread::JoinHandle<Result<Work, String>>,
+    more: u32,
+    within: Duration,
+) -> bool {
+    let (from, t0) = (done.load(Ordering::SeqCst), Instant::now());
+    while done.load(Ordering::SeqCst) < from + more {
+        if work.is_finished() {
+            return false;
+        }
+        assert!(
+            t0.elapsed() < within,
+            "the loop did {} turns in {within:?} (wanted {more})",
+            done.load(Ordering::SeqCst) - from
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    true
+}
+
+/// Panics with why the work loop ended before it was stopped.
+fn loop_stopped(work: std::thread::JoinHandle<Result<Work, String>>) -> ! {
+    match work.join() {
+        Ok(Err(e)) => panic!("the loop failed: {e}"),
+        Ok(Ok(w)) => panic!("the loop ended before it was stopped: {w:?}"),
+        Err(_) => panic!("the loop panicked"),
+    }
+}
+
 /// The bound on a gap between two of the workers' rounds while the leader
 /// dies and a follower takes over: under the takeover itself (TTL plus
 /// about half a second), so that workers waiting on the control would
@@ -920,18 +953,9 @@ fn the_leading_control_killed_mid_work_a_follower_leads_no_job_lost() {
         let (ctl, done, stop) = (Arc::clone(&ctl), Arc::clone(&done), Arc::clone(&stop));
         std::thread::spawn(move || work_loop(&ctl, job.id, &done, &stop))
     };
-    let wait_turns = |more: u32, within: Duration| {
-        let (from, t0) = (done.load(Ordering::SeqCst), Instant::now());
-        while done.load(Ordering::SeqCst) < from + more {
-            assert!(
-                t0.elapsed() < within && !work.is_finished(),
-                "the loop did {} turns in {within:?} (wanted {more})",
-                done.load(Ordering::SeqCst) - from
-            );
-            std::thread::sleep(Duration::from_millis(5));
-        }
-    };
-    wait_turns(3, Duration::from_secs(20));
+    if !wait_turns(&done, &work, 3, Duration::from_secs(20)) {
+        loop_stopped(work);
+    }
 
     // kill -9 the leader mid-loop; the first follower to take writes leads.
     a.daemon.as_mut().unwrap().kill();
@@ -949,7 +973,9 @@ fn the_leading_control_killed_mid_work_a_follower_leads_no_job_lost() {
         );
         std::thread::sleep(Duration::from_millis(20));
     };
-    wait_turns(3, Duration::from_secs(20));
+    if !wait_turns(&done, &work, 3, Duration::from_secs(20)) {
+        loop_stopped(work);
+    }
     stop.store(true, Ordering::SeqCst);
     let w = match work.join().unwrap() {
         Ok(w) => w,
