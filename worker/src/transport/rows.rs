@@ -105,13 +105,13 @@ pub(crate) struct RowFinished<D> {
 }
 
 /// A BSP push sends its answered messages again, with its unanswered
-/// ones, from this many sends of one of those on
+/// ones, from this many sends of one of those on, while no answer comes
 /// ([`RowTransport::handle_timeout`]).
 const RESEND_ANSWERED_AFTER: u32 = 2;
 
 /// A transport with no answer for the loss timeout after this many
-/// backoffs asks where the tables of its held lanes stand
-/// ([`RowTransport::probe_held_lanes`]).
+/// backoffs is stalled: it asks where the tables of its held lanes stand
+/// ([`RowTransport::probe_held_lanes`]) and resends answered messages.
 const STALL_AFTER: u32 = 2;
 
 /// Sets RETRANSMIT in the header at the start of `d`.
@@ -474,6 +474,8 @@ impl<D> RowTransport<D> {
     /// has come for `timeout`. Returns whether it queued messages.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = 0;
+        // No answer for a while (below: answered messages and held lanes).
+        let stalled = now.saturating_duration_since(self.last_progress) >= self.rto.loss(STALL_AFTER);
         for (&key, a) in &mut self.active {
             // Whether the request's answered messages go again with this
             // send (below).
@@ -492,7 +494,7 @@ impl<D> RowTransport<D> {
                 sent.deadline = now + self.rto.loss(sent.retries);
                 self.queue.push((key, i));
                 resent += 1;
-                again |= sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push;
+                again |= stalled && sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push;
             }
             // A BSP lcore answers a round only once it completes, so a
             // message of a round whose other answers are in, or whose
@@ -503,9 +505,11 @@ impl<D> RowTransport<D> {
             // every rank, answered messages too, which a rank resending
             // only unanswered ones never sends (PROTOCOL.md §10.6:
             // simulator seeds 6816 and 29233). They go again with the
-            // request's resends from the second on; a copy the lcore
-            // already took is a duplicate, one of a completed round is
-            // answered again and ignored here.
+            // request's resends from the second on, once no answer at all
+            // has come for a while (so that a message lost twice while
+            // others are answered costs its own resends only); a copy the
+            // lcore already took is a duplicate, one of a completed round
+            // is answered again and ignored here.
             if again {
                 for (i, st) in a.states.iter().enumerate() {
                     if matches!(st, MsgState::Answered) {
@@ -525,10 +529,7 @@ impl<D> RowTransport<D> {
             }
         }
         add(&self.stats.row_retransmits, resent);
-        let mut probed = 0;
-        if now.saturating_duration_since(self.last_progress) >= self.rto.loss(STALL_AFTER) {
-            probed = self.probe_held_lanes(now);
-        }
+        let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
         if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
