@@ -49,3 +49,33 @@ def workers(appliance: LocalAppliance, job: Callable[..., tuple[int, str]]) -> C
         return [phub.Worker.join(appliance.control_url, jid, token, r, **extra) for r in range(w)]
 
     return make
+
+
+def _in_threads(fs: list[Callable[[], Any]]) -> list[Any]:
+    import threading
+
+    out: list[Any] = [None] * len(fs)
+    errs: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            out[i] = fs[i]()
+        except BaseException as e:  # noqa: BLE001  # re-raised below
+            errs.append(e)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fs))]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    if errs:
+        raise errs[0]
+    return out
+
+
+@pytest.fixture
+def in_threads() -> Callable[[list[Callable[[], Any]]], list[Any]]:
+    """in_threads([f, g, ...]) runs each call on its own thread, all at once
+    (a round of a job needs every rank), and returns their results in order;
+    the first exception any raised is raised."""
+    return _in_threads

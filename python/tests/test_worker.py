@@ -612,28 +612,7 @@ def table_key(name: str = "emb", dim: int = 4, **kw: Any) -> dict[str, Any]:
     return {"name": name, "kind": "table", "dim": dim, "rows": 10_000, **kw}
 
 
-def both(ws: list[phub.Worker], f: Callable[[int, phub.Worker], Any]) -> list[Any]:
-    """f(rank, worker) on every rank at once (a table round needs every rank)."""
-    out: list[Any] = [None] * len(ws)
-    errors: list[BaseException] = []
-
-    def run(r: int) -> None:
-        try:
-            out[r] = f(r, ws[r])
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    ts = [threading.Thread(target=run, args=(r,)) for r in range(len(ws))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errors:
-        raise errors[0]
-    return out
-
-
-def test_table_rows_push_pull_from_numpy(workers: Workers) -> None:
+def test_table_rows_push_pull_from_numpy(workers: Workers, in_threads: Any) -> None:
     """Two ranks push rows of a `sum` table from NumPy (uint64 and int64 ids,
     a repeated id summed on the worker); each gets the rows after the round,
     and a pull reads them; a rank with nothing pushes an empty round."""
@@ -642,7 +621,7 @@ def test_table_rows_push_pull_from_numpy(workers: Workers) -> None:
     ids = [np.array([3, 1_000_000_007, 3], np.uint64), np.array([3, 42], np.int64)]
     grads = [np.arange(12, dtype=np.float32).reshape(3, 4), np.full((2, 4), 0.5, np.float32)]
     outs = [np.zeros((3, 4), np.float32), np.zeros((2, 4), np.float32)]
-    rounds = both(ws, lambda r, w: w.push_pull_rows("emb", ids[r], grads[r], outs[r]))
+    rounds = in_threads([lambda r=r, w=w: w.push_pull_rows("emb", ids[r], grads[r], outs[r]) for r, w in enumerate(ws)])
     assert rounds == [1, 1]
     row3 = grads[0][0] + grads[0][2] + 0.5
     np.testing.assert_array_equal(outs[0], np.stack([row3, grads[0][1], row3]))
@@ -651,8 +630,8 @@ def test_table_rows_push_pull_from_numpy(workers: Workers) -> None:
     assert ws[1].pull_rows("emb", np.array([42, 3, 7], np.uint64), got) == 1
     np.testing.assert_array_equal(got, np.stack([np.full(4, 0.5, np.float32), row3, np.zeros(4, np.float32)]))
     # Round 2: rank 0 pushes one row, rank 1 nothing.
-    both(ws, lambda r, w: w.push_rows("emb", ids[0][:1] if r == 0 else np.empty(0, np.uint64),
-                                      np.ones((1 - r, 4), np.float32)))
+    in_threads([lambda r=r, w=w: w.push_rows("emb", ids[0][:1] if r == 0 else np.empty(0, np.uint64),
+                                             np.ones((1 - r, 4), np.float32)) for r, w in enumerate(ws)])
     assert [w.table_round("emb") for w in ws] == [2, 2]
     ws[0].pull_rows("emb", np.array([3], np.uint64), got[:1])
     np.testing.assert_array_equal(got[0], row3 + 1)

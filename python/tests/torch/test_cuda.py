@@ -93,13 +93,13 @@ def test_optimizer_on_the_appliance_with_cuda_parameters(appliance: Any, opt: st
 
 
 @needs_cuda
-def test_bf16_cuda_gradients_through_the_hook(workers: Any) -> None:
+def test_bf16_cuda_gradients_through_the_hook(workers: Any, in_threads: Any) -> None:
     """The hook's CUDA path on a hand-made bucket, bf16, two ranks in this process."""
     ws = workers([1000], W, dtype="bf16", optimizer="mean")
     ps = [torch.nn.Parameter(torch.zeros(1000, dtype=torch.bfloat16, device="cuda")) for _ in ws]
     # Each rank's state pushes its initial values as round 0 and waits for
     # the round, which needs every rank: the ranks start side by side.
-    states = list(zip(_in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, [p]) for w, p in zip(ws, ps)]), ps))
+    states = list(zip(in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, [p]) for w, p in zip(ws, ps)]), ps))
     grads = [torch.arange(1000, device="cuda").remainder(64).to(torch.bfloat16),
              torch.full((1000,), 0.5, device="cuda").bfloat16()]
     futs = [phub.torch.comm_hook(s, _Bucket(p, g)) for (s, p), g in zip(states, grads)]
@@ -140,29 +140,6 @@ class _Bucket:
 # runs here. What it cannot check is the streams' ordering on a GPU.
 
 
-def _in_threads(fs: list[Any]) -> list[Any]:
-    """Runs each rank's call on its own thread (each waits for the others' pushes)."""
-    import threading
-
-    out: list[Any] = [None] * len(fs)
-    errs: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            out[i] = fs[i]()
-        except BaseException as e:  # noqa: BLE001  # re-raised below
-            errs.append(e)
-
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(len(fs))]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join(60)
-    if errs:
-        raise errs[0]
-    return out
-
-
 class _FakeStream:
     def wait_stream(self, _other: Any) -> None:
         pass
@@ -200,9 +177,9 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
 @pytest.mark.parametrize("optimizer", ["sum", "mean"])
-def test_cuda_hook_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None, optimizer: str) -> None:
+def test_cuda_hook_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None, optimizer: str, in_threads: Any) -> None:
     ws = workers([300, 200], W, optimizer=optimizer)
-    states = _in_threads([lambda w=w: phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(300)),
+    states = in_threads([lambda w=w: phub.torch.CommHookState(w, [torch.nn.Parameter(torch.zeros(300)),
                                                                     torch.nn.Parameter(torch.zeros(200))])
                           for w in ws])
     try:
@@ -226,17 +203,17 @@ def test_cuda_hook_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None, 
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
-def test_cuda_optimizer_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None) -> None:
+def test_cuda_optimizer_staging_on_cpu_with_stand_ins(workers: Any, fake_cuda: None, in_threads: Any) -> None:
     ws = workers([30, 20], W, optimizer={"kind": "sgd", "lr": 0.5})
     models = [[torch.nn.Parameter(torch.full((30,), 1.0)), torch.nn.Parameter(torch.full((20,), 2.0))] for _ in ws]
-    opts = _in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
+    opts = in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
     for o in opts:
         o._staging = phub.torch._CudaStaging(torch.device("cpu"))  # as for CUDA parameters
     for rnd in range(2):
         for r, m in enumerate(models):
             m[0].grad = torch.full((30,), float(r + 1))
             m[1].grad = None if r == 0 else torch.full((20,), 4.0)  # a missing gradient pushes zeros
-        _in_threads([o.step for o in opts])
+        in_threads([o.step for o in opts])
     for m in models:  # each step: p -= 0.5 * mean(grads)
         assert torch.allclose(m[0].data, torch.full((30,), 1.0 - 2 * 0.5 * 1.5))
         assert torch.allclose(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))
@@ -266,7 +243,7 @@ class _FakeCudart:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
 @pytest.mark.parametrize("dtype", ["f32", "bf16"])
 def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
-        fake_cuda: None, monkeypatch: pytest.MonkeyPatch, dtype: str) -> None:
+        fake_cuda: None, monkeypatch: pytest.MonkeyPatch, dtype: str, in_threads: Any) -> None:
     """With shared memory, the hook's device-to-host copy goes straight into
     the staging regions (registered with CUDA once) and the keys are pushed
     as headers only; a gradient not in the job's wire type takes the pinned
@@ -284,7 +261,7 @@ def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
         assert all(w.shm for w in ws)
         params = [[torch.nn.Parameter(torch.zeros(3000, dtype=tdt)), torch.nn.Parameter(torch.zeros(2000, dtype=tdt))]
                   for _ in ws]
-        states = _in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, p, in_place=True) for w, p in zip(ws, params)])
+        states = in_threads([lambda w=w, p=p: phub.torch.CommHookState(w, p, in_place=True) for w, p in zip(ws, params)])
         try:
             for rnd in range(3):
                 bufs = [((torch.arange(5000) % 64) * (r + 1) + rnd).to(tdt) for r in range(W)]
@@ -320,7 +297,7 @@ def test_cuda_hook_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the real CUDA tests above run instead")
 def test_cuda_optimizer_copies_straight_into_shared_memory_on_cpu_with_stand_ins(
-        fake_cuda: None, monkeypatch: pytest.MonkeyPatch) -> None:
+        fake_cuda: None, monkeypatch: pytest.MonkeyPatch, in_threads: Any) -> None:
     """DistributedOptimizer with shared memory: each gradient goes straight
     into its key's staging spans and is pushed as headers only; the SGD
     step on the appliance is the one of the mean gradient."""
@@ -334,14 +311,14 @@ def test_cuda_optimizer_copies_straight_into_shared_memory_on_cpu_with_stand_ins
         ws = [phub.Worker.join(app.control_url, jid, token, r) for r in range(W)]
         models = [[torch.nn.Parameter(torch.full((3000,), 1.0)), torch.nn.Parameter(torch.full((20,), 2.0))]
                   for _ in ws]
-        opts = _in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
+        opts = in_threads([lambda m=m, w=w: phub.torch.DistributedOptimizer(m, w) for m, w in zip(models, ws)])
         for o in opts:
             o._staging = phub.torch._CudaStaging(torch.device("cpu"))  # as for CUDA parameters
         for _ in range(2):
             for r, m in enumerate(models):
                 m[0].grad = torch.full((3000,), float(r + 1))
                 m[1].grad = None if r == 0 else torch.full((20,), 4.0)  # a missing gradient pushes zeros
-            _in_threads([o.step for o in opts])
+            in_threads([o.step for o in opts])
         for m in models:  # each step: p -= 0.5 * mean(grads)
             assert torch.equal(m[0].data, torch.full((3000,), 1.0 - 2 * 0.5 * 1.5))
             assert torch.equal(m[1].data, torch.full((20,), 2.0 - 2 * 0.5 * 2.0))

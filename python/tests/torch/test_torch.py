@@ -112,7 +112,7 @@ def test_bfloat16_tensors(workers: Any) -> None:
         assert torch.equal(g.float(), want)
 
 
-def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any) -> None:
+def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any, in_threads: Any) -> None:
     """Two ranks train phub.torch.Embedding and EmbeddingBag (sum) over two
     tables whose optimizer (SGD) runs on the appliance; after every step the
     tables hold exactly what torch.nn.Embedding / EmbeddingBag with
@@ -140,25 +140,15 @@ def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any) -
 
     for step in range(3):
         data = [batch() for _ in range(W)]
-        outs: list[Any] = [None] * W
-        errors: list[BaseException] = []
 
-        def rank_step(r: int) -> None:
-            try:
-                ids, bag_ids, offsets, tgt = data[r]
-                e = embs[r](ids)
-                b = bags[r](bag_ids, offsets)
-                outs[r] = (e.detach().clone(), b.detach().clone())
-                ((e * tgt).sum() + (b * tgt[0, :2]).sum()).backward()
-            except BaseException as ex:  # noqa: BLE001 - re-raised below
-                errors.append(ex)
+        def rank_step(r: int) -> tuple[torch.Tensor, torch.Tensor]:
+            ids, bag_ids, offsets, tgt = data[r]
+            e = embs[r](ids)
+            b = bags[r](bag_ids, offsets)
+            ((e * tgt).sum() + (b * tgt[0, :2]).sum()).backward()
+            return e.detach().clone(), b.detach().clone()
 
-        ts = [threading.Thread(target=rank_step, args=(r,)) for r in range(W)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join(60)
-        assert not errors, errors
+        outs = in_threads([lambda r=r: rank_step(r) for r in range(W)])
         ref_opt.zero_grad()
         loss = torch.zeros(())
         for r, (ids, bag_ids, offsets, tgt) in enumerate(data):
