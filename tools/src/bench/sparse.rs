@@ -1,5 +1,8 @@
 //! `phub-bench sparse --engine-only`: the row store of sparse tables alone,
-//! no network (issue 32's "Engine alone").
+//! no network (issue 32's "Engine alone"). `phub-bench sparse --local`:
+//! end to end on loopback, a local appliance and `--workers` worker
+//! threads, each pushing `--batch` distinct ids a step with
+//! `push_pull_rows` (the TCP row-server baseline is not built yet).
 //!
 //! Each of `--lcores` threads owns one [`RowStore`] of `rows / lcores`
 //! rows of `--dim` values with element-wise Adagrad state, as an lcore
@@ -34,9 +37,20 @@ use crate::sys::Machine;
 /// `phub-bench sparse`'s options.
 #[derive(Args, Debug, Clone, Serialize)]
 pub struct SparseArgs {
-    /// The row store alone, no network (the only mode so far).
-    #[arg(long)]
+    /// The row store alone, no network.
+    #[arg(long, conflicts_with = "local")]
     pub engine_only: bool,
+    /// End to end on loopback: a local phub-dataplane (`--lcores` queues)
+    /// and phub-control, `--workers` worker threads each pushing `--batch`
+    /// ids a step through `push_pull_rows` (module head).
+    #[arg(long)]
+    pub local: bool,
+    /// `--local`: worker threads, each its own phub worker (rank).
+    #[arg(long, value_name = "W", default_value_t = 2)]
+    pub workers: u16,
+    /// `--local`: steps timed, after 3 untimed.
+    #[arg(long, value_name = "N", default_value_t = 100)]
+    pub steps: u32,
     /// Rows stored, over all lcores.
     #[arg(long, value_name = "R", default_value_t = 1_000_000)]
     pub rows: u64,
@@ -246,9 +260,12 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
 // Cast: counts to f64 for rates and ratios.
 #[allow(clippy::cast_precision_loss)]
 pub fn run(args: &SparseArgs) -> Result<()> {
+    if args.local {
+        return run_local(args);
+    }
     ensure!(
         args.engine_only,
-        "phub-bench sparse: only --engine-only (the row store alone) is implemented so far"
+        "phub-bench sparse: say --engine-only (the row store alone) or --local (end to end on loopback)"
     );
     ensure!(args.lcores >= 1, "--lcores {}: accepted 1 or more", args.lcores);
     ensure!(
@@ -330,6 +347,208 @@ pub fn run(args: &SparseArgs) -> Result<()> {
         charged as f64 / 1e9,
         report.rss_over_charge,
         load
+    );
+    if let Some(path) = &args.json {
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// What `--local` measured.
+#[derive(Debug, Serialize)]
+pub struct SparseLocalReport {
+    /// Worker threads (ranks).
+    pub workers: u16,
+    /// Dataplane queues.
+    pub lcores: usize,
+    /// The table's rows cap.
+    pub rows: u64,
+    /// Values per row.
+    pub dim: u32,
+    /// Ids per worker and step.
+    pub batch: usize,
+    /// Zipf exponent, or none (uniform).
+    pub zipf: Option<f64>,
+    /// Steps timed.
+    pub steps: u32,
+    /// Row updates per second: W x K x steps over the slowest rank's time.
+    pub row_updates_per_s: f64,
+    /// Rows read back per second (each push_pull_rows returns its rows).
+    pub row_lookups_per_s: f64,
+    /// Median of rank 0's steps, ms.
+    pub round_ms_median: f64,
+    /// Largest of rank 0's steps, ms.
+    pub round_ms_max: f64,
+    /// UDP payload bytes the workers sent and received, per row pushed.
+    pub wire_bytes_per_row: f64,
+    /// Rows the appliance stores after the run (control's job detail).
+    pub rows_stored: u64,
+    /// Table messages the workers sent again.
+    pub row_retransmits: u64,
+    /// The baseline (a TCP row server) is not built yet.
+    pub baseline: Option<f64>,
+    /// /proc/loadavg's 1-minute figure before the run.
+    pub loadavg_1m_before: f64,
+    /// The machine.
+    pub machine: Machine,
+}
+
+/// One rank's figures in `--local`.
+struct RankFigures {
+    seconds: f64,
+    steps_ms: Vec<f64>,
+    bytes: u64,
+    retransmits: u64,
+}
+
+/// `phub-bench sparse --local` (module head): one table of `--rows` rows
+/// of `--dim` values with element-wise Adagrad (lr 0.01), BSP; each rank
+/// draws `--batch` distinct ranks a step (Zipf or uniform over the rows,
+/// hashed to ids as `--engine-only` does) and calls `push_pull_rows`.
+// Casts: counts to f64 for rates.
+#[allow(clippy::cast_precision_loss)]
+fn run_local(args: &SparseArgs) -> Result<()> {
+    use super::local::{admit, control_client, Local, LocalOptions};
+    use phub_proto::routes::control;
+
+    ensure!(args.workers >= 1, "--workers 0: accepted 1 or more");
+    ensure!(args.steps >= 1, "--steps 0: accepted 1 or more");
+    ensure!(
+        args.batch >= 1 && args.dim >= 1,
+        "--batch and --dim: accepted 1 or more"
+    );
+    let load = loadavg();
+    let (d, k) = (args.dim as usize, args.batch);
+    // Rows, index and Adagrad state at the cap, with room to spare.
+    let budget = (args.rows * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
+    let local = Local::start(&LocalOptions {
+        lcores: args.lcores,
+        backend: "udp".into(),
+        memory_budget: budget,
+        bin_dir: None,
+        busy_poll: false,
+        no_pin: false,
+        socket_buffer: None,
+        env: Vec::new(),
+        extra_args: Vec::new(),
+        shm: false,
+        veth: None,
+    })?;
+    let token = local.operator_token().ok();
+    let spec = format!(
+        "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
+         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\n",
+        args.workers, args.dim, args.rows
+    );
+    let job = admit(&local.control_url, &spec, token.as_deref())?;
+    let url = local.control_url.clone();
+    let grads: Vec<f32> = (0..k * d)
+        .map(|i| (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .collect();
+    let ranks: Vec<Result<RankFigures>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..args.workers)
+            .map(|r| {
+                let (url, grads) = (&url, &grads);
+                scope.spawn(move || -> Result<RankFigures> {
+                    let w = phub_worker::Worker::join(url, job.id, job.token, r)?;
+                    let mut out = vec![0f32; k * d];
+                    let mut ids = Vec::with_capacity(k);
+                    let mut seen = std::collections::HashSet::with_capacity(k);
+                    let mut draw = u64::from(r) << 40;
+                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
+                    let mut before = None;
+                    let mut t0 = Instant::now();
+                    for step in 0..args.steps + 3 {
+                        if step == 3 {
+                            before = Some(w.stats());
+                            t0 = Instant::now();
+                        }
+                        ids.clear();
+                        seen.clear();
+                        while ids.len() < k {
+                            draw += 1;
+                            let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
+                            let id = id_of(rank(u, args.rows, args.zipf));
+                            if seen.insert(id) {
+                                ids.push(id);
+                            }
+                        }
+                        let t = Instant::now();
+                        w.push_pull_rows("emb", &ids, grads, &mut out)?;
+                        if step >= 3 {
+                            steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                        }
+                    }
+                    let seconds = t0.elapsed().as_secs_f64();
+                    let (a, b) = (before.expect("three untimed steps"), w.stats());
+                    Ok(RankFigures {
+                        seconds,
+                        steps_ms,
+                        bytes: (b.bytes_sent + b.bytes_received) - (a.bytes_sent + a.bytes_received),
+                        retransmits: b.row_retransmits - a.row_retransmits,
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
+            })
+            .collect()
+    });
+    let ranks = ranks.into_iter().collect::<Result<Vec<_>>>()?;
+    let detail = control_client(
+        &local.control_url,
+        token.as_deref(),
+        std::time::Duration::from_secs(10),
+    )?
+    .send(&control::job(job.id))
+    .context("asking control for the job's tables")?;
+    local.stop();
+    let rows_stored = detail.tables.iter().map(|t| t.rows_stored).sum();
+    let slowest = ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
+    let rows_moved = f64::from(args.workers) * k as f64 * f64::from(args.steps);
+    let mut rank0 = ranks[0].steps_ms.clone();
+    rank0.sort_by(f64::total_cmp);
+    let report = SparseLocalReport {
+        workers: args.workers,
+        lcores: args.lcores,
+        rows: args.rows,
+        dim: args.dim,
+        batch: k,
+        zipf: args.zipf,
+        steps: args.steps,
+        row_updates_per_s: rows_moved / slowest,
+        row_lookups_per_s: rows_moved / slowest,
+        round_ms_median: rank0[rank0.len() / 2],
+        round_ms_max: rank0[rank0.len() - 1],
+        wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
+        rows_stored,
+        row_retransmits: ranks.iter().map(|r| r.retransmits).sum(),
+        baseline: None,
+        loadavg_1m_before: load,
+        machine: Machine::detect(),
+    };
+    println!(
+        "sparse local: {} workers, {} lcore(s), table of {} rows x {}, {} ids per worker and step ({}), {} steps",
+        report.workers,
+        report.lcores,
+        report.rows,
+        report.dim,
+        report.batch,
+        report.zipf.map_or("uniform".to_string(), |s| format!("zipf {s}")),
+        report.steps
+    );
+    println!(
+        "  row updates/s {:.3e} (Adagrad, each with its row read back)   step median {:.2} ms, max {:.2} ms",
+        report.row_updates_per_s, report.round_ms_median, report.round_ms_max
+    );
+    println!(
+        "  {:.1} wire bytes per row   {} rows stored   {} table messages resent   (no TCP baseline yet)",
+        report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
