@@ -121,10 +121,11 @@ fn local_run_verifies_and_writes_the_json() {
     let _ = std::fs::remove_file(&json);
 }
 
-/// `sparse --local`: two worker threads push a table's rows end to end;
-/// the JSON states the rates, the rows the appliance stores (no more than
-/// the ids drawn, no more than the cap) and the bytes per row (a row and
-/// its id each way at least).
+/// `sparse --local --baseline tcp-ps`: two worker threads push a table's
+/// rows end to end, then the same draws go to the TCP row server; the
+/// JSON states both rates and their ratio, the rows the appliance stores
+/// (no more than the ids drawn, no more than the cap) and the bytes per
+/// row (a row and its id each way at least).
 #[test]
 fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     let json = scratch("sparse.json");
@@ -141,19 +142,24 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
         "64",
         "--steps",
         "5",
+        "--baseline",
+        "tcp-ps",
         "--json",
         json.to_str().unwrap(),
     ]);
     assert!(ok, "{out}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!((v["workers"].as_u64(), v["steps"].as_u64()), (Some(2), Some(5)));
+    assert_eq!(v["baseline"], "tcp-ps");
+    for k in ["baseline_row_updates_per_s", "speedup_vs_baseline"] {
+        assert!(num(&v, k) > 0.0, "{k} = {}", v[k]);
+    }
     for k in ["row_updates_per_s", "round_ms_median", "wire_bytes_per_row"] {
         assert!(num(&v, k) > 0.0, "{k} = {}", v[k]);
     }
     let stored = v["rows_stored"].as_u64().unwrap();
     assert!((64..=1000).contains(&stored), "rows stored: {stored}");
     assert!(num(&v, "wire_bytes_per_row") >= 2.0 * (4.0 * 4.0 + 8.0), "{v}");
-    assert!(v["baseline"].is_null());
 }
 
 #[test]

@@ -24,3 +24,4 @@ pub mod racks;
 pub mod run;
 pub mod sparse;
 pub mod tcp_ps;
+pub mod tcp_rows;

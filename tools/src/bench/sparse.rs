@@ -2,7 +2,8 @@
 //! no network (issue 32's "Engine alone"). `phub-bench sparse --local`:
 //! end to end on loopback, a local appliance and `--workers` worker
 //! threads, each pushing `--batch` distinct ids a step with
-//! `push_pull_rows` (the TCP row-server baseline is not built yet).
+//! `push_pull_rows`, and with `--baseline tcp-ps` the same draws against
+//! a plain TCP row server ([`super::tcp_rows`]) in the same run.
 //!
 //! Each of `--lcores` threads owns one [`RowStore`] of `rows / lcores`
 //! rows of `--dim` values with element-wise Adagrad state, as an lcore
@@ -51,6 +52,10 @@ pub struct SparseArgs {
     /// `--local`: steps timed, after 3 untimed.
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub steps: u32,
+    /// `--local`: also run the same workload against a plain TCP row
+    /// server in the same minutes (`tcp-ps`: [`super::tcp_rows`]).
+    #[arg(long, value_name = "NAME", value_parser = ["tcp-ps"])]
+    pub baseline: Option<String>,
     /// Rows stored, over all lcores.
     #[arg(long, value_name = "R", default_value_t = 1_000_000)]
     pub rows: u64,
@@ -386,8 +391,14 @@ pub struct SparseLocalReport {
     pub rows_stored: u64,
     /// Table messages the workers sent again.
     pub row_retransmits: u64,
-    /// The baseline (a TCP row server) is not built yet.
-    pub baseline: Option<f64>,
+    /// `--baseline`'s name, if run.
+    pub baseline: Option<String>,
+    /// The baseline's row updates per second (same workload, same run).
+    pub baseline_row_updates_per_s: Option<f64>,
+    /// The baseline's median step (its rank 0), ms.
+    pub baseline_round_ms_median: Option<f64>,
+    /// `row_updates_per_s / baseline_row_updates_per_s`.
+    pub speedup_vs_baseline: Option<f64>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
@@ -400,6 +411,75 @@ struct RankFigures {
     steps_ms: Vec<f64>,
     bytes: u64,
     retransmits: u64,
+}
+
+/// One rank's push: `(ids, grads, out)` to `(bytes on the wire so far,
+/// table messages resent so far)`; called with no ids for the counts alone.
+type Pusher = Box<dyn FnMut(&[u64], &[f32], &mut [f32]) -> Result<(u64, u64)> + Send>;
+
+/// Runs `--workers` threads, each with the pusher `connect(rank)` makes:
+/// three untimed steps, then `--steps` timed, each of `--batch` distinct
+/// ids drawn from the rank's own sequence (the same for every pusher).
+// Casts: counts to f64 for rates.
+#[allow(clippy::cast_precision_loss)]
+fn drive(
+    args: &SparseArgs,
+    grads: &[f32],
+    connect: impl Fn(u16) -> Result<Pusher> + Sync,
+) -> Result<Vec<RankFigures>> {
+    let (d, k) = (args.dim as usize, args.batch);
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..args.workers)
+            .map(|r| {
+                let connect = &connect;
+                scope.spawn(move || -> Result<RankFigures> {
+                    let mut push = connect(r)?;
+                    let mut out = vec![0f32; k * d];
+                    let mut ids = Vec::with_capacity(k);
+                    let mut seen = std::collections::HashSet::with_capacity(k);
+                    let mut draw = u64::from(r) << 40;
+                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
+                    let (mut before, mut t0) = ((0, 0), Instant::now());
+                    for step in 0..args.steps + 3 {
+                        if step == 3 {
+                            before = push(&[], &[], &mut [])?;
+                            t0 = Instant::now();
+                        }
+                        ids.clear();
+                        seen.clear();
+                        while ids.len() < k {
+                            draw += 1;
+                            let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
+                            let id = id_of(rank(u, args.rows, args.zipf));
+                            if seen.insert(id) {
+                                ids.push(id);
+                            }
+                        }
+                        let t = Instant::now();
+                        push(&ids, grads, &mut out)?;
+                        if step >= 3 {
+                            steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                        }
+                    }
+                    let seconds = t0.elapsed().as_secs_f64();
+                    let after = push(&[], &[], &mut [])?;
+                    Ok(RankFigures {
+                        seconds,
+                        steps_ms,
+                        bytes: after.0 - before.0,
+                        retransmits: after.1 - before.1,
+                    })
+                })
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
+            })
+            .collect()
+    })
 }
 
 /// `phub-bench sparse --local` (module head): one table of `--rows` rows
@@ -446,60 +526,23 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let grads: Vec<f32> = (0..k * d)
         .map(|i| (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
         .collect();
-    let ranks: Vec<Result<RankFigures>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..args.workers)
-            .map(|r| {
-                let (url, grads) = (&url, &grads);
-                scope.spawn(move || -> Result<RankFigures> {
-                    let w = phub_worker::Worker::join(url, job.id, job.token, r)?;
-                    let mut out = vec![0f32; k * d];
-                    let mut ids = Vec::with_capacity(k);
-                    let mut seen = std::collections::HashSet::with_capacity(k);
-                    let mut draw = u64::from(r) << 40;
-                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
-                    let mut before = None;
-                    let mut t0 = Instant::now();
-                    for step in 0..args.steps + 3 {
-                        if step == 3 {
-                            before = Some(w.stats());
-                            t0 = Instant::now();
-                        }
-                        ids.clear();
-                        seen.clear();
-                        while ids.len() < k {
-                            draw += 1;
-                            let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
-                            let id = id_of(rank(u, args.rows, args.zipf));
-                            if seen.insert(id) {
-                                ids.push(id);
-                            }
-                        }
-                        let t = Instant::now();
-                        w.push_pull_rows("emb", &ids, grads, &mut out)?;
-                        if step >= 3 {
-                            steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                        }
-                    }
-                    let seconds = t0.elapsed().as_secs_f64();
-                    let (a, b) = (before.expect("three untimed steps"), w.stats());
-                    Ok(RankFigures {
-                        seconds,
-                        steps_ms,
-                        bytes: (b.bytes_sent + b.bytes_received) - (a.bytes_sent + a.bytes_received),
-                        retransmits: b.row_retransmits - a.row_retransmits,
-                    })
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
-            })
-            .collect()
+    let ranks = drive(args, &grads, |r| {
+        let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
+        let bytes = |w: &phub_worker::Worker| {
+            let s = w.stats();
+            (s.bytes_sent + s.bytes_received, s.row_retransmits)
+        };
+        Ok(Box::new(
+            move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<(u64, u64)> {
+                if ids.is_empty() {
+                    return Ok(bytes(&w));
+                }
+                w.push_pull_rows("emb", ids, grads, out)?;
+                Ok(bytes(&w))
+            },
+        ) as Pusher)
     });
-    let ranks = ranks.into_iter().collect::<Result<Vec<_>>>()?;
+    let ranks = ranks?;
     let detail = control_client(
         &local.control_url,
         token.as_deref(),
@@ -508,11 +551,35 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     .send(&control::job(job.id))
     .context("asking control for the job's tables")?;
     local.stop();
+    // The baseline after phub, the appliance stopped: the same draws.
+    let base = match args.baseline.as_deref() {
+        Some(_) => {
+            let server = super::tcp_rows::Server::start(d)?;
+            let ranks = drive(args, &grads, |_| {
+                let mut c = server.connect()?;
+                Ok(Box::new(
+                    move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<(u64, u64)> {
+                        if !ids.is_empty() {
+                            c.push_pull(ids, grads, out)?;
+                        }
+                        Ok((0, 0))
+                    },
+                ) as Pusher)
+            })?;
+            Some(ranks)
+        }
+        None => None,
+    };
     let rows_stored = detail.tables.iter().map(|t| t.rows_stored).sum();
-    let slowest = ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
     let rows_moved = f64::from(args.workers) * k as f64 * f64::from(args.steps);
-    let mut rank0 = ranks[0].steps_ms.clone();
-    rank0.sort_by(f64::total_cmp);
+    let rate = |ranks: &[RankFigures]| rows_moved / ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
+    let median0 = |ranks: &[RankFigures]| {
+        let mut v = ranks[0].steps_ms.clone();
+        v.sort_by(f64::total_cmp);
+        (v[v.len() / 2], v[v.len() - 1])
+    };
+    let (median, max) = median0(&ranks);
+    let base_rate = base.as_deref().map(rate);
     let report = SparseLocalReport {
         workers: args.workers,
         lcores: args.lcores,
@@ -521,14 +588,17 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         batch: k,
         zipf: args.zipf,
         steps: args.steps,
-        row_updates_per_s: rows_moved / slowest,
-        row_lookups_per_s: rows_moved / slowest,
-        round_ms_median: rank0[rank0.len() / 2],
-        round_ms_max: rank0[rank0.len() - 1],
+        row_updates_per_s: rate(&ranks),
+        row_lookups_per_s: rate(&ranks),
+        round_ms_median: median,
+        round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
         rows_stored,
         row_retransmits: ranks.iter().map(|r| r.retransmits).sum(),
-        baseline: None,
+        baseline: args.baseline.clone(),
+        baseline_row_updates_per_s: base_rate,
+        baseline_round_ms_median: base.as_deref().map(|b| median0(b).0),
+        speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -547,9 +617,16 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.row_updates_per_s, report.round_ms_median, report.round_ms_max
     );
     println!(
-        "  {:.1} wire bytes per row   {} rows stored   {} table messages resent   (no TCP baseline yet)",
+        "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
         report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
+    if let (Some(b), Some(x)) = (report.baseline_row_updates_per_s, report.speedup_vs_baseline) {
+        println!(
+            "  tcp-ps (a TCP row server, each push applied at once): row updates/s {b:.3e}, step median {:.2} ms; \
+             phub/tcp-ps {x:.2}x",
+            report.baseline_round_ms_median.unwrap_or(f64::NAN)
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
