@@ -126,7 +126,7 @@ pub fn parse_sweep(s: &str) -> Result<Sweep, String> {
 
 /// Serialises a value as its `Display` text (how `--consistency` and
 /// `--inject` are written in the JSON's `arguments`).
-fn as_text<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
+pub(crate) fn as_text<T: std::fmt::Display, S: serde::Serializer>(v: &T, s: S) -> Result<S::Ok, S::Error> {
     s.collect_str(v)
 }
 

@@ -52,6 +52,12 @@ pub struct SparseArgs {
     /// `--local`: steps timed, after 3 untimed.
     #[arg(long, value_name = "N", default_value_t = 100)]
     pub steps: u32,
+    /// `--local`: the job's consistency, `bsp` (default), `async` or
+    /// `ssp:TAU` (an lcore applies each push at once outside BSP, as the
+    /// TCP row server does).
+    #[arg(long, default_value = "bsp")]
+    #[serde(serialize_with = "super::run::as_text")]
+    pub consistency: phub_proto::spec::Consistency,
     /// `--local`: also run the same workload against a plain TCP row
     /// server in the same minutes (`tcp-ps`: [`super::tcp_rows`]).
     #[arg(long, value_name = "NAME", value_parser = ["tcp-ps"])]
@@ -365,6 +371,8 @@ pub fn run(args: &SparseArgs) -> Result<()> {
 pub struct SparseLocalReport {
     /// Worker threads (ranks).
     pub workers: u16,
+    /// The job's consistency (`bsp`, `async`, `ssp:TAU`).
+    pub consistency: String,
     /// Dataplane queues.
     pub lcores: usize,
     /// The table's rows cap.
@@ -521,6 +529,13 @@ fn run_local(args: &SparseArgs) -> Result<()> {
          kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\n",
         args.workers, args.dim, args.rows
     );
+    let spec = match args.consistency {
+        phub_proto::spec::Consistency::Sync => spec,
+        phub_proto::spec::Consistency::Async => format!("{spec}[consistency]\nmode = \"async\"\n"),
+        phub_proto::spec::Consistency::Bounded { delay } => {
+            format!("{spec}[consistency]\nbounded_delay = {delay}\n")
+        }
+    };
     let job = admit(&local.control_url, &spec, token.as_deref())?;
     let url = local.control_url.clone();
     let grads: Vec<f32> = (0..k * d)
@@ -582,6 +597,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let base_rate = base.as_deref().map(rate);
     let report = SparseLocalReport {
         workers: args.workers,
+        consistency: args.consistency.to_string(),
         lcores: args.lcores,
         rows: args.rows,
         dim: args.dim,
@@ -603,8 +619,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         machine: Machine::detect(),
     };
     println!(
-        "sparse local: {} workers, {} lcore(s), table of {} rows x {}, {} ids per worker and step ({}), {} steps",
+        "sparse local: {} workers, {}, {} lcore(s), table of {} rows x {}, {} ids per worker and step ({}), {} steps",
         report.workers,
+        report.consistency,
         report.lcores,
         report.rows,
         report.dim,
