@@ -441,30 +441,35 @@ fn drive(
             .map(|r| {
                 let connect = &connect;
                 scope.spawn(move || -> Result<RankFigures> {
-                    let mut push = connect(r)?;
-                    let mut out = vec![0f32; k * d];
-                    let mut ids = Vec::with_capacity(k);
+                    // Every step's ids, drawn before the timing (a Zipf
+                    // draw is a pow(), which took a sixth of the CPU when
+                    // drawn in the loop).
+                    let total = args.steps as usize + 3;
+                    let mut all = Vec::with_capacity(total * k);
                     let mut seen = std::collections::HashSet::with_capacity(k);
                     let mut draw = u64::from(r) << 40;
-                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
-                    let (mut before, mut t0) = ((0, 0), Instant::now());
-                    for step in 0..args.steps + 3 {
-                        if step == 3 {
-                            before = push(&[], &[], &mut [])?;
-                            t0 = Instant::now();
-                        }
-                        ids.clear();
+                    for _ in 0..total {
                         seen.clear();
-                        while ids.len() < k {
+                        while seen.len() < k {
                             draw += 1;
                             let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
                             let id = id_of(rank(u, args.rows, args.zipf));
                             if seen.insert(id) {
-                                ids.push(id);
+                                all.push(id);
                             }
                         }
+                    }
+                    let mut push = connect(r)?;
+                    let mut out = vec![0f32; k * d];
+                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
+                    let (mut before, mut t0) = ((0, 0), Instant::now());
+                    for (step, ids) in all.chunks_exact(k).enumerate() {
+                        if step == 3 {
+                            before = push(&[], &[], &mut [])?;
+                            t0 = Instant::now();
+                        }
                         let t = Instant::now();
-                        push(&ids, grads, &mut out)?;
+                        push(ids, grads, &mut out)?;
                         if step >= 3 {
                             steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
                         }
