@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import socket
 import tempfile
 import time
 import warnings
@@ -46,6 +45,7 @@ import torch.nn.functional as F
 import phub
 import phub.torch
 from phub.local import LocalAppliance
+from train_digits import free_port, run_ranks  # the same directory: spawning W ranks
 
 MODES = ("phub", "gloo")
 DENSE = 13
@@ -184,17 +184,9 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def run(mode: str, workers: int, cfg: Config, app: Optional[LocalAppliance] = None) -> tuple[float, float]:
     """Trains with ``workers`` processes; returns the held-out log-loss
     and the seconds per step."""
-    import multiprocessing as mp
-
     own = app is None and mode == "phub"
     app = LocalAppliance(lcores=2).start() if own else app
     try:
@@ -204,20 +196,11 @@ def run(mode: str, workers: int, cfg: Config, app: Optional[LocalAppliance] = No
             control_url = app.control_url
             dense_job = app.admit(phub.torch.job_spec(Model(cfg, []), workers, optimizer="mean", name="dlrm-mlp"))
             table_job = app.admit(tables_spec(cfg, workers))
-        ctx = mp.get_context("spawn")
         with tempfile.TemporaryDirectory(prefix="phub-dlrm-") as tmp:
             out = str(Path(tmp) / "out.npy")
             port = free_port()
-            procs = [ctx.Process(target=worker_main,
-                                 args=(r, workers, mode, cfg, control_url, dense_job, table_job, port, out))
-                     for r in range(workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            bad = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode != 0]
-            if bad:
-                raise RuntimeError("; ".join(bad))
+            run_ranks(worker_main, workers,
+                      lambda r: (r, workers, mode, cfg, control_url, dense_job, table_job, port, out))
             loss, per_step = np.load(out)
             return float(loss), float(per_step)
     finally:

@@ -221,6 +221,22 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def run_ranks(target: Any, workers: int, args_of: Any) -> None:
+    """Runs ``target(*args_of(rank))`` in a spawned process per rank and
+    waits for all; raises naming every rank that did not exit with 0."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    bad = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode != 0]
+    if bad:
+        raise RuntimeError("; ".join(bad))
+
+
 def job_optimizer(mode: str, cfg: Config, model: nn.Module) -> Any:
     if mode == "ddp":
         return "mean"
@@ -232,8 +248,6 @@ def job_optimizer(mode: str, cfg: Config, model: nn.Module) -> Any:
 def run(mode: str, workers: int, cfg: Config, appliance: Optional[LocalAppliance] = None) -> np.ndarray:
     """Trains with ``workers`` processes; returns rank 0's final parameters (flat).
     Starts a local appliance unless one is given (not needed for ``gloo``)."""
-    import multiprocessing as mp
-
     if mode not in MODES:
         raise SystemExit(f"--mode {mode!r}: one of {', '.join(MODES)}")
     own = appliance is None and mode != "gloo"
@@ -246,20 +260,10 @@ def run(mode: str, workers: int, cfg: Config, appliance: Optional[LocalAppliance
                                        name=f"digits-{mode}")
             job, token = app.admit(spec)
             control_url = app.control_url
-        ctx = mp.get_context("spawn")
         with tempfile.TemporaryDirectory(prefix="phub-digits-") as tmp:
             out = str(Path(tmp) / "params.npy")
             port = free_port()
-            procs = [ctx.Process(target=worker_main,
-                                 args=(r, workers, mode, cfg, control_url, job, token, port, out))
-                     for r in range(workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            bad = [f"rank {r} exited with {p.exitcode}" for r, p in enumerate(procs) if p.exitcode != 0]
-            if bad:
-                raise RuntimeError("; ".join(bad))
+            run_ranks(worker_main, workers, lambda r: (r, workers, mode, cfg, control_url, job, token, port, out))
             return np.load(out)
     finally:
         if own and app is not None:

@@ -13,7 +13,7 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
 
@@ -114,8 +114,9 @@ impl Client {
     }
 }
 
-/// The server, listening on loopback; its threads end with the process
-/// (or when their connection closes).
+/// The server, listening on loopback; its connection threads end when
+/// their connection closes, its listener (and so the rows it shares with
+/// them) with the process: one server per benchmark run.
 pub struct Server {
     /// Where it listens.
     pub addr: SocketAddr,
@@ -127,14 +128,15 @@ impl Server {
     pub fn start(dim: usize) -> Result<Server> {
         let l = TcpListener::bind("127.0.0.1:0").context("binding the TCP row server")?;
         let addr = l.local_addr()?;
-        let rows: &'static Rows = Box::leak(Box::new(Rows {
+        let rows = Arc::new(Rows {
             dim,
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
-        }));
+        });
         std::thread::spawn(move || {
             for s in l.incoming().flatten() {
                 let _ = s.set_nodelay(true);
-                std::thread::spawn(move || serve_one(s, rows));
+                let rows = Arc::clone(&rows);
+                std::thread::spawn(move || serve_one(s, &rows));
             }
         });
         Ok(Server { addr, dim })
