@@ -136,6 +136,11 @@ impl StoredJob {
                         } else {
                             Vec::new()
                         },
+                        moved: if back {
+                            self.epoch.moved.clone()
+                        } else {
+                            Vec::new()
+                        },
                     })
                 } else {
                     None

@@ -129,6 +129,7 @@ fn b_joined_at_2() -> EpochView {
             appliance: 1,
             epoch: 2,
         }],
+        moved: vec![],
     }
 }
 

@@ -142,6 +142,7 @@ mod tests {
                 appliances,
                 down: Vec::new(),
                 joined: Vec::new(),
+                moved: Vec::new(),
             }),
             entries: None,
         }

@@ -74,6 +74,7 @@ fn replicated(id: u16, base_port: u16) -> InstallJob {
             appliances,
             down: Vec::new(),
             joined: Vec::new(),
+            moved: Vec::new(),
         }),
     }
 }

@@ -225,6 +225,52 @@ fn an_appliance_back_empty_is_filled_while_rounds_go_on_and_takes_over_exactly()
     }
 }
 
+/// Appliance 1 drained while rounds go on (PROTOCOL.md §11.8): its index
+/// moves to another appliance (host 10.0.1.2), installed empty at the
+/// next epoch, which every other appliance takes; the old one is gone
+/// (what is sent to it is lost). The others must address the new one
+/// from that epoch on, or its state copies never arrive.
+#[test]
+fn a_drained_appliance_s_index_moves_to_a_new_one_which_is_filled_and_takes_over_exactly() {
+    let want = reference(2);
+    for (seed, faults) in [(21, CLEAN), (22, LOSSY), (23, LOSSY)] {
+        let mut w = World::new(spec_r(2), &LCORES, &RACKS, seed, faults);
+        rounds(&mut w, &want, 0, KILL - 1, "before the drain");
+        let data = phub_proto::api::DataAddr {
+            host: "10.0.1.2".into(),
+            base_port: 9000,
+        };
+        let e1 = w.epoch.with_moved(1, "d", data);
+        w.hosts[1] = 2;
+        w.reinstall(1, &e1);
+        w.epoch = e1.clone();
+        for a in [0, 2] {
+            for j in 0..w.shards[a].len() {
+                assert_eq!(w.shards[a][j].change_epoch(JOB, &e1), Ok(true));
+                assert_eq!(w.shards[a][j].change_epoch(JOB, &e1), Ok(false));
+                w.drain(a, j);
+            }
+        }
+        // Part 1 is served by 2 (its backup) while the new 1 is copied.
+        assert_eq!(w.layout.set_in(1, &e1), [2, 1]);
+        rounds(&mut w, &want, KILL, KILL_ADOPTER - 1, "index 1 moved");
+        assert_replicas_level(&w, KILL_ADOPTER - 1);
+        for a in 0..3 {
+            let c = copies(&w, a);
+            assert_eq!((c.epoch, c.awaiting, c.owed), (1, 0, 0), "appliance {a}: {c:?}");
+        }
+        assert!(copies(&w, 1).bytes_received > 0);
+        // The adopter dies: the new appliance serves index 1's part.
+        w.dead[2] = true;
+        let e2 = e1.with_down(2).unwrap();
+        change_epoch(&mut w, &e2);
+        assert_eq!(w.layout.primary(1, &e2), Some(1));
+        rounds(&mut w, &want, KILL_ADOPTER, ROUNDS, "the adopter killed");
+        assert_replicas_level(&w, ROUNDS);
+        assert!(w.errors.is_empty(), "seed {seed}: {:?}", w.errors);
+    }
+}
+
 /// Which appliance dies during the state copy.
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Victim {

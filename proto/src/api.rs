@@ -807,6 +807,10 @@ pub struct Replication {
     /// absent (empty) at epoch 0.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub joined: Vec<crate::failover::Joined>,
+    /// The epoch's moved list ([`crate::failover::EpochView::moved`]):
+    /// `appliances` already gives the moved indices' new addresses.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moved: Vec<crate::failover::Moved>,
 }
 
 impl Replication {
@@ -816,6 +820,7 @@ impl Replication {
             epoch: self.epoch,
             down: self.down.clone(),
             joined: self.joined.clone(),
+            moved: self.moved.clone(),
         }
     }
 }

@@ -48,6 +48,38 @@ pub struct EpochView {
     /// came back at. One also in `down` went down again and is down.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub joined: Vec<Joined>,
+    /// Appliance indices served by another appliance than the one the
+    /// job was admitted with (a drain, PROTOCOL.md §11.8), ascending by
+    /// index, each once: the index's data address from that epoch on.
+    /// Each is also `joined` at its epoch or later (it came in empty).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub moved: Vec<Moved>,
+}
+
+/// An appliance index of a replicated job that another appliance serves
+/// from an epoch on (PROTOCOL.md §11.8): a drain moved it there.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Moved {
+    /// Its index in layout order.
+    pub appliance: u16,
+    /// The epoch it moved at (at least 1, at most the view's).
+    pub epoch: u32,
+    /// The appliance that serves it now (control's name for it).
+    pub name: String,
+    /// That appliance's data address: an IPv4 address, and the UDP port
+    /// of its lcore 0 (lcore i listens on `base_port + i`).
+    pub data: crate::api::DataAddr,
+}
+
+impl Moved {
+    /// Lcore `lcore`'s data address; `None` when the host is not an IPv4
+    /// address or the port is past 65535.
+    pub fn lcore_addr(&self, lcore: usize) -> Option<std::net::SocketAddrV4> {
+        let ip: std::net::Ipv4Addr = self.data.host.parse().ok()?;
+        let port = u16::try_from(usize::from(self.data.base_port) + lcore).ok()?;
+        Some(std::net::SocketAddrV4::new(ip, port))
+    }
 }
 
 /// An appliance that came back into a replicated job (PROTOCOL.md §11.7).
@@ -74,6 +106,12 @@ impl EpochView {
             .map(|j| j.epoch)
     }
 
+    /// Where appliance `a` moved to (a drain), if it ever did: the
+    /// latest move.
+    pub fn moved_to(&self, a: usize) -> Option<&Moved> {
+        self.moved.iter().find(|m| usize::from(m.appliance) == a)
+    }
+
     /// The next epoch, with `a` also down (`None` if it already is).
     pub fn with_down(&self, a: u16) -> Option<EpochView> {
         if self.is_down(usize::from(a)) {
@@ -86,7 +124,35 @@ impl EpochView {
             epoch: self.epoch + 1,
             down,
             joined: self.joined.clone(),
+            moved: self.moved.clone(),
         })
+    }
+
+    /// The next epoch, with index `a` served by appliance `name` at `data`
+    /// (a drain, PROTOCOL.md §11.8): `a` leaves the down list if it was
+    /// there and is joined at the new epoch (the new appliance comes in
+    /// empty, at the end of its replica sets, and gets state copies), and
+    /// `moved` records where it is now (replacing an earlier move of it).
+    pub fn with_moved(&self, a: u16, name: &str, data: crate::api::DataAddr) -> EpochView {
+        let epoch = self.epoch + 1;
+        let down = self.down.iter().copied().filter(|&d| d != a).collect();
+        let mut joined: Vec<Joined> = self.joined.iter().copied().filter(|j| j.appliance != a).collect();
+        joined.push(Joined { appliance: a, epoch });
+        joined.sort_unstable_by_key(|j| j.appliance);
+        let mut moved: Vec<Moved> = self.moved.iter().filter(|m| m.appliance != a).cloned().collect();
+        moved.push(Moved {
+            appliance: a,
+            epoch,
+            name: name.to_string(),
+            data,
+        });
+        moved.sort_unstable_by_key(|m| m.appliance);
+        EpochView {
+            epoch,
+            down,
+            joined,
+            moved,
+        }
     }
 
     /// The next epoch, with down appliance `a` back (`None` if it is not
@@ -101,7 +167,12 @@ impl EpochView {
         let mut joined: Vec<Joined> = self.joined.iter().copied().filter(|j| j.appliance != a).collect();
         joined.push(Joined { appliance: a, epoch });
         joined.sort_unstable_by_key(|j| j.appliance);
-        Some(EpochView { epoch, down, joined })
+        Some(EpochView {
+            epoch,
+            down,
+            joined,
+            moved: self.moved.clone(),
+        })
     }
 
     /// Whether the view is well formed for a job of `n` appliances: `down`
@@ -124,6 +195,23 @@ impl EpochView {
             return Err(format!(
                 "joined {:?}: appliance indices 0..{n}, ascending, each once, each at an epoch 1..={}",
                 self.joined, self.epoch
+            ));
+        }
+        if self.moved.windows(2).any(|w| w[0].appliance >= w[1].appliance)
+            || self.moved.iter().any(|m| {
+                usize::from(m.appliance) >= n
+                    || m.epoch == 0
+                    || m.epoch > self.epoch
+                    || self
+                        .joined_at(usize::from(m.appliance))
+                        .is_none_or(|j| j < m.epoch)
+                    || m.lcore_addr(0).is_none()
+            })
+        {
+            return Err(format!(
+                "moved {:?}: appliance indices 0..{n}, ascending, each once, each at an epoch 1..={}, joined \
+                 then or later, at an IPv4 data address",
+                self.moved, self.epoch
             ));
         }
         Ok(())
@@ -459,6 +547,7 @@ mod tests {
                     appliance: 1,
                     epoch: 2
                 }],
+                moved: vec![],
             }
         );
         assert_eq!(e2.with_joined(1), None, "only a down appliance comes back");
@@ -498,6 +587,7 @@ mod tests {
                     epoch: 3,
                 },
             ],
+            moved: vec![],
         };
         assert_eq!(l3.set(0), [0, 1, 2]);
         assert_eq!(l3.set_in(0, &e), [2, 1, 0]);
@@ -529,6 +619,7 @@ mod tests {
                     epoch: 3,
                 },
             ],
+            moved: vec![],
         };
         assert_eq!(ok.check(3), Ok(()));
         let e = ok.check(2).unwrap_err();
@@ -577,6 +668,49 @@ mod tests {
             serde_json::to_string(&EpochView::default().with_down(1).unwrap()).unwrap(),
             r#"{"epoch":1,"down":[1]}"#
         );
+    }
+
+    #[test]
+    fn a_moved_index_joins_at_the_end_of_its_sets_at_its_new_address() {
+        let at = |port| crate::api::DataAddr {
+            host: "10.0.0.4".into(),
+            base_port: port,
+        };
+        // Index 1 served by "d" from epoch 1, straight from epoch 0 (a
+        // drain of a live appliance): joined there, at the end of its sets.
+        let l = ReplicaLayout::new(runs(&[2, 3, 4]), &[1, 1, 1], vec![""; 3], 2).unwrap();
+        let e1 = EpochView::default().with_moved(1, "d", at(7000));
+        assert_eq!(e1.epoch, 1);
+        assert_eq!(e1.check(3), Ok(()));
+        assert!(!e1.is_down(1));
+        assert_eq!(e1.joined_at(1), Some(1));
+        assert_eq!(l.set_in(1, &e1), [2, 1]);
+        assert_eq!(l.set_in(0, &e1), [0, 1]);
+        let m = e1.moved_to(1).unwrap();
+        assert_eq!((m.name.as_str(), m.epoch), ("d", 1));
+        assert_eq!(m.lcore_addr(2), Some("10.0.0.4:7002".parse().unwrap()));
+        // Carried by later epochs; a second move of the index replaces it.
+        let e2 = e1.with_down(0).unwrap();
+        assert_eq!(e2.moved, e1.moved);
+        let e3 = e2.with_joined(0).unwrap().with_moved(1, "e", at(8000));
+        assert_eq!(e3.moved.len(), 1);
+        assert_eq!((e3.moved[0].name.as_str(), e3.moved[0].epoch), ("e", 4));
+        assert_eq!(e3.check(3), Ok(()));
+        // Refused: past the appliances, not joined since, not IPv4.
+        assert!(e1.check(1).unwrap_err().contains("moved"));
+        let mut stale = e1.clone();
+        stale.joined.clear();
+        assert!(stale.check(3).unwrap_err().contains("joined then or later"));
+        let mut named = EpochView::default().with_moved(0, "d", at(7000));
+        named.moved[0].data.host = "d.example".into();
+        assert!(named.check(3).unwrap_err().contains("IPv4"));
+        // Written only when there is a move: older views read as before.
+        let json = serde_json::to_string(&e1).unwrap();
+        assert!(
+            json.contains(r#""moved":[{"appliance":1,"epoch":1,"name":"d""#),
+            "{json}"
+        );
+        assert_eq!(serde_json::from_str::<EpochView>(&json).unwrap(), e1);
     }
 
     #[test]

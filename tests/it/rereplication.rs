@@ -137,6 +137,7 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
                     appliance: 1,
                     epoch: 2
                 }],
+                moved: vec![],
             }
         );
         // Now the other member of b's part's set dies: b serves it again.

@@ -794,6 +794,7 @@ mod tests {
                     appliance: 1,
                     epoch: 2
                 }],
+                moved: vec![],
             }
         );
         j.epoch = e2;

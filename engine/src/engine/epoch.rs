@@ -6,6 +6,10 @@
 //! - the install's epoch becomes the view's: replication messages of any
 //!   other are dropped `wrong_epoch`, worker messages of any other are
 //!   refused with an ERROR `wrong_epoch` carrying the new one (fencing);
+//! - an appliance index the view newly names `moved` (a drain, §11.8) is
+//!   addressed at its new appliance's lcores from now on: replication
+//!   messages from the old one are dropped as from a stranger; the index
+//!   is joined at the same epoch, so it is a new backup as below;
 //! - each part served here gets its backups of the new epoch (its set in
 //!   the epoch after this appliance, [`phub_proto::failover::ReplicaLayout::set_in`]): down ones
 //!   leave, and a pending aggregate that waited only for them completes
@@ -126,6 +130,33 @@ impl<A: Copy + Eq> Shard<A> {
                 ),
             ));
         }
+        // Indices served by another appliance from this epoch on (a
+        // drain, PROTOCOL.md §11.8): their lcores' new addresses.
+        let mut readdressed: Vec<(usize, Vec<A>)> = Vec::new();
+        for m in view
+            .moved
+            .iter()
+            .filter(|m| old.moved_to(usize::from(m.appliance)) != Some(m))
+        {
+            let a = usize::from(m.appliance);
+            let lcores = rep.addrs[a].len();
+            let resolved = (0..lcores)
+                .map(|l| {
+                    m.lcore_addr(l)
+                        .and_then(|at| self.peers.0.as_ref().and_then(|r| r(at)))
+                })
+                .collect::<Option<Vec<A>>>()
+                .ok_or_else(|| {
+                    refuse(
+                        false,
+                        format!(
+                            "appliance {a} moved to {:?} at {}:{}, which this backend cannot address",
+                            m.name, m.data.host, m.data.base_port
+                        ),
+                    )
+                })?;
+            readdressed.push((a, resolved));
+        }
         // The parts to adopt: a prefix of the backed-up parts (module head).
         let mut adopt = 0;
         for (k, part) in rep.parts.iter().enumerate() {
@@ -166,6 +197,9 @@ impl<A: Copy + Eq> Shard<A> {
 
         // Applied from here on, whole.
         rep.view = view.clone();
+        for (a, addrs) in readdressed {
+            rep.addrs[a] = addrs;
+        }
         rep.stats.epoch_changes += 1;
         self.counters.epoch_changes.inc();
         // Each served part's backups in the new epoch; acknowledgements

@@ -97,6 +97,9 @@ pub(crate) struct World {
     pub(crate) dead: Vec<bool>,
     /// ERRORs the workers received: from, header, header epoch.
     pub(crate) errors: Vec<(SocketAddrV4, Repr, u32)>,
+    /// Per appliance index: the last octet of its lcores' host (1; 2 once
+    /// a drain moved the index to another appliance, PROTOCOL.md §11.8).
+    pub(crate) hosts: Vec<u8>,
 }
 
 impl World {
@@ -137,6 +140,7 @@ impl World {
             epoch: EpochView::default(),
             dead: vec![false; lcores.len()],
             errors: Vec::new(),
+            hosts: vec![1; lcores.len()],
             spec,
             racks,
             lcores: lcores.to_vec(),
@@ -155,15 +159,12 @@ impl World {
     /// Appliance i, declared down before, back in `view` (which names it
     /// joined): installed anew, empty, as control installs it (§11.7).
     pub(crate) fn reinstall(&mut self, i: usize, view: &EpochView) {
-        let plan = replica_plan_at(
-            &self.spec,
-            &self.runs,
-            &appliance_list(&self.lcores),
-            &self.racks,
-            i as u16,
-            view,
-        )
-        .unwrap();
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = appliance_list(&self.lcores)
+            .into_iter()
+            .enumerate()
+            .map(|(a, (_, port, l))| (*self.at(a, 0).ip(), port, l))
+            .collect();
+        let plan = replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, view).unwrap();
         let mut mine = Vec::new();
         for (j, (slots, rep)) in plan.into_iter().enumerate() {
             assert!(slots.is_empty(), "an appliance back serves nothing at first");
@@ -175,6 +176,14 @@ impl World {
         }
         self.shards[i] = mine;
         self.dead[i] = false;
+    }
+
+    /// Appliance index i's lcore j's address now (its host moves with a
+    /// drain).
+    pub(crate) fn at(&self, i: usize, j: usize) -> SocketAddrV4 {
+        let a = lcore_addr(i, j);
+        let o = a.ip().octets();
+        SocketAddrV4::new(Ipv4Addr::new(o[0], o[1], o[2], self.hosts[i]), a.port())
     }
 
     pub(crate) fn total(&self) -> u64 {
@@ -236,7 +245,7 @@ impl World {
     /// Sends what appliance i's lcore j queued, checking every RESULT
     /// against the backups first.
     pub(crate) fn drain(&mut self, i: usize, j: usize) {
-        let from = lcore_addr(i, j);
+        let from = self.at(i, j);
         let mut out = Vec::new();
         for t in self.shards[i][j].transmits() {
             let mut d = t.header.to_vec();
@@ -321,6 +330,10 @@ impl World {
             }
             let i = to.ip().octets()[2] as usize;
             let j = usize::from(to.port() - 9000);
+            if to.ip().octets()[3] != self.hosts[i] {
+                // To an appliance a drain took the index from: gone.
+                return true;
+            }
             let v = self.shards[i][j].handle(from, &d, self.now);
             if replica::is_replica_message(&d) {
                 self.verdicts.push(v);
@@ -441,7 +454,8 @@ pub(crate) fn send_round(
                 .with_flags(if again { flags::RETRANSMIT } else { 0 });
             let mut d = repr.to_datagram(v);
             wire::Header::new_unchecked(&mut d[..]).set_epoch(w.epoch.epoch);
-            w.send(worker_addr(rank), lcore_addr(i, j), d);
+            let to = w.at(i, j);
+            w.send(worker_addr(rank), to, d);
         }
     }
 }
