@@ -181,6 +181,15 @@ enum ApplianceCmd {
         /// Its name.
         name: String,
     },
+    /// Move every job off an appliance while the jobs run, so that it can
+    /// be removed (needs the operator token). Each job must be replicated
+    /// and at full strength; each moves to a spare appliance, which is
+    /// filled with state copies (see `job show`). Refused, nothing
+    /// changed, naming each job that cannot move.
+    Drain {
+        /// Its name.
+        name: String,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -348,6 +357,22 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     )
                 })
             }
+            ApplianceCmd::Drain { name } => show(json, ctl.send(&control::drain_appliance(name))?, |d| {
+                let mut out = format!(
+                    "drained appliance {:?}: {} jobs moved; it takes no new job
+",
+                    d.appliance,
+                    d.moved.len()
+                );
+                for m in &d.moved {
+                    out += &format!(
+                        "  job {} ({:?}) -> appliance {:?} at epoch {} (filling: phubctl job show {})
+",
+                        m.job, m.name, m.to, m.epoch, m.job
+                    );
+                }
+                out
+            }),
             ApplianceCmd::Remove { name } => show(json, ctl.send(&control::remove_appliance(name))?, |a| {
                 format!(
                     "removed appliance {:?} ({})
@@ -540,9 +565,10 @@ pub fn render_appliances(list: &[ApplianceStatus]) -> String {
                     _ => "-".into(),
                 },
                 if ids.is_empty() { "-".into() } else { ids.join(",") },
-                match &a.down {
-                    None => "up".into(),
-                    Some(why) => format!("DOWN: {why}"),
+                match (&a.down, a.draining) {
+                    (None, false) => "up".into(),
+                    (None, true) => "up, drained".into(),
+                    (Some(why), _) => format!("DOWN: {why}"),
                 },
             ]
         })

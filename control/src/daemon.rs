@@ -38,6 +38,7 @@ mod admit;
 mod appliances;
 mod checkpoints;
 mod config;
+mod drain;
 mod evict;
 mod failover;
 mod heartbeat;
@@ -236,7 +237,8 @@ impl Daemon {
             .into_values()
             .map(|spec| (spec.name.clone(), Appliance::new(spec)))
             .collect();
-        let shared = Arc::new(Shared {
+        let shared = Arc::new_cyclic(|this| Shared {
+            this: this.clone(),
             state_path: config.state.clone(),
             store,
             lead: leader::Leadership::new(config.lease_ttl, given),

@@ -23,6 +23,7 @@
 //! | `GET /v1/appliances` | | `Vec<`[`ApplianceStatus`]`>` |
 //! | `POST /v1/appliances` | [`ApplianceSpec`] | [`ApplianceStatus`] (201) |
 //! | `DELETE /v1/appliances/{name}` | | [`ApplianceStatus`] of the removed appliance |
+//! | `POST /v1/appliances/{name}/drain` | | [`Drain`]: every job moved off it (PROTOCOL.md §11.8); 409 naming each job that cannot move |
 //! | `GET /metrics` | | Prometheus text format |
 //!
 //! phub-dataplane management, default `127.0.0.1:7800`:
@@ -39,7 +40,8 @@
 //!
 //! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`,
 //! `POST /v1/jobs/{id}/checkpoint`, `POST /v1/jobs/{id}/retry`, `POST
-//! /v1/appliances` and `DELETE /v1/appliances/{name}` need
+//! /v1/appliances`, `DELETE /v1/appliances/{name}` and `POST
+//! /v1/appliances/{name}/drain` need
 //! `Authorization: Bearer <operator token>` (401 without, 403 wrong); a
 //! join carries the job's token in its
 //! body. On the dataplane, every route but `GET /v1/info`, `GET /v1/jobs`
@@ -438,6 +440,31 @@ pub struct ApplianceSpec {
     pub token_file: Option<String>,
 }
 
+/// What `POST /v1/appliances/{name}/drain` did (PROTOCOL.md §11.8).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drain {
+    /// The appliance drained: it holds no job now, and takes no new one.
+    pub appliance: String,
+    /// Each job it held, moved.
+    pub moved: Vec<DrainMove>,
+}
+
+/// One job a drain moved off its appliance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DrainMove {
+    /// The job.
+    pub job: u16,
+    /// Its name.
+    pub name: String,
+    /// The appliance that took the drained appliance's place in the job
+    /// (its index in layout order): empty at first, filled by state
+    /// copies while the job runs (`phubctl job show` reports full
+    /// strength when they are done).
+    pub to: String,
+    /// The job's epoch with it moved.
+    pub epoch: u32,
+}
+
 /// An appliance as control sees it (`phubctl appliance list`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ApplianceStatus {
@@ -462,6 +489,9 @@ pub struct ApplianceStatus {
     pub memory_used_bytes: Option<u64>,
     /// Admitted jobs with a part on it.
     pub jobs: Vec<u16>,
+    /// Being drained (`phubctl appliance drain`): it takes no new job.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// One appliance's counters in control's `GET /v1/stats`.

@@ -20,9 +20,9 @@ use serde::de::DeserializeOwned;
 use serde::Serialize;
 
 use crate::api::{
-    AdmitResponse, ApplianceSpec, ApplianceStatus, CheckpointInfo, DataplaneInfo, DataplaneStats, InstallJob,
-    InstalledJob, JobDetail, JobMap, JobSummary, JoinRequest, JoinResponse, RetryRequest, RetryResponse,
-    Stats,
+    AdmitResponse, ApplianceSpec, ApplianceStatus, CheckpointInfo, DataplaneInfo, DataplaneStats, Drain,
+    InstallJob, InstalledJob, JobDetail, JobMap, JobSummary, JoinRequest, JoinResponse, RetryRequest,
+    RetryResponse, Stats,
 };
 use crate::failover::EpochView;
 
@@ -207,6 +207,11 @@ pub enum ControlRoute {
         /// The appliance's name.
         name: String,
     },
+    /// `POST /v1/appliances/{name}/drain` (PROTOCOL.md §11.8).
+    DrainAppliance {
+        /// The appliance's name.
+        name: String,
+    },
     /// `GET /metrics` (Prometheus text).
     Metrics,
 }
@@ -256,6 +261,10 @@ impl ControlRoute {
                 name: (*name).to_string(),
             }),
             (["v1", "appliances", _], _) => wrong("DELETE"),
+            (["v1", "appliances", name, "drain"], "POST") => Ok(R::DrainAppliance {
+                name: (*name).to_string(),
+            }),
+            (["v1", "appliances", _, "drain"], _) => wrong("POST"),
             (["v1", "stats"], "GET") => Ok(R::Stats),
             (["metrics"], "GET") => Ok(R::Metrics),
             (["v1", "stats"] | ["metrics"], _) => wrong("GET"),
@@ -330,6 +339,9 @@ impl ControlRoute {
             R::RemoveAppliance {
                 name: appliance.to_string(),
             },
+            R::DrainAppliance {
+                name: appliance.to_string(),
+            },
             R::Metrics,
         ];
         for r in &all {
@@ -347,6 +359,7 @@ impl ControlRoute {
                 | R::Appliances
                 | R::AddAppliance { .. }
                 | R::RemoveAppliance { .. }
+                | R::DrainAppliance { .. }
                 | R::Metrics => {}
             }
         }
@@ -365,9 +378,12 @@ impl Route for ControlRoute {
             | R::Stats
             | R::Appliances
             | R::Metrics => Method::Get,
-            R::Admit | R::Checkpoint { .. } | R::Retry { .. } | R::Join { .. } | R::AddAppliance { .. } => {
-                Method::Post
-            }
+            R::Admit
+            | R::Checkpoint { .. }
+            | R::Retry { .. }
+            | R::Join { .. }
+            | R::AddAppliance { .. }
+            | R::DrainAppliance { .. } => Method::Post,
             R::Evict { .. } | R::RemoveAppliance { .. } => Method::Delete,
         }
     }
@@ -392,6 +408,7 @@ impl Route for ControlRoute {
                 mode: AddMode::Forced,
             } => "/v1/appliances?force=true".into(),
             R::RemoveAppliance { name } => format!("/v1/appliances/{name}"),
+            R::DrainAppliance { name } => format!("/v1/appliances/{name}/drain"),
             R::Metrics => "/metrics".into(),
         }
     }
@@ -408,6 +425,7 @@ impl Route for ControlRoute {
                 | R::Retry { .. }
                 | R::AddAppliance { .. }
                 | R::RemoveAppliance { .. }
+                | R::DrainAppliance { .. }
         )
     }
 }
@@ -694,6 +712,17 @@ pub mod control {
         )
     }
 
+    /// `POST /v1/appliances/{name}/drain`: what the drain moved.
+    pub fn drain_appliance(name: &str) -> ControlCall<'static, Drain> {
+        Call::new(
+            ControlRoute::DrainAppliance {
+                name: name.to_string(),
+            },
+            Body::Empty,
+            json,
+        )
+    }
+
     /// `GET /metrics`: the Prometheus text.
     pub fn metrics() -> ControlCall<'static, String> {
         Call::new(ControlRoute::Metrics, Body::Empty, text)
@@ -788,6 +817,9 @@ mod tests {
             R::RemoveAppliance {
                 name: "rack-a".into(),
             },
+            R::DrainAppliance {
+                name: "rack-a".into(),
+            },
             R::Metrics,
         ]
     }
@@ -856,6 +888,7 @@ mod tests {
                 "POST /v1/appliances true",
                 "POST /v1/appliances?force=true true",
                 "DELETE /v1/appliances/rack-a true",
+                "POST /v1/appliances/rack-a/drain true",
                 "GET /metrics false",
             ]
         );

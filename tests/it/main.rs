@@ -18,6 +18,7 @@ mod demo_backends;
 mod dpdk_end_to_end;
 mod dpdk_faults;
 mod dpdk_hierarchy;
+mod drain;
 mod end_to_end;
 mod etcd;
 mod failover;

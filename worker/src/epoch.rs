@@ -210,8 +210,9 @@ fn fetch(control: &str, job: u16, wanted: u32, held: u32) -> Fetched {
         let message = match controls.send(&call) {
             Ok(view) if view.epoch >= wanted => return Fetched::View(view),
             Ok(view) => format!("control serves epoch {}", view.epoch),
-            // The job failed (PROTOCOL.md §11.6): control says why.
-            Err(e) if e.status() == Some(409) => {
+            // The job failed (PROTOCOL.md §11.6), or is not admitted
+            // (evicted): control says why.
+            Err(e) if matches!(e.status(), Some(409 | 404)) => {
                 return Fetched::Failed {
                     wanted,
                     held,

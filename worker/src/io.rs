@@ -493,7 +493,7 @@ impl IoThread {
         if taken {
             return;
         }
-        let Some(m) = self.transport.accept(d) else {
+        let Some(m) = self.transport.accept(Some(from), d) else {
             return;
         };
         if self.transport.checks_regions_first(&m) {

@@ -206,7 +206,7 @@ impl SimTransport {
 
     /// Handles a datagram received at `now`.
     pub fn handle_datagram(&mut self, now: Instant, d: &[u8]) {
-        if let Some(m) = self.t.accept(d) {
+        if let Some(m) = self.t.accept(None, d) {
             self.t.handle(now, m);
         }
     }

@@ -83,7 +83,14 @@ impl Shared {
             let aliases: BTreeMap<String, String> = inner
                 .appliances
                 .values()
-                .filter_map(|a| Some((a.spec.name.clone(), a.alias.clone()?)))
+                .filter_map(|a| {
+                    let why = a.alias.clone().or_else(|| {
+                        a.draining.then(|| {
+                            "being drained (phubctl appliance drain): it takes no new job".to_string()
+                        })
+                    })?;
+                    Some((a.spec.name.clone(), why))
+                })
                 .collect();
             let declared_down: Vec<String> = inner
                 .appliances

@@ -42,6 +42,7 @@ impl Shared {
                     memory_budget_bytes: info.map(|i| i.memory_budget_bytes),
                     memory_used_bytes: info.map(|i| i.memory_used_bytes),
                     jobs: inner.jobs_on(&a.spec.name),
+                    draining: a.draining,
                 }
             })
             .collect()
@@ -162,6 +163,7 @@ impl Shared {
             memory_budget_bytes: None,
             memory_used_bytes: None,
             jobs: Vec::new(),
+            draining: false,
         };
         drop(inner);
         Ok(self
@@ -217,6 +219,7 @@ impl Shared {
             memory_budget_bytes: gone.info.as_ref().map(|i| i.memory_budget_bytes),
             memory_used_bytes: gone.info.as_ref().map(|i| i.memory_used_bytes),
             jobs: Vec::new(),
+            draining: gone.draining,
         })
     }
 }

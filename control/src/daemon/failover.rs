@@ -413,7 +413,7 @@ impl Shared {
     /// other live appliances, and watches the state copies until the job
     /// is at full strength (every `retry`). An install that cannot be
     /// done takes `name` out of the job again.
-    fn rejoin(self: &Arc<Self>, id: u16, view: &EpochView, name: &str, retry: Duration) {
+    pub(super) fn rejoin(self: &Arc<Self>, id: u16, view: &EpochView, name: &str, retry: Duration) {
         let installed = self.install_returning(id, view, name, retry);
         self.lock().rejoining.remove(&(id, name.to_string()));
         if let Err(why) = installed {
@@ -686,7 +686,7 @@ impl Shared {
 }
 
 /// Now, in ms since the Unix epoch.
-fn unix_ms() -> u64 {
+pub(super) fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))

@@ -268,6 +268,7 @@ impl Shared {
                 Ok(Reply::json(201, &self.add_appliance(a, mode == AddMode::Forced)?))
             }
             R::RemoveAppliance { name } => Ok(Reply::json(200, &self.remove_appliance(&name)?)),
+            R::DrainAppliance { name } => Ok(Reply::json(200, &self.drain(&name)?)),
             R::Stats => Ok(Reply::json(200, &self.stats())),
             R::Metrics => Ok(Reply {
                 status: 200,

@@ -274,13 +274,15 @@ impl Shared {
             .collect();
         // A job admitted on other appliances is left alone: this
         // may be one of them under another name or address, which
-        // must not lose the job's state.
+        // must not lose the job's state. Unless this one is drained: a
+        // drain moved its jobs off it (PROTOCOL.md §11.8).
+        let drained = inner.appliances.get(name).is_some_and(|a| a.draining);
         let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
             .iter()
             .copied()
             .filter(|id| !here.contains(id))
             .filter(|id| !fenced_here.contains(id))
-            .partition(|id| inner.jobs.contains_key(id));
+            .partition(|id| inner.jobs.contains_key(id) && !drained);
         for id in foreign {
             if log.foreign.insert(id) {
                 let on: Vec<&str> = inner.jobs[&id]

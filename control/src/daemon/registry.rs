@@ -41,6 +41,10 @@ pub(super) struct Appliance {
     pub(super) alias: Option<String>,
     /// Its heartbeats: whether it is declared down ([`Liveness`]).
     pub(super) liveness: Liveness,
+    /// Set by `phubctl appliance drain` (PROTOCOL.md §11.8): it is chosen
+    /// for no new job and no drain moves a job to it, until it is removed
+    /// (or control restarts: not recorded).
+    pub(super) draining: bool,
 }
 
 impl Appliance {
@@ -53,6 +57,7 @@ impl Appliance {
             watch: Arc::default(),
             alias: None,
             liveness: Liveness::default(),
+            draining: false,
         }
     }
 }
@@ -217,6 +222,9 @@ pub(super) struct Shared {
     /// Held across every call that changes the dataplanes' sets of jobs
     /// or control's set of appliances.
     pub(super) ops: Mutex<()>,
+    /// Itself, for the work a request hands to threads of their own (a
+    /// drain's re-replications).
+    pub(super) this: std::sync::Weak<Shared>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -457,6 +465,7 @@ mod tests {
                 rejoining: BTreeSet::new(),
             }),
             ops: Mutex::new(()),
+            this: std::sync::Weak::new(),
         };
         let mut inner = shared.lock();
         shared

@@ -425,3 +425,30 @@ fn an_epoch_control_never_serves_fails_the_requests_naming_it() {
     }
     assert!(!h.t.busy());
 }
+
+#[test]
+fn an_index_moved_by_a_drain_is_sent_to_its_new_appliance_from_that_epoch_on() {
+    let mut r = routing(EpochView::default());
+    let data = phub_proto::api::DataAddr {
+        host: "127.0.0.2".into(),
+        base_port: 9300,
+    };
+    let e1 = EpochView::default().with_moved(1, "d", data);
+    r.set_epoch(e1.clone());
+    let moved = SocketAddr::from(([127, 0, 0, 2], 9300));
+    for c in 0..CHUNKS {
+        let s = layout().serve(u64::from(c), &e1).unwrap();
+        let want = if s.appliance == 1 {
+            moved
+        } else {
+            addr(s.appliance)
+        };
+        assert_eq!(r.place(0, c).unwrap().to, want, "chunk {c}");
+    }
+    // Index 1 serves nothing at first (it joined empty); once its partner
+    // is down it serves its part, at the new address.
+    let e2 = e1.with_down(2).unwrap();
+    r.set_epoch(e2);
+    assert_eq!(r.place(0, PART as u32).unwrap().to, moved);
+    assert_eq!(r.place(0, 0).unwrap().to, addr(0));
+}

@@ -226,6 +226,8 @@ pub(crate) struct Incoming<'d> {
     rx_share: u32,
     /// The epoch its header carries.
     epoch: u32,
+    /// Where it came from, where the caller knows.
+    from: Option<SocketAddr>,
 }
 
 /// A chunk of a key: what names an outstanding chunk (a RESULT carries
@@ -930,14 +932,14 @@ impl<D> Transport<D> {
     /// when [`Transport::checks_regions_first`].)
     #[cfg(test)]
     pub(crate) fn handle_datagram(&mut self, now: Instant, d: &[u8]) {
-        if let Some(m) = self.accept(d) {
+        if let Some(m) = self.accept(None, d) {
             self.handle(now, m);
         }
     }
 
     /// `d` if it is a well-formed RESULT or ERROR of this job for this
     /// rank; otherwise counted as `foreign_dropped`.
-    pub(crate) fn accept<'d>(&self, d: &'d [u8]) -> Option<Incoming<'d>> {
+    pub(crate) fn accept<'d>(&self, from: Option<SocketAddr>, d: &'d [u8]) -> Option<Incoming<'d>> {
         let info = &self.info;
         let ours = |r: &Repr| r.job == info.job && r.token == info.token && r.dtype == info.dtype;
         match wire::parse(d) {
@@ -955,6 +957,7 @@ impl<D> Transport<D> {
                     payload,
                     rx_share: h.rx_share(),
                     epoch: h.epoch(),
+                    from,
                 })
             }
             _ => {
@@ -982,6 +985,7 @@ impl<D> Transport<D> {
             payload,
             rx_share,
             epoch,
+            from,
         } = m;
         if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
             // A result in shared memory this worker has not mapped is malformed.
@@ -1012,6 +1016,29 @@ impl<D> Transport<D> {
             add(&self.stats.results_ignored, 1);
             return;
         };
+        if repr.kind == MsgType::Error
+            && self.routing.is_some()
+            && from.is_some_and(|f| !self.sent_to(&repr, f))
+        {
+            // A replicated job's chunk is refused only by where it is
+            // sent in the epoch held: an appliance a drain took the job
+            // off answers a copy sent there before the epoch changed
+            // `evicted` (PROTOCOL.md §11.8), which ends nothing.
+            add(&self.stats.results_ignored, 1);
+            return;
+        }
+        if repr.kind == MsgType::Error && repr.error == DropReason::Evicted.code() {
+            if let Some(routing) = &self.routing {
+                // Where this epoch sends it, the job is gone: drained off
+                // that appliance (a newer epoch has it elsewhere), or
+                // evicted (control no longer admits it, and says so).
+                // Control is asked; its answer re-routes or ends it.
+                let newer = routing.epoch().epoch + 1;
+                self.epoch_wanted = self.epoch_wanted.max(Some(newer));
+                add(&self.stats.results_ignored, 1);
+                return;
+            }
+        }
         match repr.kind {
             MsgType::Error => self.on_error(id, &repr),
             _ => self.on_result(now, id, &repr, payload, rx_share),
@@ -1033,6 +1060,14 @@ impl<D> Transport<D> {
                 req.tx.stage(&o.msg, shm.regions.as_ref());
             }
         }
+    }
+
+    /// Whether the outstanding chunk `repr` names is addressed to `from`.
+    fn sent_to(&self, repr: &Repr, from: SocketAddr) -> bool {
+        self.table
+            .outstanding
+            .get(&ChunkId::of(repr))
+            .is_some_and(|o| o.msg.to == from)
     }
 
     /// The request whose outstanding chunk `repr` names, at its slot.

@@ -112,7 +112,34 @@ impl Routing {
     }
 
     /// Holds `epoch` from now on.
+    /// An index the epoch newly names moved (a drain, PROTOCOL.md §11.8)
+    /// is sent to at its new appliance's lcores from now on; a moved
+    /// address that is not IPv4 (control never writes one) leaves the
+    /// index where it was, logged.
     pub(crate) fn set_epoch(&mut self, epoch: EpochView) {
+        for m in &epoch.moved {
+            let a = usize::from(m.appliance);
+            if self.epoch.moved_to(a) == Some(m) {
+                continue;
+            }
+            let Some(&first) = self.base.get(a) else {
+                continue;
+            };
+            let end = self.base.get(a + 1).copied().unwrap_or(self.lcores.len());
+            for (k, to) in self.lcores[first..end].iter_mut().enumerate() {
+                match m.lcore_addr(k) {
+                    Some(at) => *to = SocketAddr::V4(at),
+                    None => log::error!(
+                        "epoch {}: appliance {a} moved to {:?} at {}:{}, not an IPv4 address and port; \
+                         its lcore {k} stays at {to}",
+                        epoch.epoch,
+                        m.name,
+                        m.data.host,
+                        m.data.base_port
+                    ),
+                }
+            }
+        }
         self.epoch = epoch;
     }
 

@@ -1,0 +1,234 @@
+//! Draining an appliance (`POST /v1/appliances/{name}/drain`, PROTOCOL.md
+//! §11.8): every job on it moves to another appliance while it runs, so
+//! that it can be removed.
+//!
+//! A job moves only if it is replicated and at full strength: its part
+//! on the drained appliance (index `i` in layout order) has a live backup
+//! holding its state, which serves it while the new appliance is filled.
+//! For each such job control picks a spare: an appliance that is not one
+//! of the job's, not declared down, not an alias, not being drained, with
+//! at least the part's lcores, whose rack label gives every part the same
+//! replica set (so the layout every worker and appliance holds still
+//! holds). The job moves to its next epoch with index `i` **moved** to
+//! the spare ([`EpochView::with_moved`]: joined at that epoch, at the
+//! spare's data address), recorded with the job (its part now the
+//! spare's) before anyone is told; then it re-replicates as an appliance
+//! that came back does (§11.7, [`Shared::rejoin`]): the spare is
+//! installed empty at that epoch, the other appliances take the epoch
+//! (they send index `i`'s traffic to the spare from then on, and drop the
+//! drained appliance's replication messages), the primaries copy the
+//! state, and control watches until full strength. The drained appliance
+//! is out of the job at once: reconciliation removes the job there (it
+//! holds a job not admitted there), and until then it completes no round
+//! (its backups no longer acknowledge it), so workers asking it find
+//! silence and ask control for the epoch.
+//!
+//! All or nothing: if any job cannot move (not replicated, hierarchical,
+//! not at full strength, failed, or no spare fits), the drain is refused
+//! naming each such job and why, and nothing changes.
+
+use phub_proto::api::{Drain, DrainMove, Rereplication, Strength};
+use phub_proto::failover::EpochView;
+
+use super::failover::unix_ms;
+use super::http::RequestError;
+use super::registry::{Entry, Inner, Shared};
+
+/// One job's move: the job, the drained appliance's index in it, the
+/// spare and the epoch with it moved.
+struct Move {
+    id: u16,
+    index: usize,
+    to: String,
+    view: EpochView,
+}
+
+impl Shared {
+    /// `POST /v1/appliances/{name}/drain`: moves every job off appliance
+    /// `name` (module head) and marks it drained; refused, nothing
+    /// changed, naming every job that cannot move.
+    pub(super) fn drain(&self, name: &str) -> Result<Drain, RequestError> {
+        let this = self
+            .this
+            .upgrade()
+            .ok_or_else(|| RequestError::State("control is stopping; nothing was drained".into()))?;
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let mut inner = self.lock();
+        if !inner.appliances.contains_key(name) {
+            return Err(RequestError::NotFound(format!(
+                "no appliance {name:?}; see phubctl appliance list"
+            )));
+        }
+        let (moves, refused) = plan(&inner, name);
+        if !refused.is_empty() {
+            return Err(RequestError::Conflict(format!(
+                "appliance {name:?} cannot be drained; nothing was changed: {}",
+                refused.join("; ")
+            )));
+        }
+        if let Some(a) = inner.appliances.get_mut(name) {
+            a.draining = true;
+        }
+        let mut report = Drain {
+            appliance: name.to_string(),
+            moved: Vec::new(),
+        };
+        let mut started = Vec::new();
+        for m in moves {
+            let record = Rereplication {
+                appliance: m.to.clone(),
+                epoch: m.view.epoch,
+                started_unix_ms: unix_ms(),
+                ended_unix_ms: None,
+                bytes_copied: None,
+                abandoned: None,
+            };
+            let recorded = self.commit(&mut inner, Entry::Job(m.id), |inner| {
+                let job = inner.jobs.get_mut(&m.id).expect("looked up under the same lock");
+                job.epoch = m.view.clone();
+                job.parts[m.index].appliance.clone_from(&m.to);
+                job.rereplication = Some(record);
+            });
+            let job = &inner.jobs[&m.id];
+            if let Err(e) = recorded {
+                // The jobs moved before stay moved: each was recorded.
+                let moved: Vec<String> = report.moved.iter().map(|d| d.job.to_string()).collect();
+                return Err(RequestError::State(format!(
+                    "{e}; job {} ({:?}) was not moved off appliance {name:?} (jobs moved before it: [{}]); \
+                     drain again",
+                    m.id,
+                    job.spec.name,
+                    moved.join(", ")
+                )));
+            }
+            log::warn!(
+                "job {} ({:?}) moves off appliance {name:?} (drained) to appliance {:?} at epoch {}; \
+                 installing it there",
+                m.id,
+                job.spec.name,
+                m.to,
+                m.view.epoch
+            );
+            report.moved.push(DrainMove {
+                job: m.id,
+                name: job.spec.name.clone(),
+                to: m.to.clone(),
+                epoch: m.view.epoch,
+            });
+            inner.rejoining.insert((m.id, m.to.clone()));
+            started.push((m.id, m.view, m.to));
+        }
+        drop(inner);
+        let retry = self.beat;
+        for (id, view, to) in started {
+            let (shared, n) = (this.clone(), to.clone());
+            let spawned = std::thread::Builder::new()
+                .name("control-drain".into())
+                .spawn(move || shared.rejoin(id, &view, &n, retry));
+            if let Err(e) = spawned {
+                log::error!("job {id}: cannot start a thread to fill appliance {to:?}: {e}");
+                self.lock().rejoining.remove(&(id, to));
+            }
+        }
+        log::info!(
+            "appliance {name:?} drained: {} jobs moved; it takes no new job",
+            report.moved.len()
+        );
+        Ok(report)
+    }
+}
+
+/// Each job on `name` and where it moves, and why each job that cannot
+/// move cannot (module head).
+fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
+    let (mut moves, mut refused) = (Vec::new(), Vec::new());
+    // Spares already given a job by this drain come after the others.
+    let mut given: Vec<String> = Vec::new();
+    for id in inner.jobs_on(name) {
+        let job = &inner.jobs[&id];
+        let what = format!("job {id} ({:?})", job.spec.name);
+        if let Some(why) = &job.failed {
+            refused.push(format!("{what} failed ({why}); evict it"));
+            continue;
+        }
+        if !job.is_replicated() {
+            refused.push(format!(
+                "{what} is not replicated ([placement] replicas = 1, or hierarchical): its part cannot move \
+                 while it runs; evict it when it ends"
+            ));
+            continue;
+        }
+        let rack = |n: &str| inner.rack_of(n);
+        match job.strength(rack).map(|s| (s.state, s.live, s.wanted)) {
+            Some((Strength::FullStrength, _, _)) => {}
+            Some((state, live, wanted)) => {
+                refused.push(format!(
+                    "{what} is not at full strength ({state:?}, {live} of {wanted} replicas live): a drain \
+                     needs every part's state on another live appliance; drain once `phubctl job show {id}` \
+                     says full strength"
+                ));
+                continue;
+            }
+            None => continue,
+        }
+        let index = job
+            .part_index(name)
+            .expect("jobs_on lists the jobs with a part on it");
+        let Ok(layout) = job.replica_layout(rack) else {
+            refused.push(format!("{what}: its layout cannot be read"));
+            continue;
+        };
+        let lcores = job.parts[index].lcores as usize;
+        let mut spares: Vec<(&str, phub_proto::api::DataAddr)> = inner
+            .appliances
+            .values()
+            .filter(|a| {
+                a.spec.name != name
+                    && !a.draining
+                    && a.alias.is_none()
+                    && a.liveness.down.is_none()
+                    && job.part_index(&a.spec.name).is_none()
+            })
+            .filter_map(|a| {
+                let info = a.info.as_ref()?;
+                (info.lcores.len() >= lcores).then(|| (a.spec.name.as_str(), info.data.clone()))
+            })
+            .filter(|(spare, _)| {
+                let swapped = |n: &str| {
+                    if n == name {
+                        inner.rack_of(spare)
+                    } else {
+                        inner.rack_of(n)
+                    }
+                };
+                job.replica_layout(swapped)
+                    .is_ok_and(|l| (0..l.appliances()).all(|p| l.set(p) == layout.set(p)))
+            })
+            .collect();
+        // The least loaded first, then by name.
+        spares.sort_by_key(|(n, _)| {
+            (
+                given.iter().filter(|g| g == n).count(),
+                inner.jobs_on(n).len(),
+                n.to_string(),
+            )
+        });
+        let Some((to, data)) = spares.into_iter().next() else {
+            refused.push(format!(
+                "{what}: no spare appliance fits (one not of the job, not declared down or drained, with at \
+                 least {lcores} lcores, whose rack keeps every part's replica set); add one (phubctl \
+                 appliance add)"
+            ));
+            continue;
+        };
+        given.push(to.to_string());
+        let index16 = u16::try_from(index).expect("a job's appliances are numbered in u16");
+        moves.push(Move {
+            id,
+            index,
+            to: to.to_string(),
+            view: job.epoch.with_moved(index16, to, data),
+        });
+    }
+    (moves, refused)
+}

@@ -1,0 +1,121 @@
+//! Draining an appliance while a job runs (PROTOCOL.md §11.8), end to
+//! end: four phub-dataplane processes under one phub-control, a job with
+//! two replicas of every chunk over a, b and c, workers on the
+//! phub-worker library training it. `phubctl appliance drain b` mid-
+//! training moves b's place in the job to d (the spare): d is filled with
+//! state copies while the rounds go on, b is out of the job at once (its
+//! dataplane no longer holds it soon after) and can be removed. Then c,
+//! the other member of b's old part's replica set, is killed: d serves
+//! that part from its copy, and every element of every result of every
+//! round stays exact (`train_rank` checks each against the formula). A
+//! drain that cannot move a job (not replicated) is refused naming it,
+//! and changes nothing.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::time::Duration;
+
+use crate::common::{replicated_spec, train_ranks, try_until, until, Appliances, Operator};
+use phub::proto::api::{JobDetail, Strength};
+use phub::proto::routes::{control, mgmt};
+
+#[test]
+fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
+    let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack
+        .admit(&replicated_spec("drain", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    assert_eq!(job.appliances, ["a", "b", "c"]);
+    // A job that cannot move (one copy of each chunk) on b: the drain is
+    // refused naming it, nothing changed. Evicted before the real drain.
+    let single = rack
+        .admit(
+            &phub::proto::spec::JobSpec::new("single", 1, &[64])
+                .sharded_over(phub::proto::spec::Appliances::Names(vec!["b".into()]))
+                .to_toml(),
+        )
+        .unwrap();
+    let (ok, _out, err) = rack.phubctl(&["appliance", "drain", "b"]);
+    assert!(!ok, "a drain with an unreplicated job on b went through");
+    assert!(
+        err.contains(&format!("job {} (\"single\") is not replicated", single.id))
+            && err.contains("nothing was changed"),
+        "{err}"
+    );
+    assert_eq!(rack.send(&control::epoch(job.id)).epoch, 0);
+    rack.send(&control::evict(single.id));
+
+    let (rounds, drain_at, kill_at) = (16u32, 4u32, 10u32);
+    let url = rack.control_url.clone();
+    let reached = AtomicU32::new(0);
+    let (drained, killed) = (AtomicBool::new(false), AtomicBool::new(false));
+    let more = |rank: u16, r: u32| {
+        if rank == 0 {
+            reached.store(r, Ordering::SeqCst);
+            for (at, gate) in [(drain_at, &drained), (kill_at, &killed)] {
+                if r == at + 1 {
+                    until("the gate", Duration::from_secs(120), || {
+                        gate.load(Ordering::SeqCst)
+                    });
+                }
+            }
+        }
+        r <= rounds
+    };
+    std::thread::scope(|s| {
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        until("rank 0 at the drain", Duration::from_secs(60), || {
+            reached.load(Ordering::SeqCst) > drain_at
+        });
+        let (ok, out, err) = rack.phubctl(&["appliance", "drain", "b"]);
+        assert!(ok, "{out}{err}");
+        assert!(
+            out.contains("drained appliance \"b\": 1 jobs moved")
+                && out.contains("-> appliance \"d\" at epoch 1"),
+            "{out}"
+        );
+        drained.store(true, Ordering::SeqCst);
+        let epoch = rack.send(&control::epoch(job.id));
+        assert_eq!((epoch.epoch, epoch.joined_at(1)), (1, Some(1)), "{epoch:?}");
+        assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
+        // d is filled while the rounds go on.
+        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+        let full = || {
+            detail(&rack).replicas.is_some_and(|r| {
+                r.state == Strength::FullStrength
+                    && r.rereplication
+                        .as_ref()
+                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
+            })
+        };
+        if !try_until(Duration::from_secs(30), full) {
+            panic!(
+                "not at full strength 30 s after the drain: {:?}",
+                detail(&rack).replicas
+            );
+        }
+        assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
+        // b holds nothing now: reconciliation removed the job there, and
+        // control lets it go.
+        until("b without the job", Duration::from_secs(20), || {
+            rack.dataplane(1, &mgmt::jobs()).is_empty()
+        });
+        let (ok, out, err) = rack.phubctl(&["appliance", "remove", "b"]);
+        assert!(ok, "{out}{err}");
+        // c, the other member of b's old part's set, dies: d serves it.
+        until("rank 0 at the kill", Duration::from_secs(60), || {
+            reached.load(Ordering::SeqCst) > kill_at
+        });
+        rack.kill_dataplane(2);
+        killed.store(true, Ordering::SeqCst);
+        for (rank, h) in ranks.into_iter().enumerate() {
+            let (done, _stats) = h.join().unwrap();
+            assert_eq!(done, rounds, "rank {rank}");
+        }
+    });
+    // d completed every round of index 1's part, from the copy on.
+    let stats: phub::proto::api::DataplaneStats = rack.dataplane(3, &mgmt::stats());
+    let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
+    assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "d: {live:?}");
+}
