@@ -567,6 +567,23 @@ fn backup_runs_example_is_what_the_rule_computes() {
 }
 
 #[test]
+fn epoch_moved_example_is_what_a_drain_makes() {
+    use phub_proto::api::DataAddr;
+    use phub_proto::failover::EpochView;
+    let v: EpochView = serde_json::from_str(block(&doc(), "json epoch-moved")).unwrap();
+    let data = DataAddr {
+        host: "10.0.0.4".into(),
+        base_port: 9000,
+    };
+    assert_eq!(EpochView::default().with_moved(1, "d", data), v);
+    assert_eq!(v.check(3), Ok(()));
+    assert_eq!(
+        v.moved_to(1).and_then(|m| m.lcore_addr(1)),
+        Some("10.0.0.4:9001".parse().unwrap())
+    );
+}
+
+#[test]
 fn epoch_joined_example_is_what_a_return_makes_and_its_sets_are_as_stated() {
     use phub_proto::failover::{EpochView, ReplicaLayout};
     let v: EpochView = serde_json::from_str(block(&doc(), "json epoch-joined")).unwrap();
