@@ -11,10 +11,9 @@
 //! drain that cannot move a job (not replicated) is refused naming it,
 //! and changes nothing.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::Duration;
 
-use crate::common::{replicated_spec, train_ranks, try_until, until, Appliances, Operator};
+use crate::common::{replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator};
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
 
@@ -46,28 +45,14 @@ fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
     assert_eq!(rack.send(&control::epoch(job.id)).epoch, 0);
     rack.send(&control::evict(single.id));
 
-    let (rounds, drain_at, kill_at) = (16u32, 4u32, 10u32);
+    // Rank 0 waits before round 5 for the drain, before 11 for the kill.
+    let rounds = 16u32;
+    let gates = Gates::new(&[4, 10], rounds);
     let url = rack.control_url.clone();
-    let reached = AtomicU32::new(0);
-    let (drained, killed) = (AtomicBool::new(false), AtomicBool::new(false));
-    let more = |rank: u16, r: u32| {
-        if rank == 0 {
-            reached.store(r, Ordering::SeqCst);
-            for (at, gate) in [(drain_at, &drained), (kill_at, &killed)] {
-                if r == at + 1 {
-                    until("the gate", Duration::from_secs(120), || {
-                        gate.load(Ordering::SeqCst)
-                    });
-                }
-            }
-        }
-        r <= rounds
-    };
+    let more = |rank: u16, r: u32| gates.more(rank, r);
     std::thread::scope(|s| {
         let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
-        until("rank 0 at the drain", Duration::from_secs(60), || {
-            reached.load(Ordering::SeqCst) > drain_at
-        });
+        gates.wait_at(0);
         let (ok, out, err) = rack.phubctl(&["appliance", "drain", "b"]);
         assert!(ok, "{out}{err}");
         assert!(
@@ -75,7 +60,7 @@ fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
                 && out.contains("-> appliance \"d\" at epoch 1"),
             "{out}"
         );
-        drained.store(true, Ordering::SeqCst);
+        gates.open(0);
         let epoch = rack.send(&control::epoch(job.id));
         assert_eq!((epoch.epoch, epoch.joined_at(1)), (1, Some(1)), "{epoch:?}");
         assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
@@ -104,11 +89,9 @@ fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
         let (ok, out, err) = rack.phubctl(&["appliance", "remove", "b"]);
         assert!(ok, "{out}{err}");
         // c, the other member of b's old part's set, dies: d serves it.
-        until("rank 0 at the kill", Duration::from_secs(60), || {
-            reached.load(Ordering::SeqCst) > kill_at
-        });
+        gates.wait_at(1);
         rack.kill_dataplane(2);
-        killed.store(true, Ordering::SeqCst);
+        gates.open(1);
         for (rank, h) in ranks.into_iter().enumerate() {
             let (done, _stats) = h.join().unwrap();
             assert_eq!(done, rounds, "rank {rank}");

@@ -22,7 +22,9 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Operator};
+use crate::common::{
+    replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Gates, Operator,
+};
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
 use phub::proto::routes::{control, mgmt};
@@ -56,35 +58,17 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
         ))
         .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
-    let (rounds, first_kill, second_kill) = (16u32, 4u32, 10u32);
+    let rounds = 16u32;
     let url = rack.control_url.clone();
-    // Rank 0 stops before round first_kill + 1 until b is dead, and before
-    // second_kill + 1 until c is: each dies with rank 1's pushes of the
-    // next round in flight.
-    let reached = AtomicU32::new(0);
-    let (b_killed, c_killed) = (AtomicBool::new(false), AtomicBool::new(false));
-    // Bounded: a failing main thread never opens a gate, and the scope
-    // waits for rank 0.
-    let more = |rank: u16, r: u32| {
-        if rank == 0 {
-            reached.store(r, Ordering::SeqCst);
-            for (at, gate) in [(first_kill, &b_killed), (second_kill, &c_killed)] {
-                if r == at + 1 {
-                    until("the kill", Duration::from_secs(120), || {
-                        gate.load(Ordering::SeqCst)
-                    });
-                }
-            }
-        }
-        r <= rounds
-    };
+    // Rank 0 stops before round 5 until b is dead, and before 11 until c
+    // is: each dies with rank 1's pushes of the next round in flight.
+    let gates = Gates::new(&[4, 10], rounds);
+    let more = |rank: u16, r: u32| gates.more(rank, r);
     let full_ms = std::thread::scope(|s| {
         let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
-        until("rank 0 at the first kill", Duration::from_secs(60), || {
-            reached.load(Ordering::SeqCst) > first_kill
-        });
+        gates.wait_at(0);
         rack.kill_dataplane(1);
-        b_killed.store(true, Ordering::SeqCst);
+        gates.open(0);
         if after_failover {
             // Control fails the job over without b before b answers again.
             until("epoch 1 without b", Duration::from_secs(20), || {
@@ -141,11 +125,9 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
             }
         );
         // Now the other member of b's part's set dies: b serves it again.
-        until("rank 0 at the second kill", Duration::from_secs(60), || {
-            reached.load(Ordering::SeqCst) > second_kill
-        });
+        gates.wait_at(1);
         rack.kill_dataplane(2);
-        c_killed.store(true, Ordering::SeqCst);
+        gates.open(1);
         for (rank, h) in ranks.into_iter().enumerate() {
             let (done, _stats) = h.join().unwrap();
             assert_eq!(done, rounds, "rank {rank}");

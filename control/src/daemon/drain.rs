@@ -121,14 +121,7 @@ impl Shared {
         drop(inner);
         let retry = self.beat;
         for (id, view, to) in started {
-            let (shared, n) = (this.clone(), to.clone());
-            let spawned = std::thread::Builder::new()
-                .name("control-drain".into())
-                .spawn(move || shared.rejoin(id, &view, &n, retry));
-            if let Err(e) = spawned {
-                log::error!("job {id}: cannot start a thread to fill appliance {to:?}: {e}");
-                self.lock().rejoining.remove(&(id, to));
-            }
+            this.rejoin_in_thread(id, view, to, retry);
         }
         log::info!(
             "appliance {name:?} drained: {} jobs moved; it takes no new job",

@@ -384,14 +384,27 @@ impl Shared {
             }
         }
         for (id, view) in started {
-            let (shared, n) = (self.clone(), name.to_string());
-            let spawned = std::thread::Builder::new()
-                .name("control-rejoin".into())
-                .spawn(move || shared.rejoin(id, &view, &n, retry));
-            if let Err(e) = spawned {
-                log::error!("job {id}: cannot start a thread to re-replicate it: {e}");
-                self.lock().rejoining.remove(&(id, name.to_string()));
-            }
+            self.rejoin_in_thread(id, view, name.to_string(), retry);
+        }
+    }
+
+    /// [`Shared::rejoin`] in a thread of its own; if it cannot start
+    /// (logged), the install is no longer marked under way (`rejoining`),
+    /// and reconciliation takes it up.
+    pub(super) fn rejoin_in_thread(
+        self: &Arc<Self>,
+        id: u16,
+        view: EpochView,
+        name: String,
+        retry: Duration,
+    ) {
+        let (shared, n) = (self.clone(), name.clone());
+        let spawned = std::thread::Builder::new()
+            .name("control-rejoin".into())
+            .spawn(move || shared.rejoin(id, &view, &n, retry));
+        if let Err(e) = spawned {
+            log::error!("job {id}: cannot start a thread to re-replicate it to appliance {name:?}: {e}");
+            self.lock().rejoining.remove(&(id, name));
         }
     }
 
@@ -413,7 +426,7 @@ impl Shared {
     /// other live appliances, and watches the state copies until the job
     /// is at full strength (every `retry`). An install that cannot be
     /// done takes `name` out of the job again.
-    pub(super) fn rejoin(self: &Arc<Self>, id: u16, view: &EpochView, name: &str, retry: Duration) {
+    fn rejoin(self: &Arc<Self>, id: u16, view: &EpochView, name: &str, retry: Duration) {
         let installed = self.install_returning(id, view, name, retry);
         self.lock().rejoining.remove(&(id, name.to_string()));
         if let Err(why) = installed {

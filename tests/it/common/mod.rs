@@ -402,6 +402,59 @@ pub(crate) fn replicated_spec(
         .to_toml()
 }
 
+/// Rank 0's progress and the gates a replication test opens: rank 0
+/// records each round it reaches and, before round `at + 1` of each gate
+/// at `at`, waits until the test opens it (120 s at most: a failing test
+/// never opens it, and its scope waits for rank 0).
+pub(crate) struct Gates {
+    reached: std::sync::atomic::AtomicU32,
+    gates: Vec<(u32, std::sync::atomic::AtomicBool)>,
+    rounds: u32,
+}
+
+impl Gates {
+    /// Gates before rounds `at[k] + 1`, for a run of rounds `0..=rounds`.
+    pub(crate) fn new(at: &[u32], rounds: u32) -> Gates {
+        Gates {
+            reached: std::sync::atomic::AtomicU32::new(0),
+            gates: at
+                .iter()
+                .map(|&a| (a, std::sync::atomic::AtomicBool::new(false)))
+                .collect(),
+            rounds,
+        }
+    }
+
+    /// The ranks' `more` ([`train_ranks`]).
+    pub(crate) fn more(&self, rank: u16, r: u32) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        if rank == 0 {
+            self.reached.store(r, SeqCst);
+            for (at, gate) in &self.gates {
+                if r == at + 1 {
+                    until("the gate", Duration::from_secs(120), || gate.load(SeqCst));
+                }
+            }
+        }
+        r <= self.rounds
+    }
+
+    /// Waits until rank 0 is past gate `k`'s round (at its gate).
+    pub(crate) fn wait_at(&self, k: usize) {
+        let at = self.gates[k].0;
+        until(
+            &format!("rank 0 past round {at}"),
+            Duration::from_secs(60),
+            || self.reached.load(std::sync::atomic::Ordering::SeqCst) > at,
+        );
+    }
+
+    /// Opens gate `k`.
+    pub(crate) fn open(&self, k: usize) {
+        self.gates[k].1.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
 /// Starts one [`train_rank`] thread per rank of `job` in scope `s` (the
 /// default worker config), each training `keys` while `more(rank, round)`
 /// says so: the replication suites' ranks, whose `more` holds them at the

@@ -452,3 +452,64 @@ fn an_index_moved_by_a_drain_is_sent_to_its_new_appliance_from_that_epoch_on() {
     assert_eq!(r.place(0, PART as u32).unwrap().to, moved);
     assert_eq!(r.place(0, 0).unwrap().to, addr(0));
 }
+
+/// An ERROR `evicted` refusing chunk `c` of `round` at `slot`, from `from`.
+fn evicted(h: &mut Harness, from: SocketAddr, c: u32, round: u32, slot: u32) {
+    let mut r = Repr::request(MsgType::Error, JOB, TOKEN, RANK, round, slot).with_chunk(0, c);
+    r.dtype = Dtype::F32;
+    r.error = DropReason::Evicted.code();
+    let d = r.to_datagram(&[]);
+    let m = h.t.accept(Some(from), &d).expect("well-formed");
+    h.t.handle(h.now, m);
+}
+
+/// A drain (PROTOCOL.md §11.8): the appliance the worker's epoch still
+/// sends to answers `evicted`, which asks control for a newer epoch and
+/// ends nothing; once the worker holds the epoch with the index moved, an
+/// `evicted` from the old address (a late answer to a copy sent there) is
+/// ignored, and one from where the chunk is sent now asks again.
+#[test]
+fn a_drained_appliance_s_evicted_asks_for_the_epoch_and_fails_nothing() {
+    let e0 = EpochView::default();
+    let mut h = Harness::new(Some(e0.clone()));
+    h.push(4, CHUNKS);
+    assert_eq!(h.poll().len(), CHUNKS as usize);
+    h.at(1);
+    let (old, slot, _) = served(PART as u32, &e0);
+    assert_eq!(old, addr(1));
+    evicted(&mut h, old, PART as u32, 4, slot);
+    assert_eq!(h.t.poll_epoch(), Some(1), "control is asked for a newer epoch");
+    assert!(h.ended().is_empty(), "the ERROR fails nothing");
+    // Index 1 moved to d at epoch 1, then 2 down at epoch 2: d serves
+    // index 1's part (and 2's, its next member).
+    let data = phub_proto::api::DataAddr {
+        host: "127.0.0.2".into(),
+        base_port: 9300,
+    };
+    let moved = SocketAddr::from(([127, 0, 0, 2], 9300));
+    let e1 = e0.with_moved(1, "d", data).with_down(2).unwrap();
+    h.at(2);
+    h.t.set_epoch(h.now, e1);
+    let sent = h.poll();
+    assert!(
+        sent.iter().all(|s| s.to != old),
+        "nothing goes to the drained appliance: {sent:?}"
+    );
+    assert!(sent.iter().any(|s| s.to == moved), "{sent:?}");
+    let c = sent.iter().find(|s| s.to == moved).unwrap().repr;
+    h.at(3);
+    evicted(&mut h, old, c.chunk, 4, c.slot);
+    assert_eq!(
+        h.t.poll_epoch(),
+        None,
+        "a late ERROR from the old address asks nothing"
+    );
+    assert!(h.ended().is_empty(), "and fails nothing");
+    evicted(&mut h, moved, c.chunk, 4, c.slot);
+    assert_eq!(
+        h.t.poll_epoch(),
+        Some(3),
+        "where it is sent now: control is asked"
+    );
+    assert!(h.ended().is_empty());
+}
