@@ -42,6 +42,18 @@
 //!   start to the first reported after full strength was seen, against
 //!   the run's median round.
 //!
+//! With `--drain-appliance NAME --drain-at-round N` instead of a kill
+//! (and a spare: `--racks` above `--appliances`), the coordinator asks
+//! control to drain the named appliance (`POST
+//! /v1/appliances/{name}/drain`, PROTOCOL.md §11.8) when every worker has
+//! completed timed round N: the job's place on it moves to the spare,
+//! which is filled while the job trains. `drain_ms` is the drain request
+//! to the first round completed after it; `full_strength_ms` and
+//! `full_strength_seen_ms` (from the request), `rereplication_bytes`,
+//! `longest_round_during_ms` and `rounds_during` (from the request to the
+//! first round after full strength was seen) as for a restart, and
+//! `rounds_lost` / `rounds_repeated` as for a kill.
+//!
 //! Kills are on the virtual racks only (`--racks`): they are the only
 //! `--local` set-up with several appliances.
 
@@ -76,6 +88,15 @@ pub struct FailoverArgs {
     /// it trains (PROTOCOL.md §11.7).
     #[arg(long, value_name = "MS", requires = "kill_appliance")]
     pub restart_after_ms: Option<u64>,
+    /// Drain this appliance mid-run (`phubctl appliance drain`, named as
+    /// control names it): the job's place on it moves to a spare (needs
+    /// --replicas 2, --racks above --appliances, and --drain-at-round).
+    #[arg(long, value_name = "NAME", requires_all = ["racks", "drain_at_round"], conflicts_with = "kill_appliance")]
+    pub drain_appliance: Option<String>,
+    /// The drain comes when every worker has completed timed round N (1
+    /// to --rounds - 1).
+    #[arg(long, value_name = "N", requires = "drain_appliance")]
+    pub drain_at_round: Option<u32>,
     /// Control's heartbeat interval, ms (phub-control's `--heartbeat-ms`;
     /// default its own, 100).
     #[arg(long, value_name = "MS", requires = "racks")]
@@ -110,6 +131,13 @@ pub struct FailoverFigures {
     pub killed_appliance: Option<String>,
     /// `--kill-at-round` (a timed round).
     pub kill_at_round: Option<u32>,
+    /// `--drain-appliance`.
+    pub drained_appliance: Option<String>,
+    /// `--drain-at-round` (a timed round).
+    pub drain_at_round: Option<u32>,
+    /// The drain request to the first round a worker completed after it,
+    /// ms.
+    pub drain_ms: Option<f64>,
     /// The kill to the first round a worker completed after it, ms.
     pub failover_ms: Option<f64>,
     /// The kill to control serving the job's next epoch (`GET
@@ -156,6 +184,8 @@ pub enum Act {
     Kill,
     /// Start its dataplane again, empty; `false` if it could not.
     Restart,
+    /// Ask control to drain it; `false` if control refused.
+    Drain,
 }
 
 /// The job's appliances' names on `n` virtual racks (control's names).
@@ -163,12 +193,14 @@ fn names(n: usize) -> Vec<String> {
     (1..=n).map(super::racks::appliance_name).collect()
 }
 
-/// Why these options cannot run a kill, if they cannot; `n` is the job's
-/// appliance count, `rounds` the timed rounds, `hierarchical` whether the
-/// job is. Returns the index (0-based) of the appliance to kill, if any.
+/// Why these options cannot run a kill or a drain, if they cannot; `n`
+/// is the job's appliance count, `racks` the appliances started, `rounds`
+/// the timed rounds, `hierarchical` whether the job is. Returns the index
+/// (0-based) of the appliance to kill or drain, if any.
 pub fn check(
     f: &FailoverArgs,
     n: usize,
+    racks: usize,
     rounds: u32,
     hierarchical: bool,
     compare: bool,
@@ -185,34 +217,42 @@ pub fn check(
              (PROTOCOL.md §11.1); drop one of them"
         );
     }
-    let Some(name) = &f.kill_appliance else {
-        return Ok(None);
+    let (flag, name, at, what) = match (&f.kill_appliance, &f.drain_appliance) {
+        (Some(name), _) => ("--kill-appliance", name, f.kill_at_round, "kill"),
+        (None, Some(name)) => ("--drain-appliance", name, f.drain_at_round, "drain"),
+        (None, None) => return Ok(None),
     };
     let replicas = f.replicas.unwrap_or(1);
     ensure!(
         replicas == 2,
-        "--kill-appliance {name} with --replicas {replicas}: expected --replicas 2 (with 1 there is \
+        "{flag} {name} with --replicas {replicas}: expected --replicas 2 (with 1 there is \
          no backup to fail over to; with 3, adopting a part whose set keeps another live backup is \
          not built, PROTOCOL.md §11.6 rule 4)"
     );
     let all = names(n);
     let index = all.iter().position(|a| a == name).ok_or_else(|| {
         anyhow::anyhow!(
-            "--kill-appliance {name}: not one of the job's appliances; expected one of {}",
+            "{flag} {name}: not one of the job's appliances; expected one of {}",
             all.join(", ")
         )
     })?;
-    let at = f.kill_at_round.unwrap_or(0);
+    let at = at.unwrap_or(0);
     ensure!(
         (1..rounds).contains(&at),
-        "--kill-at-round {at} with --rounds {rounds}: expected 1 to {} (a timed round with one \
+        "--{what}-at-round {at} with --rounds {rounds}: expected 1 to {} (a timed round with one \
          after it)",
         rounds.saturating_sub(1)
     );
     ensure!(
         !compare,
-        "--kill-appliance with --compare-single or --compare-flat: the comparison would run on \
+        "{flag} with --compare-single or --compare-flat: the comparison would run on \
          the appliances left; drop one of them"
+    );
+    ensure!(
+        what == "kill" || racks > n,
+        "--drain-appliance {name} with --racks {racks} --appliances {n}: the drain needs a spare \
+         appliance the job does not use; give --racks {} or more",
+        n + 1
     );
     Ok(Some(index))
 }
@@ -231,6 +271,8 @@ pub struct Kill<'a> {
     token: Option<String>,
     /// `--restart-after-ms`.
     restart_after: Option<Duration>,
+    /// A drain instead of a kill ([`Kill::draining`]).
+    drain: bool,
     /// When the restart began, and when the restarted dataplane answered
     /// (or the restart failed: `None` then, with `restart_failed`).
     restart_begun: Option<Instant>,
@@ -281,6 +323,7 @@ impl<'a> Kill<'a> {
             act: Box::new(act),
             token,
             restart_after,
+            drain: false,
             restart_begun: None,
             restarted: None,
             restart_failed: false,
@@ -294,6 +337,13 @@ impl<'a> Kill<'a> {
             epoch_served: None,
             asked: None,
         }
+    }
+
+    /// Drains the appliance instead of killing it (`act(Act::Drain)`):
+    /// the rounds from the drain on are watched as a restart's are.
+    pub fn draining(mut self) -> Kill<'a> {
+        self.drain = true;
+        self
     }
 
     /// A worker reported round `round` completed (now), in `ms`.
@@ -314,7 +364,23 @@ impl<'a> Kill<'a> {
                 self.reached <= self.workers,
                 "a worker reported round {round} twice"
             );
-            if self.reached == self.workers {
+            if self.reached == self.workers && self.drain {
+                let asked = Instant::now();
+                if (self.act)(Act::Drain) {
+                    self.restart_begun = Some(asked);
+                    self.restarted = Some(asked);
+                } else {
+                    self.restart_failed = true;
+                }
+                self.sent = Some((asked, self.highest));
+                eprintln!(
+                    "phub-bench: drained {} after round {} (timed round {}){}",
+                    self.name,
+                    self.after_round,
+                    self.timed_round,
+                    if self.restart_failed { ": refused" } else { "" }
+                );
+            } else if self.reached == self.workers {
                 (self.act)(Act::Kill);
                 self.sent = Some((Instant::now(), self.highest));
                 eprintln!(
@@ -329,7 +395,8 @@ impl<'a> Kill<'a> {
     /// serving the next epoch, or a restart is due or its full strength
     /// not yet seen: [`Kill::poll`] is due.
     pub fn awaits_control(&self) -> bool {
-        let restarting = self.restart_after.is_some() && !self.restart_failed && self.full_seen.is_none();
+        let restarting =
+            (self.restart_after.is_some() || self.drain) && !self.restart_failed && self.full_seen.is_none();
         self.sent.is_some() && (self.epoch_served.is_none() || restarting)
     }
 
@@ -422,11 +489,17 @@ impl<'a> Kill<'a> {
     ) -> Result<FailoverFigures> {
         let (sent, _) = self.sent.ok_or_else(|| {
             anyhow::anyhow!(
-                "the kill of {} was never sent: the workers never all completed round {}",
+                "the {} of {} was never sent: the workers never all completed round {}",
+                if self.drain { "drain" } else { "kill" },
                 self.name,
                 self.after_round
             )
         })?;
+        ensure!(
+            !(self.drain && self.restart_failed),
+            "control refused to drain {} (its log says why)",
+            self.name
+        );
         let client = local::control_client(control_url, self.token.as_deref(), Duration::from_secs(30))?;
         let detail: JobDetail = client
             .send(&control::job(job))
@@ -451,7 +524,10 @@ impl<'a> Kill<'a> {
         let during = self.rounds_during();
         Ok(FailoverFigures {
             restart_after_ms: self.restart_after.map(|d| d.as_millis() as u64),
-            restarted_ms: self.restarted.map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
+            restarted_ms: self
+                .restarted
+                .filter(|_| !self.drain)
+                .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
             full_strength_ms: copy.and_then(|x| x.full_strength_ms()),
             full_strength_seen_ms: self
                 .restarted
@@ -461,10 +537,17 @@ impl<'a> Kill<'a> {
             longest_round_during_ms: during.iter().copied().reduce(f64::max),
             rounds_during: self.restarted.map(|_| during.len() as u32),
             replicas: Some(2),
-            killed_appliance: Some(self.name.clone()),
-            kill_at_round: Some(self.timed_round),
+            killed_appliance: (!self.drain).then(|| self.name.clone()),
+            kill_at_round: (!self.drain).then_some(self.timed_round),
+            drained_appliance: self.drain.then(|| self.name.clone()),
+            drain_at_round: self.drain.then_some(self.timed_round),
+            drain_ms: self
+                .first_after
+                .filter(|_| self.drain)
+                .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
             failover_ms: self
                 .first_after
+                .filter(|_| !self.drain)
                 .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
             epoch_served_ms: self
                 .epoch_served
@@ -493,16 +576,46 @@ mod tests {
 
     #[test]
     fn kills_that_cannot_run_are_refused_naming_the_flag() {
-        assert_eq!(check(&args(2, "rack2", 3), 3, 10, false, false).unwrap(), Some(1));
-        let e = |a: &FailoverArgs, n| check(a, n, 10, false, false).unwrap_err().to_string();
+        assert_eq!(
+            check(&args(2, "rack2", 3), 3, 3, 10, false, false).unwrap(),
+            Some(1)
+        );
+        let e = |a: &FailoverArgs, n| check(a, n, n, 10, false, false).unwrap_err().to_string();
         assert!(e(&args(1, "rack2", 3), 3).contains("expected --replicas 2"));
         assert!(e(&args(3, "rack2", 3), 3).contains("rule 4"));
         assert!(e(&args(2, "rack4", 3), 3).contains("expected one of rack1, rack2, rack3"));
         assert!(e(&args(2, "rack2", 10), 3).contains("expected 1 to 9"));
         assert!(e(&args(2, "rack2", 0), 3).contains("expected 1 to 9"));
         assert!(e(&args(4, "rack2", 3), 3).contains("--replicas 4: expected 1 to 3"));
-        assert!(check(&args(2, "rack2", 3), 3, 10, true, false).is_err());
-        assert!(check(&args(2, "rack2", 3), 3, 10, false, true).is_err());
+        assert!(check(&args(2, "rack2", 3), 3, 3, 10, true, false).is_err());
+        assert!(check(&args(2, "rack2", 3), 3, 3, 10, false, true).is_err());
+        // A drain needs a spare: a rack beyond the job's appliances.
+        let drain = FailoverArgs {
+            replicas: Some(2),
+            drain_appliance: Some("rack2".into()),
+            drain_at_round: Some(3),
+            ..FailoverArgs::default()
+        };
+        assert_eq!(check(&drain, 3, 4, 10, false, false).unwrap(), Some(1));
+        let e = check(&drain, 3, 3, 10, false, false).unwrap_err().to_string();
+        assert!(e.contains("needs a spare") && e.contains("--racks 4"), "{e}");
+        let e = check(
+            &FailoverArgs {
+                drain_at_round: Some(10),
+                ..drain
+            },
+            3,
+            4,
+            10,
+            false,
+            false,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--drain-at-round 10") && e.contains("expected 1 to 9"),
+            "{e}"
+        );
     }
 
     #[test]

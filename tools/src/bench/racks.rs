@@ -699,6 +699,7 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
     let kill_index = failover::check(
         &a.failover,
         n,
+        racks,
         a.rounds,
         a.rack.hierarchical,
         a.rack.compare_single || a.rack.compare_flat,
@@ -815,11 +816,15 @@ fn run_in_spine(
     } else {
         Placement::Flat(n)
     };
+    let (drain_url, drain_token) = (control_url.clone(), token_text.clone());
     let mut kill = kill_index.map(|i| {
         let appl = &mut appl;
-        Kill::new(
+        let k = Kill::new(
             &appliance_name(i + 1),
-            a.failover.kill_at_round.unwrap_or(1),
+            a.failover
+                .kill_at_round
+                .or(a.failover.drain_at_round)
+                .unwrap_or(1),
             a.warmup,
             a.workers,
             Some(token_text.clone()),
@@ -833,8 +838,22 @@ fn run_in_spine(
                     .restart(i)
                     .map_err(|e| eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1)))
                     .is_ok(),
+                Act::Drain => local::control_client(&drain_url, Some(&drain_token), Duration::from_secs(30))
+                    .and_then(|c| {
+                        c.send(&phub_proto::routes::control::drain_appliance(&appliance_name(
+                            i + 1,
+                        )))
+                        .map_err(anyhow::Error::from)
+                    })
+                    .map_err(|e| eprintln!("phub-bench: cannot drain {}: {e:#}", appliance_name(i + 1)))
+                    .is_ok(),
             },
-        )
+        );
+        if a.failover.drain_appliance.is_some() {
+            k.draining()
+        } else {
+            k
+        }
     });
     let mut r = exchange(&placement, a.failover.replicas, kill.as_mut())?;
     drop(kill);

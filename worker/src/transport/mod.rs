@@ -230,6 +230,20 @@ pub(crate) struct Incoming<'d> {
     from: Option<SocketAddr>,
 }
 
+/// The answer stream chunk `msg` is sequenced in for fast retransmission
+/// ([`Transport::fast_retransmit`]): the chunks an lcore answers in the
+/// order they were sent. Its lcore's; for a replicated job (`routing`),
+/// an lcore's own slots and the slots of parts it adopted (PROTOCOL.md
+/// §11.6) are two streams: each is answered when its own backups
+/// acknowledge a round, so one overtakes the other.
+fn stream_of(routing: Option<&Routing>, msg: &ChunkMsg) -> usize {
+    let l = usize::from(msg.lcore);
+    match routing {
+        Some(r) => 2 * l + usize::from(r.adopted_slot(msg.lcore, msg.slot)),
+        None => l,
+    }
+}
+
 /// A chunk of a key: what names an outstanding chunk (a RESULT carries
 /// both).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -765,7 +779,7 @@ impl<D> Transport<D> {
             o.sent = now;
             o.deadline = deadline;
             let (id, msg) = (o.id, o.msg);
-            let seq = self.sequence(msg.lcore, k);
+            let seq = self.sequence(stream_of(Some(&routing), &msg), k);
             if let Some(o) = self.table.outstanding.get_mut(&k) {
                 o.seq = seq;
             }
@@ -1192,7 +1206,8 @@ impl<D> Transport<D> {
             self.stats
                 .rto_us
                 .store(micros(self.loss.rto.rto), Ordering::Relaxed);
-            if let Some(lane) = self.loss.lanes.get_mut(usize::from(o.msg.lcore)) {
+            let stream = stream_of(self.routing.as_ref(), &o.msg);
+            if let Some(lane) = self.loss.lanes.get_mut(stream) {
                 if o.seq > lane.acked_seq {
                     lane.acked_seq = o.seq;
                     self.loss.acked = true;
@@ -1208,10 +1223,9 @@ impl<D> Transport<D> {
         self.loss.quiet_backoff = 0;
     }
 
-    /// The next sequence number towards `lcore`, remembering that chunk
-    /// `id` was sent with it.
-    fn sequence(&mut self, lcore: u16, id: ChunkId) -> u64 {
-        let l = usize::from(lcore);
+    /// The next sequence number of answer stream `l` ([`stream_of`]),
+    /// remembering that chunk `id` was sent with it.
+    fn sequence(&mut self, l: usize, id: ChunkId) -> u64 {
         if self.loss.lanes.len() <= l {
             self.loss.lanes.resize_with(l + 1, Lane::default);
         }
@@ -1261,7 +1275,7 @@ impl<D> Transport<D> {
                 key,
                 chunk: msg.chunk,
             };
-            let seq = self.sequence(msg.lcore, chunk);
+            let seq = self.sequence(stream_of(self.routing.as_ref(), &msg), chunk);
             self.table.pending.sent(lane);
             let o = Outstanding {
                 id,
@@ -1296,10 +1310,15 @@ impl<D> Transport<D> {
     /// Queues chunk `k` for sending again at `now`, with a new sequence
     /// number and the RETRANSMIT flag; returns whether it was outstanding.
     fn resend(&mut self, k: ChunkId, now: Instant, backoff: Backoff) -> bool {
-        let Some(lcore) = self.table.outstanding.get(&k).map(|o| o.msg.lcore) else {
+        let Some(stream) = self
+            .table
+            .outstanding
+            .get(&k)
+            .map(|o| stream_of(self.routing.as_ref(), &o.msg))
+        else {
             return false;
         };
-        let seq = self.sequence(lcore, k);
+        let seq = self.sequence(stream, k);
         let Some(o) = self.table.outstanding.get_mut(&k) else {
             return false;
         };

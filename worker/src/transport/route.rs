@@ -158,6 +158,19 @@ impl Routing {
         })
     }
 
+    /// Whether `slot` on the layout's lcore `lcore` is past that lcore's
+    /// own slots: a backup slot, served once its part is adopted.
+    pub(crate) fn adopted_slot(&self, lcore: u16, slot: u32) -> bool {
+        let l = usize::from(lcore);
+        let Some(a) = self.base.iter().rposition(|&b| b <= l) else {
+            return false;
+        };
+        self.layout
+            .runs_of(a)
+            .get(l - self.base[a])
+            .is_some_and(|run| u64::from(slot) >= run.count)
+    }
+
     /// Re-addresses `msg`, a chunk of `key` whose header is `header`, to
     /// where the epoch held serves it: its destination, lcore and slot,
     /// and the header's slot and epoch. Returns whether it moved (its
