@@ -513,3 +513,39 @@ fn a_drained_appliance_s_evicted_asks_for_the_epoch_and_fails_nothing() {
     );
     assert!(h.ended().is_empty());
 }
+
+/// An lcore's own slots and the slots of a part it adopted are answered
+/// as their own backups acknowledge, so each is its own stream for fast
+/// retransmission; without replication a stream is an lcore.
+#[test]
+fn own_and_adopted_slots_are_separate_answer_streams() {
+    let e1 = down(1, &[1]);
+    let r = routing(e1.clone());
+    let mut own = None;
+    let mut adopted = None;
+    for c in 0..CHUNKS {
+        let s = layout().serve(u64::from(c), &e1).unwrap();
+        let msg = ChunkMsg {
+            chunk: c,
+            slot: s.slot as u32,
+            offset: 0,
+            len: ELEMS as u32,
+            to: addr(s.appliance),
+            lcore: s.appliance as u16,
+            start: 0,
+            bytes: 0,
+        };
+        assert_eq!(r.adopted_slot(msg.lcore, msg.slot), s.adopted, "chunk {c}");
+        if s.appliance == 2 {
+            let stream = stream_of(Some(&r), &msg);
+            if s.adopted {
+                adopted = Some(stream);
+            } else {
+                own = Some(stream);
+            }
+        }
+        assert_eq!(stream_of(None, &msg), s.appliance);
+    }
+    let (own, adopted) = (own.unwrap(), adopted.unwrap());
+    assert_ne!(own, adopted, "appliance 2's own part and 1's, adopted");
+}
