@@ -9,7 +9,9 @@
 //! that part from its copy, and every element of every result of every
 //! round stays exact (`train_rank` checks each against the formula). A
 //! drain that cannot move a job (not replicated) is refused naming it,
-//! and changes nothing.
+//! and changes nothing. The second test drains b after it died (killed,
+//! the job failed over without it): the spare replaces it, and the job is
+//! back to full strength without b's return.
 
 use std::time::Duration;
 
@@ -19,6 +21,17 @@ use phub::proto::routes::{control, mgmt};
 
 #[test]
 fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
+    drain_b(false);
+}
+
+#[test]
+fn a_dead_appliance_drained_is_replaced_by_a_spare_and_the_job_is_whole_again() {
+    drain_b(true);
+}
+
+/// Drains b mid-training (after killing it and its failover when `dead`),
+/// waits for d at full strength, removes b, kills c; every round exact.
+fn drain_b(dead: bool) {
     let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
@@ -53,16 +66,27 @@ fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
     std::thread::scope(|s| {
         let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         gates.wait_at(0);
+        if dead {
+            rack.kill_dataplane(1);
+            until("epoch 1 without b", Duration::from_secs(20), || {
+                rack.send(&control::epoch(job.id)).down == [1]
+            });
+        }
+        let moved_at = if dead { 2 } else { 1 };
         let (ok, out, err) = rack.phubctl(&["appliance", "drain", "b"]);
         assert!(ok, "{out}{err}");
         assert!(
             out.contains("drained appliance \"b\": 1 jobs moved")
-                && out.contains("-> appliance \"d\" at epoch 1"),
+                && out.contains(&format!("-> appliance \"d\" at epoch {moved_at}")),
             "{out}"
         );
         gates.open(0);
         let epoch = rack.send(&control::epoch(job.id));
-        assert_eq!((epoch.epoch, epoch.joined_at(1)), (1, Some(1)), "{epoch:?}");
+        assert_eq!(
+            (epoch.epoch, epoch.joined_at(1), epoch.down.as_slice()),
+            (moved_at, Some(moved_at), &[][..]),
+            "{epoch:?}"
+        );
         assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
         // d is filled while the rounds go on.
         let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
@@ -83,9 +107,11 @@ fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
         assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
         // b holds nothing now: reconciliation removed the job there, and
         // control lets it go.
-        until("b without the job", Duration::from_secs(20), || {
-            rack.dataplane(1, &mgmt::jobs()).is_empty()
-        });
+        if !dead {
+            until("b without the job", Duration::from_secs(20), || {
+                rack.dataplane(1, &mgmt::jobs()).is_empty()
+            });
+        }
         let (ok, out, err) = rack.phubctl(&["appliance", "remove", "b"]);
         assert!(ok, "{out}{err}");
         // c, the other member of b's old part's set, dies: d serves it.

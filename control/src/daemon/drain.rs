@@ -2,9 +2,11 @@
 //! §11.8): every job on it moves to another appliance while it runs, so
 //! that it can be removed.
 //!
-//! A job moves only if it is replicated and at full strength: its part
-//! on the drained appliance (index `i` in layout order) has a live backup
-//! holding its state, which serves it while the new appliance is filled.
+//! A job moves only if it is replicated and at full strength, or down
+//! only on the drained appliance (a drain of an appliance that died is
+//! its replacement by a spare): its part on the drained appliance (index
+//! `i` in layout order) has a live backup holding its state, which serves
+//! it while the new appliance is filled.
 //! For each such job control picks a spare: an appliance that is not one
 //! of the job's, not declared down, not an alias, not being drained, with
 //! at least the part's lcores, whose rack label gives every part the same
@@ -24,7 +26,8 @@
 //! silence and ask control for the epoch.
 //!
 //! All or nothing: if any job cannot move (not replicated, hierarchical,
-//! not at full strength, failed, or no spare fits), the drain is refused
+//! down on another appliance or re-replicating, failed, or no spare
+//! fits), the drain is refused
 //! naming each such job and why, and nothing changes.
 
 use phub_proto::api::{Drain, DrainMove, Rereplication, Strength};
@@ -152,21 +155,25 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
             continue;
         }
         let rack = |n: &str| inner.rack_of(n);
+        let index = job
+            .part_index(name)
+            .expect("jobs_on lists the jobs with a part on it");
+        // Down itself, every other appliance up: its replacement.
+        let only_it_down = job.epoch.down.iter().map(|&d| usize::from(d)).eq([index]);
         match job.strength(rack).map(|s| (s.state, s.live, s.wanted)) {
             Some((Strength::FullStrength, _, _)) => {}
+            Some((Strength::Degraded, _, _)) if only_it_down => {}
             Some((state, live, wanted)) => {
                 refused.push(format!(
                     "{what} is not at full strength ({state:?}, {live} of {wanted} replicas live): a drain \
-                     needs every part's state on another live appliance; drain once `phubctl job show {id}` \
-                     says full strength"
+                     needs every part's state on another live appliance (every appliance of the job up but \
+                     the one drained, no re-replication under way); drain once `phubctl job show {id}` says \
+                     full strength"
                 ));
                 continue;
             }
             None => continue,
         }
-        let index = job
-            .part_index(name)
-            .expect("jobs_on lists the jobs with a part on it");
         let Ok(layout) = job.replica_layout(rack) else {
             refused.push(format!("{what}: its layout cannot be read"));
             continue;
