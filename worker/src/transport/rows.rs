@@ -456,10 +456,12 @@ impl<D> RowTransport<D> {
             return None;
         }
         let mut at = self.last_progress + self.timeout;
+        // A late message waits for a silence too (`handle_timeout`).
+        let quiet = self.last_progress + self.rto.loss(0);
         for a in self.active.values() {
             for s in &a.states {
                 if let MsgState::Out(s) = s {
-                    at = at.min(s.deadline);
+                    at = at.min(s.deadline.max(quiet));
                 }
             }
             for c in a.catch_up.values() {
@@ -475,7 +477,15 @@ impl<D> RowTransport<D> {
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
         let mut resent = 0;
         // No answer for a while (below: answered messages and held lanes).
-        let stalled = now.saturating_duration_since(self.last_progress) >= self.rto.loss(STALL_AFTER);
+        let silent = now.saturating_duration_since(self.last_progress);
+        let stalled = silent >= self.rto.loss(STALL_AFTER);
+        // A message is late only once its own timer expired *and* no answer
+        // at all came for the base loss timeout (as the dense transport's
+        // chunks, RFC 6298 5.3): while answers stream in, an lcore applying
+        // a large lane (thousands of rows on a shared core) answers it after
+        // its timer, and resending it then only adds work (the resends of
+        // `phub-bench sparse --local` were all spurious, BENCHMARKS.md).
+        let quiet = silent >= self.rto.loss(0);
         for (&key, a) in &mut self.active {
             // Whether the request's answered messages go again with this
             // send (below).
@@ -484,7 +494,7 @@ impl<D> RowTransport<D> {
                 let MsgState::Out(sent) = s else {
                     continue;
                 };
-                if now < sent.deadline {
+                if now < sent.deadline || !quiet {
                     continue;
                 }
                 if sent.retries == 0 {
