@@ -1040,3 +1040,43 @@ fn random_rounds_under_loss_match_a_reference() {
         }
     }
 }
+
+/// A message past its timer is not resent while answers to the others
+/// stream in (an lcore slow to apply a large lane answers it late); once
+/// no answer at all came for the base loss timeout, it is.
+#[test]
+fn a_late_message_waits_for_a_silence_before_it_is_resent() {
+    let dim = 2;
+    let mut h = Harness::new(2, dim, 2, 64);
+    let ids: Vec<u64> = (0..8).collect();
+    h.push(1, 1, &ids, &grads(&ids, dim, 0.0));
+    let sent = h.sent();
+    assert!(sent.len() >= 4, "{} messages", sent.len());
+    let start = h.now;
+    // The answers to every message but the first come in one by one, each
+    // a little before the last's silence would end.
+    let answers = h.answers(&sent[1..]);
+    let step = h.t.loss_timeout() * 3 / 4;
+    for (from, d) in answers {
+        h.now += step;
+        h.deliver(from, &d);
+        h.t.handle_timeout(h.now);
+        assert!(
+            h.sent().is_empty(),
+            "nothing is resent while answers flow ({:?} after the sends)",
+            h.now - start
+        );
+    }
+    // Then silence: what is unanswered goes again (the first message and
+    // its lcore's others, which that lcore answers only with the round),
+    // each once, marked.
+    h.now += h.t.loss_timeout();
+    h.t.handle_timeout(h.now);
+    let again = h.sent();
+    assert!(!again.is_empty());
+    assert!(
+        again.iter().all(|m| m.retransmit() && m.to == sent[0].to),
+        "{again:?}"
+    );
+    assert!(again.iter().any(|m| m.repr.seq == sent[0].repr.seq));
+}

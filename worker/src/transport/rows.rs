@@ -449,6 +449,12 @@ impl<D> RowTransport<D> {
         }
     }
 
+    /// The base loss timeout now (tests).
+    #[cfg(test)]
+    pub(crate) fn loss_timeout(&self) -> std::time::Duration {
+        self.rto.loss(0)
+    }
+
     /// The next instant [`RowTransport::handle_timeout`] has something to
     /// do; `None` while idle.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
