@@ -21,8 +21,9 @@
 //!   first is out, all go (an lcore answers a push only when all of every
 //!   rank's messages of the round are in: a window that split them could
 //!   leave every rank waiting with half of them sent).
-//! - A message unanswered at its deadline is sent again unchanged but for
-//!   RETRANSMIT; its deadline then doubles ([`Rto::loss`]).
+//! - A message unanswered at its deadline, once no answer at all came for
+//!   the base loss timeout, is sent again unchanged but for RETRANSMIT;
+//!   its deadline then doubles ([`Rto::loss`]).
 //! - An answer is matched by its source address (the lcore it came from:
 //!   the appliance answers from the port the message went to, §1, §6.3),
 //!   its table, its round and its sequence number (a ROW_PULL's `chunk`
