@@ -345,6 +345,7 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
                     url: url.clone(),
                     rack: rack.clone(),
                     token_file: token_file.clone(),
+                    draining: false,
                 };
                 let mode = if *force { AddMode::Forced } else { AddMode::Checked };
                 show(json, ctl.send(&control::add_appliance(&spec, mode))?, |a| {

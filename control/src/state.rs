@@ -533,12 +533,14 @@ mod tests {
             url: "http://127.0.0.1:7800".into(),
             rack: "r1".into(),
             token_file: None,
+            draining: false,
         };
         let b = ApplianceSpec {
             name: "b".into(),
             url: "http://127.0.0.1:7801".into(),
             rack: "r2".into(),
             token_file: Some("/run/phub/b.token".into()),
+            draining: false,
         };
         let state = StateFile {
             version: Some(FORMAT_VERSION),

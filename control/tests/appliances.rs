@@ -30,6 +30,7 @@ fn appliance(name: &str, fake: &Fake, rack: &str) -> ApplianceSpec {
         url: fake.url(),
         rack: rack.into(),
         token_file: None,
+        draining: false,
     }
 }
 

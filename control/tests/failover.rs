@@ -40,6 +40,7 @@ fn daemon(fakes: &[&Fake], state: &Path) -> Daemon {
             url: f.url(),
             rack: String::new(),
             token_file: None,
+            draining: false,
         })
         .collect();
     Daemon::start(Config {

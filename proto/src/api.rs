@@ -438,6 +438,11 @@ pub struct ApplianceSpec {
     /// default for the port of `url`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_file: Option<String>,
+    /// Drained (`phubctl appliance drain`, PROTOCOL.md §11.8): it takes no
+    /// new job. Set by control, recorded with the appliance; absent
+    /// (false) otherwise.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub draining: bool,
 }
 
 /// What `POST /v1/appliances/{name}/drain` did (PROTOCOL.md §11.8).

@@ -81,6 +81,15 @@ fn drain_b(dead: bool) {
             "{out}"
         );
         gates.open(0);
+        // Drained, recorded with the appliance (a restarted control keeps it).
+        let state: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(rack.dir.join("state.json")).unwrap()).unwrap();
+        let b = state["appliances"]
+            .as_array()
+            .and_then(|l| l.iter().find(|a| a["name"] == "b"))
+            .cloned()
+            .unwrap_or_default();
+        assert_eq!(b["draining"], true, "{state}");
         let epoch = rack.send(&control::epoch(job.id));
         assert_eq!(
             (epoch.epoch, epoch.joined_at(1), epoch.down.as_slice()),

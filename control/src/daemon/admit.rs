@@ -85,7 +85,7 @@ impl Shared {
                 .values()
                 .filter_map(|a| {
                     let why = a.alias.clone().or_else(|| {
-                        a.draining.then(|| {
+                        a.spec.draining.then(|| {
                             "being drained (phubctl appliance drain): it takes no new job".to_string()
                         })
                     })?;

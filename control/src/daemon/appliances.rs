@@ -42,7 +42,7 @@ impl Shared {
                     memory_budget_bytes: info.map(|i| i.memory_budget_bytes),
                     memory_used_bytes: info.map(|i| i.memory_used_bytes),
                     jobs: inner.jobs_on(&a.spec.name),
-                    draining: a.draining,
+                    draining: a.spec.draining,
                 }
             })
             .collect()
@@ -60,6 +60,13 @@ impl Shared {
         force: bool,
     ) -> Result<ApplianceStatus, RequestError> {
         check_appliance(&a).map_err(RequestError::BadRequest)?;
+        if a.draining {
+            return Err(RequestError::BadRequest(format!(
+                "appliance {:?}: \"draining\" is set by phubctl appliance drain (POST \
+                 /v1/appliances/{{name}}/drain), not given; leave it out. Not added",
+                a.name
+            )));
+        }
         let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
         {
             let inner = self.lock();
@@ -219,7 +226,7 @@ impl Shared {
             memory_budget_bytes: gone.info.as_ref().map(|i| i.memory_budget_bytes),
             memory_used_bytes: gone.info.as_ref().map(|i| i.memory_used_bytes),
             jobs: Vec::new(),
-            draining: gone.draining,
+            draining: gone.spec.draining,
         })
     }
 }

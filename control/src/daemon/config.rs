@@ -158,6 +158,7 @@ impl Config {
             url: self.dataplane.clone(),
             rack: String::new(),
             token_file: self.dataplane_token.as_ref().map(|p| p.display().to_string()),
+            draining: false,
         }
     }
 }
@@ -229,6 +230,7 @@ pub fn parse_appliance(text: &str) -> Result<ApplianceSpec, String> {
         url: url.ok_or_else(|| format!("{text:?}: url= is missing"))?,
         rack,
         token_file,
+        draining: false,
     };
     check_appliance(&a)?;
     Ok(a)

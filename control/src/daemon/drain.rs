@@ -69,8 +69,17 @@ impl Shared {
                 refused.join("; ")
             )));
         }
-        if let Some(a) = inner.appliances.get_mut(name) {
-            a.draining = true;
+        if !inner.appliances[name].spec.draining {
+            let recorded = self.commit(&mut inner, Entry::Appliance(name), |inner| {
+                if let Some(a) = inner.appliances.get_mut(name) {
+                    a.spec.draining = true;
+                }
+            });
+            if let Err(e) = recorded {
+                return Err(RequestError::State(format!(
+                    "{e}; appliance {name:?} was not drained (nothing was changed)"
+                )));
+            }
         }
         let mut report = Drain {
             appliance: name.to_string(),
@@ -184,7 +193,7 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
             .values()
             .filter(|a| {
                 a.spec.name != name
-                    && !a.draining
+                    && !a.spec.draining
                     && a.alias.is_none()
                     && a.liveness.down.is_none()
                     && job.part_index(&a.spec.name).is_none()

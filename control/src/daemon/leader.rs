@@ -88,6 +88,10 @@ pub(super) fn merged(recorded: &[ApplianceSpec], given: &[ApplianceSpec]) -> BTr
     let mut specs: BTreeMap<String, ApplianceSpec> =
         recorded.iter().map(|a| (a.name.clone(), a.clone())).collect();
     for a in given {
+        // Drained stays drained: control sets it, no command line does.
+        let mut a = a.clone();
+        a.draining |= specs.get(&a.name).is_some_and(|old| old.draining);
+        let a = &a;
         if let Some(old) = specs.get(&a.name).filter(|old| *old != a) {
             log::warn!(
                 "appliance {:?}: the state has it at {} (rack {:?}); now at {} (rack {:?})",
@@ -260,5 +264,32 @@ impl Shared {
         if let Some(e) = self.store.etcd() {
             e.resign();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(name: &str, url: &str, draining: bool) -> ApplianceSpec {
+        ApplianceSpec {
+            name: name.into(),
+            url: url.into(),
+            rack: String::new(),
+            token_file: None,
+            draining,
+        }
+    }
+
+    /// The command line's appliances replace the recorded ones, but a
+    /// drained appliance stays drained (no command line sets the flag).
+    #[test]
+    fn given_appliances_replace_the_recorded_ones_keeping_drained() {
+        let recorded = [spec("a", "http://a:1", true), spec("b", "http://b:1", false)];
+        let given = [spec("a", "http://a:2", false), spec("c", "http://c:1", false)];
+        let m = merged(&recorded, &given);
+        assert_eq!(m["a"], spec("a", "http://a:2", true));
+        assert_eq!(m["b"], spec("b", "http://b:1", false));
+        assert_eq!(m["c"], spec("c", "http://c:1", false));
     }
 }

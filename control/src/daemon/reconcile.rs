@@ -276,7 +276,7 @@ impl Shared {
         // may be one of them under another name or address, which
         // must not lose the job's state. Unless this one is drained: a
         // drain moved its jobs off it (PROTOCOL.md §11.8).
-        let drained = inner.appliances.get(name).is_some_and(|a| a.draining);
+        let drained = inner.appliances.get(name).is_some_and(|a| a.spec.draining);
         let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
             .iter()
             .copied()

@@ -41,10 +41,6 @@ pub(super) struct Appliance {
     pub(super) alias: Option<String>,
     /// Its heartbeats: whether it is declared down ([`Liveness`]).
     pub(super) liveness: Liveness,
-    /// Set by `phubctl appliance drain` (PROTOCOL.md §11.8): it is chosen
-    /// for no new job and no drain moves a job to it, until it is removed
-    /// (or control restarts: not recorded).
-    pub(super) draining: bool,
 }
 
 impl Appliance {
@@ -57,7 +53,6 @@ impl Appliance {
             watch: Arc::default(),
             alias: None,
             liveness: Liveness::default(),
-            draining: false,
         }
     }
 }
@@ -418,6 +413,7 @@ mod tests {
             url: "http://127.0.0.1:1".into(),
             rack: String::new(),
             token_file: Some("/nonexistent/token".into()),
+            draining: false,
         })
     }
 
