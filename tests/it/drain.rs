@@ -15,7 +15,9 @@
 
 use std::time::Duration;
 
-use crate::common::{replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator};
+use crate::common::{
+    all_trained, replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator,
+};
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
 
@@ -127,10 +129,7 @@ fn drain_b(dead: bool) {
         gates.wait_at(1);
         rack.kill_dataplane(2);
         gates.open(1);
-        for (rank, h) in ranks.into_iter().enumerate() {
-            let (done, _stats) = h.join().unwrap();
-            assert_eq!(done, rounds, "rank {rank}");
-        }
+        all_trained(ranks, rounds);
     });
     // d completed every round of index 1's part, from the copy on.
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(3, &mgmt::stats());

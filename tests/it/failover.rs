@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_ranks, Appliances, Operator};
+use crate::common::{all_trained, replicated_spec, train_ranks, Appliances, Operator};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
 
@@ -55,10 +55,7 @@ fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
         rack.kill_dataplane(1);
         let at = Instant::now();
         killed.store(true, Ordering::SeqCst);
-        for (rank, h) in ranks.into_iter().enumerate() {
-            let (done, _stats) = h.join().unwrap();
-            assert_eq!(done, rounds, "rank {rank}");
-        }
+        all_trained(ranks, rounds);
         at
     });
     let resumed_at = first_after.into_inner().unwrap();

@@ -18,7 +18,7 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{replicated_spec, train_ranks, Appliances, Operator};
+use crate::common::{all_trained, replicated_spec, train_ranks, Appliances, Operator};
 use phub::proto::api::{AdmitResponse, DataplaneStats, JobMap};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
@@ -130,10 +130,7 @@ fn a_primary_stopped_past_its_failover_answers_no_round_of_its_old_epoch() {
         }
         let stop = Stopped::new(b_pid);
         stopped_b.store(true, Ordering::SeqCst);
-        for (rank, h) in ranks.into_iter().enumerate() {
-            let (done, _stats) = h.join().unwrap();
-            assert_eq!(done, probe_round, "rank {rank}");
-        }
+        all_trained(ranks, probe_round);
         stop
     });
     // Control declared b down and moved the job to epoch 1; a and c

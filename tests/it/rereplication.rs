@@ -23,7 +23,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Gates, Operator,
+    all_trained, replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Gates, Operator,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
@@ -128,10 +128,7 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
         gates.wait_at(1);
         rack.kill_dataplane(2);
         gates.open(1);
-        for (rank, h) in ranks.into_iter().enumerate() {
-            let (done, _stats) = h.join().unwrap();
-            assert_eq!(done, rounds, "rank {rank}");
-        }
+        all_trained(ranks, rounds);
         x.full_strength_ms()
     });
     assert!(full_ms.is_some());

@@ -455,6 +455,18 @@ impl Gates {
     }
 }
 
+/// Waits for every rank [`train_ranks`] started and checks each trained
+/// `rounds` rounds.
+pub(crate) fn all_trained(
+    ranks: Vec<std::thread::ScopedJoinHandle<'_, (u32, phub_worker::WorkerStats)>>,
+    rounds: u32,
+) {
+    for (rank, h) in ranks.into_iter().enumerate() {
+        let (done, _stats) = h.join().unwrap();
+        assert_eq!(done, rounds, "rank {rank}");
+    }
+}
+
 /// Starts one [`train_rank`] thread per rank of `job` in scope `s` (the
 /// default worker config), each training `keys` while `more(rank, round)`
 /// says so: the replication suites' ranks, whose `more` holds them at the
