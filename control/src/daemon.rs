@@ -115,6 +115,7 @@ pub fn main() -> ExitCode {
         heartbeat: Heartbeat {
             interval: Duration::from_millis(args.heartbeat_ms),
             deadline: Duration::from_millis(args.heartbeat_deadline_ms),
+            spare_after: args.spare_after_ms.map(Duration::from_millis),
         },
         ..Config::default()
     };

@@ -175,6 +175,7 @@ fn heartbeat_defaults_and_nonsense_timing_refused() {
         heartbeat: Heartbeat {
             interval: Duration::from_millis(300),
             deadline: Duration::from_millis(300),
+            spare_after: None,
         },
         ..Config::default()
     })

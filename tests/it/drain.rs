@@ -31,6 +31,53 @@ fn a_dead_appliance_drained_is_replaced_by_a_spare_and_the_job_is_whole_again() 
     drain_b(true);
 }
 
+/// With `--spare-after-ms`, control moves the jobs of an appliance that
+/// stays down to a spare by itself: b killed, nobody drains it, d takes
+/// its place; then c is killed and every round stays exact.
+#[test]
+fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_operator() {
+    let mut rack = Appliances::start_with_control(&[1, 1, 1, 1], "256MiB", &[], &["--spare-after-ms", "300"]);
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack
+        .admit(&replicated_spec("spare", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    let rounds = 16u32;
+    let gates = Gates::new(&[4, 10], rounds);
+    let url = rack.control_url.clone();
+    let more = |rank: u16, r: u32| gates.more(rank, r);
+    std::thread::scope(|s| {
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        gates.wait_at(0);
+        rack.kill_dataplane(1);
+        gates.open(0);
+        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+        let full = || {
+            detail(&rack).replicas.is_some_and(|r| {
+                r.state == Strength::FullStrength
+                    && r.rereplication
+                        .as_ref()
+                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
+            })
+        };
+        if !try_until(Duration::from_secs(30), full) {
+            panic!(
+                "d did not take b's place within 30 s: {:?}, epoch {:?}",
+                detail(&rack).replicas,
+                rack.send(&control::epoch(job.id))
+            );
+        }
+        let epoch = rack.send(&control::epoch(job.id));
+        assert_eq!((epoch.epoch, epoch.down.as_slice()), (2, &[][..]), "{epoch:?}");
+        assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
+        assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
+        gates.wait_at(1);
+        rack.kill_dataplane(2);
+        gates.open(1);
+        all_trained(ranks, rounds);
+    });
+}
+
 /// Drains b mid-training (after killing it and its failover when `dead`),
 /// waits for d at full strength, removes b, kills c; every round exact.
 fn drain_b(dead: bool) {

@@ -86,6 +86,10 @@ pub struct Heartbeat {
     pub interval: Duration,
     /// Without an answer for this long, an appliance is declared down.
     pub deadline: Duration,
+    /// Declared down for this long, an appliance's replicated jobs move
+    /// to spares (PROTOCOL.md §11.8); `None`: only `phubctl appliance
+    /// drain` moves them.
+    pub spare_after: Option<Duration>,
 }
 
 /// [`Heartbeat::interval`]'s default, in milliseconds.
@@ -104,6 +108,7 @@ impl Default for Heartbeat {
         Heartbeat {
             interval: Duration::from_millis(HEARTBEAT_MS),
             deadline: Duration::from_millis(HEARTBEAT_DEADLINE_MS),
+            spare_after: None,
         }
     }
 }
@@ -328,6 +333,12 @@ pub(super) struct Args {
     /// over; more than --heartbeat-ms.
     #[arg(long, default_value_t = HEARTBEAT_DEADLINE_MS)]
     pub(super) heartbeat_deadline_ms: u64,
+    /// Milliseconds an appliance stays declared down before each
+    /// replicated job on it moves to a spare appliance, as `phubctl
+    /// appliance drain` would move it (PROTOCOL.md §11.8); default: never
+    /// (the jobs wait for it to answer again, or for the drain).
+    #[arg(long, value_name = "MS")]
+    pub(super) spare_after_ms: Option<u64>,
 }
 
 #[cfg(test)]
@@ -358,6 +369,7 @@ mod tests {
         let h = |i, d| Heartbeat {
             interval: Duration::from_millis(i),
             deadline: Duration::from_millis(d),
+            spare_after: None,
         };
         h(20, 90).check().unwrap();
         let e = h(100, 100).check().unwrap_err();

@@ -35,6 +35,8 @@ use phub_proto::failover::EpochView;
 
 use super::failover::unix_ms;
 use super::http::RequestError;
+use std::sync::{Arc, MutexGuard};
+
 use super::registry::{Entry, Inner, Shared};
 
 /// One job's move: the job, the drained appliance's index in it, the
@@ -81,11 +83,43 @@ impl Shared {
                 )));
             }
         }
-        let mut report = Drain {
+        let (moved, failed) = self.apply_moves(&this, inner, name, moves, "drained");
+        if let Some(e) = failed {
+            let done: Vec<String> = moved.iter().map(|d| d.job.to_string()).collect();
+            return Err(RequestError::State(format!(
+                "{e} (jobs moved before it: [{}]); drain again",
+                done.join(", ")
+            )));
+        }
+        let report = Drain {
             appliance: name.to_string(),
-            moved: Vec::new(),
+            moved,
         };
+        log::info!(
+            "appliance {name:?} drained: {} jobs moved; it takes no new job",
+            report.moved.len()
+        );
+        Ok(report)
+    }
+}
+
+impl Shared {
+    /// Records each of `moves` off appliance `name` (the job's epoch, its
+    /// part's appliance, the start of its re-replication), durably, and
+    /// starts each recorded one's re-replication ([`Shared::rejoin_in_thread`]);
+    /// stops at the first that cannot be recorded, saying so. `why` is
+    /// logged (drained, down).
+    fn apply_moves(
+        &self,
+        this: &Arc<Shared>,
+        mut inner: MutexGuard<'_, Inner>,
+        name: &str,
+        moves: Vec<Move>,
+        why: &str,
+    ) -> (Vec<DrainMove>, Option<String>) {
+        let mut moved = Vec::new();
         let mut started = Vec::new();
+        let mut failed = None;
         for m in moves {
             let record = Rereplication {
                 appliance: m.to.clone(),
@@ -103,25 +137,21 @@ impl Shared {
             });
             let job = &inner.jobs[&m.id];
             if let Err(e) = recorded {
-                // The jobs moved before stay moved: each was recorded.
-                let moved: Vec<String> = report.moved.iter().map(|d| d.job.to_string()).collect();
-                return Err(RequestError::State(format!(
-                    "{e}; job {} ({:?}) was not moved off appliance {name:?} (jobs moved before it: [{}]); \
-                     drain again",
-                    m.id,
-                    job.spec.name,
-                    moved.join(", ")
-                )));
+                failed = Some(format!(
+                    "{e}; job {} ({:?}) was not moved off appliance {name:?}",
+                    m.id, job.spec.name
+                ));
+                break;
             }
             log::warn!(
-                "job {} ({:?}) moves off appliance {name:?} (drained) to appliance {:?} at epoch {}; \
+                "job {} ({:?}) moves off appliance {name:?} ({why}) to appliance {:?} at epoch {}; \
                  installing it there",
                 m.id,
                 job.spec.name,
                 m.to,
                 m.view.epoch
             );
-            report.moved.push(DrainMove {
+            moved.push(DrainMove {
                 job: m.id,
                 name: job.spec.name.clone(),
                 to: m.to.clone(),
@@ -131,15 +161,40 @@ impl Shared {
             started.push((m.id, m.view, m.to));
         }
         drop(inner);
-        let retry = self.beat;
         for (id, view, to) in started {
-            this.rejoin_in_thread(id, view, to, retry);
+            this.rejoin_in_thread(id, view, to, self.beat);
+        }
+        (moved, failed)
+    }
+
+    /// Appliance `name` has stayed declared down for `--spare-after-ms`:
+    /// each replicated job on it that can move (the drain's rules, module
+    /// head) moves to a spare, the others are logged and wait for it. It
+    /// is not marked drained: back, it takes jobs again.
+    pub(super) fn move_to_spares(&self, name: &str) {
+        let Some(this) = self.this.upgrade() else {
+            return;
+        };
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let inner = self.lock();
+        if !inner.appliances.contains_key(name) {
+            return;
+        }
+        let (moves, refused) = plan(&inner, name);
+        for why in &refused {
+            log::warn!("appliance {name:?} is still down, but {why}: it waits for the appliance");
+        }
+        if moves.is_empty() {
+            return;
+        }
+        let (moved, failed) = self.apply_moves(&this, inner, name, moves, "down, a spare takes its place");
+        if let Some(e) = failed {
+            log::error!("{e}");
         }
         log::info!(
-            "appliance {name:?} drained: {} jobs moved; it takes no new job",
-            report.moved.len()
+            "appliance {name:?} is still down: {} jobs moved to spares",
+            moved.len()
         );
-        Ok(report)
     }
 }
 

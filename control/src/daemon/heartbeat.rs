@@ -133,9 +133,26 @@ impl Shared {
         }
         let shared = self.clone();
         let name = name.to_string();
+        let declarations = self
+            .lock()
+            .appliances
+            .get(&name)
+            .map_or(0, |a| a.liveness.declarations);
         let started = std::thread::Builder::new()
             .name("control-failover".into())
-            .spawn(move || shared.fail_over(&name, timing.interval));
+            .spawn(move || {
+                shared.fail_over(&name, timing.interval);
+                if let Some(after) = timing.spare_after {
+                    // Still down, from this declaration on: spares.
+                    std::thread::sleep(after);
+                    let still = shared.lock().appliances.get(&name).is_some_and(|a| {
+                        a.liveness.down.is_some() && a.liveness.declarations == declarations
+                    });
+                    if still {
+                        shared.move_to_spares(&name);
+                    }
+                }
+            });
         if let Err(e) = started {
             log::error!("cannot start the failover thread: {e}; its jobs do not fail over");
         }

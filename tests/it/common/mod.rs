@@ -262,6 +262,16 @@ impl Appliances {
 
     /// As [`Appliances::start`], each phub-dataplane also given `extra`.
     pub(crate) fn start_with(lcores: &[usize], budget: &str, extra: &[&str]) -> Appliances {
+        Appliances::start_with_control(lcores, budget, extra, &[])
+    }
+
+    /// As [`Appliances::start_with`], phub-control also given `control`.
+    pub(crate) fn start_with_control(
+        lcores: &[usize],
+        budget: &str,
+        extra: &[&str],
+        control: &[&str],
+    ) -> Appliances {
         let dir = std::env::temp_dir().join(format!("phub-test-appl-{}-{}", std::process::id(), free_port()));
         std::fs::create_dir_all(&dir).unwrap();
         let mut a = Appliances {
@@ -281,6 +291,7 @@ impl Appliances {
             "--state".into(),
             a.dir.join("state.json").display().to_string(),
         ];
+        control_args.extend(control.iter().map(|s| (*s).to_string()));
         for (i, &n) in lcores.iter().enumerate() {
             let name = ((b'a' + i as u8) as char).to_string();
             let mgmt = free_port();

@@ -299,6 +299,7 @@ pub fn serve_control(args: &ControlArgs) -> Result<()> {
         heartbeat: phub_control::daemon::Heartbeat {
             interval: Duration::from_millis(args.heartbeat_ms),
             deadline: Duration::from_millis(args.heartbeat_deadline_ms),
+            spare_after: None,
         },
         ..phub_control::daemon::Config::default()
     })?;
