@@ -743,12 +743,21 @@ pub fn render_show(d: &JobDetail) -> String {
         ));
         if let Some(x) = &r.rereplication {
             out.push_str(&format!(
-                "\nre-replication to {} at epoch {}: ",
+                "\nre-replication to {} at epoch {}",
                 x.appliance, x.epoch
             ));
+            if let Some(old) = &x.replaced {
+                out.push_str(&format!(" (in place of {old})"));
+            }
+            out.push_str(": ");
+            let after = if x.replaced.is_some() {
+                "after it took the place"
+            } else {
+                "after it answered again"
+            };
             match (x.full_strength_ms(), &x.abandoned) {
                 (Some(ms), _) => {
-                    out.push_str(&format!("full strength {ms} ms after it answered again"));
+                    out.push_str(&format!("full strength {ms} ms {after}"));
                     if let Some(b) = x.bytes_copied {
                         out.push_str(&format!(", {} copied", human_bytes(b)));
                     }
@@ -1677,6 +1686,7 @@ mod tests {
             ended_unix_ms: None,
             bytes_copied: None,
             abandoned: None,
+            replaced: None,
         };
         d.replicas = Some(phub_proto::api::ReplicaStrength {
             wanted: 2,
@@ -1695,7 +1705,7 @@ mod tests {
             wanted: 2,
             live: 2,
             state: phub_proto::api::Strength::FullStrength,
-            rereplication: Some(x),
+            rereplication: Some(x.clone()),
         });
         let t = render_show(&d);
         assert!(
@@ -1703,6 +1713,20 @@ mod tests {
                 "replicas live 2 of 2 (full strength)\nre-replication to b at epoch 2: full strength 250 ms \
                         after it answered again, 4.0 KiB copied"
             ),
+            "{t}"
+        );
+        // A drain's or a spare's: the appliance it took the place of.
+        x.appliance = "d".into();
+        x.replaced = Some("b".into());
+        d.replicas = Some(phub_proto::api::ReplicaStrength {
+            wanted: 2,
+            live: 2,
+            state: phub_proto::api::Strength::FullStrength,
+            rereplication: Some(x),
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains("re-replication to d at epoch 2 (in place of b): full strength 250 ms after it took the place"),
             "{t}"
         );
         d.replicas = None;

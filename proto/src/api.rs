@@ -383,6 +383,10 @@ pub struct Rereplication {
     /// failed or moved on).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub abandoned: Option<String>,
+    /// The appliance whose place in the job `appliance` took (a drain or a
+    /// spare, PROTOCOL.md §11.8); absent for an appliance that came back.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replaced: Option<String>,
 }
 
 impl Rereplication {

@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use crate::common::{
-    all_trained, replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator,
+    all_trained, replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator, Stopped,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
@@ -32,8 +32,10 @@ fn a_dead_appliance_drained_is_replaced_by_a_spare_and_the_job_is_whole_again() 
 }
 
 /// With `--spare-after-ms`, control moves the jobs of an appliance that
-/// stays down to a spare by itself: b killed, nobody drains it, d takes
-/// its place; then c is killed and every round stays exact.
+/// stays down to a spare by itself: b stopped (SIGSTOP: silent, as behind
+/// a partition), nobody drains it, d takes its place; b resumed still
+/// holds the job, and reconciliation removes it there (a spare took its
+/// place); then c is killed and every round stays exact.
 #[test]
 fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_operator() {
     let mut rack = Appliances::start_with_control(&[1, 1, 1, 1], "256MiB", &[], &["--spare-after-ms", "300"]);
@@ -49,7 +51,8 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
     std::thread::scope(|s| {
         let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         gates.wait_at(0);
-        rack.kill_dataplane(1);
+        let b_pid = rack.dataplanes[1].as_ref().unwrap().pid();
+        let stopped = Stopped::new(b_pid);
         gates.open(0);
         let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
         let full = || {
@@ -71,6 +74,14 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
         assert_eq!((epoch.epoch, epoch.down.as_slice()), (2, &[][..]), "{epoch:?}");
         assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
         assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
+        let x = detail(&rack).replicas.and_then(|r| r.rereplication).unwrap();
+        assert_eq!(x.replaced.as_deref(), Some("b"), "{x:?}");
+        // b back: it answers heartbeats again, holding the job at epoch 0;
+        // control removes it there and gives it nothing back.
+        drop(stopped);
+        until("b without the job", Duration::from_secs(20), || {
+            rack.dataplane(1, &mgmt::jobs()).is_empty()
+        });
         gates.wait_at(1);
         rack.kill_dataplane(2);
         gates.open(1);

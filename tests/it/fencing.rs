@@ -14,42 +14,15 @@
 //! worker received is exact (`train_rank` checks each).
 
 use std::net::UdpSocket;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::common::{all_trained, replicated_spec, train_ranks, Appliances, Operator};
+use crate::common::{all_trained, replicated_spec, train_ranks, Appliances, Operator, Stopped};
 use phub::proto::api::{AdmitResponse, DataplaneStats, JobMap};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
 use phub::proto::wire::{self, MsgType, Repr};
 use phub::proto::Dtype;
-
-/// A process held stopped (SIGSTOP) until this is dropped (SIGCONT), so
-/// that a failing test leaves nothing stopped.
-struct Stopped(u32);
-
-fn signal(sig: &str, pid: u32) {
-    let ok = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .map(|s| s.success())
-        .unwrap_or(false);
-    assert!(ok, "kill {sig} {pid}");
-}
-
-impl Stopped {
-    fn new(pid: u32) -> Stopped {
-        signal("-STOP", pid);
-        Stopped(pid)
-    }
-}
-
-impl Drop for Stopped {
-    fn drop(&mut self) {
-        signal("-CONT", self.0);
-    }
-}
 
 /// The home (epoch 0) of the first chunk in slot 0 of `appliance`'s lcore
 /// 0, from control's map of the job: (UDP port, key, chunk, elements).

@@ -128,6 +128,7 @@ impl Shared {
                 ended_unix_ms: None,
                 bytes_copied: None,
                 abandoned: None,
+                replaced: Some(name.to_string()),
             };
             let recorded = self.commit(&mut inner, Entry::Job(m.id), |inner| {
                 let job = inner.jobs.get_mut(&m.id).expect("looked up under the same lock");

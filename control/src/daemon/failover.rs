@@ -356,6 +356,7 @@ impl Shared {
                     ended_unix_ms: None,
                     bytes_copied: None,
                     abandoned: None,
+                    replaced: None,
                 };
                 let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
                     let job = inner.jobs.get_mut(&id).expect("looked up under the same lock");
@@ -820,6 +821,7 @@ mod tests {
             ended_unix_ms: None,
             bytes_copied: None,
             abandoned: None,
+            replaced: None,
         });
         assert_eq!(j.copying_to(), Some("b"));
         assert_eq!(strength(&j), Some((1, 2, Strength::Rereplicating)));

@@ -277,12 +277,20 @@ impl Shared {
         // must not lose the job's state. Unless this one is drained: a
         // drain moved its jobs off it (PROTOCOL.md §11.8).
         let drained = inner.appliances.get(name).is_some_and(|a| a.spec.draining);
+        // Or a spare took its place in the job (§11.8).
+        let replaced = |id: &u16| {
+            inner.jobs.get(id).is_some_and(|j| {
+                j.rereplication
+                    .as_ref()
+                    .is_some_and(|r| r.replaced.as_deref() == Some(name))
+            })
+        };
         let (foreign, unknown): (Vec<u16>, Vec<u16>) = installed
             .iter()
             .copied()
             .filter(|id| !here.contains(id))
             .filter(|id| !fenced_here.contains(id))
-            .partition(|id| inner.jobs.contains_key(id) && !drained);
+            .partition(|id| inner.jobs.contains_key(id) && !drained && !replaced(id));
         for id in foreign {
             if log.foreign.insert(id) {
                 let on: Vec<&str> = inner.jobs[&id]

@@ -515,3 +515,29 @@ pub(crate) fn train_ranks<'scope, 'env>(
 pub(crate) use phub_hwtests::workload::{
     expected as expected_sum, flood, grad, init, sum_spec, train, train_rank,
 };
+
+/// A process held stopped (SIGSTOP) until this is dropped (SIGCONT), so
+/// that a failing test leaves nothing stopped.
+pub(crate) struct Stopped(u32);
+
+fn signal(sig: &str, pid: u32) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    assert!(ok, "kill {sig} {pid}");
+}
+
+impl Stopped {
+    pub(crate) fn new(pid: u32) -> Stopped {
+        signal("-STOP", pid);
+        Stopped(pid)
+    }
+}
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        signal("-CONT", self.0);
+    }
+}
