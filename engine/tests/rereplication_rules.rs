@@ -97,7 +97,16 @@ fn change_epoch(w: &mut World, view: &EpochView) {
 /// others take the epoch, as control would do it (§11.7).
 fn bring_back(w: &mut World, i: usize) -> EpochView {
     let view = w.epoch.with_joined(i as u16).unwrap();
-    w.reinstall(i, &view);
+    install_joined(w, i, &view);
+    view
+}
+
+/// Appliance index `i` installed anew (empty) at `view`, which names it
+/// joined (back, or moved to another appliance by a drain), then the
+/// others take `view` (each once: again changes nothing), as control
+/// would do it (§11.7, §11.8).
+fn install_joined(w: &mut World, i: usize, view: &EpochView) {
+    w.reinstall(i, view);
     // Installed empty: every backup slot awaits its copy, none taken.
     let c = copies(w, i);
     assert!(c.awaiting > 0 && c.owed == 0 && c.bytes_received == 0, "{c:?}");
@@ -108,11 +117,11 @@ fn bring_back(w: &mut World, i: usize) -> EpochView {
             continue;
         }
         for j in 0..w.shards[a].len() {
-            assert_eq!(w.shards[a][j].change_epoch(JOB, &view), Ok(true));
+            assert_eq!(w.shards[a][j].change_epoch(JOB, view), Ok(true));
+            assert_eq!(w.shards[a][j].change_epoch(JOB, view), Ok(false));
             w.drain(a, j);
         }
     }
-    view
 }
 
 /// Appliance `i`'s state copies of the job as its stats report them
@@ -242,15 +251,7 @@ fn a_drained_appliance_s_index_moves_to_a_new_one_which_is_filled_and_takes_over
         };
         let e1 = w.epoch.with_moved(1, "d", data);
         w.hosts[1] = 2;
-        w.reinstall(1, &e1);
-        w.epoch = e1.clone();
-        for a in [0, 2] {
-            for j in 0..w.shards[a].len() {
-                assert_eq!(w.shards[a][j].change_epoch(JOB, &e1), Ok(true));
-                assert_eq!(w.shards[a][j].change_epoch(JOB, &e1), Ok(false));
-                w.drain(a, j);
-            }
-        }
+        install_joined(&mut w, 1, &e1);
         // Part 1 is served by 2 (its backup) while the new 1 is copied.
         assert_eq!(w.layout.set_in(1, &e1), [2, 1]);
         rounds(&mut w, &want, KILL, KILL_ADOPTER - 1, "index 1 moved");
