@@ -54,27 +54,11 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
         let b_pid = rack.dataplanes[1].as_ref().unwrap().pid();
         let stopped = Stopped::new(b_pid);
         gates.open(0);
-        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
-        let full = || {
-            detail(&rack).replicas.is_some_and(|r| {
-                r.state == Strength::FullStrength
-                    && r.rereplication
-                        .as_ref()
-                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
-            })
-        };
-        if !try_until(Duration::from_secs(30), full) {
-            panic!(
-                "d did not take b's place within 30 s: {:?}, epoch {:?}",
-                detail(&rack).replicas,
-                rack.send(&control::epoch(job.id))
-            );
-        }
+        let d = d_in_b_s_place(&rack, job.id);
         let epoch = rack.send(&control::epoch(job.id));
         assert_eq!((epoch.epoch, epoch.down.as_slice()), (2, &[][..]), "{epoch:?}");
         assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
-        assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
-        let x = detail(&rack).replicas.and_then(|r| r.rereplication).unwrap();
+        let x = d.replicas.and_then(|r| r.rereplication).unwrap();
         assert_eq!(x.replaced.as_deref(), Some("b"), "{x:?}");
         // b back: it answers heartbeats again, holding the job at epoch 0;
         // control removes it there and gives it nothing back.
@@ -158,22 +142,7 @@ fn drain_b(dead: bool) {
         );
         assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"));
         // d is filled while the rounds go on.
-        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
-        let full = || {
-            detail(&rack).replicas.is_some_and(|r| {
-                r.state == Strength::FullStrength
-                    && r.rereplication
-                        .as_ref()
-                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
-            })
-        };
-        if !try_until(Duration::from_secs(30), full) {
-            panic!(
-                "not at full strength 30 s after the drain: {:?}",
-                detail(&rack).replicas
-            );
-        }
-        assert_eq!(detail(&rack).summary.appliances, ["a", "d", "c"]);
+        d_in_b_s_place(&rack, job.id);
         // b holds nothing now: reconciliation removed the job there, and
         // control lets it go.
         if !dead {
@@ -193,4 +162,29 @@ fn drain_b(dead: bool) {
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(3, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "d: {live:?}");
+}
+
+/// Waits (30 s at most) for job `id` at full strength with d filled in
+/// b's place (its re-replication to d ended), checks d is the job's second
+/// appliance, and returns the job as control then shows it.
+fn d_in_b_s_place(rack: &Appliances, id: u16) -> JobDetail {
+    let detail = || -> JobDetail { rack.send(&control::job(id)) };
+    let full = || {
+        detail().replicas.is_some_and(|r| {
+            r.state == Strength::FullStrength
+                && r.rereplication
+                    .as_ref()
+                    .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
+        })
+    };
+    if !try_until(Duration::from_secs(30), full) {
+        panic!(
+            "d not in b's place at full strength within 30 s: {:?}, epoch {:?}",
+            detail().replicas,
+            rack.send(&control::epoch(id))
+        );
+    }
+    let d = detail();
+    assert_eq!(d.summary.appliances, ["a", "d", "c"]);
+    d
 }

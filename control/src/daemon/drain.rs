@@ -271,7 +271,7 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
             })
             .collect();
         // The least loaded first, then by name.
-        spares.sort_by_key(|(n, _)| {
+        spares.sort_by_cached_key(|(n, _)| {
             (
                 given.iter().filter(|g| g == n).count(),
                 inner.jobs_on(n).len(),
