@@ -112,6 +112,15 @@ impl EpochView {
         self.moved.iter().find(|m| usize::from(m.appliance) == a)
     }
 
+    /// The moves this view names that `old` does not (an index moved
+    /// since, or moved again): where an appliance or a worker holding
+    /// `old` re-addresses an index on taking this view.
+    pub fn moves_since<'a>(&'a self, old: &'a EpochView) -> impl Iterator<Item = &'a Moved> + 'a {
+        self.moved
+            .iter()
+            .filter(move |m| old.moved_to(usize::from(m.appliance)) != Some(*m))
+    }
+
     /// The next epoch, with `a` also down (`None` if it already is).
     pub fn with_down(&self, a: u16) -> Option<EpochView> {
         if self.is_down(usize::from(a)) {
@@ -696,6 +705,13 @@ mod tests {
         assert_eq!(e3.moved.len(), 1);
         assert_eq!((e3.moved[0].name.as_str(), e3.moved[0].epoch), ("e", 4));
         assert_eq!(e3.check(3), Ok(()));
+        // What a holder of an older view re-addresses on taking a newer.
+        assert_eq!(e1.moves_since(&EpochView::default()).count(), 1);
+        assert_eq!(e2.moves_since(&e1).count(), 0);
+        assert_eq!(
+            e3.moves_since(&e2).map(|m| m.name.as_str()).collect::<Vec<_>>(),
+            ["e"]
+        );
         // Refused: past the appliances, not joined since, not IPv4.
         assert!(e1.check(1).is_err());
         let mut stale = e1.clone();

@@ -133,11 +133,7 @@ impl<A: Copy + Eq> Shard<A> {
         // Indices served by another appliance from this epoch on (a
         // drain, PROTOCOL.md §11.8): their lcores' new addresses.
         let mut readdressed: Vec<(usize, Vec<A>)> = Vec::new();
-        for m in view
-            .moved
-            .iter()
-            .filter(|m| old.moved_to(usize::from(m.appliance)) != Some(m))
-        {
+        for m in view.moves_since(&old) {
             let a = usize::from(m.appliance);
             let lcores = rep.addrs[a].len();
             let resolved = (0..lcores)

@@ -117,11 +117,8 @@ impl Routing {
     /// address that is not IPv4 (control never writes one) leaves the
     /// index where it was, logged.
     pub(crate) fn set_epoch(&mut self, epoch: EpochView) {
-        for m in &epoch.moved {
+        for m in epoch.moves_since(&self.epoch) {
             let a = usize::from(m.appliance);
-            if self.epoch.moved_to(a) == Some(m) {
-                continue;
-            }
             let Some(&first) = self.base.get(a) else {
                 continue;
             };
