@@ -28,8 +28,8 @@ fn main() {
     }
     // Failing seeds print their own panic; the summary names them.
     let next = AtomicU64::new(from);
-    // (totals, failed seeds, seeds with tables)
-    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64));
+    // (totals, failed seeds, seeds with tables, replicated seeds)
+    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64, 0u64));
     let start = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -55,6 +55,15 @@ fn main() {
                         if !case.tables.is_empty() {
                             t.2 += 1;
                         }
+                        if case.replication.is_some() {
+                            t.3 += 1;
+                            t.0.replica_kills += o.replica_kills;
+                            t.0.epochs += o.epochs;
+                            t.0.returns += o.returns;
+                            t.0.drains += o.drains;
+                            t.0.full_strength += o.full_strength;
+                            t.0.backups_checked += o.backups_checked;
+                        }
                     }
                     Err(_) => t.1.push(seed),
                 }
@@ -62,14 +71,15 @@ fn main() {
         }
     });
     let wall = start.elapsed();
-    let (o, mut failed, with_tables) = totals
+    let (o, mut failed, with_tables, replicated) = totals
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     failed.sort_unstable();
     println!(
         "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
-         {} table pushes, {} rows checked; {:.1} s wall on {threads} threads",
+         {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} returns, {} drains, {} back to full strength, {} backups checked; {:.1} s wall on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64,
         failed.len(),
@@ -82,6 +92,12 @@ fn main() {
         o.rejoined,
         o.table_pushes,
         o.rows_checked,
+        o.replica_kills,
+        o.epochs,
+        o.returns,
+        o.drains,
+        o.full_strength,
+        o.backups_checked,
         wall.as_secs_f64()
     );
     for seed in &failed {

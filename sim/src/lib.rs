@@ -54,6 +54,7 @@
 
 pub mod net;
 pub mod reference;
+pub mod replication;
 pub mod rows;
 mod table_run;
 
@@ -78,6 +79,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use net::{Faults, Net, Node, Spell};
+use replication::{Control, ReplicaCase};
 
 /// The job id every case installs.
 pub const JOB: u16 = 7;
@@ -132,6 +134,9 @@ pub struct Case {
     /// Table keys (PROTOCOL.md §10), after the dense keys: key index
     /// `keys.len() + i` is table i. Not in a hierarchical job (§10.1).
     pub tables: Vec<rows::TableCase>,
+    /// A replicated job (PROTOCOL.md §11; BSP, flat, without tables or a
+    /// [`Crash`]) and what happens to its appliances ([`replication`]).
+    pub replication: Option<ReplicaCase>,
 }
 
 impl Case {
@@ -225,6 +230,7 @@ impl Case {
             crash,
             racks: if racks >= 2 { racks } else { 0 },
             tables: Vec::new(),
+            replication: None,
         };
         if case.racks >= 2 {
             // One appliance per rack.
@@ -278,6 +284,20 @@ impl Case {
             if let Some(c) = case.crash.as_mut().filter(|_| consistency != Consistency::Sync) {
                 c.checkpoint_us = c.at_us;
             }
+        }
+        // Replication, from a generator of its own too: in 3 of 10 BSP
+        // flat jobs without tables or a crash (a replicated appliance
+        // comes back empty, not from a checkpoint), over 2 or 3
+        // appliances.
+        let mut rrng = ChaCha8Rng::seed_from_u64(seed ^ 0x4e91_1ca5_0000);
+        if consistency == Consistency::Sync
+            && case.racks < 2
+            && case.tables.is_empty()
+            && case.crash.is_none()
+            && rrng.gen_bool(0.3)
+        {
+            case.appliances = case.appliances.max(rrng.gen_range(2..=3));
+            case.replication = Some(ReplicaCase::draw(&mut rrng, case.appliances));
         }
         case
     }
@@ -391,6 +411,21 @@ pub struct Outcome {
     /// Empty table rounds the ranks sent to bring an lcore restored from
     /// an older checkpoint up to their round (PROTOCOL.md §10.6).
     pub table_rounds_caught_up: u64,
+    /// Replicated: appliances killed.
+    pub replica_kills: u64,
+    /// Replicated: epochs control moved the job to.
+    pub epochs: u64,
+    /// Replicated: appliances given the job back (restarted, healed).
+    pub returns: u64,
+    /// Replicated: drains to a spare.
+    pub drains: u64,
+    /// Replicated: times the job came back to full strength.
+    pub full_strength: u64,
+    /// Replicated: the workers' questions for an epoch.
+    pub epochs_asked: u64,
+    /// Replicated: backups checked bit for bit against their primary at
+    /// the end.
+    pub backups_checked: u64,
 }
 
 /// One rank: its transport and where its training loop stands.
@@ -474,6 +509,8 @@ struct Lcore {
     delivered: u64,
     /// Drops by reason code, as `handle` returned them.
     drops: Vec<u64>,
+    /// A replicated job's epoch installed on it.
+    view: Option<phub_proto::failover::EpochView>,
 }
 
 /// The whole system of a case.
@@ -531,6 +568,8 @@ struct World<'c> {
     /// The rows of every ROW_RESULT sent: (rank, key, round, id) to each
     /// row carried (decoded).
     row_answers: HashMap<(u16, u32, u32, u64), Vec<Vec<f32>>>,
+    /// A replicated job: what control knows and does.
+    control: Option<Control>,
     /// `PHUB_SIM_TRACE` is set: every delivery is printed.
     trace: bool,
     base: Instant,
@@ -541,6 +580,7 @@ struct World<'c> {
 /// panics naming the first one broken.
 pub fn run(case: &Case) -> Outcome {
     let mut w = World::new(case);
+    w.replicate();
     w.start();
     loop {
         w.step();
@@ -563,6 +603,7 @@ pub fn run(case: &Case) -> Outcome {
             w.unfinished()
         );
     }
+    w.check_replicas();
     w.finish()
 }
 
@@ -570,12 +611,21 @@ impl<'c> World<'c> {
     fn new(case: &'c Case) -> World<'c> {
         let spec = JobSpec {
             checkpoint_interval_s: None,
-            placement: (case.racks >= 2).then(|| PlacementSpec {
-                appliances: Appliances::Count(u32::from(case.racks)),
-                hierarchical: true,
-                ranks_per_rack: None,
-                replicas: 1,
-            }),
+            placement: match (&case.replication, case.racks >= 2) {
+                (_, true) => Some(PlacementSpec {
+                    appliances: Appliances::Count(u32::from(case.racks)),
+                    hierarchical: true,
+                    ranks_per_rack: None,
+                    replicas: 1,
+                }),
+                (Some(r), false) => Some(PlacementSpec {
+                    appliances: Appliances::Count(u32::from(case.appliances)),
+                    hierarchical: false,
+                    ranks_per_rack: None,
+                    replicas: u32::from(r.replicas),
+                }),
+                (None, false) => None,
+            },
             name: "sim".into(),
             workers: u32::from(case.workers),
             dtype: case.dtype,
@@ -620,6 +670,7 @@ impl<'c> World<'c> {
                     node: Node::Lcore(g / case.lcores, l),
                     delivered: 0,
                     drops: vec![0; DropReason::COUNT + 1],
+                    view: None,
                 }
             })
             .collect();
@@ -748,6 +799,7 @@ impl<'c> World<'c> {
             tmodel_checkpoint: HashMap::new(),
             row_applied: HashSet::new(),
             row_answers: HashMap::new(),
+            control: None,
             trace: std::env::var_os("PHUB_SIM_TRACE").is_some(),
             base,
             now: 0,
@@ -974,6 +1026,7 @@ impl<'c> World<'c> {
         );
         self.ranks[i].t = t;
         self.ranks[i].received = 0;
+        self.route_rank(i);
         self.pull_all(i);
     }
 
@@ -1000,6 +1053,7 @@ impl<'c> World<'c> {
     /// sends.
     fn step(&mut self) {
         self.crash_events();
+        self.replica_events();
         while let Some(d) = self.net.pop_due(self.now) {
             if self.trace {
                 eprintln!(
@@ -1016,6 +1070,10 @@ impl<'c> World<'c> {
             }
         }
         for l in 0..self.lcores.len() {
+            // A crashed lcore does nothing.
+            if self.lcores[l].down {
+                continue;
+            }
             self.lcores[l].shard.poll_timers(self.now * 1000);
             self.drain(l);
         }
@@ -1029,6 +1087,7 @@ impl<'c> World<'c> {
             {
                 self.ranks[i].t.handle_timeout(now);
             }
+            self.ask_epochs();
             while let Some(done) = self.ranks[i].t.poll_done() {
                 self.on_done(i, done);
             }
@@ -1195,12 +1254,18 @@ impl<'c> World<'c> {
             .into_iter()
             .flat_map(|c| [c.checkpoint_us, c.at_us, c.at_us + c.down_us])
             .filter(|&t| t > self.now);
+        let control = self
+            .control
+            .as_ref()
+            .zip(self.case.replication.as_ref())
+            .and_then(|(c, rc)| c.next_at(rc, self.now));
         self.net
             .next_at()
             .into_iter()
             .chain(timers)
             .chain(ready)
             .chain(crash)
+            .chain(control)
             .min()
     }
 
@@ -1241,7 +1306,7 @@ impl<'c> World<'c> {
                     c.drops[code].get()
                 );
             }
-            Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded if !row => {
+            Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded if !row && !World::is_replica(bytes) => {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
                 let fresh = self.applied.insert((
                     l,
@@ -1258,7 +1323,6 @@ impl<'c> World<'c> {
                     repr.kind, repr.rank, repr.key, repr.chunk, repr.round
                 );
             }
-            // The simulator installs no replicated job (PROTOCOL.md §11).
             _ => {}
         }
         let total: u64 = lc.drops.iter().sum();
@@ -1310,6 +1374,7 @@ impl<'c> World<'c> {
                     self.check_row_answer(l, rank, &bytes);
                 } else {
                     self.check_result(l, rank, &bytes);
+                    self.check_result_held(l, &bytes);
                 }
             }
             self.net.send(self.now, from, node, bytes);
@@ -1458,7 +1523,7 @@ impl<'c> World<'c> {
             }
         }
         r.received += 1;
-        r.t.handle_datagram(now, bytes);
+        r.t.handle_datagram(now, from.addr(), bytes);
         let s = r.t.stats();
         let counted = s.results_accepted + s.results_ignored + s.foreign_dropped + s.errors;
         assert_eq!(
@@ -1674,7 +1739,9 @@ impl<'c> World<'c> {
     /// last round.
     fn check_stored(&self) {
         // A hierarchical job's results are checked as the workers get them.
-        if self.case.consistency != Consistency::Sync || self.case.racks >= 2 {
+        // A replicated job's are checked where its last epoch serves them
+        // (`check_replicas`).
+        if self.case.consistency != Consistency::Sync || self.case.racks >= 2 || self.control.is_some() {
             return;
         }
         for (k, rounds) in self.expect.iter().enumerate() {

@@ -40,6 +40,7 @@ fn lossy() -> Faults {
 
 fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype) -> Case {
     Case {
+        replication: None,
         tables: Vec::new(),
         seed,
         workers: 5,
@@ -110,6 +111,7 @@ fn sixty_four_workers_with_heavy_loss() {
     for_seeds(100, 1, "seeds", |base| {
         for (i, optimizer) in optimizers().into_iter().enumerate() {
             let c = Case {
+                replication: None,
                 tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 64,
@@ -149,6 +151,7 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
         for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
             let clean = workers == 1;
             let c = Case {
+                replication: None,
                 tables: Vec::new(),
                 seed: base + i as u64,
                 workers,
@@ -193,6 +196,7 @@ fn bounded_delay_holds_answers_within_tau() {
         .enumerate()
         {
             let c = Case {
+                replication: None,
                 tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 16,
@@ -229,6 +233,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
     for_seeds(400, 1, "seeds", |base| {
         for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
             let c = Case {
+                replication: None,
                 tables: Vec::new(),
                 seed: base + i as u64,
                 workers: 8,
@@ -361,6 +366,7 @@ fn a_rank_leaves_and_rejoins() {
 fn loss_timer_starvation_after_a_rejoin() {
     // Case::draw(7348), written out so that it stays this case.
     run(&Case {
+        replication: None,
         tables: Vec::new(),
         seed: 7348,
         workers: 5,
@@ -526,6 +532,7 @@ fn a_rack_appliance_crashes_in_a_hierarchical_job() {
 #[test]
 fn restore_from_an_older_checkpoint() {
     run(&Case {
+        replication: None,
         tables: Vec::new(),
         seed: 476,
         workers: 2,
@@ -581,6 +588,7 @@ fn restore_from_an_older_checkpoint() {
 #[test]
 fn a_checkpoint_before_round_0_completed() {
     let seed_2317 = Case {
+        replication: None,
         tables: Vec::new(),
         seed: 2317,
         workers: 3,
@@ -678,6 +686,7 @@ fn a_checkpoint_before_round_0_completed() {
 #[test]
 fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     let o = run(&Case {
+        replication: None,
         tables: Vec::new(),
         seed: 9773,
         workers: 3,
@@ -751,6 +760,7 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
 #[test]
 fn a_held_answer_and_a_rank_repeating_older_clocks() {
     let o = run(&Case {
+        replication: None,
         tables: Vec::new(),
         seed: 4155,
         workers: 8,
@@ -803,6 +813,7 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
 #[test]
 fn a_hierarchical_rank_rejoining_with_a_small_window() {
     let o = run(&Case {
+        replication: None,
         tables: Vec::new(),
         seed: 388,
         workers: 7,
@@ -932,6 +943,7 @@ fn a_seed_replays_exactly() {
 #[test]
 fn a_table_push_after_a_restore_from_an_older_checkpoint() {
     let o = run(&Case {
+        replication: None,
         seed: 543,
         workers: 2,
         appliances: 2,
@@ -1065,6 +1077,7 @@ fn tables_with_every_row_optimizer_in_every_mode() {
 #[test]
 fn a_table_round_answered_in_part_before_an_older_restore() {
     let o = run(&Case {
+        replication: None,
         seed: 6816,
         workers: 2,
         appliances: 1,
@@ -1131,6 +1144,7 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
 #[test]
 fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
     let o = run(&Case {
+        replication: None,
         seed: 10_066,
         workers: 2,
         appliances: 1,

@@ -13,6 +13,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Instant;
 
+use phub_proto::failover::EpochView;
+use phub_proto::layout::ChunkRange;
 use phub_proto::wire::{Header, MsgType, Repr, HEADER_LEN};
 use phub_proto::Dtype;
 
@@ -21,7 +23,7 @@ use crate::elem::Values;
 use crate::error::WorkerError;
 use crate::stats::Counters;
 use crate::stats::WorkerStats;
-use crate::transport::{ChunkMsg, JobInfo, Kind, Request, Sink, Transport, Tx};
+use crate::transport::{ChunkMsg, JobInfo, Kind, Request, Routing, Sink, Transport, Tx};
 
 /// One chunk of a key as the join answer places it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -105,6 +107,46 @@ impl SimTransport {
             rank,
             dtype,
         }
+    }
+
+    /// Routes every chunk of a replicated job by epoch (PROTOCOL.md
+    /// §11.6), as a join answer with `replication` sets it: the job's
+    /// `runs` (one per lcore, appliance by appliance), `per_appliance[a]`
+    /// of them on appliance `a`, at `lcores` (one address per run), key
+    /// `k`'s chunk 0 being chunk `key_first[k]` of the job's sequence,
+    /// `replicas` copies over appliances in `racks`, in `epoch`. Set
+    /// before the first request; says what disagrees.
+    #[allow(clippy::too_many_arguments)]
+    pub fn set_replication(
+        &mut self,
+        runs: Vec<ChunkRange>,
+        per_appliance: &[usize],
+        racks: Vec<String>,
+        replicas: usize,
+        epoch: EpochView,
+        lcores: Vec<SocketAddr>,
+        key_first: Vec<u64>,
+    ) -> Result<(), String> {
+        let routing = Routing::new(runs, per_appliance, racks, replicas, epoch, lcores, key_first)?;
+        self.t.set_routing(routing);
+        Ok(())
+    }
+
+    /// The epoch to ask control for, at least, if the transport wants one
+    /// (taken: asked once; [`SimTransport::set_epoch`] answers it).
+    pub fn poll_epoch(&mut self) -> Option<u32> {
+        self.t.poll_epoch()
+    }
+
+    /// The epoch held (a replicated job's; `None` for any other).
+    pub fn epoch(&self) -> Option<&EpochView> {
+        self.t.epoch()
+    }
+
+    /// Control serves `view` (fetched at `now`): a newer epoch re-addresses
+    /// every chunk in flight; returns how many were sent again.
+    pub fn set_epoch(&mut self, now: Instant, view: EpochView) -> usize {
+        self.t.set_epoch(now, view)
     }
 
     /// Submits a request of `kind` for every chunk in `chunks` of `key`
@@ -204,9 +246,9 @@ impl SimTransport {
         self.t.handle_timeout(now);
     }
 
-    /// Handles a datagram received at `now`.
-    pub fn handle_datagram(&mut self, now: Instant, d: &[u8]) {
-        if let Some(m) = self.t.accept(None, d) {
+    /// Handles a datagram received at `now` from `from`.
+    pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, d: &[u8]) {
+        if let Some(m) = self.t.accept(Some(from), d) {
             self.t.handle(now, m);
         }
     }

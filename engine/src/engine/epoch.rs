@@ -28,18 +28,19 @@
 //! Invariants: epochs only grow; an appliance leaves the down list only
 //! by coming back (joined at a newer epoch than the installed one); an
 //! epoch is applied whole or not at all; the same view again changes
-//! nothing. Adopted slots are appended to the job's slots in the order of
-//! their parts, so an adopted slot's index is its extended slot number: an
-//! adoption that would leave a gap (a backup part before it not adopted)
-//! is refused, not built, and so is one of a part whose state copy is not
-//! all here (the part is lost).
+//! nothing. An adopted slot's index in the job's slots is its extended
+//! slot number: where a part backed up before it is not adopted, vacant
+//! slots stand for that part's ([`Slot::vacant`]: no chunk, no memory,
+//! every message refused), and are taken by it if it is adopted later.
+//! An adoption of a part whose state copy is not all here is refused (the
+//! part is lost).
 
 use phub_proto::failover::EpochView;
 
 use super::copy::{Fill, Where};
 use super::error::EngineError;
 use super::replica::{Group, Pushed, Replica};
-use super::slot::Round;
+use super::slot::{Round, Slot};
 use super::{round_done, Shard};
 
 impl<A: Copy + Eq> Shard<A> {
@@ -153,21 +154,12 @@ impl<A: Copy + Eq> Shard<A> {
                 })?;
             readdressed.push((a, resolved));
         }
-        // The parts to adopt: a prefix of the backed-up parts (module head).
-        let mut adopt = 0;
+        // The parts to adopt: any of the backed-up parts (module head).
+        let mut adopt = Vec::new();
         for (k, part) in rep.parts.iter().enumerate() {
             let p = usize::from(part.home);
             if rep.layout.primary(p, view) != Some(me) {
                 continue;
-            }
-            if adopt != k {
-                return Err(refuse(
-                    true,
-                    format!(
-                        "this appliance would adopt appliance {p}'s part while keeping the backup slots \
-                         of a part before it: extended slot numbers past a gap are not built"
-                    ),
-                ));
             }
             if !part.fill.is_empty() {
                 return Err(EngineError::PartLost {
@@ -176,7 +168,7 @@ impl<A: Copy + Eq> Shard<A> {
                     part: p,
                 });
             }
-            adopt += 1;
+            adopt.push(k);
         }
         // Every part served here stays served here: its members before
         // this appliance were down, and come back only at the end.
@@ -261,16 +253,26 @@ impl<A: Copy + Eq> Shard<A> {
         }
         rep.stats.rounds_released += released.len() as u64;
         rep.stats.rounds_replicated += released.len() as u64;
-        // Adopted parts: their backup slots follow the job's slots, with
-        // the state they hold; their memory blocks follow the job's. Their
-        // backups are all new.
-        let adopted: Vec<_> = rep.parts.drain(..adopt).collect();
+        // Adopted parts: their backup slots become the job's slots at their
+        // extended slot numbers, with the state they hold (vacant slots
+        // before them where a part backed up here is not adopted, taken
+        // by that part if it is adopted later); their memory blocks follow
+        // the job's. Their backups are all new.
+        let mut adopted = Vec::with_capacity(adopt.len());
+        let mut kept = Vec::with_capacity(rep.parts.len() - adopt.len());
+        for (k, part) in rep.parts.drain(..).enumerate() {
+            match adopt.contains(&k) {
+                true => adopted.push(part),
+                false => kept.push(part),
+            }
+        }
+        rep.parts = kept;
         for part in adopted {
             let p = usize::from(part.home);
             rep.stats.slots_adopted += part.slots.len() as u64;
             // Cast: the job's slots fit a u32 (install_with checks).
             #[allow(clippy::cast_possible_truncation)]
-            let (base, count) = (job.slots.len() as u32, part.slots.len() as u32);
+            let (base, count) = (part.base, part.slots.len() as u32);
             let set = rep.layout.set_in(p, view);
             // Cast: b < n, whose indices the install's u16 `me` spans.
             #[allow(clippy::cast_possible_truncation)]
@@ -290,10 +292,16 @@ impl<A: Copy + Eq> Shard<A> {
             });
             copies.push((base..base + count, new));
             let at = job.blocks.len();
-            job.slots.extend(part.slots.into_iter().map(|mut s| {
+            let (b, end) = (base as usize, (base + count) as usize);
+            if job.slots.len() < end {
+                let vacant = || Slot::vacant(job.dtype, &job.optimizer);
+                job.slots.resize_with(end, vacant);
+            }
+            for (i, mut s) in (b..end).zip(part.slots) {
+                debug_assert!(job.slots[i].is_vacant(), "an adopted part's slot {i} is taken");
                 s.mem.block += at;
-                s
-            }));
+                job.slots[i] = s;
+            }
             job.blocks.extend(part.blocks);
             rep.pushed.resize(job.slots.len(), Pushed::default());
         }

@@ -139,6 +139,9 @@ pub(super) struct Part<A> {
     pub(super) home: u16,
     /// Sequence number of backup slot 0.
     pub(super) first: u64,
+    /// The extended slot number of backup slot 0 on this lcore (PROTOCOL.md
+    /// §11.6): the job's slot index it takes if the part is adopted.
+    pub(super) base: u32,
     /// The part's primary in the installed epoch.
     pub(super) from: u16,
     /// Where that primary's lcores hold the chunks (its slot numbers).
@@ -582,6 +585,10 @@ impl<A: Copy + Eq> Shard<A> {
             )));
         }
         let mut parts = Vec::with_capacity(rep.backups.len());
+        // Extended slot numbers: the backed-up parts' slots follow this
+        // lcore's own, part after part (an appliance back has no own
+        // slots: its own part is its first backed-up one).
+        let mut next_base = job.slots.len();
         for b in &rep.backups {
             let p = usize::from(b.primary);
             if p >= n || (p == me && !back) || !layout.set(p).contains(&me) {
@@ -623,9 +630,15 @@ impl<A: Copy + Eq> Shard<A> {
             } else {
                 Vec::new()
             };
+            // Cast: the job's slots and the parts' fit a u32 (the layout
+            // numbers slots by u32).
+            #[allow(clippy::cast_possible_truncation)]
+            let base = next_base as u32;
+            next_base += slots.len();
             parts.push(Part {
                 home: b.primary,
                 first: b.first,
+                base,
                 // Cast: q < n, whose indices the install's u16 `me` spans.
                 #[allow(clippy::cast_possible_truncation)]
                 from: q as u16,

@@ -201,15 +201,22 @@ impl SlotMem {
         used.iter().map(|&u| padded(u)).sum()
     }
 
-    /// The slot's share of its block.
+    /// The slot's share of its block (none for a vacant slot, which has
+    /// no block: [`Slot::vacant`]).
     pub(super) fn share<'a>(&self, blocks: &'a Blocks) -> &'a [f32] {
         let len = Self::block_len(&self.used);
+        if len == 0 {
+            return &[];
+        }
         &blocks[self.block].as_slice()[self.off..self.off + len]
     }
 
     /// The slot's share of its block, mutably.
     pub(super) fn share_mut<'a>(&self, blocks: &'a mut Blocks) -> &'a mut [f32] {
         let len = Self::block_len(&self.used);
+        if len == 0 {
+            return &mut [];
+        }
         &mut blocks[self.block].as_mut_slice()[self.off..self.off + len]
     }
 
@@ -349,6 +356,26 @@ impl Slot {
         }
     }
 
+    /// A vacant slot: a replicated job's slot number that no chunk has on
+    /// this lcore (yet): the extended slots of a backed-up part before an
+    /// adopted one, kept so that every adopted slot's index is its
+    /// extended slot number (PROTOCOL.md §11.6). No chunk, no elements, no
+    /// memory; every message for it is refused `slot_out_of_range`
+    /// ([`slot_for`]).
+    pub(super) fn vacant(dtype: Dtype, opt: &Optimizer) -> Slot {
+        let none = SlotChunk {
+            key: u32::MAX,
+            chunk: u32::MAX,
+            elems: 0,
+        };
+        Slot::new(none, dtype, opt, ResultStore::Slot, 0, 0)
+    }
+
+    /// Whether it is [`Slot::vacant`].
+    pub(super) fn is_vacant(&self) -> bool {
+        self.elems == 0
+    }
+
     /// The round in progress: the one after the last completed.
     pub(super) fn in_progress(&self) -> u32 {
         self.completed.next()
@@ -486,6 +513,7 @@ pub(super) fn slot_for<'s>(
     }
     let slot = slots
         .get_mut(repr.slot as usize)
+        .filter(|s| !s.is_vacant())
         .ok_or(DropReason::SlotOutOfRange)?;
     if repr.key != slot.key || repr.chunk != slot.chunk {
         return Err(DropReason::ChunkMismatch);

@@ -1,0 +1,960 @@
+//! Replicated jobs in the simulator (PROTOCOL.md §11): every chunk on a
+//! primary and its backups, and control's part of failover, played on the
+//! virtual clock.
+//!
+//! Layer: test support, part of [`crate::World`]. The appliances are the
+//! real engine shards installed as the dataplane installs a replicated
+//! job (`replica_plan_at`), the workers the real transports routing by
+//! epoch (`SimTransport::set_replication`); what control does is played
+//! here, step by step as `phub-control` does it (`control/src/daemon/
+//! failover.rs`, `drain.rs`):
+//! - an appliance killed (its lcores lose everything) or cut off (alive
+//!   behind a partition: a split brain) is declared down `detect_us`
+//!   after it went silent: the job's next epoch has it down
+//!   (`EpochView::with_down`), recorded before anyone is told, then put on
+//!   every lcore of every live appliance, each at its own instant;
+//! - a worker asking for an epoch (an ERROR `wrong_epoch` named one, a
+//!   silence asks whether the held one is current) is answered with the
+//!   recorded one once it is at least the one wanted, asked again every
+//!   20 ms as the worker's fetch asks;
+//! - an appliance that answers again (killed and restarted, or its
+//!   partition healed) is given the job back: the next epoch has it
+//!   joined, it is installed at that epoch, empty (a healed one has the
+//!   job removed first), the epoch is put on the others, and their
+//!   primaries copy their state to it; control watches the copies until
+//!   none is awaited or owed (full strength);
+//! - a drain moves an appliance's index to a spare (`with_moved`): the
+//!   spare is installed empty at that epoch, the others are put the epoch,
+//!   and the old appliance has the job evicted a while later;
+//! - then, maybe, another appliance is killed: after full strength, or the
+//!   returning one during its copy.
+//!
+//! Checks, beside [`crate`]'s (every RESULT the reference's, nothing
+//! applied twice, every datagram counted, no worker stuck):
+//! - a RESULT of a round leaves a primary only once every backup of the
+//!   chunk after it in its epoch's replica set holds that round (no
+//!   answered round can be lost);
+//! - every epoch put on an lcore is taken (`change_epoch` refuses
+//!   nothing control sends);
+//! - at the end every backup holding a round holds the serving primary's
+//!   round, result and optimizer state, bit for bit.
+
+use std::net::{Ipv4Addr, SocketAddr};
+use std::sync::Arc;
+
+use phub_engine::engine::replica_plan_at;
+use phub_engine::kernels::Kernels;
+use phub_engine::{InstallKind, JobInstall, Shard};
+use phub_proto::api::DataAddr;
+use phub_proto::failover::{EpochView, ReplicaLayout};
+use phub_proto::layout::ChunkRange;
+use phub_proto::wire::{self, MsgType};
+use rand::Rng;
+use rand_chacha::ChaCha8Rng;
+
+use crate::net::{Node, Spell};
+use crate::{Lcore, World, JOB, TOKEN};
+
+/// How often the worker's epoch fetch asks control again, µs (its RETRY).
+const ASK_AGAIN_US: u64 = 20_000;
+/// How long the worker's epoch fetch asks, µs (its EPOCH_WAIT).
+const ASK_FOR_US: u64 = 10_000_000;
+/// How often control polls the appliances' copy progress, µs.
+const WATCH_US: u64 = 1_000;
+
+/// A replicated job's shape and what happens to its appliances.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplicaCase {
+    /// Copies of every chunk (2 or 3, at most the appliances).
+    pub replicas: u8,
+    /// Each appliance's rack label (a replica set prefers other racks).
+    pub racks: Vec<String>,
+    /// What happens first.
+    pub event: Option<ReplicaEvent>,
+    /// Control's heartbeat deadline: an appliance silent this long is
+    /// declared down, µs.
+    pub detect_us: u64,
+    /// Control's answers and puts take up to this long to arrive, µs.
+    pub control_us: u64,
+    /// What happens then.
+    pub then_kill: Option<ThenKill>,
+}
+
+/// The first thing that happens to an appliance.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReplicaEvent {
+    /// Killed at `at_us` (everything to or from it lost); restarted
+    /// `back_us` after it is declared down (`None`: never), empty.
+    Kill {
+        /// The appliance.
+        appliance: u16,
+        /// When, µs.
+        at_us: u64,
+        /// When it is back, after the declaration, µs.
+        back_us: Option<u64>,
+    },
+    /// Cut off from `at_us` for `for_us`, alive (a split brain if control
+    /// declares it down meanwhile; given the job back when it heals).
+    Partition {
+        /// The appliance.
+        appliance: u16,
+        /// When, µs.
+        at_us: u64,
+        /// How long, µs.
+        for_us: u64,
+    },
+    /// Drained at `at_us` to a spare (an appliance not of the job).
+    Drain {
+        /// The appliance.
+        appliance: u16,
+        /// When, µs.
+        at_us: u64,
+    },
+}
+
+/// Another kill, after the first event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ThenKill {
+    /// The appliance given the job back (or the spare), `after_us` after
+    /// its install: during its copy, or after.
+    Returning {
+        /// Delay after the install, µs.
+        after_us: u64,
+    },
+    /// Another appliance, `after_us` after full strength (without a
+    /// return: after the declaration), if the job survives it.
+    Other {
+        /// The appliance.
+        appliance: u16,
+        /// Delay, µs.
+        after_us: u64,
+    },
+}
+
+impl ReplicaCase {
+    /// A replicated shape over `appliances` and its faults, drawn.
+    pub fn draw(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
+        let replicas: u8 = rng.gen_range(2..=u8::try_from(appliances.min(3)).expect("at most 3"));
+        let racks = (0..appliances)
+            .map(|a| match rng.gen_bool(0.5) {
+                true => format!("r{a}"),
+                false => String::new(),
+            })
+            .collect();
+        let appliance = rng.gen_range(0..appliances);
+        let at_us = rng.gen_range(500..20_000);
+        let event = match rng.gen_range(0..5) {
+            0 => None,
+            1 | 2 => Some(ReplicaEvent::Kill {
+                appliance,
+                at_us,
+                back_us: rng.gen_bool(0.6).then(|| rng.gen_range(0..20_000)),
+            }),
+            3 => Some(ReplicaEvent::Partition {
+                appliance,
+                at_us,
+                for_us: rng.gen_range(100..40_000),
+            }),
+            _ => Some(ReplicaEvent::Drain { appliance, at_us }),
+        };
+        let detect_us = if rng.gen_bool(0.7) {
+            rng.gen_range(200..5_000)
+        } else {
+            rng.gen_range(5_000..300_000)
+        };
+        let control_us = rng.gen_range(10..2_000);
+        let then_kill = rng.gen_bool(0.4).then(|| match rng.gen_bool(0.5) {
+            true => ThenKill::Returning {
+                after_us: rng.gen_range(0..3_000),
+            },
+            false => ThenKill::Other {
+                appliance: (appliance + rng.gen_range(1..appliances)) % appliances,
+                after_us: rng.gen_range(0..5_000),
+            },
+        });
+        ReplicaCase {
+            replicas,
+            racks,
+            event,
+            detect_us,
+            control_us,
+            then_kill,
+        }
+    }
+}
+
+/// What control knows and is doing, and what the run saw of it.
+pub(crate) struct Control {
+    pub(crate) layout: ReplicaLayout<String>,
+    pub(crate) runs: Vec<ChunkRange>,
+    /// Per key, the sequence number of its chunk 0.
+    pub(crate) key_first: Vec<u64>,
+    /// The job's epoch, as recorded.
+    pub(crate) view: EpochView,
+    /// Epochs on their way to lcores: (when, layout lcore, view).
+    puts: Vec<(u64, usize, EpochView)>,
+    /// Workers' questions: (when answered, rank, epoch wanted, asked at).
+    asks: Vec<(u64, usize, u32, u64)>,
+    /// Per appliance index, when it went silent (killed or cut off).
+    silent_since: Vec<Option<u64>>,
+    /// Per appliance index, when control declared it down.
+    declared_at: Vec<Option<u64>>,
+    /// When each index comes back (a restart, a partition healing).
+    back_at: Vec<Option<u64>>,
+    /// A copy being watched: (index, epoch, installed at).
+    copying: Option<(usize, u32, u64)>,
+    /// When the job was last back to full strength.
+    pub(crate) full_at: Option<u64>,
+    /// The index the first event gave the job back to (or moved).
+    returned: Option<usize>,
+    /// When the next watch of the copies is due.
+    watch_at: Option<u64>,
+    /// When the old appliance of a drain has the job evicted.
+    evict_at: Option<u64>,
+    /// The then-kill: when, which index (decided once its cause came).
+    then_at: Option<(u64, usize)>,
+    first_done: bool,
+    then_done: bool,
+}
+
+impl Control {
+    pub(crate) fn new(layout: ReplicaLayout<String>, runs: Vec<ChunkRange>, key_first: Vec<u64>, n: usize) -> Control {
+        Control {
+            layout,
+            runs,
+            key_first,
+            view: EpochView::default(),
+            puts: Vec::new(),
+            asks: Vec::new(),
+            silent_since: vec![None; n],
+            declared_at: vec![None; n],
+            back_at: vec![None; n],
+            copying: None,
+            full_at: None,
+            returned: None,
+            watch_at: None,
+            evict_at: None,
+            then_at: None,
+            first_done: false,
+            then_done: false,
+        }
+    }
+
+    /// The next instant control does something.
+    pub(crate) fn next_at(&self, rc: &ReplicaCase, now: u64) -> Option<u64> {
+        let declare = self
+            .silent_since
+            .iter()
+            .zip(&self.declared_at)
+            .filter_map(|(s, d)| match (s, d) {
+                (Some(s), None) => Some(s + rc.detect_us),
+                _ => None,
+            });
+        let first = match (rc.event, self.first_done) {
+            (Some(ReplicaEvent::Kill { at_us, .. }), false)
+            | (Some(ReplicaEvent::Partition { at_us, .. }), false)
+            | (Some(ReplicaEvent::Drain { at_us, .. }), false) => Some(at_us),
+            _ => None,
+        };
+        self.puts
+            .iter()
+            .map(|p| p.0)
+            .chain(self.asks.iter().map(|a| a.0))
+            .chain(declare)
+            .chain(self.back_at.iter().flatten().copied())
+            .chain(self.watch_at)
+            .chain(self.evict_at)
+            .chain(self.then_at.filter(|_| !self.then_done).map(|t| t.0))
+            .chain(first)
+            .filter(|&t| t > now)
+            .min()
+    }
+}
+
+impl World<'_> {
+    /// A replicated case's job installed as the dataplanes install it
+    /// (epoch 0), control set up, every rank routing by epoch.
+    pub(crate) fn replicate(&mut self) {
+        let Some(rc) = self.case.replication.clone() else {
+            return;
+        };
+        let n = usize::from(self.case.appliances);
+        let l = usize::from(self.case.lcores);
+        let runs = self.lay.lcores.clone();
+        let layout = match ReplicaLayout::new(runs.clone(), &vec![l; n], rc.racks.clone(), usize::from(rc.replicas)) {
+            Ok(x) => x,
+            Err(e) => panic!("the case's replica layout: {e}"),
+        };
+        let key_first = (0..self.case.keys.len())
+            .map(|k| self.placement.chunks().of_key(u32::try_from(k).expect("few keys")).start)
+            .collect();
+        self.control = Some(Control::new(layout, runs, key_first, n));
+        let view = EpochView::default();
+        for a in 0..n {
+            let shards = self.replica_shards(a, &view);
+            for (g, shard) in self.lcores_of(a).zip(shards) {
+                self.lcores[g].shard = shard;
+                self.lcores[g].view = Some(view.clone());
+            }
+        }
+        for i in 0..self.ranks.len() {
+            self.route_rank(i);
+        }
+        if rc.event.is_none() {
+            self.plan_then_kill(None);
+        }
+    }
+
+    fn rc(&self) -> &ReplicaCase {
+        self.case.replication.as_ref().expect("a replicated case")
+    }
+
+    /// Appliance index `a`'s lcores' positions in `lcores`.
+    fn lcores_of(&self, a: usize) -> std::ops::Range<usize> {
+        let l = usize::from(self.case.lcores);
+        a * l..(a + 1) * l
+    }
+
+    /// Where index `a` is served in `view`: its own appliance's host, or
+    /// the spare a drain moved it to.
+    fn host_of(a: usize, view: &EpochView) -> (Ipv4Addr, u16) {
+        let own = || -> (Ipv4Addr, u16) {
+            let a = u16::try_from(a).expect("few appliances");
+            let ip = Node::appliance_host(a).parse().expect("an IPv4 host");
+            (ip, a)
+        };
+        match view.moved_to(a) {
+            Some(m) => {
+                let ip: Ipv4Addr = m.data.host.parse().expect("a moved index's host is IPv4");
+                let [_, _, hi, lo] = ip.octets();
+                (ip, u16::from_be_bytes([hi, lo]))
+            }
+            None => own(),
+        }
+    }
+
+    /// Index `me`'s shards as the dataplane installs the job at `view`
+    /// (epoch 0: everything; joined at `view`: empty).
+    pub(crate) fn replica_shards(&self, me: usize, view: &EpochView) -> Vec<Shard<SocketAddr>> {
+        let rc = self.rc();
+        let n = usize::from(self.case.appliances);
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = (0..n)
+            .map(|a| (Self::host_of(a, view).0, 9000, self.case.lcores))
+            .collect();
+        let me16 = u16::try_from(me).expect("few appliances");
+        let plan = match replica_plan_at(&self.spec, &self.rep().runs, &appliances, &rc.racks, me16, view) {
+            Ok(p) => p,
+            Err(e) => panic!("appliance {me}: the replicated install at epoch {} is refused: {e}", view.epoch),
+        };
+        plan.into_iter()
+            .enumerate()
+            .map(|(l, (slots, rep))| {
+                let g = me * usize::from(self.case.lcores) + l;
+                let kernels = Kernels::available()[g % Kernels::available().len()];
+                let mut shard = Shard::new(u16::try_from(l).expect("few lcores"), kernels);
+                shard.set_peer_resolver(Arc::new(|a| Some(SocketAddr::V4(a))));
+                if let Err(e) = shard.install(
+                    JobInstall {
+                        id: JOB,
+                        token: TOKEN,
+                        workers: self.case.workers,
+                        dtype: self.case.dtype,
+                        optimizer: self.case.optimizer,
+                        consistency: self.case.consistency,
+                        chunk_elems: self.lay.chunk_elems,
+                        slots,
+                    },
+                    InstallKind::Replicated(Box::new(rep)),
+                ) {
+                    panic!("appliance {me} lcore {l}: the replicated job does not install: {e}");
+                }
+                shard
+            })
+            .collect()
+    }
+
+    fn rep(&self) -> &Control {
+        self.control.as_ref().expect("a replicated case has control")
+    }
+
+    fn rep_mut(&mut self) -> &mut Control {
+        self.control.as_mut().expect("a replicated case has control")
+    }
+
+    /// Rank `i`'s transport routes by epoch, from the view control holds
+    /// (its join answer's).
+    pub(crate) fn route_rank(&mut self, i: usize) {
+        let Some(c) = &self.control else { return };
+        let rc = self.case.replication.as_ref().expect("a replicated case");
+        let n = usize::from(self.case.appliances);
+        let l = usize::from(self.case.lcores);
+        let lcores: Vec<SocketAddr> = (0..n * l).map(|g| self.lcores[g].node.addr()).collect();
+        let (runs, view, key_first) = (c.runs.clone(), c.view.clone(), c.key_first.clone());
+        let (racks, replicas) = (rc.racks.clone(), usize::from(rc.replicas));
+        let r = self.ranks[i]
+            .t
+            .set_replication(runs, &vec![l; n], racks, replicas, view, lcores, key_first);
+        if let Err(e) = r {
+            panic!("rank {i}: the replicated job's routing: {e}");
+        }
+    }
+
+    /// Control's and the faults' doings at `now`, in order.
+    pub(crate) fn replica_events(&mut self) {
+        if self.control.is_none() {
+            return;
+        }
+        let now = self.now;
+        let rc = self.rc().clone();
+        self.first_event(&rc);
+        // Declarations.
+        for a in 0..usize::from(self.case.appliances) {
+            let c = self.rep();
+            if let (Some(s), None) = (c.silent_since[a], c.declared_at[a]) {
+                if now >= s + rc.detect_us {
+                    self.declare_down(a);
+                }
+            }
+        }
+        // Returns.
+        for a in 0..usize::from(self.case.appliances) {
+            if self.rep().back_at[a].is_some_and(|t| now >= t) {
+                self.rep_mut().back_at[a] = None;
+                self.give_back(a);
+            }
+        }
+        self.deliver_puts();
+        self.answer_asks();
+        self.watch_copies();
+        if self.rep().evict_at.is_some_and(|t| now >= t) {
+            self.rep_mut().evict_at = None;
+            let total = self.total_lcores();
+            for lc in self.lcores.iter_mut().skip(total) {
+                lc.shard.evict(JOB, now * 1000);
+                lc.view = None;
+            }
+        }
+        if let Some((t, a)) = self.rep().then_at.filter(|_| !self.rep().then_done) {
+            if now >= t {
+                self.rep_mut().then_done = true;
+                self.kill(a);
+            }
+        }
+    }
+
+    fn total_lcores(&self) -> usize {
+        usize::from(self.case.appliances) * usize::from(self.case.lcores)
+    }
+
+    fn first_event(&mut self, rc: &ReplicaCase) {
+        let now = self.now;
+        let Some(e) = rc.event else { return };
+        if self.rep().first_done {
+            return;
+        }
+        match e {
+            ReplicaEvent::Kill { appliance, at_us, .. } if now >= at_us => {
+                self.rep_mut().first_done = true;
+                self.kill(usize::from(appliance));
+            }
+            ReplicaEvent::Partition {
+                appliance,
+                at_us,
+                for_us,
+            } if now >= at_us => {
+                self.rep_mut().first_done = true;
+                let a = usize::from(appliance);
+                for l in 0..self.case.lcores {
+                    self.net.partitions.push(Spell {
+                        node: Node::Lcore(appliance, l),
+                        from_us: at_us,
+                        until_us: at_us + for_us,
+                    });
+                }
+                let c = self.rep_mut();
+                c.silent_since[a] = Some(at_us);
+                // Control hears it again once the partition heals (a
+                // return only if it was declared down meanwhile).
+                c.back_at[a] = Some(at_us + for_us);
+            }
+            ReplicaEvent::Drain { appliance, at_us } if now >= at_us => {
+                self.rep_mut().first_done = true;
+                self.drain_to_spare(usize::from(appliance));
+            }
+            _ => {}
+        }
+    }
+
+    /// Index `a` dies: its lcores lose everything from now on.
+    fn kill(&mut self, a: usize) {
+        let c = self.rep();
+        if c.silent_since[a].is_some() && c.declared_at[a].is_none() {
+            return;
+        }
+        // The job must survive it (a part with every replica down fails
+        // the job, as control fails it: not simulated).
+        let down = c.view.with_down(u16::try_from(a).expect("few appliances"));
+        if down.is_none_or(|v| c.layout.lost_part(&v).is_some()) {
+            return;
+        }
+        // Nor is a part left to a backup still awaiting its state copy
+        // (the engine refuses such an adoption: the part is lost, and
+        // control would fail the job): a kill of another appliance than
+        // the one copied to waits until no copy is under way.
+        let copying = match c.copying {
+            // The appliance copied to may die: its sets go on without it.
+            Some((i, _, _)) => i != a,
+            None => self.copies_under_way(a),
+        };
+        if copying {
+            let later = self.now + WATCH_US;
+            let c = self.rep_mut();
+            if let Some(t) = c.then_at.as_mut() {
+                t.0 = later;
+                c.then_done = false;
+            }
+            return;
+        }
+        for g in self.lcores_of(a) {
+            self.lcores[g].down = true;
+        }
+        let now = self.now;
+        let c = self.rep_mut();
+        c.silent_since[a] = Some(now);
+        c.declared_at[a] = None;
+        self.outcome.replica_kills += 1;
+    }
+
+    /// Whether a state copy is owed by a live lcore, or awaited by one of
+    /// another index than `a` (an adoption's new backups).
+    fn copies_under_way(&self, a: usize) -> bool {
+        let view = &self.rep().view;
+        (0..usize::from(self.case.appliances))
+            .filter(|&b| !view.is_down(b))
+            .flat_map(|b| self.lcores_of(b).map(move |g| (b, g)))
+            .any(|(b, g)| {
+                self.lcores[g].shard.job_stats().iter().any(|s| {
+                    s.id == JOB && s.copies.is_some_and(|p| p.owed > 0 || (b != a && p.awaiting > 0))
+                })
+            })
+    }
+
+    /// Control declares index `a` down: the next epoch, recorded, then
+    /// put on every live lcore.
+    fn declare_down(&mut self, a: usize) {
+        let now = self.now;
+        let c = self.rep_mut();
+        c.declared_at[a] = Some(now);
+        let Some(view) = c.view.with_down(u16::try_from(a).expect("few appliances")) else {
+            return;
+        };
+        if let Some(p) = c.layout.lost_part(&view) {
+            panic!("appliance {a} declared down at {now} µs loses part {p}: the draws should have kept it");
+        }
+        if c.copying.is_some_and(|(i, _, _)| i == a) {
+            c.copying = None;
+            c.watch_at = None;
+        }
+        c.view = view.clone();
+        self.outcome.epochs += 1;
+        // A return drawn for a killed appliance comes after the
+        // declaration.
+        if let Some(ReplicaEvent::Kill {
+            appliance,
+            back_us: Some(b),
+            ..
+        }) = self.rc().event
+        {
+            if usize::from(appliance) == a && self.rep().returned.is_none() {
+                self.rep_mut().back_at[a] = Some(now + b);
+            }
+        }
+        self.put_on_others(a, &view);
+        // Without a return, the then-kill of another index comes after
+        // the declaration.
+        let back = self.rep().back_at[a].is_some();
+        if !back && self.rep().then_at.is_none() {
+            self.plan_then_kill(None);
+        }
+    }
+
+    /// `view` put on every lcore of every live index but `except`.
+    fn put_on_others(&mut self, except: usize, view: &EpochView) {
+        let control_us = self.rc().control_us;
+        let l = usize::from(self.case.lcores);
+        let mut puts = Vec::new();
+        for a in (0..usize::from(self.case.appliances)).filter(|&a| a != except && !view.is_down(a)) {
+            for g in a * l..(a + 1) * l {
+                puts.push((self.now + self.rng.gen_range(0..=control_us), g, view.clone()));
+            }
+        }
+        self.rep_mut().puts.extend(puts);
+    }
+
+    /// The epochs due reach their lcores.
+    fn deliver_puts(&mut self) {
+        let now = self.now;
+        let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.rep_mut().puts)
+            .into_iter()
+            .partition(|p| p.0 <= now);
+        self.rep_mut().puts = rest;
+        for (_, g, view) in due {
+            let lc = &mut self.lcores[g];
+            // A dead lcore takes nothing; control stops putting an epoch
+            // once the job moved past it.
+            if lc.down || lc.view.as_ref().is_some_and(|v| v.epoch >= view.epoch) {
+                continue;
+            }
+            match lc.shard.change_epoch(JOB, &view) {
+                Ok(_) => lc.view = Some(view),
+                Err(e) => panic!("lcore {g}: epoch {} refused: {e}", view.epoch),
+            }
+            self.drain(g);
+        }
+    }
+
+    /// Index `a` answers control again: the job is given back to it (a
+    /// partition that healed before it was declared down changes nothing).
+    fn give_back(&mut self, a: usize) {
+        let c = self.rep_mut();
+        c.silent_since[a] = None;
+        let declared = c.declared_at[a].take().is_some();
+        if !declared {
+            return;
+        }
+        let Some(view) = c.view.with_joined(u16::try_from(a).expect("few appliances")) else {
+            return;
+        };
+        c.view = view.clone();
+        c.returned = Some(a);
+        self.outcome.epochs += 1;
+        self.outcome.returns += 1;
+        // Installed anew at the epoch, empty (a healed one has the job
+        // removed first: its old state goes).
+        let shards = self.replica_shards(a, &view);
+        self.install_index(a, shards, &view, None);
+        self.put_on_others(a, &view);
+        self.start_copy_watch(a, &view);
+    }
+
+    fn start_copy_watch(&mut self, a: usize, view: &EpochView) {
+        let now = self.now;
+        let c = self.rep_mut();
+        c.copying = Some((a, view.epoch, now));
+        c.watch_at = Some(now + WATCH_US);
+        c.full_at = None;
+        if matches!(self.rc().then_kill, Some(ThenKill::Returning { .. })) && self.rep().then_at.is_none() {
+            let ThenKill::Returning { after_us } = self.rc().then_kill.expect("matched") else {
+                unreachable!()
+            };
+            self.rep_mut().then_at = Some((now + after_us, a));
+        }
+    }
+
+    /// Index `a`'s lcores become `shards` (installed at `view`): the old
+    /// ones are gone, or kept at the end of `lcores` as `retired` at the
+    /// node `old_node` (a drained appliance, alive until evicted).
+    fn install_index(&mut self, a: usize, shards: Vec<Shard<SocketAddr>>, view: &EpochView, moved_to: Option<u16>) {
+        for (k, shard) in self.lcores_of(a).zip(shards) {
+            let lc = &mut self.lcores[k];
+            let node = match moved_to {
+                Some(s) => Node::Lcore(s, lc.shard.lcore()),
+                None => lc.node,
+            };
+            let fresh = Lcore {
+                shard,
+                down: false,
+                incarnation: lc.incarnation + 1,
+                checkpoint: None,
+                table_checkpoint: None,
+                node,
+                delivered: 0,
+                drops: vec![0; lc.drops.len()],
+                view: Some(view.clone()),
+            };
+            let old = std::mem::replace(lc, fresh);
+            if moved_to.is_some() {
+                self.lcores.push(old);
+            }
+        }
+    }
+
+    /// A drain of index `a` to the spare (the appliance after the job's).
+    fn drain_to_spare(&mut self, a: usize) {
+        let c = self.rep();
+        if c.view.is_down(a) || c.copying.is_some() {
+            return;
+        }
+        let spare = self.case.appliances;
+        let view = c.view.with_moved(
+            u16::try_from(a).expect("few appliances"),
+            "spare",
+            DataAddr {
+                host: Node::appliance_host(spare),
+                base_port: 9000,
+            },
+        );
+        self.rep_mut().view = view.clone();
+        self.rep_mut().returned = Some(a);
+        self.outcome.epochs += 1;
+        self.outcome.drains += 1;
+        let shards = self.replica_shards(a, &view);
+        self.install_index(a, shards, &view, Some(spare));
+        self.put_on_others(a, &view);
+        self.start_copy_watch(a, &view);
+        // Reconciliation evicts the job from the drained appliance later.
+        let control_us = self.rc().control_us;
+        self.rep_mut().evict_at = Some(self.now + 5 * control_us + 1);
+    }
+
+    /// Control polls the copies: every live lcore at the epoch or later,
+    /// none awaited or owed, is full strength.
+    fn watch_copies(&mut self) {
+        let now = self.now;
+        let Some(at) = self.rep().watch_at else { return };
+        if now < at {
+            return;
+        }
+        let Some((_, epoch, _)) = self.rep().copying else {
+            self.rep_mut().watch_at = None;
+            return;
+        };
+        let view = self.rep().view.clone();
+        let full = (0..usize::from(self.case.appliances))
+            .filter(|&a| !view.is_down(a))
+            .flat_map(|a| self.lcores_of(a))
+            .all(|g| {
+                let lc = &self.lcores[g];
+                !lc.down
+                    && lc.shard.job_stats().iter().any(|s| {
+                        s.id == JOB
+                            && s.copies
+                                .is_some_and(|p| p.epoch >= epoch && p.awaiting == 0 && p.owed == 0)
+                    })
+            });
+        if !full {
+            self.rep_mut().watch_at = Some(now + WATCH_US);
+            return;
+        }
+        let c = self.rep_mut();
+        c.copying = None;
+        c.watch_at = None;
+        c.full_at = Some(now);
+        self.outcome.full_strength += 1;
+        if self.rep().then_at.is_none() {
+            self.plan_then_kill(Some(now));
+        }
+    }
+
+    /// The then-kill of another index, if drawn, after `from` (or now).
+    fn plan_then_kill(&mut self, from: Option<u64>) {
+        if let Some(ThenKill::Other { appliance, after_us }) = self.rc().then_kill {
+            let at = from.unwrap_or(self.now) + after_us;
+            self.rep_mut().then_at = Some((at, usize::from(appliance)));
+        }
+    }
+
+    /// Every rank's question for an epoch, and control's answers.
+    pub(crate) fn ask_epochs(&mut self) {
+        if self.control.is_none() {
+            return;
+        }
+        let control_us = self.rc().control_us;
+        for i in 0..self.ranks.len() {
+            let Some(wanted) = self.ranks[i].t.poll_epoch() else {
+                continue;
+            };
+            self.outcome.epochs_asked += 1;
+            let now = self.now;
+            let at = now + self.rng.gen_range(1..=control_us);
+            let c = self.rep_mut();
+            match c.asks.iter_mut().find(|q| q.1 == i) {
+                Some(q) => q.2 = q.2.max(wanted),
+                None => c.asks.push((at, i, wanted, now)),
+            }
+        }
+    }
+
+    fn answer_asks(&mut self) {
+        let now = self.now;
+        let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.rep_mut().asks)
+            .into_iter()
+            .partition(|q| q.0 <= now);
+        self.rep_mut().asks = rest;
+        for (_, i, wanted, asked) in due {
+            let view = self.rep().view.clone();
+            if view.epoch >= wanted {
+                let t = self.at(now);
+                self.ranks[i].t.set_epoch(t, view);
+                continue;
+            }
+            assert!(
+                now - asked < ASK_FOR_US,
+                "rank {i} asked control for epoch {wanted} at {asked} µs and control never served it (it holds {})",
+                view.epoch
+            );
+            self.rep_mut().asks.push((now + ASK_AGAIN_US, i, wanted, asked));
+        }
+    }
+
+    /// A RESULT of `round` for `slot` leaves position `l`'s lcore: every
+    /// backup after it in the chunk's set, in the epoch the lcore holds,
+    /// holds that round (PROTOCOL.md §11.4).
+    pub(crate) fn check_backups_hold(&self, l: usize, key: u32, chunk: u32, round: u32) {
+        let Some(c) = &self.control else { return };
+        let lc = &self.lcores[l];
+        let Some(view) = &lc.view else { return };
+        let Some(&first) = c.key_first.get(key as usize) else {
+            panic!("lcore {l} answered key {key}, which the job does not have");
+        };
+        let g = first + u64::from(chunk);
+        let home = c.layout.home(g).expect("a chunk of the job has a home");
+        let set = c.layout.set_in(home, view);
+        // Which index the lcore serves: by position, or a retired one's
+        // (a drained appliance's old lcores: its own index).
+        let me = self.index_of(l);
+        let Some(after) = set.iter().position(|&a| a == me) else {
+            return;
+        };
+        for &b in &set[after + 1..] {
+            let Some(round_held) = self.round_held(b, g, view) else {
+                panic!(
+                    "appliance {b} keeps no copy of chunk {g} (epoch {}; lcore {l}, appliance {me}, set {set:?})",
+                    view.epoch
+                );
+            };
+            // A backup awaiting its state copy (it came back, is a spare,
+            // or its part's primary changed) holds no round, and no round
+            // of the chunk completes until it acknowledges its copy
+            // (§11.7): a RESULT leaving meanwhile is of a round completed
+            // before, which the primary holds.
+            assert!(
+                round_held.is_none_or(|r| r >= round),
+                "a RESULT of round {round} of chunk {g} left appliance {me} (lcore {l}, epoch {}) while its backup {b} holds round {round_held:?}",
+                view.epoch,
+            );
+        }
+    }
+
+    /// The last round index `b` (as `view` addresses it) holds of chunk
+    /// `g`: in its backup slot, or in the primary slot it adopted the chunk
+    /// into since (in the epoch its lcore holds). `None` outside: it keeps
+    /// no copy of the chunk.
+    fn round_held(&self, b: usize, g: u64, view: &EpochView) -> Option<Option<u32>> {
+        let c = self.rep();
+        let per = usize::from(self.case.lcores);
+        for pos in self.positions_of(b, view) {
+            let lc = &self.lcores[pos];
+            if let Some(st) = lc.shard.backup_state(JOB, g) {
+                return Some(st.round);
+            }
+            let Some(held) = &lc.view else { continue };
+            let Some(s) = c.layout.serve(g, held) else { continue };
+            if s.appliance == b && s.lcore == pos % per {
+                let slot = u32::try_from(s.slot).ok()?;
+                if let Some(st) = lc.shard.primary_state(JOB, slot) {
+                    return Some(st.round);
+                }
+            }
+        }
+        None
+    }
+
+    /// The index position `l`'s lcore serves (a retired lcore: the index
+    /// it served before the drain).
+    fn index_of(&self, l: usize) -> usize {
+        let per = usize::from(self.case.lcores);
+        if l < self.total_lcores() {
+            return l / per;
+        }
+        match self.rc().event {
+            Some(ReplicaEvent::Drain { appliance, .. }) => usize::from(appliance),
+            _ => unreachable!("only a drain retires lcores"),
+        }
+    }
+
+    /// Index `b`'s lcores' positions as `view` addresses it: its current
+    /// lcores, or a drained appliance's old ones if the view has not moved
+    /// it yet.
+    fn positions_of(&self, b: usize, view: &EpochView) -> std::ops::Range<usize> {
+        let total = self.total_lcores();
+        let retired = self.lcores.len() > total
+            && matches!(self.rc().event, Some(ReplicaEvent::Drain { appliance, .. }) if usize::from(appliance) == b)
+            && view.moved_to(b).is_none();
+        if retired {
+            total..self.lcores.len()
+        } else {
+            self.lcores_of(b)
+        }
+    }
+
+    /// At the end: each chunk's serving primary in control's epoch (once
+    /// every epoch put is taken) holds the last round, and so does every
+    /// backup holding a round, bit for bit.
+    pub(crate) fn check_replicas(&mut self) {
+        if self.control.is_none() {
+            return;
+        }
+        // Every put still on its way is taken now.
+        for p in &mut self.rep_mut().puts {
+            p.0 = 0;
+        }
+        self.deliver_puts();
+        let view = self.rep().view.clone();
+        let total: u64 = self.rep().runs.iter().map(|r| r.count).sum();
+        let last = self.case.rounds;
+        for g in 0..total {
+            let c = self.rep();
+            let s = c.layout.serve(g, &view).expect("a chunk of a live job is served");
+            let home = c.layout.home(g).expect("a chunk has a home");
+            let set = c.layout.set_in(home, &view);
+            let pos = s.appliance * usize::from(self.case.lcores) + s.lcore;
+            let slot = u32::try_from(s.slot).expect("a slot number");
+            let Some(p) = self.lcores[pos].shard.primary_state(JOB, slot) else {
+                panic!("chunk {g}: its primary, appliance {} lcore {} slot {slot}, has no state", s.appliance, s.lcore);
+            };
+            assert_eq!(p.round, Some(last), "chunk {g}: its primary's round at the end");
+            let k = c.key_first.iter().rposition(|&f| f <= g).expect("chunk 0 is key 0's");
+            let chunk = usize::try_from(g - c.key_first[k]).expect("a chunk index");
+            let start = chunk * self.lay.chunk_elems as usize;
+            let mut v = vec![0f32; p.result.len() / self.case.dtype.size()];
+            phub_proto::dtype::decode(self.case.dtype, p.result, &mut v);
+            let want = &self.expect[k][last as usize][start..start + v.len()];
+            assert!(
+                v.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
+                "chunk {g} (key {k} chunk {chunk}): the stored result at the end is not the reference's"
+            );
+            for &b in set.iter().filter(|&&b| b != s.appliance) {
+                let Some(st) = self.positions_of(b, &view).find_map(|x| self.lcores[x].shard.backup_state(JOB, g)) else {
+                    panic!("chunk {g}: appliance {b} of its set keeps no backup of it");
+                };
+                // A slot awaiting its state copy holds no round (§11.7).
+                let Some(r) = st.round else { continue };
+                assert_eq!(r, last, "chunk {g}: backup {b}'s round at the end");
+                assert_eq!(st.result, p.result, "chunk {g}: backup {b}'s stored result");
+                let bits = |x: &[&[f32]]| -> Vec<Vec<u32>> { x.iter().map(|v| v.iter().map(|f| f.to_bits()).collect()).collect() };
+                assert_eq!(bits(&st.state), bits(&p.state), "chunk {g}: backup {b}'s parameters and optimizer state");
+                self.outcome.backups_checked += 1;
+            }
+        }
+    }
+
+    /// Whether `bytes` is a replication message (not counted as a
+    /// worker's contribution).
+    pub(crate) fn is_replica(bytes: &[u8]) -> bool {
+        phub_proto::replica::is_replica_message(bytes)
+    }
+
+    /// The RESULT in `bytes` (a worker-bound datagram from position `l`),
+    /// checked against the backups.
+    pub(crate) fn check_result_held(&self, l: usize, bytes: &[u8]) {
+        if self.control.is_none() {
+            return;
+        }
+        if let Ok((repr, _)) = wire::parse(bytes) {
+            if repr.kind == MsgType::Result {
+                self.check_backups_hold(l, repr.key, repr.chunk, repr.round);
+            }
+        }
+    }
+}
