@@ -336,3 +336,84 @@ fn an_epoch_change_is_checked_whole() {
         (1, backup_runs(w.layout.part(1), 2)[0].count)
     );
 }
+
+/// Replicas 3 over three appliances: appliance 2 backs up parts 0 and 1
+/// (in that order). Appliance 1 dies: 2 adopts part 1 while it keeps part
+/// 0's backup slots before it, so part 1's chunks take their extended
+/// slot numbers past vacant slots that stand for part 0's; a message to a
+/// vacant slot is refused. Then appliance 0 dies too: 2 adopts part 0
+/// into those vacant slots. Every round is exact. Before vacant slots the
+/// first epoch was refused ("would adopt appliance 1's part while keeping
+/// the backup slots of a part before it"), found by phub-sim.
+#[test]
+fn a_part_adopted_past_a_part_still_backed_up_takes_its_extended_slots() {
+    let spec3 = || {
+        let s = JobSpec::new("fail", 2, &[40, 24, 8, 33])
+            .with_optimizer(Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            })
+            .with_chunk_bytes(64)
+            .sharded_over(Appliances::Count(3))
+            .with_replicas(3);
+        s.validate().unwrap();
+        s
+    };
+    let mut clean = World::new(spec3(), &LCORES, &RACKS, 4, CLEAN);
+    let want: Vec<Got> = (0..=ROUNDS)
+        .map(|r| {
+            let v = values(&clean, r);
+            round(&mut clean, r, &v);
+            clean.got.clone()
+        })
+        .collect();
+    let mut w = World::new(spec3(), &LCORES, &RACKS, 4, LOSSY);
+    assert_eq!(w.layout.backs_up(2), vec![0, 1], "the case this test is about");
+    for r in 0..FAIL_IN {
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+        assert_eq!(w.got, want[r as usize], "round {r}");
+    }
+    w.dead[1] = true;
+    change_epoch(&mut w, &EpochView::default().with_down(1).unwrap());
+    assert_eq!(sum_stats(&w, |s| s.slots_adopted), w.layout.part(1).count);
+    // Part 1's chunks are served past part 0's backup slots.
+    let g1 = w.layout.part(1).first;
+    let s = w.layout.serve(g1, &w.epoch).unwrap();
+    assert_eq!(s.appliance, 2);
+    let own = w.layout.runs_of(2)[s.lcore].count;
+    assert!(s.slot > own, "slot {} right after the {own} own slots: no gap", s.slot);
+    // A message to a vacant slot (part 0's extended slot 0) is refused.
+    let (base0, _) = w.layout.backup_base(2, s.lcore, 0).unwrap();
+    let c = w.chunk(w.layout.part(0).first);
+    let mut d = Repr::request(MsgType::Push, JOB, TOKEN, 0, FAIL_IN, base0 as u32)
+        .with_payload(w.spec.dtype, c.elems as u16)
+        .with_chunk(c.key, c.chunk)
+        .to_datagram(&vec![1.0; c.elems as usize]);
+    wire::Header::new_unchecked(&mut d[..]).set_epoch(1);
+    assert_eq!(
+        w.shards[2][s.lcore].handle(worker_addr(0), &d, w.now),
+        Verdict::Dropped(DropReason::SlotOutOfRange)
+    );
+    // (Its ERROR is not the workers' business here.)
+    w.shards[2][s.lcore].clear_transmits();
+    for r in FAIL_IN..=ROUNDS {
+        if r == FAIL_IN + 1 {
+            // Appliance 0 dies too: 2 adopts part 0 into the vacant slots.
+            w.dead[0] = true;
+            let epoch2 = w.epoch.with_down(0).unwrap();
+            change_epoch(&mut w, &epoch2);
+            assert_eq!(
+                sum_stats(&w, |s| s.slots_adopted),
+                w.layout.part(1).count + w.layout.part(0).count
+            );
+        }
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+        assert_eq!(w.got, want[r as usize], "round {r}");
+    }
+    assert!(w.errors.is_empty(), "{:?}", w.errors);
+}
