@@ -191,6 +191,8 @@ pub(crate) struct Control {
     pub(crate) key_first: Vec<u64>,
     /// The job's epoch, as recorded.
     pub(crate) view: EpochView,
+    /// Per chunk, the last round a RESULT of it left an lcore for.
+    answered: Vec<Option<u32>>,
     /// Epochs on their way to lcores: (when, layout lcore, view).
     puts: Vec<(u64, usize, EpochView)>,
     /// Workers' questions: (when answered, rank, epoch wanted, asked at).
@@ -219,7 +221,9 @@ pub(crate) struct Control {
 
 impl Control {
     pub(crate) fn new(layout: ReplicaLayout<String>, runs: Vec<ChunkRange>, key_first: Vec<u64>, n: usize) -> Control {
+        let total = runs.iter().map(|r| r.count).sum::<u64>();
         Control {
+            answered: vec![None; usize::try_from(total).expect("a sim job is small")],
             layout,
             runs,
             key_first,
@@ -947,14 +951,41 @@ impl World<'_> {
 
     /// The RESULT in `bytes` (a worker-bound datagram from position `l`),
     /// checked against the backups.
-    pub(crate) fn check_result_held(&self, l: usize, bytes: &[u8]) {
+    pub(crate) fn check_result_held(&mut self, l: usize, bytes: &[u8]) {
         if self.control.is_none() {
             return;
         }
         if let Ok((repr, _)) = wire::parse(bytes) {
             if repr.kind == MsgType::Result {
                 self.check_backups_hold(l, repr.key, repr.chunk, repr.round);
+                self.check_answered_held(repr.key, repr.chunk, repr.round);
             }
         }
+    }
+
+    /// No answered round can be lost: once a RESULT of round r of a chunk
+    /// left any lcore, every live member of the chunk's set in control's
+    /// epoch holds round r or later, or awaits its state copy (which is
+    /// taken from a primary holding it).
+    fn check_answered_held(&mut self, key: u32, chunk: u32, round: u32) {
+        let c = self.rep();
+        let g = c.key_first[key as usize] + u64::from(chunk);
+        let at = usize::try_from(g).expect("a sim job is small");
+        let answered = c.answered[at].max(Some(round)).expect("a round");
+        let home = c.layout.home(g).expect("a chunk of the job has a home");
+        let view = c.view.clone();
+        for b in c.layout.set_in(home, &view) {
+            if self.lcores_of(b).any(|x| self.lcores[x].down) {
+                continue;
+            }
+            let held = self.round_held(b, g, &view);
+            assert!(
+                held.is_none_or(|r| r.is_none_or(|r| r >= answered)),
+                "chunk {g}: round {answered} was answered, and appliance {b} of its set in epoch {} holds round {:?}",
+                view.epoch,
+                held.flatten()
+            );
+        }
+        self.rep_mut().answered[at] = Some(answered);
     }
 }
