@@ -385,7 +385,11 @@ fn a_part_adopted_past_a_part_still_backed_up_takes_its_extended_slots() {
     let s = w.layout.serve(g1, &w.epoch).unwrap();
     assert_eq!(s.appliance, 2);
     let own = w.layout.runs_of(2)[s.lcore].count;
-    assert!(s.slot > own, "slot {} right after the {own} own slots: no gap", s.slot);
+    assert!(
+        s.slot > own,
+        "slot {} right after the {own} own slots: no gap",
+        s.slot
+    );
     // A message to a vacant slot (part 0's extended slot 0) is refused.
     let (base0, _) = w.layout.backup_base(2, s.lcore, 0).unwrap();
     let c = w.chunk(w.layout.part(0).first);

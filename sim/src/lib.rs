@@ -1306,7 +1306,9 @@ impl<'c> World<'c> {
                     c.drops[code].get()
                 );
             }
-            Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded if !row && !World::is_replica(bytes) => {
+            Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded
+                if !row && !World::is_replica(bytes) =>
+            {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
                 let fresh = self.applied.insert((
                     l,

@@ -220,7 +220,12 @@ pub(crate) struct Control {
 }
 
 impl Control {
-    pub(crate) fn new(layout: ReplicaLayout<String>, runs: Vec<ChunkRange>, key_first: Vec<u64>, n: usize) -> Control {
+    pub(crate) fn new(
+        layout: ReplicaLayout<String>,
+        runs: Vec<ChunkRange>,
+        key_first: Vec<u64>,
+        n: usize,
+    ) -> Control {
         let total = runs.iter().map(|r| r.count).sum::<u64>();
         Control {
             answered: vec![None; usize::try_from(total).expect("a sim job is small")],
@@ -285,12 +290,22 @@ impl World<'_> {
         let n = usize::from(self.case.appliances);
         let l = usize::from(self.case.lcores);
         let runs = self.lay.lcores.clone();
-        let layout = match ReplicaLayout::new(runs.clone(), &vec![l; n], rc.racks.clone(), usize::from(rc.replicas)) {
+        let layout = match ReplicaLayout::new(
+            runs.clone(),
+            &vec![l; n],
+            rc.racks.clone(),
+            usize::from(rc.replicas),
+        ) {
             Ok(x) => x,
             Err(e) => panic!("the case's replica layout: {e}"),
         };
         let key_first = (0..self.case.keys.len())
-            .map(|k| self.placement.chunks().of_key(u32::try_from(k).expect("few keys")).start)
+            .map(|k| {
+                self.placement
+                    .chunks()
+                    .of_key(u32::try_from(k).expect("few keys"))
+                    .start
+            })
             .collect();
         self.control = Some(Control::new(layout, runs, key_first, n));
         let view = EpochView::default();
@@ -348,7 +363,10 @@ impl World<'_> {
         let me16 = u16::try_from(me).expect("few appliances");
         let plan = match replica_plan_at(&self.spec, &self.rep().runs, &appliances, &rc.racks, me16, view) {
             Ok(p) => p,
-            Err(e) => panic!("appliance {me}: the replicated install at epoch {} is refused: {e}", view.epoch),
+            Err(e) => panic!(
+                "appliance {me}: the replicated install at epoch {} is refused: {e}",
+                view.epoch
+            ),
         };
         plan.into_iter()
             .enumerate()
@@ -658,7 +676,13 @@ impl World<'_> {
     /// Index `a`'s lcores become `shards` (installed at `view`): the old
     /// ones are gone, or kept at the end of `lcores` as `retired` at the
     /// node `old_node` (a drained appliance, alive until evicted).
-    fn install_index(&mut self, a: usize, shards: Vec<Shard<SocketAddr>>, view: &EpochView, moved_to: Option<u16>) {
+    fn install_index(
+        &mut self,
+        a: usize,
+        shards: Vec<Shard<SocketAddr>>,
+        view: &EpochView,
+        moved_to: Option<u16>,
+    ) {
         for (k, shard) in self.lcores_of(a).zip(shards) {
             let lc = &mut self.lcores[k];
             let node = match moved_to {
@@ -853,7 +877,9 @@ impl World<'_> {
                 return Some(st.round);
             }
             let Some(held) = &lc.view else { continue };
-            let Some(s) = c.layout.serve(g, held) else { continue };
+            let Some(s) = c.layout.serve(g, held) else {
+                continue;
+            };
             if s.appliance == b && s.lcore == pos % per {
                 let slot = u32::try_from(s.slot).ok()?;
                 if let Some(st) = lc.shard.primary_state(JOB, slot) {
@@ -915,10 +941,17 @@ impl World<'_> {
             let pos = s.appliance * usize::from(self.case.lcores) + s.lcore;
             let slot = u32::try_from(s.slot).expect("a slot number");
             let Some(p) = self.lcores[pos].shard.primary_state(JOB, slot) else {
-                panic!("chunk {g}: its primary, appliance {} lcore {} slot {slot}, has no state", s.appliance, s.lcore);
+                panic!(
+                    "chunk {g}: its primary, appliance {} lcore {} slot {slot}, has no state",
+                    s.appliance, s.lcore
+                );
             };
             assert_eq!(p.round, Some(last), "chunk {g}: its primary's round at the end");
-            let k = c.key_first.iter().rposition(|&f| f <= g).expect("chunk 0 is key 0's");
+            let k = c
+                .key_first
+                .iter()
+                .rposition(|&f| f <= g)
+                .expect("chunk 0 is key 0's");
             let chunk = usize::try_from(g - c.key_first[k]).expect("a chunk index");
             let start = chunk * self.lay.chunk_elems as usize;
             let mut v = vec![0f32; p.result.len() / self.case.dtype.size()];
@@ -929,15 +962,26 @@ impl World<'_> {
                 "chunk {g} (key {k} chunk {chunk}): the stored result at the end is not the reference's"
             );
             for &b in set.iter().filter(|&&b| b != s.appliance) {
-                let Some(st) = self.positions_of(b, &view).find_map(|x| self.lcores[x].shard.backup_state(JOB, g)) else {
+                let Some(st) = self
+                    .positions_of(b, &view)
+                    .find_map(|x| self.lcores[x].shard.backup_state(JOB, g))
+                else {
                     panic!("chunk {g}: appliance {b} of its set keeps no backup of it");
                 };
                 // A slot awaiting its state copy holds no round (§11.7).
                 let Some(r) = st.round else { continue };
                 assert_eq!(r, last, "chunk {g}: backup {b}'s round at the end");
                 assert_eq!(st.result, p.result, "chunk {g}: backup {b}'s stored result");
-                let bits = |x: &[&[f32]]| -> Vec<Vec<u32>> { x.iter().map(|v| v.iter().map(|f| f.to_bits()).collect()).collect() };
-                assert_eq!(bits(&st.state), bits(&p.state), "chunk {g}: backup {b}'s parameters and optimizer state");
+                let bits = |x: &[&[f32]]| -> Vec<Vec<u32>> {
+                    x.iter()
+                        .map(|v| v.iter().map(|f| f.to_bits()).collect())
+                        .collect()
+                };
+                assert_eq!(
+                    bits(&st.state),
+                    bits(&p.state),
+                    "chunk {g}: backup {b}'s parameters and optimizer state"
+                );
                 self.outcome.backups_checked += 1;
             }
         }

@@ -495,11 +495,15 @@ fn a_rack_appliance_crashes_in_a_hierarchical_job() {
                 racks,
                 keys: vec![37, 100, 5],
                 chunk_bytes: 64,
+                // Down long enough for its workers' retransmissions to
+                // find it gone (a crashed appliance sends nothing: before
+                // the simulator stopped its timers, the partials it resent
+                // while down made the answers that reached it).
                 crash: Some(Crash {
                     appliance,
                     checkpoint_us: 15_000,
                     at_us: 15_000,
-                    down_us: 20_000,
+                    down_us: 200_000,
                 }),
                 ..case(base + i as u64, Consistency::Sync, optimizers()[1], Dtype::F32)
             };
@@ -1240,5 +1244,115 @@ fn restored_tables_whose_ranks_had_moved_on() {
         );
         let o = run(&c);
         assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+    }
+}
+
+/// Replicated jobs (PROTOCOL.md §11) over three appliances through every
+/// fault the simulator plays on them, each over several seeds, lossy:
+/// a primary killed and back (re-replicated to full strength), then
+/// another killed; one killed for good and, with three replicas, a
+/// second; one cut off long enough to be declared down while alive (a
+/// split brain), healed and given the job back; one drained to a spare,
+/// then another killed; one back and killed again during its state copy.
+/// Every RESULT is the reference's, leaves only once the chunk's backups
+/// hold its round, no answered round is lost, and at the end every backup
+/// holding a round is its primary's bits.
+#[test]
+fn replicated_jobs_through_kills_partitions_returns_and_drains() {
+    use phub_sim::replication::{ReplicaCase, ReplicaEvent, ThenKill};
+    let plays: Vec<(u8, ReplicaEvent, Option<ThenKill>)> = vec![
+        (
+            2,
+            ReplicaEvent::Kill {
+                appliance: 0,
+                at_us: 2_000,
+                back_us: Some(1_000),
+            },
+            Some(ThenKill::Other {
+                appliance: 2,
+                after_us: 500,
+            }),
+        ),
+        (
+            3,
+            ReplicaEvent::Kill {
+                appliance: 1,
+                at_us: 2_000,
+                back_us: None,
+            },
+            Some(ThenKill::Other {
+                appliance: 0,
+                after_us: 1_000,
+            }),
+        ),
+        (
+            2,
+            ReplicaEvent::Partition {
+                appliance: 2,
+                at_us: 1_500,
+                for_us: 6_000,
+            },
+            None,
+        ),
+        (
+            2,
+            ReplicaEvent::Drain {
+                appliance: 1,
+                at_us: 2_000,
+            },
+            Some(ThenKill::Other {
+                appliance: 0,
+                after_us: 300,
+            }),
+        ),
+        (
+            3,
+            ReplicaEvent::Kill {
+                appliance: 2,
+                at_us: 1_000,
+                back_us: Some(500),
+            },
+            Some(ThenKill::Returning { after_us: 100 }),
+        ),
+    ];
+    // What each play must have done in every seed: (kills, returns,
+    // drains, times back to full strength).
+    let want = [
+        (2, 1, 0, 1),
+        (2, 0, 0, 0),
+        (0, 1, 0, 1),
+        (1, 0, 1, 1),
+        (2, 1, 0, 0),
+    ];
+    for (i, (replicas, event, then_kill)) in plays.into_iter().enumerate() {
+        for_seeds(40 + 10 * i as u64, 4, "seeds", |seed| {
+            let opt = optimizers()[seed as usize % optimizers().len()];
+            let mut c = case(
+                seed,
+                Consistency::Sync,
+                opt,
+                Dtype::ALL[seed as usize % Dtype::ALL.len()],
+            );
+            c.appliances = 3;
+            c.rounds = 8;
+            c.replication = Some(ReplicaCase {
+                replicas,
+                racks: vec!["a".into(), "b".into(), "c".into()],
+                event: Some(event),
+                detect_us: 1_000,
+                control_us: 300,
+                then_kill,
+            });
+            let o = run(&c);
+            assert_eq!(
+                (o.replica_kills, o.returns, o.drains, o.full_strength),
+                want[i],
+                "{c:?}: (kills, returns, drains, full strength)"
+            );
+            // (Play 1 ends with one appliance of three: no backup left.)
+            assert!(o.backups_checked > 0 || i == 1, "{c:?}: no backup checked");
+            assert!(o.epochs_asked > 0, "{c:?}: no worker asked control for an epoch");
+            assert_faults_happened(&c, &o);
+        });
     }
 }
