@@ -426,6 +426,8 @@ pub struct Outcome {
     /// Replicated: backups checked bit for bit against their primary at
     /// the end.
     pub backups_checked: u64,
+    /// Replicated: control restarts.
+    pub control_restarts: u64,
 }
 
 /// One rank: its transport and where its training loop stands.

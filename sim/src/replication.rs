@@ -78,6 +78,8 @@ pub struct ReplicaCase {
     pub control_us: u64,
     /// What happens then.
     pub then_kill: Option<ThenKill>,
+    /// Control killed and restarted meanwhile.
+    pub control_down: Option<ControlDown>,
 }
 
 /// The first thing that happens to an appliance.
@@ -129,6 +131,29 @@ pub enum ThenKill {
         /// Delay, µs.
         after_us: u64,
     },
+    /// Another appliance, `after_us` after the returning one's (or the
+    /// spare's) install: during its copy, if the job survives it (three
+    /// replicas: the part's third member holds it).
+    OtherDuringCopy {
+        /// The appliance.
+        appliance: u16,
+        /// Delay, µs.
+        after_us: u64,
+    },
+}
+
+/// Control is down (killed and restarted, its state kept): from `at_us`
+/// for `for_us` it declares nothing, answers no worker, puts no epoch
+/// (those on their way are lost), watches no copy and takes no drain; once
+/// back it declares what went silent a deadline after its start, puts the
+/// job's epoch on every lcore that lacks it (reconciliation), and watches
+/// the copies under way again.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ControlDown {
+    /// When, µs.
+    pub at_us: u64,
+    /// How long, µs.
+    pub for_us: u64,
 }
 
 impl ReplicaCase {
@@ -163,14 +188,23 @@ impl ReplicaCase {
             rng.gen_range(5_000..300_000)
         };
         let control_us = rng.gen_range(10..2_000);
-        let then_kill = rng.gen_bool(0.4).then(|| match rng.gen_bool(0.5) {
-            true => ThenKill::Returning {
+        let other = (appliance + rng.gen_range(1..appliances)) % appliances;
+        let then_kill = rng.gen_bool(0.4).then(|| match rng.gen_range(0..3) {
+            0 => ThenKill::Returning {
                 after_us: rng.gen_range(0..3_000),
             },
-            false => ThenKill::Other {
-                appliance: (appliance + rng.gen_range(1..appliances)) % appliances,
+            1 => ThenKill::Other {
+                appliance: other,
                 after_us: rng.gen_range(0..5_000),
             },
+            _ => ThenKill::OtherDuringCopy {
+                appliance: other,
+                after_us: rng.gen_range(0..2_000),
+            },
+        });
+        let control_down = rng.gen_bool(0.25).then(|| ControlDown {
+            at_us: rng.gen_range(0..30_000),
+            for_us: rng.gen_range(100..50_000),
         });
         ReplicaCase {
             replicas,
@@ -179,6 +213,7 @@ impl ReplicaCase {
             detect_us,
             control_us,
             then_kill,
+            control_down,
         }
     }
 }
@@ -217,6 +252,8 @@ pub(crate) struct Control {
     then_at: Option<(u64, usize)>,
     first_done: bool,
     then_done: bool,
+    /// Control came back from its [`ControlDown`].
+    restarted: bool,
 }
 
 impl Control {
@@ -246,6 +283,7 @@ impl Control {
             then_at: None,
             first_done: false,
             then_done: false,
+            restarted: false,
         }
     }
 
@@ -274,6 +312,11 @@ impl Control {
             .chain(self.watch_at)
             .chain(self.evict_at)
             .chain(self.then_at.filter(|_| !self.then_done).map(|t| t.0))
+            .chain(
+                rc.control_down
+                    .into_iter()
+                    .flat_map(|d| [d.at_us, d.at_us + d.for_us]),
+            )
             .chain(first)
             .filter(|&t| t > now)
             .min()
@@ -428,7 +471,33 @@ impl World<'_> {
         }
         let now = self.now;
         let rc = self.rc().clone();
-        self.first_event(&rc);
+        let down = rc
+            .control_down
+            .is_some_and(|d| (d.at_us..d.at_us + d.for_us).contains(&now));
+        if let Some(d) = rc
+            .control_down
+            .filter(|d| now >= d.at_us + d.for_us && !self.rep().restarted)
+        {
+            self.restart_control(d);
+        }
+        self.first_event(&rc, down);
+        if let Some((t, a)) = self.rep().then_at.filter(|_| !self.rep().then_done) {
+            if now >= t {
+                self.rep_mut().then_done = true;
+                self.kill(a);
+            }
+        }
+        if down {
+            // Control's puts on their way are lost; the workers' questions
+            // go unanswered (their fetch asks again).
+            let c = self.rep_mut();
+            c.puts.retain(|p| p.0 > now);
+            for q in c.asks.iter_mut().filter(|q| q.0 <= now) {
+                q.0 = now + ASK_AGAIN_US;
+            }
+            self.deliver_puts();
+            return;
+        }
         // Declarations.
         for a in 0..usize::from(self.case.appliances) {
             let c = self.rep();
@@ -456,19 +525,43 @@ impl World<'_> {
                 lc.view = None;
             }
         }
-        if let Some((t, a)) = self.rep().then_at.filter(|_| !self.rep().then_done) {
-            if now >= t {
-                self.rep_mut().then_done = true;
-                self.kill(a);
+    }
+
+    /// Control is back: what went silent is declared a deadline after its
+    /// start, every live lcore lacking the job's epoch is put it, and the
+    /// copy under way is watched again.
+    fn restart_control(&mut self, d: ControlDown) {
+        let back = d.at_us + d.for_us;
+        let c = self.rep_mut();
+        c.restarted = true;
+        for s in c.silent_since.iter_mut().zip(&c.declared_at) {
+            if let (Some(t), None) = s {
+                *t = (*t).max(back);
             }
         }
+        if c.copying.is_some() {
+            c.watch_at = Some(back + WATCH_US);
+        }
+        let view = c.view.clone();
+        let control_us = self.rc().control_us;
+        for a in (0..usize::from(self.case.appliances)).filter(|&a| !view.is_down(a)) {
+            for g in self.lcores_of(a) {
+                if self.lcores[g].view.as_ref().is_some_and(|v| v.epoch < view.epoch) {
+                    let at = self.now + self.rng.gen_range(0..=control_us);
+                    self.rep_mut().puts.push((at, g, view.clone()));
+                }
+            }
+        }
+        self.outcome.control_restarts += 1;
     }
 
     fn total_lcores(&self) -> usize {
         usize::from(self.case.appliances) * usize::from(self.case.lcores)
     }
 
-    fn first_event(&mut self, rc: &ReplicaCase) {
+    /// The first event, when its time comes (a drain, asked of control,
+    /// waits while control is `down`).
+    fn first_event(&mut self, rc: &ReplicaCase, down: bool) {
         let now = self.now;
         let Some(e) = rc.event else { return };
         if self.rep().first_done {
@@ -499,7 +592,7 @@ impl World<'_> {
                 // return only if it was declared down meanwhile).
                 c.back_at[a] = Some(at_us + for_us);
             }
-            ReplicaEvent::Drain { appliance, at_us } if now >= at_us => {
+            ReplicaEvent::Drain { appliance, at_us } if now >= at_us && !down => {
                 self.rep_mut().first_done = true;
                 self.drain_to_spare(usize::from(appliance));
             }
@@ -513,27 +606,44 @@ impl World<'_> {
         if c.silent_since[a].is_some() && c.declared_at[a].is_none() {
             return;
         }
-        // The job must survive it (a part with every replica down fails
-        // the job, as control fails it: not simulated).
-        let down = c.view.with_down(u16::try_from(a).expect("few appliances"));
-        if down.is_none_or(|v| c.layout.lost_part(&v).is_some()) {
-            return;
-        }
-        // Nor is a part left to a backup still awaiting its state copy
-        // (the engine refuses such an adoption: the part is lost, and
-        // control would fail the job): a kill of another appliance than
-        // the one copied to waits until no copy is under way.
-        let copying = match c.copying {
-            // The appliance copied to may die: its sets go on without it.
-            Some((i, _, _)) => i != a,
-            None => self.copies_under_way(a),
+        // The job must survive it: some member of every part's set must
+        // hold the part, neither dead (declared or not) nor awaiting its
+        // state copy. A part left to a backup awaiting its copy is lost
+        // (the engine refuses the adoption, `PartLost`), and so is one
+        // with every member down; control fails such a job (not
+        // simulated). A kill that would do it waits while copies are
+        // under way (they may end), and is dropped otherwise.
+        let n = usize::from(self.case.appliances);
+        let mut view = c.view.clone();
+        // An lcore that has not taken control's epoch yet may drop its
+        // backup slots' state when it does (their primary changed): it
+        // counts as awaiting too.
+        let lags = |g: usize| {
+            self.lcores[g]
+                .view
+                .as_ref()
+                .is_some_and(|v| v.epoch < c.view.epoch)
         };
-        if copying {
-            let later = self.now + WATCH_US;
-            let c = self.rep_mut();
-            if let Some(t) = c.then_at.as_mut() {
-                t.0 = later;
-                c.then_done = false;
+        let gone = (0..n).filter(|&x| {
+            x == a
+                || c.silent_since[x].is_some()
+                || c.copying.is_some_and(|(i, _, _)| i == x)
+                || self.lcores_of(x).any(|g| self.awaits_copies(g) || lags(g))
+        });
+        for x in gone.collect::<Vec<_>>() {
+            if let Some(v) = view.with_down(u16::try_from(x).expect("few appliances")) {
+                view = v;
+            }
+        }
+        if c.layout.lost_part(&view).is_some() {
+            let settling = (0..self.total_lcores()).any(|g| !self.lcores[g].down && lags(g));
+            if settling || c.copying.is_some() || self.copies_under_way() {
+                let later = self.now + WATCH_US;
+                let c = self.rep_mut();
+                if let Some(t) = c.then_at.as_mut() {
+                    t.0 = later;
+                    c.then_done = false;
+                }
             }
             return;
         }
@@ -547,18 +657,25 @@ impl World<'_> {
         self.outcome.replica_kills += 1;
     }
 
-    /// Whether a state copy is owed by a live lcore, or awaited by one of
-    /// another index than `a` (an adoption's new backups).
-    fn copies_under_way(&self, a: usize) -> bool {
-        let view = &self.rep().view;
-        (0..usize::from(self.case.appliances))
-            .filter(|&b| !view.is_down(b))
-            .flat_map(|b| self.lcores_of(b).map(move |g| (b, g)))
-            .any(|(b, g)| {
-                self.lcores[g].shard.job_stats().iter().any(|s| {
-                    s.id == JOB && s.copies.is_some_and(|p| p.owed > 0 || (b != a && p.awaiting > 0))
-                })
-            })
+    /// Whether a state copy is owed or awaited on a live lcore.
+    fn copies_under_way(&self) -> bool {
+        (0..self.total_lcores()).any(|g| {
+            !self.lcores[g].down
+                && self.lcores[g]
+                    .shard
+                    .job_stats()
+                    .iter()
+                    .any(|s| s.id == JOB && s.copies.is_some_and(|p| p.owed > 0 || p.awaiting > 0))
+        })
+    }
+
+    /// Whether the lcore at position `g` awaits a state copy.
+    fn awaits_copies(&self, g: usize) -> bool {
+        self.lcores[g]
+            .shard
+            .job_stats()
+            .iter()
+            .any(|s| s.id == JOB && s.copies.is_some_and(|p| p.awaiting > 0))
     }
 
     /// Control declares index `a` down: the next epoch, recorded, then
@@ -665,11 +782,15 @@ impl World<'_> {
         c.copying = Some((a, view.epoch, now));
         c.watch_at = Some(now + WATCH_US);
         c.full_at = None;
-        if matches!(self.rc().then_kill, Some(ThenKill::Returning { .. })) && self.rep().then_at.is_none() {
-            let ThenKill::Returning { after_us } = self.rc().then_kill.expect("matched") else {
-                unreachable!()
+        if self.rep().then_at.is_none() {
+            let then = match self.rc().then_kill {
+                Some(ThenKill::Returning { after_us }) => Some((now + after_us, a)),
+                Some(ThenKill::OtherDuringCopy { appliance, after_us }) => {
+                    Some((now + after_us, usize::from(appliance)))
+                }
+                _ => None,
             };
-            self.rep_mut().then_at = Some((now + after_us, a));
+            self.rep_mut().then_at = then;
         }
     }
 

@@ -1253,13 +1253,15 @@ fn restored_tables_whose_ranks_had_moved_on() {
 /// another killed; one killed for good and, with three replicas, a
 /// second; one cut off long enough to be declared down while alive (a
 /// split brain), healed and given the job back; one drained to a spare,
-/// then another killed; one back and killed again during its state copy.
-/// Every RESULT is the reference's, leaves only once the chunk's backups
+/// then another killed; one back and killed again during its state copy;
+/// control down while a kill is to be declared, and while a drain is
+/// asked for (with three replicas, another appliance killed during the
+/// spare's copy). Every RESULT is the reference's, leaves only once the chunk's backups
 /// hold its round, no answered round is lost, and at the end every backup
 /// holding a round is its primary's bits.
 #[test]
 fn replicated_jobs_through_kills_partitions_returns_and_drains() {
-    use phub_sim::replication::{ReplicaCase, ReplicaEvent, ThenKill};
+    use phub_sim::replication::{ControlDown, ReplicaCase, ReplicaEvent, ThenKill};
     let plays: Vec<(u8, ReplicaEvent, Option<ThenKill>)> = vec![
         (
             2,
@@ -1314,17 +1316,52 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
             },
             Some(ThenKill::Returning { after_us: 100 }),
         ),
+        (
+            2,
+            ReplicaEvent::Kill {
+                appliance: 1,
+                at_us: 2_000,
+                back_us: Some(1_000),
+            },
+            None,
+        ),
+        (
+            3,
+            ReplicaEvent::Drain {
+                appliance: 0,
+                at_us: 2_000,
+            },
+            Some(ThenKill::OtherDuringCopy {
+                appliance: 1,
+                after_us: 200,
+            }),
+        ),
     ];
     // What each play must have done in every seed: (kills, returns,
-    // drains, times back to full strength).
+    // drains, times back to full strength, control restarts).
     let want = [
-        (2, 1, 0, 1),
-        (2, 0, 0, 0),
-        (0, 1, 0, 1),
-        (1, 0, 1, 1),
-        (2, 1, 0, 0),
+        (2, 1, 0, 1, 0),
+        (2, 0, 0, 0, 0),
+        (0, 1, 0, 1, 0),
+        (1, 0, 1, 1, 0),
+        (2, 1, 0, 0, 0),
+        (1, 1, 0, 1, 1),
+        (1, 0, 1, 1, 1),
     ];
     for (i, (replicas, event, then_kill)) in plays.into_iter().enumerate() {
+        // Plays 5 and 6: control is down while the kill is to be
+        // declared, and while the drain is asked for and copied.
+        let control_down = match i {
+            5 => Some(ControlDown {
+                at_us: 2_500,
+                for_us: 5_000,
+            }),
+            6 => Some(ControlDown {
+                at_us: 1_000,
+                for_us: 3_000,
+            }),
+            _ => None,
+        };
         for_seeds(40 + 10 * i as u64, 4, "seeds", |seed| {
             let opt = optimizers()[seed as usize % optimizers().len()];
             let mut c = case(
@@ -1341,13 +1378,20 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 event: Some(event),
                 detect_us: 1_000,
                 control_us: 300,
+                control_down,
                 then_kill,
             });
             let o = run(&c);
             assert_eq!(
-                (o.replica_kills, o.returns, o.drains, o.full_strength),
+                (
+                    o.replica_kills,
+                    o.returns,
+                    o.drains,
+                    o.full_strength,
+                    o.control_restarts
+                ),
                 want[i],
-                "{c:?}: (kills, returns, drains, full strength)"
+                "{c:?}: (kills, returns, drains, full strength, control restarts)"
             );
             // (Play 1 ends with one appliance of three: no backup left.)
             assert!(o.backups_checked > 0 || i == 1, "{c:?}: no backup checked");
