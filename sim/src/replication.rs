@@ -609,10 +609,11 @@ impl World<'_> {
         // The job must survive it: some member of every part's set must
         // hold the part, neither dead (declared or not) nor awaiting its
         // state copy. A part left to a backup awaiting its copy is lost
-        // (the engine refuses the adoption, `PartLost`), and so is one
-        // with every member down; control fails such a job (not
-        // simulated). A kill that would do it waits while copies are
-        // under way (they may end), and is dropped otherwise.
+        // (the engine refuses the adoption, `PartLost`, HTTP 410), and so
+        // is one with every member down; control fails such a job (a job
+        // failing is not simulated). A kill that would do it waits while
+        // copies or epochs are on their way (they may end), and is
+        // dropped otherwise.
         let n = usize::from(self.case.appliances);
         let mut view = c.view.clone();
         // An lcore that has not taken control's epoch yet may drop its
