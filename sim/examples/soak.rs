@@ -63,6 +63,7 @@ fn main() {
                             t.0.drains += o.drains;
                             t.0.full_strength += o.full_strength;
                             t.0.backups_checked += o.backups_checked;
+                            t.0.control_restarts += o.control_restarts;
                         }
                     }
                     Err(_) => t.1.push(seed),
@@ -79,7 +80,8 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} back to full strength, {} backups checked; {:.1} s wall on {threads} threads",
+         {} returns, {} drains, {} back to full strength, {} control restarts, {} backups checked; {:.1} s wall \
+         on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64,
         failed.len(),
@@ -97,6 +99,7 @@ fn main() {
         o.returns,
         o.drains,
         o.full_strength,
+        o.control_restarts,
         o.backups_checked,
         wall.as_secs_f64()
     );
