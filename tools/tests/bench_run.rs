@@ -124,8 +124,9 @@ fn local_run_verifies_and_writes_the_json() {
 /// `sparse --local --baseline tcp-ps`: two worker threads push a table's
 /// rows end to end, then the same draws go to the TCP row server; the
 /// JSON states both rates and their ratio, the rows the appliance stores
-/// (no more than the ids drawn, no more than the cap) and the bytes per
-/// row (a row and its id each way at least).
+/// (no more than the ids drawn, no more than the cap), the bytes per
+/// row (a row and its id each way at least), and with `--verify` that
+/// every rank's rows, every step, were the reference table's.
 #[test]
 fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     let json = scratch("sparse.json");
@@ -144,12 +145,14 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
         "5",
         "--baseline",
         "tcp-ps",
+        "--verify",
         "--json",
         json.to_str().unwrap(),
     ]);
     assert!(ok, "{out}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!((v["workers"].as_u64(), v["steps"].as_u64()), (Some(2), Some(5)));
+    assert_eq!(v["verified"], true, "{v}");
     assert_eq!(v["baseline"], "tcp-ps");
     for k in ["baseline_row_updates_per_s", "speedup_vs_baseline"] {
         assert!(num(&v, k) > 0.0, "{k} = {}", v[k]);

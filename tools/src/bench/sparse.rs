@@ -83,6 +83,13 @@ pub struct SparseArgs {
     /// Also write the figures as JSON to this file.
     #[arg(long, value_name = "FILE")]
     pub json: Option<PathBuf>,
+    /// `--local`, BSP: check every row every rank read back, every step,
+    /// against a reference table computed here from PROTOCOL.md §10.5
+    /// (gradients are multiples of 2^-10, so their sums are exact in any
+    /// order); the rows cap is raised to twice `--rows` so that nothing is
+    /// evicted. Each step's rows are hashed in the timed loop.
+    #[arg(long, requires = "local")]
+    pub verify: bool,
 }
 
 /// What one run measured.
@@ -407,6 +414,9 @@ pub struct SparseLocalReport {
     pub baseline_round_ms_median: Option<f64>,
     /// `row_updates_per_s / baseline_row_updates_per_s`.
     pub speedup_vs_baseline: Option<f64>,
+    /// `--verify`: whether every rank's rows, every step, were the
+    /// reference's (null without it).
+    pub verified: Option<bool>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
@@ -419,6 +429,118 @@ struct RankFigures {
     steps_ms: Vec<f64>,
     bytes: u64,
     retransmits: u64,
+    /// `--verify`: per step (untimed ones first), a hash of the rows read
+    /// back.
+    digests: Vec<u64>,
+}
+
+/// Rank `r`'s ids, every step's (`--steps` + 3) `--batch` distinct ones in
+/// turn, drawn from the rank's own sequence.
+// Casts: 53 random bits to f64 for a uniform draw.
+#[allow(clippy::cast_precision_loss)]
+fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
+    let (total, k) = (args.steps as usize + 3, args.batch);
+    let mut all = Vec::with_capacity(total * k);
+    let mut seen = std::collections::HashSet::with_capacity(k);
+    let mut draw = u64::from(r) << 40;
+    for _ in 0..total {
+        seen.clear();
+        while seen.len() < k {
+            draw += 1;
+            let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
+            let id = id_of(rank(u, args.rows, args.zipf));
+            if seen.insert(id) {
+                all.push(id);
+            }
+        }
+    }
+    all
+}
+
+/// A hash of rows' bits (FNV-1a over each value's bits).
+fn digest(rows: &[f32]) -> u64 {
+    rows.iter().fold(0xcbf2_9ce4_8422_2325, |h, v| {
+        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// `--verify`: the first rank and step whose rows differ from
+/// [`reference_digests`], if any.
+fn verify_rows(
+    args: &SparseArgs,
+    opt: &phub_proto::spec::RowOptimizerSpec,
+    grads: &[f32],
+    ranks: &[RankFigures],
+) -> Result<Option<String>> {
+    let want = reference_digests(args, opt, grads)?;
+    for (step, per_rank) in want.iter().enumerate() {
+        for (r, d) in per_rank.iter().enumerate() {
+            if ranks.get(r).and_then(|x| x.digests.get(step)) != Some(d) {
+                return Ok(Some(format!(
+                    "rank {r}, step {step}: the rows read back are not the reference's"
+                )));
+            }
+        }
+    }
+    Ok(None)
+}
+
+/// The reference table (PROTOCOL.md §10.5's element-wise Adagrad, rows
+/// stored as zeros with `initial_accumulator` on their first push) run
+/// over every rank's ids and `grads`, step by step, each step's summed
+/// gradient applied once per id: per step, per rank, the digest of the
+/// rows it reads back.
+fn reference_digests(
+    args: &SparseArgs,
+    opt: &phub_proto::spec::RowOptimizerSpec,
+    grads: &[f32],
+) -> Result<Vec<Vec<u64>>> {
+    use std::collections::HashMap;
+    let phub_proto::spec::RowOptimizerSpec::Adagrad {
+        lr,
+        eps,
+        initial_accumulator,
+        rowwise: false,
+    } = *opt
+    else {
+        anyhow::bail!("--verify models element-wise Adagrad, not {}", opt.name());
+    };
+    let (d, k) = (args.dim as usize, args.batch);
+    let ids: Vec<Vec<u64>> = (0..args.workers).map(|r| rank_ids(args, r)).collect();
+    // id -> (w, h)
+    let mut table: HashMap<u64, (Vec<f32>, Vec<f32>)> = HashMap::new();
+    let mut acc: HashMap<u64, Vec<f32>> = HashMap::new();
+    let mut row = vec![0f32; k * d];
+    let mut out = Vec::with_capacity(args.steps as usize + 3);
+    for step in 0..args.steps as usize + 3 {
+        acc.clear();
+        for rank_ids in &ids {
+            for (i, id) in rank_ids[step * k..(step + 1) * k].iter().enumerate() {
+                let a = acc.entry(*id).or_insert_with(|| vec![0.0; d]);
+                for (x, g) in a.iter_mut().zip(&grads[i * d..(i + 1) * d]) {
+                    *x += *g;
+                }
+            }
+        }
+        for (id, a) in &acc {
+            let (w, h) = table
+                .entry(*id)
+                .or_insert_with(|| (vec![0.0; d], vec![initial_accumulator; d]));
+            for ((w, a), h) in w.iter_mut().zip(a).zip(h.iter_mut()) {
+                *h += *a * *a;
+                *w -= lr * *a / (h.sqrt() + eps);
+            }
+        }
+        let mut per_rank = Vec::with_capacity(ids.len());
+        for rank_ids in &ids {
+            for (i, id) in rank_ids[step * k..(step + 1) * k].iter().enumerate() {
+                row[i * d..(i + 1) * d].copy_from_slice(&table[id].0);
+            }
+            per_rank.push(digest(&row));
+        }
+        out.push(per_rank);
+    }
+    Ok(out)
 }
 
 /// One rank's push: `(ids, grads, out)` to `(bytes on the wire so far,
@@ -444,21 +566,8 @@ fn drive(
                     // Every step's ids, drawn before the timing (a Zipf
                     // draw is a pow(), which took a sixth of the CPU when
                     // drawn in the loop).
-                    let total = args.steps as usize + 3;
-                    let mut all = Vec::with_capacity(total * k);
-                    let mut seen = std::collections::HashSet::with_capacity(k);
-                    let mut draw = u64::from(r) << 40;
-                    for _ in 0..total {
-                        seen.clear();
-                        while seen.len() < k {
-                            draw += 1;
-                            let u = (splitmix(draw) >> 11) as f64 / (1u64 << 53) as f64;
-                            let id = id_of(rank(u, args.rows, args.zipf));
-                            if seen.insert(id) {
-                                all.push(id);
-                            }
-                        }
-                    }
+                    let all = rank_ids(args, r);
+                    let mut digests = Vec::new();
                     let mut push = connect(r)?;
                     let mut out = vec![0f32; k * d];
                     let mut steps_ms = Vec::with_capacity(args.steps as usize);
@@ -470,6 +579,9 @@ fn drive(
                         }
                         let t = Instant::now();
                         push(ids, grads, &mut out)?;
+                        if args.verify {
+                            digests.push(digest(&out));
+                        }
                         if step >= 3 {
                             steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
                         }
@@ -481,6 +593,7 @@ fn drive(
                         steps_ms,
                         bytes: after.0 - before.0,
                         retransmits: after.1 - before.1,
+                        digests,
                     })
                 })
             })
@@ -511,10 +624,18 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         args.batch >= 1 && args.dim >= 1,
         "--batch and --dim: accepted 1 or more"
     );
+    ensure!(
+        !args.verify || args.consistency == phub_proto::spec::Consistency::Sync,
+        "--verify checks BSP rounds against a reference; with --consistency {} a rank's rows depend on \
+         the order the pushes arrived in: drop --verify or use --consistency bsp",
+        args.consistency
+    );
     let load = loadavg();
     let (d, k) = (args.dim as usize, args.batch);
+    // --verify: a cap no draw reaches (nothing evicted).
+    let cap = if args.verify { args.rows * 2 } else { args.rows };
     // Rows, index and Adagrad state at the cap, with room to spare.
-    let budget = (args.rows * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
+    let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
     let local = Local::start(&LocalOptions {
         lcores: args.lcores,
         backend: "udp".into(),
@@ -532,7 +653,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let spec = format!(
         "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
          kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\n",
-        args.workers, args.dim, args.rows
+        args.workers, args.dim, cap
     );
     let spec = match args.consistency {
         phub_proto::spec::Consistency::Sync => spec,
@@ -543,9 +664,18 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     };
     let job = admit(&local.control_url, &spec, token.as_deref())?;
     let url = local.control_url.clone();
+    // --verify: multiples of 2^-10 in [-0.5, 0.5), whose sums over the
+    // ranks are exact in any order.
     let grads: Vec<f32> = (0..k * d)
-        .map(|i| (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5)
+        .map(|i| match args.verify {
+            false => (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5,
+            true => ((splitmix(i as u64) >> 54) as f32 - 512.0) / 1024.0,
+        })
         .collect();
+    let table_opt = phub_proto::spec::JobSpec::from_toml(&spec)
+        .ok()
+        .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
+        .context("the benchmark's own spec has its table")?;
     let ranks = drive(args, &grads, |r| {
         let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
         let bytes = |w: &phub_worker::Worker| {
@@ -591,6 +721,20 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         None => None,
     };
     let rows_stored = detail.tables.iter().map(|t| t.rows_stored).sum();
+    let evicted: u64 = detail.tables.iter().map(|t| t.evicted_cap + t.evicted_idle).sum();
+    let verified = match args.verify {
+        false => None,
+        true => {
+            let why = match evicted {
+                0 => verify_rows(args, &table_opt, &grads, &ranks)?,
+                n => Some(format!("{n} rows were evicted (the reference keeps every row)")),
+            };
+            if let Some(why) = &why {
+                eprintln!("phub-bench sparse: not verified: {why}");
+            }
+            Some(why.is_none())
+        }
+    };
     let rows_moved = f64::from(args.workers) * k as f64 * f64::from(args.steps);
     let rate = |ranks: &[RankFigures]| rows_moved / ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
     let median0 = |ranks: &[RankFigures]| {
@@ -620,6 +764,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         baseline_row_updates_per_s: base_rate,
         baseline_round_ms_median: base.as_deref().map(|b| median0(b).0),
         speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
+        verified,
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -649,10 +794,20 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             report.baseline_round_ms_median.unwrap_or(f64::NAN)
         );
     }
+    if let Some(v) = report.verified {
+        println!(
+            "  verified: {v} (every rank's rows, every step, against the reference table{})",
+            if v { "" } else { ": see above" }
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
     }
+    ensure!(
+        report.verified != Some(false),
+        "the rows were not the reference's"
+    );
     Ok(())
 }
 
@@ -676,5 +831,52 @@ mod tests {
                 assert!(low < 300, "uniform: {low} of 10,000 in the first 10 ranks");
             }
         }
+    }
+
+    /// `--verify` names the first rank and step whose rows differ, and a
+    /// changed value anywhere changes a step's digest.
+    #[test]
+    fn verify_names_the_first_rank_and_step_whose_rows_differ() {
+        use clap::Parser;
+        #[derive(Parser)]
+        struct Cli {
+            #[command(flatten)]
+            a: SparseArgs,
+        }
+        let args = Cli::parse_from(
+            "t --local --verify --workers 2 --rows 50 --dim 3 --batch 4 --steps 2 --zipf 1.05".split(' '),
+        )
+        .a;
+        let opt = phub_proto::spec::RowOptimizerSpec::Adagrad {
+            lr: 0.01,
+            eps: 1e-8,
+            initial_accumulator: 0.0,
+            rowwise: false,
+        };
+        let grads: Vec<f32> = (0..12).map(|i| (i as f32 - 6.0) / 1024.0).collect();
+        let want = reference_digests(&args, &opt, &grads).unwrap();
+        assert_eq!((want.len(), want[0].len()), (5, 2), "steps + 3 untimed, 2 ranks");
+        let ranks = |flip: Option<(usize, usize)>| -> Vec<RankFigures> {
+            (0..2)
+                .map(|r| RankFigures {
+                    seconds: 1.0,
+                    steps_ms: Vec::new(),
+                    bytes: 0,
+                    retransmits: 0,
+                    digests: (0..5)
+                        .map(|s| want[s][r] ^ u64::from(flip == Some((r, s))))
+                        .collect(),
+                })
+                .collect()
+        };
+        assert_eq!(verify_rows(&args, &opt, &grads, &ranks(None)).unwrap(), None);
+        let why = verify_rows(&args, &opt, &grads, &ranks(Some((1, 3))))
+            .unwrap()
+            .unwrap();
+        assert!(why.contains("rank 1, step 3"), "{why}");
+        assert_ne!(digest(&[1.0, 2.0]), digest(&[1.0, 2.000_000_2]));
+        // Only element-wise Adagrad is modelled.
+        let sgd = phub_proto::spec::RowOptimizerSpec::Sgd { lr: 0.1 };
+        assert!(verify_rows(&args, &sgd, &grads, &ranks(None)).is_err());
     }
 }
