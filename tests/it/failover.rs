@@ -18,11 +18,28 @@ use phub::proto::routes::{control, mgmt};
 
 #[test]
 fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
+    kill_b_mid_training(2);
+}
+
+/// Three replicas over the three appliances: c backs up a's part and b's
+/// (in that order), so when b dies c serves b's part at extended slot
+/// numbers past a's backup slots, which stay backup slots (vacant slots
+/// stand for them, PROTOCOL.md §11.6 rule 4). Before vacant slots c
+/// refused the epoch (a gap before the adopted part's slots) and the job
+/// hung; found by the simulator.
+#[test]
+fn with_three_replicas_a_part_adopted_past_one_still_backed_up_fails_over_exactly() {
+    kill_b_mid_training(3);
+}
+
+/// Appliance b killed between two rounds of a job of `replicas` copies
+/// over a, b and c (module head).
+fn kill_b_mid_training(replicas: u32) {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
     let job = rack
-        .admit(&replicated_spec("failover", workers, &keys, &["a", "b", "c"], 2))
+        .admit(&replicated_spec("failover", workers, &keys, &["a", "b", "c"], replicas))
         .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (rounds, kill_after) = (10u32, 4u32);
