@@ -39,7 +39,13 @@ fn kill_b_mid_training(replicas: u32) {
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
     let job = rack
-        .admit(&replicated_spec("failover", workers, &keys, &["a", "b", "c"], replicas))
+        .admit(&replicated_spec(
+            "failover",
+            workers,
+            &keys,
+            &["a", "b", "c"],
+            replicas,
+        ))
         .unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (rounds, kill_after) = (10u32, 4u32);
