@@ -64,6 +64,7 @@ fn main() {
                             t.0.full_strength += o.full_strength;
                             t.0.backups_checked += o.backups_checked;
                             t.0.control_restarts += o.control_restarts;
+                            t.0.replaced += o.replaced;
                         }
                     }
                     Err(_) => t.1.push(seed),
@@ -80,7 +81,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} back to full strength, {} control restarts, {} backups checked; {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked; {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64,
@@ -98,6 +99,7 @@ fn main() {
         o.epochs,
         o.returns,
         o.drains,
+        o.replaced,
         o.full_strength,
         o.control_restarts,
         o.backups_checked,

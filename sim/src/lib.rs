@@ -428,6 +428,8 @@ pub struct Outcome {
     pub backups_checked: u64,
     /// Replicated: control restarts.
     pub control_restarts: u64,
+    /// Replicated: dead appliances replaced by a spare.
+    pub replaced: u64,
 }
 
 /// One rank: its transport and where its training loop stands.

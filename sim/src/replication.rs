@@ -112,6 +112,18 @@ pub enum ReplicaEvent {
         /// When, µs.
         at_us: u64,
     },
+    /// Killed at `at_us` for good, and replaced by a spare
+    /// `spare_after_us` after it is declared down (`phub-control
+    /// --spare-after-ms`, or a drain of the dead appliance: its index
+    /// moved to the spare, which is filled by state copies).
+    Replace {
+        /// The appliance.
+        appliance: u16,
+        /// When, µs.
+        at_us: u64,
+        /// After the declaration, µs.
+        spare_after_us: u64,
+    },
 }
 
 /// Another kill, after the first event.
@@ -168,7 +180,7 @@ impl ReplicaCase {
             .collect();
         let appliance = rng.gen_range(0..appliances);
         let at_us = rng.gen_range(500..20_000);
-        let event = match rng.gen_range(0..5) {
+        let event = match rng.gen_range(0..6) {
             0 => None,
             1 | 2 => Some(ReplicaEvent::Kill {
                 appliance,
@@ -180,7 +192,12 @@ impl ReplicaCase {
                 at_us,
                 for_us: rng.gen_range(100..40_000),
             }),
-            _ => Some(ReplicaEvent::Drain { appliance, at_us }),
+            4 => Some(ReplicaEvent::Drain { appliance, at_us }),
+            _ => Some(ReplicaEvent::Replace {
+                appliance,
+                at_us,
+                spare_after_us: rng.gen_range(0..20_000),
+            }),
         };
         let detect_us = if rng.gen_bool(0.7) {
             rng.gen_range(200..5_000)
@@ -248,6 +265,10 @@ pub(crate) struct Control {
     watch_at: Option<u64>,
     /// When the old appliance of a drain has the job evicted.
     evict_at: Option<u64>,
+    /// When a dead appliance is replaced by the spare.
+    replace_at: Option<u64>,
+    /// The index whose old lcores a drain kept (at the end of `lcores`).
+    retired: Option<usize>,
     /// The then-kill: when, which index (decided once its cause came).
     then_at: Option<(u64, usize)>,
     first_done: bool,
@@ -280,6 +301,8 @@ impl Control {
             returned: None,
             watch_at: None,
             evict_at: None,
+            replace_at: None,
+            retired: None,
             then_at: None,
             first_done: false,
             then_done: false,
@@ -300,7 +323,8 @@ impl Control {
         let first = match (rc.event, self.first_done) {
             (Some(ReplicaEvent::Kill { at_us, .. }), false)
             | (Some(ReplicaEvent::Partition { at_us, .. }), false)
-            | (Some(ReplicaEvent::Drain { at_us, .. }), false) => Some(at_us),
+            | (Some(ReplicaEvent::Drain { at_us, .. }), false)
+            | (Some(ReplicaEvent::Replace { at_us, .. }), false) => Some(at_us),
             _ => None,
         };
         self.puts
@@ -311,6 +335,7 @@ impl Control {
             .chain(self.back_at.iter().flatten().copied())
             .chain(self.watch_at)
             .chain(self.evict_at)
+            .chain(self.replace_at)
             .chain(self.then_at.filter(|_| !self.then_done).map(|t| t.0))
             .chain(
                 rc.control_down
@@ -517,6 +542,14 @@ impl World<'_> {
         self.deliver_puts();
         self.answer_asks();
         self.watch_copies();
+        if let Some(t) = self.rep().replace_at.filter(|&t| now >= t) {
+            let a = match rc.event {
+                Some(ReplicaEvent::Replace { appliance, .. }) => usize::from(appliance),
+                _ => unreachable!("only a Replace plans a replacement ({t} µs)"),
+            };
+            self.rep_mut().replace_at = None;
+            self.drain_to_spare(a);
+        }
         if self.rep().evict_at.is_some_and(|t| now >= t) {
             self.rep_mut().evict_at = None;
             let total = self.total_lcores();
@@ -568,7 +601,9 @@ impl World<'_> {
             return;
         }
         match e {
-            ReplicaEvent::Kill { appliance, at_us, .. } if now >= at_us => {
+            ReplicaEvent::Kill { appliance, at_us, .. } | ReplicaEvent::Replace { appliance, at_us, .. }
+                if now >= at_us =>
+            {
                 self.rep_mut().first_done = true;
                 self.kill(usize::from(appliance));
             }
@@ -709,10 +744,20 @@ impl World<'_> {
                 self.rep_mut().back_at[a] = Some(now + b);
             }
         }
+        if let Some(ReplicaEvent::Replace {
+            appliance,
+            spare_after_us,
+            ..
+        }) = self.rc().event
+        {
+            if usize::from(appliance) == a && self.rep().returned.is_none() {
+                self.rep_mut().replace_at = Some(now + spare_after_us);
+            }
+        }
         self.put_on_others(a, &view);
         // Without a return, the then-kill of another index comes after
         // the declaration.
-        let back = self.rep().back_at[a].is_some();
+        let back = self.rep().back_at[a].is_some() || self.rep().replace_at.is_some();
         if !back && self.rep().then_at.is_none() {
             self.plan_then_kill(None);
         }
@@ -832,9 +877,18 @@ impl World<'_> {
     /// A drain of index `a` to the spare (the appliance after the job's).
     fn drain_to_spare(&mut self, a: usize) {
         let c = self.rep();
-        if c.view.is_down(a) || c.copying.is_some() {
+        // A live appliance at full strength moves; so does a dead one
+        // down alone (its replacement), which comes back no more.
+        let only_it_down = c.view.down.iter().map(|&d| usize::from(d)).eq([a]);
+        if !(c.view.down.is_empty() || only_it_down) || c.copying.is_some() {
             return;
         }
+        self.outcome.replaced += u64::from(only_it_down);
+        let c = self.rep_mut();
+        c.silent_since[a] = None;
+        c.declared_at[a] = None;
+        c.retired = Some(a);
+        let c = self.rep();
         let spare = self.case.appliances;
         let view = c.view.with_moved(
             u16::try_from(a).expect("few appliances"),
@@ -1019,10 +1073,7 @@ impl World<'_> {
         if l < self.total_lcores() {
             return l / per;
         }
-        match self.rc().event {
-            Some(ReplicaEvent::Drain { appliance, .. }) => usize::from(appliance),
-            _ => unreachable!("only a drain retires lcores"),
-        }
+        self.rep().retired.expect("only a drain retires lcores")
     }
 
     /// Index `b`'s lcores' positions as `view` addresses it: its current
@@ -1030,9 +1081,8 @@ impl World<'_> {
     /// it yet.
     fn positions_of(&self, b: usize, view: &EpochView) -> std::ops::Range<usize> {
         let total = self.total_lcores();
-        let retired = self.lcores.len() > total
-            && matches!(self.rc().event, Some(ReplicaEvent::Drain { appliance, .. }) if usize::from(appliance) == b)
-            && view.moved_to(b).is_none();
+        let retired =
+            self.lcores.len() > total && self.rep().retired == Some(b) && view.moved_to(b).is_none();
         if retired {
             total..self.lcores.len()
         } else {

@@ -1256,7 +1256,8 @@ fn restored_tables_whose_ranks_had_moved_on() {
 /// then another killed; one back and killed again during its state copy;
 /// control down while a kill is to be declared, and while a drain is
 /// asked for (with three replicas, another appliance killed during the
-/// spare's copy). Every RESULT is the reference's, leaves only once the chunk's backups
+/// spare's copy); one killed and replaced by a spare (`--spare-after-ms`),
+/// then another killed. Every RESULT is the reference's, leaves only once the chunk's backups
 /// hold its round, no answered round is lost, and at the end every backup
 /// holding a round is its primary's bits.
 #[test]
@@ -1336,6 +1337,18 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 after_us: 200,
             }),
         ),
+        (
+            2,
+            ReplicaEvent::Replace {
+                appliance: 1,
+                at_us: 2_000,
+                spare_after_us: 500,
+            },
+            Some(ThenKill::Other {
+                appliance: 2,
+                after_us: 300,
+            }),
+        ),
     ];
     // What each play must have done in every seed: (kills, returns,
     // drains, times back to full strength, control restarts).
@@ -1347,6 +1360,7 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
         (2, 1, 0, 0, 0),
         (1, 1, 0, 1, 1),
         (1, 0, 1, 1, 1),
+        (2, 0, 1, 1, 0),
     ];
     for (i, (replicas, event, then_kill)) in plays.into_iter().enumerate() {
         // Plays 5 and 6: control is down while the kill is to be
@@ -1393,6 +1407,8 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 want[i],
                 "{c:?}: (kills, returns, drains, full strength, control restarts)"
             );
+            // Play 7's move is a dead appliance's replacement.
+            assert_eq!(o.replaced, u64::from(i == 7), "{c:?}: replaced");
             // (Play 1 ends with one appliance of three: no backup left.)
             assert!(o.backups_checked > 0 || i == 1, "{c:?}: no backup checked");
             assert!(o.epochs_asked > 0, "{c:?}: no worker asked control for an epoch");
