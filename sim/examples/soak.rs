@@ -2,8 +2,9 @@
 //! or `--threads N`, until all ran; prints the figures (seeds, steps,
 //! virtual and wall time, datagrams) and every seed that failed, with the
 //! command that replays it. `cargo run --release -p phub-sim --example
-//! soak -- --seeds 10000 [--from 0] [--threads 2]`; exits 1 if a seed
-//! failed.
+//! soak -- --seeds 10000 [--from 0] [--threads 2] [--replicated]`
+//! (`--replicated`: only the seeds whose job is replicated); exits 1 if a
+//! seed failed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -13,21 +14,30 @@ fn main() {
     let mut seeds = 10_000u64;
     let mut from = 0u64;
     let mut threads = std::thread::available_parallelism().map_or(1, usize::from);
-    let mut args = std::env::args().skip(1);
+    let mut only_replicated = false;
+    let mut args = std::env::args().skip(1).peekable();
     while let Some(flag) = args.next() {
+        if flag == "--replicated" {
+            only_replicated = true;
+            continue;
+        }
         let value = args.next().and_then(|v| v.parse::<u64>().ok());
         match (flag.as_str(), value) {
             ("--seeds", Some(v)) => seeds = v,
             ("--from", Some(v)) => from = v,
             ("--threads", Some(v)) if v > 0 => threads = usize::try_from(v).unwrap_or(1),
             _ => {
-                eprintln!("usage: soak [--seeds N (10000)] [--from FIRST (0)] [--threads N (every core)]; got {flag}");
+                eprintln!(
+                    "usage: soak [--seeds N (10000)] [--from FIRST (0)] [--threads N (every core)] [--replicated]; \
+                     got {flag}"
+                );
                 std::process::exit(2);
             }
         }
     }
     // Failing seeds print their own panic; the summary names them.
     let next = AtomicU64::new(from);
+    let skipped = AtomicU64::new(0);
     // (totals, failed seeds, seeds with tables, replicated seeds)
     let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64, 0u64));
     let start = Instant::now();
@@ -39,6 +49,10 @@ fn main() {
                     break;
                 }
                 let case = phub_sim::Case::draw(seed);
+                if only_replicated && case.replication.is_none() {
+                    skipped.fetch_add(1, Ordering::Relaxed);
+                    continue;
+                }
                 let run = std::panic::catch_unwind(|| phub_sim::run(&case));
                 let mut t = totals.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
                 match run {
@@ -78,14 +92,15 @@ fn main() {
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     failed.sort_unstable();
     println!(
-        "seeds {from}..{}: {} passed, {} failed; {} steps, {:.1} s of virtual time, {} datagrams sent \
+        "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked; {:.1} s wall \
          on {threads} threads",
         from + seeds,
-        seeds - failed.len() as u64,
+        seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),
         failed.len(),
+        skipped.load(Ordering::Relaxed),
         o.steps,
         o.virtual_us as f64 / 1e6,
         o.net.sent,

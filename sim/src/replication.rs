@@ -779,11 +779,7 @@ impl World<'_> {
     /// The epochs due reach their lcores.
     fn deliver_puts(&mut self) {
         let now = self.now;
-        let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.rep_mut().puts)
-            .into_iter()
-            .partition(|p| p.0 <= now);
-        self.rep_mut().puts = rest;
-        for (_, g, view) in due {
+        for (_, g, view) in take_due(&mut self.rep_mut().puts, |p| p.0 <= now) {
             let lc = &mut self.lcores[g];
             // A dead lcore takes nothing; control stops putting an epoch
             // once the job moved past it.
@@ -981,11 +977,7 @@ impl World<'_> {
 
     fn answer_asks(&mut self) {
         let now = self.now;
-        let (due, rest): (Vec<_>, Vec<_>) = std::mem::take(&mut self.rep_mut().asks)
-            .into_iter()
-            .partition(|q| q.0 <= now);
-        self.rep_mut().asks = rest;
-        for (_, i, wanted, asked) in due {
+        for (_, i, wanted, asked) in take_due(&mut self.rep_mut().asks, |q| q.0 <= now) {
             let view = self.rep().view.clone();
             if view.epoch >= wanted {
                 let t = self.at(now);
@@ -1204,4 +1196,12 @@ impl World<'_> {
         }
         self.rep_mut().answered[at] = Some(answered);
     }
+}
+
+/// The entries of `v` that are `due`, taken out of it (the others kept in
+/// order).
+fn take_due<T>(v: &mut Vec<T>, due: impl Fn(&T) -> bool) -> Vec<T> {
+    let (now, later): (Vec<T>, Vec<T>) = std::mem::take(v).into_iter().partition(|x| due(x));
+    *v = later;
+    now
 }
