@@ -287,7 +287,7 @@ impl Case {
         }
         // Replication, from a generator of its own too: in 3 of 10 BSP
         // flat jobs without tables or a crash (a replicated appliance
-        // comes back empty, not from a checkpoint), over 2 or 3
+        // comes back empty, not from a checkpoint), over 2 to 4
         // appliances.
         let mut rrng = ChaCha8Rng::seed_from_u64(seed ^ 0x4e91_1ca5_0000);
         if consistency == Consistency::Sync
@@ -296,7 +296,7 @@ impl Case {
             && case.crash.is_none()
             && rrng.gen_bool(0.3)
         {
-            case.appliances = case.appliances.max(rrng.gen_range(2..=3));
+            case.appliances = case.appliances.max(rrng.gen_range(2..=4));
             case.replication = Some(ReplicaCase::draw(&mut rrng, case.appliances));
         }
         case

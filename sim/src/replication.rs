@@ -1023,13 +1023,27 @@ impl World<'_> {
             // or its part's primary changed) holds no round, and no round
             // of the chunk completes until it acknowledges its copy
             // (§11.7): a RESULT leaving meanwhile is of a round completed
-            // before, which the primary holds.
+            // before, which the primary holds. So is one whose lcore has
+            // not taken the sender's epoch yet, in which the part's
+            // primary changed: it drops its state when it does.
             assert!(
-                round_held.is_none_or(|r| r >= round),
+                self.will_await(b, home, view) || round_held.is_none_or(|r| r >= round),
                 "a RESULT of round {round} of chunk {g} left appliance {me} (lcore {l}, epoch {}) while its backup {b} holds round {round_held:?}",
                 view.epoch,
             );
         }
+    }
+
+    /// Whether index `b` has a lcore that has not taken `view` yet and
+    /// will await a state copy of part `home` when it does (the part's
+    /// primary changed since the epoch it holds): it drops its state then.
+    fn will_await(&self, b: usize, home: usize, view: &EpochView) -> bool {
+        let c = self.rep();
+        self.positions_of(b, view)
+            .filter_map(|x| self.lcores[x].view.as_ref())
+            .any(|held| {
+                held.epoch < view.epoch && c.layout.primary(home, held) != c.layout.primary(home, view)
+            })
     }
 
     /// The last round index `b` (as `view` addresses it) holds of chunk
@@ -1089,10 +1103,23 @@ impl World<'_> {
         if self.control.is_none() {
             return;
         }
-        // Every put still on its way is taken now.
+        // Every put still on its way is taken now, and every live lcore
+        // behind control's epoch is put it (as reconciliation does; the
+        // run may end while control is down, its puts lost).
         for p in &mut self.rep_mut().puts {
             p.0 = 0;
         }
+        let view = self.rep().view.clone();
+        let lagging: Vec<usize> = (0..usize::from(self.case.appliances))
+            .filter(|&a| !view.is_down(a))
+            .flat_map(|a| self.lcores_of(a))
+            .filter(|&g| {
+                !self.lcores[g].down && self.lcores[g].view.as_ref().is_some_and(|v| v.epoch < view.epoch)
+            })
+            .collect();
+        self.rep_mut()
+            .puts
+            .extend(lagging.into_iter().map(|g| (0, g, view.clone())));
         self.deliver_puts();
         let view = self.rep().view.clone();
         let total: u64 = self.rep().runs.iter().map(|r| r.count).sum();
@@ -1184,6 +1211,9 @@ impl World<'_> {
         let view = c.view.clone();
         for b in c.layout.set_in(home, &view) {
             if self.lcores_of(b).any(|x| self.lcores[x].down) {
+                continue;
+            }
+            if self.will_await(b, home, &view) {
                 continue;
             }
             let held = self.round_held(b, g, &view);
