@@ -421,3 +421,69 @@ fn a_part_adopted_past_a_part_still_backed_up_takes_its_extended_slots() {
     }
     assert!(w.errors.is_empty(), "{:?}", w.errors);
 }
+
+/// Replicas 3 over three appliances; part 1's set is 1, 2, 0. Appliance
+/// 1 dies (epoch 1): 2 serves part 1, and would answer rounds 0 lacks
+/// (0 awaits 2's state copy once it takes epoch 1). Then 2 dies too
+/// (epoch 2). An appliance 0 that takes epoch 2 straight from epoch 0
+/// (control's put of epoch 1 reached it late, refused as older) would
+/// adopt part 1 from its own, possibly older, copy: refused, the part
+/// lost, as taking the epochs in order finds it (its copy from 2 not
+/// whole). Found by reasoning over phub-sim's seed 562455.
+#[test]
+fn an_adoption_after_a_skipped_epoch_in_which_another_member_served_is_refused() {
+    let spec3 = || {
+        let s = JobSpec::new("skip", 2, &[40, 24, 8, 33])
+            .with_chunk_bytes(64)
+            .sharded_over(Appliances::Count(3))
+            .with_replicas(3);
+        s.validate().unwrap();
+        s
+    };
+    let mut w = World::new(spec3(), &LCORES, &RACKS, 5, CLEAN);
+    assert_eq!(w.layout.set(1), vec![1, 2, 0], "the case this test is about");
+    for r in 0..FAIL_IN {
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+    }
+    let e1 = EpochView::default().with_down(1).unwrap();
+    let e2 = e1.with_down(2).unwrap();
+    w.dead[1] = true;
+    for j in 0..w.shards[2].len() {
+        assert_eq!(w.shards[2][j].change_epoch(JOB, &e1), Ok(true));
+    }
+    // 0 skips epoch 1.
+    let mut refused = 0;
+    for j in 0..w.shards[0].len() {
+        match w.shards[0][j].change_epoch(JOB, &e2) {
+            Err(phub_engine::EngineError::PartLost { part: 1, why, .. }) => {
+                assert!(why.contains("skipped an epoch"), "{why}");
+                refused += 1;
+            }
+            other => panic!("lcore {j}: {other:?}"),
+        }
+    }
+    assert_eq!(refused, w.shards[0].len());
+    // In order, epoch 1 then 2, the part is lost as well: 0 awaits 2's
+    // copy at epoch 1.
+    let mut w = World::new(spec3(), &LCORES, &RACKS, 5, CLEAN);
+    for r in 0..FAIL_IN {
+        let v = values(&w, r);
+        round(&mut w, r, &v);
+    }
+    w.dead[1] = true;
+    for i in [0, 2] {
+        for j in 0..w.shards[i].len() {
+            assert_eq!(w.shards[i][j].change_epoch(JOB, &e1), Ok(true));
+        }
+    }
+    for j in 0..w.shards[0].len() {
+        assert!(
+            matches!(
+                w.shards[0][j].change_epoch(JOB, &e2),
+                Err(phub_engine::EngineError::PartLost { part: 1, .. })
+            ),
+            "lcore {j}"
+        );
+    }
+}

@@ -1013,6 +1013,12 @@ impl World<'_> {
             return;
         };
         for &b in &set[after + 1..] {
+            // A drained appliance rid of the job (evicted) is no backup:
+            // a RESULT from an lcore still in the epoch before the drain
+            // resends a round it acknowledged before.
+            if self.positions_of(b, view).all(|x| self.lcores[x].view.is_none()) {
+                continue;
+            }
             let Some(round_held) = self.round_held(b, g, view) else {
                 panic!(
                     "appliance {b} keeps no copy of chunk {g} (epoch {}; lcore {l}, appliance {me}, set {set:?})",

@@ -33,7 +33,10 @@
 //! slots stand for that part's ([`Slot::vacant`]: no chunk, no memory,
 //! every message refused), and are taken by it if it is adopted later.
 //! An adoption of a part whose state copy is not all here is refused (the
-//! part is lost).
+//! part is lost), and so is one from an epoch older than the one before
+//! when two or more members before this appliance went down since: in a
+//! skipped epoch another of them may have served the part (and answered
+//! rounds this copy lacks).
 
 use phub_proto::failover::EpochView;
 
@@ -161,11 +164,35 @@ impl<A: Copy + Eq> Shard<A> {
             if rep.layout.primary(p, view) != Some(me) {
                 continue;
             }
-            if !part.fill.is_empty() {
+            // Its state must be all here, and be the part's latest: an
+            // lcore that skipped epochs (it takes this one from an older
+            // than the one before) while two or more members before it
+            // went down may have missed one in which another of them
+            // served the part and answered rounds this copy lacks (taken
+            // in order, that epoch would have had it await that member's
+            // copy, and this one would find the part lost too).
+            let skipped = view.epoch > old.epoch + 1;
+            let gone_before = rep
+                .layout
+                .set_in(p, &old)
+                .into_iter()
+                .take_while(|&a| a != me)
+                .filter(|&a| view.is_down(a))
+                .count();
+            let why = match (part.fill.is_empty(), skipped && gone_before >= 2) {
+                (false, _) => Some("whose state copy is not all here"),
+                (true, true) => Some(
+                    "whose copy here may be behind: this lcore skipped an epoch in which another member may \
+                     have served it",
+                ),
+                (true, false) => None,
+            };
+            if let Some(why) = why {
                 return Err(EngineError::PartLost {
                     id,
                     epoch: view.epoch,
                     part: p,
+                    why,
                 });
             }
             adopt.push(k);

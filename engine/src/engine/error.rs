@@ -104,11 +104,13 @@ pub enum EngineError {
         reason: String,
     },
     /// An epoch change refused because this appliance would serve a part
-    /// whose state copy it has not all received (PROTOCOL.md §11.7): no
-    /// live member holds the part's state, which is lost; nothing changed.
+    /// whose state copy it has not all received, or whose copy may be
+    /// behind rounds another member answered in an epoch this lcore
+    /// skipped (PROTOCOL.md §11.6, §11.7): no live member surely holds the
+    /// part's state, which is lost; nothing changed.
     #[error(
-        "job {id}: epoch {epoch} refused: this appliance would serve appliance {part}'s part, whose state \
-         copy is not all here: the part is lost (PROTOCOL.md §11.7)"
+        "job {id}: epoch {epoch} refused: this appliance would serve appliance {part}'s part, {why}: the \
+         part is lost (PROTOCOL.md §11.6, §11.7)"
     )]
     PartLost {
         /// Job id.
@@ -117,6 +119,8 @@ pub enum EngineError {
         epoch: u32,
         /// The part (its home appliance's index in layout order).
         part: usize,
+        /// Why its copy here will not do.
+        why: &'static str,
     },
     /// More slots than a `u32` slot index can name.
     #[error("job {id}: {slots} slots on one lcore; a slot index is a u32")]
