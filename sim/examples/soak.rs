@@ -79,6 +79,8 @@ fn main() {
                             t.0.backups_checked += o.backups_checked;
                             t.0.control_restarts += o.control_restarts;
                             t.0.replaced += o.replaced;
+                            t.0.jobs_failed += o.jobs_failed;
+                            t.0.ranks_stopped += o.ranks_stopped;
                         }
                     }
                     Err(_) => t.1.push(seed),
@@ -95,7 +97,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked; {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped); {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),
@@ -118,6 +120,8 @@ fn main() {
         o.full_strength,
         o.control_restarts,
         o.backups_checked,
+        o.jobs_failed,
+        o.ranks_stopped,
         wall.as_secs_f64()
     );
     for seed in &failed {

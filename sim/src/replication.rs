@@ -80,6 +80,15 @@ pub struct ReplicaCase {
     pub then_kill: Option<ThenKill>,
     /// Control killed and restarted meanwhile.
     pub control_down: Option<ControlDown>,
+    /// Kills are played even when they lose a part (every member of its
+    /// set dead, awaiting its copy or behind control's epoch): control
+    /// then fails the job (a 410 from the appliance, or a declaration
+    /// that leaves a part no member), and every rank stops with
+    /// `JobFailed` when it next asks control for an epoch.
+    pub lose: bool,
+    /// Control's puts to this appliance take this much longer (a slow
+    /// management path: its lcores take epochs late, or skip one).
+    pub slow_puts: Option<(u16, u64)>,
 }
 
 /// The first thing that happens to an appliance.
@@ -223,6 +232,10 @@ impl ReplicaCase {
             at_us: rng.gen_range(0..30_000),
             for_us: rng.gen_range(100..50_000),
         });
+        let lose = rng.gen_bool(0.2);
+        let slow_puts = rng
+            .gen_bool(0.3)
+            .then(|| (rng.gen_range(0..appliances), rng.gen_range(1_000..30_000)));
         ReplicaCase {
             replicas,
             racks,
@@ -231,6 +244,8 @@ impl ReplicaCase {
             control_us,
             then_kill,
             control_down,
+            lose,
+            slow_puts,
         }
     }
 }
@@ -275,6 +290,8 @@ pub(crate) struct Control {
     then_done: bool,
     /// Control came back from its [`ControlDown`].
     restarted: bool,
+    /// Control failed the job, for this reason ([`ReplicaCase::lose`]).
+    pub(crate) failed: Option<String>,
 }
 
 impl Control {
@@ -307,6 +324,7 @@ impl Control {
             first_done: false,
             then_done: false,
             restarted: false,
+            failed: None,
         }
     }
 
@@ -523,6 +541,10 @@ impl World<'_> {
             self.deliver_puts();
             return;
         }
+        if self.rep().failed.is_some() {
+            self.answer_asks();
+            return;
+        }
         // Declarations.
         for a in 0..usize::from(self.case.appliances) {
             let c = self.rep();
@@ -671,7 +693,7 @@ impl World<'_> {
                 view = v;
             }
         }
-        if c.layout.lost_part(&view).is_some() {
+        if c.layout.lost_part(&view).is_some() && !self.rc().lose {
             let settling = (0..self.total_lcores()).any(|g| !self.lcores[g].down && lags(g));
             if settling || c.copying.is_some() || self.copies_under_way() {
                 let later = self.now + WATCH_US;
@@ -724,7 +746,13 @@ impl World<'_> {
             return;
         };
         if let Some(p) = c.layout.lost_part(&view) {
-            panic!("appliance {a} declared down at {now} µs loses part {p}: the draws should have kept it");
+            assert!(
+                self.rc().lose,
+                "appliance {a} declared down at {now} µs loses part {p}: the draws should have kept it"
+            );
+            let why = format!("appliance {a} is down and part {p} has no live member left");
+            self.fail_job(why);
+            return;
         }
         if c.copying.is_some_and(|(i, _, _)| i == a) {
             c.copying = None;
@@ -769,11 +797,24 @@ impl World<'_> {
         let l = usize::from(self.case.lcores);
         let mut puts = Vec::new();
         for a in (0..usize::from(self.case.appliances)).filter(|&a| a != except && !view.is_down(a)) {
+            let slow = self.put_lag(a);
             for g in a * l..(a + 1) * l {
-                puts.push((self.now + self.rng.gen_range(0..=control_us), g, view.clone()));
+                puts.push((
+                    self.now + slow + self.rng.gen_range(0..=control_us),
+                    g,
+                    view.clone(),
+                ));
             }
         }
         self.rep_mut().puts.extend(puts);
+    }
+
+    /// How much longer control's puts to index `a` take ([`ReplicaCase::slow_puts`]).
+    fn put_lag(&self, a: usize) -> u64 {
+        self.rc()
+            .slow_puts
+            .filter(|&(s, _)| usize::from(s) == a)
+            .map_or(0, |(_, lag)| lag)
     }
 
     /// The epochs due reach their lcores.
@@ -788,9 +829,29 @@ impl World<'_> {
             }
             match lc.shard.change_epoch(JOB, &view) {
                 Ok(_) => lc.view = Some(view),
+                Err(e @ phub_engine::EngineError::PartLost { .. }) if self.rc().lose => {
+                    // Answered 410: control fails the job with the answer.
+                    self.fail_job(format!("lcore {g}: {e}"));
+                    return;
+                }
                 Err(e) => panic!("lcore {g}: epoch {} refused: {e}", view.epoch),
             }
             self.drain(g);
+        }
+    }
+
+    /// Control fails the job (`why`): it changes nothing more of it, and
+    /// answers every epoch question with the reason.
+    fn fail_job(&mut self, why: String) {
+        let c = self.rep_mut();
+        if c.failed.is_none() {
+            c.failed = Some(why);
+            c.puts.clear();
+            c.watch_at = None;
+            c.copying = None;
+            c.replace_at = None;
+            c.back_at.iter_mut().for_each(|b| *b = None);
+            self.outcome.jobs_failed += 1;
         }
     }
 
@@ -978,6 +1039,12 @@ impl World<'_> {
     fn answer_asks(&mut self) {
         let now = self.now;
         for (_, i, wanted, asked) in take_due(&mut self.rep_mut().asks, |q| q.0 <= now) {
+            if let Some(why) = self.rep().failed.clone() {
+                // Control answers 409 with the reason; the rank's requests
+                // end with it.
+                self.ranks[i].t.job_failed(&why);
+                continue;
+            }
             let view = self.rep().view.clone();
             if view.epoch >= wanted {
                 let t = self.at(now);
@@ -1127,6 +1194,11 @@ impl World<'_> {
             .puts
             .extend(lagging.into_iter().map(|g| (0, g, view.clone())));
         self.deliver_puts();
+        // A part lost after the last round (an lcore answers such an
+        // epoch 410 only now): nothing is left to compare.
+        if self.rep().failed.is_some() {
+            return;
+        }
         let view = self.rep().view.clone();
         let total: u64 = self.rep().runs.iter().map(|r| r.count).sum();
         let last = self.case.rounds;

@@ -1393,6 +1393,8 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 detect_us: 1_000,
                 control_us: 300,
                 control_down,
+                lose: false,
+                slow_puts: None,
                 then_kill,
             });
             let o = run(&c);

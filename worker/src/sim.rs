@@ -149,6 +149,18 @@ impl SimTransport {
         self.t.set_epoch(now, view)
     }
 
+    /// Control answered that job `job` failed (`message`, its reason):
+    /// every request in flight ends with [`WorkerError::JobFailed`], as
+    /// the I/O thread ends them when its epoch fetch hears so.
+    pub fn job_failed(&mut self, message: &str) {
+        let job = self.job;
+        self.t.epoch_unavailable(|| WorkerError::JobFailed {
+            job,
+            url: "simulated control".to_string(),
+            message: message.to_string(),
+        });
+    }
+
     /// Submits a request of `kind` for every chunk in `chunks` of `key`
     /// (`elements` long) in `round`, carrying `values` (the key's, encoded
     /// into the job's dtype; `None`: no payload, as for a PULL or another
