@@ -1257,7 +1257,8 @@ fn restored_tables_whose_ranks_had_moved_on() {
 /// control down while a kill is to be declared, and while a drain is
 /// asked for (with three replicas, another appliance killed during the
 /// spare's copy); one killed and replaced by a spare (`--spare-after-ms`),
-/// then another killed. Every RESULT is the reference's, leaves only once the chunk's backups
+/// then another killed; two replicas, both members of a part killed: the
+/// job fails and every rank stops with control's reason. Every RESULT is the reference's, leaves only once the chunk's backups
 /// hold its round, no answered round is lost, and at the end every backup
 /// holding a round is its primary's bits.
 #[test]
@@ -1349,6 +1350,18 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 after_us: 300,
             }),
         ),
+        (
+            2,
+            ReplicaEvent::Kill {
+                appliance: 1,
+                at_us: 2_000,
+                back_us: None,
+            },
+            Some(ThenKill::Other {
+                appliance: 2,
+                after_us: 300,
+            }),
+        ),
     ];
     // What each play must have done in every seed: (kills, returns,
     // drains, times back to full strength, control restarts).
@@ -1361,6 +1374,7 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
         (1, 1, 0, 1, 1),
         (1, 0, 1, 1, 1),
         (2, 0, 1, 1, 0),
+        (2, 0, 0, 0, 0),
     ];
     for (i, (replicas, event, then_kill)) in plays.into_iter().enumerate() {
         // Plays 5 and 6: control is down while the kill is to be
@@ -1393,7 +1407,8 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 detect_us: 1_000,
                 control_us: 300,
                 control_down,
-                lose: false,
+                // Play 8 loses a part (both members of b's set die).
+                lose: i == 8,
                 slow_puts: None,
                 then_kill,
             });
@@ -1411,10 +1426,25 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
             );
             // Play 7's move is a dead appliance's replacement.
             assert_eq!(o.replaced, u64::from(i == 7), "{c:?}: replaced");
-            // (Play 1 ends with one appliance of three: no backup left.)
-            assert!(o.backups_checked > 0 || i == 1, "{c:?}: no backup checked");
+            // Play 8's job fails: control fails it on b's part, and every
+            // rank stops with that reason.
+            let failed = (o.jobs_failed, o.ranks_stopped);
+            assert_eq!(
+                failed,
+                if i == 8 { (1, 5) } else { (0, 0) },
+                "{c:?}: (jobs failed, ranks stopped)"
+            );
+            // (Play 1 ends with one appliance of three, play 8 failed: no
+            // backup left to compare.)
+            assert!(
+                o.backups_checked > 0 || i == 1 || i == 8,
+                "{c:?}: no backup checked"
+            );
             assert!(o.epochs_asked > 0, "{c:?}: no worker asked control for an epoch");
-            assert_faults_happened(&c, &o);
+            // (A failed job ends early, before any result is re-obtained.)
+            if i != 8 {
+                assert_faults_happened(&c, &o);
+            }
         });
     }
 }
