@@ -111,17 +111,11 @@ fn sixty_four_workers_with_heavy_loss() {
     for_seeds(100, 1, "seeds", |base| {
         for (i, optimizer) in optimizers().into_iter().enumerate() {
             let c = Case {
-                replication: None,
-                tables: Vec::new(),
-                seed: base + i as u64,
                 workers: 64,
                 appliances: 1,
                 lcores: 4,
                 keys: vec![300, 5],
-                dtype: Dtype::F32,
                 chunk_bytes: 256,
-                optimizer,
-                consistency: Consistency::Sync,
                 rounds: 4,
                 window: 4,
                 faults: Faults {
@@ -132,11 +126,7 @@ fn sixty_four_workers_with_heavy_loss() {
                     jitter_us: 300,
                 },
                 compute_us: 200,
-                racks: 0,
-                partition: None,
-                clog: None,
-                rejoin: None,
-                crash: None,
+                ..case(base + i as u64, Consistency::Sync, optimizer, Dtype::F32)
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -151,26 +141,20 @@ fn one_worker_no_faults_and_worker_counts_in_between() {
         for (i, workers) in [1u16, 2, 3, 17, 33].into_iter().enumerate() {
             let clean = workers == 1;
             let c = Case {
-                replication: None,
-                tables: Vec::new(),
-                seed: base + i as u64,
                 workers,
                 appliances: 1,
-                lcores: 2,
                 keys: vec![1000, 1],
-                dtype: Dtype::ALL[i % 3],
                 chunk_bytes: 512,
-                optimizer: optimizers()[i % 7],
-                consistency: Consistency::Sync,
                 rounds: 5,
                 window: 16,
                 faults: if clean { Faults::NONE } else { lossy() },
                 compute_us: 100,
-                racks: 0,
-                partition: None,
-                clog: None,
-                rejoin: None,
-                crash: None,
+                ..case(
+                    base + i as u64,
+                    Consistency::Sync,
+                    optimizers()[i % 7],
+                    Dtype::ALL[i % 3],
+                )
             };
             let o = run(&c);
             if clean {
@@ -196,26 +180,20 @@ fn bounded_delay_holds_answers_within_tau() {
         .enumerate()
         {
             let c = Case {
-                replication: None,
-                tables: Vec::new(),
-                seed: base + i as u64,
                 workers: 16,
                 appliances: 1,
                 lcores: 3,
                 keys: vec![48 * 32],
-                dtype,
                 chunk_bytes: 32 * dtype.size() as u32,
-                optimizer,
-                consistency: Consistency::Bounded { delay: tau },
                 rounds: 40,
                 window: 64,
-                faults: lossy(),
                 compute_us: 300,
-                racks: 0,
-                partition: None,
-                clog: None,
-                rejoin: None,
-                crash: None,
+                ..case(
+                    base + i as u64,
+                    Consistency::Bounded { delay: tau },
+                    optimizer,
+                    dtype,
+                )
             };
             let o = run(&c);
             eprintln!("τ = {tau}: {o:?}");
@@ -233,29 +211,21 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
     for_seeds(400, 1, "seeds", |base| {
         for (i, dtype) in [Dtype::F32, Dtype::Bf16].into_iter().enumerate() {
             let c = Case {
-                replication: None,
-                tables: Vec::new(),
-                seed: base + i as u64,
                 workers: 8,
-                appliances: 2,
-                lcores: 2,
                 keys: vec![16 * 32, 7],
-                dtype,
                 chunk_bytes: 32 * dtype.size() as u32,
-                optimizer: Optimizer::Sgd {
-                    lr: 0.25,
-                    weight_decay: 0.0,
-                },
-                consistency: Consistency::Bounded { delay: 0 },
                 rounds: 20,
                 window: 16,
-                faults: lossy(),
                 compute_us: 300,
-                racks: 0,
-                partition: None,
-                clog: None,
-                rejoin: None,
-                crash: None,
+                ..case(
+                    base + i as u64,
+                    Consistency::Bounded { delay: 0 },
+                    Optimizer::Sgd {
+                        lr: 0.25,
+                        weight_decay: 0.0,
+                    },
+                    dtype,
+                )
             };
             assert_faults_happened(&c, &run(&c));
         }
@@ -366,20 +336,8 @@ fn a_rank_leaves_and_rejoins() {
 fn loss_timer_starvation_after_a_rejoin() {
     // Case::draw(7348), written out so that it stays this case.
     run(&Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 7348,
-        workers: 5,
-        appliances: 2,
         lcores: 3,
         keys: vec![215, 207, 116, 218],
-        dtype: Dtype::F32,
-        chunk_bytes: 128,
-        optimizer: Optimizer::Sgd {
-            lr: 0.01,
-            weight_decay: 0.001,
-        },
-        consistency: Consistency::Bounded { delay: 0 },
         rounds: 12,
         window: 31,
         faults: Faults {
@@ -389,17 +347,22 @@ fn loss_timer_starvation_after_a_rejoin() {
             delay_us: (26, 275),
             jitter_us: 104,
         },
-        partition: None,
-        clog: None,
         rejoin: Some(Rejoin {
             rank: 0,
             round: 1,
             mid_round_us: Some(26),
             away_us: 23_790,
         }),
-        crash: None,
         compute_us: 1648,
-        racks: 0,
+        ..case(
+            7348,
+            Consistency::Bounded { delay: 0 },
+            Optimizer::Sgd {
+                lr: 0.01,
+                weight_decay: 0.001,
+            },
+            Dtype::F32,
+        )
     });
 }
 
@@ -536,20 +499,11 @@ fn a_rack_appliance_crashes_in_a_hierarchical_job() {
 #[test]
 fn restore_from_an_older_checkpoint() {
     run(&Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 476,
         workers: 2,
         appliances: 1,
         lcores: 1,
         keys: vec![35, 297, 190],
-        dtype: Dtype::Bf16,
         chunk_bytes: 192,
-        optimizer: Optimizer::Sgd {
-            lr: 0.01,
-            weight_decay: 0.001,
-        },
-        consistency: Consistency::Sync,
         rounds: 4,
         window: 16,
         faults: Faults {
@@ -559,9 +513,6 @@ fn restore_from_an_older_checkpoint() {
             delay_us: (36, 226),
             jitter_us: 12,
         },
-        partition: None,
-        clog: None,
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 15_130,
@@ -569,7 +520,15 @@ fn restore_from_an_older_checkpoint() {
             down_us: 44_656,
         }),
         compute_us: 1950,
-        racks: 0,
+        ..case(
+            476,
+            Consistency::Sync,
+            Optimizer::Sgd {
+                lr: 0.01,
+                weight_decay: 0.001,
+            },
+            Dtype::Bf16,
+        )
     });
 }
 
@@ -592,17 +551,10 @@ fn restore_from_an_older_checkpoint() {
 #[test]
 fn a_checkpoint_before_round_0_completed() {
     let seed_2317 = Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 2317,
         workers: 3,
         appliances: 1,
-        lcores: 2,
         keys: vec![261, 55, 102, 188],
-        dtype: Dtype::F32,
         chunk_bytes: 192,
-        optimizer: Optimizer::Mean,
-        consistency: Consistency::Sync,
         rounds: 5,
         window: 19,
         faults: Faults {
@@ -612,13 +564,11 @@ fn a_checkpoint_before_round_0_completed() {
             delay_us: (14, 392),
             jitter_us: 133,
         },
-        partition: None,
         clog: Some(Spell {
             node: Node::Worker(2),
             from_us: 10_124,
             until_us: 84_270,
         }),
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 14,
@@ -626,7 +576,7 @@ fn a_checkpoint_before_round_0_completed() {
             down_us: 6_534,
         }),
         compute_us: 805,
-        racks: 0,
+        ..case(2317, Consistency::Sync, Optimizer::Mean, Dtype::F32)
     };
     let seed_3284 = Case {
         seed: 3284,
@@ -690,23 +640,10 @@ fn a_checkpoint_before_round_0_completed() {
 #[test]
 fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     let o = run(&Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 9773,
         workers: 3,
         appliances: 1,
         lcores: 1,
         keys: vec![259, 51, 179],
-        dtype: Dtype::F16,
-        chunk_bytes: 128,
-        optimizer: Optimizer::Adamw {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        consistency: Consistency::Sync,
         rounds: 3,
         window: 5,
         faults: Faults {
@@ -739,7 +676,18 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
             down_us: 23_184,
         }),
         compute_us: 751,
-        racks: 0,
+        ..case(
+            9773,
+            Consistency::Sync,
+            Optimizer::Adamw {
+                lr: 0.001,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            Dtype::F16,
+        )
     });
     assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
 }
@@ -764,21 +712,10 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
 #[test]
 fn a_held_answer_and_a_rank_repeating_older_clocks() {
     let o = run(&Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 4155,
         workers: 8,
-        appliances: 2,
         lcores: 3,
         keys: vec![227],
-        dtype: Dtype::F32,
         chunk_bytes: 64,
-        optimizer: Optimizer::Momentum {
-            lr: 0.01,
-            momentum: 0.9,
-            weight_decay: 0.001,
-        },
-        consistency: Consistency::Bounded { delay: 0 },
         rounds: 12,
         window: 10,
         faults: Faults {
@@ -788,9 +725,6 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
             delay_us: (48, 100),
             jitter_us: 198,
         },
-        partition: None,
-        clog: None,
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 16_807,
@@ -798,7 +732,16 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
             down_us: 27_926,
         }),
         compute_us: 685,
-        racks: 0,
+        ..case(
+            4155,
+            Consistency::Bounded { delay: 0 },
+            Optimizer::Momentum {
+                lr: 0.01,
+                momentum: 0.9,
+                weight_decay: 0.001,
+            },
+            Dtype::F32,
+        )
     });
     assert_eq!(o.restored, 1, "{o:?}");
     assert!(o.held > 0, "no answer was held: {o:?}");
@@ -817,17 +760,10 @@ fn a_held_answer_and_a_rank_repeating_older_clocks() {
 #[test]
 fn a_hierarchical_rank_rejoining_with_a_small_window() {
     let o = run(&Case {
-        replication: None,
-        tables: Vec::new(),
-        seed: 388,
         workers: 7,
         appliances: 3,
-        lcores: 2,
         keys: vec![297, 281],
-        dtype: Dtype::F32,
         chunk_bytes: 192,
-        optimizer: Optimizer::Sum,
-        consistency: Consistency::Sync,
         rounds: 5,
         window: 2,
         faults: Faults {
@@ -837,17 +773,15 @@ fn a_hierarchical_rank_rejoining_with_a_small_window() {
             delay_us: (16, 328),
             jitter_us: 48,
         },
-        partition: None,
-        clog: None,
         rejoin: Some(Rejoin {
             rank: 0,
             round: 2,
             mid_round_us: Some(335),
             away_us: 12_830,
         }),
-        crash: None,
         compute_us: 976,
         racks: 3,
+        ..case(388, Consistency::Sync, Optimizer::Sum, Dtype::F32)
     });
     assert_eq!(o.rejoined, 1, "{o:?}");
 }
@@ -947,22 +881,9 @@ fn a_seed_replays_exactly() {
 #[test]
 fn a_table_push_after_a_restore_from_an_older_checkpoint() {
     let o = run(&Case {
-        replication: None,
-        seed: 543,
         workers: 2,
-        appliances: 2,
-        lcores: 2,
         keys: vec![207, 162, 133, 291],
-        dtype: Dtype::F16,
         chunk_bytes: 192,
-        optimizer: Optimizer::Adamw {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        consistency: Consistency::Sync,
         rounds: 3,
         window: 17,
         faults: Faults::NONE,
@@ -976,14 +897,12 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
             from_us: 15628,
             until_us: 157_462,
         }),
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 1750,
             at_us: 14892,
             down_us: 40538,
         }),
-        racks: 0,
         compute_us: 1597,
         tables: vec![
             TableCase {
@@ -1013,6 +932,18 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 touch: 4,
             },
         ],
+        ..case(
+            543,
+            Consistency::Sync,
+            Optimizer::Adamw {
+                lr: 0.001,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            Dtype::F16,
+        )
     });
     assert_eq!(o.restored, 1);
     assert!(o.table_rounds_caught_up > 0, "{o:?}");
@@ -1081,22 +1012,11 @@ fn tables_with_every_row_optimizer_in_every_mode() {
 #[test]
 fn a_table_round_answered_in_part_before_an_older_restore() {
     let o = run(&Case {
-        replication: None,
-        seed: 6816,
         workers: 2,
         appliances: 1,
         lcores: 1,
         keys: vec![220, 94],
-        dtype: Dtype::Bf16,
         chunk_bytes: 64,
-        optimizer: Optimizer::Adamw {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
-        consistency: Consistency::Sync,
         rounds: 5,
         window: 30,
         faults: Faults {
@@ -1106,16 +1026,12 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             delay_us: (46, 371),
             jitter_us: 188,
         },
-        partition: None,
-        clog: None,
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 459,
             at_us: 1493,
             down_us: 39_013,
         }),
-        racks: 0,
         compute_us: 1689,
         tables: vec![TableCase {
             dim: 4,
@@ -1125,6 +1041,18 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             ids: 230,
             touch: 23,
         }],
+        ..case(
+            6816,
+            Consistency::Sync,
+            Optimizer::Adamw {
+                lr: 0.001,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.01,
+            },
+            Dtype::Bf16,
+        )
     });
     assert_eq!(o.restored, 1);
     assert!(o.table_rounds_caught_up > 0, "{o:?}");
@@ -1148,20 +1076,11 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
 #[test]
 fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
     let o = run(&Case {
-        replication: None,
-        seed: 10_066,
         workers: 2,
         appliances: 1,
         lcores: 3,
         keys: vec![212, 53, 177, 70],
-        dtype: Dtype::Bf16,
         chunk_bytes: 64,
-        optimizer: Optimizer::Momentum {
-            lr: 0.01,
-            momentum: 0.9,
-            weight_decay: 0.001,
-        },
-        consistency: Consistency::Sync,
         rounds: 5,
         window: 3,
         faults: Faults {
@@ -1171,20 +1090,17 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
             delay_us: (19, 135),
             jitter_us: 180,
         },
-        partition: None,
         clog: Some(Spell {
             node: Node::Worker(1),
             from_us: 9781,
             until_us: 184_998,
         }),
-        rejoin: None,
         crash: Some(Crash {
             appliance: 0,
             checkpoint_us: 9103,
             at_us: 14_038,
             down_us: 5455,
         }),
-        racks: 0,
         compute_us: 1910,
         tables: vec![
             TableCase {
@@ -1214,6 +1130,16 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 touch: 21,
             },
         ],
+        ..case(
+            10_066,
+            Consistency::Sync,
+            Optimizer::Momentum {
+                lr: 0.01,
+                momentum: 0.9,
+                weight_decay: 0.001,
+            },
+            Dtype::Bf16,
+        )
     });
     assert_eq!(o.restored, 1, "{o:?}");
 }
