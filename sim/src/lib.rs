@@ -1317,7 +1317,7 @@ impl<'c> World<'c> {
                 );
             }
             Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded
-                if !row && !World::is_replica(bytes) =>
+                if !row && !phub_proto::replica::is_replica_message(bytes) =>
             {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
                 let fresh = self.applied.insert((

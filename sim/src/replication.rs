@@ -422,20 +422,12 @@ impl World<'_> {
 
     /// Where index `a` is served in `view`: its own appliance's host, or
     /// the spare a drain moved it to.
-    fn host_of(a: usize, view: &EpochView) -> (Ipv4Addr, u16) {
-        let own = || -> (Ipv4Addr, u16) {
-            let a = u16::try_from(a).expect("few appliances");
-            let ip = Node::appliance_host(a).parse().expect("an IPv4 host");
-            (ip, a)
+    fn host_of(a: usize, view: &EpochView) -> Ipv4Addr {
+        let host = match view.moved_to(a) {
+            Some(m) => m.data.host.clone(),
+            None => Node::appliance_host(u16::try_from(a).expect("few appliances")),
         };
-        match view.moved_to(a) {
-            Some(m) => {
-                let ip: Ipv4Addr = m.data.host.parse().expect("a moved index's host is IPv4");
-                let [_, _, hi, lo] = ip.octets();
-                (ip, u16::from_be_bytes([hi, lo]))
-            }
-            None => own(),
-        }
+        host.parse().expect("a simulated appliance's host is IPv4")
     }
 
     /// Index `me`'s shards as the dataplane installs the job at `view`
@@ -444,7 +436,7 @@ impl World<'_> {
         let rc = self.rc();
         let n = usize::from(self.case.appliances);
         let appliances: Vec<(Ipv4Addr, u16, u16)> = (0..n)
-            .map(|a| (Self::host_of(a, view).0, 9000, self.case.lcores))
+            .map(|a| (Self::host_of(a, view), 9000, self.case.lcores))
             .collect();
         let me16 = u16::try_from(me).expect("few appliances");
         let plan = match replica_plan_at(&self.spec, &self.rep().runs, &appliances, &rc.racks, me16, view) {
@@ -898,8 +890,9 @@ impl World<'_> {
     }
 
     /// Index `a`'s lcores become `shards` (installed at `view`): the old
-    /// ones are gone, or kept at the end of `lcores` as `retired` at the
-    /// node `old_node` (a drained appliance, alive until evicted).
+    /// ones are gone, or, when the index `moved_to` another appliance (a
+    /// drain), the new ones take that appliance's nodes and the old ones
+    /// are kept at the end of `lcores` (alive until evicted).
     fn install_index(
         &mut self,
         a: usize,
@@ -1254,12 +1247,6 @@ impl World<'_> {
                 self.outcome.backups_checked += 1;
             }
         }
-    }
-
-    /// Whether `bytes` is a replication message (not counted as a
-    /// worker's contribution).
-    pub(crate) fn is_replica(bytes: &[u8]) -> bool {
-        phub_proto::replica::is_replica_message(bytes)
     }
 
     /// The RESULT in `bytes` (a worker-bound datagram from position `l`),

@@ -63,6 +63,15 @@ fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype)
     }
 }
 
+/// The AdamW of [`optimizers`] (lr 1e-3, weight decay 1e-2), which the
+/// seeds replayed below drew.
+fn adamw() -> Optimizer {
+    optimizers()
+        .into_iter()
+        .find(|o| matches!(o, Optimizer::Adamw { .. }))
+        .expect("the simulator's optimizers have AdamW")
+}
+
 /// Every fault happened and was recovered from.
 fn assert_faults_happened(c: &Case, o: &Outcome) {
     assert!(o.net.lost > 0, "{c:?}: no datagram was lost");
@@ -583,13 +592,7 @@ fn a_checkpoint_before_round_0_completed() {
         workers: 6,
         keys: vec![17, 221],
         dtype: Dtype::F16,
-        optimizer: Optimizer::Adamw {
-            lr: 0.001,
-            beta1: 0.9,
-            beta2: 0.999,
-            eps: 1e-8,
-            weight_decay: 0.01,
-        },
+        optimizer: adamw(),
         window: 6,
         faults: Faults {
             loss: 0.171_614_372_978_619_1,
@@ -676,18 +679,7 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
             down_us: 23_184,
         }),
         compute_us: 751,
-        ..case(
-            9773,
-            Consistency::Sync,
-            Optimizer::Adamw {
-                lr: 0.001,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.01,
-            },
-            Dtype::F16,
-        )
+        ..case(9773, Consistency::Sync, adamw(), Dtype::F16)
     });
     assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
 }
@@ -932,18 +924,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 touch: 4,
             },
         ],
-        ..case(
-            543,
-            Consistency::Sync,
-            Optimizer::Adamw {
-                lr: 0.001,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.01,
-            },
-            Dtype::F16,
-        )
+        ..case(543, Consistency::Sync, adamw(), Dtype::F16)
     });
     assert_eq!(o.restored, 1);
     assert!(o.table_rounds_caught_up > 0, "{o:?}");
@@ -1041,18 +1022,7 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             ids: 230,
             touch: 23,
         }],
-        ..case(
-            6816,
-            Consistency::Sync,
-            Optimizer::Adamw {
-                lr: 0.001,
-                beta1: 0.9,
-                beta2: 0.999,
-                eps: 1e-8,
-                weight_decay: 0.01,
-            },
-            Dtype::Bf16,
-        )
+        ..case(6816, Consistency::Sync, adamw(), Dtype::Bf16)
     });
     assert_eq!(o.restored, 1);
     assert!(o.table_rounds_caught_up > 0, "{o:?}");
