@@ -393,6 +393,10 @@ pub struct Outcome {
     pub restored: u64,
     /// Requests refused `ahead` (by a restored appliance).
     pub refused_ahead: u64,
+    /// Times a stalled rank's PULL found an lcore it had nothing out on
+    /// restored behind a round it had answered (its requests then fail
+    /// `ahead`, counted in `refused_ahead` too).
+    pub lcores_found_behind: u64,
     /// Pulls refused `nothing_to_pull` (a chunk with no round: an
     /// appliance restored from a checkpoint taken before round 0
     /// completed, or a rejoin before it completed), each followed by the
@@ -1034,7 +1038,8 @@ impl<'c> World<'c> {
             &config,
             now,
         );
-        self.ranks[i].t = t;
+        let old = std::mem::replace(&mut self.ranks[i].t, t);
+        self.outcome.lcores_found_behind += old.stats().lcores_found_behind;
         self.ranks[i].received = 0;
         self.route_rank(i);
         self.pull_all(i);
@@ -1850,6 +1855,7 @@ impl<'c> World<'c> {
         );
         for r in &self.ranks {
             o.retransmits += r.t.stats().retransmits;
+            o.lcores_found_behind += r.t.stats().lcores_found_behind;
             if let Some(rt) = &r.rt {
                 o.retransmits += rt.stats().row_retransmits;
                 o.table_rounds_caught_up += rt.stats().row_rounds_caught_up;

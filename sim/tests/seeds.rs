@@ -684,6 +684,54 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
 }
 
+/// The soak's seed 81589, fixed: seven ranks over two appliances (one
+/// lcore each), key 0 on appliance 0, key 1 mostly on appliance 1. Rank 5
+/// left in round 1 after pushing key 1's round 1, and rejoined while
+/// appliance 1 was down; appliance 1 came back from a checkpoint taken
+/// before round 0 completed, holding rank 1's INITs and rank 5's. Rank 5
+/// pulled, was told `nothing_to_pull` on key 1 and sent its INITs again,
+/// which waited for the others'; the others waited on appliance 0 for
+/// rank 5's key-0 round 1, which it sends once its INITs are answered, and
+/// had nothing out on appliance 1, so nothing told them of the restore:
+/// every rank timed out after 30 s. Now a stalled rank PULLs the last
+/// chunk answered on each lcore it has nothing out on (PROTOCOL.md §6.1,
+/// "A stalled rank"): appliance 1's `nothing_to_pull` fails its requests
+/// `ahead`, and it pulls every key and repeats from there.
+#[test]
+fn a_restore_behind_ranks_with_nothing_out_on_the_restored_appliance() {
+    let o = run(&Case {
+        workers: 7,
+        lcores: 1,
+        keys: vec![113, 287],
+        chunk_bytes: 64,
+        rounds: 3,
+        window: 15,
+        faults: Faults {
+            loss: 0.020_251_275_903_035_194,
+            dup: 0.021_523_346_973_308_09,
+            reorder: 0.042_745_327_932_248_216,
+            delay_us: (22, 233),
+            jitter_us: 75,
+        },
+        rejoin: Some(Rejoin {
+            rank: 5,
+            round: 1,
+            mid_round_us: Some(484),
+            away_us: 29_401,
+        }),
+        crash: Some(Crash {
+            appliance: 1,
+            checkpoint_us: 220,
+            at_us: 7339,
+            down_us: 40_152,
+        }),
+        compute_us: 898,
+        ..case(81_589, Consistency::Sync, adamw(), Dtype::Bf16)
+    });
+    assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
+    assert!(o.lcores_found_behind > 0, "{o:?}");
+}
+
 /// A finding of the soak with `Case::draw`'s guard lifted that keeps
 /// checkpoints older than the crash from windows smaller than a round,
 /// fixed: seed 4155 (bounded delay

@@ -37,6 +37,8 @@ phub_proto::counter_table! {
         injected_dups: Count, Hidden, "Datagrams the fault injector duplicated, both directions";
         injected_reorders: Count, Hidden, "Datagrams the fault injector held back behind later ones, both directions";
         injected_delays: Count, Hidden, "Datagrams the fault injector held back for its `delay_ms`, both directions";
+        lcores_probed: Count, Hidden, "PULLs a rank sent, after a silence, to lcores it had nothing out on, to learn whether one was restored behind rounds it had answered (PROTOCOL.md §6.1)";
+        lcores_found_behind: Count, Hidden, "Times such a PULL found its lcore behind a round it had answered, and every request failed `ahead` (the caller pulls every key and repeats the rounds since)";
         row_messages_sent: Count, Hidden, "Table messages (ROW_PUSH, ROW_END, ROW_PULL) sent for the first time";
         row_retransmits: Count, Hidden, "Table messages sent again after their retransmission timeout";
         row_answers_accepted: Count, Hidden, "Table answers (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT) accepted for an outstanding message";

@@ -92,6 +92,7 @@ mod rows;
 mod rto;
 #[cfg(test)]
 mod tests;
+mod watch;
 mod window;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -116,6 +117,7 @@ pub(crate) use row_plan::{plan_pull, plan_push, RowPlan, TableInfo};
 pub(crate) use rows::unknown_table;
 pub(crate) use rows::{RowFinished, RowOutput, RowRequest, RowTransport};
 use rto::Rto;
+use watch::{Verdict, Watch};
 pub(crate) use window::AutoWindow;
 use window::FlowWindow;
 
@@ -143,6 +145,10 @@ pub(crate) const TICK: Duration = Duration::from_millis(1);
 pub(crate) const SILENT_SENDS: u32 = 3;
 /// A silence asks control for the epoch at most this often.
 pub(crate) const EPOCH_ASK_GAP: Duration = Duration::from_millis(100);
+/// Batches of resends in one silence after which a flat, unreplicated
+/// job's rank asks the lcores it has nothing out on where they stand
+/// ([`watch`]): by then the silence is several RTOs long.
+const PROBE_AFTER: u32 = 2;
 
 /// What the transport needs to know about the job.
 #[derive(Debug, Clone)]
@@ -467,6 +473,9 @@ pub(crate) struct Transport<D> {
     epoch_wanted: Option<u32>,
     /// When a silence last asked for the epoch.
     epoch_asked: Option<Instant>,
+    /// The last chunk answered on each lcore, asked for once a silence
+    /// goes on ([`watch`]; flat, unreplicated jobs).
+    watch: Watch,
 }
 
 /// A key's chunk `i`'s place in the order a hierarchical job's ranks send
@@ -694,6 +703,7 @@ impl<D> Transport<D> {
             routing: None,
             epoch_wanted: None,
             epoch_asked: None,
+            watch: Watch::default(),
         }
     }
 
@@ -898,6 +908,11 @@ impl<D> Transport<D> {
                 Datagram { to: m.to, head, body }
             })
         }));
+        out.extend(
+            self.watch
+                .hand_out()
+                .map(|(to, head)| Datagram { to, head, body: &[] }),
+        );
     }
 
     /// The next instant [`Transport::handle_timeout`] may have something to
@@ -1024,6 +1039,11 @@ impl<D> Transport<D> {
                 }
                 add(&self.stats.results_ignored, 1);
                 return;
+            }
+        }
+        if self.watches() {
+            if let Verdict::Behind { key, chunk, round } = self.watch.on_answer(&self.info, &repr, from) {
+                self.restored_behind(key, chunk, round);
             }
         }
         let Some(id) = self.waiting_for(&repr) else {
@@ -1178,7 +1198,10 @@ impl<D> Transport<D> {
         req.remaining -= 1;
         req.min_round = req.min_round.min(repr.round);
         let done = req.remaining == 0;
-        let lcore = o.msg.lcore;
+        let (lcore, slot, to) = (o.msg.lcore, o.msg.slot, o.msg.to);
+        if self.watches() {
+            self.watch.answered(lcore, k.key, k.chunk, slot, to, repr.round);
+        }
         self.answered(now, k);
         self.note_share(lcore, rx_share);
         if done {
@@ -1457,6 +1480,20 @@ impl<D> Transport<D> {
             self.loss.last_resend = now;
             self.loss.quiet_backoff += 1;
             self.ask_epoch_if_silent(now, &late);
+            if self.loss.quiet_backoff >= PROBE_AFTER && self.watches() {
+                let mut busy = Vec::new();
+                for o in self.table.outstanding.values() {
+                    let l = usize::from(o.msg.lcore);
+                    if busy.len() <= l {
+                        busy.resize(l + 1, false);
+                    }
+                    busy[l] = true;
+                }
+                let asked = self
+                    .watch
+                    .probe(&self.info, |l| busy.get(usize::from(l)) == Some(&true));
+                add(&self.stats.lcores_probed, asked);
+            }
         }
         add(&self.stats.retransmits, late.len() as u64);
         self.loss.late = late;
@@ -1486,6 +1523,38 @@ impl<D> Transport<D> {
             self.epoch_asked = Some(now);
             let held = routing.epoch().epoch;
             self.epoch_wanted = self.epoch_wanted.max(Some(held));
+        }
+    }
+
+    /// Whether this job's lcores are watched ([`watch`]): a flat job's
+    /// (whose lcores answer in order) that is not replicated (whose
+    /// serving appliances never stand behind a round they answered).
+    fn watches(&self) -> bool {
+        self.info.in_order && self.routing.is_none()
+    }
+
+    /// A probe found an lcore below `round` of `key`'s chunk `chunk`, a
+    /// round it had answered ([`watch`]): every request fails with
+    /// `ahead`, as the lcore would have refused any of them, and the
+    /// caller pulls every key and repeats the rounds since.
+    fn restored_behind(&mut self, key: u32, chunk: u32, round: u32) {
+        add(&self.stats.lcores_found_behind, 1);
+        self.watch.reset();
+        let (reason, _) = describe(DropReason::Ahead.code());
+        let hint = format!(
+            " (a PULL found the appliance no longer holding round {round} of this chunk, which it had \
+             answered: it restarted from an older checkpoint; pull every key and repeat the rounds since)"
+        );
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
+        for id in ids {
+            let err = WorkerError::Refused {
+                key,
+                chunk,
+                round,
+                reason: reason.clone(),
+                hint: hint.clone(),
+            };
+            self.fail(id, err);
         }
     }
 

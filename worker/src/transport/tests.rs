@@ -779,6 +779,135 @@ fn nothing_to_pull_does_not_refuse_an_init_or_push() {
     assert!(matches!(&h.ended()[..], [(0, Ok(_))]));
 }
 
+/// A rank with chunks answered on lcore 1 and a push waiting on lcore 0
+/// (for a slow rank, say): after two silences it PULLs lcore 1's last
+/// answered chunk, with a nonce in the round field.
+fn stalled_with_lcore_one_idle(in_order: bool) -> (Harness, Sent) {
+    let mut h = Harness::of(16, WorkerConfig::default(), in_order);
+    h.push(0, 1, &[1]);
+    assert_eq!(h.poll_chunks(), [(0, 0)]);
+    h.result(0, 0, 1);
+    assert_eq!(h.completed().len(), 1);
+    h.push(1, 1, &[0]);
+    assert_eq!(h.poll_chunks(), [(1, 0)]);
+    // The loss timer: 50 ms, then 100 more (no RTT sample taken at 0 ms
+    // changes it: the first sample is 0).
+    let rto = h.t.loss.rto.loss(0);
+    let mut at = rto;
+    for silence in 1..=2 {
+        h.now = h.t0 + at;
+        assert!(h.tick(), "silence {silence} resends");
+        let sent = h.poll();
+        assert!(
+            sent.iter().any(|s| s.chunk() == (1, 0) && s.retransmit()),
+            "{sent:?}"
+        );
+        let pulls: Vec<Sent> = sent
+            .into_iter()
+            .filter(|s| s.repr.kind == MsgType::Pull)
+            .collect();
+        if silence < PROBE_AFTER || !in_order {
+            assert_eq!(pulls, [], "silence {silence}");
+        } else {
+            assert_eq!(pulls.len(), 1, "{pulls:?}");
+            return (h, pulls[0].clone());
+        }
+        at += h.t.loss.rto.loss(silence);
+    }
+    (
+        h,
+        Sent {
+            to: lcore_addr(9),
+            repr: repr(MsgType::Pull, RANK, 0, 0, 0, 0),
+            values: vec![],
+        },
+    )
+}
+
+/// PROTOCOL.md §6.1, "A stalled rank": an lcore restored from a checkpoint
+/// taken before round 0 completed answers the probe `nothing_to_pull`
+/// (echoing its nonce): every request fails `ahead`, and the caller pulls
+/// every key (the simulator's seed 81589 waited for ever without it).
+#[test]
+fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
+    let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    assert_eq!(pull.to, lcore_addr(1));
+    assert_eq!(
+        (pull.chunk(), pull.repr.slot, pull.repr.count, pull.repr.flags),
+        ((0, 0), slot(0, 0), 0, 0)
+    );
+    assert_eq!(h.stats.snapshot().lcores_probed, 1);
+    // An ERROR echoing another round is not the probe's.
+    let mut e = pull.repr;
+    e.kind = MsgType::Error;
+    e.error = DropReason::NothingToPull.code();
+    e.round = pull.repr.round.wrapping_add(7);
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    assert!(h.ended().is_empty());
+    e.round = pull.repr.round;
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    match &h.ended()[..] {
+        [(
+            1,
+            Err(WorkerError::Refused {
+                key: 0,
+                chunk: 0,
+                round: 1,
+                reason,
+                hint,
+            }),
+        )] => {
+            assert_eq!(reason, "ahead");
+            assert!(hint.contains("pull every key"), "{hint}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let s = h.stats.snapshot();
+    assert_eq!((s.lcores_found_behind, s.results_ignored), (1, 2), "{s:?}");
+    assert!(!h.t.busy());
+}
+
+/// The probe's RESULT: at the round answered before, nothing happens; below
+/// it once (an old RESULT the network held back reads the same) another
+/// PULL goes at once, and below it again fails every request `ahead`.
+#[test]
+fn a_probe_answered_below_the_round_answered_twice_in_a_row_fails_the_requests() {
+    let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    h.result(0, 0, 1);
+    assert!(h.ended().is_empty());
+    assert_eq!(h.poll(), [], "answered where it stood: no more PULLs");
+    h.result(0, 0, 1);
+    h.result(0, 0, 0);
+    assert!(h.ended().is_empty(), "no probe out: an old RESULT is ignored");
+    // The next silence asks again.
+    h.now += h.t.loss.rto.loss(PROBE_AFTER);
+    assert!(h.tick());
+    let again: Vec<Sent> = h
+        .poll()
+        .into_iter()
+        .filter(|s| s.repr.kind == MsgType::Pull)
+        .collect();
+    assert_eq!(again.len(), 1, "{again:?}");
+    assert_ne!(again[0].repr.round, pull.repr.round, "a fresh nonce");
+    h.result(0, 0, 0);
+    assert!(h.ended().is_empty(), "once below could be an old RESULT");
+    let third: Vec<Sent> = h.poll();
+    assert!(
+        matches!(&third[..], [s] if s.repr.kind == MsgType::Pull && s.to == lcore_addr(1)),
+        "{third:?}"
+    );
+    h.result(0, 0, 0);
+    assert!(matches!(&h.ended()[..], [(1, Err(WorkerError::Refused { reason, .. }))] if reason == "ahead"));
+}
+
+/// A hierarchical job's rack lcores answer out of order and stand for
+/// other appliances: nothing is probed there.
+#[test]
+fn a_hierarchical_rank_probes_nothing() {
+    let (h, _) = stalled_with_lcore_one_idle(false);
+    assert_eq!(h.stats.snapshot().lcores_probed, 0);
+}
+
 /// The ERROR an appliance sends each rank as it stops (round, slot, key
 /// and chunk 0) fails every request in flight, those still waiting to be
 /// sent included, at once; with none in flight it is ignored.
@@ -863,6 +992,8 @@ fn simulate(
     let mut round = vec![0u32; keys as usize];
     let mut busy = vec![false; keys as usize];
     let lcores = [0, 1, 0, 1, 0, 1, 0, 1];
+    // The last round each chunk completed at the appliance.
+    let mut completed: HashMap<(u32, u32), u32> = HashMap::new();
     let send = |rng: &mut Rng, in_flight: &mut Vec<_>, now: Instant, result: bool, d: Vec<u8>| {
         if rng.chance(loss) {
             return;
@@ -888,6 +1019,29 @@ fn simulate(
         h.tick();
         let now = h.now;
         for s in h.poll() {
+            if s.repr.kind == MsgType::Pull {
+                // A stalled rank's probe of an idle lcore: the appliance
+                // answers with the last round the chunk completed.
+                let done = completed[&s.chunk()];
+                let r = repr(
+                    MsgType::Result,
+                    APPLIANCE_RANK,
+                    s.repr.key,
+                    s.repr.chunk,
+                    done,
+                    ELEMS,
+                );
+                send(
+                    &mut rng,
+                    &mut in_flight,
+                    now,
+                    true,
+                    datagram(&r, &expected(s.repr.key, s.repr.chunk, done)),
+                );
+                continue;
+            }
+            let done = completed.entry(s.chunk()).or_insert(0);
+            *done = (*done).max(s.repr.round);
             assert_eq!(s.values, grad(s.repr.key, s.repr.chunk, s.repr.round));
             let r = repr(
                 MsgType::Result,
