@@ -63,6 +63,7 @@ fn main() {
                         t.0.net.lost += o.net.lost;
                         t.0.retransmits += o.retransmits;
                         t.0.restored += o.restored;
+                        t.0.lcores_found_behind += o.lcores_found_behind;
                         t.0.rejoined += o.rejoined;
                         t.0.table_pushes += o.table_pushes;
                         t.0.rows_checked += o.rows_checked;
@@ -95,7 +96,7 @@ fn main() {
     failed.sort_unstable();
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
-         ({} lost, {} chunks sent again), {} restores, {} rejoins; {with_tables} passed seeds with tables: \
+         ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped); {:.1} s wall \
          on {threads} threads",
@@ -109,6 +110,7 @@ fn main() {
         o.net.lost,
         o.retransmits,
         o.restored,
+        o.lcores_found_behind,
         o.rejoined,
         o.table_pushes,
         o.rows_checked,
