@@ -165,6 +165,55 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     assert!(num(&v, "wire_bytes_per_row") >= 2.0 * (4.0 * 4.0 + 8.0), "{v}");
 }
 
+/// `sparse --engine-only --checkpoint DIR`: two lcores' stores filled,
+/// updated and read, then written to one checkpoint file each, dropped
+/// and restored: the JSON states the rows and bytes written (a header, a
+/// record per row of its id, touch and values and Adagrad state, and a
+/// checksum, per file) and that the restored rows are the written ones.
+#[test]
+fn sparse_engine_only_checkpoints_and_restores_its_stores() {
+    let json = scratch("sparse-ckpt.json");
+    let dir = scratch("sparse-ckpt");
+    let (ok, out) = bench(&[
+        "sparse",
+        "--engine-only",
+        "--lcores",
+        "2",
+        "--rows",
+        "3000",
+        "--dim",
+        "4",
+        "--batch",
+        "64",
+        "--ops",
+        "2000",
+        "--checkpoint",
+        dir.to_str().unwrap(),
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    assert!(ok, "{out}");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    let c = &v["checkpoint"];
+    assert_eq!(c["verified"], true, "{v}");
+    assert_eq!(c["rows"].as_u64(), Some(3000), "{v}");
+    assert_eq!(c["rows"], v["rows_stored"], "{v}");
+    let files: u64 = ["lcore-0.ckpt", "lcore-1.ckpt"]
+        .iter()
+        .map(|f| std::fs::metadata(dir.join(f)).unwrap().len())
+        .sum();
+    assert_eq!(c["bytes"].as_u64(), Some(files), "{v}");
+    assert!(files > 3000 * (8 + 4 + 4 * 8), "{files} bytes for 3000 rows");
+    for k in [
+        "write_s",
+        "restore_s",
+        "restore_rows_per_s",
+        "rss_bytes_after_restore",
+    ] {
+        assert!(num(c, k) > 0.0, "{k} = {}", c[k]);
+    }
+}
+
 #[test]
 fn injected_faults_still_verify_and_are_reported() {
     let json = scratch("inject.json");

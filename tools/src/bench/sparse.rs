@@ -21,8 +21,16 @@
 //! The optimizer is the engine's element-wise Adagrad
 //! ([`RowOptimizer::Adagrad`], PROTOCOL.md §10.5; lr 0.01, eps 1e-8), the
 //! workload the issue names; rows start as zeros ([`Init::Zeros`]).
+//!
+//! With `--checkpoint DIR` each store is then written to `DIR/lcore-L.ckpt`
+//! ([`RowStore::write_to`], flushed to the disk with fsync and dropped
+//! from the page cache), dropped, and read back into a new store
+//! ([`RowStore::read_from`]), the threads at once; the rows before and
+//! after are compared by a digest over every stored row (id, values and
+//! optimizer state, bit for bit).
 
-use std::path::PathBuf;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
 use std::sync::Barrier;
 use std::time::Instant;
 
@@ -90,6 +98,10 @@ pub struct SparseArgs {
     /// evicted. Each step's rows are hashed in the timed loop.
     #[arg(long, requires = "local")]
     pub verify: bool,
+    /// `--engine-only`: after the timed runs, write every store to a
+    /// checkpoint in this directory, drop it and restore it (module head).
+    #[arg(long, value_name = "DIR", requires = "engine_only")]
+    pub checkpoint: Option<PathBuf>,
 }
 
 /// What one run measured.
@@ -127,8 +139,30 @@ pub struct SparseReport {
     pub rss_over_charge: f64,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
+    /// `--checkpoint`: the write and the restore.
+    pub checkpoint: Option<CheckpointFigures>,
     /// The machine.
     pub machine: Machine,
+}
+
+/// What `--checkpoint` measured.
+#[derive(Debug, Serialize)]
+pub struct CheckpointFigures {
+    /// Bytes of the checkpoint files, summed.
+    pub bytes: u64,
+    /// Rows written, summed.
+    pub rows: u64,
+    /// Writing every store (the threads at once) until fsync returned.
+    pub write_s: f64,
+    /// Reading every file back into a new store (the threads at once),
+    /// its pages dropped from the page cache first.
+    pub restore_s: f64,
+    /// Rows restored per second, summed.
+    pub restore_rows_per_s: f64,
+    /// VmRSS holding the restored stores (the written ones dropped).
+    pub rss_bytes_after_restore: u64,
+    /// Every restored store's digest equals the written one's.
+    pub verified: bool,
 }
 
 /// The store the benchmark times: zeros, element-wise Adagrad.
@@ -274,6 +308,114 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
     Ok((figures, store))
 }
 
+/// An order-free digest of every row `store` holds: its id, values and
+/// optimizer state, bit for bit.
+fn store_digest(store: &Store) -> u64 {
+    store.rows().fold(0u64, |acc, (id, row, state)| {
+        let h = row
+            .iter()
+            .chain(state)
+            .fold(splitmix(id), |h, v| splitmix(h ^ u64::from(v.to_bits())));
+        acc.wrapping_add(h)
+    })
+}
+
+/// What [`checkpoint_one`] measured of one store, and the store restored.
+struct Restored {
+    rows: u64,
+    bytes: u64,
+    same: bool,
+    write_s: f64,
+    restore_s: f64,
+    store: Store,
+}
+
+/// One store through `--checkpoint`: written to `path` and synced, its
+/// pages dropped from the page cache, the store dropped, then read back.
+fn checkpoint_one(store: Store, path: &Path, barrier: &Barrier) -> Result<Restored> {
+    let config = *store.config();
+    let before = store_digest(&store);
+    let rows = store.rows_stored();
+    barrier.wait();
+    let t = Instant::now();
+    let file = std::fs::File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    let bytes = store
+        .write_to(&file)
+        .with_context(|| format!("writing {}", path.display()))?;
+    file.sync_all()
+        .with_context(|| format!("syncing {}", path.display()))?;
+    let write_s = t.elapsed().as_secs_f64();
+    // SAFETY: `file` is open for the whole call; POSIX_FADV_DONTNEED only
+    // drops clean cached pages of it, which the fsync above wrote.
+    let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+    ensure!(rc == 0, "posix_fadvise({}): error {rc}", path.display());
+    drop(file);
+    drop(store);
+    barrier.wait();
+    let t = Instant::now();
+    let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
+    let store = RowStore::read_from(file, config, TableInit::new(Init::Zeros, 0, 0)?, ADAGRAD)
+        .with_context(|| format!("restoring {}", path.display()))?;
+    let restore_s = t.elapsed().as_secs_f64();
+    let same = store_digest(&store) == before && store.rows_stored() == rows;
+    Ok(Restored {
+        rows,
+        bytes,
+        same,
+        write_s,
+        restore_s,
+        store,
+    })
+}
+
+/// `--checkpoint DIR`: every store written, dropped and restored, the
+/// threads at once; `stores` holds the restored ones after.
+// Cast: counts to f64 for rates.
+#[allow(clippy::cast_precision_loss)]
+fn checkpoint_phase(dir: &Path, stores: &mut Vec<Store>) -> Result<CheckpointFigures> {
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let barrier = Barrier::new(stores.len());
+    let results: Vec<Result<Restored>> = std::thread::scope(|scope| {
+        let handles: Vec<_> = std::mem::take(stores)
+            .into_iter()
+            .enumerate()
+            .map(|(l, store)| {
+                let barrier = &barrier;
+                let path = dir.join(format!("lcore-{l}.ckpt"));
+                scope.spawn(move || checkpoint_one(store, &path, barrier))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a checkpoint thread panicked")))
+            })
+            .collect()
+    });
+    let mut figures = CheckpointFigures {
+        bytes: 0,
+        rows: 0,
+        write_s: 0.0,
+        restore_s: 0.0,
+        restore_rows_per_s: 0.0,
+        rss_bytes_after_restore: 0,
+        verified: true,
+    };
+    for r in results {
+        let r = r?;
+        figures.rows += r.rows;
+        figures.bytes += r.bytes;
+        figures.verified &= r.same;
+        figures.write_s = figures.write_s.max(r.write_s);
+        figures.restore_s = figures.restore_s.max(r.restore_s);
+        stores.push(r.store);
+    }
+    figures.restore_rows_per_s = figures.rows as f64 / figures.restore_s;
+    figures.rss_bytes_after_restore = vm_rss()?;
+    Ok(figures)
+}
+
 /// Run `phub-bench sparse`.
 // Cast: counts to f64 for rates and ratios.
 #[allow(clippy::cast_precision_loss)]
@@ -326,6 +468,10 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     }
     // Stores are alive: RSS holds them.
     let rss = vm_rss()?;
+    let checkpoint = match &args.checkpoint {
+        Some(dir) => Some(checkpoint_phase(dir, &mut stores)?),
+        None => None,
+    };
     let charged: u64 = figures.iter().map(|f| f.charged).sum();
     let report = SparseReport {
         lcores: args.lcores,
@@ -344,6 +490,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
         charged_bytes: charged,
         rss_over_charge: rss as f64 / charged as f64,
         loadavg_1m_before: load,
+        checkpoint,
         machine: Machine::detect(),
     };
     drop(stores);
@@ -366,6 +513,19 @@ pub fn run(args: &SparseArgs) -> Result<()> {
         report.rss_over_charge,
         load
     );
+    if let Some(c) = &report.checkpoint {
+        println!(
+            "  checkpoint {:.3} GB of {} rows: written in {:.2} s, restored in {:.2} s ({:.3e} rows/s), \
+             rss after {:.3} GB, verified {}",
+            c.bytes as f64 / 1e9,
+            c.rows,
+            c.write_s,
+            c.restore_s,
+            c.restore_rows_per_s,
+            c.rss_bytes_after_restore as f64 / 1e9,
+            c.verified
+        );
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
