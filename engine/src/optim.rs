@@ -7,7 +7,7 @@
 //! instruction set gives bit-identical results; the reference in the tests
 //! is the same formula in `f64`. PROTOCOL.md §5.6 states these passes
 //! operation by operation for workers written elsewhere;
-//! engine/tests/protocol_optimizers.rs checks it against them bit for
+//! engine/tests/rules/protocol_optimizers.rs checks it against them bit for
 //! bit.
 
 use phub_proto::spec::Optimizer;

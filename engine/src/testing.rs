@@ -4,26 +4,37 @@
 //! its global allocator.
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::Cell;
 
-/// The system allocator, counting allocations and reallocations in
-/// [`ALLOCS`]. A test binary installs it with
+/// The system allocator, counting the allocations and reallocations each
+/// thread makes (a test measures its own thread's, so that tests in one
+/// binary run side by side). A test binary installs it with
 /// `#[global_allocator] static GLOBAL: Counting = Counting;`.
 pub struct Counting;
 
-/// Allocations (and reallocations) made since the program started.
-pub static ALLOCS: AtomicU64 = AtomicU64::new(0);
+thread_local! {
+    /// This thread's allocations and reallocations. A `const` cell with
+    /// nothing to drop: reaching it never allocates, nor fails while the
+    /// thread exits.
+    static ALLOCS: Cell<u64> = const { Cell::new(0) };
+}
 
-/// Allocations made so far.
+/// Allocations (and reallocations) this thread has made so far.
 pub fn allocations() -> u64 {
-    ALLOCS.load(Ordering::Relaxed)
+    ALLOCS.with(Cell::get)
+}
+
+fn count() {
+    ALLOCS.with(|c| c.set(c.get() + 1));
 }
 
 // SAFETY: forwards every call unchanged to the system allocator; the only
-// addition is a relaxed counter increment, which cannot affect soundness.
+// addition is an increment of a thread-local counter, which cannot affect
+// soundness (the cell is const-initialised and has no destructor, so
+// reaching it does not allocate).
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, l: Layout) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: the caller upholds `GlobalAlloc::alloc`'s contract for `l`.
         unsafe { System.alloc(l) }
     }
@@ -32,7 +43,7 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(p, l) }
     }
     unsafe fn realloc(&self, p: *mut u8, l: Layout, n: usize) -> *mut u8 {
-        ALLOCS.fetch_add(1, Ordering::Relaxed);
+        count();
         // SAFETY: `p` came from `System` with layout `l`; the caller upholds
         // `realloc`'s contract for the new size.
         unsafe { System.realloc(p, l, n) }

@@ -9,7 +9,7 @@
 //! row placement; and §11's replicas: the placement field, the message
 //! types and drop reason, the replica sets and backup runs of its examples.
 //! §5.6's optimizer formulas and worked examples need the engine:
-//! engine/tests/protocol_optimizers.rs checks them.
+//! engine/tests/rules/protocol_optimizers.rs checks them.
 
 use std::ops::Range;
 

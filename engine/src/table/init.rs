@@ -10,7 +10,7 @@
 //! order. The normal distribution does not call the C library's `ln` or
 //! `cos` (whose results are not specified to the bit); it evaluates its own
 //! polynomials, whose coefficients PROTOCOL.md lists and
-//! engine/tests/protocol_row_optimizers.rs checks against the constants
+//! engine/tests/rules/protocol_row_optimizers.rs checks against the constants
 //! here.
 //!
 //! Invariants: [`TableInit::fill`] is a pure function of (seed, table, id,

@@ -11,7 +11,7 @@
 //!
 //! Every formula is plain `f32` arithmetic without fused multiply-add, in
 //! the order PROTOCOL.md §10.5 writes it, so every build and instruction
-//! set gives the same bits; engine/tests/protocol_row_optimizers.rs runs
+//! set gives the same bits; engine/tests/rules/protocol_row_optimizers.rs runs
 //! the document's blocks beside this code and checks them bit for bit.
 //! The loops run over slices cut to the row's length, so the compiler
 //! drops the bounds checks and vectorises them; the only per-element

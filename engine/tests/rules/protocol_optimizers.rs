@@ -13,11 +13,9 @@
 //! It lives in phub-engine, not beside proto/tests/protocol_doc.rs,
 //! because it needs the engine; phub-proto stays free of it.
 
-mod doc_notation;
-
 use std::collections::HashMap;
 
-use doc_notation::{blocks, doc, doc_pow, eval, parse_lines, running_product, Env, Lines};
+use crate::doc_notation::{blocks, doc, doc_pow, eval, parse_lines, running_product, Env, Lines};
 use phub_engine::kernels::{self, Kernels};
 use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
 use phub_proto::layout::SlotChunk;

@@ -1,12 +1,10 @@
 //! phub-control end to end: a real `Daemon` on 127.0.0.1:0 against a fake
 //! dataplane management API, driven over HTTP.
 
-mod fake;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig, TempState, BASE_PORT};
+use crate::fake::{Fake, FakeConfig, TempState, BASE_PORT};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
 use phub_proto::layout::{Place, Placement};
@@ -376,15 +374,21 @@ fn the_join_answer_shares_the_receive_buffer_among_the_jobs_on_an_lcore() {
     let a: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("a", 2, 100)));
     assert_eq!(
         join(a.id, a.token, 0, false),
-        Some(fake::FAKE_RX_BUFFER),
+        Some(crate::fake::FAKE_RX_BUFFER),
         "alone: the whole buffer"
     );
     let b: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec_json("b", 6, 100)));
-    assert_eq!(join(b.id, b.token, 0, false), Some(fake::FAKE_RX_BUFFER * 6 / 8));
-    assert_eq!(join(a.id, a.token, 1, false), Some(fake::FAKE_RX_BUFFER * 2 / 8));
+    assert_eq!(
+        join(b.id, b.token, 0, false),
+        Some(crate::fake::FAKE_RX_BUFFER * 6 / 8)
+    );
+    assert_eq!(
+        join(a.id, a.token, 1, false),
+        Some(crate::fake::FAKE_RX_BUFFER * 2 / 8)
+    );
     // Once b is gone, a worker of a that joins again gets the whole buffer.
     let _: JobSummary = ok_at(&d, &R::Evict { job: b.id }, None);
-    assert_eq!(join(a.id, a.token, 0, true), Some(fake::FAKE_RX_BUFFER));
+    assert_eq!(join(a.id, a.token, 0, true), Some(crate::fake::FAKE_RX_BUFFER));
 }
 
 #[test]

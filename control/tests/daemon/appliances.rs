@@ -5,12 +5,10 @@
 
 // Not every test file uses every part of the fake.
 #[allow(dead_code)]
-mod fake;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig, TempState};
+use crate::fake::{Fake, FakeConfig, TempState};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{
     AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, JoinResponse,
@@ -349,7 +347,10 @@ fn a_job_over_two_appliances_holds_a_part_on_each() {
     let rx: Vec<Option<u64>> = join.appliances.iter().map(|a| a.rx_buffer_bytes).collect();
     assert_eq!(
         rx,
-        [Some(fake::FAKE_RX_BUFFER >> 2), Some(fake::FAKE_RX_BUFFER >> 1)]
+        [
+            Some(crate::fake::FAKE_RX_BUFFER >> 2),
+            Some(crate::fake::FAKE_RX_BUFFER >> 1)
+        ]
     );
     let whole = Placement::new(&join.spec, join.layout.clone()).unwrap();
     assert_eq!(join.layout.lcores[..3], on_b.lcores[..]);
@@ -433,7 +434,7 @@ fn a_hierarchical_jobs_share_counts_the_ranks_of_its_rack() {
     };
     // On each one-lcore appliance: its rack's ranks, and the 2 racks'
     // partials to the home slots there.
-    let buf = fake::FAKE_RX_BUFFER;
+    let buf = crate::fake::FAKE_RX_BUFFER;
     assert_eq!(share(0), ("a".to_string(), Some(buf / 3)));
     assert_eq!(share(1), ("b".to_string(), Some(buf * 3 / 5)));
     d.shutdown();

@@ -10,12 +10,10 @@
 
 // Not every test file uses every part of the fake.
 #[allow(dead_code)]
-mod fake;
-
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use fake::{Fake, FakeConfig, TempState, FAKE_COPY_BYTES};
+use crate::fake::{Fake, FakeConfig, TempState, FAKE_COPY_BYTES};
 use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
 use phub_proto::api::{
     AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse, Rereplication, Strength,

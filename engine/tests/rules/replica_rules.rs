@@ -7,9 +7,7 @@
 //! a round may leave a primary before every backup of the chunk completed
 //! that round.
 
-mod replica_world;
-
-use replica_world::*;
+use crate::replica_world::*;
 
 #[test]
 fn backups_stay_bit_identical_under_loss_duplication_and_reordering() {

@@ -7,9 +7,7 @@
 //! failure, and no RESULT may leave before every backup of the epoch (new
 //! ones included) holds its round ([`World::drain`]'s check).
 
-mod replica_world;
-
-use replica_world::*;
+use crate::replica_world::*;
 
 /// One rack; lcores 2, 1, 2; sets 0 → 1, 1 → 2, 2 → 0.
 const LCORES: [usize; 3] = [2, 1, 2];

@@ -3,14 +3,11 @@
 //! is global and libtest's threads allocate while another test runs.
 
 use phub_engine::kernels::Kernels;
-use phub_engine::testing::{allocations, Counting};
+use phub_engine::testing::allocations;
 use phub_engine::{InstallKind, JobInstall, Shard};
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, MsgType, Repr};
 use phub_proto::Dtype;
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 /// Nor does replication (PROTOCOL.md §11): a primary's aggregates, their
 /// resends on the timer, a backup's applying and acknowledging, and the

@@ -6,9 +6,7 @@
 //! answered with one result, bit-identical to a run without the failure.
 //! Fencing: an old primary left alive in epoch 0 completes no new round.
 
-mod replica_world;
-
-use replica_world::*;
+use crate::replica_world::*;
 
 /// One rack; lcores 2, 1, 2; sets 0 → 1, 1 → 2, 2 → 0.
 const LCORES: [usize; 3] = [2, 1, 2];

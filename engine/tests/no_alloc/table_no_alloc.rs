@@ -6,16 +6,13 @@
 
 use phub_engine::engine::TableInstall;
 use phub_engine::kernels::Kernels;
-use phub_engine::testing::{allocations, Counting};
+use phub_engine::testing::allocations;
 use phub_engine::{InstallKind, JobInstall, Shard};
 use phub_proto::placement::RowPlacement;
 use phub_proto::rows::{self, RowMsgType, RowRepr};
 use phub_proto::spec::{Consistency, Optimizer, RowInitSpec, RowOptimizerSpec, TableSpec};
 use phub_proto::wire::HEADER_LEN;
 use phub_proto::Dtype;
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 const W: u16 = 4;
 const DIM: u32 = 16;

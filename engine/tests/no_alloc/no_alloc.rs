@@ -3,15 +3,12 @@
 //! also with shared-memory regions, half the ranks pushing through them.
 
 use phub_engine::kernels::Kernels;
-use phub_engine::testing::{allocations, Counting};
+use phub_engine::testing::allocations;
 use phub_engine::{InstallKind, JobInstall, Shard, ShmSetup};
 use phub_proto::layout::SlotChunk;
 use phub_proto::spec::Optimizer;
 use phub_proto::wire::{self, flags, MsgType, Repr};
 use phub_proto::Dtype;
-
-#[global_allocator]
-static GLOBAL: Counting = Counting;
 
 #[test]
 fn handling_and_draining_allocates_nothing() {

@@ -15,11 +15,9 @@
 //! (```` ```row-init-constants ````) with the code's and the worked example
 //! (```` ```row-init-example ````) with what [`TableInit`] computes.
 
-mod doc_notation;
-
 use std::collections::{BTreeMap, HashMap};
 
-use doc_notation::{blocks, doc, doc_pow, eval_row, parse_lines, running_product, Env, Lines};
+use crate::doc_notation::{blocks, doc, doc_pow, eval_row, parse_lines, running_product, Env, Lines};
 use phub_engine::table::init::{philox4x32_10, COS_COEFFS, LN2, LN_COEFFS, PHILOX_M, PHILOX_W};
 use phub_engine::table::{Init, RowInit, RowOptimizer, RowUpdate, TableInit};
 use rand::{Rng, SeedableRng};
