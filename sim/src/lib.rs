@@ -1424,7 +1424,11 @@ impl<'c> World<'c> {
             if c > 0 {
                 self.outcome.max_lead = self.outcome.max_lead.max((c + 1).saturating_sub(lo));
             }
-            if let (Some(tau0), true) = (&self.tau0, c > 0 && self.last_verdict != Some(Verdict::Resent)) {
+            // A result sent again, or a PULL's answer (a stalled rank's
+            // probe, PROTOCOL.md §6.1), carries the values current when
+            // it leaves, not an answer to clock c's push.
+            let answers_a_push = !matches!(self.last_verdict, Some(Verdict::Resent | Verdict::Pulled));
+            if let (Some(tau0), true) = (&self.tau0, c > 0 && answers_a_push) {
                 let bsp = &tau0[repr.key as usize][c as usize][start..start + v.len()];
                 let model = reference::through_wire(self.case.dtype, &m.values);
                 assert!(

@@ -51,11 +51,18 @@ impl TableCase {
         let size = u32::try_from(dtype.size()).unwrap_or(4);
         let most = ((chunk_bytes - 8) / size).clamp(1, 8);
         let optimizers = row_optimizers();
+        let dim = rng.gen_range(1..=most);
+        let seed: u64 = rng.gen();
         TableCase {
-            dim: rng.gen_range(1..=most),
-            seed: rng.gen(),
+            dim,
+            seed,
+            // A third of the tables that draw `uniform` take `normal`
+            // instead, decided by the seed drawn: no more draws, so every
+            // earlier seed's case keeps its shape.
             init: if rng.gen_bool(0.5) {
                 RowInitSpec::Zeros
+            } else if seed % 3 == 0 {
+                RowInitSpec::Normal { std: 0.1 }
             } else {
                 RowInitSpec::Uniform { a: -0.5, b: 0.25 }
             },
@@ -174,24 +181,94 @@ pub fn philox(counter: [u32; 4], key: [u32; 2]) -> [u32; 4] {
 }
 
 /// Element `e` of row `id`'s initial value in table `key` of seed `seed`
-/// (§10.4, "Values"; `normal` is not drawn by the cases).
+/// (§10.4, "Values").
 pub fn initial(init: &RowInitSpec, seed: u64, key: u32, id: u64, e: u32) -> f32 {
+    // Casts: the low and high 32 bits.
+    #[allow(clippy::cast_possible_truncation)]
+    let bits = || {
+        philox(
+            [e, key, id as u32, (id >> 32) as u32],
+            [seed as u32, (seed >> 32) as u32],
+        )
+    };
     match *init {
         RowInitSpec::Zeros => 0.0,
         RowInitSpec::Uniform { a, b } => {
-            // Casts: the low and high 32 bits.
-            #[allow(clippy::cast_possible_truncation)]
-            let x = philox(
-                [e, key, id as u32, (id >> 32) as u32],
-                [seed as u32, (seed >> 32) as u32],
-            );
             // Cast: below 2^24, exact.
             #[allow(clippy::cast_precision_loss)]
-            let u = (x[0] >> 8) as f32 * (1.0 / 16_777_216.0);
+            let u = (bits()[0] >> 8) as f32 * (1.0 / 16_777_216.0);
             a + (b - a) * u
         }
-        RowInitSpec::Normal { .. } => unimplemented!("the simulator draws no normal init"),
+        RowInitSpec::Normal { std } => {
+            let x = bits();
+            normal(x[0], x[1], std)
+        }
     }
+}
+
+/// §10.4's `normal(0, std)` of Philox words `x0` and `x1`, line by line
+/// as written there: Box–Muller's first output in binary64 with the
+/// section's own logarithm and cosine polynomials, rounded once to
+/// binary32.
+fn normal(x0: u32, x1: u32, std: f32) -> f32 {
+    const LN2: u64 = 0x3fe6_2e42_fefa_39ef;
+    const L: [u64; 11] = [
+        0x3ff0_0000_0000_0000,
+        0x3fd5_5555_5555_5555,
+        0x3fc9_9999_9999_999a,
+        0x3fc2_4924_9249_2492,
+        0x3fbc_71c7_1c71_c71c,
+        0x3fb7_45d1_745d_1746,
+        0x3fb3_b13b_13b1_3b14,
+        0x3fb1_1111_1111_1111,
+        0x3fae_1e1e_1e1e_1e1e,
+        0x3faa_f286_bca1_af28,
+        0x3fa8_6186_1861_8618,
+    ];
+    const C: [u64; 9] = [
+        0x3ff0_0000_0000_0000,
+        0xbff3_bd3c_c9be_45de,
+        0x3fd0_3c1f_081b_5ac4,
+        0xbf95_5d3c_7e3c_bffa,
+        0x3f4e_1f50_6891_babb,
+        0xbefa_6d1f_2a20_4a8c,
+        0x3e9f_9d38_a376_3cc3,
+        0xbe3b_6e24_f44b_128f,
+        0x3dd2_0c62_c2f2_d7f5,
+    ];
+    let x = u64::from(x0) + 1;
+    let k = 63 - x.leading_zeros();
+    // Casts: integers up to 2^32 convert to binary64 exactly; dividing by
+    // a power of two is exact.
+    #[allow(clippy::cast_precision_loss)]
+    let m = x as f64 / (1u64 << k) as f64;
+    let r = (m - 1.0) / (m + 1.0);
+    let g = r * r;
+    let mut p = f64::from_bits(L[10]);
+    for j in (0..10).rev() {
+        p = p * g + f64::from_bits(L[j]);
+    }
+    let y = r * p;
+    let l = (f64::from(k) - 32.0) * f64::from_bits(LN2) + (y + y);
+    let h = x1 >> 30;
+    let mut i = x1 & ((1 << 30) - 1);
+    if h % 2 == 1 {
+        i = (1 << 30) - i;
+    }
+    let f = f64::from(i) * (1.0 / f64::from(1u32 << 30));
+    let q = f * f;
+    let mut c = f64::from_bits(C[8]);
+    for j in (0..8).rev() {
+        c = c * q + f64::from_bits(C[j]);
+    }
+    if h == 1 || h == 2 {
+        c = -c;
+    }
+    let n = (-2.0 * l).sqrt() * c;
+    // Cast: the one rounding to binary32 the section asks for.
+    #[allow(clippy::cast_possible_truncation)]
+    let v = (n * f64::from(std)) as f32;
+    v
 }
 
 /// `pow(x, n)` as §5.6 defines it: square and multiply from the lowest
@@ -483,6 +560,31 @@ mod tests {
                 [0xa409_3822, 0x299f_31d0]
             ),
             [0xd16c_fe09, 0x94fd_cceb, 0x5001_e420, 0x2412_6ea1]
+        );
+    }
+
+    /// PROTOCOL.md §10.4's worked example, bit for bit: rows 42 and 7 of
+    /// table 3 of seed 0x0123456789abcdef, `normal(0, 0.1)` and
+    /// `uniform(-0.5, 0.5)`.
+    #[test]
+    fn initial_values_give_the_worked_example() {
+        let seed = 0x0123_4567_89ab_cdef;
+        let row = |init: &RowInitSpec, id: u64| -> Vec<u32> {
+            (0..4).map(|e| initial(init, seed, 3, id, e).to_bits()).collect()
+        };
+        let normal = RowInitSpec::Normal { std: 0.1 };
+        assert_eq!(
+            row(&normal, 42),
+            [0x3de0_7465, 0xbd2d_9e94, 0xbcb8_d185, 0x3cf9_5aa5]
+        );
+        assert_eq!(
+            row(&normal, 7),
+            [0x3d25_668c, 0x3d80_550f, 0xbcb0_3ed8, 0x3e88_c96d]
+        );
+        let uniform = RowInitSpec::Uniform { a: -0.5, b: 0.5 };
+        assert_eq!(
+            row(&uniform, 42),
+            [0xbe1b_9420, 0x3e70_6740, 0x3ef2_ee60, 0xbe05_fba4]
         );
     }
 
