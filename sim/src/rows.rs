@@ -61,7 +61,7 @@ impl TableCase {
             // earlier seed's case keeps its shape.
             init: if rng.gen_bool(0.5) {
                 RowInitSpec::Zeros
-            } else if seed % 3 == 0 {
+            } else if seed.is_multiple_of(3) {
                 RowInitSpec::Normal { std: 0.1 }
             } else {
                 RowInitSpec::Uniform { a: -0.5, b: 0.25 }
