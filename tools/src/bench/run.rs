@@ -422,6 +422,12 @@ pub struct RunResult {
     pub chunks_sent: u64,
     /// RESULTs ignored (duplicates), all workers, warm-up included.
     pub results_ignored: u64,
+    /// PULLs stalled workers sent to lcores they had nothing out on, to
+    /// learn whether one was restored behind them (PROTOCOL.md §6.1), all
+    /// workers, warm-up included.
+    pub lcores_probed: u64,
+    /// Those PULLs that found their lcore restored behind.
+    pub lcores_found_behind: u64,
     /// Dataplane counters over the timed rounds.
     pub appliance: Option<Counters>,
     /// Every timed round of every worker, ms (`[rank][round]`).
@@ -1227,6 +1233,8 @@ pub(super) fn drive(
         fast_retransmits: outcomes.iter().map(|o| o.stats.fast_retransmits).sum(),
         chunks_sent: outcomes.iter().map(|o| o.stats.chunks_sent).sum(),
         results_ignored: outcomes.iter().map(|o| o.stats.results_ignored).sum(),
+        lcores_probed: outcomes.iter().map(|o| o.stats.lcores_probed).sum(),
+        lcores_found_behind: outcomes.iter().map(|o| o.stats.lcores_found_behind).sum(),
         appliance: counters,
         round_ms: outcomes.iter().map(|o| o.round_ms.clone()).collect(),
         racks: RackFigures {
@@ -1454,8 +1462,8 @@ fn fault_summary(r: &RunResult) -> String {
         None => s.push_str("dataplane counters unavailable; "),
     }
     s.push_str(&format!(
-        "workers retransmitted {} chunks ({} fast) and ignored {} duplicate results",
-        r.retransmits, r.fast_retransmits, r.results_ignored
+        "workers retransmitted {} chunks ({} fast), ignored {} duplicate results and probed idle lcores {} times",
+        r.retransmits, r.fast_retransmits, r.results_ignored, r.lcores_probed
     ));
     s
 }
