@@ -29,28 +29,10 @@ fn spec2() -> JobSpec {
     s
 }
 
-const CLEAN: Faults = Faults {
-    replica_loss: 0.0,
-    loss: 0.0,
-    dup: 0.0,
-};
-
 /// Every rank's values of every chunk in `round`: the same in every run.
 fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
-    let mut rng = Rng(0xfa11 + u64::from(round));
-    let mut v = HashMap::new();
-    for rank in 0..w.spec.workers as u16 {
-        for g in 0..w.total() {
-            let n = w.chunk(g).elems as usize;
-            v.insert((rank, g), (0..n).map(|_| rng.value()).collect());
-        }
-    }
-    v
+    round_values(w, 0xfa11, round)
 }
-
-/// Per (rank, chunk): the last round whose RESULT the rank holds, and its
-/// payload ([`World::got`]).
-type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
 
 /// Every (rank, chunk)'s result after each round, from a run without
 /// failure.

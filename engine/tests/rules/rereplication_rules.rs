@@ -35,12 +35,6 @@ fn spec_r(replicas: u32) -> JobSpec {
     s
 }
 
-const CLEAN: Faults = Faults {
-    replica_loss: 0.0,
-    loss: 0.0,
-    dup: 0.0,
-};
-
 /// Loss and duplication of every datagram, state fragments included.
 const LOSSY: Faults = Faults {
     replica_loss: 0.25,
@@ -50,18 +44,8 @@ const LOSSY: Faults = Faults {
 
 /// Every rank's values of every chunk in `round`: the same in every run.
 fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
-    let mut rng = Rng(0x7e7e + u64::from(round));
-    let mut v = HashMap::new();
-    for rank in 0..w.spec.workers as u16 {
-        for g in 0..w.total() {
-            let n = w.chunk(g).elems as usize;
-            v.insert((rank, g), (0..n).map(|_| rng.value()).collect());
-        }
-    }
-    v
+    round_values(w, 0x7e7e, round)
 }
-
-type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
 
 /// Every (rank, chunk)'s result after each round, without failure.
 fn reference(replicas: u32) -> Vec<Got> {

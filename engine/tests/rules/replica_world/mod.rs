@@ -1,5 +1,5 @@
 //! A hand-wired replicated job, shared by the replica tests
-//! (`replica_rules.rs`, `failover_rules.rs`): every lcore of every
+//! (`replica_rules.rs`, `failover_rules.rs`, `rereplication_rules.rs`): every lcore of every
 //! appliance is a [`Shard`], datagrams between them and the workers go
 //! through one seeded network that loses, duplicates and reorders them,
 //! and the workers run BSP rounds with retransmission, each chunk sent
@@ -59,6 +59,31 @@ pub(crate) struct Faults {
     pub(crate) loss: f64,
     /// Chance a datagram is sent twice.
     pub(crate) dup: f64,
+}
+
+/// No fault at all.
+pub(crate) const CLEAN: Faults = Faults {
+    replica_loss: 0.0,
+    loss: 0.0,
+    dup: 0.0,
+};
+
+/// Per (rank, chunk): the last round whose RESULT the rank holds, and its
+/// payload ([`World::got`]).
+pub(crate) type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
+
+/// Every rank's values of every chunk in `round`, drawn from `seed`: the
+/// same in every run.
+pub(crate) fn round_values(w: &World, seed: u64, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
+    let mut rng = Rng(seed + u64::from(round));
+    let mut v = HashMap::new();
+    for rank in 0..w.spec.workers as u16 {
+        for g in 0..w.total() {
+            let n = w.chunk(g).elems as usize;
+            v.insert((rank, g), (0..n).map(|_| rng.value()).collect());
+        }
+    }
+    v
 }
 
 /// Appliance i's lcore j listens at 10.0.i.1, port 9000 + j.
