@@ -6,13 +6,13 @@
 // Not every test file uses every part of the fake.
 #[allow(dead_code)]
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::client::{err_at, ok_at, send, wait_for};
 use crate::fake::{Fake, FakeConfig, TempState};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{
-    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, JoinResponse,
-    Stats,
+    AdmitResponse, ApplianceSpec, ApplianceStatus, JobDetail, JobMap, JobSummary, JoinResponse, Stats,
 };
 use phub_proto::layout::Placement;
 use phub_proto::routes::{AddMode, ControlRoute as R, Route, RouteError};
@@ -45,60 +45,12 @@ fn daemon(appliances: Vec<ApplianceSpec>, dataplane: &str, state: &Path) -> Daem
     .unwrap()
 }
 
-fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>, token: bool) -> (u16, String) {
-    let url = format!("http://{}{path}", d.addr());
-    let mut req = ureq::request(method, &url);
-    if token {
-        req = req.set("Authorization", &format!("Bearer {}", d.operator_token()));
-    }
-    let res = match body {
-        Some(b) => req.send_string(b),
-        None => req.call(),
-    };
-    match res {
-        Ok(r) => (r.status(), r.into_string().unwrap()),
-        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
-        Err(e) => panic!("{method} {url}: {e}"),
-    }
-}
-
-/// Sends `route` as a client does (its method, path and query) with the
-/// operator token; its answer.
-fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
-    let (method, path) = (route.method(), route.path());
-    let (s, text) = call(d, method.as_str(), &path, body, true);
-    assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
-
-/// Sends `route`, expecting an error status; returns its message.
-fn err_at(d: &Daemon, route: &R, body: Option<&str>, status: u16) -> String {
-    err(d, route.method().as_str(), &route.path(), body, status)
-}
-
-fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) -> String {
-    let (s, text) = call(d, method, path, body, true);
-    assert_eq!(s, status, "{method} {path}: {text}");
-    serde_json::from_str::<ApiError>(&text).unwrap().error
-}
-
 fn list(d: &Daemon) -> Vec<ApplianceStatus> {
     ok_at(d, &R::Appliances, None)
 }
 
 fn jobs(d: &Daemon) -> Vec<JobSummary> {
     ok_at(d, &R::Jobs, None)
-}
-
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 /// Two one-lcore fakes, `a` in rack r1 and `b` in r2, under a daemon on
@@ -150,7 +102,7 @@ fn appliances_are_added_listed_removed_and_recorded() {
     assert!(l[0].down.is_none());
 
     let body = serde_json::to_string(&appliance("b", &b, "r2")).unwrap();
-    let (s, _) = call(
+    let (s, _) = send(
         &d,
         "POST",
         &R::AddAppliance {
@@ -707,7 +659,7 @@ fn every_route_reaches_its_handler() {
             | R::Metrics => (None, 200),
         };
         let (method, path) = (route.method().as_str(), route.path());
-        let (status, text) = call(&d, method, &path, body, true);
+        let (status, text) = send(&d, method, &path, body, true);
         let refusal = RouteError::NotFound {
             method: method.into(),
             path: path.clone(),

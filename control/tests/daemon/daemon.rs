@@ -2,8 +2,9 @@
 //! dataplane management API, driven over HTTP.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use crate::client::{call, err, err_at, ok_at, wait_for};
 use crate::fake::{Fake, FakeConfig, TempState, BASE_PORT};
 use phub_control::daemon::{Config, Daemon};
 use phub_proto::api::{AdmitResponse, ApiError, JobDetail, JobMap, JobSummary, JoinResponse, Stats};
@@ -59,56 +60,8 @@ fn operator_token(d: &Daemon) -> String {
     d.operator_token().to_string()
 }
 
-/// Sends a request; (status, body).
-fn call(d: &Daemon, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
-    let url = format!("http://{}{path}", d.addr());
-    let req = ureq::request(method, &url).set("Authorization", &format!("Bearer {}", operator_token(d)));
-    let res = match body {
-        Some(b) => req.send_string(b),
-        None => req.call(),
-    };
-    match res {
-        Ok(r) => (r.status(), r.into_string().unwrap()),
-        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
-        Err(e) => panic!("{method} {url}: {e}"),
-    }
-}
-
-/// Sends `route` as a client does (its method and path); its answer.
-fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
-    let (method, path) = (route.method(), route.path());
-    let (s, text) = call(d, method.as_str(), &path, body);
-    assert!((200..300).contains(&s), "{method} {path}: {s} {text}");
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
-
-/// Sends `route`, expecting an error status; returns its message.
-fn err_at(d: &Daemon, route: &R, body: Option<&str>, status: u16) -> String {
-    err(d, route.method().as_str(), &route.path(), body, status)
-}
-
-/// Expects an error status; returns its message.
-fn err(d: &Daemon, method: &str, path: &str, body: Option<&str>, status: u16) -> String {
-    let (s, text) = call(d, method, path, body);
-    assert_eq!(s, status, "{method} {path}: {text}");
-    serde_json::from_str::<ApiError>(&text)
-        .unwrap_or_else(|e| panic!("not an ApiError ({e}): {text}"))
-        .error
-}
-
 fn list(d: &Daemon) -> Vec<JobSummary> {
     ok_at(d, &R::Jobs, None)
-}
-
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
 }
 
 #[test]

@@ -13,13 +13,14 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use crate::client::{call_route, ok_at, wait_within};
 use crate::fake::{Fake, FakeConfig, TempState, FAKE_COPY_BYTES};
 use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
 use phub_proto::api::{
     AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse, Rereplication, Strength,
 };
 use phub_proto::failover::{EpochView, Joined, ReplicaLayout};
-use phub_proto::routes::{ControlRoute as R, Route};
+use phub_proto::routes::ControlRoute as R;
 use phub_proto::spec::{Appliances as Placed, JobSpec};
 
 const NAMES: [&str; 3] = ["a", "b", "c"];
@@ -50,39 +51,6 @@ fn daemon(fakes: &[&Fake], state: &Path) -> Daemon {
         ..Config::default()
     })
     .unwrap()
-}
-
-fn call(d: &Daemon, route: &R, body: Option<&str>) -> (u16, String) {
-    let url = format!("http://{}{}", d.addr(), route.path());
-    let req = ureq::request(route.method().as_str(), &url)
-        .set("Authorization", &format!("Bearer {}", d.operator_token()));
-    let res = match body {
-        Some(b) => req.send_string(b),
-        None => req.call(),
-    };
-    match res {
-        Ok(r) => (r.status(), r.into_string().unwrap()),
-        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
-        Err(e) => panic!("{url}: {e}"),
-    }
-}
-
-fn ok_at<T: serde::de::DeserializeOwned>(d: &Daemon, route: &R, body: Option<&str>) -> T {
-    let (s, text) = call(d, route, body);
-    assert!((200..300).contains(&s), "{}: {s} {text}", route.path());
-    serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"))
-}
-
-fn wait_for(what: &str, within: Duration, mut f: impl FnMut() -> bool) -> Duration {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < within,
-            "timed out after {within:?} waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    t.elapsed()
 }
 
 /// Three one-lcore fakes with distinct data ports.
@@ -217,7 +185,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
         ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_for("epoch 1 on a and c", within, || {
+    wait_within("epoch 1 on a and c", within, || {
         epochs(&a, job.id).contains(&want) && epochs(&c, job.id).contains(&want)
     });
     let took = killed.elapsed();
@@ -248,7 +216,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
         bs.down.as_deref().is_some_and(|w| w.contains("declared down")),
         "{bs:?}"
     );
-    let (_, metrics) = call(&d, &R::Metrics, None);
+    let (_, metrics) = call_route(&d, &R::Metrics, None);
     assert!(
         metrics.contains("phub_appliance_declared_down{appliance=\"b\"} 1")
             && metrics.contains("phub_appliance_declared_down{appliance=\"a\"} 0")
@@ -277,10 +245,10 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
     // A failed job's epoch route answers 409 with the reason (its workers
     // stop with it); `job show` keeps the epoch it failed in.
-    wait_for(
+    wait_within(
         "the job to fail",
         within + Duration::from_millis(HEARTBEAT_DEADLINE_MS),
-        || call(&d, &R::Epoch { job: job.id }, None).0 == 409,
+        || call_route(&d, &R::Epoch { job: job.id }, None).0 == 409,
     );
     gone.set_silent(false);
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
@@ -291,7 +259,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
             && why.contains(&format!("{:?}", NAMES[second])),
         "{why}"
     );
-    let (_, text) = call(&d, &R::Epoch { job: job.id }, None);
+    let (_, text) = call_route(&d, &R::Epoch { job: job.id }, None);
     assert!(text.contains(&format!("part {part} ")), "{text}");
     let e2: EpochView = show.epoch.expect("a failed job keeps its epoch");
     assert_eq!(e2.down, {
@@ -327,7 +295,7 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
         ..Default::default()
     };
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_for("epoch 1 on a and c", within, || {
+    wait_within("epoch 1 on a and c", within, || {
         epochs(&a, job.id).contains(&e1) && epochs(&c, job.id).contains(&e1)
     });
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
@@ -342,14 +310,14 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
     }
     b.set_silent(false);
     let e2 = b_joined_at_2();
-    wait_for("the job installed on b at epoch 2, joined", within, || {
+    wait_within("the job installed on b at epoch 2, joined", within, || {
         installed_at(&b, job.id, &e2)
     });
     assert!(
         b.state.lock().unwrap().restored.is_empty(),
         "an appliance that came back is installed empty, not from a checkpoint"
     );
-    wait_for("epoch 2 on a and c", within, || {
+    wait_within("epoch 2 on a and c", within, || {
         epochs(&a, job.id).last() == Some(&e2) && epochs(&c, job.id).last() == Some(&e2)
     });
     let e: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
@@ -372,11 +340,11 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
         let r = show.replicas?;
         (r.state == Strength::FullStrength && r.live == 2).then_some(r.rereplication?)
     };
-    wait_for("full strength", within, || full().is_some());
+    wait_within("full strength", within, || full().is_some());
     let x = full().unwrap();
     assert_eq!(x.bytes_copied, Some(FAKE_COPY_BYTES));
     assert!(x.full_strength_ms().is_some(), "{x:?}");
-    let (_, metrics) = call(&d, &R::Metrics, None);
+    let (_, metrics) = call_route(&d, &R::Metrics, None);
     let id = job.id;
     assert!(
         metrics.contains(&format!("phub_job_replicas_live{{job=\"{id}\"}} 2"))
@@ -415,7 +383,7 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
     b.forget_all();
     let e2 = b_joined_at_2();
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_for("the job installed on b at epoch 2, joined", within, || {
+    wait_within("the job installed on b at epoch 2, joined", within, || {
         installed_at(&b, job.id, &e2)
     });
     {
@@ -432,7 +400,7 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
         down: vec![1],
         ..Default::default()
     };
-    wait_for("epochs 1 then 2 on a and c", within, || {
+    wait_within("epochs 1 then 2 on a and c", within, || {
         [&a, &c]
             .iter()
             .all(|f| epochs(f, job.id) == vec![e1.clone(), e2.clone()])
@@ -442,10 +410,10 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
         show.replicas
             .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2 && r.rereplication.is_some())
     };
-    wait_for("full strength", within, full);
+    wait_within("full strength", within, full);
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
-    let (_, appliances) = call(&d, &R::Appliances, None);
+    let (_, appliances) = call_route(&d, &R::Appliances, None);
     assert!(
         !appliances.contains("declared down"),
         "b was never declared down: {appliances}"
@@ -471,13 +439,13 @@ fn a_survivor_that_cannot_serve_the_new_epoch_fails_the_job_naming_it() {
         let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
         show.summary.failed
     };
-    wait_for("the job failed", within, || failed().is_some());
+    wait_within("the job failed", within, || failed().is_some());
     let why = failed().unwrap();
     assert!(
         why.contains("appliance \"c\" cannot serve epoch 1 (HTTP 410)") && why.contains(lost),
         "{why}"
     );
-    let (status, text) = call(&d, &R::Epoch { job: job.id }, None);
+    let (status, text) = call_route(&d, &R::Epoch { job: job.id }, None);
     assert_eq!(status, 409, "{text}");
     assert!(text.contains("failed") && text.contains(lost), "{text}");
     b.set_silent(false);
@@ -495,14 +463,14 @@ fn an_appliance_declared_down_is_not_chosen_for_a_new_job() {
     let d = daemon(&[&a, &b, &c], &state);
     b.set_silent(true);
     let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_for("b declared down", within, || {
+    wait_within("b declared down", within, || {
         let list: Vec<ApplianceStatus> = ok_at(&d, &R::Appliances, None);
         list.iter().any(|s| s.name == "b" && s.down.is_some())
     });
     let named = JobSpec::new("named", 1, &[1024])
         .sharded_over(Placed::Names(vec!["a".into(), "b".into()]))
         .to_toml();
-    let (status, text) = call(&d, &R::Admit, Some(&named));
+    let (status, text) = call_route(&d, &R::Admit, Some(&named));
     assert_eq!(status, 409, "{text}");
     let e = serde_json::from_str::<ApiError>(&text)
         .unwrap_or_else(|e| panic!("not an ApiError ({e}): {text}"))
@@ -516,7 +484,7 @@ fn an_appliance_declared_down_is_not_chosen_for_a_new_job() {
     let three = JobSpec::new("three", 1, &[1024])
         .sharded_over(Placed::Count(3))
         .to_toml();
-    let (status, text) = call(&d, &R::Admit, Some(&three));
+    let (status, text) = call_route(&d, &R::Admit, Some(&three));
     assert_eq!(status, 409, "{text}");
     let e = serde_json::from_str::<ApiError>(&text).unwrap().error;
     assert!(
@@ -550,7 +518,7 @@ fn a_job_that_is_not_replicated_waits_for_its_appliance() {
     let job: AdmitResponse = ok_at(&d, &R::Admit, Some(&spec));
     b.set_silent(true);
     let list = || -> Vec<ApplianceStatus> { ok_at(&d, &R::Appliances, None) };
-    wait_for("b declared down", Duration::from_secs(5), || {
+    wait_within("b declared down", Duration::from_secs(5), || {
         list()
             .iter()
             .any(|s| s.name == "b" && s.down.as_deref().is_some_and(|w| w.contains("declared down")))

@@ -5,6 +5,7 @@
 //! (`appliances`), heartbeats, failover and re-replication (`failover`),
 //! and the counter table's renderings (`counter_table`).
 
+mod client;
 mod fake;
 
 mod appliances;
