@@ -37,31 +37,7 @@ fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
 /// Every (rank, chunk)'s result after each round, from a run without
 /// failure.
 fn reference() -> Vec<Got> {
-    let mut w = World::new(spec2(), &LCORES, &RACKS, 1, CLEAN);
-    (0..=ROUNDS)
-        .map(|r| {
-            let v = values(&w, r);
-            round(&mut w, r, &v);
-            w.got.clone()
-        })
-        .collect()
-}
-
-/// Installs `view` on every lcore of every appliance not dead and sends
-/// what it released; the workers take it too.
-fn change_epoch(w: &mut World, view: &EpochView) {
-    w.epoch = view.clone();
-    for i in 0..w.shards.len() {
-        if w.dead[i] {
-            continue;
-        }
-        for j in 0..w.shards[i].len() {
-            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(true));
-            // Again: the same epoch changes nothing.
-            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(false));
-            w.drain(i, j);
-        }
-    }
+    results_without_failure(spec2(), &LCORES, &RACKS, ROUNDS, 0xfa11)
 }
 
 fn sum_stats(w: &World, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {

@@ -49,30 +49,7 @@ fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
 
 /// Every (rank, chunk)'s result after each round, without failure.
 fn reference(replicas: u32) -> Vec<Got> {
-    let mut w = World::new(spec_r(replicas), &LCORES, &RACKS, 1, CLEAN);
-    (0..=ROUNDS)
-        .map(|r| {
-            let v = values(&w, r);
-            round(&mut w, r, &v);
-            w.got.clone()
-        })
-        .collect()
-}
-
-/// `view` on every live appliance (Ok(true) each, then Ok(false) again)
-/// and for the workers; what it queued is sent.
-fn change_epoch(w: &mut World, view: &EpochView) {
-    w.epoch = view.clone();
-    for i in 0..w.shards.len() {
-        if w.dead[i] {
-            continue;
-        }
-        for j in 0..w.shards[i].len() {
-            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(true), "appliance {i}");
-            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(false));
-            w.drain(i, j);
-        }
-    }
+    results_without_failure(spec_r(replicas), &LCORES, &RACKS, ROUNDS, 0x7e7e)
 }
 
 /// Appliance `i` back in the next epoch: installed anew (empty), then the

@@ -427,6 +427,43 @@ pub(crate) fn job(spec: &JobSpec, slots: Vec<SlotChunk>) -> JobInstall {
     }
 }
 
+/// Every (rank, chunk)'s result after each of rounds 0..=`rounds` of
+/// `spec` on appliances of `lcores` in `racks`, without fault or
+/// failure, the values drawn from `seed` ([`round_values`]).
+pub(crate) fn results_without_failure(
+    spec: JobSpec,
+    lcores: &[usize],
+    racks: &[&str],
+    rounds: u32,
+    seed: u64,
+) -> Vec<Got> {
+    let mut w = World::new(spec, lcores, racks, 1, CLEAN);
+    (0..=rounds)
+        .map(|r| {
+            let v = round_values(&w, seed, r);
+            round(&mut w, r, &v);
+            w.got.clone()
+        })
+        .collect()
+}
+
+/// Installs `view` on every lcore of every appliance not dead (each takes
+/// it once: again changes nothing) and sends what it released; the
+/// workers take it too.
+pub(crate) fn change_epoch(w: &mut World, view: &EpochView) {
+    w.epoch = view.clone();
+    for i in 0..w.shards.len() {
+        if w.dead[i] {
+            continue;
+        }
+        for j in 0..w.shards[i].len() {
+            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(true), "appliance {i}");
+            assert_eq!(w.shards[i][j].change_epoch(JOB, view), Ok(false));
+            w.drain(i, j);
+        }
+    }
+}
+
 /// Round `round` of every rank, every chunk, to its primary (INIT for
 /// round 0, rank 0's with values), resent until every RESULT is in.
 pub(crate) fn round(w: &mut World, round: u32, values: &HashMap<(u16, u64), Vec<f32>>) {
