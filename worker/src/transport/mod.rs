@@ -949,10 +949,7 @@ impl<D> Transport<D> {
 
     /// Fails every request with [`WorkerError::Closed`].
     pub(crate) fn close(&mut self) {
-        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
-        for id in ids {
-            self.fail(id, WorkerError::Closed);
-        }
+        self.fail_every(|| WorkerError::Closed);
     }
 
     /// Handles a datagram received at `now`:
@@ -1540,21 +1537,24 @@ impl<D> Transport<D> {
     fn restored_behind(&mut self, key: u32, chunk: u32, round: u32) {
         add(&self.stats.lcores_found_behind, 1);
         self.watch.reset();
-        let (reason, _) = describe(DropReason::Ahead.code());
         let hint = format!(
             " (a PULL found the appliance no longer holding round {round} of this chunk, which it had \
              answered: it restarted from an older checkpoint; pull every key and repeat the rounds since)"
         );
+        self.fail_every(|| WorkerError::Refused {
+            key,
+            chunk,
+            round,
+            reason: DropReason::Ahead.name().to_string(),
+            hint: hint.clone(),
+        });
+    }
+
+    /// Fails every request in flight with `err()`.
+    fn fail_every(&mut self, err: impl Fn() -> WorkerError) {
         let ids: Vec<u64> = self.table.requests.keys().copied().collect();
         for id in ids {
-            let err = WorkerError::Refused {
-                key,
-                chunk,
-                round,
-                reason: reason.clone(),
-                hint: hint.clone(),
-            };
-            self.fail(id, err);
+            self.fail(id, err());
         }
     }
 

@@ -781,8 +781,9 @@ fn nothing_to_pull_does_not_refuse_an_init_or_push() {
 
 /// A rank with chunks answered on lcore 1 and a push waiting on lcore 0
 /// (for a slow rank, say): after two silences it PULLs lcore 1's last
-/// answered chunk, with a nonce in the round field.
-fn stalled_with_lcore_one_idle(in_order: bool) -> (Harness, Sent) {
+/// answered chunk, with a nonce in the round field (`None`: it sent no
+/// PULL in two silences).
+fn stalled_with_lcore_one_idle(in_order: bool) -> (Harness, Option<Sent>) {
     let mut h = Harness::of(16, WorkerConfig::default(), in_order);
     h.push(0, 1, &[1]);
     assert_eq!(h.poll_chunks(), [(0, 0)]);
@@ -810,18 +811,11 @@ fn stalled_with_lcore_one_idle(in_order: bool) -> (Harness, Sent) {
             assert_eq!(pulls, [], "silence {silence}");
         } else {
             assert_eq!(pulls.len(), 1, "{pulls:?}");
-            return (h, pulls[0].clone());
+            return (h, pulls.into_iter().next());
         }
         at += h.t.loss.rto.loss(silence);
     }
-    (
-        h,
-        Sent {
-            to: lcore_addr(9),
-            repr: repr(MsgType::Pull, RANK, 0, 0, 0, 0),
-            values: vec![],
-        },
-    )
+    (h, None)
 }
 
 /// PROTOCOL.md §6.1, "A stalled rank": an lcore restored from a checkpoint
@@ -831,6 +825,7 @@ fn stalled_with_lcore_one_idle(in_order: bool) -> (Harness, Sent) {
 #[test]
 fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
     let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    let pull = pull.expect("a PULL after two silences");
     assert_eq!(pull.to, lcore_addr(1));
     assert_eq!(
         (pull.chunk(), pull.repr.slot, pull.repr.count, pull.repr.flags),
@@ -873,6 +868,7 @@ fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
 #[test]
 fn a_probe_answered_below_the_round_answered_twice_in_a_row_fails_the_requests() {
     let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    let pull = pull.expect("a PULL after two silences");
     h.result(0, 0, 1);
     assert!(h.ended().is_empty());
     assert_eq!(h.poll(), [], "answered where it stood: no more PULLs");
@@ -904,7 +900,8 @@ fn a_probe_answered_below_the_round_answered_twice_in_a_row_fails_the_requests()
 /// other appliances: nothing is probed there.
 #[test]
 fn a_hierarchical_rank_probes_nothing() {
-    let (h, _) = stalled_with_lcore_one_idle(false);
+    let (h, pull) = stalled_with_lcore_one_idle(false);
+    assert_eq!(pull, None);
     assert_eq!(h.stats.snapshot().lcores_probed, 0);
 }
 
