@@ -308,6 +308,30 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
     Ok((figures, store))
 }
 
+/// `f(i, item)` for each of `items`, each on a thread of its own; the
+/// results in order (a thread that panicked: an error naming `what`).
+fn in_threads<I: Send, R: Send>(
+    items: impl IntoIterator<Item = I>,
+    what: &str,
+    f: impl Fn(usize, I) -> Result<R> + Sync,
+) -> Vec<Result<R>> {
+    std::thread::scope(|scope| {
+        let f = &f;
+        let handles: Vec<_> = items
+            .into_iter()
+            .enumerate()
+            .map(|(i, item)| scope.spawn(move || f(i, item)))
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(anyhow::anyhow!("{what} thread panicked")))
+            })
+            .collect()
+    })
+}
+
 /// An order-free digest of every row `store` holds: its id, values and
 /// optimizer state, bit for bit.
 fn store_digest(store: &Store) -> u64 {
@@ -375,23 +399,8 @@ fn checkpoint_one(store: Store, path: &Path, barrier: &Barrier) -> Result<Restor
 fn checkpoint_phase(dir: &Path, stores: &mut Vec<Store>) -> Result<CheckpointFigures> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let barrier = Barrier::new(stores.len());
-    let results: Vec<Result<Restored>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = std::mem::take(stores)
-            .into_iter()
-            .enumerate()
-            .map(|(l, store)| {
-                let barrier = &barrier;
-                let path = dir.join(format!("lcore-{l}.ckpt"));
-                scope.spawn(move || checkpoint_one(store, &path, barrier))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a checkpoint thread panicked")))
-            })
-            .collect()
+    let results = in_threads(std::mem::take(stores), "a checkpoint", |l, store| {
+        checkpoint_one(store, &dir.join(format!("lcore-{l}.ckpt")), &barrier)
     });
     let mut figures = CheckpointFigures {
         bytes: 0,
@@ -444,21 +453,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     }
     let load = loadavg();
     let barrier = Barrier::new(args.lcores);
-    let results: Vec<Result<(LcoreFigures, Store)>> = std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..args.lcores)
-            .map(|l| {
-                let barrier = &barrier;
-                scope.spawn(move || lcore(args, l, barrier))
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("an lcore thread panicked")))
-            })
-            .collect()
-    });
+    let results = in_threads(0..args.lcores, "an lcore", |_, l| lcore(args, l, &barrier));
     let mut figures = Vec::new();
     let mut stores = Vec::new();
     for r in results {
@@ -718,54 +713,42 @@ fn drive(
     connect: impl Fn(u16) -> Result<Pusher> + Sync,
 ) -> Result<Vec<RankFigures>> {
     let (d, k) = (args.dim as usize, args.batch);
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..args.workers)
-            .map(|r| {
-                let connect = &connect;
-                scope.spawn(move || -> Result<RankFigures> {
-                    // Every step's ids, drawn before the timing (a Zipf
-                    // draw is a pow(), which took a sixth of the CPU when
-                    // drawn in the loop).
-                    let all = rank_ids(args, r);
-                    let mut digests = Vec::new();
-                    let mut push = connect(r)?;
-                    let mut out = vec![0f32; k * d];
-                    let mut steps_ms = Vec::with_capacity(args.steps as usize);
-                    let (mut before, mut t0) = ((0, 0), Instant::now());
-                    for (step, ids) in all.chunks_exact(k).enumerate() {
-                        if step == 3 {
-                            before = push(&[], &[], &mut [])?;
-                            t0 = Instant::now();
-                        }
-                        let t = Instant::now();
-                        push(ids, grads, &mut out)?;
-                        if args.verify {
-                            digests.push(digest(&out));
-                        }
-                        if step >= 3 {
-                            steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
-                        }
-                    }
-                    let seconds = t0.elapsed().as_secs_f64();
-                    let after = push(&[], &[], &mut [])?;
-                    Ok(RankFigures {
-                        seconds,
-                        steps_ms,
-                        bytes: after.0 - before.0,
-                        retransmits: after.1 - before.1,
-                        digests,
-                    })
-                })
-            })
-            .collect();
-        handles
-            .into_iter()
-            .map(|h| {
-                h.join()
-                    .unwrap_or_else(|_| Err(anyhow::anyhow!("a worker thread panicked")))
-            })
-            .collect()
+    in_threads(0..args.workers, "a worker", |_, r| -> Result<RankFigures> {
+        // Every step's ids, drawn before the timing (a Zipf
+        // draw is a pow(), which took a sixth of the CPU when
+        // drawn in the loop).
+        let all = rank_ids(args, r);
+        let mut digests = Vec::new();
+        let mut push = connect(r)?;
+        let mut out = vec![0f32; k * d];
+        let mut steps_ms = Vec::with_capacity(args.steps as usize);
+        let (mut before, mut t0) = ((0, 0), Instant::now());
+        for (step, ids) in all.chunks_exact(k).enumerate() {
+            if step == 3 {
+                before = push(&[], &[], &mut [])?;
+                t0 = Instant::now();
+            }
+            let t = Instant::now();
+            push(ids, grads, &mut out)?;
+            if args.verify {
+                digests.push(digest(&out));
+            }
+            if step >= 3 {
+                steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        let seconds = t0.elapsed().as_secs_f64();
+        let after = push(&[], &[], &mut [])?;
+        Ok(RankFigures {
+            seconds,
+            steps_ms,
+            bytes: after.0 - before.0,
+            retransmits: after.1 - before.1,
+            digests,
+        })
     })
+    .into_iter()
+    .collect()
 }
 
 /// `phub-bench sparse --local` (module head): one table of `--rows` rows
