@@ -6,7 +6,7 @@
 use std::io;
 use std::net::{TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, ExitStatus, Stdio};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -188,6 +188,34 @@ impl Daemon {
             child,
             log: log.to_path_buf(),
         })
+    }
+
+    /// Starts `cmd` as built (its stdin and stdout as it set them: piped
+    /// ones are taken with [`Daemon::take_stdio`]), stderr into `log`
+    /// (created anew).
+    pub fn spawn_command(name: &str, mut cmd: Command, log: &Path) -> io::Result<Daemon> {
+        let err = std::fs::File::create(log)
+            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", log.display())))?;
+        let child = cmd
+            .stderr(err)
+            .spawn()
+            .map_err(|e| io::Error::new(e.kind(), format!("starting {name} ({cmd:?}): {e}")))?;
+        live().pids.push(child.id());
+        Ok(Daemon {
+            name: name.to_string(),
+            child,
+            log: log.to_path_buf(),
+        })
+    }
+
+    /// Its piped stdin and stdout, once ([`Daemon::spawn_command`]).
+    pub fn take_stdio(&mut self) -> (Option<ChildStdin>, Option<ChildStdout>) {
+        (self.child.stdin.take(), self.child.stdout.take())
+    }
+
+    /// How it exited, if it has.
+    pub fn try_wait(&mut self) -> io::Result<Option<ExitStatus>> {
+        self.child.try_wait()
     }
 
     /// Its name, as given.

@@ -32,6 +32,9 @@
 //!   LayerNorm, intermediate and output dense, output LayerNorm (16
 //!   tensors); the pooler's dense layer. 391 tensors, 335,141,888
 //!   parameters (no pre-training heads).
+//! - `bert-base`: the same architecture at BERT-base's size: 12 layers,
+//!   hidden 768, 12 heads, intermediate 3072. 199 tensors, 109,482,240
+//!   parameters.
 //!
 //! Synthetic profiles: `synthetic:N` (one key of N floats) and
 //! `uniform:K:N` (K keys of N floats each). N and K accept the decimal
@@ -70,7 +73,7 @@ impl fmt::Display for ProfileError {
 impl std::error::Error for ProfileError {}
 
 /// The names [`load`] accepts, for help texts and error messages.
-pub const NAMES: &str = "resnet50, vgg16, bert-large, synthetic:N, uniform:K:N";
+pub const NAMES: &str = "resnet50, vgg16, bert-base, bert-large, synthetic:N, uniform:K:N";
 
 impl Profile {
     /// Total elements.
@@ -151,7 +154,8 @@ pub fn load(name: &str) -> Result<Profile, ProfileError> {
     let tensors = match name {
         "resnet50" | "resnet-50" => resnet50(),
         "vgg16" | "vgg-16" => vgg16(),
-        "bert-large" | "bert_large" | "bertlarge" => bert_large(),
+        "bert-base" | "bert_base" | "bertbase" => bert(768, 3072, 12),
+        "bert-large" | "bert_large" | "bertlarge" => bert(1024, 4096, 24),
         _ => {
             if let Some(n) = name.strip_prefix("synthetic:") {
                 let n = positive(count(n)?, name)?;
@@ -287,28 +291,26 @@ fn vgg16() -> Vec<Tensor> {
     n.0
 }
 
-/// BERT-large (Hugging Face `BertModel`): see the module docs.
-fn bert_large() -> Vec<Tensor> {
-    const HIDDEN: u64 = 1024;
-    const INTER: u64 = 4096;
-    const LAYERS: usize = 24;
+/// BERT (Hugging Face `BertModel`) with hidden size `hidden`, intermediate
+/// size `inter` and `layers` layers: see the module docs.
+fn bert(hidden: u64, inter: u64, layers: usize) -> Vec<Tensor> {
     let mut n = Net::default();
-    n.push("embeddings.word_embeddings.weight".into(), 30522 * HIDDEN);
-    n.push("embeddings.position_embeddings.weight".into(), 512 * HIDDEN);
-    n.push("embeddings.token_type_embeddings.weight".into(), 2 * HIDDEN);
-    n.layer_norm("embeddings.LayerNorm", HIDDEN);
-    for l in 0..LAYERS {
+    n.push("embeddings.word_embeddings.weight".into(), 30522 * hidden);
+    n.push("embeddings.position_embeddings.weight".into(), 512 * hidden);
+    n.push("embeddings.token_type_embeddings.weight".into(), 2 * hidden);
+    n.layer_norm("embeddings.LayerNorm", hidden);
+    for l in 0..layers {
         let p = format!("encoder.layer.{l}");
         for m in ["query", "key", "value"] {
-            n.linear(&format!("{p}.attention.self.{m}"), HIDDEN, HIDDEN);
+            n.linear(&format!("{p}.attention.self.{m}"), hidden, hidden);
         }
-        n.linear(&format!("{p}.attention.output.dense"), HIDDEN, HIDDEN);
-        n.layer_norm(&format!("{p}.attention.output.LayerNorm"), HIDDEN);
-        n.linear(&format!("{p}.intermediate.dense"), HIDDEN, INTER);
-        n.linear(&format!("{p}.output.dense"), INTER, HIDDEN);
-        n.layer_norm(&format!("{p}.output.LayerNorm"), HIDDEN);
+        n.linear(&format!("{p}.attention.output.dense"), hidden, hidden);
+        n.layer_norm(&format!("{p}.attention.output.LayerNorm"), hidden);
+        n.linear(&format!("{p}.intermediate.dense"), hidden, inter);
+        n.linear(&format!("{p}.output.dense"), inter, hidden);
+        n.layer_norm(&format!("{p}.output.LayerNorm"), hidden);
     }
-    n.linear("pooler.dense", HIDDEN, HIDDEN);
+    n.linear("pooler.dense", hidden, hidden);
     n.0
 }
 
@@ -348,6 +350,15 @@ mod tests {
         assert_eq!(p.len(), 391);
         assert_eq!(p.elements(), 335_141_888);
         assert_eq!(p.tensors[0].elements, 30522 * 1024);
+    }
+
+    #[test]
+    fn bert_base_matches_the_published_counts() {
+        let p = load("bert-base").unwrap();
+        assert_eq!(p.len(), 199);
+        // bert-base-uncased's BertModel: sum(p.numel() for p in m.parameters()).
+        assert_eq!(p.elements(), 109_482_240);
+        assert_eq!(p.tensors[0].elements, 30522 * 768);
     }
 
     #[test]

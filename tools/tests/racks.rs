@@ -161,3 +161,78 @@ fn three_virtual_racks_hierarchical_stay_exact_with_loss_on_the_spine() {
     );
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
+
+/// `phub-bench torch`'s racks: every rank in a namespace of its own behind
+/// a tbf-limited link to its rack's switch. A rank reaches a rank of the
+/// other rack across the spine, and the bytes are counted on the spine and
+/// on both ranks' links, not on the others'.
+#[test]
+fn ranks_with_links_of_their_own_reach_across_the_spine_and_are_counted() {
+    use phub_tools::bench::racks::{worker_ip, RackNet};
+    use std::net::UdpSocket;
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench torch's racks {why}");
+        return;
+    }
+    let me = std::process::id();
+    let mut net = RackNet::create(2, None, None, 50.0).unwrap();
+    net.add_workers(&[0, 0, 1, 1], Some(0.1), 50.0).unwrap();
+    let names: Vec<String> = net.workers.iter().map(|n| n.name.clone()).collect();
+    let qdisc = Command::new("tc")
+        .args(["-n", &names[2], "qdisc", "show", "dev", "nic"])
+        .output()
+        .unwrap();
+    let qdisc = String::from_utf8_lossy(&qdisc.stdout);
+    assert!(qdisc.contains("tbf") && qdisc.contains("100Mbit"), "{qdisc}");
+    let (spine0, links0) = (net.spine_rx_bytes().unwrap(), net.worker_link_bytes().unwrap());
+    let (n, len) = (200usize, 1000usize);
+    let rx_ns = names[3].clone();
+    let to = format!("{}:5000", worker_ip(3));
+    let receiver = std::thread::spawn(move || {
+        phub_hwtests::virt::try_enter_netns(&rx_ns).unwrap();
+        let s = UdpSocket::bind(format!("{}:5000", worker_ip(3))).unwrap();
+        s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+            .unwrap();
+        let mut buf = vec![0u8; 2048];
+        (0..n).map(|_| s.recv(&mut buf).unwrap()).sum::<usize>()
+    });
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let tx_ns = names[0].clone();
+    std::thread::spawn(move || {
+        phub_hwtests::virt::try_enter_netns(&tx_ns).unwrap();
+        let s = UdpSocket::bind(format!("{}:0", worker_ip(0))).unwrap();
+        let payload = vec![7u8; len];
+        for _ in 0..n {
+            s.send_to(&payload, &to).unwrap();
+            std::thread::sleep(std::time::Duration::from_micros(200));
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(receiver.join().unwrap(), n * len);
+    let spine = net.spine_rx_bytes().unwrap() - spine0;
+    let links: Vec<u64> = net
+        .worker_link_bytes()
+        .unwrap()
+        .iter()
+        .zip(&links0)
+        .map(|(b, a)| b - a)
+        .collect();
+    let sent = (n * len) as u64;
+    assert!(
+        (sent..sent * 2).contains(&spine),
+        "{spine} bytes entered the spine for {sent}"
+    );
+    for r in [0, 3] {
+        assert!((sent..sent * 2).contains(&links[r]), "rank {r}'s link: {links:?}");
+    }
+    for r in [1, 2] {
+        assert!(links[r] < 1000, "rank {r} carried what was not for it: {links:?}");
+    }
+    drop(net);
+    assert!(
+        leftovers(me).is_empty(),
+        "namespaces left behind: {:?}",
+        leftovers(me)
+    );
+}

@@ -14,6 +14,8 @@
 //!   limits, an appliance per rack, the bytes across the spine.
 //! - [`sparse`]: `phub-bench sparse`: sparse tables' row store
 //!   (`--engine-only`).
+//! - [`torch`]: `phub-bench torch`: a PyTorch DDP step with gloo and with
+//!   phub's comm hook on the virtual racks, same links, same run.
 
 pub mod ceiling;
 pub mod emulate;
@@ -25,3 +27,4 @@ pub mod run;
 pub mod sparse;
 pub mod tcp_ps;
 pub mod tcp_rows;
+pub mod torch;

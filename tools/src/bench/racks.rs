@@ -84,6 +84,19 @@ pub fn appliance_name(r: usize) -> String {
     format!("rack{r}")
 }
 
+/// Most ranks [`RackNet::add_workers`] gives links of their own.
+pub const MAX_WORKER_LINKS: usize = 250;
+
+/// Rank `rank`'s address (0-based) on its own link ([`RackNet::add_workers`]).
+pub fn worker_ip(rank: usize) -> String {
+    format!("10.78.{rank}.2")
+}
+
+/// The rack switch's end of rank `rank`'s link.
+fn worker_gw(rank: usize) -> String {
+    format!("10.78.{rank}.1")
+}
+
 /// `phub-bench run --local --racks R ...`'s options.
 #[derive(Debug, Clone, Default, clap::Args, Serialize)]
 pub struct RackArgs {
@@ -206,6 +219,9 @@ pub struct RackNet {
     pub racks: Vec<Netns>,
     /// Rack r's appliance (index r - 1).
     pub appliances: Vec<Netns>,
+    /// Each rank's own namespace behind its own link to its rack's switch
+    /// ([`RackNet::add_workers`]; empty: the ranks run in their rack's).
+    pub workers: Vec<Netns>,
 }
 
 fn run_cmd(cmd: &mut Command) -> Result<()> {
@@ -274,6 +290,42 @@ fn link(ns_a: &Netns, a: &str, ip_a: &str, ns_b: &Netns, b: &str, ip_b: &str) ->
     Ok(())
 }
 
+/// `ip -s -j link show` in namespace `ns`: every interface and its
+/// counters (those /sys/class/net shows inside the namespace).
+fn links_json(ns: &str) -> Result<serde_json::Value> {
+    let out = Command::new("ip")
+        .args(["-n", ns, "-s", "-j", "link", "show"])
+        .output()
+        .context("ip -s -j link show")?;
+    ensure!(
+        out.status.success(),
+        "ip -n {ns} -s -j link show: {}",
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+    serde_json::from_slice(&out.stdout).context("ip's JSON")
+}
+
+/// Interface `name`'s byte counter `dir` (`rx` or `tx`) in `links`
+/// ([`links_json`]).
+fn link_counter(links: &serde_json::Value, name: &str, dir: &str) -> Result<u64> {
+    links
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|l| l["ifname"] == name)
+        .and_then(|l| l["stats64"][dir]["bytes"].as_u64())
+        .with_context(|| format!("no {dir} byte counter for {name}"))
+}
+
+/// Interface `name` in namespace `ns`: bytes received and sent so far.
+fn link_bytes(ns: &str, name: &str) -> Result<(u64, u64)> {
+    let links = links_json(ns)?;
+    Ok((
+        link_counter(&links, name, "rx")?,
+        link_counter(&links, name, "tx")?,
+    ))
+}
+
 impl RackNet {
     /// Builds `racks` racks and the spine; says why it cannot (not root, no
     /// `ip` or `tc`, a link that cannot be made).
@@ -291,6 +343,7 @@ impl RackNet {
             spine,
             racks: Vec::new(),
             appliances: Vec::new(),
+            workers: Vec::new(),
         };
         // Built into `net` step by step: an error drops what exists.
         sysctls(&net.spine, true)?;
@@ -343,6 +396,59 @@ impl RackNet {
         Ok(net)
     }
 
+    /// Gives every rank a namespace of its own (`wk<rank>`) with a link
+    /// (`nic`, [`worker_ip`]) to its rack's switch (`rack_of[rank]`,
+    /// 0-based), limited to `gbps` Gbit/s both ways when given, and routes
+    /// to it from the spine.
+    pub fn add_workers(&mut self, rack_of: &[usize], gbps: Option<f64>, queue_ms: f64) -> Result<()> {
+        ensure!(
+            rack_of.len() <= MAX_WORKER_LINKS,
+            "{} ranks with links of their own: at most {MAX_WORKER_LINKS}",
+            rack_of.len()
+        );
+        for (rank, &r) in rack_of.iter().enumerate() {
+            let rack = self
+                .racks
+                .get(r)
+                .with_context(|| format!("rank {rank} in rack {}, of {}", r + 1, self.racks.len()))?;
+            let ns = Netns::create(&format!("wk{rank}"))
+                .map_err(|e| anyhow!("creating rank {rank}'s namespace: {e}"))?;
+            self.workers.push(ns);
+            let (ns, sw) = (&self.workers[rank], format!("w{rank}"));
+            sysctls(ns, false)?;
+            ip(ns, &["link", "set", "lo", "up"])?;
+            link(rack, &sw, &worker_gw(rank), ns, "nic", &worker_ip(rank))?;
+            ip(ns, &["route", "add", "default", "via", &worker_gw(rank)])?;
+            ip(
+                &self.spine,
+                &[
+                    "route",
+                    "add",
+                    &format!("10.78.{rank}.0/24"),
+                    "via",
+                    &uplink_ip(r + 1, false),
+                ],
+            )?;
+            if let Some(g) = gbps {
+                tbf(rack, &sw, g, queue_ms)?;
+                tbf(ns, "nic", g, queue_ms)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes every rank's own link has carried so far, both ways (its
+    /// `nic`'s received plus sent), in rank order ([`RackNet::add_workers`]).
+    pub fn worker_link_bytes(&self) -> Result<Vec<u64>> {
+        self.workers
+            .iter()
+            .map(|ns| {
+                let (rx, tx) = link_bytes(&ns.name, "nic")?;
+                Ok(rx + tx)
+            })
+            .collect()
+    }
+
     /// Drops `pct` percent of the UDP datagrams the spine forwards, at
     /// random, with a counter ([`RackNet::spine_dropped`]).
     pub fn spine_loss(&self, pct: u32) -> Result<()> {
@@ -388,28 +494,11 @@ impl RackNet {
     /// counters /sys/class/net shows inside the namespace). A datagram from
     /// one rack to another enters the spine once.
     pub fn spine_rx_bytes(&self) -> Result<u64> {
-        let out = Command::new("ip")
-            .args(["-n", &self.spine.name, "-s", "-j", "link", "show"])
-            .output()
-            .context("ip -s -j link show")?;
-        ensure!(
-            out.status.success(),
-            "ip -n {} -s -j link show: {}",
-            self.spine.name,
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
-        let links: serde_json::Value = serde_json::from_slice(&out.stdout).context("ip's JSON")?;
+        let links = links_json(&self.spine.name)?;
         let mut total = 0;
         for r in 1..=self.racks.len() {
-            let name = spine_if(r);
-            let bytes = links
-                .as_array()
-                .into_iter()
-                .flatten()
-                .find(|l| l["ifname"] == name.as_str())
-                .and_then(|l| l["stats64"]["rx"]["bytes"].as_u64())
-                .with_context(|| format!("no rx byte counter for {name} in the spine"))?;
-            total += bytes;
+            total += link_counter(&links, &spine_if(r), "rx")
+                .with_context(|| format!("in the spine ({})", self.spine.name))?;
         }
         Ok(total)
     }
@@ -421,7 +510,7 @@ impl RackNet {
     }
 
     /// [`RackNet::inside`] for the namespace named `ns`.
-    fn inside_named<T: Send>(ns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
+    pub(super) fn inside_named<T: Send>(ns: &str, f: impl FnOnce() -> Result<T> + Send) -> Result<T> {
         std::thread::scope(|s| {
             s.spawn(|| {
                 virt::try_enter_netns(ns).map_err(|e| anyhow!(e))?;
@@ -440,14 +529,14 @@ pub fn rack_of_ranks(workers: usize, racks: usize) -> Vec<usize> {
 }
 
 /// The racks' processes: a dataplane per rack and control.
-struct Appliances {
+pub(super) struct Appliances {
     // Control stops first, then the dataplanes (Daemon's Drop, on an error).
     control: Daemon,
     dataplanes: Vec<Daemon>,
     /// How each dataplane was started, to start it again (`--restart-after-ms`).
     launches: Vec<Launch>,
-    control_url: String,
-    token: String,
+    pub(super) control_url: String,
+    pub(super) token: String,
 }
 
 /// How a dataplane of the virtual racks is started: in its namespace, its
@@ -492,7 +581,7 @@ impl Appliances {
 
     /// Stops control, then the dataplanes, saying which did not stop on
     /// SIGTERM.
-    fn stop(mut self) {
+    pub(super) fn stop(mut self) {
         for d in std::iter::once(&mut self.control).chain(self.dataplanes.iter_mut()) {
             if !d.stop(Duration::from_secs(5)) {
                 eprintln!("phub-bench: {} did not stop on SIGTERM; killed it", d.name());
@@ -528,16 +617,50 @@ fn programs(bin_dir: Option<&Path>) -> Result<[(PathBuf, Vec<String>); 2]> {
     }
 }
 
+/// How the racks' daemons are started: the programs' directory, the
+/// dataplanes' options (all but their addresses, ports, tokens and
+/// budget, which [`start`] fills in) and environment, and control's extra
+/// arguments.
+pub(super) struct Daemons<'a> {
+    /// `--bin-dir` (none: this program's `serve-*` subcommands).
+    pub bin_dir: Option<&'a Path>,
+    /// Every dataplane's options.
+    pub dataplane: DataplaneArgs,
+    /// Every dataplane's environment.
+    pub env: Vec<(String, String)>,
+    /// Arguments appended to phub-control's.
+    pub control_extra: Vec<String>,
+}
+
+impl<'a> Daemons<'a> {
+    /// `phub-bench run`'s.
+    fn of_run(a: &'a RunArgs) -> Daemons<'a> {
+        Daemons {
+            bin_dir: a.bin_dir.as_deref(),
+            dataplane: DataplaneArgs {
+                lcores: Some(a.lcores),
+                busy_poll: a.busy_poll,
+                no_pin: a.no_pin,
+                socket_buffer: a.socket_buffer,
+                inject: a.inject.as_ref().map(ToString::to_string),
+                extra: a.dataplane_arg.clone(),
+                ..DataplaneArgs::default()
+            },
+            env: [("PHUB_UDP_GSO", a.no_gso), ("PHUB_UDP_GRO", a.no_gro)]
+                .into_iter()
+                .filter(|(_, off)| *off)
+                .map(|(k, _)| (k.to_string(), "0".to_string()))
+                .collect(),
+            control_extra: a.failover.control_args(),
+        }
+    }
+}
+
 /// Starts each rack's phub-dataplane in its appliance namespace and
 /// phub-control in the spine (the calling thread's namespace), and waits
 /// for their APIs.
-fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Appliances> {
-    let [(dp_prog, dp_pre), (ctl_prog, ctl_pre)] = programs(a.bin_dir.as_deref())?;
-    let env: Vec<(String, String)> = [("PHUB_UDP_GSO", a.no_gso), ("PHUB_UDP_GRO", a.no_gro)]
-        .into_iter()
-        .filter(|(_, off)| *off)
-        .map(|(k, _)| (k.to_string(), "0".to_string()))
-        .collect();
+pub(super) fn start(d: &Daemons<'_>, net: &RackNet, dir: &Path, budget: u64) -> Result<Appliances> {
+    let [(dp_prog, dp_pre), (ctl_prog, ctl_pre)] = programs(d.bin_dir)?;
     let mut dataplanes = Vec::new();
     let mut launches = Vec::new();
     let mut control_args = ctl_pre;
@@ -548,7 +671,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
         "--state".into(),
         dir.join("state.json").display().to_string(),
     ]);
-    control_args.extend(a.failover.control_args());
+    control_args.extend(d.control_extra.iter().cloned());
     for (i, ns) in net.appliances.iter().enumerate() {
         let r = i + 1;
         let host = appliance_ip(r);
@@ -559,16 +682,10 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
                 backend: Some(DataplaneBackend::Udp),
                 host: Some(host.clone()),
                 base_port: Some(BASE_PORT),
-                lcores: Some(a.lcores),
                 mgmt: Some(format!("{host}:{MGMT_PORT}")),
                 mgmt_token_file: Some(token.clone()),
                 memory_budget: Some(budget.to_string()),
-                busy_poll: a.busy_poll,
-                no_pin: a.no_pin,
-                socket_buffer: a.socket_buffer,
-                inject: a.inject.as_ref().map(ToString::to_string),
-                extra: a.dataplane_arg.clone(),
-                ..DataplaneArgs::default()
+                ..d.dataplane.clone()
             }
             .to_args(),
         );
@@ -578,7 +695,7 @@ fn start(a: &RunArgs, net: &RackNet, dir: &Path, budget: u64) -> Result<Applianc
             name: format!("phub-dataplane (rack {r})"),
             program: dp_prog.clone(),
             args,
-            env: env.clone(),
+            env: d.env.clone(),
             log: dir.join(format!("phub-dataplane-{r}.log")),
             url: url.clone(),
         };
@@ -725,7 +842,7 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
 }
 
 /// How a job is placed over the racks' appliances.
-enum Placement {
+pub(super) enum Placement {
     /// Sharded over the first N racks' appliances (1: rack 1's alone).
     Flat(usize),
     /// Hierarchical over every rack's appliance, with these ranks per rack.
@@ -734,7 +851,7 @@ enum Placement {
 
 impl Placement {
     /// `spec` with its `[placement]` (and `replicas`, when given).
-    fn spec(&self, spec: &serde_json::Value, replicas: Option<u32>) -> serde_json::Value {
+    pub(super) fn spec(&self, spec: &serde_json::Value, replicas: Option<u32>) -> serde_json::Value {
         let mut placement = match self {
             Placement::Flat(n) => serde_json::json!({
                 "appliances": (1..=*n).map(appliance_name).collect::<Vec<_>>(),
@@ -780,7 +897,7 @@ fn run_in_spine(
     // A hierarchical rack appliance holds a slot for every chunk and its
     // part of the homes: room for the whole job twice.
     let budget = 2 * job.budget(a.lcores, false);
-    let mut appl = start(a, net, dir, budget)?;
+    let mut appl = start(&Daemons::of_run(a), net, dir, budget)?;
     let of = rack_of_ranks(a.workers, racks);
     let fabric_bytes = || net.spine_rx_bytes();
     let fabric = Fabric {

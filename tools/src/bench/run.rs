@@ -683,20 +683,27 @@ pub(super) fn job_spec(a: &RunArgs, profile: &Profile, label: &str) -> Result<Jo
     if let (Some(c), Some(o)) = (consistency_json(a.consistency), json.as_object_mut()) {
         o.insert("consistency".into(), c);
     }
-    let parsed =
-        phub_proto::spec::JobSpec::from_json(&json.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
-    let chunk_elems = u64::from(parsed.chunk_elems());
-    let chunks: u64 = profile
-        .tensors
-        .iter()
-        .map(|t| t.elements.div_ceil(chunk_elems))
-        .sum();
-    Ok(Job {
-        json,
-        parsed,
-        chunk_elems,
-        chunks,
-    })
+    Job::new(json, profile)
+}
+
+impl Job {
+    /// The job of spec `json`, for `profile`'s tensors (one key each).
+    pub(super) fn new(json: serde_json::Value, profile: &Profile) -> Result<Job> {
+        let parsed =
+            phub_proto::spec::JobSpec::from_json(&json.to_string()).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let chunk_elems = u64::from(parsed.chunk_elems());
+        let chunks: u64 = profile
+            .tensors
+            .iter()
+            .map(|t| t.elements.div_ceil(chunk_elems))
+            .sum();
+        Ok(Job {
+            json,
+            parsed,
+            chunk_elems,
+            chunks,
+        })
+    }
 }
 
 /// One point, on the calling thread's network (`veth`: the virtual rack's

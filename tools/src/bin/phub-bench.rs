@@ -26,7 +26,7 @@ use phub_engine::kernels::Kernels;
 use phub_engine::optim::{self, ChunkBufs};
 use phub_proto::spec::Optimizer;
 use phub_proto::Dtype;
-use phub_tools::bench::{local, run, sparse};
+use phub_tools::bench::{local, run, sparse, torch};
 use phub_tools::membw::ReadPass;
 use phub_tools::sys::Machine;
 use serde::Serialize;
@@ -55,6 +55,8 @@ enum Command {
     Run(Box<run::RunArgs>),
     /// Sparse tables: row updates and lookups per second (`--engine-only`: the row store alone).
     Sparse(sparse::SparseArgs),
+    /// PyTorch DDP on virtual racks: gloo's all-reduce against phub's comm hook, same links, same run.
+    Torch(torch::TorchArgs),
     /// One emulated worker process (started by `run --procs`).
     #[command(hide = true)]
     BenchWorker {
@@ -606,6 +608,7 @@ fn main() -> Result<()> {
         Command::Kernels(args) => kernels_cmd(args),
         Command::Run(args) => run::run(args),
         Command::Sparse(args) => sparse::run(args),
+        Command::Torch(args) => torch::run(args),
         Command::BenchWorker { plan } => run::worker_process(plan),
         Command::ServeDataplane { args } => local::serve_dataplane(args),
         Command::ServeControl(args) => local::serve_control(args),
