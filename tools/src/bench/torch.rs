@@ -99,6 +99,10 @@ pub struct TorchArgs {
     /// DDP's bucket_cap_mb.
     #[arg(long, default_value_t = 25.0)]
     pub bucket_mb: f64,
+    /// phub's window, chunks in flight per rank (default: the worker
+    /// library's choice).
+    #[arg(long, value_name = "N")]
+    pub window: Option<usize>,
     /// Dataplane lcores per appliance.
     #[arg(long, default_value_t = 1)]
     pub lcores: usize,
@@ -178,6 +182,8 @@ pub struct TorchReport {
     pub bucket_mb: f64,
     /// Dataplane lcores per appliance.
     pub lcores: usize,
+    /// `--window` (none: the worker library's choice).
+    pub window: Option<usize>,
     /// Timed trials.
     pub trials: usize,
     /// The step without exchange (a comm hook that hands the bucket
@@ -346,6 +352,7 @@ pub fn run(a: &TorchArgs) -> Result<()> {
         spine_gbps,
         bucket_mb: a.bucket_mb,
         lcores: a.lcores,
+        window: a.window,
         trials: a.trials,
         baseline_step_ms: baseline,
         gloo_step_ms: gloo,
@@ -523,6 +530,9 @@ fn run_ranks(
         ];
         for j in jobs {
             args.extend(["--job".into(), j.clone()]);
+        }
+        if let Some(w) = a.window {
+            args.extend(["--window".into(), w.to_string()]);
         }
         ranks.push(spawn_rank(net, dir, rank, rack, python, args)?);
     }
