@@ -343,7 +343,7 @@ fn shared_memory_run_verifies_and_says_so() {
 fn bad_arguments_say_what_is_accepted() {
     let (ok, out) = bench(&["run", "--model", "resnet-51", "--rounds", "1"]);
     assert!(!ok);
-    assert!(out.contains("resnet50, vgg16, bert-large"), "{out}");
+    assert!(out.contains("resnet50, vgg16, bert-base, bert-large"), "{out}");
     let (ok, out) = bench(&["run", "--model", "synthetic:10", "--sweep", "speed=1,2"]);
     assert!(!ok);
     assert!(out.contains("accepted variables"), "{out}");
