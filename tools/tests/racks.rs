@@ -236,3 +236,114 @@ fn ranks_with_links_of_their_own_reach_across_the_spine_and_are_counted() {
         leftovers(me)
     );
 }
+
+/// `phub-bench torch --racks 2 --workers 4 ...` with `stub_rank.py` (no
+/// torch) in place of the rank script, its JSON and output, and the
+/// namespaces it left behind.
+fn torch_stub(fail_rank: Option<usize>) -> (bool, Value, String, Vec<String>) {
+    let dir = std::env::temp_dir().join(format!("phub-torch-stub-{}-{fail_rank:?}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let json = dir.join("out.json");
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/stub_rank.py");
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_phub-bench"));
+    cmd.args([
+        "torch",
+        "--model",
+        "synthetic:100000",
+        "--trials",
+        "3",
+        "--warmup",
+        "1",
+    ])
+    .args([
+        "--python",
+        "/usr/bin/python3",
+        "--script",
+        script,
+        "--timeout-s",
+        "120",
+    ])
+    .arg("--json")
+    .arg(&json);
+    if let Some(r) = fail_rank {
+        cmd.env("STUB_FAIL_RANK", r.to_string());
+    }
+    let child = cmd
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id();
+    let out = child.wait_with_output().unwrap();
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v = std::fs::read_to_string(&json)
+        .map(|t| serde_json::from_str(&t).unwrap())
+        .unwrap_or(Value::Null);
+    let _ = std::fs::remove_dir_all(&dir);
+    (out.status.success(), v, text, leftovers(pid))
+}
+
+/// The orchestration of `phub-bench torch` without torch: the ranks start
+/// in their namespaces, rank 0's marks are answered, the bytes each step
+/// moved are counted on the spine and the ranks' links between them, each
+/// mode's step is its slowest rank's median, and everything is removed.
+#[test]
+fn torch_counts_each_steps_bytes_between_rank_0s_marks() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench torch {why}");
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/python3").exists() {
+        eprintln!("skipped: phub-bench torch's stub rank needs /usr/bin/python3");
+        return;
+    }
+    let (ok, v, text, left) = torch_stub(None);
+    assert!(ok, "{text}");
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+    assert_eq!(v["workers_per_rack"], serde_json::json!([2, 2]), "{v}");
+    assert_eq!(v["spine_gbps"], 1.0, "{v}");
+    assert_eq!(v["appliance_gbps"], 2.0, "{v}");
+    let close = |x: &Value, want: f64| (x.as_f64().unwrap() - want).abs() < 1e-9;
+    assert!(close(&v["baseline_step_ms"], 1.0), "{v}");
+    // Modes in order none, gloo, flat, hierarchical: steps of 2, 3, 4 ms
+    // and 200, 300, 400 datagrams of 1000 bytes from rack 1 to rack 2.
+    for (i, mode) in ["gloo", "flat", "hierarchical"].iter().enumerate() {
+        let m = &v["modes"][mode];
+        let n = 100.0 * (i as f64 + 2.0);
+        assert!(close(&m["step_ms_median"], i as f64 + 2.0), "{mode}: {m}");
+        assert!(close(&m["exchange_ms"], i as f64 + 1.0), "{mode}: {m}");
+        let spine = m["spine_bytes_per_step"].as_f64().unwrap();
+        assert!(
+            (n * 1000.0..n * 2000.0).contains(&spine),
+            "{mode}: {spine} bytes entered the spine per step for {n} datagrams\n{text}"
+        );
+        // Rank 0's link and the last rank's carried them; the mean of four.
+        let link = m["worker_link_bytes_per_step"].as_f64().unwrap();
+        assert!((n * 1000.0 / 2.0..n * 2000.0).contains(&link), "{mode}: {link}");
+    }
+    assert!(close(&v["modes"]["flat"]["speedup_vs_gloo"], 2.0 / 3.0), "{v}");
+    assert!(close(&v["speedup_vs_gloo"], 2.0 / 4.0), "{v}");
+    assert!(text.contains("hierarchical"), "{text}");
+}
+
+/// A rank that dies stops the run with its name and the ranks' logs, and
+/// nothing is left behind.
+#[test]
+fn torch_stops_naming_a_rank_that_exited() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench torch {why}");
+        return;
+    }
+    if !std::path::Path::new("/usr/bin/python3").exists() {
+        eprintln!("skipped: phub-bench torch's stub rank needs /usr/bin/python3");
+        return;
+    }
+    let (ok, _, text, left) = torch_stub(Some(1));
+    assert!(!ok, "{text}");
+    assert!(text.contains("rank 1 exited (exit status: 3)"), "{text}");
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+}
