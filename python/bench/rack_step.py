@@ -45,23 +45,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
-
-
-class Bag(nn.Module):
-    """Parameters of the given sizes; forward = x * sum of every element."""
-
-    def __init__(self, sizes: list[int]) -> None:
-        super().__init__()
-        self.ps = nn.ParameterList([nn.Parameter(torch.zeros(n)) for n in sizes])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.stack([p.sum() for p in self.ps]).sum()
-
-
-def no_exchange_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP checks real annotations
-    fut = torch.futures.Future()
-    fut.set_result(bucket.buffer())
-    return fut
+from bench_exchange import Bag, no_exchange_hook  # the same model and baseline hook
 
 
 def mark(what: str, mode: str, trial: int) -> None:
@@ -91,7 +75,7 @@ def main() -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
     dist.init_process_group("gloo", rank=a.rank, world_size=a.world)
     with open(a.sizes) as f:
-        sizes = [int(n) for n in json.load(f)]
+        sizes = [(f"key{k}", int(n)) for k, n in enumerate(json.load(f))]
     jobs = {}
     for j in a.job:
         mode, job, token = j.split(":")

@@ -238,15 +238,11 @@ fn ranks_with_links_of_their_own_reach_across_the_spine_and_are_counted() {
 }
 
 /// `phub-bench torch --racks 2 --workers 4 ...` with `stub_rank.py` (no
-/// torch) in place of the rank script, its JSON and output, and the
-/// namespaces it left behind.
+/// torch) in place of the rank script: whether it succeeded, its JSON and
+/// output, and the namespaces it left behind.
 fn torch_stub(fail_rank: Option<usize>) -> (bool, Value, String, Vec<String>) {
-    let dir = std::env::temp_dir().join(format!("phub-torch-stub-{}-{fail_rank:?}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let json = dir.join("out.json");
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/stub_rank.py");
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_phub-bench"));
-    cmd.args([
+    let args = [
         "torch",
         "--model",
         "synthetic:100000",
@@ -254,37 +250,26 @@ fn torch_stub(fail_rank: Option<usize>) -> (bool, Value, String, Vec<String>) {
         "3",
         "--warmup",
         "1",
-    ])
-    .args([
         "--python",
         "/usr/bin/python3",
         "--script",
         script,
         "--timeout-s",
         "120",
-    ])
-    .arg("--json")
-    .arg(&json);
-    if let Some(r) = fail_rank {
-        cmd.env("STUB_FAIL_RANK", r.to_string());
+    ];
+    let fail = fail_rank.map(|r| r.to_string());
+    let env: Vec<(&str, &str)> = fail.iter().map(|r| ("STUB_FAIL_RANK", r.as_str())).collect();
+    let (ok, v, text, pid) =
+        common::bench_json(&format!("torch-{}", fail.as_deref().unwrap_or("ok")), &args, &env);
+    (ok, v, text, leftovers(pid))
+}
+
+/// Why the torch stub tests cannot run here, if they cannot.
+fn torch_stub_unavailable() -> Option<String> {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        return Some(why);
     }
-    let child = cmd
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id();
-    let out = child.wait_with_output().unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let v = std::fs::read_to_string(&json)
-        .map(|t| serde_json::from_str(&t).unwrap())
-        .unwrap_or(Value::Null);
-    let _ = std::fs::remove_dir_all(&dir);
-    (out.status.success(), v, text, leftovers(pid))
+    (!std::path::Path::new("/usr/bin/python3").exists()).then(|| "needs /usr/bin/python3".to_string())
 }
 
 /// The orchestration of `phub-bench torch` without torch: the ranks start
@@ -293,12 +278,8 @@ fn torch_stub(fail_rank: Option<usize>) -> (bool, Value, String, Vec<String>) {
 /// mode's step is its slowest rank's median, and everything is removed.
 #[test]
 fn torch_counts_each_steps_bytes_between_rank_0s_marks() {
-    if let Some(why) = phub_hwtests::virt::unavailable() {
+    if let Some(why) = torch_stub_unavailable() {
         eprintln!("skipped: phub-bench torch {why}");
-        return;
-    }
-    if !std::path::Path::new("/usr/bin/python3").exists() {
-        eprintln!("skipped: phub-bench torch's stub rank needs /usr/bin/python3");
         return;
     }
     let (ok, v, text, left) = torch_stub(None);
@@ -334,12 +315,8 @@ fn torch_counts_each_steps_bytes_between_rank_0s_marks() {
 /// nothing is left behind.
 #[test]
 fn torch_stops_naming_a_rank_that_exited() {
-    if let Some(why) = phub_hwtests::virt::unavailable() {
+    if let Some(why) = torch_stub_unavailable() {
         eprintln!("skipped: phub-bench torch {why}");
-        return;
-    }
-    if !std::path::Path::new("/usr/bin/python3").exists() {
-        eprintln!("skipped: phub-bench torch's stub rank needs /usr/bin/python3");
         return;
     }
     let (ok, _, text, left) = torch_stub(Some(1));
