@@ -159,19 +159,39 @@ fn with_prev(path: &Path, why: String) -> String {
     }
 }
 
+/// A checkpoint's completed round in each slot, in chunk order: what
+/// [`regression`] compares, kept without the slots' values (a part's
+/// checkpoint can be many gigabytes; this is 8 bytes a slot).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Rounds(Vec<Option<u32>>);
+
+impl Rounds {
+    /// `c`'s.
+    pub(crate) fn of(c: &Checkpoint) -> Rounds {
+        Rounds(c.lcores.iter().flatten().map(|s| s.completed).collect())
+    }
+
+    /// The lowest and highest completed round of any slot (as
+    /// [`Checkpoint::round_range`]).
+    pub(crate) fn range(&self) -> Option<(u32, u32)> {
+        self.0.iter().flatten().fold(None, |acc, &r| {
+            Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
+        })
+    }
+}
+
 /// Why `new` must not replace `old` (a checkpoint of the same part): one
 /// of its slots went back or lost its completed round, so it is older or
 /// emptier; `None` when it is as new and as full or more. Slots are
 /// compared in chunk order (both cut the part's one chunk sequence); when
 /// their counts differ, the round ranges are.
-pub(crate) fn regression(old: &Checkpoint, new: &Checkpoint) -> Option<String> {
-    let olds: Vec<Option<u32>> = old.lcores.iter().flatten().map(|s| s.completed).collect();
-    let news: Vec<Option<u32>> = new.lcores.iter().flatten().map(|s| s.completed).collect();
-    let (had, has) = (rounds(old.round_range()), rounds(new.round_range()));
+pub(crate) fn regression(old: &Rounds, new: &Rounds) -> Option<String> {
+    let (olds, news) = (&old.0, &new.0);
+    let (had, has) = (rounds(old.range()), rounds(new.range()));
     if olds.len() == news.len() {
         let back = olds
             .iter()
-            .zip(&news)
+            .zip(news)
             .enumerate()
             .find(|(_, (o, n))| match (o, n) {
                 (Some(_), None) => true,
@@ -186,12 +206,49 @@ pub(crate) fn regression(old: &Checkpoint, new: &Checkpoint) -> Option<String> {
             n.map_or("with no completed round".to_string(), |n| format!("at round {n}"))
         ));
     }
-    let newer = match (old.round_range(), new.round_range()) {
+    let newer = match (old.range(), new.range()) {
         (Some(_), None) => true,
         (Some((_, a)), Some((_, b))) => b < a,
         (None, _) => false,
     };
     newer.then(|| format!("the file holds {had}, the appliance's state now {has}"))
+}
+
+/// `path`'s file, kept as `prev` too: a second (hard) link to it, so that
+/// replacing `path` leaves it there; a copy where the file system has no
+/// hard links. A `prev` left by an earlier keep is replaced.
+fn link_prev(path: &Path, prev: &Path) -> std::io::Result<()> {
+    match std::fs::remove_file(prev) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::hard_link(path, prev).or_else(|_| std::fs::copy(path, prev).map(drop))
+}
+
+/// Whether the file at `path` holds `bytes`, read back in slices (never
+/// whole).
+fn same_bytes(path: &Path, bytes: &[u8]) -> Result<(), String> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
+    let len = f.metadata().map_err(|e| e.to_string())?.len();
+    if len != bytes.len() as u64 {
+        return Err(format!("{len} bytes read back, {} written", bytes.len()));
+    }
+    let mut buf = vec![0u8; 1 << 20];
+    let mut at = 0;
+    while at < bytes.len() {
+        let n = f.read(&mut buf).map_err(|e| e.to_string())?;
+        if n == 0 {
+            return Err(format!("the file ends at byte {at} of {}", bytes.len()));
+        }
+        let end = (at + n).min(bytes.len());
+        if buf[..end - at] != bytes[at..end] {
+            return Err(format!("the bytes read back differ in bytes {at}..{end}"));
+        }
+        at = end;
+    }
+    Ok(())
 }
 
 /// "rounds 3..=5", "round 3", "no completed round".
@@ -231,33 +288,35 @@ pub(crate) enum KeepError {
     Write(String),
 }
 
-/// Keeps `bytes` (`new`, encoded) as the checkpoint at `path` of the part
-/// `owner` describes, unless the file there is unusable or newer
-/// ([`regression`]). The file there is first copied to `<file>.prev`; the
-/// new one is written and synced atomically ([`state::write_atomic`]),
-/// read back and decoded; only then is `<file>.prev` removed. If it does
-/// not read back, the previous one is put back.
-pub(crate) fn keep(path: &Path, bytes: &[u8], new: &Checkpoint, owner: &Owner<'_>) -> Result<(), KeepError> {
+/// Keeps `bytes` (a checkpoint the caller has decoded: `new` are its
+/// rounds) as the checkpoint at `path` of the part `owner` describes,
+/// unless the file there is unusable or newer ([`regression`]). The file
+/// there stays as `<file>.prev` (a second link to it, not a copy); the new
+/// one is written and synced atomically ([`state::write_atomic`]) and read
+/// back, compared byte for byte as it streams in; only then is
+/// `<file>.prev` removed. If it does not read back, the previous one is put
+/// back. Besides `bytes`, it holds no copy of a checkpoint but the previous
+/// file's while that is read and decoded.
+pub(crate) fn keep(path: &Path, bytes: &[u8], new: &Rounds, owner: &Owner<'_>) -> Result<(), KeepError> {
     let file = path.display().to_string();
-    let old = read(path, owner).map_err(|why| KeepError::Unusable {
-        file: file.clone(),
-        why,
-    })?;
+    // The previous file's bytes and values are dropped once its rounds are
+    // taken.
+    let old = read(path, owner)
+        .map_err(|why| KeepError::Unusable {
+            file: file.clone(),
+            why,
+        })?
+        .map(|(_, c)| Rounds::of(&c));
     let prev = prev_path(path);
-    if let Some((old_bytes, old)) = &old {
+    if let Some(old) = &old {
         if let Some(why) = regression(old, new) {
             return Err(KeepError::Older { file, why });
         }
-        state::write_atomic(&prev, old_bytes).map_err(|e| KeepError::Write(e.to_string()))?;
+        link_prev(path, &prev)
+            .map_err(|e| KeepError::Write(format!("keeping {file} as {}: {e}", prev.display())))?;
     }
     state::write_atomic(path, bytes).map_err(|e| KeepError::Write(e.to_string()))?;
-    let back = std::fs::read(path).map_err(|e| e.to_string()).and_then(|b| {
-        if b != bytes {
-            return Err(format!("{} of {} bytes read back differ", b.len(), bytes.len()));
-        }
-        Checkpoint::decode(&b).map(drop).map_err(|e| e.to_string())
-    });
-    if let Err(why) = back {
+    if let Err(why) = same_bytes(path, bytes) {
         let put_back = if old.is_some() {
             std::fs::rename(&prev, path).map_or_else(
                 |e| format!("; the previous one stays at {} ({e})", prev.display()),
@@ -358,9 +417,9 @@ mod tests {
         let path = d.join("job-4.ckpt");
         let at5 = ckpt(Some(5));
         let good = at5.encode().unwrap();
-        keep(&path, &good, &at5, &owner(&at5)).unwrap();
+        keep(&path, &good, &Rounds::of(&at5), &owner(&at5)).unwrap();
         for (new, says) in [(ckpt(None), "no completed round"), (ckpt(Some(4)), "at round 4")] {
-            let e = keep(&path, &new.encode().unwrap(), &new, &owner(&at5)).unwrap_err();
+            let e = keep(&path, &new.encode().unwrap(), &Rounds::of(&new), &owner(&at5)).unwrap_err();
             assert!(matches!(e, KeepError::Older { .. }), "{e}");
             let m = e.to_string();
             assert!(
@@ -371,7 +430,7 @@ mod tests {
         }
         // As new, or newer: kept, and no .prev stays.
         let at6 = ckpt(Some(6));
-        keep(&path, &at6.encode().unwrap(), &at6, &owner(&at5)).unwrap();
+        keep(&path, &at6.encode().unwrap(), &Rounds::of(&at6), &owner(&at5)).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), at6.encode().unwrap());
         assert!(!prev_path(&path).exists());
         std::fs::remove_dir_all(&d).unwrap();
@@ -387,15 +446,54 @@ mod tests {
         let mut bad = c.encode().unwrap();
         bad[40] ^= 1;
         std::fs::write(&path, &bad).unwrap();
-        let e = keep(&path, &c.encode().unwrap(), &c, &owner(&c)).unwrap_err();
+        let e = keep(&path, &c.encode().unwrap(), &Rounds::of(&c), &owner(&c)).unwrap_err();
         assert!(e.to_string().contains("checksum"), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), bad);
         let mut other = c.clone();
         other.job.id = 9;
         std::fs::write(&path, other.encode().unwrap()).unwrap();
-        let e = keep(&path, &c.encode().unwrap(), &c, &owner(&c)).unwrap_err();
+        let e = keep(&path, &c.encode().unwrap(), &Rounds::of(&c), &owner(&c)).unwrap_err();
         assert!(e.to_string().contains("job 9's checkpoint, not job 4's"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    /// The read-back check streams the file and names where it differs;
+    /// the previous file is kept by a link that a later keep replaces.
+    #[test]
+    fn the_written_file_is_compared_as_it_streams_back_and_the_previous_kept_by_a_link() {
+        let d = dir("readback");
+        let path = d.join("job-4.ckpt");
+        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
+        std::fs::write(&path, &bytes).unwrap();
+        same_bytes(&path, &bytes).unwrap();
+        let mut other = bytes.clone();
+        other[2_500_000] ^= 1;
+        let e = same_bytes(&path, &other).unwrap_err();
+        assert!(e.contains("2097152..3000000"), "{e}");
+        assert!(same_bytes(&path, &bytes[..10])
+            .unwrap_err()
+            .contains("3000000 bytes read back, 10 written"));
+        let prev = prev_path(&path);
+        std::fs::write(&prev, b"stale").unwrap();
+        link_prev(&path, &prev).unwrap();
+        state::write_atomic(&path, b"new").unwrap();
+        assert_eq!(
+            std::fs::read(&prev).unwrap(),
+            bytes,
+            "the previous file, replaced at its path, stays as .prev"
+        );
+        std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn rounds_range_as_the_checkpoints() {
+        for c in [ckpt(None), ckpt(Some(3))] {
+            assert_eq!(Rounds::of(&c).range(), c.round_range());
+        }
+        assert_eq!(
+            Rounds(vec![Some(4), None, Some(2), Some(9)]).range(),
+            Some((2, 9))
+        );
     }
 
     /// Another part's chunks, another admission's token: not the part's.

@@ -13,7 +13,7 @@ use phub_proto::layout::Layout;
 
 use super::http::{held, not_admitted, RequestError};
 use super::registry::{Inner, Shared, Standing};
-use crate::ckpt_file::{self, KeepError, Owner, PartShape};
+use crate::ckpt_file::{self, KeepError, Owner, PartShape, Rounds};
 use crate::dataplane::Client;
 use crate::state::{self, StoredJob};
 
@@ -104,11 +104,18 @@ impl Shared {
         client: &Client,
     ) -> Result<CheckpointInfo, RequestError> {
         let bytes = client.checkpoint(id)?;
-        let ckpt = Checkpoint::decode(&bytes).map_err(|e| {
-            RequestError::State(format!(
-                "appliance {name:?}'s checkpoint of job {id} is unreadable: {e}"
-            ))
-        })?;
+        // Decoded to check it whole, then dropped: its job and rounds are
+        // all that is kept besides the bytes.
+        let (ckpt_job, rounds) = Checkpoint::decode(&bytes)
+            .map(|c| {
+                let rounds = Rounds::of(&c);
+                (c.job, rounds)
+            })
+            .map_err(|e| {
+                RequestError::State(format!(
+                    "appliance {name:?}'s checkpoint of job {id} is unreadable: {e}"
+                ))
+            })?;
         let job = self
             .lock()
             .jobs
@@ -118,12 +125,12 @@ impl Shared {
         let path = checkpoint_path(&self.state_path, &job, name);
         let part = job.part_on(name).ok_or_else(|| not_admitted(id))?;
         let owner = owner(&job, name, &part);
-        owner.check(&ckpt.job).map_err(|e| {
+        owner.check(&ckpt_job).map_err(|e| {
             RequestError::State(format!(
                 "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
             ))
         })?;
-        match ckpt_file::keep(&path, &bytes, &ckpt, &owner) {
+        match ckpt_file::keep(&path, &bytes, &rounds, &owner) {
             Ok(()) => {}
             Err(KeepError::Unusable { why, .. }) => {
                 let h = Held {
@@ -143,7 +150,7 @@ impl Shared {
         }
         let info = CheckpointInfo {
             id,
-            round_range: ckpt.round_range(),
+            round_range: rounds.range(),
             bytes: bytes.len() as u64,
             taken_unix_ms: unix_ms(),
             file: path.display().to_string(),
