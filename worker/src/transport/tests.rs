@@ -145,6 +145,39 @@ impl Harness {
         self.t.submit(self.now, request);
     }
 
+    /// Submits a PULL of `key`, one chunk per entry of `lcores` (as
+    /// [`Harness::push`] places them), tagged `key`.
+    fn pull(&mut self, key: u32, lcores: &[u16]) {
+        let mut buf = vec![0u8; lcores.len() * HEADER_LEN];
+        let mut chunks = Vec::new();
+        for (c, &lcore) in lcores.iter().enumerate() {
+            let c32 = c as u32;
+            let start = c * HEADER_LEN;
+            repr(MsgType::Pull, RANK, key, c32, 0, 0)
+                .emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
+            chunks.push(ChunkMsg {
+                chunk: c32,
+                slot: slot(key, c32),
+                offset: c * ELEMS,
+                len: ELEMS as u32,
+                to: lcore_addr(lcore),
+                lcore,
+                start,
+                bytes: HEADER_LEN,
+            });
+        }
+        let request = Request {
+            key,
+            round: 0,
+            kind: Kind::Pull,
+            chunks,
+            tx: Tx::Owned(buf),
+            sink: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
+            done: key,
+        };
+        self.t.submit(self.now, request);
+    }
+
     /// What the transport sends now.
     fn poll(&mut self) -> Vec<Sent> {
         let mut out = Vec::new();
@@ -860,6 +893,50 @@ fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
     let s = h.stats.snapshot();
     assert_eq!((s.lcores_found_behind, s.results_ignored), (1, 2), "{s:?}");
     assert!(!h.t.busy());
+}
+
+/// The caller may learn `ahead` from the lcore itself and pull before the
+/// probe's answer comes: that answer fails the pushes in flight, never the
+/// caller's PULL, which is how it catches up (`make test`'s shm restart
+/// scenario failed once on it: its resync's pull refused `ahead`). And an
+/// `ahead` refusal forgets the probes out: their answers, coming after,
+/// fail nothing.
+#[test]
+fn a_probe_found_behind_spares_the_callers_pull_and_an_ahead_refusal_forgets_the_probes() {
+    let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    let probe = pull.expect("a PULL after two silences");
+    h.pull(2, &[1]);
+    assert!(h
+        .poll()
+        .iter()
+        .any(|s| s.repr.kind == MsgType::Pull && s.repr.key == 2));
+    let mut e = probe.repr;
+    e.kind = MsgType::Error;
+    e.error = DropReason::NothingToPull.code();
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    match &h.ended()[..] {
+        [(1, Err(WorkerError::Refused { reason, .. }))] => assert_eq!(reason, "ahead"),
+        other => panic!("only the push fails: {other:?}"),
+    }
+    h.result(2, 0, 0);
+    assert!(matches!(&h.ended()[..], [(2, Ok(_))]), "the pull is answered");
+
+    // Told `ahead` by the lcore itself, with a probe still out: the
+    // probe's answer after it fails nothing.
+    let (mut h, pull) = stalled_with_lcore_one_idle(true);
+    let probe = pull.expect("a PULL after two silences");
+    let mut ahead = repr(MsgType::Error, RANK, 1, 0, 1, 0);
+    ahead.error = DropReason::Ahead.code();
+    h.t.handle_datagram(h.now, &datagram(&ahead, &[]));
+    assert!(matches!(&h.ended()[..], [(1, Err(WorkerError::Refused { reason, .. }))] if reason == "ahead"));
+    h.push(1, 1, &[0]);
+    h.poll();
+    let mut e = probe.repr;
+    e.kind = MsgType::Error;
+    e.error = DropReason::NothingToPull.code();
+    h.t.handle_datagram(h.now, &datagram(&e, &[]));
+    assert!(h.ended().is_empty(), "the repeated push stands");
+    assert_eq!(h.stats.snapshot().lcores_found_behind, 0);
 }
 
 /// The probe's RESULT: at the round answered before, nothing happens; below
