@@ -1547,35 +1547,18 @@ impl<D> Transport<D> {
             " (a PULL found the appliance no longer holding round {round} of this chunk, which it had \
              answered: it restarted from an older checkpoint; pull every key and repeat the rounds since)"
         );
-        // A PULL is answered at whatever round the lcore holds: it is how
-        // the caller catches up (perhaps already, told `ahead` by the lcore
-        // itself before this probe's answer came), and stays.
-        self.fail_where(
-            |kind| kind != Kind::Pull,
-            || WorkerError::Refused {
-                key,
-                chunk,
-                round,
-                reason: DropReason::Ahead.name().to_string(),
-                hint: hint.clone(),
-            },
-        );
+        self.fail_every(|| WorkerError::Refused {
+            key,
+            chunk,
+            round,
+            reason: DropReason::Ahead.name().to_string(),
+            hint: hint.clone(),
+        });
     }
 
     /// Fails every request in flight with `err()`.
     fn fail_every(&mut self, err: impl Fn() -> WorkerError) {
-        self.fail_where(|_| true, err);
-    }
-
-    /// Fails every request in flight whose kind `which` picks with `err()`.
-    fn fail_where(&mut self, which: impl Fn(Kind) -> bool, err: impl Fn() -> WorkerError) {
-        let ids: Vec<u64> = self
-            .table
-            .requests
-            .iter()
-            .filter(|(_, r)| which(r.kind))
-            .map(|(&id, _)| id)
-            .collect();
+        let ids: Vec<u64> = self.table.requests.keys().copied().collect();
         for id in ids {
             self.fail(id, err());
         }

@@ -895,48 +895,30 @@ fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
     assert!(!h.t.busy());
 }
 
-/// The caller may learn `ahead` from the lcore itself and pull before the
-/// probe's answer comes: that answer fails the pushes in flight, never the
-/// caller's PULL, which is how it catches up (`make test`'s shm restart
-/// scenario failed once on it: its resync's pull refused `ahead`). And an
-/// `ahead` refusal forgets the probes out: their answers, coming after,
-/// fail nothing.
+/// Told `ahead` by the lcore itself while a probe is out, the caller
+/// pulls every key: the probe's answer, coming after, must fail neither
+/// that PULL nor the rounds it repeats (`make test`'s shm restart
+/// scenario failed once on it: its resync's pull refused `ahead`). An
+/// `ahead` refusal forgets the probes out.
 #[test]
-fn a_probe_found_behind_spares_the_callers_pull_and_an_ahead_refusal_forgets_the_probes() {
-    let (mut h, pull) = stalled_with_lcore_one_idle(true);
-    let probe = pull.expect("a PULL after two silences");
-    h.pull(2, &[1]);
-    assert!(h
-        .poll()
-        .iter()
-        .any(|s| s.repr.kind == MsgType::Pull && s.repr.key == 2));
-    let mut e = probe.repr;
-    e.kind = MsgType::Error;
-    e.error = DropReason::NothingToPull.code();
-    h.t.handle_datagram(h.now, &datagram(&e, &[]));
-    match &h.ended()[..] {
-        [(1, Err(WorkerError::Refused { reason, .. }))] => assert_eq!(reason, "ahead"),
-        other => panic!("only the push fails: {other:?}"),
-    }
-    h.result(2, 0, 0);
-    assert!(matches!(&h.ended()[..], [(2, Ok(_))]), "the pull is answered");
-
-    // Told `ahead` by the lcore itself, with a probe still out: the
-    // probe's answer after it fails nothing.
+fn an_ahead_refusal_forgets_the_probes_out() {
     let (mut h, pull) = stalled_with_lcore_one_idle(true);
     let probe = pull.expect("a PULL after two silences");
     let mut ahead = repr(MsgType::Error, RANK, 1, 0, 1, 0);
     ahead.error = DropReason::Ahead.code();
     h.t.handle_datagram(h.now, &datagram(&ahead, &[]));
     assert!(matches!(&h.ended()[..], [(1, Err(WorkerError::Refused { reason, .. }))] if reason == "ahead"));
+    h.pull(2, &[1]);
     h.push(1, 1, &[0]);
-    h.poll();
+    assert_eq!(h.poll().len(), 2);
     let mut e = probe.repr;
     e.kind = MsgType::Error;
     e.error = DropReason::NothingToPull.code();
     h.t.handle_datagram(h.now, &datagram(&e, &[]));
-    assert!(h.ended().is_empty(), "the repeated push stands");
+    assert!(h.ended().is_empty(), "the pull and the repeated push stand");
     assert_eq!(h.stats.snapshot().lcores_found_behind, 0);
+    h.result(2, 0, 0);
+    assert!(matches!(&h.ended()[..], [(2, Ok(_))]), "the pull is answered");
 }
 
 /// The probe's RESULT: at the round answered before, nothing happens; below
