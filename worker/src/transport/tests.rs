@@ -112,16 +112,33 @@ impl Harness {
     /// elements per entry of `lcores` (chunk c to lcore `lcores[c]`),
     /// tagged `key`.
     fn push(&mut self, key: u32, round: u32, lcores: &[u16]) {
-        let bytes = HEADER_LEN + ELEMS * 4;
+        self.submit(Kind::Push, key, round, lcores);
+    }
+
+    /// Submits a PULL of `key`, its chunks placed as [`Harness::push`]
+    /// places them, tagged `key`.
+    fn pull(&mut self, key: u32, lcores: &[u16]) {
+        self.submit(Kind::Pull, key, 0, lcores);
+    }
+
+    /// A PUSH (with its gradients) or a PULL (headers only) of `key`.
+    fn submit(&mut self, kind: Kind, key: u32, round: u32, lcores: &[u16]) {
+        let (msg, elems) = match kind {
+            Kind::Pull => (MsgType::Pull, 0),
+            _ => (MsgType::Push, ELEMS),
+        };
+        let bytes = HEADER_LEN + elems * 4;
         let mut buf = vec![0u8; lcores.len() * bytes];
         let mut chunks = Vec::new();
         for (c, &lcore) in lcores.iter().enumerate() {
             let c32 = c as u32;
             let start = c * bytes;
-            let r = repr(MsgType::Push, RANK, key, c32, round, ELEMS);
+            let r = repr(msg, RANK, key, c32, round, elems);
             let mut h = Header::new_unchecked(&mut buf[start..start + bytes]);
             r.emit(&mut h);
-            codec::encode(Dtype::F32, &grad(key, c32, round), h.payload_mut());
+            if elems > 0 {
+                codec::encode(Dtype::F32, &grad(key, c32, round), h.payload_mut());
+            }
             chunks.push(ChunkMsg {
                 chunk: c32,
                 slot: slot(key, c32),
@@ -136,40 +153,7 @@ impl Harness {
         let request = Request {
             key,
             round,
-            kind: Kind::Push,
-            chunks,
-            tx: Tx::Owned(buf),
-            sink: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
-            done: key,
-        };
-        self.t.submit(self.now, request);
-    }
-
-    /// Submits a PULL of `key`, one chunk per entry of `lcores` (as
-    /// [`Harness::push`] places them), tagged `key`.
-    fn pull(&mut self, key: u32, lcores: &[u16]) {
-        let mut buf = vec![0u8; lcores.len() * HEADER_LEN];
-        let mut chunks = Vec::new();
-        for (c, &lcore) in lcores.iter().enumerate() {
-            let c32 = c as u32;
-            let start = c * HEADER_LEN;
-            repr(MsgType::Pull, RANK, key, c32, 0, 0)
-                .emit(&mut Header::new_unchecked(&mut buf[start..start + HEADER_LEN]));
-            chunks.push(ChunkMsg {
-                chunk: c32,
-                slot: slot(key, c32),
-                offset: c * ELEMS,
-                len: ELEMS as u32,
-                to: lcore_addr(lcore),
-                lcore,
-                start,
-                bytes: HEADER_LEN,
-            });
-        }
-        let request = Request {
-            key,
-            round: 0,
-            kind: Kind::Pull,
+            kind,
             chunks,
             tx: Tx::Owned(buf),
             sink: Sink::Owned(Values::F32(vec![f32::NAN; lcores.len() * ELEMS])),
