@@ -1159,14 +1159,6 @@ fn print_appliance_stats(control_url: &str, backend: &str) {
     }
 }
 
-/// The host's steal time so far (`/proc/stat`'s cpu line, 8th value),
-/// in ticks; `None` where there is no such file.
-fn steal_ticks() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
-    cpu.split_whitespace().nth(8)?.parse().ok()
-}
-
 /// One run of `converge`.
 #[derive(Debug, Serialize, Deserialize)]
 struct ConvergeRun {
@@ -1223,9 +1215,11 @@ fn converge_main(c: ConvergeArgs) -> Result<()> {
             a.train.compute_seed = c.run.train.compute_seed + run as u64;
             a.summary = Some(path.clone());
             println!("== {name}, run {run} of {}", c.runs);
-            let steal0 = steal_ticks();
+            let steal0 = crate::sys::steal_ticks();
             run_main(a).with_context(|| format!("{name} run {run}"))?;
-            let steal_ticks = steal0.zip(steal_ticks()).map(|(a, b)| b.saturating_sub(a));
+            let steal_ticks = steal0
+                .zip(crate::sys::steal_ticks())
+                .map(|(a, b)| b.saturating_sub(a));
             let text =
                 std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
             let summary: Summary = serde_json::from_str(&text)?;

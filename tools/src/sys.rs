@@ -74,6 +74,14 @@ pub fn commit() -> String {
     }
 }
 
+/// The host's steal time so far (`/proc/stat`'s cpu line, 8th value),
+/// in ticks; `None` where there is no such file.
+pub fn steal_ticks() -> Option<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    cpu.split_whitespace().nth(8)?.parse().ok()
+}
+
 /// CPU seconds (user + system) process `pid` has used so far, from
 /// `/proc/PID/stat`; `None` if it cannot be read (gone, or not Linux).
 pub fn cpu_seconds(pid: u32) -> Option<f64> {

@@ -528,6 +528,16 @@ pub fn rack_of_ranks(workers: usize, racks: usize) -> Vec<usize> {
     (0..workers).map(|w| w * racks / workers).collect()
 }
 
+/// How many of the ranks `of` ([`rack_of_ranks`]) each of `racks` racks
+/// holds.
+pub fn ranks_per_rack(of: &[usize], racks: usize) -> Vec<usize> {
+    let mut per = vec![0; racks];
+    for &r in of {
+        per[r] += 1;
+    }
+    per
+}
+
 /// The racks' processes: a dataplane per rack and control.
 pub(super) struct Appliances {
     // Control stops first, then the dataplanes (Daemon's Drop, on an error).
@@ -740,6 +750,24 @@ pub(super) fn start(d: &Daemons<'_>, net: &RackNet, dir: &Path, budget: u64) -> 
     })
 }
 
+/// Why these link rates (each a flag and its value, if given) or this
+/// tbf queue cannot be, if they cannot.
+pub(super) fn check_links(rates: &[(&str, Option<f64>)], queue_ms: f64) -> Result<()> {
+    ensure!(
+        queue_ms.is_finite() && (0.0..=10_000.0).contains(&queue_ms),
+        "--link-queue-ms {queue_ms}: expected 0 to 10000"
+    );
+    for &(flag, g) in rates {
+        if let Some(g) = g {
+            ensure!(
+                g.is_finite() && (0.001..=400.0).contains(&g),
+                "{flag} {g}: expected Gbit/s from 0.001 to 400"
+            );
+        }
+    }
+    Ok(())
+}
+
 /// Why `--racks` cannot run with these options, if it cannot.
 fn check(a: &RunArgs) -> Result<(usize, usize)> {
     let ra = &a.rack;
@@ -778,22 +806,13 @@ fn check(a: &RunArgs) -> Result<(usize, usize)> {
         !ra.compare_single || n >= 2,
         "--compare-single with --appliances 1: the job is on one appliance already"
     );
-    ensure!(
-        ra.link_queue_ms.is_finite() && (0.0..=10_000.0).contains(&ra.link_queue_ms),
-        "--link-queue-ms {}: expected 0 to 10000",
-        ra.link_queue_ms
-    );
-    for (flag, g) in [
-        ("--spine-gbps", ra.spine_gbps),
-        ("--appliance-gbps", ra.appliance_gbps),
-    ] {
-        if let Some(g) = g {
-            ensure!(
-                g.is_finite() && (0.001..=400.0).contains(&g),
-                "{flag} {g}: expected Gbit/s from 0.001 to 400"
-            );
-        }
-    }
+    check_links(
+        &[
+            ("--spine-gbps", ra.spine_gbps),
+            ("--appliance-gbps", ra.appliance_gbps),
+        ],
+        ra.link_queue_ms,
+    )?;
     ensure!(
         !ra.hierarchical || (racks >= 2 && n == racks),
         "--hierarchical with --racks {racks} --appliances {n}: every rack's appliance takes part \
@@ -908,10 +927,7 @@ fn run_in_spine(
     // Owned copies: the kill below holds the appliances mutably.
     let (control_url, token_text) = (appl.control_url.clone(), appl.token.clone());
     let token = Some(token_text.as_str());
-    let mut workers_per_rack = vec![0; racks];
-    for &x in &of {
-        workers_per_rack[x] += 1;
-    }
+    let workers_per_rack = ranks_per_rack(&of, racks);
     let exchange = |p: &Placement, replicas: Option<u32>, kill: Option<&mut Kill<'_>>| -> Result<RunResult> {
         let admitted = local::admit(&control_url, &p.spec(&job.json, replicas).to_string(), token)?;
         let r = run::drive(
@@ -1062,6 +1078,7 @@ mod tests {
         assert_eq!(rack_of_ranks(6, 3), [0, 0, 1, 1, 2, 2]);
         assert_eq!(rack_of_ranks(5, 2), [0, 0, 0, 1, 1]);
         assert_eq!(rack_of_ranks(2, 2), [0, 1]);
+        assert_eq!(ranks_per_rack(&rack_of_ranks(5, 2), 2), [3, 2]);
     }
 
     #[test]

@@ -32,6 +32,7 @@ use super::racks::{self, Daemons, Placement, RackNet};
 use super::run::Job;
 use crate::profiles::{self, Profile};
 use crate::stats;
+use crate::sys::steal_ticks;
 
 /// The TCP port of gloo's rendezvous, on rank 0's address.
 const GLOO_PORT: u16 = 29500;
@@ -203,12 +204,6 @@ pub struct TorchReport {
     pub cpus: usize,
 }
 
-/// The host's steal time so far (`/proc/stat`'s cpu line, 8th value).
-fn steal_ticks() -> Option<u64> {
-    let stat = std::fs::read_to_string("/proc/stat").ok()?;
-    stat.lines().next()?.split_whitespace().nth(8)?.parse().ok()
-}
-
 /// Why these options cannot run, if they cannot.
 fn check(a: &TorchArgs) -> Result<()> {
     ensure!(
@@ -233,23 +228,14 @@ fn check(a: &TorchArgs) -> Result<()> {
         "--modes hierarchical with --racks 1: a hierarchical job needs two racks or more"
     );
     ensure!(a.trials >= 1, "--trials 0: expected at least 1");
-    for (flag, g) in [
-        ("--worker-gbps", Some(a.worker_gbps)),
-        ("--appliance-gbps", a.appliance_gbps),
-        ("--spine-gbps", a.spine_gbps),
-    ] {
-        if let Some(g) = g {
-            ensure!(
-                g.is_finite() && (0.001..=400.0).contains(&g),
-                "{flag} {g}: expected Gbit/s from 0.001 to 400"
-            );
-        }
-    }
-    ensure!(
-        a.link_queue_ms.is_finite() && (0.0..=10_000.0).contains(&a.link_queue_ms),
-        "--link-queue-ms {}: expected 0 to 10000",
-        a.link_queue_ms
-    );
+    racks::check_links(
+        &[
+            ("--worker-gbps", Some(a.worker_gbps)),
+            ("--appliance-gbps", a.appliance_gbps),
+            ("--spine-gbps", a.spine_gbps),
+        ],
+        a.link_queue_ms,
+    )?;
     ensure!(
         a.bucket_mb.is_finite() && a.bucket_mb > 0.0,
         "--bucket-mb {}: expected more than 0",
@@ -306,10 +292,7 @@ pub fn run(a: &TorchArgs) -> Result<()> {
     let (python, script) = python_and_script(a)?;
     let (worker_gbps, appliance_gbps, spine_gbps) = rates(a);
     let of = racks::rack_of_ranks(a.workers, a.racks);
-    let mut per_rack = vec![0; a.racks];
-    for &r in &of {
-        per_rack[r] += 1;
-    }
+    let per_rack = racks::ranks_per_rack(&of, a.racks);
     eprintln!(
         "phub-bench torch: {} ({} tensors, {:.1} MB), W={} over R={} racks {per_rack:?}; links: ranks \
          {worker_gbps} Gbit/s, appliances {appliance_gbps} Gbit/s, spine {spine_gbps} Gbit/s; modes {:?}",
