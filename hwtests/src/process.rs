@@ -162,6 +162,12 @@ pub struct Daemon {
     log: PathBuf,
 }
 
+/// The log file at `path`, created anew.
+fn create_log(path: &Path) -> io::Result<std::fs::File> {
+    std::fs::File::create(path)
+        .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", path.display())))
+}
+
 impl Daemon {
     /// Starts `program` with `args` and `env`, stdin closed, stdout and
     /// stderr into `log` (created anew).
@@ -172,34 +178,32 @@ impl Daemon {
         env: &[(String, String)],
         log: &Path,
     ) -> io::Result<Daemon> {
-        let out = std::fs::File::create(log)
-            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", log.display())))?;
-        let child = Command::new(program)
-            .args(args)
+        let out = create_log(log)?;
+        let mut cmd = Command::new(program);
+        cmd.args(args)
             .envs(env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("starting {}: {e}", program.display())))?;
-        live().pids.push(child.id());
-        Ok(Daemon {
-            name: name.to_string(),
-            child,
-            log: log.to_path_buf(),
-        })
+            .stdout(out.try_clone()?);
+        Daemon::launch(name, cmd, out, log)
     }
 
     /// Starts `cmd` as built (its stdin and stdout as it set them: piped
     /// ones are taken with [`Daemon::take_stdio`]), stderr into `log`
     /// (created anew).
-    pub fn spawn_command(name: &str, mut cmd: Command, log: &Path) -> io::Result<Daemon> {
-        let err = std::fs::File::create(log)
-            .map_err(|e| io::Error::new(e.kind(), format!("creating {}: {e}", log.display())))?;
-        let child = cmd
-            .stderr(err)
-            .spawn()
-            .map_err(|e| io::Error::new(e.kind(), format!("starting {name} ({cmd:?}): {e}")))?;
+    pub fn spawn_command(name: &str, cmd: Command, log: &Path) -> io::Result<Daemon> {
+        let err = create_log(log)?;
+        Daemon::launch(name, cmd, err, log)
+    }
+
+    /// Starts `cmd` with its stderr into `err` (the file at `log`), and
+    /// registers it to be stopped on a signal ([`stop_on_signal`]).
+    fn launch(name: &str, mut cmd: Command, err: std::fs::File, log: &Path) -> io::Result<Daemon> {
+        let child = cmd.stderr(err).spawn().map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("starting {name} ({:?}): {e}", cmd.get_program()),
+            )
+        })?;
         live().pids.push(child.id());
         Ok(Daemon {
             name: name.to_string(),
