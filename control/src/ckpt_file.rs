@@ -174,9 +174,7 @@ impl Rounds {
     /// The lowest and highest completed round of any slot (as
     /// [`Checkpoint::round_range`]).
     pub(crate) fn range(&self) -> Option<(u32, u32)> {
-        self.0.iter().flatten().fold(None, |acc, &r| {
-            Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
-        })
+        phub_proto::checkpoint::round_range(self.0.iter().copied())
     }
 }
 

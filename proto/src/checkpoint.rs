@@ -98,16 +98,18 @@ pub enum CheckpointError {
     },
 }
 
+/// The lowest and highest of the slots' completed rounds `completed`
+/// (`None`: a slot with none), `None` when no slot has one.
+pub fn round_range(completed: impl IntoIterator<Item = Option<u32>>) -> Option<(u32, u32)> {
+    completed.into_iter().flatten().fold(None, |acc, r| {
+        Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
+    })
+}
+
 impl Checkpoint {
     /// Lowest and highest completed round over the slots that have one.
     pub fn round_range(&self) -> Option<(u32, u32)> {
-        self.lcores
-            .iter()
-            .flatten()
-            .filter_map(|s| s.completed)
-            .fold(None, |acc, r| {
-                Some(acc.map_or((r, r), |(lo, hi): (u32, u32)| (lo.min(r), hi.max(r))))
-            })
+        round_range(self.lcores.iter().flatten().map(|s| s.completed))
     }
 
     /// The same state on another layout of the same job (its chunks placed
