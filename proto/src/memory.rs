@@ -282,7 +282,8 @@ impl MemoryModel {
     /// Bytes of `spec`'s table keys on each of its `lcores` lcores (the
     /// job's L, PROTOCOL.md §10.1): per table, [`table_bytes`] of its
     /// store at its share of the `rows` cap ([`table_shape`]), its record
-    /// and its ranks' round state. A table without a `rows` cap is charged
+    /// its ranks' round state and its key cache ([`key_cache_bytes`]). A
+    /// table without a `rows` cap is charged
     /// no store (admission refuses it before it gets here).
     pub fn tables_lcore_bytes(&self, spec: &JobSpec, lcores: usize) -> u64 {
         let lcores = u32::try_from(lcores).unwrap_or(u32::MAX);
@@ -291,6 +292,7 @@ impl MemoryModel {
                 table_shape(t.spec, lcores).map_or(0, |s| table_bytes(&s))
                     + u64::from(self.table_record_bytes)
                     + u64::from(spec.workers) * u64::from(self.table_rank_bytes)
+                    + key_cache_bytes(t.spec, spec.workers, spec.chunk_bytes, spec.dtype)
             })
             .sum()
     }
@@ -552,6 +554,15 @@ impl TableShape {
             0
         }
     }
+}
+
+/// Exactly the bytes one lcore's key cache of a table holds (PROTOCOL.md
+/// §10.7), allocated whole at install: per rank and slot, room for R ids
+/// (8 bytes each, R = [`crate::spec::rows_per_datagram`]), the signature (8 bytes) and
+/// the count (2 bytes). 0 when `key_cache` is 0.
+pub fn key_cache_bytes(table: &TableSpec, workers: u32, chunk_bytes: u32, dtype: Dtype) -> u64 {
+    let per = u64::from(crate::spec::rows_per_datagram(chunk_bytes, table.dim, dtype));
+    u64::from(workers) * u64::from(table.key_cache) * (per * crate::spec::ROW_ID_BYTES as u64 + 10)
 }
 
 /// One lcore's share of a table's `rows` cap over the job's `lcores`

@@ -136,7 +136,9 @@ pub struct RowRepr {
     pub kind: RowMsgType,
     /// Element type of the rows.
     pub dtype: Dtype,
-    /// Flag bits (RETRANSMIT only; SHM is refused by the engine).
+    /// Flag bits but the key cache's (RETRANSMIT; SHM is refused by the
+    /// engine). [`RowRepr::emit`] writes KEYS_STORE or KEYS_CACHED by
+    /// `cache` alone.
     pub flags: u8,
     /// The job's token.
     pub token: u64,
@@ -160,14 +162,81 @@ pub struct RowRepr {
     /// and ROW_PULL_RESULT: a number the worker chooses, echoed. Header
     /// field `chunk`.
     pub seq: u32,
+    /// The key-cache form of the message (PROTOCOL.md §10.7): its flag
+    /// and the prefix its payload starts with.
+    pub cache: KeyCache,
 }
+
+/// A key-cache prefix (PROTOCOL.md §10.7): which slot of the sender's
+/// cache on the lcore, and the signature ([`ids_signature`]) of the id
+/// list in it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CacheRef {
+    /// The id list's signature.
+    pub sig: u64,
+    /// The slot, below the table's `key_cache`.
+    pub slot: u32,
+}
+
+/// Bytes of the key-cache prefix: the signature (`u64`), the slot
+/// (`u32`) and 4 reserved bytes (zero), all little-endian.
+pub const KEY_CACHE_PREFIX: usize = 16;
+
+/// How a table message's ids travel (PROTOCOL.md §10.7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KeyCache {
+    /// In the payload, no prefix: the default.
+    #[default]
+    Off,
+    /// In the payload after the prefix; the lcore keeps them in the slot
+    /// (flag KEYS_STORE). Only ROW_PUSH and ROW_PULL.
+    Store(CacheRef),
+    /// Not in the payload: the prefix names the slot that holds them
+    /// (flag KEYS_CACHED). ROW_PUSH, ROW_PULL and their answers.
+    Cached(CacheRef),
+}
+
+impl KeyCache {
+    /// The flag bit of this form (none when off).
+    pub const fn flag(self) -> u8 {
+        match self {
+            KeyCache::Off => 0,
+            KeyCache::Store(_) => flags::KEYS_STORE,
+            KeyCache::Cached(_) => flags::KEYS_CACHED,
+        }
+    }
+
+    /// The prefix, when there is one.
+    pub const fn reference(self) -> Option<CacheRef> {
+        match self {
+            KeyCache::Off => None,
+            KeyCache::Store(r) | KeyCache::Cached(r) => Some(r),
+        }
+    }
+}
+
+/// The signature of an id list (PROTOCOL.md §10.7): `h = mix64(SIG_TAG)`,
+/// then `h = mix64(h ^ id)` for each id in order, then `mix64(h ^ n)`
+/// with n the number of ids ([`crate::placement::mix64`]).
+pub fn ids_signature(ids: impl IntoIterator<Item = u64>) -> u64 {
+    let mut h = crate::placement::mix64(SIG_TAG);
+    let mut n = 0u64;
+    for id in ids {
+        h = crate::placement::mix64(h ^ id);
+        n += 1;
+    }
+    crate::placement::mix64(h ^ n)
+}
+
+/// The tag [`ids_signature`] starts from: "phubsig\0" little-endian.
+pub const SIG_TAG: u64 = u64::from_le_bytes(*b"phubsig\0");
 
 impl RowRepr {
     /// Payload bytes this header announces: `count * (8 + dim *
     /// size(dtype))` with rows, `count * 8` with ids, 0 otherwise. `None`
     /// when that exceeds [`MAX_PAYLOAD`] (or overflows).
     pub fn payload_len(&self) -> Option<usize> {
-        payload_len(self.kind, self.dtype, self.count, self.dim)
+        payload_len(self.kind, self.dtype, self.count, self.dim, self.cache)
     }
 
     /// Writes every header field (error, receive-buffer share and reserved
@@ -176,7 +245,7 @@ impl RowRepr {
         h.set_preamble();
         h.set_type_code(self.kind.code());
         h.set_dtype(self.dtype);
-        h.set_flags(self.flags);
+        h.set_flags(self.flags & !(flags::KEYS_STORE | flags::KEYS_CACHED) | self.cache.flag());
         h.set_token(self.token);
         h.set_job(self.job);
         h.set_rank(self.rank);
@@ -189,15 +258,22 @@ impl RowRepr {
     }
 }
 
-fn payload_len(kind: RowMsgType, dtype: Dtype, count: u16, dim: u32) -> Option<usize> {
+fn payload_len(kind: RowMsgType, dtype: Dtype, count: u16, dim: u32, cache: KeyCache) -> Option<usize> {
+    let row = u64::from(dim).checked_mul(dtype.size() as u64)?;
+    let id = match cache {
+        KeyCache::Cached(_) => 0,
+        _ => ROW_ID_BYTES as u64,
+    };
     let per = match kind.payload() {
-        RowPayloadKind::Rows => {
-            (ROW_ID_BYTES as u64).checked_add(u64::from(dim).checked_mul(dtype.size() as u64)?)?
-        }
-        RowPayloadKind::Ids => ROW_ID_BYTES as u64,
+        RowPayloadKind::Rows => id.checked_add(row)?,
+        RowPayloadKind::Ids => id,
         RowPayloadKind::Empty => 0,
     };
-    let bytes = per.checked_mul(u64::from(count))?;
+    let prefix = match cache {
+        KeyCache::Off => 0,
+        _ => KEY_CACHE_PREFIX as u64,
+    };
+    let bytes = per.checked_mul(u64::from(count))?.checked_add(prefix)?;
     usize::try_from(bytes).ok().filter(|&b| b <= MAX_PAYLOAD)
 }
 
@@ -209,6 +285,13 @@ pub struct Ids<'a> {
 }
 
 impl<'a> Ids<'a> {
+    /// The ids in `bytes` (little-endian `u64`s, as on the wire), or
+    /// `None` when its length is not a multiple of 8: a key cache's slot
+    /// holds its ids so (PROTOCOL.md §10.7).
+    pub fn from_bytes(bytes: &'a [u8]) -> Option<Ids<'a>> {
+        bytes.len().is_multiple_of(ROW_ID_BYTES).then_some(Ids { bytes })
+    }
+
     /// Number of ids.
     pub fn len(&self) -> usize {
         self.bytes.len() / ROW_ID_BYTES
@@ -252,6 +335,20 @@ pub struct Rows<'a> {
 }
 
 impl<'a> Rows<'a> {
+    /// `ids` with their rows in `values` (`ids.len()` rows of `dim`
+    /// elements of `dtype`, as on the wire), or `None` when `values` has
+    /// another length: a cached message's rows with the ids its slot
+    /// holds (PROTOCOL.md §10.7).
+    pub fn with_ids(ids: Ids<'a>, values: &'a [u8], dim: u32, dtype: Dtype) -> Option<Rows<'a>> {
+        let row_bytes = usize::try_from(dim).ok()?.checked_mul(dtype.size())?;
+        (ids.len().checked_mul(row_bytes)? == values.len()).then_some(Rows {
+            ids,
+            values,
+            row_bytes,
+            dtype,
+        })
+    }
+
     /// Number of rows.
     pub fn len(&self) -> usize {
         self.ids.len()
@@ -303,6 +400,10 @@ pub enum RowPayload<'a> {
     Ids(Ids<'a>),
     /// ROW_END, ROW_DONE.
     Empty,
+    /// A message in the cached form (PROTOCOL.md §10.7, [`KeyCache::Cached`]):
+    /// its `count` rows' wire bytes without their ids (none for a
+    /// ROW_PULL); the ids are in the slot the prefix names.
+    Cached(&'a [u8]),
 }
 
 /// Whether a datagram's type byte is a row message's (8 to 13). Whoever
@@ -327,15 +428,42 @@ pub fn parse(datagram: &[u8]) -> Result<(RowRepr, RowPayload<'_>), DropReason> {
     let kind = RowMsgType::from_code(h.type_code()).ok_or(DropReason::UnknownType)?;
     let dtype = Dtype::from_code(h.dtype_code()).ok_or(DropReason::UnknownDtype)?;
     let (count, dim) = (h.count(), h.slot());
-    let len = payload_len(kind, dtype, count, dim).ok_or(DropReason::CountTooLarge)?;
-    let payload = &datagram[HEADER_LEN..];
-    if payload.len() != len || (kind.payload() == RowPayloadKind::Empty && count != 0) {
+    if kind.payload() == RowPayloadKind::Empty && count != 0 {
+        return Err(DropReason::LengthMismatch);
+    }
+    let raw = h.flags();
+    let (payload, cache) = match (raw & flags::KEYS_STORE != 0, raw & flags::KEYS_CACHED != 0) {
+        (false, false) => (&datagram[HEADER_LEN..], KeyCache::Off),
+        (true, true) => return Err(DropReason::BadSignature),
+        _ if kind.payload() == RowPayloadKind::Empty => return Err(DropReason::BadSignature),
+        (store, _) => {
+            let all = &datagram[HEADER_LEN..];
+            let Some((prefix, rest)) = all.split_first_chunk::<KEY_CACHE_PREFIX>() else {
+                return Err(DropReason::LengthMismatch);
+            };
+            let (sig, tail) = prefix.split_at(8);
+            let reference = CacheRef {
+                sig: u64::from_le_bytes(sig.try_into().unwrap_or_default()),
+                slot: u32::from_le_bytes(tail[..4].try_into().unwrap_or_default()),
+            };
+            (
+                rest,
+                if store {
+                    KeyCache::Store(reference)
+                } else {
+                    KeyCache::Cached(reference)
+                },
+            )
+        }
+    };
+    let len = payload_len(kind, dtype, count, dim, cache).ok_or(DropReason::CountTooLarge)?;
+    if datagram.len() - HEADER_LEN != len {
         return Err(DropReason::LengthMismatch);
     }
     let repr = RowRepr {
         kind,
         dtype,
-        flags: h.flags(),
+        flags: raw & !(flags::KEYS_STORE | flags::KEYS_CACHED),
         token: h.token(),
         job: h.job(),
         rank: h.rank(),
@@ -344,9 +472,11 @@ pub fn parse(datagram: &[u8]) -> Result<(RowRepr, RowPayload<'_>), DropReason> {
         dim,
         key: h.key(),
         seq: h.chunk(),
+        cache,
     };
     let n = usize::from(count) * ROW_ID_BYTES;
     let body = match kind.payload() {
+        _ if matches!(cache, KeyCache::Cached(_)) => RowPayload::Cached(payload),
         RowPayloadKind::Empty => RowPayload::Empty,
         RowPayloadKind::Ids => RowPayload::Ids(Ids { bytes: payload }),
         RowPayloadKind::Rows => {
@@ -367,9 +497,11 @@ pub fn parse(datagram: &[u8]) -> Result<(RowRepr, RowPayload<'_>), DropReason> {
     Ok((repr, body))
 }
 
-/// Writes a whole row message into `out`: `repr`'s header, then `ids`
-/// and, for a message with rows, `rows` (`ids.len() * repr.dim` values,
-/// encoded as `repr.dtype`). Returns the datagram's length.
+/// Writes a whole row message into `out`: `repr`'s header, then its
+/// key-cache prefix if it has one, then `ids` (unless the form is
+/// [`KeyCache::Cached`], which leaves them out) and, for a message with
+/// rows, `rows` (`ids.len() * repr.dim` values, encoded as
+/// `repr.dtype`). Returns the datagram's length.
 ///
 /// # Panics
 ///
@@ -402,12 +534,31 @@ pub fn write(repr: &RowRepr, ids: &[u64], rows: &[f32], out: &mut [u8]) -> usize
     );
     let out = &mut out[..total];
     repr.emit(&mut Header::new_unchecked(&mut *out));
-    let (id_bytes, row_bytes) = out[HEADER_LEN..].split_at_mut(ids.len() * ROW_ID_BYTES);
+    let mut payload = &mut out[HEADER_LEN..];
+    if let Some(r) = repr.cache.reference() {
+        let (prefix, rest) = payload.split_at_mut(KEY_CACHE_PREFIX);
+        write_prefix(r, prefix);
+        payload = rest;
+    }
+    let written_ids = match repr.cache {
+        KeyCache::Cached(_) => 0,
+        _ => ids.len(),
+    };
+    let (id_bytes, row_bytes) = payload.split_at_mut(written_ids * ROW_ID_BYTES);
     for (dst, id) in id_bytes.chunks_exact_mut(ROW_ID_BYTES).zip(ids) {
         dst.copy_from_slice(&id.to_le_bytes());
     }
     crate::dtype::encode(repr.dtype, rows, row_bytes);
     total
+}
+
+/// Writes the key-cache prefix `r` into `out` (exactly
+/// [`KEY_CACHE_PREFIX`] bytes): signature, slot, 4 zero bytes.
+pub fn write_prefix(r: CacheRef, out: &mut [u8]) {
+    let (sig, rest) = out.split_at_mut(8);
+    sig.copy_from_slice(&r.sig.to_le_bytes());
+    rest[..4].copy_from_slice(&r.slot.to_le_bytes());
+    rest[4..].fill(0);
 }
 
 /// ROW_PUSH messages needed for `rows` rows at `per` rows a datagram
@@ -440,12 +591,29 @@ mod tests {
             (any::<u8>(), any::<u64>(), any::<u16>(), any::<u16>()),
             (any::<u32>(), 1u32..64, any::<u32>(), any::<u32>()),
             any::<u64>(),
+            (0u8..3, any::<u64>(), any::<u32>()),
         )
             .prop_map(
-                |(kind, dtype, (flags, token, job, rank), (round, dim, key, seq), salt)| {
+                |(
+                    kind,
+                    dtype,
+                    (flags, token, job, rank),
+                    (round, dim, key, seq),
+                    salt,
+                    (form, sig, slot),
+                )| {
+                    let reference = CacheRef { sig, slot };
+                    let cache = match form {
+                        _ if kind.payload() == RowPayloadKind::Empty => KeyCache::Off,
+                        1 => KeyCache::Store(reference),
+                        2 => KeyCache::Cached(reference),
+                        _ => KeyCache::Off,
+                    };
+                    let flags = flags & !(flags::KEYS_STORE | flags::KEYS_CACHED);
+                    let room = (MAX_PAYLOAD - KEY_CACHE_PREFIX) as u32;
                     let per = match kind.payload() {
-                        RowPayloadKind::Rows => rows_per_datagram(MAX_PAYLOAD as u32, dim, dtype),
-                        RowPayloadKind::Ids => (MAX_PAYLOAD / ROW_ID_BYTES) as u32,
+                        RowPayloadKind::Rows => rows_per_datagram(room, dim, dtype),
+                        RowPayloadKind::Ids => room / ROW_ID_BYTES as u32,
                         RowPayloadKind::Empty => 0,
                     };
                     let count = if per == 0 {
@@ -475,6 +643,7 @@ mod tests {
                         dim,
                         key,
                         seq,
+                        cache,
                     };
                     (repr, ids, rows)
                 },
@@ -489,7 +658,24 @@ mod tests {
             let (back, payload) = parse(&buf[..n]).unwrap();
             prop_assert_eq!(back, repr);
             prop_assert!(buf[field::ERROR].iter().chain(&buf[field::RX_SHARE.start..field::RESERVED.end]).all(|&b| b == 0));
+            // The ids a slot would hold, as an lcore resolves them.
+            let slot_bytes: Vec<u8> = ids.iter().flat_map(|id| id.to_le_bytes()).collect();
+            let payload = match payload {
+                RowPayload::Cached(values) => {
+                    prop_assert!(matches!(repr.cache, KeyCache::Cached(_)));
+                    let held = Ids::from_bytes(&slot_bytes).unwrap();
+                    match repr.kind.payload() {
+                        RowPayloadKind::Rows => RowPayload::Rows(Rows::with_ids(held, values, repr.dim, repr.dtype).unwrap()),
+                        _ => {
+                            prop_assert!(values.is_empty());
+                            RowPayload::Ids(held)
+                        }
+                    }
+                }
+                p => p,
+            };
             match payload {
+                RowPayload::Cached(_) => unreachable!(),
                 RowPayload::Rows(r) => {
                     prop_assert_eq!(r.ids().iter().collect::<Vec<_>>(), ids.clone());
                     let mut got = vec![0f32; repr.dim as usize];
@@ -546,6 +732,66 @@ mod tests {
         }
     }
 
+    /// PROTOCOL.md §10.7's worked examples.
+    #[test]
+    fn signatures_are_the_documented_ones() {
+        assert_eq!(SIG_TAG, 0x0067_6973_6275_6870);
+        assert_eq!(ids_signature([1, 2, 3]), 0x816a_b0be_c48b_d535);
+        assert_eq!(ids_signature([42]), 0xc5cf_54e7_cae6_a929);
+        assert_ne!(ids_signature([1, 2, 3]), ids_signature([1, 3, 2]));
+        assert_ne!(ids_signature([0]), ids_signature([0, 0]));
+    }
+
+    /// A prefix on a message without ids, both cache flags, or a payload
+    /// shorter than the prefix: refused before anything is read.
+    #[test]
+    fn key_cache_forms_are_checked() {
+        let repr = RowRepr {
+            kind: RowMsgType::RowPull,
+            dtype: Dtype::F32,
+            flags: 0,
+            token: 7,
+            job: 1,
+            rank: 0,
+            count: 2,
+            round: 0,
+            dim: 4,
+            key: 1,
+            seq: 0,
+            cache: KeyCache::Cached(CacheRef { sig: 9, slot: 3 }),
+        };
+        let mut b = vec![0u8; 200];
+        let n = write(&repr, &[5, 6], &[], &mut b);
+        assert_eq!(n, HEADER_LEN + KEY_CACHE_PREFIX);
+        assert_eq!(parse(&b[..n]).unwrap(), (repr, RowPayload::Cached(&[])));
+        assert_eq!(b[field::FLAGS], flags::KEYS_CACHED);
+        let mut both = b[..n].to_vec();
+        both[field::FLAGS] |= flags::KEYS_STORE;
+        assert_eq!(parse(&both).unwrap_err(), DropReason::BadSignature);
+        assert_eq!(parse(&b[..n - 1]).unwrap_err(), DropReason::LengthMismatch);
+        let end = RowRepr {
+            kind: RowMsgType::RowEnd,
+            count: 0,
+            cache: KeyCache::Off,
+            ..repr
+        };
+        let mut e = [0u8; HEADER_LEN];
+        write(&end, &[], &[], &mut e);
+        e[field::FLAGS] = flags::KEYS_STORE;
+        assert_eq!(parse(&e).unwrap_err(), DropReason::BadSignature);
+        // The store form: the prefix, then the ids as without one.
+        let store = RowRepr {
+            cache: KeyCache::Store(CacheRef { sig: 9, slot: 3 }),
+            ..repr
+        };
+        let n = write(&store, &[5, 6], &[], &mut b);
+        assert_eq!(n, HEADER_LEN + KEY_CACHE_PREFIX + 16);
+        let (back, p) = parse(&b[..n]).unwrap();
+        assert_eq!(back, store);
+        let RowPayload::Ids(ids) = p else { panic!("{p:?}") };
+        assert_eq!(ids.iter().collect::<Vec<_>>(), [5, 6]);
+    }
+
     #[test]
     fn each_header_fault_has_its_reason() {
         let repr = RowRepr {
@@ -560,6 +806,7 @@ mod tests {
             dim: 4,
             key: 1,
             seq: 0,
+            cache: KeyCache::Off,
         };
         let mut good = vec![0u8; 200];
         let n = write(&repr, &[5, 9], &[1.0; 8], &mut good);
@@ -641,10 +888,10 @@ mod tests {
             assert_eq!(RowMsgType::from_code(t.code()), Some(*t));
             assert_eq!(crate::wire::MsgType::from_code(t.code()), None);
         }
-        // The table reasons are DropReason's 25 to 28, each told to the
-        // sender.
-        for (i, r) in DropReason::TABLE.iter().enumerate() {
-            assert_eq!(usize::from(r.code()), 25 + i);
+        // The table reasons are DropReason's 25 to 28, 30 and 31, each
+        // told to the sender.
+        for (r, code) in DropReason::TABLE.iter().zip([25, 26, 27, 28, 30, 31]) {
+            assert_eq!(r.code(), code);
             assert_eq!(DropReason::from_code(r.code()), Some(*r));
             assert!(r.notifies_sender(), "{r}");
         }

@@ -28,7 +28,8 @@ use crate::Dtype;
 
 mod table;
 pub use table::{
-    max_dim, rows_per_datagram, Evict, RowInitSpec, RowOptimizerSpec, TableSpec, MAX_TABLE_ROWS, ROW_ID_BYTES,
+    max_dim, rows_per_datagram, Evict, RowInitSpec, RowOptimizerSpec, TableSpec, MAX_KEY_CACHE,
+    MAX_TABLE_ROWS, ROW_ID_BYTES,
 };
 
 /// Most workers a job may have (ranks fit the header's `u16`, bitmaps 256 bits).

@@ -95,6 +95,14 @@ pub mod flags {
     /// PUSH or INIT) or in the lcore's result region (a RESULT). Only
     /// workers on the appliance's host can use it.
     pub const SHM: u8 = 0x02;
+    /// Table messages only (PROTOCOL.md §10.7): the message carries its
+    /// ids after a key-cache prefix (signature and slot), and the lcore
+    /// keeps them in that slot of the sender's cache.
+    pub const KEYS_STORE: u8 = 0x04;
+    /// Table messages only (PROTOCOL.md §10.7): the message carries a
+    /// key-cache prefix in place of its ids, which the lcore holds in that
+    /// slot of the sender's cache under that signature.
+    pub const KEYS_CACHED: u8 = 0x08;
 }
 
 /// Message types.
@@ -290,6 +298,16 @@ drop_reasons! {
     /// §11.5): a replication message's is counted only, a worker's is
     /// answered with an ERROR carrying the appliance's epoch.
     WrongEpoch = 29, "wrong_epoch";
+    /// A table message naming, by its key-cache prefix (PROTOCOL.md
+    /// §10.7), a slot of the sender's cache that does not hold an id list
+    /// of that signature and count (never stored, overwritten, or lost
+    /// with a restart): the worker sends the ids again.
+    UnknownSignature = 30, "unknown_signature";
+    /// A table message whose key-cache prefix is wrong (PROTOCOL.md
+    /// §10.7): a slot beyond the table's `key_cache`, a signature that is
+    /// not its ids', both cache flags, or a cache flag on a message
+    /// without ids.
+    BadSignature = 31, "bad_signature";
 }
 
 impl DropReason {
@@ -314,16 +332,20 @@ impl DropReason {
                 | DropReason::BadRowCount
                 | DropReason::RowOutOfPlace
                 | DropReason::WrongEpoch
+                | DropReason::UnknownSignature
+                | DropReason::BadSignature
         )
     }
 
     /// The reasons only table messages are dropped for (PROTOCOL.md
     /// §10.3's table), in code order.
-    pub const TABLE: [DropReason; 4] = [
+    pub const TABLE: [DropReason; 6] = [
         DropReason::UnknownTable,
         DropReason::DimMismatch,
         DropReason::BadRowCount,
         DropReason::RowOutOfPlace,
+        DropReason::UnknownSignature,
+        DropReason::BadSignature,
     ];
 
     /// Number of reasons; counters are indexed by `code()`, so arrays of

@@ -132,11 +132,17 @@ fn constants_are_stated() {
         per(Dtype::Bf16)
     )));
     let flags = table(&d, "| bit | name | meaning |");
-    assert_eq!(flags.len(), 2);
-    assert!(flags[0][0].contains(&format!("{:#04x}", wire::flags::RETRANSMIT)));
-    assert_eq!(flags[0][1], "RETRANSMIT");
-    assert!(flags[1][0].contains(&format!("{:#04x}", wire::flags::SHM)));
-    assert_eq!(flags[1][1], "SHM");
+    let want = [
+        (wire::flags::RETRANSMIT, "RETRANSMIT"),
+        (wire::flags::SHM, "SHM"),
+        (wire::flags::KEYS_STORE, "KEYS_STORE"),
+        (wire::flags::KEYS_CACHED, "KEYS_CACHED"),
+    ];
+    assert_eq!(flags.len(), want.len());
+    for (row, (bit, name)) in flags.iter().zip(want) {
+        assert!(row[0].contains(&format!("{bit:#04x}")), "{name}");
+        assert_eq!(row[1], name);
+    }
     let (k0, k1) = phub_proto::shm::TAG_KEYS;
     assert!(d.contains(&format!("{k0:#x}, {k1:#x}")), "shared-memory tag keys");
 }
@@ -404,7 +410,8 @@ fn table_spec_fields_are_those_the_spec_reads() {
             "init",
             "optimizer",
             "evict",
-            "admit_after"
+            "admit_after",
+            "key_cache"
         ]
     );
     // The TOML example of §10.1 is a table key the spec reads.

@@ -698,6 +698,25 @@ impl Worker {
         Ok(round)
     }
 
+    /// Key caching (PROTOCOL.md §10.7): registers ``ids`` (``uint64`` or
+    /// non-negative ``int64``) of the table named ``table``, so that later
+    /// pushes and pulls of the same ids (any order, any repeats) send each
+    /// message's ids once and then name them by signature. Takes one of
+    /// the table's ``key_cache`` slots per message on its lcore. Returns
+    /// ``(signature, lists)``. Raises when the table has ``key_cache = 0``
+    /// or too few slots are free.
+    fn cache_ids(&self, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<(u64, usize)> {
+        let ids = row_ids(ids, "ids")?;
+        let c = self.inner.cache_ids(table, &ids).map_err(to_py)?;
+        Ok((c.signature, c.lists))
+    }
+
+    /// Forgets a :meth:`cache_ids` registration of the same ``ids``.
+    fn uncache_ids(&self, table: &str, ids: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ids = row_ids(ids, "ids")?;
+        self.inner.uncache_ids(table, &ids).map_err(to_py)
+    }
+
     /// For a rank that rejoined a running job: asks every lcore where the
     /// table named ``table`` stands, makes the lowest round its round here
     /// and returns it (the next push carries the round after it). Blocks,

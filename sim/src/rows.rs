@@ -82,6 +82,7 @@ impl TableCase {
             optimizer: self.optimizer,
             evict: None,
             admit_after: None,
+            key_cache: 0,
         }
     }
 

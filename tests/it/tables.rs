@@ -101,6 +101,7 @@ fn a_table_is_admitted_installed_and_served() {
         dim: DIM,
         key: KEY,
         seq,
+        cache: phub::proto::rows::KeyCache::Off,
     };
     let socks: Vec<UdpSocket> = (0..2)
         .map(|_| {

@@ -77,6 +77,14 @@ pub(crate) enum Command {
     Submit(Request),
     /// Start a table request.
     SubmitRows(RowRequest),
+    /// Register (`cache`) or forget id lists of table `key` for key
+    /// caching (PROTOCOL.md §10.7): (entry, signature) each.
+    CacheIds {
+        key: u32,
+        lists: Vec<(u32, u64)>,
+        cache: bool,
+        done: Sender<Result<(), WorkerError>>,
+    },
     /// Fail everything with `Closed` and exit.
     Shutdown,
 }
@@ -355,6 +363,21 @@ impl IoThread {
             match self.cmds.try_recv() {
                 Ok(Command::Submit(r)) => self.transport.submit(Instant::now(), r),
                 Ok(Command::SubmitRows(r)) => self.rows.submit(Instant::now(), r),
+                Ok(Command::CacheIds {
+                    key,
+                    lists,
+                    cache,
+                    done,
+                }) => {
+                    let r = if cache {
+                        self.rows.cache_ids(key, &lists)
+                    } else {
+                        self.rows.uncache_ids(key, &lists);
+                        Ok(())
+                    };
+                    // The caller waits for it; gone, it no longer cares.
+                    let _ = done.send(r);
+                }
                 Ok(Command::Shutdown) | Err(TryRecvError::Disconnected) => {
                     self.transport.close();
                     self.rows.close();

@@ -46,6 +46,9 @@ phub_proto::counter_table! {
         row_rounds_caught_up: Count, Hidden, "Empty table rounds (a ROW_END of no rows) sent to an lcore restored from an older checkpoint, which refused a push `ahead`, to bring it up to the push's round (PROTOCOL.md §10.6)";
         row_lanes_probed: Count, Hidden, "Table lanes held behind the window that asked their lcore where the table stands after no answer came for a while, in case it was restored behind them (PROTOCOL.md §10.6)";
         row_answers_malformed: Count, Hidden, "Table answers dropped as malformed: unparsable, or with another dim, sequence number, count or ids than the message they answer";
+        key_cache_id_bytes_saved: Bytes, Hidden, "Id bytes that table messages and their answers left out because a key-cache prefix named a list the lcore keeps (PROTOCOL.md §10.7); first transmissions and accepted answers";
+        key_cache_prefix_bytes: Bytes, Hidden, "Key-cache prefix bytes (16 a message) that table messages storing or naming a cached id list, and their answers, carried; first transmissions and accepted answers";
+        key_cache_misses: Count, Hidden, "Table messages naming a cached id list that their lcore refused `unknown_signature` (it no longer held the list: restarted, or the slot was taken again) and that went again with their ids";
         shm_results: Count, Hidden, "RESULTs whose payload was read from the dataplane's result region (shared memory, `WorkerConfig::shm`)";
     }
 }

@@ -23,7 +23,7 @@ use phub_proto::spec::{rows_per_datagram, Consistency};
 
 use crate::error::WorkerError;
 use crate::io::{Command, RowCompletion, RowRequest};
-use crate::transport::{plan_pull, plan_push, RowOutput, TableInfo};
+use crate::transport::{id_lists, plan_pull, plan_push, RowOutput, TableInfo};
 use crate::worker::{next_round, Worker};
 
 /// The job's table keys from its join answer, in key order.
@@ -53,6 +53,7 @@ pub(crate) fn table_infos(join: &JoinResponse) -> Result<Vec<TableInfo>, WorkerE
             per,
             placement,
             bsp: spec.consistency == Consistency::Sync,
+            key_cache: t.key_cache,
         });
     }
     Ok(tables)
@@ -66,6 +67,17 @@ struct TableState {
     round: u32,
     /// A request is in flight.
     busy: bool,
+}
+
+/// A set of ids registered for key caching ([`Worker::cache_ids`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CachedIds {
+    /// The signature of the set's distinct ids (PROTOCOL.md §10.7's
+    /// function over them in the order the worker's plan puts them: by
+    /// lcore, then id).
+    pub signature: u64,
+    /// The id lists (messages) it takes, one slot each on its lcore.
+    pub lists: usize,
 }
 
 /// Each table's round and claim, by key index.
@@ -247,6 +259,52 @@ impl Worker {
         let o = wait_rows(&rx)?;
         claim.done = Some(o.round);
         Ok(o.round)
+    }
+
+    /// Key caching (PROTOCOL.md §10.7): registers the ids `ids` of the
+    /// table named `table`, so that later pushes and pulls of the same
+    /// ids (the same set: any order, any repeats) send each message's ids
+    /// once, kept by its lcore, and then name them by a 64-bit signature
+    /// instead: 8 bytes an id saved in every message and answer, for 16
+    /// bytes of prefix. Each message's list takes one of this rank's
+    /// `key_cache` slots (the table's spec) on its lcore; registering the
+    /// same ids again takes none. Returns the set's signature and how many
+    /// lists it takes. Pushes and pulls of other ids go as before.
+    ///
+    /// Errors: no table of that name, a table with `key_cache = 0`, or
+    /// more lists on an lcore than its free slots (nothing registered).
+    pub fn cache_ids(&self, table: &str, ids: &[u64]) -> Result<CachedIds, WorkerError> {
+        let t = self.table_named(table)?;
+        let (lists, signature) = id_lists(t, ids)?;
+        let n = lists.len();
+        self.send_cache(t.key, lists, true)?;
+        Ok(CachedIds { signature, lists: n })
+    }
+
+    /// Forgets a registration of [`Worker::cache_ids`] of the same ids:
+    /// lists no registration holds any more give their slots back, and
+    /// messages of those ids carry them again.
+    pub fn uncache_ids(&self, table: &str, ids: &[u64]) -> Result<(), WorkerError> {
+        let t = self.table_named(table)?;
+        let (lists, _) = id_lists(t, ids)?;
+        self.send_cache(t.key, lists, false)
+    }
+
+    fn send_cache(&self, key: u32, lists: Vec<(u32, u64)>, cache: bool) -> Result<(), WorkerError> {
+        let (done, rx) = crossbeam_channel::bounded(1);
+        self.cmds
+            .send(Command::CacheIds {
+                key,
+                lists,
+                cache,
+                done,
+            })
+            .map_err(|_| WorkerError::Closed)?;
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.sleeping.load(std::sync::atomic::Ordering::SeqCst) {
+            self.wake();
+        }
+        rx.recv().unwrap_or(Err(WorkerError::Closed))
     }
 
     fn push_rows_inner(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowOutput, WorkerError> {

@@ -112,6 +112,7 @@ impl Table {
             repr.round,
             repr.seq,
             ids,
+            repr.cache.reference(),
         );
     }
 

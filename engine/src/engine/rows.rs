@@ -29,14 +29,17 @@
 //! `Shard::rows_out` as they are queued and sent from there; it keeps its
 //! capacity between bursts, as the pending list does.
 
-use phub_proto::rows::{self, Ids, RowMsgType, RowPayload, RowRepr, Rows, MAX_ROW_MESSAGES};
+use phub_proto::rows::{
+    self, CacheRef, Ids, KeyCache, RowMsgType, RowPayload, RowPayloadKind, RowRepr, Rows, KEY_CACHE_PREFIX,
+    MAX_ROW_MESSAGES,
+};
 use phub_proto::spec::ROW_ID_BYTES;
 use phub_proto::wire::{flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 
 use crate::counters::ShardCounters;
 
 use super::outbox::Pending;
-use super::table::{PushIds, Table, TableRounds, TableStore};
+use super::table::{IdCache, PushIds, Table, TableRounds, TableStore};
 use super::{Job, Shard, Verdict};
 
 /// Where row answers go while one message is handled: the row outbox,
@@ -58,7 +61,8 @@ pub(super) struct Answers<'a, A> {
 impl<A: Copy> Answers<'_, A> {
     /// Queues an answer of `kind` to `rank` with `ids` and their rows as
     /// `table` holds them now (a row not stored reads as its initial
-    /// value).
+    /// value); with `cache`, the request's key-cache prefix, it carries
+    /// that prefix instead of the ids (PROTOCOL.md §10.7).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows<I>(
         &mut self,
@@ -69,6 +73,7 @@ impl<A: Copy> Answers<'_, A> {
         round: u32,
         seq: u32,
         ids: I,
+        cache: Option<CacheRef>,
     ) where
         I: Iterator<Item = u64> + Clone,
     {
@@ -83,6 +88,7 @@ impl<A: Copy> Answers<'_, A> {
             count: count as u16,
             round,
             seq,
+            cache: cache.map_or(KeyCache::Off, KeyCache::Cached),
             ..self.head
         };
         let dtype = repr.dtype;
@@ -92,17 +98,23 @@ impl<A: Copy> Answers<'_, A> {
         let at = self.out.len();
         self.out.resize(at + HEADER_LEN + len, 0);
         let msg = &mut self.out[at..];
-        let (head, payload) = msg.split_at_mut(HEADER_LEN);
+        let (head, mut payload) = msg.split_at_mut(HEADER_LEN);
         let mut h = Header::new_unchecked(head);
         repr.emit(&mut h);
         h.set_rx_share(self.share);
-        let (id_bytes, row_bytes) = payload.split_at_mut(count * ROW_ID_BYTES);
+        let mut written_ids = count;
+        if let Some(r) = cache {
+            let (prefix, rest) = payload.split_at_mut(KEY_CACHE_PREFIX);
+            rows::write_prefix(r, prefix);
+            payload = rest;
+            written_ids = 0;
+        }
+        let (id_bytes, row_bytes) = payload.split_at_mut(written_ids * ROW_ID_BYTES);
         let row_len = buf.len() * dtype.size();
-        for ((id, dst), values) in ids
-            .zip(id_bytes.chunks_exact_mut(ROW_ID_BYTES))
-            .zip(row_bytes.chunks_exact_mut(row_len.max(1)))
-        {
-            dst.copy_from_slice(&id.to_le_bytes());
+        for (i, (id, values)) in ids.zip(row_bytes.chunks_exact_mut(row_len.max(1))).enumerate() {
+            if let Some(dst) = id_bytes.get_mut(i * ROW_ID_BYTES..(i + 1) * ROW_ID_BYTES) {
+                dst.copy_from_slice(&id.to_le_bytes());
+            }
             store.read(id, buf);
             phub_proto::dtype::encode(dtype, buf, values);
         }
@@ -165,7 +177,38 @@ fn ids_of<'a>(payload: &RowPayload<'a>) -> Option<Ids<'a>> {
     match payload {
         RowPayload::Rows(r) => Some(r.ids()),
         RowPayload::Ids(i) => Some(*i),
-        RowPayload::Empty => None,
+        RowPayload::Empty | RowPayload::Cached(_) => None,
+    }
+}
+
+/// The message's payload with its ids where they are (PROTOCOL.md
+/// §10.7): a KEYS_STORE message's ids kept in the sender's slot first
+/// (`bad_signature` if the prefix is wrong), a KEYS_CACHED message's
+/// taken from its slot (`unknown_signature` if the slot holds another
+/// list).
+fn resolve<'a>(
+    cache: &'a mut IdCache,
+    repr: &RowRepr,
+    payload: RowPayload<'a>,
+) -> Result<RowPayload<'a>, DropReason> {
+    match (repr.cache, payload) {
+        (KeyCache::Off, p) => Ok(p),
+        (KeyCache::Store(r), p) => {
+            let ids = ids_of(&p).ok_or(DropReason::BadSignature)?;
+            cache.store(repr.rank, r, ids)?;
+            Ok(p)
+        }
+        (KeyCache::Cached(r), RowPayload::Cached(values)) => {
+            let ids = cache.get(repr.rank, r, repr.count)?;
+            match repr.kind.payload() {
+                RowPayloadKind::Rows => Rows::with_ids(ids, values, repr.dim, repr.dtype)
+                    .map(RowPayload::Rows)
+                    .ok_or(DropReason::LengthMismatch),
+                RowPayloadKind::Ids => Ok(RowPayload::Ids(ids)),
+                RowPayloadKind::Empty => Err(DropReason::BadSignature),
+            }
+        }
+        (KeyCache::Cached(_), _) => Err(DropReason::LengthMismatch),
     }
 }
 
@@ -226,6 +269,10 @@ impl<A: Copy + Eq> Shard<A> {
                     ..
                 } = job;
                 let table = &mut tables[t];
+                // Taken out while the message is handled, so that its ids
+                // may be read from it beside the table's other state.
+                let mut cache = std::mem::take(&mut table.id_cache);
+                let resolved = resolve(&mut cache, &repr, payload);
                 let mut answers = Answers {
                     out: rows_out,
                     pending,
@@ -243,15 +290,17 @@ impl<A: Copy + Eq> Shard<A> {
                         dim: table.dim,
                         key: table.key,
                         seq: 0,
+                        cache: KeyCache::Off,
                     },
                     share,
                     now,
                 };
-                let done = match (repr.kind, &table.rounds) {
+                let done = resolved.and_then(|payload| match (repr.kind, &table.rounds) {
                     (RowMsgType::RowPull, _) => Ok(pull(table, &repr, &payload, &mut answers)),
                     (_, TableRounds::Bsp(_)) => bsp(table, &repr, &payload, &mut answers),
                     (_, TableRounds::Clocked { .. }) => table.clocked(&repr, &payload, &mut answers),
-                };
+                });
+                table.id_cache = cache;
                 match done {
                     Ok(v) => {
                         let push = repr.kind == RowMsgType::RowPush;
@@ -355,6 +404,7 @@ fn pull<A: Copy>(
         round,
         repr.seq,
         ids.iter(),
+        repr.cache.reference(),
     );
     Verdict::Pulled
 }
@@ -410,6 +460,7 @@ fn bsp<A: Copy>(
                 t,
                 s,
                 rows.ids().iter(),
+                repr.cache.reference(),
             );
             return Ok(Verdict::Resent);
         }
@@ -432,7 +483,7 @@ fn bsp<A: Copy>(
             let RowPayload::Rows(rows) = payload else {
                 return Err(DropReason::LengthMismatch);
             };
-            accumulate(table, repr.rank, s, rows);
+            accumulate(table, repr, rows);
             table.ranks[r].got.insert(s);
             Verdict::Aggregated
         }
@@ -482,7 +533,7 @@ pub(super) fn end_round(rank: &mut super::table::RowRank, n: u32) -> Result<(), 
 /// Adds a ROW_PUSH's pairs into the round's accumulator, in order: an
 /// id's first row of the round is converted and copied, later ones
 /// converted and added element by element.
-fn accumulate(table: &mut Table, rank: u16, seq: u32, rows: &Rows<'_>) {
+fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
     let TableRounds::Bsp(round) = &mut table.rounds else {
         unreachable!("accumulate() is called for BSP tables");
     };
@@ -509,10 +560,11 @@ fn accumulate(table: &mut Table, rank: u16, seq: u32, rows: &Rows<'_>) {
     // ids fit a u32 (above).
     #[allow(clippy::cast_possible_truncation)]
     round.pushes.push(PushIds {
-        rank,
-        seq: seq as u16,
+        rank: repr.rank,
+        seq: repr.seq as u16,
         start: start as u32,
         len: (round.push_ids.len() - start) as u16,
+        cache: repr.cache.reference(),
     });
 }
 
@@ -548,6 +600,7 @@ fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
             t,
             u32::from(p.seq),
             ids.iter().copied(),
+            p.cache,
         );
     }
     // Cast: r < W <= 256.
@@ -601,6 +654,7 @@ mod tests {
             dim: 16,
             key: 4,
             seq: 11,
+            cache: KeyCache::Off,
         };
         let e = row_error(&repr, DropReason::DimMismatch);
         assert_eq!((e.kind, e.count, e.error, e.flags), (MsgType::Error, 0, 26, 0));

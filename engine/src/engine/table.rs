@@ -28,8 +28,10 @@ use std::num::NonZeroU32;
 
 use phub_proto::memory::{lcore_rows_cap, table_bytes};
 use phub_proto::placement::{mix64, reduce, row_hash, table_key};
-use phub_proto::rows::MAX_ROW_MESSAGES;
+use phub_proto::rows::{ids_signature, CacheRef, Ids, MAX_ROW_MESSAGES};
+use phub_proto::spec::ROW_ID_BYTES;
 use phub_proto::spec::{rows_per_datagram, Consistency, Evict, RowInitSpec, RowOptimizerSpec, TableSpec};
+use phub_proto::wire::DropReason;
 use phub_proto::Dtype;
 
 use crate::table::{Admission, Init, RowOptimizer, RowStore, StoreConfig, TableInit};
@@ -153,6 +155,9 @@ pub(super) struct PushIds {
     pub(super) seq: u16,
     pub(super) start: u32,
     pub(super) len: u16,
+    /// Its key-cache prefix, which its answer carries instead of its ids
+    /// (PROTOCOL.md §10.7).
+    pub(super) cache: Option<CacheRef>,
 }
 
 /// A BSP (table, lcore)'s rounds: the last completed one and the
@@ -197,6 +202,78 @@ pub(super) enum TableRounds {
     },
 }
 
+/// One lcore's key cache of a table (PROTOCOL.md §10.7): per rank,
+/// `slots` id lists of up to R ids, each kept as its wire bytes with its
+/// signature and count (0: empty). Allocated whole at install, so storing
+/// and naming lists allocates nothing; [`phub_proto::memory::key_cache_bytes`] is its size.
+#[derive(Debug, Default)]
+pub(super) struct IdCache {
+    slots: u32,
+    /// R: the most ids one list holds.
+    per: usize,
+    /// Rank r's slot i holds its ids at `(r * slots + i) * per * 8`.
+    ids: Vec<u8>,
+    sigs: Vec<u64>,
+    lens: Vec<u16>,
+}
+
+impl IdCache {
+    fn new(workers: u16, slots: u32, per: u32) -> IdCache {
+        let lists = usize::from(workers) * slots as usize;
+        IdCache {
+            slots,
+            per: per as usize,
+            ids: vec![0; lists * per as usize * ROW_ID_BYTES],
+            sigs: vec![0; lists],
+            lens: vec![0; lists],
+        }
+    }
+
+    /// The index of `rank`'s slot `slot`: `bad_signature` beyond the
+    /// table's `key_cache`.
+    fn index(&self, rank: u16, slot: u32) -> Result<usize, DropReason> {
+        if slot >= self.slots {
+            return Err(DropReason::BadSignature);
+        }
+        Ok(usize::from(rank) * self.slots as usize + slot as usize)
+    }
+
+    /// Keeps a KEYS_STORE message's `ids` in `rank`'s slot, replacing what
+    /// it held: `bad_signature` when the slot is beyond the cache, there
+    /// are no ids, or the signature is not theirs.
+    pub(super) fn store(&mut self, rank: u16, r: CacheRef, ids: Ids<'_>) -> Result<(), DropReason> {
+        let i = self.index(rank, r.slot)?;
+        let n = u16::try_from(ids.len()).map_err(|_| DropReason::BadRowCount)?;
+        if n == 0 || ids.len() > self.per || ids_signature(ids.iter()) != r.sig {
+            return Err(DropReason::BadSignature);
+        }
+        let bytes = ids.as_bytes();
+        let at = i * self.per * ROW_ID_BYTES;
+        self.ids[at..at + bytes.len()].copy_from_slice(bytes);
+        self.sigs[i] = r.sig;
+        self.lens[i] = n;
+        Ok(())
+    }
+
+    /// The `count` ids `rank`'s slot holds under signature `r.sig`:
+    /// `unknown_signature` when it holds another list (or none).
+    pub(super) fn get(&self, rank: u16, r: CacheRef, count: u16) -> Result<Ids<'_>, DropReason> {
+        let i = self.index(rank, r.slot)?;
+        if self.lens[i] == 0 || self.lens[i] != count || self.sigs[i] != r.sig {
+            return Err(DropReason::UnknownSignature);
+        }
+        let at = i * self.per * ROW_ID_BYTES;
+        let ids = Ids::from_bytes(&self.ids[at..at + usize::from(count) * ROW_ID_BYTES]);
+        // A whole number of ids: count * 8 bytes.
+        ids.ok_or(DropReason::UnknownSignature)
+    }
+
+    /// Bytes it holds: ids, signatures and counts.
+    fn bytes(&self) -> u64 {
+        (self.ids.len() + self.sigs.len() * 8 + self.lens.len() * 2) as u64
+    }
+}
+
 /// One lcore's store of one table.
 pub(super) type TableStore = RowStore<TableInit, RowOptimizer>;
 
@@ -220,6 +297,8 @@ pub(super) struct Table {
     pub(super) rounds: TableRounds,
     /// One row in `f32`, `dim` long (decoding and reading).
     pub(super) row: Vec<f32>,
+    /// Each rank's cached id lists (PROTOCOL.md §10.7).
+    pub(super) id_cache: IdCache,
 }
 
 /// The row optimizer a table's spec names.
@@ -355,6 +434,7 @@ impl Table {
             ranks: vec![RowRank::default(); usize::from(workers)],
             rounds,
             row: vec![0.0; spec.dim as usize],
+            id_cache: IdCache::new(workers, spec.key_cache, per),
         })
     }
 
@@ -364,11 +444,13 @@ impl Table {
     }
 
     /// Bytes this table holds on the lcore as admission charges them: its
-    /// store at its cap ([`table_bytes`]), its record and its ranks'.
+    /// store at its cap ([`table_bytes`]), its record, its ranks' and its
+    /// key cache (as [`phub_proto::memory::key_cache_bytes`] charges it).
     pub(super) fn memory_bytes(&self) -> u64 {
         table_bytes(&self.store.shape())
             + u64::from(TABLE_RECORD_BYTES)
             + self.ranks.len() as u64 * u64::from(TABLE_RANK_BYTES)
+            + self.id_cache.bytes()
     }
 
     /// The slowest applied clock over the ranks (not BSP).

@@ -30,6 +30,7 @@ fn msg(kind: RowMsgType, rank: u16, round: u32, seq: u32, ids: &[u64]) -> Vec<u8
         dim: DIM,
         key: 0,
         seq,
+        cache: phub_proto::rows::KeyCache::Off,
     };
     let rows = if kind == RowMsgType::RowPush {
         vec![0.125f32; ids.len() * DIM as usize]
@@ -71,6 +72,7 @@ fn table_rounds_allocate_nothing_in_steady_state() {
                 },
                 evict: None,
                 admit_after: None,
+                key_cache: 0,
             },
             chunk_bytes: 8192,
             lcores: 2,

@@ -10,7 +10,7 @@ use phub_engine::engine::{memory_model, row_init, row_optimizer, TableInstall};
 use phub_engine::table::{RowInit, RowOptimizer, RowUpdate, TableInit};
 use phub_engine::{EngineError, InstallKind, JobInstall, Kernels, RustHeap, Shard, Verdict};
 use phub_proto::placement::RowPlacement;
-use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr};
+use phub_proto::rows::{self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr};
 use phub_proto::spec::{Consistency, Evict, JobSpec, Optimizer, RowInitSpec, RowOptimizerSpec, TableSpec};
 use phub_proto::wire::{self, flags, DropReason, MsgType, HEADER_LEN};
 use phub_proto::Dtype;
@@ -37,6 +37,7 @@ fn table_spec() -> TableSpec {
         },
         evict: None,
         admit_after: None,
+        key_cache: 0,
     }
 }
 
@@ -102,6 +103,7 @@ fn head(kind: RowMsgType, rank: u16, round: u32, seq: u32, count: usize) -> RowR
         dim: DIM,
         key: KEY,
         seq,
+        cache: KeyCache::Off,
     }
 }
 
@@ -152,6 +154,15 @@ enum Sent {
         round: u32,
         seq: u32,
     },
+    /// An answer in the key cache's cached form (PROTOCOL.md §10.7).
+    Cached {
+        to: u32,
+        kind: RowMsgType,
+        round: u32,
+        seq: u32,
+        cache: CacheRef,
+        rows: Vec<f32>,
+    },
 }
 
 fn drain(s: &mut Shard<u32>) -> Vec<Sent> {
@@ -186,6 +197,22 @@ fn drain(s: &mut Shard<u32>) -> Vec<Sent> {
             }
             RowPayload::Empty => (Vec::new(), Vec::new()),
             RowPayload::Ids(_) => panic!("the appliance sends no ids alone"),
+            RowPayload::Cached(values) => {
+                let KeyCache::Cached(cache) = r.cache else {
+                    panic!("a cached payload without its prefix: {r:?}")
+                };
+                let mut rows = vec![0f32; values.len() / 4];
+                phub_proto::dtype::decode(Dtype::F32, values, &mut rows);
+                out.push(Sent::Cached {
+                    to: to[0],
+                    kind: r.kind,
+                    round: r.round,
+                    seq: r.seq,
+                    cache,
+                    rows,
+                });
+                continue;
+            }
         };
         out.push(Sent::Rows {
             to: to[0],
@@ -792,7 +819,7 @@ fn table_memory_is_what_admission_charges() {
     let spec = JobSpec::from_toml(
         "name = \"t\"\nworkers = 2\nchunk_bytes = 8192\n[optimizer]\nkind = \"sum\"\n\
          [[keys]]\nname = \"w\"\nelements = 8\n\
-         [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 1000\nseed = 7\nadmit_after = 2\n\
+         [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 1000\nseed = 7\nadmit_after = 2\nkey_cache = 3\n\
          init = { kind = \"uniform\", a = -0.5, b = 0.5 }\n\
          optimizer = { kind = \"adagrad\", lr = 0.25, initial_accumulator = 0.1 }\n",
     )
@@ -813,6 +840,213 @@ fn table_memory_is_what_admission_charges() {
     let model = memory_model(&RustHeap);
     assert_eq!(extra, model.tables_lcore_bytes(&spec, L as usize));
     assert!(extra > 500 * 16, "the index of 500 rows at least: {extra}");
+    // The key cache: 2 ranks x 3 slots x (R = 341 ids of 8 bytes, a
+    // signature and a count).
+    let cache = phub_proto::memory::key_cache_bytes(&t.spec, 2, 8192, Dtype::F32);
+    assert_eq!(cache, 2 * 3 * (341 * 8 + 10));
+    let no_cache = TableSpec {
+        key_cache: 0,
+        ..t.spec.clone()
+    };
+    let mut without = Shard::<u32>::new(0, Kernels::best());
+    without
+        .install_with_tables(
+            job(2, Consistency::Sync),
+            InstallKind::Plain,
+            vec![table(no_cache, spec.chunk_bytes)],
+        )
+        .unwrap();
+    assert_eq!(
+        with.job_memory_bytes(JOB).unwrap() - without.job_memory_bytes(JOB).unwrap(),
+        cache
+    );
+}
+
+/// A message in a key-cache form (PROTOCOL.md §10.7): `form` with the
+/// prefix of `slot` and `ids`' signature (or `sig` when given).
+fn keyed(mut repr: RowRepr, store: bool, slot: u32, ids: &[u64], sig: Option<u64>, rows: &[f32]) -> Vec<u8> {
+    let c = CacheRef {
+        sig: sig.unwrap_or_else(|| ids_signature(ids.iter().copied())),
+        slot,
+    };
+    repr.cache = if store {
+        KeyCache::Store(c)
+    } else {
+        KeyCache::Cached(c)
+    };
+    build(repr, ids, rows)
+}
+
+/// Key caching (PROTOCOL.md §10.7), BSP, two ranks, `key_cache = 2`: rank 0
+/// stores its list with its round 1 push and names it in round 2 and in a
+/// pull, each answered in the cached form with the rows a plain rank's
+/// messages get; a slot that does not hold the named list (empty, another
+/// signature, another count, another rank's) is `unknown_signature`, a
+/// slot beyond the cache or a store under a wrong signature
+/// `bad_signature`, each told and counted, none changing a row.
+#[test]
+fn key_caching_stores_names_and_refuses_lists() {
+    let mut s = Shard::new(0, Kernels::best());
+    let spec = TableSpec {
+        key_cache: 2,
+        ..table_spec()
+    };
+    s.install_with_tables(
+        job(2, Consistency::Sync),
+        InstallKind::Plain,
+        vec![table(spec.clone(), 8192)],
+    )
+    .unwrap();
+    let ids = ids_on(0, 5);
+    let (a, b) = (&ids[0..3], &ids[2..5]);
+    let sig_a = ids_signature(a.iter().copied());
+    let at = |slot| CacheRef { sig: sig_a, slot };
+    let push_head = |rank, round, n| head(RowMsgType::RowPush, rank, round, 0, n);
+    let mut reference = Reference::new(&spec);
+    for round in 1..=2u32 {
+        // Round 1 stores the list in slot 1; round 2 names it.
+        let m = keyed(
+            push_head(0, round, a.len()),
+            round == 1,
+            1,
+            a,
+            None,
+            &grads(a, round),
+        );
+        assert_eq!(s.handle(addr(0), &m, 0), Verdict::Aggregated, "round {round}");
+        assert_eq!(s.handle(addr(0), &end(0, round, 1), 0), Verdict::Aggregated);
+        assert_eq!(
+            s.handle(addr(1), &push(1, round, 0, b, &grads(b, 10 + round)), 0),
+            Verdict::Aggregated
+        );
+        assert_eq!(s.handle(addr(1), &end(1, round, 1), 0), Verdict::Completed);
+        for &id in &ids {
+            let mut g = vec![0f32; DIM as usize];
+            for (list, salt) in [(a, round), (b, 10 + round)] {
+                if list.contains(&id) {
+                    g.iter_mut().zip(grad(id, salt)).for_each(|(x, y)| *x += y);
+                }
+            }
+            if a.contains(&id) || b.contains(&id) {
+                reference.apply(id, &g);
+            }
+        }
+        let want = vec![
+            Sent::Cached {
+                to: addr(0),
+                kind: RowMsgType::RowResult,
+                round,
+                seq: 0,
+                cache: at(1),
+                rows: reference.rows_of(a),
+            },
+            rows_sent(addr(1), RowMsgType::RowResult, round, 0, b, &reference),
+            done(addr(0), round, 1),
+            done(addr(1), round, 1),
+        ];
+        assert_eq!(drain(&mut s), want, "round {round}");
+    }
+    // A pull naming the list, and a copy of round 2's push (rule 3).
+    let named_pull = keyed(
+        head(RowMsgType::RowPull, 0, 0, 9, a.len()),
+        false,
+        1,
+        a,
+        None,
+        &[],
+    );
+    assert_eq!(s.handle(addr(0), &named_pull, 0), Verdict::Pulled);
+    let copy = keyed(push_head(0, 2, a.len()), false, 1, a, None, &grads(a, 2));
+    assert_eq!(s.handle(addr(0), &copy, 0), Verdict::Resent);
+    let cached = |kind, round, seq| Sent::Cached {
+        to: addr(0),
+        kind,
+        round,
+        seq,
+        cache: at(1),
+        rows: reference.rows_of(a),
+    };
+    assert_eq!(
+        drain(&mut s),
+        vec![
+            cached(RowMsgType::RowPullResult, 2, 9),
+            cached(RowMsgType::RowResult, 2, 0)
+        ]
+    );
+    // Refusals, each an ERROR, none changing the rows.
+    let pull_head = |rank, n| head(RowMsgType::RowPull, rank, 0, 4, n);
+    let refused: Vec<(u16, Vec<u8>, DropReason)> = vec![
+        // Slot 0 holds nothing.
+        (
+            0,
+            keyed(pull_head(0, 3), false, 0, a, None, &[]),
+            DropReason::UnknownSignature,
+        ),
+        // Slot 1 holds `a`, not `b`.
+        (
+            0,
+            keyed(pull_head(0, 3), false, 1, b, None, &[]),
+            DropReason::UnknownSignature,
+        ),
+        // Slot 1's list has 3 ids, not 2.
+        (
+            0,
+            keyed(pull_head(0, 2), false, 1, &a[..2], Some(sig_a), &[]),
+            DropReason::UnknownSignature,
+        ),
+        // Rank 1's slot 1 is its own, and empty.
+        (
+            1,
+            keyed(pull_head(1, 3), false, 1, a, None, &[]),
+            DropReason::UnknownSignature,
+        ),
+        // Beyond key_cache = 2.
+        (
+            0,
+            keyed(pull_head(0, 3), false, 2, a, None, &[]),
+            DropReason::BadSignature,
+        ),
+        (
+            0,
+            keyed(pull_head(0, 3), true, 2, a, None, &[]),
+            DropReason::BadSignature,
+        ),
+        // A store whose signature is not its ids'.
+        (
+            0,
+            keyed(pull_head(0, 3), true, 0, a, Some(sig_a ^ 1), &[]),
+            DropReason::BadSignature,
+        ),
+    ];
+    let before = s.counters();
+    let (unknown0, bad0) = (
+        before.drops_of(DropReason::UnknownSignature),
+        before.drops_of(DropReason::BadSignature),
+    );
+    for (i, (rank, m, why)) in refused.iter().enumerate() {
+        assert_eq!(s.handle(addr(*rank), m, 0), Verdict::Dropped(*why), "message {i}");
+        assert_eq!(drain(&mut s), vec![error(addr(*rank), *why, 0, 4)], "message {i}");
+    }
+    let c = s.counters();
+    assert_eq!(c.drops_of(DropReason::UnknownSignature) - unknown0, 4);
+    assert_eq!(c.drops_of(DropReason::BadSignature) - bad0, 3);
+    // The bad store left slot 0 empty; slot 1 still holds `a`, its rows
+    // as the rounds left them.
+    assert_eq!(
+        s.handle(addr(0), &keyed(pull_head(0, 3), false, 0, a, None, &[]), 0),
+        Verdict::Dropped(DropReason::UnknownSignature)
+    );
+    drain(&mut s);
+    assert_eq!(s.handle(addr(0), &named_pull, 0), Verdict::Pulled);
+    assert_eq!(drain(&mut s), vec![cached(RowMsgType::RowPullResult, 2, 9)]);
+    // A new store replaces the slot's list: `a` is no longer named there.
+    let store_b = keyed(pull_head(0, 3), true, 1, b, None, &[]);
+    assert_eq!(s.handle(addr(0), &store_b, 0), Verdict::Pulled);
+    drain(&mut s);
+    assert_eq!(
+        s.handle(addr(0), &named_pull, 0),
+        Verdict::Dropped(DropReason::UnknownSignature)
+    );
 }
 
 /// `evict = { idle_s = 2 }`, one rank, a round every half second by the
@@ -938,6 +1172,7 @@ fn evicting_spec() -> TableSpec {
         rows: Some(12),
         evict: Some(Evict::IdleRounds(4)),
         admit_after: Some(2),
+        key_cache: 0,
         ..table_spec()
     }
 }

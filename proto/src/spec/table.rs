@@ -13,6 +13,7 @@
 //! optimizer = { kind = "adagrad", lr = 0.05 }      # default sum
 //! evict = { idle_rounds = 100 }                    # or { idle_s = S }
 //! admit_after = 2                                  # optional
+//! key_cache = 64                                   # default 0 (off)
 //! ```
 //!
 //! In a [`KeySpec`](super::KeySpec) a table is `table: Some(TableSpec)` with
@@ -66,6 +67,20 @@ pub struct TableSpec {
     /// then it reads as its initial value. None: stored on its first push.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admit_after: Option<u32>,
+    /// Key caching (PROTOCOL.md §10.7): the id lists each rank may keep
+    /// on each lcore and then name by signature instead of sending the
+    /// ids; 0 (the default): none. Charged by admission.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub key_cache: u32,
+}
+
+/// The most id lists a rank may keep per lcore of a table (`key_cache`).
+pub const MAX_KEY_CACHE: u32 = 1 << 16;
+
+// Serde's `skip_serializing_if` passes a reference.
+#[allow(clippy::trivially_copy_pass_by_ref)]
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 /// What a row that was never stored reads as, per element, from (seed,
@@ -290,6 +305,8 @@ pub(super) struct KeyFields {
     pub(super) evict: Option<Evict>,
     #[serde(default)]
     pub(super) admit_after: Option<u32>,
+    #[serde(default)]
+    pub(super) key_cache: Option<u32>,
 }
 
 /// A key as a spec writes it, borrowed: dense keys as before (`name` when
@@ -326,6 +343,7 @@ impl KeyFields {
             ("optimizer", self.optimizer.is_some()),
             ("evict", self.evict.is_some()),
             ("admit_after", self.admit_after.is_some()),
+            ("key_cache", self.key_cache.is_some()),
         ];
         match self.kind.as_deref() {
             None | Some("dense") => {
@@ -370,6 +388,7 @@ impl KeyFields {
                         optimizer: self.optimizer.unwrap_or_default(),
                         evict: self.evict,
                         admit_after: self.admit_after,
+                        key_cache: self.key_cache.unwrap_or(0),
                     }),
                 })
             }
@@ -500,6 +519,28 @@ pub(super) fn validate_table(
             of("an integer >= 1 (pushes before a row is stored), or no such field".into()),
         ));
     }
+    if t.key_cache > MAX_KEY_CACHE {
+        return Err(bad(
+            field("key_cache"),
+            t.key_cache,
+            of(format!(
+                "an integer from 0 (no key caching) to {MAX_KEY_CACHE}: id lists a rank keeps per lcore"
+            )),
+        ));
+    }
+    let room = crate::wire::MAX_PAYLOAD - crate::rows::KEY_CACHE_PREFIX;
+    if t.key_cache > 0 && chunk_bytes as usize > room {
+        return Err(bad(
+            field("key_cache"),
+            t.key_cache,
+            of(format!(
+                "0 with chunk_bytes = {chunk_bytes}: a cached table's messages carry a {}-byte prefix beside \
+                 a datagram of rows, so key caching needs chunk_bytes at most {}",
+                crate::rows::KEY_CACHE_PREFIX,
+                room / 64 * 64
+            )),
+        ));
+    }
     Ok(())
 }
 
@@ -533,6 +574,7 @@ mod tests {
             optimizer: RowOptimizerSpec::Sum,
             evict: None,
             admit_after: None,
+            key_cache: 0,
         };
         assert_eq!(s.keys[1], KeySpec::table("emb", want.clone()));
         let tables: Vec<(u32, &str)> = s.tables().map(|t| (t.key, t.name)).collect();

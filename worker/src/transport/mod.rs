@@ -112,7 +112,7 @@ use congestion::Congestion;
 use congestion::MIN_CWND;
 pub(crate) use request::{Arrived, ChunkMsg, Kind, RawBytes, RawDst, Request, Sink, Tx};
 pub(crate) use route::Routing;
-pub(crate) use row_plan::{plan_pull, plan_push, RowPlan, TableInfo};
+pub(crate) use row_plan::{id_lists, plan_pull, plan_push, RowPlan, TableInfo};
 #[cfg(feature = "sim")]
 pub(crate) use rows::unknown_table;
 pub(crate) use rows::{RowFinished, RowOutput, RowRequest, RowTransport};

@@ -21,7 +21,7 @@
 use std::ops::Range;
 
 use phub_proto::placement::RowPlacement;
-use phub_proto::rows::{messages_for, RowMsgType, MAX_ROW_MESSAGES};
+use phub_proto::rows::{ids_signature, messages_for, RowMsgType, MAX_ROW_MESSAGES};
 
 use crate::error::WorkerError;
 
@@ -41,6 +41,9 @@ pub(crate) struct TableInfo {
     /// The job is BSP: an lcore answers a round's messages only once the
     /// round completes there (PROTOCOL.md §10.3).
     pub(crate) bsp: bool,
+    /// Id lists this rank may keep per lcore (the spec's `key_cache`,
+    /// PROTOCOL.md §10.7); 0: no key caching.
+    pub(crate) key_cache: u32,
 }
 
 /// What a planned request does.
@@ -294,6 +297,22 @@ pub(crate) fn plan_pull(table: &TableInfo, ids: &[u64]) -> Result<RowPlan, Worke
     };
     plan.check(table);
     Ok(plan)
+}
+
+/// The id lists a push or pull of `ids` sends (PROTOCOL.md §10.7): per
+/// message, its lcore's entry and its ids' signature, distinct, in plan
+/// order; and the signature of the whole set (its distinct ids in plan
+/// order). A push and a pull of the same ids cut them into the same
+/// messages, whatever their order and repeats.
+pub(crate) fn id_lists(table: &TableInfo, ids: &[u64]) -> Result<(Vec<(u32, u64)>, u64), WorkerError> {
+    let plan = plan_pull(table, ids)?;
+    let mut lists: Vec<(u32, u64)> = plan
+        .msgs
+        .iter()
+        .map(|m| (m.entry, ids_signature(plan.ids[m.rows.clone()].iter().copied())))
+        .collect();
+    lists.dedup();
+    Ok((lists, ids_signature(plan.ids.iter().copied())))
 }
 
 /// The most ROW_PULL messages one pull may have: their index takes the

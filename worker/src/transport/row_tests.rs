@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use phub_proto::placement::RowPlacement;
-use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr};
+use phub_proto::rows::{self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr};
 use phub_proto::wire::{flags, DropReason, MsgType, Repr, APPLIANCE_RANK};
 use phub_proto::Dtype;
 use rand::rngs::StdRng;
@@ -42,6 +42,7 @@ fn table(lcores: u32, dim: u32, per: u32) -> TableInfo {
         per,
         placement: RowPlacement::new(7, KEY, &[lcores]).unwrap(),
         bsp: true,
+        key_cache: 0,
     }
 }
 
@@ -50,8 +51,11 @@ fn table(lcores: u32, dim: u32, per: u32) -> TableInfo {
 pub(crate) struct Sent {
     pub(crate) to: SocketAddr,
     pub(crate) repr: RowRepr,
+    /// The ids it carried (none in the cached form, PROTOCOL.md §10.7).
     pub(crate) ids: Vec<u64>,
     pub(crate) rows: Vec<f32>,
+    /// The datagram.
+    pub(crate) raw: Vec<u8>,
 }
 
 impl Sent {
@@ -68,8 +72,19 @@ impl Sent {
             }
             RowPayload::Ids(ids) => (ids.iter().collect(), Vec::new()),
             RowPayload::Empty => (Vec::new(), Vec::new()),
+            RowPayload::Cached(values) => {
+                let mut v = vec![0f32; values.len() / 4];
+                phub_proto::dtype::decode(Dtype::F32, values, &mut v);
+                (Vec::new(), v)
+            }
         };
-        Sent { to, repr, ids, rows }
+        Sent {
+            to,
+            repr,
+            ids,
+            rows,
+            raw: d.to_vec(),
+        }
     }
 
     fn retransmit(&self) -> bool {
@@ -79,6 +94,19 @@ impl Sent {
 
 /// A row answer as the appliance writes it.
 fn answer(kind: RowMsgType, round: u32, dim: u32, seq: u32, ids: &[u64], rows: &[f32]) -> Vec<u8> {
+    answer_in(None, kind, round, dim, seq, ids, rows)
+}
+
+/// A row answer, in the cached form with `cache` (PROTOCOL.md §10.7).
+fn answer_in(
+    cache: Option<CacheRef>,
+    kind: RowMsgType,
+    round: u32,
+    dim: u32,
+    seq: u32,
+    ids: &[u64],
+    rows: &[f32],
+) -> Vec<u8> {
     let repr = RowRepr {
         kind,
         dtype: Dtype::F32,
@@ -91,6 +119,7 @@ fn answer(kind: RowMsgType, round: u32, dim: u32, seq: u32, ids: &[u64], rows: &
         dim,
         key: KEY,
         seq,
+        cache: cache.map_or(KeyCache::Off, KeyCache::Cached),
     };
     let mut buf = vec![0u8; 9000];
     let n = rows::write(&repr, ids, rows, &mut buf);
@@ -125,7 +154,9 @@ pub(crate) struct FakeLcore {
     stored: HashMap<u64, Vec<f32>>,
     /// The last completed round.
     done: u32,
-    got: BTreeMap<u32, Vec<u64>>,
+    got: BTreeMap<u32, (Vec<u64>, Option<CacheRef>)>,
+    /// The rank's key-cache slots: signature and ids (PROTOCOL.md §10.7).
+    pub(crate) slots: HashMap<u32, (u64, Vec<u64>)>,
     n: Option<u32>,
     acc: BTreeMap<u64, Vec<f32>>,
 }
@@ -153,9 +184,28 @@ impl FakeLcore {
     /// The answers to `m`.
     pub(crate) fn handle(&mut self, m: &Sent) -> Vec<Vec<u8>> {
         let (t, dim) = (m.repr.round, m.repr.dim);
+        // §10.7: a store keeps the ids, a cached form names them.
+        let mut m = m.clone();
+        let cache = match m.repr.cache {
+            KeyCache::Off => None,
+            KeyCache::Store(c) => {
+                assert_eq!(c.sig, ids_signature(m.ids.iter().copied()));
+                self.slots.insert(c.slot, (c.sig, m.ids.clone()));
+                Some(c)
+            }
+            KeyCache::Cached(c) => match self.slots.get(&c.slot) {
+                Some((sig, ids)) if *sig == c.sig && ids.len() == usize::from(m.repr.count) => {
+                    m.ids.clone_from(ids);
+                    Some(c)
+                }
+                _ => return vec![error_for(&m, DropReason::UnknownSignature.code())],
+            },
+        };
+        let m = &m;
         match m.repr.kind {
             RowMsgType::RowPull => {
-                vec![answer(
+                vec![answer_in(
+                    cache,
                     RowMsgType::RowPullResult,
                     self.done,
                     dim,
@@ -175,11 +225,12 @@ impl FakeLcore {
                         *x += y;
                     }
                 }
-                self.got.insert(m.repr.seq, m.ids.clone());
+                self.got.insert(m.repr.seq, (m.ids.clone(), cache));
                 self.complete(dim)
             }
             RowMsgType::RowPush if t == self.done => {
-                vec![answer(
+                vec![answer_in(
+                    cache,
                     RowMsgType::RowResult,
                     t,
                     dim,
@@ -225,7 +276,9 @@ impl FakeLcore {
         let t = self.done;
         let mut out: Vec<Vec<u8>> = std::mem::take(&mut self.got)
             .into_iter()
-            .map(|(s, ids)| answer(RowMsgType::RowResult, t, dim, s, &ids, &self.rows_of(&ids)))
+            .map(|(s, (ids, cache))| {
+                answer_in(cache, RowMsgType::RowResult, t, dim, s, &ids, &self.rows_of(&ids))
+            })
             .collect();
         out.push(answer(RowMsgType::RowDone, t, dim, n, &[], &[]));
         self.n = None;
@@ -275,13 +328,23 @@ impl Harness {
         }
     }
 
+    fn t_info(&self) -> JobInfo {
+        JobInfo {
+            job: JOB,
+            token: TOKEN,
+            rank: RANK,
+            dtype: Dtype::F32,
+            in_order: true,
+        }
+    }
+
     fn push(&mut self, tag: u32, round: u32, ids: &[u64], grads: &[f32]) {
-        let plan = plan_push(&self.table, round, ids, grads).unwrap();
+        let plan = plan_push(self.t.table(KEY).unwrap(), round, ids, grads).unwrap();
         self.t.submit(self.now, RowRequest { plan, done: tag });
     }
 
     fn pull(&mut self, tag: u32, ids: &[u64]) {
-        let plan = plan_pull(&self.table, ids).unwrap();
+        let plan = plan_pull(self.t.table(KEY).unwrap(), ids).unwrap();
         self.t.submit(self.now, RowRequest { plan, done: tag });
     }
 
@@ -354,9 +417,7 @@ impl Harness {
             let sent = self.sent();
             let mut kept = Vec::new();
             for m in sent {
-                let mut b = vec![0u8; 9000];
-                let n = rows::write(&m.repr, &m.ids, &m.rows, &mut b);
-                for _ in 0..copies(true, &b[..n]) {
+                for _ in 0..copies(true, &m.raw) {
                     kept.push(m.clone());
                 }
             }
@@ -1079,4 +1140,118 @@ fn a_late_message_waits_for_a_silence_before_it_is_resent() {
         "{again:?}"
     );
     assert!(again.iter().any(|m| m.repr.seq == sent[0].repr.seq));
+}
+
+/// Key caching (PROTOCOL.md §10.7), two lcores: a registered id set's
+/// messages store their lists in round 1 (their answers in the cached
+/// form), name them from round 2 on (no ids on the wire, the bytes
+/// counted), and after the lcores forget them (a restart) each refused
+/// `unknown_signature` goes again at once storing its list; the rows are
+/// those of the same rounds without caching, round by round. Ids not
+/// registered go as before; `uncache_ids` gives the slots back.
+#[test]
+fn registered_lists_are_stored_then_named_and_stored_again_after_a_miss() {
+    let (lcores, dim, per) = (2, 3, 4);
+    let mut h = Harness::new(lcores, dim, per, 64);
+    let mut plain = Harness::new(lcores, dim, per, 64);
+    let ids: Vec<u64> = (0..14u64).map(|i| i * 7919 + 3).collect();
+    let mut cached_table = h.table.clone();
+    cached_table.key_cache = 4;
+    h.t = RowTransport::new(
+        h.t_info(),
+        (0..lcores).map(addr).collect(),
+        vec![cached_table.clone()],
+        64,
+        &WorkerConfig::default(),
+        Arc::clone(&h.stats),
+        h.now,
+    );
+    let (lists, _) = super::row_plan::id_lists(&cached_table, &ids).unwrap();
+    assert!(
+        lists.len() >= 4,
+        "14 ids in messages of 4 over 2 lcores: {lists:?}"
+    );
+    h.t.cache_ids(KEY, &lists).unwrap();
+    // Registering them again takes no slot; one more list would need
+    // a fifth on some lcore.
+    h.t.cache_ids(KEY, &lists).unwrap();
+    let more: Vec<u64> = (100..140u64).collect();
+    let (more_lists, _) = super::row_plan::id_lists(&cached_table, &more).unwrap();
+    let e = h.t.cache_ids(KEY, &more_lists).unwrap_err().to_string();
+    assert!(e.contains("key_cache = 4") && e.contains("free"), "{e}");
+    let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    for round in 1..=4u32 {
+        if round == 3 {
+            // The lcores restart: every list is gone.
+            for l in &mut h.lcores {
+                l.slots.clear();
+            }
+        }
+        let g = grads(&ids, dim, round as f32);
+        h.push(round, round, &ids, &g);
+        plain.push(round, round, &ids, &g);
+        if round != 3 {
+            let sent = h.sent();
+            for m in sent.iter().filter(|m| m.repr.kind == RowMsgType::RowPush) {
+                match (round, m.repr.cache) {
+                    (1, KeyCache::Store(_)) => assert_eq!(m.ids.len(), usize::from(m.repr.count)),
+                    (2 | 4, KeyCache::Cached(_)) => {
+                        assert!(m.ids.is_empty() && m.raw.len() < 86 + 16 + 8 * 4 * 4)
+                    }
+                    (r, f) => panic!("round {r}: a ROW_PUSH in form {f:?}"),
+                }
+            }
+            let answers = h.answers(&sent);
+            for (from, d) in answers {
+                h.deliver(from, &d);
+            }
+        }
+        let got = h.run(|_, _| false);
+        let want = plain.run(|_, _| false);
+        assert_eq!(got.len(), 1, "round {round}");
+        assert_eq!(
+            got[0].1.as_ref().unwrap(),
+            want[0].1.as_ref().unwrap(),
+            "round {round}"
+        );
+    }
+    let messages = lists.len() as u64;
+    assert_eq!(
+        load(&h.stats.key_cache_misses),
+        messages,
+        "each named list missed once after the restart"
+    );
+    // Named in rounds 2, 3 (then refused) and 4, answered named in all
+    // four: the ids left out 7 times; a prefix on every first send and
+    // every answer (the stores sent again after a miss are resends).
+    let id_bytes = ids.len() as u64 * 8;
+    assert_eq!(load(&h.stats.key_cache_id_bytes_saved), 7 * id_bytes);
+    assert_eq!(load(&h.stats.key_cache_prefix_bytes), 16 * messages * 8);
+    // A pull of the same ids (another order, a repeat) names them too.
+    let mut shuffled = ids.clone();
+    shuffled.reverse();
+    shuffled.push(ids[0]);
+    h.pull(9, &shuffled);
+    let sent = h.sent();
+    assert!(sent
+        .iter()
+        .all(|m| matches!(m.repr.cache, KeyCache::Cached(_)) && m.raw.len() == 86 + 16));
+    let answers = h.answers(&sent);
+    for (from, d) in answers {
+        h.deliver(from, &d);
+    }
+    let pulled = h.ended();
+    plain.pull(9, &shuffled);
+    assert_eq!(
+        pulled[0].1.as_ref().unwrap().rows,
+        plain.run(|_, _| false)[0].1.as_ref().unwrap().rows
+    );
+    // Forgotten twice (registered twice), the lists give their slots back
+    // and the ids go without a prefix.
+    h.t.uncache_ids(KEY, &lists);
+    h.t.uncache_ids(KEY, &lists);
+    let (fewer, _) = super::row_plan::id_lists(&cached_table, &more[..16]).unwrap();
+    h.t.cache_ids(KEY, &fewer).unwrap();
+    h.pull(10, &ids);
+    assert!(h.sent().iter().all(|m| m.repr.cache == KeyCache::Off));
 }

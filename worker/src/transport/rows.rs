@@ -52,11 +52,15 @@
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::net::SocketAddr;
+use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr, Rows};
+use phub_proto::rows::{
+    self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr, Rows, KEY_CACHE_PREFIX,
+};
+use phub_proto::spec::ROW_ID_BYTES;
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, APPLIANCE_RANK, HEADER_LEN};
 
 use super::row_plan::{PlanKind, RowPlan, TableInfo};
@@ -172,10 +176,13 @@ struct Active<D> {
     round: u32,
     /// A pull's `chunk` bits above the index; 0 for a push.
     tag: u32,
-    /// Every message's datagram, one after the other.
+    /// Every message's datagram, one after the other (a message written
+    /// again in another key-cache form is appended).
     bytes: Vec<u8>,
-    /// Message i is `bytes[offsets[i]..offsets[i + 1]]`.
-    offsets: Vec<usize>,
+    /// Message i is `bytes[spans[i]]`.
+    spans: Vec<Range<usize>>,
+    /// Message i's key-cache form (PROTOCOL.md §10.7).
+    forms: Vec<KeyCache>,
     states: Vec<MsgState>,
     /// The answered rows, in the plan's id order.
     rows: Vec<f32>,
@@ -229,6 +236,29 @@ pub(crate) struct RowTransport<D> {
     last_progress: Instant,
     /// Per table key, its pulls so far.
     pulls: HashMap<u32, u32>,
+    /// Per table key, the id lists registered for key caching.
+    id_lists: HashMap<u32, IdLists>,
+}
+
+/// A table's id lists registered for key caching (PROTOCOL.md §10.7):
+/// which slot of this rank's cache on each lcore holds which list, and
+/// whether that lcore has answered a message that stored it.
+#[derive(Debug, Default)]
+struct IdLists {
+    /// (entry, signature) to its slot.
+    by_sig: HashMap<(u32, u64), Listed>,
+    /// Per entry, the slots not in use (the lowest popped first).
+    free: Vec<Vec<u32>>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Listed {
+    slot: u32,
+    /// The lcore answered a message that stored it: later messages name
+    /// it (KEYS_CACHED) instead of storing it (KEYS_STORE).
+    stored: bool,
+    /// Registrations that hold it ([`RowTransport::cache_ids`]).
+    users: u32,
 }
 
 impl<D> RowTransport<D> {
@@ -280,6 +310,99 @@ impl<D> RowTransport<D> {
             finished: VecDeque::new(),
             last_progress: now,
             pulls: HashMap::new(),
+            id_lists: HashMap::new(),
+        }
+    }
+
+    /// Registers id lists of table `key` for key caching (PROTOCOL.md
+    /// §10.7): each (entry, signature) of `lists` gets a slot of this
+    /// rank's cache on that lcore (a list registered already is counted
+    /// once more). Refused, changing nothing, when the table caches no
+    /// lists or an lcore has too few slots free.
+    pub(crate) fn cache_ids(&mut self, key: u32, lists: &[(u32, u64)]) -> Result<(), WorkerError> {
+        let Some(t) = self.table(key) else {
+            return Err(unknown_table(key, &self.tables));
+        };
+        let (name, slots, lcores) = (t.name.clone(), t.key_cache, self.lcores.len());
+        if slots == 0 {
+            return Err(WorkerError::Rows {
+                table: name,
+                message:
+                    "its spec has key_cache = 0: no id lists are kept; set key_cache (lists per rank and \
+                          lcore) in the table's spec to cache ids (PROTOCOL.md §10.7)"
+                        .into(),
+            });
+        }
+        let reg = self.id_lists.entry(key).or_insert_with(|| IdLists {
+            by_sig: HashMap::new(),
+            free: vec![(0..slots).rev().collect(); lcores],
+        });
+        let mut need = vec![0usize; lcores];
+        for l in lists {
+            if !reg.by_sig.contains_key(l) {
+                need[l.0 as usize] += 1;
+            }
+        }
+        if let Some(e) = (0..lcores).find(|&e| need[e] > reg.free[e].len()) {
+            return Err(WorkerError::Rows {
+                table: name,
+                message: format!(
+                    "these ids need {} more cached lists on lcore {e}, which has {} of its key_cache = {slots} \
+                     free: register fewer ids, uncache_ids some, or raise key_cache in the spec",
+                    need[e],
+                    reg.free[e].len()
+                ),
+            });
+        }
+        for &(entry, sig) in lists {
+            let free = &mut reg.free[entry as usize];
+            reg.by_sig
+                .entry((entry, sig))
+                .and_modify(|l| l.users += 1)
+                .or_insert_with(|| Listed {
+                    slot: free.pop().expect("counted free above"),
+                    stored: false,
+                    users: 1,
+                });
+        }
+        Ok(())
+    }
+
+    /// Forgets one registration of each list of `lists` ([`Self::cache_ids`]);
+    /// a list none holds any more gives its slot back. Messages already
+    /// made keep their form: should the slot be taken again meanwhile,
+    /// their lcore refuses them `unknown_signature` and they go again
+    /// with their ids.
+    pub(crate) fn uncache_ids(&mut self, key: u32, lists: &[(u32, u64)]) {
+        let Some(reg) = self.id_lists.get_mut(&key) else {
+            return;
+        };
+        for l in lists {
+            if let Some(listed) = reg.by_sig.get_mut(l) {
+                listed.users -= 1;
+                if listed.users == 0 {
+                    reg.free[l.0 as usize].push(listed.slot);
+                    reg.by_sig.remove(l);
+                }
+            }
+        }
+    }
+
+    /// The key-cache form of a message of table `key` to `entry` with
+    /// `ids`: KEYS_CACHED if the list is registered and its lcore has
+    /// stored it, KEYS_STORE if registered only, else none.
+    fn form(&self, key: u32, entry: u32, ids: &[u64]) -> KeyCache {
+        let Some(reg) = self.id_lists.get(&key).filter(|r| !r.by_sig.is_empty()) else {
+            return KeyCache::Off;
+        };
+        if ids.is_empty() {
+            return KeyCache::Off;
+        }
+        let sig = ids_signature(ids.iter().copied());
+        match reg.by_sig.get(&(entry, sig)) {
+            Some(l) if l.stored => KeyCache::Cached(CacheRef { sig, slot: l.slot }),
+            Some(l) => KeyCache::Store(CacheRef { sig, slot: l.slot }),
+            None => KeyCache::Off,
         }
     }
 
@@ -337,14 +460,15 @@ impl<D> RowTransport<D> {
                 (0, PULL_TAG | ((*g & GEN_MASK) << GEN_SHIFT))
             }
         };
-        let (bytes, offsets) = self.encode(&plan, round, tag);
+        let (bytes, spans, forms) = self.encode(&plan, round, tag);
         let n = plan.msgs.len();
         let a = Active {
             rows: vec![0f32; plan.ids.len() * plan.dim as usize],
             round,
             tag,
             bytes,
-            offsets,
+            spans,
+            forms,
             states: vec![MsgState::Pending; n],
             remaining: n,
             min_round: u32::MAX,
@@ -360,44 +484,82 @@ impl<D> RowTransport<D> {
         }
     }
 
-    /// Every message of `plan` as a datagram.
-    fn encode(&self, plan: &RowPlan, round: u32, tag: u32) -> (Vec<u8>, Vec<usize>) {
-        let dim = plan.dim as usize;
+    /// Every message of `plan` as a datagram, each in the key-cache form
+    /// [`Self::form`] gives it.
+    fn encode(&self, plan: &RowPlan, round: u32, tag: u32) -> (Vec<u8>, Vec<Range<usize>>, Vec<KeyCache>) {
         let mut bytes = Vec::new();
-        let mut offsets = vec![0];
-        for m in &plan.msgs {
-            let count = m.rows.len();
-            let repr = RowRepr {
-                kind: m.kind,
-                dtype: self.info.dtype,
-                flags: 0,
-                token: self.info.token,
-                job: self.info.job,
-                rank: self.info.rank,
-                // Cast: at most R rows a message, R < 2^16 (8832 bytes).
-                #[allow(clippy::cast_possible_truncation)]
-                count: count as u16,
-                round,
-                dim: plan.dim,
-                key: plan.key,
-                seq: tag | m.seq,
-            };
-            let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
-            let at = bytes.len();
-            bytes.resize(at + len, 0);
-            let values = match m.kind {
-                RowMsgType::RowPush => &plan.grads[m.rows.start * dim..m.rows.end * dim],
-                _ => &[][..],
-            };
+        let mut spans = Vec::with_capacity(plan.msgs.len());
+        let mut forms = Vec::with_capacity(plan.msgs.len());
+        for (i, m) in plan.msgs.iter().enumerate() {
             let ids = match m.kind {
                 RowMsgType::RowEnd => &[][..],
                 _ => &plan.ids[m.rows.clone()],
             };
-            let written = rows::write(&repr, ids, values, &mut bytes[at..]);
-            debug_assert_eq!(written, len);
-            offsets.push(bytes.len());
+            let form = self.form(plan.key, m.entry, ids);
+            spans.push(self.write_msg(plan, i, round, tag, form, &mut bytes));
+            forms.push(form);
+            self.count_cached(form, ids.len());
         }
-        (bytes, offsets)
+        (bytes, spans, forms)
+    }
+
+    /// Appends message `i` of `plan` in key-cache form `form` to `bytes`;
+    /// returns where it is.
+    fn write_msg(
+        &self,
+        plan: &RowPlan,
+        i: usize,
+        round: u32,
+        tag: u32,
+        form: KeyCache,
+        bytes: &mut Vec<u8>,
+    ) -> Range<usize> {
+        let m = &plan.msgs[i];
+        let dim = plan.dim as usize;
+        let count = m.rows.len();
+        let repr = RowRepr {
+            kind: m.kind,
+            dtype: self.info.dtype,
+            flags: 0,
+            token: self.info.token,
+            job: self.info.job,
+            rank: self.info.rank,
+            // Cast: at most R rows a message, R < 2^16 (8832 bytes).
+            #[allow(clippy::cast_possible_truncation)]
+            count: count as u16,
+            round,
+            dim: plan.dim,
+            key: plan.key,
+            seq: tag | m.seq,
+            cache: form,
+        };
+        let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
+        let at = bytes.len();
+        bytes.resize(at + len, 0);
+        let values = match m.kind {
+            RowMsgType::RowPush => &plan.grads[m.rows.start * dim..m.rows.end * dim],
+            _ => &[][..],
+        };
+        let ids = match m.kind {
+            RowMsgType::RowEnd => &[][..],
+            _ => &plan.ids[m.rows.clone()],
+        };
+        let written = rows::write(&repr, ids, values, &mut bytes[at..]);
+        debug_assert_eq!(written, len);
+        at..at + len
+    }
+
+    /// Counts what a message (or answer) of `ids` ids in `form` saved and
+    /// cost against sending its ids.
+    fn count_cached(&self, form: KeyCache, ids: usize) {
+        match form {
+            KeyCache::Off => {}
+            KeyCache::Store(_) => add(&self.stats.key_cache_prefix_bytes, KEY_CACHE_PREFIX as u64),
+            KeyCache::Cached(_) => {
+                add(&self.stats.key_cache_prefix_bytes, KEY_CACHE_PREFIX as u64);
+                add(&self.stats.key_cache_id_bytes_saved, (ids * ROW_ID_BYTES) as u64);
+            }
+        }
     }
 
     /// Appends to `out` what to send at `now`: messages resent by
@@ -421,7 +583,7 @@ impl<D> RowTransport<D> {
             let a = active.get(&key)?;
             Some(Datagram {
                 to: lcores[a.plan.msgs[i].entry as usize],
-                head: &a.bytes[a.offsets[i]..a.offsets[i + 1]],
+                head: &a.bytes[a.spans[i].clone()],
                 body: &[],
             })
         }));
@@ -505,7 +667,7 @@ impl<D> RowTransport<D> {
                     continue;
                 }
                 if sent.retries == 0 {
-                    set_retransmit(&mut a.bytes[a.offsets[i]..]);
+                    set_retransmit(&mut a.bytes[a.spans[i].clone()]);
                 }
                 sent.retries += 1;
                 sent.deadline = now + self.rto.loss(sent.retries);
@@ -530,7 +692,7 @@ impl<D> RowTransport<D> {
             if again {
                 for (i, st) in a.states.iter().enumerate() {
                     if matches!(st, MsgState::Answered) {
-                        set_retransmit(&mut a.bytes[a.offsets[i]..]);
+                        set_retransmit(&mut a.bytes[a.spans[i].clone()]);
                         self.queue.push((key, i));
                         resent += 1;
                     }
@@ -664,18 +826,93 @@ impl<D> RowTransport<D> {
         }
         let verdict = match self.active.get_mut(&repr.key) {
             None => Verdict::Ignored,
-            Some(a) => match (repr.kind, payload) {
-                (RowMsgType::RowResult, RowPayload::Rows(r)) => on_result(a, entry, &repr, r),
-                (RowMsgType::RowPullResult, RowPayload::Rows(r)) => on_pull_result(a, entry, &repr, r),
-                (RowMsgType::RowDone, _) => on_done(a, entry, &repr),
-                _ => Verdict::Malformed,
-            },
+            Some(a) => {
+                let answer = match payload {
+                    RowPayload::Rows(r) => Some(Answer::Ids(r)),
+                    RowPayload::Cached(values) => repr.cache.reference().map(|c| Answer::Cached(c, values)),
+                    _ => None,
+                };
+                match (repr.kind, answer) {
+                    (RowMsgType::RowResult, Some(r)) => on_result(a, entry, &repr, r),
+                    (RowMsgType::RowPullResult, Some(r)) => on_pull_result(a, entry, &repr, r),
+                    (RowMsgType::RowDone, _) => on_done(a, entry, &repr),
+                    _ => Verdict::Malformed,
+                }
+            }
         };
         match verdict {
             Verdict::Ignored => add(&self.stats.row_answers_ignored, 1),
             Verdict::Malformed => add(&self.stats.row_answers_malformed, 1),
-            Verdict::Answers(i) => self.answered(now, repr.key, i),
+            Verdict::Answers(i) => {
+                if let KeyCache::Cached(c) = repr.cache {
+                    self.count_cached(repr.cache, usize::from(repr.count));
+                    self.list_stored(repr.key, entry, c);
+                }
+                self.answered(now, repr.key, i);
+            }
         }
+    }
+
+    /// An answer in the cached form (PROTOCOL.md §10.7) shows that its
+    /// lcore keeps the list `c` names: later messages name it.
+    fn list_stored(&mut self, key: u32, entry: u32, c: CacheRef) {
+        let listed = self
+            .id_lists
+            .get_mut(&key)
+            .and_then(|r| r.by_sig.get_mut(&(entry, c.sig)));
+        if let Some(l) = listed.filter(|l| l.slot == c.slot) {
+            l.stored = true;
+        }
+    }
+
+    /// An ERROR `unknown_signature` for message `i` of `key`'s request,
+    /// which named a cached list: its lcore no longer keeps it (restarted,
+    /// or the slot was taken again). The list is stored again if it is
+    /// still registered, and the message goes again at once with its ids
+    /// (PROTOCOL.md §10.7). False when the message names no list now (the
+    /// refusal of a copy of its earlier form, handled already).
+    fn cache_miss(&mut self, now: Instant, key: u32, i: usize) -> bool {
+        let Some(a) = self.active.get(&key) else {
+            return false;
+        };
+        let KeyCache::Cached(c) = a.forms[i] else {
+            return false;
+        };
+        let entry = a.plan.msgs[i].entry;
+        let form = match self
+            .id_lists
+            .get_mut(&key)
+            .and_then(|r| r.by_sig.get_mut(&(entry, c.sig)))
+        {
+            Some(l) => {
+                l.stored = false;
+                KeyCache::Store(CacheRef {
+                    sig: c.sig,
+                    slot: l.slot,
+                })
+            }
+            None => KeyCache::Off,
+        };
+        let Some(a) = self.active.get_mut(&key) else {
+            return false;
+        };
+        let mut bytes = std::mem::take(&mut a.bytes);
+        let a = &self.active[&key];
+        let span = self.write_msg(&a.plan, i, a.round, a.tag, form, &mut bytes);
+        let Some(a) = self.active.get_mut(&key) else {
+            return false;
+        };
+        a.bytes = bytes;
+        set_retransmit(&mut a.bytes[span.clone()]);
+        a.spans[i] = span;
+        a.forms[i] = form;
+        if let MsgState::Out(sent) = &mut a.states[i] {
+            sent.retries += 1;
+            sent.deadline = now + self.rto.loss(sent.retries);
+        }
+        self.queue.push((key, i));
+        add(&self.stats.key_cache_misses, 1);
+        true
     }
 
     /// Message `i` of `key`'s request is answered (its rows, if any, are
@@ -727,6 +964,12 @@ impl<D> RowTransport<D> {
         };
         add(&self.stats.errors, 1);
         if repr.error == DropReason::Ahead.code() && self.start_catch_up(now, repr.key, i) {
+            return;
+        }
+        if repr.error == DropReason::UnknownSignature.code() {
+            if !self.cache_miss(now, repr.key, i) {
+                add(&self.stats.row_answers_ignored, 1);
+            }
             return;
         }
         let a = &self.active[&repr.key];
@@ -928,6 +1171,7 @@ impl<D> RowTransport<D> {
             dim: a.plan.dim,
             key,
             seq,
+            cache: KeyCache::Off,
         };
         let mut bytes = vec![0u8; HEADER_LEN + repr.payload_len()?];
         let written = rows::write(&repr, ids, &[], &mut bytes);
@@ -1042,7 +1286,7 @@ enum Verdict {
 }
 
 /// A ROW_RESULT for `a`.
-fn on_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Rows<'_>) -> Verdict {
+fn on_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Answer<'_>) -> Verdict {
     let PlanKind::Push { round } = a.plan.kind else {
         return Verdict::Ignored;
     };
@@ -1050,20 +1294,20 @@ fn on_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Rows<'_>) -> V
         return Verdict::Ignored;
     }
     match a.plan.lanes.get(entry as usize) {
-        Some(lane) if repr.seq < lane.n => take_rows(a, lane.first + repr.seq as usize, r),
+        Some(lane) if repr.seq < lane.n => take_rows(a, lane.first + repr.seq as usize, repr, r),
         _ => Verdict::Malformed,
     }
 }
 
 /// A ROW_PULL_RESULT for `a`.
-fn on_pull_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Rows<'_>) -> Verdict {
+fn on_pull_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Answer<'_>) -> Verdict {
     if a.plan.kind != PlanKind::Pull || repr.seq & !INDEX_MASK != a.tag {
         return Verdict::Ignored;
     }
     let Some(i) = a.plan.msg_index(entry, repr.seq & INDEX_MASK) else {
         return Verdict::Malformed;
     };
-    let v = take_rows(a, i, r);
+    let v = take_rows(a, i, repr, r);
     if matches!(v, Verdict::Answers(_)) {
         a.min_round = a.min_round.min(repr.round);
     }
@@ -1091,22 +1335,51 @@ fn on_done<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr) -> Verdict {
     }
 }
 
+/// A table answer's rows: with their ids, or in the cached form (the
+/// prefix of the list the message named, and the rows' wire bytes).
+enum Answer<'a> {
+    Ids(Rows<'a>),
+    Cached(CacheRef, &'a [u8]),
+}
+
 /// Writes `r`'s rows as message `i`'s answer, if it is still out and `r`
-/// carries exactly its ids.
-fn take_rows<D>(a: &mut Active<D>, i: usize, r: Rows<'_>) -> Verdict {
+/// carries exactly its ids (or names the list of exactly its ids).
+fn take_rows<D>(a: &mut Active<D>, i: usize, repr: &RowRepr, r: Answer<'_>) -> Verdict {
     if !matches!(a.states[i], MsgState::Out(_)) {
         return Verdict::Ignored;
     }
     let span = a.plan.msgs[i].rows.clone();
     let asked = &a.plan.ids[span.clone()];
-    if r.len() != asked.len() || !r.ids().iter().eq(asked.iter().copied()) {
-        return Verdict::Malformed;
-    }
     let dim = a.plan.dim as usize;
-    let dst = &mut a.rows[span.start * dim..span.end * dim];
-    for (j, row) in dst.chunks_exact_mut(dim).enumerate() {
-        if !r.decode_row(j, row) {
-            return Verdict::Malformed;
+    match r {
+        Answer::Ids(r) => {
+            if r.len() != asked.len() || !r.ids().iter().eq(asked.iter().copied()) {
+                return Verdict::Malformed;
+            }
+            let dst = &mut a.rows[span.start * dim..span.end * dim];
+            for (j, row) in dst.chunks_exact_mut(dim).enumerate() {
+                if !r.decode_row(j, row) {
+                    return Verdict::Malformed;
+                }
+            }
+        }
+        Answer::Cached(c, values) => {
+            // The list of the message's ids, whatever form the message is
+            // in now (an answer to its stored form may come after a miss).
+            let row_bytes = dim * repr.dtype.size();
+            if usize::from(repr.count) != asked.len()
+                || values.len() != asked.len() * row_bytes
+                || c.sig != ids_signature(asked.iter().copied())
+            {
+                return Verdict::Malformed;
+            }
+            let dst = &mut a.rows[span.start * dim..span.end * dim];
+            for (row, wire) in dst
+                .chunks_exact_mut(dim)
+                .zip(values.chunks_exact(row_bytes.max(1)))
+            {
+                phub_proto::dtype::decode(repr.dtype, wire, row);
+            }
         }
     }
     Verdict::Answers(i)
@@ -1127,6 +1400,10 @@ fn describe_row(code: u16) -> (String, &'static str) {
         Some(DropReason::BadRowCount) => {
             " (more rows or ids than a datagram carries, or more than 1024 messages, or a ROW_END count that \
              changed within a round: this worker and the appliance disagree on the job's chunk_bytes or dim)"
+        }
+        Some(DropReason::BadSignature) => {
+            " (a key-cache prefix the appliance does not take: this worker's key_cache for the table is not the \
+             appliance's; rejoin the job)"
         }
         Some(DropReason::RowOutOfPlace) => {
             " (this worker places rows on other lcores than the appliance does: its view of the job's lcores or \
