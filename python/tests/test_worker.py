@@ -638,6 +638,31 @@ def test_table_rows_push_pull_from_numpy(workers: Workers, in_threads: Any) -> N
     assert ws[0].catch_up_rows("emb") == 2
 
 
+def test_cached_ids_are_named_by_signature_and_give_the_same_rows(workers: Workers, in_threads: Any) -> None:
+    """Key caching (PROTOCOL.md §10.7): rank 0 registers its ids; its later
+    pushes and pulls of them (any order) leave the ids out, and every row
+    is what the uncached rank 1 reads."""
+    ws = workers([table_key(optimizer={"kind": "sum"}, key_cache=4)])
+    ids = np.array([5, 9, 1_000_000_007, 12], np.uint64)
+    sig, lists = ws[0].cache_ids("emb", ids)
+    assert sig > 0 and 1 <= lists <= 4
+    grads = np.ones((4, 4), np.float32)
+    outs = [np.zeros((4, 4), np.float32) for _ in ws]
+    for step in range(3):
+        in_threads([lambda w=w, o=o: w.push_pull_rows("emb", ids, grads, o) for w, o in zip(ws, outs)])
+        np.testing.assert_array_equal(outs[0], outs[1])
+        np.testing.assert_array_equal(outs[0], np.full((4, 4), 2.0 * (step + 1), np.float32))
+    got = np.zeros((4, 4), np.float32)
+    ws[0].pull_rows("emb", ids[::-1].copy(), got)
+    np.testing.assert_array_equal(got, outs[0][::-1])
+    s = ws[0].stats()
+    assert s["key_cache_id_bytes_saved"] > 0 and s["key_cache_misses"] == 0
+    assert ws[1].stats()["key_cache_id_bytes_saved"] == 0
+    ws[0].uncache_ids("emb", ids)
+    with pytest.raises(phub.PhubError, match="key_cache = 0"):
+        workers([table_key()])[0].cache_ids("emb", ids)
+
+
 def test_table_row_errors_name_the_problem(workers: Workers) -> None:
     w0, _ = workers([table_key()])
     out = np.zeros((2, 4), np.float32)

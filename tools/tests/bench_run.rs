@@ -165,6 +165,66 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     assert!(num(&v, "wire_bytes_per_row") >= 2.0 * (4.0 * 4.0 + 8.0), "{v}");
 }
 
+/// Key caching end to end (PROTOCOL.md §10.7): the same fixed ids every
+/// step, once sent with every message and once registered with
+/// `cache_ids`: both runs' rows verified against the reference (so a
+/// cached message applies the rows of its list's ids), and the cached
+/// run moves fewer bytes per row by the ids it left out, less its
+/// prefixes.
+#[test]
+fn sparse_local_with_cached_ids_moves_fewer_bytes_and_the_same_rows() {
+    let run = |flag: &str| -> Value {
+        let json = scratch(&format!("sparse{flag}.json"));
+        let (ok, out) = bench(&[
+            "sparse",
+            "--local",
+            "--workers",
+            "2",
+            "--lcores",
+            "2",
+            "--rows",
+            "1000",
+            "--dim",
+            "4",
+            "--batch",
+            "300",
+            "--steps",
+            "4",
+            "--verify",
+            flag,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(ok, "{out}");
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    };
+    let fixed = run("--fixed-ids");
+    let cached = run("--cache-ids");
+    for v in [&fixed, &cached] {
+        assert_eq!(v["verified"], true, "{v}");
+        assert_eq!(v["fixed_ids"], true, "{v}");
+    }
+    assert_eq!(
+        (fixed["cache_ids"].as_bool(), cached["cache_ids"].as_bool()),
+        (Some(false), Some(true))
+    );
+    assert_eq!(num(&fixed, "key_cache_id_bytes_saved_per_row"), 0.0);
+    // Every timed message and answer names its list: 8 bytes an id each
+    // way, a ROW_PUSH and its ROW_RESULT.
+    let saved = num(&cached, "key_cache_id_bytes_saved_per_row");
+    assert_eq!(saved, 16.0, "{cached}");
+    let prefixes = num(&cached, "key_cache_prefix_bytes_per_row");
+    assert!(prefixes > 0.0 && prefixes < 2.0, "{cached}");
+    let (with, without) = (
+        num(&cached, "wire_bytes_per_row"),
+        num(&fixed, "wire_bytes_per_row"),
+    );
+    assert!(
+        (without - with - (saved - prefixes)).abs() < 1.0,
+        "wire bytes per row {without} without, {with} with key caching: {saved} saved, {prefixes} of prefixes"
+    );
+}
+
 /// `sparse --engine-only --checkpoint DIR`: two lcores' stores filled,
 /// updated and read, then written to one checkpoint file each, dropped
 /// and restored: the JSON states the rows and bytes written (a header, a

@@ -98,6 +98,16 @@ pub struct SparseArgs {
     /// evicted. Each step's rows are hashed in the timed loop.
     #[arg(long, requires = "local")]
     pub verify: bool,
+    /// `--local`: every rank pushes the same `--batch` ids every step (its
+    /// first draw), as a model with a fixed set of features does.
+    #[arg(long, requires = "local")]
+    pub fixed_ids: bool,
+    /// `--local`: `--fixed-ids`, registered with `Worker::cache_ids` before
+    /// the first step (key caching, PROTOCOL.md §10.7; the table gets
+    /// `key_cache` slots enough for them): messages name the ids by
+    /// signature instead of carrying them.
+    #[arg(long, requires = "local")]
+    pub cache_ids: bool,
     /// `--engine-only`: after the timed runs, write every store to a
     /// checkpoint in this directory, drop it and restore it (module head).
     #[arg(long, value_name = "DIR", requires = "engine_only")]
@@ -572,6 +582,15 @@ pub struct SparseLocalReport {
     /// `--verify`: whether every rank's rows, every step, were the
     /// reference's (null without it).
     pub verified: Option<bool>,
+    /// `--fixed-ids` (or `--cache-ids`): every step pushed the same ids.
+    pub fixed_ids: bool,
+    /// `--cache-ids`: the ids were registered for key caching.
+    pub cache_ids: bool,
+    /// Id bytes the workers' messages and answers left out (timed steps;
+    /// `key_cache_id_bytes_saved`), per row pushed.
+    pub key_cache_id_bytes_saved_per_row: f64,
+    /// Key-cache prefix bytes they carried instead, per row pushed.
+    pub key_cache_prefix_bytes_per_row: f64,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
@@ -584,6 +603,9 @@ struct RankFigures {
     steps_ms: Vec<f64>,
     bytes: u64,
     retransmits: u64,
+    /// Key caching's id bytes saved and prefix bytes, timed steps.
+    saved: u64,
+    prefixes: u64,
     /// `--verify`: per step (untimed ones first), a hash of the rows read
     /// back.
     digests: Vec<u64>,
@@ -594,7 +616,8 @@ struct RankFigures {
 // Casts: 53 random bits to f64 for a uniform draw.
 #[allow(clippy::cast_precision_loss)]
 fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
-    let (total, k) = (args.steps as usize + 3, args.batch);
+    let fixed = args.fixed_ids || args.cache_ids;
+    let (total, k) = (if fixed { 1 } else { args.steps as usize + 3 }, args.batch);
     let mut all = Vec::with_capacity(total * k);
     let mut seen = std::collections::HashSet::with_capacity(k);
     let mut draw = u64::from(r) << 40;
@@ -608,6 +631,9 @@ fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
                 all.push(id);
             }
         }
+    }
+    if fixed {
+        all = all.repeat(args.steps as usize + 3);
     }
     all
 }
@@ -700,7 +726,10 @@ fn reference_digests(
 
 /// One rank's push: `(ids, grads, out)` to `(bytes on the wire so far,
 /// table messages resent so far)`; called with no ids for the counts alone.
-type Pusher = Box<dyn FnMut(&[u64], &[f32], &mut [f32]) -> Result<(u64, u64)> + Send>;
+/// Pushes a step's ids (none: only reads the counters) and returns the
+/// worker's counters: bytes sent and received, table messages resent,
+/// key caching's id bytes saved and prefix bytes.
+type Pusher = Box<dyn FnMut(&[u64], &[f32], &mut [f32]) -> Result<[u64; 4]> + Send>;
 
 /// Runs `--workers` threads, each with the pusher `connect(rank)` makes:
 /// three untimed steps, then `--steps` timed, each of `--batch` distinct
@@ -722,7 +751,7 @@ fn drive(
         let mut push = connect(r)?;
         let mut out = vec![0f32; k * d];
         let mut steps_ms = Vec::with_capacity(args.steps as usize);
-        let (mut before, mut t0) = ((0, 0), Instant::now());
+        let (mut before, mut t0) = ([0; 4], Instant::now());
         for (step, ids) in all.chunks_exact(k).enumerate() {
             if step == 3 {
                 before = push(&[], &[], &mut [])?;
@@ -742,8 +771,10 @@ fn drive(
         Ok(RankFigures {
             seconds,
             steps_ms,
-            bytes: after.0 - before.0,
-            retransmits: after.1 - before.1,
+            bytes: after[0] - before[0],
+            retransmits: after[1] - before[1],
+            saved: after[2] - before[2],
+            prefixes: after[3] - before[3],
             digests,
         })
     })
@@ -777,6 +808,18 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let (d, k) = (args.dim as usize, args.batch);
     // --verify: a cap no draw reaches (nothing evicted).
     let cap = if args.verify { args.rows * 2 } else { args.rows };
+    // --cache-ids: slots for a batch's messages even were all its ids
+    // on one lcore.
+    let per = phub_proto::spec::rows_per_datagram(
+        phub_proto::spec::DEFAULT_CHUNK_BYTES,
+        args.dim,
+        phub_proto::Dtype::F32,
+    );
+    let key_cache = if args.cache_ids {
+        u32::try_from(k.div_ceil(per.max(1) as usize)).unwrap_or(u32::MAX)
+    } else {
+        0
+    };
     // Rows, index and Adagrad state at the cap, with room to spare.
     let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
     let local = Local::start(&LocalOptions {
@@ -795,8 +838,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let token = local.operator_token().ok();
     let spec = format!(
         "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
-         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\n",
-        args.workers, args.dim, cap
+         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\nkey_cache = {}\n",
+        args.workers, args.dim, cap, key_cache
     );
     let spec = match args.consistency {
         phub_proto::spec::Consistency::Sync => spec,
@@ -821,12 +864,20 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         .context("the benchmark's own spec has its table")?;
     let ranks = drive(args, &grads, |r| {
         let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
+        if args.cache_ids {
+            w.cache_ids("emb", &rank_ids(args, r)[..k])?;
+        }
         let bytes = |w: &phub_worker::Worker| {
             let s = w.stats();
-            (s.bytes_sent + s.bytes_received, s.row_retransmits)
+            [
+                s.bytes_sent + s.bytes_received,
+                s.row_retransmits,
+                s.key_cache_id_bytes_saved,
+                s.key_cache_prefix_bytes,
+            ]
         };
         Ok(Box::new(
-            move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<(u64, u64)> {
+            move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
                 if ids.is_empty() {
                     return Ok(bytes(&w));
                 }
@@ -851,11 +902,11 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             let ranks = drive(args, &grads, |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
-                    move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<(u64, u64)> {
+                    move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
                         if !ids.is_empty() {
                             c.push_pull(ids, grads, out)?;
                         }
-                        Ok((0, 0))
+                        Ok([0; 4])
                     },
                 ) as Pusher)
             })?;
@@ -908,6 +959,10 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         baseline_round_ms_median: base.as_deref().map(|b| median0(b).0),
         speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
         verified,
+        fixed_ids: args.fixed_ids || args.cache_ids,
+        cache_ids: args.cache_ids,
+        key_cache_id_bytes_saved_per_row: ranks.iter().map(|r| r.saved).sum::<u64>() as f64 / rows_moved,
+        key_cache_prefix_bytes_per_row: ranks.iter().map(|r| r.prefixes).sum::<u64>() as f64 / rows_moved,
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -930,6 +985,12 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
         report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
+    if report.cache_ids {
+        println!(
+            "  key caching: {:.1} id bytes per row left out, {:.2} prefix bytes per row carried",
+            report.key_cache_id_bytes_saved_per_row, report.key_cache_prefix_bytes_per_row
+        );
+    }
     if let (Some(b), Some(x)) = (report.baseline_row_updates_per_s, report.speedup_vs_baseline) {
         println!(
             "  tcp-ps (a TCP row server, each push applied at once): row updates/s {b:.3e}, step median {:.2} ms; \
