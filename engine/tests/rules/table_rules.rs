@@ -842,7 +842,7 @@ fn table_memory_is_what_admission_charges() {
     assert!(extra > 500 * 16, "the index of 500 rows at least: {extra}");
     // The key cache: 2 ranks x 3 slots x (R = 341 ids of 8 bytes, a
     // signature and a count).
-    let cache = phub_proto::memory::key_cache_bytes(&t.spec, 2, 8192, Dtype::F32);
+    let cache = phub_proto::memory::key_cache_bytes(t.spec, 2, 8192, Dtype::F32);
     assert_eq!(cache, 2 * 3 * (341 * 8 + 10));
     let no_cache = TableSpec {
         key_cache: 0,

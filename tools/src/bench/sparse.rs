@@ -1067,6 +1067,8 @@ mod tests {
                     steps_ms: Vec::new(),
                     bytes: 0,
                     retransmits: 0,
+                    saved: 0,
+                    prefixes: 0,
                     digests: (0..5)
                         .map(|s| want[s][r] ^ u64::from(flip == Some((r, s))))
                         .collect(),
