@@ -281,6 +281,9 @@ fn every_refusal_is_counted_under_its_reason() {
             | DropReason::DimMismatch
             | DropReason::BadRowCount
             | DropReason::RowOutOfPlace
+            // Key caching's, table messages' only (table_rules.rs).
+            | DropReason::UnknownSignature
+            | DropReason::BadSignature
             // Replicated jobs' only (replica_rules.rs, failover_rules.rs).
             | DropReason::WrongEpoch => 0,
             _ => 1,
