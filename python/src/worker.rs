@@ -416,7 +416,10 @@ impl Worker {
     /// (``injected_drops``, ``injected_dups``, ``injected_reorders``,
     /// ``injected_delays``; 0 unless
     /// ``PHUB_WORKER_INJECT`` is set), ``shm_results`` (results read from
-    /// shared memory) and ``shm`` (a bool: shared memory in use).
+    /// shared memory), the tables' ``row_messages_sent``,
+    /// ``row_retransmits`` and key caching's ``key_cache_id_bytes_saved``,
+    /// ``key_cache_prefix_bytes``, ``key_cache_misses`` (PROTOCOL.md §10.7),
+    /// and ``shm`` (a bool: shared memory in use).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -438,6 +441,11 @@ impl Worker {
             ("injected_reorders", s.injected_reorders),
             ("injected_delays", s.injected_delays),
             ("shm_results", s.shm_results),
+            ("row_messages_sent", s.row_messages_sent),
+            ("row_retransmits", s.row_retransmits),
+            ("key_cache_id_bytes_saved", s.key_cache_id_bytes_saved),
+            ("key_cache_prefix_bytes", s.key_cache_prefix_bytes),
+            ("key_cache_misses", s.key_cache_misses),
         ] {
             d.set_item(k, v)?;
         }
