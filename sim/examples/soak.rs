@@ -67,6 +67,7 @@ fn main() {
                         t.0.rejoined += o.rejoined;
                         t.0.table_pushes += o.table_pushes;
                         t.0.rows_checked += o.rows_checked;
+                        t.0.lists_named += o.lists_named;
                         if !case.tables.is_empty() {
                             t.2 += 1;
                         }
@@ -97,7 +98,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} table pushes, {} rows checked; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} table pushes, {} rows checked, {} cached id lists named; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped); {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -114,6 +115,7 @@ fn main() {
         o.rejoined,
         o.table_pushes,
         o.rows_checked,
+        o.lists_named,
         o.replica_kills,
         o.epochs,
         o.returns,

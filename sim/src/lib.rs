@@ -412,6 +412,9 @@ pub struct Outcome {
     pub table_pushes: u64,
     /// Rows in table answers checked against the model.
     pub rows_checked: u64,
+    /// Table messages and answers the lcores took or sent naming a cached
+    /// id list (PROTOCOL.md §10.7) instead of carrying the ids.
+    pub lists_named: u64,
     /// Empty table rounds the ranks sent to bring an lcore restored from
     /// an older checkpoint up to their round (PROTOCOL.md §10.6).
     pub table_rounds_caught_up: u64,
@@ -580,6 +583,10 @@ struct World<'c> {
     /// The rows of every ROW_RESULT sent: (rank, key, round, id) to each
     /// row carried (decoded).
     row_answers: HashMap<(u16, u32, u32, u64), Vec<Vec<f32>>>,
+    /// Every id list a rank stored for key caching (PROTOCOL.md §10.7),
+    /// by (table key, rank, signature): what a message or answer naming
+    /// the signature carries.
+    key_lists: HashMap<(u32, u16, u64), Vec<u64>>,
     /// A replicated job: what control knows and does.
     control: Option<Control>,
     /// `PHUB_SIM_TRACE` is set: every delivery is printed.
@@ -813,6 +820,7 @@ impl<'c> World<'c> {
             tmodel_checkpoint: HashMap::new(),
             row_applied: HashSet::new(),
             row_answers: HashMap::new(),
+            key_lists: HashMap::new(),
             control: None,
             trace: std::env::var_os("PHUB_SIM_TRACE").is_some(),
             base,
@@ -1998,10 +2006,24 @@ fn row_transport(
     let lcores = (0..case.appliances * case.lcores)
         .map(|g| Node::Lcore(g / case.lcores, g % case.lcores).addr())
         .collect();
-    match SimRowTransport::new(&join, TOKEN, lcores, case.window, &WorkerConfig::default(), now) {
-        Ok(t) => Some(t),
+    let mut rt = match SimRowTransport::new(&join, TOKEN, lcores, case.window, &WorkerConfig::default(), now)
+    {
+        Ok(t) => t,
         Err(e) => panic!("rank {rank}: no row transport for the case's tables: {e}"),
+    };
+    // Key caching (PROTOCOL.md §10.7): a caching table's two id sets.
+    for (t, tc) in case.tables.iter().enumerate() {
+        if tc.key_cache > 0 {
+            let key = table_key(case, t);
+            for round in [1, 2] {
+                let ids = tc.round_ids(case.seed, key, rank, round);
+                if let Err(e) = rt.cache_ids(key, &ids) {
+                    panic!("rank {rank}: table {t}'s ids of round {round} are not cached: {e}");
+                }
+            }
+        }
     }
+    Some(rt)
 }
 
 /// Global lcore `g`'s shard with the case's job installed.

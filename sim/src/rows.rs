@@ -38,6 +38,11 @@ pub struct TableCase {
     /// Ids a rank pushes per round, at most (0 .. this, repeats allowed:
     /// the worker sums them).
     pub touch: u32,
+    /// Key-cache slots per rank and lcore (PROTOCOL.md §10.7); 0: none. A
+    /// table with slots has each rank push two id sets in turn (odd
+    /// rounds the first, even the second), both registered for key
+    /// caching when the rank's transport is made.
+    pub key_cache: u32,
 }
 
 /// The row cap every simulated table is installed with: no lcore's share
@@ -53,7 +58,7 @@ impl TableCase {
         let optimizers = row_optimizers();
         let dim = rng.gen_range(1..=most);
         let seed: u64 = rng.gen();
-        TableCase {
+        let mut t = TableCase {
             dim,
             seed,
             // A third of the tables that draw `uniform` take `normal`
@@ -69,7 +74,17 @@ impl TableCase {
             optimizer: optimizers[rng.gen_range(0..optimizers.len())],
             ids: rng.gen_range(1..=256),
             touch: rng.gen_range(0..=24),
+            key_cache: 0,
+        };
+        // A quarter of the tables cache their ids, decided by the seed
+        // drawn (no more draws: every earlier seed's case keeps its
+        // draws): slots for both id sets' messages even were all of a
+        // set's ids on one lcore.
+        if seed % 4 == 1 {
+            let per = phub_proto::spec::rows_per_datagram(chunk_bytes, dim, dtype).max(1);
+            t.key_cache = 2 * t.touch.div_ceil(per).max(1);
         }
+        t
     }
 
     /// The table as a job spec declares it.
@@ -82,7 +97,7 @@ impl TableCase {
             optimizer: self.optimizer,
             evict: None,
             admit_after: None,
-            key_cache: 0,
+            key_cache: self.key_cache,
         }
     }
 
@@ -90,6 +105,12 @@ impl TableCase {
     /// from the table's ids with more weight on the first (so ranks
     /// collide on them), repeats kept.
     pub fn round_ids(&self, case_seed: u64, key: u32, rank: u16, round: u32) -> Vec<u64> {
+        // A caching table's rounds take its two id sets in turn.
+        let round = if self.key_cache > 0 {
+            1 + round.saturating_sub(1) % 2
+        } else {
+            round
+        };
         let mut rng = ChaCha8Rng::seed_from_u64(
             case_seed ^ (u64::from(key) << 56) ^ (u64::from(rank) << 40) ^ u64::from(round) ^ 0x7ab1e,
         );

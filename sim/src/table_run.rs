@@ -16,7 +16,7 @@
 //!   every clock) and no row transport has a request in flight.
 
 use phub_engine::Verdict;
-use phub_proto::rows::{self, RowMsgType, RowPayload};
+use phub_proto::rows::{self, KeyCache, RowMsgType, RowPayload, RowRepr};
 use phub_proto::spec::Consistency;
 use rand::Rng;
 
@@ -130,6 +130,48 @@ impl World<'_> {
         }
     }
 
+    /// A message's (or answer's) ids and rows: its own, or, in the cached
+    /// form (PROTOCOL.md §10.7), the ids of the list its signature names,
+    /// which a store of `rank` carried before; a store's list is
+    /// recorded. `None` for a message without ids, or naming a list no
+    /// store carried.
+    fn ids_and_rows(
+        &mut self,
+        repr: &RowRepr,
+        rank: u16,
+        payload: RowPayload<'_>,
+    ) -> Option<(Vec<u64>, Vec<f32>)> {
+        let dim = repr.dim as usize;
+        let (ids, rows): (Vec<u64>, Vec<f32>) = match payload {
+            RowPayload::Rows(rs) => {
+                let mut v = vec![0f32; rs.len() * dim];
+                for (j, row) in v.chunks_exact_mut(dim.max(1)).enumerate() {
+                    assert!(rs.decode_row(j, row), "a parsed message's rows decode");
+                }
+                (rs.ids().iter().collect(), v)
+            }
+            RowPayload::Ids(ids) => (ids.iter().collect(), Vec::new()),
+            RowPayload::Empty => return None,
+            RowPayload::Cached(values) => {
+                let c = repr.cache.reference()?;
+                let ids = self.key_lists.get(&(repr.key, rank, c.sig))?.clone();
+                self.outcome.lists_named += 1;
+                let mut v = vec![0f32; values.len() / repr.dtype.size()];
+                phub_proto::dtype::decode(repr.dtype, values, &mut v);
+                (ids, v)
+            }
+        };
+        if let KeyCache::Store(c) = repr.cache {
+            assert_eq!(
+                c.sig,
+                rows::ids_signature(ids.iter().copied()),
+                "a worker's store is signed by its ids"
+            );
+            self.key_lists.insert((repr.key, rank, c.sig), ids.clone());
+        }
+        Some((ids, rows))
+    }
+
     /// Lcore `l` handled the table message `bytes` with `verdict`: the
     /// model of its (table, lcore) takes what the lcore took.
     pub(super) fn row_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
@@ -140,6 +182,7 @@ impl World<'_> {
             );
             return;
         };
+        let resolved = self.ids_and_rows(&repr, repr.rank, payload);
         let Some(t) = (repr.key as usize).checked_sub(self.case.keys.len()) else {
             return;
         };
@@ -174,16 +217,16 @@ impl World<'_> {
                 "lcore {l}: table key {} took rank {r}'s ROW_PUSH of round {} (round in progress or next clock {want})",
                 repr.key, repr.round
             );
-            let RowPayload::Rows(rs) = payload else {
-                panic!("lcore {l}: a ROW_PUSH without rows was taken");
+            let Some((ids, values)) = resolved else {
+                panic!("lcore {l}: a ROW_PUSH without rows, or naming a list no store carried, was taken");
             };
-            let mut a = vec![0f32; tc.dim as usize];
-            for (j, id) in rs.ids().iter().enumerate() {
-                assert!(rs.decode_row(j, &mut a), "a taken ROW_PUSH decodes");
+            let d = tc.dim as usize;
+            for (j, &id) in ids.iter().enumerate() {
+                let a = &values[j * d..(j + 1) * d];
                 if sync {
-                    m.accumulate(id, &a);
+                    m.accumulate(id, a);
                 } else {
-                    m.apply(tc, id, &a);
+                    m.apply(tc, id, a);
                 }
             }
         }
@@ -246,8 +289,16 @@ impl World<'_> {
         let Ok((repr, payload)) = rows::parse(bytes) else {
             panic!("lcore {l} sent a table message that does not parse");
         };
-        let RowPayload::Rows(rs) = payload else {
+        if !matches!(payload, RowPayload::Rows(_) | RowPayload::Cached(_)) {
             return;
+        }
+        let Some((ids, values)) = self.ids_and_rows(&repr, rank, payload) else {
+            panic!(
+                "lcore {l}: a {} to rank {rank} names list {:?} of table key {}, which no store carried",
+                repr.kind.name(),
+                repr.cache,
+                repr.key
+            );
         };
         let t = (repr.key as usize)
             .checked_sub(self.case.keys.len())
@@ -260,9 +311,9 @@ impl World<'_> {
             });
         let tc = &self.case.tables[t];
         let m = &self.tmodels[t][l];
-        let mut got = vec![0f32; tc.dim as usize];
-        for (j, id) in rs.ids().iter().enumerate() {
-            assert!(rs.decode_row(j, &mut got), "an answer's row decodes");
+        let d = tc.dim as usize;
+        for (j, &id) in ids.iter().enumerate() {
+            let got = values[j * d..(j + 1) * d].to_vec();
             let want = m.answer(tc, self.case.dtype, id);
             if let Some(e) = (0..got.len()).find(|&e| got[e].to_bits() != want[e].to_bits()) {
                 panic!(

@@ -957,6 +957,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 },
                 ids: 188,
                 touch: 5,
+                key_cache: 0,
             },
             TableCase {
                 dim: 6,
@@ -970,6 +971,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 },
                 ids: 215,
                 touch: 4,
+                key_cache: 0,
             },
         ],
         ..case(543, Consistency::Sync, adamw(), Dtype::F16)
@@ -1010,6 +1012,7 @@ fn tables_with_every_row_optimizer_in_every_mode() {
                     optimizer: opt,
                     ids: 40,
                     touch: 12,
+                    key_cache: 0,
                 }],
                 crash: (consistency == Consistency::Sync).then_some(Crash {
                     appliance: 1,
@@ -1069,6 +1072,7 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             optimizer: RowOptimizerSpec::Sum,
             ids: 230,
             touch: 23,
+            key_cache: 0,
         }],
         ..case(6816, Consistency::Sync, adamw(), Dtype::Bf16)
     });
@@ -1133,6 +1137,7 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 },
                 ids: 32,
                 touch: 22,
+                key_cache: 0,
             },
             TableCase {
                 dim: 8,
@@ -1146,6 +1151,7 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 },
                 ids: 163,
                 touch: 21,
+                key_cache: 0,
             },
         ],
         ..case(
@@ -1390,5 +1396,53 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 assert_faults_happened(&c, &o);
             }
         });
+    }
+}
+
+/// Key caching (PROTOCOL.md §10.7) under the simulator's faults: two ranks,
+/// two lcores, loss, duplicates and reordering, an appliance crash and a
+/// restore from a checkpoint taken early (so the restored lcores hold none
+/// of the ranks' id lists, and every list named after it is refused
+/// `unknown_signature` and stored again). The table pushes its two id sets
+/// in turn, both registered: rows checked against the model as for any
+/// table, the lists named counted.
+#[test]
+fn cached_id_lists_survive_loss_duplicates_and_a_restore() {
+    for (dim, consistency) in [(3, Consistency::Sync), (2, Consistency::Async)] {
+        let o = run(&Case {
+            workers: 2,
+            appliances: 1,
+            lcores: 2,
+            keys: vec![64],
+            chunk_bytes: 128,
+            rounds: 8,
+            window: 16,
+            faults: Faults {
+                loss: 0.05,
+                dup: 0.05,
+                reorder: 0.05,
+                delay_us: (40, 300),
+                jitter_us: 150,
+            },
+            crash: Some(Crash {
+                appliance: 0,
+                checkpoint_us: 400,
+                at_us: 6_000,
+                down_us: 3_000,
+            }),
+            compute_us: 500,
+            tables: vec![TableCase {
+                dim,
+                seed: 17,
+                init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+                optimizer: RowOptimizerSpec::Sgd { lr: 0.25 },
+                ids: 40,
+                touch: 20,
+                key_cache: 16,
+            }],
+            ..case(7, consistency, adamw(), Dtype::F32)
+        });
+        assert_eq!(o.restored, 1, "{consistency:?}: {o:?}");
+        assert!(o.lists_named > 0 && o.rows_checked > 0, "{consistency:?}: {o:?}");
     }
 }

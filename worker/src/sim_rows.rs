@@ -18,7 +18,9 @@ use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::stats::{Counters, WorkerStats};
 use crate::tables::table_infos;
-use crate::transport::{plan_pull, plan_push, unknown_table, JobInfo, RowRequest, RowTransport, TableInfo};
+use crate::transport::{
+    id_lists, plan_pull, plan_push, unknown_table, JobInfo, RowRequest, RowTransport, TableInfo,
+};
 
 /// A table request that ended.
 #[derive(Debug)]
@@ -92,6 +94,13 @@ impl SimRowTransport {
             .iter()
             .find(|t| t.key == key)
             .ok_or_else(|| unknown_table(key, &self.tables))
+    }
+
+    /// Registers `ids` of table `key` for key caching, as
+    /// [`crate::Worker::cache_ids`] does (PROTOCOL.md §10.7).
+    pub fn cache_ids(&mut self, key: u32, ids: &[u64]) -> Result<(), WorkerError> {
+        let (lists, _) = id_lists(self.table(key)?, ids)?;
+        self.t.cache_ids(key, &lists)
     }
 
     /// Submits round (clock) `round` of table `key`: `grads` holds

@@ -962,14 +962,22 @@ impl<D> RowTransport<D> {
             add(&self.stats.row_answers_ignored, 1);
             return;
         };
-        add(&self.stats.errors, 1);
-        if repr.error == DropReason::Ahead.code() && self.start_catch_up(now, repr.key, i) {
+        if repr.error == DropReason::UnknownSignature.code() {
+            // A refusal of a copy of the message's earlier form when it
+            // names no list now: handled already.
+            let handled = self.cache_miss(now, repr.key, i);
+            add(
+                if handled {
+                    &self.stats.errors
+                } else {
+                    &self.stats.row_answers_ignored
+                },
+                1,
+            );
             return;
         }
-        if repr.error == DropReason::UnknownSignature.code() {
-            if !self.cache_miss(now, repr.key, i) {
-                add(&self.stats.row_answers_ignored, 1);
-            }
+        add(&self.stats.errors, 1);
+        if repr.error == DropReason::Ahead.code() && self.start_catch_up(now, repr.key, i) {
             return;
         }
         let a = &self.active[&repr.key];
