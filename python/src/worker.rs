@@ -79,6 +79,13 @@ macro_rules! on_mut {
     };
 }
 
+/// An array lent to [`Worker::exchange`]: one buffer for the gradient and
+/// the result, or a gradient and an output.
+enum Lent<'a> {
+    InPlace(SliceMut<'a>),
+    Pair(Slice<'a>, SliceMut<'a>),
+}
+
 /// What a pending request writes its result into.
 enum Sink {
     /// The caller's array, in place (aligned `float32`, or aligned 16-bit
@@ -607,6 +614,115 @@ impl Worker {
     /// output array.
     fn wait(&self, py: Python<'_>, handle: &Handle) -> PyResult<Py<PyAny>> {
         handle.wait(py)
+    }
+
+    /// The next round of several keys at once, with the arrays lent to the
+    /// worker's I/O thread instead of copied: ``requests`` is a list of
+    /// ``(key, grad)`` (the result replaces the gradient in ``grad``) or
+    /// ``(key, grad, out)`` (the result goes to ``out``, which must not
+    /// overlap ``grad``). Every array is ``float32`` or the job's 16-bit
+    /// wire type (``grad`` and ``out`` of one type), C-contiguous and
+    /// aligned; a result array writable. Each result is written into its
+    /// array chunk by chunk as it arrives, by the I/O thread: no copy on
+    /// the caller's thread, and one release of the GIL for the whole call.
+    /// Blocks until every key's round is in; raises the first failure
+    /// (then an array lent in place holds results for some chunks and the
+    /// gradient for the others).
+    fn exchange(&self, py: Python<'_>, requests: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
+        let dtype = self.dtype();
+        let mut arrays = Vec::with_capacity(requests.len());
+        let mut claims = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            let (key, grad, out): (u32, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) = match r.len() {
+                Ok(2) => {
+                    let (k, g): (u32, Bound<'_, PyAny>) = r.extract()?;
+                    (k, g, None)
+                }
+                Ok(3) => {
+                    let (k, g, o): (u32, Bound<'_, PyAny>, Bound<'_, PyAny>) = r.extract()?;
+                    (k, g, Some(o))
+                }
+                _ => {
+                    return Err(usage(format!(
+                        "requests[{i}]: a (key, grad) or (key, grad, out) tuple"
+                    )))
+                }
+            };
+            let g = Array::get(&grad, dtype, "grad", out.is_none())?;
+            self.check(key, &g, "grad")?;
+            let lent = |a: &Array, what: &str| {
+                a.native().map(|_| ()).ok_or_else(|| {
+                    usage(format!(
+                        "requests[{i}] (key {key}): `{what}` is lent in place, so it must be float32 or the \
+                         job's {dtype} elements, aligned (use push_pull for other arrays)"
+                    ))
+                })
+            };
+            lent(&g, "grad")?;
+            let o = match out {
+                None => None,
+                Some(out) => {
+                    let o = Array::get(&out, dtype, "out", true)?;
+                    self.check(key, &o, "out")?;
+                    lent(&o, "out")?;
+                    if o.elem() != g.elem() {
+                        return Err(usage(format!(
+                            "requests[{i}] (key {key}): `grad` and `out` hold different element types"
+                        )));
+                    }
+                    if o.overlaps(&g) && o.byte_range() != g.byte_range() {
+                        return Err(usage(format!(
+                            "requests[{i}] (key {key}): `out` overlaps `grad` without being it: pass \
+                             (key, grad) to exchange in place"
+                        )));
+                    }
+                    (o.byte_range() != g.byte_range()).then_some(o)
+                }
+            };
+            claims.push(self.claim(key, o.as_ref().unwrap_or(&g), o.is_some().then_some(&g))?);
+            arrays.push((key, g, o));
+        }
+        // SAFETY: every array's export lives in `arrays` until the exchange
+        // has ended (it returns only once the I/O thread is done with every
+        // lent buffer); the claims keep this worker's other requests off
+        // the outputs, and an output overlaps no other request's gradient
+        // (the claims) nor its own (checked above).
+        let lent: Vec<(u32, Lent<'_>)> = arrays
+            .iter()
+            .map(|(k, g, o)| {
+                let l = match o {
+                    // SAFETY: as above: `g` is exported writable, and only
+                    // this request uses it until the exchange has ended.
+                    None => Lent::InPlace(unsafe { g.slice_mut() }.expect("checked native")),
+                    Some(o) => Lent::Pair(
+                        // SAFETY: as above; nothing writes `g` meanwhile.
+                        unsafe { g.slice() }.expect("checked native"),
+                        // SAFETY: as above: `o` is exported writable and
+                        // overlaps no gradient.
+                        unsafe { o.slice_mut() }.expect("checked native"),
+                    ),
+                };
+                (*k, l)
+            })
+            .collect();
+        let w = &*self.inner;
+        let done = py.detach(|| {
+            w.exchange(|x| -> Result<(), phub_worker::WorkerError> {
+                for (k, l) in lent {
+                    match l {
+                        Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(k, b))?,
+                        Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
+                    }
+                }
+                Ok(())
+            })
+        });
+        drop(claims);
+        drop(arrays);
+        done.map_err(to_py)?.map_err(to_py)
     }
 
     /// Fetches the last completed result of every chunk of ``key`` into

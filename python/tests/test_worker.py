@@ -68,6 +68,40 @@ def test_push_pull_sums_exactly_over_rounds_and_keys(workers: Workers) -> None:
                 np.testing.assert_array_equal(outs[r][k], want)  # exact: integers in f32
 
 
+def test_exchange_lends_arrays_in_place_and_with_outputs(workers: Workers, in_threads: Any) -> None:
+    """Worker.exchange: every key's round in one call, the arrays lent to
+    the I/O thread, in place ((key, grad)) or into an output ((key, grad,
+    out)): each result is the ranks' exact sum, as push_pull's."""
+    sizes = [1, 2049, 50_000]
+    ws = workers(sizes, 2)
+    for k, n in enumerate(sizes):
+        init_all(ws, k, [np.zeros(n, np.float32) for _ in ws])
+    rng = np.random.default_rng(11)
+    for rnd in range(1, 4):
+        grads = [[rng.integers(-1000, 1000, n).astype(np.float32) for n in sizes] for _ in ws]
+        bufs = [[g.copy() for g in gs] for gs in grads]
+        outs = [[np.empty(n, np.float32) for n in sizes] for _ in ws]
+        # Rank 0 in place, rank 1 into outputs but for key 0 (in place).
+        reqs = [[(k, bufs[0][k]) for k in range(len(sizes))],
+                [(0, bufs[1][0])] + [(k, bufs[1][k], outs[1][k]) for k in range(1, len(sizes))]]
+        assert in_threads([lambda w=w, rq=rq: w.exchange(rq) for w, rq in zip(ws, reqs)]) == [None, None]
+        for k in range(len(sizes)):
+            want = grads[0][k] + grads[1][k]
+            np.testing.assert_array_equal(bufs[0][k], want)
+            np.testing.assert_array_equal(bufs[1][k] if k == 0 else outs[1][k], want)
+            if k > 0:
+                np.testing.assert_array_equal(bufs[1][k], grads[1][k])  # a lent gradient is only read
+    w0 = ws[0]
+    unaligned = np.frombuffer(bytearray(5), dtype=np.float32, offset=1, count=1)
+    with pytest.raises(phub.UsageError, match="lent in place"):
+        w0.exchange([(0, unaligned)])
+    with pytest.raises(phub.UsageError, match="overlaps"):
+        b = np.zeros(2 * 2049, np.float32)
+        w0.exchange([(1, b[:2049], b[1:2050])])
+    with pytest.raises(phub.UsageError, match="tuple"):
+        w0.exchange([(0,)])
+
+
 def test_push_pull_in_place_by_default(workers: Workers) -> None:
     w0, w1 = workers([1000])
     init_all([w0, w1], 0, [np.zeros(1000, np.float32)] * 2)

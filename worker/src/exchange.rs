@@ -54,6 +54,21 @@ impl<'b> Exchange<'_, 'b> {
         Ok(())
     }
 
+    /// [`Exchange::push_pull`] with the gradient and the result in one
+    /// buffer, lent: `buf` is read for the push and written with the
+    /// result in place, chunk by chunk as results arrive, by the I/O
+    /// thread (a chunk's result comes only after its push left, and an
+    /// answered chunk is never sent again). No copy on the caller's side
+    /// either way. If the request fails, `buf` holds the results of the
+    /// chunks answered and the gradient elsewhere: compute it again
+    /// before pushing it again.
+    pub fn push_pull_in_place<E: Element>(&self, key: u32, buf: &'b mut [E]) -> Result<(), WorkerError> {
+        self.worker.check_elem::<E>()?;
+        let rx = self.worker.push_pull_lent_in_place(key, buf)?;
+        self.waiting.borrow_mut().push((key, rx));
+        Ok(())
+    }
+
     /// Waits for every request started here; the first error, if any.
     fn wait_all(&self) -> Result<(), WorkerError> {
         let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
@@ -112,6 +127,54 @@ impl Worker {
             chunks,
             tx,
             sink: Sink::Borrowed(RawDst::new(&mut out)),
+            done,
+        })?;
+        Ok(rx)
+    }
+
+    /// [`Worker::push_pull_lent`] over one buffer: the datagrams' payloads
+    /// (or the encoding, for `f32` values of a 16-bit job) read from it
+    /// and the results written into it, through pointers made from one
+    /// raw pointer, so that no shared and mutable slices of it coexist.
+    fn push_pull_lent_in_place<E: Element>(
+        &self,
+        key: u32,
+        buf: &mut [E],
+    ) -> Result<Receiver<Completion>, WorkerError> {
+        let elements = self.check_len(key, buf.len())?;
+        let round = self.claim_next_round(key)?;
+        let wire16 = E::WIRE.is_some();
+        let direct = Src::of(&*buf).wire_bytes(self.spec.dtype).is_some();
+        let owned =
+            (!direct).then(|| self.messages(key, elements, MsgType::Push, round, Some(Src::of(&*buf))));
+        let (bytes, base) = (std::mem::size_of_val(buf), buf.as_mut_ptr().cast::<u8>());
+        let (chunks, tx) = match owned {
+            Some((chunks, encoded)) => (chunks, Tx::Owned(encoded)),
+            None => {
+                let (chunks, headers) = self.push_headers(key, elements, round);
+                let payload = RawBytes {
+                    ptr: base.cast_const(),
+                    len: bytes,
+                };
+                let size = self.spec.dtype.size();
+                (
+                    chunks,
+                    Tx::Borrowed {
+                        headers,
+                        payload,
+                        size,
+                    },
+                )
+            }
+        };
+        let (done, rx) = crossbeam_channel::bounded(1);
+        self.send_request(Request {
+            key,
+            round,
+            kind: Kind::Push,
+            chunks,
+            tx,
+            sink: Sink::Borrowed(RawDst::from_raw(base, elements, wire16)),
             done,
         })?;
         Ok(rx)

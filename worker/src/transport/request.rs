@@ -371,6 +371,14 @@ impl RawDst {
         }
     }
 
+    /// A lent output at `ptr`: `len` elements, 16-bit ones if `wire16`
+    /// (else `f32`, and `ptr` aligned for it). For a buffer lent as the
+    /// gradient too ([`crate::Exchange::push_pull_in_place`]), whose
+    /// [`RawBytes`] must come from the same pointer.
+    pub(crate) fn from_raw(ptr: *mut u8, len: usize, wire16: bool) -> RawDst {
+        RawDst { ptr, len, wire16 }
+    }
+
     /// # Safety
     /// The slice must still be borrowed by the Exchange that lent it, with
     /// no other access to it meanwhile.
