@@ -107,6 +107,7 @@
 //! | [`Worker::pull`] | datagram (also with shm) | `Owned`: headers only, no payload | `Owned`: decoded (from the datagram, or with shm from the result region) into a buffer by the I/O thread, then into `out` by `pull` |
 //! | [`Exchange::push_pull`] ([`Worker::exchange`]) | datagram | `Borrowed`: not copied when the caller's elements are the wire's (sent from the caller's buffer); otherwise `Owned`, encoded by the caller's thread | `Borrowed`: decoded straight into the caller's `out` by the I/O thread |
 //! | the same | shm | as above, then copied into the staging region by the I/O thread when first sent | `Borrowed`: read from the result region into `out` by the I/O thread |
+//! | [`Exchange::push_pull_in_place`] | datagram or shm | as [`Exchange::push_pull`], from the one buffer | `Borrowed`: into the same buffer, each chunk once its push has left (Python's `Worker.exchange`) |
 //! | [`Worker::stage`] + [`Worker::push_pull_staged`] | shm only | `Staged`: the caller writes the staging region itself (no copy by the library) | `Direct`: decoded into `out` by [`Worker::wait`] |
 //! | [`Worker::stage`] + [`Worker::push_staged`] | shm only | the same | `Direct`: left where it arrived; [`Worker::wait_in_place`] names the spans ([`Results`]) |
 //!
