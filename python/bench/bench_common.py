@@ -3,7 +3,9 @@ profiles and a free port."""
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import socket
+from typing import Any, Callable
 
 
 def resnet50_sizes() -> list[tuple[str, int]]:
@@ -34,6 +36,19 @@ def profile_sizes(name: str) -> list[tuple[str, int]]:
         _, k, n = name.split(":")
         return [(f"t{i}", int(float(n))) for i in range(int(k))]
     raise SystemExit(f"--profile {name!r}: resnet50 or uniform:K:N")
+
+
+def run_ranks(target: Callable[..., None], workers: int, *args: Any) -> None:
+    """Runs `target(rank, *args)` in `workers` spawned processes, waits for
+    all, and stops the benchmark naming the exit codes if one failed."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(workers)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode != 0 for p in procs):
+        raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
 
 
 def free_port() -> int:

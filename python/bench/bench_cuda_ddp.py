@@ -54,7 +54,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
-from bench_common import free_port
+from bench_common import free_port, run_ranks
 from phub.local import LocalAppliance
 
 
@@ -280,8 +280,6 @@ def main() -> None:
     if a.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device (torch.cuda.is_available() is False): this benchmark needs a GPU "
                          "(--device cpu runs it as a smoke test)")
-    import multiprocessing as mp
-
     sizes = [(n, p.numel()) for n, p in ResNet50().named_parameters()]
     total = sum(n for _, n in sizes)
     gpu = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}" if a.device == "cuda" else "the CPU"
@@ -297,16 +295,7 @@ def main() -> None:
                                                    dtype=a.dtype))
         with tempfile.TemporaryDirectory(prefix="phub-gpu-bench-") as tmp:
             out = str(Path(tmp) / "times.npy")
-            ctx = mp.get_context("spawn")
-            port = free_port()
-            procs = [ctx.Process(target=worker, args=(r, a, app.control_url, job, token, port, out))
-                     for r in range(a.workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            if any(p.exitcode != 0 for p in procs):
-                raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+            run_ranks(worker, a.workers, a, app.control_url, job, token, free_port(), out)
             times = np.load(out)
             first, nccl_error = (Path(out + ".txt").read_text().split("\n") + [""])[:2]
             retx, sent, shm, staged, failures = first.split()

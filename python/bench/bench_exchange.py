@@ -44,7 +44,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
-from bench_common import free_port, profile_sizes
+from bench_common import free_port, profile_sizes, run_ranks
 from phub.local import LocalAppliance
 
 
@@ -144,8 +144,6 @@ def main() -> None:
     ap.add_argument("--shm", action="store_true",
                     help="phub-dataplane with --shm: the workers (shm='auto') pass chunks through shared memory")
     a = ap.parse_args()
-    import multiprocessing as mp
-
     sizes = profile_sizes(a.profile)
     total = sum(n for _, n in sizes)
     print(f"phub vs gloo: one step's gradient exchange, {a.profile} ({len(sizes)} tensors, {total:,} floats, "
@@ -159,16 +157,7 @@ def main() -> None:
         job, token = app.admit(spec)
         with tempfile.TemporaryDirectory(prefix="phub-bench-") as tmp:
             out = str(Path(tmp) / "times.npy")
-            ctx = mp.get_context("spawn")
-            port = free_port()
-            procs = [ctx.Process(target=worker, args=(r, a, app.control_url, job, token, port, out))
-                     for r in range(a.workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            if any(p.exitcode != 0 for p in procs):
-                raise SystemExit(f"a worker failed: exit codes {[p.exitcode for p in procs]}")
+            run_ranks(worker, a.workers, a, app.control_url, job, token, free_port(), out)
             times = np.load(out)
             retx, sent = Path(out + ".txt").read_text().split()
     names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]

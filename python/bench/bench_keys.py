@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
 import statistics
 import tempfile
@@ -31,7 +30,7 @@ import numpy as np
 
 import phub
 import phub.admin
-from bench_common import profile_sizes
+from bench_common import profile_sizes, run_ranks
 from phub.local import LocalAppliance
 
 WAYS = ["wait", "in_place", "exchange"]
@@ -84,15 +83,7 @@ def main() -> None:
         job, token = app.admit(phub.admin.job_spec("keys", a.workers, sizes, optimizer="mean"))
         with tempfile.TemporaryDirectory(prefix="phub-bench-") as tmp:
             out = str(Path(tmp) / "times.json")
-            ctx = mp.get_context("spawn")
-            procs = [ctx.Process(target=rank_main, args=(r, a, app.control_url, job, token, out))
-                     for r in range(a.workers)]
-            for p in procs:
-                p.start()
-            for p in procs:
-                p.join()
-            if any(p.exitcode != 0 for p in procs):
-                raise SystemExit(f"a rank failed: exit codes {[p.exitcode for p in procs]}")
+            run_ranks(rank_main, a.workers, a, app.control_url, job, token, out)
             times = json.loads(Path(out).read_text())
     total = sum(n for _, n in sizes)
     print(f"{a.profile}: {len(sizes)} keys, {total:,} floats; W={a.workers} processes, {a.lcores} lcores, "

@@ -8,7 +8,7 @@ use phub_proto::wire::MsgType;
 use crate::elem::{Dst, Element, Src};
 use crate::error::WorkerError;
 use crate::io::{Completion, Request};
-use crate::transport::{Kind, RawBytes, RawDst, Sink, Tx};
+use crate::transport::{ChunkMsg, Kind, RawBytes, RawDst, Sink, Tx};
 use crate::worker::{recv, Worker};
 
 /// Requests whose buffers are lent to the I/O thread rather than copied;
@@ -101,24 +101,43 @@ impl Worker {
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
         let (chunks, tx) = if let Some(bytes) = grad.wire_bytes(self.spec.dtype) {
-            let (chunks, headers) = self.push_headers(key, elements, round);
             let payload = RawBytes {
                 ptr: bytes.as_ptr(),
                 len: bytes.len(),
             };
-            let size = self.spec.dtype.size();
-            (
-                chunks,
-                Tx::Borrowed {
-                    headers,
-                    payload,
-                    size,
-                },
-            )
+            self.lent_tx(key, elements, round, payload)
         } else {
             let (chunks, buf) = self.messages(key, elements, MsgType::Push, round, Some(grad));
             (chunks, Tx::Owned(buf))
         };
+        self.send_lent(key, round, chunks, tx, RawDst::new(&mut out))
+    }
+
+    /// A lent push's chunks and transmit side: headers only, each chunk's
+    /// payload read from `payload` (the caller's wire bytes) when sent.
+    fn lent_tx(&self, key: u32, elements: usize, round: u32, payload: RawBytes) -> (Vec<ChunkMsg>, Tx) {
+        let (chunks, headers) = self.push_headers(key, elements, round);
+        let size = self.spec.dtype.size();
+        (
+            chunks,
+            Tx::Borrowed {
+                headers,
+                payload,
+                size,
+            },
+        )
+    }
+
+    /// Hands a lent push (its result written through `out`) to the I/O
+    /// thread.
+    fn send_lent(
+        &self,
+        key: u32,
+        round: u32,
+        chunks: Vec<ChunkMsg>,
+        tx: Tx,
+        out: RawDst,
+    ) -> Result<Receiver<Completion>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.send_request(Request {
             key,
@@ -126,7 +145,7 @@ impl Worker {
             kind: Kind::Push,
             chunks,
             tx,
-            sink: Sink::Borrowed(RawDst::new(&mut out)),
+            sink: Sink::Borrowed(out),
             done,
         })?;
         Ok(rx)
@@ -151,33 +170,14 @@ impl Worker {
         let (chunks, tx) = match owned {
             Some((chunks, encoded)) => (chunks, Tx::Owned(encoded)),
             None => {
-                let (chunks, headers) = self.push_headers(key, elements, round);
                 let payload = RawBytes {
                     ptr: base.cast_const(),
                     len: bytes,
                 };
-                let size = self.spec.dtype.size();
-                (
-                    chunks,
-                    Tx::Borrowed {
-                        headers,
-                        payload,
-                        size,
-                    },
-                )
+                self.lent_tx(key, elements, round, payload)
             }
         };
-        let (done, rx) = crossbeam_channel::bounded(1);
-        self.send_request(Request {
-            key,
-            round,
-            kind: Kind::Push,
-            chunks,
-            tx,
-            sink: Sink::Borrowed(RawDst::from_raw(base, elements, wire16)),
-            done,
-        })?;
-        Ok(rx)
+        self.send_lent(key, round, chunks, tx, RawDst::from_raw(base, elements, wire16))
     }
 
     /// Runs `f` with an [`Exchange`]: every `push_pull` started on it lends
