@@ -813,11 +813,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._staging is not None:
             self._step_cuda(self._staging)
             return loss
-        handles = []
-        for k, p in enumerate(self._params):
-            handles.append(self.worker.push_pull(k, to_numpy(self._grad(p)), to_numpy(p.data)))
-        for h in handles:
-            h.wait()
+        grads = [(k, to_numpy(self._grad(p)), to_numpy(p.data)) for k, p in enumerate(self._params)]
+        try:
+            # Every parameter's round in one call, the tensors lent to the
+            # worker's I/O thread: each result lands in its parameter as it
+            # arrives, no copy on this thread, the GIL released once.
+            self.worker.exchange(grads)
+        except UsageError as e:
+            # A tensor that cannot be lent (unaligned): the per-key calls,
+            # which copy. exchange refuses before it sends anything.
+            if "lent in place" not in str(e):
+                raise
+            handles = [self.worker.push_pull(k, g, out) for k, g, out in grads]
+            for h in handles:
+                h.wait()
         return loss
 
     @staticmethod
