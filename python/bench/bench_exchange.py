@@ -18,7 +18,8 @@ and the step is dominated by the exchange. Each trial runs the three
 back to back (a barrier before each); the figures are medians over trials.
 ``exchange`` is the step minus the no-exchange baseline. It also times the
 bare exchange without DDP: ``dist.all_reduce`` over the same 25 MB buckets
-against ``push_pull`` of every key then ``wait``.
+against ``push_pull`` of every key then ``wait``, and against one
+``Worker.exchange`` of every key (the arrays lent in place).
 
     python python/bench/bench_exchange.py --workers 2 --trials 10 [--shm]
 
@@ -88,7 +89,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     # Keys are initialised (round 0) by the hook's state; the bare rounds
     # continue them, in the same order on every rank.
     grads = [np.ones(n, np.float32) for _, n in sizes]
-    times["bare gloo"], times["bare phub"] = [], []
+    times["bare gloo"], times["bare phub"], times["bare phub exchange"] = [], [], []
     for trial in range(a.warmup + a.trials):
         for name, m in models.items():
             m.zero_grad()  # as a training step does, outside the timed part
@@ -114,6 +115,13 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         dt = time.perf_counter() - t
         if trial >= a.warmup:
             times["bare phub"].append(dt)
+        # The same keys in one Worker.exchange, the arrays lent in place.
+        dist.barrier()
+        t = time.perf_counter()
+        w.exchange(list(enumerate(grads)))
+        dt = time.perf_counter() - t
+        if trial >= a.warmup:
+            times["bare phub exchange"].append(dt)
     # The exchanges must have been right: every gradient is 1 on every rank,
     # so the mean is 1.
     for name in ("gloo", "phub"):  # 1.0 is exact in bf16 and f16 too
@@ -160,7 +168,7 @@ def main() -> None:
             run_ranks(worker, a.workers, a, app.control_url, job, token, free_port(), out)
             times = np.load(out)
             retx, sent = Path(out + ".txt").read_text().split()
-    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub"]
+    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub", "bare phub exchange"]
     med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
     lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
     print(f"{'':28}{'median ms':>10}{'min ms':>10}")
@@ -174,7 +182,8 @@ def main() -> None:
     print(f"exchange alone (step - {base:.1f} ms baseline): gloo {eg:.1f} ms ({mb / eg * 1000 / 1000:.2f} GB/s), "
           f"phub {ep:.1f} ms ({mb / ep * 1000 / 1000:.2f} GB/s): gloo/phub speedup = {eg / ep:.2f}x")
     print(f"bare exchange (no DDP): gloo all_reduce {med['bare gloo']:.1f} ms, phub push_pull {med['bare phub']:.1f} ms: "
-          f"gloo/phub speedup = {med['bare gloo'] / med['bare phub']:.2f}x")
+          f"gloo/phub speedup = {med['bare gloo'] / med['bare phub']:.2f}x; phub exchange (one call) "
+          f"{med['bare phub exchange']:.1f} ms: {med['bare gloo'] / med['bare phub exchange']:.2f}x")
     print(f"phub rank 0: {retx} retransmits of {sent} chunks sent")
 
 
