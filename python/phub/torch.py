@@ -21,10 +21,14 @@ two lines::
 For each gradient bucket DDP hands the hook, :func:`comm_hook` pushes the
 slice of every parameter the bucket holds as that parameter's key (in the
 bucket's buffer, in place, no copy), and returns a ``torch.futures.Future``
-at once: one background thread pushes the bucket's keys (with shared
-memory, copying them into the appliance's staging region, with the GIL
-released), another completes the future with the averaged bucket once all
-its keys are back (with a ``"sum"`` job it divides by W). DDP launches buckets
+at once: a background thread exchanges the bucket's keys in one
+:meth:`Worker.exchange` (the bucket lent to the worker's I/O thread, which
+sends the gradients from it and writes each result into it as it arrives;
+with shared memory through the appliance's staging and result regions;
+the GIL released), bucket after bucket, and completes the future with the
+averaged bucket (with a ``"sum"`` job it divides by W). A bucket whose
+gradients cannot be lent (unaligned) goes key by key with ``push_pull``
+instead, pushed by a second thread. DDP launches buckets
 in the same order on every rank, which phub requires. The process group
 (gloo) is still needed by DDP itself (it broadcasts the initial module state
 and checks the ranks' parameter shapes); gradients no longer go through it.
@@ -591,7 +595,27 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
             return
         state._completer.submit(lambda: _complete(handles, buf, scale, fut))
 
-    state._pusher.submit(push)
+    def exchange() -> None:
+        # On the completer thread, bucket after bucket: the bucket's
+        # gradients lent to the worker's I/O thread in one call, each
+        # result written into the bucket as it arrives (no copy on a
+        # Python thread; 1.42x gloo's step against 1.63-1.78x per key,
+        # BENCHMARKS.md). A gradient that cannot be lent (unaligned)
+        # takes the per-key calls; exchange refuses before it sends.
+        try:
+            state.worker.exchange([(k, to_numpy(g)) for k, g in keys])
+        except UsageError as e:
+            if "lent in place" not in str(e):
+                fut.set_exception(e)  # type: ignore[arg-type]
+                return
+            state._pusher.submit(push)
+            return
+        except BaseException as e:
+            fut.set_exception(e)  # type: ignore[arg-type]
+            return
+        _complete([], buf, scale, fut)
+
+    state._completer.submit(exchange)
     return fut
 
 
