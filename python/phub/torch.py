@@ -21,14 +21,15 @@ two lines::
 For each gradient bucket DDP hands the hook, :func:`comm_hook` pushes the
 slice of every parameter the bucket holds as that parameter's key (in the
 bucket's buffer, in place, no copy), and returns a ``torch.futures.Future``
-at once: a background thread exchanges the bucket's keys in one
-:meth:`Worker.exchange` (the bucket lent to the worker's I/O thread, which
-sends the gradients from it and writes each result into it as it arrives;
-with shared memory through the appliance's staging and result regions;
-the GIL released), bucket after bucket, and completes the future with the
-averaged bucket (with a ``"sum"`` job it divides by W). A bucket whose
-gradients cannot be lent (unaligned) goes key by key with ``push_pull``
-instead, pushed by a second thread. DDP launches buckets
+at once. Over datagrams a background thread exchanges the bucket's keys in
+one :meth:`Worker.exchange` (the bucket lent to the worker's I/O thread,
+which sends the gradients from it and writes each result into it as it
+arrives; the GIL released), bucket after bucket, and completes the future
+with the averaged bucket (with a ``"sum"`` job it divides by W). With
+shared memory (and for a bucket whose gradients cannot be lent) one
+background thread pushes the bucket's keys with ``push_pull`` (copying
+them into the appliance's staging region) and another completes the
+future once all its keys are back. DDP launches buckets
 in the same order on every rank, which phub requires. The process group
 (gloo) is still needed by DDP itself (it broadcasts the initial module state
 and checks the ranks' parameter shapes); gradients no longer go through it.
@@ -615,7 +616,15 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
             return
         _complete([], buf, scale, fut)
 
-    state._completer.submit(exchange)
+    if state.worker.shm:
+        # With shared memory the per-key calls are the faster (0.93-0.97x
+        # gloo's step against 1.08-1.14x, same runs, BENCHMARKS.md): the
+        # pusher thread copies the gradients into the staging regions
+        # while the I/O thread takes the results; an exchange leaves both
+        # copies to the I/O thread.
+        state._pusher.submit(push)
+    else:
+        state._completer.submit(exchange)
     return fut
 
 
@@ -838,19 +847,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._step_cuda(self._staging)
             return loss
         grads = [(k, to_numpy(self._grad(p)), to_numpy(p.data)) for k, p in enumerate(self._params)]
-        try:
-            # Every parameter's round in one call, the tensors lent to the
-            # worker's I/O thread: each result lands in its parameter as it
-            # arrives, no copy on this thread, the GIL released once.
-            self.worker.exchange(grads)
-        except UsageError as e:
-            # A tensor that cannot be lent (unaligned): the per-key calls,
-            # which copy. exchange refuses before it sends anything.
-            if "lent in place" not in str(e):
-                raise
-            handles = [self.worker.push_pull(k, g, out) for k, g, out in grads]
-            for h in handles:
-                h.wait()
+        if not self.worker.shm:
+            try:
+                # Every parameter's round in one call, the tensors lent to
+                # the worker's I/O thread: each result lands in its
+                # parameter as it arrives, no copy on this thread, the GIL
+                # released once (over datagrams; with shared memory the
+                # per-key calls below are the faster, as for the hook).
+                self.worker.exchange(grads)
+                return loss
+            except UsageError as e:
+                # A tensor that cannot be lent (unaligned): the per-key
+                # calls, which copy. exchange refuses before it sends.
+                if "lent in place" not in str(e):
+                    raise
+        handles = [self.worker.push_pull(k, g, out) for k, g, out in grads]
+        for h in handles:
+            h.wait()
         return loss
 
     @staticmethod
