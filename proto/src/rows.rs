@@ -748,17 +748,9 @@ mod tests {
     fn key_cache_forms_are_checked() {
         let repr = RowRepr {
             kind: RowMsgType::RowPull,
-            dtype: Dtype::F32,
-            flags: 0,
-            token: 7,
-            job: 1,
-            rank: 0,
-            count: 2,
             round: 0,
-            dim: 4,
-            key: 1,
-            seq: 0,
             cache: KeyCache::Cached(CacheRef { sig: 9, slot: 3 }),
+            ..push_of_two()
         };
         let mut b = vec![0u8; 200];
         let n = write(&repr, &[5, 6], &[], &mut b);
@@ -792,9 +784,9 @@ mod tests {
         assert_eq!(ids.iter().collect::<Vec<_>>(), [5, 6]);
     }
 
-    #[test]
-    fn each_header_fault_has_its_reason() {
-        let repr = RowRepr {
+    /// A ROW_PUSH of two rows of dim 4 in f32, round 1, no key cache.
+    fn push_of_two() -> RowRepr {
+        RowRepr {
             kind: RowMsgType::RowPush,
             dtype: Dtype::F32,
             flags: 0,
@@ -807,7 +799,12 @@ mod tests {
             key: 1,
             seq: 0,
             cache: KeyCache::Off,
-        };
+        }
+    }
+
+    #[test]
+    fn each_header_fault_has_its_reason() {
+        let repr = push_of_two();
         let mut good = vec![0u8; 200];
         let n = write(&repr, &[5, 9], &[1.0; 8], &mut good);
         good.truncate(n);

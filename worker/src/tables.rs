@@ -292,18 +292,12 @@ impl Worker {
 
     fn send_cache(&self, key: u32, lists: Vec<(u32, u64)>, cache: bool) -> Result<(), WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
-        self.cmds
-            .send(Command::CacheIds {
-                key,
-                lists,
-                cache,
-                done,
-            })
-            .map_err(|_| WorkerError::Closed)?;
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if self.sleeping.load(std::sync::atomic::Ordering::SeqCst) {
-            self.wake();
-        }
+        self.send_command(Command::CacheIds {
+            key,
+            lists,
+            cache,
+            done,
+        })?;
         rx.recv().unwrap_or(Err(WorkerError::Closed))
     }
 
@@ -324,18 +318,7 @@ impl Worker {
     /// Hands a planned table request to the I/O thread.
     fn send_rows(&self, plan: crate::transport::RowPlan) -> Result<Receiver<RowCompletion>, WorkerError> {
         let (done, rx) = crossbeam_channel::bounded(1);
-        if self
-            .cmds
-            .send(Command::SubmitRows(RowRequest { plan, done }))
-            .is_err()
-        {
-            return Err(WorkerError::Closed);
-        }
-        // As `send_request`: a wake-up only when the thread may be waiting.
-        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
-        if self.sleeping.load(std::sync::atomic::Ordering::SeqCst) {
-            self.wake();
-        }
+        self.send_command(Command::SubmitRows(RowRequest { plan, done }))?;
         Ok(rx)
     }
 }

@@ -418,10 +418,14 @@ impl Worker {
     /// Hands a request to the I/O thread (the key is already claimed).
     pub(crate) fn send_request(&self, r: Request) -> Result<(), WorkerError> {
         let key = r.key;
-        if self.cmds.send(Command::Submit(r)).is_err() {
-            self.keys.release(key);
-            return Err(WorkerError::Closed);
-        }
+        self.send_command(Command::Submit(r))
+            .inspect_err(|_| self.keys.release(key))
+    }
+
+    /// Hands `c` to the I/O thread, waking it if it may be waiting;
+    /// [`WorkerError::Closed`] when the thread is gone.
+    pub(crate) fn send_command(&self, c: Command) -> Result<(), WorkerError> {
+        self.cmds.send(c).map_err(|_| WorkerError::Closed)?;
         // The I/O thread checks the channel before it waits; it only needs
         // a wake-up datagram when it may already be waiting.
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);

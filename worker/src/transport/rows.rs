@@ -491,62 +491,14 @@ impl<D> RowTransport<D> {
         let mut spans = Vec::with_capacity(plan.msgs.len());
         let mut forms = Vec::with_capacity(plan.msgs.len());
         for (i, m) in plan.msgs.iter().enumerate() {
-            let ids = match m.kind {
-                RowMsgType::RowEnd => &[][..],
-                _ => &plan.ids[m.rows.clone()],
-            };
+            // A ROW_END's row range is empty (the plan's invariant).
+            let ids = &plan.ids[m.rows.clone()];
             let form = self.form(plan.key, m.entry, ids);
-            spans.push(self.write_msg(plan, i, round, tag, form, &mut bytes));
+            spans.push(write_msg(&self.info, plan, i, round, tag, form, &mut bytes));
             forms.push(form);
             self.count_cached(form, ids.len());
         }
         (bytes, spans, forms)
-    }
-
-    /// Appends message `i` of `plan` in key-cache form `form` to `bytes`;
-    /// returns where it is.
-    fn write_msg(
-        &self,
-        plan: &RowPlan,
-        i: usize,
-        round: u32,
-        tag: u32,
-        form: KeyCache,
-        bytes: &mut Vec<u8>,
-    ) -> Range<usize> {
-        let m = &plan.msgs[i];
-        let dim = plan.dim as usize;
-        let count = m.rows.len();
-        let repr = RowRepr {
-            kind: m.kind,
-            dtype: self.info.dtype,
-            flags: 0,
-            token: self.info.token,
-            job: self.info.job,
-            rank: self.info.rank,
-            // Cast: at most R rows a message, R < 2^16 (8832 bytes).
-            #[allow(clippy::cast_possible_truncation)]
-            count: count as u16,
-            round,
-            dim: plan.dim,
-            key: plan.key,
-            seq: tag | m.seq,
-            cache: form,
-        };
-        let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
-        let at = bytes.len();
-        bytes.resize(at + len, 0);
-        let values = match m.kind {
-            RowMsgType::RowPush => &plan.grads[m.rows.start * dim..m.rows.end * dim],
-            _ => &[][..],
-        };
-        let ids = match m.kind {
-            RowMsgType::RowEnd => &[][..],
-            _ => &plan.ids[m.rows.clone()],
-        };
-        let written = rows::write(&repr, ids, values, &mut bytes[at..]);
-        debug_assert_eq!(written, len);
-        at..at + len
     }
 
     /// Counts what a message (or answer) of `ids` ids in `form` saved and
@@ -896,13 +848,7 @@ impl<D> RowTransport<D> {
         let Some(a) = self.active.get_mut(&key) else {
             return false;
         };
-        let mut bytes = std::mem::take(&mut a.bytes);
-        let a = &self.active[&key];
-        let span = self.write_msg(&a.plan, i, a.round, a.tag, form, &mut bytes);
-        let Some(a) = self.active.get_mut(&key) else {
-            return false;
-        };
-        a.bytes = bytes;
+        let span = write_msg(&self.info, &a.plan, i, a.round, a.tag, form, &mut a.bytes);
         set_retransmit(&mut a.bytes[span.clone()]);
         a.spans[i] = span;
         a.forms[i] = form;
@@ -1343,6 +1289,49 @@ fn on_done<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr) -> Verdict {
     }
 }
 
+/// Appends message `i` of `plan` in key-cache form `form` to `bytes`, as
+/// rank `info` sends it; returns where it is.
+fn write_msg(
+    info: &JobInfo,
+    plan: &RowPlan,
+    i: usize,
+    round: u32,
+    tag: u32,
+    form: KeyCache,
+    bytes: &mut Vec<u8>,
+) -> Range<usize> {
+    let m = &plan.msgs[i];
+    let dim = plan.dim as usize;
+    let count = m.rows.len();
+    let repr = RowRepr {
+        kind: m.kind,
+        dtype: info.dtype,
+        flags: 0,
+        token: info.token,
+        job: info.job,
+        rank: info.rank,
+        // Cast: at most R rows a message, R < 2^16 (8832 bytes).
+        #[allow(clippy::cast_possible_truncation)]
+        count: count as u16,
+        round,
+        dim: plan.dim,
+        key: plan.key,
+        seq: tag | m.seq,
+        cache: form,
+    };
+    let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
+    let at = bytes.len();
+    bytes.resize(at + len, 0);
+    let values = match m.kind {
+        RowMsgType::RowPush => &plan.grads[m.rows.start * dim..m.rows.end * dim],
+        _ => &[][..],
+    };
+    // A ROW_END's row range is empty (the plan's invariant).
+    let written = rows::write(&repr, &plan.ids[m.rows.clone()], values, &mut bytes[at..]);
+    debug_assert_eq!(written, len);
+    at..at + len
+}
+
 /// A table answer's rows: with their ids, or in the cached form (the
 /// prefix of the list the message named, and the rows' wire bytes).
 enum Answer<'a> {
@@ -1373,21 +1362,19 @@ fn take_rows<D>(a: &mut Active<D>, i: usize, repr: &RowRepr, r: Answer<'_>) -> V
         }
         Answer::Cached(c, values) => {
             // The list of the message's ids, whatever form the message is
-            // in now (an answer to its stored form may come after a miss).
-            let row_bytes = dim * repr.dtype.size();
+            // in now (an answer to its stored form may come after a miss):
+            // the signature its form carries, or, with none left, its ids'.
+            let named = a.forms[i]
+                .reference()
+                .map_or_else(|| ids_signature(asked.iter().copied()), |r| r.sig);
             if usize::from(repr.count) != asked.len()
-                || values.len() != asked.len() * row_bytes
-                || c.sig != ids_signature(asked.iter().copied())
+                || values.len() != asked.len() * dim * repr.dtype.size()
+                || c.sig != named
             {
                 return Verdict::Malformed;
             }
-            let dst = &mut a.rows[span.start * dim..span.end * dim];
-            for (row, wire) in dst
-                .chunks_exact_mut(dim)
-                .zip(values.chunks_exact(row_bytes.max(1)))
-            {
-                phub_proto::dtype::decode(repr.dtype, wire, row);
-            }
+            // The rows are one block, as the message's ids are one run.
+            phub_proto::dtype::decode(repr.dtype, values, &mut a.rows[span.start * dim..span.end * dim]);
         }
     }
     Verdict::Answers(i)
