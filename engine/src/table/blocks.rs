@@ -13,6 +13,7 @@ use bytemuck::{Pod, Zeroable};
 use phub_proto::memory::{TableShape, TABLE_BLOCK_HANDLE_BYTES, TABLE_LINE_BYTES};
 
 use super::prefetch::prefetch_span;
+use super::snapshot::RowSnap;
 
 /// One cache line of a block.
 #[derive(Clone, Copy, Pod, Zeroable)]
@@ -29,6 +30,9 @@ pub(crate) struct Blocks {
     rows_per_block: usize,
     block_lines: usize,
     max_blocks: usize,
+    /// A checkpoint being streamed: rows kept as they were
+    /// ([`super::snapshot`]); every write goes through `row_mut` first.
+    pub(crate) snap: Option<Box<RowSnap>>,
 }
 
 impl std::fmt::Debug for Blocks {
@@ -54,6 +58,7 @@ impl Blocks {
             rows_per_block: usize::try_from(shape.rows_per_block()).ok()?,
             block_lines: usize::try_from(shape.block_bytes() / TABLE_LINE_BYTES).ok()?,
             max_blocks,
+            snap: None,
         })
     }
 
@@ -91,12 +96,29 @@ impl Blocks {
         &bytemuck::cast_slice::<Line, f32>(&self.blocks[b])[at..at + self.row_words]
     }
 
-    /// The row slot `slot`, mutably.
+    /// The row slot `slot`, mutably (a stream in progress keeps it first,
+    /// if it needs it as it is).
     #[inline]
     pub(crate) fn row_mut(&mut self, slot: u32) -> &mut [f32] {
         let (b, at) = self.place(slot);
         let w = self.row_words;
-        &mut bytemuck::cast_slice_mut::<Line, f32>(&mut self.blocks[b])[at..at + w]
+        let row = &mut bytemuck::cast_slice_mut::<Line, f32>(&mut self.blocks[b])[at..at + w];
+        if let Some(s) = &mut self.snap {
+            s.keep(slot, row);
+        }
+        row
+    }
+
+    /// A stream's row of slot `slot` as it was at the stream's start
+    /// (module [`super::snapshot`]); the stream has taken it after this.
+    pub(crate) fn snap_row(&mut self, slot: u32) -> &[f32] {
+        let (b, at) = self.place(slot);
+        let w = self.row_words;
+        let row = &bytemuck::cast_slice::<Line, f32>(&self.blocks[b])[at..at + w];
+        match &mut self.snap {
+            Some(s) => s.take(slot, row),
+            None => row,
+        }
     }
 
     /// Prefetch every line of row slot `slot`, which must be backed.

@@ -142,10 +142,10 @@ pub enum CheckpointError {
 
 /// The checksum (module head).
 #[derive(Debug, Default)]
-struct Checksum(u64);
+pub(super) struct Checksum(pub(super) u64);
 
 impl Checksum {
-    fn add(&mut self, bytes: &[u8]) {
+    pub(super) fn add(&mut self, bytes: &[u8]) {
         debug_assert_eq!(bytes.len() % 4, 0);
         for w in bytes.chunks_exact(4) {
             let w = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
@@ -155,18 +155,18 @@ impl Checksum {
 }
 
 /// What the header says beyond magic and version.
-struct Head {
-    dim: usize,
-    state_len: usize,
-    round: u32,
-    rows: u64,
-    clock_hand: u64,
-    idle_hand: u64,
-    counters: u64,
+pub(super) struct Head {
+    pub(super) dim: usize,
+    pub(super) state_len: usize,
+    pub(super) round: u32,
+    pub(super) rows: u64,
+    pub(super) clock_hand: u64,
+    pub(super) idle_hand: u64,
+    pub(super) counters: u64,
 }
 
 impl Head {
-    fn bytes(&self) -> [u8; HEADER_BYTES] {
+    pub(super) fn bytes(&self) -> [u8; HEADER_BYTES] {
         let mut h = [0u8; HEADER_BYTES];
         h[0..8].copy_from_slice(&MAGIC);
         h[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -204,7 +204,7 @@ impl Head {
 }
 
 /// Bytes of `n` admission counters in the file (u16s, padded to 4).
-fn counter_bytes(n: u64) -> u64 {
+pub(super) fn counter_bytes(n: u64) -> u64 {
     (2 * n).next_multiple_of(4)
 }
 
@@ -213,7 +213,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         self.admit.as_ref().map_or(0, |a| a.counts().len() as u64)
     }
 
-    fn record_bytes(&self) -> usize {
+    pub(super) fn record_bytes(&self) -> usize {
         12 + 4 * (self.dim + self.state_len)
     }
 
@@ -293,6 +293,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// error the store holds part of them and is to be dropped.
     pub fn read_into(&mut self, r: impl Read) -> Result<(), CheckpointError> {
         assert_eq!(self.rows_stored(), 0, "a checkpoint is read into an empty store");
+        assert!(!self.streaming(), "a store being streamed holds rows");
         let config = self.config;
         let store = self;
         let mut r = Reader {

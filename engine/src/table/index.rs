@@ -26,6 +26,7 @@
 use bytemuck::{Pod, Zeroable};
 
 use super::prefetch::prefetch;
+use super::snapshot::EntrySnap;
 
 /// One entry of the index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Pod, Zeroable)]
@@ -103,6 +104,17 @@ pub(crate) struct Index {
     entries: Box<[Entry]>,
     key: u64,
     len: usize,
+    /// A checkpoint being streamed: entries kept as they were
+    /// ([`super::snapshot`]); every change goes through [`keep`] first.
+    pub(crate) snap: Option<Box<EntrySnap>>,
+}
+
+/// Entry `pos` is about to change: a stream in progress keeps it.
+#[inline]
+fn keep(snap: &mut Option<Box<EntrySnap>>, entries: &[Entry], pos: usize) {
+    if let Some(s) = snap {
+        s.keep(entries.len(), pos, &entries[pos]);
+    }
 }
 
 impl std::fmt::Debug for Index {
@@ -120,7 +132,12 @@ impl Index {
     pub(crate) fn new(entries: usize, key: u64) -> Option<Index> {
         assert!(entries > 0, "an index needs an entry");
         let entries = bytemuck::allocation::try_zeroed_slice_box::<Entry>(entries).ok()?;
-        Some(Index { entries, key, len: 0 })
+        Some(Index {
+            entries,
+            key,
+            len: 0,
+            snap: None,
+        })
     }
 
     /// The id's hash.
@@ -187,6 +204,7 @@ impl Index {
     #[inline]
     pub(crate) fn set_touch(&mut self, pos: usize, touch: u32) {
         debug_assert!(self.entries[pos].is_full());
+        keep(&mut self.snap, &self.entries, pos);
         self.entries[pos].touch = touch;
     }
 
@@ -198,6 +216,7 @@ impl Index {
             self.len + 1 < self.entries.len(),
             "the index must keep an empty entry"
         );
+        keep(&mut self.snap, &self.entries, pos);
         self.entries[pos] = Entry {
             id,
             slot1: slot + 1,
@@ -226,10 +245,12 @@ impl Index {
             // The entry may fill the hole when the hole lies on its probe
             // path, from its home up to where it is.
             if dist(self.home(self.hash(e.id)), j) >= dist(hole, j) {
+                keep(&mut self.snap, &self.entries, hole);
                 self.entries[hole] = e;
                 hole = j;
             }
         }
+        keep(&mut self.snap, &self.entries, hole);
         self.entries[hole] = Entry::zeroed();
         self.len -= 1;
     }
@@ -237,6 +258,19 @@ impl Index {
     /// Every full entry's (position, entry), in index order.
     pub(crate) fn full(&self) -> impl Iterator<Item = (usize, &Entry)> + '_ {
         self.entries.iter().enumerate().filter(|(_, e)| e.is_full())
+    }
+
+    /// The first empty entry's position (the index always has one).
+    pub(crate) fn first_gap(&self) -> usize {
+        self.entries.iter().position(|e| !e.is_full()).unwrap_or(0)
+    }
+
+    /// A stream's next entry as it was at its start (empty or full), or
+    /// `None` once the stream has passed every position (or none runs).
+    pub(crate) fn snap_next(&mut self) -> Option<Entry> {
+        let n = self.entries.len();
+        let entries = &self.entries;
+        self.snap.as_mut()?.next(n, |pos| entries[pos])
     }
 
     /// Every full entry's (position, entry), in index order from the first
@@ -247,7 +281,7 @@ impl Index {
     /// it). A restore relies on it to give CLOCK the same order.
     pub(crate) fn full_from_gap(&self) -> impl Iterator<Item = (usize, &Entry)> + '_ {
         let n = self.entries.len();
-        let gap = self.entries.iter().position(|e| !e.is_full()).unwrap_or(0);
+        let gap = self.first_gap();
         (gap..n)
             .chain(0..gap)
             .map(|p| (p, &self.entries[p]))

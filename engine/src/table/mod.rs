@@ -10,7 +10,7 @@
 //! that each can be written and tested alone.
 //!
 //! The store: [`store::RowStore`] (one lcore's store of one table; its
-//! parts in [`index`], [`blocks`], [`evict`], [`admit`], [`checkpoint`]).
+//! parts in [`index`], [`blocks`], [`evict`], [`admit`], [`checkpoint`], [`snapshot`]).
 //! Initial values: [`init`] (PROTOCOL.md §10.4); row optimizers: [`optim`]
 //! (§10.5).
 //!
@@ -26,6 +26,7 @@ mod index;
 pub mod init;
 pub mod optim;
 mod prefetch;
+pub mod snapshot;
 pub mod store;
 
 pub use init::{Init, InitError, TableInit};

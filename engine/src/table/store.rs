@@ -10,7 +10,8 @@
 //!   table grows;
 //! - [`super::evict`]: CLOCK at the cap, the idle sweep;
 //! - [`super::admit`]: admission counting (`admit_after`);
-//! - [`super::checkpoint`]: streamed save and restore.
+//! - [`super::checkpoint`]: streamed save and restore;
+//! - [`super::snapshot`]: a checkpoint streamed while the store serves.
 //!
 //! Invariants: rows stored + free slots = slots handed out <= the cap; a
 //! row is in the index exactly when its slot is in use; the store's
@@ -164,6 +165,8 @@ pub struct RowStore<I, U> {
     /// The current round, modulo 2^31.
     pub(super) now: u32,
     stats: StoreStats,
+    /// A checkpoint being streamed ([`super::snapshot`]).
+    pub(super) stream: Option<Box<super::snapshot::Stream>>,
 }
 
 impl<I, U> std::fmt::Debug for RowStore<I, U> {
@@ -241,6 +244,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             admit,
             now: 0,
             stats: StoreStats::default(),
+            stream: None,
         };
         store.stats.bytes = store.allocated_bytes();
         Ok(store)
@@ -299,6 +303,11 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// Row blocks allocated.
     pub fn blocks_allocated(&self) -> usize {
         self.blocks.len()
+    }
+
+    /// Slots handed out so far (rows stored plus free slots).
+    pub(super) fn handed_out(&self) -> u32 {
+        self.fresh
     }
 
     /// The current round, modulo 2^31.

@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::num::NonZeroU32;
 
 use phub_engine::table::checkpoint::CheckpointError;
+use phub_engine::table::snapshot::StreamError;
 use phub_engine::table::{Admission, Pushed, RowInit, RowStore, RowUpdate, StoreConfig, StoreError};
 use phub_proto::memory::table_bytes;
 use proptest::prelude::*;
@@ -566,4 +567,129 @@ fn a_restored_store_evicts_and_admits_as_the_saved_one_would() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("admission counters"), "{e}");
+}
+
+/// Applies `op` to `s` (a push, a read, a batch of pushes, a round).
+fn apply_op(s: &mut RowStore<Seeded, SumCount>, op: &Op) {
+    let d = s.dim();
+    match op {
+        Op::Push(id, g) => {
+            s.update(*id, &grad(d, *g));
+        }
+        Op::Read(id) => {
+            let mut out = vec![0.0; d];
+            s.read(*id, &mut out);
+        }
+        Op::Batch(p) => {
+            let ids: Vec<u64> = p.iter().map(|x| x.0).collect();
+            let grads: Vec<f32> = p.iter().flat_map(|x| grad(d, x.1)).collect();
+            s.update_batch(&ids, &grads);
+        }
+        Op::Round => {
+            s.advance_round();
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 300, ..ProptestConfig::default() })]
+
+    /// A checkpoint streamed while the store goes on (pushes creating,
+    /// updating and evicting rows at the cap, idle sweeps, admissions,
+    /// reads between every slice) is, byte for byte, the checkpoint
+    /// `write_to` wrote at the stream's start; the store itself does what
+    /// a store without a stream does; the stream restores.
+    #[test]
+    fn a_streamed_checkpoint_is_the_store_at_its_start(
+        before in prop::collection::vec(op_strategy(), 0..200),
+        during in prop::collection::vec(op_strategy(), 0..200),
+        slice in 1usize..200,
+        cap in 1u64..40,
+        dim in 1u32..5,
+        admit in prop_oneof![Just(1u16), 2u16..4],
+        idle in prop_oneof![Just(0u32), 1u32..4],
+    ) {
+        let c = StoreConfig {
+            admission: if admit == 1 { Admission::Always } else { Admission::AfterPushes(admit) },
+            idle_rounds: NonZeroU32::new(idle),
+            ..config(dim, cap)
+        };
+        let (mut s, mut plain) = (store(c), store(c));
+        for op in &before {
+            apply_op(&mut s, op);
+            apply_op(&mut plain, op);
+        }
+        let mut want = Vec::new();
+        s.write_to(&mut want).unwrap();
+        let total = s.stream_begin().unwrap();
+        prop_assert_eq!(total, want.len() as u64);
+        prop_assert_eq!(s.stream_begin(), Err(StreamError::Busy));
+        let mut got = Vec::new();
+        let mut ops = during.iter();
+        loop {
+            let done = s.stream_fill(&mut got, slice).unwrap();
+            if done {
+                break;
+            }
+            // One or two operations between slices, then the rest after.
+            for op in ops.by_ref().take(2) {
+                apply_op(&mut s, op);
+                apply_op(&mut plain, op);
+            }
+        }
+        prop_assert!(!s.streaming());
+        prop_assert_eq!(s.stream_kept(), (0, 0));
+        prop_assert_eq!(got.len(), want.len());
+        prop_assert!(got == want, "the streamed checkpoint differs from the store at its start");
+        for op in ops {
+            apply_op(&mut s, op);
+            apply_op(&mut plain, op);
+        }
+        // The stream changed nothing the store does.
+        prop_assert_eq!(dump(&s), dump(&plain));
+        let (a, b) = (s.stats(), plain.stats());
+        prop_assert_eq!(a, b);
+        let (mut x, mut y) = (Vec::new(), Vec::new());
+        s.write_to(&mut x).unwrap();
+        plain.write_to(&mut y).unwrap();
+        prop_assert!(x == y, "a store that streamed a checkpoint differs from one that did not");
+        let r = RowStore::read_from(&got[..], c, Seeded, SumCount).unwrap();
+        let mut z = Vec::new();
+        r.write_to(&mut z).unwrap();
+        prop_assert!(z == want);
+    }
+}
+
+#[test]
+fn a_stream_is_refused_twice_ended_by_abort_and_says_when_none_runs() {
+    let mut s = store(config(2, 10));
+    for id in 0..6 {
+        s.update(id, &grad(2, 1));
+    }
+    let mut out = Vec::new();
+    assert_eq!(s.stream_fill(&mut out, 64), Err(StreamError::NotStarted));
+    assert!(out.is_empty());
+    let total = s.stream_begin().unwrap();
+    assert_eq!(s.stream_begin(), Err(StreamError::Busy));
+    // Pushes to rows not yet streamed are kept as they were.
+    assert!(!s.stream_fill(&mut out, 1).unwrap());
+    for id in 0..6 {
+        s.update(id, &grad(2, 2));
+    }
+    let (entries, row_bytes) = s.stream_kept();
+    assert!(
+        entries > 0 && row_bytes > 0,
+        "{entries} entries, {row_bytes} bytes kept"
+    );
+    s.stream_abort();
+    assert!(!s.streaming());
+    assert_eq!(s.stream_kept(), (0, 0));
+    assert_eq!(s.stream_fill(&mut out, 64), Err(StreamError::NotStarted));
+    // A new stream after an abort starts from the store as it is then.
+    out.clear();
+    assert_eq!(s.stream_begin().unwrap(), total);
+    while !s.stream_fill(&mut out, 100).unwrap() {}
+    let mut want = Vec::new();
+    s.write_to(&mut want).unwrap();
+    assert_eq!(out, want);
 }
