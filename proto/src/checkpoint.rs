@@ -169,23 +169,46 @@ impl Checkpoint {
     /// Serialises the checkpoint; fails only if a length does not fit the
     /// format's 4-byte fields.
     pub fn encode(&self) -> Result<Vec<u8>, CheckpointError> {
+        let mut out = Checkpoint::encode_head(&self.job, &self.lcores)?;
+        if self.tables.len() != self.lcores.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "tables of {} lcores for {} lcores of slots",
+                self.tables.len(),
+                self.lcores.len()
+            )));
+        }
+        for tables in &self.tables {
+            table_checkpoint::encode(&mut out, tables)?;
+        }
+        let crc = crc32fast::hash(&out);
+        out.extend_from_slice(&crc.to_le_bytes());
+        Ok(out)
+    }
+
+    /// The bytes of a checkpoint of `job` up to its tables: magic,
+    /// version, the job and every lcore's slots (module head). Each
+    /// lcore's tables follow ([`table_checkpoint::encode_count`] and
+    /// [`table_checkpoint::encode_head`], then each row store's bytes),
+    /// then the CRC-32 of all that comes before it: so a checkpoint can
+    /// be written as its parts are produced.
+    pub fn encode_head(job: &InstallJob, lcores: &[Vec<SlotState>]) -> Result<Vec<u8>, CheckpointError> {
         fn len(out: &mut Vec<u8>, what: &'static str, len: usize) -> Result<(), CheckpointError> {
             let n = u32::try_from(len).map_err(|_| CheckpointError::TooLarge { what, len })?;
             out.extend_from_slice(&n.to_le_bytes());
             Ok(())
         }
-        let json = serde_json::to_vec(&self.job).expect("InstallJob serialises");
+        let json = serde_json::to_vec(job).expect("InstallJob serialises");
         let mut out = Vec::with_capacity(64 + json.len());
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&VERSION.to_le_bytes());
         len(&mut out, "a job description", json.len())?;
         out.extend_from_slice(&json);
-        len(&mut out, "an lcore count", self.lcores.len())?;
-        for slots in &self.lcores {
+        len(&mut out, "an lcore count", lcores.len())?;
+        for slots in lcores {
             len(&mut out, "a slot count", slots.len())?;
             for s in slots {
                 out.extend_from_slice(&s.completed.unwrap_or(u32::MAX).to_le_bytes());
-                let rlen = s.result.len() / self.job.spec.dtype.size();
+                let rlen = s.result.len() / job.spec.dtype.size();
                 for n in [s.params.len(), s.s1.len(), s.s2.len(), rlen] {
                     len(&mut out, "an array length", n)?;
                 }
@@ -199,18 +222,6 @@ impl Checkpoint {
                 }
             }
         }
-        if self.tables.len() != self.lcores.len() {
-            return Err(CheckpointError::Mismatch(format!(
-                "tables of {} lcores for {} lcores of slots",
-                self.tables.len(),
-                self.lcores.len()
-            )));
-        }
-        for tables in &self.tables {
-            table_checkpoint::encode(&mut out, tables)?;
-        }
-        let crc = crc32fast::hash(&out);
-        out.extend_from_slice(&crc.to_le_bytes());
         Ok(out)
     }
 

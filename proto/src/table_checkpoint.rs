@@ -82,37 +82,62 @@ fn count(c: Option<u16>) -> u32 {
 
 /// Appends `tables` (one lcore's) to `out`.
 pub(crate) fn encode(out: &mut Vec<u8>, tables: &[TableState]) -> Result<(), CheckpointError> {
-    let too_large = |what, len| CheckpointError::TooLarge { what, len };
+    encode_count(out, tables.len())?;
+    for t in tables {
+        encode_head(out, t.key, &t.rounds, t.rows.len() as u64)?;
+        out.extend_from_slice(&t.rows);
+    }
+    Ok(())
+}
+
+/// Appends an lcore's table count T, the first field of its tables
+/// (module head), to `out`.
+pub fn encode_count(out: &mut Vec<u8>, tables: usize) -> Result<(), CheckpointError> {
     put(
         out,
-        u32::try_from(tables.len()).map_err(|_| too_large("a table count", tables.len()))?,
+        u32::try_from(tables).map_err(|_| CheckpointError::TooLarge {
+            what: "a table count",
+            len: tables,
+        })?,
     );
-    for t in tables {
-        put(out, t.key);
-        match &t.rounds {
-            TableRoundsState::Bsp { completed } => {
-                put(out, 0);
-                put(out, *completed);
-            }
-            TableRoundsState::Clocked { ranks } => {
-                put(out, 1);
-                put(
-                    out,
-                    u32::try_from(ranks.len()).map_err(|_| too_large("a rank count", ranks.len()))?,
-                );
-                for r in ranks {
-                    put(out, r.applied);
-                    put(out, count(r.n));
-                    put(out, count(r.held));
-                    for w in r.got {
-                        out.extend_from_slice(&w.to_le_bytes());
-                    }
+    Ok(())
+}
+
+/// Appends what comes before a (table, lcore)'s row store checkpoint
+/// (module head: key, rounds, its length `rows_len`) to `out`, so that
+/// the row store's bytes can follow as they are produced.
+pub fn encode_head(
+    out: &mut Vec<u8>,
+    key: u32,
+    rounds: &TableRoundsState,
+    rows_len: u64,
+) -> Result<(), CheckpointError> {
+    put(out, key);
+    match rounds {
+        TableRoundsState::Bsp { completed } => {
+            put(out, 0);
+            put(out, *completed);
+        }
+        TableRoundsState::Clocked { ranks } => {
+            put(out, 1);
+            put(
+                out,
+                u32::try_from(ranks.len()).map_err(|_| CheckpointError::TooLarge {
+                    what: "a rank count",
+                    len: ranks.len(),
+                })?,
+            );
+            for r in ranks {
+                put(out, r.applied);
+                put(out, count(r.n));
+                put(out, count(r.held));
+                for w in r.got {
+                    out.extend_from_slice(&w.to_le_bytes());
                 }
             }
         }
-        out.extend_from_slice(&(t.rows.len() as u64).to_le_bytes());
-        out.extend_from_slice(&t.rows);
     }
+    out.extend_from_slice(&rows_len.to_le_bytes());
     Ok(())
 }
 

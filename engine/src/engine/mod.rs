@@ -151,6 +151,7 @@ pub use outbox::Ranks;
 pub use replica::{replica_plan, replica_plan_at, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
 pub use table::{row_init, row_optimizer, TableInstall};
+pub use table_checkpoint::TablesStreamError;
 
 use hier::{Hier, Partial};
 use install::{Evicted, RANK_BYTES};
@@ -292,6 +293,9 @@ pub struct Shard<A> {
     /// The bytes (header and payload) of the queued table answers
     /// (`Pending::Row`), cleared with the transmits.
     rows_out: Vec<u8>,
+    /// A checkpoint of a job's tables being streamed
+    /// ([`Shard::stream_tables_begin`]).
+    tables_stream: Option<table_checkpoint::TablesStream>,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -351,6 +355,7 @@ impl<A: Copy + Eq> Shard<A> {
             rx_buffer: None,
             rx_workers: 0,
             rows_out: Vec::new(),
+            tables_stream: None,
         }
     }
 

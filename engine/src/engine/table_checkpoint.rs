@@ -1,6 +1,18 @@
 //! A job's tables in a checkpoint (PROTOCOL.md §10.6): what each (table,
-//! lcore) saves ([`Shard::snapshot_tables`]) and putting it back
+//! lcore) saves ([`Shard::snapshot_tables`], a copy; or streamed while the
+//! lcore goes on serving, [`Shard::stream_tables_begin`] and
+//! [`Shard::stream_tables_fill`]) and putting it back
 //! ([`Shard::restore_tables`]).
+//!
+//! A stream: at its start every table of the job on this lcore has its
+//! round state taken and its store's stream begun (copy on write,
+//! `crate::table::snapshot`), so the bytes are this lcore's tables'
+//! section of a checkpoint file (`phub_proto::table_checkpoint`'s
+//! format) as they were at that instant, as [`Shard::snapshot_tables`]
+//! would have saved them then; they come a slice at a time, between
+//! bursts. One stream per lcore at a time. A job removed (or removed and
+//! installed again) during its stream ends it with
+//! [`TablesStreamError::Gone`].
 //!
 //! Saved per table: its row store (stored rows, optimizer state, the
 //! store's round, touch words, eviction hands and admission counters, in
@@ -20,7 +32,9 @@
 //! store; a store that fails to read leaves the job to be removed (the
 //! lcore removes a job whose restore failed).
 
-use phub_proto::table_checkpoint::{RankClockState, TableRoundsState, TableState};
+use phub_proto::table_checkpoint::{self as format, RankClockState, TableRoundsState, TableState};
+
+use crate::table::snapshot::StreamError;
 
 use super::error::EngineError;
 use super::table::{RowRank, SeqSet, Table, TableRounds};
@@ -30,7 +44,21 @@ impl Table {
     /// This (table, lcore)'s state for a checkpoint. Allocates (the rows,
     /// O(rows stored)).
     fn save(&self) -> TableState {
-        let rounds = match &self.rounds {
+        // Cast: the bytes are written into memory, so they fit a usize.
+        #[allow(clippy::cast_possible_truncation)]
+        let mut rows = Vec::with_capacity(self.store.checkpoint_bytes() as usize);
+        let written = self.store.write_to(&mut rows);
+        debug_assert!(written.is_ok(), "writing into a Vec does not fail");
+        TableState {
+            key: self.key,
+            rounds: self.rounds_state(),
+            rows,
+        }
+    }
+
+    /// Where this (table, lcore)'s rounds stand, as a checkpoint keeps it.
+    fn rounds_state(&self) -> TableRoundsState {
+        match &self.rounds {
             TableRounds::Bsp(b) => TableRoundsState::Bsp {
                 completed: b.completed,
             },
@@ -46,16 +74,6 @@ impl Table {
                     })
                     .collect(),
             },
-        };
-        // Cast: the bytes are written into memory, so they fit a usize.
-        #[allow(clippy::cast_possible_truncation)]
-        let mut rows = Vec::with_capacity(self.store.checkpoint_bytes() as usize);
-        let written = self.store.write_to(&mut rows);
-        debug_assert!(written.is_ok(), "writing into a Vec does not fail");
-        TableState {
-            key: self.key,
-            rounds,
-            rows,
         }
     }
 
@@ -132,7 +150,186 @@ impl Table {
     }
 }
 
+/// A stream of one job's tables on an lcore (module head).
+#[derive(Debug)]
+pub(super) struct TablesStream {
+    job: u16,
+    /// What precedes each table's store bytes (its key, rounds and the
+    /// length of its store's checkpoint), in key order; the table count
+    /// before the first.
+    heads: Vec<Vec<u8>>,
+    /// The table being streamed, and whether its head is written.
+    next: usize,
+    head_written: bool,
+}
+
+/// Why a stream of a job's tables did not start or cannot go on.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum TablesStreamError {
+    /// The job is not installed on this lcore.
+    #[error("job {0} is not installed on this lcore")]
+    NotInstalled(u16),
+    /// A stream of this lcore's tables is in progress.
+    #[error("a checkpoint of job {0}'s tables is being streamed on this lcore; one at a time")]
+    Busy(u16),
+    /// No stream is in progress.
+    #[error("no checkpoint of tables is being streamed on this lcore")]
+    NotStarted,
+    /// The job was removed during its stream.
+    #[error("job {0} was removed while its tables' checkpoint was being streamed")]
+    Gone(u16),
+    /// A table's store could not stream (the stream is ended).
+    #[error("table key {key} of job {job}: {source}")]
+    Store {
+        /// The job.
+        job: u16,
+        /// The table's key index.
+        key: u32,
+        /// The store's reason.
+        source: StreamError,
+    },
+    /// The section does not fit the file format's fields.
+    #[error("job {job}: {reason}")]
+    Format {
+        /// The job.
+        job: u16,
+        /// The format's reason.
+        reason: String,
+    },
+}
+
 impl<A: Copy + Eq> Shard<A> {
+    /// Start streaming job `id`'s tables on this lcore as they are now
+    /// (module head); returns the bytes of the section. The lcore goes on
+    /// serving; [`Shard::stream_tables_fill`] produces the bytes. A job
+    /// without tables streams its table count alone.
+    pub fn stream_tables_begin(&mut self, id: u16) -> Result<u64, TablesStreamError> {
+        if let Some(s) = &self.tables_stream {
+            return Err(TablesStreamError::Busy(s.job));
+        }
+        let j = self
+            .jobs
+            .iter_mut()
+            .find(|j| j.id == id)
+            .ok_or(TablesStreamError::NotInstalled(id))?;
+        let format_err = |e: phub_proto::checkpoint::CheckpointError| TablesStreamError::Format {
+            job: id,
+            reason: e.to_string(),
+        };
+        let mut heads = Vec::with_capacity(j.tables.len());
+        let mut total = 0u64;
+        let mut first = Vec::new();
+        format::encode_count(&mut first, j.tables.len()).map_err(format_err)?;
+        for (i, t) in j.tables.iter_mut().enumerate() {
+            let begun = t.store.stream_begin().map_err(|source| TablesStreamError::Store {
+                job: id,
+                key: t.key,
+                source,
+            });
+            let rows = match begun {
+                Ok(rows) => rows,
+                Err(e) => {
+                    for t in &mut j.tables[..i] {
+                        t.store.stream_abort();
+                    }
+                    return Err(e);
+                }
+            };
+            let mut head = if i == 0 {
+                std::mem::take(&mut first)
+            } else {
+                Vec::new()
+            };
+            format::encode_head(&mut head, t.key, &t.rounds_state(), rows).map_err(format_err)?;
+            total += head.len() as u64 + rows;
+            heads.push(head);
+        }
+        if heads.is_empty() {
+            total = first.len() as u64;
+            heads.push(first);
+        }
+        self.tables_stream = Some(TablesStream {
+            job: id,
+            heads,
+            next: 0,
+            head_written: false,
+        });
+        Ok(total)
+    }
+
+    /// Append the stream's next bytes to `out` (about `max` of them, at
+    /// least one row); true when the section is complete (the stream is
+    /// then over). An error ends the stream.
+    pub fn stream_tables_fill(&mut self, out: &mut Vec<u8>, max: usize) -> Result<bool, TablesStreamError> {
+        let mut s = self.tables_stream.take().ok_or(TablesStreamError::NotStarted)?;
+        let Some(j) = self.jobs.iter_mut().find(|j| j.id == s.job) else {
+            return Err(TablesStreamError::Gone(s.job));
+        };
+        let start = out.len();
+        loop {
+            if !s.head_written {
+                out.extend_from_slice(&s.heads[s.next]);
+                s.head_written = true;
+            }
+            let Some(t) = j.tables.get_mut(s.next) else {
+                // A job without tables: its count alone.
+                return Ok(true);
+            };
+            if !t.store.streaming() {
+                // Removed and installed again: not the tables begun.
+                return Err(TablesStreamError::Gone(s.job));
+            }
+            let budget = max.saturating_sub(out.len() - start).max(1);
+            let done = t
+                .store
+                .stream_fill(out, budget)
+                .map_err(|source| TablesStreamError::Store {
+                    job: s.job,
+                    key: t.key,
+                    source,
+                });
+            match done {
+                Err(e) => {
+                    for t in &mut j.tables[s.next..] {
+                        t.store.stream_abort();
+                    }
+                    return Err(e);
+                }
+                Ok(false) => {
+                    self.tables_stream = Some(s);
+                    return Ok(false);
+                }
+                Ok(true) if s.next + 1 == j.tables.len() => return Ok(true),
+                Ok(true) => {
+                    s.next += 1;
+                    s.head_written = false;
+                    if out.len() - start >= max {
+                        self.tables_stream = Some(s);
+                        return Ok(false);
+                    }
+                }
+            }
+        }
+    }
+
+    /// End the stream in progress, if any (its job's stores free what
+    /// they kept).
+    pub fn stream_tables_abort(&mut self) {
+        let Some(s) = self.tables_stream.take() else {
+            return;
+        };
+        if let Some(j) = self.jobs.iter_mut().find(|j| j.id == s.job) {
+            for t in &mut j.tables {
+                t.store.stream_abort();
+            }
+        }
+    }
+
+    /// The job whose tables are being streamed, if any.
+    pub fn tables_streaming(&self) -> Option<u16> {
+        self.tables_stream.as_ref().map(|s| s.job)
+    }
+
     /// The durable state of every table of job `id` on this lcore, in key
     /// order (module head); `None` when the job is not installed.
     /// Allocates (O(rows stored)); call between bursts.

@@ -6,7 +6,7 @@
 
 use std::collections::HashMap;
 
-use phub_engine::engine::{memory_model, row_init, row_optimizer, TableInstall};
+use phub_engine::engine::{memory_model, row_init, row_optimizer, TableInstall, TablesStreamError};
 use phub_engine::table::{RowInit, RowOptimizer, RowUpdate, TableInit};
 use phub_engine::{EngineError, InstallKind, JobInstall, Kernels, RustHeap, Shard, Verdict};
 use phub_proto::placement::RowPlacement;
@@ -1330,4 +1330,90 @@ fn a_table_state_that_does_not_fit_is_refused() {
     assert!(e.contains("state of key 0 for table key 1"), "{e}");
     let e = restore(&[tables[0].clone(), tables[0].clone()], Consistency::Sync);
     assert!(e.contains("2 tables saved, 1 installed"), "{e}");
+}
+
+/// What `snapshot_tables` saved, as a checkpoint file's section of one
+/// lcore's tables.
+fn section(tables: &[phub_proto::table_checkpoint::TableState]) -> Vec<u8> {
+    use phub_proto::table_checkpoint::{encode_count, encode_head};
+    let mut out = Vec::new();
+    encode_count(&mut out, tables.len()).unwrap();
+    for t in tables {
+        encode_head(&mut out, t.key, &t.rounds, t.rows.len() as u64).unwrap();
+        out.extend_from_slice(&t.rows);
+    }
+    out
+}
+
+/// A job's tables streamed while the lcore goes on serving (pushes,
+/// ROW_ENDs and pulls between slices, rounds completing, rows created and
+/// evicted) are the section `snapshot_tables` would have saved at the
+/// stream's start, byte for byte; the shard answers exactly what a shard
+/// without a stream answers; one stream at a time; a job removed during
+/// its stream ends it.
+#[test]
+fn tables_streamed_during_traffic_are_the_tables_at_the_streams_start() {
+    let ids = ids_on(0, 40);
+    for mode in [Consistency::Sync, Consistency::Async] {
+        let mut live = evicting_shard(2, mode);
+        let mut plain = evicting_shard(2, mode);
+        // Round or clock `r` of both ranks: one push and its ROW_END each.
+        let step = |s: &mut Shard<u32>, r: u32| -> Vec<Verdict> {
+            let mut v = bsp_round(s, &ids, 0, r);
+            v.extend(bsp_round(s, &ids, 1, r));
+            v.push(s.handle(addr(1), &pull(1, r, &ids[..8]), 0));
+            v
+        };
+        for r in 1..=4 {
+            assert_eq!(step(&mut live, r), step(&mut plain, r));
+            assert_eq!(drain(&mut live), drain(&mut plain));
+        }
+        let want = section(&live.snapshot_tables(JOB).unwrap());
+        let total = live.stream_tables_begin(JOB).unwrap();
+        assert_eq!(total, want.len() as u64, "{mode:?}");
+        assert_eq!(live.tables_streaming(), Some(JOB));
+        assert_eq!(live.stream_tables_begin(JOB), Err(TablesStreamError::Busy(JOB)));
+        let mut got = Vec::new();
+        let mut r = 5;
+        while !live.stream_tables_fill(&mut got, 60).unwrap() {
+            assert_eq!(step(&mut live, r), step(&mut plain, r), "{mode:?} round {r}");
+            assert_eq!(drain(&mut live), drain(&mut plain), "{mode:?} round {r}");
+            r += 1;
+        }
+        assert!(r > 8, "{mode:?}: the stream took {} slices", r - 5);
+        assert_eq!(live.tables_streaming(), None);
+        assert!(
+            got == want,
+            "{mode:?}: the streamed section differs from the tables at its start"
+        );
+        // Nothing the stream kept changed what the tables hold now.
+        assert_eq!(
+            section(&live.snapshot_tables(JOB).unwrap()),
+            section(&plain.snapshot_tables(JOB).unwrap())
+        );
+        // A job removed during its stream ends it; the lcore may stream
+        // again.
+        live.stream_tables_begin(JOB).unwrap();
+        assert!(!live.stream_tables_fill(&mut Vec::new(), 1).unwrap());
+        assert!(live.remove(JOB));
+        assert_eq!(
+            live.stream_tables_fill(&mut Vec::new(), 1 << 20),
+            Err(TablesStreamError::Gone(JOB))
+        );
+        assert_eq!(
+            live.stream_tables_begin(JOB),
+            Err(TablesStreamError::NotInstalled(JOB))
+        );
+        assert_eq!(
+            live.stream_tables_fill(&mut Vec::new(), 1),
+            Err(TablesStreamError::NotStarted)
+        );
+        plain.stream_tables_begin(JOB).unwrap();
+        plain.stream_tables_abort();
+        assert_eq!(plain.tables_streaming(), None);
+        let mut again = Vec::new();
+        plain.stream_tables_begin(JOB).unwrap();
+        while !plain.stream_tables_fill(&mut again, 1 << 20).unwrap() {}
+        assert_eq!(again, section(&plain.snapshot_tables(JOB).unwrap()));
+    }
 }
