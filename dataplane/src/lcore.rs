@@ -53,14 +53,55 @@ pub struct Saved {
     pub tables: Vec<TableState>,
 }
 
+/// Bytes of one slice of a streamed checkpoint: the lcore makes one per
+/// turn of its loop while its channel has room.
+pub const SLICE_BYTES: usize = 512 << 10;
+/// Slices an lcore may have made ahead of the checkpoint's reader.
+pub const SLICES_AHEAD: usize = 16;
+
+/// A checkpoint of a job on this lcore: its slots are copied at once, its
+/// tables streamed from the same instant (copy on write, the lcore going
+/// on serving: [`Shard::stream_tables_begin`]), a slice of at most
+/// [`SLICE_BYTES`] per turn of the loop while `slices` has room.
+#[derive(Debug)]
+pub struct Checkpoint {
+    /// The job.
+    pub job: u16,
+    /// Answered with the job's slots here and the bytes its tables'
+    /// section will have, or why not (nothing is streamed then).
+    pub reply: Sender<Result<(Vec<SlotState>, u64), CheckpointRefused>>,
+    /// Where the section's bytes go; dropped by the reader to end the
+    /// stream (the lcore then frees what it kept).
+    pub slices: Sender<Slice>,
+}
+
+/// Why an lcore took no checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CheckpointRefused {
+    /// The job is not installed here.
+    NotInstalled,
+    /// A checkpoint is being streamed here (of this job or another).
+    Busy(u16),
+    /// The stream could not start (the heap refused what it keeps).
+    Failed(String),
+}
+
+/// Part of a job's tables' section from an lcore.
+#[derive(Debug)]
+pub enum Slice {
+    /// The next bytes.
+    Bytes(Vec<u8>),
+    /// The stream ended in an error (its bytes are not complete).
+    Failed(String),
+}
+
 /// A management request for one lcore, answered on its reply channel.
 #[derive(Debug)]
 pub enum Command {
     /// Install a job ([`Install`]).
     Install(Install),
-    /// Save a job's slots and tables (None when the job is not installed
-    /// here).
-    Snapshot(u16, Sender<Option<Saved>>),
+    /// Start a job's checkpoint here ([`Checkpoint`]).
+    Checkpoint(Checkpoint),
     /// Evict a job (its ranks' messages get an ERROR `evicted` for a
     /// minute, [`Shard::evict`]); answers whether it was installed.
     Remove(u16, Sender<bool>),
@@ -143,19 +184,27 @@ pub fn run<Io: PacketIo>(
     // The instant on `clock` of the last burst that brought something: the
     // turn's one clock read serves the spin too.
     let mut last_busy: Option<u64> = None;
+    // Where the slices of a checkpoint being streamed go.
+    let mut stream: Option<Sender<Slice>> = None;
     while !stop.load(Ordering::Relaxed) {
         while let Ok(cmd) = commands.try_recv() {
-            apply(&mut shard, cmd, clock.now());
+            apply(&mut shard, cmd, clock.now(), &mut stream);
         }
+        // A slice of a checkpoint per turn; the loop does not wait while
+        // the reader has room for more.
+        let streaming = pump(&mut shard, &mut stream);
         // Nanoseconds to spin after such a burst (none when the loop never
         // waits anyway): one relaxed load of a line written only when the
         // spin changes.
         let spin_ns = if wait.is_some() { opts.spin.nanos() } else { 0 };
         let now = clock.now();
         let spinning = last_busy.is_some_and(|t| now.saturating_sub(t) < spin_ns);
-        let n = io.rx_burst(if spinning { None } else { wait }, &mut |from, datagram| {
-            shard.handle(from, datagram, now);
-        })?;
+        let n = io.rx_burst(
+            if spinning || streaming { None } else { wait },
+            &mut |from, datagram| {
+                shard.handle(from, datagram, now);
+            },
+        )?;
         if n > 0 && spin_ns > 0 {
             last_busy = Some(now);
         } else if spinning {
@@ -213,7 +262,34 @@ fn flush<Io: PacketIo>(
     }
 }
 
-fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
+/// Makes the next slice of the checkpoint being streamed, if its reader
+/// has room for it; true when it made one. A reader gone ends the stream.
+fn pump<A: Copy + Eq>(shard: &mut Shard<A>, stream: &mut Option<Sender<Slice>>) -> bool {
+    let Some(tx) = stream else {
+        return false;
+    };
+    if tx.is_full() {
+        return false;
+    }
+    let mut bytes = Vec::with_capacity(SLICE_BYTES + 4096);
+    let (slice, done) = match shard.stream_tables_fill(&mut bytes, SLICE_BYTES) {
+        Ok(done) => (Slice::Bytes(bytes), done),
+        Err(e) => {
+            log::warn!("lcore {}: checkpoint stream ended: {e}", shard.lcore());
+            (Slice::Failed(e.to_string()), true)
+        }
+    };
+    let gone = tx.try_send(slice).is_err();
+    if gone {
+        shard.stream_tables_abort();
+    }
+    if gone || done {
+        *stream = None;
+    }
+    true
+}
+
+fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64, stream: &mut Option<Sender<Slice>>) {
     // A dropped reply channel only means the requester gave up waiting.
     match cmd {
         Command::Install(Install {
@@ -235,12 +311,22 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64) {
             }
             let _ = reply.send(r.map(|()| shard.job_memory_bytes(id).unwrap_or(0)));
         }
-        Command::Snapshot(id, reply) => {
-            let saved = shard.snapshot(id).and_then(|slots| {
-                let tables = shard.snapshot_tables(id)?;
-                Some(Saved { slots, tables })
-            });
-            let _ = reply.send(saved);
+        Command::Checkpoint(c) => {
+            let begun = match (shard.snapshot(c.job), shard.tables_streaming()) {
+                (None, _) => Err(CheckpointRefused::NotInstalled),
+                (Some(_), Some(other)) => Err(CheckpointRefused::Busy(other)),
+                (Some(slots), None) => shard
+                    .stream_tables_begin(c.job)
+                    .map(|bytes| (slots, bytes))
+                    .map_err(|e| CheckpointRefused::Failed(e.to_string())),
+            };
+            let ok = begun.is_ok();
+            if c.reply.send(begun).is_err() && ok {
+                // The requester gave up: nobody reads the stream.
+                shard.stream_tables_abort();
+            } else if ok {
+                *stream = Some(c.slices);
+            }
         }
         Command::Remove(id, reply) => {
             let _ = reply.send(shard.evict(id, now));

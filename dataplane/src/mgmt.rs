@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crossbeam_channel::{bounded, Sender};
+use crossbeam_channel::{bounded, Receiver, Sender};
 use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats, TableLive,
@@ -27,11 +27,73 @@ use phub_engine::counters::{NetDrop, ShardCounters};
 use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
 use phub_engine::shm::ShmSetup;
 
-use crate::lcore::{Clock, Command, Install, Saved};
+use crate::lcore::{CheckpointRefused, Clock, Command, Install, Saved, Slice, SLICES_AHEAD};
 use crate::tables;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a checkpoint being written waits for an lcore's next slice,
+/// or for its reader to take the next bytes, before it is cut.
+const CHECKPOINT_STALL: Duration = Duration::from_secs(60);
+
+/// A checkpoint whose parts are being made ([`Manager::checkpoint_begin`]):
+/// its head (magic, version, job, every lcore's slots) in memory, each
+/// lcore's tables' section coming from that lcore, then the CRC.
+#[derive(Debug)]
+pub struct CheckpointStream {
+    job: u16,
+    head: Vec<u8>,
+    /// Per lcore, its slices and the bytes its section has.
+    sections: Vec<(Receiver<Slice>, u64)>,
+}
+
+impl CheckpointStream {
+    /// The file's bytes.
+    pub fn len(&self) -> u64 {
+        self.head.len() as u64 + self.sections.iter().map(|s| s.1).sum::<u64>() + 4
+    }
+
+    /// Whether the file is empty (never: it has a head).
+    pub fn is_empty(&self) -> bool {
+        false
+    }
+
+    /// Hands the file's bytes to `sink` in order, ending with the CRC of
+    /// all before it. An lcore that sends no slice for
+    /// [`CHECKPOINT_STALL`], ends its stream in an error or sends more
+    /// than its section is an error; so is a sink's error (its reader
+    /// gone). Dropping the stream at any point ends the lcores' streams.
+    pub fn write(self, mut sink: impl FnMut(Vec<u8>) -> Result<(), String>) -> Result<(), MgmtError> {
+        let id = self.job;
+        let fail = |why: String| err(500, format!("job {id}: {why}"));
+        let mut crc = crc32fast::Hasher::new();
+        crc.update(&self.head);
+        sink(self.head).map_err(&fail)?;
+        for (i, (slices, len)) in self.sections.into_iter().enumerate() {
+            let mut got = 0u64;
+            while got < len {
+                let bytes = match slices.recv_timeout(CHECKPOINT_STALL) {
+                    Ok(Slice::Bytes(b)) => b,
+                    Ok(Slice::Failed(why)) => return Err(fail(format!("lcore {i}: {why}"))),
+                    Err(e) => {
+                        return Err(fail(format!(
+                            "lcore {i} sent {got} of its {len} bytes of tables, then nothing ({e})"
+                        )))
+                    }
+                };
+                got += bytes.len() as u64;
+                if got > len {
+                    return Err(fail(format!(
+                        "lcore {i} sent {got} bytes of tables, {len} were stated"
+                    )));
+                }
+                crc.update(&bytes);
+                sink(bytes).map_err(&fail)?;
+            }
+        }
+        sink(crc.finalize().to_le_bytes().to_vec()).map_err(&fail)
+    }
+}
 
 /// One running lcore, as the management side sees it.
 #[derive(Debug)]
@@ -190,28 +252,68 @@ impl Manager {
         Ok(r)
     }
 
-    /// `GET /v1/jobs/{id}/checkpoint`: every lcore's saved slots.
+    /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file, whole in
+    /// memory (tests and tools; the API streams it, [`Manager::checkpoint_to`]).
     pub fn checkpoint(&self, id: u16) -> Result<Checkpoint, MgmtError> {
+        let stream = self.checkpoint_begin(id)?;
+        let mut bytes = Vec::new();
+        stream.write(|b| {
+            bytes.extend_from_slice(&b);
+            Ok(())
+        })?;
+        Checkpoint::decode(&bytes)
+            .map_err(|e| err(500, format!("job {id}: the checkpoint taken does not read: {e}")))
+    }
+
+    /// `GET /v1/jobs/{id}/checkpoint`, streamed: every lcore copies the
+    /// job's slots and begins streaming its tables at once (the lcores go
+    /// on serving: copy on write, [`crate::lcore::Checkpoint`]); the file
+    /// is then written as its parts come, to a thread of its own, so that
+    /// the appliance never holds a copy of a table. Its length is known
+    /// before the first byte.
+    pub fn checkpoint_begin(&self, id: u16) -> Result<CheckpointStream, MgmtError> {
         let job = self
             .jobs()
             .get(&id)
             .map(|j| j.request.clone())
             .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
         let mut lcores = Vec::with_capacity(self.lcores.len());
-        let mut tables = Vec::with_capacity(self.lcores.len());
+        let mut sections = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {
             let (tx, rx) = bounded(1);
-            let state = l
+            let (slices, section) = bounded(SLICES_AHEAD);
+            let c = crate::lcore::Checkpoint {
+                job: id,
+                reply: tx,
+                slices,
+            };
+            // A refusal drops the sections begun: their lcores end them.
+            let (slots, len) = l
                 .commands
-                .send_timeout(Command::Snapshot(id, tx), ACK_TIMEOUT)
+                .send_timeout(Command::Checkpoint(c), ACK_TIMEOUT)
                 .ok()
                 .and_then(|()| rx.recv_timeout(ACK_TIMEOUT).ok())
                 .ok_or_else(|| err(500, format!("lcore {i} did not answer the checkpoint request")))?
-                .ok_or_else(|| err(404, format!("job {id} is not installed on lcore {i}")))?;
-            lcores.push(state.slots);
-            tables.push(state.tables);
+                .map_err(|r| match r {
+                    CheckpointRefused::NotInstalled => err(404, format!("job {id} is not installed on lcore {i}")),
+                    CheckpointRefused::Busy(other) => err(
+                        409,
+                        format!(
+                            "job {id}: lcore {i} is streaming a checkpoint of job {other}; one at a time per lcore, \
+                             try again when it is done"
+                        ),
+                    ),
+                    CheckpointRefused::Failed(why) => err(500, format!("job {id}: lcore {i}: {why}")),
+                })?;
+            lcores.push(slots);
+            sections.push((section, len));
         }
-        Ok(Checkpoint { job, lcores, tables })
+        let head = Checkpoint::encode_head(&job, &lcores).map_err(|e| err(500, format!("job {id}: {e}")))?;
+        Ok(CheckpointStream {
+            job: id,
+            head,
+            sections,
+        })
     }
 
     fn install_with(
@@ -773,9 +875,18 @@ impl Handler for Api {
                     .map(|_| Response::new(204, "application/json", Vec::new()))
             }
             MgmtRoute::Checkpoint { job: id } => {
-                let c = mgr.checkpoint(id)?;
-                let bytes = c.encode().map_err(|e| err(500, format!("job {id}: {e}")))?;
-                Ok(Response::new(200, "application/octet-stream", bytes))
+                let stream = mgr.checkpoint_begin(id)?;
+                let (tx, body) = phub_http::streamed(stream.len(), CHECKPOINT_STALL);
+                let spawned = std::thread::Builder::new()
+                    .name(format!("checkpoint-{id}"))
+                    .spawn(move || {
+                        let r = stream.write(|b| tx.send(b).map_err(|e| e.to_string()));
+                        if let Err(e) = r {
+                            tx.fail(format!("checkpoint of job {id}: {}", e.message));
+                        }
+                    });
+                spawned.map_err(|e| err(500, format!("job {id}: no thread to write the checkpoint: {e}")))?;
+                Ok(Response::streamed(200, "application/octet-stream", body))
             }
             MgmtRoute::Install { job: id } if body.starts_with(CKPT_MAGIC) => {
                 let c = Checkpoint::decode(body).map_err(|e| err(400, format!("job {id}: {e}")))?;

@@ -59,12 +59,16 @@ pub mod secret;
 mod server;
 #[cfg(feature = "server")]
 mod source;
+#[cfg(feature = "server")]
+pub mod stream;
 mod tls;
 
 pub use client::{Client, ClientError};
 pub use controls::{Asked, Controls, ControlsError, Timeouts, CONTROL_ENV, LEADER_HEADER};
 #[cfg(feature = "server")]
 pub use server::{Class, Handler, Limits, Request, Response, Server};
+#[cfg(feature = "server")]
+pub use stream::{streamed, StreamGone, StreamSender, Streamed};
 pub use tls::{agent, client_config, client_config_with_identity, server_config, TlsError, CA_FILE_ENV};
 
 /// A re-export, so that users name the same rustls as this crate.

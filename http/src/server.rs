@@ -9,7 +9,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
@@ -22,6 +22,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
 use crate::source::{Connections, Failures, Report, Source};
+use crate::stream::{Body, Stream};
 
 /// What one listener allows; see the crate documentation for what happens
 /// when each is exceeded.
@@ -118,6 +119,9 @@ pub struct Response {
     pub body: Vec<u8>,
     /// Further headers.
     pub headers: Vec<(&'static str, String)>,
+    /// A body sent as it is made, instead of `body`
+    /// ([`Response::streamed`]).
+    pub stream: Option<Stream>,
 }
 
 impl Response {
@@ -128,6 +132,7 @@ impl Response {
             content_type,
             body,
             headers: Vec::new(),
+            stream: None,
         }
     }
 
@@ -146,17 +151,29 @@ impl Response {
         self
     }
 
-    fn into_hyper(self) -> hyper::Response<Full<Bytes>> {
+    fn into_hyper(self) -> hyper::Response<Body> {
         let mut b = hyper::Response::builder()
             .status(self.status)
             .header("Content-Type", self.content_type);
         for (k, v) in self.headers {
             b = b.header(k, v);
         }
-        b.body(Full::new(Bytes::from(self.body))).unwrap_or_else(|e| {
-            let mut r = hyper::Response::new(Full::new(Bytes::from(format!(
+        let streamed = self.stream.and_then(|s| {
+            s.0.lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .take()
+        });
+        let body = match streamed {
+            Some(s) => {
+                b = b.header("Content-Length", s.len().to_string());
+                Body::Streamed(s)
+            }
+            None => Body::Whole(Some(Bytes::from(self.body))),
+        };
+        b.body(body).unwrap_or_else(|e| {
+            let mut r = hyper::Response::new(Body::Whole(Some(Bytes::from(format!(
                 "{{\"error\":\"bad response: {e}\"}}"
-            ))));
+            )))));
             *r.status_mut() = hyper::StatusCode::INTERNAL_SERVER_ERROR;
             r
         })
@@ -514,9 +531,20 @@ async fn serve_http<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let svc_ctx = ctx.clone();
+    // Set once the answer is a streamed body: its own stall limit bounds
+    // the connection from then on, not the connection's life.
+    let streaming = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let svc_streaming = streaming.clone();
     let service = service_fn(move |req: hyper::Request<Incoming>| {
         let ctx = svc_ctx.clone();
-        async move { Ok::<_, Infallible>(answer(&ctx, req, peer).await.into_hyper()) }
+        let streaming = svc_streaming.clone();
+        async move {
+            let resp = answer(&ctx, req, peer).await;
+            if resp.stream.is_some() {
+                streaming.store(true, std::sync::atomic::Ordering::Relaxed);
+            }
+            Ok::<_, Infallible>(resp.into_hyper())
+        }
     });
     let mut builder = http1::Builder::new();
     builder
@@ -533,7 +561,19 @@ async fn serve_http<S>(
             }
         }
         _ = tokio::time::sleep_until(deadline) => {
-            log::debug!("connection from {peer}: closed after {:?}", ctx.limits.connection_timeout);
+            if streaming.load(std::sync::atomic::Ordering::Relaxed) {
+                // A streamed body ends by its own stall limit or when whole.
+                tokio::select! {
+                    r = &mut conn => {
+                        if let Err(e) = r {
+                            log::debug!("connection from {peer}: {e}");
+                        }
+                    }
+                    _ = stop.changed() => {}
+                }
+            } else {
+                log::debug!("connection from {peer}: closed after {:?}", ctx.limits.connection_timeout);
+            }
         }
         _ = stop.changed() => {
             conn.as_mut().graceful_shutdown();

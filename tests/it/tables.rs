@@ -431,3 +431,105 @@ fn a_table_over_two_appliances_is_exact() {
         assert!(results > 0, "appliance {i} sent no table answer");
     }
 }
+
+/// A checkpoint taken while two ranks push: each lcore streams its share
+/// of the table (copy on write, the lcore serving between slices; here
+/// 40,000 rows of 28 bytes per lcore, three slices of 512 KiB) and the
+/// file holds, per lcore, exactly the rows of the round it says was
+/// completed: no row of a later round, none of an earlier one, whatever
+/// the pushes did while the bytes were being sent. Read from the
+/// dataplane's API as control reads it, three times during the rounds.
+#[test]
+fn a_table_checkpointed_while_ranks_push_holds_one_round_per_lcore() {
+    use phub::proto::checkpoint::Checkpoint;
+    use phub::proto::table_checkpoint::TableRoundsState;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    let rack = Rack::start(2, "512MiB");
+    let job = rack.admit(&spec("rows = 100000\n")).unwrap();
+    let ids: Vec<u64> = (0..80_000u64).map(|i| i * 7 + 3).collect();
+    let d = DIM as usize;
+    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
+        (rank + 1) as f32 * 0.5 - (round as f32) * 0.25 + (id % 5) as f32 - e as f32 * 0.125
+    };
+    // Row `id`'s values after round t (SGD, lr 0.5, from zeros).
+    let want = |t: u32, id: u64| -> Vec<f32> {
+        (0..d)
+            .map(|e| {
+                let mut w = 0f32;
+                for r in 1..=t {
+                    w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
+                }
+                w
+            })
+            .collect()
+    };
+    let workers: Vec<phub_worker::Worker> = (0..2u16)
+        .map(|rank| phub_worker::Worker::join(&rack.control_url, job.id, job.token, rank).unwrap())
+        .collect();
+    const ROUNDS: u32 = 8;
+    let done = AtomicU32::new(0);
+    let files: Vec<Vec<u8>> = std::thread::scope(|s| {
+        for (rank, w) in (0u16..).zip(&workers) {
+            let (ids, done) = (&ids, &done);
+            s.spawn(move || {
+                let mut out = vec![0f32; ids.len() * d];
+                for round in 1..=ROUNDS {
+                    let grads: Vec<f32> = ids
+                        .iter()
+                        .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
+                        .collect();
+                    let r = w.push_pull_rows("emb", ids, &grads, &mut out).unwrap();
+                    assert_eq!(r, round, "rank {rank}");
+                    if rank == 0 {
+                        done.store(round, Ordering::Release);
+                    }
+                }
+            });
+        }
+        while done.load(Ordering::Acquire) < 1 {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        (0..3)
+            .map(|_| rack.dataplane_as_control(&mgmt::checkpoint(job.id)))
+            .collect()
+    });
+    let d32 = DIM as usize;
+    let mut rounds_seen = Vec::new();
+    for (n, file) in files.iter().enumerate() {
+        let c = Checkpoint::decode(file).unwrap_or_else(|e| panic!("checkpoint {n}: {e}"));
+        assert_eq!(c.tables.len(), 2, "one section per lcore");
+        let mut rows_in_file = 0usize;
+        for (l, tables) in c.tables.iter().enumerate() {
+            assert_eq!(tables.len(), 1);
+            let t = &tables[0];
+            let TableRoundsState::Bsp { completed } = t.rounds else {
+                panic!("a BSP table saved clocks")
+            };
+            assert!((1..=ROUNDS).contains(&completed), "checkpoint {n} lcore {l}: round {completed}");
+            rounds_seen.push(completed);
+            // The row store's bytes (PROTOCOL.md §10.6): a 56-byte header
+            // (dim at 12, state length at 16, rows at 24), then per row its
+            // id, touch word, values and state.
+            let b = &t.rows;
+            let u32_at = |at: usize| u32::from_le_bytes(b[at..at + 4].try_into().unwrap());
+            let (dim, state) = (u32_at(12) as usize, u32_at(16) as usize);
+            assert_eq!(dim, d32);
+            let rows = u64::from_le_bytes(b[24..32].try_into().unwrap()) as usize;
+            let record = 12 + 4 * (dim + state);
+            for r in 0..rows {
+                let at = 56 + r * record;
+                let id = u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
+                let values: Vec<f32> = (0..dim).map(|e| f32::from_bits(u32_at(at + 12 + 4 * e))).collect();
+                assert_eq!(
+                    values,
+                    want(completed, id),
+                    "checkpoint {n} lcore {l}: row {id} is not round {completed}'s"
+                );
+            }
+            rows_in_file += rows;
+        }
+        assert_eq!(rows_in_file, ids.len(), "checkpoint {n}: every row, once");
+    }
+    eprintln!("rounds in the checkpoints, per lcore: {rounds_seen:?}");
+}

@@ -136,6 +136,14 @@ impl Rack {
     pub(crate) fn dataplane<A>(&self, call: &MgmtCall<'_, A>) -> A {
         send(&self.mgmt_url, call)
     }
+
+    /// `call` to the dataplane's management API with its token, as
+    /// control sends it.
+    pub(crate) fn dataplane_as_control<A>(&self, call: &MgmtCall<'_, A>) -> A {
+        client(&self.mgmt_url, Some(&self.mgmt_token()))
+            .send(call)
+            .unwrap_or_else(|e| panic!("{} at {}: {e}", call.what(), self.mgmt_url))
+    }
 }
 
 impl Operator for Rack {

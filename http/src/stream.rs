@@ -1,0 +1,203 @@
+//! Bodies produced after their handler has returned: a handler answers
+//! with [`Response::streamed`] and hands the [`StreamSender`] to a thread
+//! of its own, which sends the body's bytes as they are made. The length
+//! is stated up front (`Content-Length`), so a client reading the body
+//! knows a cut one from a whole one.
+//!
+//! While a streamed body is being sent the connection's life
+//! ([`crate::server::Limits::connection_timeout`]) no longer applies: a
+//! large body may take longer. What bounds it instead is progress: a body
+//! that gets nothing for its `stall` time ends in an error (the client
+//! sees the connection close short of the stated length), and a sender
+//! whose client reads nothing for its `stall` time is told the stream is
+//! gone. A sender dropped before the stated length, or one that
+//! [`StreamSender::fail`]s, cuts the body the same way.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::Bytes;
+use hyper::body::{Frame, SizeHint};
+use tokio::sync::mpsc::{self, error::TrySendError};
+
+use crate::server::Response;
+
+/// Slices a streamed body holds in flight between its sender and the
+/// connection.
+const DEPTH: usize = 4;
+
+/// The sending half of a streamed body (module head).
+#[derive(Debug)]
+pub struct StreamSender {
+    tx: mpsc::Sender<Result<Bytes, String>>,
+    stall: Duration,
+}
+
+/// Why a streamed body's sender can send no more.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StreamGone {
+    /// The connection closed (the client went away, or the body ended in
+    /// an error).
+    #[error("the client closed the connection")]
+    Closed,
+    /// The client read nothing for the stall time.
+    #[error("the client read nothing for {0:?}")]
+    Stalled(Duration),
+}
+
+impl StreamSender {
+    /// Send the body's next bytes; waits (on this thread, not in an async
+    /// context) while the client is behind, up to the stall time.
+    pub fn send(&self, bytes: Vec<u8>) -> Result<(), StreamGone> {
+        let mut item = Ok(Bytes::from(bytes));
+        let start = std::time::Instant::now();
+        loop {
+            match self.tx.try_send(item) {
+                Ok(()) => return Ok(()),
+                Err(TrySendError::Closed(_)) => return Err(StreamGone::Closed),
+                Err(TrySendError::Full(back)) => {
+                    if start.elapsed() >= self.stall {
+                        return Err(StreamGone::Stalled(self.stall));
+                    }
+                    item = back;
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
+    }
+
+    /// End the body short, with `why` in the listener's log.
+    pub fn fail(&self, why: impl Into<String>) {
+        let why = why.into();
+        log::warn!("a streamed answer was cut: {why}");
+        let _ = self.tx.try_send(Err(why));
+    }
+}
+
+/// The receiving half, the body of a [`Response::streamed`].
+#[derive(Debug)]
+pub struct Streamed {
+    rx: mpsc::Receiver<Result<Bytes, String>>,
+    left: u64,
+    stall: Duration,
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl Streamed {
+    /// Bytes not yet sent.
+    pub fn len(&self) -> u64 {
+        self.left
+    }
+
+    /// Whether every byte is sent.
+    pub fn is_empty(&self) -> bool {
+        self.left == 0
+    }
+}
+
+/// A streamed body of `len` bytes whose sender is given `stall` to make
+/// progress (and whose client is given as long to read).
+pub fn streamed(len: u64, stall: Duration) -> (StreamSender, Streamed) {
+    let (tx, rx) = mpsc::channel(DEPTH);
+    (
+        StreamSender { tx, stall },
+        Streamed {
+            rx,
+            left: len,
+            stall,
+            timer: None,
+        },
+    )
+}
+
+impl Response {
+    /// An answer whose body `body` is sent as its sender makes it.
+    pub fn streamed(status: u16, content_type: &'static str, body: Streamed) -> Response {
+        let mut r = Response::new(status, content_type, Vec::new());
+        r.stream = Some(Stream(std::sync::Arc::new(std::sync::Mutex::new(Some(body)))));
+        r
+    }
+}
+
+/// A streamed body inside a [`Response`] (taken once, when it is sent).
+#[derive(Debug, Clone)]
+pub struct Stream(pub(crate) std::sync::Arc<std::sync::Mutex<Option<Streamed>>>);
+
+impl PartialEq for Stream {
+    fn eq(&self, other: &Stream) -> bool {
+        std::sync::Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for Stream {}
+
+/// The body hyper sends: whole, or streamed.
+#[derive(Debug)]
+pub(crate) enum Body {
+    Whole(Option<Bytes>),
+    Streamed(Streamed),
+}
+
+impl hyper::body::Body for Body {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        let s = match self.get_mut() {
+            Body::Whole(b) => return Poll::Ready(b.take().map(|b| Ok(Frame::data(b)))),
+            Body::Streamed(s) => s,
+        };
+        if s.left == 0 {
+            return Poll::Ready(None);
+        }
+        match s.rx.poll_recv(cx) {
+            Poll::Ready(Some(Ok(b))) => {
+                s.timer = None;
+                let n = b.len() as u64;
+                if n > s.left {
+                    return Poll::Ready(Some(Err(std::io::Error::other(format!(
+                        "the streamed body got {n} bytes with {} left of its stated length",
+                        s.left
+                    )))));
+                }
+                s.left -= n;
+                Poll::Ready(Some(Ok(Frame::data(b))))
+            }
+            Poll::Ready(Some(Err(why))) => Poll::Ready(Some(Err(std::io::Error::other(why)))),
+            Poll::Ready(None) => Poll::Ready(Some(Err(std::io::Error::other(format!(
+                "the streamed body's sender stopped {} bytes short",
+                s.left
+            ))))),
+            Poll::Pending => {
+                let stall = s.stall;
+                let timer = s.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep(stall)));
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Some(Err(std::io::Error::other(format!(
+                        "the streamed body's sender made no progress for {stall:?} ({} bytes left)",
+                        s.left
+                    ))))),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Body::Whole(b) => b.is_none(),
+            Body::Streamed(s) => s.left == 0,
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Body::Whole(b) => SizeHint::with_exact(b.as_ref().map_or(0, |b| b.len() as u64)),
+            Body::Streamed(s) => SizeHint::with_exact(s.left),
+        }
+    }
+}
