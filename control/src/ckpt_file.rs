@@ -14,6 +14,7 @@
 //!   admission's, another part's chunks) is as unusable as a corrupt one
 //!   ([`Owner::check`]): never restored, never written over.
 
+use std::io::Write;
 use std::path::{Path, PathBuf};
 
 use phub_proto::api::InstallJob;
@@ -224,31 +225,6 @@ fn link_prev(path: &Path, prev: &Path) -> std::io::Result<()> {
     std::fs::hard_link(path, prev).or_else(|_| std::fs::copy(path, prev).map(drop))
 }
 
-/// Whether the file at `path` holds `bytes`, read back in slices (never
-/// whole).
-fn same_bytes(path: &Path, bytes: &[u8]) -> Result<(), String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let len = f.metadata().map_err(|e| e.to_string())?.len();
-    if len != bytes.len() as u64 {
-        return Err(format!("{len} bytes read back, {} written", bytes.len()));
-    }
-    let mut buf = vec![0u8; 1 << 20];
-    let mut at = 0;
-    while at < bytes.len() {
-        let n = f.read(&mut buf).map_err(|e| e.to_string())?;
-        if n == 0 {
-            return Err(format!("the file ends at byte {at} of {}", bytes.len()));
-        }
-        let end = (at + n).min(bytes.len());
-        if buf[..end - at] != bytes[at..end] {
-            return Err(format!("the bytes read back differ in bytes {at}..{end}"));
-        }
-        at = end;
-    }
-    Ok(())
-}
-
 /// "rounds 3..=5", "round 3", "no completed round".
 fn rounds(r: Option<(u32, u32)>) -> String {
     match r {
@@ -286,48 +262,135 @@ pub(crate) enum KeepError {
     Write(String),
 }
 
-/// Keeps `bytes` (a checkpoint the caller has decoded: `new` are its
+/// Where a checkpoint being received is written, beside the file it may
+/// replace ([`receive`], then [`keep`]).
+pub(crate) fn incoming_path(path: &Path) -> PathBuf {
+    state::sibling(path, ".incoming")
+}
+
+/// A checkpoint received into its incoming file and read back whole.
+#[derive(Debug)]
+pub(crate) struct Received {
+    /// Its job (id, token, spec, layout).
+    pub(crate) job: InstallJob,
+    /// Its slots' completed rounds.
+    pub(crate) rounds: Rounds,
+    /// Its bytes.
+    pub(crate) bytes: u64,
+}
+
+/// Why a checkpoint was not received.
+#[derive(Debug)]
+pub(crate) enum ReceiveError<E> {
+    /// `fill` failed (the appliance's answer).
+    Fill(E),
+    /// Writing the file, or reading it back, failed: what and why.
+    File(String),
+}
+
+/// Writes a checkpoint (what `fill` writes, as it comes) to `incoming`
+/// (0600, a leftover one replaced), syncs it, and reads it back whole as
+/// it streams ([`Checkpoint::scan`]: structure and CRC, no values kept),
+/// so that memory stays O(slots) whatever its size. The file is removed
+/// on any error.
+pub(crate) fn receive<E>(
+    incoming: &Path,
+    fill: impl FnOnce(&mut dyn Write) -> Result<u64, E>,
+) -> Result<Received, ReceiveError<E>> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file_err = |what: &str, e: &dyn std::fmt::Display| {
+        let _ = std::fs::remove_file(incoming);
+        ReceiveError::File(format!("{what} {}: {e}", incoming.display()))
+    };
+    match std::fs::remove_file(incoming) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(file_err("removing a leftover", &e)),
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(incoming)
+        .map_err(|e| file_err("creating", &e))?;
+    let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
+    let written = match fill(&mut w) {
+        Ok(n) => n,
+        Err(e) => {
+            drop(w);
+            let _ = std::fs::remove_file(incoming);
+            return Err(ReceiveError::Fill(e));
+        }
+    };
+    let f = w
+        .into_inner()
+        .map_err(|e| file_err("writing", &e.error().to_string()))?;
+    f.sync_all().map_err(|e| file_err("syncing", &e))?;
+    drop(f);
+    let r = std::fs::File::open(incoming).map_err(|e| file_err("reading back", &e))?;
+    let (c, bytes) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, r))
+        .map_err(|e| file_err("reading back", &e))?;
+    if bytes != written {
+        return Err(file_err(
+            "reading back",
+            &format!("{bytes} bytes read back, {written} written"),
+        ));
+    }
+    Ok(Received {
+        rounds: Rounds::of(&c),
+        job: c.job,
+        bytes,
+    })
+}
+
+/// The rounds of the checkpoint at `path` for `owner`, read as it streams
+/// (no values kept): `None` if there is no file; why it cannot be used as
+/// [`read`] says.
+fn scan_rounds(path: &Path, owner: &Owner<'_>) -> Result<Option<Rounds>, String> {
+    let f = match std::fs::File::open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(with_prev(path, format!("cannot be read: {e}"))),
+    };
+    let (c, _) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, f))
+        .map_err(|e| with_prev(path, e.to_string()))?;
+    owner.check(&c.job).map_err(|e| with_prev(path, e))?;
+    Ok(Some(Rounds::of(&c)))
+}
+
+/// Keeps the checkpoint [`receive`]d into `incoming` (`new` are its
 /// rounds) as the checkpoint at `path` of the part `owner` describes,
-/// unless the file there is unusable or newer ([`regression`]). The file
-/// there stays as `<file>.prev` (a second link to it, not a copy); the new
-/// one is written and synced atomically ([`state::write_atomic`]) and read
-/// back, compared byte for byte as it streams in; only then is
-/// `<file>.prev` removed. If it does not read back, the previous one is put
-/// back. Besides `bytes`, it holds no copy of a checkpoint but the previous
-/// file's while that is read and decoded.
-pub(crate) fn keep(path: &Path, bytes: &[u8], new: &Rounds, owner: &Owner<'_>) -> Result<(), KeepError> {
+/// unless the file there is unusable or newer ([`regression`]); then the
+/// incoming file is removed and the one there left as it is. The file
+/// there stays as `<file>.prev` (a second link to it, not a copy) until
+/// the incoming one has replaced it (a rename, then the directory synced);
+/// the incoming one was synced and read back whole before. Memory: the
+/// file there is read as it streams, no copy of either is held.
+pub(crate) fn keep(path: &Path, incoming: &Path, new: &Rounds, owner: &Owner<'_>) -> Result<(), KeepError> {
     let file = path.display().to_string();
-    // The previous file's bytes and values are dropped once its rounds are
-    // taken.
-    let old = read(path, owner)
-        .map_err(|why| KeepError::Unusable {
+    let refuse = |e: KeepError| {
+        let _ = std::fs::remove_file(incoming);
+        e
+    };
+    let old = scan_rounds(path, owner).map_err(|why| {
+        refuse(KeepError::Unusable {
             file: file.clone(),
             why,
-        })?
-        .map(|(_, c)| Rounds::of(&c));
+        })
+    })?;
     let prev = prev_path(path);
     if let Some(old) = &old {
         if let Some(why) = regression(old, new) {
-            return Err(KeepError::Older { file, why });
+            return Err(refuse(KeepError::Older { file, why }));
         }
-        link_prev(path, &prev)
-            .map_err(|e| KeepError::Write(format!("keeping {file} as {}: {e}", prev.display())))?;
+        link_prev(path, &prev).map_err(|e| {
+            refuse(KeepError::Write(format!(
+                "keeping {file} as {}: {e}",
+                prev.display()
+            )))
+        })?;
     }
-    state::write_atomic(path, bytes).map_err(|e| KeepError::Write(e.to_string()))?;
-    if let Err(why) = same_bytes(path, bytes) {
-        let put_back = if old.is_some() {
-            std::fs::rename(&prev, path).map_or_else(
-                |e| format!("; the previous one stays at {} ({e})", prev.display()),
-                |()| "; the previous one is back".to_string(),
-            )
-        } else {
-            let _ = std::fs::remove_file(path);
-            String::new()
-        };
-        return Err(KeepError::Write(format!(
-            "the checkpoint written to {file} does not read back: {why}{put_back}"
-        )));
-    }
+    state::rename_synced(incoming, path).map_err(|e| refuse(KeepError::Write(e.to_string())))?;
     match std::fs::remove_file(&prev) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
@@ -397,6 +460,20 @@ mod tests {
         }
     }
 
+    /// `c` received beside `path` ([`receive`]), then [`keep`]: what
+    /// control does with an appliance's answer.
+    fn keep_ckpt(path: &Path, c: &Checkpoint, owner: &Owner<'_>) -> Result<(), KeepError> {
+        let inc = incoming_path(path);
+        let bytes = c.encode().unwrap();
+        let got = receive::<std::io::Error>(&inc, |w| w.write_all(&bytes).map(|()| bytes.len() as u64))
+            .unwrap_or_else(|_| panic!("a whole checkpoint is received"));
+        assert_eq!(got.bytes, bytes.len() as u64);
+        assert_eq!(got.rounds, Rounds::of(c));
+        let r = keep(path, &inc, &got.rounds, owner);
+        assert!(!inc.exists(), "the incoming file is kept or removed, never left");
+        r
+    }
+
     fn dir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("phub-ckpt-file-{}-{name}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
@@ -415,9 +492,9 @@ mod tests {
         let path = d.join("job-4.ckpt");
         let at5 = ckpt(Some(5));
         let good = at5.encode().unwrap();
-        keep(&path, &good, &Rounds::of(&at5), &owner(&at5)).unwrap();
+        keep_ckpt(&path, &at5, &owner(&at5)).unwrap();
         for (new, says) in [(ckpt(None), "no completed round"), (ckpt(Some(4)), "at round 4")] {
-            let e = keep(&path, &new.encode().unwrap(), &Rounds::of(&new), &owner(&at5)).unwrap_err();
+            let e = keep_ckpt(&path, &new, &owner(&at5)).unwrap_err();
             assert!(matches!(e, KeepError::Older { .. }), "{e}");
             let m = e.to_string();
             assert!(
@@ -428,7 +505,7 @@ mod tests {
         }
         // As new, or newer: kept, and no .prev stays.
         let at6 = ckpt(Some(6));
-        keep(&path, &at6.encode().unwrap(), &Rounds::of(&at6), &owner(&at5)).unwrap();
+        keep_ckpt(&path, &at6, &owner(&at5)).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), at6.encode().unwrap());
         assert!(!prev_path(&path).exists());
         std::fs::remove_dir_all(&d).unwrap();
@@ -444,40 +521,61 @@ mod tests {
         let mut bad = c.encode().unwrap();
         bad[40] ^= 1;
         std::fs::write(&path, &bad).unwrap();
-        let e = keep(&path, &c.encode().unwrap(), &Rounds::of(&c), &owner(&c)).unwrap_err();
+        let e = keep_ckpt(&path, &c, &owner(&c)).unwrap_err();
         assert!(e.to_string().contains("checksum"), "{e}");
         assert_eq!(std::fs::read(&path).unwrap(), bad);
         let mut other = c.clone();
         other.job.id = 9;
         std::fs::write(&path, other.encode().unwrap()).unwrap();
-        let e = keep(&path, &c.encode().unwrap(), &Rounds::of(&c), &owner(&c)).unwrap_err();
+        let e = keep_ckpt(&path, &c, &owner(&c)).unwrap_err();
         assert!(e.to_string().contains("job 9's checkpoint, not job 4's"), "{e}");
         std::fs::remove_dir_all(&d).unwrap();
     }
 
-    /// The read-back check streams the file and names where it differs;
-    /// the previous file is kept by a link that a later keep replaces.
+    /// A received checkpoint is read back whole as it streams: one cut or
+    /// corrupted on the way, or whose sender failed, is refused naming
+    /// why and its incoming file removed; the previous file is kept by a
+    /// link that a later keep replaces.
     #[test]
-    fn the_written_file_is_compared_as_it_streams_back_and_the_previous_kept_by_a_link() {
+    fn a_received_checkpoint_is_read_back_and_the_previous_kept_by_a_link() {
         let d = dir("readback");
         let path = d.join("job-4.ckpt");
-        let bytes: Vec<u8> = (0..3_000_000u32).map(|i| (i % 251) as u8).collect();
-        std::fs::write(&path, &bytes).unwrap();
-        same_bytes(&path, &bytes).unwrap();
-        let mut other = bytes.clone();
-        other[2_500_000] ^= 1;
-        let e = same_bytes(&path, &other).unwrap_err();
-        assert!(e.contains("2097152..3000000"), "{e}");
-        assert!(same_bytes(&path, &bytes[..10])
-            .unwrap_err()
-            .contains("3000000 bytes read back, 10 written"));
+        let inc = incoming_path(&path);
+        let bytes = ckpt(Some(3)).encode().unwrap();
+        let send = |b: &[u8]| {
+            let b = b.to_vec();
+            move |w: &mut dyn Write| w.write_all(&b).map(|()| b.len() as u64)
+        };
+        let refused = |r: Result<Received, ReceiveError<std::io::Error>>| match r {
+            Err(ReceiveError::File(why)) => why,
+            other => panic!("{other:?}"),
+        };
+        let why = refused(receive(&inc, send(&bytes[..bytes.len() - 9])));
+        assert!(why.contains("reading back") && why.contains("truncated"), "{why}");
+        assert!(!inc.exists());
+        let mut bad = bytes.clone();
+        bad[bytes.len() - 1] ^= 1;
+        let why = refused(receive(&inc, send(&bad)));
+        assert!(why.contains("checksum"), "{why}");
+        assert!(!inc.exists());
+        let failed = receive(&inc, |w: &mut dyn Write| {
+            w.write_all(&bytes[..100])?;
+            Err(std::io::Error::other("the appliance went away"))
+        });
+        assert!(matches!(failed, Err(ReceiveError::Fill(_))));
+        assert!(!inc.exists());
+        let got = receive(&inc, send(&bytes)).unwrap();
+        assert_eq!((got.bytes, got.job.id), (bytes.len() as u64, 4));
+        assert_eq!(std::fs::read(&inc).unwrap(), bytes);
+        std::fs::write(&path, b"old").unwrap();
         let prev = prev_path(&path);
         std::fs::write(&prev, b"stale").unwrap();
         link_prev(&path, &prev).unwrap();
-        state::write_atomic(&path, b"new").unwrap();
+        state::rename_synced(&inc, &path).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), bytes);
         assert_eq!(
             std::fs::read(&prev).unwrap(),
-            bytes,
+            b"old",
             "the previous file, replaced at its path, stays as .prev"
         );
         std::fs::remove_dir_all(&d).unwrap();

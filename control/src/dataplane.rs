@@ -2,7 +2,7 @@
 //! `phub_proto::routes::mgmt`, with the management token read from its file
 //! (and read again when the dataplane made a new one).
 
-use std::io::Read;
+use std::io::{Read, Write};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -81,6 +81,9 @@ pub(crate) const READ_TIMEOUT: Duration = Duration::from_secs(2);
 /// Longest wait for the answer to a change or a checkpoint, which carry a
 /// job's memory.
 pub(crate) const CHANGE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest a checkpoint's transfer may take in all (the dataplane cuts one
+/// that stalls for a minute long before).
+pub(crate) const CHECKPOINT_LIMIT: Duration = Duration::from_secs(6 * 3600);
 
 /// A blocking client; cheap to clone.
 #[derive(Clone)]
@@ -177,6 +180,22 @@ impl Client {
         fresh: bool,
         limit: Option<Duration>,
     ) -> Result<A, DataplaneError> {
+        self.exchange(call, fresh, limit, |body| {
+            let mut bytes = Vec::new();
+            body.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+            call.answer(&bytes)
+        })
+    }
+
+    /// Sends `call` and hands a success's body to `read` (which says why
+    /// it is not the answer, if it is not).
+    fn exchange<A, T>(
+        &self,
+        call: &MgmtCall<'_, A>,
+        fresh: bool,
+        limit: Option<Duration>,
+        read: impl FnOnce(&mut dyn Read) -> Result<T, String>,
+    ) -> Result<T, DataplaneError> {
         let route = call.route;
         let url = format!("{}{}", self.base, route.path());
         let mut req = self.agent.request(route.method().as_str(), &url);
@@ -203,13 +222,7 @@ impl Client {
             reason,
         };
         match res {
-            Ok(r) => {
-                let mut bytes = Vec::new();
-                r.into_reader()
-                    .read_to_end(&mut bytes)
-                    .map_err(|e| bad(e.to_string()))?;
-                call.answer(&bytes).map_err(bad)
-            }
+            Ok(r) => read(&mut r.into_reader()).map_err(bad),
             Err(ureq::Error::Status(status, r)) => {
                 let body = r.into_string().unwrap_or_default();
                 let message = ApiError::message_of(&body);
@@ -285,9 +298,23 @@ impl Client {
         }
     }
 
-    /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file.
-    pub(crate) fn checkpoint(&self, id: u16) -> Result<Vec<u8>, DataplaneError> {
-        self.send(&mgmt::checkpoint(id))
+    /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file, written
+    /// to `out` as it comes (never whole in memory); its bytes. The
+    /// dataplane streams it and cuts it if it stalls, so the whole call is
+    /// allowed [`CHECKPOINT_LIMIT`] rather than a change's 10 s.
+    pub(crate) fn checkpoint_into(&self, id: u16, out: &mut dyn Write) -> Result<u64, DataplaneError> {
+        let call = mgmt::checkpoint(id);
+        let read = |body: &mut dyn Read| std::io::copy(body, out).map_err(|e| e.to_string());
+        match self.exchange(&call, false, Some(CHECKPOINT_LIMIT), read) {
+            // The dataplane restarted and made a new token: read it again
+            // (nothing was written: a refusal has no body).
+            Err(DataplaneError::Refused {
+                status: 401 | 403, ..
+            }) => self.exchange(&call, true, Some(CHECKPOINT_LIMIT), |body: &mut dyn Read| {
+                std::io::copy(body, out).map_err(|e| e.to_string())
+            }),
+            r => r,
+        }
     }
 
     /// `PUT /v1/jobs/{id}` with a checkpoint file: installs the job restored.

@@ -462,7 +462,17 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         let _ = fs::remove_file(&tmp);
         return Err(write(&tmp)(e));
     }
-    fs::rename(&tmp, path).map_err(write(path))?;
+    rename_synced(&tmp, path)
+}
+
+/// Renames the synced file `from` to `path` (replacing what is there) and
+/// syncs the directory, so that the rename survives a crash.
+pub(crate) fn rename_synced(from: &Path, path: &Path) -> Result<(), StateError> {
+    let write = |p: &Path| {
+        let p = p.to_owned();
+        move |source| StateError::Write { path: p, source }
+    };
+    fs::rename(from, path).map_err(write(path))?;
     let dir = match path.parent() {
         Some(d) if !d.as_os_str().is_empty() => d,
         _ => Path::new("."),

@@ -28,6 +28,7 @@ use crate::api::InstallJob;
 use crate::layout::{Layout, Placement};
 use crate::spec::{Consistency, Optimizer};
 use crate::table_checkpoint::{self, Source, TableState};
+use std::io::Read;
 
 /// First bytes of every checkpoint file.
 pub const MAGIC: &[u8; 8] = b"PHUBCKPT";
@@ -88,6 +89,9 @@ pub enum CheckpointError {
     /// Slot counts or lengths disagree with the layout.
     #[error("checkpoint does not match its layout: {0}")]
     Mismatch(String),
+    /// Reading a streamed checkpoint failed ([`Checkpoint::scan`]).
+    #[error("reading the checkpoint: {0}")]
+    Io(String),
     /// Encoding only: a length does not fit the format's 4-byte field.
     #[error("checkpoint cannot hold {what} of {len}: the format's lengths are 4 bytes")]
     TooLarge {
@@ -239,6 +243,77 @@ impl Checkpoint {
         if crc32fast::hash(body) != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
             return Err(CheckpointError::BadChecksum);
         }
+        let c = Checkpoint::decode_from(&mut r, version)?;
+        if r.at != body.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "{} bytes left over",
+                body.len() - r.at
+            )));
+        }
+        Ok(c)
+    }
+
+    /// Reads and checks a checkpoint as it streams from `r`, keeping no
+    /// values: the job, every slot's completed round and clocks, every
+    /// table's rounds, with every array (parameters, state, results, row
+    /// stores) empty. The same checks as [`Checkpoint::decode`], the CRC
+    /// last; memory O(slots), whatever the file's size. Returns it and the
+    /// file's length.
+    pub fn scan(r: impl std::io::Read) -> Result<(Checkpoint, u64), CheckpointError> {
+        let mut r = Scanner {
+            r,
+            crc: crc32fast::Hasher::new(),
+            at: 0,
+            buf: Vec::new(),
+        };
+        if r.take(8).map_err(|_| CheckpointError::BadMagic)? != MAGIC {
+            return Err(CheckpointError::BadMagic);
+        }
+        let version = r.u32()?;
+        if !(1..=VERSION).contains(&version) {
+            return Err(CheckpointError::BadVersion(version));
+        }
+        // Read before the CRC is: a corrupt file fails on its structure
+        // or, if that holds, on the CRC below.
+        let c = Checkpoint::decode_from(&mut r, version)?;
+        let computed = r.crc.clone().finalize();
+        let crc = r.take(4)?;
+        if computed != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
+            return Err(CheckpointError::BadChecksum);
+        }
+        let len = r.at as u64;
+        let mut more = [0u8; 1];
+        match r.r.read(&mut more) {
+            Ok(0) => Ok((c, len)),
+            Ok(_) => Err(CheckpointError::Mismatch(
+                "bytes left over after the checksum".into(),
+            )),
+            Err(e) => Err(CheckpointError::Io(e.to_string())),
+        }
+    }
+
+    /// One lcore's tables' section (what follows the slots, per lcore:
+    /// [`table_checkpoint::encode_count`] and the tables), alone, as an
+    /// lcore streams it, for lcore `l` of a job of `spec`; all of `section`
+    /// must be it.
+    pub fn decode_tables(
+        section: &[u8],
+        spec: &crate::spec::JobSpec,
+        l: usize,
+    ) -> Result<Vec<TableState>, CheckpointError> {
+        let mut r = Reader { b: section, at: 0 };
+        let tables = table_checkpoint::decode(&mut r, spec, l)?;
+        if r.at != section.len() {
+            return Err(CheckpointError::Mismatch(format!(
+                "lcore {l}: {} bytes left over after its tables",
+                section.len() - r.at
+            )));
+        }
+        Ok(tables)
+    }
+
+    /// The checkpoint after its magic and version.
+    fn decode_from(r: &mut impl Source, version: u32) -> Result<Checkpoint, CheckpointError> {
         let jlen = r.u32()? as usize;
         let job: InstallJob =
             serde_json::from_slice(r.take(jlen)?).map_err(|e| CheckpointError::BadJob(e.to_string()))?;
@@ -284,7 +359,7 @@ impl Checkpoint {
                 )));
             }
             // At most what the rest of the file can hold: 20 bytes a slot.
-            let mut slots = Vec::with_capacity(ns.min(body.len().saturating_sub(r.at) / 20));
+            let mut slots = Vec::with_capacity(ns.min(r.left() / 20));
             let all = placement
                 .slots(l)
                 .map(|c| (c, rack_opt))
@@ -308,13 +383,13 @@ impl Checkpoint {
                     )));
                 }
                 let mut f = |n: usize| -> Result<Vec<f32>, CheckpointError> {
-                    Ok(r.take(4 * n)?
+                    Ok(r.values(4 * n)?
                         .chunks_exact(4)
                         .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
                         .collect())
                 };
                 let (params, s1, s2) = (f(lens[0])?, f(lens[1])?, f(lens[2])?);
-                let result = r.take(lens[3] * dsize)?.to_vec();
+                let result = r.values(lens[3] * dsize)?;
                 let nclocks = if version == 1 { 0 } else { r.u32()? as usize };
                 let want_clocks = if job.spec.consistency == Consistency::Sync {
                     0
@@ -349,34 +424,84 @@ impl Checkpoint {
         let tables = (0..nl)
             .map(|l| {
                 if version >= 3 {
-                    table_checkpoint::decode(&mut r, &job.spec, l)
+                    table_checkpoint::decode(r, &job.spec, l)
                 } else {
                     Ok(Vec::new())
                 }
             })
             .collect::<Result<_, _>>()?;
-        if r.at != body.len() {
-            return Err(CheckpointError::Mismatch(format!(
-                "{} bytes left over",
-                body.len() - r.at
-            )));
-        }
         Ok(Checkpoint { job, lcores, tables })
     }
 }
 
+/// A checkpoint in memory.
 struct Reader<'a> {
     b: &'a [u8],
     at: usize,
 }
 
-impl<'a> Source<'a> for Reader<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], CheckpointError> {
+impl Source for Reader<'_> {
+    fn take(&mut self, n: usize) -> Result<&[u8], CheckpointError> {
         let end = self.at.checked_add(n).filter(|&e| e <= self.b.len());
         let end = end.ok_or(CheckpointError::Truncated(self.at))?;
         let s = &self.b[self.at..end];
         self.at = end;
         Ok(s)
+    }
+
+    fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError> {
+        self.take(n).map(<[u8]>::to_vec)
+    }
+
+    fn left(&self) -> usize {
+        self.b.len() - self.at
+    }
+}
+
+/// A checkpoint streamed ([`Checkpoint::scan`]): values are read past,
+/// every byte goes into the CRC.
+struct Scanner<R> {
+    r: R,
+    crc: crc32fast::Hasher,
+    at: usize,
+    buf: Vec<u8>,
+}
+
+impl<R: std::io::Read> Scanner<R> {
+    /// Reads `n` bytes into `buf` (hashed), or says where the file ended.
+    fn fill(&mut self, n: usize) -> Result<(), CheckpointError> {
+        self.buf.clear();
+        let got = std::io::Read::take(&mut self.r, n as u64)
+            .read_to_end(&mut self.buf)
+            .map_err(|e| CheckpointError::Io(e.to_string()))?;
+        if got < n {
+            return Err(CheckpointError::Truncated(self.at + got));
+        }
+        self.crc.update(&self.buf);
+        self.at += n;
+        Ok(())
+    }
+}
+
+impl<R: std::io::Read> Source for Scanner<R> {
+    fn take(&mut self, n: usize) -> Result<&[u8], CheckpointError> {
+        self.fill(n)?;
+        Ok(&self.buf)
+    }
+
+    fn values(&mut self, mut n: usize) -> Result<Vec<u8>, CheckpointError> {
+        while n > 0 {
+            let piece = n.min(1 << 20);
+            self.fill(piece)?;
+            n -= piece;
+        }
+        self.buf = Vec::new();
+        Ok(Vec::new())
+    }
+
+    fn left(&self) -> usize {
+        // Unknown: what a slot list may allocate ahead (20 bytes a slot).
+        20 << 16
     }
 }
 
@@ -494,6 +619,54 @@ mod tests {
         let crc = crc32fast::hash(&v1);
         v1.extend_from_slice(&crc.to_le_bytes());
         assert_eq!(Checkpoint::decode(&v1).unwrap(), c);
+    }
+
+    /// A checkpoint scanned as it streams is the one decoded, less its
+    /// values; every damage decode refuses, scan refuses too (a cut file
+    /// saying where it ends, a flipped byte, a byte too many).
+    #[test]
+    fn a_scan_is_the_decode_without_values() {
+        let without = |mut c: Checkpoint| {
+            for s in c.lcores.iter_mut().flatten() {
+                s.params.clear();
+                s.s1.clear();
+                s.s2.clear();
+                s.result.clear();
+            }
+            for t in c.tables.iter_mut().flatten() {
+                t.rows.clear();
+            }
+            c
+        };
+        for c in [
+            sample(),
+            with_table("{ mode = \"sync\" }"),
+            with_table("{ bounded_delay = 2 }"),
+        ] {
+            let bytes = c.encode().unwrap();
+            let (scanned, len) = Checkpoint::scan(&bytes[..]).unwrap();
+            assert_eq!(len, bytes.len() as u64);
+            assert_eq!(scanned, without(c.clone()));
+            for cut in [0, 11, 40, bytes.len() / 2, bytes.len() - 1] {
+                let e = Checkpoint::scan(&bytes[..cut]).unwrap_err();
+                assert!(
+                    matches!(e, CheckpointError::Truncated(_) | CheckpointError::BadMagic),
+                    "cut at {cut}: {e}"
+                );
+                assert!(Checkpoint::decode(&bytes[..cut]).is_err());
+            }
+            if let Err(CheckpointError::Truncated(at)) = Checkpoint::scan(&bytes[..bytes.len() / 2]) {
+                assert_eq!(at, bytes.len() / 2);
+            }
+            let mut bad = bytes.clone();
+            let last_value = bad.len() - 6;
+            bad[last_value] ^= 0x10;
+            assert!(Checkpoint::scan(&bad[..]).is_err());
+            assert!(Checkpoint::decode(&bad).is_err());
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert!(Checkpoint::scan(&longer[..]).is_err());
+        }
     }
 
     /// A job that is not BSP keeps W clocks per slot, held bits included;

@@ -141,9 +141,16 @@ pub fn encode_head(
     Ok(())
 }
 
-/// What [`decode`] reads from.
-pub(crate) trait Source<'a> {
-    fn take(&mut self, n: usize) -> Result<&'a [u8], CheckpointError>;
+/// What [`decode`] reads from: a file in memory, or one streamed
+/// (`crate::checkpoint::scan`), which keeps no values.
+pub(crate) trait Source {
+    /// The next `n` bytes (a field, not values: a few bytes).
+    fn take(&mut self, n: usize) -> Result<&[u8], CheckpointError>;
+    /// The next `n` bytes of values, or nothing for a source that keeps
+    /// none (they are read past, and checked by the CRC).
+    fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError>;
+    /// Bytes left, or a bound on what to allocate ahead when unknown.
+    fn left(&self) -> usize;
     fn u32(&mut self) -> Result<u32, CheckpointError> {
         let s = self.take(4)?;
         Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
@@ -159,8 +166,8 @@ pub(crate) trait Source<'a> {
 /// Reads lcore `l`'s tables of a job of `spec`, checking them against it:
 /// every table key of the spec, in order, in the spec's consistency mode
 /// with its W ranks; counts at most [`MAX_ROW_MESSAGES`].
-pub(crate) fn decode<'a>(
-    r: &mut impl Source<'a>,
+pub(crate) fn decode(
+    r: &mut impl Source,
     spec: &JobSpec,
     l: usize,
 ) -> Result<Vec<TableState>, CheckpointError> {
@@ -230,7 +237,7 @@ pub(crate) fn decode<'a>(
         };
         let len = r.u64()?;
         let len = usize::try_from(len).map_err(|_| mismatch(format!("table {key}: {len} bytes of rows")))?;
-        let rows = r.take(len)?.to_vec();
+        let rows = r.values(len)?;
         tables.push(TableState { key, rounds, rows });
     }
     Ok(tables)

@@ -509,6 +509,9 @@ struct Model {
 /// chunk, round, rank or rack).
 type Contribution = (usize, u32, u8, u32, u32, u32, u16);
 
+/// Bytes of tables an lcore streams per step while it checkpoints them.
+const STREAM_SLICE: usize = 512;
+
 /// One lcore: its shard and what the run saw it do.
 struct Lcore {
     shard: Shard<std::net::SocketAddr>,
@@ -520,6 +523,9 @@ struct Lcore {
     checkpoint: Option<Vec<phub_proto::checkpoint::SlotState>>,
     /// Its tables' part of that checkpoint (format 3).
     table_checkpoint: Option<Vec<TableState>>,
+    /// That part's bytes so far while the lcore streams it, serving
+    /// between slices ([`Shard::stream_tables_begin`]).
+    table_stream: Option<Vec<u8>>,
     node: Node,
     delivered: u64,
     /// Drops by reason code, as `handle` returned them.
@@ -688,6 +694,7 @@ impl<'c> World<'c> {
                     incarnation: 0,
                     checkpoint: None,
                     table_checkpoint: None,
+                    table_stream: None,
                     node: Node::Lcore(g / case.lcores, l),
                     delivered: 0,
                     drops: vec![0; DropReason::COUNT + 1],
@@ -1098,6 +1105,9 @@ impl<'c> World<'c> {
                 continue;
             }
             self.lcores[l].shard.poll_timers(self.now * 1000);
+            if self.lcores[l].table_stream.is_some() {
+                self.stream_tables(l, STREAM_SLICE);
+            }
             self.drain(l);
         }
         let now = self.at(self.now);
@@ -1141,6 +1151,25 @@ impl<'c> World<'c> {
         }
     }
 
+    /// The next slice (about `max` bytes) of lcore `g`'s tables' stream;
+    /// the section read back into its checkpoint when complete.
+    fn stream_tables(&mut self, g: usize, max: usize) {
+        let lc = &mut self.lcores[g];
+        let Some(bytes) = lc.table_stream.as_mut() else {
+            return;
+        };
+        let done = lc
+            .shard
+            .stream_tables_fill(bytes, max)
+            .unwrap_or_else(|e| panic!("lcore {g}: its tables' checkpoint stream failed: {e}"));
+        if done {
+            let bytes = lc.table_stream.take().unwrap_or_default();
+            let tables = phub_proto::checkpoint::Checkpoint::decode_tables(&bytes, &self.spec, g)
+                .unwrap_or_else(|e| panic!("lcore {g}: its streamed tables do not read back: {e}"));
+            lc.table_checkpoint = Some(tables);
+        }
+    }
+
     /// The [`Crash`]'s checkpoint, crash and restore, when their time comes.
     fn crash_events(&mut self) {
         let Some(c) = self.crash() else { return };
@@ -1161,13 +1190,16 @@ impl<'c> World<'c> {
             // round answers `nothing_to_pull`, §5.5, and the rank sends its
             // INIT again).
             let taken = !snaps.is_empty();
+            // The tables are streamed from this instant, a slice per step
+            // while the lcore goes on serving (`stream_tables`), as the
+            // dataplane streams them.
             for (g, st) in snaps {
-                let tables = self.lcores[g]
-                    .shard
-                    .snapshot_tables(JOB)
-                    .expect("the job is installed");
-                self.lcores[g].checkpoint = Some(st);
-                self.lcores[g].table_checkpoint = Some(tables);
+                let lc = &mut self.lcores[g];
+                lc.shard
+                    .stream_tables_begin(JOB)
+                    .unwrap_or_else(|e| panic!("lcore {g}: its tables' checkpoint does not start: {e}"));
+                lc.checkpoint = Some(st);
+                lc.table_stream = Some(Vec::new());
             }
             if taken {
                 self.checkpoint_tables(&on);
@@ -1186,8 +1218,15 @@ impl<'c> World<'c> {
             }
         }
         if self.now >= c.at_us && self.outcome.restored == 0 {
-            for lc in self.lcores.iter_mut().filter(|lc| on(lc)) {
-                lc.down = true;
+            for g in 0..self.lcores.len() {
+                if on(&self.lcores[g]) && !self.lcores[g].down {
+                    // A checkpoint is whole before the appliance it is of
+                    // goes down.
+                    while self.lcores[g].table_stream.is_some() {
+                        self.stream_tables(g, usize::MAX);
+                    }
+                    self.lcores[g].down = true;
+                }
             }
         }
         if self.now >= c.at_us + c.down_us && self.outcome.restored == 0 {

@@ -912,6 +912,7 @@ impl World<'_> {
                 incarnation: lc.incarnation + 1,
                 checkpoint: None,
                 table_checkpoint: None,
+                table_stream: None,
                 node,
                 delivered: 0,
                 drops: vec![0; lc.drops.len()],

@@ -506,7 +506,10 @@ fn a_table_checkpointed_while_ranks_push_holds_one_round_per_lcore() {
             let TableRoundsState::Bsp { completed } = t.rounds else {
                 panic!("a BSP table saved clocks")
             };
-            assert!((1..=ROUNDS).contains(&completed), "checkpoint {n} lcore {l}: round {completed}");
+            assert!(
+                (1..=ROUNDS).contains(&completed),
+                "checkpoint {n} lcore {l}: round {completed}"
+            );
             rounds_seen.push(completed);
             // The row store's bytes (PROTOCOL.md §10.6): a 56-byte header
             // (dim at 12, state length at 16, rows at 24), then per row its
@@ -520,7 +523,9 @@ fn a_table_checkpointed_while_ranks_push_holds_one_round_per_lcore() {
             for r in 0..rows {
                 let at = 56 + r * record;
                 let id = u64::from_le_bytes(b[at..at + 8].try_into().unwrap());
-                let values: Vec<f32> = (0..dim).map(|e| f32::from_bits(u32_at(at + 12 + 4 * e))).collect();
+                let values: Vec<f32> = (0..dim)
+                    .map(|e| f32::from_bits(u32_at(at + 12 + 4 * e)))
+                    .collect();
                 assert_eq!(
                     values,
                     want(completed, id),

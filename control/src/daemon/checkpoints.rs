@@ -8,12 +8,11 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 
 use phub_proto::api::{CheckpointInfo, InstallJob};
-use phub_proto::checkpoint::Checkpoint;
 use phub_proto::layout::Layout;
 
 use super::http::{held, not_admitted, RequestError};
 use super::registry::{Inner, Shared, Standing};
-use crate::ckpt_file::{self, KeepError, Owner, PartShape, Rounds};
+use crate::ckpt_file::{self, KeepError, Owner, PartShape, ReceiveError};
 use crate::dataplane::Client;
 use crate::state::{self, StoredJob};
 
@@ -103,19 +102,6 @@ impl Shared {
         name: &str,
         client: &Client,
     ) -> Result<CheckpointInfo, RequestError> {
-        let bytes = client.checkpoint(id)?;
-        // Decoded to check it whole, then dropped: its job and rounds are
-        // all that is kept besides the bytes.
-        let (ckpt_job, rounds) = Checkpoint::decode(&bytes)
-            .map(|c| {
-                let rounds = Rounds::of(&c);
-                (c.job, rounds)
-            })
-            .map_err(|e| {
-                RequestError::State(format!(
-                    "appliance {name:?}'s checkpoint of job {id} is unreadable: {e}"
-                ))
-            })?;
         let job = self
             .lock()
             .jobs
@@ -125,12 +111,24 @@ impl Shared {
         let path = checkpoint_path(&self.state_path, &job, name);
         let part = job.part_on(name).ok_or_else(|| not_admitted(id))?;
         let owner = owner(&job, name, &part);
-        owner.check(&ckpt_job).map_err(|e| {
-            RequestError::State(format!(
-                "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
-            ))
+        // Written to a file beside the checkpoint as it comes and read back
+        // whole (structure and CRC, no values kept): control never holds a
+        // copy of the part's state.
+        let incoming = ckpt_file::incoming_path(&path);
+        let got = ckpt_file::receive(&incoming, |w| client.checkpoint_into(id, w)).map_err(|e| match e {
+            ReceiveError::Fill(e) => RequestError::from(e),
+            ReceiveError::File(why) => RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is unreadable: {why}"
+            )),
         })?;
-        match ckpt_file::keep(&path, &bytes, &rounds, &owner) {
+        let (ckpt_job, rounds, bytes) = (got.job, got.rounds, got.bytes);
+        if let Err(e) = owner.check(&ckpt_job) {
+            let _ = std::fs::remove_file(&incoming);
+            return Err(RequestError::State(format!(
+                "appliance {name:?}'s checkpoint of job {id} is not the part's: {e}; nothing was written"
+            )));
+        }
+        match ckpt_file::keep(&path, &incoming, &rounds, &owner) {
             Ok(()) => {}
             Err(KeepError::Unusable { why, .. }) => {
                 let h = Held {
@@ -151,7 +149,7 @@ impl Shared {
         let info = CheckpointInfo {
             id,
             round_range: rounds.range(),
-            bytes: bytes.len() as u64,
+            bytes,
             taken_unix_ms: unix_ms(),
             file: path.display().to_string(),
         };
