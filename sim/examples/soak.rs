@@ -68,6 +68,7 @@ fn main() {
                         t.0.table_pushes += o.table_pushes;
                         t.0.rows_checked += o.rows_checked;
                         t.0.lists_named += o.lists_named;
+                        t.0.stream_slices_served_between += o.stream_slices_served_between;
                         if !case.tables.is_empty() {
                             t.2 += 1;
                         }
@@ -98,7 +99,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} table pushes, {} rows checked, {} cached id lists named; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} table pushes, {} rows checked, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped); {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -116,6 +117,7 @@ fn main() {
         o.table_pushes,
         o.rows_checked,
         o.lists_named,
+        o.stream_slices_served_between,
         o.replica_kills,
         o.epochs,
         o.returns,

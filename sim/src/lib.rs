@@ -415,6 +415,10 @@ pub struct Outcome {
     /// Table messages and answers the lcores took or sent naming a cached
     /// id list (PROTOCOL.md §10.7) instead of carrying the ids.
     pub lists_named: u64,
+    /// Table checkpoint slices an lcore streamed with messages handled
+    /// between them (the tables' state taken at the stream's start,
+    /// copy on write).
+    pub stream_slices_served_between: u64,
     /// Empty table rounds the ranks sent to bring an lcore restored from
     /// an older checkpoint up to their round (PROTOCOL.md §10.6).
     pub table_rounds_caught_up: u64,
@@ -1162,6 +1166,9 @@ impl<'c> World<'c> {
             .shard
             .stream_tables_fill(bytes, max)
             .unwrap_or_else(|e| panic!("lcore {g}: its tables' checkpoint stream failed: {e}"));
+        if !done && max != usize::MAX {
+            self.outcome.stream_slices_served_between += 1;
+        }
         if done {
             let bytes = lc.table_stream.take().unwrap_or_default();
             let tables = phub_proto::checkpoint::Checkpoint::decode_tables(&bytes, &self.spec, g)
