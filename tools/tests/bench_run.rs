@@ -146,12 +146,30 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
         "--baseline",
         "tcp-ps",
         "--verify",
+        "--take-checkpoint",
         "--json",
         json.to_str().unwrap(),
     ]);
     assert!(ok, "{out}");
     let v: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
     assert_eq!((v["workers"].as_u64(), v["steps"].as_u64()), (Some(2), Some(5)));
+    // Two checkpoints of the same rows (nothing pushed between): the same
+    // bytes, at least each stored row's id, touch word, values and
+    // Adagrad state (12 + 4 x (4 + 4) bytes); memory sampled.
+    let c = v["checkpoints"].as_array().unwrap();
+    assert_eq!(c.len(), 2, "{v}");
+    assert_eq!(c[0]["bytes"], c[1]["bytes"]);
+    let rows = v["rows_stored"].as_u64().unwrap();
+    assert!(c[0]["bytes"].as_u64().unwrap() > rows * 44, "{v}");
+    for c in c {
+        for who in ["dataplane", "control"] {
+            let (before, peak) = (
+                c[format!("{who}_rss_before")].as_u64().unwrap(),
+                c[format!("{who}_rss_peak")].as_u64().unwrap(),
+            );
+            assert!(before > 0 && peak >= before, "{who}: {c}");
+        }
+    }
     assert_eq!(v["verified"], true, "{v}");
     assert_eq!(v["baseline"], "tcp-ps");
     for k in ["baseline_row_updates_per_s", "speedup_vs_baseline"] {

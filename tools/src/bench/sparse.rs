@@ -108,6 +108,13 @@ pub struct SparseArgs {
     /// signature instead of carrying them.
     #[arg(long, requires = "local")]
     pub cache_ids: bool,
+    /// `--local`: after the timed steps, take the job's checkpoint through
+    /// control twice (the dataplane streams it, control writes it to its
+    /// file; the second with the first's file in place) and sample both
+    /// daemons' resident memory every 2 ms meanwhile: `checkpoints` in the
+    /// JSON.
+    #[arg(long, requires = "local")]
+    pub take_checkpoint: bool,
     /// `--engine-only`: after the timed runs, write every store to a
     /// checkpoint in this directory, drop it and restore it (module head).
     #[arg(long, value_name = "DIR", requires = "engine_only")]
@@ -591,10 +598,81 @@ pub struct SparseLocalReport {
     pub key_cache_id_bytes_saved_per_row: f64,
     /// Key-cache prefix bytes they carried instead, per row pushed.
     pub key_cache_prefix_bytes_per_row: f64,
+    /// `--take-checkpoint`: the two checkpoints and the daemons' memory
+    /// (empty without it).
+    pub checkpoints: Vec<LocalCheckpoint>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
     pub machine: Machine,
+}
+
+/// What `--take-checkpoint` measured.
+#[derive(Debug, Serialize)]
+pub struct LocalCheckpoint {
+    /// The checkpoint file's bytes (control's answer).
+    pub bytes: u64,
+    /// From the request to control's answer (the file written and synced).
+    pub seconds: f64,
+    /// The dataplane's VmRSS just before.
+    pub dataplane_rss_before: u64,
+    /// Its largest VmRSS sampled during.
+    pub dataplane_rss_peak: u64,
+    /// Control's VmRSS just before.
+    pub control_rss_before: u64,
+    /// Its largest VmRSS sampled during.
+    pub control_rss_peak: u64,
+}
+
+/// Process `pid`'s VmRSS, bytes.
+fn rss_of(pid: u32) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse::<u64>()
+        .ok()
+        .map(|kb| kb * 1024)
+}
+
+/// `--take-checkpoint`: job `id`'s checkpoint through control, both
+/// daemons' VmRSS sampled every 2 ms meanwhile.
+fn take_checkpoint(local: &super::local::Local, id: u16, token: Option<&str>) -> Result<LocalCheckpoint> {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    let pids = [local.dataplane.pid(), local.control.pid()];
+    let before = pids.map(|p| rss_of(p).unwrap_or(0));
+    let peaks = [AtomicU64::new(before[0]), AtomicU64::new(before[1])];
+    let done = AtomicBool::new(false);
+    let client =
+        super::local::control_client(&local.control_url, token, std::time::Duration::from_secs(3600))?;
+    let t = Instant::now();
+    let info = std::thread::scope(|s| {
+        s.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                for (p, peak) in pids.iter().zip(&peaks) {
+                    if let Some(r) = rss_of(*p) {
+                        peak.fetch_max(r, Ordering::Relaxed);
+                    }
+                }
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+        });
+        let r = client.send(&phub_proto::routes::control::checkpoint(id));
+        done.store(true, Ordering::Relaxed);
+        r
+    })
+    .context("taking the job's checkpoint through control")?;
+    Ok(LocalCheckpoint {
+        bytes: info.bytes,
+        seconds: t.elapsed().as_secs_f64(),
+        dataplane_rss_before: before[0],
+        dataplane_rss_peak: peaks[0].load(Ordering::Relaxed),
+        control_rss_before: before[1],
+        control_rss_peak: peaks[1].load(Ordering::Relaxed),
+    })
 }
 
 /// One rank's figures in `--local`.
@@ -887,6 +965,12 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ) as Pusher)
     });
     let ranks = ranks?;
+    let checkpoints = match args.take_checkpoint {
+        true => (0..2)
+            .map(|_| take_checkpoint(&local, job.id, token.as_deref()))
+            .collect::<Result<_>>()?,
+        false => Vec::new(),
+    };
     let detail = control_client(
         &local.control_url,
         token.as_deref(),
@@ -963,6 +1047,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         cache_ids: args.cache_ids,
         key_cache_id_bytes_saved_per_row: ranks.iter().map(|r| r.saved).sum::<u64>() as f64 / rows_moved,
         key_cache_prefix_bytes_per_row: ranks.iter().map(|r| r.prefixes).sum::<u64>() as f64 / rows_moved,
+        checkpoints,
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -989,6 +1074,23 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         println!(
             "  key caching: {:.1} id bytes per row left out, {:.2} prefix bytes per row carried",
             report.key_cache_id_bytes_saved_per_row, report.key_cache_prefix_bytes_per_row
+        );
+    }
+    for (i, c) in report.checkpoints.iter().enumerate() {
+        let mb = |b: u64| b as f64 / 1e6;
+        println!(
+            "  checkpoint {} ({}) {:.1} MB in {:.2} s; during it the dataplane's RSS {:.1} -> peak {:.1} MB (+{:.1}), \
+             control's {:.1} -> peak {:.1} MB (+{:.1})",
+            i + 1,
+            if i == 0 { "no file yet" } else { "over the previous file" },
+            mb(c.bytes),
+            c.seconds,
+            mb(c.dataplane_rss_before),
+            mb(c.dataplane_rss_peak),
+            mb(c.dataplane_rss_peak - c.dataplane_rss_before),
+            mb(c.control_rss_before),
+            mb(c.control_rss_peak),
+            mb(c.control_rss_peak - c.control_rss_before)
         );
     }
     if let (Some(b), Some(x)) = (report.baseline_row_updates_per_s, report.speedup_vs_baseline) {
