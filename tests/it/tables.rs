@@ -538,3 +538,76 @@ fn a_table_checkpointed_while_ranks_push_holds_one_round_per_lcore() {
     }
     eprintln!("rounds in the checkpoints, per lcore: {rounds_seen:?}");
 }
+
+/// One checkpoint at a time per lcore: while a reader holds one open
+/// without reading it (its lcores' slices waiting, 16 of 512 KiB each,
+/// for a table of 34 MB: 17 MB per lcore), a second request is refused 409 naming the job
+/// being streamed; once that reader goes away the lcores end their
+/// streams, and the next checkpoint comes whole.
+#[test]
+fn a_second_checkpoint_while_one_streams_is_refused_409() {
+    use std::io::{Read, Write};
+    let rack = Rack::start(2, "512MiB");
+    let job = rack.admit(&spec("rows = 1300000\n")).unwrap();
+    let ids: Vec<u64> = (0..1_200_000u64).collect();
+    let d = DIM as usize;
+    let w = phub_worker::Worker::join(&rack.control_url, job.id, job.token, 0).unwrap();
+    let w1 = phub_worker::Worker::join(&rack.control_url, job.id, job.token, 1).unwrap();
+    std::thread::scope(|s| {
+        for w in [&w, &w1] {
+            let ids = &ids;
+            s.spawn(move || {
+                // A round holds at most 1024 messages per lcore (§10.2).
+                for part in ids.chunks(400_000) {
+                    let grads = vec![0.25f32; part.len() * d];
+                    let mut out = vec![0f32; part.len() * d];
+                    w.push_pull_rows("emb", part, &grads, &mut out).unwrap();
+                }
+            });
+        }
+    });
+    let token = rack.mgmt_token();
+    let addr = rack.mgmt_url.trim_start_matches("http://").to_string();
+    let mut held = std::net::TcpStream::connect(&addr).unwrap();
+    write!(
+        held,
+        "GET /v1/jobs/{}/checkpoint HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n\r\n",
+        job.id
+    )
+    .unwrap();
+    let mut head = [0u8; 64];
+    held.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let n = held.read(&mut head).unwrap();
+    assert!(
+        head[..n].starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&head[..n])
+    );
+    let client = phub_hwtests::workload::client(&rack.mgmt_url, Some(&token));
+    let e = client.send(&mgmt::checkpoint(job.id)).unwrap_err();
+    assert_eq!(e.status(), Some(409), "{e}");
+    assert!(
+        e.message()
+            .contains(&format!("streaming a checkpoint of job {}", job.id)),
+        "{e}"
+    );
+    drop(held);
+    // The lcores notice the reader gone at their next slice.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let file = loop {
+        match client.send(&mgmt::checkpoint(job.id)) {
+            Ok(f) => break f,
+            Err(e) if e.status() == Some(409) && std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(100));
+            }
+            Err(e) => panic!("the checkpoint after the first reader left: {e}"),
+        }
+    };
+    let c = phub::proto::checkpoint::Checkpoint::decode(&file).unwrap();
+    let rows: usize = c
+        .tables
+        .iter()
+        .map(|t| usize::try_from(u64::from_le_bytes(t[0].rows[24..32].try_into().unwrap())).unwrap())
+        .sum();
+    assert_eq!(rows, ids.len());
+}
