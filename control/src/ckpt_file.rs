@@ -343,19 +343,24 @@ pub(crate) fn receive<E>(
     })
 }
 
-/// The rounds of the checkpoint at `path` for `owner`, read as it streams
-/// (no values kept): `None` if there is no file; why it cannot be used as
-/// [`read`] says.
-fn scan_rounds(path: &Path, owner: &Owner<'_>) -> Result<Option<Rounds>, String> {
+/// The checkpoint at `path` for `owner` read as it streams, its values
+/// left out ([`Checkpoint::scan`]), and its length: `None` if there is no
+/// file; why it cannot be used as [`read`] says.
+pub(crate) fn scan(path: &Path, owner: &Owner<'_>) -> Result<Option<(Checkpoint, u64)>, String> {
     let f = match std::fs::File::open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(with_prev(path, format!("cannot be read: {e}"))),
     };
-    let (c, _) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, f))
+    let (c, len) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, f))
         .map_err(|e| with_prev(path, e.to_string()))?;
     owner.check(&c.job).map_err(|e| with_prev(path, e))?;
-    Ok(Some(Rounds::of(&c)))
+    Ok(Some((c, len)))
+}
+
+/// The rounds of the checkpoint at `path` for `owner` ([`scan`]).
+fn scan_rounds(path: &Path, owner: &Owner<'_>) -> Result<Option<Rounds>, String> {
+    Ok(scan(path, owner)?.map(|(c, _)| Rounds::of(&c)))
 }
 
 /// Keeps the checkpoint [`receive`]d into `incoming` (`new` are its

@@ -60,6 +60,16 @@ pub(crate) enum DataplaneError {
         /// What is wrong with it.
         reason: String,
     },
+    /// A checkpoint file to restore from cannot be read.
+    #[error("cannot read the checkpoint file {path} to restore appliance {appliance:?} from: {reason}")]
+    File {
+        /// The appliance.
+        appliance: String,
+        /// The file.
+        path: String,
+        /// What reading it said.
+        reason: String,
+    },
 }
 
 impl DataplaneError {
@@ -180,20 +190,22 @@ impl Client {
         fresh: bool,
         limit: Option<Duration>,
     ) -> Result<A, DataplaneError> {
-        self.exchange(call, fresh, limit, |body| {
+        self.exchange(call, fresh, limit, None, |body| {
             let mut bytes = Vec::new();
             body.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
             call.answer(&bytes)
         })
     }
 
-    /// Sends `call` and hands a success's body to `read` (which says why
-    /// it is not the answer, if it is not).
+    /// Sends `call` (its body, or `upload`'s file of that many bytes,
+    /// streamed from it) and hands a success's body to `read` (which says
+    /// why it is not the answer, if it is not).
     fn exchange<A, T>(
         &self,
         call: &MgmtCall<'_, A>,
         fresh: bool,
         limit: Option<Duration>,
+        upload: Option<(&std::path::Path, u64)>,
         read: impl FnOnce(&mut dyn Read) -> Result<T, String>,
     ) -> Result<T, DataplaneError> {
         let route = call.route;
@@ -212,9 +224,19 @@ impl Client {
             Err(_) if !route.needs_token() => {}
             Err(e) => return Err(e),
         }
-        let res = match call.body.content_type() {
-            Some(ct) => req.set("Content-Type", ct).send_bytes(call.body.bytes()),
-            None => req.call(),
+        let res = match (upload, call.body.content_type()) {
+            (Some((path, len)), ct) => {
+                let f = std::fs::File::open(path).map_err(|e| DataplaneError::File {
+                    appliance: self.name.clone(),
+                    path: path.display().to_string(),
+                    reason: e.to_string(),
+                })?;
+                req.set("Content-Type", ct.unwrap_or("application/octet-stream"))
+                    .set("Content-Length", &len.to_string())
+                    .send(std::io::BufReader::with_capacity(1 << 20, f))
+            }
+            (None, Some(ct)) => req.set("Content-Type", ct).send_bytes(call.body.bytes()),
+            (None, None) => req.call(),
         };
         let bad = |reason: String| DataplaneError::BadAnswer {
             appliance: self.name.clone(),
@@ -305,14 +327,49 @@ impl Client {
     pub(crate) fn checkpoint_into(&self, id: u16, out: &mut dyn Write) -> Result<u64, DataplaneError> {
         let call = mgmt::checkpoint(id);
         let read = |body: &mut dyn Read| std::io::copy(body, out).map_err(|e| e.to_string());
-        match self.exchange(&call, false, Some(CHECKPOINT_LIMIT), read) {
+        match self.exchange(&call, false, Some(CHECKPOINT_LIMIT), None, read) {
             // The dataplane restarted and made a new token: read it again
             // (nothing was written: a refusal has no body).
             Err(DataplaneError::Refused {
                 status: 401 | 403, ..
-            }) => self.exchange(&call, true, Some(CHECKPOINT_LIMIT), |body: &mut dyn Read| {
-                std::io::copy(body, out).map_err(|e| e.to_string())
-            }),
+            }) => self.exchange(
+                &call,
+                true,
+                Some(CHECKPOINT_LIMIT),
+                None,
+                |body: &mut dyn Read| std::io::copy(body, out).map_err(|e| e.to_string()),
+            ),
+            r => r,
+        }
+    }
+
+    /// `PUT /v1/jobs/{id}` with the checkpoint file at `path` (`bytes`
+    /// long), streamed from the file: installs the job restored. Allowed
+    /// [`CHECKPOINT_LIMIT`], as a checkpoint's transfer is.
+    pub(crate) fn restore_file(
+        &self,
+        id: u16,
+        path: &std::path::Path,
+        bytes: u64,
+    ) -> Result<(), DataplaneError> {
+        let call = mgmt::restore(id, &[]);
+        let send = |fresh| {
+            self.exchange(
+                &call,
+                fresh,
+                Some(CHECKPOINT_LIMIT),
+                Some((path, bytes)),
+                |body| {
+                    let mut answer = Vec::new();
+                    body.read_to_end(&mut answer).map_err(|e| e.to_string())?;
+                    call.answer(&answer)
+                },
+            )
+        };
+        match send(false) {
+            Err(DataplaneError::Refused {
+                status: 401 | 403, ..
+            }) => send(true),
             r => r,
         }
     }

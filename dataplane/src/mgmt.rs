@@ -889,7 +889,9 @@ impl Handler for Api {
                 Ok(Response::streamed(200, "application/octet-stream", body))
             }
             MgmtRoute::Install { job: id } if body.starts_with(CKPT_MAGIC) => {
-                let c = Checkpoint::decode(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
+                // The tables' rows are read from the body as received, not
+                // copied out of it first.
+                let c = Checkpoint::decode_shared(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
                 mgr.restore(id, c).map(|j| json(201, &j))
             }
             MgmtRoute::Install { job: id } => {

@@ -231,11 +231,26 @@ impl Checkpoint {
 
     /// Reads and checks a checkpoint.
     pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
+        Checkpoint::decode_with(bytes, None)
+    }
+
+    /// [`Checkpoint::decode`], each table's rows a slice of `bytes` (no
+    /// copy of them is made: what a restore holds is the file as received
+    /// and the tables it builds).
+    pub fn decode_shared(bytes: &bytes::Bytes) -> Result<Checkpoint, CheckpointError> {
+        Checkpoint::decode_with(bytes, Some(bytes))
+    }
+
+    fn decode_with(bytes: &[u8], shared: Option<&bytes::Bytes>) -> Result<Checkpoint, CheckpointError> {
         if bytes.len() < 12 || &bytes[..8] != MAGIC {
             return Err(CheckpointError::BadMagic);
         }
         let (body, crc) = bytes.split_at(bytes.len() - 4);
-        let mut r = Reader { b: body, at: 8 };
+        let mut r = Reader {
+            b: body,
+            at: 8,
+            shared,
+        };
         let version = r.u32()?;
         if !(1..=VERSION).contains(&version) {
             return Err(CheckpointError::BadVersion(version));
@@ -301,7 +316,11 @@ impl Checkpoint {
         spec: &crate::spec::JobSpec,
         l: usize,
     ) -> Result<Vec<TableState>, CheckpointError> {
-        let mut r = Reader { b: section, at: 0 };
+        let mut r = Reader {
+            b: section,
+            at: 0,
+            shared: None,
+        };
         let tables = table_checkpoint::decode(&mut r, spec, l)?;
         if r.at != section.len() {
             return Err(CheckpointError::Mismatch(format!(
@@ -434,10 +453,12 @@ impl Checkpoint {
     }
 }
 
-/// A checkpoint in memory.
+/// A checkpoint in memory (`shared`: the same bytes, whose slices the
+/// rows may be).
 struct Reader<'a> {
     b: &'a [u8],
     at: usize,
+    shared: Option<&'a bytes::Bytes>,
 }
 
 impl Source for Reader<'_> {
@@ -451,6 +472,16 @@ impl Source for Reader<'_> {
 
     fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError> {
         self.take(n).map(<[u8]>::to_vec)
+    }
+
+    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError> {
+        let from = self.at;
+        let shared = self.shared;
+        let s = self.take(n)?;
+        Ok(match shared {
+            Some(b) => b.slice(from..from + n),
+            None => bytes::Bytes::copy_from_slice(s),
+        })
     }
 
     fn left(&self) -> usize {
@@ -497,6 +528,10 @@ impl<R: std::io::Read> Source for Scanner<R> {
         }
         self.buf = Vec::new();
         Ok(Vec::new())
+    }
+
+    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError> {
+        self.values(n).map(|_| bytes::Bytes::new())
     }
 
     fn left(&self) -> usize {
@@ -619,6 +654,21 @@ mod tests {
         let crc = crc32fast::hash(&v1);
         v1.extend_from_slice(&crc.to_le_bytes());
         assert_eq!(Checkpoint::decode(&v1).unwrap(), c);
+    }
+
+    /// Decoded from shared bytes, a checkpoint is the one decoded from a
+    /// slice, its tables' rows slices of those bytes, not copies.
+    #[test]
+    fn shared_decoding_slices_the_rows_out_of_the_file() {
+        let c = with_table("{ mode = \"sync\" }");
+        let bytes = bytes::Bytes::from(c.encode().unwrap());
+        let shared = Checkpoint::decode_shared(&bytes).unwrap();
+        assert_eq!(shared, c);
+        let span = bytes.as_ptr_range();
+        for t in shared.tables.iter().flatten().filter(|t| !t.rows.is_empty()) {
+            assert!(span.contains(&t.rows.as_ptr()), "rows copied out of the file");
+        }
+        assert!(shared.tables.iter().flatten().any(|t| !t.rows.is_empty()));
     }
 
     /// A checkpoint scanned as it streams is the one decoded, less its

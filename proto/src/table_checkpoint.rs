@@ -40,8 +40,9 @@ pub struct TableState {
     pub key: u32,
     /// Its rounds (BSP) or its ranks' clocks.
     pub rounds: TableRoundsState,
-    /// The row store's checkpoint, as the engine wrote it.
-    pub rows: Vec<u8>,
+    /// The row store's checkpoint, as the engine wrote it (a slice of the
+    /// file's bytes when decoded by `Checkpoint::decode_shared`).
+    pub rows: bytes::Bytes,
 }
 
 /// Where a (table, lcore)'s rounds stand.
@@ -149,6 +150,10 @@ pub(crate) trait Source {
     /// The next `n` bytes of values, or nothing for a source that keeps
     /// none (they are read past, and checked by the CRC).
     fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError>;
+    /// The next `n` bytes of a row store's checkpoint: a slice of the
+    /// file where the source shares it, a copy where it does not, nothing
+    /// for a source that keeps no values.
+    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError>;
     /// Bytes left, or a bound on what to allocate ahead when unknown.
     fn left(&self) -> usize;
     fn u32(&mut self) -> Result<u32, CheckpointError> {
@@ -237,7 +242,7 @@ pub(crate) fn decode(
         };
         let len = r.u64()?;
         let len = usize::try_from(len).map_err(|_| mismatch(format!("table {key}: {len} bytes of rows")))?;
-        let rows = r.values(len)?;
+        let rows = r.rows(len)?;
         tables.push(TableState { key, rounds, rows });
     }
     Ok(tables)

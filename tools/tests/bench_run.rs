@@ -161,7 +161,10 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     assert_eq!(c[0]["bytes"], c[1]["bytes"]);
     let rows = v["rows_stored"].as_u64().unwrap();
     assert!(c[0]["bytes"].as_u64().unwrap() > rows * 44, "{v}");
-    for c in c {
+    // Then the dataplane restarted and the job restored from the file.
+    assert_eq!(v["restore"]["bytes"], c[1]["bytes"], "{v}");
+    assert!(num(&v["restore"], "seconds") > 0.0, "{v}");
+    for c in c.iter().chain([&v["restore"]]) {
         for who in ["dataplane", "control"] {
             let (before, peak) = (
                 c[format!("{who}_rss_before")].as_u64().unwrap(),

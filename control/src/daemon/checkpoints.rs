@@ -231,8 +231,12 @@ impl Shared {
             file: path.clone(),
             why,
         };
-        let found = ckpt_file::read(&path, &owner(&stored, name, &part)).map_err(unusable)?;
-        let Some((bytes, ckpt)) = found else {
+        // Read as it streams first (structure, CRC, whose it is, its
+        // layout), so that a part restored onto the layout it was taken on
+        // is sent from the file as it is, never held in memory.
+        let owner = owner(&stored, name, &part);
+        let found = ckpt_file::scan(&path, &owner).map_err(unusable)?;
+        let Some((ckpt, len)) = found else {
             return match recorded {
                 None => Ok(None),
                 Some(c) => Err(unusable(format!(
@@ -245,11 +249,17 @@ impl Shared {
         let round_range = ckpt.round_range();
         if ckpt.job.layout == job.layout {
             return Ok(Some(Restore {
-                bytes,
+                body: RestoreBody::File { bytes: len },
                 round_range,
                 file: path,
             }));
         }
+        // Moved onto another layout: read whole, its values moved chunk by
+        // chunk.
+        let ckpt = match ckpt_file::read(&path, &owner).map_err(unusable)? {
+            Some((_, c)) => c,
+            None => return Err(unusable("the file went away while it was read".into())),
+        };
         let moved = ckpt
             .relayout(job.layout.clone())
             .and_then(|c| c.encode())
@@ -259,7 +269,7 @@ impl Shared {
             job.id
         );
         Ok(Some(Restore {
-            bytes: moved,
+            body: RestoreBody::Bytes(moved),
             round_range,
             file: path,
         }))
@@ -315,12 +325,25 @@ pub(super) static CHECKPOINT_FILES: Mutex<()> = Mutex::new(());
 /// A checkpoint to restore a part from, on the part's layout.
 #[derive(Debug)]
 pub(super) struct Restore {
-    /// The file's bytes (moved onto the part's layout if need be).
-    pub(super) bytes: Vec<u8>,
+    /// What to send the appliance.
+    pub(super) body: RestoreBody,
     /// Its lowest and highest completed round.
     pub(super) round_range: Option<(u32, u32)>,
     /// The part's checkpoint file it was read from.
     pub(super) file: PathBuf,
+}
+
+/// What a restore sends.
+#[derive(Debug)]
+pub(super) enum RestoreBody {
+    /// The file as it is (taken on the part's layout), streamed from it:
+    /// its length when it was read.
+    File {
+        /// Its bytes.
+        bytes: u64,
+    },
+    /// The checkpoint moved onto the part's layout, in memory.
+    Bytes(Vec<u8>),
 }
 
 /// What a checkpoint of job `job`'s part on appliance `name` must describe;

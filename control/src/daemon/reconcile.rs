@@ -26,7 +26,7 @@ use phub_proto::api::{DataplaneInfo, InstallJob};
 use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
-use super::checkpoints::{rounds_text, Held};
+use super::checkpoints::{rounds_text, Held, RestoreBody};
 use super::registry::{Entry, Shared};
 use crate::dataplane::{Client, DataplaneError};
 use crate::refit::{self, Refit};
@@ -392,7 +392,10 @@ impl Shared {
             }
         };
         let result = match &restore {
-            Some(r) => client.restore(id, &r.bytes),
+            Some(r) => match &r.body {
+                RestoreBody::File { bytes } => client.restore_file(id, &r.file, *bytes),
+                RestoreBody::Bytes(b) => client.restore(id, b),
+            },
             None => client.install(&job),
         };
         match result {

@@ -52,7 +52,7 @@ impl Table {
         TableState {
             key: self.key,
             rounds: self.rounds_state(),
-            rows,
+            rows: rows.into(),
         }
     }
 

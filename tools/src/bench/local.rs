@@ -105,6 +105,9 @@ pub struct Local {
     /// The control process.
     pub control: Daemon,
     dir: PathBuf,
+    /// How the dataplane was started (program, arguments, environment),
+    /// for [`Local::restart_dataplane`].
+    dp_cmd: (PathBuf, Vec<String>, Vec<(String, String)>),
 }
 
 /// Starts `name` ([`Daemon::spawn`]) and waits up to 20 s for its API at
@@ -180,12 +183,12 @@ impl Local {
             dp.base_port = Some(virt::BASE_PORT);
             dp.eal = Some(virt::af_packet_eal(o.lcores, ns, o.memory_budget));
         }
-        let mut args = dp_pre;
-        args.extend(dp.to_args());
+        let mut dp_args = dp_pre;
+        dp_args.extend(dp.to_args());
         let dataplane = start_daemon(
             "phub-dataplane",
             &dp_prog,
-            &args,
+            &dp_args,
             &o.env,
             &dir.join("phub-dataplane.log"),
             &process::dataplane_ready(&mgmt_url),
@@ -213,7 +216,25 @@ impl Local {
             dataplane,
             control,
             dir,
+            dp_cmd: (dp_prog, dp_args, o.env.clone()),
         })
+    }
+
+    /// Stops the dataplane (SIGTERM) and starts it again as it was
+    /// started; control then reinstalls its jobs, from their checkpoints
+    /// where they have one.
+    pub fn restart_dataplane(&mut self) -> Result<()> {
+        self.dataplane.stop(Duration::from_secs(5));
+        let (prog, args, env) = &self.dp_cmd;
+        self.dataplane = start_daemon(
+            "phub-dataplane",
+            prog,
+            args,
+            env,
+            &self.dir.join("phub-dataplane-2.log"),
+            &process::dataplane_ready(&self.mgmt_url),
+        )?;
+        Ok(())
     }
 
     /// The operator token the phub-control this program started wrote

@@ -601,18 +601,22 @@ pub struct SparseLocalReport {
     /// `--take-checkpoint`: the two checkpoints and the daemons' memory
     /// (empty without it).
     pub checkpoints: Vec<LocalCheckpoint>,
+    /// `--take-checkpoint`: the dataplane restarted after them and the job
+    /// restored from the file by control, memory sampled likewise.
+    pub restore: Option<LocalCheckpoint>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
     pub machine: Machine,
 }
 
-/// What `--take-checkpoint` measured.
+/// What `--take-checkpoint` measured of a checkpoint (or of the restore).
 #[derive(Debug, Serialize)]
 pub struct LocalCheckpoint {
     /// The checkpoint file's bytes (control's answer).
     pub bytes: u64,
-    /// From the request to control's answer (the file written and synced).
+    /// From the request to control's answer (the file written and synced);
+    /// a restore: from the dataplane's restart to the job installed there.
     pub seconds: f64,
     /// The dataplane's VmRSS just before.
     pub dataplane_rss_before: u64,
@@ -638,18 +642,15 @@ fn rss_of(pid: u32) -> Option<u64> {
         .map(|kb| kb * 1024)
 }
 
-/// `--take-checkpoint`: job `id`'s checkpoint through control, both
-/// daemons' VmRSS sampled every 2 ms meanwhile.
-fn take_checkpoint(local: &super::local::Local, id: u16, token: Option<&str>) -> Result<LocalCheckpoint> {
+/// Runs `f` with both daemons' VmRSS sampled every 2 ms: its result,
+/// the seconds it took, each daemon's VmRSS before and its peak.
+fn sampled<T>(pids: [u32; 2], f: impl FnOnce() -> T) -> (T, f64, [u64; 2], [u64; 2]) {
     use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    let pids = [local.dataplane.pid(), local.control.pid()];
     let before = pids.map(|p| rss_of(p).unwrap_or(0));
     let peaks = [AtomicU64::new(before[0]), AtomicU64::new(before[1])];
     let done = AtomicBool::new(false);
-    let client =
-        super::local::control_client(&local.control_url, token, std::time::Duration::from_secs(3600))?;
     let t = Instant::now();
-    let info = std::thread::scope(|s| {
+    let r = std::thread::scope(|s| {
         s.spawn(|| {
             while !done.load(Ordering::Relaxed) {
                 for (p, peak) in pids.iter().zip(&peaks) {
@@ -660,18 +661,66 @@ fn take_checkpoint(local: &super::local::Local, id: u16, token: Option<&str>) ->
                 std::thread::sleep(std::time::Duration::from_millis(2));
             }
         });
-        let r = client.send(&phub_proto::routes::control::checkpoint(id));
+        let r = f();
         done.store(true, Ordering::Relaxed);
         r
-    })
-    .context("taking the job's checkpoint through control")?;
+    });
+    (
+        r,
+        t.elapsed().as_secs_f64(),
+        before,
+        peaks.map(|p| p.load(Ordering::Relaxed)),
+    )
+}
+
+/// `--take-checkpoint`: job `id`'s checkpoint through control, both
+/// daemons' VmRSS sampled every 2 ms meanwhile.
+fn take_checkpoint(local: &super::local::Local, id: u16, token: Option<&str>) -> Result<LocalCheckpoint> {
+    let client =
+        super::local::control_client(&local.control_url, token, std::time::Duration::from_secs(3600))?;
+    let pids = [local.dataplane.pid(), local.control.pid()];
+    let (info, seconds, before, peak) =
+        sampled(pids, || client.send(&phub_proto::routes::control::checkpoint(id)));
+    let info = info.context("taking the job's checkpoint through control")?;
     Ok(LocalCheckpoint {
         bytes: info.bytes,
+        seconds,
+        dataplane_rss_before: before[0],
+        dataplane_rss_peak: peak[0],
+        control_rss_before: before[1],
+        control_rss_peak: peak[1],
+    })
+}
+
+/// `--take-checkpoint`, last: the dataplane restarted, and control
+/// restoring job `id` from its file (`bytes` long), both daemons' VmRSS
+/// sampled until the dataplane lists the job again (within 10 minutes).
+fn restore_after_restart(local: &mut super::local::Local, id: u16, bytes: u64) -> Result<LocalCheckpoint> {
+    let t = Instant::now();
+    local.restart_dataplane()?;
+    let mgmt = phub_http::Client::plain(&local.mgmt_url).context("a client of the dataplane")?;
+    let pids = [local.dataplane.pid(), local.control.pid()];
+    let (listed, _, before, peak) = sampled(pids, || {
+        while t.elapsed() < std::time::Duration::from_secs(600) {
+            let jobs = mgmt.send(&phub_proto::routes::mgmt::jobs()).unwrap_or_default();
+            if jobs.iter().any(|j| j.id == id) {
+                return true;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        false
+    });
+    ensure!(
+        listed,
+        "control did not restore job {id} within 10 minutes of the dataplane's restart"
+    );
+    Ok(LocalCheckpoint {
+        bytes,
         seconds: t.elapsed().as_secs_f64(),
         dataplane_rss_before: before[0],
-        dataplane_rss_peak: peaks[0].load(Ordering::Relaxed),
+        dataplane_rss_peak: peak[0],
         control_rss_before: before[1],
-        control_rss_peak: peaks[1].load(Ordering::Relaxed),
+        control_rss_peak: peak[1],
     })
 }
 
@@ -900,7 +949,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     };
     // Rows, index and Adagrad state at the cap, with room to spare.
     let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
-    let local = Local::start(&LocalOptions {
+    let mut local = Local::start(&LocalOptions {
         lcores: args.lcores,
         backend: "udp".into(),
         memory_budget: budget,
@@ -965,11 +1014,15 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ) as Pusher)
     });
     let ranks = ranks?;
-    let checkpoints = match args.take_checkpoint {
+    let checkpoints: Vec<LocalCheckpoint> = match args.take_checkpoint {
         true => (0..2)
             .map(|_| take_checkpoint(&local, job.id, token.as_deref()))
             .collect::<Result<_>>()?,
         false => Vec::new(),
+    };
+    let restore = match checkpoints.last() {
+        Some(c) => Some(restore_after_restart(&mut local, job.id, c.bytes)?),
+        None => None,
     };
     let detail = control_client(
         &local.control_url,
@@ -1048,6 +1101,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         key_cache_id_bytes_saved_per_row: ranks.iter().map(|r| r.saved).sum::<u64>() as f64 / rows_moved,
         key_cache_prefix_bytes_per_row: ranks.iter().map(|r| r.prefixes).sum::<u64>() as f64 / rows_moved,
         checkpoints,
+        restore,
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -1088,6 +1142,20 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             mb(c.dataplane_rss_before),
             mb(c.dataplane_rss_peak),
             mb(c.dataplane_rss_peak - c.dataplane_rss_before),
+            mb(c.control_rss_before),
+            mb(c.control_rss_peak),
+            mb(c.control_rss_peak - c.control_rss_before)
+        );
+    }
+    if let Some(c) = &report.restore {
+        let mb = |b: u64| b as f64 / 1e6;
+        println!(
+            "  restore after a dataplane restart: {:.1} MB in {:.2} s; the new dataplane's RSS {:.1} -> peak {:.1} MB, \
+             control's {:.1} -> peak {:.1} MB (+{:.1})",
+            mb(c.bytes),
+            c.seconds,
+            mb(c.dataplane_rss_before),
+            mb(c.dataplane_rss_peak),
             mb(c.control_rss_before),
             mb(c.control_rss_peak),
             mb(c.control_rss_peak - c.control_rss_before)
