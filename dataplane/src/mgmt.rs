@@ -32,6 +32,24 @@ use crate::tables;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
+/// The slowest rate an lcore is allowed to restore a job's state at,
+/// beyond [`ACK_TIMEOUT`] (a row store restores at about 130 MB/s per
+/// lcore on the development VM: BENCHMARKS.md, "Sparse tables at scale").
+const RESTORE_BYTES_PER_S: u64 = 16 << 20;
+
+/// How long beyond [`ACK_TIMEOUT`] an lcore may take to restore `state`.
+fn restore_time(state: Option<&Saved>) -> Duration {
+    let Some(s) = state else {
+        return Duration::ZERO;
+    };
+    let tables: u64 = s.tables.iter().map(|t| t.rows.len() as u64).sum();
+    let slots: u64 = s
+        .slots
+        .iter()
+        .map(|x| 4 * (x.params.len() + x.s1.len() + x.s2.len()) as u64 + x.result.len() as u64)
+        .sum();
+    Duration::from_secs((tables + slots) / RESTORE_BYTES_PER_S)
+}
 /// How long a checkpoint being written waits for an lcore's next slice,
 /// or for its reader to take the next bytes, before it is cut.
 const CHECKPOINT_STALL: Duration = Duration::from_secs(60);
@@ -476,6 +494,9 @@ impl Manager {
                 slots: placement.slots(i).collect(),
             };
             let state = restore.as_mut().map(|r| std::mem::take(&mut r[i]));
+            // The lcore restores the state before it answers: longer the
+            // more there is (a table of gigabytes takes tens of seconds).
+            let wait = ACK_TIMEOUT + restore_time(state.as_ref());
             // A hierarchical job's lcores get their part of it; the other
             // jobs, with --shm, their shared-memory regions.
             let kind = match (hier.as_mut().and_then(Iterator::next), shm) {
@@ -514,8 +535,12 @@ impl Manager {
                 )
                 .map_err(|_| (500, format!("lcore {i} did not take the command")))
                 .and_then(|()| {
-                    rx.recv_timeout(ACK_TIMEOUT)
-                        .map_err(|_| (500, format!("lcore {i} did not answer")))
+                    rx.recv_timeout(wait).map_err(|_| {
+                        // It may still install the job: a removal queued
+                        // behind the install takes it away again then.
+                        self.remove_on(i, id);
+                        (500, format!("lcore {i} did not answer within {wait:?}"))
+                    })
                 })
                 .and_then(|r| {
                     r.map_err(|e| {
