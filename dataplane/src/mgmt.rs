@@ -270,19 +270,6 @@ impl Manager {
         Ok(r)
     }
 
-    /// `GET /v1/jobs/{id}/checkpoint`: the job's checkpoint file, whole in
-    /// memory (tests and tools; the API streams it, [`Manager::checkpoint_to`]).
-    pub fn checkpoint(&self, id: u16) -> Result<Checkpoint, MgmtError> {
-        let stream = self.checkpoint_begin(id)?;
-        let mut bytes = Vec::new();
-        stream.write(|b| {
-            bytes.extend_from_slice(&b);
-            Ok(())
-        })?;
-        Checkpoint::decode(&bytes)
-            .map_err(|e| err(500, format!("job {id}: the checkpoint taken does not read: {e}")))
-    }
-
     /// `GET /v1/jobs/{id}/checkpoint`, streamed: every lcore copies the
     /// job's slots and begins streaming its tables at once (the lcores go
     /// on serving: copy on write, [`crate::lcore::Checkpoint`]); the file

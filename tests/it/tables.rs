@@ -291,6 +291,26 @@ fn workers_push_and_pull_rows_through_the_appliance() {
     );
 }
 
+/// Rank `rank`'s gradient for element `e` of row `id` in round `round`
+/// (the checkpoint tests' pushes).
+fn grad_of(rank: u16, round: u32, id: u64, e: usize) -> f32 {
+    f32::from(rank + 1) * 0.5 - (round as f32) * 0.25 + (id % 5) as f32 - e as f32 * 0.125
+}
+
+/// Row `id`'s values after round t of two ranks pushing [`grad_of`]
+/// (SGD, lr 0.5, from zeros; the two ranks' sum is exact in any order).
+fn sgd_row(t: u32, id: u64) -> Vec<f32> {
+    (0..DIM as usize)
+        .map(|e| {
+            let mut w = 0f32;
+            for r in 1..=t {
+                w -= 0.5 * (grad_of(0, r, id, e) + grad_of(1, r, id, e));
+            }
+            w
+        })
+        .collect()
+}
+
 /// A table's rows and rounds survive a checkpoint and a crash of the
 /// dataplane (PROTOCOL.md §10.6): two ranks push three BSP rounds, control
 /// checkpoints the job, the dataplane is killed and started again and
@@ -305,22 +325,8 @@ fn a_table_survives_a_checkpoint_and_a_dataplane_restart() {
     let job = rack.admit(&spec("rows = 1000\n")).unwrap();
     let ids: Vec<u64> = (0..40).map(|i| i * 11 + 1).collect();
     let d = DIM as usize;
-    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
-        (rank + 1) as f32 * 0.5 - (round as f32) * 0.25 + (id % 5) as f32 - e as f32 * 0.125
-    };
-    let want = |t: u32| -> Vec<f32> {
-        ids.iter()
-            .flat_map(|&id| {
-                (0..d).map(move |e| {
-                    let mut w = 0f32;
-                    for r in 1..=t {
-                        w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
-                    }
-                    w
-                })
-            })
-            .collect()
-    };
+    let g = grad_of;
+    let want = |t: u32| -> Vec<f32> { ids.iter().flat_map(|&id| sgd_row(t, id)).collect() };
     let workers: Vec<phub_worker::Worker> = (0..2u16)
         .map(|rank| phub_worker::Worker::join(&rack.control_url, job.id, job.token, rank).unwrap())
         .collect();
@@ -449,21 +455,8 @@ fn a_table_checkpointed_while_ranks_push_holds_one_round_per_lcore() {
     let job = rack.admit(&spec("rows = 100000\n")).unwrap();
     let ids: Vec<u64> = (0..80_000u64).map(|i| i * 7 + 3).collect();
     let d = DIM as usize;
-    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
-        (rank + 1) as f32 * 0.5 - (round as f32) * 0.25 + (id % 5) as f32 - e as f32 * 0.125
-    };
-    // Row `id`'s values after round t (SGD, lr 0.5, from zeros).
-    let want = |t: u32, id: u64| -> Vec<f32> {
-        (0..d)
-            .map(|e| {
-                let mut w = 0f32;
-                for r in 1..=t {
-                    w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
-                }
-                w
-            })
-            .collect()
-    };
+    let g = grad_of;
+    let want = sgd_row;
     let workers: Vec<phub_worker::Worker> = (0..2u16)
         .map(|rank| phub_worker::Worker::join(&rack.control_url, job.id, job.token, rank).unwrap())
         .collect();

@@ -155,18 +155,18 @@ impl Checksum {
 }
 
 /// What the header says beyond magic and version.
-pub(super) struct Head {
-    pub(super) dim: usize,
-    pub(super) state_len: usize,
-    pub(super) round: u32,
-    pub(super) rows: u64,
-    pub(super) clock_hand: u64,
-    pub(super) idle_hand: u64,
-    pub(super) counters: u64,
+struct Head {
+    dim: usize,
+    state_len: usize,
+    round: u32,
+    rows: u64,
+    clock_hand: u64,
+    idle_hand: u64,
+    counters: u64,
 }
 
 impl Head {
-    pub(super) fn bytes(&self) -> [u8; HEADER_BYTES] {
+    fn bytes(&self) -> [u8; HEADER_BYTES] {
         let mut h = [0u8; HEADER_BYTES];
         h[0..8].copy_from_slice(&MAGIC);
         h[8..12].copy_from_slice(&VERSION.to_le_bytes());
@@ -217,6 +217,20 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         12 + 4 * (self.dim + self.state_len)
     }
 
+    /// The header of this store's checkpoint as it stands now.
+    pub(super) fn head(&self) -> [u8; HEADER_BYTES] {
+        Head {
+            dim: self.dim,
+            state_len: self.state_len,
+            round: self.now,
+            rows: self.rows_stored(),
+            clock_hand: self.clock.hand as u64,
+            idle_hand: self.idle.as_ref().map_or(0, |i| i.hand as u64),
+            counters: self.admit_counters(),
+        }
+        .bytes()
+    }
+
     /// Bytes [`RowStore::write_to`] writes for this store.
     pub fn checkpoint_bytes(&self) -> u64 {
         HEADER_BYTES as u64
@@ -230,16 +244,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     pub fn write_to(&self, w: impl Write) -> io::Result<u64> {
         let mut w = BufWriter::with_capacity(1 << 20, w);
         let mut sum = Checksum::default();
-        let head = Head {
-            dim: self.dim,
-            state_len: self.state_len,
-            round: self.now,
-            rows: self.rows_stored(),
-            clock_hand: self.clock.hand as u64,
-            idle_hand: self.idle.as_ref().map_or(0, |i| i.hand as u64),
-            counters: self.admit_counters(),
-        }
-        .bytes();
+        let head = self.head();
         sum.add(&head);
         w.write_all(&head)?;
         let mut record = Vec::with_capacity(self.record_bytes());

@@ -25,7 +25,7 @@
 
 use std::collections::HashMap;
 
-use super::checkpoint::{counter_bytes, Checksum, Head, HEADER_BYTES};
+use super::checkpoint::{counter_bytes, Checksum, HEADER_BYTES};
 use super::index::Entry;
 use super::store::RowStore;
 use super::{RowInit, RowUpdate};
@@ -250,16 +250,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 Some(c)
             }
         };
-        let head = Head {
-            dim: self.dim,
-            state_len: self.state_len,
-            round: self.now,
-            rows: self.rows_stored(),
-            clock_hand: self.clock.hand as u64,
-            idle_hand: self.idle.as_ref().map_or(0, |i| i.hand as u64),
-            counters: counters.as_ref().map_or(0, |c| c.len() as u64),
-        }
-        .bytes();
+        let head = self.head();
         let total = self.checkpoint_bytes();
         self.index.snap = Some(Box::new(entries));
         self.blocks.snap = Some(Box::new(rows));

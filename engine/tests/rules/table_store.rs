@@ -55,6 +55,19 @@ fn config(dim: u32, rows_cap: u64) -> StoreConfig {
     }
 }
 
+/// A proptest's store: `admit` 1 for none, `idle` 0 for no idle eviction.
+fn drawn_config(dim: u32, cap: u64, admit: u16, idle: u32) -> StoreConfig {
+    StoreConfig {
+        admission: if admit == 1 {
+            Admission::Always
+        } else {
+            Admission::AfterPushes(admit)
+        },
+        idle_rounds: NonZeroU32::new(idle),
+        ..config(dim, cap)
+    }
+}
+
 fn store(c: StoreConfig) -> RowStore<Seeded, SumCount> {
     RowStore::new(c, Seeded, SumCount).unwrap()
 }
@@ -131,11 +144,7 @@ proptest! {
         admit in prop_oneof![Just(1u16), 2u16..4],
         idle in prop_oneof![Just(0u32), 1u32..4],
     ) {
-        let c = StoreConfig {
-            admission: if admit == 1 { Admission::Always } else { Admission::AfterPushes(admit) },
-            idle_rounds: NonZeroU32::new(idle),
-            ..config(dim, cap)
-        };
+        let c = drawn_config(dim, cap, admit, idle);
         let d = dim as usize;
         // One store driven id by id (checked against the model), one driven
         // by the batched forms: they must end equal.
@@ -609,11 +618,7 @@ proptest! {
         admit in prop_oneof![Just(1u16), 2u16..4],
         idle in prop_oneof![Just(0u32), 1u32..4],
     ) {
-        let c = StoreConfig {
-            admission: if admit == 1 { Admission::Always } else { Admission::AfterPushes(admit) },
-            idle_rounds: NonZeroU32::new(idle),
-            ..config(dim, cap)
-        };
+        let c = drawn_config(dim, cap, admit, idle);
         let (mut s, mut plain) = (store(c), store(c));
         for op in &before {
             apply_op(&mut s, op);
