@@ -458,12 +458,6 @@ impl Manager {
             chunk_elems: req.layout.chunk_elems,
         });
         let mut done = Vec::new();
-        let mut pending: Vec<(
-            usize,
-            Receiver<Result<u64, EngineError>>,
-            std::time::Instant,
-            Duration,
-        )> = Vec::with_capacity(self.lcores.len());
         let mut total = cost.registry + cost.shm;
         let hierarchical = hier.is_some();
         let mut hier = hier.map(|(_, per_lcore)| per_lcore.into_iter());
@@ -512,41 +506,28 @@ impl Manager {
                 }
                 None => kind,
             };
-            // Every lcore installs (and restores) at once: the answers are
-            // collected below.
-            let sent = l.commands.send_timeout(
-                Command::Install(Install {
-                    job,
-                    kind,
-                    tables: tables::installs(&req, entries, i),
-                    restore: state,
-                    reply: tx,
-                }),
-                ACK_TIMEOUT,
-            );
-            if sent.is_err() {
-                // Those sent install the job, then remove it again.
-                for &(j, ..) in &pending {
-                    self.remove_on(j, id);
-                }
-                return Err(err(
-                    500,
-                    format!("job {id} not installed: lcore {i} did not take the command"),
-                ));
-            }
-            pending.push((i, rx, std::time::Instant::now() + wait, wait));
-        }
-        // Slot memory that runs out is the budget's 507; anything else is
-        // the dataplane's fault.
-        let mut failed = None;
-        for (i, rx, deadline, wait) in pending {
-            let answer = rx
-                .recv_timeout(deadline.saturating_duration_since(std::time::Instant::now()))
-                .map_err(|_| {
-                    // It may still install the job: a removal queued behind
-                    // the install takes it away again then.
-                    self.remove_on(i, id);
-                    (500, format!("lcore {i} did not answer within {wait:?}"))
+            // Slot memory that runs out is the budget's 507; anything else
+            // is the dataplane's fault.
+            let answer = l
+                .commands
+                .send_timeout(
+                    Command::Install(Install {
+                        job,
+                        kind,
+                        tables: tables::installs(&req, entries, i),
+                        restore: state,
+                        reply: tx,
+                    }),
+                    ACK_TIMEOUT,
+                )
+                .map_err(|_| (500, format!("lcore {i} did not take the command")))
+                .and_then(|()| {
+                    rx.recv_timeout(wait).map_err(|_| {
+                        // It may still install the job: a removal queued
+                        // behind the install takes it away again then.
+                        self.remove_on(i, id);
+                        (500, format!("lcore {i} did not answer within {wait:?}"))
+                    })
                 })
                 .and_then(|r| {
                     r.map_err(|e| {
@@ -571,16 +552,13 @@ impl Manager {
                     total += bytes;
                     done.push(i);
                 }
-                Err(e) => {
-                    failed.get_or_insert(e);
+                Err((status, message)) => {
+                    for &j in &done {
+                        self.remove_on(j, id);
+                    }
+                    return Err(err(status, format!("job {id} not installed: {message}")));
                 }
             }
-        }
-        if let Some((status, message)) = failed {
-            for &j in &done {
-                self.remove_on(j, id);
-            }
-            return Err(err(status, format!("job {id} not installed: {message}")));
         }
         drop(placement);
         let mut req = req;
