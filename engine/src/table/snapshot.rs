@@ -186,7 +186,8 @@ pub(crate) struct Stream {
     /// The header, until written.
     head: Option<[u8; HEADER_BYTES]>,
     sum: Checksum,
-    /// Rows the header announced and not written yet.
+    /// Rows the header announced, and those not written yet.
+    rows: u64,
     rows_left: u64,
     /// The admission counters at the start.
     counters: Option<Vec<u16>>,
@@ -257,6 +258,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         self.stream = Some(Box::new(Stream {
             head: Some(head),
             sum: Checksum::default(),
+            rows: self.rows_stored(),
             rows_left: self.rows_stored(),
             counters,
             total,
@@ -355,19 +357,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// Ends the stream on a walk that found `extra` more rows than were
     /// left (or `rows_left` too few).
     fn stream_failed(&mut self, st: &Stream, extra: u64) -> StreamError {
-        let expected = self.stream_rows(st);
-        let e = StreamError::Inconsistent {
-            expected,
-            found: expected - st.rows_left + extra,
-        };
         self.stream_end();
-        e
-    }
-
-    fn stream_rows(&self, st: &Stream) -> u64 {
-        let record = self.record_bytes() as u64;
-        let fixed =
-            HEADER_BYTES as u64 + st.counters.as_ref().map_or(0, |c| counter_bytes(c.len() as u64)) + 8;
-        (st.total - fixed) / record
+        StreamError::Inconsistent {
+            expected: st.rows,
+            found: st.rows - st.rows_left + extra,
+        }
     }
 }
