@@ -297,22 +297,11 @@ pub(crate) fn receive<E>(
     incoming: &Path,
     fill: impl FnOnce(&mut dyn Write) -> Result<u64, E>,
 ) -> Result<Received, ReceiveError<E>> {
-    use std::os::unix::fs::OpenOptionsExt;
     let file_err = |what: &str, e: &dyn std::fmt::Display| {
         let _ = std::fs::remove_file(incoming);
         ReceiveError::File(format!("{what} {}: {e}", incoming.display()))
     };
-    match std::fs::remove_file(incoming) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(file_err("removing a leftover", &e)),
-    }
-    let f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(incoming)
-        .map_err(|e| file_err("creating", &e))?;
+    let f = state::create_private(incoming).map_err(|e| file_err("creating", &e))?;
     let mut w = std::io::BufWriter::with_capacity(1 << 20, f);
     let written = match fill(&mut w) {
         Ok(n) => n,
@@ -328,8 +317,7 @@ pub(crate) fn receive<E>(
     f.sync_all().map_err(|e| file_err("syncing", &e))?;
     drop(f);
     let r = std::fs::File::open(incoming).map_err(|e| file_err("reading back", &e))?;
-    let (c, bytes) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, r))
-        .map_err(|e| file_err("reading back", &e))?;
+    let (c, bytes) = scan_file(r).map_err(|e| file_err("reading back", &e))?;
     if bytes != written {
         return Err(file_err(
             "reading back",
@@ -343,6 +331,12 @@ pub(crate) fn receive<E>(
     })
 }
 
+/// The checkpoint in `f` read as it streams, its values left out, and its
+/// length ([`Checkpoint::scan`], 1 MiB reads).
+fn scan_file(f: std::fs::File) -> Result<(Checkpoint, u64), phub_proto::checkpoint::CheckpointError> {
+    Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, f))
+}
+
 /// The checkpoint at `path` for `owner` read as it streams, its values
 /// left out ([`Checkpoint::scan`]), and its length: `None` if there is no
 /// file; why it cannot be used as [`read`] says.
@@ -352,8 +346,7 @@ pub(crate) fn scan(path: &Path, owner: &Owner<'_>) -> Result<Option<(Checkpoint,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(with_prev(path, format!("cannot be read: {e}"))),
     };
-    let (c, len) = Checkpoint::scan(std::io::BufReader::with_capacity(1 << 20, f))
-        .map_err(|e| with_prev(path, e.to_string()))?;
+    let (c, len) = scan_file(f).map_err(|e| with_prev(path, e.to_string()))?;
     owner.check(&c.job).map_err(|e| with_prev(path, e))?;
     Ok(Some((c, len)))
 }

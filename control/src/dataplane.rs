@@ -118,6 +118,13 @@ impl std::fmt::Debug for Client {
     }
 }
 
+/// A success's body read whole into `call`'s answer.
+fn read_answer<A>(call: &MgmtCall<'_, A>, body: &mut dyn Read) -> Result<A, String> {
+    let mut bytes = Vec::new();
+    body.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
+    call.answer(&bytes)
+}
+
 impl Client {
     /// A client for the management API of appliance `name` at `base`
     /// (e.g. `http://127.0.0.1:7800`) that authenticates with the token in
@@ -175,11 +182,20 @@ impl Client {
     /// [`Client::send`], the whole request (connection included) within
     /// `limit` when given.
     fn send_within<A>(&self, call: &MgmtCall<'_, A>, limit: Option<Duration>) -> Result<A, DataplaneError> {
-        match self.send_with(call, false, limit) {
-            // The dataplane restarted and made a new token: read it again.
+        self.with_token(|fresh| self.send_with(call, fresh, limit))
+    }
+
+    /// `send(false)`, then `send(true)` (the token read again) when the
+    /// dataplane refused the token: it restarted and made a new one. A
+    /// refusal has no body: the first call read and wrote nothing.
+    fn with_token<T>(
+        &self,
+        mut send: impl FnMut(bool) -> Result<T, DataplaneError>,
+    ) -> Result<T, DataplaneError> {
+        match send(false) {
             Err(DataplaneError::Refused {
                 status: 401 | 403, ..
-            }) => self.send_with(call, true, limit),
+            }) => send(true),
             r => r,
         }
     }
@@ -190,11 +206,7 @@ impl Client {
         fresh: bool,
         limit: Option<Duration>,
     ) -> Result<A, DataplaneError> {
-        self.exchange(call, fresh, limit, None, |body| {
-            let mut bytes = Vec::new();
-            body.read_to_end(&mut bytes).map_err(|e| e.to_string())?;
-            call.answer(&bytes)
-        })
+        self.exchange(call, fresh, limit, None, |body| read_answer(call, body))
     }
 
     /// Sends `call` (its body, or `upload`'s file of that many bytes,
@@ -326,21 +338,11 @@ impl Client {
     /// allowed [`CHECKPOINT_LIMIT`] rather than a change's 10 s.
     pub(crate) fn checkpoint_into(&self, id: u16, out: &mut dyn Write) -> Result<u64, DataplaneError> {
         let call = mgmt::checkpoint(id);
-        let read = |body: &mut dyn Read| std::io::copy(body, out).map_err(|e| e.to_string());
-        match self.exchange(&call, false, Some(CHECKPOINT_LIMIT), None, read) {
-            // The dataplane restarted and made a new token: read it again
-            // (nothing was written: a refusal has no body).
-            Err(DataplaneError::Refused {
-                status: 401 | 403, ..
-            }) => self.exchange(
-                &call,
-                true,
-                Some(CHECKPOINT_LIMIT),
-                None,
-                |body: &mut dyn Read| std::io::copy(body, out).map_err(|e| e.to_string()),
-            ),
-            r => r,
-        }
+        self.with_token(|fresh| {
+            self.exchange(&call, fresh, Some(CHECKPOINT_LIMIT), None, |body| {
+                std::io::copy(body, out).map_err(|e| e.to_string())
+            })
+        })
     }
 
     /// `PUT /v1/jobs/{id}` with the checkpoint file at `path` (`bytes`
@@ -353,25 +355,15 @@ impl Client {
         bytes: u64,
     ) -> Result<(), DataplaneError> {
         let call = mgmt::restore(id, &[]);
-        let send = |fresh| {
+        self.with_token(|fresh| {
             self.exchange(
                 &call,
                 fresh,
                 Some(CHECKPOINT_LIMIT),
                 Some((path, bytes)),
-                |body| {
-                    let mut answer = Vec::new();
-                    body.read_to_end(&mut answer).map_err(|e| e.to_string())?;
-                    call.answer(&answer)
-                },
+                |body| read_answer(&call, body),
             )
-        };
-        match send(false) {
-            Err(DataplaneError::Refused {
-                status: 401 | 403, ..
-            }) => send(true),
-            r => r,
-        }
+        })
     }
 
     /// `PUT /v1/jobs/{id}` with a checkpoint file: installs the job restored.

@@ -439,23 +439,8 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         let p = p.to_owned();
         move |source| StateError::Write { path: p, source }
     };
-    // Created afresh, 0600: a leftover temporary may have other permissions.
-    match fs::remove_file(&tmp) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        // A read-only directory says so here, not as "File exists" below.
-        Err(e) => return Err(write(&tmp)(e)),
-    }
-    let written = (|| {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.set_permissions(fs::Permissions::from_mode(0o600))?;
-        f.write_all(bytes)?;
-        f.sync_all()
-    })();
+    let mut f = create_private(&tmp).map_err(write(&tmp))?;
+    let written = f.write_all(bytes).and_then(|()| f.sync_all());
     if let Err(e) = written {
         // A full disk leaves a partial temporary: it must not stay behind
         // (it holds tokens, and takes the room the next write needs).
@@ -463,6 +448,24 @@ pub(crate) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StateError> 
         return Err(write(&tmp)(e));
     }
     rename_synced(&tmp, path)
+}
+
+/// Creates `path` afresh, 0600, for writing: a leftover one (which may
+/// have other permissions) is removed first. A read-only directory says
+/// so in the removal, not as "File exists" in the creation.
+pub(crate) fn create_private(path: &Path) -> std::io::Result<fs::File> {
+    match fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    let f = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.set_permissions(fs::Permissions::from_mode(0o600))?;
+    Ok(f)
 }
 
 /// Renames the synced file `from` to `path` (replacing what is there) and

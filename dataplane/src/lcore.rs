@@ -20,7 +20,9 @@ use phub_proto::checkpoint::SlotState;
 use phub_proto::failover::EpochView;
 use phub_proto::table_checkpoint::TableState;
 
-use phub_engine::engine::{EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall};
+use phub_engine::engine::{
+    EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall, TablesStreamError,
+};
 
 use crate::backend::PacketIo;
 use crate::spin::SpinGate;
@@ -312,13 +314,19 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64, stream: &mu
             let _ = reply.send(r.map(|()| shard.job_memory_bytes(id).unwrap_or(0)));
         }
         Command::Checkpoint(c) => {
-            let begun = match (shard.snapshot(c.job), shard.tables_streaming()) {
-                (None, _) => Err(CheckpointRefused::NotInstalled),
-                (Some(_), Some(other)) => Err(CheckpointRefused::Busy(other)),
-                (Some(slots), None) => shard
-                    .stream_tables_begin(c.job)
-                    .map(|bytes| (slots, bytes))
-                    .map_err(|e| CheckpointRefused::Failed(e.to_string())),
+            // The tables' stream first (it refuses a job not installed or a
+            // second stream), then the slots, at the same instant.
+            let begun = match shard.stream_tables_begin(c.job) {
+                Ok(bytes) => match shard.snapshot(c.job) {
+                    Some(slots) => Ok((slots, bytes)),
+                    None => {
+                        shard.stream_tables_abort();
+                        Err(CheckpointRefused::NotInstalled)
+                    }
+                },
+                Err(TablesStreamError::NotInstalled(_)) => Err(CheckpointRefused::NotInstalled),
+                Err(TablesStreamError::Busy(other)) => Err(CheckpointRefused::Busy(other)),
+                Err(e) => Err(CheckpointRefused::Failed(e.to_string())),
             };
             let ok = begun.is_ok();
             if c.reply.send(begun).is_err() && ok {

@@ -50,6 +50,7 @@ fn restore_time(state: Option<&Saved>) -> Duration {
         .sum();
     Duration::from_secs((tables + slots) / RESTORE_BYTES_PER_S)
 }
+
 /// How long a checkpoint being written waits for an lcore's next slice,
 /// or for its reader to take the next bytes, before it is cut.
 const CHECKPOINT_STALL: Duration = Duration::from_secs(60);
@@ -67,13 +68,8 @@ pub struct CheckpointStream {
 
 impl CheckpointStream {
     /// The file's bytes.
-    pub fn len(&self) -> u64 {
+    pub fn file_bytes(&self) -> u64 {
         self.head.len() as u64 + self.sections.iter().map(|s| s.1).sum::<u64>() + 4
-    }
-
-    /// Whether the file is empty (never: it has a head).
-    pub fn is_empty(&self) -> bool {
-        false
     }
 
     /// Hands the file's bytes to `sink` in order, ending with the CRC of
@@ -888,7 +884,7 @@ impl Handler for Api {
             }
             MgmtRoute::Checkpoint { job: id } => {
                 let stream = mgr.checkpoint_begin(id)?;
-                let (tx, body) = phub_http::streamed(stream.len(), CHECKPOINT_STALL);
+                let (tx, body) = phub_http::streamed(stream.file_bytes(), CHECKPOINT_STALL);
                 let spawned = std::thread::Builder::new()
                     .name(format!("checkpoint-{id}"))
                     .spawn(move || {

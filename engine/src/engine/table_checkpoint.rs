@@ -216,26 +216,15 @@ impl<A: Copy + Eq> Shard<A> {
             job: id,
             reason: e.to_string(),
         };
-        let mut heads = Vec::with_capacity(j.tables.len());
-        let mut total = 0u64;
+        // Every head first (the format's checks, no side effect), then
+        // every store's stream: a store that cannot begin ends those begun.
         let mut first = Vec::new();
         format::encode_count(&mut first, j.tables.len()).map_err(format_err)?;
-        for (i, t) in j.tables.iter_mut().enumerate() {
-            let begun = t.store.stream_begin().map_err(|source| TablesStreamError::Store {
-                job: id,
-                key: t.key,
-                source,
-            });
-            let rows = match begun {
-                Ok(rows) => rows,
-                Err(e) => {
-                    for t in &mut j.tables[..i] {
-                        t.store.stream_abort();
-                    }
-                    return Err(e);
-                }
-            };
-            let mut head = if i == 0 {
+        let mut heads = Vec::with_capacity(j.tables.len().max(1));
+        let mut total = 0u64;
+        for t in &j.tables {
+            let rows = t.store.checkpoint_bytes();
+            let mut head = if heads.is_empty() {
                 std::mem::take(&mut first)
             } else {
                 Vec::new()
@@ -245,8 +234,18 @@ impl<A: Copy + Eq> Shard<A> {
             heads.push(head);
         }
         if heads.is_empty() {
+            // A job without tables: its count alone.
             total = first.len() as u64;
             heads.push(first);
+        }
+        for i in 0..j.tables.len() {
+            if let Err(source) = j.tables[i].store.stream_begin() {
+                let key = j.tables[i].key;
+                for t in &mut j.tables[..i] {
+                    t.store.stream_abort();
+                }
+                return Err(TablesStreamError::Store { job: id, key, source });
+            }
         }
         self.tables_stream = Some(TablesStream {
             job: id,
