@@ -68,7 +68,7 @@ pub use controls::{Asked, Controls, ControlsError, Timeouts, CONTROL_ENV, LEADER
 #[cfg(feature = "server")]
 pub use server::{Class, Handler, Limits, Request, Response, Server};
 #[cfg(feature = "server")]
-pub use stream::{streamed, StreamGone, StreamSender, Streamed};
+pub use stream::{streamed, BodyReader, StreamGone, StreamSender, Streamed};
 pub use tls::{agent, client_config, client_config_with_identity, server_config, TlsError, CA_FILE_ENV};
 
 /// A re-export, so that users name the same rustls as this crate.

@@ -22,7 +22,7 @@ use tokio::time::Instant;
 use tokio_rustls::TlsAcceptor;
 
 use crate::source::{Connections, Failures, Report, Source};
-use crate::stream::{Body, Stream};
+use crate::stream::{Body, BodyReader, Stream};
 
 /// What one listener allows; see the crate documentation for what happens
 /// when each is exceeded.
@@ -84,7 +84,8 @@ impl Default for Limits {
     }
 }
 
-/// A request as handlers see it: head and the whole body.
+/// A request as handlers see it: head and the whole body, or the body as
+/// it arrives ([`Handler::body_stall`]).
 #[derive(Debug)]
 pub struct Request {
     /// The method, upper case (`GET`, `POST`, ...).
@@ -95,8 +96,12 @@ pub struct Request {
     pub query: Option<String>,
     /// The headers.
     pub headers: HeaderMap,
-    /// The body (empty for a head-only check).
+    /// The body (empty for a head-only check, and for a body streamed to
+    /// the handler).
     pub body: Bytes,
+    /// The body as it arrives, for a request whose handler asked for it
+    /// ([`Handler::body_stall`]); taken by the handler.
+    pub body_stream: Option<BodyReader>,
     /// The client's address.
     pub peer: SocketAddr,
 }
@@ -229,6 +234,17 @@ pub trait Handler: Send + Sync + 'static {
     /// [`Handler::check_head`]); at most [`Limits::body_bytes`] applies.
     fn body_limit(&self, _head: &Request) -> usize {
         usize::MAX
+    }
+
+    /// `Some(stall)`: this request's body is not read whole first but
+    /// handed to [`Handler::handle`] as it arrives
+    /// ([`Request::body_stream`]), so that a body of gigabytes is never
+    /// held in memory; neither [`Limits::body_timeout`] nor the
+    /// connection's life bounds it, but it fails when the client sends
+    /// nothing (or the handler reads nothing) for `stall`. The size limits
+    /// apply as to a whole body. By default every body is read whole.
+    fn body_stall(&self, _head: &Request) -> Option<Duration> {
+        None
     }
 
     /// Answers a request.
@@ -531,15 +547,16 @@ async fn serve_http<S>(
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let svc_ctx = ctx.clone();
-    // Set once the answer is a streamed body: its own stall limit bounds
-    // the connection from then on, not the connection's life.
+    // Set once the answer is a streamed body, or the request's body is
+    // streamed to its handler: their own stall limits bound the
+    // connection from then on, not the connection's life.
     let streaming = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let svc_streaming = streaming.clone();
     let service = service_fn(move |req: hyper::Request<Incoming>| {
         let ctx = svc_ctx.clone();
         let streaming = svc_streaming.clone();
         async move {
-            let resp = answer(&ctx, req, peer).await;
+            let resp = answer(&ctx, req, peer, &streaming).await;
             if resp.stream.is_some() {
                 streaming.store(true, std::sync::atomic::Ordering::Relaxed);
             }
@@ -583,7 +600,12 @@ async fn serve_http<S>(
     }
 }
 
-async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> Response {
+async fn answer(
+    ctx: &Ctx,
+    req: hyper::Request<Incoming>,
+    peer: SocketAddr,
+    streaming: &std::sync::atomic::AtomicBool,
+) -> Response {
     let (parts, body) = req.into_parts();
     let head = Request {
         method: parts.method.as_str().to_ascii_uppercase(),
@@ -591,6 +613,7 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         query: parts.uri.query().map(str::to_string),
         headers: parts.headers,
         body: Bytes::new(),
+        body_stream: None,
         peer,
     };
     let class = ctx.handler.class(&head);
@@ -627,6 +650,9 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         }
         return resp;
     }
+    if let Some(stall) = ctx.handler.body_stall(&head) {
+        return answer_streaming(ctx, class, body, head, stall, streaming).await;
+    }
     let (body, permit) = match read_body(ctx, body, &head).await {
         Ok(b) => b,
         Err(resp) => return resp,
@@ -637,6 +663,49 @@ async fn answer(ctx: &Ctx, req: hyper::Request<Incoming>, peer: SocketAddr) -> R
         .unwrap_or_else(|r| r);
     drop(permit);
     resp
+}
+
+/// Answers a request whose body its handler reads as it arrives: the
+/// handler runs while the body's frames are moved to it, and its answer is
+/// sent as soon as it has one (a handler that refuses the body early is
+/// not kept waiting for the rest of it).
+async fn answer_streaming(
+    ctx: &Ctx,
+    class: Class,
+    body: Incoming,
+    head: Request,
+    stall: Duration,
+    streaming: &std::sync::atomic::AtomicBool,
+) -> Response {
+    let limit = ctx.limits.body_bytes.min(ctx.handler.body_limit(&head)) as u64;
+    let declared = match head
+        .header("Content-Length")
+        .map(|v| v.trim().parse::<u64>())
+        .transpose()
+    {
+        Ok(d) => d,
+        Err(_) => return Response::error(400, "Content-Length is not a number"),
+    };
+    if declared.is_some_and(|n| n > limit) {
+        return too_large(usize::try_from(limit).unwrap_or(usize::MAX));
+    }
+    // Its progress bounds the connection from here on, not its life.
+    streaming.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (tx, rx) = tokio::sync::mpsc::channel(crate::stream::BODY_DEPTH);
+    let req = Request {
+        body_stream: Some(BodyReader::new(rx, declared)),
+        ..head
+    };
+    let handled = run_handler(ctx, class, move |h| h.handle(req));
+    let pumped = crate::stream::pump(body, tx, stall, limit);
+    tokio::pin!(handled, pumped);
+    let mut pumping = true;
+    loop {
+        tokio::select! {
+            r = &mut handled => return r.unwrap_or_else(|r| r),
+            () = &mut pumped, if pumping => pumping = false,
+        }
+    }
 }
 
 /// The answer to a request that needs a credential from a source that has

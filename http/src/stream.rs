@@ -201,3 +201,121 @@ impl hyper::body::Body for Body {
         }
     }
 }
+
+/// A request body handed to its handler as it arrives
+/// ([`crate::Handler::body_stall`]), read with [`std::io::Read`] on the
+/// handler's thread. It holds a few of the client's frames at a time,
+/// not the body: what the handler has not read yet waits in the client's
+/// socket. It ends in an error (never a short `Ok(0)`) when the client
+/// sends less than its `Content-Length`, when the connection fails, when
+/// the client sends nothing for the stall time, or when the body grows
+/// past the handler's limit; the connection's life does not bound it
+/// while it makes progress.
+#[derive(Debug)]
+pub struct BodyReader {
+    rx: mpsc::Receiver<Result<Bytes, String>>,
+    buf: Bytes,
+    got: u64,
+    declared: Option<u64>,
+}
+
+impl BodyReader {
+    pub(crate) fn new(rx: mpsc::Receiver<Result<Bytes, String>>, declared: Option<u64>) -> BodyReader {
+        BodyReader {
+            rx,
+            buf: Bytes::new(),
+            got: 0,
+            declared,
+        }
+    }
+
+    /// The body's `Content-Length`, when the client stated one.
+    pub fn declared_len(&self) -> Option<u64> {
+        self.declared
+    }
+
+    /// Bytes read so far.
+    pub fn received(&self) -> u64 {
+        self.got
+    }
+}
+
+impl std::io::Read for BodyReader {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        while self.buf.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(b)) => self.buf = b,
+                Some(Err(why)) => return Err(std::io::Error::other(why)),
+                None => {
+                    return match self.declared {
+                        Some(n) if self.got < n => Err(std::io::Error::new(
+                            std::io::ErrorKind::UnexpectedEof,
+                            format!("the request body ended after {} of its {n} bytes", self.got),
+                        )),
+                        _ => Ok(0),
+                    }
+                }
+            }
+        }
+        let n = out.len().min(self.buf.len());
+        out[..n].copy_from_slice(&self.buf.split_to(n));
+        self.got += n as u64;
+        Ok(n)
+    }
+}
+
+/// Frames of a streamed request body held between the connection and
+/// the handler.
+pub(crate) const BODY_DEPTH: usize = 16;
+
+/// Moves a streamed request body's frames from the connection to its
+/// [`BodyReader`] until the body ends, fails, stalls for `stall` (on
+/// either side: a handler that reads nothing for `stall` is left too) or
+/// passes `limit` bytes; each failure is told to the reader.
+pub(crate) async fn pump(
+    mut body: hyper::body::Incoming,
+    tx: mpsc::Sender<Result<Bytes, String>>,
+    stall: Duration,
+    limit: u64,
+) {
+    use http_body_util::BodyExt;
+    // Told behind the frames already queued, so that the reader never
+    // takes a body cut short for a whole one.
+    let tell = |why: String| async {
+        let _ = tokio::time::timeout(stall, tx.send(Err(why))).await;
+    };
+    let mut got = 0u64;
+    loop {
+        let frame = match tokio::time::timeout(stall, body.frame()).await {
+            Err(_) => {
+                tell(format!(
+                    "the request body made no progress for {stall:?} ({got} bytes received)"
+                ))
+                .await;
+                return;
+            }
+            Ok(None) => return,
+            Ok(Some(Err(e))) => {
+                tell(format!("reading the request body: {e}")).await;
+                return;
+            }
+            Ok(Some(Ok(f))) => f,
+        };
+        let Ok(data) = frame.into_data() else { continue };
+        got += data.len() as u64;
+        if got > limit {
+            tell(format!(
+                "the request body is larger than the limit of {limit} bytes"
+            ))
+            .await;
+            return;
+        }
+        // The handler gone, or reading nothing for the stall time: stop.
+        if !matches!(tokio::time::timeout(stall, tx.send(Ok(data))).await, Ok(Ok(()))) {
+            return;
+        }
+    }
+}
