@@ -18,7 +18,10 @@
 //!   `Content-Length` before a byte of it is read) and arrive within
 //!   [`Limits::body_timeout`] (30 s; `408`); all bodies being received at
 //!   once share [`Limits::inflight_body_bytes`] (64 MiB; `503` when a body
-//!   cannot get its share in time);
+//!   cannot get its share in time); a handler may instead take a route's
+//!   body as it arrives ([`Handler::body_stall`], [`BodyReader`]: a
+//!   checkpoint of gigabytes is never held whole), bounded by its stall
+//!   time rather than the body timeout and the connection's life;
 //! - handlers run on blocking threads in two pools: the daemon classes
 //!   each request from its head ([`Handler::class`]), reads get at most
 //!   [`Limits::read_handlers`] (8) at once, and what reads must not hold
@@ -46,7 +49,8 @@
 //! a JSON body `{"error": "..."}` that says which limit was hit, the same
 //! shape the APIs use for their own errors.
 //!
-//! Handlers are plain synchronous functions of a buffered [`Request`]; the
+//! Handlers are plain synchronous functions of a [`Request`] (buffered,
+//! or with its body streamed where the handler asks for it); the
 //! routing stays in the daemons (over `phub_proto::routes`).
 //!
 //! [`client`] is the other side: the one typed client of both APIs;
