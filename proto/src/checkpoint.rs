@@ -27,7 +27,7 @@
 use crate::api::InstallJob;
 use crate::layout::{Layout, Placement};
 use crate::spec::{Consistency, Optimizer};
-use crate::table_checkpoint::{self, Source, TableState};
+use crate::table_checkpoint::{self, Source, TableRoundsState, TableState};
 use std::io::Read;
 
 /// First bytes of every checkpoint file.
@@ -92,6 +92,17 @@ pub enum CheckpointError {
     /// Reading a streamed checkpoint failed ([`Checkpoint::scan`]).
     #[error("reading the checkpoint: {0}")]
     Io(String),
+    /// A table's rows, handed on as they streamed
+    /// ([`Restoring::finish`]), were refused by what took them.
+    #[error("checkpoint's table key {key} on lcore {lcore}: {why}")]
+    Rows {
+        /// The lcore whose section holds the table.
+        lcore: usize,
+        /// The table's key.
+        key: u32,
+        /// What was wrong.
+        why: String,
+    },
     /// Encoding only: a length does not fit the format's 4-byte field.
     #[error("checkpoint cannot hold {what} of {len}: the format's lengths are 4 bytes")]
     TooLarge {
@@ -275,36 +286,32 @@ impl Checkpoint {
     /// last; memory O(slots), whatever the file's size. Returns it and the
     /// file's length.
     pub fn scan(r: impl std::io::Read) -> Result<(Checkpoint, u64), CheckpointError> {
-        let mut r = Scanner {
-            r,
-            crc: crc32fast::Hasher::new(),
-            at: 0,
-            buf: Vec::new(),
-        };
-        if r.take(8).map_err(|_| CheckpointError::BadMagic)? != MAGIC {
-            return Err(CheckpointError::BadMagic);
-        }
-        let version = r.u32()?;
-        if !(1..=VERSION).contains(&version) {
-            return Err(CheckpointError::BadVersion(version));
-        }
+        let mut r = Scanner::new(r, false);
+        let version = r.start()?;
         // Read before the CRC is: a corrupt file fails on its structure
         // or, if that holds, on the CRC below.
         let c = Checkpoint::decode_from(&mut r, version)?;
-        let computed = r.crc.clone().finalize();
-        let crc = r.take(4)?;
-        if computed != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
-            return Err(CheckpointError::BadChecksum);
-        }
-        let len = r.at as u64;
-        let mut more = [0u8; 1];
-        match r.r.read(&mut more) {
-            Ok(0) => Ok((c, len)),
-            Ok(_) => Err(CheckpointError::Mismatch(
-                "bytes left over after the checksum".into(),
-            )),
-            Err(e) => Err(CheckpointError::Io(e.to_string())),
-        }
+        let len = r.end()?;
+        Ok((c, len))
+    }
+
+    /// Begins restoring a checkpoint as it streams from `r`: reads and
+    /// checks its job and every slot (values kept: a job's dense state is
+    /// what its install needs), and leaves the tables, which may be
+    /// gigabytes, to [`Restoring::finish`], which hands each table's rows
+    /// on as they come. Nothing of the file is trusted before the CRC at
+    /// its end has been checked: what the caller builds from it meanwhile
+    /// is to be dropped when `finish` fails.
+    pub fn restore_from<R: std::io::Read>(r: R) -> Result<Restoring<R>, CheckpointError> {
+        let mut r = Scanner::new(r, true);
+        let version = r.start()?;
+        let (job, lcores) = Checkpoint::decode_head(&mut r, version)?;
+        Ok(Restoring {
+            r,
+            version,
+            job,
+            lcores,
+        })
     }
 
     /// One lcore's tables' section (what follows the slots, per lcore:
@@ -333,6 +340,33 @@ impl Checkpoint {
 
     /// The checkpoint after its magic and version.
     fn decode_from(r: &mut impl Source, version: u32) -> Result<Checkpoint, CheckpointError> {
+        let (job, lcores) = Checkpoint::decode_head(r, version)?;
+        let tables = Checkpoint::decode_all_tables(r, &job, version)?;
+        Ok(Checkpoint { job, lcores, tables })
+    }
+
+    /// Every lcore's tables (version 3; none before), after the slots.
+    fn decode_all_tables(
+        r: &mut impl Source,
+        job: &InstallJob,
+        version: u32,
+    ) -> Result<Vec<Vec<TableState>>, CheckpointError> {
+        (0..job.layout.lcores.len())
+            .map(|l| {
+                if version >= 3 {
+                    table_checkpoint::decode(r, &job.spec, l)
+                } else {
+                    Ok(Vec::new())
+                }
+            })
+            .collect()
+    }
+
+    /// The job and every lcore's slots, after the magic and version.
+    fn decode_head(
+        r: &mut impl Source,
+        version: u32,
+    ) -> Result<(InstallJob, Vec<Vec<SlotState>>), CheckpointError> {
         let jlen = r.u32()? as usize;
         let job: InstallJob =
             serde_json::from_slice(r.take(jlen)?).map_err(|e| CheckpointError::BadJob(e.to_string()))?;
@@ -440,16 +474,169 @@ impl Checkpoint {
             }
             lcores.push(slots);
         }
-        let tables = (0..nl)
-            .map(|l| {
-                if version >= 3 {
-                    table_checkpoint::decode(r, &job.spec, l)
-                } else {
-                    Ok(Vec::new())
+        Ok((job, lcores))
+    }
+}
+
+/// A checkpoint being restored as it streams ([`Checkpoint::restore_from`]):
+/// its job and slots read, its tables to come.
+pub struct Restoring<R> {
+    r: Scanner<R>,
+    version: u32,
+    job: InstallJob,
+    lcores: Vec<Vec<SlotState>>,
+}
+
+impl<R> std::fmt::Debug for Restoring<R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Restoring")
+            .field("version", &self.version)
+            .field("job", &self.job.id)
+            .field("at", &self.r.at)
+            .finish_non_exhaustive()
+    }
+}
+
+/// One (table, lcore)'s row store checkpoint as it streams
+/// ([`Restoring::finish`]).
+pub struct TableRows<'a> {
+    /// The lcore whose section holds it.
+    pub lcore: usize,
+    /// The table's key.
+    pub key: u32,
+    /// Its rounds (read before the rows).
+    pub rounds: &'a TableRoundsState,
+    /// Bytes of the row store checkpoint: all of them are to be read.
+    pub len: u64,
+    /// The bytes, as they come (every one into the file's CRC); ends
+    /// after `len`.
+    pub bytes: &'a mut dyn std::io::Read,
+}
+
+impl<R: std::io::Read> Restoring<R> {
+    /// The job the checkpoint installs (checked as [`Checkpoint::decode`]
+    /// checks it).
+    pub fn job(&self) -> &InstallJob {
+        &self.job
+    }
+
+    /// Reads every lcore's tables, in the file's order (lcore 0's in the
+    /// spec's table key order, then lcore 1's, ...), handing each table's
+    /// row store bytes to `rows`, which must read all of them; then the
+    /// CRC. Returns the checkpoint (every table's `rows` empty: `rows` took
+    /// them) and the file's length. An error from `rows` ends it, as
+    /// [`CheckpointError::Rows`].
+    pub fn finish(
+        mut self,
+        mut rows: impl FnMut(TableRows<'_>) -> Result<(), String>,
+    ) -> Result<(Checkpoint, u64), CheckpointError> {
+        let mut source = Handing {
+            s: &mut self.r,
+            rows: &mut rows,
+        };
+        let tables = Checkpoint::decode_all_tables(&mut source, &self.job, self.version)?;
+        let len = self.r.end()?;
+        Ok((
+            Checkpoint {
+                job: self.job,
+                lcores: self.lcores,
+                tables,
+            },
+            len,
+        ))
+    }
+}
+
+/// A [`Scanner`] whose tables' rows go to a caller as they stream.
+struct Handing<'a, R> {
+    s: &'a mut Scanner<R>,
+    rows: &'a mut dyn FnMut(TableRows<'_>) -> Result<(), String>,
+}
+
+impl<R: std::io::Read> Source for Handing<'_, R> {
+    fn take(&mut self, n: usize) -> Result<&[u8], CheckpointError> {
+        self.s.take(n)
+    }
+
+    fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError> {
+        self.s.values(n)
+    }
+
+    fn rows(
+        &mut self,
+        l: usize,
+        key: u32,
+        rounds: &TableRoundsState,
+        n: usize,
+    ) -> Result<bytes::Bytes, CheckpointError> {
+        let mut bytes = Hashed {
+            s: &mut *self.s,
+            left: n as u64,
+            cut: None,
+        };
+        let r = (self.rows)(TableRows {
+            lcore: l,
+            key,
+            rounds,
+            len: n as u64,
+            bytes: &mut bytes,
+        });
+        let (left, cut) = (bytes.left, bytes.cut.take());
+        // A file that ended or failed inside the rows is that, whatever
+        // the taker made of it.
+        if let Some(e) = cut {
+            return Err(e);
+        }
+        let refused = |why: String| CheckpointError::Rows { lcore: l, key, why };
+        r.map_err(refused)?;
+        if left != 0 {
+            return Err(refused(format!(
+                "{} of its {n} bytes of rows were read",
+                n as u64 - left
+            )));
+        }
+        Ok(bytes::Bytes::new())
+    }
+
+    fn left(&self) -> usize {
+        self.s.left()
+    }
+}
+
+/// A table's row bytes read through a [`Scanner`]: hashed and counted,
+/// ending after `left`; where the file ends or fails inside them is kept
+/// in `cut`.
+struct Hashed<'a, R> {
+    s: &'a mut Scanner<R>,
+    left: u64,
+    cut: Option<CheckpointError>,
+}
+
+impl<R: std::io::Read> std::io::Read for Hashed<'_, R> {
+    fn read(&mut self, out: &mut [u8]) -> std::io::Result<usize> {
+        let want = usize::try_from(self.left).unwrap_or(usize::MAX).min(out.len());
+        if want == 0 {
+            return Ok(0);
+        }
+        loop {
+            match self.s.r.read(&mut out[..want]) {
+                Ok(0) => {
+                    self.cut = Some(CheckpointError::Truncated(self.s.at));
+                    return Err(std::io::ErrorKind::UnexpectedEof.into());
                 }
-            })
-            .collect::<Result<_, _>>()?;
-        Ok(Checkpoint { job, lcores, tables })
+                Ok(n) => {
+                    self.s.crc.update(&out[..n]);
+                    self.s.at += n;
+                    self.left -= n as u64;
+                    return Ok(n);
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    self.cut = Some(CheckpointError::Io(e.to_string()));
+                    return Err(e);
+                }
+            }
+        }
     }
 }
 
@@ -474,7 +661,13 @@ impl Source for Reader<'_> {
         self.take(n).map(<[u8]>::to_vec)
     }
 
-    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError> {
+    fn rows(
+        &mut self,
+        _l: usize,
+        _key: u32,
+        _rounds: &TableRoundsState,
+        n: usize,
+    ) -> Result<bytes::Bytes, CheckpointError> {
         let from = self.at;
         let shared = self.shared;
         let s = self.take(n)?;
@@ -489,16 +682,72 @@ impl Source for Reader<'_> {
     }
 }
 
-/// A checkpoint streamed ([`Checkpoint::scan`]): values are read past,
-/// every byte goes into the CRC.
+/// A checkpoint streamed ([`Checkpoint::scan`]): values are read past
+/// (or, `keep`, kept: [`Checkpoint::restore_from`]), every byte goes into
+/// the CRC.
 struct Scanner<R> {
     r: R,
     crc: crc32fast::Hasher,
     at: usize,
     buf: Vec<u8>,
+    keep: bool,
 }
 
 impl<R: std::io::Read> Scanner<R> {
+    fn new(r: R, keep: bool) -> Scanner<R> {
+        Scanner {
+            r,
+            crc: crc32fast::Hasher::new(),
+            at: 0,
+            buf: Vec::new(),
+            keep,
+        }
+    }
+
+    /// Reads past `n` bytes (hashed), a megabyte at a time.
+    fn skip(&mut self, mut n: usize) -> Result<(), CheckpointError> {
+        while n > 0 {
+            let piece = n.min(1 << 20);
+            self.fill(piece)?;
+            n -= piece;
+        }
+        self.buf = Vec::new();
+        Ok(())
+    }
+
+    /// The magic and version.
+    fn start(&mut self) -> Result<u32, CheckpointError> {
+        if self.take(8).map_err(|_| CheckpointError::BadMagic)? != MAGIC {
+            return Err(CheckpointError::BadMagic);
+        }
+        let version = self.u32()?;
+        if !(1..=VERSION).contains(&version) {
+            return Err(CheckpointError::BadVersion(version));
+        }
+        Ok(version)
+    }
+
+    /// The CRC, then nothing more; returns the file's length.
+    fn end(mut self) -> Result<u64, CheckpointError> {
+        let computed = self.crc.clone().finalize();
+        let crc = self.take(4)?;
+        if computed != u32::from_le_bytes([crc[0], crc[1], crc[2], crc[3]]) {
+            return Err(CheckpointError::BadChecksum);
+        }
+        let len = self.at as u64;
+        let mut more = [0u8; 1];
+        loop {
+            return match self.r.read(&mut more) {
+                Ok(0) => Ok(len),
+                Ok(_) => Err(CheckpointError::Mismatch(
+                    "bytes left over after the checksum".into(),
+                )),
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => Err(CheckpointError::Io(e.to_string())),
+            };
+        }
+    }
+
     /// Reads `n` bytes into `buf` (hashed), or says where the file ended.
     fn fill(&mut self, n: usize) -> Result<(), CheckpointError> {
         self.buf.clear();
@@ -520,18 +769,31 @@ impl<R: std::io::Read> Source for Scanner<R> {
         Ok(&self.buf)
     }
 
-    fn values(&mut self, mut n: usize) -> Result<Vec<u8>, CheckpointError> {
-        while n > 0 {
-            let piece = n.min(1 << 20);
-            self.fill(piece)?;
-            n -= piece;
+    fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError> {
+        if self.keep {
+            // Read a megabyte at a time: a stated length is not trusted
+            // with an allocation before its bytes came.
+            let mut v = Vec::new();
+            let mut left = n;
+            while left > 0 {
+                let piece = left.min(1 << 20);
+                self.fill(piece)?;
+                v.extend_from_slice(&self.buf);
+                left -= piece;
+            }
+            return Ok(v);
         }
-        self.buf = Vec::new();
-        Ok(Vec::new())
+        self.skip(n).map(|()| Vec::new())
     }
 
-    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError> {
-        self.values(n).map(|_| bytes::Bytes::new())
+    fn rows(
+        &mut self,
+        _l: usize,
+        _key: u32,
+        _rounds: &TableRoundsState,
+        n: usize,
+    ) -> Result<bytes::Bytes, CheckpointError> {
+        self.skip(n).map(|()| bytes::Bytes::new())
     }
 
     fn left(&self) -> usize {
@@ -545,7 +807,7 @@ mod tests {
     use super::*;
     use crate::layout::layout;
     use crate::spec::JobSpec;
-    use crate::table_checkpoint::{RankClockState, TableRoundsState};
+    use crate::table_checkpoint::RankClockState;
 
     fn sample() -> Checkpoint {
         let spec = JobSpec::from_toml(
@@ -717,6 +979,100 @@ mod tests {
             longer.push(0);
             assert!(Checkpoint::scan(&longer[..]).is_err());
         }
+    }
+
+    /// Restored as it streams, a checkpoint is the one decoded: its slots
+    /// with their values, each table's rows handed on in the file's
+    /// order, whole, exactly the bytes decode keeps; damage is refused as
+    /// decode refuses it (a cut inside the rows says where, a flipped row
+    /// byte fails the CRC after the rows were handed on), and a taker that
+    /// refuses or reads short ends it naming the table.
+    #[test]
+    fn a_restore_from_a_stream_hands_on_each_tables_rows_and_is_the_decode() {
+        let restore = |bytes: &[u8]| {
+            let r = Checkpoint::restore_from(bytes)?;
+            assert_eq!(
+                r.job(),
+                &Checkpoint::decode_head(
+                    &mut Reader {
+                        b: bytes,
+                        at: 12,
+                        shared: None
+                    },
+                    3
+                )?
+                .0
+            );
+            let mut got = Vec::new();
+            let (c, len) = r.finish(|t| {
+                let mut rows = Vec::new();
+                t.bytes.read_to_end(&mut rows).map_err(|e| e.to_string())?;
+                assert_eq!(rows.len() as u64, t.len);
+                got.push((t.lcore, t.key, t.rounds.clone(), rows));
+                Ok(())
+            })?;
+            assert_eq!(len, bytes.len() as u64);
+            Ok::<_, CheckpointError>((c, got))
+        };
+        for mode in ["{ mode = \"sync\" }", "{ bounded_delay = 2 }"] {
+            let c = with_table(mode);
+            let bytes = c.encode().unwrap();
+            let (restored, got) = restore(&bytes).unwrap();
+            assert_eq!(restored.lcores, c.lcores);
+            assert_eq!(restored.job, c.job);
+            let want: Vec<_> = c
+                .tables
+                .iter()
+                .enumerate()
+                .flat_map(|(l, ts)| {
+                    ts.iter()
+                        .map(move |t| (l, t.key, t.rounds.clone(), t.rows.to_vec()))
+                })
+                .collect();
+            assert_eq!(got, want);
+            assert!(got.iter().any(|g| !g.3.is_empty()));
+            for t in restored.tables.iter().flatten() {
+                assert!(t.rows.is_empty());
+            }
+            // Cut inside the first table's rows: truncated there.
+            let rows = &want.iter().find(|w| w.3.len() > 2).expect("a table with rows").3;
+            let first_rows = bytes
+                .windows(rows.len())
+                .position(|w| w == &rows[..])
+                .expect("the rows in the file");
+            let cut = first_rows + rows.len() / 2;
+            assert_eq!(
+                restore(&bytes[..cut]).unwrap_err(),
+                CheckpointError::Truncated(cut)
+            );
+            // A flipped row byte: every row handed on, then the CRC fails.
+            let mut bad = bytes.clone();
+            bad[first_rows + 1] ^= 1;
+            assert_eq!(restore(&bad).unwrap_err(), CheckpointError::BadChecksum);
+            // A taker that refuses, or reads short.
+            let e = Checkpoint::restore_from(&bytes[..])
+                .unwrap()
+                .finish(|t| Err(format!("no room for key {}", t.key)))
+                .unwrap_err();
+            assert_eq!(
+                e.to_string(),
+                "checkpoint's table key 1 on lcore 0: no room for key 1"
+            );
+            let e = Checkpoint::restore_from(&bytes[..])
+                .unwrap()
+                .finish(|t| {
+                    let mut one = [0u8; 1];
+                    t.bytes.read_exact(&mut one).map_err(|e| e.to_string())
+                })
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("bytes of rows were read") && e.contains("1 of its"), "{e}");
+        }
+        // Not a checkpoint: refused before anything is read past the magic.
+        assert_eq!(
+            Checkpoint::restore_from(&b"PHUBROWS\x02\0\0\0"[..]).unwrap_err(),
+            CheckpointError::BadMagic
+        );
     }
 
     /// A job that is not BSP keeps W clocks per slot, held bits included;

@@ -150,10 +150,17 @@ pub(crate) trait Source {
     /// The next `n` bytes of values, or nothing for a source that keeps
     /// none (they are read past, and checked by the CRC).
     fn values(&mut self, n: usize) -> Result<Vec<u8>, CheckpointError>;
-    /// The next `n` bytes of a row store's checkpoint: a slice of the
-    /// file where the source shares it, a copy where it does not, nothing
-    /// for a source that keeps no values.
-    fn rows(&mut self, n: usize) -> Result<bytes::Bytes, CheckpointError>;
+    /// The next `n` bytes: lcore `l`'s table `key`'s row store checkpoint
+    /// (after its `rounds`): a slice of the file where the source shares
+    /// it, a copy where it does not, nothing for a source that keeps no
+    /// values or hands them on as they stream.
+    fn rows(
+        &mut self,
+        l: usize,
+        key: u32,
+        rounds: &TableRoundsState,
+        n: usize,
+    ) -> Result<bytes::Bytes, CheckpointError>;
     /// Bytes left, or a bound on what to allocate ahead when unknown.
     fn left(&self) -> usize;
     fn u32(&mut self) -> Result<u32, CheckpointError> {
@@ -242,7 +249,7 @@ pub(crate) fn decode(
         };
         let len = r.u64()?;
         let len = usize::try_from(len).map_err(|_| mismatch(format!("table {key}: {len} bytes of rows")))?;
-        let rows = r.rows(len)?;
+        let rows = r.rows(l, key, &rounds, len)?;
         tables.push(TableState { key, rounds, rows });
     }
     Ok(tables)
