@@ -20,6 +20,7 @@ use super::replica::ReplicaInstall;
 use super::slot::{RankSet, Slot};
 use super::stats::JobCounters;
 use super::table::{Table, TableInstall, TABLE_RANK_BYTES, TABLE_RECORD_BYTES};
+use super::table_checkpoint::RestoredTable;
 use super::{Job, Shard};
 
 /// What a job looks like to one lcore.
@@ -155,22 +156,7 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(EngineError::JobExists(job.id));
         }
         if let Some(t) = tables.first() {
-            let refused = match &kind {
-                InstallKind::Hierarchical(_) => {
-                    Some("a hierarchical job may not have a table key (PROTOCOL.md §10.1)")
-                }
-                InstallKind::Replicated(_) => {
-                    Some("a replicated job's tables are not replicated: replicas = 1 for a job with a table")
-                }
-                InstallKind::Plain | InstallKind::Shared(_) => None,
-            };
-            if let Some(reason) = refused {
-                return Err(EngineError::Table {
-                    id: job.id,
-                    key: t.key,
-                    reason: reason.into(),
-                });
-            }
+            Shard::<A>::tables_allowed(job.id, t.key, &kind)?;
         }
         let mut made = Vec::with_capacity(tables.len());
         for t in &tables {
@@ -183,6 +169,67 @@ impl<A: Copy + Eq> Shard<A> {
             }
             made.push(Table::new(job.id, t, job.workers, job.dtype, job.consistency)?);
         }
+        self.install_made(job, kind, made)
+    }
+
+    /// [`Shard::install_with_tables`] with tables made and restored away
+    /// from the lcore ([`RestoredTable::read`], one per table key of the
+    /// job on this lcore): the lcore only takes them in.
+    pub fn install_restored(
+        &mut self,
+        job: JobInstall,
+        kind: InstallKind,
+        tables: Vec<RestoredTable>,
+    ) -> Result<(), EngineError> {
+        if self.jobs.iter().any(|j| j.id == job.id) {
+            return Err(EngineError::JobExists(job.id));
+        }
+        if let Some(t) = tables.first() {
+            Shard::<A>::tables_allowed(job.id, t.key(), &kind)?;
+        }
+        let mut made = Vec::with_capacity(tables.len());
+        for t in tables {
+            let t = t.into_table(job.id, job.workers)?;
+            if made.iter().any(|m: &Table| m.key == t.key) {
+                return Err(EngineError::Table {
+                    id: job.id,
+                    key: t.key,
+                    reason: "key = the key of another table of the install: one table per key".into(),
+                });
+            }
+            made.push(t);
+        }
+        self.install_made(job, kind, made)
+    }
+
+    /// Whether a job installed as `kind` may have a table (`key`, its first).
+    fn tables_allowed(id: u16, key: u32, kind: &InstallKind) -> Result<(), EngineError> {
+        let refused = match kind {
+            InstallKind::Hierarchical(_) => {
+                Some("a hierarchical job may not have a table key (PROTOCOL.md §10.1)")
+            }
+            InstallKind::Replicated(_) => {
+                Some("a replicated job's tables are not replicated: replicas = 1 for a job with a table")
+            }
+            InstallKind::Plain | InstallKind::Shared(_) => None,
+        };
+        match refused {
+            Some(reason) => Err(EngineError::Table {
+                id,
+                key,
+                reason: reason.into(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    /// Installs `job` with its tables made.
+    fn install_made(
+        &mut self,
+        job: JobInstall,
+        kind: InstallKind,
+        mut made: Vec<Table>,
+    ) -> Result<(), EngineError> {
         let id = job.id;
         match kind {
             InstallKind::Plain => self.install_with(job, None)?,

@@ -151,7 +151,7 @@ pub use outbox::Ranks;
 pub use replica::{replica_plan, replica_plan_at, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
 pub use table::{row_init, row_optimizer, TableInstall};
-pub use table_checkpoint::TablesStreamError;
+pub use table_checkpoint::{RestoredTable, TablesStreamError};
 
 use hier::{Hier, Partial};
 use install::{Evicted, RANK_BYTES};

@@ -2,7 +2,9 @@
 //! lcore) saves ([`Shard::snapshot_tables`], a copy; or streamed while the
 //! lcore goes on serving, [`Shard::stream_tables_begin`] and
 //! [`Shard::stream_tables_fill`]) and putting it back
-//! ([`Shard::restore_tables`]).
+//! ([`Shard::restore_tables`]; or away from the lcore, a table at a time
+//! as a checkpoint streams in, [`RestoredTable::read`], which the lcore
+//! then takes in whole, [`Shard::install_restored`]).
 //!
 //! A stream: at its start every table of the job on this lcore has its
 //! round state taken and its store's stream begun (copy on write,
@@ -79,13 +81,19 @@ impl Table {
 
     /// Why `st` does not fit this table, if it does not.
     fn misfit(&self, st: &TableState) -> Option<String> {
-        if st.key != self.key {
-            return Some(format!("state of key {} for table key {}", st.key, self.key));
+        self.misfit_rounds(st.key, &st.rounds)
+    }
+
+    /// Why a state of table `key` with `rounds` does not fit this table,
+    /// if it does not.
+    fn misfit_rounds(&self, key: u32, rounds: &TableRoundsState) -> Option<String> {
+        if key != self.key {
+            return Some(format!("state of key {key} for table key {}", self.key));
         }
         if self.store.rows_stored() != 0 {
             return Some(format!("table key {} already holds rows", self.key));
         }
-        match (&self.rounds, &st.rounds) {
+        match (&self.rounds, rounds) {
             (TableRounds::Bsp(_), TableRoundsState::Bsp { .. }) => None,
             (TableRounds::Clocked { delay }, TableRoundsState::Clocked { ranks }) => {
                 if ranks.len() != self.ranks.len() {
@@ -123,7 +131,12 @@ impl Table {
 
     /// Puts `st` (which fits) back: rounds first, then the rows.
     fn load(&mut self, st: &TableState) -> Result<(), String> {
-        match (&mut self.rounds, &st.rounds) {
+        self.load_from(&st.rounds, &st.rows[..])
+    }
+
+    /// Puts `rounds` (which fit) back, then the row store read from `rows`.
+    fn load_from(&mut self, rounds: &TableRoundsState, rows: impl std::io::Read) -> Result<(), String> {
+        match (&mut self.rounds, rounds) {
             (TableRounds::Bsp(b), TableRoundsState::Bsp { completed }) => {
                 b.clear();
                 b.completed = *completed;
@@ -145,8 +158,79 @@ impl Table {
             _ => unreachable!("misfit() checked the rounds' kind"),
         }
         self.store
-            .read_into(&st.rows[..])
+            .read_into(rows)
             .map_err(|e| format!("table key {}: {e}", self.key))
+    }
+}
+
+/// A table of a job made and filled away from its lcore: installed as an
+/// install makes it, then its round state and rows read from a
+/// checkpoint as they stream (`phub_proto::checkpoint::Restoring`), so
+/// that no copy of the file is held and the lcore, which only takes the
+/// table in ([`Shard::install_restored`]), goes on serving meanwhile.
+pub struct RestoredTable {
+    /// The job it was made for, and its W.
+    id: u16,
+    workers: u16,
+    table: Table,
+}
+
+impl std::fmt::Debug for RestoredTable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RestoredTable")
+            .field("id", &self.id)
+            .field("key", &self.table.key)
+            .field("rows", &self.table.store.rows_stored())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RestoredTable {
+    /// Table `t` of job `id` (W `workers`, its dtype and consistency, as
+    /// its [`super::JobInstall`] says) holding the saved `rounds` and the
+    /// row store checkpoint read from `rows` (all of it, checked as
+    /// [`Shard::restore_tables`] checks a saved table).
+    pub fn read(
+        id: u16,
+        workers: u16,
+        dtype: phub_proto::Dtype,
+        consistency: phub_proto::spec::Consistency,
+        t: &super::TableInstall,
+        rounds: &TableRoundsState,
+        rows: impl std::io::Read,
+    ) -> Result<RestoredTable, EngineError> {
+        let mut table = Table::new(id, t, workers, dtype, consistency)?;
+        let refuse = |reason: String| EngineError::Restore { id, reason };
+        if let Some(why) = table.misfit_rounds(t.key, rounds) {
+            return Err(refuse(why));
+        }
+        table.load_from(rounds, rows).map_err(refuse)?;
+        Ok(RestoredTable { id, workers, table })
+    }
+
+    /// The table's key.
+    pub fn key(&self) -> u32 {
+        self.table.key
+    }
+
+    /// Rows it holds.
+    pub fn rows_stored(&self) -> u64 {
+        self.table.store.rows_stored()
+    }
+
+    /// The table, checked to be of job `id` with W `workers`.
+    pub(super) fn into_table(self, id: u16, workers: u16) -> Result<Table, EngineError> {
+        if (self.id, self.workers) != (id, workers) {
+            return Err(EngineError::Table {
+                id,
+                key: self.table.key,
+                reason: format!(
+                    "restored for job {} of {} workers, installed as job {id} of {workers}",
+                    self.id, self.workers
+                ),
+            });
+        }
+        Ok(self.table)
     }
 }
 

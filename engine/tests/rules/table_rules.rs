@@ -6,7 +6,9 @@
 
 use std::collections::HashMap;
 
-use phub_engine::engine::{memory_model, row_init, row_optimizer, TableInstall, TablesStreamError};
+use phub_engine::engine::{
+    memory_model, row_init, row_optimizer, RestoredTable, TableInstall, TablesStreamError,
+};
 use phub_engine::table::{RowInit, RowOptimizer, RowUpdate, TableInit};
 use phub_engine::{EngineError, InstallKind, JobInstall, Kernels, RustHeap, Shard, Verdict};
 use phub_proto::placement::RowPlacement;
@@ -1198,6 +1200,107 @@ fn restarted(s: &Shard<u32>, workers: u16, consistency: Consistency) -> Shard<u3
     r.restore(JOB, &slots).unwrap();
     r.restore_tables(JOB, &tables).unwrap();
     r
+}
+
+/// [`restarted`] the way the dataplane restores a checkpoint as it
+/// streams: each table made and read away from the shard
+/// (`RestoredTable::read`), then taken in whole (`install_restored`).
+fn restarted_away(s: &Shard<u32>, workers: u16, consistency: Consistency) -> Shard<u32> {
+    let slots = s.snapshot(JOB).unwrap();
+    let tables = s.snapshot_tables(JOB).unwrap();
+    let t = table(evicting_spec(), 8192);
+    let restored = tables
+        .iter()
+        .map(|st| {
+            RestoredTable::read(
+                JOB,
+                workers,
+                Dtype::F32,
+                consistency,
+                &t,
+                &st.rounds,
+                &st.rows[..],
+            )
+            .unwrap()
+        })
+        .collect();
+    let mut r = Shard::new(0, Kernels::best());
+    r.install_restored(job(workers, consistency), InstallKind::Plain, restored)
+        .unwrap();
+    r.restore(JOB, &slots).unwrap();
+    r
+}
+
+/// A table restored away from its lcore and taken in whole (as the
+/// dataplane restores a checkpoint as it streams) is the table restored
+/// on the lcore: the same checkpoint again, the same answers after; a
+/// state that does not fit, or a table read for another job, is refused
+/// naming why.
+#[test]
+fn a_table_restored_away_from_its_lcore_is_the_one_restored_on_it() {
+    let ids = ids_on(0, 24);
+    for mode in [Consistency::Sync, Consistency::Bounded { delay: 1 }] {
+        let mut live = evicting_shard(2, mode);
+        for round in 1..=5 {
+            bsp_round(&mut live, &ids, 0, round);
+            bsp_round(&mut live, &ids, 1, round);
+        }
+        drain(&mut live);
+        let mut back = restarted(&live, 2, mode);
+        let mut away = restarted_away(&live, 2, mode);
+        let saved = live.snapshot_tables(JOB).unwrap();
+        assert!(saved[0].rows.len() > 100, "{mode:?}: rows saved");
+        assert_eq!(away.snapshot_tables(JOB).unwrap(), saved, "{mode:?}");
+        assert_eq!(back.snapshot_tables(JOB).unwrap(), saved, "{mode:?}");
+        for round in 6..=8 {
+            for rank in 0..2 {
+                let (a, b) = (
+                    bsp_round(&mut back, &ids, rank, round),
+                    bsp_round(&mut away, &ids, rank, round),
+                );
+                assert_eq!(a, b, "{mode:?} round {round} rank {rank}");
+                assert_eq!(drain(&mut back), drain(&mut away), "{mode:?} round {round}");
+            }
+        }
+        assert_eq!(away.snapshot_tables(JOB), back.snapshot_tables(JOB));
+    }
+    let mut live = evicting_shard(2, Consistency::Sync);
+    bsp_round(&mut live, &ids, 0, 1);
+    let saved = live.snapshot_tables(JOB).unwrap();
+    let t = table(evicting_spec(), 8192);
+    let read = |workers, mode| {
+        RestoredTable::read(
+            JOB,
+            workers,
+            Dtype::F32,
+            mode,
+            &t,
+            &saved[0].rounds,
+            &saved[0].rows[..],
+        )
+    };
+    let e = read(2, Consistency::Async).unwrap_err().to_string();
+    assert!(e.contains("a BSP round saved for a table that is not BSP"), "{e}");
+    let e = RestoredTable::read(
+        JOB,
+        2,
+        Dtype::F32,
+        Consistency::Sync,
+        &t,
+        &saved[0].rounds,
+        &saved[0].rows[..9],
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("table key 1") && e.contains("truncated"), "{e}");
+    let other = read(3, Consistency::Sync).unwrap();
+    let mut s = Shard::<u32>::new(0, Kernels::best());
+    let e = s
+        .install_restored(job(2, Consistency::Sync), InstallKind::Plain, vec![other])
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("restored for job 3 of 3 workers"), "{e}");
+    assert!(s.snapshot_tables(JOB).is_none(), "nothing installed");
 }
 
 /// Round `round` of BSP from `rank`: its ids of the round (a window of
