@@ -18,10 +18,10 @@ use crossbeam_channel::{Receiver, Sender};
 
 use phub_proto::checkpoint::SlotState;
 use phub_proto::failover::EpochView;
-use phub_proto::table_checkpoint::TableState;
 
 use phub_engine::engine::{
-    EngineError, InstallKind, JobInstall, JobShardStats, Shard, TableInstall, TablesStreamError,
+    EngineError, InstallKind, JobInstall, JobShardStats, RestoredTable, Shard, TableInstall,
+    TablesStreamError,
 };
 
 use crate::backend::PacketIo;
@@ -51,8 +51,10 @@ pub struct Install {
 pub struct Saved {
     /// Its slots, in slot order.
     pub slots: Vec<SlotState>,
-    /// Its tables, in key order (empty: none saved, PROTOCOL.md §10.6).
-    pub tables: Vec<TableState>,
+    /// Its tables, in key order, made and read away from the lcore as the
+    /// checkpoint streamed in (empty: none saved, PROTOCOL.md §10.6; the
+    /// install makes them empty).
+    pub tables: Vec<RestoredTable>,
 }
 
 /// Bytes of one slice of a streamed checkpoint: the lcore makes one per
@@ -302,11 +304,19 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64, stream: &mu
             reply,
         }) => {
             let id = job.id;
-            let mut r = shard.install_with_tables(job, kind, tables);
-            if let (Ok(()), Some(state)) = (&r, restore) {
-                r = shard
-                    .restore(id, &state.slots)
-                    .and_then(|()| shard.restore_tables(id, &state.tables));
+            // Restored tables are taken in whole: the lcore reads no rows.
+            let (mut r, slots) = match restore {
+                Some(Saved {
+                    slots,
+                    tables: restored,
+                }) if !restored.is_empty() => (shard.install_restored(job, kind, restored), Some(slots)),
+                restore => (
+                    shard.install_with_tables(job, kind, tables),
+                    restore.map(|s| s.slots),
+                ),
+            };
+            if let (Ok(()), Some(slots)) = (&r, slots) {
+                r = shard.restore(id, &slots);
                 if r.is_err() {
                     shard.remove(id);
                 }

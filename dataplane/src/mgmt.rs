@@ -6,6 +6,7 @@
 //! through their bounded command queues and waits for each to acknowledge.
 
 use std::collections::BTreeMap;
+use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -16,7 +17,7 @@ use phub_http::{Class, Handler, Request, Response};
 use phub_proto::api::{
     ClockStats, DataplaneInfo, DataplaneStats, InstallJob, InstalledJob, JobLive, PortStats, TableLive,
 };
-use phub_proto::checkpoint::{Checkpoint, MAGIC as CKPT_MAGIC};
+use phub_proto::checkpoint::{Checkpoint, Restoring, MAGIC as CKPT_MAGIC};
 use phub_proto::failover::EpochView;
 use phub_proto::layout::Placement;
 use phub_proto::memory::{MemoryModel, ResultStore};
@@ -24,7 +25,9 @@ use phub_proto::routes::{MgmtRoute, RouteError};
 use phub_proto::spec::Optimizer;
 
 use phub_engine::counters::{NetDrop, ShardCounters};
-use phub_engine::engine::{self, hierarchy_plan, EngineError, InstallKind, JobInstall};
+use phub_engine::engine::{
+    self, hierarchy_plan, EngineError, InstallKind, JobInstall, RestoredTable, TableInstall,
+};
 use phub_engine::shm::ShmSetup;
 
 use crate::lcore::{CheckpointRefused, Clock, Command, Install, Saved, Slice, SLICES_AHEAD};
@@ -32,24 +35,28 @@ use crate::tables;
 
 /// How long the management thread waits for an lcore to acknowledge.
 const ACK_TIMEOUT: Duration = Duration::from_secs(5);
-/// The slowest rate an lcore is allowed to restore a job's state at,
-/// beyond [`ACK_TIMEOUT`] (a row store restores at about 130 MB/s per
-/// lcore on the development VM: BENCHMARKS.md, "Sparse tables at scale").
+/// The slowest rate an lcore is allowed to restore a job's dense state at,
+/// beyond [`ACK_TIMEOUT`].
 const RESTORE_BYTES_PER_S: u64 = 16 << 20;
 
-/// How long beyond [`ACK_TIMEOUT`] an lcore may take to restore `state`.
+/// How long beyond [`ACK_TIMEOUT`] an lcore may take to restore `state`
+/// (its slots: its tables come built).
 fn restore_time(state: Option<&Saved>) -> Duration {
     let Some(s) = state else {
         return Duration::ZERO;
     };
-    let tables: u64 = s.tables.iter().map(|t| t.rows.len() as u64).sum();
     let slots: u64 = s
         .slots
         .iter()
         .map(|x| 4 * (x.params.len() + x.s1.len() + x.s2.len()) as u64 + x.result.len() as u64)
         .sum();
-    Duration::from_secs((tables + slots) / RESTORE_BYTES_PER_S)
+    Duration::from_secs(slots / RESTORE_BYTES_PER_S)
 }
+
+/// What a restore puts back on each lcore, read once the install's checks
+/// passed and its memory is counted (a table's rows may be gigabytes):
+/// given each lcore's table keys, their state per lcore.
+type ReadSaved<'a> = Box<dyn FnOnce(&[Vec<TableInstall>]) -> Result<Vec<Saved>, MgmtError> + 'a>;
 
 /// How long a checkpoint being written waits for an lcore's next slice,
 /// or for its reader to take the next bytes, before it is cut.
@@ -248,20 +255,49 @@ impl Manager {
         self.install_with(id, req, None)
     }
 
-    /// `PUT /v1/jobs/{id}` with a checkpoint body: installs the job it
-    /// describes with every slot restored, on every lcore or on none.
-    pub fn restore(&self, id: u16, ckpt: Checkpoint) -> Result<InstalledJob, MgmtError> {
-        let Checkpoint { job, lcores, tables } = ckpt;
-        // A file of format 1 or 2 saved no table: every lcore's list empty.
-        let mut tables = tables.into_iter();
-        let saved = lcores
-            .into_iter()
-            .map(|slots| Saved {
-                slots,
-                tables: tables.next().unwrap_or_default(),
-            })
-            .collect();
-        let r = self.install_with(id, job, Some(saved))?;
+    /// `PUT /v1/jobs/{id}` with a checkpoint body, read as it streams in
+    /// (its job and slots already read): installs the job it describes
+    /// with every slot and table restored, on every lcore or on none. Once
+    /// the install's checks pass and its memory is counted, each table is
+    /// made and its rows read from the body as they come (on this thread:
+    /// the lcores go on serving), then the CRC at the file's end is
+    /// checked; only then does any lcore take the job. So the appliance
+    /// holds the tables it builds and never the file; a body that is cut,
+    /// corrupt or does not fit leaves nothing installed.
+    pub fn restore<R: std::io::Read>(
+        &self,
+        id: u16,
+        restoring: Restoring<R>,
+    ) -> Result<InstalledJob, MgmtError> {
+        let job = restoring.job().clone();
+        let workers = u16::try_from(job.spec.workers).unwrap_or(u16::MAX);
+        let (dtype, consistency) = (job.spec.dtype, job.spec.consistency);
+        let read: ReadSaved<'_> = Box::new(move |installs: &[Vec<TableInstall>]| {
+            let mut built: Vec<Vec<RestoredTable>> = installs.iter().map(|_| Vec::new()).collect();
+            let (c, len) = restoring
+                .finish(|t| {
+                    let install = installs
+                        .get(t.lcore)
+                        .and_then(|ts| ts.iter().find(|i| i.key == t.key))
+                        .ok_or_else(|| format!("no table key {} is installed on lcore {}", t.key, t.lcore))?;
+                    let table =
+                        RestoredTable::read(id, workers, dtype, consistency, install, t.rounds, t.bytes)
+                            .map_err(|e| e.to_string())?;
+                    built[t.lcore].push(table);
+                    Ok(())
+                })
+                .map_err(|e| err(400, format!("job {id}: {e}")))?;
+            let rows: u64 = built.iter().flatten().map(RestoredTable::rows_stored).sum();
+            log::info!("job {id}: a checkpoint of {len} bytes read, {rows} table rows restored");
+            // A file of format 1 or 2 saved no table: every lcore's list
+            // empty, and the install makes them.
+            Ok(c.lcores
+                .into_iter()
+                .zip(built)
+                .map(|(slots, tables)| Saved { slots, tables })
+                .collect())
+        });
+        let r = self.install_with(id, job, Some(read))?;
         log::info!("job {id} restored from a checkpoint");
         Ok(r)
     }
@@ -321,7 +357,7 @@ impl Manager {
         &self,
         id: u16,
         req: InstallJob,
-        mut restore: Option<Vec<Saved>>,
+        restore: Option<ReadSaved<'_>>,
     ) -> Result<InstalledJob, MgmtError> {
         if req.id != id {
             return Err(err(
@@ -453,6 +489,14 @@ impl Manager {
             base_port: self.info.data.base_port,
             chunk_elems: req.layout.chunk_elems,
         });
+        // Each lcore's table keys; a restore reads its state now, its
+        // memory counted (a cut or corrupt file ends the install here).
+        let mut installs: Vec<Vec<TableInstall>> =
+            (0..n).map(|i| tables::installs(&req, entries, i)).collect();
+        let mut restore = match restore {
+            Some(read) => Some(read(&installs)?),
+            None => None,
+        };
         let mut done = Vec::new();
         let mut total = cost.registry + cost.shm;
         let hierarchical = hier.is_some();
@@ -510,7 +554,7 @@ impl Manager {
                     Command::Install(Install {
                         job,
                         kind,
-                        tables: tables::installs(&req, entries, i),
+                        tables: std::mem::take(&mut installs[i]),
                         restore: state,
                         reply: tx,
                     }),
@@ -853,8 +897,19 @@ impl Handler for Api {
         Ok(())
     }
 
-    fn handle(&self, req: Request) -> Response {
+    /// An install's body is taken as it arrives: it may be a checkpoint
+    /// of gigabytes ([`Manager::restore`]).
+    fn body_stall(&self, head: &Request) -> Option<Duration> {
+        matches!(
+            MgmtRoute::parse(&head.method, &head.path),
+            Ok(MgmtRoute::Install { .. })
+        )
+        .then_some(CHECKPOINT_STALL)
+    }
+
+    fn handle(&self, mut req: Request) -> Response {
         let mgr = &self.mgr;
+        let stream = req.body_stream.take();
         let body = &req.body;
         let route = MgmtRoute::parse(&req.method, &req.path).map_err(|e| match e {
             RouteError::JobId { given } => err(
@@ -896,14 +951,31 @@ impl Handler for Api {
                 spawned.map_err(|e| err(500, format!("job {id}: no thread to write the checkpoint: {e}")))?;
                 Ok(Response::streamed(200, "application/octet-stream", body))
             }
-            MgmtRoute::Install { job: id } if body.starts_with(CKPT_MAGIC) => {
-                // The tables' rows are read from the body as received, not
-                // copied out of it first.
-                let c = Checkpoint::decode_shared(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
-                mgr.restore(id, c).map(|j| json(201, &j))
-            }
             MgmtRoute::Install { job: id } => {
-                let r: InstallJob = serde_json::from_slice(body)
+                // The body as it arrives (Api::body_stall): a checkpoint is
+                // restored as it streams, never held whole.
+                let mut body = stream.ok_or_else(|| err(500, format!("job {id}: the install's body was not streamed")))?;
+                let mut magic = Vec::with_capacity(CKPT_MAGIC.len());
+                (&mut body)
+                    .take(CKPT_MAGIC.len() as u64)
+                    .read_to_end(&mut magic)
+                    .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
+                let body = std::io::Cursor::new(magic).chain(body);
+                if body.get_ref().0.get_ref()[..] == CKPT_MAGIC[..] {
+                    let r = Checkpoint::restore_from(body).map_err(|e| err(400, format!("job {id}: {e}")))?;
+                    return mgr.restore(id, r).map(|j| json(201, &j));
+                }
+                let mut json_body = Vec::new();
+                body.take(MIN_BODY_LIMIT as u64 + 1)
+                    .read_to_end(&mut json_body)
+                    .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
+                if json_body.len() > MIN_BODY_LIMIT {
+                    return Err(err(
+                        413,
+                        format!("install request for job {id}: a JSON body over {MIN_BODY_LIMIT} bytes"),
+                    ));
+                }
+                let r: InstallJob = serde_json::from_slice(&json_body)
                     .map_err(|e| err(400, format!("install request for job {id}: {e}")))?;
                 mgr.install(id, r).map(|j| json(201, &j))
             }

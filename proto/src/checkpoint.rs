@@ -242,26 +242,15 @@ impl Checkpoint {
 
     /// Reads and checks a checkpoint.
     pub fn decode(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
-        Checkpoint::decode_with(bytes, None)
+        Checkpoint::decode_with(bytes)
     }
 
-    /// [`Checkpoint::decode`], each table's rows a slice of `bytes` (no
-    /// copy of them is made: what a restore holds is the file as received
-    /// and the tables it builds).
-    pub fn decode_shared(bytes: &bytes::Bytes) -> Result<Checkpoint, CheckpointError> {
-        Checkpoint::decode_with(bytes, Some(bytes))
-    }
-
-    fn decode_with(bytes: &[u8], shared: Option<&bytes::Bytes>) -> Result<Checkpoint, CheckpointError> {
+    fn decode_with(bytes: &[u8]) -> Result<Checkpoint, CheckpointError> {
         if bytes.len() < 12 || &bytes[..8] != MAGIC {
             return Err(CheckpointError::BadMagic);
         }
         let (body, crc) = bytes.split_at(bytes.len() - 4);
-        let mut r = Reader {
-            b: body,
-            at: 8,
-            shared,
-        };
+        let mut r = Reader { b: body, at: 8 };
         let version = r.u32()?;
         if !(1..=VERSION).contains(&version) {
             return Err(CheckpointError::BadVersion(version));
@@ -323,11 +312,7 @@ impl Checkpoint {
         spec: &crate::spec::JobSpec,
         l: usize,
     ) -> Result<Vec<TableState>, CheckpointError> {
-        let mut r = Reader {
-            b: section,
-            at: 0,
-            shared: None,
-        };
+        let mut r = Reader { b: section, at: 0 };
         let tables = table_checkpoint::decode(&mut r, spec, l)?;
         if r.at != section.len() {
             return Err(CheckpointError::Mismatch(format!(
@@ -640,12 +625,10 @@ impl<R: std::io::Read> std::io::Read for Hashed<'_, R> {
     }
 }
 
-/// A checkpoint in memory (`shared`: the same bytes, whose slices the
-/// rows may be).
+/// A checkpoint in memory.
 struct Reader<'a> {
     b: &'a [u8],
     at: usize,
-    shared: Option<&'a bytes::Bytes>,
 }
 
 impl Source for Reader<'_> {
@@ -668,13 +651,7 @@ impl Source for Reader<'_> {
         _rounds: &TableRoundsState,
         n: usize,
     ) -> Result<bytes::Bytes, CheckpointError> {
-        let from = self.at;
-        let shared = self.shared;
-        let s = self.take(n)?;
-        Ok(match shared {
-            Some(b) => b.slice(from..from + n),
-            None => bytes::Bytes::copy_from_slice(s),
-        })
+        self.take(n).map(bytes::Bytes::copy_from_slice)
     }
 
     fn left(&self) -> usize {
@@ -918,21 +895,6 @@ mod tests {
         assert_eq!(Checkpoint::decode(&v1).unwrap(), c);
     }
 
-    /// Decoded from shared bytes, a checkpoint is the one decoded from a
-    /// slice, its tables' rows slices of those bytes, not copies.
-    #[test]
-    fn shared_decoding_slices_the_rows_out_of_the_file() {
-        let c = with_table("{ mode = \"sync\" }");
-        let bytes = bytes::Bytes::from(c.encode().unwrap());
-        let shared = Checkpoint::decode_shared(&bytes).unwrap();
-        assert_eq!(shared, c);
-        let span = bytes.as_ptr_range();
-        for t in shared.tables.iter().flatten().filter(|t| !t.rows.is_empty()) {
-            assert!(span.contains(&t.rows.as_ptr()), "rows copied out of the file");
-        }
-        assert!(shared.tables.iter().flatten().any(|t| !t.rows.is_empty()));
-    }
-
     /// A checkpoint scanned as it streams is the one decoded, less its
     /// values; every damage decode refuses, scan refuses too (a cut file
     /// saying where it ends, a flipped byte, a byte too many).
@@ -993,15 +955,7 @@ mod tests {
             let r = Checkpoint::restore_from(bytes)?;
             assert_eq!(
                 r.job(),
-                &Checkpoint::decode_head(
-                    &mut Reader {
-                        b: bytes,
-                        at: 12,
-                        shared: None
-                    },
-                    3
-                )?
-                .0
+                &Checkpoint::decode_head(&mut Reader { b: bytes, at: 12 }, 3)?.0
             );
             let mut got = Vec::new();
             let (c, len) = r.finish(|t| {
@@ -1066,7 +1020,10 @@ mod tests {
                 })
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("bytes of rows were read") && e.contains("1 of its"), "{e}");
+            assert!(
+                e.contains("bytes of rows were read") && e.contains("1 of its"),
+                "{e}"
+            );
         }
         // Not a checkpoint: refused before anything is read past the magic.
         assert_eq!(

@@ -40,8 +40,8 @@ pub struct TableState {
     pub key: u32,
     /// Its rounds (BSP) or its ranks' clocks.
     pub rounds: TableRoundsState,
-    /// The row store's checkpoint, as the engine wrote it (a slice of the
-    /// file's bytes when decoded by `Checkpoint::decode_shared`).
+    /// The row store's checkpoint, as the engine wrote it (empty where a
+    /// streamed restore handed it on, `Checkpoint::restore_from`).
     pub rows: bytes::Bytes,
 }
 

@@ -690,7 +690,7 @@ impl<'c> World<'c> {
                 let l = g % case.lcores;
                 let shard = match &hier {
                     Some(h) => h.shard(case, &spec, g),
-                    None => new_shard(case, &lay, &placement, g),
+                    None => new_shard(case, &lay, &placement, g, &[]),
                 };
                 Lcore {
                     shard,
@@ -1244,9 +1244,15 @@ impl<'c> World<'c> {
                 // Cast: lcores are u16.
                 #[allow(clippy::cast_possible_truncation)]
                 let g16 = g as u16;
+                // Its tables are made and read away from the shard, then
+                // taken in whole, as the dataplane restores them.
+                let tables = self.lcores[g].table_checkpoint.take().unwrap_or_default();
                 let mut shard = match &self.hier {
-                    Some(h) => h.shard(self.case, &self.spec, g16),
-                    None => new_shard(self.case, &self.lay, &self.placement, g16),
+                    Some(h) => {
+                        assert!(tables.is_empty(), "a hierarchical job has no tables");
+                        h.shard(self.case, &self.spec, g16)
+                    }
+                    None => new_shard(self.case, &self.lay, &self.placement, g16, &tables),
                 };
                 let lc = &mut self.lcores[g];
                 let state = lc
@@ -1255,10 +1261,6 @@ impl<'c> World<'c> {
                     .expect("a checkpoint was taken before the crash");
                 if let Err(e) = shard.restore(JOB, &state) {
                     panic!("lcore {g}: its checkpoint does not restore: {e}");
-                }
-                let tables = lc.table_checkpoint.take().unwrap_or_default();
-                if let Err(e) = shard.restore_tables(JOB, &tables) {
-                    panic!("lcore {g}: its tables' checkpoint does not restore: {e}");
                 }
                 lc.shard = shard;
                 lc.down = false;
@@ -2073,10 +2075,20 @@ fn row_transport(
 }
 
 /// Global lcore `g`'s shard with the case's job installed.
-fn new_shard(case: &Case, lay: &Layout, placement: &Placement, g: u16) -> Shard<std::net::SocketAddr> {
+/// Lcore `g`'s shard with the job installed: its tables empty, or made
+/// from `saved` (a checkpoint's, one per table) away from the shard and
+/// taken in whole ([`phub_engine::engine::RestoredTable`], as the
+/// dataplane restores them).
+fn new_shard(
+    case: &Case,
+    lay: &Layout,
+    placement: &Placement,
+    g: u16,
+    saved: &[phub_proto::table_checkpoint::TableState],
+) -> Shard<std::net::SocketAddr> {
     let kernels = Kernels::available()[usize::from(g) % Kernels::available().len()];
     let mut shard = Shard::new(g % case.lcores, kernels);
-    let tables = case
+    let tables: Vec<_> = case
         .tables
         .iter()
         .enumerate()
@@ -2088,22 +2100,50 @@ fn new_shard(case: &Case, lay: &Layout, placement: &Placement, g: u16) -> Shard<
             entry: u32::from(g),
         })
         .collect();
+    let job = JobInstall {
+        id: JOB,
+        token: TOKEN,
+        workers: case.workers,
+        dtype: case.dtype,
+        optimizer: case.optimizer,
+        consistency: case.consistency,
+        chunk_elems: lay.chunk_elems,
+        slots: placement.slots(usize::from(g)).collect(),
+    };
+    if saved.is_empty() {
+        shard
+            .install_with_tables(job, InstallKind::Plain, tables)
+            .expect("the job installs");
+        return shard;
+    }
+    assert_eq!(saved.len(), tables.len(), "lcore {g}: a state per table");
+    let restored = tables
+        .iter()
+        .map(|t| {
+            let st = saved
+                .iter()
+                .find(|st| st.key == t.key)
+                .unwrap_or_else(|| panic!("lcore {g}: no state saved for table key {}", t.key));
+            phub_engine::engine::RestoredTable::read(
+                JOB,
+                case.workers,
+                case.dtype,
+                case.consistency,
+                t,
+                &st.rounds,
+                &st.rows[..],
+            )
+            .unwrap_or_else(|e| {
+                panic!(
+                    "lcore {g}: table key {}'s checkpoint does not restore: {e}",
+                    t.key
+                )
+            })
+        })
+        .collect();
     shard
-        .install_with_tables(
-            JobInstall {
-                id: JOB,
-                token: TOKEN,
-                workers: case.workers,
-                dtype: case.dtype,
-                optimizer: case.optimizer,
-                consistency: case.consistency,
-                chunk_elems: lay.chunk_elems,
-                slots: placement.slots(usize::from(g)).collect(),
-            },
-            InstallKind::Plain,
-            tables,
-        )
-        .expect("the job installs");
+        .install_restored(job, InstallKind::Plain, restored)
+        .expect("the job installs with its restored tables");
     shard
 }
 
