@@ -273,6 +273,7 @@ impl Manager {
         let workers = u16::try_from(job.spec.workers).unwrap_or(u16::MAX);
         let (dtype, consistency) = (job.spec.dtype, job.spec.consistency);
         let read: ReadSaved<'_> = Box::new(move |installs: &[Vec<TableInstall>]| {
+            let start = std::time::Instant::now();
             let mut built: Vec<Vec<RestoredTable>> = installs.iter().map(|_| Vec::new()).collect();
             let (c, len) = restoring
                 .finish(|t| {
@@ -288,7 +289,10 @@ impl Manager {
                 })
                 .map_err(|e| err(400, format!("job {id}: {e}")))?;
             let rows: u64 = built.iter().flatten().map(RestoredTable::rows_stored).sum();
-            log::info!("job {id}: a checkpoint of {len} bytes read, {rows} table rows restored");
+            log::info!(
+                "job {id}: a checkpoint of {len} bytes read, {rows} table rows restored, in {:.2} s",
+                start.elapsed().as_secs_f64()
+            );
             // A file of format 1 or 2 saved no table: every lcore's list
             // empty, and the install makes them.
             Ok(c.lcores

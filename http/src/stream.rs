@@ -204,10 +204,11 @@ impl hyper::body::Body for Body {
 
 /// A request body handed to its handler as it arrives
 /// ([`crate::Handler::body_stall`]), read with [`std::io::Read`] on the
-/// handler's thread. It holds a few of the client's frames at a time,
-/// not the body: what the handler has not read yet waits in the client's
-/// socket. It ends in an error (never a short `Ok(0)`) when the client
-/// sends less than its `Content-Length`, when the connection fails, when
+/// handler's thread. It holds a few batches of the client's frames at a
+/// time, not the body (at most 8 of 256 KiB): what the handler has not
+/// read yet waits in the client's socket. It ends in an error (never a
+/// short `Ok(0)`) when the client sends less than its `Content-Length`,
+/// when the connection fails, when
 /// the client sends nothing for the stall time, or when the body grows
 /// past the handler's limit; the connection's life does not bound it
 /// while it makes progress.
@@ -267,9 +268,11 @@ impl std::io::Read for BodyReader {
     }
 }
 
-/// Frames of a streamed request body held between the connection and
+/// Batches of a streamed request body held between the connection and
 /// the handler.
-pub(crate) const BODY_DEPTH: usize = 16;
+pub(crate) const BODY_DEPTH: usize = 8;
+/// Bytes of one such batch, at most.
+const BODY_BATCH: usize = 256 << 10;
 
 /// Moves a streamed request body's frames from the connection to its
 /// [`BodyReader`] until the body ends, fails, stalls for `stall` (on
@@ -288,33 +291,57 @@ pub(crate) async fn pump(
         let _ = tokio::time::timeout(stall, tx.send(Err(why))).await;
     };
     let mut got = 0u64;
-    loop {
-        let frame = match tokio::time::timeout(stall, body.frame()).await {
-            Err(_) => {
-                tell(format!(
-                    "the request body made no progress for {stall:?} ({got} bytes received)"
-                ))
-                .await;
-                return;
+    let mut batch = bytes::BytesMut::new();
+    let mut ended = false;
+    while !ended {
+        // The next frame (within the stall), then those ready at once, up
+        // to BODY_BATCH bytes: the reader is woken once a batch, not once
+        // a read of the socket (a frame is at most the connection's 16 KiB
+        // buffer).
+        let mut wait = stall;
+        while batch.len() < BODY_BATCH {
+            let next = match tokio::time::timeout(wait, body.frame()).await {
+                Err(_) if wait.is_zero() => break,
+                Err(_) => {
+                    tell(format!(
+                        "the request body made no progress for {stall:?} ({got} bytes received)"
+                    ))
+                    .await;
+                    return;
+                }
+                Ok(next) => next,
+            };
+            wait = Duration::ZERO;
+            match next {
+                None => {
+                    ended = true;
+                    break;
+                }
+                Some(Err(e)) => {
+                    tell(format!("reading the request body: {e}")).await;
+                    return;
+                }
+                Some(Ok(frame)) => {
+                    let Ok(data) = frame.into_data() else { continue };
+                    got += data.len() as u64;
+                    if got > limit {
+                        tell(format!(
+                            "the request body is larger than the limit of {limit} bytes"
+                        ))
+                        .await;
+                        return;
+                    }
+                    batch.extend_from_slice(&data);
+                }
             }
-            Ok(None) => return,
-            Ok(Some(Err(e))) => {
-                tell(format!("reading the request body: {e}")).await;
-                return;
-            }
-            Ok(Some(Ok(f))) => f,
-        };
-        let Ok(data) = frame.into_data() else { continue };
-        got += data.len() as u64;
-        if got > limit {
-            tell(format!(
-                "the request body is larger than the limit of {limit} bytes"
-            ))
-            .await;
-            return;
         }
         // The handler gone, or reading nothing for the stall time: stop.
-        if !matches!(tokio::time::timeout(stall, tx.send(Ok(data))).await, Ok(Ok(()))) {
+        if !batch.is_empty()
+            && !matches!(
+                tokio::time::timeout(stall, tx.send(Ok(batch.split().freeze()))).await,
+                Ok(Ok(()))
+            )
+        {
             return;
         }
     }
