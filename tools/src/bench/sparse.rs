@@ -115,6 +115,13 @@ pub struct SparseArgs {
     /// JSON.
     #[arg(long, requires = "local")]
     pub take_checkpoint: bool,
+    /// `--local`: take one checkpoint through control once half the timed
+    /// steps are done, while the ranks go on pushing (the stream's copy on
+    /// write under traffic), both daemons' resident memory sampled every
+    /// 2 ms: `checkpoint_under_load` in the JSON, with the steps that ran
+    /// during it against the others.
+    #[arg(long, requires = "local")]
+    pub checkpoint_under_load: bool,
     /// `--engine-only`: after the timed runs, write every store to a
     /// checkpoint in this directory, drop it and restore it (module head).
     #[arg(long, value_name = "DIR", requires = "engine_only")]
@@ -604,6 +611,9 @@ pub struct SparseLocalReport {
     /// `--take-checkpoint`: the dataplane restarted after them and the job
     /// restored from the file by control, memory sampled likewise.
     pub restore: Option<LocalCheckpoint>,
+    /// `--checkpoint-under-load`: the checkpoint taken while the ranks
+    /// pushed.
+    pub checkpoint_under_load: Option<UnderLoad>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
     /// The machine.
@@ -626,6 +636,27 @@ pub struct LocalCheckpoint {
     pub control_rss_before: u64,
     /// Its largest VmRSS sampled during.
     pub control_rss_peak: u64,
+}
+
+/// What `--checkpoint-under-load` measured.
+#[derive(Debug, Serialize)]
+pub struct UnderLoad {
+    /// The checkpoint, and the daemons' memory meanwhile (the dataplane's
+    /// growth is what copy on write kept of the rows changed meanwhile).
+    pub checkpoint: LocalCheckpoint,
+    /// Timed steps (over every rank) that ran, at least in part, while it
+    /// was taken.
+    pub steps_during: usize,
+    /// The other timed steps.
+    pub steps_outside: usize,
+    /// The median step time during it, ms.
+    pub step_ms_median_during: f64,
+    /// The longest step during it, ms.
+    pub step_ms_max_during: f64,
+    /// The median step time of the others, ms.
+    pub step_ms_median_outside: f64,
+    /// The longest of the others, ms.
+    pub step_ms_max_outside: f64,
 }
 
 /// Process `pid`'s VmRSS, bytes.
@@ -692,6 +723,69 @@ fn take_checkpoint(local: &super::local::Local, id: u16, token: Option<&str>) ->
     })
 }
 
+/// `--checkpoint-under-load`: waits until half the timed steps are done
+/// (over the ranks), then takes a checkpoint as [`take_checkpoint`] does
+/// while they go on; returns it and when it began and ended.
+fn checkpoint_halfway(
+    args: &SparseArgs,
+    local: &super::local::Local,
+    id: u16,
+    token: Option<&str>,
+    done: &std::sync::atomic::AtomicU64,
+    finished: &std::sync::atomic::AtomicBool,
+) -> Result<(LocalCheckpoint, Instant, Instant)> {
+    use std::sync::atomic::Ordering;
+    let half = u64::from(args.workers) * u64::from(args.steps) / 2;
+    while done.load(Ordering::Relaxed) < half {
+        ensure!(
+            !finished.load(Ordering::Relaxed),
+            "the ranks stopped before half their steps: no checkpoint under load"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    let start = Instant::now();
+    let c = take_checkpoint(local, id, token)?;
+    Ok((c, start, Instant::now()))
+}
+
+/// The steps that ran (at least in part) between `start` and `end`
+/// against the others.
+// Casts: step times to durations.
+#[allow(clippy::cast_possible_truncation, clippy::cast_sign_loss)]
+fn under_load_figures(
+    (checkpoint, start, end): (LocalCheckpoint, Instant, Instant),
+    ranks: &[RankFigures],
+) -> UnderLoad {
+    let (mut during, mut outside) = (Vec::new(), Vec::new());
+    for r in ranks {
+        for (&at, &ms) in r.steps_at.iter().zip(&r.steps_ms) {
+            let ended = at + std::time::Duration::from_micros((ms * 1e3) as u64);
+            if at < end && ended > start {
+                during.push(ms);
+            } else {
+                outside.push(ms);
+            }
+        }
+    }
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        match v.len() {
+            0 => (f64::NAN, f64::NAN),
+            n => (v[n / 2], v[n - 1]),
+        }
+    };
+    let ((md, xd), (mo, xo)) = (stats(&mut during), stats(&mut outside));
+    UnderLoad {
+        checkpoint,
+        steps_during: during.len(),
+        steps_outside: outside.len(),
+        step_ms_median_during: md,
+        step_ms_max_during: xd,
+        step_ms_median_outside: mo,
+        step_ms_max_outside: xo,
+    }
+}
+
 /// `--take-checkpoint`, last: the dataplane restarted, and control
 /// restoring job `id` from its file (`bytes` long), both daemons' VmRSS
 /// sampled until the dataplane lists the job again (within 10 minutes).
@@ -728,6 +822,8 @@ fn restore_after_restart(local: &mut super::local::Local, id: u16, bytes: u64) -
 struct RankFigures {
     seconds: f64,
     steps_ms: Vec<f64>,
+    /// When each timed step began.
+    steps_at: Vec<Instant>,
     bytes: u64,
     retransmits: u64,
     /// Key caching's id bytes saved and prefix bytes, timed steps.
@@ -866,6 +962,7 @@ type Pusher = Box<dyn FnMut(&[u64], &[f32], &mut [f32]) -> Result<[u64; 4]> + Se
 fn drive(
     args: &SparseArgs,
     grads: &[f32],
+    done: &std::sync::atomic::AtomicU64,
     connect: impl Fn(u16) -> Result<Pusher> + Sync,
 ) -> Result<Vec<RankFigures>> {
     let (d, k) = (args.dim as usize, args.batch);
@@ -878,6 +975,7 @@ fn drive(
         let mut push = connect(r)?;
         let mut out = vec![0f32; k * d];
         let mut steps_ms = Vec::with_capacity(args.steps as usize);
+        let mut steps_at = Vec::with_capacity(args.steps as usize);
         let (mut before, mut t0) = ([0; 4], Instant::now());
         for (step, ids) in all.chunks_exact(k).enumerate() {
             if step == 3 {
@@ -891,6 +989,8 @@ fn drive(
             }
             if step >= 3 {
                 steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                steps_at.push(t);
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
         }
         let seconds = t0.elapsed().as_secs_f64();
@@ -898,6 +998,7 @@ fn drive(
         Ok(RankFigures {
             seconds,
             steps_ms,
+            steps_at,
             bytes: after[0] - before[0],
             retransmits: after[1] - before[1],
             saved: after[2] - before[2],
@@ -989,31 +1090,49 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         .ok()
         .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
         .context("the benchmark's own spec has its table")?;
-    let ranks = drive(args, &grads, |r| {
-        let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
-        if args.cache_ids {
-            w.cache_ids("emb", &rank_ids(args, r)[..k])?;
-        }
-        let bytes = |w: &phub_worker::Worker| {
-            let s = w.stats();
-            [
-                s.bytes_sent + s.bytes_received,
-                s.row_retransmits,
-                s.key_cache_id_bytes_saved,
-                s.key_cache_prefix_bytes,
-            ]
-        };
-        Ok(Box::new(
-            move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
-                if ids.is_empty() {
-                    return Ok(bytes(&w));
-                }
-                w.push_pull_rows("emb", ids, grads, out)?;
-                Ok(bytes(&w))
-            },
-        ) as Pusher)
+    // --checkpoint-under-load: timed steps done so far, over the ranks.
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let (ranks, under_load) = std::thread::scope(|s| {
+        let taker = args.checkpoint_under_load.then(|| {
+            s.spawn(|| checkpoint_halfway(args, &local, job.id, token.as_deref(), &done, &finished))
+        });
+        let ranks = drive(args, &grads, &done, |r| {
+            let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
+            if args.cache_ids {
+                w.cache_ids("emb", &rank_ids(args, r)[..k])?;
+            }
+            let bytes = |w: &phub_worker::Worker| {
+                let s = w.stats();
+                [
+                    s.bytes_sent + s.bytes_received,
+                    s.row_retransmits,
+                    s.key_cache_id_bytes_saved,
+                    s.key_cache_prefix_bytes,
+                ]
+            };
+            Ok(Box::new(
+                move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
+                    if ids.is_empty() {
+                        return Ok(bytes(&w));
+                    }
+                    w.push_pull_rows("emb", ids, grads, out)?;
+                    Ok(bytes(&w))
+                },
+            ) as Pusher)
+        });
+        finished.store(true, std::sync::atomic::Ordering::Relaxed);
+        let taken = taker.map(|t| {
+            t.join()
+                .unwrap_or_else(|_| Err(anyhow::anyhow!("the checkpoint thread panicked")))
+        });
+        (ranks, taken)
     });
     let ranks = ranks?;
+    let checkpoint_under_load = match under_load {
+        Some(taken) => Some(under_load_figures(taken?, &ranks)),
+        None => None,
+    };
     let checkpoints: Vec<LocalCheckpoint> = match args.take_checkpoint {
         true => (0..2)
             .map(|_| take_checkpoint(&local, job.id, token.as_deref()))
@@ -1036,7 +1155,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let base = match args.baseline.as_deref() {
         Some(_) => {
             let server = super::tcp_rows::Server::start(d)?;
-            let ranks = drive(args, &grads, |_| {
+            let ranks = drive(args, &grads, &std::sync::atomic::AtomicU64::new(0), |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
                     move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
@@ -1102,6 +1221,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         key_cache_prefix_bytes_per_row: ranks.iter().map(|r| r.prefixes).sum::<u64>() as f64 / rows_moved,
         checkpoints,
         restore,
+        checkpoint_under_load,
         loadavg_1m_before: load,
         machine: Machine::detect(),
     };
@@ -1147,6 +1267,27 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             mb(c.control_rss_peak - c.control_rss_before)
         );
     }
+    if let Some(u) = &report.checkpoint_under_load {
+        let c = &u.checkpoint;
+        let mb = |b: u64| b as f64 / 1e6;
+        println!(
+            "  checkpoint under load {:.1} MB in {:.2} s; the dataplane's RSS {:.1} -> peak {:.1} MB (+{:.1}), \
+             control's +{:.1} MB; steps during it: {} of median {:.2} ms, max {:.2} ms; the other {}: median {:.2} ms, \
+             max {:.2} ms",
+            mb(c.bytes),
+            c.seconds,
+            mb(c.dataplane_rss_before),
+            mb(c.dataplane_rss_peak),
+            mb(c.dataplane_rss_peak - c.dataplane_rss_before),
+            mb(c.control_rss_peak - c.control_rss_before),
+            u.steps_during,
+            u.step_ms_median_during,
+            u.step_ms_max_during,
+            u.steps_outside,
+            u.step_ms_median_outside,
+            u.step_ms_max_outside
+        );
+    }
     if let Some(c) = &report.restore {
         let mb = |b: u64| b as f64 / 1e6;
         println!(
@@ -1188,6 +1329,38 @@ fn run_local(args: &SparseArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `--checkpoint-under-load`: a step is "during" when any part of it
+    /// ran between the checkpoint's start and end.
+    #[test]
+    fn steps_overlapping_the_checkpoint_are_told_apart() {
+        let t0 = Instant::now();
+        let ms = |n: u64| std::time::Duration::from_millis(n);
+        let c = LocalCheckpoint {
+            bytes: 1,
+            seconds: 0.1,
+            dataplane_rss_before: 0,
+            dataplane_rss_peak: 0,
+            control_rss_before: 0,
+            control_rss_peak: 0,
+        };
+        // Steps of 10 ms at 0, 10, ... 90 ms; the checkpoint from 25 to 52.
+        let rank = RankFigures {
+            seconds: 0.1,
+            steps_ms: (0..10).map(|i| 10.0 + f64::from(i)).collect(),
+            steps_at: (0..10).map(|i| t0 + ms(10 * i)).collect(),
+            bytes: 0,
+            retransmits: 0,
+            saved: 0,
+            prefixes: 0,
+            digests: Vec::new(),
+        };
+        let u = under_load_figures((c, t0 + ms(25), t0 + ms(52)), &[rank]);
+        // 20 (20..32), 30, 40 and 50 overlap; 10 ends at 21 ms.
+        assert_eq!((u.steps_during, u.steps_outside), (4, 6));
+        assert_eq!((u.step_ms_median_during, u.step_ms_max_during), (14.0, 15.0));
+        assert_eq!((u.step_ms_median_outside, u.step_ms_max_outside), (17.0, 19.0));
+    }
 
     #[test]
     fn zipf_ranks_stay_in_range_and_favour_the_first() {
@@ -1235,6 +1408,7 @@ mod tests {
                 .map(|r| RankFigures {
                     seconds: 1.0,
                     steps_ms: Vec::new(),
+                    steps_at: Vec::new(),
                     bytes: 0,
                     retransmits: 0,
                     saved: 0,
