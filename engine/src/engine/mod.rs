@@ -151,7 +151,7 @@ pub use outbox::Ranks;
 pub use replica::{replica_plan, replica_plan_at, BackupInstall, BackupState, ReplicaInstall, ReplicaStats};
 pub use stats::JobShardStats;
 pub use table::{row_init, row_optimizer, TableInstall};
-pub use table_checkpoint::{RestoredTable, TablesStreamError};
+pub use table_checkpoint::{RestoredTable, StreamKept, TablesStreamError};
 
 use hier::{Hier, Partial};
 use install::{Evicted, RANK_BYTES};
@@ -296,6 +296,9 @@ pub struct Shard<A> {
     /// A checkpoint of a job's tables being streamed
     /// ([`Shard::stream_tables_begin`]).
     tables_stream: Option<table_checkpoint::TablesStream>,
+    /// What copy on write kept, at most, for the stream in progress or the
+    /// last one.
+    tables_stream_kept: table_checkpoint::StreamKept,
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -356,6 +359,7 @@ impl<A: Copy + Eq> Shard<A> {
             rx_workers: 0,
             rows_out: Vec::new(),
             tables_stream: None,
+            tables_stream_kept: table_checkpoint::StreamKept::default(),
         }
     }
 

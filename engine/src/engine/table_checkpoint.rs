@@ -245,6 +245,19 @@ pub(super) struct TablesStream {
     /// The table being streamed, and whether its head is written.
     next: usize,
     head_written: bool,
+    /// The most its stores kept at once so far (at the start of a fill).
+    kept: StreamKept,
+}
+
+/// What copy on write kept for a stream of a job's tables on an lcore, at
+/// most at once (as seen at the start of each slice): the rows and index
+/// entries changed after the stream's start before it passed them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamKept {
+    /// Index entries kept (an id, its slot and touch word each).
+    pub entries: usize,
+    /// Bytes of rows (values and optimizer state) kept.
+    pub row_bytes: usize,
 }
 
 /// Why a stream of a job's tables did not start or cannot go on.
@@ -336,7 +349,9 @@ impl<A: Copy + Eq> Shard<A> {
             heads,
             next: 0,
             head_written: false,
+            kept: StreamKept::default(),
         });
+        self.tables_stream_kept = StreamKept::default();
         Ok(total)
     }
 
@@ -349,6 +364,16 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(TablesStreamError::Gone(s.job));
         };
         let start = out.len();
+        let now = j.tables.iter().fold(StreamKept::default(), |k, t| {
+            let (entries, row_bytes) = t.store.stream_kept();
+            StreamKept {
+                entries: k.entries + entries,
+                row_bytes: k.row_bytes + row_bytes,
+            }
+        });
+        s.kept.entries = s.kept.entries.max(now.entries);
+        s.kept.row_bytes = s.kept.row_bytes.max(now.row_bytes);
+        self.tables_stream_kept = s.kept;
         loop {
             if !s.head_written {
                 out.extend_from_slice(&s.heads[s.next]);
@@ -393,6 +418,12 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
         }
+    }
+
+    /// What copy on write kept for the stream in progress, or the last one
+    /// (at most at once, [`StreamKept`]).
+    pub fn stream_tables_kept(&self) -> StreamKept {
+        self.tables_stream_kept
     }
 
     /// End the stream in progress, if any (its job's stores free what

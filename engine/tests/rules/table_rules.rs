@@ -1494,6 +1494,11 @@ fn tables_streamed_during_traffic_are_the_tables_at_the_streams_start() {
             section(&live.snapshot_tables(JOB).unwrap()),
             section(&plain.snapshot_tables(JOB).unwrap())
         );
+        // Rows were pushed between slices: copy on write kept some, and
+        // says so after the stream (a row is D values and its state).
+        let kept = live.stream_tables_kept();
+        assert!(kept.entries > 0 && kept.row_bytes > 0, "{mode:?}: {kept:?}");
+        assert_eq!(kept.row_bytes % 4, 0, "{mode:?}: {kept:?}");
         // A job removed during its stream ends it; the lcore may stream
         // again.
         live.stream_tables_begin(JOB).unwrap();

@@ -247,6 +247,11 @@ impl Local {
             .to_string())
     }
 
+    /// The dataplane's log so far (its first run's: `phub-dataplane.log`).
+    pub fn dataplane_log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("phub-dataplane.log")).unwrap_or_default()
+    }
+
     /// Stops both processes and removes the scratch directory.
     pub fn stop(mut self) {
         for d in [&mut self.control, &mut self.dataplane] {

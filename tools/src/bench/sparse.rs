@@ -657,6 +657,12 @@ pub struct UnderLoad {
     pub step_ms_median_outside: f64,
     /// The longest of the others, ms.
     pub step_ms_max_outside: f64,
+    /// What copy on write kept at most, summed over the lcores, from the
+    /// dataplane's log (each lcore logs it when its stream ends): index
+    /// entries, and bytes of rows; `None` when the log does not say.
+    pub kept_index_entries: Option<u64>,
+    /// See [`UnderLoad::kept_index_entries`].
+    pub kept_row_bytes: Option<u64>,
 }
 
 /// Process `pid`'s VmRSS, bytes.
@@ -783,7 +789,32 @@ fn under_load_figures(
         step_ms_max_during: xd,
         step_ms_median_outside: mo,
         step_ms_max_outside: xo,
+        kept_index_entries: None,
+        kept_row_bytes: None,
     }
+}
+
+/// The copy-on-write figures each lcore logged for the last checkpoint
+/// stream it ended ("lcore N: checkpoint stream done; copy on write kept
+/// at most E index entries and B bytes of rows"), summed over the
+/// lcores: (entries, bytes); `None` when no lcore logged one.
+fn kept_from_log(log: &str) -> Option<(u64, u64)> {
+    let mut last = std::collections::BTreeMap::new();
+    for line in log.lines() {
+        let Some(at) = line.find("lcore ") else { continue };
+        let rest = &line[at + 6..];
+        let Some((lcore, rest)) = rest.split_once(": checkpoint stream done; copy on write kept at most ")
+        else {
+            continue;
+        };
+        let mut words = rest.split_whitespace();
+        let entries = words.next().and_then(|w| w.parse::<u64>().ok());
+        let bytes = words.nth(3).and_then(|w| w.parse::<u64>().ok());
+        if let (Ok(l), Some(e), Some(b)) = (lcore.parse::<u32>(), entries, bytes) {
+            last.insert(l, (e, b));
+        }
+    }
+    (!last.is_empty()).then(|| last.values().fold((0, 0), |(e, b), (x, y)| (e + x, b + y)))
 }
 
 /// `--take-checkpoint`, last: the dataplane restarted, and control
@@ -1130,7 +1161,13 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     });
     let ranks = ranks?;
     let checkpoint_under_load = match under_load {
-        Some(taken) => Some(under_load_figures(taken?, &ranks)),
+        Some(taken) => {
+            let mut u = under_load_figures(taken?, &ranks);
+            if let Some((e, b)) = kept_from_log(&local.dataplane_log()) {
+                (u.kept_index_entries, u.kept_row_bytes) = (Some(e), Some(b));
+            }
+            Some(u)
+        }
         None => None,
     };
     let checkpoints: Vec<LocalCheckpoint> = match args.take_checkpoint {
@@ -1272,14 +1309,16 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         let mb = |b: u64| b as f64 / 1e6;
         println!(
             "  checkpoint under load {:.1} MB in {:.2} s; the dataplane's RSS {:.1} -> peak {:.1} MB (+{:.1}), \
-             control's +{:.1} MB; steps during it: {} of median {:.2} ms, max {:.2} ms; the other {}: median {:.2} ms, \
-             max {:.2} ms",
+             control's +{:.1} MB; copy on write kept at most {} index entries and {} of rows; steps during it: {} \
+             of median {:.2} ms, max {:.2} ms; the other {}: median {:.2} ms, max {:.2} ms",
             mb(c.bytes),
             c.seconds,
             mb(c.dataplane_rss_before),
             mb(c.dataplane_rss_peak),
             mb(c.dataplane_rss_peak - c.dataplane_rss_before),
             mb(c.control_rss_peak - c.control_rss_before),
+            u.kept_index_entries.map_or("?".into(), |e| e.to_string()),
+            u.kept_row_bytes.map_or("? MB".into(), |b| format!("{:.1} MB", mb(b))),
             u.steps_during,
             u.step_ms_median_during,
             u.step_ms_max_during,
@@ -1329,6 +1368,21 @@ fn run_local(args: &SparseArgs) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lcores' copy-on-write lines are summed, each lcore's last.
+    #[test]
+    fn copy_on_write_figures_are_read_from_the_log() {
+        let log = "[t INFO  phub_dataplane::lcore] lcore 0: checkpoint stream done; copy on write kept at most 5 index \
+                   entries and 100 bytes of rows\n\
+                   [t INFO  phub_dataplane::lcore] lcore 1: checkpoint stream left by its reader; copy on write kept \
+                   at most 9 index entries and 900 bytes of rows\n\
+                   [t INFO  phub_dataplane::lcore] lcore 1: checkpoint stream done; copy on write kept at most 7 index \
+                   entries and 30 bytes of rows\n\
+                   [t INFO  phub_dataplane::lcore] lcore 0: checkpoint stream done; copy on write kept at most 6 index \
+                   entries and 200 bytes of rows\n";
+        assert_eq!(kept_from_log(log), Some((13, 230)));
+        assert_eq!(kept_from_log("nothing"), None);
+    }
 
     /// `--checkpoint-under-load`: a step is "during" when any part of it
     /// ran between the checkpoint's start and end.
