@@ -7,11 +7,14 @@
 //! row is its `dim` values, then its optimizer state. The block table (a
 //! handle per block) is reserved for the blocks of the cap at creation, so
 //! growing never moves it. Sizes come from
-//! [`phub_proto::memory::TableShape`], the model admission charges.
+//! [`phub_proto::memory::TableShape`], the model admission charges. Each
+//! block is mapped on a 2 MiB boundary with huge pages asked for
+//! ([`super::huge`]).
 
 use bytemuck::{Pod, Zeroable};
 use phub_proto::memory::{TableShape, TABLE_BLOCK_HANDLE_BYTES, TABLE_LINE_BYTES};
 
+use super::huge::Zeroed;
 use super::prefetch::prefetch_span;
 use super::snapshot::RowSnap;
 
@@ -21,11 +24,11 @@ use super::snapshot::RowSnap;
 struct Line([f32; 16]);
 
 const _: () = assert!(std::mem::size_of::<Line>() as u64 == TABLE_LINE_BYTES);
-const _: () = assert!(std::mem::size_of::<Box<[Line]>>() as u64 == TABLE_BLOCK_HANDLE_BYTES);
+const _: () = assert!(std::mem::size_of::<Zeroed<Line>>() as u64 == TABLE_BLOCK_HANDLE_BYTES);
 
 /// The rows (module head).
 pub(crate) struct Blocks {
-    blocks: Vec<Box<[Line]>>,
+    blocks: Vec<Zeroed<Line>>,
     row_words: usize,
     rows_per_block: usize,
     block_lines: usize,
@@ -72,9 +75,9 @@ impl Blocks {
             self.max_blocks
         );
         while self.blocks.len() <= block {
-            match bytemuck::allocation::try_zeroed_slice_box::<Line>(self.block_lines) {
-                Ok(b) => self.blocks.push(b),
-                Err(()) => return false,
+            match Zeroed::<Line>::new(self.block_lines) {
+                Some(b) => self.blocks.push(b),
+                None => return false,
             }
         }
         true
@@ -137,6 +140,6 @@ impl Blocks {
     /// Bytes allocated: the blocks and the block table.
     pub(crate) fn bytes(&self) -> u64 {
         let blocks: usize = self.blocks.iter().map(|b| std::mem::size_of_val(&**b)).sum();
-        (blocks + self.blocks.capacity() * std::mem::size_of::<Box<[Line]>>()) as u64
+        (blocks + self.blocks.capacity() * std::mem::size_of::<Zeroed<Line>>()) as u64
     }
 }

@@ -101,7 +101,7 @@ pub(crate) enum Probe {
 
 /// The index (module head).
 pub(crate) struct Index {
-    entries: Box<[Entry]>,
+    entries: super::huge::Zeroed<Entry>,
     key: u64,
     len: usize,
     /// A checkpoint being streamed: entries kept as they were
@@ -131,7 +131,7 @@ impl Index {
     /// hold), or `None` when the heap refuses them.
     pub(crate) fn new(entries: usize, key: u64) -> Option<Index> {
         assert!(entries > 0, "an index needs an entry");
-        let entries = bytemuck::allocation::try_zeroed_slice_box::<Entry>(entries).ok()?;
+        let entries = super::huge::Zeroed::<Entry>::new(entries)?;
         Some(Index {
             entries,
             key,

@@ -22,6 +22,7 @@ mod admit;
 mod blocks;
 pub mod checkpoint;
 mod evict;
+mod huge;
 mod index;
 pub mod init;
 pub mod optim;
