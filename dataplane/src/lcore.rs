@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crossbeam_channel::{Receiver, Sender};
+use crossbeam_channel::{Receiver, Sender, TrySendError};
 
 use phub_proto::checkpoint::SlotState;
 use phub_proto::failover::EpochView;
@@ -273,6 +273,15 @@ fn pump<A: Copy + Eq>(shard: &mut Shard<A>, stream: &mut Option<Sender<Slice>>) 
         return false;
     };
     if tx.is_full() {
+        // A reader that left a full channel behind is told only by a send
+        // (the channel keeps its slices): an empty slice, which changes
+        // nothing where it finds room after all.
+        if let Err(TrySendError::Disconnected(_)) = tx.try_send(Slice::Bytes(Vec::new())) {
+            shard.stream_tables_abort();
+            *stream = None;
+            log::info!("lcore {}: checkpoint stream left by its reader", shard.lcore());
+            return true;
+        }
         return false;
     }
     let mut bytes = Vec::with_capacity(SLICE_BYTES + 4096);
