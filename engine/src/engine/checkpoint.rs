@@ -212,6 +212,23 @@ impl<A: Copy + Eq> Shard<A> {
                 shm.publish(i as u32, &st.result);
             }
         }
+        // A replicated part restored from its checkpoint (control restores
+        // one only once every replica of some part lost its state): its
+        // backups may hold none of the restored state (their slots are in
+        // no checkpoint), so each restored primary slot copies its state
+        // to its backups before any further round of it completes
+        // (PROTOCOL.md §11.7's copy); a backup slot that completed no
+        // round takes it, one that holds a round acknowledges it.
+        if let Some(rep) = j.replica.as_deref_mut() {
+            let copies: Vec<_> = rep
+                .groups
+                .iter()
+                .map(|g| (g.base..g.base + g.count, all_backups(g.backups.len())))
+                .collect();
+            for (slots, backups) in copies {
+                Self::queue_copies(&mut self.pending, j, slots, backups);
+            }
+        }
         j.counters.held = j.clocks.iter().filter(|c| c.held()).count() as u64;
         // The checkpoint may be older than the state the ranks hold: rounds
         // completed after it are lost, and a rank that holds the result of
@@ -234,4 +251,9 @@ impl<A: Copy + Eq> Shard<A> {
         }
         Ok(())
     }
+}
+
+/// The bits of a part's `n` backups (at most [`phub_proto::replica::MAX_REPLICAS`] - 1).
+fn all_backups(n: usize) -> u8 {
+    u8::try_from((1u16 << n.min(8)) - 1).unwrap_or(u8::MAX)
 }

@@ -11,7 +11,9 @@
 //!   applies no REPLICATE (`ahead`) and reports no round.
 //! - A copy is idempotent: a slot that holds its state answers any
 //!   fragment of this epoch with its ACK again and changes nothing, so a
-//!   late or duplicated fragment never rolls back a round applied after it.
+//!   late or duplicated fragment never rolls back a round applied after it;
+//!   only a slot that completed no round (nothing to roll back) takes a
+//!   copy it was not awaiting (a restored primary's, §11.7).
 //! - While a backup of a primary slot is copying, no round of the slot
 //!   completes (it is counted at once), so the state the primary sends,
 //!   taken when each fragment leaves, is of one round the whole time.
@@ -249,9 +251,19 @@ impl<A: Copy + Eq> Shard<A> {
         if u32::from(repr.count) != want_count {
             return Err(DropReason::CountMismatch);
         }
-        let Some(&Fill::Awaiting { round, got }) = part.fill.get(index) else {
+        let (round, got) = match part.fill.get(index) {
+            Some(&Fill::Awaiting { round, got }) => (round, got),
+            // A slot that completed no round takes a copy: its primary was
+            // restored from a checkpoint and copies the restored state to
+            // backups that hold none of it (§11.7, "Restored parts").
+            _ if part.slots[index].completed.is_none() => {
+                if part.fill.is_empty() {
+                    part.fill = vec![Fill::Held; part.slots.len()];
+                }
+                (None, 0)
+            }
             // It holds its state: the primary lost the ACK (§11.7 rule 2).
-            return Ok(true);
+            _ => return Ok(true),
         };
         let got = if round == Some(repr.round) { got } else { 0 };
         let bit = 1u8 << repr.fragment;

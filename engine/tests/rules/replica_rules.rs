@@ -394,7 +394,8 @@ fn only_bsp_jobs_are_replicated() {
 
 /// A primary restored from its checkpoint while an aggregate was pending
 /// waits for no acknowledgement: the restored round is a completed one,
-/// an ACK of the lost round is `ahead`, and the workers' resent pushes
+/// an ACK of the lost round is `ahead`, its state goes to its backup as a
+/// copy, and the workers' resent pushes
 /// (after each pulled, PROTOCOL.md §5.4 rule 0) make the round again,
 /// replicated as any other.
 #[test]
@@ -452,7 +453,24 @@ fn a_restore_forgets_pending_aggregates() {
         s.handle(lcore_addr(1, 0), &ack.to_bytes(), 11),
         Verdict::Dropped(DropReason::Ahead)
     );
-    assert!(!s.has_transmits());
+    // What leaves it now is its slots' state copies to the backup (a
+    // restored part's backups hold no state of its: §11.7's copy), no
+    // aggregate; the backup, which holds the round, acknowledges them.
+    let kinds: Vec<_> = s
+        .transmits()
+        .map(|t| {
+            let mut d = t.header.to_vec();
+            d.extend_from_slice(t.payload);
+            replica::parse(&d).map(|(r, _)| r.kind)
+        })
+        .collect();
+    assert!(
+        !kinds.is_empty() && kinds.iter().all(|k| *k == Ok(ReplicaMsgType::ReplicateState)),
+        "{kinds:?}"
+    );
+    w.drain(0, 0);
+    w.run();
+    let s = &mut w.shards[0][0];
     // The restored lcore refuses each rank's pushes (`ahead`) until it
     // pulled (PROTOCOL.md §5.4 rule 0): each pulls, as phub-worker does
     // when told `ahead`.
@@ -469,4 +487,57 @@ fn a_restore_forgets_pending_aggregates() {
     assert!(w.net.is_empty(), "no aggregate is resent after the restore");
     round(&mut w, 1, &values);
     assert_replicas_equal(&w, 1);
+}
+
+/// Every appliance of a replicated job restarts (a power cut: every
+/// replica of every part lost its state) and is installed again at the
+/// job's epoch from its own checkpoint, as control reinstalls such a job:
+/// its primary slots restored, its backup slots in no checkpoint. Each
+/// restored primary slot copies its state to its backups (PROTOCOL.md
+/// §11.7's copy), so the backups hold the restored rounds, and the next
+/// round completes on every chunk with the backups equal to their
+/// primaries. Before, the backup slots came back empty: the restored
+/// round was answered with no backup holding it, and the next round's
+/// aggregates were refused `ahead` for ever (the job hung).
+#[test]
+fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
+    let sp = spec(
+        Optimizer::Sgd {
+            lr: 0.5,
+            weight_decay: 0.0,
+        },
+        Dtype::F32,
+        2,
+        2,
+    );
+    let none = Faults {
+        replica_loss: 0.0,
+        loss: 0.0,
+        dup: 0.0,
+    };
+    let mut w = World::new(sp, &[1, 2], &["", ""], 7, none);
+    for r in 0..=2 {
+        let values = round_values(&w, 7, r);
+        round(&mut w, r, &values);
+    }
+    assert_replicas_equal(&w, 2);
+    let saved: Vec<Vec<_>> = w
+        .shards
+        .iter()
+        .map(|a| a.iter().map(|s| s.snapshot(JOB).unwrap()).collect())
+        .collect();
+    let view = w.epoch.clone();
+    for (i, saved) in saved.iter().enumerate() {
+        w.reinstall_restored(i, &view, saved);
+    }
+    // The copies go out at the lcores' next poll.
+    w.poll();
+    w.run();
+    assert_replicas_equal(&w, 2);
+    // Each rank pulls every chunk first (PROTOCOL.md §5.4 rule 0), as
+    // phub-worker does when a restored lcore says `ahead`.
+    w.pull_all();
+    let values = round_values(&w, 7, 3);
+    round(&mut w, 3, &values);
+    assert_replicas_equal(&w, 3);
 }

@@ -17,6 +17,7 @@ pub(crate) use std::sync::Arc;
 pub(crate) use phub_engine::engine::{replica_plan, replica_plan_at, ReplicaInstall};
 pub(crate) use phub_engine::kernels::Kernels;
 pub(crate) use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
+pub(crate) use phub_proto::checkpoint::SlotState;
 pub(crate) use phub_proto::failover::{EpochView, ReplicaLayout};
 pub(crate) use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 pub(crate) use phub_proto::replica::{self, backup_runs, replica_set, ReplicaMsgType};
@@ -201,6 +202,49 @@ impl World {
         }
         self.shards[i] = mine;
         self.dead[i] = false;
+    }
+
+    /// Appliance i restarted and installed again at `view` from its own
+    /// checkpoint (`saved`, per lcore: its primary slots), as control
+    /// reinstalls a job every replica of which lost its state.
+    pub(crate) fn reinstall_restored(&mut self, i: usize, view: &EpochView, saved: &[Vec<SlotState>]) {
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = appliance_list(&self.lcores)
+            .into_iter()
+            .enumerate()
+            .map(|(a, (_, port, l))| (*self.at(a, 0).ip(), port, l))
+            .collect();
+        let plan = replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, view).unwrap();
+        let mut mine = Vec::new();
+        for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+            s.set_peer_resolver(Arc::new(Some));
+            s.install(job(&self.spec, slots), InstallKind::Replicated(Box::new(rep)))
+                .unwrap();
+            s.restore(JOB, &saved[j]).unwrap();
+            mine.push(s);
+        }
+        self.shards[i] = mine;
+        self.dead[i] = false;
+    }
+
+    /// Every rank pulls every chunk from where the workers' epoch serves
+    /// it (what a worker does after a restored lcore said `ahead`), and
+    /// the answers are taken.
+    pub(crate) fn pull_all(&mut self) {
+        for rank in 0..self.spec.workers as u16 {
+            for g in 0..self.total() {
+                let s = self.layout.serve(g, &self.epoch).unwrap();
+                let c = self.chunk(g);
+                let repr = Repr::request(MsgType::Pull, JOB, TOKEN, rank, 0, s.slot as u32)
+                    .with_payload(self.spec.dtype, 0)
+                    .with_chunk(c.key, c.chunk);
+                let mut d = repr.to_datagram(&[]);
+                wire::Header::new_unchecked(&mut d[..]).set_epoch(self.epoch.epoch);
+                let to = self.at(s.appliance, s.lcore);
+                self.send(worker_addr(rank), to, d);
+            }
+        }
+        self.run();
     }
 
     /// Appliance index i's lcore j's address now (its host moves with a
