@@ -234,3 +234,125 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
         }
     }
 }
+
+/// Every appliance of a replicated job dies at once (a power cut) after a
+/// checkpoint of the round every chunk completed last: no replica of any
+/// part kept its state, so control restores each appliance's part from
+/// its checkpoint when it comes back (PROTOCOL.md §11.7, "Restored
+/// parts"): each restored primary slot copies its state to its backup
+/// before its next round completes, and training goes on exactly (each
+/// rank told `ahead` by a restored lcore pulls every key, then pushes its
+/// round again). Before, the backups came back holding nothing and
+/// refused every next aggregate `ahead`: the job hung.
+#[test]
+fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
+    use crate::common::{expected_sum, grad, init};
+    let mut rack = Appliances::start(&[1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack
+        .admit(&replicated_spec("restored", workers, &keys, &["a", "b"], 2))
+        .unwrap();
+    let rounds = 8u32;
+    let url = rack.control_url.clone();
+    // Both ranks stop after round 4 until both appliances are back.
+    let at_gate = AtomicU32::new(0);
+    let open = AtomicBool::new(false);
+    let rank = |rank: u16| {
+        let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
+        let mut params: Vec<Vec<f32>> = keys
+            .iter()
+            .enumerate()
+            .map(|(k, &n)| {
+                (0..n as usize)
+                    .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
+                    .collect()
+            })
+            .collect();
+        for (k, p) in params.iter_mut().enumerate() {
+            let h = w.init(k as u32, p).unwrap();
+            w.wait(h).unwrap();
+        }
+        let mut restored = 0;
+        for round in 1..=rounds {
+            if round == 5 {
+                at_gate.fetch_add(1, Ordering::SeqCst);
+                until("the restart", Duration::from_secs(120), || {
+                    open.load(Ordering::SeqCst)
+                });
+            }
+            let grads: Vec<Vec<f32>> = keys
+                .iter()
+                .enumerate()
+                .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
+                .collect();
+            let done = loop {
+                let hs: Vec<_> = params
+                    .iter_mut()
+                    .zip(&grads)
+                    .enumerate()
+                    .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+                    .collect();
+                let failed: Vec<String> = hs
+                    .into_iter()
+                    .filter_map(|h| w.wait(h).err())
+                    .map(|e| e.to_string())
+                    .collect();
+                match failed.first() {
+                    None => break true,
+                    Some(e) if e.contains("ahead") && restored < 20 => {
+                        // A restored lcore: pull every key (it stands at
+                        // the checkpoint's round 4), then push again.
+                        restored += 1;
+                        std::thread::sleep(Duration::from_millis(100));
+                        for (k, p) in params.iter_mut().enumerate() {
+                            if let Ok(at) = w.pull(k as u32, p) {
+                                assert_eq!(at, round - 1, "rank {rank} key {k} pulled at round {at}");
+                            }
+                        }
+                    }
+                    Some(e) => panic!("rank {rank} round {round}: {e}"),
+                }
+            };
+            assert!(done);
+            for (k, p) in params.iter().enumerate() {
+                for (e, v) in p.iter().enumerate() {
+                    assert_eq!(
+                        *v,
+                        expected_sum(workers, k as u32, e, round),
+                        "rank {rank} round {round} key {k} elem {e}"
+                    );
+                }
+            }
+        }
+        restored
+    };
+    let told = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..workers).map(|r| s.spawn(move || rank(r))).collect();
+        until("both ranks at round 5", Duration::from_secs(60), || {
+            at_gate.load(Ordering::SeqCst) == u32::from(workers)
+        });
+        // Every chunk completed round 4: the checkpoint holds it on both
+        // appliances.
+        let info = rack.send(&control::checkpoint(job.id));
+        assert_eq!(info.id, job.id);
+        rack.kill_dataplane(0);
+        rack.kill_dataplane(1);
+        rack.start_dataplane(0);
+        rack.start_dataplane(1);
+        open.store(true, Ordering::SeqCst);
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<u32>>()
+    });
+    assert!(told.iter().any(|&n| n > 0), "no rank was told ahead: {told:?}");
+    // Both appliances completed every round.
+    for i in 0..2 {
+        let stats: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+        let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
+        assert_eq!(
+            live.round_range.map(|r| r.1),
+            Some(rounds),
+            "{}: {live:?}",
+            rack.names[i]
+        );
+    }
+}
