@@ -160,6 +160,19 @@ pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds:
     });
 }
 
+/// Rank `rank`'s buffers of `keys` before its INITs: rank 0's initial
+/// values, -1 elsewhere (what the appliance's answers overwrite).
+pub fn initial_params(rank: u16, keys: &[u64]) -> Vec<Vec<f32>> {
+    keys.iter()
+        .enumerate()
+        .map(|(k, &n)| {
+            (0..n as usize)
+                .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
+                .collect()
+        })
+        .collect()
+}
+
 /// One rank of a sum job of `workers` ranks over `keys`: joins, sends its
 /// initial values (rank 0's from [`init`]; the others' are overwritten by
 /// them) and checks they came back as rank 0's, then trains round after
@@ -180,15 +193,7 @@ pub fn train_rank(
 ) -> (u32, WorkerStats) {
     let w = Worker::join_with(url, job, token, rank, cfg)
         .unwrap_or_else(|e| panic!("rank {rank} joining job {job} at {url}: {e}"));
-    let mut params: Vec<Vec<f32>> = keys
-        .iter()
-        .enumerate()
-        .map(|(k, &n)| {
-            (0..n as usize)
-                .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
-                .collect()
-        })
-        .collect();
+    let mut params = initial_params(rank, keys);
     let hs: Vec<_> = params
         .iter_mut()
         .enumerate()

@@ -246,7 +246,7 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
 /// refused every next aggregate `ahead`: the job hung.
 #[test]
 fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
-    use crate::common::{expected_sum, grad, init};
+    use crate::common::{expected_sum, grad};
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
@@ -260,15 +260,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
     let open = AtomicBool::new(false);
     let rank = |rank: u16| {
         let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
-        let mut params: Vec<Vec<f32>> = keys
-            .iter()
-            .enumerate()
-            .map(|(k, &n)| {
-                (0..n as usize)
-                    .map(|e| if rank == 0 { init(k as u32, e) } else { -1.0 })
-                    .collect()
-            })
-            .collect();
+        let mut params = phub_hwtests::workload::initial_params(rank, &keys);
         for (k, p) in params.iter_mut().enumerate() {
             let h = w.init(k as u32, p).unwrap();
             w.wait(h).unwrap();
@@ -302,12 +294,17 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
                     None => break true,
                     Some(e) if e.contains("ahead") && restored < 20 => {
                         // A restored lcore: pull every key (it stands at
-                        // the checkpoint's round 4), then push again.
+                        // the checkpoint's round 4, or at round 5 where
+                        // the other rank's pushes completed it since),
+                        // then push again.
                         restored += 1;
                         std::thread::sleep(Duration::from_millis(100));
                         for (k, p) in params.iter_mut().enumerate() {
                             if let Ok(at) = w.pull(k as u32, p) {
-                                assert_eq!(at, round - 1, "rank {rank} key {k} pulled at round {at}");
+                                assert!(
+                                    at == round - 1 || at == round,
+                                    "rank {rank} key {k} pulled at round {at}"
+                                );
                             }
                         }
                     }
@@ -340,19 +337,16 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
         rack.kill_dataplane(1);
         rack.start_dataplane(0);
         rack.start_dataplane(1);
+        // Control restores both parts within a few reconciliations.
+        until("both parts restored at round 4", Duration::from_secs(30), || {
+            (0..2).all(|i| rack.last_round(i, job.id) == Some(4))
+        });
         open.store(true, Ordering::SeqCst);
         ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<u32>>()
     });
     assert!(told.iter().any(|&n| n > 0), "no rank was told ahead: {told:?}");
     // Both appliances completed every round.
     for i in 0..2 {
-        let stats: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
-        let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
-        assert_eq!(
-            live.round_range.map(|r| r.1),
-            Some(rounds),
-            "{}: {live:?}",
-            rack.names[i]
-        );
+        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
     }
 }

@@ -400,21 +400,7 @@ fn only_bsp_jobs_are_replicated() {
 /// replicated as any other.
 #[test]
 fn a_restore_forgets_pending_aggregates() {
-    let sp = spec(
-        Optimizer::Sgd {
-            lr: 0.5,
-            weight_decay: 0.0,
-        },
-        Dtype::F32,
-        2,
-        2,
-    );
-    let none = Faults {
-        replica_loss: 0.0,
-        loss: 0.0,
-        dup: 0.0,
-    };
-    let mut w = World::new(sp, &[1, 1], &["", ""], 5, none);
+    let mut w = sgd_pair(&[1, 1], 5);
     let total = w.total();
     let values: HashMap<(u16, u64), Vec<f32>> = (0..3u16)
         .flat_map(|r| (0..total).map(move |g| (r, g)))
@@ -501,21 +487,7 @@ fn a_restore_forgets_pending_aggregates() {
 /// aggregates were refused `ahead` for ever (the job hung).
 #[test]
 fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
-    let sp = spec(
-        Optimizer::Sgd {
-            lr: 0.5,
-            weight_decay: 0.0,
-        },
-        Dtype::F32,
-        2,
-        2,
-    );
-    let none = Faults {
-        replica_loss: 0.0,
-        loss: 0.0,
-        dup: 0.0,
-    };
-    let mut w = World::new(sp, &[1, 2], &["", ""], 7, none);
+    let mut w = sgd_pair(&[1, 2], 7);
     for r in 0..=2 {
         let values = round_values(&w, 7, r);
         round(&mut w, r, &values);
@@ -540,4 +512,24 @@ fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
     let values = round_values(&w, 7, 3);
     round(&mut w, 3, &values);
     assert_replicas_equal(&w, 3);
+}
+
+/// An SGD job with two replicas over two appliances of `lcores`, on a
+/// network without faults.
+fn sgd_pair(lcores: &[usize], seed: u64) -> World {
+    let sp = spec(
+        Optimizer::Sgd {
+            lr: 0.5,
+            weight_decay: 0.0,
+        },
+        Dtype::F32,
+        2,
+        2,
+    );
+    let none = Faults {
+        replica_loss: 0.0,
+        loss: 0.0,
+        dup: 0.0,
+    };
+    World::new(sp, lcores, &["", ""], seed, none)
 }

@@ -353,6 +353,13 @@ impl Appliances {
     pub(crate) fn dataplane<A>(&self, i: usize, call: &MgmtCall<'_, A>) -> A {
         send(&self.mgmt_urls[i], call)
     }
+
+    /// The last round job `job`'s slots on appliance `i` completed, the
+    /// highest over its slots (`None`: none, or the job is not there).
+    pub(crate) fn last_round(&self, i: usize, job: u16) -> Option<u32> {
+        let stats: phub::proto::api::DataplaneStats = self.dataplane(i, &phub::proto::routes::mgmt::stats());
+        stats.jobs.iter().find(|j| j.id == job)?.round_range.map(|r| r.1)
+    }
 }
 
 impl Operator for Appliances {

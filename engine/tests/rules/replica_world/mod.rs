@@ -185,29 +185,17 @@ impl World {
     /// Appliance i, declared down before, back in `view` (which names it
     /// joined): installed anew, empty, as control installs it (§11.7).
     pub(crate) fn reinstall(&mut self, i: usize, view: &EpochView) {
-        let appliances: Vec<(Ipv4Addr, u16, u16)> = appliance_list(&self.lcores)
-            .into_iter()
-            .enumerate()
-            .map(|(a, (_, port, l))| (*self.at(a, 0).ip(), port, l))
-            .collect();
-        let plan = replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, view).unwrap();
-        let mut mine = Vec::new();
-        for (j, (slots, rep)) in plan.into_iter().enumerate() {
-            assert!(slots.is_empty(), "an appliance back serves nothing at first");
-            let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
-            s.set_peer_resolver(Arc::new(Some));
-            s.install(job(&self.spec, slots), InstallKind::Replicated(Box::new(rep)))
-                .unwrap();
-            mine.push(s);
-        }
-        self.shards[i] = mine;
-        self.dead[i] = false;
+        self.install_anew(i, view, None);
     }
 
     /// Appliance i restarted and installed again at `view` from its own
     /// checkpoint (`saved`, per lcore: its primary slots), as control
     /// reinstalls a job every replica of which lost its state.
     pub(crate) fn reinstall_restored(&mut self, i: usize, view: &EpochView, saved: &[Vec<SlotState>]) {
+        self.install_anew(i, view, Some(saved));
+    }
+
+    fn install_anew(&mut self, i: usize, view: &EpochView, saved: Option<&[Vec<SlotState>]>) {
         let appliances: Vec<(Ipv4Addr, u16, u16)> = appliance_list(&self.lcores)
             .into_iter()
             .enumerate()
@@ -216,11 +204,17 @@ impl World {
         let plan = replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, view).unwrap();
         let mut mine = Vec::new();
         for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            assert!(
+                saved.is_some() || slots.is_empty(),
+                "an appliance back serves nothing at first"
+            );
             let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
             s.set_peer_resolver(Arc::new(Some));
             s.install(job(&self.spec, slots), InstallKind::Replicated(Box::new(rep)))
                 .unwrap();
-            s.restore(JOB, &saved[j]).unwrap();
+            if let Some(saved) = saved {
+                s.restore(JOB, &saved[j]).unwrap();
+            }
             mine.push(s);
         }
         self.shards[i] = mine;
