@@ -235,10 +235,10 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
     }
 }
 
-/// Every appliance of a replicated job dies at once (a power cut) after a
-/// checkpoint of the round every chunk completed last: no replica of any
-/// part kept its state, so control restores each appliance's part from
-/// its checkpoint when it comes back (PROTOCOL.md §11.7, "Restored
+/// Every appliance of a replicated job dies at once (a power cut, control
+/// with them) after a checkpoint of the round every chunk completed last:
+/// no replica of any part kept its state, so control, back, restores each
+/// appliance's part from its checkpoint (PROTOCOL.md §11.7, "Restored
 /// parts"): each restored primary slot copies its state to its backup
 /// before its next round completes, and training goes on exactly (each
 /// rank told `ahead` by a restored lcore pulls every key, then pushes its
@@ -333,10 +333,15 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
         // appliances.
         let info = rack.send(&control::checkpoint(job.id));
         assert_eq!(info.id, job.id);
+        // Control is stopped meanwhile, so that it finds both appliances
+        // back without the job at once (otherwise it may see one back and
+        // the other silent, and fail the part over to the silent one).
+        rack.kill_control();
         rack.kill_dataplane(0);
         rack.kill_dataplane(1);
         rack.start_dataplane(0);
         rack.start_dataplane(1);
+        rack.start_control();
         // Control restores both parts within a few reconciliations.
         until("both parts restored at round 4", Duration::from_secs(30), || {
             (0..2).all(|i| rack.last_round(i, job.id) == Some(4))

@@ -256,6 +256,7 @@ pub(crate) struct Appliances {
     dataplane_args: Vec<Vec<String>>,
     pub(crate) control: Option<Daemon>,
     pub(crate) control_url: String,
+    control_args: Vec<String>,
     pub(crate) dir: PathBuf,
 }
 
@@ -289,6 +290,7 @@ impl Appliances {
             dataplane_args: Vec::new(),
             control: None,
             control_url: format!("http://127.0.0.1:{}", free_port()),
+            control_args: Vec::new(),
             dir,
         };
         let mut control_args = vec![
@@ -321,14 +323,27 @@ impl Appliances {
             a.dataplanes.push(None);
             a.start_dataplane(i);
         }
-        a.control = Some(start(
+        a.control_args = control_args;
+        a.start_control();
+        a
+    }
+
+    /// Starts phub-control (again) with the arguments it was first given.
+    pub(crate) fn start_control(&mut self) {
+        self.control = Some(start(
             "phub-control",
             env!("CARGO_BIN_EXE_phub-control"),
-            &control_args,
-            &a.dir,
-            &format!("{}{}", a.control_url, ControlRoute::Jobs.path()),
+            &self.control_args,
+            &self.dir,
+            &format!("{}{}", self.control_url, ControlRoute::Jobs.path()),
         ));
-        a
+    }
+
+    /// Kills phub-control outright (SIGKILL).
+    pub(crate) fn kill_control(&mut self) {
+        if let Some(mut c) = self.control.take() {
+            c.kill();
+        }
     }
 
     /// Starts appliance `i`'s phub-dataplane (again), on the same ports.
