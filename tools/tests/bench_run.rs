@@ -246,6 +246,58 @@ fn sparse_local_with_cached_ids_moves_fewer_bytes_and_the_same_rows() {
     );
 }
 
+/// `--pull-only`: the timed steps pull (no updates), and pulls of a
+/// registered id list carry no ids either way (the ROW_PULL is its prefix
+/// alone, its answer the rows): fewer bytes per row by the ids left out,
+/// less the prefixes.
+#[test]
+fn sparse_local_pulls_of_cached_ids_carry_no_ids() {
+    let run = |flag: &str| -> Value {
+        let json = scratch(&format!("sparse-pull{flag}.json"));
+        let (ok, out) = bench(&[
+            "sparse",
+            "--local",
+            "--workers",
+            "2",
+            "--lcores",
+            "2",
+            "--rows",
+            "1000",
+            "--dim",
+            "4",
+            "--batch",
+            "300",
+            "--steps",
+            "4",
+            "--pull-only",
+            flag,
+            "--json",
+            json.to_str().unwrap(),
+        ]);
+        assert!(ok, "{out}");
+        assert!(out.contains("row lookups/s (pulls only)"), "{out}");
+        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+    };
+    let fixed = run("--fixed-ids");
+    let cached = run("--cache-ids");
+    for v in [&fixed, &cached] {
+        assert_eq!(v["pull_only"], true, "{v}");
+        assert_eq!(num(v, "row_updates_per_s"), 0.0, "{v}");
+        assert!(num(v, "row_lookups_per_s") > 0.0, "{v}");
+    }
+    let saved = num(&cached, "key_cache_id_bytes_saved_per_row");
+    let prefixes = num(&cached, "key_cache_prefix_bytes_per_row");
+    assert!(saved >= 8.0 && prefixes > 0.0, "{cached}");
+    let (with, without) = (
+        num(&cached, "wire_bytes_per_row"),
+        num(&fixed, "wire_bytes_per_row"),
+    );
+    assert!(
+        (without - with - (saved - prefixes)).abs() < 1.0,
+        "pulls: wire bytes per row {without} without, {with} with key caching: {saved} saved, {prefixes} of prefixes"
+    );
+}
+
 /// `sparse --engine-only --checkpoint DIR`: two lcores' stores filled,
 /// updated and read, then written to one checkpoint file each, dropped
 /// and restored: the JSON states the rows and bytes written (a header, a

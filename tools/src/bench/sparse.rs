@@ -108,6 +108,12 @@ pub struct SparseArgs {
     /// signature instead of carrying them.
     #[arg(long, requires = "local")]
     pub cache_ids: bool,
+    /// `--local`: the timed steps pull their ids (`pull_rows`) instead of
+    /// pushing them (the untimed first steps push, so that the rows are
+    /// stored): `row_lookups_per_s`, and with `--cache-ids` what a pull of
+    /// a registered id list saves (its ids named by signature).
+    #[arg(long, requires = "local")]
+    pub pull_only: bool,
     /// `--local`: after the timed steps, take the job's checkpoint through
     /// control twice (the dataplane streams it, control writes it to its
     /// file; the second with the first's file in place) and sample both
@@ -596,6 +602,8 @@ pub struct SparseLocalReport {
     /// `--verify`: whether every rank's rows, every step, were the
     /// reference's (null without it).
     pub verified: Option<bool>,
+    /// `--pull-only`: the timed steps pulled their ids (no updates).
+    pub pull_only: bool,
     /// `--fixed-ids` (or `--cache-ids`): every step pushed the same ids.
     pub fixed_ids: bool,
     /// `--cache-ids`: the ids were registered for key caching.
@@ -1058,6 +1066,10 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         "--batch and --dim: accepted 1 or more"
     );
     ensure!(
+        !(args.verify && args.pull_only),
+        "--verify checks the rows pushes make: drop --verify or --pull-only"
+    );
+    ensure!(
         !args.verify || args.consistency == phub_proto::spec::Consistency::Sync,
         "--verify checks BSP rounds against a reference; with --consistency {} a rank's rows depend on \
          the order the pushes arrived in: drop --verify or use --consistency bsp",
@@ -1142,9 +1154,16 @@ fn run_local(args: &SparseArgs) -> Result<()> {
                     s.key_cache_prefix_bytes,
                 ]
             };
+            // --pull-only: the untimed steps (the first three) push.
+            let (pull_only, mut steps) = (args.pull_only, 0u32);
             Ok(Box::new(
                 move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
                     if ids.is_empty() {
+                        return Ok(bytes(&w));
+                    }
+                    steps += 1;
+                    if pull_only && steps > 3 {
+                        w.pull_rows("emb", ids, out)?;
                         return Ok(bytes(&w));
                     }
                     w.push_pull_rows("emb", ids, grads, out)?;
@@ -1240,8 +1259,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         batch: k,
         zipf: args.zipf,
         steps: args.steps,
-        row_updates_per_s: rate(&ranks),
+        row_updates_per_s: if args.pull_only { 0.0 } else { rate(&ranks) },
         row_lookups_per_s: rate(&ranks),
+        pull_only: args.pull_only,
         round_ms_median: median,
         round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
@@ -1274,8 +1294,15 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.steps
     );
     println!(
-        "  row updates/s {:.3e} (Adagrad, each with its row read back)   step median {:.2} ms, max {:.2} ms",
-        report.row_updates_per_s, report.round_ms_median, report.round_ms_max
+        "  {} {:.3e}   step median {:.2} ms, max {:.2} ms",
+        if report.pull_only {
+            "row lookups/s (pulls only)"
+        } else {
+            "row updates/s (Adagrad, each with its row read back)"
+        },
+        report.row_lookups_per_s,
+        report.round_ms_median,
+        report.round_ms_max
     );
     println!(
         "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
