@@ -160,6 +160,14 @@ pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds:
     });
 }
 
+/// Rank `rank`'s gradients of `keys` in round `round`.
+pub fn round_grads(rank: u16, keys: &[u64], round: u32) -> Vec<Vec<f32>> {
+    keys.iter()
+        .enumerate()
+        .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
+        .collect()
+}
+
 /// Rank `rank`'s buffers of `keys` before its INITs: rank 0's initial
 /// values, -1 elsewhere (what the appliance's answers overwrite).
 pub fn initial_params(rank: u16, keys: &[u64]) -> Vec<Vec<f32>> {
@@ -205,11 +213,7 @@ pub fn train_rank(
     let mut round = 0;
     loop {
         if round > 0 {
-            let grads: Vec<Vec<f32>> = keys
-                .iter()
-                .enumerate()
-                .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
-                .collect();
+            let grads = round_grads(rank, keys, round);
             let hs: Vec<_> = params
                 .iter_mut()
                 .zip(&grads)

@@ -246,7 +246,7 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
 /// refused every next aggregate `ahead`: the job hung.
 #[test]
 fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
-    use crate::common::{expected_sum, grad};
+    use crate::common::expected_sum;
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
@@ -273,11 +273,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
                     open.load(Ordering::SeqCst)
                 });
             }
-            let grads: Vec<Vec<f32>> = keys
-                .iter()
-                .enumerate()
-                .map(|(k, &n)| (0..n as usize).map(|e| grad(rank, k as u32, e, round)).collect())
-                .collect();
+            let grads = phub_hwtests::workload::round_grads(rank, &keys, round);
             let done = loop {
                 let hs: Vec<_> = params
                     .iter_mut()

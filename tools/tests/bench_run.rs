@@ -186,6 +186,34 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     assert!(num(&v, "wire_bytes_per_row") >= 2.0 * (4.0 * 4.0 + 8.0), "{v}");
 }
 
+/// `sparse --local` on a small table (W = 2, 2 lcores, 1,000 rows of
+/// D = 4, 300 ids a step, 4 steps) with `flags`: its output and JSON.
+fn small_sparse_local(flags: &[&str]) -> (String, Value) {
+    let json = scratch(&format!("sparse{}.json", flags.join("")));
+    let mut args = vec![
+        "sparse",
+        "--local",
+        "--workers",
+        "2",
+        "--lcores",
+        "2",
+        "--rows",
+        "1000",
+        "--dim",
+        "4",
+        "--batch",
+        "300",
+        "--steps",
+        "4",
+    ];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["--json", json.to_str().unwrap()]);
+    let (ok, out) = bench(&args);
+    assert!(ok, "{out}");
+    let v = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    (out, v)
+}
+
 /// Key caching end to end (PROTOCOL.md §10.7): the same fixed ids every
 /// step, once sent with every message and once registered with
 /// `cache_ids`: both runs' rows verified against the reference (so a
@@ -194,33 +222,8 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
 /// prefixes.
 #[test]
 fn sparse_local_with_cached_ids_moves_fewer_bytes_and_the_same_rows() {
-    let run = |flag: &str| -> Value {
-        let json = scratch(&format!("sparse{flag}.json"));
-        let (ok, out) = bench(&[
-            "sparse",
-            "--local",
-            "--workers",
-            "2",
-            "--lcores",
-            "2",
-            "--rows",
-            "1000",
-            "--dim",
-            "4",
-            "--batch",
-            "300",
-            "--steps",
-            "4",
-            "--verify",
-            flag,
-            "--json",
-            json.to_str().unwrap(),
-        ]);
-        assert!(ok, "{out}");
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
-    };
-    let fixed = run("--fixed-ids");
-    let cached = run("--cache-ids");
+    let fixed = small_sparse_local(&["--verify", "--fixed-ids"]).1;
+    let cached = small_sparse_local(&["--verify", "--cache-ids"]).1;
     for v in [&fixed, &cached] {
         assert_eq!(v["verified"], true, "{v}");
         assert_eq!(v["fixed_ids"], true, "{v}");
@@ -253,30 +256,9 @@ fn sparse_local_with_cached_ids_moves_fewer_bytes_and_the_same_rows() {
 #[test]
 fn sparse_local_pulls_of_cached_ids_carry_no_ids() {
     let run = |flag: &str| -> Value {
-        let json = scratch(&format!("sparse-pull{flag}.json"));
-        let (ok, out) = bench(&[
-            "sparse",
-            "--local",
-            "--workers",
-            "2",
-            "--lcores",
-            "2",
-            "--rows",
-            "1000",
-            "--dim",
-            "4",
-            "--batch",
-            "300",
-            "--steps",
-            "4",
-            "--pull-only",
-            flag,
-            "--json",
-            json.to_str().unwrap(),
-        ]);
-        assert!(ok, "{out}");
+        let (out, v) = small_sparse_local(&["--pull-only", flag]);
         assert!(out.contains("row lookups/s (pulls only)"), "{out}");
-        serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap()
+        v
     };
     let fixed = run("--fixed-ids");
     let cached = run("--cache-ids");
