@@ -152,23 +152,11 @@ impl<A: Copy + Eq> Shard<A> {
         kind: InstallKind,
         tables: Vec<TableInstall>,
     ) -> Result<(), EngineError> {
-        if self.jobs.iter().any(|j| j.id == job.id) {
-            return Err(EngineError::JobExists(job.id));
-        }
-        if let Some(t) = tables.first() {
-            Shard::<A>::tables_allowed(job.id, t.key, &kind)?;
-        }
-        let mut made = Vec::with_capacity(tables.len());
-        for t in &tables {
-            if made.iter().any(|m: &Table| m.key == t.key) {
-                return Err(EngineError::Table {
-                    id: job.id,
-                    key: t.key,
-                    reason: "key = the key of another table of the install: one table per key".into(),
-                });
-            }
-            made.push(Table::new(job.id, t, job.workers, job.dtype, job.consistency)?);
-        }
+        self.check_tables(&job, &kind, tables.iter().map(|t| t.key))?;
+        let made = tables
+            .iter()
+            .map(|t| Table::new(job.id, t, job.workers, job.dtype, job.consistency))
+            .collect::<Result<_, _>>()?;
         self.install_made(job, kind, made)
     }
 
@@ -181,46 +169,56 @@ impl<A: Copy + Eq> Shard<A> {
         kind: InstallKind,
         tables: Vec<RestoredTable>,
     ) -> Result<(), EngineError> {
-        if self.jobs.iter().any(|j| j.id == job.id) {
-            return Err(EngineError::JobExists(job.id));
-        }
-        if let Some(t) = tables.first() {
-            Shard::<A>::tables_allowed(job.id, t.key(), &kind)?;
-        }
-        let mut made = Vec::with_capacity(tables.len());
-        for t in tables {
-            let t = t.into_table(job.id, job.workers)?;
-            if made.iter().any(|m: &Table| m.key == t.key) {
-                return Err(EngineError::Table {
-                    id: job.id,
-                    key: t.key,
-                    reason: "key = the key of another table of the install: one table per key".into(),
-                });
-            }
-            made.push(t);
-        }
+        self.check_tables(&job, &kind, tables.iter().map(RestoredTable::key))?;
+        let made = tables
+            .into_iter()
+            .map(|t| t.into_table(job.id, job.workers))
+            .collect::<Result<_, _>>()?;
         self.install_made(job, kind, made)
     }
 
-    /// Whether a job installed as `kind` may have a table (`key`, its first).
-    fn tables_allowed(id: u16, key: u32, kind: &InstallKind) -> Result<(), EngineError> {
-        let refused = match kind {
-            InstallKind::Hierarchical(_) => {
-                Some("a hierarchical job may not have a table key (PROTOCOL.md §10.1)")
-            }
-            InstallKind::Replicated(_) => {
-                Some("a replicated job's tables are not replicated: replicas = 1 for a job with a table")
-            }
-            InstallKind::Plain | InstallKind::Shared(_) => None,
-        };
-        match refused {
-            Some(reason) => Err(EngineError::Table {
-                id,
-                key,
-                reason: reason.into(),
-            }),
-            None => Ok(()),
+    /// Before a job's tables are made: the job is not installed here, a
+    /// job installed as `kind` may have tables, and no key is twice.
+    fn check_tables(
+        &self,
+        job: &JobInstall,
+        kind: &InstallKind,
+        keys: impl Iterator<Item = u32> + Clone,
+    ) -> Result<(), EngineError> {
+        if self.jobs.iter().any(|j| j.id == job.id) {
+            return Err(EngineError::JobExists(job.id));
         }
+        let refuse = |key: u32, reason: &str| EngineError::Table {
+            id: job.id,
+            key,
+            reason: reason.into(),
+        };
+        if let Some(key) = keys.clone().next() {
+            match kind {
+                InstallKind::Hierarchical(_) => {
+                    return Err(refuse(
+                        key,
+                        "a hierarchical job may not have a table key (PROTOCOL.md §10.1)",
+                    ))
+                }
+                InstallKind::Replicated(_) => {
+                    return Err(refuse(
+                        key,
+                        "a replicated job's tables are not replicated: replicas = 1 for a job with a table",
+                    ))
+                }
+                InstallKind::Plain | InstallKind::Shared(_) => {}
+            }
+        }
+        for (i, key) in keys.clone().enumerate() {
+            if keys.clone().take(i).any(|k| k == key) {
+                return Err(refuse(
+                    key,
+                    "key = the key of another table of the install: one table per key",
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Installs `job` with its tables made.
