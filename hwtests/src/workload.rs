@@ -160,6 +160,36 @@ pub fn train(url: &str, job: &AdmitResponse, workers: u16, keys: &[u64], rounds:
     });
 }
 
+/// One round of every key: `grads[k]` pushed, the result into
+/// `params[k]`, all sent before any is waited for; each key's outcome.
+pub fn push_pull_keys(
+    w: &Worker,
+    params: &mut [Vec<f32>],
+    grads: &[Vec<f32>],
+) -> Vec<Result<(), phub_worker::WorkerError>> {
+    let hs: Vec<_> = params
+        .iter_mut()
+        .zip(grads)
+        .enumerate()
+        .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+        .collect();
+    hs.into_iter().map(|h| w.wait(h)).collect()
+}
+
+/// Every element of `params` is round `round`'s sum of `workers` ranks
+/// ([`expected`]); `who` names the rank in a failure.
+pub fn assert_round(workers: u16, params: &[Vec<f32>], round: u32, who: &str) {
+    for (k, p) in params.iter().enumerate() {
+        for (e, v) in p.iter().enumerate() {
+            assert_eq!(
+                *v,
+                expected(workers, k as u32, e, round),
+                "{who} round {round} key {k} elem {e}"
+            );
+        }
+    }
+}
+
 /// Rank `rank`'s gradients of `keys` in round `round`.
 pub fn round_grads(rank: u16, keys: &[u64], round: u32) -> Vec<Vec<f32>> {
     keys.iter()
@@ -214,26 +244,11 @@ pub fn train_rank(
     loop {
         if round > 0 {
             let grads = round_grads(rank, keys, round);
-            let hs: Vec<_> = params
-                .iter_mut()
-                .zip(&grads)
-                .enumerate()
-                .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                .collect();
-            for h in hs {
-                w.wait(h)
-                    .unwrap_or_else(|e| panic!("rank {rank} round {round} of job {job}: {e}"));
+            for r in push_pull_keys(&w, &mut params, &grads) {
+                r.unwrap_or_else(|e| panic!("rank {rank} round {round} of job {job}: {e}"));
             }
         }
-        for (k, p) in params.iter().enumerate() {
-            for (e, v) in p.iter().enumerate() {
-                assert_eq!(
-                    *v,
-                    expected(workers, k as u32, e, round),
-                    "job {job} rank {rank} round {round} key {k} elem {e}"
-                );
-            }
-        }
+        assert_round(workers, &params, round, &format!("job {job} rank {rank}"));
         if !more(round + 1) {
             return (round, w.stats());
         }

@@ -246,7 +246,7 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
 /// refused every next aggregate `ahead`: the job hung.
 #[test]
 fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
-    use crate::common::expected_sum;
+    use phub_hwtests::workload;
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
@@ -260,7 +260,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
     let open = AtomicBool::new(false);
     let rank = |rank: u16| {
         let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
-        let mut params = phub_hwtests::workload::initial_params(rank, &keys);
+        let mut params = workload::initial_params(rank, &keys);
         for (k, p) in params.iter_mut().enumerate() {
             let h = w.init(k as u32, p).unwrap();
             w.wait(h).unwrap();
@@ -273,18 +273,11 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
                     open.load(Ordering::SeqCst)
                 });
             }
-            let grads = phub_hwtests::workload::round_grads(rank, &keys, round);
+            let grads = workload::round_grads(rank, &keys, round);
             let done = loop {
-                let hs: Vec<_> = params
-                    .iter_mut()
-                    .zip(&grads)
-                    .enumerate()
-                    .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                    .collect();
-                let failed: Vec<String> = hs
+                let failed: Vec<String> = workload::push_pull_keys(&w, &mut params, &grads)
                     .into_iter()
-                    .filter_map(|h| w.wait(h).err())
-                    .map(|e| e.to_string())
+                    .filter_map(|r| r.err().map(|e| e.to_string()))
                     .collect();
                 match failed.first() {
                     None => break true,
@@ -308,15 +301,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
                 }
             };
             assert!(done);
-            for (k, p) in params.iter().enumerate() {
-                for (e, v) in p.iter().enumerate() {
-                    assert_eq!(
-                        *v,
-                        expected_sum(workers, k as u32, e, round),
-                        "rank {rank} round {round} key {k} elem {e}"
-                    );
-                }
-            }
+            workload::assert_round(workers, &params, round, &format!("rank {rank}"));
         }
         restored
     };
