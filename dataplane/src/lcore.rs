@@ -272,27 +272,25 @@ fn pump<A: Copy + Eq>(shard: &mut Shard<A>, stream: &mut Option<Sender<Slice>>) 
     let Some(tx) = stream else {
         return false;
     };
-    if tx.is_full() {
+    let (gone, done) = if tx.is_full() {
         // A reader that left a full channel behind is told only by a send
         // (the channel keeps its slices): an empty slice, which changes
         // nothing where it finds room after all.
-        if let Err(TrySendError::Disconnected(_)) = tx.try_send(Slice::Bytes(Vec::new())) {
-            shard.stream_tables_abort();
-            *stream = None;
-            log::info!("lcore {}: checkpoint stream left by its reader", shard.lcore());
-            return true;
+        match tx.try_send(Slice::Bytes(Vec::new())) {
+            Err(TrySendError::Disconnected(_)) => (true, false),
+            _ => return false,
         }
-        return false;
-    }
-    let mut bytes = Vec::with_capacity(SLICE_BYTES + 4096);
-    let (slice, done) = match shard.stream_tables_fill(&mut bytes, SLICE_BYTES) {
-        Ok(done) => (Slice::Bytes(bytes), done),
-        Err(e) => {
-            log::warn!("lcore {}: checkpoint stream ended: {e}", shard.lcore());
-            (Slice::Failed(e.to_string()), true)
-        }
+    } else {
+        let mut bytes = Vec::with_capacity(SLICE_BYTES + 4096);
+        let (slice, done) = match shard.stream_tables_fill(&mut bytes, SLICE_BYTES) {
+            Ok(done) => (Slice::Bytes(bytes), done),
+            Err(e) => {
+                log::warn!("lcore {}: checkpoint stream ended: {e}", shard.lcore());
+                (Slice::Failed(e.to_string()), true)
+            }
+        };
+        (tx.try_send(slice).is_err(), done)
     };
-    let gone = tx.try_send(slice).is_err();
     if gone {
         shard.stream_tables_abort();
     }

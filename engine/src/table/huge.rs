@@ -128,12 +128,8 @@ impl<T> Drop for Zeroed<T> {
         if bytes == 0 {
             return;
         }
-        // Mapped as `new` mapped it: the same length.
-        let map = if bytes >= HUGE - HUGE / 8 {
-            bytes.next_multiple_of(HUGE)
-        } else {
-            bytes.next_multiple_of(4096)
-        };
+        // Mapped as `new` mapped it: the same length, which fit a usize.
+        let map = mapped_bytes(bytes).unwrap_or(bytes);
         // SAFETY: [ptr, ptr + map) is the mapping `new` kept for this
         // value, and nothing refers to it once it is dropped.
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), map) };
