@@ -677,18 +677,11 @@ async fn answer_streaming(
     stall: Duration,
     streaming: &std::sync::atomic::AtomicBool,
 ) -> Response {
-    let limit = ctx.limits.body_bytes.min(ctx.handler.body_limit(&head)) as u64;
-    let declared = match head
-        .header("Content-Length")
-        .map(|v| v.trim().parse::<u64>())
-        .transpose()
-    {
-        Ok(d) => d,
-        Err(_) => return Response::error(400, "Content-Length is not a number"),
+    let (limit, declared) = match body_bounds(ctx, &head) {
+        Ok(b) => b,
+        Err(resp) => return resp,
     };
-    if declared.is_some_and(|n| n > limit) {
-        return too_large(usize::try_from(limit).unwrap_or(usize::MAX));
-    }
+    let limit = limit as u64;
     // Its progress bounds the connection from here on, not its life.
     streaming.store(true, std::sync::atomic::Ordering::Relaxed);
     let (tx, rx) = tokio::sync::mpsc::channel(crate::stream::BODY_DEPTH);
@@ -792,19 +785,9 @@ async fn read_body(
     mut body: Incoming,
     head: &Request,
 ) -> Result<(Bytes, Option<OwnedSemaphorePermit>), Response> {
-    let limit = ctx.limits.body_bytes.min(ctx.handler.body_limit(head));
-    let declared = head
-        .header("Content-Length")
-        .map(|v| v.trim().parse::<u64>())
-        .transpose()
-        .map_err(|_| Response::error(400, "Content-Length is not a number"))?;
-    if let Some(n) = declared {
-        if n > limit as u64 {
-            return Err(too_large(limit));
-        }
-        if n == 0 {
-            return Ok((Bytes::new(), None));
-        }
+    let (limit, declared) = body_bounds(ctx, head)?;
+    if declared == Some(0) {
+        return Ok((Bytes::new(), None));
     }
     let deadline = Instant::now() + ctx.limits.body_timeout;
     let mut buf = Vec::with_capacity(declared.map_or(0, |n| usize::try_from(n).unwrap_or(0)).min(limit));
@@ -851,9 +834,28 @@ async fn read_body(
     Ok((Bytes::from(buf), permit))
 }
 
+/// A request's body limit and its stated `Content-Length`, refused
+/// (`400`, `413`) before a byte of the body is read when the length is
+/// not a number or is over the limit.
+fn body_bounds(ctx: &Ctx, head: &Request) -> Result<(usize, Option<u64>), Response> {
+    let limit = ctx.limits.body_bytes.min(ctx.handler.body_limit(head));
+    let declared = head
+        .header("Content-Length")
+        .map(|v| v.trim().parse::<u64>())
+        .transpose()
+        .map_err(|_| Response::error(400, "Content-Length is not a number"))?;
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(too_large(limit));
+    }
+    Ok((limit, declared))
+}
+
 fn too_large(limit: usize) -> Response {
-    Response::error(
-        413,
-        format!("the request body is larger than the limit of {limit} bytes"),
-    )
+    Response::error(413, too_large_why(limit as u64))
+}
+
+/// Why a body over `limit` bytes is refused (a whole body's `413`, or a
+/// streamed body's reader's error).
+pub(crate) fn too_large_why(limit: u64) -> String {
+    format!("the request body is larger than the limit of {limit} bytes")
 }

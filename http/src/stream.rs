@@ -325,10 +325,7 @@ pub(crate) async fn pump(
                     let Ok(data) = frame.into_data() else { continue };
                     got += data.len() as u64;
                     if got > limit {
-                        tell(format!(
-                            "the request body is larger than the limit of {limit} bytes"
-                        ))
-                        .await;
+                        tell(crate::server::too_large_why(limit)).await;
                         return;
                     }
                     batch.extend_from_slice(&data);
