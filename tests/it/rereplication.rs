@@ -235,6 +235,108 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
     }
 }
 
+/// A gate the ranks of [`train_through_restores`] wait at before a round:
+/// each counts itself in, then waits for the test to open it.
+struct Gate {
+    /// The round they wait before.
+    before: u32,
+    /// Ranks waiting.
+    at: AtomicU32,
+    open: AtomicBool,
+}
+
+impl Gate {
+    fn before(round: u32) -> Gate {
+        Gate {
+            before: round,
+            at: AtomicU32::new(0),
+            open: AtomicBool::new(false),
+        }
+    }
+
+    /// Waits until `ranks` ranks wait at it.
+    fn reached(&self, ranks: u16) {
+        until(
+            &format!("every rank at round {}", self.before),
+            Duration::from_secs(60),
+            || self.at.load(Ordering::SeqCst) == u32::from(ranks),
+        );
+    }
+}
+
+/// Rank `rank` of job `id` trains rounds 1 to `rounds`, waiting at each
+/// of `gates` before its round, every round checked exact; when an lcore
+/// restored from a checkpoint refuses a push `ahead` (PROTOCOL.md §6.1),
+/// it pulls every key and goes back to the round after the lowest it
+/// pulled, repeating the rounds since with the same gradients. Returns the
+/// rounds it went back to, one per `ahead`.
+fn train_through_restores(
+    url: &str,
+    id: u16,
+    token: u64,
+    rank: u16,
+    keys: &[u64],
+    rounds: u32,
+    gates: &[Gate],
+) -> Vec<u32> {
+    use phub_hwtests::workload;
+    let w = phub_worker::Worker::join(url, id, token, rank).unwrap();
+    let mut params = workload::initial_params(rank, keys);
+    for (k, p) in params.iter_mut().enumerate() {
+        let h = w.init(k as u32, p).unwrap();
+        w.wait(h).unwrap();
+    }
+    let mut back_to = Vec::new();
+    let mut round = 1;
+    while round <= rounds {
+        if let Some(g) = gates
+            .iter()
+            .find(|g| g.before == round && !g.open.load(Ordering::SeqCst))
+        {
+            g.at.fetch_add(1, Ordering::SeqCst);
+            until("the gate", Duration::from_secs(120), || {
+                g.open.load(Ordering::SeqCst)
+            });
+        }
+        let grads = workload::round_grads(rank, keys, round);
+        let failed: Vec<String> = workload::push_pull_keys(&w, &mut params, &grads)
+            .into_iter()
+            .filter_map(|r| r.err().map(|e| e.to_string()))
+            .collect();
+        match failed.first() {
+            None => {
+                workload::assert_round(WORKERS, &params, round, &format!("rank {rank}"));
+                round += 1;
+            }
+            Some(e) if e.contains("ahead") && back_to.len() < 20 => {
+                // A restored lcore: pull every key, go back to the round
+                // after the lowest (a key may stand a round further where
+                // the other rank's pushes completed it since).
+                std::thread::sleep(Duration::from_millis(100));
+                let pulled: Result<Vec<u32>, _> = params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| w.pull(k as u32, p))
+                    .collect();
+                if let Ok(at) = pulled {
+                    let lowest = at.into_iter().min().unwrap_or(0);
+                    assert!(
+                        lowest < round,
+                        "rank {rank}: pulled round {lowest} at round {round}"
+                    );
+                    back_to.push(lowest + 1);
+                    round = lowest + 1;
+                }
+            }
+            Some(e) => panic!("rank {rank} round {round}: {e}"),
+        }
+    }
+    back_to
+}
+
+/// Workers of the restore tests' jobs.
+const WORKERS: u16 = 2;
+
 /// Every appliance of a replicated job dies at once (a power cut, control
 /// with them) after a checkpoint of the round every chunk completed last:
 /// no replica of any part kept its state, so control, back, restores each
@@ -246,70 +348,23 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
 /// refused every next aggregate `ahead`: the job hung.
 #[test]
 fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
-    use phub_hwtests::workload;
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
     let job = rack
-        .admit(&replicated_spec("restored", workers, &keys, &["a", "b"], 2))
+        .admit(&replicated_spec("restored", WORKERS, &keys, &["a", "b"], 2))
         .unwrap();
     let rounds = 8u32;
     let url = rack.control_url.clone();
     // Both ranks stop after round 4 until both appliances are back.
-    let at_gate = AtomicU32::new(0);
-    let open = AtomicBool::new(false);
-    let rank = |rank: u16| {
-        let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
-        let mut params = workload::initial_params(rank, &keys);
-        for (k, p) in params.iter_mut().enumerate() {
-            let h = w.init(k as u32, p).unwrap();
-            w.wait(h).unwrap();
-        }
-        let mut restored = 0;
-        for round in 1..=rounds {
-            if round == 5 {
-                at_gate.fetch_add(1, Ordering::SeqCst);
-                until("the restart", Duration::from_secs(120), || {
-                    open.load(Ordering::SeqCst)
-                });
-            }
-            let grads = workload::round_grads(rank, &keys, round);
-            let done = loop {
-                let failed: Vec<String> = workload::push_pull_keys(&w, &mut params, &grads)
-                    .into_iter()
-                    .filter_map(|r| r.err().map(|e| e.to_string()))
-                    .collect();
-                match failed.first() {
-                    None => break true,
-                    Some(e) if e.contains("ahead") && restored < 20 => {
-                        // A restored lcore: pull every key (it stands at
-                        // the checkpoint's round 4, or at round 5 where
-                        // the other rank's pushes completed it since),
-                        // then push again.
-                        restored += 1;
-                        std::thread::sleep(Duration::from_millis(100));
-                        for (k, p) in params.iter_mut().enumerate() {
-                            if let Ok(at) = w.pull(k as u32, p) {
-                                assert!(
-                                    at == round - 1 || at == round,
-                                    "rank {rank} key {k} pulled at round {at}"
-                                );
-                            }
-                        }
-                    }
-                    Some(e) => panic!("rank {rank} round {round}: {e}"),
-                }
-            };
-            assert!(done);
-            workload::assert_round(workers, &params, round, &format!("rank {rank}"));
-        }
-        restored
-    };
-    let told = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..workers).map(|r| s.spawn(move || rank(r))).collect();
-        until("both ranks at round 5", Duration::from_secs(60), || {
-            at_gate.load(Ordering::SeqCst) == u32::from(workers)
-        });
+    let gates = [Gate::before(5)];
+    let back_to = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (url, gates) = (&url, &gates);
+                s.spawn(move || train_through_restores(url, job.id, job.token, r, &keys, rounds, gates))
+            })
+            .collect();
+        gates[0].reached(WORKERS);
         // Every chunk completed round 4: the checkpoint holds it on both
         // appliances.
         let info = rack.send(&control::checkpoint(job.id));
@@ -327,12 +382,73 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
         until("both parts restored at round 4", Duration::from_secs(30), || {
             (0..2).all(|i| rack.last_round(i, job.id) == Some(4))
         });
-        open.store(true, Ordering::SeqCst);
-        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<u32>>()
+        gates[0].open.store(true, Ordering::SeqCst);
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    assert!(told.iter().any(|&n| n > 0), "no rank was told ahead: {told:?}");
+    assert!(
+        back_to.iter().any(|b| !b.is_empty()),
+        "no rank was told ahead: {back_to:?}"
+    );
     // Both appliances completed every round.
     for i in 0..2 {
+        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
+    }
+}
+
+/// Two of a replicated job's three appliances die at once (control with
+/// them) two rounds after a checkpoint, while the third goes on holding
+/// its own part and its backup of the second's, at round 6. Part a (set
+/// a, b) kept no replica, so the whole job goes back to its checkpoints
+/// (PROTOCOL.md §11.7, "Restored parts"): control removes it from c and
+/// restores all three parts at round 4; the ranks, told `ahead`, pull
+/// every key (at round 4 everywhere, c's chunks too) and repeat rounds 5
+/// and 6, every round exact. Before, a and b were restored beside c's
+/// newer state: c's backup slots of b's part refused its restored
+/// primary's aggregates `stale` and a's restored backup slots of c's
+/// part c's aggregates `ahead`, and the job hung.
+#[test]
+fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    // Racks r1, r2, r3: a's part is backed up on b, b's on c, c's on a.
+    let job = rack
+        .admit(&replicated_spec("back", WORKERS, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    let rounds = 8u32;
+    let url = rack.control_url.clone();
+    let gates = [Gate::before(5), Gate::before(7)];
+    let back_to = std::thread::scope(|s| {
+        let ranks: Vec<_> = (0..WORKERS)
+            .map(|r| {
+                let (url, gates) = (&url, &gates);
+                s.spawn(move || train_through_restores(url, job.id, job.token, r, &keys, rounds, gates))
+            })
+            .collect();
+        gates[0].reached(WORKERS);
+        rack.send(&control::checkpoint(job.id));
+        gates[0].open.store(true, Ordering::SeqCst);
+        gates[1].reached(WORKERS);
+        assert_eq!(rack.last_round(2, job.id), Some(6), "c ahead of the checkpoint");
+        rack.kill_control();
+        rack.kill_dataplane(0);
+        rack.kill_dataplane(1);
+        rack.start_dataplane(0);
+        rack.start_dataplane(1);
+        rack.start_control();
+        until("every part back at round 4", Duration::from_secs(30), || {
+            (0..3).all(|i| rack.last_round(i, job.id) == Some(4))
+        });
+        gates[1].open.store(true, Ordering::SeqCst);
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (rank, b) in back_to.iter().enumerate() {
+        assert_eq!(
+            b.first(),
+            Some(&5),
+            "rank {rank} went back to round 5 first: {b:?}"
+        );
+    }
+    for i in 0..3 {
         assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
     }
 }

@@ -128,20 +128,36 @@ impl StoredJob {
         let Some(Decision::Next(next)) = self.decide(name, &rack) else {
             return false;
         };
-        let Ok(layout) = self.replica_layout(&rack) else {
-            return false;
+        self.parts_unheld(&next, held, rack).is_empty()
+    }
+
+    /// Its parts (by home index) of which no member of the part's set in
+    /// epoch `view` holds the job (`held`: the jobs each appliance holds),
+    /// not counting the appliance a state copy is still filling: every
+    /// replica of such a part lost its state. Every part when its layout
+    /// cannot be read.
+    pub(super) fn parts_unheld(
+        &self,
+        view: &EpochView,
+        held: &BTreeMap<String, BTreeSet<u16>>,
+        rack: impl Fn(&str) -> String,
+    ) -> Vec<usize> {
+        let Ok(layout) = self.replica_layout(rack) else {
+            return (0..self.parts.len()).collect();
         };
         let copying = self.copying_to();
-        (0..layout.appliances()).all(|p| {
-            layout.set_in(p, &next).into_iter().any(|a| {
-                self.parts.get(a).is_some_and(|part| {
-                    Some(part.appliance.as_str()) != copying
-                        && held
-                            .get(&part.appliance)
-                            .is_some_and(|ids| ids.contains(&self.id))
+        (0..layout.appliances())
+            .filter(|&p| {
+                !layout.set_in(p, view).into_iter().any(|a| {
+                    self.parts.get(a).is_some_and(|part| {
+                        Some(part.appliance.as_str()) != copying
+                            && held
+                                .get(&part.appliance)
+                                .is_some_and(|ids| ids.contains(&self.id))
+                    })
                 })
             })
-        })
+            .collect()
     }
 
     /// Whether its appliance `me` (index in layout order) came back at its

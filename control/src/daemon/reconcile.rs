@@ -16,8 +16,18 @@
 //! job fails over without it and re-replicates to it, as if it had been
 //! declared down and had come back ([`Shared::fail_over`],
 //! [`Shared::rereplicate`]), when every part keeps a member that holds
-//! the job; when none does (every replica lost its state) it is
-//! reinstalled as before.
+//! the job. When some part keeps none (every replica of it lost its
+//! state: both appliances of a two-appliance job restarted, say), the
+//! whole job goes back to its checkpoints ([`Shared::settle_lost_parts`]):
+//! it is removed from the appliances that still hold it, and every part
+//! is restored from its checkpoint, so that no part stands at a round the
+//! others went back from (a live backup ahead of its restored primary
+//! would refuse every next aggregate `stale`, a restored backup of a
+//! live primary every one `ahead`: the job would hang). That needs every
+//! appliance of the job to answer (the pass waits for one that does not),
+//! a checkpoint of every part, and the job at epoch 0 (a checkpoint holds
+//! an appliance's own slots, not the parts it adopted in a failover);
+//! otherwise the job fails, naming the part that was lost.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -26,8 +36,8 @@ use phub_proto::api::{DataplaneInfo, InstallJob};
 use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
-use super::checkpoints::{rounds_text, Held, RestoreBody};
-use super::registry::{Entry, Shared};
+use super::checkpoints::{checkpoint_path, rounds_text, Held, RestoreBody};
+use super::registry::{Entry, Inner, Shared};
 use crate::dataplane::{Client, DataplaneError};
 use crate::refit::{self, Refit};
 use crate::state::StoredJob;
@@ -46,6 +56,9 @@ pub(super) struct ReconcileLog {
     /// Replicated jobs whose epoch the appliance answered (installed, or
     /// refused for good): by job, that epoch.
     pub(super) epochs: BTreeMap<u16, u32>,
+    /// Replicated jobs that lost a part and wait, this pass, for every
+    /// appliance of theirs to answer: not installed here meanwhile.
+    pub(super) waiting: BTreeSet<u16>,
 }
 /// How an appliance's jobs differ from those admitted on it.
 struct Differences {
@@ -61,6 +74,25 @@ struct Differences {
     lost: Vec<u16>,
     /// Replicated jobs it holds that it was declared down from: removed.
     fenced: Vec<u16>,
+}
+
+/// What a pass does to a replicated job some part of which kept no
+/// replica that holds it ([`Shared::settle_lost_parts`]).
+#[derive(Debug, PartialEq, Eq)]
+enum Loss {
+    /// An appliance of the job did not answer: nothing of it is installed
+    /// this pass (the one that did not answer may hold it still).
+    Wait,
+    /// It goes back to its checkpoints: its parts are removed from these
+    /// appliances, which still hold them, and every part is restored.
+    BackToCheckpoints {
+        /// The appliances that still hold it.
+        holders: Vec<String>,
+        /// The lost parts, for the log.
+        why: String,
+    },
+    /// It cannot go back exactly: it fails for this reason.
+    Fail(String),
 }
 
 impl Shared {
@@ -94,10 +126,11 @@ impl Shared {
         });
         // Who holds which jobs, as of now: whether a replicated job one
         // appliance lost still has its state elsewhere.
-        let held: BTreeMap<String, BTreeSet<u16>> = asked
+        let mut held: BTreeMap<String, BTreeSet<u16>> = asked
             .iter()
             .filter_map(|(n, _, j)| Some((n.clone(), j.clone()?)))
             .collect();
+        let waiting = self.settle_lost_parts(&mut held);
         let infos: Vec<(String, Option<DataplaneInfo>)> = asked.into_iter().map(|(n, i, _)| (n, i)).collect();
         let aliases: BTreeSet<String> = {
             let mut inner = self.lock();
@@ -137,6 +170,7 @@ impl Shared {
                 let Some((_, client)) = clients.iter().find(|(c, _)| c == name) else {
                     continue;
                 };
+                log.waiting.clone_from(&waiting);
                 let held = &held;
                 asked.push((
                     name.clone(),
@@ -310,6 +344,7 @@ impl Shared {
             .copied()
             .filter(|id| {
                 !installed.contains(id)
+                    && !log.waiting.contains(id)
                     && inner.jobs[id].failed.is_none()
                     && !inner.rejoining.contains(&(*id, name.to_string()))
                     && !inner.checkpoints.held.contains_key(&(*id, name.to_string()))
@@ -322,6 +357,133 @@ impl Shared {
             lost,
             fenced,
         }
+    }
+
+    /// Replicated jobs some part of which kept no replica that holds it
+    /// (module head; `held`: the jobs each appliance that answered holds):
+    /// each goes back to its checkpoints, its parts removed from the
+    /// appliances that still hold them (and from `held`), so that every
+    /// part is restored by the pass; or fails, naming the part. Returns
+    /// the jobs that wait for an appliance that did not answer, or whose
+    /// removal failed: none of their parts is installed this pass.
+    fn settle_lost_parts(&self, held: &mut BTreeMap<String, BTreeSet<u16>>) -> BTreeSet<u16> {
+        let losses: Vec<(u16, Loss)> = {
+            let inner = self.lock();
+            inner
+                .jobs
+                .values()
+                .filter_map(|j| Some((j.id, self.loss(&inner, j, held)?)))
+                .collect()
+        };
+        let mut waiting = BTreeSet::new();
+        for (id, loss) in losses {
+            match loss {
+                Loss::Wait => {
+                    waiting.insert(id);
+                }
+                Loss::Fail(why) => self.fail(id, &why),
+                Loss::BackToCheckpoints { holders, why } => {
+                    if !holders.is_empty() {
+                        log::warn!(
+                            "job {id}: {why}; the job goes back to its checkpoints on every appliance (rounds \
+                             since are repeated): removed from {} to be restored there too",
+                            holders.join(", ")
+                        );
+                    }
+                    for h in holders {
+                        let removed = match self.lock().client(&h) {
+                            Ok(c) => match c.remove(id) {
+                                Ok(_) | Err(DataplaneError::Refused { status: 404, .. }) => Ok(()),
+                                Err(e) => Err(e.to_string()),
+                            },
+                            Err(e) => Err(e.to_string()),
+                        };
+                        match removed {
+                            Ok(()) => {
+                                if let Some(ids) = held.get_mut(&h) {
+                                    ids.remove(&id);
+                                }
+                            }
+                            Err(e) => {
+                                log::warn!(
+                                    "job {id}: cannot remove it from appliance {h:?} to restore it there from \
+                                     its checkpoint ({e}); no part of it is installed until that is done"
+                                );
+                                waiting.insert(id);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        waiting
+    }
+
+    /// What a pass does to replicated job `j` ([`Loss`]), given the jobs
+    /// each appliance that answered holds (`held`); `None` when every
+    /// part keeps a replica that holds it (or it is not replicated, failed,
+    /// or being given back to an appliance: left to the rest of the pass).
+    fn loss(&self, inner: &Inner, j: &StoredJob, held: &BTreeMap<String, BTreeSet<u16>>) -> Option<Loss> {
+        if !j.is_replicated() || j.failed.is_some() {
+            return None;
+        }
+        let members = j.live_appliances();
+        let busy = |n: &String| {
+            inner.rejoining.contains(&(j.id, n.clone()))
+                || inner.checkpoints.held.contains_key(&(j.id, n.clone()))
+        };
+        if members.iter().any(busy) {
+            return None;
+        }
+        let lost = j.parts_unheld(&j.epoch, held, |n| inner.rack_of(n));
+        if lost.is_empty() {
+            return None;
+        }
+        if members.iter().any(|n| !held.contains_key(n)) {
+            return Some(Loss::Wait);
+        }
+        let names = |set: &[usize]| -> String {
+            let n: Vec<String> = set
+                .iter()
+                .map(|&a| format!("{:?}", j.parts.get(a).map_or("?", |p| p.appliance.as_str())))
+                .collect();
+            n.join(", ")
+        };
+        let why = format!(
+            "every replica of part{} {} (home appliance{} {}) lost its state (restarted)",
+            if lost.len() == 1 { "" } else { "s" },
+            lost.iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join(", "),
+            if lost.len() == 1 { "" } else { "s" },
+            names(&lost)
+        );
+        if j.epoch.epoch > 0 {
+            return Some(Loss::Fail(format!(
+                "{why} at epoch {}, past a failover: its checkpoints hold each appliance's own slots, not the \
+                 parts adopted since, so it cannot go back to them exactly (PROTOCOL.md §11.7); admit it again",
+                j.epoch.epoch
+            )));
+        }
+        let unsaved: Vec<&String> = members
+            .iter()
+            .filter(|n| {
+                !inner.checkpoints.taken.contains_key(&(j.id, (*n).clone()))
+                    && !checkpoint_path(&self.state_path, j, n).exists()
+            })
+            .collect();
+        if let Some(n) = unsaved.first() {
+            return Some(Loss::Fail(format!(
+                "{why}, and its part on appliance {n:?} has no checkpoint to go back to: it cannot go on \
+                 exactly; admit it again"
+            )));
+        }
+        let holders = members
+            .into_iter()
+            .filter(|n| held.get(n).is_some_and(|ids| ids.contains(&j.id)))
+            .collect();
+        Some(Loss::BackToCheckpoints { holders, why })
     }
 
     /// Appliance `name` lost the replicated jobs `ids` while serving them

@@ -423,6 +423,93 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
     d.shutdown();
 }
 
+/// Two of three appliances of a replicated job restart (control with
+/// them) after a checkpoint: part 0 (set a, b) kept no replica, while c
+/// still holds its own part and its backup of b's, rounds ahead of the
+/// checkpoint. The whole job goes back to its checkpoints: control
+/// removes it from c and restores every part, c's too, rather than
+/// restore a and b beside c's newer state (c's backup slots would refuse
+/// b's restored primary `stale`, a's restored backup slots c's aggregates
+/// `ahead`: the job hung).
+#[test]
+fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "lost-part");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let _: serde_json::Value = ok_at(&d, &R::Checkpoint { job: job.id }, None);
+    d.shutdown();
+    a.forget_all();
+    b.forget_all();
+    let d = daemon(&[&a, &b, &c], &state);
+    wait_for("every part restored from its checkpoint", || {
+        [&a, &b, &c]
+            .iter()
+            .all(|f| f.state.lock().unwrap().restored.contains_key(&job.id))
+    });
+    let st = c.state.lock().unwrap();
+    assert_eq!(
+        st.installs,
+        vec![(job.id, 0), (job.id, 0)],
+        "c, which held the job, is installed again (restored) at epoch 0"
+    );
+    let delete = format!("DELETE /v1/jobs/{}", job.id);
+    assert!(st.log.contains(&delete), "c's part removed first: {:?}", st.log);
+    drop(st);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
+    assert!(
+        epochs(&c, job.id).is_empty(),
+        "no failover: the job stays at epoch 0"
+    );
+    d.shutdown();
+}
+
+/// Past a failover a checkpoint does not hold the parts an appliance
+/// adopted, so a part that kept no replica then fails the job, naming
+/// the part, instead of installing its appliances empty at the job's
+/// epoch (which would serve the part from nothing).
+#[test]
+fn a_part_lost_past_a_failover_fails_the_job_naming_it() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "lost-later");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let _: serde_json::Value = ok_at(&d, &R::Checkpoint { job: job.id }, None);
+    // b restarts unnoticed: the job fails over and b is back, joined, at
+    // epoch 2.
+    b.forget_all();
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_within("b back at epoch 2", within, || {
+        installed_at(&b, job.id, &b_joined_at_2())
+    });
+    // At full strength the re-replication's thread is done with the state.
+    wait_within("full strength", within, || {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        show.replicas.is_some_and(|r| r.state == Strength::FullStrength)
+    });
+    d.shutdown();
+    // Part 2 (set c, a) keeps no replica.
+    a.forget_all();
+    c.forget_all();
+    let installs = |f: &Fake| f.state.lock().unwrap().installs.len();
+    let before = (installs(&a), installs(&c));
+    let d = daemon(&[&a, &b, &c], &state);
+    let failed = || -> Option<String> {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        show.summary.failed
+    };
+    wait_for("the job failed", || failed().is_some());
+    let why = failed().unwrap();
+    assert!(
+        why.contains("every replica of part 2 (home appliance \"c\") lost its state")
+            && why.contains("epoch 2"),
+        "{why}"
+    );
+    assert_eq!((installs(&a), installs(&c)), before, "nothing installed empty");
+    d.shutdown();
+}
+
 /// A survivor that answers the new epoch 410 (it would serve a part whose
 /// state copy it has not all received: the part is lost) fails the job
 /// with its reason, and control's epoch route then answers 409 with it, so
