@@ -16,6 +16,7 @@ mod consistency;
 mod consistency_faults;
 mod demo_backends;
 mod dpdk_end_to_end;
+mod dpdk_failover;
 mod dpdk_faults;
 mod dpdk_hierarchy;
 mod drain;

@@ -1,0 +1,207 @@
+//! Failover of a replicated job (PROTOCOL.md §11.6) with a DPDK appliance:
+//! phub-dataplane `--backend dpdk` on net_af_packet over the virtual
+//! rack's veth pair ("default") and a kernel-UDP phub-dataplane on the
+//! workers' end of the veth ("u", rack r2) hold a job with two replicas
+//! of every chunk, the DPDK appliance reaching the other at the Ethernet
+//! address `--neighbor` gives. One of the two is killed (SIGKILL) between
+//! two rounds while a rank is already pushing the next; control declares
+//! it down, the survivor takes epoch 1 and adopts the dead one's part
+//! from its backup slots, and every element of every round stays exact
+//! (`train_rank` checks each against the formula). Skips (printing why)
+//! without root.
+
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use crate::common::{all_trained, replicated_spec, train_ranks, Gates};
+use phub::proto::api::{BackendKind, DataplaneStats};
+use phub::proto::failover::EpochView;
+use phub::proto::routes::{control, mgmt};
+use phub_hwtests::dataplane_args::DataplaneArgs;
+use phub_hwtests::process::dataplane_ready;
+use phub_hwtests::virt::{VirtualRack, WORKER_IF, WORKER_IP};
+use phub_hwtests::workload::{admit, client};
+
+/// The workers' end of the veth gets this address, which the DPDK
+/// appliance is told for the other appliance there.
+const WORKER_MAC: &str = "02:77:00:00:00:02";
+const UDP_MGMT: &str = "127.0.0.1:7812";
+
+/// The DPDK appliance killed, or the kernel-UDP one: the other adopts its
+/// part.
+#[test]
+fn a_dpdk_appliance_adopts_a_killed_partner_s_part_and_every_round_stays_exact() {
+    kill_mid_training(false);
+}
+
+#[test]
+fn a_killed_dpdk_appliance_s_part_is_adopted_by_its_partner_and_every_round_stays_exact() {
+    kill_mid_training(true);
+}
+
+/// Appliance "default" (DPDK) when `kill_dpdk`, else "u" (kernel UDP),
+/// killed between rounds 4 and 5 of 10 (module head).
+fn kill_mid_training(kill_dpdk: bool) {
+    let tag = if kill_dpdk { "repd" } else { "repu" };
+    // The kernel-UDP appliance's management token: a file of this test's,
+    // removed last.
+    let udp_token = RemoveOnDrop(
+        std::env::temp_dir().join(format!("phub-dpdk-failover-{tag}-{}.token", std::process::id())),
+    );
+    let rack = match VirtualRack::start(
+        tag,
+        1,
+        &format!("--neighbor {WORKER_IP}={WORKER_MAC}"),
+        &format!(
+            "--appliance name=u,url=http://{UDP_MGMT},rack=r2,token-file={}",
+            udp_token.0.display()
+        ),
+    ) {
+        Ok(r) => r,
+        Err(why) => {
+            println!("SKIPPED: DPDK failover test: {why}");
+            return;
+        }
+    };
+    rack.ns
+        .ip(&["link", "set", WORKER_IF, "address", WORKER_MAC])
+        .unwrap();
+    let bin = phub_hwtests::bin("phub-dataplane").unwrap();
+    let mut udp = Some(Kill(
+        rack.ns
+            .command(&bin)
+            .args(
+                DataplaneArgs {
+                    host: Some(WORKER_IP.into()),
+                    base_port: Some(7950),
+                    lcores: Some(1),
+                    no_pin: true,
+                    mgmt: Some(UDP_MGMT.into()),
+                    memory_budget: Some("256MiB".into()),
+                    mgmt_token_file: Some(udp_token.0.clone()),
+                    ..DataplaneArgs::default()
+                }
+                .to_args(),
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let dpdk_pid = rack.dataplane.as_ref().expect("the rack's dataplane").id();
+    let url = rack.control_url();
+    let token = rack.operator_token();
+    let keys = [5000u64, 3, 20_000];
+    let (workers, rounds, kill_after) = (2u16, 10u32, 4u32);
+    let spec = replicated_spec("dpdk-failover", workers, &keys, &["default", "u"], 2);
+    let (epoch, survivor, backend) = rack.inside(|| {
+        let t = Instant::now();
+        while ureq::get(&dataplane_ready(&format!("http://{UDP_MGMT}")))
+            .call()
+            .is_err()
+        {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the kernel-UDP appliance did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let job = admit(&url, token.as_deref(), &spec);
+        assert_eq!(job.appliances, ["default", "u"]);
+        let gates = Gates::new(&[kill_after], rounds);
+        // When rank 0 completed the first round after the kill.
+        let first_after: Mutex<Option<Instant>> = Mutex::new(None);
+        let more = |rank: u16, r: u32| {
+            if rank == 0 && r == kill_after + 2 {
+                *first_after.lock().unwrap() = Some(Instant::now());
+            }
+            gates.more(rank, r)
+        };
+        let killed_at = std::thread::scope(|s| {
+            // Rank 0 waits before round 5 until the kill; rank 1 goes on,
+            // so the appliance dies with pushes of that round in flight.
+            let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+            gates.wait_at(0);
+            if kill_dpdk {
+                let killed = Command::new("kill")
+                    .args(["-KILL", &dpdk_pid.to_string()])
+                    .status()
+                    .unwrap();
+                assert!(killed.success(), "SIGKILL to the DPDK dataplane");
+            } else {
+                drop(udp.take());
+            }
+            let at = Instant::now();
+            gates.open(0);
+            all_trained(ranks, rounds);
+            at
+        });
+        let resumed = first_after
+            .into_inner()
+            .unwrap()
+            .expect("rank 0 completed a round after the kill");
+        eprintln!(
+            "failover with {} killed: the kill to the first round completed after it: {:?}",
+            if kill_dpdk {
+                "the DPDK appliance"
+            } else {
+                "the kernel-UDP appliance"
+            },
+            resumed - killed_at
+        );
+        let epoch: EpochView = client(&url, token.as_deref())
+            .send(&control::epoch(job.id))
+            .unwrap();
+        let survivor = if kill_dpdk {
+            format!("http://{UDP_MGMT}")
+        } else {
+            rack.mgmt_url()
+        };
+        let stats: DataplaneStats = client(&survivor, None).send(&mgmt::stats()).unwrap();
+        let last = stats
+            .jobs
+            .iter()
+            .find(|j| j.id == job.id)
+            .and_then(|j| j.round_range)
+            .map(|r| r.1);
+        (epoch, last, stats.backend)
+    });
+    // Control moved the job to epoch 1 with the killed appliance down,
+    // and the survivor completed every round.
+    let down = u16::from(!kill_dpdk);
+    assert_eq!(
+        epoch,
+        EpochView {
+            epoch: 1,
+            down: vec![down],
+            ..Default::default()
+        }
+    );
+    assert_eq!(survivor, Some(rounds));
+    let want = if kill_dpdk {
+        BackendKind::Udp
+    } else {
+        BackendKind::Dpdk
+    };
+    assert_eq!(backend, want);
+    drop(udp);
+}
+
+struct Kill(Child);
+
+impl Drop for Kill {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Removes a file when dropped.
+struct RemoveOnDrop(std::path::PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
