@@ -603,9 +603,14 @@ pub fn veth_link(ns: &Netns) -> Result<(), String> {
 /// `slot_bytes` (the dataplane's memory budget, 0 where there is none) is
 /// added to the 512 MiB that the ports' mempools and rings take.
 pub fn af_packet_eal(qpairs: usize, prefix: &str, slot_bytes: u64) -> String {
+    af_packet_eal_on(APPLIANCE_IF, qpairs, prefix, slot_bytes)
+}
+
+/// [`af_packet_eal`] on interface `iface` instead of [`APPLIANCE_IF`].
+pub fn af_packet_eal_on(iface: &str, qpairs: usize, prefix: &str, slot_bytes: u64) -> String {
     let mib = 512 + slot_bytes.div_ceil(1 << 20);
     format!(
-        "--no-pci --vdev=net_af_packet0,iface={APPLIANCE_IF},blocksz=16384,framesz=16384,framecnt=4096,\
+        "--no-pci --vdev=net_af_packet0,iface={iface},blocksz=16384,framesz=16384,framecnt=4096,\
          qpairs={qpairs} --no-huge -m {mib} --no-shconf --file-prefix {prefix} --log-level=warning"
     )
 }

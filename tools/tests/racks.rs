@@ -1,5 +1,5 @@
 //! `phub-bench run --local --racks 2`: two virtual racks (a namespace per
-//! rack with its workers, one per rack appliance on kernel UDP, a spine
+//! rack with its workers, one per rack appliance on kernel UDP or DPDK, a spine
 //! namespace between the racks' uplinks), a job sharded flat over both
 //! appliances, every result verified, the bytes that crossed the spine read
 //! from the spine's interfaces and checked against what flat sharding must
@@ -125,6 +125,58 @@ fn two_virtual_racks_hierarchical_verify_and_carry_one_partial_per_chunk() {
         "{crossed} bytes crossed the spine per round; hierarchical carries {hier} plus headers, \
          flat {flat}\n{text}"
     );
+    assert!(left.is_empty(), "namespaces left behind: {left:?}");
+}
+
+/// `--backend dpdk`: each rack appliance runs DPDK's af_packet driver on
+/// its link, holding the data address while the kernel keeps the
+/// management one, and sends every frame to the rack switch. A replicated
+/// job over two racks fails over when rack 2's appliance is killed, every
+/// result verified, nothing repeated or lost, nothing left behind.
+#[test]
+fn two_virtual_racks_on_dpdk_fail_over_exactly() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench run --local --racks --backend dpdk {why}");
+        return;
+    }
+    let (v, text, left) = bench(
+        "dpdk",
+        &[
+            "--racks",
+            "2",
+            "--backend",
+            "dpdk",
+            "--replicas",
+            "2",
+            "--kill-appliance",
+            "rack2",
+            "--kill-at-round",
+            "3",
+            "--model",
+            "synthetic:100000",
+            "--workers",
+            "2",
+            "--rounds",
+            "8",
+        ],
+    );
+    assert_eq!(v["verified"], true, "{text}");
+    assert_eq!(v["backend"], "dpdk", "{v}");
+    assert_eq!(
+        (&v["rounds_repeated"], &v["rounds_lost"]),
+        (&0.into(), &0.into()),
+        "{v}"
+    );
+    assert_eq!(
+        v["epoch_after"],
+        serde_json::json!({ "epoch": 1, "down": [1] }),
+        "{v}"
+    );
+    assert!(v["failover_ms"].as_f64().is_some_and(|f| f > 0.0), "{v}");
+    // Only a DPDK port sees the frames of the kernel's management
+    // address beside its own, and counts them under this reason.
+    let foreign = v["appliance"]["drops_by_reason"]["not_our_address"].as_u64();
+    assert!(foreign.is_some_and(|n| n > 0), "{v}");
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
 

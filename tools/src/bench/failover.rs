@@ -381,8 +381,11 @@ impl<'a> Kill<'a> {
                     if self.restart_failed { ": refused" } else { "" }
                 );
             } else if self.reached == self.workers {
+                // From the SIGKILL, not from the reaping after it: a DPDK
+                // dataplane takes tens of milliseconds to exit.
+                let killed = Instant::now();
                 (self.act)(Act::Kill);
-                self.sent = Some((Instant::now(), self.highest));
+                self.sent = Some((killed, self.highest));
                 eprintln!(
                     "phub-bench: killed {} (SIGKILL) after round {} (timed round {})",
                     self.name, self.after_round, self.timed_round

@@ -1,8 +1,9 @@
 //! Virtual racks for `phub-bench run --local --racks R`: on one machine, a
 //! network namespace per rack (the rack's switch and its emulated workers),
 //! one per rack appliance (a phub-dataplane on kernel UDP behind a link of
-//! its own), and a spine namespace that routes between the racks' uplinks
-//! and runs phub-control. Links are veth pairs; `--spine-gbps` and
+//! its own, or with `--backend dpdk` on DPDK's af_packet driver over that
+//! link: [`dpdk_port`]), and a spine namespace that routes between the
+//! racks' uplinks and runs phub-control. Links are veth pairs; `--spine-gbps` and
 //! `--appliance-gbps` put a tbf qdisc on both ends of every uplink and
 //! every appliance link. The bytes that cross the spine are read from the
 //! spine's interfaces' counters before and after the timed rounds, never
@@ -19,6 +20,9 @@
 //!          appl 10.77.1.1  |
 //!           nic 10.77.1.2  appl1: phub-dataplane (data 7900+, management 7800)
 //! ```
+//!
+//! With `--backend dpdk` DPDK holds 10.77.r.2 and the kernel 10.77.r.3,
+//! where the management API listens.
 //!
 //! Every namespace (with its interfaces and their qdiscs) is deleted when
 //! [`RackNet`] is dropped, on an error too, and on SIGINT, SIGTERM or SIGHUP
@@ -56,6 +60,12 @@ const MTU: &str = "9000";
 /// Rack `r`'s appliance (1-based), on its appliance link.
 pub fn appliance_ip(r: usize) -> String {
     format!("10.77.{r}.2")
+}
+
+/// Rack `r`'s appliance's management address with `--backend dpdk`: the
+/// kernel's on the appliance link, where DPDK holds [`appliance_ip`].
+pub fn appliance_mgmt_ip(r: usize) -> String {
+    format!("10.77.{r}.3")
 }
 
 /// Rack `r`'s switch end of its appliance link.
@@ -640,6 +650,8 @@ pub(super) struct Daemons<'a> {
     pub env: Vec<(String, String)>,
     /// Arguments appended to phub-control's.
     pub control_extra: Vec<String>,
+    /// The dataplanes on DPDK ([`dpdk_port`]) instead of kernel UDP.
+    pub dpdk: bool,
 }
 
 impl<'a> Daemons<'a> {
@@ -662,6 +674,7 @@ impl<'a> Daemons<'a> {
                 .map(|(k, _)| (k.to_string(), "0".to_string()))
                 .collect(),
             control_extra: a.failover.control_args(),
+            dpdk: a.backend == Backend::Dpdk,
         }
     }
 }
@@ -686,20 +699,22 @@ pub(super) fn start(d: &Daemons<'_>, net: &RackNet, dir: &Path, budget: u64) -> 
         let r = i + 1;
         let host = appliance_ip(r);
         let token = dir.join(format!("appl{r}.token"));
+        let mut dp = DataplaneArgs {
+            backend: Some(DataplaneBackend::Udp),
+            host: Some(host.clone()),
+            base_port: Some(BASE_PORT),
+            mgmt: Some(format!("{host}:{MGMT_PORT}")),
+            mgmt_token_file: Some(token.clone()),
+            memory_budget: Some(budget.to_string()),
+            ..d.dataplane.clone()
+        };
+        if d.dpdk {
+            dpdk_port(net, r, &mut dp, budget)?;
+        }
+        let mgmt_host = if d.dpdk { appliance_mgmt_ip(r) } else { host };
+        let url = format!("http://{mgmt_host}:{MGMT_PORT}");
         let mut args = dp_pre.clone();
-        args.extend(
-            DataplaneArgs {
-                backend: Some(DataplaneBackend::Udp),
-                host: Some(host.clone()),
-                base_port: Some(BASE_PORT),
-                mgmt: Some(format!("{host}:{MGMT_PORT}")),
-                mgmt_token_file: Some(token.clone()),
-                memory_budget: Some(budget.to_string()),
-                ..d.dataplane.clone()
-            }
-            .to_args(),
-        );
-        let url = format!("http://{host}:{MGMT_PORT}");
+        args.extend(dp.to_args());
         let launch = Launch {
             ns: ns.name.clone(),
             name: format!("phub-dataplane (rack {r})"),
@@ -750,6 +765,45 @@ pub(super) fn start(d: &Daemons<'_>, net: &RackNet, dir: &Path, budget: u64) -> 
     })
 }
 
+/// Rack `r`'s appliance link made a DPDK port, and `dp` told to use it:
+/// DPDK's af_packet driver on the appliance's end (`nic`) holds the data
+/// address [`appliance_ip`] (the kernel gives it up, so that it neither
+/// answers ARP for it nor sends ICMP errors for the datagrams DPDK takes),
+/// the kernel keeps [`appliance_mgmt_ip`] there for the management API,
+/// and every frame DPDK sends goes to the rack switch's Ethernet address
+/// (`--gateway-mac`: workers, control and the other appliances are all
+/// behind it). The switch's end sends no GSO super-packets, which
+/// af_packet would take as one frame. Its idle lcores back off.
+fn dpdk_port(net: &RackNet, r: usize, dp: &mut DataplaneArgs, budget: u64) -> Result<()> {
+    let (rack, appl) = (&net.racks[r - 1], &net.appliances[r - 1]);
+    let mgmt = appliance_mgmt_ip(r);
+    // The data address goes first (its removal would take a second
+    // address of the subnet with it), then the route that went with it.
+    ip(
+        appl,
+        &["addr", "del", &format!("{}/24", appliance_ip(r)), "dev", "nic"],
+    )?;
+    ip(appl, &["addr", "add", &format!("{mgmt}/24"), "dev", "nic"])?;
+    ip(appl, &["route", "replace", "default", "via", &tor_ip(r)])?;
+    ip(rack, &["link", "set", "appl", "gso_max_segs", "1"])?;
+    let links = links_json(&rack.name)?;
+    let mac = links
+        .as_array()
+        .and_then(|l| l.iter().find(|i| i["ifname"] == "appl"))
+        .and_then(|i| i["address"].as_str())
+        .ok_or_else(|| anyhow!("rack {r}'s switch has no Ethernet address on its appliance link: {links}"))?
+        .to_string();
+    let lcores = dp.lcores.unwrap_or(1);
+    dp.backend = Some(DataplaneBackend::Dpdk);
+    // Several racks' lcores share the machine's cores: an idle one sleeps
+    // rather than spin (as the tests' virtual rack does).
+    dp.idle_backoff = true;
+    dp.mgmt = Some(format!("{mgmt}:{MGMT_PORT}"));
+    dp.eal = Some(virt::af_packet_eal_on("nic", lcores, &appl.name, budget));
+    dp.extra.extend(["--gateway-mac".to_string(), mac]);
+    Ok(())
+}
+
 /// Why these link rates (each a flag and its value, if given) or this
 /// tbf queue cannot be, if they cannot.
 pub(super) fn check_links(rates: &[(&str, Option<f64>)], queue_ms: f64) -> Result<()> {
@@ -779,10 +833,6 @@ fn check(a: &RunArgs) -> Result<(usize, usize)> {
     ensure!(
         (1..=MAX_RACKS).contains(&racks),
         "--racks {racks}: expected 1 to {MAX_RACKS}"
-    );
-    ensure!(
-        a.backend == Backend::Udp,
-        "--racks with --backend dpdk: the rack appliances run on kernel UDP only; drop --backend"
     );
     ensure!(
         !a.shm,

@@ -394,6 +394,7 @@ fn in_spine(
         },
         env: Vec::new(),
         control_extra: Vec::new(),
+        dpdk: false,
     };
     let appl = racks::start(&daemons, net, dir, budget)?;
     let token = Some(appl.token.as_str());
