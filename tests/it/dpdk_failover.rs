@@ -134,7 +134,21 @@ fn kill_mid_training(kill_dpdk: bool) {
             }
             let at = Instant::now();
             gates.open(0);
-            all_trained(ranks, rounds);
+            let trained =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| all_trained(ranks, rounds)));
+            if let Err(p) = trained {
+                // What control and the DPDK appliance stood at, and its log.
+                let c = client(&url, token.as_deref());
+                eprintln!("epoch: {:?}", c.send(&control::epoch(job.id)));
+                eprintln!("appliances: {:?}", c.send(&control::appliances()));
+                let st = client(&rack.mgmt_url(), None).send(&mgmt::stats());
+                eprintln!("DPDK appliance's stats: {st:?}");
+                eprintln!(
+                    "DPDK appliance's log:\n{}",
+                    std::fs::read_to_string(&rack.log).unwrap_or_default()
+                );
+                std::panic::resume_unwind(p);
+            }
             at
         });
         let resumed = first_after
