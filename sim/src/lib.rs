@@ -79,7 +79,7 @@ use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 
 use net::{Faults, Net, Node, Spell};
-use replication::{Control, ReplicaCase};
+use replication::{Control, ReplicaCase, ReplicaEvent};
 
 /// The job id every case installs.
 pub const JOB: u16 = 7;
@@ -298,6 +298,22 @@ impl Case {
         {
             case.appliances = case.appliances.max(rrng.gen_range(2..=4));
             case.replication = Some(ReplicaCase::draw(&mut rrng, case.appliances));
+        }
+        // A whole job's restart from its checkpoints, from a generator of
+        // its own too: in a quarter of the replicated jobs, instead of
+        // the faults drawn above.
+        let mut wrng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e5c_0e11_0000);
+        if let Some(r) = case.replication.as_mut().filter(|_| wrng.gen_bool(0.25)) {
+            let at_us = wrng.gen_range(500..20_000);
+            r.event = Some(ReplicaEvent::Restart {
+                checkpoint_us: wrng.gen_range(0..=at_us),
+                at_us,
+                down_us: wrng.gen_range(0..20_000),
+                stagger_us: wrng.gen_range(0..3_000),
+            });
+            r.then_kill = None;
+            r.control_down = None;
+            r.lose = false;
         }
         case
     }
@@ -1329,7 +1345,9 @@ impl<'c> World<'c> {
             .control
             .as_ref()
             .zip(self.case.replication.as_ref())
-            .and_then(|(c, rc)| c.next_at(rc, self.now));
+            .and_then(|(c, rc)| c.next_at(rc, self.now))
+            .into_iter()
+            .chain(self.restart_next_at().filter(|&t| t > self.now));
         self.net
             .next_at()
             .into_iter()
@@ -1354,7 +1372,14 @@ impl<'c> World<'c> {
         // The engine's clock is the lcore loop's: nanoseconds.
         let verdict = lc.shard.handle(from.addr(), bytes, self.now * 1000);
         if self.trace {
-            eprintln!("{:>10} µs   {to:?}: {verdict:?}", self.now);
+            if let Some((r, _)) = phub_proto::replica::parse(bytes)
+                .ok()
+                .filter(|_| phub_proto::replica::is_replica_message(bytes))
+            {
+                eprintln!("{:>10} µs   {from:?} -> {to:?} inc {} {:?} slot {} round {} from {} frag {}: {verdict:?}", self.now, lc.incarnation, r.kind, r.slot, r.round, r.from, r.fragment);
+            } else if let Ok((r, _)) = wire::parse(bytes) {
+                eprintln!("{:>10} µs   {from:?} -> {to:?} inc {} {:?} key {} chunk {} round {} rank {}: {verdict:?}", self.now, lc.incarnation, r.kind, r.key, r.chunk, r.round, r.rank);
+            }
         }
         let c = lc.shard.counters();
         assert_eq!(

@@ -121,6 +121,28 @@ pub enum ReplicaEvent {
         /// When, µs.
         at_us: u64,
     },
+    /// Every appliance killed at `at_us` after a checkpoint of every
+    /// lcore at `checkpoint_us`, and given the job back from it: index
+    /// `a` is back `down_us + a * stagger_us` after the kill, installed at
+    /// epoch 0 and restored, as control takes a job back to its
+    /// checkpoints when no replica of some part kept its state
+    /// (PROTOCOL.md §11.7, "Restored parts"; control restarted with them,
+    /// or they within its deadline: none is declared down). Each restored
+    /// primary slot copies its state to its backups, which completed no
+    /// round; the ranks, refused `ahead`, pull and repeat the rounds
+    /// since. Brought forward, with its checkpoint, to the instant the
+    /// first rank submitted its last round if that came first (as a
+    /// [`crate::Crash`] is).
+    Restart {
+        /// When every lcore's checkpoint is taken, µs (before `at_us`).
+        checkpoint_us: u64,
+        /// When, µs.
+        at_us: u64,
+        /// Index 0 back after, µs.
+        down_us: u64,
+        /// Each next index back this much later, µs.
+        stagger_us: u64,
+    },
     /// Killed at `at_us` for good, and replaced by a spare
     /// `spare_after_us` after it is declared down (`phub-control
     /// --spare-after-ms`, or a drain of the dead appliance: its index
@@ -290,6 +312,9 @@ pub(crate) struct Control {
     then_done: bool,
     /// Control came back from its [`ControlDown`].
     restarted: bool,
+    /// A [`ReplicaEvent::Restart`]'s steps done: its checkpoint, its
+    /// kill, then one per index back.
+    restart_step: usize,
     /// Control failed the job, for this reason ([`ReplicaCase::lose`]).
     pub(crate) failed: Option<String>,
 }
@@ -324,6 +349,7 @@ impl Control {
             first_done: false,
             then_done: false,
             restarted: false,
+            restart_step: 0,
             failed: None,
         }
     }
@@ -645,7 +671,99 @@ impl World<'_> {
                 self.rep_mut().first_done = true;
                 self.drain_to_spare(usize::from(appliance));
             }
+            ReplicaEvent::Restart { .. } => self.restart_all(),
             _ => {}
+        }
+    }
+
+    /// The instant of a [`ReplicaEvent::Restart`]'s next step, brought
+    /// forward (with its checkpoint) to the instant the first rank
+    /// submitted its last round: a rank with all its results stops, and
+    /// would never push again the rounds the restore lost.
+    pub(crate) fn restart_next_at(&self) -> Option<u64> {
+        let c = self.control.as_ref()?;
+        let Some(ReplicaEvent::Restart {
+            checkpoint_us,
+            at_us,
+            down_us,
+            stagger_us,
+        }) = self.case.replication.as_ref()?.event
+        else {
+            return None;
+        };
+        let at = self.last_round_at.map_or(at_us, |t| t.min(at_us));
+        let step = c.restart_step;
+        match step {
+            0 => Some(checkpoint_us.min(at)),
+            1 => Some(at),
+            s if s < 2 + usize::from(self.case.appliances) => {
+                Some(at + down_us + (s as u64 - 2) * stagger_us)
+            }
+            _ => None,
+        }
+    }
+
+    /// A [`ReplicaEvent::Restart`]'s steps that are due: every lcore's
+    /// checkpoint; every lcore down (the rounds answered since are lost
+    /// with them: the job goes back); then each index back in turn, its
+    /// shards installed at epoch 0 as the dataplane installs the job and
+    /// restored from their checkpoints.
+    fn restart_all(&mut self) {
+        while self.restart_next_at().is_some_and(|t| t <= self.now) {
+            let step = self.rep().restart_step;
+            match step {
+                0 => {
+                    for g in 0..self.total_lcores() {
+                        let lc = &mut self.lcores[g];
+                        lc.checkpoint = Some(lc.shard.snapshot(JOB).expect("the job is installed"));
+                    }
+                }
+                1 => {
+                    for g in 0..self.total_lcores() {
+                        self.lcores[g].down = true;
+                    }
+                    // Control takes the job back at a new epoch naming
+                    // nobody, recorded before anyone is told.
+                    let c = self.rep_mut();
+                    c.answered.iter_mut().for_each(|a| *a = None);
+                    c.view = EpochView {
+                        epoch: c.view.epoch + 1,
+                        ..EpochView::default()
+                    };
+                }
+                s => {
+                    let a = s - 2;
+                    // Installed as the checkpoint's job (epoch 0) and
+                    // restored, then put control's epoch at once, as
+                    // reconciliation does.
+                    let shards = self.replica_shards(a, &EpochView::default());
+                    let view = self.rep().view.clone();
+                    for (g, mut shard) in self.lcores_of(a).zip(shards) {
+                        let lc = &mut self.lcores[g];
+                        let state = lc.checkpoint.take().expect("a checkpoint before the kill");
+                        if let Err(e) = shard.restore(JOB, &state) {
+                            panic!("lcore {g}: its checkpoint does not restore: {e}");
+                        }
+                        if let Err(e) = shard.change_epoch(JOB, &view) {
+                            panic!(
+                                "lcore {g}: the restored job does not take epoch {}: {e}",
+                                view.epoch
+                            );
+                        }
+                        lc.shard = shard;
+                        lc.down = false;
+                        lc.incarnation += 1;
+                        lc.delivered = 0;
+                        lc.drops.iter_mut().for_each(|d| *d = 0);
+                        lc.view = Some(view.clone());
+                    }
+                    self.outcome.restored += 1;
+                    if a + 1 == usize::from(self.case.appliances) {
+                        self.rep_mut().first_done = true;
+                    }
+                }
+            }
+            self.rep_mut().restart_step += 1;
         }
     }
 

@@ -1446,3 +1446,26 @@ fn cached_id_lists_survive_loss_duplicates_and_a_restore() {
         assert!(o.lists_named > 0 && o.rows_checked > 0, "{consistency:?}: {o:?}");
     }
 }
+
+/// Every appliance of a replicated job killed and the whole job restored
+/// from its checkpoints (PROTOCOL.md §11.7, "Restored parts"): soak seeds
+/// 6659 and 36632, each with a lcore clogged past the restart. Restored at
+/// the epoch they were killed in, the new backups applied REPLICATEs the
+/// primaries' former selves had sent before the kill (held in the clog),
+/// and then refused the restored primaries' state copies `stale` for
+/// ever: a rank waited 30 s for round 0 and failed. Control now takes the
+/// job back at a new epoch naming nobody, which fences them.
+#[test]
+fn a_replicated_job_restarted_whole_from_its_checkpoints() {
+    use phub_sim::replication::ReplicaEvent;
+    for seed in [6659, 36632] {
+        let c = Case::draw(seed);
+        let rc = c.replication.as_ref().expect("a replicated job");
+        assert!(
+            matches!(rc.event, Some(ReplicaEvent::Restart { .. })) && c.clog.is_some(),
+            "seed {seed} is no longer a whole restart with a clogged lcore: {c:?}"
+        );
+        let o = run(&c);
+        assert_eq!(o.restored, u64::from(c.appliances), "seed {seed}: {o:?}");
+    }
+}

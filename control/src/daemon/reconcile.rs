@@ -25,14 +25,18 @@
 //! would refuse every next aggregate `stale`, a restored backup of a
 //! live primary every one `ahead`: the job would hang). That needs every
 //! appliance of the job to answer (the pass waits for one that does not),
-//! a checkpoint of every part, and the job at epoch 0 (a checkpoint holds
-//! an appliance's own slots, not the parts it adopted in a failover);
-//! otherwise the job fails, naming the part that was lost.
+//! a checkpoint of every part, and an epoch that names no appliance down,
+//! returned or moved (a checkpoint holds an appliance's own slots, not
+//! the parts it adopted in a failover); otherwise the job fails, naming
+//! the part that was lost. The job goes back at a new epoch naming nobody,
+//! so that what its appliances' former selves sent before they died, still
+//! on its way, is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use phub_proto::api::{DataplaneInfo, InstallJob};
+use phub_proto::failover::EpochView;
 use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
@@ -383,6 +387,25 @@ impl Shared {
                 }
                 Loss::Fail(why) => self.fail(id, &why),
                 Loss::BackToCheckpoints { holders, why } => {
+                    // A new epoch naming nobody, recorded first: what the
+                    // appliances' and workers' former selves still have
+                    // on its way is refused (fencing), and every part is
+                    // restored at it.
+                    let mut inner = self.lock();
+                    let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
+                        if let Some(j) = inner.jobs.get_mut(&id) {
+                            j.epoch = EpochView {
+                                epoch: j.epoch.epoch + 1,
+                                ..EpochView::default()
+                            };
+                        }
+                    });
+                    drop(inner);
+                    if let Err(e) = bumped {
+                        log::error!("job {id}: {why}; but its next epoch cannot be recorded ({e}): retrying");
+                        waiting.insert(id);
+                        continue;
+                    }
                     if !holders.is_empty() {
                         log::warn!(
                             "job {id}: {why}; the job goes back to its checkpoints on every appliance (rounds \
@@ -459,11 +482,13 @@ impl Shared {
             if lost.len() == 1 { "" } else { "s" },
             names(&lost)
         );
-        if j.epoch.epoch > 0 {
+        let v = &j.epoch;
+        if !(v.down.is_empty() && v.joined.is_empty() && v.moved.is_empty()) {
             return Some(Loss::Fail(format!(
                 "{why} at epoch {}, past a failover: its checkpoints hold each appliance's own slots, not the \
-                 parts adopted since, so it cannot go back to them exactly (PROTOCOL.md §11.7); admit it again",
-                j.epoch.epoch
+                 parts adopted or moved since, so it cannot go back to them exactly (PROTOCOL.md §11.7); admit it \
+                 again",
+                v.epoch
             )));
         }
         let unsaved: Vec<&String> = members
@@ -540,8 +565,12 @@ impl Shared {
             return;
         };
         // An appliance that came back to a replicated job is installed
-        // empty: its primaries copy it the state (PROTOCOL.md §11.7).
-        let returning = job.replication.as_ref().is_some_and(|r| r.epoch > 0);
+        // empty: its primaries copy it the state (PROTOCOL.md §11.7). One
+        // of a job gone back to its checkpoints (at an epoch that names
+        // nobody down, returned or moved) is restored.
+        let returning = job.replication.as_ref().is_some_and(|r| {
+            r.epoch > 0 && !(r.down.is_empty() && r.joined.is_empty() && r.moved.is_empty())
+        });
         let restore = match if returning {
             Ok(None)
         } else {

@@ -426,7 +426,8 @@ fn an_appliance_that_restarted_unnoticed_fails_over_and_gets_the_job_back_joined
 /// Two of three appliances of a replicated job restart (control with
 /// them) after a checkpoint: part 0 (set a, b) kept no replica, while c
 /// still holds its own part and its backup of b's, rounds ahead of the
-/// checkpoint. The whole job goes back to its checkpoints: control
+/// checkpoint. The whole job goes back to its checkpoints, at a new epoch
+/// naming nobody: control
 /// removes it from c and restores every part, c's too, rather than
 /// restore a and b beside c's newer state (c's backup slots would refuse
 /// b's restored primary `stale`, a's restored backup slots c's aggregates
@@ -451,17 +452,24 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
     assert_eq!(
         st.installs,
         vec![(job.id, 0), (job.id, 0)],
-        "c, which held the job, is installed again (restored) at epoch 0"
+        "c, which held the job, is installed again (restored, as its checkpoint's job)"
     );
     let delete = format!("DELETE /v1/jobs/{}", job.id);
     assert!(st.log.contains(&delete), "c's part removed first: {:?}", st.log);
     drop(st);
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
-    assert!(
-        epochs(&c, job.id).is_empty(),
-        "no failover: the job stays at epoch 0"
-    );
+    // Restored as the checkpoints' jobs, then put the job's new epoch,
+    // which names nobody (what their former selves sent is refused).
+    let e1 = EpochView {
+        epoch: 1,
+        ..Default::default()
+    };
+    wait_for("epoch 1 on every part", || {
+        [&a, &b, &c].iter().all(|f| epochs(f, job.id) == vec![e1.clone()])
+    });
+    let now: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(now, e1);
     d.shutdown();
 }
 
