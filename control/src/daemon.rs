@@ -254,6 +254,7 @@ impl Daemon {
                 jobs,
             }),
             ops: Mutex::new(()),
+            reconcile_poke: Mutex::new(None),
         });
         if changed && !shared.lock().jobs.is_empty() && shared.store.etcd().is_none() {
             // The appliances given at start are recorded (with the jobs on
@@ -295,6 +296,7 @@ impl Daemon {
         }
         let mut threads = Vec::new();
         let (wake, sleep) = mpsc::channel::<()>();
+        *shared.reconcile_poke.lock().unwrap_or_else(|p| p.into_inner()) = Some(wake.clone());
         let rs = shared.clone();
         threads.push(
             std::thread::Builder::new()
@@ -307,9 +309,11 @@ impl Daemon {
                             rs.reconcile(&mut logs);
                             rs.periodic_checkpoints();
                         }
+                        // A poke runs the next pass now; the senders
+                        // gone (shutdown) end the thread.
                         match sleep.recv_timeout(rs.interval) {
-                            Err(mpsc::RecvTimeoutError::Timeout) => {}
-                            _ => break,
+                            Ok(()) | Err(mpsc::RecvTimeoutError::Timeout) => {}
+                            Err(mpsc::RecvTimeoutError::Disconnected) => break,
                         }
                     }
                 })
@@ -373,6 +377,11 @@ impl Daemon {
             s.shutdown();
         }
         self.reconcile_wake.take();
+        self.shared
+            .reconcile_poke
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         self.elect_wake.take();
         self.heartbeat_stop.take();
         for t in self.threads.drain(..) {

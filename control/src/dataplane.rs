@@ -293,12 +293,14 @@ impl Client {
         self.send_with(&mgmt::auth(), true, None)
     }
 
-    /// A heartbeat: `GET /v1/auth`, which the dataplane answers without
+    /// A heartbeat: `GET /v1/info`, which the dataplane answers without
     /// touching its jobs, answered within `limit`. `Ok` for any answer
-    /// (even a refusal: the dataplane is there); `Err` when none came.
-    pub(crate) fn heartbeat(&self, limit: Duration) -> Result<(), DataplaneError> {
-        match self.send_within(&mgmt::auth(), Some(limit)) {
-            Ok(()) | Err(DataplaneError::Refused { .. } | DataplaneError::BadAnswer { .. }) => Ok(()),
+    /// (even a refusal: the dataplane is there), with the dataplane's
+    /// identity when it gave one; `Err` when none came.
+    pub(crate) fn heartbeat(&self, limit: Duration) -> Result<Option<String>, DataplaneError> {
+        match self.send_within(&mgmt::info(), Some(limit)) {
+            Ok(info) => Ok(Some(info.id).filter(|id| !id.is_empty())),
+            Err(DataplaneError::Refused { .. } | DataplaneError::BadAnswer { .. }) => Ok(None),
             Err(e) => Err(e),
         }
     }

@@ -1,6 +1,8 @@
 //! Heartbeats (PROTOCOL.md §11.6, detection): every interval, control
-//! asks every appliance `GET /v1/auth` on its management API (answered
-//! without touching the dataplane's jobs); an appliance that has answered
+//! asks every appliance `GET /v1/info` on its management API (answered
+//! without touching the dataplane's jobs); one whose dataplane answers
+//! with a new identity restarted within the deadline, and reconciliation
+//! runs at once ([`Shared::reconcile_soon`]); an appliance that has answered
 //! none for the deadline is **declared down**: logged, shown in its
 //! status (`phubctl appliance list`), counted in `/metrics`, and each
 //! replicated job on it fails over ([`Shared::fail_over`]).
@@ -41,15 +43,19 @@ pub(super) struct Liveness {
 struct Pulse {
     /// Its last answer, or when the thread first saw it.
     last: Instant,
+    /// The dataplane's identity in its last answer that gave one (a
+    /// restart makes a new one).
+    id: Option<String>,
     /// A heartbeat to it is in flight.
     in_flight: bool,
     /// Declared down, and not heard from since.
     declared: bool,
 }
 
-/// A heartbeat's outcome: the appliance, and when it answered (`None`:
-/// no answer within the deadline).
-type Answer = (String, Option<Instant>);
+/// A heartbeat's outcome: the appliance, and when it answered with the
+/// dataplane's identity if it gave one (`None`: no answer within the
+/// deadline).
+type Answer = (String, Option<(Instant, Option<String>)>);
 
 impl Shared {
     /// The heartbeat thread's loop, until `stop` is dropped (or sent to).
@@ -63,8 +69,14 @@ impl Shared {
             while let Ok((name, answered)) = rx.try_recv() {
                 if let Some(p) = pulses.get_mut(&name) {
                     p.in_flight = false;
-                    if let Some(at) = answered {
+                    if let Some((at, id)) = answered {
                         p.last = p.last.max(at);
+                        if let Some(id) = id {
+                            if p.id.as_ref().is_some_and(|old| *old != id) {
+                                self.restarted_unnoticed(&name);
+                            }
+                            p.id = Some(id);
+                        }
                     }
                 }
             }
@@ -73,6 +85,7 @@ impl Shared {
             for (name, client) in clients {
                 let p = pulses.entry(name.clone()).or_insert(Pulse {
                     last: tick,
+                    id: None,
                     in_flight: false,
                     declared: false,
                 });
@@ -84,7 +97,7 @@ impl Shared {
                 let spawned = std::thread::Builder::new()
                     .name("control-beat".into())
                     .spawn(move || {
-                        let answered = client.heartbeat(limit).ok().map(|()| Instant::now());
+                        let answered = client.heartbeat(limit).ok().map(|id| (Instant::now(), id));
                         let _ = tx.send((name, answered));
                     });
                 // A thread that cannot start is a heartbeat unanswered.
@@ -110,6 +123,29 @@ impl Shared {
                 Err(mpsc::RecvTimeoutError::Timeout) => {}
                 _ => return,
             }
+        }
+    }
+
+    /// Appliance `name`'s dataplane answered with another identity than
+    /// before: it restarted between two heartbeats, within the deadline,
+    /// and holds none of its jobs. Reconciliation runs now rather than at
+    /// its next interval, so that a replicated job fails over without it
+    /// (and is given back to it) at once, and other jobs are reinstalled.
+    fn restarted_unnoticed(&self, name: &str) {
+        log::warn!("appliance {name:?} restarted (its dataplane answers a heartbeat with a new identity): reconciling now");
+        self.reconcile_soon();
+    }
+
+    /// Wakes the reconcile thread for a pass now (none while the daemon
+    /// stops).
+    pub(super) fn reconcile_soon(&self) {
+        if let Some(tx) = self
+            .reconcile_poke
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .as_ref()
+        {
+            let _ = tx.send(());
         }
     }
 

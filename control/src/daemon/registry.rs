@@ -220,6 +220,10 @@ pub(super) struct Shared {
     /// Itself, for the work a request hands to threads of their own (a
     /// drain's re-replications).
     pub(super) this: std::sync::Weak<Shared>,
+    /// Wakes the reconcile thread for a pass now (an appliance's
+    /// dataplane restarted: [`Shared::reconcile_soon`]); taken at
+    /// shutdown.
+    pub(super) reconcile_poke: Mutex<Option<std::sync::mpsc::Sender<()>>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -462,6 +466,7 @@ mod tests {
             }),
             ops: Mutex::new(()),
             this: std::sync::Weak::new(),
+            reconcile_poke: Mutex::new(None),
         };
         let mut inner = shared.lock();
         shared

@@ -518,6 +518,48 @@ fn a_part_lost_past_a_failover_fails_the_job_naming_it() {
     d.shutdown();
 }
 
+/// A dataplane that restarts between two heartbeats answers the next with
+/// a new identity: control reconciles at once instead of at its next
+/// interval (10 s here), so the replicated job fails over without it and
+/// is given back to it joined within about a second, as a dataplane
+/// restarted by its service manager right after a crash is.
+#[test]
+fn a_dataplane_restarted_between_heartbeats_is_reconciled_at_once() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "poke");
+    let appliances = NAMES
+        .iter()
+        .zip([&a, &b, &c])
+        .map(|(n, f)| ApplianceSpec {
+            name: (*n).into(),
+            url: f.url(),
+            rack: String::new(),
+            token_file: None,
+            draining: false,
+        })
+        .collect();
+    let d = Daemon::start(Config {
+        listen: "127.0.0.1:0".parse().unwrap(),
+        dataplane: "http://127.0.0.1:1".into(),
+        appliances,
+        state: state.to_path_buf(),
+        reconcile_interval: Duration::from_secs(10),
+        ..Config::default()
+    })
+    .unwrap();
+    let job = admit_replicated(&d);
+    // Heartbeats have seen b's identity.
+    std::thread::sleep(Duration::from_millis(3 * HEARTBEAT_MS));
+    let restarted = Instant::now();
+    b.restart();
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_within("the job installed on b at epoch 2, joined", within, || {
+        installed_at(&b, job.id, &b_joined_at_2())
+    });
+    eprintln!("b given the job back {:?} after its restart", restarted.elapsed());
+    d.shutdown();
+}
+
 /// A survivor that answers the new epoch 410 (it would serve a part whose
 /// state copy it has not all received: the part is lost) fails the job
 /// with its reason, and control's epoch route then answers 409 with it, so

@@ -181,6 +181,15 @@ impl Fake {
         self.state.lock().unwrap().jobs.clear();
     }
 
+    /// Restarts as a dataplane does: every job forgotten, a new identity
+    /// in `/v1/info`.
+    #[allow(dead_code)] // Not every test file restarts a fake.
+    pub(crate) fn restart(&self) {
+        let mut st = self.state.lock().unwrap();
+        st.jobs.clear();
+        st.id = phub_http::secret::random_token().unwrap();
+    }
+
     /// Restarts as `config` says (another lcore count, another budget):
     /// every job is forgotten.
     pub(crate) fn restart_as(&self, config: FakeConfig) {
