@@ -26,6 +26,8 @@ use std::time::{Duration, Instant};
 use super::config::Heartbeat;
 use super::registry::Shared;
 use crate::dataplane::Client;
+#[cfg(doc)]
+use crate::state::StoredJob;
 
 /// What control knows of an appliance's heartbeats, as its status and
 /// metrics show it.
@@ -115,6 +117,11 @@ impl Shared {
                         p.declared = false;
                         self.answers_again(name, timing);
                     }
+                    // Still down: a replicated job admitted on it since
+                    // the declaration (it answered for its description,
+                    // not yet a heartbeat), or one whose epoch could not
+                    // be recorded then, fails over now.
+                    (true, true) if self.owes_failover(name) => self.fail_over_in_thread(name, timing),
                     _ => {}
                 }
             }
@@ -191,6 +198,30 @@ impl Shared {
             });
         if let Err(e) = started {
             log::error!("cannot start the failover thread: {e}; its jobs do not fail over");
+        }
+    }
+
+    /// Whether appliance `name`, declared down, has a replicated job that
+    /// has not failed over without it ([`StoredJob::decide`] would move
+    /// it on).
+    fn owes_failover(&self, name: &str) -> bool {
+        let inner = self.lock();
+        inner
+            .jobs_on(name)
+            .iter()
+            .filter_map(|id| inner.jobs.get(id))
+            .any(|j| j.decide(name, |n| inner.rack_of(n)).is_some())
+    }
+
+    /// Its jobs fail over without appliance `name` ([`Shared::fail_over`]),
+    /// in a thread of their own.
+    fn fail_over_in_thread(self: &Arc<Self>, name: &str, timing: Heartbeat) {
+        let (shared, name) = (self.clone(), name.to_string());
+        let started = std::thread::Builder::new()
+            .name("control-failover".into())
+            .spawn(move || shared.fail_over(&name, timing.interval));
+        if let Err(e) = started {
+            log::error!("cannot start the failover thread: {e}; its jobs fail over at the next tick");
         }
     }
 

@@ -414,7 +414,9 @@ impl Shared {
                         );
                     }
                     for h in holders {
-                        let removed = match self.lock().client(&h) {
+                        // The registry's lock is not held across the request.
+                        let client = self.lock().client(&h);
+                        let removed = match client {
                             Ok(c) => match c.remove(id) {
                                 Ok(_) | Err(DataplaneError::Refused { status: 404, .. }) => Ok(()),
                                 Err(e) => Err(e.to_string()),

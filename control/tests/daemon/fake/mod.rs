@@ -94,6 +94,10 @@ pub(crate) struct FakeState {
     /// What a replicated job's stats say of its state copies (PROTOCOL.md
     /// §11.7): backup slots awaiting one (0 unless a test sets it).
     pub(crate) copies_awaiting: u64,
+    /// When set, `GET /v1/info` is answered this late (from a thread of
+    /// its own, the fake answering the rest meanwhile): past control's
+    /// heartbeat deadline, within its admission's wait.
+    pub(crate) info_delay: Option<Duration>,
 }
 
 /// Bytes of state copies the fake reports for a replicated job installed
@@ -220,6 +224,20 @@ fn error(req: tiny_http::Request, status: u16, msg: &str) {
     json(req, status, &ApiError { error: msg.into() });
 }
 
+/// [`json`] 200 with `body`, `delay` later when given (from a thread of
+/// its own).
+fn answer_after<T: Serialize + Send + 'static>(req: tiny_http::Request, delay: Option<Duration>, body: T) {
+    match delay {
+        None => json(req, 200, &body),
+        Some(d) => {
+            std::thread::spawn(move || {
+                std::thread::sleep(d);
+                json(req, 200, &body);
+            });
+        }
+    }
+}
+
 fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Request) {
     let method = req.method().as_str().to_string();
     let path = req.url().to_string();
@@ -245,10 +263,10 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
         ("GET", ["v1", "auth"]) => {
             let _ = req.respond(tiny_http::Response::empty(204));
         }
-        ("GET", ["v1", "info"]) => json(
+        ("GET", ["v1", "info"]) => answer_after(
             req,
-            200,
-            &DataplaneInfo {
+            st.info_delay,
+            DataplaneInfo {
                 id: st.id.clone(),
                 backend: phub_proto::api::BackendKind::Udp,
                 data: DataAddr {
