@@ -448,6 +448,11 @@ impl VirtualRack {
     /// Starts phub-control inside the namespace with the rack's arguments
     /// and state file (it does not wait for its API).
     fn spawn_control(&self, bin: &std::path::Path) -> Result<Child, String> {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.control_log())
+            .map_err(|e| format!("{}: {e}", self.control_log().display()))?;
         self.ns
             .command(bin)
             .args([
@@ -464,9 +469,15 @@ impl VirtualRack {
             .arg(self.token_file())
             .args(&self.control_args)
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(log)
             .spawn()
             .map_err(|e| e.to_string())
+    }
+
+    /// phub-control's log (each start appends to it), for a test's
+    /// failure to show.
+    pub fn control_log(&self) -> PathBuf {
+        self.dir.join("control.log")
     }
 
     /// Kills phub-control outright (SIGKILL), as a crash would.

@@ -10,22 +10,18 @@
 //! (`train_rank` checks each against the formula). Skips (printing why)
 //! without root.
 
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
+use crate::common::udp_beside::{neighbor_arg, UdpBeside};
 use crate::common::{all_trained, replicated_spec, train_ranks, Gates};
 use phub::proto::api::{BackendKind, DataplaneStats};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
-use phub_hwtests::dataplane_args::DataplaneArgs;
-use phub_hwtests::process::dataplane_ready;
-use phub_hwtests::virt::{VirtualRack, WORKER_IF, WORKER_IP};
+use phub_hwtests::virt::VirtualRack;
 use phub_hwtests::workload::{admit, client};
 
-/// The workers' end of the veth gets this address, which the DPDK
-/// appliance is told for the other appliance there.
-const WORKER_MAC: &str = "02:77:00:00:00:02";
 const UDP_MGMT: &str = "127.0.0.1:7812";
 
 /// The DPDK appliance killed, or the kernel-UDP one: the other adopts its
@@ -44,19 +40,11 @@ fn a_killed_dpdk_appliance_s_part_is_adopted_by_its_partner_and_every_round_stay
 /// killed between rounds 4 and 5 of 10 (module head).
 fn kill_mid_training(kill_dpdk: bool) {
     let tag = if kill_dpdk { "repd" } else { "repu" };
-    // The kernel-UDP appliance's management token: a file of this test's,
-    // removed last.
-    let udp_token = RemoveOnDrop(
-        std::env::temp_dir().join(format!("phub-dpdk-failover-{tag}-{}.token", std::process::id())),
-    );
     let rack = match VirtualRack::start(
         tag,
         1,
-        &format!("--neighbor {WORKER_IP}={WORKER_MAC}"),
-        &format!(
-            "--appliance name=u,url=http://{UDP_MGMT},rack=r2,token-file={}",
-            udp_token.0.display()
-        ),
+        &neighbor_arg(),
+        &UdpBeside::appliance_arg("u", "r2", UDP_MGMT, tag),
     ) {
         Ok(r) => r,
         Err(why) => {
@@ -64,31 +52,7 @@ fn kill_mid_training(kill_dpdk: bool) {
             return;
         }
     };
-    rack.ns
-        .ip(&["link", "set", WORKER_IF, "address", WORKER_MAC])
-        .unwrap();
-    let bin = phub_hwtests::bin("phub-dataplane").unwrap();
-    let mut udp = Some(Kill(
-        rack.ns
-            .command(&bin)
-            .args(
-                DataplaneArgs {
-                    host: Some(WORKER_IP.into()),
-                    base_port: Some(7950),
-                    lcores: Some(1),
-                    no_pin: true,
-                    mgmt: Some(UDP_MGMT.into()),
-                    memory_budget: Some("256MiB".into()),
-                    mgmt_token_file: Some(udp_token.0.clone()),
-                    ..DataplaneArgs::default()
-                }
-                .to_args(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    ));
+    let mut udp = UdpBeside::start(&rack, UDP_MGMT, tag);
     let dpdk_pid = rack.dataplane.as_ref().expect("the rack's dataplane").id();
     let url = rack.control_url();
     let token = rack.operator_token();
@@ -96,17 +60,7 @@ fn kill_mid_training(kill_dpdk: bool) {
     let (workers, rounds, kill_after) = (2u16, 10u32, 4u32);
     let spec = replicated_spec("dpdk-failover", workers, &keys, &["default", "u"], 2);
     let (epoch, survivor, backend) = rack.inside(|| {
-        let t = Instant::now();
-        while ureq::get(&dataplane_ready(&format!("http://{UDP_MGMT}")))
-            .call()
-            .is_err()
-        {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the kernel-UDP appliance did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        udp.wait_up();
         let job = admit(&url, token.as_deref(), &spec);
         assert_eq!(job.appliances, ["default", "u"]);
         let gates = Gates::new(&[kill_after], rounds);
@@ -130,7 +84,7 @@ fn kill_mid_training(kill_dpdk: bool) {
                     .unwrap();
                 assert!(killed.success(), "SIGKILL to the DPDK dataplane");
             } else {
-                drop(udp.take());
+                udp.kill();
             }
             let at = Instant::now();
             gates.open(0);
@@ -146,6 +100,10 @@ fn kill_mid_training(kill_dpdk: bool) {
                 eprintln!(
                     "DPDK appliance's log:\n{}",
                     std::fs::read_to_string(&rack.log).unwrap_or_default()
+                );
+                eprintln!(
+                    "phub-control's log:\n{}",
+                    std::fs::read_to_string(rack.control_log()).unwrap_or_default()
                 );
                 std::panic::resume_unwind(p);
             }
@@ -199,23 +157,4 @@ fn kill_mid_training(kill_dpdk: bool) {
         BackendKind::Dpdk
     };
     assert_eq!(backend, want);
-    drop(udp);
-}
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-/// Removes a file when dropped.
-struct RemoveOnDrop(std::path::PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }

@@ -5,29 +5,15 @@
 //! and results across the veth, DPDK reaching the other appliance at the
 //! Ethernet address `--neighbor` gives. Skips (printing why) without root.
 
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
+use crate::common::udp_beside::{neighbor_arg, UdpBeside};
 use phub::proto::api::DataplaneStats;
 use phub::proto::routes::mgmt;
-use phub_hwtests::dataplane_args::DataplaneArgs;
-use phub_hwtests::process::dataplane_ready;
-use phub_hwtests::virt::{VirtualRack, APPLIANCE_IP, WORKER_IF, WORKER_IP};
+use phub_hwtests::virt::{VirtualRack, APPLIANCE_IP, WORKER_IP};
 use phub_hwtests::workload::{admit, client, forged_partial, sum_spec, train};
 
-/// The workers' end of the veth gets this address, which the DPDK
-/// appliance is told for the other appliance there.
-const WORKER_MAC: &str = "02:77:00:00:00:02";
 const UDP_MGMT: &str = "127.0.0.1:7811";
-
-struct Kill(Child);
-
-impl Drop for Kill {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 fn stats(url: &str) -> DataplaneStats {
     client(url, None).send(&mgmt::stats()).unwrap()
@@ -57,19 +43,11 @@ fn totals(s: &DataplaneStats) -> (u64, u64, u64) {
 /// and every round is exact.
 #[test]
 fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
-    // The kernel-UDP appliance's management token: a file of this test's
-    // (the default, /run/phub/dataplane-<port>.token, would outlive the
-    // SIGKILL at the end), removed last.
-    let udp_token =
-        RemoveOnDrop(std::env::temp_dir().join(format!("phub-dpdk-hier-{}.token", std::process::id())));
     let rack = match VirtualRack::start(
         "hier",
         2,
-        &format!("--neighbor {WORKER_IP}={WORKER_MAC}"),
-        &format!(
-            "--appliance name=u,url=http://{UDP_MGMT},rack=r2,token-file={}",
-            udp_token.0.display()
-        ),
+        &neighbor_arg(),
+        &UdpBeside::appliance_arg("u", "r2", UDP_MGMT, "dpdk-hier"),
     ) {
         Ok(r) => r,
         Err(why) => {
@@ -77,48 +55,14 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
             return;
         }
     };
-    rack.ns
-        .ip(&["link", "set", WORKER_IF, "address", WORKER_MAC])
-        .unwrap();
-    let bin = phub_hwtests::bin("phub-dataplane").unwrap();
-    let udp = Kill(
-        rack.ns
-            .command(&bin)
-            .args(
-                DataplaneArgs {
-                    host: Some(WORKER_IP.into()),
-                    base_port: Some(7950),
-                    lcores: Some(1),
-                    no_pin: true,
-                    mgmt: Some(UDP_MGMT.into()),
-                    memory_budget: Some("256MiB".into()),
-                    mgmt_token_file: Some(udp_token.0.clone()),
-                    ..DataplaneArgs::default()
-                }
-                .to_args(),
-            )
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut udp = UdpBeside::start(&rack, UDP_MGMT, "dpdk-hier");
     let url = rack.control_url();
     let token = rack.operator_token();
     let keys = [20_000u64, 3, 4097];
     let mut spec = sum_spec("hier-dpdk", 4, None, &keys);
     spec += "[placement]\nappliances = [\"default\", \"u\"]\nhierarchical = true\n";
     let (dpdk, other) = rack.inside(|| {
-        let t = Instant::now();
-        while ureq::get(&dataplane_ready(&format!("http://{UDP_MGMT}")))
-            .call()
-            .is_err()
-        {
-            assert!(
-                t.elapsed() < Duration::from_secs(20),
-                "the kernel-UDP appliance did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        udp.wait_up();
         let job = admit(&url, token.as_deref(), &spec);
         let (port, forged) = forged_partial(&url, &job, "default", 1000.0);
         let s = std::net::UdpSocket::bind((WORKER_IP, 0)).unwrap();
@@ -145,7 +89,7 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
         )
     });
     let (chunks, dpdk) = dpdk;
-    drop(udp);
+    udp.kill();
     let (d, o) = (totals(&dpdk), totals(&other));
     let reasons = |s: &DataplaneStats| s.lcores.iter().flat_map(|l| l.drops.clone()).collect::<Vec<_>>();
     println!(
@@ -166,13 +110,4 @@ fn dpdk_and_kernel_udp_rack_appliances_train_a_hierarchical_job_exactly() {
 
 fn wrong_peer(s: &DataplaneStats) -> u64 {
     s.lcores.iter().filter_map(|l| l.drops.get("wrong_peer")).sum()
-}
-
-/// Removes a file when dropped.
-struct RemoveOnDrop(std::path::PathBuf);
-
-impl Drop for RemoveOnDrop {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
 }

@@ -372,12 +372,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
         // Control is stopped meanwhile, so that it finds both appliances
         // back without the job at once (otherwise it may see one back and
         // the other silent, and fail the part over to the silent one).
-        rack.kill_control();
-        rack.kill_dataplane(0);
-        rack.kill_dataplane(1);
-        rack.start_dataplane(0);
-        rack.start_dataplane(1);
-        rack.start_control();
+        rack.restart_with_control(&[0, 1]);
         // Control restores both parts within a few reconciliations.
         until("both parts restored at round 4", Duration::from_secs(30), || {
             (0..2).all(|i| rack.last_round(i, job.id) == Some(4))
@@ -429,12 +424,7 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
         gates[0].open.store(true, Ordering::SeqCst);
         gates[1].reached(WORKERS);
         assert_eq!(rack.last_round(2, job.id), Some(6), "c ahead of the checkpoint");
-        rack.kill_control();
-        rack.kill_dataplane(0);
-        rack.kill_dataplane(1);
-        rack.start_dataplane(0);
-        rack.start_dataplane(1);
-        rack.start_control();
+        rack.restart_with_control(&[0, 1]);
         until("every part back at round 4", Duration::from_secs(30), || {
             (0..3).all(|i| rack.last_round(i, job.id) == Some(4))
         });

@@ -14,6 +14,8 @@ use phub_hwtests::dataplane_args::DataplaneArgs;
 use phub_hwtests::process::{self, Daemon};
 pub(crate) use phub_hwtests::workload::client;
 
+pub(crate) mod udp_beside;
+
 pub(crate) struct Rack {
     pub(crate) dataplane: Option<Daemon>,
     pub(crate) control: Option<Daemon>,
@@ -326,6 +328,21 @@ impl Appliances {
         a.control_args = control_args;
         a.start_control();
         a
+    }
+
+    /// A power cut over control and dataplanes `which`: all killed
+    /// (SIGKILL), control first, then the dataplanes started again, empty,
+    /// and control last, so that it finds them all back at once (it would
+    /// otherwise see one back and another silent).
+    pub(crate) fn restart_with_control(&mut self, which: &[usize]) {
+        self.kill_control();
+        for &i in which {
+            self.kill_dataplane(i);
+        }
+        for &i in which {
+            self.start_dataplane(i);
+        }
+        self.start_control();
     }
 
     /// Starts phub-control (again) with the arguments it was first given.
