@@ -120,8 +120,11 @@ impl Shared {
                     // Still down: a replicated job admitted on it since
                     // the declaration (it answered for its description,
                     // not yet a heartbeat), or one whose epoch could not
-                    // be recorded then, fails over now.
-                    (true, true) if self.owes_failover(name) => self.fail_over_in_thread(name, timing),
+                    // be recorded then, fails over now; by the control
+                    // that acts (a follower's writes would fail each tick).
+                    (true, true) if self.acts() && self.owes_failover(name) => {
+                        self.fail_over_in_thread(name, timing);
+                    }
                     _ => {}
                 }
             }
