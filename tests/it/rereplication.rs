@@ -334,6 +334,23 @@ fn train_through_restores(
     back_to
 }
 
+/// Starts [`WORKERS`] ranks of `job` in scope `s`, each
+/// [`train_through_restores`] of `keys` for `rounds` rounds through
+/// `gates`; each returns the rounds it went back to.
+fn restore_ranks<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    url: &'env str,
+    job: &phub::proto::api::AdmitResponse,
+    keys: &'env [u64],
+    rounds: u32,
+    gates: &'env [Gate],
+) -> Vec<std::thread::ScopedJoinHandle<'scope, Vec<u32>>> {
+    let (id, token) = (job.id, job.token);
+    (0..WORKERS)
+        .map(|r| s.spawn(move || train_through_restores(url, id, token, r, keys, rounds, gates)))
+        .collect()
+}
+
 /// Workers of the restore tests' jobs.
 const WORKERS: u16 = 2;
 
@@ -358,12 +375,7 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
     // Both ranks stop after round 4 until both appliances are back.
     let gates = [Gate::before(5)];
     let back_to = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..WORKERS)
-            .map(|r| {
-                let (url, gates) = (&url, &gates);
-                s.spawn(move || train_through_restores(url, job.id, job.token, r, &keys, rounds, gates))
-            })
-            .collect();
+        let ranks = restore_ranks(s, &url, &job, &keys, rounds, &gates);
         gates[0].reached(WORKERS);
         // Every chunk completed round 4: the checkpoint holds it on both
         // appliances.
@@ -413,12 +425,7 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
     let url = rack.control_url.clone();
     let gates = [Gate::before(5), Gate::before(7)];
     let back_to = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..WORKERS)
-            .map(|r| {
-                let (url, gates) = (&url, &gates);
-                s.spawn(move || train_through_restores(url, job.id, job.token, r, &keys, rounds, gates))
-            })
-            .collect();
+        let ranks = restore_ranks(s, &url, &job, &keys, rounds, &gates);
         gates[0].reached(WORKERS);
         rack.send(&control::checkpoint(job.id));
         gates[0].open.store(true, Ordering::SeqCst);

@@ -93,13 +93,7 @@ impl StoredJob {
         let Some(p) = layout.lost_part(&next) else {
             return Some(Decision::Next(next));
         };
-        let names = |set: &[usize]| -> String {
-            let n: Vec<String> = set
-                .iter()
-                .map(|&a| format!("{:?}", self.parts.get(a).map_or("?", |p| p.appliance.as_str())))
-                .collect();
-            n.join(", ")
-        };
+        let names = |set: &[usize]| self.names_of(set);
         let chunks = layout.part(p).range();
         let why = format!(
             "part {p} (chunks {}..{}, home appliance {}) is lost: every appliance of its replica set ({}) is \
@@ -112,6 +106,16 @@ impl StoredJob {
             names(&next.down.iter().map(|&d| usize::from(d)).collect::<Vec<_>>())
         );
         Some(Decision::Lost(next, why))
+    }
+
+    /// The names of its parts' appliances at indices `set`, quoted and
+    /// comma-separated, for a reason ("?" for an index it lacks).
+    pub(super) fn names_of(&self, set: &[usize]) -> String {
+        let n: Vec<String> = set
+            .iter()
+            .map(|&a| format!("{:?}", self.parts.get(a).map_or("?", |p| p.appliance.as_str())))
+            .collect();
+        n.join(", ")
     }
 
     /// Whether losing appliance `name`'s state leaves it whole: it is

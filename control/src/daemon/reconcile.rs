@@ -467,13 +467,6 @@ impl Shared {
         if members.iter().any(|n| !held.contains_key(n)) {
             return Some(Loss::Wait);
         }
-        let names = |set: &[usize]| -> String {
-            let n: Vec<String> = set
-                .iter()
-                .map(|&a| format!("{:?}", j.parts.get(a).map_or("?", |p| p.appliance.as_str())))
-                .collect();
-            n.join(", ")
-        };
         let why = format!(
             "every replica of part{} {} (home appliance{} {}) lost its state (restarted)",
             if lost.len() == 1 { "" } else { "s" },
@@ -482,7 +475,7 @@ impl Shared {
                 .collect::<Vec<_>>()
                 .join(", "),
             if lost.len() == 1 { "" } else { "s" },
-            names(&lost)
+            j.names_of(&lost)
         );
         let v = &j.epoch;
         if !(v.down.is_empty() && v.joined.is_empty() && v.moved.is_empty()) {
