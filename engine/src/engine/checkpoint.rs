@@ -9,6 +9,7 @@ use crate::kernels;
 use crate::shm::JobRegions;
 
 use super::clock::{RankClock, SINCE_UNKNOWN};
+use super::copy::Fill;
 use super::error::EngineError;
 use super::hier::Partial;
 use super::slot::{Blocks, RankSet, ResultKind, Round, Slot, PARAMS, S1, S2};
@@ -220,6 +221,15 @@ impl<A: Copy + Eq> Shard<A> {
         // (PROTOCOL.md §11.7's copy); a backup slot that completed no
         // round takes it, one that holds a round acknowledges it.
         if let Some(rep) = j.replica.as_deref_mut() {
+            // Its own backup slots hold nothing until their primaries'
+            // copies come: awaiting them, so that an adoption of such a
+            // part is refused as lost rather than served from nothing, and
+            // the stats say so (`copies.awaiting`).
+            for part in &mut rep.parts {
+                if part.slots.iter().all(|s| s.completed.is_none()) {
+                    part.fill = vec![Fill::awaiting(); part.slots.len()];
+                }
+            }
             let copies: Vec<_> = rep
                 .groups
                 .iter()

@@ -514,6 +514,50 @@ fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
     assert_replicas_equal(&w, 3);
 }
 
+/// Every appliance restored from its checkpoint: until its primaries'
+/// copies come, a restored appliance's backup slots hold nothing, and say
+/// so (`copies.awaiting`); an epoch that would have it adopt such a part
+/// (its primary's appliance down again before the copy) is refused as
+/// lost, never served from nothing. Once the copies are in, the same
+/// adoption is taken.
+#[test]
+fn a_restored_backup_awaits_its_copy_and_is_not_adopted_before_it() {
+    let mut w = sgd_pair(&[1, 1], 11);
+    for r in 0..=2 {
+        let values = round_values(&w, 11, r);
+        round(&mut w, r, &values);
+    }
+    let saved: Vec<Vec<_>> = w
+        .shards
+        .iter()
+        .map(|a| a.iter().map(|s| s.snapshot(JOB).unwrap()).collect())
+        .collect();
+    let view = w.epoch.clone();
+    for (i, saved) in saved.iter().enumerate() {
+        w.reinstall_restored(i, &view, saved);
+    }
+    let awaiting = |w: &World, i: usize| -> u64 {
+        w.shards[i][0]
+            .job_stats()
+            .iter()
+            .find(|s| s.id == JOB)
+            .and_then(|s| s.copies)
+            .map_or(0, |c| c.awaiting)
+    };
+    assert!(awaiting(&w, 1) > 0, "a restored backup awaits its copy");
+    // Appliance 0 down before its copies went out: 1 would serve 0's part.
+    let down = view.with_down(0).unwrap();
+    match w.shards[1][0].change_epoch(JOB, &down) {
+        Err(phub_engine::EngineError::PartLost { part: 0, .. }) => {}
+        other => panic!("an adoption of a part whose copy is not here: {other:?}"),
+    }
+    // The copies go out and are taken: then 1 may adopt 0's part.
+    w.poll();
+    w.run();
+    assert_eq!(awaiting(&w, 1), 0);
+    assert!(w.shards[1][0].change_epoch(JOB, &down).unwrap());
+}
+
 /// An SGD job with two replicas over two appliances of `lcores`, on a
 /// network without faults.
 fn sgd_pair(lcores: &[usize], seed: u64) -> World {
