@@ -255,6 +255,7 @@ impl Daemon {
             }),
             ops: Mutex::new(()),
             reconcile_poke: Mutex::new(None),
+            gone_back: Mutex::new(BTreeMap::new()),
         });
         if changed && !shared.lock().jobs.is_empty() && shared.store.etcd().is_none() {
             // The appliances given at start are recorded (with the jobs on

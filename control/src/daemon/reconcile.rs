@@ -380,6 +380,11 @@ impl Shared {
                 .collect()
         };
         let mut waiting = BTreeSet::new();
+        // Jobs whole again are no longer gone back.
+        self.gone_back
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|id, _| losses.iter().any(|(l, _)| l == id));
         for (id, loss) in losses {
             match loss {
                 Loss::Wait => {
@@ -390,22 +395,36 @@ impl Shared {
                     // A new epoch naming nobody, recorded first: what the
                     // appliances' and workers' former selves still have
                     // on its way is refused (fencing), and every part is
-                    // restored at it.
+                    // restored at it. Once per going back: a pass that
+                    // finds its parts still being restored makes none.
                     let mut inner = self.lock();
-                    let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
-                        if let Some(j) = inner.jobs.get_mut(&id) {
-                            j.epoch = EpochView {
-                                epoch: j.epoch.epoch + 1,
-                                ..EpochView::default()
-                            };
+                    let now = inner.jobs.get(&id).map_or(0, |j| j.epoch.epoch);
+                    let mut gone = self.gone_back.lock().unwrap_or_else(|p| p.into_inner());
+                    // Gone back at this epoch already: those that hold it
+                    // now were restored at it (a removal that failed
+                    // forgets the going back), and the others are to be.
+                    let again = gone.get(&id) == Some(&now);
+                    if !again {
+                        let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
+                            if let Some(j) = inner.jobs.get_mut(&id) {
+                                j.epoch = EpochView {
+                                    epoch: j.epoch.epoch + 1,
+                                    ..EpochView::default()
+                                };
+                            }
+                        });
+                        if let Err(e) = bumped {
+                            log::error!(
+                                "job {id}: {why}; but its next epoch cannot be recorded ({e}): retrying"
+                            );
+                            waiting.insert(id);
+                            continue;
                         }
-                    });
-                    drop(inner);
-                    if let Err(e) = bumped {
-                        log::error!("job {id}: {why}; but its next epoch cannot be recorded ({e}): retrying");
-                        waiting.insert(id);
-                        continue;
+                        gone.insert(id, now + 1);
                     }
+                    drop(gone);
+                    drop(inner);
+                    let holders = if again { Vec::new() } else { holders };
                     if !holders.is_empty() {
                         log::warn!(
                             "job {id}: {why}; the job goes back to its checkpoints on every appliance (rounds \
@@ -434,6 +453,10 @@ impl Shared {
                                     "job {id}: cannot remove it from appliance {h:?} to restore it there from \
                                      its checkpoint ({e}); no part of it is installed until that is done"
                                 );
+                                self.gone_back
+                                    .lock()
+                                    .unwrap_or_else(|p| p.into_inner())
+                                    .remove(&id);
                                 waiting.insert(id);
                             }
                         }

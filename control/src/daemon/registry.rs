@@ -224,6 +224,10 @@ pub(super) struct Shared {
     /// dataplane restarted: [`Shared::reconcile_soon`]); taken at
     /// shutdown.
     pub(super) reconcile_poke: Mutex<Option<std::sync::mpsc::Sender<()>>>,
+    /// Replicated jobs gone back to their checkpoints, with the epoch
+    /// they went back at, until every part is held again: a pass that
+    /// finds them still restoring does not make another epoch.
+    pub(super) gone_back: Mutex<BTreeMap<u16, u32>>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -467,6 +471,7 @@ mod tests {
             ops: Mutex::new(()),
             this: std::sync::Weak::new(),
             reconcile_poke: Mutex::new(None),
+            gone_back: Mutex::new(BTreeMap::new()),
         };
         let mut inner = shared.lock();
         shared
