@@ -122,17 +122,18 @@ pub enum ReplicaEvent {
         at_us: u64,
     },
     /// Every appliance killed at `at_us` after a checkpoint of every
-    /// lcore at `checkpoint_us`, and given the job back from it: index
-    /// `a` is back `down_us + a * stagger_us` after the kill, installed at
-    /// epoch 0 and restored, as control takes a job back to its
-    /// checkpoints when no replica of some part kept its state
-    /// (PROTOCOL.md §11.7, "Restored parts"; control restarted with them,
-    /// or they within its deadline: none is declared down). Each restored
-    /// primary slot copies its state to its backups, which completed no
-    /// round; the ranks, refused `ahead`, pull and repeat the rounds
-    /// since. Brought forward, with its checkpoint, to the instant the
-    /// first rank submitted its last round if that came first (as a
-    /// [`crate::Crash`] is).
+    /// lcore at `checkpoint_us`, and given the job back from it: control
+    /// records a new epoch naming nobody at the kill, and index `a` is
+    /// back `down_us + a * stagger_us` after it, installed as the
+    /// checkpoint's job, restored and put that epoch, as control takes a
+    /// job back to its checkpoints when no replica of some part kept its
+    /// state (PROTOCOL.md §11.7, "Restored parts"; control restarted with
+    /// them, or they within its deadline: none is declared down). Each
+    /// restored primary slot copies its state to its backups, which await
+    /// it; the ranks, refused `wrong_epoch` then `ahead`, pull and repeat
+    /// the rounds since. Brought forward, with its checkpoint, to the
+    /// instant the first rank submitted its last round if that came first
+    /// (as a [`crate::Crash`] is).
     Restart {
         /// When every lcore's checkpoint is taken, µs (before `at_us`).
         checkpoint_us: u64,
