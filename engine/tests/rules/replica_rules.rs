@@ -489,19 +489,10 @@ fn a_restore_forgets_pending_aggregates() {
 fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
     let mut w = sgd_pair(&[1, 2], 7);
     for r in 0..=2 {
-        let values = round_values(&w, 7, r);
-        round(&mut w, r, &values);
+        seeded_round(&mut w, 7, r);
     }
     assert_replicas_equal(&w, 2);
-    let saved: Vec<Vec<_>> = w
-        .shards
-        .iter()
-        .map(|a| a.iter().map(|s| s.snapshot(JOB).unwrap()).collect())
-        .collect();
-    let view = w.epoch.clone();
-    for (i, saved) in saved.iter().enumerate() {
-        w.reinstall_restored(i, &view, saved);
-    }
+    w.restore_all_from_checkpoints();
     // The copies go out at the lcores' next poll.
     w.poll();
     w.run();
@@ -509,8 +500,7 @@ fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
     // Each rank pulls every chunk first (PROTOCOL.md §5.4 rule 0), as
     // phub-worker does when a restored lcore says `ahead`.
     w.pull_all();
-    let values = round_values(&w, 7, 3);
-    round(&mut w, 3, &values);
+    seeded_round(&mut w, 7, 3);
     assert_replicas_equal(&w, 3);
 }
 
@@ -524,18 +514,10 @@ fn a_job_whose_every_appliance_restarted_from_its_checkpoint_goes_on() {
 fn a_restored_backup_awaits_its_copy_and_is_not_adopted_before_it() {
     let mut w = sgd_pair(&[1, 1], 11);
     for r in 0..=2 {
-        let values = round_values(&w, 11, r);
-        round(&mut w, r, &values);
+        seeded_round(&mut w, 11, r);
     }
-    let saved: Vec<Vec<_>> = w
-        .shards
-        .iter()
-        .map(|a| a.iter().map(|s| s.snapshot(JOB).unwrap()).collect())
-        .collect();
+    w.restore_all_from_checkpoints();
     let view = w.epoch.clone();
-    for (i, saved) in saved.iter().enumerate() {
-        w.reinstall_restored(i, &view, saved);
-    }
     let awaiting = |w: &World, i: usize| -> u64 {
         w.shards[i][0]
             .job_stats()

@@ -188,11 +188,20 @@ impl World {
         self.install_anew(i, view, None);
     }
 
-    /// Appliance i restarted and installed again at `view` from its own
-    /// checkpoint (`saved`, per lcore: its primary slots), as control
-    /// reinstalls a job every replica of which lost its state.
-    pub(crate) fn reinstall_restored(&mut self, i: usize, view: &EpochView, saved: &[Vec<SlotState>]) {
-        self.install_anew(i, view, Some(saved));
+    /// Every appliance restarted (a power cut) and installed again at the
+    /// job's epoch from a checkpoint of each of its lcores taken now (its
+    /// primary slots), as control takes a job every replica of some part
+    /// of which lost its state back to its checkpoints.
+    pub(crate) fn restore_all_from_checkpoints(&mut self) {
+        let saved: Vec<Vec<Vec<SlotState>>> = self
+            .shards
+            .iter()
+            .map(|a| a.iter().map(|s| s.snapshot(JOB).unwrap()).collect())
+            .collect();
+        let view = self.epoch.clone();
+        for (i, saved) in saved.iter().enumerate() {
+            self.install_anew(i, &view, Some(saved));
+        }
     }
 
     fn install_anew(&mut self, i: usize, view: &EpochView, saved: Option<&[Vec<SlotState>]>) {
@@ -478,11 +487,17 @@ pub(crate) fn results_without_failure(
     let mut w = World::new(spec, lcores, racks, 1, CLEAN);
     (0..=rounds)
         .map(|r| {
-            let v = round_values(&w, seed, r);
-            round(&mut w, r, &v);
+            seeded_round(&mut w, seed, r);
             w.got.clone()
         })
         .collect()
+}
+
+/// Round `r` of every rank with the values drawn from `seed`
+/// ([`round_values`]).
+pub(crate) fn seeded_round(w: &mut World, seed: u64, r: u32) {
+    let v = round_values(w, seed, r);
+    round(w, r, &v);
 }
 
 /// Installs `view` on every lcore of every appliance not dead (each takes
