@@ -174,6 +174,11 @@ pub struct Manager {
     info: DataplaneInfo,
     lcores: Vec<LcoreHandle>,
     jobs: Mutex<BTreeMap<u16, Registered>>,
+    /// The memory the registered jobs hold, kept with `jobs` (changed
+    /// under its lock), so that `GET /v1/info`, control's heartbeat, never
+    /// waits on an install that holds the registry while it reads a
+    /// restore of gigabytes.
+    memory_used: std::sync::atomic::AtomicU64,
     clock: Clock,
     port_stats: Option<PortStatsReader>,
     socket_drops: Option<SocketDropsReader>,
@@ -208,6 +213,7 @@ impl Manager {
             info,
             lcores,
             jobs: Mutex::new(BTreeMap::new()),
+            memory_used: std::sync::atomic::AtomicU64::new(0),
             clock,
             port_stats: None,
             socket_drops: None,
@@ -241,7 +247,7 @@ impl Manager {
     /// `GET /v1/info`.
     pub fn info(&self) -> DataplaneInfo {
         let mut i = self.info.clone();
-        i.memory_used_bytes = self.jobs().values().map(|j| j.installed.memory_bytes).sum();
+        i.memory_used_bytes = self.memory_used.load(std::sync::atomic::Ordering::Relaxed);
         i
     }
 
@@ -625,6 +631,8 @@ impl Manager {
                 request: req,
             },
         );
+        self.memory_used
+            .fetch_add(total, std::sync::atomic::Ordering::Relaxed);
         Ok(job)
     }
 
@@ -688,9 +696,11 @@ impl Manager {
     /// `DELETE /v1/jobs/{id}`.
     pub fn remove(&self, id: u16) -> Result<(), MgmtError> {
         let mut jobs = self.jobs();
-        if jobs.remove(&id).is_none() {
+        let Some(gone) = jobs.remove(&id) else {
             return Err(err(404, format!("job {id} is not installed")));
-        }
+        };
+        self.memory_used
+            .fetch_sub(gone.installed.memory_bytes, std::sync::atomic::Ordering::Relaxed);
         for i in 0..self.lcores.len() {
             self.remove_on(i, id);
         }

@@ -6,7 +6,7 @@
 //! table's optimizer made of their sum; a ROW_PULL reads them back.
 
 use std::net::UdpSocket;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::common::{Appliances, Operator, Rack};
 use phub::proto::api::{DataplaneInfo, DataplaneStats, JobDetail};
@@ -648,6 +648,35 @@ fn a_restore_cut_or_corrupt_in_its_rows_installs_nothing() {
     assert_eq!(e.status(), Some(400), "{e}");
     assert!(e.message().contains("truncated"), "{e}");
     assert!(!installed().contains(&other));
+    // A restore stalled in its rows (the body stops at `at`, the rest
+    // never sent) holds the appliance's registry while it waits; control's
+    // heartbeat, `GET /v1/info`, still answers at once (before, it waited
+    // for the stall's 60 s, and control declared a healthy appliance down).
+    {
+        use std::io::Write;
+        let addr = rack.mgmt_url.trim_start_matches("http://");
+        let mut put = std::net::TcpStream::connect(addr).unwrap();
+        write!(
+            put,
+            "PUT /v1/jobs/{other} HTTP/1.1\r\nHost: {addr}\r\nAuthorization: Bearer {}\r\n\
+             Content-Type: application/octet-stream\r\nContent-Length: {}\r\n\r\n",
+            rack.mgmt_token(),
+            file.len()
+        )
+        .unwrap();
+        put.write_all(&file[..at]).unwrap();
+        put.flush().unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let asked = Instant::now();
+        let info = client.send(&mgmt::info()).unwrap();
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "GET /v1/info took {:?} beside a stalled restore",
+            asked.elapsed()
+        );
+        assert!(!info.id.is_empty());
+        drop(put);
+    }
     let mut bad = file.clone();
     bad[at + 5] ^= 0x40;
     let e = client.send(&mgmt::restore(other, &bad)).unwrap_err();
