@@ -119,7 +119,17 @@ impl Shared {
                         )));
                     }
                     match c.info() {
-                        Ok(info) => out.push((n.clone(), info)),
+                        Ok(info) => {
+                            // Declared down, it answers: up again, as a
+                            // heartbeat's answer would say (the heartbeat
+                            // thread takes it so).
+                            if declared_down.contains(n) {
+                                if let Some(a) = self.lock().appliances.get_mut(n) {
+                                    a.liveness.down = None;
+                                }
+                            }
+                            out.push((n.clone(), info));
+                        }
                         Err(e) if declared_down.contains(n) => {
                             let up: Vec<&str> = clients
                                 .iter()

@@ -107,6 +107,17 @@ impl Shared {
             }
             let now = Instant::now();
             for (name, p) in &mut pulses {
+                // Declared down, but found answering by another request
+                // since (an admission that named it): an answer.
+                if p.declared
+                    && self
+                        .lock()
+                        .appliances
+                        .get(name)
+                        .is_some_and(|a| a.liveness.down.is_none())
+                {
+                    p.last = p.last.max(now);
+                }
                 let silent = now.saturating_duration_since(p.last);
                 match (p.declared, silent >= timing.deadline) {
                     (false, true) => {
