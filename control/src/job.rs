@@ -141,6 +141,7 @@ impl StoredJob {
                         } else {
                             Vec::new()
                         },
+                        restored: if back { self.epoch.restored } else { 0 },
                     })
                 } else {
                     None

@@ -143,6 +143,7 @@ mod tests {
                 down: Vec::new(),
                 joined: Vec::new(),
                 moved: Vec::new(),
+                restored: 0,
             }),
             entries: None,
         }

@@ -75,6 +75,7 @@ fn replicated(id: u16, base_port: u16) -> InstallJob {
             down: Vec::new(),
             joined: Vec::new(),
             moved: Vec::new(),
+            restored: 0,
         }),
     }
 }

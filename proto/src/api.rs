@@ -850,6 +850,10 @@ pub struct Replication {
     /// `appliances` already gives the moved indices' new addresses.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub moved: Vec<crate::failover::Moved>,
+    /// The epoch's restored field ([`crate::failover::EpochView::restored`]);
+    /// absent (0) when the job never went back to its checkpoints.
+    #[serde(default, skip_serializing_if = "crate::spec::is_zero")]
+    pub restored: u32,
 }
 
 impl Replication {
@@ -860,6 +864,7 @@ impl Replication {
             down: self.down.clone(),
             joined: self.joined.clone(),
             moved: self.moved.clone(),
+            restored: self.restored,
         }
     }
 }

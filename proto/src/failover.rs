@@ -54,6 +54,12 @@ pub struct EpochView {
     /// Each is also `joined` at its epoch or later (it came in empty).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub moved: Vec<Moved>,
+    /// The epoch at which the whole job last went back to its checkpoints
+    /// (PROTOCOL.md §11.7, restored parts); 0 (absent): never. A RESULT
+    /// an appliance sent in an earlier epoch is of a history the job
+    /// left: its rounds are repeated since, and a worker drops it.
+    #[serde(default, skip_serializing_if = "crate::spec::is_zero")]
+    pub restored: u32,
 }
 
 /// An appliance index of a replicated job that another appliance serves
@@ -134,6 +140,7 @@ impl EpochView {
             down,
             joined: self.joined.clone(),
             moved: self.moved.clone(),
+            restored: self.restored,
         })
     }
 
@@ -161,6 +168,7 @@ impl EpochView {
             down,
             joined,
             moved,
+            restored: self.restored,
         }
     }
 
@@ -181,6 +189,7 @@ impl EpochView {
             down,
             joined,
             moved: self.moved.clone(),
+            restored: self.restored,
         })
     }
 
@@ -557,6 +566,7 @@ mod tests {
                     epoch: 2
                 }],
                 moved: vec![],
+                restored: 0,
             }
         );
         assert_eq!(e2.with_joined(1), None, "only a down appliance comes back");
@@ -597,6 +607,7 @@ mod tests {
                 },
             ],
             moved: vec![],
+            restored: 0,
         };
         assert_eq!(l3.set(0), [0, 1, 2]);
         assert_eq!(l3.set_in(0, &e), [2, 1, 0]);
@@ -611,6 +622,30 @@ mod tests {
             let old: Vec<usize> = l3.set(p).into_iter().filter(|&a| !plain.is_down(a)).collect();
             assert_eq!(l3.set_in(p, &plain), old);
         }
+    }
+
+    /// The epoch a job went back to its checkpoints at stays in every
+    /// later view, and is left out of the JSON while there is none.
+    #[test]
+    fn the_restored_epoch_is_carried_into_every_later_epoch() {
+        let back = EpochView {
+            epoch: 4,
+            restored: 4,
+            ..Default::default()
+        };
+        let later = back.with_down(1).unwrap().with_joined(1).unwrap();
+        assert_eq!((later.epoch, later.restored), (6, 4));
+        let data = crate::api::DataAddr {
+            host: "10.0.0.9".into(),
+            base_port: 9000,
+        };
+        assert_eq!(later.with_moved(2, "d", data).restored, 4);
+        let json = serde_json::to_string(&later).unwrap();
+        assert!(json.contains("\"restored\":4"), "{json}");
+        assert_eq!(serde_json::from_str::<EpochView>(&json).unwrap(), later);
+        let never = serde_json::to_string(&EpochView::default().with_down(0).unwrap()).unwrap();
+        assert!(!never.contains("restored"), "{never}");
+        assert_eq!(serde_json::from_str::<EpochView>(&never).unwrap().restored, 0);
     }
 
     #[test]
@@ -629,6 +664,7 @@ mod tests {
                 },
             ],
             moved: vec![],
+            restored: 0,
         };
         assert_eq!(ok.check(3), Ok(()));
         let e = ok.check(2).unwrap_err();

@@ -27,6 +27,7 @@ use crate::wire::MAX_PAYLOAD;
 use crate::Dtype;
 
 mod table;
+pub(crate) use table::is_zero;
 pub use table::{
     max_dim, rows_per_datagram, Evict, RowInitSpec, RowOptimizerSpec, TableSpec, MAX_KEY_CACHE,
     MAX_TABLE_ROWS, ROW_ID_BYTES,

@@ -729,6 +729,7 @@ impl World<'_> {
                     c.answered.iter_mut().for_each(|a| *a = None);
                     c.view = EpochView {
                         epoch: c.view.epoch + 1,
+                        restored: c.view.epoch + 1,
                         ..EpochView::default()
                     };
                 }

@@ -1454,16 +1454,23 @@ fn cached_id_lists_survive_loss_duplicates_and_a_restore() {
 /// primaries' former selves had sent before the kill (held in the clog),
 /// and then refused the restored primaries' state copies `stale` for
 /// ever: a rank waited 30 s for round 0 and failed. Control now takes the
-/// job back at a new epoch naming nobody, which fences them.
+/// job back at a new epoch naming nobody, which fences them. Seed 286023
+/// (a worker's link clogged past the restart): a RESULT of round 1 from
+/// before it, held in the clog, answered the rank's PULL of a key the
+/// restore had taken back before round 0; the rank went on without
+/// sending the key's INIT again, and the others waited for it 30 s. The
+/// epoch the job went back at is now in its view (`restored`), every
+/// RESULT carries its appliance's epoch, and a worker drops one sent
+/// before.
 #[test]
 fn a_replicated_job_restarted_whole_from_its_checkpoints() {
     use phub_sim::replication::ReplicaEvent;
-    for seed in [6659, 36632] {
+    for seed in [6659, 36632, 286_023] {
         let c = Case::draw(seed);
         let rc = c.replication.as_ref().expect("a replicated job");
         assert!(
             matches!(rc.event, Some(ReplicaEvent::Restart { .. })) && c.clog.is_some(),
-            "seed {seed} is no longer a whole restart with a clogged lcore: {c:?}"
+            "seed {seed} is no longer a whole restart with a clog: {c:?}"
         );
         let o = run(&c);
         assert_eq!(o.restored, u64::from(c.appliances), "seed {seed}: {o:?}");

@@ -122,6 +122,7 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
                     epoch: 2
                 }],
                 moved: vec![],
+                restored: 0,
             }
         );
         // Now the other member of b's part's set dies: b serves it again.

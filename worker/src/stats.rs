@@ -22,7 +22,7 @@ phub_proto::counter_table! {
         retransmits: Count, Hidden, "Chunk messages sent again: after their retransmission timeout, or at once when later chunks' results overtook them (fast)";
         fast_retransmits: Count, Hidden, "The part of `retransmits` sent by fast retransmission";
         results_accepted: Count, Hidden, "RESULTs accepted for an outstanding chunk";
-        results_ignored: Count, Hidden, "RESULTs of this job ignored: duplicates, or for a round or chunk not waited for";
+        results_ignored: Count, Hidden, "RESULTs of this job ignored: duplicates, for a round or chunk not waited for, or sent before the job went back to its checkpoints";
         foreign_dropped: Count, Hidden, "Datagrams dropped because they are malformed or not this job's (wrong job id, token, rank, dtype or message type)";
         errors: Count, Hidden, "ERROR messages received for an outstanding chunk";
         timeouts: Count, Hidden, "Requests failed because the appliance stopped answering";

@@ -829,6 +829,7 @@ mod tests {
                     epoch: 2
                 }],
                 moved: vec![],
+                restored: 0,
             }
         );
         j.epoch = e2;

@@ -409,6 +409,7 @@ impl Shared {
                             if let Some(j) = inner.jobs.get_mut(&id) {
                                 j.epoch = EpochView {
                                     epoch: j.epoch.epoch + 1,
+                                    restored: j.epoch.epoch + 1,
                                     ..EpochView::default()
                                 };
                             }

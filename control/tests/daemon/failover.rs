@@ -102,6 +102,7 @@ fn b_joined_at_2() -> EpochView {
             epoch: 2,
         }],
         moved: vec![],
+        restored: 0,
     }
 }
 
@@ -475,9 +476,11 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
     // Restored as the checkpoints' jobs, then put the job's new epoch,
-    // which names nobody (what their former selves sent is refused).
+    // which names nobody (what their former selves sent is refused) and
+    // says the job went back at it (the workers drop RESULTs sent before).
     let e1 = EpochView {
         epoch: 1,
+        restored: 1,
         ..Default::default()
     };
     wait_for("epoch 1 on every part", || {

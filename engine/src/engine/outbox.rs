@@ -7,6 +7,7 @@ use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 
 use crate::transmit::{Destinations, Transmit};
 
+use super::replica::Replica;
 use super::slot::{RankSet, Slot};
 use super::{Job, Shard};
 
@@ -201,9 +202,15 @@ impl<A: Copy + Eq> Shard<A> {
             "job {job} slot {slot}: a result of the wrong length"
         );
         let share = self.rx_share(j);
+        // A replicated job's RESULT carries the lcore's epoch (PROTOCOL.md
+        // §2): a worker drops one sent before the job went back to its
+        // checkpoints (§11.7).
+        let epoch = j.replica.as_deref().map_or(0, Replica::epoch);
         let stamped = |r: Repr| {
             let mut h = r.to_bytes();
-            wire::Header::new_unchecked(&mut h[..]).set_rx_share(share);
+            let mut w = wire::Header::new_unchecked(&mut h[..]);
+            w.set_rx_share(share);
+            w.set_epoch(epoch);
             h
         };
         let plain = |to| Transmit {

@@ -79,7 +79,7 @@ pub const MAX_KEY_CACHE: u32 = 1 << 16;
 
 // Serde's `skip_serializing_if` passes a reference.
 #[allow(clippy::trivially_copy_pass_by_ref)]
-fn is_zero(n: &u32) -> bool {
+pub(crate) fn is_zero(n: &u32) -> bool {
     *n == 0
 }
 

@@ -362,6 +362,50 @@ fn an_older_wrong_epoch_keeps_the_chunk_pending_and_resends_it_on_the_timer() {
     assert_ne!(r.repr.flags & flags::RETRANSMIT, 0);
 }
 
+/// PROTOCOL.md §11.7: once the whole job went back to its checkpoints
+/// (the view's `restored` epoch), a RESULT sent in an earlier epoch is of
+/// a round the appliances repeat since and may answer differently: held
+/// in the network, it is ignored (counted), and the chunk waits for the
+/// answer of the epoch it went back at or a later one.
+#[test]
+fn a_result_sent_before_the_job_went_back_to_its_checkpoints_is_ignored() {
+    let back = EpochView {
+        epoch: 3,
+        restored: 2,
+        ..Default::default()
+    };
+    let mut h = Harness::new(Some(back.clone()));
+    h.push(1, CHUNKS);
+    let sent = h.poll();
+    assert_eq!(sent.len(), CHUNKS as usize);
+    h.at(1);
+    let ignored = h.stats.results_ignored.load(Ordering::Relaxed);
+    for s in &sent {
+        h.result(s.repr.chunk, 1, s.repr.slot, 1);
+    }
+    assert!(h.ended().is_empty(), "answered by a history the job left");
+    assert_eq!(
+        h.stats.results_ignored.load(Ordering::Relaxed),
+        ignored + u64::from(CHUNKS)
+    );
+    // The restored appliances' answers (at the epoch it went back at, and
+    // after) complete it.
+    for (i, s) in sent.iter().enumerate() {
+        h.result(s.repr.chunk, 1, s.repr.slot, if i % 2 == 0 { 2 } else { 3 });
+    }
+    let ended = h.ended();
+    assert_eq!(ended.len(), 1);
+    assert_eq!(ended[0].as_ref().map(|(r, _)| *r).ok(), Some(1), "{ended:?}");
+    // A job that never went back keeps taking RESULTs of earlier epochs
+    // (a failover's new primary answers what the old one completed).
+    let mut h = Harness::new(Some(down(3, &[1])));
+    h.push(1, CHUNKS);
+    for s in h.poll() {
+        h.result(s.repr.chunk, 1, s.repr.slot, 0);
+    }
+    assert_eq!(h.ended().len(), 1);
+}
+
 /// A chunk retransmitted [`SILENT_SENDS`] times without an answer makes
 /// the transport ask whether the epoch held is still current; told it is,
 /// it goes on retransmitting to the same place.

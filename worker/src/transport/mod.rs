@@ -59,7 +59,9 @@
 //!   [`SILENT_SENDS`] times asks too. A newer epoch given
 //!   ([`Transport::set_epoch`]) re-addresses and resends every
 //!   outstanding chunk at once; a RESULT at a slot the chunk was sent to
-//!   in an earlier epoch still answers it.
+//!   in an earlier epoch still answers it, unless the job went back to its
+//!   checkpoints since ([`EpochView::restored`]): a RESULT or ERROR sent
+//!   before that epoch is ignored.
 //!
 //! The invariants are `debug_assert!`ed where they must hold (never on what
 //! comes from the network, which is counted instead).
@@ -1016,6 +1018,15 @@ impl<D> Transport<D> {
         if repr.shm() && self.shm.as_ref().is_none_or(|s| s.regions.is_none()) {
             // A result in shared memory this worker has not mapped is malformed.
             add(&self.stats.foreign_dropped, 1);
+            return;
+        }
+        if self.routing.as_ref().is_some_and(|r| epoch < r.epoch().restored) {
+            // Sent before the whole job went back to its checkpoints
+            // (PROTOCOL.md §11.7): an answer of a history the job left,
+            // held in the network (a RESULT of a round the appliances
+            // repeat since may differ, and one answering this rank's
+            // PULL would skip the INIT a restored chunk needs again).
+            add(&self.stats.results_ignored, 1);
             return;
         }
         if repr.kind == MsgType::Error && repr.error == DropReason::ShuttingDown.code() {

@@ -427,7 +427,21 @@ impl World {
         assert_eq!(repr.kind, MsgType::Result, "{repr:?}");
         let rank = u16::from(to.ip().octets()[3]) - 1;
         let i = from.ip().octets()[2] as usize;
-        let g = self.served_chunk(i, usize::from(from.port() - 9000), repr.slot);
+        let j = usize::from(from.port() - 9000);
+        // A replicated job's RESULT carries its lcore's epoch (PROTOCOL.md
+        // §2; a worker drops one older than the epoch the job last went
+        // back to its checkpoints at, §11.7).
+        let installed = self.shards[i][j]
+            .job_stats()
+            .iter()
+            .find(|s| s.id == JOB)
+            .and_then(|s| s.copies.as_ref().map(|c| c.epoch));
+        assert_eq!(
+            Some(wire::Header::new_checked(d).unwrap().epoch()),
+            installed,
+            "a RESULT from appliance {i} lcore {j}"
+        );
+        let g = self.served_chunk(i, j, repr.slot);
         let c = self.chunk(g);
         assert_eq!((repr.key, repr.chunk), (c.key, c.chunk));
         match self.got.get(&(rank, g)) {
