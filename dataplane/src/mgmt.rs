@@ -8,7 +8,7 @@
 use std::collections::BTreeMap;
 use std::io::Read;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
@@ -168,16 +168,45 @@ struct Registered {
     request: InstallJob,
 }
 
+/// The jobs installed, and those being installed.
+#[derive(Debug, Default)]
+struct Registry {
+    jobs: BTreeMap<u16, Registered>,
+    /// Jobs whose install is under way (a restore reading its checkpoint,
+    /// the lcores taking the job), with the memory reserved for each: the
+    /// registry's lock is not held across an install, so that listing,
+    /// epochs, checkpoints, removals and installs of the other jobs go on
+    /// beside a restore of gigabytes. A request for the job itself waits
+    /// for its install to end ([`Manager::settled`]) or is refused.
+    installing: BTreeMap<u16, u64>,
+}
+
+/// Job `id`'s place in [`Registry::installing`] while its install is
+/// under way: dropped (the install ended, registered, failed or panicked),
+/// the reservation goes and the requests waiting for it wake.
+struct Reservation<'m> {
+    mgr: &'m Manager,
+    id: u16,
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.mgr.registry().installing.remove(&self.id);
+        self.mgr.install_ended.notify_all();
+    }
+}
+
 /// The management state of a running dataplane.
 #[derive(Debug)]
 pub struct Manager {
     info: DataplaneInfo,
     lcores: Vec<LcoreHandle>,
-    jobs: Mutex<BTreeMap<u16, Registered>>,
-    /// The memory the registered jobs hold, kept with `jobs` (changed
-    /// under its lock), so that `GET /v1/info`, control's heartbeat, never
-    /// waits on an install that holds the registry while it reads a
-    /// restore of gigabytes.
+    registry: Mutex<Registry>,
+    /// Signalled each time an install ends (its job registered or not).
+    install_ended: Condvar,
+    /// The memory the registered jobs hold, kept with the registry
+    /// (changed under its lock), so that `GET /v1/info`, control's
+    /// heartbeat, never waits on the registry.
     memory_used: std::sync::atomic::AtomicU64,
     clock: Clock,
     port_stats: Option<PortStatsReader>,
@@ -212,7 +241,8 @@ impl Manager {
         Manager {
             info,
             lcores,
-            jobs: Mutex::new(BTreeMap::new()),
+            registry: Mutex::new(Registry::default()),
+            install_ended: Condvar::new(),
             memory_used: std::sync::atomic::AtomicU64::new(0),
             clock,
             port_stats: None,
@@ -240,8 +270,16 @@ impl Manager {
         self
     }
 
-    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<u16, Registered>> {
-        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    fn registry(&self) -> MutexGuard<'_, Registry> {
+        self.registry.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The registry once job `id` is not being installed (its install
+    /// ended, the job registered or not).
+    fn settled(&self, id: u16) -> MutexGuard<'_, Registry> {
+        self.install_ended
+            .wait_while(self.registry(), |r| r.installing.contains_key(&id))
+            .unwrap_or_else(|p| p.into_inner())
     }
 
     /// `GET /v1/info`.
@@ -253,7 +291,11 @@ impl Manager {
 
     /// `GET /v1/jobs`.
     pub fn list(&self) -> Vec<InstalledJob> {
-        self.jobs().values().map(|j| j.installed.clone()).collect()
+        self.registry()
+            .jobs
+            .values()
+            .map(|j| j.installed.clone())
+            .collect()
     }
 
     /// `PUT /v1/jobs/{id}`: installs on every lcore or on none.
@@ -269,7 +311,11 @@ impl Manager {
     /// the lcores go on serving), then the CRC at the file's end is
     /// checked; only then does any lcore take the job. So the appliance
     /// holds the tables it builds and never the file; a body that is cut,
-    /// corrupt or does not fit leaves nothing installed.
+    /// corrupt or does not fit leaves nothing installed. Its memory is
+    /// reserved first and the registry is not held while it reads: the
+    /// other jobs' requests (list, epochs, checkpoints, installs) are
+    /// served meanwhile; an epoch, removal or install of this job waits
+    /// for it, a checkpoint of it is refused (409).
     pub fn restore<R: std::io::Read>(
         &self,
         id: u16,
@@ -319,11 +365,19 @@ impl Manager {
     /// the appliance never holds a copy of a table. Its length is known
     /// before the first byte.
     pub fn checkpoint_begin(&self, id: u16) -> Result<CheckpointStream, MgmtError> {
-        let job = self
-            .jobs()
-            .get(&id)
-            .map(|j| j.request.clone())
-            .ok_or_else(|| err(404, format!("job {id} is not installed")))?;
+        let job = {
+            let reg = self.registry();
+            if reg.installing.contains_key(&id) {
+                return Err(err(
+                    409,
+                    format!("job {id} is being installed (or restored); checkpoint it once it is"),
+                ));
+            }
+            reg.jobs
+                .get(&id)
+                .map(|j| j.request.clone())
+                .ok_or_else(|| err(404, format!("job {id} is not installed")))?
+        };
         let mut lcores = Vec::with_capacity(self.lcores.len());
         let mut sections = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {
@@ -453,11 +507,13 @@ impl Manager {
             }
         }
         let need = cost.total();
-        let mut jobs = self.jobs();
-        if jobs.contains_key(&id) {
+        // An install of the same job under way is waited for.
+        let mut reg = self.settled(id);
+        if reg.jobs.contains_key(&id) {
             return Err(err(409, format!("job {id} is already installed")));
         }
-        let used: u64 = jobs.values().map(|j| j.installed.memory_bytes).sum();
+        let used: u64 = reg.jobs.values().map(|j| j.installed.memory_bytes).sum::<u64>()
+            + reg.installing.values().sum::<u64>();
         if used + need > self.info.memory_budget_bytes {
             return Err(err(
                 507,
@@ -474,6 +530,11 @@ impl Manager {
                 ),
             ));
         }
+        // Reserved, and the registry let go of: a restore reads its
+        // checkpoint (seconds to minutes) beside the other jobs' requests.
+        reg.installing.insert(id, need);
+        drop(reg);
+        let reservation = Reservation { mgr: self, id };
         if cost.shm > 0 {
             let dir = std::path::Path::new(phub_proto::shm::DIR);
             let free = phub_net::shm::free_bytes(dir).map_err(|e| {
@@ -624,7 +685,9 @@ impl Manager {
             req.layout.chunk_count(),
             cost.shm
         );
-        jobs.insert(
+        let mut reg = self.registry();
+        reg.installing.remove(&id);
+        reg.jobs.insert(
             id,
             Registered {
                 installed: job.clone(),
@@ -633,6 +696,8 @@ impl Manager {
         );
         self.memory_used
             .fetch_add(total, std::sync::atomic::Ordering::Relaxed);
+        drop(reg);
+        drop(reservation);
         Ok(job)
     }
 
@@ -655,9 +720,10 @@ impl Manager {
     /// lost, PROTOCOL.md §11.7). Every lcore checks the view against the same
     /// install, so all take it or all refuse it.
     pub fn epoch(&self, id: u16, view: EpochView) -> Result<bool, MgmtError> {
-        // Held across the lcores: no install or removal of the job between.
-        let jobs = self.jobs();
-        if !jobs.contains_key(&id) {
+        // Held across the lcores: no install or removal of the job between
+        // (one under way is waited for).
+        let reg = self.settled(id);
+        if !reg.jobs.contains_key(&id) {
             return Err(err(404, format!("job {id} is not installed")));
         }
         let mut changed = false;
@@ -695,8 +761,8 @@ impl Manager {
 
     /// `DELETE /v1/jobs/{id}`.
     pub fn remove(&self, id: u16) -> Result<(), MgmtError> {
-        let mut jobs = self.jobs();
-        let Some(gone) = jobs.remove(&id) else {
+        let mut reg = self.settled(id);
+        let Some(gone) = reg.jobs.remove(&id) else {
             return Err(err(404, format!("job {id} is not installed")));
         };
         self.memory_used

@@ -649,9 +649,11 @@ fn a_restore_cut_or_corrupt_in_its_rows_installs_nothing() {
     assert!(e.message().contains("truncated"), "{e}");
     assert!(!installed().contains(&other));
     // A restore stalled in its rows (the body stops at `at`, the rest
-    // never sent) holds the appliance's registry while it waits; control's
-    // heartbeat, `GET /v1/info`, still answers at once (before, it waited
-    // for the stall's 60 s, and control declared a healthy appliance down).
+    // never sent): control's heartbeat, `GET /v1/info`, still answers at
+    // once (before, it waited for the stall's 60 s, and control declared a
+    // healthy appliance down), and so do the list of jobs and a checkpoint
+    // of the job beside it (before, both waited: the registry was held
+    // across the restore, and with it every other job's epochs).
     {
         use std::io::Write;
         let addr = rack.mgmt_url.trim_start_matches("http://");
@@ -675,6 +677,17 @@ fn a_restore_cut_or_corrupt_in_its_rows_installs_nothing() {
             asked.elapsed()
         );
         assert!(!info.id.is_empty());
+        let asked = Instant::now();
+        let now = installed();
+        let beside = client.send(&mgmt::checkpoint(job.id)).unwrap();
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "GET /v1/jobs and a checkpoint of job {} took {:?} beside a stalled restore",
+            job.id,
+            asked.elapsed()
+        );
+        assert!(now.contains(&job.id) && !now.contains(&other), "{now:?}");
+        assert!(!beside.is_empty());
         drop(put);
     }
     let mut bad = file.clone();
