@@ -19,7 +19,8 @@ set -euo pipefail
 # python3, python3-venv, python3-dev: the Python package (python/): PyO3's
 # build script needs an interpreter, `cargo build` of its cdylib links
 # libpython, and the Python tests run in a venv.
-# fonts-dejavu-core: the labels of phub-bench's PNG plots (--plot F.png).
+# fonts-dejavu-core: the labels of phub-bench's PNG plots (--plot F.png, in
+# a phub-bench built with --features png).
 # dpkg-dev, binutils: `make deb` (dpkg-shlibdeps computes the package's
 # Depends; objcopy strips the binaries). `make test-package` installs its own
 # (mmdebstrap).

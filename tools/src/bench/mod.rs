@@ -22,6 +22,8 @@ pub mod emulate;
 pub mod failover;
 pub mod local;
 pub mod plot;
+#[cfg(feature = "png")]
+mod png;
 pub mod racks;
 pub mod run;
 pub mod sparse;
