@@ -492,7 +492,8 @@ impl Shared {
             return Some(Loss::Wait);
         }
         let why = format!(
-            "every replica of part{} {} (home appliance{} {}) lost its state (restarted)",
+            "every replica of part{} {} (home appliance{} {}) lost its state (restarted, down, or not yet filled \
+             by a state copy)",
             if lost.len() == 1 { "" } else { "s" },
             lost.iter()
                 .map(ToString::to_string)
