@@ -733,6 +733,14 @@ pub fn render_show(d: &JobDetail) -> String {
                 down.join(", ")
             }
         ));
+        if e.restored > 0 {
+            // PROTOCOL.md §11.7, "Restored parts": the rounds since the
+            // checkpoints were repeated.
+            out.push_str(&format!(
+                "\nwent back to its checkpoints at epoch {} (a part lost every replica)",
+                e.restored
+            ));
+        }
     }
     if let Some(r) = &d.replicas {
         out.push_str(&format!(
@@ -1677,6 +1685,24 @@ mod tests {
             t.contains("replicas 2, epoch 1, appliances down: b\n") && t.contains("OUT (declared down)"),
             "{t}"
         );
+        assert!(!t.contains("went back"), "{t}");
+        // A job that went back to its checkpoints says when.
+        d.epoch = Some(phub_proto::failover::EpochView {
+            epoch: 4,
+            down: vec![1],
+            restored: 3,
+            ..Default::default()
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains("epoch 4, appliances down: b\nwent back to its checkpoints at epoch 3"),
+            "{t}"
+        );
+        d.epoch = Some(phub_proto::failover::EpochView {
+            epoch: 1,
+            down: vec![1],
+            ..Default::default()
+        });
         // Re-replication (PROTOCOL.md §11.7): replicas live and wanted,
         // the state, and once done the time to full strength and bytes.
         let mut x = phub_proto::api::Rereplication {
