@@ -134,6 +134,17 @@ enum JobCmd {
         /// Job id.
         id: u16,
     },
+    /// Move one part of a replicated job at full strength from the most
+    /// loaded of its appliances (the most jobs with parts there) to the
+    /// least loaded appliance that is not the job's (one added since, say),
+    /// while the job runs, when that evens their load; the part is filled
+    /// by state copies (`job show` says when the job is back to full
+    /// strength, and the next part can move). Says so when no move evens
+    /// the load.
+    Rebalance {
+        /// Job id.
+        id: u16,
+    },
     /// Retry a HELD job (`job show` says why it is held: a part's
     /// checkpoint file is there but cannot be restored, so that part is
     /// not installed and the file is left as it is). Once the file is
@@ -297,6 +308,28 @@ fn run(ctl: &Ctl, args: &Args) -> Result<(), CliError> {
             }
             JobCmd::List => show(json, ctl.send(&control::jobs())?, |r| render_list(&r)),
             JobCmd::Show { id } => show(json, ctl.send(&control::job(*id))?, |r| render_show(&r)),
+            JobCmd::Rebalance { id } => show(json, ctl.send(&control::rebalance_job(*id))?, |r| {
+                let load: Vec<String> = r.load.iter().map(|(n, l)| format!("{n} {l}")).collect();
+                match &r.moved {
+                    Some(m) => format!(
+                        "job {}: part {} moves from appliance {:?} to {:?} at epoch {} (filling: phubctl job \
+                         show {}); jobs per appliance now: {}\n",
+                        r.job,
+                        m.index,
+                        m.from,
+                        m.to,
+                        m.epoch,
+                        r.job,
+                        load.join(", ")
+                    ),
+                    None => format!(
+                        "job {}: balanced, nothing moved (no appliance outside it holds two jobs fewer than \
+                         one of its own); jobs per appliance: {}\n",
+                        r.job,
+                        load.join(", ")
+                    ),
+                }
+            }),
             JobCmd::Checkpoint { id } => show(json, ctl.send(&control::checkpoint(*id))?, |c| {
                 let rounds = match c.round_range {
                     Some((lo, hi)) if lo == hi => format!("round {lo}"),

@@ -15,6 +15,7 @@
 //! | `DELETE /v1/jobs/{id}` | | [`JobSummary`] of the evicted job |
 //! | `POST /v1/jobs/{id}/checkpoint` | | [`CheckpointInfo`] |
 //! | `POST /v1/jobs/{id}/retry` | [`RetryRequest`] or none | [`RetryResponse`] |
+//! | `POST /v1/jobs/{id}/rebalance` | | [`Rebalance`]: the part moved, if one was (PROTOCOL.md §11.8); 409 for a job that cannot move |
 //! | `GET /v1/jobs/{id}/map` | | [`JobMap`]: per lcore its run of chunks, no keys |
 //! | `GET /v1/jobs/{id}/map/keys/{k}` | | [`JobMap`] with key k's chunks ([`KeyMap`]) |
 //! | `POST /v1/jobs/{id}/join` | [`JoinRequest`] | [`JoinResponse`] |
@@ -40,7 +41,7 @@
 //!
 //! Who may call what: on control, `POST /v1/jobs`, `DELETE /v1/jobs/{id}`,
 //! `POST /v1/jobs/{id}/checkpoint`, `POST /v1/jobs/{id}/retry`, `POST
-//! /v1/appliances`, `DELETE /v1/appliances/{name}` and `POST
+//! /v1/jobs/{id}/rebalance`, `POST /v1/appliances`, `DELETE /v1/appliances/{name}` and `POST
 //! /v1/appliances/{name}/drain` need
 //! `Authorization: Bearer <operator token>` (401 without, 403 wrong); a
 //! join carries the job's token in its
@@ -469,6 +470,34 @@ pub struct DrainMove {
     /// (its index in layout order): empty at first, filled by state
     /// copies while the job runs (`phubctl job show` reports full
     /// strength when they are done).
+    pub to: String,
+    /// The job's epoch with it moved.
+    pub epoch: u32,
+}
+
+/// What `POST /v1/jobs/{id}/rebalance` did (PROTOCOL.md §11.8): at most
+/// one part moved, from its most loaded appliance to the least loaded
+/// one that is not the job's; none when no move makes the load more even.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Rebalance {
+    /// The job.
+    pub job: u16,
+    /// The part moved, if one was.
+    pub moved: Option<PartMove>,
+    /// Each appliance of the job (after the move) with the jobs it holds
+    /// parts of, in layout order: what the choice was made on.
+    pub load: Vec<(String, usize)>,
+}
+
+/// A part of a replicated job moved to another appliance while it runs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartMove {
+    /// The part's index in layout order.
+    pub index: u16,
+    /// The appliance it leaves.
+    pub from: String,
+    /// The appliance that takes its place, empty at first and filled by
+    /// state copies while the job runs.
     pub to: String,
     /// The job's epoch with it moved.
     pub epoch: u32,

@@ -21,8 +21,8 @@ use serde::Serialize;
 
 use crate::api::{
     AdmitResponse, ApplianceSpec, ApplianceStatus, CheckpointInfo, DataplaneInfo, DataplaneStats, Drain,
-    InstallJob, InstalledJob, JobDetail, JobMap, JobSummary, JoinRequest, JoinResponse, RetryRequest,
-    RetryResponse, Stats,
+    InstallJob, InstalledJob, JobDetail, JobMap, JobSummary, JoinRequest, JoinResponse, Rebalance,
+    RetryRequest, RetryResponse, Stats,
 };
 use crate::failover::EpochView;
 
@@ -174,6 +174,12 @@ pub enum ControlRoute {
         /// The job.
         job: u16,
     },
+    /// `POST /v1/jobs/{job}/rebalance`: moves one part of a replicated
+    /// job to a less loaded appliance (PROTOCOL.md §11.8).
+    Rebalance {
+        /// The job.
+        job: u16,
+    },
     /// `GET /v1/jobs/{job}/map`, or with a key `GET
     /// /v1/jobs/{job}/map/keys/{key}`.
     Map {
@@ -231,7 +237,8 @@ impl ControlRoute {
             (["v1", "jobs", id, "checkpoint"], "POST") => Ok(R::Checkpoint { job: job_id(id)? }),
             (["v1", "jobs", id, "retry"], "POST") => Ok(R::Retry { job: job_id(id)? }),
             (["v1", "jobs", id, "join"], "POST") => Ok(R::Join { job: job_id(id)? }),
-            (["v1", "jobs", _, "checkpoint" | "retry" | "join"], _) => wrong("POST"),
+            (["v1", "jobs", id, "rebalance"], "POST") => Ok(R::Rebalance { job: job_id(id)? }),
+            (["v1", "jobs", _, "checkpoint" | "retry" | "join" | "rebalance"], _) => wrong("POST"),
             (["v1", "jobs", id, "epoch"], "GET") => Ok(R::Epoch { job: job_id(id)? }),
             (["v1", "jobs", _, "epoch"], _) => wrong("GET"),
             (["v1", "jobs", id, "map"], "GET") => Ok(R::Map {
@@ -324,6 +331,7 @@ impl ControlRoute {
             R::Evict { job },
             R::Checkpoint { job },
             R::Retry { job },
+            R::Rebalance { job },
             R::Map { job, key: None },
             R::Map { job, key: Some(0) },
             R::Join { job },
@@ -352,6 +360,7 @@ impl ControlRoute {
                 | R::Evict { .. }
                 | R::Checkpoint { .. }
                 | R::Retry { .. }
+                | R::Rebalance { .. }
                 | R::Map { .. }
                 | R::Join { .. }
                 | R::Epoch { .. }
@@ -381,6 +390,7 @@ impl Route for ControlRoute {
             R::Admit
             | R::Checkpoint { .. }
             | R::Retry { .. }
+            | R::Rebalance { .. }
             | R::Join { .. }
             | R::AddAppliance { .. }
             | R::DrainAppliance { .. } => Method::Post,
@@ -395,6 +405,7 @@ impl Route for ControlRoute {
             R::Job { job } | R::Evict { job } => format!("/v1/jobs/{job}"),
             R::Checkpoint { job } => format!("/v1/jobs/{job}/checkpoint"),
             R::Retry { job } => format!("/v1/jobs/{job}/retry"),
+            R::Rebalance { job } => format!("/v1/jobs/{job}/rebalance"),
             R::Map { job, key: None } => format!("/v1/jobs/{job}/map"),
             R::Map { job, key: Some(k) } => format!("/v1/jobs/{job}/map/keys/{k}"),
             R::Join { job } => format!("/v1/jobs/{job}/join"),
@@ -413,8 +424,8 @@ impl Route for ControlRoute {
         }
     }
 
-    /// The operator token: admission, eviction, checkpoints, retries and
-    /// the appliance changes. A join carries the job's token in its body.
+    /// The operator token: admission, eviction, checkpoints, retries,
+    /// rebalancing and the appliance changes. A join carries the job's token in its body.
     fn needs_token(&self) -> bool {
         use ControlRoute as R;
         matches!(
@@ -423,6 +434,7 @@ impl Route for ControlRoute {
                 | R::Evict { .. }
                 | R::Checkpoint { .. }
                 | R::Retry { .. }
+                | R::Rebalance { .. }
                 | R::AddAppliance { .. }
                 | R::RemoveAppliance { .. }
                 | R::DrainAppliance { .. }
@@ -723,6 +735,11 @@ pub mod control {
         )
     }
 
+    /// `POST /v1/jobs/{job}/rebalance`: the part moved, if any.
+    pub fn rebalance_job(job: u16) -> ControlCall<'static, Rebalance> {
+        Call::new(ControlRoute::Rebalance { job }, Body::Empty, json)
+    }
+
     /// `GET /metrics`: the Prometheus text.
     pub fn metrics() -> ControlCall<'static, String> {
         Call::new(ControlRoute::Metrics, Body::Empty, text)
@@ -798,6 +815,7 @@ mod tests {
             R::Evict { job: 65535 },
             R::Checkpoint { job: 7 },
             R::Retry { job: 7 },
+            R::Rebalance { job: 7 },
             R::Map { job: 7, key: None },
             R::Map { job: 7, key: Some(0) },
             R::Map {
@@ -878,6 +896,7 @@ mod tests {
                 "DELETE /v1/jobs/65535 true",
                 "POST /v1/jobs/7/checkpoint true",
                 "POST /v1/jobs/7/retry true",
+                "POST /v1/jobs/7/rebalance true",
                 "GET /v1/jobs/7/map false",
                 "GET /v1/jobs/7/map/keys/0 false",
                 "GET /v1/jobs/7/map/keys/12 false",

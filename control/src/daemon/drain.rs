@@ -25,16 +25,20 @@
 //! (its backups no longer acknowledge it), so workers asking it find
 //! silence and ask control for the epoch.
 //!
+//! A rebalance (`POST /v1/jobs/{id}/rebalance`, [`Shared::rebalance`])
+//! moves one part of one job the same way, from its most loaded
+//! appliance to the least loaded spare, when that evens the load.
+//!
 //! All or nothing: if any job cannot move (not replicated, hierarchical,
 //! down on another appliance or re-replicating, failed, or no spare
 //! fits), the drain is refused
 //! naming each such job and why, and nothing changes.
 
-use phub_proto::api::{Drain, DrainMove, Rereplication, Strength};
+use phub_proto::api::{Drain, DrainMove, PartMove, Rebalance, Rereplication, Strength};
 use phub_proto::failover::EpochView;
 
 use super::failover::unix_ms;
-use super::http::RequestError;
+use super::http::{not_admitted, RequestError};
 use std::sync::{Arc, MutexGuard};
 
 use super::registry::{Entry, Inner, Shared};
@@ -100,6 +104,109 @@ impl Shared {
             report.moved.len()
         );
         Ok(report)
+    }
+}
+
+impl Shared {
+    /// `POST /v1/jobs/{id}/rebalance` (PROTOCOL.md §11.8): moves one part
+    /// of replicated job `id`, at full strength, from the most loaded of
+    /// its appliances (the most jobs with parts there) to the least loaded
+    /// spare (the drain's rules, module head), when that leaves the two
+    /// more even (the spare holds at least two jobs fewer); the move is a
+    /// drain's, of that part alone. Nothing moved when no move evens the
+    /// load; refused, nothing changed, for a job that is not replicated,
+    /// failed or not at full strength. One part per call: the next once
+    /// the job is back to full strength.
+    pub(super) fn rebalance(&self, id: u16) -> Result<Rebalance, RequestError> {
+        let this = self
+            .this
+            .upgrade()
+            .ok_or_else(|| RequestError::State("control is stopping; nothing was moved".into()))?;
+        let _ops = self.ops.lock().unwrap_or_else(|p| p.into_inner());
+        let inner = self.lock();
+        let job = inner.jobs.get(&id).ok_or_else(|| not_admitted(id))?;
+        let what = format!("job {id} ({:?})", job.spec.name);
+        if let Some(why) = &job.failed {
+            return Err(RequestError::Conflict(format!(
+                "{what} failed ({why}); nothing was moved"
+            )));
+        }
+        if !job.is_replicated() {
+            return Err(RequestError::Conflict(format!(
+                "{what} is not replicated ([placement] replicas = 1, or hierarchical): its parts cannot move \
+                 while it runs; nothing was moved"
+            )));
+        }
+        let rack = |n: &str| inner.rack_of(n);
+        match job.strength(rack).map(|s| (s.state, s.live, s.wanted)) {
+            Some((Strength::FullStrength, _, _)) => {}
+            Some((state, live, wanted)) => {
+                return Err(RequestError::Conflict(format!(
+                    "{what} is not at full strength ({state:?}, {live} of {wanted} replicas live): a part moves \
+                     only while another live appliance holds its state; rebalance once `phubctl job show {id}` \
+                     says full strength"
+                )))
+            }
+            None => {
+                return Err(RequestError::Conflict(format!(
+                    "{what}: its replica strength cannot be read; nothing was moved"
+                )))
+            }
+        }
+        let layout = job
+            .replica_layout(rack)
+            .map_err(|e| RequestError::State(format!("{what}: its layout cannot be read ({e})")))?;
+        let load = |n: &str| inner.jobs_on(n).len();
+        // The move that narrows the widest gap: from the most loaded part
+        // to its least loaded spare, ties by index and then name.
+        let mut best: Option<(usize, usize, &str, phub_proto::api::DataAddr)> = None;
+        for (index, part) in job.parts.iter().enumerate() {
+            let from = load(&part.appliance);
+            let mut found = spares(&inner, job, &part.appliance, part.lcores as usize, &layout);
+            found.sort_by_cached_key(|(n, _)| (load(n), n.to_string()));
+            let Some((to, data)) = found.into_iter().next() else {
+                continue;
+            };
+            let gap = from.saturating_sub(load(to));
+            if gap >= 2 && best.as_ref().is_none_or(|b| gap > b.1) {
+                best = Some((index, gap, to, data));
+            }
+        }
+        let loads = |inner: &Inner, job: &crate::state::StoredJob| -> Vec<(String, usize)> {
+            job.parts
+                .iter()
+                .map(|p| (p.appliance.clone(), inner.jobs_on(&p.appliance).len()))
+                .collect()
+        };
+        let Some((index, _, to, data)) = best else {
+            log::info!("{what}: rebalance: no move makes its appliances' load more even");
+            return Ok(Rebalance {
+                job: id,
+                moved: None,
+                load: loads(&inner, job),
+            });
+        };
+        let from = job.parts[index].appliance.clone();
+        let index16 = u16::try_from(index).expect("a job's appliances are numbered in u16");
+        let m = Move {
+            id,
+            index,
+            to: to.to_string(),
+            view: job.epoch.with_moved(index16, to, data),
+        };
+        let (moved, failed) = self.apply_moves(&this, inner, &from, vec![m], "rebalanced");
+        if let Some(e) = failed {
+            return Err(RequestError::State(e));
+        }
+        let moved = moved.into_iter().next().map(|m| PartMove {
+            index: index16,
+            from,
+            to: m.to,
+            epoch: m.epoch,
+        });
+        let inner = self.lock();
+        let load = inner.jobs.get(&id).map(|j| loads(&inner, j)).unwrap_or_default();
+        Ok(Rebalance { job: id, moved, load })
     }
 }
 
@@ -244,32 +351,7 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
             continue;
         };
         let lcores = job.parts[index].lcores as usize;
-        let mut spares: Vec<(&str, phub_proto::api::DataAddr)> = inner
-            .appliances
-            .values()
-            .filter(|a| {
-                a.spec.name != name
-                    && !a.spec.draining
-                    && a.alias.is_none()
-                    && a.liveness.down.is_none()
-                    && job.part_index(&a.spec.name).is_none()
-            })
-            .filter_map(|a| {
-                let info = a.info.as_ref()?;
-                (info.lcores.len() >= lcores).then(|| (a.spec.name.as_str(), info.data.clone()))
-            })
-            .filter(|(spare, _)| {
-                let swapped = |n: &str| {
-                    if n == name {
-                        inner.rack_of(spare)
-                    } else {
-                        inner.rack_of(n)
-                    }
-                };
-                job.replica_layout(swapped)
-                    .is_ok_and(|l| (0..l.appliances()).all(|p| l.set(p) == layout.set(p)))
-            })
-            .collect();
+        let mut spares = spares(inner, job, name, lcores, &layout);
         // The least loaded first, then by name.
         spares.sort_by_cached_key(|(n, _)| {
             (
@@ -296,4 +378,44 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
         });
     }
     (moves, refused)
+}
+
+/// The appliances that can take job `job`'s part on appliance `name` (of
+/// `lcores` lcores; `layout` the job's replica layout): not one of the
+/// job's, not declared down, not an alias, not being drained, with at
+/// least `lcores` lcores, whose rack label keeps every part's replica set
+/// (module head); each with its data address.
+fn spares<'i>(
+    inner: &'i Inner,
+    job: &crate::state::StoredJob,
+    name: &str,
+    lcores: usize,
+    layout: &phub_proto::failover::ReplicaLayout<String>,
+) -> Vec<(&'i str, phub_proto::api::DataAddr)> {
+    inner
+        .appliances
+        .values()
+        .filter(|a| {
+            a.spec.name != name
+                && !a.spec.draining
+                && a.alias.is_none()
+                && a.liveness.down.is_none()
+                && job.part_index(&a.spec.name).is_none()
+        })
+        .filter_map(|a| {
+            let info = a.info.as_ref()?;
+            (info.lcores.len() >= lcores).then(|| (a.spec.name.as_str(), info.data.clone()))
+        })
+        .filter(|(spare, _)| {
+            let swapped = |n: &str| {
+                if n == name {
+                    inner.rack_of(spare)
+                } else {
+                    inner.rack_of(n)
+                }
+            };
+            job.replica_layout(swapped)
+                .is_ok_and(|l| (0..l.appliances()).all(|p| l.set(p) == layout.set(p)))
+        })
+        .collect()
 }

@@ -269,6 +269,7 @@ impl Shared {
             }
             R::RemoveAppliance { name } => Ok(Reply::json(200, &self.remove_appliance(&name)?)),
             R::DrainAppliance { name } => Ok(Reply::json(200, &self.drain(&name)?)),
+            R::Rebalance { job } => Ok(Reply::json(200, &self.rebalance(job)?)),
             R::Stats => Ok(Reply::json(200, &self.stats())),
             R::Metrics => Ok(Reply {
                 status: 200,

@@ -632,7 +632,7 @@ fn every_route_reaches_its_handler() {
         R::RemoveAppliance { .. } => 1,
         _ => 0,
     });
-    assert_eq!(routes.len(), 17);
+    assert_eq!(routes.len(), 18);
     for route in routes {
         let (body, expected) = match &route {
             R::Admit => (Some(second.as_str()), 201),
@@ -643,8 +643,9 @@ fn every_route_reaches_its_handler() {
             R::AddAppliance {
                 mode: AddMode::Forced,
             } => (Some(down.as_str()), 201),
-            // The job is not held: nothing to retry.
-            R::Retry { .. } => (None, 409),
+            // The job is not held: nothing to retry; nor replicated:
+            // nothing to rebalance.
+            R::Retry { .. } | R::Rebalance { .. } => (None, 409),
             R::Jobs
             | R::Job { .. }
             | R::Evict { .. }

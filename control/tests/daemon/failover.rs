@@ -13,11 +13,12 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use crate::client::{call_route, ok_at, wait_for, wait_within};
+use crate::client::{call_route, err_at, ok_at, wait_for, wait_within};
 use crate::fake::{Fake, FakeConfig, TempState, FAKE_COPY_BYTES};
 use phub_control::daemon::{Config, Daemon, Heartbeat, HEARTBEAT_DEADLINE_MS, HEARTBEAT_MS};
 use phub_proto::api::{
-    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse, Rereplication, Strength,
+    AdmitResponse, ApiError, ApplianceSpec, ApplianceStatus, JobDetail, JoinResponse, Rebalance,
+    Rereplication, Strength,
 };
 use phub_proto::failover::{EpochView, Joined, ReplicaLayout};
 use phub_proto::routes::ControlRoute as R;
@@ -714,5 +715,87 @@ fn a_job_that_is_not_replicated_waits_for_its_appliance() {
     assert!(!b.state.lock().unwrap().log.contains(&deleted));
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     assert_eq!((show.epoch, show.replicas), (None, None));
+    d.shutdown();
+}
+
+/// `phubctl job rebalance` (PROTOCOL.md §11.8): two replicated jobs on
+/// a, b and c, then d added. Rebalancing the second moves one part from
+/// the most loaded appliance to d (the drain's move: d installed empty at
+/// the next epoch, the index moved there); once the job is back to full
+/// strength, nothing more evens the load and nothing moves. A job not
+/// replicated is refused, nothing changed.
+#[test]
+fn a_rebalance_moves_one_part_to_an_appliance_added_since() {
+    let [a, b, c] = three_fakes();
+    let d_fake = Fake::start(FakeConfig::lcores(1).at(9400));
+    let state = TempState::new("phub-control-failover", "rebalance");
+    let d = daemon(&[&a, &b, &c], &state);
+    let first = admit_replicated(&d);
+    let second = admit_replicated(&d);
+    let plain = JobSpec::new("p", 1, &[256])
+        .with_chunk_bytes(1024)
+        .sharded_over(Placed::Count(3))
+        .to_toml();
+    let plain: AdmitResponse = ok_at(&d, &R::Admit, Some(&plain));
+    // No appliance outside the jobs yet: nothing to move to.
+    let r: Rebalance = ok_at(&d, &R::Rebalance { job: second.id }, None);
+    assert_eq!(r.moved, None, "{r:?}");
+    let spec = ApplianceSpec {
+        name: "d".into(),
+        url: d_fake.url(),
+        rack: String::new(),
+        token_file: None,
+        draining: false,
+    };
+    let body = serde_json::to_string(&spec).unwrap();
+    let _: ApplianceStatus = ok_at(
+        &d,
+        &R::AddAppliance {
+            mode: phub_proto::routes::AddMode::Checked,
+        },
+        Some(&body),
+    );
+    let e = err_at(&d, &R::Rebalance { job: plain.id }, None, 409);
+    assert!(
+        e.contains("not replicated") && e.contains("nothing was moved"),
+        "{e}"
+    );
+    let r: Rebalance = ok_at(&d, &R::Rebalance { job: second.id }, None);
+    let m = r.moved.clone().expect("a part moves to d");
+    assert_eq!(
+        (m.index, m.from.as_str(), m.to.as_str(), m.epoch),
+        (0, "a", "d", 1),
+        "{r:?}"
+    );
+    assert_eq!(
+        r.load,
+        [("d".to_string(), 1), ("b".into(), 3), ("c".into(), 3)],
+        "{r:?}"
+    );
+    let now: EpochView = ok_at(&d, &R::Epoch { job: second.id }, None);
+    assert_eq!((now.epoch, now.moved.len()), (1, 1), "{now:?}");
+    assert_eq!(now.moved[0].name, "d");
+    wait_for("d installed at epoch 1", || {
+        d_fake.state.lock().unwrap().installs.contains(&(second.id, 1))
+    });
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_within("full strength", within * 4, || {
+        let show: JobDetail = ok_at(&d, &R::Job { job: second.id }, None);
+        show.replicas.is_some_and(|r| r.state == Strength::FullStrength)
+    });
+    // a 2 jobs (the first and the plain one), b and c 3, d 1: the first
+    // job's part on b (the first of the most loaded) moves to d.
+    let r: Rebalance = ok_at(&d, &R::Rebalance { job: first.id }, None);
+    let m = r.moved.clone().expect("a part of the first job moves to d");
+    assert_eq!((m.index, m.from.as_str(), m.to.as_str()), (1, "b", "d"), "{r:?}");
+    // a, b and d 2 jobs, c 3: the second job (d, b, c) would move its
+    // part on c to a, which holds one job fewer: no more even.
+    let r: Rebalance = ok_at(&d, &R::Rebalance { job: second.id }, None);
+    assert_eq!(r.moved, None, "{r:?}");
+    assert_eq!(
+        r.load,
+        [("d".to_string(), 2), ("b".into(), 2), ("c".into(), 3)],
+        "{r:?}"
+    );
     d.shutdown();
 }
