@@ -188,3 +188,64 @@ fn d_in_b_s_place(rack: &Appliances, id: u16) -> JobDetail {
     assert_eq!(d.summary.appliances, ["a", "d", "c"]);
     d
 }
+
+/// `phubctl job rebalance` while the job runs (PROTOCOL.md §11.8): a
+/// second job, idle, loads a, b and c; d holds nothing. Rebalancing the
+/// training job moves its part on a (the first of the most loaded) to d,
+/// which is filled with state copies while the rounds go on; a second
+/// rebalance then finds nothing to even. Then b (the backup of a's old
+/// part, which d now serves) is killed: every round stays exact.
+#[test]
+fn a_rebalance_moves_a_part_to_an_idle_appliance_while_the_job_runs_exactly() {
+    let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    let workers = 2u16;
+    let job = rack
+        .admit(&replicated_spec("rebalance", workers, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    // Loads a, b and c; never trained.
+    rack.admit(&replicated_spec("idle", 1, &[64], &["a", "b", "c"], 2))
+        .unwrap();
+    let rounds = 16u32;
+    let gates = Gates::new(&[4, 10], rounds);
+    let url = rack.control_url.clone();
+    let more = |rank: u16, r: u32| gates.more(rank, r);
+    std::thread::scope(|s| {
+        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        gates.wait_at(0);
+        let (ok, out, err) = rack.phubctl(&["job", "rebalance", &job.id.to_string()]);
+        assert!(ok, "{out}{err}");
+        assert!(
+            out.contains(&format!(
+                "job {}: part 0 moves from appliance \"a\" to \"d\" at epoch 1",
+                job.id
+            )),
+            "{out}"
+        );
+        gates.open(0);
+        let detail = || -> JobDetail { rack.send(&control::job(job.id)) };
+        let full = || {
+            detail().replicas.is_some_and(|r| {
+                r.state == Strength::FullStrength
+                    && r.rereplication
+                        .as_ref()
+                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
+            })
+        };
+        assert!(
+            try_until(Duration::from_secs(30), full),
+            "d not filled within 30 s: {:?}",
+            detail().replicas
+        );
+        assert_eq!(detail().summary.appliances, ["d", "b", "c"]);
+        let (ok, out, err) = rack.phubctl(&["job", "rebalance", &job.id.to_string()]);
+        assert!(ok && out.contains("balanced, nothing moved"), "{out}{err}");
+        until("a without the job", Duration::from_secs(20), || {
+            !rack.dataplane(0, &mgmt::jobs()).iter().any(|j| j.id == job.id)
+        });
+        gates.wait_at(1);
+        rack.kill_dataplane(1);
+        gates.open(1);
+        all_trained(ranks, rounds);
+    });
+}
