@@ -21,6 +21,18 @@ use crate::common::{
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
 
+/// The tests' training job: these keys, two workers, two replicas of
+/// every chunk over a, b and c, trained this many rounds.
+const KEYS: [u64; 3] = [5000, 3, 20_000];
+const WORKERS: u16 = 2;
+const ROUNDS: u32 = 16;
+
+/// Admits the tests' training job (or another job like it) as `name`.
+fn admit_job(rack: &Appliances, name: &str) -> phub::proto::api::AdmitResponse {
+    rack.admit(&replicated_spec(name, WORKERS, &KEYS, &["a", "b", "c"], 2))
+        .unwrap()
+}
+
 #[test]
 fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
     drain_b(false);
@@ -39,17 +51,12 @@ fn a_dead_appliance_drained_is_replaced_by_a_spare_and_the_job_is_whole_again() 
 #[test]
 fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_operator() {
     let mut rack = Appliances::start_with_control(&[1, 1, 1, 1], "256MiB", &[], &["--spare-after-ms", "300"]);
-    let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
-    let job = rack
-        .admit(&replicated_spec("spare", workers, &keys, &["a", "b", "c"], 2))
-        .unwrap();
-    let rounds = 16u32;
-    let gates = Gates::new(&[4, 10], rounds);
+    let job = admit_job(&rack, "spare");
+    let gates = Gates::new(&[4, 10], ROUNDS);
     let url = rack.control_url.clone();
     let more = |rank: u16, r: u32| gates.more(rank, r);
     std::thread::scope(|s| {
-        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        let ranks = train_ranks(s, &url, &job, WORKERS, &KEYS, &more);
         gates.wait_at(0);
         let b_pid = rack.dataplanes[1].as_ref().unwrap().pid();
         let stopped = Stopped::new(b_pid);
@@ -69,7 +76,7 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
         gates.wait_at(1);
         rack.kill_dataplane(2);
         gates.open(1);
-        all_trained(ranks, rounds);
+        all_trained(ranks, ROUNDS);
     });
 }
 
@@ -77,11 +84,7 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
 /// waits for d at full strength, removes b, kills c; every round exact.
 fn drain_b(dead: bool) {
     let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
-    let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
-    let job = rack
-        .admit(&replicated_spec("drain", workers, &keys, &["a", "b", "c"], 2))
-        .unwrap();
+    let job = admit_job(&rack, "drain");
     assert_eq!(job.appliances, ["a", "b", "c"]);
     // A job that cannot move (one copy of each chunk) on b: the drain is
     // refused naming it, nothing changed. Evicted before the real drain.
@@ -103,12 +106,11 @@ fn drain_b(dead: bool) {
     rack.send(&control::evict(single.id));
 
     // Rank 0 waits before round 5 for the drain, before 11 for the kill.
-    let rounds = 16u32;
-    let gates = Gates::new(&[4, 10], rounds);
+    let gates = Gates::new(&[4, 10], ROUNDS);
     let url = rack.control_url.clone();
     let more = |rank: u16, r: u32| gates.more(rank, r);
     std::thread::scope(|s| {
-        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        let ranks = train_ranks(s, &url, &job, WORKERS, &KEYS, &more);
         gates.wait_at(0);
         if dead {
             rack.kill_dataplane(1);
@@ -156,18 +158,26 @@ fn drain_b(dead: bool) {
         gates.wait_at(1);
         rack.kill_dataplane(2);
         gates.open(1);
-        all_trained(ranks, rounds);
+        all_trained(ranks, ROUNDS);
     });
     // d completed every round of index 1's part, from the copy on.
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(3, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
-    assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "d: {live:?}");
+    assert_eq!(live.round_range.map(|r| r.1), Some(ROUNDS), "d: {live:?}");
 }
 
 /// Waits (30 s at most) for job `id` at full strength with d filled in
 /// b's place (its re-replication to d ended), checks d is the job's second
 /// appliance, and returns the job as control then shows it.
 fn d_in_b_s_place(rack: &Appliances, id: u16) -> JobDetail {
+    let d = d_filled(rack, id);
+    assert_eq!(d.summary.appliances, ["a", "d", "c"]);
+    d
+}
+
+/// Waits (30 s at most) for job `id` at full strength with d filled (its
+/// re-replication to d ended); the job as control then shows it.
+fn d_filled(rack: &Appliances, id: u16) -> JobDetail {
     let detail = || -> JobDetail { rack.send(&control::job(id)) };
     let full = || {
         detail().replicas.is_some_and(|r| {
@@ -179,14 +189,12 @@ fn d_in_b_s_place(rack: &Appliances, id: u16) -> JobDetail {
     };
     if !try_until(Duration::from_secs(30), full) {
         panic!(
-            "d not in b's place at full strength within 30 s: {:?}, epoch {:?}",
+            "d not filled at full strength within 30 s: {:?}, epoch {:?}",
             detail().replicas,
             rack.send(&control::epoch(id))
         );
     }
-    let d = detail();
-    assert_eq!(d.summary.appliances, ["a", "d", "c"]);
-    d
+    detail()
 }
 
 /// `phubctl job rebalance` while the job runs (PROTOCOL.md §11.8): a
@@ -198,20 +206,14 @@ fn d_in_b_s_place(rack: &Appliances, id: u16) -> JobDetail {
 #[test]
 fn a_rebalance_moves_a_part_to_an_idle_appliance_while_the_job_runs_exactly() {
     let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
-    let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
-    let job = rack
-        .admit(&replicated_spec("rebalance", workers, &keys, &["a", "b", "c"], 2))
-        .unwrap();
+    let job = admit_job(&rack, "rebalance");
     // Loads a, b and c; never trained.
-    rack.admit(&replicated_spec("idle", 1, &[64], &["a", "b", "c"], 2))
-        .unwrap();
-    let rounds = 16u32;
-    let gates = Gates::new(&[4, 10], rounds);
+    admit_job(&rack, "idle");
+    let gates = Gates::new(&[4, 10], ROUNDS);
     let url = rack.control_url.clone();
     let more = |rank: u16, r: u32| gates.more(rank, r);
     std::thread::scope(|s| {
-        let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
+        let ranks = train_ranks(s, &url, &job, WORKERS, &KEYS, &more);
         gates.wait_at(0);
         let (ok, out, err) = rack.phubctl(&["job", "rebalance", &job.id.to_string()]);
         assert!(ok, "{out}{err}");
@@ -223,21 +225,7 @@ fn a_rebalance_moves_a_part_to_an_idle_appliance_while_the_job_runs_exactly() {
             "{out}"
         );
         gates.open(0);
-        let detail = || -> JobDetail { rack.send(&control::job(job.id)) };
-        let full = || {
-            detail().replicas.is_some_and(|r| {
-                r.state == Strength::FullStrength
-                    && r.rereplication
-                        .as_ref()
-                        .is_some_and(|x| x.appliance == "d" && x.ended_unix_ms.is_some())
-            })
-        };
-        assert!(
-            try_until(Duration::from_secs(30), full),
-            "d not filled within 30 s: {:?}",
-            detail().replicas
-        );
-        assert_eq!(detail().summary.appliances, ["d", "b", "c"]);
+        assert_eq!(d_filled(&rack, job.id).summary.appliances, ["d", "b", "c"]);
         let (ok, out, err) = rack.phubctl(&["job", "rebalance", &job.id.to_string()]);
         assert!(ok && out.contains("balanced, nothing moved"), "{out}{err}");
         until("a without the job", Duration::from_secs(20), || {
@@ -246,6 +234,6 @@ fn a_rebalance_moves_a_part_to_an_idle_appliance_while_the_job_runs_exactly() {
         gates.wait_at(1);
         rack.kill_dataplane(1);
         gates.open(1);
-        all_trained(ranks, rounds);
+        all_trained(ranks, ROUNDS);
     });
 }
