@@ -127,6 +127,25 @@ impl EpochView {
             .filter(move |m| old.moved_to(usize::from(m.appliance)) != Some(*m))
     }
 
+    /// Whether it names no appliance down, come back or moved: every
+    /// index is served by the appliance the job was admitted with, in
+    /// its own slots (epoch 0, or one the job went back to its
+    /// checkpoints at).
+    pub fn names_nobody(&self) -> bool {
+        self.down.is_empty() && self.joined.is_empty() && self.moved.is_empty()
+    }
+
+    /// The next epoch, at which the whole job goes back to its
+    /// checkpoints (PROTOCOL.md §11.7, "Restored parts"): naming nobody,
+    /// `restored` at it.
+    pub fn back_to_checkpoints(&self) -> EpochView {
+        EpochView {
+            epoch: self.epoch + 1,
+            restored: self.epoch + 1,
+            ..EpochView::default()
+        }
+    }
+
     /// The next epoch, with `a` also down (`None` if it already is).
     pub fn with_down(&self, a: u16) -> Option<EpochView> {
         if self.is_down(usize::from(a)) {
@@ -628,11 +647,18 @@ mod tests {
     /// later view, and is left out of the JSON while there is none.
     #[test]
     fn the_restored_epoch_is_carried_into_every_later_epoch() {
-        let back = EpochView {
-            epoch: 4,
-            restored: 4,
-            ..Default::default()
-        };
+        let was = EpochView::default().with_down(1).unwrap();
+        assert!(!was.names_nobody());
+        let back = EpochView { epoch: 3, ..was }.back_to_checkpoints();
+        assert_eq!(
+            back,
+            EpochView {
+                epoch: 4,
+                restored: 4,
+                ..Default::default()
+            }
+        );
+        assert!(back.names_nobody());
         let later = back.with_down(1).unwrap().with_joined(1).unwrap();
         assert_eq!((later.epoch, later.restored), (6, 4));
         let data = crate::api::DataAddr {

@@ -727,11 +727,7 @@ impl World<'_> {
                     // nobody, recorded before anyone is told.
                     let c = self.rep_mut();
                     c.answered.iter_mut().for_each(|a| *a = None);
-                    c.view = EpochView {
-                        epoch: c.view.epoch + 1,
-                        restored: c.view.epoch + 1,
-                        ..EpochView::default()
-                    };
+                    c.view = c.view.back_to_checkpoints();
                 }
                 s => {
                     let a = s - 2;

@@ -407,11 +407,7 @@ impl Shared {
                     if !again {
                         let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
                             if let Some(j) = inner.jobs.get_mut(&id) {
-                                j.epoch = EpochView {
-                                    epoch: j.epoch.epoch + 1,
-                                    restored: j.epoch.epoch + 1,
-                                    ..EpochView::default()
-                                };
+                                j.epoch = j.epoch.back_to_checkpoints();
                             }
                         });
                         if let Err(e) = bumped {
@@ -503,7 +499,7 @@ impl Shared {
             j.names_of(&lost)
         );
         let v = &j.epoch;
-        if !(v.down.is_empty() && v.joined.is_empty() && v.moved.is_empty()) {
+        if !v.names_nobody() {
             return Some(Loss::Fail(format!(
                 "{why} at epoch {}, past a failover: its checkpoints hold each appliance's own slots, not the \
                  parts adopted or moved since, so it cannot go back to them exactly (PROTOCOL.md §11.7); admit it \
@@ -550,7 +546,7 @@ impl Shared {
     /// answered yet ([`ReconcileLog::epochs`]): one the failover's own
     /// sends missed, or a job it lost and got again at epoch 0.
     fn send_epochs(&self, name: &str, client: &Client, installed: &BTreeSet<u16>, log: &mut ReconcileLog) {
-        let due: Vec<(u16, phub_proto::failover::EpochView)> = {
+        let due: Vec<(u16, EpochView)> = {
             let inner = self.lock();
             installed
                 .iter()
@@ -588,9 +584,10 @@ impl Shared {
         // empty: its primaries copy it the state (PROTOCOL.md §11.7). One
         // of a job gone back to its checkpoints (at an epoch that names
         // nobody down, returned or moved) is restored.
-        let returning = job.replication.as_ref().is_some_and(|r| {
-            r.epoch > 0 && !(r.down.is_empty() && r.joined.is_empty() && r.moved.is_empty())
-        });
+        let returning = job
+            .replication
+            .as_ref()
+            .is_some_and(|r| r.epoch > 0 && !r.view().names_nobody());
         let restore = match if returning {
             Ok(None)
         } else {
