@@ -782,6 +782,9 @@ pub fn render_show(d: &JobDetail) -> String {
             r.wanted,
             r.state.name()
         ));
+        if let Some(why) = &r.stalled {
+            out.push_str(&format!("\nSTALLED: {why}"));
+        }
         if let Some(x) = &r.rereplication {
             out.push_str(&format!(
                 "\nre-replication to {} at epoch {}",
@@ -1752,6 +1755,7 @@ mod tests {
             live: 1,
             state: phub_proto::api::Strength::Rereplicating,
             rereplication: Some(x.clone()),
+            stalled: None,
         });
         let t = render_show(&d);
         assert!(
@@ -1765,6 +1769,7 @@ mod tests {
             live: 2,
             state: phub_proto::api::Strength::FullStrength,
             rereplication: Some(x.clone()),
+            stalled: None,
         });
         let t = render_show(&d);
         assert!(
@@ -1782,10 +1787,24 @@ mod tests {
             live: 2,
             state: phub_proto::api::Strength::FullStrength,
             rereplication: Some(x),
+            stalled: None,
         });
         let t = render_show(&d);
         assert!(
             t.contains("re-replication to d at epoch 2 (in place of b): full strength 250 ms after it took the place"),
+            "{t}"
+        );
+        // Stalled: every replica of a part down.
+        d.replicas = Some(phub_proto::api::ReplicaStrength {
+            wanted: 2,
+            live: 0,
+            state: phub_proto::api::Strength::Stalled,
+            rereplication: None,
+            stalled: Some("part 0 lost; it waits".into()),
+        });
+        let t = render_show(&d);
+        assert!(
+            t.contains("replicas live 0 of 2 (stalled)\nSTALLED: part 0 lost; it waits"),
             "{t}"
         );
         d.replicas = None;

@@ -78,12 +78,14 @@ pub struct Strength {
     pub wanted: u32,
     /// Whether a re-replication is under way.
     pub rereplicating: bool,
+    /// Whether it is stalled: every replica of some part down.
+    pub stalled: bool,
     /// The last re-replication's time to full strength, ms, once done.
     pub full_strength_ms: Option<u64>,
 }
 
 /// Per replicated job: `phub_job_replicas_live`,
-/// `phub_job_replicas_wanted`, `phub_job_rereplicating` (gauges) and,
+/// `phub_job_replicas_wanted`, `phub_job_rereplicating`, `phub_job_stalled` (gauges) and,
 /// once a re-replication is done, `phub_job_rereplication_seconds` (its
 /// time to full strength).
 pub fn render_strength(jobs: &[Strength]) -> String {
@@ -119,6 +121,15 @@ pub fn render_strength(jobs: &[Strength]) -> String {
             &[("job", id)],
             u64::from(j.rereplicating),
         );
+    }
+    o.family(
+        "phub_job_stalled",
+        "gauge",
+        "Whether every replica of some part of the job is down (1): it waits for its appliances, then goes back \
+         to its checkpoints",
+    );
+    for (j, id) in jobs.iter().zip(&ids) {
+        o.sample("phub_job_stalled", &[("job", id)], u64::from(j.stalled));
     }
     o.family(
         "phub_job_rereplication_seconds",
@@ -623,13 +634,15 @@ mod tests {
             live: 2,
             wanted: 2,
             rereplicating: false,
+            stalled: true,
             full_strength_ms: Some(1250),
         }];
         let text = render_all(&[("a", Some(&dp)), ("b", Some(&dp))], &[job])
             + &render_liveness(&liveness)
             + &render_strength(&strength);
         assert!(
-            text.contains("phub_job_rereplication_seconds{job=\"1\"} 1.250\n"),
+            text.contains("phub_job_rereplication_seconds{job=\"1\"} 1.250\n")
+                && text.contains("phub_job_stalled{job=\"1\"} 1\n"),
             "{text}"
         );
         // The table's counters added up over both appliances.

@@ -82,6 +82,13 @@ pub(crate) struct StoredJob {
     /// when the job was back to full strength. Absent before any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(crate) rereplication: Option<Rereplication>,
+    /// Why a replicated job is stalled (PROTOCOL.md §11.7, "Stalled
+    /// jobs"): every replica of some part is down, or lost its state past
+    /// a failover; it waits for every appliance of it to answer, then goes
+    /// back to its checkpoints as a whole (which clears it). Absent
+    /// otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(crate) stalled: Option<String>,
 }
 
 /// Whether `e` is epoch 0 with nobody down (what the file leaves out).
@@ -582,6 +589,7 @@ mod tests {
                     ..Default::default()
                 },
                 rereplication: None,
+                stalled: None,
             }],
         };
         let appliances: Vec<&ApplianceSpec> = state.appliances.iter().flatten().collect();

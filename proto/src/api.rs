@@ -330,12 +330,16 @@ pub struct ReplicaStrength {
     /// epoch (an appliance whose state copy is not done is not counted).
     pub live: u32,
     /// `full_strength` (live = wanted), `degraded` (fewer, nothing under
-    /// way) or `rereplicating` (an appliance that came back is being
-    /// copied to).
+    /// way), `rereplicating` (an appliance that came back is being
+    /// copied to) or `stalled` (some part has no replica left).
     pub state: Strength,
     /// The last re-replication, if there was one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rereplication: Option<Rereplication>,
+    /// Why it is stalled, while it is ([`Strength::Stalled`]): the part
+    /// every replica of which is down, and what it waits for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stalled: Option<String>,
 }
 
 /// A replicated job's state (`ReplicaStrength::state`).
@@ -348,6 +352,10 @@ pub enum Strength {
     Degraded,
     /// An appliance that came back is being given its state copies.
     Rereplicating,
+    /// Every replica of some part is down (PROTOCOL.md §11.7, "Stalled
+    /// jobs"): the job waits for its appliances to answer again, then
+    /// goes back to its checkpoints as a whole.
+    Stalled,
 }
 
 impl Strength {
@@ -357,6 +365,7 @@ impl Strength {
             Strength::FullStrength => "full strength",
             Strength::Degraded => "degraded",
             Strength::Rereplicating => "re-replicating",
+            Strength::Stalled => "stalled",
         }
     }
 }

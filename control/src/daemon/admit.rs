@@ -281,6 +281,7 @@ impl Shared {
             shape,
             epoch: EpochView::default(),
             rereplication: None,
+            stalled: None,
         };
         let racks: BTreeMap<String, String> = {
             let inner = self.lock();

@@ -9,8 +9,12 @@
 //! of its own that retries until the appliance answers, is itself
 //! declared down, or the job moves on; and `GET /v1/jobs/{id}/epoch`
 //! serves it to the workers. If every member of some part's replica set
-//! is then down ([`ReplicaLayout::lost_part`]), the job fails instead,
-//! naming the part and its appliances. A job that is not replicated is
+//! is then down ([`ReplicaLayout::lost_part`]), the job **stalls** when
+//! it can go back to its checkpoints ([`Shared::can_go_back`]): the epoch
+//! is recorded and put on nobody, and reconciliation takes the whole job
+//! back to its checkpoints once every appliance of it answers again
+//! (PROTOCOL.md §11.7, "Stalled jobs"); otherwise it fails, naming the
+//! part, its appliances and why it cannot go back. A job that is not replicated is
 //! left as it is: it waits for the appliance, as before failover existed.
 //!
 //! An appliance down in a job's epoch is **fenced** from that job:
@@ -45,7 +49,13 @@ use crate::state::StoredJob;
 pub(super) enum Decision {
     /// The job goes on in this epoch.
     Next(EpochView),
-    /// A part is lost: the job fails for this reason (in this epoch).
+    /// Every member of a part's replica set is down in this epoch (or
+    /// the job is stalled already): the job stalls, for this reason, if
+    /// it can go back to its checkpoints ([`Shared::can_go_back`]), and
+    /// fails otherwise.
+    PartDown(EpochView, String),
+    /// The job fails for this reason (in this epoch): its layout cannot
+    /// fail over.
     Lost(EpochView, String),
 }
 
@@ -90,6 +100,9 @@ impl StoredJob {
                 return Some(Decision::Lost(next, why));
             }
         };
+        if let Some(why) = &self.stalled {
+            return Some(Decision::PartDown(next, why.clone()));
+        }
         let Some(p) = layout.lost_part(&next) else {
             return Some(Decision::Next(next));
         };
@@ -105,7 +118,7 @@ impl StoredJob {
             next.epoch,
             names(&next.down.iter().map(|&d| usize::from(d)).collect::<Vec<_>>())
         );
-        Some(Decision::Lost(next, why))
+        Some(Decision::PartDown(next, why))
     }
 
     /// The names of its parts' appliances at indices `set`, quoted and
@@ -173,9 +186,10 @@ impl StoredJob {
     /// What appliance `name`, down in its epoch, answering heartbeats again
     /// does to it: the next epoch, with `name` joined; `None` when nothing
     /// (not replicated, failed, not on `name`, or `name` not down in its
-    /// epoch).
+    /// epoch) or when it is stalled (it goes back to its checkpoints once
+    /// every appliance of it answers: reconciliation).
     pub(super) fn decide_return(&self, name: &str) -> Option<EpochView> {
-        if !self.is_replicated() || self.failed.is_some() {
+        if !self.is_replicated() || self.failed.is_some() || self.stalled.is_some() {
             return None;
         }
         let index = u16::try_from(self.part_index(name)?).ok()?;
@@ -211,7 +225,9 @@ impl StoredJob {
                 .unwrap_or(0)
         });
         let live = u32::try_from(live).unwrap_or(u32::MAX);
-        let state = if copying.is_some() {
+        let state = if self.stalled.is_some() {
+            Strength::Stalled
+        } else if copying.is_some() {
             Strength::Rereplicating
         } else if live >= wanted {
             Strength::FullStrength
@@ -223,6 +239,7 @@ impl StoredJob {
             live,
             state,
             rereplication: self.rereplication.clone(),
+            stalled: self.stalled.clone(),
         })
     }
 
@@ -245,6 +262,17 @@ impl StoredJob {
             .map(|p| p.appliance.clone())
             .collect()
     }
+}
+
+/// Why a job stalls (PROTOCOL.md §11.7, "Stalled jobs"): `why`, the part
+/// lost, and what it waits for.
+pub(super) fn stall_reason(why: &str, job: &StoredJob) -> String {
+    let all: Vec<usize> = (0..job.parts.len()).collect();
+    format!(
+        "{why}; the job waits until every appliance of it ({}) answers, then goes back to its checkpoints (rounds \
+         since are repeated)",
+        job.names_of(&all)
+    )
 }
 
 impl Inner {
@@ -296,14 +324,22 @@ impl Shared {
                 let Some(decision) = job.decide(name, |n| inner.rack_of(n)) else {
                     continue;
                 };
-                let (view, failed) = match &decision {
-                    Decision::Next(v) => (v.clone(), None),
-                    Decision::Lost(v, why) => (v.clone(), Some(why.clone())),
+                let (view, failed, stalled) = match &decision {
+                    Decision::Next(v) => (v.clone(), None, None),
+                    Decision::Lost(v, why) => (v.clone(), Some(why.clone()), None),
+                    Decision::PartDown(v, why) if job.stalled.is_some() => {
+                        (v.clone(), None, Some(why.clone()))
+                    }
+                    Decision::PartDown(v, why) => match self.can_go_back(&inner, job) {
+                        Ok(()) => (v.clone(), None, Some(stall_reason(why, job))),
+                        Err(not) => (v.clone(), Some(format!("{why}, and {not}")), None),
+                    },
                 };
                 let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
                     let job = inner.jobs.get_mut(&id).expect("looked up under the same lock");
                     job.epoch = view.clone();
                     job.failed.clone_from(&failed);
+                    job.stalled.clone_from(&stalled);
                 });
                 let job = &inner.jobs[&id];
                 let down = job.down_appliances().join(", ");
@@ -316,6 +352,20 @@ impl Shared {
                     ),
                     (Ok(()), Some(why)) => {
                         log::error!("job {id} ({:?}) failed: {why}", job.spec.name);
+                        self.end_rereplication(&mut inner, id, Some(why));
+                    }
+                    // Stalled: its epoch is recorded (the appliances down
+                    // in it are fenced, `job show` names them) but put on
+                    // nobody, since a live appliance would refuse it (a
+                    // part lost, 410) and the job is going back anyway.
+                    (Ok(()), None) if stalled.is_some() => {
+                        log::error!(
+                            "job {id} ({:?}) stalls at epoch {} (down: {down}): {}",
+                            job.spec.name,
+                            view.epoch,
+                            stalled.as_deref().unwrap_or_default()
+                        );
+                        let why = format!("appliance {name:?} was declared down and the job stalled");
                         self.end_rereplication(&mut inner, id, Some(why));
                     }
                     (Ok(()), None) => {
@@ -758,6 +808,7 @@ mod tests {
             shape: JobShape::Flat,
             epoch: EpochView::default(),
             rereplication: None,
+            stalled: None,
         }
     }
 
@@ -784,7 +835,7 @@ mod tests {
     }
 
     #[test]
-    fn both_replicas_of_a_part_down_fail_the_job_naming_the_part_and_its_appliances() {
+    fn both_replicas_of_a_part_down_take_the_part_down_naming_it_and_its_appliances() {
         let mut j = job(2);
         let Some(Decision::Next(e1)) = j.decide("a", one_rack) else {
             panic!("one down of three, replicas 2: the job goes on");
@@ -795,16 +846,34 @@ mod tests {
         let layout = j.replica_layout(one_rack).unwrap();
         let backup = layout.set(0)[1];
         let name = ["a", "b", "c"][backup];
-        match j.decide(name, one_rack) {
-            Some(Decision::Lost(e2, why)) => {
+        let e2 = match j.decide(name, one_rack) {
+            Some(Decision::PartDown(e2, why)) => {
                 assert_eq!(e2.epoch, 2);
                 assert!(
                     why.contains("part 0") && why.contains("\"a\"") && why.contains(&format!("{name:?}")),
                     "{why}"
                 );
+                e2
             }
             other => panic!("{other:?}"),
+        };
+        // Stalled, it takes the third's death into its epoch, still down,
+        // with the stall's reason; and gives nobody the job back.
+        j.epoch = e2;
+        j.stalled = Some("stalled: part 0".into());
+        let third = ["a", "b", "c"]
+            .into_iter()
+            .find(|n| *n != "a" && *n != name)
+            .unwrap();
+        match j.decide(third, one_rack) {
+            Some(Decision::PartDown(e3, why)) => assert_eq!((e3.epoch, why.as_str()), (3, "stalled: part 0")),
+            other => panic!("{other:?}"),
         }
+        assert_eq!(j.decide_return("a"), None);
+        assert_eq!(
+            j.strength(one_rack).map(|s| (s.state, s.stalled)),
+            Some((Strength::Stalled, Some("stalled: part 0".into())))
+        );
     }
 
     #[test]

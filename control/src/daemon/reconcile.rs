@@ -24,11 +24,12 @@
 //! others went back from (a live backup ahead of its restored primary
 //! would refuse every next aggregate `stale`, a restored backup of a
 //! live primary every one `ahead`: the job would hang). That needs every
-//! appliance of the job to answer (the pass waits for one that does not),
-//! a checkpoint of every part, and an epoch that names no appliance down,
-//! returned or moved (a checkpoint holds an appliance's own slots, not
-//! the parts it adopted in a failover); otherwise the job fails, naming
-//! the part that was lost. The job goes back at a new epoch naming nobody,
+//! appliance of the job to answer, those down in its epoch too (the pass
+//! waits for a live one that does not; one down that does not, or is
+//! still declared down, **stalls** the job: no re-replication, PROTOCOL.md
+//! §11.7 "Stalled jobs"), a checkpoint of every part, and no part moved
+//! (each appliance restores its own part, never one it adopted);
+//! otherwise the job fails, naming the part that was lost. The job goes back at a new epoch naming nobody,
 //! so that what its appliances' former selves sent before they died, still
 //! on its way, is refused.
 
@@ -41,6 +42,7 @@ use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
 use super::checkpoints::{checkpoint_path, rounds_text, Held, RestoreBody};
+use super::failover;
 use super::registry::{Entry, Inner, Shared};
 use crate::dataplane::{Client, DataplaneError};
 use crate::refit::{self, Refit};
@@ -95,6 +97,9 @@ enum Loss {
         /// The lost parts, for the log.
         why: String,
     },
+    /// Past a failover, an appliance of the job did not answer: it stalls
+    /// for this reason (recorded; no re-replication starts) and waits.
+    Stall(String),
     /// It cannot go back exactly: it fails for this reason.
     Fail(String),
 }
@@ -390,6 +395,25 @@ impl Shared {
                 Loss::Wait => {
                     waiting.insert(id);
                 }
+                Loss::Stall(why) => {
+                    waiting.insert(id);
+                    let mut inner = self.lock();
+                    let Some(job) = inner.jobs.get(&id) else {
+                        continue;
+                    };
+                    let why = failover::stall_reason(&why, job);
+                    let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
+                        if let Some(j) = inner.jobs.get_mut(&id) {
+                            j.stalled = Some(why.clone());
+                        }
+                    });
+                    match recorded {
+                        Ok(()) => log::error!("job {id} stalls: {why}"),
+                        Err(e) => {
+                            log::error!("job {id}: {why}; but its stall cannot be recorded ({e}): retrying")
+                        }
+                    }
+                }
                 Loss::Fail(why) => self.fail(id, &why),
                 Loss::BackToCheckpoints { holders, why } => {
                     // A new epoch naming nobody, recorded first: what the
@@ -408,6 +432,7 @@ impl Shared {
                         let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
                             if let Some(j) = inner.jobs.get_mut(&id) {
                                 j.epoch = j.epoch.back_to_checkpoints();
+                                j.stalled = None;
                             }
                         });
                         if let Err(e) = bumped {
@@ -466,13 +491,15 @@ impl Shared {
 
     /// What a pass does to replicated job `j` ([`Loss`]), given the jobs
     /// each appliance that answered holds (`held`); `None` when every
-    /// part keeps a replica that holds it (or it is not replicated, failed,
-    /// or being given back to an appliance: left to the rest of the pass).
+    /// part keeps a replica that holds it and it is not stalled (or it is
+    /// not replicated, failed, or being given back to an appliance: left
+    /// to the rest of the pass).
     fn loss(&self, inner: &Inner, j: &StoredJob, held: &BTreeMap<String, BTreeSet<u16>>) -> Option<Loss> {
         if !j.is_replicated() || j.failed.is_some() {
             return None;
         }
-        let members = j.live_appliances();
+        // Every appliance of it, down ones too: each restores its own part.
+        let members: Vec<String> = j.parts.iter().map(|p| p.appliance.clone()).collect();
         let busy = |n: &String| {
             inner.rejoining.contains(&(j.id, n.clone()))
                 || inner.checkpoints.held.contains_key(&(j.id, n.clone()))
@@ -480,51 +507,77 @@ impl Shared {
         if members.iter().any(busy) {
             return None;
         }
-        let lost = j.parts_unheld(&j.epoch, held, |n| inner.rack_of(n));
-        if lost.is_empty() {
-            return None;
-        }
-        if members.iter().any(|n| !held.contains_key(n)) {
+        let why = match &j.stalled {
+            Some(why) => why.clone(),
+            None => {
+                let lost = j.parts_unheld(&j.epoch, held, |n| inner.rack_of(n));
+                if lost.is_empty() {
+                    return None;
+                }
+                format!(
+                    "every replica of part{} {} (home appliance{} {}) lost its state (restarted, down, or not yet \
+                     filled by a state copy)",
+                    if lost.len() == 1 { "" } else { "s" },
+                    lost.iter()
+                        .map(ToString::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    if lost.len() == 1 { "" } else { "s" },
+                    j.names_of(&lost)
+                )
+            }
+        };
+        // A live appliance that did not answer may hold it still.
+        if j.live_appliances().iter().any(|n| !held.contains_key(n)) {
             return Some(Loss::Wait);
         }
-        let why = format!(
-            "every replica of part{} {} (home appliance{} {}) lost its state (restarted, down, or not yet filled \
-             by a state copy)",
-            if lost.len() == 1 { "" } else { "s" },
-            lost.iter()
-                .map(ToString::to_string)
-                .collect::<Vec<_>>()
-                .join(", "),
-            if lost.len() == 1 { "" } else { "s" },
-            j.names_of(&lost)
-        );
-        let v = &j.epoch;
-        if !v.names_nobody() {
-            return Some(Loss::Fail(format!(
-                "{why} at epoch {}, past a failover: its checkpoints hold each appliance's own slots, not the \
-                 parts adopted or moved since, so it cannot go back to them exactly (PROTOCOL.md §11.7); admit it \
-                 again",
-                v.epoch
-            )));
+        if let Err(not) = self.can_go_back(inner, j) {
+            return Some(Loss::Fail(format!("{why} at epoch {}, and {not}", j.epoch.epoch)));
         }
-        let unsaved: Vec<&String> = members
-            .iter()
-            .filter(|n| {
-                !inner.checkpoints.taken.contains_key(&(j.id, (*n).clone()))
-                    && !checkpoint_path(&self.state_path, j, n).exists()
-            })
-            .collect();
-        if let Some(n) = unsaved.first() {
-            return Some(Loss::Fail(format!(
-                "{why}, and its part on appliance {n:?} has no checkpoint to go back to: it cannot go on \
-                 exactly; admit it again"
-            )));
+        // Each answers this pass, and its heartbeats again (one still
+        // declared down would fail the job over once more).
+        let up = |n: &String| {
+            held.contains_key(n) && inner.appliances.get(n).is_some_and(|a| a.liveness.down.is_none())
+        };
+        if !members.iter().all(up) {
+            // One down in its epoch may stay down long: the job stalls
+            // until it answers (no re-replication meanwhile).
+            return Some(if j.stalled.is_none() {
+                Loss::Stall(why)
+            } else {
+                Loss::Wait
+            });
         }
         let holders = members
             .into_iter()
             .filter(|n| held.get(n).is_some_and(|ids| ids.contains(&j.id)))
             .collect();
         Some(Loss::BackToCheckpoints { holders, why })
+    }
+
+    /// Whether replicated job `j` can go back to its checkpoints exactly,
+    /// every appliance of it restoring its own part (PROTOCOL.md §11.7,
+    /// "Restored parts"); `Err` says why not, to follow "and": a part moved
+    /// to another appliance since admission (its checkpoint is not where
+    /// the part is now), or a part without a checkpoint.
+    pub(super) fn can_go_back(&self, inner: &Inner, j: &StoredJob) -> Result<(), String> {
+        if let Some(m) = j.epoch.moved.first() {
+            return Err(format!(
+                "its part {} moved to appliance {:?} at epoch {} (its checkpoint is not where the part is now), \
+                 so it cannot go back to its checkpoints exactly (PROTOCOL.md §11.7); admit it again",
+                m.appliance, m.name, m.epoch
+            ));
+        }
+        let unsaved = j.parts.iter().map(|p| &p.appliance).find(|n| {
+            !inner.checkpoints.taken.contains_key(&(j.id, (*n).clone()))
+                && !checkpoint_path(&self.state_path, j, n).exists()
+        });
+        match unsaved {
+            Some(n) => Err(format!(
+                "its part on appliance {n:?} has no checkpoint to go back to: it cannot go on exactly; admit it again"
+            )),
+            None => Ok(()),
+        }
     }
 
     /// Appliance `name` lost the replicated jobs `ids` while serving them

@@ -412,6 +412,7 @@ mod tests {
             shape: state::JobShape::Flat,
             epoch: phub_proto::failover::EpochView::default(),
             rereplication: None,
+            stalled: None,
         }
     }
 

@@ -385,6 +385,7 @@ impl Shared {
                         live: r.live,
                         wanted: r.wanted,
                         rereplicating: r.state == phub_proto::api::Strength::Rereplicating,
+                        stalled: r.state == phub_proto::api::Strength::Stalled,
                         full_strength_ms: r.rereplication.as_ref().and_then(|x| x.full_strength_ms()),
                     })
                 })

@@ -5,8 +5,9 @@
 //! closes, as a killed dataplane's) or hangs, and control declares it
 //! down, moves the job to epoch 1 without it, sends that epoch to the
 //! two others and serves it; a second death that takes both replicas of
-//! a part fails the job, naming the part; an appliance that answers
-//! again gets the job back (§11.7).
+//! a part fails the job, naming the part, or stalls it until both answer
+//! again when it has checkpoints (then it goes back to them); an
+//! appliance that answers again gets the job back (§11.7).
 
 // Not every test file uses every part of the fake.
 #[allow(dead_code)]
@@ -492,12 +493,119 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
     d.shutdown();
 }
 
-/// Past a failover a checkpoint does not hold the parts an appliance
-/// adopted, so a part that kept no replica then fails the job, naming
-/// the part, instead of installing its appliances empty at the job's
+/// A second death that leaves a part no live replica, in a job with a
+/// checkpoint of every part, stalls the job instead of failing it
+/// (PROTOCOL.md §11.7, "Stalled jobs"): its epoch names both appliances
+/// down, `job show` says stalled and why, `/metrics` has
+/// `phub_job_stalled` 1, and neither appliance is given the job back
+/// when it answers again while the other is still down. Once both answer
+/// (restarted, empty), the whole job goes back to its checkpoints at the
+/// next epoch naming nobody: removed from the survivor, every part
+/// restored, and full strength again.
+#[test]
+fn a_part_whose_every_replica_is_down_stalls_the_job_until_it_goes_back_to_its_checkpoints() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "stall");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let layout = replica_layout(&join(&d, &job, 0));
+    let _: serde_json::Value = ok_at(&d, &R::Checkpoint { job: job.id }, None);
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    b.set_silent(true);
+    wait_within("epoch 1 without b", within, || {
+        let e: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+        e.down == [1]
+    });
+    // The other member of a part's set with b dies too.
+    let (part, second) = (0..3)
+        .filter(|&p| layout.set(p).contains(&1))
+        .map(|p| (p, *layout.set(p).iter().find(|&&x| x != 1).unwrap()))
+        .next()
+        .unwrap();
+    let (gone, survivor) = if second == 0 { (&a, &c) } else { (&c, &a) };
+    gone.set_silent(true);
+    let show = || -> JobDetail { ok_at(&d, &R::Job { job: job.id }, None) };
+    wait_within("the job to stall", within + within, || {
+        show().replicas.is_some_and(|r| r.state == Strength::Stalled)
+    });
+    let s = show();
+    assert!(s.summary.failed.is_none(), "{:?}", s.summary.failed);
+    let why = s.replicas.unwrap().stalled.expect("the stall's reason");
+    assert!(
+        why.contains(&format!("part {part} ")) && why.contains("goes back to its checkpoints"),
+        "{why}"
+    );
+    let mut down = vec![1u16, u16::try_from(second).unwrap()];
+    down.sort_unstable();
+    let e2: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(
+        (e2.epoch, &e2.down),
+        (2, &down),
+        "the workers are served the stalled epoch"
+    );
+    let (_, metrics) = call_route(&d, &R::Metrics, None);
+    assert!(
+        metrics.contains(&format!("phub_job_stalled{{job=\"{}\"}} 1", job.id)),
+        "{metrics}"
+    );
+    // b comes back alone, restarted: it is not given the job (no
+    // re-replication of a stalled job), which stays stalled.
+    b.restart();
+    b.set_silent(false);
+    std::thread::sleep(Duration::from_millis(4 * HEARTBEAT_MS) + Duration::from_millis(600));
+    assert!(
+        b.jobs().is_empty(),
+        "b given the stalled job: {:?}",
+        b.jobs().keys()
+    );
+    let s = show();
+    assert_eq!(s.replicas.map(|r| r.state), Some(Strength::Stalled));
+    assert!(s.summary.failed.is_none(), "{:?}", s.summary.failed);
+    // The second comes back too: the job goes back to its checkpoints.
+    gone.restart();
+    gone.set_silent(false);
+    wait_for("every part restored from its checkpoint", || {
+        [&a, &b, &c]
+            .iter()
+            .all(|f| f.state.lock().unwrap().restored.contains_key(&job.id))
+    });
+    let delete = format!("DELETE /v1/jobs/{}", job.id);
+    assert!(
+        survivor.state.lock().unwrap().log.contains(&delete),
+        "the survivor's part removed before its restore"
+    );
+    let e3 = EpochView {
+        epoch: 3,
+        restored: 3,
+        ..Default::default()
+    };
+    let t = Instant::now();
+    while ![&a, &b, &c].iter().all(|f| epochs(f, job.id).last() == Some(&e3)) {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "epochs: a {:?} b {:?} c {:?}",
+            epochs(&a, job.id),
+            epochs(&b, job.id),
+            epochs(&c, job.id)
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let s = show();
+    assert!(s.summary.failed.is_none(), "{:?}", s.summary.failed);
+    let r = s.replicas.unwrap();
+    assert_eq!((r.state, r.live, r.stalled), (Strength::FullStrength, 2, None));
+    let now: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(now, e3);
+    d.shutdown();
+}
+
+/// Past a failover and a re-replication, a part that kept no replica
+/// takes the job back to its checkpoints too: every appliance of it
+/// answers, each restores its own part (never the parts it adopted), at
+/// the next epoch naming nobody; nothing is installed empty at the job's
 /// epoch (which would serve the part from nothing).
 #[test]
-fn a_part_lost_past_a_failover_fails_the_job_naming_it() {
+fn a_part_lost_past_a_failover_takes_the_job_back_to_its_checkpoints() {
     let [a, b, c] = three_fakes();
     let state = TempState::new("phub-control-failover", "lost-later");
     let d = daemon(&[&a, &b, &c], &state);
@@ -522,18 +630,37 @@ fn a_part_lost_past_a_failover_fails_the_job_naming_it() {
     let installs = |f: &Fake| f.state.lock().unwrap().installs.len();
     let before = (installs(&a), installs(&c));
     let d = daemon(&[&a, &b, &c], &state);
-    let failed = || -> Option<String> {
-        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
-        show.summary.failed
-    };
-    wait_for("the job failed", || failed().is_some());
-    let why = failed().unwrap();
+    wait_for("every part restored from its checkpoint", || {
+        [&a, &b, &c]
+            .iter()
+            .all(|f| f.state.lock().unwrap().restored.contains_key(&job.id))
+    });
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    assert!(show.summary.failed.is_none(), "{:?}", show.summary.failed);
     assert!(
-        why.contains("every replica of part 2 (home appliance \"c\") lost its state")
-            && why.contains("epoch 2"),
-        "{why}"
+        b.state
+            .lock()
+            .unwrap()
+            .log
+            .contains(&format!("DELETE /v1/jobs/{}", job.id)),
+        "b's part removed before its restore"
     );
-    assert_eq!((installs(&a), installs(&c)), before, "nothing installed empty");
+    let e3 = EpochView {
+        epoch: 3,
+        restored: 3,
+        ..Default::default()
+    };
+    wait_for("epoch 3 on every part", || {
+        [&a, &b, &c].iter().all(|f| epochs(f, job.id).last() == Some(&e3))
+    });
+    for (f, n, from) in [(&a, "a", before.0), (&c, "c", before.1)] {
+        let st = f.state.lock().unwrap();
+        assert!(
+            st.installs[from..].iter().all(|&(j, e)| j != job.id || e == 0),
+            "{n} installed at the job's epoch rather than restored: {:?}",
+            st.installs
+        );
+    }
     d.shutdown();
 }
 
