@@ -451,3 +451,78 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
         assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
     }
 }
+
+/// Both appliances of a part's replica set are killed one after the
+/// other (control stays up), two rounds after a checkpoint: a first,
+/// then b, once the job failed over without a. Part a kept no live
+/// replica, so the job stalls (PROTOCOL.md §11.7, "Stalled jobs"):
+/// `job show` says so and why, and the ranks' pushes of round 7 meanwhile
+/// wait on the lost part. When both dataplanes are back, empty, the
+/// whole job goes back to its checkpoints at round 4 (c's part too, which
+/// went on alone); the ranks, told `ahead`, pull every key and repeat
+/// rounds 5 to 8, every round exact. Before, the second death failed the
+/// job.
+#[test]
+fn a_part_whose_every_replica_was_killed_stalls_the_job_until_both_are_back() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let keys = [5000u64, 3, 20_000];
+    // Racks r1, r2, r3: a's part is backed up on b, b's on c, c's on a.
+    let job = rack
+        .admit(&replicated_spec("stall", WORKERS, &keys, &["a", "b", "c"], 2))
+        .unwrap();
+    let rounds = 8u32;
+    let url = rack.control_url.clone();
+    let gates = [Gate::before(5), Gate::before(7)];
+    let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+    let back_to = std::thread::scope(|s| {
+        let ranks = restore_ranks(s, &url, &job, &keys, rounds, &gates);
+        gates[0].reached(WORKERS);
+        rack.send(&control::checkpoint(job.id));
+        gates[0].open.store(true, Ordering::SeqCst);
+        gates[1].reached(WORKERS);
+        rack.kill_dataplane(0);
+        until("epoch 1 without a", Duration::from_secs(20), || {
+            rack.send(&control::epoch(job.id)).down == [0]
+        });
+        rack.kill_dataplane(1);
+        until("the job stalled", Duration::from_secs(20), || {
+            detail(&rack)
+                .replicas
+                .is_some_and(|r| r.state == Strength::Stalled)
+        });
+        let d = detail(&rack);
+        assert!(d.summary.failed.is_none(), "{:?}", d.summary.failed);
+        let why = d.replicas.and_then(|r| r.stalled).unwrap_or_default();
+        assert!(why.contains("part 0 ") && why.contains("\"a\""), "{why}");
+        assert_eq!(rack.send(&control::epoch(job.id)).down, [0, 1]);
+        // The ranks push round 7 into the stall.
+        gates[1].open.store(true, Ordering::SeqCst);
+        std::thread::sleep(Duration::from_millis(1500));
+        assert_eq!(
+            detail(&rack).replicas.map(|r| r.state),
+            Some(Strength::Stalled),
+            "still stalled with a and b down"
+        );
+        rack.start_dataplane(0);
+        rack.start_dataplane(1);
+        until("the job back at full strength", Duration::from_secs(30), || {
+            detail(&rack)
+                .replicas
+                .is_some_and(|r| r.state == Strength::FullStrength)
+        });
+        let e: EpochView = rack.send(&control::epoch(job.id));
+        assert!(e.names_nobody() && e.restored == e.epoch, "{e:?}");
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    for (rank, b) in back_to.iter().enumerate() {
+        assert_eq!(
+            b.first(),
+            Some(&5),
+            "rank {rank} went back to round 5 first: {b:?}"
+        );
+    }
+    for i in 0..3 {
+        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
+    }
+    assert!(detail(&rack).summary.failed.is_none());
+}
