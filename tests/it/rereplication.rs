@@ -17,6 +17,10 @@
 //! part was whole and every round stays exact, or the part is lost (b
 //! answers the epoch without c 410) and the job fails, its workers ending
 //! with control's reason; never a wrong result, never a hang.
+//! The restore tests that follow take the whole job back to its
+//! checkpoints: after every appliance restarted, after two of three did,
+//! and after both replicas of a part were killed one after the other,
+//! which stalls the job until both are back (PROTOCOL.md §11.7).
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
