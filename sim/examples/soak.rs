@@ -83,6 +83,7 @@ fn main() {
                             t.0.control_restarts += o.control_restarts;
                             t.0.replaced += o.replaced;
                             t.0.jobs_failed += o.jobs_failed;
+                            t.0.stalls += o.stalls;
                             t.0.ranks_stopped += o.ranks_stopped;
                         }
                     }
@@ -100,7 +101,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
          {} table pushes, {} rows checked, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped); {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),
@@ -128,6 +129,7 @@ fn main() {
         o.backups_checked,
         o.jobs_failed,
         o.ranks_stopped,
+        o.stalls,
         wall.as_secs_f64()
     );
     for seed in &failed {

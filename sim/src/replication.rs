@@ -27,7 +27,15 @@
 //!   spare is installed empty at that epoch, the others are put the epoch,
 //!   and the old appliance has the job evicted a while later;
 //! - then, maybe, another appliance is killed: after full strength, or the
-//!   returning one during its copy.
+//!   returning one during its copy;
+//! - a kill that leaves a part no live member (a declaration that downs
+//!   its set's last member, or an lcore that refuses an epoch 410, its
+//!   copy not whole) fails the job, or, where every lcore's checkpoint was
+//!   taken before the faults ([`StallBack`]), stalls it: the epoch
+//!   recorded and put on nobody, no return; once every appliance answers
+//!   again the job goes back to its checkpoints at the next epoch naming
+//!   nobody, every index restored in turn (PROTOCOL.md §11.7, "Stalled
+//!   jobs").
 //!
 //! Checks, beside [`crate`]'s (every RESULT the reference's, nothing
 //! applied twice, every datagram counted, no worker stuck):
@@ -89,6 +97,25 @@ pub struct ReplicaCase {
     /// Control's puts to this appliance take this much longer (a slow
     /// management path: its lcores take epochs late, or skip one).
     pub slow_puts: Option<(u16, u64)>,
+    /// With [`ReplicaCase::lose`]: every lcore's checkpoint taken early,
+    /// so that a declaration that leaves a part no live member **stalls**
+    /// the job instead of failing it (PROTOCOL.md §11.7, "Stalled jobs"),
+    /// until every appliance is back and it goes back to its checkpoints.
+    pub stall: Option<StallBack>,
+}
+
+/// A stalled job's way back ([`ReplicaCase::stall`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StallBack {
+    /// When every lcore's checkpoint is taken, µs (before every fault:
+    /// each lcore alive at epoch 0).
+    pub checkpoint_us: u64,
+    /// How long after the stall every appliance answers again (the dead
+    /// ones restarted, empty), µs; a partition of the job's still heals
+    /// first.
+    pub back_us: u64,
+    /// Index `a` is restored `a * stagger_us` after the job went back, µs.
+    pub stagger_us: u64,
 }
 
 /// The first thing that happens to an appliance.
@@ -269,6 +296,7 @@ impl ReplicaCase {
             control_down,
             lose,
             slow_puts,
+            stall: None,
         }
     }
 }
@@ -318,6 +346,13 @@ pub(crate) struct Control {
     restart_step: usize,
     /// Control failed the job, for this reason ([`ReplicaCase::lose`]).
     pub(crate) failed: Option<String>,
+    /// Every lcore's checkpoint of a [`StallBack`] was taken.
+    checkpointed: bool,
+    /// Stalled: when every appliance answers again and the job goes back
+    /// to its checkpoints.
+    stalled_until: Option<u64>,
+    /// Gone back from a stall: (when, the indices still to restore).
+    restoring: Option<(u64, usize)>,
 }
 
 impl Control {
@@ -352,6 +387,9 @@ impl Control {
             restarted: false,
             restart_step: 0,
             failed: None,
+            checkpointed: false,
+            stalled_until: None,
+            restoring: None,
         }
     }
 
@@ -388,6 +426,12 @@ impl Control {
                     .flat_map(|d| [d.at_us, d.at_us + d.for_us]),
             )
             .chain(first)
+            .chain(rc.stall.map(|s| s.checkpoint_us).filter(|_| !self.checkpointed))
+            .chain(self.stalled_until)
+            .chain(
+                self.restoring
+                    .map(|(t, next)| t + next as u64 * rc.stall.map_or(0, |s| s.stagger_us)),
+            )
             .filter(|&t| t > now)
             .min()
     }
@@ -564,6 +608,7 @@ impl World<'_> {
             self.answer_asks();
             return;
         }
+        self.stall_steps(&rc);
         // Declarations.
         for a in 0..usize::from(self.case.appliances) {
             let c = self.rep();
@@ -617,8 +662,10 @@ impl World<'_> {
             c.watch_at = Some(back + WATCH_US);
         }
         let view = c.view.clone();
+        // A stalled job's epoch is put on nobody.
+        let stalled = c.stalled_until.is_some();
         let control_us = self.rc().control_us;
-        for a in (0..usize::from(self.case.appliances)).filter(|&a| !view.is_down(a)) {
+        for a in (0..usize::from(self.case.appliances)).filter(|&a| !view.is_down(a) && !stalled) {
             for g in self.lcores_of(a) {
                 if self.lcores[g].view.as_ref().is_some_and(|v| v.epoch < view.epoch) {
                     let at = self.now + self.rng.gen_range(0..=control_us);
@@ -639,6 +686,12 @@ impl World<'_> {
         let now = self.now;
         let Some(e) = rc.event else { return };
         if self.rep().first_done {
+            return;
+        }
+        if self.rep().stalled_until.is_some() {
+            // Nothing more happens to a stalled job's appliances (a drain
+            // of it is refused).
+            self.rep_mut().first_done = true;
             return;
         }
         match e {
@@ -731,31 +784,7 @@ impl World<'_> {
                 }
                 s => {
                     let a = s - 2;
-                    // Installed as the checkpoint's job (epoch 0) and
-                    // restored, then put control's epoch at once, as
-                    // reconciliation does.
-                    let shards = self.replica_shards(a, &EpochView::default());
-                    let view = self.rep().view.clone();
-                    for (g, mut shard) in self.lcores_of(a).zip(shards) {
-                        let lc = &mut self.lcores[g];
-                        let state = lc.checkpoint.take().expect("a checkpoint before the kill");
-                        if let Err(e) = shard.restore(JOB, &state) {
-                            panic!("lcore {g}: its checkpoint does not restore: {e}");
-                        }
-                        if let Err(e) = shard.change_epoch(JOB, &view) {
-                            panic!(
-                                "lcore {g}: the restored job does not take epoch {}: {e}",
-                                view.epoch
-                            );
-                        }
-                        lc.shard = shard;
-                        lc.down = false;
-                        lc.incarnation += 1;
-                        lc.delivered = 0;
-                        lc.drops.iter_mut().for_each(|d| *d = 0);
-                        lc.view = Some(view.clone());
-                    }
-                    self.outcome.restored += 1;
+                    self.restore_index(a);
                     if a + 1 == usize::from(self.case.appliances) {
                         self.rep_mut().first_done = true;
                     }
@@ -763,6 +792,120 @@ impl World<'_> {
             }
             self.rep_mut().restart_step += 1;
         }
+    }
+
+    /// Index `a`'s lcores installed as its checkpoint's job (epoch 0) and
+    /// restored from it, then put control's epoch at once, as
+    /// reconciliation does.
+    fn restore_index(&mut self, a: usize) {
+        let shards = self.replica_shards(a, &EpochView::default());
+        let view = self.rep().view.clone();
+        for (g, mut shard) in self.lcores_of(a).zip(shards) {
+            let lc = &mut self.lcores[g];
+            let state = lc.checkpoint.take().expect("a checkpoint before the kill");
+            if let Err(e) = shard.restore(JOB, &state) {
+                panic!("lcore {g}: its checkpoint does not restore: {e}");
+            }
+            if let Err(e) = shard.change_epoch(JOB, &view) {
+                panic!(
+                    "lcore {g}: the restored job does not take epoch {}: {e}",
+                    view.epoch
+                );
+            }
+            lc.shard = shard;
+            lc.down = false;
+            lc.incarnation += 1;
+            lc.delivered = 0;
+            lc.drops.iter_mut().for_each(|d| *d = 0);
+            lc.view = Some(view.clone());
+        }
+        self.outcome.restored += 1;
+    }
+
+    /// A [`StallBack`]'s steps that are due: every lcore's checkpoint
+    /// (when each is alive at epoch 0; otherwise none, and a lost part
+    /// fails the job); the stalled job going back to its checkpoints once
+    /// every appliance answers again; then each index restored in turn.
+    fn stall_steps(&mut self, rc: &ReplicaCase) {
+        let Some(sb) = rc.stall else { return };
+        let now = self.now;
+        if now >= sb.checkpoint_us && !self.rep().checkpointed {
+            self.rep_mut().checkpointed = true;
+            let whole = (0..self.total_lcores())
+                .all(|g| !self.lcores[g].down && self.lcores[g].view.as_ref().is_some_and(|v| v.epoch == 0));
+            if whole && self.rep().silent_since.iter().all(Option::is_none) {
+                for g in 0..self.total_lcores() {
+                    let lc = &mut self.lcores[g];
+                    lc.checkpoint = Some(lc.shard.snapshot(JOB).expect("the job is installed"));
+                }
+            }
+        }
+        if self.rep().stalled_until.is_some_and(|t| now >= t) {
+            // Every appliance answers: the job goes back at a new epoch
+            // naming nobody, recorded first; every lcore loses the job
+            // (a survivor's is removed, a dead one restarted empty), and
+            // is restored from its checkpoint in turn.
+            for g in 0..self.total_lcores() {
+                self.lcores[g].down = true;
+            }
+            let c = self.rep_mut();
+            c.stalled_until = None;
+            c.silent_since.iter_mut().for_each(|s| *s = None);
+            c.declared_at.iter_mut().for_each(|s| *s = None);
+            c.back_at.iter_mut().for_each(|s| *s = None);
+            c.answered.iter_mut().for_each(|a| *a = None);
+            c.view = c.view.back_to_checkpoints();
+            c.restoring = Some((now, 0));
+            self.outcome.epochs += 1;
+        }
+        while let Some((at, next)) = self.rep().restoring {
+            if now < at + next as u64 * sb.stagger_us {
+                break;
+            }
+            self.restore_index(next);
+            let n = usize::from(self.case.appliances);
+            self.rep_mut().restoring = (next + 1 < n).then_some((at, next + 1));
+        }
+    }
+
+    /// Whether a declaration that leaves a part no live member (epoch
+    /// `view`) stalls the job rather than fail it: a [`StallBack`] whose
+    /// checkpoint of every lcore was taken, no index moved, and no rank
+    /// has submitted its last round (a rank done with it would not repeat
+    /// the rounds the going back loses: the simulator's limit, not the
+    /// system's).
+    fn can_stall(&self, view: &EpochView) -> bool {
+        self.rc().stall.is_some()
+            && view.moved.is_empty()
+            && self.last_round_at.is_none()
+            && (0..self.total_lcores()).all(|g| self.lcores[g].checkpoint.is_some())
+    }
+
+    /// Control stalls the job at `view` (PROTOCOL.md §11.7, "Stalled
+    /// jobs"; a declaration's next epoch, or the epoch an lcore refused
+    /// 410): the epoch recorded and put on nobody further, every copy, return,
+    /// replacement and later kill called off; every appliance answers
+    /// again [`StallBack::back_us`] later (a partition of the job's
+    /// healed first).
+    fn stall(&mut self, view: EpochView) {
+        let now = self.now;
+        let rc = self.rc().clone();
+        let sb = rc.stall.expect("can_stall");
+        let healed = match rc.event {
+            Some(ReplicaEvent::Partition { at_us, for_us, .. }) => at_us + for_us,
+            _ => 0,
+        };
+        let c = self.rep_mut();
+        c.view = view;
+        c.puts.clear();
+        c.copying = None;
+        c.watch_at = None;
+        c.replace_at = None;
+        c.evict_at = None;
+        c.back_at.iter_mut().for_each(|b| *b = None);
+        c.then_done = true;
+        c.stalled_until = Some((now + sb.back_us).max(healed));
+        self.outcome.stalls += 1;
     }
 
     /// Index `a` dies: its lcores lose everything from now on.
@@ -853,11 +996,22 @@ impl World<'_> {
         let Some(view) = c.view.with_down(u16::try_from(a).expect("few appliances")) else {
             return;
         };
+        if c.stalled_until.is_some() {
+            // Stalled: the declaration is recorded, put on nobody.
+            c.view = view;
+            self.outcome.epochs += 1;
+            return;
+        }
         if let Some(p) = c.layout.lost_part(&view) {
             assert!(
                 self.rc().lose,
                 "appliance {a} declared down at {now} µs loses part {p}: the draws should have kept it"
             );
+            if self.can_stall(&view) {
+                self.outcome.epochs += 1;
+                self.stall(view);
+                return;
+            }
             let why = format!("appliance {a} is down and part {p} has no live member left");
             self.fail_job(why);
             return;
@@ -938,8 +1092,14 @@ impl World<'_> {
             match lc.shard.change_epoch(JOB, &view) {
                 Ok(_) => lc.view = Some(view),
                 Err(e @ phub_engine::EngineError::PartLost { .. }) if self.rc().lose => {
-                    // Answered 410: control fails the job with the answer.
-                    self.fail_job(format!("lcore {g}: {e}"));
+                    // Answered 410: control stalls the job at its epoch,
+                    // or fails it with the answer.
+                    let view = self.rep().view.clone();
+                    if self.can_stall(&view) {
+                        self.stall(view);
+                    } else {
+                        self.fail_job(format!("lcore {g}: {e}"));
+                    }
                     return;
                 }
                 Err(e) => panic!("lcore {g}: epoch {} refused: {e}", view.epoch),
@@ -967,6 +1127,11 @@ impl World<'_> {
     /// partition that healed before it was declared down changes nothing).
     fn give_back(&mut self, a: usize) {
         let c = self.rep_mut();
+        if c.stalled_until.is_some() {
+            // A stalled job re-replicates to nobody: the index answers
+            // again, and is restored when the job goes back.
+            return;
+        }
         c.silent_since[a] = None;
         let declared = c.declared_at[a].take().is_some();
         if !declared {
@@ -1026,7 +1191,8 @@ impl World<'_> {
                 shard,
                 down: false,
                 incarnation: lc.incarnation + 1,
-                checkpoint: None,
+                // Control's checkpoint of the lcore stays with control.
+                checkpoint: lc.checkpoint.take(),
                 table_checkpoint: None,
                 table_stream: None,
                 node,

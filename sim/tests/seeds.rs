@@ -1208,12 +1208,15 @@ fn restored_tables_whose_ranks_had_moved_on() {
 /// asked for (with three replicas, another appliance killed during the
 /// spare's copy); one killed and replaced by a spare (`--spare-after-ms`),
 /// then another killed; two replicas, both members of a part killed: the
-/// job fails and every rank stops with control's reason. Every RESULT is the reference's, leaves only once the chunk's backups
+/// job fails and every rank stops with control's reason; the same with a
+/// checkpoint of every lcore taken first: the job stalls, and goes back
+/// to its checkpoints once both are back (PROTOCOL.md §11.7, "Stalled
+/// jobs"). Every RESULT is the reference's, leaves only once the chunk's backups
 /// hold its round, no answered round is lost, and at the end every backup
 /// holding a round is its primary's bits.
 #[test]
 fn replicated_jobs_through_kills_partitions_returns_and_drains() {
-    use phub_sim::replication::{ControlDown, ReplicaCase, ReplicaEvent, ThenKill};
+    use phub_sim::replication::{ControlDown, ReplicaCase, ReplicaEvent, StallBack, ThenKill};
     let plays: Vec<(u8, ReplicaEvent, Option<ThenKill>)> = vec![
         (
             2,
@@ -1312,6 +1315,18 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 after_us: 300,
             }),
         ),
+        (
+            2,
+            ReplicaEvent::Kill {
+                appliance: 1,
+                at_us: 2_000,
+                back_us: None,
+            },
+            Some(ThenKill::Other {
+                appliance: 2,
+                after_us: 300,
+            }),
+        ),
     ];
     // What each play must have done in every seed: (kills, returns,
     // drains, times back to full strength, control restarts).
@@ -1324,6 +1339,7 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
         (1, 1, 0, 1, 1),
         (1, 0, 1, 1, 1),
         (2, 0, 1, 1, 0),
+        (2, 0, 0, 0, 0),
         (2, 0, 0, 0, 0),
     ];
     for (i, (replicas, event, then_kill)) in plays.into_iter().enumerate() {
@@ -1357,9 +1373,16 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 detect_us: 1_000,
                 control_us: 300,
                 control_down,
-                // Play 8 loses a part (both members of b's set die).
-                lose: i == 8,
+                // Plays 8 and 9 lose a part (both members of b's set
+                // die); play 9 with a checkpoint of every lcore taken
+                // first, so that the job stalls and goes back to it.
+                lose: i >= 8,
                 slow_puts: None,
+                stall: (i == 9).then_some(StallBack {
+                    checkpoint_us: 0,
+                    back_us: 3_000,
+                    stagger_us: 500,
+                }),
                 then_kill,
             });
             let o = run(&c);
@@ -1377,12 +1400,18 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
             // Play 7's move is a dead appliance's replacement.
             assert_eq!(o.replaced, u64::from(i == 7), "{c:?}: replaced");
             // Play 8's job fails: control fails it on b's part, and every
-            // rank stops with that reason.
+            // rank stops with that reason. Play 9's stalls, and every
+            // appliance is restored from its checkpoint.
             let failed = (o.jobs_failed, o.ranks_stopped);
             assert_eq!(
                 failed,
                 if i == 8 { (1, 5) } else { (0, 0) },
                 "{c:?}: (jobs failed, ranks stopped)"
+            );
+            assert_eq!(
+                (o.stalls, o.restored),
+                if i == 9 { (1, 3) } else { (0, 0) },
+                "{c:?}: (stalls, appliances restored)"
             );
             // (Play 1 ends with one appliance of three, play 8 failed: no
             // backup left to compare.)

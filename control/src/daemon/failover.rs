@@ -705,6 +705,45 @@ impl Shared {
         }
     }
 
+    /// A part of replicated job `id` is lost (`why`): the job stalls when
+    /// it can go back to its checkpoints ([`Shared::can_go_back`]; its
+    /// epoch stays, reconciliation takes it back once every appliance of
+    /// it answers), and fails otherwise, naming why it cannot.
+    fn part_lost(&self, id: u16, why: &str) {
+        let mut inner = self.lock();
+        let Some(job) = inner
+            .jobs
+            .get(&id)
+            .filter(|j| j.failed.is_none() && j.stalled.is_none())
+        else {
+            return;
+        };
+        let stalled = match self.can_go_back(&inner, job) {
+            Ok(()) => stall_reason(why, job),
+            Err(not) => {
+                drop(inner);
+                self.fail(id, &format!("{why}, and {not}"));
+                return;
+            }
+        };
+        let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
+            if let Some(j) = inner.jobs.get_mut(&id) {
+                j.stalled = Some(stalled.clone());
+            }
+        });
+        match recorded {
+            Ok(()) => {
+                log::error!("job {id} stalls: {stalled}");
+                let abandoned = "a part was lost and the job stalled".to_string();
+                self.end_rereplication(&mut inner, id, Some(abandoned));
+            }
+            Err(e) => {
+                drop(inner);
+                self.fail(id, &format!("{why}, and its stall cannot be recorded ({e})"));
+            }
+        }
+    }
+
     /// Installs job `id`'s epoch `view` on appliance `name`, retrying
     /// every `retry` while the appliance does not answer, until it
     /// answers, is declared down itself, or the job leaves `view` (a
@@ -717,7 +756,7 @@ impl Shared {
                 let current = inner
                     .jobs
                     .get(&id)
-                    .filter(|j| j.failed.is_none() && j.epoch == *view);
+                    .filter(|j| j.failed.is_none() && j.stalled.is_none() && j.epoch == *view);
                 let Some(a) = inner.appliances.get(name).filter(|_| current.is_some()) else {
                     return;
                 };
@@ -741,13 +780,11 @@ impl Shared {
                 Err(DataplaneError::Refused {
                     status: 410, message, ..
                 }) => {
-                    self.fail(
-                        id,
-                        &format!(
-                            "appliance {name:?} cannot serve epoch {} (HTTP 410): {message}",
-                            view.epoch
-                        ),
+                    let why = format!(
+                        "appliance {name:?} cannot serve epoch {} (HTTP 410): {message}",
+                        view.epoch
                     );
+                    self.part_lost(id, &why);
                     return;
                 }
                 Err(e @ DataplaneError::Refused { .. }) => {

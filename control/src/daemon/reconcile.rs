@@ -595,8 +595,8 @@ impl Shared {
     }
 
     /// Sends appliance `name`, which holds the jobs `installed`, the
-    /// epoch of each replicated job there past epoch 0 that it has not
-    /// answered yet ([`ReconcileLog::epochs`]): one the failover's own
+    /// epoch of each replicated job there past epoch 0, not stalled (whose
+    /// epoch is put on nobody), that it has not answered yet ([`ReconcileLog::epochs`]): one the failover's own
     /// sends missed, or a job it lost and got again at epoch 0.
     fn send_epochs(&self, name: &str, client: &Client, installed: &BTreeSet<u16>, log: &mut ReconcileLog) {
         let due: Vec<(u16, EpochView)> = {
@@ -604,7 +604,9 @@ impl Shared {
             installed
                 .iter()
                 .filter_map(|id| inner.jobs.get(id))
-                .filter(|j| j.is_replicated() && j.failed.is_none() && j.epoch.epoch > 0)
+                .filter(|j| {
+                    j.is_replicated() && j.failed.is_none() && j.stalled.is_none() && j.epoch.epoch > 0
+                })
                 .filter(|j| !j.is_down_on(name) && log.epochs.get(&j.id) != Some(&j.epoch.epoch))
                 .map(|j| (j.id, j.epoch.clone()))
                 .collect()

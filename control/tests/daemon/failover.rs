@@ -754,6 +754,52 @@ fn a_survivor_that_cannot_serve_the_new_epoch_fails_the_job_naming_it() {
     d.shutdown();
 }
 
+/// The same 410 for a job with a checkpoint of every part stalls it
+/// instead (PROTOCOL.md §11.7, "Stalled jobs"), naming the answer; the
+/// stalled epoch is put on nobody else; once b answers again the whole
+/// job goes back to its checkpoints at the next epoch.
+#[test]
+fn a_survivor_that_cannot_serve_the_new_epoch_stalls_a_checkpointed_job() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "gone-stall");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    let _: serde_json::Value = ok_at(&d, &R::Checkpoint { job: job.id }, None);
+    let lost = "lcore 0: this appliance would serve appliance 1's part, whose state copy is not all here";
+    c.state.lock().unwrap().part_lost = Some(lost.into());
+    b.set_silent(true);
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    let show = || -> JobDetail { ok_at(&d, &R::Job { job: job.id }, None) };
+    wait_within("the job stalled", within, || {
+        show().replicas.is_some_and(|r| r.state == Strength::Stalled)
+    });
+    let s = show();
+    assert!(s.summary.failed.is_none(), "{:?}", s.summary.failed);
+    let why = s.replicas.and_then(|r| r.stalled).unwrap();
+    assert!(
+        why.contains("appliance \"c\" cannot serve epoch 1 (HTTP 410)") && why.contains(lost),
+        "{why}"
+    );
+    c.state.lock().unwrap().part_lost = None;
+    b.restart();
+    b.set_silent(false);
+    wait_within("every part restored", within + within, || {
+        [&a, &b, &c]
+            .iter()
+            .all(|f| f.state.lock().unwrap().restored.contains_key(&job.id))
+    });
+    let e2 = EpochView {
+        epoch: 2,
+        restored: 2,
+        ..Default::default()
+    };
+    wait_for("epoch 2 on every part", || {
+        [&a, &b, &c].iter().all(|f| epochs(f, job.id).last() == Some(&e2))
+    });
+    assert_eq!(show().replicas.map(|r| r.state), Some(Strength::FullStrength));
+    d.shutdown();
+}
+
 /// An appliance declared down is chosen for no new job while it stays
 /// silent: a spec naming it is refused saying so (once it did not answer
 /// for its description either), a spec asking for more than the others
