@@ -343,8 +343,12 @@ fn apply<A: Copy + Eq>(shard: &mut Shard<A>, cmd: Command, now: u64, stream: &mu
             // The tables' stream first (it refuses a job not installed or a
             // second stream), then the slots, at the same instant.
             let begun = match shard.stream_tables_begin(c.job) {
-                Ok(bytes) => match shard.snapshot(c.job) {
-                    Some(slots) => Ok((slots, bytes)),
+                Ok(bytes) => match shard.part_snapshot(c.job) {
+                    Some(Ok(slots)) => Ok((slots, bytes)),
+                    Some(Err(e)) => {
+                        shard.stream_tables_abort();
+                        Err(CheckpointRefused::Failed(e.to_string()))
+                    }
                     None => {
                         shard.stream_tables_abort();
                         Err(CheckpointRefused::NotInstalled)

@@ -321,7 +321,21 @@ impl Manager {
         id: u16,
         restoring: Restoring<R>,
     ) -> Result<InstalledJob, MgmtError> {
-        let job = restoring.job().clone();
+        let mut job = restoring.job().clone();
+        // A replicated job's checkpoint holds this appliance's own part
+        // (PROTOCOL.md §11.7, "Restored parts"), whatever epoch its install
+        // was at: it is installed at epoch 0, as admitted (its own part's
+        // primary), and control puts it the epoch the job went back at
+        // next. (At the file's epoch a part adopted then would be served
+        // empty, and an appliance come back would keep its own part as
+        // backup slots the file does not fill.)
+        if let Some(r) = job.replication.as_mut() {
+            r.epoch = 0;
+            r.down.clear();
+            r.joined.clear();
+            r.moved.clear();
+            r.restored = 0;
+        }
         let workers = u16::try_from(job.spec.workers).unwrap_or(u16::MAX);
         let (dtype, consistency) = (job.spec.dtype, job.spec.consistency);
         let read: ReadSaved<'_> = Box::new(move |installs: &[Vec<TableInstall>]| {

@@ -769,7 +769,12 @@ impl World<'_> {
                 0 => {
                     for g in 0..self.total_lcores() {
                         let lc = &mut self.lcores[g];
-                        lc.checkpoint = Some(lc.shard.snapshot(JOB).expect("the job is installed"));
+                        lc.checkpoint = Some(
+                            lc.shard
+                                .part_snapshot(JOB)
+                                .expect("the job is installed")
+                                .expect("its own part is here"),
+                        );
                     }
                 }
                 1 => {
@@ -836,7 +841,12 @@ impl World<'_> {
             if whole && self.rep().silent_since.iter().all(Option::is_none) {
                 for g in 0..self.total_lcores() {
                     let lc = &mut self.lcores[g];
-                    lc.checkpoint = Some(lc.shard.snapshot(JOB).expect("the job is installed"));
+                    lc.checkpoint = Some(
+                        lc.shard
+                            .part_snapshot(JOB)
+                            .expect("the job is installed")
+                            .expect("its own part is here"),
+                    );
                 }
             }
         }

@@ -101,6 +101,50 @@ impl Slot {
 }
 
 impl<A: Copy + Eq> Shard<A> {
+    /// What a checkpoint of job `id` keeps of this lcore (PROTOCOL.md §7,
+    /// §11.7): [`Shard::snapshot`] for a job that is not replicated; for a
+    /// replicated one, its appliance's own part alone (the layout's slots
+    /// of this lcore), from its primary slots where it serves the part, or
+    /// from its backup slots of it where it keeps the part as a backup
+    /// (it came back and was filled by state copies), never the parts it
+    /// adopted: a checkpoint is restored only when the whole job goes back
+    /// to its checkpoints, each appliance its own part. Refused while its
+    /// own part's state copy is not all here. `None` when the job is not
+    /// installed.
+    pub fn part_snapshot(&self, id: u16) -> Option<Result<Vec<SlotState>, EngineError>> {
+        let j = self.job(id)?;
+        let Some(rep) = j.replica.as_deref() else {
+            return self.snapshot(id).map(Ok);
+        };
+        if let Some(g) = rep.groups.iter().find(|g| g.home == rep.me) {
+            let own = g.base as usize..(g.base + g.count) as usize;
+            let slots = j.slots.get(own).unwrap_or_default();
+            return Some(Ok(slots
+                .iter()
+                .zip(g.base..)
+                .map(|(s, i)| s.save(i, j.shm.as_ref(), &j.blocks, Vec::new()))
+                .collect()));
+        }
+        let Some(p) = rep.parts.iter().find(|p| p.home == rep.me) else {
+            // No chunk of its own part on this lcore.
+            return Some(Ok(Vec::new()));
+        };
+        if let Some(k) = (0..p.slots.len()).find(|&k| !p.holds(k)) {
+            return Some(Err(EngineError::Checkpoint {
+                id,
+                reason: format!(
+                    "this appliance keeps its own part as a backup, and backup slot {k}'s state copy is not here                      yet (PROTOCOL.md §11.7)"
+                ),
+            }));
+        }
+        Some(Ok(p
+            .slots
+            .iter()
+            .zip(0..)
+            .map(|(s, i)| s.save(i, None, &p.blocks, Vec::new()))
+            .collect()))
+    }
+
     /// The durable state of every slot of a job (completed round,
     /// parameters, optimizer state, stored result), for a checkpoint. The
     /// round in progress is not saved: its contributors never got a result

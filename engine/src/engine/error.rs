@@ -81,6 +81,15 @@ pub enum EngineError {
         /// What is wrong.
         reason: String,
     },
+    /// A replicated job's part cannot be checkpointed on this lcore now
+    /// ([`super::Shard::part_snapshot`]); nothing changed.
+    #[error("job {id}: no checkpoint of this lcore's part now: {reason}")]
+    Checkpoint {
+        /// Job id.
+        id: u16,
+        /// Why not.
+        reason: String,
+    },
     /// A replicated job's install does not fit this shard.
     #[error("job {id}: replicated install refused: {reason}")]
     Replica {
