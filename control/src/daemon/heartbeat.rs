@@ -52,12 +52,32 @@ struct Pulse {
     in_flight: bool,
     /// Declared down, and not heard from since.
     declared: bool,
+    /// When it was last declared down: an answer to a heartbeat sent
+    /// before that says nothing of it now.
+    declared_at: Option<Instant>,
 }
 
-/// A heartbeat's outcome: the appliance, and when it answered with the
-/// dataplane's identity if it gave one (`None`: no answer within the
-/// deadline).
-type Answer = (String, Option<(Instant, Option<String>)>);
+impl Pulse {
+    /// Takes an answer to a heartbeat sent at `sent`, taken at `at`: the
+    /// appliance's last answer, unless the heartbeat was sent before it
+    /// was last declared down (no news of it since: `false`).
+    fn take_answer(&mut self, sent: Instant, at: Instant) -> bool {
+        if self.declared_at.is_some_and(|d| sent < d) {
+            return false;
+        }
+        self.last = self.last.max(at);
+        true
+    }
+}
+
+/// A heartbeat's outcome: the appliance, and, when it answered, when the
+/// heartbeat was sent and when its answer was taken, with the dataplane's
+/// identity if it gave one (`None`: no answer within the deadline). An
+/// answer to a heartbeat sent before the appliance was declared down says
+/// nothing of it now (on a loaded host the thread that took it may run
+/// long after, past the appliance's death and declaration): it is not
+/// taken for an appliance answering again.
+type Answer = (String, Option<(Instant, Instant, Option<String>)>);
 
 impl Shared {
     /// The heartbeat thread's loop, until `stop` is dropped (or sent to).
@@ -71,8 +91,10 @@ impl Shared {
             while let Ok((name, answered)) = rx.try_recv() {
                 if let Some(p) = pulses.get_mut(&name) {
                     p.in_flight = false;
-                    if let Some((at, id)) = answered {
-                        p.last = p.last.max(at);
+                    if let Some((sent, at, id)) = answered {
+                        if !p.take_answer(sent, at) {
+                            continue;
+                        }
                         if let Some(id) = id {
                             if p.id.as_ref().is_some_and(|old| *old != id) {
                                 self.restarted_unnoticed(&name);
@@ -90,6 +112,7 @@ impl Shared {
                     id: None,
                     in_flight: false,
                     declared: false,
+                    declared_at: None,
                 });
                 if p.in_flight {
                     continue;
@@ -99,7 +122,8 @@ impl Shared {
                 let spawned = std::thread::Builder::new()
                     .name("control-beat".into())
                     .spawn(move || {
-                        let answered = client.heartbeat(limit).ok().map(|id| (Instant::now(), id));
+                        let sent = Instant::now();
+                        let answered = client.heartbeat(limit).ok().map(|id| (sent, Instant::now(), id));
                         let _ = tx.send((name, answered));
                     });
                 // A thread that cannot start is a heartbeat unanswered.
@@ -122,6 +146,7 @@ impl Shared {
                 match (p.declared, silent >= timing.deadline) {
                     (false, true) => {
                         p.declared = true;
+                        p.declared_at = Some(now);
                         self.declare_down(name, silent, timing);
                     }
                     (true, false) => {
@@ -267,5 +292,34 @@ impl Shared {
             return;
         }
         self.rereplicate_in_thread(name, timing.interval);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An answer to a heartbeat sent before the declaration, taken after
+    /// it (its thread ran late on a loaded host), does not bring a dead
+    /// appliance back; one sent after it does.
+    #[test]
+    fn an_answer_sent_before_the_declaration_is_no_news() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut p = Pulse {
+            last: at(0),
+            id: None,
+            in_flight: false,
+            declared: true,
+            declared_at: Some(at(600)),
+        };
+        assert!(!p.take_answer(at(50), at(700)));
+        assert_eq!(p.last, at(0));
+        assert!(p.take_answer(at(650), at(660)));
+        assert_eq!(p.last, at(660));
+        // Never declared: every answer counts.
+        p.declared_at = None;
+        assert!(p.take_answer(at(10), at(900)));
+        assert_eq!(p.last, at(900));
     }
 }
