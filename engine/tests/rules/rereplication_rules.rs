@@ -193,6 +193,72 @@ fn an_appliance_back_empty_is_filled_while_rounds_go_on_and_takes_over_exactly()
     }
 }
 
+/// What a checkpoint keeps of each appliance (PROTOCOL.md §11.7,
+/// "Restored parts"): its own part alone, whatever the epoch. The adopter
+/// saves its own slots, not the part it adopted; the appliance that came
+/// back keeps its own part as backup slots (the adopter stays its
+/// primary) and saves those: refused while their state copy is not all
+/// there, then bit for bit what the part's primary holds. (Before, an
+/// lcore saved every primary slot it had: the adopter's part grew by the
+/// adopted slots and the returned appliance's had none, and control
+/// refused both files against the layout.)
+#[test]
+fn a_checkpoint_holds_each_appliance_s_own_part_through_a_failover_and_a_return() {
+    let want = reference(2);
+    let mut w = failed_over(CLEAN, 31, &want);
+    let own = |w: &World, a: usize| -> Vec<u64> { w.layout.runs_of(a).iter().map(|r| r.count).collect() };
+    // Epoch 1: appliance 2 serves its own part and 1's.
+    let mut all = 0;
+    for (j, &n) in own(&w, 2).iter().enumerate() {
+        let s = &w.shards[2][j];
+        let saved = s
+            .part_snapshot(JOB)
+            .expect("installed")
+            .expect("its own part is here");
+        assert_eq!(saved.len() as u64, n, "appliance 2 lcore {j}");
+        all += s.snapshot(JOB).unwrap().len() as u64;
+    }
+    assert!(all > own(&w, 2).iter().sum::<u64>(), "appliance 2 adopted slots");
+    // Appliance 1 back, empty: its own part's backup slots await a copy.
+    let e2 = bring_back(&mut w, 1);
+    for (j, &n) in own(&w, 1).iter().enumerate() {
+        let got = w.shards[1][j].part_snapshot(JOB).expect("installed");
+        if n > 0 {
+            assert!(
+                matches!(got, Err(phub_engine::EngineError::Checkpoint { .. })),
+                "appliance 1 lcore {j} before its copy: {got:?}"
+            );
+        }
+    }
+    rounds(&mut w, &want, BACK, KILL_ADOPTER - 1, "appliance 1 back");
+    assert_eq!(w.epoch, e2);
+    let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (j, run) in w.layout.runs_of(1).to_vec().into_iter().enumerate() {
+        let saved = w.shards[1][j]
+            .part_snapshot(JOB)
+            .expect("installed")
+            .expect("its copy is whole");
+        assert_eq!(saved.len() as u64, run.count, "appliance 1 lcore {j}");
+        for (k, st) in saved.iter().enumerate() {
+            let g = run.first + k as u64;
+            let at = w.layout.serve(g, &w.epoch).unwrap();
+            assert_eq!(at.appliance, 2, "chunk {g}'s primary is the adopter");
+            let p = w.shards[at.appliance][at.lcore]
+                .primary_state(JOB, at.slot as u32)
+                .unwrap();
+            assert_eq!(st.completed, p.round, "chunk {g}: round");
+            assert_eq!(st.completed, Some(KILL_ADOPTER - 1), "chunk {g}: round");
+            assert_eq!(bits(&st.params), bits(p.state[0]), "chunk {g}: parameters");
+            assert_eq!(bits(&st.s1), bits(p.state[1]), "chunk {g}: optimizer state");
+            // (A result that is the parameters is not saved apart.)
+            if !st.result.is_empty() {
+                assert_eq!(st.result, p.result, "chunk {g}: stored result");
+            }
+        }
+    }
+    assert!(w.errors.is_empty(), "{:?}", w.errors);
+}
+
 /// Appliance 1 drained while rounds go on (PROTOCOL.md §11.8): its index
 /// moves to another appliance (host 10.0.1.2), installed empty at the
 /// next epoch, which every other appliance takes; the old one is gone
