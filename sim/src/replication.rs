@@ -767,15 +767,7 @@ impl World<'_> {
             let step = self.rep().restart_step;
             match step {
                 0 => {
-                    for g in 0..self.total_lcores() {
-                        let lc = &mut self.lcores[g];
-                        lc.checkpoint = Some(
-                            lc.shard
-                                .part_snapshot(JOB)
-                                .expect("the job is installed")
-                                .expect("its own part is here"),
-                        );
-                    }
+                    self.checkpoint_every_lcore();
                 }
                 1 => {
                     for g in 0..self.total_lcores() {
@@ -796,6 +788,16 @@ impl World<'_> {
                 }
             }
             self.rep_mut().restart_step += 1;
+        }
+    }
+
+    /// Every lcore's checkpoint, as control takes it: its appliance's own
+    /// part ([`Shard::part_snapshot`]).
+    fn checkpoint_every_lcore(&mut self) {
+        for g in 0..self.total_lcores() {
+            let lc = &mut self.lcores[g];
+            let saved = lc.shard.part_snapshot(JOB).expect("the job is installed");
+            lc.checkpoint = Some(saved.expect("its own part is here"));
         }
     }
 
@@ -839,15 +841,7 @@ impl World<'_> {
             let whole = (0..self.total_lcores())
                 .all(|g| !self.lcores[g].down && self.lcores[g].view.as_ref().is_some_and(|v| v.epoch == 0));
             if whole && self.rep().silent_since.iter().all(Option::is_none) {
-                for g in 0..self.total_lcores() {
-                    let lc = &mut self.lcores[g];
-                    lc.checkpoint = Some(
-                        lc.shard
-                            .part_snapshot(JOB)
-                            .expect("the job is installed")
-                            .expect("its own part is here"),
-                    );
-                }
+                self.checkpoint_every_lcore();
             }
         }
         if self.rep().stalled_until.is_some_and(|t| now >= t) {

@@ -1217,6 +1217,19 @@ fn restored_tables_whose_ranks_had_moved_on() {
 #[test]
 fn replicated_jobs_through_kills_partitions_returns_and_drains() {
     use phub_sim::replication::{ControlDown, ReplicaCase, ReplicaEvent, StallBack, ThenKill};
+    // Both members of b's set die (two replicas): plays 8 and 9.
+    let lost = (
+        2,
+        ReplicaEvent::Kill {
+            appliance: 1,
+            at_us: 2_000,
+            back_us: None,
+        },
+        Some(ThenKill::Other {
+            appliance: 2,
+            after_us: 300,
+        }),
+    );
     let plays: Vec<(u8, ReplicaEvent, Option<ThenKill>)> = vec![
         (
             2,
@@ -1303,30 +1316,8 @@ fn replicated_jobs_through_kills_partitions_returns_and_drains() {
                 after_us: 300,
             }),
         ),
-        (
-            2,
-            ReplicaEvent::Kill {
-                appliance: 1,
-                at_us: 2_000,
-                back_us: None,
-            },
-            Some(ThenKill::Other {
-                appliance: 2,
-                after_us: 300,
-            }),
-        ),
-        (
-            2,
-            ReplicaEvent::Kill {
-                appliance: 1,
-                at_us: 2_000,
-                back_us: None,
-            },
-            Some(ThenKill::Other {
-                appliance: 2,
-                after_us: 300,
-            }),
-        ),
+        lost,
+        lost,
     ];
     // What each play must have done in every seed: (kills, returns,
     // drains, times back to full strength, control restarts).

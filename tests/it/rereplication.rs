@@ -384,6 +384,41 @@ fn restore_ranks<'scope, 'env>(
 /// Workers of the restore tests' jobs.
 const WORKERS: u16 = 2;
 
+/// Keys of the restore tests' jobs.
+const RESTORE_KEYS: [u64; 3] = [5000, 3, 20_000];
+
+/// Three one-lcore appliances a, b, c (racks r1, r2, r3) and a job named
+/// `name` over them of [`WORKERS`] ranks and [`RESTORE_KEYS`], two
+/// replicas: a's part is backed up on b, b's on c, c's on a.
+fn three_appliance_job(name: &str) -> (Appliances, phub::proto::api::AdmitResponse) {
+    let rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let job = rack
+        .admit(&replicated_spec(
+            name,
+            WORKERS,
+            &RESTORE_KEYS,
+            &["a", "b", "c"],
+            2,
+        ))
+        .unwrap();
+    (rack, job)
+}
+
+/// Every rank went back to round 5 first (`back_to`: each rank's rounds
+/// gone back to), and each of the three appliances completed `rounds`.
+fn assert_back_to_5_then_done(rack: &Appliances, job: u16, back_to: &[Vec<u32>], rounds: u32) {
+    for (rank, b) in back_to.iter().enumerate() {
+        assert_eq!(
+            b.first(),
+            Some(&5),
+            "rank {rank} went back to round 5 first: {b:?}"
+        );
+    }
+    for i in 0..3 {
+        assert_eq!(rack.last_round(i, job), Some(rounds), "{}", rack.names[i]);
+    }
+}
+
 /// Every appliance of a replicated job dies at once (a power cut, control
 /// with them) after a checkpoint of the round every chunk completed last:
 /// no replica of any part kept its state, so control, back, restores each
@@ -445,12 +480,8 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
 /// part c's aggregates `ahead`, and the job hung.
 #[test]
 fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() {
-    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
-    let keys = [5000u64, 3, 20_000];
-    // Racks r1, r2, r3: a's part is backed up on b, b's on c, c's on a.
-    let job = rack
-        .admit(&replicated_spec("back", WORKERS, &keys, &["a", "b", "c"], 2))
-        .unwrap();
+    let (mut rack, job) = three_appliance_job("back");
+    let keys = RESTORE_KEYS;
     let rounds = 8u32;
     let url = rack.control_url.clone();
     let gates = [Gate::before(5), Gate::before(7)];
@@ -468,16 +499,7 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
         gates[1].open.store(true, Ordering::SeqCst);
         ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    for (rank, b) in back_to.iter().enumerate() {
-        assert_eq!(
-            b.first(),
-            Some(&5),
-            "rank {rank} went back to round 5 first: {b:?}"
-        );
-    }
-    for i in 0..3 {
-        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
-    }
+    assert_back_to_5_then_done(&rack, job.id, &back_to, rounds);
 }
 
 /// Past a failover and a re-replication: b is killed and comes back
@@ -490,17 +512,8 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
 /// training goes on exactly.
 #[test]
 fn a_job_goes_back_to_checkpoints_taken_after_a_re_replication() {
-    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
-    let keys = [5000u64, 3, 20_000];
-    let job = rack
-        .admit(&replicated_spec(
-            "back-later",
-            WORKERS,
-            &keys,
-            &["a", "b", "c"],
-            2,
-        ))
-        .unwrap();
+    let (mut rack, job) = three_appliance_job("back-later");
+    let keys = RESTORE_KEYS;
     let rounds = 8u32;
     let url = rack.control_url.clone();
     let gates = [Gate::before(3), Gate::before(5), Gate::before(7)];
@@ -544,16 +557,7 @@ fn a_job_goes_back_to_checkpoints_taken_after_a_re_replication() {
         gates[2].open.store(true, Ordering::SeqCst);
         ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    for (rank, b) in back_to.iter().enumerate() {
-        assert_eq!(
-            b.first(),
-            Some(&5),
-            "rank {rank} went back to round 5 first: {b:?}"
-        );
-    }
-    for i in 0..3 {
-        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
-    }
+    assert_back_to_5_then_done(&rack, job.id, &back_to, rounds);
 }
 
 /// Both appliances of a part's replica set are killed one after the
@@ -571,12 +575,8 @@ fn a_job_goes_back_to_checkpoints_taken_after_a_re_replication() {
 /// job.
 #[test]
 fn a_part_whose_every_replica_was_killed_stalls_the_job_until_both_are_back() {
-    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
-    let keys = [5000u64, 3, 20_000];
-    // Racks r1, r2, r3: a's part is backed up on b, b's on c, c's on a.
-    let job = rack
-        .admit(&replicated_spec("stall", WORKERS, &keys, &["a", "b", "c"], 2))
-        .unwrap();
+    let (mut rack, job) = three_appliance_job("stall");
+    let keys = RESTORE_KEYS;
     let rounds = 8u32;
     let url = rack.control_url.clone();
     let gates = [Gate::before(5), Gate::before(7)];
@@ -631,15 +631,6 @@ fn a_part_whose_every_replica_was_killed_stalls_the_job_until_both_are_back() {
         assert!(e.names_nobody() && e.restored == e.epoch, "{e:?}");
         ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    for (rank, b) in back_to.iter().enumerate() {
-        assert_eq!(
-            b.first(),
-            Some(&5),
-            "rank {rank} went back to round 5 first: {b:?}"
-        );
-    }
-    for i in 0..3 {
-        assert_eq!(rack.last_round(i, job.id), Some(rounds), "{}", rack.names[i]);
-    }
+    assert_back_to_5_then_done(&rack, job.id, &back_to, rounds);
     assert!(detail(&rack).summary.failed.is_none());
 }
