@@ -29,9 +29,9 @@
 //! still declared down, **stalls** the job: no re-replication, PROTOCOL.md
 //! §11.7 "Stalled jobs"), a checkpoint of every part, and no part moved
 //! (each appliance restores its own part, never one it adopted);
-//! otherwise the job fails, naming the part that was lost. The job goes back at a new epoch naming nobody,
-//! so that what its appliances' former selves sent before they died, still
-//! on its way, is refused.
+//! otherwise the job fails, naming the part that was lost. The job goes
+//! back at a new epoch naming nobody, so that what its appliances' former
+//! selves sent before they died, still on its way, is refused.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -97,8 +97,9 @@ enum Loss {
         /// The lost parts, for the log.
         why: String,
     },
-    /// Past a failover, an appliance of the job did not answer: it stalls
-    /// for this reason (recorded; no re-replication starts) and waits.
+    /// Past a failover, an appliance of the job down in its epoch did not
+    /// answer the pass or is still declared down: it stalls for this
+    /// reason (recorded; no re-replication starts) and waits.
     Stall(String),
     /// It cannot go back exactly: it fails for this reason.
     Fail(String),
@@ -541,8 +542,9 @@ impl Shared {
         };
         if !members.iter().all(up) {
             // One down in its epoch may stay down long: the job stalls
-            // until it answers (no re-replication meanwhile).
-            return Some(if j.stalled.is_none() {
+            // until it answers (no re-replication meanwhile). At an epoch
+            // naming nobody the heartbeats only lag the pass: it waits.
+            return Some(if j.stalled.is_none() && !j.epoch.names_nobody() {
                 Loss::Stall(why)
             } else {
                 Loss::Wait
@@ -596,8 +598,9 @@ impl Shared {
 
     /// Sends appliance `name`, which holds the jobs `installed`, the
     /// epoch of each replicated job there past epoch 0, not stalled (whose
-    /// epoch is put on nobody), that it has not answered yet ([`ReconcileLog::epochs`]): one the failover's own
-    /// sends missed, or a job it lost and got again at epoch 0.
+    /// epoch is put on nobody), that it has not answered yet
+    /// ([`ReconcileLog::epochs`]): one the failover's own sends missed, or
+    /// a job it lost and got again at epoch 0.
     fn send_epochs(&self, name: &str, client: &Client, installed: &BTreeSet<u16>, log: &mut ReconcileLog) {
         let due: Vec<(u16, EpochView)> = {
             let inner = self.lock();
