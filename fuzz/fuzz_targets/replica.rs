@@ -3,7 +3,8 @@
 //!
 //! Parsing must never panic. An accepted datagram must be exactly the
 //! header plus the `count` elements its dtype announces (none for a
-//! REPLICATE_ACK or REPLICATE_STATE_ACK), the fragment fields read from a
+//! REPLICATE_STATE_ACK; whole further acknowledgements, fewer than
+//! `MAX_ACKS`, for a REPLICATE_ACK), the fragment fields read from a
 //! REPLICATE_STATE only; writing the parsed fields back gives the same header
 //! except the error, receive-buffer share and reserved fields (written as
 //! zero); and a dense parse refuses it as `unknown_type`.
@@ -19,8 +20,13 @@ fuzz_target!(|data: &[u8]| {
             assert!(repr.payload_len() <= MAX_PAYLOAD);
             assert_eq!(payload.len(), repr.payload_len());
             assert_eq!(data.len(), HEADER_LEN + repr.payload_len());
-            if repr.kind.is_ack() {
-                assert!(payload.is_empty());
+            match repr.kind {
+                ReplicaMsgType::StateAck => assert!(payload.is_empty()),
+                ReplicaMsgType::ReplicateAck => {
+                    assert_eq!(payload.len() % replica::ACK_ENTRY_LEN, 0);
+                    assert!(replica::acks(payload).count() < replica::MAX_ACKS);
+                }
+                _ => {}
             }
             // Only a REPLICATE_STATE reads the fragment fields.
             if repr.kind == ReplicaMsgType::ReplicateState {

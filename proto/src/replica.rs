@@ -83,10 +83,36 @@ impl ReplicaMsgType {
         }
     }
 
-    /// Whether a message of this type carries no payload (`count` 0).
+    /// Whether a message of this type acknowledges (a REPLICATE_ACK's
+    /// payload holds only further acknowledgements, [`acks`]; a
+    /// REPLICATE_STATE_ACK has none).
     pub const fn is_ack(self) -> bool {
         matches!(self, ReplicaMsgType::ReplicateAck | ReplicaMsgType::StateAck)
     }
+}
+
+/// Acknowledgements one REPLICATE_ACK carries at most: the header's, and
+/// up to this many less one in its payload (PROTOCOL.md §11.3).
+pub const MAX_ACKS: usize = 128;
+
+/// Bytes of one further acknowledgement in a REPLICATE_ACK's payload:
+/// the primary slot and the round, `u32` little-endian each.
+pub const ACK_ENTRY_LEN: usize = 8;
+
+/// The further acknowledgements of a REPLICATE_ACK's `payload` (which
+/// [`parse`] checked to be whole entries): (primary slot, round) each.
+pub fn acks(payload: &[u8]) -> impl Iterator<Item = (u32, u32)> + '_ {
+    payload.chunks_exact(ACK_ENTRY_LEN).map(|e| {
+        let word = |at: usize| u32::from_le_bytes([e[at], e[at + 1], e[at + 2], e[at + 3]]);
+        (word(0), word(4))
+    })
+}
+
+/// Appends one further acknowledgement (primary slot `slot`, round
+/// `round`) to a REPLICATE_ACK's payload `out`.
+pub fn push_ack(out: &mut Vec<u8>, slot: u32, round: u32) {
+    out.extend_from_slice(&slot.to_le_bytes());
+    out.extend_from_slice(&round.to_le_bytes());
 }
 
 /// A replication message's header fields, decoded and validated.
@@ -178,8 +204,9 @@ pub fn is_replica_message(datagram: &[u8]) -> bool {
 /// payload read in place, or why it must be dropped. Checks, in §7's
 /// order: truncated, magic, version, type, dtype, `count` within
 /// [`MAX_PAYLOAD`] (`count_too_large`), the datagram's length against it
-/// (`length_mismatch`; a REPLICATE_ACK or REPLICATE_STATE_ACK has `count`
-/// 0 and no payload). The fragment fields are read from a REPLICATE_STATE
+/// (`length_mismatch`; a REPLICATE_STATE_ACK has `count` 0 and no payload,
+/// a REPLICATE_ACK's `count` is twice its further acknowledgements, in
+/// `f32` words, at most [`MAX_ACKS`] − 1 of them). The fragment fields are read from a REPLICATE_STATE
 /// only (0 in the others' representation); whether they fit the chunk's
 /// state is the engine's check (`count_mismatch`).
 /// Never panics, never allocates.
@@ -194,7 +221,14 @@ pub fn parse(datagram: &[u8]) -> Result<(ReplicaRepr, &[u8]), DropReason> {
         return Err(DropReason::CountTooLarge);
     }
     let payload = &datagram[HEADER_LEN..];
-    if payload.len() != len || (kind.is_ack() && count != 0) {
+    let bad_ack = match kind {
+        ReplicaMsgType::StateAck => count != 0,
+        ReplicaMsgType::ReplicateAck => {
+            dtype != Dtype::F32 || len % ACK_ENTRY_LEN != 0 || len / ACK_ENTRY_LEN >= MAX_ACKS
+        }
+        _ => false,
+    };
+    if payload.len() != len || bad_ack {
         return Err(DropReason::LengthMismatch);
     }
     let repr = ReplicaRepr {
@@ -326,6 +360,46 @@ mod tests {
     use proptest::prelude::*;
 
     #[test]
+    fn an_ack_carries_fewer_than_max_acks_further_acknowledgements() {
+        let r = ReplicaRepr {
+            kind: ReplicaMsgType::ReplicateAck,
+            dtype: Dtype::F32,
+            flags: 0,
+            token: 1,
+            job: 1,
+            from: 0,
+            count: 0,
+            round: 3,
+            slot: 0,
+            key: 0,
+            chunk: 0,
+            epoch: 0,
+            fragment: 0,
+            fragments: 0,
+        };
+        for (n, ok) in [(MAX_ACKS - 1, true), (MAX_ACKS, false)] {
+            let more = ReplicaRepr {
+                count: u16::try_from(2 * n).unwrap(),
+                ..r
+            };
+            let mut d = more.to_bytes().to_vec();
+            for k in 0..u32::try_from(n).unwrap() {
+                push_ack(&mut d, k, 3);
+            }
+            assert_eq!(parse(&d).is_ok(), ok, "{n} further acknowledgements");
+        }
+        // Not in f32 words: refused.
+        let half = ReplicaRepr {
+            dtype: Dtype::Bf16,
+            count: 8,
+            ..r
+        };
+        let mut d = half.to_bytes().to_vec();
+        d.extend_from_slice(&[0; 16]);
+        assert_eq!(parse(&d).err(), Some(DropReason::LengthMismatch));
+    }
+
+    #[test]
     fn codes_round_trip_and_are_no_other_message_type() {
         for t in ReplicaMsgType::ALL {
             assert_eq!(ReplicaMsgType::from_code(t.code()), Some(t));
@@ -435,7 +509,8 @@ mod tests {
             let (back, payload) = parse(&d).unwrap();
             prop_assert_eq!(back, r);
             prop_assert_eq!(payload.len(), usize::from(count) * 4);
-            // One element short, or an ACK with a count: refused.
+            // One element short, or an ACK with half a further
+            // acknowledgement: refused.
             prop_assert_eq!(parse(&d[..d.len().saturating_sub(1)]).err().is_some(), true);
             let ack = ReplicaRepr { kind: ReplicaMsgType::ReplicateAck, count: 0, ..r };
             prop_assert_eq!(parse(&ack.to_bytes()).unwrap().0, ack);
@@ -443,6 +518,18 @@ mod tests {
             let mut d = bad.to_bytes().to_vec();
             d.extend_from_slice(&[0; 4]);
             prop_assert_eq!(parse(&d).err(), Some(DropReason::LengthMismatch));
+            // Whole further acknowledgements are read back in order.
+            let n = u32::from(count % 8);
+            let more = ReplicaRepr { kind: ReplicaMsgType::ReplicateAck, count: 2 * (count % 8), ..r };
+            let mut d = more.to_bytes().to_vec();
+            for k in 0..n {
+                push_ack(&mut d, slot ^ k, round.wrapping_add(k));
+            }
+            let (back, payload) = parse(&d).unwrap();
+            prop_assert_eq!(back, more);
+            let got: Vec<(u32, u32)> = acks(payload).collect();
+            let want: Vec<(u32, u32)> = (0..n).map(|k| (slot ^ k, round.wrapping_add(k))).collect();
+            prop_assert_eq!(got, want);
         }
 
         #[test]

@@ -293,6 +293,9 @@ pub struct Shard<A> {
     /// The bytes (header and payload) of the queued table answers
     /// (`Pending::Row`), cleared with the transmits.
     rows_out: Vec<u8>,
+    /// The bytes of the queued REPLICATE_ACKs (`Pending::ReplicaAcks`),
+    /// cleared with the transmits.
+    acks_out: Vec<u8>,
     /// A checkpoint of a job's tables being streamed
     /// ([`Shard::stream_tables_begin`]).
     tables_stream: Option<table_checkpoint::TablesStream>,
@@ -358,6 +361,7 @@ impl<A: Copy + Eq> Shard<A> {
             rx_buffer: None,
             rx_workers: 0,
             rows_out: Vec::new(),
+            acks_out: Vec::new(),
             tables_stream: None,
             tables_stream_kept: table_checkpoint::StreamKept::default(),
         }

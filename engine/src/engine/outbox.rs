@@ -2,6 +2,7 @@
 //! the [`Transmit`]s the backend sends from them, with their destination
 //! lists ([`Ranks`]).
 
+use phub_proto::replica;
 use phub_proto::wire;
 use phub_proto::wire::{flags, MsgType, Repr, APPLIANCE_RANK, HEADER_LEN};
 
@@ -51,9 +52,11 @@ pub(super) enum Pending<A> {
         backup: u8,
         attempt: Attempt,
     },
-    /// The ACK of backup slot `slot` of the part of home `from`, for its
-    /// last completed round.
-    ReplicaAck { job: u16, from: u16, slot: u32 },
+    /// Acknowledgements of backup slots' rounds to one primary lcore, in
+    /// one REPLICATE_ACK (PROTOCOL.md §11.3): its header, built whole, is
+    /// bytes `at .. at + HEADER_LEN` of the shard's ack outbox, and its
+    /// `more` further acknowledgements follow it there.
+    ReplicaAcks { job: u16, at: u32, more: u16, to: A },
     /// Fragment `fragment` of a primary slot's state copy, to its new
     /// backup `backup` (PROTOCOL.md §11.7).
     State {
@@ -175,7 +178,24 @@ impl<A: Copy + Eq> Shard<A> {
                 backup,
                 attempt,
             } => return [self.replicate_transmit(job, slot, backup, attempt), None],
-            Pending::ReplicaAck { job, from, slot } => return [self.ack_transmit(job, from, slot), None],
+            Pending::ReplicaAcks { at, more, to, .. } => {
+                let at = at as usize;
+                let end = at + HEADER_LEN + usize::from(more) * replica::ACK_ENTRY_LEN;
+                let msg = self.acks_out.get(at..end);
+                debug_assert!(msg.is_some(), "queued acknowledgements inside the ack outbox");
+                let Some(msg) = msg else { return [None, None] };
+                let (head, payload) = msg.split_at(HEADER_LEN);
+                let mut header = [0u8; HEADER_LEN];
+                header.copy_from_slice(head);
+                // `count`: two f32 words per further acknowledgement.
+                wire::Header::new_unchecked(&mut header[..]).set_count(2 * more);
+                let t = Transmit {
+                    header,
+                    payload,
+                    to: Ranks::new(&[], None, Some(to)),
+                };
+                return [Some(t), None];
+            }
             Pending::State {
                 job,
                 slot,
@@ -259,6 +279,7 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
         self.rows_out.clear();
+        self.acks_out.clear();
     }
 }
 

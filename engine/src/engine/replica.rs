@@ -32,7 +32,7 @@ use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
 use phub_proto::spec::{Consistency, JobSpec};
-use phub_proto::wire::{flags, DropReason, MAX_PAYLOAD};
+use phub_proto::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
 use crate::counters::ShardCounters;
@@ -681,8 +681,12 @@ impl<A: Copy + Eq> Shard<A> {
         };
         let nbackups = groups.first().map_or(0, |g| g.backups.len());
         self.install_with(job, None)?;
-        // A completed round queues a REPLICATE per backup.
+        // A completed round queues a REPLICATE per backup; a burst of
+        // REPLICATEs from as many primaries' lcores queues at most one
+        // REPLICATE_ACK header and one further acknowledgement each.
         self.pending.reserve(nbackups * MAX_BURST);
+        self.acks_out
+            .reserve((HEADER_LEN + replica::ACK_ENTRY_LEN) * MAX_BURST);
         let j = self.jobs.last_mut().expect("installed just now");
         j.replica = Some(Box::new(Replica {
             view,
@@ -807,24 +811,49 @@ impl<A: Copy + Eq> Shard<A> {
                         rep.stats.acks_resent += 1;
                         self.counters.replicate_acks_resent.inc();
                     }
-                    self.pending.push(Pending::ReplicaAck {
-                        job: job.id,
-                        from: repr.from,
-                        slot: repr.slot,
-                    });
+                    if let Some((to, ack)) = Self::ack_of(job, repr.from, repr.slot) {
+                        queue_ack(&mut self.pending, &mut self.acks_out, job.id, to, &ack);
+                    }
                     Verdict::Replicated
                 }
                 Err(r) => Verdict::Dropped(r),
             },
-            ReplicaMsgType::ReplicateAck => match Self::on_ack(job, from, &repr, now) {
-                Ok(true) => {
-                    self.counters.rounds_completed.inc();
-                    self.counters.rounds_replicated.inc();
-                    round_done(&mut self.pending, &self.counters, job, repr.slot)
+            ReplicaMsgType::ReplicateAck => {
+                // The header's acknowledgement, then the payload's: the
+                // message is handled if any of them is, and otherwise
+                // dropped for the first one's reason.
+                let mut verdict: Option<Verdict> = None;
+                let further = replica::acks(payload).map(|a| (a, false));
+                for ((slot, round), head) in std::iter::once(((repr.slot, repr.round), true)).chain(further) {
+                    // A further acknowledgement names no key or chunk: the
+                    // slot's own stand in for the header's check.
+                    let (key, chunk) = match job.slots.get(slot as usize) {
+                        Some(s) if !head => (s.key, s.chunk),
+                        _ => (repr.key, repr.chunk),
+                    };
+                    let one = ReplicaRepr {
+                        slot,
+                        round,
+                        key,
+                        chunk,
+                        ..repr
+                    };
+                    let v = match Self::on_ack(job, from, &one, now) {
+                        Ok(true) => {
+                            self.counters.rounds_completed.inc();
+                            self.counters.rounds_replicated.inc();
+                            round_done(&mut self.pending, &self.counters, job, slot)
+                        }
+                        Ok(false) => Verdict::Replicated,
+                        Err(r) => Verdict::Dropped(r),
+                    };
+                    verdict = match verdict {
+                        None | Some(Verdict::Dropped(_)) => Some(v),
+                        kept => kept,
+                    };
                 }
-                Ok(false) => Verdict::Replicated,
-                Err(r) => Verdict::Dropped(r),
-            },
+                verdict.unwrap_or(Verdict::Dropped(DropReason::LengthMismatch))
+            }
             ReplicaMsgType::ReplicateState => {
                 match Self::on_state(&self.kernels, job, from, &repr, payload) {
                     Ok(ack) => {
@@ -1149,13 +1178,34 @@ impl<A: Copy + Eq> Shard<A> {
         })
     }
 
-    /// The ACK of backup slot `slot` of the part of home `home`, for its
-    /// last completed round, to the part's primary's lcore holding the
-    /// chunk.
-    pub(super) fn ack_transmit(&self, job: u16, home: u16, slot: u32) -> Option<Transmit<'_, Ranks<'_, A>>> {
-        self.ack_to_primary(job, home, slot, ReplicaMsgType::ReplicateAck, |_, s| {
-            s.completed.get()
-        })
+    /// The REPLICATE_ACK of backup slot `slot` of the part of home `home`
+    /// of job `j`, for its last completed round: the part's primary's
+    /// lcore holding the chunk, and the header.
+    fn ack_of(j: &Job<A>, home: u16, slot: u32) -> Option<(A, ReplicaRepr)> {
+        let rep = j.replica.as_deref()?;
+        let part = rep.parts.iter().find(|p| p.home == home)?;
+        let s = part.slots.get(slot as usize)?;
+        let round = s.completed.get()?;
+        let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
+        Some((
+            to,
+            ReplicaRepr {
+                kind: ReplicaMsgType::ReplicateAck,
+                dtype: Dtype::F32,
+                flags: 0,
+                token: j.token,
+                job: j.id,
+                from: rep.me,
+                count: 0,
+                round,
+                slot: primary_slot,
+                key: s.key,
+                chunk: s.chunk,
+                epoch: rep.view.epoch,
+                fragment: 0,
+                fragments: 0,
+            },
+        ))
     }
 
     /// An acknowledgement of `kind` (no payload) of backup slot `slot` of
@@ -1209,4 +1259,47 @@ pub struct BackupState<'a> {
     /// Its parameters and the optimizer's two states (each empty where
     /// the optimizer keeps none).
     pub state: Vec<&'a [f32]>,
+}
+
+/// Queues REPLICATE_ACK `ack` of job `job` to `to` (PROTOCOL.md §11.3): as
+/// a further acknowledgement of the last queued message when that is one
+/// to the same lcore of the same job and epoch with room (consecutive
+/// REPLICATEs from one primary lcore, a GSO train, are answered in one
+/// datagram), or as a new message, its header at the end of `out`.
+fn queue_ack<A: Copy + Eq>(
+    pending: &mut Vec<Pending<A>>,
+    out: &mut Vec<u8>,
+    job: u16,
+    to: A,
+    ack: &ReplicaRepr,
+) {
+    if let Some(Pending::ReplicaAcks {
+        job: j,
+        at,
+        more,
+        to: t,
+    }) = pending.last_mut()
+    {
+        let at = *at as usize;
+        let same = *j == job
+            && *t == to
+            && usize::from(*more) + 1 < replica::MAX_ACKS
+            && out
+                .get(at..at + HEADER_LEN)
+                .is_some_and(|h| Header::new_unchecked(h).epoch() == ack.epoch);
+        if same {
+            debug_assert_eq!(
+                out.len(),
+                at + HEADER_LEN + usize::from(*more) * replica::ACK_ENTRY_LEN
+            );
+            replica::push_ack(out, ack.slot, ack.round);
+            *more += 1;
+            return;
+        }
+    }
+    let Ok(at) = u32::try_from(out.len()) else {
+        return;
+    };
+    out.extend_from_slice(&ack.to_bytes());
+    pending.push(Pending::ReplicaAcks { job, at, more: 0, to });
 }

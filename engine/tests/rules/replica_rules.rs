@@ -77,6 +77,41 @@ fn backups_stay_bit_identical_under_loss_duplication_and_reordering() {
     }
 }
 
+/// An lcore that takes several REPLICATEs from one primary lcore in one
+/// burst answers them in one REPLICATE_ACK (PROTOCOL.md §11.3): fewer ACK
+/// datagrams than acknowledgements, every one of them taken by the
+/// primary (no REPLICATE resent on a clean network), backups identical.
+#[test]
+fn a_burst_of_replicates_is_acknowledged_in_one_datagram() {
+    let opt = Optimizer::Momentum {
+        lr: 0.05,
+        momentum: 0.9,
+        weight_decay: 0.0,
+    };
+    let mut w = World::new(
+        spec(opt, Dtype::F32, 2, 3),
+        &[2, 1, 3],
+        &["r1", "r2", "r1"],
+        9,
+        CLEAN,
+    );
+    w.bursts = true;
+    let w = train_world(w, 5);
+    let (datagrams, acks) = w.acks_sent;
+    assert!(
+        datagrams > 0 && datagrams < acks,
+        "{datagrams} ACK datagrams for {acks} acknowledgements"
+    );
+    let resent: u64 = w
+        .shards
+        .iter()
+        .flatten()
+        .map(|s| s.replica_stats(JOB).unwrap().replicates_resent)
+        .sum();
+    assert_eq!(resent, 0, "an acknowledgement was not taken");
+    assert_eq!(w.total() * 6, acks, "one acknowledgement per chunk and round");
+}
+
 /// With one replica nothing is replicated: the round completes at the
 /// last push, as on an appliance without replicas.
 #[test]

@@ -126,6 +126,11 @@ pub(crate) struct World {
     /// Per appliance index: the last octet of its lcores' host (1; 2 once
     /// a drain moved the index to another appliance, PROTOCOL.md §11.8).
     pub(crate) hosts: Vec<u8>,
+    /// An lcore takes every datagram in flight to it before it sends
+    /// (a burst, as `recvmmsg` takes them), not one at a time.
+    pub(crate) bursts: bool,
+    /// REPLICATE_ACK datagrams sent, and the acknowledgements they carried.
+    pub(crate) acks_sent: (u64, u64),
 }
 
 impl World {
@@ -179,6 +184,8 @@ impl World {
             got: HashMap::new(),
             results: 0,
             verdicts: Vec::new(),
+            bursts: false,
+            acks_sent: (0, 0),
         }
     }
 
@@ -328,6 +335,12 @@ impl World {
         }
         self.shards[i][j].clear_transmits();
         for (to, d) in out {
+            if let Ok((r, payload)) = replica::parse(&d) {
+                if r.kind == replica::ReplicaMsgType::ReplicateAck {
+                    self.acks_sent.0 += 1;
+                    self.acks_sent.1 += 1 + replica::acks(payload).count() as u64;
+                }
+            }
             if !replica::is_replica_message(&d) {
                 let (repr, _) = wire::parse(&d).unwrap();
                 if repr.kind == MsgType::Result {
@@ -406,9 +419,23 @@ impl World {
                 // To an appliance a drain took the index from: gone.
                 return true;
             }
-            let v = self.shards[i][j].handle(from, &d, self.now);
-            if replica::is_replica_message(&d) {
-                self.verdicts.push(v);
+            let mut burst = vec![(from, d)];
+            if self.bursts {
+                let mut k = 0;
+                while k < self.net.len() {
+                    if self.net[k].1 == to {
+                        let (f, _, d) = self.net.remove(k);
+                        burst.push((f, d));
+                    } else {
+                        k += 1;
+                    }
+                }
+            }
+            for (from, d) in burst {
+                let v = self.shards[i][j].handle(from, &d, self.now);
+                if replica::is_replica_message(&d) {
+                    self.verdicts.push(v);
+                }
             }
             self.drain(i, j);
             self.now += 1_000;
@@ -635,7 +662,11 @@ pub(crate) fn train(
     faults: Faults,
     rounds: u32,
 ) -> World {
-    let mut w = World::new(spec, lcores, racks, seed, faults);
+    train_world(World::new(spec, lcores, racks, seed, faults), rounds)
+}
+
+/// [`train`] in world `w`.
+pub(crate) fn train_world(mut w: World, rounds: u32) -> World {
     let total = w.total();
     for r in 0..=rounds {
         let mut values = HashMap::new();
