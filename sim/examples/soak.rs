@@ -67,6 +67,10 @@ fn main() {
                         t.0.rejoined += o.rejoined;
                         t.0.table_pushes += o.table_pushes;
                         t.0.rows_checked += o.rows_checked;
+                        t.0.rows.created += o.rows.created;
+                        t.0.rows.created_early += o.rows.created_early;
+                        t.0.rows.not_admitted += o.rows.not_admitted;
+                        t.0.rows.evicted += o.rows.evicted;
                         t.0.lists_named += o.lists_named;
                         t.0.stream_slices_served_between += o.stream_slices_served_between;
                         if !case.tables.is_empty() {
@@ -100,7 +104,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} table pushes, {} rows checked, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -117,6 +121,10 @@ fn main() {
         o.rejoined,
         o.table_pushes,
         o.rows_checked,
+        o.rows.created + o.rows.created_early,
+        o.rows.created_early,
+        o.rows.not_admitted,
+        o.rows.evicted,
         o.lists_named,
         o.stream_slices_served_between,
         o.replica_kills,

@@ -440,6 +440,9 @@ pub struct Outcome {
     pub table_pushes: u64,
     /// Rows in table answers checked against the model.
     pub rows_checked: u64,
+    /// Table pushes by what they did to their rows (admission), and rows
+    /// evicted idle, each checked against the model.
+    pub rows: rows::PushTally,
     /// Table messages and answers the lcores took or sent naming a cached
     /// id list (PROTOCOL.md §10.7) instead of carrying the ids.
     pub lists_named: u64,

@@ -17,7 +17,7 @@ use std::collections::HashMap;
 
 use phub_proto::dtype::{decode, encode};
 use phub_proto::placement::RowPlacement;
-use phub_proto::spec::{RowInitSpec, RowOptimizerSpec, TableSpec};
+use phub_proto::spec::{Evict, RowInitSpec, RowOptimizerSpec, TableSpec};
 use phub_proto::Dtype;
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -43,11 +43,18 @@ pub struct TableCase {
     /// rounds the first, even the second), both registered for key
     /// caching when the rank's transport is made.
     pub key_cache: u32,
+    /// `admit_after`: a row is stored from its id's N-th push on
+    /// (PROTOCOL.md §10.1); `None`: from its first.
+    pub admit_after: Option<u32>,
+    /// `evict = { idle_rounds = N }`: rows not updated for N of their
+    /// lcore's rounds (clocks) are evicted; `None`: never (the cap is not
+    /// reached either).
+    pub idle_rounds: Option<u32>,
 }
 
 /// The row cap every simulated table is installed with: no lcore's share
 /// is ever reached (a case draws at most 256 distinct ids), so no row is
-/// evicted.
+/// evicted at the cap (only idle, [`TableCase::idle_rounds`]).
 pub const ROWS_CAP: u64 = 4096;
 
 impl TableCase {
@@ -75,6 +82,8 @@ impl TableCase {
             ids: rng.gen_range(1..=256),
             touch: rng.gen_range(0..=24),
             key_cache: 0,
+            admit_after: None,
+            idle_rounds: None,
         };
         // A quarter of the tables cache their ids, decided by the seed
         // drawn (no more draws: every earlier seed's case keeps its
@@ -83,6 +92,18 @@ impl TableCase {
         if seed % 4 == 1 {
             let per = phub_proto::spec::rows_per_datagram(chunk_bytes, dim, dtype).max(1);
             t.key_cache = 2 * t.touch.div_ceil(per).max(1);
+        }
+        // A fifth of the tables admit a row from its 2nd to 4th push, and
+        // a fifth (others) evict rows idle 2 to 4 rounds, decided by the
+        // seed drawn as well. Idle rounds start at 2: a row updated in a
+        // round is then never evicted at that round's end, so whether an
+        // id is stored after a push says whether the push was admitted.
+        let bits = seed >> 32;
+        if bits % 5 == 1 {
+            t.admit_after = Some(2 + u32::try_from(bits % 3).unwrap_or(0));
+        }
+        if (bits >> 8) % 5 == 1 {
+            t.idle_rounds = Some(2 + u32::try_from((bits >> 16) % 3).unwrap_or(0));
         }
         t
     }
@@ -95,8 +116,8 @@ impl TableCase {
             seed: self.seed,
             init: self.init,
             optimizer: self.optimizer,
-            evict: None,
-            admit_after: None,
+            evict: self.idle_rounds.map(Evict::IdleRounds),
+            admit_after: self.admit_after,
             key_cache: self.key_cache,
         }
     }
@@ -449,6 +470,52 @@ pub struct TableModel {
     acc_at: HashMap<u64, usize>,
     /// Not BSP: each rank's applied clock.
     pub applied: Vec<u32>,
+    /// The store's round: how many times its round advanced (each BSP
+    /// round, or each time the slowest clock rose), its idle clock.
+    pub round: u32,
+    /// Each stored row's last update, in the store's rounds.
+    touched: HashMap<u64, u32>,
+    /// Each id's pushes while it was not stored (what admission counts).
+    pushes: HashMap<u64, u32>,
+}
+
+/// Pushes by what they did, and rows evicted, over a run.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PushTally {
+    /// Rows stored on their `admit_after`-th push (or first).
+    pub created: u64,
+    /// Rows stored before it (counters shared with another id).
+    pub created_early: u64,
+    /// Pushes dropped before admission.
+    pub not_admitted: u64,
+    /// Rows evicted idle.
+    pub evicted: u64,
+}
+
+impl PushTally {
+    /// One push's outcome counted.
+    pub fn count(&mut self, p: Pushed) {
+        match p {
+            Pushed::Updated => {}
+            Pushed::Created => self.created += 1,
+            Pushed::CreatedEarly => self.created_early += 1,
+            Pushed::NotAdmitted => self.not_admitted += 1,
+        }
+    }
+}
+
+/// What one push did to its row, as the model and the lcore agree.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// A stored row updated.
+    Updated,
+    /// The row stored now, on its `admit_after`-th push or its first.
+    Created,
+    /// Stored before its `admit_after`-th push: the admission counters
+    /// of two ids met (they admit early, never late).
+    CreatedEarly,
+    /// Not admitted yet: the push is dropped, the id reads as initial.
+    NotAdmitted,
 }
 
 impl TableModel {
@@ -461,6 +528,9 @@ impl TableModel {
             acc: Vec::new(),
             acc_at: HashMap::new(),
             applied: vec![0; usize::from(workers)],
+            round: 0,
+            touched: HashMap::new(),
+            pushes: HashMap::new(),
         }
     }
 
@@ -479,13 +549,68 @@ impl TableModel {
         through_wire(dtype, &self.read(t, id))
     }
 
-    /// Not BSP: the pair (`id`, `a`) applied at once.
-    pub fn apply(&mut self, t: &TableCase, id: u64, a: &[f32]) {
-        let init = self.read(t, id);
-        self.rows
-            .entry(id)
-            .or_insert_with(|| Row::new(init, &t.optimizer))
-            .update(&t.optimizer, a);
+    /// Not BSP: the pair (`id`, `a`) applied at once. `stored`: whether
+    /// the lcore stores `id` after the push, which the model checks
+    /// against admission (§10.1: a row is stored on its id's
+    /// `admit_after`-th push, or earlier when its counters met another
+    /// id's; a stored row stays stored through its pushes).
+    pub fn apply(&mut self, t: &TableCase, id: u64, a: &[f32], stored: bool) -> Pushed {
+        let pushed = if self.rows.contains_key(&id) {
+            assert!(
+                stored,
+                "table key {}: row {id:#x} stored before a push and not after it",
+                self.key
+            );
+            Pushed::Updated
+        } else {
+            let n = self.pushes.entry(id).or_insert(0);
+            *n += 1;
+            let due = t.admit_after.unwrap_or(1);
+            if !stored {
+                assert!(
+                    *n < due,
+                    "table key {}: row {id:#x} not stored after its push {n} (admit_after {:?})",
+                    self.key,
+                    t.admit_after
+                );
+                return Pushed::NotAdmitted;
+            }
+            let early = *n < due;
+            let init = self.read(t, id);
+            self.rows.insert(id, Row::new(init, &t.optimizer));
+            if early {
+                Pushed::CreatedEarly
+            } else {
+                Pushed::Created
+            }
+        };
+        self.touched.insert(id, self.round);
+        if let Some(row) = self.rows.get_mut(&id) {
+            row.update(&t.optimizer, a);
+        }
+        pushed
+    }
+
+    /// The store's round advances: the rows the lcore no longer stores
+    /// (`stored` false) were evicted, each of which must have gone
+    /// `idle_rounds` rounds or more without an update (the sweep takes a
+    /// row between that and about twice that). Returns how many.
+    pub fn advance(&mut self, t: &TableCase, stored: impl Fn(u64) -> bool) -> u64 {
+        self.round += 1;
+        let mut gone: Vec<u64> = self.rows.keys().copied().filter(|&id| !stored(id)).collect();
+        gone.sort_unstable();
+        for id in &gone {
+            let idle = self.round - self.touched[id];
+            assert!(
+                t.idle_rounds.is_some_and(|n| idle >= n),
+                "table key {}: row {id:#x} evicted {idle} round(s) after its last update (idle_rounds {:?})",
+                self.key,
+                t.idle_rounds
+            );
+            self.rows.remove(id);
+            self.touched.remove(id);
+        }
+        gone.len() as u64
     }
 
     /// BSP: the pair (`id`, `a`) added into the round's accumulator.
@@ -504,14 +629,23 @@ impl TableModel {
     }
 
     /// BSP: the round completes: each accumulated row through the
-    /// optimizer once, in first-arrival order. Returns the accumulator.
-    pub fn complete(&mut self, t: &TableCase) -> Vec<(u64, Vec<f32>)> {
+    /// optimizer once, in first-arrival order (`stored` as for
+    /// [`TableModel::apply`], each push counted in `pushed`), then the
+    /// store's round advances ([`TableModel::advance`], evictions counted
+    /// in `pushed`'s last entry). Returns the accumulator.
+    pub fn complete(
+        &mut self,
+        t: &TableCase,
+        stored: impl Fn(u64) -> bool,
+        tally: &mut PushTally,
+    ) -> Vec<(u64, Vec<f32>)> {
         let acc = std::mem::take(&mut self.acc);
         self.acc_at.clear();
         for (id, a) in &acc {
-            self.apply(t, *id, a);
+            tally.count(self.apply(t, *id, a, stored(*id)));
         }
         self.completed += 1;
+        tally.evicted += self.advance(t, stored);
         acc
     }
 

@@ -196,6 +196,13 @@ impl World<'_> {
         );
         let r = usize::from(repr.rank);
         let tc = &self.case.tables[t];
+        let shard = &self.lcores[l].shard;
+        let key = repr.key;
+        let stored = |id: u64| {
+            shard.row_stored(super::JOB, key, id).unwrap_or_else(|| {
+                panic!("lcore {l}: table key {key} took a message and holds no such table")
+            })
+        };
         let m = &mut self.tmodels[t][l];
         if repr.kind == RowMsgType::RowPush && took {
             let fresh = self.row_applied.insert((
@@ -226,7 +233,7 @@ impl World<'_> {
                 if sync {
                     m.accumulate(id, a);
                 } else {
-                    m.apply(tc, id, a);
+                    self.outcome.rows.count(m.apply(tc, id, a, stored(id)));
                 }
             }
         }
@@ -242,7 +249,13 @@ impl World<'_> {
                 repr.round,
                 m.applied[r]
             );
+            let slowest = |m: &model::TableModel| m.applied.iter().copied().min().unwrap_or(0);
+            let before = slowest(m);
             m.applied[r] = repr.round;
+            // The store's round advances when the slowest clock rises.
+            if slowest(m) > before {
+                self.outcome.rows.evicted += m.advance(tc, stored);
+            }
             return;
         }
         assert_eq!(
@@ -253,7 +266,7 @@ impl World<'_> {
             repr.round,
             m.completed
         );
-        let acc = m.complete(tc);
+        let acc = m.complete(tc, stored, &mut self.outcome.rows);
         if self.outcome.restored > 0 {
             return;
         }

@@ -958,6 +958,8 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 ids: 188,
                 touch: 5,
                 key_cache: 0,
+                admit_after: None,
+                idle_rounds: None,
             },
             TableCase {
                 dim: 6,
@@ -972,6 +974,8 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 ids: 215,
                 touch: 4,
                 key_cache: 0,
+                admit_after: None,
+                idle_rounds: None,
             },
         ],
         ..case(543, Consistency::Sync, adamw(), Dtype::F16)
@@ -979,6 +983,66 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
     assert_eq!(o.restored, 1);
     assert!(o.table_rounds_caught_up > 0, "{o:?}");
     assert_eq!(o.table_pushes, 12);
+}
+
+/// Admission (`admit_after`) and idle eviction (`evict = { idle_rounds }`)
+/// in BSP, async and bounded delay, over two appliances through loss,
+/// duplication and reordering, and in BSP an appliance restored from a
+/// checkpoint (which keeps the admission counters and the rows' last
+/// updates): the model checks that no id is stored later than its
+/// `admit_after`-th push, that a push before it changes nothing, and that
+/// no row is evicted before `idle_rounds` rounds without an update.
+/// Early admission (two ids' counters meeting) is allowed by §10.1 but
+/// must stay rare: a filter that counted too fast would pass the model.
+#[test]
+fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
+    let mut tally = phub_sim::rows::PushTally::default();
+    for (j, consistency) in [
+        Consistency::Sync,
+        Consistency::Async,
+        Consistency::Bounded { delay: 1 },
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        for (i, opt) in row_optimizers().into_iter().enumerate() {
+            let seed = 9100 + (j * 8 + i) as u64;
+            let c = Case {
+                keys: vec![40],
+                rounds: 10,
+                tables: vec![TableCase {
+                    dim: 3,
+                    seed: 31 + seed,
+                    init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+                    optimizer: opt,
+                    ids: 60,
+                    touch: 10,
+                    key_cache: 0,
+                    admit_after: Some(2 + (i as u32) % 2),
+                    idle_rounds: Some(3 - (j as u32) % 2),
+                }],
+                crash: (consistency == Consistency::Sync).then_some(Crash {
+                    appliance: 1,
+                    checkpoint_us: 3000,
+                    at_us: 6000,
+                    down_us: 3000,
+                }),
+                ..case(seed, consistency, Optimizer::Sum, Dtype::F32)
+            };
+            let o = run(&c);
+            assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
+            assert!(o.rows.not_admitted > 0 && o.rows.evicted > 0, "{c:?}: {o:?}");
+            assert_eq!(o.restored, u64::from(c.crash.is_some()), "{c:?}: {o:?}");
+            tally.created += o.rows.created;
+            tally.created_early += o.rows.created_early;
+        }
+    }
+    assert!(
+        tally.created_early * 20 <= tally.created,
+        "{} of {} rows stored before their admit_after-th push",
+        tally.created_early,
+        tally.created + tally.created_early
+    );
 }
 
 /// Every row optimizer in BSP, async and bounded delay, with tables over
@@ -1013,6 +1077,8 @@ fn tables_with_every_row_optimizer_in_every_mode() {
                     ids: 40,
                     touch: 12,
                     key_cache: 0,
+                    admit_after: None,
+                    idle_rounds: None,
                 }],
                 crash: (consistency == Consistency::Sync).then_some(Crash {
                     appliance: 1,
@@ -1073,6 +1139,8 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             ids: 230,
             touch: 23,
             key_cache: 0,
+            admit_after: None,
+            idle_rounds: None,
         }],
         ..case(6816, Consistency::Sync, adamw(), Dtype::Bf16)
     });
@@ -1138,6 +1206,8 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 ids: 32,
                 touch: 22,
                 key_cache: 0,
+                admit_after: None,
+                idle_rounds: None,
             },
             TableCase {
                 dim: 8,
@@ -1152,6 +1222,8 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 ids: 163,
                 touch: 21,
                 key_cache: 0,
+                admit_after: None,
+                idle_rounds: None,
             },
         ],
         ..case(
@@ -1459,6 +1531,8 @@ fn cached_id_lists_survive_loss_duplicates_and_a_restore() {
                 ids: 40,
                 touch: 20,
                 key_cache: 16,
+                admit_after: None,
+                idle_rounds: None,
             }],
             ..case(7, consistency, adamw(), Dtype::F32)
         });

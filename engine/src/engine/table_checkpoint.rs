@@ -444,6 +444,15 @@ impl<A: Copy + Eq> Shard<A> {
         self.tables_stream.as_ref().map(|s| s.job)
     }
 
+    /// Whether row `row` of the table of key index `key` of job `id` is
+    /// stored on this lcore (admitted, and not evicted since); `None` when
+    /// the job or the table is not here. For tests and the simulator,
+    /// which check admission and eviction against a model.
+    pub fn row_stored(&self, id: u16, key: u32, row: u64) -> Option<bool> {
+        let t = self.job(id)?.tables.iter().find(|t| t.key == key)?;
+        Some(t.store.get(row).is_some())
+    }
+
     /// The durable state of every table of job `id` on this lcore, in key
     /// order (module head); `None` when the job is not installed.
     /// Allocates (O(rows stored)); call between bursts.
