@@ -1013,8 +1013,8 @@ crate::counter_table! {
         partial_results_resent: Count, Hidden, "Stored results a home sent again to a rack whose partial of a completed round came again";
         replicates_sent: Count, IfAny("REPL"), "Aggregates a primary sent its backups (replicated jobs, REPLICATE first sends, one per backup)";
         replicates_resent: Count, IfAny("REPL RESENT"), "Aggregates a primary sent again because a backup's REPLICATE_ACK did not come in time";
-        replicate_acks_sent: Count, IfAny("REPL ACKS"), "REPLICATE_ACKs a backup sent for a round it applied to a backup slot";
-        replicate_acks_resent: Count, Hidden, "REPLICATE_ACKs a backup sent again for a copy of a round it had applied";
+        replicate_acks_sent: Count, IfAny("REPL ACKS"), "Acknowledgements a backup sent of rounds it applied to its backup slots (a burst's travel in one REPLICATE_ACK)";
+        replicate_acks_resent: Count, Hidden, "Acknowledgements a backup sent again for a copy of a round it had applied";
         rounds_replicated: Count, Hidden, "Rounds a primary completed once every backup acknowledged them (also counted in rounds_completed)";
         epoch_changes: Count, IfAny("EPOCHS"), "Epoch changes of replicated jobs applied on this lcore (PUT /v1/jobs/{id}/epoch; worker messages of another epoch are counted as drops, wrong_epoch)";
         shm_rx: Count, IfAny("SHM RX"), "Messages with the SHM flag from a rank of an installed job (payload, if any, read from shared memory)";
