@@ -985,6 +985,48 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
     assert_eq!(o.table_pushes, 12);
 }
 
+/// `f(i, optimizer, j, consistency)` for each row optimizer (i) in each
+/// of BSP, async and bounded delay 1 (j).
+fn every_row_optimizer_and_mode(mut f: impl FnMut(usize, RowOptimizerSpec, usize, Consistency)) {
+    for (i, opt) in row_optimizers().into_iter().enumerate() {
+        for (j, consistency) in [
+            Consistency::Sync,
+            Consistency::Async,
+            Consistency::Bounded { delay: 1 },
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            f(i, opt, j, consistency);
+        }
+    }
+}
+
+/// A job of one small dense key and `table` over two appliances through
+/// loss, duplication and reordering; in BSP, appliance 1 checkpointed at
+/// `checkpoint_us`, crashed at `at_us` and restored.
+fn table_case(
+    seed: u64,
+    consistency: Consistency,
+    table: TableCase,
+    rounds: u32,
+    checkpoint_us: u64,
+    at_us: u64,
+) -> Case {
+    Case {
+        keys: vec![40],
+        rounds,
+        tables: vec![table],
+        crash: (consistency == Consistency::Sync).then_some(Crash {
+            appliance: 1,
+            checkpoint_us,
+            at_us,
+            down_us: 3000,
+        }),
+        ..case(seed, consistency, Optimizer::Sum, Dtype::F32)
+    }
+}
+
 /// Admission (`admit_after`) and idle eviction (`evict = { idle_rounds }`)
 /// in BSP, async and bounded delay, over two appliances through loss,
 /// duplication and reordering, and in BSP an appliance restored from a
@@ -997,46 +1039,27 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
 #[test]
 fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
     let mut tally = phub_sim::rows::PushTally::default();
-    for (j, consistency) in [
-        Consistency::Sync,
-        Consistency::Async,
-        Consistency::Bounded { delay: 1 },
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        for (i, opt) in row_optimizers().into_iter().enumerate() {
-            let seed = 9100 + (j * 8 + i) as u64;
-            let c = Case {
-                keys: vec![40],
-                rounds: 10,
-                tables: vec![TableCase {
-                    dim: 3,
-                    seed: 31 + seed,
-                    init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
-                    optimizer: opt,
-                    ids: 60,
-                    touch: 10,
-                    key_cache: 0,
-                    admit_after: Some(2 + (i as u32) % 2),
-                    idle_rounds: Some(3 - (j as u32) % 2),
-                }],
-                crash: (consistency == Consistency::Sync).then_some(Crash {
-                    appliance: 1,
-                    checkpoint_us: 3000,
-                    at_us: 6000,
-                    down_us: 3000,
-                }),
-                ..case(seed, consistency, Optimizer::Sum, Dtype::F32)
-            };
-            let o = run(&c);
-            assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
-            assert!(o.rows.not_admitted > 0 && o.rows.evicted > 0, "{c:?}: {o:?}");
-            assert_eq!(o.restored, u64::from(c.crash.is_some()), "{c:?}: {o:?}");
-            tally.created += o.rows.created;
-            tally.created_early += o.rows.created_early;
-        }
-    }
+    every_row_optimizer_and_mode(|i, opt, j, consistency| {
+        let seed = 9100 + (j * 8 + i) as u64;
+        let table = TableCase {
+            dim: 3,
+            seed: 31 + seed,
+            init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+            optimizer: opt,
+            ids: 60,
+            touch: 10,
+            key_cache: 0,
+            admit_after: Some(2 + (i as u32) % 2),
+            idle_rounds: Some(3 - (j as u32) % 2),
+        };
+        let c = table_case(seed, consistency, table, 10, 3000, 6000);
+        let o = run(&c);
+        assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
+        assert!(o.rows.not_admitted > 0 && o.rows.evicted > 0, "{c:?}: {o:?}");
+        assert_eq!(o.restored, u64::from(c.crash.is_some()), "{c:?}: {o:?}");
+        tally.created += o.rows.created;
+        tally.created_early += o.rows.created_early;
+    });
     assert!(
         tally.created_early * 20 <= tally.created,
         "{} of {} rows stored before their admit_after-th push",
@@ -1052,47 +1075,28 @@ fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
 #[test]
 fn tables_with_every_row_optimizer_in_every_mode() {
     let mut caught_up = 0;
-    for (i, opt) in row_optimizers().into_iter().enumerate() {
-        for (j, consistency) in [
-            Consistency::Sync,
-            Consistency::Async,
-            Consistency::Bounded { delay: 1 },
-        ]
-        .into_iter()
-        .enumerate()
-        {
-            let seed = 9000 + (i * 3 + j) as u64;
-            let c = Case {
-                keys: vec![40],
-                rounds: 5,
-                tables: vec![TableCase {
-                    dim: 3,
-                    seed: 77 + seed,
-                    init: if j == 0 {
-                        RowInitSpec::Zeros
-                    } else {
-                        RowInitSpec::Uniform { a: -0.5, b: 0.25 }
-                    },
-                    optimizer: opt,
-                    ids: 40,
-                    touch: 12,
-                    key_cache: 0,
-                    admit_after: None,
-                    idle_rounds: None,
-                }],
-                crash: (consistency == Consistency::Sync).then_some(Crash {
-                    appliance: 1,
-                    checkpoint_us: 500,
-                    at_us: 4000,
-                    down_us: 3000,
-                }),
-                ..case(seed, consistency, Optimizer::Sum, Dtype::F32)
-            };
-            let o = run(&c);
-            assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
-            caught_up += o.table_rounds_caught_up;
-        }
-    }
+    every_row_optimizer_and_mode(|i, opt, j, consistency| {
+        let seed = 9000 + (i * 3 + j) as u64;
+        let table = TableCase {
+            dim: 3,
+            seed: 77 + seed,
+            init: if j == 0 {
+                RowInitSpec::Zeros
+            } else {
+                RowInitSpec::Uniform { a: -0.5, b: 0.25 }
+            },
+            optimizer: opt,
+            ids: 40,
+            touch: 12,
+            key_cache: 0,
+            admit_after: None,
+            idle_rounds: None,
+        };
+        let c = table_case(seed, consistency, table, 5, 500, 4000);
+        let o = run(&c);
+        assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
+        caught_up += o.table_rounds_caught_up;
+    });
     assert!(
         caught_up > 0,
         "no restored lcore was brought up with empty rounds"

@@ -811,7 +811,11 @@ impl<A: Copy + Eq> Shard<A> {
                         rep.stats.acks_resent += 1;
                         self.counters.replicate_acks_resent.inc();
                     }
-                    if let Some((to, ack)) = Self::ack_of(job, repr.from, repr.slot) {
+                    if let Some((to, ack)) =
+                        Self::ack_of(job, repr.from, repr.slot, ReplicaMsgType::ReplicateAck, |_, s| {
+                            s.completed.get()
+                        })
+                    {
                         queue_ack(&mut self.pending, &mut self.acks_out, job.id, to, &ack);
                     }
                     Verdict::Replicated
@@ -1178,19 +1182,26 @@ impl<A: Copy + Eq> Shard<A> {
         })
     }
 
-    /// The REPLICATE_ACK of backup slot `slot` of the part of home `home`
-    /// of job `j`, for its last completed round: the part's primary's
-    /// lcore holding the chunk, and the header.
-    fn ack_of(j: &Job<A>, home: u16, slot: u32) -> Option<(A, ReplicaRepr)> {
+    /// An acknowledgement of `kind` of backup slot `slot` of the part of
+    /// home `home` of job `j`, for the round `round` gives (`None`:
+    /// nothing to send): the part's primary's lcore holding the chunk,
+    /// and the header (`count` 0).
+    fn ack_of(
+        j: &Job<A>,
+        home: u16,
+        slot: u32,
+        kind: ReplicaMsgType,
+        round: impl FnOnce(&Part<A>, &Slot) -> Option<u32>,
+    ) -> Option<(A, ReplicaRepr)> {
         let rep = j.replica.as_deref()?;
         let part = rep.parts.iter().find(|p| p.home == home)?;
         let s = part.slots.get(slot as usize)?;
-        let round = s.completed.get()?;
+        let round = round(part, s)?;
         let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
         Some((
             to,
             ReplicaRepr {
-                kind: ReplicaMsgType::ReplicateAck,
+                kind,
                 dtype: Dtype::F32,
                 flags: 0,
                 token: j.token,
@@ -1208,9 +1219,7 @@ impl<A: Copy + Eq> Shard<A> {
         ))
     }
 
-    /// An acknowledgement of `kind` (no payload) of backup slot `slot` of
-    /// the part of home `home`, to the part's primary's lcore holding the
-    /// chunk, for the round `round` gives (`None`: nothing to send).
+    /// [`Shard::ack_of`] as a transmit of its own (no payload).
     pub(super) fn ack_to_primary(
         &self,
         job: u16,
@@ -1219,28 +1228,7 @@ impl<A: Copy + Eq> Shard<A> {
         kind: ReplicaMsgType,
         round: impl FnOnce(&Part<A>, &Slot) -> Option<u32>,
     ) -> Option<Transmit<'_, Ranks<'_, A>>> {
-        let j = self.job(job)?;
-        let rep = j.replica.as_deref()?;
-        let part = rep.parts.iter().find(|p| p.home == home)?;
-        let s = part.slots.get(slot as usize)?;
-        let round = round(part, s)?;
-        let (to, primary_slot) = part.at.place(part.first + u64::from(slot))?;
-        let repr = ReplicaRepr {
-            kind,
-            dtype: Dtype::F32,
-            flags: 0,
-            token: j.token,
-            job: j.id,
-            from: rep.me,
-            count: 0,
-            round,
-            slot: primary_slot,
-            key: s.key,
-            chunk: s.chunk,
-            epoch: rep.view.epoch,
-            fragment: 0,
-            fragments: 0,
-        };
+        let (to, repr) = Self::ack_of(self.job(job)?, home, slot, kind, round)?;
         Some(Transmit {
             header: repr.to_bytes(),
             payload: &[],
