@@ -2,8 +2,9 @@
 //! asks every appliance `GET /v1/info` on its management API (answered
 //! without touching the dataplane's jobs); one whose dataplane answers
 //! with a new identity restarted within the deadline, and reconciliation
-//! runs at once ([`Shared::reconcile_soon`]); an appliance that has answered
-//! none for the deadline is **declared down**: logged, shown in its
+//! runs at once ([`Shared::reconcile_soon`]); an appliance that has left a
+//! heartbeat unanswered for the deadline (from the first one sent since
+//! its last answer) is **declared down**: logged, shown in its
 //! status (`phubctl appliance list`), counted in `/metrics`, and each
 //! replicated job on it fails over ([`Shared::fail_over`]).
 //!
@@ -12,9 +13,11 @@
 //! most one per appliance is in flight; answers come back over a channel
 //! and the thread judges at each tick. Nothing else (installs,
 //! checkpoints, reconciliation, which hold [`Shared::ops`]) holds it up:
-//! it takes only the registry's lock, briefly. An appliance is declared
-//! down at most once per silence, within the deadline and one interval of
-//! its last answer; one that answers again is logged and shown up again,
+//! it takes only the registry's lock, briefly (but that may wait on a
+//! state file's fsync, and a loaded host may not run the thread at once:
+//! a wait in which it sent nothing is not counted against an appliance).
+//! An appliance is declared down at most once per silence, within the
+//! deadline and one interval of the first heartbeat it left unanswered; one that answers again is logged and shown up again,
 //! and each replicated job that failed over without it is given back to
 //! it ([`Shared::rereplicate`], PROTOCOL.md §11.7).
 
@@ -55,6 +58,13 @@ struct Pulse {
     /// When it was last declared down: an answer to a heartbeat sent
     /// before that says nothing of it now.
     declared_at: Option<Instant>,
+    /// When the first heartbeat since its last answer was sent (`None`:
+    /// every heartbeat sent was answered). Its silence counts from then,
+    /// not from its last answer: while this thread itself waits (for the
+    /// registry's lock behind a state file's fsync, or for a core) it
+    /// sends nothing, and a wait past the deadline is no silence of the
+    /// appliance's.
+    asked: Option<Instant>,
 }
 
 impl Pulse {
@@ -66,7 +76,24 @@ impl Pulse {
             return false;
         }
         self.last = self.last.max(at);
+        if self.asked.is_some_and(|a| a <= sent) {
+            self.asked = None;
+        }
         true
+    }
+
+    /// A heartbeat is sent to it at `at`.
+    fn ask(&mut self, at: Instant) {
+        self.asked.get_or_insert(at);
+    }
+
+    /// How long it has left a heartbeat unanswered at `now`: since the
+    /// first one sent after its last answer (or since the answer, were it
+    /// later: another request's, [`Shared::heartbeats`]).
+    fn silent(&self, now: Instant) -> Duration {
+        self.asked.map_or(Duration::ZERO, |a| {
+            now.saturating_duration_since(self.last.max(a))
+        })
     }
 }
 
@@ -113,6 +140,7 @@ impl Shared {
                     in_flight: false,
                     declared: false,
                     declared_at: None,
+                    asked: None,
                 });
                 if p.in_flight {
                     continue;
@@ -128,6 +156,7 @@ impl Shared {
                     });
                 // A thread that cannot start is a heartbeat unanswered.
                 p.in_flight = spawned.is_ok();
+                p.ask(Instant::now());
             }
             let now = Instant::now();
             for (name, p) in &mut pulses {
@@ -142,7 +171,7 @@ impl Shared {
                 {
                     p.last = p.last.max(now);
                 }
-                let silent = now.saturating_duration_since(p.last);
+                let silent = p.silent(now);
                 match (p.declared, silent >= timing.deadline) {
                     (false, true) => {
                         p.declared = true;
@@ -312,6 +341,7 @@ mod tests {
             in_flight: false,
             declared: true,
             declared_at: Some(at(600)),
+            asked: None,
         };
         assert!(!p.take_answer(at(50), at(700)));
         assert_eq!(p.last, at(0));
@@ -321,5 +351,42 @@ mod tests {
         p.declared_at = None;
         assert!(p.take_answer(at(10), at(900)));
         assert_eq!(p.last, at(900));
+    }
+
+    /// Silence counts from the first heartbeat sent since the last
+    /// answer: a heartbeat thread that sent nothing for 700 ms (it waited
+    /// for the registry's lock, or a core) does not find an appliance
+    /// that answered every heartbeat silent past a 500 ms deadline; one
+    /// that leaves the next heartbeat unanswered is, 500 ms after it.
+    #[test]
+    fn a_wait_of_the_heartbeat_thread_is_no_silence() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let ms = Duration::from_millis;
+        let mut p = Pulse {
+            last: at(0),
+            id: None,
+            in_flight: false,
+            declared: false,
+            declared_at: None,
+            asked: None,
+        };
+        p.ask(at(0));
+        assert!(p.take_answer(at(0), at(1)));
+        // The thread stalls, then asks again at 700.
+        assert_eq!(p.silent(at(700)), ms(0));
+        p.ask(at(700));
+        assert_eq!(p.silent(at(700)), ms(0));
+        assert_eq!(p.silent(at(1100)), ms(400));
+        // Asked again while the first is unanswered: still from 700.
+        p.ask(at(800));
+        assert_eq!(p.silent(at(1200)), ms(500));
+        // Answered (the heartbeat of 800): silent no more.
+        assert!(p.take_answer(at(800), at(1210)));
+        assert_eq!(p.silent(at(1300)), ms(0));
+        // Heard from another request after the ask: from then.
+        p.ask(at(1300));
+        p.last = at(1400);
+        assert_eq!(p.silent(at(1500)), ms(100));
     }
 }
