@@ -47,7 +47,10 @@
 //!   answer carries the rows of a model that takes what the lcore took, in
 //!   its order; without a restore a BSP round sums every rank's rows; no
 //!   ROW_PUSH is taken twice; every row a push ends with was carried to
-//!   that rank by an answer of its round.
+//!   that rank by an answer of its round; no id is stored later than its
+//!   `admit_after`-th push, and no row is evicted before `idle_rounds`
+//!   rounds without an update (the model follows which ids the lcore
+//!   stores after each datagram, [`phub_engine::Shard::row_stored`]).
 //!
 //! New features add their faults and checks here, not a harness of their
 //! own.

@@ -630,9 +630,9 @@ impl TableModel {
 
     /// BSP: the round completes: each accumulated row through the
     /// optimizer once, in first-arrival order (`stored` as for
-    /// [`TableModel::apply`], each push counted in `pushed`), then the
-    /// store's round advances ([`TableModel::advance`], evictions counted
-    /// in `pushed`'s last entry). Returns the accumulator.
+    /// [`TableModel::apply`], each push counted in `tally`), then the
+    /// store's round advances ([`TableModel::advance`], its evictions
+    /// counted in `tally` too). Returns the accumulator.
     pub fn complete(
         &mut self,
         t: &TableCase,
