@@ -684,6 +684,31 @@ fn a_rejoined_rank_with_keys_at_different_rounds_and_a_small_window() {
     assert_eq!((o.rejoined, o.restored), (1, 1), "{o:?}");
 }
 
+/// The soak's seed 155482, fixed: three ranks, two appliances, BSP;
+/// appliance 0 restored from a checkpoint older than its crash, appliance
+/// 1 cut off meanwhile. Rank 2 held key 1 chunk 0's round 1 result (taken
+/// after the checkpoint); its stalled PULL of that chunk found round 0
+/// once, and no PULL to confirm it came back; it had since pushed key 0's
+/// round 2 to appliance 0, which had that round in progress and dropped
+/// every resend as a duplicate, so a stalled rank, probing only lcores it
+/// had nothing out on, never asked again, while ranks 0 and 1 waited
+/// there for rank 2's round 1 of key 1 chunk 0: every rank timed out
+/// after 30 s. Now an lcore whose probe found an older round unconfirmed
+/// is probed again, busy or not (PROTOCOL.md §6.1, "A stalled rank"): the
+/// restore is found, the rank fails its requests `ahead`, pulls every key
+/// and repeats round 1.
+#[test]
+fn an_unconfirmed_probe_of_a_restored_lcore_is_sent_again_with_chunks_out_there() {
+    let c = Case::draw(155_482);
+    assert!(
+        c.crash.is_some() && c.partition.is_some() && c.tables.is_empty(),
+        "{c:?}"
+    );
+    let o = run(&c);
+    assert_eq!(o.restored, 1, "{o:?}");
+    assert!(o.lcores_found_behind > 0, "{o:?}");
+}
+
 /// The soak's seed 81589, fixed: seven ranks over two appliances (one
 /// lcore each), key 0 on appliance 0, key 1 mostly on appliance 1. Rank 5
 /// left in round 1 after pushing key 1's round 1, and rejoined while

@@ -92,14 +92,20 @@ impl Watch {
     }
 
     /// Queues a PULL to every lcore remembered for which `busy` is false
-    /// (the rank has chunks out there, whose resends ask it already);
-    /// returns how many.
+    /// (the rank has chunks out there, whose resends ask it already), and
+    /// again to every lcore whose last probe found an older round and was
+    /// not confirmed, busy or not: the rank may have pushed chunks of a
+    /// later round there since, which a restored lcore with that round in
+    /// progress drops as duplicates and never refuses (simulator seed
+    /// 155482: the PULL to confirm an older round never came back, and
+    /// every rank then waited on another). Returns how many.
     pub(super) fn probe(&mut self, info: &JobInfo, busy: impl Fn(u16) -> bool) -> u64 {
         let mut asked = 0;
         for l in 0..self.lcores.len() {
+            let unconfirmed = self.lcores[l].is_some_and(|w| w.probe.is_some() && w.below > 0);
             // Cast: `lcores` grows only to a u16 lcore's index + 1.
             #[allow(clippy::cast_possible_truncation)]
-            if busy(l as u16) {
+            if busy(l as u16) && !unconfirmed {
                 continue;
             }
             if self.lcores[l].is_some() {
