@@ -81,7 +81,7 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
         }
         rack.start_dataplane(1);
         let back = Instant::now();
-        let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+        let detail = |rack: &Appliances| job_detail(rack, job.id);
         // Full strength after b's return: a re-replication that ended (at
         // once after the restart the job may still be at epoch 0, whole).
         let full = || {
@@ -211,7 +211,7 @@ fn a_partner_killed_during_the_copy_leaves_every_round_exact_or_fails_the_job_sa
         killed.store(true, Ordering::SeqCst);
     });
     let outcomes = outcomes.into_inner().unwrap();
-    let detail: JobDetail = rack.send(&control::job(job.id));
+    let detail = job_detail(&rack, job.id);
     match &detail.summary.failed {
         None => {
             // b's copy was whole: it serves its part from it, exactly.
@@ -405,6 +405,16 @@ fn three_appliance_job(name: &str) -> (Appliances, phub::proto::api::AdmitRespon
 }
 
 /// Every rank went back to round 5 first (`back_to`: each rank's rounds
+/// Control's detail of job `job`.
+fn job_detail(rack: &Appliances, job: u16) -> JobDetail {
+    rack.send(&control::job(job))
+}
+
+/// The last completed round of job `job` on each of the three appliances.
+fn last_rounds(rack: &Appliances, job: u16) -> Vec<Option<u32>> {
+    (0..3).map(|i| rack.last_round(i, job)).collect()
+}
+
 /// gone back to), and each of the three appliances completed `rounds`.
 fn assert_back_to_5_then_done(rack: &Appliances, job: u16, back_to: &[Vec<u32>], rounds: u32) {
     for (rank, b) in back_to.iter().enumerate() {
@@ -494,7 +504,7 @@ fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() 
         assert_eq!(rack.last_round(2, job.id), Some(6), "c ahead of the checkpoint");
         rack.restart_with_control(&[0, 1]);
         until("every part back at round 4", Duration::from_secs(30), || {
-            (0..3).all(|i| rack.last_round(i, job.id) == Some(4))
+            last_rounds(&rack, job.id) == [Some(4); 3]
         });
         gates[1].open.store(true, Ordering::SeqCst);
         ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
@@ -517,7 +527,7 @@ fn a_job_goes_back_to_checkpoints_taken_after_a_re_replication() {
     let rounds = 8u32;
     let url = rack.control_url.clone();
     let gates = [Gate::before(3), Gate::before(5), Gate::before(7)];
-    let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+    let detail = |rack: &Appliances| job_detail(rack, job.id);
     let full = |rack: &Appliances| {
         detail(rack).replicas.is_some_and(|r| {
             r.state == Strength::FullStrength && r.rereplication.is_some_and(|x| x.ended_unix_ms.is_some())
@@ -541,13 +551,13 @@ fn a_job_goes_back_to_checkpoints_taken_after_a_re_replication() {
         gates[2].reached(WORKERS);
         rack.restart_with_control(&[0, 1]);
         if !try_until(Duration::from_secs(30), || {
-            (0..3).all(|i| rack.last_round(i, job.id) == Some(4))
+            last_rounds(&rack, job.id) == [Some(4); 3]
         }) {
             let log = rack.control.as_ref().map(|c| c.log_text()).unwrap_or_default();
             eprintln!("control's log:\n{log}");
             panic!(
                 "not every part back at round 4: {:?}; epoch {:?}; {:?}",
-                (0..3).map(|i| rack.last_round(i, job.id)).collect::<Vec<_>>(),
+                last_rounds(&rack, job.id),
                 rack.send(&control::epoch(job.id)),
                 detail(&rack).summary.failed,
             );
@@ -580,7 +590,7 @@ fn a_part_whose_every_replica_was_killed_stalls_the_job_until_both_are_back() {
     let rounds = 8u32;
     let url = rack.control_url.clone();
     let gates = [Gate::before(5), Gate::before(7)];
-    let detail = |rack: &Appliances| -> JobDetail { rack.send(&control::job(job.id)) };
+    let detail = |rack: &Appliances| job_detail(rack, job.id);
     let back_to = std::thread::scope(|s| {
         let ranks = restore_ranks(s, &url, &job, &keys, rounds, &gates);
         gates[0].reached(WORKERS);
