@@ -243,6 +243,7 @@ impl Shared {
             lost,
             fenced,
         } = self.differences(name, &installed, held, log);
+        let lost = self.still_lost(client, lost);
         for id in fenced {
             match client.remove(id) {
                 Ok(_) => log::warn!(
@@ -293,6 +294,27 @@ impl Shared {
         // Reinstalled at epoch 0: a replicated job's epoch follows.
         self.send_epochs(name, client, &missing.into_iter().collect(), log);
         lost
+    }
+
+    /// Of the replicated jobs `lost`, which appliance `client` said it
+    /// lacked when the pass asked, those it still lacks now. The answer may
+    /// be stale by the time it is read (a loaded host): a job given back
+    /// to the appliance since (no longer fenced there, its install no
+    /// longer under way when [`Shared::differences`] looked) is installed,
+    /// and asking again after that look sees it. Taking it for lost would
+    /// fail the job over and re-replicate it once more. None while the
+    /// appliance does not answer (the next pass asks again).
+    fn still_lost(&self, client: &Client, lost: Vec<u16>) -> Vec<u16> {
+        if lost.is_empty() {
+            return lost;
+        }
+        match client.jobs() {
+            Ok(now) => lost
+                .into_iter()
+                .filter(|id| !now.iter().any(|j| j.id == *id))
+                .collect(),
+            Err(_) => Vec::new(),
+        }
     }
 
     /// What appliance `name`, which holds the jobs `installed`, has that

@@ -375,6 +375,51 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
     d.shutdown();
 }
 
+/// Reconciliation reads an appliance's jobs as they were when it asked:
+/// on a loaded host the answer may come after the job was given back to
+/// it (b declared down, restarted, answering again: re-replicated at
+/// epoch 2). Such a stale answer does not take b for an appliance that
+/// lost the job again (another failover at epoch 3 and another
+/// re-replication at epoch 4, as .ci/run once saw on real dataplanes):
+/// here every answer of b's to `GET /v1/jobs` is 600 ms old, three
+/// reconciliation passes long, and the job stays at epoch 2.
+#[test]
+fn a_stale_answer_to_reconciliation_does_not_take_a_returned_appliance_for_one_that_lost_the_job() {
+    let [a, b, c] = three_fakes();
+    let state = TempState::new("phub-control-failover", "stale");
+    let d = daemon(&[&a, &b, &c], &state);
+    let job = admit_replicated(&d);
+    b.set_silent(true);
+    let e1 = EpochView {
+        epoch: 1,
+        down: vec![1],
+        ..Default::default()
+    };
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_within("epoch 1 on a and c", within, || {
+        epochs(&a, job.id).contains(&e1) && epochs(&c, job.id).contains(&e1)
+    });
+    b.restart();
+    b.state.lock().unwrap().jobs_delay = Some(Duration::from_millis(600));
+    b.set_silent(false);
+    let e2 = b_joined_at_2();
+    let full = || -> bool {
+        let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+        show.replicas
+            .is_some_and(|r| r.state == Strength::FullStrength && r.live == 2 && r.rereplication.is_some())
+    };
+    wait_within("full strength", within + Duration::from_millis(600), full);
+    // Passes go on, each reading b's jobs as they were 600 ms before.
+    std::thread::sleep(Duration::from_millis(2000));
+    let e: EpochView = ok_at(&d, &R::Epoch { job: job.id }, None);
+    assert_eq!(e, e2, "b was taken for having lost the job it was given back");
+    assert_eq!(b.state.lock().unwrap().installs, vec![(job.id, 0), (job.id, 2)]);
+    let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
+    let x = show.replicas.and_then(|r| r.rereplication).unwrap();
+    assert_eq!((x.appliance.as_str(), x.epoch), ("b", 2), "{x:?}");
+    d.shutdown();
+}
+
 /// An appliance that restarts within the heartbeat deadline (it loses
 /// its jobs but never misses a heartbeat) is not given a replicated job
 /// again at the epoch it served it in, where it would serve its parts

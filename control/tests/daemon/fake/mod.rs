@@ -98,6 +98,10 @@ pub(crate) struct FakeState {
     /// its own, the fake answering the rest meanwhile): past control's
     /// heartbeat deadline, within its admission's wait.
     pub(crate) info_delay: Option<Duration>,
+    /// When set, `GET /v1/jobs` is answered this late with the jobs held
+    /// when it was asked: a slow answer that is stale by the time it
+    /// comes, as on a loaded host.
+    pub(crate) jobs_delay: Option<Duration>,
 }
 
 /// Bytes of state copies the fake reports for a replicated job installed
@@ -306,7 +310,7 @@ fn handle(config: &FakeConfig, state: &Mutex<FakeState>, mut req: tiny_http::Req
                     shm_bytes: 0,
                 })
                 .collect();
-            json(req, 200, &list)
+            answer_after(req, st.jobs_delay, list)
         }
         ("PUT", ["v1", "jobs", id]) => {
             let id: u16 = id.parse().unwrap();
