@@ -103,6 +103,10 @@ pub mod flags {
     /// key-cache prefix in place of its ids, which the lcore holds in that
     /// slot of the sender's cache under that signature.
     pub const KEYS_CACHED: u8 = 0x08;
+    /// PULL only (PROTOCOL.md §6.1, "A stalled rank"): a probe of where an
+    /// lcore stands, answered as any PULL, which does not lift §5.4 rule
+    /// 0 for the sender after a restore.
+    pub const PROBE: u8 = 0x10;
 }
 
 /// Message types.

@@ -709,6 +709,44 @@ fn an_unconfirmed_probe_of_a_restored_lcore_is_sent_again_with_chunks_out_there(
     assert!(o.lcores_found_behind > 0, "{o:?}");
 }
 
+/// The soak's seed 229254, fixed: three ranks, two appliances, BSP, with
+/// tables; appliance 0 restored from a checkpoint older than its crash,
+/// rank 2 clogged meanwhile. Rank 1's INIT of key 1 chunk 8 completed
+/// after the checkpoint and was answered at once; its INIT of key 1
+/// chunk 3, completed before it, was answered only to a resend, later,
+/// so the watch (then one chunk per lcore) remembered chunk 3, which the
+/// restored lcore still held: rank 1's probes found nothing, and ranks 0
+/// and 2 waited on the lcore for rank 1's INIT of chunk 8 until every
+/// rank timed out. Now the watch remembers the last few chunks answered
+/// per lcore and probes each: the restore is found.
+#[test]
+fn a_stalled_rank_probes_the_last_chunks_answered_not_only_the_last() {
+    let c = Case::draw(229_254);
+    assert!(c.crash.is_some() && c.clog.is_some(), "{c:?}");
+    let o = run(&c);
+    assert_eq!(o.restored, 1, "{o:?}");
+    assert!(o.lcores_found_behind > 0, "{o:?}");
+}
+
+/// The soak's seeds 36251 and 99412, fixed (found once the watch probed
+/// four chunks per lcore): a BSP job, appliance 1 restored from a
+/// checkpoint older than its crash. A stalled rank's probes of the
+/// restored lcore lifted its `ahead` refusal (PROTOCOL.md §5.4 rule 0)
+/// while finding nothing (the probe of the chunk it had lost, or its
+/// answer, lost in the network): the rank's next round went in and was
+/// held there, beside ranks waiting for its INIT of the lost chunk, and
+/// every rank timed out. A probe now carries the PROBE flag and lifts
+/// nothing: the next round is refused `ahead` and the rank pulls.
+#[test]
+fn a_probe_that_misses_what_a_restored_lcore_lost_leaves_its_refusal() {
+    for seed in [36_251, 99_412] {
+        let c = Case::draw(seed);
+        assert!(c.crash.is_some(), "{c:?}");
+        let o = run(&c);
+        assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+    }
+}
+
 /// The soak's seed 81589, fixed: seven ranks over two appliances (one
 /// lcore each), key 0 on appliance 0, key 1 mostly on appliance 1. Rank 5
 /// left in round 1 after pushing key 1's round 1, and rejoined while

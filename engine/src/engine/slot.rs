@@ -5,7 +5,7 @@
 use phub_proto::layout::SlotChunk;
 use phub_proto::memory::ResultStore;
 use phub_proto::spec::{Optimizer, MAX_WORKERS};
-use phub_proto::wire::{DropReason, MsgType, Repr};
+use phub_proto::wire::{flags, DropReason, MsgType, Repr};
 use phub_proto::Dtype;
 
 use crate::kernels;
@@ -545,8 +545,11 @@ impl<A: Copy + Eq> Shard<A> {
         let clocks = job.clocks.get_mut(at..at + w);
         if repr.kind == MsgType::Pull {
             // After a restore, a rank that pulls learns where the chunks
-            // stand (PROTOCOL.md §5.4 rule 0).
-            job.unsynced.remove(repr.rank);
+            // stand (PROTOCOL.md §5.4 rule 0); not from a probe, which asks
+            // a few chunks only and may miss those the lcore lost (§6.1).
+            if repr.flags & flags::PROBE == 0 {
+                job.unsynced.remove(repr.rank);
+            }
             return if slot.completed.is_none() {
                 Err(DropReason::NothingToPull)
             } else {

@@ -393,7 +393,7 @@ fn a_pull_before_round_0_completed_is_refused_with_an_error() {
 /// results of, and a rank that holds one would never push it again (the
 /// simulator's seed 2317: two ranks each waited for a round 0 that needed
 /// the other's INIT). A PULL of any slot of the lcore lifts it for that
-/// rank alone; a round then completes as before.
+/// rank alone (a probe's PULL does not); a round then completes as before.
 #[test]
 fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
     let mut a: Shard<u32> = Shard::new(0, Kernels::best());
@@ -420,6 +420,20 @@ fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
         assert_eq!(t.to.collect::<Vec<_>>(), [5]);
         b.clear_transmits();
     }
+    // A probe (PROTOCOL.md §6.1, "A stalled rank") is answered but lifts
+    // nothing: it asks a few chunks and may miss those the lcore lost.
+    let probe = Repr::request(MsgType::Pull, 1, 7, 1, 9, 1)
+        .with_payload(Dtype::F32, 0)
+        .with_chunk(0, 1)
+        .with_flags(wire::flags::PROBE)
+        .to_datagram(&[]);
+    assert_eq!(b.handle(5, &probe, 1), Verdict::Pulled);
+    b.clear_transmits();
+    assert_eq!(
+        b.handle(5, &push(Dtype::F32, 1, 2, 0, &vals), 1),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    b.clear_transmits();
     // Rank 1 pulls slot 1: answered, and its pushes to either slot are
     // taken; rank 0's are still refused.
     assert_eq!(b.handle(5, &pull(Dtype::F32, 1, 1), 1), Verdict::Pulled);
