@@ -975,6 +975,40 @@ fn a_seed_replays_exactly() {
     });
 }
 
+/// Seeds 839 (async) and 727 (bounded delay τ = 3), open findings until
+/// now and kept out of the draws: a table job whose appliance is restored
+/// from a checkpoint older than its crash. In 839 the checkpoint held part
+/// of rank 3's clock 3 on table 1 (its push not yet, the clock in
+/// progress): the rank's empty clock was refused `bad_row_count`; then,
+/// with the empty clock closing what the lcore holds (PROTOCOL.md §10.6),
+/// the restored lcore waited for rank 3's push of clock 3, answered before
+/// the crash and never sent again; then that push, sent again in its
+/// cached form, was refused `unknown_signature` (the restore emptied the
+/// key cache) and the refusal of an answered message was ignored. A
+/// stalled push now sends its answered messages again in every mode, and
+/// such a refusal makes it go with its ids. Both seeds are in the draws
+/// now; each runs to the end with its restore. Seed 102435 (bounded delay
+/// τ = 1), found by the soak with these draws: rank 1's ROW_END of clock 5,
+/// answered before the crash and sent again so, was refused `ahead` by
+/// the restored lcore (which had lost its clocks 3 to 5) and the refusal
+/// of an answered message was ignored, while the other ranks' ROW_DONEs
+/// stayed held for rank 1's clocks there: now such a refusal starts the
+/// lcore's catching up as an unanswered message's does.
+#[test]
+fn a_clocked_table_restored_from_an_older_checkpoint_catches_up() {
+    for seed in [839, 727, 102_435] {
+        let c = Case::draw(seed);
+        assert!(
+            c.crash.is_some_and(|x| x.checkpoint_us < x.at_us)
+                && !c.tables.is_empty()
+                && c.consistency != Consistency::Sync,
+            "seed {seed}: {c:?}"
+        );
+        let o = run(&c);
+        assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+    }
+}
+
 /// Seed 543 of the soak once tables were drawn with checkpoints older
 /// than the crash: an appliance restored from its state of 1.75 ms (round
 /// 1 of the tables) refused the ranks' later pushes `ahead`, and each push

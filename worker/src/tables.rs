@@ -19,7 +19,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use crossbeam_channel::Receiver;
 use phub_proto::api::JoinResponse;
 use phub_proto::placement::RowPlacement;
-use phub_proto::spec::{rows_per_datagram, Consistency};
+use phub_proto::spec::rows_per_datagram;
 
 use crate::error::WorkerError;
 use crate::io::{Command, RowCompletion, RowRequest};
@@ -52,7 +52,6 @@ pub(crate) fn table_infos(join: &JoinResponse) -> Result<Vec<TableInfo>, WorkerE
             dim: t.dim,
             per,
             placement,
-            bsp: spec.consistency == Consistency::Sync,
             key_cache: t.key_cache,
         });
     }

@@ -13,7 +13,10 @@
 //!    its gradient), s joins `got[r]`, the ROW_RESULT goes at once
 //!    (s >= 1024 or >= `n[r]`: `bad_row_count`);
 //! 3. a ROW_END of c <= a[r]: its ROW_DONE again (`duplicate` while r's is
-//!    held); of c = a[r] + 1: `n[r]` as in BSP;
+//!    held); of c = a[r] + 1: `n[r]` as in BSP, but an empty one (n = 0)
+//!    while the lcore holds part of the clock (pushes in `got[r]`, or a
+//!    count other than 0, restored from a checkpoint) closes the clock
+//!    with what it holds;
 //! 4. anything else (c > a[r] + 1, c = a[r] + 1 while held, c >= 2^31):
 //!    `ahead`.
 //!
@@ -89,7 +92,16 @@ impl Table {
                 if c != next || rank.held.is_some() {
                     return Err(DropReason::Ahead);
                 }
-                end_round(&mut self.ranks[r], s)?;
+                if s == 0 && rank.holds_part() {
+                    // An empty clock (a worker catching a restored lcore
+                    // up, PROTOCOL.md §10.6) over a part of the rank's
+                    // clock in progress that the checkpoint held: the
+                    // clock closes with what was taken, as a BSP round's
+                    // part does.
+                    self.ranks[r].closed = true;
+                } else {
+                    end_round(&mut self.ranks[r], s)?;
+                }
                 Ok(self
                     .maybe_complete(repr.rank, c, delay, answers)
                     .unwrap_or(Verdict::Aggregated))

@@ -103,10 +103,11 @@ pub(super) struct RowRank {
     /// Bounded delay: the count of its applied clock's ROW_END while its
     /// ROW_DONE is held.
     pub(super) held: Option<u16>,
-    /// BSP: its part of the round in progress was closed by an empty
-    /// round (a ROW_END with n = 0) over copies of its own messages the
-    /// lcore had already taken (PROTOCOL.md §10.6): complete with what
-    /// was taken; later messages of the round are duplicates.
+    /// Its part of the round in progress was closed by an empty round
+    /// (a ROW_END with n = 0) over copies of its own messages the lcore
+    /// had already taken (PROTOCOL.md §10.6): complete with what was
+    /// taken; later messages of the round are duplicates (BSP). Not BSP,
+    /// the clock then completes at once.
     pub(super) closed: bool,
 }
 

@@ -758,6 +758,52 @@ fn async_applies_each_push_at_once() {
     );
 }
 
+/// Async: an lcore restored from a checkpoint that held part of rank 0's
+/// clock 1 (a push taken, its count stated or not), which rank 0 catches
+/// up with an empty clock 1 (PROTOCOL.md §10.6): the empty clock closes
+/// the clock with what the lcore holds, at once, as a BSP round's part
+/// closes; the push taken is not applied again, and clock 2 goes on as
+/// any. Before, the empty clock was refused `bad_row_count` and the
+/// worker's push failed (simulator seed 839).
+#[test]
+fn an_empty_clock_over_part_of_a_clock_closes_it() {
+    for stated in [false, true] {
+        let mut s = shard(2, Consistency::Async);
+        let ids = ids_on(0, 2);
+        let mut reference = Reference::new(&table_spec());
+        assert_eq!(
+            s.handle(addr(0), &push(0, 1, 0, &ids, &grads(&ids, 1)), 0),
+            Verdict::Applied
+        );
+        for &id in &ids {
+            reference.apply(id, &grad(id, 1));
+        }
+        if stated {
+            assert_eq!(s.handle(addr(0), &end(0, 1, 2), 0), Verdict::Aggregated);
+        }
+        drain(&mut s);
+        assert_eq!(
+            s.handle(addr(0), &end(0, 1, 0), 0),
+            Verdict::Completed,
+            "stated {stated}"
+        );
+        let n = if stated { 2 } else { 0 };
+        assert_eq!(drain(&mut s), vec![done(addr(0), 1, n)]);
+        // Clock 1 is complete: a copy of its push is answered, not applied.
+        assert_eq!(
+            s.handle(addr(0), &push(0, 1, 1, &ids, &grads(&ids, 9)), 0),
+            Verdict::Resent
+        );
+        assert_eq!(
+            drain(&mut s),
+            vec![rows_sent(addr(0), RowMsgType::RowResult, 1, 1, &ids, &reference)]
+        );
+        // Clock 2 as any: an empty clock over nothing held completes.
+        assert_eq!(s.handle(addr(0), &end(0, 2, 0), 0), Verdict::Completed);
+        assert_eq!(drain(&mut s), vec![done(addr(0), 2, 0)]);
+    }
+}
+
 /// Bounded delay τ = 1: a rank's ROW_DONE of clock c leaves at once while
 /// c <= slowest + 1, else it is held (its next clock is ahead, its
 /// ROW_END's copy a duplicate, its pulls report c − 1) until the slowest

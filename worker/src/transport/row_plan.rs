@@ -38,9 +38,6 @@ pub(crate) struct TableInfo {
     pub(crate) per: u32,
     /// Where each row lives.
     pub(crate) placement: RowPlacement,
-    /// The job is BSP: an lcore answers a round's messages only once the
-    /// round completes there (PROTOCOL.md §10.3).
-    pub(crate) bsp: bool,
     /// Id lists this rank may keep per lcore (the spec's `key_cache`,
     /// PROTOCOL.md §10.7); 0: no key caching.
     pub(crate) key_cache: u32,

@@ -41,7 +41,6 @@ fn table(lcores: u32, dim: u32, per: u32) -> TableInfo {
         dim,
         per,
         placement: RowPlacement::new(7, KEY, &[lcores]).unwrap(),
-        bsp: true,
         key_cache: 0,
     }
 }

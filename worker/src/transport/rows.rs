@@ -39,9 +39,9 @@
 //!   round (ROW_END, n = 0) goes for each of c + 1 .. t − 1, one at a time,
 //!   and then the parked messages go again at once, past the window
 //!   ([`CatchUp`]).
-//! - BSP: a push with a message resent twice sends its answered messages
-//!   again with the unanswered ones (an lcore restored behind a round it
-//!   completed waits for them, PROTOCOL.md §10.6;
+//! - A push with a message resent twice sends its answered messages
+//!   again with the unanswered ones (an lcore restored behind a round or
+//!   clock it completed waits for them, PROTOCOL.md §10.6;
 //!   [`RowTransport::handle_timeout`]). A transport without an answer for
 //!   a while asks where the tables of the lanes held behind its window
 //!   stand ([`RowTransport::probe_held_lanes`]).
@@ -109,7 +109,7 @@ pub(crate) struct RowFinished<D> {
     pub(crate) result: Result<RowOutput, WorkerError>,
 }
 
-/// A BSP push sends its answered messages again, with its unanswered
+/// A push sends its answered messages again, with its unanswered
 /// ones, from this many sends of one of those on, while no answer comes
 /// ([`RowTransport::handle_timeout`]).
 const RESEND_ANSWERED_AFTER: u32 = 2;
@@ -191,8 +191,9 @@ struct Active<D> {
     min_round: u32,
     /// Per entry, its lcore's catching up, while one is (a push only).
     catch_up: BTreeMap<u32, CatchUp>,
-    /// A push of a BSP table (its lcores answer a round at completion).
-    bsp_push: bool,
+    /// A push (not a pull): its answered messages may go again
+    /// ([`RowTransport::handle_timeout`]).
+    push: bool,
     done: D,
 }
 
@@ -439,7 +440,7 @@ impl<D> RowTransport<D> {
             return;
         };
         assert_eq!(plan.dim, table.dim, "a plan for table {key} with another dim");
-        let bsp_push = table.bsp && matches!(plan.kind, PlanKind::Push { .. });
+        let push = matches!(plan.kind, PlanKind::Push { .. });
         if self.active.contains_key(&key) {
             self.finished.push_back(RowFinished {
                 key,
@@ -473,7 +474,7 @@ impl<D> RowTransport<D> {
             remaining: n,
             min_round: u32::MAX,
             catch_up: BTreeMap::new(),
-            bsp_push,
+            push,
             plan,
             done,
         };
@@ -625,7 +626,7 @@ impl<D> RowTransport<D> {
                 sent.deadline = now + self.rto.loss(sent.retries);
                 self.queue.push((key, i));
                 resent += 1;
-                again |= stalled && sent.retries >= RESEND_ANSWERED_AFTER && a.bsp_push;
+                again |= stalled && sent.retries >= RESEND_ANSWERED_AFTER && a.push;
             }
             // A BSP lcore answers a round only once it completes, so a
             // message of a round whose other answers are in, or whose
@@ -635,7 +636,13 @@ impl<D> RowTransport<D> {
             // round in progress and waits for the rest of the round from
             // every rank, answered messages too, which a rank resending
             // only unanswered ones never sends (PROTOCOL.md §10.6:
-            // simulator seeds 6816 and 29233). They go again with the
+            // simulator seeds 6816 and 29233). Not BSP, an lcore answers
+            // each push at once, and a ROW_END unanswered while the
+            // clock's pushes are answered has lost its answer, or its
+            // lcore was restored from a checkpoint taken before those
+            // pushes came: it then waits for them (seed 839), and a copy
+            // of one it took is answered, not applied again (§10.3 rule
+            // 1). They go again with the
             // request's resends from the second on, once no answer at all
             // has come for a while (so that a message lost twice while
             // others are answered costs its own resends only); a copy the
@@ -902,7 +909,17 @@ impl<D> RowTransport<D> {
                 }
                 a.plan.msg_index(entry, repr.chunk)?
             };
-            matches!(a.states[i], MsgState::Out(_)).then_some(i)
+            // An answered message sent again (`handle_timeout`) to a
+            // restored lcore is refused as an unanswered one would be:
+            // `ahead` where the lcore lost rounds before it (its catching
+            // up starts: the rank may have nothing else to send there,
+            // simulator seed 102435), `unknown_signature` where it lost
+            // the id lists this rank stored there (it goes again with its
+            // ids).
+            let resent = matches!(a.states[i], MsgState::Answered)
+                && (repr.error == DropReason::UnknownSignature.code()
+                    || repr.error == DropReason::Ahead.code());
+            (matches!(a.states[i], MsgState::Out(_)) || resent).then_some(i)
         });
         let Some(i) = at else {
             add(&self.stats.row_answers_ignored, 1);

@@ -846,7 +846,7 @@ fn a_stalled_rank_asks_an_idle_lcore_and_learns_it_was_restored_behind() {
     assert_eq!(pull.to, lcore_addr(1));
     assert_eq!(
         (pull.chunk(), pull.repr.slot, pull.repr.count, pull.repr.flags),
-        ((0, 0), slot(0, 0), 0, 0)
+        ((0, 0), slot(0, 0), 0, flags::PROBE)
     );
     assert_eq!(h.stats.snapshot().lcores_probed, 1);
     // An ERROR echoing another round is not the probe's.
