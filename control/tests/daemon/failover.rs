@@ -108,6 +108,24 @@ fn b_joined_at_2() -> EpochView {
     }
 }
 
+/// Silences b (a hung dataplane's heartbeats go unanswered) and waits
+/// for `job`'s epoch 1 without it on a and c; returns the wait's bound
+/// (a heartbeat deadline and interval, and the margin), which the caller
+/// uses for what follows.
+fn silence_b_until_epoch_1(a: &Fake, b: &Fake, c: &Fake, job: u16) -> Duration {
+    b.set_silent(true);
+    let e1 = EpochView {
+        epoch: 1,
+        down: vec![1],
+        ..Default::default()
+    };
+    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
+    wait_within("epoch 1 on a and c", within, || {
+        epochs(a, job).contains(&e1) && epochs(c, job).contains(&e1)
+    });
+    within
+}
+
 /// Whether fake `f` holds `job` installed at epoch `view`.
 fn installed_at(f: &Fake, job: u16, view: &EpochView) -> bool {
     f.jobs().get(&job).is_some_and(|j| {
@@ -296,16 +314,7 @@ fn a_down_appliance_that_answers_again_gets_the_job_back_at_the_next_epoch_joine
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     let r = show.replicas.expect("a replicated job reports its replicas");
     assert_eq!((r.live, r.wanted, r.state), (2, 2, Strength::FullStrength));
-    b.set_silent(true);
-    let e1 = EpochView {
-        epoch: 1,
-        down: vec![1],
-        ..Default::default()
-    };
-    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_within("epoch 1 on a and c", within, || {
-        epochs(&a, job.id).contains(&e1) && epochs(&c, job.id).contains(&e1)
-    });
+    let within = silence_b_until_epoch_1(&a, &b, &c, job.id);
     let show: JobDetail = ok_at(&d, &R::Job { job: job.id }, None);
     let r = show.replicas.unwrap();
     assert_eq!((r.live, r.wanted, r.state), (1, 2, Strength::Degraded));
@@ -389,16 +398,7 @@ fn a_stale_answer_to_reconciliation_does_not_take_a_returned_appliance_for_one_t
     let state = TempState::new("phub-control-failover", "stale");
     let d = daemon(&[&a, &b, &c], &state);
     let job = admit_replicated(&d);
-    b.set_silent(true);
-    let e1 = EpochView {
-        epoch: 1,
-        down: vec![1],
-        ..Default::default()
-    };
-    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_within("epoch 1 on a and c", within, || {
-        epochs(&a, job.id).contains(&e1) && epochs(&c, job.id).contains(&e1)
-    });
+    let within = silence_b_until_epoch_1(&a, &b, &c, job.id);
     b.restart();
     b.state.lock().unwrap().jobs_delay = Some(Duration::from_millis(600));
     b.set_silent(false);
