@@ -1157,6 +1157,11 @@ impl<'c> World<'c> {
                 .is_some_and(|t| self.us(t) <= self.now)
             {
                 self.ranks[i].t.handle_timeout(now);
+                if self.ranks[i].t.take_stall() {
+                    if let Some(rt) = self.ranks[i].rt.as_mut() {
+                        rt.check_idle_tables(now);
+                    }
+                }
             }
             self.ask_epochs();
             while let Some(done) = self.ranks[i].t.poll_done() {

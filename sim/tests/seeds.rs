@@ -718,14 +718,16 @@ fn an_unconfirmed_probe_of_a_restored_lcore_is_sent_again_with_chunks_out_there(
 /// restored lcore still held: rank 1's probes found nothing, and ranks 0
 /// and 2 waited on the lcore for rank 1's INIT of chunk 8 until every
 /// rank timed out. Now the watch remembers the last few chunks answered
-/// per lcore and probes each: the restore is found.
+/// per lcore and probes each: the restore is found (the watch's unit
+/// tests check that; since stalled ranks also check their idle tables,
+/// whose datagrams change the draws of this run, the seed no longer
+/// reaches that probe, and stays as a regression case).
 #[test]
 fn a_stalled_rank_probes_the_last_chunks_answered_not_only_the_last() {
     let c = Case::draw(229_254);
     assert!(c.crash.is_some() && c.clog.is_some(), "{c:?}");
     let o = run(&c);
     assert_eq!(o.restored, 1, "{o:?}");
-    assert!(o.lcores_found_behind > 0, "{o:?}");
 }
 
 /// The soak's seeds 36251 and 99412, fixed (found once the watch probed
@@ -1007,6 +1009,43 @@ fn a_clocked_table_restored_from_an_older_checkpoint_catches_up() {
         let o = run(&c);
         assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
     }
+}
+
+/// Seed 293895 of the soak: BSP, one appliance of three lcores restored
+/// from a checkpoint taken before table round 1 completed. Rank 0 had
+/// completed round 1 (every answer in) and waited on dense keys for rank
+/// 1, whose round 1 push waited on the restored lcore for rank 0's part:
+/// with no table request out, rank 0 never told the lcore anything, and
+/// both timed out. Now a rank whose dense chunks stall checks each idle
+/// table: an empty round of its last completed push goes to every lcore
+/// (PROTOCOL.md §10.6), which the restored one takes as rank 0's part.
+#[test]
+fn a_rank_with_no_table_request_out_tells_a_restored_lcore_its_part() {
+    let c = Case::draw(293_895);
+    assert!(
+        c.crash.is_some_and(|x| x.checkpoint_us < x.at_us) && !c.tables.is_empty(),
+        "{c:?}"
+    );
+    let o = run(&c);
+    assert_eq!(o.restored, 1, "{o:?}");
+}
+
+/// Seed 637579 of the soak: BSP tables over two appliances, appliance 1
+/// restored from a checkpoint older than its crash while rank 1's link was
+/// clogged. Bringing the restored lcore up, rank 1 took a ROW_DONE of round
+/// 3 sent before the crash (held 150 ms in the clog) for its empty round
+/// 3's, sent empty round 4, and was refused `ahead`: the push failed. Now
+/// an empty round refused `ahead` asks again where the lcore stands
+/// (PROTOCOL.md §10.6).
+#[test]
+fn an_old_answer_during_a_catch_up_is_not_taken_for_the_lcore_s() {
+    let c = Case::draw(637_579);
+    assert!(
+        c.crash.is_some_and(|x| x.checkpoint_us < x.at_us) && c.clog.is_some() && !c.tables.is_empty(),
+        "{c:?}"
+    );
+    let o = run(&c);
+    assert_eq!(o.restored, 1, "{o:?}");
 }
 
 /// Seed 543 of the soak once tables were drawn with checkpoints older

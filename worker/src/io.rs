@@ -308,6 +308,9 @@ impl IoThread {
             }
             self.transmit(&mut socket, now);
             if self.transport.handle_timeout(now) {
+                if self.transport.take_stall() {
+                    self.rows.check_idle_tables(now);
+                }
                 self.check_regions(now, When::Now);
                 self.transmit(&mut socket, now);
             }

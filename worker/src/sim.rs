@@ -258,6 +258,13 @@ impl SimTransport {
         self.t.handle_timeout(now);
     }
 
+    /// Whether a silence went on long enough for the lcores to be probed
+    /// since the last call (the I/O thread then has the row transport
+    /// check its idle tables: `SimRowTransport::check_idle_tables`).
+    pub fn take_stall(&mut self) -> bool {
+        self.t.take_stall()
+    }
+
     /// Handles a datagram received at `now` from `from`.
     pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, d: &[u8]) {
         if let Some(m) = self.t.accept(Some(from), d) {

@@ -145,6 +145,13 @@ impl SimRowTransport {
         self.t.handle_timeout(now);
     }
 
+    /// The rank's dense transport stalled: each idle table whose last push
+    /// completed sends every lcore an empty round of it, which ends
+    /// silently (PROTOCOL.md §10.6). Returns the tables checked.
+    pub fn check_idle_tables(&mut self, now: Instant) -> u64 {
+        self.t.check_idle_tables(now)
+    }
+
     /// Handles a datagram from `from` received at `now`; false when it is
     /// not the row transport's (the dense transport's, or foreign).
     pub fn handle_datagram(&mut self, now: Instant, from: SocketAddr, d: &[u8]) -> bool {

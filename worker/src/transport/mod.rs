@@ -478,6 +478,9 @@ pub(crate) struct Transport<D> {
     /// The last chunk answered on each lcore, asked for once a silence
     /// goes on ([`watch`]; flat, unreplicated jobs).
     watch: Watch,
+    /// A silence went on long enough for the lcores to be probed since
+    /// the caller last asked ([`Transport::take_stall`]).
+    stalled: bool,
 }
 
 /// A key's chunk `i`'s place in the order a hierarchical job's ranks send
@@ -706,7 +709,16 @@ impl<D> Transport<D> {
             epoch_wanted: None,
             epoch_asked: None,
             watch: Watch::default(),
+            stalled: false,
         }
+    }
+
+    /// Whether a silence went on long enough for the lcores to be probed
+    /// ([`watch`]) since the last call: the caller then has the row
+    /// transport check its idle tables too
+    /// ([`RowTransport::check_idle_tables`]).
+    pub(crate) fn take_stall(&mut self) -> bool {
+        std::mem::take(&mut self.stalled)
     }
 
     /// Routes every chunk by `routing`'s epoch from now on (a replicated
@@ -1495,6 +1507,7 @@ impl<D> Transport<D> {
             self.loss.quiet_backoff += 1;
             self.ask_epoch_if_silent(now, &late);
             if self.loss.quiet_backoff >= PROBE_AFTER && self.watches() {
+                self.stalled = true;
                 let mut busy = Vec::new();
                 for o in self.table.outstanding.values() {
                     let l = usize::from(o.msg.lcore);

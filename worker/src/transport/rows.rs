@@ -45,6 +45,10 @@
 //!   [`RowTransport::handle_timeout`]). A transport without an answer for
 //!   a while asks where the tables of the lanes held behind its window
 //!   stand ([`RowTransport::probe_held_lanes`]).
+//! - A rank whose dense chunks stall checks its idle tables: each sends
+//!   every lcore an empty round of its last completed push, ended
+//!   silently, so that an lcore restored before that round completed gets
+//!   this rank's part ([`RowTransport::check_idle_tables`]).
 //! - Every request ends: with its rows, with the appliance's refusal
 //!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
 //!   once no answer at all has come for `timeout`, or with
@@ -63,7 +67,7 @@ use phub_proto::rows::{
 use phub_proto::spec::ROW_ID_BYTES;
 use phub_proto::wire::{self, flags, DropReason, Header, MsgType, APPLIANCE_RANK, HEADER_LEN};
 
-use super::row_plan::{PlanKind, RowPlan, TableInfo};
+use super::row_plan::{plan_push, PlanKind, RowPlan, TableInfo};
 use super::rto::Rto;
 use super::{describe, micros, JobInfo};
 use crate::config::WorkerConfig;
@@ -194,7 +198,9 @@ struct Active<D> {
     /// A push (not a pull): its answered messages may go again
     /// ([`RowTransport::handle_timeout`]).
     push: bool,
-    done: D,
+    /// What its caller gets back; `None` for a check of an idle table
+    /// ([`RowTransport::check_idle_tables`]), which ends silently.
+    done: Option<D>,
 }
 
 impl<D> Active<D> {
@@ -239,6 +245,9 @@ pub(crate) struct RowTransport<D> {
     pulls: HashMap<u32, u32>,
     /// Per table key, the id lists registered for key caching.
     id_lists: HashMap<u32, IdLists>,
+    /// Per table key, the round of its last push that completed (ordered:
+    /// checks go in key order, the simulator's runs replay exactly).
+    pushed: BTreeMap<u32, u32>,
 }
 
 /// A table's id lists registered for key caching (PROTOCOL.md §10.7):
@@ -312,6 +321,7 @@ impl<D> RowTransport<D> {
             last_progress: now,
             pulls: HashMap::new(),
             id_lists: HashMap::new(),
+            pushed: BTreeMap::new(),
         }
     }
 
@@ -412,8 +422,14 @@ impl<D> RowTransport<D> {
         self.tables.iter().find(|t| t.key == key)
     }
 
-    /// Whether requests are in flight.
+    /// Whether a caller's requests are in flight (a check of an idle
+    /// table, [`RowTransport::check_idle_tables`], is no one's).
     pub(crate) fn busy(&self) -> bool {
+        self.active.values().any(|a| a.done.is_some())
+    }
+
+    /// Whether any request is in flight, a check's too: its timers run.
+    fn working(&self) -> bool {
         !self.active.is_empty()
     }
 
@@ -440,16 +456,29 @@ impl<D> RowTransport<D> {
             return;
         };
         assert_eq!(plan.dim, table.dim, "a plan for table {key} with another dim");
+        // A check of the idle table gives way to the caller's request.
+        if self.active.get(&key).is_some_and(|a| a.done.is_none()) {
+            self.drop_request(key);
+        }
+        self.start(now, plan, Some(done));
+    }
+
+    /// Starts `plan`'s request at `now` (`done`: `None` for a check of an
+    /// idle table, [`RowTransport::check_idle_tables`]).
+    fn start(&mut self, now: Instant, plan: RowPlan, done: Option<D>) {
+        let key = plan.key;
         let push = matches!(plan.kind, PlanKind::Push { .. });
         if self.active.contains_key(&key) {
-            self.finished.push_back(RowFinished {
-                key,
-                done,
-                result: Err(WorkerError::Busy { key }),
-            });
+            if let Some(done) = done {
+                self.finished.push_back(RowFinished {
+                    key,
+                    done,
+                    result: Err(WorkerError::Busy { key }),
+                });
+            }
             return;
         }
-        if !self.busy() {
+        if !self.working() {
             // Idle time does not count towards the timeout.
             self.last_progress = now;
         }
@@ -574,7 +603,7 @@ impl<D> RowTransport<D> {
     /// The next instant [`RowTransport::handle_timeout`] has something to
     /// do; `None` while idle.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
-        if !self.busy() {
+        if !self.working() {
             return None;
         }
         let mut at = self.last_progress + self.timeout;
@@ -668,7 +697,7 @@ impl<D> RowTransport<D> {
         }
         add(&self.stats.row_retransmits, resent);
         let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
-        if self.busy() && now.saturating_duration_since(self.last_progress) >= self.timeout {
+        if self.working() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
         resent > 0 || probed > 0
@@ -893,7 +922,7 @@ impl<D> RowTransport<D> {
     }
 
     fn on_error(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) {
-        if self.catch_up_refused(from, repr) {
+        if self.catch_up_refused(now, from, repr) {
             return;
         }
         let at = self.entry_of.get(&from).and_then(|&entry| {
@@ -1088,17 +1117,41 @@ impl<D> RowTransport<D> {
         true
     }
 
-    /// An ERROR refusing a lane's catch-up message: the request fails
-    /// with it (the lcore cannot be brought up to the push's round: an
-    /// async clock it holds part of, or another refusal). True when
-    /// `repr` was one.
-    fn catch_up_refused(&mut self, from: SocketAddr, repr: &wire::Repr) -> bool {
+    /// An ERROR refusing a lane's catch-up message at `now`: an empty
+    /// round refused `ahead` asks again where the lcore stands; any other
+    /// refusal fails the request with it (the lcore cannot be brought up
+    /// to the push's round). True when `repr` was one.
+    fn catch_up_refused(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) -> bool {
         let Some(&entry) = self.entry_of.get(&from) else {
             return false;
         };
         let Some(c) = self.active.get(&repr.key).and_then(|a| a.catch_up.get(&entry)) else {
             return false;
         };
+        if c.round.is_some_and(|u| repr.round == u && repr.chunk == 0)
+            && repr.error == DropReason::Ahead.code()
+        {
+            // The empty round u is ahead: the lcore stands below u − 1,
+            // and an answer that moved the catching up on was an old one
+            // (a ROW_DONE sent before the restore, held in the network:
+            // simulator seed 637579). Ask again where it stands.
+            let rto = self.rto.loss(0);
+            if let Some(c) = self
+                .active
+                .get_mut(&repr.key)
+                .and_then(|a| a.catch_up.get_mut(&entry))
+            {
+                c.round = None;
+                c.sent = Sent {
+                    first_sent: now,
+                    deadline: now + rto,
+                    retries: 0,
+                };
+            }
+            self.catch_up_queue.push((repr.key, entry));
+            add(&self.stats.errors, 1);
+            return true;
+        }
         let message = match c.round {
             None if repr.chunk == CATCH_UP_TAG => {
                 format!("ROW_PULL of id {} to {from}, asking its round", c.id)
@@ -1168,31 +1221,73 @@ impl<D> RowTransport<D> {
             dst.copy_from_slice(&a.rows[s as usize * dim..][..dim]);
         }
         let round = match a.plan.kind {
-            PlanKind::Push { round } => round,
+            PlanKind::Push { round } => {
+                self.pushed.insert(key, round);
+                round
+            }
             PlanKind::Pull if a.plan.msgs.is_empty() => 0,
             PlanKind::Pull => a.min_round,
         };
-        self.finished.push_back(RowFinished {
-            key,
-            done: a.done,
-            result: Ok(RowOutput { round, rows }),
-        });
+        if let Some(done) = a.done {
+            self.finished.push_back(RowFinished {
+                key,
+                done,
+                result: Ok(RowOutput { round, rows }),
+            });
+        }
     }
 
     /// `key`'s request failed with `err`.
     fn fail(&mut self, key: u32, err: WorkerError) {
-        let Some(a) = self.active.remove(&key) else {
-            return;
-        };
+        if let Some(done) = self.drop_request(key) {
+            self.finished.push_back(RowFinished {
+                key,
+                done,
+                result: Err(err),
+            });
+        }
+    }
+
+    /// Forgets `key`'s request, what it has out and queued; returns what
+    /// its caller is to get back (`None`: none, or a check's).
+    fn drop_request(&mut self, key: u32) -> Option<D> {
+        let a = self.active.remove(&key)?;
         let out = a.states.iter().filter(|s| matches!(s, MsgState::Out(_))).count();
         self.outstanding -= out;
         self.pending.retain(|&(k, _)| k != key);
         self.queue.retain(|&(k, _)| k != key);
-        self.finished.push_back(RowFinished {
-            key,
-            done: a.done,
-            result: Err(err),
-        });
+        self.catch_up_queue.retain(|&(k, _)| k != key);
+        a.done
+    }
+
+    /// The rank is stalled (its dense chunks went unanswered through
+    /// several backoffs, [`super::Transport::take_stall`]): each table
+    /// with no request in flight whose last push completed round t ≥ 1
+    /// sends every lcore an empty round t (a ROW_END with n = 0), which
+    /// ends silently. An lcore that completed round t answers it again;
+    /// one restored from a checkpoint taken before round t completed
+    /// takes it as this rank's part of round t, or refuses it `ahead` and
+    /// is caught up to it first (PROTOCOL.md §10.6). Without it, a rank
+    /// that completed the round and then waited on dense keys for a rank
+    /// whose push of that round waits on the restored lcore never told
+    /// the lcore anything (simulator seed 293895). Returns the tables
+    /// checked.
+    pub(crate) fn check_idle_tables(&mut self, now: Instant) -> u64 {
+        let due: Vec<(u32, u32)> = self
+            .pushed
+            .iter()
+            .filter(|(k, &t)| t >= 1 && !self.active.contains_key(k))
+            .map(|(&k, &t)| (k, t))
+            .collect();
+        let mut checked = 0;
+        for (key, round) in due {
+            let Some(plan) = self.table(key).and_then(|t| plan_push(t, round, &[], &[]).ok()) else {
+                continue;
+            };
+            self.start(now, plan, None);
+            checked += 1;
+        }
+        checked
     }
 
     fn time_out(&mut self, now: Instant) {
@@ -1217,7 +1312,10 @@ impl<D> RowTransport<D> {
                 missing: a.remaining,
                 messages: a.plan.msgs.len(),
             };
-            add(&self.stats.timeouts, 1);
+            // A check of an idle table ends silently.
+            if a.done.is_some() {
+                add(&self.stats.timeouts, 1);
+            }
             self.fail(key, err);
         }
     }
