@@ -709,6 +709,22 @@ fn an_unconfirmed_probe_of_a_restored_lcore_is_sent_again_with_chunks_out_there(
     assert!(o.lcores_found_behind > 0, "{o:?}");
 }
 
+/// Runs soak seed `seed`, whose case `shape` describes (the faults that
+/// made it fail), and checks that the run ends, through its one restore:
+/// each such seed hung or failed before its fix.
+fn runs_through_its_restore(seed: u64, shape: impl Fn(&Case) -> bool) {
+    let c = Case::draw(seed);
+    assert!(shape(&c), "seed {seed}: {c:?}");
+    let o = run(&c);
+    assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+}
+
+/// Whether `c`'s appliance is restored from a checkpoint older than its
+/// crash.
+fn older_checkpoint(c: &Case) -> bool {
+    c.crash.is_some_and(|x| x.checkpoint_us < x.at_us)
+}
+
 /// The soak's seed 229254, fixed: three ranks, two appliances, BSP, with
 /// tables; appliance 0 restored from a checkpoint older than its crash,
 /// rank 2 clogged meanwhile. Rank 1's INIT of key 1 chunk 8 completed
@@ -724,10 +740,7 @@ fn an_unconfirmed_probe_of_a_restored_lcore_is_sent_again_with_chunks_out_there(
 /// reaches that probe, and stays as a regression case).
 #[test]
 fn a_stalled_rank_probes_the_last_chunks_answered_not_only_the_last() {
-    let c = Case::draw(229_254);
-    assert!(c.crash.is_some() && c.clog.is_some(), "{c:?}");
-    let o = run(&c);
-    assert_eq!(o.restored, 1, "{o:?}");
+    runs_through_its_restore(229_254, |c| c.crash.is_some() && c.clog.is_some());
 }
 
 /// The soak's seeds 36251 and 99412, fixed (found once the watch probed
@@ -742,10 +755,7 @@ fn a_stalled_rank_probes_the_last_chunks_answered_not_only_the_last() {
 #[test]
 fn a_probe_that_misses_what_a_restored_lcore_lost_leaves_its_refusal() {
     for seed in [36_251, 99_412] {
-        let c = Case::draw(seed);
-        assert!(c.crash.is_some(), "{c:?}");
-        let o = run(&c);
-        assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+        runs_through_its_restore(seed, |c| c.crash.is_some());
     }
 }
 
@@ -999,15 +1009,9 @@ fn a_seed_replays_exactly() {
 #[test]
 fn a_clocked_table_restored_from_an_older_checkpoint_catches_up() {
     for seed in [839, 727, 102_435] {
-        let c = Case::draw(seed);
-        assert!(
-            c.crash.is_some_and(|x| x.checkpoint_us < x.at_us)
-                && !c.tables.is_empty()
-                && c.consistency != Consistency::Sync,
-            "seed {seed}: {c:?}"
-        );
-        let o = run(&c);
-        assert_eq!(o.restored, 1, "seed {seed}: {o:?}");
+        runs_through_its_restore(seed, |c| {
+            older_checkpoint(c) && !c.tables.is_empty() && c.consistency != Consistency::Sync
+        });
     }
 }
 
@@ -1021,13 +1025,7 @@ fn a_clocked_table_restored_from_an_older_checkpoint_catches_up() {
 /// (PROTOCOL.md §10.6), which the restored one takes as rank 0's part.
 #[test]
 fn a_rank_with_no_table_request_out_tells_a_restored_lcore_its_part() {
-    let c = Case::draw(293_895);
-    assert!(
-        c.crash.is_some_and(|x| x.checkpoint_us < x.at_us) && !c.tables.is_empty(),
-        "{c:?}"
-    );
-    let o = run(&c);
-    assert_eq!(o.restored, 1, "{o:?}");
+    runs_through_its_restore(293_895, |c| older_checkpoint(c) && !c.tables.is_empty());
 }
 
 /// Seed 637579 of the soak: BSP tables over two appliances, appliance 1
@@ -1039,13 +1037,9 @@ fn a_rank_with_no_table_request_out_tells_a_restored_lcore_its_part() {
 /// (PROTOCOL.md §10.6).
 #[test]
 fn an_old_answer_during_a_catch_up_is_not_taken_for_the_lcore_s() {
-    let c = Case::draw(637_579);
-    assert!(
-        c.crash.is_some_and(|x| x.checkpoint_us < x.at_us) && c.clog.is_some() && !c.tables.is_empty(),
-        "{c:?}"
-    );
-    let o = run(&c);
-    assert_eq!(o.restored, 1, "{o:?}");
+    runs_through_its_restore(637_579, |c| {
+        older_checkpoint(c) && c.clog.is_some() && !c.tables.is_empty()
+    });
 }
 
 /// Seed 543 of the soak once tables were drawn with checkpoints older
