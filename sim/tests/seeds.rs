@@ -85,20 +85,22 @@ fn assert_faults_happened(c: &Case, o: &Outcome) {
     }
 }
 
+/// BSP, async and bounded delay 1: the modes the fixed cases run in.
+const MODES: [Consistency; 3] = [
+    Consistency::Sync,
+    Consistency::Async,
+    Consistency::Bounded { delay: 1 },
+];
+
 /// Every optimizer in every dtype and every consistency mode, sharded
 /// over two appliances, through loss, duplication and reordering (what
 /// tests/simulation.rs's first case was for BSP, now with the real
 /// worker transport and all three modes).
 #[test]
 fn every_optimizer_dtype_and_mode_over_two_appliances() {
-    let modes = [
-        Consistency::Sync,
-        Consistency::Async,
-        Consistency::Bounded { delay: 1 },
-    ];
     for_seeds(1, 1, "seeds", |base| {
         let mut i = 0;
-        for consistency in modes {
+        for consistency in MODES {
             for optimizer in optimizers() {
                 if consistency != Consistency::Sync && optimizer == Optimizer::Mean {
                     continue;
@@ -247,14 +249,7 @@ fn tau_zero_sgd_is_bsp_sum_then_sgd() {
 #[test]
 fn partition_and_clog() {
     for_seeds(500, 1, "seeds", |base| {
-        for (i, consistency) in [
-            Consistency::Sync,
-            Consistency::Async,
-            Consistency::Bounded { delay: 1 },
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (i, consistency) in MODES.into_iter().enumerate() {
             let c = Case {
                 partition: Some(Spell {
                     node: Node::Lcore(1, 0),
@@ -1119,14 +1114,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
 /// of BSP, async and bounded delay 1 (j).
 fn every_row_optimizer_and_mode(mut f: impl FnMut(usize, RowOptimizerSpec, usize, Consistency)) {
     for (i, opt) in row_optimizers().into_iter().enumerate() {
-        for (j, consistency) in [
-            Consistency::Sync,
-            Consistency::Async,
-            Consistency::Bounded { delay: 1 },
-        ]
-        .into_iter()
-        .enumerate()
-        {
+        for (j, consistency) in MODES.into_iter().enumerate() {
             f(i, opt, j, consistency);
         }
     }

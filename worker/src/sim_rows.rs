@@ -147,9 +147,9 @@ impl SimRowTransport {
 
     /// The rank's dense transport stalled: each idle table whose last push
     /// completed sends every lcore an empty round of it, which ends
-    /// silently (PROTOCOL.md §10.6). Returns the tables checked.
-    pub fn check_idle_tables(&mut self, now: Instant) -> u64 {
-        self.t.check_idle_tables(now)
+    /// silently (PROTOCOL.md §10.6).
+    pub fn check_idle_tables(&mut self, now: Instant) {
+        self.t.check_idle_tables(now);
     }
 
     /// Handles a datagram from `from` received at `now`; false when it is

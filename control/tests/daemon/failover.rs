@@ -114,6 +114,12 @@ fn b_joined_at_2() -> EpochView {
 /// uses for what follows.
 fn silence_b_until_epoch_1(a: &Fake, b: &Fake, c: &Fake, job: u16) -> Duration {
     b.set_silent(true);
+    epoch_1_without_b_on(a, c, job)
+}
+
+/// Waits for `job`'s epoch 1 without b (appliance 1) on a and c, within
+/// a heartbeat deadline and interval and the margin; returns that bound.
+fn epoch_1_without_b_on(a: &Fake, c: &Fake, job: u16) -> Duration {
     let e1 = EpochView {
         epoch: 1,
         down: vec![1],
@@ -210,10 +216,7 @@ fn a_dead_appliance_moves_a_replicated_job_to_the_next_epoch_and_a_lost_part_fai
         down: vec![1],
         ..Default::default()
     };
-    let within = Duration::from_millis(HEARTBEAT_DEADLINE_MS + HEARTBEAT_MS) + MARGIN;
-    wait_within("epoch 1 on a and c", within, || {
-        epochs(&a, job.id).contains(&want) && epochs(&c, job.id).contains(&want)
-    });
+    epoch_1_without_b_on(&a, &c, job.id);
     let took = killed.elapsed();
     eprintln!("epoch 1 installed on both survivors {took:?} after the kill");
     // The deadline runs from the last answer, up to an interval before

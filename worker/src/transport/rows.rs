@@ -172,6 +172,17 @@ struct Sent {
     retries: u32,
 }
 
+impl Sent {
+    /// A first send at `now`, due again at `deadline`.
+    fn first(now: Instant, deadline: Instant) -> Sent {
+        Sent {
+            first_sent: now,
+            deadline,
+            retries: 0,
+        }
+    }
+}
+
 /// A request in flight.
 #[derive(Debug)]
 struct Active<D> {
@@ -583,11 +594,7 @@ impl<D> RowTransport<D> {
             }
             self.pending.pop_front();
             debug_assert!(matches!(a.states[i], MsgState::Pending));
-            a.states[i] = MsgState::Out(Sent {
-                first_sent: now,
-                deadline,
-                retries: 0,
-            });
+            a.states[i] = MsgState::Out(Sent::first(now, deadline));
             self.outstanding += 1;
             self.queue.push((key, i));
             add(&self.stats.row_messages_sent, 1);
@@ -1048,11 +1055,7 @@ impl<D> RowTransport<D> {
             entry,
             CatchUp {
                 round: None,
-                sent: Sent {
-                    first_sent: now,
-                    deadline: now + rto,
-                    retries: 0,
-                },
+                sent: Sent::first(now, now + rto),
                 id,
             },
         );
@@ -1085,11 +1088,7 @@ impl<D> RowTransport<D> {
         self.last_progress = now;
         if next < round {
             c.round = Some(next);
-            c.sent = Sent {
-                first_sent: now,
-                deadline: now + self.rto.loss(0),
-                retries: 0,
-            };
+            c.sent = Sent::first(now, now + self.rto.loss(0));
             add(&self.stats.row_rounds_caught_up, 1);
             self.catch_up_queue.push((repr.key, entry));
             return true;
@@ -1105,11 +1104,7 @@ impl<D> RowTransport<D> {
         let lane = a.plan.lanes[entry as usize];
         let deadline = now + self.rto.loss(0);
         for j in lane.first..=lane.first + lane.n as usize {
-            a.states[j] = MsgState::Out(Sent {
-                first_sent: now,
-                deadline,
-                retries: 0,
-            });
+            a.states[j] = MsgState::Out(Sent::first(now, deadline));
             self.outstanding += 1;
             self.queue.push((repr.key, j));
         }
@@ -1128,35 +1123,30 @@ impl<D> RowTransport<D> {
         let Some(c) = self.active.get(&repr.key).and_then(|a| a.catch_up.get(&entry)) else {
             return false;
         };
-        if c.round.is_some_and(|u| repr.round == u && repr.chunk == 0)
-            && repr.error == DropReason::Ahead.code()
-        {
-            // The empty round u is ahead: the lcore stands below u − 1,
-            // and an answer that moved the catching up on was an old one
-            // (a ROW_DONE sent before the restore, held in the network:
-            // simulator seed 637579). Ask again where it stands.
-            let rto = self.rto.loss(0);
-            if let Some(c) = self
-                .active
-                .get_mut(&repr.key)
-                .and_then(|a| a.catch_up.get_mut(&entry))
-            {
-                c.round = None;
-                c.sent = Sent {
-                    first_sent: now,
-                    deadline: now + rto,
-                    retries: 0,
-                };
-            }
-            self.catch_up_queue.push((repr.key, entry));
-            add(&self.stats.errors, 1);
-            return true;
-        }
         let message = match c.round {
             None if repr.chunk == CATCH_UP_TAG => {
                 format!("ROW_PULL of id {} to {from}, asking its round", c.id)
             }
             Some(u) if repr.round == u && repr.chunk == 0 => {
+                if repr.error == DropReason::Ahead.code() {
+                    // The empty round u is ahead: the lcore stands below
+                    // u − 1, and an answer that moved the catching up on
+                    // was an old one (a ROW_DONE sent before the restore,
+                    // held in the network: simulator seed 637579). Ask
+                    // again where it stands.
+                    let deadline = now + self.rto.loss(0);
+                    if let Some(c) = self
+                        .active
+                        .get_mut(&repr.key)
+                        .and_then(|a| a.catch_up.get_mut(&entry))
+                    {
+                        c.round = None;
+                        c.sent = Sent::first(now, deadline);
+                    }
+                    self.catch_up_queue.push((repr.key, entry));
+                    add(&self.stats.errors, 1);
+                    return true;
+                }
                 format!("ROW_END (n = 0) of round {u} to {from}, bringing the lcore restored behind this worker up")
             }
             _ => return false,
@@ -1270,24 +1260,19 @@ impl<D> RowTransport<D> {
     /// is caught up to it first (PROTOCOL.md §10.6). Without it, a rank
     /// that completed the round and then waited on dense keys for a rank
     /// whose push of that round waits on the restored lcore never told
-    /// the lcore anything (simulator seed 293895). Returns the tables
-    /// checked.
-    pub(crate) fn check_idle_tables(&mut self, now: Instant) -> u64 {
+    /// the lcore anything (simulator seed 293895).
+    pub(crate) fn check_idle_tables(&mut self, now: Instant) {
         let due: Vec<(u32, u32)> = self
             .pushed
             .iter()
             .filter(|(k, &t)| t >= 1 && !self.active.contains_key(k))
             .map(|(&k, &t)| (k, t))
             .collect();
-        let mut checked = 0;
         for (key, round) in due {
-            let Some(plan) = self.table(key).and_then(|t| plan_push(t, round, &[], &[]).ok()) else {
-                continue;
-            };
-            self.start(now, plan, None);
-            checked += 1;
+            if let Some(plan) = self.table(key).and_then(|t| plan_push(t, round, &[], &[]).ok()) {
+                self.start(now, plan, None);
+            }
         }
-        checked
     }
 
     fn time_out(&mut self, now: Instant) {
