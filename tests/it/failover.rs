@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{all_trained, replicated_spec, train_ranks, Appliances, Operator};
+use crate::common::{all_trained, at_full_strength, replicated_spec, train_ranks, Appliances, Operator};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::control;
 
@@ -70,29 +70,31 @@ fn kill_b_mid_training(replicas: u32) {
         }
         r <= rounds
     };
-    let kill_time = std::thread::scope(|s| {
+    let (kill_time, before) = std::thread::scope(|s| {
         let ranks = train_ranks(s, &url, &job, workers, &keys, &more);
         while reached.load(Ordering::SeqCst) < kill_after + 1 {
             std::thread::sleep(Duration::from_millis(1));
         }
+        let before = at_full_strength(&url, Some(&rack.operator_token()), job.id);
         rack.kill_dataplane(1);
         let at = Instant::now();
         killed.store(true, Ordering::SeqCst);
         all_trained(ranks, rounds);
-        at
+        (at, before)
     });
     let resumed_at = first_after.into_inner().unwrap();
     let failover = resumed_at.expect("rank 0 completed a round after the kill") - kill_time;
     eprintln!("failover: the kill to the first round completed after it: {failover:?}");
-    // Control moved the job to epoch 1 with b down, and both survivors
-    // hold it.
+    // Control moved the job to the next epoch (1, unless a loaded host
+    // had an appliance declared down and given the job back before the
+    // kill) with b down, and both survivors hold it.
     let epoch: EpochView = rack.send(&control::epoch(job.id));
     assert_eq!(
         epoch,
         EpochView {
-            epoch: 1,
+            epoch: before.epoch + 1,
             down: vec![1],
-            ..Default::default()
+            ..before
         }
     );
     for i in [0, 2] {

@@ -443,6 +443,30 @@ pub(crate) fn until(what: &str, within: Duration, ok: impl FnMut() -> bool) {
     );
 }
 
+/// Waits up to 30 s for control at `url` to report job `job` at full
+/// strength (every part holds all its replicas, no copy under way) and
+/// returns the job's epoch then. A test that kills an appliance kills it
+/// from there: on a loaded host control may declare an appliance down
+/// that is only slow (or not yet listening) and give the job back to it
+/// (PROTOCOL.md §11.7), and a kill while that copy runs loses the part
+/// for good, which is right, but not what the test is about.
+pub(crate) fn at_full_strength(url: &str, token: Option<&str>, job: u16) -> phub::proto::failover::EpochView {
+    let c = phub_hwtests::workload::client(url, token);
+    let full = || {
+        c.send(&control::job(job)).is_ok_and(|d| {
+            d.replicas
+                .is_some_and(|r| r.state == phub::proto::api::Strength::FullStrength)
+        })
+    };
+    until(
+        &format!("job {job} at full strength"),
+        Duration::from_secs(30),
+        full,
+    );
+    c.send(&control::epoch(job))
+        .unwrap_or_else(|e| panic!("job {job}'s epoch from {url}: {e}"))
+}
+
 /// A sum job of `workers` ranks over `keys`, sharded over the named
 /// appliances with `replicas` copies of every chunk (PROTOCOL.md §11): the
 /// replication suites' job.
