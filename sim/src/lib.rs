@@ -1723,18 +1723,20 @@ impl<'c> World<'c> {
         for c in self.chunks_for(k, i) {
             let got = &values[c.offset..c.offset + c.len as usize];
             let same = |a: &[f32]| a.iter().zip(got).all(|(x, y)| x.to_bits() == y.to_bits());
-            // A pull's chunks may stand at different rounds: the key's
-            // round is the lowest, a chunk's at most τ + 1 (BSP: 1) above.
-            let above = if self.outcome.restored > 0 {
-                self.case.rounds
-            } else {
-                self.tau.unwrap_or(0) + 1
-            };
+            // A pull's chunks may stand at different rounds, the key's
+            // round being the lowest: any round above it. A rank pulls
+            // after a rejoin or a restore only, and then the rounds of its
+            // chunks are as far apart as its pushes before were, and
+            // farther: an answer sent to the transport it closed as it
+            // left, held in the network, answers the new one's pull of
+            // that chunk (the same address, any round answers a pull)
+            // with the values current when it left, at that old round
+            // (seed 622425: chunk 2 at round 1, chunk 0 at 3).
             // After a restore from an older checkpoint a push's chunk may
             // stand later too: the rank repeats rounds the chunk completed
             // past with its contributions (PROTOCOL.md §5.4 rule 5).
             let rounds = if pull || self.outcome.restored > 0 {
-                got_round..=self.case.rounds.min(got_round + above)
+                got_round..=self.case.rounds
             } else {
                 got_round..=got_round
             };

@@ -1692,3 +1692,34 @@ fn a_replicated_job_restarted_whole_from_its_checkpoints() {
         assert_eq!(o.restored, u64::from(c.appliances), "seed {seed}: {o:?}");
     }
 }
+
+/// Seed 622425 of the soak, a gap in the checker: async, five ranks, rank
+/// 0 leaves mid-round 3 and rejoins on a new transport at the same
+/// address. A duplicate of its round 1 push of key 0 chunk 2, held in the
+/// network, was answered after it left; the answer reached the new
+/// transport, whose pull took it (any round answers a pull): the pull
+/// ended at round 1, its chunk 0 at round 3. The checker allowed a pull's
+/// chunks one round above the lowest and failed a run in which every value
+/// was one the appliance had sent; it now allows any round above it.
+#[test]
+fn a_rejoined_rank_s_pull_answered_by_what_was_sent_to_it_before() {
+    let c = Case::draw(622_425);
+    assert!(c.rejoin.is_some() && c.consistency == Consistency::Async, "{c:?}");
+    let o = run(&c);
+    assert_eq!(o.rejoined, 1, "{o:?}");
+}
+
+/// Seed 559274 of the soak: BSP, one lcore, a window of one message, two
+/// tables; the lcore restored from a checkpoint taken before table 0's
+/// round 1 completed. Rank 0 had completed it, and its push of table 1's
+/// round 1 filled its window, waiting for the other ranks, whose table 1
+/// pushes waited behind their table 0 round 1, which waited on the lcore
+/// for rank 0's part. Rank 0's dense keys stalled and it checked its idle
+/// table 0, but the check's empty round queued behind the window and never
+/// went. A check now goes at once and counts against no window.
+#[test]
+fn a_check_of_an_idle_table_goes_past_a_full_window() {
+    runs_through_its_restore(559_274, |c| {
+        older_checkpoint(c) && c.window == 1 && c.tables.len() == 2
+    });
+}

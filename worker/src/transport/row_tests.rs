@@ -8,7 +8,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use phub_proto::placement::RowPlacement;
 use phub_proto::rows::{self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr};
@@ -1253,4 +1253,47 @@ fn registered_lists_are_stored_then_named_and_stored_again_after_a_miss() {
     h.t.cache_ids(KEY, &fewer).unwrap();
     h.pull(10, &ids);
     assert!(h.sent().iter().all(|m| m.repr.cache == KeyCache::Off));
+}
+
+/// A transport with no caller's request in flight checks its idle table
+/// on its own (simulator seed 559274's README finding: a rank with
+/// nothing left to send never told a restored lcore its part): 1 s into
+/// the idle spell, then at doubling intervals of at most a quarter of the
+/// timeout, every lcore gets an empty round of the last push, answered
+/// and ended silently; a caller's request ends the spell, and the next
+/// spell starts over at 1 s.
+#[test]
+fn an_idle_transport_checks_its_table_at_growing_intervals() {
+    let mut h = Harness::new(2, 4, 8, 1);
+    assert_eq!(h.t.poll_timeout(), None, "nothing to check before a push");
+    let secs = Duration::from_secs_f64;
+    for (round, tag) in [(1u32, 7u32), (2, 8)] {
+        let ids = [1u64, 2, 3];
+        h.push(tag, round, &ids, &grads(&ids, 4, 1.0));
+        let ended = h.run(|_, _| false);
+        assert!(matches!(ended[..], [(t, Ok(_))] if t == tag), "{ended:?}");
+        let mut last = h.now;
+        let mut gaps = Vec::new();
+        for _ in 0..5 {
+            let at = h.t.poll_timeout().expect("an idle check is due");
+            gaps.push(at - last);
+            h.now = at;
+            assert!(h.t.handle_timeout(h.now), "the check is to be sent");
+            let sent = h.sent();
+            assert_eq!(sent.len(), 2, "one message to each lcore");
+            for m in &sent {
+                assert_eq!(
+                    (m.repr.kind, m.repr.round, m.repr.count),
+                    (RowMsgType::RowEnd, round, 0)
+                );
+            }
+            for (from, d) in h.answers(&sent) {
+                h.deliver(from, &d);
+            }
+            assert!(h.ended().is_empty(), "a check ends silently");
+            assert!(!h.t.busy(), "a check is no caller's request");
+            last = at;
+        }
+        assert_eq!(gaps, [secs(1.0), secs(2.0), secs(4.0), secs(7.5), secs(7.5)]);
+    }
 }

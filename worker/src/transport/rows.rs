@@ -20,7 +20,10 @@
 //!   outstanding, except that an lcore's messages of a request, once its
 //!   first is out, all go (an lcore answers a push only when all of every
 //!   rank's messages of the round are in: a window that split them could
-//!   leave every rank waiting with half of them sent).
+//!   leave every rank waiting with half of them sent), and that a check
+//!   of an idle table goes at once and counts against no window (held
+//!   behind lanes waiting on the lcore it tells, it never went: simulator
+//!   seed 559274).
 //! - A message unanswered at its deadline, once no answer at all came for
 //!   the base loss timeout, is sent again unchanged but for RETRANSMIT;
 //!   its deadline then doubles ([`Rto::loss`]).
@@ -48,7 +51,12 @@
 //! - A rank whose dense chunks stall checks its idle tables: each sends
 //!   every lcore an empty round of its last completed push, ended
 //!   silently, so that an lcore restored before that round completed gets
-//!   this rank's part ([`RowTransport::check_idle_tables`]).
+//!   this rank's part ([`RowTransport::check_idle_tables`]). A transport
+//!   with no caller's request in flight does so on its own too, 1 s into
+//!   the idle spell and then at doubling intervals of at most a quarter of
+//!   `timeout` ([`IDLE_CHECK_FIRST`]): a rank that finished its run, or
+//!   computes between steps, tells a restored lcore its part before the
+//!   ranks waiting there time out.
 //! - Every request ends: with its rows, with the appliance's refusal
 //!   ([`WorkerError::TableRefused`]), with [`WorkerError::TableTimeout`]
 //!   once no answer at all has come for `timeout`, or with
@@ -122,6 +130,14 @@ const RESEND_ANSWERED_AFTER: u32 = 2;
 /// backoffs is stalled: it asks where the tables of its held lanes stand
 /// ([`RowTransport::probe_held_lanes`]) and resends answered messages.
 const STALL_AFTER: u32 = 2;
+
+/// A transport with no caller's request in flight checks its idle tables
+/// this long into the idle spell, then at doubling intervals of at most
+/// a quarter of its `timeout` (so that a rank waiting on a restored lcore
+/// sees at least three checks before it times out), for as long as the
+/// spell lasts ([`RowTransport::check_idle_tables`]; simulator seed
+/// 559274).
+const IDLE_CHECK_FIRST: Duration = Duration::from_secs(1);
 
 /// Sets RETRANSMIT in the header at the start of `d`.
 fn set_retransmit(d: &mut [u8]) {
@@ -222,6 +238,12 @@ impl<D> Active<D> {
         let first = self.plan.lanes[entry as usize].first;
         first < i && !matches!(self.states[first], MsgState::Pending)
     }
+
+    /// Whether its messages count against the window: a caller's do, a
+    /// check's of an idle table do not (it goes past the window).
+    fn windowed(&self) -> bool {
+        self.done.is_some()
+    }
 }
 
 /// The row transport's state; `D` is what a request's caller gets back.
@@ -240,7 +262,8 @@ pub(crate) struct RowTransport<D> {
     active: BTreeMap<u32, Active<D>>,
     /// Messages not sent yet, in the order they go: (key, message).
     pending: VecDeque<(u32, usize)>,
-    /// Messages out and unanswered, over all requests.
+    /// Messages out and unanswered, over all callers' requests (a check's are
+    /// not counted: [`Active::windowed`]).
     outstanding: usize,
     /// To transmit at the next [`RowTransport::poll_transmit`].
     queue: Vec<(u32, usize)>,
@@ -259,6 +282,11 @@ pub(crate) struct RowTransport<D> {
     /// Per table key, the round of its last push that completed (ordered:
     /// checks go in key order, the simulator's runs replay exactly).
     pushed: BTreeMap<u32, u32>,
+    /// In an idle spell after a push: when the idle tables are next
+    /// checked, and the interval to the one after
+    /// ([`IDLE_CHECK_FIRST`]); `None` while a caller's request is in
+    /// flight, or before any push completed.
+    idle_check: Option<(Instant, Duration)>,
 }
 
 /// A table's id lists registered for key caching (PROTOCOL.md §10.7):
@@ -333,6 +361,7 @@ impl<D> RowTransport<D> {
             pulls: HashMap::new(),
             id_lists: HashMap::new(),
             pushed: BTreeMap::new(),
+            idle_check: None,
         }
     }
 
@@ -471,6 +500,7 @@ impl<D> RowTransport<D> {
         if self.active.get(&key).is_some_and(|a| a.done.is_none()) {
             self.drop_request(key);
         }
+        self.idle_check = None;
         self.start(now, plan, Some(done));
     }
 
@@ -518,8 +548,16 @@ impl<D> RowTransport<D> {
             plan,
             done,
         };
+        let windowed = a.windowed();
         self.active.insert(key, a);
-        self.pending.extend((0..n).map(|i| (key, i)));
+        if windowed {
+            self.pending.extend((0..n).map(|i| (key, i)));
+        } else {
+            // A check goes first, past the window (`fill_window`).
+            for i in (0..n).rev() {
+                self.pending.push_front((key, i));
+            }
+        }
         if n == 0 {
             self.complete(key);
         }
@@ -589,13 +627,13 @@ impl<D> RowTransport<D> {
                 self.pending.pop_front();
                 continue;
             };
-            if self.outstanding >= self.window && !a.lane_started(i) {
+            if a.windowed() && self.outstanding >= self.window && !a.lane_started(i) {
                 break;
             }
             self.pending.pop_front();
             debug_assert!(matches!(a.states[i], MsgState::Pending));
             a.states[i] = MsgState::Out(Sent::first(now, deadline));
-            self.outstanding += 1;
+            self.outstanding += usize::from(a.windowed());
             self.queue.push((key, i));
             add(&self.stats.row_messages_sent, 1);
         }
@@ -610,10 +648,14 @@ impl<D> RowTransport<D> {
     /// The next instant [`RowTransport::handle_timeout`] has something to
     /// do; `None` while idle.
     pub(crate) fn poll_timeout(&self) -> Option<Instant> {
+        let idle = self.idle_check.map(|(at, _)| at);
         if !self.working() {
-            return None;
+            return idle;
         }
         let mut at = self.last_progress + self.timeout;
+        if let Some(idle) = idle {
+            at = at.min(idle);
+        }
         // A late message waits for a silence too (`handle_timeout`).
         let quiet = self.last_progress + self.rto.loss(0);
         for a in self.active.values() {
@@ -633,6 +675,7 @@ impl<D> RowTransport<D> {
     /// for sending again, and fails every request once no answer at all
     /// has come for `timeout`. Returns whether it queued messages.
     pub(crate) fn handle_timeout(&mut self, now: Instant) -> bool {
+        let checked = self.check_when_idle(now);
         let mut resent = 0;
         // No answer for a while (below: answered messages and held lanes).
         let silent = now.saturating_duration_since(self.last_progress);
@@ -707,7 +750,31 @@ impl<D> RowTransport<D> {
         if self.working() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
-        resent > 0 || probed > 0
+        checked || resent > 0 || probed > 0
+    }
+
+    /// In an idle spell, its next check of the idle tables, if due
+    /// ([`IDLE_CHECK_FIRST`]); returns whether it ran.
+    fn check_when_idle(&mut self, now: Instant) -> bool {
+        let Some((at, step)) = self.idle_check else {
+            return false;
+        };
+        if now < at || self.busy() {
+            return false;
+        }
+        let step = (step * 2).min((self.timeout / 4).max(IDLE_CHECK_FIRST));
+        self.idle_check = Some((now + step, step));
+        self.check_idle_tables(now);
+        true
+    }
+
+    /// A caller's request ended: with no other in flight, an idle spell
+    /// begins at the last answer, and its idle tables are checked from
+    /// [`IDLE_CHECK_FIRST`] into it on.
+    fn caller_ended(&mut self) {
+        if self.idle_check.is_none() && !self.busy() && !self.pushed.is_empty() {
+            self.idle_check = Some((self.last_progress + IDLE_CHECK_FIRST, IDLE_CHECK_FIRST));
+        }
     }
 
     /// No answer for a while: every lane of a push of round t ≥ 2 still
@@ -749,12 +816,14 @@ impl<D> RowTransport<D> {
         self.finished.pop_front()
     }
 
-    /// Fails every request with [`WorkerError::Closed`].
+    /// Fails every request with [`WorkerError::Closed`]; no idle table is
+    /// checked until a caller's next push ends.
     pub(crate) fn close(&mut self) {
         let keys: Vec<u32> = self.active.keys().copied().collect();
         for key in keys {
             self.fail(key, WorkerError::Closed);
         }
+        self.idle_check = None;
     }
 
     /// Handles a datagram from `from` received at `now`, if it is the row
@@ -918,9 +987,9 @@ impl<D> RowTransport<D> {
             let srtt = micros(self.rto.srtt.unwrap_or_default());
             self.stats.srtt_us.store(srtt, Ordering::Relaxed);
         }
-        debug_assert!(a.remaining > 0 && self.outstanding > 0);
+        debug_assert!(a.remaining > 0 && (self.outstanding > 0 || !a.windowed()));
         a.remaining -= 1;
-        self.outstanding -= 1;
+        self.outstanding -= usize::from(a.windowed());
         self.last_progress = now;
         add(&self.stats.row_answers_accepted, 1);
         if a.remaining == 0 {
@@ -1043,7 +1112,7 @@ impl<D> RowTransport<D> {
         let span = lane.first..lane.first + lane.n as usize + 1;
         for j in span.clone() {
             match a.states[j] {
-                MsgState::Out(_) => self.outstanding -= 1,
+                MsgState::Out(_) => self.outstanding -= usize::from(a.windowed()),
                 MsgState::Answered => a.remaining += 1,
                 MsgState::Pending | MsgState::Parked => {}
             }
@@ -1105,7 +1174,7 @@ impl<D> RowTransport<D> {
         let deadline = now + self.rto.loss(0);
         for j in lane.first..=lane.first + lane.n as usize {
             a.states[j] = MsgState::Out(Sent::first(now, deadline));
-            self.outstanding += 1;
+            self.outstanding += usize::from(a.windowed());
             self.queue.push((repr.key, j));
         }
         add(&self.stats.row_messages_sent, u64::from(lane.n) + 1);
@@ -1224,6 +1293,7 @@ impl<D> RowTransport<D> {
                 done,
                 result: Ok(RowOutput { round, rows }),
             });
+            self.caller_ended();
         }
     }
 
@@ -1235,6 +1305,7 @@ impl<D> RowTransport<D> {
                 done,
                 result: Err(err),
             });
+            self.caller_ended();
         }
     }
 
@@ -1243,7 +1314,9 @@ impl<D> RowTransport<D> {
     fn drop_request(&mut self, key: u32) -> Option<D> {
         let a = self.active.remove(&key)?;
         let out = a.states.iter().filter(|s| matches!(s, MsgState::Out(_))).count();
-        self.outstanding -= out;
+        if a.windowed() {
+            self.outstanding -= out;
+        }
         self.pending.retain(|&(k, _)| k != key);
         self.queue.retain(|&(k, _)| k != key);
         self.catch_up_queue.retain(|&(k, _)| k != key);
