@@ -850,6 +850,15 @@ impl Worker {
         py.detach(|| w.catch_up_rows(table)).map_err(to_py)
     }
 
+    /// For a rank that rejoined a running job with several tables: catches
+    /// every table up together (a training step pushes each, and a rank
+    /// that left mid-step left one a round ahead) and returns the lowest
+    /// round. Blocks, with the GIL released.
+    fn catch_up_tables(&self, py: Python<'_>) -> PyResult<u32> {
+        let w = &*self.inner;
+        py.detach(|| w.catch_up_tables()).map_err(to_py)
+    }
+
     fn __repr__(&self) -> String {
         format!(
             "phub.Worker(job={}, rank={}, workers={}, keys={}, dtype='{}', optimizer='{}')",

@@ -670,6 +670,8 @@ def test_table_rows_push_pull_from_numpy(workers: Workers, in_threads: Any) -> N
     ws[0].pull_rows("emb", np.array([3], np.uint64), got[:1])
     np.testing.assert_array_equal(got[0], row3 + 1)
     assert ws[0].catch_up_rows("emb") == 2
+    assert ws[1].catch_up_tables() == 2
+    assert [w.table_round("emb") for w in ws] == [2, 2]
 
 
 def test_cached_ids_are_named_by_signature_and_give_the_same_rows(workers: Workers, in_threads: Any) -> None:

@@ -65,6 +65,7 @@ fn main() {
                         t.0.restored += o.restored;
                         t.0.lcores_found_behind += o.lcores_found_behind;
                         t.0.rejoined += o.rejoined;
+                        t.0.tables_caught_up += o.tables_caught_up;
                         t.0.table_pushes += o.table_pushes;
                         t.0.rows_checked += o.rows_checked;
                         t.0.rows.created += o.rows.created;
@@ -104,7 +105,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -119,6 +120,7 @@ fn main() {
         o.restored,
         o.lcores_found_behind,
         o.rejoined,
+        o.tables_caught_up,
         o.table_pushes,
         o.rows_checked,
         o.rows.created + o.rows.created_early,

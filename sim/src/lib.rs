@@ -268,13 +268,11 @@ impl Case {
         }
         // Tables are drawn from a generator of their own, so that every
         // field above is what it was before tables were: in a third of the
-        // flat jobs without a rejoin (a rejoined rank's tables are not
-        // simulated), one or two tables.
+        // flat jobs without a rejoin, one or two tables (jobs with one
+        // below).
         let mut trng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e5ee_d000);
         if case.racks < 2 && case.rejoin.is_none() && trng.gen_bool(1.0 / 3.0) {
-            case.tables = (0..trng.gen_range(1..=2))
-                .map(|_| rows::TableCase::draw(&mut trng, case.dtype, case.chunk_bytes))
-                .collect();
+            case.tables = rows::TableCase::draw_some(&mut trng, case.dtype, case.chunk_bytes);
             // A checkpoint older than the crash with tables, in every
             // mode: not BSP, a rank's clock in progress may be partly in
             // the checkpoint, and the rank's empty clock closes it with
@@ -325,6 +323,13 @@ impl Case {
                 back_us: srng.gen_range(0..20_000),
                 stagger_us: srng.gen_range(0..3_000),
             });
+        }
+        // In a third of the flat jobs with a rejoin that are not
+        // replicated, one or two tables too: the rank that rejoins catches
+        // them up first, as `Worker::catch_up_tables` does. Drawn last,
+        // so that every other job's draws stay what they were before.
+        if case.racks < 2 && case.rejoin.is_some() && case.replication.is_none() && trng.gen_bool(1.0 / 3.0) {
+            case.tables = rows::TableCase::draw_some(&mut trng, case.dtype, case.chunk_bytes);
         }
         case
     }
@@ -412,6 +417,8 @@ pub struct Outcome {
     pub max_lead: u32,
     /// Ranks that left and rejoined.
     pub rejoined: u64,
+    /// Rejoined ranks that asked where their tables stand.
+    pub tables_caught_up: u64,
     /// Requests that failed `Closed` as their rank left.
     pub closed: u64,
     /// Pulls after a rejoin that found a key's chunks at different rounds.
@@ -515,6 +522,12 @@ struct TableRank {
     ids: Option<Vec<u64>>,
     /// When its next push is submitted (its gradient computed).
     ready_at: Option<u64>,
+    /// Rejoined, it asks the lcores where the table stands (a pull of
+    /// one id on each, as `Worker::catch_up_rows`) before it pushes.
+    catching_up: bool,
+    /// What that catch-up found: the round to go on after and the
+    /// highest round stated.
+    caught: (u32, u32),
 }
 
 /// Where a rank stands.
@@ -810,6 +823,8 @@ impl<'c> World<'c> {
                         next: 1,
                         ids: None,
                         ready_at: Some(0),
+                        catching_up: false,
+                        caught: (0, 0),
                     };
                     case.tables.len()
                 ],
@@ -888,7 +903,7 @@ impl<'c> World<'c> {
         r.finished
             && r.tables
                 .iter()
-                .all(|t| t.next > self.case.rounds && t.ids.is_none())
+                .all(|t| t.next > self.case.rounds && t.ids.is_none() && !t.catching_up)
     }
 
     /// The ranks not done, each with its keys' next rounds and then its
@@ -1062,6 +1077,23 @@ impl<'c> World<'c> {
             );
             self.outcome.closed += 1;
         }
+        // Its row transport goes with it: the push in flight is left
+        // where it got to (PROTOCOL.md §10.3), and the rank tells nothing.
+        if let Some(rt) = r.rt.as_mut() {
+            rt.close();
+            while let Some(d) = rt.poll_done() {
+                assert!(
+                    matches!(d.result, Err(phub_worker::WorkerError::Closed)),
+                    "rank {i}: a table request ended otherwise than Closed as the rank left: {:?}",
+                    d.result.map(|(round, _)| round)
+                );
+                self.outcome.closed += 1;
+            }
+        }
+        for t in &mut r.tables {
+            t.ids = None;
+            t.ready_at = None;
+        }
         r.waiting = 0;
         r.leave_at = None;
         r.phase = Phase::Away;
@@ -1096,6 +1128,7 @@ impl<'c> World<'c> {
         self.ranks[i].received = 0;
         self.route_rank(i);
         self.pull_all(i);
+        self.catch_up_tables(i, now);
     }
 
     /// Rank `i` pulls every key (after a rejoin, or a refusal `ahead`).

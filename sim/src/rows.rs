@@ -58,6 +58,13 @@ pub struct TableCase {
 pub const ROWS_CAP: u64 = 4096;
 
 impl TableCase {
+    /// One or two tables drawn from `rng` ([`TableCase::draw`]).
+    pub fn draw_some(rng: &mut ChaCha8Rng, dtype: Dtype, chunk_bytes: u32) -> Vec<TableCase> {
+        (0..rng.gen_range(1..=2))
+            .map(|_| TableCase::draw(rng, dtype, chunk_bytes))
+            .collect()
+    }
+
     /// A table drawn from `rng` for a job of `dtype` and `chunk_bytes`.
     pub fn draw(rng: &mut ChaCha8Rng, dtype: Dtype, chunk_bytes: u32) -> TableCase {
         let size = u32::try_from(dtype.size()).unwrap_or(4);

@@ -15,6 +15,8 @@
 //! - at the end, every (table, lcore) completed every round (every rank's
 //!   every clock) and no row transport has a request in flight.
 
+use std::time::Instant;
+
 use phub_engine::Verdict;
 use phub_proto::rows::{self, KeyCache, RowMsgType, RowPayload, RowRepr};
 use phub_proto::spec::Consistency;
@@ -44,7 +46,10 @@ impl World<'_> {
         // step calls them: ranks that submitted tables in different
         // orders could each fill their window with a table the others
         // send later (seed 4 did, before this).
-        if self.ranks[i].tables.iter().all(|t| t.ids.is_none())
+        if self.ranks[i]
+            .tables
+            .iter()
+            .all(|t| t.ids.is_none() && !t.catching_up)
             && self.ranks[i]
                 .tables
                 .iter()
@@ -56,6 +61,35 @@ impl World<'_> {
                 }
             }
         }
+    }
+
+    /// Rank `i` rejoined at `now`: a new row transport (the same
+    /// address) asks every lcore where each table stands, as
+    /// `Worker::catch_up_rows` does, and its pushes go on from the lowest
+    /// round stated (BSP: the last completed; async and bounded delay:
+    /// the rank's last answered clock, PROTOCOL.md §10.3). A push the
+    /// rank left in flight is sent again from its first message: the
+    /// gradients are the round's, as they were, so what an lcore took of
+    /// it before is a duplicate there.
+    pub(super) fn catch_up_tables(&mut self, i: usize, now: Instant) {
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rank = i as u16;
+        if self.case.tables.is_empty() {
+            return;
+        }
+        let mut rt = super::row_transport(self.case, &self.spec, &self.lay, rank, now)
+            .expect("a case with tables gives each rank a row transport");
+        for t in 0..self.case.tables.len() {
+            let key = super::table_key(self.case, t);
+            if let Err(e) = rt.catch_up(now, t as u64, key) {
+                panic!("rank {i}: table {t}'s catch-up is refused before it is sent: {e}");
+            }
+            self.ranks[i].tables[t].catching_up = true;
+        }
+        self.ranks[i].rt = Some(rt);
+        self.ranks[i].row_received = 0;
+        self.outcome.tables_caught_up += 1;
     }
 
     /// Rank `i` pushes its next round of table `t`.
@@ -92,6 +126,30 @@ impl World<'_> {
         // Cast: ranks are u16.
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
+        if self.ranks[i].tables[t].catching_up {
+            let round = match d.result {
+                Ok((round, _)) => round,
+                Err(e) => panic!("rank {i}: table {t}'s catch-up after the rejoin failed: {e}"),
+            };
+            let tr = &mut self.ranks[i].tables[t];
+            tr.catching_up = false;
+            tr.caught = (round, d.highest);
+            // Every table goes on together, as `Worker::catch_up_tables`
+            // has them: a step pushes every table, and a rank that left
+            // mid-step left one a round ahead; pushed first, that one waits
+            // on ranks that wait for this rank's part of the other's round
+            // (seed 11891, BSP).
+            let tables = &mut self.ranks[i].tables;
+            if tables.iter().all(|t| !t.catching_up) {
+                let caught: Vec<(u32, u32)> = tables.iter().map(|t| t.caught).collect();
+                let rounds = phub_worker::sim_rows::caught_up_together(&caught);
+                for (tr, r) in tables.iter_mut().zip(rounds) {
+                    tr.next = r + 1;
+                }
+            }
+            self.ready_tables(i);
+            return;
+        }
         let round = self.ranks[i].tables[t].next;
         let ids = self.ranks[i].tables[t]
             .ids
@@ -117,8 +175,17 @@ impl World<'_> {
         }
         self.outcome.table_pushes += 1;
         self.ranks[i].tables[t].next += 1;
-        // Once every table's round ended, the next is computed.
-        if self.ranks[i].tables.iter().all(|t| t.ids.is_none()) {
+        self.ready_tables(i);
+    }
+
+    /// Once every table's round (or catch-up) of rank `i` ended, the next
+    /// is computed.
+    fn ready_tables(&mut self, i: usize) {
+        if self.ranks[i]
+            .tables
+            .iter()
+            .all(|t| t.ids.is_none() && !t.catching_up)
+        {
             let slow = if i == 0 { 3 } else { 1 };
             let at = self.now + slow * self.rng.gen_range(0..=self.case.compute_us);
             let rounds = self.case.rounds;

@@ -1723,3 +1723,25 @@ fn a_check_of_an_idle_table_goes_past_a_full_window() {
         older_checkpoint(c) && c.window == 1 && c.tables.len() == 2
     });
 }
+
+/// Ranks that rejoin a job with tables catch them up first, as
+/// `Worker::catch_up_tables` (drawn since this version). Seed 11891 (BSP,
+/// two tables, rank 1 left between rounds with table 0's round 2 complete
+/// and table 1's round 1 not): going on from each table's own round it
+/// pushed table 0's round 2 first, which waited on rank 0, which waited on
+/// table 1's round 1 from rank 1: every table now goes on from the lowest.
+/// Seed 11567 (BSP, two appliances, rank 1 left mid-round 3 and appliance
+/// 1 was restored from a checkpoint at round 1 meanwhile): the lowest
+/// round over the lcores was 1, and a push of round 2 was a stale copy
+/// at appliance 0, which had completed round 3, and never answered: a
+/// table now goes on after one below the highest where that is higher.
+/// Seeds 520, 5231, 13915 and 19078 failed as 11891 did.
+#[test]
+fn a_rejoined_rank_catches_its_tables_up_together() {
+    for seed in [11_891, 11_567, 520, 5231, 13_915, 19_078] {
+        let c = Case::draw(seed);
+        assert!(c.rejoin.is_some() && c.tables.len() == 2, "seed {seed}: {c:?}");
+        let o = run(&c);
+        assert_eq!((o.rejoined, o.tables_caught_up), (1, 1), "seed {seed}: {o:?}");
+    }
+}

@@ -244,20 +244,54 @@ impl Worker {
     /// rounds): asks every lcore of the table for its last completed round
     /// (BSP; in async and bounded delay, this rank's last applied clock
     /// there) with a ROW_PULL of one id placed on it, makes the lowest the
-    /// table's round here, and returns it. The next push carries the round
-    /// after it: lcores that completed that round already (this rank had
-    /// pushed it before it left) answer it with their current rows and add
-    /// nothing (PROTOCOL.md §10.3, rule 3); the others complete it with
-    /// this push. Blocks.
+    /// table's round here (or one below the highest, where an lcore
+    /// restored from an older checkpoint stands lower still), and returns
+    /// it. The next push carries the round after it: lcores that completed
+    /// that round already (this rank had pushed it before it left) answer
+    /// it with their current rows and add nothing (PROTOCOL.md §10.3, rule
+    /// 3); the others complete it with this push, and a restored lcore
+    /// refuses it `ahead` and is caught up first (§10.6). Blocks. A job
+    /// with several tables catches them all up with
+    /// [`Worker::catch_up_tables`].
     pub fn catch_up_rows(&self, table: &str) -> Result<u32, WorkerError> {
+        self.catch_up_table(table).map(|o| o.caught_up())
+    }
+
+    /// [`Worker::catch_up_rows`]'s pull, whose output it returns.
+    fn catch_up_table(&self, table: &str) -> Result<RowOutput, WorkerError> {
         let t = self.table_named(table)?;
         let ids = one_id_per_lcore(t)?;
         let (mut claim, _) = self.table_claims.claim(t.key, Ok)?;
         let plan = plan_pull(t, &ids)?;
         let rx = self.send_rows(plan)?;
         let o = wait_rows(&rx)?;
-        claim.done = Some(o.round);
-        Ok(o.round)
+        claim.done = Some(o.caught_up());
+        Ok(o)
+    }
+
+    /// [`Worker::catch_up_rows`] for every table of the job, after which
+    /// every table's round here is the lowest of theirs, which it returns
+    /// (0 without tables), or one below the highest round an lcore of the
+    /// table stated, if that is higher ([`caught_up_together`]). A
+    /// training step pushes every table (each rank pushes every round of
+    /// a table), so a rank that left mid-step left one table a round
+    /// ahead of another; pushing that one first, it would wait on ranks
+    /// that wait for its part of the other's round (BSP: for ever;
+    /// simulator seed 11891). Repeating the round of the table ahead is
+    /// answered from its completed round and adds nothing (PROTOCOL.md
+    /// §10.3, rule 3). Blocks.
+    pub fn catch_up_tables(&self) -> Result<u32, WorkerError> {
+        let mut caught = Vec::with_capacity(self.tables.len());
+        for t in &self.tables {
+            let o = self.catch_up_table(&t.name)?;
+            caught.push((o.caught_up(), o.highest));
+        }
+        let rounds = caught_up_together(&caught);
+        for (t, &round) in self.tables.iter().zip(&rounds) {
+            let (mut claim, _) = self.table_claims.claim(t.key, Ok)?;
+            claim.done = Some(round);
+        }
+        Ok(rounds.iter().copied().min().unwrap_or(0))
     }
 
     /// Key caching (PROTOCOL.md §10.7): registers the ids `ids` of the
@@ -328,10 +362,26 @@ fn wait_rows(rx: &Receiver<RowCompletion>) -> Result<RowOutput, WorkerError> {
     rx.recv().unwrap_or(Err(WorkerError::Closed))
 }
 
+/// Per table, the round its pushes go on after once every table of a
+/// rank is caught up together ([`Worker::catch_up_tables`]), from each
+/// table's own (`caught_up`, `highest`) (its pull's
+/// [`RowOutput::caught_up`] and highest round stated): the lowest of the
+/// `caught_up`s, unless that is more than one round below the table's
+/// `highest`: its lcores at `highest` would take a push of an older round
+/// for a stale copy and never answer it (simulator seed 11567, an lcore
+/// of another appliance restored from an older checkpoint).
+pub(crate) fn caught_up_together(tables: &[(u32, u32)]) -> Vec<u32> {
+    let lowest = tables.iter().map(|&(c, _)| c).min().unwrap_or(0);
+    tables
+        .iter()
+        .map(|&(_, highest)| lowest.max(highest.saturating_sub(1)))
+        .collect()
+}
+
 /// An id placed on each lcore of `t`: the smallest, found by trying ids
 /// from 0 on (each lcore gets about 1/L of them, §10.1, so a few times L
 /// tries cover all L lcores).
-fn one_id_per_lcore(t: &TableInfo) -> Result<Vec<u64>, WorkerError> {
+pub(crate) fn one_id_per_lcore(t: &TableInfo) -> Result<Vec<u64>, WorkerError> {
     let lcores = t.placement.lcores() as usize;
     let mut found: Vec<Option<u64>> = vec![None; lcores];
     let mut missing = lcores;
@@ -511,10 +561,36 @@ mod tests {
         assert_eq!(w2.table_round("emb").unwrap(), 0);
         assert_eq!(w2.catch_up_rows("emb").unwrap(), 2);
         assert_eq!(w2.table_round("emb").unwrap(), 2);
+        assert_eq!(w2.catch_up_tables().unwrap(), 2);
+        assert_eq!(w2.table_round("emb").unwrap(), 2);
         let mut again = vec![f32::NAN; 4];
         assert_eq!(w2.push_pull_rows("emb", &[3], &[1.0; 4], &mut again).unwrap(), 3);
         assert_eq!(again, want[12..16].iter().map(|x| x + 1.0).collect::<Vec<_>>());
         stop.store(true, Ordering::Relaxed);
         fake.join().unwrap();
+    }
+
+    /// A rank's tables caught up together (`Worker::catch_up_tables`):
+    /// each goes on after the lowest round over the tables, unless its own
+    /// lcores stand two or more above that (one restored from an older
+    /// checkpoint elsewhere): then after one below its highest.
+    #[test]
+    fn tables_caught_up_together_go_on_from_the_lowest_round_no_lcore_takes_for_stale() {
+        let out = |round, highest| RowOutput {
+            round,
+            highest,
+            rows: Vec::new(),
+        };
+        // One table: the lowest, or one below the highest past a restore.
+        assert_eq!(out(2, 2).caught_up(), 2);
+        assert_eq!(out(2, 3).caught_up(), 2);
+        assert_eq!(out(1, 3).caught_up(), 2);
+        assert_eq!(out(0, 0).caught_up(), 0);
+        // Seed 11891: a table one round ahead goes back to the other's.
+        assert_eq!(caught_up_together(&[(2, 2), (1, 2)]), [1, 1]);
+        // Seed 11567: table 0's lcores stand at 3 and 1 (restored), table
+        // 1's at 2 and 1; table 0 cannot go on after 1.
+        assert_eq!(caught_up_together(&[(out(1, 3).caught_up(), 3), (1, 2)]), [2, 1]);
+        assert_eq!(caught_up_together(&[]), Vec::<u32>::new());
     }
 }

@@ -107,9 +107,28 @@ pub(crate) struct RowOutput {
     /// A push: its round (clock). A pull: the lowest round the answering
     /// lcores stated (0 for a pull of no ids).
     pub(crate) round: u32,
+    /// A push: its round. A pull: the highest round stated.
+    pub(crate) highest: u32,
     /// Each of the caller's ids' row, in the caller's order (`ids.len() *
     /// dim`).
     pub(crate) rows: Vec<f32>,
+}
+
+impl RowOutput {
+    /// For a pull of one id on each lcore (a rank catching up after a
+    /// rejoin): the round its pushes go on after. The lowest round
+    /// stated, unless an lcore stated one more than a round above it: in
+    /// BSP a rank that left mid-round leaves its lcores one round apart
+    /// at most, and goes on from the lower (the higher answers the push
+    /// again and adds nothing, PROTOCOL.md §10.3 rule 3); an lcore lower
+    /// still was restored from an older checkpoint since, and a push of
+    /// the round after its round would be two or more behind the others,
+    /// which never answer it: the rank goes on from one below the
+    /// highest, and the restored lcore refuses it `ahead` and is caught
+    /// up (§10.6; simulator seed 11567).
+    pub(crate) fn caught_up(&self) -> u32 {
+        self.round.max(self.highest.saturating_sub(1))
+    }
 }
 
 /// A table request that ended.
@@ -218,8 +237,9 @@ struct Active<D> {
     /// The answered rows, in the plan's id order.
     rows: Vec<f32>,
     remaining: usize,
-    /// A pull: the lowest round its answers stated.
+    /// A pull: the lowest and highest rounds its answers stated.
     min_round: u32,
+    max_round: u32,
     /// Per entry, its lcore's catching up, while one is (a push only).
     catch_up: BTreeMap<u32, CatchUp>,
     /// A push (not a pull): its answered messages may go again
@@ -543,6 +563,7 @@ impl<D> RowTransport<D> {
             states: vec![MsgState::Pending; n],
             remaining: n,
             min_round: u32::MAX,
+            max_round: 0,
             catch_up: BTreeMap::new(),
             push,
             plan,
@@ -1279,19 +1300,19 @@ impl<D> RowTransport<D> {
         for (dst, &s) in rows.chunks_exact_mut(dim).zip(&a.plan.slot_of) {
             dst.copy_from_slice(&a.rows[s as usize * dim..][..dim]);
         }
-        let round = match a.plan.kind {
+        let (round, highest) = match a.plan.kind {
             PlanKind::Push { round } => {
                 self.pushed.insert(key, round);
-                round
+                (round, round)
             }
-            PlanKind::Pull if a.plan.msgs.is_empty() => 0,
-            PlanKind::Pull => a.min_round,
+            PlanKind::Pull if a.plan.msgs.is_empty() => (0, 0),
+            PlanKind::Pull => (a.min_round, a.max_round),
         };
         if let Some(done) = a.done {
             self.finished.push_back(RowFinished {
                 key,
                 done,
-                result: Ok(RowOutput { round, rows }),
+                result: Ok(RowOutput { round, highest, rows }),
             });
             self.caller_ended();
         }
@@ -1437,6 +1458,7 @@ fn on_pull_result<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr, r: Answer<'_
     let v = take_rows(a, i, repr, r);
     if matches!(v, Verdict::Answers(_)) {
         a.min_round = a.min_round.min(repr.round);
+        a.max_round = a.max_round.max(repr.round);
     }
     v
 }
