@@ -72,6 +72,7 @@ fn main() {
                         t.0.rows.created_early += o.rows.created_early;
                         t.0.rows.not_admitted += o.rows.not_admitted;
                         t.0.rows.evicted += o.rows.evicted;
+                        t.0.rows.evicted_at_cap += o.rows.evicted_at_cap;
                         t.0.lists_named += o.lists_named;
                         t.0.stream_slices_served_between += o.stream_slices_served_between;
                         if !case.tables.is_empty() {
@@ -105,7 +106,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -127,6 +128,7 @@ fn main() {
         o.rows.created_early,
         o.rows.not_admitted,
         o.rows.evicted,
+        o.rows.evicted_at_cap,
         o.lists_named,
         o.stream_slices_served_between,
         o.replica_kills,

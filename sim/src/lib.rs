@@ -1077,8 +1077,19 @@ impl<'c> World<'c> {
             );
             self.outcome.closed += 1;
         }
-        // Its row transport goes with it: the push in flight is left
-        // where it got to (PROTOCOL.md §10.3), and the rank tells nothing.
+        // Its row transport goes with it: a push that ended is taken, the
+        // push in flight is left where it got to (PROTOCOL.md §10.3), and
+        // the rank tells nothing.
+        let mut ended = Vec::new();
+        if let Some(rt) = r.rt.as_mut() {
+            while let Some(d) = rt.poll_done() {
+                ended.push(d);
+            }
+        }
+        for d in ended {
+            self.on_table_done(i, d);
+        }
+        let r = &mut self.ranks[i];
         if let Some(rt) = r.rt.as_mut() {
             rt.close();
             while let Some(d) = rt.poll_done() {

@@ -47,14 +47,18 @@ pub struct TableCase {
     /// (PROTOCOL.md §10.1); `None`: from its first.
     pub admit_after: Option<u32>,
     /// `evict = { idle_rounds = N }`: rows not updated for N of their
-    /// lcore's rounds (clocks) are evicted; `None`: never (the cap is not
-    /// reached either).
+    /// lcore's rounds (clocks) are evicted; `None`: never.
     pub idle_rounds: Option<u32>,
+    /// `rows`, the table's row cap (each lcore's share is
+    /// `ceil(rows / L)`), when it is small enough to be reached: a new row
+    /// at an lcore's share evicts one (CLOCK, PROTOCOL.md §10.1); `None`:
+    /// [`ROWS_CAP`].
+    pub cap: Option<u64>,
 }
 
-/// The row cap every simulated table is installed with: no lcore's share
-/// is ever reached (a case draws at most 256 distinct ids), so no row is
-/// evicted at the cap (only idle, [`TableCase::idle_rounds`]).
+/// The row cap a simulated table is installed with unless it draws a
+/// small one ([`TableCase::cap`]): no lcore's share is ever reached (a
+/// case draws at most 256 distinct ids).
 pub const ROWS_CAP: u64 = 4096;
 
 impl TableCase {
@@ -91,6 +95,7 @@ impl TableCase {
             key_cache: 0,
             admit_after: None,
             idle_rounds: None,
+            cap: None,
         };
         // A quarter of the tables cache their ids, decided by the seed
         // drawn (no more draws: every earlier seed's case keeps its
@@ -112,6 +117,14 @@ impl TableCase {
         if (bits >> 8) % 5 == 1 {
             t.idle_rounds = Some(2 + u32::try_from((bits >> 16) % 3).unwrap_or(0));
         }
+        // A fifth of the others have a cap of a quarter of their ids, so
+        // that rows are evicted at the cap: the model follows which rows
+        // the lcore keeps, checking each eviction against the store's
+        // count and its cap (which row CLOCK takes depends on the index's
+        // order, which the model does not keep).
+        if (bits >> 24) % 5 == 1 && t.admit_after.is_none() && t.idle_rounds.is_none() {
+            t.cap = Some(u64::from(t.ids / 4).max(1));
+        }
         t
     }
 
@@ -119,7 +132,7 @@ impl TableCase {
     pub fn spec(&self) -> TableSpec {
         TableSpec {
             dim: self.dim,
-            rows: Some(ROWS_CAP),
+            rows: Some(self.cap.unwrap_or(ROWS_CAP)),
             seed: self.seed,
             init: self.init,
             optimizer: self.optimizer,
@@ -484,6 +497,25 @@ pub struct TableModel {
     touched: HashMap<u64, u32>,
     /// Each id's pushes while it was not stored (what admission counts).
     pushes: HashMap<u64, u32>,
+    /// Rows evicted at the cap since the run last compared the count
+    /// with the lcore's ([`TableModel::take_evicted_at_cap`]).
+    evicted_at_cap: u64,
+    /// The lcore's count of rows evicted at the cap then.
+    pub cap_seen: u64,
+    /// A table with a small cap ([`TableCase::cap`]), while the run has
+    /// the model take a message: the lcore's share of the cap and the ids
+    /// it evicted at the cap taking it, in order.
+    pub at_cap: Option<AtCap>,
+}
+
+/// What a capped table's model replays of one message: the lcore's cap
+/// and the ids it evicted, in order (the engine's eviction log).
+#[derive(Debug, Clone, Default)]
+pub struct AtCap {
+    /// Rows the lcore stores at most.
+    pub cap: u64,
+    /// The ids it evicted at the cap, in order, not replayed yet.
+    pub victims: std::collections::VecDeque<u64>,
 }
 
 /// Pushes by what they did, and rows evicted, over a run.
@@ -497,6 +529,8 @@ pub struct PushTally {
     pub not_admitted: u64,
     /// Rows evicted idle.
     pub evicted: u64,
+    /// Rows evicted at the cap.
+    pub evicted_at_cap: u64,
 }
 
 impl PushTally {
@@ -538,6 +572,9 @@ impl TableModel {
             round: 0,
             touched: HashMap::new(),
             pushes: HashMap::new(),
+            evicted_at_cap: 0,
+            cap_seen: 0,
+            at_cap: None,
         }
     }
 
@@ -564,11 +601,34 @@ impl TableModel {
     pub fn apply(&mut self, t: &TableCase, id: u64, a: &[f32], stored: bool) -> Pushed {
         let pushed = if self.rows.contains_key(&id) {
             assert!(
-                stored,
+                stored || t.cap.is_some(),
                 "table key {}: row {id:#x} stored before a push and not after it",
                 self.key
             );
             Pushed::Updated
+        } else if let Some(at) = self.at_cap.as_mut() {
+            // A capped table: a row created at the cap takes the place of
+            // the next id the lcore evicted (CLOCK chose it), which may be
+            // a row updated earlier in the same message or round (its
+            // update lost) or one still to be updated (then created anew).
+            if self.rows.len() as u64 >= at.cap {
+                let v = at.victims.pop_front().unwrap_or_else(|| {
+                    panic!(
+                        "table key {}: row {id:#x} created at the cap ({}) and the lcore evicted none",
+                        self.key, at.cap
+                    )
+                });
+                assert!(
+                    self.rows.remove(&v).is_some(),
+                    "table key {}: the lcore evicted row {v:#x} at the cap, which it did not store",
+                    self.key
+                );
+                self.touched.remove(&v);
+                self.evicted_at_cap += 1;
+            }
+            let init = self.read(t, id);
+            self.rows.insert(id, Row::new(init, &t.optimizer));
+            Pushed::Created
         } else {
             let n = self.pushes.entry(id).or_insert(0);
             *n += 1;
@@ -596,6 +656,11 @@ impl TableModel {
             row.update(&t.optimizer, a);
         }
         pushed
+    }
+
+    /// The rows evicted at the cap since the last call.
+    pub fn take_evicted_at_cap(&mut self) -> u64 {
+        std::mem::take(&mut self.evicted_at_cap)
     }
 
     /// The store's round advances: the rows the lcore no longer stores

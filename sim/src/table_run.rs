@@ -119,7 +119,7 @@ impl World<'_> {
 
     /// Rank `i`'s push of a table ended: its rows are those ROW_RESULTs
     /// of its round carried to it.
-    fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
+    pub(super) fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
         // Cast: the tag is the table's index.
         #[allow(clippy::cast_possible_truncation)]
         let t = d.tag as usize;
@@ -240,8 +240,76 @@ impl World<'_> {
     }
 
     /// Lcore `l` handled the table message `bytes` with `verdict`: the
-    /// model of its (table, lcore) takes what the lcore took.
+    /// model of its (table, lcore) takes what the lcore took, and replays
+    /// the rows it evicted at the cap.
     pub(super) fn row_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
+        let capped = self.give_cap_victims(l, bytes);
+        self.follow_row(l, bytes, verdict);
+        if let Some((t, key)) = capped {
+            self.check_cap(l, t, key);
+        }
+    }
+
+    /// A table with a small cap ([`model::TableCase::cap`]): its model
+    /// gets the lcore's share of the cap and the ids the lcore evicted at
+    /// the cap taking `bytes` (the engine's eviction log), to replay as
+    /// it takes the message. Returns the table and its key, if capped.
+    fn give_cap_victims(&mut self, l: usize, bytes: &[u8]) -> Option<(usize, u32)> {
+        let (repr, _) = rows::parse(bytes).ok()?;
+        let t = (repr.key as usize)
+            .checked_sub(self.case.keys.len())
+            .filter(|&t| t < self.case.tables.len())?;
+        self.case.tables[t].cap?;
+        let shard = &mut self.lcores[l].shard;
+        let (cap, _, _) = shard.row_cap_count(super::JOB, repr.key)?;
+        let victims = shard.take_cap_victims(super::JOB, repr.key)?;
+        self.tmodels[t][l].at_cap = Some(model::AtCap {
+            cap,
+            victims: victims.into(),
+        });
+        Some((t, repr.key))
+    }
+
+    /// After a capped table's model took a message: every id the lcore
+    /// evicted was replayed, the lcore stores exactly the model's rows
+    /// (no more than its share of the cap), and counts as evicted at the
+    /// cap exactly the rows that went.
+    fn check_cap(&mut self, l: usize, t: usize, key: u32) {
+        let shard = &self.lcores[l].shard;
+        let Some((cap, stored, evicted)) = shard.row_cap_count(super::JOB, key) else {
+            return;
+        };
+        let m = &mut self.tmodels[t][l];
+        let at = m.at_cap.take().unwrap_or_default();
+        assert!(
+            at.victims.is_empty(),
+            "lcore {l}: table key {key}: the lcore evicted {:?} at the cap, which the model did not",
+            at.victims
+        );
+        let went = m.take_evicted_at_cap();
+        assert!(
+            stored <= cap && stored == m.rows.len() as u64,
+            "lcore {l}: table key {key} stores {stored} rows (cap {cap}), the model {}",
+            m.rows.len()
+        );
+        if let Some(id) = m
+            .rows
+            .keys()
+            .find(|&&id| shard.row_stored(super::JOB, key, id) != Some(true))
+        {
+            panic!("lcore {l}: table key {key}: row {id:#x} stored in the model, not on the lcore");
+        }
+        assert_eq!(
+            evicted - m.cap_seen,
+            went,
+            "lcore {l}: table key {key}: rows evicted at the cap by the lcore's count and the model's"
+        );
+        m.cap_seen = evicted;
+        self.outcome.rows.evicted_at_cap += went;
+    }
+
+    /// [`World::row_taken`]'s model of what the lcore took.
+    fn follow_row(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
         let Ok((repr, payload)) = rows::parse(bytes) else {
             assert!(
                 matches!(verdict, Verdict::Dropped(_)),
@@ -431,6 +499,13 @@ impl World<'_> {
     pub(super) fn restore_tables(&mut self) {
         for ((t, g), mut m) in self.tmodel_checkpoint.drain() {
             m.clear_round();
+            // The restored lcore counts its evictions at the cap anew.
+            let key = super::table_key(self.case, t);
+            m.cap_seen = self.lcores[g]
+                .shard
+                .row_cap_count(super::JOB, key)
+                .map_or(0, |(_, _, evicted)| evicted);
+            m.take_evicted_at_cap();
             self.tmodels[t][g] = m;
         }
     }

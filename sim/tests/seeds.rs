@@ -1085,6 +1085,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 key_cache: 0,
                 admit_after: None,
                 idle_rounds: None,
+                cap: None,
             },
             TableCase {
                 dim: 6,
@@ -1101,6 +1102,7 @@ fn a_table_push_after_a_restore_from_an_older_checkpoint() {
                 key_cache: 0,
                 admit_after: None,
                 idle_rounds: None,
+                cap: None,
             },
         ],
         ..case(543, Consistency::Sync, adamw(), Dtype::F16)
@@ -1169,6 +1171,7 @@ fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
             key_cache: 0,
             admit_after: Some(2 + (i as u32) % 2),
             idle_rounds: Some(3 - (j as u32) % 2),
+            cap: None,
         };
         let c = table_case(seed, consistency, table, 10, 3000, 6000);
         let o = run(&c);
@@ -1184,6 +1187,36 @@ fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
         tally.created_early,
         tally.created + tally.created_early
     );
+}
+
+/// Eviction at the row cap (CLOCK) in BSP, async and bounded delay, over
+/// two appliances through loss, duplication and reordering, and in BSP an
+/// appliance restored from a checkpoint: a cap of 12 rows (3 per lcore)
+/// for 60 ids, 10 pushed per rank and round, so most new rows evict one.
+/// The model replays the ids the engine logs as evicted and checks the
+/// stored rows, the count and every answer's rows against it.
+#[test]
+fn tables_evict_at_their_cap_in_every_mode() {
+    every_row_optimizer_and_mode(|i, opt, j, consistency| {
+        let seed = 9200 + (j * 8 + i) as u64;
+        let table = TableCase {
+            dim: 3,
+            seed: 53 + seed,
+            init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+            optimizer: opt,
+            ids: 60,
+            touch: 10,
+            key_cache: 0,
+            admit_after: None,
+            idle_rounds: None,
+            cap: Some(12),
+        };
+        let c = table_case(seed, consistency, table, 10, 3000, 6000);
+        let o = run(&c);
+        assert!(o.net.lost > 0 && o.rows_checked > 0, "{c:?}: {o:?}");
+        assert!(o.rows.evicted_at_cap > 0, "{c:?}: {o:?}");
+        assert_eq!(o.restored, u64::from(c.crash.is_some()), "{c:?}: {o:?}");
+    });
 }
 
 /// Every row optimizer in BSP, async and bounded delay, with tables over
@@ -1209,6 +1242,7 @@ fn tables_with_every_row_optimizer_in_every_mode() {
             key_cache: 0,
             admit_after: None,
             idle_rounds: None,
+            cap: None,
         };
         let c = table_case(seed, consistency, table, 5, 500, 4000);
         let o = run(&c);
@@ -1263,6 +1297,7 @@ fn a_table_round_answered_in_part_before_an_older_restore() {
             key_cache: 0,
             admit_after: None,
             idle_rounds: None,
+            cap: None,
         }],
         ..case(6816, Consistency::Sync, adamw(), Dtype::Bf16)
     });
@@ -1330,6 +1365,7 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 key_cache: 0,
                 admit_after: None,
                 idle_rounds: None,
+                cap: None,
             },
             TableCase {
                 dim: 8,
@@ -1346,6 +1382,7 @@ fn a_clogged_rank_catches_up_an_lcore_that_took_its_own_copies() {
                 key_cache: 0,
                 admit_after: None,
                 idle_rounds: None,
+                cap: None,
             },
         ],
         ..case(
@@ -1655,6 +1692,7 @@ fn cached_id_lists_survive_loss_duplicates_and_a_restore() {
                 key_cache: 16,
                 admit_after: None,
                 idle_rounds: None,
+                cap: None,
             }],
             ..case(7, consistency, adamw(), Dtype::F32)
         });
@@ -1735,12 +1773,15 @@ fn a_check_of_an_idle_table_goes_past_a_full_window() {
 /// round over the lcores was 1, and a push of round 2 was a stale copy
 /// at appliance 0, which had completed round 3, and never answered: a
 /// table now goes on after one below the highest where that is higher.
-/// Seeds 520, 5231, 13915 and 19078 failed as 11891 did.
+/// Seeds 520, 5231, 13915 and 19078 failed as 11891 did. Seed 86604 (and
+/// four others of 240,000): the rank left with a table push that had
+/// ended and was not taken yet, which the simulator took for one the
+/// leave closed; it now takes it first.
 #[test]
 fn a_rejoined_rank_catches_its_tables_up_together() {
-    for seed in [11_891, 11_567, 520, 5231, 13_915, 19_078] {
+    for seed in [11_891, 11_567, 520, 5231, 13_915, 19_078, 86_604] {
         let c = Case::draw(seed);
-        assert!(c.rejoin.is_some() && c.tables.len() == 2, "seed {seed}: {c:?}");
+        assert!(c.rejoin.is_some() && !c.tables.is_empty(), "seed {seed}: {c:?}");
         let o = run(&c);
         assert_eq!((o.rejoined, o.tables_caught_up), (1, 1), "seed {seed}: {o:?}");
     }

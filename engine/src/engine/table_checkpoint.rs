@@ -453,6 +453,27 @@ impl<A: Copy + Eq> Shard<A> {
         Some(t.store.get(row).is_some())
     }
 
+    /// The table of key index `key` of job `id` on this lcore: its row cap
+    /// here, the rows it stores and the rows it evicted at the cap so far;
+    /// `None` when the job or the table is not here. For tests and the
+    /// simulator, which check eviction at the cap against a model.
+    pub fn row_cap_count(&self, id: u16, key: u32) -> Option<(u64, u64, u64)> {
+        let t = self.job(id)?.tables.iter().find(|t| t.key == key)?;
+        let s = t.store.stats();
+        Some((t.store.config().rows_cap, s.rows_stored, s.evicted_cap))
+    }
+
+    /// The ids the table of key index `key` of job `id` evicted at the
+    /// cap since the last call, in order (feature `eviction-log`: the
+    /// simulator's model replays them); `None` when the job or the table
+    /// is not here.
+    #[cfg(feature = "eviction-log")]
+    pub fn take_cap_victims(&mut self, id: u16, key: u32) -> Option<Vec<u64>> {
+        let j = self.jobs.iter_mut().find(|j| j.id == id)?;
+        let t = j.tables.iter_mut().find(|t| t.key == key)?;
+        Some(t.store.take_cap_victims())
+    }
+
     /// The durable state of every table of job `id` on this lcore, in key
     /// order (module head); `None` when the job is not installed.
     /// Allocates (O(rows stored)); call between bursts.

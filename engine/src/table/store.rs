@@ -167,7 +167,18 @@ pub struct RowStore<I, U> {
     stats: StoreStats,
     /// A checkpoint being streamed ([`super::snapshot`]).
     pub(super) stream: Option<Box<super::snapshot::Stream>>,
+    /// The ids evicted at the cap since the last
+    /// [`RowStore::take_cap_victims`], in order (at most
+    /// [`EVICTION_LOG_MAX`]).
+    #[cfg(feature = "eviction-log")]
+    victims: Vec<u64>,
 }
+
+/// The most ids a store's eviction log keeps between takes (feature
+/// `eviction-log`): past it, it records nothing more, so a store nobody
+/// takes them from stays bounded.
+#[cfg(feature = "eviction-log")]
+pub const EVICTION_LOG_MAX: usize = 1 << 16;
 
 impl<I, U> std::fmt::Debug for RowStore<I, U> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -245,6 +256,8 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             now: 0,
             stats: StoreStats::default(),
             stream: None,
+            #[cfg(feature = "eviction-log")]
+            victims: Vec::new(),
         };
         store.stats.bytes = store.allocated_bytes();
         Ok(store)
@@ -284,6 +297,13 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// Rows stored now.
     pub fn rows_stored(&self) -> u64 {
         self.index.len() as u64
+    }
+
+    /// The ids evicted at the cap since the last call, in order (feature
+    /// `eviction-log`, for the simulator's model).
+    #[cfg(feature = "eviction-log")]
+    pub fn take_cap_victims(&mut self) -> Vec<u64> {
+        std::mem::take(&mut self.victims)
     }
 
     /// The counters.
@@ -449,6 +469,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         debug_assert_eq!(self.index.len(), self.cap as usize, "no free slot below the cap");
         let pos = self.clock.victim(&mut self.index);
         let slot = self.index.entry(pos).slot();
+        #[cfg(feature = "eviction-log")]
+        if self.victims.len() < EVICTION_LOG_MAX {
+            self.victims.push(self.index.entry(pos).id);
+        }
         self.index.remove(pos);
         self.stats.evicted_cap += 1;
         Some((slot, true))
