@@ -1147,6 +1147,23 @@ fn table_case(
     }
 }
 
+/// A table of dim 3 and 60 ids, 10 pushed per rank and round, with
+/// optimizer `opt`: every row stored on its first push, none evicted.
+fn sixty_ids(seed: u64, opt: RowOptimizerSpec) -> TableCase {
+    TableCase {
+        dim: 3,
+        seed,
+        init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
+        optimizer: opt,
+        ids: 60,
+        touch: 10,
+        key_cache: 0,
+        admit_after: None,
+        idle_rounds: None,
+        cap: None,
+    }
+}
+
 /// Admission (`admit_after`) and idle eviction (`evict = { idle_rounds }`)
 /// in BSP, async and bounded delay, over two appliances through loss,
 /// duplication and reordering, and in BSP an appliance restored from a
@@ -1162,16 +1179,9 @@ fn tables_admit_rows_late_and_evict_idle_ones_in_every_mode() {
     every_row_optimizer_and_mode(|i, opt, j, consistency| {
         let seed = 9100 + (j * 8 + i) as u64;
         let table = TableCase {
-            dim: 3,
-            seed: 31 + seed,
-            init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
-            optimizer: opt,
-            ids: 60,
-            touch: 10,
-            key_cache: 0,
             admit_after: Some(2 + (i as u32) % 2),
             idle_rounds: Some(3 - (j as u32) % 2),
-            cap: None,
+            ..sixty_ids(31 + seed, opt)
         };
         let c = table_case(seed, consistency, table, 10, 3000, 6000);
         let o = run(&c);
@@ -1200,16 +1210,8 @@ fn tables_evict_at_their_cap_in_every_mode() {
     every_row_optimizer_and_mode(|i, opt, j, consistency| {
         let seed = 9200 + (j * 8 + i) as u64;
         let table = TableCase {
-            dim: 3,
-            seed: 53 + seed,
-            init: RowInitSpec::Uniform { a: -0.5, b: 0.25 },
-            optimizer: opt,
-            ids: 60,
-            touch: 10,
-            key_cache: 0,
-            admit_after: None,
-            idle_rounds: None,
             cap: Some(12),
+            ..sixty_ids(53 + seed, opt)
         };
         let c = table_case(seed, consistency, table, 10, 3000, 6000);
         let o = run(&c);
