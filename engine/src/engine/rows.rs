@@ -471,7 +471,13 @@ fn bsp<A: Copy>(
             answers.done(repr.rank, t, s.min(MAX_ROW_MESSAGES) as u16);
             return Ok(Verdict::Resent);
         }
-        (_, Age::InProgress) if table.ranks[r].closed => return Err(DropReason::Duplicate),
+        // The rank's part is complete (or closed): anything more of it in
+        // this round is a copy, answered once the round completes, even
+        // with another count or sequence number: a new incarnation of the
+        // rank (a rejoin) pushes again a round its former one sent, with
+        // other rows, or after an empty round closed it (PROTOCOL.md
+        // §10.3; simulator seed 313394).
+        (_, Age::InProgress) if table.ranks[r].complete() => return Err(DropReason::Duplicate),
         (RowMsgType::RowPush, Age::InProgress) => {
             let rank = table.ranks[r];
             if s >= MAX_ROW_MESSAGES || rank.n.is_some_and(|n| s >= u32::from(n)) {

@@ -504,6 +504,80 @@ fn an_empty_round_over_a_rank_s_own_copies_closes_its_part() {
     );
 }
 
+/// A rank whose part of the round in progress is complete there sends
+/// the round again with another count: a new incarnation of it (a rejoin)
+/// whose former one sent the round, with other rows, or closed its part
+/// with an empty round after a restore. Its messages are copies, dropped
+/// as duplicates and answered once the round completes, never refused
+/// `bad_row_count` (the rejoined rank's push failed: simulator seed
+/// 313394). An incomplete part still refuses another count.
+#[test]
+fn a_complete_part_takes_a_round_pushed_again_with_another_count_as_copies() {
+    let mut s = shard(2, Consistency::Sync);
+    let ids = ids_on(0, 4);
+    let (a, b) = (&ids[0..2], &ids[2..4]);
+    let mut reference = Reference::new(&table_spec());
+    // Rank 0's part closed empty; rank 1's complete with one push.
+    assert_eq!(s.handle(addr(0), &end(0, 1, 0), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(1), &push(1, 1, 0, b, &grads(b, 2)), 0),
+        Verdict::Aggregated
+    );
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Completed);
+    for &id in b {
+        reference.apply(id, &grad(id, 2));
+    }
+    let first = drain(&mut s);
+    assert_eq!(first.len(), 3, "{first:?}");
+    // Round 2: rank 0 complete with one push, then its new incarnation
+    // sends the round with two pushes and a count of 2.
+    assert_eq!(
+        s.handle(addr(0), &push(0, 2, 0, a, &grads(a, 1)), 0),
+        Verdict::Aggregated
+    );
+    assert_eq!(s.handle(addr(0), &end(0, 2, 1), 0), Verdict::Aggregated);
+    for m in [
+        push(0, 2, 0, b, &grads(b, 3)),
+        push(0, 2, 1, a, &grads(a, 3)),
+        end(0, 2, 2),
+    ] {
+        assert_eq!(s.handle(addr(0), &m, 0), Verdict::Dropped(DropReason::Duplicate));
+    }
+    assert!(drain(&mut s).is_empty(), "nothing before rank 1 is complete");
+    // Rank 1's part: a ROW_END then another count, refused while incomplete.
+    assert_eq!(s.handle(addr(1), &end(1, 2, 1), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(1), &end(1, 2, 3), 0),
+        Verdict::Dropped(DropReason::BadRowCount)
+    );
+    assert_eq!(
+        s.handle(addr(1), &push(1, 2, 0, b, &grads(b, 2)), 0),
+        Verdict::Completed
+    );
+    for &id in a {
+        reference.apply(id, &grad(id, 1));
+    }
+    for &id in b {
+        reference.apply(id, &grad(id, 2));
+    }
+    let sent = drain(&mut s);
+    assert!(
+        sent.contains(&rows_sent(addr(0), RowMsgType::RowResult, 2, 0, a, &reference)),
+        "{sent:?}"
+    );
+    // The copies sent again now are answered from round 2, adding nothing.
+    assert_eq!(
+        s.handle(addr(0), &push(0, 2, 1, a, &grads(a, 3)), 0),
+        Verdict::Resent
+    );
+    assert_eq!(
+        drain(&mut s),
+        vec![rows_sent(addr(0), RowMsgType::RowResult, 2, 1, a, &reference)]
+    );
+    assert_eq!(s.handle(addr(0), &end(0, 2, 2), 0), Verdict::Resent);
+    assert_eq!(drain(&mut s), vec![done(addr(0), 2, 2)]);
+}
+
 /// A ROW_PULL answers initial values for ids never pushed and the rows of
 /// the last completed round for the others (a round's updates apply at its
 /// completion), with that round in `round`.
