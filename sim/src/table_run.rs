@@ -65,12 +65,13 @@ impl World<'_> {
 
     /// Rank `i` rejoined at `now`: a new row transport (the same
     /// address) asks every lcore where each table stands, as
-    /// `Worker::catch_up_rows` does, and its pushes go on from the lowest
-    /// round stated (BSP: the last completed; async and bounded delay:
-    /// the rank's last answered clock, PROTOCOL.md §10.3). A push the
-    /// rank left in flight is sent again from its first message: the
-    /// gradients are the round's, as they were, so what an lcore took of
-    /// it before is a duplicate there.
+    /// `Worker::catch_up_tables` does, and its pushes go on from the
+    /// rounds that gives (`caught_up_together`: the lowest over the
+    /// tables, never below a table's highest stated round less one;
+    /// PROTOCOL.md §10.3, "A rank that rejoins"). A push the rank left in
+    /// flight is sent again from its first message: the gradients are
+    /// the round's, as they were, so what an lcore took of it before is
+    /// a duplicate there.
     pub(super) fn catch_up_tables(&mut self, i: usize, now: Instant) {
         // Cast: ranks are u16.
         #[allow(clippy::cast_possible_truncation)]
