@@ -367,9 +367,10 @@ fn wait_rows(rx: &Receiver<RowCompletion>) -> Result<RowOutput, WorkerError> {
 /// table's own (`caught_up`, `highest`) (its pull's
 /// [`RowOutput::caught_up`] and highest round stated): the lowest of the
 /// `caught_up`s, unless that is more than one round below the table's
-/// `highest`: its lcores at `highest` would take a push of an older round
-/// for a stale copy and never answer it (simulator seed 11567, an lcore
-/// of another appliance restored from an older checkpoint).
+/// `highest`: its lcores at `highest` would only answer a push of an
+/// older round (PROTOCOL.md §10.3 rule 4), and the rank would push rounds
+/// nothing takes (simulator seed 11567, an lcore of another appliance
+/// restored from an older checkpoint).
 pub(crate) fn caught_up_together(tables: &[(u32, u32)]) -> Vec<u32> {
     let lowest = tables.iter().map(|&(c, _)| c).min().unwrap_or(0);
     tables

@@ -13,10 +13,11 @@
 //!
 //! BSP, per (table, lcore), a ROW_PUSH of round t, sequence s from rank r:
 //! t = 0 is `wrong_type_for_round`; t = the round in progress adds each
-//! pair into its id's accumulator row unless s is beyond 1024 or `n[r]`
-//! (`bad_row_count`) or already in `got[r]` (`duplicate`); t = the last
-//! completed round is answered again (the message's own ids with their
-//! current rows); older is `stale`, beyond is `ahead`. A ROW_END sets
+//! pair into its id's accumulator row unless r is complete there or s is
+//! already in `got[r]` (`duplicate`) or s is beyond 1024 or `n[r]`
+//! (`bad_row_count`); t = the last completed round or an older one is
+//! answered again (the message's own ids with their current rows),
+//! beyond is `ahead`. A ROW_END sets
 //! `n[r]` (a second, other count is `bad_row_count`, the same count
 //! `duplicate`), but an empty one (n = 0) from a rank the lcore already
 //! holds part of the round of closes that rank's part with what it took
@@ -446,9 +447,14 @@ fn bsp<A: Copy>(
     let (t, s) = (repr.round, repr.seq);
     let verdict = match (repr.kind, age(t, round.completed)) {
         (_, Age::Zero) => return Err(DropReason::WrongTypeForRound),
-        (_, Age::Stale) => return Err(DropReason::Stale),
         (_, Age::Ahead) => return Err(DropReason::Ahead),
-        (RowMsgType::RowPush, Age::LastCompleted) => {
+        // A round completed here: the last, its answers lost; or an older
+        // one, which a rank that rejoined pushes again when the messages
+        // its former incarnation left in flight completed rounds after it
+        // asked where the table stood (simulator seed 365177: dropped
+        // `stale`, the push waited for ever). Answered with the rows as
+        // they are; nothing is added (PROTOCOL.md §10.3 rules 3 and 4).
+        (RowMsgType::RowPush, Age::LastCompleted | Age::Stale) => {
             let RowPayload::Rows(rows) = payload else {
                 return Err(DropReason::LengthMismatch);
             };
@@ -464,8 +470,8 @@ fn bsp<A: Copy>(
             );
             return Ok(Verdict::Resent);
         }
-        (_, Age::LastCompleted) => {
-            // A ROW_END of the last completed round: its ROW_DONE again.
+        (_, Age::LastCompleted | Age::Stale) => {
+            // A ROW_END of a completed round: its ROW_DONE again.
             // Cast: s <= 1024 was the count of that round.
             #[allow(clippy::cast_possible_truncation)]
             answers.done(repr.rank, t, s.min(MAX_ROW_MESSAGES) as u16);

@@ -123,9 +123,10 @@ impl RowOutput {
     /// again and adds nothing, PROTOCOL.md §10.3 rule 3); an lcore lower
     /// still was restored from an older checkpoint since, and a push of
     /// the round after its round would be two or more behind the others,
-    /// which never answer it: the rank goes on from one below the
+    /// which only answer it (§10.3 rule 4; before that rule, never:
+    /// simulator seed 11567): the rank goes on from one below the
     /// highest, and the restored lcore refuses it `ahead` and is caught
-    /// up (§10.6; simulator seed 11567).
+    /// up (§10.6).
     pub(crate) fn caught_up(&self) -> u32 {
         self.round.max(self.highest.saturating_sub(1))
     }
