@@ -400,17 +400,20 @@ fn duplicates_are_dropped_and_lost_answers_resent() {
             done(addr(1), 1, 0),
         ]
     );
-    // Rank 0 lost its answers: the copy of its push is answered with the
-    // rows as they are, and not added again.
-    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Resent);
-    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Resent);
-    assert_eq!(
-        drain(&mut s),
-        vec![
-            rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &ids, &reference),
-            done(addr(0), 1, 1),
-        ]
-    );
+    // Rank 0 lost its answers: the copies of its push and ROW_END are
+    // answered with the rows as they are, and the push not added again.
+    let copies_answered = |s: &mut Shard<u32>| {
+        assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Resent);
+        assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Resent);
+        assert_eq!(
+            drain(s),
+            vec![
+                rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &ids, &reference),
+                done(addr(0), 1, 1),
+            ]
+        );
+    };
+    copies_answered(&mut s);
     // Round 2, empty for both: round 1's messages are then older than the
     // last completed round, and answered the same way (a rank that
     // rejoined pushes again rounds its former incarnation completed:
@@ -418,15 +421,7 @@ fn duplicates_are_dropped_and_lost_answers_resent() {
     assert_eq!(s.handle(addr(0), &end(0, 2, 0), 0), Verdict::Aggregated);
     assert_eq!(s.handle(addr(1), &end(1, 2, 0), 0), Verdict::Completed);
     assert_eq!(drain(&mut s), vec![done(addr(0), 2, 0), done(addr(1), 2, 0)]);
-    assert_eq!(s.handle(addr(0), &p0, 0), Verdict::Resent);
-    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Resent);
-    assert_eq!(
-        drain(&mut s),
-        vec![
-            rows_sent(addr(0), RowMsgType::RowResult, 1, 0, &ids, &reference),
-            done(addr(0), 1, 1),
-        ]
-    );
+    copies_answered(&mut s);
     // The rows did not move in the empty round.
     assert_eq!(s.handle(addr(1), &pull(1, 9, &ids), 0), Verdict::Pulled);
     assert_eq!(
@@ -481,21 +476,7 @@ fn an_empty_round_over_a_rank_s_own_copies_closes_its_part() {
         "nothing is answered before rank 1 is complete"
     );
     // A count other than the first, not empty, is still refused.
-    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Aggregated);
-    assert_eq!(
-        s.handle(addr(1), &end(1, 1, 3), 0),
-        Verdict::Dropped(DropReason::BadRowCount)
-    );
-    assert_eq!(
-        s.handle(addr(1), &push(1, 1, 0, b, &grads(b, 2)), 0),
-        Verdict::Completed
-    );
-    for &id in a {
-        reference.apply(id, &grad(id, 1));
-    }
-    for &id in b {
-        reference.apply(id, &grad(id, 2));
-    }
+    rank_1_completes_past_another_count(&mut s, &mut reference, 1, a, b);
     assert_eq!(
         drain(&mut s),
         vec![
@@ -555,21 +536,7 @@ fn a_complete_part_takes_a_round_pushed_again_with_another_count_as_copies() {
     }
     assert!(drain(&mut s).is_empty(), "nothing before rank 1 is complete");
     // Rank 1's part: a ROW_END then another count, refused while incomplete.
-    assert_eq!(s.handle(addr(1), &end(1, 2, 1), 0), Verdict::Aggregated);
-    assert_eq!(
-        s.handle(addr(1), &end(1, 2, 3), 0),
-        Verdict::Dropped(DropReason::BadRowCount)
-    );
-    assert_eq!(
-        s.handle(addr(1), &push(1, 2, 0, b, &grads(b, 2)), 0),
-        Verdict::Completed
-    );
-    for &id in a {
-        reference.apply(id, &grad(id, 1));
-    }
-    for &id in b {
-        reference.apply(id, &grad(id, 2));
-    }
+    rank_1_completes_past_another_count(&mut s, &mut reference, 2, a, b);
     let sent = drain(&mut s);
     assert!(
         sent.contains(&rows_sent(addr(0), RowMsgType::RowResult, 2, 0, a, &reference)),
@@ -586,6 +553,34 @@ fn a_complete_part_takes_a_round_pushed_again_with_another_count_as_copies() {
     );
     assert_eq!(s.handle(addr(0), &end(0, 2, 2), 0), Verdict::Resent);
     assert_eq!(drain(&mut s), vec![done(addr(0), 2, 2)]);
+}
+
+/// Rank 1 states a count of 1 for round `t`, then a count of 3 (refused
+/// `bad_row_count`: its part is not complete), then pushes `b` (grads of
+/// salt 2), which completes the round; `reference` takes the round: rank
+/// 0's `a` (salt 1) and rank 1's `b`.
+fn rank_1_completes_past_another_count(
+    s: &mut Shard<u32>,
+    reference: &mut Reference,
+    t: u32,
+    a: &[u64],
+    b: &[u64],
+) {
+    assert_eq!(s.handle(addr(1), &end(1, t, 1), 0), Verdict::Aggregated);
+    assert_eq!(
+        s.handle(addr(1), &end(1, t, 3), 0),
+        Verdict::Dropped(DropReason::BadRowCount)
+    );
+    assert_eq!(
+        s.handle(addr(1), &push(1, t, 0, b, &grads(b, 2)), 0),
+        Verdict::Completed
+    );
+    for &id in a {
+        reference.apply(id, &grad(id, 1));
+    }
+    for &id in b {
+        reference.apply(id, &grad(id, 2));
+    }
 }
 
 /// A ROW_PULL answers initial values for ids never pushed and the rows of
