@@ -525,8 +525,7 @@ struct TableRank {
     /// Rejoined, it asks the lcores where the table stands (a pull of
     /// one id on each, as `Worker::catch_up_rows`) before it pushes.
     catching_up: bool,
-    /// What that catch-up found: the round to go on after and the
-    /// highest round stated.
+    /// What that catch-up found: the lowest and highest rounds stated.
     caught: (u32, u32),
 }
 
@@ -1080,15 +1079,7 @@ impl<'c> World<'c> {
         // Its row transport goes with it: a push that ended is taken, the
         // push in flight is left where it got to (PROTOCOL.md §10.3), and
         // the rank tells nothing.
-        let mut ended = Vec::new();
-        if let Some(rt) = r.rt.as_mut() {
-            while let Some(d) = rt.poll_done() {
-                ended.push(d);
-            }
-        }
-        for d in ended {
-            self.on_table_done(i, d);
-        }
+        self.take_table_ends(i);
         let r = &mut self.ranks[i];
         if let Some(rt) = r.rt.as_mut() {
             rt.close();

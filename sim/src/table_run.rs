@@ -35,13 +35,7 @@ impl World<'_> {
         if rt.poll_timeout().is_some_and(|t| t <= now) {
             rt.handle_timeout(now);
         }
-        let mut ended = Vec::new();
-        while let Some(d) = rt.poll_done() {
-            ended.push(d);
-        }
-        for d in ended {
-            self.on_table_done(i, d);
-        }
+        self.take_table_ends(i);
         // Every table's round together, in table order, as a training
         // step calls them: ranks that submitted tables in different
         // orders could each fill their window with a table the others
@@ -118,9 +112,23 @@ impl World<'_> {
         r.tables[t].ready_at = None;
     }
 
+    /// Rank `i`'s table requests that ended, each taken
+    /// ([`World::on_table_done`]).
+    pub(super) fn take_table_ends(&mut self, i: usize) {
+        let mut ended = Vec::new();
+        if let Some(rt) = self.ranks[i].rt.as_mut() {
+            while let Some(d) = rt.poll_done() {
+                ended.push(d);
+            }
+        }
+        for d in ended {
+            self.on_table_done(i, d);
+        }
+    }
+
     /// Rank `i`'s push of a table ended: its rows are those ROW_RESULTs
     /// of its round carried to it.
-    pub(super) fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
+    fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
         // Cast: the tag is the table's index.
         #[allow(clippy::cast_possible_truncation)]
         let t = d.tag as usize;

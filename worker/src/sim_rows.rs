@@ -29,11 +29,10 @@ pub struct SimRowDone {
     pub tag: u64,
     /// The table's key index.
     pub key: u32,
-    /// The round (a push's; a pull's lowest stated; a catch-up's, the
-    /// round its pushes go on after) and each of the request's ids' row in
-    /// its order, or why there is none.
+    /// The round (a push's; a pull's lowest stated) and each of the
+    /// request's ids' row in its order, or why there is none.
     pub result: Result<(u32, Vec<f32>), WorkerError>,
-    /// A pull's (or catch-up's) highest round stated; a push's round.
+    /// A pull's highest round stated; a push's round.
     pub highest: u32,
 }
 
@@ -43,8 +42,6 @@ pub struct SimRowTransport {
     t: RowTransport<u64>,
     tables: Vec<TableInfo>,
     stats: Arc<Counters>,
-    /// The tags of catch-ups in flight ([`SimRowTransport::catch_up`]).
-    catching_up: Vec<u64>,
 }
 
 impl SimRowTransport {
@@ -91,12 +88,7 @@ impl SimRowTransport {
             Arc::clone(&stats),
             now,
         );
-        Ok(SimRowTransport {
-            t,
-            tables,
-            stats,
-            catching_up: Vec::new(),
-        })
+        Ok(SimRowTransport { t, tables, stats })
     }
 
     fn table(&self, key: u32) -> Result<&TableInfo, WorkerError> {
@@ -139,15 +131,13 @@ impl SimRowTransport {
     }
 
     /// Submits what [`crate::Worker::catch_up_rows`] sends for table
-    /// `key`: a pull of one id on each lcore, whose round (the lowest
-    /// stated) is the table's last completed round there.
-    /// Its result's round is the one the table's pushes go on after, as
-    /// `catch_up_rows` returns it.
+    /// `key`: a pull of one id on each lcore, whose result states the
+    /// lowest and highest rounds completed there ([`SimRowDone::highest`];
+    /// [`caught_up_together`] takes them).
     pub fn catch_up(&mut self, now: Instant, tag: u64, key: u32) -> Result<(), WorkerError> {
         let t = self.table(key)?;
         let plan = plan_pull(t, &one_id_per_lcore(t)?)?;
         self.t.submit(now, RowRequest { plan, done: tag });
-        self.catching_up.push(tag);
         Ok(())
     }
 
@@ -184,19 +174,11 @@ impl SimRowTransport {
     /// The next request that ended, if any.
     pub fn poll_done(&mut self) -> Option<SimRowDone> {
         let f = self.t.poll_done()?;
-        let catch_up = self
-            .catching_up
-            .iter()
-            .position(|&t| t == f.done)
-            .map(|i| self.catching_up.swap_remove(i));
         Some(SimRowDone {
             tag: f.done,
             key: f.key,
             highest: f.result.as_ref().map_or(0, |o| o.highest),
-            result: f.result.map(|o| match catch_up {
-                Some(_) => (o.caught_up(), o.rows),
-                None => (o.round, o.rows),
-            }),
+            result: f.result.map(|o| (o.round, o.rows)),
         })
     }
 
@@ -217,8 +199,8 @@ impl SimRowTransport {
 }
 
 /// Per table, the round its pushes go on after once a rank's tables are
-/// caught up together, from each table's catch-up (its round and highest
-/// round stated), as [`crate::Worker::catch_up_tables`] has them.
+/// caught up together, from each table's catch-up (the lowest and
+/// highest rounds stated), as [`crate::Worker::catch_up_tables`] has them.
 pub fn caught_up_together(tables: &[(u32, u32)]) -> Vec<u32> {
     crate::tables::caught_up_together(tables)
 }

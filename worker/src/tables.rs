@@ -284,7 +284,7 @@ impl Worker {
         let mut caught = Vec::with_capacity(self.tables.len());
         for t in &self.tables {
             let o = self.catch_up_table(&t.name)?;
-            caught.push((o.caught_up(), o.highest));
+            caught.push((o.round, o.highest));
         }
         let rounds = caught_up_together(&caught);
         for (t, &round) in self.tables.iter().zip(&rounds) {
@@ -364,18 +364,23 @@ fn wait_rows(rx: &Receiver<RowCompletion>) -> Result<RowOutput, WorkerError> {
 
 /// Per table, the round its pushes go on after once every table of a
 /// rank is caught up together ([`Worker::catch_up_tables`]), from each
-/// table's own (`caught_up`, `highest`) (its pull's
-/// [`RowOutput::caught_up`] and highest round stated): the lowest of the
-/// `caught_up`s, unless that is more than one round below the table's
-/// `highest`: its lcores at `highest` would only answer a push of an
-/// older round (PROTOCOL.md §10.3 rule 4), and the rank would push rounds
-/// nothing takes (simulator seed 11567, an lcore of another appliance
-/// restored from an older checkpoint).
+/// table's catch-up pull (the lowest and highest rounds its lcores
+/// stated, [`RowOutput::round`] and [`RowOutput::highest`]): the lowest of
+/// the tables' [`RowOutput::caught_up`]s, unless that is more than one
+/// round below the table's highest: its lcores there would only answer a
+/// push of an older round (PROTOCOL.md §10.3 rule 4), and the rank would
+/// push rounds nothing takes (simulator seed 11567, an lcore of another
+/// appliance restored from an older checkpoint).
 pub(crate) fn caught_up_together(tables: &[(u32, u32)]) -> Vec<u32> {
-    let lowest = tables.iter().map(|&(c, _)| c).min().unwrap_or(0);
+    let floor = |highest: u32| highest.saturating_sub(1);
+    let lowest = tables
+        .iter()
+        .map(|&(lowest, highest)| lowest.max(floor(highest)))
+        .min()
+        .unwrap_or(0);
     tables
         .iter()
-        .map(|&(_, highest)| lowest.max(highest.saturating_sub(1)))
+        .map(|&(_, highest)| lowest.max(floor(highest)))
         .collect()
 }
 
@@ -591,7 +596,7 @@ mod tests {
         assert_eq!(caught_up_together(&[(2, 2), (1, 2)]), [1, 1]);
         // Seed 11567: table 0's lcores stand at 3 and 1 (restored), table
         // 1's at 2 and 1; table 0 cannot go on after 1.
-        assert_eq!(caught_up_together(&[(out(1, 3).caught_up(), 3), (1, 2)]), [2, 1]);
+        assert_eq!(caught_up_together(&[(1, 3), (1, 2)]), [2, 1]);
         assert_eq!(caught_up_together(&[]), Vec::<u32>::new());
     }
 }
