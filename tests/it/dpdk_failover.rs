@@ -15,7 +15,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::common::udp_beside::{neighbor_arg, UdpBeside};
-use crate::common::{all_trained, at_full_strength, replicated_spec, train_ranks, Gates};
+use crate::common::{all_trained, appliances_settled, at_full_strength, replicated_spec, train_ranks, Gates};
 use phub::proto::api::{BackendKind, DataplaneStats};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
@@ -61,6 +61,7 @@ fn kill_mid_training(kill_dpdk: bool) {
     let spec = replicated_spec("dpdk-failover", workers, &keys, &["default", "u"], 2);
     let (epoch, before, survivor, backend) = rack.inside(|| {
         udp.wait_up();
+        appliances_settled(&url, token.as_deref());
         let job = admit(&url, token.as_deref(), &spec);
         assert_eq!(job.appliances, ["default", "u"]);
         let gates = Gates::new(&[kill_after], rounds);

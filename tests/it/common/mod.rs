@@ -443,6 +443,32 @@ pub(crate) fn until(what: &str, within: Duration, ok: impl FnMut() -> bool) {
     );
 }
 
+/// Waits up to 30 s until control at `url` has reported every appliance
+/// answering and not declared down for a heartbeat deadline and one
+/// interval (600 ms) in a row: an appliance started after control has
+/// answered its heartbeats by then, so that the silence before it
+/// listened (which control counts from its first heartbeat) cannot have
+/// it declared down just after a job is admitted on it (the DPDK
+/// failover test failed so on CI's loaded host).
+pub(crate) fn appliances_settled(url: &str, token: Option<&str>) {
+    let c = phub_hwtests::workload::client(url, token);
+    let mut since: Option<std::time::Instant> = None;
+    until(
+        "every appliance answering for 600 ms",
+        Duration::from_secs(30),
+        || {
+            let up = c
+                .send(&control::appliances())
+                .is_ok_and(|all| all.iter().all(|a| a.down.is_none() && a.data.is_some()));
+            let at = *since.get_or_insert_with(std::time::Instant::now);
+            if !up {
+                since = None;
+            }
+            up && at.elapsed() >= Duration::from_millis(600)
+        },
+    );
+}
+
 /// Waits up to 30 s for control at `url` to report job `job` at full
 /// strength (every part holds all its replicas, no copy under way) and
 /// returns the job's epoch then. A test that kills an appliance kills it
