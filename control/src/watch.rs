@@ -125,6 +125,20 @@ impl Watch {
             .map_or_else(|| Err("no answer yet".into()), |(_, r)| r.clone())
     }
 
+    /// When the appliance last answered a request of this watch, or one
+    /// recorded by [`Watch::heard`]: the heartbeat thread counts it as an
+    /// answer to a heartbeat (PROTOCOL.md §11.6).
+    pub(crate) fn answered(&self) -> Option<Instant> {
+        self.lock().answered
+    }
+
+    /// The appliance answered another of control's requests at `at` (an
+    /// admission's `GET /v1/info` sent to it by name).
+    pub(crate) fn heard(&self, at: Instant) {
+        let mut st = self.lock();
+        st.answered = st.answered.max(Some(at));
+    }
+
     /// Asks the appliance (on its own thread) and records the outcome.
     fn ask(&self, client: &Client) {
         let r = client

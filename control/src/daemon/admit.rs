@@ -4,7 +4,7 @@
 //! every appliance installed its part.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use phub_proto::api::{AdmitResponse, DataplaneInfo};
 use phub_proto::failover::EpochView;
@@ -120,11 +120,12 @@ impl Shared {
                     }
                     match c.info() {
                         Ok(info) => {
-                            // Declared down, it answers: up again, as a
-                            // heartbeat's answer would say (the heartbeat
-                            // thread takes it so).
-                            if declared_down.contains(n) {
-                                if let Some(a) = self.lock().appliances.get_mut(n) {
+                            // An answer, as a heartbeat's: declared down,
+                            // it is up again (the heartbeat thread takes it
+                            // so); not declared, its silence ends here.
+                            if let Some(a) = self.lock().appliances.get_mut(n) {
+                                a.watch.heard(Instant::now());
+                                if declared_down.contains(n) {
                                     a.liveness.down = None;
                                 }
                             }

@@ -31,6 +31,7 @@ use super::registry::Shared;
 use crate::dataplane::Client;
 #[cfg(doc)]
 use crate::state::StoredJob;
+use crate::watch::Watch;
 
 /// What control knows of an appliance's heartbeats, as its status and
 /// metrics show it.
@@ -82,6 +83,17 @@ impl Pulse {
         true
     }
 
+    /// It answered another of control's requests at `at` (a read's or an
+    /// admission's `GET /v1/info`, [`Watch::answered`]): an answer, unless
+    /// it is declared down (that request may have been sent before the
+    /// declaration; only a heartbeat's answer, or an admission that clears
+    /// [`Liveness::down`], brings it back).
+    fn heard(&mut self, at: Option<Instant>) {
+        if let (false, Some(at)) = (self.declared, at) {
+            self.last = self.last.max(at);
+        }
+    }
+
     /// A heartbeat is sent to it at `at`.
     fn ask(&mut self, at: Instant) {
         self.asked.get_or_insert(at);
@@ -131,9 +143,10 @@ impl Shared {
                     }
                 }
             }
-            let clients: Vec<(String, Client)> = self.lock().clients();
-            pulses.retain(|n, _| clients.iter().any(|(c, _)| c == n));
-            for (name, client) in clients {
+            let watched: Vec<(String, Client, Arc<Watch>)> = self.lock().watched();
+            pulses.retain(|n, _| watched.iter().any(|(c, ..)| c == n));
+            for (name, client, _) in &watched {
+                let (name, client) = (name.clone(), client.clone());
                 let p = pulses.entry(name.clone()).or_insert(Pulse {
                     last: tick,
                     id: None,
@@ -160,6 +173,13 @@ impl Shared {
             }
             let now = Instant::now();
             for (name, p) in &mut pulses {
+                // Its answers to other requests count too: an appliance
+                // that answered an admission is not declared down for
+                // heartbeats sent before it listened (control started
+                // first) that a loaded host's thread did not follow up.
+                if let Some((.., w)) = watched.iter().find(|(n, ..)| n == name) {
+                    p.heard(w.answered());
+                }
                 // Declared down, but found answering by another request
                 // since (an admission that named it): an answer.
                 if p.declared
@@ -388,5 +408,41 @@ mod tests {
         p.ask(at(1300));
         p.last = at(1400);
         assert_eq!(p.silent(at(1500)), ms(100));
+    }
+
+    /// Control started first: its first heartbeat (at 0) went out before
+    /// the appliance listened and failed, and the heartbeat thread, on a
+    /// loaded host, did not run again for 600 ms. The appliance answered
+    /// an admission at 450: it is silent from then, not from 0, and not
+    /// declared down at 600 (500 ms deadline). An appliance declared down
+    /// is not brought back by another request's answer.
+    #[test]
+    fn an_answer_to_another_request_ends_a_silence() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let ms = Duration::from_millis;
+        let mut p = Pulse {
+            last: at(0),
+            id: None,
+            in_flight: false,
+            declared: false,
+            declared_at: None,
+            asked: None,
+        };
+        p.ask(at(0));
+        assert_eq!(p.silent(at(600)), ms(600));
+        p.heard(None);
+        assert_eq!(p.silent(at(600)), ms(600));
+        p.heard(Some(at(450)));
+        assert_eq!(p.silent(at(600)), ms(150));
+        // An older answer moves nothing back.
+        p.heard(Some(at(300)));
+        assert_eq!(p.silent(at(600)), ms(150));
+        // Silent from 450 if nothing else answers.
+        assert_eq!(p.silent(at(950)), ms(500));
+        p.declared = true;
+        p.declared_at = Some(at(950));
+        p.heard(Some(at(1000)));
+        assert_eq!(p.silent(at(1100)), ms(650));
     }
 }
