@@ -167,10 +167,20 @@ impl Index {
         std::mem::size_of_val(&*self.entries) as u64
     }
 
-    /// Prefetch the home entry of `hash`.
+    /// Prefetch the home entry of `hash`, and the entry two after it: the
+    /// next cache line when the home is in the second half of its line,
+    /// where a probe often goes on (at three quarters full a probe for a
+    /// stored id reads 2.5 entries on average, 4 to a line).
     #[inline]
     pub(crate) fn prefetch(&self, hash: u64) {
-        prefetch(&raw const self.entries[self.home(hash)]);
+        let home = self.home(hash);
+        prefetch(&raw const self.entries[home]);
+        let next = if home + 2 < self.entries.len() {
+            home + 2
+        } else {
+            0
+        };
+        prefetch(&raw const self.entries[next]);
     }
 
     /// Probe for `id` (whose hash is `hash`).
