@@ -68,11 +68,19 @@ impl Table {
                 if s >= MAX_ROW_MESSAGES || rank.n.is_some_and(|n| s >= u32::from(n)) {
                     return Err(DropReason::BadRowCount);
                 }
+                // Decoded whole, then applied through the store's
+                // pipeline (their index entries and rows fetched ahead).
+                let d = self.row.len();
+                self.batch.ids.clear();
+                self.batch.rows.clear();
                 for (i, id) in rows.ids().iter().enumerate() {
-                    let decoded = rows.decode_row(i, &mut self.row);
+                    let at = self.batch.rows.len();
+                    self.batch.rows.resize(at + d, 0.0);
+                    let decoded = rows.decode_row(i, &mut self.batch.rows[at..]);
                     debug_assert!(decoded, "parse() checked the rows' length");
-                    self.store.update(id, &self.row);
+                    self.batch.ids.push(id);
                 }
+                self.store.update_batch(&self.batch.ids, &self.batch.rows);
                 self.ranks[r].got.insert(s);
                 self.answer_push(repr, rows.ids().iter(), answers);
                 Ok(self

@@ -597,9 +597,9 @@ fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
         unreachable!("complete() is called for BSP tables");
     };
     let d = *dim as usize;
-    for (k, &id) in round.ids.iter().enumerate() {
-        store.update(id, &round.rows[k * d..(k + 1) * d]);
-    }
+    // The round's rows go through the store's pipeline: their index
+    // entries and rows are fetched from memory ahead of their updates.
+    store.update_batch(&round.ids, &round.rows[..round.ids.len() * d]);
     store.advance_round_at(answers.now);
     round.pushes.sort_unstable_by_key(|p| (p.rank, p.seq));
     for p in &round.pushes {

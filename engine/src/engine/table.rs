@@ -161,6 +161,14 @@ pub(super) struct PushIds {
     pub(super) cache: Option<CacheRef>,
 }
 
+/// One message's (id, row) pairs, decoded: at most R of each, the
+/// capacity taken at install.
+#[derive(Debug, Default)]
+pub(super) struct RowBatch {
+    pub(super) ids: Vec<u64>,
+    pub(super) rows: Vec<f32>,
+}
+
 /// A BSP (table, lcore)'s rounds: the last completed one and the
 /// accumulator of the one in progress.
 #[derive(Debug, Default)]
@@ -298,6 +306,8 @@ pub(super) struct Table {
     pub(super) rounds: TableRounds,
     /// One row in `f32`, `dim` long (decoding and reading).
     pub(super) row: Vec<f32>,
+    /// An async ROW_PUSH's pairs decoded, for the store's batched update.
+    pub(super) batch: RowBatch,
     /// Each rank's cached id lists (PROTOCOL.md §10.7).
     pub(super) id_cache: IdCache,
 }
@@ -435,6 +445,10 @@ impl Table {
             ranks: vec![RowRank::default(); usize::from(workers)],
             rounds,
             row: vec![0.0; spec.dim as usize],
+            batch: RowBatch {
+                ids: Vec::with_capacity(per as usize),
+                rows: Vec::with_capacity(per as usize * spec.dim as usize),
+            },
             id_cache: IdCache::new(workers, spec.key_cache, per),
         })
     }
