@@ -121,12 +121,12 @@ impl Table {
     fn answer_push<A: Copy>(
         &mut self,
         repr: &RowRepr,
-        ids: impl Iterator<Item = u64> + Clone,
+        ids: impl Iterator<Item = u64>,
         answers: &mut Answers<'_, A>,
     ) {
         answers.rows(
             &mut self.store,
-            &mut self.row,
+            &mut self.batch,
             RowMsgType::RowResult,
             repr.rank,
             repr.round,

@@ -40,7 +40,7 @@ use phub_proto::wire::{flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK,
 use crate::counters::ShardCounters;
 
 use super::outbox::Pending;
-use super::table::{IdCache, PushIds, Table, TableRounds, TableStore};
+use super::table::{IdCache, PushIds, RowBatch, Table, TableRounds, TableStore};
 use super::{Job, Shard, Verdict};
 
 /// Where row answers go while one message is handled: the row outbox,
@@ -68,7 +68,7 @@ impl<A: Copy> Answers<'_, A> {
     pub(super) fn rows<I>(
         &mut self,
         store: &mut TableStore,
-        buf: &mut [f32],
+        batch: &mut RowBatch,
         kind: RowMsgType,
         rank: u16,
         round: u32,
@@ -76,12 +76,20 @@ impl<A: Copy> Answers<'_, A> {
         ids: I,
         cache: Option<CacheRef>,
     ) where
-        I: Iterator<Item = u64> + Clone,
+        I: Iterator<Item = u64>,
     {
         let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
             return;
         };
-        let count = ids.clone().count();
+        // The rows read through the store's pipeline (their index entries
+        // and rows fetched ahead), then encoded.
+        let d = store.dim();
+        batch.ids.clear();
+        batch.ids.extend(ids);
+        batch.rows.clear();
+        batch.rows.resize(batch.ids.len() * d, 0.0);
+        store.read_batch(&batch.ids, &mut batch.rows);
+        let count = batch.ids.len();
         // Cast: at most R rows, R < 2^16 (a datagram's payload).
         #[allow(clippy::cast_possible_truncation)]
         let repr = RowRepr {
@@ -111,13 +119,17 @@ impl<A: Copy> Answers<'_, A> {
             written_ids = 0;
         }
         let (id_bytes, row_bytes) = payload.split_at_mut(written_ids * ROW_ID_BYTES);
-        let row_len = buf.len() * dtype.size();
-        for (i, (id, values)) in ids.zip(row_bytes.chunks_exact_mut(row_len.max(1))).enumerate() {
+        let row_len = d * dtype.size();
+        for (i, (id, values)) in batch
+            .ids
+            .iter()
+            .zip(row_bytes.chunks_exact_mut(row_len.max(1)))
+            .enumerate()
+        {
             if let Some(dst) = id_bytes.get_mut(i * ROW_ID_BYTES..(i + 1) * ROW_ID_BYTES) {
                 dst.copy_from_slice(&id.to_le_bytes());
             }
-            store.read(id, buf);
-            phub_proto::dtype::encode(dtype, buf, values);
+            phub_proto::dtype::encode(dtype, &batch.rows[i * d..(i + 1) * d], values);
         }
         self.queue(at, to);
     }
@@ -399,7 +411,7 @@ fn pull<A: Copy>(
     };
     answers.rows(
         &mut table.store,
-        &mut table.row,
+        &mut table.batch,
         RowMsgType::RowPullResult,
         repr.rank,
         round,
@@ -460,7 +472,7 @@ fn bsp<A: Copy>(
             };
             answers.rows(
                 &mut table.store,
-                &mut table.row,
+                &mut table.batch,
                 RowMsgType::RowResult,
                 repr.rank,
                 t,
@@ -587,7 +599,7 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
 fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
     let Table {
         store,
-        row,
+        batch,
         rounds,
         ranks,
         dim,
@@ -606,7 +618,7 @@ fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
         let ids = &round.push_ids[p.start as usize..p.start as usize + usize::from(p.len)];
         answers.rows(
             store,
-            row,
+            batch,
             RowMsgType::RowResult,
             p.rank,
             t,

@@ -161,8 +161,9 @@ pub(super) struct PushIds {
     pub(super) cache: Option<CacheRef>,
 }
 
-/// One message's (id, row) pairs, decoded: at most R of each, the
-/// capacity taken at install.
+/// One message's (id, row) pairs, decoded (an async ROW_PUSH's, for the
+/// store's batched update) or read (an answer's, from the store's batched
+/// read): at most R of each, the capacity taken at install.
 #[derive(Debug, Default)]
 pub(super) struct RowBatch {
     pub(super) ids: Vec<u64>,
@@ -306,7 +307,7 @@ pub(super) struct Table {
     pub(super) rounds: TableRounds,
     /// One row in `f32`, `dim` long (decoding and reading).
     pub(super) row: Vec<f32>,
-    /// An async ROW_PUSH's pairs decoded, for the store's batched update.
+    /// A message's pairs: an async ROW_PUSH's decoded, an answer's read.
     pub(super) batch: RowBatch,
     /// Each rank's cached id lists (PROTOCOL.md §10.7).
     pub(super) id_cache: IdCache,
