@@ -114,6 +114,14 @@ pub struct SparseArgs {
     /// a registered id list saves (its ids named by signature).
     #[arg(long, requires = "local")]
     pub pull_only: bool,
+    /// `--local`: before the untimed steps, store every one of the
+    /// `--rows` rows: the ranks push them (all of them, rank r the ranks
+    /// congruent to r modulo W) in rounds of `--batch` ids, so that the
+    /// timed steps run on a table that holds `--rows` rows, not only the
+    /// rows the steps drew (`prefill_rows_per_s` in the JSON). Not with
+    /// `--verify`, whose reference starts from an empty table.
+    #[arg(long, requires = "local")]
+    pub prefill: bool,
     /// `--local`: after the timed steps, take the job's checkpoint through
     /// control twice (the dataplane streams it, control writes it to its
     /// file; the second with the first's file in place) and sample both
@@ -589,6 +597,9 @@ pub struct SparseLocalReport {
     pub wire_bytes_per_row: f64,
     /// Rows the appliance stores after the run (control's job detail).
     pub rows_stored: u64,
+    /// `--prefill`: rows stored per second while the ranks filled the
+    /// table (`--rows` over the slowest rank's fill).
+    pub prefill_rows_per_s: Option<f64>,
     /// Table messages the workers sent again.
     pub row_retransmits: u64,
     /// `--baseline`'s name, if run.
@@ -859,6 +870,8 @@ fn restore_after_restart(local: &mut super::local::Local, id: u16, bytes: u64) -
 
 /// One rank's figures in `--local`.
 struct RankFigures {
+    /// `--prefill`: its fill, seconds.
+    prefill_s: Option<f64>,
     seconds: f64,
     steps_ms: Vec<f64>,
     /// When each timed step began.
@@ -898,6 +911,18 @@ fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
         all = all.repeat(args.steps as usize + 3);
     }
     all
+}
+
+/// `--prefill`: rank `r`'s share of every row, ranks `r`, `r + W`, ...
+/// below `--rows` as ids; every rank gets `ceil(rows / W)` of them (the
+/// short ones wrap to the first rows, already stored), so that each pushes
+/// as many rounds.
+fn prefill_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
+    let w = u64::from(args.workers);
+    let share = args.rows.div_ceil(w);
+    (0..share)
+        .map(|j| id_of((u64::from(r) + w * j) % args.rows))
+        .collect()
 }
 
 /// A hash of rows' bits (FNV-1a over each value's bits).
@@ -1015,6 +1040,16 @@ fn drive(
         let mut out = vec![0f32; k * d];
         let mut steps_ms = Vec::with_capacity(args.steps as usize);
         let mut steps_at = Vec::with_capacity(args.steps as usize);
+        let prefill_s = match args.prefill {
+            true => {
+                let t = Instant::now();
+                for ids in prefill_ids(args, r).chunks(k) {
+                    push(ids, &grads[..ids.len() * d], &mut out[..ids.len() * d])?;
+                }
+                Some(t.elapsed().as_secs_f64())
+            }
+            false => None,
+        };
         let (mut before, mut t0) = ([0; 4], Instant::now());
         for (step, ids) in all.chunks_exact(k).enumerate() {
             if step == 3 {
@@ -1035,6 +1070,7 @@ fn drive(
         let seconds = t0.elapsed().as_secs_f64();
         let after = push(&[], &[], &mut [])?;
         Ok(RankFigures {
+            prefill_s,
             seconds,
             steps_ms,
             steps_at,
@@ -1064,6 +1100,10 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     ensure!(
         args.batch >= 1 && args.dim >= 1,
         "--batch and --dim: accepted 1 or more"
+    );
+    ensure!(
+        !(args.verify && args.prefill),
+        "--verify's reference starts from an empty table: drop --verify or --prefill"
     );
     ensure!(
         !(args.verify && args.pull_only),
@@ -1266,6 +1306,11 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
         rows_stored,
+        prefill_rows_per_s: ranks
+            .iter()
+            .map(|r| r.prefill_s)
+            .try_fold(0f64, |m, s| s.map(|s| m.max(s)))
+            .map(|s| args.rows as f64 / s),
         row_retransmits: ranks.iter().map(|r| r.retransmits).sum(),
         baseline: args.baseline.clone(),
         baseline_row_updates_per_s: base_rate,
@@ -1427,6 +1472,7 @@ mod tests {
         };
         // Steps of 10 ms at 0, 10, ... 90 ms; the checkpoint from 25 to 52.
         let rank = RankFigures {
+            prefill_s: None,
             seconds: 0.1,
             steps_ms: (0..10).map(|i| 10.0 + f64::from(i)).collect(),
             steps_at: (0..10).map(|i| t0 + ms(10 * i)).collect(),
@@ -1487,6 +1533,7 @@ mod tests {
         let ranks = |flip: Option<(usize, usize)>| -> Vec<RankFigures> {
             (0..2)
                 .map(|r| RankFigures {
+                    prefill_s: None,
                     seconds: 1.0,
                     steps_ms: Vec::new(),
                     steps_at: Vec::new(),
