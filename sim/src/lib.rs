@@ -1435,6 +1435,17 @@ impl<'c> World<'c> {
                 .filter(|_| phub_proto::replica::is_replica_message(bytes))
             {
                 eprintln!("{:>10} µs   {from:?} -> {to:?} inc {} {:?} slot {} round {} from {} frag {}: {verdict:?}", self.now, lc.incarnation, r.kind, r.slot, r.round, r.from, r.fragment);
+            } else if let Some((r, _)) = phub_proto::rows::parse(bytes).ok().filter(|_| row) {
+                eprintln!(
+                    "{:>10} µs   {from:?} -> {to:?} inc {} {} key {} round {} seq {} rank {}: {verdict:?}",
+                    self.now,
+                    lc.incarnation,
+                    r.kind.name(),
+                    r.key,
+                    r.round,
+                    r.seq,
+                    r.rank
+                );
             } else if let Ok((r, _)) = wire::parse(bytes) {
                 eprintln!("{:>10} µs   {from:?} -> {to:?} inc {} {:?} key {} chunk {} round {} rank {}: {verdict:?}", self.now, lc.incarnation, r.kind, r.key, r.chunk, r.round, r.rank);
             }

@@ -1764,6 +1764,20 @@ fn a_check_of_an_idle_table_goes_past_a_full_window() {
     });
 }
 
+/// Seed 789173 of the soak: BSP, one appliance of two lcores restored
+/// from a checkpoint taken before any table round completed, two tables.
+/// Rank 0 waited on table 0, whose round 1 the restored lcore 0 held for
+/// ranks 1 and 2 (they had every answer of it); ranks 1 and 2 waited on
+/// table 1, whose round 1 the restored lcore 1 held for rank 0 (it had
+/// every answer of it). No rank's dense keys stalled and no row transport
+/// was idle, so nobody checked an idle table, and rank 0's table 0 timed
+/// out. Now a row transport stalled on one table checks its idle ones,
+/// once a silence.
+#[test]
+fn a_rank_stalled_on_one_table_checks_its_idle_others() {
+    runs_through_its_restore(789_173, |c| older_checkpoint(c) && c.tables.len() == 2);
+}
+
 /// Ranks that rejoin a job with tables catch them up first, as
 /// `Worker::catch_up_tables` (drawn since this version). Seed 11891 (BSP,
 /// two tables, rank 1 left between rounds with table 0's round 2 complete

@@ -245,7 +245,10 @@ impl FakeLcore {
                 self.n = Some(m.repr.seq);
                 self.complete(dim)
             }
-            RowMsgType::RowEnd if t == self.done => {
+            // The last completed round, or an older one (a worker of the
+            // rank that another replaced checks its idle table, as the
+            // engine answers it: PROTOCOL.md §10.3 rule 4).
+            RowMsgType::RowEnd if t >= 1 && t <= self.done => {
                 vec![answer(RowMsgType::RowDone, t, dim, m.repr.seq, &[], &[])]
             }
             // Beyond the round in progress (an lcore restored from an

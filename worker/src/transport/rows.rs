@@ -308,6 +308,9 @@ pub(crate) struct RowTransport<D> {
     /// ([`IDLE_CHECK_FIRST`]); `None` while a caller's request is in
     /// flight, or before any push completed.
     idle_check: Option<(Instant, Duration)>,
+    /// The silence (its start, `last_progress`) in which this transport's
+    /// own stall last checked its idle tables: once per silence.
+    stall_checked: Option<Instant>,
 }
 
 /// A table's id lists registered for key caching (PROTOCOL.md §10.7):
@@ -383,6 +386,7 @@ impl<D> RowTransport<D> {
             id_lists: HashMap::new(),
             pushed: BTreeMap::new(),
             idle_check: None,
+            stall_checked: None,
         }
     }
 
@@ -769,6 +773,19 @@ impl<D> RowTransport<D> {
         }
         add(&self.stats.row_retransmits, resent);
         let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
+        // Stalled on one table, the rank checks the others, once a silence:
+        // a restored lcore may wait on this rank for a table it has every
+        // answer of, while the ranks it waits on wait on that table
+        // (PROTOCOL.md §10.6; simulator seed 789173: rank 0 waited on
+        // table 0, whose round the restored lcore held for ranks 1 and 2,
+        // which waited on table 1, whose round it held for rank 0).
+        let checked = checked
+            || (stalled && self.stall_checked != Some(self.last_progress) && {
+                self.stall_checked = Some(self.last_progress);
+                let before = self.active.len();
+                self.check_idle_tables(now);
+                self.active.len() > before
+            });
         if self.working() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
