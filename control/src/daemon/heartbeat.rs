@@ -348,6 +348,18 @@ impl Shared {
 mod tests {
     use super::*;
 
+    /// An appliance the thread first saw at `t`, not declared down.
+    fn heard_of_at(t: Instant) -> Pulse {
+        Pulse {
+            last: t,
+            id: None,
+            in_flight: false,
+            declared: false,
+            declared_at: None,
+            asked: None,
+        }
+    }
+
     /// An answer to a heartbeat sent before the declaration, taken after
     /// it (its thread ran late on a loaded host), does not bring a dead
     /// appliance back; one sent after it does.
@@ -356,12 +368,9 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut p = Pulse {
-            last: at(0),
-            id: None,
-            in_flight: false,
             declared: true,
             declared_at: Some(at(600)),
-            asked: None,
+            ..heard_of_at(at(0))
         };
         assert!(!p.take_answer(at(50), at(700)));
         assert_eq!(p.last, at(0));
@@ -383,14 +392,7 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let ms = Duration::from_millis;
-        let mut p = Pulse {
-            last: at(0),
-            id: None,
-            in_flight: false,
-            declared: false,
-            declared_at: None,
-            asked: None,
-        };
+        let mut p = heard_of_at(at(0));
         p.ask(at(0));
         assert!(p.take_answer(at(0), at(1)));
         // The thread stalls, then asks again at 700.
@@ -421,14 +423,7 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let ms = Duration::from_millis;
-        let mut p = Pulse {
-            last: at(0),
-            id: None,
-            in_flight: false,
-            declared: false,
-            declared_at: None,
-            asked: None,
-        };
+        let mut p = heard_of_at(at(0));
         p.ask(at(0));
         assert_eq!(p.silent(at(600)), ms(600));
         p.heard(None);
