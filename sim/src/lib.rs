@@ -88,8 +88,14 @@ use replication::{Control, ReplicaCase, ReplicaEvent};
 pub const JOB: u16 = 7;
 /// The job's token.
 pub const TOKEN: u64 = 0x5eed_0f7e_57a1;
-/// A run that has not finished after this much virtual time is stuck.
-pub const DEADLINE_US: u64 = 120_000_000;
+/// A run in which no rank's round of any key or table advanced for this
+/// much virtual time is stuck (the workers' own timeout is 30 s).
+pub const STUCK_US: u64 = 120_000_000;
+/// A run that has not finished after this much virtual time fails, stuck
+/// or not (it bounds a run's cost: a hierarchical job with a window of
+/// one chunk under 15-20% loss on every link, seeds 320786 and 720952,
+/// needs about 175 s, each chunk's round waiting a loss timeout).
+pub const DEADLINE_US: u64 = 900_000_000;
 
 /// One simulated job: its shape, its faults and the seed of its draws.
 #[derive(Debug, Clone, PartialEq)]
@@ -657,6 +663,8 @@ pub fn run(case: &Case) -> Outcome {
     let mut w = World::new(case);
     w.replicate();
     w.start();
+    // Rounds advanced over every rank, key and table, and when last.
+    let (mut progress, mut progress_at) = (w.progress(), 0u64);
     loop {
         w.step();
         w.outcome.steps += 1;
@@ -672,9 +680,19 @@ pub fn run(case: &Case) -> Outcome {
             );
         };
         w.now = next.max(w.now + 1);
+        if w.now >= progress_at + STUCK_US {
+            let now = w.progress();
+            assert!(
+                now != progress,
+                "no round advanced for {STUCK_US} µs of virtual time (at {} µs): ranks {:?} are stuck",
+                w.now,
+                w.unfinished()
+            );
+            (progress, progress_at) = (now, w.now);
+        }
         assert!(
             w.now < DEADLINE_US,
-            "not finished after {DEADLINE_US} µs of virtual time: ranks {:?} are stuck",
+            "not finished after {DEADLINE_US} µs of virtual time: ranks {:?} are still running",
             w.unfinished()
         );
     }
@@ -907,6 +925,16 @@ impl<'c> World<'c> {
 
     /// The ranks not done, each with its keys' next rounds and then its
     /// tables'.
+    /// Every rank's next round of every key and table, summed: it grows
+    /// with every round any of them completes.
+    fn progress(&self) -> u64 {
+        self.ranks
+            .iter()
+            .flat_map(|r| r.next.iter().chain(r.tables.iter().map(|t| &t.next)))
+            .map(|&n| u64::from(n))
+            .sum()
+    }
+
     fn unfinished(&self) -> Vec<(usize, Vec<u32>)> {
         self.ranks
             .iter()

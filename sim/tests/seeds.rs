@@ -1814,3 +1814,19 @@ fn a_rejoined_rank_catches_its_tables_up_together() {
         assert_eq!((o.rejoined, o.tables_caught_up), (1, 1), "seed {seed}: {o:?}");
     }
 }
+
+/// Seeds 320786 and 720952 of the soak: hierarchical, three racks, a
+/// window of one chunk, 15% and 19% loss on every link. Nearly every
+/// chunk's round loses one of its datagrams and waits a loss timeout, so
+/// they need 123 s and 175 s of virtual time: a run fails as stuck only
+/// once no round advanced for `STUCK_US`, not at a fixed 120 s (they were
+/// reported stuck before), and at `DEADLINE_US` in any case.
+#[test]
+fn slow_hierarchical_runs_are_not_taken_for_stuck() {
+    for seed in [320_786, 720_952] {
+        let c = Case::draw(seed);
+        assert!(c.racks > 0 && c.window == 1 && c.faults.loss > 0.1, "seed {seed}: {c:?}");
+        let o = run(&c);
+        assert!(o.virtual_us > 120_000_000, "seed {seed}: {o:?}");
+    }
+}
