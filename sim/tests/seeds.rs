@@ -1825,7 +1825,10 @@ fn a_rejoined_rank_catches_its_tables_up_together() {
 fn slow_hierarchical_runs_are_not_taken_for_stuck() {
     for seed in [320_786, 720_952] {
         let c = Case::draw(seed);
-        assert!(c.racks > 0 && c.window == 1 && c.faults.loss > 0.1, "seed {seed}: {c:?}");
+        assert!(
+            c.racks > 0 && c.window == 1 && c.faults.loss > 0.1,
+            "seed {seed}: {c:?}"
+        );
         let o = run(&c);
         assert!(o.virtual_us > 120_000_000, "seed {seed}: {o:?}");
     }
