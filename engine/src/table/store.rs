@@ -459,14 +459,11 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             return Some((slot, false));
         }
         if self.fresh < self.cap {
-            let blocks = self.blocks.len();
             if !self.blocks.ensure(self.fresh) {
                 return None;
             }
             self.fresh += 1;
-            if self.blocks.len() != blocks {
-                self.stats.bytes = self.allocated_bytes();
-            }
+            self.stats.bytes = self.allocated_bytes();
             return Some((self.fresh - 1, false));
         }
         debug_assert_eq!(self.index.len(), self.cap as usize, "no free slot below the cap");

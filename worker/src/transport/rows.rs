@@ -779,13 +779,11 @@ impl<D> RowTransport<D> {
         // (PROTOCOL.md §10.6; simulator seed 789173: rank 0 waited on
         // table 0, whose round the restored lcore held for ranks 1 and 2,
         // which waited on table 1, whose round it held for rank 0).
-        let checked = checked
-            || (stalled && self.stall_checked != Some(self.last_progress) && {
-                self.stall_checked = Some(self.last_progress);
-                let before = self.active.len();
-                self.check_idle_tables(now);
-                self.active.len() > before
-            });
+        let mut checked = checked;
+        if stalled && self.stall_checked != Some(self.last_progress) {
+            self.stall_checked = Some(self.last_progress);
+            checked |= self.check_idle_tables(now);
+        }
         if self.working() && now.saturating_duration_since(self.last_progress) >= self.timeout {
             self.time_out(now);
         }
@@ -1372,19 +1370,23 @@ impl<D> RowTransport<D> {
     /// is caught up to it first (PROTOCOL.md §10.6). Without it, a rank
     /// that completed the round and then waited on dense keys for a rank
     /// whose push of that round waits on the restored lcore never told
-    /// the lcore anything (simulator seed 293895).
-    pub(crate) fn check_idle_tables(&mut self, now: Instant) {
+    /// the lcore anything (simulator seed 293895). Returns whether it
+    /// started a check.
+    pub(crate) fn check_idle_tables(&mut self, now: Instant) -> bool {
         let due: Vec<(u32, u32)> = self
             .pushed
             .iter()
             .filter(|(k, &t)| t >= 1 && !self.active.contains_key(k))
             .map(|(&k, &t)| (k, t))
             .collect();
+        let mut started = false;
         for (key, round) in due {
             if let Some(plan) = self.table(key).and_then(|t| plan_push(t, round, &[], &[]).ok()) {
                 self.start(now, plan, None);
+                started = true;
             }
         }
+        started
     }
 
     fn time_out(&mut self, now: Instant) {
