@@ -575,6 +575,21 @@ pub fn retransmitted(repr: &RowRepr) -> bool {
     repr.flags & flags::RETRANSMIT != 0
 }
 
+/// The flags of an answer sent at once to the message `repr`: FIRST_COPY
+/// when it came without RETRANSMIT (PROTOCOL.md §10.2).
+pub fn answer_flags(repr: &RowRepr) -> u8 {
+    if retransmitted(repr) {
+        0
+    } else {
+        flags::FIRST_COPY
+    }
+}
+
+/// Whether an answer says it answers the first copy of its message.
+pub fn answers_first_copy(repr: &RowRepr) -> bool {
+    repr.flags & flags::FIRST_COPY != 0
+}
+
 #[cfg(test)]
 // Tests cast small, literal sizes.
 #[allow(clippy::cast_possible_truncation)]

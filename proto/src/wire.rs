@@ -107,6 +107,12 @@ pub mod flags {
     /// lcore stands, answered as any PULL, which does not lift §5.4 rule
     /// 0 for the sender after a restore.
     pub const PROBE: u8 = 0x10;
+    /// Table answers only (PROTOCOL.md §10.2): a ROW_RESULT or
+    /// ROW_PULL_RESULT sent at once in answer to a message that arrived
+    /// without RETRANSMIT. A worker that retransmitted that message learns
+    /// that its first copy was answered: the retransmission was spurious
+    /// (§10.3, "Loss timer").
+    pub const FIRST_COPY: u8 = 0x20;
 }
 
 /// Message types.

@@ -41,6 +41,7 @@ phub_proto::counter_table! {
         lcores_found_behind: Count, Hidden, "Times such a PULL found its lcore behind a round it had answered, and every request failed `ahead` (the caller pulls every key and repeats the rounds since)";
         row_messages_sent: Count, Hidden, "Table messages (ROW_PUSH, ROW_END, ROW_PULL) sent for the first time";
         row_retransmits: Count, Hidden, "Table messages sent again after their retransmission timeout";
+        row_resends_spurious: Count, Hidden, "Table messages sent again whose first copy was answered (the answer's FIRST_COPY), each lengthening the loss timer (PROTOCOL.md §10.3, \"Loss timer\")";
         row_answers_accepted: Count, Hidden, "Table answers (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT) accepted for an outstanding message";
         row_answers_ignored: Count, Hidden, "Table answers and ERRORs of this job ignored: duplicates, or for a round or message not waited for";
         row_rounds_caught_up: Count, Hidden, "Empty table rounds (a ROW_END of no rows) sent to an lcore restored from an older checkpoint, which refused a push `ahead`, to bring it up to the push's round (PROTOCOL.md §10.6)";

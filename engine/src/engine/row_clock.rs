@@ -23,7 +23,7 @@
 //! The store's round (its idle eviction's clock) advances each time the
 //! slowest clock over the ranks rises.
 
-use phub_proto::rows::{RowMsgType, RowPayload, RowRepr, MAX_ROW_MESSAGES};
+use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr, MAX_ROW_MESSAGES};
 use phub_proto::wire::DropReason;
 
 use super::rows::{end_round, Answers};
@@ -133,6 +133,7 @@ impl Table {
             repr.seq,
             ids,
             repr.cache.reference(),
+            rows::answer_flags(repr),
         );
     }
 

@@ -63,7 +63,9 @@ impl<A: Copy> Answers<'_, A> {
     /// Queues an answer of `kind` to `rank` with `ids` and their rows as
     /// `table` holds them now (a row not stored reads as its initial
     /// value); with `cache`, the request's key-cache prefix, it carries
-    /// that prefix instead of the ids (PROTOCOL.md §10.7).
+    /// that prefix instead of the ids (PROTOCOL.md §10.7); `flags`: 0, or
+    /// FIRST_COPY on an answer sent at once to a first copy
+    /// ([`rows::answer_flags`]).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn rows<I>(
         &mut self,
@@ -75,6 +77,7 @@ impl<A: Copy> Answers<'_, A> {
         seq: u32,
         ids: I,
         cache: Option<CacheRef>,
+        flags: u8,
     ) where
         I: Iterator<Item = u64>,
     {
@@ -97,6 +100,7 @@ impl<A: Copy> Answers<'_, A> {
             count: count as u16,
             round,
             seq,
+            flags,
             cache: cache.map_or(KeyCache::Off, KeyCache::Cached),
             ..self.head
         };
@@ -418,6 +422,7 @@ fn pull<A: Copy>(
         repr.seq,
         ids.iter(),
         repr.cache.reference(),
+        rows::answer_flags(repr),
     );
     Verdict::Pulled
 }
@@ -479,6 +484,7 @@ fn bsp<A: Copy>(
                 s,
                 rows.ids().iter(),
                 repr.cache.reference(),
+                rows::answer_flags(repr),
             );
             return Ok(Verdict::Resent);
         }
@@ -625,6 +631,7 @@ fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
             u32::from(p.seq),
             ids.iter().copied(),
             p.cache,
+            0,
         );
     }
     // Cast: r < W <= 256.

@@ -837,6 +837,81 @@ fn async_applies_each_push_at_once() {
     );
 }
 
+/// The type and flags of each answer the shard sent, in order.
+fn answer_flags(s: &mut Shard<u32>) -> Vec<(u8, u8)> {
+    let out = s
+        .transmits()
+        .map(|t| (t.header[wire::field::TYPE], t.header[wire::field::FLAGS]))
+        .collect();
+    s.clear_transmits();
+    out
+}
+
+/// `bytes` with RETRANSMIT set, as a worker resends it.
+fn resent(mut bytes: Vec<u8>) -> Vec<u8> {
+    bytes[wire::field::FLAGS] |= flags::RETRANSMIT;
+    bytes
+}
+
+/// FIRST_COPY (PROTOCOL.md §10.2, §10.3 "Loss timer"): an answer sent at
+/// once to a message that came without RETRANSMIT says so, one to a
+/// retransmitted copy does not (whether that copy was applied, its first
+/// lost, or answered as a duplicate); a BSP round's answers, sent at its
+/// completion, and ROW_DONEs never do. Seen failing with the flag set on
+/// every answer (the BSP completion's and the resends' then carry it).
+#[test]
+fn answers_sent_at_once_say_whether_they_answer_a_first_copy() {
+    let (result, pulled, done_code) = (
+        RowMsgType::RowResult.code(),
+        RowMsgType::RowPullResult.code(),
+        RowMsgType::RowDone.code(),
+    );
+    let first = flags::FIRST_COPY;
+    let mut s = shard(2, Consistency::Async);
+    let ids = ids_on(0, 3);
+    let p = push(1, 1, 0, &ids, &grads(&ids, 1));
+    assert_eq!(s.handle(addr(1), &p, 0), Verdict::Applied);
+    assert_eq!(answer_flags(&mut s), vec![(result, first)]);
+    // Its resend, a duplicate: answered, not as a first copy.
+    assert_eq!(s.handle(addr(1), &resent(p.clone()), 0), Verdict::Resent);
+    assert_eq!(answer_flags(&mut s), vec![(result, 0)]);
+    // A first copy again (a duplicate in the network): as the first.
+    assert_eq!(s.handle(addr(1), &p, 0), Verdict::Resent);
+    assert_eq!(answer_flags(&mut s), vec![(result, first)]);
+    // Rank 0's first copy lost: its resend is applied, answered without.
+    let q = resent(push(0, 1, 0, &ids, &grads(&ids, 2)));
+    assert_eq!(s.handle(addr(0), &q, 0), Verdict::Applied);
+    assert_eq!(answer_flags(&mut s), vec![(result, 0)]);
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Completed);
+    assert_eq!(answer_flags(&mut s), vec![(done_code, 0)]);
+    assert_eq!(s.handle(addr(0), &pull(0, 4, &ids), 0), Verdict::Pulled);
+    assert_eq!(answer_flags(&mut s), vec![(pulled, first)]);
+    assert_eq!(s.handle(addr(0), &resent(pull(0, 4, &ids)), 0), Verdict::Pulled);
+    assert_eq!(answer_flags(&mut s), vec![(pulled, 0)]);
+
+    // BSP: the round's answers go at its completion, without the flag;
+    // a push of the completed round again is answered at once, with it
+    // when it is a first copy (a rank's new incarnation).
+    let mut s = shard(2, Consistency::Sync);
+    for r in 0..2u16 {
+        assert_eq!(
+            s.handle(addr(r), &push(r, 1, 0, &ids, &grads(&ids, 3)), 0),
+            Verdict::Aggregated
+        );
+    }
+    assert_eq!(s.handle(addr(0), &end(0, 1, 1), 0), Verdict::Aggregated);
+    assert_eq!(s.handle(addr(1), &end(1, 1, 1), 0), Verdict::Completed);
+    assert_eq!(
+        answer_flags(&mut s),
+        vec![(result, 0), (result, 0), (done_code, 0), (done_code, 0)]
+    );
+    let again = push(1, 1, 0, &ids, &grads(&ids, 3));
+    assert_eq!(s.handle(addr(1), &resent(again.clone()), 0), Verdict::Resent);
+    assert_eq!(answer_flags(&mut s), vec![(result, 0)]);
+    assert_eq!(s.handle(addr(1), &again, 0), Verdict::Resent);
+    assert_eq!(answer_flags(&mut s), vec![(result, first)]);
+}
+
 /// Async: an lcore restored from a checkpoint that held part of rank 0's
 /// clock 1 (a push taken, its count stated or not), which rank 0 catches
 /// up with an empty clock 1 (PROTOCOL.md §10.6): the empty clock closes

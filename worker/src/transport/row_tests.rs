@@ -1300,3 +1300,42 @@ fn an_idle_transport_checks_its_table_at_growing_intervals() {
         assert_eq!(gaps, [secs(1.0), secs(2.0), secs(4.0), secs(7.5), secs(7.5)]);
     }
 }
+
+/// A pull resent after a silence, then the answer to its first copy,
+/// which says so (FIRST_COPY, PROTOCOL.md §10.3 "Loss timer"): the resend
+/// was spurious, and the loss timer rises to 1.5 times the silence. The
+/// same answer without the flag (the resend's own: the first copy was
+/// lost) leaves the timer as it was.
+#[test]
+fn an_answer_to_a_first_copy_after_a_resend_lengthens_the_loss_timer() {
+    for first_copy in [true, false] {
+        let mut h = Harness::new(1, 2, 8, 64);
+        let base = h.t.loss_timeout();
+        let start = h.now;
+        let ids = [3u64, 5];
+        h.pull(1, &ids);
+        let sent = h.sent();
+        assert_eq!(sent.len(), 1);
+        h.advance();
+        let resent = h.sent();
+        assert!(resent.len() == 1 && resent[0].retransmit(), "{resent:?}");
+        // The answer comes a while after the resend.
+        h.now += base;
+        let silence = h.now - start;
+        let (from, mut d) = h.answers(&sent).remove(0);
+        if first_copy {
+            d[phub_proto::wire::field::FLAGS] |= flags::FIRST_COPY;
+        }
+        h.deliver(from, &d);
+        assert_eq!(h.ended().len(), 1, "first copy {first_copy}");
+        let spurious = h
+            .stats
+            .row_resends_spurious
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if first_copy {
+            assert_eq!((spurious, h.t.loss_timeout()), (1, silence * 3 / 2));
+        } else {
+            assert_eq!((spurious, h.t.loss_timeout()), (0, base));
+        }
+    }
+}

@@ -311,6 +311,12 @@ pub(crate) struct RowTransport<D> {
     /// The silence (its start, `last_progress`) in which this transport's
     /// own stall last checked its idle tables: once per silence.
     stall_checked: Option<Instant>,
+    /// Messages were resent on the timer in the silence going on now.
+    resent_in_silence: bool,
+    /// The last silence in which messages were resent on the timer, its
+    /// length once an answer ended it: the least a spurious resend's
+    /// loss timer must outlast ([`Rto::spurious`]).
+    resend_silence: Duration,
 }
 
 /// A table's id lists registered for key caching (PROTOCOL.md §10.7):
@@ -387,6 +393,8 @@ impl<D> RowTransport<D> {
             pushed: BTreeMap::new(),
             idle_check: None,
             stall_checked: None,
+            resent_in_silence: false,
+            resend_silence: Duration::ZERO,
         }
     }
 
@@ -772,6 +780,7 @@ impl<D> RowTransport<D> {
             }
         }
         add(&self.stats.row_retransmits, resent);
+        self.resent_in_silence |= resent > 0;
         let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
         // Stalled on one table, the rank checks the others, once a silence:
         // a restored lcore may wait on this rank for a table it has every
@@ -949,7 +958,7 @@ impl<D> RowTransport<D> {
                     self.count_cached(repr.cache, usize::from(repr.count));
                     self.list_stored(repr.key, entry, c);
                 }
-                self.answered(now, repr.key, i);
+                self.answered(now, repr.key, i, rows::answers_first_copy(&repr));
             }
         }
     }
@@ -1011,19 +1020,30 @@ impl<D> RowTransport<D> {
     }
 
     /// Message `i` of `key`'s request is answered (its rows, if any, are
-    /// written).
-    fn answered(&mut self, now: Instant, key: u32, i: usize) {
+    /// written); `first_copy`: the answer says it answers the message's
+    /// first copy (FIRST_COPY).
+    fn answered(&mut self, now: Instant, key: u32, i: usize, first_copy: bool) {
         let Some(a) = self.active.get_mut(&key) else {
             return;
         };
         let MsgState::Out(sent) = std::mem::replace(&mut a.states[i], MsgState::Answered) else {
             unreachable!("only an outstanding message is answered");
         };
+        if std::mem::take(&mut self.resent_in_silence) {
+            self.resend_silence = now.saturating_duration_since(self.last_progress);
+        }
         if sent.retries == 0 {
             self.rto.sample(now.saturating_duration_since(sent.first_sent));
             let srtt = micros(self.rto.srtt.unwrap_or_default());
             self.stats.srtt_us.store(srtt, Ordering::Relaxed);
+        } else if first_copy {
+            // Resent, but its first copy was answered: the silence that
+            // set the resend off was the lcore's, not a loss
+            // (PROTOCOL.md §10.3, "Loss timer").
+            add(&self.stats.row_resends_spurious, 1);
+            self.rto.spurious(self.resend_silence, now);
         }
+        self.rto.decay(now);
         debug_assert!(a.remaining > 0 && (self.outstanding > 0 || !a.windowed()));
         a.remaining -= 1;
         self.outstanding -= usize::from(a.windowed());

@@ -1,7 +1,7 @@
 //! Round-trip estimation for the transport: the RFC 6298 estimator and
 //! the loss timer.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::config::WorkerConfig;
 
@@ -18,6 +18,17 @@ use crate::config::WorkerConfig;
 /// `max(min_rto, 2 x smallest round trip)` (the path's own round trip, not
 /// the queue's), and it only runs while no result comes in at all: while
 /// results stream in, late chunks are found by fast retransmission.
+///
+/// The path's own round trip does not bound a silence where the appliance
+/// shares the host's cores: an lcore descheduled for a few milliseconds
+/// answers nothing meanwhile, and every message out is resent, then
+/// answered twice. Where an answer says it answers a message's first copy
+/// (a table answer's FIRST_COPY, PROTOCOL.md §10.3 "Loss timer"), a
+/// message retransmitted before it was **spurious**, and the silence that
+/// set it off is the least the loss timer must outlast:
+/// [`Rto::spurious`] raises a floor under it to 1.5 times that silence
+/// (RFC 4015's response, in silences), which halves after each
+/// [`FLOOR_HALF_LIFE`] without a spurious resend.
 #[derive(Debug)]
 pub(crate) struct Rto {
     pub(crate) srtt: Option<Duration>,
@@ -27,7 +38,14 @@ pub(crate) struct Rto {
     initial: Duration,
     min: Duration,
     max: Duration,
+    /// The floor spurious resends set under the loss timer (zero: none).
+    floor: Duration,
+    /// When the floor was last raised or halved.
+    floor_at: Option<Instant>,
 }
+
+/// A spurious resend's floor halves after this long without another.
+pub(crate) const FLOOR_HALF_LIFE: Duration = Duration::from_secs(1);
 
 impl Rto {
     pub(crate) fn new(c: &WorkerConfig) -> Rto {
@@ -39,7 +57,45 @@ impl Rto {
             initial: c.initial_rto.clamp(c.min_rto, c.max_rto),
             min: c.min_rto,
             max: c.max_rto,
+            floor: Duration::ZERO,
+            floor_at: None,
         }
+    }
+
+    /// A message resent after a silence of `silence` had its first copy
+    /// answered at `now`: the loss timer's floor rises to 1.5 `silence`
+    /// (at most `max_rto`). True when it rose.
+    pub(crate) fn spurious(&mut self, silence: Duration, now: Instant) -> bool {
+        self.decay(now);
+        let floor = (silence + silence / 2).min(self.max);
+        if floor <= self.floor {
+            return false;
+        }
+        self.floor = floor;
+        self.floor_at = Some(now);
+        true
+    }
+
+    /// Halves the floor once per [`FLOOR_HALF_LIFE`] gone by since it was
+    /// last raised or halved (called as answers come).
+    pub(crate) fn decay(&mut self, now: Instant) {
+        let Some(at) = self.floor_at else {
+            return;
+        };
+        if now.saturating_duration_since(at) < FLOOR_HALF_LIFE {
+            return;
+        }
+        self.floor /= 2;
+        self.floor_at = (self.floor >= self.min).then_some(now);
+        if self.floor_at.is_none() {
+            self.floor = Duration::ZERO;
+        }
+    }
+
+    /// The floor spurious resends set (zero: none).
+    #[cfg(test)]
+    pub(crate) fn floor(&self) -> Duration {
+        self.floor
     }
 
     pub(crate) fn sample(&mut self, r: Duration) {
@@ -75,12 +131,14 @@ impl Rto {
             .min(self.max)
     }
 
-    /// The loss timer after `doublings`: `max(min_rto, 2 x min RTT)`
-    /// (the initial RTO before any sample), doubled, at most `max_rto`.
+    /// The loss timer after `doublings`: `max(min_rto, 2 x min RTT,
+    /// floor)` (the initial RTO before any sample), doubled, at most
+    /// `max_rto`.
     pub(crate) fn loss(&self, doublings: u32) -> Duration {
         let base = self
             .min_rtt
-            .map_or(self.initial, |m| (m * 2).clamp(self.min, self.max));
+            .map_or(self.initial, |m| (m * 2).clamp(self.min, self.max))
+            .max(self.floor);
         base.checked_mul(1u32 << doublings.min(20))
             .unwrap_or(self.max)
             .min(self.max)
@@ -124,5 +182,33 @@ mod tests {
         r.sample(Duration::from_micros(50));
         assert_eq!(r.loss(0), c.min_rto);
         assert!(r.rto > Duration::from_millis(100));
+    }
+
+    /// A spurious resend's silence sets a floor of 1.5 times it under the
+    /// loss timer, only ever raised by another, halved after each second
+    /// without one, gone below `min_rto`.
+    #[test]
+    fn a_spurious_resend_raises_the_loss_timer_until_it_decays() {
+        let c = WorkerConfig::default();
+        let mut r = Rto::new(&c);
+        r.sample(Duration::from_micros(50));
+        assert_eq!(r.loss(0), c.min_rto);
+        let t0 = Instant::now();
+        assert!(r.spurious(Duration::from_millis(4), t0));
+        assert_eq!(r.loss(0), Duration::from_millis(6));
+        assert_eq!(r.loss(1), Duration::from_millis(12));
+        assert!(
+            !r.spurious(Duration::from_millis(3), t0),
+            "a shorter silence lowers nothing"
+        );
+        assert_eq!(r.loss(0), Duration::from_millis(6));
+        r.decay(t0 + Duration::from_millis(999));
+        assert_eq!(r.loss(0), Duration::from_millis(6));
+        r.decay(t0 + FLOOR_HALF_LIFE);
+        assert_eq!(r.loss(0), Duration::from_millis(3));
+        r.decay(t0 + FLOOR_HALF_LIFE * 2);
+        assert_eq!((r.floor(), r.loss(0)), (Duration::ZERO, c.min_rto));
+        assert!(r.spurious(Duration::from_secs(5), t0), "at most max_rto");
+        assert_eq!(r.loss(0), c.max_rto);
     }
 }
