@@ -121,10 +121,15 @@ fn merge(table: &TableInfo, ids: &[u64]) -> Result<Merged, WorkerError> {
     };
     // (entry, id, position): sorting makes the order of every output a
     // function of the ids alone, and sums repeats in the caller's order.
-    let mut keyed: Vec<(u32, u64, u32)> = ids
+    // Packed in one u128 (entry in the high 32 bits, the position in the
+    // low): the same order, sorted in 0.6x the time of the tuples (4096
+    // ids: 92 against 150 us here, BENCHMARKS.md).
+    let mut keyed: Vec<u128> = ids
         .iter()
         .zip(0..n)
-        .map(|(&id, i)| (table.placement.entry(id), id, i))
+        .map(|(&id, i)| {
+            (u128::from(table.placement.entry(id)) << 96) | (u128::from(id) << 32) | u128::from(i)
+        })
         .collect();
     keyed.sort_unstable();
     let mut m = Merged {
@@ -134,7 +139,10 @@ fn merge(table: &TableInfo, ids: &[u64]) -> Result<Merged, WorkerError> {
         order: Vec::with_capacity(ids.len()),
         starts: Vec::new(),
     };
-    for &(entry, id, pos) in &keyed {
+    for &k in &keyed {
+        // Casts: the fields packed above.
+        #[allow(clippy::cast_possible_truncation)]
+        let (entry, id, pos) = ((k >> 96) as u32, (k >> 32) as u64, k as u32);
         if m.ids.last() != Some(&id) || m.entries.last() != Some(&entry) {
             m.starts.push(m.order.len());
             m.ids.push(id);
