@@ -104,6 +104,10 @@ pub(crate) struct Index {
     entries: super::huge::Zeroed<Entry>,
     key: u64,
     len: usize,
+    /// Removals so far: a position a probe found stays the id's until
+    /// the next removal (an insert moves no entry; a removal's backward
+    /// shift may).
+    removals: u64,
     /// A checkpoint being streamed: entries kept as they were
     /// ([`super::snapshot`]); every change goes through [`keep`] first.
     pub(crate) snap: Option<Box<EntrySnap>>,
@@ -136,6 +140,7 @@ impl Index {
             entries,
             key,
             len: 0,
+            removals: 0,
             snap: None,
         })
     }
@@ -160,6 +165,12 @@ impl Index {
     /// Full entries.
     pub(crate) fn len(&self) -> usize {
         self.len
+    }
+
+    /// Removals so far (see the field).
+    #[inline]
+    pub(crate) fn removals(&self) -> u64 {
+        self.removals
     }
 
     /// Bytes allocated.
@@ -263,6 +274,7 @@ impl Index {
         keep(&mut self.snap, &self.entries, hole);
         self.entries[hole] = Entry::zeroed();
         self.len -= 1;
+        self.removals += 1;
     }
 
     /// Every full entry's (position, entry), in index order.

@@ -44,6 +44,26 @@ const AHEAD: usize = 8;
 /// Hashes kept for the pipeline (a power of two above `2 * AHEAD`).
 const RING: usize = 32;
 
+/// One id's place in the batched forms' pipeline: its hash, and where
+/// the row prefetch's probe found it with the index's removal count then
+/// (still its position while that count holds: [`Index::removals`]).
+#[derive(Debug, Clone, Copy, Default)]
+struct Staged {
+    hash: u64,
+    found: Option<(usize, u64)>,
+}
+
+impl Staged {
+    /// The probe's result if it still holds in `index`.
+    #[inline]
+    fn probe(&self, index: &Index, id: u64) -> Probe {
+        match self.found {
+            Some((pos, removals)) if removals == index.removals() => Probe::Found(pos),
+            _ => index.probe(id, self.hash),
+        }
+    }
+}
+
 /// Rounds are kept modulo 2^31 (the touch word's round bits).
 const ROUND_MASK: u32 = u32::MAX >> 1;
 
@@ -365,11 +385,11 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// stored.
     pub fn read(&mut self, id: u64, out: &mut [f32]) -> bool {
         let h = self.index.hash(id);
-        self.read_hashed(id, h, out)
+        self.read_staged(id, Staged { hash: h, found: None }, out)
     }
 
     #[inline]
-    fn read_hashed(&mut self, id: u64, hash: u64, out: &mut [f32]) -> bool {
+    fn read_staged(&mut self, id: u64, staged: Staged, out: &mut [f32]) -> bool {
         assert_eq!(
             out.len(),
             self.dim,
@@ -378,7 +398,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             out.len()
         );
         self.stats.lookups += 1;
-        match self.index.probe(id, hash) {
+        match staged.probe(&self.index, id) {
             Probe::Found(pos) => {
                 out.copy_from_slice(&self.blocks.row(self.index.entry(pos).slot())[..self.dim]);
                 true
@@ -394,11 +414,12 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// (admitted) push, then apply the optimizer.
     pub fn update(&mut self, id: u64, grad: &[f32]) -> Pushed {
         let h = self.index.hash(id);
-        self.update_hashed(id, h, grad)
+        self.update_staged(id, Staged { hash: h, found: None }, grad)
     }
 
     #[inline]
-    fn update_hashed(&mut self, id: u64, hash: u64, grad: &[f32]) -> Pushed {
+    fn update_staged(&mut self, id: u64, staged: Staged, grad: &[f32]) -> Pushed {
+        let hash = staged.hash;
         assert_eq!(
             grad.len(),
             self.dim,
@@ -407,7 +428,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             grad.len()
         );
         let touch = touch_word(self.now);
-        let (pos, pushed) = match self.index.probe(id, hash) {
+        let (pos, pushed) = match staged.probe(&self.index, id) {
             Probe::Found(pos) => (pos, Pushed::Applied),
             Probe::Vacant(pos) => {
                 if let Some(admit) = &mut self.admit {
@@ -559,11 +580,11 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             ids.len(),
             out.len()
         );
-        let mut ring = [0u64; RING];
+        let mut ring = [Staged::default(); RING];
         for t in 0..ids.len() + 2 * AHEAD {
             self.look_ahead(ids, t, &mut ring);
             if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
-                self.read_hashed(ids[k], ring[k % RING], &mut out[k * d..(k + 1) * d]);
+                self.read_staged(ids[k], ring[k % RING], &mut out[k * d..(k + 1) * d]);
             }
         }
     }
@@ -580,27 +601,30 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             ids.len(),
             grads.len()
         );
-        let mut ring = [0u64; RING];
+        let mut ring = [Staged::default(); RING];
         for t in 0..ids.len() + 2 * AHEAD {
             self.look_ahead(ids, t, &mut ring);
             if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
-                self.update_hashed(ids[k], ring[k % RING], &grads[k * d..(k + 1) * d]);
+                self.update_staged(ids[k], ring[k % RING], &grads[k * d..(k + 1) * d]);
             }
         }
     }
 
     /// The pipeline's prefetch stages at step `t`: hash id `t` and
-    /// prefetch its index entry; look up id `t - AHEAD` and prefetch its
-    /// row.
+    /// prefetch its index entry; look up id `t - AHEAD`, prefetch its row
+    /// and keep where it was found, which its update or read takes
+    /// unless an entry was removed since.
     #[inline]
-    fn look_ahead(&self, ids: &[u64], t: usize, ring: &mut [u64; RING]) {
+    fn look_ahead(&self, ids: &[u64], t: usize, ring: &mut [Staged; RING]) {
         if let Some(&id) = ids.get(t) {
             let h = self.index.hash(id);
-            ring[t % RING] = h;
+            ring[t % RING] = Staged { hash: h, found: None };
             self.index.prefetch(h);
         }
         if let Some(j) = t.checked_sub(AHEAD).filter(|&j| j < ids.len()) {
-            if let Probe::Found(pos) = self.index.probe(ids[j], ring[j % RING]) {
+            let staged = &mut ring[j % RING];
+            if let Probe::Found(pos) = self.index.probe(ids[j], staged.hash) {
+                staged.found = Some((pos, self.index.removals()));
                 self.blocks.prefetch(self.index.entry(pos).slot());
             }
         }
