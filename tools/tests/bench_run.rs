@@ -282,6 +282,25 @@ fn sparse_local_pulls_of_cached_ids_carry_no_ids() {
     assert_cached_run_saves_its_ids(&fixed, &cached, saved, prefixes);
 }
 
+/// `--pull-only --dense-pull`: after the table's pulls, the same ranks
+/// pull a dense key of `--batch` x `--dim` elements in a job of its own;
+/// the JSON has its median step and the table pull's ratio to it (null
+/// without the flag).
+#[test]
+fn sparse_local_times_a_dense_pull_of_the_same_values() {
+    let (out, v) = small_sparse_local(&["--pull-only", "--dense-pull"]);
+    assert!(out.contains("a dense key of 300 x 4 elements pulled"), "{out}");
+    let dense = num(&v, "dense_pull_ms_median");
+    assert!(dense > 0.0, "{v}");
+    let ratio = num(&v, "pull_vs_dense");
+    assert!((ratio - num(&v, "round_ms_median") / dense).abs() < 1e-9, "{v}");
+    let (_, plain) = small_sparse_local(&["--pull-only"]);
+    assert!(
+        plain["dense_pull_ms_median"].is_null() && plain["pull_vs_dense"].is_null(),
+        "{plain}"
+    );
+}
+
 /// The cached run moved fewer wire bytes per row than the run with the
 /// ids sent by the id bytes it left out (`saved`), less its prefixes.
 fn assert_cached_run_saves_its_ids(fixed: &Value, cached: &Value, saved: f64, prefixes: f64) {

@@ -114,6 +114,14 @@ pub struct SparseArgs {
     /// a registered id list saves (its ids named by signature).
     #[arg(long, requires = "local")]
     pub pull_only: bool,
+    /// `--pull-only`: after the table's steps, the same ranks pull a dense
+    /// key of `--batch` x `--dim` f32 elements as many times (a job of its
+    /// own on the same appliance, the key initialized first):
+    /// `dense_pull_ms_median` and `pull_vs_dense`, the table pull's step
+    /// over the dense pull's (issue 32: a pull of K rows within 1.5x of a
+    /// dense pull of K x D elements).
+    #[arg(long, requires = "pull_only")]
+    pub dense_pull: bool,
     /// `--local`: before the untimed steps, store every one of the
     /// `--rows` rows: the ranks push them (all of them, rank r the ranks
     /// congruent to r modulo W) in rounds of `--batch` ids, so that the
@@ -615,6 +623,12 @@ pub struct SparseLocalReport {
     pub verified: Option<bool>,
     /// `--pull-only`: the timed steps pulled their ids (no updates).
     pub pull_only: bool,
+    /// `--dense-pull`: the median step of the same ranks pulling a dense
+    /// key of `batch` x `dim` elements (rank 0's steps, as
+    /// `round_ms_median`), ms.
+    pub dense_pull_ms_median: Option<f64>,
+    /// `--dense-pull`: `round_ms_median / dense_pull_ms_median`.
+    pub pull_vs_dense: Option<f64>,
     /// `--fixed-ids` (or `--cache-ids`): every step pushed the same ids.
     pub fixed_ids: bool,
     /// `--cache-ids`: the ids were registered for key caching.
@@ -911,6 +925,49 @@ fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
         all = all.repeat(args.steps as usize + 3);
     }
     all
+}
+
+/// `--dense-pull`: a job of one dense key of `--batch` x `--dim` f32
+/// elements on the same appliance; its ranks join, initialize it (round
+/// 0) and pull it three times untimed, then `--steps` times timed, all at
+/// once as the table's ranks did. The median of rank 0's timed steps, ms.
+fn dense_pulls(args: &SparseArgs, url: &str, token: Option<&str>) -> Result<f64> {
+    let elements = args.batch * args.dim as usize;
+    let spec = format!(
+        "name = \"dense-pull\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"dense\"\n\
+         elements = {elements}\n",
+        args.workers
+    );
+    let job = super::local::admit(url, &spec, token)?;
+    let ranks = in_threads(0..args.workers, "a dense-pull rank", |_, r| -> Result<Vec<f64>> {
+        let w = phub_worker::Worker::join(url, job.id, job.token, r)?;
+        let mut values: Vec<f32> = (0..elements).map(|i| (i % 1000) as f32).collect();
+        let h = w.init(0, &mut values)?;
+        w.wait(h)?;
+        let mut steps_ms = Vec::with_capacity(args.steps as usize);
+        for step in 0..args.steps + 3 {
+            let t = Instant::now();
+            w.pull(0, &mut values)?;
+            if step >= 3 {
+                steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        Ok(steps_ms)
+    });
+    let mut rank0 = Vec::new();
+    for (r, steps) in ranks.into_iter().enumerate() {
+        let steps = steps.with_context(|| format!("--dense-pull: rank {r}"))?;
+        if r == 0 {
+            rank0 = steps;
+        }
+    }
+    super::local::evict(url, job.id, token);
+    // As the table's `round_ms_median`: the upper median.
+    rank0.sort_by(f64::total_cmp);
+    rank0
+        .get(rank0.len() / 2)
+        .copied()
+        .context("--dense-pull: no timed step (--steps 0)")
 }
 
 /// `--prefill`: rank `r`'s share of every row, ranks `r`, `r + W`, ...
@@ -1246,6 +1303,10 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     )?
     .send(&control::job(job.id))
     .context("asking control for the job's tables")?;
+    let dense = match args.dense_pull {
+        true => Some(dense_pulls(args, &local.control_url, token.as_deref())?),
+        false => None,
+    };
     local.stop();
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
@@ -1302,6 +1363,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         row_updates_per_s: if args.pull_only { 0.0 } else { rate(&ranks) },
         row_lookups_per_s: rate(&ranks),
         pull_only: args.pull_only,
+        dense_pull_ms_median: dense,
+        pull_vs_dense: dense.map(|m| median / m),
         round_ms_median: median,
         round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
@@ -1353,6 +1416,12 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
         report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
+    if let (Some(m), Some(r)) = (report.dense_pull_ms_median, report.pull_vs_dense) {
+        println!(
+            "  a dense key of {} x {} elements pulled: step median {m:.2} ms; the table's pull {r:.2}x that",
+            report.batch, report.dim
+        );
+    }
     if report.cache_ids {
         println!(
             "  key caching: {:.1} id bytes per row left out, {:.2} prefix bytes per row carried",
