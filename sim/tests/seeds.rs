@@ -1833,3 +1833,20 @@ fn slow_hierarchical_runs_are_not_taken_for_stuck() {
         assert!(o.virtual_us > 120_000_000, "seed {seed}: {o:?}");
     }
 }
+
+/// Seed 1082260 of the soak: async, one appliance of two lcores restored
+/// from a checkpoint older than its crash, tables with key caching. The
+/// restored lcore refused rank 4's cached pushes of round 5
+/// `unknown_signature` (it had lost the rank's id lists) and `ahead`;
+/// rank 4 caught the lcore up with empty rounds, and one of those
+/// refusals, held in the network, came while its empty round 5 (n = 0)
+/// was out: an ERROR names the message it refuses by round and `chunk`
+/// only, the empty round's and the push's message 0 alike, and the
+/// worker failed the push on it. A refusal only a message with a
+/// key-cache prefix can get is now never taken for the empty round's.
+#[test]
+fn a_key_cache_refusal_is_not_taken_for_an_empty_round_s() {
+    runs_through_its_restore(1_082_260, |c| {
+        older_checkpoint(c) && c.tables.iter().any(|t| t.key_cache > 0)
+    });
+}

@@ -1242,7 +1242,17 @@ impl<D> RowTransport<D> {
     /// round refused `ahead` asks again where the lcore stands; any other
     /// refusal fails the request with it (the lcore cannot be brought up
     /// to the push's round). True when `repr` was one.
+    ///
+    /// An ERROR names the message it refuses by round and `chunk` only,
+    /// and the empty round u's (n = 0) is that of the push's message 0 of
+    /// round u: a refusal that only a message with a key-cache prefix can
+    /// get (`unknown_signature`, `bad_signature`) is that push's, sent
+    /// before the catching up began and held in the network, never the
+    /// empty round's, which carries none (simulator seed 1082260: the
+    /// push failed on it, the lcore restored without this rank's lists).
     fn catch_up_refused(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) -> bool {
+        let for_a_prefix = repr.error == DropReason::UnknownSignature.code()
+            || repr.error == DropReason::BadSignature.code();
         let Some(&entry) = self.entry_of.get(&from) else {
             return false;
         };
@@ -1253,7 +1263,7 @@ impl<D> RowTransport<D> {
             None if repr.chunk == CATCH_UP_TAG => {
                 format!("ROW_PULL of id {} to {from}, asking its round", c.id)
             }
-            Some(u) if repr.round == u && repr.chunk == 0 => {
+            Some(u) if repr.round == u && repr.chunk == 0 && !for_a_prefix => {
                 if repr.error == DropReason::Ahead.code() {
                     // The empty round u is ahead: the lcore stands below
                     // u − 1, and an answer that moved the catching up on
