@@ -113,6 +113,11 @@ pub mod flags {
     /// that its first copy was answered: the retransmission was spurious
     /// (§10.3, "Loss timer").
     pub const FIRST_COPY: u8 = 0x20;
+    /// PULL only (PROTOCOL.md §5.4 rule 0): the rank pulls after this
+    /// lcore refused it `ahead` (or its probe found the lcore behind), so
+    /// it pulls every key: the PULL lifts rule 0 for it. A PULL without it
+    /// (sent before the rank learned of a restore, say) does not.
+    pub const RESYNC: u8 = 0x40;
 }
 
 /// Message types.

@@ -139,6 +139,7 @@ fn constants_are_stated() {
         (wire::flags::KEYS_CACHED, "KEYS_CACHED"),
         (wire::flags::PROBE, "PROBE"),
         (wire::flags::FIRST_COPY, "FIRST_COPY"),
+        (wire::flags::RESYNC, "RESYNC"),
     ];
     assert_eq!(flags.len(), want.len());
     for (row, (bit, name)) in flags.iter().zip(want) {

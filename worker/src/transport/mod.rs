@@ -481,6 +481,10 @@ pub(crate) struct Transport<D> {
     /// A silence went on long enough for the lcores to be probed since
     /// the caller last asked ([`Transport::take_stall`]).
     stalled: bool,
+    /// Lcores that refused this rank `ahead` (or that a probe found
+    /// behind) and have not answered an INIT or PUSH of it since: its
+    /// PULLs to them carry RESYNC, which lifts §5.4 rule 0 there.
+    resync: Vec<SocketAddr>,
 }
 
 /// A key's chunk `i`'s place in the order a hierarchical job's ranks send
@@ -710,6 +714,7 @@ impl<D> Transport<D> {
             epoch_asked: None,
             watch: Watch::default(),
             stalled: false,
+            resync: Vec::new(),
         }
     }
 
@@ -877,7 +882,17 @@ impl<D> Transport<D> {
     /// Takes a request at `now`; its chunks are sent by the following
     /// [`Transport::poll_transmit`]s as the window allows. A request of no
     /// chunks is done at once.
-    pub(crate) fn submit(&mut self, now: Instant, r: Request<D>) {
+    pub(crate) fn submit(&mut self, now: Instant, mut r: Request<D>) {
+        if r.kind == Kind::Pull && !self.resync.is_empty() {
+            // After a refusal `ahead` (PROTOCOL.md §5.4 rule 0).
+            for m in &r.chunks {
+                if self.resync.contains(&m.to) {
+                    let mut h = Header::new_unchecked(&mut r.tx.headers_mut()[m.header_range()]);
+                    let f = h.flags();
+                    h.set_flags(f | flags::RESYNC);
+                }
+            }
+        }
         if !self.busy() {
             // Idle time does not count towards the timeout.
             self.loss.last_progress = now;
@@ -1063,6 +1078,9 @@ impl<D> Transport<D> {
         }
         if self.watches() {
             if let Verdict::Behind { key, chunk, round } = self.watch.on_answer(&self.info, &repr, from) {
+                if let Some(from) = from {
+                    self.needs_resync(from);
+                }
                 self.restored_behind(key, chunk, round);
             }
         }
@@ -1140,8 +1158,11 @@ impl<D> Transport<D> {
         if repr.error == DropReason::Ahead.code() {
             // The caller pulls every key and repeats the rounds since: a
             // probe still out would only say it again, to requests made
-            // after it caught up.
+            // after it caught up. Its pulls there lift rule 0.
             self.watch.reset();
+            if let Some(to) = self.table.outstanding.get(&ChunkId::of(repr)).map(|o| o.msg.to) {
+                self.needs_resync(to);
+            }
         }
         let (reason, hint) = describe(repr.error);
         let err = WorkerError::Refused {
@@ -1196,6 +1217,11 @@ impl<D> Transport<D> {
         if !req.answered_by(repr, o.msg.len) {
             add(&self.stats.results_ignored, 1);
             return;
+        }
+        if req.kind != Kind::Pull && !self.resync.is_empty() {
+            // An INIT or PUSH taken: rule 0 is lifted there.
+            let to = o.msg.to;
+            self.resync.retain(|&a| a != to);
         }
         let mut no_scratch = Vec::new();
         let (arrived, scratch) = match (repr.shm(), self.shm.as_mut()) {
@@ -1564,6 +1590,14 @@ impl<D> Transport<D> {
     /// round it had answered ([`watch`]): every request fails with
     /// `ahead`, as the lcore would have refused any of them, and the
     /// caller pulls every key and repeats the rounds since.
+    /// The lcore at `to` refused this rank `ahead` or was found behind:
+    /// PULLs to it carry RESYNC until it answers an INIT or PUSH.
+    fn needs_resync(&mut self, to: SocketAddr) {
+        if !self.resync.contains(&to) {
+            self.resync.push(to);
+        }
+    }
+
     fn restored_behind(&mut self, key: u32, chunk: u32, round: u32) {
         add(&self.stats.lcores_found_behind, 1);
         self.watch.reset();

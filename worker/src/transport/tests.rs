@@ -905,6 +905,46 @@ fn an_ahead_refusal_forgets_the_probes_out() {
     assert!(matches!(&h.ended()[..], [(2, Ok(_))]), "the pull is answered");
 }
 
+/// PROTOCOL.md §5.4 rule 0: after an lcore refused a push `ahead`, the
+/// rank's PULLs to it carry RESYNC (which lifts the rule there) until it
+/// answers an INIT or PUSH; PULLs to other lcores, and those sent before
+/// the refusal, carry none (one sent before, answered by a restored
+/// lcore, lifted the rule for a rank that had not learned of the restore:
+/// simulator seed 1114154). Seen failing with the flag never set.
+#[test]
+fn pulls_after_an_ahead_refusal_carry_resync_until_a_push_is_taken() {
+    let resync = |s: &Sent| s.repr.flags & flags::RESYNC != 0;
+    let mut h = Harness::new(8);
+    h.pull(5, &[0]);
+    h.push(1, 1, &[0, 1]);
+    let first = h.poll();
+    assert_eq!(first.len(), 3);
+    assert!(first.iter().all(|s| !resync(s)), "{first:?}");
+    let mut ahead = repr(MsgType::Error, RANK, 1, 0, 1, 0);
+    ahead.error = DropReason::Ahead.code();
+    h.t.handle_datagram(h.now, &datagram(&ahead, &[]));
+    assert!(matches!(&h.ended()[..], [(1, Err(WorkerError::Refused { reason, .. }))] if reason == "ahead"));
+    // Lcore 0 refused: the pull of key 2 there carries RESYNC, lcore 1's not.
+    h.pull(2, &[0, 1]);
+    let pulls = h.poll();
+    assert_eq!(pulls.len(), 2, "{pulls:?}");
+    for p in &pulls {
+        assert_eq!(resync(p), p.to == lcore_addr(0), "{p:?}");
+    }
+    h.result(2, 0, 0);
+    h.result(2, 1, 0);
+    h.result(5, 0, 0);
+    assert_eq!(h.ended().len(), 2);
+    // A push taken on lcore 0: its pulls go plain again.
+    h.push(1, 1, &[0]);
+    assert_eq!(h.poll().len(), 1);
+    h.result(1, 0, 1);
+    assert_eq!(h.ended().len(), 1);
+    h.pull(3, &[0]);
+    let after = h.poll();
+    assert!(after.len() == 1 && !resync(&after[0]), "{after:?}");
+}
+
 /// The probe's RESULT: at the round answered before, nothing happens; below
 /// it once (an old RESULT the network held back reads the same) another
 /// PULL goes at once, and below it again fails every request `ahead`.
