@@ -1850,3 +1850,17 @@ fn a_key_cache_refusal_is_not_taken_for_an_empty_round_s() {
         older_checkpoint(c) && c.tables.iter().any(|t| t.key_cache > 0)
     });
 }
+
+/// Seed 1114154 of the soak: BSP, two appliances of one lcore, rank 2
+/// rejoined while appliance 1 crashed and came back from a checkpoint
+/// older than the crash. Rank 2's PULLs of key 2 were answered before the
+/// crash (round 1), one of key 3 after the restore, and that one lifted
+/// PROTOCOL.md §5.4 rule 0 for rank 2 there: it never learned that the
+/// lcore had lost round 0 of key 2's chunk 3 and pushed key 3's round 1,
+/// which the lcore held, while the other ranks waited there for its INIT
+/// of chunk 3, until all timed out. Now only a PULL with RESYNC, which a
+/// rank sends after a refusal `ahead`, lifts the rule.
+#[test]
+fn a_pull_sent_before_a_restore_lifts_nothing() {
+    runs_through_its_restore(1_114_154, |c| older_checkpoint(c) && c.rejoin.is_some());
+}
