@@ -425,33 +425,25 @@ fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
         b.clear_transmits();
     }
     // A probe (PROTOCOL.md §6.1, "A stalled rank") is answered but lifts
-    // nothing: it asks a few chunks and may miss those the lcore lost.
-    let probe = Repr::request(MsgType::Pull, 1, 7, 1, 9, 1)
-        .with_payload(Dtype::F32, 0)
-        .with_chunk(0, 1)
-        .with_flags(wire::flags::PROBE)
-        .to_datagram(&[]);
-    assert_eq!(b.handle(5, &probe, 1), Verdict::Pulled);
-    b.clear_transmits();
-    assert_eq!(
-        b.handle(5, &push(Dtype::F32, 1, 2, 0, &vals), 1),
-        Verdict::Dropped(DropReason::Ahead)
-    );
-    b.clear_transmits();
-    // Nor does a PULL without RESYNC: one the rank sent before it learned
-    // of the restore, answered by the restored lcore, asks only what it
-    // asked then (simulator seed 1114154).
-    let plain = Repr::request(MsgType::Pull, 1, 7, 1, 0, 1)
-        .with_payload(Dtype::F32, 0)
-        .with_chunk(0, 1)
-        .to_datagram(&[]);
-    assert_eq!(b.handle(5, &plain, 1), Verdict::Pulled);
-    b.clear_transmits();
-    assert_eq!(
-        b.handle(5, &push(Dtype::F32, 1, 2, 0, &vals), 1),
-        Verdict::Dropped(DropReason::Ahead)
-    );
-    b.clear_transmits();
+    // nothing: it asks a few chunks and may miss those the lcore lost. Nor
+    // does a PULL without RESYNC: one the rank sent before it learned of
+    // the restore, answered by the restored lcore, asks only what it asked
+    // then (simulator seed 1114154).
+    for (round, flags) in [(9, wire::flags::PROBE), (0, 0)] {
+        let p = Repr::request(MsgType::Pull, 1, 7, 1, round, 1)
+            .with_payload(Dtype::F32, 0)
+            .with_chunk(0, 1)
+            .with_flags(flags)
+            .to_datagram(&[]);
+        assert_eq!(b.handle(5, &p, 1), Verdict::Pulled);
+        b.clear_transmits();
+        assert_eq!(
+            b.handle(5, &push(Dtype::F32, 1, 2, 0, &vals), 1),
+            Verdict::Dropped(DropReason::Ahead),
+            "after a PULL with flags {flags:#x}"
+        );
+        b.clear_transmits();
+    }
     // Rank 1 pulls slot 1: answered, and its pushes to either slot are
     // taken; rank 0's are still refused.
     assert_eq!(b.handle(5, &pull(Dtype::F32, 1, 1), 1), Verdict::Pulled);
