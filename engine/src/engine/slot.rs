@@ -544,13 +544,18 @@ impl<A: Copy + Eq> Shard<A> {
         let at = repr.slot as usize * w;
         let clocks = job.clocks.get_mut(at..at + w);
         if repr.kind == MsgType::Pull {
-            // After a restore, a rank that pulls after a refusal learns
-            // where the chunks stand (PROTOCOL.md §5.4 rule 0): RESYNC. Not
-            // from a probe, which asks a few chunks only and may miss those
-            // the lcore lost (§6.1), nor from a PULL sent before the rank
-            // learned of the restore, which asks only what it asked then
-            // (simulator seed 1114154).
-            if repr.flags & (flags::RESYNC | flags::PROBE) == flags::RESYNC {
+            // After a restore, a rank that pulls learns where the chunks
+            // stand (PROTOCOL.md §5.4 rule 0). Not from a probe, which asks
+            // a few chunks only and may miss those the lcore lost (§6.1),
+            // nor from a retransmitted PULL without RESYNC, whose first
+            // copy may have gone before the restore, when the rank asked
+            // only what it asked then (simulator seed 1114154).
+            let (probe, resync, resent) = (
+                repr.flags & flags::PROBE != 0,
+                repr.flags & flags::RESYNC != 0,
+                repr.flags & flags::RETRANSMIT != 0,
+            );
+            if !probe && (resync || !resent) {
                 job.unsynced.remove(repr.rank);
             }
             return if slot.completed.is_none() {

@@ -219,8 +219,8 @@ fn push(dtype: Dtype, rank: u16, round: u32, slot: u32, vals: &[f32]) -> Vec<u8>
     repr.to_datagram(&vals[..n])
 }
 
-/// A PULL as a worker sends it after a refusal `ahead` (RESYNC: PROTOCOL.md
-/// §5.4 rule 0).
+/// A PULL as a worker sends it after a refusal `ahead` (RESYNC, PROTOCOL.md
+/// §5.4 rule 0; a first copy lifts the rule without it too).
 fn pull(dtype: Dtype, rank: u16, slot: u32) -> Vec<u8> {
     Repr::request(MsgType::Pull, 1, 7, rank, 0, slot)
         .with_payload(dtype, 0)
@@ -395,9 +395,9 @@ fn a_pull_before_round_0_completed_is_refused_with_an_error() {
 /// pulls: the checkpoint may be older than the rounds the rank holds
 /// results of, and a rank that holds one would never push it again (the
 /// simulator's seed 2317: two ranks each waited for a round 0 that needed
-/// the other's INIT). A PULL with RESYNC of any slot of the lcore lifts it
-/// for that rank alone (a probe's PULL does not, nor one without RESYNC);
-/// a round then completes as before.
+/// the other's INIT). A PULL of any slot of the lcore lifts it for that
+/// rank alone (a probe's does not, nor a retransmitted one without
+/// RESYNC); a round then completes as before.
 #[test]
 fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
     let mut a: Shard<u32> = Shard::new(0, Kernels::best());
@@ -426,10 +426,10 @@ fn a_restored_lcore_refuses_each_rank_until_it_pulls() {
     }
     // A probe (PROTOCOL.md §6.1, "A stalled rank") is answered but lifts
     // nothing: it asks a few chunks and may miss those the lcore lost. Nor
-    // does a PULL without RESYNC: one the rank sent before it learned of
-    // the restore, answered by the restored lcore, asks only what it asked
-    // then (simulator seed 1114154).
-    for (round, flags) in [(9, wire::flags::PROBE), (0, 0)] {
+    // does a retransmitted PULL without RESYNC: its first copy may have
+    // gone before the restore, asking only what the rank asked then
+    // (simulator seed 1114154).
+    for (round, flags) in [(9, wire::flags::PROBE), (0, wire::flags::RETRANSMIT)] {
         let p = Repr::request(MsgType::Pull, 1, 7, 1, round, 1)
             .with_payload(Dtype::F32, 0)
             .with_chunk(0, 1)

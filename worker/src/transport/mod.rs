@@ -1076,6 +1076,16 @@ impl<D> Transport<D> {
                 return;
             }
         }
+        if repr.kind == MsgType::Error && repr.error == DropReason::Ahead.code() {
+            // Every lcore that refuses this rank `ahead` gets RESYNC on its
+            // PULLs (PROTOCOL.md §5.4 rule 0), also one whose refusal comes
+            // for a request another lcore's refusal already ended: the
+            // caller's pulls go to all of them.
+            let to = from.or_else(|| self.table.outstanding.get(&ChunkId::of(&repr)).map(|o| o.msg.to));
+            if let Some(to) = to {
+                self.needs_resync(to);
+            }
+        }
         if self.watches() {
             if let Verdict::Behind { key, chunk, round } = self.watch.on_answer(&self.info, &repr, from) {
                 if let Some(from) = from {
@@ -1158,11 +1168,8 @@ impl<D> Transport<D> {
         if repr.error == DropReason::Ahead.code() {
             // The caller pulls every key and repeats the rounds since: a
             // probe still out would only say it again, to requests made
-            // after it caught up. Its pulls there lift rule 0.
+            // after it caught up.
             self.watch.reset();
-            if let Some(to) = self.table.outstanding.get(&ChunkId::of(repr)).map(|o| o.msg.to) {
-                self.needs_resync(to);
-            }
         }
         let (reason, hint) = describe(repr.error);
         let err = WorkerError::Refused {
