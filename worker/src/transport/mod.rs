@@ -1593,10 +1593,6 @@ impl<D> Transport<D> {
         self.info.in_order && self.routing.is_none()
     }
 
-    /// A probe found an lcore below `round` of `key`'s chunk `chunk`, a
-    /// round it had answered ([`watch`]): every request fails with
-    /// `ahead`, as the lcore would have refused any of them, and the
-    /// caller pulls every key and repeats the rounds since.
     /// The lcore at `to` refused this rank `ahead` or was found behind:
     /// PULLs to it carry RESYNC until it answers an INIT or PUSH.
     fn needs_resync(&mut self, to: SocketAddr) {
@@ -1605,6 +1601,10 @@ impl<D> Transport<D> {
         }
     }
 
+    /// A probe found an lcore below `round` of `key`'s chunk `chunk`, a
+    /// round it had answered ([`watch`]): every request fails with
+    /// `ahead`, as the lcore would have refused any of them, and the
+    /// caller pulls every key and repeats the rounds since.
     fn restored_behind(&mut self, key: u32, chunk: u32, round: u32) {
         add(&self.stats.lcores_found_behind, 1);
         self.watch.reset();
