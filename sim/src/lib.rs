@@ -923,8 +923,6 @@ impl<'c> World<'c> {
                 .all(|t| t.next > self.case.rounds && t.ids.is_none() && !t.catching_up)
     }
 
-    /// The ranks not done, each with its keys' next rounds and then its
-    /// tables'.
     /// Every rank's next round of every key and table, summed: it grows
     /// with every round any of them completes.
     fn progress(&self) -> u64 {
@@ -935,6 +933,8 @@ impl<'c> World<'c> {
             .sum()
     }
 
+    /// The ranks not done, each with its keys' next rounds and then its
+    /// tables'.
     fn unfinished(&self) -> Vec<(usize, Vec<u32>)> {
         self.ranks
             .iter()
