@@ -887,9 +887,7 @@ impl<D> Transport<D> {
             // After a refusal `ahead` (PROTOCOL.md §5.4 rule 0).
             for m in &r.chunks {
                 if self.resync.contains(&m.to) {
-                    let mut h = Header::new_unchecked(&mut r.tx.headers_mut()[m.header_range()]);
-                    let f = h.flags();
-                    h.set_flags(f | flags::RESYNC);
+                    add_flag(&mut r.tx.headers_mut()[m.header_range()], flags::RESYNC);
                 }
             }
         }
@@ -1406,7 +1404,7 @@ impl<D> Transport<D> {
         };
         if o.retries == 0 {
             if let Some(r) = self.table.requests.get_mut(&o.id) {
-                mark_retransmit(&mut r.tx.headers_mut()[o.msg.header_range()]);
+                add_flag(&mut r.tx.headers_mut()[o.msg.header_range()], flags::RETRANSMIT);
             }
         }
         o.retries += 1;
@@ -1699,12 +1697,12 @@ impl<D> Transport<D> {
     }
 }
 
-/// Sets the RETRANSMIT flag of a header we emitted, keeping its others
-/// (SHM).
-fn mark_retransmit(header: &mut [u8]) {
+/// Sets `flag` (RETRANSMIT, RESYNC) in a header we emitted, keeping its
+/// others (SHM).
+fn add_flag(header: &mut [u8], flag: u8) {
     let mut h = Header::new_unchecked(header);
     let f = h.flags();
-    h.set_flags(f | flags::RETRANSMIT);
+    h.set_flags(f | flag);
 }
 
 /// The name of an ERROR's drop reason, and a hint on its likely cause.
