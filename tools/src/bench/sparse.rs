@@ -962,12 +962,15 @@ fn dense_pulls(args: &SparseArgs, url: &str, token: Option<&str>) -> Result<f64>
         }
     }
     super::local::evict(url, job.id, token);
-    // As the table's `round_ms_median`: the upper median.
-    rank0.sort_by(f64::total_cmp);
-    rank0
-        .get(rank0.len() / 2)
-        .copied()
-        .context("--dense-pull: no timed step (--steps 0)")
+    Ok(step_median_and_max(&rank0).0)
+}
+
+/// A rank's timed steps (at least one: `run_local` refuses `--steps 0`):
+/// their upper median and their longest, ms.
+fn step_median_and_max(steps_ms: &[f64]) -> (f64, f64) {
+    let mut v = steps_ms.to_vec();
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[v.len() - 1])
 }
 
 /// `--prefill`: rank `r`'s share of every row, ranks `r`, `r + W`, ...
@@ -1344,11 +1347,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     };
     let rows_moved = f64::from(args.workers) * k as f64 * f64::from(args.steps);
     let rate = |ranks: &[RankFigures]| rows_moved / ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
-    let median0 = |ranks: &[RankFigures]| {
-        let mut v = ranks[0].steps_ms.clone();
-        v.sort_by(f64::total_cmp);
-        (v[v.len() / 2], v[v.len() - 1])
-    };
+    let median0 = |ranks: &[RankFigures]| step_median_and_max(&ranks[0].steps_ms);
     let (median, max) = median0(&ranks);
     let base_rate = base.as_deref().map(rate);
     let report = SparseLocalReport {
