@@ -1697,9 +1697,9 @@ impl<D> Transport<D> {
     }
 }
 
-/// Sets `flag` (RETRANSMIT, RESYNC) in a header we emitted, keeping its
-/// others (SHM).
-fn add_flag(header: &mut [u8], flag: u8) {
+/// Sets `flag` (RETRANSMIT, RESYNC) in a header we emitted (or a
+/// datagram starting with one), keeping its others (SHM, key caching's).
+pub(super) fn add_flag(header: &mut [u8], flag: u8) {
     let mut h = Header::new_unchecked(header);
     let f = h.flags();
     h.set_flags(f | flag);

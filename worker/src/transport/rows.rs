@@ -73,11 +73,11 @@ use phub_proto::rows::{
     self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr, Rows, KEY_CACHE_PREFIX,
 };
 use phub_proto::spec::ROW_ID_BYTES;
-use phub_proto::wire::{self, flags, DropReason, Header, MsgType, APPLIANCE_RANK, HEADER_LEN};
+use phub_proto::wire::{self, flags, DropReason, MsgType, APPLIANCE_RANK, HEADER_LEN};
 
 use super::row_plan::{plan_push, PlanKind, RowPlan, TableInfo};
 use super::rto::Rto;
-use super::{describe, micros, JobInfo};
+use super::{add_flag, describe, micros, JobInfo};
 use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::net::Datagram;
@@ -158,13 +158,6 @@ const STALL_AFTER: u32 = 2;
 /// spell lasts ([`RowTransport::check_idle_tables`]; simulator seed
 /// 559274).
 const IDLE_CHECK_FIRST: Duration = Duration::from_secs(1);
-
-/// Sets RETRANSMIT in the header at the start of `d`.
-fn set_retransmit(d: &mut [u8]) {
-    let mut h = Header::new_unchecked(&mut d[..HEADER_LEN]);
-    let f = h.flags();
-    h.set_flags(f | flags::RETRANSMIT);
-}
 
 /// A ROW_PULL's `chunk` that asks a restored lcore where a table stands
 /// there (below): no pull of a request has this index.
@@ -733,7 +726,7 @@ impl<D> RowTransport<D> {
                     continue;
                 }
                 if sent.retries == 0 {
-                    set_retransmit(&mut a.bytes[a.spans[i].clone()]);
+                    add_flag(&mut a.bytes[a.spans[i].clone()], flags::RETRANSMIT);
                 }
                 sent.retries += 1;
                 sent.deadline = now + self.rto.loss(sent.retries);
@@ -764,7 +757,7 @@ impl<D> RowTransport<D> {
             if again {
                 for (i, st) in a.states.iter().enumerate() {
                     if matches!(st, MsgState::Answered) {
-                        set_retransmit(&mut a.bytes[a.spans[i].clone()]);
+                        add_flag(&mut a.bytes[a.spans[i].clone()], flags::RETRANSMIT);
                         self.queue.push((key, i));
                         resent += 1;
                     }
@@ -1007,7 +1000,7 @@ impl<D> RowTransport<D> {
             return false;
         };
         let span = write_msg(&self.info, &a.plan, i, a.round, a.tag, form, &mut a.bytes);
-        set_retransmit(&mut a.bytes[span.clone()]);
+        add_flag(&mut a.bytes[span.clone()], flags::RETRANSMIT);
         a.spans[i] = span;
         a.forms[i] = form;
         if let MsgState::Out(sent) = &mut a.states[i] {
