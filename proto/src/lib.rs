@@ -24,6 +24,7 @@ pub mod layout;
 pub mod memory;
 pub mod placement;
 pub mod replica;
+pub mod replica_rows;
 pub mod routes;
 pub mod rows;
 pub mod shm;

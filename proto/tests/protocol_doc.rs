@@ -19,6 +19,7 @@ use phub_proto::layout::{layout, Placement};
 use phub_proto::memory::{MemoryModel, ResultStore};
 use phub_proto::placement::{row_hash, table_key, RowPlacement};
 use phub_proto::replica::{backup_runs, replica_set, ReplicaMsgType, MAX_REPLICAS};
+use phub_proto::replica_rows::{entry_backup, rows_per_fragment, RowReplicaType};
 use phub_proto::rows::{RowMsgType, MAX_ROW_MESSAGES};
 use phub_proto::spec::rows_per_datagram;
 use phub_proto::wire::{self, field, DropReason, MsgType, Repr};
@@ -520,6 +521,45 @@ fn replica_message_types_and_drop_reason_match() {
             r[3],
             if reason.notifies_sender() { "yes" } else { "no" },
             "{reason}"
+        );
+    }
+}
+
+#[test]
+fn table_replica_message_types_and_entry_example_match() {
+    let d = doc();
+    let rows = table(&d, "| code | message | from → to | payload (table replication) |");
+    let listed: Vec<(u8, String)> = rows.iter().map(|r| (num(&r[0]) as u8, r[1].clone())).collect();
+    let want: Vec<(u8, String)> = RowReplicaType::ALL
+        .iter()
+        .map(|t| (t.code(), t.name().to_string()))
+        .collect();
+    assert_eq!(listed, want);
+    for r in &rows {
+        let t = RowReplicaType::from_code(num(&r[0]) as u8).unwrap();
+        let dir = match t {
+            RowReplicaType::Rows => "primary → backup",
+            RowReplicaType::RowsAck => "backup → primary",
+        };
+        assert_eq!(r[2], dir, "direction of {}", t.name());
+        // No other message has these codes.
+        assert_eq!(MsgType::from_code(t.code()), None);
+        assert_eq!(RowMsgType::from_code(t.code()), None);
+        assert_eq!(ReplicaMsgType::from_code(t.code()), None);
+    }
+    // P for D = 16, as the text says.
+    assert!(d.contains("(122 for D = 16)"));
+    assert_eq!(rows_per_fragment(16), 122);
+    // Appliance p's entries 3, 4, 5 on a backup of two lcores.
+    let part = ChunkRange { first: 3, count: 3 };
+    let rows = table(&d, "| entry | backup lcore |");
+    assert_eq!(rows.len(), 3);
+    for r in &rows {
+        assert_eq!(
+            entry_backup(part, 2, num(&r[0]) as u64),
+            Some(num(&r[1])),
+            "entry {}",
+            r[0]
         );
     }
 }

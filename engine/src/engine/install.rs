@@ -157,7 +157,18 @@ impl<A: Copy + Eq> Shard<A> {
             .iter()
             .map(|t| Table::new(job.id, t, job.workers, job.dtype, job.consistency))
             .collect::<Result<_, _>>()?;
-        self.install_made(job, kind, made)
+        let id = job.id;
+        let replicated = matches!(kind, InstallKind::Replicated(_));
+        self.install_made(job, kind, made)?;
+        if replicated {
+            // Its entry's backups and the backup tables it keeps
+            // (PROTOCOL.md §11.9); refused whole.
+            if let Err(e) = self.install_table_backups(id, &tables) {
+                self.remove(id);
+                return Err(e);
+            }
+        }
+        Ok(())
     }
 
     /// [`Shard::install_with_tables`] with tables made and restored away
@@ -170,6 +181,14 @@ impl<A: Copy + Eq> Shard<A> {
         tables: Vec<RestoredTable>,
     ) -> Result<(), EngineError> {
         self.check_tables(&job, &kind, tables.iter().map(RestoredTable::key))?;
+        if let (Some(t), InstallKind::Replicated(_)) = (tables.first(), &kind) {
+            return Err(EngineError::Table {
+                id: job.id,
+                key: t.key(),
+                reason: "a replicated job's tables restored from a checkpoint: not built (PROTOCOL.md §11.9)"
+                    .into(),
+            });
+        }
         let made = tables
             .into_iter()
             .map(|t| t.into_table(job.id, job.workers))
@@ -201,12 +220,13 @@ impl<A: Copy + Eq> Shard<A> {
                         "a hierarchical job may not have a table key (PROTOCOL.md §10.1)",
                     ))
                 }
-                InstallKind::Replicated(_) => {
+                InstallKind::Replicated(_) if job.consistency != Consistency::Sync => {
                     return Err(refuse(
                         key,
-                        "a replicated job's tables are not replicated: replicas = 1 for a job with a table",
+                        "a replicated job's tables are replicated in BSP only (PROTOCOL.md §11.9)",
                     ))
                 }
+                InstallKind::Replicated(_) => {}
                 InstallKind::Plain | InstallKind::Shared(_) => {}
             }
         }

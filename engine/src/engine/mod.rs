@@ -134,6 +134,7 @@ mod outbox;
 mod region;
 mod replica;
 mod row_clock;
+mod row_replica;
 mod rows;
 mod slot;
 mod stats;
@@ -484,6 +485,9 @@ impl<A: Copy + Eq> Shard<A> {
         }
         if phub_proto::rows::is_row_message(datagram) {
             return self.classify_row(from, datagram, now);
+        }
+        if phub_proto::replica_rows::is_row_replica_message(datagram) {
+            return self.row_replica_message(from, datagram, now);
         }
         let (repr, payload) = match wire::parse(datagram) {
             Ok(p) => p,

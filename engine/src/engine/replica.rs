@@ -252,12 +252,18 @@ pub(super) struct Replica<A> {
     pub(super) pushed: Vec<Pushed>,
     /// The earliest deadline of `pushed` (u64::MAX: none).
     pub(super) next_deadline: u64,
-    rtt: Rtt,
+    pub(super) rtt: Rtt,
     /// The parts backed up here, in the order of extended slot numbers
     /// (its own part first where this appliance came back, then the others
     /// by home); a part adopted in an epoch change leaves for the job's
     /// slots.
     pub(super) parts: Vec<Part<A>>,
+    /// This lcore's table entry's backups (PROTOCOL.md §11.9), in set
+    /// order: each appliance and its lcore keeping the entry's rows;
+    /// empty for a job without tables.
+    pub(super) row_backups: Vec<(u16, A)>,
+    /// The backup tables this lcore keeps of other appliances' entries.
+    pub(super) row_parts: Vec<super::row_replica::RowPart<A>>,
     pub(super) stats: ReplicaStats,
 }
 
@@ -698,6 +704,8 @@ impl<A: Copy + Eq> Shard<A> {
             next_deadline: u64::MAX,
             rtt: Rtt::default(),
             parts,
+            row_backups: Vec::new(),
+            row_parts: Vec::new(),
             stats: ReplicaStats::default(),
         }));
         Ok(())
@@ -1058,7 +1066,20 @@ impl<A: Copy + Eq> Shard<A> {
     /// have not acknowledged (§11.7), at most `budget` messages; returns
     /// what is left of it.
     pub(super) fn poll_replicas(&mut self, now: u64, mut budget: usize) -> usize {
-        for j in &mut self.jobs {
+        for i in 0..self.jobs.len() {
+            // A replicated job's tables' rounds (PROTOCOL.md §11.9).
+            let due = self.jobs[i]
+                .replica
+                .as_deref()
+                .is_some_and(|r| r.rows_replicated() && now >= r.next_deadline);
+            let tables = if due {
+                let (left, next) = self.poll_row_replicas(i, now, budget);
+                budget = left;
+                next
+            } else {
+                u64::MAX
+            };
+            let j = &mut self.jobs[i];
             let Some(rep) = j.replica.as_deref_mut() else {
                 continue;
             };
@@ -1123,7 +1144,7 @@ impl<A: Copy + Eq> Shard<A> {
                     next = next.min(p.deadline);
                 }
             }
-            rep.next_deadline = next;
+            rep.next_deadline = next.min(tables);
         }
         budget
     }

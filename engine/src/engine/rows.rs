@@ -40,6 +40,8 @@ use phub_proto::wire::{flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK,
 use crate::counters::ShardCounters;
 
 use super::outbox::Pending;
+use super::replica::Replica;
+use super::row_replica;
 use super::table::{IdCache, PushIds, RowBatch, Table, TableRounds, TableStore};
 use super::{Job, Shard, Verdict};
 
@@ -279,6 +281,7 @@ impl<A: Copy + Eq> Shard<A> {
                 let Job {
                     tables,
                     endpoints,
+                    replica,
                     counters: job_counters,
                     dtype,
                     token,
@@ -314,7 +317,9 @@ impl<A: Copy + Eq> Shard<A> {
                 };
                 let done = resolved.and_then(|payload| match (repr.kind, &table.rounds) {
                     (RowMsgType::RowPull, _) => Ok(pull(table, &repr, &payload, &mut answers)),
-                    (_, TableRounds::Bsp(_)) => bsp(table, &repr, &payload, &mut answers),
+                    (_, TableRounds::Bsp(_)) => {
+                        bsp(table, &repr, &payload, &mut answers, replica.as_deref_mut())
+                    }
                     (_, TableRounds::Clocked { .. }) => table.clocked(&repr, &payload, &mut answers),
                 });
                 table.id_cache = cache;
@@ -322,7 +327,7 @@ impl<A: Copy + Eq> Shard<A> {
                     Ok(v) => {
                         let push = repr.kind == RowMsgType::RowPush;
                         match v {
-                            Verdict::Aggregated | Verdict::Applied if push => {
+                            Verdict::Aggregated | Verdict::Applied | Verdict::Forwarded if push => {
                                 job_counters.pushes += 1;
                                 counters.pushes_aggregated.inc();
                             }
@@ -456,6 +461,7 @@ fn bsp<A: Copy>(
     repr: &RowRepr,
     payload: &RowPayload<'_>,
     answers: &mut Answers<'_, A>,
+    rep: Option<&mut Replica<A>>,
 ) -> Result<Verdict, DropReason> {
     let TableRounds::Bsp(round) = &table.rounds else {
         unreachable!("bsp() is called for BSP tables");
@@ -531,6 +537,13 @@ fn bsp<A: Copy>(
         }
     };
     if table.ranks.iter().all(|r| r.complete()) {
+        // A replicated job's round waits for the entry's backups
+        // (PROTOCOL.md §11.9): its fragments go to them, and it completes
+        // at their last acknowledgement.
+        let head = (answers.head.token, answers.head.job);
+        if row_replica::begin(head, rep, table, t, answers.now, answers.out, answers.pending) {
+            return Ok(Verdict::Forwarded);
+        }
         complete(table, t, answers);
         return Ok(Verdict::Completed);
     }
@@ -602,7 +615,7 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
 /// through the optimizer once, in first-arrival order; then each rank gets
 /// its ROW_RESULTs in sequence order and its ROW_DONE; the round's state
 /// is cleared.
-fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
+pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
     let Table {
         store,
         batch,

@@ -311,6 +311,9 @@ pub(super) struct Table {
     pub(super) batch: RowBatch,
     /// Each rank's cached id lists (PROTOCOL.md §10.7).
     pub(super) id_cache: IdCache,
+    /// A replicated job's BSP round waiting for the entry's backups
+    /// (PROTOCOL.md §11.9).
+    pub(super) pending: Option<super::row_replica::RowPending>,
 }
 
 /// The row optimizer a table's spec names.
@@ -451,7 +454,13 @@ impl Table {
                 rows: Vec::with_capacity(per as usize * spec.dim as usize),
             },
             id_cache: IdCache::new(workers, spec.key_cache, per),
+            pending: None,
         })
+    }
+
+    /// The entry e whose rows this table holds (PROTOCOL.md §10.1).
+    pub(super) fn entry(&self) -> u32 {
+        self.entry
     }
 
     /// Whether the placement puts row `id` on this lcore.

@@ -45,7 +45,7 @@ use super::Shard;
 impl Table {
     /// This (table, lcore)'s state for a checkpoint. Allocates (the rows,
     /// O(rows stored)).
-    fn save(&self) -> TableState {
+    pub(super) fn save(&self) -> TableState {
         // Cast: the bytes are written into memory, so they fit a usize.
         #[allow(clippy::cast_possible_truncation)]
         let mut rows = Vec::with_capacity(self.store.checkpoint_bytes() as usize);

@@ -16,6 +16,7 @@ mod protocol_optimizers;
 mod protocol_row_optimizers;
 mod replica_memory;
 mod replica_rules;
+mod replica_table_rules;
 mod rereplication_rules;
 mod shm;
 mod table_rules;

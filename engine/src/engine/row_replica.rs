@@ -1,0 +1,671 @@
+//! A replicated job's tables on one lcore (PROTOCOL.md §11.9): the BSP
+//! rounds of this lcore's entry complete only once every backup of the
+//! entry applied them, and the lcore may keep backup tables of other
+//! appliances' entries, which apply their primaries' rounds.
+//!
+//! Invariants (on top of the tables' and the replicas'):
+//! - A primary table whose ranks are all complete in round t keeps the
+//!   round's accumulator, untouched, until every backup of its entry has
+//!   acknowledged round t ([`RowPending`]): only then does the store apply
+//!   it (the optimizer, in first-arrival order) and do the round's
+//!   ROW_RESULTs and ROW_DONEs leave. Until then its fragments go again to
+//!   the backups that have not acknowledged, on the replicas' timer.
+//! - A backup table applies a round once it holds all of its fragments,
+//!   with the store's own batched update over the same ids and rows in
+//!   the same order and the primary's completion time, so its rows,
+//!   optimizer state, admission counts and evictions are the primary's
+//!   bits; it applies each round at most once, the next after its last,
+//!   and acknowledges a copy of the last again.
+//! - Table replication messages are taken only from the address of the
+//!   lcore that sends them in the installed epoch, and only in that
+//!   epoch.
+//! - Not built: failover of a table's entry (an epoch with an appliance
+//!   down or back refuses the install of a job with tables), state copies
+//!   to new backups, async and bounded delay.
+
+use phub_proto::layout::ChunkRange;
+use phub_proto::replica_rows::{
+    self, entry_backup, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType, RowsFragment,
+};
+use phub_proto::rows::{KeyCache, RowMsgType, RowRepr};
+use phub_proto::table_checkpoint::TableState;
+use phub_proto::wire::{flags, DropReason, APPLIANCE_RANK, HEADER_LEN};
+
+use super::error::EngineError;
+use super::outbox::Pending;
+use super::replica::Replica;
+use super::rows::{complete, Answers};
+use super::table::{Table, TableInstall, TableRounds};
+use super::{Job, Shard, Verdict};
+
+/// A primary table's BSP round waiting for its backups' acknowledgements.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RowPending {
+    /// The round; every rank is complete in it.
+    pub(super) round: u32,
+    /// The clock when its last rank completed: the time the round
+    /// completes at, here and on every backup (eviction by `idle_s`).
+    pub(super) at_ns: u64,
+    /// Bit k: backup k has acknowledged it.
+    pub(super) acked: u8,
+    /// When it was first sent (caller's clock).
+    pub(super) sent: u64,
+    /// When to resend it.
+    pub(super) deadline: u64,
+    /// Resends so far.
+    pub(super) resends: u8,
+}
+
+/// A round's fragments arriving at a backup table, until it holds them
+/// all.
+#[derive(Debug, Default)]
+pub(super) struct Incoming {
+    /// The round (0: none yet).
+    round: u32,
+    at_ns: u64,
+    /// n, the round's fragment count.
+    fragments: u32,
+    /// Bit f: fragment f is in.
+    got: Vec<u64>,
+    held: u32,
+    /// Rows in the last fragment, once it is in.
+    last: usize,
+    /// Fragment f's ids at `f * P ..`, its rows at `f * P * D ..`.
+    ids: Vec<u64>,
+    rows: Vec<f32>,
+    /// One fragment's rows, decoded.
+    scratch: Vec<f32>,
+}
+
+/// The backup tables of one entry of another appliance, on this lcore.
+#[derive(Debug)]
+pub(super) struct RowPart<A> {
+    /// The entry's home appliance.
+    pub(super) home: u16,
+    /// The entry e (PROTOCOL.md §10.1).
+    pub(super) entry: u32,
+    /// Its primary's lcore in the installed epoch.
+    pub(super) from: A,
+    /// A table per table key of the job, in key order, each with the
+    /// round arriving.
+    pub(super) tables: Vec<(Table, Incoming)>,
+}
+
+/// Queues every fragment of `table`'s pending round to each backup in
+/// `to` (their addresses), the bytes built once into `out`.
+#[allow(clippy::too_many_arguments)]
+fn queue_fragments<A: Copy>(
+    out: &mut Vec<u8>,
+    pending: &mut Vec<Pending<A>>,
+    head: RowReplicaRepr,
+    table: &Table,
+    at_ns: u64,
+    to: &[A],
+) -> u64 {
+    let TableRounds::Bsp(round) = &table.rounds else {
+        return 0;
+    };
+    let d = table.dim as usize;
+    let per = rows_per_fragment(table.dim);
+    let Some(n) = fragments_of(round.ids.len(), table.dim) else {
+        return 0;
+    };
+    for f in 0..n as usize {
+        let ids = round
+            .ids
+            .get(f * per..((f + 1) * per).min(round.ids.len()))
+            .unwrap_or(&[]);
+        let rows = &round.rows[f * per * d..(f * per + ids.len()) * d];
+        let at = out.len();
+        // Casts: a fragment holds at most P < 2^16 rows; f < n, a u32.
+        #[allow(clippy::cast_possible_truncation)]
+        let h = RowReplicaRepr {
+            count: ids.len() as u16,
+            fragment: f as u32,
+            ..head
+        };
+        out.extend_from_slice(&h.to_bytes());
+        replica_rows::write_fragment(out, at_ns, n, table.dim, ids, rows);
+        for &a in to {
+            // Casts: the row outbox holds a burst's messages, far below 4 GiB.
+            #[allow(clippy::cast_possible_truncation)]
+            pending.push(Pending::Row {
+                at: at as u32,
+                len: (out.len() - at) as u32,
+                to: a,
+            });
+        }
+    }
+    u64::from(n) * to.len() as u64
+}
+
+impl<A: Copy> Replica<A> {
+    /// Whether this lcore's entry has backups (its tables' rounds wait
+    /// for them).
+    pub(super) fn rows_replicated(&self) -> bool {
+        !self.row_backups.is_empty()
+    }
+}
+
+/// Table `table` of job `j` has every rank complete in round `t` at `now`:
+/// with backups, the round waits for them and its fragments are queued
+/// (`true`); without, it completes at once (`false`).
+pub(super) fn begin<A: Copy>(
+    j_head: (u64, u16),
+    rep: Option<&mut Replica<A>>,
+    table: &mut Table,
+    t: u32,
+    now: u64,
+    out: &mut Vec<u8>,
+    pending: &mut Vec<Pending<A>>,
+) -> bool {
+    let Some(rep) = rep.filter(|r| r.rows_replicated()) else {
+        return false;
+    };
+    debug_assert!(table.pending.is_none(), "a second round pending");
+    let deadline = now.saturating_add(rep.rtt.rto(0));
+    table.pending = Some(RowPending {
+        round: t,
+        at_ns: now,
+        acked: 0,
+        sent: now,
+        deadline,
+        resends: 0,
+    });
+    rep.next_deadline = rep.next_deadline.min(deadline);
+    let head = RowReplicaRepr {
+        kind: RowReplicaType::Rows,
+        flags: 0,
+        token: j_head.0,
+        job: j_head.1,
+        from: rep.me,
+        count: 0,
+        round: t,
+        entry: table.entry(),
+        key: table.key,
+        fragment: 0,
+        epoch: rep.view.epoch,
+    };
+    let to: Vec<A> = rep.row_backups.iter().map(|b| b.1).collect();
+    let sent = queue_fragments(out, pending, head, table, now, &to);
+    rep.stats.replicates_sent += sent;
+    true
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Makes the backup tables of job `id`'s replicated part on this lcore
+    /// from its `tables` (PROTOCOL.md §11.9): where this lcore's entry's
+    /// backups are, and a table per key for each entry of another
+    /// appliance this lcore backs up. Refused (the caller removes the job)
+    /// in an epoch with an appliance down or back.
+    pub(super) fn install_table_backups(
+        &mut self,
+        id: u16,
+        tables: &[TableInstall],
+    ) -> Result<(), EngineError> {
+        let Some(first) = tables.first() else {
+            return Ok(());
+        };
+        let j = self
+            .jobs
+            .iter_mut()
+            .find(|j| j.id == id)
+            .ok_or(EngineError::Table {
+                id,
+                key: first.key,
+                reason: "the job is not installed".into(),
+            })?;
+        let (workers, dtype, consistency) = (j.workers, j.dtype, j.consistency);
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return Ok(());
+        };
+        let refuse = |reason: String| EngineError::Table {
+            id,
+            key: first.key,
+            reason,
+        };
+        if rep.view.epoch != 0 || rep.view != phub_proto::failover::EpochView::default() {
+            return Err(refuse(format!(
+                "epoch {}: a replicated job's tables are installed at epoch 0 only (their failover \
+                 and state copies are not built, PROTOCOL.md §11.9)",
+                rep.view.epoch
+            )));
+        }
+        let lcores: Vec<usize> = rep.addrs.iter().map(Vec::len).collect();
+        let total: usize = lcores.iter().sum();
+        if tables
+            .iter()
+            .any(|t| t.lcores as usize != total || t.entry != first.entry)
+        {
+            return Err(refuse(format!(
+                "tables over {} lcores at entry {}: the job's appliances have {total} lcores",
+                first.lcores, first.entry
+            )));
+        }
+        // Each appliance's entries: its lcores, after the earlier ones'.
+        let parts: Vec<ChunkRange> = lcores
+            .iter()
+            .scan(0u64, |at, &l| {
+                let r = ChunkRange {
+                    first: *at,
+                    count: l as u64,
+                };
+                *at += l as u64;
+                Some(r)
+            })
+            .collect();
+        let me = usize::from(rep.me);
+        let mine = u64::from(first.entry);
+        if !parts[me].range().contains(&mine) {
+            return Err(refuse(format!(
+                "entry {mine} is not one of appliance {me}'s lcores"
+            )));
+        }
+        // Cast: below this appliance's lcore count, a usize.
+        #[allow(clippy::cast_possible_truncation)]
+        let j_me = (mine - parts[me].first) as usize;
+        let mut row_backups = Vec::new();
+        for &b in &rep.layout.set(me)[1..] {
+            let l =
+                entry_backup(parts[me], lcores[b], mine).ok_or_else(|| refuse(format!("entry {mine}")))?;
+            // Cast: b < the appliance count, a u16 (the install's `me`).
+            #[allow(clippy::cast_possible_truncation)]
+            row_backups.push((b as u16, rep.addrs[b][l]));
+        }
+        let mut row_parts = Vec::new();
+        for (p, part) in parts.iter().enumerate() {
+            if p == me || !rep.layout.set(p).contains(&me) {
+                continue;
+            }
+            for e in part.range() {
+                if entry_backup(*part, lcores[me], e) != Some(j_me) {
+                    continue;
+                }
+                // Cast: e < L, a u32 (the tables' `lcores`).
+                #[allow(clippy::cast_possible_truncation)]
+                let made = tables
+                    .iter()
+                    .map(|t| {
+                        let backup = TableInstall {
+                            entry: e as u32,
+                            ..t.clone()
+                        };
+                        Table::new(id, &backup, workers, dtype, consistency).map(|t| (t, Incoming::default()))
+                    })
+                    .collect::<Result<Vec<_>, _>>()?;
+                // Casts: p < the appliance count; e < L (above); e's lcore
+                // below appliance p's lcore count.
+                #[allow(clippy::cast_possible_truncation)]
+                let from = rep.addrs[p][(e - part.first) as usize];
+                #[allow(clippy::cast_possible_truncation)]
+                row_parts.push(RowPart {
+                    home: p as u16,
+                    entry: e as u32,
+                    from,
+                    tables: made,
+                });
+            }
+        }
+        rep.row_backups = row_backups;
+        rep.row_parts = row_parts;
+        Ok(())
+    }
+
+    /// A table replication message (PROTOCOL.md §11.9). Refusals are
+    /// counted, never answered: the sender is an appliance.
+    pub(super) fn row_replica_message(&mut self, from: A, datagram: &[u8], now: u64) -> Verdict {
+        let (repr, fragment) = match replica_rows::parse(datagram) {
+            Ok(p) => p,
+            Err(r) => return Verdict::Dropped(r),
+        };
+        let Some(i) = self.jobs.iter().position(|j| j.id == repr.job) else {
+            return Verdict::Dropped(DropReason::UnknownJob);
+        };
+        if self.jobs[i].token != repr.token {
+            return Verdict::Dropped(DropReason::BadToken);
+        }
+        if self.closing {
+            return Verdict::Dropped(DropReason::ShuttingDown);
+        }
+        let Some(rep) = self.jobs[i].replica.as_deref_mut() else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        if repr.epoch != rep.view.epoch {
+            rep.stats.wrong_epoch += 1;
+            return Verdict::Dropped(DropReason::WrongEpoch);
+        }
+        match (repr.kind, fragment) {
+            (RowReplicaType::Rows, Some(f)) => self.on_rows(i, from, &repr, &f),
+            (RowReplicaType::RowsAck, None) => self.on_rows_ack(i, from, &repr, now),
+            _ => Verdict::Dropped(DropReason::LengthMismatch),
+        }
+    }
+
+    /// A primary's fragment at a backup table: taken, and the round applied
+    /// once whole (an ACK queued), or acknowledged again for the last
+    /// round applied, else refused.
+    fn on_rows(&mut self, i: usize, from: A, repr: &RowReplicaRepr, f: &RowsFragment<'_>) -> Verdict {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            counters,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let (token, id) = (j.token, j.id);
+        let rep = j.replica.as_deref_mut().expect("checked by the caller");
+        let (me, epoch) = (rep.me, rep.view.epoch);
+        let Some(part) = rep
+            .row_parts
+            .iter_mut()
+            .find(|p| p.home == repr.from && p.entry == repr.entry)
+        else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        if part.from != from {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        let Some((table, inc)) = part.tables.iter_mut().find(|(t, _)| t.key == repr.key) else {
+            return Verdict::Dropped(DropReason::UnknownTable);
+        };
+        if f.dim != table.dim {
+            return Verdict::Dropped(DropReason::DimMismatch);
+        }
+        let applied = match take_fragment(table, inc, repr, f) {
+            Ok(applied) => applied,
+            Err(r) => return Verdict::Dropped(r),
+        };
+        let ack = RowReplicaRepr {
+            kind: RowReplicaType::RowsAck,
+            flags: 0,
+            token,
+            job: id,
+            from: me,
+            count: 0,
+            round: repr.round,
+            entry: repr.entry,
+            key: repr.key,
+            fragment: 0,
+            epoch,
+        };
+        match applied {
+            Some(true) => {
+                rep.stats.rounds_applied += 1;
+                rep.stats.acks_sent += 1;
+                counters.replicate_acks_sent.inc();
+            }
+            Some(false) => {
+                rep.stats.acks_resent += 1;
+                counters.replicate_acks_resent.inc();
+            }
+            None => return Verdict::Replicated,
+        }
+        let at = rows_out.len();
+        rows_out.extend_from_slice(&ack.to_bytes());
+        // Cast: the row outbox holds a burst's messages, far below 4 GiB.
+        #[allow(clippy::cast_possible_truncation)]
+        pending.push(Pending::Row {
+            at: at as u32,
+            len: HEADER_LEN as u32,
+            to: from,
+        });
+        Verdict::Replicated
+    }
+
+    /// A backup's ACK at a primary table: counted, and when it was the
+    /// last the round waited for, the round completes and its answers
+    /// are queued.
+    fn on_rows_ack(&mut self, i: usize, from: A, repr: &RowReplicaRepr, now: u64) -> Verdict {
+        let share = self.rx_share(&self.jobs[i]);
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            counters,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let Job {
+            tables,
+            replica,
+            endpoints,
+            counters: job_counters,
+            dtype,
+            token,
+            id,
+            ..
+        } = j;
+        let rep = replica.as_deref_mut().expect("checked by the caller");
+        let Some(k) = rep.row_backups.iter().position(|b| b.0 == repr.from) else {
+            return Verdict::Dropped(DropReason::RankOutOfRange);
+        };
+        if rep.row_backups[k].1 != from {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        let Some(table) = tables.iter_mut().find(|t| t.key == repr.key) else {
+            return Verdict::Dropped(DropReason::UnknownTable);
+        };
+        if table.entry() != repr.entry {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        let completed = match &table.rounds {
+            TableRounds::Bsp(r) => r.completed,
+            TableRounds::Clocked { .. } => return Verdict::Dropped(DropReason::WrongPeer),
+        };
+        let Some(mut p) = table.pending.filter(|p| p.round == repr.round) else {
+            return Verdict::Dropped(if repr.round <= completed {
+                DropReason::Stale
+            } else {
+                DropReason::Ahead
+            });
+        };
+        if p.acked & (1 << k) != 0 {
+            return Verdict::Dropped(DropReason::Duplicate);
+        }
+        p.acked |= 1 << k;
+        if u32::from(p.acked).count_ones() as usize != rep.row_backups.len() {
+            table.pending = Some(p);
+            return Verdict::Replicated;
+        }
+        if p.resends == 0 {
+            rep.rtt.sample(now.saturating_sub(p.sent));
+        }
+        table.pending = None;
+        rep.stats.rounds_replicated += 1;
+        counters.rounds_replicated.inc();
+        counters.rounds_completed.inc();
+        job_counters.rounds += 1;
+        let mut answers = Answers {
+            out: rows_out,
+            pending,
+            counters,
+            endpoints,
+            head: RowRepr {
+                kind: RowMsgType::RowDone,
+                dtype: *dtype,
+                flags: 0,
+                token: *token,
+                job: *id,
+                rank: APPLIANCE_RANK,
+                count: 0,
+                round: 0,
+                dim: table.dim,
+                key: table.key,
+                seq: 0,
+                cache: KeyCache::Off,
+            },
+            share,
+            // The time the round's last rank completed: the backups took
+            // the round at it too.
+            now: p.at_ns,
+        };
+        complete(table, p.round, &mut answers);
+        Verdict::Completed
+    }
+
+    /// Resends the fragments of the table rounds whose backups have not
+    /// all acknowledged in time, within `budget` messages; returns what is
+    /// left of it and the earliest deadline after.
+    pub(super) fn poll_row_replicas(&mut self, i: usize, now: u64, mut budget: usize) -> (usize, u64) {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            counters,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let mut next = u64::MAX;
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return (budget, next);
+        };
+        if !rep.rows_replicated() {
+            return (budget, next);
+        }
+        let mut timed_out = false;
+        for t in &mut j.tables {
+            let Some(mut p) = t.pending else {
+                continue;
+            };
+            let to: Vec<A> = rep
+                .row_backups
+                .iter()
+                .enumerate()
+                .filter(|(k, _)| p.acked & (1 << k) == 0)
+                .map(|(_, b)| b.1)
+                .collect();
+            let TableRounds::Bsp(round) = &t.rounds else {
+                continue;
+            };
+            let n = fragments_of(round.ids.len(), t.dim).unwrap_or(1) as usize * to.len();
+            if p.deadline <= now && budget >= n {
+                budget -= n;
+                if !timed_out {
+                    rep.rtt.back_off();
+                    timed_out = true;
+                }
+                p.resends = p.resends.saturating_add(1);
+                p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                let head = RowReplicaRepr {
+                    kind: RowReplicaType::Rows,
+                    flags: flags::RETRANSMIT,
+                    token: j.token,
+                    job: j.id,
+                    from: rep.me,
+                    count: 0,
+                    round: p.round,
+                    entry: t.entry(),
+                    key: t.key,
+                    fragment: 0,
+                    epoch: rep.view.epoch,
+                };
+                let sent = queue_fragments(rows_out, pending, head, t, p.at_ns, &to);
+                rep.stats.replicates_resent += sent;
+                for _ in 0..sent {
+                    counters.replicates_resent.inc();
+                }
+                t.pending = Some(p);
+            }
+            next = next.min(p.deadline);
+        }
+        (budget, next)
+    }
+
+    /// The durable state of the backup tables this lcore keeps of entry
+    /// `entry` of job `id`, in key order, as [`Shard::snapshot_tables`]
+    /// gives a primary's: what a test compares bit for bit. `None` when it
+    /// keeps none.
+    pub fn backup_tables(&self, id: u16, entry: u32) -> Option<Vec<TableState>> {
+        let rep = self.job(id)?.replica.as_deref()?;
+        let part = rep.row_parts.iter().find(|p| p.entry == entry)?;
+        Some(part.tables.iter().map(|(t, _)| t.save()).collect())
+    }
+}
+
+/// Takes fragment `f` of round `repr.round` at backup table `table`:
+/// `Some(true)` when it completed the round and the round was applied,
+/// `Some(false)` for a copy of the last round applied (acknowledged
+/// again), `None` when taken and more are awaited.
+fn take_fragment(
+    table: &mut Table,
+    inc: &mut Incoming,
+    repr: &RowReplicaRepr,
+    f: &RowsFragment<'_>,
+) -> Result<Option<bool>, DropReason> {
+    let completed = match &table.rounds {
+        TableRounds::Bsp(bsp) => bsp.completed,
+        TableRounds::Clocked { .. } => return Err(DropReason::WrongPeer),
+    };
+    let t = repr.round;
+    if t == completed && t != 0 {
+        return Ok(Some(false));
+    }
+    if Some(t) != completed.checked_add(1) {
+        return Err(if t < completed {
+            DropReason::Stale
+        } else {
+            DropReason::Ahead
+        });
+    }
+    let per = rows_per_fragment(table.dim);
+    let n = f.fragments;
+    let last = repr.fragment + 1 == n;
+    let count = f.len();
+    if repr.fragment >= n || count > per || (!last && count != per) || (last && n > 1 && count == 0) {
+        return Err(DropReason::CountMismatch);
+    }
+    if inc.round != t {
+        inc.round = t;
+        inc.at_ns = f.at_ns;
+        inc.fragments = n;
+        inc.got.clear();
+        inc.got.resize((n as usize).div_ceil(64), 0);
+        inc.held = 0;
+        inc.last = 0;
+        inc.ids.clear();
+        inc.rows.clear();
+    } else if inc.fragments != n || inc.at_ns != f.at_ns {
+        // Another copy of the round with another shape: not the round
+        // the fragments taken belong to.
+        return Err(DropReason::CountMismatch);
+    }
+    let fi = repr.fragment as usize;
+    if inc.got[fi / 64] & (1 << (fi % 64)) != 0 {
+        return Err(DropReason::Duplicate);
+    }
+    if !f.ids().all(|id| table.holds(id)) {
+        return Err(DropReason::RowOutOfPlace);
+    }
+    let d = table.dim as usize;
+    let end = fi * per + count;
+    if inc.ids.len() < end {
+        inc.ids.resize(end, 0);
+        inc.rows.resize(end * d, 0.0);
+    }
+    for (k, id) in f.ids().enumerate() {
+        inc.ids[fi * per + k] = id;
+    }
+    f.rows_into(&mut inc.scratch);
+    inc.rows[fi * per * d..end * d].copy_from_slice(&inc.scratch);
+    inc.got[fi / 64] |= 1 << (fi % 64);
+    inc.held += 1;
+    if last {
+        inc.last = count;
+    }
+    if inc.held < n {
+        return Ok(None);
+    }
+    let total = (n as usize - 1) * per + inc.last;
+    // The primary's completion (`rows::complete`): the same batched update
+    // over the same rows in the same order, at the same time.
+    table
+        .store
+        .update_batch(&inc.ids[..total], &inc.rows[..total * d]);
+    table.store.advance_round_at(inc.at_ns);
+    if let TableRounds::Bsp(bsp) = &mut table.rounds {
+        bsp.completed = t;
+    }
+    inc.round = 0;
+    Ok(Some(true))
+}

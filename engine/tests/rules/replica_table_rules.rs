@@ -1,0 +1,628 @@
+//! Replicas of a job's tables (PROTOCOL.md §11.9) on hand-wired
+//! appliances: every lcore of every appliance is a [`Shard`] with the
+//! job's table, datagrams between them and the ranks go through one seeded
+//! network that loses, duplicates and reorders them, and the ranks run BSP
+//! table rounds (ROW_PUSHes and a ROW_END to every entry) with
+//! retransmission. After every round each backup table must equal its
+//! primary's bit for bit (rows, optimizer state, admission counts,
+//! evictions: the whole checkpoint), and no ROW_RESULT or ROW_DONE of a
+//! round may leave a primary before every backup of its entry applied
+//! that round.
+
+use std::collections::{BTreeSet, HashMap};
+
+use phub_engine::engine::TableInstall;
+use phub_proto::placement::RowPlacement;
+use phub_proto::replica_rows::{self, RowReplicaType};
+use phub_proto::rows::{self, KeyCache, RowMsgType, RowRepr};
+use phub_proto::spec::{rows_per_datagram, Evict, KeySpec, RowInitSpec, RowOptimizerSpec, TableSpec};
+use phub_proto::table_checkpoint::{TableRoundsState, TableState};
+use phub_proto::wire::HEADER_LEN;
+
+use crate::replica_world::*;
+
+/// Network faults of these tests: every kind of datagram alike.
+#[derive(Clone, Copy)]
+struct Net {
+    loss: f64,
+    replica_loss: f64,
+    dup: f64,
+}
+
+const LOSSY_NET: Net = Net {
+    loss: 0.1,
+    replica_loss: 0.3,
+    dup: 0.2,
+};
+
+/// One rank's messages of a round to one entry, and which are answered.
+struct Lane {
+    msgs: Vec<Vec<u8>>,
+    /// Sequence numbers whose ROW_RESULT came.
+    answered: BTreeSet<u32>,
+    done: bool,
+}
+
+struct TableWorld {
+    spec: JobSpec,
+    key: u32,
+    dim: u32,
+    lcores: Vec<usize>,
+    racks: Vec<String>,
+    shards: Vec<Vec<Shard<SocketAddrV4>>>,
+    net: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
+    rng: Rng,
+    faults: Net,
+    now: u64,
+    placement: RowPlacement,
+    /// (rank, entry) -> its lane of the round in progress.
+    lanes: HashMap<(u16, u32), Lane>,
+    round: u32,
+    /// Row answers seen leaving a primary, each checked against its
+    /// backups.
+    answers_checked: u64,
+    /// REPLICATE_ROWS datagrams sent (fragments) and their resends.
+    fragments: (u64, u64),
+    errors: Vec<RowRepr>,
+}
+
+fn table_spec(
+    dim: u32,
+    rows: u64,
+    optimizer: RowOptimizerSpec,
+    evict: Option<Evict>,
+    admit: Option<u32>,
+) -> TableSpec {
+    TableSpec {
+        dim,
+        rows: Some(rows),
+        seed: 11,
+        init: RowInitSpec::Uniform { a: -0.5, b: 0.5 },
+        optimizer,
+        evict,
+        admit_after: admit,
+        key_cache: 0,
+    }
+}
+
+impl TableWorld {
+    fn new(
+        table: TableSpec,
+        chunk_bytes: u32,
+        replicas: u32,
+        lcores: &[usize],
+        racks: &[&str],
+        seed: u64,
+    ) -> Self {
+        let mut spec = JobSpec::new("rt", 3, &[8])
+            .with_chunk_bytes(chunk_bytes)
+            .sharded_over(Appliances::Count(lcores.len() as u32))
+            .with_replicas(replicas);
+        let dim = table.dim;
+        spec.keys.push(KeySpec::table("emb", table.clone()));
+        let key = 1;
+        let chunks = Chunks::new(&spec);
+        let nl: usize = lcores.iter().sum();
+        let runs = backup_runs(
+            ChunkRange {
+                first: 0,
+                count: chunks.total(),
+            },
+            nl,
+        );
+        let appliances = appliance_list(lcores);
+        let racks: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
+        let mut shards = Vec::new();
+        let mut entry = 0u32;
+        for (i, &l) in lcores.iter().enumerate() {
+            let plan = replica_plan(&spec, &runs, &appliances, &racks, i as u16, 0).unwrap();
+            let mut mine = Vec::new();
+            for (j, (slots, rep)) in plan.into_iter().enumerate() {
+                let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+                s.set_peer_resolver(Arc::new(Some));
+                let t = TableInstall {
+                    key,
+                    spec: table.clone(),
+                    chunk_bytes,
+                    lcores: nl as u32,
+                    entry,
+                };
+                s.install_with_tables(job(&spec, slots), InstallKind::Replicated(Box::new(rep)), vec![t])
+                    .unwrap();
+                entry += 1;
+                mine.push(s);
+            }
+            assert_eq!(mine.len(), l);
+            shards.push(mine);
+        }
+        let per: Vec<u32> = lcores.iter().map(|&l| l as u32).collect();
+        TableWorld {
+            placement: RowPlacement::new(table.seed, key, &per).unwrap(),
+            spec,
+            key,
+            dim,
+            lcores: lcores.to_vec(),
+            racks,
+            shards,
+            net: Vec::new(),
+            rng: Rng(seed),
+            faults: Net {
+                loss: 0.0,
+                replica_loss: 0.0,
+                dup: 0.0,
+            },
+            now: 1,
+            lanes: HashMap::new(),
+            round: 0,
+            answers_checked: 0,
+            fragments: (0, 0),
+            errors: Vec::new(),
+        }
+    }
+
+    /// Appliance and lcore of entry `e`.
+    fn at_entry(&self, e: u32) -> (usize, usize) {
+        let mut at = e as usize;
+        for (i, &n) in self.lcores.iter().enumerate() {
+            if at < n {
+                return (i, at);
+            }
+            at -= n;
+        }
+        unreachable!("entry {e}")
+    }
+
+    fn entry_of(&self, i: usize, j: usize) -> u32 {
+        (self.lcores[..i].iter().sum::<usize>() + j) as u32
+    }
+
+    fn entries(&self) -> u32 {
+        self.lcores.iter().sum::<usize>() as u32
+    }
+
+    fn backups_of(&self, i: usize) -> Vec<usize> {
+        replica_set(&self.racks, i, self.spec.replicas())[1..].to_vec()
+    }
+
+    /// Backup appliance b's table state of entry `e`.
+    fn backup(&self, b: usize, e: u32) -> Vec<TableState> {
+        self.shards[b]
+            .iter()
+            .find_map(|s| s.backup_tables(JOB, e))
+            .unwrap_or_else(|| panic!("appliance {b} keeps no backup of entry {e}"))
+    }
+
+    fn send(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: Vec<u8>) {
+        let loss = if replica_rows::is_row_replica_message(&d) {
+            self.faults.replica_loss
+        } else {
+            self.faults.loss
+        };
+        if self.rng.chance(loss) {
+            return;
+        }
+        if self.rng.chance(self.faults.dup) {
+            self.net.push((from, to, d.clone()));
+        }
+        self.net.push((from, to, d));
+    }
+
+    /// Sends what appliance i's lcore j queued, checking every row answer
+    /// against the entry's backups first.
+    fn drain(&mut self, i: usize, j: usize) {
+        let from = lcore_addr(i, j);
+        let mut out = Vec::new();
+        for t in self.shards[i][j].transmits() {
+            let mut d = t.header.to_vec();
+            d.extend_from_slice(t.payload);
+            for to in t.to {
+                out.push((to, d.clone()));
+            }
+        }
+        self.shards[i][j].clear_transmits();
+        for (to, d) in out {
+            if let Ok((r, _)) = replica_rows::parse(&d) {
+                if r.kind == RowReplicaType::Rows {
+                    self.fragments.0 += 1;
+                    if r.retransmitted() {
+                        self.fragments.1 += 1;
+                    }
+                }
+            }
+            if let Ok((r, _)) = rows::parse(&d) {
+                if matches!(r.kind, RowMsgType::RowResult | RowMsgType::RowDone) {
+                    self.check_backups_hold(i, j, r.round);
+                }
+            }
+            self.send(from, to, d);
+        }
+    }
+
+    /// The rule under test: a row answer of `round` leaves appliance i's
+    /// lcore j only once every backup of its entry applied that round.
+    fn check_backups_hold(&mut self, i: usize, j: usize, round: u32) {
+        self.answers_checked += 1;
+        let e = self.entry_of(i, j);
+        for b in self.backups_of(i) {
+            for t in self.backup(b, e) {
+                let TableRoundsState::Bsp { completed } = t.rounds else {
+                    panic!("a BSP table")
+                };
+                assert!(
+                    completed >= round,
+                    "a row answer of round {round} left entry {e} while its backup {b} holds round {completed}"
+                );
+            }
+        }
+    }
+
+    fn run(&mut self) {
+        while !self.net.is_empty() {
+            let k = self.rng.below(self.net.len());
+            let (from, to, d) = self.net.swap_remove(k);
+            if to.ip().octets()[1] == 9 {
+                self.deliver_to_worker(from, to, &d);
+                continue;
+            }
+            let i = to.ip().octets()[2] as usize;
+            let j = usize::from(to.port() - 9000);
+            self.shards[i][j].handle(from, &d, self.now);
+            self.drain(i, j);
+            self.now += 1_000;
+        }
+    }
+
+    fn deliver_to_worker(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: &[u8]) {
+        let Ok((repr, _)) = rows::parse(d) else {
+            let (r, _) = wire::parse(d).unwrap();
+            panic!("a rank got {r:?}");
+        };
+        let rank = u16::from(to.ip().octets()[3]) - 1;
+        let e = self.entry_of(from.ip().octets()[2] as usize, usize::from(from.port() - 9000));
+        if repr.round != self.round {
+            return;
+        }
+        let Some(lane) = self.lanes.get_mut(&(rank, e)) else {
+            return;
+        };
+        match repr.kind {
+            RowMsgType::RowResult => {
+                lane.answered.insert(repr.seq);
+            }
+            RowMsgType::RowDone => lane.done = true,
+            _ => self.errors.push(repr),
+        }
+    }
+
+    fn poll(&mut self) {
+        for i in 0..self.shards.len() {
+            for j in 0..self.shards[i].len() {
+                self.shards[i][j].poll_timers(self.now);
+                self.drain(i, j);
+            }
+        }
+    }
+
+    fn head(&self, kind: RowMsgType, rank: u16, seq: u32, count: usize) -> RowRepr {
+        RowRepr {
+            kind,
+            dtype: Dtype::F32,
+            flags: 0,
+            token: TOKEN,
+            job: JOB,
+            rank,
+            count: count as u16,
+            round: self.round,
+            dim: self.dim,
+            key: self.key,
+            seq,
+            cache: KeyCache::Off,
+        }
+    }
+
+    /// Round `self.round + 1`: each rank pushes `k` ids drawn below
+    /// `range` (repeats summed, as a worker does) to their entries, and a
+    /// ROW_END to every entry; resent until every rank has every answer.
+    fn table_round(&mut self, k: usize, range: u64) {
+        self.round += 1;
+        self.lanes.clear();
+        let per = rows_per_datagram(self.spec.chunk_bytes, self.dim, Dtype::F32) as usize;
+        let d = self.dim as usize;
+        for rank in 0..self.spec.workers as u16 {
+            let ids: BTreeSet<u64> = (0..k).map(|_| self.rng.next() % range).collect();
+            for e in 0..self.entries() {
+                let mine: Vec<u64> = ids
+                    .iter()
+                    .copied()
+                    .filter(|&id| self.placement.entry(id) == e)
+                    .collect();
+                let mut msgs = Vec::new();
+                for (s, part) in mine.chunks(per).enumerate() {
+                    let rows: Vec<f32> = (0..part.len() * d).map(|_| self.rng.value()).collect();
+                    let repr = self.head(RowMsgType::RowPush, rank, s as u32, part.len());
+                    let mut b = vec![0u8; HEADER_LEN + 9000];
+                    let n = rows::write(&repr, part, &rows, &mut b);
+                    b.truncate(n);
+                    msgs.push(b);
+                }
+                let n = msgs.len() as u32;
+                let mut b = vec![0u8; HEADER_LEN];
+                let len = rows::write(&self.head(RowMsgType::RowEnd, rank, n, 0), &[], &[], &mut b);
+                b.truncate(len);
+                msgs.push(b);
+                self.lanes.insert(
+                    (rank, e),
+                    Lane {
+                        msgs,
+                        answered: BTreeSet::new(),
+                        done: false,
+                    },
+                );
+            }
+        }
+        for attempt in 0.. {
+            let mut out = Vec::new();
+            for (&(rank, e), lane) in &self.lanes {
+                let n = lane.msgs.len() - 1;
+                for (s, m) in lane.msgs.iter().enumerate() {
+                    let answered = if s == n {
+                        lane.done
+                    } else {
+                        lane.answered.contains(&(s as u32))
+                    };
+                    if !answered {
+                        let mut m = m.clone();
+                        if attempt > 0 {
+                            m[7] |= flags::RETRANSMIT;
+                        }
+                        out.push((rank, e, m));
+                    }
+                }
+            }
+            if out.is_empty() {
+                break;
+            }
+            assert!(
+                attempt < 400,
+                "round {}: {} messages never answered",
+                self.round,
+                out.len()
+            );
+            for (rank, e, m) in out {
+                let (i, j) = self.at_entry(e);
+                self.send(worker_addr(rank), lcore_addr(i, j), m);
+            }
+            self.run();
+            self.now += 30 * MS;
+            self.poll();
+            self.run();
+        }
+        assert!(self.errors.is_empty(), "ERRORs: {:?}", self.errors);
+    }
+
+    /// Every backup table equals its primary's, bit for bit, at the round.
+    fn assert_backups_equal(&self) {
+        for e in 0..self.entries() {
+            let (i, j) = self.at_entry(e);
+            let primary = self.shards[i][j].snapshot_tables(JOB).unwrap();
+            assert_eq!(primary.len(), 1);
+            assert_eq!(
+                primary[0].rounds,
+                TableRoundsState::Bsp {
+                    completed: self.round
+                }
+            );
+            for b in self.backups_of(i) {
+                assert!(
+                    self.backup(b, e) == primary,
+                    "entry {e}, backup {b}: not the primary's state at round {}",
+                    self.round
+                );
+            }
+        }
+    }
+}
+
+fn replica_sum(w: &TableWorld, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
+    w.shards
+        .iter()
+        .flatten()
+        .map(|s| f(&s.replica_stats(JOB).unwrap()))
+        .sum()
+}
+
+#[test]
+fn backup_tables_stay_bit_identical_under_loss_duplication_and_reordering() {
+    let adagrad = RowOptimizerSpec::Adagrad {
+        lr: 0.25,
+        eps: 1e-8,
+        initial_accumulator: 0.1,
+        rowwise: false,
+    };
+    let adam = RowOptimizerSpec::Adam {
+        lr: 0.01,
+        beta1: 0.9,
+        beta2: 0.999,
+        eps: 1e-8,
+    };
+    let ftrl = RowOptimizerSpec::Ftrl {
+        alpha: 0.1,
+        beta: 1.0,
+        l1: 0.01,
+        l2: 0.001,
+    };
+    // (table, chunk_bytes, replicas, ids a rank pushes, id range): a cap
+    // that evicts (CLOCK), admission after two pushes, idle eviction, and
+    // rounds of several fragments (D = 64: 33 rows a fragment).
+    let cases = [
+        (table_spec(4, 30, adagrad, None, None), 64, 2, 12, 80),
+        (table_spec(4, 1000, adam, None, Some(2)), 64, 3, 12, 60),
+        (
+            table_spec(4, 1000, ftrl, Some(Evict::IdleRounds(2)), None),
+            128,
+            2,
+            10,
+            200,
+        ),
+        (table_spec(64, 100_000, adagrad, None, None), 8192, 2, 120, 400),
+    ];
+    for (seed, (table, chunk_bytes, replicas, k, range)) in cases.into_iter().enumerate() {
+        let mut w = TableWorld::new(
+            table,
+            chunk_bytes,
+            replicas,
+            &[2, 1, 2],
+            &["r1", "r2", "r1"],
+            seed as u64,
+        );
+        w.faults = LOSSY_NET;
+        for _ in 0..6 {
+            w.table_round(k, range);
+            w.assert_backups_equal();
+        }
+        assert!(w.answers_checked > 0);
+        assert!(
+            replica_sum(&w, |s| s.replicates_resent) > 0,
+            "case {seed}: nothing resent"
+        );
+        assert!(
+            replica_sum(&w, |s| s.acks_resent) > 0,
+            "case {seed}: no ACK sent again"
+        );
+        // Each (entry, round) applied once on each backup, and completed
+        // once on its primary after its last ACK.
+        let entries = u64::from(w.entries());
+        assert_eq!(
+            replica_sum(&w, |s| s.rounds_applied),
+            entries * 6 * (u64::from(replicas) - 1),
+            "case {seed}"
+        );
+        assert_eq!(
+            replica_sum(&w, |s| s.rounds_replicated),
+            entries * 6,
+            "case {seed}"
+        );
+        if seed == 3 {
+            // Several fragments a round on some entry.
+            assert!(
+                w.fragments.0 > entries * 6 * 2,
+                "case {seed}: {:?} fragments",
+                w.fragments
+            );
+        }
+    }
+}
+
+/// A primary whose REPLICATE_ROWS are all lost answers nobody: the round
+/// is held (a ROW_PULL reads the previous round's rows, a copy of a push
+/// is a duplicate) until the resends get through.
+#[test]
+fn a_table_round_is_held_until_every_backup_acknowledged() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sgd { lr: 0.5 }, None, None);
+    let mut w = TableWorld::new(table, 64, 3, &[1, 1, 1], &["", "", ""], 5);
+    w.table_round(6, 50);
+    w.assert_backups_equal();
+    // Round 2 with every replication message lost: the ranks' messages
+    // are all taken, yet no answer of round 2 leaves.
+    w.faults.replica_loss = 1.0;
+    w.round += 1;
+    for rank in 0..3u16 {
+        for e in 0..3 {
+            let (i, j) = w.at_entry(e);
+            let mut b = vec![0u8; HEADER_LEN];
+            let len = rows::write(&w.head(RowMsgType::RowEnd, rank, 0, 0), &[], &[], &mut b);
+            b.truncate(len);
+            w.send(worker_addr(rank), lcore_addr(i, j), b);
+        }
+    }
+    w.lanes = (0..3u16)
+        .flat_map(|r| (0..3u32).map(move |e| (r, e)))
+        .map(|k| {
+            (
+                k,
+                Lane {
+                    msgs: Vec::new(),
+                    answered: BTreeSet::new(),
+                    done: false,
+                },
+            )
+        })
+        .collect();
+    for _ in 0..5 {
+        w.run();
+        w.now += 30 * MS;
+        w.poll();
+    }
+    w.run();
+    assert!(
+        w.lanes.values().all(|l| !l.done),
+        "a ROW_DONE left before the backups had the round"
+    );
+    assert!(replica_sum(&w, |s| s.replicates_resent) > 0);
+    for e in 0..3 {
+        let (i, j) = w.at_entry(e);
+        let t = w.shards[i][j].snapshot_tables(JOB).unwrap();
+        assert_eq!(t[0].rounds, TableRoundsState::Bsp { completed: 1 }, "entry {e}");
+    }
+    // The network heals: the next resend gets through and every rank is
+    // answered.
+    w.faults.replica_loss = 0.0;
+    for _ in 0..20 {
+        w.now += 300 * MS;
+        w.poll();
+        w.run();
+        if w.lanes.values().all(|l| l.done) {
+            break;
+        }
+    }
+    assert!(w.lanes.values().all(|l| l.done), "the round never completed");
+    w.assert_backups_equal();
+}
+
+/// A fragment from anywhere but the entry's primary lcore, or of another
+/// epoch, changes nothing.
+#[test]
+fn a_fragment_from_elsewhere_or_another_epoch_is_refused() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sum, None, None);
+    let mut w = TableWorld::new(table, 64, 2, &[1, 1], &["", ""], 2);
+    // Appliance 1 backs up entry 0 (appliance 0's lcore).
+    let head = replica_rows::RowReplicaRepr {
+        kind: RowReplicaType::Rows,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        from: 0,
+        count: 0,
+        round: 1,
+        entry: 0,
+        key: 1,
+        fragment: 0,
+        epoch: 0,
+    };
+    let mut d = head.to_bytes().to_vec();
+    replica_rows::write_fragment(&mut d, 1, 1, 4, &[], &[]);
+    let before = w.backup(1, 0);
+    let s = &mut w.shards[1][0];
+    assert_eq!(
+        s.handle(worker_addr(0), &d, 1),
+        Verdict::Dropped(DropReason::WrongPeer),
+        "from a rank's address"
+    );
+    let mut other = d.clone();
+    wire::Header::new_unchecked(&mut other[..]).set_epoch(1);
+    assert_eq!(
+        s.handle(lcore_addr(0, 0), &other, 1),
+        Verdict::Dropped(DropReason::WrongEpoch)
+    );
+    let mut ahead = d.clone();
+    wire::Header::new_unchecked(&mut ahead[..]).set_round(2);
+    assert_eq!(
+        s.handle(lcore_addr(0, 0), &ahead, 1),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    assert!(w.backup(1, 0) == before, "a refused fragment changed the backup");
+    // From the primary's lcore, in the epoch: the empty round is applied.
+    let s = &mut w.shards[1][0];
+    assert_eq!(s.handle(lcore_addr(0, 0), &d, 1), Verdict::Replicated);
+    assert_eq!(w.backup(1, 0)[0].rounds, TableRoundsState::Bsp { completed: 1 });
+}
