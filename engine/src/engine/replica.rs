@@ -353,7 +353,9 @@ impl<A: Copy> Replica<A> {
     /// [`phub_proto::memory::MemoryModel::replica_lcore_bytes`] charges
     /// them: the backup slots' buffers, block overheads (`block_overhead`
     /// each) and records, a pending-aggregate record per primary slot and
-    /// every peer lcore's run and address.
+    /// every peer lcore's run and address; and its backup tables, as their
+    /// primaries' (admission does not charge these yet: a replicated job
+    /// with a table is refused by its spec, PROTOCOL.md §11.9).
     pub(super) fn memory_bytes(&self, block_overhead: u64) -> u64 {
         let parts: u64 = self
             .parts
@@ -372,7 +374,14 @@ impl<A: Copy> Replica<A> {
             .map(|(_, p)| p.addrs.len())
             .sum::<usize>()
             + self.parts.iter().map(|p| p.at.addrs.len()).sum::<usize>();
-        parts + self.pushed.len() as u64 * REPLICA_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
+        // Backup tables (PROTOCOL.md §11.9), charged as primary tables.
+        let tables: u64 = self
+            .row_parts
+            .iter()
+            .flat_map(|p| &p.tables)
+            .map(|(t, _)| t.memory_bytes())
+            .sum();
+        parts + tables + self.pushed.len() as u64 * REPLICA_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
     }
 
     /// Whether all `n` backups are in `acked` (bits at and above `n` are

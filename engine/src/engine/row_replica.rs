@@ -100,7 +100,7 @@ fn queue_fragments<A: Copy>(
     head: RowReplicaRepr,
     table: &Table,
     at_ns: u64,
-    to: &[A],
+    to: impl Iterator<Item = A> + Clone,
 ) -> u64 {
     let TableRounds::Bsp(round) = &table.rounds else {
         return 0;
@@ -126,7 +126,7 @@ fn queue_fragments<A: Copy>(
         };
         out.extend_from_slice(&h.to_bytes());
         replica_rows::write_fragment(out, at_ns, n, table.dim, ids, rows);
-        for &a in to {
+        for a in to.clone() {
             // Casts: the row outbox holds a burst's messages, far below 4 GiB.
             #[allow(clippy::cast_possible_truncation)]
             pending.push(Pending::Row {
@@ -136,7 +136,7 @@ fn queue_fragments<A: Copy>(
             });
         }
     }
-    u64::from(n) * to.len() as u64
+    u64::from(n) * to.count() as u64
 }
 
 impl<A: Copy> Replica<A> {
@@ -186,8 +186,14 @@ pub(super) fn begin<A: Copy>(
         fragment: 0,
         epoch: rep.view.epoch,
     };
-    let to: Vec<A> = rep.row_backups.iter().map(|b| b.1).collect();
-    let sent = queue_fragments(out, pending, head, table, now, &to);
+    let sent = queue_fragments(
+        out,
+        pending,
+        head,
+        table,
+        now,
+        rep.row_backups.iter().map(|b| b.1),
+    );
     rep.stats.replicates_sent += sent;
     true
 }
@@ -528,17 +534,17 @@ impl<A: Copy + Eq> Shard<A> {
             let Some(mut p) = t.pending else {
                 continue;
             };
-            let to: Vec<A> = rep
+            let acked = p.acked;
+            let to = rep
                 .row_backups
                 .iter()
                 .enumerate()
-                .filter(|(k, _)| p.acked & (1 << k) == 0)
-                .map(|(_, b)| b.1)
-                .collect();
+                .filter(move |(k, _)| acked & (1 << k) == 0)
+                .map(|(_, b)| b.1);
             let TableRounds::Bsp(round) = &t.rounds else {
                 continue;
             };
-            let n = fragments_of(round.ids.len(), t.dim).unwrap_or(1) as usize * to.len();
+            let n = fragments_of(round.ids.len(), t.dim).unwrap_or(1) as usize * to.clone().count();
             if p.deadline <= now && budget >= n {
                 budget -= n;
                 if !timed_out {
@@ -560,7 +566,7 @@ impl<A: Copy + Eq> Shard<A> {
                     fragment: 0,
                     epoch: rep.view.epoch,
                 };
-                let sent = queue_fragments(rows_out, pending, head, t, p.at_ns, &to);
+                let sent = queue_fragments(rows_out, pending, head, t, p.at_ns, to);
                 rep.stats.replicates_resent += sent;
                 for _ in 0..sent {
                     counters.replicates_resent.inc();
