@@ -61,8 +61,12 @@ pub mod field {
     /// `u8`, in a REPLICATE_STATE: how many fragments the copy has; 0 in
     /// every other message.
     pub const FRAGMENTS: usize = 49;
+    /// `u32`, in a table message of a replicated job and its answers and
+    /// ERRORs (PROTOCOL.md §11.9): the entry e the message is for; 0 in
+    /// every other message, and not checked in them.
+    pub const ENTRY: Range<usize> = 50..54;
     /// Reserved, sent as zero, ignored on receipt.
-    pub const RESERVED: Range<usize> = 50..86;
+    pub const RESERVED: Range<usize> = 54..86;
     /// First payload byte.
     pub const PAYLOAD: usize = 86;
 }
@@ -492,6 +496,10 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn epoch(&self) -> u32 {
         get_le!(self, u32, field::EPOCH)
     }
+    /// The entry a replicated job's table message is for ([`field::ENTRY`]).
+    pub fn entry(&self) -> u32 {
+        get_le!(self, u32, field::ENTRY)
+    }
     /// A state copy's fragment index ([`field::FRAGMENT`]).
     pub fn fragment(&self) -> u8 {
         self.buf.as_ref()[field::FRAGMENT]
@@ -579,6 +587,10 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the layout epoch.
     pub fn set_epoch(&mut self, v: u32) {
         set_le!(self, field::EPOCH, v)
+    }
+    /// Sets the entry a replicated job's table message is for.
+    pub fn set_entry(&mut self, v: u32) {
+        set_le!(self, field::ENTRY, v)
     }
     /// Sets a state copy's fragment index and count.
     pub fn set_fragment(&mut self, index: u8, count: u8) {

@@ -76,7 +76,7 @@ fn num(s: &str) -> usize {
 #[test]
 fn field_table_matches_wire_field() {
     let one = |at: usize| at..at + 1;
-    let expected: [(&str, Range<usize>, &str); 19] = [
+    let expected: [(&str, Range<usize>, &str); 20] = [
         ("magic", field::MAGIC, "u32"),
         ("version", one(field::VERSION), "u8"),
         ("type", one(field::TYPE), "u8"),
@@ -95,7 +95,8 @@ fn field_table_matches_wire_field() {
         ("epoch", field::EPOCH, "u32"),
         ("fragment", one(field::FRAGMENT), "u8"),
         ("fragments", one(field::FRAGMENTS), "u8"),
-        ("reserved", field::RESERVED, "u8[36]"),
+        ("entry", field::ENTRY, "u32"),
+        ("reserved", field::RESERVED, "u8[32]"),
     ];
     let rows = table(&doc(), "| offset | size | field | type | meaning |");
     let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();

@@ -210,6 +210,14 @@ impl<A: Copy + Eq> Shard<A> {
             );
         }
 
+        // Its tables (PROTOCOL.md §11.9): what needs a table's state
+        // copied is refused before anything is applied.
+        let old_view = rep.view.clone();
+        self.check_table_epoch(i, view)
+            .map_err(|reason| refuse(true, reason))?;
+        let job = &mut self.jobs[i];
+        let rep = job.replica.as_deref_mut().expect("checked above");
+        debug_assert_eq!(rep.view, old_view);
         // Applied from here on, whole.
         rep.view = view.clone();
         for (a, addrs) in readdressed {
@@ -376,6 +384,7 @@ impl<A: Copy + Eq> Shard<A> {
             self.counters.rounds_replicated.inc();
             round_done(&mut self.pending, &self.counters, job, s);
         }
+        self.apply_table_epoch(i, view);
         Ok(true)
     }
 }

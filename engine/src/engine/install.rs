@@ -491,7 +491,12 @@ impl<A: Copy + Eq> Shard<A> {
                     chunk: 0,
                 };
                 let epoch = job.replica.as_deref().map_or(0, super::replica::Replica::epoch);
-                self.pending.push(Pending::Error { repr, epoch, to });
+                self.pending.push(Pending::Error {
+                    repr,
+                    epoch,
+                    entry: 0,
+                    to,
+                });
                 queued += 1;
             }
         }

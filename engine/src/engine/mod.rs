@@ -645,6 +645,7 @@ impl<A: Copy + Eq> Shard<A> {
             self.pending.push(Pending::Error {
                 repr: e,
                 epoch,
+                entry: 0,
                 to: from,
             });
         }

@@ -35,7 +35,12 @@ pub(super) enum Pending<A> {
     },
     /// A refusal notice to a token-authenticated sender; `epoch` goes in
     /// the header's epoch field (a replicated job's, PROTOCOL.md §11.5).
-    Error { repr: Repr, epoch: u32, to: A },
+    Error {
+        repr: Repr,
+        epoch: u32,
+        entry: u32,
+        to: A,
+    },
     /// A rack slot's partial sum, to the chunk's home.
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
@@ -141,9 +146,16 @@ impl<A: Copy + Eq> Shard<A> {
     pub(super) fn transmits_of(&self, p: &Pending<A>) -> [Option<Transmit<'_, Ranks<'_, A>>>; 2] {
         let (job, slot, to, round) = match *p {
             Pending::Result { job, slot, to, round } => (job, slot, to, round),
-            Pending::Error { repr, epoch, to } => {
+            Pending::Error {
+                repr,
+                epoch,
+                entry,
+                to,
+            } => {
                 let mut header = repr.to_bytes();
-                wire::Header::new_unchecked(&mut header[..]).set_epoch(epoch);
+                let mut h = wire::Header::new_unchecked(&mut header[..]);
+                h.set_epoch(epoch);
+                h.set_entry(entry);
                 let t = Transmit {
                     header,
                     payload: &[],

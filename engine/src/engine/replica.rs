@@ -258,10 +258,9 @@ pub(super) struct Replica<A> {
     /// by home); a part adopted in an epoch change leaves for the job's
     /// slots.
     pub(super) parts: Vec<Part<A>>,
-    /// This lcore's table entry's backups (PROTOCOL.md §11.9), in set
-    /// order: each appliance and its lcore keeping the entry's rows;
-    /// empty for a job without tables.
-    pub(super) row_backups: Vec<(u16, A)>,
+    /// The table entries served here (PROTOCOL.md §11.9: its own, and
+    /// those adopted) with their backups; empty for a job without tables.
+    pub(super) served: Vec<super::row_replica::ServedEntry<A>>,
     /// The backup tables this lcore keeps of other appliances' entries.
     pub(super) row_parts: Vec<super::row_replica::RowPart<A>>,
     pub(super) stats: ReplicaStats,
@@ -713,7 +712,7 @@ impl<A: Copy + Eq> Shard<A> {
             next_deadline: u64::MAX,
             rtt: Rtt::default(),
             parts,
-            row_backups: Vec::new(),
+            served: Vec::new(),
             row_parts: Vec::new(),
             stats: ReplicaStats::default(),
         }));

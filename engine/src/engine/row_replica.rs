@@ -23,6 +23,7 @@
 //!   down or back refuses the install of a job with tables), state copies
 //!   to new backups, async and bounded delay.
 
+use phub_proto::failover::EpochView;
 use phub_proto::layout::ChunkRange;
 use phub_proto::replica_rows::{
     self, entry_backup, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType, RowsFragment,
@@ -75,6 +76,20 @@ pub(super) struct Incoming {
     rows: Vec<f32>,
     /// One fragment's rows, decoded.
     scratch: Vec<f32>,
+}
+
+/// An entry whose tables this lcore serves (its own, or one adopted when
+/// its home went down), and the backups of the entry in the installed
+/// epoch.
+#[derive(Debug)]
+pub(super) struct ServedEntry<A> {
+    /// The entry's home appliance.
+    pub(super) home: u16,
+    /// The entry e.
+    pub(super) entry: u32,
+    /// Its backups in set order: each appliance and its lcore keeping the
+    /// entry's backup tables.
+    pub(super) backups: Vec<(u16, A)>,
 }
 
 /// The backup tables of one entry of another appliance, on this lcore.
@@ -140,10 +155,14 @@ fn queue_fragments<A: Copy>(
 }
 
 impl<A: Copy> Replica<A> {
-    /// Whether this lcore's entry has backups (its tables' rounds wait
-    /// for them).
+    /// Whether the job has tables here (served or backed up).
     pub(super) fn rows_replicated(&self) -> bool {
-        !self.row_backups.is_empty()
+        !self.served.is_empty() || !self.row_parts.is_empty()
+    }
+
+    /// The entry `entry` served here, if it is.
+    pub(super) fn served(&self, entry: u32) -> Option<&ServedEntry<A>> {
+        self.served.iter().find(|s| s.entry == entry)
     }
 }
 
@@ -159,9 +178,12 @@ pub(super) fn begin<A: Copy>(
     out: &mut Vec<u8>,
     pending: &mut Vec<Pending<A>>,
 ) -> bool {
-    let Some(rep) = rep.filter(|r| r.rows_replicated()) else {
+    let Some(rep) = rep else {
         return false;
     };
+    if rep.served(table.entry()).is_none_or(|s| s.backups.is_empty()) {
+        return false;
+    }
     debug_assert!(table.pending.is_none(), "a second round pending");
     let deadline = now.saturating_add(rep.rtt.rto(0));
     table.pending = Some(RowPending {
@@ -186,14 +208,10 @@ pub(super) fn begin<A: Copy>(
         fragment: 0,
         epoch: rep.view.epoch,
     };
-    let sent = queue_fragments(
-        out,
-        pending,
-        head,
-        table,
-        now,
-        rep.row_backups.iter().map(|b| b.1),
-    );
+    let to = rep
+        .served(table.entry())
+        .map_or(&[][..], |s| s.backups.as_slice());
+    let sent = queue_fragments(out, pending, head, table, now, to.iter().map(|b| b.1));
     rep.stats.replicates_sent += sent;
     true
 }
@@ -249,17 +267,7 @@ impl<A: Copy + Eq> Shard<A> {
             )));
         }
         // Each appliance's entries: its lcores, after the earlier ones'.
-        let parts: Vec<ChunkRange> = lcores
-            .iter()
-            .scan(0u64, |at, &l| {
-                let r = ChunkRange {
-                    first: *at,
-                    count: l as u64,
-                };
-                *at += l as u64;
-                Some(r)
-            })
-            .collect();
+        let parts = entry_parts(&lcores);
         let me = usize::from(rep.me);
         let mine = u64::from(first.entry);
         if !parts[me].range().contains(&mine) {
@@ -312,7 +320,14 @@ impl<A: Copy + Eq> Shard<A> {
                 });
             }
         }
-        rep.row_backups = row_backups;
+        // Cast: the entry is below L, a u32 (checked against the tables').
+        #[allow(clippy::cast_possible_truncation)]
+        let own = ServedEntry {
+            home: rep.me,
+            entry: mine as u32,
+            backups: row_backups,
+        };
+        rep.served = vec![own];
         rep.row_parts = row_parts;
         Ok(())
     }
@@ -423,43 +438,31 @@ impl<A: Copy + Eq> Shard<A> {
     /// last the round waited for, the round completes and its answers
     /// are queued.
     fn on_rows_ack(&mut self, i: usize, from: A, repr: &RowReplicaRepr, now: u64) -> Verdict {
-        let share = self.rx_share(&self.jobs[i]);
-        let Shard {
-            jobs,
-            pending,
-            rows_out,
-            counters,
-            ..
-        } = self;
-        let j = &mut jobs[i];
-        let Job {
-            tables,
-            replica,
-            endpoints,
-            counters: job_counters,
-            dtype,
-            token,
-            id,
-            ..
-        } = j;
-        let rep = replica.as_deref_mut().expect("checked by the caller");
-        let Some(k) = rep.row_backups.iter().position(|b| b.0 == repr.from) else {
+        let j = &mut self.jobs[i];
+        let rep = j.replica.as_deref_mut().expect("checked by the caller");
+        let Some(served) = rep.served(repr.entry) else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        let nb = served.backups.len();
+        let Some(k) = served.backups.iter().position(|b| b.0 == repr.from) else {
             return Verdict::Dropped(DropReason::RankOutOfRange);
         };
-        if rep.row_backups[k].1 != from {
+        if served.backups[k].1 != from {
             return Verdict::Dropped(DropReason::WrongPeer);
         }
-        let Some(table) = tables.iter_mut().find(|t| t.key == repr.key) else {
+        let Some(t) = j
+            .tables
+            .iter()
+            .position(|t| t.key == repr.key && t.entry() == repr.entry)
+        else {
             return Verdict::Dropped(DropReason::UnknownTable);
         };
-        if table.entry() != repr.entry {
-            return Verdict::Dropped(DropReason::WrongPeer);
-        }
+        let table = &mut j.tables[t];
         let completed = match &table.rounds {
             TableRounds::Bsp(r) => r.completed,
             TableRounds::Clocked { .. } => return Verdict::Dropped(DropReason::WrongPeer),
         };
-        let Some(mut p) = table.pending.filter(|p| p.round == repr.round) else {
+        let Some(p) = table.pending.as_mut().filter(|p| p.round == repr.round) else {
             return Verdict::Dropped(if repr.round <= completed {
                 DropReason::Stale
             } else {
@@ -470,43 +473,13 @@ impl<A: Copy + Eq> Shard<A> {
             return Verdict::Dropped(DropReason::Duplicate);
         }
         p.acked |= 1 << k;
-        if u32::from(p.acked).count_ones() as usize != rep.row_backups.len() {
-            table.pending = Some(p);
+        if u32::from(p.acked).count_ones() as usize != nb {
             return Verdict::Replicated;
         }
         if p.resends == 0 {
             rep.rtt.sample(now.saturating_sub(p.sent));
         }
-        table.pending = None;
-        rep.stats.rounds_replicated += 1;
-        counters.rounds_replicated.inc();
-        counters.rounds_completed.inc();
-        job_counters.rounds += 1;
-        let mut answers = Answers {
-            out: rows_out,
-            pending,
-            counters,
-            endpoints,
-            head: RowRepr {
-                kind: RowMsgType::RowDone,
-                dtype: *dtype,
-                flags: 0,
-                token: *token,
-                job: *id,
-                rank: APPLIANCE_RANK,
-                count: 0,
-                round: 0,
-                dim: table.dim,
-                key: table.key,
-                seq: 0,
-                cache: KeyCache::Off,
-            },
-            share,
-            // The time the round's last rank completed: the backups took
-            // the round at it too.
-            now: p.at_ns,
-        };
-        complete(table, p.round, &mut answers);
+        self.complete_pending(i, t);
         Verdict::Completed
     }
 
@@ -535,8 +508,12 @@ impl<A: Copy + Eq> Shard<A> {
                 continue;
             };
             let acked = p.acked;
-            let to = rep
-                .row_backups
+            let backups = rep
+                .served
+                .iter()
+                .find(|s| s.entry == t.entry())
+                .map_or(&[][..], |s| s.backups.as_slice());
+            let to = backups
                 .iter()
                 .enumerate()
                 .filter(move |(k, _)| acked & (1 << k) == 0)
@@ -674,4 +651,260 @@ fn take_fragment(
     }
     inc.round = 0;
     Ok(Some(true))
+}
+
+/// Each appliance's entries (PROTOCOL.md §10.1): its lcores, after the
+/// earlier appliances', from their lcore counts.
+fn entry_parts(lcores: &[usize]) -> Vec<ChunkRange> {
+    lcores
+        .iter()
+        .scan(0u64, |at, &l| {
+            let r = ChunkRange {
+                first: *at,
+                count: l as u64,
+            };
+            *at += l as u64;
+            Some(r)
+        })
+        .collect()
+}
+
+/// Entry `entry` of home `p`'s backups in `view`: each live member of
+/// p's set after its first (PROTOCOL.md §11.6), with its lcore keeping
+/// the entry's backup tables.
+fn entry_backups_in<A: Copy>(rep: &Replica<A>, p: usize, entry: u32, view: &EpochView) -> Vec<(u16, A)> {
+    let lcores: Vec<usize> = rep.addrs.iter().map(Vec::len).collect();
+    let parts = entry_parts(&lcores);
+    rep.layout.set_in(p, view)[1..]
+        .iter()
+        .filter_map(|&b| {
+            let l = entry_backup(parts[p], lcores[b], u64::from(entry))?;
+            // Cast: b < the appliance count, a u16 (the install's `me`).
+            #[allow(clippy::cast_possible_truncation)]
+            Some((b as u16, rep.addrs[b][l]))
+        })
+        .collect()
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Whether this lcore can take `view` for job `i`'s tables (PROTOCOL.md
+    /// §11.9), before anything of it is applied: refused where it would
+    /// need a table's state copied (an appliance back or moved, a new
+    /// backup of an entry served here, a remaining backup of an entry
+    /// another member adopts or this one adopts, with `replicas` = 3).
+    pub(super) fn check_table_epoch(&self, i: usize, view: &EpochView) -> Result<(), String> {
+        let j = &self.jobs[i];
+        let Some(rep) = j.replica.as_deref() else {
+            return Ok(());
+        };
+        if !rep.rows_replicated() {
+            return Ok(());
+        }
+        let old = &rep.view;
+        let not_built = "a table's state copy (PROTOCOL.md §11.9) is not built";
+        if view
+            .joined
+            .iter()
+            .any(|jn| old.joined_at(usize::from(jn.appliance)) != Some(jn.epoch))
+            || view.moves_since(old).next().is_some()
+        {
+            return Err(format!("an appliance comes back or moves: {not_built}"));
+        }
+        let me = usize::from(rep.me);
+        for s in &rep.served {
+            let now: Vec<u16> = entry_backups_in(rep, usize::from(s.home), s.entry, view)
+                .into_iter()
+                .map(|b| b.0)
+                .collect();
+            if now.iter().any(|b| !s.backups.iter().any(|(x, _)| x == b)) {
+                return Err(format!("entry {} gets a new backup: {not_built}", s.entry));
+            }
+        }
+        for part in &rep.row_parts {
+            let p = usize::from(part.home);
+            let was = rep.layout.primary(p, old);
+            let will = rep.layout.primary(p, view);
+            if will == was {
+                continue;
+            }
+            if will != Some(me) {
+                return Err(format!(
+                    "entry {} moves to appliance {will:?}, this backup would need its state: {not_built}",
+                    part.entry
+                ));
+            }
+            if rep.layout.set_in(p, view).len() > 1 {
+                return Err(format!(
+                    "entry {} is adopted here with a backup left, which would need this copy's state: {not_built}",
+                    part.entry
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Applies `view` (checked by [`Shard::check_table_epoch`], the
+    /// dense part applied) to job `i`'s tables: each served entry's
+    /// backups in the new epoch (a round that waited only for backups now
+    /// down completes, its answers queued), and the backup tables of each
+    /// entry whose home's part this appliance adopts become served tables
+    /// at the round they applied (a round whose fragments were not all in
+    /// is dropped: its ranks send it again).
+    pub(super) fn apply_table_epoch(&mut self, i: usize, view: &EpochView) {
+        {
+            let j = &mut self.jobs[i];
+            let Some(rep) = j.replica.as_deref_mut() else {
+                return;
+            };
+            if !rep.rows_replicated() {
+                return;
+            }
+            let me = usize::from(rep.me);
+            // Adopted entries: their backup tables are served from now on.
+            let (adopt, keep): (Vec<_>, Vec<_>) = std::mem::take(&mut rep.row_parts)
+                .into_iter()
+                .partition(|p| rep.layout.primary(usize::from(p.home), view) == Some(me));
+            rep.row_parts = keep;
+            for part in adopt {
+                rep.stats.slots_adopted += part.tables.len() as u64;
+                rep.served.push(ServedEntry {
+                    home: part.home,
+                    entry: part.entry,
+                    backups: Vec::new(),
+                });
+                j.tables.extend(part.tables.into_iter().map(|(t, _)| t));
+            }
+            j.tables.sort_by_key(|t| (t.key, t.entry()));
+            // Every served entry's backups now, acknowledgements kept by
+            // appliance.
+            let backups: Vec<Vec<(u16, A)>> = rep
+                .served
+                .iter()
+                .map(|s| entry_backups_in(rep, usize::from(s.home), s.entry, view))
+                .collect();
+            for (s, now) in rep.served.iter_mut().zip(backups) {
+                for t in j.tables.iter_mut().filter(|t| t.entry() == s.entry) {
+                    if let Some(p) = t.pending.as_mut() {
+                        let mut acked = 0u8;
+                        for (k, (b, _)) in now.iter().enumerate() {
+                            if let Some(o) = s.backups.iter().position(|(x, _)| x == b) {
+                                acked |= ((p.acked >> o) & 1) << k;
+                            }
+                        }
+                        p.acked = acked;
+                    }
+                }
+                s.backups = now;
+            }
+            // The epoch change set the replicas' timer from the dense
+            // slots alone: the tables' rounds still waiting keep theirs.
+            let tables = j
+                .tables
+                .iter()
+                .filter_map(|t| t.pending)
+                .map(|p| p.deadline)
+                .min();
+            rep.next_deadline = rep.next_deadline.min(tables.unwrap_or(u64::MAX));
+        }
+        // Rounds no backup still owes complete now.
+        let released: Vec<usize> = {
+            let j = &self.jobs[i];
+            let rep = j.replica.as_deref().expect("checked above");
+            j.tables
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| {
+                    t.pending.is_some_and(|p| {
+                        let nb = rep.served(t.entry()).map_or(0, |s| s.backups.len());
+                        u32::from(p.acked).count_ones() as usize == nb
+                    })
+                })
+                .map(|(k, _)| k)
+                .collect()
+        };
+        for k in released {
+            if let Some(rep) = self.jobs[i].replica.as_deref_mut() {
+                rep.stats.rounds_released += 1;
+            }
+            self.complete_pending(i, k);
+        }
+    }
+
+    /// Completes job `i`'s table `k`'s pending round, every backup of its
+    /// entry having it: the optimizer at the recorded clock, the ranks'
+    /// answers queued (PROTOCOL.md §11.9 rule 2).
+    fn complete_pending(&mut self, i: usize, k: usize) {
+        let share = self.rx_share(&self.jobs[i]);
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            counters,
+            ..
+        } = self;
+        let Job {
+            tables,
+            replica,
+            endpoints,
+            counters: job_counters,
+            dtype,
+            token,
+            id,
+            ..
+        } = &mut jobs[i];
+        let table = &mut tables[k];
+        let Some(p) = table.pending.take() else {
+            return;
+        };
+        let (entry, epoch) = (table.entry(), replica.as_deref().map_or(0, |r| r.view.epoch));
+        if let Some(rep) = replica.as_deref_mut() {
+            rep.stats.rounds_replicated += 1;
+        }
+        counters.rounds_replicated.inc();
+        counters.rounds_completed.inc();
+        job_counters.rounds += 1;
+        let mut answers = Answers {
+            out: rows_out,
+            pending,
+            counters,
+            endpoints,
+            head: RowRepr {
+                kind: RowMsgType::RowDone,
+                dtype: *dtype,
+                flags: 0,
+                token: *token,
+                job: *id,
+                rank: APPLIANCE_RANK,
+                count: 0,
+                round: 0,
+                dim: table.dim,
+                key: table.key,
+                seq: 0,
+                cache: KeyCache::Off,
+            },
+            share,
+            // The time the round's last rank completed: the backups took
+            // the round at it too.
+            now: p.at_ns,
+            entry,
+            epoch,
+        };
+        complete(table, p.round, &mut answers);
+    }
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// The durable state of the tables this lcore serves for entry `entry`
+    /// of job `id` (its own, or one adopted), in key order. `None` when it
+    /// serves none.
+    pub fn served_tables(&self, id: u16, entry: u32) -> Option<Vec<TableState>> {
+        let j = self.job(id)?;
+        let t: Vec<TableState> = j
+            .tables
+            .iter()
+            .filter(|t| t.entry() == entry)
+            .map(Table::save)
+            .collect();
+        (!t.is_empty()).then_some(t)
+    }
 }

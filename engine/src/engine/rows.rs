@@ -59,6 +59,11 @@ pub(super) struct Answers<'a, A> {
     pub(super) share: u32,
     /// The clock `handle` got (a completed round's time, for `idle_s`).
     pub(super) now: u64,
+    /// A replicated job's: the entry the answers are for and the
+    /// appliance's epoch, in their headers (PROTOCOL.md §11.9); 0 and 0
+    /// otherwise.
+    pub(super) entry: u32,
+    pub(super) epoch: u32,
 }
 
 impl<A: Copy> Answers<'_, A> {
@@ -117,6 +122,8 @@ impl<A: Copy> Answers<'_, A> {
         let mut h = Header::new_unchecked(head);
         repr.emit(&mut h);
         h.set_rx_share(self.share);
+        h.set_entry(self.entry);
+        h.set_epoch(self.epoch);
         let mut written_ids = count;
         if let Some(r) = cache {
             let (prefix, rest) = payload.split_at_mut(KEY_CACHE_PREFIX);
@@ -157,6 +164,8 @@ impl<A: Copy> Answers<'_, A> {
         let mut h = Header::new_unchecked(&mut self.out[at..]);
         repr.emit(&mut h);
         h.set_rx_share(self.share);
+        h.set_entry(self.entry);
+        h.set_epoch(self.epoch);
         self.queue(at, to);
     }
 
@@ -264,11 +273,27 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.rank >= job.workers || !job.members.contains(repr.rank) {
             return Verdict::Dropped(DropReason::RankOutOfRange);
         }
+        // A replicated job's table message names its entry and the epoch
+        // it was routed by (PROTOCOL.md §11.9): another epoch is refused
+        // with this one (fencing, §11.6).
+        let (entry, epoch) = {
+            let h = Header::new_unchecked(datagram);
+            (h.entry(), h.epoch())
+        };
+        let replicated = job.replica.as_deref().map(|r| r.view.epoch);
+        if let Some(installed) = replicated {
+            if epoch != installed {
+                if let Some(r) = job.replica.as_deref_mut() {
+                    r.count_worker_wrong_epoch();
+                }
+                return self.refuse_row_at(from, &repr, DropReason::WrongEpoch, entry, installed);
+            }
+        }
         // Authenticated from here on: remember where this rank lives.
         let rank = usize::from(repr.rank);
         job.endpoints[rank] = Some(from);
         job.last_seen[rank] = now;
-        match Self::check_row(job, &repr, &payload) {
+        match Self::check_row(job, &repr, &payload, replicated.map(|_| entry)) {
             Ok(t) => {
                 let Shard {
                     jobs,
@@ -314,6 +339,8 @@ impl<A: Copy + Eq> Shard<A> {
                     },
                     share,
                     now,
+                    entry: if replicated.is_some() { entry } else { 0 },
+                    epoch: replicated.unwrap_or(0),
                 };
                 let done = resolved.and_then(|payload| match (repr.kind, &table.rounds) {
                     (RowMsgType::RowPull, _) => Ok(pull(table, &repr, &payload, &mut answers)),
@@ -348,16 +375,23 @@ impl<A: Copy + Eq> Shard<A> {
                         }
                         v
                     }
-                    Err(r) => self.refuse_row(from, &repr, r),
+                    Err(r) => self.refuse_row_at(from, &repr, r, entry, replicated.unwrap_or(0)),
                 }
             }
-            Err(r) => self.refuse_row(from, &repr, r),
+            Err(r) => self.refuse_row_at(from, &repr, r, entry, replicated.unwrap_or(0)),
         }
     }
 
     /// Step (4) of §10.3's checks past the rank: the table this message
     /// is for (its index in the job's tables), or why it is dropped.
-    fn check_row(job: &Job<A>, repr: &RowRepr, payload: &RowPayload<'_>) -> Result<usize, DropReason> {
+    /// `entry`: a replicated job's message's, which must be an entry
+    /// served here (`wrong_peer`).
+    fn check_row(
+        job: &Job<A>,
+        repr: &RowRepr,
+        payload: &RowPayload<'_>,
+        entry: Option<u32>,
+    ) -> Result<usize, DropReason> {
         if repr.dtype != job.dtype {
             return Err(DropReason::DtypeMismatch);
         }
@@ -366,6 +400,14 @@ impl<A: Copy + Eq> Shard<A> {
             .iter()
             .position(|t| t.key == repr.key)
             .ok_or(DropReason::UnknownTable)?;
+        let t = match entry {
+            None => t,
+            Some(e) => job
+                .tables
+                .iter()
+                .position(|t| t.key == repr.key && t.entry() == e)
+                .ok_or(DropReason::WrongPeer)?,
+        };
         let table = &job.tables[t];
         if repr.dim != table.dim {
             return Err(DropReason::DimMismatch);
@@ -384,11 +426,25 @@ impl<A: Copy + Eq> Shard<A> {
     /// Refuses a table message: an ERROR back where the reason tells the
     /// sender ([`DropReason::notifies_sender`]).
     fn refuse_row(&mut self, from: A, repr: &RowRepr, reason: DropReason) -> Verdict {
+        self.refuse_row_at(from, repr, reason, 0, 0)
+    }
+
+    /// [`Shard::refuse_row`] for a replicated job: the ERROR names the
+    /// message's entry and the appliance's epoch (PROTOCOL.md §11.9).
+    fn refuse_row_at(
+        &mut self,
+        from: A,
+        repr: &RowRepr,
+        reason: DropReason,
+        entry: u32,
+        epoch: u32,
+    ) -> Verdict {
         if reason.notifies_sender() {
             self.counters.errors_sent.inc();
             self.pending.push(Pending::Error {
                 repr: row_error(repr, reason),
-                epoch: 0,
+                epoch,
+                entry,
                 to: from,
             });
         }

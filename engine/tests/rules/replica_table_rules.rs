@@ -45,10 +45,17 @@ struct Lane {
 
 struct TableWorld {
     spec: JobSpec,
+    /// Where entries are served, by epoch (PROTOCOL.md §11.6, §11.9).
+    layout: ReplicaLayout<String>,
+    /// The ranks' epoch: where they send, and what their headers say.
+    epoch: EpochView,
+    /// Per appliance: dead (its datagrams go nowhere, both ways).
+    dead: Vec<bool>,
+    /// REPLICATE_ROWS_ACKs are lost on the way.
+    drop_acks: bool,
     key: u32,
     dim: u32,
     lcores: Vec<usize>,
-    racks: Vec<String>,
     shards: Vec<Vec<Shard<SocketAddrV4>>>,
     net: Vec<(SocketAddrV4, SocketAddrV4, Vec<u8>)>,
     rng: Rng,
@@ -58,6 +65,10 @@ struct TableWorld {
     /// (rank, entry) -> its lane of the round in progress.
     lanes: HashMap<(u16, u32), Lane>,
     round: u32,
+    /// Sends of the round so far (resends after the first).
+    attempt: u32,
+    /// ERRORs `wrong_epoch` the ranks got (messages of an older epoch).
+    wrong_epoch: u64,
     /// Row answers seen leaving a primary, each checked against its
     /// backups.
     answers_checked: u64,
@@ -136,13 +147,17 @@ impl TableWorld {
             shards.push(mine);
         }
         let per: Vec<u32> = lcores.iter().map(|&l| l as u32).collect();
+        let layout = ReplicaLayout::new(runs.clone(), lcores, racks.clone(), spec.replicas()).unwrap();
         TableWorld {
+            layout,
+            epoch: EpochView::default(),
+            dead: vec![false; lcores.len()],
+            drop_acks: false,
             placement: RowPlacement::new(table.seed, key, &per).unwrap(),
             spec,
             key,
             dim,
             lcores: lcores.to_vec(),
-            racks,
             shards,
             net: Vec::new(),
             rng: Rng(seed),
@@ -154,6 +169,8 @@ impl TableWorld {
             now: 1,
             lanes: HashMap::new(),
             round: 0,
+            attempt: 0,
+            wrong_epoch: 0,
             answers_checked: 0,
             fragments: (0, 0),
             errors: Vec::new(),
@@ -180,8 +197,43 @@ impl TableWorld {
         self.lcores.iter().sum::<usize>() as u32
     }
 
-    fn backups_of(&self, i: usize) -> Vec<usize> {
-        replica_set(&self.racks, i, self.spec.replicas())[1..].to_vec()
+    /// Appliances before and after `i` in the replica set of entry `e`'s
+    /// home in the ranks' epoch: its backups there after `i`.
+    fn backups_after(&self, i: usize, e: u32) -> Vec<usize> {
+        let home = self.at_entry(e).0;
+        let set = self.layout.set_in(home, &self.epoch);
+        match set.iter().position(|&a| a == i) {
+            Some(at) => set[at + 1..].to_vec(),
+            None => Vec::new(),
+        }
+    }
+
+    /// Where entry `e` is served in the ranks' epoch: its home's lcore
+    /// while the home serves its part, else the lcore of the part's
+    /// primary keeping the entry's backup tables.
+    fn serve(&self, e: u32) -> (usize, usize) {
+        let (p, j) = self.at_entry(e);
+        let q = self.layout.primary(p, &self.epoch).unwrap();
+        if q == p {
+            return (p, j);
+        }
+        let first = self.entry_of(p, 0);
+        let part = ChunkRange {
+            first: u64::from(first),
+            count: self.lcores[p] as u64,
+        };
+        (
+            q,
+            replica_rows::entry_backup(part, self.lcores[q], u64::from(e)).unwrap(),
+        )
+    }
+
+    /// The tables appliance i's lcores serve for entry `e`.
+    fn served(&self, i: usize, e: u32) -> Vec<TableState> {
+        self.shards[i]
+            .iter()
+            .find_map(|s| s.served_tables(JOB, e))
+            .unwrap_or_else(|| panic!("appliance {i} serves no entry {e}"))
     }
 
     /// Backup appliance b's table state of entry `e`.
@@ -193,6 +245,17 @@ impl TableWorld {
     }
 
     fn send(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: Vec<u8>) {
+        let appliance = |a: &SocketAddrV4| (a.ip().octets()[1] == 0).then(|| usize::from(a.ip().octets()[2]));
+        if [appliance(&from), appliance(&to)]
+            .into_iter()
+            .flatten()
+            .any(|i| self.dead[i])
+        {
+            return;
+        }
+        if self.drop_acks && replica_rows::parse(&d).is_ok_and(|(r, _)| r.kind == RowReplicaType::RowsAck) {
+            return;
+        }
         let loss = if replica_rows::is_row_replica_message(&d) {
             self.faults.replica_loss
         } else {
@@ -231,7 +294,8 @@ impl TableWorld {
             }
             if let Ok((r, _)) = rows::parse(&d) {
                 if matches!(r.kind, RowMsgType::RowResult | RowMsgType::RowDone) {
-                    self.check_backups_hold(i, j, r.round);
+                    let e = wire::Header::new_checked(&d[..]).unwrap().entry();
+                    self.check_backups_hold(i, e, r.round);
                 }
             }
             self.send(from, to, d);
@@ -240,10 +304,9 @@ impl TableWorld {
 
     /// The rule under test: a row answer of `round` leaves appliance i's
     /// lcore j only once every backup of its entry applied that round.
-    fn check_backups_hold(&mut self, i: usize, j: usize, round: u32) {
+    fn check_backups_hold(&mut self, i: usize, e: u32, round: u32) {
         self.answers_checked += 1;
-        let e = self.entry_of(i, j);
-        for b in self.backups_of(i) {
+        for b in self.backups_after(i, e) {
             for t in self.backup(b, e) {
                 let TableRoundsState::Bsp { completed } = t.rounds else {
                     panic!("a BSP table")
@@ -275,10 +338,26 @@ impl TableWorld {
     fn deliver_to_worker(&mut self, from: SocketAddrV4, to: SocketAddrV4, d: &[u8]) {
         let Ok((repr, _)) = rows::parse(d) else {
             let (r, _) = wire::parse(d).unwrap();
-            panic!("a rank got {r:?}");
+            assert!(
+                r.kind == MsgType::Error && r.error == DropReason::WrongEpoch.code(),
+                "a rank got {r:?}"
+            );
+            self.wrong_epoch += 1;
+            return;
         };
         let rank = u16::from(to.ip().octets()[3]) - 1;
-        let e = self.entry_of(from.ip().octets()[2] as usize, usize::from(from.port() - 9000));
+        let h = wire::Header::new_checked(d).unwrap();
+        let e = h.entry();
+        // Every answer comes from where its entry was served when it left,
+        // and carries that lcore's epoch.
+        let at = (from.ip().octets()[2] as usize, usize::from(from.port() - 9000));
+        assert!(
+            self.shards[at.0][at.1].served_tables(JOB, e).is_some(),
+            "an answer for entry {e} from {at:?}, which does not serve it"
+        );
+        if repr.kind == RowMsgType::RowDone || repr.kind == RowMsgType::RowResult {
+            assert!(h.epoch() <= self.epoch.epoch);
+        }
         if repr.round != self.round {
             return;
         }
@@ -324,8 +403,16 @@ impl TableWorld {
     /// `range` (repeats summed, as a worker does) to their entries, and a
     /// ROW_END to every entry; resent until every rank has every answer.
     fn table_round(&mut self, k: usize, range: u64) {
+        self.start_round(k, range);
+        self.finish_round();
+    }
+
+    /// The lanes of round `self.round + 1` (as [`TableWorld::table_round`]),
+    /// none sent yet.
+    fn start_round(&mut self, k: usize, range: u64) {
         self.round += 1;
         self.lanes.clear();
+        self.attempt = 0;
         let per = rows_per_datagram(self.spec.chunk_bytes, self.dim, Dtype::F32) as usize;
         let d = self.dim as usize;
         for rank in 0..self.spec.workers as u16 {
@@ -360,38 +447,59 @@ impl TableWorld {
                 );
             }
         }
-        for attempt in 0.. {
-            let mut out = Vec::new();
-            for (&(rank, e), lane) in &self.lanes {
-                let n = lane.msgs.len() - 1;
-                for (s, m) in lane.msgs.iter().enumerate() {
-                    let answered = if s == n {
-                        lane.done
-                    } else {
-                        lane.answered.contains(&(s as u32))
-                    };
-                    if !answered {
-                        let mut m = m.clone();
-                        if attempt > 0 {
-                            m[7] |= flags::RETRANSMIT;
-                        }
-                        out.push((rank, e, m));
+    }
+
+    /// Sends every unanswered message of the round once, to where its
+    /// entry is served in the ranks' epoch, with that epoch and the entry
+    /// in its header; returns how many went.
+    fn send_unanswered(&mut self) -> usize {
+        let mut out = Vec::new();
+        for (&(rank, e), lane) in &self.lanes {
+            let n = lane.msgs.len() - 1;
+            for (s, m) in lane.msgs.iter().enumerate() {
+                let answered = if s == n {
+                    lane.done
+                } else {
+                    lane.answered.contains(&(s as u32))
+                };
+                if !answered {
+                    let mut m = m.clone();
+                    if self.attempt > 0 {
+                        m[7] |= flags::RETRANSMIT;
                     }
+                    let mut h = wire::Header::new_unchecked(&mut m[..]);
+                    h.set_entry(e);
+                    h.set_epoch(self.epoch.epoch);
+                    out.push((rank, e, m));
                 }
             }
-            if out.is_empty() {
+        }
+        self.attempt += 1;
+        let sent = out.len();
+        for (rank, e, m) in out {
+            let (i, j) = self.serve(e);
+            self.send(worker_addr(rank), lcore_addr(i, j), m);
+        }
+        sent
+    }
+
+    /// Resends the round's unanswered messages until every rank has every
+    /// answer.
+    fn finish_round(&mut self) {
+        loop {
+            if self.send_unanswered() == 0 {
                 break;
             }
             assert!(
-                attempt < 400,
-                "round {}: {} messages never answered",
+                self.attempt < 400,
+                "round {}: messages never answered: {:?}",
                 self.round,
-                out.len()
+                self.lanes
+                    .iter()
+                    .filter(|(_, l)| !l.done || l.answered.len() + 1 < l.msgs.len())
+                    .map(|(k, l)| (k, l.done, l.answered.len(), l.msgs.len()))
+                    .collect::<Vec<_>>()
             );
-            for (rank, e, m) in out {
-                let (i, j) = self.at_entry(e);
-                self.send(worker_addr(rank), lcore_addr(i, j), m);
-            }
             self.run();
             self.now += 30 * MS;
             self.poll();
@@ -403,21 +511,46 @@ impl TableWorld {
     /// Every backup table equals its primary's, bit for bit, at the round.
     fn assert_backups_equal(&self) {
         for e in 0..self.entries() {
-            let (i, j) = self.at_entry(e);
-            let primary = self.shards[i][j].snapshot_tables(JOB).unwrap();
+            let (i, _) = self.serve(e);
+            let primary = self.served(i, e);
             assert_eq!(primary.len(), 1);
             assert_eq!(
                 primary[0].rounds,
                 TableRoundsState::Bsp {
                     completed: self.round
-                }
+                },
+                "entry {e} served on {i}"
             );
-            for b in self.backups_of(i) {
+            for b in self.backups_after(i, e) {
                 assert!(
                     self.backup(b, e) == primary,
                     "entry {e}, backup {b}: not the primary's state at round {}",
                     self.round
                 );
+            }
+        }
+    }
+
+    /// Appliance i dies: nothing more to or from it; the others take the
+    /// epoch that names it down, and so do the ranks.
+    fn kill(&mut self, i: usize) {
+        self.dead[i] = true;
+        let mut view = self.epoch.clone();
+        view.epoch += 1;
+        view.down.push(i as u16);
+        view.down.sort_unstable();
+        self.epoch = view.clone();
+        for a in 0..self.shards.len() {
+            if self.dead[a] {
+                continue;
+            }
+            for j in 0..self.shards[a].len() {
+                assert_eq!(
+                    self.shards[a][j].change_epoch(JOB, &view),
+                    Ok(true),
+                    "appliance {a}"
+                );
+                self.drain(a, j);
             }
         }
     }
@@ -532,6 +665,7 @@ fn a_table_round_is_held_until_every_backup_acknowledged() {
             let mut b = vec![0u8; HEADER_LEN];
             let len = rows::write(&w.head(RowMsgType::RowEnd, rank, 0, 0), &[], &[], &mut b);
             b.truncate(len);
+            wire::Header::new_unchecked(&mut b[..]).set_entry(e);
             w.send(worker_addr(rank), lcore_addr(i, j), b);
         }
     }
@@ -625,4 +759,134 @@ fn a_fragment_from_elsewhere_or_another_epoch_is_refused() {
     let s = &mut w.shards[1][0];
     assert_eq!(s.handle(lcore_addr(0, 0), &d, 1), Verdict::Replicated);
     assert_eq!(w.backup(1, 0)[0].rounds, TableRoundsState::Bsp { completed: 1 });
+}
+
+/// Appliance 0 dies in the middle of a round (part of it pushed, every
+/// earlier round answered): its entries are served by their backup from
+/// the next epoch on, at the round that backup applied, which is the
+/// dead primary's last completed round bit for bit; the ranks send the
+/// round again there (ERRORs `wrong_epoch` for what they sent in the old
+/// epoch to live appliances) and training goes on, the other entries
+/// still replicated.
+#[test]
+fn an_entry_s_tables_fail_over_to_its_backup_at_the_round_it_holds() {
+    let adagrad = RowOptimizerSpec::Adagrad {
+        lr: 0.25,
+        eps: 1e-8,
+        initial_accumulator: 0.1,
+        rowwise: false,
+    };
+    // One rack: appliance p's backup is p + 1 (replicas = 2); appliance
+    // 0's entries 0 and 1 are both kept on appliance 1's one lcore.
+    let mut w = TableWorld::new(
+        table_spec(4, 60, adagrad, None, Some(2)),
+        64,
+        2,
+        &[2, 1, 2],
+        &["", "", ""],
+        21,
+    );
+    w.faults = LOSSY_NET;
+    for _ in 0..3 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    let before: Vec<Vec<TableState>> = (0..2).map(|e| w.served(0, e)).collect();
+    // Round 4 goes out and part of it arrives.
+    w.start_round(12, 90);
+    w.send_unanswered();
+    for _ in 0..w.net.len() / 2 {
+        let k = w.rng.below(w.net.len());
+        let (from, to, d) = w.net.swap_remove(k);
+        if to.ip().octets()[1] == 9 {
+            w.deliver_to_worker(from, to, &d);
+            continue;
+        }
+        let (i, j) = (to.ip().octets()[2] as usize, usize::from(to.port() - 9000));
+        w.shards[i][j].handle(from, &d, w.now);
+        w.drain(i, j);
+    }
+    assert!(
+        w.lanes.values().all(|l| !l.done),
+        "a rank's round 4 ended before the kill"
+    );
+    w.kill(0);
+    // Appliance 1 serves entries 0 and 1 now, at round 3, with the dead
+    // primary's bits.
+    for e in 0..2 {
+        assert_eq!(w.serve(e).0, 1);
+        assert!(
+            w.served(1, e) == before[e as usize],
+            "entry {e} adopted with other bits"
+        );
+    }
+    w.finish_round();
+    w.assert_backups_equal();
+    for _ in 0..3 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    // Entries 2 (appliance 1's) still replicated on appliance 2.
+    assert_eq!(w.backups_after(1, 2), vec![2]);
+    // What the ranks sent before the kill and reached a live appliance
+    // after it was refused, naming the new epoch (fencing, §11.6).
+    assert!(w.wrong_epoch > 0, "no message of the old epoch was refused");
+    let adopted = replica_sum(&w, |s| s.slots_adopted);
+    assert_eq!(adopted, 2, "two entries' tables adopted");
+}
+
+/// The dead primary had every rank's part of a round and its backup had
+/// applied it, but the backup's ACKs were lost: no rank was answered. The
+/// backup serves the round as completed: every rank sent again is
+/// answered with the rows after it (§10.3 rule 3), nothing applied twice.
+#[test]
+fn a_round_the_backup_applied_is_answered_after_failover_not_applied_again() {
+    let mut w = TableWorld::new(
+        table_spec(4, 1000, RowOptimizerSpec::Sgd { lr: 0.5 }, None, None),
+        64,
+        2,
+        &[1, 1, 1],
+        &["", "", ""],
+        4,
+    );
+    w.table_round(6, 40);
+    w.assert_backups_equal();
+    w.drop_acks = true;
+    w.start_round(6, 40);
+    w.send_unanswered();
+    w.run();
+    assert!(
+        w.lanes.values().all(|l| !l.done),
+        "answered without its backup's ACK"
+    );
+    // Appliance 0's entry is applied on its backup, appliance 1.
+    let applied = w.backup(1, 0);
+    assert_eq!(applied[0].rounds, TableRoundsState::Bsp { completed: 2 });
+    w.drop_acks = false;
+    w.kill(0);
+    assert!(w.served(1, 0) == applied);
+    w.finish_round();
+    assert!(w.served(1, 0) == applied, "round 2 applied again on the adopter");
+    w.table_round(6, 40);
+    w.assert_backups_equal();
+}
+
+/// An epoch that would need a table's state copied is refused whole: an
+/// appliance back, or (replicas = 3) an entry adopted with a backup left.
+#[test]
+fn an_epoch_needing_a_table_state_copy_is_refused() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sum, None, None);
+    let mut w = TableWorld::new(table, 64, 3, &[1, 1, 1], &["", "", ""], 8);
+    w.table_round(4, 30);
+    let view = EpochView {
+        epoch: 1,
+        down: vec![0],
+        ..EpochView::default()
+    };
+    for a in 1..3 {
+        let e = w.shards[a][0].change_epoch(JOB, &view).unwrap_err();
+        assert!(e.to_string().contains("state copy"), "{e}");
+        // Nothing applied: the old epoch still serves.
+        assert!(w.shards[a][0].backup_tables(JOB, 0).is_some());
+    }
 }
