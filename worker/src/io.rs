@@ -401,13 +401,15 @@ impl IoThread {
     /// fails with the reason; when a silence asked and control did not
     /// answer, the chunks go on being retransmitted.
     fn follow_epoch(&mut self, now: Instant) {
-        if let Some(wanted) = self.transport.poll_epoch() {
+        // The dense chunks' question, or the tables' (PROTOCOL.md §11.9).
+        if let Some(wanted) = self.transport.poll_epoch().max(self.rows.poll_epoch()) {
             let held = self.transport.epoch().map_or(0, |e| e.epoch);
             self.epoch.ask(wanted, held);
         }
         match self.epoch.poll() {
             None => {}
             Some(Fetched::View(view)) => {
+                self.rows.set_epoch(now, view.clone());
                 self.transport.set_epoch(now, view);
             }
             Some(Fetched::Failed {

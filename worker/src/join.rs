@@ -192,7 +192,7 @@ impl Worker {
         let regions = shm.as_ref().and_then(|(watch, _)| watch.regions());
         let tables = table_infos(&join)?;
         // Table rows go by datagrams, with the dense window (PROTOCOL.md §10).
-        let rows = RowTransport::new(
+        let mut rows = RowTransport::new(
             info.clone(),
             lcores.clone(),
             tables.clone(),
@@ -208,6 +208,9 @@ impl Worker {
             transport.set_auto_window(auto);
         }
         if let Some(routing) = routing_for(&join, &placement, &lcores)? {
+            // A replicated job's tables are routed by entry in the same
+            // epochs (PROTOCOL.md §11.9).
+            rows.set_routing(routing.clone());
             transport.set_routing(routing);
         }
         let keys = KeyTable::new(join.spec.keys.len());

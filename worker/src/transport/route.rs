@@ -18,6 +18,7 @@ use std::net::SocketAddr;
 
 use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::ChunkRange;
+use phub_proto::replica_rows::entry_backup;
 use phub_proto::wire::Header;
 
 use super::request::ChunkMsg;
@@ -153,6 +154,30 @@ impl Routing {
             lcore: u16::try_from(global).ok()?,
             slot: u32::try_from(s.slot).ok()?,
         })
+    }
+
+    /// Where a table's entry `entry` (the layout's lcore of that number,
+    /// PROTOCOL.md §10.1) is served in the epoch held (§11.9): at its own
+    /// lcore while its appliance serves its part, else at the lcore of the
+    /// part's primary keeping the entry's backup tables. `None` when no
+    /// live appliance holds it or the entry is not the job's.
+    pub(crate) fn entry_to(&self, entry: u32) -> Option<SocketAddr> {
+        let e = usize::try_from(entry).ok()?;
+        if e >= self.lcores.len() {
+            return None;
+        }
+        let p = self.base.iter().rposition(|&b| b <= e)?;
+        let q = self.layout.primary(p, &self.epoch)?;
+        if q == p {
+            return self.lcores.get(e).copied();
+        }
+        let count = |a: usize| self.base.get(a + 1).copied().unwrap_or(self.lcores.len()) - self.base[a];
+        let part = ChunkRange {
+            first: self.base[p] as u64,
+            count: count(p) as u64,
+        };
+        let l = entry_backup(part, count(q), e as u64)?;
+        self.lcores.get(self.base[q] + l).copied()
     }
 
     /// Whether `slot` on the layout's lcore `lcore` is past that lcore's

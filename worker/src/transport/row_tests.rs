@@ -1339,3 +1339,112 @@ fn an_answer_to_a_first_copy_after_a_resend_lengthens_the_loss_timer() {
         }
     }
 }
+
+/// A replicated job's rows (PROTOCOL.md §11.9): each message names its
+/// entry and the epoch held and goes where that epoch serves the entry;
+/// an answer is taken for the entry its header names; an ERROR
+/// `wrong_epoch` naming a newer epoch asks for it and ends nothing; a
+/// newer epoch sends every unanswered message again at once to the entry's
+/// new lcore (appliance 0 down: its entries 0 and 1 served by appliance
+/// 1's lcores 0 and 1), where the request ends.
+#[test]
+fn a_replicated_job_s_rows_follow_their_entries_to_a_new_epoch() {
+    use phub_proto::failover::EpochView;
+    use phub_proto::layout::ChunkRange;
+    use phub_proto::wire::Header;
+
+    let (lcores, dim) = (4u32, 2u32);
+    let mut h = Harness::new(lcores, dim, 8, 1024);
+    let runs: Vec<ChunkRange> = (0..4).map(|i| ChunkRange { first: i, count: 1 }).collect();
+    let routing = super::Routing::new(
+        runs,
+        &[2, 2],
+        vec![String::new(), String::new()],
+        2,
+        EpochView::default(),
+        (0..lcores).map(addr).collect(),
+        vec![0, 0],
+    )
+    .unwrap();
+    h.t.set_routing(routing);
+    // Answers as the lcores send them: with the entry and epoch stamped.
+    let answer_all = |h: &mut Harness, sent: &[Sent], epoch: u32| -> Vec<(SocketAddr, Vec<u8>)> {
+        let mut out = Vec::new();
+        for m in sent {
+            let e = Header::new_unchecked(&m.raw[..]).entry();
+            for mut d in h.lcores[e as usize].handle(m) {
+                let mut hd = Header::new_unchecked(&mut d[..]);
+                hd.set_entry(e);
+                hd.set_epoch(epoch);
+                out.push((m.to, d));
+            }
+        }
+        out
+    };
+    let ids: Vec<u64> = (0..40u64).map(|i| i * 7919 + 1).collect();
+    let entries: std::collections::BTreeSet<u32> =
+        ids.iter().map(|&id| h.table.placement.entry(id)).collect();
+    assert_eq!(entries.len(), 4, "ids on every entry");
+    let g = grads(&ids, dim, 0.0);
+    h.push(1, 1, &ids, &g);
+    let sent = h.sent();
+    for m in &sent {
+        let hd = Header::new_unchecked(&m.raw[..]);
+        assert_eq!((addr(hd.entry()), hd.epoch()), (m.to, 0), "{:?}", m.repr);
+    }
+    for (from, d) in answer_all(&mut h, &sent, 0) {
+        h.deliver(from, &d);
+    }
+    assert!(matches!(h.ended().as_slice(), [(1, Ok(_))]));
+
+    // Round 2: appliance 0 (entries 0 and 1) answers nothing.
+    h.push(2, 2, &ids, &g);
+    let sent = h.sent();
+    let (lost, live): (Vec<Sent>, Vec<Sent>) = sent
+        .into_iter()
+        .partition(|m| Header::new_unchecked(&m.raw[..]).entry() < 2);
+    assert!(!lost.is_empty());
+    for (from, d) in answer_all(&mut h, &live, 0) {
+        h.deliver(from, &d);
+    }
+    // A silence asks whether the epoch held is current.
+    h.now += Duration::from_secs(1);
+    h.t.handle_timeout(h.now);
+    assert_eq!(h.t.poll_epoch(), Some(0));
+    // An ERROR naming epoch 1 asks for it, and ends nothing.
+    let mut e = error_for(&live[0], DropReason::WrongEpoch.code());
+    {
+        let mut hd = Header::new_unchecked(&mut e[..]);
+        hd.set_epoch(1);
+        hd.set_entry(Header::new_unchecked(&live[0].raw[..]).entry());
+    }
+    h.deliver(live[0].to, &e);
+    assert_eq!(h.t.poll_epoch(), Some(1));
+    assert!(h.ended().is_empty());
+    let _ = h.sent();
+    // Epoch 1: the unanswered messages go at once to appliance 1.
+    let view = EpochView {
+        epoch: 1,
+        down: vec![0],
+        ..EpochView::default()
+    };
+    assert_eq!(h.t.set_epoch(h.now, view), lost.len());
+    let again = h.sent();
+    assert_eq!(again.len(), lost.len());
+    for m in &again {
+        let hd = Header::new_unchecked(&m.raw[..]);
+        assert!(hd.entry() < 2);
+        assert_eq!(
+            (m.to, hd.epoch()),
+            (addr(2 + hd.entry()), 1),
+            "entry {}",
+            hd.entry()
+        );
+    }
+    // The adopter answers for entries 0 and 1 from its own addresses.
+    for (from, d) in answer_all(&mut h, &again, 1) {
+        h.deliver(from, &d);
+    }
+    let ended = h.ended();
+    assert!(matches!(ended.as_slice(), [(2, Ok(_))]), "{ended:?}");
+}

@@ -69,6 +69,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use phub_proto::failover::EpochView;
 use phub_proto::rows::{
     self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr, Rows, KEY_CACHE_PREFIX,
 };
@@ -77,7 +78,7 @@ use phub_proto::wire::{self, flags, DropReason, MsgType, APPLIANCE_RANK, HEADER_
 
 use super::row_plan::{plan_push, PlanKind, RowPlan, TableInfo};
 use super::rto::Rto;
-use super::{add_flag, describe, micros, JobInfo};
+use super::{add_flag, describe, micros, JobInfo, Routing};
 use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::net::Datagram;
@@ -267,6 +268,12 @@ pub(crate) struct RowTransport<D> {
     /// Per entry (§10.1), the lcore's address.
     lcores: Vec<SocketAddr>,
     entry_of: HashMap<SocketAddr, u32>,
+    /// A replicated job's routing by epoch (PROTOCOL.md §11.9): where each
+    /// entry is served, and the epoch every message carries; `None` for
+    /// any other job.
+    routing: Option<Routing>,
+    /// The epoch to fetch from control, at least ([`RowTransport::poll_epoch`]).
+    epoch_wanted: Option<u32>,
     tables: Vec<TableInfo>,
     timeout: Duration,
     window: usize,
@@ -368,6 +375,8 @@ impl<D> RowTransport<D> {
             info,
             lcores,
             entry_of,
+            routing: None,
+            epoch_wanted: None,
             tables,
             timeout: config.timeout,
             window: window.max(1),
@@ -631,7 +640,28 @@ impl<D> RowTransport<D> {
                 self.catch_up_out.push((entry, d));
             }
         }
-        let (active, lcores) = (&self.active, &self.lcores);
+        if let Some(epoch) = self.routing.as_ref().map(|r| r.epoch().epoch) {
+            // A replicated job's messages name their entry and the epoch
+            // they are routed by (PROTOCOL.md §11.9).
+            for (e, d) in &mut self.catch_up_out {
+                let mut h = wire::Header::new_unchecked(&mut d[..]);
+                h.set_entry(*e);
+                h.set_epoch(epoch);
+            }
+            for &(key, i) in &self.queue {
+                if let Some(a) = self.active.get_mut(&key) {
+                    let entry = a.plan.msgs[i].entry;
+                    let mut h = wire::Header::new_unchecked(&mut a.bytes[a.spans[i].clone()]);
+                    h.set_entry(entry);
+                    h.set_epoch(epoch);
+                }
+            }
+        }
+        let dests: Vec<SocketAddr> = match &self.routing {
+            Some(_) => (0u32..).take(self.lcores.len()).map(|e| self.dest(e)).collect(),
+            None => Vec::new(),
+        };
+        let (active, lcores) = (&self.active, if dests.is_empty() { &self.lcores } else { &dests });
         out.extend(self.catch_up_out.iter().map(|(e, d)| Datagram {
             to: lcores[*e as usize],
             head: d,
@@ -775,6 +805,14 @@ impl<D> RowTransport<D> {
         add(&self.stats.row_retransmits, resent);
         self.resent_in_silence |= resent > 0;
         let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
+        // A replicated job's silence asks control whether the epoch held
+        // is still current (an appliance serving some entry may be down),
+        // once a silence.
+        if stalled && self.stall_checked != Some(self.last_progress) {
+            if let Some(r) = &self.routing {
+                self.epoch_wanted = self.epoch_wanted.max(Some(r.epoch().epoch));
+            }
+        }
         // Stalled on one table, the rank checks the others, once a silence:
         // a restored lcore may wait on this rank for a table it has every
         // answer of, while the ranks it waits on wait on that table
@@ -896,8 +934,94 @@ impl<D> RowTransport<D> {
         if self.table(repr.key).is_none() {
             return false;
         }
-        self.on_error(now, from, &repr);
+        let Some(entry) = self.entry_for(from, d) else {
+            // Not from one of the job's lcores: a table's ERROR, not ours.
+            add(&self.stats.row_answers_ignored, 1);
+            return true;
+        };
+        if repr.error == DropReason::WrongEpoch.code() {
+            // Never a failure (PROTOCOL.md §11.9): a newer epoch is
+            // fetched, and the message goes on being resent on its timer
+            // until the epoch changes; an older one says the lcore has
+            // not taken the epoch yet.
+            if let Some(r) = &self.routing {
+                let named = wire::Header::new_unchecked(d).epoch();
+                if named > r.epoch().epoch {
+                    self.epoch_wanted = self.epoch_wanted.max(Some(named));
+                }
+            }
+            add(&self.stats.row_answers_ignored, 1);
+            return true;
+        }
+        self.on_error(now, from, entry, &repr);
         true
+    }
+
+    /// The entry a table answer or ERROR from `from` is for: its lcore's
+    /// (the address a message went to), or, in a replicated job, the
+    /// header's `entry` (an lcore may serve an adopted entry beside its
+    /// own, PROTOCOL.md §11.9) from any of the job's lcores.
+    fn entry_for(&self, from: SocketAddr, d: &[u8]) -> Option<u32> {
+        let own = *self.entry_of.get(&from)?;
+        if self.routing.is_none() {
+            return Some(own);
+        }
+        let e = wire::Header::new_checked(d).ok()?.entry();
+        (usize::try_from(e).is_ok_and(|e| e < self.lcores.len())).then_some(e)
+    }
+
+    /// Where entry `e`'s messages go: where the epoch held serves it (a
+    /// replicated job), else its lcore.
+    fn dest(&self, e: u32) -> SocketAddr {
+        self.routing
+            .as_ref()
+            .and_then(|r| r.entry_to(e))
+            .unwrap_or(self.lcores[e as usize])
+    }
+
+    /// Routes every entry by `routing`'s epoch from now on (a replicated
+    /// job). Set before the first request.
+    pub(crate) fn set_routing(&mut self, routing: Routing) {
+        self.routing = Some(routing);
+    }
+
+    /// The epoch the caller is to fetch from control, at least (taken):
+    /// an ERROR `wrong_epoch` named it, or a silence asks whether the one
+    /// held is still current.
+    pub(crate) fn poll_epoch(&mut self) -> Option<u32> {
+        self.epoch_wanted.take()
+    }
+
+    /// Control says the job is in `view`: a newer epoch is held from now
+    /// on, and every message sent and still unanswered goes again at once
+    /// to where it serves the message's entry, with the new epoch (the
+    /// lcore that adopted an entry has none of them). Returns how many.
+    pub(crate) fn set_epoch(&mut self, now: Instant, view: EpochView) -> usize {
+        let Some(r) = self.routing.as_mut() else {
+            return 0;
+        };
+        if view.epoch <= r.epoch().epoch {
+            return 0;
+        }
+        r.set_epoch(view);
+        let deadline = now + self.rto.loss(0);
+        let mut sent = 0;
+        for (&key, a) in &mut self.active {
+            for (i, st) in a.states.iter_mut().enumerate() {
+                if let MsgState::Out(out) = st {
+                    *out = Sent::first(now, deadline);
+                    self.queue.push((key, i));
+                    sent += 1;
+                }
+            }
+            for (&entry, c) in &mut a.catch_up {
+                c.sent.deadline = now;
+                self.catch_up_queue.push((key, entry));
+            }
+        }
+        add(&self.stats.row_retransmits, sent as u64);
+        self.last_progress = now;
+        sent
     }
 
     fn on_row_message(&mut self, now: Instant, from: SocketAddr, d: &[u8]) {
@@ -915,7 +1039,7 @@ impl<D> RowTransport<D> {
             add(&self.stats.foreign_dropped, 1);
             return;
         }
-        let Some(&entry) = self.entry_of.get(&from) else {
+        let Some(entry) = self.entry_for(from, d) else {
             add(&self.stats.foreign_dropped, 1);
             return;
         };
@@ -1047,11 +1171,11 @@ impl<D> RowTransport<D> {
         }
     }
 
-    fn on_error(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) {
-        if self.catch_up_refused(now, from, repr) {
+    fn on_error(&mut self, now: Instant, from: SocketAddr, entry: u32, repr: &wire::Repr) {
+        if self.catch_up_refused(now, from, entry, repr) {
             return;
         }
-        let at = self.entry_of.get(&from).and_then(|&entry| {
+        let at = Some(entry).and_then(|entry| {
             let a = self.active.get(&repr.key)?;
             let i = if repr.chunk & PULL_TAG != 0 {
                 if a.plan.kind != PlanKind::Pull || repr.chunk & !INDEX_MASK != a.tag {
@@ -1243,12 +1367,9 @@ impl<D> RowTransport<D> {
     /// before the catching up began and held in the network, never the
     /// empty round's, which carries none (simulator seed 1082260: the
     /// push failed on it, the lcore restored without this rank's lists).
-    fn catch_up_refused(&mut self, now: Instant, from: SocketAddr, repr: &wire::Repr) -> bool {
+    fn catch_up_refused(&mut self, now: Instant, from: SocketAddr, entry: u32, repr: &wire::Repr) -> bool {
         let for_a_prefix = repr.error == DropReason::UnknownSignature.code()
             || repr.error == DropReason::BadSignature.code();
-        let Some(&entry) = self.entry_of.get(&from) else {
-            return false;
-        };
         let Some(c) = self.active.get(&repr.key).and_then(|a| a.catch_up.get(&entry)) else {
             return false;
         };
