@@ -360,7 +360,8 @@ impl MemoryModel {
     /// `parts[i]` being appliance i's part of the layout (one run per
     /// lcore) and `racks[i]` its rack label: the backup slots of every
     /// appliance whose replica set (§11.1) it is in, cut as §11.2 cuts
-    /// them. Empty if `me` names no part.
+    /// them, and the backup tables of those appliances' entries (§11.9).
+    /// Empty if `me` names no part.
     pub fn replica_cost<R: Eq>(&self, spec: &JobSpec, parts: &[&Layout], racks: &[R], me: usize) -> Vec<u64> {
         let r = spec.replicas();
         let Some(mine) = parts.get(me) else {
@@ -387,12 +388,39 @@ impl MemoryModel {
             .chain(&backed)
             .map(|&p| parts[p].lcores.len())
             .sum();
+        // Backup tables (PROTOCOL.md §11.9): each entry (lcore) of a part
+        // backed up here is kept, per table, on the lcore whose run of the
+        // part's entries holds it, charged as the entry's primary tables.
+        let total: usize = parts.iter().map(|l| l.lcores.len()).sum();
+        let per_entry = self.tables_lcore_bytes(spec, total);
+        let mut entries = vec![0u64; lcores];
+        if per_entry > 0 {
+            let firsts: Vec<u64> = parts
+                .iter()
+                .scan(0u64, |at, l| {
+                    let f = *at;
+                    *at += l.lcores.len() as u64;
+                    Some(f)
+                })
+                .collect();
+            for &p in &backed {
+                let part = ChunkRange {
+                    first: firsts[p],
+                    count: parts[p].lcores.len() as u64,
+                };
+                for e in part.range() {
+                    if let Some(j) = crate::replica_rows::entry_backup(part, lcores, e) {
+                        entries[j] += 1;
+                    }
+                }
+            }
+        }
         mine.lcores
             .iter()
             .enumerate()
             .map(|(j, run)| {
                 let backups: Vec<ChunkRange> = cut.iter().map(|c| c[j]).collect();
-                self.replica_lcore_bytes(spec, run.count, &backups, peers as u64)
+                self.replica_lcore_bytes(spec, run.count, &backups, peers as u64) + entries[j] * per_entry
             })
             .collect()
     }

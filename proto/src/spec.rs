@@ -887,7 +887,30 @@ impl JobSpec {
             return unspecified("a hierarchical job".into());
         }
         if let Some(t) = self.tables().next() {
-            return unspecified(format!("a job with a table key ({})", shown(t.name)));
+            // PROTOCOL.md §11.9: a table's failover with a backup left
+            // would need its state copied, which is not built.
+            if r > 2 {
+                return Err(bad(
+                    "placement.replicas",
+                    r,
+                    format!(
+                        "at most 2 for a job with a table key ({}): a table's state copy to a remaining \
+                         backup is not built (PROTOCOL.md §11.9)",
+                        shown(t.name)
+                    ),
+                ));
+            }
+            if let Some(t) = self
+                .tables()
+                .find(|t| crate::replica_rows::rows_per_fragment(t.spec.dim) == 0)
+            {
+                return Err(bad(
+                    format!("keys[{}].dim", t.key),
+                    t.spec.dim,
+                    "a row that fits a replication fragment as f32 (at most 2202) in a replicated \
+                     job (PROTOCOL.md §11.9)",
+                ));
+            }
         }
         if self.dtype.size() == 2 && self.chunk_bytes > MAX_HIERARCHICAL_HALF_CHUNK_BYTES {
             return Err(bad(
@@ -1354,6 +1377,34 @@ elements = 1
             .unwrap_err()
             .to_string();
         assert!(e.contains("at line 1 column"), "a JSON error: {e}");
+    }
+
+    #[test]
+    fn a_job_with_a_table_takes_two_replicas_not_three() {
+        let spec = |replicas: u32, dim: u32| {
+            JobSpec::from_toml(&format!(
+                "name = \"t\"\nworkers = 2\nchunk_bytes = 8192\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 10\n[[keys]]\n\
+                 name = \"emb\"\nkind = \"table\"\ndim = {dim}\nrows = 1000\n\
+                 [placement]\nappliances = 3\nreplicas = {replicas}\n"
+            ))
+        };
+        assert_eq!(spec(2, 16).map(|s| s.replicas()), Ok(2));
+        let e = spec(3, 16).unwrap_err().to_string();
+        assert!(
+            e.contains("`placement.replicas` = 3") && e.contains("\"emb\"") && e.contains("§11.9"),
+            "{e}"
+        );
+        // A row must fit a replication fragment as f32.
+        let e = JobSpec::from_toml(
+            "name = \"t\"\nworkers = 2\ndtype = \"bf16\"\nchunk_bytes = 8832\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
+             kind = \"table\"\ndim = 4000\nrows = 10\n[placement]\nappliances = 2\nreplicas = 2\n",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("`keys[0].dim` = 4000") && e.contains("at most 2202"),
+            "{e}"
+        );
     }
 
     #[test]

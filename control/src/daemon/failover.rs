@@ -66,6 +66,18 @@ impl StoredJob {
         self.shape.is_flat() && self.spec.replicas() > 1
     }
 
+    /// Why its parts cannot move to another appliance or take one back
+    /// (re-replication, drain, rebalance): a table's state copy is not
+    /// built (PROTOCOL.md §11.9). `None` for a job without tables.
+    pub(crate) fn tables_unmovable(&self) -> Option<String> {
+        let t = self.spec.tables().next()?;
+        Some(format!(
+            "it has a table ({:?}), whose state copy to another appliance is not built (PROTOCOL.md §11.9): \
+             it runs on the appliances it has",
+            t.name
+        ))
+    }
+
     /// Its layout as failover sees it, each appliance's rack label as
     /// `rack` gives it; an error says what disagrees (a state file edited
     /// by hand).
@@ -190,6 +202,11 @@ impl StoredJob {
     /// every appliance of it answers: reconciliation).
     pub(super) fn decide_return(&self, name: &str) -> Option<EpochView> {
         if !self.is_replicated() || self.failed.is_some() || self.stalled.is_some() {
+            return None;
+        }
+        if self.tables_unmovable().is_some() {
+            // Its tables would need their state copied (PROTOCOL.md
+            // §11.9): it stays without the appliance.
             return None;
         }
         let index = u16::try_from(self.part_index(name)?).ok()?;

@@ -109,3 +109,86 @@ fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
         }
     }
 }
+
+/// A replicated job with a table (PROTOCOL.md §11.9): each lcore holds
+/// its primary slots and tables (`part_cost`, the table's share over all
+/// the job's lcores) plus its backup slots and the backup tables of the
+/// entries it keeps (`replica_cost`), as admission charges them.
+#[test]
+fn each_lcore_of_a_replicated_job_with_a_table_holds_what_admission_charges() {
+    use phub_engine::engine::TableInstall;
+
+    let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
+    let model = memory_model(&*mem);
+    let lcores: &[usize] = &[2, 1, 2];
+    let racks = ["r1", "r2", "r1"];
+    let spec = JobSpec::from_toml(
+        "name = \"m\"\nworkers = 3\nchunk_bytes = 256\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nelements = 300\n[[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 8\nrows = 5000\n\
+         optimizer = { kind = \"adagrad\", lr = 0.1 }\n[placement]\nappliances = 3\nreplicas = 2\n",
+    )
+    .unwrap();
+    let table = spec.tables().next().unwrap().spec.clone();
+    let nl: usize = lcores.iter().sum();
+    let runs = backup_runs(
+        ChunkRange {
+            first: 0,
+            count: Chunks::new(&spec).total(),
+        },
+        nl,
+    );
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for &l in lcores {
+        parts.push(Layout {
+            chunk_elems: spec.chunk_elems(),
+            lcores: runs[at..at + l].to_vec(),
+        });
+        at += l;
+    }
+    let part_refs: Vec<&Layout> = parts.iter().collect();
+    let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (Ipv4Addr::new(10, 0, i as u8, 1), 9000, l as u16))
+        .collect();
+    let labels: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
+    let mut entry = 0u32;
+    let mut with_backup_tables = 0;
+    for (me, part) in parts.iter().enumerate() {
+        let primary = model.part_cost(&spec, part, ResultStore::Slot, nl).lcores;
+        let backups = model.replica_cost(&spec, &part_refs, &racks, me);
+        let plan = replica_plan(&spec, &runs, &appliances, &labels, me as u16, 0).unwrap();
+        for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            let mut s: Shard<SocketAddrV4> = Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
+            s.set_peer_resolver(Arc::new(Some));
+            let job = JobInstall {
+                id: 1,
+                token: 7,
+                workers: 3,
+                dtype: spec.dtype,
+                optimizer: spec.optimizer,
+                consistency: spec.consistency,
+                chunk_elems: spec.chunk_elems(),
+                slots,
+            };
+            let t = TableInstall {
+                key: 1,
+                spec: table.clone(),
+                chunk_bytes: spec.chunk_bytes,
+                lcores: nl as u32,
+                entry,
+            };
+            entry += 1;
+            s.install_with_tables(job, InstallKind::Replicated(Box::new(rep)), vec![t])
+                .unwrap();
+            with_backup_tables += usize::from((0..nl as u32).any(|e| s.backup_tables(1, e).is_some()));
+            assert_eq!(
+                s.job_memory_bytes(1),
+                Some(primary[j] + backups[j]),
+                "appliance {me} lcore {j}"
+            );
+        }
+    }
+    assert!(with_backup_tables > 0);
+}

@@ -1543,7 +1543,7 @@ impl<D> RowTransport<D> {
                 .iter()
                 .zip(&a.plan.msgs)
                 .filter(|(s, _)| !matches!(s, MsgState::Answered))
-                .map(|(_, m)| self.lcores[m.entry as usize])
+                .map(|(_, m)| self.dest(m.entry))
                 .collect();
             addrs.sort();
             addrs.dedup();
