@@ -466,21 +466,40 @@ pub fn start(cfg: &Config, make_job: MakeJob<'_, UdpQueue>) -> anyhow::Result<St
     let cores = core_affinity::get_core_ids().unwrap_or_default();
     let n = cfg.lcore_count(cores.len())?;
     let topology = Topology::detect();
+    // --base-port 0: the kernel picks queue 0's port, the others follow;
+    // one of those taken meanwhile (another program's ephemeral port: a
+    // test run beside it) starts over from another port the kernel picks,
+    // a few times.
     let mut queues = Vec::with_capacity(n);
-    // --base-port 0: the kernel picks queue 0's port, the others follow.
-    let mut base = cfg.base_port;
-    for i in 0..n {
-        // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
-        #[allow(clippy::cast_possible_truncation)]
-        let port = if base == 0 { 0 } else { base.wrapping_add(i as u16) };
-        let addr = SocketAddrV4::new(cfg.host, port);
-        let q = UdpQueue::bind(addr, cfg.socket_buffer)
-            .with_context(|| format!("binding queue {i} to {addr}"))?;
-        if base == 0 {
-            base = q.local_addr()?.port();
+    let mut attempts = 0;
+    let base = 'bind: loop {
+        queues.clear();
+        let mut base = cfg.base_port;
+        for i in 0..n {
+            // Cast: i < n <= MAX_LCORES (256), checked in Config::lcore_count.
+            #[allow(clippy::cast_possible_truncation)]
+            let port = if base == 0 { 0 } else { base.wrapping_add(i as u16) };
+            let addr = SocketAddrV4::new(cfg.host, port);
+            let q = match UdpQueue::bind(addr, cfg.socket_buffer) {
+                Ok(q) => q,
+                Err(e)
+                    if cfg.base_port == 0
+                        && i > 0
+                        && attempts < 16
+                        && e.kind() == io::ErrorKind::AddrInUse =>
+                {
+                    attempts += 1;
+                    continue 'bind;
+                }
+                Err(e) => return Err(e).with_context(|| format!("binding queue {i} to {addr}")),
+            };
+            if base == 0 {
+                base = q.local_addr()?.port();
+            }
+            queues.push(q);
         }
-        queues.push(q);
-    }
+        break base;
+    };
     let slot_memory: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
     let mut threads = Vec::with_capacity(n);
     let mut lcores = Vec::with_capacity(n);

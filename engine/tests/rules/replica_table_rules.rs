@@ -890,3 +890,53 @@ fn an_epoch_needing_a_table_state_copy_is_refused() {
         assert!(w.shards[a][0].backup_tables(JOB, 0).is_some());
     }
 }
+
+/// A split brain (PROTOCOL.md §11.6, §11.9): appliance 0 is alive but
+/// control declared it down, and appliances 1 and 2 took the epoch that
+/// moves its entry to appliance 1, while the ranks still route by the old
+/// one. Appliance 0 takes every rank's round for its entry and sends its
+/// backup the fragments, which appliance 1 refuses `wrong_epoch`: the
+/// round never completes there and no rank is answered from it (fenced);
+/// the live appliances refuse the ranks' old-epoch messages with an ERROR
+/// naming the new epoch, and once the ranks take it the round completes
+/// where the new epoch serves each entry.
+#[test]
+fn a_primary_behind_a_split_brain_answers_no_round() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sgd { lr: 0.5 }, None, None);
+    let mut w = TableWorld::new(table, 64, 2, &[1, 1, 1], &["", "", ""], 12);
+    w.table_round(6, 40);
+    let view = EpochView {
+        epoch: 1,
+        down: vec![0],
+        ..EpochView::default()
+    };
+    for a in 1..3 {
+        assert_eq!(w.shards[a][0].change_epoch(JOB, &view), Ok(true));
+        w.drain(a, 0);
+    }
+    w.start_round(6, 40);
+    for _ in 0..5 {
+        w.send_unanswered();
+        w.run();
+        w.now += 30 * MS;
+        w.poll();
+        w.run();
+    }
+    assert!(
+        (0..3u16).all(|r| !w.lanes[&(r, 0)].done),
+        "the fenced primary answered a round its backup never applied"
+    );
+    assert_eq!(w.served(0, 0)[0].rounds, TableRoundsState::Bsp { completed: 1 });
+    assert!(w.wrong_epoch > 0, "no old-epoch message was refused");
+    let refused: u64 = w.shards[1]
+        .iter()
+        .map(|s| s.replica_stats(JOB).unwrap().wrong_epoch)
+        .sum();
+    assert!(refused > 0, "the fenced primary's fragments were not refused");
+    // The ranks take the epoch: entry 0 is served by appliance 1 now.
+    w.dead[0] = true;
+    w.epoch = view;
+    w.finish_round();
+    assert_eq!(w.serve(0).0, 1);
+    assert_eq!(w.served(1, 0)[0].rounds, TableRoundsState::Bsp { completed: 2 });
+}
