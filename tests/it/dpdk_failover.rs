@@ -15,7 +15,10 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::common::udp_beside::{neighbor_arg, UdpBeside};
-use crate::common::{all_trained, appliances_settled, at_full_strength, replicated_spec, train_ranks, Gates};
+use crate::common::{
+    all_trained, appliances_settled, at_full_strength, replicated_spec, replicated_table_spec, train_ranks,
+    train_table_ranks, Gates,
+};
 use phub::proto::api::{BackendKind, DataplaneStats};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::{control, mgmt};
@@ -161,4 +164,80 @@ fn kill_mid_training(kill_dpdk: bool) {
         BackendKind::Dpdk
     };
     assert_eq!(backend, want);
+}
+
+/// A replicated job with a table (PROTOCOL.md §11.9) on the DPDK appliance
+/// and the kernel-UDP one: each keeps the other's entry as a backup table
+/// (REPLICATE_ROWS between the two backends); the DPDK appliance is killed
+/// while rank 1's round is in flight, the kernel-UDP one serves its entry
+/// from the backup table, and every row of every round is exact.
+#[test]
+fn a_killed_dpdk_appliance_s_table_entry_is_served_by_its_partner_exactly() {
+    let tag = "rept";
+    let rack = match VirtualRack::start(
+        tag,
+        1,
+        &neighbor_arg(),
+        &UdpBeside::appliance_arg("u", "r2", UDP_MGMT, tag),
+    ) {
+        Ok(r) => r,
+        Err(why) => {
+            println!("SKIPPED: DPDK table failover test: {why}");
+            return;
+        }
+    };
+    let udp = UdpBeside::start(&rack, UDP_MGMT, tag);
+    let dpdk_pid = rack.dataplane.as_ref().expect("the rack's dataplane").id();
+    let url = rack.control_url();
+    let token = rack.operator_token();
+    let (rounds, kill_after) = (8u32, 3u32);
+    let spec = replicated_table_spec("dpdk-table-failover", &["default", "u"]);
+    let (epoch, before) = rack.inside(|| {
+        udp.wait_up();
+        appliances_settled(&url, token.as_deref());
+        let job = admit(&url, token.as_deref(), &spec);
+        assert_eq!(job.appliances, ["default", "u"]);
+        let gates = Gates::new(&[kill_after], rounds);
+        let before = std::thread::scope(|s| {
+            let ranks = train_table_ranks(s, &url, &job, &gates, rounds);
+            gates.wait_at(0);
+            let before = at_full_strength(&url, token.as_deref(), job.id);
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            let killed = Command::new("kill")
+                .args(["-KILL", &dpdk_pid.to_string()])
+                .status()
+                .unwrap();
+            assert!(killed.success(), "SIGKILL to the DPDK dataplane");
+            gates.open(0);
+            let trained = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                for h in ranks {
+                    h.join().unwrap();
+                }
+            }));
+            if let Err(p) = trained {
+                eprintln!(
+                    "epoch: {:?}",
+                    client(&url, token.as_deref()).send(&control::epoch(job.id))
+                );
+                eprintln!(
+                    "phub-control's log:\n{}",
+                    std::fs::read_to_string(rack.control_log()).unwrap_or_default()
+                );
+                std::panic::resume_unwind(p);
+            }
+            before
+        });
+        let epoch: EpochView = client(&url, token.as_deref())
+            .send(&control::epoch(job.id))
+            .unwrap();
+        (epoch, before)
+    });
+    assert_eq!(
+        epoch,
+        EpochView {
+            epoch: before.epoch + 1,
+            down: vec![0],
+            ..before
+        }
+    );
 }

@@ -12,7 +12,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::common::{all_trained, at_full_strength, replicated_spec, train_ranks, Appliances, Operator};
+use crate::common::{
+    all_trained, at_full_strength, replicated_spec, replicated_table_spec, train_ranks, train_table_ranks,
+    Appliances, Gates, Operator,
+};
 use phub::proto::failover::EpochView;
 use phub::proto::routes::control;
 
@@ -114,70 +117,21 @@ fn kill_b_mid_training(replicas: u32) {
 #[test]
 fn a_table_s_entry_fails_over_and_every_row_stays_exact() {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
-    let spec = "name = \"table-failover\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n\
-                [[keys]]\nname = \"w\"\nelements = 64\n\
-                [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 1000\nseed = 3\n\
-                optimizer = { kind = \"sgd\", lr = 0.5 }\n\
-                [placement]\nappliances = [\"a\", \"b\", \"c\"]\nreplicas = 2\n";
-    let job = rack.admit(spec).unwrap();
-    let ids: Vec<u64> = (0..60).map(|i| i * 7 + 3).collect();
-    let d = 4usize;
-    let g = |rank: u16, round: u32, id: u64, e: usize| -> f32 {
-        f32::from(rank + 1) * 0.25 + (round as f32) - (id % 3) as f32 + e as f32 * 0.5
-    };
-    let want = |t: u32| -> Vec<f32> {
-        ids.iter()
-            .flat_map(|&id| {
-                (0..d).map(move |e| {
-                    let mut w = 0f32;
-                    for r in 1..=t {
-                        w -= 0.5 * (g(0, r, id, e) + g(1, r, id, e));
-                    }
-                    w
-                })
-            })
-            .collect()
-    };
+    let job = rack
+        .admit(&replicated_table_spec("table-failover", &["a", "b", "c"]))
+        .unwrap();
     let (rounds, kill_after) = (8u32, 3u32);
-    let reached = AtomicU32::new(0);
-    let killed = AtomicBool::new(false);
+    let gates = Gates::new(&[kill_after], rounds);
     let url = rack.control_url.clone();
     let before = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2u16)
-            .map(|rank| {
-                let (url, ids, reached, killed) = (&url, &ids, &reached, &killed);
-                s.spawn(move || {
-                    let w = phub_worker::Worker::join(url, job.id, job.token, rank).unwrap();
-                    for round in 1..=rounds {
-                        if rank == 0 {
-                            reached.store(round, Ordering::SeqCst);
-                            while round == kill_after + 1 && !killed.load(Ordering::SeqCst) {
-                                std::thread::sleep(Duration::from_millis(1));
-                            }
-                        }
-                        let grads: Vec<f32> = ids
-                            .iter()
-                            .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
-                            .collect();
-                        let mut out = vec![0f32; ids.len() * d];
-                        let r = w
-                            .push_pull_rows("emb", ids, &grads, &mut out)
-                            .unwrap_or_else(|e| panic!("rank {rank} round {round}: {e}"));
-                        assert_eq!(r, round, "rank {rank}");
-                        assert_eq!(out, want(round), "rank {rank} round {round}");
-                    }
-                })
-            })
-            .collect();
-        while reached.load(Ordering::SeqCst) < kill_after + 1 {
-            std::thread::sleep(Duration::from_millis(1));
-        }
+        let ranks = train_table_ranks(s, &url, &job, &gates, rounds);
+        gates.wait_at(0);
         let before = at_full_strength(&url, Some(&rack.operator_token()), job.id);
         // Rank 1's round kill_after + 1 is out (or on its way) when b dies.
         std::thread::sleep(Duration::from_millis(50));
         rack.kill_dataplane(1);
-        killed.store(true, Ordering::SeqCst);
-        for h in hs {
+        gates.open(0);
+        for h in ranks {
             h.join().unwrap();
         }
         before

@@ -638,3 +638,80 @@ impl Drop for Stopped {
         signal("-CONT", self.0);
     }
 }
+
+/// A BSP job of two ranks with a dense key and a table `emb` (dim 4, SGD
+/// with lr 0.5), sharded over the named appliances with two replicas
+/// (PROTOCOL.md §11.9): the table failover tests' job.
+pub(crate) fn replicated_table_spec(name: &str, appliances: &[&str]) -> String {
+    let names: Vec<String> = appliances.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "name = {name:?}\nworkers = 2\n[optimizer]\nkind = \"sum\"\n\
+         [[keys]]\nname = \"w\"\nelements = 64\n\
+         [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 4\nrows = 1000\nseed = 3\n\
+         optimizer = {{ kind = \"sgd\", lr = 0.5 }}\n\
+         [placement]\nappliances = [{}]\nreplicas = 2\n",
+        names.join(", ")
+    )
+}
+
+/// Rank `rank`'s gradient of element `e` of row `id` in round `round` in
+/// [`train_table_ranks`]: multiples of 0.25, so that every sum of them is
+/// the same bits in any order of arrival.
+fn table_grad(rank: u16, round: u32, id: u64, e: usize) -> f32 {
+    f32::from(rank + 1) * 0.25 + (round as f32) - (id % 3) as f32 + e as f32 * 0.5
+}
+
+/// The rows of [`train_table_ranks`]'s ids after round `t`: SGD with lr
+/// 0.5 from zeros over both ranks' gradients.
+fn table_rows_after(ids: &[u64], t: u32) -> Vec<f32> {
+    ids.iter()
+        .flat_map(|&id| {
+            (0..4).map(move |e| {
+                let mut w = 0f32;
+                for r in 1..=t {
+                    w -= 0.5 * (table_grad(0, r, id, e) + table_grad(1, r, id, e));
+                }
+                w
+            })
+        })
+        .collect()
+}
+
+/// Starts both ranks of a [`replicated_table_spec`] job in scope `s`, each
+/// `push_pull_rows` of the same 60 ids (placed over every entry) in rounds
+/// 1 to `rounds`, asking `gates.more(rank, round)` before each (rank 0
+/// waits at the gates the test opens), and checking every row of every
+/// answer against [`table_rows_after`].
+pub(crate) fn train_table_ranks<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    url: &'env str,
+    job: &AdmitResponse,
+    gates: &'env Gates,
+    rounds: u32,
+) -> Vec<std::thread::ScopedJoinHandle<'scope, ()>> {
+    let (id, token) = (job.id, job.token);
+    (0..2u16)
+        .map(|rank| {
+            s.spawn(move || {
+                let ids: Vec<u64> = (0..60).map(|i| i * 7 + 3).collect();
+                let w = phub_worker::Worker::join(url, id, token, rank).unwrap();
+                for round in 1..=rounds {
+                    gates.more(rank, round);
+                    let grads: Vec<f32> = ids
+                        .iter()
+                        .flat_map(|&i| (0..4).map(move |e| table_grad(rank, round, i, e)))
+                        .collect();
+                    let mut out = vec![0f32; ids.len() * 4];
+                    let r = w
+                        .push_pull_rows("emb", &ids, &grads, &mut out)
+                        .unwrap_or_else(|e| panic!("rank {rank} round {round}: {e}"));
+                    assert_eq!(r, round, "rank {rank}");
+                    assert!(
+                        out == table_rows_after(&ids, round),
+                        "rank {rank} round {round}: rows not exact"
+                    );
+                }
+            })
+        })
+        .collect()
+}
