@@ -433,6 +433,13 @@ impl Shared {
         {
             let mut inner = self.lock();
             for id in inner.fenced_jobs_on(name) {
+                if let Some(why) = inner.jobs.get(&id).and_then(StoredJob::tables_unmovable) {
+                    log::warn!(
+                        "job {id}: appliance {name:?} answers again, but the job is not given back to it: \
+                         {why}; it stays degraded"
+                    );
+                    continue;
+                }
                 let Some(view) = inner.jobs.get(&id).and_then(|j| j.decide_return(name)) else {
                     continue;
                 };
@@ -928,6 +935,40 @@ mod tests {
             j.strength(one_rack).map(|s| (s.state, s.stalled)),
             Some((Strength::Stalled, Some("stalled: part 0".into())))
         );
+    }
+
+    /// A replicated job with a table fails over, but is not given an
+    /// appliance back (PROTOCOL.md §11.9: a table's state copy is not
+    /// built): it stays degraded.
+    #[test]
+    fn a_job_with_a_table_fails_over_and_takes_no_appliance_back() {
+        let mut j = job(2);
+        j.spec.keys.push(phub_proto::spec::KeySpec::table(
+            "emb",
+            phub_proto::spec::TableSpec {
+                dim: 4,
+                rows: Some(100),
+                seed: 0,
+                init: phub_proto::spec::RowInitSpec::Zeros,
+                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
+                evict: None,
+                admit_after: None,
+                key_cache: 0,
+            },
+        ));
+        assert!(j
+            .tables_unmovable()
+            .is_some_and(|w| w.contains("\"emb\"") && w.contains("§11.9")));
+        let Some(Decision::Next(e1)) = j.decide("b", one_rack) else {
+            panic!("one down of three, replicas 2: the job goes on");
+        };
+        j.epoch = e1;
+        assert_eq!(
+            j.decide_return("b"),
+            None,
+            "b is down, but the job stays without it"
+        );
+        assert!(job(2).tables_unmovable().is_none());
     }
 
     #[test]
