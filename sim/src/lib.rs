@@ -330,6 +330,31 @@ impl Case {
                 stagger_us: srng.gen_range(0..3_000),
             });
         }
+        // Tables in replicated jobs (PROTOCOL.md §11.9), from a generator
+        // of its own: in two thirds of the replicated jobs of two replicas
+        // without a rejoin whose first event is a kill for good or none,
+        // one or two tables without a small cap (the model's cap checks
+        // are an lcore's, and an adopting lcore serves two entries);
+        // nothing that would need a table's state copied is drawn for
+        // them (an appliance back, a drain, a restart, a second kill, a
+        // lost part, control's restart).
+        let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
+        let tables_fit = case.replication.as_ref().is_some_and(|r| {
+            r.replicas == 2 && matches!(r.event, None | Some(ReplicaEvent::Kill { back_us: None, .. }))
+        });
+        if tables_fit && case.rejoin.is_none() && case.tables.is_empty() && xrng.gen_bool(2.0 / 3.0) {
+            let mut tables = rows::TableCase::draw_some(&mut xrng, case.dtype, case.chunk_bytes);
+            for t in &mut tables {
+                t.cap = None;
+            }
+            case.tables = tables;
+            if let Some(r) = case.replication.as_mut() {
+                r.then_kill = None;
+                r.control_down = None;
+                r.lose = false;
+                r.stall = None;
+            }
+        }
         // In a third of the flat jobs with a rejoin that are not
         // replicated, one or two tables too: the rank that rejoins catches
         // them up first, as `Worker::catch_up_tables` does. Drawn last,
@@ -482,6 +507,12 @@ pub struct Outcome {
     pub backups_checked: u64,
     /// Replicated: control restarts.
     pub control_restarts: u64,
+    /// Replicated with tables: entries whose tables an appliance adopted
+    /// (PROTOCOL.md §11.9).
+    pub tables_adopted: u64,
+    /// Replicated with tables: backup tables checked bit for bit against
+    /// their entry's served tables at the end.
+    pub table_backups_checked: u64,
     /// Replicated: dead appliances replaced by a spare.
     pub replaced: u64,
     /// Replicated: jobs control failed (a part lost, [`ReplicaCase::lose`]).
@@ -638,10 +669,14 @@ struct World<'c> {
     /// §10.1) its model.
     tplace: Vec<RowPlacement>,
     tmodels: Vec<Vec<rows::TableModel>>,
+    /// A replicated job's: per entry, the lcore serving its tables (its
+    /// own, or the one that adopted it, PROTOCOL.md §11.9).
+    served_by: Vec<usize>,
     /// The crashed appliance's table models as its checkpoint was taken.
     tmodel_checkpoint: HashMap<(usize, usize), rows::TableModel>,
-    /// Table pushes applied: (lcore, incarnation, key, rank, round, seq).
-    row_applied: HashSet<(usize, u32, u32, u16, u32, u32)>,
+    /// Table pushes applied: (lcore, entry, incarnation, key, rank, round,
+    /// seq).
+    row_applied: HashSet<(usize, usize, u32, u32, u16, u32, u32)>,
     /// The rows of every ROW_RESULT sent: (rank, key, round, id) to each
     /// row carried (decoded).
     row_answers: HashMap<(u16, u32, u32, u64), Vec<Vec<f32>>>,
@@ -894,6 +929,7 @@ impl<'c> World<'c> {
                 })
                 .collect(),
             tplace,
+            served_by: (0..usize::from(total)).collect(),
             tmodel_checkpoint: HashMap::new(),
             row_applied: HashSet::new(),
             row_answers: HashMap::new(),
@@ -1500,7 +1536,9 @@ impl<'c> World<'c> {
                 );
             }
             Verdict::Aggregated | Verdict::Completed | Verdict::Forwarded
-                if !row && !phub_proto::replica::is_replica_message(bytes) =>
+                if !row
+                    && !phub_proto::replica::is_replica_message(bytes)
+                    && !phub_proto::replica_rows::is_row_replica_message(bytes) =>
             {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
                 let fresh = self.applied.insert((
@@ -1529,6 +1567,8 @@ impl<'c> World<'c> {
         );
         if row {
             self.row_taken(l, bytes, verdict);
+        } else if phub_proto::replica_rows::is_row_replica_message(bytes) {
+            self.row_replica_taken(l, bytes, verdict);
         } else if matches!(verdict, Verdict::Applied | Verdict::Held) {
             self.apply(l, bytes);
         }
@@ -2017,6 +2057,7 @@ impl<'c> World<'c> {
         self.check_models();
         self.check_stored();
         self.check_tables();
+        o.table_backups_checked = self.check_backup_tables();
         // Round 0 is one INIT per rank (rank 0's values, the others' empty);
         // a restored lcore applies the rounds since its checkpoint again.
         let worker = |kind: u8| kind == MsgType::Init as u8 || kind == MsgType::Push as u8;

@@ -524,7 +524,21 @@ impl World<'_> {
                 let kernels = Kernels::available()[g % Kernels::available().len()];
                 let mut shard = Shard::new(u16::try_from(l).expect("few lcores"), kernels);
                 shard.set_peer_resolver(Arc::new(|a| Some(SocketAddr::V4(a))));
-                if let Err(e) = shard.install(
+                // Its tables, with their backups (PROTOCOL.md §11.9).
+                let tables: Vec<_> = self
+                    .case
+                    .tables
+                    .iter()
+                    .enumerate()
+                    .map(|(i, t)| phub_engine::engine::TableInstall {
+                        key: crate::table_key(self.case, i),
+                        spec: t.spec(),
+                        chunk_bytes: self.case.chunk_bytes,
+                        lcores: u32::from(self.case.appliances * self.case.lcores),
+                        entry: u32::try_from(g).expect("few lcores"),
+                    })
+                    .collect();
+                if let Err(e) = shard.install_with_tables(
                     JobInstall {
                         id: JOB,
                         token: TOKEN,
@@ -536,6 +550,7 @@ impl World<'_> {
                         slots,
                     },
                     InstallKind::Replicated(Box::new(rep)),
+                    tables,
                 ) {
                     panic!("appliance {me} lcore {l}: the replicated job does not install: {e}");
                 }
@@ -562,6 +577,21 @@ impl World<'_> {
         let lcores: Vec<SocketAddr> = (0..n * l).map(|g| self.lcores[g].node.addr()).collect();
         let (runs, view, key_first) = (c.runs.clone(), c.view.clone(), c.key_first.clone());
         let (racks, replicas) = (rc.racks.clone(), usize::from(rc.replicas));
+        if let Some(rt) = self.ranks[i].rt.as_mut() {
+            // Its tables' entries too (PROTOCOL.md §11.9).
+            let r = rt.set_replication(
+                runs.clone(),
+                &vec![l; n],
+                racks.clone(),
+                replicas,
+                view.clone(),
+                lcores.clone(),
+                key_first.clone(),
+            );
+            if let Err(e) = r {
+                panic!("rank {i}: the replicated job's table routing: {e}");
+            }
+        }
         let r = self.ranks[i]
             .t
             .set_replication(runs, &vec![l; n], racks, replicas, view, lcores, key_first);
@@ -1094,7 +1124,10 @@ impl World<'_> {
                 continue;
             }
             match lc.shard.change_epoch(JOB, &view) {
-                Ok(_) => lc.view = Some(view),
+                Ok(_) => {
+                    lc.view = Some(view);
+                    self.tables_after_epoch(g);
+                }
                 Err(e @ phub_engine::EngineError::PartLost { .. }) if self.rc().lose => {
                     // Answered 410: control stalls the job at its epoch,
                     // or fails it with the answer.
@@ -1302,7 +1335,8 @@ impl World<'_> {
         }
         let control_us = self.rc().control_us;
         for i in 0..self.ranks.len() {
-            let Some(wanted) = self.ranks[i].t.poll_epoch() else {
+            let rows = self.ranks[i].rt.as_mut().and_then(|rt| rt.poll_epoch());
+            let Some(wanted) = self.ranks[i].t.poll_epoch().max(rows) else {
                 continue;
             };
             self.outcome.epochs_asked += 1;
@@ -1328,6 +1362,9 @@ impl World<'_> {
             let view = self.rep().view.clone();
             if view.epoch >= wanted {
                 let t = self.at(now);
+                if let Some(rt) = self.ranks[i].rt.as_mut() {
+                    rt.set_epoch(t, view.clone());
+                }
                 self.ranks[i].t.set_epoch(t, view);
                 continue;
             }

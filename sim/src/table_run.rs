@@ -253,7 +253,8 @@ impl World<'_> {
     /// the rows it evicted at the cap.
     pub(super) fn row_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
         let capped = self.give_cap_victims(l, bytes);
-        self.follow_row(l, bytes, verdict);
+        let e = self.entry_of(l, bytes);
+        self.follow_row(l, e, bytes, verdict);
         if let Some((t, key)) = capped {
             self.check_cap(l, t, key);
         }
@@ -317,8 +318,18 @@ impl World<'_> {
         self.outcome.rows.evicted_at_cap += went;
     }
 
-    /// [`World::row_taken`]'s model of what the lcore took.
-    fn follow_row(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
+    /// The entry a table message at (or from) lcore `l` is for: the
+    /// lcore's own, or in a replicated job the header's (an lcore may
+    /// serve an adopted entry, PROTOCOL.md §11.9).
+    pub(super) fn entry_of(&self, l: usize, bytes: &[u8]) -> usize {
+        if self.control.is_none() {
+            return l;
+        }
+        phub_proto::wire::Header::new_checked(bytes).map_or(l, |h| h.entry() as usize)
+    }
+
+    /// [`World::row_taken`]'s model of what lcore `l` took for entry `e`.
+    fn follow_row(&mut self, l: usize, e: usize, bytes: &[u8], verdict: Verdict) {
         let Ok((repr, payload)) = rows::parse(bytes) else {
             assert!(
                 matches!(verdict, Verdict::Dropped(_)),
@@ -334,9 +345,11 @@ impl World<'_> {
             return;
         }
         let sync = self.case.consistency == Consistency::Sync;
+        // Forwarded: a replicated job's round, every rank in, waiting for
+        // the entry's backups (completed at their last ACK).
         let took = matches!(
             verdict,
-            Verdict::Aggregated | Verdict::Completed | Verdict::Applied | Verdict::Held
+            Verdict::Aggregated | Verdict::Completed | Verdict::Applied | Verdict::Held | Verdict::Forwarded
         );
         let r = usize::from(repr.rank);
         let tc = &self.case.tables[t];
@@ -347,10 +360,11 @@ impl World<'_> {
                 panic!("lcore {l}: table key {key} took a message and holds no such table")
             })
         };
-        let m = &mut self.tmodels[t][l];
+        let m = &mut self.tmodels[t][e];
         if repr.kind == RowMsgType::RowPush && took {
             let fresh = self.row_applied.insert((
                 l,
+                e,
                 self.lcores[l].incarnation,
                 repr.key,
                 repr.rank,
@@ -402,12 +416,25 @@ impl World<'_> {
             }
             return;
         }
+        self.complete_model(l, e, t, repr.key, repr.round);
+    }
+
+    /// BSP: table `t`'s (key `key`) round `round` completed on entry `e`,
+    /// served at lcore `l`: its model completes it, and its sum is every
+    /// rank's pushes'.
+    pub(super) fn complete_model(&mut self, l: usize, e: usize, t: usize, key: u32, round: u32) {
+        let tc = &self.case.tables[t];
+        let shard = &self.lcores[l].shard;
+        let stored = |id: u64| {
+            shard.row_stored(super::JOB, key, id).unwrap_or_else(|| {
+                panic!("lcore {l}: table key {key} completed a round and holds no such table")
+            })
+        };
+        let m = &mut self.tmodels[t][e];
         assert_eq!(
-            repr.round,
+            round,
             m.completed + 1,
-            "lcore {l}: table key {} completed round {} after round {}",
-            repr.key,
-            repr.round,
+            "lcore {l}: table key {key} entry {e} completed round {round} after round {}",
             m.completed
         );
         let acc = m.complete(tc, stored, &mut self.outcome.rows);
@@ -416,14 +443,14 @@ impl World<'_> {
         }
         // Cast: lcores are few.
         #[allow(clippy::cast_possible_truncation)]
-        let entry = l as u32;
-        let want = model::expected_round(self.case, t, &self.tplace[t], entry, repr.round);
+        let entry = e as u32;
+        let want = model::expected_round(self.case, t, &self.tplace[t], entry, round);
         assert_eq!(
             acc.len(),
             want.len(),
             "lcore {l}: table key {} round {}: {} rows summed, every rank's pushes have {}",
-            repr.key,
-            repr.round,
+            key,
+            round,
             acc.len(),
             want.len()
         );
@@ -434,8 +461,8 @@ impl World<'_> {
             assert!(
                 same,
                 "lcore {l}: table key {} round {} id {id:#x}: summed {a:?}, every rank's rows sum to {:?}",
-                repr.key,
-                repr.round,
+                key,
+                round,
                 want.get(id)
             );
         }
@@ -467,7 +494,7 @@ impl World<'_> {
                 )
             });
         let tc = &self.case.tables[t];
-        let m = &self.tmodels[t][l];
+        let m = &self.tmodels[t][self.entry_of(l, bytes)];
         let d = tc.dim as usize;
         for (j, &id) in ids.iter().enumerate() {
             let got = values[j * d..(j + 1) * d].to_vec();
@@ -544,5 +571,93 @@ impl World<'_> {
                 );
             }
         }
+    }
+
+    /// A table replication message lcore `l` handled with `verdict`
+    /// (PROTOCOL.md §11.9): the last ACK of a round its entry waited for
+    /// completes the round there, and in its model.
+    pub(super) fn row_replica_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
+        if verdict != Verdict::Completed {
+            return;
+        }
+        let Ok((r, _)) = phub_proto::replica_rows::parse(bytes) else {
+            panic!("lcore {l}: a table replication message that does not parse completed a round");
+        };
+        let t = (r.key as usize)
+            .checked_sub(self.case.keys.len())
+            .filter(|&t| t < self.case.tables.len())
+            .unwrap_or_else(|| panic!("lcore {l}: an ACK of key {}, no table of the case", r.key));
+        self.complete_model(l, r.entry as usize, t, r.key, r.round);
+    }
+
+    /// Lcore `l` took an epoch (PROTOCOL.md §11.9): a round of an entry it
+    /// serves that the epoch completed (its last missing backups down), or
+    /// that the backup tables it adopted had applied, completes in the
+    /// model; an adopted entry's round in progress (taken at the dead
+    /// primary, not applied here) is lost there, and the ranks send it
+    /// again.
+    pub(super) fn tables_after_epoch(&mut self, l: usize) {
+        if self.case.tables.is_empty() {
+            return;
+        }
+        for e in 0..self.tmodels.first().map_or(0, Vec::len) {
+            // Cast: lcores are few.
+            #[allow(clippy::cast_possible_truncation)]
+            let Some(states) = self.lcores[l].shard.served_tables(super::JOB, e as u32) else {
+                continue;
+            };
+            let adopted = self.served_by[e] != l;
+            self.served_by[e] = l;
+            self.outcome.tables_adopted += u64::from(adopted);
+            for st in states {
+                let t = (st.key as usize) - self.case.keys.len();
+                let phub_proto::table_checkpoint::TableRoundsState::Bsp { completed } = st.rounds else {
+                    panic!("lcore {l}: a replicated table that is not BSP");
+                };
+                let m = &mut self.tmodels[t][e];
+                if completed == m.completed + 1 {
+                    self.complete_model(l, e, t, st.key, completed);
+                } else if adopted {
+                    assert_eq!(
+                        completed, m.completed,
+                        "lcore {l}: entry {e} of table key {} adopted at round {completed}, the model at {}",
+                        st.key, m.completed
+                    );
+                    m.clear_round();
+                }
+            }
+        }
+    }
+
+    /// At the end of a replicated job with tables: every backup table a
+    /// live lcore keeps is its entry's served table, bit for bit. Returns
+    /// how many it checked.
+    pub(super) fn check_backup_tables(&self) -> u64 {
+        if self.control.is_none() || self.case.tables.is_empty() {
+            return 0;
+        }
+        let mut checked = 0;
+        for e in 0..self.served_by.len() {
+            // Cast: lcores are few.
+            #[allow(clippy::cast_possible_truncation)]
+            let e32 = e as u32;
+            let l = self.served_by[e];
+            if self.lcores[l].down {
+                continue;
+            }
+            let Some(primary) = self.lcores[l].shard.served_tables(super::JOB, e32) else {
+                panic!("entry {e}: lcore {l} serves it no more");
+            };
+            for (h, lc) in self.lcores.iter().enumerate().filter(|(_, lc)| !lc.down) {
+                if let Some(backup) = lc.shard.backup_tables(super::JOB, e32) {
+                    assert!(
+                        backup == primary,
+                        "entry {e}: lcore {h}'s backup tables are not lcore {l}'s served ones"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+        checked
     }
 }

@@ -1864,3 +1864,33 @@ fn a_key_cache_refusal_is_not_taken_for_an_empty_round_s() {
 fn a_pull_sent_before_a_restore_lifts_nothing() {
     runs_through_its_restore(1_114_154, |c| older_checkpoint(c) && c.rejoin.is_some());
 }
+
+/// Replicated jobs with tables (PROTOCOL.md §11.9): the first drawn cases
+/// with two replicas, tables and an appliance killed for good. Every
+/// table's rounds follow the reference model, whichever lcore serves the
+/// entry (its own, then the backup that adopted it, at the round its
+/// backup tables applied); at the end every live backup table is its
+/// entry's served table bit for bit.
+#[test]
+fn replicated_tables_through_a_kill() {
+    use phub_sim::replication::ReplicaEvent;
+    let seeds: Vec<u64> = (0u64..)
+        .filter(|&s| {
+            let c = Case::draw(s);
+            !c.tables.is_empty()
+                && c.replication
+                    .as_ref()
+                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Kill { .. })))
+        })
+        .take(4)
+        .collect();
+    let (mut adopted, mut checked) = (0, 0);
+    for &seed in &seeds {
+        let o = run(&Case::draw(seed));
+        assert!(o.rows_checked > 0, "seed {seed}: {o:?}");
+        adopted += o.tables_adopted;
+        checked += o.table_backups_checked;
+    }
+    assert!(adopted > 0, "seeds {seeds:?}: no entry was adopted");
+    assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
+}

@@ -13,13 +13,15 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use phub_proto::api::JoinResponse;
+use phub_proto::failover::EpochView;
+use phub_proto::layout::ChunkRange;
 
 use crate::config::WorkerConfig;
 use crate::error::WorkerError;
 use crate::stats::{Counters, WorkerStats};
 use crate::tables::{one_id_per_lcore, table_infos};
 use crate::transport::{
-    id_lists, plan_pull, plan_push, unknown_table, JobInfo, RowRequest, RowTransport, TableInfo,
+    id_lists, plan_pull, plan_push, unknown_table, JobInfo, Routing, RowRequest, RowTransport, TableInfo,
 };
 
 /// A table request that ended.
@@ -89,6 +91,36 @@ impl SimRowTransport {
             now,
         );
         Ok(SimRowTransport { t, tables, stats })
+    }
+
+    /// Routes every entry by epoch from now on (a replicated job,
+    /// PROTOCOL.md §11.9), as `SimTransport::set_replication` routes the
+    /// chunks.
+    #[allow(clippy::too_many_arguments)]
+    pub fn set_replication(
+        &mut self,
+        runs: Vec<ChunkRange>,
+        per_appliance: &[usize],
+        racks: Vec<String>,
+        replicas: usize,
+        epoch: EpochView,
+        lcores: Vec<SocketAddr>,
+        key_first: Vec<u64>,
+    ) -> Result<(), String> {
+        let routing = Routing::new(runs, per_appliance, racks, replicas, epoch, lcores, key_first)?;
+        self.t.set_routing(routing);
+        Ok(())
+    }
+
+    /// The epoch to ask control for, at least, if the row transport wants
+    /// one (taken).
+    pub fn poll_epoch(&mut self) -> Option<u32> {
+        self.t.poll_epoch()
+    }
+
+    /// Control's epoch: a newer one re-routes every unanswered message.
+    pub fn set_epoch(&mut self, now: Instant, view: EpochView) -> usize {
+        self.t.set_epoch(now, view)
     }
 
     fn table(&self, key: u32) -> Result<&TableInfo, WorkerError> {

@@ -449,7 +449,13 @@ impl<A: Copy + Eq> Shard<A> {
     /// the job or the table is not here. For tests and the simulator,
     /// which check admission and eviction against a model.
     pub fn row_stored(&self, id: u16, key: u32, row: u64) -> Option<bool> {
-        let t = self.job(id)?.tables.iter().find(|t| t.key == key)?;
+        let tables = &self.job(id)?.tables;
+        // Where an lcore serves an adopted entry beside its own (PROTOCOL.md
+        // §11.9), the table whose placement holds the row.
+        let t = tables
+            .iter()
+            .find(|t| t.key == key && t.holds(row))
+            .or_else(|| tables.iter().find(|t| t.key == key))?;
         Some(t.store.get(row).is_some())
     }
 
