@@ -332,16 +332,17 @@ impl Case {
         }
         // Tables in replicated jobs (PROTOCOL.md §11.9), from a generator
         // of its own: in two thirds of the replicated jobs of two replicas
-        // without a rejoin whose first event is a kill for good or none,
-        // one or two tables without a small cap (the model's cap checks
-        // are an lcore's, and an adopting lcore serves two entries);
-        // nothing that would need a table's state copied is drawn for
-        // them (an appliance back, a drain, a restart, a second kill, a
-        // lost part, control's restart).
+        // without a rejoin or a whole restart, one or two tables without a
+        // small cap (the model's cap checks are an lcore's, and an
+        // adopting lcore serves two entries). Control gives such a job no
+        // appliance back and drains none of it (a table's state copy is
+        // not built): a killed appliance restarted or a partition healed
+        // stays out, fenced; kills that lose a part are not played.
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
-        let tables_fit = case.replication.as_ref().is_some_and(|r| {
-            r.replicas == 2 && matches!(r.event, None | Some(ReplicaEvent::Kill { back_us: None, .. }))
-        });
+        let tables_fit = case
+            .replication
+            .as_ref()
+            .is_some_and(|r| r.replicas == 2 && !matches!(r.event, Some(ReplicaEvent::Restart { .. })));
         if tables_fit && case.rejoin.is_none() && case.tables.is_empty() && xrng.gen_bool(2.0 / 3.0) {
             let mut tables = rows::TableCase::draw_some(&mut xrng, case.dtype, case.chunk_bytes);
             for t in &mut tables {
@@ -349,8 +350,6 @@ impl Case {
             }
             case.tables = tables;
             if let Some(r) = case.replication.as_mut() {
-                r.then_kill = None;
-                r.control_down = None;
                 r.lose = false;
                 r.stall = None;
             }

@@ -1163,6 +1163,13 @@ impl World<'_> {
     /// Index `a` answers control again: the job is given back to it (a
     /// partition that healed before it was declared down changes nothing).
     fn give_back(&mut self, a: usize) {
+        if !self.case.tables.is_empty() {
+            // A job with a table takes no appliance back (PROTOCOL.md
+            // §11.9: its state copy is not built): it stays degraded, the
+            // appliance fenced at its old epoch.
+            self.rep_mut().silent_since[a] = None;
+            return;
+        }
         let c = self.rep_mut();
         if c.stalled_until.is_some() {
             // A stalled job re-replicates to nobody: the index answers
@@ -1246,6 +1253,10 @@ impl World<'_> {
 
     /// A drain of index `a` to the spare (the appliance after the job's).
     fn drain_to_spare(&mut self, a: usize) {
+        if !self.case.tables.is_empty() {
+            // Refused for a job with a table (PROTOCOL.md §11.9).
+            return;
+        }
         let c = self.rep();
         // A live appliance at full strength moves; so does a dead one
         // down alone (its replacement), which comes back no more.

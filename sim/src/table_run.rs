@@ -330,6 +330,18 @@ impl World<'_> {
 
     /// [`World::row_taken`]'s model of what lcore `l` took for entry `e`.
     fn follow_row(&mut self, l: usize, e: usize, bytes: &[u8], verdict: Verdict) {
+        if !self.serves(l, e) {
+            // A fenced lcore (cut off behind an epoch that moved the
+            // entry, PROTOCOL.md §11.9) takes the messages of the old
+            // epoch that reach it; it completes nothing, and the entry's
+            // rounds are its server's.
+            assert!(
+                verdict != Verdict::Completed,
+                "lcore {l} completed a round of entry {e}, which lcore {} serves (a split brain)",
+                self.served_by[e]
+            );
+            return;
+        }
         let Ok((repr, payload)) = rows::parse(bytes) else {
             assert!(
                 matches!(verdict, Verdict::Dropped(_)),
@@ -494,7 +506,14 @@ impl World<'_> {
                 )
             });
         let tc = &self.case.tables[t];
-        let m = &self.tmodels[t][self.entry_of(l, bytes)];
+        let e = self.entry_of(l, bytes);
+        if !self.serves(l, e) {
+            // A fenced lcore's answer to a message of the old epoch: the
+            // rows it holds, which its server may have moved past (never
+            // a round's answer: it completes none).
+            return;
+        }
+        let m = &self.tmodels[t][e];
         let d = tc.dim as usize;
         for (j, &id) in ids.iter().enumerate() {
             let got = values[j * d..(j + 1) * d].to_vec();
@@ -587,7 +606,20 @@ impl World<'_> {
             .checked_sub(self.case.keys.len())
             .filter(|&t| t < self.case.tables.len())
             .unwrap_or_else(|| panic!("lcore {l}: an ACK of key {}, no table of the case", r.key));
+        assert!(
+            self.serves(l, r.entry as usize),
+            "lcore {l} completed round {} of entry {}, which lcore {} serves",
+            r.round,
+            r.entry,
+            self.served_by[r.entry as usize]
+        );
         self.complete_model(l, r.entry as usize, t, r.key, r.round);
+    }
+
+    /// Whether lcore `l` serves entry `e`'s tables (always its own, but in
+    /// a replicated job the lcore control's epoch has serve it).
+    pub(super) fn serves(&self, l: usize, e: usize) -> bool {
+        self.control.is_none() || self.served_by.get(e).is_none_or(|&s| s == l)
     }
 
     /// Lcore `l` took an epoch (PROTOCOL.md §11.9): a round of an entry it
@@ -648,7 +680,18 @@ impl World<'_> {
             let Some(primary) = self.lcores[l].shard.served_tables(super::JOB, e32) else {
                 panic!("entry {e}: lcore {l} serves it no more");
             };
-            for (h, lc) in self.lcores.iter().enumerate().filter(|(_, lc)| !lc.down) {
+            // Lcores of appliances down in control's epoch are fenced
+            // (cut off alive, or dead): their copies are behind.
+            let down = |h: usize| {
+                let a = h / usize::from(self.case.lcores);
+                self.control.as_ref().is_some_and(|c| c.view.is_down(a))
+            };
+            for (h, lc) in self
+                .lcores
+                .iter()
+                .enumerate()
+                .filter(|(h, lc)| !lc.down && !down(*h))
+            {
                 if let Some(backup) = lc.shard.backup_tables(super::JOB, e32) {
                     assert!(
                         backup == primary,

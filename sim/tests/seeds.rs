@@ -1866,7 +1866,8 @@ fn a_pull_sent_before_a_restore_lifts_nothing() {
 }
 
 /// Replicated jobs with tables (PROTOCOL.md §11.9): the first drawn cases
-/// with two replicas, tables and an appliance killed for good. Every
+/// with two replicas, tables and an appliance killed (one restarted stays
+/// out: control gives a job with a table no appliance back). Every
 /// table's rounds follow the reference model, whichever lcore serves the
 /// entry (its own, then the backup that adopted it, at the round its
 /// backup tables applied); at the end every live backup table is its
