@@ -28,14 +28,13 @@ use phub_proto::layout::ChunkRange;
 use phub_proto::replica_rows::{
     self, entry_backup, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType, RowsFragment,
 };
-use phub_proto::rows::{KeyCache, RowMsgType, RowRepr};
 use phub_proto::table_checkpoint::TableState;
-use phub_proto::wire::{flags, DropReason, APPLIANCE_RANK, HEADER_LEN};
+use phub_proto::wire::{flags, DropReason, HEADER_LEN};
 
 use super::error::EngineError;
 use super::outbox::Pending;
 use super::replica::Replica;
-use super::rows::{complete, Answers};
+use super::rows::{answer_head, complete, Answers};
 use super::table::{Table, TableInstall, TableRounds};
 use super::{Job, Shard, Verdict};
 
@@ -166,6 +165,32 @@ impl<A: Copy> Replica<A> {
     }
 }
 
+/// The header of `table`'s REPLICATE_ROWS of round `round` (`flags`: 0,
+/// or RETRANSMIT) for job (`token`, `id`) `job`: sent in the name of the
+/// entry's home (its backups keep its tables by it, PROTOCOL.md §11.9),
+/// in the installed epoch; each fragment sets its count and index.
+fn fragment_head<A: Copy>(
+    rep: &Replica<A>,
+    job: (u64, u16),
+    table: &Table,
+    round: u32,
+    flags: u8,
+) -> RowReplicaRepr {
+    RowReplicaRepr {
+        kind: RowReplicaType::Rows,
+        flags,
+        token: job.0,
+        job: job.1,
+        from: rep.served(table.entry()).map_or(rep.me, |s| s.home),
+        count: 0,
+        round,
+        entry: table.entry(),
+        key: table.key,
+        fragment: 0,
+        epoch: rep.view.epoch,
+    }
+}
+
 /// Table `table` of job `j` has every rank complete in round `t` at `now`:
 /// with backups, the round waits for them and its fragments are queued
 /// (`true`); without, it completes at once (`false`).
@@ -195,19 +220,7 @@ pub(super) fn begin<A: Copy>(
         resends: 0,
     });
     rep.next_deadline = rep.next_deadline.min(deadline);
-    let head = RowReplicaRepr {
-        kind: RowReplicaType::Rows,
-        flags: 0,
-        token: j_head.0,
-        job: j_head.1,
-        from: rep.me,
-        count: 0,
-        round: t,
-        entry: table.entry(),
-        key: table.key,
-        fragment: 0,
-        epoch: rep.view.epoch,
-    };
+    let head = fragment_head(rep, j_head, table, t, 0);
     let to = rep
         .served(table.entry())
         .map_or(&[][..], |s| s.backups.as_slice());
@@ -530,19 +543,7 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 p.resends = p.resends.saturating_add(1);
                 p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
-                let head = RowReplicaRepr {
-                    kind: RowReplicaType::Rows,
-                    flags: flags::RETRANSMIT,
-                    token: j.token,
-                    job: j.id,
-                    from: rep.me,
-                    count: 0,
-                    round: p.round,
-                    entry: t.entry(),
-                    key: t.key,
-                    fragment: 0,
-                    epoch: rep.view.epoch,
-                };
+                let head = fragment_head(rep, (j.token, j.id), t, p.round, flags::RETRANSMIT);
                 let sent = queue_fragments(rows_out, pending, head, t, p.at_ns, to);
                 rep.stats.replicates_resent += sent;
                 for _ in 0..sent {
@@ -868,20 +869,7 @@ impl<A: Copy + Eq> Shard<A> {
             pending,
             counters,
             endpoints,
-            head: RowRepr {
-                kind: RowMsgType::RowDone,
-                dtype: *dtype,
-                flags: 0,
-                token: *token,
-                job: *id,
-                rank: APPLIANCE_RANK,
-                count: 0,
-                round: 0,
-                dim: table.dim,
-                key: table.key,
-                seq: 0,
-                cache: KeyCache::Off,
-            },
+            head: answer_head(*dtype, *token, *id, table),
             share,
             // The time the round's last rank completed: the backups took
             // the round at it too.

@@ -181,6 +181,26 @@ impl<A: Copy> Answers<'_, A> {
     }
 }
 
+/// The header fields every answer about `table` of job `job` (its
+/// `dtype` and `token`) shares (PROTOCOL.md §10.2); each answer sets its
+/// kind, count, round and sequence number.
+pub(super) fn answer_head(dtype: phub_proto::Dtype, token: u64, job: u16, table: &Table) -> RowRepr {
+    RowRepr {
+        kind: RowMsgType::RowDone,
+        dtype,
+        flags: 0,
+        token,
+        job,
+        rank: APPLIANCE_RANK,
+        count: 0,
+        round: 0,
+        dim: table.dim,
+        key: table.key,
+        seq: 0,
+        cache: KeyCache::Off,
+    }
+}
+
 /// The ERROR answering a refused table message: its header, type ERROR,
 /// no payload, the reason's code (PROTOCOL.md §5.7, §10.2).
 pub(super) fn row_error(repr: &RowRepr, reason: DropReason) -> Repr {
@@ -323,20 +343,7 @@ impl<A: Copy + Eq> Shard<A> {
                     pending,
                     counters,
                     endpoints,
-                    head: RowRepr {
-                        kind: RowMsgType::RowDone,
-                        dtype: *dtype,
-                        flags: 0,
-                        token: *token,
-                        job: *id,
-                        rank: APPLIANCE_RANK,
-                        count: 0,
-                        round: 0,
-                        dim: table.dim,
-                        key: table.key,
-                        seq: 0,
-                        cache: KeyCache::Off,
-                    },
+                    head: answer_head(*dtype, *token, *id, table),
                     share,
                     now,
                     entry: if replicated.is_some() { entry } else { 0 },
