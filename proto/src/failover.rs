@@ -423,6 +423,14 @@ impl<R: Eq> ReplicaLayout<R> {
     pub fn lost_part(&self, epoch: &EpochView) -> Option<usize> {
         (0..self.appliances()).find(|&p| self.part(p).count > 0 && self.primary(p, epoch).is_none())
     }
+
+    /// [`ReplicaLayout::lost_part`] for a job with table keys: every
+    /// appliance's lcores are entries holding rows (PROTOCOL.md §11.9),
+    /// whatever its chunks, so a part without chunks is lost too when
+    /// every member of its set is down.
+    pub fn lost_part_with_tables(&self, epoch: &EpochView) -> Option<usize> {
+        (0..self.appliances()).find(|&p| self.primary(p, epoch).is_none())
+    }
 }
 
 #[cfg(test)]

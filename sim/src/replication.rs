@@ -978,7 +978,7 @@ impl World<'_> {
                 view = v;
             }
         }
-        if c.layout.lost_part(&view).is_some() && !self.rc().lose {
+        if self.lost_part(&view).is_some() && !self.rc().lose {
             let settling = (0..self.total_lcores()).any(|g| !self.lcores[g].down && lags(g));
             if settling || c.copying.is_some() || self.copies_under_way() {
                 let later = self.now + WATCH_US;
@@ -998,6 +998,17 @@ impl World<'_> {
         c.silent_since[a] = Some(now);
         c.declared_at[a] = None;
         self.outcome.replica_kills += 1;
+    }
+
+    /// The first part every member of which is down in `view`, as control
+    /// finds it: one with chunks, or any with a job with tables (its
+    /// entries hold rows, PROTOCOL.md §11.9).
+    fn lost_part(&self, view: &EpochView) -> Option<usize> {
+        let layout = &self.rep().layout;
+        match self.case.tables.is_empty() {
+            true => layout.lost_part(view),
+            false => layout.lost_part_with_tables(view),
+        }
     }
 
     /// Whether a state copy is owed or awaited on a live lcore.
@@ -1036,7 +1047,9 @@ impl World<'_> {
             self.outcome.epochs += 1;
             return;
         }
-        if let Some(p) = c.layout.lost_part(&view) {
+        let lost = self.lost_part(&view);
+        let c = self.rep_mut();
+        if let Some(p) = lost {
             assert!(
                 self.rc().lose,
                 "appliance {a} declared down at {now} µs loses part {p}: the draws should have kept it"

@@ -115,7 +115,12 @@ impl StoredJob {
         if let Some(why) = &self.stalled {
             return Some(Decision::PartDown(next, why.clone()));
         }
-        let Some(p) = layout.lost_part(&next) else {
+        // A job with a table loses rows with any part, chunks or not.
+        let lost = match self.spec.tables().next() {
+            Some(_) => layout.lost_part_with_tables(&next),
+            None => layout.lost_part(&next),
+        };
+        let Some(p) = lost else {
             return Some(Decision::Next(next));
         };
         let names = |set: &[usize]| self.names_of(set);
@@ -969,6 +974,49 @@ mod tests {
             "b is down, but the job stays without it"
         );
         assert!(job(2).tables_unmovable().is_none());
+    }
+
+    /// A part without chunks holds a job's table entries (PROTOCOL.md
+    /// §11.9): with a table, losing every member of its set loses rows,
+    /// and the job goes down as for any lost part; without, nothing is
+    /// lost. (Found by the simulator: ranks waited for ever on the entry.)
+    #[test]
+    fn a_part_without_chunks_is_lost_with_its_table_entries() {
+        let mut j = job(2);
+        j.spec.keys = vec![phub_proto::spec::KeySpec::dense("", 16)];
+        j.layout = layout(&j.spec, &mut [0, 0, 0], u64::from);
+        let empty = (0..3)
+            .find(|&p| j.replica_layout(one_rack).unwrap().part(p).count == 0)
+            .expect("16 elements of 64-byte chunks leave a part empty");
+        // Down: the empty part's home and its one backup (one rack,
+        // replicas 2: p + 1).
+        let names = ["a", "b", "c"];
+        let Some(Decision::Next(e1)) = j.decide(names[empty], one_rack) else {
+            panic!("one down of three: the job goes on");
+        };
+        j.epoch = e1;
+        let backup = names[(empty + 1) % 3];
+        assert!(
+            matches!(j.decide(backup, one_rack), Some(Decision::Next(_))),
+            "without a table the empty part loses nothing"
+        );
+        j.spec.keys.push(phub_proto::spec::KeySpec::table(
+            "emb",
+            phub_proto::spec::TableSpec {
+                dim: 4,
+                rows: Some(100),
+                seed: 0,
+                init: phub_proto::spec::RowInitSpec::Zeros,
+                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
+                evict: None,
+                admit_after: None,
+                key_cache: 0,
+            },
+        ));
+        assert!(
+            matches!(j.decide(backup, one_rack), Some(Decision::PartDown(..))),
+            "with a table its entries are lost"
+        );
     }
 
     #[test]
