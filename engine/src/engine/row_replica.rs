@@ -19,9 +19,16 @@
 //! - Table replication messages are taken only from the address of the
 //!   lcore that sends them in the installed epoch, and only in that
 //!   epoch.
-//! - Not built: failover of a table's entry (an epoch with an appliance
-//!   down or back refuses the install of a job with tables), state copies
-//!   to new backups, async and bounded delay.
+//! - At an epoch change ([`Shard::apply_table_epoch`]) each entry served
+//!   here keeps only its backups live in the new epoch (a round that
+//!   waited only for down ones completes), and the backup tables of an
+//!   entry whose part this appliance adopts are served from then on, at
+//!   the round they applied; an epoch that would need a table's state
+//!   copied is refused before anything of it is applied
+//!   ([`Shard::check_table_epoch`]).
+//! - Not built: state copies of tables to new backups (so no install at an
+//!   epoch other than a plain 0, no appliance back, no adoption with a
+//!   backup left), async and bounded delay.
 
 use phub_proto::failover::EpochView;
 use phub_proto::layout::ChunkRange;
