@@ -272,6 +272,9 @@ pub(crate) struct RowTransport<D> {
     /// entry is served, and the epoch every message carries; `None` for
     /// any other job.
     routing: Option<Routing>,
+    /// Per entry, where its messages go: its lcore, or where the epoch
+    /// held serves it (set with the routing and each new epoch).
+    dests: Vec<SocketAddr>,
     /// The epoch to fetch from control, at least ([`RowTransport::poll_epoch`]).
     epoch_wanted: Option<u32>,
     tables: Vec<TableInfo>,
@@ -373,6 +376,7 @@ impl<D> RowTransport<D> {
         let entry_of = (0u32..).zip(&lcores).map(|(e, a)| (*a, e)).collect();
         RowTransport {
             info,
+            dests: lcores.clone(),
             lcores,
             entry_of,
             routing: None,
@@ -657,11 +661,7 @@ impl<D> RowTransport<D> {
                 }
             }
         }
-        let dests: Vec<SocketAddr> = match &self.routing {
-            Some(_) => (0u32..).take(self.lcores.len()).map(|e| self.dest(e)).collect(),
-            None => Vec::new(),
-        };
-        let (active, lcores) = (&self.active, if dests.is_empty() { &self.lcores } else { &dests });
+        let (active, lcores) = (&self.active, &self.dests);
         out.extend(self.catch_up_out.iter().map(|(e, d)| Datagram {
             to: lcores[*e as usize],
             head: d,
@@ -970,19 +970,21 @@ impl<D> RowTransport<D> {
         (usize::try_from(e).is_ok_and(|e| e < self.lcores.len())).then_some(e)
     }
 
-    /// Where entry `e`'s messages go: where the epoch held serves it (a
-    /// replicated job), else its lcore.
-    fn dest(&self, e: u32) -> SocketAddr {
-        self.routing
-            .as_ref()
-            .and_then(|r| r.entry_to(e))
-            .unwrap_or(self.lcores[e as usize])
+    /// Where each entry is served by the routing's epoch (a replicated
+    /// job; an entry no live appliance holds stays at its lcore), into
+    /// [`RowTransport::dests`].
+    fn route_entries(&mut self) {
+        let Some(r) = &self.routing else { return };
+        for (e, (to, own)) in (0u32..).zip(self.dests.iter_mut().zip(&self.lcores)) {
+            *to = r.entry_to(e).unwrap_or(*own);
+        }
     }
 
     /// Routes every entry by `routing`'s epoch from now on (a replicated
     /// job). Set before the first request.
     pub(crate) fn set_routing(&mut self, routing: Routing) {
         self.routing = Some(routing);
+        self.route_entries();
     }
 
     /// The epoch the caller is to fetch from control, at least (taken):
@@ -1004,6 +1006,7 @@ impl<D> RowTransport<D> {
             return 0;
         }
         r.set_epoch(view);
+        self.route_entries();
         let deadline = now + self.rto.loss(0);
         let mut sent = 0;
         for (&key, a) in &mut self.active {
@@ -1171,35 +1174,39 @@ impl<D> RowTransport<D> {
         }
     }
 
+    /// The message of the request in flight that an ERROR from entry
+    /// `entry` refuses, if it is one still out (or answered and sent
+    /// again, below).
+    fn refused_message(&self, entry: u32, repr: &wire::Repr) -> Option<usize> {
+        let a = self.active.get(&repr.key)?;
+        let i = if repr.chunk & PULL_TAG != 0 {
+            if a.plan.kind != PlanKind::Pull || repr.chunk & !INDEX_MASK != a.tag {
+                return None;
+            }
+            a.plan.msg_index(entry, repr.chunk & INDEX_MASK)?
+        } else {
+            if a.plan.kind == PlanKind::Pull || repr.round != a.round {
+                return None;
+            }
+            a.plan.msg_index(entry, repr.chunk)?
+        };
+        // An answered message sent again (`handle_timeout`) to a
+        // restored lcore is refused as an unanswered one would be:
+        // `ahead` where the lcore lost rounds before it (its catching
+        // up starts: the rank may have nothing else to send there,
+        // simulator seed 102435), `unknown_signature` where it lost
+        // the id lists this rank stored there (it goes again with its
+        // ids).
+        let resent = matches!(a.states[i], MsgState::Answered)
+            && (repr.error == DropReason::UnknownSignature.code() || repr.error == DropReason::Ahead.code());
+        (matches!(a.states[i], MsgState::Out(_)) || resent).then_some(i)
+    }
+
     fn on_error(&mut self, now: Instant, from: SocketAddr, entry: u32, repr: &wire::Repr) {
         if self.catch_up_refused(now, from, entry, repr) {
             return;
         }
-        let at = Some(entry).and_then(|entry| {
-            let a = self.active.get(&repr.key)?;
-            let i = if repr.chunk & PULL_TAG != 0 {
-                if a.plan.kind != PlanKind::Pull || repr.chunk & !INDEX_MASK != a.tag {
-                    return None;
-                }
-                a.plan.msg_index(entry, repr.chunk & INDEX_MASK)?
-            } else {
-                if a.plan.kind == PlanKind::Pull || repr.round != a.round {
-                    return None;
-                }
-                a.plan.msg_index(entry, repr.chunk)?
-            };
-            // An answered message sent again (`handle_timeout`) to a
-            // restored lcore is refused as an unanswered one would be:
-            // `ahead` where the lcore lost rounds before it (its catching
-            // up starts: the rank may have nothing else to send there,
-            // simulator seed 102435), `unknown_signature` where it lost
-            // the id lists this rank stored there (it goes again with its
-            // ids).
-            let resent = matches!(a.states[i], MsgState::Answered)
-                && (repr.error == DropReason::UnknownSignature.code()
-                    || repr.error == DropReason::Ahead.code());
-            (matches!(a.states[i], MsgState::Out(_)) || resent).then_some(i)
-        });
+        let at = self.refused_message(entry, repr);
         let Some(i) = at else {
             add(&self.stats.row_answers_ignored, 1);
             return;
@@ -1543,7 +1550,7 @@ impl<D> RowTransport<D> {
                 .iter()
                 .zip(&a.plan.msgs)
                 .filter(|(s, _)| !matches!(s, MsgState::Answered))
-                .map(|(_, m)| self.dest(m.entry))
+                .map(|(_, m)| self.dests[m.entry as usize])
                 .collect();
             addrs.sort();
             addrs.dedup();
