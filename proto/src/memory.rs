@@ -391,23 +391,13 @@ impl MemoryModel {
         // Backup tables (PROTOCOL.md §11.9): each entry (lcore) of a part
         // backed up here is kept, per table, on the lcore whose run of the
         // part's entries holds it, charged as the entry's primary tables.
-        let total: usize = parts.iter().map(|l| l.lcores.len()).sum();
-        let per_entry = self.tables_lcore_bytes(spec, total);
+        let counts: Vec<usize> = parts.iter().map(|l| l.lcores.len()).collect();
+        let per_entry = self.tables_lcore_bytes(spec, counts.iter().sum());
         let mut entries = vec![0u64; lcores];
         if per_entry > 0 {
-            let firsts: Vec<u64> = parts
-                .iter()
-                .scan(0u64, |at, l| {
-                    let f = *at;
-                    *at += l.lcores.len() as u64;
-                    Some(f)
-                })
-                .collect();
+            let entries_of = crate::replica_rows::entry_parts(&counts);
             for &p in &backed {
-                let part = ChunkRange {
-                    first: firsts[p],
-                    count: parts[p].lcores.len() as u64,
-                };
+                let part = entries_of[p];
                 for e in part.range() {
                     if let Some(j) = crate::replica_rows::entry_backup(part, lcores, e) {
                         entries[j] += 1;

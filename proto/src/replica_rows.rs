@@ -286,6 +286,23 @@ pub fn parse(datagram: &[u8]) -> Result<(RowReplicaRepr, Option<RowsFragment<'_>
     }
 }
 
+/// Each appliance's entries (PROTOCOL.md §10.1), from the appliances'
+/// lcore counts in layout order: its lcores, numbered after the earlier
+/// appliances'.
+pub fn entry_parts(lcores: &[usize]) -> Vec<ChunkRange> {
+    lcores
+        .iter()
+        .scan(0u64, |at, &l| {
+            let r = ChunkRange {
+                first: *at,
+                count: l as u64,
+            };
+            *at += l as u64;
+            Some(r)
+        })
+        .collect()
+}
+
 /// Where backup appliance `b` keeps entry `entry` of appliance `p`'s
 /// entries `part` (its lcores as entries of §10.1, `first` the entries of
 /// the appliances before it): its lcore among `lcores`, cut as a backup

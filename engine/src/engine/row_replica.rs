@@ -31,9 +31,9 @@
 //!   backup left), async and bounded delay.
 
 use phub_proto::failover::EpochView;
-use phub_proto::layout::ChunkRange;
 use phub_proto::replica_rows::{
-    self, entry_backup, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType, RowsFragment,
+    self, entry_backup, entry_parts, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType,
+    RowsFragment,
 };
 use phub_proto::table_checkpoint::TableState;
 use phub_proto::wire::{flags, DropReason, HEADER_LEN};
@@ -659,22 +659,6 @@ fn take_fragment(
     }
     inc.round = 0;
     Ok(Some(true))
-}
-
-/// Each appliance's entries (PROTOCOL.md §10.1): its lcores, after the
-/// earlier appliances', from their lcore counts.
-fn entry_parts(lcores: &[usize]) -> Vec<ChunkRange> {
-    lcores
-        .iter()
-        .scan(0u64, |at, &l| {
-            let r = ChunkRange {
-                first: *at,
-                count: l as u64,
-            };
-            *at += l as u64;
-            Some(r)
-        })
-        .collect()
 }
 
 /// Entry `entry` of home `p`'s backups in `view`: each live member of
