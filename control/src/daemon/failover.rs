@@ -878,6 +878,23 @@ mod tests {
         }
     }
 
+    /// Gives `j` a table key `emb` (PROTOCOL.md §11.9).
+    fn add_table(j: &mut StoredJob) {
+        j.spec.keys.push(phub_proto::spec::KeySpec::table(
+            "emb",
+            phub_proto::spec::TableSpec {
+                dim: 4,
+                rows: Some(100),
+                seed: 0,
+                init: phub_proto::spec::RowInitSpec::Zeros,
+                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
+                evict: None,
+                admit_after: None,
+                key_cache: 0,
+            },
+        ));
+    }
+
     fn one_rack(_: &str) -> String {
         String::new()
     }
@@ -948,19 +965,7 @@ mod tests {
     #[test]
     fn a_job_with_a_table_fails_over_and_takes_no_appliance_back() {
         let mut j = job(2);
-        j.spec.keys.push(phub_proto::spec::KeySpec::table(
-            "emb",
-            phub_proto::spec::TableSpec {
-                dim: 4,
-                rows: Some(100),
-                seed: 0,
-                init: phub_proto::spec::RowInitSpec::Zeros,
-                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
-                evict: None,
-                admit_after: None,
-                key_cache: 0,
-            },
-        ));
+        add_table(&mut j);
         assert!(j
             .tables_unmovable()
             .is_some_and(|w| w.contains("\"emb\"") && w.contains("§11.9")));
@@ -1000,19 +1005,7 @@ mod tests {
             matches!(j.decide(backup, one_rack), Some(Decision::Next(_))),
             "without a table the empty part loses nothing"
         );
-        j.spec.keys.push(phub_proto::spec::KeySpec::table(
-            "emb",
-            phub_proto::spec::TableSpec {
-                dim: 4,
-                rows: Some(100),
-                seed: 0,
-                init: phub_proto::spec::RowInitSpec::Zeros,
-                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
-                evict: None,
-                admit_after: None,
-                key_cache: 0,
-            },
-        ));
+        add_table(&mut j);
         assert!(
             matches!(j.decide(backup, one_rack), Some(Decision::PartDown(..))),
             "with a table its entries are lost"

@@ -25,6 +25,35 @@ type Case = (
     &'static str,
 );
 
+/// `spec`'s chunks spread by count over appliances of `lcores` lcores:
+/// the runs (one per lcore, layout order), each appliance's part of the
+/// layout, and each appliance's data address, base port and lcore count.
+#[allow(clippy::type_complexity)]
+fn spread(spec: &JobSpec, lcores: &[usize]) -> (Vec<ChunkRange>, Vec<Layout>, Vec<(Ipv4Addr, u16, u16)>) {
+    let runs = backup_runs(
+        ChunkRange {
+            first: 0,
+            count: Chunks::new(spec).total(),
+        },
+        lcores.iter().sum(),
+    );
+    let mut parts = Vec::new();
+    let mut at = 0;
+    for &l in lcores {
+        parts.push(Layout {
+            chunk_elems: spec.chunk_elems(),
+            lcores: runs[at..at + l].to_vec(),
+        });
+        at += l;
+    }
+    let appliances = lcores
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| (Ipv4Addr::new(10, 0, i as u8, 1), 9000, l as u16))
+        .collect();
+    (runs, parts, appliances)
+}
+
 #[test]
 fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
     let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
@@ -55,29 +84,8 @@ fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
         ))
         .unwrap();
         let what = format!("{lcores:?} {racks:?} replicas {replicas} {opt} {dtype}");
-        let total = Chunks::new(&spec).total();
-        let runs = backup_runs(
-            ChunkRange {
-                first: 0,
-                count: total,
-            },
-            lcores.iter().sum(),
-        );
-        let mut parts = Vec::new();
-        let mut at = 0;
-        for &l in lcores {
-            parts.push(Layout {
-                chunk_elems: spec.chunk_elems(),
-                lcores: runs[at..at + l].to_vec(),
-            });
-            at += l;
-        }
+        let (runs, parts, appliances) = spread(&spec, lcores);
         let part_refs: Vec<&Layout> = parts.iter().collect();
-        let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
-            .iter()
-            .enumerate()
-            .map(|(i, &l)| (Ipv4Addr::new(10, 0, i as u8, 1), 9000, l as u16))
-            .collect();
         let labels: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
         for (me, part) in parts.iter().enumerate() {
             let primary = model.job_cost(&spec, part, ResultStore::Slot).lcores;
@@ -130,28 +138,8 @@ fn each_lcore_of_a_replicated_job_with_a_table_holds_what_admission_charges() {
     .unwrap();
     let table = spec.tables().next().unwrap().spec.clone();
     let nl: usize = lcores.iter().sum();
-    let runs = backup_runs(
-        ChunkRange {
-            first: 0,
-            count: Chunks::new(&spec).total(),
-        },
-        nl,
-    );
-    let mut parts = Vec::new();
-    let mut at = 0;
-    for &l in lcores {
-        parts.push(Layout {
-            chunk_elems: spec.chunk_elems(),
-            lcores: runs[at..at + l].to_vec(),
-        });
-        at += l;
-    }
+    let (runs, parts, appliances) = spread(&spec, lcores);
     let part_refs: Vec<&Layout> = parts.iter().collect();
-    let appliances: Vec<(Ipv4Addr, u16, u16)> = lcores
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| (Ipv4Addr::new(10, 0, i as u8, 1), 9000, l as u16))
-        .collect();
     let labels: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
     let mut entry = 0u32;
     let mut with_backup_tables = 0;
