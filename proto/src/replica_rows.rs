@@ -13,6 +13,15 @@
 //! [`rows_per_fragment`] rows, each one REPLICATE_ROWS; the backup applies
 //! them once it holds them all, with the same store operations in the
 //! same order, and answers one REPLICATE_ROWS_ACK.
+//!
+//! A new backup of an entry (an appliance back, or a backup left when
+//! another member adopts the entry) first gets each table's whole state
+//! from the entry's primary (a **state copy**): the copy stream
+//! ([`write_copy_head`] and the row store's checkpoint) in
+//! REPLICATE_TABLE_STATE fragments of [`STATE_BYTES`] bytes, sent a window
+//! at a time; the backup acknowledges how many it holds from the first
+//! without a gap (REPLICATE_TABLE_STATE_ACK), all of them once the state is
+//! installed.
 
 use crate::layout::ChunkRange;
 use crate::replica::{backup_runs, place};
@@ -29,17 +38,30 @@ pub enum RowReplicaType {
     /// Backup to primary: the backup applied that round of that table on
     /// that entry.
     RowsAck,
+    /// Primary to new backup: one fragment of a table's state copy on one
+    /// entry.
+    TableState,
+    /// New backup to primary: the fragments of the copy it holds from the
+    /// first without a gap (all of them: the copy is installed).
+    TableStateAck,
 }
 
 impl RowReplicaType {
     /// Both, in code order.
-    pub const ALL: [RowReplicaType; 2] = [RowReplicaType::Rows, RowReplicaType::RowsAck];
+    pub const ALL: [RowReplicaType; 4] = [
+        RowReplicaType::Rows,
+        RowReplicaType::RowsAck,
+        RowReplicaType::TableState,
+        RowReplicaType::TableStateAck,
+    ];
 
     /// Wire code.
     pub const fn code(self) -> u8 {
         match self {
             RowReplicaType::Rows => 18,
             RowReplicaType::RowsAck => 19,
+            RowReplicaType::TableState => 20,
+            RowReplicaType::TableStateAck => 21,
         }
     }
 
@@ -48,6 +70,8 @@ impl RowReplicaType {
         match code {
             18 => Some(RowReplicaType::Rows),
             19 => Some(RowReplicaType::RowsAck),
+            20 => Some(RowReplicaType::TableState),
+            21 => Some(RowReplicaType::TableStateAck),
             _ => None,
         }
     }
@@ -57,6 +81,8 @@ impl RowReplicaType {
         match self {
             RowReplicaType::Rows => "REPLICATE_ROWS",
             RowReplicaType::RowsAck => "REPLICATE_ROWS_ACK",
+            RowReplicaType::TableState => "REPLICATE_TABLE_STATE",
+            RowReplicaType::TableStateAck => "REPLICATE_TABLE_STATE_ACK",
         }
     }
 }
@@ -102,17 +128,21 @@ pub struct RowReplicaRepr {
     /// entry is at admission), in REPLICATE_ROWS_ACK the backup's. Header
     /// field `rank`.
     pub from: u16,
-    /// REPLICATE_ROWS: the rows in this fragment; REPLICATE_ROWS_ACK: 0.
+    /// REPLICATE_ROWS: the rows in this fragment; REPLICATE_TABLE_STATE:
+    /// the copy stream's bytes in it; the ACKs: 0.
     pub count: u16,
-    /// The table round replicated (acknowledged).
+    /// The table round replicated (acknowledged); in a state copy, the
+    /// primary's last completed round, whose state it is.
     pub round: u32,
     /// The entry e whose rows these are (PROTOCOL.md §10.1). Header field
     /// `slot`.
     pub entry: u32,
     /// The table's key index.
     pub key: u32,
-    /// REPLICATE_ROWS: this fragment's index in the round, 0 .. n − 1;
-    /// REPLICATE_ROWS_ACK: 0. Header field `chunk`.
+    /// REPLICATE_ROWS and REPLICATE_TABLE_STATE: this fragment's index,
+    /// 0 .. n − 1; REPLICATE_ROWS_ACK: 0; REPLICATE_TABLE_STATE_ACK: the
+    /// fragments held from the first without a gap, n once installed.
+    /// Header field `chunk`.
     pub fragment: u32,
     /// The job layout's epoch the sender holds. Header field `epoch`.
     pub epoch: u32,
@@ -212,8 +242,126 @@ pub fn write_fragment(out: &mut Vec<u8>, at_ns: u64, fragments: u32, dim: u32, i
     }
 }
 
+/// Bytes of a REPLICATE_TABLE_STATE payload before its slice of the copy
+/// stream: the stream's length B (`u64`), the fragment count n and the
+/// table's dim (`u32` each), little-endian.
+pub const STATE_PREFIX: usize = 16;
+
+/// Bytes of the copy stream one REPLICATE_TABLE_STATE carries (every
+/// fragment but the last; the last 1 to this many): S.
+pub const STATE_BYTES: usize = MAX_PAYLOAD - STATE_PREFIX;
+
+/// The fragments of a copy stream of `bytes` bytes: ⌈B / S⌉. `None` for
+/// an empty stream (a copy holds its head at least) or a count past
+/// `u32`.
+pub fn state_fragments(bytes: u64) -> Option<u32> {
+    if bytes == 0 {
+        return None;
+    }
+    u32::try_from(bytes.div_ceil(STATE_BYTES as u64)).ok()
+}
+
+/// A REPLICATE_TABLE_STATE payload, checked to be whole: its prefix, then
+/// `count` bytes of the copy stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StateFragment<'a> {
+    /// B, the copy stream's length.
+    pub total: u64,
+    /// n, its fragment count (at least 1).
+    pub fragments: u32,
+    /// D, the table's dim.
+    pub dim: u32,
+    /// Its slice of the stream.
+    pub bytes: &'a [u8],
+}
+
+/// Writes a REPLICATE_TABLE_STATE payload onto `out`: the prefix, then
+/// `bytes`, the stream's slice.
+pub fn write_state_fragment(out: &mut Vec<u8>, total: u64, fragments: u32, dim: u32, bytes: &[u8]) {
+    out.extend_from_slice(&total.to_le_bytes());
+    out.extend_from_slice(&fragments.to_le_bytes());
+    out.extend_from_slice(&dim.to_le_bytes());
+    out.extend_from_slice(bytes);
+}
+
+/// The samples of eviction by `idle_s` a state copy carries at most (the
+/// store's ring).
+pub const COPY_MAX_SAMPLES: usize = 32;
+
+/// What a table's state copy carries beside the row store's checkpoint:
+/// the clock of its eviction by idle time, which a checkpoint does not
+/// keep (a restart starts it over) but a backup must hold to evict the
+/// same rows as its primary.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct CopyHead {
+    /// The idle sweep's rounds (0: the store has no idle sweep).
+    pub idle_rounds: u32,
+    /// With `idle_s`: when sampled rounds completed, (round, nanoseconds
+    /// on the primary's clock), oldest first, at most
+    /// [`COPY_MAX_SAMPLES`].
+    pub samples: Vec<(u32, u64)>,
+}
+
+/// Writes a copy stream's head onto `out` (PROTOCOL.md §11.9): `u32`
+/// the idle sweep's rounds, `u32` T, then T samples of `u32` round and
+/// `u64` nanoseconds, little-endian; the row store's checkpoint follows.
+pub fn write_copy_head(out: &mut Vec<u8>, head: &CopyHead) {
+    out.extend_from_slice(&head.idle_rounds.to_le_bytes());
+    // Cast: at most COPY_MAX_SAMPLES (debug-checked).
+    debug_assert!(head.samples.len() <= COPY_MAX_SAMPLES);
+    #[allow(clippy::cast_possible_truncation)]
+    out.extend_from_slice(&(head.samples.len() as u32).to_le_bytes());
+    for &(round, ns) in &head.samples {
+        out.extend_from_slice(&round.to_le_bytes());
+        out.extend_from_slice(&ns.to_le_bytes());
+    }
+}
+
+/// Reads a copy stream's head: the head and the rest of the stream (the
+/// row store's checkpoint), or what is wrong with it.
+pub fn read_copy_head(stream: &[u8]) -> Result<(CopyHead, &[u8]), String> {
+    let word = |at: usize| -> Result<u32, String> {
+        stream
+            .get(at..at + 4)
+            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+            .ok_or_else(|| format!("a state copy of {} bytes ends in its head", stream.len()))
+    };
+    let idle_rounds = word(0)?;
+    let t = word(4)? as usize;
+    if t > COPY_MAX_SAMPLES {
+        return Err(format!(
+            "a state copy with {t} idle-time samples (at most {COPY_MAX_SAMPLES})"
+        ));
+    }
+    let end = 8 + 12 * t;
+    let body = stream
+        .get(8..end)
+        .ok_or_else(|| format!("a state copy of {} bytes ends in its head", stream.len()))?;
+    let samples = body
+        .chunks_exact(12)
+        .map(|s| {
+            (
+                u32::from_le_bytes(s[..4].try_into().expect("4 bytes")),
+                u64::from_le_bytes(s[4..].try_into().expect("8 bytes")),
+            )
+        })
+        .collect();
+    Ok((CopyHead { idle_rounds, samples }, &stream[end..]))
+}
+
+/// A table replication message's payload, by its type.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum RowReplicaPayload<'a> {
+    /// REPLICATE_ROWS.
+    Rows(RowsFragment<'a>),
+    /// REPLICATE_TABLE_STATE.
+    State(StateFragment<'a>),
+    /// The ACKs.
+    None,
+}
+
 /// Whether a datagram's type byte is a table replication message's (18
-/// or 19).
+/// to 21).
 pub fn is_row_replica_message(datagram: &[u8]) -> bool {
     datagram.len() >= HEADER_LEN
         && datagram
@@ -225,8 +373,10 @@ pub fn is_row_replica_message(datagram: &[u8]) -> bool {
 /// §7 step 1 (magic, version, a known type, `dtype` `f32`), then its
 /// length: a REPLICATE_ROWS's payload is its prefix and `count` rows of
 /// the prefix's dim with their ids (dim 0, or fragment count 0:
-/// `length_mismatch`); a REPLICATE_ROWS_ACK has none and `count` 0.
-pub fn parse(datagram: &[u8]) -> Result<(RowReplicaRepr, Option<RowsFragment<'_>>), DropReason> {
+/// `length_mismatch`); a REPLICATE_TABLE_STATE's is its prefix and
+/// `count` bytes (dim 0, a stream of 0 bytes, or a fragment count other
+/// than the stream's: `length_mismatch`); an ACK has none and `count` 0.
+pub fn parse(datagram: &[u8]) -> Result<(RowReplicaRepr, RowReplicaPayload<'_>), DropReason> {
     let h = Header::new_checked(datagram)?;
     h.check_phub_v1()?;
     let kind = RowReplicaType::from_code(h.type_code()).ok_or(DropReason::UnknownType)?;
@@ -252,20 +402,23 @@ pub fn parse(datagram: &[u8]) -> Result<(RowReplicaRepr, Option<RowsFragment<'_>
         fragment: h.chunk(),
         epoch: h.epoch(),
     };
+    let prefix = || -> Result<(u64, u32, u32, &[u8]), DropReason> {
+        let (prefix, rest) = payload
+            .split_at_checked(ROWS_PREFIX)
+            .ok_or(DropReason::LengthMismatch)?;
+        let word = |at: usize| u32::from_le_bytes(prefix[at..at + 4].try_into().expect("4 bytes"));
+        let first = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
+        Ok((first, word(8), word(12), rest))
+    };
     match kind {
-        RowReplicaType::RowsAck => {
+        RowReplicaType::RowsAck | RowReplicaType::TableStateAck => {
             if count != 0 || !payload.is_empty() {
                 return Err(DropReason::LengthMismatch);
             }
-            Ok((repr, None))
+            Ok((repr, RowReplicaPayload::None))
         }
         RowReplicaType::Rows => {
-            let (prefix, rest) = payload
-                .split_at_checked(ROWS_PREFIX)
-                .ok_or(DropReason::LengthMismatch)?;
-            let word = |at: usize| u32::from_le_bytes(prefix[at..at + 4].try_into().expect("4 bytes"));
-            let at_ns = u64::from_le_bytes(prefix[..8].try_into().expect("8 bytes"));
-            let (fragments, dim) = (word(8), word(12));
+            let (at_ns, fragments, dim, rest) = prefix()?;
             let n = usize::from(count);
             let row = 4 * dim as usize;
             if dim == 0 || fragments == 0 || rest.len() != n * (ROW_ID_BYTES + row) {
@@ -274,12 +427,27 @@ pub fn parse(datagram: &[u8]) -> Result<(RowReplicaRepr, Option<RowsFragment<'_>
             let (ids, rows) = rest.split_at(n * ROW_ID_BYTES);
             Ok((
                 repr,
-                Some(RowsFragment {
+                RowReplicaPayload::Rows(RowsFragment {
                     at_ns,
                     fragments,
                     dim,
                     ids,
                     rows,
+                }),
+            ))
+        }
+        RowReplicaType::TableState => {
+            let (total, fragments, dim, bytes) = prefix()?;
+            if dim == 0 || state_fragments(total) != Some(fragments) || bytes.len() != usize::from(count) {
+                return Err(DropReason::LengthMismatch);
+            }
+            Ok((
+                repr,
+                RowReplicaPayload::State(StateFragment {
+                    total,
+                    fragments,
+                    dim,
+                    bytes,
                 }),
             ))
         }
@@ -341,7 +509,9 @@ mod tests {
         write_fragment(&mut d, 123_456, 3, 2, &ids, &rows);
         let (r, f) = parse(&d).unwrap();
         assert_eq!(r, rows_repr(2));
-        let f = f.unwrap();
+        let RowReplicaPayload::Rows(f) = f else {
+            panic!("{f:?}")
+        };
         assert_eq!((f.at_ns, f.fragments, f.dim, f.len()), (123_456, 3, 2, 2));
         assert_eq!(f.ids().collect::<Vec<_>>(), ids);
         let mut out = Vec::new();
@@ -362,11 +532,57 @@ mod tests {
             ..rows_repr(0)
         };
         let d = ack.to_bytes();
-        assert_eq!(parse(&d).unwrap(), (ack, None));
+        assert_eq!(parse(&d).unwrap(), (ack, RowReplicaPayload::None));
         let mut longer = d.to_vec();
         longer.push(0);
         assert_eq!(parse(&longer).unwrap_err(), DropReason::LengthMismatch);
         assert!(is_row_replica_message(&d) && !crate::replica::is_replica_message(&d));
+    }
+
+    #[test]
+    fn a_state_fragment_round_trips_and_its_shape_is_checked() {
+        let head = CopyHead {
+            idle_rounds: 7,
+            samples: vec![(3, 1_000), (9, 2_000_000_000)],
+        };
+        let mut stream = Vec::new();
+        write_copy_head(&mut stream, &head);
+        stream.extend_from_slice(b"rows");
+        let (back, rest) = read_copy_head(&stream).unwrap();
+        assert_eq!((back, rest), (head, &b"rows"[..]));
+        assert!(read_copy_head(&stream[..10])
+            .unwrap_err()
+            .contains("ends in its head"));
+        // S = 8816 bytes a fragment: a stream of S + 1 bytes is two.
+        assert_eq!(STATE_BYTES, 8816);
+        assert_eq!(state_fragments(0), None);
+        assert_eq!(state_fragments(8816), Some(1));
+        assert_eq!(state_fragments(8817), Some(2));
+        let repr = RowReplicaRepr {
+            kind: RowReplicaType::TableState,
+            count: 4,
+            fragment: 1,
+            ..rows_repr(0)
+        };
+        let mut d = repr.to_bytes().to_vec();
+        write_state_fragment(&mut d, 8817, 2, 16, b"tail");
+        let (r, f) = parse(&d).unwrap();
+        assert_eq!(r, repr);
+        assert_eq!(
+            f,
+            RowReplicaPayload::State(StateFragment {
+                total: 8817,
+                fragments: 2,
+                dim: 16,
+                bytes: b"tail",
+            })
+        );
+        // A fragment count that is not the stream's, or bytes other than
+        // `count`: refused.
+        let mut e = repr.to_bytes().to_vec();
+        write_state_fragment(&mut e, 8817, 3, 16, b"tail");
+        assert_eq!(parse(&e).unwrap_err(), DropReason::LengthMismatch);
+        assert_eq!(parse(&d[..d.len() - 1]).unwrap_err(), DropReason::LengthMismatch);
     }
 
     #[test]

@@ -213,8 +213,7 @@ impl<A: Copy + Eq> Shard<A> {
         // Its tables (PROTOCOL.md §11.9): what needs a table's state
         // copied is refused before anything is applied.
         let old_view = rep.view.clone();
-        self.check_table_epoch(i, view)
-            .map_err(|reason| refuse(true, reason))?;
+        self.check_table_epoch(i, view)?;
         let job = &mut self.jobs[i];
         let rep = job.replica.as_deref_mut().expect("checked above");
         debug_assert_eq!(rep.view, old_view);
@@ -384,7 +383,7 @@ impl<A: Copy + Eq> Shard<A> {
             self.counters.rounds_replicated.inc();
             round_done(&mut self.pending, &self.counters, job, s);
         }
-        self.apply_table_epoch(i, view);
+        self.apply_table_epoch(i, &old_view, view);
         Ok(true)
     }
 }

@@ -140,6 +140,7 @@ mod slot;
 mod stats;
 mod table;
 mod table_checkpoint;
+mod table_copy;
 #[cfg(test)]
 mod tests;
 

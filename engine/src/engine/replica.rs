@@ -231,8 +231,24 @@ pub struct ReplicaStats {
     /// New backups that joined a chunk's chain (their copy acknowledged).
     pub backups_joined: u64,
     /// Payload bytes of the REPLICATE_STATE fragments taken
-    /// (`states_received`).
+    /// (`states_received`), and of the REPLICATE_TABLE_STATE fragments'
+    /// copy streams (`table_states_received`).
     pub state_bytes_received: u64,
+    /// REPLICATE_TABLE_STATE fragments sent the first time (PROTOCOL.md
+    /// §11.9 item 4).
+    pub table_states_sent: u64,
+    /// REPLICATE_TABLE_STATE fragments resent on a timer.
+    pub table_states_resent: u64,
+    /// REPLICATE_TABLE_STATE fragments taken at a backup table awaiting a
+    /// copy (copies of one held counted too).
+    pub table_states_received: u64,
+    /// Table state copies installed whole at a backup table.
+    pub table_states_installed: u64,
+    /// REPLICATE_TABLE_STATE_ACKs sent.
+    pub table_state_acks_sent: u64,
+    /// New backups that joined a table entry's chain (their copy of the
+    /// table acknowledged whole), per table.
+    pub table_backups_joined: u64,
 }
 
 /// A replicated job's state on one lcore.
@@ -305,12 +321,18 @@ impl<A: Copy> Replica<A> {
                 .parts
                 .iter()
                 .map(|p| p.fill.iter().filter(|f| **f != Fill::Held).count() as u64)
-                .sum(),
+                .sum::<u64>()
+                + self
+                    .row_parts
+                    .iter()
+                    .map(|p| p.tables.iter().filter(|(_, inc)| inc.awaiting).count() as u64)
+                    .sum::<u64>(),
             owed: self
                 .pushed
                 .iter()
                 .map(|p| u64::from(p.copying.count_ones()))
-                .sum(),
+                .sum::<u64>()
+                + self.served.iter().map(|s| s.copies.len() as u64).sum::<u64>(),
             bytes_received: self.stats.state_bytes_received,
         }
     }

@@ -32,8 +32,8 @@
 
 use phub_proto::failover::EpochView;
 use phub_proto::replica_rows::{
-    self, entry_backup, entry_parts, fragments_of, rows_per_fragment, RowReplicaRepr, RowReplicaType,
-    RowsFragment,
+    self, entry_backup, entry_parts, fragments_of, rows_per_fragment, RowReplicaPayload, RowReplicaRepr,
+    RowReplicaType, RowsFragment,
 };
 use phub_proto::table_checkpoint::TableState;
 use phub_proto::wire::{flags, DropReason, HEADER_LEN};
@@ -43,6 +43,7 @@ use super::outbox::Pending;
 use super::replica::Replica;
 use super::rows::{answer_head, complete, Answers};
 use super::table::{Table, TableInstall, TableRounds};
+use super::table_copy::{copy_out, copy_stream, CopyIn, CopyOut};
 use super::{Job, Shard, Verdict};
 
 /// A primary table's BSP round waiting for its backups' acknowledgements.
@@ -82,6 +83,28 @@ pub(super) struct Incoming {
     rows: Vec<f32>,
     /// One fragment's rows, decoded.
     scratch: Vec<f32>,
+    /// The table awaits a state copy (PROTOCOL.md §11.9 item 4): it holds
+    /// no round its primary's rounds can follow.
+    pub(super) awaiting: bool,
+    /// The copy arriving, while it awaits one.
+    pub(super) copy: Option<Box<CopyIn>>,
+}
+
+impl Incoming {
+    /// A backup table's arrivals with nothing in yet, awaiting a copy or
+    /// not.
+    pub(super) fn awaiting(awaiting: bool) -> Incoming {
+        Incoming {
+            awaiting,
+            ..Incoming::default()
+        }
+    }
+
+    /// Forgets the round arriving (its fragments are sent again).
+    pub(super) fn clear(&mut self) {
+        self.round = 0;
+        self.held = 0;
+    }
 }
 
 /// An entry whose tables this lcore serves (its own, or one adopted when
@@ -96,6 +119,16 @@ pub(super) struct ServedEntry<A> {
     /// Its backups in set order: each appliance and its lcore keeping the
     /// entry's backup tables.
     pub(super) backups: Vec<(u16, A)>,
+    /// State copies to new backups not acknowledged whole yet, per
+    /// (backup, table); such a backup gets no round of that table.
+    pub(super) copies: Vec<CopyOut<A>>,
+}
+
+impl<A> ServedEntry<A> {
+    /// Whether backup `b` still awaits table `key`'s copy.
+    pub(super) fn copying(&self, b: u16, key: u32) -> bool {
+        self.copies.iter().any(|c| c.backup == b && c.key == key)
+    }
 }
 
 /// The backup tables of one entry of another appliance, on this lcore.
@@ -228,10 +261,17 @@ pub(super) fn begin<A: Copy>(
     });
     rep.next_deadline = rep.next_deadline.min(deadline);
     let head = fragment_head(rep, j_head, table, t, 0);
-    let to = rep
-        .served(table.entry())
-        .map_or(&[][..], |s| s.backups.as_slice());
-    let sent = queue_fragments(out, pending, head, table, now, to.iter().map(|b| b.1));
+    let Some(s) = rep.served(table.entry()) else {
+        return true;
+    };
+    // A backup still taking the table's state copy gets the round once it
+    // joins (`on_table_state_ack`).
+    let to = s
+        .backups
+        .iter()
+        .filter(|b| !s.copying(b.0, table.key))
+        .map(|b| b.1);
+    let sent = queue_fragments(out, pending, head, table, now, to);
     rep.stats.replicates_sent += sent;
     true
 }
@@ -240,8 +280,13 @@ impl<A: Copy + Eq> Shard<A> {
     /// Makes the backup tables of job `id`'s replicated part on this lcore
     /// from its `tables` (PROTOCOL.md §11.9): where this lcore's entry's
     /// backups are, and a table per key for each entry of another
-    /// appliance this lcore backs up. Refused (the caller removes the job)
-    /// in an epoch with an appliance down or back.
+    /// appliance this lcore backs up. Installed at epoch 0, or joined at
+    /// the install's epoch (an appliance back, §11.7): then it serves no
+    /// entry, and keeps its own entry's tables as backup tables too, every
+    /// backup table awaiting its state copy. Refused (the caller removes
+    /// the job) at any other epoch (an appliance moved, a restore: not
+    /// built) or where this appliance would serve a part it holds no state
+    /// of.
     pub(super) fn install_table_backups(
         &mut self,
         id: u16,
@@ -268,11 +313,15 @@ impl<A: Copy + Eq> Shard<A> {
             key: first.key,
             reason,
         };
-        if rep.view.epoch != 0 || rep.view != phub_proto::failover::EpochView::default() {
+        let view = rep.view.clone();
+        let me = usize::from(rep.me);
+        let joined = view.epoch != 0 && view.joined_at(me) == Some(view.epoch);
+        if view != EpochView::default() && !(joined && view.moved.is_empty() && view.restored == 0) {
             return Err(refuse(format!(
-                "epoch {}: a replicated job's tables are installed at epoch 0 only (their failover \
-                 and state copies are not built, PROTOCOL.md §11.9)",
-                rep.view.epoch
+                "epoch {}: a replicated job's tables are installed at epoch 0 or joined at the install's \
+                 epoch only (a table's state copy to a moved or restored appliance is not built, \
+                 PROTOCOL.md §11.9)",
+                view.epoch
             )));
         }
         let lcores: Vec<usize> = rep.addrs.iter().map(Vec::len).collect();
@@ -288,7 +337,6 @@ impl<A: Copy + Eq> Shard<A> {
         }
         // Each appliance's entries: its lcores, after the earlier ones'.
         let parts = entry_parts(&lcores);
-        let me = usize::from(rep.me);
         let mine = u64::from(first.entry);
         if !parts[me].range().contains(&mine) {
             return Err(refuse(format!(
@@ -298,17 +346,10 @@ impl<A: Copy + Eq> Shard<A> {
         // Cast: below this appliance's lcore count, a usize.
         #[allow(clippy::cast_possible_truncation)]
         let j_me = (mine - parts[me].first) as usize;
-        let mut row_backups = Vec::new();
-        for &b in &rep.layout.set(me)[1..] {
-            let l =
-                entry_backup(parts[me], lcores[b], mine).ok_or_else(|| refuse(format!("entry {mine}")))?;
-            // Cast: b < the appliance count, a u16 (the install's `me`).
-            #[allow(clippy::cast_possible_truncation)]
-            row_backups.push((b as u16, rep.addrs[b][l]));
-        }
         let mut row_parts = Vec::new();
         for (p, part) in parts.iter().enumerate() {
-            if p == me || !rep.layout.set(p).contains(&me) {
+            let own = p == me;
+            if (own && !joined) || !rep.layout.set(p).contains(&me) {
                 continue;
             }
             for e in part.range() {
@@ -317,37 +358,54 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 // Cast: e < L, a u32 (the tables' `lcores`).
                 #[allow(clippy::cast_possible_truncation)]
+                let e = e as u32;
+                let from = match entry_server(rep, p, e, &view) {
+                    Some((q, a)) if q != me => a,
+                    _ => {
+                        return Err(refuse(format!(
+                            "entry {e} of appliance {p} would be served here at epoch {}, which holds no \
+                             state of it",
+                            view.epoch
+                        )))
+                    }
+                };
                 let made = tables
                     .iter()
                     .map(|t| {
                         let backup = TableInstall {
-                            entry: e as u32,
+                            entry: e,
                             ..t.clone()
                         };
-                        Table::new(id, &backup, workers, dtype, consistency).map(|t| (t, Incoming::default()))
+                        Table::new(id, &backup, workers, dtype, consistency)
+                            .map(|t| (t, Incoming::awaiting(joined)))
                     })
                     .collect::<Result<Vec<_>, _>>()?;
-                // Casts: p < the appliance count; e < L (above); e's lcore
-                // below appliance p's lcore count.
-                #[allow(clippy::cast_possible_truncation)]
-                let from = rep.addrs[p][(e - part.first) as usize];
+                // Cast: p < the appliance count, a u16 (the install's `me`).
                 #[allow(clippy::cast_possible_truncation)]
                 row_parts.push(RowPart {
                     home: p as u16,
-                    entry: e as u32,
+                    entry: e,
                     from,
                     tables: made,
                 });
             }
         }
-        // Cast: the entry is below L, a u32 (checked against the tables').
-        #[allow(clippy::cast_possible_truncation)]
-        let own = ServedEntry {
-            home: rep.me,
-            entry: mine as u32,
-            backups: row_backups,
-        };
-        rep.served = vec![own];
+        if joined {
+            // Its own entry is served elsewhere until an epoch gives it
+            // back (adoption, §11.6 rule 3): kept as a backup table above.
+            j.tables.retain(|t| u64::from(t.entry()) != mine);
+            rep.served = Vec::new();
+        } else {
+            // Cast: the entry is below L, a u32 (checked against the tables').
+            #[allow(clippy::cast_possible_truncation)]
+            let own = ServedEntry {
+                home: rep.me,
+                entry: mine as u32,
+                backups: entry_backups_in(rep, me, mine as u32, &view),
+                copies: Vec::new(),
+            };
+            rep.served = vec![own];
+        }
         rep.row_parts = row_parts;
         Ok(())
     }
@@ -376,8 +434,14 @@ impl<A: Copy + Eq> Shard<A> {
             return Verdict::Dropped(DropReason::WrongEpoch);
         }
         match (repr.kind, fragment) {
-            (RowReplicaType::Rows, Some(f)) => self.on_rows(i, from, &repr, &f),
-            (RowReplicaType::RowsAck, None) => self.on_rows_ack(i, from, &repr, now),
+            (RowReplicaType::Rows, RowReplicaPayload::Rows(f)) => self.on_rows(i, from, &repr, &f),
+            (RowReplicaType::RowsAck, RowReplicaPayload::None) => self.on_rows_ack(i, from, &repr, now),
+            (RowReplicaType::TableState, RowReplicaPayload::State(f)) => {
+                self.on_table_state(i, from, &repr, &f)
+            }
+            (RowReplicaType::TableStateAck, RowReplicaPayload::None) => {
+                self.on_table_state_ack(i, from, &repr)
+            }
             _ => Verdict::Dropped(DropReason::LengthMismatch),
         }
     }
@@ -412,6 +476,10 @@ impl<A: Copy + Eq> Shard<A> {
         };
         if f.dim != table.dim {
             return Verdict::Dropped(DropReason::DimMismatch);
+        }
+        if inc.awaiting {
+            // No round to follow until its state copy is in (§11.9 item 4).
+            return Verdict::Dropped(DropReason::Ahead);
         }
         let applied = match take_fragment(table, inc, repr, f) {
             Ok(applied) => applied,
@@ -528,15 +596,15 @@ impl<A: Copy + Eq> Shard<A> {
                 continue;
             };
             let acked = p.acked;
-            let backups = rep
-                .served
-                .iter()
-                .find(|s| s.entry == t.entry())
-                .map_or(&[][..], |s| s.backups.as_slice());
-            let to = backups
+            let Some(s) = rep.served.iter().find(|s| s.entry == t.entry()) else {
+                continue;
+            };
+            let key = t.key;
+            let to = s
+                .backups
                 .iter()
                 .enumerate()
-                .filter(move |(k, _)| acked & (1 << k) == 0)
+                .filter(move |(k, b)| acked & (1 << k) == 0 && !s.copying(b.0, key))
                 .map(|(_, b)| b.1);
             let TableRounds::Bsp(round) = &t.rounds else {
                 continue;
@@ -560,7 +628,8 @@ impl<A: Copy + Eq> Shard<A> {
             }
             next = next.min(p.deadline);
         }
-        (budget, next)
+        let (budget, copies) = self.poll_table_copies(i, now, budget);
+        (budget, next.min(copies))
     }
 
     /// The durable state of the backup tables this lcore keeps of entry
@@ -678,13 +747,51 @@ fn entry_backups_in<A: Copy>(rep: &Replica<A>, p: usize, entry: u32, view: &Epoc
         .collect()
 }
 
+/// Where entry `entry` of home `p` is served in `view` (PROTOCOL.md §11.9
+/// failover item 2): the part's primary there and its lcore keeping the
+/// entry (the home's own lcore where the home serves it). `None` when no
+/// member of p's set is live.
+fn entry_server<A: Copy>(rep: &Replica<A>, p: usize, entry: u32, view: &EpochView) -> Option<(usize, A)> {
+    let q = rep.layout.primary(p, view)?;
+    let lcores: Vec<usize> = rep.addrs.iter().map(Vec::len).collect();
+    let parts = entry_parts(&lcores);
+    let l = entry_backup(parts[p], lcores[q], u64::from(entry))?;
+    Some((q, *rep.addrs[q].get(l)?))
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Queues job `i`'s table `t`'s pending round to the backup at `to`
+    /// alone (one that has just joined the entry's chain).
+    pub(super) fn send_pending_to(&mut self, i: usize, t: usize, to: A) {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return;
+        };
+        let table = &j.tables[t];
+        let Some(p) = table.pending else {
+            return;
+        };
+        let head = fragment_head(rep, (j.token, j.id), table, p.round, 0);
+        let sent = queue_fragments(rows_out, pending, head, table, p.at_ns, std::iter::once(to));
+        rep.stats.replicates_sent += sent;
+    }
+}
+
 impl<A: Copy + Eq> Shard<A> {
     /// Whether this lcore can take `view` for job `i`'s tables (PROTOCOL.md
-    /// §11.9), before anything of it is applied: refused where it would
-    /// need a table's state copied (an appliance back or moved, a new
-    /// backup of an entry served here, a remaining backup of an entry
-    /// another member adopts or this one adopts, with `replicas` = 3).
-    pub(super) fn check_table_epoch(&self, i: usize, view: &EpochView) -> Result<(), String> {
+    /// §11.9), before anything of it is applied: refused where an
+    /// appliance moves (a drain: a table's copy to a moved appliance is
+    /// not built), and as the part lost where this lcore would serve an
+    /// entry whose backup tables await their state copy, or may be behind
+    /// (it skipped an epoch in which another member may have served it),
+    /// or where no member of an entry's part is live.
+    pub(super) fn check_table_epoch(&self, i: usize, view: &EpochView) -> Result<(), EngineError> {
         let j = &self.jobs[i];
         let Some(rep) = j.replica.as_deref() else {
             return Ok(());
@@ -693,42 +800,46 @@ impl<A: Copy + Eq> Shard<A> {
             return Ok(());
         }
         let old = &rep.view;
-        let not_built = "a table's state copy (PROTOCOL.md §11.9) is not built";
-        if view
-            .joined
-            .iter()
-            .any(|jn| old.joined_at(usize::from(jn.appliance)) != Some(jn.epoch))
-            || view.moves_since(old).next().is_some()
-        {
-            return Err(format!("an appliance comes back or moves: {not_built}"));
+        if view.moves_since(old).next().is_some() {
+            return Err(EngineError::Epoch {
+                id: j.id,
+                epoch: view.epoch,
+                conflict: true,
+                reason: "an appliance moves: a table's state copy to a moved appliance (PROTOCOL.md \
+                         §11.9) is not built"
+                    .into(),
+            });
         }
         let me = usize::from(rep.me);
-        for s in &rep.served {
-            let now: Vec<u16> = entry_backups_in(rep, usize::from(s.home), s.entry, view)
-                .into_iter()
-                .map(|b| b.0)
-                .collect();
-            if now.iter().any(|b| !s.backups.iter().any(|(x, _)| x == b)) {
-                return Err(format!("entry {} gets a new backup: {not_built}", s.entry));
-            }
-        }
+        let lost = |part: usize, why: &'static str| EngineError::PartLost {
+            id: j.id,
+            epoch: view.epoch,
+            part,
+            why,
+        };
         for part in &rep.row_parts {
             let p = usize::from(part.home);
-            let was = rep.layout.primary(p, old);
-            let will = rep.layout.primary(p, view);
-            if will == was {
-                continue;
+            match rep.layout.primary(p, view) {
+                None => return Err(lost(p, "with no live member to serve its table entries")),
+                Some(q) if q != me => continue,
+                Some(_) => {}
             }
-            if will != Some(me) {
-                return Err(format!(
-                    "entry {} moves to appliance {will:?}, this backup would need its state: {not_built}",
-                    part.entry
-                ));
+            if part.tables.iter().any(|(_, inc)| inc.awaiting) {
+                return Err(lost(p, "whose table state copy is not all here"));
             }
-            if rep.layout.set_in(p, view).len() > 1 {
-                return Err(format!(
-                    "entry {} is adopted here with a backup left, which would need this copy's state: {not_built}",
-                    part.entry
+            let skipped = view.epoch > old.epoch + 1;
+            let gone_before = rep
+                .layout
+                .set_in(p, old)
+                .into_iter()
+                .take_while(|&a| a != me)
+                .filter(|&a| view.is_down(a))
+                .count();
+            if skipped && gone_before >= 2 {
+                return Err(lost(
+                    p,
+                    "whose table copy here may be behind: this lcore skipped an epoch in which another \
+                     member may have served it",
                 ));
             }
         }
@@ -736,13 +847,15 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// Applies `view` (checked by [`Shard::check_table_epoch`], the
-    /// dense part applied) to job `i`'s tables: each served entry's
-    /// backups in the new epoch (a round that waited only for backups now
-    /// down completes, its answers queued), and the backup tables of each
-    /// entry whose home's part this appliance adopts become served tables
-    /// at the round they applied (a round whose fragments were not all in
-    /// is dropped: its ranks send it again).
-    pub(super) fn apply_table_epoch(&mut self, i: usize, view: &EpochView) {
+    /// dense part applied) to job `i`'s tables, coming from `old`: the
+    /// backup tables of each entry whose home's part this appliance adopts
+    /// become served tables at the round they applied (a round whose
+    /// fragments were not all in is dropped: its ranks send it again);
+    /// each served entry gets its backups in the new epoch (a round that
+    /// waited only for backups now down completes, its answers queued),
+    /// and each new one a state copy of every table of the entry; backup
+    /// tables whose entry's primary changed await the new primary's copy.
+    pub(super) fn apply_table_epoch(&mut self, i: usize, old: &EpochView, view: &EpochView) {
         {
             let j = &mut self.jobs[i];
             let Some(rep) = j.replica.as_deref_mut() else {
@@ -763,22 +876,51 @@ impl<A: Copy + Eq> Shard<A> {
                     home: part.home,
                     entry: part.entry,
                     backups: Vec::new(),
+                    copies: Vec::new(),
                 });
                 j.tables.extend(part.tables.into_iter().map(|(t, _)| t));
             }
             j.tables.sort_by_key(|t| (t.key, t.entry()));
+            // Backup tables whose entry's primary changed: from the new
+            // one, which copies its state to them first.
+            let servers: Vec<Option<(usize, A)>> = rep
+                .row_parts
+                .iter()
+                .map(|p| entry_server(rep, usize::from(p.home), p.entry, view))
+                .collect();
+            for (part, server) in rep.row_parts.iter_mut().zip(servers) {
+                let Some((q, at)) = server else {
+                    continue;
+                };
+                if rep.layout.primary(usize::from(part.home), old) != Some(q) {
+                    for (_, inc) in &mut part.tables {
+                        *inc = Incoming::awaiting(true);
+                    }
+                }
+                part.from = at;
+            }
             // Every served entry's backups now, acknowledgements kept by
-            // appliance.
+            // appliance for those that are not new.
             let backups: Vec<Vec<(u16, A)>> = rep
                 .served
                 .iter()
                 .map(|s| entry_backups_in(rep, usize::from(s.home), s.entry, view))
                 .collect();
+            let mut copying = false;
             for (s, now) in rep.served.iter_mut().zip(backups) {
+                // New: not a backup before, or back since `old`.
+                let is_new = |b: u16| {
+                    !s.backups.iter().any(|(x, _)| *x == b)
+                        || view.joined_at(usize::from(b)).is_some_and(|e| e > old.epoch)
+                };
+                let new: Vec<(u16, A)> = now.iter().copied().filter(|b| is_new(b.0)).collect();
                 for t in j.tables.iter_mut().filter(|t| t.entry() == s.entry) {
                     if let Some(p) = t.pending.as_mut() {
                         let mut acked = 0u8;
                         for (k, (b, _)) in now.iter().enumerate() {
+                            if is_new(*b) {
+                                continue;
+                            }
                             if let Some(o) = s.backups.iter().position(|(x, _)| x == b) {
                                 acked |= ((p.acked >> o) & 1) << k;
                             }
@@ -786,10 +928,23 @@ impl<A: Copy + Eq> Shard<A> {
                         p.acked = acked;
                     }
                 }
+                s.copies
+                    .retain(|c| now.iter().any(|b| b.0 == c.backup) && !new.iter().any(|b| b.0 == c.backup));
+                for t in j.tables.iter().filter(|t| t.entry() == s.entry) {
+                    if new.is_empty() {
+                        break;
+                    }
+                    let stream = copy_stream(t);
+                    for &(b, at) in &new {
+                        s.copies.push(copy_out(b, at, t, stream.clone()));
+                        copying = true;
+                    }
+                }
                 s.backups = now;
             }
             // The epoch change set the replicas' timer from the dense
-            // slots alone: the tables' rounds still waiting keep theirs.
+            // slots alone: the tables' rounds still waiting keep theirs,
+            // and new copies start theirs at the next poll.
             let tables = j
                 .tables
                 .iter()
@@ -797,7 +952,11 @@ impl<A: Copy + Eq> Shard<A> {
                 .map(|p| p.deadline)
                 .min();
             rep.next_deadline = rep.next_deadline.min(tables.unwrap_or(u64::MAX));
+            if copying {
+                rep.next_deadline = 0;
+            }
         }
+        self.send_copy_windows(i);
         // Rounds no backup still owes complete now.
         let released: Vec<usize> = {
             let j = &self.jobs[i];

@@ -83,6 +83,11 @@ impl IdleSweep {
         }
     }
 
+    /// The rounds a row must go without an update to be evicted.
+    pub(crate) fn idle_rounds(&self) -> u32 {
+        self.idle_rounds
+    }
+
     /// Evict rows idle for `idle_rounds` rounds from now on, with a lap
     /// of about that many rounds over an index of `entries` entries.
     pub(crate) fn set_idle_rounds(&mut self, entries: usize, idle_rounds: u32) {
@@ -143,6 +148,26 @@ impl RoundTimes {
 
     fn at(&self, i: usize) -> (u32, u64) {
         self.samples[(self.start + i) % TIME_SAMPLES]
+    }
+
+    /// The samples, oldest first.
+    pub(crate) fn samples(&self) -> Vec<(u32, u64)> {
+        (0..self.len).map(|i| self.at(i)).collect()
+    }
+
+    /// Puts back what [`RoundTimes::samples`] gave (at most the ring's 32).
+    pub(crate) fn set_samples(&mut self, samples: &[(u32, u64)]) -> Result<(), String> {
+        if samples.len() > TIME_SAMPLES {
+            return Err(format!(
+                "{} idle-time samples (the ring holds {TIME_SAMPLES})",
+                samples.len()
+            ));
+        }
+        self.samples = [(0, 0); TIME_SAMPLES];
+        self.samples[..samples.len()].copy_from_slice(samples);
+        self.start = 0;
+        self.len = samples.len();
+        Ok(())
     }
 
     /// Round `round` completed at `now_ns`, and the store stands at round

@@ -304,6 +304,56 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         &self.config
     }
 
+    /// An empty store set up as this one (a backup table that takes a
+    /// state copy over what it held, PROTOCOL.md §11.9).
+    pub fn empty_like(&self) -> Result<RowStore<I, U>, StoreError>
+    where
+        I: Clone,
+        U: Clone,
+    {
+        RowStore::new(self.config, self.init.clone(), self.opt.clone())
+    }
+
+    /// The clock of eviction by idle rounds or time, which a checkpoint
+    /// does not keep: the idle sweep's rounds (0 without a sweep) and, with
+    /// `idle_seconds`, the sampled completion times of rounds ((round,
+    /// nanoseconds), oldest first). A state copy carries it so that its
+    /// backup evicts exactly as the primary does.
+    pub fn idle_clock(&self) -> (u32, Vec<(u32, u64)>) {
+        (
+            self.idle.as_ref().map_or(0, IdleSweep::idle_rounds),
+            self.times.as_ref().map(RoundTimes::samples).unwrap_or_default(),
+        )
+    }
+
+    /// Sets the clock [`RowStore::idle_clock`] gave, on a store set up as
+    /// the one it came from: refused (nothing changed) where the store has
+    /// no idle sweep but `idle_rounds` is not 0, or samples without
+    /// `idle_seconds`, or more than the ring holds.
+    pub fn set_idle_clock(&mut self, idle_rounds: u32, samples: &[(u32, u64)]) -> Result<(), String> {
+        match (&self.idle, idle_rounds) {
+            (None, 0) => {}
+            (None, n) => return Err(format!("idle rounds {n} for a store without an idle sweep")),
+            (Some(_), 0) => return Err("no idle rounds for a store with an idle sweep".into()),
+            (Some(_), _) => {}
+        }
+        match &mut self.times {
+            None if !samples.is_empty() => {
+                return Err(format!(
+                    "{} idle-time samples for a store without idle_seconds",
+                    samples.len()
+                ))
+            }
+            None => {}
+            Some(t) => t.set_samples(samples)?,
+        }
+        let entries = self.index.capacity();
+        if let Some(sweep) = &mut self.idle {
+            sweep.set_idle_rounds(entries, idle_rounds);
+        }
+        Ok(())
+    }
+
     /// f32 values per row.
     pub fn dim(&self) -> usize {
         self.dim

@@ -45,6 +45,12 @@ struct Lane {
 
 struct TableWorld {
     spec: JobSpec,
+    /// The table, `chunk_bytes`, the racks and the chunks' runs: what an
+    /// appliance installed anew is given.
+    table: TableSpec,
+    chunk_bytes: u32,
+    racks: Vec<String>,
+    runs: Vec<ChunkRange>,
     /// Where entries are served, by epoch (PROTOCOL.md §11.6, §11.9).
     layout: ReplicaLayout<String>,
     /// The ranks' epoch: where they send, and what their headers say.
@@ -148,12 +154,17 @@ impl TableWorld {
         }
         let per: Vec<u32> = lcores.iter().map(|&l| l as u32).collect();
         let layout = ReplicaLayout::new(runs.clone(), lcores, racks.clone(), spec.replicas()).unwrap();
+        let placement = RowPlacement::new(table.seed, key, &per).unwrap();
         TableWorld {
+            table,
+            chunk_bytes,
+            racks,
+            runs,
             layout,
             epoch: EpochView::default(),
             dead: vec![false; lcores.len()],
             drop_acks: false,
-            placement: RowPlacement::new(table.seed, key, &per).unwrap(),
+            placement,
             spec,
             key,
             dim,
@@ -556,6 +567,90 @@ impl TableWorld {
     }
 }
 
+impl TableWorld {
+    /// Appliance i comes back empty (PROTOCOL.md §11.7): installed anew at
+    /// the next epoch, which names it joined, then the others take that
+    /// epoch, as control does it; every backup table it keeps awaits its
+    /// copy, and it serves nothing.
+    fn bring_back(&mut self, i: usize) -> EpochView {
+        let view = self.epoch.with_joined(i as u16).unwrap();
+        let appliances = appliance_list(&self.lcores);
+        let plan =
+            replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, &view).unwrap();
+        let nl = self.entries();
+        let mut mine = Vec::new();
+        for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+            s.set_peer_resolver(Arc::new(Some));
+            let t = TableInstall {
+                key: self.key,
+                spec: self.table.clone(),
+                chunk_bytes: self.chunk_bytes,
+                lcores: nl,
+                entry: self.entry_of(i, j),
+            };
+            s.install_with_tables(
+                job(&self.spec, slots),
+                InstallKind::Replicated(Box::new(rep)),
+                vec![t],
+            )
+            .unwrap();
+            assert!(
+                s.served_tables(JOB, self.entry_of(i, j)).is_none(),
+                "a joined lcore serves its entry"
+            );
+            mine.push(s);
+        }
+        self.shards[i] = mine;
+        self.dead[i] = false;
+        let c = self.copies(i);
+        assert!(c.awaiting > 0 && c.owed == 0 && c.bytes_received == 0, "{c:?}");
+        self.epoch = view.clone();
+        for a in 0..self.shards.len() {
+            if self.dead[a] || a == i {
+                continue;
+            }
+            for j in 0..self.shards[a].len() {
+                assert_eq!(
+                    self.shards[a][j].change_epoch(JOB, &view),
+                    Ok(true),
+                    "appliance {a}"
+                );
+                assert_eq!(self.shards[a][j].change_epoch(JOB, &view), Ok(false));
+                self.drain(a, j);
+            }
+        }
+        view
+    }
+
+    /// Appliance `i`'s state copies of the job as its stats report them
+    /// (what control watches, §11.7), over its lcores.
+    fn copies(&self, i: usize) -> phub_proto::api::CopyProgress {
+        let mut all: Option<phub_proto::api::CopyProgress> = None;
+        for s in &self.shards[i] {
+            let c = s
+                .job_stats()
+                .into_iter()
+                .find(|j| j.id == JOB)
+                .and_then(|j| j.copies)
+                .expect("a replicated job reports its copies");
+            match &mut all {
+                Some(a) => a.merge(&c),
+                None => all = Some(c),
+            }
+        }
+        all.expect("an appliance has lcores")
+    }
+
+    /// Every live appliance reports no copy owed or awaited.
+    fn assert_full_strength(&self) {
+        for i in (0..self.shards.len()).filter(|&i| !self.dead[i]) {
+            let c = self.copies(i);
+            assert!(c.awaiting == 0 && c.owed == 0, "appliance {i}: {c:?}");
+        }
+    }
+}
+
 fn replica_sum(w: &TableWorld, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
     w.shards
         .iter()
@@ -871,24 +966,176 @@ fn a_round_the_backup_applied_is_answered_after_failover_not_applied_again() {
     w.assert_backups_equal();
 }
 
-/// An epoch that would need a table's state copied is refused whole: an
-/// appliance back, or (replicas = 3) an entry adopted with a backup left.
+/// An appliance back empty gets every table entry it backs up copied
+/// (its own entry's, served by its adopter, too) while the ranks train:
+/// after every round each backup table equals its primary bit for bit,
+/// evictions by CLOCK, admission and idle time included (the copy carries
+/// the idle-time clock a checkpoint does not); then its partner dies and
+/// it serves those entries from its copies with the dead primary's bits,
+/// its own entry back at its own lcore.
 #[test]
-fn an_epoch_needing_a_table_state_copy_is_refused() {
-    let table = table_spec(4, 1000, RowOptimizerSpec::Sum, None, None);
-    let mut w = TableWorld::new(table, 64, 3, &[1, 1, 1], &["", "", ""], 8);
-    w.table_round(4, 30);
-    let view = EpochView {
-        epoch: 1,
-        down: vec![0],
-        ..EpochView::default()
+fn an_appliance_back_gets_its_tables_copied_and_serves_them_after_the_next_kill() {
+    let adagrad = RowOptimizerSpec::Adagrad {
+        lr: 0.25,
+        eps: 1e-8,
+        initial_accumulator: 0.1,
+        rowwise: false,
     };
-    for a in 1..3 {
-        let e = w.shards[a][0].change_epoch(JOB, &view).unwrap_err();
-        assert!(e.to_string().contains("state copy"), "{e}");
-        // Nothing applied: the old epoch still serves.
-        assert!(w.shards[a][0].backup_tables(JOB, 0).is_some());
+    // (table, chunk_bytes, ids a rank pushes, id range, time between
+    // rounds): a cap that evicts with admission after two pushes; idle
+    // eviction by seconds (1 s) with 0.3 s between rounds; rounds and
+    // copies of several fragments (D = 64, 100,000 rows cap).
+    let cases = [
+        (table_spec(4, 60, adagrad, None, Some(2)), 64, 12, 90, 0),
+        (
+            table_spec(
+                4,
+                1000,
+                RowOptimizerSpec::Sgd { lr: 0.5 },
+                Some(Evict::IdleSeconds(1)),
+                None,
+            ),
+            64,
+            10,
+            200,
+            300 * MS,
+        ),
+        (table_spec(64, 100_000, adagrad, None, None), 8192, 400, 5000, 0),
+    ];
+    for (seed, (table, chunk_bytes, k, range, gap)) in cases.into_iter().enumerate() {
+        // One rack: appliance p's backup is p + 1 (replicas = 2).
+        let mut w = TableWorld::new(table, chunk_bytes, 2, &[2, 1, 2], &["", "", ""], 40 + seed as u64);
+        w.faults = LOSSY_NET;
+        let round = |w: &mut TableWorld| {
+            w.now += gap;
+            w.table_round(k, range);
+            w.assert_backups_equal();
+        };
+        for _ in 0..4 {
+            round(&mut w);
+        }
+        // Appliance 1 dies: appliance 2 serves its entry 2; appliance 0's
+        // entries 0 and 1 have no backup left.
+        w.kill(1);
+        for _ in 0..3 {
+            round(&mut w);
+        }
+        assert_eq!(w.serve(2).0, 2);
+        // It comes back: 0 copies entries 0 and 1 to it, 2 copies entry 2
+        // (1's own, which 2 goes on serving).
+        w.bring_back(1);
+        assert_eq!(w.backups_after(0, 0), vec![1]);
+        assert_eq!(w.backups_after(2, 2), vec![1]);
+        for _ in 0..3 {
+            round(&mut w);
+        }
+        w.assert_full_strength();
+        assert_eq!(replica_sum(&w, |s| s.table_states_installed), 3, "case {seed}");
+        assert_eq!(replica_sum(&w, |s| s.table_backups_joined), 3, "case {seed}");
+        assert!(
+            replica_sum(&w, |s| s.table_states_resent) > 0,
+            "case {seed}: nothing resent"
+        );
+        // Appliance 2 dies: 1 serves its own entry 2 again, from its copy,
+        // and 0 serves 2's entries 3 and 4.
+        let before: Vec<TableState> = w.served(2, 2);
+        w.kill(2);
+        assert_eq!(w.serve(2), (1, 0));
+        assert!(
+            w.served(1, 2) == before,
+            "case {seed}: entry 2 taken back with other bits"
+        );
+        for _ in 0..3 {
+            round(&mut w);
+        }
+        if seed == 2 {
+            // A copy of several fragments.
+            assert!(replica_sum(&w, |s| s.table_states_sent) > 3 * 2, "case {seed}");
+        }
     }
+}
+
+/// With three replicas, the appliance that adopts a dead primary's entry
+/// copies it to the backup left, whose tables await the copy (their
+/// primary changed) and take no round before it; then the adopter dies
+/// too, and the backup left serves the entry from its copy.
+#[test]
+fn a_new_primary_copies_an_adopted_entry_to_the_backup_left() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sgd { lr: 0.5 }, None, Some(2));
+    let mut w = TableWorld::new(table, 64, 3, &[1, 1, 1], &["", "", ""], 9);
+    w.faults = LOSSY_NET;
+    for _ in 0..3 {
+        w.table_round(6, 40);
+        w.assert_backups_equal();
+    }
+    w.kill(0);
+    assert_eq!(w.serve(0).0, 1);
+    assert_eq!(w.backups_after(1, 0), vec![2]);
+    for _ in 0..3 {
+        w.table_round(6, 40);
+        w.assert_backups_equal();
+    }
+    w.assert_full_strength();
+    assert_eq!(replica_sum(&w, |s| s.table_states_installed), 1);
+    let before = w.served(1, 0);
+    w.kill(1);
+    assert_eq!(w.serve(0).0, 2);
+    assert!(w.served(2, 0) == before, "entry 0 taken over with other bits");
+    for _ in 0..2 {
+        w.table_round(6, 40);
+    }
+}
+
+/// An appliance back whose copies are not whole cannot serve the entries
+/// it awaits them for: an epoch that would make it their primary is
+/// refused as the part lost (nothing applied), and a fragment of a round
+/// to a table awaiting its copy is `ahead`.
+#[test]
+fn an_entry_whose_copy_is_not_whole_is_not_adopted() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sum, None, None);
+    let mut w = TableWorld::new(table, 64, 2, &[1, 1], &["", ""], 8);
+    w.table_round(4, 30);
+    w.kill(1);
+    w.table_round(4, 30);
+    // Every copy to appliance 1 is lost.
+    w.faults.replica_loss = 1.0;
+    w.bring_back(1);
+    w.run();
+    assert!(w.copies(1).awaiting > 0);
+    assert!(w.copies(0).owed > 0);
+    let view = EpochView {
+        epoch: w.epoch.epoch + 1,
+        down: vec![0],
+        ..w.epoch.clone()
+    };
+    let e = w.shards[1][0].change_epoch(JOB, &view).unwrap_err();
+    assert!(e.to_string().contains("not all here"), "{e}");
+    assert!(w.shards[1][0].backup_tables(JOB, 0).is_some(), "applied in part");
+    // A round's fragment to a backup table awaiting its copy: ahead.
+    let head = replica_rows::RowReplicaRepr {
+        kind: RowReplicaType::Rows,
+        flags: 0,
+        token: TOKEN,
+        job: JOB,
+        from: 0,
+        count: 0,
+        round: 3,
+        entry: 0,
+        key: 1,
+        fragment: 0,
+        epoch: w.epoch.epoch,
+    };
+    let mut d = head.to_bytes().to_vec();
+    replica_rows::write_fragment(&mut d, 1, 1, 4, &[], &[]);
+    assert_eq!(
+        w.shards[1][0].handle(lcore_addr(0, 0), &d, w.now),
+        Verdict::Dropped(DropReason::Ahead)
+    );
+    // The network heals: the copy completes, the job trains on.
+    w.faults.replica_loss = 0.0;
+    w.table_round(4, 30);
+    w.assert_backups_equal();
+    w.assert_full_strength();
 }
 
 /// A split brain (PROTOCOL.md §11.6, §11.9): appliance 0 is alive but

@@ -1,0 +1,475 @@
+//! A table's state copy to a new backup of its entry (PROTOCOL.md §11.9,
+//! item 4): the entry's primary sends the table's whole state (the copy
+//! stream: the idle-eviction clock, then the row store's checkpoint) in
+//! REPLICATE_TABLE_STATE fragments, a window at a time; the backup writes
+//! them into place, acknowledges how many it holds from the first without
+//! a gap, and once all are in replaces its table with the copy and
+//! acknowledges all of them. Only then does the primary send it the
+//! entry's rounds.
+//!
+//! Invariants:
+//! - A new backup is counted at once: no round of the table completes
+//!   before it acknowledged the copy and then the round, so the state
+//!   copied (taken when the copy starts, at the table's last completed
+//!   round c) stays the primary's state until the copy is done.
+//! - A backup table awaiting a copy applies no round (`ahead`) and is
+//!   never served: an epoch that would have its lcore adopt the entry
+//!   before the copy is whole is refused as the part lost.
+//! - A copy is idempotent: a backup table not awaiting one answers any
+//!   fragment with its ACK of the whole and changes nothing, so a late or
+//!   duplicated fragment never rolls back a round applied after it.
+//! - At most [`WINDOW`] fragments past the last acknowledged are out at a
+//!   time; the primary resends those on the replicas' timer.
+
+use std::sync::Arc;
+
+use phub_proto::replica_rows::{
+    read_copy_head, state_fragments, write_copy_head, write_state_fragment, CopyHead, RowReplicaRepr,
+    RowReplicaType, StateFragment, STATE_BYTES,
+};
+use phub_proto::wire::{flags, DropReason, HEADER_LEN};
+
+use super::outbox::Pending;
+use super::table::{Table, TableRounds};
+use super::{Shard, Verdict};
+
+/// Fragments of a copy sent past the last one acknowledged, at most.
+pub(super) const WINDOW: u32 = 32;
+
+/// One table's state copy from this lcore (the entry's primary) to one new
+/// backup.
+#[derive(Debug)]
+pub(super) struct CopyOut<A> {
+    /// The backup appliance and its lcore keeping the entry.
+    pub(super) backup: u16,
+    pub(super) to: A,
+    /// The table's key index.
+    pub(super) key: u32,
+    /// c: the table's last completed round, whose state the copy is.
+    pub(super) round: u32,
+    /// The copy stream.
+    pub(super) stream: Arc<[u8]>,
+    /// n, its fragments.
+    pub(super) fragments: u32,
+    /// Fragments the backup acknowledged holding from the first.
+    pub(super) acked: u32,
+    /// Fragments sent so far (first sends): `acked` ..= `fragments`.
+    pub(super) sent: u32,
+    /// When to resend the window (0: at the next poll, which starts the
+    /// timer).
+    pub(super) deadline: u64,
+    pub(super) resends: u8,
+}
+
+/// A copy arriving at a backup table awaiting it.
+#[derive(Debug, Default)]
+pub(super) struct CopyIn {
+    round: u32,
+    total: u64,
+    fragments: u32,
+    /// Bit f: fragment f is in.
+    got: Vec<u64>,
+    held: u32,
+    /// Fragments held from the first without a gap.
+    contiguous: u32,
+    bytes: Vec<u8>,
+}
+
+impl CopyIn {
+    fn has(&self, f: u32) -> bool {
+        self.got[(f / 64) as usize] & (1 << (f % 64)) != 0
+    }
+}
+
+/// `table`'s copy stream: the head (its store's idle clock), then its row
+/// store's checkpoint.
+pub(super) fn copy_stream(table: &Table) -> Arc<[u8]> {
+    let (idle_rounds, samples) = table.store.idle_clock();
+    let mut out = Vec::new();
+    write_copy_head(&mut out, &CopyHead { idle_rounds, samples });
+    let written = table.store.write_to(&mut out);
+    debug_assert!(written.is_ok(), "writing into a Vec does not fail");
+    out.into()
+}
+
+/// Queues fragments `range` of `copy` to its backup (`flags`: 0, or
+/// RETRANSMIT), for job (`token`, `id`) `job` in `epoch`, sent in the name
+/// of entry `entry`'s home `home` (as REPLICATE_ROWS are); returns how many.
+#[allow(clippy::too_many_arguments)]
+fn queue_state<A: Copy>(
+    out: &mut Vec<u8>,
+    pending: &mut Vec<Pending<A>>,
+    job: (u64, u16),
+    home: u16,
+    entry: u32,
+    epoch: u32,
+    dim: u32,
+    copy: &CopyOut<A>,
+    range: std::ops::Range<u32>,
+    flags: u8,
+) -> u64 {
+    let total = copy.stream.len() as u64;
+    for f in range.clone() {
+        let from = f as usize * STATE_BYTES;
+        let bytes = &copy.stream[from..(from + STATE_BYTES).min(copy.stream.len())];
+        // Cast: a fragment holds at most STATE_BYTES (< 2^16) bytes.
+        #[allow(clippy::cast_possible_truncation)]
+        let head = RowReplicaRepr {
+            kind: RowReplicaType::TableState,
+            flags,
+            token: job.0,
+            job: job.1,
+            from: home,
+            count: bytes.len() as u16,
+            round: copy.round,
+            entry,
+            key: copy.key,
+            fragment: f,
+            epoch,
+        };
+        let at = out.len();
+        out.extend_from_slice(&head.to_bytes());
+        write_state_fragment(out, total, copy.fragments, dim, bytes);
+        // Cast: the row outbox holds a burst's messages, far below 4 GiB.
+        #[allow(clippy::cast_possible_truncation)]
+        pending.push(Pending::Row {
+            at: at as u32,
+            len: (out.len() - at) as u32,
+            to: copy.to,
+        });
+    }
+    u64::from(range.end - range.start)
+}
+
+/// A new copy of `table` (whose stream is `stream`) to backup `backup` at
+/// `to`, none of it sent yet.
+pub(super) fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<A> {
+    let round = match &table.rounds {
+        TableRounds::Bsp(b) => b.completed,
+        TableRounds::Clocked { .. } => 0,
+    };
+    CopyOut {
+        backup,
+        to,
+        key: table.key,
+        round,
+        fragments: state_fragments(stream.len() as u64).unwrap_or(1),
+        stream,
+        acked: 0,
+        sent: 0,
+        deadline: 0,
+        resends: 0,
+    }
+}
+
+impl<A: Copy + Eq> Shard<A> {
+    /// Sends each copy of job `i`'s served entries its window's fragments
+    /// not sent yet (after an epoch change started them, or an ACK moved
+    /// the window).
+    pub(super) fn send_copy_windows(&mut self, i: usize) {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return;
+        };
+        let epoch = rep.view.epoch;
+        for s in &mut rep.served {
+            for c in &mut s.copies {
+                let end = c.fragments.min(c.acked.saturating_add(WINDOW));
+                if c.sent >= end {
+                    continue;
+                }
+                let Some(t) = j.tables.iter().find(|t| t.key == c.key && t.entry() == s.entry) else {
+                    continue;
+                };
+                let sent = queue_state(
+                    rows_out,
+                    pending,
+                    (j.token, j.id),
+                    s.home,
+                    s.entry,
+                    epoch,
+                    t.dim,
+                    c,
+                    c.sent..end,
+                    0,
+                );
+                rep.stats.table_states_sent += sent;
+                c.sent = end;
+            }
+        }
+    }
+
+    /// Resends the windows of job `i`'s copies whose timers ran out, within
+    /// `budget` messages; returns what is left of it and the earliest
+    /// deadline after.
+    pub(super) fn poll_table_copies(&mut self, i: usize, now: u64, mut budget: usize) -> (usize, u64) {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let mut next = u64::MAX;
+        let Some(rep) = j.replica.as_deref_mut() else {
+            return (budget, next);
+        };
+        let epoch = rep.view.epoch;
+        let mut timed_out = false;
+        for s in &mut rep.served {
+            for c in &mut s.copies {
+                if c.deadline == 0 {
+                    c.deadline = now.saturating_add(rep.rtt.rto(0));
+                } else if c.deadline <= now && budget >= (c.sent - c.acked) as usize {
+                    let Some(t) = j.tables.iter().find(|t| t.key == c.key && t.entry() == s.entry) else {
+                        continue;
+                    };
+                    budget -= (c.sent - c.acked) as usize;
+                    if !timed_out {
+                        rep.rtt.back_off();
+                        timed_out = true;
+                    }
+                    c.resends = c.resends.saturating_add(1);
+                    c.deadline = now.saturating_add(rep.rtt.rto(c.resends));
+                    let sent = queue_state(
+                        rows_out,
+                        pending,
+                        (j.token, j.id),
+                        s.home,
+                        s.entry,
+                        epoch,
+                        t.dim,
+                        c,
+                        c.acked..c.sent,
+                        flags::RETRANSMIT,
+                    );
+                    rep.stats.table_states_resent += sent;
+                }
+                next = next.min(c.deadline);
+            }
+        }
+        (budget, next)
+    }
+
+    /// A fragment of a state copy at a backup table (checked by the caller
+    /// up to the epoch): taken, and the copy installed once whole, an ACK
+    /// of the fragments held queued; or, at a table not awaiting a copy,
+    /// acknowledged whole again.
+    pub(super) fn on_table_state(
+        &mut self,
+        i: usize,
+        from: A,
+        repr: &RowReplicaRepr,
+        f: &StateFragment<'_>,
+    ) -> Verdict {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let (token, id) = (j.token, j.id);
+        let rep = j.replica.as_deref_mut().expect("checked by the caller");
+        let (me, epoch) = (rep.me, rep.view.epoch);
+        let Some(part) = rep
+            .row_parts
+            .iter_mut()
+            .find(|p| p.home == repr.from && p.entry == repr.entry)
+        else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        if part.from != from {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        let Some((table, inc)) = part.tables.iter_mut().find(|(t, _)| t.key == repr.key) else {
+            return Verdict::Dropped(DropReason::UnknownTable);
+        };
+        if f.dim != table.dim {
+            return Verdict::Dropped(DropReason::DimMismatch);
+        }
+        let n = f.fragments;
+        let last = repr.fragment + 1 == n;
+        let expect = if last {
+            f.total - u64::from(n - 1) * STATE_BYTES as u64
+        } else {
+            STATE_BYTES as u64
+        };
+        if repr.fragment >= n || f.bytes.len() as u64 != expect {
+            return Verdict::Dropped(DropReason::CountMismatch);
+        }
+        let held = if inc.awaiting {
+            match take_state(table, inc, repr, f) {
+                Ok(held) => {
+                    rep.stats.table_states_received += 1;
+                    rep.stats.state_bytes_received += f.bytes.len() as u64;
+                    if held == n {
+                        rep.stats.table_states_installed += 1;
+                    }
+                    held
+                }
+                Err(r) => return Verdict::Dropped(r),
+            }
+        } else {
+            // Installed already (the primary lost the ACK), or never
+            // awaited in this epoch: the whole again, nothing changed.
+            n
+        };
+        let ack = RowReplicaRepr {
+            kind: RowReplicaType::TableStateAck,
+            flags: 0,
+            token,
+            job: id,
+            from: me,
+            count: 0,
+            round: repr.round,
+            entry: repr.entry,
+            key: repr.key,
+            fragment: held,
+            epoch,
+        };
+        rep.stats.table_state_acks_sent += 1;
+        let at = rows_out.len();
+        rows_out.extend_from_slice(&ack.to_bytes());
+        // Cast: the row outbox holds a burst's messages, far below 4 GiB.
+        #[allow(clippy::cast_possible_truncation)]
+        pending.push(Pending::Row {
+            at: at as u32,
+            len: HEADER_LEN as u32,
+            to: from,
+        });
+        Verdict::Replicated
+    }
+
+    /// A new backup's ACK of a state copy at the entry's primary: the
+    /// window moves on; all of it joins the backup (the round pending, if
+    /// any, goes to it at once).
+    pub(super) fn on_table_state_ack(&mut self, i: usize, from: A, repr: &RowReplicaRepr) -> Verdict {
+        let j = &mut self.jobs[i];
+        let rep = j.replica.as_deref_mut().expect("checked by the caller");
+        let Some(s) = rep.served.iter_mut().find(|s| s.entry == repr.entry) else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        let Some(k) = s.backups.iter().position(|b| b.0 == repr.from) else {
+            return Verdict::Dropped(DropReason::RankOutOfRange);
+        };
+        if s.backups[k].1 != from {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        let Some(c) = s
+            .copies
+            .iter_mut()
+            .find(|c| c.backup == repr.from && c.key == repr.key)
+        else {
+            // Joined already: an ACK sent again.
+            return Verdict::Dropped(DropReason::Duplicate);
+        };
+        if repr.round != c.round {
+            return Verdict::Dropped(DropReason::Stale);
+        }
+        if repr.fragment > c.fragments {
+            return Verdict::Dropped(DropReason::CountMismatch);
+        }
+        if repr.fragment <= c.acked {
+            return Verdict::Dropped(DropReason::Duplicate);
+        }
+        c.acked = repr.fragment;
+        c.sent = c.sent.max(c.acked);
+        c.resends = 0;
+        c.deadline = 0;
+        if c.acked < c.fragments {
+            self.send_copy_windows(i);
+            return Verdict::Replicated;
+        }
+        // The backup holds the copy: it joins the entry's chain.
+        s.copies.retain(|c| !(c.backup == repr.from && c.key == repr.key));
+        rep.stats.table_backups_joined += 1;
+        let (entry, backup) = (s.entry, s.backups[k]);
+        let Some(t) = j
+            .tables
+            .iter()
+            .position(|t| t.key == repr.key && t.entry() == entry)
+        else {
+            return Verdict::Replicated;
+        };
+        if j.tables[t].pending.is_some_and(|p| p.acked & (1 << k) == 0) {
+            self.send_pending_to(i, t, backup.1);
+        }
+        Verdict::Replicated
+    }
+}
+
+/// Takes fragment `f` of a copy at backup table `table` awaiting one:
+/// the fragments held from the first without a gap after it (all of them
+/// once the copy is installed).
+fn take_state(
+    table: &mut Table,
+    inc: &mut super::row_replica::Incoming,
+    repr: &RowReplicaRepr,
+    f: &StateFragment<'_>,
+) -> Result<u32, DropReason> {
+    let n = f.fragments;
+    let c = inc.copy.get_or_insert_with(Box::default);
+    if c.round != repr.round || c.total != f.total || c.fragments != n || c.got.is_empty() {
+        // A copy of another round (or shape) than the fragments gathered
+        // so far: it starts over.
+        let Ok(total) = usize::try_from(f.total) else {
+            return Err(DropReason::CountTooLarge);
+        };
+        **c = CopyIn {
+            round: repr.round,
+            total: f.total,
+            fragments: n,
+            got: vec![0; (n as usize).div_ceil(64)],
+            held: 0,
+            contiguous: 0,
+            bytes: Vec::new(),
+        };
+        c.bytes.resize(total, 0);
+    }
+    if c.has(repr.fragment) {
+        return Ok(c.contiguous);
+    }
+    let at = repr.fragment as usize * STATE_BYTES;
+    c.bytes[at..at + f.bytes.len()].copy_from_slice(f.bytes);
+    c.got[(repr.fragment / 64) as usize] |= 1 << (repr.fragment % 64);
+    c.held += 1;
+    while c.contiguous < n && c.has(c.contiguous) {
+        c.contiguous += 1;
+    }
+    if c.held < n {
+        return Ok(c.contiguous);
+    }
+    let copy = inc.copy.take().expect("gathered above");
+    install_copy(table, copy.round, &copy.bytes).map_err(|_| DropReason::CountMismatch)?;
+    inc.awaiting = false;
+    inc.clear();
+    Ok(n)
+}
+
+/// Replaces backup table `table`'s state with copy stream `stream` of
+/// round `round`. On an error (a stream its primary wrote wrong: a bug,
+/// not a network fault, which the fragments' checks catch) the table is
+/// left as it was, still awaiting, and the copy never completes: the job
+/// stays short of full strength, which `copies.awaiting` shows.
+fn install_copy(table: &mut Table, round: u32, stream: &[u8]) -> Result<(), String> {
+    let (head, rows) = read_copy_head(stream)?;
+    let mut store = table.store.empty_like().map_err(|e| e.to_string())?;
+    store.read_into(rows).map_err(|e| e.to_string())?;
+    store.set_idle_clock(head.idle_rounds, &head.samples)?;
+    table.store = store;
+    if let TableRounds::Bsp(b) = &mut table.rounds {
+        b.clear();
+        b.completed = round;
+    }
+    for r in &mut table.ranks {
+        r.clear_round();
+    }
+    Ok(())
+}
