@@ -539,8 +539,8 @@ fn table_replica_message_types_and_entry_example_match() {
     for r in &rows {
         let t = RowReplicaType::from_code(num(&r[0]) as u8).unwrap();
         let dir = match t {
-            RowReplicaType::Rows => "primary → backup",
-            RowReplicaType::RowsAck => "backup → primary",
+            RowReplicaType::Rows | RowReplicaType::TableState => "primary → backup",
+            RowReplicaType::RowsAck | RowReplicaType::TableStateAck => "backup → primary",
         };
         assert_eq!(r[2], dir, "direction of {}", t.name());
         // No other message has these codes.
@@ -551,6 +551,9 @@ fn table_replica_message_types_and_entry_example_match() {
     // P for D = 16, as the text says.
     assert!(d.contains("(122 for D = 16)"));
     assert_eq!(rows_per_fragment(16), 122);
+    // S, the copy stream's bytes a REPLICATE_TABLE_STATE carries.
+    assert!(d.contains("S = 8832 − 16 = 8816"));
+    assert_eq!(phub_proto::replica_rows::STATE_BYTES, 8816);
     // Appliance p's entries 3, 4, 5 on a backup of two lcores.
     let part = ChunkRange { first: 3, count: 3 };
     let rows = table(&d, "| entry | backup lcore |");

@@ -27,7 +27,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_trained, replicated_spec, train_rank, train_ranks, try_until, until, Appliances, Gates, Operator,
+    all_trained, replicated_spec, replicated_table_spec, train_rank, train_ranks, train_table_ranks, try_until,
+    until, Appliances, Gates, Operator,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
@@ -143,6 +144,69 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(1, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range.map(|r| r.1), Some(rounds), "b: {live:?}");
+}
+
+/// A job with a table (PROTOCOL.md §11.9): b is killed mid-training, its
+/// entry served by c from the next epoch; b is started again, empty, and
+/// control gives it the job back: the entries it backs up (a's, and its
+/// own, which c goes on serving) come to it by state copies while the
+/// ranks train, and `job show` says full strength. Then c dies: b serves
+/// its own entry again from its copy and c's from its backup tables, and
+/// every row of every answer of every round stays exact.
+#[test]
+fn a_table_s_appliance_restarted_gets_its_entries_copied_and_serves_them_after_its_partner_s_kill() {
+    let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
+    let job = rack
+        .admit(&replicated_table_spec("table-rereplication", &["a", "b", "c"]))
+        .unwrap();
+    let rounds = 12u32;
+    let gates = Gates::new(&[3, 8], rounds);
+    let url = rack.control_url.clone();
+    std::thread::scope(|s| {
+        let ranks = train_table_ranks(s, &url, &job, &gates, rounds);
+        gates.wait_at(0);
+        rack.kill_dataplane(1);
+        gates.open(0);
+        until("epoch 1 without b", Duration::from_secs(20), || {
+            rack.send(&control::epoch(job.id)).down == [1]
+        });
+        rack.start_dataplane(1);
+        let full = || {
+            job_detail(&rack, job.id).replicas.is_some_and(|r| {
+                r.state == Strength::FullStrength
+                    && r.live == 2
+                    && r.rereplication.is_some_and(|x| x.ended_unix_ms.is_some())
+            })
+        };
+        if !try_until(Duration::from_secs(30), full) {
+            let views: Vec<String> = (0..3)
+                .map(|i| {
+                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+                    let j = s.jobs.iter().find(|j| j.id == job.id);
+                    format!("{}: {:?}", rack.names[i], j.map(|j| (j.round_range, j.copies)))
+                })
+                .collect();
+            panic!(
+                "not at full strength 30 s after b's restart: {:?}; epoch {:?}; appliances {views:?}",
+                job_detail(&rack, job.id).replicas,
+                rack.send(&control::epoch(job.id))
+            );
+        }
+        let x = job_detail(&rack, job.id)
+            .replicas
+            .and_then(|r| r.rereplication)
+            .expect("the re-replication is reported");
+        assert_eq!((x.appliance.as_str(), x.epoch), ("b", 2), "{x:?}");
+        assert!(x.bytes_copied.is_some_and(|b| b > 0), "{x:?}");
+        gates.wait_at(1);
+        rack.kill_dataplane(2);
+        gates.open(1);
+        for h in ranks {
+            h.join().unwrap();
+        }
+    });
+    let epoch: EpochView = rack.send(&control::epoch(job.id));
+    assert_eq!((epoch.epoch, &epoch.down), (3, &vec![2]), "{epoch:?}");
 }
 
 #[test]

@@ -66,14 +66,15 @@ impl StoredJob {
         self.shape.is_flat() && self.spec.replicas() > 1
     }
 
-    /// Why its parts cannot move to another appliance or take one back
-    /// (re-replication, drain, rebalance): a table's state copy is not
-    /// built (PROTOCOL.md §11.9). `None` for a job without tables.
+    /// Why its parts cannot move to another appliance (drain,
+    /// rebalance): a table's state copy to a moved appliance is not built
+    /// (PROTOCOL.md §11.9; an appliance back is given its tables by state
+    /// copies, re-replication). `None` for a job without tables.
     pub(crate) fn tables_unmovable(&self) -> Option<String> {
         let t = self.spec.tables().next()?;
         Some(format!(
-            "it has a table ({:?}), whose state copy to another appliance is not built (PROTOCOL.md §11.9): \
-             it runs on the appliances it has",
+            "it has a table ({:?}), whose state copy to a moved appliance is not built (PROTOCOL.md §11.9): \
+             its parts stay on the appliances it has",
             t.name
         ))
     }
@@ -207,11 +208,6 @@ impl StoredJob {
     /// every appliance of it answers: reconciliation).
     pub(super) fn decide_return(&self, name: &str) -> Option<EpochView> {
         if !self.is_replicated() || self.failed.is_some() || self.stalled.is_some() {
-            return None;
-        }
-        if self.tables_unmovable().is_some() {
-            // Its tables would need their state copied (PROTOCOL.md
-            // §11.9): it stays without the appliance.
             return None;
         }
         let index = u16::try_from(self.part_index(name)?).ok()?;
@@ -438,13 +434,6 @@ impl Shared {
         {
             let mut inner = self.lock();
             for id in inner.fenced_jobs_on(name) {
-                if let Some(why) = inner.jobs.get(&id).and_then(StoredJob::tables_unmovable) {
-                    log::warn!(
-                        "job {id}: appliance {name:?} answers again, but the job is not given back to it: \
-                         {why}; it stays degraded"
-                    );
-                    continue;
-                }
                 let Some(view) = inner.jobs.get(&id).and_then(|j| j.decide_return(name)) else {
                     continue;
                 };
@@ -959,25 +948,22 @@ mod tests {
         );
     }
 
-    /// A replicated job with a table fails over, but is not given an
-    /// appliance back (PROTOCOL.md §11.9: a table's state copy is not
-    /// built): it stays degraded.
+    /// A replicated job with a table fails over and takes its appliance
+    /// back (its tables come by state copies, PROTOCOL.md §11.9), but its
+    /// parts do not move to another appliance (drain, rebalance).
     #[test]
-    fn a_job_with_a_table_fails_over_and_takes_no_appliance_back() {
+    fn a_job_with_a_table_fails_over_and_takes_its_appliance_back() {
         let mut j = job(2);
         add_table(&mut j);
         assert!(j
             .tables_unmovable()
-            .is_some_and(|w| w.contains("\"emb\"") && w.contains("§11.9")));
+            .is_some_and(|w| w.contains("\"emb\"") && w.contains("moved appliance")));
         let Some(Decision::Next(e1)) = j.decide("b", one_rack) else {
             panic!("one down of three, replicas 2: the job goes on");
         };
         j.epoch = e1;
-        assert_eq!(
-            j.decide_return("b"),
-            None,
-            "b is down, but the job stays without it"
-        );
+        let back = j.decide_return("b").expect("b answers again: the job takes it back");
+        assert_eq!(back.joined_at(1), Some(back.epoch));
         assert!(job(2).tables_unmovable().is_none());
     }
 
