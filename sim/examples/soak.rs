@@ -88,6 +88,7 @@ fn main() {
                             t.0.backups_checked += o.backups_checked;
                             t.0.tables_adopted += o.tables_adopted;
                             t.0.table_backups_checked += o.table_backups_checked;
+                            t.0.table_copies += o.table_copies;
                             t.0.control_restarts += o.control_restarts;
                             t.0.replaced += o.replaced;
                             t.0.jobs_failed += o.jobs_failed;
@@ -109,7 +110,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
          {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} table entries adopted, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),
@@ -142,6 +143,7 @@ fn main() {
         o.control_restarts,
         o.backups_checked,
         o.tables_adopted,
+        o.table_copies,
         o.table_backups_checked,
         o.jobs_failed,
         o.ranks_stopped,

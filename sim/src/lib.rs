@@ -331,18 +331,18 @@ impl Case {
             });
         }
         // Tables in replicated jobs (PROTOCOL.md §11.9), from a generator
-        // of its own: in two thirds of the replicated jobs of two replicas
-        // without a rejoin or a whole restart, one or two tables without a
-        // small cap (the model's cap checks are an lcore's, and an
-        // adopting lcore serves two entries). Control gives such a job no
-        // appliance back and drains none of it (a table's state copy is
-        // not built): a killed appliance restarted or a partition healed
-        // stays out, fenced; kills that lose a part are not played.
+        // of its own: in two thirds of the replicated jobs without a rejoin
+        // or a whole restart, one or two tables without a small cap (the
+        // model's cap checks are an lcore's, and an adopting lcore serves
+        // two entries). Control gives such a job its appliances back (a
+        // killed one restarted, a partition healed: their tables come by
+        // state copies) but drains none of it (a table's copy to a moved
+        // appliance is not built); kills that lose a part are not played.
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
         let tables_fit = case
             .replication
             .as_ref()
-            .is_some_and(|r| r.replicas == 2 && !matches!(r.event, Some(ReplicaEvent::Restart { .. })));
+            .is_some_and(|r| !matches!(r.event, Some(ReplicaEvent::Restart { .. })));
         if tables_fit && case.rejoin.is_none() && case.tables.is_empty() && xrng.gen_bool(2.0 / 3.0) {
             let mut tables = rows::TableCase::draw_some(&mut xrng, case.dtype, case.chunk_bytes);
             for t in &mut tables {
@@ -512,6 +512,10 @@ pub struct Outcome {
     /// Replicated with tables: backup tables checked bit for bit against
     /// their entry's served tables at the end.
     pub table_backups_checked: u64,
+    /// Replicated with tables: table state copies installed whole on
+    /// backups (an appliance back, or the backup left of an adopted entry,
+    /// PROTOCOL.md §11.9 item 4), counted on the lcores live at the end.
+    pub table_copies: u64,
     /// Replicated: dead appliances replaced by a spare.
     pub replaced: u64,
     /// Replicated: jobs control failed (a part lost, [`ReplicaCase::lose`]).
@@ -1585,6 +1589,13 @@ impl<'c> World<'c> {
         self.last_verdict = None;
     }
 
+    /// Prints a control event when `PHUB_SIM_TRACE` is set.
+    fn note(&self, what: std::fmt::Arguments<'_>) {
+        if self.trace {
+            eprintln!("{:>10} µs control: {what}", self.now);
+        }
+    }
+
     /// Sends what lcore `l` queued, checking every RESULT against the reference.
     fn drain(&mut self, l: usize) {
         let lc = &mut self.lcores[l];
@@ -2057,6 +2068,13 @@ impl<'c> World<'c> {
         self.check_stored();
         self.check_tables();
         o.table_backups_checked = self.check_backup_tables();
+        o.table_copies = self
+            .lcores
+            .iter()
+            .filter(|lc| !lc.down)
+            .filter_map(|lc| lc.shard.replica_stats(JOB))
+            .map(|s| s.table_states_installed)
+            .sum();
         // Round 0 is one INIT per rank (rank 0's values, the others' empty);
         // a restored lcore applies the rounds since its checkpoint again.
         let worker = |kind: u8| kind == MsgType::Init as u8 || kind == MsgType::Push as u8;

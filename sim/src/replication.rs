@@ -993,6 +993,7 @@ impl World<'_> {
         for g in self.lcores_of(a) {
             self.lcores[g].down = true;
         }
+        self.note(format_args!("appliance {a} killed"));
         let now = self.now;
         let c = self.rep_mut();
         c.silent_since[a] = Some(now);
@@ -1035,6 +1036,7 @@ impl World<'_> {
     /// Control declares index `a` down: the next epoch, recorded, then
     /// put on every live lcore.
     fn declare_down(&mut self, a: usize) {
+        self.note(format_args!("control declares appliance {a} down"));
         let now = self.now;
         let c = self.rep_mut();
         c.declared_at[a] = Some(now);
@@ -1136,7 +1138,10 @@ impl World<'_> {
             if lc.down || lc.view.as_ref().is_some_and(|v| v.epoch >= view.epoch) {
                 continue;
             }
-            match lc.shard.change_epoch(JOB, &view) {
+            let taken = lc.shard.change_epoch(JOB, &view);
+            self.note(format_args!("lcore {g} takes epoch {view:?}: {taken:?}"));
+            let lc = &mut self.lcores[g];
+            match taken {
                 Ok(_) => {
                     lc.view = Some(view);
                     self.tables_after_epoch(g);
@@ -1176,13 +1181,6 @@ impl World<'_> {
     /// Index `a` answers control again: the job is given back to it (a
     /// partition that healed before it was declared down changes nothing).
     fn give_back(&mut self, a: usize) {
-        if !self.case.tables.is_empty() {
-            // A job with a table takes no appliance back (PROTOCOL.md
-            // §11.9: its state copy is not built): it stays degraded, the
-            // appliance fenced at its old epoch.
-            self.rep_mut().silent_since[a] = None;
-            return;
-        }
         let c = self.rep_mut();
         if c.stalled_until.is_some() {
             // A stalled job re-replicates to nobody: the index answers
@@ -1201,6 +1199,7 @@ impl World<'_> {
         c.returned = Some(a);
         self.outcome.epochs += 1;
         self.outcome.returns += 1;
+        self.note(format_args!("appliance {a} given back at {view:?}"));
         // Installed anew at the epoch, empty (a healed one has the job
         // removed first: its old state goes).
         let shards = self.replica_shards(a, &view);

@@ -711,6 +711,11 @@ impl World<'_> {
                 .enumerate()
                 .filter(|(h, lc)| !lc.down && !down(*h))
             {
+                if lc.shard.awaits_table_copy(super::JOB, e32) {
+                    // An appliance back whose copy is still on its way
+                    // (PROTOCOL.md §11.9 item 4): it holds no round yet.
+                    continue;
+                }
                 if let Some(backup) = lc.shard.backup_tables(super::JOB, e32) {
                     assert!(
                         backup == primary,

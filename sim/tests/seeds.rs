@@ -1866,8 +1866,8 @@ fn a_pull_sent_before_a_restore_lifts_nothing() {
 }
 
 /// Replicated jobs with tables (PROTOCOL.md §11.9): the first drawn cases
-/// with two replicas, tables and an appliance killed (one restarted stays
-/// out: control gives a job with a table no appliance back). Every
+/// with tables and an appliance killed (one restarted is given its
+/// tables back by state copies). Every
 /// table's rounds follow the reference model, whichever lcore serves the
 /// entry (its own, then the backup that adopted it, at the round its
 /// backup tables applied); at the end every live backup table is its
@@ -1893,5 +1893,35 @@ fn replicated_tables_through_a_kill() {
         checked += o.table_backups_checked;
     }
     assert!(adopted > 0, "seeds {seeds:?}: no entry was adopted");
+    assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
+}
+
+/// Replicated jobs with tables whose killed appliance comes back
+/// (PROTOCOL.md §11.9 item 4): the first drawn cases with tables, a kill
+/// and a return. The appliance back is given every entry it backs up by
+/// state copies while the ranks train; every round follows the reference
+/// model, and at the end every backup table whose copy is in is its
+/// entry's served table bit for bit.
+#[test]
+fn replicated_tables_through_a_return() {
+    use phub_sim::replication::ReplicaEvent;
+    let seeds: Vec<u64> = (0u64..)
+        .filter(|&s| {
+            let c = Case::draw(s);
+            !c.tables.is_empty()
+                && c.replication
+                    .as_ref()
+                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Kill { back_us: Some(_), .. })))
+        })
+        .take(4)
+        .collect();
+    let (mut copies, mut checked) = (0, 0);
+    for &seed in &seeds {
+        let o = run(&Case::draw(seed));
+        assert!(o.rows_checked > 0, "seed {seed}: {o:?}");
+        copies += o.table_copies;
+        checked += o.table_backups_checked;
+    }
+    assert!(copies > 0, "seeds {seeds:?}: no table copy was installed");
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }

@@ -27,8 +27,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_trained, replicated_spec, replicated_table_spec, train_rank, train_ranks, train_table_ranks, try_until,
-    until, Appliances, Gates, Operator,
+    all_trained, replicated_spec, replicated_table_spec, train_rank, train_ranks, train_table_ranks,
+    try_until, until, Appliances, Gates, Operator,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};

@@ -962,7 +962,9 @@ mod tests {
             panic!("one down of three, replicas 2: the job goes on");
         };
         j.epoch = e1;
-        let back = j.decide_return("b").expect("b answers again: the job takes it back");
+        let back = j
+            .decide_return("b")
+            .expect("b answers again: the job takes it back");
         assert_eq!(back.joined_at(1), Some(back.epoch));
         assert!(job(2).tables_unmovable().is_none());
     }

@@ -641,6 +641,16 @@ impl<A: Copy + Eq> Shard<A> {
         let part = rep.row_parts.iter().find(|p| p.entry == entry)?;
         Some(part.tables.iter().map(|(t, _)| t.save()).collect())
     }
+
+    /// Whether a backup table this lcore keeps of entry `entry` of job
+    /// `id` awaits its state copy (PROTOCOL.md §11.9 item 4): it holds no
+    /// round of its primary yet.
+    pub fn awaits_table_copy(&self, id: u16, entry: u32) -> bool {
+        self.job(id)
+            .and_then(|j| j.replica.as_deref())
+            .and_then(|rep| rep.row_parts.iter().find(|p| p.entry == entry))
+            .is_some_and(|p| p.tables.iter().any(|(_, inc)| inc.awaiting))
+    }
 }
 
 /// Takes fragment `f` of round `repr.round` at backup table `table`:

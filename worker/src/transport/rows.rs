@@ -314,6 +314,9 @@ pub(crate) struct RowTransport<D> {
     /// The silence (its start, `last_progress`) in which this transport's
     /// own stall last checked its idle tables: once per silence.
     stall_checked: Option<Instant>,
+    /// When a silence last asked control for the epoch (a replicated
+    /// job): asked again at most every `EPOCH_ASK_GAP`.
+    epoch_asked: Option<Instant>,
     /// Messages were resent on the timer in the silence going on now.
     resent_in_silence: bool,
     /// The last silence in which messages were resent on the timer, its
@@ -399,6 +402,7 @@ impl<D> RowTransport<D> {
             pushed: BTreeMap::new(),
             idle_check: None,
             stall_checked: None,
+            epoch_asked: None,
             resent_in_silence: false,
             resend_silence: Duration::ZERO,
         }
@@ -807,9 +811,17 @@ impl<D> RowTransport<D> {
         let probed = if stalled { self.probe_held_lanes(now) } else { 0 };
         // A replicated job's silence asks control whether the epoch held
         // is still current (an appliance serving some entry may be down),
-        // once a silence.
-        if stalled && self.stall_checked != Some(self.last_progress) {
+        // and asks again at most every EPOCH_ASK_GAP while it lasts: an
+        // appliance that dies during a silence is declared down after the
+        // first ask (simulator seed 13287: the rank asked once, was told
+        // the epoch it held, and waited on a dead appliance for 30 s).
+        if stalled
+            && self
+                .epoch_asked
+                .is_none_or(|t| now.saturating_duration_since(t) >= super::EPOCH_ASK_GAP)
+        {
             if let Some(r) = &self.routing {
+                self.epoch_asked = Some(now);
                 self.epoch_wanted = self.epoch_wanted.max(Some(r.epoch().epoch));
             }
         }
