@@ -335,9 +335,9 @@ impl Case {
         // or a whole restart, one or two tables without a small cap (the
         // model's cap checks are an lcore's, and an adopting lcore serves
         // two entries). Control gives such a job its appliances back (a
-        // killed one restarted, a partition healed: their tables come by
-        // state copies) but drains none of it (a table's copy to a moved
-        // appliance is not built); kills that lose a part are not played.
+        // killed one restarted, a partition healed) and drains it to
+        // spares: their tables come by state copies; kills that lose a
+        // part are not played.
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
         let tables_fit = case
             .replication

@@ -706,7 +706,7 @@ impl World<'_> {
         self.outcome.control_restarts += 1;
     }
 
-    fn total_lcores(&self) -> usize {
+    pub(super) fn total_lcores(&self) -> usize {
         usize::from(self.case.appliances) * usize::from(self.case.lcores)
     }
 
@@ -1259,16 +1259,20 @@ impl World<'_> {
             let old = std::mem::replace(lc, fresh);
             if moved_to.is_some() {
                 self.lcores.push(old);
+                // The table entries the old lcore serves stay with it
+                // (it goes on serving them at its epoch until the epoch
+                // that moved its index reaches their backups, one of
+                // which then adopts them).
+                let at = self.lcores.len() - 1;
+                for s in self.served_by.iter_mut().filter(|s| **s == k) {
+                    *s = at;
+                }
             }
         }
     }
 
     /// A drain of index `a` to the spare (the appliance after the job's).
     fn drain_to_spare(&mut self, a: usize) {
-        if !self.case.tables.is_empty() {
-            // Refused for a job with a table (PROTOCOL.md §11.9).
-            return;
-        }
         let c = self.rep();
         // A live appliance at full strength moves; so does a dead one
         // down alone (its replacement), which comes back no more.
@@ -1295,6 +1299,7 @@ impl World<'_> {
         self.rep_mut().returned = Some(a);
         self.outcome.epochs += 1;
         self.outcome.drains += 1;
+        self.note(format_args!("appliance {a} drained to the spare at {view:?}"));
         let shards = self.replica_shards(a, &view);
         self.install_index(a, shards, &view, Some(spare));
         self.put_on_others(a, &view);

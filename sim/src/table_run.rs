@@ -507,13 +507,16 @@ impl World<'_> {
             });
         let tc = &self.case.tables[t];
         let e = self.entry_of(l, bytes);
-        if !self.serves(l, e) {
+        let m = &self.tmodels[t][e];
+        if !(self.serves(l, e) || repr.kind == RowMsgType::RowResult && m.completed == repr.round) {
             // A fenced lcore's answer to a message of the old epoch: the
-            // rows it holds, which its server may have moved past (never
-            // a round's answer: it completes none).
+            // rows it holds, which its server may have moved past. (A
+            // round it completed, its last backup's ACK in flight when
+            // the epoch moved the entry, is answered as its server holds
+            // it: checked below while no later round completed, and a
+            // rank still waiting for it has not let one complete.)
             return;
         }
-        let m = &self.tmodels[t][e];
         let d = tc.dim as usize;
         for (j, &id) in ids.iter().enumerate() {
             let got = values[j * d..(j + 1) * d].to_vec();
@@ -705,10 +708,13 @@ impl World<'_> {
                 let a = h / usize::from(self.case.lcores);
                 self.control.as_ref().is_some_and(|c| c.view.is_down(a))
             };
+            // Lcores past the job's are a drained appliance's, kept until
+            // evicted: fenced at their old epoch too.
             for (h, lc) in self
                 .lcores
                 .iter()
                 .enumerate()
+                .take(self.total_lcores())
                 .filter(|(h, lc)| !lc.down && !down(*h))
             {
                 if lc.shard.awaits_table_copy(super::JOB, e32) {

@@ -16,7 +16,8 @@
 use std::time::Duration;
 
 use crate::common::{
-    all_trained, replicated_spec, train_ranks, try_until, until, Appliances, Gates, Operator, Stopped,
+    all_trained, replicated_spec, replicated_table_spec, train_ranks, train_table_ranks, try_until, until,
+    Appliances, Gates, Operator, Stopped,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
@@ -164,6 +165,39 @@ fn drain_b(dead: bool) {
     let stats: phub::proto::api::DataplaneStats = rack.dataplane(3, &mgmt::stats());
     let live = stats.jobs.iter().find(|j| j.id == job.id).unwrap();
     assert_eq!(live.round_range.map(|r| r.1), Some(ROUNDS), "d: {live:?}");
+}
+
+/// A job with a table (PROTOCOL.md §11.9): b drained mid-training moves
+/// to d, which gets the entries it backs up by state copies (b's own is
+/// served by c meanwhile) while the ranks train; then c dies, and d
+/// serves b's old entry from its copy: every row of every answer of every
+/// round stays exact (`train_table_ranks` checks each).
+#[test]
+fn a_table_job_s_drained_appliance_moves_to_a_spare_and_every_row_stays_exact() {
+    let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
+    let job = rack
+        .admit(&replicated_table_spec("table-drain", &["a", "b", "c"]))
+        .unwrap();
+    let rounds = 12u32;
+    let gates = Gates::new(&[3, 8], rounds);
+    let url = rack.control_url.clone();
+    std::thread::scope(|s| {
+        let ranks = train_table_ranks(s, &url, &job, &gates, rounds);
+        gates.wait_at(0);
+        let (ok, out, err) = rack.phubctl(&["appliance", "drain", "b"]);
+        assert!(ok, "{out}{err}");
+        assert!(out.contains("-> appliance \"d\" at epoch 1"), "{out}");
+        gates.open(0);
+        d_in_b_s_place(&rack, job.id);
+        gates.wait_at(1);
+        rack.kill_dataplane(2);
+        gates.open(1);
+        for h in ranks {
+            h.join().unwrap();
+        }
+    });
+    let epoch = rack.send(&control::epoch(job.id));
+    assert_eq!((epoch.epoch, epoch.down.as_slice()), (2, &[2][..]), "{epoch:?}");
 }
 
 /// Waits (30 s at most) for job `id` at full strength with d filled in

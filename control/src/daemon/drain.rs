@@ -137,11 +137,6 @@ impl Shared {
                  while it runs; nothing was moved"
             )));
         }
-        if let Some(why) = job.tables_unmovable() {
-            return Err(RequestError::Conflict(format!(
-                "{what} cannot move: {why}; nothing was moved"
-            )));
-        }
         let rack = |n: &str| inner.rack_of(n);
         match job.strength(rack).map(|s| (s.state, s.live, s.wanted)) {
             Some((Strength::FullStrength, _, _)) => {}
@@ -329,10 +324,6 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
                 "{what} is not replicated ([placement] replicas = 1, or hierarchical): its part cannot move \
                  while it runs; evict it when it ends"
             ));
-            continue;
-        }
-        if let Some(why) = job.tables_unmovable() {
-            refused.push(format!("{what} cannot move: {why}; evict it when it ends"));
             continue;
         }
         let rack = |n: &str| inner.rack_of(n);

@@ -66,19 +66,6 @@ impl StoredJob {
         self.shape.is_flat() && self.spec.replicas() > 1
     }
 
-    /// Why its parts cannot move to another appliance (drain,
-    /// rebalance): a table's state copy to a moved appliance is not built
-    /// (PROTOCOL.md §11.9; an appliance back is given its tables by state
-    /// copies, re-replication). `None` for a job without tables.
-    pub(crate) fn tables_unmovable(&self) -> Option<String> {
-        let t = self.spec.tables().next()?;
-        Some(format!(
-            "it has a table ({:?}), whose state copy to a moved appliance is not built (PROTOCOL.md §11.9): \
-             its parts stay on the appliances it has",
-            t.name
-        ))
-    }
-
     /// Its layout as failover sees it, each appliance's rack label as
     /// `rack` gives it; an error says what disagrees (a state file edited
     /// by hand).
@@ -949,15 +936,11 @@ mod tests {
     }
 
     /// A replicated job with a table fails over and takes its appliance
-    /// back (its tables come by state copies, PROTOCOL.md §11.9), but its
-    /// parts do not move to another appliance (drain, rebalance).
+    /// back (its tables come by state copies, PROTOCOL.md §11.9).
     #[test]
     fn a_job_with_a_table_fails_over_and_takes_its_appliance_back() {
         let mut j = job(2);
         add_table(&mut j);
-        assert!(j
-            .tables_unmovable()
-            .is_some_and(|w| w.contains("\"emb\"") && w.contains("moved appliance")));
         let Some(Decision::Next(e1)) = j.decide("b", one_rack) else {
             panic!("one down of three, replicas 2: the job goes on");
         };
@@ -966,7 +949,6 @@ mod tests {
             .decide_return("b")
             .expect("b answers again: the job takes it back");
         assert_eq!(back.joined_at(1), Some(back.epoch));
-        assert!(job(2).tables_unmovable().is_none());
     }
 
     /// A part without chunks holds a job's table entries (PROTOCOL.md

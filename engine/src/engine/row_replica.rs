@@ -23,12 +23,16 @@
 //!   here keeps only its backups live in the new epoch (a round that
 //!   waited only for down ones completes), and the backup tables of an
 //!   entry whose part this appliance adopts are served from then on, at
-//!   the round they applied; an epoch that would need a table's state
-//!   copied is refused before anything of it is applied
-//!   ([`Shard::check_table_epoch`]).
-//! - Not built: state copies of tables to new backups (so no install at an
-//!   epoch other than a plain 0, no appliance back, no adoption with a
-//!   backup left), async and bounded delay.
+//!   the round they applied; a new backup of an entry served here gets
+//!   each table's state copy first (`table_copy.rs`), and a backup table
+//!   whose entry's primary changed awaits the new primary's. An epoch that
+//!   would have this lcore serve an entry whose copy is not here is
+//!   refused as the part lost ([`Shard::check_table_epoch`]), before
+//!   anything of it is applied. An index moved to another appliance (a
+//!   drain) is one that came back: its lcores' new addresses are taken
+//!   with the epoch, and its new appliance gets its copies.
+//! - Not built: restores of a replicated job's tables, async and bounded
+//!   delay.
 
 use phub_proto::failover::EpochView;
 use phub_proto::replica_rows::{
@@ -316,11 +320,10 @@ impl<A: Copy + Eq> Shard<A> {
         let view = rep.view.clone();
         let me = usize::from(rep.me);
         let joined = view.epoch != 0 && view.joined_at(me) == Some(view.epoch);
-        if view != EpochView::default() && !(joined && view.moved.is_empty() && view.restored == 0) {
+        if view != EpochView::default() && !(joined && view.restored == 0) {
             return Err(refuse(format!(
                 "epoch {}: a replicated job's tables are installed at epoch 0 or joined at the install's \
-                 epoch only (a table's state copy to a moved or restored appliance is not built, \
-                 PROTOCOL.md §11.9)",
+                 epoch only (restores of a replicated job's tables are not built, PROTOCOL.md §11.9)",
                 view.epoch
             )));
         }
@@ -795,9 +798,8 @@ impl<A: Copy + Eq> Shard<A> {
 
 impl<A: Copy + Eq> Shard<A> {
     /// Whether this lcore can take `view` for job `i`'s tables (PROTOCOL.md
-    /// §11.9), before anything of it is applied: refused where an
-    /// appliance moves (a drain: a table's copy to a moved appliance is
-    /// not built), and as the part lost where this lcore would serve an
+    /// §11.9), before anything of it is applied: refused as the part lost
+    /// where this lcore would serve an
     /// entry whose backup tables await their state copy, or may be behind
     /// (it skipped an epoch in which another member may have served it),
     /// or where no member of an entry's part is live.
@@ -810,16 +812,6 @@ impl<A: Copy + Eq> Shard<A> {
             return Ok(());
         }
         let old = &rep.view;
-        if view.moves_since(old).next().is_some() {
-            return Err(EngineError::Epoch {
-                id: j.id,
-                epoch: view.epoch,
-                conflict: true,
-                reason: "an appliance moves: a table's state copy to a moved appliance (PROTOCOL.md \
-                         §11.9) is not built"
-                    .into(),
-            });
-        }
         let me = usize::from(rep.me);
         let lost = |part: usize, why: &'static str| EngineError::PartLost {
             id: j.id,

@@ -57,6 +57,10 @@ struct TableWorld {
     epoch: EpochView,
     /// Per appliance: dead (its datagrams go nowhere, both ways).
     dead: Vec<bool>,
+    /// Per appliance index: the last octet of its lcores' address (1; 2
+    /// once the index moved to another appliance, a drain): what is sent
+    /// to another is lost.
+    hosts: Vec<u8>,
     /// REPLICATE_ROWS_ACKs are lost on the way.
     drop_acks: bool,
     key: u32,
@@ -163,6 +167,7 @@ impl TableWorld {
             layout,
             epoch: EpochView::default(),
             dead: vec![false; lcores.len()],
+            hosts: vec![1; lcores.len()],
             drop_acks: false,
             placement,
             spec,
@@ -186,6 +191,13 @@ impl TableWorld {
             fragments: (0, 0),
             errors: Vec::new(),
         }
+    }
+
+    /// Appliance index i's lcore j's address.
+    fn at(&self, i: usize, j: usize) -> SocketAddrV4 {
+        let a = lcore_addr(i, j);
+        let o = a.ip().octets();
+        SocketAddrV4::new(Ipv4Addr::new(o[0], o[1], o[2], self.hosts[i]), a.port())
     }
 
     /// Appliance and lcore of entry `e`.
@@ -284,7 +296,7 @@ impl TableWorld {
     /// Sends what appliance i's lcore j queued, checking every row answer
     /// against the entry's backups first.
     fn drain(&mut self, i: usize, j: usize) {
-        let from = lcore_addr(i, j);
+        let from = self.at(i, j);
         let mut out = Vec::new();
         for t in self.shards[i][j].transmits() {
             let mut d = t.header.to_vec();
@@ -340,6 +352,10 @@ impl TableWorld {
             }
             let i = to.ip().octets()[2] as usize;
             let j = usize::from(to.port() - 9000);
+            if to.ip().octets()[3] != self.hosts[i] {
+                // The appliance an index moved from is gone.
+                continue;
+            }
             self.shards[i][j].handle(from, &d, self.now);
             self.drain(i, j);
             self.now += 1_000;
@@ -489,7 +505,8 @@ impl TableWorld {
         let sent = out.len();
         for (rank, e, m) in out {
             let (i, j) = self.serve(e);
-            self.send(worker_addr(rank), lcore_addr(i, j), m);
+            let to = self.at(i, j);
+            self.send(worker_addr(rank), to, m);
         }
         sent
     }
@@ -574,7 +591,31 @@ impl TableWorld {
     /// copy, and it serves nothing.
     fn bring_back(&mut self, i: usize) -> EpochView {
         let view = self.epoch.with_joined(i as u16).unwrap();
-        let appliances = appliance_list(&self.lcores);
+        self.install_anew(i, &view);
+        view
+    }
+
+    /// Index i drained (PROTOCOL.md §11.8): it moves to another appliance
+    /// (host 10.0.i.2), installed empty at the next epoch as one back is;
+    /// the old one is gone.
+    fn drain_index(&mut self, i: usize) -> EpochView {
+        let data = phub_proto::api::DataAddr {
+            host: format!("10.0.{i}.2"),
+            base_port: 9000,
+        };
+        let view = self.epoch.with_moved(i as u16, "d", data);
+        self.hosts[i] = 2;
+        self.install_anew(i, &view);
+        view
+    }
+
+    /// Index i installed anew at `view`, which names it joined, then the
+    /// others take `view`, as control does it.
+    fn install_anew(&mut self, i: usize, view: &EpochView) {
+        let view = view.clone();
+        let appliances: Vec<(Ipv4Addr, u16, u16)> = (0..self.lcores.len())
+            .map(|a| (*self.at(a, 0).ip(), 9000, self.lcores[a] as u16))
+            .collect();
         let plan =
             replica_plan_at(&self.spec, &self.runs, &appliances, &self.racks, i as u16, &view).unwrap();
         let nl = self.entries();
@@ -620,7 +661,6 @@ impl TableWorld {
                 self.drain(a, j);
             }
         }
-        view
     }
 
     /// Appliance `i`'s state copies of the job as its stats report them
@@ -1136,6 +1176,40 @@ fn an_entry_whose_copy_is_not_whole_is_not_adopted() {
     w.table_round(4, 30);
     w.assert_backups_equal();
     w.assert_full_strength();
+}
+
+/// Index 1 drained while the ranks train (PROTOCOL.md §11.8): it moves
+/// to another appliance, installed empty at the next epoch; its entry is
+/// served by its backup, and the new appliance gets every entry it backs
+/// up by state copies at its own address (the others take it with the
+/// epoch), until every backup table equals its primary; then the adopter
+/// dies and the new appliance serves index 1's entry from its copy.
+#[test]
+fn a_drained_index_s_new_appliance_gets_its_tables_copied_and_serves_them() {
+    let table = table_spec(4, 1000, RowOptimizerSpec::Sgd { lr: 0.5 }, None, Some(2));
+    let mut w = TableWorld::new(table, 64, 2, &[2, 1, 2], &["", "", ""], 31);
+    w.faults = LOSSY_NET;
+    for _ in 0..3 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    let view = w.drain_index(1);
+    assert_eq!(w.layout.set_in(1, &view), [2, 1]);
+    assert_eq!(w.serve(2).0, 2);
+    for _ in 0..3 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    w.assert_full_strength();
+    assert_eq!(replica_sum(&w, |s| s.table_states_installed), 3);
+    let before = w.served(2, 2);
+    w.kill(2);
+    assert_eq!(w.serve(2), (1, 0));
+    assert!(w.served(1, 2) == before, "entry 2 taken over with other bits");
+    for _ in 0..2 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
 }
 
 /// A split brain (PROTOCOL.md §11.6, §11.9): appliance 0 is alive but

@@ -965,6 +965,26 @@ impl<D> RowTransport<D> {
             add(&self.stats.row_answers_ignored, 1);
             return true;
         }
+        if let Some(r) = &self.routing {
+            if self.dests.get(entry as usize) != Some(&from) {
+                // A replicated job's message is refused only by where the
+                // epoch held sends its entry: an appliance a drain took
+                // the job off answers a copy sent there before the epoch
+                // changed `evicted` (PROTOCOL.md §11.8), which ends
+                // nothing.
+                add(&self.stats.row_answers_ignored, 1);
+                return true;
+            }
+            if repr.error == DropReason::Evicted.code() {
+                // Where the epoch held sends it, the job is gone: a newer
+                // epoch has it elsewhere, or control evicted it and says
+                // so; its answer re-routes or ends it.
+                let newer = r.epoch().epoch + 1;
+                self.epoch_wanted = self.epoch_wanted.max(Some(newer));
+                add(&self.stats.row_answers_ignored, 1);
+                return true;
+            }
+        }
         self.on_error(now, from, entry, &repr);
         true
     }
@@ -972,14 +992,20 @@ impl<D> RowTransport<D> {
     /// The entry a table answer or ERROR from `from` is for: its lcore's
     /// (the address a message went to), or, in a replicated job, the
     /// header's `entry` (an lcore may serve an adopted entry beside its
-    /// own, PROTOCOL.md §11.9) from any of the job's lcores.
+    /// own, PROTOCOL.md §11.9) from any of the job's lcores or from where
+    /// the entry is sent now.
     fn entry_for(&self, from: SocketAddr, d: &[u8]) -> Option<u32> {
-        let own = *self.entry_of.get(&from)?;
+        let own = self.entry_of.get(&from).copied();
         if self.routing.is_none() {
-            return Some(own);
+            return own;
         }
+        // A replicated job: the header's entry, from one of the job's
+        // lcores, or from where the epoch held sends that entry (an
+        // index moved to another appliance by a drain answers from its
+        // new addresses, PROTOCOL.md §11.8).
         let e = wire::Header::new_checked(d).ok()?.entry();
-        (usize::try_from(e).is_ok_and(|e| e < self.lcores.len())).then_some(e)
+        let to = self.dests.get(usize::try_from(e).ok()?)?;
+        (own.is_some() || *to == from).then_some(e)
     }
 
     /// Where each entry is served by the routing's epoch (a replicated
