@@ -552,6 +552,61 @@ fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints
 /// newer state: c's backup slots of b's part refused its restored
 /// primary's aggregates `stale` and a's restored backup slots of c's
 /// part c's aggregates `ahead`, and the job hung.
+/// A replicated job with a table (PROTOCOL.md §11.9) whose every
+/// appliance restarted goes back to its checkpoints: each appliance's
+/// checkpoint holds its own entry's tables, each is restored from it,
+/// each restored entry copies its tables to its backup, and the ranks
+/// train on with every row of every answer exact.
+#[test]
+fn a_replicated_table_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
+    let mut rack = Appliances::start(&[1, 1], "256MiB");
+    let job = rack
+        .admit(&replicated_table_spec("table-restored", &["a", "b"]))
+        .unwrap();
+    let rounds = 8u32;
+    let gates = Gates::new(&[4], rounds);
+    let url = rack.control_url.clone();
+    std::thread::scope(|s| {
+        let ranks = train_table_ranks(s, &url, &job, &gates, rounds);
+        gates.wait_at(0);
+        // Every entry completed round 4 (rank 0 waits before round 5, so
+        // no later round completed): the checkpoint holds it.
+        let info = rack.send(&control::checkpoint(job.id));
+        assert_eq!(info.id, job.id);
+        rack.restart_with_control(&[0, 1]);
+        // Control takes the job back to its checkpoints: restored on both,
+        // at an epoch that says so, each entry's copy at its backup.
+        let copied = || {
+            rack.send(&control::epoch(job.id)).restored > 0
+                && (0..2).all(|i| {
+                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+                    s.jobs
+                        .iter()
+                        .find(|j| j.id == job.id)
+                        .and_then(|j| j.copies)
+                        .is_some_and(|c| c.awaiting == 0 && c.owed == 0 && c.bytes_received > 0)
+                })
+        };
+        if !try_until(Duration::from_secs(30), copied) {
+            let views: Vec<String> = (0..2)
+                .map(|i| {
+                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
+                    let j = s.jobs.iter().find(|j| j.id == job.id);
+                    format!("{}: {:?}", rack.names[i], j.map(|j| j.copies))
+                })
+                .collect();
+            panic!(
+                "not restored and copied 30 s after the restart: epoch {:?}; appliances {views:?}",
+                rack.send(&control::epoch(job.id))
+            );
+        }
+        gates.open(0);
+        for h in ranks {
+            h.join().unwrap();
+        }
+    });
+}
+
 #[test]
 fn a_part_that_lost_every_replica_takes_the_whole_job_back_to_its_checkpoints() {
     let (mut rack, job) = three_appliance_job("back");

@@ -181,19 +181,26 @@ impl<A: Copy + Eq> Shard<A> {
         tables: Vec<RestoredTable>,
     ) -> Result<(), EngineError> {
         self.check_tables(&job, &kind, tables.iter().map(RestoredTable::key))?;
-        if let (Some(t), InstallKind::Replicated(_)) = (tables.first(), &kind) {
-            return Err(EngineError::Table {
-                id: job.id,
-                key: t.key(),
-                reason: "a replicated job's tables restored from a checkpoint: not built (PROTOCOL.md §11.9)"
-                    .into(),
-            });
-        }
+        let installs: Vec<TableInstall> = tables.iter().map(|t| t.install().clone()).collect();
         let made = tables
             .into_iter()
             .map(|t| t.into_table(job.id, job.workers))
             .collect::<Result<_, _>>()?;
-        self.install_made(job, kind, made)
+        let id = job.id;
+        let replicated = matches!(kind, InstallKind::Replicated(_));
+        self.install_made(job, kind, made)?;
+        if replicated && !installs.is_empty() {
+            // Its entry's backups and the backup tables it keeps, which
+            // await the restored entry's copies (PROTOCOL.md §11.9).
+            if let Err(e) = self.install_table_backups(id, &installs) {
+                self.remove(id);
+                return Err(e);
+            }
+            if let Some(i) = self.jobs.iter().position(|j| j.id == id) {
+                self.start_restored_copies(i);
+            }
+        }
+        Ok(())
     }
 
     /// Before a job's tables are made: the job is not installed here, a

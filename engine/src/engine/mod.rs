@@ -268,6 +268,77 @@ impl<A> Job<A> {
             .map_or(0, |h| u64::from(h.racks));
         ranks + racks
     }
+
+    /// The tables a checkpoint of this lcore holds, by (key, entry) in key
+    /// order: every table; in a replicated job with tables, this lcore's
+    /// own entry's alone (PROTOCOL.md §11.9: served here, or kept as
+    /// backup tables where its appliance came back), never an adopted
+    /// entry's. Refused while its own entry's tables await their state
+    /// copy.
+    pub(super) fn checkpoint_tables(&self) -> Result<Vec<(u32, u32)>, String> {
+        let rep = self.replica.as_deref().filter(|r| r.rows_replicated());
+        let Some(rep) = rep else {
+            return Ok(self.tables.iter().map(|t| (t.key, t.entry())).collect());
+        };
+        if let Some(own) = rep.served.iter().find(|s| s.home == rep.me) {
+            return Ok(self
+                .tables
+                .iter()
+                .filter(|t| t.entry() == own.entry)
+                .map(|t| (t.key, t.entry()))
+                .collect());
+        }
+        let Some(part) = rep.row_parts.iter().find(|p| p.home == rep.me) else {
+            return Ok(Vec::new());
+        };
+        if part.tables.iter().any(|(_, inc)| inc.awaiting) {
+            return Err(format!(
+                "this appliance keeps its own entry {} as backup tables, whose state copy is not here yet \
+                 (PROTOCOL.md §11.9)",
+                part.entry
+            ));
+        }
+        Ok(part.tables.iter().map(|(t, _)| (t.key, part.entry)).collect())
+    }
+
+    /// Table `key` of entry `entry` on this lcore: served here, or a
+    /// replicated job's backup table.
+    pub(super) fn table_at(&self, key: u32, entry: u32) -> Option<&Table> {
+        self.tables
+            .iter()
+            .find(|t| t.key == key && t.entry() == entry)
+            .or_else(|| {
+                self.replica
+                    .as_deref()?
+                    .row_parts
+                    .iter()
+                    .find(|p| p.entry == entry)?
+                    .tables
+                    .iter()
+                    .map(|(t, _)| t)
+                    .find(|t| t.key == key)
+            })
+    }
+
+    /// [`Job::table_at`], to change.
+    pub(super) fn table_at_mut(&mut self, key: u32, entry: u32) -> Option<&mut Table> {
+        if let Some(i) = self
+            .tables
+            .iter()
+            .position(|t| t.key == key && t.entry() == entry)
+        {
+            return self.tables.get_mut(i);
+        }
+        self.replica
+            .as_deref_mut()?
+            .row_parts
+            .iter_mut()
+            .find(|p| p.entry == entry)?
+            .tables
+            .iter_mut()
+            .map(|(t, _)| t)
+            .find(|t| t.key == key)
+    }
 }
 
 /// The slots of one lcore, for every job installed on it.

@@ -361,7 +361,7 @@ impl<A: Copy> Replica<A> {
         self.next_deadline = if self.pushed.iter().any(|p| p.copying != 0) {
             0
         } else {
-            u64::MAX
+            self.copies_deadline()
         };
     }
 

@@ -197,12 +197,26 @@ fn queue_fragments<A: Copy>(
     u64::from(n) * to.count() as u64
 }
 
-impl<A: Copy> Replica<A> {
+impl<A> Replica<A> {
     /// Whether the job has tables here (served or backed up).
     pub(super) fn rows_replicated(&self) -> bool {
         !self.served.is_empty() || !self.row_parts.is_empty()
     }
 
+    /// The earliest timer of the tables' state copies owed from here (0:
+    /// one to start at the next poll; `u64::MAX`: none): whatever sets
+    /// the replicas' timer from the dense slots keeps it.
+    pub(super) fn copies_deadline(&self) -> u64 {
+        self.served
+            .iter()
+            .flat_map(|s| &s.copies)
+            .map(|c| c.deadline)
+            .min()
+            .unwrap_or(u64::MAX)
+    }
+}
+
+impl<A: Copy> Replica<A> {
     /// The entry `entry` served here, if it is.
     pub(super) fn served(&self, entry: u32) -> Option<&ServedEntry<A>> {
         self.served.iter().find(|s| s.entry == entry)
@@ -945,15 +959,19 @@ impl<A: Copy + Eq> Shard<A> {
                 s.backups = now;
             }
             // The epoch change set the replicas' timer from the dense
-            // slots alone: the tables' rounds still waiting keep theirs,
-            // and new copies start theirs at the next poll.
+            // slots alone: the tables' rounds still waiting and their
+            // copies under way keep theirs, and new copies start theirs at
+            // the next poll.
             let tables = j
                 .tables
                 .iter()
                 .filter_map(|t| t.pending)
                 .map(|p| p.deadline)
                 .min();
-            rep.next_deadline = rep.next_deadline.min(tables.unwrap_or(u64::MAX));
+            rep.next_deadline = rep
+                .next_deadline
+                .min(tables.unwrap_or(u64::MAX))
+                .min(rep.copies_deadline());
             if copying {
                 rep.next_deadline = 0;
             }

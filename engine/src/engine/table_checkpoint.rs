@@ -173,6 +173,9 @@ pub struct RestoredTable {
     id: u16,
     workers: u16,
     table: Table,
+    /// What the lcore was told of the table (a replicated job's backup
+    /// tables are made from it).
+    install: super::TableInstall,
 }
 
 impl std::fmt::Debug for RestoredTable {
@@ -205,7 +208,17 @@ impl RestoredTable {
             return Err(refuse(why));
         }
         table.load_from(rounds, rows).map_err(refuse)?;
-        Ok(RestoredTable { id, workers, table })
+        Ok(RestoredTable {
+            id,
+            workers,
+            table,
+            install: t.clone(),
+        })
+    }
+
+    /// What the lcore was told of the table.
+    pub(super) fn install(&self) -> &super::TableInstall {
+        &self.install
     }
 
     /// The table's key.
@@ -238,6 +251,10 @@ impl RestoredTable {
 #[derive(Debug)]
 pub(super) struct TablesStream {
     job: u16,
+    /// The tables streamed, by (key, entry), in key order: found again at
+    /// each fill (a replicated lcore's own entry's tables move between
+    /// its backup tables and its served ones when it adopts its entry).
+    tables: Vec<(u32, u32)>,
     /// What precedes each table's store bytes (its key, rounds and the
     /// length of its store's checkpoint), in key order; the table count
     /// before the first.
@@ -313,13 +330,16 @@ impl<A: Copy + Eq> Shard<A> {
             job: id,
             reason: e.to_string(),
         };
+        let which = j
+            .checkpoint_tables()
+            .map_err(|reason| TablesStreamError::Format { job: id, reason })?;
         // Every head first (the format's checks, no side effect), then
         // every store's stream: a store that cannot begin ends those begun.
         let mut first = Vec::new();
-        format::encode_count(&mut first, j.tables.len()).map_err(format_err)?;
-        let mut heads = Vec::with_capacity(j.tables.len().max(1));
+        format::encode_count(&mut first, which.len()).map_err(format_err)?;
+        let mut heads = Vec::with_capacity(which.len().max(1));
         let mut total = 0u64;
-        for t in &j.tables {
+        for t in which.iter().filter_map(|&(k, e)| j.table_at(k, e)) {
             let rows = t.store.checkpoint_bytes();
             let mut head = if heads.is_empty() {
                 std::mem::take(&mut first)
@@ -335,17 +355,26 @@ impl<A: Copy + Eq> Shard<A> {
             total = first.len() as u64;
             heads.push(first);
         }
-        for i in 0..j.tables.len() {
-            if let Err(source) = j.tables[i].store.stream_begin() {
-                let key = j.tables[i].key;
-                for t in &mut j.tables[..i] {
-                    t.store.stream_abort();
+        for (i, &(k, e)) in which.iter().enumerate() {
+            let Some(t) = j.table_at_mut(k, e) else {
+                continue;
+            };
+            if let Err(source) = t.store.stream_begin() {
+                for &(k, e) in &which[..i] {
+                    if let Some(t) = j.table_at_mut(k, e) {
+                        t.store.stream_abort();
+                    }
                 }
-                return Err(TablesStreamError::Store { job: id, key, source });
+                return Err(TablesStreamError::Store {
+                    job: id,
+                    key: k,
+                    source,
+                });
             }
         }
         self.tables_stream = Some(TablesStream {
             job: id,
+            tables: which,
             heads,
             next: 0,
             head_written: false,
@@ -364,13 +393,17 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(TablesStreamError::Gone(s.job));
         };
         let start = out.len();
-        let now = j.tables.iter().fold(StreamKept::default(), |k, t| {
-            let (entries, row_bytes) = t.store.stream_kept();
-            StreamKept {
-                entries: k.entries + entries,
-                row_bytes: k.row_bytes + row_bytes,
-            }
-        });
+        let now =
+            s.tables
+                .iter()
+                .filter_map(|&(k, e)| j.table_at(k, e))
+                .fold(StreamKept::default(), |kept, t| {
+                    let (entries, row_bytes) = t.store.stream_kept();
+                    StreamKept {
+                        entries: kept.entries + entries,
+                        row_bytes: kept.row_bytes + row_bytes,
+                    }
+                });
         s.kept.entries = s.kept.entries.max(now.entries);
         s.kept.row_bytes = s.kept.row_bytes.max(now.row_bytes);
         self.tables_stream_kept = s.kept;
@@ -379,14 +412,14 @@ impl<A: Copy + Eq> Shard<A> {
                 out.extend_from_slice(&s.heads[s.next]);
                 s.head_written = true;
             }
-            let Some(t) = j.tables.get_mut(s.next) else {
+            let Some(&(k, e)) = s.tables.get(s.next) else {
                 // A job without tables: its count alone.
                 return Ok(true);
             };
-            if !t.store.streaming() {
+            let Some(t) = j.table_at_mut(k, e).filter(|t| t.store.streaming()) else {
                 // Removed and installed again: not the tables begun.
                 return Err(TablesStreamError::Gone(s.job));
-            }
+            };
             let budget = max.saturating_sub(out.len() - start).max(1);
             let done = t
                 .store
@@ -397,17 +430,19 @@ impl<A: Copy + Eq> Shard<A> {
                     source,
                 });
             match done {
-                Err(e) => {
-                    for t in &mut j.tables[s.next..] {
-                        t.store.stream_abort();
+                Err(err) => {
+                    for &(k, e) in &s.tables[s.next..] {
+                        if let Some(t) = j.table_at_mut(k, e) {
+                            t.store.stream_abort();
+                        }
                     }
-                    return Err(e);
+                    return Err(err);
                 }
                 Ok(false) => {
                     self.tables_stream = Some(s);
                     return Ok(false);
                 }
-                Ok(true) if s.next + 1 == j.tables.len() => return Ok(true),
+                Ok(true) if s.next + 1 == s.tables.len() => return Ok(true),
                 Ok(true) => {
                     s.next += 1;
                     s.head_written = false;
@@ -433,8 +468,10 @@ impl<A: Copy + Eq> Shard<A> {
             return;
         };
         if let Some(j) = self.jobs.iter_mut().find(|j| j.id == s.job) {
-            for t in &mut j.tables {
-                t.store.stream_abort();
+            for &(k, e) in &s.tables {
+                if let Some(t) = j.table_at_mut(k, e) {
+                    t.store.stream_abort();
+                }
             }
         }
     }
@@ -481,27 +518,40 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// The durable state of every table of job `id` on this lcore, in key
-    /// order (module head); `None` when the job is not installed.
+    /// order (module head); in a replicated job, those of this lcore's own
+    /// entry alone (PROTOCOL.md §11.9: served here, or kept as backup
+    /// tables where its appliance came back), never an adopted entry's.
+    /// `None` when the job is not installed, or its own entry's tables
+    /// await their state copy.
     /// Allocates (O(rows stored)); call between bursts.
     pub fn snapshot_tables(&self, id: u16) -> Option<Vec<TableState>> {
         let j = self.job(id)?;
-        Some(j.tables.iter().map(Table::save).collect())
+        let which = j.checkpoint_tables().ok()?;
+        Some(
+            which
+                .iter()
+                .filter_map(|&(k, e)| j.table_at(k, e))
+                .map(Table::save)
+                .collect(),
+        )
     }
 
     /// Puts job `id`'s tables back as [`Shard::snapshot_tables`] saved
-    /// them, onto a job just installed. `state` empty: nothing saved (a
+    /// them, onto a job just installed (a replicated job's: its own
+    /// entry's, whose copies to its backups then start, PROTOCOL.md §11.9). `state` empty: nothing saved (a
     /// checkpoint of format 1 or 2), the tables stay empty. Every table's
     /// shape is checked before any changes; a store that then fails to
     /// read is an error after which the job is to be removed.
     pub fn restore_tables(&mut self, id: u16, state: &[TableState]) -> Result<(), EngineError> {
-        let j = self
+        let i = self
             .jobs
-            .iter_mut()
-            .find(|j| j.id == id)
+            .iter()
+            .position(|j| j.id == id)
             .ok_or(EngineError::Restore {
                 id,
                 reason: "the job is not installed".into(),
             })?;
+        let j = &mut self.jobs[i];
         if state.is_empty() {
             return Ok(());
         }
@@ -519,6 +569,7 @@ impl<A: Copy + Eq> Shard<A> {
         for (t, st) in j.tables.iter_mut().zip(state) {
             t.load(st).map_err(refuse)?;
         }
+        self.start_restored_copies(i);
         Ok(())
     }
 }

@@ -163,6 +163,39 @@ pub(super) fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) 
 }
 
 impl<A: Copy + Eq> Shard<A> {
+    /// Job `i`'s tables were restored from its checkpoint (PROTOCOL.md
+    /// §11.7 "Restored parts", §11.9): its backup tables hold none of the
+    /// restored state, so they await their copies, and the entry served
+    /// here copies every table to every backup before any further round
+    /// of it completes (each backup counted at once, as a new one).
+    pub(super) fn start_restored_copies(&mut self, i: usize) {
+        {
+            let j = &mut self.jobs[i];
+            let Some(rep) = j.replica.as_deref_mut().filter(|r| r.rows_replicated()) else {
+                return;
+            };
+            for part in &mut rep.row_parts {
+                for (_, inc) in &mut part.tables {
+                    *inc = super::row_replica::Incoming::awaiting(true);
+                }
+            }
+            for s in &mut rep.served {
+                s.copies.clear();
+                for t in j.tables.iter().filter(|t| t.entry() == s.entry) {
+                    if s.backups.is_empty() {
+                        break;
+                    }
+                    let stream = copy_stream(t);
+                    for &(b, at) in &s.backups {
+                        s.copies.push(copy_out(b, at, t, stream.clone()));
+                    }
+                }
+            }
+            rep.next_deadline = 0;
+        }
+        self.send_copy_windows(i);
+    }
+
     /// Sends each copy of job `i`'s served entries its window's fragments
     /// not sent yet (after an epoch change started them, or an ACK moved
     /// the window).

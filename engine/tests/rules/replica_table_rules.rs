@@ -1387,3 +1387,139 @@ fn a_kill_of_either_side_at_any_delivery_of_a_table_copy_loses_no_round() {
     }
     assert!(whole > 0 && lost > 0, "whole {whole}, lost {lost}");
 }
+
+/// The whole job goes back to its checkpoints (PROTOCOL.md §11.7
+/// "Restored parts", §11.9): after a failover and a return (appliance 2
+/// serves appliance 1's entry beside its own, appliance 1 keeps its own
+/// entry as backup tables filled by copies), every lcore's checkpoint
+/// holds its own entry's tables alone, bit for bit as its server holds
+/// them. Every appliance restarts and is restored at epoch 0 from its
+/// checkpoint, then takes the epoch that names the job restored: each
+/// restored entry copies its tables to its backups (which await them)
+/// before any further round completes, and training goes on with every
+/// backup table its primary's bits.
+#[test]
+fn every_appliance_restored_from_its_checkpoint_copies_its_entry_to_its_backups() {
+    let adagrad = RowOptimizerSpec::Adagrad {
+        lr: 0.25,
+        eps: 1e-8,
+        initial_accumulator: 0.1,
+        rowwise: false,
+    };
+    let mut w = TableWorld::new(
+        table_spec(4, 60, adagrad, None, Some(2)),
+        64,
+        2,
+        &[2, 1, 2],
+        &["", "", ""],
+        51,
+    );
+    w.faults = LOSSY_NET;
+    for _ in 0..2 {
+        w.table_round(12, 90);
+    }
+    w.kill(1);
+    w.table_round(12, 90);
+    w.bring_back(1);
+    for _ in 0..2 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    w.assert_full_strength();
+    assert_eq!(w.serve(2).0, 2, "entry 2 still served by its adopter");
+    // Every lcore's checkpoint: its own entry's tables, as served.
+    let saved: Vec<Vec<(Vec<SlotState>, Vec<TableState>)>> = (0..3)
+        .map(|i| {
+            (0..w.lcores[i])
+                .map(|j| {
+                    let s = &w.shards[i][j];
+                    let tables = s.snapshot_tables(JOB).unwrap();
+                    let e = w.entry_of(i, j);
+                    let (q, _) = w.serve(e);
+                    assert!(
+                        tables == w.served(q, e),
+                        "entry {e}: its checkpoint is not its served tables"
+                    );
+                    (s.part_snapshot(JOB).unwrap().unwrap(), tables)
+                })
+                .collect()
+        })
+        .collect();
+    // Appliance 2's streamed checkpoint section holds one table, its own.
+    let s = &mut w.shards[2][0];
+    let bytes = s.stream_tables_begin(JOB).unwrap();
+    let mut out = Vec::new();
+    while !s.stream_tables_fill(&mut out, 1 << 20).unwrap() {}
+    assert_eq!(out.len() as u64, bytes);
+    assert_eq!(
+        u32::from_le_bytes(out[..4].try_into().unwrap()),
+        1,
+        "one table in the section"
+    );
+    // Every appliance restarts, restored at epoch 0.
+    let appliances = appliance_list(&w.lcores);
+    for (i, saved) in saved.iter().enumerate() {
+        let plan = replica_plan_at(
+            &w.spec,
+            &w.runs,
+            &appliances,
+            &w.racks,
+            i as u16,
+            &EpochView::default(),
+        )
+        .unwrap();
+        for (j, (slots, rep)) in plan.into_iter().enumerate() {
+            let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+            s.set_peer_resolver(Arc::new(Some));
+            let t = TableInstall {
+                key: w.key,
+                spec: w.table.clone(),
+                chunk_bytes: w.chunk_bytes,
+                lcores: w.entries(),
+                entry: w.entry_of(i, j),
+            };
+            s.install_with_tables(
+                job(&w.spec, slots),
+                InstallKind::Replicated(Box::new(rep)),
+                vec![t],
+            )
+            .unwrap();
+            // The dataplane's order: the tables taken in with the
+            // install, then the slots.
+            s.restore_tables(JOB, &saved[j].1).unwrap();
+            s.restore(JOB, &saved[j].0).unwrap();
+            w.shards[i][j] = s;
+        }
+    }
+    w.dead = vec![false; 3];
+    w.net.clear();
+    for i in 0..3 {
+        let c = w.copies(i);
+        assert!(c.awaiting > 0 && c.owed > 0, "appliance {i}: {c:?}");
+    }
+    let view = EpochView {
+        epoch: w.epoch.epoch + 1,
+        restored: w.epoch.epoch + 1,
+        ..EpochView::default()
+    };
+    w.epoch = view.clone();
+    for i in 0..3 {
+        for j in 0..w.lcores[i] {
+            assert_eq!(w.shards[i][j].change_epoch(JOB, &view), Ok(true));
+            w.drain(i, j);
+        }
+    }
+    for e in 0..w.entries() {
+        let (i, j) = w.at_entry(e);
+        assert_eq!(w.serve(e), (i, j));
+        assert!(
+            w.served(i, e) == saved[i][j].1,
+            "entry {e} restored with other bits"
+        );
+    }
+    for _ in 0..3 {
+        w.table_round(12, 90);
+        w.assert_backups_equal();
+    }
+    w.assert_full_strength();
+}
