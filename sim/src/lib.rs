@@ -336,21 +336,26 @@ impl Case {
         // model's cap checks are an lcore's, and an adopting lcore serves
         // two entries). Control gives such a job its appliances back (a
         // killed one restarted, a partition healed) and drains it to
-        // spares: their tables come by state copies; kills that lose a
-        // part are not played.
+        // spares: their tables come by state copies; a whole restart takes
+        // it back to its checkpoints (its tables' too), and a lost part
+        // fails it where kills that lose parts are played.
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
-        let tables_fit = case
-            .replication
-            .as_ref()
-            .is_some_and(|r| !matches!(r.event, Some(ReplicaEvent::Restart { .. })));
-        if tables_fit && case.rejoin.is_none() && case.tables.is_empty() && xrng.gen_bool(2.0 / 3.0) {
+        if case.replication.is_some()
+            && case.rejoin.is_none()
+            && case.tables.is_empty()
+            && xrng.gen_bool(2.0 / 3.0)
+        {
             let mut tables = rows::TableCase::draw_some(&mut xrng, case.dtype, case.chunk_bytes);
             for t in &mut tables {
                 t.cap = None;
             }
             case.tables = tables;
+            // A part lost fails the job rather than stall it: a stalled
+            // job's parts still served go on, and a rank may finish its
+            // dense keys there while a table waits, then not repeat them
+            // when the job goes back (the simulator's limit, as in
+            // `can_stall`).
             if let Some(r) = case.replication.as_mut() {
-                r.lose = false;
                 r.stall = None;
             }
         }
@@ -954,12 +959,15 @@ impl<'c> World<'c> {
         u64::try_from(d.as_nanos().div_ceil(1000)).unwrap_or(u64::MAX)
     }
 
-    /// Whether rank `r` has every result of every key and table.
+    /// Whether rank `r` has every result of every key and table, or
+    /// stopped with control's reason (a replicated job failed).
     fn done(&self, r: &Rank) -> bool {
+        let failed = self.control.as_ref().is_some_and(|c| c.failed.is_some());
         r.finished
-            && r.tables
-                .iter()
-                .all(|t| t.next > self.case.rounds && t.ids.is_none() && !t.catching_up)
+            && (failed
+                || r.tables
+                    .iter()
+                    .all(|t| t.next > self.case.rounds && t.ids.is_none() && !t.catching_up))
     }
 
     /// Every rank's next round of every key and table, summed: it grows
@@ -1512,6 +1520,22 @@ impl<'c> World<'c> {
                     r.round,
                     r.seq,
                     r.rank
+                );
+            } else if let Some((r, _)) = phub_proto::replica_rows::parse(bytes)
+                .ok()
+                .filter(|_| phub_proto::replica_rows::is_row_replica_message(bytes))
+            {
+                eprintln!(
+                    "{:>10} µs   {from:?} -> {to:?} inc {} {} entry {} key {} round {} from {} frag {} epoch {}: {verdict:?}",
+                    self.now,
+                    lc.incarnation,
+                    r.kind.name(),
+                    r.entry,
+                    r.key,
+                    r.round,
+                    r.from,
+                    r.fragment,
+                    r.epoch
                 );
             } else if let Ok((r, _)) = wire::parse(bytes) {
                 eprintln!("{:>10} µs   {from:?} -> {to:?} inc {} {:?} key {} chunk {} round {} rank {}: {verdict:?}", self.now, lc.incarnation, r.kind, r.key, r.chunk, r.round, r.rank);

@@ -828,7 +828,13 @@ impl World<'_> {
             let lc = &mut self.lcores[g];
             let saved = lc.shard.part_snapshot(JOB).expect("the job is installed");
             lc.checkpoint = Some(saved.expect("its own part is here"));
+            // Its own entry's tables (PROTOCOL.md §11.9), which it serves
+            // at epoch 0 (a checkpoint is taken only then): their models
+            // too, as the engine holds them now.
+            lc.table_checkpoint = lc.shard.snapshot_tables(JOB);
         }
+        let n = self.total_lcores();
+        self.checkpoint_tables_of(&|g| g < n);
     }
 
     /// Index `a`'s lcores installed as its checkpoint's job (epoch 0) and
@@ -840,6 +846,13 @@ impl World<'_> {
         for (g, mut shard) in self.lcores_of(a).zip(shards) {
             let lc = &mut self.lcores[g];
             let state = lc.checkpoint.take().expect("a checkpoint before the kill");
+            // As the dataplane restores: the tables with the install, then
+            // the slots.
+            if let Some(tables) = lc.table_checkpoint.take() {
+                if let Err(e) = shard.restore_tables(JOB, &tables) {
+                    panic!("lcore {g}: its tables' checkpoint does not restore: {e}");
+                }
+            }
             if let Err(e) = shard.restore(JOB, &state) {
                 panic!("lcore {g}: its checkpoint does not restore: {e}");
             }
@@ -856,6 +869,11 @@ impl World<'_> {
             lc.drops.iter_mut().for_each(|d| *d = 0);
             lc.view = Some(view.clone());
         }
+        let gs = self.lcores_of(a);
+        self.restore_tables_of(&|g| gs.contains(&g));
+        self.note(format_args!(
+            "appliance {a} restored from its checkpoint at {view:?}"
+        ));
         self.outcome.restored += 1;
     }
 
@@ -891,6 +909,7 @@ impl World<'_> {
             c.view = c.view.back_to_checkpoints();
             c.restoring = Some((now, 0));
             self.outcome.epochs += 1;
+            self.note(format_args!("the stalled job goes back to its checkpoints"));
         }
         while let Some((at, next)) = self.rep().restoring {
             if now < at + next as u64 * sb.stagger_us {
@@ -940,6 +959,7 @@ impl World<'_> {
         c.then_done = true;
         c.stalled_until = Some((now + sb.back_us).max(healed));
         self.outcome.stalls += 1;
+        self.note(format_args!("the job stalls"));
     }
 
     /// Index `a` dies: its lcores lose everything from now on.
@@ -1166,6 +1186,7 @@ impl World<'_> {
     /// Control fails the job (`why`): it changes nothing more of it, and
     /// answers every epoch question with the reason.
     fn fail_job(&mut self, why: String) {
+        self.note(format_args!("the job fails: {why}"));
         let c = self.rep_mut();
         if c.failed.is_none() {
             c.failed = Some(why);
@@ -1247,9 +1268,10 @@ impl World<'_> {
                 shard,
                 down: false,
                 incarnation: lc.incarnation + 1,
-                // Control's checkpoint of the lcore stays with control.
+                // Control's checkpoint of the lcore stays with control,
+                // its tables' too.
                 checkpoint: lc.checkpoint.take(),
-                table_checkpoint: None,
+                table_checkpoint: lc.table_checkpoint.take(),
                 table_stream: None,
                 node,
                 delivered: 0,
@@ -1385,6 +1407,9 @@ impl World<'_> {
                 // Control answers 409 with the reason; the rank's requests
                 // end with it.
                 self.ranks[i].t.job_failed(&why);
+                if let Some(rt) = self.ranks[i].rt.as_mut() {
+                    rt.job_failed(JOB, &why);
+                }
                 continue;
             }
             let view = self.rep().view.clone();

@@ -159,6 +159,27 @@ impl World<'_> {
             self.ready_tables(i);
             return;
         }
+        if let Err(phub_worker::WorkerError::JobFailed { message, .. }) = &d.result {
+            // Control failed the job (a part lost): the rank stops with
+            // its reason, as its dense keys do (`on_done`).
+            let Some(why) = self.control.as_ref().and_then(|c| c.failed.as_ref()) else {
+                panic!("rank {i}: table {t}: the job failed ({message}) though control did not fail it");
+            };
+            assert_eq!(
+                message, why,
+                "rank {i}: the job failed with another reason than control's"
+            );
+            self.ranks[i].tables[t].ids = None;
+            let r = &mut self.ranks[i];
+            if !r.finished {
+                self.outcome.ranks_stopped += 1;
+            }
+            r.finished = true;
+            r.waiting = 0;
+            r.ready_at = None;
+            r.leave_at = None;
+            return;
+        }
         let round = self.ranks[i].tables[t].next;
         let ids = self.ranks[i].tables[t]
             .ids
@@ -552,6 +573,47 @@ impl World<'_> {
         }
     }
 
+    /// The models of the entries of the lcores at positions `on` as their
+    /// checkpoints are taken (a replicated job's, each its own entry,
+    /// served there at epoch 0).
+    pub(super) fn checkpoint_tables_of(&mut self, on: &dyn Fn(usize) -> bool) {
+        for (t, models) in self.tmodels.iter().enumerate() {
+            for (g, m) in models.iter().enumerate() {
+                if on(g) {
+                    self.tmodel_checkpoint.insert((t, g), m.clone());
+                }
+            }
+        }
+    }
+
+    /// The models of the entries of the lcores at positions `on` go back
+    /// to their checkpoints with the engine (a replicated job's, each
+    /// restored lcore serving its own entry again).
+    pub(super) fn restore_tables_of(&mut self, on: &dyn Fn(usize) -> bool) {
+        let back: Vec<(usize, usize)> = self
+            .tmodel_checkpoint
+            .keys()
+            .copied()
+            .filter(|&(_, g)| on(g))
+            .collect();
+        for (t, g) in back {
+            let Some(mut m) = self.tmodel_checkpoint.remove(&(t, g)) else {
+                continue;
+            };
+            m.clear_round();
+            let key = super::table_key(self.case, t);
+            m.cap_seen = self.lcores[g]
+                .shard
+                .row_cap_count(super::JOB, key)
+                .map_or(0, |(_, _, evicted)| evicted);
+            m.take_evicted_at_cap();
+            self.tmodels[t][g] = m;
+            if let Some(s) = self.served_by.get_mut(g) {
+                *s = g;
+            }
+        }
+    }
+
     /// The models go back to the checkpoint with the engine; a BSP round
     /// in progress is not saved (PROTOCOL.md §10.6).
     pub(super) fn restore_tables(&mut self) {
@@ -571,6 +633,10 @@ impl World<'_> {
     /// At the end: every (table, lcore) completed every round (BSP) or
     /// took every rank's every clock.
     pub(super) fn check_tables(&self) {
+        if self.control.as_ref().is_some_and(|c| c.failed.is_some()) {
+            // Control failed the job: its ranks stopped short.
+            return;
+        }
         let rounds = self.case.rounds;
         for (t, models) in self.tmodels.iter().enumerate() {
             for (g, m) in models.iter().enumerate() {
@@ -687,7 +753,9 @@ impl World<'_> {
     /// live lcore keeps is its entry's served table, bit for bit. Returns
     /// how many it checked.
     pub(super) fn check_backup_tables(&self) -> u64 {
-        if self.control.is_none() || self.case.tables.is_empty() {
+        if self.control.as_ref().is_none_or(|c| c.failed.is_some()) || self.case.tables.is_empty() {
+            // No replicas, or control failed the job (a part lost):
+            // nothing is left to compare.
             return 0;
         }
         let mut checked = 0;

@@ -1896,6 +1896,37 @@ fn replicated_tables_through_a_kill() {
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }
 
+/// Replicated jobs with tables through a whole restart (PROTOCOL.md §11.9
+/// item 5): the first drawn cases with tables whose every appliance is
+/// killed after a checkpoint of every lcore. Each lcore's checkpoint holds
+/// its own entry's tables; each is restored from it, its backups await
+/// the restored entry's copies, and every round after follows the model
+/// (which went back with the checkpoint); at the end every backup table
+/// is its entry's served table bit for bit.
+#[test]
+fn replicated_tables_through_a_whole_restart() {
+    use phub_sim::replication::ReplicaEvent;
+    let seeds: Vec<u64> = (0u64..)
+        .filter(|&s| {
+            let c = Case::draw(s);
+            !c.tables.is_empty()
+                && c.replication
+                    .as_ref()
+                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Restart { .. })))
+        })
+        .take(3)
+        .collect();
+    let (mut copies, mut checked) = (0, 0);
+    for &seed in &seeds {
+        let o = run(&Case::draw(seed));
+        assert!(o.rows_checked > 0 && o.restored > 0, "seed {seed}: {o:?}");
+        copies += o.table_copies;
+        checked += o.table_backups_checked;
+    }
+    assert!(copies > 0, "seeds {seeds:?}: no restored table was copied");
+    assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
+}
+
 /// Replicated jobs with tables whose killed appliance comes back
 /// (PROTOCOL.md §11.9 item 4): the first drawn cases with tables, a kill
 /// and a return. The appliance back is given every entry it backs up by

@@ -424,11 +424,13 @@ impl IoThread {
                     let err = || self.epoch.job_failed(&message);
                     log::error!("phub-worker: {}", err());
                     self.transport.epoch_unavailable(err);
+                    self.rows.epoch_unavailable(err);
                     self.deliver();
                 } else if wanted > current {
                     let err = || self.epoch.error(wanted, held, waited, &message);
                     log::error!("phub-worker: {}", err());
                     self.transport.epoch_unavailable(err);
+                    self.rows.epoch_unavailable(err);
                     self.deliver();
                 } else {
                     log::warn!(

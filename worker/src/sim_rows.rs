@@ -123,6 +123,17 @@ impl SimRowTransport {
         self.t.set_epoch(now, view)
     }
 
+    /// Control answered that job `job` failed (`message`, its reason):
+    /// every table request in flight ends with [`WorkerError::JobFailed`],
+    /// as the I/O thread ends them when its epoch fetch hears so.
+    pub fn job_failed(&mut self, job: u16, message: &str) {
+        self.t.epoch_unavailable(|| WorkerError::JobFailed {
+            job,
+            url: "simulated control".to_string(),
+            message: message.to_string(),
+        });
+    }
+
     fn table(&self, key: u32) -> Result<&TableInfo, WorkerError> {
         self.tables
             .iter()

@@ -375,8 +375,9 @@ impl<A: Copy> Replica<A> {
     /// them: the backup slots' buffers, block overheads (`block_overhead`
     /// each) and records, a pending-aggregate record per primary slot and
     /// every peer lcore's run and address; and its backup tables, as their
-    /// primaries' (admission does not charge these yet: a replicated job
-    /// with a table is refused by its spec, PROTOCOL.md §11.9).
+    /// primaries' (`MemoryModel::replica_cost` charges them, PROTOCOL.md
+    /// §11.9). A table state copy's stream, held while it runs, is not
+    /// counted.
     pub(super) fn memory_bytes(&self, block_overhead: u64) -> u64 {
         let parts: u64 = self
             .parts

@@ -31,8 +31,10 @@
 //!   anything of it is applied. An index moved to another appliance (a
 //!   drain) is one that came back: its lcores' new addresses are taken
 //!   with the epoch, and its new appliance gets its copies.
-//! - Not built: restores of a replicated job's tables, async and bounded
-//!   delay.
+//! - A checkpoint holds this lcore's own entry's tables alone
+//!   ([`super::Job::checkpoint_tables`]); a restore copies them to their
+//!   backups, which await them (`table_copy.rs`).
+//! - Not built: async and bounded delay.
 
 use phub_proto::failover::EpochView;
 use phub_proto::replica_rows::{

@@ -1523,6 +1523,17 @@ impl<D> RowTransport<D> {
         }
     }
 
+    /// Control cannot serve the epoch a replicated job's tables need, or
+    /// answered that the job failed: every request ends with `err()`, as
+    /// the dense transport's do ([`super::Transport::epoch_unavailable`]),
+    /// instead of waiting out its silence.
+    pub(crate) fn epoch_unavailable(&mut self, err: impl Fn() -> WorkerError) {
+        let keys: Vec<u32> = self.active.keys().copied().collect();
+        for key in keys {
+            self.fail(key, err());
+        }
+    }
+
     /// `key`'s request failed with `err`.
     fn fail(&mut self, key: u32, err: WorkerError) {
         if let Some(done) = self.drop_request(key) {
