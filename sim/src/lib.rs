@@ -1806,26 +1806,31 @@ impl<'c> World<'c> {
         );
     }
 
+    /// Rank `i` heard that the job failed (`message`): control failed it
+    /// with that reason, and the rank stops, its training ended with it.
+    fn stop_rank(&mut self, i: usize, message: &str) {
+        let Some(why) = self.control.as_ref().and_then(|c| c.failed.as_ref()) else {
+            panic!("rank {i}: the job failed ({message}) though control did not fail it");
+        };
+        assert_eq!(
+            message, why,
+            "rank {i}: the job failed with another reason than control's"
+        );
+        let r = &mut self.ranks[i];
+        if !r.finished {
+            self.outcome.ranks_stopped += 1;
+        }
+        r.finished = true;
+        r.waiting = 0;
+        r.ready_at = None;
+        r.leave_at = None;
+        r.phase = Phase::Running;
+    }
+
     /// Rank `i`'s request for a key ended.
     fn on_done(&mut self, i: usize, done: phub_worker::sim::SimDone) {
         if let Err(phub_worker::WorkerError::JobFailed { message, .. }) = &done.result {
-            let Some(why) = self.control.as_ref().and_then(|c| c.failed.as_ref()) else {
-                panic!("rank {i}: the job failed ({message}) though control did not fail it");
-            };
-            assert_eq!(
-                message, why,
-                "rank {i}: the job failed with another reason than control's"
-            );
-            // The rank stops: its training ends with control's reason.
-            let r = &mut self.ranks[i];
-            if !r.finished {
-                self.outcome.ranks_stopped += 1;
-            }
-            r.finished = true;
-            r.waiting = 0;
-            r.ready_at = None;
-            r.leave_at = None;
-            r.phase = Phase::Running;
+            self.stop_rank(i, message);
             return;
         }
         let key = done.key;

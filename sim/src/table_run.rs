@@ -162,22 +162,8 @@ impl World<'_> {
         if let Err(phub_worker::WorkerError::JobFailed { message, .. }) = &d.result {
             // Control failed the job (a part lost): the rank stops with
             // its reason, as its dense keys do (`on_done`).
-            let Some(why) = self.control.as_ref().and_then(|c| c.failed.as_ref()) else {
-                panic!("rank {i}: table {t}: the job failed ({message}) though control did not fail it");
-            };
-            assert_eq!(
-                message, why,
-                "rank {i}: the job failed with another reason than control's"
-            );
             self.ranks[i].tables[t].ids = None;
-            let r = &mut self.ranks[i];
-            if !r.finished {
-                self.outcome.ranks_stopped += 1;
-            }
-            r.finished = true;
-            r.waiting = 0;
-            r.ready_at = None;
-            r.leave_at = None;
+            self.stop_rank(i, message);
             return;
         }
         let round = self.ranks[i].tables[t].next;
@@ -617,17 +603,7 @@ impl World<'_> {
     /// The models go back to the checkpoint with the engine; a BSP round
     /// in progress is not saved (PROTOCOL.md §10.6).
     pub(super) fn restore_tables(&mut self) {
-        for ((t, g), mut m) in self.tmodel_checkpoint.drain() {
-            m.clear_round();
-            // The restored lcore counts its evictions at the cap anew.
-            let key = super::table_key(self.case, t);
-            m.cap_seen = self.lcores[g]
-                .shard
-                .row_cap_count(super::JOB, key)
-                .map_or(0, |(_, _, evicted)| evicted);
-            m.take_evicted_at_cap();
-            self.tmodels[t][g] = m;
-        }
+        self.restore_tables_of(&|_| true);
     }
 
     /// At the end: every (table, lcore) completed every round (BSP) or

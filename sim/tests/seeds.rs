@@ -1865,6 +1865,31 @@ fn a_pull_sent_before_a_restore_lifts_nothing() {
     runs_through_its_restore(1_114_154, |c| older_checkpoint(c) && c.rejoin.is_some());
 }
 
+/// The first `n` drawn replicated cases with tables whose first event
+/// `event` accepts, each run (checked as every run is) with its rows
+/// checked.
+fn replicated_table_runs(
+    n: usize,
+    event: impl Fn(&phub_sim::replication::ReplicaEvent) -> bool,
+) -> Vec<(u64, phub_sim::Outcome)> {
+    (0u64..)
+        .filter(|&s| {
+            let c = Case::draw(s);
+            !c.tables.is_empty()
+                && c.replication
+                    .as_ref()
+                    .and_then(|r| r.event.as_ref())
+                    .is_some_and(&event)
+        })
+        .take(n)
+        .map(|seed| {
+            let o = run(&Case::draw(seed));
+            assert!(o.rows_checked > 0, "seed {seed}: {o:?}");
+            (seed, o)
+        })
+        .collect()
+}
+
 /// Replicated jobs with tables (PROTOCOL.md §11.9): the first drawn cases
 /// with tables and an appliance killed (one restarted is given its
 /// tables back by state copies). Every
@@ -1875,23 +1900,10 @@ fn a_pull_sent_before_a_restore_lifts_nothing() {
 #[test]
 fn replicated_tables_through_a_kill() {
     use phub_sim::replication::ReplicaEvent;
-    let seeds: Vec<u64> = (0u64..)
-        .filter(|&s| {
-            let c = Case::draw(s);
-            !c.tables.is_empty()
-                && c.replication
-                    .as_ref()
-                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Kill { .. })))
-        })
-        .take(4)
-        .collect();
-    let (mut adopted, mut checked) = (0, 0);
-    for &seed in &seeds {
-        let o = run(&Case::draw(seed));
-        assert!(o.rows_checked > 0, "seed {seed}: {o:?}");
-        adopted += o.tables_adopted;
-        checked += o.table_backups_checked;
-    }
+    let runs = replicated_table_runs(4, |e| matches!(e, ReplicaEvent::Kill { .. }));
+    let adopted: u64 = runs.iter().map(|(_, o)| o.tables_adopted).sum();
+    let checked: u64 = runs.iter().map(|(_, o)| o.table_backups_checked).sum();
+    let seeds: Vec<u64> = runs.iter().map(|r| r.0).collect();
     assert!(adopted > 0, "seeds {seeds:?}: no entry was adopted");
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }
@@ -1906,23 +1918,11 @@ fn replicated_tables_through_a_kill() {
 #[test]
 fn replicated_tables_through_a_whole_restart() {
     use phub_sim::replication::ReplicaEvent;
-    let seeds: Vec<u64> = (0u64..)
-        .filter(|&s| {
-            let c = Case::draw(s);
-            !c.tables.is_empty()
-                && c.replication
-                    .as_ref()
-                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Restart { .. })))
-        })
-        .take(3)
-        .collect();
-    let (mut copies, mut checked) = (0, 0);
-    for &seed in &seeds {
-        let o = run(&Case::draw(seed));
-        assert!(o.rows_checked > 0 && o.restored > 0, "seed {seed}: {o:?}");
-        copies += o.table_copies;
-        checked += o.table_backups_checked;
-    }
+    let runs = replicated_table_runs(3, |e| matches!(e, ReplicaEvent::Restart { .. }));
+    assert!(runs.iter().all(|(_, o)| o.restored > 0), "{runs:?}");
+    let copies: u64 = runs.iter().map(|(_, o)| o.table_copies).sum();
+    let checked: u64 = runs.iter().map(|(_, o)| o.table_backups_checked).sum();
+    let seeds: Vec<u64> = runs.iter().map(|r| r.0).collect();
     assert!(copies > 0, "seeds {seeds:?}: no restored table was copied");
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }
@@ -1936,23 +1936,10 @@ fn replicated_tables_through_a_whole_restart() {
 #[test]
 fn replicated_tables_through_a_return() {
     use phub_sim::replication::ReplicaEvent;
-    let seeds: Vec<u64> = (0u64..)
-        .filter(|&s| {
-            let c = Case::draw(s);
-            !c.tables.is_empty()
-                && c.replication
-                    .as_ref()
-                    .is_some_and(|r| matches!(r.event, Some(ReplicaEvent::Kill { back_us: Some(_), .. })))
-        })
-        .take(4)
-        .collect();
-    let (mut copies, mut checked) = (0, 0);
-    for &seed in &seeds {
-        let o = run(&Case::draw(seed));
-        assert!(o.rows_checked > 0, "seed {seed}: {o:?}");
-        copies += o.table_copies;
-        checked += o.table_backups_checked;
-    }
+    let runs = replicated_table_runs(4, |e| matches!(e, ReplicaEvent::Kill { back_us: Some(_), .. }));
+    let copies: u64 = runs.iter().map(|(_, o)| o.table_copies).sum();
+    let checked: u64 = runs.iter().map(|(_, o)| o.table_backups_checked).sum();
+    let seeds: Vec<u64> = runs.iter().map(|r| r.0).collect();
     assert!(copies > 0, "seeds {seeds:?}: no table copy was installed");
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }

@@ -94,13 +94,7 @@ fn kill_restart_then_kill_partner(after_failover: bool) {
         };
         if !try_until(Duration::from_secs(30), full) {
             // What control and each appliance say, for the diagnosis.
-            let views: Vec<String> = (0..3)
-                .map(|i| {
-                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
-                    let j = s.jobs.iter().find(|j| j.id == job.id);
-                    format!("{}: {:?}", rack.names[i], j.map(|j| (j.round_range, j.copies)))
-                })
-                .collect();
+            let views = rack.copies_views(job.id);
             panic!(
                 "not at full strength 30 s after b's restart: {:?}; epoch {:?}; appliances {views:?}",
                 detail(&rack).replicas,
@@ -179,13 +173,7 @@ fn a_table_s_appliance_restarted_gets_its_entries_copied_and_serves_them_after_i
             })
         };
         if !try_until(Duration::from_secs(30), full) {
-            let views: Vec<String> = (0..3)
-                .map(|i| {
-                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
-                    let j = s.jobs.iter().find(|j| j.id == job.id);
-                    format!("{}: {:?}", rack.names[i], j.map(|j| (j.round_range, j.copies)))
-                })
-                .collect();
+            let views = rack.copies_views(job.id);
             panic!(
                 "not at full strength 30 s after b's restart: {:?}; epoch {:?}; appliances {views:?}",
                 job_detail(&rack, job.id).replicas,
@@ -588,13 +576,7 @@ fn a_replicated_table_job_whose_every_appliance_restarted_goes_on_from_its_check
                 })
         };
         if !try_until(Duration::from_secs(30), copied) {
-            let views: Vec<String> = (0..2)
-                .map(|i| {
-                    let s: phub::proto::api::DataplaneStats = rack.dataplane(i, &mgmt::stats());
-                    let j = s.jobs.iter().find(|j| j.id == job.id);
-                    format!("{}: {:?}", rack.names[i], j.map(|j| j.copies))
-                })
-                .collect();
+            let views = rack.copies_views(job.id);
             panic!(
                 "not restored and copied 30 s after the restart: epoch {:?}; appliances {views:?}",
                 rack.send(&control::epoch(job.id))

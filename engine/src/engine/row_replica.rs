@@ -49,7 +49,7 @@ use super::outbox::Pending;
 use super::replica::Replica;
 use super::rows::{answer_head, complete, Answers};
 use super::table::{Table, TableInstall, TableRounds};
-use super::table_copy::{copy_out, copy_stream, CopyIn, CopyOut};
+use super::table_copy::{copies_to, CopyIn, CopyOut};
 use super::{Job, Shard, Verdict};
 
 /// A primary table's BSP round waiting for its backups' acknowledgements.
@@ -480,22 +480,10 @@ impl<A: Copy + Eq> Shard<A> {
         let (token, id) = (j.token, j.id);
         let rep = j.replica.as_deref_mut().expect("checked by the caller");
         let (me, epoch) = (rep.me, rep.view.epoch);
-        let Some(part) = rep
-            .row_parts
-            .iter_mut()
-            .find(|p| p.home == repr.from && p.entry == repr.entry)
-        else {
-            return Verdict::Dropped(DropReason::WrongPeer);
+        let (table, inc) = match backup_table(&mut rep.row_parts, from, repr, f.dim) {
+            Ok(t) => t,
+            Err(r) => return Verdict::Dropped(r),
         };
-        if part.from != from {
-            return Verdict::Dropped(DropReason::WrongPeer);
-        }
-        let Some((table, inc)) = part.tables.iter_mut().find(|(t, _)| t.key == repr.key) else {
-            return Verdict::Dropped(DropReason::UnknownTable);
-        };
-        if f.dim != table.dim {
-            return Verdict::Dropped(DropReason::DimMismatch);
-        }
         if inc.awaiting {
             // No round to follow until its state copy is in (§11.9 item 4).
             return Verdict::Dropped(DropReason::Ahead);
@@ -529,15 +517,7 @@ impl<A: Copy + Eq> Shard<A> {
             }
             None => return Verdict::Replicated,
         }
-        let at = rows_out.len();
-        rows_out.extend_from_slice(&ack.to_bytes());
-        // Cast: the row outbox holds a burst's messages, far below 4 GiB.
-        #[allow(clippy::cast_possible_truncation)]
-        pending.push(Pending::Row {
-            at: at as u32,
-            len: HEADER_LEN as u32,
-            to: from,
-        });
+        queue_ack(rows_out, pending, &ack, from);
         Verdict::Replicated
     }
 
@@ -670,6 +650,45 @@ impl<A: Copy + Eq> Shard<A> {
             .and_then(|rep| rep.row_parts.iter().find(|p| p.entry == entry))
             .is_some_and(|p| p.tables.iter().any(|(_, inc)| inc.awaiting))
     }
+}
+
+/// The backup table a replication message `repr` from `from` is for, of
+/// `dim` values a row: dropped `wrong_peer` when this lcore keeps no
+/// backup tables of the entry or `from` is not its primary's lcore,
+/// `unknown_table`, `dim_mismatch` (PROTOCOL.md §11.9's checks).
+pub(super) fn backup_table<'a, A: Copy + Eq>(
+    row_parts: &'a mut [RowPart<A>],
+    from: A,
+    repr: &RowReplicaRepr,
+    dim: u32,
+) -> Result<(&'a mut Table, &'a mut Incoming), DropReason> {
+    let part = row_parts
+        .iter_mut()
+        .find(|p| p.home == repr.from && p.entry == repr.entry)
+        .filter(|p| p.from == from)
+        .ok_or(DropReason::WrongPeer)?;
+    let (table, inc) = part
+        .tables
+        .iter_mut()
+        .find(|(t, _)| t.key == repr.key)
+        .ok_or(DropReason::UnknownTable)?;
+    if dim != table.dim {
+        return Err(DropReason::DimMismatch);
+    }
+    Ok((table, inc))
+}
+
+/// Queues `ack` (a header alone) to `to`.
+pub(super) fn queue_ack<A>(out: &mut Vec<u8>, pending: &mut Vec<Pending<A>>, ack: &RowReplicaRepr, to: A) {
+    let at = out.len();
+    out.extend_from_slice(&ack.to_bytes());
+    // Cast: the row outbox holds a burst's messages, far below 4 GiB.
+    #[allow(clippy::cast_possible_truncation)]
+    pending.push(Pending::Row {
+        at: at as u32,
+        len: HEADER_LEN as u32,
+        to,
+    });
 }
 
 /// Takes fragment `f` of round `repr.round` at backup table `table`:
@@ -948,16 +967,9 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 s.copies
                     .retain(|c| now.iter().any(|b| b.0 == c.backup) && !new.iter().any(|b| b.0 == c.backup));
-                for t in j.tables.iter().filter(|t| t.entry() == s.entry) {
-                    if new.is_empty() {
-                        break;
-                    }
-                    let stream = copy_stream(t);
-                    for &(b, at) in &new {
-                        s.copies.push(copy_out(b, at, t, stream.clone()));
-                        copying = true;
-                    }
-                }
+                let started = copies_to(&j.tables, s.entry, &new);
+                copying |= !started.is_empty();
+                s.copies.extend(started);
                 s.backups = now;
             }
             // The epoch change set the replicas' timer from the dense

@@ -27,9 +27,10 @@ use phub_proto::replica_rows::{
     read_copy_head, state_fragments, write_copy_head, write_state_fragment, CopyHead, RowReplicaRepr,
     RowReplicaType, StateFragment, STATE_BYTES,
 };
-use phub_proto::wire::{flags, DropReason, HEADER_LEN};
+use phub_proto::wire::{flags, DropReason};
 
 use super::outbox::Pending;
+use super::row_replica::{backup_table, queue_ack};
 use super::table::{Table, TableRounds};
 use super::{Shard, Verdict};
 
@@ -92,43 +93,56 @@ pub(super) fn copy_stream(table: &Table) -> Arc<[u8]> {
     out.into()
 }
 
-/// Queues fragments `range` of `copy` to its backup (`flags`: 0, or
-/// RETRANSMIT), for job (`token`, `id`) `job` in `epoch`, sent in the name
-/// of entry `entry`'s home `home` (as REPLICATE_ROWS are); returns how many.
-#[allow(clippy::too_many_arguments)]
-fn queue_state<A: Copy>(
-    out: &mut Vec<u8>,
-    pending: &mut Vec<Pending<A>>,
+/// Who a copy's fragments are sent in the name of: job (`token`, `id`),
+/// the entry's home (as REPLICATE_ROWS are) and the entry, in `epoch`.
+#[derive(Debug, Clone, Copy)]
+struct StateHead {
     job: (u64, u16),
     home: u16,
     entry: u32,
     epoch: u32,
-    dim: u32,
+}
+
+/// Queues fragments `range` of `copy` (of one of `tables`, the entry's) to
+/// its backup (`flags`: 0, or RETRANSMIT); returns how many (none when the
+/// table is not here).
+fn queue_state<A: Copy>(
+    out: &mut Vec<u8>,
+    pending: &mut Vec<Pending<A>>,
+    head: StateHead,
+    tables: &[Table],
     copy: &CopyOut<A>,
     range: std::ops::Range<u32>,
     flags: u8,
 ) -> u64 {
+    let Some(dim) = tables
+        .iter()
+        .find(|t| t.key == copy.key && t.entry() == head.entry)
+        .map(|t| t.dim)
+    else {
+        return 0;
+    };
     let total = copy.stream.len() as u64;
     for f in range.clone() {
         let from = f as usize * STATE_BYTES;
         let bytes = &copy.stream[from..(from + STATE_BYTES).min(copy.stream.len())];
         // Cast: a fragment holds at most STATE_BYTES (< 2^16) bytes.
         #[allow(clippy::cast_possible_truncation)]
-        let head = RowReplicaRepr {
+        let repr = RowReplicaRepr {
             kind: RowReplicaType::TableState,
             flags,
-            token: job.0,
-            job: job.1,
-            from: home,
+            token: head.job.0,
+            job: head.job.1,
+            from: head.home,
             count: bytes.len() as u16,
             round: copy.round,
-            entry,
+            entry: head.entry,
             key: copy.key,
             fragment: f,
-            epoch,
+            epoch: head.epoch,
         };
         let at = out.len();
-        out.extend_from_slice(&head.to_bytes());
+        out.extend_from_slice(&repr.to_bytes());
         write_state_fragment(out, total, copy.fragments, dim, bytes);
         // Cast: the row outbox holds a burst's messages, far below 4 GiB.
         #[allow(clippy::cast_possible_truncation)]
@@ -141,9 +155,23 @@ fn queue_state<A: Copy>(
     u64::from(range.end - range.start)
 }
 
+/// New copies, none of it sent yet, of each of `tables` of entry `entry`
+/// to each of `backups` (appliance, lcore address): a stream per table.
+pub(super) fn copies_to<A: Copy>(tables: &[Table], entry: u32, backups: &[(u16, A)]) -> Vec<CopyOut<A>> {
+    if backups.is_empty() {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    for t in tables.iter().filter(|t| t.entry() == entry) {
+        let stream = copy_stream(t);
+        out.extend(backups.iter().map(|&(b, at)| copy_out(b, at, t, stream.clone())));
+    }
+    out
+}
+
 /// A new copy of `table` (whose stream is `stream`) to backup `backup` at
 /// `to`, none of it sent yet.
-pub(super) fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<A> {
+fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<A> {
     let round = match &table.rounds {
         TableRounds::Bsp(b) => b.completed,
         TableRounds::Clocked { .. } => 0,
@@ -180,16 +208,7 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
             for s in &mut rep.served {
-                s.copies.clear();
-                for t in j.tables.iter().filter(|t| t.entry() == s.entry) {
-                    if s.backups.is_empty() {
-                        break;
-                    }
-                    let stream = copy_stream(t);
-                    for &(b, at) in &s.backups {
-                        s.copies.push(copy_out(b, at, t, stream.clone()));
-                    }
-                }
+                s.copies = copies_to(&j.tables, s.entry, &s.backups);
             }
             rep.next_deadline = 0;
         }
@@ -217,21 +236,13 @@ impl<A: Copy + Eq> Shard<A> {
                 if c.sent >= end {
                     continue;
                 }
-                let Some(t) = j.tables.iter().find(|t| t.key == c.key && t.entry() == s.entry) else {
-                    continue;
-                };
-                let sent = queue_state(
-                    rows_out,
-                    pending,
-                    (j.token, j.id),
-                    s.home,
-                    s.entry,
+                let head = StateHead {
+                    job: (j.token, j.id),
+                    home: s.home,
+                    entry: s.entry,
                     epoch,
-                    t.dim,
-                    c,
-                    c.sent..end,
-                    0,
-                );
+                };
+                let sent = queue_state(rows_out, pending, head, &j.tables, c, c.sent..end, 0);
                 rep.stats.table_states_sent += sent;
                 c.sent = end;
             }
@@ -260,9 +271,6 @@ impl<A: Copy + Eq> Shard<A> {
                 if c.deadline == 0 {
                     c.deadline = now.saturating_add(rep.rtt.rto(0));
                 } else if c.deadline <= now && budget >= (c.sent - c.acked) as usize {
-                    let Some(t) = j.tables.iter().find(|t| t.key == c.key && t.entry() == s.entry) else {
-                        continue;
-                    };
                     budget -= (c.sent - c.acked) as usize;
                     if !timed_out {
                         rep.rtt.back_off();
@@ -270,14 +278,17 @@ impl<A: Copy + Eq> Shard<A> {
                     }
                     c.resends = c.resends.saturating_add(1);
                     c.deadline = now.saturating_add(rep.rtt.rto(c.resends));
+                    let head = StateHead {
+                        job: (j.token, j.id),
+                        home: s.home,
+                        entry: s.entry,
+                        epoch,
+                    };
                     let sent = queue_state(
                         rows_out,
                         pending,
-                        (j.token, j.id),
-                        s.home,
-                        s.entry,
-                        epoch,
-                        t.dim,
+                        head,
+                        &j.tables,
                         c,
                         c.acked..c.sent,
                         flags::RETRANSMIT,
@@ -311,22 +322,10 @@ impl<A: Copy + Eq> Shard<A> {
         let (token, id) = (j.token, j.id);
         let rep = j.replica.as_deref_mut().expect("checked by the caller");
         let (me, epoch) = (rep.me, rep.view.epoch);
-        let Some(part) = rep
-            .row_parts
-            .iter_mut()
-            .find(|p| p.home == repr.from && p.entry == repr.entry)
-        else {
-            return Verdict::Dropped(DropReason::WrongPeer);
+        let (table, inc) = match backup_table(&mut rep.row_parts, from, repr, f.dim) {
+            Ok(t) => t,
+            Err(r) => return Verdict::Dropped(r),
         };
-        if part.from != from {
-            return Verdict::Dropped(DropReason::WrongPeer);
-        }
-        let Some((table, inc)) = part.tables.iter_mut().find(|(t, _)| t.key == repr.key) else {
-            return Verdict::Dropped(DropReason::UnknownTable);
-        };
-        if f.dim != table.dim {
-            return Verdict::Dropped(DropReason::DimMismatch);
-        }
         let n = f.fragments;
         let last = repr.fragment + 1 == n;
         let expect = if last {
@@ -368,15 +367,7 @@ impl<A: Copy + Eq> Shard<A> {
             epoch,
         };
         rep.stats.table_state_acks_sent += 1;
-        let at = rows_out.len();
-        rows_out.extend_from_slice(&ack.to_bytes());
-        // Cast: the row outbox holds a burst's messages, far below 4 GiB.
-        #[allow(clippy::cast_possible_truncation)]
-        pending.push(Pending::Row {
-            at: at as u32,
-            len: HEADER_LEN as u32,
-            to: from,
-        });
+        queue_ack(rows_out, pending, &ack, from);
         Verdict::Replicated
     }
 

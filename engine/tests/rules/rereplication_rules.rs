@@ -86,20 +86,7 @@ fn install_joined(w: &mut World, i: usize, view: &EpochView) {
 /// Appliance `i`'s state copies of the job as its stats report them
 /// (what control watches, PROTOCOL.md §11.7), over its lcores.
 fn copies(w: &World, i: usize) -> phub_proto::api::CopyProgress {
-    let mut all: Option<phub_proto::api::CopyProgress> = None;
-    for s in &w.shards[i] {
-        let c = s
-            .job_stats()
-            .into_iter()
-            .find(|j| j.id == JOB)
-            .and_then(|j| j.copies)
-            .expect("a replicated job reports its copies");
-        match &mut all {
-            Some(a) => a.merge(&c),
-            None => all = Some(c),
-        }
-    }
-    all.expect("an appliance has lcores")
+    copies_of(&w.shards[i])
 }
 
 fn stat(w: &World, i: usize, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {

@@ -386,6 +386,19 @@ impl Appliances {
         send(&self.mgmt_urls[i], call)
     }
 
+    /// Each appliance's rounds and state copies of job `job` as its stats
+    /// say them (for a test's diagnosis).
+    pub(crate) fn copies_views(&self, job: u16) -> Vec<String> {
+        (0..self.names.len())
+            .map(|i| {
+                let s: phub::proto::api::DataplaneStats =
+                    self.dataplane(i, &phub::proto::routes::mgmt::stats());
+                let j = s.jobs.iter().find(|j| j.id == job);
+                format!("{}: {:?}", self.names[i], j.map(|j| (j.round_range, j.copies)))
+            })
+            .collect()
+    }
+
     /// The last round job `job`'s slots on appliance `i` completed, the
     /// highest over its slots (`None`: none, or the job is not there).
     pub(crate) fn last_round(&self, i: usize, job: u16) -> Option<u32> {

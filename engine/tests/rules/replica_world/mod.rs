@@ -688,3 +688,22 @@ pub(crate) const LOSSY: Faults = Faults {
     loss: 0.05,
     dup: 0.2,
 };
+
+/// An appliance's state copies of the job as its lcores' stats report
+/// them (what control watches, PROTOCOL.md §11.7), over `shards`.
+pub(crate) fn copies_of(shards: &[Shard<SocketAddrV4>]) -> phub_proto::api::CopyProgress {
+    let mut all: Option<phub_proto::api::CopyProgress> = None;
+    for s in shards {
+        let c = s
+            .job_stats()
+            .into_iter()
+            .find(|j| j.id == JOB)
+            .and_then(|j| j.copies)
+            .expect("a replicated job reports its copies");
+        match &mut all {
+            Some(a) => a.merge(&c),
+            None => all = Some(c),
+        }
+    }
+    all.expect("an appliance has lcores")
+}
