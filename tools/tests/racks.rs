@@ -376,3 +376,64 @@ fn torch_stops_naming_a_rank_that_exited() {
     assert!(text.contains("rank 1 exited (exit status: 3)"), "{text}");
     assert!(left.is_empty(), "namespaces left behind: {left:?}");
 }
+
+/// `phub-bench sparse --local --racks 3`: a table's rows over three racks'
+/// appliances, with one copy and with two. Both verify every row every
+/// rank read back; with two copies every round's rows also go to each
+/// entry's backup on another rack before any rank is answered, so more
+/// crosses the spine: at least the rows a step stores anew, once.
+#[test]
+fn a_table_over_three_virtual_racks_verifies_with_one_copy_and_with_two() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench sparse --local --racks {why}");
+        return;
+    }
+    let run = |replicas: &str| {
+        let (ok, v, text, pid) = common::bench_json(
+            &format!("sparse-racks-{replicas}"),
+            &[
+                "sparse",
+                "--local",
+                "--racks",
+                "3",
+                "--replicas",
+                replicas,
+                "--workers",
+                "3",
+                "--rows",
+                "20000",
+                "--dim",
+                "8",
+                "--batch",
+                "256",
+                "--steps",
+                "20",
+                "--verify",
+            ],
+            &[],
+        );
+        assert!(ok, "{text}");
+        assert_eq!(v["verified"], true, "{text}");
+        assert_eq!(v["racks"], 3, "{v}");
+        assert!(
+            leftovers(pid).is_empty(),
+            "namespaces left behind: {:?}",
+            leftovers(pid)
+        );
+        v
+    };
+    let (one, two) = (run("1"), run("2"));
+    let spine = |v: &Value| v["cross_rack_bytes_per_step"].as_f64().unwrap();
+    // The same draws both times: the same rows stored.
+    assert_eq!(one["rows_stored"], two["rows_stored"]);
+    // Every row stored went to its backup (id and 8 f32, 40 bytes) in at
+    // least one of the 23 steps: half of that is well past what resends
+    // alone could add.
+    let stored = two["rows_stored"].as_f64().unwrap();
+    assert!(
+        spine(&two) - spine(&one) > stored * 40.0 / 23.0 / 2.0,
+        "replicas 2 moved {} bytes a step across the spine, replicas 1 {}: {two}",
+        spine(&two),
+        spine(&one)
+    );
+}

@@ -3,7 +3,14 @@
 //! end to end on loopback, a local appliance and `--workers` worker
 //! threads, each pushing `--batch` distinct ids a step with
 //! `push_pull_rows`, and with `--baseline tcp-ps` the same draws against
-//! a plain TCP row server ([`super::tcp_rows`]) in the same run.
+//! a plain TCP row server ([`super::tcp_rows`]) in the same run. With
+//! `--racks R` the same ranks run on R virtual racks instead of loopback
+//! (the namespaces of `phub-bench run --racks`: an appliance per rack on
+//! kernel UDP, the ranks in their racks' namespaces, control in the
+//! spine's), the table's rows over every rack's appliance and, with
+//! `--replicas N`, every table round applied on the backups of its
+//! entry before any rank is answered (PROTOCOL.md §11.9); the bytes that
+//! crossed the spine are read from its interfaces.
 //!
 //! Each of `--lcores` threads owns one [`RowStore`] of `rows / lcores`
 //! rows of `--dim` values with element-wise Adagrad state, as an lcore
@@ -144,6 +151,18 @@ pub struct SparseArgs {
     /// during it against the others.
     #[arg(long, requires = "local")]
     pub checkpoint_under_load: bool,
+    /// `--local`: run over R virtual racks instead of loopback (as root:
+    /// a network namespace per rack holding its ranks, an appliance per
+    /// rack on kernel UDP with `--lcores` lcores behind its own link, a
+    /// spine between the racks), the table's rows over every rack's
+    /// appliance: `cross_rack_bytes_per_step` in the JSON.
+    #[arg(long, value_name = "R", requires = "local")]
+    pub racks: Option<usize>,
+    /// `--racks`: the job's `[placement] replicas`, 1 to 3 (2 or 3: every
+    /// table round applied on the backups of its entry before any rank is
+    /// answered, PROTOCOL.md §11.9).
+    #[arg(long, value_name = "N", default_value_t = 1, requires = "racks")]
+    pub replicas: u32,
     /// `--engine-only`: after the timed runs, write every store to a
     /// checkpoint in this directory, drop it and restore it (module head).
     #[arg(long, value_name = "DIR", requires = "engine_only")]
@@ -649,6 +668,15 @@ pub struct SparseLocalReport {
     pub checkpoint_under_load: Option<UnderLoad>,
     /// /proc/loadavg's 1-minute figure before the run.
     pub loadavg_1m_before: f64,
+    /// `--racks`: the virtual racks (null on loopback).
+    pub racks: Option<usize>,
+    /// The job's `[placement] replicas`.
+    pub replicas: u32,
+    /// `--racks`: the bytes that crossed the spine (read from its
+    /// interfaces, every datagram between racks: ranks to appliances of
+    /// other racks, and appliances to their backups) over the whole run,
+    /// per step, the 3 untimed ones included.
+    pub cross_rack_bytes_per_step: Option<f64>,
     /// The machine.
     pub machine: Machine,
 }
@@ -1145,54 +1173,61 @@ fn drive(
     .collect()
 }
 
-/// `phub-bench sparse --local` (module head): one table of `--rows` rows
-/// of `--dim` values with element-wise Adagrad (lr 0.01), BSP; each rank
-/// draws `--batch` distinct ranks a step (Zipf or uniform over the rows,
-/// hashed to ids as `--engine-only` does) and calls `push_pull_rows`.
-// Casts: counts to f64 for rates.
-#[allow(clippy::cast_precision_loss)]
-fn run_local(args: &SparseArgs) -> Result<()> {
+/// What the ranks did where the job ran, and what control said of it.
+struct Ran {
+    ranks: Vec<RankFigures>,
+    detail: phub_proto::api::JobDetail,
+    checkpoint_under_load: Option<UnderLoad>,
+    checkpoints: Vec<LocalCheckpoint>,
+    restore: Option<LocalCheckpoint>,
+    /// `--dense-pull`'s median step, ms.
+    dense: Option<f64>,
+    /// `--racks`: the bytes that crossed the spine over the whole run.
+    cross_rack_bytes: Option<u64>,
+}
+
+/// Rank `r`'s pusher on job `job` through control at `url`: joins,
+/// registers its ids with `--cache-ids`, and pushes (or, past the untimed
+/// steps with `--pull-only`, pulls) a step's rows.
+fn rank_pusher(args: &SparseArgs, url: &str, job: &phub_proto::api::AdmitResponse, r: u16) -> Result<Pusher> {
+    let w = phub_worker::Worker::join(url, job.id, job.token, r)?;
+    if args.cache_ids {
+        w.cache_ids("emb", &rank_ids(args, r)[..args.batch])?;
+    }
+    let bytes = |w: &phub_worker::Worker| {
+        let s = w.stats();
+        [
+            s.bytes_sent + s.bytes_received,
+            s.row_retransmits,
+            s.key_cache_id_bytes_saved,
+            s.key_cache_prefix_bytes,
+        ]
+    };
+    // --pull-only: the untimed steps (the first three) push.
+    let (pull_only, mut steps) = (args.pull_only, 0u32);
+    Ok(Box::new(
+        move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
+            if ids.is_empty() {
+                return Ok(bytes(&w));
+            }
+            steps += 1;
+            if pull_only && steps > 3 {
+                w.pull_rows("emb", ids, out)?;
+                return Ok(bytes(&w));
+            }
+            w.push_pull_rows("emb", ids, grads, out)?;
+            Ok(bytes(&w))
+        },
+    ))
+}
+
+/// `--local` on loopback: a local appliance, the job `spec` admitted on
+/// it, the ranks driven, and what `--take-checkpoint`,
+/// `--checkpoint-under-load` and `--dense-pull` ask for.
+fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Result<Ran> {
     use super::local::{admit, control_client, Local, LocalOptions};
     use phub_proto::routes::control;
 
-    ensure!(args.workers >= 1, "--workers 0: accepted 1 or more");
-    ensure!(args.steps >= 1, "--steps 0: accepted 1 or more");
-    ensure!(
-        args.batch >= 1 && args.dim >= 1,
-        "--batch and --dim: accepted 1 or more"
-    );
-    ensure!(
-        !(args.verify && args.prefill),
-        "--verify's reference starts from an empty table: drop --verify or --prefill"
-    );
-    ensure!(
-        !(args.verify && args.pull_only),
-        "--verify checks the rows pushes make: drop --verify or --pull-only"
-    );
-    ensure!(
-        !args.verify || args.consistency == phub_proto::spec::Consistency::Sync,
-        "--verify checks BSP rounds against a reference; with --consistency {} a rank's rows depend on \
-         the order the pushes arrived in: drop --verify or use --consistency bsp",
-        args.consistency
-    );
-    let load = loadavg();
-    let (d, k) = (args.dim as usize, args.batch);
-    // --verify: a cap no draw reaches (nothing evicted).
-    let cap = if args.verify { args.rows * 2 } else { args.rows };
-    // --cache-ids: slots for a batch's messages even were all its ids
-    // on one lcore.
-    let per = phub_proto::spec::rows_per_datagram(
-        phub_proto::spec::DEFAULT_CHUNK_BYTES,
-        args.dim,
-        phub_proto::Dtype::F32,
-    );
-    let key_cache = if args.cache_ids {
-        u32::try_from(k.div_ceil(per.max(1) as usize)).unwrap_or(u32::MAX)
-    } else {
-        0
-    };
-    // Rows, index and Adagrad state at the cap, with room to spare.
-    let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
     let mut local = Local::start(&LocalOptions {
         lcores: args.lcores,
         backend: "udp".into(),
@@ -1207,32 +1242,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         veth: None,
     })?;
     let token = local.operator_token().ok();
-    let spec = format!(
-        "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
-         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\nkey_cache = {}\n",
-        args.workers, args.dim, cap, key_cache
-    );
-    let spec = match args.consistency {
-        phub_proto::spec::Consistency::Sync => spec,
-        phub_proto::spec::Consistency::Async => format!("{spec}[consistency]\nmode = \"async\"\n"),
-        phub_proto::spec::Consistency::Bounded { delay } => {
-            format!("{spec}[consistency]\nbounded_delay = {delay}\n")
-        }
-    };
-    let job = admit(&local.control_url, &spec, token.as_deref())?;
+    let job = admit(&local.control_url, spec, token.as_deref())?;
     let url = local.control_url.clone();
-    // --verify: multiples of 2^-10 in [-0.5, 0.5), whose sums over the
-    // ranks are exact in any order.
-    let grads: Vec<f32> = (0..k * d)
-        .map(|i| match args.verify {
-            false => (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5,
-            true => ((splitmix(i as u64) >> 54) as f32 - 512.0) / 1024.0,
-        })
-        .collect();
-    let table_opt = phub_proto::spec::JobSpec::from_toml(&spec)
-        .ok()
-        .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
-        .context("the benchmark's own spec has its table")?;
     // --checkpoint-under-load: timed steps done so far, over the ranks.
     let done = std::sync::atomic::AtomicU64::new(0);
     let finished = std::sync::atomic::AtomicBool::new(false);
@@ -1240,37 +1251,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         let taker = args.checkpoint_under_load.then(|| {
             s.spawn(|| checkpoint_halfway(args, &local, job.id, token.as_deref(), &done, &finished))
         });
-        let ranks = drive(args, &grads, &done, |r| {
-            let w = phub_worker::Worker::join(&url, job.id, job.token, r)?;
-            if args.cache_ids {
-                w.cache_ids("emb", &rank_ids(args, r)[..k])?;
-            }
-            let bytes = |w: &phub_worker::Worker| {
-                let s = w.stats();
-                [
-                    s.bytes_sent + s.bytes_received,
-                    s.row_retransmits,
-                    s.key_cache_id_bytes_saved,
-                    s.key_cache_prefix_bytes,
-                ]
-            };
-            // --pull-only: the untimed steps (the first three) push.
-            let (pull_only, mut steps) = (args.pull_only, 0u32);
-            Ok(Box::new(
-                move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
-                    if ids.is_empty() {
-                        return Ok(bytes(&w));
-                    }
-                    steps += 1;
-                    if pull_only && steps > 3 {
-                        w.pull_rows("emb", ids, out)?;
-                        return Ok(bytes(&w));
-                    }
-                    w.push_pull_rows("emb", ids, grads, out)?;
-                    Ok(bytes(&w))
-                },
-            ) as Pusher)
-        });
+        let ranks = drive(args, grads, &done, |r| rank_pusher(args, &url, &job, r));
         finished.store(true, std::sync::atomic::Ordering::Relaxed);
         let taken = taker.map(|t| {
             t.join()
@@ -1311,6 +1292,209 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         false => None,
     };
     local.stop();
+    Ok(Ran {
+        ranks,
+        detail,
+        checkpoint_under_load,
+        checkpoints,
+        restore,
+        dense,
+        cross_rack_bytes: None,
+    })
+}
+
+/// `--racks R`: R virtual racks (those of `phub-bench run --racks`), an
+/// appliance per rack and control started, the job `spec` placed flat over
+/// every rack's appliance with `--replicas`, the ranks driven from their
+/// racks' namespaces (rank r in rack [`super::racks::rack_of_ranks`]'s),
+/// and the bytes that crossed the spine meanwhile.
+fn on_racks(args: &SparseArgs, racks: usize, spec: &str, budget: u64, grads: &[f32]) -> Result<Ran> {
+    use super::racks::RackNet;
+    let net = RackNet::create(racks, None, None, 50.0)?;
+    let dir = std::env::temp_dir().join(format!("phub-bench-sparse-racks-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    phub_hwtests::process::track_dir(&dir);
+    let r = RackNet::inside_named(&net.spine.name, || {
+        in_spine(args, &net, &dir, spec, budget, grads)
+    });
+    if r.is_err() {
+        eprintln!("phub-bench: the racks' logs were in {} (removed)", dir.display());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    phub_hwtests::process::untrack_dir(&dir);
+    drop(net);
+    r
+}
+
+/// [`on_racks`] inside the spine's namespace (control's).
+fn in_spine(
+    args: &SparseArgs,
+    net: &super::racks::RackNet,
+    dir: &Path,
+    spec: &str,
+    budget: u64,
+    grads: &[f32],
+) -> Result<Ran> {
+    use super::racks::{appliance_name, rack_of_ranks, start, Daemons};
+    use phub_hwtests::dataplane_args::DataplaneArgs;
+    let racks = net.racks.len();
+    let appl = start(
+        &Daemons {
+            bin_dir: None,
+            dataplane: DataplaneArgs {
+                lcores: Some(args.lcores),
+                ..DataplaneArgs::default()
+            },
+            env: Vec::new(),
+            control_extra: Vec::new(),
+            dpdk: false,
+        },
+        net,
+        dir,
+        budget,
+    )?;
+    let names: Vec<String> = (1..=racks).map(appliance_name).collect();
+    let spec = format!(
+        "{spec}[placement]\nappliances = {names:?}\nreplicas = {}\n",
+        args.replicas
+    );
+    let (url, token) = (appl.control_url.clone(), Some(appl.token.as_str()));
+    let job = super::local::admit(&url, &spec, token)?;
+    let of = rack_of_ranks(usize::from(args.workers), racks);
+    let before = net.spine_rx_bytes()?;
+    let ranks = drive(args, grads, &std::sync::atomic::AtomicU64::new(0), |r| {
+        let ns = &net.racks[of[usize::from(r)]].name;
+        phub_hwtests::virt::try_enter_netns(ns).map_err(|e| anyhow::anyhow!(e))?;
+        rank_pusher(args, &url, &job, r)
+    });
+    let after = net.spine_rx_bytes()?;
+    let detail = super::local::control_client(&url, token, std::time::Duration::from_secs(10))?
+        .send(&phub_proto::routes::control::job(job.id))
+        .context("asking control for the job's tables")?;
+    super::local::evict(&url, job.id, token);
+    appl.stop();
+    Ok(Ran {
+        ranks: ranks?,
+        detail,
+        checkpoint_under_load: None,
+        checkpoints: Vec::new(),
+        restore: None,
+        dense: None,
+        cross_rack_bytes: Some(after - before),
+    })
+}
+
+/// `phub-bench sparse --local` (module head): one table of `--rows` rows
+/// of `--dim` values with element-wise Adagrad (lr 0.01), BSP; each rank
+/// draws `--batch` distinct ranks a step (Zipf or uniform over the rows,
+/// hashed to ids as `--engine-only` does) and calls `push_pull_rows`.
+// Casts: counts to f64 for rates.
+#[allow(clippy::cast_precision_loss)]
+fn run_local(args: &SparseArgs) -> Result<()> {
+    ensure!(args.workers >= 1, "--workers 0: accepted 1 or more");
+    ensure!(args.steps >= 1, "--steps 0: accepted 1 or more");
+    ensure!(
+        args.batch >= 1 && args.dim >= 1,
+        "--batch and --dim: accepted 1 or more"
+    );
+    ensure!(
+        !(args.verify && args.prefill),
+        "--verify's reference starts from an empty table: drop --verify or --prefill"
+    );
+    ensure!(
+        !(args.verify && args.pull_only),
+        "--verify checks the rows pushes make: drop --verify or --pull-only"
+    );
+    ensure!(
+        !args.verify || args.consistency == phub_proto::spec::Consistency::Sync,
+        "--verify checks BSP rounds against a reference; with --consistency {} a rank's rows depend on \
+         the order the pushes arrived in: drop --verify or use --consistency bsp",
+        args.consistency
+    );
+    if let Some(racks) = args.racks {
+        ensure!(
+            (1..=super::racks::MAX_RACKS).contains(&racks),
+            "--racks {racks}: expected 1 to {}",
+            super::racks::MAX_RACKS
+        );
+        ensure!(
+            usize::from(args.workers) >= racks,
+            "--workers {} with --racks {racks}: expected at least one worker per rack",
+            args.workers
+        );
+        ensure!(
+            (1..=3).contains(&args.replicas) && args.replicas as usize <= racks,
+            "--replicas {} with --racks {racks}: expected 1 to 3, and no more than the racks (an appliance each)",
+            args.replicas
+        );
+        for (set, flag) in [
+            (args.baseline.is_some(), "--baseline"),
+            (args.take_checkpoint, "--take-checkpoint"),
+            (args.checkpoint_under_load, "--checkpoint-under-load"),
+            (args.dense_pull, "--dense-pull"),
+            (
+                args.prefill,
+                "--prefill (the spine's bytes per step would count the fill)",
+            ),
+        ] {
+            ensure!(!set, "--racks with {flag}: not supported; drop one of them");
+        }
+    }
+    let load = loadavg();
+    let (d, k) = (args.dim as usize, args.batch);
+    // --verify: a cap no draw reaches (nothing evicted).
+    let cap = if args.verify { args.rows * 2 } else { args.rows };
+    // --cache-ids: slots for a batch's messages even were all its ids
+    // on one lcore.
+    let per = phub_proto::spec::rows_per_datagram(
+        phub_proto::spec::DEFAULT_CHUNK_BYTES,
+        args.dim,
+        phub_proto::Dtype::F32,
+    );
+    let key_cache = if args.cache_ids {
+        u32::try_from(k.div_ceil(per.max(1) as usize)).unwrap_or(u32::MAX)
+    } else {
+        0
+    };
+    // Rows, index and Adagrad state at the cap, with room to spare.
+    let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
+    let spec = format!(
+        "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
+         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\nkey_cache = {}\n",
+        args.workers, args.dim, cap, key_cache
+    );
+    let spec = match args.consistency {
+        phub_proto::spec::Consistency::Sync => spec,
+        phub_proto::spec::Consistency::Async => format!("{spec}[consistency]\nmode = \"async\"\n"),
+        phub_proto::spec::Consistency::Bounded { delay } => {
+            format!("{spec}[consistency]\nbounded_delay = {delay}\n")
+        }
+    };
+    // --verify: multiples of 2^-10 in [-0.5, 0.5), whose sums over the
+    // ranks are exact in any order.
+    let grads: Vec<f32> = (0..k * d)
+        .map(|i| match args.verify {
+            false => (splitmix(i as u64) >> 40) as f32 / (1u64 << 24) as f32 - 0.5,
+            true => ((splitmix(i as u64) >> 54) as f32 - 512.0) / 1024.0,
+        })
+        .collect();
+    let table_opt = phub_proto::spec::JobSpec::from_toml(&spec)
+        .ok()
+        .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
+        .context("the benchmark's own spec has its table")?;
+    let ran = match args.racks {
+        Some(racks) => on_racks(args, racks, &spec, budget, &grads)?,
+        None => on_loopback(args, &spec, budget, &grads)?,
+    };
+    let Ran {
+        ranks,
+        detail,
+        checkpoint_under_load,
+        checkpoints,
+        restore,
+        dense,
+        cross_rack_bytes,
+    } = ran;
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
         Some(_) => {
@@ -1387,6 +1571,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         restore,
         checkpoint_under_load,
         loadavg_1m_before: load,
+        racks: args.racks,
+        replicas: args.replicas,
+        cross_rack_bytes_per_step: cross_rack_bytes.map(|b| b as f64 / f64::from(args.steps + 3)),
         machine: Machine::detect(),
     };
     println!(
@@ -1415,6 +1602,13 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
         report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
+    if let (Some(racks), Some(b)) = (report.racks, report.cross_rack_bytes_per_step) {
+        println!(
+            "  {racks} virtual racks, replicas {}: {:.1} KB across the spine per step",
+            report.replicas,
+            b / 1e3
+        );
+    }
     if let (Some(m), Some(r)) = (report.dense_pull_ms_median, report.pull_vs_dense) {
         println!(
             "  a dense key of {} x {} elements pulled: step median {m:.2} ms; the table's pull {r:.2}x that",
