@@ -437,3 +437,53 @@ fn a_table_over_three_virtual_racks_verifies_with_one_copy_and_with_two() {
         spine(&one)
     );
 }
+
+/// `phub-bench sparse --local --racks 3 --replicas 2 --kill-appliance`:
+/// rack 2's appliance killed mid-run; its entries fail over to their
+/// backups and every rank's rows of every step, those around the kill
+/// included, are still the reference's (a round lost or applied twice
+/// would change them).
+#[test]
+fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_exactly() {
+    if let Some(why) = phub_hwtests::virt::unavailable() {
+        eprintln!("skipped: phub-bench sparse --local --racks --kill-appliance {why}");
+        return;
+    }
+    let (ok, v, text, pid) = common::bench_json(
+        "sparse-racks-kill",
+        &[
+            "sparse",
+            "--local",
+            "--racks",
+            "3",
+            "--replicas",
+            "2",
+            "--workers",
+            "3",
+            "--rows",
+            "20000",
+            "--dim",
+            "8",
+            "--batch",
+            "256",
+            "--steps",
+            "20",
+            "--kill-appliance",
+            "rack2",
+            "--kill-at-step",
+            "5",
+            "--verify",
+        ],
+        &[],
+    );
+    assert!(ok, "{text}");
+    assert_eq!(v["verified"], true, "{text}");
+    assert_eq!(v["killed"], "rack2", "{v}");
+    let ms = v["failover_ms"].as_f64().unwrap_or(f64::NAN);
+    assert!(ms > 0.0 && ms < 30_000.0, "failover_ms {ms}: {v}");
+    assert!(
+        leftovers(pid).is_empty(),
+        "namespaces left behind: {:?}",
+        leftovers(pid)
+    );
+}

@@ -599,6 +599,11 @@ impl Appliances {
         Ok(())
     }
 
+    /// Kills (SIGKILL) dataplane `i` and waits for it to exit.
+    pub(super) fn kill(&mut self, i: usize) {
+        self.dataplanes[i].kill();
+    }
+
     /// Stops control, then the dataplanes, saying which did not stop on
     /// SIGTERM.
     pub(super) fn stop(mut self) {
@@ -1014,7 +1019,7 @@ fn run_in_spine(
             a.failover.restart_after_ms.map(Duration::from_millis),
             move |act| match act {
                 Act::Kill => {
-                    appl.dataplanes[i].kill();
+                    appl.kill(i);
                     true
                 }
                 Act::Restart => appl

@@ -163,6 +163,27 @@ pub struct SparseArgs {
     /// answered, PROTOCOL.md §11.9).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "racks")]
     pub replicas: u32,
+    /// `--racks` with `--replicas` 2 or 3: kill (SIGKILL) this appliance's
+    /// dataplane mid-run, named as control names it (`rack2`), once the
+    /// ranks have completed `--kill-at-step` timed steps each (W x N
+    /// between them); its entries fail over to their backups (PROTOCOL.md
+    /// §11.9): `failover_ms` in the JSON, and with `--verify` every rank's
+    /// rows of every step, the kill's included, checked against the
+    /// reference (a round lost or applied twice changes them).
+    #[arg(long, value_name = "NAME", requires_all = ["racks", "kill_at_step"])]
+    pub kill_appliance: Option<String>,
+    /// `--kill-appliance`: the timed steps each rank completes before the
+    /// kill, 1 to `--steps` - 1.
+    #[arg(long, value_name = "N", requires = "kill_appliance")]
+    pub kill_at_step: Option<u32>,
+    /// `--racks`: control's heartbeat interval, ms (phub-control's
+    /// `--heartbeat-ms`; default its own, 100).
+    #[arg(long, value_name = "MS", requires = "racks")]
+    pub heartbeat_ms: Option<u64>,
+    /// `--racks`: control's heartbeat deadline, ms (phub-control's
+    /// `--heartbeat-deadline-ms`; default its own, 500).
+    #[arg(long, value_name = "MS", requires = "racks")]
+    pub heartbeat_deadline_ms: Option<u64>,
     /// `--engine-only`: after the timed runs, write every store to a
     /// checkpoint in this directory, drop it and restore it (module head).
     #[arg(long, value_name = "DIR", requires = "engine_only")]
@@ -672,6 +693,13 @@ pub struct SparseLocalReport {
     pub racks: Option<usize>,
     /// The job's `[placement] replicas`.
     pub replicas: u32,
+    /// `--kill-appliance`: the appliance killed.
+    pub killed: Option<String>,
+    /// `--kill-appliance`: from the kill to the first step any rank
+    /// completed beyond the last that any rank had completed before it,
+    /// ms (the failover: control's detection and new epoch, the survivors
+    /// serving the dead appliance's entries, the ranks resending to them).
+    pub failover_ms: Option<f64>,
     /// `--racks`: the bytes that crossed the spine (read from its
     /// interfaces, every datagram between racks: ranks to appliances of
     /// other racks, and appliances to their backups) over the whole run,
@@ -1184,6 +1212,8 @@ struct Ran {
     dense: Option<f64>,
     /// `--racks`: the bytes that crossed the spine over the whole run.
     cross_rack_bytes: Option<u64>,
+    /// `--kill-appliance`: see [`SparseLocalReport::failover_ms`].
+    failover_ms: Option<f64>,
 }
 
 /// Rank `r`'s pusher on job `job` through control at `url`: joins,
@@ -1300,6 +1330,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         restore,
         dense,
         cross_rack_bytes: None,
+        failover_ms: None,
     })
 }
 
@@ -1338,7 +1369,7 @@ fn in_spine(
     use super::racks::{appliance_name, rack_of_ranks, start, Daemons};
     use phub_hwtests::dataplane_args::DataplaneArgs;
     let racks = net.racks.len();
-    let appl = start(
+    let mut appl = start(
         &Daemons {
             bin_dir: None,
             dataplane: DataplaneArgs {
@@ -1346,7 +1377,14 @@ fn in_spine(
                 ..DataplaneArgs::default()
             },
             env: Vec::new(),
-            control_extra: Vec::new(),
+            control_extra: [
+                ("--heartbeat-ms", args.heartbeat_ms),
+                ("--heartbeat-deadline-ms", args.heartbeat_deadline_ms),
+            ]
+            .into_iter()
+            .filter_map(|(flag, ms)| ms.map(|ms| [flag.to_string(), ms.to_string()]))
+            .flatten()
+            .collect(),
             dpdk: false,
         },
         net,
@@ -1358,14 +1396,48 @@ fn in_spine(
         "{spec}[placement]\nappliances = {names:?}\nreplicas = {}\n",
         args.replicas
     );
-    let (url, token) = (appl.control_url.clone(), Some(appl.token.as_str()));
+    let (url, token) = (appl.control_url.clone(), appl.token.clone());
+    let token = Some(token.as_str());
     let job = super::local::admit(&url, &spec, token)?;
     let of = rack_of_ranks(usize::from(args.workers), racks);
+    // --kill-appliance: its index, and the timed steps (over the ranks)
+    // before the kill.
+    let kill = match (&args.kill_appliance, args.kill_at_step) {
+        (Some(name), Some(n)) => {
+            let i = names
+                .iter()
+                .position(|x| x == name)
+                .with_context(|| format!("--kill-appliance {name}: the racks' appliances are {names:?}"))?;
+            Some((i, u64::from(args.workers) * u64::from(n)))
+        }
+        _ => None,
+    };
     let before = net.spine_rx_bytes()?;
-    let ranks = drive(args, grads, &std::sync::atomic::AtomicU64::new(0), |r| {
-        let ns = &net.racks[of[usize::from(r)]].name;
-        phub_hwtests::virt::try_enter_netns(ns).map_err(|e| anyhow::anyhow!(e))?;
-        rank_pusher(args, &url, &job, r)
+    let done = std::sync::atomic::AtomicU64::new(0);
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let (ranks, killed_at) = std::thread::scope(|s| {
+        let killer = kill.map(|(i, want)| {
+            let (appl, done, finished) = (&mut appl, &done, &finished);
+            s.spawn(move || {
+                use std::sync::atomic::Ordering::Relaxed;
+                while done.load(Relaxed) < want {
+                    if finished.load(Relaxed) {
+                        return None;
+                    }
+                    std::thread::sleep(std::time::Duration::from_micros(200));
+                }
+                let t = Instant::now();
+                appl.kill(i);
+                Some(t)
+            })
+        });
+        let ranks = drive(args, grads, &done, |r| {
+            let ns = &net.racks[of[usize::from(r)]].name;
+            phub_hwtests::virt::try_enter_netns(ns).map_err(|e| anyhow::anyhow!(e))?;
+            rank_pusher(args, &url, &job, r)
+        });
+        finished.store(true, std::sync::atomic::Ordering::Relaxed);
+        (ranks, killer.and_then(|k| k.join().ok().flatten()))
     });
     let after = net.spine_rx_bytes()?;
     let detail = super::local::control_client(&url, token, std::time::Duration::from_secs(10))?
@@ -1373,15 +1445,45 @@ fn in_spine(
         .context("asking control for the job's tables")?;
     super::local::evict(&url, job.id, token);
     appl.stop();
+    let ranks = ranks?;
+    ensure!(
+        kill.is_none() || killed_at.is_some(),
+        "--kill-at-step: the ranks ended before it; nothing was killed"
+    );
+    let failover_ms = killed_at.and_then(|t| failover_ms(&ranks, t));
     Ok(Ran {
-        ranks: ranks?,
+        ranks,
         detail,
         checkpoint_under_load: None,
         checkpoints: Vec::new(),
         restore: None,
         dense: None,
         cross_rack_bytes: Some(after - before),
+        failover_ms,
     })
+}
+
+/// From `kill` to the end of the first step any rank completed beyond the
+/// last one any rank had completed before it, ms (`None`: no step ended
+/// after it).
+fn failover_ms(ranks: &[RankFigures], kill: Instant) -> Option<f64> {
+    let ends = |r: &RankFigures| -> Vec<Instant> {
+        r.steps_at
+            .iter()
+            .zip(&r.steps_ms)
+            .map(|(&at, &ms)| at + std::time::Duration::from_secs_f64(ms / 1e3))
+            .collect()
+    };
+    let next = ranks
+        .iter()
+        .filter_map(|r| ends(r).iter().rposition(|&e| e <= kill))
+        .max()
+        .map_or(0, |last| last + 1);
+    ranks
+        .iter()
+        .filter_map(|r| ends(r).get(next).copied())
+        .min()
+        .map(|e| e.saturating_duration_since(kill).as_secs_f64() * 1e3)
 }
 
 /// `phub-bench sparse --local` (module head): one table of `--rows` rows
@@ -1439,6 +1541,18 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ] {
             ensure!(!set, "--racks with {flag}: not supported; drop one of them");
         }
+        if let Some(n) = args.kill_at_step {
+            ensure!(
+                args.replicas >= 2,
+                "--kill-appliance with --replicas {}: a killed appliance's entries need a backup; add --replicas 2",
+                args.replicas
+            );
+            ensure!(
+                (1..args.steps).contains(&n),
+                "--kill-at-step {n}: expected 1 to --steps - 1 ({}), so that a step follows the kill",
+                args.steps - 1
+            );
+        }
     }
     let load = loadavg();
     let (d, k) = (args.dim as usize, args.batch);
@@ -1494,6 +1608,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         restore,
         dense,
         cross_rack_bytes,
+        failover_ms: ran_failover_ms,
     } = ran;
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
@@ -1573,6 +1688,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         loadavg_1m_before: load,
         racks: args.racks,
         replicas: args.replicas,
+        killed: args.kill_appliance.clone(),
+        failover_ms: ran_failover_ms,
         cross_rack_bytes_per_step: cross_rack_bytes.map(|b| b as f64 / f64::from(args.steps + 3)),
         machine: Machine::detect(),
     };
@@ -1608,6 +1725,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             report.replicas,
             b / 1e3
         );
+    }
+    if let (Some(name), Some(ms)) = (&report.killed, report.failover_ms) {
+        println!("  {name} killed: failover {ms:.1} ms (the kill to the first step beyond it)");
     }
     if let (Some(m), Some(r)) = (report.dense_pull_ms_median, report.pull_vs_dense) {
         println!(
