@@ -438,13 +438,14 @@ fn a_table_over_three_virtual_racks_verifies_with_one_copy_and_with_two() {
     );
 }
 
-/// `phub-bench sparse --local --racks 3 --replicas 2 --kill-appliance`:
-/// rack 2's appliance killed mid-run; its entries fail over to their
-/// backups and every rank's rows of every step, those around the kill
-/// included, are still the reference's (a round lost or applied twice
-/// would change them).
+/// `phub-bench sparse --local --racks 3 --replicas 2 --kill-appliance
+/// --restart-after-ms`: rack 2's appliance killed mid-run; its entries
+/// fail over to their backups, it is started again empty and given its
+/// tables by state copies while the ranks train, and every rank's rows of
+/// every step, those around the kill and the copies included, are still
+/// the reference's (a round lost or applied twice would change them).
 #[test]
-fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_exactly() {
+fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_and_comes_back_exactly() {
     if let Some(why) = phub_hwtests::virt::unavailable() {
         eprintln!("skipped: phub-bench sparse --local --racks --kill-appliance {why}");
         return;
@@ -466,21 +467,28 @@ fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_exactly() {
             "8",
             "--batch",
             "256",
+            // Steps enough to outlast the failover (the heartbeat
+            // deadline, 500 ms), the restart and the copies.
             "--steps",
-            "20",
+            "400",
             "--kill-appliance",
             "rack2",
             "--kill-at-step",
             "5",
+            "--restart-after-ms",
+            "600",
             "--verify",
         ],
         &[],
     );
     assert!(ok, "{text}");
     assert_eq!(v["verified"], true, "{text}");
-    assert_eq!(v["killed"], "rack2", "{v}");
+    assert_eq!(v["killed_appliance"], "rack2", "{v}");
     let ms = v["failover_ms"].as_f64().unwrap_or(f64::NAN);
     assert!(ms > 0.0 && ms < 30_000.0, "failover_ms {ms}: {v}");
+    // Back to full strength, its tables copied (rows, optimizer state).
+    assert!(v["full_strength_seen_ms"].as_f64().is_some(), "{v}");
+    assert!(v["rereplication_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
     assert!(
         leftovers(pid).is_empty(),
         "namespaces left behind: {:?}",

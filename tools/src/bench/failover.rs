@@ -513,13 +513,20 @@ impl<'a> Kill<'a> {
             .filter(|p| p.appliance != self.name)
             .filter_map(|p| p.round_range)
             .collect();
+        // A job of tables alone has no chunk rounds in control's view:
+        // its rounds are not counted here (`phub-bench sparse --verify`
+        // checks its rows instead).
         ensure!(
-            !live.is_empty(),
+            !live.is_empty() || !detail.tables.is_empty(),
             "control reports no round of job {job} on the appliances other than {}",
             self.name
         );
-        let lo = live.iter().map(|r| r.0).min().unwrap_or(0);
-        let hi = live.iter().map(|r| r.1).max().unwrap_or(0);
+        let range = (!live.is_empty()).then(|| {
+            (
+                live.iter().map(|r| r.0).min().unwrap_or(0),
+                live.iter().map(|r| r.1).max().unwrap_or(0),
+            )
+        });
         let mut bad: Vec<u32> = mismatched.to_vec();
         bad.sort_unstable();
         bad.dedup();
@@ -555,10 +562,10 @@ impl<'a> Kill<'a> {
             epoch_served_ms: self
                 .epoch_served
                 .map(|t| t.duration_since(sent).as_secs_f64() * 1e3),
-            rounds_repeated: Some(hi.saturating_sub(last_round)),
-            rounds_lost: Some(bad.len() as u32 + last_round.saturating_sub(lo)),
+            rounds_repeated: range.map(|(_, hi)| hi.saturating_sub(last_round)),
+            rounds_lost: range.map(|(lo, _)| bad.len() as u32 + last_round.saturating_sub(lo)),
             epoch_after: detail.epoch,
-            survivors_round_range: Some((lo, hi)),
+            survivors_round_range: range,
             verified_against: Some("computed"),
         })
     }

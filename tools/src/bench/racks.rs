@@ -592,7 +592,7 @@ impl Appliances {
     /// Starts dataplane `i` again (after it was killed), empty, on the
     /// same namespace, addresses and ports; its log is the first one's
     /// with `.restart` appended.
-    fn restart(&mut self, i: usize) -> Result<()> {
+    pub(super) fn restart(&mut self, i: usize) -> Result<()> {
         let l = &self.launches[i];
         let log = l.log.with_extension("log.restart");
         self.dataplanes[i] = l.spawn(&log)?;

@@ -163,12 +163,14 @@ pub struct SparseArgs {
     /// answered, PROTOCOL.md §11.9).
     #[arg(long, value_name = "N", default_value_t = 1, requires = "racks")]
     pub replicas: u32,
-    /// `--racks` with `--replicas` 2 or 3: kill (SIGKILL) this appliance's
-    /// dataplane mid-run, named as control names it (`rack2`), once the
-    /// ranks have completed `--kill-at-step` timed steps each (W x N
-    /// between them); its entries fail over to their backups (PROTOCOL.md
-    /// §11.9): `failover_ms` in the JSON, and with `--verify` every rank's
-    /// rows of every step, the kill's included, checked against the
+    /// `--racks` with `--replicas 2`: kill (SIGKILL) this appliance's
+    /// dataplane mid-run, named as control names it (`rack2`), once every
+    /// rank has completed timed step `--kill-at-step`; its entries fail
+    /// over to their backups (PROTOCOL.md §11.9): `failover_ms` (the kill
+    /// to the first step any rank completed beyond the highest completed
+    /// before it) and `epoch_served_ms` in the JSON, as `phub-bench run`'s
+    /// (module [`super::failover`]), and with `--verify` every rank's rows
+    /// of every step, those around the kill included, checked against the
     /// reference (a round lost or applied twice changes them).
     #[arg(long, value_name = "NAME", requires_all = ["racks", "kill_at_step"])]
     pub kill_appliance: Option<String>,
@@ -176,6 +178,14 @@ pub struct SparseArgs {
     /// kill, 1 to `--steps` - 1.
     #[arg(long, value_name = "N", requires = "kill_appliance")]
     pub kill_at_step: Option<u32>,
+    /// `--kill-appliance`: start its dataplane again MS after the kill
+    /// (empty, same addresses): control gives the job back to it and its
+    /// entries' tables come by state copies while the ranks train
+    /// (PROTOCOL.md §11.9 item 4): `full_strength_ms`,
+    /// `rereplication_bytes`, `longest_round_during_ms` (the longest step
+    /// meanwhile) as `phub-bench run`'s.
+    #[arg(long, value_name = "MS", requires = "kill_appliance")]
+    pub restart_after_ms: Option<u64>,
     /// `--racks`: control's heartbeat interval, ms (phub-control's
     /// `--heartbeat-ms`; default its own, 100).
     #[arg(long, value_name = "MS", requires = "racks")]
@@ -691,15 +701,12 @@ pub struct SparseLocalReport {
     pub loadavg_1m_before: f64,
     /// `--racks`: the virtual racks (null on loopback).
     pub racks: Option<usize>,
-    /// The job's `[placement] replicas`.
-    pub replicas: u32,
-    /// `--kill-appliance`: the appliance killed.
-    pub killed: Option<String>,
-    /// `--kill-appliance`: from the kill to the first step any rank
-    /// completed beyond the last that any rank had completed before it,
-    /// ms (the failover: control's detection and new epoch, the survivors
-    /// serving the dead appliance's entries, the ranks resending to them).
-    pub failover_ms: Option<f64>,
+    /// `--replicas` and `--kill-appliance`'s figures (`replicas` set with
+    /// `--racks`; the rest null without a kill), as `phub-bench run`'s;
+    /// `rounds_lost` and `rounds_repeated` are null (a table's rounds are
+    /// not in control's view): `--verify` checks every row instead.
+    #[serde(flatten)]
+    pub failover: super::failover::FailoverFigures,
     /// `--racks`: the bytes that crossed the spine (read from its
     /// interfaces, every datagram between racks: ranks to appliances of
     /// other racks, and appliances to their backups) over the whole run,
@@ -1137,12 +1144,14 @@ type Pusher = Box<dyn FnMut(&[u64], &[f32], &mut [f32]) -> Result<[u64; 4]> + Se
 /// Runs `--workers` threads, each with the pusher `connect(rank)` makes:
 /// three untimed steps, then `--steps` timed, each of `--batch` distinct
 /// ids drawn from the rank's own sequence (the same for every pusher).
+/// Each rank calls `stepped(step, ms)` as each step ends (steps numbered
+/// from 1, the untimed ones first; `ms` its time).
 // Casts: counts to f64 for rates.
 #[allow(clippy::cast_precision_loss)]
 fn drive(
     args: &SparseArgs,
     grads: &[f32],
-    done: &std::sync::atomic::AtomicU64,
+    stepped: &(dyn Fn(u32, f64) + Sync),
     connect: impl Fn(u16) -> Result<Pusher> + Sync,
 ) -> Result<Vec<RankFigures>> {
     let (d, k) = (args.dim as usize, args.batch);
@@ -1174,14 +1183,15 @@ fn drive(
             }
             let t = Instant::now();
             push(ids, grads, &mut out)?;
+            let ms = t.elapsed().as_secs_f64() * 1e3;
             if args.verify {
                 digests.push(digest(&out));
             }
             if step >= 3 {
-                steps_ms.push(t.elapsed().as_secs_f64() * 1e3);
+                steps_ms.push(ms);
                 steps_at.push(t);
-                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
+            stepped(u32::try_from(step + 1).unwrap_or(u32::MAX), ms);
         }
         let seconds = t0.elapsed().as_secs_f64();
         let after = push(&[], &[], &mut [])?;
@@ -1212,8 +1222,8 @@ struct Ran {
     dense: Option<f64>,
     /// `--racks`: the bytes that crossed the spine over the whole run.
     cross_rack_bytes: Option<u64>,
-    /// `--kill-appliance`: see [`SparseLocalReport::failover_ms`].
-    failover_ms: Option<f64>,
+    /// `--racks`: `--replicas` and `--kill-appliance`'s figures.
+    failover: super::failover::FailoverFigures,
 }
 
 /// Rank `r`'s pusher on job `job` through control at `url`: joins,
@@ -1281,7 +1291,12 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         let taker = args.checkpoint_under_load.then(|| {
             s.spawn(|| checkpoint_halfway(args, &local, job.id, token.as_deref(), &done, &finished))
         });
-        let ranks = drive(args, grads, &done, |r| rank_pusher(args, &url, &job, r));
+        let counted = |step: u32, _| {
+            if step > 3 {
+                done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+        };
+        let ranks = drive(args, grads, &counted, |r| rank_pusher(args, &url, &job, r));
         finished.store(true, std::sync::atomic::Ordering::Relaxed);
         let taken = taker.map(|t| {
             t.join()
@@ -1330,7 +1345,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         restore,
         dense,
         cross_rack_bytes: None,
-        failover_ms: None,
+        failover: super::failover::FailoverFigures::default(),
     })
 }
 
@@ -1357,7 +1372,10 @@ fn on_racks(args: &SparseArgs, racks: usize, spec: &str, budget: u64, grads: &[f
     r
 }
 
-/// [`on_racks`] inside the spine's namespace (control's).
+/// [`on_racks`] inside the spine's namespace (control's): with
+/// `--kill-appliance`, the ranks' steps go to a [`super::failover::Kill`]
+/// (as `phub-bench run`'s rounds do), which kills the appliance, starts
+/// it again with `--restart-after-ms`, and watches control meanwhile.
 fn in_spine(
     args: &SparseArgs,
     net: &super::racks::RackNet,
@@ -1366,6 +1384,7 @@ fn in_spine(
     budget: u64,
     grads: &[f32],
 ) -> Result<Ran> {
+    use super::failover::{Act, Kill};
     use super::racks::{appliance_name, rack_of_ranks, start, Daemons};
     use phub_hwtests::dataplane_args::DataplaneArgs;
     let racks = net.racks.len();
@@ -1397,93 +1416,98 @@ fn in_spine(
         args.replicas
     );
     let (url, token) = (appl.control_url.clone(), appl.token.clone());
-    let token = Some(token.as_str());
-    let job = super::local::admit(&url, &spec, token)?;
+    let job = super::local::admit(&url, &spec, Some(&token))?;
     let of = rack_of_ranks(usize::from(args.workers), racks);
-    // --kill-appliance: its index, and the timed steps (over the ranks)
-    // before the kill.
-    let kill = match (&args.kill_appliance, args.kill_at_step) {
-        (Some(name), Some(n)) => {
-            let i = names
-                .iter()
-                .position(|x| x == name)
-                .with_context(|| format!("--kill-appliance {name}: the racks' appliances are {names:?}"))?;
-            Some((i, u64::from(args.workers) * u64::from(n)))
+    let mut kill = match (&args.kill_appliance, args.kill_at_step) {
+        (Some(name), Some(at)) => {
+            // failover::check, in run_local, found it among the names.
+            let i = names.iter().position(|x| x == name).unwrap_or(0);
+            let appl = &mut appl;
+            Some(Kill::new(
+                name,
+                at,
+                3,
+                usize::from(args.workers),
+                Some(token.clone()),
+                args.restart_after_ms.map(std::time::Duration::from_millis),
+                move |act| match act {
+                    Act::Kill => {
+                        appl.kill(i);
+                        true
+                    }
+                    Act::Restart => appl
+                        .restart(i)
+                        .map_err(|e| {
+                            eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1))
+                        })
+                        .is_ok(),
+                    Act::Drain => false,
+                },
+            ))
         }
         _ => None,
     };
     let before = net.spine_rx_bytes()?;
-    let done = std::sync::atomic::AtomicU64::new(0);
-    let finished = std::sync::atomic::AtomicBool::new(false);
-    let (ranks, killed_at) = std::thread::scope(|s| {
-        let killer = kill.map(|(i, want)| {
-            let (appl, done, finished) = (&mut appl, &done, &finished);
-            s.spawn(move || {
-                use std::sync::atomic::Ordering::Relaxed;
-                while done.load(Relaxed) < want {
-                    if finished.load(Relaxed) {
-                        return None;
-                    }
-                    std::thread::sleep(std::time::Duration::from_micros(200));
-                }
-                let t = Instant::now();
-                appl.kill(i);
-                Some(t)
+    let (tx, rx) = std::sync::mpsc::channel::<(u32, f64)>();
+    let (url_, job_, of_) = (&url, &job, &of);
+    let ranks = std::thread::scope(|s| {
+        let ranks = s.spawn(move || {
+            let stepped = |step: u32, ms: f64| {
+                let _ = tx.send((step, ms));
+            };
+            drive(args, grads, &stepped, |r| {
+                let ns = &net.racks[of_[usize::from(r)]].name;
+                phub_hwtests::virt::try_enter_netns(ns).map_err(|e| anyhow::anyhow!(e))?;
+                rank_pusher(args, url_, job_, r)
             })
         });
-        let ranks = drive(args, grads, &done, |r| {
-            let ns = &net.racks[of[usize::from(r)]].name;
-            phub_hwtests::virt::try_enter_netns(ns).map_err(|e| anyhow::anyhow!(e))?;
-            rank_pusher(args, &url, &job, r)
-        });
-        finished.store(true, std::sync::atomic::Ordering::Relaxed);
-        (ranks, killer.and_then(|k| k.join().ok().flatten()))
+        // The ranks' steps, until every rank is done (the channel closes):
+        // after a kill, control is asked for the epoch (and, with a
+        // restart, for full strength) between them.
+        loop {
+            let wait = match kill.as_mut() {
+                Some(k) if k.awaits_control() => {
+                    k.poll(&url, job.id);
+                    std::time::Duration::from_millis(5)
+                }
+                _ => std::time::Duration::from_millis(100),
+            };
+            match rx.recv_timeout(wait) {
+                Ok((step, ms)) => {
+                    if let Some(k) = kill.as_mut() {
+                        k.on_round(step, ms);
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        ranks
+            .join()
+            .unwrap_or_else(|_| Err(anyhow::anyhow!("the ranks' thread panicked")))
     });
     let after = net.spine_rx_bytes()?;
-    let detail = super::local::control_client(&url, token, std::time::Duration::from_secs(10))?
+    let detail = super::local::control_client(&url, Some(&token), std::time::Duration::from_secs(10))?
         .send(&phub_proto::routes::control::job(job.id))
         .context("asking control for the job's tables")?;
-    super::local::evict(&url, job.id, token);
+    let mut failover = match (&kill, &ranks) {
+        (Some(k), Ok(_)) => k.figures(&url, job.id, args.steps + 3, &[])?,
+        _ => super::failover::FailoverFigures::default(),
+    };
+    failover.replicas = Some(args.replicas);
+    drop(kill);
+    super::local::evict(&url, job.id, Some(&token));
     appl.stop();
-    let ranks = ranks?;
-    ensure!(
-        kill.is_none() || killed_at.is_some(),
-        "--kill-at-step: the ranks ended before it; nothing was killed"
-    );
-    let failover_ms = killed_at.and_then(|t| failover_ms(&ranks, t));
     Ok(Ran {
-        ranks,
+        ranks: ranks?,
         detail,
         checkpoint_under_load: None,
         checkpoints: Vec::new(),
         restore: None,
         dense: None,
         cross_rack_bytes: Some(after - before),
-        failover_ms,
+        failover,
     })
-}
-
-/// From `kill` to the end of the first step any rank completed beyond the
-/// last one any rank had completed before it, ms (`None`: no step ended
-/// after it).
-fn failover_ms(ranks: &[RankFigures], kill: Instant) -> Option<f64> {
-    let ends = |r: &RankFigures| -> Vec<Instant> {
-        r.steps_at
-            .iter()
-            .zip(&r.steps_ms)
-            .map(|(&at, &ms)| at + std::time::Duration::from_secs_f64(ms / 1e3))
-            .collect()
-    };
-    let next = ranks
-        .iter()
-        .filter_map(|r| ends(r).iter().rposition(|&e| e <= kill))
-        .max()
-        .map_or(0, |last| last + 1);
-    ranks
-        .iter()
-        .filter_map(|r| ends(r).get(next).copied())
-        .min()
-        .map(|e| e.saturating_duration_since(kill).as_secs_f64() * 1e3)
 }
 
 /// `phub-bench sparse --local` (module head): one table of `--rows` rows
@@ -1541,18 +1565,21 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ] {
             ensure!(!set, "--racks with {flag}: not supported; drop one of them");
         }
-        if let Some(n) = args.kill_at_step {
-            ensure!(
-                args.replicas >= 2,
-                "--kill-appliance with --replicas {}: a killed appliance's entries need a backup; add --replicas 2",
-                args.replicas
-            );
-            ensure!(
-                (1..args.steps).contains(&n),
-                "--kill-at-step {n}: expected 1 to --steps - 1 ({}), so that a step follows the kill",
-                args.steps - 1
-            );
-        }
+        super::failover::check(
+            &super::failover::FailoverArgs {
+                replicas: Some(args.replicas),
+                kill_appliance: args.kill_appliance.clone(),
+                kill_at_round: args.kill_at_step,
+                restart_after_ms: args.restart_after_ms,
+                ..super::failover::FailoverArgs::default()
+            },
+            racks,
+            racks,
+            args.steps,
+            false,
+            false,
+        )
+        .map_err(|e| anyhow::anyhow!(e.to_string().replace("round", "step")))?;
     }
     let load = loadavg();
     let (d, k) = (args.dim as usize, args.batch);
@@ -1608,13 +1635,13 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         restore,
         dense,
         cross_rack_bytes,
-        failover_ms: ran_failover_ms,
+        failover: ran_failover,
     } = ran;
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
         Some(_) => {
             let server = super::tcp_rows::Server::start(d)?;
-            let ranks = drive(args, &grads, &std::sync::atomic::AtomicU64::new(0), |_| {
+            let ranks = drive(args, &grads, &|_, _| {}, |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
                     move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
@@ -1687,9 +1714,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         checkpoint_under_load,
         loadavg_1m_before: load,
         racks: args.racks,
-        replicas: args.replicas,
-        killed: args.kill_appliance.clone(),
-        failover_ms: ran_failover_ms,
+        failover: ran_failover,
         cross_rack_bytes_per_step: cross_rack_bytes.map(|b| b as f64 / f64::from(args.steps + 3)),
         machine: Machine::detect(),
     };
@@ -1722,12 +1747,27 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     if let (Some(racks), Some(b)) = (report.racks, report.cross_rack_bytes_per_step) {
         println!(
             "  {racks} virtual racks, replicas {}: {:.1} KB across the spine per step",
-            report.replicas,
+            args.replicas,
             b / 1e3
         );
     }
-    if let (Some(name), Some(ms)) = (&report.killed, report.failover_ms) {
-        println!("  {name} killed: failover {ms:.1} ms (the kill to the first step beyond it)");
+    let f = &report.failover;
+    if let (Some(name), Some(ms)) = (&f.killed_appliance, f.failover_ms) {
+        println!(
+            "  {name} killed: failover {ms:.1} ms (the kill to the first step beyond it), epoch served after {}",
+            f.epoch_served_ms.map_or("?".into(), |e| format!("{e:.1} ms"))
+        );
+    }
+    if let (Some(full), Some(bytes)) = (f.full_strength_seen_ms, f.rereplication_bytes) {
+        println!(
+            "  {} started again: full strength seen {full:.1} ms after (control: {} ms), {:.1} MB copied, \
+             longest of {} steps meanwhile {:.2} ms",
+            f.killed_appliance.as_deref().unwrap_or("?"),
+            f.full_strength_ms.map_or("?".into(), |m| m.to_string()),
+            bytes as f64 / 1e6,
+            f.rounds_during.unwrap_or(0),
+            f.longest_round_during_ms.unwrap_or(f64::NAN)
+        );
     }
     if let (Some(m), Some(r)) = (report.dense_pull_ms_median, report.pull_vs_dense) {
         println!(
