@@ -122,6 +122,12 @@ pub mod flags {
     /// it pulls every key: the PULL lifts rule 0 for it. A PULL without it
     /// (sent before the rank learned of a restore, say) does not.
     pub const RESYNC: u8 = 0x40;
+    /// REPLICATE_ROWS only (PROTOCOL.md §11.9 item 4): a round the entry's
+    /// primary completed while the receiving backup's state copy ran,
+    /// sent to catch the backup up; applied as any round, but the backup
+    /// stays short of holding every answered round (it may not serve the
+    /// entry) until it applies a round without it.
+    pub const CATCH_UP: u8 = 0x80;
 }
 
 /// Message types.

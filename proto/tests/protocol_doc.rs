@@ -142,6 +142,7 @@ fn constants_are_stated() {
         (wire::flags::PROBE, "PROBE"),
         (wire::flags::FIRST_COPY, "FIRST_COPY"),
         (wire::flags::RESYNC, "RESYNC"),
+        (wire::flags::CATCH_UP, "CATCH_UP"),
     ];
     assert_eq!(flags.len(), want.len());
     for (row, (bit, name)) in flags.iter().zip(want) {

@@ -291,7 +291,7 @@ impl<A> Job<A> {
         let Some(part) = rep.row_parts.iter().find(|p| p.home == rep.me) else {
             return Ok(Vec::new());
         };
-        if part.tables.iter().any(|(_, inc)| inc.awaiting) {
+        if part.tables.iter().any(|(_, inc)| inc.awaiting || inc.behind) {
             return Err(format!(
                 "this appliance keeps its own entry {} as backup tables, whose state copy is not here yet \
                  (PROTOCOL.md §11.9)",

@@ -247,8 +247,12 @@ pub struct ReplicaStats {
     /// REPLICATE_TABLE_STATE_ACKs sent.
     pub table_state_acks_sent: u64,
     /// New backups that joined a table entry's chain (their copy of the
-    /// table acknowledged whole), per table.
+    /// table installed, the rounds completed meanwhile caught up and the
+    /// confirmation acknowledged), per table.
     pub table_backups_joined: u64,
+    /// Table rounds that completed without a new backup taking its copy,
+    /// logged for its catch-up (per round and backup).
+    pub table_rounds_logged: u64,
 }
 
 /// A replicated job's state on one lcore.
@@ -325,7 +329,12 @@ impl<A: Copy> Replica<A> {
                 + self
                     .row_parts
                     .iter()
-                    .map(|p| p.tables.iter().filter(|(_, inc)| inc.awaiting).count() as u64)
+                    .map(|p| {
+                        p.tables
+                            .iter()
+                            .filter(|(_, inc)| inc.awaiting || inc.behind)
+                            .count() as u64
+                    })
                     .sum::<u64>(),
             owed: self
                 .pushed

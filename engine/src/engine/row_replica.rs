@@ -24,7 +24,8 @@
 //!   waited only for down ones completes), and the backup tables of an
 //!   entry whose part this appliance adopts are served from then on, at
 //!   the round they applied; a new backup of an entry served here gets
-//!   each table's state copy first (`table_copy.rs`), and a backup table
+//!   each table's state copy, then the rounds completed meanwhile, before
+//!   it is counted (`table_copy.rs`), and a backup table
 //!   whose entry's primary changed awaits the new primary's. An epoch that
 //!   would have this lcore serve an entry whose copy is not here is
 //!   refused as the part lost ([`Shard::check_table_epoch`]), before
@@ -94,6 +95,11 @@ pub(super) struct Incoming {
     pub(super) awaiting: bool,
     /// The copy arriving, while it awaits one.
     pub(super) copy: Option<Box<CopyIn>>,
+    /// Its copy is installed, but the rounds applied since may not be
+    /// every round its primary answered (it catches up on rounds with
+    /// CATCH_UP): it may not serve the entry until it applies a round
+    /// without (PROTOCOL.md §11.9 item 4).
+    pub(super) behind: bool,
 }
 
 impl Incoming {
@@ -131,9 +137,29 @@ pub(super) struct ServedEntry<A> {
 }
 
 impl<A> ServedEntry<A> {
-    /// Whether backup `b` still awaits table `key`'s copy.
+    /// Whether backup `b` still takes table `key`'s copy (or catches up
+    /// after it): it is sent none of the table's rounds in progress.
     pub(super) fn copying(&self, b: u16, key: u32) -> bool {
         self.copies.iter().any(|c| c.backup == b && c.key == key)
+    }
+
+    /// Whether the table `key`'s rounds wait for backup `b`: it joined
+    /// (no copy to it under way), or its copy is counted
+    /// ([`CopyOut::counted`]).
+    pub(super) fn waits_for(&self, b: u16, key: u32) -> bool {
+        !self
+            .copies
+            .iter()
+            .any(|c| c.backup == b && c.key == key && !c.counted)
+    }
+
+    /// Whether every backup that table `key`'s rounds wait for is in
+    /// `acked` (bit k: backup k).
+    pub(super) fn all_acked(&self, key: u32, acked: u8) -> bool {
+        self.backups
+            .iter()
+            .enumerate()
+            .all(|(k, b)| acked & (1 << k) != 0 || !self.waits_for(b.0, key))
     }
 }
 
@@ -151,31 +177,52 @@ pub(super) struct RowPart<A> {
     pub(super) tables: Vec<(Table, Incoming)>,
 }
 
-/// Queues every fragment of `table`'s pending round to each backup in
-/// `to` (their addresses), the bytes built once into `out`.
-#[allow(clippy::too_many_arguments)]
-fn queue_fragments<A: Copy>(
+/// A round's accumulated rows (ids in first-arrival order, their summed
+/// rows) and its completion clock: what its REPLICATE_ROWS carry.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RoundRows<'a> {
+    pub(super) dim: u32,
+    pub(super) ids: &'a [u64],
+    pub(super) rows: &'a [f32],
+    pub(super) at_ns: u64,
+}
+
+impl<'a> RoundRows<'a> {
+    /// `table`'s round in progress (its accumulator), completing at
+    /// `at_ns`; `None` for a table that is not BSP.
+    pub(super) fn of(table: &'a Table, at_ns: u64) -> Option<RoundRows<'a>> {
+        let TableRounds::Bsp(round) = &table.rounds else {
+            return None;
+        };
+        Some(RoundRows {
+            dim: table.dim,
+            ids: &round.ids,
+            rows: &round.rows[..round.ids.len() * table.dim as usize],
+            at_ns,
+        })
+    }
+}
+
+/// Queues every fragment of round `r` to each backup in `to` (their
+/// addresses), the bytes built once into `out`; returns how many.
+pub(super) fn queue_fragments<A: Copy>(
     out: &mut Vec<u8>,
     pending: &mut Vec<Pending<A>>,
     head: RowReplicaRepr,
-    table: &Table,
-    at_ns: u64,
+    r: RoundRows<'_>,
     to: impl Iterator<Item = A> + Clone,
 ) -> u64 {
-    let TableRounds::Bsp(round) = &table.rounds else {
-        return 0;
-    };
-    let d = table.dim as usize;
-    let per = rows_per_fragment(table.dim);
-    let Some(n) = fragments_of(round.ids.len(), table.dim) else {
+    let d = r.dim as usize;
+    let per = rows_per_fragment(r.dim);
+    let Some(n) = fragments_of(r.ids.len(), r.dim) else {
         return 0;
     };
     for f in 0..n as usize {
-        let ids = round
+        let ids = r
             .ids
-            .get(f * per..((f + 1) * per).min(round.ids.len()))
+            .get(f * per..((f + 1) * per).min(r.ids.len()))
             .unwrap_or(&[]);
-        let rows = &round.rows[f * per * d..(f * per + ids.len()) * d];
+        let rows = &r.rows[f * per * d..(f * per + ids.len()) * d];
         let at = out.len();
         // Casts: a fragment holds at most P < 2^16 rows; f < n, a u32.
         #[allow(clippy::cast_possible_truncation)]
@@ -185,7 +232,7 @@ fn queue_fragments<A: Copy>(
             ..head
         };
         out.extend_from_slice(&h.to_bytes());
-        replica_rows::write_fragment(out, at_ns, n, table.dim, ids, rows);
+        replica_rows::write_fragment(out, r.at_ns, n, r.dim, ids, rows);
         for a in to.clone() {
             // Casts: the row outbox holds a burst's messages, far below 4 GiB.
             #[allow(clippy::cast_possible_truncation)]
@@ -266,8 +313,23 @@ pub(super) fn begin<A: Copy>(
     let Some(rep) = rep else {
         return false;
     };
-    if rep.served(table.entry()).is_none_or(|s| s.backups.is_empty()) {
-        return false;
+    {
+        let Some(r) = RoundRows::of(table, now) else {
+            return false;
+        };
+        let Some(s) = rep.served.iter_mut().find(|s| s.entry == table.entry()) else {
+            return false;
+        };
+        // Copies under way that do not hold the round up log it for their
+        // backups' catch-up (PROTOCOL.md §11.9 item 4).
+        for c in s.copies.iter_mut().filter(|c| c.key == table.key) {
+            if c.log_round(t, r) {
+                rep.stats.table_rounds_logged += 1;
+            }
+        }
+        if !s.backups.iter().any(|b| s.waits_for(b.0, table.key)) {
+            return false;
+        }
     }
     debug_assert!(table.pending.is_none(), "a second round pending");
     let deadline = now.saturating_add(rep.rtt.rto(0));
@@ -285,13 +347,16 @@ pub(super) fn begin<A: Copy>(
         return true;
     };
     // A backup still taking the table's state copy gets the round once it
-    // joins (`on_table_state_ack`).
+    // joins (`table_copy.rs`).
     let to = s
         .backups
         .iter()
         .filter(|b| !s.copying(b.0, table.key))
         .map(|b| b.1);
-    let sent = queue_fragments(out, pending, head, table, now, to);
+    let Some(r) = RoundRows::of(table, now) else {
+        return true;
+    };
+    let sent = queue_fragments(out, pending, head, r, to);
     rep.stats.replicates_sent += sent;
     true
 }
@@ -492,9 +557,16 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(applied) => applied,
             Err(r) => return Verdict::Dropped(r),
         };
+        if applied.is_some() && repr.flags & flags::CATCH_UP == 0 {
+            // A round its primary waited for (or the primary's confirmation
+            // that the catch-up is over): every round answered is here.
+            inc.behind = false;
+        }
+        // The ACK of a catch-up round says so (PROTOCOL.md §11.9 item 4):
+        // its primary tells it from the confirmation's of the same round.
         let ack = RowReplicaRepr {
             kind: RowReplicaType::RowsAck,
-            flags: 0,
+            flags: repr.flags & flags::CATCH_UP,
             token,
             job: id,
             from: me,
@@ -530,12 +602,16 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(served) = rep.served(repr.entry) else {
             return Verdict::Dropped(DropReason::WrongPeer);
         };
-        let nb = served.backups.len();
         let Some(k) = served.backups.iter().position(|b| b.0 == repr.from) else {
             return Verdict::Dropped(DropReason::RankOutOfRange);
         };
         if served.backups[k].1 != from {
             return Verdict::Dropped(DropReason::WrongPeer);
+        }
+        if served.copying(repr.from, repr.key) {
+            // A backup catching up after its copy: the ACK of a round
+            // logged for it (`table_copy.rs`).
+            return self.on_catch_up_ack(i, k, repr);
         }
         let Some(t) = j
             .tables
@@ -560,7 +636,11 @@ impl<A: Copy + Eq> Shard<A> {
             return Verdict::Dropped(DropReason::Duplicate);
         }
         p.acked |= 1 << k;
-        if u32::from(p.acked).count_ones() as usize != nb {
+        let acked = p.acked;
+        if !rep
+            .served(repr.entry)
+            .is_some_and(|s| s.all_acked(repr.key, acked))
+        {
             return Verdict::Replicated;
         }
         if p.resends == 0 {
@@ -605,10 +685,10 @@ impl<A: Copy + Eq> Shard<A> {
                 .enumerate()
                 .filter(move |(k, b)| acked & (1 << k) == 0 && !s.copying(b.0, key))
                 .map(|(_, b)| b.1);
-            let TableRounds::Bsp(round) = &t.rounds else {
+            let Some(r) = RoundRows::of(t, p.at_ns) else {
                 continue;
             };
-            let n = fragments_of(round.ids.len(), t.dim).unwrap_or(1) as usize * to.clone().count();
+            let n = fragments_of(r.ids.len(), t.dim).unwrap_or(1) as usize * to.clone().count();
             if p.deadline <= now && budget >= n {
                 budget -= n;
                 if !timed_out {
@@ -618,7 +698,7 @@ impl<A: Copy + Eq> Shard<A> {
                 p.resends = p.resends.saturating_add(1);
                 p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
                 let head = fragment_head(rep, (j.token, j.id), t, p.round, flags::RETRANSMIT);
-                let sent = queue_fragments(rows_out, pending, head, t, p.at_ns, to);
+                let sent = queue_fragments(rows_out, pending, head, r, to);
                 rep.stats.replicates_resent += sent;
                 for _ in 0..sent {
                     counters.replicates_resent.inc();
@@ -643,12 +723,12 @@ impl<A: Copy + Eq> Shard<A> {
 
     /// Whether a backup table this lcore keeps of entry `entry` of job
     /// `id` awaits its state copy (PROTOCOL.md §11.9 item 4): it holds no
-    /// round of its primary yet.
+    /// round of its primary yet, or catches up after it.
     pub fn awaits_table_copy(&self, id: u16, entry: u32) -> bool {
         self.job(id)
             .and_then(|j| j.replica.as_deref())
             .and_then(|rep| rep.row_parts.iter().find(|p| p.entry == entry))
-            .is_some_and(|p| p.tables.iter().any(|(_, inc)| inc.awaiting))
+            .is_some_and(|p| p.tables.iter().any(|(_, inc)| inc.awaiting || inc.behind))
     }
 }
 
@@ -706,7 +786,7 @@ fn take_fragment(
         TableRounds::Clocked { .. } => return Err(DropReason::WrongPeer),
     };
     let t = repr.round;
-    if t == completed && t != 0 {
+    if t == completed {
         return Ok(Some(false));
     }
     if Some(t) != completed.checked_add(1) {
@@ -826,7 +906,10 @@ impl<A: Copy + Eq> Shard<A> {
             return;
         };
         let head = fragment_head(rep, (j.token, j.id), table, p.round, 0);
-        let sent = queue_fragments(rows_out, pending, head, table, p.at_ns, std::iter::once(to));
+        let Some(r) = RoundRows::of(table, p.at_ns) else {
+            return;
+        };
+        let sent = queue_fragments(rows_out, pending, head, r, std::iter::once(to));
         rep.stats.replicates_sent += sent;
     }
 }
@@ -861,7 +944,7 @@ impl<A: Copy + Eq> Shard<A> {
                 Some(q) if q != me => continue,
                 Some(_) => {}
             }
-            if part.tables.iter().any(|(_, inc)| inc.awaiting) {
+            if part.tables.iter().any(|(_, inc)| inc.awaiting || inc.behind) {
                 return Err(lost(p, "whose table state copy is not all here"));
             }
             let skipped = view.epoch > old.epoch + 1;
@@ -999,10 +1082,8 @@ impl<A: Copy + Eq> Shard<A> {
                 .iter()
                 .enumerate()
                 .filter(|(_, t)| {
-                    t.pending.is_some_and(|p| {
-                        let nb = rep.served(t.entry()).map_or(0, |s| s.backups.len());
-                        u32::from(p.acked).count_ones() as usize == nb
-                    })
+                    t.pending
+                        .is_some_and(|p| rep.served(t.entry()).is_none_or(|s| s.all_acked(t.key, p.acked)))
                 })
                 .map(|(k, _)| k)
                 .collect()
@@ -1018,7 +1099,7 @@ impl<A: Copy + Eq> Shard<A> {
     /// Completes job `i`'s table `k`'s pending round, every backup of its
     /// entry having it: the optimizer at the recorded clock, the ranks'
     /// answers queued (PROTOCOL.md §11.9 rule 2).
-    fn complete_pending(&mut self, i: usize, k: usize) {
+    pub(super) fn complete_pending(&mut self, i: usize, k: usize) {
         let share = self.rx_share(&self.jobs[i]);
         let Shard {
             jobs,

@@ -4,23 +4,35 @@
 //! REPLICATE_TABLE_STATE fragments, a window at a time; the backup writes
 //! them into place, acknowledges how many it holds from the first without
 //! a gap, and once all are in replaces its table with the copy and
-//! acknowledges all of them. Only then does the primary send it the
-//! entry's rounds.
+//! acknowledges all of them.
+//!
+//! The entry's rounds go on meanwhile (a pre-copy): each round the table
+//! completes while the copy runs is logged for the new backup, and once
+//! the copy is installed the primary sends it the logged rounds one at a
+//! time (REPLICATE_ROWS with CATCH_UP), then a confirmation (a
+//! REPLICATE_ROWS of the last round it holds, no rows, without CATCH_UP);
+//! from that confirmation on the backup is counted, and at its ACK it
+//! joins the entry's chain (the round pending, if any, goes to it).
 //!
 //! Invariants:
-//! - A new backup is counted at once: no round of the table completes
-//!   before it acknowledged the copy and then the round, so the state
-//!   copied (taken when the copy starts, at the table's last completed
-//!   round c) stays the primary's state until the copy is done.
-//! - A backup table awaiting a copy applies no round (`ahead`) and is
-//!   never served: an epoch that would have its lcore adopt the entry
-//!   before the copy is whole is refused as the part lost.
+//! - A new backup is not counted while it copies and catches up, but
+//!   every round the table completes meanwhile is in its log, in order,
+//!   until it acknowledged it; from the confirmation on no round
+//!   completes without it. When the log outgrows the copy stream's size
+//!   (or [`LOG_MIN_BYTES`]), the backup is counted at once: the rounds
+//!   wait for it (its copy and catch-up), as a stall bounds the log.
+//! - A backup table awaiting a copy applies no round (`ahead`); one that
+//!   installed it is `behind` until it applies a round without CATCH_UP
+//!   (the confirmation, or a round its primary waited for). Neither is
+//!   ever served: an epoch that would have its lcore adopt the entry
+//!   before then is refused as the part lost.
 //! - A copy is idempotent: a backup table not awaiting one answers any
 //!   fragment with its ACK of the whole and changes nothing, so a late or
 //!   duplicated fragment never rolls back a round applied after it.
 //! - At most [`WINDOW`] fragments past the last acknowledged are out at a
 //!   time; the primary resends those on the replicas' timer.
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use phub_proto::replica_rows::{
@@ -30,12 +42,27 @@ use phub_proto::replica_rows::{
 use phub_proto::wire::{flags, DropReason};
 
 use super::outbox::Pending;
-use super::row_replica::{backup_table, queue_ack};
+use super::row_replica::{backup_table, queue_ack, queue_fragments, RoundRows};
 use super::table::{Table, TableRounds};
 use super::{Shard, Verdict};
 
 /// Fragments of a copy sent past the last one acknowledged, at most.
 pub(super) const WINDOW: u32 = 32;
+
+/// A copy's log of rounds may hold at least this many bytes of rows (and
+/// at most the copy stream's size beyond it) before its backup is
+/// counted at once.
+pub(super) const LOG_MIN_BYTES: usize = 4 << 20;
+
+/// A round the table completed while a copy ran, for its backup's
+/// catch-up: its accumulated rows as its REPLICATE_ROWS carry them.
+#[derive(Debug)]
+pub(super) struct Logged {
+    round: u32,
+    at_ns: u64,
+    ids: Vec<u64>,
+    rows: Vec<f32>,
+}
 
 /// One table's state copy from this lcore (the entry's primary) to one new
 /// backup.
@@ -56,10 +83,54 @@ pub(super) struct CopyOut<A> {
     pub(super) acked: u32,
     /// Fragments sent so far (first sends): `acked` ..= `fragments`.
     pub(super) sent: u32,
-    /// When to resend the window (0: at the next poll, which starts the
-    /// timer).
+    /// When to resend the window, or once the copy is installed the
+    /// catch-up round or confirmation out (0: at the next poll, which
+    /// starts the timer).
     pub(super) deadline: u64,
     pub(super) resends: u8,
+    /// The table's `dim`.
+    dim: u32,
+    /// The entry's rounds wait for this backup: from its confirmation on,
+    /// or at once when its log outgrew its cap.
+    pub(super) counted: bool,
+    /// Rounds completed since `round` that the backup has not
+    /// acknowledged, oldest first, and their rows' bytes.
+    log: VecDeque<Logged>,
+    log_bytes: usize,
+    /// The last round the backup holds, as its ACKs said (`round` until
+    /// it acknowledged a logged one).
+    caught: u32,
+}
+
+impl<A> CopyOut<A> {
+    /// Whether the backup installed the copy (it catches up, or is
+    /// confirmed).
+    fn installed(&self) -> bool {
+        self.acked == self.fragments
+    }
+
+    /// Round `t` of the table completes (or waits for its other backups)
+    /// with rows `r`: logged for this backup (`true`) unless it is
+    /// counted; a round that would take the log past its cap counts it
+    /// instead.
+    pub(super) fn log_round(&mut self, t: u32, r: RoundRows<'_>) -> bool {
+        if self.counted {
+            return false;
+        }
+        let bytes = r.ids.len() * 8 + std::mem::size_of_val(r.rows);
+        if self.log_bytes + bytes > LOG_MIN_BYTES.max(self.stream.len()) {
+            self.counted = true;
+            return false;
+        }
+        self.log_bytes += bytes;
+        self.log.push_back(Logged {
+            round: t,
+            at_ns: r.at_ns,
+            ids: r.ids.to_vec(),
+            rows: r.rows.to_vec(),
+        });
+        true
+    }
 }
 
 /// A copy arriving at a backup table awaiting it.
@@ -155,6 +226,55 @@ fn queue_state<A: Copy>(
     u64::from(range.end - range.start)
 }
 
+/// Queues copy `c`'s next catch-up message to its backup (`flags`: 0, or
+/// RETRANSMIT): the oldest round of its log, with CATCH_UP, or when the
+/// log is empty the confirmation (round `caught`, no rows, without
+/// CATCH_UP); returns how many fragments.
+fn queue_catch_up<A: Copy>(
+    out: &mut Vec<u8>,
+    pending: &mut Vec<Pending<A>>,
+    head: StateHead,
+    c: &CopyOut<A>,
+    flags: u8,
+) -> u64 {
+    let (round, flags, rows) = match c.log.front() {
+        Some(l) => (
+            l.round,
+            flags | flags::CATCH_UP,
+            RoundRows {
+                dim: c.dim,
+                ids: &l.ids,
+                rows: &l.rows,
+                at_ns: l.at_ns,
+            },
+        ),
+        None => (
+            c.caught,
+            flags,
+            RoundRows {
+                dim: c.dim,
+                ids: &[],
+                rows: &[],
+                at_ns: 0,
+            },
+        ),
+    };
+    let repr = RowReplicaRepr {
+        kind: RowReplicaType::Rows,
+        flags,
+        token: head.job.0,
+        job: head.job.1,
+        from: head.home,
+        count: 0,
+        round,
+        entry: head.entry,
+        key: c.key,
+        fragment: 0,
+        epoch: head.epoch,
+    };
+    queue_fragments(out, pending, repr, rows, std::iter::once(c.to))
+}
+
 /// New copies, none of it sent yet, of each of `tables` of entry `entry`
 /// to each of `backups` (appliance, lcore address): a stream per table.
 pub(super) fn copies_to<A: Copy>(tables: &[Table], entry: u32, backups: &[(u16, A)]) -> Vec<CopyOut<A>> {
@@ -164,7 +284,19 @@ pub(super) fn copies_to<A: Copy>(tables: &[Table], entry: u32, backups: &[(u16, 
     let mut out = Vec::new();
     for t in tables.iter().filter(|t| t.entry() == entry) {
         let stream = copy_stream(t);
-        out.extend(backups.iter().map(|&(b, at)| copy_out(b, at, t, stream.clone())));
+        for &(b, at) in backups {
+            let mut c = copy_out(b, at, t, stream.clone());
+            // A round waiting for the other backups is not in the copy (of
+            // the last completed round): it completes with these rows, so
+            // it is the first logged.
+            if let Some(r) = t
+                .pending
+                .and_then(|p| RoundRows::of(t, p.at_ns).map(|r| (p.round, r)))
+            {
+                let _ = c.log_round(r.0, r.1);
+            }
+            out.push(c);
+        }
     }
     out
 }
@@ -187,6 +319,11 @@ fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<
         sent: 0,
         deadline: 0,
         resends: 0,
+        dim: table.dim,
+        counted: false,
+        log: VecDeque::new(),
+        log_bytes: 0,
+        caught: round,
     }
 }
 
@@ -194,8 +331,8 @@ impl<A: Copy + Eq> Shard<A> {
     /// Job `i`'s tables were restored from its checkpoint (PROTOCOL.md
     /// §11.7 "Restored parts", §11.9): its backup tables hold none of the
     /// restored state, so they await their copies, and the entry served
-    /// here copies every table to every backup before any further round
-    /// of it completes (each backup counted at once, as a new one).
+    /// here copies every table to every backup, as to a new one (its
+    /// rounds going on, logged for the catch-up).
     pub(super) fn start_restored_copies(&mut self, i: usize) {
         {
             let j = &mut self.jobs[i];
@@ -268,10 +405,19 @@ impl<A: Copy + Eq> Shard<A> {
         let mut timed_out = false;
         for s in &mut rep.served {
             for c in &mut s.copies {
+                // Out: the window's fragments, or once installed the
+                // catch-up round's (or the confirmation).
+                let out = match c.log.front() {
+                    _ if !c.installed() => (c.sent - c.acked) as usize,
+                    Some(l) => {
+                        phub_proto::replica_rows::fragments_of(l.ids.len(), c.dim).unwrap_or(1) as usize
+                    }
+                    None => 1,
+                };
                 if c.deadline == 0 {
                     c.deadline = now.saturating_add(rep.rtt.rto(0));
-                } else if c.deadline <= now && budget >= (c.sent - c.acked) as usize {
-                    budget -= (c.sent - c.acked) as usize;
+                } else if c.deadline <= now && budget >= out {
+                    budget -= out;
                     if !timed_out {
                         rep.rtt.back_off();
                         timed_out = true;
@@ -284,16 +430,20 @@ impl<A: Copy + Eq> Shard<A> {
                         entry: s.entry,
                         epoch,
                     };
-                    let sent = queue_state(
-                        rows_out,
-                        pending,
-                        head,
-                        &j.tables,
-                        c,
-                        c.acked..c.sent,
-                        flags::RETRANSMIT,
-                    );
-                    rep.stats.table_states_resent += sent;
+                    if c.installed() {
+                        rep.stats.replicates_resent +=
+                            queue_catch_up(rows_out, pending, head, c, flags::RETRANSMIT);
+                    } else {
+                        rep.stats.table_states_resent += queue_state(
+                            rows_out,
+                            pending,
+                            head,
+                            &j.tables,
+                            c,
+                            c.acked..c.sent,
+                            flags::RETRANSMIT,
+                        );
+                    }
                 }
                 next = next.min(c.deadline);
             }
@@ -372,10 +522,16 @@ impl<A: Copy + Eq> Shard<A> {
     }
 
     /// A new backup's ACK of a state copy at the entry's primary: the
-    /// window moves on; all of it joins the backup (the round pending, if
-    /// any, goes to it at once).
+    /// window moves on; all of it starts the backup's catch-up (the
+    /// rounds logged meanwhile, then the confirmation).
     pub(super) fn on_table_state_ack(&mut self, i: usize, from: A, repr: &RowReplicaRepr) -> Verdict {
-        let j = &mut self.jobs[i];
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
         let rep = j.replica.as_deref_mut().expect("checked by the caller");
         let Some(s) = rep.served.iter_mut().find(|s| s.entry == repr.entry) else {
             return Verdict::Dropped(DropReason::WrongPeer);
@@ -411,19 +567,120 @@ impl<A: Copy + Eq> Shard<A> {
             self.send_copy_windows(i);
             return Verdict::Replicated;
         }
-        // The backup holds the copy: it joins the entry's chain.
-        s.copies.retain(|c| !(c.backup == repr.from && c.key == repr.key));
-        rep.stats.table_backups_joined += 1;
-        let (entry, backup) = (s.entry, s.backups[k]);
+        // The backup holds the copy: it catches up on the rounds logged
+        // meanwhile, or with none is confirmed, counted from now on.
+        if c.log.is_empty() {
+            c.counted = true;
+        }
+        let head = StateHead {
+            job: (j.token, j.id),
+            home: s.home,
+            entry: s.entry,
+            epoch: rep.view.epoch,
+        };
+        rep.stats.replicates_sent += queue_catch_up(rows_out, pending, head, c, 0);
+        rep.next_deadline = 0;
+        Verdict::Replicated
+    }
+
+    /// A backup's REPLICATE_ROWS_ACK at the primary while it catches up
+    /// after its copy (backup `k` of the entry, checked by the caller): of
+    /// the logged round out, the next goes (or the confirmation, from
+    /// which on it is counted); of the confirmation, it joins the entry's
+    /// chain (the round pending, if any, goes to it).
+    pub(super) fn on_catch_up_ack(&mut self, i: usize, k: usize, repr: &RowReplicaRepr) -> Verdict {
+        let Shard {
+            jobs,
+            pending,
+            rows_out,
+            ..
+        } = self;
+        let j = &mut jobs[i];
+        let rep = j.replica.as_deref_mut().expect("checked by the caller");
+        let epoch = rep.view.epoch;
         let Some(t) = j
             .tables
             .iter()
-            .position(|t| t.key == repr.key && t.entry() == entry)
+            .position(|t| t.key == repr.key && t.entry() == repr.entry)
         else {
-            return Verdict::Replicated;
+            return Verdict::Dropped(DropReason::UnknownTable);
         };
-        if j.tables[t].pending.is_some_and(|p| p.acked & (1 << k) == 0) {
-            self.send_pending_to(i, t, backup.1);
+        let Some(s) = rep.served.iter_mut().find(|s| s.entry == repr.entry) else {
+            return Verdict::Dropped(DropReason::WrongPeer);
+        };
+        let Some(c) = s
+            .copies
+            .iter_mut()
+            .find(|c| c.backup == repr.from && c.key == repr.key)
+        else {
+            return Verdict::Dropped(DropReason::Duplicate);
+        };
+        if !c.installed() {
+            // No round goes to a backup before its copy is installed.
+            return Verdict::Dropped(DropReason::Ahead);
+        }
+        let next = c.log.front().map_or(c.caught, |l| l.round);
+        // A catch-up round's ACK carries CATCH_UP, the confirmation's not:
+        // an ACK of the last round caught up, again, is no confirmation.
+        if (repr.flags & flags::CATCH_UP != 0) == c.log.is_empty() {
+            return Verdict::Dropped(DropReason::Duplicate);
+        }
+        if repr.round != next {
+            return Verdict::Dropped(if repr.round < next {
+                DropReason::Duplicate
+            } else {
+                DropReason::Ahead
+            });
+        }
+        let backup = s.backups[k].1;
+        let Some(l) = c.log.pop_front() else {
+            // The confirmation's ACK: it joins.
+            s.copies.retain(|c| !(c.backup == repr.from && c.key == repr.key));
+            rep.stats.table_backups_joined += 1;
+            let table = &j.tables[t];
+            let release = table
+                .pending
+                .map(|p| (p.acked & (1 << k) != 0, s.all_acked(table.key, p.acked)));
+            return match release {
+                Some((false, _)) => {
+                    self.send_pending_to(i, t, backup);
+                    Verdict::Replicated
+                }
+                Some((true, true)) => {
+                    self.complete_pending(i, t);
+                    Verdict::Completed
+                }
+                _ => Verdict::Replicated,
+            };
+        };
+        c.log_bytes -= l.ids.len() * 8 + std::mem::size_of_val(&l.rows[..]);
+        c.caught = l.round;
+        c.resends = 0;
+        c.deadline = 0;
+        if c.log.is_empty() {
+            // Every round completed is on it: the confirmation goes, and
+            // no round completes without it from now on.
+            c.counted = true;
+        }
+        let head = StateHead {
+            job: (j.token, j.id),
+            home: s.home,
+            entry: s.entry,
+            epoch,
+        };
+        rep.stats.replicates_sent += queue_catch_up(rows_out, pending, head, c, 0);
+        rep.next_deadline = 0;
+        // A logged round still pending (waiting for the other backups):
+        // this backup has it too.
+        let table = &mut j.tables[t];
+        let mut release = false;
+        if let Some(p) = table.pending.as_mut().filter(|p| p.round == l.round) {
+            p.acked |= 1 << k;
+            release = s.all_acked(table.key, p.acked);
+        }
+        if release {
+            self.complete_pending(i, t);
+            return Verdict::Completed;
         }
         Verdict::Replicated
     }
@@ -473,6 +730,9 @@ fn take_state(
     let copy = inc.copy.take().expect("gathered above");
     install_copy(table, copy.round, &copy.bytes).map_err(|_| DropReason::CountMismatch)?;
     inc.awaiting = false;
+    // The rounds its primary completed meanwhile come next (CATCH_UP),
+    // then the confirmation.
+    inc.behind = true;
     inc.clear();
     Ok(n)
 }
