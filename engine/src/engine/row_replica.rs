@@ -50,7 +50,7 @@ use super::outbox::Pending;
 use super::replica::Replica;
 use super::rows::{answer_head, complete, Answers};
 use super::table::{Table, TableInstall, TableRounds};
-use super::table_copy::{copies_to, CopyIn, CopyOut};
+use super::table_copy::{copies_to, end_dropped_streams, CopyIn, CopyOut};
 use super::{Job, Shard, Verdict};
 
 /// A primary table's BSP round waiting for its backups' acknowledgements.
@@ -1048,9 +1048,12 @@ impl<A: Copy + Eq> Shard<A> {
                         p.acked = acked;
                     }
                 }
-                s.copies
-                    .retain(|c| now.iter().any(|b| b.0 == c.backup) && !new.iter().any(|b| b.0 == c.backup));
-                let started = copies_to(&j.tables, s.entry, &new);
+                let keep = |c: &CopyOut<A>| {
+                    now.iter().any(|b| b.0 == c.backup) && !new.iter().any(|b| b.0 == c.backup)
+                };
+                end_dropped_streams(&s.copies, &mut j.tables, s.entry, keep);
+                s.copies.retain(keep);
+                let started = copies_to(&mut j.tables, s.entry, &new);
                 copying |= !started.is_empty();
                 s.copies.extend(started);
                 s.backups = now;

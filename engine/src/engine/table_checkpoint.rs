@@ -355,6 +355,8 @@ impl<A: Copy + Eq> Shard<A> {
             total = first.len() as u64;
             heads.push(first);
         }
+        // A state copy streaming from a store gives it up (made whole).
+        j.finish_copy_streams();
         for (i, &(k, e)) in which.iter().enumerate() {
             let Some(t) = j.table_at_mut(k, e) else {
                 continue;

@@ -44,7 +44,8 @@ use phub_proto::wire::{flags, DropReason};
 use super::outbox::Pending;
 use super::row_replica::{backup_table, queue_ack, queue_fragments, RoundRows};
 use super::table::{Table, TableRounds};
-use super::{Shard, Verdict};
+use super::{Job, Shard, Verdict};
+use crate::table::snapshot::StreamError;
 
 /// Fragments of a copy sent past the last one acknowledged, at most.
 pub(super) const WINDOW: u32 = 32;
@@ -64,6 +65,20 @@ pub(super) struct Logged {
     rows: Vec<f32>,
 }
 
+/// Where a copy's stream comes from.
+#[derive(Debug)]
+pub(super) enum Source {
+    /// Made whole at once: shared by a table's copies to several new
+    /// backups, or made while the store streamed a checkpoint.
+    Whole(Arc<[u8]>),
+    /// Made a window at a time from the store's copy-on-write checkpoint
+    /// stream (`RowStore::stream_begin`), begun with
+    /// the copy: `buf` holds the copy stream's bytes from `base` (the first
+    /// fragment not acknowledged) to the last made; `done` once the store's
+    /// stream ended.
+    Streamed { buf: Vec<u8>, base: u64, done: bool },
+}
+
 /// One table's state copy from this lcore (the entry's primary) to one new
 /// backup.
 #[derive(Debug)]
@@ -75,8 +90,9 @@ pub(super) struct CopyOut<A> {
     pub(super) key: u32,
     /// c: the table's last completed round, whose state the copy is.
     pub(super) round: u32,
-    /// The copy stream.
-    pub(super) stream: Arc<[u8]>,
+    /// The copy stream, and its bytes B.
+    stream: Source,
+    total: u64,
     /// n, its fragments.
     pub(super) fragments: u32,
     /// Fragments the backup acknowledged holding from the first.
@@ -102,11 +118,86 @@ pub(super) struct CopyOut<A> {
     caught: u32,
 }
 
-impl<A> CopyOut<A> {
+impl<A: Copy> CopyOut<A> {
     /// Whether the backup installed the copy (it catches up, or is
     /// confirmed).
     fn installed(&self) -> bool {
         self.acked == self.fragments
+    }
+
+    /// Makes the stream's bytes up to fragment `upto` (exclusive) from
+    /// `table`'s store, if they are not made yet.
+    fn make(&mut self, table: &mut Table, upto: u32) -> Result<(), StreamError> {
+        let need = (u64::from(upto) * STATE_BYTES as u64).min(self.total);
+        let Source::Streamed { buf, base, done } = &mut self.stream else {
+            return Ok(());
+        };
+        while *base + (buf.len() as u64) < need && !*done {
+            // Cast: what is missing of a window, well below 4 GiB.
+            #[allow(clippy::cast_possible_truncation)]
+            let missing = (need - *base - buf.len() as u64) as usize;
+            *done = table.store.stream_fill(buf, missing)?;
+        }
+        Ok(())
+    }
+
+    /// Fragment `f`'s bytes (made).
+    fn fragment(&self, f: u32) -> &[u8] {
+        let from = u64::from(f) * STATE_BYTES as u64;
+        let to = (from + STATE_BYTES as u64).min(self.total);
+        // Casts: within the stream's bytes, which are in memory.
+        #[allow(clippy::cast_possible_truncation)]
+        match &self.stream {
+            Source::Whole(s) => &s[from as usize..to as usize],
+            Source::Streamed { buf, base, .. } => &buf[(from - base) as usize..(to - base) as usize],
+        }
+    }
+
+    /// The backup acknowledged `k` fragments: the bytes before them are
+    /// not sent again.
+    fn forget_before(&mut self, k: u32) {
+        if let Source::Streamed { buf, base, .. } = &mut self.stream {
+            let cut = (u64::from(k) * STATE_BYTES as u64)
+                .min(self.total)
+                .saturating_sub(*base);
+            // Cast: at most the bytes held.
+            #[allow(clippy::cast_possible_truncation)]
+            let cut = (cut as usize).min(buf.len());
+            buf.drain(..cut);
+            *base += cut as u64;
+        }
+    }
+
+    /// Whether the store's stream is still this copy's (begun, not ended).
+    fn holds_store_stream(&self) -> bool {
+        matches!(self.stream, Source::Streamed { done: false, .. })
+    }
+
+    /// The store's stream failed (a bug or no memory): the copy starts
+    /// over, whole, at `table`'s state now.
+    fn restart_whole(&mut self, table: &mut Table) {
+        if self.holds_store_stream() {
+            table.store.stream_abort();
+        }
+        let stream = copy_stream(table);
+        let total = stream.len() as u64;
+        *self = copy_out(self.backup, self.to, table, Source::Whole(stream), total);
+        if let Some((t, r)) = table
+            .pending
+            .and_then(|p| RoundRows::of(table, p.at_ns).map(|r| (p.round, r)))
+        {
+            let _ = self.log_round(t, r);
+        }
+    }
+}
+
+impl<A: Copy> CopyOut<A> {
+    /// Makes the window's fragments up to `upto`: from the store's
+    /// stream, or, where it fails, by starting over whole.
+    fn make_or_restart(&mut self, table: &mut Table, upto: u32) {
+        if self.make(table, upto).is_err() {
+            self.restart_whole(table);
+        }
     }
 
     /// Round `t` of the table completes (or waits for its other backups)
@@ -118,7 +209,7 @@ impl<A> CopyOut<A> {
             return false;
         }
         let bytes = r.ids.len() * 8 + std::mem::size_of_val(r.rows);
-        if self.log_bytes + bytes > LOG_MIN_BYTES.max(self.stream.len()) {
+        if self.log_bytes + bytes > LOG_MIN_BYTES.max(usize::try_from(self.total).unwrap_or(usize::MAX)) {
             self.counted = true;
             return false;
         }
@@ -174,29 +265,19 @@ struct StateHead {
     epoch: u32,
 }
 
-/// Queues fragments `range` of `copy` (of one of `tables`, the entry's) to
-/// its backup (`flags`: 0, or RETRANSMIT); returns how many (none when the
-/// table is not here).
+/// Queues fragments `range` of `copy` (made) to its backup (`flags`: 0,
+/// or RETRANSMIT); returns how many.
 fn queue_state<A: Copy>(
     out: &mut Vec<u8>,
     pending: &mut Vec<Pending<A>>,
     head: StateHead,
-    tables: &[Table],
     copy: &CopyOut<A>,
     range: std::ops::Range<u32>,
     flags: u8,
 ) -> u64 {
-    let Some(dim) = tables
-        .iter()
-        .find(|t| t.key == copy.key && t.entry() == head.entry)
-        .map(|t| t.dim)
-    else {
-        return 0;
-    };
-    let total = copy.stream.len() as u64;
+    let (dim, total) = (copy.dim, copy.total);
     for f in range.clone() {
-        let from = f as usize * STATE_BYTES;
-        let bytes = &copy.stream[from..(from + STATE_BYTES).min(copy.stream.len())];
+        let bytes = copy.fragment(f);
         // Cast: a fragment holds at most STATE_BYTES (< 2^16) bytes.
         #[allow(clippy::cast_possible_truncation)]
         let repr = RowReplicaRepr {
@@ -276,16 +357,33 @@ fn queue_catch_up<A: Copy>(
 }
 
 /// New copies, none of it sent yet, of each of `tables` of entry `entry`
-/// to each of `backups` (appliance, lcore address): a stream per table.
-pub(super) fn copies_to<A: Copy>(tables: &[Table], entry: u32, backups: &[(u16, A)]) -> Vec<CopyOut<A>> {
+/// to each of `backups` (appliance, lcore address): a table copied to one
+/// backup streams from its store's copy-on-write checkpoint stream as the
+/// window moves (unless the store streams already: a checkpoint); one
+/// copied to several, or that, is made whole at once and shared.
+pub(super) fn copies_to<A: Copy>(tables: &mut [Table], entry: u32, backups: &[(u16, A)]) -> Vec<CopyOut<A>> {
     if backups.is_empty() {
         return Vec::new();
     }
     let mut out = Vec::new();
-    for t in tables.iter().filter(|t| t.entry() == entry) {
-        let stream = copy_stream(t);
-        for &(b, at) in backups {
-            let mut c = copy_out(b, at, t, stream.clone());
+    for t in tables.iter_mut().filter(|t| t.entry() == entry) {
+        let streamed = match backups {
+            [_] if !t.store.streaming() => streamed_source(t),
+            _ => None,
+        };
+        let (source, total) = streamed.unwrap_or_else(|| {
+            let s = copy_stream(t);
+            let total = s.len() as u64;
+            (Source::Whole(s), total)
+        });
+        let mut sources = vec![source];
+        for _ in 1..backups.len() {
+            if let Source::Whole(s) = &sources[0] {
+                sources.push(Source::Whole(s.clone()));
+            }
+        }
+        for (&(b, at), source) in backups.iter().zip(sources) {
+            let mut c = copy_out(b, at, t, source, total);
             // A round waiting for the other backups is not in the copy (of
             // the last completed round): it completes with these rows, so
             // it is the first logged.
@@ -301,9 +399,27 @@ pub(super) fn copies_to<A: Copy>(tables: &[Table], entry: u32, backups: &[(u16, 
     out
 }
 
-/// A new copy of `table` (whose stream is `stream`) to backup `backup` at
-/// `to`, none of it sent yet.
-fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<A> {
+/// `table`'s copy stream begun from its store's checkpoint stream: the
+/// head made, the rows to come; `None` when the store cannot stream.
+fn streamed_source(table: &mut Table) -> Option<(Source, u64)> {
+    let rows = table.store.stream_begin().ok()?;
+    let (idle_rounds, samples) = table.store.idle_clock();
+    let mut buf = Vec::new();
+    write_copy_head(&mut buf, &CopyHead { idle_rounds, samples });
+    let total = buf.len() as u64 + rows;
+    Some((
+        Source::Streamed {
+            buf,
+            base: 0,
+            done: false,
+        },
+        total,
+    ))
+}
+
+/// A new copy of `table` (its stream `stream`, `total` bytes) to backup
+/// `backup` at `to`, none of it sent yet.
+fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Source, total: u64) -> CopyOut<A> {
     let round = match &table.rounds {
         TableRounds::Bsp(b) => b.completed,
         TableRounds::Clocked { .. } => 0,
@@ -313,8 +429,9 @@ fn copy_out<A>(backup: u16, to: A, table: &Table, stream: Arc<[u8]>) -> CopyOut<
         to,
         key: table.key,
         round,
-        fragments: state_fragments(stream.len() as u64).unwrap_or(1),
+        fragments: state_fragments(total).unwrap_or(1),
         stream,
+        total,
         acked: 0,
         sent: 0,
         deadline: 0,
@@ -345,7 +462,7 @@ impl<A: Copy + Eq> Shard<A> {
                 }
             }
             for s in &mut rep.served {
-                s.copies = copies_to(&j.tables, s.entry, &s.backups);
+                s.copies = copies_to(&mut j.tables, s.entry, &s.backups);
             }
             rep.next_deadline = 0;
         }
@@ -362,8 +479,14 @@ impl<A: Copy + Eq> Shard<A> {
             rows_out,
             ..
         } = self;
-        let j = &mut jobs[i];
-        let Some(rep) = j.replica.as_deref_mut() else {
+        let Job {
+            tables,
+            replica,
+            token,
+            id,
+            ..
+        } = &mut jobs[i];
+        let Some(rep) = replica.as_deref_mut() else {
             return;
         };
         let epoch = rep.view.epoch;
@@ -373,13 +496,18 @@ impl<A: Copy + Eq> Shard<A> {
                 if c.sent >= end {
                     continue;
                 }
+                let Some(t) = tables.iter_mut().find(|t| t.key == c.key && t.entry() == s.entry) else {
+                    continue;
+                };
+                c.make_or_restart(t, end);
+                let end = c.fragments.min(c.acked.saturating_add(WINDOW));
                 let head = StateHead {
-                    job: (j.token, j.id),
+                    job: (*token, *id),
                     home: s.home,
                     entry: s.entry,
                     epoch,
                 };
-                let sent = queue_state(rows_out, pending, head, &j.tables, c, c.sent..end, 0);
+                let sent = queue_state(rows_out, pending, head, c, c.sent..end, 0);
                 rep.stats.table_states_sent += sent;
                 c.sent = end;
             }
@@ -434,15 +562,8 @@ impl<A: Copy + Eq> Shard<A> {
                         rep.stats.replicates_resent +=
                             queue_catch_up(rows_out, pending, head, c, flags::RETRANSMIT);
                     } else {
-                        rep.stats.table_states_resent += queue_state(
-                            rows_out,
-                            pending,
-                            head,
-                            &j.tables,
-                            c,
-                            c.acked..c.sent,
-                            flags::RETRANSMIT,
-                        );
+                        rep.stats.table_states_resent +=
+                            queue_state(rows_out, pending, head, c, c.acked..c.sent, flags::RETRANSMIT);
                     }
                 }
                 next = next.min(c.deadline);
@@ -561,6 +682,7 @@ impl<A: Copy + Eq> Shard<A> {
         }
         c.acked = repr.fragment;
         c.sent = c.sent.max(c.acked);
+        c.forget_before(c.acked);
         c.resends = 0;
         c.deadline = 0;
         if c.acked < c.fragments {
@@ -756,4 +878,38 @@ fn install_copy(table: &mut Table, round: u32, stream: &[u8]) -> Result<(), Stri
         r.clear_round();
     }
     Ok(())
+}
+
+impl<A: Copy> Job<A> {
+    /// Makes every copy that streams from its table's store (PROTOCOL.md
+    /// §11.9 item 4) whole in memory, freeing the store's one stream (a
+    /// checkpoint is about to take it).
+    pub(super) fn finish_copy_streams(&mut self) {
+        let Job { tables, replica, .. } = self;
+        let Some(rep) = replica.as_deref_mut() else {
+            return;
+        };
+        for s in &mut rep.served {
+            for c in s.copies.iter_mut().filter(|c| c.holds_store_stream()) {
+                if let Some(t) = tables.iter_mut().find(|t| t.key == c.key && t.entry() == s.entry) {
+                    c.make_or_restart(t, c.fragments);
+                }
+            }
+        }
+    }
+}
+
+/// Ends the store streams of `copies` (of entry `entry`'s `tables`) that
+/// are about to be dropped: those `keep` refuses.
+pub(super) fn end_dropped_streams<A: Copy>(
+    copies: &[CopyOut<A>],
+    tables: &mut [Table],
+    entry: u32,
+    keep: impl Fn(&CopyOut<A>) -> bool,
+) {
+    for c in copies.iter().filter(|c| c.holds_store_stream() && !keep(c)) {
+        if let Some(t) = tables.iter_mut().find(|t| t.key == c.key && t.entry() == entry) {
+            t.store.stream_abort();
+        }
+    }
 }

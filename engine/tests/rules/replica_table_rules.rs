@@ -563,7 +563,7 @@ impl TableWorld {
     /// once the state copies under way and their catch-up are over (they
     /// run beside the rounds, PROTOCOL.md §11.9 item 4).
     fn assert_backups_equal(&mut self) {
-        for _ in 0..200 {
+        for _ in 0..2000 {
             let live = (0..self.shards.len()).filter(|&i| !self.dead[i]);
             if live.collect::<Vec<_>>().into_iter().all(|i| {
                 let c = self.copies(i);
@@ -1027,23 +1027,28 @@ fn a_round_the_backup_applied_is_answered_after_failover_not_applied_again() {
 /// once the copies go through, each backup catches up on the rounds
 /// logged meanwhile (REPLICATE_ROWS with CATCH_UP), is confirmed and
 /// joins, every backup table its primary's bits; then the primaries die
-/// and it serves every entry exactly. Seen failing with the rounds
-/// counting the new backup at once (they stall, the ranks unanswered).
+/// and it serves every entry exactly. A checkpoint taken while a copy
+/// streams from the store's checkpoint stream gets the stream (the copy
+/// made whole first). Seen failing with the rounds counting the new
+/// backup at once (they stall, the ranks unanswered), and with the
+/// checkpoint not taking the store's stream from the copy (`Busy`).
 #[test]
 fn rounds_go_on_while_a_table_copy_runs_and_the_backup_catches_up_after() {
-    let table = table_spec(4, 1000, adagrad(), None, Some(2));
-    let mut w = TableWorld::new(table, 64, 2, &[2, 1], &["", ""], 77);
+    // Rows of D = 64 enough that a copy is hundreds of fragments: it
+    // streams from the store a window at a time.
+    let table = table_spec(64, 100_000, adagrad(), None, Some(2));
+    let mut w = TableWorld::new(table, 8192, 2, &[2, 1], &["", ""], 77);
     w.faults = LOSSY_NET;
     for _ in 0..3 {
-        w.table_round(12, 90);
+        w.table_round(1000, 20_000);
         w.assert_backups_equal();
     }
     w.kill(1);
-    w.table_round(12, 90);
+    w.table_round(1000, 20_000);
     w.hold_states = true;
     w.bring_back(1);
     for _ in 0..5 {
-        w.table_round(12, 90);
+        w.table_round(1000, 20_000);
     }
     assert!(w.copies(1).awaiting > 0, "{:?}", w.copies(1));
     assert!(w.copies(0).owed > 0, "{:?}", w.copies(0));
@@ -1054,8 +1059,15 @@ fn rounds_go_on_while_a_table_copy_runs_and_the_backup_catches_up_after() {
     };
     let e = w.shards[1][0].change_epoch(JOB, &view).unwrap_err();
     assert!(e.to_string().contains("not all here"), "{e}");
+    // A checkpoint of an entry whose copy streams from its store takes the
+    // store's stream: the copy is made whole first, and goes on.
+    let s = &mut w.shards[0][0];
+    let bytes = s.stream_tables_begin(JOB).unwrap();
+    let mut out = Vec::new();
+    while !s.stream_tables_fill(&mut out, 1 << 20).unwrap() {}
+    assert_eq!(out.len() as u64, bytes);
     w.hold_states = false;
-    w.table_round(12, 90);
+    w.table_round(1000, 20_000);
     w.assert_backups_equal();
     w.assert_full_strength();
     assert!(
@@ -1074,7 +1086,7 @@ fn rounds_go_on_while_a_table_copy_runs_and_the_backup_catches_up_after() {
         );
     }
     for _ in 0..3 {
-        w.table_round(12, 90);
+        w.table_round(1000, 20_000);
     }
 }
 
