@@ -592,16 +592,28 @@ impl Appliances {
     /// Starts dataplane `i` again (after it was killed), empty, on the
     /// same namespace, addresses and ports; its log is the first one's
     /// with `.restart` appended.
-    pub(super) fn restart(&mut self, i: usize) -> Result<()> {
+    fn restart(&mut self, i: usize) -> Result<()> {
         let l = &self.launches[i];
         let log = l.log.with_extension("log.restart");
         self.dataplanes[i] = l.spawn(&log)?;
         Ok(())
     }
 
-    /// Kills (SIGKILL) dataplane `i` and waits for it to exit.
-    pub(super) fn kill(&mut self, i: usize) {
-        self.dataplanes[i].kill();
+    /// Kills (SIGKILL) dataplane `i` and waits for it to exit
+    /// (`Act::Kill`, `true`), or starts it again (`Act::Restart`: whether
+    /// it came up, saying why not); `false` for anything else.
+    pub(super) fn kill_or_restart(&mut self, i: usize, act: Act) -> bool {
+        match act {
+            Act::Kill => {
+                self.dataplanes[i].kill();
+                true
+            }
+            Act::Restart => self
+                .restart(i)
+                .map_err(|e| eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1)))
+                .is_ok(),
+            Act::Drain => false,
+        }
     }
 
     /// Stops control, then the dataplanes, saying which did not stop on
@@ -1018,14 +1030,7 @@ fn run_in_spine(
             Some(token_text.clone()),
             a.failover.restart_after_ms.map(Duration::from_millis),
             move |act| match act {
-                Act::Kill => {
-                    appl.kill(i);
-                    true
-                }
-                Act::Restart => appl
-                    .restart(i)
-                    .map_err(|e| eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1)))
-                    .is_ok(),
+                Act::Kill | Act::Restart => appl.kill_or_restart(i, act),
                 Act::Drain => local::control_client(&drain_url, Some(&drain_token), Duration::from_secs(30))
                     .and_then(|c| {
                         c.send(&phub_proto::routes::control::drain_appliance(&appliance_name(

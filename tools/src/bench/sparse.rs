@@ -1384,7 +1384,7 @@ fn in_spine(
     budget: u64,
     grads: &[f32],
 ) -> Result<Ran> {
-    use super::failover::{Act, Kill};
+    use super::failover::Kill;
     use super::racks::{appliance_name, rack_of_ranks, start, Daemons};
     use phub_hwtests::dataplane_args::DataplaneArgs;
     let racks = net.racks.len();
@@ -1430,19 +1430,7 @@ fn in_spine(
                 usize::from(args.workers),
                 Some(token.clone()),
                 args.restart_after_ms.map(std::time::Duration::from_millis),
-                move |act| match act {
-                    Act::Kill => {
-                        appl.kill(i);
-                        true
-                    }
-                    Act::Restart => appl
-                        .restart(i)
-                        .map_err(|e| {
-                            eprintln!("phub-bench: cannot start {} again: {e:#}", appliance_name(i + 1))
-                        })
-                        .is_ok(),
-                    Act::Drain => false,
-                },
+                move |act| appl.kill_or_restart(i, act),
             ))
         }
         _ => None,
