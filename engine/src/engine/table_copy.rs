@@ -43,8 +43,9 @@ use phub_proto::wire::{flags, DropReason};
 
 use super::outbox::Pending;
 use super::row_replica::{backup_table, queue_ack, queue_fragments, RoundRows};
-use super::table::{Table, TableRounds};
+use super::table::{Table, TableRounds, TableStore};
 use super::{Job, Shard, Verdict};
+use crate::table::checkpoint::RowLoad;
 use crate::table::snapshot::StreamError;
 
 /// Fragments of a copy sent past the last one acknowledged, at most.
@@ -236,6 +237,14 @@ pub(super) struct CopyIn {
     /// Fragments held from the first without a gap.
     contiguous: u32,
     bytes: Vec<u8>,
+    /// The copy read into a new store as its bytes come in order (its
+    /// head parsed once fragment 0 is in), so that its install is not
+    /// all done at its last fragment; `fed`: the stream's bytes taken.
+    load: Option<(CopyHead, TableStore, RowLoad)>,
+    fed: usize,
+    /// The stream could not be read (a stream its primary wrote wrong):
+    /// the copy is never installed.
+    broken: bool,
 }
 
 impl CopyIn {
@@ -830,9 +839,8 @@ fn take_state(
             total: f.total,
             fragments: n,
             got: vec![0; (n as usize).div_ceil(64)],
-            held: 0,
-            contiguous: 0,
             bytes: Vec::new(),
+            ..CopyIn::default()
         };
         c.bytes.resize(total, 0);
     }
@@ -846,11 +854,12 @@ fn take_state(
     while c.contiguous < n && c.has(c.contiguous) {
         c.contiguous += 1;
     }
+    feed_contiguous(table, c);
     if c.held < n {
         return Ok(c.contiguous);
     }
     let copy = inc.copy.take().expect("gathered above");
-    install_copy(table, copy.round, &copy.bytes).map_err(|_| DropReason::CountMismatch)?;
+    install_copy(table, *copy).map_err(|_| DropReason::CountMismatch)?;
     inc.awaiting = false;
     // The rounds its primary completed meanwhile come next (CATCH_UP),
     // then the confirmation.
@@ -859,15 +868,49 @@ fn take_state(
     Ok(n)
 }
 
-/// Replaces backup table `table`'s state with copy stream `stream` of
-/// round `round`. On an error (a stream its primary wrote wrong: a bug,
-/// not a network fault, which the fragments' checks catch) the table is
-/// left as it was, still awaiting, and the copy never completes: the job
-/// stays short of full strength, which `copies.awaiting` shows.
-fn install_copy(table: &mut Table, round: u32, stream: &[u8]) -> Result<(), String> {
-    let (head, rows) = read_copy_head(stream)?;
-    let mut store = table.store.empty_like().map_err(|e| e.to_string())?;
-    store.read_into(rows).map_err(|e| e.to_string())?;
+/// Feeds copy `c`'s bytes held from the first without a gap, and not fed
+/// yet, into its new store (begun once its head is in), spreading the
+/// install's work over the fragments' arrivals; a stream that cannot be
+/// read marks the copy broken.
+fn feed_contiguous(table: &Table, c: &mut CopyIn) {
+    if c.broken {
+        return;
+    }
+    // Cast: within the stream's bytes, which are in memory.
+    #[allow(clippy::cast_possible_truncation)]
+    let end = (u64::from(c.contiguous) * STATE_BYTES as u64).min(c.total) as usize;
+    if c.load.is_none() {
+        if end == 0 {
+            return;
+        }
+        let (Ok((head, rows)), Ok(store)) = (read_copy_head(&c.bytes[..end]), table.store.empty_like())
+        else {
+            c.broken = true;
+            return;
+        };
+        c.fed = end - rows.len();
+        let load = store.load_begin();
+        c.load = Some((head, store, load));
+    }
+    if let Some((_, store, load)) = c.load.as_mut() {
+        if c.fed < end && load.feed(store, &c.bytes[c.fed..end]).is_err() {
+            c.broken = true;
+        }
+        c.fed = end;
+    }
+}
+
+/// Replaces backup table `table`'s state with copy `copy`, all of it in
+/// and fed. On an error (a stream its primary wrote wrong: a bug, not a
+/// network fault, which the fragments' checks catch) the table is left
+/// as it was, still awaiting, and the copy never completes: the job stays
+/// short of full strength, which `copies.awaiting` shows.
+fn install_copy(table: &mut Table, copy: CopyIn) -> Result<(), String> {
+    let round = copy.round;
+    let (false, Some((head, mut store, load))) = (copy.broken, copy.load) else {
+        return Err("the state copy's stream could not be read".into());
+    };
+    load.finish(&mut store).map_err(|e| e.to_string())?;
     store.set_idle_clock(head.idle_rounds, &head.samples)?;
     table.store = store;
     if let TableRounds::Bsp(b) = &mut table.rounds {

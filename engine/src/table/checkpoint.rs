@@ -155,6 +155,7 @@ impl Checksum {
 }
 
 /// What the header says beyond magic and version.
+#[derive(Debug)]
 struct Head {
     dim: usize,
     state_len: usize,
@@ -297,16 +298,110 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// row yet (as installed), as [`RowStore::read_from`] would; on an
     /// error the store holds part of them and is to be dropped.
     pub fn read_into(&mut self, r: impl Read) -> Result<(), CheckpointError> {
-        assert_eq!(self.rows_stored(), 0, "a checkpoint is read into an empty store");
-        assert!(!self.streaming(), "a store being streamed holds rows");
-        let config = self.config;
-        let store = self;
         let mut r = Reader {
             r: BufReader::with_capacity(1 << 20, r),
             offset: 0,
         };
+        let mut load = self.load_begin();
+        let mut piece = vec![0u8; 1 << 20];
+        while !load.fed_all() {
+            // No further than the checkpoint's end (the header says it).
+            // Cast: at most the piece's length.
+            #[allow(clippy::cast_possible_truncation)]
+            let want = (load.total - load.fed).min(piece.len() as u64) as usize;
+            let n = r.read_some(&mut piece[..want])?;
+            if n == 0 {
+                break;
+            }
+            load.feed(self, &piece[..n])?;
+        }
+        load.finish(self)
+    }
+
+    /// Starts reading a checkpoint into this store, which must hold no row
+    /// yet, a piece at a time ([`RowLoad::feed`], then
+    /// [`RowLoad::finish`]): what [`RowStore::read_into`] does, its work
+    /// spread over the pieces (a state copy taken as its fragments
+    /// arrive).
+    pub fn load_begin(&self) -> RowLoad {
+        assert_eq!(self.rows_stored(), 0, "a checkpoint is read into an empty store");
+        assert!(!self.streaming(), "a store being streamed holds rows");
+        RowLoad {
+            head: None,
+            buf: Vec::with_capacity(HEADER_BYTES),
+            sum: Checksum::default(),
+            row: 0,
+            fed: 0,
+            total: HEADER_BYTES as u64,
+            values: Vec::new(),
+        }
+    }
+}
+
+/// A checkpoint being read into a store a piece at a time
+/// ([`RowStore::load_begin`]).
+#[derive(Debug)]
+pub struct RowLoad {
+    /// The header, once all of it is in.
+    head: Option<Head>,
+    /// Bytes of the part being gathered: the header, a row's record, or
+    /// the tail (admission counters and checksum).
+    buf: Vec<u8>,
+    sum: Checksum,
+    /// Rows inserted so far.
+    row: u64,
+    /// Bytes fed so far (those past the checkpoint's end are ignored).
+    fed: u64,
+    /// The checkpoint's bytes (the header's, until it is in).
+    total: u64,
+    values: Vec<f32>,
+}
+
+impl RowLoad {
+    /// Whether every byte of the checkpoint was fed.
+    pub fn fed_all(&self) -> bool {
+        self.head.is_some() && self.fed >= self.total
+    }
+
+    /// Takes the checkpoint's next bytes into `store` (the one it was
+    /// begun for): the header checked once in, each row inserted once its
+    /// record is in. An error leaves the store with part of the rows: it
+    /// is to be dropped.
+    pub fn feed<I: RowInit, U: RowUpdate>(
+        &mut self,
+        store: &mut RowStore<I, U>,
+        mut bytes: &[u8],
+    ) -> Result<(), CheckpointError> {
+        while !bytes.is_empty() && self.fed < self.total {
+            // Cast: the part being gathered is at most a record or the
+            // tail, which fit in memory.
+            #[allow(clippy::cast_possible_truncation)]
+            let want = match &self.head {
+                None => HEADER_BYTES,
+                Some(h) if self.row < h.rows => store.record_bytes(),
+                Some(h) => counter_bytes(h.counters) as usize + 8,
+            };
+            let take = (want - self.buf.len()).min(bytes.len());
+            self.buf.extend_from_slice(&bytes[..take]);
+            bytes = &bytes[take..];
+            self.fed += take as u64;
+            if self.buf.len() < want {
+                break;
+            }
+            match &self.head {
+                None => self.take_head(store)?,
+                Some(h) if self.row < h.rows => self.take_row(store)?,
+                // The tail waits for `finish`.
+                Some(_) => break,
+            }
+        }
+        Ok(())
+    }
+
+    fn take_head<I: RowInit, U: RowUpdate>(&mut self, store: &RowStore<I, U>) -> Result<(), CheckpointError> {
         let mut head = [0u8; HEADER_BYTES];
-        r.fill(&mut head, || "the header".to_string(), HEADER_BYTES as u64)?;
+        head.copy_from_slice(&self.buf);
+        self.buf.clear();
         let mut magic = [0u8; 8];
         magic.copy_from_slice(&head[0..8]);
         if magic != MAGIC {
@@ -330,50 +425,82 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 });
             }
         }
-        let rows = h.rows;
-        if rows > config.rows_cap {
+        if h.rows > store.config.rows_cap {
             return Err(CheckpointError::TooManyRows {
-                rows,
-                cap: config.rows_cap,
+                rows: h.rows,
+                cap: store.config.rows_cap,
             });
         }
-        let (dim, state_len) = (store.dim, store.state_len);
-        let record_bytes = store.record_bytes();
-        let total = HEADER_BYTES as u64 + rows * record_bytes as u64 + counter_bytes(h.counters) + 8;
-        let mut sum = Checksum::default();
-        sum.add(&head);
-        let mut record = vec![0u8; record_bytes];
-        let mut values = vec![0f32; dim + state_len];
-        for row in 0..rows {
-            r.fill(&mut record, || format!("row {row} of {rows}"), total)?;
-            sum.add(&record);
-            let mut id = [0u8; 8];
-            id.copy_from_slice(&record[..8]);
-            let id = u64::from_le_bytes(id);
-            let touch = u32::from_le_bytes([record[8], record[9], record[10], record[11]]);
-            for (v, b) in values.iter_mut().zip(record[12..].chunks_exact(4)) {
-                *v = f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
-            }
-            if store.get(id).is_some() {
-                return Err(CheckpointError::DuplicateId { id, row });
-            }
-            if !store.insert_exact(id, &values[..dim], &values[dim..], touch) {
-                return Err(CheckpointError::NoMemory { row });
-            }
+        self.total =
+            HEADER_BYTES as u64 + h.rows * store.record_bytes() as u64 + counter_bytes(h.counters) + 8;
+        self.sum.add(&head);
+        self.values = vec![0f32; store.dim + store.state_len];
+        self.head = Some(h);
+        Ok(())
+    }
+
+    fn take_row<I: RowInit, U: RowUpdate>(
+        &mut self,
+        store: &mut RowStore<I, U>,
+    ) -> Result<(), CheckpointError> {
+        let record = &self.buf;
+        self.sum.add(record);
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&record[..8]);
+        let id = u64::from_le_bytes(id);
+        let touch = u32::from_le_bytes([record[8], record[9], record[10], record[11]]);
+        for (v, b) in self.values.iter_mut().zip(record[12..].chunks_exact(4)) {
+            *v = f32::from_bits(u32::from_le_bytes([b[0], b[1], b[2], b[3]]));
         }
+        let row = self.row;
+        if store.get(id).is_some() {
+            return Err(CheckpointError::DuplicateId { id, row });
+        }
+        let dim = store.dim;
+        if !store.insert_exact(id, &self.values[..dim], &self.values[dim..], touch) {
+            return Err(CheckpointError::NoMemory { row });
+        }
+        self.row += 1;
+        self.buf.clear();
+        Ok(())
+    }
+
+    /// Ends the load: the admission counters, the checksum and the hands
+    /// checked and taken; an error when a part was cut short (what
+    /// [`RowStore::read_into`] calls truncated) or is wrong.
+    pub fn finish<I: RowInit, U: RowUpdate>(self, store: &mut RowStore<I, U>) -> Result<(), CheckpointError> {
+        let (offset, expected) = (self.fed, self.total);
+        let truncated = |what: String| CheckpointError::Truncated {
+            what,
+            offset,
+            expected,
+        };
+        let Some(h) = &self.head else {
+            return Err(truncated("the header".to_string()));
+        };
+        if self.row < h.rows {
+            return Err(truncated(format!("row {} of {}", self.row, h.rows)));
+        }
+        // Cast: the counters are allocated, so their bytes fit a usize.
+        #[allow(clippy::cast_possible_truncation)]
+        let counters = counter_bytes(h.counters) as usize;
+        if self.buf.len() < counters {
+            return Err(truncated("the admission counters".to_string()));
+        }
+        if self.buf.len() < counters + 8 {
+            return Err(truncated("the checksum".to_string()));
+        }
+        let mut sum = self.sum;
+        let (bytes, found) = self.buf.split_at(counters);
         if let Some(admit) = &mut store.admit {
-            // Cast: the counters are allocated, so their bytes fit a usize.
-            #[allow(clippy::cast_possible_truncation)]
-            let mut bytes = vec![0u8; counter_bytes(h.counters) as usize];
-            r.fill(&mut bytes, || "the admission counters".to_string(), total)?;
-            sum.add(&bytes);
+            sum.add(bytes);
             for (c, b) in admit.counts_mut().iter_mut().zip(bytes.chunks_exact(2)) {
                 *c = u16::from_le_bytes([b[0], b[1]]);
             }
         }
-        let mut found = [0u8; 8];
-        r.fill(&mut found, || "the checksum".to_string(), total)?;
-        let found = u64::from_le_bytes(found);
+        let mut f = [0u8; 8];
+        f.copy_from_slice(found);
+        let found = u64::from_le_bytes(f);
         if found != sum.0 {
             return Err(CheckpointError::Checksum {
                 found,
@@ -411,26 +538,13 @@ struct Reader<R> {
 }
 
 impl<R: Read> Reader<R> {
-    /// Fill `buf` or say which part (`what`) was cut short.
-    fn fill(
-        &mut self,
-        buf: &mut [u8],
-        what: impl Fn() -> String,
-        expected: u64,
-    ) -> Result<(), CheckpointError> {
-        let mut got = 0;
-        while got < buf.len() {
-            match self.r.read(&mut buf[got..]) {
-                Ok(0) => {
-                    return Err(CheckpointError::Truncated {
-                        what: what(),
-                        offset: self.offset,
-                        expected,
-                    })
-                }
+    /// Reads what comes next into `buf`, at most its length; 0 at the end.
+    fn read_some(&mut self, buf: &mut [u8]) -> Result<usize, CheckpointError> {
+        loop {
+            match self.r.read(buf) {
                 Ok(n) => {
-                    got += n;
                     self.offset += n as u64;
+                    return Ok(n);
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(source) => {
@@ -441,6 +555,5 @@ impl<R: Read> Reader<R> {
                 }
             }
         }
-        Ok(())
     }
 }

@@ -254,6 +254,15 @@ proptest! {
         prop_assert_eq!(n, file.len() as u64);
         let r = RowStore::read_from(&file[..], c, Seeded, SumCount).unwrap();
         prop_assert_eq!(dump(&r), dump(&s));
+        // Fed a piece at a time (a state copy's fragments), the same.
+        let mut p = RowStore::new(c, Seeded, SumCount).unwrap();
+        let mut load = p.load_begin();
+        let step = 1 + ops.len() % 97;
+        for piece in file.chunks(step) {
+            load.feed(&mut p, piece).unwrap();
+        }
+        load.finish(&mut p).unwrap();
+        prop_assert_eq!(dump(&p), dump(&s));
         // Cut anywhere: an error, never a panic.
         let cut = (ops.len() * 7919) % file.len();
         let truncated = matches!(
