@@ -136,6 +136,24 @@ pub(super) struct ServedEntry<A> {
     pub(super) copies: Vec<CopyOut<A>>,
 }
 
+impl<A: Eq> ServedEntry<A> {
+    /// Backup appliance `b`'s index among the entry's backups, when the
+    /// lcore at `from` is the one keeping the entry there: a message from
+    /// it (an ACK) is taken, else dropped `rank_out_of_range` (`b` is not
+    /// a backup of the entry) or `wrong_peer` (another source).
+    pub(super) fn backup_at(&self, b: u16, from: A) -> Result<usize, DropReason> {
+        let k = self
+            .backups
+            .iter()
+            .position(|x| x.0 == b)
+            .ok_or(DropReason::RankOutOfRange)?;
+        if self.backups[k].1 != from {
+            return Err(DropReason::WrongPeer);
+        }
+        Ok(k)
+    }
+}
+
 impl<A> ServedEntry<A> {
     /// Whether backup `b` still takes table `key`'s copy (or catches up
     /// after it): it is sent none of the table's rounds in progress.
@@ -188,6 +206,11 @@ pub(super) struct RoundRows<'a> {
 }
 
 impl<'a> RoundRows<'a> {
+    /// The bytes its ids and rows take.
+    pub(super) fn bytes(&self) -> usize {
+        std::mem::size_of_val(self.ids) + std::mem::size_of_val(self.rows)
+    }
+
     /// `table`'s round in progress (its accumulator), completing at
     /// `at_ns`; `None` for a table that is not BSP.
     pub(super) fn of(table: &'a Table, at_ns: u64) -> Option<RoundRows<'a>> {
@@ -602,12 +625,10 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(served) = rep.served(repr.entry) else {
             return Verdict::Dropped(DropReason::WrongPeer);
         };
-        let Some(k) = served.backups.iter().position(|b| b.0 == repr.from) else {
-            return Verdict::Dropped(DropReason::RankOutOfRange);
+        let k = match served.backup_at(repr.from, from) {
+            Ok(k) => k,
+            Err(r) => return Verdict::Dropped(r),
         };
-        if served.backups[k].1 != from {
-            return Verdict::Dropped(DropReason::WrongPeer);
-        }
         if served.copying(repr.from, repr.key) {
             // A backup catching up after its copy: the ACK of a round
             // logged for it (`table_copy.rs`).

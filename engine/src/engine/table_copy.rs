@@ -42,7 +42,7 @@ use phub_proto::replica_rows::{
 use phub_proto::wire::{flags, DropReason};
 
 use super::outbox::Pending;
-use super::row_replica::{backup_table, queue_ack, queue_fragments, RoundRows};
+use super::row_replica::{backup_table, queue_ack, queue_fragments, RoundRows, ServedEntry};
 use super::table::{Table, TableRounds, TableStore};
 use super::{Job, Shard, Verdict};
 use crate::table::checkpoint::RowLoad;
@@ -64,6 +64,18 @@ pub(super) struct Logged {
     at_ns: u64,
     ids: Vec<u64>,
     rows: Vec<f32>,
+}
+
+impl Logged {
+    /// Its rows, of `dim` values each.
+    fn rows(&self, dim: u32) -> RoundRows<'_> {
+        RoundRows {
+            dim,
+            ids: &self.ids,
+            rows: &self.rows,
+            at_ns: self.at_ns,
+        }
+    }
 }
 
 /// Where a copy's stream comes from.
@@ -183,6 +195,13 @@ impl<A: Copy> CopyOut<A> {
         let stream = copy_stream(table);
         let total = stream.len() as u64;
         *self = copy_out(self.backup, self.to, table, Source::Whole(stream), total);
+        self.log_pending(table);
+    }
+
+    /// A round of `table` waiting for its other backups is not in a copy
+    /// of its last completed round: it completes with the rows it holds,
+    /// so it is the first logged.
+    fn log_pending(&mut self, table: &Table) {
         if let Some((t, r)) = table
             .pending
             .and_then(|p| RoundRows::of(table, p.at_ns).map(|r| (p.round, r)))
@@ -209,7 +228,7 @@ impl<A: Copy> CopyOut<A> {
         if self.counted {
             return false;
         }
-        let bytes = r.ids.len() * 8 + std::mem::size_of_val(r.rows);
+        let bytes = r.bytes();
         if self.log_bytes + bytes > LOG_MIN_BYTES.max(usize::try_from(self.total).unwrap_or(usize::MAX)) {
             self.counted = true;
             return false;
@@ -274,6 +293,18 @@ struct StateHead {
     epoch: u32,
 }
 
+impl StateHead {
+    /// Job `job`'s (token, id) messages for served entry `s` in `epoch`.
+    fn of<A>(job: (u64, u16), s: &ServedEntry<A>, epoch: u32) -> StateHead {
+        StateHead {
+            job,
+            home: s.home,
+            entry: s.entry,
+            epoch,
+        }
+    }
+}
+
 /// Queues fragments `range` of `copy` (made) to its backup (`flags`: 0,
 /// or RETRANSMIT); returns how many.
 fn queue_state<A: Copy>(
@@ -328,16 +359,7 @@ fn queue_catch_up<A: Copy>(
     flags: u8,
 ) -> u64 {
     let (round, flags, rows) = match c.log.front() {
-        Some(l) => (
-            l.round,
-            flags | flags::CATCH_UP,
-            RoundRows {
-                dim: c.dim,
-                ids: &l.ids,
-                rows: &l.rows,
-                at_ns: l.at_ns,
-            },
-        ),
+        Some(l) => (l.round, flags | flags::CATCH_UP, l.rows(c.dim)),
         None => (
             c.caught,
             flags,
@@ -393,15 +415,7 @@ pub(super) fn copies_to<A: Copy>(tables: &mut [Table], entry: u32, backups: &[(u
         }
         for (&(b, at), source) in backups.iter().zip(sources) {
             let mut c = copy_out(b, at, t, source, total);
-            // A round waiting for the other backups is not in the copy (of
-            // the last completed round): it completes with these rows, so
-            // it is the first logged.
-            if let Some(r) = t
-                .pending
-                .and_then(|p| RoundRows::of(t, p.at_ns).map(|r| (p.round, r)))
-            {
-                let _ = c.log_round(r.0, r.1);
-            }
+            c.log_pending(t);
             out.push(c);
         }
     }
@@ -500,6 +514,7 @@ impl<A: Copy + Eq> Shard<A> {
         };
         let epoch = rep.view.epoch;
         for s in &mut rep.served {
+            let head = StateHead::of((*token, *id), s, epoch);
             for c in &mut s.copies {
                 let end = c.fragments.min(c.acked.saturating_add(WINDOW));
                 if c.sent >= end {
@@ -510,12 +525,6 @@ impl<A: Copy + Eq> Shard<A> {
                 };
                 c.make_or_restart(t, end);
                 let end = c.fragments.min(c.acked.saturating_add(WINDOW));
-                let head = StateHead {
-                    job: (*token, *id),
-                    home: s.home,
-                    entry: s.entry,
-                    epoch,
-                };
                 let sent = queue_state(rows_out, pending, head, c, c.sent..end, 0);
                 rep.stats.table_states_sent += sent;
                 c.sent = end;
@@ -541,6 +550,7 @@ impl<A: Copy + Eq> Shard<A> {
         let epoch = rep.view.epoch;
         let mut timed_out = false;
         for s in &mut rep.served {
+            let head = StateHead::of((j.token, j.id), s, epoch);
             for c in &mut s.copies {
                 // Out: the window's fragments, or once installed the
                 // catch-up round's (or the confirmation).
@@ -561,12 +571,6 @@ impl<A: Copy + Eq> Shard<A> {
                     }
                     c.resends = c.resends.saturating_add(1);
                     c.deadline = now.saturating_add(rep.rtt.rto(c.resends));
-                    let head = StateHead {
-                        job: (j.token, j.id),
-                        home: s.home,
-                        entry: s.entry,
-                        epoch,
-                    };
                     if c.installed() {
                         rep.stats.replicates_resent +=
                             queue_catch_up(rows_out, pending, head, c, flags::RETRANSMIT);
@@ -666,12 +670,10 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(s) = rep.served.iter_mut().find(|s| s.entry == repr.entry) else {
             return Verdict::Dropped(DropReason::WrongPeer);
         };
-        let Some(k) = s.backups.iter().position(|b| b.0 == repr.from) else {
-            return Verdict::Dropped(DropReason::RankOutOfRange);
-        };
-        if s.backups[k].1 != from {
-            return Verdict::Dropped(DropReason::WrongPeer);
+        if let Err(r) = s.backup_at(repr.from, from) {
+            return Verdict::Dropped(r);
         }
+        let head = StateHead::of((j.token, j.id), s, rep.view.epoch);
         let Some(c) = s
             .copies
             .iter_mut()
@@ -703,12 +705,6 @@ impl<A: Copy + Eq> Shard<A> {
         if c.log.is_empty() {
             c.counted = true;
         }
-        let head = StateHead {
-            job: (j.token, j.id),
-            home: s.home,
-            entry: s.entry,
-            epoch: rep.view.epoch,
-        };
         rep.stats.replicates_sent += queue_catch_up(rows_out, pending, head, c, 0);
         rep.next_deadline = 0;
         Verdict::Replicated
@@ -728,7 +724,6 @@ impl<A: Copy + Eq> Shard<A> {
         } = self;
         let j = &mut jobs[i];
         let rep = j.replica.as_deref_mut().expect("checked by the caller");
-        let epoch = rep.view.epoch;
         let Some(t) = j
             .tables
             .iter()
@@ -739,6 +734,7 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(s) = rep.served.iter_mut().find(|s| s.entry == repr.entry) else {
             return Verdict::Dropped(DropReason::WrongPeer);
         };
+        let head = StateHead::of((j.token, j.id), s, rep.view.epoch);
         let Some(c) = s
             .copies
             .iter_mut()
@@ -784,7 +780,7 @@ impl<A: Copy + Eq> Shard<A> {
                 _ => Verdict::Replicated,
             };
         };
-        c.log_bytes -= l.ids.len() * 8 + std::mem::size_of_val(&l.rows[..]);
+        c.log_bytes -= l.rows(c.dim).bytes();
         c.caught = l.round;
         c.resends = 0;
         c.deadline = 0;
@@ -793,12 +789,6 @@ impl<A: Copy + Eq> Shard<A> {
             // no round completes without it from now on.
             c.counted = true;
         }
-        let head = StateHead {
-            job: (j.token, j.id),
-            home: s.home,
-            entry: s.entry,
-            epoch,
-        };
         rep.stats.replicates_sent += queue_catch_up(rows_out, pending, head, c, 0);
         rep.next_deadline = 0;
         // A logged round still pending (waiting for the other backups):

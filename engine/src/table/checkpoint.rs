@@ -36,7 +36,7 @@
 //! ([`super::StoreStats`]), and where each row sits in the row blocks
 //! (slots are handed out again; nothing a store answers depends on them).
 
-use std::io::{self, BufReader, BufWriter, Read, Write};
+use std::io::{self, BufWriter, Read, Write};
 
 use super::store::{RowStore, StoreConfig, StoreError};
 use super::{RowInit, RowUpdate};
@@ -298,10 +298,9 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// row yet (as installed), as [`RowStore::read_from`] would; on an
     /// error the store holds part of them and is to be dropped.
     pub fn read_into(&mut self, r: impl Read) -> Result<(), CheckpointError> {
-        let mut r = Reader {
-            r: BufReader::with_capacity(1 << 20, r),
-            offset: 0,
-        };
+        // Read a piece of up to 1 MiB at a time, straight from `r` (the
+        // pieces are its buffer).
+        let mut r = Reader { r, offset: 0 };
         let mut load = self.load_begin();
         let mut piece = vec![0u8; 1 << 20];
         while !load.fed_all() {
