@@ -389,38 +389,10 @@ fn a_table_over_three_virtual_racks_verifies_with_one_copy_and_with_two() {
         return;
     }
     let run = |replicas: &str| {
-        let (ok, v, text, pid) = common::bench_json(
+        sparse_on_three_racks(
             &format!("sparse-racks-{replicas}"),
-            &[
-                "sparse",
-                "--local",
-                "--racks",
-                "3",
-                "--replicas",
-                replicas,
-                "--workers",
-                "3",
-                "--rows",
-                "20000",
-                "--dim",
-                "8",
-                "--batch",
-                "256",
-                "--steps",
-                "20",
-                "--verify",
-            ],
-            &[],
-        );
-        assert!(ok, "{text}");
-        assert_eq!(v["verified"], true, "{text}");
-        assert_eq!(v["racks"], 3, "{v}");
-        assert!(
-            leftovers(pid).is_empty(),
-            "namespaces left behind: {:?}",
-            leftovers(pid)
-        );
-        v
+            &["--replicas", replicas, "--steps", "20"],
+        )
     };
     let (one, two) = (run("1"), run("2"));
     let spine = |v: &Value| v["cross_rack_bytes_per_step"].as_f64().unwrap();
@@ -450,23 +422,11 @@ fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_and_comes_back
         eprintln!("skipped: phub-bench sparse --local --racks --kill-appliance {why}");
         return;
     }
-    let (ok, v, text, pid) = common::bench_json(
+    let v = sparse_on_three_racks(
         "sparse-racks-kill",
         &[
-            "sparse",
-            "--local",
-            "--racks",
-            "3",
             "--replicas",
             "2",
-            "--workers",
-            "3",
-            "--rows",
-            "20000",
-            "--dim",
-            "8",
-            "--batch",
-            "256",
             // Steps enough to outlast the failover (the heartbeat
             // deadline, 500 ms), the restart and the copies.
             "--steps",
@@ -477,21 +437,47 @@ fn a_table_s_appliance_killed_over_three_virtual_racks_fails_over_and_comes_back
             "5",
             "--restart-after-ms",
             "600",
-            "--verify",
         ],
-        &[],
     );
-    assert!(ok, "{text}");
-    assert_eq!(v["verified"], true, "{text}");
     assert_eq!(v["killed_appliance"], "rack2", "{v}");
     let ms = v["failover_ms"].as_f64().unwrap_or(f64::NAN);
     assert!(ms > 0.0 && ms < 30_000.0, "failover_ms {ms}: {v}");
     // Back to full strength, its tables copied (rows, optimizer state).
     assert!(v["full_strength_seen_ms"].as_f64().is_some(), "{v}");
     assert!(v["rereplication_bytes"].as_u64().unwrap_or(0) > 0, "{v}");
+}
+
+/// `phub-bench sparse --local --racks 3` with `extra` (the table: 3
+/// ranks, 20,000 rows of 8, 256 ids a step, `--verify`): asserts that it
+/// succeeded, verified every row, ran on three racks and left no
+/// namespace behind; its JSON.
+fn sparse_on_three_racks(tag: &str, extra: &[&str]) -> Value {
+    let args: Vec<&str> = [
+        "sparse",
+        "--local",
+        "--racks",
+        "3",
+        "--workers",
+        "3",
+        "--rows",
+        "20000",
+        "--dim",
+        "8",
+        "--batch",
+        "256",
+        "--verify",
+    ]
+    .into_iter()
+    .chain(extra.iter().copied())
+    .collect();
+    let (ok, v, text, pid) = common::bench_json(tag, &args, &[]);
+    assert!(ok, "{text}");
+    assert_eq!(v["verified"], true, "{text}");
+    assert_eq!(v["racks"], 3, "{v}");
     assert!(
         leftovers(pid).is_empty(),
         "namespaces left behind: {:?}",
         leftovers(pid)
     );
+    v
 }

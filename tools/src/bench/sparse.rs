@@ -200,6 +200,22 @@ pub struct SparseArgs {
     pub checkpoint: Option<PathBuf>,
 }
 
+impl SparseArgs {
+    /// `--racks`' replica, kill and heartbeat options, as `phub-bench
+    /// run`'s.
+    fn failover(&self) -> super::failover::FailoverArgs {
+        super::failover::FailoverArgs {
+            replicas: Some(self.replicas),
+            kill_appliance: self.kill_appliance.clone(),
+            kill_at_round: self.kill_at_step,
+            restart_after_ms: self.restart_after_ms,
+            heartbeat_ms: self.heartbeat_ms,
+            heartbeat_deadline_ms: self.heartbeat_deadline_ms,
+            ..super::failover::FailoverArgs::default()
+        }
+    }
+}
+
 /// What one run measured.
 #[derive(Debug, Serialize)]
 pub struct SparseReport {
@@ -1354,14 +1370,20 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
 /// every rack's appliance with `--replicas`, the ranks driven from their
 /// racks' namespaces (rank r in rack [`super::racks::rack_of_ranks`]'s),
 /// and the bytes that crossed the spine meanwhile.
-fn on_racks(args: &SparseArgs, racks: usize, spec: &str, budget: u64, grads: &[f32]) -> Result<Ran> {
+fn on_racks(
+    args: &SparseArgs,
+    (racks, kill): (usize, Option<usize>),
+    spec: &str,
+    budget: u64,
+    grads: &[f32],
+) -> Result<Ran> {
     use super::racks::RackNet;
     let net = RackNet::create(racks, None, None, 50.0)?;
     let dir = std::env::temp_dir().join(format!("phub-bench-sparse-racks-{}", std::process::id()));
     std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
     phub_hwtests::process::track_dir(&dir);
     let r = RackNet::inside_named(&net.spine.name, || {
-        in_spine(args, &net, &dir, spec, budget, grads)
+        in_spine(args, &net, &dir, kill, spec, budget, grads)
     });
     if r.is_err() {
         eprintln!("phub-bench: the racks' logs were in {} (removed)", dir.display());
@@ -1380,6 +1402,7 @@ fn in_spine(
     args: &SparseArgs,
     net: &super::racks::RackNet,
     dir: &Path,
+    kill: Option<usize>,
     spec: &str,
     budget: u64,
     grads: &[f32],
@@ -1396,14 +1419,7 @@ fn in_spine(
                 ..DataplaneArgs::default()
             },
             env: Vec::new(),
-            control_extra: [
-                ("--heartbeat-ms", args.heartbeat_ms),
-                ("--heartbeat-deadline-ms", args.heartbeat_deadline_ms),
-            ]
-            .into_iter()
-            .filter_map(|(flag, ms)| ms.map(|ms| [flag.to_string(), ms.to_string()]))
-            .flatten()
-            .collect(),
+            control_extra: args.failover().control_args(),
             dpdk: false,
         },
         net,
@@ -1418,10 +1434,8 @@ fn in_spine(
     let (url, token) = (appl.control_url.clone(), appl.token.clone());
     let job = super::local::admit(&url, &spec, Some(&token))?;
     let of = rack_of_ranks(usize::from(args.workers), racks);
-    let mut kill = match (&args.kill_appliance, args.kill_at_step) {
-        (Some(name), Some(at)) => {
-            // failover::check, in run_local, found it among the names.
-            let i = names.iter().position(|x| x == name).unwrap_or(0);
+    let mut kill = match (kill, &args.kill_appliance, args.kill_at_step) {
+        (Some(i), Some(name), Some(at)) => {
             let appl = &mut appl;
             Some(Kill::new(
                 name,
@@ -1525,6 +1539,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
          the order the pushes arrived in: drop --verify or use --consistency bsp",
         args.consistency
     );
+    // --kill-appliance: the index of the appliance to kill.
+    let mut kill = None;
     if let Some(racks) = args.racks {
         ensure!(
             (1..=super::racks::MAX_RACKS).contains(&racks),
@@ -1553,21 +1569,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ] {
             ensure!(!set, "--racks with {flag}: not supported; drop one of them");
         }
-        super::failover::check(
-            &super::failover::FailoverArgs {
-                replicas: Some(args.replicas),
-                kill_appliance: args.kill_appliance.clone(),
-                kill_at_round: args.kill_at_step,
-                restart_after_ms: args.restart_after_ms,
-                ..super::failover::FailoverArgs::default()
-            },
-            racks,
-            racks,
-            args.steps,
-            false,
-            false,
-        )
-        .map_err(|e| anyhow::anyhow!(e.to_string().replace("round", "step")))?;
+        kill = super::failover::check(&args.failover(), racks, racks, args.steps, false, false)
+            .map_err(|e| anyhow::anyhow!(e.to_string().replace("round", "step")))?;
     }
     let load = loadavg();
     let (d, k) = (args.dim as usize, args.batch);
@@ -1612,7 +1615,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
         .context("the benchmark's own spec has its table")?;
     let ran = match args.racks {
-        Some(racks) => on_racks(args, racks, &spec, budget, &grads)?,
+        Some(racks) => on_racks(args, (racks, kill), &spec, budget, &grads)?,
         None => on_loopback(args, &spec, budget, &grads)?,
     };
     let Ran {
