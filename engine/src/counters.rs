@@ -15,7 +15,7 @@ use phub_proto::wire::DropReason;
 /// [`phub_proto::api::LcoreStats`] (reached through `Deref`, as
 /// `counters.rx_packets`), and drops by reason. Cache-line aligned so two
 /// lcores' counters never share a line.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 #[repr(align(64))]
 pub struct ShardCounters {
     /// The table's counters.
@@ -25,6 +25,16 @@ pub struct ShardCounters {
     /// Frames dropped before the engine (DPDK backend), indexed by
     /// [`NetDrop`] as `usize`.
     pub net_drops: [Counter; NetDrop::ALL.len()],
+}
+
+impl Default for ShardCounters {
+    fn default() -> ShardCounters {
+        ShardCounters {
+            lcore: LcoreCounters::default(),
+            drops: std::array::from_fn(|_| Counter::default()),
+            net_drops: std::array::from_fn(|_| Counter::default()),
+        }
+    }
 }
 
 impl Deref for ShardCounters {

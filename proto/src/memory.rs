@@ -185,6 +185,16 @@ pub const PEER_LCORE_BYTES: u64 = 64;
 /// send time, deadline, resends; PROTOCOL.md §11.4): at least the engine's
 /// record (checked there).
 pub const REPLICA_RECORD_BYTES: u64 = 32;
+/// Log buffers an lcore keeps at most for a replicated async or
+/// bounded-delay job's updates on their way to the backups (PROTOCOL.md
+/// §11.10), each of the job's chunk length in `f32`: a push that finds
+/// none free is dropped `backlog` and resent by its worker.
+pub const UPDATE_LOG_BUFFERS: usize = 1024;
+/// Bytes an lcore keeps per primary slot of a replicated async or
+/// bounded-delay job for its update log's record (the log's ring and each
+/// backup's acknowledged update), beside a `u32` per rank for the update
+/// its answer waits for: at least the engine's record (checked there).
+pub const UPDATE_RECORD_BYTES: u64 = 48;
 
 /// What one job costs, in bytes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -352,7 +362,22 @@ impl MemoryModel {
                     + b.count.div_ceil(per_block) * u64::from(self.block_overhead_bytes)
             })
             .sum();
-        slots + primary_slots * REPLICA_RECORD_BYTES + peer_lcores * PEER_LCORE_BYTES
+        // An async or bounded-delay job (PROTOCOL.md §11.10): each backup
+        // slot keeps the ranks' clocks; each primary slot an update log's
+        // record and a wait per rank; the lcore at most
+        // UPDATE_LOG_BUFFERS log buffers, one per update in flight (no
+        // more than W per slot).
+        let updates = if spec.consistency == Consistency::Sync {
+            0
+        } else {
+            let w = u64::from(spec.workers);
+            let backup_slots: u64 = backups.iter().map(|b| b.count).sum();
+            let buffers = (w * (primary_slots + backup_slots)).min(UPDATE_LOG_BUFFERS as u64);
+            backup_slots * w * u64::from(self.clock_bytes)
+                + primary_slots * (UPDATE_RECORD_BYTES + 4 * w)
+                + buffers * 4 * u64::from(spec.chunk_elems())
+        };
+        slots + updates + primary_slots * REPLICA_RECORD_BYTES + peer_lcores * PEER_LCORE_BYTES
     }
 
     /// What appliance `me` of a replicated job holds on each of its lcores

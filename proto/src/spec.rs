@@ -881,7 +881,31 @@ impl JobSpec {
             ))
         };
         if self.consistency != Consistency::Sync {
-            return unspecified(format!("a job of consistency {}", self.consistency.mode()));
+            // PROTOCOL.md §11.10: each update replicated; no state copies
+            // of such chunks yet, so no third replica to bring level.
+            if r > 2 {
+                return Err(bad(
+                    "placement.replicas",
+                    r,
+                    format!(
+                        "1 or 2 for a job of consistency {}: a third replica would need state copies, \
+                         which are not built for it (PROTOCOL.md §11.10)",
+                        self.consistency.mode()
+                    ),
+                ));
+            }
+            if let Some(t) = self.tables().next() {
+                return Err(bad(
+                    "placement.replicas",
+                    r,
+                    format!(
+                        "1 for a job of consistency {} with a table key (keys[{}]): replication of \
+                         its tables is specified for BSP only (PROTOCOL.md §11.9)",
+                        self.consistency.mode(),
+                        t.key
+                    ),
+                ));
+            }
         }
         if p.hierarchical {
             return unspecified("a hierarchical job".into());
@@ -1432,17 +1456,19 @@ elements = 1
             let e = with(p).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains(says), "{p}: {e}");
         }
-        let e = JobSpec::new("a", 2, &[10])
-            .with_consistency(Consistency::Async)
-            .sharded_over(Appliances::Count(2))
-            .with_replicas(2)
-            .validate()
-            .unwrap_err()
-            .to_string();
-        assert!(
-            e.contains("`placement.replicas` = 2") && e.contains("consistency async"),
-            "{e}"
-        );
+        // Async and bounded delay: two replicas (PROTOCOL.md §11.10), not
+        // three, and no tables.
+        for c in [Consistency::Async, Consistency::Bounded { delay: 2 }] {
+            let two = JobSpec::new("a", 2, &[10])
+                .with_consistency(c)
+                .sharded_over(Appliances::Count(3));
+            two.clone().with_replicas(2).validate().unwrap();
+            let e = two.with_replicas(3).validate().unwrap_err().to_string();
+            assert!(
+                e.contains("`placement.replicas` = 3") && e.contains(&format!("consistency {}", c.mode())),
+                "{e}"
+            );
+        }
         // A 2-byte dtype's aggregate travels as f32: half the largest chunk.
         let e = JobSpec::new("a", 2, &[10])
             .with_dtype(Dtype::F16)

@@ -65,8 +65,15 @@ pub mod field {
     /// ERRORs (PROTOCOL.md §11.9): the entry e the message is for; 0 in
     /// every other message, and not checked in them.
     pub const ENTRY: Range<usize> = 50..54;
+    /// `u16`, in a REPLICATE of an async or bounded-delay job (PROTOCOL.md
+    /// §11.10): the worker rank whose push the update is; 0 in every other
+    /// message.
+    pub const UPDATE_RANK: Range<usize> = 54..56;
+    /// `u32`, in such a REPLICATE: that push's clock; 0 in every other
+    /// message.
+    pub const UPDATE_CLOCK: Range<usize> = 56..60;
     /// Reserved, sent as zero, ignored on receipt.
-    pub const RESERVED: Range<usize> = 54..86;
+    pub const RESERVED: Range<usize> = 60..86;
     /// First payload byte.
     pub const PAYLOAD: usize = 86;
 }
@@ -333,6 +340,11 @@ drop_reasons! {
     /// not its ids', both cache flags, or a cache flag on a message
     /// without ids.
     BadSignature = 31, "bad_signature";
+    /// A push of a replicated async or bounded-delay job that would be
+    /// applied while the lcore's log of updates on their way to the
+    /// chunks' backups is full (PROTOCOL.md §11.10): not applied, not
+    /// answered; the worker resends it on its timer.
+    Backlog = 32, "backlog";
 }
 
 impl DropReason {
@@ -506,6 +518,14 @@ impl<T: AsRef<[u8]>> Header<T> {
     pub fn entry(&self) -> u32 {
         get_le!(self, u32, field::ENTRY)
     }
+    /// An update's worker rank ([`field::UPDATE_RANK`]).
+    pub fn update_rank(&self) -> u16 {
+        get_le!(self, u16, field::UPDATE_RANK)
+    }
+    /// An update's clock ([`field::UPDATE_CLOCK`]).
+    pub fn update_clock(&self) -> u32 {
+        get_le!(self, u32, field::UPDATE_CLOCK)
+    }
     /// A state copy's fragment index ([`field::FRAGMENT`]).
     pub fn fragment(&self) -> u8 {
         self.buf.as_ref()[field::FRAGMENT]
@@ -597,6 +617,12 @@ impl<T: AsRef<[u8]> + AsMut<[u8]>> Header<T> {
     /// Sets the entry a replicated job's table message is for.
     pub fn set_entry(&mut self, v: u32) {
         set_le!(self, field::ENTRY, v)
+    }
+    /// Sets an update's worker rank and clock (a REPLICATE of an async or
+    /// bounded-delay job).
+    pub fn set_update(&mut self, rank: u16, clock: u32) {
+        set_le!(self, field::UPDATE_RANK, rank);
+        set_le!(self, field::UPDATE_CLOCK, clock)
     }
     /// Sets a state copy's fragment index and count.
     pub fn set_fragment(&mut self, index: u8, count: u8) {

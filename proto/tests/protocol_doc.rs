@@ -76,7 +76,7 @@ fn num(s: &str) -> usize {
 #[test]
 fn field_table_matches_wire_field() {
     let one = |at: usize| at..at + 1;
-    let expected: [(&str, Range<usize>, &str); 20] = [
+    let expected: [(&str, Range<usize>, &str); 22] = [
         ("magic", field::MAGIC, "u32"),
         ("version", one(field::VERSION), "u8"),
         ("type", one(field::TYPE), "u8"),
@@ -96,7 +96,9 @@ fn field_table_matches_wire_field() {
         ("fragment", one(field::FRAGMENT), "u8"),
         ("fragments", one(field::FRAGMENTS), "u8"),
         ("entry", field::ENTRY, "u32"),
-        ("reserved", field::RESERVED, "u8[32]"),
+        ("update_rank", field::UPDATE_RANK, "u16"),
+        ("update_clock", field::UPDATE_CLOCK, "u32"),
+        ("reserved", field::RESERVED, "u8[26]"),
     ];
     let rows = table(&doc(), "| offset | size | field | type | meaning |");
     let names: Vec<&str> = rows.iter().map(|r| r[2].as_str()).collect();

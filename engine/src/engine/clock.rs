@@ -60,10 +60,113 @@ pub(super) fn slowest(clocks: &[RankClock]) -> u32 {
     clocks.iter().map(|c| c.applied()).min().unwrap_or(0)
 }
 
+/// Applies rank `rank`'s push of clock `c` (the next after its applied
+/// one, its answer not held: the caller checked) to a slot past round 0:
+/// the slot's update count is the optimizer's step t, then the rank's
+/// clock, its held flag and whether the slowest clock rose (PROTOCOL.md
+/// §5.8 rule 2). `dtypes`: the job's (the result's encoding) and the
+/// payload's (the job's at a primary; `f32` at a backup, §11.10), the same
+/// `f32` operations either way. Returns (held, slowest rose).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn update_clocked(
+    k: &Kernels,
+    (slot, blocks): (&mut Slot, &mut Blocks),
+    clocks: &mut [RankClock],
+    consistency: Consistency,
+    opt: &Optimizer,
+    (dtype, from): (Dtype, Dtype),
+    (rank, c): (u16, u32),
+    payload: &[u8],
+    now: u64,
+) -> (bool, bool) {
+    let before = slowest(clocks);
+    debug_assert!(
+        !slot.completed.is_none(),
+        "a clocked push before round 0 completed"
+    );
+    let t = slot.completed.next_saturating();
+    slot.completed = Round::new(t);
+    if opt.keeps_params() {
+        let b = slot.mem.bufs(blocks);
+        k.copy(from, b.acc, payload);
+        optim::step(
+            opt,
+            1,
+            t,
+            ChunkBufs {
+                acc: b.acc,
+                params: b.params,
+                s1: b.s1,
+                s2: b.s2,
+            },
+        );
+        if slot.result == ResultKind::Half {
+            kernels::encode(dtype, b.params, bytemuck::cast_slice_mut(b.half));
+        }
+    } else {
+        // Sum: the values pushed are added to the stored ones.
+        match slot.result {
+            ResultKind::F32 => {
+                let [a, b, ..] = slot.mem.all_mut(blocks);
+                k.add(from, if slot.mem.acc_in_a { b } else { a }, payload);
+            }
+            _ => {
+                // Half: the current values in f32 are the accumulator
+                // (round 0 left them there); the result is them encoded.
+                let b = slot.mem.bufs(blocks);
+                k.add(from, b.acc, payload);
+                kernels::encode(dtype, b.acc, bytemuck::cast_slice_mut(b.half));
+            }
+        }
+    }
+    let r = usize::from(rank);
+    clocks[r].clock = c;
+    let after = slowest(clocks);
+    let held = match consistency {
+        Consistency::Bounded { delay } => u64::from(c) > u64::from(after) + u64::from(delay),
+        _ => false,
+    };
+    if held {
+        // Cast: microseconds of the caller's clock, kept modulo 2^32.
+        #[allow(clippy::cast_possible_truncation)]
+        let since = ((now / 1000) as u32).min(SINCE_UNKNOWN - 1);
+        clocks[r] = RankClock {
+            clock: c | CLOCK_HELD,
+            since,
+        };
+    }
+    (
+        held,
+        after > before && matches!(consistency, Consistency::Bounded { .. }),
+    )
+}
+
+/// Bounded delay: lets go, in `clocks` alone, every held answer within τ
+/// of the slowest clock, as [`Shard::release`] does (a backup slot keeps
+/// its primary's held flags this way, PROTOCOL.md §11.10; it sends
+/// nothing).
+pub(super) fn clear_released(clocks: &mut [RankClock], consistency: Consistency) {
+    let Consistency::Bounded { delay } = consistency else {
+        return;
+    };
+    let limit = u64::from(slowest(clocks)) + u64::from(delay);
+    for c in clocks.iter_mut() {
+        if c.held() && u64::from(c.applied()) <= limit {
+            *c = RankClock {
+                clock: c.applied(),
+                since: 0,
+            };
+        }
+    }
+}
+
 impl<A: Copy + Eq> Shard<A> {
     /// A PUSH (or a late INIT) of a job that is not BSP, to a slot past
     /// round 0: the clock rules of the invariants at the head of the
-    /// engine module. `clocks` are the slot's ranks'.
+    /// engine module. `clocks` are the slot's ranks'; `waiting`: the
+    /// rank's last answer waits for the slot's backups (PROTOCOL.md
+    /// §11.10), which holds it as a held answer is held; `full`: the
+    /// lcore's update log has no room, so nothing is applied (`backlog`).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_clocked(
         k: &Kernels,
@@ -74,9 +177,11 @@ impl<A: Copy + Eq> Shard<A> {
         dtype: Dtype,
         repr: &Repr,
         payload: &[u8],
+        (waiting, full): (bool, bool),
         now: u64,
     ) -> Result<Step, DropReason> {
         let mine = clocks[usize::from(repr.rank)];
+        let held = mine.held() || waiting;
         let c = repr.round;
         if c <= mine.applied() {
             // A duplicate (or a late INIT): never applied again. Answered
@@ -92,99 +197,52 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 _ => true,
             };
-            return if mine.held() && (c == mine.applied() || !within) {
+            return if held && (c == mine.applied() || !within) {
                 Err(DropReason::Duplicate)
             } else {
                 Ok(Step::Resend(Some(c)))
             };
         }
-        if mine.held() || c != mine.applied() + 1 || c > MAX_CLOCK {
+        if held || c != mine.applied() + 1 || c > MAX_CLOCK {
             return Err(DropReason::Ahead);
         }
-        let before = slowest(clocks);
+        if full {
+            return Err(DropReason::Backlog);
+        }
         let payload = contribution(None, repr, payload)?;
-        // The slot's update count is the optimizer's step t.
-        debug_assert!(
-            !slot.completed.is_none(),
-            "a clocked push before round 0 completed"
+        let (held, slowest_rose) = update_clocked(
+            k,
+            (slot, blocks),
+            clocks,
+            consistency,
+            opt,
+            (dtype, dtype),
+            (repr.rank, c),
+            payload,
+            now,
         );
-        let t = slot.completed.next_saturating();
-        slot.completed = Round::new(t);
-        if opt.keeps_params() {
-            let b = slot.mem.bufs(blocks);
-            k.copy(dtype, b.acc, payload);
-            optim::step(
-                opt,
-                1,
-                t,
-                ChunkBufs {
-                    acc: b.acc,
-                    params: b.params,
-                    s1: b.s1,
-                    s2: b.s2,
-                },
-            );
-            if slot.result == ResultKind::Half {
-                kernels::encode(dtype, b.params, bytemuck::cast_slice_mut(b.half));
-            }
-        } else {
-            // Sum: the values pushed are added to the stored ones.
-            match slot.result {
-                ResultKind::F32 => {
-                    let [a, b, ..] = slot.mem.all_mut(blocks);
-                    k.add(dtype, if slot.mem.acc_in_a { b } else { a }, payload);
-                }
-                _ => {
-                    // Half: the current values in f32 are the accumulator
-                    // (round 0 left them there); the result is them encoded.
-                    let b = slot.mem.bufs(blocks);
-                    k.add(dtype, b.acc, payload);
-                    kernels::encode(dtype, b.acc, bytemuck::cast_slice_mut(b.half));
-                }
-            }
-        }
-        clocks[usize::from(repr.rank)].clock = c;
-        let after = slowest(clocks);
-        let held = match consistency {
-            Consistency::Bounded { delay } => u64::from(c) > u64::from(after) + u64::from(delay),
-            _ => false,
-        };
-        if held {
-            // Cast: microseconds of the caller's clock, kept modulo 2^32.
-            #[allow(clippy::cast_possible_truncation)]
-            let since = ((now / 1000) as u32).min(SINCE_UNKNOWN - 1);
-            clocks[usize::from(repr.rank)] = RankClock {
-                clock: c | CLOCK_HELD,
-                since,
-            };
-        }
-        // A held answer leaves its rank more than τ ahead of the slowest.
-        debug_assert!(
-            !held
-                || matches!(consistency, Consistency::Bounded { delay } if u64::from(c) > u64::from(after) + u64::from(delay)),
-            "an answer held within the bound"
-        );
-        Ok(Step::Applied {
-            held,
-            slowest_rose: after > before && matches!(consistency, Consistency::Bounded { .. }),
-        })
+        Ok(Step::Applied { held, slowest_rose })
     }
 
     /// Bounded delay: after slot `slot`'s lowest clock rose, releases every
     /// held answer whose clock is now within τ of it, one RESULT per clock
     /// (all of them share one clock in every state the engine reaches: the
-    /// lowest clock rises by one at a time).
+    /// lowest clock rises by one at a time). `defer`: the update that
+    /// released them is on its way to the slot's backups (PROTOCOL.md
+    /// §11.10): their answers wait for it instead.
     pub(super) fn release(
         job: &mut Job<A>,
         slot: u32,
         now: u64,
         pending: &mut Vec<Pending<A>>,
         counters: &ShardCounters,
+        defer: Option<u32>,
     ) {
         let Consistency::Bounded { delay } = job.consistency else {
             return;
         };
-        let w = usize::from(job.workers);
+        let workers = job.workers;
+        let w = usize::from(workers);
         let at = slot as usize * w;
         let Some(clocks) = job.clocks.get_mut(at..at + w) else {
             return;
@@ -242,6 +300,12 @@ impl<A: Copy + Eq> Shard<A> {
                 .max_lead
                 .max(clock.saturating_add(1).saturating_sub(low));
             counters.answers_released.add(n);
+            if let (Some(t), Some(rep)) = (defer, job.replica.as_deref_mut()) {
+                for r in (0..workers).filter(|&r| ranks.contains(r)) {
+                    rep.wait(slot, workers, r, t);
+                }
+                continue;
+            }
             counters.results_sent.add(n);
             pending.push(Pending::Result {
                 job: job.id,

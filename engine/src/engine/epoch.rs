@@ -40,6 +40,7 @@
 
 use phub_proto::failover::EpochView;
 
+use super::clock::RankClock;
 use super::copy::{Fill, Where};
 use super::error::EngineError;
 use super::replica::{Group, Pushed, Replica};
@@ -214,6 +215,7 @@ impl<A: Copy + Eq> Shard<A> {
         // copied is refused before anything is applied.
         let old_view = rep.view.clone();
         self.check_table_epoch(i, view)?;
+        self.check_clocked_epoch(i, view)?;
         let job = &mut self.jobs[i];
         let rep = job.replica.as_deref_mut().expect("checked above");
         debug_assert_eq!(rep.view, old_view);
@@ -230,6 +232,7 @@ impl<A: Copy + Eq> Shard<A> {
         let Replica {
             groups,
             pushed,
+            updates,
             layout,
             addrs,
             ..
@@ -269,6 +272,11 @@ impl<A: Copy + Eq> Shard<A> {
                 s.acked = acked;
                 s.copying = copying;
             }
+            // An async or bounded-delay job's logged updates (§11.10).
+            let range = g.base as usize..(g.base + g.count) as usize;
+            for u in updates.get_mut(range).into_iter().flatten() {
+                u.renumber(&from_old);
+            }
             g.backups = backups;
             copies.push((g.base..g.base + g.count, new));
         }
@@ -278,7 +286,9 @@ impl<A: Copy + Eq> Shard<A> {
             let left = g.backups.len();
             for s in g.base..g.base + g.count {
                 let p = &mut pushed[s as usize];
-                if !p.round.is_none() && p.copying == 0 && Replica::<A>::all(left, p.acked) {
+                // (An async or bounded-delay slot's log is settled below.)
+                let logged = updates.get(s as usize).is_some_and(|u| !u.log.is_empty());
+                if !p.round.is_none() && !logged && p.copying == 0 && Replica::<A>::all(left, p.acked) {
                     // No new backup here: new ones have not acknowledged.
                     *p = Pushed::default();
                     released.push(s);
@@ -338,6 +348,14 @@ impl<A: Copy + Eq> Shard<A> {
             }
             job.blocks.extend(part.blocks);
             rep.pushed.resize(job.slots.len(), Pushed::default());
+            if rep.clocked() {
+                // The ranks' clocks, as the primary had them (§11.10).
+                let w = usize::from(job.workers);
+                job.clocks.resize(job.slots.len() * w, RankClock::default());
+                job.clocks[b * w..end * w].copy_from_slice(&part.clocks);
+                rep.updates.resize_with(job.slots.len(), Default::default);
+                rep.waits.resize(job.slots.len() * w, 0);
+            }
         }
         // Parts backed up here whose primary changed: their slots await a
         // copy from the new one.
@@ -369,6 +387,15 @@ impl<A: Copy + Eq> Shard<A> {
             .unwrap_or(u64::MAX);
         for (slots, new) in copies {
             Self::queue_copies(&mut self.pending, job, slots, new);
+        }
+        // An async or bounded-delay job's updates that no backup left owes
+        // leave their logs, and the answers that waited for them go.
+        if job.replica.as_deref().is_some_and(Replica::clocked) {
+            // Cast: the job's slots fit a u32 (install_with checks).
+            #[allow(clippy::cast_possible_truncation)]
+            for s in 0..job.slots.len() as u32 {
+                Self::settle(&mut self.pending, &self.counters, job, s);
+            }
         }
         for s in released {
             let slot = &mut job.slots[s as usize];

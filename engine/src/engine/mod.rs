@@ -125,6 +125,7 @@ use crate::slotmem::{RustHeap, SlotAllocator, SlotBlock};
 
 mod checkpoint;
 mod clock;
+mod clock_replica;
 mod copy;
 mod epoch;
 mod error;
@@ -645,10 +646,25 @@ impl<A: Copy + Eq> Shard<A> {
                 job.counters.rounds += 1;
                 self.counters.pushes_aggregated.inc();
                 self.counters.rounds_completed.inc();
+                // A replicated slot's update goes to its backups first, and
+                // the answers it earns wait for them (PROTOCOL.md §11.10).
+                let update = (repr.rank, repr.round);
+                let deferred = Self::log_update(
+                    &self.kernels,
+                    &mut self.pending,
+                    &self.counters,
+                    job,
+                    repr.slot,
+                    update,
+                    payload,
+                    now,
+                );
                 if held {
                     job.counters.held += 1;
                     job.counters.held_total += 1;
                     self.counters.answers_held.inc();
+                } else if let (Some(t), Some(rep)) = (deferred, job.replica.as_deref_mut()) {
+                    rep.wait(repr.slot, job.workers, repr.rank, t);
                 } else {
                     self.counters.results_sent.inc();
                     self.pending.push(Pending::Result {
@@ -659,7 +675,7 @@ impl<A: Copy + Eq> Shard<A> {
                     });
                 }
                 if slowest_rose {
-                    Self::release(job, repr.slot, now, &mut self.pending, &self.counters);
+                    Self::release(job, repr.slot, now, &mut self.pending, &self.counters, deferred);
                 }
                 if held {
                     Verdict::Held

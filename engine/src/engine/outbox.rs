@@ -57,6 +57,15 @@ pub(super) enum Pending<A> {
         backup: u8,
         attempt: Attempt,
     },
+    /// Update `t` of a primary slot of an async or bounded-delay job, to
+    /// its backup `backup` (PROTOCOL.md §11.10).
+    Update {
+        job: u16,
+        slot: u32,
+        backup: u8,
+        t: u32,
+        attempt: Attempt,
+    },
     /// Acknowledgements of backup slots' rounds to one primary lcore, in
     /// one REPLICATE_ACK (PROTOCOL.md §11.3): its header, built whole, is
     /// bytes `at .. at + HEADER_LEN` of the shard's ack outbox, and its
@@ -190,6 +199,13 @@ impl<A: Copy + Eq> Shard<A> {
                 backup,
                 attempt,
             } => return [self.replicate_transmit(job, slot, backup, attempt), None],
+            Pending::Update {
+                job,
+                slot,
+                backup,
+                t,
+                attempt,
+            } => return [self.update_transmit(job, slot, backup, t, attempt), None],
             Pending::ReplicaAcks { at, more, to, .. } => {
                 let at = at as usize;
                 let end = at + HEADER_LEN + usize::from(more) * replica::ACK_ENTRY_LEN;

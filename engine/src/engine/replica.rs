@@ -22,7 +22,10 @@
 //!   round of the chunk completes before it installed the chunk's state
 //!   copy and acknowledged the round; no aggregate goes to it before its
 //!   copy is acknowledged ([`super::copy`]).
-//! - BSP jobs only; no shared-memory regions, no hierarchy.
+//! - An async or bounded-delay job's primary slots send each update
+//!   instead of a round's aggregate once round 0 completed
+//!   ([`super::clock_replica`]).
+//! - No shared-memory regions, no hierarchy.
 
 use std::net::{Ipv4Addr, SocketAddrV4};
 
@@ -40,6 +43,8 @@ use crate::kernels::Kernels;
 use crate::slotmem::SlotBlock;
 use crate::transmit::{Transmit, MAX_BURST};
 
+use super::clock::RankClock;
+use super::clock_replica::{unacked, Updates};
 use super::copy::{Fill, Where};
 use super::error::EngineError;
 use super::hier::Rtt;
@@ -151,6 +156,9 @@ pub(super) struct Part<A> {
     /// Per slot, while some slot awaits a state copy (§11.7); empty when
     /// every slot holds its chunk's state.
     pub(super) fill: Vec<Fill>,
+    /// An async or bounded-delay job's: per slot, its ranks' clocks (slot
+    /// × W + rank), as the primary's (§11.10); empty for BSP.
+    pub(super) clocks: Vec<RankClock>,
 }
 
 impl<A> Part<A> {
@@ -283,6 +291,18 @@ pub(super) struct Replica<A> {
     pub(super) served: Vec<super::row_replica::ServedEntry<A>>,
     /// The backup tables this lcore keeps of other appliances' entries.
     pub(super) row_parts: Vec<super::row_replica::RowPart<A>>,
+    /// An async or bounded-delay job's (PROTOCOL.md §11.10), per primary
+    /// slot: its updates on their way to its backups; empty for BSP.
+    pub(super) updates: Vec<Updates>,
+    /// Per primary slot and rank (slot × W + rank): the update its answer
+    /// waits for, 0 for none; empty for BSP.
+    pub(super) waits: Vec<u32>,
+    /// Log buffers not in use, and how many were made (at most
+    /// [`phub_proto::memory::UPDATE_LOG_BUFFERS`]), each of
+    /// `update_elems` `f32`s.
+    pub(super) spare: Vec<Box<[f32]>>,
+    pub(super) buffers: usize,
+    pub(super) update_elems: u32,
     pub(super) stats: ReplicaStats,
 }
 
@@ -360,6 +380,7 @@ impl<A: Copy> Replica<A> {
     /// no round in progress); state copies still owed stay owed, their
     /// timers armed at the next poll.
     pub(super) fn clear_pending(&mut self) {
+        self.clear_updates();
         for p in &mut self.pushed {
             *p = Pushed {
                 copying: p.copying,
@@ -396,6 +417,7 @@ impl<A: Copy> Replica<A> {
                 data + p.blocks.len() as u64 * block_overhead
                     + (p.slots.len() * std::mem::size_of::<Slot>()) as u64
                     + (p.fill.capacity() * std::mem::size_of::<Fill>()) as u64
+                    + (p.clocks.len() * std::mem::size_of::<RankClock>()) as u64
             })
             .sum();
         let peers: usize = self
@@ -412,7 +434,11 @@ impl<A: Copy> Replica<A> {
             .flat_map(|p| &p.tables)
             .map(|(t, _)| t.memory_bytes())
             .sum();
-        parts + tables + self.pushed.len() as u64 * REPLICA_RECORD_BYTES + peers as u64 * PEER_LCORE_BYTES
+        parts
+            + tables
+            + self.updates_bytes(self.update_elems)
+            + self.pushed.len() as u64 * REPLICA_RECORD_BYTES
+            + peers as u64 * PEER_LCORE_BYTES
     }
 
     /// Whether all `n` backups are in `acked` (bits at and above `n` are
@@ -565,11 +591,7 @@ impl<A: Copy + Eq> Shard<A> {
                 "this backend does not send to other appliances (kernel UDP does)".into(),
             ));
         };
-        if job.consistency != Consistency::Sync {
-            return Err(refuse(
-                "replicas of BSP jobs only are specified (PROTOCOL.md §11)".into(),
-            ));
-        }
+        let clocked = job.consistency != Consistency::Sync;
         let n = rep.appliances.len();
         let r = usize::from(rep.replicas);
         if rep.racks.len() != n || usize::from(rep.me) >= n || r == 0 || r > n || rep.replicas > MAX_REPLICAS
@@ -670,6 +692,18 @@ impl<A: Copy + Eq> Shard<A> {
                     from: self.mem.describe(),
                     reason,
                 })?;
+            if clocked && back {
+                return Err(refuse(
+                    "an async or bounded-delay job's appliance back would await state copies, \
+                     which are not built for such jobs (PROTOCOL.md §11.10)"
+                        .into(),
+                ));
+            }
+            let clocks = if clocked {
+                vec![RankClock::default(); slots.len() * usize::from(job.workers)]
+            } else {
+                Vec::new()
+            };
             // Came back empty: every slot awaits its copy (§11.7).
             let fill = if back {
                 vec![Fill::awaiting(); slots.len()]
@@ -692,9 +726,12 @@ impl<A: Copy + Eq> Shard<A> {
                 slots,
                 blocks,
                 fill,
+                clocks,
             });
         }
         let nslots = job.slots.len();
+        let workers = usize::from(job.workers);
+        let update_elems = job.chunk_elems;
         // This appliance's own part, when it serves it.
         let groups = if back {
             Vec::new()
@@ -746,6 +783,19 @@ impl<A: Copy + Eq> Shard<A> {
             parts,
             served: Vec::new(),
             row_parts: Vec::new(),
+            updates: if clocked {
+                std::iter::repeat_with(Updates::default).take(nslots).collect()
+            } else {
+                Vec::new()
+            },
+            waits: if clocked {
+                vec![0; nslots * workers]
+            } else {
+                Vec::new()
+            },
+            spare: Vec::new(),
+            buffers: 0,
+            update_elems,
             stats: ReplicaStats::default(),
         }));
         Ok(())
@@ -770,11 +820,17 @@ impl<A: Copy + Eq> Shard<A> {
             .find(|p| (p.first..p.first + p.slots.len() as u64).contains(&seq))?;
         let slot = u32::try_from(seq - part.first).ok()?;
         let s = &part.slots[slot as usize];
+        let w = usize::from(j.workers);
+        let i = slot as usize;
         Some(BackupState {
             // A slot awaiting its state copy holds no round (§11.7).
             round: s.completed.get().filter(|_| part.holds(slot as usize)),
             result: s.result_bytes(slot, None, &part.blocks),
             state: s.mem.all(&part.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
+            clocks: part
+                .clocks
+                .get(i * w..(i + 1) * w)
+                .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect()),
         })
     }
 
@@ -783,10 +839,15 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn primary_state(&self, id: u16, slot: u32) -> Option<BackupState<'_>> {
         let j = self.job(id)?;
         let s = j.slots.get(slot as usize)?;
+        let (w, i) = (usize::from(j.workers), slot as usize);
         Some(BackupState {
             round: s.completed.get(),
             result: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
             state: s.mem.all(&j.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
+            clocks: j
+                .clocks
+                .get(i * w..(i + 1) * w)
+                .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect()),
         })
     }
 
@@ -848,28 +909,32 @@ impl<A: Copy + Eq> Shard<A> {
             return Verdict::Dropped(DropReason::WrongEpoch);
         }
         match repr.kind {
-            ReplicaMsgType::Replicate => match Self::on_replicate(&self.kernels, job, from, &repr, payload) {
-                Ok(fresh) => {
-                    let rep = job.replica.as_deref_mut().expect("checked above");
-                    if fresh {
-                        rep.stats.acks_sent += 1;
-                        rep.stats.rounds_applied += 1;
-                        self.counters.replicate_acks_sent.inc();
-                    } else {
-                        rep.stats.acks_resent += 1;
-                        self.counters.replicate_acks_resent.inc();
+            ReplicaMsgType::Replicate => {
+                let h = Header::new_unchecked(datagram);
+                let update = (h.update_rank(), h.update_clock());
+                match Self::on_replicate(&self.kernels, job, from, &repr, update, payload, now) {
+                    Ok(fresh) => {
+                        let rep = job.replica.as_deref_mut().expect("checked above");
+                        if fresh {
+                            rep.stats.acks_sent += 1;
+                            rep.stats.rounds_applied += 1;
+                            self.counters.replicate_acks_sent.inc();
+                        } else {
+                            rep.stats.acks_resent += 1;
+                            self.counters.replicate_acks_resent.inc();
+                        }
+                        if let Some((to, ack)) =
+                            Self::ack_of(job, repr.from, repr.slot, ReplicaMsgType::ReplicateAck, |_, s| {
+                                s.completed.get()
+                            })
+                        {
+                            queue_ack(&mut self.pending, &mut self.acks_out, job.id, to, &ack);
+                        }
+                        Verdict::Replicated
                     }
-                    if let Some((to, ack)) =
-                        Self::ack_of(job, repr.from, repr.slot, ReplicaMsgType::ReplicateAck, |_, s| {
-                            s.completed.get()
-                        })
-                    {
-                        queue_ack(&mut self.pending, &mut self.acks_out, job.id, to, &ack);
-                    }
-                    Verdict::Replicated
+                    Err(r) => Verdict::Dropped(r),
                 }
-                Err(r) => Verdict::Dropped(r),
-            },
+            }
             ReplicaMsgType::ReplicateAck => {
                 // The header's acknowledgement, then the payload's: the
                 // message is handled if any of them is, and otherwise
@@ -890,6 +955,25 @@ impl<A: Copy + Eq> Shard<A> {
                         chunk,
                         ..repr
                     };
+                    let clocked = job.replica.as_deref().is_some_and(Replica::clocked)
+                        && job
+                            .slots
+                            .get(slot as usize)
+                            .is_some_and(|s| s.completed.get().is_some());
+                    if clocked {
+                        // An update's acknowledgement (PROTOCOL.md §11.10).
+                        let v = match Self::backup_index(job, from, &one).and_then(|k| {
+                            Self::on_update_ack(&mut self.pending, &self.counters, job, k, &one, now)
+                        }) {
+                            Ok(()) => Verdict::Replicated,
+                            Err(r) => Verdict::Dropped(r),
+                        };
+                        verdict = match verdict {
+                            None | Some(Verdict::Dropped(_)) => Some(v),
+                            kept => kept,
+                        };
+                        continue;
+                    }
                     let v = match Self::on_ack(job, from, &one, now) {
                         Ok(true) => {
                             self.counters.rounds_completed.inc();
@@ -981,7 +1065,9 @@ impl<A: Copy + Eq> Shard<A> {
         job: &mut Job<A>,
         from: A,
         repr: &ReplicaRepr,
+        update: (u16, u32),
         payload: &[u8],
+        now: u64,
     ) -> Result<bool, DropReason> {
         let (dtype, workers) = (job.dtype, job.workers);
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
@@ -998,6 +1084,11 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(DropReason::Ahead);
         }
         let slot = &mut part.slots[repr.slot as usize];
+        if !part.clocks.is_empty() && slot.completed.get().is_some() && repr.round > 0 {
+            // Past round 0 an async or bounded-delay job's chunk takes
+            // updates (PROTOCOL.md §11.10).
+            return Self::on_update(k, job, at, repr, update, payload, now);
+        }
         if slot.completed.is(repr.round) {
             return Ok(false);
         }
@@ -1135,6 +1226,33 @@ impl<A: Copy + Eq> Shard<A> {
                 for i in g.base..g.base + g.count {
                     let p = &mut rep.pushed[i as usize];
                     if !p.waiting() {
+                        continue;
+                    }
+                    if let Some(u) = rep.updates.get(i as usize).filter(|u| !u.log.is_empty()) {
+                        // Logged updates (PROTOCOL.md §11.10): each backup
+                        // gets again those it has not acknowledged.
+                        let n = unacked(u, nb).count();
+                        if p.deadline <= now && budget >= n {
+                            budget -= n;
+                            if !timed_out {
+                                rep.rtt.back_off();
+                                timed_out = true;
+                            }
+                            p.resends = p.resends.saturating_add(1);
+                            p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                            for (backup, t) in unacked(u, nb) {
+                                rep.stats.replicates_resent += 1;
+                                self.counters.replicates_resent.inc();
+                                self.pending.push(Pending::Update {
+                                    job: j.id,
+                                    slot: i,
+                                    backup,
+                                    t,
+                                    attempt: Attempt::Again,
+                                });
+                            }
+                        }
+                        next = next.min(rep.pushed[i as usize].deadline);
                         continue;
                     }
                     if p.deadline == 0 {
@@ -1308,6 +1426,10 @@ pub struct BackupState<'a> {
     /// Its parameters and the optimizer's two states (each empty where
     /// the optimizer keeps none).
     pub state: Vec<&'a [f32]>,
+    /// An async or bounded-delay job's: each rank's applied clock, with
+    /// [`phub_proto::checkpoint::CLOCK_HELD`] set while its answer is held
+    /// (PROTOCOL.md §5.8, §11.10); empty for BSP.
+    pub clocks: Vec<u32>,
 }
 
 /// Queues REPLICATE_ACK `ack` of job `job` to `to` (PROTOCOL.md §11.3): as

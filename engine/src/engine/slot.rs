@@ -529,6 +529,15 @@ impl<A: Copy + Eq> Shard<A> {
         payload: &[u8],
         now: u64,
     ) -> Result<Step, DropReason> {
+        // A replicated async or bounded-delay job (PROTOCOL.md §11.10): the
+        // rank's last answer waits for the backups; no room to log an
+        // update.
+        let (waiting, full) = job.replica.as_deref().map_or((false, false), |r| {
+            (
+                r.waiting(repr.slot, job.workers, repr.rank),
+                r.log_full(repr.slot),
+            )
+        });
         let slot = slot_for(&mut job.slots, repr, job.dtype)?;
         let carries = match repr.kind {
             MsgType::Pull => false,
@@ -561,7 +570,15 @@ impl<A: Copy + Eq> Shard<A> {
             return if slot.completed.is_none() {
                 Err(DropReason::NothingToPull)
             } else {
-                Ok(Step::Resend(clocks.map(|c| c[usize::from(repr.rank)].answered())))
+                // A waiting answer reports the clock before, as a held one.
+                Ok(Step::Resend(clocks.map(|c| {
+                    let mine = c[usize::from(repr.rank)];
+                    if waiting {
+                        mine.applied().saturating_sub(1)
+                    } else {
+                        mine.answered()
+                    }
+                })))
             };
         }
         // PROTOCOL.md §5.4 rule 0: restored from a checkpoint, this lcore
@@ -588,6 +605,7 @@ impl<A: Copy + Eq> Shard<A> {
                     dtype,
                     repr,
                     payload,
+                    (waiting, full),
                     now,
                 )?;
                 if let Step::Applied { held: false, .. } = step {

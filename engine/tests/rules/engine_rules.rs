@@ -284,8 +284,10 @@ fn every_refusal_is_counted_under_its_reason() {
             // Key caching's, table messages' only (table_rules.rs).
             | DropReason::UnknownSignature
             | DropReason::BadSignature
-            // Replicated jobs' only (replica_rules.rs, failover_rules.rs).
-            | DropReason::WrongEpoch => 0,
+            // Replicated jobs' only (replica_rules.rs, failover_rules.rs,
+            // clock_replica_rules.rs).
+            | DropReason::WrongEpoch
+            | DropReason::Backlog => 0,
             _ => 1,
         };
         assert_eq!(c.drops_of(*r) + d.drops_of(*r), expect, "{r}");

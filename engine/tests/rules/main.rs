@@ -9,6 +9,7 @@
 mod doc_notation;
 mod replica_world;
 
+mod clock_replica_rules;
 mod consistency_rules;
 mod engine_rules;
 mod failover_rules;

@@ -397,9 +397,9 @@ fn replication_messages_are_checked_and_idempotent() {
     assert_eq!(p.primary_state(JOB, 0).unwrap().round, Some(0));
 }
 
-/// A spec of another consistency is not installed with replicas.
+/// An async job is installed with replicas too (PROTOCOL.md §11.10).
 #[test]
-fn only_bsp_jobs_are_replicated() {
+fn async_jobs_are_replicated_too() {
     let sp = spec(Optimizer::Sum, Dtype::F32, 2, 2);
     let appliances = [
         (Ipv4Addr::new(10, 0, 0, 1), 9000, 1),
@@ -420,11 +420,8 @@ fn only_bsp_jobs_are_replicated() {
     s.set_peer_resolver(Arc::new(Some));
     let mut j = job(&sp, slots);
     j.consistency = Consistency::Async;
-    let e = s
-        .install(j, InstallKind::Replicated(Box::new(rep)))
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("BSP"), "{e}");
+    s.install(j, InstallKind::Replicated(Box::new(rep))).unwrap();
+    assert!(s.replica_stats(JOB).is_some());
 }
 
 /// A primary restored from its checkpoint while an aggregate was pending

@@ -265,6 +265,11 @@ impl World {
         SocketAddrV4::new(Ipv4Addr::new(o[0], o[1], o[2], self.hosts[i]), a.port())
     }
 
+    /// Whether the job is async or bounded delay (PROTOCOL.md §11.10).
+    pub(crate) fn clocked(&self) -> bool {
+        self.spec.consistency != Consistency::Sync
+    }
+
     pub(crate) fn total(&self) -> u64 {
         self.runs.iter().map(|r| r.count).sum()
     }
@@ -344,7 +349,8 @@ impl World {
             if !replica::is_replica_message(&d) {
                 let (repr, _) = wire::parse(&d).unwrap();
                 if repr.kind == MsgType::Result {
-                    self.check_backups_hold(i, j, repr.slot, repr.round);
+                    let rank = u16::from(to.ip().octets()[3]) - 1;
+                    self.check_backups_hold(i, j, repr.slot, repr.round, rank);
                 }
             }
             self.send(from, to, d);
@@ -372,7 +378,9 @@ impl World {
     /// appliance i's lcore j leaves only once every backup of the chunk
     /// after i in its set in the workers' epoch (§11.7: down ones out,
     /// those back at the end, new ones counted) completed it.
-    fn check_backups_hold(&mut self, i: usize, j: usize, slot: u32, round: u32) {
+    /// In an async or bounded-delay job (§11.10) `round` is rank `rank`'s
+    /// clock, which every such backup must have applied.
+    fn check_backups_hold(&mut self, i: usize, j: usize, slot: u32, round: u32, rank: u16) {
         self.results += 1;
         let g = self.served_chunk(i, j, slot);
         let home = self.layout.home(g).unwrap();
@@ -388,6 +396,15 @@ impl World {
                 .iter()
                 .find_map(|s| s.backup_state(JOB, g))
                 .unwrap_or_else(|| panic!("appliance {b} keeps no backup of chunk {g}"));
+            if self.clocked() && held.round.is_some_and(|t| t > 0) {
+                let applied = held.clocks[usize::from(rank)] & !phub_proto::checkpoint::CLOCK_HELD;
+                assert!(
+                    applied >= round,
+                    "a RESULT of clock {round} of chunk {g} left appliance {i} for rank {rank} while its backup \
+                     {b} applied its clock {applied}"
+                );
+                continue;
+            }
             assert!(
                 held.round.is_some_and(|r| r >= round),
                 "a RESULT of round {round} of chunk {g} left appliance {i} while its backup {b} holds round {:?}",
@@ -471,11 +488,15 @@ impl World {
         let g = self.served_chunk(i, j, repr.slot);
         let c = self.chunk(g);
         assert_eq!((repr.key, repr.chunk), (c.key, c.chunk));
+        let clocked = self.clocked();
         match self.got.get(&(rank, g)) {
-            // A round is answered with one result, however often.
-            Some((r, p)) if *r == repr.round => {
+            // A round is answered with one result, however often (not a
+            // clock: a copy of a push is answered with the values then,
+            // PROTOCOL.md §5.8 rule 1).
+            Some((r, p)) if *r == repr.round && !clocked => {
                 assert_eq!(p, payload, "chunk {g}, round {r}: two different RESULTs")
             }
+            Some((r, _)) if *r == repr.round => {}
             Some((r, _)) if *r > repr.round => {}
             _ => {
                 self.got.insert((rank, g), (repr.round, payload.to_vec()));

@@ -1,0 +1,330 @@
+//! Replicas of async and bounded-delay jobs (PROTOCOL.md §11.10) on
+//! hand-wired appliances ([`crate::replica_world`]): every push a primary
+//! applies goes to the chunk's backup as an update, applied there in the
+//! same order with the same operations, and the answer it earns leaves
+//! only once the backup acknowledged it (checked at every RESULT the
+//! world sees leave: the backup has applied the rank's clock). After
+//! every clock each backup equals its primary bit for bit, clocks and held
+//! flags too; a failover loses and repeats no update.
+
+use crate::replica_world::*;
+use phub_engine::engine::ReplicaStats;
+
+/// Every backup of every chunk holds its primary's bits: update count,
+/// stored result, parameters and optimizer state, and the ranks' clocks.
+fn assert_clocked_replicas_equal(w: &World) {
+    for g in 0..w.total() {
+        let s = w.layout.serve(g, &w.epoch).unwrap();
+        let p = w.shards[s.appliance][s.lcore]
+            .primary_state(JOB, s.slot as u32)
+            .unwrap();
+        assert_eq!(
+            p.clocks.len(),
+            w.spec.workers as usize,
+            "chunk {g}: the primary's clocks"
+        );
+        let home = w.layout.home(g).unwrap();
+        for &b in &w.layout.set_in(home, &w.epoch)[1..] {
+            let q = w.shards[b].iter().find_map(|x| x.backup_state(JOB, g)).unwrap();
+            assert_eq!(q.round, p.round, "chunk {g}, backup {b}: updates applied");
+            assert_eq!(q.clocks, p.clocks, "chunk {g}, backup {b}: clocks");
+            assert_eq!(q.result, p.result, "chunk {g}, backup {b}: stored result");
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            for (k, (a, c)) in p.state.iter().zip(&q.state).enumerate() {
+                assert_eq!(bits(a), bits(c), "chunk {g}, backup {b}: state buffer {k}");
+            }
+        }
+    }
+}
+
+fn stats(w: &World) -> Vec<ReplicaStats> {
+    w.shards
+        .iter()
+        .flatten()
+        .map(|s| s.replica_stats(JOB).unwrap())
+        .collect()
+}
+
+fn clocked(opt: Optimizer, dtype: Dtype, consistency: Consistency, appliances: u32) -> JobSpec {
+    let mut s = spec(opt, dtype, 2, appliances);
+    s.consistency = consistency;
+    s.validate().unwrap();
+    s
+}
+
+#[test]
+fn backups_apply_every_update_in_order_under_loss_duplication_and_reordering() {
+    let cases = [
+        (
+            Optimizer::Sgd {
+                lr: 0.1,
+                weight_decay: 0.01,
+            },
+            Dtype::F32,
+            Consistency::Async,
+        ),
+        (
+            Optimizer::Adam {
+                lr: 0.01,
+                beta1: 0.9,
+                beta2: 0.999,
+                eps: 1e-8,
+                weight_decay: 0.0,
+            },
+            Dtype::F32,
+            Consistency::Bounded { delay: 1 },
+        ),
+        (
+            Optimizer::Momentum {
+                lr: 0.05,
+                momentum: 0.9,
+                weight_decay: 0.0,
+            },
+            Dtype::Bf16,
+            Consistency::Async,
+        ),
+        (Optimizer::Sum, Dtype::F16, Consistency::Bounded { delay: 0 }),
+    ];
+    let clocks = 6;
+    for (seed, (opt, dtype, consistency)) in cases.into_iter().enumerate() {
+        let mut w = World::new(
+            clocked(opt, dtype, consistency, 3),
+            &[2, 1, 3],
+            &["r1", "r2", "r1"],
+            seed as u64,
+            LOSSY,
+        );
+        for c in 0..=clocks {
+            let v = round_values(&w, seed as u64 * 100, c);
+            round(&mut w, c, &v);
+            assert_clocked_replicas_equal(&w);
+        }
+        assert!(w.errors.is_empty(), "{opt:?}: ERRORs {:?}", w.errors);
+        let st = stats(&w);
+        let sum = |f: fn(&ReplicaStats) -> u64| st.iter().map(f).sum::<u64>();
+        assert!(sum(|s| s.replicates_resent) > 0, "{opt:?}: no update resent");
+        assert!(sum(|s| s.acks_resent) > 0, "{opt:?}: no ACK sent again");
+        // Round 0 once per chunk, then each rank's every clock: each
+        // applied once on the backup, whatever was lost or duplicated.
+        let updates = w.total() * (1 + u64::from(clocks) * u64::from(w.spec.workers));
+        assert_eq!(sum(|s| s.rounds_applied), updates, "{opt:?}");
+        assert_eq!(sum(|s| s.rounds_replicated), updates, "{opt:?}");
+    }
+}
+
+/// A rank's answer waits for the backup: with every replication message
+/// lost, an applied push is not answered, the rank's copies of it are
+/// `duplicate`, its next clock `ahead`, and a PULL reports the clock
+/// before; once the network heals the timer's resend brings the answer.
+#[test]
+fn an_answer_waits_until_the_backup_applied_the_update() {
+    let sp = clocked(
+        Optimizer::Sgd {
+            lr: 0.5,
+            weight_decay: 0.0,
+        },
+        Dtype::F32,
+        Consistency::Async,
+        2,
+    );
+    let mut w = World::new(sp, &[1, 1], &["", ""], 3, CLEAN);
+    let v0 = round_values(&w, 1, 0);
+    round(&mut w, 0, &v0);
+    let g = 0;
+    let (i, j, slot) = w.primary(g);
+    let v1 = round_values(&w, 1, 1);
+    w.faults.replica_loss = 1.0;
+    send_round(&mut w, 1, &v1, &[(0, g)], false);
+    w.run();
+    assert_eq!(w.got[&(0, g)].0, 0, "answered before the backup holds the update");
+    let primary = w.shards[i][j].primary_state(JOB, slot).unwrap();
+    assert_eq!(primary.round, Some(1), "applied at once");
+    assert_eq!(primary.clocks[0], 1);
+    // The copy of the push: dropped, nothing sent.
+    let before = w.shards[i][j].counters().drops_of(DropReason::Duplicate);
+    send_round(&mut w, 1, &v1, &[(0, g)], true);
+    w.run();
+    assert_eq!(
+        w.shards[i][j].counters().drops_of(DropReason::Duplicate),
+        before + 1
+    );
+    assert_eq!(w.got[&(0, g)].0, 0);
+    // The next clock: `ahead`, with an ERROR.
+    let v2 = round_values(&w, 1, 2);
+    send_round(&mut w, 2, &v2, &[(0, g)], false);
+    w.run();
+    assert!(
+        w.errors
+            .iter()
+            .any(|(_, r, _)| r.error == DropReason::Ahead.code()),
+        "{:?}",
+        w.errors
+    );
+    w.errors.clear();
+    // A PULL reports clock 0, the last answered.
+    let c = w.chunk(g);
+    let pull = Repr::request(MsgType::Pull, JOB, TOKEN, 0, 0, slot)
+        .with_payload(w.spec.dtype, 0)
+        .with_chunk(c.key, c.chunk);
+    let mut d = pull.to_datagram(&[]);
+    wire::Header::new_unchecked(&mut d[..]).set_epoch(0);
+    let to = w.at(i, j);
+    w.send(worker_addr(0), to, d);
+    w.run();
+    assert_eq!(w.got[&(0, g)].0, 0, "a PULL while the answer waits");
+    // The network heals: the resent update is acknowledged, the answer goes.
+    w.faults.replica_loss = 0.0;
+    w.now += 300 * MS;
+    w.poll();
+    w.run();
+    assert_eq!(w.got[&(0, g)].0, 1, "answered once the backup acknowledged");
+    assert_clocked_replicas_equal(&w);
+}
+
+/// A primary killed while updates it applied are on their way (every
+/// replication message lost at that moment): its backup adopts the part
+/// with the clocks it applied, the ranks resend what was not answered,
+/// and each push is applied exactly once: with `sum` and whole-number
+/// values the chunks end at their initial values plus every push,
+/// exactly. Async and bounded delay.
+#[test]
+fn a_failover_loses_and_repeats_no_update() {
+    for (seed, consistency) in [Consistency::Async, Consistency::Bounded { delay: 1 }]
+        .into_iter()
+        .enumerate()
+    {
+        let sp = clocked(Optimizer::Sum, Dtype::F32, consistency, 3);
+        let mut w = World::new(sp, &[1, 2, 1], &["a", "b", "c"], seed as u64, LOSSY);
+        let whole = |w: &World, salt: u32| -> HashMap<(u16, u64), Vec<f32>> {
+            let mut v = round_values(w, 7, salt);
+            for x in v.values_mut().flatten() {
+                *x = (*x * 8.0).round();
+            }
+            v
+        };
+        let mut want: HashMap<u64, Vec<f64>> = HashMap::new();
+        let clocks = 5;
+        for c in 0..=clocks {
+            let v = whole(&w, c);
+            for g in 0..w.total() {
+                let e = want
+                    .entry(g)
+                    .or_insert_with(|| vec![0.0; w.chunk(g).elems as usize]);
+                let ranks: Vec<u16> = if c == 0 {
+                    vec![0]
+                } else {
+                    (0..w.spec.workers as u16).collect()
+                };
+                for r in ranks {
+                    for (a, b) in e.iter_mut().zip(&v[&(r, g)]) {
+                        *a += f64::from(*b);
+                    }
+                }
+            }
+            if c == 3 {
+                // Clock 3 applied on the primaries, its updates lost; then
+                // appliance 0 dies and its backup takes over.
+                w.faults.replica_loss = 1.0;
+                let all: Vec<(u16, u64)> = (0..w.spec.workers as u16)
+                    .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
+                    .collect();
+                send_round(&mut w, c, &v, &all, false);
+                w.run();
+                w.dead[0] = true;
+                w.faults.replica_loss = LOSSY.replica_loss;
+                let down = w.epoch.with_down(0).unwrap();
+                change_epoch(&mut w, &down);
+            }
+            round(&mut w, c, &v);
+            assert_clocked_replicas_equal(&w);
+        }
+        let adopted: u64 = stats(&w).iter().map(|s| s.slots_adopted).sum();
+        assert!(adopted > 0, "nothing adopted");
+        for g in 0..w.total() {
+            let s = w.layout.serve(g, &w.epoch).unwrap();
+            let p = w.shards[s.appliance][s.lcore]
+                .primary_state(JOB, s.slot as u32)
+                .unwrap();
+            let got: Vec<f64> = bytemuck::cast_slice::<u8, f32>(p.result)
+                .iter()
+                .map(|&x| f64::from(x))
+                .collect();
+            assert_eq!(got, want[&g], "{consistency:?}: chunk {g}");
+            let ranks = w.spec.workers as usize;
+            assert_eq!(
+                p.clocks,
+                vec![clocks; ranks],
+                "chunk {g}: every clock applied once"
+            );
+        }
+        w.errors.retain(|(_, r, _)| {
+            r.error != DropReason::WrongEpoch.code() && r.error != DropReason::Ahead.code()
+        });
+        assert!(w.errors.is_empty(), "ERRORs: {:?}", w.errors);
+    }
+}
+
+/// What would need a state copy of such a job's chunks is refused, not
+/// built (§11.10): the failed appliance coming back, and a restore of
+/// replicated chunks from their checkpoints.
+#[test]
+fn what_would_need_a_state_copy_is_refused() {
+    let sp = clocked(Optimizer::Sum, Dtype::F32, Consistency::Async, 2);
+    let mut w = World::new(sp, &[1, 1], &["a", "b"], 4, CLEAN);
+    let v = round_values(&w, 2, 0);
+    round(&mut w, 0, &v);
+    let saved = w.shards[0][0].snapshot(JOB).unwrap();
+    let e = w.shards[0][0].restore(JOB, &saved).unwrap_err().to_string();
+    assert!(e.contains("§11.10"), "{e}");
+    w.dead[0] = true;
+    let down = w.epoch.with_down(0).unwrap();
+    change_epoch(&mut w, &down);
+    let back = w.epoch.with_joined(0).unwrap();
+    let e = w.shards[1][0].change_epoch(JOB, &back).unwrap_err().to_string();
+    assert!(e.contains("new backup") && e.contains("§11.10"), "{e}");
+}
+
+/// The update log's buffers are bounded per lcore
+/// ([`phub_proto::memory::UPDATE_LOG_BUFFERS`]): with the backups out of
+/// reach, pushes beyond them are dropped `backlog` before they are
+/// applied, and go once the workers resend them after the network healed;
+/// nothing is applied twice or lost.
+#[test]
+fn pushes_beyond_the_update_log_are_dropped_and_resent() {
+    use phub_proto::memory::UPDATE_LOG_BUFFERS;
+    let mut sp = JobSpec::new("rep", 3, &[16 * 800])
+        .with_optimizer(Optimizer::Sum)
+        .with_chunk_bytes(64)
+        .sharded_over(Appliances::Count(2))
+        .with_replicas(2);
+    sp.consistency = Consistency::Async;
+    sp.validate().unwrap();
+    let mut w = World::new(sp, &[1, 1], &["a", "b"], 5, CLEAN);
+    let v = round_values(&w, 3, 0);
+    round(&mut w, 0, &v);
+    let v = round_values(&w, 3, 1);
+    w.faults.replica_loss = 1.0;
+    let all: Vec<(u16, u64)> = (0..3u16)
+        .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
+        .collect();
+    send_round(&mut w, 1, &v, &all, false);
+    w.run();
+    for i in 0..2 {
+        let s = &w.shards[i][0];
+        let slots = (0..w.total()).filter(|&g| w.primary(g).0 == i).count();
+        assert_eq!(
+            s.counters().drops_of(DropReason::Backlog),
+            (3 * slots - UPDATE_LOG_BUFFERS) as u64,
+            "appliance {i}"
+        );
+    }
+    w.faults.replica_loss = 0.0;
+    round(&mut w, 1, &v);
+    assert_clocked_replicas_equal(&w);
+    for g in 0..w.total() {
+        let (i, j, slot) = w.primary(g);
+        let p = w.shards[i][j].primary_state(JOB, slot).unwrap();
+        assert_eq!(p.clocks, vec![1, 1, 1], "chunk {g}");
+        assert_eq!(p.round, Some(3), "chunk {g}: three updates, once each");
+    }
+}
