@@ -38,8 +38,9 @@ fn main() {
     // Failing seeds print their own panic; the summary names them.
     let next = AtomicU64::new(from);
     let skipped = AtomicU64::new(0);
-    // (totals, failed seeds, seeds with tables, replicated seeds)
-    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64, 0u64));
+    // (totals, failed seeds, seeds with tables, replicated seeds, of them
+    // async or bounded delay)
+    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64, 0u64, 0u64));
     let start = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -90,6 +91,10 @@ fn main() {
                             t.0.table_backups_checked += o.table_backups_checked;
                             t.0.table_copies += o.table_copies;
                             t.0.control_restarts += o.control_restarts;
+                            t.0.updates_replicated += o.updates_replicated;
+                            if case.consistency != phub_proto::spec::Consistency::Sync {
+                                t.4 += 1;
+                            }
                             t.0.replaced += o.replaced;
                             t.0.jobs_failed += o.jobs_failed;
                             t.0.stalls += o.stalls;
@@ -102,7 +107,7 @@ fn main() {
         }
     });
     let wall = start.elapsed();
-    let (o, mut failed, with_tables, replicated) = totals
+    let (o, mut failed, with_tables, replicated, clocked) = totals
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     failed.sort_unstable();
@@ -110,7 +115,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
          {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} async or bounded-delay ({} updates applied on backups), {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),
@@ -141,6 +146,8 @@ fn main() {
         o.replaced,
         o.full_strength,
         o.control_restarts,
+        clocked,
+        o.updates_replicated,
         o.backups_checked,
         o.tables_adopted,
         o.table_copies,

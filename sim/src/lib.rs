@@ -302,11 +302,29 @@ impl Case {
             case.appliances = case.appliances.max(rrng.gen_range(2..=4));
             case.replication = Some(ReplicaCase::draw(&mut rrng, case.appliances));
         }
+        // Async and bounded delay replicate each update (PROTOCOL.md
+        // §11.10), from a generator of its own: in 3 of 10 such flat jobs
+        // without tables or a crash, two replicas, and only the faults
+        // that need no state copy ([`ReplicaCase::draw_clocked`]).
+        let mut crng = ChaCha8Rng::seed_from_u64(seed ^ 0xc10c_4e91_0000);
+        if consistency != Consistency::Sync
+            && case.racks < 2
+            && case.tables.is_empty()
+            && case.crash.is_none()
+            && crng.gen_bool(0.3)
+        {
+            case.appliances = case.appliances.max(crng.gen_range(2..=4));
+            case.replication = Some(ReplicaCase::draw_clocked(&mut crng, case.appliances));
+        }
         // A whole job's restart from its checkpoints, from a generator of
         // its own too: in a quarter of the replicated jobs, instead of
         // the faults drawn above.
         let mut wrng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e5c_0e11_0000);
-        if let Some(r) = case.replication.as_mut().filter(|_| wrng.gen_bool(0.25)) {
+        if let Some(r) = case
+            .replication
+            .as_mut()
+            .filter(|_| wrng.gen_bool(0.25) && consistency == Consistency::Sync)
+        {
             let at_us = wrng.gen_range(500..20_000);
             r.event = Some(ReplicaEvent::Restart {
                 checkpoint_us: wrng.gen_range(0..=at_us),
@@ -323,7 +341,11 @@ impl Case {
         // lose a part, every lcore's checkpoint is taken before the first
         // fault.
         let mut srng = ChaCha8Rng::seed_from_u64(seed ^ 0x57a1_1ed0_0000);
-        if let Some(r) = case.replication.as_mut().filter(|r| r.lose && srng.gen_bool(0.6)) {
+        if let Some(r) = case
+            .replication
+            .as_mut()
+            .filter(|r| r.lose && srng.gen_bool(0.6) && consistency == Consistency::Sync)
+        {
             r.stall = Some(replication::StallBack {
                 checkpoint_us: srng.gen_range(0..500),
                 back_us: srng.gen_range(0..20_000),
@@ -341,6 +363,7 @@ impl Case {
         // fails it where kills that lose parts are played.
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
         if case.replication.is_some()
+            && case.consistency == Consistency::Sync
             && case.rejoin.is_none()
             && case.tables.is_empty()
             && xrng.gen_bool(2.0 / 3.0)
@@ -511,6 +534,9 @@ pub struct Outcome {
     pub backups_checked: u64,
     /// Replicated: control restarts.
     pub control_restarts: u64,
+    /// Replicated async or bounded delay (PROTOCOL.md §11.10): updates a
+    /// backup slot applied, each checked against its appliance's model.
+    pub updates_replicated: u64,
     /// Replicated with tables: entries whose tables an appliance adopted
     /// (PROTOCOL.md §11.9).
     pub tables_adopted: u64,
@@ -652,6 +678,11 @@ struct World<'c> {
     applied: HashSet<Contribution>,
     /// Not BSP: per (key, chunk), the model.
     models: HashMap<(u32, u32), Model>,
+    /// A replicated async or bounded-delay job (PROTOCOL.md §11.10): the
+    /// model of each chunk at each appliance (key, chunk, index), which
+    /// takes the pushes its lcores apply and the updates its backup slots
+    /// apply, in their order; `models` is unused.
+    rmodels: HashMap<(u32, u32, usize), Model>,
     /// Not BSP: per (rank, key, chunk, clock), the values of every RESULT
     /// sent (a duplicate's answer carries the values current then).
     answers: HashMap<(u16, u32, u32, u32), Vec<Vec<f32>>>,
@@ -920,6 +951,7 @@ impl<'c> World<'c> {
             expect,
             applied: HashSet::new(),
             models: HashMap::new(),
+            rmodels: HashMap::new(),
             answers: HashMap::new(),
             tau: case.consistency.delay(),
             tau0,
@@ -1012,16 +1044,20 @@ impl<'c> World<'c> {
                 let n = init.len();
                 #[allow(clippy::cast_possible_truncation)]
                 let key = k as u32;
-                self.models.insert(
-                    (key, c.chunk),
-                    Model {
-                        applied: vec![0; w],
-                        values: reference::through_wire(self.case.dtype, init),
-                        s1: vec![0.0; n],
-                        s2: vec![0.0; n],
-                        t: 0,
-                    },
-                );
+                let m = Model {
+                    applied: vec![0; w],
+                    values: reference::through_wire(self.case.dtype, init),
+                    s1: vec![0.0; n],
+                    s2: vec![0.0; n],
+                    t: 0,
+                };
+                if self.clocked_replicas() {
+                    for a in 0..usize::from(self.case.appliances) {
+                        self.rmodels.insert((key, c.chunk, a), m.clone());
+                    }
+                } else {
+                    self.models.insert((key, c.chunk), m);
+                }
             }
         }
     }
@@ -1596,6 +1632,8 @@ impl<'c> World<'c> {
             self.row_taken(l, bytes, verdict);
         } else if phub_proto::replica_rows::is_row_replica_message(bytes) {
             self.row_replica_taken(l, bytes, verdict);
+        } else if phub_proto::replica::is_replica_message(bytes) {
+            self.update_taken(l, bytes, verdict);
         } else if matches!(verdict, Verdict::Applied | Verdict::Held) {
             self.apply(l, bytes);
         }
@@ -1643,7 +1681,7 @@ impl<'c> World<'c> {
                     self.check_row_answer(l, rank, &bytes);
                 } else {
                     self.check_result(l, rank, &bytes);
-                    self.check_result_held(l, &bytes);
+                    self.check_result_held(l, rank, &bytes);
                 }
             }
             self.net.send(self.now, from, node, bytes);
@@ -1666,7 +1704,7 @@ impl<'c> World<'c> {
         let want: Vec<f32> = if self.case.consistency == Consistency::Sync {
             self.expect[repr.key as usize][c as usize][start..start + v.len()].to_vec()
         } else {
-            let Some(m) = self.models.get(&(repr.key, repr.chunk)) else {
+            let Some(m) = self.model(l, repr.key, repr.chunk).cloned() else {
                 panic!(
                     "lcore {l} answered key {} chunk {}, which the job does not have",
                     repr.key, repr.chunk
@@ -1717,25 +1755,61 @@ impl<'c> World<'c> {
     /// of its chunk takes it, after checking it is the rank's next clock.
     fn apply(&mut self, l: usize, bytes: &[u8]) {
         let (repr, payload) = wire::parse(bytes).expect("a datagram the engine applied parses");
-        let Some(m) = self.models.get_mut(&(repr.key, repr.chunk)) else {
-            panic!(
-                "lcore {l} applied a push to key {} chunk {}, which the job does not have",
-                repr.key, repr.chunk
-            );
+        self.take_update(
+            l,
+            (repr.key, repr.chunk),
+            (repr.rank, repr.round),
+            self.case.dtype,
+            payload,
+        );
+    }
+
+    /// Whether the job is a replicated async or bounded-delay one
+    /// (PROTOCOL.md §11.10), whose chunks have a model per appliance.
+    fn clocked_replicas(&self) -> bool {
+        self.case.replication.is_some() && self.case.consistency != Consistency::Sync
+    }
+
+    /// The model of `key`'s chunk `chunk` that lcore `l` follows.
+    fn model(&self, l: usize, key: u32, chunk: u32) -> Option<&Model> {
+        if self.clocked_replicas() {
+            self.rmodels.get(&(key, chunk, self.index_of(l)))
+        } else {
+            self.models.get(&(key, chunk))
+        }
+    }
+
+    /// Lcore `l` applied rank `rank`'s push of `clock` (`payload`, in
+    /// `dtype`) to a chunk: its model takes it, after checking it is the
+    /// rank's next clock.
+    pub(crate) fn take_update(
+        &mut self,
+        l: usize,
+        (key, chunk): (u32, u32),
+        (rank, clock): (u16, u32),
+        dtype: Dtype,
+        payload: &[u8],
+    ) {
+        let at = self.index_of(l);
+        let m = if self.clocked_replicas() {
+            self.rmodels.get_mut(&(key, chunk, at))
+        } else {
+            self.models.get_mut(&(key, chunk))
         };
-        let r = usize::from(repr.rank);
+        let Some(m) = m else {
+            panic!("lcore {l} applied a push to key {key} chunk {chunk}, which the job does not have");
+        };
+        let r = usize::from(rank);
         assert_eq!(
-            repr.round,
+            clock,
             m.applied[r] + 1,
-            "lcore {l}: rank {r}'s clock {} of key {} chunk {} applied after clock {} (twice, or out of order)",
-            repr.round,
-            repr.key,
-            repr.chunk,
+            "lcore {l}: rank {r}'s clock {clock} of key {key} chunk {chunk} applied after clock {} (twice, or out of order)",
             m.applied[r]
         );
-        m.applied[r] = repr.round;
+        let repr = (key, chunk);
+        m.applied[r] = clock;
         let mut g = vec![0f32; m.values.len()];
-        decode(self.case.dtype, payload, &mut g);
+        decode(dtype, payload, &mut g);
         let opt = &self.case.optimizer;
         m.t += 1;
         if opt.keeps_params() {
@@ -1766,8 +1840,8 @@ impl<'c> World<'c> {
             assert!(
                 hi - lo <= tau + 1,
                 "lcore {l}: key {} chunk {}: applied clocks {lo}..{hi}, more than τ + 1 = {} apart",
-                repr.key,
-                repr.chunk,
+                repr.0,
+                repr.1,
                 tau + 1
             );
         }
@@ -1946,6 +2020,7 @@ impl<'c> World<'c> {
     /// engine's stored values are the model's, and no answer let a rank
     /// lead the slowest by more than τ + 1.
     fn check_models(&self) {
+        // A replicated job's: `check_replicas`.
         for (&(key, chunk), m) in &self.models {
             assert!(
                 m.applied.iter().all(|&a| a == self.case.rounds),

@@ -52,10 +52,13 @@ use std::sync::Arc;
 
 use phub_engine::engine::replica_plan_at;
 use phub_engine::kernels::Kernels;
+use phub_engine::Verdict;
 use phub_engine::{InstallKind, JobInstall, Shard};
 use phub_proto::api::DataAddr;
 use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::ChunkRange;
+use phub_proto::replica::ReplicaMsgType;
+use phub_proto::spec::Consistency;
 use phub_proto::wire::{self, MsgType};
 use rand::Rng;
 use rand_chacha::ChaCha8Rng;
@@ -228,6 +231,65 @@ pub struct ControlDown {
 }
 
 impl ReplicaCase {
+    /// An async or bounded-delay job's replicated shape over `appliances`
+    /// and its faults, drawn (PROTOCOL.md §11.10): two replicas, and what
+    /// needs no state copy of its chunks: a kill (the appliance stays
+    /// out), a partition (a split brain; healed, the appliance is not
+    /// given the job back), another kill after, control down, slow puts,
+    /// and kills that lose a part (the job fails).
+    pub fn draw_clocked(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
+        let racks = (0..appliances)
+            .map(|a| match rng.gen_bool(0.5) {
+                true => format!("r{a}"),
+                false => String::new(),
+            })
+            .collect();
+        let appliance = rng.gen_range(0..appliances);
+        let at_us = rng.gen_range(500..20_000);
+        let event = match rng.gen_range(0..4) {
+            0 => None,
+            1 | 2 => Some(ReplicaEvent::Kill {
+                appliance,
+                at_us,
+                back_us: None,
+            }),
+            _ => Some(ReplicaEvent::Partition {
+                appliance,
+                at_us,
+                for_us: rng.gen_range(100..40_000),
+            }),
+        };
+        let detect_us = if rng.gen_bool(0.7) {
+            rng.gen_range(200..5_000)
+        } else {
+            rng.gen_range(5_000..300_000)
+        };
+        let control_us = rng.gen_range(10..2_000);
+        let other = (appliance + rng.gen_range(1..appliances)) % appliances;
+        let then_kill = rng.gen_bool(0.4).then(|| ThenKill::Other {
+            appliance: other,
+            after_us: rng.gen_range(0..5_000),
+        });
+        let control_down = rng.gen_bool(0.25).then(|| ControlDown {
+            at_us: rng.gen_range(0..30_000),
+            for_us: rng.gen_range(100..50_000),
+        });
+        ReplicaCase {
+            replicas: 2,
+            racks,
+            event,
+            detect_us,
+            control_us,
+            then_kill,
+            control_down,
+            lose: rng.gen_bool(0.2),
+            slow_puts: rng
+                .gen_bool(0.3)
+                .then(|| (rng.gen_range(0..appliances), rng.gen_range(1_000..30_000))),
+            stall: None,
+        }
+    }
+
     /// A replicated shape over `appliances` and its faults, drawn.
     pub fn draw(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
         let replicas: u8 = rng.gen_range(2..=u8::try_from(appliances.min(3)).expect("at most 3"));
@@ -1202,6 +1264,7 @@ impl World<'_> {
     /// Index `a` answers control again: the job is given back to it (a
     /// partition that healed before it was declared down changes nothing).
     fn give_back(&mut self, a: usize) {
+        let clocked = self.case.consistency != Consistency::Sync;
         let c = self.rep_mut();
         if c.stalled_until.is_some() {
             // A stalled job re-replicates to nobody: the index answers
@@ -1211,6 +1274,14 @@ impl World<'_> {
         c.silent_since[a] = None;
         let declared = c.declared_at[a].take().is_some();
         if !declared {
+            return;
+        }
+        if clocked {
+            // No state copies of an async or bounded-delay job's chunks
+            // (PROTOCOL.md §11.10): it stays degraded, as control keeps it.
+            self.note(format_args!(
+                "appliance {a} answers again; the job stays without it"
+            ));
             return;
         }
         let Some(view) = c.view.with_joined(u16::try_from(a).expect("few appliances")) else {
@@ -1517,7 +1588,7 @@ impl World<'_> {
 
     /// The index position `l`'s lcore serves (a retired lcore: the index
     /// it served before the drain).
-    fn index_of(&self, l: usize) -> usize {
+    pub(crate) fn index_of(&self, l: usize) -> usize {
         let per = usize::from(self.case.lcores);
         if l < self.total_lcores() {
             return l / per;
@@ -1585,7 +1656,6 @@ impl World<'_> {
                     s.appliance, s.lcore
                 );
             };
-            assert_eq!(p.round, Some(last), "chunk {g}: its primary's round at the end");
             let k = c
                 .key_first
                 .iter()
@@ -1595,7 +1665,30 @@ impl World<'_> {
             let start = chunk * self.lay.chunk_elems as usize;
             let mut v = vec![0f32; p.result.len() / self.case.dtype.size()];
             phub_proto::dtype::decode(self.case.dtype, p.result, &mut v);
-            let want = &self.expect[k][last as usize][start..start + v.len()];
+            let clocked = self.case.consistency != Consistency::Sync;
+            let model;
+            let want: &[f32] = if clocked {
+                // Every rank's every clock applied once, in the model of
+                // the serving appliance (PROTOCOL.md §11.10).
+                let Some(m) = u32::try_from(k)
+                    .ok()
+                    .zip(u32::try_from(chunk).ok())
+                    .and_then(|(k, c)| self.rmodels.get(&(k, c, s.appliance)))
+                else {
+                    panic!("chunk {g}: no model at appliance {}", s.appliance);
+                };
+                assert!(
+                    m.applied.iter().all(|&a| a == last) && p.clocks.iter().all(|&a| a == last),
+                    "chunk {g}: clocks {:?} (model {:?}) at the end, not all {last}",
+                    p.clocks,
+                    m.applied
+                );
+                model = crate::reference::through_wire(self.case.dtype, &m.values);
+                &model
+            } else {
+                assert_eq!(p.round, Some(last), "chunk {g}: its primary's round at the end");
+                &self.expect[k][last as usize][start..start + v.len()]
+            };
             assert!(
                 v.iter().zip(want).all(|(a, b)| a.to_bits() == b.to_bits()),
                 "chunk {g} (key {k} chunk {chunk}): the stored result at the end is not the reference's"
@@ -1609,7 +1702,12 @@ impl World<'_> {
                 };
                 // A slot awaiting its state copy holds no round (§11.7).
                 let Some(r) = st.round else { continue };
-                assert_eq!(r, last, "chunk {g}: backup {b}'s round at the end");
+                if clocked {
+                    assert_eq!(st.round, p.round, "chunk {g}: backup {b}'s updates at the end");
+                    assert_eq!(st.clocks, p.clocks, "chunk {g}: backup {b}'s clocks");
+                } else {
+                    assert_eq!(r, last, "chunk {g}: backup {b}'s round at the end");
+                }
                 assert_eq!(st.result, p.result, "chunk {g}: backup {b}'s stored result");
                 let bits = |x: &[&[f32]]| -> Vec<Vec<u32>> {
                     x.iter()
@@ -1628,16 +1726,132 @@ impl World<'_> {
 
     /// The RESULT in `bytes` (a worker-bound datagram from position `l`),
     /// checked against the backups.
-    pub(crate) fn check_result_held(&mut self, l: usize, bytes: &[u8]) {
+    pub(crate) fn check_result_held(&mut self, l: usize, rank: u16, bytes: &[u8]) {
         if self.control.is_none() {
             return;
         }
         if let Ok((repr, _)) = wire::parse(bytes) {
             if repr.kind == MsgType::Result {
+                if self.case.consistency != Consistency::Sync {
+                    self.check_clock_held(l, rank, repr.key, repr.chunk, repr.round);
+                    return;
+                }
                 self.check_backups_hold(l, repr.key, repr.chunk, repr.round);
                 self.check_answered_held(repr.key, repr.chunk, repr.round);
             }
         }
+    }
+
+    /// Async and bounded delay (PROTOCOL.md §11.10): a RESULT of rank
+    /// `rank`'s clock `clock` leaves position `l`'s lcore only once every
+    /// backup after it in the chunk's set, in the epoch the lcore holds,
+    /// applied that clock (no answered push can be lost); and every live
+    /// member of the set in control's epoch holds it too.
+    fn check_clock_held(&self, l: usize, rank: u16, key: u32, chunk: u32, clock: u32) {
+        let c = self.rep();
+        let Some(view) = &self.lcores[l].view else { return };
+        let g = c.key_first[key as usize] + u64::from(chunk);
+        let home = c.layout.home(g).expect("a chunk of the job has a home");
+        let me = self.index_of(l);
+        let set = c.layout.set_in(home, view);
+        let Some(after) = set.iter().position(|&a| a == me) else {
+            return;
+        };
+        let members = set[after + 1..]
+            .iter()
+            .map(|&b| (b, view))
+            .chain(c.layout.set_in(home, &c.view).into_iter().map(|b| (b, &c.view)));
+        for (b, v) in members {
+            if self.lcores_of(b).any(|x| self.lcores[x].down) {
+                continue;
+            }
+            let Some((t, clocks)) = self.clocks_held(b, g, v) else {
+                panic!(
+                    "appliance {b} keeps no copy of chunk {g} (epoch {}, set {set:?})",
+                    v.epoch
+                );
+            };
+            if t == Some(0) && clock == 0 {
+                continue;
+            }
+            let applied = clocks
+                .get(usize::from(rank))
+                .map_or(0, |c| c & !phub_proto::checkpoint::CLOCK_HELD);
+            assert!(
+                applied >= clock,
+                "a RESULT of rank {rank}'s clock {clock} of chunk {g} left appliance {me} (lcore {l}, epoch {}) while \
+                 appliance {b} applied its clock {applied} (epoch {})",
+                view.epoch,
+                v.epoch
+            );
+        }
+    }
+
+    /// The update count and ranks' clocks index `b` holds of chunk `g` (as
+    /// `view` addresses it): in its backup slot or the primary slot it
+    /// adopted the chunk into. `None`: it keeps no copy.
+    fn clocks_held(&self, b: usize, g: u64, view: &EpochView) -> Option<(Option<u32>, Vec<u32>)> {
+        let c = self.rep();
+        let per = usize::from(self.case.lcores);
+        for pos in self.positions_of(b, view) {
+            let lc = &self.lcores[pos];
+            if let Some(st) = lc.shard.backup_state(JOB, g) {
+                return Some((st.round, st.clocks));
+            }
+            let Some(held) = &lc.view else { continue };
+            let Some(s) = c.layout.serve(g, held) else {
+                continue;
+            };
+            if s.appliance == b && s.lcore == pos % per {
+                let slot = u32::try_from(s.slot).ok()?;
+                if let Some(st) = lc.shard.primary_state(JOB, slot) {
+                    return Some((st.round, st.clocks));
+                }
+            }
+        }
+        None
+    }
+
+    /// A replication message position `l`'s lcore took (`verdict`): an
+    /// update its backup slot applied (PROTOCOL.md §11.10) goes into the
+    /// model of its chunk at its appliance.
+    pub(crate) fn update_taken(&mut self, l: usize, bytes: &[u8], verdict: Verdict) {
+        if verdict != Verdict::Replicated || self.case.consistency == Consistency::Sync {
+            return;
+        }
+        let Ok((repr, payload)) = phub_proto::replica::parse(bytes) else {
+            return;
+        };
+        if repr.kind != ReplicaMsgType::Replicate || repr.round == 0 {
+            return;
+        }
+        let g = self.rep().key_first[repr.key as usize] + u64::from(repr.chunk);
+        let Some(st) = self.lcores[l].shard.backup_state(JOB, g) else {
+            return;
+        };
+        if st.round != Some(repr.round) {
+            return;
+        }
+        let a = self.index_of(l);
+        let t = self.rmodels.get(&(repr.key, repr.chunk, a)).map_or(0, |m| m.t);
+        if t + 1 != repr.round {
+            // The ACK of one applied before, sent again.
+            assert!(
+                t >= repr.round,
+                "appliance {a} applied update {} after {t}",
+                repr.round
+            );
+            return;
+        }
+        self.outcome.updates_replicated += 1;
+        let h = wire::Header::new_unchecked(bytes);
+        self.take_update(
+            l,
+            (repr.key, repr.chunk),
+            (h.update_rank(), h.update_clock()),
+            phub_proto::Dtype::F32,
+            payload,
+        );
     }
 
     /// No answered round can be lost: once a RESULT of round r of a chunk

@@ -1943,3 +1943,45 @@ fn replicated_tables_through_a_return() {
     assert!(copies > 0, "seeds {seeds:?}: no table copy was installed");
     assert!(checked > 0, "seeds {seeds:?}: no backup table was checked");
 }
+
+/// Replicated async and bounded-delay jobs (PROTOCOL.md §11.10): the first
+/// drawn cases of each mode whose appliance is killed, and of each whose
+/// appliance is cut off (a split brain). Every push an lcore applies, and
+/// every update a backup slot applies, is the rank's next clock in the
+/// model of its chunk at that appliance; every RESULT carries its model's
+/// values and leaves only once every backup after it applied the rank's
+/// clock; at the end the serving primary holds every clock of every rank,
+/// its model's values, and its backup the same bits.
+#[test]
+fn async_replicas_through_a_kill_and_a_partition() {
+    use phub_sim::replication::ReplicaEvent;
+    let mut updates = 0;
+    for async_mode in [true, false] {
+        for kill in [true, false] {
+            // The first two whose event came before the job ended (it
+            // moved to another epoch), of the first 20 drawn.
+            let runs: Vec<(u64, Outcome)> = (0u64..)
+                .filter(|&s| {
+                    let c = Case::draw(s);
+                    (c.consistency == Consistency::Async) == async_mode
+                        && c.consistency != Consistency::Sync
+                        && c.replication
+                            .as_ref()
+                            .and_then(|r| r.event.as_ref())
+                            .is_some_and(|e| match e {
+                                ReplicaEvent::Kill { .. } => kill,
+                                ReplicaEvent::Partition { .. } => !kill,
+                                _ => false,
+                            })
+                })
+                .take(20)
+                .map(|seed| (seed, run(&Case::draw(seed))))
+                .filter(|(_, o)| o.epochs > 0)
+                .take(2)
+                .collect();
+            assert_eq!(runs.len(), 2, "async {async_mode}, kill {kill}: {runs:?}");
+            updates += runs.iter().map(|(_, o)| o.updates_replicated).sum::<u64>();
+        }
+    }
+    assert!(updates > 0, "no update was applied on a backup");
+}
