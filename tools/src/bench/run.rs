@@ -1132,7 +1132,21 @@ pub(super) fn drive(
                 .iter()
                 .flat_map(|o| o.mismatched_rounds.iter().copied())
                 .collect();
-            k.figures(control_url, admitted.id, a.warmup + a.rounds, &mismatched)?
+            let f = k.figures(control_url, admitted.id, a.warmup + a.rounds, &mismatched)?;
+            if a.consistency == Consistency::Sync {
+                f
+            } else {
+                // Not BSP: the appliances count updates, not rounds, and
+                // the ranks' clocks need not agree; what is lost or
+                // repeated is not counted here (PROTOCOL.md §11.10; the
+                // engine's rules tests and the simulator check it).
+                FailoverFigures {
+                    rounds_repeated: None,
+                    rounds_lost: None,
+                    survivors_round_range: None,
+                    ..f
+                }
+            }
         }
         None => FailoverFigures {
             replicas: a.failover.replicas,
