@@ -90,7 +90,7 @@ impl Updates {
 impl<A: Copy> Replica<A> {
     /// Whether this is an async or bounded-delay job's replication.
     pub(super) fn clocked(&self) -> bool {
-        !self.updates.is_empty()
+        self.clocked
     }
 
     /// Rank `r`'s answer on primary slot `slot` waits for update `t`.

@@ -291,8 +291,10 @@ pub(super) struct Replica<A> {
     pub(super) served: Vec<super::row_replica::ServedEntry<A>>,
     /// The backup tables this lcore keeps of other appliances' entries.
     pub(super) row_parts: Vec<super::row_replica::RowPart<A>>,
-    /// An async or bounded-delay job's (PROTOCOL.md §11.10), per primary
-    /// slot: its updates on their way to its backups; empty for BSP.
+    /// An async or bounded-delay job's (PROTOCOL.md §11.10).
+    pub(super) clocked: bool,
+    /// Such a job's, per primary slot: its updates on their way to its
+    /// backups; empty for BSP.
     pub(super) updates: Vec<Updates>,
     /// Per primary slot and rank (slot × W + rank): the update its answer
     /// waits for, 0 for none; empty for BSP.
@@ -783,6 +785,7 @@ impl<A: Copy + Eq> Shard<A> {
             parts,
             served: Vec::new(),
             row_parts: Vec::new(),
+            clocked,
             updates: if clocked {
                 std::iter::repeat_with(Updates::default).take(nslots).collect()
             } else {
@@ -1078,13 +1081,14 @@ impl<A: Copy + Eq> Shard<A> {
             return Err(DropReason::DtypeMismatch);
         }
         let at = Self::backup_slot_of(rep, from, repr)?;
+        let clocked = rep.clocked;
         let part = &mut rep.parts[at];
         if !part.holds(repr.slot as usize) {
             // Its state copy is not in: no round to follow (§11.7).
             return Err(DropReason::Ahead);
         }
         let slot = &mut part.slots[repr.slot as usize];
-        if !part.clocks.is_empty() && slot.completed.get().is_some() && repr.round > 0 {
+        if clocked && slot.completed.get().is_some() && repr.round > 0 {
             // Past round 0 an async or bounded-delay job's chunk takes
             // updates (PROTOCOL.md §11.10).
             return Self::on_update(k, job, at, repr, update, payload, now);

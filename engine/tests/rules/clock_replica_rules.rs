@@ -328,3 +328,41 @@ fn pushes_beyond_the_update_log_are_dropped_and_resent() {
         assert_eq!(p.round, Some(3), "chunk {g}: three updates, once each");
     }
 }
+
+/// An lcore that serves no chunk of its own (more lcores than chunks)
+/// still keeps backup slots of the other appliance's, and when it adopts
+/// them it serves them by clocks, not as BSP slots (simulator seed 19637:
+/// it took the job's mode from its own primary slots, of which it had
+/// none, and closed a BSP round of an async chunk).
+#[test]
+fn an_lcore_without_chunks_of_its_own_adopts_by_clocks() {
+    let mut sp = JobSpec::new("rep", 3, &[48])
+        .with_optimizer(Optimizer::Sum)
+        .with_chunk_bytes(64)
+        .sharded_over(Appliances::Count(2))
+        .with_replicas(2);
+    sp.consistency = Consistency::Async;
+    sp.validate().unwrap();
+    let mut w = World::new(sp, &[2, 2], &["a", "b"], 6, CLEAN);
+    // Appliance 0's lcore 0 serves nothing; it backs up one of
+    // appliance 1's chunks.
+    assert_eq!(w.runs[0].count, 0, "{:?}", w.runs);
+    for c in 0..=2 {
+        let v = round_values(&w, 4, c);
+        round(&mut w, c, &v);
+    }
+    w.dead[1] = true;
+    let down = w.epoch.with_down(1).unwrap();
+    change_epoch(&mut w, &down);
+    for c in 3..=4 {
+        let v = round_values(&w, 4, c);
+        round(&mut w, c, &v);
+    }
+    for g in 0..w.total() {
+        let s = w.layout.serve(g, &w.epoch).unwrap();
+        assert_eq!(s.appliance, 0, "chunk {g}");
+        let p = w.shards[0][s.lcore].primary_state(JOB, s.slot as u32).unwrap();
+        assert_eq!(p.clocks, vec![4, 4, 4], "chunk {g}");
+        assert_eq!(p.round, Some(12), "chunk {g}: twelve updates");
+    }
+}
