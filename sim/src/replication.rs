@@ -188,6 +188,33 @@ pub enum ReplicaEvent {
     },
 }
 
+/// Each appliance's rack label, drawn: its own rack or none.
+fn draw_racks(rng: &mut ChaCha8Rng, appliances: u16) -> Vec<String> {
+    (0..appliances)
+        .map(|a| match rng.gen_bool(0.5) {
+            true => format!("r{a}"),
+            false => String::new(),
+        })
+        .collect()
+}
+
+/// Control's heartbeat deadline and how long its answers and puts take,
+/// µs, drawn.
+fn draw_control(rng: &mut ChaCha8Rng) -> (u64, u64) {
+    let detect_us = if rng.gen_bool(0.7) {
+        rng.gen_range(200..5_000)
+    } else {
+        rng.gen_range(5_000..300_000)
+    };
+    (detect_us, rng.gen_range(10..2_000))
+}
+
+/// An appliance whose puts are slow, and by how much, µs: in 3 of 10.
+fn draw_slow_puts(rng: &mut ChaCha8Rng, appliances: u16) -> Option<(u16, u64)> {
+    rng.gen_bool(0.3)
+        .then(|| (rng.gen_range(0..appliances), rng.gen_range(1_000..30_000)))
+}
+
 /// Another kill, after the first event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ThenKill {
@@ -230,6 +257,17 @@ pub struct ControlDown {
     pub for_us: u64,
 }
 
+impl ControlDown {
+    /// In a quarter of the cases, control down at a drawn time for a
+    /// drawn while.
+    fn draw(rng: &mut ChaCha8Rng) -> Option<ControlDown> {
+        rng.gen_bool(0.25).then(|| ControlDown {
+            at_us: rng.gen_range(0..30_000),
+            for_us: rng.gen_range(100..50_000),
+        })
+    }
+}
+
 impl ReplicaCase {
     /// An async or bounded-delay job's replicated shape over `appliances`
     /// and its faults, drawn (PROTOCOL.md §11.10): two replicas, and what
@@ -238,12 +276,7 @@ impl ReplicaCase {
     /// given the job back), another kill after, control down, slow puts,
     /// and kills that lose a part (the job fails).
     pub fn draw_clocked(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
-        let racks = (0..appliances)
-            .map(|a| match rng.gen_bool(0.5) {
-                true => format!("r{a}"),
-                false => String::new(),
-            })
-            .collect();
+        let racks = draw_racks(rng, appliances);
         let appliance = rng.gen_range(0..appliances);
         let at_us = rng.gen_range(500..20_000);
         let event = match rng.gen_range(0..4) {
@@ -259,21 +292,13 @@ impl ReplicaCase {
                 for_us: rng.gen_range(100..40_000),
             }),
         };
-        let detect_us = if rng.gen_bool(0.7) {
-            rng.gen_range(200..5_000)
-        } else {
-            rng.gen_range(5_000..300_000)
-        };
-        let control_us = rng.gen_range(10..2_000);
+        let (detect_us, control_us) = draw_control(rng);
         let other = (appliance + rng.gen_range(1..appliances)) % appliances;
         let then_kill = rng.gen_bool(0.4).then(|| ThenKill::Other {
             appliance: other,
             after_us: rng.gen_range(0..5_000),
         });
-        let control_down = rng.gen_bool(0.25).then(|| ControlDown {
-            at_us: rng.gen_range(0..30_000),
-            for_us: rng.gen_range(100..50_000),
-        });
+        let control_down = ControlDown::draw(rng);
         ReplicaCase {
             replicas: 2,
             racks,
@@ -283,9 +308,7 @@ impl ReplicaCase {
             then_kill,
             control_down,
             lose: rng.gen_bool(0.2),
-            slow_puts: rng
-                .gen_bool(0.3)
-                .then(|| (rng.gen_range(0..appliances), rng.gen_range(1_000..30_000))),
+            slow_puts: draw_slow_puts(rng, appliances),
             stall: None,
         }
     }
@@ -293,12 +316,7 @@ impl ReplicaCase {
     /// A replicated shape over `appliances` and its faults, drawn.
     pub fn draw(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
         let replicas: u8 = rng.gen_range(2..=u8::try_from(appliances.min(3)).expect("at most 3"));
-        let racks = (0..appliances)
-            .map(|a| match rng.gen_bool(0.5) {
-                true => format!("r{a}"),
-                false => String::new(),
-            })
-            .collect();
+        let racks = draw_racks(rng, appliances);
         let appliance = rng.gen_range(0..appliances);
         let at_us = rng.gen_range(500..20_000);
         let event = match rng.gen_range(0..6) {
@@ -320,12 +338,7 @@ impl ReplicaCase {
                 spare_after_us: rng.gen_range(0..20_000),
             }),
         };
-        let detect_us = if rng.gen_bool(0.7) {
-            rng.gen_range(200..5_000)
-        } else {
-            rng.gen_range(5_000..300_000)
-        };
-        let control_us = rng.gen_range(10..2_000);
+        let (detect_us, control_us) = draw_control(rng);
         let other = (appliance + rng.gen_range(1..appliances)) % appliances;
         let then_kill = rng.gen_bool(0.4).then(|| match rng.gen_range(0..3) {
             0 => ThenKill::Returning {
@@ -340,14 +353,9 @@ impl ReplicaCase {
                 after_us: rng.gen_range(0..2_000),
             },
         });
-        let control_down = rng.gen_bool(0.25).then(|| ControlDown {
-            at_us: rng.gen_range(0..30_000),
-            for_us: rng.gen_range(100..50_000),
-        });
+        let control_down = ControlDown::draw(rng);
         let lose = rng.gen_bool(0.2);
-        let slow_puts = rng
-            .gen_bool(0.3)
-            .then(|| (rng.gen_range(0..appliances), rng.gen_range(1_000..30_000)));
+        let slow_puts = draw_slow_puts(rng, appliances);
         ReplicaCase {
             replicas,
             racks,

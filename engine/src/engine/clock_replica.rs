@@ -30,8 +30,8 @@
 use std::collections::VecDeque;
 
 use phub_proto::memory::UPDATE_LOG_BUFFERS;
-use phub_proto::replica::{ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
-use phub_proto::wire::{flags, DropReason, Header};
+use phub_proto::replica::{ReplicaRepr, MAX_REPLICAS};
+use phub_proto::wire::{DropReason, Header};
 use phub_proto::Dtype;
 
 use crate::counters::ShardCounters;
@@ -43,7 +43,7 @@ use phub_proto::failover::EpochView;
 use super::clock::{clear_released, update_clocked};
 use super::error::EngineError;
 use super::outbox::{Attempt, Pending, Ranks, To};
-use super::replica::{Pushed, Replica};
+use super::replica::{replicate_repr, Pushed, Replica};
 use super::{Job, Shard};
 
 // What MemoryModel::replica_lcore_bytes charges per primary slot.
@@ -432,27 +432,7 @@ impl<A: Copy + Eq> Shard<A> {
         debug_assert_eq!(e.t, t, "a slot's log is a run of consecutive updates");
         let g = rep.group_of(slot)?;
         let (to, backup_slot) = g.backup_of(usize::from(backup), slot)?;
-        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
-        #[allow(clippy::cast_possible_truncation)]
-        let repr = ReplicaRepr {
-            kind: ReplicaMsgType::Replicate,
-            dtype: Dtype::F32,
-            flags: match attempt {
-                Attempt::First => 0,
-                Attempt::Again => flags::RETRANSMIT,
-            },
-            token: j.token,
-            job: j.id,
-            from: g.home,
-            count: s.elems as u16,
-            round: t,
-            slot: backup_slot,
-            key: s.key,
-            chunk: s.chunk,
-            epoch: rep.view.epoch,
-            fragment: 0,
-            fragments: 0,
-        };
+        let repr = replicate_repr(j, g, s, (backup_slot, t), attempt);
         let mut header = repr.to_bytes();
         Header::new_unchecked(&mut header[..]).set_update(e.rank, e.clock);
         Some(Transmit {

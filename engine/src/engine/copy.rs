@@ -21,7 +21,7 @@
 use phub_proto::failover::ReplicaLayout;
 use phub_proto::layout::ChunkRange;
 use phub_proto::replica::{backup_runs, ReplicaMsgType, ReplicaRepr};
-use phub_proto::wire::{flags, DropReason};
+use phub_proto::wire::DropReason;
 use phub_proto::Dtype;
 
 use crate::kernels::Kernels;
@@ -388,10 +388,7 @@ impl<A: Copy + Eq> Shard<A> {
         let repr = ReplicaRepr {
             kind: ReplicaMsgType::ReplicateState,
             dtype,
-            flags: match attempt {
-                Attempt::First => 0,
-                Attempt::Again => flags::RETRANSMIT,
-            },
+            flags: attempt.flags(),
             token: j.token,
             job: j.id,
             from: g.home,

@@ -27,7 +27,7 @@ use phub_proto::api::InstallJob;
 use phub_proto::layout::{ChunkRange, Chunks, Layout, Placement, SlotChunk};
 use phub_proto::memory::ResultStore;
 use phub_proto::spec::{Consistency, Optimizer};
-use phub_proto::wire::{flags, DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
+use phub_proto::wire::{DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
 use crate::kernels::Kernels;
@@ -146,6 +146,18 @@ impl Rtt {
     /// until a sample.
     pub(super) fn back_off(&mut self) {
         self.backoff = (self.backoff + 1).min(MAX_BACKOFF);
+    }
+
+    /// A timer that went off at `now` resends: later timers back off once
+    /// per poll (`backed_off` says whether this poll did already), its
+    /// `resends` count one more, and its next deadline is returned.
+    pub(super) fn fire(&mut self, backed_off: &mut bool, resends: &mut u8, now: u64) -> u64 {
+        if !*backed_off {
+            self.back_off();
+            *backed_off = true;
+        }
+        *resends = resends.saturating_add(1);
+        now.saturating_add(self.rto(*resends))
     }
 
     pub(super) fn sample(&mut self, rtt: u64) {
@@ -537,13 +549,8 @@ impl<A: Copy + Eq> Shard<A> {
                 }
                 if p.deadline <= now && budget > 0 {
                     budget -= 1;
-                    if !timed_out {
-                        // Once per call, however many partials were due.
-                        rtt.back_off();
-                        timed_out = true;
-                    }
-                    p.resends = p.resends.saturating_add(1);
-                    p.deadline = now.saturating_add(rtt.rto(p.resends));
+                    // Backed off once per call, however many partials were due.
+                    p.deadline = rtt.fire(&mut timed_out, &mut p.resends, now);
                     self.pending.push(Pending::Partial {
                         job: j.id,
                         slot: i as u32,
@@ -580,10 +587,7 @@ impl<A: Copy + Eq> Shard<A> {
         let repr = Repr {
             kind: MsgType::Partial,
             dtype: Dtype::F32,
-            flags: match attempt {
-                Attempt::First => 0,
-                Attempt::Again => flags::RETRANSMIT,
-            },
+            flags: attempt.flags(),
             token: j.token,
             job: j.id,
             rank: h.rack,

@@ -95,6 +95,16 @@ pub(super) enum Attempt {
     Again,
 }
 
+impl Attempt {
+    /// The header's flags for it: [`flags::RETRANSMIT`] when again.
+    pub(super) fn flags(self) -> u8 {
+        match self {
+            Attempt::First => 0,
+            Attempt::Again => flags::RETRANSMIT,
+        }
+    }
+}
+
 /// The destinations of a queued message: every known rank's endpoint (or
 /// those of the ranks that do, or do not, use shared memory), or one. A
 /// round's result to ranks of both kinds is two transmits: the header with

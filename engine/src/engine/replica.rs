@@ -35,7 +35,7 @@ use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
 use phub_proto::spec::{Consistency, JobSpec};
-use phub_proto::wire::{flags, DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
+use phub_proto::wire::{DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
 use crate::counters::ShardCounters;
@@ -1238,12 +1238,7 @@ impl<A: Copy + Eq> Shard<A> {
                         let n = unacked(u, nb).count();
                         if p.deadline <= now && budget >= n {
                             budget -= n;
-                            if !timed_out {
-                                rep.rtt.back_off();
-                                timed_out = true;
-                            }
-                            p.resends = p.resends.saturating_add(1);
-                            p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                            p.deadline = rep.rtt.fire(&mut timed_out, &mut p.resends, now);
                             for (backup, t) in unacked(u, nb) {
                                 rep.stats.replicates_resent += 1;
                                 self.counters.replicates_resent.inc();
@@ -1274,12 +1269,7 @@ impl<A: Copy + Eq> Shard<A> {
                     let states = u32::from(p.copying).count_ones() as usize * fragments;
                     if p.deadline <= now && budget >= replicates + states {
                         budget -= replicates + states;
-                        if !timed_out {
-                            rep.rtt.back_off();
-                            timed_out = true;
-                        }
-                        p.resends = p.resends.saturating_add(1);
-                        p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                        p.deadline = rep.rtt.fire(&mut timed_out, &mut p.resends, now);
                         for k in (0..pending).filter(|&k| (p.acked | p.copying) & (1 << k) == 0) {
                             rep.stats.replicates_resent += 1;
                             self.counters.replicates_resent.inc();
@@ -1330,28 +1320,7 @@ impl<A: Copy + Eq> Shard<A> {
         }
         let g = rep.group_of(slot)?;
         let (to, backup_slot) = g.backup_of(usize::from(backup), slot)?;
-        // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
-        #[allow(clippy::cast_possible_truncation)]
-        let repr = ReplicaRepr {
-            kind: ReplicaMsgType::Replicate,
-            dtype: Dtype::F32,
-            flags: match attempt {
-                Attempt::First => 0,
-                Attempt::Again => flags::RETRANSMIT,
-            },
-            token: j.token,
-            job: j.id,
-            // The part's home: the backup keeps its slots by it (§11.6).
-            from: g.home,
-            count: s.elems as u16,
-            round,
-            slot: backup_slot,
-            key: s.key,
-            chunk: s.chunk,
-            epoch: rep.view.epoch,
-            fragment: 0,
-            fragments: 0,
-        };
+        let repr = replicate_repr(j, g, s, (backup_slot, round), attempt);
         let payload: &[u8] = bytemuck::cast_slice(s.mem.acc(&j.blocks));
         debug_assert_eq!(
             payload.len(),
@@ -1417,6 +1386,37 @@ impl<A: Copy + Eq> Shard<A> {
             payload: &[],
             to: Ranks::new(&[], None, Some(to)),
         })
+    }
+}
+
+/// A REPLICATE of primary slot `s` of job `j` (its part's group `g`) to
+/// the backup slot `backup_slot`, of `round` (PROTOCOL.md §11.3; an update
+/// t in an async or bounded-delay job, §11.10).
+pub(super) fn replicate_repr<A>(
+    j: &Job<A>,
+    g: &Group<A>,
+    s: &Slot,
+    (backup_slot, round): (u32, u32),
+    attempt: Attempt,
+) -> ReplicaRepr {
+    // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
+    #[allow(clippy::cast_possible_truncation)]
+    ReplicaRepr {
+        kind: ReplicaMsgType::Replicate,
+        dtype: Dtype::F32,
+        flags: attempt.flags(),
+        token: j.token,
+        job: j.id,
+        // The part's home: the backup keeps its slots by it (§11.6).
+        from: g.home,
+        count: s.elems as u16,
+        round,
+        slot: backup_slot,
+        key: s.key,
+        chunk: s.chunk,
+        epoch: j.replica.as_deref().map_or(0, |r| r.view.epoch),
+        fragment: 0,
+        fragments: 0,
     }
 }
 

@@ -712,12 +712,7 @@ impl<A: Copy + Eq> Shard<A> {
             let n = fragments_of(r.ids.len(), t.dim).unwrap_or(1) as usize * to.clone().count();
             if p.deadline <= now && budget >= n {
                 budget -= n;
-                if !timed_out {
-                    rep.rtt.back_off();
-                    timed_out = true;
-                }
-                p.resends = p.resends.saturating_add(1);
-                p.deadline = now.saturating_add(rep.rtt.rto(p.resends));
+                p.deadline = rep.rtt.fire(&mut timed_out, &mut p.resends, now);
                 let head = fragment_head(rep, (j.token, j.id), t, p.round, flags::RETRANSMIT);
                 let sent = queue_fragments(rows_out, pending, head, r, to);
                 rep.stats.replicates_resent += sent;

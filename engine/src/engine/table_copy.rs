@@ -565,12 +565,7 @@ impl<A: Copy + Eq> Shard<A> {
                     c.deadline = now.saturating_add(rep.rtt.rto(0));
                 } else if c.deadline <= now && budget >= out {
                     budget -= out;
-                    if !timed_out {
-                        rep.rtt.back_off();
-                        timed_out = true;
-                    }
-                    c.resends = c.resends.saturating_add(1);
-                    c.deadline = now.saturating_add(rep.rtt.rto(c.resends));
+                    c.deadline = rep.rtt.fire(&mut timed_out, &mut c.resends, now);
                     if c.installed() {
                         rep.stats.replicates_resent +=
                             queue_catch_up(rows_out, pending, head, c, flags::RETRANSMIT);
