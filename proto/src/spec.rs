@@ -881,19 +881,7 @@ impl JobSpec {
             ))
         };
         if self.consistency != Consistency::Sync {
-            // PROTOCOL.md §11.10: each update replicated; no state copies
-            // of such chunks yet, so no third replica to bring level.
-            if r > 2 {
-                return Err(bad(
-                    "placement.replicas",
-                    r,
-                    format!(
-                        "1 or 2 for a job of consistency {}: a third replica would need state copies, \
-                         which are not built for it (PROTOCOL.md §11.10)",
-                        self.consistency.mode()
-                    ),
-                ));
-            }
+            // PROTOCOL.md §11.10: each update replicated.
             if let Some(t) = self.tables().next() {
                 return Err(bad(
                     "placement.replicas",
@@ -1456,18 +1444,13 @@ elements = 1
             let e = with(p).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains(says), "{p}: {e}");
         }
-        // Async and bounded delay: two replicas (PROTOCOL.md §11.10), not
-        // three, and no tables.
+        // Async and bounded delay: replicated (PROTOCOL.md §11.10).
         for c in [Consistency::Async, Consistency::Bounded { delay: 2 }] {
-            let two = JobSpec::new("a", 2, &[10])
+            let three = JobSpec::new("a", 2, &[10])
                 .with_consistency(c)
                 .sharded_over(Appliances::Count(3));
-            two.clone().with_replicas(2).validate().unwrap();
-            let e = two.with_replicas(3).validate().unwrap_err().to_string();
-            assert!(
-                e.contains("`placement.replicas` = 3") && e.contains(&format!("consistency {}", c.mode())),
-                "{e}"
-            );
+            three.clone().with_replicas(2).validate().unwrap();
+            three.with_replicas(3).validate().unwrap();
         }
         // A 2-byte dtype's aggregate travels as f32: half the largest chunk.
         let e = JobSpec::new("a", 2, &[10])

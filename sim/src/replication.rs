@@ -1272,7 +1272,6 @@ impl World<'_> {
     /// Index `a` answers control again: the job is given back to it (a
     /// partition that healed before it was declared down changes nothing).
     fn give_back(&mut self, a: usize) {
-        let clocked = self.case.consistency != Consistency::Sync;
         let c = self.rep_mut();
         if c.stalled_until.is_some() {
             // A stalled job re-replicates to nobody: the index answers
@@ -1282,14 +1281,6 @@ impl World<'_> {
         c.silent_since[a] = None;
         let declared = c.declared_at[a].take().is_some();
         if !declared {
-            return;
-        }
-        if clocked {
-            // No state copies of an async or bounded-delay job's chunks
-            // (PROTOCOL.md §11.10): it stays degraded, as control keeps it.
-            self.note(format_args!(
-                "appliance {a} answers again; the job stays without it"
-            ));
             return;
         }
         let Some(view) = c.view.with_joined(u16::try_from(a).expect("few appliances")) else {
@@ -1779,7 +1770,8 @@ impl World<'_> {
                     v.epoch
                 );
             };
-            if t == Some(0) && clock == 0 {
+            if t.is_none() || (t == Some(0) && clock == 0) {
+                // Awaiting its state copy, which brings the clocks.
                 continue;
             }
             let applied = clocks
@@ -1830,9 +1822,6 @@ impl World<'_> {
         let Ok((repr, payload)) = phub_proto::replica::parse(bytes) else {
             return;
         };
-        if repr.kind != ReplicaMsgType::Replicate || repr.round == 0 {
-            return;
-        }
         let g = self.rep().key_first[repr.key as usize] + u64::from(repr.chunk);
         let Some(st) = self.lcores[l].shard.backup_state(JOB, g) else {
             return;
@@ -1841,6 +1830,27 @@ impl World<'_> {
             return;
         }
         let a = self.index_of(l);
+        if repr.kind == ReplicaMsgType::ReplicateState {
+            // A state copy installed (a fragment of one held before taken
+            // again): this appliance's model is its primary's, which
+            // applies nothing while the copy runs.
+            let Some(view) = self.lcores[l].view.clone() else {
+                return;
+            };
+            let Some(q) = self.rep().layout.serve(g, &view).map(|s| s.appliance) else {
+                return;
+            };
+            let Some(m) = self.rmodels.get(&(repr.key, repr.chunk, q)).cloned() else {
+                return;
+            };
+            if m.t == repr.round && q != a {
+                self.rmodels.insert((repr.key, repr.chunk, a), m);
+            }
+            return;
+        }
+        if repr.kind != ReplicaMsgType::Replicate || repr.round == 0 {
+            return;
+        }
         let t = self.rmodels.get(&(repr.key, repr.chunk, a)).map_or(0, |m| m.t);
         if t + 1 != repr.round {
             // The ACK of one applied before, sent again.

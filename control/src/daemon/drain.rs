@@ -137,11 +137,6 @@ impl Shared {
                  while it runs; nothing was moved"
             )));
         }
-        if let Some(why) = job.copies_unbuilt() {
-            return Err(RequestError::Conflict(format!(
-                "{what}: its parts cannot move: {why}; nothing was moved"
-            )));
-        }
         let rack = |n: &str| inner.rack_of(n);
         match job.strength(rack).map(|s| (s.state, s.live, s.wanted)) {
             Some((Strength::FullStrength, _, _)) => {}
@@ -328,12 +323,6 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
             refused.push(format!(
                 "{what} is not replicated ([placement] replicas = 1, or hierarchical): its part cannot move \
                  while it runs; evict it when it ends"
-            ));
-            continue;
-        }
-        if let Some(why) = job.copies_unbuilt() {
-            refused.push(format!(
-                "{what}: its part cannot move: {why}; evict it when it ends"
             ));
             continue;
         }

@@ -38,7 +38,6 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use phub_proto::api::{ReplicaStrength, Rereplication, Strength};
 use phub_proto::failover::{EpochView, ReplicaLayout};
-use phub_proto::spec::Consistency;
 
 use super::http::{failed, not_admitted, RequestError};
 use super::registry::{Entry, Inner, Shared};
@@ -65,19 +64,6 @@ impl StoredJob {
     /// have epochs beyond 0 and fail over.
     pub(super) fn is_replicated(&self) -> bool {
         self.shape.is_flat() && self.spec.replicas() > 1
-    }
-
-    /// Why its chunks cannot be copied to an appliance (taken back after a
-    /// failover, drained to a spare, rebalanced, or restored from their
-    /// checkpoints under backups): an async or bounded-delay job's state
-    /// copies are not built (PROTOCOL.md §11.10). `None` for a BSP job.
-    pub(crate) fn copies_unbuilt(&self) -> Option<String> {
-        (self.spec.consistency != Consistency::Sync).then(|| {
-            format!(
-                "it is a replicated {} job, whose chunks' state copies are not built (PROTOCOL.md §11.10)",
-                self.spec.consistency.mode()
-            )
-        })
     }
 
     /// Its layout as failover sees it, each appliance's rack label as
@@ -117,7 +103,6 @@ impl StoredJob {
         if let Some(why) = &self.stalled {
             return Some(Decision::PartDown(next, why.clone()));
         }
-        let unbuilt = self.copies_unbuilt();
         // A job with a table loses rows with any part, chunks or not.
         let lost = match self.spec.tables().next() {
             Some(_) => layout.lost_part_with_tables(&next),
@@ -138,14 +123,6 @@ impl StoredJob {
             next.epoch,
             names(&next.down.iter().map(|&d| usize::from(d)).collect::<Vec<_>>())
         );
-        if let Some(unbuilt) = unbuilt {
-            // Restored from its checkpoints, each chunk would copy its
-            // state to its backups.
-            return Some(Decision::Lost(
-                next,
-                format!("{why}; {unbuilt}: it cannot go back to its checkpoints"),
-            ));
-        }
         Some(Decision::PartDown(next, why))
     }
 
@@ -218,10 +195,6 @@ impl StoredJob {
     /// every appliance of it answers: reconciliation).
     pub(super) fn decide_return(&self, name: &str) -> Option<EpochView> {
         if !self.is_replicated() || self.failed.is_some() || self.stalled.is_some() {
-            return None;
-        }
-        if self.copies_unbuilt().is_some() {
-            // It stays degraded (logged by `rereplicate`).
             return None;
         }
         let index = u16::try_from(self.part_index(name)?).ok()?;
@@ -448,13 +421,6 @@ impl Shared {
         {
             let mut inner = self.lock();
             for id in inner.fenced_jobs_on(name) {
-                if let Some(why) = inner.jobs.get(&id).and_then(StoredJob::copies_unbuilt) {
-                    log::warn!(
-                        "job {id}: appliance {name:?} answers again, but the job is not given back to it: \
-                         {why}; it stays degraded"
-                    );
-                    continue;
-                }
                 let Some(view) = inner.jobs.get(&id).and_then(|j| j.decide_return(name)) else {
                     continue;
                 };
@@ -857,7 +823,7 @@ mod tests {
     use super::*;
     use crate::state::{JobShape, StoredPart};
     use phub_proto::layout::layout;
-    use phub_proto::spec::{Appliances, JobSpec};
+    use phub_proto::spec::{Appliances, Consistency, JobSpec};
     use std::collections::BTreeSet;
 
     /// A sum job of 24 chunks over three one-lcore appliances a, b, c in
@@ -971,33 +937,21 @@ mod tests {
 
     /// A replicated job with a table fails over and takes its appliance
     /// back (its tables come by state copies, PROTOCOL.md §11.9).
-    /// An async job with replicas fails over but takes no appliance back,
-    /// and fails when a part is lost (its state copies, and so a restore
-    /// under backups, are not built: PROTOCOL.md §11.10).
+    /// An async job with replicas fails over and takes its appliance back
+    /// (its chunks' state copies carry the ranks' clocks, PROTOCOL.md
+    /// §11.10), as a BSP one does.
     #[test]
-    fn an_async_job_fails_over_but_takes_no_appliance_back() {
+    fn an_async_job_fails_over_and_takes_its_appliance_back() {
         let mut j = job(2);
         j.spec.consistency = Consistency::Async;
-        assert!(j
-            .copies_unbuilt()
-            .is_some_and(|w| w.contains("async") && w.contains("§11.10")));
-        assert!(job(2).copies_unbuilt().is_none());
         let Some(Decision::Next(e1)) = j.decide("b", one_rack) else {
             panic!("one down of three, replicas 2: the job goes on");
         };
         j.epoch = e1;
-        assert_eq!(
-            j.decide_return("b"),
-            None,
-            "b is down, but the job stays without it"
-        );
-        let Some(Decision::Lost(_, why)) = j.decide("c", one_rack) else {
-            panic!("a part lost: the job fails");
-        };
-        assert!(
-            why.contains("is lost") && why.contains("cannot go back to its checkpoints"),
-            "{why}"
-        );
+        let back = j
+            .decide_return("b")
+            .expect("b answers again: the job takes it back");
+        assert_eq!(back.joined_at(1), Some(back.epoch));
     }
 
     #[test]

@@ -187,17 +187,6 @@ impl<A: Copy + Eq> Shard<A> {
                 id,
                 reason: "the job is not installed".into(),
             })?;
-        if j.replica
-            .as_deref()
-            .is_some_and(|r| r.clocked() && r.groups.iter().any(|g| !g.backups.is_empty()))
-        {
-            return Err(EngineError::Restore {
-                id,
-                reason: "an async or bounded-delay job's replicated chunks: restored, they would copy their \
-                         state to their backups, which is not built for such jobs (PROTOCOL.md §11.10)"
-                    .into(),
-            });
-        }
         let mut home = j.hier.as_mut().and_then(|h| h.home.as_mut());
         let homes = home.as_ref().map_or(0, |h| h.slots.len());
         if state.len() != j.slots.len() + homes {

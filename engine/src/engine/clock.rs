@@ -19,8 +19,10 @@ use super::region::contribution;
 use super::slot::{Blocks, RankSet, ResultKind, Round, Slot};
 use super::{Job, Shard, Step};
 
-/// A rank's clock on one slot of a job that is not BSP.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+/// A rank's clock on one slot of a job that is not BSP (two `u32`s, as
+/// a state copy carries them, PROTOCOL.md §11.10).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, bytemuck::Pod, bytemuck::Zeroable)]
+#[repr(C)]
 pub struct RankClock {
     /// The last clock applied (0: only INIT), [`CLOCK_HELD`] set while the
     /// answer to it is held.
@@ -165,8 +167,9 @@ impl<A: Copy + Eq> Shard<A> {
     /// round 0: the clock rules of the invariants at the head of the
     /// engine module. `clocks` are the slot's ranks'; `waiting`: the
     /// rank's last answer waits for the slot's backups (PROTOCOL.md
-    /// §11.10), which holds it as a held answer is held; `full`: the
-    /// lcore's update log has no room, so nothing is applied (`backlog`).
+    /// §11.10), which holds it as a held answer is held; `full`: no push
+    /// is applied now (`backlog`: a state copy runs, or the lcore's update
+    /// log has no room).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn apply_clocked(
         k: &Kernels,

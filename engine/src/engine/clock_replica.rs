@@ -23,9 +23,10 @@
 //! - The log's buffers come from the lcore's pool of
 //!   [`UPDATE_LOG_BUFFERS`]; a push that finds it empty is dropped
 //!   `backlog` before it is applied.
-//! - Not built: state copies of such a slot (an epoch that needs one is
-//!   refused: no re-replication, drain, rebalance, or adoption that leaves
-//!   a part a backup to bring level).
+//! - A state copy to a new backup ([`super::copy`], which carries the
+//!   ranks' clocks too) is of one update count: while a backup of the slot
+//!   is copying, no push is applied (`backlog`); its ACK counts as the
+//!   new backup's acknowledgement of every update up to the copy's.
 
 use std::collections::VecDeque;
 
@@ -38,10 +39,7 @@ use crate::counters::ShardCounters;
 use crate::kernels::Kernels;
 use crate::transmit::Transmit;
 
-use phub_proto::failover::EpochView;
-
 use super::clock::{clear_released, update_clocked};
-use super::error::EngineError;
 use super::outbox::{Attempt, Pending, Ranks, To};
 use super::replica::{replicate_repr, Pushed, Replica};
 use super::{Job, Shard};
@@ -110,13 +108,16 @@ impl<A: Copy> Replica<A> {
             .is_some_and(|&t| t != 0)
     }
 
-    /// Whether an update of primary slot `slot` would find no buffer for
-    /// its log.
-    pub(super) fn log_full(&self, slot: u32) -> bool {
+    /// Whether a push to primary slot `slot` is not to be applied now
+    /// (`backlog`): a new backup takes the slot's state copy, which must
+    /// stay of one update count while it runs, or the update would find no
+    /// buffer for its log.
+    pub(super) fn backlogged(&self, slot: u32) -> bool {
         self.clocked()
-            && self.group_of(slot).is_some_and(|g| !g.backups.is_empty())
-            && self.spare.is_empty()
-            && self.buffers >= UPDATE_LOG_BUFFERS
+            && (self.pushed.get(slot as usize).is_some_and(|p| p.copying != 0)
+                || (self.group_of(slot).is_some_and(|g| !g.backups.is_empty())
+                    && self.spare.is_empty()
+                    && self.buffers >= UPDATE_LOG_BUFFERS))
     }
 
     /// Forgets every logged update and waiting answer (a restore: the
@@ -139,56 +140,6 @@ impl<A: Copy> Replica<A> {
 }
 
 impl<A: Copy + Eq> Shard<A> {
-    /// Refuses an epoch change of an async or bounded-delay job that would
-    /// need a state copy, which is not built for such jobs (module head):
-    /// a new backup of a part served here (an appliance back, or a
-    /// drained index), an adopted part that keeps another member, or a
-    /// backed-up part with a new primary that is not this appliance.
-    pub(super) fn check_clocked_epoch(&self, i: usize, view: &EpochView) -> Result<(), EngineError> {
-        let j = &self.jobs[i];
-        let Some(rep) = j.replica.as_deref().filter(|r| r.clocked()) else {
-            return Ok(());
-        };
-        let (old, me) = (&rep.view, usize::from(rep.me));
-        let refuse = |reason: String| EngineError::Epoch {
-            id: j.id,
-            epoch: view.epoch,
-            conflict: true,
-            reason: format!(
-                "{reason}: a state copy of an async or bounded-delay job's chunks is not built \
-                 (PROTOCOL.md §11.10)"
-            ),
-        };
-        for g in &rep.groups {
-            let p = usize::from(g.home);
-            for &b in &rep.layout.set_in(p, view)[1..] {
-                let kept = g.backups.iter().any(|(x, _)| usize::from(*x) == b)
-                    && view.joined_at(b).is_none_or(|e| e <= old.epoch);
-                if !kept {
-                    return Err(refuse(format!("appliance {b} would be a new backup of part {p}")));
-                }
-            }
-        }
-        for part in &rep.parts {
-            let p = usize::from(part.home);
-            match rep.layout.primary(p, view) {
-                Some(q) if q == me && rep.layout.set_in(p, view).len() > 1 => {
-                    return Err(refuse(format!(
-                        "part {p}, adopted here, would keep a backup to bring level"
-                    )));
-                }
-                Some(q) if q == me => {}
-                Some(q) if q != usize::from(part.from) => {
-                    return Err(refuse(format!(
-                        "part {p}'s backup slots here would await a copy from its new primary {q}"
-                    )));
-                }
-                _ => {}
-            }
-        }
-        Ok(())
-    }
-
     /// Primary slot `slot` of `job` applied rank `rank`'s push of `clock`
     /// (`payload`, in the job's dtype): the update goes into the slot's
     /// log and to every backup. `Some(t)` when it did (the answers it
@@ -444,14 +395,17 @@ impl<A: Copy + Eq> Shard<A> {
 }
 
 /// A primary slot's logged updates that its first `nb` backups have not
-/// acknowledged, as (backup, t): what its timer resends.
-pub(super) fn unacked(u: &Updates, nb: usize) -> impl Iterator<Item = (u8, u32)> + '_ {
+/// acknowledged, those copying (bits of `copying`) left out, as (backup,
+/// t): what its timer resends.
+pub(super) fn unacked(u: &Updates, nb: usize, copying: u8) -> impl Iterator<Item = (u8, u32)> + '_ {
     // Cast: at most MAX_BACKUPS backups.
     #[allow(clippy::cast_possible_truncation)]
-    (0..nb.min(MAX_BACKUPS)).flat_map(move |k| {
-        u.log
-            .iter()
-            .filter(move |e| e.t > u.acked[k])
-            .map(move |e| (k as u8, e.t))
-    })
+    (0..nb.min(MAX_BACKUPS))
+        .filter(move |k| copying & (1 << k) == 0)
+        .flat_map(move |k| {
+            u.log
+                .iter()
+                .filter(move |e| e.t > u.acked[k])
+                .map(move |e| (k as u8, e.t))
+        })
 }

@@ -27,6 +27,7 @@ use phub_proto::Dtype;
 use crate::kernels::Kernels;
 use crate::transmit::Transmit;
 
+use super::clock::{RankClock, SINCE_UNKNOWN};
 use super::outbox::{Attempt, Pending, Ranks};
 use super::replica::Replica;
 use super::slot::{RankSet, ResultKind, Round, Slot, PARAMS, S1, S2};
@@ -135,6 +136,14 @@ pub(super) enum Fragment {
     S2,
     /// The stored result, wire bytes of the job's dtype.
     Result,
+    /// An async or bounded-delay `sum` job's with a 2-byte result: the
+    /// current values in `f32`, which its accumulator keeps between
+    /// updates (the result is them encoded, PROTOCOL.md §5.8).
+    Values,
+    /// An async or bounded-delay job's: each rank's clock (PROTOCOL.md
+    /// §11.10), two `u32`s per rank (the clock with its held flag, and a
+    /// word the backup ignores).
+    Clocks,
     /// No completed round: nothing (`count` 0, round 0xffffffff).
     Nothing,
 }
@@ -143,9 +152,9 @@ pub(super) enum Fragment {
 const NO_ROUND: u32 = u32::MAX;
 
 /// The fragments of slot `s`'s state at round `round` (the header's), in
-/// order, and how many.
-fn fragments_at(s: &Slot, round: u32) -> ([Fragment; 4], u8) {
-    let mut out = [Fragment::Nothing; 4];
+/// order, and how many; `clocked`: the job is async or bounded delay.
+fn fragments_at(s: &Slot, round: u32, clocked: bool) -> ([Fragment; 6], u8) {
+    let mut out = [Fragment::Nothing; 6];
     if round == NO_ROUND {
         return (out, 1);
     }
@@ -156,13 +165,18 @@ fn fragments_at(s: &Slot, round: u32) -> ([Fragment; 4], u8) {
         (used[S1] > 0, Fragment::S1),
         (used[S2] > 0, Fragment::S2),
         (s.result != ResultKind::Params, Fragment::Result),
+        (
+            clocked && used[PARAMS] == 0 && s.result == ResultKind::Half,
+            Fragment::Values,
+        ),
+        (clocked, Fragment::Clocks),
     ] {
         if present {
             out[n] = f;
             n += 1;
         }
     }
-    // Cast: at most 4.
+    // Cast: at most 6.
     #[allow(clippy::cast_possible_truncation)]
     (out, n as u8)
 }
@@ -173,8 +187,8 @@ fn copy_round(s: &Slot) -> u32 {
 }
 
 /// How many fragments a copy of primary slot `s` has now.
-pub(super) fn fragments(s: &Slot) -> u8 {
-    fragments_at(s, copy_round(s)).1
+pub(super) fn fragments(s: &Slot, clocked: bool) -> u8 {
+    fragments_at(s, copy_round(s), clocked).1
 }
 
 impl<A: Copy + Eq> Shard<A> {
@@ -194,11 +208,12 @@ impl<A: Copy + Eq> Shard<A> {
         if new == 0 {
             return;
         }
+        let clocked = rep.clocked();
         for i in slots {
             let p = &mut rep.pushed[i as usize];
             p.copying |= new;
             p.deadline = 0;
-            let n = fragments(&j.slots[i as usize]);
+            let n = fragments(&j.slots[i as usize], clocked);
             for k in (0..8u8).filter(|&k| new & (1 << k) != 0) {
                 for f in 0..n {
                     rep.stats.states_sent += 1;
@@ -226,16 +241,21 @@ impl<A: Copy + Eq> Shard<A> {
         repr: &ReplicaRepr,
         payload: &[u8],
     ) -> Result<bool, DropReason> {
-        let dtype = job.dtype;
+        let (dtype, w) = (job.dtype, usize::from(job.workers));
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
         if !rep.parts.iter().any(|p| p.home == repr.from) {
             return Err(DropReason::WrongPeer);
         }
         let at = Self::backup_slot_of(rep, from, repr)?;
-        let Replica { parts, stats, .. } = rep;
+        let Replica {
+            parts,
+            stats,
+            clocked,
+            ..
+        } = rep;
         let part = &mut parts[at];
         let index = repr.slot as usize;
-        let (kinds, n) = fragments_at(&part.slots[index], repr.round);
+        let (kinds, n) = fragments_at(&part.slots[index], repr.round, *clocked);
         if repr.fragments != n || repr.fragment >= n {
             return Err(DropReason::CountMismatch);
         }
@@ -243,6 +263,9 @@ impl<A: Copy + Eq> Shard<A> {
         let (want_dtype, want_count) = match kind {
             Fragment::Result => (dtype, part.slots[index].elems),
             Fragment::Nothing => (Dtype::F32, 0),
+            // Cast: at most MAX_WORKERS ranks, two words each.
+            #[allow(clippy::cast_possible_truncation)]
+            Fragment::Clocks => (Dtype::F32, 2 * w as u32),
             _ => (Dtype::F32, part.slots[index].elems),
         };
         if repr.dtype != want_dtype {
@@ -292,10 +315,23 @@ impl<A: Copy + Eq> Shard<A> {
                     k.copy(Dtype::F32, if acc_in_a { b } else { a }, payload);
                 }
             },
+            Fragment::Values => k.copy(Dtype::F32, slot.mem.acc_mut(&mut part.blocks), payload),
+            Fragment::Clocks => {
+                // The clocks and held flags the primary has: whether an
+                // answer was held before the copy is not counted here.
+                if let Some(c) = part.clocks.get_mut(index * w..(index + 1) * w) {
+                    for (c, s) in c.iter_mut().zip(payload.chunks_exact(8)) {
+                        *c = RankClock {
+                            clock: u32::from_le_bytes([s[0], s[1], s[2], s[3]]),
+                            since: SINCE_UNKNOWN,
+                        };
+                    }
+                }
+            }
             Fragment::Nothing => {}
         }
         let got = got | bit;
-        // Cast: a slot has at most 4 fragments (fragments_at), so the mask fits a u8.
+        // Cast: a slot has at most 6 fragments (fragments_at), so the mask fits a u8.
         #[allow(clippy::cast_possible_truncation)]
         let all = (1u16 << n).wrapping_sub(1) as u8;
         if got != all {
@@ -344,6 +380,15 @@ impl<A: Copy + Eq> Shard<A> {
         if !p.waiting() {
             p.deadline = u64::MAX;
         }
+        if let (true, Some(u)) = (rep.clocked, rep.updates.get_mut(repr.slot as usize)) {
+            // The copy holds every update up to its round (none was applied
+            // while it ran, PROTOCOL.md §11.10).
+            if repr.round != NO_ROUND {
+                if let Some(a) = u.acked.get_mut(k) {
+                    *a = repr.round;
+                }
+            }
+        }
         // Cast: k < MAX_REPLICAS.
         #[allow(clippy::cast_possible_truncation)]
         Ok((!p.round.is_none() && p.acked & (1 << k) == 0).then_some(k as u8))
@@ -368,7 +413,7 @@ impl<A: Copy + Eq> Shard<A> {
         let g = rep.group_of(slot)?;
         let (to, backup_slot) = g.backup_of(usize::from(backup), slot)?;
         let round = copy_round(s);
-        let (kinds, n) = fragments_at(s, round);
+        let (kinds, n) = fragments_at(s, round, rep.clocked());
         let kind = *kinds.get(usize::from(fragment)).filter(|_| fragment < n)?;
         let r = s.mem.all(&j.blocks);
         let (dtype, payload): (Dtype, &[u8]) = match kind {
@@ -376,14 +421,20 @@ impl<A: Copy + Eq> Shard<A> {
             Fragment::S1 => (Dtype::F32, bytemuck::cast_slice(r[S1])),
             Fragment::S2 => (Dtype::F32, bytemuck::cast_slice(r[S2])),
             Fragment::Result => (j.dtype, s.result_bytes(slot, None, &j.blocks)),
+            Fragment::Values => (Dtype::F32, bytemuck::cast_slice(s.mem.acc(&j.blocks))),
+            Fragment::Clocks => {
+                let w = usize::from(j.workers);
+                let at = slot as usize * w;
+                (Dtype::F32, bytemuck::cast_slice(j.clocks.get(at..at + w)?))
+            }
             Fragment::Nothing => (Dtype::F32, &[]),
         };
         // Cast: s.elems <= MAX_PAYLOAD / 4 (checked in install_replicated).
         #[allow(clippy::cast_possible_truncation)]
-        let count = if kind == Fragment::Nothing {
-            0
-        } else {
-            s.elems as u16
+        let count = match kind {
+            Fragment::Nothing => 0,
+            Fragment::Clocks => 2 * j.workers,
+            _ => s.elems as u16,
         };
         let repr = ReplicaRepr {
             kind: ReplicaMsgType::ReplicateState,

@@ -215,7 +215,6 @@ impl<A: Copy + Eq> Shard<A> {
         // copied is refused before anything is applied.
         let old_view = rep.view.clone();
         self.check_table_epoch(i, view)?;
-        self.check_clocked_epoch(i, view)?;
         let job = &mut self.jobs[i];
         let rep = job.replica.as_deref_mut().expect("checked above");
         debug_assert_eq!(rep.view, old_view);

@@ -694,13 +694,6 @@ impl<A: Copy + Eq> Shard<A> {
                     from: self.mem.describe(),
                     reason,
                 })?;
-            if clocked && back {
-                return Err(refuse(
-                    "an async or bounded-delay job's appliance back would await state copies, \
-                     which are not built for such jobs (PROTOCOL.md §11.10)"
-                        .into(),
-                ));
-            }
             let clocks = if clocked {
                 vec![RankClock::default(); slots.len() * usize::from(job.workers)]
             } else {
@@ -1012,6 +1005,10 @@ impl<A: Copy + Eq> Shard<A> {
             }
             ReplicaMsgType::StateAck => match Self::on_state_ack(job, from, &repr) {
                 Ok(replicate) => {
+                    if job.replica.as_deref().is_some_and(Replica::clocked) {
+                        // The answers that waited for the new backup too.
+                        Self::settle(&mut self.pending, &self.counters, job, repr.slot);
+                    }
                     if let Some(k) = replicate {
                         let rep = job.replica.as_deref_mut().expect("checked above");
                         rep.stats.replicates_sent += 1;
@@ -1048,9 +1045,9 @@ impl<A: Copy + Eq> Shard<A> {
         if repr.key != slot.key || repr.chunk != slot.chunk {
             return Err(DropReason::ChunkMismatch);
         }
-        if u32::from(repr.count) != slot.elems
-            && !(repr.kind == ReplicaMsgType::ReplicateState && repr.count == 0)
-        {
+        // A state copy's fragments are checked by their kind (a round's
+        // absence, a rank's clocks: Shard::on_state).
+        if u32::from(repr.count) != slot.elems && repr.kind != ReplicaMsgType::ReplicateState {
             return Err(DropReason::CountMismatch);
         }
         let seq = part.first + u64::from(repr.slot);
@@ -1232,28 +1229,6 @@ impl<A: Copy + Eq> Shard<A> {
                     if !p.waiting() {
                         continue;
                     }
-                    if let Some(u) = rep.updates.get(i as usize).filter(|u| !u.log.is_empty()) {
-                        // Logged updates (PROTOCOL.md §11.10): each backup
-                        // gets again those it has not acknowledged.
-                        let n = unacked(u, nb).count();
-                        if p.deadline <= now && budget >= n {
-                            budget -= n;
-                            p.deadline = rep.rtt.fire(&mut timed_out, &mut p.resends, now);
-                            for (backup, t) in unacked(u, nb) {
-                                rep.stats.replicates_resent += 1;
-                                self.counters.replicates_resent.inc();
-                                self.pending.push(Pending::Update {
-                                    job: j.id,
-                                    slot: i,
-                                    backup,
-                                    t,
-                                    attempt: Attempt::Again,
-                                });
-                            }
-                        }
-                        next = next.min(rep.pushed[i as usize].deadline);
-                        continue;
-                    }
                     if p.deadline == 0 {
                         // A copy queued by an epoch change: its timer starts.
                         p.sent = now;
@@ -1261,15 +1236,31 @@ impl<A: Copy + Eq> Shard<A> {
                         next = next.min(p.deadline);
                         continue;
                     }
-                    let fragments = usize::from(super::copy::fragments(&j.slots[i as usize]));
-                    let pending = if p.round.is_none() { 0 } else { nb };
+                    // An async or bounded-delay slot's logged updates
+                    // (PROTOCOL.md §11.10): each backup not copying gets
+                    // again those it has not acknowledged; no aggregate.
+                    let log = rep.updates.get(i as usize).filter(|u| !u.log.is_empty());
+                    let updates = log.map_or(0, |u| unacked(u, nb, p.copying).count());
+                    let fragments = usize::from(super::copy::fragments(&j.slots[i as usize], rep.clocked));
+                    let pending = if p.round.is_none() || log.is_some() { 0 } else { nb };
                     let replicates = (0..pending)
                         .filter(|&k| (p.acked | p.copying) & (1 << k) == 0)
                         .count();
                     let states = u32::from(p.copying).count_ones() as usize * fragments;
-                    if p.deadline <= now && budget >= replicates + states {
-                        budget -= replicates + states;
+                    if p.deadline <= now && budget >= replicates + states + updates {
+                        budget -= replicates + states + updates;
                         p.deadline = rep.rtt.fire(&mut timed_out, &mut p.resends, now);
+                        for (backup, t) in log.into_iter().flat_map(|u| unacked(u, nb, p.copying)) {
+                            rep.stats.replicates_resent += 1;
+                            self.counters.replicates_resent.inc();
+                            self.pending.push(Pending::Update {
+                                job: j.id,
+                                slot: i,
+                                backup,
+                                t,
+                                attempt: Attempt::Again,
+                            });
+                        }
                         for k in (0..pending).filter(|&k| (p.acked | p.copying) & (1 << k) == 0) {
                             rep.stats.replicates_resent += 1;
                             self.counters.replicates_resent.inc();

@@ -530,12 +530,12 @@ impl<A: Copy + Eq> Shard<A> {
         now: u64,
     ) -> Result<Step, DropReason> {
         // A replicated async or bounded-delay job (PROTOCOL.md §11.10): the
-        // rank's last answer waits for the backups; no room to log an
-        // update.
+        // rank's last answer waits for the backups; no push applied now (a
+        // state copy runs, or no room to log an update).
         let (waiting, full) = job.replica.as_deref().map_or((false, false), |r| {
             (
                 r.waiting(repr.slot, job.workers, repr.rank),
-                r.log_full(repr.slot),
+                r.backlogged(repr.slot),
             )
         });
         let slot = slot_for(&mut job.slots, repr, job.dtype)?;

@@ -264,24 +264,138 @@ fn a_failover_loses_and_repeats_no_update() {
     }
 }
 
-/// What would need a state copy of such a job's chunks is refused, not
-/// built (§11.10): the failed appliance coming back, and a restore of
-/// replicated chunks from their checkpoints.
+/// Whole-number `values` of clock `salt` (`sum` of them is exact in any
+/// order), and each chunk's expected sum after it, added to `want`.
+fn whole_round(w: &World, salt: u32, want: &mut HashMap<u64, Vec<f64>>) -> HashMap<(u16, u64), Vec<f32>> {
+    let mut v = round_values(w, 7, salt);
+    for x in v.values_mut().flatten() {
+        *x = (*x * 8.0).round();
+    }
+    for g in 0..w.total() {
+        let e = want
+            .entry(g)
+            .or_insert_with(|| vec![0.0; w.chunk(g).elems as usize]);
+        let ranks: Vec<u16> = if salt == 0 {
+            vec![0]
+        } else {
+            (0..w.spec.workers as u16).collect()
+        };
+        for r in ranks {
+            for (a, b) in e.iter_mut().zip(&v[&(r, g)]) {
+                *a += f64::from(*b);
+            }
+        }
+    }
+    v
+}
+
+/// Every chunk's served values are `want`'s, and every rank's clock is
+/// `clocks` there.
+fn assert_sums(w: &World, want: &HashMap<u64, Vec<f64>>, clocks: u32) {
+    for g in 0..w.total() {
+        let s = w.layout.serve(g, &w.epoch).unwrap();
+        let p = w.shards[s.appliance][s.lcore]
+            .primary_state(JOB, s.slot as u32)
+            .unwrap();
+        let got: Vec<f64> = bytemuck::cast_slice::<u8, f32>(p.result)
+            .iter()
+            .map(|&x| f64::from(x))
+            .collect();
+        assert_eq!(got, want[&g], "chunk {g}");
+        assert_eq!(p.clocks, vec![clocks; w.spec.workers as usize], "chunk {g}");
+    }
+}
+
+/// An appliance killed, then back empty (PROTOCOL.md §11.7, §11.10): each
+/// primary of a part it is in copies it the chunk's state with the ranks'
+/// clocks (no push applied meanwhile: `backlog`), it joins at the copy's
+/// update, and the job goes on at full strength: every backup equal to its
+/// primary bit for bit, clocks too, every push applied once; then the
+/// other appliance is killed and the one back serves its parts exactly.
+/// Two and three replicas; and `sum` with a 2-byte result, whose current
+/// values in `f32` (its accumulator) the copy carries too (sums compared
+/// bit for bit between replicas only: f16 rounds them).
 #[test]
-fn what_would_need_a_state_copy_is_refused() {
-    let sp = clocked(Optimizer::Sum, Dtype::F32, Consistency::Async, 2);
-    let mut w = World::new(sp, &[1, 1], &["a", "b"], 4, CLEAN);
-    let v = round_values(&w, 2, 0);
-    round(&mut w, 0, &v);
-    let saved = w.shards[0][0].snapshot(JOB).unwrap();
-    let e = w.shards[0][0].restore(JOB, &saved).unwrap_err().to_string();
-    assert!(e.contains("§11.10"), "{e}");
-    w.dead[0] = true;
-    let down = w.epoch.with_down(0).unwrap();
-    change_epoch(&mut w, &down);
-    let back = w.epoch.with_joined(0).unwrap();
-    let e = w.shards[1][0].change_epoch(JOB, &back).unwrap_err().to_string();
-    assert!(e.contains("new backup") && e.contains("§11.10"), "{e}");
+fn an_appliance_back_is_copied_the_clocks_and_joins() {
+    for (seed, replicas, dtype) in [(8u64, 2u32, Dtype::F32), (9, 3, Dtype::F32), (11, 2, Dtype::F16)] {
+        let exact = dtype == Dtype::F32;
+        let mut sp = spec(Optimizer::Sum, dtype, replicas, 3);
+        sp.consistency = Consistency::Bounded { delay: 1 };
+        sp.validate().unwrap();
+        let mut w = World::new(sp, &[1, 2, 1], &["a", "b", "c"], seed, LOSSY);
+        let mut want = HashMap::new();
+        for c in 0..=2 {
+            let v = whole_round(&w, c, &mut want);
+            round(&mut w, c, &v);
+        }
+        w.dead[1] = true;
+        let down = w.epoch.with_down(1).unwrap();
+        change_epoch(&mut w, &down);
+        let v = whole_round(&w, 3, &mut want);
+        round(&mut w, 3, &v);
+        // Back, empty: the others take the epoch that has it joined.
+        let back = w.epoch.with_joined(1).unwrap();
+        w.reinstall(1, &back);
+        w.epoch = back.clone();
+        for a in [0, 2] {
+            for j in 0..w.shards[a].len() {
+                assert_eq!(w.shards[a][j].change_epoch(JOB, &back), Ok(true));
+                w.drain(a, j);
+            }
+        }
+        for c in 4..=5 {
+            let v = whole_round(&w, c, &mut want);
+            round(&mut w, c, &v);
+        }
+        let st = stats(&w);
+        assert!(
+            st.iter().map(|s| s.states_installed).sum::<u64>() > 0,
+            "replicas {replicas}: no copy installed"
+        );
+        assert_clocked_replicas_equal(&w);
+        if exact {
+            assert_sums(&w, &want, 5);
+        }
+        // The other appliance dies: the one back serves what it backs up.
+        w.dead[0] = true;
+        let down = w.epoch.with_down(0).unwrap();
+        change_epoch(&mut w, &down);
+        for c in 6..=7 {
+            let v = whole_round(&w, c, &mut want);
+            round(&mut w, c, &v);
+        }
+        assert_clocked_replicas_equal(&w);
+        if exact {
+            assert_sums(&w, &want, 7);
+        }
+    }
+}
+
+/// A primary restored from its checkpoint with backups (control takes a
+/// job back to its checkpoints when some part lost every replica): each
+/// restored slot copies its state and clocks to its backups before it
+/// applies another push; the ranks pull (§5.4 rule 0), go on from the
+/// clocks the checkpoint holds, and every backup ends equal.
+#[test]
+fn a_restored_primary_copies_its_clocks_to_its_backups() {
+    let mut sp = spec(Optimizer::Sum, Dtype::F32, 2, 2);
+    sp.consistency = Consistency::Async;
+    sp.validate().unwrap();
+    let mut w = World::new(sp, &[1, 1], &["a", "b"], 10, CLEAN);
+    let mut want = HashMap::new();
+    for c in 0..=2 {
+        let v = whole_round(&w, c, &mut want);
+        round(&mut w, c, &v);
+    }
+    w.restore_all_from_checkpoints();
+    w.pull_all();
+    for c in 3..=4 {
+        let v = whole_round(&w, c, &mut want);
+        round(&mut w, c, &v);
+    }
+    assert!(stats(&w).iter().map(|s| s.states_installed).sum::<u64>() > 0);
+    assert_clocked_replicas_equal(&w);
+    assert_sums(&w, &want, 4);
 }
 
 /// The update log's buffers are bounded per lcore

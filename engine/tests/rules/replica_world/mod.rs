@@ -396,6 +396,10 @@ impl World {
                 .iter()
                 .find_map(|s| s.backup_state(JOB, g))
                 .unwrap_or_else(|| panic!("appliance {b} keeps no backup of chunk {g}"));
+            if self.clocked() && held.round.is_none() {
+                // Awaiting its state copy (a restore's): never adopted.
+                continue;
+            }
             if self.clocked() && held.round.is_some_and(|t| t > 0) {
                 let applied = held.clocks[usize::from(rank)] & !phub_proto::checkpoint::CLOCK_HELD;
                 assert!(
