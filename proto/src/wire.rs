@@ -342,8 +342,9 @@ drop_reasons! {
     BadSignature = 31, "bad_signature";
     /// A push of a replicated async or bounded-delay job that would be
     /// applied while the lcore's log of updates on their way to the
-    /// chunks' backups is full (PROTOCOL.md §11.10): not applied, not
-    /// answered; the worker resends it on its timer.
+    /// chunks' backups is full, or while a backup of the chunk takes its
+    /// state copy (PROTOCOL.md §11.10): not applied, not answered; the
+    /// worker resends it on its timer.
     Backlog = 32, "backlog";
 }
 
