@@ -16,8 +16,9 @@
 use std::time::Duration;
 
 use crate::common::{
-    all_trained, replicated_spec, replicated_table_spec, train_ranks, train_table_ranks, try_until, until,
-    Appliances, Gates, Operator, Stopped,
+    all_trained, assert_async_sums, async_replicated_spec, replicated_spec, replicated_table_spec,
+    train_async_ranks, train_ranks, train_table_ranks, try_until, until, Appliances, Gates, Operator,
+    Stopped,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
@@ -198,6 +199,42 @@ fn a_table_job_s_drained_appliance_moves_to_a_spare_and_every_row_stays_exact() 
     });
     let epoch = rack.send(&control::epoch(job.id));
     assert_eq!((epoch.epoch, epoch.down.as_slice()), (2, &[2][..]), "{epoch:?}");
+}
+
+/// An async job (PROTOCOL.md §11.10): b drained mid-training moves to d,
+/// which gets its chunks' state copies (with the ranks' clocks; no push
+/// applied to a chunk while its copy runs) while the ranks push; then c
+/// dies and d serves what it took: every element ends at rank 0's initial
+/// value plus every push of every clock, exactly.
+#[test]
+fn an_async_job_s_drained_appliance_moves_to_a_spare_and_no_push_is_lost() {
+    let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
+    let job = rack
+        .admit(&async_replicated_spec(
+            "async-drain",
+            WORKERS,
+            &KEYS,
+            &["a", "b", "c"],
+        ))
+        .unwrap();
+    let gates = Gates::new(&[4, 10], ROUNDS);
+    let url = rack.control_url.clone();
+    let done = std::sync::Barrier::new(usize::from(WORKERS));
+    let finals = std::thread::scope(|s| {
+        let ranks = train_async_ranks(s, (&url, &job), WORKERS, &KEYS, &gates, &done);
+        gates.wait_at(0);
+        let (ok, out, err) = rack.phubctl(&["appliance", "drain", "b"]);
+        assert!(ok, "{out}{err}");
+        gates.open(0);
+        d_in_b_s_place(&rack, job.id);
+        gates.wait_at(1);
+        rack.kill_dataplane(2);
+        gates.open(1);
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
+    });
+    assert_async_sums(&finals, WORKERS, ROUNDS);
+    let epoch = rack.send(&control::epoch(job.id));
+    assert_eq!(epoch.moved_to(1).map(|m| m.name.as_str()), Some("d"), "{epoch:?}");
 }
 
 /// Waits (30 s at most) for job `id` at full strength with d filled in

@@ -13,8 +13,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_trained, at_full_strength, replicated_spec, replicated_table_spec, train_ranks, train_table_ranks,
-    Appliances, Gates, Operator,
+    all_trained, assert_async_sums, async_replicated_spec, at_full_strength, replicated_spec,
+    replicated_table_spec, train_async_ranks, train_ranks, train_table_ranks, Appliances, Gates, Operator,
 };
 use phub::proto::failover::EpochView;
 use phub::proto::routes::control;
@@ -115,82 +115,29 @@ fn kill_b_mid_training(replicas: u32) {
 /// the job back when it answers again (no state copies for async jobs).
 #[test]
 fn an_async_job_s_primary_killed_mid_training_loses_and_repeats_no_push() {
-    use phub::proto::spec::{Appliances as Placed, Consistency, JobSpec};
-    use phub_hwtests::workload::{grad, init, initial_params, round_grads};
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let workers = 2u16;
-    let spec = JobSpec::new("async-failover", u32::from(workers), &keys)
-        .with_consistency(Consistency::Async)
-        .sharded_over(Placed::Names(vec!["a".into(), "b".into(), "c".into()]))
-        .with_replicas(2)
-        .to_toml();
-    let job = rack.admit(&spec).unwrap();
+    let job = rack
+        .admit(&async_replicated_spec(
+            "async-failover",
+            workers,
+            &keys,
+            &["a", "b", "c"],
+        ))
+        .unwrap();
     let (clocks, kill_after) = (8u32, 3u32);
     let gates = Gates::new(&[kill_after], clocks);
     let url = rack.control_url.clone();
     let done = std::sync::Barrier::new(usize::from(workers));
-    let finals: Vec<Vec<Vec<f32>>> = std::thread::scope(|s| {
-        let ranks: Vec<_> = (0..workers)
-            .map(|rank| {
-                let (url, job, gates, done, keys) = (&url, &job, &gates, &done, &keys);
-                s.spawn(move || {
-                    let w = phub_worker::Worker::join(url, job.id, job.token, rank).unwrap();
-                    let mut params = initial_params(rank, keys);
-                    let hs: Vec<_> = params
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(k, p)| w.init(k as u32, p).unwrap())
-                        .collect();
-                    for h in hs {
-                        w.wait(h).unwrap();
-                    }
-                    let mut c = 1;
-                    while gates.more(rank, c) {
-                        let grads = round_grads(rank, keys, c);
-                        let hs: Vec<_> = params
-                            .iter_mut()
-                            .zip(&grads)
-                            .enumerate()
-                            .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
-                            .collect();
-                        for h in hs {
-                            w.wait(h).unwrap_or_else(|e| panic!("rank {rank} clock {c}: {e}"));
-                        }
-                        c += 1;
-                    }
-                    done.wait();
-                    params
-                        .iter_mut()
-                        .enumerate()
-                        .map(|(k, p)| {
-                            assert_eq!(
-                                w.pull(k as u32, p).unwrap(),
-                                clocks,
-                                "rank {rank} key {k}: its clock"
-                            );
-                            p.clone()
-                        })
-                        .collect()
-                })
-            })
-            .collect();
+    let finals = std::thread::scope(|s| {
+        let ranks = train_async_ranks(s, (&url, &job), workers, &keys, &gates, &done);
         gates.wait_at(0);
         rack.kill_dataplane(1);
         gates.open(0);
-        ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        ranks.into_iter().map(|h| h.join().unwrap()).collect::<Vec<_>>()
     });
-    for (rank, got) in finals.iter().enumerate() {
-        for (k, p) in got.iter().enumerate() {
-            for (e, v) in p.iter().enumerate() {
-                let want = init(k as u32, e)
-                    + (1..=clocks)
-                        .flat_map(|c| (0..workers).map(move |r| grad(r, k as u32, e, c)))
-                        .sum::<f32>();
-                assert_eq!(*v, want, "rank {rank} key {k} elem {e}");
-            }
-        }
-    }
+    assert_async_sums(&finals, workers, clocks);
     let epoch: EpochView = rack.send(&control::epoch(job.id));
     assert!(epoch.is_down(1), "{epoch:?}");
 }

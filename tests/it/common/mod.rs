@@ -523,6 +523,95 @@ pub(crate) fn replicated_spec(
         .to_toml()
 }
 
+/// An async job (PROTOCOL.md §5.8) of `workers` ranks over `keys`, sum,
+/// sharded over the named appliances with two replicas of every chunk
+/// (§11.10): the async replication suites' job.
+pub(crate) fn async_replicated_spec(name: &str, workers: u16, keys: &[u64], appliances: &[&str]) -> String {
+    let names = appliances.iter().map(|a| (*a).to_string()).collect();
+    JobSpec::new(name, u32::from(workers), keys)
+        .with_consistency(phub::proto::spec::Consistency::Async)
+        .sharded_over(phub::proto::spec::Appliances::Names(names))
+        .with_replicas(2)
+        .to_toml()
+}
+
+/// Starts one rank per worker of an async job in scope `s`: each inits
+/// `keys` (rank 0's values [`init`]), pushes every key's [`grad`]s each
+/// clock while `gates.more` says so (rank 0 waits at the gates the test
+/// opens), waits at `done` (a barrier of `workers`) until every rank is
+/// done, pulls every key, checks its clock there is the last, and returns
+/// what it pulled.
+pub(crate) fn train_async_ranks<'scope, 'env>(
+    s: &'scope std::thread::Scope<'scope, 'env>,
+    (url, job): (&'env str, &'env AdmitResponse),
+    workers: u16,
+    keys: &'env [u64],
+    gates: &'env Gates,
+    done: &'env std::sync::Barrier,
+) -> Vec<std::thread::ScopedJoinHandle<'scope, Vec<Vec<f32>>>> {
+    (0..workers)
+        .map(|rank| {
+            s.spawn(move || {
+                let w = phub_worker::Worker::join(url, job.id, job.token, rank).unwrap();
+                let mut params = phub_hwtests::workload::initial_params(rank, keys);
+                let hs: Vec<_> = params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| w.init(k as u32, p).unwrap())
+                    .collect();
+                for h in hs {
+                    w.wait(h).unwrap();
+                }
+                let mut c = 1;
+                while gates.more(rank, c) {
+                    let grads = phub_hwtests::workload::round_grads(rank, keys, c);
+                    let hs: Vec<_> = params
+                        .iter_mut()
+                        .zip(&grads)
+                        .enumerate()
+                        .map(|(k, (p, g))| w.push_pull(k as u32, g, p).unwrap())
+                        .collect();
+                    for h in hs {
+                        w.wait(h).unwrap_or_else(|e| panic!("rank {rank} clock {c}: {e}"));
+                    }
+                    c += 1;
+                }
+                done.wait();
+                params
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(k, p)| {
+                        assert_eq!(
+                            w.pull(k as u32, p).unwrap(),
+                            c - 1,
+                            "rank {rank} key {k}: its clock"
+                        );
+                        p.clone()
+                    })
+                    .collect()
+            })
+        })
+        .collect()
+}
+
+/// What each rank of [`train_async_ranks`] pulled at the end is rank 0's
+/// initial value plus every rank's push of every clock 1..=`clocks`,
+/// exactly (sums of whole numbers and halves: exact in any order): no
+/// push lost, none applied twice.
+pub(crate) fn assert_async_sums(finals: &[Vec<Vec<f32>>], workers: u16, clocks: u32) {
+    for (rank, got) in finals.iter().enumerate() {
+        for (k, p) in got.iter().enumerate() {
+            for (e, v) in p.iter().enumerate() {
+                let want = init(k as u32, e)
+                    + (1..=clocks)
+                        .flat_map(|c| (0..workers).map(move |r| grad(r, k as u32, e, c)))
+                        .sum::<f32>();
+                assert_eq!(*v, want, "rank {rank} key {k} elem {e}");
+            }
+        }
+    }
+}
+
 /// Rank 0's progress and the gates a replication test opens: rank 0
 /// records each round it reaches and, before round `at + 1` of each gate
 /// at `at`, waits until the test opens it (120 s at most: a failing test
