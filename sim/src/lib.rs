@@ -1773,7 +1773,7 @@ impl<'c> World<'c> {
     /// The model of `key`'s chunk `chunk` that lcore `l` follows.
     fn model(&self, l: usize, key: u32, chunk: u32) -> Option<&Model> {
         if self.clocked_replicas() {
-            self.rmodels.get(&(key, chunk, self.index_of(l)))
+            self.rmodels.get(&(key, chunk, self.model_key(l)))
         } else {
             self.models.get(&(key, chunk))
         }
@@ -1790,7 +1790,7 @@ impl<'c> World<'c> {
         dtype: Dtype,
         payload: &[u8],
     ) {
-        let at = self.index_of(l);
+        let at = self.model_key(l);
         let m = if self.clocked_replicas() {
             self.rmodels.get_mut(&(key, chunk, at))
         } else {

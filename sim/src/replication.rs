@@ -270,47 +270,10 @@ impl ControlDown {
 
 impl ReplicaCase {
     /// An async or bounded-delay job's replicated shape over `appliances`
-    /// and its faults, drawn (PROTOCOL.md §11.10): two replicas, and what
-    /// needs no state copy of its chunks: a kill (the appliance stays
-    /// out), a partition (a split brain; healed, the appliance is not
-    /// given the job back), another kill after, control down, slow puts,
-    /// and kills that lose a part (the job fails).
+    /// and its faults, drawn (PROTOCOL.md §11.10): as [`ReplicaCase::draw`]
+    /// draws them, from a generator of their own.
     pub fn draw_clocked(rng: &mut ChaCha8Rng, appliances: u16) -> ReplicaCase {
-        let racks = draw_racks(rng, appliances);
-        let appliance = rng.gen_range(0..appliances);
-        let at_us = rng.gen_range(500..20_000);
-        let event = match rng.gen_range(0..4) {
-            0 => None,
-            1 | 2 => Some(ReplicaEvent::Kill {
-                appliance,
-                at_us,
-                back_us: None,
-            }),
-            _ => Some(ReplicaEvent::Partition {
-                appliance,
-                at_us,
-                for_us: rng.gen_range(100..40_000),
-            }),
-        };
-        let (detect_us, control_us) = draw_control(rng);
-        let other = (appliance + rng.gen_range(1..appliances)) % appliances;
-        let then_kill = rng.gen_bool(0.4).then(|| ThenKill::Other {
-            appliance: other,
-            after_us: rng.gen_range(0..5_000),
-        });
-        let control_down = ControlDown::draw(rng);
-        ReplicaCase {
-            replicas: 2,
-            racks,
-            event,
-            detect_us,
-            control_us,
-            then_kill,
-            control_down,
-            lose: rng.gen_bool(0.2),
-            slow_puts: draw_slow_puts(rng, appliances),
-            stall: None,
-        }
+        ReplicaCase::draw(rng, appliances)
     }
 
     /// A replicated shape over `appliances` and its faults, drawn.
@@ -1361,6 +1324,17 @@ impl World<'_> {
                 }
             }
         }
+        if moved_to.is_some() {
+            // The old lcores go on with the index's models as they stand.
+            let retired = usize::from(self.case.appliances) + a;
+            let models: Vec<_> = self
+                .rmodels
+                .iter()
+                .filter(|((_, _, x), _)| *x == a)
+                .map(|(&(k, c, _), m)| ((k, c, retired), m.clone()))
+                .collect();
+            self.rmodels.extend(models);
+        }
     }
 
     /// A drain of index `a` to the spare (the appliance after the job's).
@@ -1587,6 +1561,19 @@ impl World<'_> {
 
     /// The index position `l`'s lcore serves (a retired lcore: the index
     /// it served before the drain).
+    /// Which model of a chunk position `l`'s lcore follows in a replicated
+    /// async or bounded-delay job: its index's, or a drained appliance's
+    /// old lcores (alive in the old epoch) one of their own, the index's
+    /// when they were retired ([`World::install_index`]).
+    pub(crate) fn model_key(&self, l: usize) -> usize {
+        let i = self.index_of(l);
+        if l < self.total_lcores() {
+            i
+        } else {
+            usize::from(self.case.appliances) + i
+        }
+    }
+
     pub(crate) fn index_of(&self, l: usize) -> usize {
         let per = usize::from(self.case.lcores);
         if l < self.total_lcores() {
@@ -1764,6 +1751,13 @@ impl World<'_> {
             if self.lcores_of(b).any(|x| self.lcores[x].down) {
                 continue;
             }
+            // A drained appliance rid of the job is no backup; one whose
+            // lcore has not taken `v` yet, in which the part's primary
+            // changed, drops its state when it does and awaits a copy (as
+            // for BSP, `check_backups_hold`).
+            if self.positions_of(b, v).all(|x| self.lcores[x].view.is_none()) || self.will_await(b, home, v) {
+                continue;
+            }
             let Some((t, clocks)) = self.clocks_held(b, g, v) else {
                 panic!(
                     "appliance {b} keeps no copy of chunk {g} (epoch {}, set {set:?})",
@@ -1829,7 +1823,7 @@ impl World<'_> {
         if st.round != Some(repr.round) {
             return;
         }
-        let a = self.index_of(l);
+        let a = self.model_key(l);
         if repr.kind == ReplicaMsgType::ReplicateState {
             // A state copy installed (a fragment of one held before taken
             // again): this appliance's model is its primary's, which
