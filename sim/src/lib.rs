@@ -320,11 +320,7 @@ impl Case {
         // its own too: in a quarter of the replicated jobs, instead of
         // the faults drawn above.
         let mut wrng = ChaCha8Rng::seed_from_u64(seed ^ 0x5e5c_0e11_0000);
-        if let Some(r) = case
-            .replication
-            .as_mut()
-            .filter(|_| wrng.gen_bool(0.25) && consistency == Consistency::Sync)
-        {
+        if let Some(r) = case.replication.as_mut().filter(|_| wrng.gen_bool(0.25)) {
             let at_us = wrng.gen_range(500..20_000);
             r.event = Some(ReplicaEvent::Restart {
                 checkpoint_us: wrng.gen_range(0..=at_us),
@@ -341,11 +337,7 @@ impl Case {
         // lose a part, every lcore's checkpoint is taken before the first
         // fault.
         let mut srng = ChaCha8Rng::seed_from_u64(seed ^ 0x57a1_1ed0_0000);
-        if let Some(r) = case
-            .replication
-            .as_mut()
-            .filter(|r| r.lose && srng.gen_bool(0.6) && consistency == Consistency::Sync)
-        {
+        if let Some(r) = case.replication.as_mut().filter(|r| r.lose && srng.gen_bool(0.6)) {
             r.stall = Some(replication::StallBack {
                 checkpoint_us: srng.gen_range(0..500),
                 back_us: srng.gen_range(0..20_000),

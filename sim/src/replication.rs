@@ -868,6 +868,21 @@ impl World<'_> {
         }
         let n = self.total_lcores();
         self.checkpoint_tables_of(&|g| g < n);
+        // An async or bounded-delay job's (PROTOCOL.md §11.10): each
+        // chunk's model at its home, whose part the checkpoint holds.
+        if self.clocked_replicas() {
+            let c = self.rep();
+            let saved: Vec<_> = self
+                .rmodels
+                .iter()
+                .filter(|(&(k, ch, a), _)| {
+                    let g = c.key_first[k as usize] + u64::from(ch);
+                    c.layout.home(g) == Some(a)
+                })
+                .map(|(&(k, ch, _), m)| ((k, ch), m.clone()))
+                .collect();
+            self.model_checkpoint = saved.into_iter().collect();
+        }
     }
 
     /// Index `a`'s lcores installed as its checkpoint's job (epoch 0) and
@@ -904,6 +919,28 @@ impl World<'_> {
         }
         let gs = self.lcores_of(a);
         self.restore_tables_of(&|g| gs.contains(&g));
+        if self.clocked_replicas() {
+            // Its part's models go back to the checkpoint's (a `sum` job's
+            // values come back as its result, rounded to the wire type, as
+            // after a crash); its backup slots await copies, which bring
+            // their primaries' models.
+            let sum = !self.case.optimizer.keeps_params();
+            let dtype = self.case.dtype;
+            let c = self.rep();
+            let mine: Vec<_> = self
+                .model_checkpoint
+                .iter()
+                .filter(|(&(k, ch), _)| c.layout.home(c.key_first[k as usize] + u64::from(ch)) == Some(a))
+                .map(|(&(k, ch), m)| {
+                    let mut m = m.clone();
+                    if sum {
+                        m.values = crate::reference::through_wire(dtype, &m.values);
+                    }
+                    ((k, ch, a), m)
+                })
+                .collect();
+            self.rmodels.extend(mine);
+        }
         self.note(format_args!(
             "appliance {a} restored from its checkpoint at {view:?}"
         ));
@@ -1820,7 +1857,12 @@ impl World<'_> {
         let Some(st) = self.lcores[l].shard.backup_state(JOB, g) else {
             return;
         };
-        if st.round != Some(repr.round) {
+        // A copy of a chunk with no completed round (a primary restored
+        // from a checkpoint taken before round 0 completed) installs no
+        // round: the backup's model starts again where the primary's is.
+        let nothing =
+            repr.kind == ReplicaMsgType::ReplicateState && repr.round == u32::MAX && st.round.is_none();
+        if st.round != Some(repr.round) && !nothing {
             return;
         }
         let a = self.model_key(l);
@@ -1837,7 +1879,7 @@ impl World<'_> {
             let Some(m) = self.rmodels.get(&(repr.key, repr.chunk, q)).cloned() else {
                 return;
             };
-            if m.t == repr.round && q != a {
+            if (m.t == repr.round || (nothing && m.t == 0)) && q != a {
                 self.rmodels.insert((repr.key, repr.chunk, a), m);
             }
             return;

@@ -116,13 +116,20 @@ impl<A: Copy + Eq> Shard<A> {
         let Some(rep) = j.replica.as_deref() else {
             return self.snapshot(id).map(Ok);
         };
+        // An async or bounded-delay job's slots keep their ranks' clocks
+        // (checkpoint format version 2, PROTOCOL.md §5.8).
+        let w = usize::from(j.workers);
+        let clocks_of = |c: &[RankClock], i: usize| -> Vec<u32> {
+            c.get(i * w..(i + 1) * w)
+                .map_or_else(Vec::new, |c| c.iter().map(|c| c.clock).collect())
+        };
         if let Some(g) = rep.groups.iter().find(|g| g.home == rep.me) {
             let own = g.base as usize..(g.base + g.count) as usize;
             let slots = j.slots.get(own).unwrap_or_default();
             return Some(Ok(slots
                 .iter()
                 .zip(g.base..)
-                .map(|(s, i)| s.save(i, j.shm.as_ref(), &j.blocks, Vec::new()))
+                .map(|(s, i)| s.save(i, j.shm.as_ref(), &j.blocks, clocks_of(&j.clocks, i as usize)))
                 .collect()));
         }
         let Some(p) = rep.parts.iter().find(|p| p.home == rep.me) else {
@@ -141,7 +148,7 @@ impl<A: Copy + Eq> Shard<A> {
             .slots
             .iter()
             .zip(0..)
-            .map(|(s, i)| s.save(i, None, &p.blocks, Vec::new()))
+            .map(|(s, i)| s.save(i, None, &p.blocks, clocks_of(&p.clocks, i as usize)))
             .collect()))
     }
 
