@@ -15,8 +15,11 @@
 //!   only a slot that completed no round (nothing to roll back) takes a
 //!   copy it was not awaiting (a restored primary's, §11.7).
 //! - While a backup of a primary slot is copying, no round of the slot
-//!   completes (it is counted at once), so the state the primary sends,
-//!   taken when each fragment leaves, is of one round the whole time.
+//!   completes (it is counted at once), and in an async or bounded-delay
+//!   job no push is applied (`backlog`, PROTOCOL.md §11.10), so the state
+//!   the primary sends, taken when each fragment leaves, is of one round
+//!   (update count) the whole time; such a job's copy carries the ranks'
+//!   clocks too.
 
 use phub_proto::failover::ReplicaLayout;
 use phub_proto::layout::ChunkRange;

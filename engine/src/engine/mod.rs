@@ -103,6 +103,9 @@
 //! - `replica.rs`: replicated jobs (PROTOCOL.md §11): their plan
 //!   ([`replica_plan`]), primary slots that complete a round once every
 //!   backup acknowledged it, backup slots, and the REPLICATE timers;
+//!   `clock_replica.rs`: an async or bounded-delay job's updates, each
+//!   replicated before the answer it earns (§11.10); `copy.rs`: state
+//!   copies to new backups (§11.7);
 //! - `epoch.rs`: a replicated job's epoch changes (PROTOCOL.md §11.6):
 //!   down backups leave the replica sets, the parts of down homes are
 //!   adopted ([`Shard::change_epoch`]);
