@@ -185,6 +185,11 @@ pub const PEER_LCORE_BYTES: u64 = 64;
 /// send time, deadline, resends; PROTOCOL.md §11.4): at least the engine's
 /// record (checked there).
 pub const REPLICA_RECORD_BYTES: u64 = 32;
+/// Bytes an lcore keeps per backup slot while the slot awaits a state
+/// copy (what has come of it, PROTOCOL.md §11.7): charged for every backup
+/// slot, an appliance back or restored awaiting its copies (the engine's
+/// record's size, checked there).
+pub const BACKUP_FILL_BYTES: u64 = 12;
 /// Log buffers an lcore keeps at most for a replicated async or
 /// bounded-delay job's updates on their way to the backups (PROTOCOL.md
 /// §11.10), each of the job's chunk length in `f32`: a push that finds
@@ -358,7 +363,7 @@ impl MemoryModel {
             .iter()
             .map(|b| {
                 data.of(b.range())
-                    + b.count * u64::from(self.slot_bytes)
+                    + b.count * (u64::from(self.slot_bytes) + BACKUP_FILL_BYTES)
                     + b.count.div_ceil(per_block) * u64::from(self.block_overhead_bytes)
             })
             .sum();

@@ -110,6 +110,9 @@ impl<A: Copy> Where<A> {
     }
 }
 
+// What MemoryModel::replica_lcore_bytes charges per backup slot.
+const _: () = assert!(std::mem::size_of::<Fill>() as u64 <= phub_proto::memory::BACKUP_FILL_BYTES);
+
 /// Whether a backup slot holds its chunk's state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Fill {

@@ -32,7 +32,7 @@ use std::net::{Ipv4Addr, SocketAddrV4};
 use phub_proto::api::CopyProgress;
 use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
-use phub_proto::memory::{ResultStore, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
+use phub_proto::memory::{ResultStore, BACKUP_FILL_BYTES, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
 use phub_proto::spec::{Consistency, JobSpec};
 use phub_proto::wire::{DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
@@ -418,7 +418,9 @@ impl<A: Copy> Replica<A> {
                 let data: u64 = p.blocks.iter().map(|b| 4 * b.as_slice().len() as u64).sum();
                 data + p.blocks.len() as u64 * block_overhead
                     + (p.slots.len() * std::mem::size_of::<Slot>()) as u64
-                    + (p.fill.capacity() * std::mem::size_of::<Fill>()) as u64
+                    // Its record of each slot's copy, whether one is
+                    // awaited now or not (admission charges it).
+                    + p.slots.len() as u64 * BACKUP_FILL_BYTES
                     + (p.clocks.len() * std::mem::size_of::<RankClock>()) as u64
             })
             .sum();
