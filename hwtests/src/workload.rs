@@ -231,15 +231,7 @@ pub fn train_rank(
 ) -> (u32, WorkerStats) {
     let w = Worker::join_with(url, job, token, rank, cfg)
         .unwrap_or_else(|e| panic!("rank {rank} joining job {job} at {url}: {e}"));
-    let mut params = initial_params(rank, keys);
-    let hs: Vec<_> = params
-        .iter_mut()
-        .enumerate()
-        .map(|(k, p)| w.init(k as u32, p).unwrap())
-        .collect();
-    for h in hs {
-        w.wait(h).unwrap();
-    }
+    let mut params = init_keys(&w, rank, keys);
     let mut round = 0;
     loop {
         if round > 0 {
@@ -254,6 +246,21 @@ pub fn train_rank(
         }
         round += 1;
     }
+}
+
+/// Round 0 of rank `rank` on `keys`: every key's INIT (rank 0's values
+/// [`initial_params`]), each answered; the values it holds after.
+pub fn init_keys(w: &Worker, rank: u16, keys: &[u64]) -> Vec<Vec<f32>> {
+    let mut params = initial_params(rank, keys);
+    let hs: Vec<_> = params
+        .iter_mut()
+        .enumerate()
+        .map(|(k, p)| w.init(k as u32, p).unwrap())
+        .collect();
+    for h in hs {
+        w.wait(h).unwrap();
+    }
+    params
 }
 
 /// Random, truncated and wrong-token datagrams at every data port of the

@@ -50,7 +50,7 @@
 use std::net::{Ipv4Addr, SocketAddr};
 use std::sync::Arc;
 
-use phub_engine::engine::replica_plan_at;
+use phub_engine::engine::{replica_plan_at, BackupState};
 use phub_engine::kernels::Kernels;
 use phub_engine::Verdict;
 use phub_engine::{InstallKind, JobInstall, Shard};
@@ -1575,12 +1575,20 @@ impl World<'_> {
     /// into since (in the epoch its lcore holds). `None` outside: it keeps
     /// no copy of the chunk.
     fn round_held(&self, b: usize, g: u64, view: &EpochView) -> Option<Option<u32>> {
+        self.state_held(b, g, view).map(|st| st.round)
+    }
+
+    /// What index `b` (as `view` addresses it) holds of chunk `g`: its
+    /// backup slot's state, or that of the primary slot it adopted the
+    /// chunk into since (in the epoch its lcore holds). `None` outside: it
+    /// keeps no copy of the chunk.
+    fn state_held(&self, b: usize, g: u64, view: &EpochView) -> Option<BackupState<'_>> {
         let c = self.rep();
         let per = usize::from(self.case.lcores);
         for pos in self.positions_of(b, view) {
             let lc = &self.lcores[pos];
             if let Some(st) = lc.shard.backup_state(JOB, g) {
-                return Some(st.round);
+                return Some(st);
             }
             let Some(held) = &lc.view else { continue };
             let Some(s) = c.layout.serve(g, held) else {
@@ -1589,7 +1597,7 @@ impl World<'_> {
             if s.appliance == b && s.lcore == pos % per {
                 let slot = u32::try_from(s.slot).ok()?;
                 if let Some(st) = lc.shard.primary_state(JOB, slot) {
-                    return Some(st.round);
+                    return Some(st);
                 }
             }
         }
@@ -1822,25 +1830,7 @@ impl World<'_> {
     /// `view` addresses it): in its backup slot or the primary slot it
     /// adopted the chunk into. `None`: it keeps no copy.
     fn clocks_held(&self, b: usize, g: u64, view: &EpochView) -> Option<(Option<u32>, Vec<u32>)> {
-        let c = self.rep();
-        let per = usize::from(self.case.lcores);
-        for pos in self.positions_of(b, view) {
-            let lc = &self.lcores[pos];
-            if let Some(st) = lc.shard.backup_state(JOB, g) {
-                return Some((st.round, st.clocks));
-            }
-            let Some(held) = &lc.view else { continue };
-            let Some(s) = c.layout.serve(g, held) else {
-                continue;
-            };
-            if s.appliance == b && s.lcore == pos % per {
-                let slot = u32::try_from(s.slot).ok()?;
-                if let Some(st) = lc.shard.primary_state(JOB, slot) {
-                    return Some((st.round, st.clocks));
-                }
-            }
-        }
-        None
+        self.state_held(b, g, view).map(|st| (st.round, st.clocks))
     }
 
     /// A replication message position `l`'s lcore took (`verdict`): an

@@ -195,32 +195,10 @@ fn a_failover_loses_and_repeats_no_update() {
     {
         let sp = clocked(Optimizer::Sum, Dtype::F32, consistency, 3);
         let mut w = World::new(sp, &[1, 2, 1], &["a", "b", "c"], seed as u64, LOSSY);
-        let whole = |w: &World, salt: u32| -> HashMap<(u16, u64), Vec<f32>> {
-            let mut v = round_values(w, 7, salt);
-            for x in v.values_mut().flatten() {
-                *x = (*x * 8.0).round();
-            }
-            v
-        };
         let mut want: HashMap<u64, Vec<f64>> = HashMap::new();
         let clocks = 5;
         for c in 0..=clocks {
-            let v = whole(&w, c);
-            for g in 0..w.total() {
-                let e = want
-                    .entry(g)
-                    .or_insert_with(|| vec![0.0; w.chunk(g).elems as usize]);
-                let ranks: Vec<u16> = if c == 0 {
-                    vec![0]
-                } else {
-                    (0..w.spec.workers as u16).collect()
-                };
-                for r in ranks {
-                    for (a, b) in e.iter_mut().zip(&v[&(r, g)]) {
-                        *a += f64::from(*b);
-                    }
-                }
-            }
+            let v = whole_round(&w, c, &mut want);
             if c == 3 {
                 // Clock 3 applied on the primaries, its updates lost; then
                 // appliance 0 dies and its backup takes over.
@@ -240,23 +218,9 @@ fn a_failover_loses_and_repeats_no_update() {
         }
         let adopted: u64 = stats(&w).iter().map(|s| s.slots_adopted).sum();
         assert!(adopted > 0, "nothing adopted");
-        for g in 0..w.total() {
-            let s = w.layout.serve(g, &w.epoch).unwrap();
-            let p = w.shards[s.appliance][s.lcore]
-                .primary_state(JOB, s.slot as u32)
-                .unwrap();
-            let got: Vec<f64> = bytemuck::cast_slice::<u8, f32>(p.result)
-                .iter()
-                .map(|&x| f64::from(x))
-                .collect();
-            assert_eq!(got, want[&g], "{consistency:?}: chunk {g}");
-            let ranks = w.spec.workers as usize;
-            assert_eq!(
-                p.clocks,
-                vec![clocks; ranks],
-                "chunk {g}: every clock applied once"
-            );
-        }
+        // Every chunk at its initial values plus every push, each clock
+        // of every rank applied once.
+        assert_sums(&w, &want, clocks);
         w.errors.retain(|(_, r, _)| {
             r.error != DropReason::WrongEpoch.code() && r.error != DropReason::Ahead.code()
         });

@@ -553,15 +553,7 @@ pub(crate) fn train_async_ranks<'scope, 'env>(
         .map(|rank| {
             s.spawn(move || {
                 let w = phub_worker::Worker::join(url, job.id, job.token, rank).unwrap();
-                let mut params = phub_hwtests::workload::initial_params(rank, keys);
-                let hs: Vec<_> = params
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(k, p)| w.init(k as u32, p).unwrap())
-                    .collect();
-                for h in hs {
-                    w.wait(h).unwrap();
-                }
+                let mut params = phub_hwtests::workload::init_keys(&w, rank, keys);
                 let mut c = 1;
                 while gates.more(rank, c) {
                     let grads = phub_hwtests::workload::round_grads(rank, keys, c);
