@@ -43,9 +43,10 @@ use phub_proto::failover::EpochView;
 use super::clock::RankClock;
 use super::copy::{Fill, Where};
 use super::error::EngineError;
+use super::hier::Hier;
 use super::replica::{Group, Pushed, Replica};
-use super::slot::{Round, Slot};
-use super::{round_done, Shard};
+use super::slot::{RankSet, Round, Slot};
+use super::{round_done, Job, Shard};
 
 impl<A: Copy + Eq> Shard<A> {
     /// Applies `view` to job `id`'s part on this lcore (PROTOCOL.md
@@ -216,9 +217,13 @@ impl<A: Copy + Eq> Shard<A> {
         let old_view = rep.view.clone();
         self.check_table_epoch(i, view)?;
         let job = &mut self.jobs[i];
+        // Applied from here on, whole. A hierarchical part goes flat first.
+        let flat = job.hier.is_some();
+        if let Some(h) = job.hier.take() {
+            flatten(job, *h);
+        }
         let rep = job.replica.as_deref_mut().expect("checked above");
         debug_assert_eq!(rep.view, old_view);
-        // Applied from here on, whole.
         rep.view = view.clone();
         for (a, addrs) in readdressed {
             rep.addrs[a] = addrs;
@@ -410,6 +415,42 @@ impl<A: Copy + Eq> Shard<A> {
             round_done(&mut self.pending, &self.counters, job, s);
         }
         self.apply_table_epoch(i, &old_view, view);
+        if flat {
+            // Its senders here are now the job's W ranks.
+            self.count_rx_workers();
+        }
         Ok(true)
+    }
+}
+
+/// A replicated hierarchical job's part at its first epoch change
+/// (PROTOCOL.md §11.11): from then on a flat replicated job over the home
+/// layout. Its home slots become the job's slots, with their state, and
+/// run the job's optimizer for its W ranks; a round in progress not all in
+/// drops its racks' partials (each rank resends its push here); one all in
+/// (its aggregate awaiting backups) counts every rank in, so a rank's push
+/// of it is `duplicate` until it completes. The rack slots, their pending
+/// partials and timers go; so do the ranks' addresses (each rank's next
+/// message, routed by the new epoch, gives its own).
+fn flatten<A>(job: &mut Job<A>, h: Hier<A>) {
+    let Hier { home, optimizer, .. } = h;
+    let (slots, blocks) = home.map_or_else(|| (Vec::new(), Vec::new()), |home| (home.slots, home.blocks));
+    job.slots = slots;
+    job.blocks = blocks;
+    job.optimizer = optimizer;
+    job.quorum = job.workers;
+    job.members = RankSet::of(0..job.workers);
+    for e in &mut job.endpoints {
+        *e = None;
+    }
+    let pushed = job.replica.as_deref().map_or(&[][..], |r| &r.pushed[..]);
+    for (k, s) in job.slots.iter_mut().enumerate() {
+        if pushed.get(k).is_some_and(|p| !p.round.is_none()) {
+            s.contributed = RankSet::of(0..job.workers);
+            s.ncontrib = job.workers;
+        } else {
+            s.contributed = RankSet::default();
+            s.ncontrib = 0;
+        }
     }
 }

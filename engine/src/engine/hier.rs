@@ -30,6 +30,7 @@ use phub_proto::spec::{Consistency, Optimizer};
 use phub_proto::wire::{DropReason, MsgType, Repr, APPLIANCE_RANK, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
+use crate::counters::ShardCounters;
 use crate::kernels::Kernels;
 use crate::slotmem::SlotBlock;
 use crate::transmit::{Transmit, MAX_BURST};
@@ -37,6 +38,7 @@ use crate::transmit::{Transmit, MAX_BURST};
 use super::error::EngineError;
 use super::install::JobInstall;
 use super::outbox::{answer, Attempt, Pending, Ranks};
+use super::replica::ReplicaInstall;
 use super::slot::{slot_for, RankSet, ResultKind, Round, Slot};
 use super::{round_done, Job, Shard, Step, Verdict};
 
@@ -64,6 +66,11 @@ pub struct HierInstall {
     pub home_first: u64,
     /// The chunks of this lcore's home slots, in slot order.
     pub home_slots: Vec<SlotChunk>,
+    /// A replicated job's (PROTOCOL.md §11.11): the home slots are the
+    /// primary slots of their chunks over the home layout, and this says
+    /// where their backups are and which backup slots this lcore keeps, in
+    /// an epoch naming nobody; none without replicas.
+    pub replica: Option<ReplicaInstall>,
 }
 
 /// The lcores of one appliance (or of all, for the home layout) and the
@@ -309,6 +316,21 @@ impl<A: Copy + Eq> Shard<A> {
                 c.elems
             )));
         }
+        // A replicated job's home slots are its primary slots (§11.11):
+        // their replication made before anything is installed.
+        let replica = match hier.replica {
+            Some(rep) if rep.view.names_nobody() => {
+                Some(self.replica_for(&job, &hier.home_slots, &hier.optimizer, rep)?)
+            }
+            Some(rep) => {
+                return Err(refuse(format!(
+                    "epoch {} names appliances down, back or moved: a replicated hierarchical job is \
+                     installed hierarchical in an epoch naming nobody only, flat after (PROTOCOL.md §11.11)",
+                    rep.view.epoch
+                )))
+            }
+            None => None,
+        };
         let home = if hier.home_slots.is_empty() {
             None
         } else {
@@ -342,6 +364,9 @@ impl<A: Copy + Eq> Shard<A> {
         let nslots = job.slots.len();
         let workers = job.workers;
         self.install_with(job, None)?;
+        if let Some(r) = &replica {
+            self.reserve_replication(r.groups.first().map_or(0, |g| g.backups.len()));
+        }
         // Cast: racks <= u16::MAX (checked above); the ranks are below W.
         #[allow(clippy::cast_possible_truncation)]
         let (racks, quorum) = (racks as u16, hier.ranks.len() as u16);
@@ -363,6 +388,7 @@ impl<A: Copy + Eq> Shard<A> {
             rtt: Rtt::default(),
             home,
         }));
+        j.replica = replica.map(Box::new);
         // Its senders here are its rack's ranks and, to home slots, the racks.
         self.count_rx_workers();
         Ok(())
@@ -389,7 +415,7 @@ impl<A: Copy + Eq> Shard<A> {
                 Err(r) => Verdict::Dropped(r),
             };
         }
-        match Self::on_partial(&self.kernels, job, from, repr, payload) {
+        match Self::on_partial(&self.kernels, job, from, repr, payload, now) {
             Ok(Step::Open) => {
                 c.pushes_aggregated.inc();
                 Verdict::Aggregated
@@ -397,14 +423,13 @@ impl<A: Copy + Eq> Shard<A> {
             Ok(Step::Closed) => {
                 c.pushes_aggregated.inc();
                 c.rounds_completed.inc();
-                let racks = job.hier.as_ref().map_or(0, |h| h.racks);
-                c.partial_results_sent.add(u64::from(racks));
-                self.pending.extend((0..racks).map(|rack| Pending::PartialResult {
-                    job: job.id,
-                    slot: repr.slot,
-                    rack,
-                }));
-                Verdict::Completed
+                home_done(&mut self.pending, c, job, repr.slot)
+            }
+            Ok(Step::Replicate) => {
+                // Every rack is in: the aggregate goes to the chunk's
+                // backups before the round completes (§11.11).
+                c.pushes_aggregated.inc();
+                Self::queue_replicates(&mut self.pending, c, job, repr.slot)
             }
             Ok(_) => {
                 c.partial_results_resent.inc();
@@ -432,6 +457,7 @@ impl<A: Copy + Eq> Shard<A> {
         from: A,
         repr: &Repr,
         payload: &[u8],
+        now: u64,
     ) -> Result<Step, DropReason> {
         let dtype = job.dtype;
         let h = job.hier.as_deref_mut().ok_or(DropReason::WrongPeer)?;
@@ -468,6 +494,13 @@ impl<A: Copy + Eq> Shard<A> {
         slot.ncontrib += 1;
         if slot.ncontrib < h.racks {
             return Ok(Step::Open);
+        }
+        // A replicated job's home slot: the round completes once every
+        // backup holds it (PROTOCOL.md §11.11, §11.4).
+        if let Some(rep) = job.replica.as_deref_mut() {
+            if rep.begin(repr.slot, repr.round, now) {
+                return Ok(Step::Replicate);
+            }
         }
         slot.complete(dtype, &h.optimizer, h.workers, h.racks, &mut home.blocks);
         Ok(Step::Closed)
@@ -632,6 +665,24 @@ impl<A: Copy + Eq> Shard<A> {
     }
 }
 
+/// Home slot `slot` of `job` completed a round here: its result is queued
+/// for every rack's slot of the chunk (PROTOCOL.md §9.4 rule 2).
+pub(super) fn home_done<A>(
+    pending: &mut Vec<Pending<A>>,
+    c: &ShardCounters,
+    job: &Job<A>,
+    slot: u32,
+) -> Verdict {
+    let racks = job.hier.as_ref().map_or(0, |h| h.racks);
+    c.partial_results_sent.add(u64::from(racks));
+    pending.extend((0..racks).map(|rack| Pending::PartialResult {
+        job: job.id,
+        slot,
+        rack,
+    }));
+    Verdict::Completed
+}
+
 /// Checks a hierarchical job's install against its spec (PROTOCOL.md §9.1)
 /// and makes what each of this appliance's `n` lcores is told, with this
 /// appliance's part of the home layout.
@@ -696,6 +747,39 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
         .ok_or_else(|| "the home layout does not cover this rack".to_string())?;
     let home_runs = &home.lcores;
     let chunks = Chunks::new(spec);
+    // A replicated job's home slots are replicated over the home layout
+    // (PROTOCOL.md §11.11): the racks' appliances in rack order, each its
+    // own rack (a replica set is the next appliances in rack order).
+    let mut replicas = if spec.replicas() > 1 {
+        let appliances = racks
+            .iter()
+            .zip(&h.racks)
+            .map(|(p, r)| {
+                let ip = *p.addrs.first().map_or(&Ipv4Addr::UNSPECIFIED, SocketAddrV4::ip);
+                (
+                    ip,
+                    r.data.base_port,
+                    u16::try_from(p.addrs.len()).unwrap_or(u16::MAX),
+                )
+            })
+            .collect::<Vec<_>>();
+        let labels: Vec<String> = h.racks.iter().map(|r| r.name.clone()).collect();
+        let view = req.replication.as_ref().map(|r| r.view()).unwrap_or_default();
+        let plan =
+            super::replica::replica_plan_at(spec, &h.homes.lcores, &appliances, &labels, h.rack, &view)
+                .map_err(|e| format!("replicas of the home layout: {e}"))?;
+        if plan.len() != n
+            || plan
+                .iter()
+                .zip(home_runs)
+                .any(|((own, _), run)| own.len() as u64 != run.count)
+        {
+            return Err("replicas of the home layout: its primary slots are not the home slots".into());
+        }
+        plan.into_iter().map(|(_, rep)| Some(rep)).collect()
+    } else {
+        vec![None; n]
+    };
     let per_lcore = (0..n)
         .map(|i| HierInstall {
             rack: h.rack,
@@ -709,6 +793,7 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
             },
             home_first: home_runs[i].first,
             home_slots: chunks.iter(home_runs[i].range()).collect(),
+            replica: replicas[i].take(),
         })
         .collect();
     Ok((home, per_lcore))

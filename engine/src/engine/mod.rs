@@ -254,7 +254,28 @@ struct Job<A> {
     replica: Option<Box<Replica<A>>>,
 }
 
+/// A job's primary slots and their blocks (PROTOCOL.md §11): its slots; a
+/// hierarchical job's home slots (§11.11), none on an lcore home to none.
+fn primaries<'a, A>(
+    slots: &'a [Slot],
+    blocks: &'a [Box<dyn SlotBlock>],
+    hier: Option<&'a Hier<A>>,
+) -> (&'a [Slot], &'a [Box<dyn SlotBlock>]) {
+    match hier {
+        Some(h) => h
+            .home
+            .as_ref()
+            .map_or((&[][..], &[][..]), |home| (&home.slots[..], &home.blocks[..])),
+        None => (slots, blocks),
+    }
+}
+
 impl<A> Job<A> {
+    /// [`primaries`] of this job.
+    fn primaries(&self) -> (&[Slot], &[Box<dyn SlotBlock>]) {
+        primaries(&self.slots, &self.blocks, self.hier.as_deref())
+    }
+
     /// Who sends this job's chunks to this lcore, for the receive buffer's
     /// shares: its ranks here ([`Job::quorum`]: W, or a hierarchical job's
     /// rack ranks) if it has slots here, and its racks' appliances if this

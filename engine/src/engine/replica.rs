@@ -34,7 +34,7 @@ use phub_proto::failover::{EpochView, ReplicaLayout};
 use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 use phub_proto::memory::{ResultStore, BACKUP_FILL_BYTES, PEER_LCORE_BYTES, REPLICA_RECORD_BYTES};
 use phub_proto::replica::{self, ReplicaMsgType, ReplicaRepr, MAX_REPLICAS};
-use phub_proto::spec::{Consistency, JobSpec};
+use phub_proto::spec::{Consistency, JobSpec, Optimizer};
 use phub_proto::wire::{DropReason, Header, HEADER_LEN, MAX_PAYLOAD};
 use phub_proto::Dtype;
 
@@ -47,6 +47,7 @@ use super::clock::RankClock;
 use super::clock_replica::{unacked, Updates};
 use super::copy::{Fill, Where};
 use super::error::EngineError;
+use super::hier::home_done;
 use super::hier::Rtt;
 use super::install::JobInstall;
 use super::outbox::{Attempt, Pending, Ranks};
@@ -588,6 +589,37 @@ impl<A: Copy + Eq> Shard<A> {
         job: JobInstall,
         rep: ReplicaInstall,
     ) -> Result<(), EngineError> {
+        let replica = self.replica_for(&job, &job.slots, &job.optimizer, rep)?;
+        let nbackups = replica.groups.first().map_or(0, |g| g.backups.len());
+        self.install_with(job, None)?;
+        self.reserve_replication(nbackups);
+        let j = self.jobs.last_mut().expect("installed just now");
+        j.replica = Some(Box::new(replica));
+        Ok(())
+    }
+
+    /// Room for what a replicated part queues: a completed round queues a
+    /// REPLICATE per backup; a burst of REPLICATEs from as many primaries'
+    /// lcores queues at most one REPLICATE_ACK header and one further
+    /// acknowledgement each.
+    pub(super) fn reserve_replication(&mut self, nbackups: usize) {
+        self.pending.reserve(nbackups * MAX_BURST);
+        self.acks_out
+            .reserve((HEADER_LEN + replica::ACK_ENTRY_LEN) * MAX_BURST);
+    }
+
+    /// Checks a replicated part's install and makes its replication state:
+    /// `own` are the primary slots it serves (a flat job's slots; a
+    /// hierarchical job's home slots, PROTOCOL.md §11.11), whose chunks'
+    /// backups `rep` names, and the backup slots it keeps, allocated here
+    /// with `optimizer`'s state.
+    pub(super) fn replica_for(
+        &self,
+        job: &JobInstall,
+        own: &[SlotChunk],
+        optimizer: &Optimizer,
+        rep: ReplicaInstall,
+    ) -> Result<Replica<A>, EngineError> {
         let id = job.id;
         let refuse = |reason: String| EngineError::Replica { id, reason };
         let Some(resolve) = self.peers.0.clone() else {
@@ -637,8 +669,7 @@ impl<A: Copy + Eq> Shard<A> {
         // Cast: MAX_PAYLOAD is below 9000 (asserted in phub_proto::wire).
         #[allow(clippy::cast_possible_truncation)]
         let max = ((MAX_PAYLOAD / 4) as u32).min(job.chunk_elems);
-        if let Some(c) = job
-            .slots
+        if let Some(c) = own
             .iter()
             .chain(rep.backups.iter().flat_map(|b| &b.slots))
             .find(|c| c.elems == 0 || c.elems > max)
@@ -648,11 +679,11 @@ impl<A: Copy + Eq> Shard<A> {
                 c.elems
             )));
         }
-        if back && !job.slots.is_empty() {
+        if back && !own.is_empty() {
             return Err(refuse(format!(
                 "{} primary slots: an appliance that came back at epoch {} serves nothing until it is \
                  a part's primary (PROTOCOL.md §11.7)",
-                job.slots.len(),
+                own.len(),
                 view.epoch
             )));
         }
@@ -660,7 +691,7 @@ impl<A: Copy + Eq> Shard<A> {
         // Extended slot numbers: the backed-up parts' slots follow this
         // lcore's own, part after part (an appliance back has no own
         // slots: its own part is its first backed-up one).
-        let mut next_base = job.slots.len();
+        let mut next_base = own.len();
         for b in &rep.backups {
             let p = usize::from(b.primary);
             if p >= n || (p == me && !back) || !layout.set(p).contains(&me) {
@@ -676,21 +707,13 @@ impl<A: Copy + Eq> Shard<A> {
                 )));
             };
             let (slots, blocks) = self
-                .alloc_slots(
-                    &b.slots,
-                    job.dtype,
-                    &job.optimizer,
-                    job.chunk_elems,
-                    ResultStore::Slot,
-                )
+                .alloc_slots(&b.slots, job.dtype, optimizer, job.chunk_elems, ResultStore::Slot)
                 .map_err(|reason| EngineError::SlotMemory {
                     id,
                     bytes: b
                         .slots
                         .iter()
-                        .map(|c| {
-                            4 * Slot::block_len(c.elems, job.dtype, &job.optimizer, ResultStore::Slot) as u64
-                        })
+                        .map(|c| 4 * Slot::block_len(c.elems, job.dtype, optimizer, ResultStore::Slot) as u64)
                         .sum(),
                     slots: b.slots.len(),
                     from: self.mem.describe(),
@@ -726,7 +749,7 @@ impl<A: Copy + Eq> Shard<A> {
                 clocks,
             });
         }
-        let nslots = job.slots.len();
+        let nslots = own.len();
         let workers = usize::from(job.workers);
         let update_elems = job.chunk_elems;
         // This appliance's own part, when it serves it.
@@ -759,16 +782,7 @@ impl<A: Copy + Eq> Shard<A> {
                 backups,
             }]
         };
-        let nbackups = groups.first().map_or(0, |g| g.backups.len());
-        self.install_with(job, None)?;
-        // A completed round queues a REPLICATE per backup; a burst of
-        // REPLICATEs from as many primaries' lcores queues at most one
-        // REPLICATE_ACK header and one further acknowledgement each.
-        self.pending.reserve(nbackups * MAX_BURST);
-        self.acks_out
-            .reserve((HEADER_LEN + replica::ACK_ENTRY_LEN) * MAX_BURST);
-        let j = self.jobs.last_mut().expect("installed just now");
-        j.replica = Some(Box::new(Replica {
+        Ok(Replica {
             view,
             me: rep.me,
             layout,
@@ -795,8 +809,7 @@ impl<A: Copy + Eq> Shard<A> {
             buffers: 0,
             update_elems,
             stats: ReplicaStats::default(),
-        }));
-        Ok(())
+        })
     }
 
     /// What job `id`'s replication did on this lcore (None: not replicated
@@ -836,12 +849,13 @@ impl<A: Copy + Eq> Shard<A> {
     /// [`Shard::backup_state`] gives a backup's.
     pub fn primary_state(&self, id: u16, slot: u32) -> Option<BackupState<'_>> {
         let j = self.job(id)?;
-        let s = j.slots.get(slot as usize)?;
+        let (slots, blocks) = j.primaries();
+        let s = slots.get(slot as usize)?;
         let (w, i) = (usize::from(j.workers), slot as usize);
         Some(BackupState {
             round: s.completed.get(),
-            result: s.result_bytes(slot, j.shm.as_ref(), &j.blocks),
-            state: s.mem.all(&j.blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
+            result: s.result_bytes(slot, j.shm.as_ref(), blocks),
+            state: s.mem.all(blocks)[super::slot::PARAMS..=super::slot::S2].to_vec(),
             clocks: j
                 .clocks
                 .get(i * w..(i + 1) * w)
@@ -942,7 +956,7 @@ impl<A: Copy + Eq> Shard<A> {
                 for ((slot, round), head) in std::iter::once(((repr.slot, repr.round), true)).chain(further) {
                     // A further acknowledgement names no key or chunk: the
                     // slot's own stand in for the header's check.
-                    let (key, chunk) = match job.slots.get(slot as usize) {
+                    let (key, chunk) = match job.primaries().0.get(slot as usize) {
                         Some(s) if !head => (s.key, s.chunk),
                         _ => (repr.key, repr.chunk),
                     };
@@ -955,7 +969,8 @@ impl<A: Copy + Eq> Shard<A> {
                     };
                     let clocked = job.replica.as_deref().is_some_and(Replica::clocked)
                         && job
-                            .slots
+                            .primaries()
+                            .0
                             .get(slot as usize)
                             .is_some_and(|s| s.completed.get().is_some());
                     if clocked {
@@ -976,7 +991,13 @@ impl<A: Copy + Eq> Shard<A> {
                         Ok(true) => {
                             self.counters.rounds_completed.inc();
                             self.counters.rounds_replicated.inc();
-                            round_done(&mut self.pending, &self.counters, job, slot)
+                            if job.hier.is_some() {
+                                // A home slot's round: its result to every
+                                // rack (PROTOCOL.md §11.11).
+                                home_done(&mut self.pending, &self.counters, job, slot)
+                            } else {
+                                round_done(&mut self.pending, &self.counters, job, slot)
+                            }
                         }
                         Ok(false) => Verdict::Replicated,
                         Err(r) => Verdict::Dropped(r),
@@ -1072,6 +1093,9 @@ impl<A: Copy + Eq> Shard<A> {
         now: u64,
     ) -> Result<bool, DropReason> {
         let (dtype, workers) = (job.dtype, job.workers);
+        // A hierarchical job's backup slots keep home slots, which run the
+        // job's optimizer (its own slots, rack slots, only add: §11.11).
+        let optimizer = job.hier.as_deref().map_or(job.optimizer, |h| h.optimizer);
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
         if !rep.parts.iter().any(|p| p.home == repr.from) {
             return Err(DropReason::WrongPeer);
@@ -1107,7 +1131,7 @@ impl<A: Copy + Eq> Shard<A> {
         k.copy(Dtype::F32, slot.mem.acc_mut(&mut part.blocks), payload);
         slot.contributed = RankSet::of(0..workers);
         slot.ncontrib = workers;
-        slot.complete(dtype, &job.optimizer, workers, workers, &mut part.blocks);
+        slot.complete(dtype, &optimizer, workers, workers, &mut part.blocks);
         debug_assert!(
             slot.completed.is(repr.round),
             "a backup completes the round it applied"
@@ -1132,7 +1156,8 @@ impl<A: Copy + Eq> Shard<A> {
             .and_then(|g| g.backups.iter().position(|(b, _)| *b == repr.from))
             .ok_or(DropReason::RankOutOfRange)?;
         let slot = job
-            .slots
+            .primaries()
+            .0
             .get(repr.slot as usize)
             .ok_or(DropReason::SlotOutOfRange)?;
         if repr.key != slot.key || repr.chunk != slot.chunk {
@@ -1150,7 +1175,16 @@ impl<A: Copy + Eq> Shard<A> {
         let k = Self::backup_index(job, from, repr)?;
         let rep = job.replica.as_deref_mut().ok_or(DropReason::WrongPeer)?;
         let nb = rep.group_of(repr.slot).map_or(0, |g| g.backups.len());
-        let slot = &mut job.slots[repr.slot as usize];
+        // A hierarchical job's primary slots are its home slots, which run
+        // the job's optimizer with the racks as contributors (§11.11).
+        let (slots, blocks, optimizer, quorum) = match job.hier.as_deref_mut() {
+            Some(h) => {
+                let home = h.home.as_mut().ok_or(DropReason::SlotOutOfRange)?;
+                (&mut home.slots, &mut home.blocks, h.optimizer, h.racks)
+            }
+            None => (&mut job.slots, &mut job.blocks, job.optimizer, job.quorum),
+        };
+        let slot = &mut slots[repr.slot as usize];
         let p = rep
             .pushed
             .get_mut(repr.slot as usize)
@@ -1185,13 +1219,7 @@ impl<A: Copy + Eq> Shard<A> {
         rep.stats.rounds_replicated += 1;
         // Every backup holds the round: it completes here too, with the
         // same operations on the same aggregate.
-        slot.complete(
-            job.dtype,
-            &job.optimizer,
-            job.workers,
-            job.quorum,
-            &mut job.blocks,
-        );
+        slot.complete(job.dtype, &optimizer, job.workers, quorum, blocks);
         Ok(true)
     }
 
@@ -1243,7 +1271,10 @@ impl<A: Copy + Eq> Shard<A> {
                     // again those it has not acknowledged; no aggregate.
                     let log = rep.updates.get(i as usize).filter(|u| !u.log.is_empty());
                     let updates = log.map_or(0, |u| unacked(u, nb, p.copying).count());
-                    let fragments = usize::from(super::copy::fragments(&j.slots[i as usize], rep.clocked));
+                    let fragments = super::primaries(&j.slots, &j.blocks, j.hier.as_deref())
+                        .0
+                        .get(i as usize)
+                        .map_or(0, |s| usize::from(super::copy::fragments(s, rep.clocked)));
                     let pending = if p.round.is_none() || log.is_some() { 0 } else { nb };
                     let replicates = (0..pending)
                         .filter(|&k| (p.acked | p.copying) & (1 << k) == 0)
@@ -1305,7 +1336,8 @@ impl<A: Copy + Eq> Shard<A> {
     ) -> Option<Transmit<'_, Ranks<'_, A>>> {
         let j = self.job(job)?;
         let rep = j.replica.as_deref()?;
-        let s = j.slots.get(slot as usize)?;
+        let (slots, blocks) = j.primaries();
+        let s = slots.get(slot as usize)?;
         let p = rep.pushed.get(slot as usize)?;
         let round = p.round.get()?;
         if (p.acked | p.copying) & (1 << backup) != 0 {
@@ -1314,7 +1346,7 @@ impl<A: Copy + Eq> Shard<A> {
         let g = rep.group_of(slot)?;
         let (to, backup_slot) = g.backup_of(usize::from(backup), slot)?;
         let repr = replicate_repr(j, g, s, (backup_slot, round), attempt);
-        let payload: &[u8] = bytemuck::cast_slice(s.mem.acc(&j.blocks));
+        let payload: &[u8] = bytemuck::cast_slice(s.mem.acc(blocks));
         debug_assert_eq!(
             payload.len(),
             repr.payload_len(),

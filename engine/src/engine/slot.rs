@@ -653,9 +653,10 @@ impl<A: Copy + Eq> Shard<A> {
         debug_assert!(slot.ncontrib < job.quorum, "a contribution beyond the quorum");
         slot.contributed.insert(repr.rank);
         slot.ncontrib += 1;
-        if let (true, Some(rep)) = (last, job.replica.as_deref_mut()) {
+        if let (true, Some(rep), None) = (last, job.replica.as_deref_mut(), &job.hier) {
             // A primary slot: the round completes once every backup holds
-            // its aggregate (PROTOCOL.md §11.4).
+            // its aggregate (PROTOCOL.md §11.4). (A hierarchical job's
+            // primary slots are its home slots, §11.11: not these.)
             if rep.begin(repr.slot, slot.in_progress(), now) {
                 return Ok(Step::Replicate);
             }

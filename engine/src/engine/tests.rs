@@ -520,6 +520,7 @@ fn a_hierarchical_jobs_share_counts_its_rack_ranks_and_the_racks() {
         homes: peers(at(1), &runs),
         home_first: 0,
         home_slots,
+        replica: None,
     };
     s.install(
         rack.clone(),
@@ -583,6 +584,7 @@ fn a_partial_from_other_than_its_racks_address_is_wrong_peer() {
             homes: peers(at(1), &runs),
             home_first: 0,
             home_slots: vec![chunk],
+            replica: None,
         })),
     )
     .unwrap();

@@ -13,6 +13,7 @@ mod clock_replica_rules;
 mod consistency_rules;
 mod engine_rules;
 mod failover_rules;
+mod hier_replica_rules;
 mod protocol_optimizers;
 mod protocol_row_optimizers;
 mod replica_memory;

@@ -14,11 +14,13 @@ pub(crate) use std::collections::HashMap;
 pub(crate) use std::net::{Ipv4Addr, SocketAddrV4};
 pub(crate) use std::sync::Arc;
 
-pub(crate) use phub_engine::engine::{replica_plan, replica_plan_at, ReplicaInstall};
+pub(crate) use phub_engine::engine::{hierarchy_plan, replica_plan, replica_plan_at, ReplicaInstall};
 pub(crate) use phub_engine::kernels::Kernels;
 pub(crate) use phub_engine::{InstallKind, JobInstall, Shard, Verdict};
+pub(crate) use phub_proto::api::{DataAddr, Hierarchy, InstallJob, RackPeer};
 pub(crate) use phub_proto::checkpoint::SlotState;
 pub(crate) use phub_proto::failover::{EpochView, ReplicaLayout};
+pub(crate) use phub_proto::layout::Layout;
 pub(crate) use phub_proto::layout::{ChunkRange, Chunks, SlotChunk};
 pub(crate) use phub_proto::replica::{self, backup_runs, replica_set, ReplicaMsgType};
 pub(crate) use phub_proto::spec::{Appliances, Consistency, JobSpec, Optimizer};
@@ -131,6 +133,10 @@ pub(crate) struct World {
     pub(crate) bursts: bool,
     /// REPLICATE_ACK datagrams sent, and the acknowledgements they carried.
     pub(crate) acks_sent: (u64, u64),
+    /// A hierarchical job's (PROTOCOL.md §11.11): per appliance (rack), its
+    /// rack layout's runs; the workers send to their rack's appliance in
+    /// an epoch naming nobody. None for a flat job.
+    pub(crate) hier: Option<Vec<Vec<ChunkRange>>>,
 }
 
 impl World {
@@ -186,7 +192,111 @@ impl World {
             verdicts: Vec::new(),
             bursts: false,
             acks_sent: (0, 0),
+            hier: None,
         }
+    }
+
+    /// [`World::new`] for a hierarchical `spec` (`hierarchical_over`, one
+    /// rack per appliance, each its own rack label): every appliance
+    /// installed as the dataplane installs a rack's part
+    /// (`hierarchy_plan`), its rack layout by count over its lcores, the
+    /// home layout by count over all (PROTOCOL.md §9.1, §11.11).
+    pub(crate) fn new_hier(spec: JobSpec, lcores: &[usize], seed: u64, faults: Faults) -> World {
+        let labels: Vec<String> = (0..lcores.len()).map(|i| format!("rack{i}")).collect();
+        let names: Vec<&str> = labels.iter().map(String::as_str).collect();
+        // The same job flat first: its home layout, replica sets and world.
+        let mut flat = spec.clone();
+        flat.placement.as_mut().unwrap().hierarchical = false;
+        let mut w = World::new(flat, lcores, &names, seed, faults);
+        w.spec = spec;
+        let total = w.total();
+        let layout = |runs: Vec<ChunkRange>| Layout {
+            chunk_elems: w.spec.chunk_elems(),
+            lcores: runs,
+        };
+        let rack_runs: Vec<Vec<ChunkRange>> = lcores
+            .iter()
+            .map(|&l| {
+                backup_runs(
+                    ChunkRange {
+                        first: 0,
+                        count: total,
+                    },
+                    l,
+                )
+            })
+            .collect();
+        let racks: Vec<RackPeer> = rack_runs
+            .iter()
+            .enumerate()
+            .map(|(i, runs)| RackPeer {
+                name: labels[i].clone(),
+                data: DataAddr {
+                    host: lcore_addr(i, 0).ip().to_string(),
+                    base_port: 9000,
+                },
+                layout: layout(runs.clone()),
+            })
+            .collect();
+        for (i, &l) in lcores.iter().enumerate() {
+            let req = InstallJob {
+                id: JOB,
+                token: TOKEN,
+                spec: w.spec.clone(),
+                layout: layout(rack_runs[i].clone()),
+                hierarchy: Some(Hierarchy {
+                    rack: i as u16,
+                    racks: racks.clone(),
+                    homes: layout(w.runs.clone()),
+                }),
+                replication: None,
+                entries: None,
+            };
+            let (_, per_lcore) = hierarchy_plan(&req, l).unwrap();
+            w.shards[i] = per_lcore
+                .into_iter()
+                .enumerate()
+                .map(|(j, h)| {
+                    assert_eq!(h.replica.is_some(), w.spec.replicas() > 1);
+                    let mut s: Shard<SocketAddrV4> = Shard::new(j as u16, Kernels::best());
+                    s.set_peer_resolver(Arc::new(Some));
+                    let slots = Chunks::new(&w.spec).iter(rack_runs[i][j].range()).collect();
+                    let rack = JobInstall {
+                        optimizer: Optimizer::Sum,
+                        ..job(&w.spec, slots)
+                    };
+                    s.install(rack, InstallKind::Hierarchical(Box::new(h))).unwrap();
+                    s
+                })
+                .collect();
+        }
+        w.hier = Some(rack_runs);
+        w
+    }
+
+    /// Where rank `rank` sends chunk g: its rack's appliance, lcore and
+    /// rack slot while the job is hierarchical (a hierarchical world in an
+    /// epoch naming nobody), else where the workers' epoch serves it.
+    pub(crate) fn route(&self, rank: u16, g: u64) -> (usize, usize, u32) {
+        if let Some(racks) = self.hier.as_ref().filter(|_| self.epoch.names_nobody()) {
+            let r = self
+                .spec
+                .rack_ranks()
+                .unwrap()
+                .iter()
+                .position(|ranks| ranks.contains(&rank))
+                .unwrap();
+            let (j, slot) = replica::place(&racks[r], g).unwrap();
+            return (r, j, slot as u32);
+        }
+        let s = self.layout.serve(g, &self.epoch).unwrap();
+        (s.appliance, s.lcore, s.slot as u32)
+    }
+
+    /// Whether a RESULT of epoch `epoch` left a rack slot (a hierarchical
+    /// job's, before its first epoch change).
+    fn is_rack_result(&self, epoch: u32) -> bool {
+        self.hier.is_some() && epoch == 0
     }
 
     /// Appliance i, declared down before, back in `view` (which names it
@@ -243,14 +353,14 @@ impl World {
     pub(crate) fn pull_all(&mut self) {
         for rank in 0..self.spec.workers as u16 {
             for g in 0..self.total() {
-                let s = self.layout.serve(g, &self.epoch).unwrap();
+                let (i, j, slot) = self.route(rank, g);
                 let c = self.chunk(g);
-                let repr = Repr::request(MsgType::Pull, JOB, TOKEN, rank, 0, s.slot as u32)
+                let repr = Repr::request(MsgType::Pull, JOB, TOKEN, rank, 0, slot)
                     .with_payload(self.spec.dtype, 0)
                     .with_chunk(c.key, c.chunk);
                 let mut d = repr.to_datagram(&[]);
                 wire::Header::new_unchecked(&mut d[..]).set_epoch(self.epoch.epoch);
-                let to = self.at(s.appliance, s.lcore);
+                let to = self.at(i, j);
                 self.send(worker_addr(rank), to, d);
             }
         }
@@ -348,9 +458,21 @@ impl World {
             }
             if !replica::is_replica_message(&d) {
                 let (repr, _) = wire::parse(&d).unwrap();
-                if repr.kind == MsgType::Result {
+                let epoch = wire::Header::new_unchecked(&d[..]).epoch();
+                if repr.kind == MsgType::Result && !self.is_rack_result(epoch) {
                     let rank = u16::from(to.ip().octets()[3]) - 1;
                     self.check_backups_hold(i, j, repr.slot, repr.round, rank);
+                }
+                if repr.kind == MsgType::PartialResult {
+                    // A home slot's result to a rack (PROTOCOL.md §11.11;
+                    // its slot is the rack's).
+                    let g = (0..self.total())
+                        .find(|&g| {
+                            let c = self.chunk(g);
+                            (c.key, c.chunk) == (repr.key, repr.chunk)
+                        })
+                        .unwrap();
+                    self.check_chunk_held(i, g, repr.round, 0);
                 }
             }
             self.send(from, to, d);
@@ -381,8 +503,13 @@ impl World {
     /// In an async or bounded-delay job (§11.10) `round` is rank `rank`'s
     /// clock, which every such backup must have applied.
     fn check_backups_hold(&mut self, i: usize, j: usize, slot: u32, round: u32, rank: u16) {
-        self.results += 1;
         let g = self.served_chunk(i, j, slot);
+        self.check_chunk_held(i, g, round, rank);
+    }
+
+    /// [`World::check_backups_hold`] of chunk g.
+    fn check_chunk_held(&mut self, i: usize, g: u64, round: u32, rank: u16) {
+        self.results += 1;
         let home = self.layout.home(g).unwrap();
         let set = self.layout.set_in(home, &self.epoch);
         let Some(after) = set.iter().position(|&a| a == i) else {
@@ -486,10 +613,16 @@ impl World {
             .and_then(|s| s.copies.as_ref().map(|c| c.epoch));
         assert_eq!(
             Some(wire::Header::new_checked(d).unwrap().epoch()),
-            installed,
+            // (A job without replicas, a hierarchical world's reference:
+            // epoch 0.)
+            installed.or(self.hier.as_ref().map(|_| 0)),
             "a RESULT from appliance {i} lcore {j}"
         );
-        let g = self.served_chunk(i, j, repr.slot);
+        let epoch = wire::Header::new_checked(d).unwrap().epoch();
+        let g = match &self.hier {
+            Some(racks) if self.is_rack_result(epoch) => racks[i][j].first + u64::from(repr.slot),
+            _ => self.served_chunk(i, j, repr.slot),
+        };
         let c = self.chunk(g);
         assert_eq!((repr.key, repr.chunk), (c.key, c.chunk));
         let clocked = self.clocked();
@@ -620,8 +753,7 @@ pub(crate) fn send_round(
 ) {
     {
         for &(rank, g) in chunks {
-            let s = w.layout.serve(g, &w.epoch).unwrap();
-            let (i, j, slot) = (s.appliance, s.lcore, s.slot as u32);
+            let (i, j, slot) = w.route(rank, g);
             let c = w.chunk(g);
             let kind = if round == 0 { MsgType::Init } else { MsgType::Push };
             let v: &[f32] = if round == 0 && rank != 0 {
