@@ -352,8 +352,19 @@ pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierP
     };
     let mut racks = Vec::with_capacity(targets.len());
     let mut parts = Vec::with_capacity(targets.len());
-    for (t, part) in targets.iter().zip(home.split(&counts)) {
+    let split = home.split(&counts);
+    // Replicated: each home keeps backup slots of other homes' parts
+    // (PROTOCOL.md §11.11); one rack per appliance, so any distinct labels
+    // give the replica sets.
+    let all: Vec<&Layout> = split.iter().collect();
+    let labels: Vec<&str> = targets.iter().map(|t| t.name).collect();
+    for (i, (t, part)) in targets.iter().zip(split.iter().cloned()).enumerate() {
         let info = t.info;
+        let backups = if spec.replicas() > 1 {
+            info.memory_model.replica_cost(spec, &all, &labels, i)
+        } else {
+            Vec::new()
+        };
         let homes = cost(spec, &part, info).lcores;
         let load: Vec<u64> = t
             .load
@@ -369,7 +380,10 @@ pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierP
             &choose_lcores(info),
             info.memory_model.chunk_cost(&relay, ResultStore::Slot),
         );
-        let cost = info.memory_model.hierarchical_cost(spec, &rack, &part, peers);
+        let mut cost = info.memory_model.hierarchical_cost(spec, &rack, &part, peers);
+        for (c, b) in cost.lcores.iter_mut().zip(&backups) {
+            *c += b;
+        }
         let need = cost.total();
         let free = info.memory_budget_bytes.saturating_sub(info.memory_used_bytes);
         if need > free {

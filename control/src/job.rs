@@ -12,6 +12,7 @@
 use phub_proto::api::{
     DataAddr, DataplaneInfo, Entries, Hierarchy, InstallJob, RackPeer, ReplicaPeer, Replication,
 };
+use phub_proto::failover::EpochView;
 use phub_proto::layout::Layout;
 use phub_proto::memory::{MemoryModel, ResultStore};
 
@@ -29,6 +30,17 @@ pub(crate) struct Rack<'a> {
 }
 
 impl StoredJob {
+    /// Takes `view` as its epoch. A replicated hierarchical job is
+    /// hierarchical at epoch 0 only: from its first epoch change on it is
+    /// a flat replicated job over its home layout, as its appliances make
+    /// it when they take that epoch (PROTOCOL.md §11.11).
+    pub(crate) fn set_epoch(&mut self, view: EpochView) {
+        if view.epoch > 0 {
+            self.shape = JobShape::Flat;
+        }
+        self.epoch = view;
+    }
+
     /// Its parts: each appliance's name and its part of the layout, in
     /// layout order. O(lcores).
     pub(crate) fn part_layouts(&self) -> Vec<(&str, Layout)> {
@@ -96,10 +108,10 @@ impl StoredJob {
     /// rack layout and the hierarchy, with each appliance's data address
     /// as `data` gives it (None if it has none).
     ///
-    /// A replicated flat job's install also carries every appliance's
-    /// data address, rack label (as `rack` gives it) and part, and this
-    /// one's index among them (PROTOCOL.md §11), at epoch 0, or at the
-    /// job's epoch for an appliance that came back at it (§11.7).
+    /// A replicated job's install also carries every appliance's data
+    /// address, rack label (as `rack` gives it) and part (a hierarchical
+    /// job's: its part of the home layout), and this one's index among
+    /// them ([`StoredJob::replication_for`]).
     pub(crate) fn install_for(
         &self,
         name: &str,
@@ -109,40 +121,7 @@ impl StoredJob {
         let racks = match &self.shape {
             JobShape::Flat => {
                 let replication = if self.spec.replicas() > 1 {
-                    let appliances = self
-                        .part_layouts()
-                        .into_iter()
-                        .map(|(n, layout)| {
-                            Some(ReplicaPeer {
-                                name: n.to_string(),
-                                data: data(n)?,
-                                rack: rack(n),
-                                layout,
-                            })
-                        })
-                        .collect::<Option<Vec<_>>>()?;
-                    let me = self.part_index(name)?;
-                    // An appliance that came back at the job's epoch is
-                    // installed at that epoch, joined (PROTOCOL.md §11.7);
-                    // every other install is at epoch 0.
-                    let back = self.is_returning(me);
-                    Some(Replication {
-                        epoch: if back { self.epoch.epoch } else { 0 },
-                        appliance: u16::try_from(me).ok()?,
-                        appliances,
-                        down: if back { self.epoch.down.clone() } else { Vec::new() },
-                        joined: if back {
-                            self.epoch.joined.clone()
-                        } else {
-                            Vec::new()
-                        },
-                        moved: if back {
-                            self.epoch.moved.clone()
-                        } else {
-                            Vec::new()
-                        },
-                        restored: if back { self.epoch.restored } else { 0 },
-                    })
+                    Some(self.replication_for(name, &data, &rack)?)
                 } else {
                     None
                 };
@@ -158,6 +137,7 @@ impl StoredJob {
             }
             JobShape::Hierarchical { racks } => racks,
         };
+        let rack_label = rack;
         let rack = self.part_index(name)?;
         let peers = self
             .parts
@@ -181,8 +161,60 @@ impl StoredJob {
                 racks: peers,
                 homes: self.layout.clone(),
             }),
-            replication: None,
+            // Replicated: its home slots, over the home layout, at epoch 0
+            // (its shape is flat from its first epoch change on, §11.11).
+            replication: match self.spec.replicas() > 1 {
+                true => Some(self.replication_for(name, &data, &rack_label)?),
+                false => None,
+            },
             entries: None,
+        })
+    }
+
+    /// A replicated job's install's `replication` for appliance `name`:
+    /// every appliance's data address (as `data` gives it), rack label (as
+    /// `rack` does) and part of the layout, and this one's index among
+    /// them (PROTOCOL.md §11), at epoch 0, or at the job's epoch for an
+    /// appliance that came back at it (§11.7).
+    fn replication_for(
+        &self,
+        name: &str,
+        data: &impl Fn(&str) -> Option<DataAddr>,
+        rack: &impl Fn(&str) -> String,
+    ) -> Option<Replication> {
+        let appliances = self
+            .part_layouts()
+            .into_iter()
+            .map(|(n, layout)| {
+                Some(ReplicaPeer {
+                    name: n.to_string(),
+                    data: data(n)?,
+                    rack: rack(n),
+                    layout,
+                })
+            })
+            .collect::<Option<Vec<_>>>()?;
+        let me = self.part_index(name)?;
+        // An appliance that came back at the job's epoch is installed at
+        // that epoch, joined (PROTOCOL.md §11.7); every other install is
+        // at epoch 0.
+        let back = self.is_returning(me);
+        Some(Replication {
+            epoch: if back { self.epoch.epoch } else { 0 },
+            appliance: u16::try_from(me).ok()?,
+            appliances,
+            down: if back { self.epoch.down.clone() } else { Vec::new() },
+            joined: if back {
+                self.epoch.joined.clone()
+            } else {
+                Vec::new()
+            },
+            moved: if back {
+                self.epoch.moved.clone()
+            } else {
+                Vec::new()
+            },
+            restored: if back { self.epoch.restored } else { 0 },
         })
     }
 
@@ -217,11 +249,6 @@ impl StoredJob {
     ) -> u64 {
         let default = MemoryModel::default();
         let model = info.map_or(&default, |i| &i.memory_model);
-        if let Some(rack) = self.rack_layout_on(name) {
-            return model
-                .hierarchical_cost(&self.spec, rack, part, self.layout.lcores.len())
-                .total();
-        }
         let backups: u64 = match (self.spec.replicas() > 1, self.part_index(name)) {
             (true, Some(me)) => {
                 let layouts = self.part_layouts();
@@ -231,6 +258,14 @@ impl StoredJob {
             }
             _ => 0,
         };
+        // A hierarchical job's home part is its part of the layout, and
+        // its backups are of the other homes' parts (§11.11).
+        if let Some(rack) = self.rack_layout_on(name) {
+            return backups
+                + model
+                    .hierarchical_cost(&self.spec, rack, part, self.layout.lcores.len())
+                    .total();
+        }
         // A table's rows are spread over the job's lcores on every
         // appliance: each part is charged its lcores' share.
         let job_lcores = self.layout.lcores.len();

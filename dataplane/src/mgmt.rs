@@ -335,6 +335,13 @@ impl Manager {
             r.joined.clear();
             r.moved.clear();
             r.restored = 0;
+            // A hierarchical job's: its home part, as a flat job's (it
+            // restores at an epoch above 0, when it is flat: §11.11).
+            if job.hierarchy.take().is_some() {
+                if let Some(home) = r.appliances.get(usize::from(r.appliance)) {
+                    job.layout = home.layout.clone();
+                }
+            }
         }
         let workers = u16::try_from(job.spec.workers).unwrap_or(u16::MAX);
         let (dtype, consistency) = (job.spec.dtype, job.spec.consistency);
@@ -466,6 +473,9 @@ impl Manager {
             Placement::part(&req.spec, req.layout.clone()).map_err(|e| err(400, format!("job {id}: {e}")))?;
         let hier = match (&req.hierarchy, req.spec.hierarchical()) {
             (None, false) => None,
+            // A replicated hierarchical job after its first epoch change
+            // (or restored): flat over its home layout (PROTOCOL.md §11.11).
+            (None, true) if req.replication.is_some() => None,
             (Some(_), true) => Some(hierarchy_plan(&req, n).map_err(|e| err(400, format!("job {id}: {e}")))?),
             (h, _) => {
                 return Err(err(
@@ -482,8 +492,15 @@ impl Manager {
         let replicated = match (&req.replication, req.spec.replicas()) {
             (None, 1) => None,
             (Some(r), n) if n > 1 => Some((
-                crate::replication::plan(&req, self.lcores.len())
-                    .map_err(|e| err(400, format!("job {id}: {e}")))?,
+                if hier.is_some() {
+                    // A hierarchical job's home slots are its primary
+                    // slots: its hierarchy plan carries their replicas
+                    // (PROTOCOL.md §11.11).
+                    Vec::new()
+                } else {
+                    crate::replication::plan(&req, self.lcores.len())
+                        .map_err(|e| err(400, format!("job {id}: {e}")))?
+                },
                 crate::replication::lcore_bytes(&self.info.memory_model, &req, r),
             )),
             (r, n) => {

@@ -715,6 +715,23 @@ pub struct JoinReplication {
     pub racks: Vec<String>,
     /// The epoch at the time of the join.
     pub epoch: crate::failover::EpochView,
+    /// A hierarchical job's (PROTOCOL.md §11.11): at epoch 0 the worker
+    /// sends every chunk to its rack's appliance, where that appliance's
+    /// rack layout places it; from the job's first epoch change on, where
+    /// [`crate::failover::ReplicaLayout::serve`] puts it, as a flat
+    /// replicated job's worker does. Absent for a flat job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rack: Option<JoinRack>,
+}
+
+/// A hierarchical replicated job's worker's rack (PROTOCOL.md §11.11).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct JoinRack {
+    /// Its appliance's index in the join answer's `appliances`.
+    pub appliance: u16,
+    /// That appliance's rack layout: the whole job over its lcores.
+    pub layout: Layout,
 }
 
 /// One appliance of a job, as a worker sees it at join.

@@ -873,13 +873,6 @@ impl JobSpec {
         if r == 1 {
             return Ok(());
         }
-        let unspecified = |what: String| {
-            Err(bad(
-                "placement.replicas",
-                r,
-                format!("1 for {what}: replication of it is not specified (PROTOCOL.md §11)"),
-            ))
-        };
         if self.consistency != Consistency::Sync {
             // PROTOCOL.md §11.10: each update replicated.
             if let Some(t) = self.tables().next() {
@@ -895,9 +888,9 @@ impl JobSpec {
                 ));
             }
         }
-        if p.hierarchical {
-            return unspecified("a hierarchical job".into());
-        }
+        // A hierarchical job's home slots are replicated over its home
+        // layout, and it goes flat at its first epoch change (PROTOCOL.md
+        // §11.11); it is BSP without tables (checked as hierarchical).
         if self.tables().next().is_some() {
             if let Some(t) = self
                 .tables()
@@ -1435,15 +1428,13 @@ elements = 1
                 "`placement.replicas` = 3",
                 "appliance count (2",
             ),
-            (
-                "appliances = 2\nreplicas = 2\nhierarchical = true",
-                "`placement.replicas` = 2",
-                "hierarchical",
-            ),
         ] {
             let e = with(p).unwrap_err().to_string();
             assert!(e.contains(field) && e.contains(says), "{p}: {e}");
         }
+        // Hierarchical: its home slots replicated (PROTOCOL.md §11.11).
+        let hier = with("appliances = 3\nreplicas = 2\nhierarchical = true").unwrap();
+        assert_eq!((hier.replicas(), hier.hierarchical()), (2, true));
         // Async and bounded delay: replicated (PROTOCOL.md §11.10).
         for c in [Consistency::Async, Consistency::Bounded { delay: 2 }] {
             let three = JobSpec::new("a", 2, &[10])

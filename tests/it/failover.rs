@@ -21,7 +21,18 @@ use phub::proto::routes::control;
 
 #[test]
 fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
-    kill_b_mid_training(2);
+    kill_b_mid_training(2, false);
+}
+
+/// A hierarchical job with two replicas (PROTOCOL.md §11.11): a, b and c
+/// each lead a rack of one rank and are home to a third of the chunks; b
+/// (rack 1's appliance, rank 1's, and home of its part) is killed. Its
+/// home part is adopted by c, the job goes flat over the home layout at
+/// epoch 1, rank 1 finds b silent and asks control, and every round of
+/// every rank stays exact.
+#[test]
+fn a_hierarchical_job_s_rack_appliance_killed_fails_over_flat_and_every_round_stays_exact() {
+    kill_b_mid_training(2, true);
 }
 
 /// Three replicas over the three appliances: c backs up a's part and b's
@@ -32,24 +43,26 @@ fn a_primary_killed_mid_training_fails_over_and_every_round_stays_exact() {
 /// hung; found by the simulator.
 #[test]
 fn with_three_replicas_a_part_adopted_past_one_still_backed_up_fails_over_exactly() {
-    kill_b_mid_training(3);
+    kill_b_mid_training(3, false);
 }
 
 /// Appliance b killed between two rounds of a job of `replicas` copies
-/// over a, b and c (module head).
-fn kill_b_mid_training(replicas: u32) {
+/// over a, b and c (module head), flat with two ranks or hierarchical with
+/// one rank per rack.
+fn kill_b_mid_training(replicas: u32, hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
-    let job = rack
-        .admit(&replicated_spec(
-            "failover",
-            workers,
-            &keys,
-            &["a", "b", "c"],
-            replicas,
-        ))
-        .unwrap();
+    let (workers, spec) = if hierarchical {
+        let spec = phub::proto::spec::JobSpec::new("failover", 3, &keys)
+            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
+            .with_replicas(replicas)
+            .to_toml();
+        (3u16, spec)
+    } else {
+        let spec = replicated_spec("failover", 2, &keys, &["a", "b", "c"], replicas);
+        (2u16, spec)
+    };
+    let job = rack.admit(&spec).unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let (rounds, kill_after) = (10u32, 4u32);
     let url = rack.control_url.clone();
@@ -79,6 +92,13 @@ fn kill_b_mid_training(replicas: u32) {
             std::thread::sleep(Duration::from_millis(1));
         }
         let before = at_full_strength(&url, Some(&rack.operator_token()), job.id);
+        if hierarchical {
+            // Hierarchical so far: a's rack slots sent partial sums.
+            let stats: phub::proto::api::DataplaneStats =
+                rack.dataplane(0, &phub::proto::routes::mgmt::stats());
+            let partials: u64 = stats.lcores.iter().map(|l| l.partials_sent).sum();
+            assert!(partials > 0, "{stats:?}");
+        }
         rack.kill_dataplane(1);
         let at = Instant::now();
         killed.store(true, Ordering::SeqCst);

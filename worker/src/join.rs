@@ -350,7 +350,7 @@ fn routing_for(
     let key_first = (0..join.spec.keys.len())
         .map(|k| u32::try_from(k).map_or(0, |k| placement.chunks().of_key(k).start))
         .collect();
-    Routing::new(
+    let routing = Routing::new(
         join.layout.lcores.clone(),
         &per_appliance,
         rep.racks.clone(),
@@ -359,8 +359,15 @@ fn routing_for(
         lcores.to_vec(),
         key_first,
     )
-    .map(Some)
-    .map_err(bad)
+    .map_err(bad)?;
+    // A hierarchical job: to its rack's appliance at epoch 0 (§11.11).
+    match &rep.rack {
+        Some(r) => routing
+            .with_rack(usize::from(r.appliance), r.layout.lcores.clone())
+            .map(Some)
+            .map_err(bad),
+        None => Ok(Some(routing)),
+    }
 }
 
 /// A worker's UDP socket, bound and set up.

@@ -126,6 +126,7 @@ fn two_appliances(p0: u16, p1: u16) -> JoinResponse {
             replicas: 2,
             racks: vec![String::new(); 2],
             epoch: EpochView::default(),
+            rack: None,
         }),
     }
 }

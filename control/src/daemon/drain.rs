@@ -239,7 +239,7 @@ impl Shared {
             };
             let recorded = self.commit(&mut inner, Entry::Job(m.id), |inner| {
                 let job = inner.jobs.get_mut(&m.id).expect("looked up under the same lock");
-                job.epoch = m.view.clone();
+                job.set_epoch(m.view.clone());
                 job.parts[m.index].appliance.clone_from(&m.to);
                 job.rereplication = Some(record);
             });

@@ -60,10 +60,11 @@ pub(super) enum Decision {
 }
 
 impl StoredJob {
-    /// Whether it is replicated (flat, `replicas` ≥ 2): the jobs that
+    /// Whether it is replicated (`replicas` ≥ 2; flat, or hierarchical
+    /// until its first epoch change, PROTOCOL.md §11.11): the jobs that
     /// have epochs beyond 0 and fail over.
     pub(super) fn is_replicated(&self) -> bool {
-        self.shape.is_flat() && self.spec.replicas() > 1
+        self.spec.replicas() > 1
     }
 
     /// Its layout as failover sees it, each appliance's rack label as
@@ -342,7 +343,7 @@ impl Shared {
                 };
                 let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
                     let job = inner.jobs.get_mut(&id).expect("looked up under the same lock");
-                    job.epoch = view.clone();
+                    job.set_epoch(view.clone());
                     job.failed.clone_from(&failed);
                     job.stalled.clone_from(&stalled);
                 });
@@ -435,7 +436,7 @@ impl Shared {
                 };
                 let recorded = self.commit(&mut inner, Entry::Job(id), |inner| {
                     let job = inner.jobs.get_mut(&id).expect("looked up under the same lock");
-                    job.epoch = view.clone();
+                    job.set_epoch(view.clone());
                     job.rereplication = Some(record);
                 });
                 let job = &inner.jobs[&id];

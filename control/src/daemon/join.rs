@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use phub_proto::api::{ApplianceAddr, JoinReplication, JoinRequest, JoinResponse};
+use phub_proto::api::{ApplianceAddr, JoinRack, JoinReplication, JoinRequest, JoinResponse};
 
 use super::http::{not_admitted, RequestError};
 use super::registry::{Entry, Inner, Shared};
@@ -53,6 +53,7 @@ fn replication_of(inner: &Inner, job: &StoredJob) -> Option<JoinReplication> {
         replicas: u8::try_from(job.spec.replicas()).ok()?,
         racks: job.parts.iter().map(|p| inner.rack_of(&p.appliance)).collect(),
         epoch: job.epoch.clone(),
+        rack: None,
     })
 }
 
@@ -148,6 +149,25 @@ impl Shared {
             })
             .collect::<Result<Vec<_>, RequestError>>()?;
         let answer = match job.rack_of_rank(req.rank) {
+            // A replicated hierarchical job's worker gets the flat form and
+            // its rack: it sends to its rack's appliance at epoch 0, as a
+            // flat job's worker from the job's first epoch change on
+            // (PROTOCOL.md §11.11).
+            Some(rack) if job.is_replicated() => JoinResponse {
+                job: id,
+                rank: req.rank,
+                spec: job.spec.clone(),
+                layout: job.layout.clone(),
+                dataplane: datas[&job.parts[0].appliance].0.clone(),
+                appliances,
+                replication: replication_of(&inner, job).map(|r| JoinReplication {
+                    rack: Some(JoinRack {
+                        appliance: u16::try_from(rack.index).unwrap_or(u16::MAX),
+                        layout: rack.layout.clone(),
+                    }),
+                    ..r
+                }),
+            },
             // A hierarchical job's worker talks to its rack's appliance
             // alone, in the single-appliance form (PROTOCOL.md §9.1).
             Some(rack) => JoinResponse {

@@ -454,7 +454,7 @@ impl Shared {
                     if !again {
                         let bumped = self.commit(&mut inner, Entry::Job(id), |inner| {
                             if let Some(j) = inner.jobs.get_mut(&id) {
-                                j.epoch = j.epoch.back_to_checkpoints();
+                                j.set_epoch(j.epoch.back_to_checkpoints());
                                 j.stalled = None;
                             }
                         });

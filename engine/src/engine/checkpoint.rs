@@ -125,11 +125,14 @@ impl<A: Copy + Eq> Shard<A> {
         };
         if let Some(g) = rep.groups.iter().find(|g| g.home == rep.me) {
             let own = g.base as usize..(g.base + g.count) as usize;
-            let slots = j.slots.get(own).unwrap_or_default();
+            // A hierarchical job's primary slots are its home slots: its
+            // checkpoint is theirs, as a flat part's (PROTOCOL.md §11.11).
+            let (primaries, blocks) = j.primaries();
+            let slots = primaries.get(own).unwrap_or_default();
             return Some(Ok(slots
                 .iter()
                 .zip(g.base..)
-                .map(|(s, i)| s.save(i, j.shm.as_ref(), &j.blocks, clocks_of(&j.clocks, i as usize)))
+                .map(|(s, i)| s.save(i, j.shm.as_ref(), blocks, clocks_of(&j.clocks, i as usize)))
                 .collect()));
         }
         let Some(p) = rep.parts.iter().find(|p| p.home == rep.me) else {

@@ -69,7 +69,7 @@ pub struct HierInstall {
     /// A replicated job's (PROTOCOL.md §11.11): the home slots are the
     /// primary slots of their chunks over the home layout, and this says
     /// where their backups are and which backup slots this lcore keeps, in
-    /// an epoch naming nobody; none without replicas.
+    /// epoch 0; none without replicas.
     pub replica: Option<ReplicaInstall>,
 }
 
@@ -319,13 +319,13 @@ impl<A: Copy + Eq> Shard<A> {
         // A replicated job's home slots are its primary slots (§11.11):
         // their replication made before anything is installed.
         let replica = match hier.replica {
-            Some(rep) if rep.view.names_nobody() => {
+            Some(rep) if rep.view.epoch == 0 && rep.view.names_nobody() => {
                 Some(self.replica_for(&job, &hier.home_slots, &hier.optimizer, rep)?)
             }
             Some(rep) => {
                 return Err(refuse(format!(
-                    "epoch {} names appliances down, back or moved: a replicated hierarchical job is \
-                     installed hierarchical in an epoch naming nobody only, flat after (PROTOCOL.md §11.11)",
+                    "epoch {}: a replicated hierarchical job is hierarchical at epoch 0 only, and flat \
+                     over its home layout from its first epoch change on (PROTOCOL.md §11.11)",
                     rep.view.epoch
                 )))
             }
@@ -763,7 +763,14 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
                 )
             })
             .collect::<Vec<_>>();
-        let labels: Vec<String> = h.racks.iter().map(|r| r.name.clone()).collect();
+        // The install's rack labels where it has them (any distinct ones
+        // give the same sets: one rack per appliance).
+        let labels: Vec<String> = match &req.replication {
+            Some(r) if r.appliances.len() == h.racks.len() => {
+                r.appliances.iter().map(|a| a.rack.clone()).collect()
+            }
+            _ => h.racks.iter().map(|r| r.name.clone()).collect(),
+        };
         let view = req.replication.as_ref().map(|r| r.view()).unwrap_or_default();
         let plan =
             super::replica::replica_plan_at(spec, &h.homes.lcores, &appliances, &labels, h.rack, &view)

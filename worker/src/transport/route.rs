@@ -48,6 +48,10 @@ pub(crate) struct Routing {
     lcores: Vec<SocketAddr>,
     /// Per key, the sequence number of its chunk 0.
     key_first: Vec<u64>,
+    /// A hierarchical job's (PROTOCOL.md §11.11): this worker's rack's
+    /// appliance and its rack layout's runs, where every chunk goes at
+    /// epoch 0.
+    rack: Option<(usize, Vec<ChunkRange>)>,
 }
 
 impl Routing {
@@ -104,7 +108,36 @@ impl Routing {
             base,
             lcores,
             key_first,
+            rack: None,
         })
+    }
+
+    /// A hierarchical job's routing (PROTOCOL.md §11.11): at epoch 0 every
+    /// chunk goes to appliance `appliance` (this worker's rack's), to the
+    /// lcore and slot its rack layout `runs` give it; from the first
+    /// epoch change on, as a flat job's. Says what disagrees.
+    pub(crate) fn with_rack(mut self, appliance: usize, runs: Vec<ChunkRange>) -> Result<Routing, String> {
+        let Some(&first) = self.base.get(appliance) else {
+            return Err(format!(
+                "rack appliance {appliance} of {} appliances",
+                self.base.len()
+            ));
+        };
+        let end = self.base.get(appliance + 1).copied().unwrap_or(self.lcores.len());
+        if runs.len() != end - first {
+            return Err(format!(
+                "a rack layout of {} lcores for appliance {appliance}, which has {}",
+                runs.len(),
+                end - first
+            ));
+        }
+        self.rack = Some((appliance, runs));
+        Ok(self)
+    }
+
+    /// The rack routing, while it holds (epoch 0).
+    fn rack(&self) -> Option<&(usize, Vec<ChunkRange>)> {
+        self.rack.as_ref().filter(|_| self.epoch.epoch == 0)
     }
 
     /// The epoch held.
@@ -146,6 +179,15 @@ impl Routing {
     /// chunk is not the job's.
     pub(crate) fn place(&self, key: u32, chunk: u32) -> Option<Route> {
         let first = *self.key_first.get(usize::try_from(key).ok()?)?;
+        if let Some((a, runs)) = self.rack() {
+            let (l, slot) = phub_proto::replica::place(runs, first + u64::from(chunk))?;
+            let global = self.base.get(*a)? + l;
+            return Some(Route {
+                to: *self.lcores.get(global)?,
+                lcore: u16::try_from(global).ok()?,
+                slot: u32::try_from(slot).ok()?,
+            });
+        }
         let s = self.layout.serve(first + u64::from(chunk), &self.epoch)?;
         let global = self.base.get(s.appliance)? + s.lcore;
         Some(Route {
@@ -183,6 +225,10 @@ impl Routing {
     /// Whether `slot` on the layout's lcore `lcore` is past that lcore's
     /// own slots: a backup slot, served once its part is adopted.
     pub(crate) fn adopted_slot(&self, lcore: u16, slot: u32) -> bool {
+        if self.rack().is_some() {
+            // Rack slots: no part is adopted while the job is hierarchical.
+            return false;
+        }
         let l = usize::from(lcore);
         let Some(a) = self.base.iter().rposition(|&b| b <= l) else {
             return false;

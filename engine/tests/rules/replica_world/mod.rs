@@ -134,8 +134,8 @@ pub(crate) struct World {
     /// REPLICATE_ACK datagrams sent, and the acknowledgements they carried.
     pub(crate) acks_sent: (u64, u64),
     /// A hierarchical job's (PROTOCOL.md §11.11): per appliance (rack), its
-    /// rack layout's runs; the workers send to their rack's appliance in
-    /// an epoch naming nobody. None for a flat job.
+    /// rack layout's runs; the workers send to their rack's appliance at
+    /// epoch 0. None for a flat job.
     pub(crate) hier: Option<Vec<Vec<ChunkRange>>>,
 }
 
@@ -275,10 +275,10 @@ impl World {
     }
 
     /// Where rank `rank` sends chunk g: its rack's appliance, lcore and
-    /// rack slot while the job is hierarchical (a hierarchical world in an
-    /// epoch naming nobody), else where the workers' epoch serves it.
+    /// rack slot while the job is hierarchical (a hierarchical world at
+    /// epoch 0), else where the workers' epoch serves it.
     pub(crate) fn route(&self, rank: u16, g: u64) -> (usize, usize, u32) {
-        if let Some(racks) = self.hier.as_ref().filter(|_| self.epoch.names_nobody()) {
+        if let Some(racks) = self.hier.as_ref().filter(|_| self.epoch.epoch == 0) {
             let r = self
                 .spec
                 .rack_ranks()
