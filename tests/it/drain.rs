@@ -37,12 +37,20 @@ fn admit_job(rack: &Appliances, name: &str) -> phub::proto::api::AdmitResponse {
 
 #[test]
 fn a_drained_appliance_s_place_moves_to_a_spare_while_the_job_runs_exactly() {
-    drain_b(false);
+    drain_b(false, false);
 }
 
 #[test]
 fn a_dead_appliance_drained_is_replaced_by_a_spare_and_the_job_is_whole_again() {
-    drain_b(true);
+    drain_b(true, false);
+}
+
+/// A hierarchical job (a rack of one rank each over a, b and c, PROTOCOL.md
+/// §11.11) drained of b at epoch 0: the drain's epoch makes it flat over
+/// the home layout, d takes b's index, and rank 1 (b's rack's) follows.
+#[test]
+fn a_hierarchical_job_s_drained_rack_appliance_moves_to_a_spare_and_the_job_goes_on_flat() {
+    drain_b(false, true);
 }
 
 /// With `--spare-after-ms`, control moves the jobs of an appliance that
@@ -84,9 +92,18 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
 
 /// Drains b mid-training (after killing it and its failover when `dead`),
 /// waits for d at full strength, removes b, kills c; every round exact.
-fn drain_b(dead: bool) {
+/// `hierarchical`: the job is, with one rank per rack.
+fn drain_b(dead: bool, hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
-    let job = admit_job(&rack, "drain");
+    let (job, workers) = if hierarchical {
+        let spec = phub::proto::spec::JobSpec::new("drain", 3, &KEYS)
+            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
+            .with_replicas(2)
+            .to_toml();
+        (rack.admit(&spec).unwrap(), 3u16)
+    } else {
+        (admit_job(&rack, "drain"), WORKERS)
+    };
     assert_eq!(job.appliances, ["a", "b", "c"]);
     // A job that cannot move (one copy of each chunk) on b: the drain is
     // refused naming it, nothing changed. Evicted before the real drain.
@@ -112,7 +129,7 @@ fn drain_b(dead: bool) {
     let url = rack.control_url.clone();
     let more = |rank: u16, r: u32| gates.more(rank, r);
     std::thread::scope(|s| {
-        let ranks = train_ranks(s, &url, &job, WORKERS, &KEYS, &more);
+        let ranks = train_ranks(s, &url, &job, workers, &KEYS, &more);
         gates.wait_at(0);
         if dead {
             rack.kill_dataplane(1);

@@ -37,31 +37,42 @@ use phub_worker::WorkerConfig;
 
 #[test]
 fn a_killed_primary_restarted_is_brought_back_to_full_strength_and_survives_its_partner_s_kill() {
-    kill_restart_then_kill_partner(true);
+    kill_restart_then_kill_partner(true, false);
 }
 
 #[test]
 fn a_primary_restarted_at_once_is_brought_back_the_same_way_and_survives_its_partner_s_kill() {
-    kill_restart_then_kill_partner(false);
+    kill_restart_then_kill_partner(false, false);
 }
 
 /// Kills b mid-training and starts it again (after control failed the job
 /// over without it when `after_failover`, else at once), waits for full
 /// strength, then kills c; checks every round exact.
-fn kill_restart_then_kill_partner(after_failover: bool) {
+/// A hierarchical job (a rack of one rank each, PROTOCOL.md §11.11) the
+/// same way: b's death makes it flat over the home layout at epoch 1, and
+/// b comes back to it as to a flat job's.
+#[test]
+fn a_hierarchical_job_s_killed_rack_appliance_restarted_is_brought_back_to_full_strength() {
+    kill_restart_then_kill_partner(true, true);
+}
+
+fn kill_restart_then_kill_partner(after_failover: bool, hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
-    let workers = 2u16;
     // Racks r1, r2, r3: b's part is backed up on c (PROTOCOL.md §11.1).
-    let job = rack
-        .admit(&replicated_spec(
-            "rereplication",
-            workers,
-            &keys,
-            &["a", "b", "c"],
-            2,
-        ))
-        .unwrap();
+    let (workers, spec) = if hierarchical {
+        let spec = phub::proto::spec::JobSpec::new("rereplication", 3, &keys)
+            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
+            .with_replicas(2)
+            .to_toml();
+        (3u16, spec)
+    } else {
+        (
+            2u16,
+            replicated_spec("rereplication", 2, &keys, &["a", "b", "c"], 2),
+        )
+    };
+    let job = rack.admit(&spec).unwrap();
     assert_eq!(job.appliances, ["a", "b", "c"]);
     let rounds = 16u32;
     let url = rack.control_url.clone();

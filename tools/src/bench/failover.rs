@@ -195,26 +195,14 @@ fn names(n: usize) -> Vec<String> {
 
 /// Why these options cannot run a kill or a drain, if they cannot; `n`
 /// is the job's appliance count, `racks` the appliances started, `rounds`
-/// the timed rounds, `hierarchical` whether the job is. Returns the index
-/// (0-based) of the appliance to kill or drain, if any.
-pub fn check(
-    f: &FailoverArgs,
-    n: usize,
-    racks: usize,
-    rounds: u32,
-    hierarchical: bool,
-    compare: bool,
-) -> Result<Option<usize>> {
+/// the timed rounds. Returns the index (0-based) of the appliance to kill
+/// or drain, if any.
+pub fn check(f: &FailoverArgs, n: usize, racks: usize, rounds: u32, compare: bool) -> Result<Option<usize>> {
     if let Some(r) = f.replicas {
         ensure!(
             (1..=3).contains(&r) && r as usize <= n,
             "--replicas {r}: expected 1 to {} (at most 3 and at most the job's {n} appliance(s))",
             n.min(3)
-        );
-        ensure!(
-            r == 1 || !hierarchical,
-            "--replicas {r} with --hierarchical: replicas are built for flat jobs only \
-             (PROTOCOL.md §11.1); drop one of them"
         );
     }
     let (flag, name, at, what) = match (&f.kill_appliance, &f.drain_appliance) {

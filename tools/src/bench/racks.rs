@@ -904,7 +904,6 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
         n,
         racks,
         a.rounds,
-        a.rack.hierarchical,
         a.rack.compare_single || a.rack.compare_flat,
     )?;
     let ra = &a.rack;

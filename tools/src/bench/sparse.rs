@@ -1569,7 +1569,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         ] {
             ensure!(!set, "--racks with {flag}: not supported; drop one of them");
         }
-        kill = super::failover::check(&args.failover(), racks, racks, args.steps, false, false)
+        kill = super::failover::check(&args.failover(), racks, racks, args.steps, false)
             .map_err(|e| anyhow::anyhow!(e.to_string().replace("round", "step")))?;
     }
     let load = loadavg();
