@@ -99,7 +99,8 @@
 //!   `row_clock.rs`: table messages in async and bounded delay;
 //! - `hier.rs`: hierarchical jobs (PROTOCOL.md §9): their plan
 //!   ([`hierarchy_plan`]), their install, partials
-//!   and their timers;
+//!   and their timers; replicated, their home slots are the primary
+//!   slots of §11 (§11.11);
 //! - `replica.rs`: replicated jobs (PROTOCOL.md §11): their plan
 //!   ([`replica_plan`]), primary slots that complete a round once every
 //!   backup acknowledged it, backup slots, and the REPLICATE timers;
@@ -108,7 +109,8 @@
 //!   copies to new backups (§11.7);
 //! - `epoch.rs`: a replicated job's epoch changes (PROTOCOL.md §11.6):
 //!   down backups leave the replica sets, the parts of down homes are
-//!   adopted ([`Shard::change_epoch`]);
+//!   adopted ([`Shard::change_epoch`]); a hierarchical part goes flat
+//!   (§11.11);
 //! - `outbox.rs`: queued messages and the [`Transmit`](crate::Transmit)s made
 //!   from them;
 //! - `stats.rs`: a job's counters (`JobCounters`) and [`JobShardStats`];
