@@ -40,7 +40,14 @@ fn main() {
     let skipped = AtomicU64::new(0);
     // (totals, failed seeds, seeds with tables, replicated seeds, of them
     // async or bounded delay)
-    let totals = Mutex::new((phub_sim::Outcome::default(), Vec::<u64>::new(), 0u64, 0u64, 0u64));
+    let totals = Mutex::new((
+        phub_sim::Outcome::default(),
+        Vec::<u64>::new(),
+        0u64,
+        0u64,
+        0u64,
+        0u64,
+    ));
     let start = Instant::now();
     std::thread::scope(|s| {
         for _ in 0..threads {
@@ -95,6 +102,9 @@ fn main() {
                             if case.consistency != phub_proto::spec::Consistency::Sync {
                                 t.4 += 1;
                             }
+                            if case.racks >= 2 {
+                                t.5 += 1;
+                            }
                             t.0.replaced += o.replaced;
                             t.0.jobs_failed += o.jobs_failed;
                             t.0.stalls += o.stalls;
@@ -107,7 +117,7 @@ fn main() {
         }
     });
     let wall = start.elapsed();
-    let (o, mut failed, with_tables, replicated, clocked) = totals
+    let (o, mut failed, with_tables, replicated, clocked, hierarchical) = totals
         .into_inner()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
     failed.sort_unstable();
@@ -115,7 +125,7 @@ fn main() {
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
          {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
-         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {} async or bounded-delay ({} updates applied on backups), {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
+         {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {hierarchical} hierarchical, {} async or bounded-delay ({} updates applied on backups), {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
         seeds - failed.len() as u64 - skipped.load(Ordering::Relaxed),

@@ -316,6 +316,16 @@ impl Case {
             case.appliances = case.appliances.max(crng.gen_range(2..=4));
             case.replication = Some(ReplicaCase::draw_clocked(&mut crng, case.appliances));
         }
+        // Hierarchical jobs replicate their home slots and go flat over
+        // their home layout at their first epoch change (PROTOCOL.md
+        // §11.11), from a generator of their own: in 3 of 10 hierarchical
+        // jobs without a crash, every rack its own label.
+        let mut hrng = ChaCha8Rng::seed_from_u64(seed ^ 0x41e2_4e91_0000);
+        if case.racks >= 2 && case.crash.is_none() && hrng.gen_bool(0.3) {
+            let mut r = ReplicaCase::draw(&mut hrng, case.appliances);
+            r.racks = (0..case.appliances).map(|a| format!("r{a}")).collect();
+            case.replication = Some(r);
+        }
         // A whole job's restart from its checkpoints, from a generator of
         // its own too: in a quarter of the replicated jobs, instead of
         // the faults drawn above.
@@ -356,6 +366,7 @@ impl Case {
         let mut xrng = ChaCha8Rng::seed_from_u64(seed ^ 0x7ab1_e4e9_0000);
         if case.replication.is_some()
             && case.consistency == Consistency::Sync
+            && case.racks < 2
             && case.rejoin.is_none()
             && case.tables.is_empty()
             && xrng.gen_bool(2.0 / 3.0)
@@ -619,8 +630,15 @@ struct Model {
 }
 
 /// A contribution applied: (lcore, its incarnation, message type, key,
-/// chunk, round, rank or rack).
+/// chunk, round, rank or rack). A replicated hierarchical job's lcore that
+/// went flat (PROTOCOL.md §11.11) counts as a new incarnation
+/// ([`FLAT_INCARNATION`]): its rack slots' contributions to a round its
+/// home did not complete are dropped there, and the ranks push again.
 type Contribution = (usize, u32, u8, u32, u32, u32, u16);
+
+/// Added to an lcore's incarnation in [`Contribution`] once its job is
+/// flat.
+const FLAT_INCARNATION: u32 = 1 << 30;
 
 /// Bytes of tables an lcore streams per step while it checkpoints them.
 const STREAM_SLICE: usize = 512;
@@ -773,11 +791,11 @@ impl<'c> World<'c> {
         let spec = JobSpec {
             checkpoint_interval_s: None,
             placement: match (&case.replication, case.racks >= 2) {
-                (_, true) => Some(PlacementSpec {
+                (r, true) => Some(PlacementSpec {
                     appliances: Appliances::Count(u32::from(case.racks)),
                     hierarchical: true,
                     ranks_per_rack: None,
-                    replicas: 1,
+                    replicas: r.as_ref().map_or(1, |r| u32::from(r.replicas)),
                 }),
                 (Some(r), false) => Some(PlacementSpec {
                     appliances: Appliances::Count(u32::from(case.appliances)),
@@ -1081,7 +1099,13 @@ impl<'c> World<'c> {
     /// The chunks of key `k` as rank `i`'s join answer places them: the
     /// job's placement, or in a hierarchical job its rack's.
     fn chunks_for(&self, k: usize, i: usize) -> Vec<SimChunk> {
-        let Some(p) = self.racks.get(self.rack_of[i]) else {
+        // A replicated hierarchical job's worker is answered the flat form
+        // and routes to its rack by epoch (PROTOCOL.md §11.11).
+        let rack = self
+            .racks
+            .get(self.rack_of[i])
+            .filter(|_| self.case.replication.is_none());
+        let Some(p) = rack else {
             return self.chunks(k);
         };
         // Cast: keys are numbered by u32 on the wire.
@@ -1596,9 +1620,10 @@ impl<'c> World<'c> {
                     && !phub_proto::replica_rows::is_row_replica_message(bytes) =>
             {
                 let (repr, _) = wire::parse(bytes).expect("a datagram the engine aggregated parses");
+                let flat = self.hier.is_some() && lc.view.as_ref().is_some_and(|v| v.epoch > 0);
                 let fresh = self.applied.insert((
                     l,
-                    lc.incarnation,
+                    lc.incarnation + if flat { FLAT_INCARNATION } else { 0 },
                     repr.kind as u8,
                     repr.key,
                     repr.chunk,
@@ -1675,6 +1700,9 @@ impl<'c> World<'c> {
                     self.check_result(l, rank, &bytes);
                     self.check_result_held(l, rank, &bytes);
                 }
+            } else {
+                // A replicated home's result to a rack (PROTOCOL.md §11.11).
+                self.check_partial_result_held(l, &bytes);
             }
             self.net.send(self.now, from, node, bytes);
         }
@@ -2180,7 +2208,9 @@ impl<'c> World<'c> {
             .filter(|a| worker(a.2))
             .map(|&(_, _, _, k, c, r, rank)| (k, c, r, rank))
             .collect();
-        if self.case.racks >= 2 {
+        // (A replicated one is flat from its first epoch change on,
+        // PROTOCOL.md §11.11: its partials stop there.)
+        if self.case.racks >= 2 && self.control.as_ref().is_none_or(|c| c.view.epoch == 0) {
             self.check_hierarchy(chunks, rounds);
         }
         // A failed job stops where it failed.

@@ -499,10 +499,17 @@ impl World<'_> {
             .collect();
         self.control = Some(Control::new(layout, runs, key_first, n));
         let view = EpochView::default();
-        for a in 0..n {
+        // A hierarchical job's shards are installed hierarchical at epoch
+        // 0, with their home slots' replicas (PROTOCOL.md §11.11).
+        for a in (0..n).filter(|_| self.hier.is_none()) {
             let shards = self.replica_shards(a, &view);
             for (g, shard) in self.lcores_of(a).zip(shards) {
                 self.lcores[g].shard = shard;
+                self.lcores[g].view = Some(view.clone());
+            }
+        }
+        if self.hier.is_some() {
+            for g in 0..n * l {
                 self.lcores[g].view = Some(view.clone());
             }
         }
@@ -630,6 +637,14 @@ impl World<'_> {
             .set_replication(runs, &vec![l; n], racks, replicas, view, lcores, key_first);
         if let Err(e) = r {
             panic!("rank {i}: the replicated job's routing: {e}");
+        }
+        // A hierarchical job's rank: to its rack's appliance at epoch 0.
+        if let Some(h) = &self.hier {
+            let rack = self.rack_of[i];
+            let runs = h.layouts[rack].lcores.clone();
+            if let Err(e) = self.ranks[i].t.set_rack(rack, runs) {
+                panic!("rank {i}: the hierarchical job's rack: {e}");
+            }
         }
     }
 
@@ -1751,6 +1766,21 @@ impl World<'_> {
                     "chunk {g}: backup {b}'s parameters and optimizer state"
                 );
                 self.outcome.backups_checked += 1;
+            }
+        }
+    }
+
+    /// A PARTIAL_RESULT in `bytes` (an appliance-bound datagram from
+    /// position `l`, a replicated hierarchical job's home), checked against
+    /// the backups: the rack it goes to answers its ranks with it
+    /// (PROTOCOL.md §11.11).
+    pub(crate) fn check_partial_result_held(&self, l: usize, bytes: &[u8]) {
+        if self.control.is_none() || phub_proto::replica::is_replica_message(bytes) {
+            return;
+        }
+        if let Ok((repr, _)) = wire::parse(bytes) {
+            if repr.kind == MsgType::PartialResult {
+                self.check_backups_hold(l, repr.key, repr.chunk, repr.round);
             }
         }
     }

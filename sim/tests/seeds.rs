@@ -1820,18 +1820,19 @@ fn a_rejoined_rank_catches_its_tables_up_together() {
 /// chunk's round loses one of its datagrams and waits a loss timeout, so
 /// they need 123 s and 175 s of virtual time: a run fails as stuck only
 /// once no round advanced for `STUCK_US`, not at a fixed 120 s (they were
-/// reported stuck before), and at `DEADLINE_US` in any case.
+/// reported stuck before), and at `DEADLINE_US` in any case. (Seed 720952
+/// is a replicated hierarchical job since those are drawn, PROTOCOL.md
+/// §11.11: its kill makes it flat and it ends sooner; 320786 is left.)
 #[test]
 fn slow_hierarchical_runs_are_not_taken_for_stuck() {
-    for seed in [320_786, 720_952] {
-        let c = Case::draw(seed);
-        assert!(
-            c.racks > 0 && c.window == 1 && c.faults.loss > 0.1,
-            "seed {seed}: {c:?}"
-        );
-        let o = run(&c);
-        assert!(o.virtual_us > 120_000_000, "seed {seed}: {o:?}");
-    }
+    let seed = 320_786;
+    let c = Case::draw(seed);
+    assert!(
+        c.racks > 0 && c.window == 1 && c.faults.loss > 0.1 && c.replication.is_none(),
+        "seed {seed}: {c:?}"
+    );
+    let o = run(&c);
+    assert!(o.virtual_us > 120_000_000, "seed {seed}: {o:?}");
 }
 
 /// Seed 1082260 of the soak: async, one appliance of two lcores restored
@@ -1984,4 +1985,45 @@ fn async_replicas_through_a_kill_and_a_partition() {
         }
     }
     assert!(updates > 0, "no update was applied on a backup");
+}
+
+/// Replicated hierarchical jobs (PROTOCOL.md §11.11): the first drawn
+/// cases whose rack appliance is killed and comes back, is cut off (a
+/// split brain), or is drained to a spare, each of which moved the job to
+/// another epoch before it ended. At epoch 0 every PARTIAL_RESULT leaves a
+/// home only once every backup after it holds the round, and every RESULT
+/// too; from the first epoch change the job is flat over its home layout,
+/// its ranks routed there by the real transport, every result the
+/// reference's and, at the end, every backup the serving primary's bits.
+#[test]
+fn hierarchical_replicas_through_a_kill_a_partition_and_a_drain() {
+    use phub_sim::replication::ReplicaEvent;
+    let mut returns = 0;
+    for want in 0..3 {
+        let runs: Vec<(u64, Outcome)> = (0u64..)
+            .filter(|&s| {
+                let c = Case::draw(s);
+                c.racks >= 2
+                    && c.replication
+                        .as_ref()
+                        .and_then(|r| r.event.as_ref())
+                        .is_some_and(|e| match e {
+                            ReplicaEvent::Kill { back_us, .. } => want == 0 && back_us.is_some(),
+                            ReplicaEvent::Partition { .. } => want == 1,
+                            ReplicaEvent::Drain { .. } => want == 2,
+                            _ => false,
+                        })
+            })
+            .take(20)
+            .map(|seed| (seed, run(&Case::draw(seed))))
+            .filter(|(_, o)| o.epochs > 0)
+            .take(2)
+            .collect();
+        assert_eq!(runs.len(), 2, "event {want}: {runs:?}");
+        returns += runs.iter().map(|(_, o)| o.returns + o.drains).sum::<u64>();
+    }
+    assert!(
+        returns > 0,
+        "no appliance came back to, or was drained from, a hierarchical job"
+    );
 }

@@ -350,7 +350,7 @@ fn routing_for(
     let key_first = (0..join.spec.keys.len())
         .map(|k| u32::try_from(k).map_or(0, |k| placement.chunks().of_key(k).start))
         .collect();
-    let routing = Routing::new(
+    let mut routing = Routing::new(
         join.layout.lcores.clone(),
         &per_appliance,
         rep.racks.clone(),
@@ -361,13 +361,12 @@ fn routing_for(
     )
     .map_err(bad)?;
     // A hierarchical job: to its rack's appliance at epoch 0 (§11.11).
-    match &rep.rack {
-        Some(r) => routing
-            .with_rack(usize::from(r.appliance), r.layout.lcores.clone())
-            .map(Some)
-            .map_err(bad),
-        None => Ok(Some(routing)),
+    if let Some(r) = &rep.rack {
+        routing
+            .set_rack(usize::from(r.appliance), r.layout.lcores.clone())
+            .map_err(bad)?;
     }
+    Ok(Some(routing))
 }
 
 /// A worker's UDP socket, bound and set up.

@@ -132,6 +132,14 @@ impl SimTransport {
         Ok(())
     }
 
+    /// A hierarchical job's rack (PROTOCOL.md §11.11), after
+    /// [`SimTransport::set_replication`], as a join answer's
+    /// `replication.rack` sets it: at epoch 0 every chunk goes to
+    /// appliance `appliance`, where its rack layout's `runs` place it.
+    pub fn set_rack(&mut self, appliance: usize, runs: Vec<ChunkRange>) -> Result<(), String> {
+        self.t.set_rack(appliance, runs)
+    }
+
     /// The epoch to ask control for, at least, if the transport wants one
     /// (taken: asked once; [`SimTransport::set_epoch`] answers it).
     pub fn poll_epoch(&mut self) -> Option<u32> {

@@ -476,6 +476,15 @@ pub struct Counters {
     pub tx_bytes: u64,
     /// Stored results sent again.
     pub results_resent: u64,
+    /// Partial sums sent to their homes the first time (hierarchical
+    /// jobs).
+    pub partials_sent: u64,
+    /// Partial sums sent again, their home's answer late.
+    pub partials_resent: u64,
+    /// Aggregates sent to backups the first time (replicated jobs).
+    pub replicates_sent: u64,
+    /// Aggregates sent again, a backup's acknowledgement late.
+    pub replicates_resent: u64,
     /// Drops, all reasons.
     pub drops: u64,
     /// Drops by reason.
@@ -498,6 +507,10 @@ fn dataplane_counters(control_url: &str) -> Option<(String, Counters)> {
         tx_packets: t.tx_packets,
         tx_bytes: t.tx_bytes,
         results_resent: t.results_resent,
+        partials_sent: t.partials_sent,
+        partials_resent: t.partials_resent,
+        replicates_sent: t.replicates_sent,
+        replicates_resent: t.replicates_resent,
         drops: t.drops.values().sum(),
         drops_by_reason: t.drops,
         injected: Injected {
@@ -520,6 +533,10 @@ impl Counters {
             tx_packets: self.tx_packets.saturating_sub(before.tx_packets),
             tx_bytes: self.tx_bytes.saturating_sub(before.tx_bytes),
             results_resent: self.results_resent.saturating_sub(before.results_resent),
+            partials_sent: self.partials_sent.saturating_sub(before.partials_sent),
+            partials_resent: self.partials_resent.saturating_sub(before.partials_resent),
+            replicates_sent: self.replicates_sent.saturating_sub(before.replicates_sent),
+            replicates_resent: self.replicates_resent.saturating_sub(before.replicates_resent),
             drops: self.drops.saturating_sub(before.drops),
             drops_by_reason: self
                 .drops_by_reason

@@ -732,6 +732,20 @@ impl<D> Transport<D> {
         self.routing = Some(routing);
     }
 
+    /// A hierarchical job's rack ([`Routing::set_rack`], PROTOCOL.md
+    /// §11.11), on the routing set before; says what disagrees.
+    #[cfg(feature = "sim")]
+    pub(crate) fn set_rack(
+        &mut self,
+        appliance: usize,
+        runs: Vec<phub_proto::layout::ChunkRange>,
+    ) -> Result<(), String> {
+        match self.routing.as_mut() {
+            Some(r) => r.set_rack(appliance, runs),
+            None => Err("a rack without a replicated job's routing".into()),
+        }
+    }
+
     /// The epoch this transport holds (a replicated job's; `None` for any
     /// other).
     pub(crate) fn epoch(&self) -> Option<&EpochView> {

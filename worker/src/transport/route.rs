@@ -116,7 +116,7 @@ impl Routing {
     /// chunk goes to appliance `appliance` (this worker's rack's), to the
     /// lcore and slot its rack layout `runs` give it; from the first
     /// epoch change on, as a flat job's. Says what disagrees.
-    pub(crate) fn with_rack(mut self, appliance: usize, runs: Vec<ChunkRange>) -> Result<Routing, String> {
+    pub(crate) fn set_rack(&mut self, appliance: usize, runs: Vec<ChunkRange>) -> Result<(), String> {
         let Some(&first) = self.base.get(appliance) else {
             return Err(format!(
                 "rack appliance {appliance} of {} appliances",
@@ -132,7 +132,7 @@ impl Routing {
             ));
         }
         self.rack = Some((appliance, runs));
-        Ok(self)
+        Ok(())
     }
 
     /// The rack routing, while it holds (epoch 0).
