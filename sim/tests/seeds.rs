@@ -1959,27 +1959,18 @@ fn async_replicas_through_a_kill_and_a_partition() {
     let mut updates = 0;
     for async_mode in [true, false] {
         for kill in [true, false] {
-            // The first two whose event came before the job ended (it
-            // moved to another epoch), of the first 20 drawn.
-            let runs: Vec<(u64, Outcome)> = (0u64..)
-                .filter(|&s| {
-                    let c = Case::draw(s);
-                    (c.consistency == Consistency::Async) == async_mode
-                        && c.consistency != Consistency::Sync
-                        && c.replication
-                            .as_ref()
-                            .and_then(|r| r.event.as_ref())
-                            .is_some_and(|e| match e {
-                                ReplicaEvent::Kill { .. } => kill,
-                                ReplicaEvent::Partition { .. } => !kill,
-                                _ => false,
-                            })
-                })
-                .take(20)
-                .map(|seed| (seed, run(&Case::draw(seed))))
-                .filter(|(_, o)| o.epochs > 0)
-                .take(2)
-                .collect();
+            let runs = two_that_changed_epoch(|c| {
+                (c.consistency == Consistency::Async) == async_mode
+                    && c.consistency != Consistency::Sync
+                    && c.replication
+                        .as_ref()
+                        .and_then(|r| r.event.as_ref())
+                        .is_some_and(|e| match e {
+                            ReplicaEvent::Kill { .. } => kill,
+                            ReplicaEvent::Partition { .. } => !kill,
+                            _ => false,
+                        })
+            });
             assert_eq!(runs.len(), 2, "async {async_mode}, kill {kill}: {runs:?}");
             updates += runs.iter().map(|(_, o)| o.updates_replicated).sum::<u64>();
         }
@@ -2000,25 +1991,18 @@ fn hierarchical_replicas_through_a_kill_a_partition_and_a_drain() {
     use phub_sim::replication::ReplicaEvent;
     let mut returns = 0;
     for want in 0..3 {
-        let runs: Vec<(u64, Outcome)> = (0u64..)
-            .filter(|&s| {
-                let c = Case::draw(s);
-                c.racks >= 2
-                    && c.replication
-                        .as_ref()
-                        .and_then(|r| r.event.as_ref())
-                        .is_some_and(|e| match e {
-                            ReplicaEvent::Kill { back_us, .. } => want == 0 && back_us.is_some(),
-                            ReplicaEvent::Partition { .. } => want == 1,
-                            ReplicaEvent::Drain { .. } => want == 2,
-                            _ => false,
-                        })
-            })
-            .take(20)
-            .map(|seed| (seed, run(&Case::draw(seed))))
-            .filter(|(_, o)| o.epochs > 0)
-            .take(2)
-            .collect();
+        let runs = two_that_changed_epoch(|c| {
+            c.racks >= 2
+                && c.replication
+                    .as_ref()
+                    .and_then(|r| r.event.as_ref())
+                    .is_some_and(|e| match e {
+                        ReplicaEvent::Kill { back_us, .. } => want == 0 && back_us.is_some(),
+                        ReplicaEvent::Partition { .. } => want == 1,
+                        ReplicaEvent::Drain { .. } => want == 2,
+                        _ => false,
+                    })
+        });
         assert_eq!(runs.len(), 2, "event {want}: {runs:?}");
         returns += runs.iter().map(|(_, o)| o.returns + o.drains).sum::<u64>();
     }
@@ -2026,4 +2010,17 @@ fn hierarchical_replicas_through_a_kill_a_partition_and_a_drain() {
         returns > 0,
         "no appliance came back to, or was drained from, a hierarchical job"
     );
+}
+
+/// Of the first 20 drawn cases `pick` takes, the first two whose event
+/// came before the job ended (it moved to another epoch), each with its
+/// run's outcome.
+fn two_that_changed_epoch(pick: impl Fn(&Case) -> bool) -> Vec<(u64, Outcome)> {
+    (0u64..)
+        .filter(|&s| pick(&Case::draw(s)))
+        .take(20)
+        .map(|seed| (seed, run(&Case::draw(seed))))
+        .filter(|(_, o)| o.epochs > 0)
+        .take(2)
+        .collect()
 }

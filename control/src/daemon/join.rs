@@ -148,28 +148,13 @@ impl Shared {
                 })
             })
             .collect::<Result<Vec<_>, RequestError>>()?;
-        let answer = match job.rack_of_rank(req.rank) {
-            // A replicated hierarchical job's worker gets the flat form and
-            // its rack: it sends to its rack's appliance at epoch 0, as a
-            // flat job's worker from the job's first epoch change on
-            // (PROTOCOL.md §11.11).
-            Some(rack) if job.is_replicated() => JoinResponse {
-                job: id,
-                rank: req.rank,
-                spec: job.spec.clone(),
-                layout: job.layout.clone(),
-                dataplane: datas[&job.parts[0].appliance].0.clone(),
-                appliances,
-                replication: replication_of(&inner, job).map(|r| JoinReplication {
-                    rack: Some(JoinRack {
-                        appliance: u16::try_from(rack.index).unwrap_or(u16::MAX),
-                        layout: rack.layout.clone(),
-                    }),
-                    ..r
-                }),
-            },
-            // A hierarchical job's worker talks to its rack's appliance
-            // alone, in the single-appliance form (PROTOCOL.md §9.1).
+        // A hierarchical job's worker talks to its rack's appliance alone,
+        // in the single-appliance form (PROTOCOL.md §9.1); a replicated
+        // one's gets the flat form and its rack: it sends to its rack's
+        // appliance at epoch 0, as a flat job's worker from the job's
+        // first epoch change on (§11.11).
+        let rack = job.rack_of_rank(req.rank);
+        let answer = match rack.filter(|_| !job.is_replicated()) {
             Some(rack) => JoinResponse {
                 job: id,
                 rank: req.rank,
@@ -189,7 +174,13 @@ impl Shared {
                 layout: job.layout.clone(),
                 dataplane: datas[&job.parts[0].appliance].0.clone(),
                 appliances,
-                replication: replication_of(&inner, job),
+                replication: replication_of(&inner, job).map(|r| JoinReplication {
+                    rack: rack.map(|rack| JoinRack {
+                        appliance: u16::try_from(rack.index).unwrap_or(u16::MAX),
+                        layout: rack.layout.clone(),
+                    }),
+                    ..r
+                }),
             },
         };
         let joined = self.commit(&mut inner, Entry::Job(id), |inner| {

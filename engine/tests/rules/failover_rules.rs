@@ -53,45 +53,34 @@ fn a_primary_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
     let want = reference();
     let epoch1 = EpochView::default().with_down(1).unwrap();
     let mut kill_points = 0;
-    for kill_after in 0.. {
+    for n in 0.. {
         let mut w = World::new(spec2(), &LCORES, &RACKS, 1, CLEAN);
         for r in 0..FAIL_IN {
             let v = values(&w, r);
             round(&mut w, r, &v);
             assert_eq!(w.got, want[r as usize], "round {r}");
         }
-        // Round FAIL_IN: every push sent, `kill_after` datagrams delivered,
+        // Round FAIL_IN: every push sent, `n` datagrams delivered,
         // then appliance 1 is gone.
         let v = values(&w, FAIL_IN);
-        let all: Vec<(u16, u64)> = (0..2u16)
-            .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
-            .collect();
-        send_round(&mut w, FAIL_IN, &v, &all, false);
-        let mut delivered = 0;
-        while delivered < kill_after && w.step() {
-            delivered += 1;
-        }
-        if delivered < kill_after {
-            // Every point of the round has been a kill point.
+        if !kill_after(&mut w, FAIL_IN, &v, n, 1) {
             break;
         }
         kill_points += 1;
-        w.dead[1] = true;
-        w.run();
         change_epoch(&mut w, &epoch1);
         w.run();
         // The workers resend what is unanswered, where epoch 1 serves it.
         round(&mut w, FAIL_IN, &v);
         assert_eq!(
             w.got, want[FAIL_IN as usize],
-            "round {FAIL_IN}, appliance 1 killed after {kill_after} deliveries"
+            "round {FAIL_IN}, appliance 1 killed after {n} deliveries"
         );
         for r in FAIL_IN + 1..=ROUNDS {
             let v = values(&w, r);
             round(&mut w, r, &v);
             assert_eq!(
                 w.got, want[r as usize],
-                "round {r}, appliance 1 killed after {kill_after} deliveries in round {FAIL_IN}"
+                "round {r}, appliance 1 killed after {n} deliveries in round {FAIL_IN}"
             );
         }
         assert!(w.errors.is_empty(), "{:?}", w.errors);

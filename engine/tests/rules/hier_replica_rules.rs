@@ -65,6 +65,28 @@ fn reference(spec: JobSpec) -> Vec<Got> {
         .collect()
 }
 
+/// Rounds 0 .. FAIL_IN, each checked against `want` where given.
+fn before_failure(w: &mut World, want: Option<&[Got]>) {
+    for r in 0..FAIL_IN {
+        let v = values(w, r);
+        round(w, r, &v);
+        if let Some(want) = want {
+            assert_eq!(w.got, want[r as usize], "round {r}");
+        }
+    }
+}
+
+/// Rounds 0 .. FAIL_IN, then no replication message gets through: round
+/// FAIL_IN's values and every push of it, to send.
+fn replication_cut(w: &mut World) -> (HashMap<(u16, u64), Vec<f32>>, Vec<(u16, u64)>) {
+    before_failure(w, None);
+    w.faults = Faults {
+        replica_loss: 1.0,
+        ..CLEAN
+    };
+    (values(w, FAIL_IN), every_push(w))
+}
+
 fn sum_stats(w: &World, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
     w.shards
         .iter()
@@ -103,18 +125,7 @@ fn a_home_slot_answers_its_racks_only_once_its_backup_holds_the_round() {
 fn no_result_leaves_a_home_before_its_backup_acknowledged() {
     let want = reference(hier_spec(momentum(), 1));
     let mut w = World::new_hier(hier_spec(momentum(), 2), &LCORES, 8, CLEAN);
-    for r in 0..FAIL_IN {
-        let v = values(&w, r);
-        round(&mut w, r, &v);
-    }
-    w.faults = Faults {
-        replica_loss: 1.0,
-        ..CLEAN
-    };
-    let v = values(&w, FAIL_IN);
-    let all: Vec<(u16, u64)> = (0..4u16)
-        .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
-        .collect();
+    let (v, all) = replication_cut(&mut w);
     for t in 0..10 {
         send_round(&mut w, FAIL_IN, &v, &all, t > 0);
         w.run();
@@ -141,31 +152,16 @@ fn a_home_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
     let want = reference(hier_spec(momentum(), 1));
     let epoch1 = EpochView::default().with_down(1).unwrap();
     let mut kill_points = 0;
-    for kill_after in 0.. {
+    for n in 0.. {
         let mut w = World::new_hier(hier_spec(momentum(), 2), &LCORES, 1, CLEAN);
-        for r in 0..FAIL_IN {
-            let v = values(&w, r);
-            round(&mut w, r, &v);
-            assert_eq!(w.got, want[r as usize], "round {r}");
-        }
-        // Round FAIL_IN: every push sent, `kill_after` datagrams delivered,
-        // then appliance 1 (rack 1 and a third of the homes) is gone.
+        before_failure(&mut w, Some(&want));
+        // Round FAIL_IN: every push sent, `n` datagrams delivered, then
+        // appliance 1 (rack 1 and a third of the homes) is gone.
         let v = values(&w, FAIL_IN);
-        let all: Vec<(u16, u64)> = (0..4u16)
-            .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
-            .collect();
-        send_round(&mut w, FAIL_IN, &v, &all, false);
-        let mut delivered = 0;
-        while delivered < kill_after && w.step() {
-            delivered += 1;
-        }
-        if delivered < kill_after {
-            // Every point of the round has been a kill point.
+        if !kill_after(&mut w, FAIL_IN, &v, n, 1) {
             break;
         }
         kill_points += 1;
-        w.dead[1] = true;
-        w.run();
         change_epoch(&mut w, &epoch1);
         w.run();
         // Every worker, rack 1's too, resends what is unanswered where
@@ -173,14 +169,14 @@ fn a_home_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
         round(&mut w, FAIL_IN, &v);
         assert_eq!(
             w.got, want[FAIL_IN as usize],
-            "round {FAIL_IN}, appliance 1 killed after {kill_after} deliveries"
+            "round {FAIL_IN}, appliance 1 killed after {n} deliveries"
         );
         for r in FAIL_IN + 1..=ROUNDS {
             let v = values(&w, r);
             round(&mut w, r, &v);
             assert_eq!(
                 w.got, want[r as usize],
-                "round {r}, appliance 1 killed after {kill_after} deliveries in round {FAIL_IN}"
+                "round {r}, appliance 1 killed after {n} deliveries in round {FAIL_IN}"
             );
         }
         // Errors are epoch 0's messages refused by epoch 1's appliances.
@@ -206,18 +202,7 @@ fn a_home_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
 #[test]
 fn a_rack_appliance_left_in_the_old_epoch_answers_no_new_round() {
     let mut w = World::new_hier(hier_spec(momentum(), 2), &LCORES, 3, CLEAN);
-    for r in 0..FAIL_IN {
-        let v = values(&w, r);
-        round(&mut w, r, &v);
-    }
-    w.faults = Faults {
-        replica_loss: 1.0,
-        ..CLEAN
-    };
-    let v = values(&w, FAIL_IN);
-    let all: Vec<(u16, u64)> = (0..4u16)
-        .flat_map(|r| (0..w.total()).map(move |g| (r, g)))
-        .collect();
+    let (v, all) = replication_cut(&mut w);
     send_round(&mut w, FAIL_IN, &v, &all, false);
     w.run();
     let epoch1 = EpochView::default().with_down(1).unwrap();

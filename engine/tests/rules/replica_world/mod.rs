@@ -773,6 +773,39 @@ pub(crate) fn send_round(
     }
 }
 
+/// Every rank's push of every chunk: (rank, chunk).
+pub(crate) fn every_push(w: &World) -> Vec<(u16, u64)> {
+    let total = w.total();
+    (0..w.spec.workers as u16)
+        .flat_map(|r| (0..total).map(move |g| (r, g)))
+        .collect()
+}
+
+/// Every rank's push of round `round` sent, `n` datagrams delivered, then
+/// appliance `a` is gone (its datagrams go nowhere). False when the round
+/// needed fewer than `n` deliveries: every point of it has been a kill
+/// point.
+pub(crate) fn kill_after(
+    w: &mut World,
+    round: u32,
+    values: &HashMap<(u16, u64), Vec<f32>>,
+    n: usize,
+    a: usize,
+) -> bool {
+    let all = every_push(w);
+    send_round(w, round, values, &all, false);
+    let mut delivered = 0;
+    while delivered < n && w.step() {
+        delivered += 1;
+    }
+    if delivered < n {
+        return false;
+    }
+    w.dead[a] = true;
+    w.run();
+    true
+}
+
 /// Every backup of every chunk holds its primary's bits.
 pub(crate) fn assert_replicas_equal(w: &World, round: u32) {
     for g in 0..w.total() {
