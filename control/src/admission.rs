@@ -764,6 +764,66 @@ mod tests {
         );
     }
 
+    /// A replicated hierarchical job (PROTOCOL.md §11.11): each rack
+    /// appliance is charged what the same job without replicas costs it
+    /// plus the backup slots it keeps of the homes before it in rack order
+    /// (`replica_cost` over the home layout's parts), and refused when
+    /// that does not fit.
+    #[test]
+    fn a_replicated_hierarchical_job_charges_each_rack_its_backup_slots() {
+        let dp = [
+            info(&[None, None], None, 1 << 30, 0),
+            info(&[None], None, 1 << 30, 0),
+            info(&[None, None], None, 1 << 30, 0),
+        ];
+        let targets: Vec<Target<'_>> = ["a", "b", "c"]
+            .iter()
+            .zip(&dp)
+            .map(|(&name, info)| Target {
+                name,
+                info,
+                load: loads(info, []),
+            })
+            .collect();
+        let hier = |replicas: u32| {
+            JobSpec::new("h", 3, &[256 * 40, 100])
+                .with_chunk_bytes(1024)
+                .hierarchical_over(phub_proto::spec::Appliances::Count(3))
+                .with_replicas(replicas)
+        };
+        let one = plan_hierarchical(&hier(1), &targets).unwrap();
+        let two = plan_hierarchical(&hier(2), &targets).unwrap();
+        assert_eq!(one.homes.layout, two.homes.layout);
+        let parts: Vec<&Layout> = two.homes.parts.iter().map(|p| &p.layout).collect();
+        for i in 0..3 {
+            let backups: u64 = dp[i]
+                .memory_model
+                .replica_cost(&hier(2), &parts, &["a", "b", "c"], i)
+                .iter()
+                .sum();
+            assert!(backups > 0, "appliance {i} keeps no backup slots");
+            assert_eq!(
+                two.homes.parts[i].memory_bytes,
+                one.homes.parts[i].memory_bytes + backups,
+                "appliance {i}"
+            );
+        }
+        // Room for the job without replicas on c, not for its backups.
+        let tight = info(&[None, None], None, one.homes.parts[2].memory_bytes, 0);
+        let mut short = targets.clone();
+        short[2] = Target {
+            name: "c",
+            info: &tight,
+            load: loads(&tight, []),
+        };
+        assert!(plan_hierarchical(&hier(1), &short).is_ok());
+        let e = plan_hierarchical(&hier(2), &short).unwrap_err();
+        assert!(
+            matches!(&e, AdmitError::Memory { appliance, .. } if appliance == "c"),
+            "{e:?}"
+        );
+    }
+
     #[test]
     fn memory_is_checked_per_appliance_and_the_refusal_names_it() {
         let s = spec(&[256 * 40]);

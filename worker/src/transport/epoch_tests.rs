@@ -497,6 +497,39 @@ fn an_index_moved_by_a_drain_is_sent_to_its_new_appliance_from_that_epoch_on() {
     assert_eq!(r.place(0, 0).unwrap().to, addr(0));
 }
 
+/// A hierarchical job (PROTOCOL.md §11.11), one lcore per appliance: at
+/// epoch 0 every chunk goes to this rank's rack appliance (1), at the slot
+/// its rack layout gives it (the whole job on that lcore), and not past
+/// that appliance's own slots in the answer streams; from epoch 1 on,
+/// where the replicated layout serves it, as for a flat job.
+#[test]
+fn a_hierarchical_job_s_chunks_go_to_the_rack_at_epoch_0_and_where_served_after() {
+    let mut r = routing(EpochView::default());
+    let rack = vec![ChunkRange {
+        first: 0,
+        count: u64::from(CHUNKS),
+    }];
+    assert!(r.set_rack(3, rack.clone()).is_err(), "no appliance 3");
+    assert!(r.set_rack(1, Vec::new()).is_err(), "a rack layout of no lcore");
+    r.set_rack(1, rack).unwrap();
+    for c in 0..CHUNKS {
+        let p = r.place(0, c).unwrap();
+        assert_eq!((p.to, p.lcore, p.slot), (addr(1), 1, c), "chunk {c}");
+        assert!(!r.adopted_slot(p.lcore, p.slot), "chunk {c}: a rack slot");
+    }
+    let e1 = down(1, &[2]);
+    r.set_epoch(e1.clone());
+    for c in 0..CHUNKS {
+        let s = layout().serve(u64::from(c), &e1).unwrap();
+        let p = r.place(0, c).unwrap();
+        assert_eq!(
+            (p.to, p.lcore, p.slot),
+            (addr(s.appliance), s.appliance as u16, s.slot as u32),
+            "chunk {c}"
+        );
+    }
+}
+
 /// An ERROR `evicted` refusing chunk `c` of `round` at `slot`, from `from`.
 fn evicted(h: &mut Harness, from: SocketAddr, c: u32, round: u32, slot: u32) {
     let mut r = Repr::request(MsgType::Error, JOB, TOKEN, RANK, round, slot).with_chunk(0, c);
