@@ -335,14 +335,10 @@ impl Manager {
             r.joined.clear();
             r.moved.clear();
             r.restored = 0;
-            // A hierarchical job's: its home part, as a flat job's (it
-            // restores at an epoch above 0, when it is flat: §11.11).
-            if job.hierarchy.take().is_some() {
-                if let Some(home) = r.appliances.get(usize::from(r.appliance)) {
-                    job.layout = home.layout.clone();
-                }
-            }
         }
+        // A hierarchical job's checkpoint is of its flat form, as it is
+        // restored (at an epoch above 0, when it is flat: §11.11).
+        crate::replication::flat_form(&mut job);
         let workers = u16::try_from(job.spec.workers).unwrap_or(u16::MAX);
         let (dtype, consistency) = (job.spec.dtype, job.spec.consistency);
         let read: ReadSaved<'_> = Box::new(move |installs: &[Vec<TableInstall>]| {
@@ -399,6 +395,10 @@ impl Manager {
                 .map(|j| j.request.clone())
                 .ok_or_else(|| err(404, format!("job {id} is not installed")))?
         };
+        // A replicated hierarchical job's lcores save their home slots: its
+        // checkpoint is of its flat form (PROTOCOL.md §11.11).
+        let mut job = job;
+        crate::replication::flat_form(&mut job);
         let mut lcores = Vec::with_capacity(self.lcores.len());
         let mut sections = Vec::with_capacity(self.lcores.len());
         for (i, l) in self.lcores.iter().enumerate() {

@@ -90,6 +90,24 @@ pub fn plan(req: &InstallJob, lcores: usize) -> Result<Plan, String> {
     Ok(plan)
 }
 
+/// A replicated hierarchical job's install in its flat form (PROTOCOL.md
+/// §11.11): no hierarchy, this appliance's part of the home layout as its
+/// layout. What its checkpoints hold (the home part's slots, as a flat
+/// part's: `Shard::part_snapshot`) and how it is restored (at an epoch
+/// above 0, when it is flat). Any other install is left as it is.
+pub fn flat_form(job: &mut InstallJob) {
+    let Some(r) = job.replication.as_ref() else {
+        return;
+    };
+    if job.hierarchy.is_none() {
+        return;
+    }
+    if let Some(home) = r.appliances.get(usize::from(r.appliance)) {
+        job.layout = home.layout.clone();
+        job.hierarchy = None;
+    }
+}
+
 /// What a replicated job holds on each lcore beyond its primary slots, as
 /// admission charges it ([`MemoryModel::replica_cost`]).
 pub fn lcore_bytes(model: &MemoryModel, req: &InstallJob, r: &Replication) -> Vec<u64> {

@@ -503,11 +503,30 @@ fn assert_back_to_5_then_done(rack: &Appliances, job: u16, back_to: &[Vec<u32>],
 /// refused every next aggregate `ahead`: the job hung.
 #[test]
 fn a_replicated_job_whose_every_appliance_restarted_goes_on_from_its_checkpoints() {
+    every_appliance_restarted(false);
+}
+
+/// The same with a hierarchical job (a rack of one rank each, PROTOCOL.md
+/// §11.11): its checkpoints hold each appliance's home part, and it goes
+/// back to them flat (the dataplane restores the part without its
+/// hierarchy; the restored epoch is above 0).
+#[test]
+fn a_replicated_hierarchical_job_whose_every_appliance_restarted_goes_on_flat_from_its_checkpoints() {
+    every_appliance_restarted(true);
+}
+
+fn every_appliance_restarted(hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
-    let job = rack
-        .admit(&replicated_spec("restored", WORKERS, &keys, &["a", "b"], 2))
-        .unwrap();
+    let spec = if hierarchical {
+        phub::proto::spec::JobSpec::new("restored", u32::from(WORKERS), &keys)
+            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b"]))
+            .with_replicas(2)
+            .to_toml()
+    } else {
+        replicated_spec("restored", WORKERS, &keys, &["a", "b"], 2)
+    };
+    let job = rack.admit(&spec).unwrap();
     let rounds = 8u32;
     let url = rack.control_url.clone();
     // Both ranks stop after round 4 until both appliances are back.

@@ -350,7 +350,9 @@ pub(super) enum RestoreBody {
 /// `part` is that part's layout ([`StoredJob::part_on`]).
 pub(super) fn owner<'a>(job: &'a StoredJob, name: &'a str, part: &'a Layout) -> Owner<'a> {
     let rack = job.part_index(name).and_then(|i| u16::try_from(i).ok());
-    let shape = match (job.rack_layout_on(name), rack) {
+    // A replicated hierarchical job's checkpoints are of its flat form,
+    // its home part's (PROTOCOL.md §11.11).
+    let shape = match (job.rack_layout_on(name).filter(|_| !job.is_replicated()), rack) {
         (Some(layout), Some(rack)) => PartShape::Rack { rack, layout },
         _ => PartShape::Flat(part),
     };
