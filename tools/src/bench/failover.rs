@@ -574,19 +574,16 @@ mod tests {
 
     #[test]
     fn kills_that_cannot_run_are_refused_naming_the_flag() {
-        assert_eq!(
-            check(&args(2, "rack2", 3), 3, 3, 10, false, false).unwrap(),
-            Some(1)
-        );
-        let e = |a: &FailoverArgs, n| check(a, n, n, 10, false, false).unwrap_err().to_string();
+        assert_eq!(check(&args(2, "rack2", 3), 3, 3, 10, false).unwrap(), Some(1));
+        let e = |a: &FailoverArgs, n| check(a, n, n, 10, false).unwrap_err().to_string();
         assert!(e(&args(1, "rack2", 3), 3).contains("expected --replicas 2"));
         assert!(e(&args(3, "rack2", 3), 3).contains("rule 4"));
         assert!(e(&args(2, "rack4", 3), 3).contains("expected one of rack1, rack2, rack3"));
         assert!(e(&args(2, "rack2", 10), 3).contains("expected 1 to 9"));
         assert!(e(&args(2, "rack2", 0), 3).contains("expected 1 to 9"));
         assert!(e(&args(4, "rack2", 3), 3).contains("--replicas 4: expected 1 to 3"));
-        assert!(check(&args(2, "rack2", 3), 3, 3, 10, true, false).is_err());
-        assert!(check(&args(2, "rack2", 3), 3, 3, 10, false, true).is_err());
+        // A comparison would run on the appliances left.
+        assert!(check(&args(2, "rack2", 3), 3, 3, 10, true).is_err());
         // A drain needs a spare: a rack beyond the job's appliances.
         let drain = FailoverArgs {
             replicas: Some(2),
@@ -594,8 +591,8 @@ mod tests {
             drain_at_round: Some(3),
             ..FailoverArgs::default()
         };
-        assert_eq!(check(&drain, 3, 4, 10, false, false).unwrap(), Some(1));
-        let e = check(&drain, 3, 3, 10, false, false).unwrap_err().to_string();
+        assert_eq!(check(&drain, 3, 4, 10, false).unwrap(), Some(1));
+        let e = check(&drain, 3, 3, 10, false).unwrap_err().to_string();
         assert!(e.contains("needs a spare") && e.contains("--racks 4"), "{e}");
         let e = check(
             &FailoverArgs {
@@ -605,7 +602,6 @@ mod tests {
             3,
             4,
             10,
-            false,
             false,
         )
         .unwrap_err()
