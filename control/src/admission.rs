@@ -795,8 +795,8 @@ mod tests {
         let two = plan_hierarchical(&hier(2), &targets).unwrap();
         assert_eq!(one.homes.layout, two.homes.layout);
         let parts: Vec<&Layout> = two.homes.parts.iter().map(|p| &p.layout).collect();
-        for i in 0..3 {
-            let backups: u64 = dp[i]
+        for (i, d) in dp.iter().enumerate() {
+            let backups: u64 = d
                 .memory_model
                 .replica_cost(&hier(2), &parts, &["a", "b", "c"], i)
                 .iter()

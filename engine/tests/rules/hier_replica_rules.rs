@@ -14,6 +14,8 @@
 use crate::replica_world::*;
 
 const LCORES: [usize; 3] = [2, 1, 2];
+/// Per (rank, chunk): its values in a round.
+type Values = HashMap<(u16, u64), Vec<f32>>;
 const ROUNDS: u32 = 4;
 /// The round during which appliance 1 dies.
 const FAIL_IN: u32 = 2;
@@ -37,7 +39,7 @@ fn momentum() -> Optimizer {
 
 /// Every rank's values of every chunk in `round`: multiples of 1/8 in
 /// [-4, 4), the same in every run.
-fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
+fn values(w: &World, round: u32) -> Values {
     let mut rng = Rng(0x41e2 + u64::from(round));
     let mut v = HashMap::new();
     for rank in 0..w.spec.workers as u16 {
@@ -78,7 +80,7 @@ fn before_failure(w: &mut World, want: Option<&[Got]>) {
 
 /// Rounds 0 .. FAIL_IN, then no replication message gets through: round
 /// FAIL_IN's values and every push of it, to send.
-fn replication_cut(w: &mut World) -> (HashMap<(u16, u64), Vec<f32>>, Vec<(u16, u64)>) {
+fn replication_cut(w: &mut World) -> (Values, Vec<(u16, u64)>) {
     before_failure(w, None);
     w.faults = Faults {
         replica_loss: 1.0,
