@@ -29,9 +29,9 @@
 //! moves one part of one job the same way, from its most loaded
 //! appliance to the least loaded spare, when that evens the load.
 //!
-//! All or nothing: if any job cannot move (not replicated, hierarchical,
-//! down on another appliance or re-replicating, failed, or no spare
-//! fits), the drain is refused
+//! All or nothing: if any job cannot move (not replicated, down on
+//! another appliance or re-replicating, failed, or no spare fits), the
+//! drain is refused
 //! naming each such job and why, and nothing changes.
 
 use phub_proto::api::{Drain, DrainMove, PartMove, Rebalance, Rereplication, Strength};
@@ -133,7 +133,7 @@ impl Shared {
         }
         if !job.is_replicated() {
             return Err(RequestError::Conflict(format!(
-                "{what} is not replicated ([placement] replicas = 1, or hierarchical): its parts cannot move \
+                "{what} is not replicated ([placement] replicas = 1): its parts cannot move \
                  while it runs; nothing was moved"
             )));
         }
@@ -321,7 +321,7 @@ fn plan(inner: &Inner, name: &str) -> (Vec<Move>, Vec<String>) {
         }
         if !job.is_replicated() {
             refused.push(format!(
-                "{what} is not replicated ([placement] replicas = 1, or hierarchical): its part cannot move \
+                "{what} is not replicated ([placement] replicas = 1): its part cannot move \
                  while it runs; evict it when it ends"
             ));
             continue;
