@@ -287,8 +287,19 @@ fn state_survives_a_restart_and_a_follower_names_the_leader() {
     join(&a.url, job.id, job.token, 1).expect("the job's token still works");
 
     // A second control follows: reads from etcd, writes turned away naming the leader.
+    // Just started, it may not have read who leads yet: then it says no
+    // control leads and to try again within 2 s (seen once in CI); it
+    // names the leader soon after.
     let b = Control::start(&rack, &state, &dir, "control-b");
-    let (status, leader, msg) = probe(&b.url, &token);
+    let t0 = Instant::now();
+    let (status, leader, msg) = loop {
+        let (status, leader, msg) = probe(&b.url, &token);
+        if leader.is_some() || t0.elapsed() > Duration::from_secs(5) {
+            break (status, leader, msg);
+        }
+        assert!(msg.contains("no control leads now"), "{status} {msg}");
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(status, 503, "{msg}");
     assert_eq!(leader.as_deref(), Some(a.url.as_str()), "{msg}");
     assert!(msg.contains(&a.url) && msg.contains("follower"), "{msg}");
