@@ -30,7 +30,7 @@ fn spec2() -> JobSpec {
 }
 
 /// Every rank's values of every chunk in `round`: the same in every run.
-fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
+fn values(w: &World, round: u32) -> Values {
     round_values(w, 0xfa11, round)
 }
 
@@ -38,14 +38,6 @@ fn values(w: &World, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
 /// failure.
 fn reference() -> Vec<Got> {
     results_without_failure(spec2(), &LCORES, &RACKS, ROUNDS, 0xfa11)
-}
-
-fn sum_stats(w: &World, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
-    w.shards
-        .iter()
-        .flatten()
-        .map(|s| f(&s.replica_stats(JOB).unwrap()))
-        .sum()
 }
 
 #[test]
@@ -67,25 +59,15 @@ fn a_primary_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
             break;
         }
         kill_points += 1;
-        change_epoch(&mut w, &epoch1);
-        w.run();
         // The workers resend what is unanswered, where epoch 1 serves it.
-        round(&mut w, FAIL_IN, &v);
-        assert_eq!(
-            w.got, want[FAIL_IN as usize],
-            "round {FAIL_IN}, appliance 1 killed after {n} deliveries"
-        );
-        for r in FAIL_IN + 1..=ROUNDS {
-            let v = values(&w, r);
-            round(&mut w, r, &v);
-            assert_eq!(
-                w.got, want[r as usize],
-                "round {r}, appliance 1 killed after {n} deliveries in round {FAIL_IN}"
-            );
-        }
+        let what = format!("appliance 1 killed after {n} deliveries");
+        go_on_after_failure(&mut w, &epoch1, FAIL_IN, ROUNDS, &want, values, &what);
         assert!(w.errors.is_empty(), "{:?}", w.errors);
         // Appliance 1's part was adopted by appliance 2, its first backup.
-        assert_eq!(sum_stats(&w, |s| s.slots_adopted), w.layout.part(1).count);
+        assert_eq!(
+            replica_sum(&w.shards, |s| s.slots_adopted),
+            w.layout.part(1).count
+        );
     }
     // Delivered datagrams of one round: 2 pushes, a REPLICATE and its ACK,
     // 2 RESULTs per chunk.
@@ -122,13 +104,13 @@ fn a_round_pending_only_on_the_down_backup_completes_at_the_epoch_change() {
         .sum();
     assert_eq!(released, w.layout.part(0).count);
     // Later rounds complete at the last push: no backup is left.
-    let sent = sum_stats(&w, |s| s.replicates_sent);
+    let sent = replica_sum(&w.shards, |s| s.replicates_sent);
     let v = values(&w, FAIL_IN + 1);
     let mine_next = mine.clone();
     send_round(&mut w, FAIL_IN + 1, &v, &mine_next, false);
     w.run();
     assert!(mine.iter().all(|k| w.got[k].0 == FAIL_IN + 1));
-    assert_eq!(sum_stats(&w, |s| s.replicates_sent), sent);
+    assert_eq!(replica_sum(&w.shards, |s| s.replicates_sent), sent);
 }
 
 #[test]
@@ -153,11 +135,7 @@ fn an_old_primary_left_in_the_old_epoch_completes_no_round() {
         .collect();
     let v = values(&w, FAIL_IN);
     for t in 0..20 {
-        send_round(&mut w, FAIL_IN, &v, &theirs, t > 0);
-        w.run();
-        w.now += 30 * MS;
-        w.poll();
-        w.run();
+        send_and_wait(&mut w, FAIL_IN, &v, &theirs, t > 0);
     }
     // Its REPLICATEs were dropped by appliance 2, now in epoch 1: no round
     // completed there, and it answered nothing beyond what 2 holds.
@@ -324,7 +302,10 @@ fn a_part_adopted_past_a_part_still_backed_up_takes_its_extended_slots() {
     }
     w.dead[1] = true;
     change_epoch(&mut w, &EpochView::default().with_down(1).unwrap());
-    assert_eq!(sum_stats(&w, |s| s.slots_adopted), w.layout.part(1).count);
+    assert_eq!(
+        replica_sum(&w.shards, |s| s.slots_adopted),
+        w.layout.part(1).count
+    );
     // Part 1's chunks are served past part 0's backup slots.
     let g1 = w.layout.part(1).first;
     let s = w.layout.serve(g1, &w.epoch).unwrap();
@@ -356,7 +337,7 @@ fn a_part_adopted_past_a_part_still_backed_up_takes_its_extended_slots() {
             let epoch2 = w.epoch.with_down(0).unwrap();
             change_epoch(&mut w, &epoch2);
             assert_eq!(
-                sum_stats(&w, |s| s.slots_adopted),
+                replica_sum(&w.shards, |s| s.slots_adopted),
                 w.layout.part(1).count + w.layout.part(0).count
             );
         }

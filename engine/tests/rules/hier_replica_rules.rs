@@ -14,8 +14,6 @@
 use crate::replica_world::*;
 
 const LCORES: [usize; 3] = [2, 1, 2];
-/// Per (rank, chunk): its values in a round.
-type Values = HashMap<(u16, u64), Vec<f32>>;
 const ROUNDS: u32 = 4;
 /// The round during which appliance 1 dies.
 const FAIL_IN: u32 = 2;
@@ -89,14 +87,6 @@ fn replication_cut(w: &mut World) -> (Values, Vec<(u16, u64)>) {
     (values(w, FAIL_IN), every_push(w))
 }
 
-fn sum_stats(w: &World, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
-    w.shards
-        .iter()
-        .flatten()
-        .map(|s| f(&s.replica_stats(JOB).unwrap()))
-        .sum()
-}
-
 /// Hierarchical with replicas: the same results as without (the home's
 /// optimizer runs once on the racks' sum either way), each home slot's
 /// backup holds every round its racks were answered (checked as each
@@ -115,8 +105,8 @@ fn a_home_slot_answers_its_racks_only_once_its_backup_holds_the_round() {
         }
         assert!(w.errors.is_empty(), "{:?}", w.errors);
         let total = w.total();
-        assert!(sum_stats(&w, |s| s.rounds_replicated) >= total * u64::from(ROUNDS + 1));
-        assert!(sum_stats(&w, |s| s.rounds_applied) >= total * u64::from(ROUNDS + 1));
+        assert!(replica_sum(&w.shards, |s| s.rounds_replicated) >= total * u64::from(ROUNDS + 1));
+        assert!(replica_sum(&w.shards, |s| s.rounds_applied) >= total * u64::from(ROUNDS + 1));
     }
 }
 
@@ -129,11 +119,7 @@ fn no_result_leaves_a_home_before_its_backup_acknowledged() {
     let mut w = World::new_hier(hier_spec(momentum(), 2), &LCORES, 8, CLEAN);
     let (v, all) = replication_cut(&mut w);
     for t in 0..10 {
-        send_round(&mut w, FAIL_IN, &v, &all, t > 0);
-        w.run();
-        w.now += 30 * MS;
-        w.poll();
-        w.run();
+        send_and_wait(&mut w, FAIL_IN, &v, &all, t > 0);
     }
     for k in &all {
         assert_eq!(
@@ -142,7 +128,7 @@ fn no_result_leaves_a_home_before_its_backup_acknowledged() {
             "{k:?} answered before its home's backup held the round"
         );
     }
-    assert!(sum_stats(&w, |s| s.replicates_resent) > 0);
+    assert!(replica_sum(&w.shards, |s| s.replicates_resent) > 0);
     w.faults = CLEAN;
     round(&mut w, FAIL_IN, &v);
     assert_eq!(w.got, want[FAIL_IN as usize]);
@@ -164,29 +150,19 @@ fn a_home_dying_at_any_point_of_a_round_loses_no_round_and_changes_no_bit() {
             break;
         }
         kill_points += 1;
-        change_epoch(&mut w, &epoch1);
-        w.run();
         // Every worker, rack 1's too, resends what is unanswered where
         // epoch 1 serves it: the job is flat from now on.
-        round(&mut w, FAIL_IN, &v);
-        assert_eq!(
-            w.got, want[FAIL_IN as usize],
-            "round {FAIL_IN}, appliance 1 killed after {n} deliveries"
-        );
-        for r in FAIL_IN + 1..=ROUNDS {
-            let v = values(&w, r);
-            round(&mut w, r, &v);
-            assert_eq!(
-                w.got, want[r as usize],
-                "round {r}, appliance 1 killed after {n} deliveries in round {FAIL_IN}"
-            );
-        }
+        let what = format!("appliance 1 killed after {n} deliveries");
+        go_on_after_failure(&mut w, &epoch1, FAIL_IN, ROUNDS, &want, values, &what);
         // Errors are epoch 0's messages refused by epoch 1's appliances.
         for (_, e, epoch) in &w.errors {
             assert_eq!((e.error, *epoch), (DropReason::WrongEpoch.code(), 1), "{e:?}");
         }
         // Appliance 1's home part was adopted by appliance 2, its backup.
-        assert_eq!(sum_stats(&w, |s| s.slots_adopted), w.layout.part(1).count);
+        assert_eq!(
+            replica_sum(&w.shards, |s| s.slots_adopted),
+            w.layout.part(1).count
+        );
     }
     // Delivered datagrams of one round: 4 pushes, a partial from each of
     // the 3 racks, a REPLICATE and its ACK, 3 partial results, 4 RESULTs
@@ -217,11 +193,7 @@ fn a_rack_appliance_left_in_the_old_epoch_answers_no_new_round() {
     // Rank 2 (rack 1's only worker) still routes by epoch 0.
     let mine: Vec<(u16, u64)> = (0..w.total()).map(|g| (2u16, g)).collect();
     for t in 0..20 {
-        send_round(&mut w, FAIL_IN, &v, &mine, t > 0);
-        w.run();
-        w.now += 30 * MS;
-        w.poll();
-        w.run();
+        send_and_wait(&mut w, FAIL_IN, &v, &mine, t > 0);
     }
     for k in &mine {
         assert_eq!(w.got[k].0, FAIL_IN - 1, "{k:?} was answered by the fenced rack");

@@ -715,14 +715,6 @@ impl TableWorld {
     }
 }
 
-fn replica_sum(w: &TableWorld, f: fn(&phub_engine::engine::ReplicaStats) -> u64) -> u64 {
-    w.shards
-        .iter()
-        .flatten()
-        .map(|s| f(&s.replica_stats(JOB).unwrap()))
-        .sum()
-}
-
 #[test]
 fn backup_tables_stay_bit_identical_under_loss_duplication_and_reordering() {
     let adagrad = adagrad();
@@ -769,23 +761,23 @@ fn backup_tables_stay_bit_identical_under_loss_duplication_and_reordering() {
         }
         assert!(w.answers_checked > 0);
         assert!(
-            replica_sum(&w, |s| s.replicates_resent) > 0,
+            replica_sum(&w.shards, |s| s.replicates_resent) > 0,
             "case {seed}: nothing resent"
         );
         assert!(
-            replica_sum(&w, |s| s.acks_resent) > 0,
+            replica_sum(&w.shards, |s| s.acks_resent) > 0,
             "case {seed}: no ACK sent again"
         );
         // Each (entry, round) applied once on each backup, and completed
         // once on its primary after its last ACK.
         let entries = u64::from(w.entries());
         assert_eq!(
-            replica_sum(&w, |s| s.rounds_applied),
+            replica_sum(&w.shards, |s| s.rounds_applied),
             entries * 6 * (u64::from(replicas) - 1),
             "case {seed}"
         );
         assert_eq!(
-            replica_sum(&w, |s| s.rounds_replicated),
+            replica_sum(&w.shards, |s| s.rounds_replicated),
             entries * 6,
             "case {seed}"
         );
@@ -846,7 +838,7 @@ fn a_table_round_is_held_until_every_backup_acknowledged() {
         w.lanes.values().all(|l| !l.done),
         "a ROW_DONE left before the backups had the round"
     );
-    assert!(replica_sum(&w, |s| s.replicates_resent) > 0);
+    assert!(replica_sum(&w.shards, |s| s.replicates_resent) > 0);
     for e in 0..3 {
         let (i, j) = w.at_entry(e);
         let t = w.shards[i][j].snapshot_tables(JOB).unwrap();
@@ -980,7 +972,7 @@ fn an_entry_s_tables_fail_over_to_its_backup_at_the_round_it_holds() {
     // What the ranks sent before the kill and reached a live appliance
     // after it was refused, naming the new epoch (fencing, §11.6).
     assert!(w.wrong_epoch > 0, "no message of the old epoch was refused");
-    let adopted = replica_sum(&w, |s| s.slots_adopted);
+    let adopted = replica_sum(&w.shards, |s| s.slots_adopted);
     assert_eq!(adopted, 2, "two entries' tables adopted");
 }
 
@@ -1071,11 +1063,11 @@ fn rounds_go_on_while_a_table_copy_runs_and_the_backup_catches_up_after() {
     w.assert_backups_equal();
     w.assert_full_strength();
     assert!(
-        replica_sum(&w, |s| s.table_rounds_logged) >= 5 * 3,
+        replica_sum(&w.shards, |s| s.table_rounds_logged) >= 5 * 3,
         "rounds logged: {}",
-        replica_sum(&w, |s| s.table_rounds_logged)
+        replica_sum(&w.shards, |s| s.table_rounds_logged)
     );
-    assert_eq!(replica_sum(&w, |s| s.table_backups_joined), 3);
+    assert_eq!(replica_sum(&w.shards, |s| s.table_backups_joined), 3);
     // Appliance 0 dies: 1 serves every entry from its copies, caught up.
     let before: Vec<Vec<TableState>> = (0..2).map(|e| w.served(0, e)).collect();
     w.kill(0);
@@ -1150,12 +1142,20 @@ fn an_appliance_back_gets_its_tables_copied_and_serves_them_after_the_next_kill(
             round(&mut w);
         }
         w.assert_full_strength();
-        assert_eq!(replica_sum(&w, |s| s.table_states_installed), 3, "case {seed}");
-        assert_eq!(replica_sum(&w, |s| s.table_backups_joined), 3, "case {seed}");
+        assert_eq!(
+            replica_sum(&w.shards, |s| s.table_states_installed),
+            3,
+            "case {seed}"
+        );
+        assert_eq!(
+            replica_sum(&w.shards, |s| s.table_backups_joined),
+            3,
+            "case {seed}"
+        );
         // (The ranks' sends follow a HashMap's order, so which datagrams
         // the network loses differs from run to run: resends are counted
         // over the cases.)
-        resent += replica_sum(&w, |s| s.table_states_resent);
+        resent += replica_sum(&w.shards, |s| s.table_states_resent);
         // Appliance 2 dies: 1 serves its own entry 2 again, from its copy,
         // and 0 serves 2's entries 3 and 4.
         let before: Vec<TableState> = w.served(2, 2);
@@ -1170,7 +1170,10 @@ fn an_appliance_back_gets_its_tables_copied_and_serves_them_after_the_next_kill(
         }
         if seed == 2 {
             // A copy of several fragments.
-            assert!(replica_sum(&w, |s| s.table_states_sent) > 3 * 2, "case {seed}");
+            assert!(
+                replica_sum(&w.shards, |s| s.table_states_sent) > 3 * 2,
+                "case {seed}"
+            );
         }
     }
     assert!(resent > 0, "no table state fragment was resent in any case");
@@ -1197,7 +1200,7 @@ fn a_new_primary_copies_an_adopted_entry_to_the_backup_left() {
         w.assert_backups_equal();
     }
     w.assert_full_strength();
-    assert_eq!(replica_sum(&w, |s| s.table_states_installed), 1);
+    assert_eq!(replica_sum(&w.shards, |s| s.table_states_installed), 1);
     let before = w.served(1, 0);
     w.kill(1);
     assert_eq!(w.serve(0).0, 2);
@@ -1282,7 +1285,7 @@ fn a_drained_index_s_new_appliance_gets_its_tables_copied_and_serves_them() {
         w.assert_backups_equal();
     }
     w.assert_full_strength();
-    assert_eq!(replica_sum(&w, |s| s.table_states_installed), 3);
+    assert_eq!(replica_sum(&w.shards, |s| s.table_states_installed), 3);
     let before = w.served(2, 2);
     w.kill(2);
     assert_eq!(w.serve(2), (1, 0));

@@ -71,13 +71,16 @@ pub(crate) const CLEAN: Faults = Faults {
     dup: 0.0,
 };
 
+/// Per (rank, chunk): its values in a round.
+pub(crate) type Values = HashMap<(u16, u64), Vec<f32>>;
+
 /// Per (rank, chunk): the last round whose RESULT the rank holds, and its
 /// payload ([`World::got`]).
 pub(crate) type Got = HashMap<(u16, u64), (u32, Vec<u8>)>;
 
 /// Every rank's values of every chunk in `round`, drawn from `seed`: the
 /// same in every run.
-pub(crate) fn round_values(w: &World, seed: u64, round: u32) -> HashMap<(u16, u64), Vec<f32>> {
+pub(crate) fn round_values(w: &World, seed: u64, round: u32) -> Values {
     let mut rng = Rng(seed + u64::from(round));
     let mut v = HashMap::new();
     for rank in 0..w.spec.workers as u16 {
@@ -718,12 +721,11 @@ pub(crate) fn change_epoch(w: &mut World, view: &EpochView) {
 
 /// Round `round` of every rank, every chunk, to its primary (INIT for
 /// round 0, rank 0's with values), resent until every RESULT is in.
-pub(crate) fn round(w: &mut World, round: u32, values: &HashMap<(u16, u64), Vec<f32>>) {
-    let total = w.total();
+pub(crate) fn round(w: &mut World, round: u32, values: &Values) {
     let mut sends = 0;
     loop {
-        let missing: Vec<(u16, u64)> = (0..w.spec.workers as u16)
-            .flat_map(|r| (0..total).map(move |g| (r, g)))
+        let missing: Vec<(u16, u64)> = every_push(w)
+            .into_iter()
             .filter(|k| w.got.get(k).is_none_or(|e| e.0 < round))
             .collect();
         // A rank resends its push of a chunk until it holds the round's
@@ -733,24 +735,62 @@ pub(crate) fn round(w: &mut World, round: u32, values: &HashMap<(u16, u64), Vec<
             break;
         }
         assert!(sends < 400, "round {round}: chunks {missing:?} never answered");
-        send_round(w, round, values, &missing, sends > 0);
+        send_and_wait(w, round, values, &missing, sends > 0);
         sends += 1;
-        w.run();
-        w.now += 30 * MS;
-        w.poll();
-        w.run();
     }
+}
+
+/// Each of `chunks`' push of `round` sent ([`send_round`], resent when
+/// `again`) and what follows delivered, then 30 ms later the timers'
+/// resends and what follows them.
+pub(crate) fn send_and_wait(w: &mut World, round: u32, values: &Values, chunks: &[(u16, u64)], again: bool) {
+    send_round(w, round, values, chunks, again);
+    w.run();
+    w.now += 30 * MS;
+    w.poll();
+    w.run();
+}
+
+/// After an appliance died during round `round` (`what`, for the
+/// messages): `epoch` put on the survivors, what is unanswered of that
+/// round resent where the epoch serves it, then every round to `last`,
+/// each round's values `values`' and its results `want`'s.
+pub(crate) fn go_on_after_failure(
+    w: &mut World,
+    epoch: &EpochView,
+    round: u32,
+    last: u32,
+    want: &[Got],
+    values: impl Fn(&World, u32) -> Values,
+    what: &str,
+) {
+    change_epoch(w, epoch);
+    w.run();
+    let v = values(w, round);
+    self::round(w, round, &v);
+    assert_eq!(w.got, want[round as usize], "round {round}, {what}");
+    for r in round + 1..=last {
+        let v = values(w, r);
+        self::round(w, r, &v);
+        assert_eq!(w.got, want[r as usize], "round {r}, {what} in round {round}");
+    }
+}
+
+/// A replication counter of the job summed over every lcore of `shards`.
+pub(crate) fn replica_sum(
+    shards: &[Vec<Shard<SocketAddrV4>>],
+    f: fn(&phub_engine::engine::ReplicaStats) -> u64,
+) -> u64 {
+    shards
+        .iter()
+        .flatten()
+        .map(|s| f(&s.replica_stats(JOB).unwrap()))
+        .sum()
 }
 
 /// Every rank's push (INIT for round 0) of each of `chunks` (rank,
 /// chunk), where the workers' epoch serves it, with that epoch.
-pub(crate) fn send_round(
-    w: &mut World,
-    round: u32,
-    values: &HashMap<(u16, u64), Vec<f32>>,
-    chunks: &[(u16, u64)],
-    again: bool,
-) {
+pub(crate) fn send_round(w: &mut World, round: u32, values: &Values, chunks: &[(u16, u64)], again: bool) {
     {
         for &(rank, g) in chunks {
             let (i, j, slot) = w.route(rank, g);
@@ -785,13 +825,7 @@ pub(crate) fn every_push(w: &World) -> Vec<(u16, u64)> {
 /// appliance `a` is gone (its datagrams go nowhere). False when the round
 /// needed fewer than `n` deliveries: every point of it has been a kill
 /// point.
-pub(crate) fn kill_after(
-    w: &mut World,
-    round: u32,
-    values: &HashMap<(u16, u64), Vec<f32>>,
-    n: usize,
-    a: usize,
-) -> bool {
+pub(crate) fn kill_after(w: &mut World, round: u32, values: &Values, n: usize, a: usize) -> bool {
     let all = every_push(w);
     send_round(w, round, values, &all, false);
     let mut delivered = 0;
