@@ -278,16 +278,21 @@ pub fn plan_replicated(
         .iter()
         .zip(&split)
         .enumerate()
-        .map(|(i, (t, part))| {
-            let backups = if spec.replicas() > 1 {
-                t.info.memory_model.replica_cost(spec, &all, racks, i)
-            } else {
-                Vec::new()
-            };
-            charge(spec, t, part.clone(), &elems, &backups)
-        })
+        .map(|(i, (t, part))| charge(spec, t, part.clone(), &elems, &backups(spec, t, &all, racks, i)))
         .collect::<Result<_, _>>()?;
     Ok(ShardPlan { layout, parts })
+}
+
+/// What target `i` of a replicated `spec` keeps of the other targets'
+/// parts (`parts`, their rack labels `racks`), per lcore: the backup slots
+/// [`phub_proto::memory::MemoryModel::replica_cost`] charges; nothing
+/// without replicas.
+fn backups(spec: &JobSpec, target: &Target<'_>, parts: &[&Layout], racks: &[&str], i: usize) -> Vec<u64> {
+    if spec.replicas() > 1 {
+        target.info.memory_model.replica_cost(spec, parts, racks, i)
+    } else {
+        Vec::new()
+    }
 }
 
 /// The layout of [`plan_over`], before anything is charged.
@@ -360,11 +365,7 @@ pub fn plan_hierarchical(spec: &JobSpec, targets: &[Target<'_>]) -> Result<HierP
     let labels: Vec<&str> = targets.iter().map(|t| t.name).collect();
     for (i, (t, part)) in targets.iter().zip(split.iter().cloned()).enumerate() {
         let info = t.info;
-        let backups = if spec.replicas() > 1 {
-            info.memory_model.replica_cost(spec, &all, &labels, i)
-        } else {
-            Vec::new()
-        };
+        let backups = backups(spec, t, &all, &labels, i);
         let homes = cost(spec, &part, info).lcores;
         let load: Vec<u64> = t
             .load

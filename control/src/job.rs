@@ -118,13 +118,16 @@ impl StoredJob {
         data: impl Fn(&str) -> Option<DataAddr>,
         rack: impl Fn(&str) -> String,
     ) -> Option<InstallJob> {
+        // A hierarchical job's: its home slots, over the home layout, at
+        // epoch 0 (its shape is flat from its first epoch change on,
+        // PROTOCOL.md §11.11).
+        let replication = if self.spec.replicas() > 1 {
+            Some(self.replication_for(name, &data, &rack)?)
+        } else {
+            None
+        };
         let racks = match &self.shape {
             JobShape::Flat => {
-                let replication = if self.spec.replicas() > 1 {
-                    Some(self.replication_for(name, &data, &rack)?)
-                } else {
-                    None
-                };
                 return Some(InstallJob {
                     id: self.id,
                     token: self.token,
@@ -137,7 +140,6 @@ impl StoredJob {
             }
             JobShape::Hierarchical { racks } => racks,
         };
-        let rack_label = rack;
         let rack = self.part_index(name)?;
         let peers = self
             .parts
@@ -161,12 +163,7 @@ impl StoredJob {
                 racks: peers,
                 homes: self.layout.clone(),
             }),
-            // Replicated: its home slots, over the home layout, at epoch 0
-            // (its shape is flat from its first epoch change on, §11.11).
-            replication: match self.spec.replicas() > 1 {
-                true => Some(self.replication_for(name, &data, &rack_label)?),
-                false => None,
-            },
+            replication,
             entries: None,
         })
     }

@@ -382,7 +382,7 @@ impl Manager {
     /// the appliance never holds a copy of a table. Its length is known
     /// before the first byte.
     pub fn checkpoint_begin(&self, id: u16) -> Result<CheckpointStream, MgmtError> {
-        let job = {
+        let mut job = {
             let reg = self.registry();
             if reg.installing.contains_key(&id) {
                 return Err(err(
@@ -397,7 +397,6 @@ impl Manager {
         };
         // A replicated hierarchical job's lcores save their home slots: its
         // checkpoint is of its flat form (PROTOCOL.md §11.11).
-        let mut job = job;
         crate::replication::flat_form(&mut job);
         let mut lcores = Vec::with_capacity(self.lcores.len());
         let mut sections = Vec::with_capacity(self.lcores.len());

@@ -499,19 +499,16 @@ impl World<'_> {
             .collect();
         self.control = Some(Control::new(layout, runs, key_first, n));
         let view = EpochView::default();
-        // A hierarchical job's shards are installed hierarchical at epoch
-        // 0, with their home slots' replicas (PROTOCOL.md §11.11).
+        // A hierarchical job's shards are installed already, hierarchical
+        // at epoch 0 with their home slots' replicas (PROTOCOL.md §11.11).
         for a in (0..n).filter(|_| self.hier.is_none()) {
             let shards = self.replica_shards(a, &view);
             for (g, shard) in self.lcores_of(a).zip(shards) {
                 self.lcores[g].shard = shard;
-                self.lcores[g].view = Some(view.clone());
             }
         }
-        if self.hier.is_some() {
-            for g in 0..n * l {
-                self.lcores[g].view = Some(view.clone());
-            }
+        for lc in &mut self.lcores[..n * l] {
+            lc.view = Some(view.clone());
         }
         for i in 0..self.ranks.len() {
             self.route_rank(i);

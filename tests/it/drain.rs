@@ -16,9 +16,9 @@
 use std::time::Duration;
 
 use crate::common::{
-    all_trained, assert_async_sums, async_replicated_spec, replicated_spec, replicated_table_spec,
-    train_async_ranks, train_ranks, train_table_ranks, try_until, until, Appliances, Gates, Operator,
-    Stopped,
+    all_trained, assert_async_sums, async_replicated_spec, hierarchical_replicated_spec, replicated_spec,
+    replicated_table_spec, train_async_ranks, train_ranks, train_table_ranks, try_until, until, Appliances,
+    Gates, Operator, Stopped,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::routes::{control, mgmt};
@@ -96,10 +96,7 @@ fn an_appliance_down_past_spare_after_ms_is_replaced_by_a_spare_without_the_oper
 fn drain_b(dead: bool, hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1, 1, 1], "256MiB");
     let (job, workers) = if hierarchical {
-        let spec = phub::proto::spec::JobSpec::new("drain", 3, &KEYS)
-            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
-            .with_replicas(2)
-            .to_toml();
+        let spec = hierarchical_replicated_spec("drain", 3, &KEYS, &["a", "b", "c"], 2);
         (rack.admit(&spec).unwrap(), 3u16)
     } else {
         (admit_job(&rack, "drain"), WORKERS)

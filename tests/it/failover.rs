@@ -13,8 +13,9 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_trained, assert_async_sums, async_replicated_spec, at_full_strength, replicated_spec,
-    replicated_table_spec, train_async_ranks, train_ranks, train_table_ranks, Appliances, Gates, Operator,
+    all_trained, assert_async_sums, async_replicated_spec, at_full_strength, hierarchical_replicated_spec,
+    replicated_spec, replicated_table_spec, train_async_ranks, train_ranks, train_table_ranks, Appliances,
+    Gates, Operator,
 };
 use phub::proto::failover::EpochView;
 use phub::proto::routes::control;
@@ -53,10 +54,7 @@ fn kill_b_mid_training(replicas: u32, hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let (workers, spec) = if hierarchical {
-        let spec = phub::proto::spec::JobSpec::new("failover", 3, &keys)
-            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
-            .with_replicas(replicas)
-            .to_toml();
+        let spec = hierarchical_replicated_spec("failover", 3, &keys, &["a", "b", "c"], replicas);
         (3u16, spec)
     } else {
         let spec = replicated_spec("failover", 2, &keys, &["a", "b", "c"], replicas);

@@ -27,8 +27,8 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::common::{
-    all_trained, replicated_spec, replicated_table_spec, train_rank, train_ranks, train_table_ranks,
-    try_until, until, Appliances, Gates, Operator,
+    all_trained, hierarchical_replicated_spec, replicated_spec, replicated_table_spec, train_rank,
+    train_ranks, train_table_ranks, try_until, until, Appliances, Gates, Operator,
 };
 use phub::proto::api::{JobDetail, Strength};
 use phub::proto::failover::{EpochView, Joined};
@@ -61,10 +61,7 @@ fn kill_restart_then_kill_partner(after_failover: bool, hierarchical: bool) {
     let keys = [5000u64, 3, 20_000];
     // Racks r1, r2, r3: b's part is backed up on c (PROTOCOL.md §11.1).
     let (workers, spec) = if hierarchical {
-        let spec = phub::proto::spec::JobSpec::new("rereplication", 3, &keys)
-            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b", "c"]))
-            .with_replicas(2)
-            .to_toml();
+        let spec = hierarchical_replicated_spec("rereplication", 3, &keys, &["a", "b", "c"], 2);
         (3u16, spec)
     } else {
         (
@@ -519,10 +516,7 @@ fn every_appliance_restarted(hierarchical: bool) {
     let mut rack = Appliances::start(&[1, 1], "256MiB");
     let keys = [5000u64, 3, 20_000];
     let spec = if hierarchical {
-        phub::proto::spec::JobSpec::new("restored", u32::from(WORKERS), &keys)
-            .hierarchical_over(phub::proto::spec::Appliances::named(&["a", "b"]))
-            .with_replicas(2)
-            .to_toml()
+        hierarchical_replicated_spec("restored", WORKERS, &keys, &["a", "b"], 2)
     } else {
         replicated_spec("restored", WORKERS, &keys, &["a", "b"], 2)
     };

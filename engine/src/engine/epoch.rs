@@ -218,10 +218,7 @@ impl<A: Copy + Eq> Shard<A> {
         self.check_table_epoch(i, view)?;
         let job = &mut self.jobs[i];
         // Applied from here on, whole. A hierarchical part goes flat first.
-        let flat = job.hier.is_some();
-        if let Some(h) = job.hier.take() {
-            flatten(job, *h);
-        }
+        let flat = job.hier.take().map(|h| flatten(job, *h)).is_some();
         let rep = job.replica.as_deref_mut().expect("checked above");
         debug_assert_eq!(rep.view, old_view);
         rep.view = view.clone();

@@ -954,10 +954,18 @@ impl<A: Copy + Eq> Shard<A> {
                 let mut verdict: Option<Verdict> = None;
                 let further = replica::acks(payload).map(|a| (a, false));
                 for ((slot, round), head) in std::iter::once(((repr.slot, repr.round), true)).chain(further) {
+                    // The primary slot acknowledged: its chunk, and whether
+                    // it completed a round (an async or bounded-delay
+                    // slot's past round 0 takes updates).
+                    let held = job
+                        .primaries()
+                        .0
+                        .get(slot as usize)
+                        .map(|s| (s.key, s.chunk, s.completed.get().is_some()));
                     // A further acknowledgement names no key or chunk: the
                     // slot's own stand in for the header's check.
-                    let (key, chunk) = match job.primaries().0.get(slot as usize) {
-                        Some(s) if !head => (s.key, s.chunk),
+                    let (key, chunk) = match held {
+                        Some((key, chunk, _)) if !head => (key, chunk),
                         _ => (repr.key, repr.chunk),
                     };
                     let one = ReplicaRepr {
@@ -968,11 +976,7 @@ impl<A: Copy + Eq> Shard<A> {
                         ..repr
                     };
                     let clocked = job.replica.as_deref().is_some_and(Replica::clocked)
-                        && job
-                            .primaries()
-                            .0
-                            .get(slot as usize)
-                            .is_some_and(|s| s.completed.get().is_some());
+                        && held.is_some_and(|(_, _, completed)| completed);
                     if clocked {
                         // An update's acknowledgement (PROTOCOL.md §11.10).
                         let v = match Self::backup_index(job, from, &one).and_then(|k| {

@@ -523,6 +523,22 @@ pub(crate) fn replicated_spec(
         .to_toml()
 }
 
+/// A hierarchical job (PROTOCOL.md §9) of `workers` ranks over `keys`,
+/// one rack per named appliance (its ranks spread evenly), with
+/// `replicas` copies of every home's chunks (§11.11).
+pub(crate) fn hierarchical_replicated_spec(
+    name: &str,
+    workers: u16,
+    keys: &[u64],
+    appliances: &[&str],
+    replicas: u32,
+) -> String {
+    JobSpec::new(name, u32::from(workers), keys)
+        .hierarchical_over(phub::proto::spec::Appliances::named(appliances))
+        .with_replicas(replicas)
+        .to_toml()
+}
+
 /// An async job (PROTOCOL.md §5.8) of `workers` ranks over `keys`, sum,
 /// sharded over the named appliances with two replicas of every chunk
 /// (§11.10): the async replication suites' job.
