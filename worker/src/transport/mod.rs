@@ -734,7 +734,7 @@ impl<D> Transport<D> {
 
     /// A hierarchical job's rack ([`Routing::set_rack`], PROTOCOL.md
     /// §11.11), on the routing set before; says what disagrees.
-    #[cfg(feature = "sim")]
+    #[cfg(any(test, feature = "sim"))]
     pub(crate) fn set_rack(
         &mut self,
         appliance: usize,
@@ -786,7 +786,14 @@ impl<D> Transport<D> {
             view.down,
             self.table.outstanding.len()
         );
+        let was_at_rack = routing.at_rack();
         routing.set_epoch(view);
+        if was_at_rack && !routing.at_rack() {
+            // Flat from now on (§11.11): the window made for the rack
+            // appliance's lcores is remade for every appliance's.
+            let lcores = routing.lcore_count();
+            self.reshape_window(lcores);
+        }
         // Taken while the chunks are re-addressed (`sequence` borrows the
         // whole transport), and put back below.
         let routing = self.routing.take().expect("checked above");
@@ -874,6 +881,26 @@ impl<D> Transport<D> {
         log::debug!(
             "phub-worker: lcore {lcore} states a receive-buffer share of {share} bytes: window {before} -> {window}"
         );
+        self.window_changed(window);
+    }
+
+    /// The job's chunks now spread over `lcores` lcores: an automatic
+    /// window is remade for them ([`FlowWindow::reshape`]).
+    fn reshape_window(&mut self, lcores: usize) {
+        let before = self.flow.window;
+        let Some(window) = self.flow.reshape(lcores) else {
+            return;
+        };
+        log::debug!(
+            "phub-worker: job {} rank {}: chunks spread over {lcores} lcores: window {before} -> {window}",
+            self.info.job,
+            self.info.rank
+        );
+        self.window_changed(window);
+    }
+
+    /// The flow window became `window`: the congestion window follows it.
+    fn window_changed(&mut self, window: usize) {
         self.congestion.on_window(window);
         self.stats.window.store(window as u64, Ordering::Relaxed);
         self.stats
@@ -1453,7 +1480,7 @@ impl<D> Transport<D> {
             return;
         }
         // How long an overtaken chunk may still be on its way.
-        let patience = if self.info.in_order {
+        let patience = if self.answers_in_order() {
             Duration::ZERO
         } else {
             self.loss.rto.rto
@@ -1596,6 +1623,18 @@ impl<D> Transport<D> {
             let held = routing.epoch().epoch;
             self.epoch_wanted = self.epoch_wanted.max(Some(held));
         }
+    }
+
+    /// Whether an lcore answers this rank's chunks in the order they were
+    /// sent ([`JobInfo::in_order`]): not while a replicated hierarchical
+    /// job's chunks go to its rack slots ([`Routing::at_rack`]), which
+    /// answer as the chunks' homes do, as an unreplicated hierarchical
+    /// job's. Its lanes stay by lcore all along (`info.in_order`): every
+    /// rank of the job, one rejoined after the job went flat included,
+    /// sends its chunks in the same order (mixed orders with a window
+    /// smaller than a round wait on each other: simulator seed 135900).
+    fn answers_in_order(&self) -> bool {
+        self.info.in_order && !self.routing.as_ref().is_some_and(Routing::at_rack)
     }
 
     /// Whether this job's lcores are watched ([`watch`]): a flat job's

@@ -140,6 +140,18 @@ impl Routing {
         self.rack.as_ref().filter(|_| self.epoch.epoch == 0)
     }
 
+    /// Whether chunks go to the rack appliance's rack slots now (a
+    /// hierarchical job at epoch 0, §11.11): its rack lcores answer a
+    /// chunk when the chunk's home does, not in the order sent.
+    pub(crate) fn at_rack(&self) -> bool {
+        self.rack().is_some()
+    }
+
+    /// The lcores of the job's layout, every appliance's.
+    pub(crate) fn lcore_count(&self) -> usize {
+        self.lcores.len()
+    }
+
     /// The epoch held.
     pub(crate) fn epoch(&self) -> &EpochView {
         &self.epoch

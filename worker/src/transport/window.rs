@@ -83,6 +83,24 @@ impl FlowWindow {
             self.shares.resize(l + 1, 0);
         }
         self.shares[l] = share;
+        self.remake(auto)
+    }
+
+    /// The job's chunks now go to `lcores` lcores (a replicated
+    /// hierarchical job made flat, PROTOCOL.md §11.11, goes from its rack
+    /// appliance's to every appliance's): with an automatic window, the
+    /// window is remade for them. Returns the new window when it changed.
+    pub(super) fn reshape(&mut self, lcores: usize) -> Option<usize> {
+        let auto = self.auto.as_mut()?;
+        auto.lcores = lcores.max(1);
+        let auto = *auto;
+        self.remake(auto)
+    }
+
+    /// Remakes the window from `auto` and the smallest share now known
+    /// (the join answer's for lcores that have stated none); returns it
+    /// when it changed.
+    fn remake(&mut self, auto: AutoWindow) -> Option<usize> {
         let known = self.shares.iter().filter(|&&s| s > 0).count();
         let stated = self.shares.iter().filter(|&&s| s > 0).map(|&s| s as usize).min();
         // Lcores that have stated nothing yet keep the join answer's share.
