@@ -112,7 +112,14 @@ impl Rto {
             }
         }
         let s = self.srtt.unwrap_or(r);
-        self.rto = (s + self.rttvar * 4).clamp(self.min, self.max);
+        // RTTVAR counted at least SRTT / 4 (so at least 2 SRTT), as the
+        // engine's partial timer (PROTOCOL.md §9.3 rule 4): a window's
+        // results come back in bursts, each close to the one before, and
+        // RTTVAR shrinks to the spread within a burst, well under the
+        // spread between bursts; a hierarchical job's overtaken chunks,
+        // lost only once out for this RTO, went again by the thousand
+        // (ResNet-50, W = 4, 3 racks: BENCHMARKS.md).
+        self.rto = (s + self.rttvar.max(s / 4) * 4).clamp(self.min, self.max);
     }
 
     /// The smoothed round trip, or the RTO before any sample: how long a
@@ -166,6 +173,15 @@ mod tests {
             r.sample(Duration::from_micros(10));
         }
         assert_eq!(r.rto, c.min_rto);
+        // Samples alike shrink RTTVAR to nothing: it counts as SRTT / 4,
+        // so the RTO is 2 SRTT (not SRTT, which every sample a little
+        // late would outlast).
+        for _ in 0..200 {
+            r.sample(Duration::from_millis(4));
+        }
+        let s = r.srtt.unwrap();
+        assert!(s > Duration::from_micros(3990), "{s:?}");
+        assert_eq!(r.rto, s + s / 4 * 4);
     }
 
     #[test]
