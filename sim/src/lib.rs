@@ -786,17 +786,6 @@ pub fn run(case: &Case) -> Outcome {
     w.finish()
 }
 
-/// A rank's transport's `in_order`, as phub-worker's join sets it from the
-/// spec it is given: a flat job's lcores answer its chunks in the order
-/// sent (its lanes are by lcore); a hierarchical job's rack slots do not
-/// (one lane, in the order every rack shares); a replicated hierarchical
-/// job's worker is given its flat form (lanes by lcore), and its rack
-/// routing says the rack slots answer out of order while it holds (epoch
-/// 0, PROTOCOL.md §11.11).
-fn in_order(case: &Case) -> bool {
-    case.racks < 2 || case.replication.is_some()
-}
-
 impl<'c> World<'c> {
     fn new(case: &'c Case) -> World<'c> {
         let spec = JobSpec {
@@ -916,7 +905,7 @@ impl<'c> World<'c> {
                     TOKEN,
                     rank,
                     case.dtype,
-                    in_order(case),
+                    case.racks < 2,
                     case.window,
                     &config,
                     base,
@@ -1258,7 +1247,7 @@ impl<'c> World<'c> {
             TOKEN,
             rank,
             self.case.dtype,
-            in_order(self.case),
+            self.case.racks < 2,
             self.case.window,
             &config,
             now,

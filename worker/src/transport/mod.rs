@@ -1480,7 +1480,7 @@ impl<D> Transport<D> {
             return;
         }
         // How long an overtaken chunk may still be on its way.
-        let patience = if self.answers_in_order() {
+        let patience = if self.info.in_order {
             Duration::ZERO
         } else {
             self.loss.rto.rto
@@ -1623,18 +1623,6 @@ impl<D> Transport<D> {
             let held = routing.epoch().epoch;
             self.epoch_wanted = self.epoch_wanted.max(Some(held));
         }
-    }
-
-    /// Whether an lcore answers this rank's chunks in the order they were
-    /// sent ([`JobInfo::in_order`]): not while a replicated hierarchical
-    /// job's chunks go to its rack slots ([`Routing::at_rack`]), which
-    /// answer as the chunks' homes do, as an unreplicated hierarchical
-    /// job's. Its lanes stay by lcore all along (`info.in_order`): every
-    /// rank of the job, one rejoined after the job went flat included,
-    /// sends its chunks in the same order (mixed orders with a window
-    /// smaller than a round wait on each other: simulator seed 135900).
-    fn answers_in_order(&self) -> bool {
-        self.info.in_order && !self.routing.as_ref().is_some_and(Routing::at_rack)
     }
 
     /// Whether this job's lcores are watched ([`watch`]): a flat job's

@@ -141,8 +141,7 @@ impl Routing {
     }
 
     /// Whether chunks go to the rack appliance's rack slots now (a
-    /// hierarchical job at epoch 0, §11.11): its rack lcores answer a
-    /// chunk when the chunk's home does, not in the order sent.
+    /// hierarchical job at epoch 0, §11.11).
     pub(crate) fn at_rack(&self) -> bool {
         self.rack().is_some()
     }
