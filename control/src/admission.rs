@@ -278,7 +278,10 @@ pub fn plan_replicated(
         .iter()
         .zip(&split)
         .enumerate()
-        .map(|(i, (t, part))| charge(spec, t, part.clone(), &elems, &backups(spec, t, &all, racks, i)))
+        .map(|(i, (t, part))| {
+            let backups = backups(spec, t, &all, racks, i);
+            charge(spec, t, part.clone(), layout.lcores.len(), &elems, &backups)
+        })
         .collect::<Result<_, _>>()?;
     Ok(ShardPlan { layout, parts })
 }
@@ -438,20 +441,27 @@ pub fn plan_part(spec: &JobSpec, seqs: Range<u64>, target: &Target<'_>) -> Resul
         info.memory_model.chunk_cost(spec, spec.result_store(info.shm)),
     );
     let elems = Chunks::new(spec).weigh(u64::from);
-    charge(spec, target, layout, &elems, &[])
+    let lcores = layout.lcores.len();
+    charge(spec, target, layout, lcores, &elems, &[])
 }
 
 /// Charges `target` what `part` of `spec` costs on it, or says it does not
-/// fit. `elems` weighs the job's chunks by their elements.
+/// fit. `elems` weighs the job's chunks by their elements; `job_lcores`
+/// is the job's lcore count over every appliance, over which its tables'
+/// rows are spread (PROTOCOL.md §10.1): each lcore is charged its share,
+/// as control's accounting of the admitted job and the engine count it.
 fn charge(
     spec: &JobSpec,
     target: &Target<'_>,
     part: Layout,
+    job_lcores: usize,
     elems: &phub_proto::layout::Weights,
     backups: &[u64],
 ) -> Result<Plan, AdmitError> {
     let info = target.info;
-    let mut cost = cost(spec, &part, info);
+    let mut cost = info
+        .memory_model
+        .part_cost(spec, &part, spec.result_store(info.shm), job_lcores);
     for (c, b) in cost.lcores.iter_mut().zip(backups) {
         *c += b;
     }
@@ -857,6 +867,49 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("on appliance \"c\" has no lcores"), "{e}");
+    }
+
+    /// A table's rows are spread over the job's lcores on every appliance
+    /// (PROTOCOL.md §10.1): a part of a sharded job is charged its lcores'
+    /// share of them, as the engine holds them and control counts the
+    /// admitted job, not the whole table on each lcore (three times the
+    /// rows over three appliances; seen as the dataplane's "admission
+    /// charged" warnings of the replicated table tests).
+    #[test]
+    fn a_sharded_table_is_charged_each_lcore_its_share_of_the_rows() {
+        let s = JobSpec::from_toml(
+            "name = \"t\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n\
+             [[keys]]\nname = \"w\"\nelements = 64\n\
+             [[keys]]\nname = \"emb\"\nkind = \"table\"\ndim = 16\nrows = 3000000\n\
+             optimizer = { kind = \"adagrad\", lr = 0.1 }\n",
+        )
+        .unwrap();
+        let one = info(&[None], None, 1 << 36, 0);
+        let t = |name| Target {
+            name,
+            info: &one,
+            load: vec![0],
+        };
+        let p = plan_over(&s, &[t("a"), t("b"), t("c")]).unwrap();
+        let m = MemoryModel::default();
+        for part in &p.parts {
+            assert_eq!(
+                part.cost.lcores,
+                m.part_cost(&s, &part.layout, ResultStore::Slot, 3).lcores
+            );
+            let whole = m.job_cost(&s, &part.layout, ResultStore::Slot).total();
+            assert!(
+                part.memory_bytes * 2 < whole,
+                "{} bytes charged, the whole table {whole}",
+                part.memory_bytes
+            );
+        }
+        // Alone, the job's one lcore holds the whole table.
+        let alone = plan(&s, &one, []).unwrap();
+        assert_eq!(
+            alone.memory_bytes,
+            m.job_cost(&s, &alone.layout, ResultStore::Slot).total()
+        );
     }
 
     #[test]
