@@ -516,9 +516,8 @@ pub(crate) fn replicated_spec(
     appliances: &[&str],
     replicas: u32,
 ) -> String {
-    let names = appliances.iter().map(|a| (*a).to_string()).collect();
     JobSpec::new(name, u32::from(workers), keys)
-        .sharded_over(phub::proto::spec::Appliances::Names(names))
+        .sharded_over(phub::proto::spec::Appliances::named(appliances))
         .with_replicas(replicas)
         .to_toml()
 }
@@ -543,10 +542,9 @@ pub(crate) fn hierarchical_replicated_spec(
 /// sharded over the named appliances with two replicas of every chunk
 /// (§11.10): the async replication suites' job.
 pub(crate) fn async_replicated_spec(name: &str, workers: u16, keys: &[u64], appliances: &[&str]) -> String {
-    let names = appliances.iter().map(|a| (*a).to_string()).collect();
     JobSpec::new(name, u32::from(workers), keys)
         .with_consistency(phub::proto::spec::Consistency::Async)
-        .sharded_over(phub::proto::spec::Appliances::Names(names))
+        .sharded_over(phub::proto::spec::Appliances::named(appliances))
         .with_replicas(2)
         .to_toml()
 }

@@ -74,7 +74,7 @@ impl FlowWindow {
     /// lcore and growing back when it left. Returns the new window when it
     /// changed.
     pub(super) fn note_share(&mut self, lcore: u16, share: u32) -> Option<usize> {
-        let auto = self.auto?;
+        self.auto?;
         let l = usize::from(lcore);
         if share == 0 || self.shares.get(l) == Some(&share) {
             return None;
@@ -83,7 +83,7 @@ impl FlowWindow {
             self.shares.resize(l + 1, 0);
         }
         self.shares[l] = share;
-        self.remake(auto)
+        self.remake()
     }
 
     /// The job's chunks now go to `lcores` lcores (a replicated
@@ -91,16 +91,15 @@ impl FlowWindow {
     /// appliance's to every appliance's): with an automatic window, the
     /// window is remade for them. Returns the new window when it changed.
     pub(super) fn reshape(&mut self, lcores: usize) -> Option<usize> {
-        let auto = self.auto.as_mut()?;
-        auto.lcores = lcores.max(1);
-        let auto = *auto;
-        self.remake(auto)
+        self.auto.as_mut()?.lcores = lcores.max(1);
+        self.remake()
     }
 
-    /// Remakes the window from `auto` and the smallest share now known
-    /// (the join answer's for lcores that have stated none); returns it
-    /// when it changed.
-    fn remake(&mut self, auto: AutoWindow) -> Option<usize> {
+    /// Remakes an automatic window from the job's shape and the smallest
+    /// share now known (the join answer's for lcores that have stated
+    /// none); returns it when it changed.
+    fn remake(&mut self) -> Option<usize> {
+        let auto = self.auto?;
         let known = self.shares.iter().filter(|&&s| s > 0).count();
         let stated = self.shares.iter().filter(|&&s| s > 0).map(|&s| s as usize).min();
         // Lcores that have stated nothing yet keep the join answer's share.
