@@ -135,6 +135,11 @@ pub struct RackArgs {
     /// Limit each appliance's link to G Gbit/s, both ways (tbf).
     #[arg(long, value_name = "G", requires = "racks")]
     pub appliance_gbps: Option<f64>,
+    /// Give every worker a namespace of its own behind a link of its own to
+    /// its rack's switch, limited to G Gbit/s both ways (tbf), as a rack's
+    /// hosts have (without it the rack's workers share the rack's namespace).
+    #[arg(long, value_name = "G", requires = "racks")]
+    pub worker_gbps: Option<f64>,
     /// Drop PCT percent of the UDP datagrams the spine forwards between
     /// racks, at random (nftables `numgen random` in the spine namespace;
     /// the management API's TCP is spared): loss on the cross-rack hop only.
@@ -175,6 +180,8 @@ pub struct RackFigures {
     pub spine_gbps: Option<f64>,
     /// `--appliance-gbps`.
     pub appliance_gbps: Option<f64>,
+    /// `--worker-gbps`.
+    pub worker_gbps: Option<f64>,
     /// `--spine-loss`, and the datagrams the spine dropped for it over the
     /// whole run (warm-up and comparisons included).
     pub spine_loss_pct: Option<u32>,
@@ -877,9 +884,15 @@ fn check(a: &RunArgs) -> Result<(usize, usize)> {
         &[
             ("--spine-gbps", ra.spine_gbps),
             ("--appliance-gbps", ra.appliance_gbps),
+            ("--worker-gbps", ra.worker_gbps),
         ],
         ra.link_queue_ms,
     )?;
+    ensure!(
+        ra.worker_gbps.is_none() || a.workers <= MAX_WORKER_LINKS,
+        "--worker-gbps with --workers {}: at most {MAX_WORKER_LINKS} workers have links of their own",
+        a.workers
+    );
     ensure!(
         !ra.hierarchical || (racks >= 2 && n == racks),
         "--hierarchical with --racks {racks} --appliances {n}: every rack's appliance takes part \
@@ -907,7 +920,10 @@ pub fn run_point(a: &RunArgs, profile: &Profile, label: &str) -> Result<RunResul
         a.rack.compare_single || a.rack.compare_flat,
     )?;
     let ra = &a.rack;
-    let net = RackNet::create(racks, ra.spine_gbps, ra.appliance_gbps, ra.link_queue_ms)?;
+    let mut net = RackNet::create(racks, ra.spine_gbps, ra.appliance_gbps, ra.link_queue_ms)?;
+    if let Some(g) = ra.worker_gbps {
+        net.add_workers(&rack_of_ranks(a.workers, racks), Some(g), ra.link_queue_ms)?;
+    }
     if let Some(pct) = ra.spine_loss {
         net.spine_loss(pct)?;
     }
@@ -986,7 +1002,12 @@ fn run_in_spine(
     let of = rack_of_ranks(a.workers, racks);
     let fabric_bytes = || net.spine_rx_bytes();
     let fabric = Fabric {
-        rank_ns: of.iter().map(|&r| net.racks[r].name.clone()).collect(),
+        // Each rank's own namespace where --worker-gbps gave it one, else
+        // its rack's.
+        rank_ns: match net.workers.is_empty() {
+            true => of.iter().map(|&r| net.racks[r].name.clone()).collect(),
+            false => net.workers.iter().map(|ns| ns.name.clone()).collect(),
+        },
         rank_rack: of.iter().map(|&r| rack_label(r + 1)).collect(),
         spine_bytes: Some(&fabric_bytes),
     };
@@ -1069,6 +1090,7 @@ fn run_in_spine(
         cross_rack_bytes_per_round: r.racks.cross_rack_bytes_per_round,
         spine_gbps: a.rack.spine_gbps,
         appliance_gbps: a.rack.appliance_gbps,
+        worker_gbps: a.rack.worker_gbps,
         spine_loss_pct: a.rack.spine_loss,
         spine_dropped: a.rack.spine_loss.and_then(|_| net.spine_dropped().ok()),
         single_round_ms_median: single.as_ref().map(|s| s.round_ms_median),
@@ -1090,12 +1112,14 @@ pub fn summary(r: &RunResult) -> Option<String> {
     let (racks, n, mode) = (f.racks?, f.appliances?, f.mode.as_deref()?);
     let model = r.model_bytes as f64;
     let mut s = format!(
-        "virtual racks: R={racks} (workers per rack {:?}), {mode} over {n} appliance(s){}{}",
+        "virtual racks: R={racks} (workers per rack {:?}), {mode} over {n} appliance(s){}{}{}",
         f.workers_per_rack,
         f.spine_gbps
             .map_or(String::new(), |g| format!(", spine {g} Gbit/s")),
         f.appliance_gbps
             .map_or(String::new(), |g| format!(", appliance links {g} Gbit/s")),
+        f.worker_gbps
+            .map_or(String::new(), |g| format!(", worker links {g} Gbit/s")),
     );
     let flat = 2.0 * r.workers as f64 * (racks as f64 - 1.0) / racks as f64;
     if let Some(b) = f.cross_rack_bytes_per_round {
@@ -1138,6 +1162,30 @@ mod tests {
         assert_eq!(rack_of_ranks(5, 2), [0, 0, 0, 1, 1]);
         assert_eq!(rack_of_ranks(2, 2), [0, 1]);
         assert_eq!(ranks_per_rack(&rack_of_ranks(5, 2), 2), [3, 2]);
+    }
+
+    #[test]
+    fn worker_links_are_checked_before_the_racks_are_built() {
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            run: RunArgs,
+        }
+        use clap::Parser;
+        let check_of = |extra: &[&str]| {
+            let line = ["run", "--local", "--racks", "3", "--model", "resnet50"];
+            let f = Flags::try_parse_from(line.iter().chain(extra)).unwrap();
+            check(&f.run).map_err(|e| e.to_string())
+        };
+        assert_eq!(check_of(&["--workers", "4", "--worker-gbps", "1"]), Ok((3, 3)));
+        let zero = check_of(&["--workers", "4", "--worker-gbps", "0"]).unwrap_err();
+        assert!(zero.contains("--worker-gbps 0"), "{zero}");
+        let many = check_of(&["--workers", "251", "--worker-gbps", "1"]).unwrap_err();
+        assert!(many.contains("at most 250 workers"), "{many}");
+        assert!(
+            check_of(&["--workers", "251"]).is_ok(),
+            "without links of their own"
+        );
     }
 
     #[test]
