@@ -143,15 +143,7 @@ pub(super) struct Rtt {
     rttvar: u64,
     /// Doublings kept since the last sample (at most [`MAX_BACKOFF`]).
     backoff: u8,
-    /// The longest sample of the current window of [`PEAK_WINDOW`]
-    /// samples (0) and of the one before (1).
-    peak: [u64; 2],
-    /// Samples in the current window.
-    seen: u32,
 }
-
-/// Samples in each of the two windows whose longest the timeout covers.
-const PEAK_WINDOW: u32 = 4096;
 
 /// Most doublings the timer keeps across partials.
 const MAX_BACKOFF: u8 = 4;
@@ -177,12 +169,6 @@ impl Rtt {
 
     pub(super) fn sample(&mut self, rtt: u64) {
         self.backoff = 0;
-        self.seen += 1;
-        if self.seen > PEAK_WINDOW {
-            self.peak = [0, self.peak[0]];
-            self.seen = 1;
-        }
-        self.peak[0] = self.peak[0].max(rtt);
         if self.srtt == 0 {
             self.srtt = rtt.max(1);
             self.rttvar = rtt / 2;
@@ -200,19 +186,12 @@ impl Rtt {
     /// the spread within a burst, well under the spread between bursts,
     /// and SRTT + 4 RTTVAR alone fired for a fifth of a replicated
     /// hierarchical job's partials (RTT median 3.1 ms, p90 4.3, RTTVAR
-    /// 0.2 ms: BENCHMARKS.md). And at least 1.25 times the longest sample
-    /// of the last two windows of [`PEAK_WINDOW`]: with a deep window a
-    /// chunk's wait for the other racks grows past 2 SRTT for some of a
-    /// round's chunks, and those alone went again (ResNet-50 over three
-    /// racks at window 124: a quarter of the partials, BENCHMARKS.md).
+    /// 0.2 ms: BENCHMARKS.md).
     pub(super) fn rto(&self, resends: u8) -> u64 {
         let base = if self.srtt == 0 {
             INITIAL_RTO_NS
         } else {
-            let peak = self.peak[0].max(self.peak[1]);
-            (self.srtt + 4 * self.rttvar.max(self.srtt / 4))
-                .max(peak + peak / 4)
-                .clamp(MIN_RTO_NS, MAX_RTO_NS)
+            (self.srtt + 4 * self.rttvar.max(self.srtt / 4)).clamp(MIN_RTO_NS, MAX_RTO_NS)
         };
         base.saturating_mul(1 << resends.saturating_add(self.backoff).min(16))
             .min(MAX_RTO_NS)
@@ -832,40 +811,4 @@ pub fn hierarchy_plan(req: &InstallJob, n: usize) -> Result<(Layout, Vec<HierIns
         })
         .collect();
     Ok((home, per_lcore))
-}
-
-#[cfg(test)]
-mod rtt_tests {
-    use super::{Rtt, MIN_RTO_NS, PEAK_WINDOW};
-
-    const MS: u64 = 1_000_000;
-
-    #[test]
-    fn alike_samples_give_twice_the_round_trip() {
-        let mut r = Rtt::default();
-        for _ in 0..1000 {
-            r.sample(3 * MS);
-        }
-        assert_eq!(r.rto(0), 6 * MS);
-        assert_eq!(r.rto(1), 12 * MS);
-    }
-
-    #[test]
-    fn the_timeout_covers_the_longest_recent_wait() {
-        // A burst of partials answered at once after a wait for the other
-        // racks: most come back after 3 ms, one in a hundred after 9 ms.
-        // SRTT + 4 RTTVAR (at least 2 SRTT) sits under the 9 ms ones and
-        // would resend each; the peak of the last two windows covers them.
-        let mut r = Rtt::default();
-        for i in 0..2000u32 {
-            r.sample(if i % 100 == 99 { 9 * MS } else { 3 * MS });
-        }
-        assert!(r.rto(0) >= 9 * MS + 9 * MS / 4, "rto {}", r.rto(0));
-        // Two windows without such a wait: back to twice the round trip.
-        for _ in 0..2 * PEAK_WINDOW {
-            r.sample(3 * MS);
-        }
-        assert_eq!(r.rto(0), 6 * MS);
-        assert!(r.rto(0) >= MIN_RTO_NS);
-    }
 }

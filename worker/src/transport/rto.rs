@@ -42,15 +42,7 @@ pub(crate) struct Rto {
     floor: Duration,
     /// When the floor was last raised or halved.
     floor_at: Option<Instant>,
-    /// The longest sample of the current window of [`PEAK_WINDOW`]
-    /// samples (0) and of the one before (1).
-    peak: [Duration; 2],
-    /// Samples in the current window.
-    seen: u32,
 }
-
-/// Samples in each of the two windows whose longest the RTO covers.
-const PEAK_WINDOW: u32 = 4096;
 
 /// A spurious resend's floor halves after this long without another.
 pub(crate) const FLOOR_HALF_LIFE: Duration = Duration::from_secs(1);
@@ -67,8 +59,6 @@ impl Rto {
             max: c.max_rto,
             floor: Duration::ZERO,
             floor_at: None,
-            peak: [Duration::ZERO; 2],
-            seen: 0,
         }
     }
 
@@ -110,12 +100,6 @@ impl Rto {
 
     pub(crate) fn sample(&mut self, r: Duration) {
         self.min_rtt = Some(self.min_rtt.map_or(r, |m| m.min(r)));
-        self.seen += 1;
-        if self.seen > PEAK_WINDOW {
-            self.peak = [Duration::ZERO, self.peak[0]];
-            self.seen = 1;
-        }
-        self.peak[0] = self.peak[0].max(r);
         match self.srtt {
             None => {
                 self.srtt = Some(r);
@@ -134,16 +118,8 @@ impl Rto {
         // RTTVAR shrinks to the spread within a burst, well under the
         // spread between bursts; a hierarchical job's overtaken chunks,
         // lost only once out for this RTO, went again by the thousand
-        // (ResNet-50, W = 4, 3 racks: BENCHMARKS.md). And at least 1.25
-        // times the longest of the last two windows of samples: with a
-        // deep window a burst's round trips spread past 2 SRTT (the wait
-        // for the slowest rank's share of a chunk grows with the window),
-        // and SRTT + 4 RTTVAR, from samples alike within each burst, sat
-        // under its tail.
-        let peak = self.peak[0].max(self.peak[1]);
-        self.rto = (s + self.rttvar.max(s / 4) * 4)
-            .max(peak + peak / 4)
-            .clamp(self.min, self.max);
+        // (ResNet-50, W = 4, 3 racks: BENCHMARKS.md).
+        self.rto = (s + self.rttvar.max(s / 4) * 4).clamp(self.min, self.max);
     }
 
     /// The smoothed round trip, or the RTO before any sample: how long a
@@ -193,13 +169,7 @@ mod tests {
         assert_eq!(r.rto, Duration::from_micros(25_000));
         assert_eq!(r.backoff(1), Duration::from_millis(50));
         assert_eq!(r.backoff(40), c.max_rto);
-        // The longest recent sample (10 ms) holds the RTO at 1.25 times
-        // it for two windows of samples, then it follows SRTT again.
         for _ in 0..50 {
-            r.sample(Duration::from_micros(10));
-        }
-        assert_eq!(r.rto, Duration::from_micros(12_500));
-        for _ in 0..2 * PEAK_WINDOW {
             r.sample(Duration::from_micros(10));
         }
         assert_eq!(r.rto, c.min_rto);
