@@ -130,8 +130,16 @@ pub fn choose_lcores(info: &DataplaneInfo) -> Vec<u16> {
 /// What `spec` placed by `layout` costs on the dataplane `info` describes
 /// (its memory model; shared-memory regions when it gives jobs them).
 pub fn cost(spec: &JobSpec, layout: &Layout, info: &DataplaneInfo) -> JobCost {
+    part_cost(spec, layout, info, layout.lcores.len())
+}
+
+/// What the part `part` of `spec` costs on the dataplane `info` describes,
+/// the job's tables' rows spread over its `job_lcores` lcores on every
+/// appliance (PROTOCOL.md §10.1): each lcore holds its share of them, as
+/// the engine counts them.
+pub fn part_cost(spec: &JobSpec, part: &Layout, info: &DataplaneInfo, job_lcores: usize) -> JobCost {
     info.memory_model
-        .job_cost(spec, layout, spec.result_store(info.shm))
+        .part_cost(spec, part, spec.result_store(info.shm), job_lcores)
 }
 
 /// Heap bytes `layout` puts on each lcore (`layout.lcores.len()` entries).
@@ -459,9 +467,7 @@ fn charge(
     backups: &[u64],
 ) -> Result<Plan, AdmitError> {
     let info = target.info;
-    let mut cost = info
-        .memory_model
-        .part_cost(spec, &part, spec.result_store(info.shm), job_lcores);
+    let mut cost = part_cost(spec, &part, info, job_lcores);
     for (c, b) in cost.lcores.iter_mut().zip(backups) {
         *c += b;
     }

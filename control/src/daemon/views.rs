@@ -14,6 +14,7 @@ use phub_proto::spec::JobSpec;
 use super::checkpoints::combined_checkpoint;
 use super::http::{not_admitted, RequestError};
 use super::registry::{survey_of, Inner, Shared, Survey};
+use crate::admission;
 use crate::metrics;
 use crate::state::{JobShape, StoredJob};
 use crate::watch::READ_WAIT;
@@ -233,12 +234,7 @@ impl Shared {
             let info = infos.get(name).ok_or_else(|| not_admitted(id))?;
             // A table's rows are spread over the job's lcores on every
             // appliance: each part's lcores hold their share of them.
-            let cost = info.memory_model.part_cost(
-                &job.spec,
-                &part,
-                job.spec.result_store(info.shm),
-                job.layout.lcores.len(),
-            );
+            let cost = admission::part_cost(&job.spec, &part, info, job.layout.lcores.len());
             memory += cost.total();
             // Cast: i < the part's lcore count, at most admission::MAX_LCORES
             // (2^16, checked by admission and on loading the state file).

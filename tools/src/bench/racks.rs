@@ -1004,9 +1004,10 @@ fn run_in_spine(
     let fabric = Fabric {
         // Each rank's own namespace where --worker-gbps gave it one, else
         // its rack's.
-        rank_ns: match net.workers.is_empty() {
-            true => of.iter().map(|&r| net.racks[r].name.clone()).collect(),
-            false => net.workers.iter().map(|ns| ns.name.clone()).collect(),
+        rank_ns: if net.workers.is_empty() {
+            of.iter().map(|&r| net.racks[r].name.clone()).collect()
+        } else {
+            net.workers.iter().map(|ns| ns.name.clone()).collect()
         },
         rank_rack: of.iter().map(|&r| rack_label(r + 1)).collect(),
         spine_bytes: Some(&fabric_bytes),
