@@ -35,7 +35,7 @@ use phub::proto::spec::Consistency;
 use phub_hwtests::process::Daemon;
 use phub_worker::Worker;
 
-use crate::common::{admit, census_spec, client, expected_sum, free_port, grad, init, sum_spec, Rack};
+use crate::common::{admit, census_spec, client, expected_sum, free_port, grad, init, sum_spec, until, Rack};
 
 /// The lease TTL the controls run with, in seconds.
 const TTL: u64 = 2;
@@ -452,6 +452,138 @@ fn a_leader_paused_past_its_lease_is_fenced_and_steps_down() {
     }
     join(&b.url, job.id, job.token, 0).unwrap();
     assert_eq!(joined(&b.url, &token, job.id), [0]);
+}
+
+/// The keys under `prefix` (ending in '/') in the etcd at `port`, read
+/// through its JSON gateway.
+fn etcd_keys(port: u16, prefix: &str) -> Vec<String> {
+    use base64::Engine as _;
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut end = prefix.as_bytes().to_vec();
+    *end.last_mut().unwrap() += 1;
+    let answer: serde_json::Value = ureq::post(&format!("http://127.0.0.1:{port}/v3/kv/range"))
+        .send_json(
+            serde_json::json!({"key": b64.encode(prefix), "range_end": b64.encode(&end), "keys_only": true}),
+        )
+        .unwrap()
+        .into_json()
+        .unwrap();
+    answer["kvs"]
+        .as_array()
+        .map(|l| {
+            l.iter()
+                .map(|kv| String::from_utf8(b64.decode(kv["key"].as_str().unwrap()).unwrap()).unwrap())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A job entry's pieces in etcd: generation -> piece count.
+fn pieces(port: u16, prefix: &str, job: u16) -> std::collections::BTreeMap<String, usize> {
+    let dir = format!("/{prefix}/pieces/jobs/{job:05}/");
+    let mut by = std::collections::BTreeMap::new();
+    for k in etcd_keys(port, &dir) {
+        let generation = k[dir.len()..].split('/').next().unwrap().to_string();
+        *by.entry(generation).or_insert(0) += 1;
+    }
+    by
+}
+
+/// A job whose stored entry is over etcd's request limit (a spec of many
+/// keys) is written in pieces with a manifest: read back by a follower,
+/// by the leader after a takeover and by `phubctl state export`, imported
+/// into another prefix; a change (a join) leaves the pieces of one
+/// generation, an eviction none.
+#[test]
+fn a_job_over_etcds_request_limit_is_stored_in_pieces() {
+    let Some((rack, etcd, dir)) = setup() else { return };
+    let prefix = "phub-pieces";
+    let state = etcd.state(prefix);
+    let mut a = Control::start(&rack, &state, &dir, "control-a");
+    let token = operator_token(&dir);
+    wait_leads(&a.url, &token, Duration::from_secs(10));
+    // 100,000 named keys, as a large model's parameters are named: a
+    // stored entry of about 14 MB, read back in one answer over 10 MB.
+    let names: Vec<String> = (0..100_000)
+        .map(|i| {
+            format!(
+                "model.transformer.encoder.layer.{}.attention.self.query_key_value.weight.shard.{i}",
+                i % 48
+            )
+        })
+        .collect();
+    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+    let spec = phub::proto::spec::JobSpec::new("wide", 2, &vec![1u64; names.len()])
+        .with_key_names(&names)
+        .to_toml();
+    let job = admit(&a.url, &token, &spec).unwrap();
+    let first = pieces(etcd.port, prefix, job.id);
+    assert_eq!(first.len(), 1, "one generation of pieces: {first:?}");
+    let count = *first.values().next().unwrap();
+    assert!(count > 10, "the entry is over 10 MiB: {count} piece(s)");
+    eprintln!("the wide job's entry: {count} pieces of at most 1 MiB");
+
+    // A follower puts the pieces together.
+    let b = Control::start(&rack, &state, &dir, "control-b");
+    until("the follower reads the wide job", Duration::from_secs(10), || {
+        joined(&b.url, &token, job.id).is_empty()
+            && client(&b.url, Some(&token))
+                .send(&control::jobs())
+                .is_ok_and(|j| j.iter().any(|j| j.id == job.id))
+    });
+
+    // A change rewrites it: a new generation, the old one gone.
+    join(&a.url, job.id, job.token, 0).unwrap();
+    let second = pieces(etcd.port, prefix, job.id);
+    assert_eq!(second.len(), 1, "{second:?}");
+    assert_ne!(first.keys().next(), second.keys().next(), "a new generation");
+
+    // The new leader after a kill reads it whole; the token works.
+    a.daemon.as_mut().unwrap().kill();
+    wait_leads(&b.url, &token, Duration::from_secs(10 + TTL));
+    assert_eq!(joined(&b.url, &token, job.id), [0]);
+    join(&b.url, job.id, job.token, 1).expect("the wide job's token works");
+
+    // Exported whole, imported into another prefix in pieces.
+    let exported = rack.dir.join("wide.json");
+    let copy = etcd.state("phub-pieces-copy");
+    for args in [
+        vec![
+            "state".to_string(),
+            "export".into(),
+            state.clone(),
+            exported.display().to_string(),
+        ],
+        vec![
+            "state".to_string(),
+            "import".into(),
+            exported.display().to_string(),
+            copy,
+        ],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_phubctl"))
+            .args(&args)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(pieces(etcd.port, "phub-pieces-copy", job.id).len(), 1);
+    let text = std::fs::read_to_string(&exported).unwrap();
+    assert!(
+        text.len() > 1 << 20 && text.contains("\"wide\""),
+        "{} bytes",
+        text.len()
+    );
+
+    // Evicted: no piece left.
+    client(&b.url, Some(&token))
+        .send(&control::evict(job.id))
+        .unwrap();
+    assert!(pieces(etcd.port, prefix, job.id).is_empty());
 }
 
 #[test]

@@ -9,7 +9,10 @@
 //! - `PREFIX/jobs/ID`: one admitted job (`ID` zero-padded to 5 digits),
 //!   JSON as in the state file, token included (etcd's access control
 //!   guards it, as the file's mode 0600 does);
-//! - `PREFIX/leader`: the leader's advertised URL, bound to its lease.
+//! - `PREFIX/leader`: the leader's advertised URL, bound to its lease;
+//! - `PREFIX/pieces/ENTRY/GENERATION/INDEX`: a large entry's pieces
+//!   (`ENTRY` as `jobs/00001`, `GENERATION` zero-padded to 20 digits,
+//!   `INDEX` to 5), the entry's own key holding a manifest (below).
 //!
 //! Every write is one transaction that compares the key's mod revision
 //! with the one this control last read or wrote (two controls never
@@ -18,10 +21,23 @@
 //! lease ran out (paused, partitioned) has its write refused by etcd
 //! itself, however late it sends it, and steps down at once.
 //!
-//! Values are not split: a transaction is bounded by etcd's request limit
-//! (`--max-request-bytes`, 1.5 MiB by default) and parts written in several
-//! transactions would not be atomic. A value over [`MAX_VALUE_BYTES`] is
-//! refused, naming the key, its size and the bound.
+//! Large values are split ([`Split`]). One etcd request is bounded by
+//! etcd's `--max-request-bytes` (1.5 MiB by default), so a value over
+//! [`MAX_VALUE_BYTES`] (a job with many keys) is written in pieces of at
+//! most that size under `PREFIX/pieces/<entry>/<generation>/<index>`, each
+//! piece in a transaction of its own fenced by the leader key, and then the
+//! entry's own key gets a small manifest, `{"split": {"generation": G,
+//! "pieces": N, "bytes": B}}`, in the one fenced, revision-compared
+//! transaction every write is. The manifest is what makes the change
+//! atomic: until it is written readers see the old value, from then on the
+//! new one; that transaction also deletes the entry's pieces of every other
+//! generation (and a value written whole, or deleted, deletes them all).
+//! The generation is the entry's mod revision this control read (0 when
+//! absent), which every write to the entry raises, so no two manifests of
+//! one entry name the same generation. Pieces no manifest names (a write
+//! cut off before its manifest) are ignored by readers and deleted by the
+//! entry's next write. A value over [`MAX_SPLIT_BYTES`] is refused, naming
+//! the key, its size and the bound; so is an answer over it.
 //!
 //! How control talks to etcd: etcd's JSON gateway (`/v3/kv/range`,
 //! `/v3/kv/txn`, `/v3/lease/grant`, `/v3/lease/keepalive`,
@@ -55,12 +71,38 @@ use serde_json::{json, Value};
 use super::store::Change;
 use super::{StateFile, StoredJob, FORMAT_VERSION};
 
-/// The largest value written (1 MiB), under etcd's default request limit
-/// (1.5 MiB) with room for the transaction around it.
+/// The largest value written whole, and the size of a split value's
+/// pieces (1 MiB): under etcd's default request limit (1.5 MiB) with room
+/// for the transaction around it.
 pub(crate) const MAX_VALUE_BYTES: usize = 1 << 20;
 
-/// How long one request to an etcd endpoint may take before the next is
-/// tried.
+/// The largest value written at all, split (as the largest state file
+/// control reads), and the largest answer read from etcd.
+// Cast: 1 GiB fits a usize.
+#[allow(clippy::cast_possible_truncation)]
+pub(crate) const MAX_SPLIT_BYTES: usize = super::MAX_STATE_BYTES as usize;
+
+/// The manifest a split value's key holds (module head).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Split {
+    split: SplitRef,
+}
+
+/// Where a split value's pieces are and what they add up to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SplitRef {
+    /// The generation its pieces are under.
+    generation: i64,
+    /// How many pieces (each [`MAX_VALUE_BYTES`] but the last).
+    pieces: u32,
+    /// The value's length.
+    bytes: u64,
+}
+
+/// How long connecting to an etcd endpoint, or a read or write of a
+/// request to it, may wait before the next endpoint is tried.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Why etcd could not be used.
@@ -129,17 +171,17 @@ pub(crate) enum EtcdError {
         /// The leader's URL, if one leads.
         leader: Option<String>,
     },
-    /// A value over [`MAX_VALUE_BYTES`].
+    /// A value over [`MAX_SPLIT_BYTES`].
     #[error(
-        "etcd key {key:?}: its value is {bytes} bytes, over the {limit} bytes phub-control writes in one \
-         etcd request (etcd's --max-request-bytes is 1.5 MiB by default); nothing was written"
+        "etcd key {key:?}: its value is {bytes} bytes, over the {limit} bytes phub-control stores under \
+         one key (in pieces of 1 MiB); nothing was written"
     )]
     TooLarge {
         /// The key.
         key: String,
         /// The value's size.
         bytes: usize,
-        /// [`MAX_VALUE_BYTES`].
+        /// [`MAX_SPLIT_BYTES`].
         limit: usize,
     },
 }
@@ -311,7 +353,12 @@ impl Gateway {
     /// file that cannot be used.
     fn new(endpoints: Vec<String>, security: &EtcdSecurity) -> Result<Gateway, EtcdError> {
         assert!(!endpoints.is_empty(), "an etcd target has an endpoint");
-        let mut builder = ureq::AgentBuilder::new().timeout(REQUEST_TIMEOUT);
+        // Each step bounded rather than the whole request: a state read
+        // of many split values takes as long as its bytes do.
+        let mut builder = ureq::AgentBuilder::new()
+            .timeout_connect(REQUEST_TIMEOUT)
+            .timeout_read(REQUEST_TIMEOUT)
+            .timeout_write(REQUEST_TIMEOUT);
         if security.tls() {
             let identity = security
                 .identity
@@ -406,15 +453,29 @@ impl Gateway {
             match req.send_json(body) {
                 Ok(r) => {
                     self.preferred.store(at, Ordering::Relaxed);
-                    let text = r.into_string().map_err(|e| EtcdError::Refused {
+                    // Not `into_string`, which stops at 10 MB: a state
+                    // read may be larger.
+                    let mut body = Vec::new();
+                    let read = std::io::Read::read_to_end(
+                        &mut std::io::Read::take(r.into_reader(), MAX_SPLIT_BYTES as u64 + 1),
+                        &mut body,
+                    );
+                    let refused = |message: String| EtcdError::Refused {
                         endpoint: endpoint.clone(),
                         what,
-                        message: format!("unreadable answer: {e}"),
-                    })?;
-                    return serde_json::from_str(&text).map_err(|e| EtcdError::Refused {
-                        endpoint: endpoint.clone(),
-                        what,
-                        message: format!("answer is not JSON ({e}): {text:.200}"),
+                        message,
+                    };
+                    if let Err(e) = read {
+                        return Err(refused(format!("unreadable answer: {e}")));
+                    }
+                    if body.len() > MAX_SPLIT_BYTES {
+                        return Err(refused(format!("an answer over {MAX_SPLIT_BYTES} bytes")));
+                    }
+                    return serde_json::from_slice(&body).map_err(|e| {
+                        refused(format!(
+                            "answer is not JSON ({e}): {:.200}",
+                            String::from_utf8_lossy(&body[..body.len().min(200)])
+                        ))
                     });
                 }
                 Err(ureq::Error::Status(status, r)) => {
@@ -490,6 +551,12 @@ fn kvs(range: &Value) -> Result<Vec<Kv>, EtcdError> {
             })
         })
         .collect()
+}
+
+/// A transaction operation deleting every key under `dir` (ending in
+/// '/').
+fn delete_range(dir: &str) -> Value {
+    json!({"request_delete_range": {"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(dir))}})
 }
 
 /// The range end that covers every key starting with `prefix`.
@@ -573,41 +640,46 @@ impl EtcdStore {
             "/v3/kv/range",
             &json!({"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(&dir))}),
         )?;
+        let (pieces, entries): (Vec<Kv>, Vec<Kv>) = kvs(&answer)?
+            .into_iter()
+            .partition(|kv| kv.key[dir.len()..].starts_with("pieces/"));
+        let pieces: BTreeMap<String, Vec<u8>> = pieces.into_iter().map(|kv| (kv.key, kv.value)).collect();
         let mut state = StateFile::default();
         let mut appliances = Vec::new();
         let mut revisions = BTreeMap::new();
-        for kv in kvs(&answer)? {
+        for kv in entries {
             let rest = &kv.key[dir.len()..];
             let corrupt = |reason: String| EtcdError::Corrupt {
                 key: kv.key.clone(),
                 reason,
             };
+            if rest == "leader" {
+                continue;
+            }
+            let value = self.whole(&kv.key, rest, &kv.value, &pieces)?;
             if rest == "version" {
-                let v = std::str::from_utf8(&kv.value)
+                let v = std::str::from_utf8(&value)
                     .ok()
                     .and_then(|v| v.trim().parse().ok());
                 if v != Some(FORMAT_VERSION) {
                     return Err(corrupt(format!(
                         "format version {:?}; this phub-control reads version {FORMAT_VERSION}",
-                        String::from_utf8_lossy(&kv.value)
+                        String::from_utf8_lossy(&value)
                     )));
                 }
                 state.version = v;
             } else if let Some(name) = rest.strip_prefix("appliances/") {
-                let a: ApplianceSpec =
-                    serde_json::from_slice(&kv.value).map_err(|e| corrupt(e.to_string()))?;
+                let a: ApplianceSpec = serde_json::from_slice(&value).map_err(|e| corrupt(e.to_string()))?;
                 if a.name != name {
                     return Err(corrupt(format!("holds appliance {:?}", a.name)));
                 }
                 appliances.push(a);
             } else if let Some(id) = rest.strip_prefix("jobs/") {
-                let job: StoredJob = serde_json::from_slice(&kv.value).map_err(|e| corrupt(e.to_string()))?;
+                let job: StoredJob = serde_json::from_slice(&value).map_err(|e| corrupt(e.to_string()))?;
                 if id.parse::<u16>().ok() != Some(job.id) {
                     return Err(corrupt(format!("holds job {}", job.id)));
                 }
                 state.jobs.push(job);
-            } else if rest == "leader" {
-                continue;
             } else {
                 return Err(corrupt("not a key phub-control writes".into()));
             }
@@ -623,24 +695,151 @@ impl EtcdStore {
         Ok(Some(state))
     }
 
+    /// Where entry `rest`'s (`jobs/00001`) pieces of every generation are.
+    fn pieces_dir(&self, rest: &str) -> String {
+        self.key(&format!("pieces/{rest}/"))
+    }
+
+    /// Where entry `rest`'s pieces of `generation` are.
+    fn generation_dir(&self, rest: &str, generation: i64) -> String {
+        format!("{}{generation:020}/", self.pieces_dir(rest))
+    }
+
+    /// The value of entry `rest` (key `key`) as written: `value`, or, when
+    /// that is a [`Split`] manifest, its pieces put together.
+    fn whole(
+        &self,
+        key: &str,
+        rest: &str,
+        value: &[u8],
+        pieces: &BTreeMap<String, Vec<u8>>,
+    ) -> Result<Vec<u8>, EtcdError> {
+        let Ok(Split { split }) = serde_json::from_slice::<Split>(value) else {
+            return Ok(value.to_vec());
+        };
+        let corrupt = |reason: String| EtcdError::Corrupt {
+            key: key.to_string(),
+            reason,
+        };
+        let piece = MAX_VALUE_BYTES as u64;
+        if split.bytes > MAX_SPLIT_BYTES as u64 || u64::from(split.pieces) != split.bytes.div_ceil(piece) {
+            return Err(corrupt(format!(
+                "its manifest says {} bytes in {} pieces of at most {piece}",
+                split.bytes, split.pieces
+            )));
+        }
+        let dir = self.generation_dir(rest, split.generation);
+        // Cast: at most MAX_SPLIT_BYTES, checked above.
+        #[allow(clippy::cast_possible_truncation)]
+        let mut out = Vec::with_capacity(split.bytes as usize);
+        for i in 0..split.pieces {
+            let at = format!("{dir}{i:05}");
+            let Some(p) = pieces.get(&at) else {
+                return Err(corrupt(format!("its piece {at:?} is missing")));
+            };
+            let expected = piece.min(split.bytes - u64::from(i) * piece);
+            if p.len() as u64 != expected {
+                return Err(corrupt(format!(
+                    "its piece {at:?} has {} bytes, not {expected}",
+                    p.len()
+                )));
+            }
+            out.extend_from_slice(p);
+        }
+        Ok(out)
+    }
+
+    /// One transaction of `ops`, compared with `fence` (the leader key's
+    /// create revision) when given: [`EtcdError::NotLeader`] (and this
+    /// control no longer leads) when that compare fails.
+    fn fenced(&self, what: &'static str, fence: Option<&Value>, ops: Vec<Value>) -> Result<(), EtcdError> {
+        let answer = self.gateway.call(
+            what,
+            "/v3/kv/txn",
+            &json!({
+                "compare": fence.into_iter().cloned().collect::<Vec<_>>(),
+                "success": ops,
+                "failure": [{"request_range": {"key": b64(self.leader_key().as_bytes())}}],
+            }),
+        )?;
+        if answer["succeeded"].as_bool() == Some(true) {
+            return Ok(());
+        }
+        self.set_lead(None);
+        let url = answer["responses"]
+            .get(0)
+            .map(|r| kvs(&r["response_range"]))
+            .transpose()?
+            .and_then(|l| l.into_iter().next())
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+        Err(self.not_leader(url))
+    }
+
+    /// Writes `value` as entry `rest`'s pieces of `generation`, each in a
+    /// transaction of its own (fenced when `fence` is given), after taking
+    /// away what a write cut off may have left there; the manifest that
+    /// names them.
+    fn write_pieces(
+        &self,
+        rest: &str,
+        generation: i64,
+        value: &[u8],
+        fence: Option<&Value>,
+    ) -> Result<Split, EtcdError> {
+        let dir = self.generation_dir(rest, generation);
+        self.fenced("a piece's write", fence, vec![delete_range(&dir)])?;
+        let mut pieces = 0u32;
+        for piece in value.chunks(MAX_VALUE_BYTES) {
+            let at = format!("{dir}{pieces:05}");
+            self.fenced(
+                "a piece's write",
+                fence,
+                vec![json!({"request_put": {"key": b64(at.as_bytes()), "value": b64(piece)}})],
+            )?;
+            pieces += 1;
+        }
+        Ok(Split {
+            split: SplitRef {
+                generation,
+                pieces,
+                bytes: value.len() as u64,
+            },
+        })
+    }
+
+    /// The operations that delete entry `rest`'s pieces but those of
+    /// `keep`.
+    fn delete_pieces(&self, rest: &str, keep: Option<i64>) -> Vec<Value> {
+        let dir = self.pieces_dir(rest);
+        let Some(g) = keep else {
+            return vec![delete_range(&dir)];
+        };
+        let kept = self.generation_dir(rest, g);
+        let range = |from: &[u8], to: &[u8]| json!({"request_delete_range": {"key": b64(from), "range_end": b64(to)}});
+        vec![
+            range(dir.as_bytes(), kept.as_bytes()),
+            range(&prefix_end(&kept), &prefix_end(&dir)),
+        ]
+    }
+
     /// Writes `entry` (or deletes it) in one transaction that compares the
     /// key's revision with the one last read or written and the leader key
     /// with this control's ([`EtcdError::NotLeader`]: then this control
-    /// no longer leads). The version key is written with it.
+    /// no longer leads). The version key is written with it. A value over
+    /// [`MAX_VALUE_BYTES`] is split (module head).
     pub(crate) fn write(&self, entry: Change<'_>) -> Result<(), EtcdError> {
-        let (key, value) = match entry {
-            Change::Job(id, job) => (self.key(&format!("jobs/{id:05}")), job.map(serde_json::to_vec)),
-            Change::Appliance(name, a) => {
-                (self.key(&format!("appliances/{name}")), a.map(serde_json::to_vec))
-            }
+        let (rest, value) = match entry {
+            Change::Job(id, job) => (format!("jobs/{id:05}"), job.map(serde_json::to_vec)),
+            Change::Appliance(name, a) => (format!("appliances/{name}"), a.map(serde_json::to_vec)),
         };
+        let key = self.key(&rest);
         let value = value.transpose().expect("state entries serialise");
         if let Some(v) = &value {
-            if v.len() > MAX_VALUE_BYTES {
+            if v.len() > MAX_SPLIT_BYTES {
                 return Err(EtcdError::TooLarge {
                     key,
                     bytes: v.len(),
-                    limit: MAX_VALUE_BYTES,
+                    limit: MAX_SPLIT_BYTES,
                 });
             }
         }
@@ -655,21 +854,36 @@ impl EtcdStore {
             .copied()
             .unwrap_or(0);
         let leader_key = self.leader_key();
+        // Fencing: the leader key is still the one this control created.
+        let fence = json!({"key": b64(leader_key.as_bytes()), "target": "CREATE", "result": "EQUAL",
+                           "create_revision": lead.create_revision.to_string()});
+        // A large value's pieces go first; its manifest stands for it
+        // below. Its generation: the revision read, which this write
+        // raises.
+        let (value, kept) = match value {
+            Some(v) if v.len() > MAX_VALUE_BYTES => {
+                let split = self.write_pieces(&rest, read, &v, Some(&fence))?;
+                (
+                    Some(serde_json::to_vec(&split).expect("a manifest serialises")),
+                    Some(read),
+                )
+            }
+            v => (v, None),
+        };
         let compare = vec![
             json!({"key": b64(key.as_bytes()), "target": "MOD", "result": "EQUAL", "mod_revision": read.to_string()}),
-            // Fencing: the leader key is still the one this control created.
-            json!({"key": b64(leader_key.as_bytes()), "target": "CREATE", "result": "EQUAL",
-                   "create_revision": lead.create_revision.to_string()}),
+            fence.clone(),
         ];
         let change = match &value {
             Some(v) => json!({"request_put": {"key": b64(key.as_bytes()), "value": b64(v)}}),
             None => json!({"request_delete_range": {"key": b64(key.as_bytes())}}),
         };
         let version = self.key("version");
-        let success = vec![
+        let mut success = vec![
             change,
             json!({"request_put": {"key": b64(version.as_bytes()), "value": b64(FORMAT_VERSION.to_string().as_bytes())}}),
         ];
+        success.extend(self.delete_pieces(&rest, kept));
         let failure = vec![
             json!({"request_range": {"key": b64(leader_key.as_bytes())}}),
             json!({"request_range": {"key": b64(key.as_bytes())}}),
@@ -698,12 +912,20 @@ impl EtcdStore {
         };
         let leader = range(0)?;
         if leader.first().map(|kv| kv.create_revision) != Some(lead.create_revision) {
-            // Another leads, or none: this control steps down at once.
+            // Another leads, or none: this control steps down at once
+            // (the pieces written are the new leader's to delete).
             self.set_lead(None);
             let url = leader
                 .first()
                 .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
             return Err(self.not_leader(url));
+        }
+        if let Some(g) = kept {
+            // Still leading: the pieces no manifest names go now.
+            let dir = self.generation_dir(&rest, g);
+            if let Err(e) = self.fenced("a piece's removal", Some(&fence), vec![delete_range(&dir)]) {
+                log::warn!("{e}; the pieces under {dir} go at the entry's next write");
+            }
         }
         let now = range(1)?.first().map_or(0, |kv| kv.mod_revision);
         Err(EtcdError::Conflict { key, read, now })
@@ -712,26 +934,34 @@ impl EtcdStore {
     /// Writes `appliances` and `jobs` under the prefix, each key in a
     /// transaction that requires it absent (`phubctl state import`, no
     /// control running): an [`EtcdError::Conflict`] names a key that is
-    /// there already.
+    /// there already. A value over [`MAX_VALUE_BYTES`] is split as
+    /// [`EtcdStore::write`] splits it, at generation 0.
     pub(crate) fn import(&self, appliances: &[&ApplianceSpec], jobs: &[&StoredJob]) -> Result<(), EtcdError> {
         let mut entries: Vec<(String, Vec<u8>)> =
-            vec![(self.key("version"), FORMAT_VERSION.to_string().into_bytes())];
+            vec![("version".into(), FORMAT_VERSION.to_string().into_bytes())];
         for a in appliances {
             let v = serde_json::to_vec(a).expect("state entries serialise");
-            entries.push((self.key(&format!("appliances/{}", a.name)), v));
+            entries.push((format!("appliances/{}", a.name), v));
         }
         for j in jobs {
             let v = serde_json::to_vec(j).expect("state entries serialise");
-            entries.push((self.key(&format!("jobs/{:05}", j.id)), v));
+            entries.push((format!("jobs/{:05}", j.id), v));
         }
-        for (key, value) in entries {
-            if value.len() > MAX_VALUE_BYTES {
+        for (rest, value) in entries {
+            let key = self.key(&rest);
+            if value.len() > MAX_SPLIT_BYTES {
                 return Err(EtcdError::TooLarge {
                     key,
                     bytes: value.len(),
-                    limit: MAX_VALUE_BYTES,
+                    limit: MAX_SPLIT_BYTES,
                 });
             }
+            let value = if value.len() > MAX_VALUE_BYTES {
+                let split = self.write_pieces(&rest, 0, &value, None)?;
+                serde_json::to_vec(&split).expect("a manifest serialises")
+            } else {
+                value
+            };
             let k = b64(key.as_bytes());
             let answer = self.gateway.call(
                 "an import",
@@ -895,6 +1125,66 @@ mod tests {
         assert!(e.contains("etcd TLS") && e.contains("/nonexistent/ca.pem"), "{e}");
         let e = EtcdStore::new(user).unwrap_err().to_string();
         assert!(e.contains("--etcd-password-file /nonexistent/pw"), "{e}");
+    }
+
+    #[test]
+    fn a_split_value_is_put_together_from_its_pieces_or_named_corrupt() {
+        let store = EtcdStore::new(EtcdTarget::parse("etcd://127.0.0.1:2379/phub").unwrap()).unwrap();
+        let (key, rest) = ("/phub/jobs/00001", "jobs/00001");
+        let value: Vec<u8> = (0..MAX_VALUE_BYTES * 2 + 10)
+            .map(|i| u8::try_from(i % 251).unwrap())
+            .collect();
+        let manifest = |pieces: u32, bytes: usize| {
+            serde_json::to_vec(&Split {
+                split: SplitRef {
+                    generation: 7,
+                    pieces,
+                    bytes: bytes as u64,
+                },
+            })
+            .unwrap()
+        };
+        assert_eq!(
+            String::from_utf8(manifest(3, value.len())).unwrap(),
+            format!(
+                r#"{{"split":{{"generation":7,"pieces":3,"bytes":{}}}}}"#,
+                value.len()
+            ),
+            "the manifest as the module head writes it"
+        );
+        let dir = "/phub/pieces/jobs/00001/00000000000000000007/";
+        let mut pieces: BTreeMap<String, Vec<u8>> = value
+            .chunks(MAX_VALUE_BYTES)
+            .enumerate()
+            .map(|(i, p)| (format!("{dir}{i:05}"), p.to_vec()))
+            .collect();
+        // Another generation's (a write cut off) is not read.
+        pieces.insert(
+            "/phub/pieces/jobs/00001/00000000000000000003/00000".into(),
+            vec![1, 2, 3],
+        );
+        let whole = |m: &[u8], p: &BTreeMap<String, Vec<u8>>| store.whole(key, rest, m, p);
+        assert_eq!(whole(&manifest(3, value.len()), &pieces).unwrap(), value);
+        // A value written whole is itself, a job's JSON included.
+        let job = br#"{"id":1,"parts":[]}"#;
+        assert_eq!(whole(job, &pieces).unwrap(), job);
+        // Wrong counts, a missing or short piece: named, with the key.
+        let e = whole(&manifest(2, value.len()), &pieces).unwrap_err().to_string();
+        assert!(e.contains(key) && e.contains("in 2 pieces"), "{e}");
+        let e = whole(&manifest(3, MAX_SPLIT_BYTES + 1), &pieces)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(key), "{e}");
+        let mut short = pieces.clone();
+        short.get_mut(&format!("{dir}00001")).unwrap().pop();
+        let e = whole(&manifest(3, value.len()), &short).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("{dir}00001")) && e.contains("not 1048576"),
+            "{e}"
+        );
+        pieces.remove(&format!("{dir}00002"));
+        let e = whole(&manifest(3, value.len()), &pieces).unwrap_err().to_string();
+        assert!(e.contains(&format!("{dir}00002")) && e.contains("missing"), "{e}");
     }
 
     #[test]
