@@ -67,7 +67,7 @@ pub use self::config::{
 pub use self::http::{LEADER_HEADER, MAX_BODY_BYTES, MAX_SMALL_BODY_BYTES};
 pub use crate::state::etcd::{EtcdSecurity, EtcdTarget};
 
-use self::checkpoints::load_checkpoints;
+use self::checkpoints::{load_checkpoints, CheckpointFiles};
 use self::config::{load_or_create_token, Args, StateArg};
 use self::registry::{Appliance, Entry, Inner, Shared};
 use crate::state::etcd::EtcdStore;
@@ -238,6 +238,8 @@ impl Daemon {
             .into_values()
             .map(|spec| (spec.name.clone(), Appliance::new(spec)))
             .collect();
+        let mut checkpoint_files = CheckpointFiles::default();
+        let checkpoints = load_checkpoints(&config.state, &jobs, &mut checkpoint_files);
         let shared = Arc::new_cyclic(|this| Shared {
             this: this.clone(),
             state_path: config.state.clone(),
@@ -248,7 +250,7 @@ impl Daemon {
             operator_token,
             token_path: token_path.clone(),
             inner: Mutex::new(Inner {
-                checkpoints: load_checkpoints(&config.state, &jobs),
+                checkpoints,
                 rejoining: std::collections::BTreeSet::new(),
                 appliances,
                 jobs,
@@ -256,6 +258,7 @@ impl Daemon {
             ops: Mutex::new(()),
             reconcile_poke: Mutex::new(None),
             gone_back: Mutex::new(BTreeMap::new()),
+            checkpoint_files: Mutex::new(checkpoint_files),
         });
         if changed && !shared.lock().jobs.is_empty() && shared.store.etcd().is_none() {
             // The appliances given at start are recorded (with the jobs on

@@ -361,6 +361,12 @@ fn state_survives_a_restart_and_a_follower_names_the_leader() {
         .send(&control::jobs())
         .unwrap()
         .is_empty());
+    // The follower sees the eviction (a key deleted) within a few ticks.
+    until("the follower sees the eviction", Duration::from_secs(5), || {
+        client(&b.url, Some(&token))
+            .send(&control::jobs())
+            .is_ok_and(|j| j.is_empty())
+    });
 }
 
 #[test]
@@ -532,11 +538,15 @@ fn a_job_over_etcds_request_limit_is_stored_in_pieces() {
                 .is_ok_and(|j| j.iter().any(|j| j.id == job.id))
     });
 
-    // A change rewrites it: a new generation, the old one gone.
+    // A change rewrites it: a new generation, the old one gone; the
+    // follower sees it.
     join(&a.url, job.id, job.token, 0).unwrap();
     let second = pieces(etcd.port, prefix, job.id);
     assert_eq!(second.len(), 1, "{second:?}");
     assert_ne!(first.keys().next(), second.keys().next(), "a new generation");
+    until("the follower sees the join", Duration::from_secs(5), || {
+        joined(&b.url, &token, job.id) == [0]
+    });
 
     // The new leader after a kill reads it whole; the token works.
     a.daemon.as_mut().unwrap().kill();

@@ -426,40 +426,236 @@ pub(super) fn unix_ms() -> u64 {
 /// The checkpoints found beside the state file for the admitted jobs'
 /// parts: those usable, and the parts held for a file that is there but
 /// unusable ([`ckpt_file::read`]), so that a part held before a restart is
-/// held after it.
-pub(super) fn load_checkpoints(state: &std::path::Path, jobs: &BTreeMap<u16, StoredJob>) -> Checkpoints {
+/// held after it. A file `files` read before for the same part, and that
+/// is the same file since (its device, inode, size and times), is not
+/// read again: a follower of the state in etcd does this every quarter
+/// lease TTL, and a part's checkpoint can be gigabytes.
+pub(super) fn load_checkpoints(
+    state: &std::path::Path,
+    jobs: &BTreeMap<u16, StoredJob>,
+    files: &mut CheckpointFiles,
+) -> Checkpoints {
     let mut out = Checkpoints::default();
+    let mut seen = BTreeMap::new();
     for job in jobs.values() {
         let id = job.id;
         for (name, part) in job.part_layouts() {
             let path = checkpoint_path(state, job, name);
             let key = (id, name.to_string());
-            match ckpt_file::read(&path, &owner(job, name, &part)) {
-                Ok(None) => {}
-                Ok(Some((bytes, c))) => {
-                    out.taken.insert(
-                        key,
-                        CheckpointInfo {
-                            id,
-                            round_range: c.round_range(),
-                            bytes: bytes.len() as u64,
-                            taken_unix_ms: modified_ms(&path),
-                            file: path.display().to_string(),
-                        },
-                    );
+            let owner = owner(job, name, &part);
+            let Some(stamp) = FileStamp::of(&path) else {
+                // Absent (or not to be looked at): read, which says which.
+                if let Some(read) = read_part(&path, &owner, job, name) {
+                    out.record(key, read);
                 }
-                Err(why) => {
-                    let h = Held { file: path, why };
-                    log::error!(
-                        "job {id} ({:?}) held: {}; the part is not installed and the file is not written \
-                         over: repair or restore it, then `phubctl job retry {id}` (or `--discard-checkpoint`)",
-                        job.spec.name,
-                        held_text(name, &h)
-                    );
-                    out.held.insert(key, h);
+                continue;
+            };
+            let part_of = PartOf::of(&owner);
+            let read = match files.seen.remove(&key) {
+                Some((s, p, read)) if s == stamp && p == part_of => read,
+                _ => {
+                    files.reads += 1;
+                    match read_part(&path, &owner, job, name) {
+                        Some(read) => read,
+                        None => continue,
+                    }
                 }
+            };
+            seen.insert(key.clone(), (stamp, part_of, read.clone()));
+            out.record(key, read);
+        }
+    }
+    files.seen = seen;
+    out
+}
+
+/// A part's checkpoint file as [`load_checkpoints`] found it.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum PartRead {
+    /// Usable.
+    Taken(CheckpointInfo),
+    /// There, but unusable.
+    Held(Held),
+}
+
+impl Checkpoints {
+    fn record(&mut self, key: (u16, String), read: PartRead) {
+        match read {
+            PartRead::Taken(c) => {
+                self.taken.insert(key, c);
+            }
+            PartRead::Held(h) => {
+                self.held.insert(key, h);
             }
         }
     }
-    out
+}
+
+/// Reads part `name`'s checkpoint file of `job` at `path` (`None`: there is
+/// none); one that cannot be used is logged.
+fn read_part(path: &std::path::Path, owner: &Owner<'_>, job: &StoredJob, name: &str) -> Option<PartRead> {
+    let id = job.id;
+    match ckpt_file::read(path, owner) {
+        Ok(None) => None,
+        Ok(Some((bytes, c))) => Some(PartRead::Taken(CheckpointInfo {
+            id,
+            round_range: c.round_range(),
+            bytes: bytes.len() as u64,
+            taken_unix_ms: modified_ms(path),
+            file: path.display().to_string(),
+        })),
+        Err(why) => {
+            let h = Held {
+                file: path.to_path_buf(),
+                why,
+            };
+            log::error!(
+                "job {id} ({:?}) held: {}; the part is not installed and the file is not written \
+                 over: repair or restore it, then `phubctl job retry {id}` (or `--discard-checkpoint`)",
+                job.spec.name,
+                held_text(name, &h)
+            );
+            Some(PartRead::Held(h))
+        }
+    }
+}
+
+/// What [`load_checkpoints`] read last time, by part, and how many files
+/// it has read.
+#[derive(Debug, Default)]
+pub(super) struct CheckpointFiles {
+    seen: BTreeMap<(u16, String), (FileStamp, PartOf, PartRead)>,
+    /// Files read (not taken from `seen`) so far.
+    pub(super) reads: u64,
+}
+
+/// Which file a path is, and as which write: a checkpoint is written to a
+/// temporary file renamed over the last (another inode), and any write
+/// moves its change time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(path: &std::path::Path) -> Option<FileStamp> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).ok()?;
+        Some(FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
+/// What a part's file is checked against ([`Owner`]), less the spec, which
+/// a job id and token fix.
+#[derive(Debug, Clone, PartialEq)]
+struct PartOf {
+    token: u64,
+    appliance: String,
+    part: PartShapeOf,
+}
+
+#[derive(Debug, Clone, PartialEq)]
+enum PartShapeOf {
+    Flat(Layout),
+    Rack(u16, Layout),
+}
+
+impl PartOf {
+    fn of(owner: &Owner<'_>) -> PartOf {
+        PartOf {
+            token: owner.token,
+            appliance: owner.appliance.to_string(),
+            part: match &owner.part {
+                PartShape::Flat(l) => PartShapeOf::Flat((*l).clone()),
+                PartShape::Rack { rack, layout } => PartShapeOf::Rack(*rack, (*layout).clone()),
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use phub_proto::layout::layout;
+    use phub_proto::spec::JobSpec;
+
+    use super::*;
+
+    fn job(token: u64) -> StoredJob {
+        let spec = JobSpec::new("k", 2, &[64]);
+        StoredJob {
+            id: 3,
+            token,
+            layout: layout(&spec, &mut [0], u64::from),
+            spec,
+            joined: BTreeSet::new(),
+            parts: vec![state::StoredPart {
+                appliance: "a".into(),
+                lcores: 1,
+            }],
+            failed: None,
+            shape: state::JobShape::Flat,
+            epoch: phub_proto::failover::EpochView::default(),
+            rereplication: None,
+            stalled: None,
+        }
+    }
+
+    /// A file read once is not read again while it is the same file for
+    /// the same part (a follower's reload every quarter TTL); a rewritten
+    /// file, or another admission of the job's id, is.
+    #[test]
+    fn an_unchanged_checkpoint_file_is_not_read_again() {
+        let dir = std::env::temp_dir().join(format!("phub-control-ckpt-files-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let state = dir.join("state.json");
+        let jobs: BTreeMap<u16, StoredJob> = [(3, job(7))].into();
+        let path = checkpoint_path(&state, &jobs[&3], "a");
+        let mut files = CheckpointFiles::default();
+
+        // No file: nothing read, nothing held.
+        let c = load_checkpoints(&state, &jobs, &mut files);
+        assert!(c.taken.is_empty() && c.held.is_empty());
+        assert_eq!(files.reads, 0);
+
+        // A file that is no checkpoint holds the part, read once.
+        std::fs::write(&path, b"not a checkpoint").unwrap();
+        for _ in 0..3 {
+            let c = load_checkpoints(&state, &jobs, &mut files);
+            let why = c.held_reason(3).expect("held");
+            assert!(why.contains(&path.display().to_string()), "{why}");
+            assert_eq!(files.reads, 1, "read once");
+        }
+
+        // Rewritten as a checkpoint is (another file renamed over it): read.
+        let tmp = dir.join("tmp");
+        std::fs::write(&tmp, b"still not a checkpoint, longer").unwrap();
+        std::fs::rename(&tmp, &path).unwrap();
+        load_checkpoints(&state, &jobs, &mut files);
+        load_checkpoints(&state, &jobs, &mut files);
+        assert_eq!(files.reads, 2);
+
+        // Another admission of id 3 (another token): read for it.
+        let again: BTreeMap<u16, StoredJob> = [(3, job(8))].into();
+        load_checkpoints(&state, &again, &mut files);
+        assert_eq!(files.reads, 3);
+
+        // Gone: nothing held, and nothing kept of it.
+        std::fs::remove_file(&path).unwrap();
+        let c = load_checkpoints(&state, &again, &mut files);
+        assert!(c.held.is_empty() && files.seen.is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

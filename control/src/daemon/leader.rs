@@ -6,9 +6,12 @@
 //! renews every quarter of the TTL. The leader alone writes (every write
 //! also compares the leader key: fencing, `state::etcd`), reconciles the
 //! appliances and takes checkpoints. A follower campaigns on the same
-//! tick, reloads the state from etcd each time (its reads are at most one
-//! tick old) and turns every write away with `503` naming the leader
-//! (`X-Phub-Leader: URL` and the message); see `http`.
+//! tick and, losing, asks etcd whether anything under the prefix changed
+//! since it last read it (one small read: `EtcdStore::changed_since_load`),
+//! reloading the state only then, and looks at the checkpoint files,
+//! reading only those that changed (its reads are at most one tick old);
+//! it turns every write away with `503` naming the leader (`X-Phub-Leader:
+//! URL` and the message); see `http`.
 //!
 //! While etcd does not serve the election (out of reach, no quorum), a
 //! follower knows no leader, and its `503` says why, naming etcd and its
@@ -199,8 +202,16 @@ impl Shared {
                 if changed {
                     log::info!("{me} follows {}", leader.as_deref().unwrap_or("(no leader)"));
                 }
-                if let Err(e) = self.reload() {
-                    self.log_once(format!("cannot reload the state: {e}"));
+                // The whole state only when etcd's changed; else the
+                // checkpoint files (not in etcd), each read only when it
+                // changed.
+                match etcd.changed_since_load() {
+                    Ok(false) => self.refresh_checkpoints(),
+                    _ => {
+                        if let Err(e) = self.reload() {
+                            self.log_once(format!("cannot reload the state: {e}"));
+                        }
+                    }
                 }
             }
             Err(e) => {
@@ -233,6 +244,18 @@ impl Shared {
         Ok(())
     }
 
+    /// Finds the checkpoint files of the jobs held again, reading those
+    /// that changed (a follower's: the leader writes them).
+    fn refresh_checkpoints(&self) {
+        let jobs = self.lock().jobs.clone();
+        let checkpoints = load_checkpoints(
+            &self.state_path,
+            &jobs,
+            &mut self.checkpoint_files.lock().unwrap_or_else(|p| p.into_inner()),
+        );
+        self.lock().checkpoints = checkpoints;
+    }
+
     /// Replaces the appliances and jobs held with what is stored (the
     /// appliances given at start joining them); an appliance whose spec
     /// did not change keeps its client and last description. Returns the
@@ -243,7 +266,11 @@ impl Shared {
         let recorded = loaded.appliances.unwrap_or_default();
         let specs = merged(&recorded, &self.lead.given);
         let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
-        let checkpoints = load_checkpoints(&self.state_path, &jobs);
+        let checkpoints = load_checkpoints(
+            &self.state_path,
+            &jobs,
+            &mut self.checkpoint_files.lock().unwrap_or_else(|p| p.into_inner()),
+        );
         let mut inner = self.lock();
         let mut old = std::mem::take(&mut inner.appliances);
         inner.appliances = specs

@@ -13,7 +13,7 @@ use phub_proto::api::{ApplianceSpec, DataAddr, DataplaneInfo};
 use phub_proto::layout::Layout;
 use phub_proto::spec::JobSpec;
 
-use super::checkpoints::Checkpoints;
+use super::checkpoints::{CheckpointFiles, Checkpoints};
 use super::config::token_path_of;
 use super::heartbeat::Liveness;
 use super::http::{failed, held, RequestError};
@@ -228,6 +228,9 @@ pub(super) struct Shared {
     /// they went back at, until every part is held again: a pass that
     /// finds them still restoring does not make another epoch.
     pub(super) gone_back: Mutex<BTreeMap<u16, u32>>,
+    /// The checkpoint files as last read, which a reload does not read
+    /// again while unchanged.
+    pub(super) checkpoint_files: Mutex<CheckpointFiles>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -473,6 +476,7 @@ mod tests {
             this: std::sync::Weak::new(),
             reconcile_poke: Mutex::new(None),
             gone_back: Mutex::new(BTreeMap::new()),
+            checkpoint_files: Mutex::default(),
         };
         let mut inner = shared.lock();
         shared

@@ -594,6 +594,9 @@ pub(crate) struct EtcdStore {
     revisions: Mutex<BTreeMap<String, i64>>,
     /// Set while this control leads.
     lead: Mutex<Option<Lead>>,
+    /// What the last [`EtcdStore::load`] read under the prefix: how many
+    /// keys, and the highest mod revision among them.
+    loaded: Mutex<Option<(i64, i64)>>,
 }
 
 impl EtcdStore {
@@ -603,6 +606,7 @@ impl EtcdStore {
             target,
             revisions: Mutex::default(),
             lead: Mutex::default(),
+            loaded: Mutex::default(),
         })
     }
 
@@ -640,7 +644,14 @@ impl EtcdStore {
             "/v3/kv/range",
             &json!({"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(&dir))}),
         )?;
-        let (pieces, entries): (Vec<Kv>, Vec<Kv>) = kvs(&answer)?
+        let all = kvs(&answer)?;
+        // Cast: a range answer holds far fewer than 2^63 keys.
+        #[allow(clippy::cast_possible_wrap)]
+        let mark = (
+            all.len() as i64,
+            all.iter().map(|kv| kv.mod_revision).max().unwrap_or(0),
+        );
+        let (pieces, entries): (Vec<Kv>, Vec<Kv>) = all
             .into_iter()
             .partition(|kv| kv.key[dir.len()..].starts_with("pieces/"));
         let pieces: BTreeMap<String, Vec<u8>> = pieces.into_iter().map(|kv| (kv.key, kv.value)).collect();
@@ -685,6 +696,7 @@ impl EtcdStore {
             }
             revisions.insert(kv.key, kv.mod_revision);
         }
+        *self.loaded.lock().unwrap_or_else(|p| p.into_inner()) = Some(mark);
         if revisions.is_empty() {
             *self.revisions.lock().unwrap_or_else(|p| p.into_inner()) = revisions;
             return Ok(None);
@@ -693,6 +705,26 @@ impl EtcdStore {
         state.jobs.sort_by_key(|j| j.id);
         *self.revisions.lock().unwrap_or_else(|p| p.into_inner()) = revisions;
         Ok(Some(state))
+    }
+
+    /// Whether anything under the prefix may have changed since the last
+    /// [`EtcdStore::load`]: one small read (the number of keys there and
+    /// the highest mod revision among them), which a follower makes every
+    /// quarter TTL instead of reading the whole state. Any put raises the
+    /// highest revision; a delete alone lowers the count.
+    pub(crate) fn changed_since_load(&self) -> Result<bool, EtcdError> {
+        let Some(mark) = *self.loaded.lock().unwrap_or_else(|p| p.into_inner()) else {
+            return Ok(true);
+        };
+        let dir = self.key("");
+        let answer = self.gateway.call(
+            "a range read",
+            "/v3/kv/range",
+            &json!({"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(&dir)), "limit": "1",
+                    "sort_order": "DESCEND", "sort_target": "MOD", "keys_only": true}),
+        )?;
+        let top = kvs(&answer)?.first().map_or(0, |kv| kv.mod_revision);
+        Ok((int(&answer["count"]), top) != mark)
     }
 
     /// Where entry `rest`'s (`jobs/00001`) pieces of every generation are.
