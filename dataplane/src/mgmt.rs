@@ -522,10 +522,21 @@ impl Manager {
                 per_lcore.first().map_or(0, |h| h.homes.addrs.len()),
             ),
             None => {
+                // An appliance installed again after being declared down
+                // has no primary slots: its part is kept as backup slots
+                // (`replication::lcore_bytes`).
+                let emptied;
+                let layout = match &req.replication {
+                    Some(r) if crate::replication::back(r) => {
+                        emptied = req.layout.without_chunks();
+                        &emptied
+                    }
+                    _ => &req.layout,
+                };
                 // A sharded job's tables are spread over all its lcores.
                 self.info.memory_model.part_cost(
                     &req.spec,
-                    &req.layout,
+                    layout,
                     req.spec.result_store(self.info.shm),
                     entries.total as usize,
                 )

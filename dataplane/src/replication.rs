@@ -109,11 +109,25 @@ pub fn flat_form(job: &mut InstallJob) {
 }
 
 /// What a replicated job holds on each lcore beyond its primary slots, as
-/// admission charges it ([`MemoryModel::replica_cost`]).
+/// admission charges it ([`MemoryModel::replica_cost`]); on an appliance
+/// installed again ([`back`]), with its own part among them
+/// ([`MemoryModel::replica_cost_back`]).
 pub fn lcore_bytes(model: &MemoryModel, req: &InstallJob, r: &Replication) -> Vec<u64> {
     let parts: Vec<&Layout> = r.appliances.iter().map(|a| &a.layout).collect();
     let racks: Vec<&str> = r.appliances.iter().map(|a| a.rack.as_str()).collect();
-    model.replica_cost(&req.spec, &parts, &racks, usize::from(r.appliance))
+    let me = usize::from(r.appliance);
+    if back(r) {
+        model.replica_cost_back(&req.spec, &parts, &racks, me)
+    } else {
+        model.replica_cost(&req.spec, &parts, &racks, me)
+    }
+}
+
+/// Whether this appliance is installed again after being declared down
+/// (PROTOCOL.md §11.7): joined at the install's epoch, its own part kept
+/// as backup slots and no primary slots (the engine's plan).
+pub fn back(r: &Replication) -> bool {
+    r.view().joined_at(usize::from(r.appliance)) == Some(r.epoch)
 }
 
 #[cfg(test)]

@@ -133,6 +133,23 @@ impl Layout {
         self.lcores.len()
     }
 
+    /// The same lcores holding no chunk (each run emptied where it
+    /// starts): what an appliance of a replicated job installed again after
+    /// being declared down holds as primary slots (PROTOCOL.md §11.7).
+    pub fn without_chunks(&self) -> Layout {
+        Layout {
+            chunk_elems: self.chunk_elems,
+            lcores: self
+                .lcores
+                .iter()
+                .map(|r| ChunkRange {
+                    first: r.first,
+                    count: 0,
+                })
+                .collect(),
+        }
+    }
+
     /// Total number of chunks.
     pub fn chunk_count(&self) -> u64 {
         self.lcores.iter().map(|r| r.count).sum()

@@ -393,6 +393,34 @@ impl MemoryModel {
     /// them, and the backup tables of those appliances' entries (§11.9).
     /// Empty if `me` names no part.
     pub fn replica_cost<R: Eq>(&self, spec: &JobSpec, parts: &[&Layout], racks: &[R], me: usize) -> Vec<u64> {
+        self.replica_cost_as(spec, parts, racks, me, false)
+    }
+
+    /// What appliance `me` holds on each of its lcores when it is installed
+    /// again after being declared down (PROTOCOL.md §11.7: `joined` at the
+    /// install's epoch): no primary slots, its own part kept as backup
+    /// slots (each lcore its own run, first), then the backup slots and
+    /// tables [`MemoryModel::replica_cost`] counts. Its primary part costs
+    /// [`MemoryModel::part_cost`] of its layout with no chunks
+    /// ([`Layout::without_chunks`]).
+    pub fn replica_cost_back<R: Eq>(
+        &self,
+        spec: &JobSpec,
+        parts: &[&Layout],
+        racks: &[R],
+        me: usize,
+    ) -> Vec<u64> {
+        self.replica_cost_as(spec, parts, racks, me, true)
+    }
+
+    fn replica_cost_as<R: Eq>(
+        &self,
+        spec: &JobSpec,
+        parts: &[&Layout],
+        racks: &[R],
+        me: usize,
+        back: bool,
+    ) -> Vec<u64> {
         let r = spec.replicas();
         let Some(mine) = parts.get(me) else {
             return Vec::new();
@@ -439,8 +467,10 @@ impl MemoryModel {
             .iter()
             .enumerate()
             .map(|(j, run)| {
-                let backups: Vec<ChunkRange> = cut.iter().map(|c| c[j]).collect();
-                self.replica_lcore_bytes(spec, run.count, &backups, peers as u64) + entries[j] * per_entry
+                let own = back.then_some(*run);
+                let backups: Vec<ChunkRange> = own.into_iter().chain(cut.iter().map(|c| c[j])).collect();
+                let primary = if back { 0 } else { run.count };
+                self.replica_lcore_bytes(spec, primary, &backups, peers as u64) + entries[j] * per_entry
             })
             .collect()
     }

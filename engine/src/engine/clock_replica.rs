@@ -130,12 +130,14 @@ impl<A: Copy> Replica<A> {
         self.waits.fill(0);
     }
 
-    /// Bytes of the update log: its buffers (each of `elems` `f32`s), the
-    /// per-slot records and the waiting answers.
+    /// Bytes of the update log: its buffers (each of `elems` `f32`s; those
+    /// admission reserved until more are made), the per-slot records and
+    /// the waiting answers.
     pub(super) fn updates_bytes(&self, elems: u32) -> u64 {
-        (self.buffers * elems as usize * 4
-            + self.updates.len() * std::mem::size_of::<Updates>()
-            + self.waits.len() * 4) as u64
+        (self.buffers.max(self.reserved_buffers) * elems as usize * 4 + self.waits.len() * 4) as u64
+            // The record admission charges per slot (the engine's fits in
+            // it: checked above).
+            + self.updates.len() as u64 * phub_proto::memory::UPDATE_RECORD_BYTES
     }
 }
 

@@ -305,6 +305,12 @@ pub(super) struct Replica<A> {
     /// `update_elems` `f32`s.
     pub(super) spare: Vec<Box<[f32]>>,
     pub(super) buffers: usize,
+    /// The log buffers admission reserves for this lcore, made or not
+    /// (`MemoryModel::replica_lcore_bytes`: one per update in flight, at
+    /// most W per slot, primary or backup, and at most
+    /// [`phub_proto::memory::UPDATE_LOG_BUFFERS`]); what the job's memory
+    /// counts until more are made.
+    pub(super) reserved_buffers: usize,
     pub(super) update_elems: u32,
     pub(super) stats: ReplicaStats,
 }
@@ -752,6 +758,12 @@ impl<A: Copy + Eq> Shard<A> {
         let nslots = own.len();
         let workers = usize::from(job.workers);
         let update_elems = job.chunk_elems;
+        let backup_slots: usize = parts.iter().map(|p| p.slots.len()).sum();
+        let reserved_buffers = if clocked {
+            (workers * (nslots + backup_slots)).min(phub_proto::memory::UPDATE_LOG_BUFFERS)
+        } else {
+            0
+        };
         // This appliance's own part, when it serves it.
         let groups = if back {
             Vec::new()
@@ -807,6 +819,7 @@ impl<A: Copy + Eq> Shard<A> {
             },
             spare: Vec::new(),
             buffers: 0,
+            reserved_buffers,
             update_elems,
             stats: ReplicaStats::default(),
         })

@@ -9,8 +9,9 @@
 use std::net::{Ipv4Addr, SocketAddrV4};
 use std::sync::Arc;
 
-use phub_engine::engine::{memory_model, replica_plan};
+use phub_engine::engine::{memory_model, replica_plan, replica_plan_at};
 use phub_engine::{InstallKind, JobInstall, Kernels, RustHeap, Shard, SlotAllocator};
+use phub_proto::failover::{EpochView, Joined};
 use phub_proto::layout::{ChunkRange, Chunks, Layout};
 use phub_proto::memory::ResultStore;
 use phub_proto::replica::backup_runs;
@@ -179,4 +180,86 @@ fn each_lcore_of_a_replicated_job_with_a_table_holds_what_admission_charges() {
         }
     }
     assert!(with_backup_tables > 0);
+}
+
+/// An appliance installed again after it was declared down (PROTOCOL.md
+/// §11.7: `joined` at the install's epoch) has no primary slots, its own
+/// part kept as backup slots: it holds `part_cost` of its layout without
+/// chunks plus `replica_cost_back`, which the dataplane checks an install
+/// against (it was charged the part as primary slots, 20 bytes a slot
+/// more). An async job's lcores count the update-log buffers admission
+/// reserved from the install on, made or not.
+#[test]
+fn an_appliance_back_and_an_async_job_hold_what_the_model_says() {
+    let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
+    let model = memory_model(&*mem);
+    let lcores: &[usize] = &[2, 1, 2];
+    let racks = ["", "", ""];
+    let labels: Vec<String> = racks.iter().map(|r| r.to_string()).collect();
+    for mode in ["sync", "async"] {
+        let spec = JobSpec::from_toml(&format!(
+            "name = \"m\"\nworkers = 3\nchunk_bytes = 256\n[optimizer]\nkind = \"sum\"\n\
+             [consistency]\nmode = \"{mode}\"\n\
+             [[keys]]\nelements = 5\n[[keys]]\nelements = 3000\n[placement]\nappliances = 3\nreplicas = 2\n"
+        ))
+        .unwrap();
+        let (runs, parts, appliances) = spread(&spec, lcores);
+        let part_refs: Vec<&Layout> = parts.iter().collect();
+        for (me, part) in parts.iter().enumerate() {
+            for back in [false, true] {
+                let view = if back {
+                    EpochView {
+                        epoch: 1,
+                        joined: vec![Joined {
+                            appliance: me as u16,
+                            epoch: 1,
+                        }],
+                        ..EpochView::default()
+                    }
+                } else {
+                    EpochView::default()
+                };
+                let (primary, backups) = if back {
+                    (
+                        model
+                            .part_cost(&spec, &part.without_chunks(), ResultStore::Slot, 0)
+                            .lcores,
+                        model.replica_cost_back(&spec, &part_refs, &racks, me),
+                    )
+                } else {
+                    (
+                        model.job_cost(&spec, part, ResultStore::Slot).lcores,
+                        model.replica_cost(&spec, &part_refs, &racks, me),
+                    )
+                };
+                let plan = replica_plan_at(&spec, &runs, &appliances, &labels, me as u16, &view).unwrap();
+                for (j, (slots, rep)) in plan.into_iter().enumerate() {
+                    assert_eq!(
+                        slots.is_empty(),
+                        back,
+                        "{mode}: a returned appliance has no primary slot"
+                    );
+                    let mut s: Shard<SocketAddrV4> =
+                        Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
+                    s.set_peer_resolver(Arc::new(Some));
+                    let job = JobInstall {
+                        id: 1,
+                        token: 7,
+                        workers: 3,
+                        dtype: spec.dtype,
+                        optimizer: spec.optimizer,
+                        consistency: spec.consistency,
+                        chunk_elems: spec.chunk_elems(),
+                        slots,
+                    };
+                    s.install(job, InstallKind::Replicated(Box::new(rep))).unwrap();
+                    assert_eq!(
+                        s.job_memory_bytes(1),
+                        Some(primary[j] + backups[j]),
+                        "{mode}, back {back}: appliance {me} lcore {j}"
+                    );
+                }
+            }
+        }
+    }
 }

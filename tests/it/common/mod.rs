@@ -238,12 +238,21 @@ fn send<Rt: Route, A>(base: &str, call: &Call<'_, Rt, A>) -> A {
         .unwrap_or_else(|e| panic!("{} at {base}: {e}", call.what()))
 }
 
+/// Removes a rack's directory (its daemons' logs, state and tokens),
+/// unless `PHUB_KEEP_DIRS` is set: then it stays in the temporary
+/// directory to be read after the test (`grep -r WARN /tmp/phub-test-*`).
+pub(crate) fn remove_test_dir(dir: &Path) {
+    if std::env::var_os("PHUB_KEEP_DIRS").is_none() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
 impl Drop for Rack {
     fn drop(&mut self) {
         // Control first (each stops with SIGTERM, then SIGKILL, when dropped).
         drop(self.control.take());
         drop(self.dataplane.take());
-        let _ = std::fs::remove_dir_all(&self.dir);
+        remove_test_dir(&self.dir);
     }
 }
 
@@ -423,7 +432,7 @@ impl Drop for Appliances {
         for d in &mut self.dataplanes {
             drop(d.take());
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        remove_test_dir(&self.dir);
     }
 }
 
