@@ -526,6 +526,31 @@ pub(crate) fn lock(path: &Path) -> Result<StateLock, StateError> {
     }
 }
 
+/// A flat job of `spec` admitted as `id` with `token`, one lcore on each
+/// of `appliances`, nothing joined (tests').
+#[cfg(test)]
+pub(crate) fn test_job(id: u16, token: u64, spec: JobSpec, appliances: &[&str]) -> StoredJob {
+    StoredJob {
+        id,
+        token,
+        layout: phub_proto::layout::layout(&spec, &mut vec![0; appliances.len()], u64::from),
+        spec,
+        joined: BTreeSet::new(),
+        parts: appliances
+            .iter()
+            .map(|n| StoredPart {
+                appliance: (*n).into(),
+                lcores: 1,
+            })
+            .collect(),
+        failed: None,
+        shape: JobShape::Flat,
+        epoch: EpochView::default(),
+        rereplication: None,
+        stalled: None,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

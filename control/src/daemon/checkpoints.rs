@@ -585,31 +585,13 @@ impl PartOf {
 
 #[cfg(test)]
 mod tests {
-    use std::collections::BTreeSet;
 
-    use phub_proto::layout::layout;
     use phub_proto::spec::JobSpec;
 
     use super::*;
 
     fn job(token: u64) -> StoredJob {
-        let spec = JobSpec::new("k", 2, &[64]);
-        StoredJob {
-            id: 3,
-            token,
-            layout: layout(&spec, &mut [0], u64::from),
-            spec,
-            joined: BTreeSet::new(),
-            parts: vec![state::StoredPart {
-                appliance: "a".into(),
-                lcores: 1,
-            }],
-            failed: None,
-            shape: state::JobShape::Flat,
-            epoch: phub_proto::failover::EpochView::default(),
-            rereplication: None,
-            stalled: None,
-        }
+        state::test_job(3, token, JobSpec::new("k", 2, &[64]), &["a"])
     }
 
     /// A file read once is not read again while it is the same file for

@@ -822,10 +822,9 @@ pub(super) fn unix_ms() -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::state::{JobShape, StoredPart};
+
     use phub_proto::layout::layout;
     use phub_proto::spec::{Appliances, Consistency, JobSpec};
-    use std::collections::BTreeSet;
 
     /// A sum job of 24 chunks over three one-lcore appliances a, b, c in
     /// one rack, with `replicas`.
@@ -834,25 +833,7 @@ mod tests {
             .with_chunk_bytes(64)
             .sharded_over(Appliances::Count(3))
             .with_replicas(replicas);
-        StoredJob {
-            id: 5,
-            token: 1,
-            layout: layout(&spec, &mut [0, 0, 0], u64::from),
-            spec,
-            joined: BTreeSet::new(),
-            parts: ["a", "b", "c"]
-                .into_iter()
-                .map(|n| StoredPart {
-                    appliance: n.into(),
-                    lcores: 1,
-                })
-                .collect(),
-            failed: None,
-            shape: JobShape::Flat,
-            epoch: EpochView::default(),
-            rereplication: None,
-            stalled: None,
-        }
+        crate::state::test_job(5, 1, spec, &["a", "b", "c"])
     }
 
     /// Gives `j` a table key `emb` (PROTOCOL.md §11.9).

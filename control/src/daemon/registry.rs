@@ -394,29 +394,13 @@ pub(super) fn survey_of(views: &BTreeMap<String, Result<View, String>>) -> Surve
 mod tests {
     use super::*;
     use crate::state;
-    use phub_proto::layout::layout;
 
     fn job(id: u16) -> StoredJob {
         let spec = JobSpec::from_toml(
             "name = \"a\"\nworkers = 2\n[optimizer]\nkind = \"sum\"\n[[keys]]\nelements = 64\n",
         )
         .unwrap();
-        StoredJob {
-            id,
-            token: 7,
-            layout: layout(&spec, &mut [0], u64::from),
-            spec,
-            joined: BTreeSet::new(),
-            parts: vec![state::StoredPart {
-                appliance: "a".into(),
-                lcores: 1,
-            }],
-            failed: None,
-            shape: state::JobShape::Flat,
-            epoch: phub_proto::failover::EpochView::default(),
-            rereplication: None,
-            stalled: None,
-        }
+        state::test_job(id, 7, spec, &["a"])
     }
 
     fn appliance(name: &str) -> Appliance {

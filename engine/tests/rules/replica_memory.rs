@@ -12,7 +12,7 @@ use std::sync::Arc;
 use phub_engine::engine::{memory_model, replica_plan, replica_plan_at};
 use phub_engine::{InstallKind, JobInstall, Kernels, RustHeap, Shard, SlotAllocator};
 use phub_proto::failover::{EpochView, Joined};
-use phub_proto::layout::{ChunkRange, Chunks, Layout};
+use phub_proto::layout::{ChunkRange, Chunks, Layout, SlotChunk};
 use phub_proto::memory::ResultStore;
 use phub_proto::replica::backup_runs;
 use phub_proto::spec::JobSpec;
@@ -55,6 +55,29 @@ fn spread(spec: &JobSpec, lcores: &[usize]) -> (Vec<ChunkRange>, Vec<Layout>, Ve
     (runs, parts, appliances)
 }
 
+/// A shard for lcore `j` and job 1 of `spec` (3 workers) with `slots` as
+/// its primary slots, to be installed on it.
+fn lcore_for(
+    mem: &Arc<dyn SlotAllocator>,
+    spec: &JobSpec,
+    j: usize,
+    slots: Vec<SlotChunk>,
+) -> (Shard<SocketAddrV4>, JobInstall) {
+    let mut s: Shard<SocketAddrV4> = Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
+    s.set_peer_resolver(Arc::new(Some));
+    let job = JobInstall {
+        id: 1,
+        token: 7,
+        workers: 3,
+        dtype: spec.dtype,
+        optimizer: spec.optimizer,
+        consistency: spec.consistency,
+        chunk_elems: spec.chunk_elems(),
+        slots,
+    };
+    (s, job)
+}
+
 #[test]
 fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
     let mem: Arc<dyn SlotAllocator> = Arc::new(RustHeap);
@@ -94,19 +117,7 @@ fn each_lcore_of_a_replicated_job_holds_what_admission_charges() {
             assert_eq!(backups.len(), lcores[me], "{what}");
             let plan = replica_plan(&spec, &runs, &appliances, &labels, me as u16, 0).unwrap();
             for (j, (slots, rep)) in plan.into_iter().enumerate() {
-                let mut s: Shard<SocketAddrV4> =
-                    Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
-                s.set_peer_resolver(Arc::new(Some));
-                let job = JobInstall {
-                    id: 1,
-                    token: 7,
-                    workers: 3,
-                    dtype: spec.dtype,
-                    optimizer: spec.optimizer,
-                    consistency: spec.consistency,
-                    chunk_elems: spec.chunk_elems(),
-                    slots,
-                };
+                let (mut s, job) = lcore_for(&mem, &spec, j, slots);
                 s.install(job, InstallKind::Replicated(Box::new(rep))).unwrap();
                 assert!(backups[j] > 0, "{what}: appliance {me} lcore {j}");
                 assert_eq!(
@@ -149,18 +160,7 @@ fn each_lcore_of_a_replicated_job_with_a_table_holds_what_admission_charges() {
         let backups = model.replica_cost(&spec, &part_refs, &racks, me);
         let plan = replica_plan(&spec, &runs, &appliances, &labels, me as u16, 0).unwrap();
         for (j, (slots, rep)) in plan.into_iter().enumerate() {
-            let mut s: Shard<SocketAddrV4> = Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
-            s.set_peer_resolver(Arc::new(Some));
-            let job = JobInstall {
-                id: 1,
-                token: 7,
-                workers: 3,
-                dtype: spec.dtype,
-                optimizer: spec.optimizer,
-                consistency: spec.consistency,
-                chunk_elems: spec.chunk_elems(),
-                slots,
-            };
+            let (mut s, job) = lcore_for(&mem, &spec, j, slots);
             let t = TableInstall {
                 key: 1,
                 spec: table.clone(),
@@ -239,19 +239,7 @@ fn an_appliance_back_and_an_async_job_hold_what_the_model_says() {
                         back,
                         "{mode}: a returned appliance has no primary slot"
                     );
-                    let mut s: Shard<SocketAddrV4> =
-                        Shard::with_slot_memory(j as u16, Kernels::best(), mem.clone());
-                    s.set_peer_resolver(Arc::new(Some));
-                    let job = JobInstall {
-                        id: 1,
-                        token: 7,
-                        workers: 3,
-                        dtype: spec.dtype,
-                        optimizer: spec.optimizer,
-                        consistency: spec.consistency,
-                        chunk_elems: spec.chunk_elems(),
-                        slots,
-                    };
+                    let (mut s, job) = lcore_for(&mem, &spec, j, slots);
                     s.install(job, InstallKind::Replicated(Box::new(rep))).unwrap();
                     assert_eq!(
                         s.job_memory_bytes(1),
