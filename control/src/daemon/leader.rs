@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 
 use phub_proto::api::ApplianceSpec;
 
-use super::checkpoints::load_checkpoints;
+use super::checkpoints::{load_checkpoints, Checkpoints};
 use super::http::RequestError;
 use super::registry::{Appliance, Entry, Shared};
 use crate::state::etcd::Campaign;
@@ -248,12 +248,15 @@ impl Shared {
     /// that changed (a follower's: the leader writes them).
     fn refresh_checkpoints(&self) {
         let jobs = self.lock().jobs.clone();
-        let checkpoints = load_checkpoints(
-            &self.state_path,
-            &jobs,
-            &mut self.checkpoint_files.lock().unwrap_or_else(|p| p.into_inner()),
-        );
+        let checkpoints = self.checkpoints_of(&jobs);
         self.lock().checkpoints = checkpoints;
+    }
+
+    /// The checkpoint files of `jobs` beside the state, each read only
+    /// when it changed since the last look ([`load_checkpoints`]).
+    fn checkpoints_of(&self, jobs: &BTreeMap<u16, StoredJob>) -> Checkpoints {
+        let mut files = self.checkpoint_files.lock().unwrap_or_else(|p| p.into_inner());
+        load_checkpoints(&self.state_path, jobs, &mut files)
     }
 
     /// Replaces the appliances and jobs held with what is stored (the
@@ -266,11 +269,7 @@ impl Shared {
         let recorded = loaded.appliances.unwrap_or_default();
         let specs = merged(&recorded, &self.lead.given);
         let jobs: BTreeMap<u16, StoredJob> = loaded.jobs.into_iter().map(|j| (j.id, j)).collect();
-        let checkpoints = load_checkpoints(
-            &self.state_path,
-            &jobs,
-            &mut self.checkpoint_files.lock().unwrap_or_else(|p| p.into_inner()),
-        );
+        let checkpoints = self.checkpoints_of(&jobs);
         let mut inner = self.lock();
         let mut old = std::mem::take(&mut inner.appliances);
         inner.appliances = specs

@@ -553,10 +553,26 @@ fn kvs(range: &Value) -> Result<Vec<Kv>, EtcdError> {
         .collect()
 }
 
+/// The first key-value of a transaction answer's `i`-th range response,
+/// if there is one.
+fn first_kv(answer: &Value, i: usize) -> Result<Option<Kv>, EtcdError> {
+    Ok(answer["responses"]
+        .get(i)
+        .map(|r| kvs(&r["response_range"]))
+        .transpose()?
+        .and_then(|l| l.into_iter().next()))
+}
+
+/// A transaction operation deleting the keys from `from` up to, not
+/// including, `to`.
+fn delete_between(from: &[u8], to: &[u8]) -> Value {
+    json!({"request_delete_range": {"key": b64(from), "range_end": b64(to)}})
+}
+
 /// A transaction operation deleting every key under `dir` (ending in
 /// '/').
 fn delete_range(dir: &str) -> Value {
-    json!({"request_delete_range": {"key": b64(dir.as_bytes()), "range_end": b64(&prefix_end(dir))}})
+    delete_between(dir.as_bytes(), &prefix_end(dir))
 }
 
 /// The range end that covers every key starting with `prefix`.
@@ -739,15 +755,15 @@ impl EtcdStore {
 
     /// The value of entry `rest` (key `key`) as written: `value`, or, when
     /// that is a [`Split`] manifest, its pieces put together.
-    fn whole(
+    fn whole<'a>(
         &self,
         key: &str,
         rest: &str,
-        value: &[u8],
+        value: &'a [u8],
         pieces: &BTreeMap<String, Vec<u8>>,
-    ) -> Result<Vec<u8>, EtcdError> {
+    ) -> Result<std::borrow::Cow<'a, [u8]>, EtcdError> {
         let Ok(Split { split }) = serde_json::from_slice::<Split>(value) else {
-            return Ok(value.to_vec());
+            return Ok(std::borrow::Cow::Borrowed(value));
         };
         let corrupt = |reason: String| EtcdError::Corrupt {
             key: key.to_string(),
@@ -778,7 +794,7 @@ impl EtcdStore {
             }
             out.extend_from_slice(p);
         }
-        Ok(out)
+        Ok(std::borrow::Cow::Owned(out))
     }
 
     /// One transaction of `ops`, compared with `fence` (the leader key's
@@ -798,12 +814,7 @@ impl EtcdStore {
             return Ok(());
         }
         self.set_lead(None);
-        let url = answer["responses"]
-            .get(0)
-            .map(|r| kvs(&r["response_range"]))
-            .transpose()?
-            .and_then(|l| l.into_iter().next())
-            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+        let url = first_kv(&answer, 0)?.map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
         Err(self.not_leader(url))
     }
 
@@ -847,10 +858,9 @@ impl EtcdStore {
             return vec![delete_range(&dir)];
         };
         let kept = self.generation_dir(rest, g);
-        let range = |from: &[u8], to: &[u8]| json!({"request_delete_range": {"key": b64(from), "range_end": b64(to)}});
         vec![
-            range(dir.as_bytes(), kept.as_bytes()),
-            range(&prefix_end(&kept), &prefix_end(&dir)),
+            delete_between(dir.as_bytes(), kept.as_bytes()),
+            delete_between(&prefix_end(&kept), &prefix_end(&dir)),
         ]
     }
 
@@ -935,21 +945,12 @@ impl EtcdStore {
             revisions.insert(version, revision);
             return Ok(());
         }
-        let responses = answer["responses"].as_array().cloned().unwrap_or_default();
-        let range = |i: usize| {
-            responses
-                .get(i)
-                .map(|r| kvs(&r["response_range"]))
-                .unwrap_or(Ok(Vec::new()))
-        };
-        let leader = range(0)?;
-        if leader.first().map(|kv| kv.create_revision) != Some(lead.create_revision) {
+        let leader = first_kv(&answer, 0)?;
+        if leader.as_ref().map(|kv| kv.create_revision) != Some(lead.create_revision) {
             // Another leads, or none: this control steps down at once
             // (the pieces written are the new leader's to delete).
             self.set_lead(None);
-            let url = leader
-                .first()
-                .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+            let url = leader.map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
             return Err(self.not_leader(url));
         }
         if let Some(g) = kept {
@@ -959,7 +960,7 @@ impl EtcdStore {
                 log::warn!("{e}; the pieces under {dir} go at the entry's next write");
             }
         }
-        let now = range(1)?.first().map_or(0, |kv| kv.mod_revision);
+        let now = first_kv(&answer, 1)?.map_or(0, |kv| kv.mod_revision);
         Err(EtcdError::Conflict { key, read, now })
     }
 
@@ -1005,12 +1006,7 @@ impl EtcdStore {
                 }),
             )?;
             if answer["succeeded"].as_bool() != Some(true) {
-                let now = answer["responses"]
-                    .get(0)
-                    .map(|r| kvs(&r["response_range"]))
-                    .transpose()?
-                    .and_then(|l| l.into_iter().next())
-                    .map_or(0, |kv| kv.mod_revision);
+                let now = first_kv(&answer, 0)?.map_or(0, |kv| kv.mod_revision);
                 return Err(EtcdError::Conflict { key, read: 0, now });
             }
         }
@@ -1058,12 +1054,7 @@ impl EtcdStore {
             return Ok(Campaign::Won);
         }
         self.revoke(lease);
-        let leader = answer["responses"]
-            .get(0)
-            .map(|r| kvs(&r["response_range"]))
-            .transpose()?
-            .and_then(|l| l.into_iter().next())
-            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
+        let leader = first_kv(&answer, 0)?.map(|kv| String::from_utf8_lossy(&kv.value).into_owned());
         Ok(Campaign::Lost(leader))
     }
 
@@ -1195,11 +1186,13 @@ mod tests {
             "/phub/pieces/jobs/00001/00000000000000000003/00000".into(),
             vec![1, 2, 3],
         );
-        let whole = |m: &[u8], p: &BTreeMap<String, Vec<u8>>| store.whole(key, rest, m, p);
+        let whole = |m: &[u8], p: &BTreeMap<String, Vec<u8>>| {
+            store.whole(key, rest, m, p).map(std::borrow::Cow::into_owned)
+        };
         assert_eq!(whole(&manifest(3, value.len()), &pieces).unwrap(), value);
         // A value written whole is itself, a job's JSON included.
         let job = br#"{"id":1,"parts":[]}"#;
-        assert_eq!(whole(job, &pieces).unwrap(), job);
+        assert_eq!(&*whole(job, &pieces).unwrap(), job.as_slice());
         // Wrong counts, a missing or short piece: named, with the key.
         let e = whole(&manifest(2, value.len()), &pieces).unwrap_err().to_string();
         assert!(e.contains(key) && e.contains("in 2 pieces"), "{e}");
