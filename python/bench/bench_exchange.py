@@ -11,7 +11,10 @@ each wrapped in DistributedDataParallel (25 MB buckets, gloo process group):
   backward pass costs without any communication: the baseline);
 - ``gloo``: DDP's default hook, all-reduce over gloo;
 - ``phub``: phub.torch's comm hook through a local appliance (a ``mean`` job
-  with one key per tensor).
+  with one key per tensor);
+- ``phub one by one``: the same hook with ``pipeline=False`` (over
+  datagrams: each bucket's exchange starts once the one before has ended,
+  where the default starts it as DDP hands the bucket over).
 
 The model's forward is ``sum(p.sum())``, so backward only fills the gradients
 and the step is dominated by the exchange. Each trial runs the three
@@ -75,9 +78,11 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     if a.shm and not w.shm:  # every rank sees the same appliance: all stop here
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
     models = {name: nn.parallel.DistributedDataParallel(Bag(sizes), bucket_cap_mb=a.bucket_mb)
-              for name in ("no exchange", "gloo", "phub")}
+              for name in ("no exchange", "gloo", "phub", "phub one by one")}
     models["no exchange"].register_comm_hook(None, no_exchange_hook)
     phub.torch.register_comm_hook(models["phub"], w)
+    # The same keys, whose round 0 the first state ran.
+    phub.torch.register_comm_hook(models["phub one by one"], w, init_keys=False, pipeline=False)
     x = torch.ones(1)
     times: dict[str, list[float]] = {name: [] for name in models}
     # The bare exchange: the same buckets, without DDP.
@@ -124,7 +129,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
             times["bare phub exchange"].append(dt)
     # The exchanges must have been right: every gradient is 1 on every rank,
     # so the mean is 1.
-    for name in ("gloo", "phub"):  # 1.0 is exact in bf16 and f16 too
+    for name in ("gloo", "phub", "phub one by one"):  # 1.0 is exact in bf16 and f16 too
         for p in models[name].module.ps:
             assert torch.all(p.grad == 1.0), f"{name}: wrong averaged gradient"
     if rank == 0:
@@ -168,7 +173,7 @@ def main() -> None:
             run_ranks(worker, a.workers, a, app.control_url, job, token, free_port(), out)
             times = np.load(out)
             retx, sent = Path(out + ".txt").read_text().split()
-    names = ["no exchange", "gloo", "phub", "bare gloo", "bare phub", "bare phub exchange"]
+    names = ["no exchange", "gloo", "phub", "phub one by one", "bare gloo", "bare phub", "bare phub exchange"]
     med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
     lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
     print(f"{'':28}{'median ms':>10}{'min ms':>10}")
@@ -178,12 +183,18 @@ def main() -> None:
     eg, ep = med["gloo"] - base, med["phub"] - base
     mb = 4 * total / 1e6
     print(f"DDP step (backward + exchange): gloo {med['gloo']:.1f} ms, phub {med['phub']:.1f} ms: "
-          f"phub/gloo = {med['phub'] / med['gloo']:.2f}")
+          f"phub/gloo = {med['phub'] / med['gloo']:.2f}; buckets one by one {med['phub one by one']:.1f} ms: "
+          f"{med['phub one by one'] / med['gloo']:.2f}")
     print(f"exchange alone (step - {base:.1f} ms baseline): gloo {eg:.1f} ms ({mb / eg * 1000 / 1000:.2f} GB/s), "
           f"phub {ep:.1f} ms ({mb / ep * 1000 / 1000:.2f} GB/s): gloo/phub speedup = {eg / ep:.2f}x")
     print(f"bare exchange (no DDP): gloo all_reduce {med['bare gloo']:.1f} ms, phub push_pull {med['bare phub']:.1f} ms: "
           f"gloo/phub speedup = {med['bare gloo'] / med['bare phub']:.2f}x; phub exchange (one call) "
           f"{med['bare phub exchange']:.1f} ms: {med['bare gloo'] / med['bare phub exchange']:.2f}x")
+    # How much of the exchange backward hides: 1 - exposed / the bare exchange.
+    hid = {n: 1 - (med[n] - base) / med[bare] for n, bare in
+           (("gloo", "bare gloo"), ("phub", "bare phub exchange"), ("phub one by one", "bare phub exchange"))}
+    print(f"overlap with backward (1 - (step - baseline) / bare exchange): gloo {100 * hid['gloo']:.0f}%, "
+          f"phub {100 * hid['phub']:.0f}%, phub one by one {100 * hid['phub one by one']:.0f}%")
     print(f"phub rank 0: {retx} retransmits of {sent} chunks sent")
 
 

@@ -60,6 +60,8 @@ class Config:
     steps: Optional[int] = None  # stop after this many steps (tests)
     quiet: bool = False
     device: str = "cpu"  # cpu, or cuda (rank r on GPU r mod the GPU count)
+    bucket_mb: Optional[float] = None  # DDP's bucket_cap_mb (None: DDP's default)
+    pipeline: bool = True  # phub's hook: a bucket's exchange starts while earlier ones are on the wire
 
 
 # -- data and model ----------------------------------------------------------
@@ -174,10 +176,11 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
     if mode in ("ddp", "ddp-sum", "gloo"):
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(gloo_port)
         dist.init_process_group("gloo", rank=rank, world_size=workers)
-        model = nn.parallel.DistributedDataParallel(model)
+        buckets = {} if cfg.bucket_mb is None else {"bucket_cap_mb": cfg.bucket_mb}
+        model = nn.parallel.DistributedDataParallel(model, **buckets)
         if mode != "gloo":
             worker = phub.Worker.join(control_url, job, token, rank)  # phub: + line 1
-            phub.torch.register_comm_hook(model, worker)  # phub: + line 2
+            phub.torch.register_comm_hook(model, worker, pipeline=cfg.pipeline)  # phub: + line 2
         opt = make_optimizer(cfg, model.parameters())
     else:
         worker = phub.Worker.join(control_url, job, token, rank)

@@ -21,11 +21,13 @@ two lines::
 For each gradient bucket DDP hands the hook, :func:`comm_hook` pushes the
 slice of every parameter the bucket holds as that parameter's key (in the
 bucket's buffer, in place, no copy), and returns a ``torch.futures.Future``
-at once. Over datagrams a background thread exchanges the bucket's keys in
-one :meth:`Worker.exchange` (the bucket lent to the worker's I/O thread,
-which sends the gradients from it and writes each result into it as it
-arrives; the GIL released), bucket after bucket, and completes the future
-with the averaged bucket (with a ``"sum"`` job it divides by W). With
+at once. Over datagrams a background thread starts the bucket's keys in
+one :meth:`Worker.exchange_start` as soon as DDP hands the bucket over
+(the bucket lent to the worker's I/O thread, which sends the gradients
+from it and writes each result into it as it arrives; the GIL released),
+while the buckets before it may still be on the wire; another waits for
+each bucket in turn and completes its future with the averaged bucket
+(with a ``"sum"`` job it divides by W). With
 shared memory (and for a bucket whose gradients cannot be lent) one
 background thread pushes the bucket's keys with ``push_pull`` (copying
 them into the appliance's staging region) and another completes the
@@ -500,9 +502,15 @@ class CommHookState:
     bf16 1.06-1.10x against 1.21-1.26x; BENCHMARKS.md, "Third lease"): the
     one-copy path issues a copy per span of each key while backward runs,
     and backward hid half as much of the exchange.
+    ``pipeline`` (CPU tensors over datagrams): start each bucket's exchange
+    as DDP hands the bucket over, while the buckets before it are still on
+    the wire (:meth:`phub.Worker.exchange_start`); ``False`` exchanges the
+    buckets one after the other, each started once the one before has
+    ended (the earlier way, kept for comparison: BENCHMARKS.md).
     """
 
-    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True, in_place: bool = False) -> None:
+    def __init__(self, worker: Worker, model: ParamsLike, *, init_keys: bool = True, in_place: bool = False,
+                 pipeline: bool = True) -> None:
         if worker.consistency != "sync":
             mode = worker.consistency
             if worker.bounded_delay is not None:
@@ -519,6 +527,7 @@ class CommHookState:
             )
         self.worker = worker
         self.in_place = in_place
+        self.pipeline = pipeline
         self.params = key_parameters(model)
         _check_layout(worker, self.params)
         self.scale = 1.0 / worker.workers if worker.optimizer == "sum" else 1.0
@@ -597,19 +606,30 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
         state._completer.submit(lambda: _complete(handles, buf, scale, fut))
 
     def exchange() -> None:
-        # On the completer thread, bucket after bucket: the bucket's
-        # gradients lent to the worker's I/O thread in one call, each
-        # result written into the bucket as it arrives (no copy on a
-        # Python thread; 1.42x gloo's step against 1.63-1.78x per key,
-        # BENCHMARKS.md). A gradient that cannot be lent (unaligned)
-        # takes the per-key calls; exchange refuses before it sends.
+        # The bucket's gradients lent to the worker's I/O thread in one
+        # call, each result written into the bucket as it arrives (no copy
+        # on a Python thread; 1.42x gloo's step against 1.63-1.78x per key,
+        # BENCHMARKS.md). A gradient that cannot be lent (unaligned) takes
+        # the per-key calls; exchange refuses before it sends.
+        reqs = [(k, to_numpy(g)) for k, g in keys]
         try:
-            state.worker.exchange([(k, to_numpy(g)) for k, g in keys])
+            if state.pipeline:
+                # On the pusher thread, as DDP hands the bucket over: started
+                # while the buckets before it are still on the wire, waited
+                # for on the completer thread.
+                pending = state.worker.exchange_start(reqs)
+                state._completer.submit(lambda: _complete_exchange(pending, buf, scale, fut))
+                return
+            # On the completer thread, bucket after bucket.
+            state.worker.exchange(reqs)
         except UsageError as e:
             if "lent in place" not in str(e):
                 fut.set_exception(e)  # type: ignore[arg-type]
                 return
-            state._pusher.submit(push)
+            if state.pipeline:
+                push()  # on the pusher thread already
+            else:
+                state._pusher.submit(push)
             return
         except BaseException as e:
             fut.set_exception(e)  # type: ignore[arg-type]
@@ -623,9 +643,21 @@ def comm_hook(state: CommHookState, bucket: Any) -> "torch.futures.Future[torch.
         # while the I/O thread takes the results; an exchange leaves both
         # copies to the I/O thread.
         state._pusher.submit(push)
+    elif state.pipeline:
+        state._pusher.submit(exchange)
     else:
         state._completer.submit(exchange)
     return fut
+
+
+def _complete_exchange(pending: Any, buf: torch.Tensor, scale: float,
+                       fut: "torch.futures.Future[torch.Tensor]") -> None:
+    try:
+        pending.wait()
+    except BaseException as e:
+        fut.set_exception(e)  # type: ignore[arg-type]
+        return
+    _complete([], buf, scale, fut)
 
 
 def _complete(handles: list, buf: torch.Tensor, scale: float, fut: "torch.futures.Future[torch.Tensor]") -> None:

@@ -32,6 +32,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add_class::<worker::Worker>()?;
     m.add_class::<worker::Handle>()?;
+    m.add_class::<worker::PendingExchange>()?;
     m.add_class::<worker::Staged>()?;
     m.add_class::<worker::StagingBuffer>()?;
     m.add_class::<worker::Results>()?;

@@ -629,100 +629,42 @@ impl Worker {
     /// (then an array lent in place holds results for some chunks and the
     /// gradient for the others).
     fn exchange(&self, py: Python<'_>, requests: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
-        let dtype = self.dtype();
-        let mut arrays = Vec::with_capacity(requests.len());
-        let mut claims = Vec::with_capacity(requests.len());
-        for (i, r) in requests.iter().enumerate() {
-            let (key, grad, out): (u32, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) = match r.len() {
-                Ok(2) => {
-                    let (k, g): (u32, Bound<'_, PyAny>) = r.extract()?;
-                    (k, g, None)
-                }
-                Ok(3) => {
-                    let (k, g, o): (u32, Bound<'_, PyAny>, Bound<'_, PyAny>) = r.extract()?;
-                    (k, g, Some(o))
-                }
-                _ => {
-                    return Err(usage(format!(
-                        "requests[{i}]: a (key, grad) or (key, grad, out) tuple"
-                    )))
-                }
-            };
-            let g = Array::get(&grad, dtype, "grad", out.is_none())?;
-            self.check(key, &g, "grad")?;
-            let lent = |a: &Array, what: &str| {
-                a.native().map(|_| ()).ok_or_else(|| {
-                    usage(format!(
-                        "requests[{i}] (key {key}): `{what}` is lent in place, so it must be float32 or the \
-                         job's {dtype} elements, aligned (use push_pull for other arrays)"
-                    ))
-                })
-            };
-            lent(&g, "grad")?;
-            let o = match out {
-                None => None,
-                Some(out) => {
-                    let o = Array::get(&out, dtype, "out", true)?;
-                    self.check(key, &o, "out")?;
-                    lent(&o, "out")?;
-                    if o.elem() != g.elem() {
-                        return Err(usage(format!(
-                            "requests[{i}] (key {key}): `grad` and `out` hold different element types"
-                        )));
-                    }
-                    if o.overlaps(&g) && o.byte_range() != g.byte_range() {
-                        return Err(usage(format!(
-                            "requests[{i}] (key {key}): `out` overlaps `grad` without being it: pass \
-                             (key, grad) to exchange in place"
-                        )));
-                    }
-                    (o.byte_range() != g.byte_range()).then_some(o)
-                }
-            };
-            claims.push(self.claim(key, o.as_ref().unwrap_or(&g), o.is_some().then_some(&g))?);
-            arrays.push((key, g, o));
+        let lent = self.lend(&requests)?;
+        let done = py.detach(|| lent.start(&self.inner, false));
+        drop(lent);
+        done.map(drop)
+    }
+
+    /// :meth:`exchange` without waiting: starts every request and returns
+    /// a :class:`PendingExchange` at once, whose ``wait`` blocks until
+    /// every key's round is in. The arrays stay lent to the I/O thread
+    /// until then (the pending exchange keeps them alive; do not read or
+    /// write them meanwhile), and their outputs are claimed as
+    /// :meth:`push_pull`'s are, so a later request whose arrays overlap
+    /// them is refused. Several may be in flight at once: the DDP comm
+    /// hook starts each bucket's exchange as DDP hands it over, while the
+    /// buckets before it are still on the wire. Dropping a pending
+    /// exchange without waiting blocks until its requests have ended.
+    /// Errors in the requests themselves (an unknown key, a wrong length,
+    /// an array that cannot be lent) are raised here, after the requests
+    /// before the bad one have ended.
+    fn exchange_start(&self, py: Python<'_>, requests: Vec<Bound<'_, PyAny>>) -> PyResult<PendingExchange> {
+        let lent = self.lend(&requests)?;
+        let keys = lent.arrays.iter().map(|&(k, ..)| k).collect();
+        match py.detach(|| lent.start(&self.inner, true)) {
+            Ok(detached) => Ok(PendingExchange {
+                keys,
+                in_flight: Mutex::new(Some(InFlight {
+                    detached,
+                    lent,
+                    _worker: Arc::clone(&self.inner),
+                })),
+            }),
+            Err(e) => {
+                drop(lent);
+                Err(e)
+            }
         }
-        // SAFETY: every array's export lives in `arrays` until the exchange
-        // has ended (it returns only once the I/O thread is done with every
-        // lent buffer); the claims keep this worker's other requests off
-        // the outputs, and an output overlaps no other request's gradient
-        // (the claims) nor its own (checked above).
-        let lent: Vec<(u32, Lent<'_>)> = arrays
-            .iter()
-            .map(|(k, g, o)| {
-                let l = match o {
-                    // SAFETY: as above: `g` is exported writable, and only
-                    // this request uses it until the exchange has ended.
-                    None => Lent::InPlace(unsafe { g.slice_mut() }.expect("checked native")),
-                    Some(o) => Lent::Pair(
-                        // SAFETY: as above; nothing writes `g` meanwhile.
-                        unsafe { g.slice() }.expect("checked native"),
-                        // SAFETY: as above: `o` is exported writable and
-                        // overlaps no gradient.
-                        unsafe { o.slice_mut() }.expect("checked native"),
-                    ),
-                };
-                (*k, l)
-            })
-            .collect();
-        let w = &*self.inner;
-        let done = py.detach(|| {
-            w.exchange(|x| -> Result<(), phub_worker::WorkerError> {
-                for (k, l) in lent {
-                    match l {
-                        Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(k, b))?,
-                        Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
-                    }
-                }
-                Ok(())
-            })
-        });
-        drop(claims);
-        drop(arrays);
-        done.map_err(to_py)?.map_err(to_py)
     }
 
     /// Fetches the last completed result of every chunk of ``key`` into
@@ -869,6 +811,218 @@ impl Worker {
             self.dtype(),
             self.inner.spec().optimizer.name()
         )
+    }
+}
+
+/// Arrays lent to an exchange ([`Worker::exchange`],
+/// [`Worker::exchange_start`]), checked, with the claims that keep this
+/// worker's other requests off their outputs.
+struct LentArrays {
+    /// Per request: its key, its gradient, and its output when that is
+    /// not the gradient (lent in place otherwise).
+    arrays: Vec<(u32, Array, Option<Array>)>,
+    /// Held, not read: dropped with the arrays.
+    _claims: Vec<Claim>,
+}
+
+impl Worker {
+    /// Checks `requests` (see [`Worker::exchange`]) and claims their
+    /// outputs; nothing is sent.
+    fn lend(&self, requests: &[Bound<'_, PyAny>]) -> PyResult<LentArrays> {
+        let dtype = self.dtype();
+        let mut arrays = Vec::with_capacity(requests.len());
+        let mut claims = Vec::with_capacity(requests.len());
+        for (i, r) in requests.iter().enumerate() {
+            let (key, grad, out): (u32, Bound<'_, PyAny>, Option<Bound<'_, PyAny>>) = match r.len() {
+                Ok(2) => {
+                    let (k, g): (u32, Bound<'_, PyAny>) = r.extract()?;
+                    (k, g, None)
+                }
+                Ok(3) => {
+                    let (k, g, o): (u32, Bound<'_, PyAny>, Bound<'_, PyAny>) = r.extract()?;
+                    (k, g, Some(o))
+                }
+                _ => {
+                    return Err(usage(format!(
+                        "requests[{i}]: a (key, grad) or (key, grad, out) tuple"
+                    )))
+                }
+            };
+            let g = Array::get(&grad, dtype, "grad", out.is_none())?;
+            self.check(key, &g, "grad")?;
+            let lent = |a: &Array, what: &str| {
+                a.native().map(|_| ()).ok_or_else(|| {
+                    usage(format!(
+                        "requests[{i}] (key {key}): `{what}` is lent in place, so it must be float32 or the \
+                         job's {dtype} elements, aligned (use push_pull for other arrays)"
+                    ))
+                })
+            };
+            lent(&g, "grad")?;
+            let o = match out {
+                None => None,
+                Some(out) => {
+                    let o = Array::get(&out, dtype, "out", true)?;
+                    self.check(key, &o, "out")?;
+                    lent(&o, "out")?;
+                    if o.elem() != g.elem() {
+                        return Err(usage(format!(
+                            "requests[{i}] (key {key}): `grad` and `out` hold different element types"
+                        )));
+                    }
+                    if o.overlaps(&g) && o.byte_range() != g.byte_range() {
+                        return Err(usage(format!(
+                            "requests[{i}] (key {key}): `out` overlaps `grad` without being it: pass \
+                             (key, grad) to exchange in place"
+                        )));
+                    }
+                    (o.byte_range() != g.byte_range()).then_some(o)
+                }
+            };
+            claims.push(self.claim(key, o.as_ref().unwrap_or(&g), o.is_some().then_some(&g))?);
+            arrays.push((key, g, o));
+        }
+        Ok(LentArrays {
+            arrays,
+            _claims: claims,
+        })
+    }
+}
+
+impl LentArrays {
+    /// Starts every request with its arrays lent to `w`'s I/O thread; with
+    /// `detach`, returns at once with what waits for them, otherwise once
+    /// they have ended. On an error the requests already started have
+    /// ended.
+    fn start(&self, w: &phub_worker::Worker, detach: bool) -> PyResult<phub_worker::Detached> {
+        // SAFETY: every array's export lives in `self.arrays` until the
+        // exchange has ended: `exchange` returns only once the I/O thread is
+        // done with every lent buffer, and a detached one is kept beside
+        // these arrays until it has been waited (`PendingExchange`, whose
+        // in-flight state drops the `Detached` before the arrays). The
+        // claims keep this worker's other requests off the outputs, and an
+        // output overlaps no other request's gradient (the claims) nor its
+        // own (checked in `lend`).
+        let lent: Vec<(u32, Lent<'_>)> = self
+            .arrays
+            .iter()
+            .map(|(k, g, o)| {
+                let l = match o {
+                    // SAFETY: as above: `g` is exported writable, and only
+                    // this request uses it until the exchange has ended.
+                    None => Lent::InPlace(unsafe { g.slice_mut() }.expect("checked native")),
+                    Some(o) => Lent::Pair(
+                        // SAFETY: as above; nothing writes `g` meanwhile.
+                        unsafe { g.slice() }.expect("checked native"),
+                        // SAFETY: as above: `o` is exported writable and
+                        // overlaps no gradient.
+                        unsafe { o.slice_mut() }.expect("checked native"),
+                    ),
+                };
+                (*k, l)
+            })
+            .collect();
+        let done = w.exchange(
+            |x| -> Result<Option<phub_worker::Detached>, phub_worker::WorkerError> {
+                for (k, l) in lent {
+                    match l {
+                        Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(k, b))?,
+                        Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(k, g, o)?,
+                        Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
+                    }
+                }
+                // SAFETY: see the head of this function: the arrays outlive
+                // the detached requests.
+                Ok(detach.then(|| unsafe { x.detach() }))
+            },
+        );
+        match done.map_err(to_py)?.map_err(to_py)? {
+            Some(d) => Ok(d),
+            // Ended already: nothing left to wait for.
+            None => Ok(phub_worker::Detached::default()),
+        }
+    }
+}
+
+/// An exchange started by :meth:`Worker.exchange_start`, in flight.
+///
+/// :meth:`wait` blocks, with the GIL released, until every key's round is
+/// in (each result already written into its array by then). It keeps the
+/// lent arrays alive (and claimed) until then: do not read or write them
+/// before ``wait`` returns. Dropping it without waiting blocks until its
+/// requests have ended.
+#[pyclass(module = "phub", name = "PendingExchange", frozen)]
+pub(crate) struct PendingExchange {
+    keys: Vec<u32>,
+    in_flight: Mutex<Option<InFlight>>,
+}
+
+/// A pending exchange's requests and what they borrow.
+struct InFlight {
+    // Field order is drop order: `detached` waits for the I/O thread to
+    // be done with the arrays before `lent` releases them.
+    detached: phub_worker::Detached,
+    lent: LentArrays,
+    _worker: Arc<phub_worker::Worker>,
+}
+
+#[pymethods]
+impl PendingExchange {
+    /// Blocks, with the GIL released, until every request has ended; the
+    /// arrays are the caller's again. Raises the first failure (see
+    /// :meth:`Worker.exchange`), :class:`UsageError` if already waited.
+    fn wait(&self, py: Python<'_>) -> PyResult<()> {
+        let taken = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        let Some(InFlight { detached, lent, .. }) = taken else {
+            return Err(usage(format!(
+                "the pending exchange of keys {:?} was already waited",
+                self.keys
+            )));
+        };
+        let done = py.detach(|| detached.wait());
+        drop(lent);
+        done.map_err(to_py)
+    }
+
+    /// The keys it exchanges, in the order given.
+    #[getter]
+    fn keys(&self) -> Vec<u32> {
+        self.keys.clone()
+    }
+
+    fn __repr__(&self) -> String {
+        let waited = self
+            .in_flight
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .is_none();
+        format!(
+            "PendingExchange(keys={:?}, {})",
+            self.keys,
+            if waited { "waited" } else { "in flight" }
+        )
+    }
+}
+
+impl Drop for PendingExchange {
+    fn drop(&mut self) {
+        let taken = self
+            .in_flight
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(InFlight { detached, lent, .. }) = taken {
+            // Waits for the I/O thread with the GIL released (it never needs
+            // it), then releases the arrays with it held.
+            Python::attach(|py| py.detach(|| drop(detached)));
+            drop(lent);
+        }
     }
 }
 

@@ -102,6 +102,50 @@ def test_exchange_lends_arrays_in_place_and_with_outputs(workers: Workers, in_th
         w0.exchange([(0,)])
 
 
+def test_exchange_start_keeps_several_in_flight_and_claims_their_arrays(workers: Workers) -> None:
+    """Worker.exchange_start: two exchanges per rank in flight at once
+    (a DDP hook's buckets), waited in either order or ended by being
+    dropped; exact sums; their arrays claimed until then."""
+    sizes = [1, 2049, 50_000]
+    ws = workers(sizes, 2)
+    for k, n in enumerate(sizes):
+        init_all(ws, k, [np.zeros(n, np.float32) for _ in ws])
+    rng = np.random.default_rng(12)
+    for rnd in range(1, 4):
+        grads = [[rng.integers(-1000, 1000, n).astype(np.float32) for n in sizes] for _ in ws]
+        bufs = [[g.copy() for g in gs] for gs in grads]
+        outs = [np.empty(sizes[2], np.float32) for _ in ws]
+        # Per rank: key 0 in place, then keys 1 (in place) and 2 (into out),
+        # all started before any is waited; returns at once (no rank waits
+        # for the other here).
+        pend = [(w.exchange_start([(0, b[0])]), w.exchange_start([(1, b[1]), (2, b[2], o)]))
+                for w, b, o in zip(ws, bufs, outs)]
+        assert pend[0][1].keys == [1, 2]
+        with pytest.raises(phub.UsageError, match="overlaps the output array of key 1"):
+            ws[0].push_pull(1, np.ones(2049, np.float32), bufs[0][1])
+        with pytest.raises(phub.UsageError, match="overlaps the output array of key 2"):
+            ws[0].exchange_start([(2, outs[0])])
+        if rnd == 2:
+            # Dropped without a wait: each drop blocks until its requests end.
+            for r in (1, 0):
+                del pend[r]
+        else:
+            for first, second in pend:
+                second.wait()
+                first.wait()
+            with pytest.raises(phub.UsageError, match="already waited"):
+                pend[0][0].wait()
+        for r in range(2):
+            for k in range(3):
+                want = grads[0][k] + grads[1][k]
+                np.testing.assert_array_equal(outs[r] if k == 2 else bufs[r][k], want)
+            np.testing.assert_array_equal(bufs[r][2], grads[r][2])  # a lent gradient is only read
+        assert all(w.key_round(k) == rnd for w in ws for k in range(3))
+    # A bad request fails at start, naming itself; nothing stays claimed.
+    with pytest.raises(phub.UsageError, match="tuple"):
+        ws[0].exchange_start([(0,)])
+
+
 def test_push_pull_in_place_by_default(workers: Workers) -> None:
     w0, w1 = workers([1000])
     init_all([w0, w1], 0, [np.zeros(1000, np.float32)] * 2)

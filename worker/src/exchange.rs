@@ -69,18 +69,79 @@ impl<'b> Exchange<'_, 'b> {
         Ok(())
     }
 
+    /// Ends the exchange's scope without waiting: the requests started on
+    /// it so far go on, and the returned [`Detached`] waits for them (its
+    /// [`Detached::wait`], or its drop). [`Worker::exchange`] then returns
+    /// at once. For a caller whose buffers outlive the call by other means
+    /// (a Python array kept alive by its handle, say) and who wants the
+    /// next exchange started before this one ends, as the DDP comm hook
+    /// does bucket by bucket.
+    ///
+    /// # Safety
+    ///
+    /// Every buffer lent to this exchange must stay valid, and be neither
+    /// read nor written by anything but the I/O thread, until the returned
+    /// value has been waited or dropped: the I/O thread reads the
+    /// gradients and writes the results until then, beyond `'b`.
+    pub unsafe fn detach(&self) -> Detached {
+        Detached {
+            waiting: std::mem::take(&mut *self.waiting.borrow_mut()),
+        }
+    }
+
     /// Waits for every request started here; the first error, if any.
     fn wait_all(&self) -> Result<(), WorkerError> {
-        let waiting = std::mem::take(&mut *self.waiting.borrow_mut());
-        let mut first = Ok(());
-        for (_, rx) in waiting {
-            // The results are in the caller's output already.
-            let r = recv(&rx).map(drop);
-            if first.is_ok() {
-                first = r;
-            }
+        wait_each(std::mem::take(&mut *self.waiting.borrow_mut()))
+    }
+}
+
+/// Waits for every request of `waiting`; the first error, if any.
+fn wait_each(waiting: Vec<(u32, Receiver<Completion>)>) -> Result<(), WorkerError> {
+    let mut first = Ok(());
+    for (_, rx) in waiting {
+        // The results are in the caller's output already.
+        let r = recv(&rx).map(drop);
+        if first.is_ok() {
+            first = r;
         }
-        first
+    }
+    first
+}
+
+/// Lent requests that outlive their [`Worker::exchange`] call
+/// ([`Exchange::detach`]). Dropping it waits for them as [`Detached::wait`]
+/// does, so the buffers they were lent are free once it is gone.
+#[must_use = "dropping it blocks until its requests end"]
+#[derive(Default)]
+pub struct Detached {
+    waiting: Vec<(u32, Receiver<Completion>)>,
+}
+
+impl std::fmt::Debug for Detached {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Detached")
+            .field("requests", &self.waiting.len())
+            .finish()
+    }
+}
+
+impl Detached {
+    /// Blocks until every request has ended (its result in the lent output,
+    /// or failed); the first error, if any. The lent buffers are then the
+    /// caller's again.
+    pub fn wait(mut self) -> Result<(), WorkerError> {
+        wait_each(std::mem::take(&mut self.waiting))
+    }
+
+    /// The keys of the requests not waited for yet.
+    pub fn keys(&self) -> impl Iterator<Item = u32> + '_ {
+        self.waiting.iter().map(|&(k, _)| k)
+    }
+}
+
+impl Drop for Detached {
+    fn drop(&mut self) {
+        let _ = wait_each(std::mem::take(&mut self.waiting));
     }
 }
 

@@ -170,7 +170,7 @@ pub use config::{
 };
 pub use elem::Element;
 pub use error::WorkerError;
-pub use exchange::Exchange;
+pub use exchange::{Detached, Exchange};
 /// The 16-bit element types ([`half::bf16`], [`half::f16`]) of the
 /// version this library is built with.
 pub use half;

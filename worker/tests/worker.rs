@@ -711,6 +711,59 @@ fn exchange_reports_errors_and_waits_on_panic() {
     assert!(p1.iter().all(|&v| v == 0.5));
 }
 
+/// Exchanges detached from their call (the DDP hook's bucket after
+/// bucket): the next starts before the last has ended, each is waited on
+/// its own, in any order, and dropping one waits for its requests.
+#[test]
+fn detached_exchanges_overlap_and_are_waited_or_dropped() {
+    let spec = spec(1, &[5000, 3000, 10], Dtype::F32, Optimizer::Sum);
+    let layout = layout(&spec, &mut [0], u64::from);
+    let app = FakeAppliance::start(&spec, &layout, 0.05, 11);
+    let w = Worker::from_join(join_response(&spec, &layout, 0, app.base_port), TOKEN, quick()).unwrap();
+    let mut bufs = [vec![0f32; 5000], vec![0f32; 3000], vec![0f32; 10]];
+    for (k, b) in bufs.iter_mut().enumerate() {
+        w.wait(w.init(k as u32, b).unwrap()).unwrap();
+    }
+    for round in 1..=3u32 {
+        let value = |k: usize| (round * 10 + k as u32) as f32;
+        for (k, b) in bufs.iter_mut().enumerate() {
+            b.fill(value(k));
+        }
+        let [b0, b1, b2] = &mut bufs;
+        let first = w.exchange(|x| -> Result<_, WorkerError> {
+            x.push_pull_in_place(0, &mut b0[..])?;
+            // SAFETY: b0 is not touched until `first` is waited or dropped.
+            Ok(unsafe { x.detach() })
+        });
+        let first = first.unwrap().unwrap();
+        let second = w.exchange(|x| -> Result<_, WorkerError> {
+            x.push_pull_in_place(1, &mut b1[..])?;
+            x.push_pull_in_place(2, &mut b2[..])?;
+            // SAFETY: b1 and b2 are not touched until `second` is waited
+            // or dropped.
+            Ok(unsafe { x.detach() })
+        });
+        let second = second.unwrap().unwrap();
+        assert_eq!(first.keys().collect::<Vec<_>>(), [0]);
+        assert_eq!(second.keys().collect::<Vec<_>>(), [1, 2]);
+        if round == 2 {
+            // Dropped unwaited: the drop waits, the results are in.
+            drop(second);
+            drop(first);
+        } else {
+            second.wait().unwrap();
+            first.wait().unwrap();
+        }
+        // One worker's sum is its own gradient.
+        for (k, b) in bufs.iter().enumerate() {
+            assert!(b.iter().all(|&v| v == value(k)), "round {round} key {k}");
+            assert_eq!(w.key_round(k as u32), Some(round));
+        }
+    }
+    let s = w.stats();
+    assert_eq!(s.timeouts, 0, "{s:?}");
+}
+
 fn lonely_worker(timeout: Duration) -> (FakeAppliance, Worker) {
     let s = spec(2, &[10, 5000], Dtype::F32, Optimizer::Sum);
     let l = layout(&s, &mut [0, 0], u64::from);

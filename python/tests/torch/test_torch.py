@@ -54,10 +54,13 @@ def close(a: np.ndarray, b: np.ndarray, moved: float, rel: float) -> None:
     assert diff <= rel * moved, f"max |difference| {diff:.3g} > {rel} x {moved:.3g} (parameter movement)"
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp-sum"])
-def test_ddp_comm_hook_matches_gloo_and_one_process(appliance: Any, mode: str, initial: np.ndarray,
-                                                      gloo: np.ndarray, single: np.ndarray) -> None:
-    got = td.run(mode, W, cfg(), appliance)
+@pytest.mark.parametrize("mode,hook", [("ddp", {}), ("ddp-sum", {}),
+                                       # Small buckets (several in flight at once), and one after the other.
+                                       ("ddp", {"bucket_mb": 0.004}), ("ddp", {"bucket_mb": 0.004, "pipeline": False})])
+def test_ddp_comm_hook_matches_gloo_and_one_process(appliance: Any, mode: str, hook: dict[str, Any],
+                                                      initial: np.ndarray, gloo: np.ndarray,
+                                                      single: np.ndarray) -> None:
+    got = td.run(mode, W, cfg(**hook), appliance)
     moved = float(np.max(np.abs(gloo - initial)))
     assert moved > 0.05, "training did not move the parameters"
     # Against gloo all-reducing the same gradients: summing two numbers is
