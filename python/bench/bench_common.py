@@ -27,15 +27,43 @@ def resnet50_sizes() -> list[tuple[str, int]]:
     return t
 
 
+def bert_sizes(hidden: int, inter: int, layers: int) -> list[tuple[str, int]]:
+    """Hugging Face BertModel's trainable tensors, in parameters() order (as
+    phub-bench's profiles, tools/src/profiles.rs)."""
+    t: list[tuple[str, int]] = [("embeddings.word_embeddings.weight", 30522 * hidden),
+                                ("embeddings.position_embeddings.weight", 512 * hidden),
+                                ("embeddings.token_type_embeddings.weight", 2 * hidden),
+                                ("embeddings.LayerNorm.weight", hidden), ("embeddings.LayerNorm.bias", hidden)]
+
+    def linear(name: str, n_in: int, n_out: int) -> None:
+        t.extend([(f"{name}.weight", n_in * n_out), (f"{name}.bias", n_out)])
+
+    for layer in range(layers):
+        p = f"encoder.layer.{layer}"
+        for m in ("query", "key", "value"):
+            linear(f"{p}.attention.self.{m}", hidden, hidden)
+        linear(f"{p}.attention.output.dense", hidden, hidden)
+        t.extend([(f"{p}.attention.output.LayerNorm.weight", hidden), (f"{p}.attention.output.LayerNorm.bias", hidden)])
+        linear(f"{p}.intermediate.dense", hidden, inter)
+        linear(f"{p}.output.dense", inter, hidden)
+        t.extend([(f"{p}.output.LayerNorm.weight", hidden), (f"{p}.output.LayerNorm.bias", hidden)])
+    linear("pooler.dense", hidden, hidden)
+    return t
+
+
 def profile_sizes(name: str) -> list[tuple[str, int]]:
     if name in ("resnet50", "resnet-50"):
         sizes = resnet50_sizes()
         assert len(sizes) == 161 and sum(n for _, n in sizes) == 25_557_032
         return sizes
+    if name == "bert-base":
+        sizes = bert_sizes(768, 3072, 12)
+        assert len(sizes) == 199 and sum(n for _, n in sizes) == 109_482_240
+        return sizes
     if name.startswith("uniform:"):
         _, k, n = name.split(":")
         return [(f"t{i}", int(float(n))) for i in range(int(k))]
-    raise SystemExit(f"--profile {name!r}: resnet50 or uniform:K:N")
+    raise SystemExit(f"--profile {name!r}: resnet50, bert-base or uniform:K:N")
 
 
 def run_ranks(target: Callable[..., None], workers: int, *args: Any) -> None:

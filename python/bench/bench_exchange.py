@@ -34,6 +34,7 @@ shared memory, sending headers only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import tempfile
@@ -77,24 +78,40 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     w = phub.Worker.join(control_url, job, token, rank, window=a.window)
     if a.shm and not w.shm:  # every rank sees the same appliance: all stop here
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
-    models = {name: nn.parallel.DistributedDataParallel(Bag(sizes), bucket_cap_mb=a.bucket_mb)
-              for name in ("no exchange", "gloo", "phub", "phub one by one")}
-    models["no exchange"].register_comm_hook(None, no_exchange_hook)
-    phub.torch.register_comm_hook(models["phub"], w)
-    # The same keys, whose round 0 the first state ran.
-    phub.torch.register_comm_hook(models["phub one by one"], w, init_keys=False, pipeline=False)
-    x = torch.ones(1)
-    times: dict[str, list[float]] = {name: [] for name in models}
-    # The bare exchange: the same buckets, without DDP.
     total = sum(n for _, n in sizes)
     cap = int(a.bucket_mb * 2**20 / 4)
     bounds = list(range(0, total, cap)) + [total]
     flat = torch.ones(total)
     buckets = [flat[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
-    # Keys are initialised (round 0) by the hook's state; the bare rounds
-    # continue them, in the same order on every rank.
-    grads = [np.ones(n, np.float32) for _, n in sizes]
-    times["bare gloo"], times["bare phub"], times["bare phub exchange"] = [], [], []
+    if a.bare_only:
+        # No DDP: one buffer per rank, the gloo buckets and the phub keys
+        # views of it (a model of 10^9 parameters is 4 GB a copy).
+        models: dict[str, nn.parallel.DistributedDataParallel] = {}
+        starts = np.cumsum([0] + [n for _, n in sizes])
+        view = flat.numpy()
+        grads = [view[lo:hi] for lo, hi in zip(starts, starts[1:])]
+        for k, g in enumerate(grads):
+            # Key by key, each followed by an untimed lent round: init
+            # copies (the worker keeps a datagram and a result buffer of the
+            # key until its next request), a lent round lets both go.
+            w.init(k, g).wait()
+            w.exchange([(k, g)])
+    else:
+        models = {name: nn.parallel.DistributedDataParallel(Bag(sizes), bucket_cap_mb=a.bucket_mb)
+                  for name in ("no exchange", "gloo", "phub", "phub one by one")}
+        models["no exchange"].register_comm_hook(None, no_exchange_hook)
+        phub.torch.register_comm_hook(models["phub"], w)
+        # The same keys, whose round 0 the first state ran.
+        phub.torch.register_comm_hook(models["phub one by one"], w, init_keys=False, pipeline=False)
+        # Keys are initialised (round 0) by the hook's state; the bare
+        # rounds continue them, in the same order on every rank.
+        grads = [np.ones(n, np.float32) for _, n in sizes]
+    x = torch.ones(1)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    times["bare gloo"] = []
+    if not a.bare_only:
+        times["bare phub"] = []
+    times["bare phub exchange"] = []
     for trial in range(a.warmup + a.trials):
         for name, m in models.items():
             m.zero_grad()  # as a training step does, outside the timed part
@@ -112,14 +129,15 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
         dt = time.perf_counter() - t
         if trial >= a.warmup:
             times["bare gloo"].append(dt)
-        dist.barrier()
-        t = time.perf_counter()
-        hs = [w.push_pull(k, g) for k, g in enumerate(grads)]
-        for h in hs:
-            h.wait()
-        dt = time.perf_counter() - t
-        if trial >= a.warmup:
-            times["bare phub"].append(dt)
+        if not a.bare_only:
+            dist.barrier()
+            t = time.perf_counter()
+            hs = [w.push_pull(k, g) for k, g in enumerate(grads)]
+            for h in hs:
+                h.wait()
+            dt = time.perf_counter() - t
+            if trial >= a.warmup:
+                times["bare phub"].append(dt)
         # The same keys in one Worker.exchange, the arrays lent in place.
         dist.barrier()
         t = time.perf_counter()
@@ -130,11 +148,17 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
     # The exchanges must have been right: every gradient is 1 on every rank,
     # so the mean is 1.
     for name in ("gloo", "phub", "phub one by one"):  # 1.0 is exact in bf16 and f16 too
-        for p in models[name].module.ps:
+        for p in models[name].module.ps if name in models else []:
             assert torch.all(p.grad == 1.0), f"{name}: wrong averaged gradient"
+    if a.bare_only:
+        # Each trial's all-reduce sums W equal values, phub's means (the
+        # rounds above too) keep them.
+        want = float(a.workers) ** (a.warmup + a.trials)
+        assert torch.all(flat == want), "bare exchanges: wrong sums"
     if rank == 0:
         s = w.stats()
-        np.save(out, np.array([times[k] for k in times], dtype=np.float64))
+        with open(out, "w") as f:
+            json.dump(times, f)
         with open(out + ".txt", "w") as f:
             f.write(f"{s['retransmits']} {s['chunks_sent']}\n")
     dist.destroy_process_group()
@@ -143,7 +167,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
 def main() -> None:
     ap = argparse.ArgumentParser(description="phub comm hook against gloo all-reduce, one step's exchange")
     ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--profile", default="resnet50", help="resnet50 (default) or uniform:K:N")
+    ap.add_argument("--profile", default="resnet50", help="resnet50 (default), bert-base or uniform:K:N")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--lcores", type=int, default=1, help="dataplane queues (phub-bench's default: 1)")
@@ -154,6 +178,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
                     help="phub's wire type (bf16/f16 halve the bytes but round the gradients; gloo stays f32)")
     ap.add_argument("--chunk-bytes", type=int, default=None, help="phub chunk (packet payload) size, <= 8832")
+    ap.add_argument("--bare-only", action="store_true",
+                    help="only the bare exchanges (no DDP models), gloo's and phub's on one buffer per rank: "
+                         "for models too large for four DDP copies per rank")
     ap.add_argument("--shm", action="store_true",
                     help="phub-dataplane with --shm: the workers (shm='auto') pass chunks through shared memory")
     a = ap.parse_args()
@@ -164,24 +191,32 @@ def main() -> None:
           f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window or 'auto'}, "
           f"{a.lcores} dataplane lcores, {'shared memory' if a.shm else 'datagrams'}, "
           f"torch {torch.__version__}", flush=True)
-    with LocalAppliance(lcores=a.lcores, memory_budget="2GiB", busy_poll=a.busy_poll, shm=a.shm) as app:
+    # The job's slots and what the dataplane keeps beside them: 2 GiB, or
+    # three times the model for models over 700 MB.
+    budget_mib = max(2048, 3 * 4 * total // 2**20)
+    with LocalAppliance(lcores=a.lcores, memory_budget=f"{budget_mib}MiB", busy_poll=a.busy_poll, shm=a.shm) as app:
         spec = phub.admin.job_spec("bench", a.workers, sizes, optimizer="mean", dtype=a.dtype,
                                    chunk_bytes=a.chunk_bytes)
         job, token = app.admit(spec)
         with tempfile.TemporaryDirectory(prefix="phub-bench-") as tmp:
-            out = str(Path(tmp) / "times.npy")
+            out = str(Path(tmp) / "times.json")
             run_ranks(worker, a.workers, a, app.control_url, job, token, free_port(), out)
-            times = np.load(out)
+            times = json.loads(Path(out).read_text())
             retx, sent = Path(out + ".txt").read_text().split()
-    names = ["no exchange", "gloo", "phub", "phub one by one", "bare gloo", "bare phub", "bare phub exchange"]
-    med = {n: statistics.median(times[i]) * 1000 for i, n in enumerate(names)}
-    lo = {n: min(times[i]) * 1000 for i, n in enumerate(names)}
+    med = {n: statistics.median(t) * 1000 for n, t in times.items()}
+    lo = {n: min(t) * 1000 for n, t in times.items()}
     print(f"{'':28}{'median ms':>10}{'min ms':>10}")
-    for n in names:
+    for n in times:
         print(f"  {n:26}{med[n]:10.1f}{lo[n]:10.1f}")
+    mb = 4 * total / 1e6
+    if a.bare_only:
+        print(f"bare exchange (no DDP): gloo all_reduce {med['bare gloo']:.1f} ms, phub exchange (one call) "
+              f"{med['bare phub exchange']:.1f} ms: phub/gloo = {med['bare phub exchange'] / med['bare gloo']:.2f}; "
+              f"phub {mb / med['bare phub exchange']:.2f} GB/s of model")
+        print(f"phub rank 0: {retx} retransmits of {sent} chunks sent")
+        return
     base = med["no exchange"]
     eg, ep = med["gloo"] - base, med["phub"] - base
-    mb = 4 * total / 1e6
     print(f"DDP step (backward + exchange): gloo {med['gloo']:.1f} ms, phub {med['phub']:.1f} ms: "
           f"phub/gloo = {med['phub'] / med['gloo']:.2f}; buckets one by one {med['phub one by one']:.1f} ms: "
           f"{med['phub one by one'] / med['gloo']:.2f}")

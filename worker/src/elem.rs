@@ -269,6 +269,11 @@ impl Spares {
         }
     }
 
+    /// Bytes held.
+    pub(crate) fn bytes(&self) -> usize {
+        std::mem::size_of_val(&self.f32[..]) + self.wire16.len()
+    }
+
     /// Keeps `values` as the spare of its kind (an empty one, from a
     /// request whose results went straight to the caller, is not kept).
     pub(crate) fn keep(&mut self, values: Values) {

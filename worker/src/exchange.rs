@@ -161,6 +161,7 @@ impl Worker {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
+        self.keys.drop_values(key);
         let (chunks, tx) = if let Some(bytes) = grad.wire_bytes(self.spec.dtype) {
             let payload = RawBytes {
                 ptr: bytes.as_ptr(),
@@ -223,6 +224,7 @@ impl Worker {
     ) -> Result<Receiver<Completion>, WorkerError> {
         let elements = self.check_len(key, buf.len())?;
         let round = self.claim_next_round(key)?;
+        self.keys.drop_values(key);
         let wire16 = E::WIRE.is_some();
         let direct = Src::of(&*buf).wire_bytes(self.spec.dtype).is_some();
         let owned =

@@ -131,6 +131,21 @@ impl KeyTable {
         self.lock()[key as usize].values_spare.take(ty, elements)
     }
 
+    /// Lets the key's spare result buffers go: a request whose results go
+    /// straight into the caller's memory (the lent path, [`crate::Exchange`])
+    /// needs none, and a worker that exchanges that way would otherwise
+    /// keep a copy of every key it once pushed with a copy.
+    pub(crate) fn drop_values(&self, key: u32) {
+        if let Some(k) = self.lock().get_mut(key as usize) {
+            k.values_spare = Spares::default();
+        }
+    }
+
+    /// Bytes of the spare buffers kept for the keys' next requests.
+    pub(crate) fn spare_bytes(&self) -> usize {
+        self.lock().iter().map(|k| k.tx_spare.len() + k.values_spare.bytes()).sum()
+    }
+
     /// Keeps a result buffer for the key's next request.
     pub(crate) fn keep_values(&self, key: u32, values: Values) {
         if let Some(k) = self.lock().get_mut(key as usize) {

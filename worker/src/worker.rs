@@ -193,6 +193,16 @@ impl Worker {
         self.stats.snapshot()
     }
 
+    /// Bytes this worker keeps between rounds to reuse: each key's
+    /// datagram buffer and result buffer from its last request with a copy
+    /// ([`Worker::init`], [`Worker::push_pull`], [`Worker::pull`]): up to
+    /// twice the model, which saves allocating and faulting them in again
+    /// every round. A key exchanged with its buffers lent
+    /// ([`Worker::exchange`]) keeps only its datagrams' headers.
+    pub fn spare_bytes(&self) -> usize {
+        self.keys.spare_bytes()
+    }
+
     /// Whether chunks and results go through shared memory with the
     /// dataplane now (see [`WorkerConfig::shm`]).
     pub fn shm(&self) -> bool {

@@ -724,6 +724,8 @@ fn detached_exchanges_overlap_and_are_waited_or_dropped() {
     for (k, b) in bufs.iter_mut().enumerate() {
         w.wait(w.init(k as u32, b).unwrap()).unwrap();
     }
+    // init copied: each key keeps its datagrams and a result buffer.
+    assert!(w.spare_bytes() >= 2 * 4 * 8010, "{}", w.spare_bytes());
     for round in 1..=3u32 {
         let value = |k: usize| (round * 10 + k as u32) as f32;
         for (k, b) in bufs.iter_mut().enumerate() {
@@ -760,6 +762,8 @@ fn detached_exchanges_overlap_and_are_waited_or_dropped() {
             assert_eq!(w.key_round(k as u32), Some(round));
         }
     }
+    // Lent: only the headers' buffers stay (one header per chunk).
+    assert!(w.spare_bytes() < 4 * 8010 / 10, "{}", w.spare_bytes());
     let s = w.stats();
     assert_eq!(s.timeouts, 0, "{s:?}");
 }
