@@ -62,6 +62,7 @@ class Config:
     device: str = "cpu"  # cpu, or cuda (rank r on GPU r mod the GPU count)
     bucket_mb: Optional[float] = None  # DDP's bucket_cap_mb (None: DDP's default)
     pipeline: bool = True  # phub's hook: a bucket's exchange starts while earlier ones are on the wire
+    overlap: bool = False  # server: push each gradient as backward makes it (DistributedOptimizer(overlap=True))
 
 
 # -- data and model ----------------------------------------------------------
@@ -185,7 +186,7 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
     else:
         worker = phub.Worker.join(control_url, job, token, rank)
         # The appliance runs this optimizer; the torch one only declares it.
-        opt = phub.torch.DistributedOptimizer(make_optimizer(cfg, model.parameters()), worker)
+        opt = phub.torch.DistributedOptimizer(make_optimizer(cfg, model.parameters()), worker, overlap=cfg.overlap)
     plain = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
     per_epoch = steps_per_epoch(len(y), workers, cfg.batch)
     steps = total_steps(cfg, len(y), workers)

@@ -94,6 +94,7 @@ CPU tensors take the code path they always did.
 from __future__ import annotations
 
 import atexit
+import functools
 import queue
 import threading
 import warnings
@@ -818,6 +819,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ``in_place``: as :class:`CommHookState`'s, for CUDA parameters, but
     one copy by default here (``step`` stages after backward, so it takes
     nothing from backward's overlap; not measured against two copies yet).
+    ``overlap`` (CPU parameters): push each parameter's gradient as soon as
+    backward has accumulated it (a post-accumulate-grad hook), while
+    backward goes on with the layers before it, and have ``step()`` wait
+    for the new parameters; off by default because it changes what a
+    training loop may do between ``backward()`` and ``step()``: the
+    gradients are already on their way (clipping or scaling them there
+    changes nothing; do it in the job's spec or the loss), a parameter may
+    hold its new value before ``step()`` returns, and each step takes
+    exactly one backward (a second accumulation into a gradient before
+    ``step()`` raises :class:`UsageError` from backward).
 
     Learning rate, momentum and so on are the job's: changing
     ``param_groups`` here changes nothing on the appliance, and there is no
@@ -831,7 +842,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     def __init__(self, params: Union[torch.optim.Optimizer, ParamsLike], worker: Worker, *,
-                 broadcast: bool = True, in_place: bool = True) -> None:
+                 broadcast: bool = True, in_place: bool = True, overlap: bool = False) -> None:
         if worker.optimizer in ("sum", "mean"):
             raise UsageError(
                 f"this job's optimizer is {worker.optimizer!r}: the appliance returns aggregated gradients, "
@@ -865,8 +876,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = ps
         dev = next(iter(devices))
         self._staging = _CudaStaging(dev) if dev.type == "cuda" else None
+        if overlap and self._staging is not None:
+            raise UsageError("DistributedOptimizer(overlap=True) is for CPU parameters; CUDA parameters are "
+                             "staged in step() (use overlap=False)")
         if broadcast:
             broadcast_parameters(worker, ps)
+        #: overlap: the requests started by backward this step, by key.
+        self._started: dict[int, Any] = {}
+        self._overlap = overlap
+        if overlap:
+            for k, p in enumerate(ps):
+                p.register_post_accumulate_grad_hook(functools.partial(self._grad_ready, k))
+
+    def _start(self, k: int, p: torch.Tensor) -> Any:
+        """Starts key ``k``'s round: lent over datagrams (the result lands
+        in the parameter), else (shared memory, or a tensor that cannot be
+        lent) ``push_pull`` with a copy."""
+        g, out = to_numpy(self._grad(p)), to_numpy(p.data)
+        if not self.worker.shm:
+            try:
+                return self.worker.exchange_start([(k, g, out)])
+            except UsageError as e:
+                if "lent in place" not in str(e):
+                    raise
+        return self.worker.push_pull(k, g, out)
+
+    @torch.no_grad()
+    def _grad_ready(self, k: int, p: torch.Tensor) -> None:
+        # On autograd's thread, as soon as backward has accumulated p.grad.
+        if k in self._started:
+            raise UsageError(
+                f"DistributedOptimizer(overlap=True): key {k}'s gradient was accumulated twice before step(): "
+                "with overlap each step takes exactly one backward (gradients are pushed as backward makes "
+                "them); use overlap=False to accumulate over several backward passes"
+            )
+        self._started[k] = self._start(k, p)
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -877,6 +921,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._staging is not None:
             self._step_cuda(self._staging)
+            return loss
+        if self._overlap:
+            started, self._started = self._started, {}
+            # Parameters backward gave no gradient push zeros now, as below.
+            for k, p in enumerate(self._params):
+                if k not in started:
+                    started[k] = self._start(k, p)
+            for k in sorted(started):
+                started[k].wait()
             return loss
         grads = [(k, to_numpy(self._grad(p)), to_numpy(p.data)) for k, p in enumerate(self._params)]
         if not self.worker.shm:

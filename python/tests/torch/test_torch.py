@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import threading
 from pathlib import Path
@@ -88,6 +89,33 @@ def test_optimizer_on_the_appliance_matches_torch_optim(appliance: Any, opt: str
     assert moved > 0.01, "training did not move the parameters"
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     close(got, want, moved, 1e-3)
+
+
+def test_optimizer_pushing_as_backward_goes_gives_the_same_parameters(appliance: Any, workers: Any) -> None:
+    """DistributedOptimizer(overlap=True): each gradient pushed from its
+    post-accumulate hook during backward, step() only waits: bit for bit
+    the parameters of pushing them all in step(); a second backward before
+    step() is refused, naming the key."""
+    c = td.Config(steps=STEPS, quiet=True, optimizer="momentum")
+    after = td.run("server", W, c, appliance)
+    overlapped = td.run("server", W, dataclasses.replace(c, overlap=True), appliance)
+    np.testing.assert_array_equal(overlapped, after)
+    (w,) = workers([("w", 8), ("b", 2)], 1, optimizer={"kind": "sgd", "lr": 0.5})
+    lin = torch.nn.Linear(4, 2, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.arange(8.0).reshape(2, 4))
+        lin.bias.zero_()
+    opt = phub.torch.DistributedOptimizer(lin, w, overlap=True)
+    x = torch.ones(1, 4)
+    lin(x).sum().backward()
+    opt.step()  # one worker: w -= 0.5 * grad, grad of sum = x for every row
+    np.testing.assert_array_equal(lin.weight.detach().numpy(), np.arange(8.0).reshape(2, 4) - 0.5)
+    np.testing.assert_array_equal(lin.bias.detach().numpy(), [-0.5, -0.5])
+    opt.zero_grad()
+    lin(x).sum().backward()
+    with pytest.raises(phub.UsageError, match="accumulated twice before step"):
+        lin(x).sum().backward()
+    opt.step()
 
 
 def test_broadcast_parameters_gives_rank0_values(workers: Any) -> None:
