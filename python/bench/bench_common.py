@@ -3,6 +3,7 @@ profiles and a free port."""
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import socket
 from typing import Any, Callable
@@ -84,3 +85,21 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def add_rank_args(ap: argparse.ArgumentParser, lcores: int) -> None:
+    """The options the one-host benchmarks share."""
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--profile", default="resnet50", help="resnet50 (default), bert-base or uniform:K:N")
+    ap.add_argument("--trials", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--lcores", type=int, default=lcores, help=f"dataplane queues (default {lcores})")
+    ap.add_argument("--window", type=int, default=None,
+                    help="phub worker window, chunks in flight (default: the library picks it from the job)")
+
+
+def memory_budget(floats: int) -> str:
+    """The dataplane's memory budget for a job of ``floats`` f32 values: its
+    slots and what the dataplane keeps beside them, 2 GiB or three times the
+    model when that is more."""
+    return f"{max(2048, 3 * 4 * floats // 2**20)}MiB"

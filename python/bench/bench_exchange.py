@@ -49,7 +49,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
-from bench_common import free_port, profile_sizes, run_ranks
+from bench_common import add_rank_args, free_port, memory_budget, profile_sizes, run_ranks
 from phub.local import LocalAppliance
 
 
@@ -166,13 +166,7 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="phub comm hook against gloo all-reduce, one step's exchange")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--profile", default="resnet50", help="resnet50 (default), bert-base or uniform:K:N")
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--lcores", type=int, default=1, help="dataplane queues (phub-bench's default: 1)")
-    ap.add_argument("--window", type=int, default=None,
-                    help="phub worker window, chunks in flight (default: the library picks it from the job)")
+    add_rank_args(ap, lcores=1)  # phub-bench's default
     ap.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     ap.add_argument("--busy-poll", action="store_true", help="dataplane lcores spin")
     ap.add_argument("--dtype", default="f32", choices=["f32", "bf16", "f16"],
@@ -191,10 +185,8 @@ def main() -> None:
           f"DDP buckets {a.bucket_mb:g} MB, phub {a.dtype} on the wire, window {a.window or 'auto'}, "
           f"{a.lcores} dataplane lcores, {'shared memory' if a.shm else 'datagrams'}, "
           f"torch {torch.__version__}", flush=True)
-    # The job's slots and what the dataplane keeps beside them: 2 GiB, or
-    # three times the model for models over 700 MB.
-    budget_mib = max(2048, 3 * 4 * total // 2**20)
-    with LocalAppliance(lcores=a.lcores, memory_budget=f"{budget_mib}MiB", busy_poll=a.busy_poll, shm=a.shm) as app:
+    with LocalAppliance(lcores=a.lcores, memory_budget=memory_budget(total), busy_poll=a.busy_poll,
+                        shm=a.shm) as app:
         spec = phub.admin.job_spec("bench", a.workers, sizes, optimizer="mean", dtype=a.dtype,
                                    chunk_bytes=a.chunk_bytes)
         job, token = app.admit(spec)

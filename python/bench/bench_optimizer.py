@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 import phub
 import phub.torch
-from bench_common import free_port, profile_sizes, run_ranks
+from bench_common import add_rank_args, free_port, memory_budget, profile_sizes, run_ranks
 from bench_exchange import Bag
 from phub.local import LocalAppliance
 
@@ -69,20 +69,14 @@ def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description="DistributedOptimizer: gradients pushed in step() or during backward")
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--profile", default="resnet50", help="resnet50 (default), bert-base or uniform:K:N")
-    ap.add_argument("--trials", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--lcores", type=int, default=2)
-    ap.add_argument("--window", type=int, default=None)
+    add_rank_args(ap, lcores=2)
     a = ap.parse_args()
     sizes = profile_sizes(a.profile)
     total = sum(n for _, n in sizes)
     print(f"DistributedOptimizer step, {a.profile} ({len(sizes)} tensors, {4 * total / 1e6:.1f} MB), "
           f"W={a.workers} on this machine ({os.cpu_count()} CPUs), {a.lcores} lcores, datagrams, "
           f"torch {torch.__version__}", flush=True)
-    budget_mib = max(2048, 3 * 4 * total // 2**20)
-    with LocalAppliance(lcores=a.lcores, memory_budget=f"{budget_mib}MiB") as app:
+    with LocalAppliance(lcores=a.lcores, memory_budget=memory_budget(total)) as app:
         spec = phub.admin.job_spec("bench-opt", a.workers, sizes, optimizer={"kind": "sgd", "lr": 1e-6})
         job, token = app.admit(spec)
         with tempfile.TemporaryDirectory(prefix="phub-bench-") as tmp:
