@@ -70,12 +70,18 @@ def no_exchange_hook(_state, bucket):  # type: ignore[no-untyped-def]  # DDP che
     return fut
 
 
-def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
+def join_rank(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str,
+              port: int) -> tuple[list[tuple[str, int]], phub.Worker]:
+    """A rank process's start: one torch thread, gloo's process group, the
+    profile's sizes and the phub worker."""
     torch.set_num_threads(1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=a.workers)
-    sizes = profile_sizes(a.profile)
-    w = phub.Worker.join(control_url, job, token, rank, window=a.window)
+    return profile_sizes(a.profile), phub.Worker.join(control_url, job, token, rank, window=a.window)
+
+
+def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
+    sizes, w = join_rank(rank, a, control_url, job, token, port)
     if a.shm and not w.shm:  # every rank sees the same appliance: all stop here
         raise SystemExit(f"--shm: phub rank {rank} did not get shared memory (see phub-dataplane's log)")
     total = sum(n for _, n in sizes)

@@ -30,18 +30,14 @@ import torch.distributed as dist
 import phub
 import phub.torch
 from bench_common import add_rank_args, free_port, memory_budget, profile_sizes, run_ranks
-from bench_exchange import Bag
+from bench_exchange import Bag, join_rank
 from phub.local import LocalAppliance
 
 WAYS = ("backward alone", "step() pushes all", "pushed during backward")
 
 
 def worker(rank: int, a: argparse.Namespace, control_url: str, job: int, token: str, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=a.workers)
-    sizes = profile_sizes(a.profile)
-    w = phub.Worker.join(control_url, job, token, rank, window=a.window)
+    sizes, w = join_rank(rank, a, control_url, job, token, port)
     models = {name: Bag(sizes) for name in WAYS}
     opts = {
         WAYS[1]: phub.torch.DistributedOptimizer(models[WAYS[1]], w),
