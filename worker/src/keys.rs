@@ -143,7 +143,10 @@ impl KeyTable {
 
     /// Bytes of the spare buffers kept for the keys' next requests.
     pub(crate) fn spare_bytes(&self) -> usize {
-        self.lock().iter().map(|k| k.tx_spare.len() + k.values_spare.bytes()).sum()
+        self.lock()
+            .iter()
+            .map(|k| k.tx_spare.len() + k.values_spare.bytes())
+            .sum()
     }
 
     /// Keeps a result buffer for the key's next request.
