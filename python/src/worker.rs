@@ -426,7 +426,10 @@ impl Worker {
     /// shared memory), the tables' ``row_messages_sent``,
     /// ``row_retransmits`` and key caching's ``key_cache_id_bytes_saved``,
     /// ``key_cache_prefix_bytes``, ``key_cache_misses`` (PROTOCOL.md §10.7),
-    /// and ``shm`` (a bool: shared memory in use).
+    /// ``spare_bytes`` (buffers kept for the keys' next requests: after
+    /// ``init`` or ``push_pull`` a key's datagrams and result, up to twice
+    /// the model; a key exchanged with :meth:`exchange` keeps its headers
+    /// only), and ``shm`` (a bool: shared memory in use).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -456,6 +459,7 @@ impl Worker {
         ] {
             d.set_item(k, v)?;
         }
+        d.set_item("spare_bytes", self.inner.spare_bytes())?;
         d.set_item("shm", s.shm)?;
         Ok(d)
     }

@@ -110,6 +110,8 @@ def test_exchange_start_keeps_several_in_flight_and_claims_their_arrays(workers:
     ws = workers(sizes, 2)
     for k, n in enumerate(sizes):
         init_all(ws, k, [np.zeros(n, np.float32) for _ in ws])
+    # init copied: each key keeps its datagrams and a result buffer.
+    assert ws[0].stats()["spare_bytes"] >= 2 * 4 * sum(sizes)
     rng = np.random.default_rng(12)
     for rnd in range(1, 4):
         grads = [[rng.integers(-1000, 1000, n).astype(np.float32) for n in sizes] for _ in ws]
@@ -141,6 +143,8 @@ def test_exchange_start_keeps_several_in_flight_and_claims_their_arrays(workers:
                 np.testing.assert_array_equal(outs[r] if k == 2 else bufs[r][k], want)
             np.testing.assert_array_equal(bufs[r][2], grads[r][2])  # a lent gradient is only read
         assert all(w.key_round(k) == rnd for w in ws for k in range(3))
+        # Lent: each key keeps its headers' buffer only.
+        assert ws[0].stats()["spare_bytes"] < 4 * sum(sizes) // 10
     # A bad request fails at start, naming itself; nothing stays claimed.
     with pytest.raises(phub.UsageError, match="tuple"):
         ws[0].exchange_start([(0,)])
