@@ -1020,9 +1020,23 @@ class _TableLookup(torch.nn.Module):
         self.table = table
         #: Values per row (the table's ``dim``).
         self.dim = worker.table_dim(table)
+        #: The push the last backward started, not waited yet.
+        self._pending: Optional[Any] = None
+
+    def wait_push(self) -> Optional[int]:
+        """Waits for the push the last backward started, if it was not
+        waited yet, and returns its round (its failure is raised here).
+        Backward only starts the push, so that the pushes of several
+        tables are in flight together; the next forward, or
+        :meth:`skip_round`, waits for it first. Call it before reading the
+        table another way (``worker.pull_rows``, a checkpoint): until then
+        the table is busy."""
+        p, self._pending = self._pending, None
+        return None if p is None else p.wait()
 
     def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The rows of ``ids``' distinct ids and each id's index among them."""
+        self.wait_push()
         if ids.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"table {self.table!r}: ids are int64 or int32, got {ids.dtype}")
         uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
@@ -1037,13 +1051,15 @@ class _TableLookup(torch.nn.Module):
 
     def _push(self, ids_np: np.ndarray, grad: torch.Tensor) -> torch.Tensor:
         g = np.ascontiguousarray(grad.detach().to("cpu", torch.float32).numpy())
-        self.worker.push_rows(self.table, ids_np, g)
+        self.wait_push()  # two backward passes over one forward's rows
+        self._pending = self.worker.push_rows_start(self.table, ids_np, g)
         return grad
 
     def skip_round(self) -> int:
         """Pushes a round with no rows, for a rank with nothing to look up
         this step (every rank pushes every round of a table). Returns the
         round."""
+        self.wait_push()
         return self.worker.push_rows(self.table, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
 
     def extra_repr(self) -> str:
@@ -1067,7 +1083,9 @@ class Embedding(_TableLookup):
     Every rank does one forward and one backward per step (a round
     completes once every rank pushed it); a rank with no ids calls
     :meth:`skip_round` instead. In ``eval()`` or under ``torch.no_grad()``
-    forward only pulls."""
+    forward only pulls. Backward starts the push and returns (the tables
+    of a model push together); the next forward waits for it, or
+    :meth:`wait_push`."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows, inverse = self._rows(ids)

@@ -747,6 +747,34 @@ impl Worker {
         py.detach(|| w.push_rows(table, &ids, &g)).map_err(to_py)
     }
 
+    /// :meth:`push_rows` without waiting: the ids and gradients are copied
+    /// into the round's messages, which go out at once; returns a
+    /// :class:`RowsPush` whose ``wait()`` blocks until every lcore has
+    /// answered and returns the round. Pushes of several tables may be in
+    /// flight together (``phub.torch.Embedding``'s backward). The table
+    /// stays busy until then (its other requests are refused); dropping it
+    /// unwaited waits for it and lets the outcome go.
+    fn push_rows_start(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        grads: &Bound<'_, PyAny>,
+    ) -> PyResult<RowsPush> {
+        let ids = row_ids(ids, "ids")?;
+        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
+        // SAFETY: `RowsPush` keeps `self.inner` cloned and drops it after
+        // the push (field order).
+        let w = unsafe { self.static_worker() };
+        let push = py.detach(|| w.start_push_rows(table, &ids, &g)).map_err(to_py)?;
+        Ok(RowsPush {
+            table: table.to_string(),
+            round: push.round(),
+            push: Mutex::new(Some(push)),
+            _worker: Arc::clone(&self.inner),
+        })
+    }
+
     /// The current rows of ``ids`` of the table named ``table`` into
     /// ``out`` (``float32``, ``len(ids) * dim`` values, in ``ids``' order;
     /// a row never pushed reads as its initial value). Any time; changes
@@ -946,6 +974,61 @@ impl LentArrays {
             Some(d) => Ok(d),
             // Ended already: nothing left to wait for.
             None => Ok(phub_worker::Detached::default()),
+        }
+    }
+}
+
+/// A table's push started by :meth:`Worker.push_rows_start`, in flight.
+///
+/// :meth:`wait` blocks, with the GIL released, until every lcore of the
+/// table has answered, and returns the round. Dropping it unwaited blocks
+/// until it has ended and lets the outcome go.
+#[pyclass(module = "phub", name = "RowsPush", frozen)]
+pub(crate) struct RowsPush {
+    table: String,
+    round: u32,
+    // Field order is drop order: `push` borrows `_worker`.
+    push: Mutex<Option<phub_worker::RowsPush<'static>>>,
+    _worker: Arc<phub_worker::Worker>,
+}
+
+#[pymethods]
+impl RowsPush {
+    /// Blocks, with the GIL released, until the push has ended; returns its
+    /// round. Raises its failure, :class:`UsageError` if already waited.
+    fn wait(&self, py: Python<'_>) -> PyResult<u32> {
+        let taken = self.push.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(push) = taken else {
+            return Err(usage(format!(
+                "the push of table {:?} round {} was already waited",
+                self.table, self.round
+            )));
+        };
+        py.detach(|| push.wait()).map_err(to_py)
+    }
+
+    /// The round (clock) it pushes.
+    #[getter]
+    fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Whether it is still to be waited.
+    #[getter]
+    fn pending(&self) -> bool {
+        self.push.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RowsPush(table={:?}, round={}, pending={})", self.table, self.round, self.pending())
+    }
+}
+
+impl Drop for RowsPush {
+    fn drop(&mut self) {
+        if let Some(push) = self.push.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            // Its drop waits for the I/O thread: with the GIL released.
+            Python::attach(|py| py.detach(|| drop(push)));
         }
     }
 }

@@ -722,6 +722,36 @@ def test_table_rows_push_pull_from_numpy(workers: Workers, in_threads: Any) -> N
     assert [w.table_round("emb") for w in ws] == [2, 2]
 
 
+def test_table_pushes_started_together_end_in_any_order(workers: Workers) -> None:
+    """push_rows_start: each rank's pushes of two tables in flight at once,
+    waited in either order, the rows summed as push_rows's; a table is busy
+    until its push is waited; a push dropped unwaited is waited by its drop."""
+    ws = workers([table_key("a", optimizer={"kind": "sum"}), table_key("b", dim=2, optimizer={"kind": "sum"})])
+    ids = np.array([5, 9], np.uint64)
+    ga, gb = np.ones((2, 4), np.float32), np.full((2, 2), 0.25, np.float32)
+    started = [(w.push_rows_start("a", ids, ga), w.push_rows_start("b", ids, gb)) for w in ws]
+    assert [p.round for pa_pb in started for p in pa_pb] == [1, 1, 1, 1] and started[0][0].pending
+    with pytest.raises(phub.PhubError, match="busy|in flight|claimed"):
+        ws[0].pull_rows("a", ids, np.zeros((2, 4), np.float32))
+    for pa, pb in started:
+        assert pb.wait() == 1 and pa.wait() == 1
+    assert not started[0][0].pending
+    with pytest.raises(phub.UsageError, match="already waited"):
+        started[0][0].wait()
+    got = np.zeros((2, 4), np.float32)
+    ws[0].pull_rows("a", ids, got)
+    np.testing.assert_array_equal(got, np.full((2, 4), 2.0, np.float32))
+    gotb = np.zeros((2, 2), np.float32)
+    ws[1].pull_rows("b", ids, gotb)
+    np.testing.assert_array_equal(gotb, np.full((2, 2), 0.5, np.float32))
+    # Dropped unwaited: the drops wait, and round 2 is the table's.
+    pushes = [w.push_rows_start("a", ids, ga) for w in ws]
+    del pushes
+    assert [w.table_round("a") for w in ws] == [2, 2]
+    ws[0].pull_rows("a", ids, got)
+    np.testing.assert_array_equal(got, np.full((2, 4), 4.0, np.float32))
+
+
 def test_cached_ids_are_named_by_signature_and_give_the_same_rows(workers: Workers, in_threads: Any) -> None:
     """Key caching (PROTOCOL.md §10.7): rank 0 registers its ids; its later
     pushes and pulls of them (any order) leave the ids out, and every row

@@ -219,8 +219,25 @@ impl Worker {
     /// [`Worker::push_pull_rows`] without the rows after the update: one
     /// round (clock) of pushes. Returns the round.
     pub fn push_rows(&self, table: &str, ids: &[u64], grads: &[f32]) -> Result<u32, WorkerError> {
+        self.start_push_rows(table, ids, grads)?.wait()
+    }
+
+    /// [`Worker::push_rows`] without waiting: plans the round (the ids and
+    /// gradients are copied into its messages), hands it to the I/O thread
+    /// and returns at once, so that pushes of several tables are in flight
+    /// together (an embedding model's backward). The table stays claimed
+    /// until [`RowsPush::wait`] (another request of it meanwhile is
+    /// refused [`WorkerError::Busy`]); dropping the push unwaited waits for
+    /// it as [`RowsPush::wait`] does and lets the outcome go.
+    pub fn start_push_rows(&self, table: &str, ids: &[u64], grads: &[f32]) -> Result<RowsPush<'_>, WorkerError> {
         let t = self.table_named(table)?;
-        self.push_rows_inner(t, ids, grads).map(|o| o.round)
+        let (claim, round, rx) = self.send_push(t, ids, grads)?;
+        Ok(RowsPush {
+            claim,
+            round,
+            rx,
+            ended: false,
+        })
     }
 
     /// The current rows of `ids` of the table named `table` into `out`
@@ -335,17 +352,28 @@ impl Worker {
     }
 
     fn push_rows_inner(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowOutput, WorkerError> {
-        check_rows(t, "grads", ids.len(), grads.len())?;
-        let consistency = self.spec.consistency;
-        let (mut claim, round) = self
-            .table_claims
-            .claim(t.key, |r| next_round(consistency, Some(r)))?;
-        let plan = plan_push(t, round, ids, grads)?;
-        let rx = self.send_rows(plan)?;
+        let (mut claim, round, rx) = self.send_push(t, ids, grads)?;
         let o = wait_rows(&rx)?;
         debug_assert_eq!(o.round, round);
         claim.done = Some(round);
         Ok(o)
+    }
+
+    /// Claims table `t`'s next round and hands its push to the I/O thread.
+    fn send_push(
+        &self,
+        t: &TableInfo,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<(Claim<'_>, u32, Receiver<RowCompletion>), WorkerError> {
+        check_rows(t, "grads", ids.len(), grads.len())?;
+        let consistency = self.spec.consistency;
+        let (claim, round) = self
+            .table_claims
+            .claim(t.key, |r| next_round(consistency, Some(r)))?;
+        let plan = plan_push(t, round, ids, grads)?;
+        let rx = self.send_rows(plan)?;
+        Ok((claim, round, rx))
     }
 
     /// Hands a planned table request to the I/O thread.
@@ -353,6 +381,55 @@ impl Worker {
         let (done, rx) = crossbeam_channel::bounded(1);
         self.send_command(Command::SubmitRows(RowRequest { plan, done }))?;
         Ok(rx)
+    }
+}
+
+/// A table's push in flight ([`Worker::start_push_rows`]).
+#[must_use = "dropping a push blocks until it ends"]
+pub struct RowsPush<'a> {
+    claim: Claim<'a>,
+    round: u32,
+    rx: Receiver<RowCompletion>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for RowsPush<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowsPush")
+            .field("table", &self.claim.key)
+            .field("round", &self.round)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RowsPush<'_> {
+    /// The round (clock) it pushes.
+    pub fn round(&self) -> u32 {
+        self.round
+    }
+
+    /// Blocks until every lcore of the table has answered (as
+    /// [`Worker::push_rows`]); returns the round, now the table's.
+    pub fn wait(mut self) -> Result<u32, WorkerError> {
+        self.end()
+    }
+
+    fn end(&mut self) -> Result<u32, WorkerError> {
+        self.ended = true;
+        let o = wait_rows(&self.rx)?;
+        debug_assert_eq!(o.round, self.round);
+        self.claim.done = Some(self.round);
+        Ok(self.round)
+    }
+}
+
+impl Drop for RowsPush<'_> {
+    fn drop(&mut self) {
+        // The I/O thread holds the table's request until it ends: the
+        // table is free only then (and its round the push's if it worked).
+        if !self.ended {
+            let _ = self.end();
+        }
     }
 }
 

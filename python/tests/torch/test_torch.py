@@ -180,6 +180,13 @@ def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any, i
             return e.detach().clone(), b.detach().clone()
 
         outs = in_threads([lambda r=r: rank_step(r) for r in range(W)])
+        if step == 0:
+            # Backward only started the pushes: the tables are busy until
+            # they are waited (the next forward does it first).
+            with pytest.raises(phub.UsageError, match="in flight"):
+                ws[0].pull_rows("emb", np.arange(2, dtype=np.int64), np.zeros((2, 3), np.float32))
+        assert [m.wait_push() for m in embs + bags] == [step + 1] * (2 * W)
+        assert [m.wait_push() for m in embs] == [None] * W  # nothing left to wait
         ref_opt.zero_grad()
         loss = torch.zeros(())
         for r, (ids, bag_ids, offsets, tgt) in enumerate(data):
