@@ -1020,7 +1020,12 @@ impl RowsPush {
     }
 
     fn __repr__(&self) -> String {
-        format!("RowsPush(table={:?}, round={}, pending={})", self.table, self.round, self.pending())
+        format!(
+            "RowsPush(table={:?}, round={}, pending={})",
+            self.table,
+            self.round,
+            self.pending()
+        )
     }
 }
 

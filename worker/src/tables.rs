@@ -229,7 +229,12 @@ impl Worker {
     /// until [`RowsPush::wait`] (another request of it meanwhile is
     /// refused [`WorkerError::Busy`]); dropping the push unwaited waits for
     /// it as [`RowsPush::wait`] does and lets the outcome go.
-    pub fn start_push_rows(&self, table: &str, ids: &[u64], grads: &[f32]) -> Result<RowsPush<'_>, WorkerError> {
+    pub fn start_push_rows(
+        &self,
+        table: &str,
+        ids: &[u64],
+        grads: &[f32],
+    ) -> Result<RowsPush<'_>, WorkerError> {
         let t = self.table_named(table)?;
         let (claim, round, rx) = self.send_push(t, ids, grads)?;
         Ok(RowsPush {
