@@ -9,7 +9,7 @@
 //! round may leave a primary before every backup of its entry applied
 //! that round.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 
 use phub_engine::engine::TableInstall;
 use phub_proto::placement::RowPlacement;
@@ -75,7 +75,7 @@ struct TableWorld {
     now: u64,
     placement: RowPlacement,
     /// (rank, entry) -> its lane of the round in progress.
-    lanes: HashMap<(u16, u32), Lane>,
+    lanes: BTreeMap<(u16, u32), Lane>,
     round: u32,
     /// Sends of the round so far (resends after the first).
     attempt: u32,
@@ -196,7 +196,7 @@ impl TableWorld {
                 dup: 0.0,
             },
             now: 1,
-            lanes: HashMap::new(),
+            lanes: BTreeMap::new(),
             round: 0,
             attempt: 0,
             wrong_epoch: 0,
@@ -912,8 +912,9 @@ fn a_fragment_from_elsewhere_or_another_epoch_is_refused() {
 /// the next epoch on, at the round that backup applied, which is the
 /// dead primary's last completed round bit for bit, or the round after it
 /// when the backup had applied that one first and its ACK was still on
-/// the way (§11.9; about 1 order in 500 of the ranks' sends, which follow
-/// a HashMap's order: found when CI hit one); the ranks send the
+/// the way (§11.9; about 1 order in 500 of the ranks' sends, when they
+/// followed a HashMap's order, random per process: found when CI hit
+/// one; the world's order is fixed now); the ranks send the
 /// round again there (ERRORs `wrong_epoch` for what they sent in the old
 /// epoch to live appliances) and training goes on, the other entries
 /// still replicated.
@@ -1168,9 +1169,8 @@ fn an_appliance_back_gets_its_tables_copied_and_serves_them_after_the_next_kill(
             3,
             "case {seed}"
         );
-        // (The ranks' sends follow a HashMap's order, so which datagrams
-        // the network loses differs from run to run: resends are counted
-        // over the cases.)
+        // (Which datagrams the network loses differs from case to case:
+        // resends are counted over the cases.)
         resent += replica_sum(&w.shards, |s| s.table_states_resent);
         // Appliance 2 dies: 1 serves its own entry 2 again, from its copy,
         // and 0 serves 2's entries 3 and 4.
