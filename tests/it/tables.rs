@@ -17,6 +17,7 @@ use phub::proto::rows::{self, RowMsgType, RowPayload, RowRepr};
 use phub::proto::spec::JobSpec;
 use phub::proto::wire::HEADER_LEN;
 use phub::proto::Dtype;
+use phub_worker::WorkerError;
 
 const DIM: u32 = 4;
 const KEY: u32 = 1;
@@ -196,6 +197,47 @@ fn a_table_is_admitted_installed_and_served() {
         phub::proto::wire::DropReason::RowOutOfPlace.code(),
         "{e:?}"
     );
+}
+
+/// A push started with `start_push_rows` against the real appliance: the
+/// table is busy until it is waited (a pull meanwhile is refused `Busy`),
+/// waiting gives the round, and a push dropped unwaited is waited by its
+/// drop: both rounds are applied once each (SGD, lr 0.5, gradients 1 and
+/// 2 from the two ranks: -1.5 a round).
+#[test]
+fn a_started_push_is_waited_later_or_by_its_drop() {
+    let rack = Rack::start(2, "256MiB");
+    let job = rack.admit(&spec("rows = 1000\n")).unwrap();
+    let ids: Vec<u64> = (0..40).map(|i| i * 11 + 5).collect();
+    let d = DIM as usize;
+    let pulled: Vec<Vec<f32>> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u16)
+            .map(|rank| {
+                let url = rack.control_url.clone();
+                let ids = &ids;
+                s.spawn(move || {
+                    let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
+                    let grads = vec![f32::from(rank + 1); ids.len() * d];
+                    let mut out = vec![0f32; ids.len() * d];
+                    let p = w.start_push_rows("emb", ids, &grads).unwrap();
+                    assert_eq!(p.round(), 1);
+                    assert!(
+                        matches!(w.pull_rows("emb", ids, &mut out), Err(WorkerError::Busy { .. })),
+                        "rank {rank}: a pull of a table being pushed"
+                    );
+                    assert_eq!(p.wait().unwrap(), 1);
+                    drop(w.start_push_rows("emb", ids, &grads).unwrap());
+                    assert_eq!(w.table_round("emb").unwrap(), 2, "rank {rank}");
+                    assert_eq!(w.pull_rows("emb", ids, &mut out).unwrap(), 2);
+                    out
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    for (rank, rows) in pulled.iter().enumerate() {
+        assert!(rows.iter().all(|&v| v == -3.0), "rank {rank}: {rows:?}");
+    }
 }
 
 /// The worker library's row calls against the real appliance: two ranks
