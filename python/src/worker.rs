@@ -741,10 +741,7 @@ impl Worker {
         ids: &Bound<'_, PyAny>,
         grads: &Bound<'_, PyAny>,
     ) -> PyResult<u32> {
-        let ids = row_ids(ids, "ids")?;
-        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
-        let w = &*self.inner;
-        py.detach(|| w.push_rows(table, &ids, &g)).map_err(to_py)
+        self.push_rows_start(py, table, ids, grads)?.wait(py)
     }
 
     /// :meth:`push_rows` without waiting: the ids and gradients are copied

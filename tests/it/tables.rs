@@ -9,7 +9,7 @@ use std::net::UdpSocket;
 use std::time::{Duration, Instant};
 
 use crate::common::{Appliances, Operator, Rack};
-use phub::proto::api::{DataplaneInfo, DataplaneStats, JobDetail};
+use phub::proto::api::{AdmitResponse, DataplaneInfo, DataplaneStats, JobDetail};
 use phub::proto::memory::{table_bytes, table_shape};
 use phub::proto::placement::RowPlacement;
 use phub::proto::routes::{control, mgmt};
@@ -199,6 +199,30 @@ fn a_table_is_admitted_installed_and_served() {
     );
 }
 
+/// Runs `f(rank, worker)` for both ranks of the rack's two-rank `job` at
+/// once, each on a thread of its own with a worker joined; the results in
+/// rank order.
+fn on_both_ranks<T: Send>(
+    rack: &Rack,
+    job: &AdmitResponse,
+    f: impl Fn(u16, phub_worker::Worker) -> T + Sync,
+) -> Vec<T> {
+    std::thread::scope(|s| {
+        let hs: Vec<_> = (0..2u16)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || {
+                    f(
+                        rank,
+                        phub_worker::Worker::join(&rack.control_url, job.id, job.token, rank).unwrap(),
+                    )
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
 /// A push started with `start_push_rows` against the real appliance: the
 /// table is busy until it is waited (a pull meanwhile is refused `Busy`),
 /// waiting gives the round, and a push dropped unwaited is waited by its
@@ -210,30 +234,20 @@ fn a_started_push_is_waited_later_or_by_its_drop() {
     let job = rack.admit(&spec("rows = 1000\n")).unwrap();
     let ids: Vec<u64> = (0..40).map(|i| i * 11 + 5).collect();
     let d = DIM as usize;
-    let pulled: Vec<Vec<f32>> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2u16)
-            .map(|rank| {
-                let url = rack.control_url.clone();
-                let ids = &ids;
-                s.spawn(move || {
-                    let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
-                    let grads = vec![f32::from(rank + 1); ids.len() * d];
-                    let mut out = vec![0f32; ids.len() * d];
-                    let p = w.start_push_rows("emb", ids, &grads).unwrap();
-                    assert_eq!(p.round(), 1);
-                    assert!(
-                        matches!(w.pull_rows("emb", ids, &mut out), Err(WorkerError::Busy { .. })),
-                        "rank {rank}: a pull of a table being pushed"
-                    );
-                    assert_eq!(p.wait().unwrap(), 1);
-                    drop(w.start_push_rows("emb", ids, &grads).unwrap());
-                    assert_eq!(w.table_round("emb").unwrap(), 2, "rank {rank}");
-                    assert_eq!(w.pull_rows("emb", ids, &mut out).unwrap(), 2);
-                    out
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let pulled = on_both_ranks(&rack, &job, |rank, w| {
+        let grads = vec![f32::from(rank + 1); ids.len() * d];
+        let mut out = vec![0f32; ids.len() * d];
+        let p = w.start_push_rows("emb", &ids, &grads).unwrap();
+        assert_eq!(p.round(), 1);
+        assert!(
+            matches!(w.pull_rows("emb", &ids, &mut out), Err(WorkerError::Busy { .. })),
+            "rank {rank}: a pull of a table being pushed"
+        );
+        assert_eq!(p.wait().unwrap(), 1);
+        drop(w.start_push_rows("emb", &ids, &grads).unwrap());
+        assert_eq!(w.table_round("emb").unwrap(), 2, "rank {rank}");
+        assert_eq!(w.pull_rows("emb", &ids, &mut out).unwrap(), 2);
+        out
     });
     for (rank, rows) in pulled.iter().enumerate() {
         assert!(rows.iter().all(|&v| v == -3.0), "rank {rank}: {rows:?}");
@@ -268,35 +282,24 @@ fn workers_push_and_pull_rows_through_the_appliance() {
             })
             .collect()
     };
-    #[allow(clippy::type_complexity)]
-    let got: Vec<(Vec<Vec<f32>>, u32, Vec<f32>)> = std::thread::scope(|s| {
-        let hs: Vec<_> = (0..2u16)
-            .map(|rank| {
-                let url = rack.control_url.clone();
-                let ids = &ids;
-                s.spawn(move || {
-                    let w = phub_worker::Worker::join(&url, job.id, job.token, rank).unwrap();
-                    let outs: Vec<Vec<f32>> = (1..=rounds)
-                        .map(|round| {
-                            let grads: Vec<f32> = ids
-                                .iter()
-                                .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
-                                .collect();
-                            let mut out = vec![0f32; ids.len() * d];
-                            let r = w.push_pull_rows("emb", ids, &grads, &mut out).unwrap();
-                            assert_eq!(r, round, "rank {rank}");
-                            out
-                        })
-                        .collect();
-                    // Every round this rank pushed is complete: a pull
-                    // reads the last one's rows.
-                    let mut pulled = vec![0f32; ids.len() * d];
-                    let r = w.pull_rows("emb", ids, &mut pulled).unwrap();
-                    (outs, r, pulled)
-                })
+    let got = on_both_ranks(&rack, &job, |rank, w| {
+        let outs: Vec<Vec<f32>> = (1..=rounds)
+            .map(|round| {
+                let grads: Vec<f32> = ids
+                    .iter()
+                    .flat_map(|&id| (0..d).map(move |e| g(rank, round, id, e)))
+                    .collect();
+                let mut out = vec![0f32; ids.len() * d];
+                let r = w.push_pull_rows("emb", &ids, &grads, &mut out).unwrap();
+                assert_eq!(r, round, "rank {rank}");
+                out
             })
             .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+        // Every round this rank pushed is complete: a pull reads the last
+        // one's rows.
+        let mut pulled = vec![0f32; ids.len() * d];
+        let r = w.pull_rows("emb", &ids, &mut pulled).unwrap();
+        (outs, r, pulled)
     });
     for (rank, (per_round, pulled_round, pulled)) in got.iter().enumerate() {
         for (t, out) in per_round.iter().enumerate() {
