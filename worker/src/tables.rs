@@ -236,13 +236,7 @@ impl Worker {
         grads: &[f32],
     ) -> Result<RowsPush<'_>, WorkerError> {
         let t = self.table_named(table)?;
-        let (claim, round, rx) = self.send_push(t, ids, grads)?;
-        Ok(RowsPush {
-            claim,
-            round,
-            rx,
-            ended: false,
-        })
+        self.send_push(t, ids, grads)
     }
 
     /// The current rows of `ids` of the table named `table` into `out`
@@ -357,20 +351,11 @@ impl Worker {
     }
 
     fn push_rows_inner(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowOutput, WorkerError> {
-        let (mut claim, round, rx) = self.send_push(t, ids, grads)?;
-        let o = wait_rows(&rx)?;
-        debug_assert_eq!(o.round, round);
-        claim.done = Some(round);
-        Ok(o)
+        self.send_push(t, ids, grads)?.end()
     }
 
     /// Claims table `t`'s next round and hands its push to the I/O thread.
-    fn send_push(
-        &self,
-        t: &TableInfo,
-        ids: &[u64],
-        grads: &[f32],
-    ) -> Result<(Claim<'_>, u32, Receiver<RowCompletion>), WorkerError> {
+    fn send_push(&self, t: &TableInfo, ids: &[u64], grads: &[f32]) -> Result<RowsPush<'_>, WorkerError> {
         check_rows(t, "grads", ids.len(), grads.len())?;
         let consistency = self.spec.consistency;
         let (claim, round) = self
@@ -378,7 +363,12 @@ impl Worker {
             .claim(t.key, |r| next_round(consistency, Some(r)))?;
         let plan = plan_push(t, round, ids, grads)?;
         let rx = self.send_rows(plan)?;
-        Ok((claim, round, rx))
+        Ok(RowsPush {
+            claim,
+            round,
+            rx,
+            ended: false,
+        })
     }
 
     /// Hands a planned table request to the I/O thread.
@@ -416,15 +406,17 @@ impl RowsPush<'_> {
     /// Blocks until every lcore of the table has answered (as
     /// [`Worker::push_rows`]); returns the round, now the table's.
     pub fn wait(mut self) -> Result<u32, WorkerError> {
-        self.end()
+        self.end().map(|o| o.round)
     }
 
-    fn end(&mut self) -> Result<u32, WorkerError> {
+    /// Waits for the push's outcome; records its round as the table's
+    /// when it worked.
+    fn end(&mut self) -> Result<RowOutput, WorkerError> {
         self.ended = true;
         let o = wait_rows(&self.rx)?;
         debug_assert_eq!(o.round, self.round);
         self.claim.done = Some(self.round);
-        Ok(self.round)
+        Ok(o)
     }
 }
 
