@@ -634,9 +634,7 @@ impl Worker {
     /// gradient for the others).
     fn exchange(&self, py: Python<'_>, requests: Vec<Bound<'_, PyAny>>) -> PyResult<()> {
         let lent = self.lend(&requests)?;
-        let done = py.detach(|| lent.start(&self.inner, false));
-        drop(lent);
-        done.map(drop)
+        py.detach(|| lent.start(&self.inner, false)).map(drop)
     }
 
     /// :meth:`exchange` without waiting: starts every request and returns
@@ -655,20 +653,15 @@ impl Worker {
     fn exchange_start(&self, py: Python<'_>, requests: Vec<Bound<'_, PyAny>>) -> PyResult<PendingExchange> {
         let lent = self.lend(&requests)?;
         let keys = lent.arrays.iter().map(|&(k, ..)| k).collect();
-        match py.detach(|| lent.start(&self.inner, true)) {
-            Ok(detached) => Ok(PendingExchange {
-                keys,
-                in_flight: Mutex::new(Some(InFlight {
-                    detached,
-                    lent,
-                    _worker: Arc::clone(&self.inner),
-                })),
-            }),
-            Err(e) => {
-                drop(lent);
-                Err(e)
-            }
-        }
+        let detached = py.detach(|| lent.start(&self.inner, true))?;
+        Ok(PendingExchange {
+            keys,
+            in_flight: Mutex::new(Some(InFlight {
+                detached,
+                lent,
+                _worker: Arc::clone(&self.inner),
+            })),
+        })
     }
 
     /// Fetches the last completed result of every chunk of ``key`` into
@@ -967,11 +960,8 @@ impl LentArrays {
                 Ok(detach.then(|| unsafe { x.detach() }))
             },
         );
-        match done.map_err(to_py)?.map_err(to_py)? {
-            Some(d) => Ok(d),
-            // Ended already: nothing left to wait for.
-            None => Ok(phub_worker::Detached::default()),
-        }
+        // Not detached: ended already, nothing left to wait for.
+        Ok(done.map_err(to_py)?.map_err(to_py)?.unwrap_or_default())
     }
 }
 
