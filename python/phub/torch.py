@@ -1022,6 +1022,33 @@ class _TableLookup(torch.nn.Module):
         self.dim = worker.table_dim(table)
         #: The push the last backward started, not waited yet.
         self._pending: Optional[Any] = None
+        #: The pull :meth:`prefetch` started: (ids, their distinct ids,
+        #: each id's index among them, the rows' array, the RowsPull).
+        self._prefetched: Optional[tuple[torch.Tensor, np.ndarray, torch.Tensor, np.ndarray, Any]] = None
+
+    def prefetch(self, ids: torch.Tensor) -> None:
+        """Starts pulling the rows of ``ids`` (the ids the next forward will
+        be given) and returns at once, so that the pulls of a model's
+        tables are in flight together: call it on every table before the
+        first table's forward. That forward, given equal ids, waits for the
+        pull instead of pulling; given other ids it lets the prefetched rows
+        go and pulls its own; a backward before that forward lets them go
+        too (they would be the rows before its round). Waits first for the
+        push the last backward started (the rows read are the round after
+        it, as forward's). The table is busy until the pull is taken or let
+        go."""
+        self.wait_push()
+        self._drop_prefetch()
+        uniq, inverse = self._distinct(ids)
+        out = np.empty((len(uniq), self.dim), dtype=np.float32)
+        pull = self.worker.pull_rows_start(self.table, uniq, out)
+        self._prefetched = (ids.detach().clone(), uniq, inverse, out, pull)
+
+    def _drop_prefetch(self) -> None:
+        """Waits for a prefetched pull no forward took, and lets it go."""
+        p, self._prefetched = self._prefetched, None
+        if p is not None and p[4].pending:
+            p[4].wait()
 
     def wait_push(self) -> Optional[int]:
         """Waits for the push the last backward started, if it was not
@@ -1034,24 +1061,38 @@ class _TableLookup(torch.nn.Module):
         p, self._pending = self._pending, None
         return None if p is None else p.wait()
 
-    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rows of ``ids``' distinct ids and each id's index among them."""
-        self.wait_push()
+    def _distinct(self, ids: torch.Tensor) -> tuple[np.ndarray, torch.Tensor]:
+        """``ids``' distinct ids (sorted, int64) and each id's index among
+        them, shaped as ``ids``."""
         if ids.dtype not in (torch.int64, torch.int32):
             raise UsageError(f"table {self.table!r}: ids are int64 or int32, got {ids.dtype}")
         uniq, inverse = torch.unique(ids.reshape(-1), sorted=True, return_inverse=True)
         ids_np = np.ascontiguousarray(uniq.detach().cpu().numpy().astype(np.int64, copy=False))
-        out = np.empty((len(ids_np), self.dim), dtype=np.float32)
-        self.worker.pull_rows(self.table, ids_np, out)
+        return ids_np, inverse.reshape(ids.shape)
+
+    def _rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``ids``' distinct ids and each id's index among them."""
+        self.wait_push()
+        p = self._prefetched
+        if p is not None and p[0].shape == ids.shape and p[0].device == ids.device and torch.equal(p[0], ids):
+            self._prefetched = None
+            _, ids_np, inverse, out, pull = p
+            pull.wait()
+        else:
+            self._drop_prefetch()
+            ids_np, inverse = self._distinct(ids)
+            out = np.empty((len(ids_np), self.dim), dtype=np.float32)
+            self.worker.pull_rows(self.table, ids_np, out)
         rows = torch.from_numpy(out).to(ids.device)
         if self.training and torch.is_grad_enabled():
             rows.requires_grad_(True)
             rows.register_hook(lambda g: self._push(ids_np, g))
-        return rows, inverse.reshape(ids.shape)
+        return rows, inverse
 
     def _push(self, ids_np: np.ndarray, grad: torch.Tensor) -> torch.Tensor:
         g = np.ascontiguousarray(grad.detach().to("cpu", torch.float32).numpy())
         self.wait_push()  # two backward passes over one forward's rows
+        self._drop_prefetch()  # rows prefetched before this round's update: stale
         self._pending = self.worker.push_rows_start(self.table, ids_np, g)
         return grad
 
@@ -1060,6 +1101,7 @@ class _TableLookup(torch.nn.Module):
         this step (every rank pushes every round of a table). Returns the
         round."""
         self.wait_push()
+        self._drop_prefetch()
         return self.worker.push_rows(self.table, np.empty(0, dtype=np.int64), np.empty(0, dtype=np.float32))
 
     def extra_repr(self) -> str:
@@ -1085,7 +1127,8 @@ class Embedding(_TableLookup):
     :meth:`skip_round` instead. In ``eval()`` or under ``torch.no_grad()``
     forward only pulls. Backward starts the push and returns (the tables
     of a model push together); the next forward waits for it, or
-    :meth:`wait_push`."""
+    :meth:`wait_push`. :meth:`prefetch` starts the next forward's pull
+    early, so that a model's tables pull together too."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows, inverse = self._rows(ids)

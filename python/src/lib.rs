@@ -33,6 +33,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<worker::Worker>()?;
     m.add_class::<worker::Handle>()?;
     m.add_class::<worker::PendingExchange>()?;
+    m.add_class::<worker::RowsPull>()?;
     m.add_class::<worker::RowsPush>()?;
     m.add_class::<worker::Staged>()?;
     m.add_class::<worker::StagingBuffer>()?;

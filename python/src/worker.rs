@@ -786,6 +786,42 @@ impl Worker {
         Ok(round)
     }
 
+    /// :meth:`pull_rows` without waiting: the pull goes out at once;
+    /// returns a :class:`RowsPull` whose ``wait()`` blocks until every lcore
+    /// asked has answered, writes the rows into ``out`` and returns the
+    /// round. Pulls of several tables may be in flight together (a model's
+    /// forward, ``phub.torch.Embedding.prefetch``). ``out`` is written only
+    /// by ``wait()``; the table stays busy until then (its other requests
+    /// are refused); dropping it unwaited waits for it and lets the rows go.
+    fn pull_rows_start(
+        &self,
+        py: Python<'_>,
+        table: &str,
+        ids: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<RowsPull> {
+        let ids = row_ids(ids, "ids")?;
+        let o = Array::get(out, Dtype::F32, "out", true)?;
+        let dim = self.inner.table_dim(table).map_err(to_py)? as usize;
+        if ids.len().checked_mul(dim) != Some(o.len()) {
+            return Err(usage(format!(
+                "table {table:?}: out has {} values; expected len(ids) * dim = {} * {dim}",
+                o.len(),
+                ids.len()
+            )));
+        }
+        // SAFETY: `RowsPull` keeps `self.inner` cloned and drops it after
+        // the pull (field order).
+        let w = unsafe { self.static_worker() };
+        let pull = py.detach(|| w.start_pull_rows(table, &ids)).map_err(to_py)?;
+        Ok(RowsPull {
+            table: table.to_string(),
+            out: out.clone().unbind(),
+            pull: Mutex::new(Some(pull)),
+            _worker: Arc::clone(&self.inner),
+        })
+    }
+
     /// Key caching (PROTOCOL.md §10.7): registers ``ids`` (``uint64`` or
     /// non-negative ``int64``) of the table named ``table``, so that later
     /// pushes and pulls of the same ids (any order, any repeats) send each
@@ -1021,6 +1057,69 @@ impl Drop for RowsPush {
         if let Some(push) = self.push.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
             // Its drop waits for the I/O thread: with the GIL released.
             Python::attach(|py| py.detach(|| drop(push)));
+        }
+    }
+}
+
+/// A table's pull started by :meth:`Worker.pull_rows_start`, in flight.
+///
+/// :meth:`wait` blocks, with the GIL released, until every lcore asked has
+/// answered, writes the rows into the ``out`` given at the start and
+/// returns the round. Dropping it unwaited blocks until it has ended and
+/// lets the rows go.
+#[pyclass(module = "phub", name = "RowsPull", frozen)]
+pub(crate) struct RowsPull {
+    table: String,
+    out: Py<PyAny>,
+    // Field order is drop order: `pull` borrows `_worker`.
+    pull: Mutex<Option<phub_worker::RowsPull<'static>>>,
+    _worker: Arc<phub_worker::Worker>,
+}
+
+#[pymethods]
+impl RowsPull {
+    /// Blocks, with the GIL released, until the pull has ended; writes its
+    /// rows into ``out`` and returns the round. Raises its failure,
+    /// :class:`UsageError` if already waited.
+    fn wait(&self, py: Python<'_>) -> PyResult<u32> {
+        let taken = self.pull.lock().unwrap_or_else(PoisonError::into_inner).take();
+        let Some(pull) = taken else {
+            return Err(usage(format!(
+                "the pull of table {:?} was already waited",
+                self.table
+            )));
+        };
+        let mut rows = vec![0f32; pull.values()];
+        let round = py.detach(|| pull.wait_into(&mut rows)).map_err(to_py)?;
+        let o = Array::get(self.out.bind(py), Dtype::F32, "out", true)?;
+        if o.len() != rows.len() {
+            return Err(usage(format!(
+                "table {:?}: out has {} values now, the pull's rows {} (resized since the start?)",
+                self.table,
+                o.len(),
+                rows.len()
+            )));
+        }
+        o.write_from(&rows);
+        Ok(round)
+    }
+
+    /// Whether it is still to be waited.
+    #[getter]
+    fn pending(&self) -> bool {
+        self.pull.lock().unwrap_or_else(PoisonError::into_inner).is_some()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("RowsPull(table={:?}, pending={})", self.table, self.pending())
+    }
+}
+
+impl Drop for RowsPull {
+    fn drop(&mut self) {
+        if let Some(pull) = self.pull.get_mut().unwrap_or_else(PoisonError::into_inner).take() {
+            // Its drop waits for the I/O thread: with the GIL released.
+            Python::attach(|py| py.detach(|| drop(pull)));
         }
     }
 }

@@ -752,6 +752,35 @@ def test_table_pushes_started_together_end_in_any_order(workers: Workers) -> Non
     np.testing.assert_array_equal(got, np.full((2, 4), 4.0, np.float32))
 
 
+def test_table_pulls_started_together_write_their_rows_when_waited(workers: Workers) -> None:
+    """pull_rows_start: two tables' pulls in flight at once, each ``out``
+    written only by its wait (in either order), the table busy until then;
+    a wrong ``out`` is refused at the start; a pull dropped unwaited frees
+    the table."""
+    ws = workers([table_key("a", optimizer={"kind": "sum"}), table_key("b", dim=2, optimizer={"kind": "sum"})])
+    ids = np.array([5, 9], np.uint64)
+    pushes = [w.push_rows_start("a", ids, np.ones((2, 4), np.float32)) for w in ws]
+    del pushes  # their drops wait: round 1 of "a" is in
+    out_a, out_b = np.zeros((2, 4), np.float32), np.zeros((2, 2), np.float32)
+    pa, pb = ws[0].pull_rows_start("a", ids, out_a), ws[0].pull_rows_start("b", ids[::-1].copy(), out_b)
+    assert pa.pending and pb.pending
+    with pytest.raises(phub.PhubError, match="busy|in flight|claimed"):
+        ws[0].push_rows_start("a", ids, np.ones((2, 4), np.float32))
+    assert pb.wait() == 0 and not out_a.any()  # b never pushed: its initial zeros
+    assert pa.wait() == 1 and not pa.pending
+    np.testing.assert_array_equal(out_a, np.full((2, 4), 2.0, np.float32))
+    with pytest.raises(phub.UsageError, match="already waited"):
+        pa.wait()
+    with pytest.raises(phub.UsageError, match=r"out has 6 values; expected len\(ids\) \* dim = 2 \* 4"):
+        ws[0].pull_rows_start("a", ids, np.zeros(6, np.float32))
+    del pa, pb
+    p = ws[1].pull_rows_start("a", ids, np.zeros((2, 4), np.float32))
+    del p
+    got = np.zeros((2, 4), np.float32)
+    assert ws[1].pull_rows("a", ids, got) == 1
+    np.testing.assert_array_equal(got, out_a)
+
+
 def test_cached_ids_are_named_by_signature_and_give_the_same_rows(workers: Workers, in_threads: Any) -> None:
     """Key caching (PROTOCOL.md §10.7): rank 0 registers its ids; its later
     pushes and pulls of them (any order) leave the ids out, and every row

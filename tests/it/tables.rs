@@ -227,9 +227,12 @@ fn on_both_ranks<T: Send>(
 /// table is busy until it is waited (a pull meanwhile is refused `Busy`),
 /// waiting gives the round, and a push dropped unwaited is waited by its
 /// drop: both rounds are applied once each (SGD, lr 0.5, gradients 1 and
-/// 2 from the two ranks: -1.5 a round).
+/// 2 from the two ranks: -1.5 a round). A pull started with
+/// `start_pull_rows` likewise: busy until waited (a push meanwhile is
+/// refused), the rows written by `wait_into`, freed by its drop, and an
+/// `out` of the wrong length refused.
 #[test]
-fn a_started_push_is_waited_later_or_by_its_drop() {
+fn started_pushes_and_pulls_are_waited_later_or_by_their_drop() {
     let rack = Rack::start(2, "256MiB");
     let job = rack.admit(&spec("rows = 1000\n")).unwrap();
     let ids: Vec<u64> = (0..40).map(|i| i * 11 + 5).collect();
@@ -246,7 +249,23 @@ fn a_started_push_is_waited_later_or_by_its_drop() {
         assert_eq!(p.wait().unwrap(), 1);
         drop(w.start_push_rows("emb", &ids, &grads).unwrap());
         assert_eq!(w.table_round("emb").unwrap(), 2, "rank {rank}");
-        assert_eq!(w.pull_rows("emb", &ids, &mut out).unwrap(), 2);
+        // A started pull: the table busy until it is waited, the rows
+        // written by wait_into: the rows of round 2.
+        let pull = w.start_pull_rows("emb", &ids).unwrap();
+        assert_eq!(pull.values(), out.len());
+        assert!(
+            matches!(
+                w.start_push_rows("emb", &ids, &grads),
+                Err(WorkerError::Busy { .. })
+            ),
+            "rank {rank}: a push of a table being pulled"
+        );
+        assert_eq!(pull.wait_into(&mut out).unwrap(), 2);
+        // A dropped pull frees the table; a short `out` is refused.
+        drop(w.start_pull_rows("emb", &ids).unwrap());
+        let mut short = vec![0f32; out.len() - 1];
+        let refused = w.start_pull_rows("emb", &ids).unwrap().wait_into(&mut short);
+        assert!(matches!(refused, Err(WorkerError::Rows { .. })), "{refused:?}");
         out
     });
     for (rank, rows) in pulled.iter().enumerate() {

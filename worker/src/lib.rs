@@ -181,5 +181,5 @@ pub use phub_proto::spec::Consistency;
 pub use shm::{ShmMode, SHM_ENV};
 pub use staged::{Results, Staged, StagingMemory, StagingSpan};
 pub use stats::WorkerStats;
-pub use tables::{CachedIds, RowsPush};
+pub use tables::{CachedIds, RowsPull, RowsPush};
 pub use worker::{Handle, Worker, MAX_CLOCK};

@@ -245,15 +245,29 @@ impl Worker {
     /// value, §10.4). Any time, any ids; changes nothing. Returns the
     /// lowest round the answering lcores stated (0 for no ids). Blocks.
     pub fn pull_rows(&self, table: &str, ids: &[u64], out: &mut [f32]) -> Result<u32, WorkerError> {
+        check_rows(self.table_named(table)?, "out", ids.len(), out.len())?;
+        self.start_pull_rows(table, ids)?.wait_into(out)
+    }
+
+    /// [`Worker::pull_rows`] without waiting: plans the pull, hands it to
+    /// the I/O thread and returns at once, so that the pulls of several
+    /// tables are in flight together (an embedding model's forward, which
+    /// knows every table's ids before it needs the first one's rows). The
+    /// table stays claimed until [`RowsPull::wait_into`] (another request
+    /// of it meanwhile is refused [`WorkerError::Busy`]); dropping the pull
+    /// unwaited waits for it and lets the rows go.
+    pub fn start_pull_rows(&self, table: &str, ids: &[u64]) -> Result<RowsPull<'_>, WorkerError> {
         let t = self.table_named(table)?;
-        check_rows(t, "out", ids.len(), out.len())?;
         let (claim, _) = self.table_claims.claim(t.key, Ok)?;
         let plan = plan_pull(t, ids)?;
         let rx = self.send_rows(plan)?;
-        let o = wait_rows(&rx)?;
-        drop(claim);
-        out.copy_from_slice(&o.rows);
-        Ok(o.round)
+        Ok(RowsPull {
+            _claim: claim,
+            table: &t.name,
+            values: ids.len() * t.dim as usize,
+            rx,
+            ended: false,
+        })
     }
 
     /// For a rank that rejoined a running job (or lost track of a table's
@@ -426,6 +440,65 @@ impl Drop for RowsPush<'_> {
         // table is free only then (and its round the push's if it worked).
         if !self.ended {
             let _ = self.end();
+        }
+    }
+}
+
+/// A table's pull in flight ([`Worker::start_pull_rows`]).
+#[must_use = "dropping a pull blocks until it ends"]
+pub struct RowsPull<'a> {
+    /// Held, not read: its drop (after this pull's) frees the table.
+    _claim: Claim<'a>,
+    table: &'a str,
+    /// `ids.len() * dim`: the length [`RowsPull::wait_into`] fills.
+    values: usize,
+    rx: Receiver<RowCompletion>,
+    ended: bool,
+}
+
+impl std::fmt::Debug for RowsPull<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RowsPull")
+            .field("table", &self.table)
+            .field("values", &self.values)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RowsPull<'_> {
+    /// How many values [`RowsPull::wait_into`] writes (`ids.len() * dim`).
+    pub fn values(&self) -> usize {
+        self.values
+    }
+
+    /// Blocks until every lcore asked has answered, then writes the rows
+    /// into `out` as [`Worker::pull_rows`] does and returns the lowest
+    /// round the answering lcores stated. `out` of another length than
+    /// [`RowsPull::values`] is refused ([`WorkerError::Rows`]) after the
+    /// pull has ended (the table is free again either way).
+    pub fn wait_into(mut self, out: &mut [f32]) -> Result<u32, WorkerError> {
+        self.ended = true;
+        let o = wait_rows(&self.rx)?;
+        if out.len() != self.values {
+            return Err(WorkerError::Rows {
+                table: self.table.to_string(),
+                message: format!(
+                    "out has {} values; the pull's rows have {}",
+                    out.len(),
+                    self.values
+                ),
+            });
+        }
+        out.copy_from_slice(&o.rows);
+        Ok(o.round)
+    }
+}
+
+impl Drop for RowsPull<'_> {
+    fn drop(&mut self) {
+        // As RowsPush's: the table is free once the I/O thread let go.
+        if !self.ended {
+            let _ = wait_rows(&self.rx);
         }
     }
 }

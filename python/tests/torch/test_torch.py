@@ -149,7 +149,10 @@ def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any, i
     tables hold exactly what torch.nn.Embedding / EmbeddingBag with
     torch.optim.SGD hold when trained on both ranks' losses summed (integer
     targets: every value is exact), and each forward reads the rows of the
-    steps before it."""
+    steps before it. From step 1 on each rank prefetches both tables' rows
+    before the forwards: the forward takes the prefetched rows (no message
+    of its own), or, given other ids than the prefetch's, lets them go and
+    pulls its own."""
     lr = 0.5
     table = {"kind": "table", "dim": 3, "rows": 1000, "optimizer": {"kind": "sgd", "lr": lr}}
     ws = workers([{"name": "emb", **table}, {"name": "bag", **table}], W)
@@ -172,10 +175,21 @@ def test_embedding_tables_on_the_appliance_match_torch_embedding(workers: Any, i
     for step in range(3):
         data = [batch() for _ in range(W)]
 
+        def sent(r: int) -> int:
+            return int(ws[r].stats()["row_messages_sent"])
+
         def rank_step(r: int) -> tuple[torch.Tensor, torch.Tensor]:
             ids, bag_ids, offsets, tgt = data[r]
+            if step > 0:
+                # Step 2 prefetches other ids for "emb" than its forward's.
+                embs[r].prefetch(ids if step == 1 else ids + 1)
+                bags[r].prefetch(bag_ids.clone())
+            before = sent(r)
             e = embs[r](ids)
+            after_emb = sent(r)
             b = bags[r](bag_ids, offsets)
+            assert (sent(r) == after_emb) == (step > 0), (step, r)  # the bag's prefetch taken
+            assert (after_emb == before) == (step == 1), (step, r)  # the emb's taken at step 1 only
             ((e * tgt).sum() + (b * tgt[0, :2]).sum()).backward()
             return e.detach().clone(), b.detach().clone()
 
