@@ -1,13 +1,16 @@
 //! Table keys (PROTOCOL.md §10) as a caller sees them: rows of `dim`
 //! values keyed by `u64` ids, pushed and pulled a few at a time by the
 //! table's name ([`Worker::push_pull_rows`], [`Worker::push_rows`],
-//! [`Worker::pull_rows`]).
+//! [`Worker::pull_rows`]; [`Worker::start_push_rows`] and
+//! [`Worker::start_pull_rows`] return at once, so that several tables'
+//! requests are in flight together).
 //!
 //! Layer: client API. A call checks its slices, claims the table (one
 //! request per table in flight, [`TableClaims`]), plans its messages on the
 //! caller's thread (`transport/row_plan.rs`: duplicates merged, rows split
 //! by lcore), hands them to the I/O thread's row transport
-//! (`transport/rows.rs`) and blocks until every message is answered.
+//! (`transport/rows.rs`) and blocks until every message is answered (or
+//! returns a [`RowsPush`] / [`RowsPull`] that does when waited).
 //!
 //! Invariant: a table's round (BSP) or this rank's clock on it (async,
 //! bounded delay) advances by one with each push whose every answer came
