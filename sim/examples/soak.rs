@@ -75,6 +75,7 @@ fn main() {
                         t.0.rejoined += o.rejoined;
                         t.0.tables_caught_up += o.tables_caught_up;
                         t.0.table_pushes += o.table_pushes;
+                        t.0.table_pulls += o.table_pulls;
                         t.0.rows_checked += o.rows_checked;
                         t.0.rows.created += o.rows.created;
                         t.0.rows.created_early += o.rows.created_early;
@@ -124,7 +125,7 @@ fn main() {
     println!(
         "seeds {from}..{}: {} passed, {} failed, {} skipped; {} steps, {:.1} s of virtual time, {} datagrams sent \
          ({} lost, {} chunks sent again), {} restores ({} times a stalled rank's PULL found one), {} rejoins; {with_tables} passed seeds with tables: \
-         {} rejoined ranks caught their tables up, {} table pushes, {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
+         {} rejoined ranks caught their tables up, {} table pushes ({} pulls of their ids before them), {} rows checked, {} rows created ({} before their admit_after-th push, {} pushes not admitted), {} evicted idle, {} evicted at the cap, {} cached id lists named, {} table checkpoint slices streamed with traffic between them; {replicated} passed replicated seeds: {} kills, {} epochs, \
          {} returns, {} drains, {} dead ones replaced, {} back to full strength, {} control restarts, {hierarchical} hierarchical, {} async or bounded-delay ({} updates applied on backups), {} backups checked, {} table entries adopted, {} table copies installed, {} backup tables checked, {} jobs failed (a part lost; {} ranks stopped), {} stalled and gone back to their checkpoints; {:.1} s wall \
          on {threads} threads",
         from + seeds,
@@ -141,6 +142,7 @@ fn main() {
         o.rejoined,
         o.tables_caught_up,
         o.table_pushes,
+        o.table_pulls,
         o.rows_checked,
         o.rows.created + o.rows.created_early,
         o.rows.created_early,

@@ -143,6 +143,11 @@ pub struct Case {
     /// Table keys (PROTOCOL.md §10), after the dense keys: key index
     /// `keys.len() + i` is table i. Not in a hierarchical job (§10.1).
     pub tables: Vec<rows::TableCase>,
+    /// With tables: before each round's pushes a rank pulls that round's
+    /// ids of every table, the pulls in flight together, and pushes once
+    /// they have all ended (what `phub.torch.Embedding.prefetch` before a
+    /// forward, then backward's pushes, make of a training step).
+    pub table_prefetch: bool,
     /// A replicated job (PROTOCOL.md §11; BSP, flat, without tables or a
     /// [`Crash`]) and what happens to its appliances ([`replication`]).
     pub replication: Option<ReplicaCase>,
@@ -239,6 +244,7 @@ impl Case {
             crash,
             racks: if racks >= 2 { racks } else { 0 },
             tables: Vec::new(),
+            table_prefetch: false,
             replication: None,
         };
         if case.racks >= 2 {
@@ -392,6 +398,10 @@ impl Case {
         if case.racks < 2 && case.rejoin.is_some() && case.replication.is_none() && trng.gen_bool(1.0 / 3.0) {
             case.tables = rows::TableCase::draw_some(&mut trng, case.dtype, case.chunk_bytes);
         }
+        // Half the jobs with tables pull each round's ids before pushing
+        // them, from a generator of its own: every draw above stays.
+        let mut prng = ChaCha8Rng::seed_from_u64(seed ^ 0x9f3e_7c11_0000);
+        case.table_prefetch = !case.tables.is_empty() && prng.gen_bool(0.5);
         case
     }
 
@@ -505,6 +515,9 @@ pub struct Outcome {
     /// Table pushes (one rank's round of one table) that ended with
     /// their rows.
     pub table_pushes: u64,
+    /// Table pulls of a round's ids before its push
+    /// ([`Case::table_prefetch`]) that ended with their rows.
+    pub table_pulls: u64,
     /// Rows in table answers checked against the model.
     pub rows_checked: u64,
     /// Table pushes by what they did to their rows (admission), and rows
@@ -601,6 +614,10 @@ struct TableRank {
     catching_up: bool,
     /// What that catch-up found: the lowest and highest rounds stated.
     caught: (u32, u32),
+    /// [`Case::table_prefetch`]: the ids of the pull in flight, and the
+    /// round whose ids were last pulled (0: none).
+    pull: Option<Vec<u64>>,
+    pulled: u32,
 }
 
 /// Where a rank stands.
@@ -729,6 +746,8 @@ struct World<'c> {
     /// The rows of every ROW_RESULT sent: (rank, key, round, id) to each
     /// row carried (decoded).
     row_answers: HashMap<(u16, u32, u32, u64), Vec<Vec<f32>>>,
+    /// Every row a ROW_PULL_RESULT carried, by (rank, table key, id).
+    pull_answers: HashMap<(u16, u32, u64), Vec<Vec<f32>>>,
     /// Every id list a rank stored for key caching (PROTOCOL.md §10.7),
     /// by (table key, rank, signature): what a message or answer naming
     /// the signature carries.
@@ -926,6 +945,8 @@ impl<'c> World<'c> {
                         ready_at: Some(0),
                         catching_up: false,
                         caught: (0, 0),
+                        pull: None,
+                        pulled: 0,
                     };
                     case.tables.len()
                 ],
@@ -983,6 +1004,7 @@ impl<'c> World<'c> {
             tmodel_checkpoint: HashMap::new(),
             row_applied: HashSet::new(),
             row_answers: HashMap::new(),
+            pull_answers: HashMap::new(),
             key_lists: HashMap::new(),
             control: None,
             trace: std::env::var_os("PHUB_SIM_TRACE").is_some(),
@@ -1007,9 +1029,9 @@ impl<'c> World<'c> {
         let failed = self.control.as_ref().is_some_and(|c| c.failed.is_some());
         r.finished
             && (failed
-                || r.tables
-                    .iter()
-                    .all(|t| t.next > self.case.rounds && t.ids.is_none() && !t.catching_up))
+                || r.tables.iter().all(|t| {
+                    t.next > self.case.rounds && t.ids.is_none() && t.pull.is_none() && !t.catching_up
+                }))
     }
 
     /// Every rank's next round of every key and table, summed: it grows
@@ -1221,6 +1243,7 @@ impl<'c> World<'c> {
         }
         for t in &mut r.tables {
             t.ids = None;
+            t.pull = None;
             t.ready_at = None;
         }
         r.waiting = 0;

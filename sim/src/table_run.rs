@@ -13,7 +13,9 @@
 //!   for bit, and every row a worker's push ends with is one a
 //!   ROW_RESULT of that round carried to it;
 //! - at the end, every (table, lcore) completed every round (every rank's
-//!   every clock) and no row transport has a request in flight.
+//!   every clock) and no row transport has a request in flight;
+//! - with [`crate::Case::table_prefetch`], every row a worker's pull ends
+//!   with is one a ROW_PULL_RESULT carried to it.
 
 use std::time::Instant;
 
@@ -23,6 +25,10 @@ use phub_proto::spec::Consistency;
 use rand::Rng;
 
 use super::{rows as model, Lcore, World};
+
+/// The tag of a table's pull ([`crate::Case::table_prefetch`]) beside its
+/// push's (the table's index).
+const PULL: u64 = 1 << 32;
 
 impl World<'_> {
     /// Rank `i`'s row transport: its timers, its ended pushes, and the
@@ -43,18 +49,86 @@ impl World<'_> {
         if self.ranks[i]
             .tables
             .iter()
-            .all(|t| t.ids.is_none() && !t.catching_up)
+            .all(|t| t.ids.is_none() && t.pull.is_none() && !t.catching_up)
             && self.ranks[i]
                 .tables
                 .iter()
                 .any(|t| t.ready_at.is_some_and(|at| at <= self.now))
         {
+            // With prefetch, the round's pulls go first, together; once
+            // they all ended (`pulled`), the pushes.
+            let pull = self.case.table_prefetch
+                && self.ranks[i]
+                    .tables
+                    .iter()
+                    .any(|t| t.ready_at.is_some() && t.pulled != t.next);
             for t in 0..self.case.tables.len() {
                 if self.ranks[i].tables[t].ready_at.is_some() {
-                    self.submit_table(i, t);
+                    if pull {
+                        self.submit_pull(i, t);
+                    } else {
+                        self.submit_table(i, t);
+                    }
                 }
             }
         }
+    }
+
+    /// Rank `i` pulls the ids of its next round of table `t`
+    /// ([`crate::Case::table_prefetch`]).
+    fn submit_pull(&mut self, i: usize, t: usize) {
+        let now = self.at(self.now);
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rank = i as u16;
+        let key = super::table_key(self.case, t);
+        let round = self.ranks[i].tables[t].next;
+        let ids = self.case.tables[t].round_ids(self.case.seed, key, rank, round);
+        let rt = self.ranks[i]
+            .rt
+            .as_mut()
+            .expect("a case with tables gives each rank a row transport");
+        if let Err(e) = rt.pull(now, PULL | t as u64, key, &ids) {
+            panic!("rank {i}: table {t}'s pull for round {round} is refused before it is sent: {e}");
+        }
+        self.ranks[i].tables[t].pull = Some(ids);
+    }
+
+    /// Rank `i`'s pull of table `t` ended: each row is one a
+    /// ROW_PULL_RESULT carried to it, and the round's push may go.
+    fn on_pull_done(&mut self, i: usize, t: usize, d: phub_worker::sim_rows::SimRowDone) {
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let rank = i as u16;
+        let ids = self.ranks[i].tables[t]
+            .pull
+            .take()
+            .unwrap_or_else(|| panic!("rank {i}: table {t} ended a pull it did not make"));
+        let values = match d.result {
+            Ok((_, values)) => values,
+            Err(phub_worker::WorkerError::JobFailed { message, .. }) => {
+                self.stop_rank(i, &message);
+                return;
+            }
+            Err(e) => panic!("rank {i}: table {t}'s pull (key {}) failed: {e}", d.key),
+        };
+        let dim = self.case.tables[t].dim as usize;
+        assert_eq!(values.len(), ids.len() * dim, "rank {i}: table {t}'s pull's rows");
+        for (j, id) in ids.iter().enumerate() {
+            let row = &values[j * dim..(j + 1) * dim];
+            let sent = self.pull_answers.get(&(rank, d.key, *id));
+            let ok = sent.is_some_and(|s| {
+                s.iter()
+                    .any(|a| a.iter().zip(row).all(|(x, y)| x.to_bits() == y.to_bits()))
+            });
+            assert!(
+                ok,
+                "rank {i}: table {t}'s pull, id {id:#x}: the row {row:?} is none a ROW_PULL_RESULT carried to it ({sent:?})"
+            );
+        }
+        self.outcome.table_pulls += 1;
+        let tr = &mut self.ranks[i].tables[t];
+        tr.pulled = tr.next;
     }
 
     /// Rank `i` rejoined at `now`: a new row transport (the same
@@ -129,9 +203,13 @@ impl World<'_> {
     /// Rank `i`'s push of a table ended: its rows are those ROW_RESULTs
     /// of its round carried to it.
     fn on_table_done(&mut self, i: usize, d: phub_worker::sim_rows::SimRowDone) {
-        // Cast: the tag is the table's index.
+        // Cast: the tag is the table's index (and PULL for a pull).
         #[allow(clippy::cast_possible_truncation)]
-        let t = d.tag as usize;
+        let t = (d.tag & !PULL) as usize;
+        if d.tag & PULL != 0 {
+            self.on_pull_done(i, t, d);
+            return;
+        }
         // Cast: ranks are u16.
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
@@ -200,7 +278,7 @@ impl World<'_> {
         if self.ranks[i]
             .tables
             .iter()
-            .all(|t| t.ids.is_none() && !t.catching_up)
+            .all(|t| t.ids.is_none() && t.pull.is_none() && !t.catching_up)
         {
             let slow = if i == 0 { 3 } else { 1 };
             let at = self.now + slow * self.rng.gen_range(0..=self.case.compute_us);
@@ -512,6 +590,17 @@ impl World<'_> {
                     repr.key
                 )
             });
+        if repr.kind == RowMsgType::RowPullResult {
+            // Recorded whoever sent it (a fenced lcore's answer may be
+            // taken too): the worker's rows are checked against these.
+            let d = self.case.tables[t].dim as usize;
+            for (j, &id) in ids.iter().enumerate() {
+                self.pull_answers
+                    .entry((rank, repr.key, id))
+                    .or_default()
+                    .push(values[j * d..(j + 1) * d].to_vec());
+            }
+        }
         let tc = &self.case.tables[t];
         let e = self.entry_of(l, bytes);
         let m = &self.tmodels[t][e];

@@ -42,6 +42,7 @@ fn case(seed: u64, consistency: Consistency, optimizer: Optimizer, dtype: Dtype)
     Case {
         replication: None,
         tables: Vec::new(),
+        table_prefetch: false,
         seed,
         workers: 5,
         appliances: 2,
@@ -1161,6 +1162,40 @@ fn sixty_ids(seed: u64, opt: RowOptimizerSpec) -> TableCase {
         admit_after: None,
         idle_rounds: None,
         cap: None,
+    }
+}
+
+/// Each round's ids of two tables pulled together before they are pushed
+/// (`Case::table_prefetch`: what `phub.torch.Embedding.prefetch` before a
+/// forward and backward's pushes make of a step), in BSP (appliance 1
+/// crashed and restored from a checkpoint), async and bounded delay,
+/// over two appliances through loss, duplication and reordering: every
+/// pulled row is one a ROW_PULL_RESULT carried to the rank, every answer
+/// the model's rows, and each push comes after its pull.
+#[test]
+fn tables_pulled_together_before_their_pushes_in_every_mode() {
+    for (j, consistency) in MODES.into_iter().enumerate() {
+        let seed = 9700 + j as u64;
+        let opts = row_optimizers();
+        let o = run(&Case {
+            tables: vec![
+                sixty_ids(seed, opts[0]),
+                sixty_ids(seed + 1, opts[opts.len() - 1]),
+            ],
+            table_prefetch: true,
+            ..table_case(seed, consistency, sixty_ids(seed, opts[0]), 6, 1500, 4000)
+        });
+        assert!(o.table_pulls > 0, "{consistency:?}: {o:?}");
+        assert_eq!(
+            o.table_pulls, o.table_pushes,
+            "{consistency:?}: a pull before each push"
+        );
+        assert!(o.net.lost > 0, "{consistency:?}: {o:?}");
+        assert_eq!(
+            o.restored,
+            u64::from(consistency == Consistency::Sync),
+            "{consistency:?}"
+        );
     }
 }
 
