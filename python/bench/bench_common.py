@@ -8,6 +8,8 @@ import multiprocessing as mp
 import socket
 from typing import Any, Callable
 
+from phub.local import run_rank
+
 
 def resnet50_sizes() -> list[tuple[str, int]]:
     """torchvision resnet50's trainable tensors, in parameters() order."""
@@ -71,7 +73,9 @@ def run_ranks(target: Callable[..., None], workers: int, *args: Any) -> None:
     """Runs `target(rank, *args)` in `workers` spawned processes, waits for
     all, and stops the benchmark naming the exit codes if one failed."""
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=(r, *args)) for r in range(workers)]
+    # Ends each rank through phub.local.exit_rank (torch's gloo threads can
+    # abort a finalizing interpreter).
+    procs = [ctx.Process(target=run_rank, args=(target, r, *args)) for r in range(workers)]
     for p in procs:
         p.start()
     for p in procs:

@@ -19,7 +19,10 @@ it two ways on the same data:
   before the first is needed, ``prefetch``; ``--no-prefetch`` pulls each in
   its turn), backward pushes their gradients (divided by W, so that the
   appliance's sum is DDP's mean); the MLPs go through DDP with phub's comm
-  hook (a ``mean`` job), SGD locally.
+  hook (a ``mean`` job), SGD locally. ``--table-consistency async`` (or a
+  bound τ) makes the tables' job asynchronous: a rank's push is answered
+  once applied, without waiting for the other ranks' (gloo has no such
+  mode).
 - ``gloo``: what PyTorch users run instead: ``nn.EmbeddingBag(sparse=True)``
   in every process, DDP over gloo all-reducing the dense and the sparse
   gradients, ``torch.optim.Adagrad`` (or SGD) on the tables and SGD on
@@ -76,6 +79,9 @@ class Config:
     test: int = 20_000
     seed: int = 1
     prefetch: bool = True
+    #: The tables' job: None (BSP, each rank's push waits for every rank's
+    #: round), "async" or a bound τ (bounded delay).
+    table_consistency: Optional[object] = None
 
     @property
     def tables(self) -> int:
@@ -183,7 +189,7 @@ def tables_spec(cfg: Config, workers: int) -> dict:
     keys = [{"name": f"t{i}", "kind": "table", "dim": d, "rows": r, "seed": cfg.seed,
              "init": {"kind": "uniform", "a": -0.05, "b": 0.05}, "optimizer": opt}
             for i, (r, d) in enumerate(zip(cfg.rows, cfg.dims))]
-    return phub.admin.job_spec("dlrm-tables", workers, keys, optimizer="sum")
+    return phub.admin.job_spec("dlrm-tables", workers, keys, optimizer="sum", consistency=cfg.table_consistency)
 
 
 def log_loss(model: nn.Module, dense: np.ndarray, ids: np.ndarray, clicks: np.ndarray) -> float:
@@ -294,13 +300,20 @@ def main() -> None:
     ap.add_argument("--tables", type=int, default=8, help="--size small: how many tables")
     ap.add_argument("--rows", type=int, default=100_000, help="--size small: rows a table")
     ap.add_argument("--no-prefetch", action="store_true", help="pull each table in its turn in forward")
+    ap.add_argument("--table-consistency", default="bsp",
+                    help="the tables' job on phub: bsp, async, or a bound τ for bounded delay (gloo: always "
+                         "synchronous)")
     ap.add_argument("--memory-budget", default=None,
                     help="the local appliance's (default 1GiB small, 10GiB full: admission charges a "
                          "table by its rows, stored or not)")
     ap.add_argument("--mode", choices=MODES + ("both",), default="both")
     a = ap.parse_args()
     cfg = small(a.tables, a.rows) if a.size == "small" else full()
-    cfg = dataclasses.replace(cfg, steps=a.steps, prefetch=not a.no_prefetch)
+    tc = a.table_consistency
+    if tc not in ("bsp", "async") and not tc.isdigit():
+        ap.error(f"--table-consistency {tc!r}: bsp, async or a bound (an integer)")
+    table_consistency = None if tc == "bsp" else "async" if tc == "async" else int(tc)
+    cfg = dataclasses.replace(cfg, steps=a.steps, prefetch=not a.no_prefetch, table_consistency=table_consistency)
     budget = a.memory_budget or ("1GiB" if a.size == "small" else "10GiB")
     shape = f"{cfg.tables} tables of {cfg.rows[0]:,}" + (f" to {max(cfg.rows):,}" if len(set(cfg.rows)) > 1 else "")
     dims = "/".join(str(d) for d in sorted(set(cfg.dims), reverse=True))
@@ -311,7 +324,8 @@ def main() -> None:
     mib = 2**20
     for mode in (MODES if a.mode == "both" else (a.mode,)):
         o = run(mode, a.workers, cfg, memory_budget=budget)
-        label = ("tables on phub" + (", pulls prefetched" if cfg.prefetch else "") +
+        label = ("tables on phub" + (f", {tc}" if tc != "bsp" else "") +
+                 (", pulls prefetched" if cfg.prefetch else "") +
                  ", MLPs through the comm hook") if mode == "phub" else \
             f"DDP over gloo, sparse=True embeddings, {cfg.table_optimizer}"
         dp = f", dataplane peak {o.dataplane_peak / mib:.0f} MiB" if mode == "phub" else ""

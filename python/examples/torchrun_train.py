@@ -43,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_digits as td  # noqa: E402  # the data, the model and the batches
 
 import phub.torch  # noqa: E402
+from phub.local import exit_rank  # noqa: E402
 
 
 def job_optimizer(mode: str, cfg: td.Config, model: nn.Module):  # type: ignore[no-untyped-def]
@@ -124,6 +125,9 @@ def main() -> None:
         print("result " + json.dumps({"first_loss": first, "last_loss": last, "seconds": seconds, "steps": steps,
                                       "max_param_diff": diff, "job": session.job, "world": world}), flush=True)
     dist.destroy_process_group()
+    # Ends the process without the interpreter's finalization, where
+    # torch's gloo threads can abort it (phub.local.exit_rank).
+    exit_rank(0)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 import phub
 import phub.torch
-from phub.local import LocalAppliance
+from phub.local import LocalAppliance, run_rank
 
 MODES = ("ddp", "ddp-sum", "server", "gloo")
 
@@ -231,7 +231,10 @@ def run_ranks(target: Any, workers: int, args_of: Any) -> None:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=target, args=args_of(r)) for r in range(workers)]
+    # Each rank ends through phub.local.exit_rank: torch's gloo threads can
+    # abort a process whose interpreter finalizes while they still hold
+    # its last collective's work.
+    procs = [ctx.Process(target=run_rank, args=(target, *args_of(r))) for r in range(workers)]
     for p in procs:
         p.start()
     for p in procs:
