@@ -82,6 +82,12 @@ class Config:
     #: The tables' job: None (BSP, each rank's push waits for every rank's
     #: round), "async" or a bound τ (bounded delay).
     table_consistency: Optional[object] = None
+    #: Stop the clock at this held-out log-loss: every rank evaluates
+    #: ``eval_examples`` held-out examples every ``eval_every`` steps (not
+    #: timed), and the first evaluation at or under it is reported.
+    target_loss: Optional[float] = None
+    eval_every: int = 50
+    eval_examples: int = 5_000
 
     @property
     def tables(self) -> int:
@@ -228,8 +234,10 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
             if cfg.table_optimizer == "adagrad" else torch.optim.SGD(table_params, lr=cfg.lr_table)
         opts = [torch.optim.SGD(dense_params, lr=cfg.lr_dense), table_opt]
     per_step = workers * cfg.batch
-    t0 = time.perf_counter()
+    probe = make_data(cfg, cfg.eval_examples, cfg.seed + 200) if cfg.target_loss is not None else None
+    seconds, reached = 0.0, (-1.0, -1.0)  # (step, training seconds) where target_loss was met
     for step in range(cfg.steps):
+        t = time.perf_counter()
         at = (step * per_step + rank * cfg.batch) % (cfg.examples - cfg.batch)
         sl = slice(at, at + cfg.batch)
         for o in opts:
@@ -238,11 +246,16 @@ def worker_main(rank: int, workers: int, mode: str, cfg: Config, control_url: st
         F.binary_cross_entropy_with_logits(logits, torch.from_numpy(clicks[sl])).backward()
         for o in opts:
             o.step()
-    seconds = time.perf_counter() - t0
+        seconds += time.perf_counter() - t
+        if probe is not None and reached[0] < 0 and (step + 1) % cfg.eval_every == 0:
+            # Every rank evaluates, so that they stay in step; not timed.
+            assert cfg.target_loss is not None
+            if log_loss(model, *probe) <= cfg.target_loss:
+                reached = (float(step + 1), seconds)
     if rank == 0:
         test = make_data(cfg, cfg.test, cfg.seed + 100)
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-        np.save(out_path, np.array([log_loss(model, *test), seconds / cfg.steps, peak]))
+        np.save(out_path, np.array([log_loss(model, *test), seconds / cfg.steps, peak, *reached]))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -253,6 +266,7 @@ class Outcome:
     step_s: float  # seconds a step
     rank_peak: int  # rank 0's peak RSS, bytes
     dataplane_peak: int  # the appliance's dataplane's peak RSS, bytes (0 for gloo)
+    reached: Optional[tuple[int, float]] = None  # (step, training seconds) at Config.target_loss
 
 
 def peak_rss(pid: int) -> int:
@@ -281,12 +295,13 @@ def run(mode: str, workers: int, cfg: Config, app: Optional[LocalAppliance] = No
             port = free_port()
             run_ranks(worker_main, workers,
                       lambda r: (r, workers, mode, cfg, control_url, dense_job, table_job, port, out))
-            loss, per_step, peak = np.load(out)
+            loss, per_step, peak, at_step, at_s = np.load(out)
             dp = 0
             if mode == "phub" and own:
                 assert app is not None
                 dp = max(peak_rss(p.pid) for name, p in app._procs if name == "phub-dataplane")
-            return Outcome(float(loss), float(per_step), int(peak), dp)
+            reached = (int(at_step), float(at_s)) if at_step >= 0 else None
+            return Outcome(float(loss), float(per_step), int(peak), dp, reached)
     finally:
         if own and app is not None:
             app.stop()
@@ -306,6 +321,9 @@ def main() -> None:
     ap.add_argument("--memory-budget", default=None,
                     help="the local appliance's (default 1GiB small, 10GiB full: admission charges a "
                          "table by its rows, stored or not)")
+    ap.add_argument("--target-loss", type=float, default=None,
+                    help="report the step and training time at which the held-out log-loss (5,000 examples, "
+                         "every 50 steps, not timed) first reaches this")
     ap.add_argument("--mode", choices=MODES + ("both",), default="both")
     a = ap.parse_args()
     cfg = small(a.tables, a.rows) if a.size == "small" else full()
@@ -313,7 +331,8 @@ def main() -> None:
     if tc not in ("bsp", "async") and not tc.isdigit():
         ap.error(f"--table-consistency {tc!r}: bsp, async or a bound (an integer)")
     table_consistency = None if tc == "bsp" else "async" if tc == "async" else int(tc)
-    cfg = dataclasses.replace(cfg, steps=a.steps, prefetch=not a.no_prefetch, table_consistency=table_consistency)
+    cfg = dataclasses.replace(cfg, steps=a.steps, prefetch=not a.no_prefetch, table_consistency=table_consistency,
+                              target_loss=a.target_loss)
     budget = a.memory_budget or ("1GiB" if a.size == "small" else "10GiB")
     shape = f"{cfg.tables} tables of {cfg.rows[0]:,}" + (f" to {max(cfg.rows):,}" if len(set(cfg.rows)) > 1 else "")
     dims = "/".join(str(d) for d in sorted(set(cfg.dims), reverse=True))
@@ -329,8 +348,12 @@ def main() -> None:
                  ", MLPs through the comm hook") if mode == "phub" else \
             f"DDP over gloo, sparse=True embeddings, {cfg.table_optimizer}"
         dp = f", dataplane peak {o.dataplane_peak / mib:.0f} MiB" if mode == "phub" else ""
+        at = ""
+        if cfg.target_loss is not None:
+            at = (f", log-loss {cfg.target_loss} at step {o.reached[0]} after {o.reached[1]:.2f} s of training"
+                  if o.reached else f", log-loss {cfg.target_loss} not reached")
         print(f"  {mode:5} ({label}): held-out log-loss {o.loss:.4f}, {1000 * o.step_s:.1f} ms/step, "
-              f"rank 0 peak {o.rank_peak / mib:.0f} MiB{dp}", flush=True)
+              f"rank 0 peak {o.rank_peak / mib:.0f} MiB{dp}{at}", flush=True)
 
 
 if __name__ == "__main__":
