@@ -30,6 +30,15 @@ use super::{rows as model, Lcore, World};
 /// push's (the table's index).
 const PULL: u64 = 1 << 32;
 
+/// Whether `row` is, bit for bit, one of the rows `sent` (answers to a
+/// rank for one id) carried.
+fn carried(sent: Option<&Vec<Vec<f32>>>, row: &[f32]) -> bool {
+    sent.is_some_and(|s| {
+        s.iter()
+            .any(|a| a.iter().zip(row).all(|(x, y)| x.to_bits() == y.to_bits()))
+    })
+}
+
 impl World<'_> {
     /// Rank `i`'s row transport: its timers, its ended pushes, and the
     /// tables whose next round is ready.
@@ -117,12 +126,8 @@ impl World<'_> {
         for (j, id) in ids.iter().enumerate() {
             let row = &values[j * dim..(j + 1) * dim];
             let sent = self.pull_answers.get(&(rank, d.key, *id));
-            let ok = sent.is_some_and(|s| {
-                s.iter()
-                    .any(|a| a.iter().zip(row).all(|(x, y)| x.to_bits() == y.to_bits()))
-            });
             assert!(
-                ok,
+                carried(sent, row),
                 "rank {i}: table {t}'s pull, id {id:#x}: the row {row:?} is none a ROW_PULL_RESULT carried to it ({sent:?})"
             );
         }
@@ -258,12 +263,8 @@ impl World<'_> {
         for (j, id) in ids.iter().enumerate() {
             let row = &values[j * dim..(j + 1) * dim];
             let sent = self.row_answers.get(&(rank, d.key, round, *id));
-            let ok = sent.is_some_and(|s| {
-                s.iter()
-                    .any(|a| a.iter().zip(row).all(|(x, y)| x.to_bits() == y.to_bits()))
-            });
             assert!(
-                ok,
+                carried(sent, row),
                 "rank {i}: table {t} round {round} id {id:#x}: the row {row:?} is none a ROW_RESULT carried to it ({sent:?})"
             );
         }
