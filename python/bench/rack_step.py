@@ -45,6 +45,7 @@ import torch.nn as nn
 
 import phub
 import phub.torch
+from phub.local import exit_rank
 from bench_exchange import Bag, no_exchange_hook  # the same model and baseline hook
 
 
@@ -124,6 +125,7 @@ def main() -> None:
     with open(a.out, "w") as f:
         json.dump({"step_s": step_s, "retransmits": {m: s["retransmits"] for m, s in stats.items()}}, f)
     dist.destroy_process_group()
+    exit_rank(0)  # no interpreter finalization: torch's gloo threads can abort it
 
 
 if __name__ == "__main__":
