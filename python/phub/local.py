@@ -68,11 +68,17 @@ def exit_rank(code: int = 0) -> NoReturn:
 
 def run_rank(target: Callable[..., Any], *args: Any) -> NoReturn:
     """Runs ``target(*args)`` and ends the process with :func:`exit_rank`:
-    0, or 1 after printing the exception. The ``Process`` target of a
-    spawned rank: ``ctx.Process(target=run_rank, args=(main, rank, ...))``
-    (``main`` a module-level function, as ``spawn`` needs)."""
+    0; a ``SystemExit``'s code (its message printed, code 1, if it is not
+    a number); or 1 after printing any other exception. The ``Process``
+    target of a spawned rank: ``ctx.Process(target=run_rank, args=(main,
+    rank, ...))`` (``main`` a module-level function, as ``spawn`` needs)."""
     try:
         target(*args)
+    except SystemExit as e:
+        if e.code is None or isinstance(e.code, int):
+            exit_rank(e.code or 0)
+        print(e.code, file=sys.stderr)
+        exit_rank(1)
     except BaseException:  # noqa: BLE001 - the rank's failure, printed, is its exit code
         traceback.print_exc()
         exit_rank(1)
