@@ -87,12 +87,7 @@ impl World<'_> {
     /// ([`crate::Case::table_prefetch`]).
     fn submit_pull(&mut self, i: usize, t: usize) {
         let now = self.at(self.now);
-        // Cast: ranks are u16.
-        #[allow(clippy::cast_possible_truncation)]
-        let rank = i as u16;
-        let key = super::table_key(self.case, t);
-        let round = self.ranks[i].tables[t].next;
-        let ids = self.case.tables[t].round_ids(self.case.seed, key, rank, round);
+        let (key, round, ids) = self.next_ids(i, t);
         let rt = self.ranks[i]
             .rt
             .as_mut()
@@ -166,17 +161,28 @@ impl World<'_> {
         self.outcome.tables_caught_up += 1;
     }
 
-    /// Rank `i` pushes its next round of table `t`.
-    fn submit_table(&mut self, i: usize, t: usize) {
-        let now = self.at(self.now);
+    /// Table `t`'s key, rank `i`'s next round of it, and the ids that
+    /// round carries (its pull's, with prefetch, and its push's).
+    fn next_ids(&self, i: usize, t: usize) -> (u32, u32, Vec<u64>) {
         // Cast: ranks are u16.
         #[allow(clippy::cast_possible_truncation)]
         let rank = i as u16;
         let key = super::table_key(self.case, t);
-        let tc = &self.case.tables[t];
         let round = self.ranks[i].tables[t].next;
-        let ids = tc.round_ids(self.case.seed, key, rank, round);
-        let grads = tc.grads(key, rank, round, &ids);
+        (
+            key,
+            round,
+            self.case.tables[t].round_ids(self.case.seed, key, rank, round),
+        )
+    }
+
+    /// Rank `i` pushes its next round of table `t`.
+    fn submit_table(&mut self, i: usize, t: usize) {
+        let now = self.at(self.now);
+        let (key, round, ids) = self.next_ids(i, t);
+        // Cast: ranks are u16.
+        #[allow(clippy::cast_possible_truncation)]
+        let grads = self.case.tables[t].grads(key, i as u16, round, &ids);
         if round == self.case.rounds && self.last_round_at.is_none() {
             self.last_round_at = Some(self.now);
         }
