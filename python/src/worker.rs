@@ -9,7 +9,7 @@ use phub_worker::WorkerConfig;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-use crate::buffer::{row_ids, Array, Native, Scratch, Slice, SliceMut};
+use crate::buffer::{row_ids, Array, Native, Owned, Scratch, Slice, SliceMut};
 use crate::errors::{to_py, usage};
 
 /// One rank of a phub job: joins through phub-control, then exchanges the
@@ -115,19 +115,45 @@ struct Output {
     claim: Claim,
 }
 
+/// A `push_pull` whose output is lent to the I/O thread
+/// ([`Worker::push_pull_lent`]), and what it borrows.
+struct LentRequest {
+    // Field order is drop order: `detached` waits for the I/O thread to
+    // be done with the buffers before they are released.
+    detached: phub_worker::Detached,
+    /// The gradient's copy, read by the I/O thread (`None` in place).
+    _copy: Option<Owned>,
+    /// The output's export (the gradient's, in place).
+    _out: Array,
+    out_obj: Py<PyAny>,
+    claim: Claim,
+    _worker: Arc<phub_worker::Worker>,
+}
+
+/// A request in flight, one way or the other.
+enum Flight {
+    /// The result kept by the worker, copied out by `wait`.
+    Owned(Pending),
+    /// The result written into the output by the I/O thread.
+    Lent(LentRequest),
+}
+
 /// A request in flight (``init`` or ``push_pull``).
 ///
-/// :meth:`wait` blocks, with the GIL released, until the result is in, then
-/// writes it into the output array and returns that array. The handle keeps
-/// the output array alive (and unresizable) until then: do not read or write
-/// it before ``wait`` returns. Dropping a handle without waiting abandons the
-/// result (the output array is left as it was); the exchange itself still
-/// completes in the background and the key becomes free.
+/// :meth:`wait` blocks, with the GIL released, until the result is in,
+/// makes sure it is in the output array and returns that array. The handle
+/// keeps the output array alive (and unresizable) until then: do not read
+/// or write it before ``wait`` returns. Dropping a handle without waiting
+/// abandons the result: the output array is left as it was and the round
+/// completes in the background, the key then free; for a request whose
+/// output was lent (:attr:`lent`), dropping it blocks until the round has
+/// ended, and the output holds what arrived.
 #[pyclass(module = "phub", name = "Handle", frozen)]
 pub(crate) struct Handle {
     key: u32,
     round: u32,
-    pending: Mutex<Option<Pending>>,
+    lent: bool,
+    pending: Mutex<Option<Flight>>,
 }
 
 fn seconds(name: &str, v: Option<f64>) -> PyResult<Option<Duration>> {
@@ -241,6 +267,72 @@ impl Worker {
         // SAFETY: the pointee lives as long as any Arc; the caller keeps one
         // for longer than the reference.
         unsafe { &*Arc::as_ptr(&self.inner) }
+    }
+
+    /// [`Worker::push_pull`]'s lent way: `o` (which is `g` in place)
+    /// lent to the I/O thread, with a copy of `g` when it is another
+    /// array. The caller checked that both are native, of one element
+    /// type, and the same memory or apart, and claimed `o`.
+    fn push_pull_lent(
+        &self,
+        py: Python<'_>,
+        key: u32,
+        g: Array,
+        o: Array,
+        out_obj: &Bound<'_, PyAny>,
+        claim: Claim,
+    ) -> PyResult<Handle> {
+        let in_place = g.byte_range() == o.byte_range();
+        // The caller may reuse a separate gradient at once: lend a copy.
+        let copy = (!in_place).then(|| {
+            // SAFETY: the export `g` keeps the array in place for this
+            // copy; nothing writes it meanwhile (its memory is apart from
+            // every output in flight: the claim).
+            match unsafe { g.slice() }.expect("checked native") {
+                Slice::F32(v) => Owned::F32(v.to_vec()),
+                Slice::Bf16(v) => Owned::Bf16(v.to_vec()),
+                Slice::F16(v) => Owned::F16(v.to_vec()),
+            }
+        });
+        drop(g);
+        // SAFETY: `o` is exported writable and claimed (no other request
+        // of this worker reads or writes it), the copy is this request's
+        // own; both are kept in the `LentRequest` beside the `Detached`,
+        // which is dropped (waiting for the I/O thread) before them.
+        let out_slice = unsafe { o.slice_mut() }.expect("checked native");
+        let w = &*self.inner;
+        let started = py.detach(|| {
+            w.exchange(
+                |x| -> Result<(u32, phub_worker::Detached), phub_worker::WorkerError> {
+                    let round = match (&copy, out_slice) {
+                        (None, b) => on_mut!(b, b => x.push_pull_in_place(key, b))?,
+                        (Some(c), o) => match (c.as_slice(), o) {
+                            (Slice::F32(g), SliceMut::F32(o)) => x.push_pull(key, g, o)?,
+                            (Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(key, g, o)?,
+                            (Slice::F16(g), SliceMut::F16(o)) => x.push_pull(key, g, o)?,
+                            _ => unreachable!("`grad` and `out` hold one element type (checked)"),
+                        },
+                    };
+                    // SAFETY: see above: the buffers outlive the detached
+                    // request.
+                    Ok((round, unsafe { x.detach() }))
+                },
+            )
+        });
+        let (round, detached) = started.map_err(to_py)?.map_err(to_py)?;
+        Ok(Handle {
+            key,
+            round,
+            lent: true,
+            pending: Mutex::new(Some(Flight::Lent(LentRequest {
+                detached,
+                _copy: copy,
+                _out: o,
+                out_obj: out_obj.clone().unbind(),
+                claim,
+                _worker: Arc::clone(&self.inner),
+            }))),
+        })
     }
 
     /// Checks that `staged` was staged by this worker and is not pushed or
@@ -493,13 +585,27 @@ impl Worker {
     /// or the sum or mean of the workers' pushes for a ``sum``/``mean`` job.
     /// ``out`` defaults to ``grad`` (in place). All ranks must start their
     /// keys in the same order.
-    #[pyo3(signature = (key, grad, out=None))]
+    ///
+    /// Over datagrams, an output array the worker can write in place
+    /// (``float32`` or the job's 16-bit type, aligned, as ``grad``) is lent
+    /// to its I/O thread, as :meth:`exchange` lends it: the result is
+    /// written into it chunk by chunk as it arrives, with no copy on the
+    /// caller's thread at ``wait``; in place (``out`` is ``grad``) the
+    /// datagrams go out from the array itself (a separate ``grad`` is
+    /// copied once, as without lending). :attr:`Handle.lent` says which
+    /// way a request went. Then a failed round leaves the array holding
+    /// the results of the chunks answered (and, in place, the gradient in
+    /// the others), and dropping the handle unwaited blocks until the
+    /// round has ended. ``lend=False`` keeps the result in the worker
+    /// until ``wait`` copies it (``Handle.wait_in_place`` reads it there).
+    #[pyo3(signature = (key, grad, out=None, *, lend=true))]
     fn push_pull(
         &self,
         py: Python<'_>,
         key: u32,
         grad: &Bound<'_, PyAny>,
         out: Option<&Bound<'_, PyAny>>,
+        lend: bool,
     ) -> PyResult<Handle> {
         let dtype = self.dtype();
         let out_obj = out.unwrap_or(grad);
@@ -508,6 +614,11 @@ impl Worker {
         let o = Array::get(out_obj, dtype, "out", true)?;
         self.check(key, &o, "out")?;
         let claim = self.claim(key, &o, Some(&g))?;
+        let same = g.byte_range() == o.byte_range();
+        let lendable = g.native().is_some() && o.native().is_some() && g.elem() == o.elem();
+        if lend && !self.inner.shm() && lendable && (same || !g.overlaps(&o)) {
+            return self.push_pull_lent(py, key, g, o, out_obj, claim);
+        }
         let sink = Worker::sink(&o, Some(&g), || vec![0.0; o.len()]);
         // The gradient is read in place unless it must be converted, or it
         // shares memory with an in-place output (a `&[T]` and a `&mut [T]`
@@ -983,13 +1094,13 @@ impl LentArrays {
         let done = w.exchange(
             |x| -> Result<Option<phub_worker::Detached>, phub_worker::WorkerError> {
                 for (k, l) in lent {
-                    match l {
+                    let _round = match l {
                         Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(k, b))?,
                         Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(k, g, o)?,
                         Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(k, g, o)?,
                         Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(k, g, o)?,
                         Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
-                    }
+                    };
                 }
                 // SAFETY: see the head of this function: the arrays outlive
                 // the detached requests.
@@ -1230,18 +1341,19 @@ impl Handle {
         Handle {
             key: handle.key(),
             round: handle.round(),
-            pending: Mutex::new(Some(Pending {
+            lent: false,
+            pending: Mutex::new(Some(Flight::Owned(Pending {
                 handle,
                 output,
                 worker: Arc::clone(worker),
-            })),
+            }))),
         }
     }
 }
 
 impl Handle {
     /// The request in flight, taken out to be waited for (once).
-    fn take_pending(&self) -> PyResult<Pending> {
+    fn take_pending(&self) -> PyResult<Flight> {
         let mut g = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
         g.take().ok_or_else(|| {
             usage(format!(
@@ -1249,6 +1361,22 @@ impl Handle {
                 self.key, self.round
             ))
         })
+    }
+}
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        let taken = self
+            .pending
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(Flight::Lent(LentRequest { detached, .. })) = taken {
+            // The I/O thread writes the output until the round ends: wait
+            // for it, with the GIL released, before the arrays (the rest of
+            // the request, dropped after this) are let go.
+            Python::attach(|py| py.detach(|| drop(detached)));
+        }
     }
 }
 
@@ -1263,7 +1391,21 @@ impl Handle {
             handle,
             output,
             worker,
-        } = self.take_pending()?;
+        } = match self.take_pending()? {
+            Flight::Owned(p) => p,
+            Flight::Lent(LentRequest {
+                detached,
+                out_obj,
+                claim,
+                ..
+            }) => {
+                // The result is written into the output as it arrives.
+                let done = py.detach(|| detached.wait());
+                drop(claim);
+                done.map_err(to_py)?;
+                return Ok(out_obj);
+            }
+        };
         // Without an output `wait` fails (and lets the results go).
         py.detach(|| worker.wait(handle)).map_err(to_py)?;
         let Some(Output {
@@ -1291,11 +1433,21 @@ impl Handle {
     /// into an output of the job's wire type, whose results a device copies
     /// out itself.
     fn wait_in_place(&self, py: Python<'_>) -> PyResult<Results> {
-        let Pending {
+        if self.lent {
+            return Err(usage(format!(
+                "key {} round {}: its output was lent (push_pull over datagrams), so the result is \
+                 written there, not left in place: use wait() (or push_pull(..., lend=False))",
+                self.key, self.round
+            )));
+        }
+        let Flight::Owned(Pending {
             handle,
             output,
             worker,
-        } = self.take_pending()?;
+        }) = self.take_pending()?
+        else {
+            unreachable!("a handle that is not lent holds an owned request")
+        };
         // SAFETY: `ResultsKeep` keeps `worker` and drops it after the
         // results (field order).
         let w: &'static phub_worker::Worker = unsafe { &*Arc::as_ptr(&worker) };
@@ -1323,6 +1475,13 @@ impl Handle {
         self.round
     }
 
+    /// Whether the output was lent to the worker's I/O thread, which writes
+    /// the result into it as it arrives (:meth:`Worker.push_pull`).
+    #[getter]
+    fn lent(&self) -> bool {
+        self.lent
+    }
+
     /// Whether the handle still waits to be waited (``False`` after
     /// :meth:`wait`, whatever its outcome).
     #[getter]
@@ -1335,9 +1494,10 @@ impl Handle {
 
     fn __repr__(&self) -> String {
         format!(
-            "phub.Handle(key={}, round={}, pending={})",
+            "phub.Handle(key={}, round={}, lent={}, pending={})",
             self.key,
             self.round,
+            if self.lent { "True" } else { "False" },
             if self.pending() { "True" } else { "False" }
         )
     }

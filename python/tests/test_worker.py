@@ -68,6 +68,56 @@ def test_push_pull_sums_exactly_over_rounds_and_keys(workers: Workers) -> None:
                 np.testing.assert_array_equal(outs[r][k], want)  # exact: integers in f32
 
 
+def test_push_pull_lends_its_output_over_datagrams(workers: Workers) -> None:
+    """push_pull over datagrams lends the output to the I/O thread
+    (Handle.lent): in place, and into another array with the gradient
+    copied (reusable at once); an unaligned output, a gradient partly
+    overlapping its output and lend=False go the copying way. Every result
+    exact; wait_in_place only for the copying way."""
+    sizes = [1, 2049, 50_000]
+    ws = workers(sizes, 2)
+    for k, n in enumerate(sizes):
+        init_all(ws, k, [np.zeros(n, np.float32) for _ in ws])
+    rng = np.random.default_rng(13)
+    for rnd in range(1, 4):
+        grads = [[rng.integers(-1000, 1000, n).astype(np.float32) for n in sizes] for _ in ws]
+        want = [grads[0][k] + grads[1][k] for k in range(len(sizes))]
+        bufs = [g.copy() for g in grads[0]]
+        hs0 = [ws[0].push_pull(k, b) for k, b in enumerate(bufs)]  # in place
+        outs = [np.empty(n, np.float32) for n in sizes]
+        sent = [g.copy() for g in grads[1]]
+        hs1 = [ws[1].push_pull(k, g, o) for k, (g, o) in enumerate(zip(sent, outs))]
+        for g in sent:
+            g[:] = 7.0  # reused at once: the push took a copy
+        for h0, h1 in zip(hs0, hs1):
+            assert h0.lent and h1.lent and h0.round == h1.round == rnd
+        with pytest.raises(phub.UsageError, match="was lent"):
+            hs0[2].wait_in_place()
+        for k in range(len(sizes)):
+            assert hs0[k].wait() is bufs[k] and hs1[k].wait() is outs[k]
+            np.testing.assert_array_equal(bufs[k], want[k])
+            np.testing.assert_array_equal(outs[k], want[k])
+    # The copying way: lend=False (results read in place), an unaligned
+    # output, a gradient partly overlapping its output.
+    n = sizes[1]
+    unaligned = np.frombuffer(bytearray(4 * n + 1), dtype=np.float32, offset=1, count=n)
+    both = np.zeros(n + 1, np.float32)
+    both[:n] = 3.0
+    h0 = ws[0].push_pull(1, np.full(n, 1.0, np.float32), lend=False)
+    h1 = ws[1].push_pull(1, np.full(n, 2.0, np.float32), unaligned)
+    assert not h0.lent and not h1.lent
+    res = h0.wait_in_place()
+    got = np.concatenate([np.frombuffer(b, dtype=np.float32)[:c] for b, _, c in res.spans])
+    np.testing.assert_array_equal(got, 3.0)
+    res.release()
+    np.testing.assert_array_equal(h1.wait(), 3.0)
+    h0 = ws[0].push_pull(1, both[:n], both[1:])
+    h1 = ws[1].push_pull(1, np.full(n, 2.0, np.float32))
+    assert not h0.lent and h1.lent
+    h0.wait(), h1.wait()
+    np.testing.assert_array_equal(both[1:], 5.0)
+
+
 def test_exchange_lends_arrays_in_place_and_with_outputs(workers: Workers, in_threads: Any) -> None:
     """Worker.exchange: every key's round in one call, the arrays lent to
     the I/O thread, in place ((key, grad)) or into an output ((key, grad,
@@ -652,18 +702,33 @@ def test_timeout_when_a_rank_never_pushes(workers: Workers) -> None:
 def test_dropping_a_handle_frees_the_key(workers: Workers) -> None:
     w0, w1 = workers([100])
     init_all([w0, w1], 0, [np.zeros(100, np.float32)] * 2)
+    # Kept by the worker (lend=False): abandoned, out is left as it was and
+    # the round completes in the background.
     out = np.full(100, -1.0, np.float32)
-    h = w0.push_pull(0, np.ones(100, np.float32), out)
+    h = w0.push_pull(0, np.ones(100, np.float32), out, lend=False)
+    assert not h.lent
     w1.push_pull(0, np.ones(100, np.float32)).wait()
-    del h  # abandoned: out is left as it was
+    del h
     deadline = time.monotonic() + 5
     while w0.key_round(0) != 1 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert w0.key_round(0) == 1
     np.testing.assert_array_equal(out, -1.0)
+    # Lent (the default over datagrams): the I/O thread writes out, so the
+    # drop waits for the round, and out holds its result.
+    h = w0.push_pull(0, np.ones(100, np.float32), out)
+    assert h.lent and "lent=True" in repr(h)
+    # The other rank pushes only after the drop began: the round cannot be
+    # complete unless the drop waited for it.
+    late = threading.Timer(0.3, lambda: w1.push_pull(0, np.ones(100, np.float32)).wait())
+    late.start()
+    del h
+    assert w0.key_round(0) == 2
+    late.join()
+    np.testing.assert_array_equal(out, 2.0)
     hs = [w.push_pull(0, np.ones(100, np.float32)) for w in (w0, w1)]
     for h in hs:
-        assert h.round == 2
+        assert h.round == 3
         np.testing.assert_array_equal(h.wait(), 2.0)
 
 

@@ -37,7 +37,8 @@ impl<'b> Exchange<'_, 'b> {
     /// The next round for `key`, like [`Worker::push_pull`], but `grad` is
     /// read and `out` written in place by the I/O thread: neither may be
     /// touched until [`Worker::exchange`] returns (the borrows enforce it).
-    /// Returns at once; the exchange waits for the result.
+    /// Returns at once, with the round (clock) it completes; the exchange
+    /// waits for the result.
     ///
     /// `grad` and `out` are `f32` for any job, or the job's 16-bit wire
     /// type (see [`Element`]): then their bits go out and come back as
@@ -47,11 +48,11 @@ impl<'b> Exchange<'_, 'b> {
         key: u32,
         grad: &'b [E],
         out: &'b mut [E],
-    ) -> Result<(), WorkerError> {
+    ) -> Result<u32, WorkerError> {
         self.worker.check_elem::<E>()?;
-        let rx = self.worker.push_pull_lent(key, Src::of(grad), Dst::of(out))?;
+        let (rx, round) = self.worker.push_pull_lent(key, Src::of(grad), Dst::of(out))?;
         self.waiting.borrow_mut().push((key, rx));
-        Ok(())
+        Ok(round)
     }
 
     /// [`Exchange::push_pull`] with the gradient and the result in one
@@ -61,12 +62,12 @@ impl<'b> Exchange<'_, 'b> {
     /// answered chunk is never sent again). No copy on the caller's side
     /// either way. If the request fails, `buf` holds the results of the
     /// chunks answered and the gradient elsewhere: compute it again
-    /// before pushing it again.
-    pub fn push_pull_in_place<E: Element>(&self, key: u32, buf: &'b mut [E]) -> Result<(), WorkerError> {
+    /// before pushing it again. Returns the round (clock) it completes.
+    pub fn push_pull_in_place<E: Element>(&self, key: u32, buf: &'b mut [E]) -> Result<u32, WorkerError> {
         self.worker.check_elem::<E>()?;
-        let rx = self.worker.push_pull_lent_in_place(key, buf)?;
+        let (rx, round) = self.worker.push_pull_lent_in_place(key, buf)?;
         self.waiting.borrow_mut().push((key, rx));
-        Ok(())
+        Ok(round)
     }
 
     /// Ends the exchange's scope without waiting: the requests started on
@@ -157,7 +158,7 @@ impl Worker {
         key: u32,
         grad: Src<'_>,
         mut out: Dst<'_>,
-    ) -> Result<Receiver<Completion>, WorkerError> {
+    ) -> Result<(Receiver<Completion>, u32), WorkerError> {
         let elements = self.check_len(key, grad.len())?;
         self.check_len(key, out.len())?;
         let round = self.claim_next_round(key)?;
@@ -172,7 +173,8 @@ impl Worker {
             let (chunks, buf) = self.messages(key, elements, MsgType::Push, round, Some(grad));
             (chunks, Tx::Owned(buf))
         };
-        self.send_lent(key, round, chunks, tx, RawDst::new(&mut out))
+        let rx = self.send_lent(key, round, chunks, tx, RawDst::new(&mut out))?;
+        Ok((rx, round))
     }
 
     /// A lent push's chunks and transmit side: headers only, each chunk's
@@ -221,7 +223,7 @@ impl Worker {
         &self,
         key: u32,
         buf: &mut [E],
-    ) -> Result<Receiver<Completion>, WorkerError> {
+    ) -> Result<(Receiver<Completion>, u32), WorkerError> {
         let elements = self.check_len(key, buf.len())?;
         let round = self.claim_next_round(key)?;
         self.keys.drop_values(key);
@@ -240,7 +242,8 @@ impl Worker {
                 self.lent_tx(key, elements, round, payload)
             }
         };
-        self.send_lent(key, round, chunks, tx, RawDst::from_raw(base, elements, wire16))
+        let rx = self.send_lent(key, round, chunks, tx, RawDst::from_raw(base, elements, wire16))?;
+        Ok((rx, round))
     }
 
     /// Runs `f` with an [`Exchange`]: every `push_pull` started on it lends
