@@ -299,7 +299,7 @@ def run(mode: str, workers: int, cfg: Config, app: Optional[LocalAppliance] = No
             dp = 0
             if mode == "phub" and own:
                 assert app is not None
-                dp = max(peak_rss(p.pid) for name, p in app._procs if name == "phub-dataplane")
+                dp = peak_rss(app.pid("phub-dataplane"))
             reached = (int(at_step), float(at_s)) if at_step >= 0 else None
             return Outcome(float(loss), float(per_step), int(peak), dp, reached)
     finally:

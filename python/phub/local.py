@@ -230,6 +230,16 @@ class LocalAppliance:
         except OSError:
             return "(no log)"
 
+    def pid(self, name: str) -> int:
+        """The process id of ``phub-dataplane`` or ``phub-control`` (e.g. to
+        read its memory from ``/proc``); raises :class:`PhubError` when that
+        process is not running."""
+        for n, p in self._procs:
+            if n == name and p.poll() is None:
+                return p.pid
+        started = ", ".join(n for n, _ in self._procs) or "none"
+        raise PhubError(f"{name} is not running in this LocalAppliance (started: {started})")
+
     def dataplane_stats(self) -> Any:
         """The dataplane's counters (``GET /v1/stats`` of its management API)."""
         return admin._request("GET", f"{self.mgmt_url}/v1/stats")

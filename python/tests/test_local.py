@@ -7,7 +7,11 @@ import atexit
 import multiprocessing as mp
 import sys
 from pathlib import Path
+from typing import Any
 
+import pytest
+
+from phub import PhubError
 from phub.local import run_rank
 
 
@@ -35,3 +39,13 @@ def test_run_rank_ends_a_spawned_rank_with_its_code_and_no_finalization(tmp_path
     assert codes == [0, 1, 3, 1]
     assert all((tmp_path / name).read_text() == "ran" for name in cases)
     assert not list(tmp_path.glob("*.atexit")), "the interpreter finalized (atexit ran)"
+
+
+def test_pid_names_a_running_daemon(appliance: Any) -> None:
+    """LocalAppliance.pid: the daemon's process (its /proc entry runs the
+    binary); a name it did not start is refused, naming those it did."""
+    for name in ("phub-dataplane", "phub-control"):
+        pid = appliance.pid(name)
+        assert name in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    with pytest.raises(PhubError, match=r"phub-etcd is not running .*started: phub-dataplane, phub-control"):
+        appliance.pid("phub-etcd")
