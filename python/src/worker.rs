@@ -67,6 +67,37 @@ impl Drop for Claim {
     }
 }
 
+/// A table call's `float32` input: read in place where `a` is aligned
+/// `float32` (its export keeps it there for the call), else copied.
+fn f32_in(a: &Array) -> std::borrow::Cow<'_, [f32]> {
+    // SAFETY: the export `a` keeps the array in place while the borrow
+    // lives (tied to `a`); callers pass no output overlapping it.
+    match unsafe { a.slice() } {
+        Some(Slice::F32(v)) => std::borrow::Cow::Borrowed(v),
+        _ => std::borrow::Cow::Owned(a.to_f32_vec()),
+    }
+}
+
+/// Runs `f`, with the GIL released, writing a table call's `float32`
+/// output: straight into `o` where it is aligned `float32`, else into a
+/// buffer copied into `o` when `f` succeeds.
+fn f32_out<R: Send, E: Send>(
+    py: Python<'_>,
+    o: &Array,
+    f: impl FnOnce(&mut [f32]) -> Result<R, E> + Send,
+) -> Result<R, E> {
+    // SAFETY: `o` was exported writable and keeps the array in place for
+    // this call; callers read no input overlapping it in place (`f32_in`
+    // of an array that does not overlap `o`, or a copy).
+    if let Some(SliceMut::F32(dst)) = unsafe { o.slice_mut() } {
+        return py.detach(|| f(dst));
+    }
+    let mut buf = vec![0f32; o.len()];
+    let r = py.detach(|| f(&mut buf))?;
+    o.write_from(&buf);
+    Ok(r)
+}
+
 /// Calls `$f` with the slice inside a [`SliceMut`] (the library's methods
 /// are generic over the element type).
 macro_rules! on_mut {
@@ -825,15 +856,16 @@ impl Worker {
         out: &Bound<'_, PyAny>,
     ) -> PyResult<u32> {
         let ids = row_ids(ids, "ids")?;
-        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
+        let ga = Array::get(grads, Dtype::F32, "grads", false)?;
         let o = Array::get(out, Dtype::F32, "out", true)?;
-        let mut rows = vec![0f32; o.len()];
+        // Gradients read in place unless they share memory with `out`.
+        let g = if ga.overlaps(&o) {
+            std::borrow::Cow::Owned(ga.to_f32_vec())
+        } else {
+            f32_in(&ga)
+        };
         let w = &*self.inner;
-        let round = py
-            .detach(|| w.push_pull_rows(table, &ids, &g, &mut rows))
-            .map_err(to_py)?;
-        o.write_from(&rows);
-        Ok(round)
+        f32_out(py, &o, |rows| w.push_pull_rows(table, &ids, &g, rows)).map_err(to_py)
     }
 
     /// :meth:`push_pull_rows` without the rows after the update: one round
@@ -863,7 +895,10 @@ impl Worker {
         grads: &Bound<'_, PyAny>,
     ) -> PyResult<RowsPush> {
         let ids = row_ids(ids, "ids")?;
-        let g = Array::get(grads, Dtype::F32, "grads", false)?.to_f32_vec();
+        let ga = Array::get(grads, Dtype::F32, "grads", false)?;
+        // Read in place: the push copies the rows into its messages before
+        // it returns.
+        let g = f32_in(&ga);
         // SAFETY: `RowsPush` keeps `self.inner` cloned and drops it after
         // the push (field order).
         let w = unsafe { self.static_worker() };
@@ -890,11 +925,8 @@ impl Worker {
     ) -> PyResult<u32> {
         let ids = row_ids(ids, "ids")?;
         let o = Array::get(out, Dtype::F32, "out", true)?;
-        let mut rows = vec![0f32; o.len()];
         let w = &*self.inner;
-        let round = py.detach(|| w.pull_rows(table, &ids, &mut rows)).map_err(to_py)?;
-        o.write_from(&rows);
-        Ok(round)
+        f32_out(py, &o, |rows| w.pull_rows(table, &ids, rows)).map_err(to_py)
     }
 
     /// :meth:`pull_rows` without waiting: the pull goes out at once;
@@ -1200,19 +1232,22 @@ impl RowsPull {
                 self.table
             )));
         };
-        let mut rows = vec![0f32; pull.values()];
-        let round = py.detach(|| pull.wait_into(&mut rows)).map_err(to_py)?;
-        let o = Array::get(self.out.bind(py), Dtype::F32, "out", true)?;
-        if o.len() != rows.len() {
-            return Err(usage(format!(
-                "table {:?}: out has {} values now, the pull's rows {} (resized since the start?)",
-                self.table,
-                o.len(),
-                rows.len()
-            )));
-        }
-        o.write_from(&rows);
-        Ok(round)
+        let values = pull.values();
+        let o = match Array::get(self.out.bind(py), Dtype::F32, "out", true) {
+            Ok(o) if o.len() == values => o,
+            other => {
+                // Ended first, as a wait would (its drop waits).
+                py.detach(|| drop(pull));
+                let o = other?;
+                return Err(usage(format!(
+                    "table {:?}: out has {} values now, the pull's rows {} (resized since the start?)",
+                    self.table,
+                    o.len(),
+                    values
+                )));
+            }
+        };
+        f32_out(py, &o, |rows| pull.wait_into(rows)).map_err(to_py)
     }
 
     /// Whether it is still to be waited.

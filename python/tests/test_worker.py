@@ -846,6 +846,43 @@ def test_table_pulls_started_together_write_their_rows_when_waited(workers: Work
     np.testing.assert_array_equal(got, out_a)
 
 
+def test_table_rows_in_place_unaligned_and_shared_arrays(workers: Workers, in_threads: Any) -> None:
+    """Table calls read aligned float32 gradients and write aligned float32
+    rows in place; an unaligned array, gradients that are the output array
+    itself, and an output resized while its pull is in flight give the
+    same rows through copies (or a clear refusal)."""
+    ws = workers([table_key(optimizer={"kind": "sum"})])
+    ids = np.array([4, 8, 15], np.uint64)
+
+    def unaligned(n: int, fill: float = 0.0) -> np.ndarray:
+        a = np.frombuffer(bytearray(4 * n + 1), dtype=np.float32, offset=1, count=n)
+        assert a.ctypes.data % 4 != 0
+        a[:] = fill
+        return a
+
+    # Rank 0: gradients unaligned, rows into an unaligned array; rank 1:
+    # its gradients are its output (the rows after the round replace them).
+    g0, out0 = unaligned(12, 1.0), unaligned(12)
+    buf1 = np.full(12, 2.0, np.float32)
+    in_threads([lambda: ws[0].push_pull_rows("emb", ids, g0, out0),
+                lambda: ws[1].push_pull_rows("emb", ids, buf1, buf1)])
+    np.testing.assert_array_equal(out0, 3.0)
+    np.testing.assert_array_equal(buf1, 3.0)
+    got = unaligned(12)
+    assert ws[0].pull_rows("emb", ids, got) == 1
+    np.testing.assert_array_equal(got, 3.0)
+    p = ws[1].pull_rows_start("emb", ids, got)
+    assert p.wait() == 1
+    np.testing.assert_array_equal(got, 3.0)
+    # An output resized meanwhile: refused, and the table free again.
+    out = np.zeros(12, np.float32)
+    p = ws[0].pull_rows_start("emb", ids, out)
+    out.resize(24, refcheck=False)
+    with pytest.raises(phub.UsageError, match=r"out has 24 values now, the pull's rows 12"):
+        p.wait()
+    assert ws[0].pull_rows("emb", ids, np.zeros(12, np.float32)) == 1
+
+
 def test_cached_ids_are_named_by_signature_and_give_the_same_rows(workers: Workers, in_threads: Any) -> None:
     """Key caching (PROTOCOL.md §10.7): rank 0 registers its ids; its later
     pushes and pulls of them (any order) leave the ids out, and every row
