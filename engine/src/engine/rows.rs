@@ -91,14 +91,9 @@ impl<A: Copy> Answers<'_, A> {
         let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
             return;
         };
-        // The rows read through the store's pipeline (their index entries
-        // and rows fetched ahead), then encoded.
         let d = store.dim();
         batch.ids.clear();
         batch.ids.extend(ids);
-        batch.rows.clear();
-        batch.rows.resize(batch.ids.len() * d, 0.0);
-        store.read_batch(&batch.ids, &mut batch.rows);
         let count = batch.ids.len();
         // Cast: at most R rows, R < 2^16 (a datagram's payload).
         #[allow(clippy::cast_possible_truncation)]
@@ -115,7 +110,11 @@ impl<A: Copy> Answers<'_, A> {
         let len = repr.payload_len();
         debug_assert!(len.is_some(), "an answer as long as its request fits a datagram");
         let Some(len) = len else { return };
-        let at = self.out.len();
+        // Each answer starts where its payload's rows (past a header of
+        // HEADER_LEN bytes, then ids or a prefix, 4-byte multiples) fall on
+        // a 4-byte boundary of the outbox, so that f32 rows are read
+        // straight into it (the bytes between answers are never sent).
+        let at = (self.out.len() + HEADER_LEN).next_multiple_of(4) - HEADER_LEN;
         self.out.resize(at + HEADER_LEN + len, 0);
         let msg = &mut self.out[at..];
         let (head, mut payload) = msg.split_at_mut(HEADER_LEN);
@@ -132,17 +131,23 @@ impl<A: Copy> Answers<'_, A> {
             written_ids = 0;
         }
         let (id_bytes, row_bytes) = payload.split_at_mut(written_ids * ROW_ID_BYTES);
-        let row_len = d * dtype.size();
-        for (i, (id, values)) in batch
-            .ids
-            .iter()
-            .zip(row_bytes.chunks_exact_mut(row_len.max(1)))
-            .enumerate()
-        {
-            if let Some(dst) = id_bytes.get_mut(i * ROW_ID_BYTES..(i + 1) * ROW_ID_BYTES) {
-                dst.copy_from_slice(&id.to_le_bytes());
+        for (id, dst) in batch.ids.iter().zip(id_bytes.chunks_exact_mut(ROW_ID_BYTES)) {
+            dst.copy_from_slice(&id.to_le_bytes());
+        }
+        // The rows read through the store's pipeline (their index entries
+        // and rows fetched ahead): straight into the payload where the wire
+        // holds them as this machine's f32 and the bytes are aligned for
+        // it, else into `batch.rows` and encoded from there.
+        match bytemuck::try_cast_slice_mut::<u8, f32>(row_bytes) {
+            Ok(values) if dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") => {
+                store.read_batch(&batch.ids, values);
             }
-            phub_proto::dtype::encode(dtype, &batch.rows[i * d..(i + 1) * d], values);
+            _ => {
+                batch.rows.clear();
+                batch.rows.resize(count * d, 0.0);
+                store.read_batch(&batch.ids, &mut batch.rows);
+                phub_proto::dtype::encode(dtype, &batch.rows, row_bytes);
+            }
         }
         self.queue(at, to);
     }
