@@ -389,6 +389,17 @@ impl<'a> Rows<'a> {
             _ => false,
         }
     }
+
+    /// Every row converted to `f32` into `out` (exactly `len() * dim`
+    /// long, row after row), as [`Rows::decode_row`] would row by row, in
+    /// one pass; false when `out` has another length.
+    pub fn decode_all(&self, out: &mut [f32]) -> bool {
+        if out.len().checked_mul(self.dtype.size()) != Some(self.values.len()) {
+            return false;
+        }
+        crate::dtype::decode(self.dtype, self.values, out);
+        true
+    }
 }
 
 /// A row message's payload, by its type.
@@ -702,6 +713,12 @@ mod tests {
                     }
                     prop_assert!(r.row(r.len()).is_none());
                     prop_assert!(!r.decode_row(r.len(), &mut got));
+                    // All at once: the same rows; another length refused.
+                    let mut all = vec![0f32; r.len() * repr.dim as usize + 1];
+                    prop_assert!(!r.decode_all(&mut all));
+                    all.pop();
+                    prop_assert!(r.decode_all(&mut all));
+                    prop_assert_eq!(&all[..], &rows[..all.len()]);
                 }
                 RowPayload::Ids(i) => prop_assert_eq!(i.iter().collect::<Vec<_>>(), ids),
                 RowPayload::Empty => prop_assert_eq!(repr.count, 0),

@@ -72,14 +72,11 @@ impl Table {
                 // pipeline (their index entries and rows fetched ahead).
                 let d = self.row.len();
                 self.batch.ids.clear();
+                self.batch.ids.extend(rows.ids().iter());
                 self.batch.rows.clear();
-                for (i, id) in rows.ids().iter().enumerate() {
-                    let at = self.batch.rows.len();
-                    self.batch.rows.resize(at + d, 0.0);
-                    let decoded = rows.decode_row(i, &mut self.batch.rows[at..]);
-                    debug_assert!(decoded, "parse() checked the rows' length");
-                    self.batch.ids.push(id);
-                }
+                self.batch.rows.resize(rows.len() * d, 0.0);
+                let decoded = rows.decode_all(&mut self.batch.rows);
+                debug_assert!(decoded, "parse() checked the rows' length");
                 self.store.update_batch(&self.batch.ids, &self.batch.rows);
                 self.ranks[r].got.insert(s);
                 self.answer_push(repr, rows.ids().iter(), answers);

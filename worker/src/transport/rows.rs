@@ -1768,11 +1768,8 @@ fn take_rows<D>(a: &mut Active<D>, i: usize, repr: &RowRepr, r: Answer<'_>) -> V
             if r.len() != asked.len() || !r.ids().iter().eq(asked.iter().copied()) {
                 return Verdict::Malformed;
             }
-            let dst = &mut a.rows[span.start * dim..span.end * dim];
-            for (j, row) in dst.chunks_exact_mut(dim).enumerate() {
-                if !r.decode_row(j, row) {
-                    return Verdict::Malformed;
-                }
+            if !r.decode_all(&mut a.rows[span.start * dim..span.end * dim]) {
+                return Verdict::Malformed;
             }
         }
         Answer::Cached(c, values) => {
