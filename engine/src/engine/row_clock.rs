@@ -69,17 +69,27 @@ impl Table {
                     return Err(DropReason::BadRowCount);
                 }
                 // Decoded whole, then applied through the store's
-                // pipeline (their index entries and rows fetched ahead).
+                // pipeline (their index entries and rows fetched ahead),
+                // the rows after it copied into the answer as they are
+                // updated.
                 let d = self.row.len();
                 self.batch.ids.clear();
                 self.batch.ids.extend(rows.ids().iter());
-                self.batch.rows.clear();
-                self.batch.rows.resize(rows.len() * d, 0.0);
-                let decoded = rows.decode_all(&mut self.batch.rows);
+                self.batch.grads.clear();
+                self.batch.grads.resize(rows.len() * d, 0.0);
+                let decoded = rows.decode_all(&mut self.batch.grads);
                 debug_assert!(decoded, "parse() checked the rows' length");
-                self.store.update_batch(&self.batch.ids, &self.batch.rows);
+                answers.rows_after_push(
+                    &mut self.store,
+                    &mut self.batch,
+                    RowMsgType::RowResult,
+                    repr.rank,
+                    repr.round,
+                    repr.seq,
+                    repr.cache.reference(),
+                    rows::answer_flags(repr),
+                );
                 self.ranks[r].got.insert(s);
-                self.answer_push(repr, rows.ids().iter(), answers);
                 Ok(self
                     .maybe_complete(repr.rank, c, delay, answers)
                     .unwrap_or(Verdict::Applied))

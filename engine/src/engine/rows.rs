@@ -88,12 +88,54 @@ impl<A: Copy> Answers<'_, A> {
     ) where
         I: Iterator<Item = u64>,
     {
+        batch.ids.clear();
+        batch.ids.extend(ids);
+        self.rows_of_batch(store, batch, false, kind, rank, round, seq, cache, flags);
+    }
+
+    /// An async push of `batch.ids` with the gradients `batch.grads`
+    /// (`dim` each, in order): applied to `store`, answered as
+    /// [`Answers::rows`] answers (ROW_RESULT with the rows after it),
+    /// where an f32 table's rows are copied into the answer by the update
+    /// pass itself ([`TableStore::update_batch_into`]). Applied whatever
+    /// happens to the answer.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rows_after_push(
+        &mut self,
+        store: &mut TableStore,
+        batch: &mut RowBatch,
+        kind: RowMsgType,
+        rank: u16,
+        round: u32,
+        seq: u32,
+        cache: Option<CacheRef>,
+        flags: u8,
+    ) {
+        self.rows_of_batch(store, batch, true, kind, rank, round, seq, cache, flags);
+    }
+
+    /// [`Answers::rows`] of `batch.ids`; with `push`, the update of
+    /// [`Answers::rows_after_push`] first.
+    #[allow(clippy::too_many_arguments)]
+    fn rows_of_batch(
+        &mut self,
+        store: &mut TableStore,
+        batch: &mut RowBatch,
+        push: bool,
+        kind: RowMsgType,
+        rank: u16,
+        round: u32,
+        seq: u32,
+        cache: Option<CacheRef>,
+        flags: u8,
+    ) {
         let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
+            if push {
+                store.update_batch(&batch.ids, &batch.grads);
+            }
             return;
         };
         let d = store.dim();
-        batch.ids.clear();
-        batch.ids.extend(ids);
         let count = batch.ids.len();
         // Cast: at most R rows, R < 2^16 (a datagram's payload).
         #[allow(clippy::cast_possible_truncation)]
@@ -109,7 +151,12 @@ impl<A: Copy> Answers<'_, A> {
         let dtype = repr.dtype;
         let len = repr.payload_len();
         debug_assert!(len.is_some(), "an answer as long as its request fits a datagram");
-        let Some(len) = len else { return };
+        let Some(len) = len else {
+            if push {
+                store.update_batch(&batch.ids, &batch.grads);
+            }
+            return;
+        };
         // Each answer starts where its payload's rows (past a header of
         // HEADER_LEN bytes, then ids or a prefix, 4-byte multiples) fall on
         // a 4-byte boundary of the outbox, so that f32 rows are read
@@ -140,9 +187,16 @@ impl<A: Copy> Answers<'_, A> {
         // it, else into `batch.rows` and encoded from there.
         match bytemuck::try_cast_slice_mut::<u8, f32>(row_bytes) {
             Ok(values) if dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") => {
-                store.read_batch(&batch.ids, values);
+                if push {
+                    store.update_batch_into(&batch.ids, &batch.grads, values);
+                } else {
+                    store.read_batch(&batch.ids, values);
+                }
             }
             _ => {
+                if push {
+                    store.update_batch(&batch.ids, &batch.grads);
+                }
                 batch.rows.clear();
                 batch.rows.resize(count * d, 0.0);
                 store.read_batch(&batch.ids, &mut batch.rows);

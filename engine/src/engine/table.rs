@@ -161,13 +161,17 @@ pub(super) struct PushIds {
     pub(super) cache: Option<CacheRef>,
 }
 
-/// One message's (id, row) pairs, decoded (an async ROW_PUSH's, for the
-/// store's batched update) or read (an answer's, from the store's batched
-/// read): at most R of each, the capacity taken at install.
+/// One message's ids with rows read (an answer's, from the store's
+/// batched read) or gradients decoded (an async ROW_PUSH's, for the
+/// store's batched update): at most R of each, the capacity taken at
+/// install.
 #[derive(Debug, Default)]
 pub(super) struct RowBatch {
     pub(super) ids: Vec<u64>,
     pub(super) rows: Vec<f32>,
+    /// An async push's gradients, decoded
+    /// ([`super::rows::Answers::rows_after_push`]).
+    pub(super) grads: Vec<f32>,
 }
 
 /// A BSP (table, lcore)'s rounds: the last completed one and the
@@ -452,6 +456,7 @@ impl Table {
             batch: RowBatch {
                 ids: Vec::with_capacity(per as usize),
                 rows: Vec::with_capacity(per as usize * spec.dim as usize),
+                grads: Vec::with_capacity(per as usize * spec.dim as usize),
             },
             id_cache: IdCache::new(workers, spec.key_cache, per),
             pending: None,

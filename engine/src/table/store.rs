@@ -660,6 +660,79 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         }
     }
 
+    /// [`RowStore::update_batch`], then `ids`' rows into `out` as
+    /// [`RowStore::read_batch`] would read them after it, in the same pass
+    /// (each row's values copied as soon as they are updated, while in
+    /// cache), where that gives the same rows: `ids` strictly ascending
+    /// (no id twice, so no later update of a row already copied) and no
+    /// row evicted during the batch (at the cap a new row may evict one
+    /// the batch updated before, which reads as its initial values after
+    /// it). Otherwise, and for that only, it reads them after the updates.
+    /// A row not stored after its push (not admitted, or no memory) reads
+    /// as its initial values, as it would after.
+    pub fn update_batch_into(&mut self, ids: &[u64], grads: &[f32], out: &mut [f32]) {
+        let d = self.dim;
+        assert_eq!(
+            grads.len(),
+            ids.len() * d,
+            "{} ids of dim {d} with {} values",
+            ids.len(),
+            grads.len()
+        );
+        assert_eq!(
+            out.len(),
+            ids.len() * d,
+            "{} ids of dim {d} into {} values",
+            ids.len(),
+            out.len()
+        );
+        if !ids.windows(2).all(|w| w[0] < w[1]) {
+            self.update_batch(ids, grads);
+            self.read_batch(ids, out);
+            return;
+        }
+        let removals = self.index.removals();
+        let mut ring = [Staged::default(); RING];
+        for t in 0..ids.len() + 2 * AHEAD {
+            self.look_ahead(ids, t, &mut ring);
+            if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
+                let (id, staged) = (ids[k], ring[k % RING]);
+                let pushed = self.update_staged(id, staged, &grads[k * d..(k + 1) * d]);
+                let dst = &mut out[k * d..(k + 1) * d];
+                match pushed {
+                    Pushed::Applied | Pushed::Created => {
+                        // Just updated: its index entry is where the probe
+                        // found it (no removal since, or the batch is read
+                        // again below).
+                        self.copy_values(id, staged.hash, dst);
+                    }
+                    Pushed::NotAdmitted | Pushed::NoMemory => self.init.fill(id, dst),
+                }
+            }
+        }
+        self.stats.lookups += ids.len() as u64;
+        if self.index.removals() != removals {
+            // A row was evicted to make room: read them all after.
+            self.stats.lookups -= ids.len() as u64;
+            self.read_batch(ids, out);
+        }
+    }
+
+    /// The values of stored row `id` (hash `hash`) into `out`.
+    #[inline]
+    fn copy_values(&self, id: u64, hash: u64, out: &mut [f32]) {
+        match self.index.probe(id, hash) {
+            Probe::Found(pos) => {
+                out.copy_from_slice(&self.blocks.row(self.index.entry(pos).slot())[..self.dim])
+            }
+            // Not reached: the push just before stored it. As a read would.
+            Probe::Vacant(_) => {
+                debug_assert!(false, "row {id} stored by the push just before");
+                self.init.fill(id, out);
+            }
+        }
+    }
+
     /// The pipeline's prefetch stages at step `t`: hash id `t` and
     /// prefetch its index entry; look up id `t - AHEAD`, prefetch its row
     /// and keep where it was found, which its update or read takes

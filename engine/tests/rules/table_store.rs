@@ -120,6 +120,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
         6 => (id_strategy(), any::<u8>()).prop_map(|(id, g)| Op::Push(id, g)),
         3 => id_strategy().prop_map(Op::Read),
         2 => prop::collection::vec((id_strategy(), any::<u8>()), 0..20).prop_map(Op::Batch),
+        // Strictly ascending ids, as a worker's messages carry them.
+        2 => prop::collection::vec((id_strategy(), any::<u8>()), 0..20).prop_map(|mut p| {
+            p.sort_by_key(|x| x.0);
+            p.dedup_by_key(|x| x.0);
+            Op::Batch(p)
+        }),
         1 => Just(Op::Round),
     ]
 }
@@ -147,9 +153,12 @@ proptest! {
         let c = drawn_config(dim, cap, admit, idle);
         let d = dim as usize;
         // One store driven id by id (checked against the model), one driven
-        // by the batched forms: they must end equal.
+        // by the batched forms, one by `update_batch_into`: they must end
+        // equal, and the rows the last gives are those read after the
+        // batched update.
         let mut s = store(c);
         let mut b = store(c);
+        let mut f = store(c);
         let mut m = Model::default();
         let mut round = 0u32;
         let mut stats_evicted = 0u64;
@@ -171,6 +180,7 @@ proptest! {
                 Op::Round => {
                     let evicted = s.advance_round();
                     prop_assert_eq!(b.advance_round(), evicted);
+                    prop_assert_eq!(f.advance_round(), evicted);
                     round += 1;
                     let gone: Vec<u64> = m.rows.keys().copied().filter(|id| s.get(*id).is_none()).collect();
                     prop_assert_eq!(gone.len() as u64, evicted);
@@ -186,8 +196,14 @@ proptest! {
                 let ids: Vec<u64> = p.iter().map(|x| x.0).collect();
                 let grads: Vec<f32> = p.iter().flat_map(|x| grad(d, x.1)).collect();
                 b.update_batch(&ids, &grads);
+                let mut after = vec![0.0; ids.len() * d];
+                b.read_batch(&ids, &mut after);
+                let mut fused = vec![f32::NAN; ids.len() * d];
+                f.update_batch_into(&ids, &grads, &mut fused);
+                prop_assert_eq!(bits(&fused), bits(&after));
             } else if let Op::Push(id, g) = op {
                 b.update(*id, &grad(d, *g));
+                f.update(*id, &grad(d, *g));
             }
             for (id, g) in pushes {
                 let was = s.get(id).is_some();
@@ -245,6 +261,7 @@ proptest! {
         }
         // Batched and one by one agree.
         prop_assert_eq!(dump(&b), dump(&s));
+        prop_assert_eq!(dump(&f), dump(&s));
         let (sa, sb) = (s.stats(), b.stats());
         prop_assert_eq!((sa.created, sa.updates, sa.not_admitted, sa.evicted_cap, sa.evicted_idle),
             (sb.created, sb.updates, sb.not_admitted, sb.evicted_cap, sb.evicted_idle));
