@@ -64,6 +64,17 @@ impl Staged {
     }
 }
 
+/// Panics unless a batch of `ids` of `dim` values each comes `with` (or
+/// goes `into`) `values` values.
+fn check_batch(ids: &[u64], dim: usize, with: &str, values: usize) {
+    assert_eq!(
+        values,
+        ids.len() * dim,
+        "{} ids of dim {dim} {with} {values} values",
+        ids.len()
+    );
+}
+
 /// Rounds are kept modulo 2^31 (the touch word's round bits).
 const ROUND_MASK: u32 = u32::MAX >> 1;
 
@@ -623,20 +634,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// row), as [`RowStore::read`] would id by id.
     pub fn read_batch(&mut self, ids: &[u64], out: &mut [f32]) {
         let d = self.dim;
-        assert_eq!(
-            out.len(),
-            ids.len() * d,
-            "{} ids of dim {d} into {} values",
-            ids.len(),
-            out.len()
-        );
-        let mut ring = [Staged::default(); RING];
-        for t in 0..ids.len() + 2 * AHEAD {
-            self.look_ahead(ids, t, &mut ring);
-            if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
-                self.read_staged(ids[k], ring[k % RING], &mut out[k * d..(k + 1) * d]);
-            }
-        }
+        check_batch(ids, d, "into", out.len());
+        self.pipeline(ids, |s, k, staged| {
+            s.read_staged(ids[k], staged, &mut out[k * d..(k + 1) * d]);
+        });
     }
 
     /// Push `grads` (`ids.len() * dim` values, row after row) to rows
@@ -644,20 +645,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// updated once per occurrence, in order).
     pub fn update_batch(&mut self, ids: &[u64], grads: &[f32]) {
         let d = self.dim;
-        assert_eq!(
-            grads.len(),
-            ids.len() * d,
-            "{} ids of dim {d} with {} values",
-            ids.len(),
-            grads.len()
-        );
-        let mut ring = [Staged::default(); RING];
-        for t in 0..ids.len() + 2 * AHEAD {
-            self.look_ahead(ids, t, &mut ring);
-            if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
-                self.update_staged(ids[k], ring[k % RING], &grads[k * d..(k + 1) * d]);
-            }
-        }
+        check_batch(ids, d, "with", grads.len());
+        self.pipeline(ids, |s, k, staged| {
+            s.update_staged(ids[k], staged, &grads[k * d..(k + 1) * d]);
+        });
     }
 
     /// [`RowStore::update_batch`], then `ids`' rows into `out` as
@@ -672,44 +663,24 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// as its initial values, as it would after.
     pub fn update_batch_into(&mut self, ids: &[u64], grads: &[f32], out: &mut [f32]) {
         let d = self.dim;
-        assert_eq!(
-            grads.len(),
-            ids.len() * d,
-            "{} ids of dim {d} with {} values",
-            ids.len(),
-            grads.len()
-        );
-        assert_eq!(
-            out.len(),
-            ids.len() * d,
-            "{} ids of dim {d} into {} values",
-            ids.len(),
-            out.len()
-        );
+        check_batch(ids, d, "with", grads.len());
+        check_batch(ids, d, "into", out.len());
         if !ids.windows(2).all(|w| w[0] < w[1]) {
             self.update_batch(ids, grads);
             self.read_batch(ids, out);
             return;
         }
         let removals = self.index.removals();
-        let mut ring = [Staged::default(); RING];
-        for t in 0..ids.len() + 2 * AHEAD {
-            self.look_ahead(ids, t, &mut ring);
-            if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
-                let (id, staged) = (ids[k], ring[k % RING]);
-                let pushed = self.update_staged(id, staged, &grads[k * d..(k + 1) * d]);
-                let dst = &mut out[k * d..(k + 1) * d];
-                match pushed {
-                    Pushed::Applied | Pushed::Created => {
-                        // Just updated: its index entry is where the probe
-                        // found it (no removal since, or the batch is read
-                        // again below).
-                        self.copy_values(id, staged.hash, dst);
-                    }
-                    Pushed::NotAdmitted | Pushed::NoMemory => self.init.fill(id, dst),
-                }
+        self.pipeline(ids, |s, k, staged| {
+            let id = ids[k];
+            let pushed = s.update_staged(id, staged, &grads[k * d..(k + 1) * d]);
+            let dst = &mut out[k * d..(k + 1) * d];
+            match pushed {
+                // Just updated: a probe finds it, its index entry in cache.
+                Pushed::Applied | Pushed::Created => s.copy_values(id, staged.hash, dst),
+                Pushed::NotAdmitted | Pushed::NoMemory => s.init.fill(id, dst),
             }
-        }
+        });
         self.stats.lookups += ids.len() as u64;
         if self.index.removals() != removals {
             // A row was evicted to make room: read them all after.
@@ -729,6 +700,20 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
             Probe::Vacant(_) => {
                 debug_assert!(false, "row {id} stored by the push just before");
                 self.init.fill(id, out);
+            }
+        }
+    }
+
+    /// Runs `step(self, k, staged)` for every id `k` of `ids` in order,
+    /// each after the pipeline's prefetch stages have run
+    /// [`RowStore::look_ahead`] ahead of it (module head).
+    #[inline]
+    fn pipeline(&mut self, ids: &[u64], mut step: impl FnMut(&mut Self, usize, Staged)) {
+        let mut ring = [Staged::default(); RING];
+        for t in 0..ids.len() + 2 * AHEAD {
+            self.look_ahead(ids, t, &mut ring);
+            if let Some(k) = t.checked_sub(2 * AHEAD).filter(|&k| k < ids.len()) {
+                step(self, k, ring[k % RING]);
             }
         }
     }
