@@ -117,6 +117,20 @@ enum Lent<'a> {
     Pair(Slice<'a>, SliceMut<'a>),
 }
 
+impl<'a> Lent<'a> {
+    /// Starts `key`'s round on exchange `x` with these buffers lent;
+    /// returns the round (clock) it completes.
+    fn start(self, x: &phub_worker::Exchange<'_, 'a>, key: u32) -> Result<u32, phub_worker::WorkerError> {
+        match self {
+            Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(key, b)),
+            Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(key, g, o),
+            Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(key, g, o),
+            Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(key, g, o),
+            Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
+        }
+    }
+}
+
 /// What a pending request writes its result into.
 enum Sink {
     /// The caller's array, in place (aligned `float32`, or aligned 16-bit
@@ -315,16 +329,7 @@ impl Worker {
     ) -> PyResult<Handle> {
         let in_place = g.byte_range() == o.byte_range();
         // The caller may reuse a separate gradient at once: lend a copy.
-        let copy = (!in_place).then(|| {
-            // SAFETY: the export `g` keeps the array in place for this
-            // copy; nothing writes it meanwhile (its memory is apart from
-            // every output in flight: the claim).
-            match unsafe { g.slice() }.expect("checked native") {
-                Slice::F32(v) => Owned::F32(v.to_vec()),
-                Slice::Bf16(v) => Owned::Bf16(v.to_vec()),
-                Slice::F16(v) => Owned::F16(v.to_vec()),
-            }
-        });
+        let copy = (!in_place).then(|| g.to_native_vec());
         drop(g);
         // SAFETY: `o` is exported writable and claimed (no other request
         // of this worker reads or writes it), the copy is this request's
@@ -335,15 +340,11 @@ impl Worker {
         let started = py.detach(|| {
             w.exchange(
                 |x| -> Result<(u32, phub_worker::Detached), phub_worker::WorkerError> {
-                    let round = match (&copy, out_slice) {
-                        (None, b) => on_mut!(b, b => x.push_pull_in_place(key, b))?,
-                        (Some(c), o) => match (c.as_slice(), o) {
-                            (Slice::F32(g), SliceMut::F32(o)) => x.push_pull(key, g, o)?,
-                            (Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(key, g, o)?,
-                            (Slice::F16(g), SliceMut::F16(o)) => x.push_pull(key, g, o)?,
-                            _ => unreachable!("`grad` and `out` hold one element type (checked)"),
-                        },
+                    let lent = match &copy {
+                        None => Lent::InPlace(out_slice),
+                        Some(c) => Lent::Pair(c.as_slice(), out_slice),
                     };
+                    let round = lent.start(x, key)?;
                     // SAFETY: see above: the buffers outlive the detached
                     // request.
                     Ok((round, unsafe { x.detach() }))
@@ -1126,13 +1127,7 @@ impl LentArrays {
         let done = w.exchange(
             |x| -> Result<Option<phub_worker::Detached>, phub_worker::WorkerError> {
                 for (k, l) in lent {
-                    let _round = match l {
-                        Lent::InPlace(b) => on_mut!(b, b => x.push_pull_in_place(k, b))?,
-                        Lent::Pair(Slice::F32(g), SliceMut::F32(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(Slice::Bf16(g), SliceMut::Bf16(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(Slice::F16(g), SliceMut::F16(o)) => x.push_pull(k, g, o)?,
-                        Lent::Pair(..) => unreachable!("`grad` and `out` hold one element type (checked)"),
-                    };
+                    l.start(x, k)?;
                 }
                 // SAFETY: see the head of this function: the arrays outlive
                 // the detached requests.

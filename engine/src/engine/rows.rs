@@ -90,7 +90,8 @@ impl<A: Copy> Answers<'_, A> {
     {
         batch.ids.clear();
         batch.ids.extend(ids);
-        self.rows_of_batch(store, batch, false, kind, rank, round, seq, cache, flags);
+        let fill = |s: &mut TableStore, ids: &[u64], _: &[f32], out: &mut [f32]| s.read_batch(ids, out);
+        self.rows_of_batch(store, batch, fill, kind, rank, round, seq, cache, flags);
     }
 
     /// An async push of `batch.ids` with the gradients `batch.grads`
@@ -111,29 +112,31 @@ impl<A: Copy> Answers<'_, A> {
         cache: Option<CacheRef>,
         flags: u8,
     ) {
-        self.rows_of_batch(store, batch, true, kind, rank, round, seq, cache, flags);
+        let fill = TableStore::update_batch_into;
+        if !self.rows_of_batch(store, batch, fill, kind, rank, round, seq, cache, flags) {
+            // Not answered (no endpoint, or no room): applied all the same.
+            store.update_batch(&batch.ids, &batch.grads);
+        }
     }
 
-    /// [`Answers::rows`] of `batch.ids`; with `push`, the update of
-    /// [`Answers::rows_after_push`] first.
+    /// [`Answers::rows`] of `batch.ids`, their rows written into the
+    /// answer by `fill(store, ids, grads, out)` (`grads`: `batch.grads`);
+    /// false when there is no answer to write (`fill` not run).
     #[allow(clippy::too_many_arguments)]
     fn rows_of_batch(
         &mut self,
         store: &mut TableStore,
         batch: &mut RowBatch,
-        push: bool,
+        fill: impl FnOnce(&mut TableStore, &[u64], &[f32], &mut [f32]),
         kind: RowMsgType,
         rank: u16,
         round: u32,
         seq: u32,
         cache: Option<CacheRef>,
         flags: u8,
-    ) {
+    ) -> bool {
         let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
-            if push {
-                store.update_batch(&batch.ids, &batch.grads);
-            }
-            return;
+            return false;
         };
         let d = store.dim();
         let count = batch.ids.len();
@@ -151,12 +154,7 @@ impl<A: Copy> Answers<'_, A> {
         let dtype = repr.dtype;
         let len = repr.payload_len();
         debug_assert!(len.is_some(), "an answer as long as its request fits a datagram");
-        let Some(len) = len else {
-            if push {
-                store.update_batch(&batch.ids, &batch.grads);
-            }
-            return;
-        };
+        let Some(len) = len else { return false };
         // Each answer starts where its payload's rows (past a header of
         // HEADER_LEN bytes, then ids or a prefix, 4-byte multiples) fall on
         // a 4-byte boundary of the outbox, so that f32 rows are read
@@ -181,29 +179,24 @@ impl<A: Copy> Answers<'_, A> {
         for (id, dst) in batch.ids.iter().zip(id_bytes.chunks_exact_mut(ROW_ID_BYTES)) {
             dst.copy_from_slice(&id.to_le_bytes());
         }
-        // The rows read through the store's pipeline (their index entries
-        // and rows fetched ahead): straight into the payload where the wire
+        // The rows through the store's pipeline (their index entries and
+        // rows fetched ahead): straight into the payload where the wire
         // holds them as this machine's f32 and the bytes are aligned for
         // it, else into `batch.rows` and encoded from there.
+        let RowBatch { ids, rows, grads } = batch;
         match bytemuck::try_cast_slice_mut::<u8, f32>(row_bytes) {
             Ok(values) if dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") => {
-                if push {
-                    store.update_batch_into(&batch.ids, &batch.grads, values);
-                } else {
-                    store.read_batch(&batch.ids, values);
-                }
+                fill(store, ids, grads, values);
             }
             _ => {
-                if push {
-                    store.update_batch(&batch.ids, &batch.grads);
-                }
-                batch.rows.clear();
-                batch.rows.resize(count * d, 0.0);
-                store.read_batch(&batch.ids, &mut batch.rows);
-                phub_proto::dtype::encode(dtype, &batch.rows, row_bytes);
+                rows.clear();
+                rows.resize(count * d, 0.0);
+                fill(store, ids, grads, rows);
+                phub_proto::dtype::encode(dtype, rows, row_bytes);
             }
         }
         self.queue(at, to);
+        true
     }
 
     /// Queues a ROW_DONE of `round` with count `n` to `rank`.

@@ -681,10 +681,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
                 Pushed::NotAdmitted | Pushed::NoMemory => s.init.fill(id, dst),
             }
         });
-        self.stats.lookups += ids.len() as u64;
-        if self.index.removals() != removals {
+        if self.index.removals() == removals {
+            self.stats.lookups += ids.len() as u64;
+        } else {
             // A row was evicted to make room: read them all after.
-            self.stats.lookups -= ids.len() as u64;
             self.read_batch(ids, out);
         }
     }
