@@ -676,7 +676,7 @@ impl Worker {
             (Sink::Direct, Some(_)) if !in_place => None,
             (Sink::Direct, _) => Some(g.to_native_vec()),
             (Sink::Convert(_), Some(Native::F32)) => None,
-            (Sink::Convert(_), _) => Some(crate::buffer::Owned::F32(g.to_f32_vec())),
+            (Sink::Convert(_), _) => Some(Owned::F32(g.to_f32_vec())),
         };
         let grad_slice: Slice<'_> = match &copied {
             Some(v) => v.as_slice(),
