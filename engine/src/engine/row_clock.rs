@@ -23,10 +23,10 @@
 //! The store's round (its idle eviction's clock) advances each time the
 //! slowest clock over the ranks rises.
 
-use phub_proto::rows::{self, RowMsgType, RowPayload, RowRepr, MAX_ROW_MESSAGES};
+use phub_proto::rows::{RowMsgType, RowPayload, RowRepr, MAX_ROW_MESSAGES};
 use phub_proto::wire::DropReason;
 
-use super::rows::{end_round, Answers};
+use super::rows::{end_round, AnswerTo, Answers};
 use super::table::{Table, TableRounds};
 use super::Verdict;
 
@@ -79,16 +79,8 @@ impl Table {
                 self.batch.grads.resize(rows.len() * d, 0.0);
                 let decoded = rows.decode_all(&mut self.batch.grads);
                 debug_assert!(decoded, "parse() checked the rows' length");
-                answers.rows_after_push(
-                    &mut self.store,
-                    &mut self.batch,
-                    RowMsgType::RowResult,
-                    repr.rank,
-                    repr.round,
-                    repr.seq,
-                    repr.cache.reference(),
-                    rows::answer_flags(repr),
-                );
+                let to = AnswerTo::reply(repr, RowMsgType::RowResult, repr.round);
+                answers.rows_after_push(&mut self.store, &mut self.batch, to);
                 self.ranks[r].got.insert(s);
                 Ok(self
                     .maybe_complete(repr.rank, c, delay, answers)
@@ -131,17 +123,8 @@ impl Table {
         ids: impl Iterator<Item = u64>,
         answers: &mut Answers<'_, A>,
     ) {
-        answers.rows(
-            &mut self.store,
-            &mut self.batch,
-            RowMsgType::RowResult,
-            repr.rank,
-            repr.round,
-            repr.seq,
-            ids,
-            repr.cache.reference(),
-            rows::answer_flags(repr),
-        );
+        let to = AnswerTo::reply(repr, RowMsgType::RowResult, repr.round);
+        answers.rows(&mut self.store, &mut self.batch, to, ids);
     }
 
     /// Rank `rank`'s clock `c` completes if its ROW_END and every push it

@@ -66,32 +66,47 @@ pub(super) struct Answers<'a, A> {
     pub(super) epoch: u32,
 }
 
+/// Which answer an [`Answers`] call queues: its kind, the rank it goes
+/// to, its round (or clock) and sequence number, the key-cache prefix it
+/// carries instead of its ids (PROTOCOL.md §10.7) and its flags (0, or
+/// FIRST_COPY on an answer sent at once to a first copy,
+/// [`rows::answer_flags`]).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct AnswerTo {
+    pub(super) kind: RowMsgType,
+    pub(super) rank: u16,
+    pub(super) round: u32,
+    pub(super) seq: u32,
+    pub(super) cache: Option<CacheRef>,
+    pub(super) flags: u8,
+}
+
+impl AnswerTo {
+    /// The answer of `kind` to the message `repr`, stating `round`: to
+    /// its rank, with its sequence number, key-cache prefix and flags.
+    pub(super) fn reply(repr: &RowRepr, kind: RowMsgType, round: u32) -> AnswerTo {
+        AnswerTo {
+            kind,
+            rank: repr.rank,
+            round,
+            seq: repr.seq,
+            cache: repr.cache.reference(),
+            flags: rows::answer_flags(repr),
+        }
+    }
+}
+
 impl<A: Copy> Answers<'_, A> {
-    /// Queues an answer of `kind` to `rank` with `ids` and their rows as
-    /// `table` holds them now (a row not stored reads as its initial
-    /// value); with `cache`, the request's key-cache prefix, it carries
-    /// that prefix instead of the ids (PROTOCOL.md §10.7); `flags`: 0, or
-    /// FIRST_COPY on an answer sent at once to a first copy
-    /// ([`rows::answer_flags`]).
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rows<I>(
-        &mut self,
-        store: &mut TableStore,
-        batch: &mut RowBatch,
-        kind: RowMsgType,
-        rank: u16,
-        round: u32,
-        seq: u32,
-        ids: I,
-        cache: Option<CacheRef>,
-        flags: u8,
-    ) where
+    /// Queues answer `to` with `ids` and their rows as `table` holds them
+    /// now (a row not stored reads as its initial value).
+    pub(super) fn rows<I>(&mut self, store: &mut TableStore, batch: &mut RowBatch, to: AnswerTo, ids: I)
+    where
         I: Iterator<Item = u64>,
     {
         batch.ids.clear();
         batch.ids.extend(ids);
         let fill = |s: &mut TableStore, ids: &[u64], _: &[f32], out: &mut [f32]| s.read_batch(ids, out);
-        self.rows_of_batch(store, batch, fill, kind, rank, round, seq, cache, flags);
+        self.rows_of_batch(store, batch, to, fill);
     }
 
     /// An async push of `batch.ids` with the gradients `batch.grads`
@@ -100,42 +115,24 @@ impl<A: Copy> Answers<'_, A> {
     /// where an f32 table's rows are copied into the answer by the update
     /// pass itself ([`TableStore::update_batch_into`]). Applied whatever
     /// happens to the answer.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn rows_after_push(
-        &mut self,
-        store: &mut TableStore,
-        batch: &mut RowBatch,
-        kind: RowMsgType,
-        rank: u16,
-        round: u32,
-        seq: u32,
-        cache: Option<CacheRef>,
-        flags: u8,
-    ) {
-        let fill = TableStore::update_batch_into;
-        if !self.rows_of_batch(store, batch, fill, kind, rank, round, seq, cache, flags) {
+    pub(super) fn rows_after_push(&mut self, store: &mut TableStore, batch: &mut RowBatch, to: AnswerTo) {
+        if !self.rows_of_batch(store, batch, to, TableStore::update_batch_into) {
             // Not answered (no endpoint, or no room): applied all the same.
             store.update_batch(&batch.ids, &batch.grads);
         }
     }
 
-    /// [`Answers::rows`] of `batch.ids`, their rows written into the
-    /// answer by `fill(store, ids, grads, out)` (`grads`: `batch.grads`);
-    /// false when there is no answer to write (`fill` not run).
-    #[allow(clippy::too_many_arguments)]
+    /// Answer `to` with `batch.ids`, their rows written into the answer by
+    /// `fill(store, ids, grads, out)` (`grads`: `batch.grads`); false when
+    /// there is no answer to write (`fill` not run).
     fn rows_of_batch(
         &mut self,
         store: &mut TableStore,
         batch: &mut RowBatch,
+        to: AnswerTo,
         fill: impl FnOnce(&mut TableStore, &[u64], &[f32], &mut [f32]),
-        kind: RowMsgType,
-        rank: u16,
-        round: u32,
-        seq: u32,
-        cache: Option<CacheRef>,
-        flags: u8,
     ) -> bool {
-        let Some(to) = self.endpoints.get(usize::from(rank)).copied().flatten() else {
+        let Some(addr) = self.endpoints.get(usize::from(to.rank)).copied().flatten() else {
             return false;
         };
         let d = store.dim();
@@ -143,12 +140,12 @@ impl<A: Copy> Answers<'_, A> {
         // Cast: at most R rows, R < 2^16 (a datagram's payload).
         #[allow(clippy::cast_possible_truncation)]
         let repr = RowRepr {
-            kind,
+            kind: to.kind,
             count: count as u16,
-            round,
-            seq,
-            flags,
-            cache: cache.map_or(KeyCache::Off, KeyCache::Cached),
+            round: to.round,
+            seq: to.seq,
+            flags: to.flags,
+            cache: to.cache.map_or(KeyCache::Off, KeyCache::Cached),
             ..self.head
         };
         let dtype = repr.dtype;
@@ -169,7 +166,7 @@ impl<A: Copy> Answers<'_, A> {
         h.set_entry(self.entry);
         h.set_epoch(self.epoch);
         let mut written_ids = count;
-        if let Some(r) = cache {
+        if let Some(r) = to.cache {
             let (prefix, rest) = payload.split_at_mut(KEY_CACHE_PREFIX);
             rows::write_prefix(r, prefix);
             payload = rest;
@@ -179,10 +176,10 @@ impl<A: Copy> Answers<'_, A> {
         for (id, dst) in batch.ids.iter().zip(id_bytes.chunks_exact_mut(ROW_ID_BYTES)) {
             dst.copy_from_slice(&id.to_le_bytes());
         }
-        // The rows through the store's pipeline (their index entries and
-        // rows fetched ahead): straight into the payload where the wire
-        // holds them as this machine's f32 and the bytes are aligned for
-        // it, else into `batch.rows` and encoded from there.
+        // The rows by `fill` (the store's pipeline, their index entries
+        // and rows fetched ahead, or a copy): straight into the payload
+        // where the wire holds them as this machine's f32 and the bytes
+        // are aligned for it, else into `batch.rows` and encoded from there.
         let RowBatch { ids, rows, grads } = batch;
         match bytemuck::try_cast_slice_mut::<u8, f32>(row_bytes) {
             Ok(values) if dtype == phub_proto::Dtype::F32 && cfg!(target_endian = "little") => {
@@ -195,7 +192,7 @@ impl<A: Copy> Answers<'_, A> {
                 phub_proto::dtype::encode(dtype, rows, row_bytes);
             }
         }
-        self.queue(at, to);
+        self.queue(at, addr);
         true
     }
 
@@ -533,17 +530,8 @@ fn pull<A: Copy>(
             }
         }
     };
-    answers.rows(
-        &mut table.store,
-        &mut table.batch,
-        RowMsgType::RowPullResult,
-        repr.rank,
-        round,
-        repr.seq,
-        ids.iter(),
-        repr.cache.reference(),
-        rows::answer_flags(repr),
-    );
+    let to = AnswerTo::reply(repr, RowMsgType::RowPullResult, round);
+    answers.rows(&mut table.store, &mut table.batch, to, ids.iter());
     Verdict::Pulled
 }
 
@@ -596,17 +584,8 @@ fn bsp<A: Copy>(
             let RowPayload::Rows(rows) = payload else {
                 return Err(DropReason::LengthMismatch);
             };
-            answers.rows(
-                &mut table.store,
-                &mut table.batch,
-                RowMsgType::RowResult,
-                repr.rank,
-                t,
-                s,
-                rows.ids().iter(),
-                repr.cache.reference(),
-                rows::answer_flags(repr),
-            );
+            let to = AnswerTo::reply(repr, RowMsgType::RowResult, t);
+            answers.rows(&mut table.store, &mut table.batch, to, rows.ids().iter());
             return Ok(Verdict::Resent);
         }
         (_, Age::LastCompleted | Age::Stale) => {
@@ -696,15 +675,16 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
         unreachable!("accumulate() is called for BSP tables");
     };
     let d = table.dim as usize;
-    let start = round.push_ids.len();
+    let start = round.push_slots.len();
     for (i, id) in rows.ids().iter().enumerate() {
         let decoded = rows.decode_row(i, &mut table.row);
         debug_assert!(decoded, "parse() checked the rows' length");
-        round.push_ids.push(id);
         // Cast: a round holds at most W x 1024 x R rows, far below 2^32.
         #[allow(clippy::cast_possible_truncation)]
         let next = round.ids.len() as u32;
-        let at = *round.index.entry(id).or_insert(next) as usize;
+        let at = *round.index.entry(id).or_insert(next);
+        round.push_slots.push(at);
+        let at = at as usize;
         if at == round.ids.len() {
             round.ids.push(id);
             round.rows.extend_from_slice(&table.row);
@@ -715,13 +695,13 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
         }
     }
     // Casts: s < 1024; a message has at most R < 2^16 rows; the round's
-    // ids fit a u32 (above).
+    // rows fit a u32 (above).
     #[allow(clippy::cast_possible_truncation)]
     round.pushes.push(PushIds {
         rank: repr.rank,
         seq: repr.seq as u16,
         start: start as u32,
-        len: (round.push_ids.len() - start) as u16,
+        len: (round.push_slots.len() - start) as u16,
         cache: repr.cache.reference(),
     });
 }
@@ -730,6 +710,13 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
 /// through the optimizer once, in first-arrival order; then each rank gets
 /// its ROW_RESULTs in sequence order and its ROW_DONE; the round's state
 /// is cleared.
+///
+/// The update pass copies each row after it into the round's `after`
+/// ([`TableStore::update_distinct_into`]: the round's ids are distinct),
+/// and the answers' rows are copied from there, once per message row,
+/// instead of each being looked up again: the rows a read after the round
+/// gives, also when the round's idle sweep evicted rows (then they are
+/// read again).
 pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers<'_, A>) {
     let Table {
         store,
@@ -743,24 +730,37 @@ pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers
         unreachable!("complete() is called for BSP tables");
     };
     let d = *dim as usize;
+    let n = round.ids.len() * d;
+    round.after.clear();
+    round.after.resize(n, 0.0);
     // The round's rows go through the store's pipeline: their index
     // entries and rows are fetched from memory ahead of their updates.
-    store.update_batch(&round.ids, &round.rows[..round.ids.len() * d]);
-    store.advance_round_at(answers.now);
+    store.update_distinct_into(&round.ids, &round.rows[..n], &mut round.after);
+    if store.advance_round_at(answers.now) > 0 {
+        store.read_batch(&round.ids, &mut round.after);
+    }
+    // Each distinct row was counted read once; the answers give
+    // `push_slots.len()` rows.
+    store.count_lookups((round.push_slots.len() - round.ids.len()) as u64);
     round.pushes.sort_unstable_by_key(|p| (p.rank, p.seq));
+    let after = &round.after;
     for p in &round.pushes {
-        let ids = &round.push_ids[p.start as usize..p.start as usize + usize::from(p.len)];
-        answers.rows(
-            store,
-            batch,
-            RowMsgType::RowResult,
-            p.rank,
-            t,
-            u32::from(p.seq),
-            ids.iter().copied(),
-            p.cache,
-            0,
-        );
+        let slots = &round.push_slots[p.start as usize..p.start as usize + usize::from(p.len)];
+        batch.ids.clear();
+        batch.ids.extend(slots.iter().map(|&s| round.ids[s as usize]));
+        let to = AnswerTo {
+            kind: RowMsgType::RowResult,
+            rank: p.rank,
+            round: t,
+            seq: u32::from(p.seq),
+            cache: p.cache,
+            flags: 0,
+        };
+        answers.rows_of_batch(store, batch, to, |_, _, _, out| {
+            for (row, &s) in out.chunks_exact_mut(d.max(1)).zip(slots) {
+                row.copy_from_slice(&after[s as usize * d..][..d]);
+            }
+        });
     }
     // Cast: r < W <= 256.
     #[allow(clippy::cast_possible_truncation)]

@@ -149,7 +149,7 @@ impl Hasher for IdHasher {
 }
 
 /// One ROW_PUSH of a BSP round in progress: whose, which, and where its
-/// ids are in [`BspRound::push_ids`].
+/// rows' places in the accumulator are in [`BspRound::push_slots`].
 #[derive(Debug, Clone, Copy)]
 pub(super) struct PushIds {
     pub(super) rank: u16,
@@ -188,8 +188,12 @@ pub(super) struct BspRound {
     pub(super) rows: Vec<f32>,
     /// The round's ROW_PUSH messages as they arrived.
     pub(super) pushes: Vec<PushIds>,
-    /// Their ids, message after message.
-    pub(super) push_ids: Vec<u64>,
+    /// Their rows' places in `ids` (and rows in `rows`), message after
+    /// message.
+    pub(super) push_slots: Vec<u32>,
+    /// At completion: the rows after the round's update, in the order of
+    /// `ids`, from which each rank's answers are copied.
+    pub(super) after: Vec<f32>,
 }
 
 impl BspRound {
@@ -199,7 +203,8 @@ impl BspRound {
         self.ids.clear();
         self.rows.clear();
         self.pushes.clear();
-        self.push_ids.clear();
+        self.push_slots.clear();
+        self.after.clear();
     }
 }
 

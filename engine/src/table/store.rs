@@ -161,7 +161,9 @@ pub struct StoreStats {
     /// Rows evicted after `idle_rounds` rounds (or `idle_s` seconds)
     /// without an update.
     pub evicted_idle: u64,
-    /// Ids read ([`RowStore::read`], [`RowStore::read_batch`]).
+    /// Rows read: by [`RowStore::read`] and [`RowStore::read_batch`],
+    /// given out by the `_into` forms, and counted by
+    /// [`RowStore::count_lookups`].
     pub lookups: u64,
     /// Pushes applied to a row (including those that created it).
     pub updates: u64,
@@ -441,6 +443,13 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         })
     }
 
+    /// Counts `n` rows read from a copy this store gave out (a BSP round's
+    /// answers, copied from the rows [`RowStore::update_distinct_into`]
+    /// gave once per id): [`StoreStats::lookups`] counts rows answered.
+    pub fn count_lookups(&mut self, n: u64) {
+        self.stats.lookups += n;
+    }
+
     /// Read row `id` into `out` (`dim` values): its stored values, or its
     /// initial values when it is not stored (nothing is stored). True when
     /// stored.
@@ -653,23 +662,36 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
 
     /// [`RowStore::update_batch`], then `ids`' rows into `out` as
     /// [`RowStore::read_batch`] would read them after it, in the same pass
-    /// (each row's values copied as soon as they are updated, while in
-    /// cache), where that gives the same rows: `ids` strictly ascending
-    /// (no id twice, so no later update of a row already copied) and no
-    /// row evicted during the batch (at the cap a new row may evict one
-    /// the batch updated before, which reads as its initial values after
-    /// it). Otherwise, and for that only, it reads them after the updates.
-    /// A row not stored after its push (not admitted, or no memory) reads
-    /// as its initial values, as it would after.
+    /// where that gives the same rows: `ids` strictly ascending (no id
+    /// twice) goes [`RowStore::update_distinct_into`]'s way; otherwise the
+    /// rows are read after the updates.
     pub fn update_batch_into(&mut self, ids: &[u64], grads: &[f32], out: &mut [f32]) {
+        if ids.windows(2).all(|w| w[0] < w[1]) {
+            self.update_distinct_into(ids, grads, out);
+        } else {
+            let d = self.dim;
+            check_batch(ids, d, "into", out.len());
+            self.update_batch(ids, grads);
+            self.read_batch(ids, out);
+        }
+    }
+
+    /// [`RowStore::update_batch_into`] of ids the caller knows to be
+    /// distinct (a BSP round's, merged as they arrived): each row's values
+    /// are copied into `out` as soon as they are updated, while in cache,
+    /// which is what a read after the batch gives unless a row was evicted
+    /// during it (at the cap a new row may evict one the batch updated
+    /// before, which reads as its initial values after it): then, and for
+    /// that only, they are read after the updates. A row not stored after
+    /// its push (not admitted, or no memory) reads as its initial values,
+    /// as it would after. An id twice would get the row between its two
+    /// updates at its first place, not the row after both: not for such
+    /// batches (not checked: the caller's batches are distinct by their
+    /// making, and a check would allocate on the data path).
+    pub fn update_distinct_into(&mut self, ids: &[u64], grads: &[f32], out: &mut [f32]) {
         let d = self.dim;
         check_batch(ids, d, "with", grads.len());
         check_batch(ids, d, "into", out.len());
-        if !ids.windows(2).all(|w| w[0] < w[1]) {
-            self.update_batch(ids, grads);
-            self.read_batch(ids, out);
-            return;
-        }
         let removals = self.index.removals();
         self.pipeline(ids, |s, k, staged| {
             let id = ids[k];

@@ -126,6 +126,15 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             p.dedup_by_key(|x| x.0);
             Op::Batch(p)
         }),
+        // Distinct ids in any order, as a BSP round's.
+        2 => prop::collection::vec((id_strategy(), any::<u8>()), 0..20)
+            .prop_map(|mut p| {
+                p.sort_by_key(|x| x.0);
+                p.dedup_by_key(|x| x.0);
+                p
+            })
+            .prop_shuffle()
+            .prop_map(Op::Batch),
         1 => Just(Op::Round),
     ]
 }
@@ -153,8 +162,9 @@ proptest! {
         let c = drawn_config(dim, cap, admit, idle);
         let d = dim as usize;
         // One store driven id by id (checked against the model), one driven
-        // by the batched forms, one by `update_batch_into`: they must end
-        // equal, and the rows the last gives are those read after the
+        // by the batched forms, one by `update_batch_into` (or, for a batch
+        // of distinct ids not ascending, `update_distinct_into`): they must
+        // end equal, and the rows the last gives are those read after the
         // batched update.
         let mut s = store(c);
         let mut b = store(c);
@@ -199,7 +209,14 @@ proptest! {
                 let mut after = vec![0.0; ids.len() * d];
                 b.read_batch(&ids, &mut after);
                 let mut fused = vec![f32::NAN; ids.len() * d];
-                f.update_batch_into(&ids, &grads, &mut fused);
+                let mut sorted = ids.clone();
+                sorted.sort_unstable();
+                let distinct = sorted.windows(2).all(|w| w[0] != w[1]);
+                if distinct && sorted != ids {
+                    f.update_distinct_into(&ids, &grads, &mut fused);
+                } else {
+                    f.update_batch_into(&ids, &grads, &mut fused);
+                }
                 prop_assert_eq!(bits(&fused), bits(&after));
             } else if let Op::Push(id, g) = op {
                 b.update(*id, &grad(d, *g));
