@@ -450,7 +450,19 @@ fn window_for(join: &JoinResponse, config: &WorkerConfig, rcvbuf: usize) -> (usi
             .map_or(&join.layout, |r| &r.layout)
             .lcore_count()
             .max(1),
-        chunks: usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX),
+        // The bound "never more than the job's chunks" is the dense
+        // keys': a table's round may send up to MAX_ROW_MESSAGES messages
+        // to each lcore, so a job with tables has no such bound. (Bounded
+        // by its dense chunks, none, a table-only job's window was 16: a
+        // rank's ROW_PUSHes to the next lcore waited for the previous
+        // lcore's round to complete, and the lcores completed their rounds
+        // one after the other, BENCHMARKS.md "BSP tables: the lcores'
+        // rounds side by side".)
+        chunks: if join.spec.tables().next().is_some() {
+            usize::MAX
+        } else {
+            usize::try_from(join.layout.chunk_count()).unwrap_or(usize::MAX)
+        },
         datagram: HEADER_LEN + join.spec.chunk_bytes as usize,
         own_rcvbuf: rcvbuf,
         joined: lcore_rcvbuf(join),
@@ -719,6 +731,29 @@ mod tests {
             window_for(&flat, &cfg, 64 << 20).0,
             unsaid.min((1 << 20) / (2 * 2 * d))
         );
+        // A job with tables: the dense keys' chunks do not bound it (a
+        // table-only job has none; bounded by them, its window was 16).
+        let mut tables = join(vec![addr(None)]);
+        tables.spec.keys = vec![phub_proto::spec::KeySpec::table(
+            "emb",
+            phub_proto::spec::TableSpec {
+                dim: 16,
+                rows: None,
+                seed: 0,
+                init: phub_proto::spec::RowInitSpec::Zeros,
+                optimizer: phub_proto::spec::RowOptimizerSpec::Sum,
+                evict: None,
+                admit_after: None,
+                key_cache: 0,
+            },
+        )];
+        tables.layout = phub_proto::layout::layout(&tables.spec, &mut [0], |_| 1);
+        assert_eq!(tables.layout.chunk_count(), 0);
+        assert_eq!(window_for(&tables, &cfg, 64 << 20).0, unsaid);
+        tables.spec.keys.push(phub_proto::spec::KeySpec::dense("k", 8192));
+        tables.layout = phub_proto::layout::layout(&tables.spec, &mut [0], |_| 1);
+        assert_eq!(tables.layout.chunk_count(), 4);
+        assert_eq!(window_for(&tables, &cfg, 64 << 20).0, unsaid);
     }
 
     #[test]
