@@ -72,7 +72,7 @@ impl Table {
                 // pipeline (their index entries and rows fetched ahead),
                 // the rows after it copied into the answer as they are
                 // updated.
-                let d = self.row.len();
+                let d = self.dim as usize;
                 self.batch.ids.clear();
                 self.batch.ids.extend(rows.ids().iter());
                 self.batch.grads.clear();

@@ -667,29 +667,35 @@ pub(super) fn end_round(rank: &mut super::table::RowRank, n: u32) -> Result<(), 
     Ok(())
 }
 
-/// Adds a ROW_PUSH's pairs into the round's accumulator, in order: an
-/// id's first row of the round is converted and copied, later ones
-/// converted and added element by element.
+/// Adds a ROW_PUSH's pairs into the round's accumulator, in order: the
+/// message's rows converted in one pass, then an id's first row of the
+/// round copied, later ones added element by element.
 fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
-    let TableRounds::Bsp(round) = &mut table.rounds else {
+    let Table {
+        rounds, batch, dim, ..
+    } = table;
+    let TableRounds::Bsp(round) = rounds else {
         unreachable!("accumulate() is called for BSP tables");
     };
-    let d = table.dim as usize;
+    // A table's dim is at least 1 (spec validation).
+    let d = *dim as usize;
+    batch.grads.clear();
+    batch.grads.resize(rows.len() * d, 0.0);
+    let decoded = rows.decode_all(&mut batch.grads);
+    debug_assert!(decoded, "parse() checked the rows' length");
     let start = round.push_slots.len();
-    for (i, id) in rows.ids().iter().enumerate() {
-        let decoded = rows.decode_row(i, &mut table.row);
-        debug_assert!(decoded, "parse() checked the rows' length");
+    for (id, row) in rows.ids().iter().zip(batch.grads.chunks_exact(d)) {
         // Cast: a round holds at most W x 1024 x R rows, far below 2^32.
         #[allow(clippy::cast_possible_truncation)]
         let next = round.ids.len() as u32;
         let at = *round.index.entry(id).or_insert(next);
         round.push_slots.push(at);
-        let at = at as usize;
-        if at == round.ids.len() {
+        if at == next {
             round.ids.push(id);
-            round.rows.extend_from_slice(&table.row);
+            round.rows.extend_from_slice(row);
         } else {
-            for (a, g) in round.rows[at * d..(at + 1) * d].iter_mut().zip(&table.row) {
+            let at = at as usize;
+            for (a, g) in round.rows[at * d..(at + 1) * d].iter_mut().zip(row) {
                 *a += *g;
             }
         }

@@ -163,14 +163,14 @@ pub(super) struct PushIds {
 
 /// One message's ids with rows read (an answer's, from the store's
 /// batched read) or gradients decoded (an async ROW_PUSH's, for the
-/// store's batched update): at most R of each, the capacity taken at
-/// install.
+/// store's batched update; a BSP one's, for the round's accumulator): at
+/// most R of each, the capacity taken at install.
 #[derive(Debug, Default)]
 pub(super) struct RowBatch {
     pub(super) ids: Vec<u64>,
     pub(super) rows: Vec<f32>,
-    /// An async push's gradients, decoded
-    /// ([`super::rows::Answers::rows_after_push`]).
+    /// A push's gradients, decoded
+    /// ([`super::rows::Answers::rows_after_push`], `rows::accumulate`).
     pub(super) grads: Vec<f32>,
 }
 
@@ -314,9 +314,7 @@ pub(super) struct Table {
     /// Each rank's round state, W of them.
     pub(super) ranks: Vec<RowRank>,
     pub(super) rounds: TableRounds,
-    /// One row in `f32`, `dim` long (decoding and reading).
-    pub(super) row: Vec<f32>,
-    /// A message's pairs: an async ROW_PUSH's decoded, an answer's read.
+    /// A message's pairs: a ROW_PUSH's decoded, an answer's read.
     pub(super) batch: RowBatch,
     /// Each rank's cached id lists (PROTOCOL.md §10.7).
     pub(super) id_cache: IdCache,
@@ -457,7 +455,6 @@ impl Table {
             store,
             ranks: vec![RowRank::default(); usize::from(workers)],
             rounds,
-            row: vec![0.0; spec.dim as usize],
             batch: RowBatch {
                 ids: Vec::with_capacity(per as usize),
                 rows: Vec::with_capacity(per as usize * spec.dim as usize),

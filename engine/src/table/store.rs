@@ -484,11 +484,14 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     /// (admitted) push, then apply the optimizer.
     pub fn update(&mut self, id: u64, grad: &[f32]) -> Pushed {
         let h = self.index.hash(id);
-        self.update_staged(id, Staged { hash: h, found: None }, grad)
+        self.update_staged(id, Staged { hash: h, found: None }, grad, None)
     }
 
     #[inline]
-    fn update_staged(&mut self, id: u64, staged: Staged, grad: &[f32]) -> Pushed {
+    /// [`RowStore::update`] of a looked-up id; with `out`, the row's
+    /// values after it are copied there (a row not stored after the push
+    /// leaves `out` as it was).
+    fn update_staged(&mut self, id: u64, staged: Staged, grad: &[f32], out: Option<&mut [f32]>) -> Pushed {
         let hash = staged.hash;
         assert_eq!(
             grad.len(),
@@ -536,6 +539,9 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         let dim = self.dim;
         let (values, state) = self.blocks.row_mut(slot).split_at_mut(dim);
         self.opt.apply(values, state, grad);
+        if let Some(out) = out {
+            out.copy_from_slice(values);
+        }
         self.stats.updates += 1;
         pushed
     }
@@ -656,7 +662,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         let d = self.dim;
         check_batch(ids, d, "with", grads.len());
         self.pipeline(ids, |s, k, staged| {
-            s.update_staged(ids[k], staged, &grads[k * d..(k + 1) * d]);
+            s.update_staged(ids[k], staged, &grads[k * d..(k + 1) * d], None);
         });
     }
 
@@ -695,11 +701,9 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         let removals = self.index.removals();
         self.pipeline(ids, |s, k, staged| {
             let id = ids[k];
-            let pushed = s.update_staged(id, staged, &grads[k * d..(k + 1) * d]);
-            let dst = &mut out[k * d..(k + 1) * d];
-            match pushed {
-                // Just updated: a probe finds it, its index entry in cache.
-                Pushed::Applied | Pushed::Created => s.copy_values(id, staged.hash, dst),
+            let (grad, dst) = (&grads[k * d..(k + 1) * d], &mut out[k * d..(k + 1) * d]);
+            match s.update_staged(id, staged, grad, Some(&mut *dst)) {
+                Pushed::Applied | Pushed::Created => {}
                 Pushed::NotAdmitted | Pushed::NoMemory => s.init.fill(id, dst),
             }
         });
@@ -708,21 +712,6 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         } else {
             // A row was evicted to make room: read them all after.
             self.read_batch(ids, out);
-        }
-    }
-
-    /// The values of stored row `id` (hash `hash`) into `out`.
-    #[inline]
-    fn copy_values(&self, id: u64, hash: u64, out: &mut [f32]) {
-        match self.index.probe(id, hash) {
-            Probe::Found(pos) => {
-                out.copy_from_slice(&self.blocks.row(self.index.entry(pos).slot())[..self.dim])
-            }
-            // Not reached: the push just before stored it. As a read would.
-            Probe::Vacant(_) => {
-                debug_assert!(false, "row {id} stored by the push just before");
-                self.init.fill(id, out);
-            }
         }
     }
 
