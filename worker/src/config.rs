@@ -163,7 +163,9 @@ pub const IN_FLIGHT_PER_LCORE: usize = 1 << 20;
 ///   VM, ResNet-50 with W = 2 cost the dataplane 60 ms of CPU per round
 ///   with a window of 64 and 92 ms with 1024 (BENCHMARKS.md).
 ///
-/// Never more than the job's chunks, never fewer than [`MIN_AUTO_WINDOW`]
+/// Never more than `chunks` (the job's dense chunks; a job with tables
+/// passes `usize::MAX`: a table's round may have up to 1024 messages per
+/// lcore), never fewer than [`MIN_AUTO_WINDOW`]
 /// (16) unless the incast bound is lower still (then that bound, at least
 /// 1). For 8 KiB chunks on one lcore with 32 MiB buffers: 126 for W = 1,
 /// 63 for W = 2, 16 from W = 8 on; with an appliance's 256 KiB buffer
