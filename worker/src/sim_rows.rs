@@ -221,7 +221,7 @@ impl SimRowTransport {
             tag: f.done,
             key: f.key,
             highest: f.result.as_ref().map_or(0, |o| o.highest),
-            result: f.result.map(|o| (o.round, o.rows)),
+            result: f.result.map(|o| (o.round, o.caller_rows())),
         })
     }
 

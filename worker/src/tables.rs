@@ -215,7 +215,7 @@ impl Worker {
         let t = self.table_named(table)?;
         check_rows(t, "out", ids.len(), out.len())?;
         let out_rows = self.push_rows_inner(t, ids, grads)?;
-        out.copy_from_slice(&out_rows.rows);
+        out_rows.write_into(out);
         Ok(out_rows.round)
     }
 
@@ -492,7 +492,7 @@ impl RowsPull<'_> {
                 ),
             });
         }
-        out.copy_from_slice(&o.rows);
+        o.write_into(out);
         Ok(o.round)
     }
 }
@@ -736,6 +736,8 @@ mod tests {
             round,
             highest,
             rows: Vec::new(),
+            slot_of: Vec::new(),
+            dim: 1,
         };
         // One table: the lowest, or one below the highest past a restore.
         assert_eq!(out(2, 2).caught_up(), 2);

@@ -189,12 +189,14 @@ pub(crate) fn plan_push(
         });
     }
     let m = merge(table, ids)?;
-    let mut sums = vec![0f32; m.ids.len() * dim];
-    for (u, row) in sums.chunks_exact_mut(dim.max(1)).enumerate().take(m.ids.len()) {
+    let mut sums = Vec::with_capacity(m.ids.len() * dim);
+    for u in 0..m.ids.len() {
         let positions = &m.order[m.starts[u]..m.starts[u + 1]];
         // The first copies, the others add: one repeat is its own row
-        // bit for bit.
-        row.copy_from_slice(&grads[positions[0] as usize * dim..][..dim]);
+        // bit for bit. (Appended: zeroing the sums first cost a third as
+        // much as the copies, perf.)
+        sums.extend_from_slice(&grads[positions[0] as usize * dim..][..dim]);
+        let row = &mut sums[u * dim..];
         for &p in &positions[1..] {
             for (s, g) in row.iter_mut().zip(&grads[p as usize * dim..][..dim]) {
                 *s += g;

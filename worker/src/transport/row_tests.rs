@@ -554,7 +554,7 @@ fn duplicate_ids_are_summed_and_their_rows_come_back_at_every_position() {
     let out = ended[0].1.as_ref().unwrap();
     assert_eq!(out.round, 1);
     assert_eq!(
-        out.rows,
+        out.caller_rows(),
         vec![9.0, 90.0, 2.0, 20.0, 9.0, 90.0, 4.0, 40.0, 9.0, 90.0],
         "each position gets its id's row after the update"
     );
@@ -586,7 +586,11 @@ fn lose_first(kind: RowMsgType) {
     assert!(resent_after_loss >= 1, "something was resent with RETRANSMIT");
     assert!(h.stats.row_retransmits.load(std::sync::atomic::Ordering::Relaxed) >= 1);
     let out = ended[0].1.as_ref().unwrap();
-    assert_eq!(out.rows, g, "rows that started at zero hold the gradient");
+    assert_eq!(
+        out.caller_rows(),
+        g,
+        "rows that started at zero hold the gradient"
+    );
 }
 
 #[test]
@@ -626,7 +630,7 @@ fn duplicated_and_reordered_answers_are_taken_once() {
     }
     let ended = h.ended();
     assert_eq!(ended.len(), 1);
-    assert_eq!(ended[0].1.as_ref().unwrap().rows, g);
+    assert_eq!(ended[0].1.as_ref().unwrap().caller_rows(), g);
     let load = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     assert_eq!(load(&h.stats.row_answers_accepted), n);
     assert_eq!(
@@ -782,7 +786,7 @@ fn a_push_refused_ahead_by_a_restored_lcore_brings_it_up_to_the_round() {
                     .sum()
             })
             .collect();
-        assert_eq!(&out.rows[i * d..(i + 1) * d], &want[..], "id {id}");
+        assert_eq!(&out.caller_rows()[i * d..(i + 1) * d], &want[..], "id {id}");
     }
     let s = h.stats.snapshot();
     assert_eq!(
@@ -820,7 +824,7 @@ fn a_bsp_lane_sends_its_answered_messages_again_for_a_restored_lcore() {
         [(1, Ok(out))] => out,
         other => panic!("the push after the restore: {other:?}"),
     };
-    assert_eq!(out.rows, g);
+    assert_eq!(out.caller_rows(), g);
     assert_eq!(h.lcores[0].done, 1, "the restored lcore completed round 1 again");
 }
 
@@ -905,7 +909,7 @@ fn malformed_answers_are_counted_and_dropped() {
     for (from, d) in h.answers(&sent) {
         h.deliver(from, &d);
     }
-    assert_eq!(h.ended()[0].1.as_ref().unwrap().rows, g);
+    assert_eq!(h.ended()[0].1.as_ref().unwrap().caller_rows(), g);
 }
 
 #[test]
@@ -924,7 +928,7 @@ fn a_lost_row_pull_is_resent_and_an_earlier_pull_s_answer_is_not_taken() {
         h.deliver(*from, d);
     }
     let out = h.ended().remove(0).1.unwrap();
-    assert_eq!((out.round, out.rows.clone()), (1, g.clone()));
+    assert_eq!((out.round, out.caller_rows()), (1, g.clone()));
     // Round 2 changes every row.
     h.push(3, 2, &ids, &g);
     assert!(h.run(|_, _| false)[0].1.is_ok());
@@ -962,7 +966,7 @@ fn a_lost_row_pull_is_resent_and_an_earlier_pull_s_answer_is_not_taken() {
         .iter()
         .flat_map(|&id| g[id as usize * 2..][..2].iter().map(|x| 2.0 * x))
         .collect();
-    assert_eq!((out.round, out.rows), (2, want));
+    assert_eq!((out.round, out.caller_rows()), (2, want));
 }
 
 #[test]
@@ -1078,7 +1082,7 @@ fn random_rounds_under_loss_match_a_reference() {
                 .as_ref()
                 .unwrap_or_else(|e| panic!("seed {seed} round {round}: {e}"));
             let want: Vec<f32> = ids.iter().flat_map(|id| reference[id].clone()).collect();
-            assert_eq!(out.rows, want, "seed {seed} round {round}");
+            assert_eq!(out.caller_rows(), want, "seed {seed} round {round}");
             assert_eq!(h.t.outstanding(), 0);
             // A pull of some of them (and an id never pushed) agrees.
             let mut pull: Vec<u64> = ids.iter().copied().take(7).collect();
@@ -1096,7 +1100,7 @@ fn random_rounds_under_loss_match_a_reference() {
                 })
                 .collect();
             assert_eq!(
-                (out.round, &out.rows),
+                (out.round, &out.caller_rows()),
                 (round, &want),
                 "seed {seed} pull after round {round}"
             );
@@ -1245,8 +1249,8 @@ fn registered_lists_are_stored_then_named_and_stored_again_after_a_miss() {
     let pulled = h.ended();
     plain.pull(9, &shuffled);
     assert_eq!(
-        pulled[0].1.as_ref().unwrap().rows,
-        plain.run(|_, _| false)[0].1.as_ref().unwrap().rows
+        pulled[0].1.as_ref().unwrap().caller_rows(),
+        plain.run(|_, _| false)[0].1.as_ref().unwrap().caller_rows()
     );
     // Forgotten twice (registered twice), the lists give their slots back
     // and the ids go without a prefix.

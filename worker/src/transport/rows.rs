@@ -110,12 +110,35 @@ pub(crate) struct RowOutput {
     pub(crate) round: u32,
     /// A push: its round. A pull: the highest round stated.
     pub(crate) highest: u32,
-    /// Each of the caller's ids' row, in the caller's order (`ids.len() *
-    /// dim`).
+    /// The rows of the request's distinct ids, in the plan's order, as
+    /// they were answered.
     pub(crate) rows: Vec<f32>,
+    /// The caller's id `i`'s row is row `slot_of[i]` of `rows` (the
+    /// plan's [`RowPlan::slot_of`]).
+    pub(crate) slot_of: Vec<u32>,
+    /// Values per row.
+    pub(crate) dim: usize,
 }
 
 impl RowOutput {
+    /// Each of the caller's ids' row into `out`, in the caller's order
+    /// (`slot_of.len() * dim` values): each row copied once, from the
+    /// answers' order straight to the caller's.
+    pub(crate) fn write_into(&self, out: &mut [f32]) {
+        debug_assert_eq!(out.len(), self.slot_of.len() * self.dim);
+        for (dst, &s) in out.chunks_exact_mut(self.dim.max(1)).zip(&self.slot_of) {
+            dst.copy_from_slice(&self.rows[s as usize * self.dim..][..self.dim]);
+        }
+    }
+
+    /// [`RowOutput::write_into`] a new vector.
+    #[cfg(any(test, feature = "sim"))]
+    pub(crate) fn caller_rows(&self) -> Vec<f32> {
+        let mut out = vec![0f32; self.slot_of.len() * self.dim];
+        self.write_into(&mut out);
+        out
+    }
+
     /// For a pull of one id on each lcore (a rank catching up after a
     /// rejoin): the round its pushes go on after. The lowest round
     /// stated, unless an lcore stated one more than a round above it: in
@@ -1500,11 +1523,6 @@ impl<D> RowTransport<D> {
             return;
         };
         debug_assert_eq!(a.remaining, 0);
-        let dim = a.plan.dim as usize;
-        let mut rows = vec![0f32; a.plan.slot_of.len() * dim];
-        for (dst, &s) in rows.chunks_exact_mut(dim).zip(&a.plan.slot_of) {
-            dst.copy_from_slice(&a.rows[s as usize * dim..][..dim]);
-        }
         let (round, highest) = match a.plan.kind {
             PlanKind::Push { round } => {
                 self.pushed.insert(key, round);
@@ -1517,7 +1535,16 @@ impl<D> RowTransport<D> {
             self.finished.push_back(RowFinished {
                 key,
                 done,
-                result: Ok(RowOutput { round, highest, rows }),
+                // The rows stay in the plan's order: the caller copies
+                // each where its ids want it ([`RowOutput::write_into`]),
+                // or not at all (a push without output).
+                result: Ok(RowOutput {
+                    round,
+                    highest,
+                    rows: a.rows,
+                    slot_of: a.plan.slot_of,
+                    dim: a.plan.dim as usize,
+                }),
             });
             self.caller_ended();
         }
