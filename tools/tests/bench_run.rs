@@ -294,9 +294,21 @@ fn sparse_local_times_a_dense_pull_of_the_same_values() {
     assert!(dense > 0.0, "{v}");
     let ratio = num(&v, "pull_vs_dense");
     assert!((ratio - num(&v, "round_ms_median") / dense).abs() < 1e-9, "{v}");
+    // The lcores' spin at the end of each phase, as the dataplane says
+    // (`auto`: its governor's choice); a fixed one holds for both.
+    assert!(v["spin_us"].is_u64() && v["dense_spin_us"].is_u64(), "{v}");
+    let (out, fixed) = small_sparse_local(&["--pull-only", "--dense-pull", "--dataplane-arg=--spin-us=37"]);
+    assert_eq!(
+        (num(&fixed, "spin_us"), num(&fixed, "dense_spin_us")),
+        (37.0, 37.0),
+        "{fixed}"
+    );
+    assert!(out.contains("of the dense pulls: 37 us"), "{out}");
     let (_, plain) = small_sparse_local(&["--pull-only"]);
     assert!(
-        plain["dense_pull_ms_median"].is_null() && plain["pull_vs_dense"].is_null(),
+        plain["dense_pull_ms_median"].is_null()
+            && plain["pull_vs_dense"].is_null()
+            && plain["dense_spin_us"].is_null(),
         "{plain}"
     );
 }

@@ -129,6 +129,13 @@ pub struct SparseArgs {
     /// dense pull of K x D elements).
     #[arg(long, requires = "pull_only")]
     pub dense_pull: bool,
+    /// `--local`: one more argument for phub-dataplane, as is (repeatable;
+    /// e.g. `--dataplane-arg=--spin-us=0`, so that both the table's steps
+    /// and `--dense-pull`'s run with the lcores sleeping at once; the
+    /// default, `auto`, is set by the dataplane's governor as the load
+    /// goes, and the JSON says what each phase ended with).
+    #[arg(long, value_name = "ARG", allow_hyphen_values = true, requires = "local")]
+    pub dataplane_arg: Vec<String>,
     /// `--local`: before the untimed steps, store every one of the
     /// `--rows` rows: the ranks push them (all of them, rank r the ranks
     /// congruent to r modulo W) in rounds of `--batch` ids, so that the
@@ -695,6 +702,12 @@ pub struct SparseLocalReport {
     pub dense_pull_ms_median: Option<f64>,
     /// `--dense-pull`: `round_ms_median / dense_pull_ms_median`.
     pub pull_vs_dense: Option<f64>,
+    /// `--local`: the spin the appliance's kernel-UDP lcores used at the
+    /// end of the table's timed steps (`--spin-us`; `auto` as its governor
+    /// set it), microseconds.
+    pub spin_us: Option<u64>,
+    /// `--dense-pull`: the same at the end of the dense pulls.
+    pub dense_spin_us: Option<u64>,
     /// `--fixed-ids` (or `--cache-ids`): every step pushed the same ids.
     pub fixed_ids: bool,
     /// `--cache-ids`: the ids were registered for key caching.
@@ -1006,6 +1019,15 @@ fn rank_ids(args: &SparseArgs, r: u16) -> Vec<u64> {
     all
 }
 
+/// The spin the appliance's kernel-UDP lcores use now, as its stats say
+/// (`--spin-us`; `auto` as its governor set it), microseconds; `None`
+/// where control does not say.
+fn lcore_spin(url: &str, token: Option<&str>) -> Option<u64> {
+    let client = super::local::control_client(url, token, std::time::Duration::from_secs(10)).ok()?;
+    let stats = client.send(&phub_proto::routes::control::stats()).ok()?;
+    stats.dataplane?.spin_us
+}
+
 /// `--dense-pull`: a job of one dense key of `--batch` x `--dim` f32
 /// elements on the same appliance; its ranks join, initialize it (round
 /// 0) and pull it three times untimed, then `--steps` times timed, all at
@@ -1236,6 +1258,9 @@ struct Ran {
     restore: Option<LocalCheckpoint>,
     /// `--dense-pull`'s median step, ms.
     dense: Option<f64>,
+    /// `--local`: the lcores' spin after the table's steps and after
+    /// `--dense-pull`'s (`lcore_spin`).
+    spin: (Option<u64>, Option<u64>),
     /// `--racks`: the bytes that crossed the spine over the whole run.
     cross_rack_bytes: Option<u64>,
     /// `--racks`: `--replicas` and `--kill-appliance`'s figures.
@@ -1293,7 +1318,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         no_pin: false,
         socket_buffer: None,
         env: Vec::new(),
-        extra_args: Vec::new(),
+        extra_args: args.dataplane_arg.clone(),
         shm: false,
         veth: None,
     })?;
@@ -1321,6 +1346,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         (ranks, taken)
     });
     let ranks = ranks?;
+    let spin = lcore_spin(&local.control_url, token.as_deref());
     let checkpoint_under_load = match under_load {
         Some(taken) => {
             let mut u = under_load_figures(taken?, &ranks);
@@ -1348,9 +1374,12 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
     )?
     .send(&control::job(job.id))
     .context("asking control for the job's tables")?;
-    let dense = match args.dense_pull {
-        true => Some(dense_pulls(args, &local.control_url, token.as_deref())?),
-        false => None,
+    let (dense, dense_spin) = match args.dense_pull {
+        true => (
+            Some(dense_pulls(args, &local.control_url, token.as_deref())?),
+            lcore_spin(&local.control_url, token.as_deref()),
+        ),
+        false => (None, None),
     };
     local.stop();
     Ok(Ran {
@@ -1360,6 +1389,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         checkpoints,
         restore,
         dense,
+        spin: (spin, dense_spin),
         cross_rack_bytes: None,
         failover: super::failover::FailoverFigures::default(),
     })
@@ -1507,6 +1537,7 @@ fn in_spine(
         checkpoints: Vec::new(),
         restore: None,
         dense: None,
+        spin: (None, None),
         cross_rack_bytes: Some(after - before),
         failover,
     })
@@ -1625,6 +1656,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         checkpoints,
         restore,
         dense,
+        spin,
         cross_rack_bytes,
         failover: ran_failover,
     } = ran;
@@ -1681,6 +1713,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         pull_only: args.pull_only,
         dense_pull_ms_median: dense,
         pull_vs_dense: dense.map(|m| median / m),
+        spin_us: spin.0,
+        dense_spin_us: spin.1,
         round_ms_median: median,
         round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
@@ -1765,6 +1799,16 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             "  a dense key of {} x {} elements pulled: step median {m:.2} ms; the table's pull {r:.2}x that",
             report.batch, report.dim
         );
+    }
+    let us = |s: Option<u64>| s.map_or_else(|| "?".to_string(), |s| s.to_string());
+    match (report.spin_us, report.dense_pull_ms_median) {
+        (None, _) => {}
+        (s, None) => println!("  lcore spin at the end of the steps: {} us", us(s)),
+        (s, Some(_)) => println!(
+            "  lcore spin at the end of the table's steps: {} us; of the dense pulls: {} us",
+            us(s),
+            us(report.dense_spin_us)
+        ),
     }
     if report.cache_ids {
         println!(
