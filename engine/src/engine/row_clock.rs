@@ -72,13 +72,9 @@ impl Table {
                 // pipeline (their index entries and rows fetched ahead),
                 // the rows after it copied into the answer as they are
                 // updated.
-                let d = self.dim as usize;
                 self.batch.ids.clear();
                 self.batch.ids.extend(rows.ids().iter());
-                self.batch.grads.clear();
-                self.batch.grads.resize(rows.len() * d, 0.0);
-                let decoded = rows.decode_all(&mut self.batch.grads);
-                debug_assert!(decoded, "parse() checked the rows' length");
+                self.batch.decode_grads(rows, self.dim as usize);
                 let to = AnswerTo::reply(repr, RowMsgType::RowResult, repr.round);
                 answers.rows_after_push(&mut self.store, &mut self.batch, to);
                 self.ranks[r].got.insert(s);

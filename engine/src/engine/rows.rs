@@ -679,10 +679,7 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
     };
     // A table's dim is at least 1 (spec validation).
     let d = *dim as usize;
-    batch.grads.clear();
-    batch.grads.resize(rows.len() * d, 0.0);
-    let decoded = rows.decode_all(&mut batch.grads);
-    debug_assert!(decoded, "parse() checked the rows' length");
+    batch.decode_grads(rows, d);
     let start = round.push_slots.len();
     for (id, row) in rows.ids().iter().zip(batch.grads.chunks_exact(d)) {
         // Cast: a round holds at most W x 1024 x R rows, far below 2^32.

@@ -174,6 +174,17 @@ pub(super) struct RowBatch {
     pub(super) grads: Vec<f32>,
 }
 
+impl RowBatch {
+    /// `rows`' gradients, `dim` values each, decoded into `grads` in one
+    /// call (their length was checked when the message was parsed).
+    pub(super) fn decode_grads(&mut self, rows: &phub_proto::rows::Rows<'_>, dim: usize) {
+        self.grads.clear();
+        self.grads.resize(rows.len() * dim, 0.0);
+        let decoded = rows.decode_all(&mut self.grads);
+        debug_assert!(decoded, "parse() checked the rows' length");
+    }
+}
+
 /// A BSP (table, lcore)'s rounds: the last completed one and the
 /// accumulator of the one in progress.
 #[derive(Debug, Default)]

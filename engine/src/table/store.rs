@@ -487,10 +487,10 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         self.update_staged(id, Staged { hash: h, found: None }, grad, None)
     }
 
-    #[inline]
     /// [`RowStore::update`] of a looked-up id; with `out`, the row's
     /// values after it are copied there (a row not stored after the push
     /// leaves `out` as it was).
+    #[inline]
     fn update_staged(&mut self, id: u64, staged: Staged, grad: &[f32], out: Option<&mut [f32]>) -> Pushed {
         let hash = staged.hash;
         assert_eq!(
@@ -675,6 +675,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         if ids.windows(2).all(|w| w[0] < w[1]) {
             self.update_distinct_into(ids, grads, out);
         } else {
+            // `out` checked before anything is updated.
             let d = self.dim;
             check_batch(ids, d, "into", out.len());
             self.update_batch(ids, grads);
