@@ -5,7 +5,7 @@
 //! lcore's share of `phub-bench sparse --local --consistency bsp`, whose
 //! end-to-end figures on a 2-vCPU host move by 10-20% from run to run.
 //!
-//! `cargo run --release -p phub-engine --example bsp_round_bench [-- ROUNDS]`
+//! `cargo run --release -p phub-engine --example bsp_round_bench [-- ROUNDS [FILL]]`
 //!
 //! The workload is `phub-bench sparse --local`'s: W = 4 ranks, each
 //! drawing 4096 ids a step from a Zipf law of exponent 1.05 over 10^6 rows
@@ -14,8 +14,8 @@
 //! of 2: each rank's ids placed on it, distinct and sorted, cut into
 //! ROW_PUSHes of R rows, then its ROW_END, as phub-worker plans them; the
 //! ranks' messages interleaved (one message of each rank in turn). The
-//! store is first filled with every row the rounds draw (rounds of
-//! 8 ROW_PUSHes per rank, untimed), then ROUNDS rounds (default 200) are
+//! store is first filled with every row the rounds draw (rounds of FILL
+//! rows per rank, default 8 ROW_PUSHes' worth, untimed), then ROUNDS rounds (default 200) are
 //! timed, five times over (new draws each time), each round's datagrams
 //! built just before it is handled (warm in the caches, as a socket's
 //! receive copy leaves them) and only its handling timed; the figure is
@@ -149,6 +149,9 @@ fn main() {
     let rounds: u32 = std::env::args()
         .nth(1)
         .map_or(200, |a| a.parse().expect("ROUNDS: a count of rounds"));
+    let fill: Option<usize> = std::env::args()
+        .nth(2)
+        .map(|a| a.parse().expect("FILL: rows per rank and fill round"));
     let mut shard: Shard<u16> = Shard::new(0, Kernels::best());
     let job = JobInstall {
         id: 3,
@@ -190,10 +193,10 @@ fn main() {
     let mut draws = Draws(7);
     let mut round = 0u32;
     // Fill: every id placed here, spread over the ranks, in rounds of
-    // about a timed round's size (a round's buffers keep the capacity
-    // their largest round needed).
+    // FILL rows per rank (by default about a timed round's size; larger
+    // ones show what a huge round leaves for the rounds after it).
     let mine: Vec<u64> = (0..ROWS).map(id_of).filter(|&id| place.entry(id) == 0).collect();
-    let cap = 8 * per;
+    let cap = fill.unwrap_or(8 * per).clamp(1, 1024 * per);
     for part in mine.chunks(cap * usize::from(W)) {
         round += 1;
         let mut per_rank: Vec<Vec<u64>> = part.chunks(cap).map(<[u64]>::to_vec).collect();
@@ -208,7 +211,7 @@ fn main() {
     assert_eq!(filled, u64::from(round), "the fill rounds completed");
     println!(
         "bsp_round_bench: W = {W}, D = {DIM}, f32, Adagrad, {BATCH} ids per rank and step (zipf {ZIPF} over {ROWS}), \
-         entry 0 of 2 ({} rows stored), R = {per}, {rounds} rounds timed x {REPS}",
+         entry 0 of 2 ({} rows stored in fill rounds of {cap} rows per rank), R = {per}, {rounds} rounds timed x {REPS}",
         mine.len()
     );
     let mut cpu_ns = Vec::new();

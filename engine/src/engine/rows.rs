@@ -771,7 +771,7 @@ pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers
         answers.done(r as u16, t, rank.n.unwrap_or(0));
         rank.clear_round();
     }
-    round.clear();
+    round.clear(d);
     round.completed = t;
 }
 

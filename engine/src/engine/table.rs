@@ -11,7 +11,8 @@
 //! `f32` row per id pushed in the round, in the order the ids first
 //! arrived, and each ROW_PUSH's ids until the round completes; its buffers
 //! keep their capacity from round to round, so a steady load allocates
-//! nothing.
+//! nothing (a round far smaller than the largest recent one gives the
+//! excess back, [`BspRound::clear`]).
 //!
 //! Invariants:
 //! - every stored or answered row is one this lcore's entry holds under
@@ -207,15 +208,42 @@ pub(super) struct BspRound {
     pub(super) after: Vec<f32>,
 }
 
+/// Rows' worth of room a BSP round's buffers always keep ([`BspRound::clear`]).
+const ROUND_KEEP_ROWS: usize = 4096;
+/// A round that held fewer than 1/`ROUND_SHRINK_BELOW` of the rows its
+/// buffers have room for shrinks them ([`BspRound::clear`]).
+const ROUND_SHRINK_BELOW: usize = 8;
+
 impl BspRound {
-    /// Forgets the round in progress, keeping the buffers' capacity.
-    pub(super) fn clear(&mut self) {
+    /// Forgets the round (the one just completed, or the one in progress
+    /// when a table's state is loaded). Its buffers keep their capacity
+    /// (a steady load allocates nothing), unless the round held fewer
+    /// than 1/[`ROUND_SHRINK_BELOW`] of the rows they have room for (and
+    /// that room is above [`ROUND_KEEP_ROWS`] rows): then they shrink to
+    /// twice what it held. A round far larger than the others (a first
+    /// one creating a table's rows, say) would otherwise leave its id map
+    /// that large for good, and every later round would clear all of it
+    /// and miss the cache on each id (`bsp_round_bench -- 300 115712`:
+    /// 141-148 ns per pushed row after rounds of 115,712 rows per rank,
+    /// 76-85 with the shrink; BENCHMARKS.md), and its buffers would hold
+    /// that memory.
+    pub(super) fn clear(&mut self, dim: usize) {
+        let (held, pushed) = (self.ids.len(), self.push_slots.len());
+        let shrink = self.ids.capacity() > ROUND_KEEP_ROWS.max(ROUND_SHRINK_BELOW * held);
         self.index.clear();
         self.ids.clear();
         self.rows.clear();
         self.pushes.clear();
         self.push_slots.clear();
         self.after.clear();
+        if shrink {
+            let keep = ROUND_KEEP_ROWS.max(2 * held);
+            self.index.shrink_to(keep);
+            self.ids.shrink_to(keep);
+            self.rows.shrink_to(keep * dim);
+            self.after.shrink_to(keep * dim);
+            self.push_slots.shrink_to(ROUND_KEEP_ROWS.max(2 * pushed));
+        }
     }
 }
 
@@ -499,5 +527,69 @@ impl Table {
     /// The slowest applied clock over the ranks (not BSP).
     pub(super) fn slowest(&self) -> u32 {
         self.ranks.iter().map(|r| r.applied).min().unwrap_or(0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Fills `round` as a round of `n` distinct ids of `dim` values would.
+    fn hold(round: &mut BspRound, n: u32, dim: usize) {
+        for i in 0..n {
+            let id = u64::from(i) * 7919;
+            round.index.insert(id, i);
+            round.ids.push(id);
+            round.rows.extend(std::iter::repeat_n(1.0, dim));
+            round.push_slots.push(i);
+        }
+        round.after.resize(round.rows.len(), 0.0);
+    }
+
+    #[test]
+    fn a_round_far_smaller_than_the_largest_gives_the_room_back() {
+        let dim = 4;
+        let mut round = BspRound::default();
+        hold(&mut round, 200_000, dim);
+        round.clear(dim);
+        assert!(
+            round.ids.capacity() >= 200_000,
+            "the round held as much: room kept"
+        );
+        hold(&mut round, 1000, dim);
+        round.clear(dim);
+        // Twice the round's rows, at least ROUND_KEEP_ROWS.
+        assert!(
+            round.ids.capacity() < 2 * ROUND_KEEP_ROWS,
+            "{}",
+            round.ids.capacity()
+        );
+        assert!(
+            round.index.capacity() < 2 * ROUND_KEEP_ROWS,
+            "{}",
+            round.index.capacity()
+        );
+        assert!(round.rows.capacity() < 2 * ROUND_KEEP_ROWS * dim);
+        assert!(round.after.capacity() < 2 * ROUND_KEEP_ROWS * dim);
+        assert!(round.push_slots.capacity() < 2 * ROUND_KEEP_ROWS);
+        // Rounds of the same size then keep what they have.
+        let room = (
+            round.ids.capacity(),
+            round.index.capacity(),
+            round.rows.capacity(),
+        );
+        for _ in 0..3 {
+            hold(&mut round, 3000, dim);
+            round.clear(dim);
+            assert_eq!(
+                (
+                    round.ids.capacity(),
+                    round.index.capacity(),
+                    round.rows.capacity()
+                ),
+                room
+            );
+        }
+        assert!(round.index.is_empty() && round.ids.is_empty() && round.rows.is_empty());
     }
 }

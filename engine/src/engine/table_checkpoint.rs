@@ -136,9 +136,10 @@ impl Table {
 
     /// Puts `rounds` (which fit) back, then the row store read from `rows`.
     fn load_from(&mut self, rounds: &TableRoundsState, rows: impl std::io::Read) -> Result<(), String> {
+        let d = self.dim as usize;
         match (&mut self.rounds, rounds) {
             (TableRounds::Bsp(b), TableRoundsState::Bsp { completed }) => {
-                b.clear();
+                b.clear(d);
                 b.completed = *completed;
                 for r in &mut self.ranks {
                     r.clear_round();

@@ -898,8 +898,9 @@ fn install_copy(table: &mut Table, copy: CopyIn) -> Result<(), String> {
     load.finish(&mut store).map_err(|e| e.to_string())?;
     store.set_idle_clock(head.idle_rounds, &head.samples)?;
     table.store = store;
+    let d = table.dim as usize;
     if let TableRounds::Bsp(b) = &mut table.rounds {
-        b.clear();
+        b.clear(d);
         b.completed = round;
     }
     for r in &mut table.ranks {
