@@ -41,18 +41,8 @@ const ZIPF: f64 = 1.05;
 const CHUNK_BYTES: u32 = 8192;
 const REPS: usize = 5;
 
-/// The calling thread's CPU time.
-fn cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the call's duration;
-    // CLOCK_THREAD_CPUTIME_ID is supported by Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
+mod common;
+use common::cpu_time;
 
 fn splitmix(x: u64) -> u64 {
     let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);

@@ -16,18 +16,8 @@
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-/// The calling thread's CPU time.
-fn cpu_time() -> Duration {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `ts` is a valid, writable timespec for the call's duration;
-    // CLOCK_THREAD_CPUTIME_ID is supported by Linux.
-    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
-    assert_eq!(rc, 0, "clock_gettime");
-    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
-}
+mod common;
+use common::cpu_time;
 
 /// Nanoseconds per item of CPU time and of wall-clock time.
 #[derive(Clone, Copy)]
