@@ -8,6 +8,7 @@
 # (ignored by git: add `/.bench16/` to .git/info/exclude).
 #
 #   cargo build --release -p phub-dataplane --example dpdk_memif_gen
+#   cargo build --release -p phub-engine --example bsp_round_bench   (optional: run.sh's "sparse")
 #   cargo build --release -p phub -p phub-tools -p phub-hwtests --bins
 #   make python-venv       # for the phub Python package (or make torch-venv)
 #   tools/bench-16core/bundle.sh
@@ -30,6 +31,7 @@ mkdir -p "$STAGE/bin" "$STAGE/lib" "$STAGE/pmds" "$STAGE/py"
 
 bins="phub-dataplane phub-control phubctl phub-bench phub-rack-agent examples/dpdk_memif_gen"
 [[ -n "${SLIM:-}" ]] && bins="phub-dataplane phub-bench"
+[[ -z "${SLIM:-}" && -f target/release/examples/bsp_round_bench ]] && bins="$bins examples/bsp_round_bench"
 for b in $bins; do
   strip -o "$STAGE/bin/$(basename "$b")" "target/release/$b"
 done

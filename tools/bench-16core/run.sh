@@ -32,7 +32,14 @@
 # --dataplane-arg=--spin-us=0"), with this build and with old/bin,
 # alternating; "bisect" runs the UDP W=8 sweep over lcores
 # BISECT_LCORES (default 1,8) once with each build the bundle packed under
-# bisect/ (bundle.sh BISECT_DIRS), then with this one.
+# bisect/ (bundle.sh BISECT_DIRS), then with this one; "sparse" runs
+# issue 32's table figures (BENCHMARKS.md, "One lcore's BSP rounds
+# alone"): end to end W = 4, D = 16, K = 4096, Zipf 1.05 against the TCP
+# row server, BSP and async on 2 lcores (SPARSE_RUNS times each, default
+# 2) and BSP on 4, the pull against a dense pull, the row store alone at
+# 10^8 rows on one lcore, and engine/examples/bsp_round_bench (where the
+# bundle has it); "sparse-ok" the cost O(K), a step on 10^5 and on 10^8
+# stored rows (--prefill), once each.
 #
 #   OUT=/tmp/o COMMIT=$(git rev-parse --short HEAD) tools/bench-16core/run.sh
 set -uo pipefail
@@ -186,6 +193,39 @@ if [[ " $STEPS " == *" lcores-dpdk "* ]]; then
   for i in $(seq 1 "${DPDK_RUNS:-1}"); do
     bench "lcores-dpdk-w4-$i" --local --backend dpdk --busy-poll --model resnet50 --workers 4 --rounds 6 --warmup 1 \
       --sweep lcores=1,2,4,8 --no-ceiling
+  done
+fi
+
+sparse() { # name args...
+  local n=$1; shift
+  timeout 240 phub-bench sparse --json "$R/$n.json" "$@" >"$R/$n.log" 2>&1
+  local rc=$?
+  say "-- $n (rc=$rc): phub-bench sparse $*"
+  tail -n 8 "$R/$n.log" | tee -a "$SUM"
+}
+
+if [[ " $STEPS " == *" sparse "* ]]; then
+  stamp "sparse tables (issue 32)"
+  e2e="--local --workers 4 --rows 1000000 --dim 16 --batch 4096 --zipf 1.05"
+  for i in $(seq 1 "${SPARSE_RUNS:-2}"); do
+    for mode in bsp async; do
+      sparse "sparse-$mode-l2-$i" $e2e --lcores 2 --steps 1500 --consistency $mode --baseline tcp-ps
+    done
+  done
+  sparse sparse-bsp-l4 $e2e --lcores 4 --steps 1500 --consistency bsp --baseline tcp-ps
+  sparse sparse-pull $e2e --lcores 2 --steps 300 --pull-only --dense-pull
+  sparse sparse-engine-1e8 --engine-only --lcores 1 --rows 100000000 --dim 16 --batch 4096
+  if [ -x "$ROOT/bin/bsp_round_bench" ]; then
+    timeout 120 "$ROOT/bin/bsp_round_bench" 300 >"$R/bsp_round_bench.log" 2>&1
+    say "-- bsp_round_bench 300 (rc=$?)"; tail -n 7 "$R/bsp_round_bench.log" | tee -a "$SUM"
+  fi
+fi
+
+if [[ " $STEPS " == *" sparse-ok "* ]]; then
+  stamp "sparse tables, cost O(K)"
+  for rows in 100000 100000000; do
+    sparse "sparse-ok-$rows" --local --workers 4 --lcores 2 --rows $rows --dim 16 --batch 4096 --zipf 1.05 \
+      --steps 300 --prefill
   done
 fi
 
