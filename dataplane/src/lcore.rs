@@ -184,6 +184,9 @@ pub fn run<Io: PacketIo>(
 ) -> std::io::Result<()> {
     let counters = Arc::clone(shard.counters());
     shard.set_rx_buffer(io.stated_rx_buffer());
+    // The spin governor tells this lcore running from asleep by its
+    // thread's state.
+    opts.spin.enlist();
     let wait = (!opts.busy_poll).then_some(opts.idle_wait);
     // The instant on `clock` of the last burst that brought something: the
     // turn's one clock read serves the spin too.

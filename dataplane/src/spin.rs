@@ -13,7 +13,8 @@
 //! and no crowd of other threads waiting for the CPUs the lcores leave
 //! (spinning beside 4 or 8 busy workers on 2 vCPUs made rounds 5-10%
 //! slower): counted from `/proc/loadavg` with the spin off (a spinning
-//! lcore itself keeps others waiting): for [`PROBE_SPAN`] after
+//! lcore itself keeps others waiting), less the lcores running then (by
+//! their threads' state: [`SpinGate::lcores_running`]): for [`PROBE_SPAN`] after
 //! [`PROBE_FIRST`] and then every [`PROBE_EVERY`] seconds of traffic, and
 //! all the time it is off. The governor decides every [`CHECK_EVERY`]
 //! (and at the end of each probe), and at once when the process moved
@@ -24,7 +25,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// The spin `auto` uses where nothing limits the dataplane, microseconds.
@@ -43,7 +44,13 @@ pub const CROWD_ENTER: f64 = 1.25;
 /// ... and spins again once under this many more. Counted on a 2-vCPU VM,
 /// one lcore, ResNet-50, the spin off (BENCHMARKS.md, "The spin by
 /// default"): 1.6-1.8 other threads with 2 workers (where spinning makes
-/// rounds 17% faster), 2.8-3.6 with 4 and 3.3-4.9 with 8 (5-10% slower).
+/// rounds 17% faster), 2.8-3.6 with 4 and 3.3-4.9 with 8 (5-10% slower),
+/// every lcore taken off as if it ran; taking off only the lcores that
+/// run adds what an lcore sleeps: 1.93 against 1.76 with 2 workers, 3.03
+/// against 2.86 with 4 (the lcore runs 83% of the time), but 2.00
+/// against 1.59 for table pulls on two lcores and 2 vCPUs, where a spin
+/// made dense pulls 2x slower (BENCHMARKS.md, "One lcore's BSP rounds
+/// alone").
 pub const CROWD_LEAVE: f64 = 1.0;
 /// Readings with traffic between `auto`'s probes (seconds of traffic).
 pub const PROBE_EVERY: u32 = 30;
@@ -87,19 +94,60 @@ impl std::str::FromStr for SpinSetting {
 }
 
 /// The spin every lcore may use now, in nanoseconds: set once for a fixed
-/// setting, by the governor for `auto`.
+/// setting, by the governor for `auto`; and the lcores' thread ids, which
+/// the governor reads to tell lcores that run from lcores asleep.
 #[derive(Debug, Default)]
-pub struct SpinGate(AtomicU64);
+pub struct SpinGate {
+    spin: AtomicU64,
+    lcores: Mutex<Vec<u32>>,
+}
 
 impl SpinGate {
     /// A gate letting `spin` through.
     pub fn new(spin: Duration) -> SpinGate {
-        SpinGate(AtomicU64::new(nanos(spin)))
+        SpinGate {
+            spin: AtomicU64::new(nanos(spin)),
+            lcores: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Records the calling thread as an lcore (once, as it starts), for
+    /// [`SpinGate::lcores_running`]. A thread id that cannot be read
+    /// (no `/proc`) is left out: the governor then counts every lcore as
+    /// running, as it would with none enlisted.
+    pub fn enlist(&self) {
+        if let Some(tid) = thread_id() {
+            self.lcores
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(tid);
+        }
+    }
+
+    /// How many of `lcores` lcores are running or ready to run now, by
+    /// their threads' state in `/proc`; all of them where fewer enlisted
+    /// ([`SpinGate::enlist`]) or a state cannot be read.
+    pub fn lcores_running(&self, lcores: usize) -> usize {
+        let tids = self
+            .lcores
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if tids.len() < lcores {
+            return lcores;
+        }
+        let mut running = 0;
+        for &tid in tids.iter() {
+            match std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")) {
+                Ok(stat) => running += usize::from(parse_state(&stat) == Some('R')),
+                Err(_) => return lcores,
+            }
+        }
+        running
     }
 
     /// The spin now, nanoseconds.
     pub fn nanos(&self) -> u64 {
-        self.0.load(Ordering::Relaxed)
+        self.spin.load(Ordering::Relaxed)
     }
 
     /// The spin now, microseconds.
@@ -112,7 +160,7 @@ impl SpinGate {
     pub fn set(&self, spin: Duration) {
         let ns = nanos(spin);
         if self.nanos() != ns {
-            self.0.store(ns, Ordering::Relaxed);
+            self.spin.store(ns, Ordering::Relaxed);
         }
     }
 }
@@ -552,8 +600,10 @@ pub fn govern(
             while !stop.load(Ordering::Relaxed) {
                 std::thread::sleep(every);
                 if let Some(n) = read_running() {
-                    // Less this thread, reading, and the lcores.
-                    sum += n.saturating_sub(1 + lcores as u64);
+                    // Less this thread, reading, and the lcores that run
+                    // (an lcore asleep between bursts is not in the count:
+                    // taking all of them off hid as many other threads).
+                    sum += n.saturating_sub(1 + g.lcores_running(lcores) as u64);
                     samples += 1;
                 }
                 let now = Instant::now();
@@ -608,6 +658,19 @@ pub const MOVE_CHECK: Duration = Duration::from_millis(100);
 pub const PROBE_SPAN: Duration = Duration::from_millis(250);
 /// ... and how often it counts them.
 pub const PROBE_SAMPLE_EVERY: Duration = Duration::from_millis(5);
+
+/// The calling thread's id, from `/proc/thread-self` (`PID/task/TID`).
+fn thread_id() -> Option<u32> {
+    let link = std::fs::read_link("/proc/thread-self").ok()?;
+    link.file_name()?.to_str()?.parse().ok()
+}
+
+/// A thread's state letter in its `/proc/.../stat` line (`R`: running or
+/// ready to run): the field after the name, which is in parentheses and
+/// may itself hold spaces and parentheses.
+fn parse_state(stat: &str) -> Option<char> {
+    stat[stat.rfind(')')? + 1..].trim_start().chars().next()
+}
 
 /// Threads ready to run on the host now (`/proc/loadavg`'s running count,
 /// the reader included).
@@ -667,6 +730,46 @@ mod tests {
         assert_eq!(parse_nr_throttled("usage_usec 5\n"), 0);
         assert_eq!(parse_running("0.52 0.58 0.59 3/251 12345\n"), Some(3));
         assert_eq!(parse_running("garbage"), None);
+    }
+
+    #[test]
+    fn a_thread_state_is_read_after_its_name_whatever_the_name_holds() {
+        assert_eq!(parse_state("4242 (phub-lcore-0) R 1 4240 0"), Some('R'));
+        assert_eq!(parse_state("4242 (a) b (c)) S 1 4240 0"), Some('S'));
+        assert_eq!(parse_state("4242 (truncated"), None);
+    }
+
+    #[test]
+    fn lcores_count_as_running_only_while_they_run() {
+        let gate = Arc::new(SpinGate::new(Duration::ZERO));
+        // None enlisted: every lcore counts.
+        assert_eq!(gate.lcores_running(2), 2);
+        // This thread runs while it reads its own state.
+        gate.enlist();
+        assert_eq!(gate.lcores_running(1), 1);
+        // A second lcore blocked on a channel is asleep.
+        let (tx, rx) = std::sync::mpsc::channel::<()>();
+        let (enlisted_tx, enlisted) = std::sync::mpsc::channel();
+        let g = Arc::clone(&gate);
+        let sleeper = std::thread::spawn(move || {
+            g.enlist();
+            enlisted_tx.send(()).unwrap();
+            rx.recv().ok();
+        });
+        enlisted.recv().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while gate.lcores_running(2) != 1 {
+            assert!(
+                Instant::now() < deadline,
+                "the blocked lcore still counts as running"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        drop(tx);
+        sleeper.join().unwrap();
+        // An enlisted thread that is gone: its state cannot be read, and
+        // every lcore counts, as without enlisting.
+        assert_eq!(gate.lcores_running(2), 2);
         assert!(online_cpus() >= 1);
     }
 
