@@ -213,7 +213,7 @@ if [[ " $STEPS " == *" sparse "* ]]; then
     done
   done
   sparse sparse-bsp-l4 $e2e --lcores 4 --steps 1500 --consistency bsp --baseline tcp-ps
-  sparse sparse-pull $e2e --lcores 2 --steps 300 --pull-only --dense-pull
+  sparse sparse-pull $e2e --lcores 2 --steps 3000 --pull-only --dense-pull
   sparse sparse-engine-1e8 --engine-only --lcores 1 --rows 100000000 --dim 16 --batch 4096
   if [ -x "$ROOT/bin/bsp_round_bench" ]; then
     timeout 120 "$ROOT/bin/bsp_round_bench" 300 >"$R/bsp_round_bench.log" 2>&1
