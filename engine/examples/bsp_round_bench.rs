@@ -111,13 +111,16 @@ fn round_packets(per_rank: &[Vec<u64>], round: u32, per: usize) -> (Vec<(u16, Ve
         lane.push(msg(RowMsgType::RowEnd, rank, round, n, &[], &[]));
         lanes.push(lane);
     }
+    // One message of each rank in turn, moved out of the lanes.
+    let mut lanes: Vec<_> = lanes.into_iter().map(Vec::into_iter).collect();
     let mut packets = Vec::new();
-    let longest = lanes.iter().map(Vec::len).max().unwrap_or(0);
-    for i in 0..longest {
-        for (rank, lane) in (0u16..).zip(&lanes) {
-            if let Some(p) = lane.get(i) {
-                packets.push((rank, p.clone()));
-            }
+    loop {
+        let before = packets.len();
+        for (rank, lane) in (0u16..).zip(&mut lanes) {
+            packets.extend(lane.next().map(|p| (rank, p)));
+        }
+        if packets.len() == before {
+            break;
         }
     }
     (packets, pushed)
