@@ -100,70 +100,227 @@ pub(crate) struct RowPlan {
     pub(crate) lanes: Vec<Lane>,
 }
 
-/// The caller's ids with their lcores, merged: the distinct ids by (lcore,
-/// id), each id's lcore, and the caller's positions' indices into them.
+/// The caller's ids merged: the distinct ids by (lcore, id), the run of
+/// each lcore's, the caller's positions' indices into them and, for a
+/// push, each distinct id's gradient row summed.
 struct Merged {
     ids: Vec<u64>,
-    entries: Vec<u32>,
+    /// Per entry (lcore), the range of `ids` on it.
+    runs: Vec<Range<usize>>,
     slot_of: Vec<u32>,
-    /// Per distinct id, the caller's positions of it in their order
-    /// (flattened: `order[starts[u]..starts[u + 1]]`).
-    order: Vec<u32>,
-    starts: Vec<usize>,
+    /// A push: `ids.len()` rows of D values, each id's rows summed in the
+    /// caller's order; a pull: empty.
+    sums: Vec<f32>,
 }
 
-fn merge(table: &TableInfo, ids: &[u64]) -> Result<Merged, WorkerError> {
+/// A call's gradient rows: `grads[i * dim..][..dim]` is id i's.
+#[derive(Clone, Copy)]
+struct Grads<'a> {
+    grads: &'a [f32],
+    dim: usize,
+}
+
+/// [`merge`]'s working memory, kept by each thread that plans from one
+/// call to the next (allocated afresh, its pages were faulted in again
+/// on every call: as much time as the merge itself, BENCHMARKS.md).
+#[derive(Default)]
+struct Scratch {
+    /// Each id's bucket.
+    bucket_of: Vec<u32>,
+    /// Bucket b's keys start at `starts[b]`.
+    starts: Vec<u32>,
+    /// Where the next key of bucket b goes.
+    next: Vec<u32>,
+    /// (id, position) packed, bucket by bucket.
+    keyed: Vec<u128>,
+}
+
+impl Scratch {
+    /// Gives the memory of a call far larger than one of `n` ids back
+    /// (a thread that once planned a huge call keeps no more than 8x
+    /// what its later calls need, and 2^16 ids' worth at least).
+    fn fit(&mut self, n: usize) {
+        let keep = n.max(1 << 16).saturating_mul(8);
+        if self.keyed.capacity() > keep {
+            *self = Scratch::default();
+        }
+    }
+}
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
+fn merge(table: &TableInfo, ids: &[u64], grads: Option<Grads<'_>>) -> Result<Merged, WorkerError> {
     let Ok(n) = u32::try_from(ids.len()) else {
         return Err(WorkerError::Rows {
             table: table.name.clone(),
             message: format!("{} ids in one call; accepted: at most 2^32 - 1", ids.len()),
         });
     };
-    // (entry, id, position): sorting makes the order of every output a
-    // function of the ids alone, and sums repeats in the caller's order.
-    // Packed in one u128 (entry in the high 32 bits, the position in the
-    // low): the same order, sorted in 0.6x the time of the tuples (4096
-    // ids: 92 against 150 us here, BENCHMARKS.md).
-    let mut keyed: Vec<u128> = ids
-        .iter()
-        .zip(0..n)
-        .map(|(&id, i)| {
-            (u128::from(table.placement.entry(id)) << 96) | (u128::from(id) << 32) | u128::from(i)
-        })
-        .collect();
-    keyed.sort_unstable();
-    let mut m = Merged {
-        ids: Vec::new(),
-        entries: Vec::new(),
-        slot_of: vec![0; ids.len()],
-        order: Vec::with_capacity(ids.len()),
-        starts: Vec::new(),
-    };
-    for &k in &keyed {
-        // Casts: the fields packed above.
-        #[allow(clippy::cast_possible_truncation)]
-        let (entry, id, pos) = ((k >> 96) as u32, (k >> 32) as u64, k as u32);
-        if m.ids.last() != Some(&id) || m.entries.last() != Some(&entry) {
-            m.starts.push(m.order.len());
-            m.ids.push(id);
-            m.entries.push(entry);
-        }
-        // Cast: at most `n` distinct ids, n < 2^32.
-        #[allow(clippy::cast_possible_truncation)]
-        let slot = (m.ids.len() - 1) as u32;
-        m.slot_of[pos as usize] = slot;
-        m.order.push(pos);
-    }
-    m.starts.push(m.order.len());
-    Ok(m)
+    Ok(SCRATCH.with(|s| merge_in(table, ids, n, grads, &mut s.borrow_mut())))
 }
 
-/// The runs of `entries` (sorted): per lcore of `lcores`, the range of
-/// indices whose entry it is.
-fn runs(entries: &[u32], lcores: u32) -> Vec<Range<usize>> {
-    (0..lcores)
-        .map(|e| entries.partition_point(|&x| x < e)..entries.partition_point(|&x| x <= e))
-        .collect()
+/// [`merge`] of `n` = `ids.len()` ids in `scratch`.
+///
+/// The (entry, id, position) order makes the order of every output a
+/// function of the ids alone and sums repeats in the caller's order. It
+/// is reached without sorting the whole call (a comparison sort of the
+/// triples packed in u128s was a fifth of a pull's CPU, BENCHMARKS.md):
+/// the positions are counted into buckets by (entry, the ids' leading
+/// bits) in the caller's order, about two ids a bucket, and each bucket
+/// is sorted alone by id, keeping the caller's order among repeats.
+fn merge_in(
+    table: &TableInfo,
+    ids: &[u64],
+    n: u32,
+    grads: Option<Grads<'_>>,
+    scratch: &mut Scratch,
+) -> Merged {
+    let lcores = table.placement.lcores();
+    let span = ids.iter().fold(0u64, |a, &id| a | id);
+    let shape = Buckets::new(ids.len(), lcores, span);
+    scratch.fit(ids.len());
+    let Scratch {
+        bucket_of,
+        starts,
+        next,
+        keyed,
+    } = scratch;
+    bucket_of.clear();
+    starts.clear();
+    starts.resize(shape.count() + 1, 0);
+    for &id in ids {
+        let b = shape.of(table.placement.entry(id), id);
+        starts[b + 1] += 1;
+        // Cast: below shape.count(), itself at most max(n, lcores).
+        #[allow(clippy::cast_possible_truncation)]
+        bucket_of.push(b as u32);
+    }
+    for b in 1..starts.len() {
+        starts[b] += starts[b - 1];
+    }
+    next.clear();
+    next.extend_from_slice(starts);
+    keyed.clear();
+    keyed.resize(ids.len(), 0);
+    for ((&id, &b), i) in ids.iter().zip(bucket_of.iter()).zip(0..n) {
+        let at = &mut next[b as usize];
+        keyed[*at as usize] = (u128::from(id) << 32) | u128::from(i);
+        *at += 1;
+    }
+    let dim = grads.map_or(0, |g| g.dim);
+    let mut m = Merged {
+        ids: Vec::with_capacity(ids.len()),
+        runs: Vec::with_capacity(lcores as usize),
+        slot_of: vec![0; ids.len()],
+        sums: Vec::with_capacity(if grads.is_some() { ids.len() * dim } else { 0 }),
+    };
+    let per = 1usize << shape.bits;
+    for entry in 0..lcores as usize {
+        let first = m.ids.len();
+        for b in entry * per..(entry + 1) * per {
+            let run = &mut keyed[starts[b] as usize..starts[b + 1] as usize];
+            sort_run(run);
+            // A bucket holds every repeat of its ids: ids of other buckets
+            // differ from them.
+            let mut last = None;
+            for &k in run.iter() {
+                // Casts: the fields packed above.
+                #[allow(clippy::cast_possible_truncation)]
+                let (id, pos) = ((k >> 32) as u64, k as u32);
+                let p = pos as usize;
+                if last != Some(id) {
+                    last = Some(id);
+                    m.ids.push(id);
+                    // The first copies, the others add: one repeat is its
+                    // own row bit for bit. (Appended: zeroing the sums
+                    // first cost a third as much as the copies, perf.)
+                    if let Some(g) = grads {
+                        m.sums.extend_from_slice(&g.grads[p * dim..][..dim]);
+                    }
+                } else if let Some(g) = grads {
+                    let at = m.sums.len() - dim;
+                    for (s, v) in m.sums[at..].iter_mut().zip(&g.grads[p * dim..][..dim]) {
+                        *s += v;
+                    }
+                }
+                // Cast: at most `n` distinct ids, n < 2^32.
+                #[allow(clippy::cast_possible_truncation)]
+                let slot = (m.ids.len() - 1) as u32;
+                m.slot_of[p] = slot;
+            }
+        }
+        m.runs.push(first..m.ids.len());
+    }
+    m
+}
+
+/// [`merge`]'s buckets: per entry, `1 << bits` of them, bucket b of an
+/// entry holding the ids whose `bits` bits below the highest set bit of
+/// any id of the call (`span`) read b, so that buckets in order hold
+/// their entry's ids in order.
+#[derive(Debug, Clone, Copy)]
+struct Buckets {
+    /// Entries.
+    lcores: u32,
+    /// Leading bits of an id (below `width`) that pick its bucket within
+    /// its entry.
+    bits: u32,
+    /// Bits of `span` (64 less its leading zeros).
+    width: u32,
+}
+
+impl Buckets {
+    /// Buckets for `n` ids over `lcores` entries: about two ids a bucket
+    /// where ids spread evenly, at most 2^16 per entry and no more than
+    /// max(n / 2, lcores) in all.
+    fn new(n: usize, lcores: u32, span: u64) -> Buckets {
+        let width = 64 - span.leading_zeros();
+        let per_entry = (n / lcores.max(1) as usize).max(1);
+        let bits = per_entry.ilog2().saturating_sub(1).min(16).min(width);
+        Buckets { lcores, bits, width }
+    }
+
+    /// Buckets in all.
+    fn count(&self) -> usize {
+        (self.lcores as usize) << self.bits
+    }
+
+    /// The bucket of `id` on `entry`.
+    #[inline]
+    fn of(&self, entry: u32, id: u64) -> usize {
+        let within = if self.bits == 0 {
+            0
+        } else {
+            id >> (self.width - self.bits)
+        };
+        // Cast: within < 2^bits, bits <= 16.
+        #[allow(clippy::cast_possible_truncation)]
+        let within = within as usize;
+        ((entry as usize) << self.bits) | within
+    }
+}
+
+/// Sorts one bucket of [`merge`]'s (id, position) keys, placed in the
+/// caller's order: by id, repeats kept in that order (so by id and
+/// position); by insertion when short (a bucket holds about two), by a
+/// comparison sort else (ids that share their leading bits, repeats).
+fn sort_run(run: &mut [u128]) {
+    if run.len() > 16 {
+        run.sort_unstable();
+        return;
+    }
+    for i in 1..run.len() {
+        let k = run[i];
+        let id = k >> 32;
+        let mut j = i;
+        while j > 0 && run[j - 1] >> 32 > id {
+            run[j] = run[j - 1];
+            j -= 1;
+        }
+        run[j] = k;
+    }
 }
 
 /// Plans round (or clock) `round` of `table`: `grads` holds `ids.len()`
@@ -188,25 +345,11 @@ pub(crate) fn plan_push(
             ),
         });
     }
-    let m = merge(table, ids)?;
-    let mut sums = Vec::with_capacity(m.ids.len() * dim);
-    for u in 0..m.ids.len() {
-        let positions = &m.order[m.starts[u]..m.starts[u + 1]];
-        // The first copies, the others add: one repeat is its own row
-        // bit for bit. (Appended: zeroing the sums first cost a third as
-        // much as the copies, perf.)
-        sums.extend_from_slice(&grads[positions[0] as usize * dim..][..dim]);
-        let row = &mut sums[u * dim..];
-        for &p in &positions[1..] {
-            for (s, g) in row.iter_mut().zip(&grads[p as usize * dim..][..dim]) {
-                *s += g;
-            }
-        }
-    }
+    let m = merge(table, ids, Some(Grads { grads, dim }))?;
     let lcores = table.placement.lcores();
     let mut msgs = Vec::new();
     let mut lanes = Vec::with_capacity(lcores as usize);
-    for (entry, run) in (0..lcores).zip(runs(&m.entries, lcores)) {
+    for (entry, run) in (0..lcores).zip(m.runs.iter().cloned()) {
         let rows = run.len() as u64;
         let n = messages_for(rows, table.per);
         if n > u64::from(MAX_ROW_MESSAGES) {
@@ -247,7 +390,7 @@ pub(crate) fn plan_push(
         dim: table.dim,
         kind: PlanKind::Push { round },
         ids: m.ids,
-        grads: sums,
+        grads: m.sums,
         slot_of: m.slot_of,
         msgs,
         lanes,
@@ -258,12 +401,12 @@ pub(crate) fn plan_push(
 
 /// Plans a pull of `ids`' rows of `table`.
 pub(crate) fn plan_pull(table: &TableInfo, ids: &[u64]) -> Result<RowPlan, WorkerError> {
-    let m = merge(table, ids)?;
+    let m = merge(table, ids, None)?;
     let lcores = table.placement.lcores();
     let per = table.per as usize;
     let mut msgs = Vec::new();
     let mut lanes = Vec::with_capacity(lcores as usize);
-    for (entry, run) in (0..lcores).zip(runs(&m.entries, lcores)) {
+    for (entry, run) in (0..lcores).zip(m.runs.iter().cloned()) {
         let first = msgs.len();
         let mut a = run.start;
         while a < run.end {
@@ -375,5 +518,140 @@ impl RowPlan {
                 assert!(end.kind == RowMsgType::RowEnd && end.seq == lane.n && end.entry as usize == e);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table(lcores: &[u32]) -> TableInfo {
+        TableInfo {
+            key: 3,
+            name: "emb".into(),
+            dim: 2,
+            per: 5,
+            placement: RowPlacement::new(7, 3, lcores).unwrap(),
+            key_cache: 0,
+        }
+    }
+
+    /// What `merge` must give, by a comparison sort of every (entry, id,
+    /// position), each id's rows summed in the caller's order.
+    fn merge_by_sorting(table: &TableInfo, ids: &[u64], grads: Option<Grads<'_>>) -> Merged {
+        let mut keyed: Vec<(u32, u64, u32)> = ids
+            .iter()
+            .zip(0u32..)
+            .map(|(&id, i)| (table.placement.entry(id), id, i))
+            .collect();
+        keyed.sort_unstable();
+        let lcores = table.placement.lcores();
+        let mut m = Merged {
+            ids: Vec::new(),
+            runs: vec![0..0; lcores as usize],
+            slot_of: vec![0; ids.len()],
+            sums: Vec::new(),
+        };
+        for (entry, id, pos) in keyed {
+            let p = pos as usize;
+            if m.ids.last() != Some(&id) {
+                m.ids.push(id);
+                if let Some(g) = grads {
+                    m.sums.extend_from_slice(&g.grads[p * g.dim..][..g.dim]);
+                }
+            } else if let Some(g) = grads {
+                let at = m.sums.len() - g.dim;
+                for (s, v) in m.sums[at..].iter_mut().zip(&g.grads[p * g.dim..][..g.dim]) {
+                    *s += v;
+                }
+            }
+            m.slot_of[p] = u32::try_from(m.ids.len() - 1).unwrap();
+            let run = &mut m.runs[entry as usize];
+            if run.start == run.end {
+                *run = m.ids.len() - 1..m.ids.len();
+            } else {
+                run.end = m.ids.len();
+            }
+        }
+        // Lcores with no id: an empty run where the ids before it end.
+        let mut at = 0;
+        for run in &mut m.runs {
+            if run.start == run.end {
+                *run = at..at;
+            }
+            at = run.end;
+        }
+        m
+    }
+
+    fn splitmix(x: &mut u64) -> u64 {
+        *x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = *x;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+
+    #[test]
+    fn merging_by_buckets_gives_the_order_of_a_sort_of_every_entry_id_and_position() {
+        let mut r = 1u64;
+        for case in 0..600u64 {
+            let lcores: Vec<u32> = match case % 4 {
+                0 => vec![1],
+                1 => vec![2],
+                2 => vec![3, 2],
+                _ => vec![1, 1, 1, 4],
+            };
+            let t = table(&lcores);
+            let n = [0, 1, 2, 7, 64, 300, 4096][usize::try_from(case % 7).unwrap()];
+            // Hashed ids, small ones (leading bits shared), a few ids
+            // repeated, every id alike, the extremes, hashed ids repeated.
+            let ids: Vec<u64> = (0..n)
+                .map(|_| match (case / 7) % 6 {
+                    0 => splitmix(&mut r),
+                    5 => {
+                        let mut few = splitmix(&mut r) % 200;
+                        splitmix(&mut few)
+                    }
+                    1 => splitmix(&mut r) % 100_000,
+                    2 => splitmix(&mut r) % 13,
+                    3 => 42,
+                    _ => [0, u64::MAX, 1 << 63, 5][usize::try_from(splitmix(&mut r) % 4).unwrap()],
+                })
+                .collect();
+            // Gradients whose sums depend on the order they are added in
+            // (f32 rounding), so that the caller's order is checked too.
+            let dim = 2;
+            let grads: Vec<f32> = (0..n * dim)
+                .map(|_| {
+                    f32::from_bits(0x3f80_0000 | (u32::try_from(splitmix(&mut r) >> 41).unwrap())) * 1e-3
+                })
+                .collect();
+            for g in [None, Some(Grads { grads: &grads, dim })] {
+                let got = merge(&t, &ids, g).unwrap();
+                let want = merge_by_sorting(&t, &ids, g);
+                assert_eq!(got.ids, want.ids, "case {case}");
+                assert_eq!(got.runs, want.runs, "case {case}");
+                assert_eq!(got.slot_of, want.slot_of, "case {case}");
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(bits(&got.sums), bits(&want.sums), "case {case}");
+            }
+        }
+    }
+
+    #[test]
+    fn buckets_are_in_id_order_within_an_entry_and_in_entry_order() {
+        let b = Buckets::new(4096, 2, u64::MAX);
+        assert_eq!((b.bits, b.count()), (10, 2048));
+        assert!(b.of(0, u64::MAX) < b.of(1, 0));
+        assert!(b.of(1, 1 << 53) < b.of(1, 1 << 54));
+        assert_eq!(b.of(1, u64::MAX), 2047);
+        // Ids below 2^20: their bits below bit 20 pick the bucket.
+        let small = Buckets::new(4096, 1, (1 << 20) - 1);
+        assert_eq!((small.bits, small.width), (11, 20));
+        assert!(small.of(0, 1 << 18) < small.of(0, 1 << 19));
+        // No more buckets than ids (or one per entry), all ids zero too.
+        assert_eq!(Buckets::new(3, 8, 1 << 40).count(), 8);
+        assert_eq!(Buckets::new(100, 1, 0).count(), 1);
     }
 }
