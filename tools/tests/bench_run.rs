@@ -230,6 +230,22 @@ fn sparse_local_without_resends(flags: &[&str]) -> (String, Value) {
     last
 }
 
+/// `sparse --local --optimizer NAME`: the job's table, the TCP row server
+/// and the reference all run that optimizer: every rank's rows, every
+/// step, are the reference's; the JSON and the output name it; `--quiet`
+/// changes nothing but the progress bar.
+#[test]
+fn sparse_local_runs_the_optimizer_it_is_given() {
+    for name in ["adam", "ftrl"] {
+        let (out, v) =
+            small_sparse_local(&["--verify", "--optimizer", name, "--baseline", "tcp-ps", "--quiet"]);
+        assert_eq!(v["verified"], true, "{name}: {v}");
+        assert_eq!(v["optimizer"], name, "{v}");
+        assert!(num(&v, "baseline_row_updates_per_s") > 0.0, "{v}");
+        assert!(out.contains(&format!("x 4 ({name})")), "{out}");
+    }
+}
+
 /// Key caching end to end (PROTOCOL.md §10.7): the same fixed ids every
 /// step, once sent with every message and once registered with
 /// `cache_ids`: both runs' rows verified against the reference (so a
@@ -339,9 +355,10 @@ fn assert_cached_run_saves_its_ids(fixed: &Value, cached: &Value, saved: f64, pr
 
 /// `sparse --engine-only --checkpoint DIR`: two lcores' stores filled,
 /// updated and read, then written to one checkpoint file each, dropped
-/// and restored: the JSON states the rows and bytes written (a header, a
-/// record per row of its id, touch and values and Adagrad state, and a
-/// checksum, per file) and that the restored rows are the written ones.
+/// and restored (row-wise Adagrad: one accumulator a row): the JSON
+/// states the rows and bytes written (a header, a record per row of its
+/// id, touch, values and accumulator, and a checksum, per file) and that
+/// the restored rows are the written ones.
 #[test]
 fn sparse_engine_only_checkpoints_and_restores_its_stores() {
     let json = scratch("sparse-ckpt.json");
@@ -359,6 +376,8 @@ fn sparse_engine_only_checkpoints_and_restores_its_stores() {
         "64",
         "--ops",
         "2000",
+        "--optimizer",
+        "adagrad-rowwise",
         "--checkpoint",
         dir.to_str().unwrap(),
         "--json",
@@ -375,7 +394,12 @@ fn sparse_engine_only_checkpoints_and_restores_its_stores() {
         .map(|f| std::fs::metadata(dir.join(f)).unwrap().len())
         .sum();
     assert_eq!(c["bytes"].as_u64(), Some(files), "{v}");
-    assert!(files > 3000 * (8 + 4 + 4 * 8), "{files} bytes for 3000 rows");
+    // Row-wise: 32 bytes a row, not element-wise Adagrad's 44.
+    assert!(
+        files > 3000 * (8 + 4 + 4 * 4 + 4) && files < 3000 * (8 + 4 + 4 * 8),
+        "{files} bytes for 3000 rows"
+    );
+    assert_eq!(v["optimizer"], "adagrad-rowwise", "{v}");
     for k in [
         "write_s",
         "restore_s",

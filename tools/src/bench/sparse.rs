@@ -25,9 +25,10 @@
 //! `charged_bytes` is what admission charges for the stores
 //! ([`table_bytes`]), summed.
 //!
-//! The optimizer is the engine's element-wise Adagrad
-//! ([`RowOptimizer::Adagrad`], PROTOCOL.md §10.5; lr 0.01, eps 1e-8), the
-//! workload the issue names; rows start as zeros ([`Init::Zeros`]).
+//! The optimizer is `--optimizer`'s ([`RowOpt`]: the engine's row
+//! optimizers of PROTOCOL.md §10.5 with the hyper-parameters it lists),
+//! by default element-wise Adagrad (lr 0.01, eps 1e-8), the workload the
+//! issue names; rows start as zeros ([`Init::Zeros`]).
 //!
 //! With `--checkpoint DIR` each store is then written to `DIR/lcore-L.ckpt`
 //! ([`RowStore::write_to`], flushed to the disk with fsync and dropped
@@ -77,6 +78,13 @@ pub struct SparseArgs {
     /// server in the same minutes (`tcp-ps`: [`super::tcp_rows`]).
     #[arg(long, value_name = "NAME", value_parser = ["tcp-ps"])]
     pub baseline: Option<String>,
+    /// The table's row optimizer (PROTOCOL.md §10.5), in the engine's
+    /// stores, the job's table and the TCP row server alike.
+    #[arg(long, value_enum, value_name = "NAME", default_value = "adagrad")]
+    pub optimizer: RowOpt,
+    /// `--local`: hide the progress bar.
+    #[arg(long)]
+    pub quiet: bool,
     /// Rows stored, over all lcores.
     #[arg(long, value_name = "R", default_value_t = 1_000_000)]
     pub rows: u64,
@@ -228,6 +236,8 @@ impl SparseArgs {
 pub struct SparseReport {
     /// Threads, one store each.
     pub lcores: usize,
+    /// The row optimizer (`--optimizer`).
+    pub optimizer: RowOpt,
     /// Rows asked for, over all lcores.
     pub rows: u64,
     /// Values per row.
@@ -284,16 +294,61 @@ pub struct CheckpointFigures {
     pub verified: bool,
 }
 
-/// The store the benchmark times: zeros, element-wise Adagrad.
+/// The store the benchmark times: zeros, `--optimizer`'s updates.
 type Store = RowStore<TableInit, RowOptimizer>;
 
-/// The optimizer the benchmark applies (module head).
-const ADAGRAD: RowOptimizer = RowOptimizer::Adagrad {
-    lr: 0.01,
-    eps: 1e-8,
-    initial_accumulator: 0.0,
-    rowwise: false,
-};
+/// `--optimizer`: a row optimizer of PROTOCOL.md §10.5 with the
+/// hyper-parameters the benchmark gives it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum RowOpt {
+    /// The gradient added to the row.
+    Sum,
+    /// SGD, lr 0.01.
+    Sgd,
+    /// Element-wise Adagrad, lr 0.01, eps 1e-8 (the default).
+    Adagrad,
+    /// Row-wise Adagrad (one accumulator per row), lr 0.01, eps 1e-8.
+    AdagradRowwise,
+    /// Lazy Adam, lr 0.001, betas 0.9 and 0.999, eps 1e-8.
+    Adam,
+    /// FTRL-proximal, alpha 0.05, beta 1, l1 0.001, l2 0.001.
+    Ftrl,
+}
+
+impl RowOpt {
+    /// The table's `optimizer` as a job spec writes it (an inline table).
+    pub fn spec_toml(self) -> &'static str {
+        match self {
+            RowOpt::Sum => "{ kind = \"sum\" }",
+            RowOpt::Sgd => "{ kind = \"sgd\", lr = 0.01 }",
+            RowOpt::Adagrad => "{ kind = \"adagrad\", lr = 0.01 }",
+            RowOpt::AdagradRowwise => "{ kind = \"adagrad\", lr = 0.01, rowwise = true }",
+            RowOpt::Adam => "{ kind = \"adam\", lr = 0.001 }",
+            RowOpt::Ftrl => "{ kind = \"ftrl\", alpha = 0.05, beta = 1.0, l1 = 0.001, l2 = 0.001 }",
+        }
+    }
+
+    /// What the job spec's `optimizer` parses to.
+    pub fn spec(self) -> Result<phub_proto::spec::RowOptimizerSpec> {
+        let text = format!(
+            "name = \"opt\"\nworkers = 1\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
+             kind = \"table\"\ndim = 1\noptimizer = {}\n",
+            self.spec_toml()
+        );
+        phub_proto::spec::JobSpec::from_toml(&text)
+            .ok()
+            .and_then(|s| s.keys.first().and_then(|k| k.table.as_ref().map(|t| t.optimizer)))
+            .with_context(|| format!("the benchmark's own optimizer {}", self.spec_toml()))
+    }
+
+    /// The engine's optimizer for it, as the dataplane installs it.
+    pub fn engine(self) -> Result<RowOptimizer> {
+        let opt = phub_engine::engine::row_optimizer(&self.spec()?);
+        opt.check()?;
+        Ok(opt)
+    }
+}
 
 /// splitmix64: the benchmark's ids and random numbers.
 fn splitmix(x: u64) -> u64 {
@@ -369,7 +424,11 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
         idle_seconds: None,
         hash_key: splitmix(0xC0FF_EE00 ^ l64),
     };
-    let mut store = RowStore::new(config, TableInit::new(Init::Zeros, 0, 0)?, ADAGRAD)?;
+    let mut store = RowStore::new(
+        config,
+        TableInit::new(Init::Zeros, 0, 0)?,
+        args.optimizer.engine()?,
+    )?;
     let charged = table_bytes(&store.shape());
     let d = args.dim as usize;
     let k = args.batch;
@@ -475,7 +534,7 @@ struct Restored {
 
 /// One store through `--checkpoint`: written to `path` and synced, its
 /// pages dropped from the page cache, the store dropped, then read back.
-fn checkpoint_one(store: Store, path: &Path, barrier: &Barrier) -> Result<Restored> {
+fn checkpoint_one(store: Store, opt: RowOptimizer, path: &Path, barrier: &Barrier) -> Result<Restored> {
     let config = *store.config();
     let before = store_digest(&store);
     let rows = store.rows_stored();
@@ -497,7 +556,7 @@ fn checkpoint_one(store: Store, path: &Path, barrier: &Barrier) -> Result<Restor
     barrier.wait();
     let t = Instant::now();
     let file = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
-    let store = RowStore::read_from(file, config, TableInit::new(Init::Zeros, 0, 0)?, ADAGRAD)
+    let store = RowStore::read_from(file, config, TableInit::new(Init::Zeros, 0, 0)?, opt)
         .with_context(|| format!("restoring {}", path.display()))?;
     let restore_s = t.elapsed().as_secs_f64();
     let same = store_digest(&store) == before && store.rows_stored() == rows;
@@ -515,11 +574,11 @@ fn checkpoint_one(store: Store, path: &Path, barrier: &Barrier) -> Result<Restor
 /// threads at once; `stores` holds the restored ones after.
 // Cast: counts to f64 for rates.
 #[allow(clippy::cast_precision_loss)]
-fn checkpoint_phase(dir: &Path, stores: &mut Vec<Store>) -> Result<CheckpointFigures> {
+fn checkpoint_phase(dir: &Path, opt: RowOptimizer, stores: &mut Vec<Store>) -> Result<CheckpointFigures> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     let barrier = Barrier::new(stores.len());
     let results = in_threads(std::mem::take(stores), "a checkpoint", |l, store| {
-        checkpoint_one(store, &dir.join(format!("lcore-{l}.ckpt")), &barrier)
+        checkpoint_one(store, opt, &dir.join(format!("lcore-{l}.ckpt")), &barrier)
     });
     let mut figures = CheckpointFigures {
         bytes: 0,
@@ -570,6 +629,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
             "--zipf {s}: accepted a positive exponent"
         );
     }
+    args.optimizer.engine()?;
     let load = loadavg();
     let barrier = Barrier::new(args.lcores);
     let results = in_threads(0..args.lcores, "an lcore", |_, l| lcore(args, l, &barrier));
@@ -583,12 +643,13 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     // Stores are alive: RSS holds them.
     let rss = vm_rss()?;
     let checkpoint = match &args.checkpoint {
-        Some(dir) => Some(checkpoint_phase(dir, &mut stores)?),
+        Some(dir) => Some(checkpoint_phase(dir, args.optimizer.engine()?, &mut stores)?),
         None => None,
     };
     let charged: u64 = figures.iter().map(|f| f.charged).sum();
     let report = SparseReport {
         lcores: args.lcores,
+        optimizer: args.optimizer,
         rows: args.rows,
         dim: args.dim,
         batch: args.batch,
@@ -617,8 +678,11 @@ pub fn run(args: &SparseArgs) -> Result<()> {
         report.zipf.map_or("uniform".to_string(), |s| format!("zipf {s}"))
     );
     println!(
-        "  row updates/s {:.3e} (Adagrad)   row lookups/s {:.3e}   preload rows/s {:.3e}",
-        report.row_updates_per_s, report.row_lookups_per_s, report.preload_rows_per_s
+        "  row updates/s {:.3e} ({})   row lookups/s {:.3e}   preload rows/s {:.3e}",
+        report.row_updates_per_s,
+        args.optimizer.engine()?.name(),
+        report.row_lookups_per_s,
+        report.preload_rows_per_s
     );
     println!(
         "  rss {:.3} GB   charged {:.3} GB   rss/charge {:.3}   load before {:.2}",
@@ -654,6 +718,8 @@ pub struct SparseLocalReport {
     pub workers: u16,
     /// The job's consistency (`bsp`, `async`, `ssp:TAU`).
     pub consistency: String,
+    /// The table's row optimizer (`--optimizer`).
+    pub optimizer: RowOpt,
     /// Dataplane queues.
     pub lcores: usize,
     /// The table's rows cap.
@@ -1114,29 +1180,40 @@ fn verify_rows(
     Ok(None)
 }
 
-/// The reference table (PROTOCOL.md §10.5's element-wise Adagrad, rows
-/// stored as zeros with `initial_accumulator` on their first push) run
-/// over every rank's ids and `grads`, step by step, each step's summed
-/// gradient applied once per id: per step, per rank, the digest of the
-/// rows it reads back.
+/// The reference table run over every rank's ids and `grads`, step by
+/// step, each step's summed gradient applied once per id: per step, per
+/// rank, the digest of the rows it reads back. Element-wise Adagrad is
+/// PROTOCOL.md §10.5's block written here again (rows stored as zeros
+/// with `initial_accumulator` on their first push); the other optimizers
+/// are the engine's own ([`RowOptimizer`], whose every block the engine's
+/// rules tests hold to PROTOCOL.md's worked examples), so that for them
+/// `--verify` checks what the transport and the rounds do to the rows.
 fn reference_digests(
     args: &SparseArgs,
     opt: &phub_proto::spec::RowOptimizerSpec,
     grads: &[f32],
 ) -> Result<Vec<Vec<u64>>> {
+    use phub_engine::table::RowUpdate;
     use std::collections::HashMap;
-    let phub_proto::spec::RowOptimizerSpec::Adagrad {
-        lr,
-        eps,
-        initial_accumulator,
-        rowwise: false,
-    } = *opt
-    else {
-        anyhow::bail!("--verify models element-wise Adagrad, not {}", opt.name());
+    let engine = phub_engine::engine::row_optimizer(opt);
+    engine.check()?;
+    let apply = |w: &mut [f32], state: &mut [f32], a: &[f32]| match *opt {
+        phub_proto::spec::RowOptimizerSpec::Adagrad {
+            lr,
+            eps,
+            rowwise: false,
+            ..
+        } => {
+            for ((w, a), h) in w.iter_mut().zip(a).zip(state.iter_mut()) {
+                *h += *a * *a;
+                *w -= lr * *a / (h.sqrt() + eps);
+            }
+        }
+        _ => engine.apply(w, state, a),
     };
     let (d, k) = (args.dim as usize, args.batch);
     let ids: Vec<Vec<u64>> = (0..args.workers).map(|r| rank_ids(args, r)).collect();
-    // id -> (w, h)
+    // id -> (w, optimizer state)
     let mut table: HashMap<u64, (Vec<f32>, Vec<f32>)> = HashMap::new();
     let mut acc: HashMap<u64, Vec<f32>> = HashMap::new();
     let mut row = vec![0f32; k * d];
@@ -1152,13 +1229,12 @@ fn reference_digests(
             }
         }
         for (id, a) in &acc {
-            let (w, h) = table
-                .entry(*id)
-                .or_insert_with(|| (vec![0.0; d], vec![initial_accumulator; d]));
-            for ((w, a), h) in w.iter_mut().zip(a).zip(h.iter_mut()) {
-                *h += *a * *a;
-                *w -= lr * *a / (h.sqrt() + eps);
-            }
+            let (w, state) = table.entry(*id).or_insert_with(|| {
+                let mut state = vec![0.0; engine.state_len(d)];
+                engine.init_state(&mut state);
+                (vec![0.0; d], state)
+            });
+            apply(w, state, a);
         }
         let mut per_rank = Vec::with_capacity(ids.len());
         for rank_ids in &ids {
@@ -1193,7 +1269,23 @@ fn drive(
     connect: impl Fn(u16) -> Result<Pusher> + Sync,
 ) -> Result<Vec<RankFigures>> {
     let (d, k) = (args.dim as usize, args.batch);
-    in_threads(0..args.workers, "a worker", |_, r| -> Result<RankFigures> {
+    // Every rank's steps, untimed ones included (hidden by --quiet, and
+    // where stderr is no terminal).
+    let bar = if args.quiet {
+        indicatif::ProgressBar::hidden()
+    } else {
+        indicatif::ProgressBar::new(u64::from(args.workers) * (u64::from(args.steps) + 3)).with_style(
+            indicatif::ProgressStyle::with_template("  [{bar:40}] {pos}/{len} worker-steps {msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+                .progress_chars("=> "),
+        )
+    };
+    bar.set_message(if args.prefill {
+        "joining, prefilling"
+    } else {
+        "joining"
+    });
+    let figures = in_threads(0..args.workers, "a worker", |_, r| -> Result<RankFigures> {
         // Every step's ids, drawn before the timing (a Zipf
         // draw is a pow(), which took a sixth of the CPU when
         // drawn in the loop).
@@ -1230,6 +1322,10 @@ fn drive(
                 steps_at.push(t);
             }
             stepped(u32::try_from(step + 1).unwrap_or(u32::MAX), ms);
+            if step == 0 {
+                bar.set_message("");
+            }
+            bar.inc(1);
         }
         let seconds = t0.elapsed().as_secs_f64();
         let after = push(&[], &[], &mut [])?;
@@ -1244,9 +1340,9 @@ fn drive(
             prefixes: after[3] - before[3],
             digests,
         })
-    })
-    .into_iter()
-    .collect()
+    });
+    bar.finish_and_clear();
+    figures.into_iter().collect()
 }
 
 /// What the ranks did where the job ran, and what control said of it.
@@ -1619,12 +1715,17 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     } else {
         0
     };
-    // Rows, index and Adagrad state at the cap, with room to spare.
-    let budget = (cap * (u64::from(args.dim) * 8 + 64)).max(1 << 28) * 2;
+    // Rows, index and optimizer state at the cap, with room to spare.
+    let words = u64::from(args.dim) + u64::from(args.optimizer.spec()?.state_len(args.dim));
+    let budget = (cap * (words * 4 + 64)).max(1 << 28) * 2;
     let spec = format!(
         "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
-         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {{ kind = \"adagrad\", lr = 0.01 }}\nkey_cache = {}\n",
-        args.workers, args.dim, cap, key_cache
+         kind = \"table\"\ndim = {}\nrows = {}\noptimizer = {}\nkey_cache = {}\n",
+        args.workers,
+        args.dim,
+        cap,
+        args.optimizer.spec_toml(),
+        key_cache
     );
     let spec = match args.consistency {
         phub_proto::spec::Consistency::Sync => spec,
@@ -1663,7 +1764,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
         Some(_) => {
-            let server = super::tcp_rows::Server::start(d)?;
+            let server = super::tcp_rows::Server::start(d, args.optimizer.engine()?)?;
             let ranks = drive(args, &grads, &|_, _| {}, |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
@@ -1702,6 +1803,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let report = SparseLocalReport {
         workers: args.workers,
         consistency: args.consistency.to_string(),
+        optimizer: args.optimizer,
         lcores: args.lcores,
         rows: args.rows,
         dim: args.dim,
@@ -1744,12 +1846,14 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         machine: Machine::detect(),
     };
     println!(
-        "sparse local: {} workers, {}, {} lcore(s), table of {} rows x {}, {} ids per worker and step ({}), {} steps",
+        "sparse local: {} workers, {}, {} lcore(s), table of {} rows x {} ({}), {} ids per worker and step ({}), \
+         {} steps",
         report.workers,
         report.consistency,
         report.lcores,
         report.rows,
         report.dim,
+        args.optimizer.engine()?.name(),
         report.batch,
         report.zipf.map_or("uniform".to_string(), |s| format!("zipf {s}")),
         report.steps
@@ -1898,6 +2002,18 @@ fn run_local(args: &SparseArgs) -> Result<()> {
 mod tests {
     use super::*;
 
+    #[test]
+    fn every_optimizer_option_is_a_table_optimizer_the_engine_accepts() {
+        use clap::ValueEnum;
+        for o in RowOpt::value_variants() {
+            let spec = o.spec().unwrap();
+            let engine = o.engine().unwrap();
+            // The option's name is the engine's (PROTOCOL.md §10.5's block).
+            assert_eq!(o.to_possible_value().unwrap().get_name(), engine.name());
+            assert_eq!(spec.name(), engine.name().trim_end_matches("-rowwise"));
+        }
+    }
+
     /// The lcores' copy-on-write lines are summed, each lcore's last.
     #[test]
     fn copy_on_write_figures_are_read_from_the_log() {
@@ -2010,8 +2126,11 @@ mod tests {
             .unwrap();
         assert!(why.contains("rank 1, step 3"), "{why}");
         assert_ne!(digest(&[1.0, 2.0]), digest(&[1.0, 2.000_000_2]));
-        // Only element-wise Adagrad is modelled.
+        // Another optimizer gives other rows; one the engine refuses, an
+        // error.
         let sgd = phub_proto::spec::RowOptimizerSpec::Sgd { lr: 0.1 };
-        assert!(verify_rows(&args, &sgd, &grads, &ranks(None)).is_err());
+        assert!(verify_rows(&args, &sgd, &grads, &ranks(None)).unwrap().is_some());
+        let bad = phub_proto::spec::RowOptimizerSpec::Sgd { lr: f32::NAN };
+        assert!(verify_rows(&args, &bad, &grads, &ranks(None)).is_err());
     }
 }

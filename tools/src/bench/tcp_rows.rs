@@ -2,8 +2,10 @@
 //! plain TCP server of table rows written for the benchmark, the way
 //! ps-lite's example server keeps sparse keys: one hash map per key range
 //! (`SHARDS` of them, an id's range by its hash), rows created at zero on
-//! first touch, each push applied at once (element-wise Adagrad, the
-//! optimizer phub's table runs) and answered with the rows after it. It
+//! first touch, each push applied at once (the benchmark's `--optimizer`,
+//! the optimizer phub's table runs: element-wise Adagrad by its own loop
+//! here, the others by the engine's [`RowOptimizer`]) and answered with
+//! the rows after it. It
 //! runs in the benchmark's process, a thread per connection; each worker
 //! thread has one connection.
 //!
@@ -16,17 +18,15 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Mutex};
 
 use anyhow::{Context, Result};
+use phub_engine::table::{RowOptimizer, RowUpdate};
 
 /// Key ranges, each its own map and lock.
 const SHARDS: usize = 16;
 
-/// Adagrad as the benchmark's table runs it.
-const LR: f32 = 0.01;
-const EPS: f32 = 1e-8;
-
-/// The rows: per key range, id to `[w (D) | accumulator (D)]`.
+/// The rows: per key range, id to `[w (D) | optimizer state]`.
 struct Rows {
     dim: usize,
+    opt: RowOptimizer,
     shards: Vec<Mutex<HashMap<u64, Vec<f32>>>>,
 }
 
@@ -38,11 +38,26 @@ impl Rows {
             #[allow(clippy::cast_possible_truncation)]
             let shard = (id.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 60) as usize % SHARDS;
             let mut map = self.shards[shard].lock().unwrap_or_else(|p| p.into_inner());
-            let row = map.entry(id).or_insert_with(|| vec![0f32; 2 * d]);
-            let (w, acc) = row.split_at_mut(d);
-            for ((w, a), g) in w.iter_mut().zip(acc.iter_mut()).zip(&grads[i * d..(i + 1) * d]) {
-                *a += g * g;
-                *w -= LR * g / (a.sqrt() + EPS);
+            let row = map.entry(id).or_insert_with(|| {
+                let mut row = vec![0f32; d + self.opt.state_len(d)];
+                self.opt.init_state(&mut row[d..]);
+                row
+            });
+            let (w, state) = row.split_at_mut(d);
+            let g = &grads[i * d..(i + 1) * d];
+            match self.opt {
+                RowOptimizer::Adagrad {
+                    lr,
+                    eps,
+                    rowwise: false,
+                    ..
+                } => {
+                    for ((w, a), g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
+                        *a += g * g;
+                        *w -= lr * g / (a.sqrt() + eps);
+                    }
+                }
+                _ => self.opt.apply(w, state, g),
             }
             out[i * d..(i + 1) * d].copy_from_slice(w);
         }
@@ -124,12 +139,13 @@ pub struct Server {
 }
 
 impl Server {
-    /// Starts a server of rows of `dim` values.
-    pub fn start(dim: usize) -> Result<Server> {
+    /// Starts a server of rows of `dim` values updated by `opt`.
+    pub fn start(dim: usize, opt: RowOptimizer) -> Result<Server> {
         let l = TcpListener::bind("127.0.0.1:0").context("binding the TCP row server")?;
         let addr = l.local_addr()?;
         let rows = Arc::new(Rows {
             dim,
+            opt,
             shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
         });
         std::thread::spawn(move || {
