@@ -125,14 +125,17 @@ struct Grads<'a> {
 /// on every call: as much time as the merge itself, BENCHMARKS.md).
 #[derive(Default)]
 struct Scratch {
-    /// Each id's bucket.
-    bucket_of: Vec<u32>,
-    /// Bucket b's keys start at `starts[b]`.
-    starts: Vec<u32>,
-    /// Where the next key of bucket b goes.
-    next: Vec<u32>,
-    /// (id, position) packed, bucket by bucket.
-    keyed: Vec<u128>,
+    /// Each position's high digit.
+    hi_of: Vec<u32>,
+    /// Counts, then starts, of the high digits (one more than digits).
+    hi: Vec<u32>,
+    /// The same of the low digits.
+    lo: Vec<u32>,
+    /// Positions, by low digit.
+    by_lo: Vec<u32>,
+    /// Positions, by (high digit, low digit, position), then by (high
+    /// digit, id, position).
+    keyed: Vec<u32>,
 }
 
 impl Scratch {
@@ -161,15 +164,33 @@ fn merge(table: &TableInfo, ids: &[u64], grads: Option<Grads<'_>>) -> Result<Mer
     Ok(SCRATCH.with(|s| merge_in(table, ids, n, grads, &mut s.borrow_mut())))
 }
 
+/// Counts `digit(x)` of every `x` into `counts` (zeroed, one more than
+/// the digits), then turns them into each digit's first index.
+fn count_starts<T: Copy>(counts: &mut Vec<u32>, len: usize, xs: &[T], digit: impl Fn(T) -> usize) {
+    counts.clear();
+    counts.resize(len + 1, 0);
+    for &x in xs {
+        counts[digit(x) + 1] += 1;
+    }
+    for d in 1..counts.len() {
+        counts[d] += counts[d - 1];
+    }
+}
+
 /// [`merge`] of `n` = `ids.len()` ids in `scratch`.
 ///
 /// The (entry, id, position) order makes the order of every output a
 /// function of the ids alone and sums repeats in the caller's order. It
-/// is reached without sorting the whole call (a comparison sort of the
-/// triples packed in u128s was a fifth of a pull's CPU, BENCHMARKS.md):
-/// the positions are counted into buckets by (entry, the ids' leading
-/// bits) in the caller's order, about two ids a bucket, and each bucket
-/// is sorted alone by id, keeping the caller's order among repeats.
+/// is reached without a comparison sort of the call (one of the triples
+/// packed in u128s was a fifth of a pull's CPU, BENCHMARKS.md): two
+/// stable counting passes of the positions, by a low digit (the id's
+/// bits just below the high digit's) and then by a high digit (the
+/// entry, then the id's leading bits), leave them by (entry, the id's
+/// leading bits, the caller's position); a last pass puts in id order the
+/// rare neighbours whose two digits are equal and ids not (a comparison
+/// sort of each high digit's positions, should there be many: ids alike
+/// in their leading bits). No branch depends on the ids but that last
+/// pass's test.
 fn merge_in(
     table: &TableInfo,
     ids: &[u64],
@@ -178,37 +199,46 @@ fn merge_in(
     scratch: &mut Scratch,
 ) -> Merged {
     let lcores = table.placement.lcores();
-    let span = ids.iter().fold(0u64, |a, &id| a | id);
-    let shape = Buckets::new(ids.len(), lcores, span);
+    let (or, and) = ids.iter().fold((0u64, u64::MAX), |(o, a), &id| (o | id, a & id));
+    let d = Digits::new(ids.len(), lcores, or ^ and);
     scratch.fit(ids.len());
     let Scratch {
-        bucket_of,
-        starts,
-        next,
+        hi_of,
+        hi,
+        lo,
+        by_lo,
         keyed,
     } = scratch;
-    bucket_of.clear();
-    starts.clear();
-    starts.resize(shape.count() + 1, 0);
-    for &id in ids {
-        let b = shape.of(table.placement.entry(id), id);
-        starts[b + 1] += 1;
-        // Cast: below shape.count(), itself at most max(n, lcores).
+    hi_of.clear();
+    hi_of.extend(ids.iter().map(|&id| {
+        // Cast: below d.hi_count(), itself at most max(n, lcores).
         #[allow(clippy::cast_possible_truncation)]
-        bucket_of.push(b as u32);
-    }
-    for b in 1..starts.len() {
-        starts[b] += starts[b - 1];
-    }
-    next.clear();
-    next.extend_from_slice(starts);
-    keyed.clear();
-    keyed.resize(ids.len(), 0);
-    for ((&id, &b), i) in ids.iter().zip(bucket_of.iter()).zip(0..n) {
-        let at = &mut next[b as usize];
-        keyed[*at as usize] = (u128::from(id) << 32) | u128::from(i);
+        let h = d.hi(table.placement.entry(id), id) as u32;
+        h
+    }));
+    count_starts(hi, d.hi_count(), hi_of, |h| h as usize);
+    // The positions by low digit, in the caller's order within one.
+    count_starts(lo, d.lo_count(), ids, |id| d.lo(id));
+    by_lo.clear();
+    by_lo.resize(ids.len(), 0);
+    for (&id, i) in ids.iter().zip(0..n) {
+        let at = &mut lo[d.lo(id)];
+        by_lo[*at as usize] = i;
         *at += 1;
     }
+    // Then by high digit, stable: by (high, low, position).
+    keyed.clear();
+    keyed.resize(ids.len(), 0);
+    let mut next = std::mem::take(lo);
+    next.clear();
+    next.extend_from_slice(&hi[..hi.len() - 1]);
+    for &p in by_lo.iter() {
+        let at = &mut next[hi_of[p as usize] as usize];
+        keyed[*at as usize] = p;
+        *at += 1;
+    }
+    *lo = next;
+    order_ties(keyed, ids, hi, hi_of, &d);
     let dim = grads.map_or(0, |g| g.dim);
     let mut m = Merged {
         ids: Vec::with_capacity(ids.len()),
@@ -216,110 +246,139 @@ fn merge_in(
         slot_of: vec![0; ids.len()],
         sums: Vec::with_capacity(if grads.is_some() { ids.len() * dim } else { 0 }),
     };
-    let per = 1usize << shape.bits;
+    let mut last = None;
     for entry in 0..lcores as usize {
         let first = m.ids.len();
-        for b in entry * per..(entry + 1) * per {
-            let run = &mut keyed[starts[b] as usize..starts[b + 1] as usize];
-            sort_run(run);
-            // A bucket holds every repeat of its ids: ids of other buckets
-            // differ from them.
-            let mut last = None;
-            for &k in run.iter() {
-                // Casts: the fields packed above.
-                #[allow(clippy::cast_possible_truncation)]
-                let (id, pos) = ((k >> 32) as u64, k as u32);
-                let p = pos as usize;
-                if last != Some(id) {
-                    last = Some(id);
-                    m.ids.push(id);
-                    // The first copies, the others add: one repeat is its
-                    // own row bit for bit. (Appended: zeroing the sums
-                    // first cost a third as much as the copies, perf.)
-                    if let Some(g) = grads {
-                        m.sums.extend_from_slice(&g.grads[p * dim..][..dim]);
-                    }
-                } else if let Some(g) = grads {
-                    let at = m.sums.len() - dim;
-                    for (s, v) in m.sums[at..].iter_mut().zip(&g.grads[p * dim..][..dim]) {
-                        *s += v;
-                    }
+        let span = hi[entry << d.hi_bits] as usize..hi[(entry + 1) << d.hi_bits] as usize;
+        for &p in &keyed[span] {
+            let p = p as usize;
+            let id = ids[p];
+            // Repeats of an id are neighbours, on one entry.
+            if last != Some(id) {
+                last = Some(id);
+                m.ids.push(id);
+                // The first copies, the others add: one repeat is its own
+                // row bit for bit. (Appended: zeroing the sums first cost
+                // a third as much as the copies, perf.)
+                if let Some(g) = grads {
+                    m.sums.extend_from_slice(&g.grads[p * dim..][..dim]);
                 }
-                // Cast: at most `n` distinct ids, n < 2^32.
-                #[allow(clippy::cast_possible_truncation)]
-                let slot = (m.ids.len() - 1) as u32;
-                m.slot_of[p] = slot;
+            } else if let Some(g) = grads {
+                let at = m.sums.len() - dim;
+                for (s, v) in m.sums[at..].iter_mut().zip(&g.grads[p * dim..][..dim]) {
+                    *s += v;
+                }
             }
+            // Cast: at most `n` distinct ids, n < 2^32.
+            #[allow(clippy::cast_possible_truncation)]
+            let slot = (m.ids.len() - 1) as u32;
+            m.slot_of[p] = slot;
         }
         m.runs.push(first..m.ids.len());
     }
     m
 }
 
-/// [`merge`]'s buckets: per entry, `1 << bits` of them, bucket b of an
-/// entry holding the ids whose `bits` bits below the highest set bit of
-/// any id of the call (`span`) read b, so that buckets in order hold
-/// their entry's ids in order.
+/// [`merge_in`]'s last pass: `keyed`, positions by (high digit, low
+/// digit, position), put by (high digit, id, position). Neighbours out of
+/// id order with both digits equal are moved by insertion; past a budget
+/// of moves (ids alike in all the digits' bits) each high digit's
+/// positions are sorted instead.
+fn order_ties(keyed: &mut [u32], ids: &[u64], hi: &[u32], hi_of: &[u32], d: &Digits) {
+    let id = |p: u32| ids[p as usize];
+    let group = |p: u32| (hi_of[p as usize], d.lo(ids[p as usize]));
+    let mut budget = 4 * keyed.len() + 64;
+    for i in 1..keyed.len() {
+        let p = keyed[i];
+        if id(p) >= id(keyed[i - 1]) || group(p) != group(keyed[i - 1]) {
+            continue;
+        }
+        let mut j = i;
+        while j > 0 && id(keyed[j - 1]) > id(p) && group(keyed[j - 1]) == group(p) {
+            keyed[j] = keyed[j - 1];
+            j -= 1;
+            if budget == 0 {
+                keyed[j] = p;
+                for w in hi.windows(2) {
+                    keyed[w[0] as usize..w[1] as usize].sort_unstable_by_key(|&q| (id(q), q));
+                }
+                return;
+            }
+            budget -= 1;
+        }
+        keyed[j] = p;
+    }
+}
+
+/// [`merge`]'s two digits of an id: per entry, `1 << hi_bits` high
+/// digits, read from the id's leading bits among those where the call's
+/// ids differ (below `width`), and `1 << lo_bits` low digits from the
+/// bits below those.
 #[derive(Debug, Clone, Copy)]
-struct Buckets {
+struct Digits {
     /// Entries.
     lcores: u32,
-    /// Leading bits of an id (below `width`) that pick its bucket within
-    /// its entry.
-    bits: u32,
-    /// Bits of `span` (64 less its leading zeros).
+    /// Bits of the high digit taken from the id.
+    hi_bits: u32,
+    /// Bits of the low digit.
+    lo_bits: u32,
+    /// Bits where the call's ids differ: 64 less the leading zeros of
+    /// (OR of the ids) XOR (AND of the ids); the bits above are alike in
+    /// every id.
     width: u32,
 }
 
-impl Buckets {
-    /// Buckets for `n` ids over `lcores` entries: about two ids a bucket
-    /// where ids spread evenly, at most 2^16 per entry and no more than
-    /// max(n / 2, lcores) in all.
-    fn new(n: usize, lcores: u32, span: u64) -> Buckets {
-        let width = 64 - span.leading_zeros();
+impl Digits {
+    /// Digits for `n` ids over `lcores` entries whose bits differ where
+    /// `differ` is set: about two ids a high digit where ids spread
+    /// evenly, and as many low digits as ids, each at most 2^16 (and no
+    /// more than max(n / 2, lcores) high digits in all).
+    fn new(n: usize, lcores: u32, differ: u64) -> Digits {
+        let width = 64 - differ.leading_zeros();
         let per_entry = (n / lcores.max(1) as usize).max(1);
-        let bits = per_entry.ilog2().saturating_sub(1).min(16).min(width);
-        Buckets { lcores, bits, width }
-    }
-
-    /// Buckets in all.
-    fn count(&self) -> usize {
-        (self.lcores as usize) << self.bits
-    }
-
-    /// The bucket of `id` on `entry`.
-    #[inline]
-    fn of(&self, entry: u32, id: u64) -> usize {
-        let within = if self.bits == 0 {
-            0
-        } else {
-            id >> (self.width - self.bits)
-        };
-        // Cast: within < 2^bits, bits <= 16.
-        #[allow(clippy::cast_possible_truncation)]
-        let within = within as usize;
-        ((entry as usize) << self.bits) | within
-    }
-}
-
-/// Sorts one bucket of [`merge`]'s (id, position) keys, placed in the
-/// caller's order: by id, repeats kept in that order (so by id and
-/// position); by insertion when short (a bucket holds about two), by a
-/// comparison sort else (ids that share their leading bits, repeats).
-fn sort_run(run: &mut [u128]) {
-    if run.len() > 16 {
-        run.sort_unstable();
-        return;
-    }
-    for i in 1..run.len() {
-        let k = run[i];
-        let id = k >> 32;
-        let mut j = i;
-        while j > 0 && run[j - 1] >> 32 > id {
-            run[j] = run[j - 1];
-            j -= 1;
+        let hi_bits = per_entry.ilog2().saturating_sub(1).min(16).min(width);
+        let lo_bits = n.max(1).ilog2().min(16).min(width - hi_bits);
+        Digits {
+            lcores,
+            hi_bits,
+            lo_bits,
+            width,
         }
-        run[j] = k;
+    }
+
+    /// High digits in all.
+    fn hi_count(&self) -> usize {
+        (self.lcores as usize) << self.hi_bits
+    }
+
+    /// Low digits.
+    fn lo_count(&self) -> usize {
+        1 << self.lo_bits
+    }
+
+    /// The high digit of `id` on `entry`: buckets in order hold their
+    /// entry's ids in order.
+    #[inline]
+    fn hi(&self, entry: u32, id: u64) -> usize {
+        ((entry as usize) << self.hi_bits) | self.field(id, self.width - self.hi_bits, self.hi_bits)
+    }
+
+    /// The low digit of `id`.
+    #[inline]
+    fn lo(&self, id: u64) -> usize {
+        self.field(id, self.width - self.hi_bits - self.lo_bits, self.lo_bits)
+    }
+
+    /// `bits` bits of `id` from bit `at` up.
+    #[inline]
+    fn field(&self, id: u64, at: u32, bits: u32) -> usize {
+        if bits == 0 {
+            return 0;
+        }
+        // Cast: masked to bits <= 16 bits.
+        #[allow(clippy::cast_possible_truncation)]
+        let f = ((id >> at) & ((1u64 << bits) - 1)) as usize;
+        f
     }
 }
 
@@ -593,9 +652,9 @@ mod tests {
     }
 
     #[test]
-    fn merging_by_buckets_gives_the_order_of_a_sort_of_every_entry_id_and_position() {
+    fn merging_by_digits_gives_the_order_of_a_sort_of_every_entry_id_and_position() {
         let mut r = 1u64;
-        for case in 0..600u64 {
+        for case in 0..700u64 {
             let lcores: Vec<u32> = match case % 4 {
                 0 => vec![1],
                 1 => vec![2],
@@ -605,14 +664,18 @@ mod tests {
             let t = table(&lcores);
             let n = [0, 1, 2, 7, 64, 300, 4096][usize::try_from(case % 7).unwrap()];
             // Hashed ids, small ones (leading bits shared), a few ids
-            // repeated, every id alike, the extremes, hashed ids repeated.
+            // repeated, every id alike, the extremes, hashed ids repeated,
+            // ids that differ only in bits the digits do not read.
             let ids: Vec<u64> = (0..n)
-                .map(|_| match (case / 7) % 6 {
+                .map(|_| match (case / 7) % 7 {
                     0 => splitmix(&mut r),
                     5 => {
                         let mut few = splitmix(&mut r) % 200;
                         splitmix(&mut few)
                     }
+                    // Alike but in their top and low bits: every high and
+                    // low digit the same, the insertions past their budget.
+                    6 => ((splitmix(&mut r) & 1) << 62) | (splitmix(&mut r) & 0xFFF),
                     1 => splitmix(&mut r) % 100_000,
                     2 => splitmix(&mut r) % 13,
                     3 => 42,
@@ -640,18 +703,26 @@ mod tests {
     }
 
     #[test]
-    fn buckets_are_in_id_order_within_an_entry_and_in_entry_order() {
-        let b = Buckets::new(4096, 2, u64::MAX);
-        assert_eq!((b.bits, b.count()), (10, 2048));
-        assert!(b.of(0, u64::MAX) < b.of(1, 0));
-        assert!(b.of(1, 1 << 53) < b.of(1, 1 << 54));
-        assert_eq!(b.of(1, u64::MAX), 2047);
-        // Ids below 2^20: their bits below bit 20 pick the bucket.
-        let small = Buckets::new(4096, 1, (1 << 20) - 1);
-        assert_eq!((small.bits, small.width), (11, 20));
-        assert!(small.of(0, 1 << 18) < small.of(0, 1 << 19));
-        // No more buckets than ids (or one per entry), all ids zero too.
-        assert_eq!(Buckets::new(3, 8, 1 << 40).count(), 8);
-        assert_eq!(Buckets::new(100, 1, 0).count(), 1);
+    fn digits_are_in_id_order_within_an_entry_and_in_entry_order() {
+        let d = Digits::new(4096, 2, u64::MAX);
+        assert_eq!(
+            (d.hi_bits, d.lo_bits, d.hi_count(), d.lo_count()),
+            (10, 12, 2048, 4096)
+        );
+        assert!(d.hi(0, u64::MAX) < d.hi(1, 0));
+        assert!(d.hi(1, 1 << 53) < d.hi(1, 1 << 54));
+        assert_eq!(d.hi(1, u64::MAX), 2047);
+        assert_eq!(d.lo(0xFFC0_0000_0000_0000 | (5 << 42)), 5);
+        // Ids that differ below bit 20 only: those bits make the digits.
+        let small = Digits::new(4096, 1, (1 << 20) - 1);
+        assert_eq!((small.hi_bits, small.lo_bits, small.width), (11, 9, 20));
+        assert!(small.hi(0, 1 << 18) < small.hi(0, 1 << 19));
+        assert_eq!(small.lo((1 << 9) - 1), 511);
+        assert_eq!(small.lo(1 << 9), 0);
+        assert_eq!(small.hi(0, 1 << 9), 1);
+        // No more high digits than ids (or one per entry); ids all alike.
+        assert_eq!(Digits::new(3, 8, 1 << 40).hi_count(), 8);
+        let alike = Digits::new(100, 1, 0);
+        assert_eq!((alike.hi_count(), alike.lo_count()), (1, 1));
     }
 }
