@@ -2516,13 +2516,18 @@ pub fn seeds(default: u64) -> u64 {
 /// or only for `PHUB_SIM_SEED` when set; a failing seed panics with the
 /// line that replays it.
 pub fn for_seeds(first: u64, default: u64, test: &str, f: impl Fn(u64)) {
+    for_seed_range(first..first + seeds(default), test, f);
+}
+
+/// [`for_seeds`] over the seeds of `range` (`PHUB_SIM_SEEDS` not read).
+pub fn for_seed_range(range: std::ops::Range<u64>, test: &str, f: impl Fn(u64)) {
     let only = std::env::var("PHUB_SIM_SEED").ok().map(|s| {
         s.parse::<u64>()
             .unwrap_or_else(|_| panic!("PHUB_SIM_SEED={s}: expected a seed, a whole number"))
     });
     let list: Vec<u64> = match only {
         Some(s) => vec![s],
-        None => (first..first + seeds(default)).collect(),
+        None => range.collect(),
     };
     for seed in list {
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(seed))).is_err() {
