@@ -183,6 +183,11 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     }
     let stored = v["rows_stored"].as_u64().unwrap();
     assert!((64..=1000).contains(&stored), "rows stored: {stored}");
+    // The dataplane's memory, and the job's charge: its table at the cap
+    // of 2,000 rows (--verify doubles it) of 4 values and 4 of Adagrad
+    // state, at least.
+    assert!(v["rss_bytes"].as_u64().unwrap() > 0, "{v}");
+    assert!(v["charged_bytes"].as_u64().unwrap() >= 2000 * 32, "{v}");
     assert!(num(&v, "wire_bytes_per_row") >= 2.0 * (4.0 * 4.0 + 8.0), "{v}");
 }
 

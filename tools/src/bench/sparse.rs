@@ -744,6 +744,13 @@ pub struct SparseLocalReport {
     pub wire_bytes_per_row: f64,
     /// Rows the appliance stores after the run (control's job detail).
     pub rows_stored: u64,
+    /// Loopback: the dataplane's resident memory (VmRSS) once the timed
+    /// steps ended, the table's rows and every other thing it holds;
+    /// none over `--racks`.
+    pub rss_bytes: Option<u64>,
+    /// What admission charged the job: its table at its `rows` cap
+    /// (PROTOCOL.md's memory model; every appliance's part).
+    pub charged_bytes: u64,
     /// `--prefill`: rows stored per second while the ranks filled the
     /// table (`--rows` over the slowest rank's fill).
     pub prefill_rows_per_s: Option<f64>,
@@ -1361,6 +1368,10 @@ struct Ran {
     cross_rack_bytes: Option<u64>,
     /// `--racks`: `--replicas` and `--kill-appliance`'s figures.
     failover: super::failover::FailoverFigures,
+    /// Loopback: the dataplane's VmRSS once the timed steps ended.
+    rss_bytes: Option<u64>,
+    /// What admission charged the job (every appliance's part).
+    charged_bytes: u64,
 }
 
 /// Rank `r`'s pusher on job `job` through control at `url`: joins,
@@ -1442,6 +1453,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         (ranks, taken)
     });
     let ranks = ranks?;
+    let rss_bytes = rss_of(local.dataplane.pid());
     let spin = lcore_spin(&local.control_url, token.as_deref());
     let checkpoint_under_load = match under_load {
         Some(taken) => {
@@ -1488,6 +1500,8 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
         spin: (spin, dense_spin),
         cross_rack_bytes: None,
         failover: super::failover::FailoverFigures::default(),
+        rss_bytes,
+        charged_bytes: job.memory_bytes,
     })
 }
 
@@ -1636,6 +1650,8 @@ fn in_spine(
         spin: (None, None),
         cross_rack_bytes: Some(after - before),
         failover,
+        rss_bytes: None,
+        charged_bytes: job.memory_bytes,
     })
 }
 
@@ -1760,6 +1776,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         spin,
         cross_rack_bytes,
         failover: ran_failover,
+        rss_bytes,
+        charged_bytes,
     } = ran;
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
@@ -1821,6 +1839,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         round_ms_max: max,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
         rows_stored,
+        rss_bytes,
+        charged_bytes,
         prefill_rows_per_s: ranks
             .iter()
             .map(|r| r.prefill_s)
@@ -1873,6 +1893,13 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
         report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
     );
+    if let Some(rss) = report.rss_bytes {
+        println!(
+            "  dataplane rss {:.3} GB   the job's admission charge {:.3} GB",
+            rss as f64 / 1e9,
+            report.charged_bytes as f64 / 1e9
+        );
+    }
     if let (Some(racks), Some(b)) = (report.racks, report.cross_rack_bytes_per_step) {
         println!(
             "  {racks} virtual racks, replicas {}: {:.1} KB across the spine per step",
