@@ -13,7 +13,7 @@
 //! crossed the spine are read from its interfaces.
 //!
 //! Each of `--lcores` threads owns one [`RowStore`] of `rows / lcores`
-//! rows of `--dim` values with element-wise Adagrad state, as an lcore
+//! rows of `--dim` values with `--optimizer`'s state, as an lcore
 //! would. Ids are hashed ranks (splitmix64 of the rank), drawn uniformly
 //! or, with `--zipf S`, from a Zipf law of exponent S over the lcore's
 //! ranks (by inverting the continuous law x^-S on [1, n + 1)). Every store
@@ -1656,7 +1656,7 @@ fn in_spine(
 }
 
 /// `phub-bench sparse --local` (module head): one table of `--rows` rows
-/// of `--dim` values with element-wise Adagrad (lr 0.01), BSP; each rank
+/// of `--dim` values with `--optimizer`'s updates, BSP by default; each rank
 /// draws `--batch` distinct ranks a step (Zipf or uniform over the rows,
 /// hashed to ids as `--engine-only` does) and calls `push_pull_rows`.
 // Casts: counts to f64 for rates.
@@ -1883,7 +1883,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         if report.pull_only {
             "row lookups/s (pulls only)"
         } else {
-            "row updates/s (Adagrad, each with its row read back)"
+            "row updates/s (each with its row read back)"
         },
         report.row_lookups_per_s,
         report.round_ms_median,
