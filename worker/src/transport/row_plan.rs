@@ -129,8 +129,11 @@ struct Scratch {
     hi_of: Vec<u32>,
     /// Counts, then starts, of the high digits (one more than digits).
     hi: Vec<u32>,
-    /// The same of the low digits.
+    /// The same of the low digits, then where the next position of each
+    /// goes.
     lo: Vec<u32>,
+    /// Where the next position of each high digit goes.
+    next: Vec<u32>,
     /// Positions, by low digit.
     by_lo: Vec<u32>,
     /// Positions, by (high digit, low digit, position), then by (high
@@ -206,6 +209,7 @@ fn merge_in(
         hi_of,
         hi,
         lo,
+        next,
         by_lo,
         keyed,
     } = scratch;
@@ -229,7 +233,6 @@ fn merge_in(
     // Then by high digit, stable: by (high, low, position).
     keyed.clear();
     keyed.resize(ids.len(), 0);
-    let mut next = std::mem::take(lo);
     next.clear();
     next.extend_from_slice(&hi[..hi.len() - 1]);
     for &p in by_lo.iter() {
@@ -237,7 +240,6 @@ fn merge_in(
         keyed[*at as usize] = p;
         *at += 1;
     }
-    *lo = next;
     order_ties(keyed, ids, hi, hi_of, &d);
     let dim = grads.map_or(0, |g| g.dim);
     let mut m = Merged {
