@@ -3,9 +3,8 @@
 //! ps-lite's example server keeps sparse keys: one hash map per key range
 //! (`SHARDS` of them, an id's range by its hash), rows created at zero on
 //! first touch, each push applied at once (the benchmark's `--optimizer`,
-//! the optimizer phub's table runs: element-wise Adagrad by its own loop
-//! here, the others by the engine's [`RowOptimizer`]) and answered with
-//! the rows after it. It
+//! the optimizer phub's table runs, by the engine's [`RowOptimizer`]) and
+//! answered with the rows after it. It
 //! runs in the benchmark's process, a thread per connection; each worker
 //! thread has one connection.
 //!
@@ -44,21 +43,7 @@ impl Rows {
                 row
             });
             let (w, state) = row.split_at_mut(d);
-            let g = &grads[i * d..(i + 1) * d];
-            match self.opt {
-                RowOptimizer::Adagrad {
-                    lr,
-                    eps,
-                    rowwise: false,
-                    ..
-                } => {
-                    for ((w, a), g) in w.iter_mut().zip(state.iter_mut()).zip(g) {
-                        *a += g * g;
-                        *w -= lr * g / (a.sqrt() + eps);
-                    }
-                }
-                _ => self.opt.apply(w, state, g),
-            }
+            self.opt.apply(w, state, &grads[i * d..(i + 1) * d]);
             out[i * d..(i + 1) * d].copy_from_slice(w);
         }
     }
