@@ -45,7 +45,7 @@ use std::time::Instant;
 use anyhow::{ensure, Context, Result};
 use clap::Args;
 
-use phub_engine::table::{Admission, Init, RowOptimizer, RowStore, StoreConfig, TableInit};
+use phub_engine::table::{Admission, Init, RowOptimizer, RowStore, RowUpdate, StoreConfig, TableInit};
 use phub_proto::memory::table_bytes;
 use serde::Serialize;
 
@@ -411,7 +411,7 @@ struct LcoreFigures {
 
 // Cast: counts to f64 for rates.
 #[allow(clippy::cast_precision_loss)]
-fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures, Store)> {
+fn lcore(args: &SparseArgs, opt: RowOptimizer, l: usize, barrier: &Barrier) -> Result<(LcoreFigures, Store)> {
     let lcores = args.lcores as u64;
     let l64 = l as u64;
     // This lcore's ranks: l, l + lcores, ...
@@ -424,11 +424,7 @@ fn lcore(args: &SparseArgs, l: usize, barrier: &Barrier) -> Result<(LcoreFigures
         idle_seconds: None,
         hash_key: splitmix(0xC0FF_EE00 ^ l64),
     };
-    let mut store = RowStore::new(
-        config,
-        TableInit::new(Init::Zeros, 0, 0)?,
-        args.optimizer.engine()?,
-    )?;
+    let mut store = RowStore::new(config, TableInit::new(Init::Zeros, 0, 0)?, opt)?;
     let charged = table_bytes(&store.shape());
     let d = args.dim as usize;
     let k = args.batch;
@@ -629,10 +625,10 @@ pub fn run(args: &SparseArgs) -> Result<()> {
             "--zipf {s}: accepted a positive exponent"
         );
     }
-    args.optimizer.engine()?;
+    let opt = args.optimizer.engine()?;
     let load = loadavg();
     let barrier = Barrier::new(args.lcores);
-    let results = in_threads(0..args.lcores, "an lcore", |_, l| lcore(args, l, &barrier));
+    let results = in_threads(0..args.lcores, "an lcore", |_, l| lcore(args, opt, l, &barrier));
     let mut figures = Vec::new();
     let mut stores = Vec::new();
     for r in results {
@@ -643,7 +639,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     // Stores are alive: RSS holds them.
     let rss = vm_rss()?;
     let checkpoint = match &args.checkpoint {
-        Some(dir) => Some(checkpoint_phase(dir, args.optimizer.engine()?, &mut stores)?),
+        Some(dir) => Some(checkpoint_phase(dir, opt, &mut stores)?),
         None => None,
     };
     let charged: u64 = figures.iter().map(|f| f.charged).sum();
@@ -680,7 +676,7 @@ pub fn run(args: &SparseArgs) -> Result<()> {
     println!(
         "  row updates/s {:.3e} ({})   row lookups/s {:.3e}   preload rows/s {:.3e}",
         report.row_updates_per_s,
-        args.optimizer.engine()?.name(),
+        opt.name(),
         report.row_lookups_per_s,
         report.preload_rows_per_s
     );
@@ -1200,7 +1196,6 @@ fn reference_digests(
     opt: &phub_proto::spec::RowOptimizerSpec,
     grads: &[f32],
 ) -> Result<Vec<Vec<u64>>> {
-    use phub_engine::table::RowUpdate;
     use std::collections::HashMap;
     let engine = phub_engine::engine::row_optimizer(opt);
     engine.check()?;
@@ -1716,6 +1711,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
             .map_err(|e| anyhow::anyhow!(e.to_string().replace("round", "step")))?;
     }
     let load = loadavg();
+    let opt = args.optimizer.engine()?;
     let (d, k) = (args.dim as usize, args.batch);
     // --verify: a cap no draw reaches (nothing evicted).
     let cap = if args.verify { args.rows * 2 } else { args.rows };
@@ -1732,7 +1728,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         0
     };
     // Rows, index and optimizer state at the cap, with room to spare.
-    let words = u64::from(args.dim) + u64::from(args.optimizer.spec()?.state_len(args.dim));
+    let words = (d + opt.state_len(d)) as u64;
     let budget = (cap * (words * 4 + 64)).max(1 << 28) * 2;
     let spec = format!(
         "name = \"sparse\"\nworkers = {}\n[optimizer]\nkind = \"sum\"\n[[keys]]\nname = \"emb\"\n\
@@ -1782,7 +1778,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     // The baseline after phub, the appliance stopped: the same draws.
     let base = match args.baseline.as_deref() {
         Some(_) => {
-            let server = super::tcp_rows::Server::start(d, args.optimizer.engine()?)?;
+            let server = super::tcp_rows::Server::start(d, opt)?;
             let ranks = drive(args, &grads, &|_, _| {}, |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
@@ -1873,7 +1869,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.lcores,
         report.rows,
         report.dim,
-        args.optimizer.engine()?.name(),
+        opt.name(),
         report.batch,
         report.zipf.map_or("uniform".to_string(), |s| format!("zipf {s}")),
         report.steps
