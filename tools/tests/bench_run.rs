@@ -181,6 +181,12 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
     for k in ["row_updates_per_s", "round_ms_median", "wire_bytes_per_row"] {
         assert!(num(&v, k) > 0.0, "{k} = {}", v[k]);
     }
+    // The steps' tail: percentiles in order, the baseline's too.
+    for who in ["", "baseline_"] {
+        let at = |q: &str| num(&v, &format!("{who}round_ms_{q}"));
+        assert!(at("median") <= at("p90") && at("p90") <= at("p99"), "{who}: {v}");
+    }
+    assert!(num(&v, "round_ms_p99") <= num(&v, "round_ms_max"), "{v}");
     let stored = v["rows_stored"].as_u64().unwrap();
     assert!((64..=1000).contains(&stored), "rows stored: {stored}");
     // The dataplane's memory, and the job's charge: its table at the cap

@@ -736,6 +736,12 @@ pub struct SparseLocalReport {
     pub round_ms_median: f64,
     /// Largest of rank 0's steps, ms.
     pub round_ms_max: f64,
+    /// 90th percentile of rank 0's steps, ms: the tail that
+    /// `row_updates_per_s` (a mean over the run) counts and the median
+    /// does not.
+    pub round_ms_p90: f64,
+    /// 99th percentile of rank 0's steps, ms.
+    pub round_ms_p99: f64,
     /// UDP payload bytes the workers sent and received, per row pushed.
     pub wire_bytes_per_row: f64,
     /// Rows the appliance stores after the run (control's job detail).
@@ -758,6 +764,10 @@ pub struct SparseLocalReport {
     pub baseline_row_updates_per_s: Option<f64>,
     /// The baseline's median step (its rank 0), ms.
     pub baseline_round_ms_median: Option<f64>,
+    /// The baseline's `round_ms_p90`.
+    pub baseline_round_ms_p90: Option<f64>,
+    /// The baseline's `round_ms_p99`.
+    pub baseline_round_ms_p99: Option<f64>,
     /// `row_updates_per_s / baseline_row_updates_per_s`.
     pub speedup_vs_baseline: Option<f64>,
     /// `--verify`: whether every rank's rows, every step, were the
@@ -1132,15 +1142,36 @@ fn dense_pulls(args: &SparseArgs, url: &str, token: Option<&str>) -> Result<f64>
         }
     }
     super::local::evict(url, job.id, token);
-    Ok(step_median_and_max(&rank0).0)
+    Ok(step_times(&rank0).median)
 }
 
 /// A rank's timed steps (at least one: `run_local` refuses `--steps 0`):
 /// their upper median and their longest, ms.
-fn step_median_and_max(steps_ms: &[f64]) -> (f64, f64) {
+/// Rank 0's step times: median, 90th and 99th percentiles, largest, ms.
+struct StepTimes {
+    median: f64,
+    p90: f64,
+    p99: f64,
+    max: f64,
+}
+
+fn step_times(steps_ms: &[f64]) -> StepTimes {
     let mut v = steps_ms.to_vec();
     v.sort_by(f64::total_cmp);
-    (v[v.len() / 2], v[v.len() - 1])
+    // Nearest rank: the smallest step time at or above the fraction `q`
+    // of the steps. Casts: a step count, far below 2^52.
+    #[allow(
+        clippy::cast_possible_truncation,
+        clippy::cast_sign_loss,
+        clippy::cast_precision_loss
+    )]
+    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+    StepTimes {
+        median: v[v.len() / 2],
+        p90: at(0.9),
+        p99: at(0.99),
+        max: v[v.len() - 1],
+    }
 }
 
 /// `--prefill`: rank `r`'s share of every row, ranks `r`, `r + W`, ...
@@ -1811,8 +1842,14 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     };
     let rows_moved = f64::from(args.workers) * k as f64 * f64::from(args.steps);
     let rate = |ranks: &[RankFigures]| rows_moved / ranks.iter().map(|r| r.seconds).fold(0f64, f64::max);
-    let median0 = |ranks: &[RankFigures]| step_median_and_max(&ranks[0].steps_ms);
-    let (median, max) = median0(&ranks);
+    let times0 = |ranks: &[RankFigures]| step_times(&ranks[0].steps_ms);
+    let StepTimes {
+        median,
+        p90,
+        p99,
+        max,
+    } = times0(&ranks);
+    let base_times = base.as_deref().map(times0);
     let base_rate = base.as_deref().map(rate);
     let report = SparseLocalReport {
         workers: args.workers,
@@ -1833,6 +1870,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         dense_spin_us: spin.1,
         round_ms_median: median,
         round_ms_max: max,
+        round_ms_p90: p90,
+        round_ms_p99: p99,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
         rows_stored,
         rss_bytes,
@@ -1845,7 +1884,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         row_retransmits: ranks.iter().map(|r| r.retransmits).sum(),
         baseline: args.baseline.clone(),
         baseline_row_updates_per_s: base_rate,
-        baseline_round_ms_median: base.as_deref().map(|b| median0(b).0),
+        baseline_round_ms_median: base_times.as_ref().map(|b| b.median),
+        baseline_round_ms_p90: base_times.as_ref().map(|b| b.p90),
+        baseline_round_ms_p99: base_times.as_ref().map(|b| b.p99),
         speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
         verified,
         fixed_ids: args.fixed_ids || args.cache_ids,
@@ -1875,7 +1916,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.steps
     );
     println!(
-        "  {} {:.3e}   step median {:.2} ms, max {:.2} ms",
+        "  {} {:.3e}   step median {:.2} ms, p90 {:.2}, p99 {:.2}, max {:.2}",
         if report.pull_only {
             "row lookups/s (pulls only)"
         } else {
@@ -1883,6 +1924,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         },
         report.row_lookups_per_s,
         report.round_ms_median,
+        report.round_ms_p90,
+        report.round_ms_p99,
         report.round_ms_max
     );
     println!(
@@ -1999,9 +2042,11 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     }
     if let (Some(b), Some(x)) = (report.baseline_row_updates_per_s, report.speedup_vs_baseline) {
         println!(
-            "  tcp-ps (a TCP row server, each push applied at once): row updates/s {b:.3e}, step median {:.2} ms; \
-             phub/tcp-ps {x:.2}x",
-            report.baseline_round_ms_median.unwrap_or(f64::NAN)
+            "  tcp-ps (a TCP row server, each push applied at once): row updates/s {b:.3e}, step median {:.2} ms, \
+             p90 {:.2}, p99 {:.2}; phub/tcp-ps {x:.2}x",
+            report.baseline_round_ms_median.unwrap_or(f64::NAN),
+            report.baseline_round_ms_p90.unwrap_or(f64::NAN),
+            report.baseline_round_ms_p99.unwrap_or(f64::NAN)
         );
     }
     if let Some(v) = report.verified {
