@@ -127,6 +127,8 @@ struct Grads<'a> {
 struct Scratch {
     /// Each position's high digit.
     hi_of: Vec<u32>,
+    /// Each position's low digit.
+    lo_of: Vec<u32>,
     /// Counts, then starts, of the high digits (one more than digits).
     hi: Vec<u32>,
     /// The same of the low digits, then where the next position of each
@@ -167,19 +169,6 @@ fn merge(table: &TableInfo, ids: &[u64], grads: Option<Grads<'_>>) -> Result<Mer
     Ok(SCRATCH.with(|s| merge_in(table, ids, n, grads, &mut s.borrow_mut())))
 }
 
-/// Counts `digit(x)` of every `x` into `counts` (zeroed, one more than
-/// the digits), then turns them into each digit's first index.
-fn count_starts<T: Copy>(counts: &mut Vec<u32>, len: usize, xs: &[T], digit: impl Fn(T) -> usize) {
-    counts.clear();
-    counts.resize(len + 1, 0);
-    for &x in xs {
-        counts[digit(x) + 1] += 1;
-    }
-    for d in 1..counts.len() {
-        counts[d] += counts[d - 1];
-    }
-}
-
 /// [`merge`] of `n` = `ids.len()` ids in `scratch`.
 ///
 /// The (entry, id, position) order makes the order of every output a
@@ -207,40 +196,68 @@ fn merge_in(
     scratch.fit(ids.len());
     let Scratch {
         hi_of,
+        lo_of,
         hi,
         lo,
         next,
         by_lo,
         keyed,
     } = scratch;
-    hi_of.clear();
-    hi_of.extend(ids.iter().map(|&id| {
-        // Cast: below d.hi_count(), itself at most max(n, lcores).
+    // Each pass works on slices taken once: the compiler keeps their
+    // starts in registers (through the vectors, a store into one could
+    // have changed another's start as far as it knew: each was read
+    // again on every position, perf).
+    let len = ids.len();
+    for (v, n) in [
+        (&mut *hi_of, len),
+        (&mut *lo_of, len),
+        (&mut *hi, d.hi_count() + 1),
+        (&mut *lo, d.lo_count() + 1),
+    ] {
+        v.clear();
+        v.resize(n, 0);
+    }
+    let (hi_of, lo_of, hi, lo) = (&mut hi_of[..], &mut lo_of[..], &mut hi[..], &mut lo[..]);
+    // Both digits of each position, counted (at digit + 1, turned into
+    // each digit's first index below).
+    for ((&id, h), l) in ids.iter().zip(hi_of.iter_mut()).zip(lo_of.iter_mut()) {
+        let (hd, ld) = (d.hi(table.placement.entry(id), id), d.lo(id));
+        // Casts: below d.hi_count() and d.lo_count(), at most
+        // max(n, lcores) and 2^16.
         #[allow(clippy::cast_possible_truncation)]
-        let h = d.hi(table.placement.entry(id), id) as u32;
-        h
-    }));
-    count_starts(hi, d.hi_count(), hi_of, |h| h as usize);
+        {
+            (*h, *l) = (hd as u32, ld as u32);
+        }
+        hi[hd + 1] += 1;
+        lo[ld + 1] += 1;
+    }
+    for counts in [&mut *hi, &mut *lo] {
+        for i in 1..counts.len() {
+            counts[i] += counts[i - 1];
+        }
+    }
     // The positions by low digit, in the caller's order within one.
-    count_starts(lo, d.lo_count(), ids, |id| d.lo(id));
     by_lo.clear();
-    by_lo.resize(ids.len(), 0);
-    for (&id, i) in ids.iter().zip(0..n) {
-        let at = &mut lo[d.lo(id)];
+    by_lo.resize(len, 0);
+    let by_lo = &mut by_lo[..];
+    for (&l, i) in lo_of.iter().zip(0..n) {
+        let at = &mut lo[l as usize];
         by_lo[*at as usize] = i;
         *at += 1;
     }
     // Then by high digit, stable: by (high, low, position).
     keyed.clear();
-    keyed.resize(ids.len(), 0);
+    keyed.resize(len, 0);
+    let keyed = &mut keyed[..];
     next.clear();
     next.extend_from_slice(&hi[..hi.len() - 1]);
+    let next = &mut next[..];
     for &p in by_lo.iter() {
         let at = &mut next[hi_of[p as usize] as usize];
         keyed[*at as usize] = p;
         *at += 1;
     }
-    order_ties(keyed, ids, hi, hi_of, &d);
+    order_ties(keyed, ids, hi, hi_of, lo_of);
     let dim = grads.map_or(0, |g| g.dim);
     let mut m = Merged {
         ids: Vec::with_capacity(ids.len()),
@@ -286,9 +303,9 @@ fn merge_in(
 /// id order with both digits equal are moved by insertion; past a budget
 /// of moves (ids alike in all the digits' bits) each high digit's
 /// positions are sorted instead.
-fn order_ties(keyed: &mut [u32], ids: &[u64], hi: &[u32], hi_of: &[u32], d: &Digits) {
+fn order_ties(keyed: &mut [u32], ids: &[u64], hi: &[u32], hi_of: &[u32], lo_of: &[u32]) {
     let id = |p: u32| ids[p as usize];
-    let group = |p: u32| (hi_of[p as usize], d.lo(ids[p as usize]));
+    let group = |p: u32| (hi_of[p as usize], lo_of[p as usize]);
     let mut budget = 4 * keyed.len() + 64;
     for i in 1..keyed.len() {
         let p = keyed[i];
