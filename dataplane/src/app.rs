@@ -58,6 +58,9 @@ impl Appliance {
         if cfg.backend == BackendKind::Dpdk && cfg.shm {
             bail!("--shm needs the udp backend (workers on this host)");
         }
+        // Table blocks made ahead of the stores' growth, off the lcores
+        // (a new block's pages faulted in on an lcore held its rounds).
+        phub_engine::table::start_block_maker().context("starting the table block maker thread")?;
         let kernels = Kernels::best();
         let clock = Clock::start();
         let stop = Arc::new(AtomicBool::new(false));

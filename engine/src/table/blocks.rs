@@ -9,13 +9,18 @@
 //! growing never moves it. Sizes come from
 //! [`phub_proto::memory::TableShape`], the model admission charges. Each
 //! block is mapped on a 2 MiB boundary with huge pages asked for
-//! ([`super::huge`]).
+//! ([`super::huge`]); where the process runs the block maker, a new
+//! block is one it made ahead, its pages already faulted in
+//! ([`super::reserve`]).
+
+use std::sync::Arc;
 
 use bytemuck::{Pod, Zeroable};
 use phub_proto::memory::{TableShape, TABLE_BLOCK_HANDLE_BYTES, TABLE_LINE_BYTES};
 
 use super::huge::Zeroed;
 use super::prefetch::prefetch_span;
+use super::reserve::Reserve;
 use super::snapshot::RowSnap;
 
 /// One cache line of a block.
@@ -58,6 +63,8 @@ pub(crate) struct Blocks {
     /// A checkpoint being streamed: rows kept as they were
     /// ([`super::snapshot`]); every write goes through `row_mut` first.
     pub(crate) snap: Option<Box<RowSnap>>,
+    /// Blocks made ahead by the block maker, where it runs.
+    reserve: Option<Arc<Reserve<Line>>>,
 }
 
 impl std::fmt::Debug for Blocks {
@@ -78,14 +85,16 @@ impl Blocks {
         let mut blocks = Vec::new();
         blocks.try_reserve_exact(max_blocks).ok()?;
         let rows_per_block = u32::try_from(shape.rows_per_block()).ok().filter(|&r| r > 0)?;
+        let block_lines = usize::try_from(shape.block_bytes() / TABLE_LINE_BYTES).ok()?;
         Some(Blocks {
             blocks,
             row_words: usize::try_from(shape.row_words()).ok()?,
             rows_per_block: rows_per_block as usize,
             per_block_inverse: inverse_of(rows_per_block),
-            block_lines: usize::try_from(shape.block_bytes() / TABLE_LINE_BYTES).ok()?,
+            block_lines,
             max_blocks,
             snap: None,
+            reserve: Reserve::new(block_lines, max_blocks),
         })
     }
 
@@ -99,7 +108,11 @@ impl Blocks {
             self.max_blocks
         );
         while self.blocks.len() <= block {
-            match Zeroed::<Line>::new(self.block_lines) {
+            let made = match &self.reserve {
+                Some(r) => r.take(),
+                None => Zeroed::<Line>::new(self.block_lines),
+            };
+            match made {
                 Some(b) => self.blocks.push(b),
                 None => return false,
             }
@@ -165,7 +178,9 @@ impl Blocks {
     }
 
     /// Bytes allocated: the blocks (all of `block_lines` lines) and the
-    /// block table. O(1): a row store asks at every block it adds.
+    /// block table. O(1): a row store asks at every block it adds. Not
+    /// the blocks its reserve holds ready (at most
+    /// [`super::reserve::AHEAD`], within the cap).
     pub(crate) fn bytes(&self) -> u64 {
         let blocks = self.blocks.len() * self.block_lines * std::mem::size_of::<Line>();
         (blocks + self.blocks.capacity() * std::mem::size_of::<Zeroed<Line>>()) as u64

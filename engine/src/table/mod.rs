@@ -27,11 +27,13 @@ mod index;
 pub mod init;
 pub mod optim;
 mod prefetch;
+mod reserve;
 pub mod snapshot;
 pub mod store;
 
 pub use init::{Init, InitError, TableInit};
 pub use optim::{RowOptimizer, RowOptimizerError};
+pub use reserve::start_block_maker;
 pub use store::{Admission, Pushed, RowStore, StoreConfig, StoreError, StoreStats};
 
 /// The values of a row that was never stored (or was evicted): the same on
