@@ -15,7 +15,7 @@
 //! So where the process runs the block maker ([`start_block_maker`], the
 //! dataplane does at start-up), each store keeps [`AHEAD`] blocks ready:
 //! the maker's thread (`phub-blocks`, in the `SCHED_IDLE` class: it runs
-//! on CPU time nothing else wants) maps them and touches every page, and
+//! on CPU time nothing else wants) maps them and faults every page in, and
 //! the store's lcore takes a ready one when it grows (a lock held for a
 //! push or a pop), then asks for the next. It never waits for the maker:
 //! a store that outgrows its reserve (a round creating more than `AHEAD`
@@ -38,10 +38,6 @@ use super::huge::Zeroed;
 /// Blocks a store keeps ready (4 MiB of rows): a step creates far fewer
 /// rows than that on one lcore.
 pub(crate) const AHEAD: usize = 2;
-
-/// The bytes between two touches of a block being made: a page (where
-/// the kernel gives no huge page, each 4 KiB page is its own fault).
-const PAGE: usize = 4096;
 
 /// The maker's queue: reserves that asked for blocks.
 static MAKER: OnceLock<Sender<Weak<dyn Fill>>> = OnceLock::new();
@@ -207,12 +203,8 @@ impl<T: bytemuck::Pod + Send + 'static> Fill for Reserve<T> {
                 self.made.fetch_sub(1, Ordering::AcqRel);
                 return;
             };
-            // Every page faulted in here, not on the lcore: a write to
-            // each (of zero, so the block stays zeroed).
-            let bytes = bytemuck::cast_slice_mut::<T, u8>(&mut block);
-            for at in (0..bytes.len()).step_by(PAGE) {
-                bytes[at] = 0;
-            }
+            // Every page faulted in here, not on the lcore.
+            block.populate();
             let mut ready = self.ready.lock().unwrap_or_else(PoisonError::into_inner);
             if self.made() > self.max {
                 // The store made the cap's last block itself meanwhile.
