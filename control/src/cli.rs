@@ -1842,6 +1842,7 @@ mod tests {
             not_admitted: 2,
             no_memory: 1,
             bytes: 3 << 20,
+            blocks_made_on_lcore: 0,
         }];
         let t = render_show(&d);
         let name = &d.spec.keys[0].name;

@@ -497,7 +497,7 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
             .collect();
         if !tables.is_empty() {
             type Field = fn(&TableLive) -> u64;
-            let families: [(&str, &str, &str, Field); 8] = [
+            let families: [(&str, &str, &str, Field); 9] = [
                 ("phub_table_rows", "gauge", "Rows a table stores now", |t| {
                     t.rows_stored
                 }),
@@ -542,6 +542,12 @@ pub fn render_all(appliances: &[(&str, Option<&DataplaneStats>)], jobs: &[JobSum
                     "counter",
                     "Row pushes dropped: the id not admitted yet, or no memory for a new row",
                     |t| t.not_admitted + t.no_memory,
+                ),
+                (
+                    "phub_table_blocks_made_on_lcore_total",
+                    "counter",
+                    "Row blocks an lcore made itself, none ready from the block maker (each faulted in on the lcore)",
+                    |t| t.blocks_made_on_lcore,
                 ),
             ];
             for (name, kind, help, field) in families {
@@ -606,6 +612,7 @@ mod tests {
                     not_admitted: 1,
                     no_memory: 1,
                     bytes: 4096,
+                    blocks_made_on_lcore: 3,
                 }],
             }],
         };
@@ -655,6 +662,7 @@ mod tests {
             "phub_table_row_updates_total{job=\"1\",key=\"0\"} 18\n",
             "phub_table_row_lookups_total{job=\"1\",key=\"0\"} 8\n",
             "phub_table_row_pushes_dropped_total{job=\"1\",key=\"0\"} 4\n",
+            "phub_table_blocks_made_on_lcore_total{job=\"1\",key=\"0\"} 6\n",
         ] {
             assert!(text.contains(line), "{line}: {text}");
         }

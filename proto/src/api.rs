@@ -1096,6 +1096,11 @@ pub struct TableLive {
     pub no_memory: u64,
     /// Bytes the rows' stores hold now.
     pub bytes: u64,
+    /// Row blocks (2 MiB) an lcore made itself, none being ready from the
+    /// dataplane's block maker: each faulted in on the lcore, holding its
+    /// rounds for a moment (README, "Faults, checkpoints and security").
+    #[serde(default)]
+    pub blocks_made_on_lcore: u64,
 }
 
 impl TableLive {
@@ -1110,6 +1115,7 @@ impl TableLive {
         self.not_admitted += o.not_admitted;
         self.no_memory += o.no_memory;
         self.bytes += o.bytes;
+        self.blocks_made_on_lcore += o.blocks_made_on_lcore;
     }
 
     /// `into`'s tables with `from`'s merged in, by key, in key order.

@@ -108,6 +108,7 @@ impl<A: Copy + Eq> Shard<A> {
                                 not_admitted: s.not_admitted,
                                 no_memory: s.no_memory,
                                 bytes: s.bytes,
+                                blocks_made_on_lcore: s.blocks_made_on_lcore,
                             }
                         })
                         .collect(),

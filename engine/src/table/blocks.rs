@@ -65,6 +65,9 @@ pub(crate) struct Blocks {
     pub(crate) snap: Option<Box<RowSnap>>,
     /// Blocks made ahead by the block maker, where it runs.
     reserve: Option<Arc<Reserve<Line>>>,
+    /// Blocks this store made itself (none ready from a maker, or none
+    /// runs): each faulted in on the lcore as its rows are first written.
+    made_here: u64,
 }
 
 impl std::fmt::Debug for Blocks {
@@ -95,6 +98,7 @@ impl Blocks {
             max_blocks,
             snap: None,
             reserve: Reserve::new(block_lines, max_blocks),
+            made_here: 0,
         })
     }
 
@@ -110,9 +114,12 @@ impl Blocks {
         while self.blocks.len() <= block {
             let made = match &self.reserve {
                 Some(r) => r.take(),
-                None => Zeroed::<Line>::new(self.block_lines),
+                None => Zeroed::<Line>::new(self.block_lines).map(|b| (b, true)),
             };
-            match made {
+            match made.map(|(b, here)| {
+                self.made_here += u64::from(here);
+                b
+            }) {
                 Some(b) => self.blocks.push(b),
                 None => return false,
             }
@@ -170,6 +177,11 @@ impl Blocks {
         let (b, at) = self.place(slot);
         let block = bytemuck::cast_slice::<Line, f32>(&self.blocks[b]);
         prefetch_span(block[at..].as_ptr(), self.row_words * 4);
+    }
+
+    /// Blocks the store made itself ([`Blocks::made_here`]).
+    pub(crate) fn made_here(&self) -> u64 {
+        self.made_here
     }
 
     /// Blocks allocated.

@@ -129,16 +129,16 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
         Some(r)
     }
 
-    /// A block for the store, which has fewer than `max`: a ready one, or
-    /// else one made here (`None` when the kernel refuses it); the maker
-    /// is asked for more. Never waits for the maker (a maker starved of
+    /// A block for the store, which has fewer than `max`, and whether it
+    /// was made here: a ready one, or else one made here (`None` when the
+    /// kernel refuses it); the maker is asked for more. Never waits for the maker (a maker starved of
     /// CPU would hold the lcore): where the maker is making the cap's
     /// last block when the store makes it too, the maker's is dropped
     /// once made (`fill`: a moment of one block over the cap).
-    pub(crate) fn take(&self) -> Option<Zeroed<T>> {
+    pub(crate) fn take(&self) -> Option<(Zeroed<T>, bool)> {
         let mut ready = self.ready.lock().unwrap_or_else(PoisonError::into_inner);
         let block = match ready.pop() {
-            Some(b) => Some(b),
+            Some(b) => Some((b, false)),
             None => {
                 // Counted under the lock: the maker, adding a block under
                 // it, sees this one.
@@ -154,7 +154,7 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
                     Some(_) => self.made_here.fetch_add(1, Ordering::AcqRel),
                     None => self.made.fetch_sub(1, Ordering::AcqRel),
                 };
-                b
+                b.map(|b| (b, true))
             }
         };
         self.ask();
@@ -243,12 +243,12 @@ mod tests {
         let r = Reserve::<u64>::new(4096, 5).expect("the maker runs");
         wait_for("two ready blocks", || r.ready() == AHEAD);
         assert_eq!(r.made(), AHEAD);
-        let mut store = vec![r.take().unwrap()];
+        let mut store = vec![r.take().unwrap().0];
         assert_eq!(r.made_here(), 0, "the block taken was a ready one");
         wait_for("the reserve refilled", || r.ready() == AHEAD);
         assert_eq!(r.made(), AHEAD + 1);
         while store.len() < 5 {
-            store.push(r.take().unwrap());
+            store.push(r.take().unwrap().0);
             assert!(r.made() <= 6, "made {} of a cap of 5", r.made());
         }
         wait_for("the cap's blocks, none ready", || (r.made(), r.ready()) == (5, 0));

@@ -173,6 +173,10 @@ pub struct StoreStats {
     pub no_memory: u64,
     /// Bytes allocated now.
     pub bytes: u64,
+    /// Row blocks the store made itself, on its lcore, none being ready
+    /// from the block maker (or none running): each one's pages faulted
+    /// in there (`table/reserve.rs`).
+    pub blocks_made_on_lcore: u64,
 }
 
 /// One lcore's store of one table (module head).
@@ -393,6 +397,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
     pub fn stats(&self) -> StoreStats {
         StoreStats {
             rows_stored: self.rows_stored(),
+            blocks_made_on_lcore: self.blocks.made_here(),
             ..self.stats
         }
     }

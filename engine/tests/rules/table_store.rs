@@ -450,6 +450,8 @@ fn a_store_at_its_cap_has_allocated_exactly_the_memory_model() {
         }
         assert_eq!(s.rows_stored(), 100_000);
         assert_eq!(s.blocks_allocated(), 7);
+        // No block maker runs in this process: the store made each block.
+        assert_eq!(s.stats().blocks_made_on_lcore, 7);
         assert_eq!(s.allocated_bytes(), charged, "{admission:?}");
         assert_eq!(s.stats().bytes, charged);
         // A new row at the cap evicts: no more memory.

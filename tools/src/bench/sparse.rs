@@ -746,6 +746,9 @@ pub struct SparseLocalReport {
     pub wire_bytes_per_row: f64,
     /// Rows the appliance stores after the run (control's job detail).
     pub rows_stored: u64,
+    /// Row blocks the lcores made themselves, none ready from the
+    /// dataplane's block maker (control's job detail).
+    pub blocks_made_on_lcore: u64,
     /// Loopback: the dataplane's resident memory (VmRSS) once the timed
     /// steps ended, the table's rows and every other thing it holds;
     /// none over `--racks`.
@@ -1826,6 +1829,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         None => None,
     };
     let rows_stored = detail.tables.iter().map(|t| t.rows_stored).sum();
+    let blocks_made_on_lcore = detail.tables.iter().map(|t| t.blocks_made_on_lcore).sum();
     let evicted: u64 = detail.tables.iter().map(|t| t.evicted_cap + t.evicted_idle).sum();
     let verified = match args.verify {
         false => None,
@@ -1874,6 +1878,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         round_ms_p99: p99,
         wire_bytes_per_row: ranks.iter().map(|r| r.bytes).sum::<u64>() as f64 / rows_moved,
         rows_stored,
+        blocks_made_on_lcore,
         rss_bytes,
         charged_bytes,
         prefill_rows_per_s: ranks
@@ -1929,8 +1934,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.round_ms_max
     );
     println!(
-        "  {:.1} wire bytes per row   {} rows stored   {} table messages resent",
-        report.wire_bytes_per_row, report.rows_stored, report.row_retransmits
+        "  {:.1} wire bytes per row   {} rows stored ({} row blocks made on the lcores)   {} table messages resent",
+        report.wire_bytes_per_row, report.rows_stored, report.blocks_made_on_lcore, report.row_retransmits
     );
     if let Some(rss) = report.rss_bytes {
         println!(
