@@ -116,13 +116,9 @@ impl Blocks {
                 Some(r) => r.take(),
                 None => Zeroed::<Line>::new(self.block_lines).map(|b| (b, true)),
             };
-            match made.map(|(b, here)| {
-                self.made_here += u64::from(here);
-                b
-            }) {
-                Some(b) => self.blocks.push(b),
-                None => return false,
-            }
+            let Some((b, here)) = made else { return false };
+            self.made_here += u64::from(here);
+            self.blocks.push(b);
         }
         true
     }

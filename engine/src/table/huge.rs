@@ -92,9 +92,7 @@ impl<T: bytemuck::Pod> Zeroed<T> {
             len,
         })
     }
-}
 
-impl<T: bytemuck::Pod> Zeroed<T> {
     /// Faults every page in now, so that the kernel zeroes them here
     /// rather than at each one's first touch (on this project's VMs 1-2 ms
     /// a 2 MiB page: an lcore's round held that long). The contents stay

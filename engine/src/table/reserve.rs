@@ -100,8 +100,6 @@ pub(crate) struct Reserve<T> {
     /// Blocks made for the store, by the maker or by the store itself,
     /// ready ones included: at most `max`.
     made: AtomicUsize,
-    /// Of those, the blocks the store made itself (none ready).
-    made_here: AtomicUsize,
     ready: Mutex<Vec<Zeroed<T>>>,
     /// The reserve is in the maker's queue (asked once until it fills).
     asked: AtomicBool,
@@ -119,7 +117,6 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
             lines,
             max,
             made: AtomicUsize::new(0),
-            made_here: AtomicUsize::new(0),
             ready: Mutex::new(Vec::with_capacity(AHEAD)),
             asked: AtomicBool::new(false),
             maker,
@@ -131,10 +128,11 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
 
     /// A block for the store, which has fewer than `max`, and whether it
     /// was made here: a ready one, or else one made here (`None` when the
-    /// kernel refuses it); the maker is asked for more. Never waits for the maker (a maker starved of
-    /// CPU would hold the lcore): where the maker is making the cap's
-    /// last block when the store makes it too, the maker's is dropped
-    /// once made (`fill`: a moment of one block over the cap).
+    /// kernel refuses it); the maker is asked for more. Never waits for
+    /// the maker (a maker starved of CPU would hold the lcore): where the
+    /// maker is making the cap's last block when the store makes it too,
+    /// the maker's is dropped once made (`fill`: a moment of one block
+    /// over the cap).
     pub(crate) fn take(&self) -> Option<(Zeroed<T>, bool)> {
         let mut ready = self.ready.lock().unwrap_or_else(PoisonError::into_inner);
         let block = match ready.pop() {
@@ -150,10 +148,9 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
                 );
                 drop(ready);
                 let b = Zeroed::new(self.lines);
-                match b {
-                    Some(_) => self.made_here.fetch_add(1, Ordering::AcqRel),
-                    None => self.made.fetch_sub(1, Ordering::AcqRel),
-                };
+                if b.is_none() {
+                    self.made.fetch_sub(1, Ordering::AcqRel);
+                }
                 b.map(|b| (b, true))
             }
         };
@@ -169,12 +166,6 @@ impl<T: bytemuck::Pod + Send + 'static> Reserve<T> {
     /// Blocks made for the store so far, ready ones included.
     pub(crate) fn made(&self) -> usize {
         self.made.load(Ordering::Acquire)
-    }
-
-    /// Blocks the store made itself, none being ready.
-    #[cfg(test)]
-    fn made_here(&self) -> usize {
-        self.made_here.load(Ordering::Acquire)
     }
 
     fn ask(&self) {
@@ -243,8 +234,9 @@ mod tests {
         let r = Reserve::<u64>::new(4096, 5).expect("the maker runs");
         wait_for("two ready blocks", || r.ready() == AHEAD);
         assert_eq!(r.made(), AHEAD);
-        let mut store = vec![r.take().unwrap().0];
-        assert_eq!(r.made_here(), 0, "the block taken was a ready one");
+        let (first, made_here) = r.take().unwrap();
+        assert!(!made_here, "the block taken was a ready one");
+        let mut store = vec![first];
         wait_for("the reserve refilled", || r.ready() == AHEAD);
         assert_eq!(r.made(), AHEAD + 1);
         while store.len() < 5 {

@@ -1150,7 +1150,8 @@ fn dense_pulls(args: &SparseArgs, url: &str, token: Option<&str>) -> Result<f64>
 
 /// A rank's timed steps (at least one: `run_local` refuses `--steps 0`):
 /// their upper median and their longest, ms.
-/// Rank 0's step times: median, 90th and 99th percentiles, largest, ms.
+/// Rank 0's step times: median, 90th and 99th percentiles (nearest
+/// rank, [`crate::stats::percentile`]), largest, ms.
 struct StepTimes {
     median: f64,
     p90: f64,
@@ -1161,18 +1162,10 @@ struct StepTimes {
 fn step_times(steps_ms: &[f64]) -> StepTimes {
     let mut v = steps_ms.to_vec();
     v.sort_by(f64::total_cmp);
-    // Nearest rank: the smallest step time at or above the fraction `q`
-    // of the steps. Casts: a step count, far below 2^52.
-    #[allow(
-        clippy::cast_possible_truncation,
-        clippy::cast_sign_loss,
-        clippy::cast_precision_loss
-    )]
-    let at = |q: f64| v[((q * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
     StepTimes {
         median: v[v.len() / 2],
-        p90: at(0.9),
-        p99: at(0.99),
+        p90: crate::stats::percentile(&v, 90.0),
+        p99: crate::stats::percentile(&v, 99.0),
         max: v[v.len() - 1],
     }
 }

@@ -375,7 +375,7 @@ impl Digits {
         1 << self.lo_bits
     }
 
-    /// The high digit of `id` on `entry`: buckets in order hold their
+    /// The high digit of `id` on `entry`: high digits in order hold their
     /// entry's ids in order.
     #[inline]
     fn hi(&self, entry: u32, id: u64) -> usize {
