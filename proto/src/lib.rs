@@ -26,6 +26,7 @@ pub mod placement;
 pub mod replica;
 pub mod replica_rows;
 pub mod routes;
+pub mod row_ops;
 pub mod rows;
 pub mod shm;
 pub mod spec;

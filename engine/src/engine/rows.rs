@@ -30,6 +30,7 @@
 //! `Shard::rows_out` as they are queued and sent from there; it keeps its
 //! capacity between bursts, as the pending list does.
 
+use phub_proto::row_ops::{add_row, copy_row, extend_row};
 use phub_proto::rows::{
     self, CacheRef, Ids, KeyCache, RowMsgType, RowPayload, RowPayloadKind, RowRepr, Rows, KEY_CACHE_PREFIX,
     MAX_ROW_MESSAGES,
@@ -689,12 +690,10 @@ fn accumulate(table: &mut Table, repr: &RowRepr, rows: &Rows<'_>) {
         round.push_slots.push(at);
         if at == next {
             round.ids.push(id);
-            round.rows.extend_from_slice(row);
+            extend_row(&mut round.rows, row);
         } else {
             let at = at as usize;
-            for (a, g) in round.rows[at * d..(at + 1) * d].iter_mut().zip(row) {
-                *a += *g;
-            }
+            add_row(&mut round.rows[at * d..(at + 1) * d], row);
         }
     }
     // Casts: s < 1024; a message has at most R < 2^16 rows; the round's
@@ -734,19 +733,22 @@ pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers
     };
     let d = *dim as usize;
     let n = round.ids.len() * d;
-    round.after.clear();
-    round.after.resize(n, 0.0);
+    // Zeroed only where it grows: the update writes its first n values.
+    if round.after.len() < n {
+        round.after.resize(n, 0.0);
+    }
+    let after = &mut round.after[..n];
     // The round's rows go through the store's pipeline: their index
     // entries and rows are fetched from memory ahead of their updates.
-    store.update_distinct_into(&round.ids, &round.rows[..n], &mut round.after);
+    store.update_distinct_into(&round.ids, &round.rows[..n], after);
     if store.advance_round_at(answers.now) > 0 {
-        store.read_batch(&round.ids, &mut round.after);
+        store.read_batch(&round.ids, after);
     }
     // Each distinct row was counted read once; the answers give
     // `push_slots.len()` rows.
     store.count_lookups((round.push_slots.len() - round.ids.len()) as u64);
     round.pushes.sort_unstable_by_key(|p| (p.rank, p.seq));
-    let after = &round.after;
+    let after = &round.after[..n];
     for p in &round.pushes {
         let slots = &round.push_slots[p.start as usize..p.start as usize + usize::from(p.len)];
         batch.ids.clear();
@@ -761,7 +763,7 @@ pub(super) fn complete<A: Copy>(table: &mut Table, t: u32, answers: &mut Answers
         };
         answers.rows_of_batch(store, batch, to, |_, _, _, out| {
             for (row, &s) in out.chunks_exact_mut(d.max(1)).zip(slots) {
-                row.copy_from_slice(&after[s as usize * d..][..d]);
+                copy_row(row, &after[s as usize * d..][..d]);
             }
         });
     }

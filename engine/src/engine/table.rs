@@ -204,7 +204,9 @@ pub(super) struct BspRound {
     /// message.
     pub(super) push_slots: Vec<u32>,
     /// At completion: the rows after the round's update, in the order of
-    /// `ids`, from which each rank's answers are copied.
+    /// `ids`, from which each rank's answers are copied. Its length is the
+    /// most a round of it held: kept from round to round (each round's
+    /// update writes its part whole), not zeroed again each round.
     pub(super) after: Vec<f32>,
 }
 
@@ -235,12 +237,12 @@ impl BspRound {
         self.rows.clear();
         self.pushes.clear();
         self.push_slots.clear();
-        self.after.clear();
         if shrink {
             let keep = ROUND_KEEP_ROWS.max(2 * held);
             self.index.shrink_to(keep);
             self.ids.shrink_to(keep);
             self.rows.shrink_to(keep * dim);
+            self.after.truncate(keep * dim);
             self.after.shrink_to(keep * dim);
             self.push_slots.shrink_to(ROUND_KEEP_ROWS.max(2 * pushed));
         }

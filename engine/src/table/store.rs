@@ -31,6 +31,7 @@
 use std::num::NonZeroU32;
 
 use phub_proto::memory::{table_bytes, TableShape, TABLE_MAX_ROWS};
+use phub_proto::row_ops::copy_row;
 
 use super::admit::AdmitCounts;
 use super::blocks::Blocks;
@@ -475,7 +476,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         self.stats.lookups += 1;
         match staged.probe(&self.index, id) {
             Probe::Found(pos) => {
-                out.copy_from_slice(&self.blocks.row(self.index.entry(pos).slot())[..self.dim]);
+                copy_row(out, &self.blocks.row(self.index.entry(pos).slot())[..self.dim]);
                 true
             }
             Probe::Vacant(_) => {
@@ -545,7 +546,7 @@ impl<I: RowInit, U: RowUpdate> RowStore<I, U> {
         let (values, state) = self.blocks.row_mut(slot).split_at_mut(dim);
         self.opt.apply(values, state, grad);
         if let Some(out) = out {
-            out.copy_from_slice(values);
+            copy_row(out, values);
         }
         self.stats.updates += 1;
         pushed

@@ -21,6 +21,7 @@
 use std::ops::Range;
 
 use phub_proto::placement::RowPlacement;
+use phub_proto::row_ops::{add_row, extend_row};
 use phub_proto::rows::{ids_signature, messages_for, RowMsgType, MAX_ROW_MESSAGES};
 
 use crate::error::WorkerError;
@@ -280,13 +281,11 @@ fn merge_in(
                 // row bit for bit. (Appended: zeroing the sums first cost
                 // a third as much as the copies, perf.)
                 if let Some(g) = grads {
-                    m.sums.extend_from_slice(&g.grads[p * dim..][..dim]);
+                    extend_row(&mut m.sums, &g.grads[p * dim..][..dim]);
                 }
             } else if let Some(g) = grads {
                 let at = m.sums.len() - dim;
-                for (s, v) in m.sums[at..].iter_mut().zip(&g.grads[p * dim..][..dim]) {
-                    *s += v;
-                }
+                add_row(&mut m.sums[at..], &g.grads[p * dim..][..dim]);
             }
             // Cast: at most `n` distinct ids, n < 2^32.
             #[allow(clippy::cast_possible_truncation)]

@@ -70,6 +70,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use phub_proto::failover::EpochView;
+use phub_proto::row_ops::copy_row;
 use phub_proto::rows::{
     self, ids_signature, CacheRef, KeyCache, RowMsgType, RowPayload, RowRepr, Rows, KEY_CACHE_PREFIX,
 };
@@ -127,7 +128,7 @@ impl RowOutput {
     pub(crate) fn write_into(&self, out: &mut [f32]) {
         debug_assert_eq!(out.len(), self.slot_of.len() * self.dim);
         for (dst, &s) in out.chunks_exact_mut(self.dim.max(1)).zip(&self.slot_of) {
-            dst.copy_from_slice(&self.rows[s as usize * self.dim..][..self.dim]);
+            copy_row(dst, &self.rows[s as usize * self.dim..][..self.dim]);
         }
     }
 
@@ -346,7 +347,16 @@ pub(crate) struct RowTransport<D> {
     /// length once an answer ended it: the least a spurious resend's
     /// loss timer must outlast ([`Rto::spurious`]).
     resend_silence: Duration,
+    /// The datagram bytes of the last request that ended (at most
+    /// [`SPARE_BYTES_MAX`] of room), for the next one's messages: a
+    /// step's are written into memory in the cache, without growing a
+    /// new vector from empty (each growth a copy; a fresh allocation's
+    /// pages faulted in and zeroed).
+    spare: Vec<u8>,
 }
+
+/// The most room [`RowTransport`]'s spare datagram buffer keeps.
+const SPARE_BYTES_MAX: usize = 8 << 20;
 
 /// A table's id lists registered for key caching (PROTOCOL.md §10.7):
 /// which slot of this rank's cache on each lcore holds which list, and
@@ -428,6 +438,7 @@ impl<D> RowTransport<D> {
             epoch_asked: None,
             resent_in_silence: false,
             resend_silence: Duration::ZERO,
+            spare: Vec::new(),
         }
     }
 
@@ -597,7 +608,8 @@ impl<D> RowTransport<D> {
                 (0, PULL_TAG | ((*g & GEN_MASK) << GEN_SHIFT))
             }
         };
-        let (bytes, spans, forms) = self.encode(&plan, round, tag);
+        let spare = std::mem::take(&mut self.spare);
+        let (bytes, spans, forms) = self.encode(&plan, round, tag, spare);
         let n = plan.msgs.len();
         let a = Active {
             rows: vec![0f32; plan.ids.len() * plan.dim as usize],
@@ -631,20 +643,35 @@ impl<D> RowTransport<D> {
     }
 
     /// Every message of `plan` as a datagram, each in the key-cache form
-    /// [`Self::form`] gives it.
-    fn encode(&self, plan: &RowPlan, round: u32, tag: u32) -> (Vec<u8>, Vec<Range<usize>>, Vec<KeyCache>) {
-        let mut bytes = Vec::new();
+    /// [`Self::form`] gives it, written into `bytes` (cleared first).
+    fn encode(
+        &self,
+        plan: &RowPlan,
+        round: u32,
+        tag: u32,
+        mut bytes: Vec<u8>,
+    ) -> (Vec<u8>, Vec<Range<usize>>, Vec<KeyCache>) {
+        let forms: Vec<KeyCache> = (plan.msgs.iter())
+            .map(|m| self.form(plan.key, m.entry, &plan.ids[m.rows.clone()]))
+            .collect();
+        let reprs = || (0..plan.msgs.len()).map(|i| msg_repr(&self.info, plan, i, round, tag, forms[i]));
+        bytes.clear();
+        bytes.reserve(reprs().map(|r| msg_len(&r)).sum());
         let mut spans = Vec::with_capacity(plan.msgs.len());
-        let mut forms = Vec::with_capacity(plan.msgs.len());
-        for (i, m) in plan.msgs.iter().enumerate() {
+        for (i, repr) in reprs().enumerate() {
+            spans.push(write_msg(plan, i, &repr, &mut bytes));
             // A ROW_END's row range is empty (the plan's invariant).
-            let ids = &plan.ids[m.rows.clone()];
-            let form = self.form(plan.key, m.entry, ids);
-            spans.push(write_msg(&self.info, plan, i, round, tag, form, &mut bytes));
-            forms.push(form);
-            self.count_cached(form, ids.len());
+            self.count_cached(forms[i], plan.msgs[i].rows.len());
         }
         (bytes, spans, forms)
+    }
+
+    /// Keeps `bytes`, an ended request's datagrams, for the next request
+    /// ([`RowTransport::spare`]).
+    fn keep_spare(&mut self, bytes: Vec<u8>) {
+        if bytes.capacity() <= SPARE_BYTES_MAX && bytes.capacity() > self.spare.capacity() {
+            self.spare = bytes;
+        }
     }
 
     /// Counts what a message (or answer) of `ids` ids in `form` saved and
@@ -1187,7 +1214,8 @@ impl<D> RowTransport<D> {
         let Some(a) = self.active.get_mut(&key) else {
             return false;
         };
-        let span = write_msg(&self.info, &a.plan, i, a.round, a.tag, form, &mut a.bytes);
+        let repr = msg_repr(&self.info, &a.plan, i, a.round, a.tag, form);
+        let span = write_msg(&a.plan, i, &repr, &mut a.bytes);
         add_flag(&mut a.bytes[span.clone()], flags::RETRANSMIT);
         a.spans[i] = span;
         a.forms[i] = form;
@@ -1531,6 +1559,7 @@ impl<D> RowTransport<D> {
             PlanKind::Pull if a.plan.msgs.is_empty() => (0, 0),
             PlanKind::Pull => (a.min_round, a.max_round),
         };
+        self.keep_spare(a.bytes);
         if let Some(done) = a.done {
             self.finished.push_back(RowFinished {
                 key,
@@ -1584,6 +1613,7 @@ impl<D> RowTransport<D> {
         self.pending.retain(|&(k, _)| k != key);
         self.queue.retain(|&(k, _)| k != key);
         self.catch_up_queue.retain(|&(k, _)| k != key);
+        self.keep_spare(a.bytes);
         a.done
     }
 
@@ -1731,21 +1761,12 @@ fn on_done<D>(a: &mut Active<D>, entry: u32, repr: &RowRepr) -> Verdict {
     }
 }
 
-/// Appends message `i` of `plan` in key-cache form `form` to `bytes`, as
-/// rank `info` sends it; returns where it is.
-fn write_msg(
-    info: &JobInfo,
-    plan: &RowPlan,
-    i: usize,
-    round: u32,
-    tag: u32,
-    form: KeyCache,
-    bytes: &mut Vec<u8>,
-) -> Range<usize> {
+/// The header of message `i` of `plan` in key-cache form `form`, as rank
+/// `info` sends it.
+fn msg_repr(info: &JobInfo, plan: &RowPlan, i: usize, round: u32, tag: u32, form: KeyCache) -> RowRepr {
     let m = &plan.msgs[i];
-    let dim = plan.dim as usize;
     let count = m.rows.len();
-    let repr = RowRepr {
+    RowRepr {
         kind: m.kind,
         dtype: info.dtype,
         flags: 0,
@@ -1760,8 +1781,20 @@ fn write_msg(
         key: plan.key,
         seq: tag | m.seq,
         cache: form,
-    };
-    let len = HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram");
+    }
+}
+
+/// A planned message's length, header included.
+fn msg_len(repr: &RowRepr) -> usize {
+    HEADER_LEN + repr.payload_len().expect("a planned message fits a datagram")
+}
+
+/// Appends message `i` of `plan` with header `repr` ([`msg_repr`]) to
+/// `bytes`; returns where it is.
+fn write_msg(plan: &RowPlan, i: usize, repr: &RowRepr, bytes: &mut Vec<u8>) -> Range<usize> {
+    let m = &plan.msgs[i];
+    let dim = plan.dim as usize;
+    let len = msg_len(repr);
     let at = bytes.len();
     bytes.resize(at + len, 0);
     let values = match m.kind {
@@ -1769,7 +1802,7 @@ fn write_msg(
         _ => &[][..],
     };
     // A ROW_END's row range is empty (the plan's invariant).
-    let written = rows::write(&repr, &plan.ids[m.rows.clone()], values, &mut bytes[at..]);
+    let written = rows::write(repr, &plan.ids[m.rows.clone()], values, &mut bytes[at..]);
     debug_assert_eq!(written, len);
     at..at + len
 }
