@@ -124,6 +124,35 @@ fn bf16_bits(x: f32) -> u16 {
     bits
 }
 
+/// Decodes `src` (whole elements of `dtype`, little-endian) onto the end
+/// of `dst`, as [`decode`] would into as many zeroed elements; f32 values
+/// are appended as they are read, without zeroing them first (a row
+/// message's gradients: 75 against 137 ns for 110 rows of 16 values).
+///
+/// # Panics
+/// If `src.len()` is not a multiple of `dtype.size()`.
+pub fn decode_extend(dtype: Dtype, src: &[u8], dst: &mut Vec<f32>) {
+    let n = src.len() / dtype.size();
+    assert_eq!(
+        n * dtype.size(),
+        src.len(),
+        "{} bytes of {} elements",
+        src.len(),
+        dtype.name()
+    );
+    match dtype {
+        Dtype::F32 => dst.extend(
+            src.chunks_exact(4)
+                .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]])),
+        ),
+        _ => {
+            let at = dst.len();
+            dst.resize(at + n, 0.0);
+            decode(dtype, src, &mut dst[at..]);
+        }
+    }
+}
+
 /// Decodes `src` (`dst.len() * dtype.size()` bytes, little-endian) into
 /// `dst`; exact.
 ///
@@ -189,6 +218,30 @@ mod tests {
         while let Some(next) = b.checked_add(65_521) {
             check(b);
             b = next;
+        }
+    }
+
+    /// decode_extend appends what decode writes, bit for bit, in every
+    /// dtype, at any alignment of the bytes.
+    #[test]
+    fn decode_extend_appends_what_decode_writes() {
+        let xs: Vec<f32> = (0..67)
+            .map(|i| (i as f32 - 30.0) * 1.2345)
+            .chain([f32::NAN, f32::INFINITY, -0.0, 1e-40])
+            .collect();
+        for dtype in [Dtype::F32, Dtype::Bf16, Dtype::F16] {
+            let n = xs.len() * dtype.size();
+            let mut buf = vec![0u8; n + 3];
+            for skew in 0..3 {
+                encode(dtype, &xs, &mut buf[skew..skew + n]);
+                let mut want = vec![0f32; xs.len()];
+                decode(dtype, &buf[skew..skew + n], &mut want);
+                let mut got = vec![7.5f32];
+                decode_extend(dtype, &buf[skew..skew + n], &mut got);
+                let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                assert_eq!(got[0], 7.5, "{dtype:?}: what was there stays");
+                assert_eq!(bits(&got[1..]), bits(&want), "{dtype:?}, skew {skew}");
+            }
         }
     }
 

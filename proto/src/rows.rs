@@ -400,6 +400,12 @@ impl<'a> Rows<'a> {
         crate::dtype::decode(self.dtype, self.values, out);
         true
     }
+
+    /// Every row converted to `f32` onto the end of `out`, row after row
+    /// ([`crate::dtype::decode_extend`]): `len() * dim` values.
+    pub fn decode_extend(&self, out: &mut Vec<f32>) {
+        crate::dtype::decode_extend(self.dtype, self.values, out);
+    }
 }
 
 /// A row message's payload, by its type.

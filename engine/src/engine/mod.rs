@@ -393,6 +393,9 @@ pub struct Shard<A> {
     /// The bytes (header and payload) of the queued table answers
     /// (`Pending::Row`), cleared with the transmits.
     rows_out: Vec<u8>,
+    /// The bytes of the queued table answers with rows
+    /// (`Pending::Answer`), cleared with the transmits.
+    answers_out: outbox::AnswerBytes,
     /// The bytes of the queued REPLICATE_ACKs (`Pending::ReplicaAcks`),
     /// cleared with the transmits.
     acks_out: Vec<u8>,
@@ -461,6 +464,7 @@ impl<A: Copy + Eq> Shard<A> {
             rx_buffer: None,
             rx_workers: 0,
             rows_out: Vec::new(),
+            answers_out: outbox::AnswerBytes::default(),
             acks_out: Vec::new(),
             tables_stream: None,
             tables_stream_kept: table_checkpoint::StreamKept::default(),

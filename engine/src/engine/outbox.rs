@@ -12,6 +12,54 @@ use super::replica::Replica;
 use super::slot::{RankSet, Slot};
 use super::{Job, Shard};
 
+/// The bytes of the queued table answers with rows ([`Pending::Answer`]):
+/// `buf[..len]` is queued; the bytes past it were written by earlier
+/// bursts and are written over without being zeroed again (a table
+/// answer's writer writes every byte it sends: the header zeroed and
+/// set, the ids, the rows). Zeroed as the writers asked for room, they
+/// were 2% of a BSP table run's CPU (`perf`, BENCHMARKS.md). Keeps its
+/// room between bursts, as the pending list does.
+#[derive(Debug, Default)]
+pub(super) struct AnswerBytes {
+    buf: Vec<u8>,
+    len: usize,
+}
+
+impl AnswerBytes {
+    /// The bytes queued.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Room for `n` bytes from `at` (at least [`AnswerBytes::len`]: the
+    /// bytes between are skipped, never sent), now queued; their contents
+    /// are whatever earlier bursts left there (the caller writes them
+    /// all).
+    pub(super) fn room(&mut self, at: usize, n: usize) -> &mut [u8] {
+        debug_assert!(
+            at >= self.len,
+            "room at {at} inside the {} bytes queued",
+            self.len
+        );
+        let end = at + n;
+        if self.buf.len() < end {
+            self.buf.resize(end, 0);
+        }
+        self.len = end;
+        &mut self.buf[at..end]
+    }
+
+    /// Bytes `r` of those queued.
+    pub(super) fn get(&self, r: std::ops::Range<usize>) -> Option<&[u8]> {
+        self.buf[..self.len].get(r)
+    }
+
+    /// Forgets what was queued (once sent).
+    pub(super) fn clear(&mut self) {
+        self.len = 0;
+    }
+}
+
 /// Who gets a queued result.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum To {
@@ -45,10 +93,13 @@ pub(super) enum Pending<A> {
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
     PartialResult { job: u16, slot: u32, rack: u16 },
-    /// A table answer (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT), built
-    /// whole: bytes `at .. at + len` of the shard's row outbox, header
+    /// A table message built whole (a ROW_DONE, a replica's or table
+    /// copy's): bytes `at .. at + len` of the shard's row outbox, header
     /// first.
     Row { at: u32, len: u32, to: A },
+    /// A table answer with rows (ROW_RESULT, ROW_PULL_RESULT): bytes
+    /// `at .. at + len` of the shard's [`AnswerBytes`], header first.
+    Answer { at: u32, len: u32, to: A },
     /// A primary slot's pending aggregate, to its backup `backup` (an
     /// index into the chunk's backups).
     Replicate {
@@ -188,9 +239,12 @@ impl<A: Copy + Eq> Shard<A> {
             Pending::PartialResult { job, slot, rack } => {
                 return [self.partial_result_transmit(job, slot, rack), None];
             }
-            Pending::Row { at, len, to } => {
+            Pending::Row { at, len, to } | Pending::Answer { at, len, to } => {
                 let (at, len) = (at as usize, len as usize);
-                let msg = self.rows_out.get(at..at + len);
+                let msg = match p {
+                    Pending::Row { .. } => self.rows_out.get(at..at + len),
+                    _ => self.answers_out.get(at..at + len),
+                };
                 debug_assert!(msg.is_some(), "a queued table answer inside the row outbox");
                 let Some(msg) = msg else { return [None, None] };
                 let (head, payload) = msg.split_at(HEADER_LEN);
@@ -317,6 +371,7 @@ impl<A: Copy + Eq> Shard<A> {
     pub fn clear_transmits(&mut self) {
         self.pending.clear();
         self.rows_out.clear();
+        self.answers_out.clear();
         self.acks_out.clear();
     }
 }

@@ -1124,6 +1124,7 @@ impl<A: Copy + Eq> Shard<A> {
             jobs,
             pending,
             rows_out,
+            answers_out,
             counters,
             ..
         } = self;
@@ -1150,6 +1151,7 @@ impl<A: Copy + Eq> Shard<A> {
         job_counters.rounds += 1;
         let mut answers = Answers {
             out: rows_out,
+            answers: answers_out,
             pending,
             counters,
             endpoints,

@@ -26,9 +26,11 @@
 //! through the table's optimizer once, in the order its id first arrived,
 //! and every rank gets its ROW_RESULTs and its ROW_DONE.
 //!
-//! The answers' bytes (header and payload) are written into
-//! `Shard::rows_out` as they are queued and sent from there; it keeps its
-//! capacity between bursts, as the pending list does.
+//! The answers' bytes (header and payload) are written as they are
+//! queued and sent from there: those with rows into `Shard::answers_out`
+//! (written over without zeroing, [`AnswerBytes`]), ROW_DONE into
+//! `Shard::rows_out`; both keep their capacity between bursts, as the
+//! pending list does.
 
 use phub_proto::row_ops::{add_row, copy_row, extend_row};
 use phub_proto::rows::{
@@ -40,7 +42,7 @@ use phub_proto::wire::{flags, DropReason, Header, MsgType, Repr, APPLIANCE_RANK,
 
 use crate::counters::ShardCounters;
 
-use super::outbox::Pending;
+use super::outbox::{AnswerBytes, Pending};
 use super::replica::Replica;
 use super::row_replica;
 use super::table::{IdCache, PushIds, RowBatch, Table, TableRounds, TableStore};
@@ -51,6 +53,8 @@ use super::{Job, Shard, Verdict};
 /// answer of the table shares.
 pub(super) struct Answers<'a, A> {
     pub(super) out: &'a mut Vec<u8>,
+    /// Where answers with rows are written.
+    pub(super) answers: &'a mut AnswerBytes,
     pub(super) pending: &'a mut Vec<Pending<A>>,
     pub(super) counters: &'a ShardCounters,
     pub(super) endpoints: &'a [Option<A>],
@@ -157,10 +161,12 @@ impl<A: Copy> Answers<'_, A> {
         // HEADER_LEN bytes, then ids or a prefix, 4-byte multiples) fall on
         // a 4-byte boundary of the outbox, so that f32 rows are read
         // straight into it (the bytes between answers are never sent).
-        let at = (self.out.len() + HEADER_LEN).next_multiple_of(4) - HEADER_LEN;
-        self.out.resize(at + HEADER_LEN + len, 0);
-        let msg = &mut self.out[at..];
+        let at = (self.answers.len() + HEADER_LEN).next_multiple_of(4) - HEADER_LEN;
+        let msg = self.answers.room(at, HEADER_LEN + len);
         let (head, mut payload) = msg.split_at_mut(HEADER_LEN);
+        // The room holds an earlier burst's bytes: `emit` writes every
+        // byte of the header (its preamble zeroes the fields a table
+        // answer leaves), and the payload is written whole below.
         let mut h = Header::new_unchecked(head);
         repr.emit(&mut h);
         h.set_rx_share(self.share);
@@ -193,7 +199,14 @@ impl<A: Copy> Answers<'_, A> {
                 phub_proto::dtype::encode(dtype, rows, row_bytes);
             }
         }
-        self.queue(at, addr);
+        self.counters.results_sent.inc();
+        // Cast: the outbox holds a burst's answers, far below 4 GiB.
+        #[allow(clippy::cast_possible_truncation)]
+        self.pending.push(Pending::Answer {
+            at: at as u32,
+            len: (HEADER_LEN + len) as u32,
+            to: addr,
+        });
         true
     }
 
@@ -369,6 +382,7 @@ impl<A: Copy + Eq> Shard<A> {
                     jobs,
                     pending,
                     rows_out,
+                    answers_out,
                     counters,
                     ..
                 } = self;
@@ -390,6 +404,7 @@ impl<A: Copy + Eq> Shard<A> {
                 let resolved = resolve(&mut cache, &repr, payload);
                 let mut answers = Answers {
                     out: rows_out,
+                    answers: answers_out,
                     pending,
                     counters,
                     endpoints,

@@ -180,9 +180,12 @@ impl RowBatch {
     /// call (their length was checked when the message was parsed).
     pub(super) fn decode_grads(&mut self, rows: &phub_proto::rows::Rows<'_>, dim: usize) {
         self.grads.clear();
-        self.grads.resize(rows.len() * dim, 0.0);
-        let decoded = rows.decode_all(&mut self.grads);
-        debug_assert!(decoded, "parse() checked the rows' length");
+        rows.decode_extend(&mut self.grads);
+        debug_assert_eq!(
+            self.grads.len(),
+            rows.len() * dim,
+            "parse() checked the rows' length"
+        );
     }
 }
 

@@ -644,6 +644,39 @@ fn a_pull_reads_initial_values_then_completed_rounds() {
     assert_eq!(reference.rows_of(&ids[2..]), reference0.rows_of(&ids[2..]));
 }
 
+/// Each datagram the shard would send, header and payload, in order.
+fn drain_bytes(s: &mut Shard<u32>) -> Vec<Vec<u8>> {
+    let out = s
+        .transmits()
+        .map(|t| [&t.header[..], t.payload].concat())
+        .collect();
+    s.clear_transmits();
+    out
+}
+
+/// An answer is written over the bytes an earlier burst's answers left
+/// (not zeroed first): every byte it sends is its own, the same bytes a
+/// fresh shard sends.
+#[test]
+fn an_answer_over_an_earlier_bursts_bytes_is_a_fresh_shards() {
+    let (mut used, mut fresh) = (shard(2, Consistency::Sync), shard(2, Consistency::Sync));
+    let many = ids_on(0, 40);
+    assert_eq!(used.handle(addr(0), &pull(0, 1, &many), 0), Verdict::Pulled);
+    let first = drain_bytes(&mut used);
+    assert_eq!(first.len(), 1);
+    assert!(first[0].len() > HEADER_LEN + 40 * 8, "{} bytes", first[0].len());
+    // Two answers: the second one's header falls where the first burst's
+    // ids and rows were.
+    let (few, other) = (&many[7..11], &many[20..23]);
+    for s in [&mut used, &mut fresh] {
+        assert_eq!(s.handle(addr(1), &pull(1, 9, few), 0), Verdict::Pulled);
+        assert_eq!(s.handle(addr(1), &pull(1, 10, other), 0), Verdict::Pulled);
+    }
+    let (again, want) = (drain_bytes(&mut used), drain_bytes(&mut fresh));
+    assert_eq!(want.len(), 2);
+    assert_eq!(again, want);
+}
+
 /// Every check of §10.3 step (4) and the table reasons 25 to 28, each with
 /// its ERROR; a message with one misplaced id is dropped whole.
 #[test]
