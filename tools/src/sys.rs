@@ -82,6 +82,27 @@ pub fn steal_ticks() -> Option<u64> {
     cpu.split_whitespace().nth(8)?.parse().ok()
 }
 
+/// CPU seconds every process of the machine has run so far: the `cpu`
+/// line of `/proc/stat`, user, nice, system, irq and softirq (not idle,
+/// iowait or steal); `None` where there is no such file.
+pub fn busy_seconds() -> Option<f64> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_busy_ticks(&stat).map(|t| t as f64 / clock_ticks())
+}
+
+/// user + nice + system + irq + softirq in ticks from `/proc/stat`'s
+/// `cpu` line (guest time is within user already).
+pub fn parse_busy_ticks(stat: &str) -> Option<u64> {
+    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
+    let v: Vec<u64> = cpu
+        .split_whitespace()
+        .skip(1)
+        .map(|x| x.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal ...
+    Some(v.first()? + v.get(1)? + v.get(2)? + v.get(5)? + v.get(6)?)
+}
+
 /// CPU seconds (user + system) process `pid` has used so far, from
 /// `/proc/PID/stat`; `None` if it cannot be read (gone, or not Linux).
 pub fn cpu_seconds(pid: u32) -> Option<f64> {
@@ -156,5 +177,14 @@ mod tests {
         assert_eq!(parse_stat_cpu(line), Some(325));
         assert_eq!(parse_stat_cpu("garbage"), None);
         assert!(cpu_seconds(std::process::id()).is_some());
+    }
+
+    #[test]
+    fn busy_ticks_leave_idle_iowait_and_steal_out() {
+        let stat = "cpu  100 2 30 5000 40 5 6 700 0 0\ncpu0 50 1 15 2500 20 2 3 350 0 0\n";
+        assert_eq!(parse_busy_ticks(stat), Some(100 + 2 + 30 + 5 + 6));
+        assert_eq!(parse_busy_ticks("cpu0 1 2 3\n"), None);
+        assert_eq!(parse_busy_ticks("cpu  1 2\n"), None);
+        assert!(busy_seconds().is_some());
     }
 }

@@ -187,6 +187,11 @@ fn sparse_local_pushes_rows_end_to_end_and_writes_the_json() {
         assert!(at("median") <= at("p90") && at("p90") <= at("p99"), "{who}: {v}");
     }
     assert!(num(&v, "round_ms_p99") <= num(&v, "round_ms_max"), "{v}");
+    // The machine's CPU a row, both sides: read from /proc/stat (in ticks
+    // of 10 ms: five short steps may not see one).
+    for k in ["cpu_us_per_row", "baseline_cpu_us_per_row"] {
+        assert!(v[k].as_f64().is_some_and(|x| x >= 0.0), "{k} = {}", v[k]);
+    }
     let stored = v["rows_stored"].as_u64().unwrap();
     assert!((64..=1000).contains(&stored), "rows stored: {stored}");
     // The dataplane's memory, and the job's charge: its table at the cap

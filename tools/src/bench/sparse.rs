@@ -773,6 +773,15 @@ pub struct SparseLocalReport {
     pub baseline_round_ms_p99: Option<f64>,
     /// `row_updates_per_s / baseline_row_updates_per_s`.
     pub speedup_vs_baseline: Option<f64>,
+    /// The machine's busy CPU time per row pushed (or pulled) in the timed
+    /// steps, microseconds: every process's (appliance, control, ranks),
+    /// steal left out (`/proc/stat`), from when the last rank began its
+    /// timed steps to when the last one ended. Less moved by how this
+    /// shared VM schedules the run's threads than the rates are: compare
+    /// builds by it too.
+    pub cpu_us_per_row: Option<f64>,
+    /// The baseline's `cpu_us_per_row` (server and ranks), same run.
+    pub baseline_cpu_us_per_row: Option<f64>,
     /// `--verify`: whether every rank's rows, every step, were the
     /// reference's (null without it).
     pub verified: Option<bool>,
@@ -1072,6 +1081,11 @@ struct RankFigures {
     /// `--verify`: per step (untimed ones first), a hash of the rows read
     /// back.
     digests: Vec<u64>,
+    /// The machine's busy CPU seconds ([`crate::sys::busy_seconds`]: every
+    /// process, steal left out) from the moment the last rank began its
+    /// timed steps to the moment the last one ended: the same in every
+    /// rank's figures. `None` where `/proc/stat` is not read.
+    machine_busy_s: Option<f64>,
 }
 
 /// Rank `r`'s ids, every step's (`--steps` + 3) `--batch` distinct ones in
@@ -1314,6 +1328,8 @@ fn drive(
     } else {
         "joining"
     });
+    // The machine's busy time when the last rank began its timed steps.
+    let (begun, busy0) = (std::sync::atomic::AtomicU16::new(0), std::sync::OnceLock::new());
     let figures = in_threads(0..args.workers, "a worker", |_, r| -> Result<RankFigures> {
         // Every step's ids, drawn before the timing (a Zipf
         // draw is a pow(), which took a sixth of the CPU when
@@ -1338,6 +1354,11 @@ fn drive(
         for (step, ids) in all.chunks_exact(k).enumerate() {
             if step == 3 {
                 before = push(&[], &[], &mut [])?;
+                if begun.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1 == args.workers {
+                    if let Some(b) = crate::sys::busy_seconds() {
+                        let _ = busy0.set(b);
+                    }
+                }
                 t0 = Instant::now();
             }
             let t = Instant::now();
@@ -1368,10 +1389,22 @@ fn drive(
             saved: after[2] - before[2],
             prefixes: after[3] - before[3],
             digests,
+            machine_busy_s: None,
         })
     });
     bar.finish_and_clear();
-    figures.into_iter().collect()
+    let busy = busy0
+        .get()
+        .and_then(|b0| crate::sys::busy_seconds().map(|b1| b1 - b0));
+    figures
+        .into_iter()
+        .map(|f| {
+            f.map(|f| RankFigures {
+                machine_busy_s: busy,
+                ..f
+            })
+        })
+        .collect()
 }
 
 /// What the ranks did where the job ran, and what control said of it.
@@ -1848,6 +1881,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     } = times0(&ranks);
     let base_times = base.as_deref().map(times0);
     let base_rate = base.as_deref().map(rate);
+    let cpu_per_row = |ranks: &[RankFigures]| ranks.first()?.machine_busy_s.map(|s| s * 1e6 / rows_moved);
     let report = SparseLocalReport {
         workers: args.workers,
         consistency: args.consistency.to_string(),
@@ -1886,6 +1920,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         baseline_round_ms_p90: base_times.as_ref().map(|b| b.p90),
         baseline_round_ms_p99: base_times.as_ref().map(|b| b.p99),
         speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
+        cpu_us_per_row: cpu_per_row(&ranks),
+        baseline_cpu_us_per_row: base.as_deref().and_then(cpu_per_row),
         verified,
         fixed_ids: args.fixed_ids || args.cache_ids,
         cache_ids: args.cache_ids,
@@ -1914,7 +1950,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.steps
     );
     println!(
-        "  {} {:.3e}   step median {:.2} ms, p90 {:.2}, p99 {:.2}, max {:.2}",
+        "  {} {:.3e}   step median {:.2} ms, p90 {:.2}, p99 {:.2}, max {:.2}   machine CPU {:.3} us a row",
         if report.pull_only {
             "row lookups/s (pulls only)"
         } else {
@@ -1924,7 +1960,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         report.round_ms_median,
         report.round_ms_p90,
         report.round_ms_p99,
-        report.round_ms_max
+        report.round_ms_max,
+        report.cpu_us_per_row.unwrap_or(f64::NAN)
     );
     println!(
         "  {:.1} wire bytes per row   {} rows stored ({} row blocks made on the lcores)   {} table messages resent",
@@ -2041,10 +2078,11 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     if let (Some(b), Some(x)) = (report.baseline_row_updates_per_s, report.speedup_vs_baseline) {
         println!(
             "  tcp-ps (a TCP row server, each push applied at once): row updates/s {b:.3e}, step median {:.2} ms, \
-             p90 {:.2}, p99 {:.2}; phub/tcp-ps {x:.2}x",
+             p90 {:.2}, p99 {:.2}, machine CPU {:.3} us a row; phub/tcp-ps {x:.2}x",
             report.baseline_round_ms_median.unwrap_or(f64::NAN),
             report.baseline_round_ms_p90.unwrap_or(f64::NAN),
-            report.baseline_round_ms_p99.unwrap_or(f64::NAN)
+            report.baseline_round_ms_p99.unwrap_or(f64::NAN),
+            report.baseline_cpu_us_per_row.unwrap_or(f64::NAN)
         );
     }
     if let Some(v) = report.verified {
