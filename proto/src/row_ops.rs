@@ -16,35 +16,14 @@
 /// inlined (2 to 128, powers of two), else runs `$other`.
 macro_rules! by_width {
     ($len:expr, $n:ident => $body:expr, _ => $other:expr) => {
+        by_width!(@arms $len, $n, $body, $other; 2, 4, 8, 16, 32, 64, 128)
+    };
+    (@arms $len:expr, $n:ident, $body:expr, $other:expr; $($w:literal),*) => {
         match $len {
-            2 => {
-                const $n: usize = 2;
+            $($w => {
+                const $n: usize = $w;
                 $body
-            }
-            4 => {
-                const $n: usize = 4;
-                $body
-            }
-            8 => {
-                const $n: usize = 8;
-                $body
-            }
-            16 => {
-                const $n: usize = 16;
-                $body
-            }
-            32 => {
-                const $n: usize = 32;
-                $body
-            }
-            64 => {
-                const $n: usize = 64;
-                $body
-            }
-            128 => {
-                const $n: usize = 128;
-                $body
-            }
+            })*
             _ => $other,
         }
     };

@@ -378,18 +378,18 @@ impl Digits {
     /// entry's ids in order.
     #[inline]
     fn hi(&self, entry: u32, id: u64) -> usize {
-        ((entry as usize) << self.hi_bits) | self.field(id, self.width - self.hi_bits, self.hi_bits)
+        ((entry as usize) << self.hi_bits) | Self::field(id, self.width - self.hi_bits, self.hi_bits)
     }
 
     /// The low digit of `id`.
     #[inline]
     fn lo(&self, id: u64) -> usize {
-        self.field(id, self.width - self.hi_bits - self.lo_bits, self.lo_bits)
+        Self::field(id, self.width - self.hi_bits - self.lo_bits, self.lo_bits)
     }
 
     /// `bits` bits of `id` from bit `at` up.
     #[inline]
-    fn field(&self, id: u64, at: u32, bits: u32) -> usize {
+    fn field(id: u64, at: u32, bits: u32) -> usize {
         if bits == 0 {
             return 0;
         }
