@@ -2158,6 +2158,7 @@ mod tests {
             saved: 0,
             prefixes: 0,
             digests: Vec::new(),
+            machine_busy_s: None,
         };
         let u = under_load_figures((c, t0 + ms(25), t0 + ms(52)), &[rank]);
         // 20 (20..32), 30, 40 and 50 overlap; 10 ends at 21 ms.
@@ -2221,6 +2222,7 @@ mod tests {
                     digests: (0..5)
                         .map(|s| want[s][r] ^ u64::from(flip == Some((r, s))))
                         .collect(),
+                    machine_busy_s: None,
                 })
                 .collect()
         };
