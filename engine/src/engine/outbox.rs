@@ -12,11 +12,11 @@ use super::replica::Replica;
 use super::slot::{RankSet, Slot};
 use super::{Job, Shard};
 
-/// The bytes of the queued table answers with rows ([`Pending::Answer`]):
+/// The bytes of the queued table answers ([`Pending::Answer`]):
 /// `buf[..len]` is queued; the bytes past it were written by earlier
 /// bursts and are written over without being zeroed again (a table
-/// answer's writer writes every byte it sends: the header zeroed and
-/// set, the ids, the rows). Zeroed as the writers asked for room, they
+/// answer's writer writes every byte it sends: the header, whose
+/// preamble zeroes the fields an answer leaves, the ids, the rows). Zeroed as the writers asked for room, they
 /// were 2% of a BSP table run's CPU (`perf`, BENCHMARKS.md). Keeps its
 /// room between bursts, as the pending list does.
 #[derive(Debug, Default)]
@@ -93,11 +93,10 @@ pub(super) enum Pending<A> {
     Partial { job: u16, slot: u32, attempt: Attempt },
     /// A home slot's stored result, to rack `rack`'s slot of the chunk.
     PartialResult { job: u16, slot: u32, rack: u16 },
-    /// A table message built whole (a ROW_DONE, a replica's or table
-    /// copy's): bytes `at .. at + len` of the shard's row outbox, header
-    /// first.
+    /// A table message built whole (a replica's or a table copy's): bytes
+    /// `at .. at + len` of the shard's row outbox, header first.
     Row { at: u32, len: u32, to: A },
-    /// A table answer with rows (ROW_RESULT, ROW_PULL_RESULT): bytes
+    /// A table answer (ROW_RESULT, ROW_DONE, ROW_PULL_RESULT): bytes
     /// `at .. at + len` of the shard's [`AnswerBytes`], header first.
     Answer { at: u32, len: u32, to: A },
     /// A primary slot's pending aggregate, to its backup `backup` (an
@@ -239,24 +238,8 @@ impl<A: Copy + Eq> Shard<A> {
             Pending::PartialResult { job, slot, rack } => {
                 return [self.partial_result_transmit(job, slot, rack), None];
             }
-            Pending::Row { at, len, to } | Pending::Answer { at, len, to } => {
-                let (at, len) = (at as usize, len as usize);
-                let msg = match p {
-                    Pending::Row { .. } => self.rows_out.get(at..at + len),
-                    _ => self.answers_out.get(at..at + len),
-                };
-                debug_assert!(msg.is_some(), "a queued table answer inside the row outbox");
-                let Some(msg) = msg else { return [None, None] };
-                let (head, payload) = msg.split_at(HEADER_LEN);
-                let mut header = [0u8; HEADER_LEN];
-                header.copy_from_slice(head);
-                let t = Transmit {
-                    header,
-                    payload,
-                    to: Ranks::new(&[], None, Some(to)),
-                };
-                return [Some(t), None];
-            }
+            Pending::Row { at, len, to } => return [whole(self.rows_out.get(span(at, len)), to), None],
+            Pending::Answer { at, len, to } => return [whole(self.answers_out.get(span(at, len)), to), None],
             Pending::Replicate {
                 job,
                 slot,
@@ -374,6 +357,25 @@ impl<A: Copy + Eq> Shard<A> {
         self.answers_out.clear();
         self.acks_out.clear();
     }
+}
+
+/// Bytes `at .. at + len`.
+fn span(at: u32, len: u32) -> std::ops::Range<usize> {
+    at as usize..at as usize + len as usize
+}
+
+/// The transmit of a message queued whole in a row outbox (`msg`: its
+/// bytes, header first), to `to`.
+fn whole<A: Copy>(msg: Option<&[u8]>, to: A) -> Option<Transmit<'_, Ranks<'_, A>>> {
+    debug_assert!(msg.is_some(), "a queued table message inside its outbox");
+    let (head, payload) = msg?.split_at(HEADER_LEN);
+    let mut header = [0u8; HEADER_LEN];
+    header.copy_from_slice(head);
+    Some(Transmit {
+        header,
+        payload,
+        to: Ranks::new(&[], None, Some(to)),
+    })
 }
 
 /// The header of the appliance's answer of `kind` (RESULT, PARTIAL_RESULT)

@@ -26,11 +26,10 @@
 //! through the table's optimizer once, in the order its id first arrived,
 //! and every rank gets its ROW_RESULTs and its ROW_DONE.
 //!
-//! The answers' bytes (header and payload) are written as they are
-//! queued and sent from there: those with rows into `Shard::answers_out`
-//! (written over without zeroing, [`AnswerBytes`]), ROW_DONE into
-//! `Shard::rows_out`; both keep their capacity between bursts, as the
-//! pending list does.
+//! The answers' bytes (header and payload) are written into
+//! `Shard::answers_out` as they are queued (written over without zeroing,
+//! [`AnswerBytes`]) and sent from there; it keeps its capacity between
+//! bursts, as the pending list does.
 
 use phub_proto::row_ops::{add_row, copy_row, extend_row};
 use phub_proto::rows::{
@@ -52,8 +51,10 @@ use super::{Job, Shard, Verdict};
 /// the pending list, the job's endpoints and the header fields every
 /// answer of the table shares.
 pub(super) struct Answers<'a, A> {
+    /// The row outbox, where a replicated round's messages to its backups
+    /// are written (`row_replica::begin`).
     pub(super) out: &'a mut Vec<u8>,
-    /// Where answers with rows are written.
+    /// Where the answers are written.
     pub(super) answers: &'a mut AnswerBytes,
     pub(super) pending: &'a mut Vec<Pending<A>>,
     pub(super) counters: &'a ShardCounters,
@@ -199,14 +200,7 @@ impl<A: Copy> Answers<'_, A> {
                 phub_proto::dtype::encode(dtype, rows, row_bytes);
             }
         }
-        self.counters.results_sent.inc();
-        // Cast: the outbox holds a burst's answers, far below 4 GiB.
-        #[allow(clippy::cast_possible_truncation)]
-        self.pending.push(Pending::Answer {
-            at: at as u32,
-            len: (HEADER_LEN + len) as u32,
-            to: addr,
-        });
+        self.queue(at, HEADER_LEN + len, addr);
         true
     }
 
@@ -222,23 +216,26 @@ impl<A: Copy> Answers<'_, A> {
             seq: u32::from(n),
             ..self.head
         };
-        let at = self.out.len();
-        self.out.resize(at + HEADER_LEN, 0);
-        let mut h = Header::new_unchecked(&mut self.out[at..]);
+        let at = self.answers.len();
+        // `emit` writes every byte of the header (as for the answers with
+        // rows: the room holds an earlier burst's bytes).
+        let mut h = Header::new_unchecked(self.answers.room(at, HEADER_LEN));
         repr.emit(&mut h);
         h.set_rx_share(self.share);
         h.set_entry(self.entry);
         h.set_epoch(self.epoch);
-        self.queue(at, to);
+        self.queue(at, HEADER_LEN, to);
     }
 
-    fn queue(&mut self, at: usize, to: A) {
+    /// Queues the answer written at bytes `at .. at + len` of the answer
+    /// outbox, to `to`.
+    fn queue(&mut self, at: usize, len: usize, to: A) {
         self.counters.results_sent.inc();
         // Cast: the outbox holds a burst's answers, far below 4 GiB.
         #[allow(clippy::cast_possible_truncation)]
-        self.pending.push(Pending::Row {
+        self.pending.push(Pending::Answer {
             at: at as u32,
-            len: (self.out.len() - at) as u32,
+            len: len as u32,
             to,
         });
     }
