@@ -17,6 +17,8 @@ use std::ptr::NonNull;
 
 /// The huge page size asked for.
 pub(crate) const HUGE: usize = 2 << 20;
+/// The base page size.
+const PAGE: usize = 4096;
 
 /// `len` zeroed `T`s (module head); freed when dropped.
 pub(crate) struct Zeroed<T> {
@@ -42,7 +44,7 @@ impl<T: bytemuck::Pod> Zeroed<T> {
             });
         }
         assert!(
-            std::mem::align_of::<T>() <= 4096,
+            std::mem::align_of::<T>() <= PAGE,
             "a page-aligned mapping aligns T"
         );
         let map = mapped_bytes(bytes)?;
@@ -109,7 +111,7 @@ impl<T: bytemuck::Pod> Zeroed<T> {
         let r = unsafe { libc::madvise(self.ptr.as_ptr().cast(), bytes, libc::MADV_POPULATE_WRITE) };
         if r != 0 {
             let bytes = bytemuck::cast_slice_mut::<T, u8>(self);
-            for at in (0..bytes.len()).step_by(4096) {
+            for at in (0..bytes.len()).step_by(PAGE) {
                 bytes[at] = 0;
             }
         }
@@ -120,11 +122,10 @@ impl<T: bytemuck::Pod> Zeroed<T> {
 /// huge pages from 2 MiB up (so that a block of nearly 2 MiB still gets
 /// one).
 fn mapped_bytes(bytes: usize) -> Option<usize> {
-    let page = 4096;
     if bytes >= HUGE - HUGE / 8 {
         bytes.checked_next_multiple_of(HUGE)
     } else {
-        bytes.checked_next_multiple_of(page)
+        bytes.checked_next_multiple_of(PAGE)
     }
 }
 
@@ -171,7 +172,7 @@ mod tests {
     /// Pages of `z` resident now (`mincore`).
     fn resident(z: &Zeroed<u64>) -> usize {
         let bytes = z.len() * 8;
-        let mut vec = vec![0u8; bytes.div_ceil(4096)];
+        let mut vec = vec![0u8; bytes.div_ceil(PAGE)];
         // SAFETY: the range is z's mapping, page-aligned at its start;
         // `vec` has a byte per page of it.
         let r = unsafe { libc::mincore(z.as_ptr() as *mut libc::c_void, bytes, vec.as_mut_ptr()) };
@@ -186,7 +187,7 @@ mod tests {
         let mut z = Zeroed::<u64>::new(1 << 18).unwrap();
         assert_eq!(resident(&z), 0);
         z.populate();
-        assert_eq!(resident(&z), (1usize << 21) / 4096);
+        assert_eq!(resident(&z), (1usize << 21) / PAGE);
         assert!(z.iter().all(|&w| w == 0));
     }
 
