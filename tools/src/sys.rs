@@ -78,8 +78,14 @@ pub fn commit() -> String {
 /// in ticks; `None` where there is no such file.
 pub fn steal_ticks() -> Option<u64> {
     let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    cpu_ticks(&stat)?.get(7).copied()
+}
+
+/// The values of `/proc/stat`'s `cpu` line (all CPUs), in ticks: user,
+/// nice, system, idle, iowait, irq, softirq, steal, ...
+fn cpu_ticks(stat: &str) -> Option<Vec<u64>> {
     let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
-    cpu.split_whitespace().nth(8)?.parse().ok()
+    cpu.split_whitespace().skip(1).map(|x| x.parse().ok()).collect()
 }
 
 /// CPU seconds every process of the machine has run so far: the `cpu`
@@ -93,13 +99,7 @@ pub fn busy_seconds() -> Option<f64> {
 /// user + nice + system + irq + softirq in ticks from `/proc/stat`'s
 /// `cpu` line (guest time is within user already).
 pub fn parse_busy_ticks(stat: &str) -> Option<u64> {
-    let cpu = stat.lines().find(|l| l.starts_with("cpu "))?;
-    let v: Vec<u64> = cpu
-        .split_whitespace()
-        .skip(1)
-        .map(|x| x.parse().ok())
-        .collect::<Option<_>>()?;
-    // user nice system idle iowait irq softirq steal ...
+    let v = cpu_ticks(stat)?;
     Some(v.first()? + v.get(1)? + v.get(2)? + v.get(5)? + v.get(6)?)
 }
 

@@ -1081,10 +1081,15 @@ struct RankFigures {
     /// `--verify`: per step (untimed ones first), a hash of the rows read
     /// back.
     digests: Vec<u64>,
+}
+
+/// What [`drive`]'s ranks did.
+struct Driven {
+    ranks: Vec<RankFigures>,
     /// The machine's busy CPU seconds ([`crate::sys::busy_seconds`]: every
     /// process, steal left out) from the moment the last rank began its
-    /// timed steps to the moment the last one ended: the same in every
-    /// rank's figures. `None` where `/proc/stat` is not read.
+    /// timed steps to the moment the last one ended; `None` where
+    /// `/proc/stat` is not read.
     machine_busy_s: Option<f64>,
 }
 
@@ -1162,9 +1167,7 @@ fn dense_pulls(args: &SparseArgs, url: &str, token: Option<&str>) -> Result<f64>
     Ok(step_times(&rank0).median)
 }
 
-/// A rank's timed steps (at least one: `run_local` refuses `--steps 0`):
-/// their upper median and their longest, ms.
-/// Rank 0's step times: median, 90th and 99th percentiles (nearest
+/// A rank's step times: upper median, 90th and 99th percentiles (nearest
 /// rank, [`crate::stats::percentile`]), largest, ms.
 struct StepTimes {
     median: f64,
@@ -1173,6 +1176,8 @@ struct StepTimes {
     max: f64,
 }
 
+/// [`StepTimes`] of a rank's timed steps (at least one: `run_local`
+/// refuses `--steps 0`).
 fn step_times(steps_ms: &[f64]) -> StepTimes {
     let mut v = steps_ms.to_vec();
     v.sort_by(f64::total_cmp);
@@ -1310,7 +1315,7 @@ fn drive(
     grads: &[f32],
     stepped: &(dyn Fn(u32, f64) + Sync),
     connect: impl Fn(u16) -> Result<Pusher> + Sync,
-) -> Result<Vec<RankFigures>> {
+) -> Result<Driven> {
     let (d, k) = (args.dim as usize, args.batch);
     // Every rank's steps, untimed ones included (hidden by --quiet, and
     // where stderr is no terminal).
@@ -1389,27 +1394,20 @@ fn drive(
             saved: after[2] - before[2],
             prefixes: after[3] - before[3],
             digests,
-            machine_busy_s: None,
         })
     });
     bar.finish_and_clear();
-    let busy = busy0
-        .get()
-        .and_then(|b0| crate::sys::busy_seconds().map(|b1| b1 - b0));
-    figures
-        .into_iter()
-        .map(|f| {
-            f.map(|f| RankFigures {
-                machine_busy_s: busy,
-                ..f
-            })
-        })
-        .collect()
+    Ok(Driven {
+        ranks: figures.into_iter().collect::<Result<_>>()?,
+        machine_busy_s: busy0
+            .get()
+            .and_then(|b0| crate::sys::busy_seconds().map(|b1| b1 - b0)),
+    })
 }
 
 /// What the ranks did where the job ran, and what control said of it.
 struct Ran {
-    ranks: Vec<RankFigures>,
+    ranks: Driven,
     detail: phub_proto::api::JobDetail,
     checkpoint_under_load: Option<UnderLoad>,
     checkpoints: Vec<LocalCheckpoint>,
@@ -1512,7 +1510,7 @@ fn on_loopback(args: &SparseArgs, spec: &str, budget: u64, grads: &[f32]) -> Res
     let spin = lcore_spin(&local.control_url, token.as_deref());
     let checkpoint_under_load = match under_load {
         Some(taken) => {
-            let mut u = under_load_figures(taken?, &ranks);
+            let mut u = under_load_figures(taken?, &ranks.ranks);
             if let Some((e, b)) = kept_from_log(&local.dataplane_log()) {
                 (u.kept_index_entries, u.kept_row_bytes) = (Some(e), Some(b));
             }
@@ -1823,7 +1821,10 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         None => on_loopback(args, &spec, budget, &grads)?,
     };
     let Ran {
-        ranks,
+        ranks: Driven {
+            ranks,
+            machine_busy_s,
+        },
         detail,
         checkpoint_under_load,
         checkpoints,
@@ -1839,7 +1840,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
     let base = match args.baseline.as_deref() {
         Some(_) => {
             let server = super::tcp_rows::Server::start(d, opt)?;
-            let ranks = drive(args, &grads, &|_, _| {}, |_| {
+            let driven = drive(args, &grads, &|_, _| {}, |_| {
                 let mut c = server.connect()?;
                 Ok(Box::new(
                     move |ids: &[u64], grads: &[f32], out: &mut [f32]| -> Result<[u64; 4]> {
@@ -1850,7 +1851,7 @@ fn run_local(args: &SparseArgs) -> Result<()> {
                     },
                 ) as Pusher)
             })?;
-            Some(ranks)
+            Some(driven)
         }
         None => None,
     };
@@ -1879,9 +1880,9 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         p99,
         max,
     } = times0(&ranks);
-    let base_times = base.as_deref().map(times0);
-    let base_rate = base.as_deref().map(rate);
-    let cpu_per_row = |ranks: &[RankFigures]| ranks.first()?.machine_busy_s.map(|s| s * 1e6 / rows_moved);
+    let base_times = base.as_ref().map(|b| times0(&b.ranks));
+    let base_rate = base.as_ref().map(|b| rate(&b.ranks));
+    let cpu_per_row = |busy_s: Option<f64>| busy_s.map(|s| s * 1e6 / rows_moved);
     let report = SparseLocalReport {
         workers: args.workers,
         consistency: args.consistency.to_string(),
@@ -1920,8 +1921,8 @@ fn run_local(args: &SparseArgs) -> Result<()> {
         baseline_round_ms_p90: base_times.as_ref().map(|b| b.p90),
         baseline_round_ms_p99: base_times.as_ref().map(|b| b.p99),
         speedup_vs_baseline: base_rate.map(|b| rate(&ranks) / b),
-        cpu_us_per_row: cpu_per_row(&ranks),
-        baseline_cpu_us_per_row: base.as_deref().and_then(cpu_per_row),
+        cpu_us_per_row: cpu_per_row(machine_busy_s),
+        baseline_cpu_us_per_row: base.as_ref().and_then(|b| cpu_per_row(b.machine_busy_s)),
         verified,
         fixed_ids: args.fixed_ids || args.cache_ids,
         cache_ids: args.cache_ids,
@@ -2158,7 +2159,6 @@ mod tests {
             saved: 0,
             prefixes: 0,
             digests: Vec::new(),
-            machine_busy_s: None,
         };
         let u = under_load_figures((c, t0 + ms(25), t0 + ms(52)), &[rank]);
         // 20 (20..32), 30, 40 and 50 overlap; 10 ends at 21 ms.
@@ -2222,7 +2222,6 @@ mod tests {
                     digests: (0..5)
                         .map(|s| want[s][r] ^ u64::from(flip == Some((r, s))))
                         .collect(),
-                    machine_busy_s: None,
                 })
                 .collect()
         };
